@@ -1,0 +1,69 @@
+"""The built-in demo corpus: this Python's own standard library sources as long code documents,
+plus a sentencepiece tokenizer trained on them. Exists on every machine; built once into a cache.
+
+    python -m data.corpus        # build (or show) the cached corpus and tokenizer
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sysconfig
+
+CACHE = os.environ.get("ULYSSES_CACHE", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                     ".cache"))
+DEMO_VOCAB = 2000  # fits the tiny presets' 2048-entry embedding
+DEMO_MAX_BYTES = 6_000_000
+
+
+def demo_paths() -> tuple[str, str]:
+    d = os.path.join(CACHE, "demo")
+    return os.path.join(d, "stdlib.jsonl"), os.path.join(d, "stdlib_sp.model")
+
+
+def build_demo_corpus(max_bytes: int = DEMO_MAX_BYTES) -> tuple[str, str]:
+    """Write the stdlib JSONL and train the tokenizer if missing; return (jsonl_path, spm_model_path)."""
+    jsonl, model = demo_paths()
+    os.makedirs(os.path.dirname(jsonl), exist_ok=True)
+    if not os.path.exists(jsonl):
+        root = sysconfig.get_paths()["stdlib"]
+        files = []
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = sorted(d for d in dirnames if d not in ("test", "tests", "idlelib", "site-packages",
+                                                                  "__pycache__", "lib2to3"))
+            files += [os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py")]
+        total, tmp = 0, jsonl + ".tmp"
+        with open(tmp, "w") as out:
+            for path in files:
+                with open(path, encoding="utf-8", errors="replace") as fh:
+                    text = fh.read()
+                if len(text) < 2000:
+                    continue
+                out.write(json.dumps({"text": text, "source": os.path.relpath(path, root)}) + "\n")
+                total += len(text)
+                if total >= max_bytes:
+                    break
+        os.replace(tmp, jsonl)
+    if not os.path.exists(model):
+        import sentencepiece as spm
+
+        def lines():
+            with open(jsonl) as fh:
+                for line in fh:
+                    yield from (x for x in json.loads(line)["text"].splitlines() if x.strip())
+
+        prefix = model[: -len(".model")] + ".tmp"
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=lines(), model_prefix=prefix, vocab_size=DEMO_VOCAB, model_type="bpe",
+            byte_fallback=True, split_digits=True, remove_extra_whitespaces=False,
+            input_sentence_size=300_000, shuffle_input_sentence=False, num_threads=2,
+            pad_id=0, unk_id=1, bos_id=2, eos_id=3, user_defined_symbols=["\n", "    "],
+            minloglevel=2,
+        )
+        os.replace(prefix + ".vocab", model[: -len(".model")] + ".vocab")
+        os.replace(prefix + ".model", model)
+    return jsonl, model
+
+
+if __name__ == "__main__":
+    print(*build_demo_corpus(), sep="\n")

@@ -1,0 +1,42 @@
+"""Tokenizers behind one small interface: a sentencepiece `.model` file or a Hugging Face tokenizer folder."""
+
+from __future__ import annotations
+
+import os
+
+
+class Tokenizer:
+    """`encode(text) -> list[int]`, `vocab_size`, `eos_id`, `pad_id`, `decode(ids)`."""
+
+    def __init__(self, path: str):
+        if not os.path.exists(path):
+            raise ValueError(f"--tokenizer_name_or_path {path}: no such file or folder "
+                             "(a sentencepiece .model file or a Hugging Face tokenizer folder)")
+        self.path = path
+        if os.path.isfile(path):
+            import sentencepiece as spm
+
+            self._sp = spm.SentencePieceProcessor(model_file=path)
+            self.vocab_size = self._sp.get_piece_size()
+            self.eos_id = self._sp.eos_id()
+            pad = self._sp.pad_id()
+            self.pad_id = pad if pad >= 0 else self.eos_id
+            self._encode = lambda t: self._sp.encode(t)
+            self._decode = lambda ids: self._sp.decode(ids)
+        else:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(path)
+            self.vocab_size = len(tok)
+            self.eos_id = tok.eos_token_id
+            self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else self.eos_id
+            self._encode = lambda t: tok(t, add_special_tokens=False)["input_ids"]
+            self._decode = lambda ids: tok.decode(ids)
+        if self.eos_id is None or self.eos_id < 0:
+            raise ValueError(f"tokenizer {path} has no end-of-sequence token; documents cannot be separated")
+
+    def encode(self, text: str) -> list[int]:
+        return self._encode(text)
+
+    def decode(self, ids) -> str:
+        return self._decode(list(ids))

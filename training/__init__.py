@@ -1,0 +1,1 @@
+"""The training machinery: config tree, parallel layout, DeepSpeed config, step, checkpoints, stages, metrics."""

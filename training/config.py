@@ -1,0 +1,182 @@
+"""One typed config tree for a run: defaults < `--config recipe.yaml` < command-line flags.
+
+Every field is documented here; flag names follow the Hugging Face Trainer habits
+(`--per_device_train_batch_size`, `--gradient_accumulation_steps`, ...). Unknown keys are an error.
+The validated tree is saved with every checkpoint (`asdict`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field
+
+import yaml
+
+
+@dataclass
+class StageConfig:
+    """One stage of a context-extension curriculum (fields left None inherit the run's values)."""
+
+    name: str = ""
+    max_seq_length: int | None = None  # tokens per sample in this stage
+    sequence_parallel_size: int | None = None  # SP degree of this stage (may grow stage to stage)
+    rope: dict | None = None  # transformers `rope_parameters` for this stage (rope_type, rope_theta, factor, ...)
+    learning_rate: float | None = None  # peak LR, re-warmed at the start of the stage
+    min_lr: float | None = None  # LR at the end of the decay
+    warmup_steps: int | None = None
+    lr_scheduler: str | None = None  # cosine | linear | constant
+    max_steps: int | None = None  # stage length in optimizer steps ...
+    max_tokens: int | None = None  # ... or in tokens (whole world); one of the two
+    reset_optimizer: bool = False  # False: carry Adam moments across the transition
+    deepspeed_overrides: dict = field(default_factory=dict)  # merged into the DeepSpeed JSON for this stage
+    eval: dict = field(default_factory=dict)  # e.g. {passkey_trials: 4, depths: [0.1, 0.5, 0.9], heldout_samples: 2}
+
+
+@dataclass
+class Config:
+    # --- model ---
+    model_name_or_path: str = "tiny-llama"  # local HF folder (config.json + safetensors) or a preset name
+    tokenizer_name_or_path: str | None = None  # sentencepiece .model or HF tokenizer folder; None: demo tokenizer
+    attn_implementation: str = "auto"  # auto | sdpa | flash_attention_2 (auto: FA2 on GPU when installed)
+    rope: dict | None = None  # rope_parameters override for a single-stage run
+    # --- data ---
+    dataset_path: str | None = None  # JSONL file or folder of them; None: the built-in demo corpus
+    max_seq_length: int = 2048  # tokens per packed sample (padded up to a multiple of SP)
+    reset_position_ids: str = "auto"  # auto | yes | no: restart position ids at document starts (auto: FA2 only)
+    # --- parallelism and batch ---
+    sequence_parallel_size: int = 1  # Ulysses SP degree; world = sp x dp
+    per_device_train_batch_size: int = 1  # samples per SP group per micro-step
+    gradient_accumulation_steps: int = 1
+    # --- optimisation ---
+    learning_rate: float = 2e-5
+    min_lr: float = 0.0
+    warmup_steps: int = 0
+    lr_scheduler: str = "cosine"  # cosine | linear | constant
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    max_steps: int = 100
+    seed: int = 0
+    bf16: bool | None = None  # None: bf16 on GPU, fp32 on CPU
+    deepspeed: str = "ds_configs/zero3_offload.json"
+    # --- memory features (issue: long-sequence memory) ---
+    tiled_mlp: bool = False
+    tiled_logits: bool = False
+    gradient_checkpointing: bool = False
+    offload_activations: bool = False
+    # --- output, checkpoints, tracking ---
+    output_dir: str = "checkpoints/run"
+    save_steps: int = 0  # 0: save only at the end and on preemption
+    save_total_limit: int = 2  # never fewer than 2 kept
+    resume: str = "auto"  # auto | none | PATH
+    report_to: str = "auto"  # auto (wandb if installed) | wandb | none
+    wandb_project: str = "ulysses-longtrain"
+    progress_bar: bool = True
+    export_hf: bool = True  # write OUTPUT_DIR/hf_model at the end
+    dry_run: bool = False  # validate and print the plan, no training
+    # --- curriculum ---
+    stages: list[StageConfig] = field(default_factory=list)
+
+
+def _flag_type(tp):
+    """argparse converter for a dataclass field annotation (Optional unwrapped)."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    base = args[0] if args else tp
+    if base is dict:
+        return lambda s: yaml.safe_load(s)
+    return base
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="ulysses-longtrain: long-context training on DeepSpeed + Ulysses SP")
+    p.add_argument("--config", default=None, help="YAML recipe; command-line flags override its keys")
+    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the deepspeed launcher
+    hints = typing.get_type_hints(Config)
+    for f in dataclasses.fields(Config):
+        if f.name == "stages":
+            continue
+        tp = hints[f.name]
+        if tp in (bool, bool | None):
+            p.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
+        else:
+            p.add_argument(f"--{f.name}", type=_flag_type(tp), default=argparse.SUPPRESS)
+    return p
+
+
+def _check_keys(d: dict, cls, where: str) -> None:
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ValueError(f"unknown config key(s) {unknown} in {where}: valid keys are {sorted(known)}")
+
+
+def config_from_dict(d: dict, where: str = "config") -> Config:
+    _check_keys(d, Config, where)
+    d = dict(d)
+    stages = []
+    for i, s in enumerate(d.pop("stages", None) or []):
+        if not isinstance(s, dict):
+            raise ValueError(f"stage {i} in {where} must be a mapping, got {s!r}")
+        _check_keys(s, StageConfig, f"{where} stages[{i}]")
+        stages.append(StageConfig(**s))
+    return Config(**d, stages=stages)
+
+
+def parse_config(argv: list[str] | None = None) -> Config:
+    """Defaults < YAML recipe (`--config`) < flags. Raises ValueError on any bad key or value."""
+    ns, unknown = _build_parser().parse_known_args(argv)
+    if unknown:
+        raise ValueError(f"unknown command-line argument(s) {unknown}: see `python train.py --help`")
+    args = vars(ns)
+    args.pop("local_rank", None)
+    recipe = args.pop("config")
+    merged: dict = {}
+    if recipe:
+        if not os.path.isfile(recipe):
+            raise ValueError(f"--config {recipe}: file not found")
+        with open(recipe) as fh:
+            merged = yaml.safe_load(fh) or {}
+        if not isinstance(merged, dict):
+            raise ValueError(f"--config {recipe}: expected a mapping of keys at the top level")
+    merged.update(args)
+    cfg = config_from_dict(merged, where=recipe or "command line")
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need no process group; the parallel layout checks the rest."""
+
+    def positive(name, v):
+        if v is None or v < 1:
+            raise ValueError(f"--{name} must be >= 1, got {v}")
+
+    for name in ("max_seq_length", "sequence_parallel_size", "per_device_train_batch_size",
+                 "gradient_accumulation_steps", "max_steps"):
+        positive(name, getattr(cfg, name))
+    if cfg.learning_rate <= 0 or cfg.min_lr < 0 or cfg.min_lr > cfg.learning_rate:
+        raise ValueError(f"need 0 <= --min_lr ({cfg.min_lr}) <= --learning_rate ({cfg.learning_rate}), lr > 0")
+    if cfg.lr_scheduler not in ("cosine", "linear", "constant"):
+        raise ValueError(f"--lr_scheduler {cfg.lr_scheduler!r}: use cosine, linear or constant")
+    if cfg.attn_implementation not in ("auto", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"):
+        raise ValueError(f"--attn_implementation {cfg.attn_implementation!r}: use auto, sdpa or flash_attention_2 "
+                         "(eager cannot run under Ulysses SP)")
+    if cfg.reset_position_ids not in ("auto", "yes", "no"):
+        raise ValueError(f"--reset_position_ids {cfg.reset_position_ids!r}: use auto, yes or no")
+    if cfg.save_total_limit < 2:
+        raise ValueError(f"--save_total_limit {cfg.save_total_limit}: keep at least 2 so the newest complete "
+                         "checkpoint is never deleted before a newer one is committed")
+    if cfg.save_steps < 0:
+        raise ValueError(f"--save_steps {cfg.save_steps}: use 0 (end and preemption only) or a positive interval")
+    if cfg.report_to not in ("auto", "wandb", "none"):
+        raise ValueError(f"--report_to {cfg.report_to!r}: use auto, wandb or none")
+    if not os.path.isfile(cfg.deepspeed):
+        raise ValueError(f"--deepspeed {cfg.deepspeed}: file not found (see ds_configs/)")
+    if cfg.dataset_path is not None and not os.path.exists(cfg.dataset_path):
+        raise ValueError(f"--dataset_path {cfg.dataset_path}: no such file or folder")
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)

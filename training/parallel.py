@@ -1,0 +1,66 @@
+"""The parallel layout of a run, built once and passed down: world = sp x dp.
+
+SP groups are consecutive ranks (on a cluster they share a node, so the attention all-to-all stays on
+NVLink); rank r has sp_rank = r % sp and dp_rank = r // sp. Different SP groups read different samples;
+ZeRO-3 partitions over the whole world. The groups themselves are created by DeepSpeed's
+`parallel_state_sp` (the `mpu` handed to `deepspeed.initialize`), which uses the same consecutive layout.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    world: int
+    sp: int
+    rank: int
+    local_rank: int
+
+    @property
+    def dp(self) -> int:
+        return self.world // self.sp
+
+    @property
+    def sp_rank(self) -> int:
+        return self.rank % self.sp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.sp
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def check_layout(world: int, sp: int, num_heads: int, num_kv_heads: int, seq_len: int) -> None:
+    """One-line ValueError naming the numbers and the fix when the layout cannot work."""
+    if sp < 1 or world % sp:
+        divisors = [d for d in range(1, world + 1) if world % d == 0]
+        raise ValueError(f"sequence_parallel_size={sp} does not divide world size {world}: use one of {divisors} "
+                         f"or launch a multiple of {sp} processes")
+    if num_heads % sp:
+        ok = [d for d in range(1, num_heads + 1) if num_heads % d == 0 and world % d == 0]
+        raise ValueError(f"the model has {num_heads} attention heads, not divisible by sequence_parallel_size={sp}: "
+                         f"use one of {ok}")
+    if num_kv_heads % sp and sp % num_kv_heads:
+        raise ValueError(f"the model has {num_kv_heads} KV heads: sequence_parallel_size={sp} must divide it or be "
+                         "a multiple of it (KV heads are then replicated)")
+    if seq_len < sp:
+        raise ValueError(f"max_seq_length={seq_len} is shorter than sequence_parallel_size={sp}: each SP rank needs "
+                         "at least one token; raise the length or lower SP")
+
+
+def init_distributed(sp: int) -> ParallelDims:
+    """Initialise torch.distributed through DeepSpeed (gloo on CPU, nccl on GPU) and return the dims."""
+    import deepspeed
+    import torch
+
+    deepspeed.init_distributed(dist_backend=None, auto_mpi_discovery=False)
+    world = torch.distributed.get_world_size()
+    rank = torch.distributed.get_rank()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return ParallelDims(world=world, sp=sp, rank=rank, local_rank=local_rank)
