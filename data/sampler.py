@@ -1,0 +1,44 @@
+"""Resumable sampling over data-parallel ranks, at micro-batch granularity.
+
+Every rank of one SP group reads the same samples (each then keeps its own slice of the sequence);
+different DP ranks read disjoint samples. The order is a seeded permutation per epoch, so the
+position `(epoch, micro_batches_taken)` is all a checkpoint needs to continue exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ResumableSampler:
+    def __init__(self, num_samples: int, dp: int, dp_rank: int, micro_batch: int, seed: int):
+        per_rank = num_samples // dp // micro_batch
+        if per_rank < 1:
+            raise ValueError(f"{num_samples} packed samples cannot give each of dp={dp} ranks one micro-batch of "
+                             f"{micro_batch}: add data, shorten max_seq_length or lower the batch size")
+        self.num_samples, self.dp, self.dp_rank, self.mb, self.seed = num_samples, dp, dp_rank, micro_batch, seed
+        self.batches_per_epoch = per_rank
+        self.epoch, self.taken = 0, 0
+        self._order = None
+
+    def _epoch_order(self) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        perm = torch.randperm(self.num_samples, generator=g)[: self.batches_per_epoch * self.mb * self.dp]
+        return perm[self.dp_rank:: self.dp].tolist()
+
+    def next_batch(self) -> list[int]:
+        """Indices of the next micro-batch for this rank (wraps into the next epoch)."""
+        if self.taken == self.batches_per_epoch:
+            self.epoch, self.taken, self._order = self.epoch + 1, 0, None
+        if self._order is None:
+            self._order = self._epoch_order()
+        lo = self.taken * self.mb
+        self.taken += 1
+        return self._order[lo: lo + self.mb]
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "taken": self.taken, "seed": self.seed, "dp": self.dp,
+                "micro_batch": self.mb, "num_samples": self.num_samples}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.taken, self._order = state["epoch"], state["taken"], None

@@ -1,0 +1,59 @@
+"""Loading the Hugging Face causal LM partitioned under ZeRO-3.
+
+`load_hf_config` is cheap (no weights) so the layout can be checked before any heavy work;
+`build_model` then materialises the weights already partitioned (`deepspeed.zero.Init` through
+transformers' `HfDeepSpeedConfig`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from model_utils.presets import PRESETS, preset_config
+
+
+def load_hf_config(name_or_path: str):
+    from transformers import AutoConfig
+
+    if os.path.isdir(name_or_path):
+        if not os.path.isfile(os.path.join(name_or_path, "config.json")):
+            raise ValueError(f"--model_name_or_path {name_or_path}: folder has no config.json "
+                             "(expected a save_pretrained folder)")
+        return AutoConfig.from_pretrained(name_or_path)
+    if name_or_path in PRESETS:
+        return preset_config(name_or_path)
+    raise ValueError(f"--model_name_or_path {name_or_path!r}: not a local folder nor a preset "
+                     f"({', '.join(sorted(PRESETS))}); hub downloads are not used")
+
+
+def pick_attn_implementation(requested: str) -> str:
+    if requested != "auto":
+        if requested.startswith("flash_attention") and not torch.cuda.is_available():
+            raise ValueError(f"--attn_implementation {requested} needs a CUDA GPU: use sdpa on CPU")
+        return requested
+    if torch.cuda.is_available():
+        try:
+            import flash_attn  # noqa: F401
+
+            return "flash_attention_2"
+        except ImportError:
+            pass
+    return "sdpa"
+
+
+def build_model(name_or_path: str, hf_config, ds_config: dict, attn_implementation: str, dtype: torch.dtype):
+    """The model, partitioned over the world as it is created. Returns (model, hf_ds_config_handle);
+    keep the handle alive: transformers reads ZeRO-3 settings through it."""
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    handle = HfDeepSpeedConfig(ds_config)
+    if os.path.isdir(name_or_path):
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, config=hf_config, dtype=dtype,
+                                                     attn_implementation=attn_implementation)
+    else:
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=attn_implementation)
+    model.config.use_cache = False
+    return model, handle

@@ -1,0 +1,110 @@
+"""Metrics and console output: one rank-0 print helper, metrics.jsonl, Weights & Biases, progress bar.
+
+W&B runs offline unless the user configured it (WANDB_MODE or WANDB_API_KEY set): there is no network
+on the machines this was built on. The run id comes from the checkpoint so a resumed job continues the
+same W&B run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+
+import torch
+import torch.distributed as dist
+
+_IS_MAIN = os.environ.get("RANK", "0") == "0"
+
+
+def set_main(is_main: bool) -> None:
+    global _IS_MAIN
+    _IS_MAIN = is_main
+
+
+def print0(*args, **kwargs) -> None:
+    """Print on rank 0 only (flushed: launchers buffer child output)."""
+    if _IS_MAIN:
+        print(*args, **kwargs, flush=True)
+
+
+def peak_memory_gb() -> float:
+    """This rank's peak memory: device memory on GPU, peak resident set size on CPU. Max over ranks."""
+    if torch.cuda.is_available():
+        peak = torch.cuda.max_memory_allocated() / 2**30
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    t = torch.tensor([peak], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return round(t.item(), 4)
+
+
+def wandb_enabled(report_to: str) -> bool:
+    if report_to == "none":
+        return False
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        if report_to == "wandb":
+            raise ValueError("--report_to wandb but wandb is not installed: pip install wandb or use --report_to none")
+        return False
+    return True
+
+
+class MetricsLogger:
+    """Rank 0 appends one JSON line per event to OUTPUT_DIR/metrics.jsonl and mirrors it to W&B."""
+
+    def __init__(self, output_dir: str, is_main: bool, report_to: str, project: str, run_id: str | None,
+                 config: dict, total_steps: int, progress_bar: bool):
+        self.is_main = is_main
+        self.path = os.path.join(output_dir, "metrics.jsonl")
+        self.wandb = None
+        self.run_id = run_id
+        self.bar = None
+        if not is_main:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        if wandb_enabled(report_to):
+            import wandb
+
+            if not (os.environ.get("WANDB_MODE") or os.environ.get("WANDB_API_KEY")):
+                os.environ["WANDB_MODE"] = "offline"
+            self.run_id = run_id or wandb.util.generate_id()
+            self.wandb = wandb.init(project=project, id=self.run_id, resume="allow", config=config,
+                                    dir=output_dir, settings=wandb.Settings(console="off", silent=True))
+        if progress_bar and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, dynamic_ncols=True, desc="train")
+
+    def log(self, record: dict) -> None:
+        if not self.is_main:
+            return
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        if self.wandb is not None:
+            step = record.get("step")
+            self.wandb.log({k: v for k, v in record.items() if isinstance(v, int | float)}, step=step)
+        if "loss" in record and "step" in record:
+            line = (f"step {record['step']} stage {record.get('stage', 0)} loss {record['loss']:.4f} "
+                    f"lr {record['lr']:.2e} tok/s {record['tokens_per_s']:.0f} mem {record['peak_mem_gb']:.2f}GB")
+            if self.bar is not None:
+                self.bar.n = record["step"]
+                self.bar.set_postfix_str(line)
+                self.bar.refresh()
+            else:
+                print(line, flush=True)
+
+    def log_table(self, name: str, columns: list[str], rows: list[list]) -> None:
+        if self.is_main and self.wandb is not None:
+            import wandb
+
+            self.wandb.log({name: wandb.Table(columns=columns, data=rows)})
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.wandb is not None:
+            self.wandb.finish()

@@ -1,0 +1,54 @@
+"""One optimizer step over a sequence-sharded global batch, weighting every real token equally.
+
+Each rank holds [bs, sl/sp] shards of its SP group's samples. The step's loss is
+
+    L = sum of token cross-entropies over the whole global batch / number of labelled tokens in it
+
+(all DP replicas, all accumulation micro-steps, all SP shards): exactly the plain model's mean loss
+over the same samples. Every rank backpropagates its *local* sum of cross-entropies; Ulysses'
+all-to-all carries the gradient to the ranks that own the other parts of the sequence, so the sum of
+all ranks' gradients is the gradient of the global sum. DeepSpeed then divides by the gradient
+accumulation steps and averages over the world (its data-parallel group is the whole world when SP is
+on), so scaling each local sum by world * GA / n_tokens yields the gradient of L.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+def loss_sum(engine, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Sum of next-token cross-entropies over this rank's shard (labels -100 ignored).
+
+    shift_labels are already shifted (inside the full sample, before sharding), so no shift here."""
+    out = engine(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False)
+    logits = out.logits.float()
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), mb["shift_labels"].reshape(-1),
+                           ignore_index=-100, reduction="sum")
+
+
+def train_step(engine, micro_batches: list[dict[str, torch.Tensor]], world: int,
+               loss_fn=loss_sum, before_step=None) -> dict[str, float]:
+    """Forward/backward every micro-batch, then the optimizer step. Returns loss and token counts."""
+    t0 = time.perf_counter()
+    device = engine.device
+    n_local = sum(int((mb["shift_labels"] != -100).sum()) for mb in micro_batches)
+    counts = torch.tensor([float(n_local)], dtype=torch.float64)
+    dist.all_reduce(counts)
+    n_total = max(counts.item(), 1.0)
+    scale = world * len(micro_batches) / n_total
+    total = torch.zeros((), dtype=torch.float64)
+    for i, mb in enumerate(micro_batches):
+        mb = {k: v.to(device) for k, v in mb.items()}
+        local = loss_fn(engine, mb)
+        engine.backward(local * scale)
+        if before_step is not None and i == len(micro_batches) - 1:
+            before_step(engine)  # e.g. tests reading the full gradients before the optimizer consumes them
+        engine.step()
+        total += local.detach().double().cpu()
+    dist.all_reduce(total)
+    return {"loss": total.item() / n_total, "label_tokens": n_total, "step_time": time.perf_counter() - t0}
