@@ -16,7 +16,6 @@ import os
 import random
 import sys
 import time
-
 import warnings
 
 import numpy as np

@@ -46,6 +46,8 @@ def build_ds_config(cfg: Config, dims: ParallelDims, bf16: bool, hidden_size: in
     _fill(ds, "gradient_accumulation_steps", ga, "--gradient_accumulation_steps")
     # one sample per SP group per micro-step: the global batch counts DP replicas only
     _fill(ds, "train_batch_size", mb * ga * dims.dp, "per_device_train_batch_size x grad_accum x dp")
+    # read by DeepSpeedConfig when no mpu is at hand (zero.Init at model build) to size the batch by dp, not world
+    _fill(ds, "sequence_parallel_size", dims.sp, "--sequence_parallel_size")
     _fill(ds, "gradient_clipping", cfg.max_grad_norm, "--max_grad_norm")
     _fill(ds, "bf16.enabled", bf16, "--bf16")
     if "optimizer" in ds:

@@ -48,7 +48,7 @@ def wandb_enabled(report_to: str) -> bool:
         import wandb  # noqa: F401
     except ImportError:
         if report_to == "wandb":
-            raise ValueError("--report_to wandb but wandb is not installed: pip install wandb or use --report_to none")
+            raise ValueError("--report_to wandb but wandb is not installed: pip install wandb or use --report_to none") from None
         return False
     return True
 

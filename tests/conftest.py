@@ -1,0 +1,49 @@
+"""Shared fixtures: tiny models saved in Hugging Face format and a pre-tokenized JSONL dataset."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def save_tiny_model(path: str, preset: str, seed: int = 0, **overrides) -> str:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from model_utils.presets import preset_config
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(preset_config(preset, **overrides), dtype=torch.float32)
+    model.save_pretrained(path)
+    return path
+
+
+def write_token_jsonl(path: str, n_docs: int = 40, vocab: int = 2048, seed: int = 0) -> str:
+    import random
+
+    rng = random.Random(seed)
+    with open(path, "w") as fh:
+        for _ in range(n_docs):
+            n = rng.randint(30, 300)
+            fh.write(json.dumps({"input_ids": [rng.randrange(4, vocab) for _ in range(n)]}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def assets(tmp_path_factory):
+    """Model folders (MHA llama, GQA llama, Qwen2 with 1 KV head) and a token dataset."""
+    d = tmp_path_factory.mktemp("assets")
+    return {
+        "llama_mha": save_tiny_model(str(d / "llama_mha"), "tiny-llama", num_key_value_heads=4),
+        "llama_gqa": save_tiny_model(str(d / "llama_gqa"), "tiny-llama"),
+        "qwen2_kv1": save_tiny_model(str(d / "qwen2_kv1"), "tiny-qwen2"),
+        "data": write_token_jsonl(str(d / "tokens.jsonl")),
+        "dir": str(d),
+    }

@@ -1,0 +1,63 @@
+"""Worker for tests/test_parity.py: one optimizer step through the real engine, per case.
+
+For each case it records the step's loss, the sample indices every rank used and the full gradients
+(gathered from ZeRO-3 before the optimizer step). Run under tests.distributed.spawn.
+"""
+
+import json
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+
+warnings.filterwarnings("ignore")
+
+from data.packing import PackedDataset, build_token_stream  # noqa: E402
+from data.sampler import ResumableSampler  # noqa: E402
+from data.sharding import collate, shard  # noqa: E402
+from model_utils.build import load_hf_config  # noqa: E402
+from training.config import config_from_dict  # noqa: E402
+from training.engine import build_engine  # noqa: E402
+from training.parallel import check_layout, init_distributed  # noqa: E402
+from training.step import train_step  # noqa: E402
+
+
+def run_case(case: dict, dims_sp: int) -> dict:
+    cfg = config_from_dict({k: v for k, v in case.items() if k not in ("out", "cache")})
+    hf = load_hf_config(cfg.model_name_or_path)
+    dims = init_distributed(cfg.sequence_parallel_size)
+    t = hf.get_text_config()
+    check_layout(dims.world, dims.sp, t.num_attention_heads, t.num_key_value_heads, cfg.max_seq_length)
+    tokens, starts = build_token_stream(cfg.dataset_path, None, t.vocab_size, case["cache"])
+    ds = PackedDataset(tokens, starts, cfg.max_seq_length, reset_position_ids=False)
+    sampler = ResumableSampler(len(ds), dims.dp, dims.dp_rank, cfg.per_device_train_batch_size, cfg.seed)
+    engine = build_engine(cfg, dims, hf, "sdpa", bf16=False, seed=cfg.seed)
+    indices, micro = [], []
+    for _ in range(cfg.gradient_accumulation_steps):
+        idx = sampler.next_batch()
+        indices.append(idx)
+        micro.append(shard(collate([ds[i] for i in idx], dims.sp, 0), dims.sp, dims.sp_rank))
+    grads = {}
+
+    def grab(engine):
+        from deepspeed.utils import safe_get_full_grad
+
+        for name, p in engine.module.named_parameters():
+            g = safe_get_full_grad(p)
+            if dims.is_main:
+                grads[name] = g.detach().clone().cpu()
+
+    out = train_step(engine, micro, dims.world, before_step=grab)
+    all_indices = [None] * dims.world
+    dist.all_gather_object(all_indices, {"dp_rank": dims.dp_rank, "indices": indices})
+    if dims.is_main:
+        torch.save({"loss": out["loss"], "indices": all_indices, "grads": grads}, case["out"])
+    engine.destroy()
+    return out
+
+
+if __name__ == "__main__":
+    for case in json.loads(sys.argv[1]):
+        run_case(case, case["sequence_parallel_size"])
+        dist.barrier()
