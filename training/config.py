@@ -90,7 +90,8 @@ def _flag_type(tp):
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="ulysses-longtrain: long-context training on DeepSpeed + Ulysses SP")
+    p = argparse.ArgumentParser(description="ulysses-longtrain: long-context training on DeepSpeed + Ulysses SP",
+                                allow_abbrev=False)  # a typo must not silently set another key
     p.add_argument("--config", default=None, help="YAML recipe; command-line flags override its keys")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the deepspeed launcher
     hints = typing.get_type_hints(Config)

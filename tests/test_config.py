@@ -1,0 +1,75 @@
+"""Config tree: precedence (flags > YAML > defaults), unknown keys, value checks, DeepSpeed 'auto' filling."""
+
+import pytest
+
+from training.config import parse_config
+from training.ds_config import build_ds_config
+from training.parallel import ParallelDims, check_layout
+
+
+def test_precedence_cli_over_yaml_over_defaults(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("max_steps: 7\nlearning_rate: 0.001\nsequence_parallel_size: 2\n")
+    cfg = parse_config(["--config", str(recipe), "--max_steps", "9", "--no-bf16"])
+    assert cfg.max_steps == 9 and cfg.learning_rate == 0.001 and cfg.sequence_parallel_size == 2
+    assert cfg.bf16 is False and cfg.per_device_train_batch_size == 1
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--max_stepz", "3"], "unknown command-line argument"),
+    (["--max_steps", "0"], "--max_steps must be >= 1, got 0"),
+    (["--save_total_limit", "1"], "keep at least 2"),
+    (["--lr_scheduler", "step"], "use cosine, linear or constant"),
+    (["--attn_implementation", "eager"], "eager cannot run under Ulysses"),
+    (["--deepspeed", "nope.json"], "nope.json: file not found"),
+    (["--dataset_path", "/no/such/data.jsonl"], "no such file or folder"),
+])
+def test_bad_values_one_line(argv, match):
+    with pytest.raises(ValueError, match=match) as e:
+        parse_config(argv)
+    assert "\n" not in str(e.value)
+
+
+def test_unknown_yaml_key(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("max_steps: 3\nlearning_rat: 0.1\n")
+    with pytest.raises(ValueError, match=r"unknown config key\(s\) \['learning_rat'\]"):
+        parse_config(["--config", str(recipe)])
+    recipe.write_text("stages:\n  - max_seq_length: 8\n    sp: 2\n")
+    with pytest.raises(ValueError, match=r"stages\[0\]"):
+        parse_config(["--config", str(recipe)])
+
+
+@pytest.mark.parametrize("world, sp, heads, kv, sl, match", [
+    (4, 3, 12, 12, 64, "does not divide world size 4"),
+    (4, 4, 6, 6, 64, "6 attention heads, not divisible by sequence_parallel_size=4"),
+    (8, 4, 12, 6, 64, "6 KV heads"),
+    (2, 2, 4, 4, 1, "shorter than sequence_parallel_size=2"),
+])
+def test_layout_errors(world, sp, heads, kv, sl, match):
+    with pytest.raises(ValueError, match=match):
+        check_layout(world, sp, heads, kv, sl)
+
+
+def test_layout_accepts_kv_replication():
+    check_layout(world=4, sp=4, num_heads=8, num_kv_heads=2, seq_len=64)
+
+
+def test_ds_config_auto_filled_in_one_place():
+    cfg = parse_config(["--gradient_accumulation_steps", "3", "--per_device_train_batch_size", "2",
+                        "--learning_rate", "1e-4", "--sequence_parallel_size", "2"])
+    ds = build_ds_config(cfg, ParallelDims(world=8, sp=2, rank=0, local_rank=0), bf16=True, hidden_size=64)
+    assert ds["train_batch_size"] == 2 * 3 * 4  # dp = 8 / 2
+    assert ds["gradient_accumulation_steps"] == 3 and ds["train_micro_batch_size_per_gpu"] == 2
+    assert ds["optimizer"]["params"]["lr"] == 1e-4 and ds["bf16"]["enabled"] is True
+    assert ds["zero_optimization"]["stage"] == 3
+
+
+def test_ds_config_conflict_is_an_error(tmp_path):
+    import json
+
+    p = tmp_path / "ds.json"
+    p.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3}}))
+    cfg = parse_config(["--deepspeed", str(p)])
+    with pytest.raises(ValueError, match="train_micro_batch_size_per_gpu=4 but --per_device_train_batch_size gives 1"):
+        build_ds_config(cfg, ParallelDims(world=1, sp=1, rank=0, local_rank=0), bf16=False, hidden_size=64)

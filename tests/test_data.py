@@ -1,0 +1,81 @@
+"""Data pipeline: packing and labels, padding to a multiple of SP, SP slicing, resumable DP sampling."""
+
+import json
+
+import numpy as np
+import pytest
+
+from data.packing import PackedDataset, build_token_stream
+from data.sampler import ResumableSampler
+from data.sharding import collate, shard
+
+
+def _stream(tmp_path, docs):
+    p = tmp_path / "d.jsonl"
+    p.write_text("".join(json.dumps({"input_ids": d}) + "\n" for d in docs))
+    return build_token_stream(str(p), None, 100, str(tmp_path / "cache"))
+
+
+def test_packing_labels_are_next_tokens(tmp_path):
+    tokens, starts = _stream(tmp_path, [list(range(1, 11)), list(range(20, 30))])
+    ds = PackedDataset(tokens, starts, 8, reset_position_ids=False)
+    assert len(ds) == 20 // 8
+    s = ds[1]
+    assert s["input_ids"].tolist() == [9, 10, 20, 21, 22, 23, 24, 25]
+    assert s["shift_labels"].tolist() == [10, 20, 21, 22, 23, 24, 25, -100]
+    assert s["position_ids"].tolist() == list(range(8))
+
+
+def test_reset_position_ids_at_document_starts(tmp_path):
+    tokens, starts = _stream(tmp_path, [list(range(1, 11)), list(range(20, 30))])
+    s = PackedDataset(tokens, starts, 8, reset_position_ids=True)[1]
+    assert s["position_ids"].tolist() == [0, 1, 0, 1, 2, 3, 4, 5]
+
+
+def test_collate_pads_to_multiple_of_sp_and_shards():
+    sample = {"input_ids": np.arange(7), "shift_labels": np.arange(1, 8), "position_ids": np.arange(7)}
+    b = collate([sample], sp=4, pad_id=0)
+    assert b["input_ids"].shape == (1, 8)
+    assert b["shift_labels"][0, -1] == -100 and b["position_ids"][0].tolist() == list(range(8))
+    parts = [shard(b, 4, r) for r in range(4)]
+    assert [p["input_ids"].shape[1] for p in parts] == [2, 2, 2, 2]
+    assert sum(int((p["shift_labels"] != -100).sum()) for p in parts) == 7
+
+
+def test_sampler_disjoint_over_dp_and_resumable():
+    a, b = ResumableSampler(20, 2, 0, 1, seed=3), ResumableSampler(20, 2, 1, 1, seed=3)
+    ia = [a.next_batch()[0] for _ in range(10)]
+    ib = [b.next_batch()[0] for _ in range(10)]
+    assert not set(ia) & set(ib) and len(set(ia) | set(ib)) == 20
+    c = ResumableSampler(20, 2, 0, 1, seed=3)
+    for _ in range(4):
+        c.next_batch()
+    state = c.state_dict()
+    d = ResumableSampler(20, 2, 0, 1, seed=3)
+    d.load_state_dict(state)
+    assert [d.next_batch() for _ in range(12)] == [c.next_batch() for _ in range(12)]  # crosses an epoch
+
+
+@pytest.mark.parametrize("content, match", [
+    ("", "no documents"),
+    ('{"input_ids": [1, 2]}\n{"text": 5}\n', r"d.jsonl:2: expected"),
+    ('{"input_ids": [1, 2]}\nnot json\n', r"d.jsonl:2: not valid JSON"),
+    ('{"input_ids": [1, 200]}\n', "token id 200 >= the model's vocab_size 100"),
+    ('{"text": "hello"}\n', "needs --tokenizer_name_or_path"),
+])
+def test_bad_dataset_errors(tmp_path, content, match):
+    p = tmp_path / "d.jsonl"
+    p.write_text(content)
+    with pytest.raises(ValueError, match=match):
+        build_token_stream(str(p), None, 100, str(tmp_path / "cache"))
+
+
+def test_demo_tokenizer_roundtrip():
+    from data.corpus import build_demo_corpus
+    from data.tokenizer import Tokenizer
+
+    _, model = build_demo_corpus()
+    tok = Tokenizer(model)
+    text = "def f(x):\n    return x + 1\n"
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.vocab_size <= 2048

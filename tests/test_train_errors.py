@@ -1,0 +1,54 @@
+"""Bad input stops train.py with one clear line (exit 2) before any heavy work, touching nothing saved."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import save_tiny_model
+from tests.distributed import ROOT
+
+
+def run_train(args, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    (out / "keep.txt").write_text("saved before")
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
+    env.pop("RANK", None)
+    p = subprocess.run([sys.executable, "train.py", "--output_dir", str(out), "--report_to", "none", *args],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert sorted(os.listdir(out)) == ["keep.txt"] and (out / "keep.txt").read_text() == "saved before"
+    return p
+
+
+@pytest.mark.parametrize("make, args, match", [
+    (None, ["--dataset_path", "/no/such.jsonl"], "--dataset_path /no/such.jsonl: no such file or folder"),
+    ("", [], "no documents"),
+    ('{"input_ids": [5, 6, 7]}\n{"input_ids": [5, "x"]}\n', [], "data.jsonl:2: expected"),
+    ('{"input_ids": [5, 6, 7]}\n', ["--learning_rat", "1"], "unknown command-line argument"),
+    ('{"input_ids": [5, 6, 7]}\n', ["--sequence_parallel_size", "2"], "does not divide world size 1"),
+])
+def test_one_line_errors(tmp_path, make, args, match):
+    data = tmp_path / "data.jsonl"
+    if make is not None:
+        data.write_text(make)
+        args = ["--dataset_path", str(data), *args]
+    p = run_train(args, tmp_path)
+    assert p.returncode == 2, p.stderr[-2000:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and match in last, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr
+
+
+def test_tokenizer_larger_than_model_vocab(tmp_path):
+    from data.corpus import build_demo_corpus
+
+    _, spm_model = build_demo_corpus()
+    model = save_tiny_model(str(tmp_path / "small_vocab"), "tiny-llama", vocab_size=1000)
+    data = tmp_path / "t.jsonl"
+    data.write_text('{"text": "import os\\nprint(os.getcwd())\\n"}\n')
+    p = run_train(["--model_name_or_path", model, "--dataset_path", str(data),
+                   "--tokenizer_name_or_path", spm_model], tmp_path)
+    assert p.returncode == 2
+    assert "has 2000 tokens but the model's vocab_size is 1000" in p.stderr.strip().splitlines()[-1]

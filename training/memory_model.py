@@ -1,0 +1,284 @@
+"""Memory and FLOPs of one ZeRO-3 + Ulysses training step, per GPU and per node: pure arithmetic on shapes.
+
+Shared by `scripts/plan.py` (the planner) and the tests; no torch or transformers import. Every term is
+derived in docs/memory_model.md, whose notation the code follows:
+    T = tokens per rank (ceil(seq_len / sp)), S = T * sp (the padded sequence), h = hidden size,
+    I = MLP intermediate size, V = vocab, L = layers, nh / nkv = query / KV heads, d = head dim,
+    b = bytes per element of the compute dtype (bf16: 2, fp32: 4), W = world size, N = parameters.
+All sizes are bytes. The model is a decoder-only LM with a gated (SwiGLU) MLP and RMSNorm, which covers
+the Llama / Qwen2 / Qwen3 families; attention is flash or SDPA-flash, so there is no S^2 score matrix.
+
+    from training.memory_model import predict_peak_bytes, load_shape
+    predict_peak_bytes(load_shape("tiny-llama"), seq_len=1024, sp=2, features={"tiled_mlp"})
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, fields, replace
+
+from model_utils.presets import PRESETS
+from training.parallel import check_layout
+
+GiB = 2**30
+LOGITS_TILE_BYTES = 2**30  # tiled logits: shards of ~1 GiB of fp32 logits (ArcticTraining's rule)
+ZERO_SUBGROUP = 10**9  # DeepSpeed sub_group_size: the optimizer step upcasts grads this many at a time
+DTYPE_BYTES = {"bf16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The shapes that memory and FLOPs depend on (read from a preset or a Hugging Face config.json)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2 has biases on q/k/v
+    qk_norm: bool = False  # Qwen3 has RMSNorm on q and k per head
+
+    @classmethod
+    def from_config(cls, cfg: Mapping) -> ModelShape:
+        try:
+            h, nh = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+            return cls(vocab_size=int(cfg["vocab_size"]), hidden_size=h,
+                       intermediate_size=int(cfg["intermediate_size"]), num_layers=int(cfg["num_hidden_layers"]),
+                       num_heads=nh, num_kv_heads=int(cfg.get("num_key_value_heads") or nh),
+                       head_dim=int(cfg.get("head_dim") or h // nh),
+                       tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                       qkv_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False)),
+                       qk_norm=cfg.get("model_type") == "qwen3")
+        except KeyError as e:
+            raise ValueError(f"model config lacks {e.args[0]!r}: need vocab_size, hidden_size, intermediate_size, "
+                             "num_hidden_layers, num_attention_heads") from None
+
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer: q/k/v/o projections, gated MLP, two norms."""
+        h, d, nh, nkv = self.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads
+        attn = h * d * (nh + 2 * nkv) + nh * d * h
+        attn += d * (nh + 2 * nkv) if self.qkv_bias else 0
+        attn += 2 * d if self.qk_norm else 0
+        return attn + 3 * h * self.intermediate_size + 2 * h
+
+    def num_params(self) -> int:
+        emb = self.vocab_size * self.hidden_size
+        return emb * (1 if self.tie_word_embeddings else 2) + self.num_layers * self.layer_params() + self.hidden_size
+
+    def matmul_params(self) -> int:
+        """Weights that take part in a matmul per token: all layers plus the LM head (not the embedding lookup)."""
+        return self.num_layers * self.layer_params() + self.vocab_size * self.hidden_size
+
+
+def load_shape(model: str) -> ModelShape:
+    """A preset name from model_utils/presets.py, a config.json path, or a folder holding one."""
+    if model in PRESETS:
+        return ModelShape.from_config(PRESETS[model])
+    path = os.path.join(model, "config.json") if os.path.isdir(model) else model
+    if not os.path.isfile(path):
+        raise ValueError(f"model {model!r}: not a preset ({', '.join(sorted(PRESETS))}) nor a config.json path")
+    with open(path) as fh:
+        return ModelShape.from_config(json.load(fh))
+
+
+@dataclass(frozen=True)
+class Features:
+    """Memory features, named as in training/config.py (offloads are the ZeRO-3 CPU offloads)."""
+
+    offload_params: bool = False
+    offload_optimizer: bool = False
+    tiled_mlp: bool = False
+    tiled_logits: bool = False
+    gradient_checkpointing: bool = False
+    offload_activations: bool = False
+
+    @classmethod
+    def of(cls, spec: Features | Mapping[str, bool] | Iterable[str] | None) -> Features:
+        """From a Features, a {name: bool} mapping, or an iterable of the enabled names."""
+        if spec is None or isinstance(spec, Features):
+            feats = spec or cls()
+        else:
+            known = {f.name for f in fields(cls)}
+            chosen = dict(spec) if isinstance(spec, Mapping) else dict.fromkeys(spec, True)
+            unknown = sorted(set(chosen) - known)
+            if unknown:
+                raise ValueError(f"unknown memory feature(s) {unknown}: use {sorted(known)}")
+            feats = cls(**{k: bool(v) for k, v in chosen.items()})
+        if feats.offload_activations and not feats.gradient_checkpointing:
+            raise ValueError("offload_activations offloads the checkpointed hidden states: it needs "
+                             "gradient_checkpointing on too")
+        return feats
+
+
+def parse_seq_len(text: str | int) -> int:
+    """'131072', '128k', '1M', '15_000_000' -> tokens; k and M are binary (128k = 131072, 1M = 1048576)."""
+    s = str(text).strip().replace("_", "").lower()
+    scale = {"k": 2**10, "m": 2**20}.get(s[-1:], 1)
+    num = s[:-1] if scale > 1 else s
+    try:
+        value = round(float(num) * scale)
+    except ValueError:
+        raise ValueError(f"sequence length {text!r}: write tokens as 131072, 128k or 1M") from None
+    if value < 1:
+        raise ValueError(f"sequence length {text!r} must be at least 1 token")
+    return value
+
+
+def mlp_tiles(tokens: int, hidden: int) -> int:
+    """DeepSpeed TiledMLP shard count: ceil(tokens_per_rank / hidden), so a tile is ~hidden tokens."""
+    return max(1, math.ceil(tokens / hidden))
+
+
+def logits_tiles(tokens: int, vocab: int) -> int:
+    """Tiled logits+loss shard count: ~LOGITS_TILE_BYTES of fp32 logits per shard."""
+    return max(1, math.ceil(tokens * vocab * 4 / LOGITS_TILE_BYTES))
+
+
+@dataclass
+class Estimate:
+    """Per-rank GPU terms, per-rank CPU terms and the peak rule; bytes throughout."""
+
+    seq_len: int
+    sp: int
+    world: int
+    tokens_per_rank: int
+    gpu: dict[str, int]  # resident for the whole step
+    gpu_phases: dict[str, int]  # only one of these is live at a time; the peak adds the largest
+    cpu_per_rank: dict[str, int]
+    gpus_per_node: int
+
+    @property
+    def gpu_peak(self) -> int:
+        return sum(self.gpu.values()) + max(self.gpu_phases.values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.gpu_phases, key=self.gpu_phases.get)
+
+    @property
+    def cpu_per_node(self) -> int:
+        return sum(self.cpu_per_rank.values()) * self.gpus_per_node
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.update(gpu_peak=self.gpu_peak, peak_phase=self.peak_phase, cpu_per_node=self.cpu_per_node)
+        return out
+
+
+def layer_activations(shape: ModelShape, tokens: int, sp: int, b: int, tiled_mlp: bool) -> tuple[int, int]:
+    """(saved, backward transient) bytes of one decoder layer on one rank; `saved` includes the layer input."""
+    h, d, inter = shape.hidden_size, shape.head_dim, shape.intermediate_size
+    seq = tokens * sp
+    q_loc = shape.num_heads // sp
+    kv_loc = shape.num_kv_heads // sp if shape.num_kv_heads >= sp else 1  # KV heads replicated when sp > nkv
+    hid = tokens * h * b  # one [T, h] hidden state
+    # q, k, v, o after the all-to-all: [S, heads/sp, d] each, the tensors flash attention saves
+    attn_io = seq * d * (2 * q_loc + 2 * kv_loc) * b
+    lse = seq * q_loc * 4  # fp32 softmax log-sum-exp
+    o_back = tokens * shape.num_heads * d * b  # attention output back in [T, nh*d], input of o_proj
+    mlp_saved = 0 if tiled_mlp else 4 * tokens * inter * b  # gate, up, act(gate), act*up
+    saved = 4 * hid + o_back + attn_io + lse + mlp_saved  # x, norm1(x), x+attn, norm2(.)
+    attn_grads = attn_io + seq * q_loc * d * 4  # dq, dk, dv, do + flash-attn fp32 dq accumulator
+    rows = math.ceil(tokens / mlp_tiles(tokens, h)) if tiled_mlp else tokens
+    mlp_grads = (6 if tiled_mlp else 2) * rows * inter * b  # tiled: a tile's 4 recomputed + 2 grads
+    transient = 3 * hid + max(attn_grads, mlp_grads)  # incoming dx, d(attn out), d(normed input)
+    return saved, transient
+
+
+def logits_bytes(shape: ModelShape, tokens: int, b: int, tiled: bool) -> int:
+    """Logits and loss on one rank: lm_head output, its fp32 upcast, log-softmax and its grad, per row."""
+    rows = math.ceil(tokens / logits_tiles(tokens, shape.vocab_size)) if tiled else tokens
+    per_elem = b + (4 if b < 4 else 0) + 4 + 4
+    hid = tokens * shape.hidden_size * b
+    return rows * shape.vocab_size * per_elem + 3 * hid  # + final norm in/out and d(hidden)
+
+
+def estimate(shape: ModelShape, seq_len: int, sp: int, world: int, features: Features,
+             precision: str = "bf16", gpus_per_node: int | None = None) -> Estimate:
+    """Per-rank memory of one training step for seq_len tokens per sample, micro-batch 1 per SP group."""
+    check_layout(world, sp, shape.num_heads, shape.num_kv_heads, seq_len)
+    if precision not in DTYPE_BYTES:
+        raise ValueError(f"precision {precision!r}: use bf16 or fp32")
+    f = Features.of(features)
+    b = DTYPE_BYTES[precision]
+    tokens = math.ceil(seq_len / sp)
+    h, n = shape.hidden_size, shape.num_params()
+    hid = tokens * h * b
+
+    gpu: dict[str, int] = {}
+    cpu: dict[str, int] = {}
+    # ZeRO-3 model states, partitioned over the whole world (SP ranks included)
+    (cpu if f.offload_params else gpu)["params (partition)"] = n * b // world
+    if f.offload_optimizer:
+        cpu["grads fp32 (partition)"] = 4 * n // world
+        cpu["optimizer fp32 master+Adam m,v"] = 12 * n // world
+    else:
+        gpu["grads (partition)"] = n * b // world
+        gpu["optimizer fp32 master+Adam m,v"] = 12 * n // world
+    # communication: the largest gathered module (a layer or the embedding/LM head) with its unreduced
+    # grads, plus the prefetch (0.9 h^2) and reduce (h^2) buckets
+    gpu["zero3 gathered params+grads, buckets"] = b * (2 * max(shape.layer_params(), shape.vocab_size * h)
+                                                      + 2 * h * h)
+    if sp > 1:
+        kv_send = max(shape.num_kv_heads, sp)
+        gpu["ulysses all-to-all staging"] = tokens * (shape.num_heads + 2 * kv_send) * shape.head_dim * b
+
+    saved, transient = layer_activations(shape, tokens, sp, b, f.tiled_mlp)
+    phases: dict[str, int] = {}
+    if f.gradient_checkpointing:
+        L = shape.num_layers
+        gpu["activation checkpoints"] = 2 * hid if f.offload_activations else L * hid
+        if f.offload_activations:
+            cpu["activation checkpoints"] = L * hid
+        phases["layer working set (recompute+backward)"] = saved - hid + transient
+    else:
+        gpu["saved activations (all layers)"] = shape.num_layers * saved
+        phases["layer working set (backward)"] = transient
+    phases["logits + loss"] = logits_bytes(shape, tokens, b, f.tiled_logits)
+    if not f.offload_optimizer and b < 4:
+        phases["optimizer step (fp32 grad copy)"] = 4 * min(n // world, ZERO_SUBGROUP)
+    return Estimate(seq_len=seq_len, sp=sp, world=world, tokens_per_rank=tokens, gpu=gpu, gpu_phases=phases,
+                    cpu_per_rank=cpu, gpus_per_node=gpus_per_node or world)
+
+
+def predict_peak_bytes(shape: ModelShape | Mapping | str, seq_len: int, sp: int,
+                       features: Features | Mapping[str, bool] | Iterable[str] | None = None,
+                       precision: str = "fp32", device: str = "cpu", world: int | None = None) -> int:
+    """Predicted peak tensor bytes of one rank in one training step (world defaults to sp, i.e. dp = 1).
+
+    shape: a ModelShape, a config dict or a preset name. device="cuda": the GPU peak (offloaded states and
+    checkpoints excluded). device="cpu": everything lives in the same RAM, so offloaded model states count too
+    and activation offload is a no-op. Interpreter and library memory (the RSS before the model exists) are
+    not included: compare against the peak minus that baseline.
+    """
+    if not isinstance(shape, ModelShape):
+        shape = load_shape(shape) if isinstance(shape, str) else ModelShape.from_config(shape)
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r}: use cpu or cuda")
+    feats = Features.of(features)
+    if device == "cpu":
+        feats = replace(feats, offload_activations=False)
+    est = estimate(shape, seq_len, sp, world or sp, feats, precision)
+    return est.gpu_peak + (sum(est.cpu_per_rank.values()) if device == "cpu" else 0)
+
+
+def flops_per_sequence(shape: ModelShape, seq_len: int) -> float:
+    """Model FLOPs of forward+backward of one sequence: 6*N_matmul*s + 6*L*nh*d*s^2 (causal attention).
+
+    Dense: 2 FLOPs per weight per token forward, twice that backward. Attention: QK^T and AV are
+    2*s^2*nh*d each forward (4), x3 for forward+backward (12), halved by the causal mask (6).
+    Activation recompute is not counted (MFU convention), so checkpointing lowers the MFU actually reached.
+    """
+    s = seq_len
+    return 6.0 * shape.matmul_params() * s + 6.0 * shape.num_layers * shape.num_heads * shape.head_dim * s * s
+
+
+def tokens_per_sec_per_gpu(shape: ModelShape, seq_len: int, mfu: float, peak_tflops: float) -> float:
+    """Throughput at a given MFU: an SP group of sp GPUs shares one sequence, so sp cancels out."""
+    return seq_len * mfu * peak_tflops * 1e12 / flops_per_sequence(shape, seq_len)
