@@ -101,6 +101,8 @@ class Features:
     @classmethod
     def of(cls, spec: Features | Mapping[str, bool] | Iterable[str] | None) -> Features:
         """From a Features, a {name: bool} mapping, or an iterable of the enabled names."""
+        if isinstance(spec, str):
+            spec = [spec]
         if spec is None or isinstance(spec, Features):
             feats = spec or cls()
         else:
@@ -199,7 +201,8 @@ def logits_bytes(shape: ModelShape, tokens: int, b: int, tiled: bool) -> int:
     return rows * shape.vocab_size * per_elem + 3 * hid  # + final norm in/out and d(hidden)
 
 
-def estimate(shape: ModelShape, seq_len: int, sp: int, world: int, features: Features,
+def estimate(shape: ModelShape, seq_len: int, sp: int, world: int,
+             features: Features | Mapping[str, bool] | Iterable[str] | None,
              precision: str = "bf16", gpus_per_node: int | None = None) -> Estimate:
     """Per-rank memory of one training step for seq_len tokens per sample, micro-batch 1 per SP group."""
     check_layout(world, sp, shape.num_heads, shape.num_kv_heads, seq_len)

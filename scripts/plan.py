@@ -1,0 +1,244 @@
+"""Memory planner: will this model train at this sequence length on this cluster, and with which settings?
+
+Prints the per-GPU memory breakdown (ZeRO-3 model states, activation checkpoints, one layer's working set,
+logits, communication buffers), per-node CPU memory, which sequence-parallel degrees fit, the DeepSpeed
+config and recipe stage to use, and a FLOPs-based tokens/s/GPU. The formulas live in
+training/memory_model.py and are derived in docs/memory_model.md.
+
+    python scripts/plan.py --model llama3-8b --seq_len 128k,1M --nodes 4 --gpus_per_node 8 --alst
+    python scripts/plan.py --model path/to/config.json --seq_len 262144 --sp 8 --no-offload_params --json
+
+Memory flags are GiB (2**30). An "80GB" H100 shows 79.6 GiB; --reserve_gb covers that, the CUDA context,
+NCCL buffers and allocator fragmentation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import yaml  # noqa: E402
+
+from training.memory_model import (  # noqa: E402
+    Estimate,
+    Features,
+    GiB,
+    ModelShape,
+    estimate,
+    flops_per_sequence,
+    load_shape,
+    parse_seq_len,
+    tokens_per_sec_per_gpu,
+)
+from training.parallel import check_layout  # noqa: E402
+
+FEATURES = ("offload_params", "offload_optimizer", "tiled_mlp", "tiled_logits", "gradient_checkpointing",
+            "offload_activations")
+ALST = ("tiled_mlp", "tiled_logits", "gradient_checkpointing", "offload_activations")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="preset name (model_utils/presets.py) or config.json path")
+    p.add_argument("--seq_len", required=True, help="tokens per sample: 131072, 128k, 1M; a comma list plans each")
+    p.add_argument("--gpus_per_node", type=int, default=8)
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpu_mem_gb", type=float, default=80.0)
+    p.add_argument("--reserve_gb", type=float, default=4.0, help="GPU memory the model may not use")
+    p.add_argument("--cpu_mem_gb", type=float, default=1024.0, help="CPU memory per node")
+    p.add_argument("--cpu_overhead_gb", type=float, default=2.0, help="assumed runtime CPU memory per rank")
+    p.add_argument("--sp", default="auto", help="sequence-parallel degree, or auto: every valid degree")
+    p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
+    p.add_argument("--offload_params", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--offload_optimizer", action=argparse.BooleanOptionalAction, default=True)
+    for name in ALST:
+        p.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--alst", action="store_true", help="turn on " + ", ".join(ALST))
+    p.add_argument("--margin", type=float, default=0.15,
+                   help="recommend the smallest SP whose GPU peak leaves this fraction of usable memory free")
+    p.add_argument("--mfu", type=float, default=0.4)
+    p.add_argument("--gpu_tflops", type=float, default=989.0, help="peak dense TFLOPs (H100 SXM bf16: 989)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return p
+
+
+def _valid_sps(shape: ModelShape, world: int, seq_len: int, requested: str) -> list[int]:
+    if requested != "auto":
+        try:
+            sp = int(requested)
+        except ValueError:
+            raise ValueError(f"--sp {requested!r}: use an integer or auto") from None
+        check_layout(world, sp, shape.num_heads, shape.num_kv_heads, seq_len)
+        return [sp]
+    out = []
+    for sp in (d for d in range(1, world + 1) if world % d == 0):
+        try:
+            check_layout(world, sp, shape.num_heads, shape.num_kv_heads, seq_len)
+            out.append(sp)
+        except ValueError:
+            pass
+    return out
+
+
+class Planner:
+    """Cluster limits plus the model; evaluates one (seq_len, sp) at a time."""
+
+    def __init__(self, args: argparse.Namespace, shape: ModelShape, feats: Features):
+        self.args, self.shape, self.feats = args, shape, feats
+        self.world = args.gpus_per_node * args.nodes
+        self.gpu_limit = int((args.gpu_mem_gb - args.reserve_gb) * GiB)
+        self.cpu_limit = int(args.cpu_mem_gb * GiB)
+
+    def evaluate(self, seq_len: int, sp: int, feats: Features | None = None) -> tuple[Estimate, bool, bool]:
+        est = estimate(self.shape, seq_len, sp, self.world, feats or self.feats, self.args.precision,
+                       self.args.gpus_per_node)
+        est.cpu_per_rank["process runtime (assumed)"] = int(self.args.cpu_overhead_gb * GiB)
+        return est, est.gpu_peak <= self.gpu_limit, est.cpu_per_node <= self.cpu_limit
+
+    def longest(self, sp: int, feats: Features | None = None) -> int:
+        """Longest multiple of sp that fits (peak memory grows monotonically with length)."""
+        lo, hi = 0, 2**36 // sp
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            _, g, c = self.evaluate(mid * sp, sp, feats)
+            lo, hi = (mid, hi) if g and c else (lo, mid - 1)
+        return lo * sp
+
+
+def ds_recommendation(feats: Features) -> tuple[str, dict]:
+    if not (feats.offload_params or feats.offload_optimizer):
+        return "ds_configs/zero3.json", {}
+    off = {}
+    if not feats.offload_params:
+        off["offload_param"] = {"device": "none"}
+    if not feats.offload_optimizer:
+        off["offload_optimizer"] = {"device": "none"}
+    return "ds_configs/zero3_offload.json", ({"zero_optimization": off} if off else {})
+
+
+def plan_one(pl: Planner, seq_len: int) -> dict:
+    args, shape, feats = pl.args, pl.shape, pl.feats
+    rows = []
+    for sp in _valid_sps(shape, pl.world, seq_len, args.sp):
+        est, g, c = pl.evaluate(seq_len, sp)
+        rows.append(dict(sp=sp, fits_gpu=g, fits_cpu=c, fits=g and c, longest_fitting_seq_len=pl.longest(sp),
+                         estimate=est.to_dict()))
+    fitting = [r["sp"] for r in rows if r["fits"]]
+    roomy = [r for r in rows if r["fits"] and r["estimate"]["gpu_peak"] <= (1 - args.margin) * pl.gpu_limit]
+    best = (roomy or [r for r in rows if r["fits"]] or [min(rows, key=lambda r: r["estimate"]["gpu_peak"])])[0]
+    ds_file, overrides = ds_recommendation(feats)
+    stage = dict(name=f"seq{seq_len}", max_seq_length=seq_len, sequence_parallel_size=best["sp"])
+    if overrides:
+        stage["deepspeed_overrides"] = overrides
+    model_path = os.path.dirname(args.model) if args.model.endswith(".json") else args.model
+    recipe = dict(model_name_or_path=model_path, deepspeed=ds_file, bf16=args.precision == "bf16",
+                  **{k: getattr(feats, k) for k in ALST}, stages=[stage])
+    flops = flops_per_sequence(shape, seq_len)
+    attn = 6.0 * shape.num_layers * shape.num_heads * shape.head_dim * seq_len**2
+    tps = tokens_per_sec_per_gpu(shape, seq_len, args.mfu, args.gpu_tflops)
+    out = dict(seq_len=seq_len, candidates=rows, fitting_sp=fitting, recommended_sp=best["sp"] if fitting else None,
+               deepspeed_config=ds_file, deepspeed_overrides=overrides, recipe=recipe,
+               throughput=dict(formula="6*N_matmul*s + 6*L*nh*d*s^2 (causal) FLOPs per sequence",
+                               flops_per_sequence=flops, attention_share=attn / flops, mfu=args.mfu,
+                               gpu_tflops=args.gpu_tflops, tokens_per_sec_per_gpu=tps,
+                               seconds_per_sequence=seq_len / (tps * best["sp"]), at_sp=best["sp"]))
+    if not fitting:
+        everything = Features(offload_params=True, offload_optimizer=True, **dict.fromkeys(ALST, True))
+        if everything != feats:
+            out["fits_with_all_features_at_sp"] = [sp for sp in _valid_sps(shape, pl.world, seq_len, args.sp)
+                                                   if all(pl.evaluate(seq_len, sp, everything)[1:])]
+    return out
+
+
+def plan(argv: list[str] | None = None) -> dict:
+    """The whole plan as a JSON-able dict; ValueError (one line) on bad input."""
+    return make_plan(build_parser().parse_args(argv))
+
+
+def make_plan(args: argparse.Namespace) -> dict:
+    for name in ("gpus_per_node", "nodes", "gpu_mem_gb", "cpu_mem_gb", "mfu", "gpu_tflops"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name} must be positive, got {getattr(args, name)}")
+    if not 0 <= args.margin < 1:
+        raise ValueError(f"--margin {args.margin}: use a fraction in [0, 1)")
+    if args.reserve_gb >= args.gpu_mem_gb:
+        raise ValueError(f"--reserve_gb {args.reserve_gb} leaves nothing of --gpu_mem_gb {args.gpu_mem_gb}")
+    shape = load_shape(args.model)
+    feats = Features.of({k: getattr(args, k) or (args.alst and k in ALST) for k in FEATURES})
+    pl = Planner(args, shape, feats)
+    seqs = [parse_seq_len(s) for s in args.seq_len.split(",") if s.strip()]
+    return dict(model=args.model, shape=vars(shape) | dict(params=shape.num_params()), precision=args.precision,
+                cluster=dict(nodes=args.nodes, gpus_per_node=args.gpus_per_node, world=pl.world,
+                             gpu_mem_gib=args.gpu_mem_gb, gpu_usable_gib=pl.gpu_limit / GiB,
+                             cpu_mem_gib_per_node=args.cpu_mem_gb),
+                features=vars(feats), margin=args.margin, plans=[plan_one(pl, s) for s in seqs])
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def _gib(x: float) -> str:
+    return f"{x / GiB:8.2f}"
+
+
+def render(rep: dict) -> str:
+    s, c = rep["shape"], rep["cluster"]
+    on = [k for k, v in rep["features"].items() if v] or ["none"]
+    lines = [f"model {rep['model']}: {_count(s['params'])} params, {s['num_layers']} layers, h={s['hidden_size']}, "
+             f"{s['num_heads']}/{s['num_kv_heads']} q/kv heads, vocab {s['vocab_size']}; {rep['precision']}",
+             f"cluster: {c['nodes']} node(s) x {c['gpus_per_node']} GPUs = {c['world']} ranks; GPU {c['gpu_mem_gib']:g} "
+             f"GiB ({c['gpu_usable_gib']:.1f} usable), CPU {c['cpu_mem_gib_per_node']:g} GiB/node",
+             f"features: {' '.join(on)}",
+             "attention: flash/SDPA-flash, no seq^2 term; q,k,v,o live at full seq with heads/sp after the all-to-all"]
+    for p in rep["plans"]:
+        lines += ["", f"== seq_len {p['seq_len']:,} ==",
+                  f"{'sp':>4} {'tokens/rank':>12} {'GPU peak GiB':>13} {'GPU':>4} {'CPU/node GiB':>13} {'CPU':>4}"
+                  f" {'longest that fits':>18}"]
+        for r in p["candidates"]:
+            e = r["estimate"]
+            lines.append(f"{r['sp']:>4} {e['tokens_per_rank']:>12,} {_gib(e['gpu_peak']):>13} "
+                         f"{'yes' if r['fits_gpu'] else 'NO':>4} {_gib(e['cpu_per_node']):>13} "
+                         f"{'yes' if r['fits_cpu'] else 'NO':>4} {r['longest_fitting_seq_len']:>18,}")
+        lines.append(f"SP degrees that fit: {p['fitting_sp'] or 'none'}; recommended: {p['recommended_sp']} (smallest "
+                     f"that fits with {rep['margin']:.0%} of usable GPU memory to spare, else smallest that fits)")
+        if "fits_with_all_features_at_sp" in p:
+            lines.append(f"with --alst and both offloads it would fit at sp: {p['fits_with_all_features_at_sp']}")
+        sp = p["recommended_sp"] or p["throughput"]["at_sp"]
+        e = next(r["estimate"] for r in p["candidates"] if r["sp"] == sp)
+        lines.append(f"per-GPU breakdown at sp={sp} (GiB):")
+        lines += [f"  {k:<42}{_gib(v)}" for k, v in e["gpu"].items()]
+        lines.append("  + the largest of these phases:")
+        lines += [f"  {k:<42}{_gib(v)}{'  <- peak' if k == e['peak_phase'] else ''}"
+                  for k, v in e["gpu_phases"].items()]
+        lines.append(f"  {'= peak':<42}{_gib(e['gpu_peak'])}  of {c['gpu_usable_gib']:.1f} usable")
+        lines.append("per-node CPU (GiB, per rank x GPUs per node):")
+        lines += [f"  {k:<42}{_gib(v * c['gpus_per_node'])}" for k, v in e["cpu_per_rank"].items()]
+        lines.append(f"  {'= per node':<42}{_gib(e['cpu_per_node'])}  of {c['cpu_mem_gib_per_node']:g}")
+        t = p["throughput"]
+        lines.append(f"throughput: {t['formula']} = {t['flops_per_sequence']:.3g} ({t['attention_share']:.0%} "
+                     f"attention); at MFU {t['mfu']} of {t['gpu_tflops']:g} TFLOPs: "
+                     f"{t['tokens_per_sec_per_gpu']:,.0f} tokens/s/GPU, {t['seconds_per_sequence']:.1f} s/sequence")
+        lines.append(f"DeepSpeed config: {p['deepspeed_config']}"
+                     + (f" with overrides {json.dumps(p['deepspeed_overrides'])}" if p["deepspeed_overrides"] else ""))
+        lines.append("recipe:" if p["recommended_sp"] else "recipe (does NOT fit; for reference):")
+        lines += ["  " + ln for ln in yaml.safe_dump(p["recipe"], sort_keys=False).splitlines()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    rep = make_plan(args)
+    print(json.dumps(rep, indent=1) if args.json else render(rep))
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except ValueError as err:
+        sys.exit(f"error: {err}")

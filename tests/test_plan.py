@@ -1,0 +1,202 @@
+"""Pure unit tests of the memory model and the planner (no torch, no processes; well under a second)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from training.memory_model import (
+    Features,
+    ModelShape,
+    estimate,
+    flops_per_sequence,
+    layer_activations,
+    load_shape,
+    parse_seq_len,
+    predict_peak_bytes,
+    tokens_per_sec_per_gpu,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_spec = importlib.util.spec_from_file_location("plan", os.path.join(ROOT, "scripts", "plan.py"))
+plan = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(plan)
+
+# round numbers so every term below can be checked by hand
+TOY = ModelShape(vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                 num_kv_heads=4, head_dim=16)
+ALL_ACT = {"tiled_mlp", "tiled_logits", "gradient_checkpointing", "offload_activations"}
+
+
+def test_param_count_by_hand():
+    # layer: q,k,v 64*16*12 + o 64*64 + mlp 3*64*128 + norms 2*64
+    assert TOY.layer_params() == 12288 + 4096 + 24576 + 128 == 41088
+    # untied embedding + head, 2 layers, final norm
+    assert TOY.num_params() == 2 * 64000 + 2 * 41088 + 64 == 210240
+    assert load_shape("llama3-8b").num_params() == 8_030_261_248  # the published Llama-3-8B count
+
+
+def test_breakdown_by_hand_no_features():
+    est = estimate(TOY, seq_len=100, sp=1, world=2, features=Features(), precision="bf16")
+    n = 210240
+    assert est.gpu["params (partition)"] == n * 2 // 2
+    assert est.gpu["grads (partition)"] == n * 2 // 2
+    assert est.gpu["optimizer fp32 master+Adam m,v"] == 12 * n // 2
+    assert est.gpu["zero3 gathered params+grads, buckets"] == 2 * (2 * 64000 + 2 * 64 * 64)
+    # per layer saved: 4 hidden [100,64] + o [100,64] + q,k,v,o [100,4,16] + lse fp32 + 4 MLP [100,128]
+    saved = 4 * 12800 + 12800 + 100 * 16 * 16 * 2 + 100 * 4 * 4 + 4 * 100 * 128 * 2
+    assert saved == 219200
+    assert est.gpu["saved activations (all layers)"] == 2 * saved
+    # backward: 3 hidden grads + max(attention grads 51200 + fp32 dq 25600, MLP grads 51200)
+    assert est.gpu_phases["layer working set (backward)"] == 3 * 12800 + 76800
+    # logits: [100, 1000] x (bf16 2 + fp32 upcast 4 + log-softmax 4 + grad 4) + 3 hidden
+    assert est.gpu_phases["logits + loss"] == 100 * 1000 * 14 + 3 * 12800
+    assert est.gpu_phases["optimizer step (fp32 grad copy)"] == 4 * (n // 2)
+    assert est.gpu_peak == 2 * 210240 + 1261440 + 272384 + 2 * saved + 1_438_400 == 3_831_104
+    assert est.cpu_per_rank == {}
+
+
+def test_sp_halves_activation_terms():
+    shape = load_shape("llama3-8b")  # 8 KV heads: sp 1 -> 2 splits KV heads too, no replication
+    for seq in (65536, 131072):
+        s1, t1 = layer_activations(shape, seq, 1, 2, tiled_mlp=False)
+        s2, t2 = layer_activations(shape, seq // 2, 2, 2, tiled_mlp=False)
+        assert (s2, t2) == (s1 // 2, t1 // 2)
+    feats = Features(gradient_checkpointing=True)
+    e1 = estimate(shape, 131072, 1, 8, feats)
+    e2 = estimate(shape, 131072, 2, 8, feats)
+    assert e2.gpu["activation checkpoints"] * 2 == e1.gpu["activation checkpoints"]
+    assert e2.gpu_phases["logits + loss"] * 2 == e1.gpu_phases["logits + loss"]
+    assert e2.gpu_phases["layer working set (recompute+backward)"] * 2 == \
+        e1.gpu_phases["layer working set (recompute+backward)"]
+
+
+def test_kv_replication_when_sp_exceeds_kv_heads():
+    shape = load_shape("llama3-8b")
+    s8, _ = layer_activations(shape, 1024, 8, 2, tiled_mlp=True)  # one KV head per rank
+    s16, _ = layer_activations(shape, 512, 16, 2, tiled_mlp=True)  # KV replicated: still one per rank
+    assert s16 > s8 // 2
+
+
+def test_offload_moves_model_states_to_cpu():
+    shape = load_shape("llama3-8b")
+    n, world = shape.num_params(), 8
+    on_gpu = estimate(shape, 32768, 8, world, Features())
+    off = estimate(shape, 32768, 8, world, Features(offload_params=True, offload_optimizer=True))
+    for key in ("params (partition)", "grads (partition)", "optimizer fp32 master+Adam m,v"):
+        assert key not in off.gpu
+    assert off.cpu_per_rank == {"params (partition)": 2 * n // world, "grads fp32 (partition)": 4 * n // world,
+                                "optimizer fp32 master+Adam m,v": 12 * n // world}
+    assert sum(on_gpu.gpu.values()) - sum(off.gpu.values()) == 16 * n // world
+    assert off.gpu_peak < on_gpu.gpu_peak
+    assert off.cpu_per_node == 8 * 18 * n // world
+
+
+def test_tiled_features_reduce_their_terms():
+    shape = load_shape("llama3-8b")
+    base = Features(gradient_checkpointing=True)
+    ref = estimate(shape, 262144, 8, 8, base)
+    mlp = estimate(shape, 262144, 8, 8, Features(gradient_checkpointing=True, tiled_mlp=True))
+    logits = estimate(shape, 262144, 8, 8, Features(gradient_checkpointing=True, tiled_logits=True))
+    act = estimate(shape, 262144, 8, 8, Features(gradient_checkpointing=True, offload_activations=True))
+    plain = estimate(shape, 262144, 8, 8, Features())
+    ws = "layer working set (recompute+backward)"
+    assert mlp.gpu_phases[ws] < ref.gpu_phases[ws]
+    assert logits.gpu_phases["logits + loss"] < ref.gpu_phases["logits + loss"] / 10
+    assert act.gpu["activation checkpoints"] == ref.gpu["activation checkpoints"] * 2 // shape.num_layers
+    assert act.cpu_per_rank["activation checkpoints"] == ref.gpu["activation checkpoints"]
+    assert plain.gpu["saved activations (all layers)"] > 10 * ref.gpu["activation checkpoints"]
+    for e in (mlp, logits, act):
+        assert e.gpu_peak <= ref.gpu_peak
+
+
+def test_monotonic_in_seq_len():
+    shape = load_shape("qwen2.5-7b")
+    for feats in (Features(), Features.of(ALL_ACT | {"offload_optimizer"}), Features(tiled_mlp=True)):
+        peaks = [estimate(shape, s, 4, 8, feats) for s in (4096, 8192, 65536, 131072, 10**6, 4 * 10**6)]
+        gpu = [e.gpu_peak for e in peaks]
+        cpu = [e.cpu_per_node for e in peaks]
+        assert gpu == sorted(gpu) and cpu == sorted(cpu)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--sp", "3"], "does not divide world size 8"),
+    (["--sp", "16"], "does not divide world size 8"),
+    (["--model", "qwen2.5-7b", "--gpus_per_node", "7", "--sp", "7"], "KV heads"),
+    (["--model", "tiny-llama", "--sp", "8"], "not divisible by sequence_parallel_size=8"),
+    (["--seq_len", "lots"], "sequence length"),
+    (["--model", "no-such-model"], "not a preset"),
+    (["--offload_activations"], "needs gradient_checkpointing"),
+])
+def test_invalid_input_is_a_one_line_value_error(argv, needle):
+    args = ["--model", "llama3-8b", "--seq_len", "128k"] + argv
+    with pytest.raises(ValueError) as err:
+        plan.plan(args)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_cli_error_is_one_line_on_stderr():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plan.py"), "--model", "llama3-8b",
+                           "--seq_len", "128k", "--sp", "3"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1
+
+
+def test_json_output_parses_and_auto_sp(capsys):
+    plan.main(["--model", "llama3-8b", "--seq_len", "128k,1M", "--nodes", "4", "--alst", "--json"])
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["cluster"]["world"] == 32 and rep["features"]["tiled_mlp"]
+    short, long = rep["plans"]
+    assert [c["sp"] for c in short["candidates"]] == [1, 2, 4, 8, 16, 32]
+    assert set(long["fitting_sp"]) <= set(short["fitting_sp"])
+    assert long["recommended_sp"] in long["fitting_sp"]
+    stage = long["recipe"]["stages"][0]
+    assert stage["max_seq_length"] == 1048576 and stage["sequence_parallel_size"] == long["recommended_sp"]
+    assert os.path.isfile(os.path.join(ROOT, long["deepspeed_config"]))
+
+
+def test_table_output_mentions_the_essentials(capsys):
+    plan.main(["--model", "tiny-llama", "--seq_len", "4k", "--gpus_per_node", "2"])
+    out = capsys.readouterr().out
+    for needle in ("no seq^2 term", "SP degrees that fit: [1, 2]", "= peak", "tokens/s/GPU", "recipe:"):
+        assert needle in out
+
+
+def test_ds_recommendation():
+    assert plan.ds_recommendation(Features()) == ("ds_configs/zero3.json", {})
+    assert plan.ds_recommendation(Features(offload_params=True, offload_optimizer=True)) == \
+        ("ds_configs/zero3_offload.json", {})
+    assert plan.ds_recommendation(Features(offload_optimizer=True))[1] == \
+        {"zero_optimization": {"offload_param": {"device": "none"}}}
+
+
+def test_parse_seq_len_and_config_json(tmp_path):
+    assert [parse_seq_len(s) for s in ("131072", "128k", "128K", "1M", "15_000_000")] == \
+        [131072, 131072, 131072, 1048576, 15_000_000]
+    from model_utils.presets import PRESETS
+
+    (tmp_path / "config.json").write_text(json.dumps(PRESETS["qwen3-32b"]))
+    assert load_shape(str(tmp_path)) == load_shape(str(tmp_path / "config.json")) == load_shape("qwen3-32b")
+
+
+def test_flops_and_throughput_by_hand():
+    # 6 * (2 layers + LM head) * s  +  6 * L * nh * d * s^2
+    assert flops_per_sequence(TOY, 100) == 6 * (2 * 41088 + 64000) * 100 + 6 * 2 * 4 * 16 * 100**2
+    assert tokens_per_sec_per_gpu(TOY, 100, 0.5, 1.0) == pytest.approx(100 * 0.5e12 / 95_385_600)
+
+
+def test_predict_peak_bytes_for_tiny_models_on_cpu():
+    for name in ("tiny-llama", "tiny-qwen2"):
+        p1 = predict_peak_bytes(name, 2048, 1, features=None)
+        p2 = predict_peak_bytes(name, 2048, 2, features={"gradient_checkpointing": True})
+        assert 0 < p2 < p1
+        # on CPU offloading changes nothing: every state lives in the same RAM
+        off = {"offload_params", "offload_optimizer", "gradient_checkpointing", "offload_activations"}
+        same = predict_peak_bytes(name, 2048, 2, features={"gradient_checkpointing"})
+        assert predict_peak_bytes(name, 2048, 2, features=off) == pytest.approx(same, rel=0.2)
+        assert predict_peak_bytes(name, 2048, 2, features=off, device="cuda") < same
