@@ -1,95 +1,155 @@
 """ulysses-longtrain: train a Hugging Face causal LM on long sequences with DeepSpeed ZeRO-3 (+ CPU offload)
-and Ulysses sequence parallelism (world = sp x dp).
+and Ulysses sequence parallelism (world = sp x dp), through a staged context-extension curriculum.
 
     deepspeed --num_gpus N train.py --deepspeed ds_configs/zero3_offload.json \
         --model_name_or_path PATH --dataset_path DATA --max_seq_length L --sequence_parallel_size SP \
         --per_device_train_batch_size 1 --gradient_accumulation_steps G --learning_rate 2e-5 \
-        --max_steps S --output_dir checkpoints/RUN --seed 0
+        --max_steps S --output_dir checkpoints/RUN --seed 0          # or: --config recipes/NAME.yaml
 
-Sections, in order: config -> distributed init and parallel layout -> data -> model and engine ->
-resume -> training loop -> export. CPU: `DS_ACCELERATOR=cpu` (gloo). See README.md.
+Sections, in order: config -> distributed init and layout -> data -> resume -> for each stage: model and
+engine, training loop, stage end (checkpoint, evaluation) -> export. On CPU: `DS_ACCELERATOR=cpu` (gloo).
+Exit codes: 0 done, 2 bad input, 75 saved after a preemption signal (requeue and `--resume auto`).
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
-import random
 import sys
 import time
 import warnings
 
-import numpy as np
-import torch
-
 warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
 
-EXIT_OK, EXIT_USAGE, EXIT_PREEMPTED = 0, 2, 75  # 75 = EX_TEMPFAIL: saved after a preemption signal, requeue me
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
+EXIT_OK, EXIT_USAGE, EXIT_PREEMPTED = 0, 2, 75  # 75 = EX_TEMPFAIL: "temporary failure, retry later"
 
 
 def main(argv: list[str] | None = None) -> int:
+    import torch
+    import torch.distributed as dist
+
     from data.packing import PackedDataset
     from data.prepare import prepare_token_stream
     from data.sampler import ResumableSampler
     from data.sharding import collate, shard
     from model_utils.build import load_hf_config, pick_attn_implementation
+    from model_utils.export import export_hf
+    from model_utils.rope import apply_rope, check_rope, model_hash
+    from training.checkpoint import Checkpointer, rng_state, set_rng_state
     from training.config import parse_config, to_dict
-    from training.engine import build_engine
+    from training.curriculum import resolve_stages, stage_start, total_steps
+    from training.engine import build_engine, stage_config
+    from training.evaluation import evaluate_stage, heldout_count
     from training.metrics import MetricsLogger, peak_memory_gb, print0, set_main
     from training.parallel import check_layout, init_distributed
+    from training.preemption import PreemptionFlag
     from training.step import train_step
 
     # --- config: every user error surfaces here, before any heavy work ---
     cfg = parse_config(argv)
-    hf_config = load_hf_config(cfg.model_name_or_path)
+    base_config = load_hf_config(cfg.model_name_or_path)
     attn = pick_attn_implementation(cfg.attn_implementation)
-    text_cfg = hf_config.get_text_config()
-    if cfg.rope:
-        hf_config.rope_parameters = {**(hf_config.rope_parameters or {}), **cfg.rope}
+    arch = base_config.get_text_config()
 
-    # --- distributed init and the parallel layout ---
+    # --- distributed init and the parallel layout of every stage ---
     dims = init_distributed(cfg.sequence_parallel_size)
     set_main(dims.is_main)
-    check_layout(dims.world, dims.sp, text_cfg.num_attention_heads, text_cfg.num_key_value_heads, cfg.max_seq_length)
+    stages = resolve_stages(cfg, dp_of_sp=lambda sp: max(1, dims.world // sp))
+    for s in stages:
+        check_layout(dims.world, s.sp, arch.num_attention_heads, arch.num_key_value_heads, s.max_seq_length)
+        if s.rope:
+            check_rope(s.rope, f"stage {s.index} ({s.name})")
     bf16 = torch.cuda.is_available() if cfg.bf16 is None else cfg.bf16
-    print0(f"world={dims.world} sp={dims.sp} dp={dims.dp} model={cfg.model_name_or_path} attn={attn} "
-           f"seq_len={cfg.max_seq_length} mb={cfg.per_device_train_batch_size} ga={cfg.gradient_accumulation_steps} "
-           f"precision={'bf16' if bf16 else 'fp32'}")
+    print0(f"world={dims.world} model={cfg.model_name_or_path} attn={attn} precision={'bf16' if bf16 else 'fp32'} "
+           f"mb={cfg.per_device_train_batch_size} ga={cfg.gradient_accumulation_steps} deepspeed={cfg.deepspeed}")
+    for s in stages:
+        print0(f"  stage {s.index} {s.name}: seq_len={s.max_seq_length} sp={s.sp} dp={dims.world // s.sp} "
+               f"steps={s.max_steps} lr={s.learning_rate}->{s.min_lr} warmup={s.warmup_steps} rope={s.rope}")
+    if cfg.dry_run:
+        return EXIT_OK
 
-    # --- data: tokenize once (rank 0), pack to the stage length, sample over DP ranks ---
+    # --- data: tokenize once (rank 0, cached); each stage packs the same stream to its own length ---
     tokens, starts, tokenizer = prepare_token_stream(cfg.dataset_path, cfg.tokenizer_name_or_path,
-                                                     text_cfg.vocab_size, dims.is_main)
+                                                     arch.vocab_size, dims.is_main)
     reset_pos = cfg.reset_position_ids == "yes" or (cfg.reset_position_ids == "auto" and attn == "flash_attention_2")
-    dataset = PackedDataset(tokens, starts, cfg.max_seq_length, reset_pos)
-    sampler = ResumableSampler(len(dataset), dims.dp, dims.dp_rank, cfg.per_device_train_batch_size, cfg.seed)
     pad_id = tokenizer.pad_id if tokenizer else 0
 
-    # --- model and engine ---
-    engine = build_engine(cfg, dims, hf_config, attn, bf16, seed=cfg.seed)
-    seed_everything(cfg.seed + dims.rank)
-    step, tokens_seen = 0, 0
+    # --- resume: the newest complete checkpoint decides where the curriculum continues ---
+    ckpt = Checkpointer(cfg.output_dir, cfg.save_total_limit)
+    resume_from = ckpt.find_resume(cfg.resume)
+    trainer = Checkpointer.read_trainer(resume_from) if resume_from else {"step": 0, "tokens": 0, "stage": 0}
+    if resume_from and trainer.get("model_hash") != model_hash(base_config):
+        raise ValueError(f"checkpoint {resume_from} was written for a different model architecture than "
+                         f"{cfg.model_name_or_path}: use the same model, another --output_dir, or --resume none")
+    step, tokens_seen = trainer["step"], trainer["tokens"]
+    print0(f"resuming from {resume_from} (step {step}, stage {trainer['stage']})" if resume_from else "starting fresh")
+    metrics = MetricsLogger(cfg.output_dir, dims.is_main, cfg.report_to, cfg.wandb_project, trainer.get("wandb_id"),
+                            to_dict(cfg), total_steps(stages), cfg.progress_bar, resume_step=step)
+    preempt = PreemptionFlag().install()
 
-    # --- training loop ---
-    metrics = MetricsLogger(cfg.output_dir, dims.is_main, cfg.report_to, cfg.wandb_project, None, to_dict(cfg),
-                            cfg.max_steps, cfg.progress_bar)
-    while step < cfg.max_steps:
-        micro = [shard(collate([dataset[i] for i in sampler.next_batch()], dims.sp, pad_id), dims.sp, dims.sp_rank)
-                 for _ in range(cfg.gradient_accumulation_steps)]
-        lr = engine.get_lr()[0]
-        out = train_step(engine, micro, dims.world)
-        step += 1
-        step_tokens = dims.dp * cfg.gradient_accumulation_steps * cfg.per_device_train_batch_size * cfg.max_seq_length
-        tokens_seen += step_tokens
-        metrics.log({"step": step, "loss": out["loss"], "lr": lr, "tokens": step_tokens,
-                     "tokens_per_s": step_tokens / out["step_time"], "seq_len": cfg.max_seq_length,
-                     "sp": dims.sp, "dp": dims.dp, "peak_mem_gb": peak_memory_gb(), "stage": 0,
-                     "total_tokens": tokens_seen, "time": time.time()})
+    for stage in stages:
+        end = stage_start(stages, stage.index) + stage.max_steps
+        if step >= end and metrics.has_eval(stage.index):
+            continue  # finished and evaluated before this (resumed) run
+        # --- model and engine for this stage (its length, SP degree, RoPE, LR schedule) ---
+        sdims = dataclasses.replace(dims, sp=stage.sp)
+        hf_config = copy.deepcopy(base_config)
+        apply_rope(hf_config, stage.rope, stage.max_seq_length)
+        scfg = stage_config(cfg, stage)
+        engine = build_engine(scfg, sdims, hf_config, attn, bf16, seed=cfg.seed, ds_overrides=stage.deepspeed_overrides)
+        dataset = PackedDataset(tokens, starts, stage.max_seq_length, reset_pos)
+        sampler = ResumableSampler(len(dataset) - heldout_count(stage.eval, len(dataset)), sdims.dp, sdims.dp_rank, cfg.per_device_train_batch_size,
+                                   seed=cfg.seed + stage.index)
+        if resume_from and trainer["stage"] == stage.index:  # same stage: continue exactly where it stopped
+            saved = ckpt.load(engine, resume_from)
+            sampler.load_state_dict(saved["sampler"])
+            set_rng_state(saved["rng"])
+        elif resume_from:  # previous stage's final checkpoint: its weights (+ Adam moments), a fresh schedule
+            ckpt.load(engine, resume_from, load_optimizer=not stage.reset_optimizer, load_scheduler=False)
+        torch.manual_seed(cfg.seed + 1000 * stage.index + dims.rank)
+
+        # --- training loop ---
+        while step < end:
+            micro = [shard(collate([dataset[i] for i in sampler.next_batch()], sdims.sp, pad_id), sdims.sp,
+                           sdims.sp_rank) for _ in range(cfg.gradient_accumulation_steps)]
+            lr = engine.get_lr()[0]
+            out = train_step(engine, micro, dims.world)
+            step += 1
+            n = sdims.dp * cfg.gradient_accumulation_steps * cfg.per_device_train_batch_size * stage.max_seq_length
+            tokens_seen += n
+            metrics.log({"step": step, "stage": stage.index, "loss": out["loss"], "lr": lr, "tokens": n,
+                         "tokens_per_s": n / out["step_time"], "seq_len": stage.max_seq_length, "sp": sdims.sp,
+                         "dp": sdims.dp, "peak_mem_gb": peak_memory_gb(), "total_tokens": tokens_seen,
+                         "time": time.time()})
+            preempted = preempt.agreed()
+            if preempted or step == end or (cfg.save_steps and step % cfg.save_steps == 0):
+                t0 = time.perf_counter()
+                trainer = {"step": step, "tokens": tokens_seen, "stage": stage.index, "stage_name": stage.name,
+                           "wandb_id": metrics.run_id, "model_hash": model_hash(hf_config), "world": dims.world,
+                           "sp": stage.sp, "tokenizer": tokenizer.path if tokenizer else None, "config": to_dict(cfg)}
+                resume_from = ckpt.save(engine, step, trainer, {"sampler": sampler.state_dict(), "rng": rng_state()},
+                                        hf_config)
+                print0(f"saved {resume_from} in {time.perf_counter() - t0:.1f}s")
+            if preempted:
+                print0(f"preempted (signal {preempt.received or 'on another rank'}): exiting with {EXIT_PREEMPTED}")
+                metrics.close()
+                return EXIT_PREEMPTED
+
+        # --- stage end: checkpoint written above; evaluate at this stage's length ---
+        evaluate_stage(engine, stage, sdims, dataset, tokenizer, metrics, step)
+        engine.destroy()
+        del engine
+        dist.barrier()
+
+    # --- export: consolidated weights in Hugging Face format (the last stage's RoPE in its config) ---
+    if dims.is_main:
+        if cfg.export_hf:
+            print0(f"exported {export_hf(resume_from, os.path.join(cfg.output_dir, 'hf_model'), tokenizer and tokenizer.path)}")
+        with open(os.path.join(cfg.output_dir, "COMPLETE"), "w") as fh:
+            fh.write(f"{step}\n")
     metrics.close()
+    dist.barrier()
     return EXIT_OK
 
 

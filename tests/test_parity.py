@@ -50,7 +50,7 @@ def results(assets, tmp_path_factory):
                           "deepspeed": os.path.join(ROOT, "ds_configs/zero3_offload.json"),
                           "out": str(d / f"{name}.pt"), "cache": os.path.join(assets["dir"], "cache")})
         run(os.path.join(ROOT, "tests/workers/parity.py"), [json.dumps(cases)], sp * dp, str(d / "logs"))
-        for (name, model, sl, ga), case in zip(CASES, cases):
+        for (name, model, sl, _ga), case in zip(CASES, cases):
             out[(sp, dp, name)] = (torch.load(case["out"]), model, sl)
     return out
 

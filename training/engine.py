@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import deepspeed
 import torch
 
 from model_utils import ulysses
 from model_utils.build import build_model
 from training.config import Config
+from training.curriculum import Stage
 from training.ds_config import build_ds_config
 from training.parallel import ParallelDims
 from training.schedule import lambda_scheduler
+
+
+def stage_config(cfg: Config, stage: Stage) -> Config:
+    """The run config as seen by one stage (its length, SP degree and LR schedule)."""
+    return dataclasses.replace(cfg, max_seq_length=stage.max_seq_length, sequence_parallel_size=stage.sp,
+                               learning_rate=stage.learning_rate, min_lr=stage.min_lr, warmup_steps=stage.warmup_steps,
+                               lr_scheduler=stage.lr_scheduler, max_steps=stage.max_steps, rope=stage.rope)
 
 
 def build_engine(cfg: Config, dims: ParallelDims, hf_config, attn: str, bf16: bool, seed: int,
@@ -27,6 +37,10 @@ def build_engine(cfg: Config, dims: ParallelDims, hf_config, attn: str, bf16: bo
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config, mpu=mpu,
         lr_scheduler=lambda_scheduler(cfg.learning_rate, cfg.min_lr, cfg.warmup_steps, cfg.max_steps,
                                       cfg.lr_scheduler))
+    # ZeRO-3 partitions over the whole world whatever the SP degree, but DeepSpeed names checkpoint files
+    # after the "model-parallel" rank, which the SP mpu aliases to the SP rank. Name them by world rank only,
+    # so a checkpoint loads under another SP degree at the same world size (e.g. the next stage's).
+    engine.checkpoint_mp_rank = 0
     engine._hf_ds_config_handle = handle  # transformers reads ZeRO-3 settings through it while the engine lives
     engine.train()
     return engine

@@ -57,15 +57,17 @@ class MetricsLogger:
     """Rank 0 appends one JSON line per event to OUTPUT_DIR/metrics.jsonl and mirrors it to W&B."""
 
     def __init__(self, output_dir: str, is_main: bool, report_to: str, project: str, run_id: str | None,
-                 config: dict, total_steps: int, progress_bar: bool):
+                 config: dict, total_steps: int, progress_bar: bool, resume_step: int = 0):
         self.is_main = is_main
         self.path = os.path.join(output_dir, "metrics.jsonl")
         self.wandb = None
         self.run_id = run_id
         self.bar = None
+        self.eval_dir = os.path.join(output_dir, "eval")
         if not is_main:
             return
-        os.makedirs(output_dir, exist_ok=True)
+        os.makedirs(self.eval_dir, exist_ok=True)
+        self._truncate(resume_step)
         if wandb_enabled(report_to):
             import wandb
 
@@ -78,6 +80,30 @@ class MetricsLogger:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total_steps, dynamic_ncols=True, desc="train")
+
+    def _truncate(self, step: int) -> None:
+        """Drop lines of steps after the checkpoint we resume from: they will be trained again."""
+        if not os.path.exists(self.path):
+            return
+        with open(self.path) as fh:
+            keep = [ln for ln in fh if ln.strip() and json.loads(ln).get("step", 0) <= step]
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as fh:
+            fh.writelines(keep)
+        os.replace(tmp, self.path)
+
+    def has_eval(self, stage: int) -> bool:
+        return os.path.exists(os.path.join(self.eval_dir, f"stage{stage}.json"))
+
+    def log_eval(self, stage: int, result: dict) -> None:
+        """Record a stage's evaluation: a line in metrics.jsonl, W&B, and eval/stage{N}.json (written last)."""
+        if not self.is_main:
+            return
+        self.log({"event": "eval", **result})
+        tmp = os.path.join(self.eval_dir, f"stage{stage}.json.tmp")
+        with open(tmp, "w") as fh:
+            json.dump(result, fh, indent=1)
+        os.replace(tmp, os.path.join(self.eval_dir, f"stage{stage}.json"))
 
     def log(self, record: dict) -> None:
         if not self.is_main:

@@ -1,0 +1,228 @@
+"""Atomic, verifiable checkpoints: the only module that writes or reads training state.
+
+Layout under OUTPUT_DIR/checkpoints/:
+
+    step_000200/            DeepSpeed engine files (weights, optimizer, LR scheduler) written by every rank
+        state/rank00003.pt  this rank's data position and RNG states
+        trainer.json        counters, stage, config snapshot, W&B run id, layout, model-config hash
+        hf_config.json      the model config of the stage (RoPE included), for export
+        MANIFEST.json       written last: every file with size and CRC32
+    LATEST                  name of the newest committed checkpoint, replaced atomically
+
+A checkpoint exists only once its manifest is written, after every rank has written and fsynced its
+files (DeepSpeed's own `latest` file is not used: it is written on rank 0 before the final barrier).
+Loading verifies the manifest; an incomplete or corrupt checkpoint is skipped with a warning naming it.
+Checksums are computed and verified in parallel: rank r handles files r, r + world, ...
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import zlib
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from training.metrics import print0
+
+MANIFEST, POINTER = "MANIFEST.json", "LATEST"
+_TAG = re.compile(r"^step_(\d{6,})$")
+
+
+def tag_for(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_file(os.path.dirname(path) or ".")
+
+
+def _crc32(path: str) -> str:
+    crc = 0
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def _list_files(d: str) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(dp, f), d) for dp, _, fs in os.walk(d) for f in fs if f != MANIFEST)
+
+
+def _world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def _gather_dict(local: dict) -> dict:
+    rank, world = _world()
+    if world == 1:
+        return local
+    parts = [None] * world
+    dist.all_gather_object(parts, local)
+    return {k: v for p in parts for k, v in p.items()}
+
+
+def rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(s: dict) -> None:
+    random.setstate(s["python"])
+    np.random.set_state(s["numpy"])
+    torch.set_rng_state(s["torch"])
+    if s.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+
+
+class Checkpointer:
+    def __init__(self, output_dir: str, keep: int):
+        self.root = os.path.join(output_dir, "checkpoints")
+        self.keep = keep
+
+    # ---------------------------------------------------------------- save
+    def save(self, engine, step: int, trainer: dict, rank_state: dict, hf_config) -> str:
+        """Write checkpoint `step` on all ranks, commit it, rotate old ones. Collective."""
+        rank, world = _world()
+        tag = tag_for(step)
+        path = os.path.join(self.root, tag)
+        if rank == 0:
+            if os.path.exists(path):  # a partial leftover of a killed run at this same step
+                shutil.rmtree(path)
+            os.makedirs(os.path.join(path, "state"), exist_ok=True)
+        if world > 1:
+            dist.barrier()
+        engine.save_checkpoint(self.root, tag=tag, save_latest=False)
+        own = os.path.join(path, "state", f"rank{rank:05d}.pt")
+        torch.save(rank_state, own)
+        _fsync_file(own)
+        if rank == 0:
+            _atomic_write(os.path.join(path, "trainer.json"), json.dumps(trainer, indent=1, default=str))
+            _atomic_write(os.path.join(path, "hf_config.json"), hf_config.to_json_string())
+        if world > 1:
+            dist.barrier()  # every rank's files are on disk
+        files = _list_files(path)
+        mine = {f: self._describe(path, f, fsync=True) for f in files[rank::world]}
+        described = _gather_dict(mine)
+        if rank == 0:
+            manifest = {"tag": tag, "step": step, "world": world, "files": described,
+                        "model_hash": trainer.get("model_hash"), "sp": trainer.get("sp")}
+            _atomic_write(os.path.join(path, MANIFEST), json.dumps(manifest, indent=1))
+            _atomic_write(os.path.join(self.root, POINTER), tag + "\n")
+            self._rotate(keep_tag=tag)
+        if world > 1:
+            dist.barrier()
+        return path
+
+    @staticmethod
+    def _describe(path: str, f: str, fsync: bool) -> dict:
+        full = os.path.join(path, f)
+        if fsync:
+            _fsync_file(full)
+        return {"size": os.path.getsize(full), "crc32": _crc32(full)}
+
+    def _rotate(self, keep_tag: str) -> None:
+        """Keep the newest `keep` committed checkpoints; drop older ones and uncommitted leftovers."""
+        tags = self.tags()
+        committed = [t for t in tags if os.path.exists(os.path.join(self.root, t, MANIFEST))]
+        newest = committed[-self.keep:]
+        for t in tags:
+            if t in newest or t == keep_tag:
+                continue
+            if t in committed or int(_TAG.match(t).group(1)) < int(_TAG.match(keep_tag).group(1)):
+                shutil.rmtree(os.path.join(self.root, t), ignore_errors=True)
+
+    # ---------------------------------------------------------------- find and load
+    def tags(self) -> list[str]:
+        if not os.path.isdir(self.root):
+            return []
+        return sorted((t for t in os.listdir(self.root) if _TAG.match(t)), key=lambda t: int(t[5:]))
+
+    def verify(self, path: str) -> str | None:
+        """None if the checkpoint at `path` is complete and intact, else the reason. Collective."""
+        rank, world = _world()
+        reason = None
+        try:
+            with open(os.path.join(path, MANIFEST)) as fh:
+                manifest = json.load(fh)
+            files = sorted(manifest["files"])
+            extra = set(_list_files(path)) - set(files)
+            if extra:
+                reason = f"files not in the manifest: {sorted(extra)[:3]}"
+            for f in files[rank::world]:
+                full = os.path.join(path, f)
+                if not os.path.exists(full):
+                    reason = f"missing {f}"
+                elif os.path.getsize(full) != manifest["files"][f]["size"]:
+                    reason = f"{f} has {os.path.getsize(full)} bytes, manifest says {manifest['files'][f]['size']}"
+                elif _crc32(full) != manifest["files"][f]["crc32"]:
+                    reason = f"{f} checksum differs from the manifest"
+                if reason:
+                    break
+        except (OSError, ValueError, KeyError) as e:
+            reason = f"no readable manifest ({type(e).__name__}: {e})"
+        reasons = [reason]
+        if world > 1:
+            reasons = [None] * world
+            dist.all_gather_object(reasons, reason)
+        return next((r for r in reasons if r), None)
+
+    def find_resume(self, resume: str) -> str | None:
+        """Path of the checkpoint to resume from: newest valid (auto), a given one (PATH), or None."""
+        if resume == "none":
+            return None
+        if resume != "auto":
+            why = self.verify(resume)
+            if why:
+                raise ValueError(f"--resume {resume}: not a complete checkpoint ({why}); use --resume auto or "
+                                 "another checkpoint")
+            return resume
+        for tag in reversed(self.tags()):
+            path = os.path.join(self.root, tag)
+            why = self.verify(path)
+            if why is None:
+                return path
+            print0(f"warning: skipping checkpoint {path}: {why}")
+        return None
+
+    @staticmethod
+    def read_trainer(path: str) -> dict:
+        with open(os.path.join(path, "trainer.json")) as fh:
+            return json.load(fh)
+
+    def load(self, engine, path: str, load_optimizer: bool = True, load_scheduler: bool = True) -> dict:
+        """Restore engine state into `engine`; returns this rank's saved state (data position, RNG).
+
+        A new stage loads the previous stage's weights, optionally its Adam moments, never its LR schedule."""
+        rank, world = _world()
+        load_dir, tag = os.path.split(path.rstrip("/"))
+        loaded, _ = engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=load_optimizer,
+                                           load_lr_scheduler_states=load_optimizer and load_scheduler,
+                                           load_module_only=not load_optimizer)
+        if loaded is None:
+            raise RuntimeError(f"DeepSpeed could not load {path}")
+        if not load_scheduler and engine.lr_scheduler is not None:
+            # the loaded optimizer state carries the old stage's LR; start the new schedule from its step 0
+            for group, lr in zip(engine.optimizer.param_groups, engine.lr_scheduler.get_last_lr()):
+                group["lr"] = lr
+        own = os.path.join(path, "state", f"rank{rank:05d}.pt")
+        return torch.load(own, weights_only=False) if os.path.exists(own) else {}
