@@ -99,12 +99,14 @@ def main(argv: list[str] | None = None) -> int:
         scfg = stage_config(cfg, stage)
         engine = build_engine(scfg, sdims, hf_config, attn, bf16, seed=cfg.seed, ds_overrides=stage.deepspeed_overrides)
         dataset = PackedDataset(tokens, starts, stage.max_seq_length, reset_pos)
-        sampler = ResumableSampler(len(dataset) - heldout_count(stage.eval, len(dataset)), sdims.dp, sdims.dp_rank, cfg.per_device_train_batch_size,
+        n_train = len(dataset) - heldout_count(stage.eval, len(dataset))  # the last samples are held out
+        sampler = ResumableSampler(n_train, sdims.dp, sdims.dp_rank, cfg.per_device_train_batch_size,
                                    seed=cfg.seed + stage.index)
         if resume_from and trainer["stage"] == stage.index:  # same stage: continue exactly where it stopped
             saved = ckpt.load(engine, resume_from)
             sampler.load_state_dict(saved["sampler"])
-            set_rng_state(saved["rng"])
+            if "rng" in saved:  # absent when the world size changed
+                set_rng_state(saved["rng"])
         elif resume_from:  # previous stage's final checkpoint: its weights (+ Adam moments), a fresh schedule
             ckpt.load(engine, resume_from, load_optimizer=not stage.reset_optimizer, load_scheduler=False)
         torch.manual_seed(cfg.seed + 1000 * stage.index + dims.rank)
@@ -137,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                 return EXIT_PREEMPTED
 
         # --- stage end: checkpoint written above; evaluate at this stage's length ---
-        evaluate_stage(engine, stage, sdims, dataset, tokenizer, metrics, step)
+        evaluate_stage(engine, stage, sdims, dataset, tokenizer, metrics, step, cfg.per_device_train_batch_size)
         engine.destroy()
         del engine
         dist.barrier()

@@ -41,4 +41,11 @@ class ResumableSampler:
                 "micro_batch": self.mb, "num_samples": self.num_samples}
 
     def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.taken, self._order = state["epoch"], state["taken"], None
+        """Continue from `state`; under another DP degree or batch size, at the same fraction of the epoch
+        (exact when the layout is unchanged)."""
+        self.epoch, self._order = state["epoch"], None
+        if state["dp"] == self.dp and state["micro_batch"] == self.mb and state["num_samples"] == self.num_samples:
+            self.taken = state["taken"]
+        else:
+            consumed = state["taken"] * state["dp"] * state["micro_batch"]
+            self.taken = min(self.batches_per_epoch, consumed // (self.dp * self.mb))

@@ -215,6 +215,11 @@ class Checkpointer:
         A new stage loads the previous stage's weights, optionally its Adam moments, never its LR schedule."""
         rank, world = _world()
         load_dir, tag = os.path.split(path.rstrip("/"))
+        with open(os.path.join(path, MANIFEST)) as fh:
+            saved_world = json.load(fh)["world"]
+        if saved_world != world:
+            load_dir = self._universal(path, saved_world, world)
+            engine._config.load_universal_checkpoint = True
         loaded, _ = engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=load_optimizer,
                                            load_lr_scheduler_states=load_optimizer and load_scheduler,
                                            load_module_only=not load_optimizer)
@@ -224,5 +229,31 @@ class Checkpointer:
             # the loaded optimizer state carries the old stage's LR; start the new schedule from its step 0
             for group, lr in zip(engine.optimizer.param_groups, engine.lr_scheduler.get_last_lr()):
                 group["lr"] = lr
-        own = os.path.join(path, "state", f"rank{rank:05d}.pt")
-        return torch.load(own, weights_only=False) if os.path.exists(own) else {}
+        engine._config.load_universal_checkpoint = False
+        if saved_world != world:  # rank r of another world: take rank 0's data position, fresh RNG
+            return {k: v for k, v in torch.load(os.path.join(path, "state", "rank00000.pt"), weights_only=False).items()
+                    if k != "rng"}
+        return torch.load(os.path.join(path, "state", f"rank{rank:05d}.pt"), weights_only=False)
+
+    def _universal(self, path: str, saved_world: int, world: int) -> str:
+        """Convert `path` (written by `saved_world` ranks) to DeepSpeed's universal format, once; returns the
+        folder to load from. Universal checkpoints carry weights and Adam moments to any world size."""
+        import subprocess
+        import sys
+
+        rank, _ = _world()
+        tag = os.path.basename(path.rstrip("/"))
+        out_root = os.path.join(self.root, "universal")
+        out = os.path.join(out_root, tag)
+        if rank == 0 and not os.path.exists(os.path.join(out, "DONE")):
+            print0(f"checkpoint {path} was written by {saved_world} ranks, this run has {world}: converting it to a "
+                   f"DeepSpeed universal checkpoint in {out}")
+            shutil.rmtree(out, ignore_errors=True)
+            os.makedirs(out_root, exist_ok=True)
+            subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", path,
+                            "--output_folder", out, "--num_extract_workers", "2", "--num_merge_workers", "1",
+                            "--inject_missing_state"], check=True, stdout=subprocess.DEVNULL)
+            _atomic_write(os.path.join(out, "DONE"), "ok\n")
+        if dist.is_initialized():
+            dist.barrier()
+        return out_root

@@ -25,9 +25,14 @@ def heldout_count(eval_cfg: dict, num_samples: int) -> int:
 
 
 @torch.no_grad()
-def _sharded_logits_check(engine, sample: dict, sp: int, sp_rank: int, pad_id: int):
-    """(sum CE, n tokens, all-answer-tokens-correct) over this rank's shard of one sample."""
-    mb = {k: v.to(engine.device) for k, v in shard(collate([sample], sp, pad_id), sp, sp_rank).items()}
+def _sharded_logits_check(engine, sample: dict, sp: int, sp_rank: int, pad_id: int, batch: int):
+    """(sum CE, n tokens, wrong argmax count) over this rank's shard of one sample.
+
+    Ulysses attention is registered for a fixed micro-batch size, so the batch is filled with unlabelled
+    copies of the sample."""
+    filler = {**sample, "shift_labels": np.full_like(sample["shift_labels"], -100)}
+    mb = {k: v.to(engine.device) for k, v in shard(collate([sample] + [filler] * (batch - 1), sp, pad_id), sp,
+                                                    sp_rank).items()}
     logits = engine(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False).logits.float()
     labels = mb["shift_labels"]
     mask = labels != -100
@@ -54,7 +59,7 @@ def passkey_sample(tokenizer, seq_len: int, depth: float, rng: random.Random) ->
     return {"input_ids": ids, "shift_labels": labels, "position_ids": np.arange(len(ids))}
 
 
-def evaluate_stage(engine, stage, dims, dataset, tokenizer, metrics, step: int) -> dict:
+def evaluate_stage(engine, stage, dims, dataset, tokenizer, metrics, step: int, micro_batch: int) -> dict:
     """Run the stage's evaluation on every rank; rank 0 records it. Returns the result."""
     cfg = stage.eval
     engine.eval()
@@ -64,7 +69,7 @@ def evaluate_stage(engine, stage, dims, dataset, tokenizer, metrics, step: int) 
     if n_held:
         ce, n = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.int64)
         for i in range(len(dataset) - n_held, len(dataset)):
-            c, k, _ = _sharded_logits_check(engine, dataset[i], dims.sp, dims.sp_rank, pad_id)
+            c, k, _ = _sharded_logits_check(engine, dataset[i], dims.sp, dims.sp_rank, pad_id, micro_batch)
             ce, n = ce + c, n + k
         t = torch.stack([ce, n.double()])
         dist.all_reduce(t)  # every rank of an SP group holds part of the same samples; DP groups repeat them
@@ -77,7 +82,7 @@ def evaluate_stage(engine, stage, dims, dataset, tokenizer, metrics, step: int) 
             ok = 0
             for _ in range(trials):
                 sample = passkey_sample(tokenizer, stage.max_seq_length, depth, rng)
-                _, _, wrong = _sharded_logits_check(engine, sample, dims.sp, dims.sp_rank, pad_id)
+                _, _, wrong = _sharded_logits_check(engine, sample, dims.sp, dims.sp_rank, pad_id, micro_batch)
                 dist.all_reduce(wrong)
                 ok += int(wrong.item() == 0)
             per_depth[f"{depth:g}"] = ok / trials
