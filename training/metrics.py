@@ -11,6 +11,7 @@ import json
 import os
 import resource
 import sys
+import uuid
 
 import torch
 import torch.distributed as dist
@@ -73,7 +74,7 @@ class MetricsLogger:
 
             if not (os.environ.get("WANDB_MODE") or os.environ.get("WANDB_API_KEY")):
                 os.environ["WANDB_MODE"] = "offline"
-            self.run_id = run_id or wandb.util.generate_id()
+            self.run_id = run_id or uuid.uuid4().hex[:8]
             self.wandb = wandb.init(project=project, id=self.run_id, resume="allow", config=config,
                                     dir=output_dir, settings=wandb.Settings(console="off", silent=True))
         if progress_bar and sys.stderr.isatty():
