@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     from data.sharding import collate, shard
     from model_utils.build import load_hf_config, pick_attn_implementation
     from model_utils.export import export_hf
+    from model_utils.memory import make_loss_fn
     from model_utils.rope import apply_rope, check_rope, model_hash
     from training.checkpoint import Checkpointer, rng_state, set_rng_state
     from training.config import parse_config, to_dict
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             micro = [shard(collate([dataset[i] for i in sampler.next_batch()], sdims.sp, pad_id), sdims.sp,
                            sdims.sp_rank) for _ in range(cfg.gradient_accumulation_steps)]
             lr = engine.get_lr()[0]
-            out = train_step(engine, micro, dims.world)
+            out = train_step(engine, micro, dims.world, loss_fn=make_loss_fn(cfg))
             step += 1
             n = sdims.dp * cfg.gradient_accumulation_steps * cfg.per_device_train_batch_size * stage.max_seq_length
             tokens_seen += n

@@ -9,6 +9,7 @@ import torch
 
 from model_utils import ulysses
 from model_utils.build import build_model
+from model_utils.memory import apply_memory_features
 from training.config import Config
 from training.curriculum import Stage
 from training.ds_config import build_ds_config
@@ -31,6 +32,7 @@ def build_engine(cfg: Config, dims: ParallelDims, hf_config, attn: str, bf16: bo
     torch.manual_seed(seed)  # same init on every rank (and the same as a plain from_config with this seed)
     model, handle = build_model(cfg.model_name_or_path, hf_config, ds_config, attn,
                                 torch.bfloat16 if bf16 else torch.float32)
+    apply_memory_features(model, cfg)
     ulysses.unregister()  # a previous stage may have registered another SP degree
     mpu = ulysses.register(model, dims.sp, attn, cfg.per_device_train_batch_size)
     engine, _, _, _ = deepspeed.initialize(
