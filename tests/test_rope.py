@@ -1,0 +1,105 @@
+"""Each stage's RoPE setting reaches the rotary embedding of the model on every rank under ZeRO-3, and the
+inverse frequencies / attention factor follow the published formulas (checked at every frequency)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from model_utils.rope import check_rope
+from tests.distributed import ROOT, run
+
+pytestmark = pytest.mark.dist
+D = 32  # tiny-llama head_dim = 128 / 4
+BASE = 10000.0
+ORIG = 4096
+CASES = {
+    "abf": {"rope_type": "default", "rope_theta": 500000.0},
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 4.0},
+    "yarn": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": ORIG},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": ORIG},
+}
+
+
+def default_inv_freq(theta=BASE):
+    return [theta ** (-2 * i / D) for i in range(D // 2)]
+
+
+def llama3_inv_freq(factor=8.0, low=1.0, high=4.0):
+    # Llama 3.1 (Meta's reference code): keep high frequencies, divide low ones by `factor`, blend between
+    out = []
+    for f in default_inv_freq():
+        wavelen = 2 * math.pi / f
+        if wavelen < ORIG / high:
+            out.append(f)
+        elif wavelen > ORIG / low:
+            out.append(f / factor)
+        else:
+            s = (ORIG / wavelen - low) / (high - low)
+            out.append((1 - s) * f / factor + s * f)
+    return out
+
+
+@pytest.fixture(scope="module")
+def rotary(assets, tmp_path_factory):
+    out = tmp_path_factory.mktemp("rope") / "rope.pt"
+    spec = {"model": assets["llama_gqa"], "deepspeed": os.path.join(ROOT, "ds_configs/zero3_offload.json"),
+            "cases": CASES, "out": str(out)}
+    run(os.path.join(ROOT, "tests/workers/rope.py"), [json.dumps(spec)], 2, str(out.parent / "logs"))
+    return torch.load(out)
+
+
+def close(a, b, rel=1e-6):
+    return all(abs(x - y) <= rel * abs(y) for x, y in zip(a, b)) and len(a) == len(b)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_same_on_every_rank(rotary, name):
+    ranks = rotary[name]
+    assert len(ranks) == 2 and ranks[0] == ranks[1]
+    assert ranks[0]["rope_type"] == CASES[name]["rope_type"]
+
+
+def test_abf_raises_theta(rotary):
+    assert close(rotary["abf"][0]["inv_freq"], default_inv_freq(500000.0))
+    assert rotary["abf"][0]["attention_scaling"] == 1.0
+
+
+def test_linear_interpolation_divides_every_frequency(rotary):
+    assert close(rotary["linear"][0]["inv_freq"], [f / 4.0 for f in default_inv_freq()])
+
+
+def test_dynamic_ntk_starts_from_default(rotary):
+    # dynamic NTK rescales theta only once a sequence exceeds the original length, at run time
+    assert close(rotary["dynamic"][0]["inv_freq"], default_inv_freq())
+
+
+def test_yarn_interpolates_low_keeps_high_and_scales_attention(rotary):
+    got = rotary["yarn"][0]
+    ref = default_inv_freq()
+    assert math.isclose(got["attention_scaling"], 0.1 * math.log(8.0) + 1.0, rel_tol=1e-6)  # YaRN's mscale
+    assert math.isclose(got["inv_freq"][0], ref[0], rel_tol=1e-6)  # wavelength << original: extrapolate
+    assert math.isclose(got["inv_freq"][-1], ref[-1] / 8.0, rel_tol=1e-6)  # wavelength >> original: interpolate
+    assert all(ref[i] / 8.0 * (1 - 1e-6) <= got["inv_freq"][i] <= ref[i] * (1 + 1e-6) for i in range(D // 2))
+
+
+def test_llama3_scaling_follows_reference_formula(rotary):
+    assert close(rotary["llama3"][0]["inv_freq"], llama3_inv_freq())
+    assert rotary["llama3"][0]["attention_scaling"] == 1.0
+
+
+@pytest.mark.parametrize("rope, match", [
+    ({"rope_type": "ntk-by-parts"}, "not supported"),
+    ({"rope_type": "llama3", "factor": 8.0}, "needs"),
+    ({"rope_type": "linear", "factor": 0.5}, "factor must be >= 1"),
+    ({"rope_type": "default", "rope_theta": -1}, "rope_theta must be > 0"),
+])
+def test_bad_rope_settings(rope, match):
+    with pytest.raises(ValueError, match=match):
+        check_rope(rope, "stage 1")

@@ -1,0 +1,38 @@
+"""Worker for tests/test_rope.py: build the engine under ZeRO-3 for each stage RoPE setting and report,
+from every rank, the rotary embedding's inverse frequencies and attention factor."""
+
+import copy
+import json
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+
+warnings.filterwarnings("ignore")
+
+from model_utils.build import load_hf_config  # noqa: E402
+from model_utils.rope import apply_rope  # noqa: E402
+from training.config import config_from_dict  # noqa: E402
+from training.engine import build_engine  # noqa: E402
+from training.parallel import init_distributed  # noqa: E402
+
+if __name__ == "__main__":
+    spec = json.loads(sys.argv[1])
+    results = {}
+    for name, rope in spec["cases"].items():
+        cfg = config_from_dict({"model_name_or_path": spec["model"], "sequence_parallel_size": 2, "max_steps": 1,
+                                "deepspeed": spec["deepspeed"], "report_to": "none"})
+        dims = init_distributed(2)
+        hf = copy.deepcopy(load_hf_config(cfg.model_name_or_path))
+        apply_rope(hf, rope, 4096)
+        engine = build_engine(cfg, dims, hf, "sdpa", bf16=False, seed=0)
+        rot = engine.module.model.rotary_emb
+        mine = {"inv_freq": rot.inv_freq.double().tolist(), "attention_scaling": float(rot.attention_scaling),
+                "rope_type": engine.module.config.rope_parameters.get("rope_type", "default")}
+        gathered = [None] * dims.world
+        dist.all_gather_object(gathered, mine)
+        results[name] = gathered
+        engine.destroy()
+    if dist.get_rank() == 0:
+        torch.save(results, spec["out"])
