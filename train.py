@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                            "wandb_id": metrics.run_id, "model_hash": model_hash(hf_config), "world": dims.world,
                            "sp": stage.sp, "tokenizer": tokenizer.path if tokenizer else None, "config": to_dict(cfg)}
                 resume_from = ckpt.save(engine, step, trainer, {"sampler": sampler.state_dict(), "rng": rng_state()},
-                                        hf_config)
+                                        hf_config, stage_end=f"STAGE_{stage.index}_{stage.name}" if step == end else None)
                 print0(f"saved {resume_from} in {time.perf_counter() - t0:.1f}s")
             if preempted:
                 print0(f"preempted (signal {preempt.received or 'on another rank'}): exiting with {EXIT_PREEMPTED}")

@@ -82,3 +82,12 @@ def test_resume_none_and_empty(tmp_path):
     assert ck.find_resume("auto") is None
     save(ck, 1)
     assert ck.find_resume("none") is None
+
+
+def test_stage_end_checkpoints_survive_rotation(tmp_path):
+    ck = Checkpointer(str(tmp_path), keep=2)
+    ck.save(FakeEngine(), 1, {"step": 1}, {}, FakeConfig(), stage_end="STAGE_0_short")
+    for s in (2, 3, 4):
+        save(ck, s)
+    assert ck.tags() == [tag_for(1), tag_for(3), tag_for(4)]
+    assert (tmp_path / "checkpoints" / "STAGE_0_short").read_text().strip() == tag_for(1)

@@ -8,6 +8,7 @@ Layout under OUTPUT_DIR/checkpoints/:
         hf_config.json      the model config of the stage (RoPE included), for export
         MANIFEST.json       written last: every file with size and CRC32
     LATEST                  name of the newest committed checkpoint, replaced atomically
+    STAGE_1_s128k           name of the checkpoint that ended stage 1 ("s128k"); those are never rotated away
 
 A checkpoint exists only once its manifest is written, after every rank has written and fsynced its
 files (DeepSpeed's own `latest` file is not used: it is written on rank 0 before the final barrier).
@@ -100,8 +101,10 @@ class Checkpointer:
         self.keep = keep
 
     # ---------------------------------------------------------------- save
-    def save(self, engine, step: int, trainer: dict, rank_state: dict, hf_config) -> str:
-        """Write checkpoint `step` on all ranks, commit it, rotate old ones. Collective."""
+    def save(self, engine, step: int, trainer: dict, rank_state: dict, hf_config, stage_end: str | None = None) -> str:
+        """Write checkpoint `step` on all ranks, commit it, rotate old ones. Collective.
+
+        `stage_end` ("STAGE_<index>_<name>") marks the final checkpoint of a stage: kept for good."""
         rank, world = _world()
         tag = tag_for(step)
         path = os.path.join(self.root, tag)
@@ -124,10 +127,12 @@ class Checkpointer:
         mine = {f: self._describe(path, f, fsync=True) for f in files[rank::world]}
         described = _gather_dict(mine)
         if rank == 0:
-            manifest = {"tag": tag, "step": step, "world": world, "files": described,
+            manifest = {"tag": tag, "step": step, "world": world, "files": described, "stage_end": stage_end,
                         "model_hash": trainer.get("model_hash"), "sp": trainer.get("sp")}
             _atomic_write(os.path.join(path, MANIFEST), json.dumps(manifest, indent=1))
             _atomic_write(os.path.join(self.root, POINTER), tag + "\n")
+            if stage_end:
+                _atomic_write(os.path.join(self.root, stage_end), tag + "\n")
             self._rotate(keep_tag=tag)
         if world > 1:
             dist.barrier()
@@ -145,11 +150,19 @@ class Checkpointer:
         tags = self.tags()
         committed = [t for t in tags if os.path.exists(os.path.join(self.root, t, MANIFEST))]
         newest = committed[-self.keep:]
+        stage_ends = {t for t in committed if self._manifest(t).get("stage_end")}
         for t in tags:
-            if t in newest or t == keep_tag:
+            if t in newest or t == keep_tag or t in stage_ends:
                 continue
             if t in committed or int(_TAG.match(t).group(1)) < int(_TAG.match(keep_tag).group(1)):
                 shutil.rmtree(os.path.join(self.root, t), ignore_errors=True)
+
+    def _manifest(self, tag: str) -> dict:
+        try:
+            with open(os.path.join(self.root, tag, MANIFEST)) as fh:
+                return json.load(fh)
+        except (OSError, ValueError):
+            return {}
 
     # ---------------------------------------------------------------- find and load
     def tags(self) -> list[str]:

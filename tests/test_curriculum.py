@@ -1,0 +1,114 @@
+"""Staged context extension: a 3-stage run (64 -> 128 -> 256 tokens, SP 1 -> 2 -> 2 at the same world size,
+default -> linear -> YaRN RoPE, each stage its own LR schedule) completes; each stage starts from the previous
+stage's final weights; a kill in stage 2 resumes to identical losses; the exported config carries the last
+stage's RoPE."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import yaml
+
+from tests.distributed import ROOT, run
+from tests.runs import TRAIN, losses, preempt_after
+from training.config import config_from_dict
+from training.curriculum import locate, resolve_stages
+
+pytestmark = pytest.mark.dist
+STAGES = [
+    {"name": "s64", "max_seq_length": 64, "sequence_parallel_size": 1, "max_steps": 3, "learning_rate": 1e-3},
+    {"name": "s128", "max_seq_length": 128, "sequence_parallel_size": 2, "max_steps": 3, "learning_rate": 5e-4,
+     "warmup_steps": 1, "rope": {"rope_type": "linear", "factor": 2.0}},
+    {"name": "s256", "max_seq_length": 256, "sequence_parallel_size": 2, "max_steps": 3, "learning_rate": 2e-4,
+     "rope": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}},
+]
+
+
+def recipe(assets, tmp_path) -> str:
+    p = tmp_path / "recipe.yaml"
+    p.write_text(yaml.safe_dump({"model_name_or_path": assets["llama_gqa"], "dataset_path": assets["data"],
+                                 "deepspeed": os.path.join(ROOT, "ds_configs/zero3_offload.json"),
+                                 "report_to": "none", "seed": 0, "min_lr": 1e-5, "stages": STAGES}))
+    return str(p)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(assets, tmp_path_factory):
+    d = tmp_path_factory.mktemp("curr_ref")
+    run(TRAIN, ["--config", recipe(assets, d), "--output_dir", str(d / "out")], 2, str(d / "logs"))
+    return d / "out"
+
+
+def test_three_stages_complete_with_their_settings(uninterrupted):
+    recs = [json.loads(x) for x in open(uninterrupted / "metrics.jsonl") if x.strip()]
+    steps = [r for r in recs if "loss" in r]
+    assert [(r["step"], r["stage"], r["seq_len"], r["sp"]) for r in steps] == [
+        (1, 0, 64, 1), (2, 0, 64, 1), (3, 0, 64, 1), (4, 1, 128, 2), (5, 1, 128, 2), (6, 1, 128, 2),
+        (7, 2, 256, 2), (8, 2, 256, 2), (9, 2, 256, 2)]
+    assert steps[3]["lr"] == pytest.approx(5e-4)  # stage 2 re-warms (1 warmup step) to its own peak
+    assert steps[6]["lr"] == pytest.approx(2e-4)
+    assert [r["stage"] for r in recs if r.get("event") == "eval"] == [0, 1, 2]
+    cfg = json.loads((uninterrupted / "hf_model" / "config.json").read_text())
+    assert cfg["rope_parameters"]["rope_type"] == "yarn" and cfg["rope_parameters"]["factor"] == 4.0
+
+
+def test_each_stage_starts_from_previous_final_weights(uninterrupted, assets, tmp_path):
+    """Step 4 (first of stage 2) logged the plain HF model's loss for the stage-1 final weights under stage 2's
+    RoPE and length, on the samples stage 2's sampler gives first."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from data.packing import PackedDataset, build_token_stream
+    from data.sampler import ResumableSampler
+    from model_utils.export import export_hf
+    from model_utils.rope import apply_rope
+
+    weights = export_hf(str(uninterrupted / "checkpoints" / "step_000003"), str(tmp_path / "w3"))
+    config = AutoConfig.from_pretrained(weights)
+    apply_rope(config, STAGES[1]["rope"], 128)
+    model = AutoModelForCausalLM.from_pretrained(weights, config=config, dtype=torch.float32,
+                                                 attn_implementation="sdpa")
+    tokens, starts = build_token_stream(assets["data"], None, 2048, os.path.join(assets["dir"], "cache"))
+    ds = PackedDataset(tokens, starts, 128, reset_position_ids=False)
+    first = ResumableSampler(len(ds) - 2, 1, 0, 1, seed=0 + 1).next_batch()  # seed + stage index; 2 held out
+    ids = torch.stack([torch.from_numpy(ds[i]["input_ids"]) for i in first])
+    with torch.no_grad():
+        ref = model(input_ids=ids, labels=ids).loss.item()
+    assert losses(uninterrupted)[4] == pytest.approx(ref, rel=1e-5)
+
+
+def test_kill_in_stage_two_resumes_identically(uninterrupted, assets, tmp_path):
+    args = ["--config", recipe(assets, tmp_path), "--output_dir", str(tmp_path / "out")]
+    k = preempt_after(args, 2, tmp_path / "out", str(tmp_path / "l1"), 4)
+    assert 4 <= k < 6  # inside stage 2
+    run(TRAIN, args, 2, str(tmp_path / "l2"))
+    assert f"resuming from {tmp_path / 'out'}/checkpoints/step_{k:06d} (step {k}, stage 1)" in (
+        tmp_path / "l2" / "rank0.log").read_text()
+    got, ref = losses(tmp_path / "out"), losses(uninterrupted)
+    assert sorted(got) == list(range(1, 10))
+    for s in ref:
+        assert abs(got[s] - ref[s]) <= 1e-6 * ref[s], (s, got[s], ref[s])
+
+
+def test_locate_is_a_pure_function_of_the_step():
+    cfg = config_from_dict({"stages": STAGES})
+    stages = resolve_stages(cfg, dp_of_sp=lambda sp: 2 // sp)
+    assert [locate(stages, s) for s in (0, 2, 3, 5, 6, 9)] == [(0, 0), (0, 2), (1, 0), (1, 2), (2, 0), (2, 3)]
+
+
+@pytest.mark.parametrize("stages, match", [
+    ([{"max_seq_length": 128}, {"max_seq_length": 64}], "lengths must not decrease"),
+    ([{"max_steps": 3, "max_tokens": 100}], "not both"),
+    ([{"learning_rate": 1e-3, "min_lr": 1e-2}], "min_lr"),
+])
+def test_bad_recipes(stages, match):
+    with pytest.raises(ValueError, match=match):
+        resolve_stages(config_from_dict({"stages": stages}), dp_of_sp=lambda sp: 1)
+
+
+def test_max_tokens_becomes_steps():
+    cfg = config_from_dict({"per_device_train_batch_size": 1, "gradient_accumulation_steps": 2,
+                            "stages": [{"max_seq_length": 1000, "sequence_parallel_size": 2, "max_tokens": 10_000}]})
+    assert resolve_stages(cfg, dp_of_sp=lambda sp: 4 // sp)[0].max_steps == 3  # 1000 x 2 x dp 2 = 4000/step
