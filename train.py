@@ -36,39 +36,44 @@ def main(argv: list[str] | None = None) -> int:
     from model_utils.build import load_hf_config, pick_attn_implementation
     from model_utils.export import export_hf
     from model_utils.memory import make_loss_fn
-    from model_utils.rope import apply_rope, check_rope, model_hash
+    from model_utils.rope import apply_rope, model_hash
     from training.checkpoint import Checkpointer, rng_state, set_rng_state
     from training.config import parse_config, to_dict
-    from training.curriculum import resolve_stages, stage_start, total_steps
+    from training.curriculum import check_stages, resolve_stages, stage_start, total_steps
     from training.engine import build_engine, stage_config
     from training.evaluation import evaluate_stage, heldout_count
     from training.metrics import MetricsLogger, peak_memory_gb, print0, set_main
-    from training.parallel import check_layout, init_distributed
+    from training.parallel import init_distributed
     from training.preemption import PreemptionFlag
     from training.step import train_step
+    from training.summary import plan_lines
 
     # --- config: every user error surfaces here, before any heavy work ---
     cfg = parse_config(argv)
     base_config = load_hf_config(cfg.model_name_or_path)
-    attn = pick_attn_implementation(cfg.attn_implementation)
+    attn = pick_attn_implementation(cfg.attn_implementation, planning=cfg.dry_run)
     arch = base_config.get_text_config()
+
+    bf16 = torch.cuda.is_available() if cfg.bf16 is None else cfg.bf16
+    if cfg.dry_run:  # validate the whole recipe for the cluster it names and print the plan; no training
+        world = cfg.nodes * cfg.gpus_per_node or int(os.environ.get("WORLD_SIZE", "1"))
+        stages = resolve_stages(cfg, dp_of_sp=lambda sp: max(1, world // sp))
+        check_stages(stages, world, arch.num_attention_heads, arch.num_key_value_heads)
+        print(f"dry run: world={world} ({cfg.nodes or 1} node(s)) model={cfg.model_name_or_path} attn={attn} "
+              f"precision={'bf16' if bf16 else 'fp32'} deepspeed={cfg.deepspeed}")
+        print("\n".join(plan_lines(cfg, stages, world, cfg.gpus_per_node or world, bf16)))
+        return EXIT_OK
 
     # --- distributed init and the parallel layout of every stage ---
     dims = init_distributed(cfg.sequence_parallel_size)
     set_main(dims.is_main)
     stages = resolve_stages(cfg, dp_of_sp=lambda sp: max(1, dims.world // sp))
-    for s in stages:
-        check_layout(dims.world, s.sp, arch.num_attention_heads, arch.num_key_value_heads, s.max_seq_length)
-        if s.rope:
-            check_rope(s.rope, f"stage {s.index} ({s.name})")
-    bf16 = torch.cuda.is_available() if cfg.bf16 is None else cfg.bf16
+    check_stages(stages, dims.world, arch.num_attention_heads, arch.num_key_value_heads)
+    if cfg.nodes and cfg.nodes * cfg.gpus_per_node != dims.world:
+        print0(f"warning: the recipe is written for {cfg.nodes} x {cfg.gpus_per_node} ranks, launched with {dims.world}")
     print0(f"world={dims.world} model={cfg.model_name_or_path} attn={attn} precision={'bf16' if bf16 else 'fp32'} "
            f"mb={cfg.per_device_train_batch_size} ga={cfg.gradient_accumulation_steps} deepspeed={cfg.deepspeed}")
-    for s in stages:
-        print0(f"  stage {s.index} {s.name}: seq_len={s.max_seq_length} sp={s.sp} dp={dims.world // s.sp} "
-               f"steps={s.max_steps} lr={s.learning_rate}->{s.min_lr} warmup={s.warmup_steps} rope={s.rope}")
-    if cfg.dry_run:
-        return EXIT_OK
+    print0("\n".join(plan_lines(cfg, stages, dims.world, int(os.environ.get("LOCAL_WORLD_SIZE", dims.world)), bf16)))
 
     # --- data: tokenize once (rank 0, cached); each stage packs the same stream to its own length ---
     tokens, starts, tokenizer = prepare_token_stream(cfg.dataset_path, cfg.tokenizer_name_or_path,

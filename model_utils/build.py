@@ -28,9 +28,11 @@ def load_hf_config(name_or_path: str):
                      f"({', '.join(sorted(PRESETS))}); hub downloads are not used")
 
 
-def pick_attn_implementation(requested: str) -> str:
+def pick_attn_implementation(requested: str, planning: bool = False) -> str:
+    """The attention backend to run: auto picks flash_attention_2 on GPU when installed, else sdpa.
+    `planning` (dry run) accepts a GPU backend on a machine without one."""
     if requested != "auto":
-        if requested.startswith("flash_attention") and not torch.cuda.is_available():
+        if requested.startswith("flash_attention") and not torch.cuda.is_available() and not planning:
             raise ValueError(f"--attn_implementation {requested} needs a CUDA GPU: use sdpa on CPU")
         return requested
     if torch.cuda.is_available():

@@ -75,7 +75,9 @@ class Config:
     wandb_project: str = "ulysses-longtrain"
     progress_bar: bool = True
     export_hf: bool = True  # write OUTPUT_DIR/hf_model at the end
-    dry_run: bool = False  # validate and print the plan, no training
+    dry_run: bool = False  # validate and print the plan (stages, memory per rank), no training
+    nodes: int = 0  # the cluster the recipe is written for (dry run, memory plan); 0: the launched world
+    gpus_per_node: int = 0
     # --- curriculum ---
     stages: list[StageConfig] = field(default_factory=list)
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from model_utils.rope import check_rope
 from training.config import Config, StageConfig
+from training.parallel import check_layout
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,17 @@ def resolve_stages(cfg: Config, dp_of_sp) -> list[Stage]:
                              f"previous stage's {stages[-1].max_seq_length}; lengths must not decrease")
         stages.append(st)
     return stages
+
+
+def check_stages(stages: list[Stage], world: int, num_heads: int, num_kv_heads: int) -> None:
+    """Every stage's layout and RoPE are possible on `world` ranks (one-line ValueError otherwise)."""
+    for s in stages:
+        try:
+            check_layout(world, s.sp, num_heads, num_kv_heads, s.max_seq_length)
+            if s.rope:
+                check_rope(s.rope, "rope")
+        except ValueError as e:
+            raise ValueError(f"stage {s.index} ({s.name}): {e}") from None
 
 
 def stage_start(stages: list[Stage], index: int) -> int:

@@ -1,0 +1,51 @@
+"""Shipped recipes parse, validate and plan (`--dry_run`) on this machine; bad recipes fail in one line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from tests.distributed import ROOT
+from training.config import parse_config
+from training.curriculum import check_stages, resolve_stages
+
+
+def dry_run(*args):
+    env = dict(os.environ, DS_ACCELERATOR="cpu")
+    env.pop("RANK", None)
+    return subprocess.run([sys.executable, "train.py", "--dry_run", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_llama3_8b_recipe_dry_run():
+    p = dry_run("--config", "recipes/llama3_8b_128k_to_1m.yaml")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "world=32 (4 node(s))" in p.stdout
+    for name, sl, sp in (("s128k", 131072, 2), ("s256k", 262144, 4), ("s512k", 524288, 8), ("s1m", 1048576, 8)):
+        assert f"{name}: seq_len={sl} sp={sp} dp={32 // sp}" in p.stdout
+    assert p.stdout.count("memory plan:") == 4
+
+
+@pytest.mark.parametrize("recipe", sorted(f for f in os.listdir(os.path.join(ROOT, "recipes")) if f.endswith(".yaml")))
+def test_every_recipe_validates(recipe):
+    cfg = parse_config(["--config", os.path.join(ROOT, "recipes", recipe)])
+    world = cfg.nodes * cfg.gpus_per_node or 2
+    stages = resolve_stages(cfg, dp_of_sp=lambda sp: world // sp)
+    check_stages(stages, world, 32, 8)
+    assert all(b.max_seq_length >= a.max_seq_length for a, b in zip(stages, stages[1:]))
+
+
+def test_bad_stage_fails_before_work(tmp_path):
+    with open(os.path.join(ROOT, "recipes/llama3_8b_128k_to_1m.yaml")) as fh:
+        recipe = yaml.safe_load(fh)
+    recipe["stages"][2]["sequence_parallel_size"] = 3
+    p = tmp_path / "bad.yaml"
+    p.write_text(yaml.safe_dump(recipe))
+    out = dry_run("--config", str(p))
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1].startswith("error: stage 2 (s512k): sequence_parallel_size=3 does not "
+                                                          "divide world size 32")
