@@ -23,7 +23,8 @@ def demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo") / "run"
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", WANDB_MODE="offline")
     cmd = [os.path.join(ROOT, ".venv/bin/deepspeed"), "--num_gpus", "2", "--master_port", "29731", "train.py",
-           "--config", "recipes/tiny_cpu.yaml", "--max_seq_length", str(SEQ), "--max_steps", str(STEPS),
+           "--model_name_or_path", "tiny-llama", "--sequence_parallel_size", "2", "--max_seq_length", str(SEQ),
+           "--max_steps", str(STEPS), "--learning_rate", "2e-3", "--min_lr", "2e-4", "--warmup_steps", "20",
            "--save_steps", "0", "--output_dir", str(out), "--report_to", "wandb"]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
