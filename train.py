@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     from training.curriculum import check_stages, resolve_stages, stage_start, total_steps
     from training.engine import build_engine, stage_config
     from training.evaluation import evaluate_stage, heldout_count
-    from training.metrics import MetricsLogger, peak_memory_gb, print0, set_main
+    from training.metrics import MetricsLogger, open_rank_log, peak_memory_gb, print0, rank_log, set_main
     from training.parallel import init_distributed
     from training.preemption import PreemptionFlag
     from training.step import train_step
@@ -89,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"checkpoint {resume_from} was written for a different model architecture than "
                          f"{cfg.model_name_or_path}: use the same model, another --output_dir, or --resume none")
     step, tokens_seen = trainer["step"], trainer["tokens"]
+    print0(f"rank logs: {open_rank_log(cfg.output_dir, dims.rank)}")
     print0(f"resuming from {resume_from} (step {step}, stage {trainer['stage']})" if resume_from else "starting fresh")
     metrics = MetricsLogger(cfg.output_dir, dims.is_main, cfg.report_to, cfg.wandb_project, trainer.get("wandb_id"),
                             to_dict(cfg), total_steps(stages), cfg.progress_bar, resume_step=step)
@@ -104,6 +106,11 @@ def main(argv: list[str] | None = None) -> int:
         apply_rope(hf_config, stage.rope, stage.max_seq_length)
         scfg = stage_config(cfg, stage)
         engine = build_engine(scfg, sdims, hf_config, attn, bf16, seed=cfg.seed, ds_overrides=stage.deepspeed_overrides)
+        if dims.is_main:
+            used = os.path.join(cfg.output_dir, f"ds_config.stage{stage.index}.json")
+            with open(used, "w") as fh:
+                json.dump(engine.ds_config_used, fh, indent=1)
+            print0(f"stage {stage.index} ({stage.name}): DeepSpeed config used -> {used}")
         dataset = PackedDataset(tokens, starts, stage.max_seq_length, reset_pos)
         n_train = len(dataset) - heldout_count(stage.eval, len(dataset))  # the last samples are held out
         sampler = ResumableSampler(n_train, sdims.dp, sdims.dp_rank, cfg.per_device_train_batch_size,
@@ -124,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             lr = engine.get_lr()[0]
             out = train_step(engine, micro, dims.world, loss_fn=make_loss_fn(cfg))
             step += 1
+            rank_log(f"step {step} stage {stage.index} loss {out['loss']:.6f} step_time {out['step_time']:.3f}s")
             n = sdims.dp * cfg.gradient_accumulation_steps * cfg.per_device_train_batch_size * stage.max_seq_length
             tokens_seen += n
             metrics.log({"step": step, "stage": stage.index, "loss": out["loss"], "lr": lr, "tokens": n,

@@ -43,6 +43,7 @@ def build_engine(cfg: Config, dims: ParallelDims, hf_config, attn: str, bf16: bo
     # after the "model-parallel" rank, which the SP mpu aliases to the SP rank. Name them by world rank only,
     # so a checkpoint loads under another SP degree at the same world size (e.g. the next stage's).
     engine.checkpoint_mp_rank = 0
-    engine._hf_ds_config_handle = handle  # transformers reads ZeRO-3 settings through it while the engine lives
+    engine._hf_ds_config_handle = handle
+    engine.ds_config_used = ds_config  # transformers reads ZeRO-3 settings through it while the engine lives
     engine.train()
     return engine

@@ -8,6 +8,7 @@ same W&B run.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import resource
 import sys
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 _IS_MAIN = os.environ.get("RANK", "0") == "0"
+_RANK_LOG = logging.getLogger("ulysses_longtrain.rank")
 
 
 def set_main(is_main: bool) -> None:
@@ -25,9 +27,30 @@ def set_main(is_main: bool) -> None:
 
 
 def print0(*args, **kwargs) -> None:
-    """Print on rank 0 only (flushed: launchers buffer child output)."""
+    """Print on rank 0 only (flushed: launchers buffer child output); every rank keeps it in its log file."""
     if _IS_MAIN:
         print(*args, **kwargs, flush=True)
+    _RANK_LOG.info(" ".join(str(a) for a in args))
+
+
+def open_rank_log(output_dir: str, rank: int) -> str:
+    """OUTPUT_DIR/logs/rank00003.log for every rank: our messages, per-step timings and DeepSpeed's log."""
+    from deepspeed.utils import logger as ds_logger
+
+    path = os.path.join(output_dir, "logs", f"rank{rank:05d}.log")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s rank{rank} %(levelname)s %(message)s"))
+    for log in (_RANK_LOG, ds_logger):
+        log.addHandler(handler)
+    _RANK_LOG.setLevel(logging.INFO)
+    _RANK_LOG.propagate = False
+    return path
+
+
+def rank_log(msg: str) -> None:
+    """A line in this rank's own log file only (for debugging one rank of many)."""
+    _RANK_LOG.info(msg)
 
 
 def peak_memory_gb() -> float:
@@ -105,6 +128,24 @@ class MetricsLogger:
         with open(tmp, "w") as fh:
             json.dump(result, fh, indent=1)
         os.replace(tmp, os.path.join(self.eval_dir, f"stage{stage}.json"))
+        self._write_eval_table()
+
+    def _write_eval_table(self) -> None:
+        """OUTPUT_DIR/eval/summary.md: one row per evaluated stage."""
+        rows = []
+        for name in sorted(os.listdir(self.eval_dir), key=lambda n: (len(n), n)):
+            if name.startswith("stage") and name.endswith(".json"):
+                with open(os.path.join(self.eval_dir, name)) as fh:
+                    rows.append(json.load(fh))
+        depths = sorted({d for r in rows for d in r.get("passkey_accuracy", {})}, key=float)
+        head = ["stage", "name", "step", "seq_len", "heldout_loss", *[f"passkey@{d}" for d in depths]]
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for r in rows:
+            cells = [r["stage"], r["stage_name"], r["step"], r["seq_len"], f"{r.get('heldout_loss', float('nan')):.4f}",
+                     *[f"{r.get('passkey_accuracy', {}).get(d, float('nan')):.2f}" for d in depths]]
+            lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+        with open(os.path.join(self.eval_dir, "summary.md"), "w") as fh:
+            fh.write("\n".join(lines) + "\n")
 
     def log(self, record: dict) -> None:
         if not self.is_main:
