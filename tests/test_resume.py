@@ -53,14 +53,20 @@ def test_sigterm_then_resume_matches_uninterrupted(assets, tmp_path, reference_r
 
 
 def test_signal_on_one_rank_stops_all(assets, tmp_path):
-    """Only rank 1 is signalled (SIGUSR1, as SLURM --signal): all ranks agree, save the same step, exit 75."""
+    """Only rank 1 is signalled (SIGUSR1, as SLURM --signal): all ranks agree, save the same step, exit 75.
+    The resumed job continues the same (offline) W&B run."""
     out = tmp_path / "out"
-    procs = spawn(TRAIN, train_args(assets, out, 2, 1), 2, str(tmp_path / "logs"))
+    args = train_args(assets, out, 2, 1)
+    args[args.index("--report_to") + 1] = "wandb"
+    procs = spawn(TRAIN, args, 2, str(tmp_path / "logs"))
     wait_for(lambda: steps_logged(out) >= 2)
     procs[1].send_signal(signal.SIGUSR1)
     assert wait(procs, str(tmp_path / "logs")) == [75, 75]
     tags = sorted(os.listdir(out / "checkpoints"))
     assert f"step_{max(losses(out)):06d}" in tags
+    run(TRAIN, args, 2, str(tmp_path / "logs2"))
+    runs = [d for d in os.listdir(out / "wandb") if d.startswith("offline-run-")]
+    assert len(runs) == 2 and len({d.rsplit("-", 1)[1] for d in runs}) == 1, runs
 
 
 def test_sigkill_during_checkpoint_writes(assets, tmp_path, reference_runs):
