@@ -1,4 +1,5 @@
-"""Worker for tests/test_parity.py: one optimizer step through the real engine, per case.
+"""Worker for tests/test_parity.py (and, through run_case, tests/workers/memory.py): one optimizer step
+through the real engine, per case, with the loss function train.py would use for the case's config.
 
 For each case it records the step's loss, the sample indices every rank used and the full gradients
 (gathered from ZeRO-3 before the optimizer step). Run under tests.distributed.spawn.
@@ -17,6 +18,7 @@ from data.packing import PackedDataset, build_token_stream  # noqa: E402
 from data.sampler import ResumableSampler  # noqa: E402
 from data.sharding import collate, shard  # noqa: E402
 from model_utils.build import load_hf_config  # noqa: E402
+from model_utils.memory import make_loss_fn  # noqa: E402
 from training.config import config_from_dict  # noqa: E402
 from training.engine import build_engine  # noqa: E402
 from training.parallel import check_layout, init_distributed  # noqa: E402
@@ -48,7 +50,7 @@ def run_case(case: dict, dims_sp: int) -> dict:
             if dims.is_main:
                 grads[name] = g.detach().clone().cpu()
 
-    out = train_step(engine, micro, dims.world, before_step=grab)
+    out = train_step(engine, micro, dims.world, loss_fn=make_loss_fn(cfg), before_step=grab)
     all_indices = [None] * dims.world
     dist.all_gather_object(all_indices, {"dp_rank": dims.dp_rank, "indices": indices})
     if dims.is_main:

@@ -1,0 +1,158 @@
+"""Long-sequence memory features (model_utils/memory.py) keep training equal to the plain model.
+
+Each feature alone and all four together, through the real ZeRO-3 engine at sp=2 (world 2) and sp=1
+(world 1): the first step's loss (fp32) within 1e-5 relative and the full gradients within 1e-4 relative
+of the plain single-process Hugging Face model. Tiles are made small so the short test sequences really
+split (uneven last tiles included), on untied and tied (Qwen2) LM heads, with bs=2 and with GA=2.
+Unit tests cover the tile rules, the tiled loss against a scaled backward, and the allocator setting.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model_utils import memory
+from tests.distributed import ROOT, run
+from tests.test_parity import reference, rel
+
+ALL = ("tiled_mlp", "tiled_logits", "gradient_checkpointing", "offload_activations")
+# (name, model, seq_len, features, extra config)
+CASES = [("mlp", "llama_gqa", 64, ("tiled_mlp",), {}),
+         ("logits_tied_odd", "qwen2_kv1", 63, ("tiled_logits",), {}),
+         ("ckpt", "llama_gqa", 64, ("gradient_checkpointing",), {}),
+         ("offload", "llama_gqa", 64, ("offload_activations",), {}),
+         ("all_bs2", "llama_mha", 64, ALL, {"per_device_train_batch_size": 2}),
+         ("all_tied_ga2", "qwen2_kv1", 63, ALL, {"gradient_accumulation_steps": 2})]
+VOCAB = 2048  # the tiny presets'
+KNOBS = {"MLP_TILE_TOKENS": 12, "LOGITS_TILE_BYTES": 10 * VOCAB * 4}  # ~12 tokens per MLP tile, ~10 per loss tile
+
+
+# --- unit tests --------------------------------------------------------------------------------------
+
+def test_tile_rules(monkeypatch):
+    assert memory.agreed_tiles(0, torch.device("cpu")) == 1  # no process group: the local count, at least 1
+    assert memory._spans(10, 4) == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert memory._spans(9, 4) == [(0, 3), (3, 6), (6, 9), (9, 9)]  # always `tiles` calls, the last may be empty
+    assert memory.logits_tiles(1, 128_000, 128_256) == math.ceil(128_000 * 128_256 * 4 / 2**30)  # ~1 GiB fp32 each
+    monkeypatch.setattr(memory, "LOGITS_TILE_BYTES", 1)
+    assert memory.logits_tiles(2, 5, 100) == 5  # never more tiles than tokens
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_tiled_cross_entropy_honours_the_incoming_gradient(tied):
+    """Sum of CE equals F.cross_entropy's, and both gradients follow a factor applied after the loss
+    (train_step scales the local sum), including the -100 labels and an uneven, partly empty tiling."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False)
+    hidden = torch.randn(2, 9, 16, requires_grad=True)
+    labels = torch.randint(0, 50, (2, 9))
+    labels[0, :4] = -100
+    ref = F.cross_entropy(head(hidden).reshape(-1, 50), labels.reshape(-1), ignore_index=-100, reduction="sum")
+    (ref * 0.37).backward()
+    want_w, want_h = head.weight.grad.clone(), hidden.grad.clone()
+    head.weight.grad, hidden.grad = None, None
+    got = memory.TiledCrossEntropySum.apply(hidden, labels, head, 4, tied)
+    (got * 0.37).backward()
+    assert abs(got.item() - ref.item()) / ref.item() < 1e-6
+    assert rel(head.weight.grad, want_w) < 1e-6 and rel(hidden.grad, want_h) < 1e-6
+    assert head.weight.ds_grad_is_ready  # left ready for ZeRO-3 (tied: for the embedding's hook)
+
+
+def test_features_on_the_plain_model(assets, monkeypatch):
+    """All four features on a plain (no DeepSpeed) model give the plain model's loss and gradients."""
+    from transformers import AutoModelForCausalLM
+
+    for name, value in KNOBS.items():
+        monkeypatch.setattr(memory, name, value)
+    ids = torch.randint(4, VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
+    mb = {"input_ids": ids, "position_ids": torch.arange(40).expand(2, 40),
+          "shift_labels": torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)}
+    results = []
+    for features in ((), ALL):
+        model = AutoModelForCausalLM.from_pretrained(assets["qwen2_kv1"], dtype=torch.float32, attn_implementation="sdpa")
+        model.train()
+        cfg = types.SimpleNamespace(**{f: f in features for f in ALL})
+        memory.apply_memory_features(model, cfg)
+        loss = memory.make_loss_fn(cfg)(model, mb)
+        (loss * 0.5).backward()
+        results.append((loss.item(), {n: p.grad for n, p in model.named_parameters()}))
+    (ref_loss, ref_grads), (loss, grads) = results
+    assert abs(loss - ref_loss) / ref_loss < 1e-6
+    assert max(rel(grads[n], g) for n, g in ref_grads.items()) < 1e-5
+
+
+def test_unsupported_model_is_a_user_error():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    gpt2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(ValueError, match="tiled_mlp"):
+        memory.apply_memory_features(gpt2, types.SimpleNamespace(tiled_mlp=True, tiled_logits=False,
+                                                                 gradient_checkpointing=False, offload_activations=False))
+
+
+def test_configure_allocator_keeps_the_users_setting(monkeypatch):
+    for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:512")
+    assert memory.configure_allocator() is None and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:0.6")
+    assert memory.configure_allocator() is None
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "garbage_collection_threshold:0.6"
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    assert memory.configure_allocator() == "expandable_segments:True"
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert "expandable_segments:True" in torch._C._accelerator_getAllocatorSettings()  # torch was imported already
+
+
+# --- through the engine, against the plain model -------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def results(assets, tmp_path_factory):
+    out = {}
+    for sp in (2, 1):
+        d = tmp_path_factory.mktemp(f"memory_sp{sp}")
+        cases = []
+        for name, model, sl, features, extra in CASES:
+            cases.append({"model_name_or_path": assets[model], "dataset_path": assets["data"], "max_seq_length": sl,
+                          "sequence_parallel_size": sp, "learning_rate": 1e-3, "max_steps": 1, "report_to": "none",
+                          "seed": 0, "deepspeed": os.path.join(ROOT, "ds_configs/zero3_offload.json"),
+                          **{f: True for f in features}, **extra, "knobs": KNOBS,
+                          "out": str(d / f"{name}.pt"), "cache": os.path.join(assets["dir"], "cache")})
+        run(os.path.join(ROOT, "tests/workers/memory.py"), [json.dumps(cases)], sp, str(d / "logs"))
+        for (name, *_), case in zip(CASES, cases):
+            out[(sp, name)] = (torch.load(case["out"]), torch.load(case["out"] + ".stats.pt"))
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("sp", [2, 1], ids=lambda sp: f"sp{sp}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
+def test_features_match_plain_model(results, assets, sp, case):
+    name, model, sl, features, extra = case
+    got, stats = results[(sp, name)]
+    samples = [i for r in got["indices"] for mb in r["indices"] for i in mb]
+    samples = sorted(set(samples), key=samples.index)  # the SP ranks report the same samples
+    ref_loss, ref_grads = reference(assets[model], assets["data"], sl, samples)
+    assert abs(got["loss"] - ref_loss) / ref_loss < 1e-5, (got["loss"], ref_loss)
+    assert set(got["grads"]) == set(ref_grads)
+    worst = max((rel(got["grads"][n], ref_grads[n]), n) for n in ref_grads)
+    assert worst[0] < 1e-4, worst
+
+    # the features really ran, with more than one tile
+    sl_local, bs = -(-sl // sp) * sp // sp, extra.get("per_device_train_batch_size", 1)
+    want_mlp = {math.ceil(sl_local / KNOBS["MLP_TILE_TOKENS"])} if "tiled_mlp" in features else set()
+    assert stats["mlp_tiles"] == want_mlp and all(t > 1 for t in want_mlp)
+    tied = model == "qwen2_kv1"
+    want_ce = ({(math.ceil(bs * sl_local * VOCAB * 4 / KNOBS["LOGITS_TILE_BYTES"]), tied)}
+               if "tiled_logits" in features else set())
+    assert stats["logits_tiles"] == want_ce and all(t > 1 for t, _ in want_ce)
+    layers, ga = 2, extra.get("gradient_accumulation_steps", 1)
+    assert stats["offloaded"] == (layers * ga if "offload_activations" in features else 0)

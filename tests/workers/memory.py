@@ -1,0 +1,56 @@
+"""Worker for tests/test_memory_features.py: parity.run_case per case, with the memory features' tiles
+made small enough to split the test's short sequences, and a record of what the features did.
+
+argv: JSON list of parity cases, each with an extra "knobs" dict ({"MLP_TILE_TOKENS": 12, ...}).
+Beside each case's "out" file, rank 0 writes OUT.stats.pt: MLP tile counts, loss tile counts (and
+whether the head was tied), and how many checkpointed tensors went through the offload hooks.
+"""
+
+import json
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+
+warnings.filterwarnings("ignore")
+
+from model_utils import memory  # noqa: E402
+from tests.workers.parity import run_case  # noqa: E402
+
+STATS: dict = {}
+_tiled_mlp, _tiled_ce, _to_host = memory.TiledMLP, memory.TiledCrossEntropySum, memory._to_host
+
+
+class _SpyTiledMLP:
+    @staticmethod
+    def apply(fn, mlp, x, shards, params):
+        STATS["mlp_tiles"].add(shards)
+        return _tiled_mlp.apply(fn, mlp, x, shards, params)
+
+
+class _SpyTiledCE:
+    @staticmethod
+    def apply(hidden, labels, lm_head, tiles, tied):
+        STATS["logits_tiles"].add((tiles, tied))
+        return _tiled_ce.apply(hidden, labels, lm_head, tiles, tied)
+
+
+def _copying_to_host(t: torch.Tensor):
+    """Count the offloaded tensors and really copy them, so the unpacked copy is what backward uses."""
+    if t.numel():
+        STATS["offloaded"] += 1
+    device, host = _to_host(t)
+    return device, host.clone()
+
+
+if __name__ == "__main__":
+    memory.TiledMLP, memory.TiledCrossEntropySum, memory._to_host = _SpyTiledMLP, _SpyTiledCE, _copying_to_host
+    for case in json.loads(sys.argv[1]):
+        for name, value in case.pop("knobs").items():
+            setattr(memory, name, value)
+        STATS.update(mlp_tiles=set(), logits_tiles=set(), offloaded=0)
+        run_case(case, case["sequence_parallel_size"])
+        if dist.get_rank() == 0:
+            torch.save(dict(STATS), case["out"] + ".stats.pt")
+        dist.barrier()
