@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     from data.sharding import collate, shard
     from model_utils.build import load_hf_config, pick_attn_implementation
     from model_utils.export import export_hf
-    from model_utils.memory import make_loss_fn
+    from model_utils.memory import configure_allocator, make_loss_fn
     from model_utils.rope import apply_rope, model_hash
     from training.checkpoint import Checkpointer, rng_state, set_rng_state
     from training.config import parse_config, to_dict
@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     from training.step import train_step
     from training.summary import plan_lines
 
+    configure_allocator()  # expandable CUDA segments unless PYTORCH_(CUDA_)ALLOC_CONF is set
     # --- config: every user error surfaces here, before any heavy work ---
     cfg = parse_config(argv)
     base_config = load_hf_config(cfg.model_name_or_path)
