@@ -95,7 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     print0(f"resuming from {resume_from} (step {step}, stage {trainer['stage']})" if resume_from else "starting fresh")
     metrics = MetricsLogger(cfg.output_dir, dims.is_main, cfg.report_to, cfg.wandb_project, trainer.get("wandb_id"),
                             to_dict(cfg), total_steps(stages), cfg.progress_bar, resume_step=step)
-    preempt = PreemptionFlag().install()
+    stop_file = os.path.join(cfg.output_dir, "PREEMPT")
+    if dims.is_main and os.path.exists(stop_file):
+        os.remove(stop_file)  # the request that stopped the previous job has been honoured
+    dist.barrier()
+    preempt = PreemptionFlag(stop_file).install()
 
     for stage in stages:
         end = stage_start(stages, stage.index) + stage.max_steps

@@ -3,10 +3,15 @@
 SIGTERM (schedulers, the deepspeed launcher), SIGUSR1 (SLURM `--signal`) and SIGINT (Ctrl-C). A rank
 that got no signal still stops with the others, so all ranks save the same step and exit together with
 EXIT_PREEMPTED, which launch scripts read as "requeue me".
+
+A file works as a signal too (OUTPUT_DIR/PREEMPT): launchers do not forward SIGUSR1 to their children,
+so scripts/slurm.sbatch traps SLURM's warning in the batch shell and touches this file on the shared
+file system; every rank checks it at the step boundary.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 
 import torch
@@ -16,8 +21,9 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 class PreemptionFlag:
-    def __init__(self):
-        self.received: int | None = None
+    def __init__(self, stop_file: str | None = None):
+        self.received: int | str | None = None
+        self.stop_file = stop_file
         self._previous = {}
 
     def install(self) -> PreemptionFlag:
@@ -30,6 +36,8 @@ class PreemptionFlag:
 
     def agreed(self) -> bool:
         """True on every rank when any rank got a signal (a collective: call it on all ranks)."""
+        if self.received is None and self.stop_file and os.path.exists(self.stop_file):
+            self.received = "stop file"
         t = torch.tensor([1 if self.received is not None else 0], dtype=torch.int32)
         if dist.is_initialized():
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
