@@ -1,84 +1,246 @@
 #!/usr/bin/env bash
-# One entry for every way to start a run; prints the exact command, then runs it (exit code passed through:
-# 0 done, 2 bad input, 75 preempted -> requeue with the same command, it resumes with --resume auto).
+# One entry for every way to start a run. Prints the exact command, runs it, and exits with train.py's
+# code: 0 done, 75 preempted after a save (requeue the same command; it resumes with --resume auto),
+# anything else failed. docs/launch.md has the details.
 #
-#   scripts/launch.sh [--num_gpus N] -- TRAIN_ARGS...                         single node
-#   scripts/launch.sh -H hostfile [--include S | --exclude S] -- TRAIN_ARGS  multi-node over pdsh/ssh
-#   scripts/launch.sh --no_ssh --nnodes N --node_rank R --master_addr A [--master_port P] [--num_gpus N] -- ...
-#                                                                            per node, no ssh (containers, SLURM)
-#   scripts/launch.sh --torchrun --nnodes N --node_rank R --master_addr A [--num_gpus N] -- ...
-#   --print-only: print the command and stop.
-# Environment every node needs (NCCL_*, PYTHONPATH, WANDB_*, HF_*, DS_ACCELERATOR, OMP_NUM_THREADS) is written
-# to ./.deepspeed_env, which the deepspeed launcher exports on every node it starts.
-# Preemption: signal the training ranks (SLURM signals every task) or touch OUTPUT_DIR/PREEMPT; the deepspeed
-# launcher itself answers SIGTERM by killing its children (30 s grace) and then exits 1, not 75.
+#   scripts/launch.sh [--num_gpus N] -- TRAIN_ARGS...                            one node
+#   scripts/launch.sh -H HOSTFILE [--include S | --exclude S] [--num_nodes N] -- TRAIN_ARGS...
+#                                                                  several nodes over pdsh (ssh), from node 0
+#   scripts/launch.sh --no_ssh --nnodes N --node_rank R --master_addr A [--master_port P] [--num_gpus G] -- ...
+#                                                                  run once on every node (SLURM, containers)
+#   scripts/launch.sh --torchrun [--nnodes N --node_rank R --master_addr A] [--num_gpus G] -- ...
+#   --print-only (or --dry-run): print the command, write .deepspeed_env, start nothing.
+#
+# Signals: the first SIGTERM/SIGUSR1/SIGINT is passed to the training ranks as SIGUSR1 (save at the next
+# step boundary, exit 75); a second SIGINT stops the launcher the hard way. The launchers themselves run
+# in their own process group with SIGUSR1 ignored, because the deepspeed launcher has no SIGUSR1 handler
+# (it would die of it and lose the exit code) and answers SIGTERM/SIGINT by killing its children.
+# Environment overrides: DEEPSPEED, TORCHRUN (launcher executables), TRAIN_SCRIPT (default train.py),
+# LAUNCH_EXPORT (extra variable names to write to .deepspeed_env).
 set -euo pipefail
-cd "$(dirname "$0")/.."
-DS=${DEEPSPEED:-.venv/bin/deepspeed}
-PY=${PYTHON:-.venv/bin/python}
-num_gpus="" hostfile="" include="" exclude="" no_ssh=0 torchrun=0 nnodes=1 node_rank=0
-master_addr="" master_port=29500 print_only=0
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+EXIT_USAGE=2 EXIT_PREEMPTED=75
+TRAIN_SCRIPT=${TRAIN_SCRIPT:-$ROOT/train.py}
+bin() { if [ -x "$ROOT/.venv/bin/$1" ]; then echo "$ROOT/.venv/bin/$1"; else echo "$1"; fi; }
+DEEPSPEED=${DEEPSPEED:-$(bin deepspeed)}
+TORCHRUN=${TORCHRUN:-$(bin torchrun)}
+die() { echo "launch.sh: error: $*" >&2; exit "$EXIT_USAGE"; }
+
+# --- options ---
+num_gpus="" hostfile="" include="" exclude="" num_nodes="" launcher="" no_ssh=0 torchrun=0
+nnodes="" node_rank=0 master_addr="" master_port=29500 print_only=0
 while [ $# -gt 0 ]; do
   case "$1" in
-    --num_gpus) num_gpus=$2; shift 2 ;;
-    -H|--hostfile) hostfile=$2; shift 2 ;;
-    -i|--include) include=$2; shift 2 ;;
-    -e|--exclude) exclude=$2; shift 2 ;;
+    --num_gpus|--nproc_per_node) num_gpus=${2:?}; shift 2 ;;
+    -H|--hostfile) hostfile=${2:?}; shift 2 ;;
+    -i|--include) include=${2:?}; shift 2 ;;
+    -e|--exclude) exclude=${2:?}; shift 2 ;;
+    --num_nodes) num_nodes=${2:?}; shift 2 ;;
+    --launcher) launcher=${2:?}; shift 2 ;;
     --no_ssh) no_ssh=1; shift ;;
     --torchrun) torchrun=1; shift ;;
-    --nnodes) nnodes=$2; shift 2 ;;
-    --node_rank) node_rank=$2; shift 2 ;;
-    --master_addr) master_addr=$2; shift 2 ;;
-    --master_port) master_port=$2; shift 2 ;;
+    --nnodes) nnodes=${2:?}; shift 2 ;;
+    --node_rank) node_rank=${2:?}; shift 2 ;;
+    --master_addr) master_addr=${2:?}; shift 2 ;;
+    --master_port) master_port=${2:?}; shift 2 ;;
     --print-only|--dry-run) print_only=1; shift ;;
+    -h|--help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     --) shift; break ;;
-    *) echo "error: unknown launch option $1 (train.py arguments go after --)" >&2; exit 2 ;;
+    *) die "unknown launch option $1 (train.py arguments go after --)" ;;
   esac
 done
+[ $# -gt 0 ] || die "no train.py arguments: scripts/launch.sh [OPTIONS] -- TRAIN_ARGS (see --help)"
+[ -n "$include" ] && [ -n "$exclude" ] && die "--include and --exclude are mutually exclusive"
+{ [ -n "$include" ] || [ -n "$exclude" ]; } && [ -n "$num_gpus$num_nodes" ] &&
+  die "--num_gpus/--num_nodes cannot be combined with --include/--exclude (the deepspeed launcher refuses)"
+[ "$no_ssh" = 1 ] && [ "$torchrun" = 1 ] && die "--no_ssh is a deepspeed launcher mode; --torchrun is the other launcher"
+[ -n "$hostfile" ] && [ ! -f "$hostfile" ] && die "hostfile $hostfile not found"
+[ "$torchrun" = 1 ] && [ -n "$hostfile$include$exclude$num_nodes" ] &&
+  die "torchrun takes no hostfile: use --nnodes/--node_rank/--master_addr on every node"
+if [ -n "$hostfile" ] && [ "$no_ssh" = 0 ]; then  # pdsh: --nnodes means deepspeed's --num_nodes
+  [ -n "$nnodes" ] && [ -z "$num_nodes" ] && num_nodes=$nnodes
+elif [ "$no_ssh" = 0 ] && [ "$torchrun" = 0 ] && [ "${nnodes:-1}" != 1 ]; then
+  die "--nnodes $nnodes needs -H HOSTFILE, --no_ssh or --torchrun"
+fi
+nnodes=${nnodes:-1}
+if [ "$no_ssh" = 1 ] || [ "$torchrun" = 1 ]; then
+  [ "$node_rank" -ge 0 ] && [ "$node_rank" -lt "$nnodes" ] || die "--node_rank $node_rank is not in [0, $nnodes)"
+  [ "$nnodes" = 1 ] || [ -n "$master_addr" ] || die "--nnodes $nnodes needs --master_addr (node 0's address)"
+fi
 
-if [ -z "${DS_ACCELERATOR:-}" ]; then
-  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU; then
+# --- environment: the accelerator, and what every node must see ---
+if [ -z "${DS_ACCELERATOR:-}" ]; then  # a value the user set wins
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
     export DS_ACCELERATOR=cuda
   else
     export DS_ACCELERATOR=cpu
   fi
 fi
-if [ -z "$num_gpus" ]; then
-  if [ "$DS_ACCELERATOR" = cuda ]; then num_gpus=$(nvidia-smi -L | grep -c GPU); else num_gpus=2; fi
-fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-[ "$DS_ACCELERATOR" = cuda ] && export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
-
-# what every node must see, for the deepspeed launcher's pdsh/ssh path
-: > .deepspeed_env
-for v in $(env | cut -d= -f1 | grep -E '^(NCCL_|WANDB_|HF_|PYTHONPATH$|DS_ACCELERATOR$|OMP_NUM_THREADS$|PYTORCH_CUDA_ALLOC_CONF$|CUDA_HOME$)' || true); do
-  printf '%s=%s\n' "$v" "${!v}" >> .deepspeed_env
-done
-
-if [ "$torchrun" = 1 ]; then
-  cmd=("$PY" -m torch.distributed.run --nnodes "$nnodes" --node_rank "$node_rank" --nproc_per_node "$num_gpus"
-       --master_addr "${master_addr:-127.0.0.1}" --master_port "$master_port" train.py "$@")
-elif [ "$no_ssh" = 1 ]; then
-  [ -n "$master_addr" ] || { echo "error: --no_ssh needs --master_addr (node 0's address)" >&2; exit 2; }
-  # a hostfile naming every node lets the launcher size the world; node_rank says which one this is
-  hf=$(mktemp "${TMPDIR:-/tmp}/ulysses_hosts.XXXX")
-  for ((i = 0; i < nnodes; i++)); do echo "node$i slots=$num_gpus" >> "$hf"; done
-  cmd=("$DS" --hostfile "$hf" --no_ssh --node_rank "$node_rank" --master_addr "$master_addr"
-       --master_port "$master_port" train.py "$@")
-else
-  cmd=("$DS")
-  if [ -n "$hostfile" ]; then
-    cmd+=(--hostfile "$hostfile")
-    [ -n "$include" ] && cmd+=(--include "$include")
-    [ -n "$exclude" ] && cmd+=(--exclude "$exclude")
-    [ -n "$master_addr" ] && cmd+=(--master_addr "$master_addr")
+num_gpus_given=${num_gpus:+1}
+if [ -z "$num_gpus" ] && [ -z "$hostfile" ]; then
+  if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
+    num_gpus=$(tr ',' '\n' <<< "$CUDA_VISIBLE_DEVICES" | grep -c .)
+  elif [ "$DS_ACCELERATOR" = cuda ]; then
+    num_gpus=$(nvidia-smi -L | grep -c '^GPU')
   else
-    cmd+=(--num_gpus "$num_gpus")
+    num_gpus=2  # on CPU each "GPU" is a process; the CPU recipes use SP=2
   fi
-  cmd+=(--master_port "$master_port" train.py "$@")
 fi
-echo "DS_ACCELERATOR=$DS_ACCELERATOR ${cmd[*]}"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+
+# The deepspeed launcher reads ./.deepspeed_env (and ~/.deepspeed_env; the name can be changed with
+# DS_ENV_FILE) and exports every KEY=VALUE line on each node it starts over pdsh/mpi. Written atomically:
+# with --no_ssh several launchers may share this directory.
+env_file=${DS_ENV_FILE:-.deepspeed_env}
+tmp=$(mktemp "$env_file.XXXXXX")
+names=$(compgen -e | grep -E '^(NCCL_|WANDB_|HF_|TRANSFORMERS_|TORCH_NCCL_)|^(PYTHONPATH|DS_ACCELERATOR|OMP_NUM_THREADS|PYTORCH_CUDA_ALLOC_CONF|CUDA_HOME)$' || true)
+for v in $names ${LAUNCH_EXPORT:-}; do
+  val=${!v-}
+  case "$val" in *$'\n'*) echo "launch.sh: not exporting $v (multi-line value)" >&2; continue ;; esac
+  printf '%s=%s\n' "$v" "$val" >> "$tmp"
+done
+mv -f "$tmp" "$env_file"
+
+# --- the command ---
+mode=ds
+if [ "$torchrun" = 1 ]; then
+  mode=torchrun
+  cmd=("$TORCHRUN" --nnodes "$nnodes" --nproc_per_node "$num_gpus" --node_rank "$node_rank"
+       --master_addr "${master_addr:-127.0.0.1}" --master_port "$master_port" "$TRAIN_SCRIPT" "$@")
+elif [ "$no_ssh" = 1 ]; then
+  # The launcher sizes the world from a hostfile and takes this node's slice by --node_rank; without one
+  # it ignores --master_addr (single-node path). The names are only keys, so write N identical nodes.
+  if [ -z "$hostfile" ]; then
+    hostfile=${TMPDIR:-/tmp}/ulysses_hostfile.$(id -u).${nnodes}x${num_gpus}
+    tmp=$(mktemp "$hostfile.XXXXXX")
+    for ((i = 0; i < nnodes; i++)); do echo "node$i slots=$num_gpus" >> "$tmp"; done
+    mv -f "$tmp" "$hostfile"
+  fi
+  cmd=("$DEEPSPEED" --hostfile "$hostfile" --no_ssh --node_rank "$node_rank" --master_addr "$master_addr"
+       --master_port "$master_port" "$TRAIN_SCRIPT" "$@")
+elif [ -n "$hostfile" ]; then
+  mode=pdsh
+  cmd=("$DEEPSPEED" --hostfile "$hostfile")
+  [ -n "$include" ] && cmd+=(--include "$include")
+  [ -n "$exclude" ] && cmd+=(--exclude "$exclude")
+  [ -n "$num_nodes" ] && cmd+=(--num_nodes "$num_nodes")
+  [ -n "$num_gpus" ] && cmd+=(--num_gpus "$num_gpus")
+  [ -n "$launcher" ] && cmd+=(--launcher "$launcher")
+  [ -n "$master_addr" ] && cmd+=(--master_addr "$master_addr")
+  cmd+=(--master_port "$master_port" "$TRAIN_SCRIPT" "$@")
+elif [ -n "${CUDA_VISIBLE_DEVICES:-}" ] && [ -z "$num_gpus_given" ]; then
+  # without --num_gpus the runner turns CUDA_VISIBLE_DEVICES into --include localhost:<those ids>;
+  # with it, it would use devices 0..N-1 whatever was selected
+  cmd=("$DEEPSPEED" --master_port "$master_port" "$TRAIN_SCRIPT" "$@")
+else
+  cmd=("$DEEPSPEED" --num_gpus "$num_gpus" --master_port "$master_port" "$TRAIN_SCRIPT" "$@")
+fi
+shell_words() {  # the arguments as one line a shell reads back the same (quotes only where needed)
+  local a words=() safe='^[A-Za-z0-9_@%+=:,./-]+$' q="'"
+  for a in "$@"; do
+    if [[ $a =~ $safe ]]; then words+=("$a"); else words+=("'${a//$q/$q\\$q$q}'"); fi
+  done
+  echo "${words[*]}"
+}
+shell_words "DS_ACCELERATOR=$DS_ACCELERATOR" "PYTHONPATH=$PYTHONPATH" "${cmd[@]}"
 [ "$print_only" = 1 ] && exit 0
-set +e
-"${cmd[@]}"
-exit $?
+
+# --- run it, pass signals on as "save and exit" requests, return train.py's exit code ---
+children() {  # pids whose parent is $1 (from /proc, so no procps needed)
+  local f line rest state ppid
+  for f in /proc/[0-9]*/stat; do
+    { read -r line < "$f"; } 2>/dev/null || continue
+    rest=${line##*) }  # the command name in (...) may contain spaces
+    read -r state ppid _ <<< "$rest"
+    [ "$ppid" = "$1" ] && { f=${f#/proc/}; echo "${f%/stat}"; }
+  done
+  return 0
+}
+rank_pids() {  # deepspeed: runner -> deepspeed.launcher.launch -> ranks; torchrun: torchrun -> ranks
+  local p
+  [ -n "$launcher_pid" ] || return 0
+  if [ "$mode" = torchrun ]; then children "$launcher_pid"; return; fi
+  for p in $(children "$launcher_pid"); do children "$p"; done
+}
+catches_usr1() {  # has the rank installed its SIGUSR1 handler yet? (bit 10-1 of SigCgt)
+  local mask
+  mask=$(awk '/^SigCgt:/ {print $2}' "/proc/$1/status" 2>/dev/null) && [ -n "$mask" ] && (( 0x$mask & 0x200 ))
+}
+remote_hosts() {  # pdsh mode: the hosts the job runs on (enough precision to send a signal)
+  local hosts
+  hosts=$(grep -v '^\s*#' "$hostfile" | awk 'NF {print $1}')
+  if [ -n "$include" ]; then hosts=$(tr '@' '\n' <<< "$include" | cut -d: -f1); fi
+  if [ -n "$exclude" ]; then
+    hosts=$(grep -vxF -f <(tr '@' '\n' <<< "$exclude" | grep -v :) <<< "$hosts" || true)
+  fi
+  [ -n "$num_nodes" ] && hosts=$(head -n "$num_nodes" <<< "$hosts")
+  paste -sd, <<< "$hosts"
+}
+forward() {  # SIGUSR1 to every local rank that listens for it; stays pending until all of them do
+  local p ranks="" waiting=0
+  for p in $(rank_pids); do
+    if catches_usr1 "$p"; then ranks+=" $p"; else waiting=1; fi
+  done
+  # shellcheck disable=SC2086  # one pid per word
+  [ -n "$ranks" ] && kill -USR1 $ranks 2>/dev/null && echo "launch.sh: SIGUSR1 sent to ranks$ranks" >&2
+  if [ "$mode" = pdsh ] && [ "$pending" = 1 ]; then
+    # '[0-9]' keeps the remote shell that runs pkill from matching its own command line
+    pdsh -w "$(remote_hosts)" "pkill -USR1 -f '$TRAIN_SCRIPT --local_rank=[0-9]'" >&2 || true
+  fi
+  if [ "$mode" = pdsh ] || { [ -n "$ranks" ] && [ "$waiting" = 0 ]; }; then pending=0; fi
+}
+set +e  # from here on the exit code is train.py's, not the first failing helper's
+launcher_pid="" pending=0 interrupts=0
+on_signal() {
+  if [ "$1" = INT ] && [ $((interrupts += 1)) -ge 2 ]; then
+    echo "launch.sh: second SIGINT: stopping the launcher (SIGTERM to every rank, SIGKILL after 30 s)" >&2
+    kill -TERM "$launcher_pid" 2>/dev/null || true
+    return 0
+  fi
+  echo "launch.sh: got SIG$1: asking the training to save and exit $EXIT_PREEMPTED" >&2
+  pending=1
+  forward
+}
+trap 'on_signal TERM' TERM
+trap 'on_signal INT' INT
+trap 'on_signal USR1' USR1
+
+tee_pid=""
+if [ "$mode" = torchrun ]; then  # torchrun reports every failing worker as 1: keep its summary to read the codes
+  stderr_copy=$(mktemp "${TMPDIR:-/tmp}/launch_torchrun.XXXXXX")
+  exec 3> >(trap '' INT TERM USR1; exec tee -a "$stderr_copy" >&2)
+  tee_pid=$!
+else
+  exec 3>&2
+fi
+# The launcher gets its own process group (a terminal's Ctrl-C reaches only this script) and ignores
+# SIGUSR1; the ranks inherit the "ignore" until train.py installs its handler, so an early signal is
+# harmless (it stays pending here until they listen).
+set -m
+( trap - TERM INT; trap '' USR1; exec "${cmd[@]}" 2>&3 ) &
+launcher_pid=$!
+set +m
+
+while kill -0 "$launcher_pid" 2>/dev/null; do
+  [ "$pending" = 1 ] && forward
+  sleep 1 &
+  wait $!  # a trapped signal interrupts this; the loop then checks again
+done
+wait "$launcher_pid"  # bash kept the status of the reaped launcher
+rc=$?
+exec 3>&-
+
+if [ -n "$tee_pid" ]; then
+  wait "$tee_pid"
+  if [ "$rc" = 1 ]; then
+    codes=$(grep -oE 'exitcode +: -?[0-9]+' "$stderr_copy" | grep -oE -- '-?[0-9]+$' | sort -u | paste -sd' ')
+    if [ "$codes" = "$EXIT_PREEMPTED" ]; then
+      echo "launch.sh: torchrun exited 1 but every failed rank exited $EXIT_PREEMPTED: passing on $EXIT_PREEMPTED" >&2
+      rc=$EXIT_PREEMPTED
+    fi
+  fi
+  rm -f "$stderr_copy"
+fi
+echo "launch.sh: training exited with $rc" >&2
+exit "$rc"

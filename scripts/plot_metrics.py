@@ -43,25 +43,44 @@ def _value(rec: dict, key: str) -> float:
     return float(v) if isinstance(v, (int, float)) else math.nan
 
 
+def smooth(values: list[float], window: int) -> list[float]:
+    """Trailing mean over `window` points (NaNs skipped), so a noisy loss shows its trend."""
+    out = []
+    for i in range(len(values)):
+        w = [v for v in values[max(0, i - window + 1): i + 1] if not math.isnan(v)]
+        out.append(sum(w) / len(w) if w else math.nan)
+    return out
+
+
 def plot(steps: list[dict], out: str, title: str = "") -> None:
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
+    from matplotlib.transforms import blended_transform_factory
 
     x = [r["step"] for r in steps]
     bounds = stage_boundaries(steps)
     starts = [steps[0]] + [r for r in steps if r["step"] in set(bounds)]
+    window = max(1, len(steps) // 40)
     fig, axes = plt.subplots(len(PANELS), 1, figsize=(10, 9), sharex=True)
     for ax, (key, label) in zip(axes, PANELS):
-        ax.plot(x, [_value(r, key) for r in steps], lw=1.2, marker="." if len(x) < 60 else None)
+        y = [_value(r, key) for r in steps]
+        if key == "loss" and window > 1:
+            ax.plot(x, y, lw=0.8, alpha=0.35, color="tab:blue")
+            ax.plot(x, smooth(y, window), lw=1.6, color="tab:blue", label=f"mean of {window} steps")
+            ax.legend(loc="lower left", fontsize=8)
+        else:
+            ax.plot(x, y, lw=1.2, color="tab:blue", marker="." if len(x) < 60 else None)
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         for b in bounds:
-            ax.axvline(b - 0.5, color="tab:red", ls="--", lw=1)  # between the last step of one stage and the next
+            ax.axvline(b - 0.5, color="tab:red", ls="--", lw=1)  # between the last step of a stage and the next
+    # stage labels written along the boundary lines, so short stages do not overlap
+    where = blended_transform_factory(axes[0].transData, axes[0].transAxes)
     for r in starts:
-        axes[0].annotate(f" stage {r.get('stage', 0)}: {r.get('seq_len', '?')} tok", (r["step"], 1.0),
-                         xycoords=("data", "axes fraction"), va="bottom", fontsize=8, color="tab:red")
+        axes[0].text(r["step"] - 0.5, 0.98, f"stage {r.get('stage', 0)}: {r.get('seq_len', '?')} tok ",
+                     transform=where, rotation=90, ha="right", va="top", fontsize=8, color="tab:red")
     axes[-1].set_xlabel("optimizer step")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()

@@ -1,0 +1,330 @@
+"""Launch paths without the real train.py: scripts/launch.sh builds the right command for each mode,
+writes .deepspeed_env and passes exit codes and signals through; scripts/slurm.sbatch (stub sbatch, srun
+and scontrol from tests/stubs on PATH) requeues on 75 only and forwards SLURM's warning signal; plots
+mark stage boundaries. Tests marked `dist` start the real deepspeed/torchrun launchers with stand-ins
+for train.py (tests/stubs/fake_train.py, allreduce_world.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STUBS = os.path.join(ROOT, "tests", "stubs")
+LAUNCH = os.path.join(ROOT, "scripts", "launch.sh")
+SBATCH_SCRIPT = os.path.join(ROOT, "scripts", "slurm.sbatch")
+DS = os.path.join(ROOT, ".venv", "bin", "deepspeed")
+TRAIN = os.path.join(ROOT, "train.py")
+
+
+def clean_env(**kw: str) -> dict:
+    """This environment without the variables a launcher or SLURM would have set, plus kw."""
+    drop = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "DS_ACCELERATOR", "PYTHONPATH",
+            "DS_ENV_FILE", "LAUNCH_CMD", "TRAIN_SCRIPT", "OUTPUT_DIR", "CUDA_VISIBLE_DEVICES", "LAUNCH_EXPORT")
+    prefixes = ("SLURM_", "NCCL_", "WANDB_", "HF_", "TRANSFORMERS_", "TORCH_NCCL_", "FAKE_")
+    e = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith(prefixes)}
+    e.update(OMP_NUM_THREADS="1", **kw)
+    return e
+
+
+def launch(args: list[str], cwd, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([LAUNCH, *args], cwd=cwd, capture_output=True, text=True, timeout=60,
+                          env=clean_env(**env))
+
+
+def wait_for(cond, timeout: float, what: str) -> None:
+    t0 = time.time()
+    while not cond():
+        if time.time() - t0 > timeout:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.1)
+
+
+# --- scripts/launch.sh: commands ---
+
+@pytest.mark.parametrize("opts, expect", [
+    (["--num_gpus", "4"], f"{DS} --num_gpus 4 --master_port 29500 {TRAIN} --max_steps 3"),
+    (["-H", "hosts", "--include", "w0@w1:0,1", "--master_port", "29400"],
+     f"{DS} --hostfile hosts --include w0@w1:0,1 --master_port 29400 {TRAIN} --max_steps 3"),
+    (["-H", "hosts", "--exclude", "w1", "--master_addr", "10.0.0.1"],
+     f"{DS} --hostfile hosts --exclude w1 --master_addr 10.0.0.1 --master_port 29500 {TRAIN} --max_steps 3"),
+    (["-H", "hosts", "--nnodes", "1", "--launcher", "openmpi"],
+     f"{DS} --hostfile hosts --num_nodes 1 --launcher openmpi --master_port 29500 {TRAIN} --max_steps 3"),
+    (["--no_ssh", "--nnodes", "2", "--node_rank", "1", "--master_addr", "10.0.0.1", "--num_gpus", "8"],
+     f"{DS} --hostfile TMP/ulysses_hostfile.{os.getuid()}.2x8 --no_ssh --node_rank 1 --master_addr 10.0.0.1 "
+     f"--master_port 29500 {TRAIN} --max_steps 3"),
+    (["--torchrun", "--nnodes", "2", "--node_rank", "0", "--master_addr", "10.0.0.1", "--num_gpus", "8",
+      "--master_port", "29555"],
+     f"{ROOT}/.venv/bin/torchrun --nnodes 2 --nproc_per_node 8 --node_rank 0 --master_addr 10.0.0.1 "
+     f"--master_port 29555 {TRAIN} --max_steps 3"),
+], ids=["single-node", "hostfile-include", "hostfile-exclude", "hostfile-nnodes", "no-ssh", "torchrun"])
+def test_print_only_prints_the_command_and_writes_deepspeed_env(tmp_path, opts, expect):
+    (tmp_path / "hosts").write_text("w0 slots=2\nw1 slots=2\n")
+    p = launch(["--print-only", *opts, "--", "--max_steps", "3"], tmp_path, TMPDIR=str(tmp_path),
+               WANDB_MODE="offline", NCCL_DEBUG="WARN", HF_HOME="/data/hf", DS_ACCELERATOR="cpu")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == f"DS_ACCELERATOR=cpu PYTHONPATH={ROOT} {expect.replace('TMP', str(tmp_path))}\n"
+    exported = (tmp_path / ".deepspeed_env").read_text().splitlines()
+    assert {"WANDB_MODE=offline", "NCCL_DEBUG=WARN", "HF_HOME=/data/hf", "DS_ACCELERATOR=cpu",
+            f"PYTHONPATH={ROOT}", "OMP_NUM_THREADS=1"} == set(exported)  # nothing else, no blank lines
+    if "--no_ssh" in opts:
+        assert (tmp_path / f"ulysses_hostfile.{os.getuid()}.2x8").read_text() == "node0 slots=8\nnode1 slots=8\n"
+
+
+def test_accelerator_choice(tmp_path):
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    smi = bindir / "nvidia-smi"
+    path = f"{bindir}:{os.environ['PATH']}"
+    # an nvidia-smi that finds no GPU (a driver without devices): cpu, 2 processes (the CPU recipes' SP=2)
+    smi.write_text("#!/bin/sh\necho 'No devices were found'\nexit 6\n")
+    os.chmod(smi, 0o755)
+    p = launch(["--print-only", "--", "--x"], tmp_path, PATH=path)
+    assert p.stdout.startswith("DS_ACCELERATOR=cpu ") and " --num_gpus 2 " in p.stdout, p.stderr
+    # an nvidia-smi that lists 3 GPUs: cuda, 3 processes
+    smi.write_text("#!/bin/sh\nfor i in 0 1 2; do echo \"GPU $i: NVIDIA H100 (UUID: x)\"; done\n")
+    p = launch(["--print-only", "--", "--x"], tmp_path, PATH=path)
+    assert p.stdout.startswith("DS_ACCELERATOR=cuda ") and " --num_gpus 3 " in p.stdout, p.stderr
+    # a value the user set wins
+    p = launch(["--print-only", "--num_gpus", "1", "--", "--x"], tmp_path, PATH=path, DS_ACCELERATOR="cpu")
+    assert p.stdout.startswith("DS_ACCELERATOR=cpu "), p.stderr
+    assert "DS_ACCELERATOR=cpu" in (tmp_path / ".deepspeed_env").read_text()
+
+
+def test_cuda_visible_devices_are_respected(tmp_path):
+    # deepspeed: no --num_gpus, so the runner turns the selection into --include localhost:2,3
+    p = launch(["--print-only", "--", "--x"], tmp_path, CUDA_VISIBLE_DEVICES="2,3", DS_ACCELERATOR="cuda")
+    assert p.stdout.endswith(f" {DS} --master_port 29500 {TRAIN} --x\n"), p.stdout + p.stderr
+    p = launch(["--print-only", "--torchrun", "--", "--x"], tmp_path, CUDA_VISIBLE_DEVICES="2,3",
+               DS_ACCELERATOR="cuda")
+    assert " --nproc_per_node 2 " in p.stdout, p.stdout + p.stderr
+
+
+def test_train_args_are_printed_so_a_shell_reads_them_back(tmp_path):
+    args = ["--run_name", "it's a run", "--note", "$HOME", ""]
+    p = launch(["--print-only", "--num_gpus", "1", "--", *args], tmp_path, DS_ACCELERATOR="cpu")
+    back = subprocess.run(["bash", "-c", f"printf '%s\\n' {p.stdout.strip()}"], capture_output=True, text=True)
+    assert back.stdout.splitlines()[-len(args):] == args
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nproc", "2", "--", "--x"], "unknown launch option --nproc"),
+    (["--num_gpus", "2"], "no train.py arguments"),
+    (["--no_ssh", "--nnodes", "2", "--node_rank", "0", "--", "--x"], "needs --master_addr"),
+    (["--no_ssh", "--nnodes", "2", "--node_rank", "2", "--master_addr", "a", "--", "--x"], "--node_rank 2 is not in"),
+    (["-H", "hosts", "--include", "w0", "--num_gpus", "2", "--", "--x"], "cannot be combined"),
+    (["-H", "missing", "--", "--x"], "hostfile missing not found"),
+    (["--nnodes", "2", "--", "--x"], "needs -H HOSTFILE, --no_ssh or --torchrun"),
+    (["--torchrun", "-H", "hosts", "--", "--x"], "torchrun takes no hostfile"),
+])
+def test_bad_options_exit_2(tmp_path, args, message):
+    (tmp_path / "hosts").write_text("w0 slots=2\n")
+    p = launch(["--print-only", *args], tmp_path)
+    assert p.returncode == 2 and message in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("code", [0, 3, 75])
+def test_exit_code_of_the_launcher_is_passed_on(tmp_path, code):
+    log = tmp_path / "fake.log"
+    p = launch(["--num_gpus", "1", "--", "--max_steps", "1"], tmp_path, DEEPSPEED=os.path.join(STUBS, "fake_launch"),
+               FAKE_LOG=str(log), FAKE_EXIT=str(code))
+    assert p.returncode == code, p.stderr
+    assert log.read_text() == f"args: --num_gpus 1 --master_port 29500 {TRAIN} --max_steps 1\n"
+
+
+# --- scripts/slurm.sbatch with stub sbatch/srun/scontrol and a stand-in launch.sh ---
+
+def sbatch(tmp_path, fake_exit: str, args: list[str], **env: str) -> subprocess.Popen:
+    e = clean_env(PATH=f"{STUBS}:{os.environ['PATH']}", SLURM_SUBMIT_DIR=str(tmp_path),
+                  SCONTROL_LOG=str(tmp_path / "scontrol.log"), FAKE_LOG=str(tmp_path / "fake.log"),
+                  FAKE_EXIT=fake_exit, LAUNCH_CMD=os.path.join(STUBS, "fake_launch"), **env)
+    return subprocess.Popen(["sbatch", SBATCH_SCRIPT, *args], cwd=tmp_path, env=e, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def requeues(tmp_path) -> list[str]:
+    log = tmp_path / "scontrol.log"
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def test_sbatch_runs_one_launcher_per_node_with_node_rank_and_master(tmp_path):
+    job = sbatch(tmp_path, "75", ["--config", "recipes/x.yaml", "--output_dir", str(tmp_path / "out")],
+                 GPUS_PER_NODE="4", SLURM_JOB_ID="7")
+    out = job.communicate(timeout=60)[0]
+    assert job.returncode == 0, out
+    assert (tmp_path / "fake.log").read_text().splitlines()[0] == (
+        "args: --no_ssh --nnodes 1 --node_rank 0 --master_addr 127.0.0.1 --master_port 20007 --num_gpus 4 -- "
+        f"--resume auto --config recipes/x.yaml --output_dir {tmp_path}/out")
+    assert requeues(tmp_path) == ["requeue 7"]
+
+
+@pytest.mark.parametrize("code, complete, job_rc, requeued", [
+    ("75", False, 0, True),   # preempted after a save: requeue
+    ("75", True, 0, False),   # finished anyway: nothing to resume
+    ("0", True, 0, False),    # done
+    ("0", False, 1, False),   # 0 without COMPLETE: a launcher died of a signal; fail, do not loop
+    ("3", False, 3, False),   # failure: no requeue
+])
+def test_sbatch_requeues_only_after_a_preemption_save(tmp_path, code, complete, job_rc, requeued):
+    out_dir = tmp_path / "out"
+    if complete:
+        out_dir.mkdir()
+        (out_dir / "COMPLETE").write_text("")
+    job = sbatch(tmp_path, code, ["--output_dir", str(out_dir)])
+    text = job.communicate(timeout=60)[0]
+    assert job.returncode == job_rc, text
+    assert requeues(tmp_path) == (["requeue 4242"] if requeued else []), text
+    assert f"training exited with {code}" in text
+
+
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM])
+def test_sbatch_forwards_the_warning_signal_and_requeues(tmp_path, sig):
+    out_dir = tmp_path / "out"
+    job = sbatch(tmp_path, "wait", ["--output_dir", str(out_dir)])
+    try:
+        wait_for(lambda: "ready" in (tmp_path / "fake.log").read_text() if (tmp_path / "fake.log").exists()
+                 else False, 30, "the stand-in launcher")
+        job.send_signal(sig)  # what --signal=B:USR1@120 does before the time limit
+        text = job.communicate(timeout=30)[0]
+    finally:
+        job.kill()
+    assert job.returncode == 0, text
+    assert "got SIGUSR1" in (tmp_path / "fake.log").read_text(), text  # passed on as SIGUSR1
+    assert (out_dir / "PREEMPT").exists()  # train.py's stop file, for ranks a signal cannot reach
+    assert requeues(tmp_path) == ["requeue 4242"], text
+
+
+def test_sbatch_gives_up_after_max_requeues(tmp_path):
+    job = sbatch(tmp_path, "75", ["--output_dir", str(tmp_path / "out")], SLURM_RESTART_COUNT="4",
+                 MAX_REQUEUES="3")
+    text = job.communicate(timeout=60)[0]
+    assert job.returncode == 1 and "giving up" in text and requeues(tmp_path) == []
+    assert not (tmp_path / "fake.log").exists()
+
+
+# --- the real launchers with stand-ins for train.py ---
+
+def fake_train_env(tmp_path, fake_exit: str, **kw: str) -> dict:
+    return dict(TRAIN_SCRIPT=os.path.join(STUBS, "fake_train.py"), FAKE_DIR=str(tmp_path), FAKE_EXIT=fake_exit,
+                DS_ACCELERATOR="cpu", **kw)
+
+
+def ready(tmp_path, n: int) -> bool:
+    return all((tmp_path / f"ready{r}").exists() for r in range(n))
+
+
+@pytest.mark.dist
+def test_deepspeed_launcher_signal_becomes_a_preemption_save(tmp_path):
+    """SIGTERM to launch.sh (a container stop, `kill`): both ranks get SIGUSR1, exit 75, and the deepspeed
+    launcher's 75 comes out of launch.sh."""
+    p = subprocess.Popen([LAUNCH, "--num_gpus", "2", "--master_port", "29631", "--", "--max_steps", "1"],
+                         cwd=tmp_path, env=clean_env(**fake_train_env(tmp_path, "wait")), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: ready(tmp_path, 2), 240, "both ranks")
+        p.send_signal(signal.SIGTERM)
+        text = p.communicate(timeout=120)[0]
+    finally:
+        p.kill()
+    assert p.returncode == 75, text
+    assert [(tmp_path / f"got{r}").read_text() for r in (0, 1)] == ["SIGUSR1", "SIGUSR1"], text
+
+
+@pytest.mark.dist
+def test_torchrun_preemption_exit_code_is_75_not_1(tmp_path):
+    p = subprocess.run([LAUNCH, "--torchrun", "--num_gpus", "2", "--master_port", "29632", "--", "--x"],
+                       cwd=tmp_path, env=clean_env(**fake_train_env(tmp_path, "75")), capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 75, p.stderr[-3000:]
+    assert "torchrun exited 1 but every failed rank exited 75" in p.stderr
+
+
+@pytest.mark.dist
+def test_sbatch_chain_with_real_launcher(tmp_path):
+    """sbatch -> srun -> launch.sh -> deepspeed -> 2 ranks: SLURM's USR1 to the batch shell reaches the
+    ranks, 75 comes back up and the job is requeued."""
+    e = clean_env(PATH=f"{STUBS}:{os.environ['PATH']}", SLURM_SUBMIT_DIR=str(tmp_path), GPUS_PER_NODE="2",
+                  SCONTROL_LOG=str(tmp_path / "scontrol.log"), LAUNCH_CMD=LAUNCH, MASTER_PORT="29633",
+                  **fake_train_env(tmp_path, "wait"))
+    job = subprocess.Popen(["sbatch", SBATCH_SCRIPT, "--output_dir", str(tmp_path / "out")], cwd=tmp_path, env=e,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: ready(tmp_path, 2), 240, "both ranks")
+        job.send_signal(signal.SIGUSR1)
+        text = job.communicate(timeout=120)[0]
+    finally:
+        job.kill()
+    assert job.returncode == 0, text
+    assert [(tmp_path / f"got{r}").read_text() for r in (0, 1)] == ["SIGUSR1", "SIGUSR1"], text
+    assert "training exited with 75" in text and requeues(tmp_path) == ["requeue 4242"], text
+
+
+@pytest.mark.dist
+def test_two_nodes_without_ssh(tmp_path):
+    """launch.sh --no_ssh started twice on this machine (node ranks 0 and 1): one world of 2."""
+    cmd = [LAUNCH, "--no_ssh", "--nnodes", "2", "--master_addr", "127.0.0.1", "--master_port", "29634",
+           "--num_gpus", "1", "--node_rank"]
+    env = clean_env(TRAIN_SCRIPT=os.path.join(STUBS, "allreduce_world.py"), DS_ACCELERATOR="cpu",
+                    TMPDIR=str(tmp_path))
+    procs = [subprocess.Popen([*cmd, str(r), "--", "--x"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=540)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
+    assert "world 2 rank 0 sum 2" in outs[0] and "world 2 rank 1 sum 2" in outs[1]
+
+
+# --- scripts/plot_metrics.py ---
+
+def load_plot_metrics():
+    spec = importlib.util.spec_from_file_location("plot_metrics", os.path.join(ROOT, "scripts", "plot_metrics.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def write_metrics(path, stage_of, n: int = 10) -> None:
+    rows = [{"step": s, "stage": stage_of(s), "loss": 5 - 0.1 * s, "lr": 1e-3, "tokens": 64 * s,
+             "tokens_per_s": 100.0 + s, "seq_len": 64 * 2 ** stage_of(s), "sp": 2, "dp": 1, "peak_mem_gb": 1.0 + 0.1 * s}
+            for s in range(1, n + 1)]
+    rows.insert(5, {"event": "eval", "stage": 0, "step": 5, "heldout_loss": 4.0})  # not a step
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 11, "lo')  # torn last line
+
+
+def test_plot_marks_stage_boundaries(tmp_path):
+    mod = load_plot_metrics()
+    m = tmp_path / "metrics.jsonl"
+    write_metrics(m, lambda s: 0 if s <= 5 else 1)
+    steps = mod.read_steps(str(m))
+    assert [r["step"] for r in steps] == list(range(1, 11))
+    assert mod.stage_boundaries(steps) == [6]
+    png = tmp_path / "plots" / "m.png"
+    png.parent.mkdir()
+    p = subprocess.run([os.path.join(ROOT, ".venv", "bin", "python"), os.path.join(ROOT, "scripts", "plot_metrics.py"),
+                        str(m), "-o", str(png)], capture_output=True, text=True, timeout=120,
+                       env=clean_env(MPLBACKEND="TkAgg"))  # the script must pick Agg itself
+    assert p.returncode == 0, p.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert "stage boundaries at [6]" in p.stdout
+
+
+def test_stage_boundaries_edge_cases(tmp_path):
+    mod = load_plot_metrics()
+    m = tmp_path / "metrics.jsonl"
+    write_metrics(m, lambda s: 0 if s <= 3 else 1 if s <= 7 else 2)
+    assert mod.stage_boundaries(mod.read_steps(str(m))) == [4, 8]
+    # old files have no "stage": one stage; a step logged twice after a resume keeps its last record
+    m.write_text("".join(json.dumps({"step": s, "loss": float(s)}) + "\n" for s in (1, 2, 3, 2, 3, 4)))
+    steps = mod.read_steps(str(m))
+    assert [r["step"] for r in steps] == [1, 2, 3, 4] and mod.stage_boundaries(steps) == []
+    m.write_text(json.dumps({"event": "eval", "step": 1}) + "\n")
+    assert mod.main([str(m), "-o", str(tmp_path / "x.png")]) == 2
