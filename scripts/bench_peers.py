@@ -1,0 +1,190 @@
+"""This project against two peers on the same tiny model, sequence lengths and ranks, in one run:
+
+    (a) ulysses-longtrain: train.py, Ulysses SP=2 on 2 ranks (ZeRO-3 + CPU offload, fp32);
+    (b) hf-trainer-sp: the Hugging Face Trainer with accelerate's ParallelismConfig(sp_backend="deepspeed",
+        sp_size=2, ...) on 2 ranks, the same DeepSpeed JSON (scripts/peers/hf_trainer_sp.py);
+    (c) zero3-dp2: plain DeepSpeed ZeRO-3 without SP, train.py --sequence_parallel_size 1 on 2 ranks (DP=2:
+        every rank holds a whole sequence; tokens/s counts both ranks' sequences).
+
+    python scripts/bench_peers.py                      # bench/peers.json + bench/peers.png
+    python scripts/bench_peers.py --cap_gb 1.5 --lengths 4096,8192,16384
+
+For each system the lengths are stepped up until the per-rank peak (peak RSS on CPU, max over ranks, the
+same measurement in all three) exceeds `--cap_gb` or a launch fails; the longest length whose peak stayed
+under the cap is reported. Tokens/s (median after the first step, all ranks together) are compared at every
+length that all systems ran. Each rank runs with OMP_NUM_THREADS=1; the load average is recorded per point
+because this machine is shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench_memory as bm  # noqa: E402
+
+SYSTEMS = {
+    "ulysses-longtrain": "train.py, Ulysses SP=2, 2 ranks",
+    "hf-trainer-sp": "HF Trainer + accelerate ParallelismConfig(sp_backend=deepspeed, sp_size=2), 2 ranks",
+    "zero3-dp2": "train.py --sequence_parallel_size 1 on 2 ranks (plain ZeRO-3, DP=2, no SP)",
+}
+HF_SCRIPT = os.path.join(bm.ROOT, "scripts", "peers", "hf_trainer_sp.py")
+
+
+def hf_point(model: str, seq_len: int, steps: int, device: str, work: str, timeout: float) -> dict:
+    out = os.path.join(work, f"hf_L{seq_len}")
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
+    cmd = [os.path.join(bm.ROOT, ".venv", "bin", "deepspeed"), "--num_gpus", "2", "--master_port", str(bm.free_port()),
+           HF_SCRIPT, "--model", model, "--seq_len", str(seq_len), "--sp", "2", "--steps", str(steps),
+           "--output_dir", out]
+    load0 = os.getloadavg()[0]
+    code, wall = bm.launch(cmd, bm.bench_env(device), os.path.join(out, "launch.log"), timeout)
+    rec = {"seq_len": seq_len, "sp": 2, "nproc": 2, "wall_s": round(wall, 1), "load_before": round(load0, 2),
+           "load_after": round(os.getloadavg()[0], 2)}
+    done = bm.read_steps(out)
+    if code != 0 or len(done) < steps:
+        return rec | {"ok": False, "exit_code": code, "error": bm.error_line(os.path.join(out, "launch.log"))}
+    return rec | {"ok": True} | bm.summarize_steps(done)
+
+
+def point(system: str, model: str, seq_len: int, steps: int, device: str, work: str, timeout: float) -> dict:
+    if system == "hf-trainer-sp":
+        rec = hf_point(model, seq_len, steps, device, work, timeout)
+    else:
+        sp = 2 if system == "ulysses-longtrain" else 1
+        rec = bm.train_point(model, seq_len, sp, (), steps, device, work, nproc=2, timeout=timeout)
+    return rec | {"system": system}
+
+
+def ladder(system: str, lengths: list[int], cap: float, run) -> tuple[list[dict], int | None, str]:
+    """Run lengths in order until the peak passes the cap; (points, longest under the cap, why it stopped)."""
+    points, longest = [], None
+    for L in lengths:
+        rec = run(system, L)
+        points.append(rec)
+        if not rec["ok"]:
+            return points, longest, f"launch failed at {L}: {rec['error']}"
+        if rec["peak_mem_gb"] > cap:
+            return points, longest, f"peak {rec['peak_mem_gb']:.3f} GiB > cap at {L}"
+        longest = L
+    return points, longest, f"all lengths up to {lengths[-1]} stayed under the cap (longer ones not tried)"
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(12, 4.6))
+    for name in SYSTEMS:
+        pts = sorted((p for p in result["points"] if p["system"] == name and p.get("ok") and not p.get("baseline")),
+                     key=lambda p: p["seq_len"])
+        if not pts:
+            continue
+        x = [p["seq_len"] for p in pts]
+        ax[0].plot(x, [p["peak_mem_gb"] for p in pts], marker="o", label=name)
+        ax[1].plot(x, [p["tokens_per_s"] for p in pts], marker="o", label=name)
+    ax[0].axhline(result["cap_gb"], color="k", ls="--", lw=0.8, label=f"cap {result['cap_gb']} GiB")
+    ax[0].set(xscale="log", xlabel="sequence length", ylabel="peak GiB per rank", title="per-rank peak (RSS)")
+    ax[1].set(xscale="log", yscale="log", xlabel="sequence length", ylabel="tokens/s (2 ranks together)",
+              title="throughput, 1 core per rank")
+    for a in ax:
+        a.grid(alpha=0.3)
+        a.legend(fontsize=8)
+    fig.suptitle(f"{result['model']}: 2 ranks on {result['device']}, {result['steps']} steps per point", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--lengths", default="4096,6144,8192,12288,16384,24576,32768", help="the ladder, increasing")
+    p.add_argument("--cap_gb", type=float, default=1.25, help="per-rank peak memory cap, GiB")
+    p.add_argument("--baseline_len", type=int, default=256, help="0: no tiny-length baseline per system")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--out", default=os.path.join(bm.ROOT, "bench", "peers.json"))
+    p.add_argument("--keep", action="store_true", help="keep run folders under bench/_runs_peers")
+    a = p.parse_args(argv)
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    lengths = bm.parse_ints(a.lengths)
+    systems = [s.strip() for s in a.systems.split(",") if s.strip()]
+    if any(s not in SYSTEMS for s in systems) or lengths != sorted(lengths):
+        raise ValueError(f"--systems from {list(SYSTEMS)}; --lengths increasing")
+    model = bm.bench_model(a.hidden, a.layers)
+    work = os.path.join(bm.ROOT, "bench", "_runs_peers") if a.keep else tempfile.mkdtemp(prefix="bench_peers_")
+    t0 = time.time()
+
+    def run(system: str, L: int) -> dict:
+        rec = point(system, model, L, a.steps, device, work, a.timeout)
+        status = (f"{rec['tokens_per_s']:.0f} tok/s, peak {rec['peak_mem_gb']:.3f} GiB" if rec["ok"]
+                  else f"FAILED ({rec['error'][:160]})")
+        print(f"[{time.time() - t0:5.0f}s] {system:<18} L={L:<6}: {status}  (load {rec['load_after']})", flush=True)
+        return rec
+
+    points, summary = [], {}
+    try:
+        for s in systems:
+            if a.baseline_len:
+                points.append(run(s, a.baseline_len) | {"baseline": True})
+            pts, longest, why = ladder(s, lengths, a.cap_gb, run)
+            points += pts
+            base = points[-len(pts) - 1] if a.baseline_len else None
+            summary[s] = {"description": SYSTEMS[s], "longest_under_cap": longest, "stopped": why,
+                          "baseline_peak_gb": base["peak_mem_gb"] if base and base.get("ok") else None,
+                          "baseline_error": base.get("error") if base and not base.get("ok") else None}
+    finally:
+        if not a.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    ok = {(p["system"], p["seq_len"]): p for p in points if p.get("ok") and not p.get("baseline")}
+    common = [L for L in lengths if all((s, L) in ok for s in systems)]
+    ratios = {L: {s: round(ok[(s, L)]["tokens_per_s"] / ok[(systems[0], L)]["tokens_per_s"], 3) for s in systems}
+              for L in common}
+    result = {"model": os.path.basename(model), "device": device, "ranks": 2, "steps": a.steps, "cap_gb": a.cap_gb,
+              "lengths": lengths, "seconds": round(time.time() - t0), "systems": summary,
+              "tokens_per_s_ratio_to_" + systems[0]: ratios,
+              "definitions": {"tokens_per_s": "median over steps 2..N of (tokens of all ranks in the step) / step time",
+                              "peak_mem_gb": "max over steps of peak RSS (GiB), max over ranks"},
+              "points": points}
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    with open(a.out, "w") as fh:
+        json.dump(result, fh, indent=1)
+    plot(result, os.path.splitext(a.out)[0] + ".png")
+
+    print(f"\n{'system':<19}{'seq_len':>8}{'tok/s':>9}{'peak GiB':>10}{'load':>6}")
+    for pt in points:
+        tag = " (baseline)" if pt.get("baseline") else ""
+        if pt.get("ok"):
+            print(f"{pt['system']:<19}{pt['seq_len']:>8}{pt['tokens_per_s']:>9.0f}{pt['peak_mem_gb']:>10.3f}"
+                  f"{pt['load_after']:>6.1f}{tag}")
+        else:
+            print(f"{pt['system']:<19}{pt['seq_len']:>8}  FAILED{tag}: {pt['error'][:200]}")
+    print(f"\nlongest sequence with per-rank peak <= {a.cap_gb} GiB:")
+    for s, v in summary.items():
+        print(f"  {s:<19}{v['longest_under_cap'] or 'none':>8}   ({v['stopped'][:160]})")
+    for L, r in ratios.items():
+        print(f"tokens/s relative to {systems[0]} at {L}: " + ", ".join(f"{s} {x:.2f}" for s, x in r.items()))
+    print(f"wrote {a.out} and {os.path.splitext(a.out)[0]}.png in {result['seconds']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except ValueError as err:
+        sys.exit(f"error: {err}")
