@@ -81,11 +81,12 @@ def bench_model(hidden: int = 256, layers: int = 2, heads: int = 4, kv_heads: in
 
 
 def bench_env(device: str, extra: dict | None = None) -> dict:
-    """Environment of every launch: one thread per rank; a private torch-extensions folder, because a
-    checkout elsewhere on this machine (another venv) rebuilding DeepSpeed's CPU ops into the shared
-    ~/.cache/torch_extensions makes the next launch here rebuild them again (minutes)."""
+    """Environment of every launch: one thread per rank, and this checkout's DeepSpeed ops (set by importing
+    `training`) also for the peer scripts, which do not import it."""
+    from training import EXTENSIONS_DIR
+
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, WANDB_MODE="offline", **(extra or {}))
-    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".cache", "torch_extensions"))
+    env.setdefault("TORCH_EXTENSIONS_DIR", EXTENSIONS_DIR)
     if device == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
     return env

@@ -11,16 +11,26 @@ PY=${PYTHON:-python3}
 if [ "${WITH_FLASH_ATTN:-0}" = 1 ]; then
   .venv/bin/pip install -q --no-build-isolation -r requirements-gpu.txt
 fi
-# Build DeepSpeed's JIT ops now (about 1.5 min the first time, cached in ~/.cache/torch_extensions) so the
-# first launch and the tests do not pay for it; on CPU: the CPU Adam optimizer and the shared-memory comm op.
+# Build DeepSpeed's JIT ops now (about 1.5 min the first time) so the first launch and the tests do not pay
+# for it; on CPU: the CPU Adam optimizer and the shared-memory comm op. They go to this checkout's
+# .cache/torch_extensions (importing `training` sets TORCH_EXTENSIONS_DIR; see training/__init__.py). A `lock`
+# left there by a build that was killed would make every later load wait forever: set-up is the one builder,
+# so it clears them first (run it while nothing in this checkout is starting).
 export DS_ACCELERATOR=${DS_ACCELERATOR:-$(command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)}
 if [ "$DS_ACCELERATOR" = cpu ]; then
   .venv/bin/python - <<'PY'
-import torch
+import glob
+import os
+
+import training  # noqa: F401  (TORCH_EXTENSIONS_DIR)
 from deepspeed.ops.op_builder import CPUAdamBuilder, ShareMemCommBuilder
+
+for lock in glob.glob(os.path.join(os.environ["TORCH_EXTENSIONS_DIR"], "**", "lock"), recursive=True):
+    print(f"removing a stale build lock: {lock}")
+    os.remove(lock)
 for b in (CPUAdamBuilder(), ShareMemCommBuilder()):
     b.load(verbose=False)
-print("DeepSpeed CPU ops ready")
+print(f"DeepSpeed CPU ops ready ({os.environ['TORCH_EXTENSIONS_DIR']})")
 PY
 fi
 .venv/bin/python -m data.corpus >/dev/null && echo "demo corpus and tokenizer ready (.cache/demo)"
