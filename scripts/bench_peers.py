@@ -1,6 +1,8 @@
 """This project against two peers on the same tiny model, sequence lengths and ranks, in one run:
 
-    (a) ulysses-longtrain: train.py, Ulysses SP=2 on 2 ranks (ZeRO-3 + CPU offload, fp32);
+    (a) ulysses-longtrain: train.py, Ulysses SP=2 on 2 ranks (ZeRO-3 + CPU offload, fp32), no memory feature;
+    (a') ulysses-longtrain+alst: the same with the memory features a long run turns on (tiled MLP, tiled
+        logits + loss, activation checkpointing with offload);
     (b) hf-trainer-sp: the Hugging Face Trainer with accelerate's ParallelismConfig(sp_backend="deepspeed",
         sp_size=2, ...) on 2 ranks, the same DeepSpeed JSON (scripts/peers/hf_trainer_sp.py);
     (c) zero3-dp2: plain DeepSpeed ZeRO-3 without SP, train.py --sequence_parallel_size 1 on 2 ranks (DP=2:
@@ -32,13 +34,14 @@ import bench_memory as bm  # noqa: E402
 
 SYSTEMS = {
     "ulysses-longtrain": "train.py, Ulysses SP=2, 2 ranks",
+    "ulysses-longtrain+alst": "train.py, Ulysses SP=2, 2 ranks, --tiled_mlp --tiled_logits --offload_activations",
     "hf-trainer-sp": "HF Trainer + accelerate ParallelismConfig(sp_backend=deepspeed, sp_size=2), 2 ranks",
     "zero3-dp2": "train.py --sequence_parallel_size 1 on 2 ranks (plain ZeRO-3, DP=2, no SP)",
 }
 HF_SCRIPT = os.path.join(bm.ROOT, "scripts", "peers", "hf_trainer_sp.py")
 
 
-def hf_point(model: str, seq_len: int, steps: int, device: str, work: str, timeout: float) -> dict:
+def hf_point(model: str, seq_len: int, steps: int, device: str, work: str, timeout: float, env: dict) -> dict:
     out = os.path.join(work, f"hf_L{seq_len}")
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
@@ -46,7 +49,7 @@ def hf_point(model: str, seq_len: int, steps: int, device: str, work: str, timeo
            HF_SCRIPT, "--model", model, "--seq_len", str(seq_len), "--sp", "2", "--steps", str(steps),
            "--output_dir", out]
     load0 = os.getloadavg()[0]
-    code, wall = bm.launch(cmd, bm.bench_env(device), os.path.join(out, "launch.log"), timeout)
+    code, wall = bm.launch(cmd, bm.bench_env(device, env), os.path.join(out, "launch.log"), timeout)
     rec = {"seq_len": seq_len, "sp": 2, "nproc": 2, "wall_s": round(wall, 1), "load_before": round(load0, 2),
            "load_after": round(os.getloadavg()[0], 2)}
     done = bm.read_steps(out)
@@ -55,12 +58,14 @@ def hf_point(model: str, seq_len: int, steps: int, device: str, work: str, timeo
     return rec | {"ok": True} | bm.summarize_steps(done)
 
 
-def point(system: str, model: str, seq_len: int, steps: int, device: str, work: str, timeout: float) -> dict:
+def point(system: str, model: str, seq_len: int, steps: int, device: str, work: str, timeout: float,
+          env: dict) -> dict:
     if system == "hf-trainer-sp":
-        rec = hf_point(model, seq_len, steps, device, work, timeout)
+        rec = hf_point(model, seq_len, steps, device, work, timeout, env)
     else:
-        sp = 2 if system == "ulysses-longtrain" else 1
-        rec = bm.train_point(model, seq_len, sp, (), steps, device, work, nproc=2, timeout=timeout)
+        sp = 1 if system == "zero3-dp2" else 2
+        features = bm.FEATURE_SETS["alst"] if system.endswith("+alst") else ()
+        rec = bm.train_point(model, seq_len, sp, features, steps, device, work, nproc=2, timeout=timeout, env=env)
     return rec | {"system": system}
 
 
@@ -116,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--mmap_threshold", type=int, default=None,
+                   help="glibc MALLOC_MMAP_THRESHOLD_ (bytes) in every rank of every system, as in bench_memory.py")
     p.add_argument("--out", default=os.path.join(bm.ROOT, "bench", "peers.json"))
     p.add_argument("--keep", action="store_true", help="keep run folders under bench/_runs_peers")
     a = p.parse_args(argv)
@@ -128,10 +135,11 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--systems from {list(SYSTEMS)}; --lengths increasing")
     model = bm.bench_model(a.hidden, a.layers)
     work = os.path.join(bm.ROOT, "bench", "_runs_peers") if a.keep else tempfile.mkdtemp(prefix="bench_peers_")
+    malloc = {"MALLOC_MMAP_THRESHOLD_": str(a.mmap_threshold)} if a.mmap_threshold else {}
     t0 = time.time()
 
     def run(system: str, L: int) -> dict:
-        rec = point(system, model, L, a.steps, device, work, a.timeout)
+        rec = point(system, model, L, a.steps, device, work, a.timeout, malloc)
         status = (f"{rec['tokens_per_s']:.0f} tok/s, peak {rec['peak_mem_gb']:.3f} GiB" if rec["ok"]
                   else f"FAILED ({rec['error'][:160]})")
         print(f"[{time.time() - t0:5.0f}s] {system:<18} L={L:<6}: {status}  (load {rec['load_after']})", flush=True)
@@ -156,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     ratios = {L: {s: round(ok[(s, L)]["tokens_per_s"] / ok[(systems[0], L)]["tokens_per_s"], 3) for s in systems}
               for L in common}
     result = {"model": os.path.basename(model), "device": device, "ranks": 2, "steps": a.steps, "cap_gb": a.cap_gb,
+              "malloc_env": malloc or "glibc defaults",
               "lengths": lengths, "seconds": round(time.time() - t0), "systems": summary,
               "tokens_per_s_ratio_to_" + systems[0]: ratios,
               "definitions": {"tokens_per_s": "median over steps 2..N of (tokens of all ranks in the step) / step time",

@@ -42,10 +42,13 @@ def peak_gb() -> float:
 
 def ds_config(sp: int) -> dict:
     """ds_configs/zero3_offload.json, the config train.py runs; the Trainer fills its "auto" keys itself,
-    except the SP communication dtype, which it does not know."""
+    except the SP communication dtype and the SP degree, which it does not write: without
+    `sequence_parallel_size` the zero.Init that from_pretrained opens checks train_batch_size against
+    mb x ga x world instead of x (world / sp) and refuses (deepspeed/runtime/config.py)."""
     with open(os.path.join(ROOT, "ds_configs", "zero3_offload.json")) as fh:
         cfg = json.load(fh)
     cfg["seq_parallel_communication_data_type"] = "fp32"
+    cfg["sequence_parallel_size"] = sp
     return cfg
 
 
@@ -69,6 +72,7 @@ def main() -> int:
     # TrainingArguments before the model: with a ZeRO-3 config it makes from_pretrained build partitioned
     args = TrainingArguments(output_dir=a.output_dir, per_device_train_batch_size=1, gradient_accumulation_steps=1,
                              max_steps=a.steps, learning_rate=1e-4, lr_scheduler_type="constant", max_grad_norm=1.0,
+                             adam_beta1=0.9, adam_beta2=0.95,  # the betas of ds_configs/zero3_offload.json
                              logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
                              bf16=torch.cuda.is_available(), fp16=False, deepspeed=ds_config(a.sp),
                              parallelism_config=pc, remove_unused_columns=False, dataloader_num_workers=0,
@@ -96,8 +100,9 @@ def main() -> int:
         def on_step_end(self, args, state, control, **kw):
             dt = time.perf_counter() - self.t0
             rec = {"step": state.global_step, "tokens": a.seq_len * dp, "tokens_per_s": a.seq_len * dp / dt,
-                   "seq_len": a.seq_len, "sp": a.sp, "dp": dp, "peak_mem_gb": peak_gb(), "time": time.time()}
-            if args.process_index == 0:
+                   "seq_len": a.seq_len, "sp": a.sp, "dp": dp, "peak_mem_gb": peak_gb(), "time": time.time(),
+                   "attn": model.config._attn_implementation}  # "ulysses..." once accelerate registered SP
+            if int(os.environ.get("RANK", "0")) == 0:  # args.process_index is the DP rank: 0 on every SP rank
                 with open(os.path.join(a.output_dir, "metrics.jsonl"), "a") as fh:
                     fh.write(json.dumps(rec) + "\n")
                 print(f"step {rec['step']} tok/s {rec['tokens_per_s']:.0f} mem {rec['peak_mem_gb']:.3f}GB", flush=True)
