@@ -19,25 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def peak_gb() -> float:
-    import torch
-    import torch.distributed as dist
-
-    if torch.cuda.is_available():
-        peak = torch.cuda.max_memory_allocated() / 2**30
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-    t = torch.tensor([peak], dtype=torch.float64)
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return round(t.item(), 4)
 
 
 def ds_config(sp: int) -> dict:
@@ -65,6 +50,9 @@ def main() -> int:
     import torch
     from accelerate.utils import DeepSpeedSequenceParallelConfig, ParallelismConfig
     from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+    sys.path.insert(0, ROOT)
+    from training.metrics import peak_memory_gb  # the measurement train.py logs, so the systems compare
 
     pc = ParallelismConfig(sp_backend="deepspeed", sp_size=a.sp,
                            sp_handler=DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True,
@@ -100,7 +88,7 @@ def main() -> int:
         def on_step_end(self, args, state, control, **kw):
             dt = time.perf_counter() - self.t0
             rec = {"step": state.global_step, "tokens": a.seq_len * dp, "tokens_per_s": a.seq_len * dp / dt,
-                   "seq_len": a.seq_len, "sp": a.sp, "dp": dp, "peak_mem_gb": peak_gb(), "time": time.time(),
+                   "seq_len": a.seq_len, "sp": a.sp, "dp": dp, "peak_mem_gb": peak_memory_gb(), "time": time.time(),
                    "attn": model.config._attn_implementation}  # "ulysses..." once accelerate registered SP
             if int(os.environ.get("RANK", "0")) == 0:  # args.process_index is the DP rank: 0 on every SP rank
                 with open(os.path.join(a.output_dir, "metrics.jsonl"), "a") as fh:
