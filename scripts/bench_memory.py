@@ -307,9 +307,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--calibration", action="store_true", help="print predicted vs measured per point")
-    p.add_argument("--mmap_threshold", type=int, default=None,
-                   help="set glibc's MALLOC_MMAP_THRESHOLD_ (bytes) in every rank: blocks at least this big are "
-                        "returned to the OS when freed, so peak RSS follows live tensors (default: glibc's own)")
+    p.add_argument("--mmap_threshold", type=int, default=64 * 2**10,
+                   help="glibc's MALLOC_MMAP_THRESHOLD_ (bytes) in every rank: blocks at least this big are returned "
+                        "to the OS when freed, so peak RSS follows live tensors; 64 KiB is under TiledMLP's tiles "
+                        "(default 65536; 0: glibc's own, whose threshold rises to 32 MiB and keeps freed blocks)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per launch")
     p.add_argument("--out", default=None, help="JSON path (default bench/memory.json, --quick: memory_quick.json)")
     p.add_argument("--keep", action="store_true", help="keep the run folders (logs) under bench/_runs")

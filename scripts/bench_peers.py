@@ -121,8 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--timeout", type=float, default=900)
-    p.add_argument("--mmap_threshold", type=int, default=None,
-                   help="glibc MALLOC_MMAP_THRESHOLD_ (bytes) in every rank of every system, as in bench_memory.py")
+    p.add_argument("--mmap_threshold", type=int, default=64 * 2**10,
+                   help="glibc MALLOC_MMAP_THRESHOLD_ (bytes) in every rank of every system, as in bench_memory.py "
+                        "(default 65536; 0: glibc's own)")
     p.add_argument("--out", default=os.path.join(bm.ROOT, "bench", "peers.json"))
     p.add_argument("--keep", action="store_true", help="keep run folders under bench/_runs_peers")
     a = p.parse_args(argv)
