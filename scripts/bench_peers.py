@@ -16,14 +16,22 @@ same measurement in all three) exceeds `--cap_gb` or a launch fails; the longest
 under the cap is reported. Tokens/s (median after the first step, all ranks together) are compared at every
 length that all systems ran. Each rank runs with OMP_NUM_THREADS=1; the load average is recorded per point
 because this machine is shared.
+
+The ladder runs one system after another, so machine drift lands on one system's numbers. The tokens/s
+claim against the HF integration therefore comes from a paired phase (`--paired_rounds`, 0 to skip): at
+each of `--paired_lengths`, ulysses-longtrain and hf-trainer-sp run alternately, the order flipped every
+round (AB, BA, AB, ...), `--paired_steps` steps each, and the ratio ours / HF is taken per round; the
+median, min and max over rounds are reported.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -83,6 +91,30 @@ def ladder(system: str, lengths: list[int], cap: float, run) -> tuple[list[dict]
     return points, longest, f"all lengths up to {lengths[-1]} stayed under the cap (longer ones not tried)"
 
 
+def paired(lengths: list[int], rounds: int, steps: int, run) -> dict:
+    """Interleaved ours-vs-HF tokens/s: per length, per round, the ratio of the two launches of that round."""
+    pair = ("ulysses-longtrain", "hf-trainer-sp")
+    out: dict = {"steps": steps, "rounds": rounds, "order": "AB, BA, ... (A = ulysses-longtrain)", "by_length": {}}
+    for L in lengths:
+        per_round = []
+        for r in range(rounds):
+            recs = {s: run(s, L, steps) for s in (pair if r % 2 == 0 else pair[::-1])}
+            if not all(rec["ok"] for rec in recs.values()):
+                per_round.append({"ok": False, "error": next(x["error"] for x in recs.values() if not x["ok"])})
+                continue
+            a, b = (recs[s]["tokens_per_s"] for s in pair)
+            per_round.append({"ok": True, "ulysses-longtrain": round(a, 1), "hf-trainer-sp": round(b, 1),
+                              "ratio": round(a / b, 3)})
+        ratios = [x["ratio"] for x in per_round if x["ok"]]
+        out["by_length"][L] = {"rounds": per_round} | ({"median_ratio": round(statistics.median(ratios), 3),
+                                                        "min_ratio": min(ratios), "max_ratio": max(ratios)}
+                                                       if ratios else {})
+    meds = [v["median_ratio"] for v in out["by_length"].values() if "median_ratio" in v]
+    if meds:
+        out["geomean_of_medians"] = round(math.exp(sum(map(math.log, meds)) / len(meds)), 3)
+    return out
+
+
 def plot(result: dict, path: str) -> None:
     import matplotlib
 
@@ -124,6 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mmap_threshold", type=int, default=64 * 2**10,
                    help="glibc MALLOC_MMAP_THRESHOLD_ (bytes) in every rank of every system, as in bench_memory.py "
                         "(default 65536; 0: glibc's own)")
+    p.add_argument("--paired_rounds", type=int, default=3,
+                   help="rounds of the interleaved ours-vs-HF throughput phase (0: skip it)")
+    p.add_argument("--paired_lengths", default="2048,4096,8192", help="lengths of the paired phase")
+    p.add_argument("--paired_steps", type=int, default=6, help="steps per launch in the paired phase")
     p.add_argument("--out", default=os.path.join(bm.ROOT, "bench", "peers.json"))
     p.add_argument("--keep", action="store_true", help="keep run folders under bench/_runs_peers")
     a = p.parse_args(argv)
@@ -139,8 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     malloc = {"MALLOC_MMAP_THRESHOLD_": str(a.mmap_threshold)} if a.mmap_threshold else {}
     t0 = time.time()
 
-    def run(system: str, L: int) -> dict:
-        rec = point(system, model, L, a.steps, device, work, a.timeout, malloc)
+    def run(system: str, L: int, steps: int | None = None) -> dict:
+        rec = point(system, model, L, steps or a.steps, device, work, a.timeout, malloc)
         status = (f"{rec['tokens_per_s']:.0f} tok/s, peak {rec['peak_mem_gb']:.3f} GiB" if rec["ok"]
                   else f"FAILED ({rec['error'][:160]})")
         print(f"[{time.time() - t0:5.0f}s] {system:<18} L={L:<6}: {status}  (load {rec['load_after']})", flush=True)
@@ -157,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
             summary[s] = {"description": SYSTEMS[s], "longest_under_cap": longest, "stopped": why,
                           "baseline_peak_gb": base["peak_mem_gb"] if base and base.get("ok") else None,
                           "baseline_error": base.get("error") if base and not base.get("ok") else None}
+        pair_result = (paired(bm.parse_ints(a.paired_lengths), a.paired_rounds, a.paired_steps, run)
+                       if a.paired_rounds and {"ulysses-longtrain", "hf-trainer-sp"} <= set(systems) else None)
     finally:
         if not a.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -168,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
               "malloc_env": malloc or "glibc defaults",
               "lengths": lengths, "seconds": round(time.time() - t0), "systems": summary,
               "tokens_per_s_ratio_to_" + systems[0]: ratios,
+              "paired_throughput": pair_result,
               "definitions": {"tokens_per_s": "median over steps 2..N of (tokens of all ranks in the step) / step time",
                               "peak_mem_gb": "max over steps of peak RSS (GiB), max over ranks"},
               "points": points}
@@ -189,6 +228,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {s:<19}{v['longest_under_cap'] or 'none':>8}   ({v['stopped'][:160]})")
     for L, r in ratios.items():
         print(f"tokens/s relative to {systems[0]} at {L}: " + ", ".join(f"{s} {x:.2f}" for s, x in r.items()))
+    if pair_result:
+        print(f"\npaired ulysses-longtrain / hf-trainer-sp tokens/s ({a.paired_rounds} rounds, AB/BA, "
+              f"{a.paired_steps} steps per launch):")
+        for L, v in pair_result["by_length"].items():
+            if "median_ratio" in v:
+                print(f"  {L:>6}: median {v['median_ratio']:.3f}  (min {v['min_ratio']:.3f}, max {v['max_ratio']:.3f})")
+            else:
+                print(f"  {L:>6}: no complete round")
+        if "geomean_of_medians" in pair_result:
+            print(f"  geometric mean of the medians: {pair_result['geomean_of_medians']:.3f}")
     print(f"wrote {a.out} and {os.path.splitext(a.out)[0]}.png in {result['seconds']} s")
     return 0
 
