@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     from training.config import parse_config, to_dict
     from training.curriculum import check_stages, resolve_stages, stage_start, total_steps
     from training.engine import build_engine, stage_config
-    from training.evaluation import evaluate_stage, heldout_count
+    from training.evaluation import check_passkey_fits, evaluate_stage, heldout_count
     from training.metrics import MetricsLogger, open_rank_log, peak_memory_gb, print0, rank_log, set_main
     from training.parallel import init_distributed
     from training.preemption import PreemptionFlag
@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
                                                      arch.vocab_size, dims.is_main)
     reset_pos = cfg.reset_position_ids == "yes" or (cfg.reset_position_ids == "auto" and attn == "flash_attention_2")
     pad_id = tokenizer.pad_id if tokenizer else 0
+    check_passkey_fits(stages, tokenizer)
 
     # --- resume: the newest complete checkpoint decides where the curriculum continues ---
     ckpt = Checkpointer(cfg.output_dir, cfg.save_total_limit)

@@ -52,3 +52,13 @@ def test_tokenizer_larger_than_model_vocab(tmp_path):
                    "--tokenizer_name_or_path", spm_model], tmp_path)
     assert p.returncode == 2
     assert "has 2000 tokens but the model's vocab_size is 1000" in p.stderr.strip().splitlines()[-1]
+
+
+def test_stage_too_short_for_passkey_is_refused_before_training(tmp_path):
+    """The demo corpus has a text tokenizer, so every stage ends with passkey trials; 64 tokens cannot hold one.
+    This used to surface after the step had run and its checkpoint was written."""
+    p = run_train(["--max_seq_length", "64", "--max_steps", "1"], tmp_path)
+    assert p.returncode == 2, p.stderr[-2000:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: stage ") and "too short for a passkey trial (needs" in last, last
+    assert "eval.passkey_trials: 0" in last and "Traceback" not in p.stderr

@@ -41,6 +41,22 @@ def _sharded_logits_check(engine, sample: dict, sp: int, sp_rank: int, pad_id: i
     return ce.double().cpu(), mask.sum().cpu(), wrong.cpu()
 
 
+def passkey_trials(eval_cfg: dict, tokenizer) -> int:
+    """Passkey trials per depth a stage runs: its eval.passkey_trials, default 2 with a text tokenizer."""
+    return int(eval_cfg.get("passkey_trials", 2 if tokenizer else 0)) if tokenizer is not None else 0
+
+
+def check_passkey_fits(stages, tokenizer) -> None:
+    """Before any training: every stage that runs passkey trials is long enough to hold one (one-line error)."""
+    for stage in stages:
+        if passkey_trials(stage.eval, tokenizer):
+            try:
+                passkey_sample(tokenizer, stage.max_seq_length, 0.5, random.Random(0))
+            except ValueError as err:
+                raise ValueError(f"stage {stage.name!r}: {err}: raise max_seq_length or set eval.passkey_trials: 0 "
+                                 "for this stage") from None
+
+
 def passkey_sample(tokenizer, seq_len: int, depth: float, rng: random.Random) -> dict[str, np.ndarray]:
     key = str(rng.randint(10000, 99999))
     needle = tokenizer.encode(f" The pass key is {key}. Remember it. {key} is the pass key. ")
@@ -49,7 +65,8 @@ def passkey_sample(tokenizer, seq_len: int, depth: float, rng: random.Random) ->
     filler = tokenizer.encode(FILLER)
     n_fill = seq_len - len(needle) - len(question) - len(answer)
     if n_fill < len(filler):
-        raise ValueError(f"max_seq_length={seq_len} is too short for a passkey trial")
+        need = len(needle) + len(question) + len(answer) + len(filler)
+        raise ValueError(f"max_seq_length={seq_len} is too short for a passkey trial (needs {need} tokens)")
     body = (filler * (n_fill // len(filler) + 1))[:n_fill]
     at = int(depth * n_fill)
     ids = np.asarray(body[:at] + needle + body[at:] + question + answer, dtype=np.int64)
@@ -74,8 +91,8 @@ def evaluate_stage(engine, stage, dims, dataset, tokenizer, metrics, step: int, 
         t = torch.stack([ce, n.double()])
         dist.all_reduce(t)  # every rank of an SP group holds part of the same samples; DP groups repeat them
         result["heldout_loss"] = (t[0] / t[1].clamp_min(1)).item()
-    trials = int(cfg.get("passkey_trials", 2 if tokenizer else 0))
-    if trials and tokenizer is not None:
+    trials = passkey_trials(cfg, tokenizer)
+    if trials:
         rng = random.Random(1234 + stage.index)
         per_depth = {}
         for depth in cfg.get("depths", [0.1, 0.5, 0.9]):

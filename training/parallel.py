@@ -62,5 +62,35 @@ def init_distributed(sp: int) -> ParallelDims:
     deepspeed.init_distributed(dist_backend=None, auto_mpi_discovery=False)
     world = torch.distributed.get_world_size()
     rank = torch.distributed.get_rank()
+    release_shm_buffer(rank)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     return ParallelDims(world=world, sp=sp, rank=rank, local_rank=local_rank)
+
+
+def shm_buffer_path(rank: int) -> str:
+    """Where DeepSpeed's CPU shared-memory all-reduce (op ShareMemComm, csrc/cpu/comm/shm.cpp) puts this
+    rank's 66 MB workspace: /dev/shm/deepspeed_allreduce_buffer_{uid}_{MASTER_ADDR}_{MASTER_PORT}_{rank}."""
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    return f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
+
+
+def release_shm_buffer(rank: int) -> str | None:
+    """Unlink this rank's shared-memory all-reduce workspace name once every rank has mapped it.
+
+    When all ranks are on one machine (LOCAL_SIZE == world, as under the deepspeed launcher on a CPU box),
+    DeepSpeed creates one POSIX shm segment per rank and never unlinks it: every launch, clean exit or
+    killed, left 66 MB per rank in /dev/shm, which is RAM (306 segments, 20 GiB, after a day of benchmarks
+    on the 24 GiB dev box, and the next compile was OOM-killed). Each rank maps all the others' segments
+    inside deepspeed.init_distributed, so after a barrier the names are no longer needed: unlinking keeps
+    every mapping valid and the kernel frees the memory when the last rank exits, however it exits.
+    Returns the unlinked path, or None where there was no segment (GPU, multi-node, the op not built).
+    """
+    import torch.distributed as dist
+
+    dist.barrier()
+    path = shm_buffer_path(rank)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return None
+    return path

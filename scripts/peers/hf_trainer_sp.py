@@ -97,6 +97,10 @@ def main() -> int:
 
     os.makedirs(a.output_dir, exist_ok=True)
     trainer = Trainer(model=model, args=args, train_dataset=RandomTokens(), callbacks=[Meter()])
+    if torch.distributed.is_initialized():  # DeepSpeed's CPU SHM all-reduce segment, as train.py releases it
+        from training.parallel import release_shm_buffer
+
+        release_shm_buffer(torch.distributed.get_rank())
     trainer.train()
     return 0
 
