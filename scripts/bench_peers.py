@@ -21,7 +21,8 @@ The ladder runs one system after another, so machine drift lands on one system's
 claim against the HF integration therefore comes from a paired phase (`--paired_rounds`, 0 to skip): at
 each of `--paired_lengths`, ulysses-longtrain and hf-trainer-sp run alternately, the order flipped every
 round (AB, BA, AB, ...), `--paired_steps` steps each, and the ratio ours / HF is taken per round; the
-median, min and max over rounds are reported.
+median, min and max over rounds are reported, and over all rounds of all lengths the geometric mean ratio
+with a 95% bootstrap interval.
 """
 
 from __future__ import annotations
@@ -112,7 +113,24 @@ def paired(lengths: list[int], rounds: int, steps: int, run) -> dict:
     meds = [v["median_ratio"] for v in out["by_length"].values() if "median_ratio" in v]
     if meds:
         out["geomean_of_medians"] = round(math.exp(sum(map(math.log, meds)) / len(meds)), 3)
+    all_ratios = [x["ratio"] for v in out["by_length"].values() for x in v["rounds"] if x["ok"]]
+    if all_ratios:
+        out["all_rounds"] = ratio_summary(all_ratios)
     return out
+
+
+def ratio_summary(ratios: list[float], resamples: int = 20000, seed: int = 0) -> dict:
+    """Geometric mean of paired ratios with a 95% percentile-bootstrap interval (rounds resampled with
+    replacement, fixed seed), and how many rounds ours was at least as fast."""
+    import random
+
+    logs = [math.log(r) for r in ratios]
+    rng = random.Random(seed)
+    boot = sorted(sum(rng.choices(logs, k=len(logs))) / len(logs) for _ in range(resamples))
+    lo, hi = boot[int(0.025 * resamples)], boot[int(0.975 * resamples) - 1]
+    return {"n": len(ratios), "geomean_ratio": round(math.exp(sum(logs) / len(logs)), 3),
+            "ci95": [round(math.exp(lo), 3), round(math.exp(hi), 3)],
+            "rounds_ours_at_least_as_fast": sum(r >= 1.0 for r in ratios)}
 
 
 def plot(result: dict, path: str) -> None:
@@ -238,6 +256,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {L:>6}: no complete round")
         if "geomean_of_medians" in pair_result:
             print(f"  geometric mean of the medians: {pair_result['geomean_of_medians']:.3f}")
+        if "all_rounds" in pair_result:
+            r = pair_result["all_rounds"]
+            print(f"  all {r['n']} rounds: geometric mean {r['geomean_ratio']:.3f}, 95% bootstrap interval "
+                  f"{r['ci95'][0]:.3f}-{r['ci95'][1]:.3f}; ours at least as fast in {r['rounds_ours_at_least_as_fast']}")
     print(f"wrote {a.out} and {os.path.splitext(a.out)[0]}.png in {result['seconds']} s")
     return 0
 
