@@ -116,11 +116,24 @@ def error_line(log_path: str) -> str:
     """The line that says why a launch failed: train.py's one-line `error: ...`, else the last exception."""
     with open(log_path, errors="replace") as fh:
         lines = [ln.rstrip() for ln in fh]
-    for pat in (r"^error: ", r"^\S*(Error|Exception)\b"):
-        hits = [ln for ln in lines if re.search(pat, re.sub(r"^\[\d+\]:?\s*", "", ln))]
+    # ranks' lines may carry the launcher's "[N]:" or torch's "[rankN]:" prefix; the launcher's own lines
+    # ("[date] [INFO|ERROR] [launch.py:...]") only say that a rank exited, so they are the last resort
+    bare = [re.sub(r"^\[(rank)?\d+\]:?\s*", "", ln) for ln in lines]
+    for pat in (r"^error: ", r"^[\w.]*(Error|Exception|Interrupt)\b", r"Killed|Segmentation fault|core dumped"):
+        hits = [b for b in bare if re.search(pat, b)]
         if hits:
             return hits[-1][:500]
-    return (lines[-1] if lines else "no output")[:500]
+    own = [b for b in bare if b and "launch.py:" not in b]
+    codes = [m.group(1) for b in bare for m in [re.search(r"exits with return code = (-?\d+)", b)] if m]
+    if codes:
+        return f"a rank exited with return code {codes[-1]}; its last output: {own[-1] if own else 'none'}"[:500]
+    return (own[-1] if own else lines[-1] if lines else "no output")[:500]
+
+
+def log_tail(log_path: str, n: int = 30) -> list[str]:
+    """The last `n` lines of a failed launch's log, kept in the JSON (the run folders are temporary)."""
+    with open(log_path, errors="replace") as fh:
+        return [ln.rstrip()[:300] for ln in fh.readlines()[-n:]]
 
 
 def read_steps(out_dir: str) -> list[dict]:
@@ -165,7 +178,8 @@ def train_point(model: str, seq_len: int, sp: int, features: tuple[str, ...], st
     steps_done = read_steps(out)
     if code != 0 or len(steps_done) < steps:
         return rec | {"ok": False, "exit_code": code, "steps_logged": len(steps_done),
-                      "error": error_line(os.path.join(out, "launch.log"))}
+                      "error": error_line(os.path.join(out, "launch.log")),
+                      "log_tail": log_tail(os.path.join(out, "launch.log"))}
     return rec | {"ok": True} | summarize_steps(steps_done)
 
 

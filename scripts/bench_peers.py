@@ -63,7 +63,8 @@ def hf_point(model: str, seq_len: int, steps: int, device: str, work: str, timeo
            "load_after": round(os.getloadavg()[0], 2)}
     done = bm.read_steps(out)
     if code != 0 or len(done) < steps:
-        return rec | {"ok": False, "exit_code": code, "error": bm.error_line(os.path.join(out, "launch.log"))}
+        return rec | {"ok": False, "exit_code": code, "error": bm.error_line(os.path.join(out, "launch.log")),
+                      "log_tail": bm.log_tail(os.path.join(out, "launch.log"))}
     return rec | {"ok": True} | bm.summarize_steps(done)
 
 
@@ -101,7 +102,8 @@ def paired(lengths: list[int], rounds: int, steps: int, run) -> dict:
         for r in range(rounds):
             recs = {s: run(s, L, steps) for s in (pair if r % 2 == 0 else pair[::-1])}
             if not all(rec["ok"] for rec in recs.values()):
-                per_round.append({"ok": False, "error": next(x["error"] for x in recs.values() if not x["ok"])})
+                bad = next(x for x in recs.values() if not x["ok"])
+                per_round.append({"ok": False, "error": bad["error"], "log_tail": bad.get("log_tail")})
                 continue
             a, b = (recs[s]["tokens_per_s"] for s in pair)
             per_round.append({"ok": True, "ulysses-longtrain": round(a, 1), "hf-trainer-sp": round(b, 1),
