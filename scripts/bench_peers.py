@@ -141,7 +141,8 @@ def plot(result: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(1, 2, figsize=(12, 4.6))
+    pair = result.get("paired_throughput") or {}
+    fig, ax = plt.subplots(1, 3 if pair else 2, figsize=(17 if pair else 12, 4.6))
     for name in SYSTEMS:
         pts = sorted((p for p in result["points"] if p["system"] == name and p.get("ok") and not p.get("baseline")),
                      key=lambda p: p["seq_len"])
@@ -154,6 +155,23 @@ def plot(result: dict, path: str) -> None:
     ax[0].set(xscale="log", xlabel="sequence length", ylabel="peak GiB per rank", title="per-rank peak (RSS)")
     ax[1].set(xscale="log", yscale="log", xlabel="sequence length", ylabel="tokens/s (2 ranks together)",
               title="throughput, 1 core per rank")
+    if pair:
+        lengths = sorted(pair["by_length"], key=int)
+        for i, L in enumerate(lengths):
+            v = pair["by_length"][L]
+            ratios = [x["ratio"] for x in v["rounds"] if x["ok"]]
+            ax[2].scatter([i] * len(ratios), ratios, color="tab:blue", alpha=0.6, s=22,
+                          label="one round (AB or BA)" if i == 0 else None)
+            if "median_ratio" in v:
+                ax[2].scatter([i], [v["median_ratio"]], color="k", marker="_", s=400,
+                              label="median" if i == 0 else None)
+        ax[2].axhline(1.0, color="k", lw=0.8)
+        title = "paired tokens/s, ulysses-longtrain / hf-trainer-sp"
+        if "all_rounds" in pair:
+            r = pair["all_rounds"]
+            title += f"\nall {r['n']} rounds: geomean {r['geomean_ratio']:.3f}, 95% CI {r['ci95'][0]:.3f}-{r['ci95'][1]:.3f}"
+        ax[2].set(xticks=range(len(lengths)), xticklabels=lengths, xlabel="sequence length", ylabel="ratio",
+                  title=title)
     for a in ax:
         a.grid(alpha=0.3)
         a.legend(fontsize=8)
