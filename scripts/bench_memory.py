@@ -112,28 +112,28 @@ def launch(cmd: list[str], env: dict, log_path: str, timeout: float) -> tuple[in
     return code, time.time() - t0
 
 
-def error_line(log_path: str) -> str:
-    """The line that says why a launch failed: train.py's one-line `error: ...`, else the last exception."""
+def launch_failure(log_path: str, tail: int = 30) -> dict:
+    """What a failed launch's record keeps, from one read of its log: `error`, the line that says why
+    (train.py's one-line `error: ...`, else the last exception), and `log_tail`, its last `tail` lines
+    (the run folders are temporary)."""
     with open(log_path, errors="replace") as fh:
         lines = [ln.rstrip() for ln in fh]
+    return {"error": _error_line(lines)[:500], "log_tail": [ln[:300] for ln in lines[-tail:]]}
+
+
+def _error_line(lines: list[str]) -> str:
     # ranks' lines may carry the launcher's "[N]:" or torch's "[rankN]:" prefix; the launcher's own lines
     # ("[date] [INFO|ERROR] [launch.py:...]") only say that a rank exited, so they are the last resort
     bare = [re.sub(r"^\[(rank)?\d+\]:?\s*", "", ln) for ln in lines]
     for pat in (r"^error: ", r"^[\w.]*(Error|Exception|Interrupt)\b", r"Killed|Segmentation fault|core dumped"):
         hits = [b for b in bare if re.search(pat, b)]
         if hits:
-            return hits[-1][:500]
+            return hits[-1]
     own = [b for b in bare if b and "launch.py:" not in b]
-    codes = [m.group(1) for b in bare for m in [re.search(r"exits with return code = (-?\d+)", b)] if m]
+    codes = re.findall(r"exits with return code = (-?\d+)", "\n".join(bare))
     if codes:
-        return f"a rank exited with return code {codes[-1]}; its last output: {own[-1] if own else 'none'}"[:500]
-    return (own[-1] if own else lines[-1] if lines else "no output")[:500]
-
-
-def log_tail(log_path: str, n: int = 30) -> list[str]:
-    """The last `n` lines of a failed launch's log, kept in the JSON (the run folders are temporary)."""
-    with open(log_path, errors="replace") as fh:
-        return [ln.rstrip()[:300] for ln in fh.readlines()[-n:]]
+        return f"a rank exited with return code {codes[-1]}; its last output: {own[-1] if own else 'none'}"
+    return own[-1] if own else lines[-1] if lines else "no output"
 
 
 def read_steps(out_dir: str) -> list[dict]:
@@ -177,9 +177,8 @@ def train_point(model: str, seq_len: int, sp: int, features: tuple[str, ...], st
            "wall_s": round(wall, 1), "load_before": round(load0, 2), "load_after": round(os.getloadavg()[0], 2)}
     steps_done = read_steps(out)
     if code != 0 or len(steps_done) < steps:
-        return rec | {"ok": False, "exit_code": code, "steps_logged": len(steps_done),
-                      "error": error_line(os.path.join(out, "launch.log")),
-                      "log_tail": log_tail(os.path.join(out, "launch.log"))}
+        return (rec | {"ok": False, "exit_code": code, "steps_logged": len(steps_done)}
+                | launch_failure(os.path.join(out, "launch.log")))
     return rec | {"ok": True} | summarize_steps(steps_done)
 
 

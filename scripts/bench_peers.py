@@ -63,8 +63,7 @@ def hf_point(model: str, seq_len: int, steps: int, device: str, work: str, timeo
            "load_after": round(os.getloadavg()[0], 2)}
     done = bm.read_steps(out)
     if code != 0 or len(done) < steps:
-        return rec | {"ok": False, "exit_code": code, "error": bm.error_line(os.path.join(out, "launch.log")),
-                      "log_tail": bm.log_tail(os.path.join(out, "launch.log"))}
+        return rec | {"ok": False, "exit_code": code} | bm.launch_failure(os.path.join(out, "launch.log"))
     return rec | {"ok": True} | bm.summarize_steps(done)
 
 
@@ -114,7 +113,7 @@ def paired(lengths: list[int], rounds: int, steps: int, run) -> dict:
                                                        if ratios else {})
     meds = [v["median_ratio"] for v in out["by_length"].values() if "median_ratio" in v]
     if meds:
-        out["geomean_of_medians"] = round(math.exp(sum(map(math.log, meds)) / len(meds)), 3)
+        out["geomean_of_medians"] = round(statistics.geometric_mean(meds), 3)
     all_ratios = [x["ratio"] for v in out["by_length"].values() for x in v["rounds"] if x["ok"]]
     if all_ratios:
         out["all_rounds"] = ratio_summary(all_ratios)
@@ -130,7 +129,7 @@ def ratio_summary(ratios: list[float], resamples: int = 20000, seed: int = 0) ->
     rng = random.Random(seed)
     boot = sorted(sum(rng.choices(logs, k=len(logs))) / len(logs) for _ in range(resamples))
     lo, hi = boot[int(0.025 * resamples)], boot[int(0.975 * resamples) - 1]
-    return {"n": len(ratios), "geomean_ratio": round(math.exp(sum(logs) / len(logs)), 3),
+    return {"n": len(ratios), "geomean_ratio": round(statistics.geometric_mean(ratios), 3),
             "ci95": [round(math.exp(lo), 3), round(math.exp(hi), 3)],
             "rounds_ours_at_least_as_fast": sum(r >= 1.0 for r in ratios)}
 

@@ -29,7 +29,7 @@ LAUNCHER_EXIT = ("[2026-11-23 15:34:27,800] [ERROR] [launch.py:259:sigkill_handl
 def _error(tmp_path, text: str) -> str:
     log = tmp_path / "launch.log"
     log.write_text(text)
-    return bm.error_line(str(log))
+    return bm.launch_failure(str(log))["error"]
 
 
 def test_error_line_names_the_rank_exception_behind_torch_prefix(tmp_path):
@@ -52,7 +52,7 @@ def test_error_line_without_exception_gives_exit_code_and_last_output(tmp_path):
 def test_log_tail_keeps_the_last_lines(tmp_path):
     log = tmp_path / "launch.log"
     log.write_text("".join(f"line {i}\n" for i in range(50)))
-    assert bm.log_tail(str(log), 3) == ["line 47", "line 48", "line 49"]
+    assert bm.launch_failure(str(log), tail=3)["log_tail"] == ["line 47", "line 48", "line 49"]
 
 
 def test_ratio_summary_geomean_interval_and_count():
