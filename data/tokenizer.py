@@ -6,7 +6,7 @@ import os
 
 
 class Tokenizer:
-    """`encode(text) -> list[int]`, `vocab_size`, `eos_id`, `pad_id`, `decode(ids)`."""
+    """`encode(text) -> list[int]`, `encode_batch(texts)`, `vocab_size`, `eos_id`, `pad_id`, `decode(ids)`."""
 
     def __init__(self, path: str):
         if not os.path.exists(path):
@@ -22,6 +22,9 @@ class Tokenizer:
             pad = self._sp.pad_id()
             self.pad_id = pad if pad >= 0 else self.eos_id
             self._encode = lambda t: self._sp.encode(t)
+            # one thread: parallelism comes from prepare_data's worker processes, one core each
+            self._encode_batch = lambda ts: self._sp.encode(ts, num_threads=1)
+            self.kind = "sentencepiece"
             self._decode = lambda ids: self._sp.decode(ids)
         else:
             from transformers import AutoTokenizer
@@ -31,12 +34,18 @@ class Tokenizer:
             self.eos_id = tok.eos_token_id
             self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else self.eos_id
             self._encode = lambda t: tok(t, add_special_tokens=False)["input_ids"]
+            self._encode_batch = lambda ts: tok(ts, add_special_tokens=False)["input_ids"]
+            self.kind = "hf"
             self._decode = lambda ids: tok.decode(ids)
         if self.eos_id is None or self.eos_id < 0:
             raise ValueError(f"tokenizer {path} has no end-of-sequence token; documents cannot be separated")
 
     def encode(self, text: str) -> list[int]:
         return self._encode(text)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Encode many documents in one call (no special tokens added)."""
+        return self._encode_batch(texts)
 
     def decode(self, ids) -> str:
         return self._decode(list(ids))

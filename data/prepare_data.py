@@ -1,0 +1,403 @@
+"""Prepare a corpus once, before training: tokenize in parallel into a prepared folder (`data/store.py`).
+
+    python scripts/prepare_data.py --input books=corpus/books/ --input code.jsonl.zst --output data/prep \\
+        --tokenizer_name_or_path /models/Llama-3-8B --workers 16
+    # across machines: one shard each (input files are split between shards by size), then the index
+    python scripts/prepare_data.py ... --shard 3/8          # on machine 3 of 8
+    python scripts/prepare_data.py --output data/prep --merge
+
+Streaming: the reading process groups rows into batches and keeps at most 2 x workers batches in flight;
+workers parse, tokenize and check each batch; the reading process appends the results, in input order,
+to the current chunk file. Peak memory is the batches in flight, not the corpus. A chunk (`--chunk_tokens`)
+is committed by its record file after its data is fsynced; a killed run resumes after the last committed
+chunk (same command), and `manifest.json` is written last, so a folder without it is never read as data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import multiprocessing as mp
+import os
+import sys
+import time
+import zlib
+from array import array
+from collections import deque
+
+import numpy as np
+
+from data import store
+from data.readers import Fields, Unit, discover, iter_rows, parse_item
+
+DEFAULT_CHUNK_TOKENS = 1 << 28  # 1 GiB of uint32 per chunk file: the resume granularity
+DEFAULT_BATCH_DOCS = 256
+BATCH_BYTES = 4 << 20  # a batch closes at this much raw text too (long documents)
+
+# ------------------------------------------------------------------ workers: parse, tokenize, check
+
+_W: dict = {}
+
+
+def _init_worker(tokenizer_path: str | None, fields: Fields, vocab_bound: int, eos_id: int | None, dtype: str):
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one core per worker
+    from data.tokenizer import Tokenizer
+
+    _W.update(tok=Tokenizer(tokenizer_path) if tokenizer_path else None, fields=fields, bound=vocab_bound,
+              eos=eos_id, dtype=np.dtype(dtype))
+
+
+def _tokenize_batch(items: list[tuple[int, int, object]]) -> dict:
+    """items: (unit index, row, raw item) -> tokens of the kept documents (EOS appended) and what was dropped."""
+    fields, tok, eos, bound = _W["fields"], _W["tok"], _W["eos"], _W["bound"]
+    docs, bad = [], []
+    for u, row, item in items:
+        value, src, err = parse_item(item, fields)
+        if err is None and isinstance(value, str) and tok is None:
+            err = "a text document needs a tokenizer (--tokenizer_name_or_path), or give input_ids"
+        if err:
+            bad.append((u, row, err))
+        else:
+            docs.append((u, row, value, src))
+    texts = [i for i, d in enumerate(docs) if isinstance(d[2], str)]
+    if texts:
+        for i, ids in zip(texts, tok.encode_batch([docs[i][2] for i in texts])):
+            docs[i] = (*docs[i][:2], ids, docs[i][3])
+    arrays, lens, srcs, empty, max_id = [], [], [], 0, -1
+    for u, row, ids, src in docs:
+        if not len(ids):
+            empty += 1
+            continue
+        a = np.asarray(ids, dtype=np.int64)
+        top = int(a.max())
+        if top >= bound:
+            bad.append((u, row, f"token id {top} >= the vocabulary size {bound} (--vocab_size or the tokenizer's)"))
+            continue
+        max_id = max(max_id, top)
+        arrays.append(a)
+        if eos is not None:
+            arrays.append(np.asarray([eos], dtype=np.int64))
+        lens.append(len(a) + (eos is not None))
+        srcs.append((u, src))
+    flat = np.concatenate(arrays).astype(_W["dtype"]) if arrays else np.zeros(0, _W["dtype"])
+    if eos is not None and len(flat):
+        max_id = max(max_id, eos)
+    return {"tokens": flat, "lens": lens, "srcs": srcs, "bad": sorted(bad, key=lambda b: b[:2]), "empty": empty,
+            "max_id": max_id, "last": items[-1][:2]}
+
+
+# ------------------------------------------------------------------ the reading/writing process
+
+
+class ChunkWriter:
+    """Appends batch results to chunk files of one shard; `commit()` makes a chunk durable and visible."""
+
+    def __init__(self, out: str, shard: int, chunk: int, dtype: np.dtype, sources: list[str]):
+        self.out, self.shard, self.chunk, self.dtype = out, shard, chunk, dtype
+        self.sources = list(sources)
+        self.index = {s: i for i, s in enumerate(self.sources)}
+        self.records: list[dict] = []
+        self._open()
+
+    def _open(self):
+        name = store.chunk_name(self.shard, self.chunk)
+        self.files = {"tokens": f"tokens-{name}.bin", "lens": f"docs-{name}.lens.npy", "src": f"docs-{name}.src.npy"}
+        self.fh = open(os.path.join(self.out, self.files["tokens"]), "wb")
+        self.lens, self.src, self.n_tokens, self.crc, self.max_id = array("q"), array("i"), 0, 0, -1
+        self.per_source: dict[str, list[int]] = {}
+
+    def add(self, res: dict, unit_names: list[str]) -> None:
+        b = res["tokens"].tobytes()
+        self.fh.write(b)
+        self.crc = zlib.crc32(b, self.crc)
+        self.n_tokens += len(res["tokens"])
+        self.max_id = max(self.max_id, res["max_id"])
+        for n, (u, src) in zip(res["lens"], res["srcs"]):
+            name = src if src is not None else unit_names[u]
+            if name not in self.index:
+                self.index[name] = len(self.sources)
+                self.sources.append(name)
+            self.lens.append(n)
+            self.src.append(self.index[name])
+            c = self.per_source.setdefault(name, [0, 0])
+            c[0], c[1] = c[0] + 1, c[1] + n
+
+    def commit(self, next_pos: tuple[int, int], stats: dict) -> dict:
+        """fsync this chunk's files, then write its record (the commit point); open the next chunk."""
+        self.fh.flush()
+        os.fsync(self.fh.fileno())
+        self.fh.close()
+        lens, src = np.frombuffer(self.lens, dtype=np.int64), np.frombuffer(self.src, dtype=np.int32)
+        for key, arr in (("lens", lens), ("src", src)):
+            store.save_npy_atomic(os.path.join(self.out, self.files[key]), arr)
+        rec = {**self.files, "n_tokens": self.n_tokens, "n_docs": len(lens), "crc32_tokens": self.crc,
+               "crc32_lens": store.file_crc32(os.path.join(self.out, self.files["lens"])),
+               "crc32_src": store.file_crc32(os.path.join(self.out, self.files["src"])),
+               "sources": list(self.sources), "per_source": self.per_source, "max_token_id": self.max_id,
+               "next": list(next_pos), **stats}
+        store.write_json_atomic(os.path.join(self.out, f"chunk-{store.chunk_name(self.shard, self.chunk)}.json"), rec)
+        self.records.append(rec)
+        self.chunk += 1
+        self._open()
+        return rec
+
+    def abandon(self) -> None:
+        self.fh.close()
+        os.remove(os.path.join(self.out, self.files["tokens"]))
+
+
+def shard_units(units: list[Unit], shard: int, n_shards: int) -> list[Unit]:
+    """This shard's input units: largest first to the least loaded shard, then in input order."""
+    if n_shards > len(units):
+        raise ValueError(f"--shard {shard}/{n_shards}: only {len(units)} input file(s); shards split inputs by "
+                         "file, so use at most that many shards (or split the files)")
+    load, owner = [0] * n_shards, {}
+    for i in sorted(range(len(units)), key=lambda i: (-units[i].size(), i)):
+        s = min(range(n_shards), key=lambda k: (load[k], k))
+        owner[i], load[s] = s, load[s] + units[i].size()
+    return [u for i, u in enumerate(units) if owner[i] == shard]
+
+
+def _where(unit: Unit, row: int) -> str:
+    return f"{unit.path}:{row + 1}" if unit.kind == "jsonl" else f"{unit.path}: row {row}"
+
+
+def _clear_shard(out: str, shard: int) -> None:
+    for f in glob.glob(os.path.join(out, f"*-s{shard:05d}-c*")) + glob.glob(os.path.join(out, f"plan-s{shard:05d}.json")) \
+            + glob.glob(os.path.join(out, f"shard-{shard:05d}-of-*.json")) + [os.path.join(out, store.MANIFEST)]:
+        if os.path.exists(f):
+            os.remove(f)
+
+
+def _resume_point(out: str, shard: int) -> list[dict]:
+    """Committed chunk records of this shard in order; anything after the last one is removed."""
+    recs, k = [], 0
+    while os.path.exists(p := os.path.join(out, f"chunk-{store.chunk_name(shard, k)}.json")):
+        recs.append(store.read_json(p))
+        k += 1
+    for f in glob.glob(os.path.join(out, f"*-s{shard:05d}-c*")):
+        c = int(f.rsplit("-c", 1)[1][:6])
+        if c >= k:
+            os.remove(f)
+    return recs
+
+
+def prepare(inputs: list[str], output: str, tokenizer: str | None = None, vocab_size: int | None = None,
+            workers: int = 1, shard: tuple[int, int] = (0, 1), fields: Fields | None = None, skip_bad_rows: bool = False,
+            chunk_tokens: int = DEFAULT_CHUNK_TOKENS, batch_docs: int = DEFAULT_BATCH_DOCS, loader: str | None = None,
+            eos_id: int | None = None, overwrite: bool = False, command: list[str] | None = None,
+            log=print) -> dict:
+    """Prepare this shard of `inputs` into `output`; with one shard, also write the manifest. Returns the
+    manifest (one shard) or the shard record. ValueError (one line) on bad input."""
+    from data.tokenizer import Tokenizer
+
+    fields = fields or Fields()
+    i_shard, n_shards = shard
+    units = [u for spec in inputs for u in discover(spec, loader)]
+    mine = shard_units(units, i_shard, n_shards)
+    tok = Tokenizer(tokenizer) if tokenizer else None
+    bound = vocab_size or (tok.vocab_size if tok else None)
+    if bound is None:
+        raise ValueError("give --tokenizer_name_or_path or --vocab_size (the bound every token id is checked against)")
+    eos = tok.eos_id if tok else eos_id
+    tok_info = ({"path": os.path.abspath(tokenizer), "kind": tok.kind, "sha256": store.tokenizer_identity(tokenizer),
+                 "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "pad_id": tok.pad_id} if tok else None)
+    dtype = store.token_dtype(bound)
+    plan = {"units": [u.identity() for u in mine], "tokenizer": tok_info and tok_info["sha256"], "vocab_bound": bound,
+            "eos_id": eos, "dtype": dtype.name, "fields": [fields.text, fields.ids, fields.source],
+            "shard": [i_shard, n_shards], "chunk_tokens": chunk_tokens, "skip_bad_rows": skip_bad_rows}
+    os.makedirs(output, exist_ok=True)
+    plan_path = os.path.join(output, f"plan-s{i_shard:05d}.json")
+    if overwrite:
+        _clear_shard(output, i_shard)
+    if os.path.exists(plan_path):
+        old = store.read_json(plan_path)
+        differs = sorted(k for k in plan if old.get(k) != plan[k])
+        if differs:
+            raise ValueError(f"--output {output} holds shard {i_shard} of another preparation (differs in {differs}): "
+                             "use another --output, or --overwrite to start this shard again")
+    else:
+        store.write_json_atomic(plan_path, plan)
+    shard_path = os.path.join(output, f"shard-{i_shard:05d}-of-{n_shards:05d}.json")
+    if not os.path.exists(shard_path):
+        done = _resume_point(output, i_shard)
+        if done:
+            log(f"resuming shard {i_shard}/{n_shards} after {len(done)} committed chunk(s), "
+                f"{sum(r['n_tokens'] for r in done)} tokens")
+        record = _run_shard(mine, output, i_shard, done, tokenizer, fields, bound, eos, dtype, workers, skip_bad_rows,
+                            chunk_tokens, batch_docs, log)
+        record.update(plan=plan, tokenizer=tok_info, command=command or [])
+        store.write_json_atomic(shard_path, record)
+    if n_shards == 1:
+        return merge(output, log=log)
+    return store.read_json(shard_path)
+
+
+def _batches(units: list[Unit], fields: Fields, start: tuple[int, int], batch_docs: int):
+    batch, size = [], 0
+    for u in range(start[0], len(units)):
+        for row, item in iter_rows(units[u], fields, start[1] if u == start[0] else 0):
+            batch.append((u, row, item))
+            size += len(item) if isinstance(item, bytes) else len(item[0]) if isinstance(item[0], str | list) else 0
+            if len(batch) >= batch_docs or size >= BATCH_BYTES:
+                yield batch
+                batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _run_shard(units, out, i_shard, done, tokenizer, fields, bound, eos, dtype, workers, skip_bad_rows,
+               chunk_tokens, batch_docs, log) -> dict:
+    start = tuple(done[-1]["next"]) if done else (0, 0)
+    stats = {"bad_rows": done[-1]["bad_rows"] if done else 0, "empty_docs": done[-1]["empty_docs"] if done else 0,
+             "bad_examples": done[-1]["bad_examples"] if done else []}
+    writer = ChunkWriter(out, i_shard, len(done), dtype, done[-1]["sources"] if done else [])
+    writer.records = list(done)
+    names = [u.name for u in units]
+    init = (tokenizer, fields, bound, eos, dtype.name)
+    pool = mp.get_context("fork").Pool(workers, _init_worker, init) if workers > 0 else None
+    if pool is None:
+        _init_worker(*init)
+    t0, last_log, tokens_here = time.time(), time.time(), 0
+
+    def consume(res):
+        nonlocal last_log, tokens_here
+        for u, row, err in res["bad"]:
+            if not skip_bad_rows:
+                raise ValueError(f"{_where(units[u], row)}: {err} (--skip_bad_rows skips and counts such rows)")
+            stats["bad_rows"] += 1
+            if len(stats["bad_examples"]) < 20:
+                stats["bad_examples"].append(f"{_where(units[u], row)}: {err}")
+        stats["empty_docs"] += res["empty"]
+        writer.add(res, names)
+        tokens_here += len(res["tokens"])
+        if writer.n_tokens >= chunk_tokens:
+            writer.commit((res["last"][0], res["last"][1] + 1), dict(stats))
+        if time.time() - last_log > 30:
+            last_log = time.time()
+            log(f"shard {i_shard}: {tokens_here} tokens this run, {tokens_here / (last_log - t0):.0f} tokens/s")
+
+    try:
+        pending: deque = deque()
+        for batch in _batches(units, fields, start, batch_docs):
+            if pool is None:
+                consume(_tokenize_batch(batch))
+                continue
+            pending.append(pool.apply_async(_tokenize_batch, (batch,)))
+            while len(pending) > 2 * workers:  # bounded: the reader waits for the oldest batch
+                consume(pending.popleft().get())
+        while pending:
+            consume(pending.popleft().get())
+        if writer.n_tokens or not writer.records:
+            writer.commit((len(units), 0), dict(stats))
+        writer.abandon()  # the empty chunk opened after the last commit
+    finally:
+        if pool is not None:
+            pool.terminate()
+    recs = writer.records
+    if stats["bad_rows"]:
+        log(f"shard {i_shard}: skipped {stats['bad_rows']} bad row(s), e.g. {stats['bad_examples'][0]}")
+    return {"chunks": recs, "n_tokens": sum(r["n_tokens"] for r in recs), "n_docs": sum(r["n_docs"] for r in recs),
+            **stats}
+
+
+def merge(output: str, log=print) -> dict:
+    """Write `manifest.json` from the finished shards' records (no token is read or copied)."""
+    shards = sorted(glob.glob(os.path.join(output, "shard-*-of-*.json")))
+    if not shards:
+        raise ValueError(f"{output}: no finished shard (shard-*-of-*.json); run prepare_data.py --shard i/N first")
+    n = int(shards[0].rsplit("-of-", 1)[1][:5])
+    recs = {int(os.path.basename(p)[6:11]): store.read_json(p) for p in shards if p.endswith(f"-of-{n:05d}.json")}
+    missing = [i for i in range(n) if i not in recs]
+    if missing:
+        raise ValueError(f"{output}: shard(s) {missing} of {n} are not finished; run them (--shard i/{n}), then merge")
+    keys = ("tokenizer", "vocab_bound", "eos_id", "dtype", "fields", "chunk_tokens")
+    first = recs[0]["plan"]
+    for i in range(n):
+        differs = [k for k in keys if recs[i]["plan"][k] != first[k]]
+        if differs:
+            raise ValueError(f"{output}: shard {i} was prepared differently from shard 0 ({differs}); redo it")
+    chunks, sources, per_source = [], [], {}
+    for i in range(n):
+        for c in recs[i]["chunks"]:
+            chunks.append({k: c[k] for k in ("tokens", "lens", "src", "n_tokens", "n_docs", "crc32_tokens",
+                                             "crc32_lens", "crc32_src", "sources", "max_token_id")})
+            for s in c["sources"]:
+                if s not in sources:
+                    sources.append(s)
+            for s, (d, t) in c["per_source"].items():
+                acc = per_source.setdefault(s, {"docs": 0, "tokens": 0})
+                acc["docs"], acc["tokens"] = acc["docs"] + d, acc["tokens"] + t
+    n_tokens = sum(c["n_tokens"] for c in chunks)
+    if n_tokens == 0:
+        raise ValueError(f"{output}: no documents (every row blank, empty or skipped)")
+    manifest = {
+        "format": store.FORMAT, "tokenizer": recs[0]["tokenizer"], "vocab_size": first["vocab_bound"],
+        "eos_id": first["eos_id"], "dtype": first["dtype"], "n_tokens": n_tokens,
+        "n_docs": sum(c["n_docs"] for c in chunks), "max_token_id": max(c["max_token_id"] for c in chunks),
+        "sources": sources, "per_source": per_source, "chunks": chunks,
+        "bad_rows": sum(recs[i]["bad_rows"] for i in range(n)), "empty_docs": sum(recs[i]["empty_docs"] for i in range(n)),
+        "shards": n, "commands": [recs[i]["command"] for i in range(n)], "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    store.write_json_atomic(os.path.join(output, store.MANIFEST), manifest)
+    log(f"{output}: {manifest['n_docs']} documents, {n_tokens} tokens ({first['dtype']}), {len(sources)} source(s), "
+        f"{manifest['bad_rows']} bad row(s) skipped")
+    return manifest
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    p.add_argument("--input", action="append", default=[], help="[name=]PATH: a file (.jsonl[.gz|.zst], .parquet), a "
+                   "folder of them (one source, the folder's name) or a datasets save_to_disk folder; repeatable")
+    p.add_argument("--output", required=True, help="the prepared folder")
+    p.add_argument("--tokenizer_name_or_path", default=None, help="sentencepiece .model or HF tokenizer folder")
+    p.add_argument("--vocab_size", type=int, default=None, help="every token id must be below this (default: the "
+                   "tokenizer's); give the model's vocab_size to check pre-tokenized data")
+    p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
+                   help="tokenizer processes (0: tokenize in this process)")
+    p.add_argument("--text_field", default="text")
+    p.add_argument("--ids_field", default="input_ids", help="pre-tokenized documents (used when no text field)")
+    p.add_argument("--source_field", default=None, help="take each document's source name from this field")
+    p.add_argument("--loader", default=None, help="read inputs with datasets.load_dataset(LOADER, data_files=...), "
+                   "e.g. csv, text, arrow")
+    p.add_argument("--eos_id", type=int, default=None, help="append this id to pre-tokenized documents when no "
+                   "tokenizer is given")
+    p.add_argument("--skip_bad_rows", action="store_true", help="skip rows that cannot be read, count and report them")
+    p.add_argument("--shard", default="0/1", help="i/N: prepare this machine's share of the input files")
+    p.add_argument("--merge", action="store_true", help="write the manifest from finished shards and stop")
+    p.add_argument("--chunk_tokens", type=int, default=DEFAULT_CHUNK_TOKENS, help="tokens per chunk file (resume unit)")
+    p.add_argument("--batch_docs", type=int, default=DEFAULT_BATCH_DOCS, help="documents per worker task")
+    p.add_argument("--overwrite", action="store_true", help="start this shard again instead of resuming")
+    p.add_argument("--verify", action="store_true", help="re-read a prepared folder and check its checksums")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    a = _parser().parse_args(argv)
+    try:
+        if a.verify:
+            bad = store.Prepared(a.output).verify()
+            print(f"{a.output}: " + ("intact" if not bad else f"checksum mismatch in {bad}"))
+            return 1 if bad else 0
+        if a.merge:
+            merge(a.output)
+            return 0
+        try:
+            i, n = (int(x) for x in a.shard.split("/"))
+            assert 0 <= i < n
+        except (ValueError, AssertionError):
+            raise ValueError(f"--shard {a.shard!r}: use i/N with 0 <= i < N") from None
+        if not a.input:
+            raise ValueError("give at least one --input")
+        prepare(a.input, a.output, a.tokenizer_name_or_path, a.vocab_size, a.workers, (i, n),
+                Fields(a.text_field, a.ids_field, a.source_field), a.skip_bad_rows, a.chunk_tokens, a.batch_docs,
+                a.loader, a.eos_id, a.overwrite, command=["prepare_data.py", *argv])
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""Corpus inputs for `prepare_data`: JSONL (plain, .gz, .zst), Parquet, Hugging Face `datasets` folders
+(`save_to_disk`) and local data files through `datasets.load_dataset(builder, data_files=...)`.
+
+An input is a list of `Unit`s (one file, or one datasets folder); a unit yields `(row, item)` pairs from a
+given row on (resume). JSONL lines are passed on undecoded (`bytes`): the worker processes parse them, so
+the reading process only moves bytes. Columnar inputs hand over `(value, source)` already extracted.
+Every document has a source name: the unit's (`name=PATH` on the command line, else the file or folder
+name without extensions), or the row's `--source_field` when given.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+JSONL_EXT = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst")
+PARQUET_EXT = (".parquet",)
+
+
+@dataclass(frozen=True)
+class Fields:
+    text: str = "text"
+    ids: str = "input_ids"
+    source: str | None = None
+
+
+@dataclass(frozen=True)
+class Unit:
+    name: str  # source name of its documents (unless a row names its own)
+    kind: str  # jsonl | parquet | hf_disk | hf_load:<builder>
+    path: str
+
+    def size(self) -> int:
+        if os.path.isfile(self.path):
+            return os.path.getsize(self.path)
+        return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(self.path) for f in fs)
+
+    def identity(self) -> str:
+        return f"{self.kind}:{os.path.abspath(self.path)}:{self.size()}"
+
+
+def _stem(path: str) -> str:
+    base = os.path.basename(os.path.normpath(path))
+    for ext in sorted(JSONL_EXT + PARQUET_EXT, key=len, reverse=True):
+        if base.endswith(ext):
+            return base[: -len(ext)]
+    return base
+
+
+def is_hf_folder(path: str) -> bool:
+    return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f))
+                                       for f in ("state.json", "dataset_dict.json"))
+
+
+def discover(spec: str, loader: str | None = None) -> list[Unit]:
+    """Units of one `--input` value: `[name=]PATH`, PATH a file, a folder of files or a datasets folder."""
+    name, _, path = spec.rpartition("=") if "=" in spec and not os.path.exists(spec) else ("", "", spec)
+    if not os.path.exists(path):
+        raise ValueError(f"--input {spec}: no such file or folder")
+    if loader:
+        files = [path] if os.path.isfile(path) else sorted(
+            os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs)
+        return [Unit(name or _stem(f), f"hf_load:{loader}", f) for f in files]
+    if is_hf_folder(path):
+        return [Unit(name or _stem(path), "hf_disk", path)]
+    if os.path.isfile(path):
+        files = [path]
+    else:
+        files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs
+                       if f.endswith(JSONL_EXT + PARQUET_EXT))
+        if not files:
+            raise ValueError(f"--input {spec}: folder has no {', '.join(JSONL_EXT + PARQUET_EXT)} files "
+                             "(or use --loader for other formats datasets.load_dataset reads)")
+    units = []
+    for f in files:
+        if f.endswith(PARQUET_EXT):
+            kind = "parquet"
+        elif f.endswith(JSONL_EXT):
+            kind = "jsonl"
+        else:
+            raise ValueError(f"--input {f}: unknown format; expected {', '.join(JSONL_EXT + PARQUET_EXT)}, a "
+                             "datasets save_to_disk folder, or --loader BUILDER for datasets.load_dataset")
+        units.append(Unit(name or _stem(path), kind, f))  # a folder's files are one source: the folder's name
+    return units
+
+
+def _open_text(path: str):
+    if path.endswith(".gz"):
+        return gzip.open(path, "rb")
+    if path.endswith(".zst"):
+        import zstandard
+
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True))
+    return open(path, "rb")
+
+
+def iter_rows(unit: Unit, fields: Fields, start: int = 0, batch_rows: int = 1024) -> Iterator[tuple[int, object]]:
+    """`(row, item)` from row `start` on; item: raw JSON bytes, or `(value, source)` with value a str, a
+    list of ints, or None (a bad row: missing/null field)."""
+    if unit.kind == "jsonl":
+        with _open_text(unit.path) as fh:
+            for row, line in enumerate(fh):
+                if row >= start and line.strip():
+                    yield row, line
+        return
+    if unit.kind == "parquet":
+        import pyarrow.parquet as pq
+
+        pf = pq.ParquetFile(unit.path)
+        cols = _columns(unit, pf.schema_arrow.names, fields)
+        row = 0
+        for rg in range(pf.num_row_groups):
+            n = pf.metadata.row_group(rg).num_rows
+            if row + n <= start:  # resume: whole row groups before the position are not decoded
+                row += n
+                continue
+            for batch in pf.iter_batches(batch_size=batch_rows, row_groups=[rg], columns=[c for c in cols if c]):
+                yield from _columnar(batch.to_pydict(), cols, row, start)
+                row += batch.num_rows
+        return
+    import datasets
+
+    if unit.kind == "hf_disk":
+        ds = datasets.load_from_disk(unit.path)
+        if isinstance(ds, datasets.DatasetDict):
+            if "train" not in ds:
+                raise ValueError(f"{unit.path}: a DatasetDict without a 'train' split ({list(ds)}); save one split")
+            ds = ds["train"]
+        cols = _columns(unit, ds.column_names, fields)
+        ds = ds.select_columns([c for c in cols if c])
+        if start:
+            ds = ds.select(range(start, len(ds)))
+    else:
+        builder = unit.kind.split(":", 1)[1]
+        ds = datasets.load_dataset(builder, data_files=[unit.path], split="train", streaming=True)
+        cols = _columns(unit, list(ds.column_names or []) or list(next(iter(ds)).keys()), fields)
+        if start:
+            ds = ds.skip(start)
+    row = start
+    for batch in ds.iter(batch_size=batch_rows):
+        yield from _columnar(batch, cols, row, start)
+        row += len(next(iter(batch.values())))
+
+
+def _columns(unit: Unit, names: list[str], fields: Fields) -> tuple[str, str | None]:
+    value = fields.text if fields.text in names else fields.ids if fields.ids in names else None
+    if value is None:
+        raise ValueError(f"{unit.path}: no column {fields.text!r} (--text_field) or {fields.ids!r} (--ids_field); "
+                         f"columns are {names}")
+    return value, (fields.source if fields.source in names else None)
+
+
+def _columnar(batch: dict, cols: tuple[str, str | None], row: int, start: int) -> Iterator[tuple[int, object]]:
+    values = batch[cols[0]]
+    sources = batch[cols[1]] if cols[1] else None
+    for i, v in enumerate(values):
+        if row + i >= start:
+            yield row + i, (v, str(sources[i]) if sources is not None and sources[i] is not None else None)
+
+
+def parse_item(item: object, fields: Fields) -> tuple[str | list | None, str | None, str | None]:
+    """(text or ids, source or None, error or None) for one row; runs in the worker processes."""
+    if isinstance(item, bytes):
+        try:
+            obj = json.loads(item)
+        except ValueError as e:
+            return None, None, f"not valid JSON ({getattr(e, 'msg', e)}); each line must be one JSON object"
+        if not isinstance(obj, dict):
+            return None, None, f"expected a JSON object, got {type(obj).__name__}"
+        value = obj.get(fields.text, obj.get(fields.ids))
+        src = obj.get(fields.source) if fields.source else None
+        item = (value, None if src is None else str(src))
+        if value is None:
+            return None, None, (f"expected {{\"{fields.text}\": str}} or {{\"{fields.ids}\": [int, ...]}}, got keys "
+                                f"{sorted(obj)}")
+    value, src = item
+    if isinstance(value, str):
+        return value, src, None
+    if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+        return value, src, None
+    if value is not None and hasattr(value, "tolist"):  # numpy / arrow arrays of ids
+        return parse_item((value.tolist(), src), fields)
+    return None, None, (f"expected a string in {fields.text!r} or non-negative ints in {fields.ids!r}, got "
+                        f"{type(value).__name__}")

@@ -1,0 +1,172 @@
+"""The prepared dataset folder: what `scripts/prepare_data.py` writes and every training rank memory-maps.
+
+    FOLDER/manifest.json                     written last (os.replace): its presence means "complete"
+    FOLDER/tokens-s00000-c000000.bin         raw token ids, uint16 when the vocabulary fits, else uint32
+    FOLDER/docs-s00000-c000000.lens.npy      int64 length of every document of the chunk (EOS included)
+    FOLDER/docs-s00000-c000000.src.npy       int32 source of every document (index into the chunk's table)
+    FOLDER/chunk-s00000-c000000.json         chunk record: counts, CRC32s, source table, input position
+    FOLDER/shard-00000-of-00001.json         a finished shard (`--shard i/N`): its chunk records in order
+    FOLDER/plan-s00000.json                  what a shard was started with (resume refuses another plan)
+
+The manifest lists every chunk in order (shard 0's chunks, then shard 1's, ...), the tokenizer's identity
+(kind, path, SHA-256 of its files, vocabulary size, EOS), the largest token id, counts per source,
+checksums and the command. Documents are contiguous in the token files, so a document's start is the
+running sum of the lengths; the only arrays loaded whole are the per-document lengths and sources.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import zlib
+
+import numpy as np
+
+MANIFEST = "manifest.json"
+FORMAT = "ulysses-longtrain/prepared-v1"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "vocab.txt")
+
+
+def is_prepared(path: str | None) -> bool:
+    return bool(path) and os.path.isfile(os.path.join(path, MANIFEST))
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+
+
+def chunk_name(shard: int, chunk: int) -> str:
+    return f"s{shard:05d}-c{chunk:06d}"
+
+
+def tokenizer_identity(path: str) -> str:
+    """SHA-256 over the tokenizer's files (a sentencepiece .model, or a HF folder's tokenizer files), so a
+    moved copy of the same tokenizer is recognised and another one is not."""
+    h = hashlib.sha256()
+    files = [path] if os.path.isfile(path) else [os.path.join(path, f) for f in TOKENIZER_FILES
+                                                 if os.path.isfile(os.path.join(path, f))]
+    for f in files:
+        h.update(os.path.basename(f).encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read())
+    return h.hexdigest()
+
+
+def file_crc32(path: str, block: int = 1 << 24) -> int:
+    crc = 0
+    with open(path, "rb") as fh:
+        while b := fh.read(block):
+            crc = zlib.crc32(b, crc)
+    return crc
+
+
+def write_json_atomic(path: str, obj) -> None:
+    """tmp + fsync + os.replace + fsync of the folder: a reader sees the old file, the new one, or none."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as fh:
+        json.dump(obj, fh, indent=1)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path) or ".")
+
+
+def save_npy_atomic(path: str, arr: np.ndarray) -> None:
+    tmp = f"{path}.tmp{os.getpid()}.npy"
+    with open(tmp, "wb") as fh:
+        np.save(fh, arr)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_json(path: str) -> dict:
+    with open(path) as fh:
+        return json.load(fh)
+
+
+class TokenStore:
+    """The chunks' token files as one array-like: `len(store)`, `store.read(lo, hi)` (a copy) and
+    `store[lo:hi]`. Each file is memory-mapped; nothing is read until a sample asks for it."""
+
+    def __init__(self, parts: list[np.ndarray]):
+        self.parts = [p for p in parts if len(p)]
+        self.offsets = np.cumsum([0] + [len(p) for p in self.parts])
+        self.dtype = self.parts[0].dtype if self.parts else np.dtype(np.uint32)
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def read(self, lo: int, hi: int) -> np.ndarray:
+        if len(self.parts) == 1:
+            return np.asarray(self.parts[0][lo:hi])
+        k = int(np.searchsorted(self.offsets, lo, side="right")) - 1
+        out = []
+        while lo < hi and k < len(self.parts):
+            base = int(self.offsets[k])
+            take = min(hi, int(self.offsets[k + 1])) - lo
+            out.append(np.asarray(self.parts[k][lo - base: lo - base + take]))
+            lo, k = lo + take, k + 1
+        return np.concatenate(out) if len(out) != 1 else out[0]
+
+    def __getitem__(self, sl: slice) -> np.ndarray:
+        lo, hi, step = sl.indices(len(self))
+        assert step == 1, "TokenStore reads contiguous ranges only"
+        return self.read(lo, hi)
+
+
+class Prepared:
+    """An opened prepared folder: `tokens` (TokenStore), per-document `starts`/`lens` (int64) and `source`
+    (int32 index into `sources`), and the manifest."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.manifest = read_json(os.path.join(path, MANIFEST))
+        if self.manifest.get("format") != FORMAT:
+            raise ValueError(f"{path}/{MANIFEST}: format {self.manifest.get('format')!r}, expected {FORMAT!r}: "
+                             "prepare the data again with scripts/prepare_data.py")
+        dtype = np.dtype(self.manifest["dtype"])
+        self.sources: list[str] = list(self.manifest["sources"])
+        index = {name: i for i, name in enumerate(self.sources)}
+        parts, lens, srcs = [], [], []
+        for c in self.manifest["chunks"]:
+            f = os.path.join(path, c["tokens"])
+            size = os.path.getsize(f) if os.path.exists(f) else -1
+            if size != c["n_tokens"] * dtype.itemsize:
+                raise ValueError(f"{f}: {size} bytes, the manifest says {c['n_tokens'] * dtype.itemsize}: the "
+                                 "prepared folder is incomplete or was modified; prepare it again")
+            parts.append(np.memmap(f, dtype=dtype, mode="r") if c["n_tokens"] else np.zeros(0, dtype))
+            lens.append(np.load(os.path.join(path, c["lens"])))
+            remap = np.asarray([index[s] for s in c["sources"]] or [0], dtype=np.int32)
+            srcs.append(remap[np.load(os.path.join(path, c["src"]))])
+        self.tokens = TokenStore(parts)
+        self.lens = np.concatenate(lens).astype(np.int64) if lens else np.zeros(0, np.int64)
+        self.source = np.concatenate(srcs) if srcs else np.zeros(0, np.int32)
+        self.starts = np.concatenate([[0], np.cumsum(self.lens)[:-1]]).astype(np.int64)
+        if int(self.lens.sum()) != len(self.tokens):
+            raise ValueError(f"{path}: document lengths sum to {int(self.lens.sum())} but the token files hold "
+                             f"{len(self.tokens)}: prepare the data again")
+
+    @property
+    def max_token_id(self) -> int:
+        return int(self.manifest["max_token_id"])
+
+    def verify(self) -> list[str]:
+        """Re-read every file and compare with the manifest's CRC32s; the list of mismatches (empty: intact)."""
+        bad = []
+        for c in self.manifest["chunks"]:
+            for key in ("tokens", "lens", "src"):
+                f = os.path.join(self.path, c[key])
+                if file_crc32(f) != c[f"crc32_{key}"]:
+                    bad.append(f)
+        return bad
