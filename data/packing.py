@@ -1,7 +1,8 @@
 """Packing: documents -> one token stream (EOS between documents) -> fixed-length samples.
 
-The stream is tokenized once and cached as .npy (keyed by the data files and tokenizer), so every
-stage of a curriculum packs the same stream to its own length. A sample is `seq_len` consecutive
+`build_token_stream` is the small in-process tokenizer kept for tests and tools (the run itself reads a
+prepared folder: data/prepare_data.py). `DocPack` packs any choice of documents of a stream (a stage's
+mixture component) to a stage's length; `PackedDataset` is the whole contiguous stream. A sample is `seq_len` consecutive
 tokens; labels are the next token inside the sample (the last position has none), exactly as a
 Hugging Face causal LM computes its loss from `labels=input_ids`.
 """
@@ -68,30 +69,83 @@ def build_token_stream(dataset_path: str, tokenizer: Tokenizer | None, model_voc
     return tok_path, starts_path
 
 
-class PackedDataset:
-    """Sample i = tokens[i*L : (i+1)*L] of the cached stream, with labels and position ids."""
+def _read(tokens, lo: int, hi: int) -> np.ndarray:
+    return tokens.read(lo, hi) if hasattr(tokens, "read") else np.asarray(tokens[lo:hi])
 
-    def __init__(self, tokens_path: str, starts_path: str, seq_len: int, reset_position_ids: bool):
-        self.tokens = np.load(tokens_path, mmap_mode="r")
-        self.starts = np.load(starts_path)
+
+class DocPack:
+    """Samples of `seq_len` tokens cut from the concatenation of chosen documents (`doc_starts[k]`,
+    `doc_lens[k]` into `tokens`, in that order; a document may appear more than once (upsampling)).
+
+    Sample i is tokens [i*L, (i+1)*L) of that virtual stream: a document longer than L is split at sample
+    boundaries (every token in exactly one sample, none lost or repeated, except the stream's last partial
+    sample), shorter ones are packed with their boundaries kept for position ids and label masking.
+    Labels are the next token inside the sample; with `mask_cross_document_labels` the label of a
+    document's last token (predicting the next document's first token) is -100, as ProLong trains.
+    """
+
+    def __init__(self, tokens, doc_starts, doc_lens, seq_len: int, reset_position_ids: bool,
+                 mask_cross_document_labels: bool = False):
+        self.tokens = tokens
+        self.doc_starts = np.asarray(doc_starts, dtype=np.int64)
+        lens = np.asarray(doc_lens, dtype=np.int64)
+        self.virt = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)  # virtual start of each document
+        self.contiguous = bool(np.all(self.doc_starts[1:] == self.doc_starts[:-1] + lens[:-1]))
         self.seq_len = seq_len
         self.reset_position_ids = reset_position_ids
-        if len(self.tokens) < seq_len:
-            raise ValueError(f"the dataset has {len(self.tokens)} tokens, fewer than max_seq_length={seq_len}: "
-                             "add data or shorten the sequence")
+        self.mask_cross_document_labels = mask_cross_document_labels
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.virt[-1])
 
     def __len__(self) -> int:
-        return len(self.tokens) // self.seq_len
+        return self.n_tokens // self.seq_len
+
+    def window(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids of sample i, offsets inside it where a document starts, 0 excluded)."""
+        lo, hi = i * self.seq_len, (i + 1) * self.seq_len
+        k0 = int(np.searchsorted(self.virt, lo, side="right")) - 1
+        k1 = int(np.searchsorted(self.virt, hi, side="left"))
+        inside = self.virt[k0 + 1: k1] - lo
+        if self.contiguous:
+            base = int(self.doc_starts[0]) if len(self.doc_starts) else 0
+            return _read(self.tokens, base + lo, base + hi), inside
+        pieces = []
+        for k in range(k0, k1):
+            a, b = max(lo, int(self.virt[k])), min(hi, int(self.virt[k + 1]))
+            off = int(self.doc_starts[k]) + a - int(self.virt[k])
+            pieces.append(_read(self.tokens, off, off + b - a))
+        return np.concatenate(pieces), inside
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
-        lo = i * self.seq_len
-        ids = np.asarray(self.tokens[lo: lo + self.seq_len], dtype=np.int64)
+        raw, inside = self.window(i)
+        ids = np.asarray(raw, dtype=np.int64)
         labels = np.full_like(ids, -100)
         labels[:-1] = ids[1:]  # next-token targets inside the sample; last position unlabeled
+        if self.mask_cross_document_labels and len(inside):
+            labels[inside - 1] = -100  # a document's last token does not predict the next document
         pos = np.arange(self.seq_len, dtype=np.int64)
         if self.reset_position_ids:
             # restart positions at each document start inside the window (flash-attn varlen reads these)
-            inside = self.starts[(self.starts > lo) & (self.starts < lo + self.seq_len)] - lo
             for s in inside:
                 pos[s:] = np.arange(self.seq_len - s)
         return {"input_ids": ids, "shift_labels": labels, "position_ids": pos}
+
+
+class PackedDataset(DocPack):
+    """Sample i = tokens[i*L : (i+1)*L] of a contiguous stream (the cached files' paths, memory-mapped, or
+    arrays / a TokenStore); `starts` are the document starts in it (a first document may begin before it)."""
+
+    def __init__(self, tokens, starts, seq_len: int, reset_position_ids: bool,
+                 mask_cross_document_labels: bool = False):
+        tokens = np.load(tokens, mmap_mode="r") if isinstance(tokens, str) else tokens
+        starts = np.load(starts) if isinstance(starts, str) else np.asarray(starts, dtype=np.int64)
+        n = len(tokens)
+        if n < seq_len:
+            raise ValueError(f"the dataset has {n} tokens, fewer than max_seq_length={seq_len}: "
+                             "add data or shorten the sequence")
+        bounds = np.unique(np.concatenate([[0], starts[(starts >= 0) & (starts < n)]])).astype(np.int64)
+        super().__init__(tokens, bounds, np.diff(np.append(bounds, n)), seq_len, reset_position_ids,
+                         mask_cross_document_labels)
+        self.starts = starts

@@ -1,18 +1,27 @@
-"""Turning `--dataset_path` / `--tokenizer_name_or_path` into a cached token stream, once per run.
+"""The in-job path: a small JSONL `--dataset_path` (the demo, tests) prepared inside the training job.
 
-Rank 0 validates and tokenizes; the other ranks wait and read the cache. An error found on rank 0 is
-sent to every rank so all of them stop with the same one-line message before the model is built.
+Rank 0 runs the same preparation as `scripts/prepare_data.py` (one process, no workers) into the data cache
+while the others wait on the host (`training.comm.run_on_main`: a gloo group with a long timeout, never an
+NCCL collective whose watchdog would kill the job); an error found on rank 0 reaches every rank as the same
+one-line message before the model is built. Every rank then memory-maps the prepared folder itself (the
+cache must be on a file system all nodes see). Inputs above `MAX_IN_JOB_BYTES` are refused: a real corpus is
+prepared once, before the job, with `scripts/prepare_data.py --workers N`, and passed by its folder.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
-
-import torch.distributed as dist
+import shutil
 
 from data.corpus import CACHE, build_demo_corpus
+from data.jsonl import list_files
 from data.packing import build_token_stream
+from data.store import is_prepared
 from data.tokenizer import Tokenizer
+from training import comm
+
+MAX_IN_JOB_BYTES = 200 * 1024 * 1024
 
 
 def resolve_sources(dataset_path: str | None, tokenizer_path: str | None) -> tuple[str, str | None]:
@@ -23,21 +32,53 @@ def resolve_sources(dataset_path: str | None, tokenizer_path: str | None) -> tup
     return dataset_path, tokenizer_path
 
 
+def _cache_key(files: list[str], tokenizer_path: str | None, model_vocab: int) -> str:
+    h = hashlib.sha256(str(model_vocab).encode())
+    for f in files + ([tokenizer_path] if tokenizer_path else []):
+        st = os.stat(f)
+        h.update(f"{os.path.abspath(f)}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+def prepare_in_job(dataset_path: str | None, tokenizer_path: str | None, model_vocab: int) -> tuple[str, str | None]:
+    """(prepared folder, tokenizer path). A prepared folder is returned as it is (no collective); otherwise
+    rank 0 prepares the small JSONL input into the cache (collective: every rank calls it)."""
+    if is_prepared(dataset_path):
+        return dataset_path, tokenizer_path
+
+    def work() -> tuple[str, str | None]:
+        from data.prepare_data import prepare
+
+        data, tok_path = resolve_sources(dataset_path, tokenizer_path)
+        files = list_files(data)
+        size = sum(os.path.getsize(f) for f in files)
+        if size > MAX_IN_JOB_BYTES:
+            raise ValueError(f"--dataset_path {data}: {size / 2**20:.0f} MB of input is too much to tokenize inside "
+                             f"the job (limit {MAX_IN_JOB_BYTES >> 20} MB): run `python scripts/prepare_data.py "
+                             f"--input {data} --output DIR --workers N` once and pass --dataset_path DIR")
+        out = os.path.join(CACHE, "prepared", _cache_key(files, tok_path, model_vocab))
+        if not is_prepared(out):  # into a private folder renamed into place: concurrent jobs never share one
+            tmp = f"{out}.tmp{os.getpid()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            prepare(files, tmp, tok_path, vocab_size=None if tok_path else model_vocab, workers=0, log=lambda _: None)
+            try:
+                os.rename(tmp, out)
+            except OSError:  # another job finished first
+                shutil.rmtree(tmp, ignore_errors=True)
+        return out, tok_path
+
+    return comm.run_on_main(work)
+
+
 def prepare_token_stream(dataset_path: str | None, tokenizer_path: str | None, model_vocab: int,
-                         is_main: bool) -> tuple[str, str, Tokenizer | None]:
-    """Paths of the cached token stream + doc starts, and the tokenizer (None for pre-tokenized data)."""
-    result: list = [None, None]
-    if is_main:
-        try:
-            data, tok_path = resolve_sources(dataset_path, tokenizer_path)
-            tok = Tokenizer(tok_path) if tok_path else None
-            result = [None, (data, tok_path, *build_token_stream(data, tok, model_vocab, os.path.join(CACHE, "tokens")))]
-        except ValueError as e:
-            result = [str(e), None]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(result, src=0)
-    err, paths = result
-    if err:
-        raise ValueError(err)
-    _, tok_path, tokens, starts = paths
+                         is_main: bool = True) -> tuple[str, str, Tokenizer | None]:
+    """Paths of a cached .npy token stream + doc starts, and the tokenizer (None for pre-tokenized data): the
+    older single-file form, kept for tools and tests that read the whole demo stream at once."""
+
+    def tokenize() -> tuple[str | None, str, str]:
+        data, tok_path = resolve_sources(dataset_path, tokenizer_path)
+        tok = Tokenizer(tok_path) if tok_path else None
+        return (tok_path, *build_token_stream(data, tok, model_vocab, os.path.join(CACHE, "tokens")))
+
+    tok_path, tokens, starts = comm.run_on_main(tokenize)
     return tokens, starts, (Tokenizer(tok_path) if tok_path else None)

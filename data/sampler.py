@@ -36,6 +36,10 @@ class ResumableSampler:
         self.taken += 1
         return self._order[lo: lo + self.mb]
 
+    def source_shares(self) -> dict[str, float]:
+        """Per-component token shares (MixtureSampler's interface); empty: no mixture, one stream."""
+        return {}
+
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "taken": self.taken, "seed": self.seed, "dp": self.dp,
                 "micro_batch": self.mb, "num_samples": self.num_samples}

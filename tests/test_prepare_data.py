@@ -1,0 +1,195 @@
+"""scripts/prepare_data.py: formats, workers, chunks, resume after a kill, shards + merge, bad rows, and the
+training side reading a prepared folder by path (vocabulary check, in-job size limit)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import types
+
+import numpy as np
+import pytest
+
+from data import prepare_data as pd_mod
+from data.packing import build_token_stream
+from data.prepare_data import main, merge, prepare
+from data.readers import Fields
+from data.store import Prepared, is_prepared
+
+DOCS = [list(range(1 + i, 30 + 5 * i)) for i in range(12)]  # pre-tokenized, distinct lengths
+
+
+def _write_jsonl(path, docs, key="input_ids", opener=open):
+    with opener(path, "wt") as fh:
+        for d in docs:
+            fh.write(json.dumps({key: d}) + "\n")
+    return str(path)
+
+
+def _all(folder) -> np.ndarray:
+    p = Prepared(str(folder))
+    return p.tokens.read(0, len(p.tokens))
+
+
+def _reference(tmp_path, docs, tok=None, vocab=100):
+    src = _write_jsonl(tmp_path / "ref.jsonl", docs)
+    t, s = build_token_stream(src, tok, vocab, str(tmp_path / "refcache"))
+    return np.load(t), np.load(s)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "gz", "zst", "parquet"])
+def test_formats_give_the_in_job_stream(tmp_path, fmt):
+    if fmt == "jsonl":
+        src = _write_jsonl(tmp_path / "d.jsonl", DOCS)
+    elif fmt == "gz":
+        src = _write_jsonl(tmp_path / "d.jsonl.gz", DOCS, opener=gzip.open)
+    elif fmt == "zst":
+        import zstandard
+
+        src = str(tmp_path / "d.jsonl.zst")
+        with open(src, "wb") as fh:
+            fh.write(zstandard.ZstdCompressor().compress("".join(json.dumps({"input_ids": d}) + "\n" for d in DOCS).encode()))
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        src = str(tmp_path / "d.parquet")
+        pq.write_table(pa.table({"input_ids": DOCS}), src, row_group_size=5)
+    m = prepare([src], str(tmp_path / "out"), vocab_size=100, workers=0, log=lambda _: None)
+    ref, starts = _reference(tmp_path, DOCS)
+    assert m["dtype"] == "uint16" and m["n_docs"] == len(DOCS) and m["sources"] == ["d"]
+    assert np.array_equal(_all(tmp_path / "out"), ref)
+    assert np.array_equal(Prepared(str(tmp_path / "out")).starts, starts)
+
+
+def test_text_with_tokenizer_workers_and_chunks_match_in_process(tmp_path):
+    from data.corpus import build_demo_corpus
+    from data.tokenizer import Tokenizer
+
+    jsonl, model = build_demo_corpus()
+    lines = open(jsonl).readlines()[:30]
+    src = tmp_path / "t.jsonl"
+    src.write_text("".join(lines))
+    a = prepare([str(src)], str(tmp_path / "w0"), model, workers=0, log=lambda _: None)
+    b = prepare([str(src)], str(tmp_path / "w2"), model, workers=2, chunk_tokens=50_000, batch_docs=3,
+                log=lambda _: None)
+    assert len(b["chunks"]) > 3 and a["n_tokens"] == b["n_tokens"] and a["tokenizer"]["kind"] == "sentencepiece"
+    t, _ = build_token_stream(str(src), Tokenizer(model), 2048, str(tmp_path / "c"))
+    assert np.array_equal(_all(tmp_path / "w0"), np.load(t)) and np.array_equal(_all(tmp_path / "w2"), np.load(t))
+    assert Prepared(str(tmp_path / "w2")).verify() == []
+
+
+def test_killed_run_leaves_no_manifest_and_resumes(tmp_path, monkeypatch):
+    src = _write_jsonl(tmp_path / "d.jsonl", DOCS * 5)
+    out = str(tmp_path / "out")
+    real, calls = pd_mod.ChunkWriter.commit, []
+
+    def dying_commit(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # killed while the third chunk is being committed
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(pd_mod.ChunkWriter, "commit", dying_commit)
+    with pytest.raises(KeyboardInterrupt):
+        prepare([src], out, vocab_size=100, workers=0, chunk_tokens=300, batch_docs=2, log=lambda _: None)
+    assert not is_prepared(out) and os.path.exists(os.path.join(out, "tokens-s00000-c000002.bin"))
+    monkeypatch.setattr(pd_mod.ChunkWriter, "commit", real)
+    logs = []
+    m = prepare([src], out, vocab_size=100, workers=0, chunk_tokens=300, batch_docs=2, log=logs.append)
+    assert logs[0].startswith("resuming shard 0/1 after 2 committed chunk(s)")
+    ref, _ = _reference(tmp_path, DOCS * 5)
+    assert np.array_equal(_all(out), ref) and m["n_docs"] == 60
+    with pytest.raises(ValueError, match="holds shard 0 of another preparation"):
+        prepare([src], out, vocab_size=200, workers=0, chunk_tokens=300, log=lambda _: None)
+
+
+def test_shards_then_merge(tmp_path):
+    files = [_write_jsonl(tmp_path / f"p{i}.jsonl", DOCS[i::3]) for i in range(3)]
+    out = str(tmp_path / "out")
+    for i in range(2):
+        assert main(["--input", str(tmp_path / "p0.jsonl"), "--input", files[1], "--input", files[2], "--output", out,
+                     "--vocab_size", "100", "--shard", f"{i}/2", "--workers", "0"]) == 0
+        assert not is_prepared(out)
+    with pytest.raises(ValueError, match="not finished"):
+        os.rename(f"{out}/shard-00001-of-00002.json", f"{out}/x")
+        merge(out, log=lambda _: None)
+    os.rename(f"{out}/x", f"{out}/shard-00001-of-00002.json")
+    assert main(["--output", out, "--merge"]) == 0
+    p = Prepared(out)
+    assert p.manifest["shards"] == 2 and sorted(p.sources) == ["p0", "p1", "p2"]
+    docs = sorted(tuple(p.tokens.read(int(s), int(s + n))) for s, n in zip(p.starts, p.lens))
+    assert docs == sorted(tuple(d) for d in DOCS)
+    by_src = {p.sources[k]: int(p.lens[p.source == k].sum()) for k in range(3)}
+    assert by_src == {f"p{i}": sum(len(d) for d in DOCS[i::3]) for i in range(3)}
+
+
+def test_bad_rows_named_or_skipped_and_counted(tmp_path, capsys):
+    src = tmp_path / "d.jsonl"
+    src.write_text('{"input_ids": [1, 2]}\nnot json\n{"input_ids": [3, 500]}\n{"other": 1}\n{"input_ids": [4]}\n')
+    out = str(tmp_path / "out")
+    assert main(["--input", str(src), "--output", out, "--vocab_size", "100", "--workers", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {src}:2: not valid JSON") and "--skip_bad_rows" in err
+    assert main(["--input", str(src), "--output", out, "--vocab_size", "100", "--workers", "0", "--skip_bad_rows",
+                 "--overwrite"]) == 0
+    m = Prepared(out).manifest
+    assert m["bad_rows"] == 3 and m["n_docs"] == 2 and "skipped 3 bad row(s)" in capsys.readouterr().out
+    src.write_text('{"input_ids": [1, 2]}\n\n{"input_ids": [3, 500]}\n')
+    with pytest.raises(ValueError, match=r"d.jsonl:3: token id 500 >= the vocabulary size 100"):
+        prepare([str(src)], str(tmp_path / "o2"), vocab_size=100, workers=0, log=lambda _: None)
+
+
+def test_datasets_folder_and_loader(tmp_path):
+    import datasets
+
+    datasets.Dataset.from_dict({"input_ids": DOCS, "src": ["a", "b"] * 6}).save_to_disk(str(tmp_path / "hf"))
+    m = prepare([str(tmp_path / "hf")], str(tmp_path / "o1"), vocab_size=100, workers=0,
+                fields=Fields(source="src"), log=lambda _: None)
+    assert m["sources"] == ["a", "b"] and m["per_source"]["a"]["docs"] == 6
+    ref, _ = _reference(tmp_path, DOCS)
+    assert np.array_equal(_all(tmp_path / "o1"), ref)
+    csv = tmp_path / "t.csv"
+    csv.write_text("body\nhello world\ndef f():\n")
+    from data.corpus import build_demo_corpus
+
+    _, model = build_demo_corpus()
+    m = prepare([f"web={csv}"], str(tmp_path / "o2"), model, workers=0, loader="csv", fields=Fields(text="body"),
+                log=lambda _: None)
+    assert m["n_docs"] == 2 and m["sources"] == ["web"]
+
+
+def _stages(*lens, data=None):
+    return [types.SimpleNamespace(index=i, name=f"s{i}", max_seq_length=n, eval={"heldout_samples": 1}, data=data)
+            for i, n in enumerate(lens)]
+
+
+def test_training_opens_a_prepared_folder_by_path(tmp_path, monkeypatch):
+    from data import pipeline
+    from data import prepare as in_job
+
+    src = _write_jsonl(tmp_path / "d.jsonl", DOCS * 4)
+    out = str(tmp_path / "prep")
+    assert main(["--input", src, "--output", out, "--vocab_size", "100", "--workers", "0"]) == 0
+    monkeypatch.setattr(in_job.comm, "run_on_main", lambda fn: pytest.fail("a prepared folder needs no collective"))
+    data = pipeline.open_run_data(out, None, 100, _stages(32, 64), reset_position_ids=False)
+    ds, sampler = data.stage_view(_stages(32, 64)[1], 1, 0, 1, seed=0)
+    ref, _ = _reference(tmp_path, DOCS * 4)
+    assert ds[0]["input_ids"].tolist() == ref[:64].tolist() and sampler.source_shares() == {}
+    assert data.heldout(32, 1)[0]["input_ids"].tolist() == ref[data.boundary: data.boundary + 32].tolist()
+    with pytest.raises(ValueError, match="token id 84 >= the model's vocab_size 64"):
+        pipeline.open_run_data(out, None, 64, _stages(32), reset_position_ids=False)
+
+
+def test_in_job_path_has_a_size_limit(tmp_path, monkeypatch):
+    from data import pipeline
+    from data import prepare as in_job
+
+    monkeypatch.setattr(in_job, "CACHE", str(tmp_path / "cache"))
+    src = _write_jsonl(tmp_path / "d.jsonl", DOCS * 4)
+    data = pipeline.open_run_data(src, None, 100, _stages(32), reset_position_ids=False)
+    assert data.prepared.path.startswith(str(tmp_path / "cache"))
+    monkeypatch.setattr(in_job, "MAX_IN_JOB_BYTES", 1000)
+    with pytest.raises(ValueError, match=r"too much to tokenize inside the job .* run `python scripts/prepare_data.py"):
+        pipeline.open_run_data(src, None, 100, _stages(32), reset_position_ids=False)
