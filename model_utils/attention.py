@@ -1,0 +1,314 @@
+"""Document-masked core attention: every packed document attends only to itself, with or without Ulysses.
+
+Why: DeepSpeed's `UlyssesSPAttentionHF` drops the model's attention mask after its all-to-all (sdpa then
+runs plain causal attention over the whole packed sample; its flex_attention path hard-codes a causal
+BlockMask), so documents packed into one sample attend across their boundaries under SP and a model's
+sliding window is lost. What survives the all-to-all are the position ids: the wrapper all-gathers them,
+so the core attention function sees the FULL sequence's `position_ids` [bs, sl] in its kwargs. A document
+is a run of consecutive positions (a restart, pos[i] != pos[i-1] + 1, begins the next one: the rule of
+transformers' `find_packed_sequence_indices`), so the core function can rebuild the right mask itself.
+
+`register(model, attn)` puts that function in transformers' `ALL_ATTENTION_FUNCTIONS` under the model's own
+backend name (so transformers' per-backend branches still run, and DeepSpeed then wraps it as its
+`core_attn_implementation`); it also makes the model skip building its own mask for sdpa / flex (an
+O(sl^2) tensor at long lengths, dropped by Ulysses anyway). Per backend, after the all-to-all:
+- sdpa: one causal sdpa call per document, short documents grouped into blocks of <= BLOCK tokens with a
+  small block-diagonal mask, a long windowed document in query chunks with a [chunk, chunk + window) mask;
+  never an [sl, sl] mask. Monotonic positions (no restart) and no window: one plain causal call.
+- flex_attention: a BlockMask built from document ids (+ window) at block granularity, O((sl/128)^2).
+- flash_attention_2/3: varlen with cu_seqlens from the documents, micro-batch rows flattened into one
+  packed row (FA's own window). Written by construction, untested here (no GPU).
+`track(model, attn)` counts which attention modules went through the registered function, and
+`check_routed(model)` (train.py calls it after the first micro-step) refuses a model whose attention
+bypasses it: under SP such a model would silently attend only within its own shard.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+BLOCK = 2048  # sdpa: documents shorter than this are grouped into one call with a [<=BLOCK, <=BLOCK] mask
+FLEX_BLOCK = 128  # flex_attention's sparse block size
+SUPPORTED = ("sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+_ORIGINAL: dict = {}  # (interface, name) -> the function we replaced
+_STATE: dict = {"attn": None, "modules": set(), "calls": 0, "windows": set()}
+
+
+def doc_bounds(position_ids: torch.Tensor, bs: int) -> list[list[int]] | None:
+    """Document boundaries per row of [bs or 1, sl] position ids: [0, s1, ..., sl]; None when no row restarts."""
+    pos = position_ids.expand(bs, -1)
+    restart = (pos[:, 1:] - pos[:, :-1]) != 1  # [bs, sl - 1]
+    hits = restart.nonzero().tolist()  # one device -> host copy per call
+    if not hits:
+        return None
+    sl = pos.shape[1]
+    rows = [[0] for _ in range(bs)]
+    for r, i in hits:
+        rows[r].append(i + 1)
+    return [row + [sl] for row in rows]
+
+
+def _window(module, kwargs: dict) -> int | None:
+    """The layer's sliding window: kwargs["sliding_window"] (Mistral, Qwen2/3, Gemma-3, Phi-3 pass it) or
+    `module.sliding_window`; None for full attention."""
+    w = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
+    return int(w) if w else None
+
+
+# ---- sdpa -------------------------------------------------------------------------------------------------
+
+def sdpa_pieces(bounds: list[int], window: int | None, block: int = BLOCK) -> list[tuple[int, int, int, int]]:
+    """Cover the queries [0, sl) of one row, in order, by pieces (q_lo, q_hi, k_lo, k_hi) that each hold whole
+    documents (or a query chunk of one long windowed document and the keys its window reaches)."""
+    pieces, group = [], None
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        n = e - s
+        if n <= block and (group is None or e - group[0] <= block):
+            group = (group[0] if group else s, e)
+            continue
+        if group:
+            pieces.append((group[0], group[1], group[0], group[1]))
+            group = None
+        if n <= block:
+            group = (s, e)
+        elif window is None or window >= n:
+            pieces.append((s, e, s, e))
+        else:  # windowed long document: query chunks of max(block, window), keys reaching back window - 1
+            step = max(block, window)
+            pieces += [(a, min(a + step, e), max(s, a - window + 1), min(a + step, e)) for a in range(s, e, step)]
+    if group:
+        pieces.append((group[0], group[1], group[0], group[1]))
+    return pieces
+
+
+def _piece_mask(doc: torch.Tensor, bounds: list[int], piece, window: int | None) -> torch.Tensor | None:
+    """[1, 1, q, k] bool mask (True = attend) for one piece of a row; None when plain causal attention is exact."""
+    q_lo, q_hi, k_lo, k_hi = piece
+    nxt = bisect.bisect_right(bounds, q_lo)  # the first boundary after q_lo
+    one_doc = nxt == len(bounds) or bounds[nxt] >= q_hi
+    if (q_lo, q_hi) == (k_lo, k_hi) and one_doc and (window is None or window >= q_hi - q_lo):
+        return None
+    q = torch.arange(q_lo, q_hi, device=doc.device)[:, None]
+    k = torch.arange(k_lo, k_hi, device=doc.device)[None, :]
+    mask = (doc[q_lo:q_hi, None] == doc[None, k_lo:k_hi]) & (k <= q)
+    if window is not None:
+        mask &= q - k < window
+    return mask[None, None]
+
+
+def _sdpa_docs(orig, module, query, key, value, bounds, window, kwargs):
+    # query [bs, hq, sl, hd], key/value [bs, hkv, sl, hd] (hq, hkv: this rank's heads after the all-to-all)
+    bs, _, sl, _ = query.shape
+    docs = _doc_ids(bounds, bs, sl, query.device)  # [bs, sl]
+    rows = []
+    for r in range(bs):
+        b = bounds[r] if bounds is not None else [0, sl]
+        outs = []
+        for piece in sdpa_pieces(b, window):
+            q_lo, q_hi, k_lo, k_hi = piece
+            out, _ = orig(module, query[r:r + 1, :, q_lo:q_hi], key[r:r + 1, :, k_lo:k_hi],
+                          value[r:r + 1, :, k_lo:k_hi], _piece_mask(docs[r], b, piece, window), **kwargs)
+            outs.append(out)  # [1, q_hi - q_lo, hq, hd]
+        rows.append(torch.cat(outs, dim=1))
+    return torch.cat(rows, dim=0), None  # [bs, sl, hq, hd]
+
+
+# ---- flex_attention ---------------------------------------------------------------------------------------
+
+def _doc_ids(bounds: list[list[int]] | None, bs: int, sl: int, device) -> torch.Tensor:
+    """[bs, sl] int32 document index of every token (nondecreasing along each row)."""
+    starts = torch.zeros(bs, sl, dtype=torch.int32)
+    for r, b in enumerate(bounds or []):
+        starts[r, b[1:-1]] = 1
+    return starts.cumsum(1, dtype=torch.int32).to(device)
+
+
+def doc_block_mask(doc: torch.Tensor, window: int | None, block: int = FLEX_BLOCK):
+    """A flex_attention BlockMask for causal attention within each document (and window) of `doc` [bs, sl].
+
+    Built at block granularity from each block's first and last document id (ids are nondecreasing), so
+    nothing of size [sl, sl] is ever made: [bs, nb, nb] with nb = ceil(sl / block)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    bs, sl = doc.shape
+    nb = -(-sl // block)
+    pad = nb * block - sl
+    ids = torch.cat([doc, doc[:, -1:].expand(bs, pad)], dim=1)  # [bs, nb * block]: mask_mod may read the tail
+    lo, hi = ids.view(bs, nb, block)[..., 0], ids.view(bs, nb, block)[..., -1]  # [bs, nb]
+    qi = torch.arange(nb, device=doc.device)[:, None]
+    kj = torch.arange(nb, device=doc.device)[None, :]
+    lo_q, hi_q, lo_k, hi_k = lo[:, :, None], hi[:, :, None], lo[:, None, :], hi[:, None, :]
+    some = (lo_q <= hi_k) & (lo_k <= hi_q) & (kj <= qi)  # [bs, nb, nb]: some pair may attend
+    full = (lo_q == hi_q) & (lo_k == hi_k) & (lo_q == lo_k) & (kj < qi)  # every pair attends
+    if window is not None:
+        some &= (qi - kj) * block - (block - 1) < window  # nearest pair within the window
+        full &= (qi - kj) * block + (block - 1) < window  # farthest pair within the window
+    if pad:
+        full[:, -1, :] = False
+        full[:, :, -1] = False
+    partial = some & ~full
+
+    def blocks(m):  # -> [bs, 1, nb] counts, [bs, 1, nb, nb] indices (the selected ones first, in order)
+        return m.sum(-1).to(torch.int32)[:, None], torch.argsort((~m).to(torch.int8), dim=-1, stable=True).to(torch.int32)[:, None]
+
+    def mask_mod(b, h, q, k):
+        keep = (ids[b, q] == ids[b, k]) & (q >= k)
+        return keep & (q - k < window) if window is not None else keep
+
+    return BlockMask.from_kv_blocks(*blocks(partial), *blocks(full), BLOCK_SIZE=block, mask_mod=mask_mod,
+                                    seq_lengths=(sl, sl))
+
+
+_FLEX_CACHE: dict = {}
+
+
+def _flex_docs(orig, module, query, key, value, bounds, window, kwargs):
+    # query [bs, hq, sl, hd]; one BlockMask per (documents, window, shape), shared by the layers of a forward
+    bs, _, sl, _ = query.shape
+    cache_key = (str(bounds), window, bs, sl, str(query.device))
+    if cache_key not in _FLEX_CACHE:
+        if len(_FLEX_CACHE) >= 4:  # a new sample: drop the previous ones (full and windowed layers each have one)
+            _FLEX_CACHE.clear()
+        _FLEX_CACHE[cache_key] = doc_block_mask(_doc_ids(bounds, bs, sl, query.device), window)
+    return orig(module, query, key, value, _FLEX_CACHE[cache_key], **kwargs)
+
+
+# ---- flash_attention_2 / 3 --------------------------------------------------------------------------------
+
+def _flash_docs(orig, module, query, key, value, bounds, window, kwargs):
+    # UNTESTED here (no GPU). query [bs, hq, sl, hd] -> one packed row [1, hq, bs * sl, hd], cu_seqlens at
+    # every document start of every row; FA applies kwargs["sliding_window"] inside each document itself.
+    bs, hq, sl, hd = query.shape
+    if bounds is None and bs == 1:
+        return orig(module, query, key, value, None, **kwargs)
+    rows = bounds or [[0, sl]] * bs
+    starts = [r * sl + s for r, b in enumerate(rows) for s in b[:-1]] + [bs * sl]
+    cu = torch.tensor(starts, dtype=torch.int32, device=query.device)
+    longest = int(max(e - s for s, e in zip(starts[:-1], starts[1:])))
+    kwargs = {k: v for k, v in kwargs.items() if k != "position_ids"}
+
+    def flat(t):  # [bs, h, sl, hd] -> [1, h, bs * sl, hd]
+        return t.transpose(0, 1).reshape(1, t.shape[1], bs * sl, t.shape[-1])
+
+    out, weights = orig(module, flat(query), flat(key), flat(value), None, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                        max_length_q=longest, max_length_k=longest, **kwargs)
+    return out.reshape(bs, sl, hq, -1), weights  # [1, bs * sl, hq, hd] -> [bs, sl, hq, hd]
+
+
+_BY_BACKEND = {"sdpa": _sdpa_docs, "flex_attention": _flex_docs, "flash_attention_2": _flash_docs,
+               "flash_attention_3": _flash_docs}
+
+
+def document_masked(attn: str, orig):
+    """The core attention function for backend `attn`: `orig` (transformers' own) applied per document."""
+    impl = _BY_BACKEND[attn]
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        _STATE["windows"].add(_window(module, kwargs))
+        if attention_mask is not None or query.shape[2] != key.shape[2]:
+            # a padding mask or a KV cache (only without SP: Ulysses drops masks): the model's own path
+            return orig(module, query, key, value, attention_mask, **kwargs)
+        if kwargs.get("position_ids") is None:
+            raise ValueError(f"{type(module).__name__} passes no position_ids to its attention function: document "
+                             "masking (and Ulysses SP) need them; use a model whose attention forwards **kwargs")
+        bounds = doc_bounds(kwargs["position_ids"], query.shape[0])
+        window = _window(module, kwargs)
+        if window is not None and window >= query.shape[2]:
+            window = None
+        if bounds is None and window is None and attn != "flex_attention":
+            return orig(module, query, key, value, None, **kwargs)  # monotonic positions: one causal call
+        return impl(orig, module, query, key, value, bounds, window, kwargs)
+
+    return attention
+
+
+def _no_mask(orig):
+    """Mask builder that returns None (the attention function builds its own) unless padding or a cache offset
+    is involved, which only the model's own path handles."""
+    def build(*args, q_length=None, kv_length=None, q_offset=0, kv_offset=0, attention_mask=None, **kwargs):
+        if q_length == kv_length and not q_offset and not kv_offset and (attention_mask is None or attention_mask.all()):
+            return None
+        return orig(*args, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
+                    attention_mask=attention_mask, **kwargs)
+
+    return build
+
+
+def check_supported(model, attn: str) -> None:
+    """One-line refusals, at start-up, of models whose attention cannot be document-masked here."""
+    cfg = model.config.get_text_config()
+    name = type(model).__name__
+    if attn not in SUPPORTED:
+        raise ValueError(f"{name}: attention {attn!r} cannot be document-masked; use one of {', '.join(SUPPORTED)}")
+    bad = sorted(set(getattr(cfg, "layer_types", None) or []) - set(LAYER_TYPES))
+    if bad:
+        raise ValueError(f"{name}: layer types {bad} are not supported (only {' / '.join(LAYER_TYPES)} layers are "
+                         "sequence-parallel and document-masked): use a model without them")
+    if getattr(cfg, "attention_chunk_size", None):
+        raise ValueError(f"{name}: chunked attention (attention_chunk_size={cfg.attention_chunk_size}) is not "
+                         "supported: use a model with full or sliding-window attention")
+
+
+def register(model, attn: str) -> None:
+    """Put the document-masked function for `attn` in ALL_ATTENTION_FUNCTIONS (and skip the model's own sdpa /
+    flex mask). Call before Ulysses registers, which then wraps it."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    check_supported(model, attn)
+    restore()
+    orig = ALL_ATTENTION_FUNCTIONS[attn]
+    _ORIGINAL[("attn", attn)] = orig
+    ALL_ATTENTION_FUNCTIONS[attn] = document_masked(attn, orig)
+    if attn in ("sdpa", "flex_attention"):
+        _ORIGINAL[("mask", attn)] = ALL_MASK_ATTENTION_FUNCTIONS[attn]
+        ALL_MASK_ATTENTION_FUNCTIONS[attn] = _no_mask(ALL_MASK_ATTENTION_FUNCTIONS[attn])
+
+
+def track(model, attn: str) -> None:
+    """Record every module that calls the (outermost) registered attention function, for `check_routed`."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    inner = ALL_ATTENTION_FUNCTIONS[attn]
+
+    def tracked(module, *args, **kwargs):
+        _STATE["modules"].add(id(module))
+        _STATE["calls"] += 1
+        return inner(module, *args, **kwargs)
+
+    ALL_ATTENTION_FUNCTIONS[attn] = tracked
+    _STATE.update(attn=attn, modules=set(), calls=0, windows=set())
+
+
+def check_routed(model) -> None:
+    """After the first forward: every decoder layer's attention went through the registered function (Ulysses
+    + document masking), and a sliding-window model's window reached it. One-line ValueError otherwise."""
+    model = getattr(model, "module", model)  # a DeepSpeed engine
+    cfg = model.config.get_text_config()
+    name, want, seen = type(model).__name__, cfg.num_hidden_layers, len(_STATE["modules"])
+    if seen != want:
+        raise ValueError(f"{name}: {seen} of its {want} attention layers called the registered "
+                         f"{_STATE['attn']!r} attention function, so the others bypass Ulysses sequence parallelism "
+                         "and document masking (attending only within their shard); use a model whose attention "
+                         "calls transformers' ALL_ATTENTION_FUNCTIONS, or sequence_parallel_size 1 with "
+                         "reset_position_ids no")
+    types = getattr(cfg, "layer_types", None) or ["sliding_attention"]
+    if getattr(cfg, "sliding_window", None) and "sliding_attention" in types and _STATE["windows"] == {None}:
+        raise ValueError(f"{name}: config.sliding_window={cfg.sliding_window} but no attention call received a "
+                         "window (neither kwargs['sliding_window'] nor module.sliding_window): it would be lost; "
+                         "set sliding_window to null for full attention")
+
+
+def restore() -> None:
+    """Put back transformers' own attention and mask functions."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    for (kind, name), fn in _ORIGINAL.items():
+        (ALL_ATTENTION_FUNCTIONS if kind == "attn" else ALL_MASK_ATTENTION_FUNCTIONS)[name] = fn
+    _ORIGINAL.clear()
+    _FLEX_CACHE.clear()

@@ -1,0 +1,86 @@
+"""Worker for tests/test_doc_masking.py: one step through the real engine on packed samples whose position ids
+restart at every document (reset_position_ids), per case.
+
+A case with "grads" runs `train_step` and records the loss and the full gradients (gathered from ZeRO-3
+before the optimizer step); without (flex_attention on CPU: torch has no flex backward there) it records
+the forward loss only. Every case then runs `check_routed`. Run under tests.distributed.spawn.
+"""
+
+import json
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+
+warnings.filterwarnings("ignore")
+
+from data.packing import PackedDataset, build_token_stream  # noqa: E402
+from data.sharding import collate, shard  # noqa: E402
+from model_utils import ulysses  # noqa: E402
+from model_utils.build import load_hf_config  # noqa: E402
+from training.config import config_from_dict  # noqa: E402
+from training.engine import build_engine  # noqa: E402
+from training.parallel import init_distributed  # noqa: E402
+from training.step import loss_sum, train_step  # noqa: E402
+
+CASE_KEYS = ("out", "cache", "samples", "grads", "bypass")
+
+
+def run_case(case: dict) -> None:
+    cfg = config_from_dict({k: v for k, v in case.items() if k not in CASE_KEYS})
+    hf = load_hf_config(cfg.model_name_or_path)
+    dims = init_distributed(cfg.sequence_parallel_size)
+    tokens, starts = build_token_stream(cfg.dataset_path, None, hf.get_text_config().vocab_size, case["cache"])
+    ds = PackedDataset(tokens, starts, cfg.max_seq_length, reset_position_ids=True)
+    engine = build_engine(cfg, dims, hf, cfg.attn_implementation, bf16=False, seed=cfg.seed)
+    if case.get("bypass"):  # the first layer's attention calls torch directly, never ALL_ATTENTION_FUNCTIONS
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        attn_mod = engine.module.model.layers[0].self_attn
+        fwd = type(attn_mod).forward
+
+        def bypass(self, *args, **kwargs):
+            import transformers.modeling_utils as mu
+
+            saved = mu.ALL_ATTENTION_FUNCTIONS.get_interface
+            mu.ALL_ATTENTION_FUNCTIONS.get_interface = lambda name, default: sdpa_attention_forward
+            try:
+                return fwd(self, *args, **kwargs)
+            finally:
+                mu.ALL_ATTENTION_FUNCTIONS.get_interface = saved
+
+        attn_mod.forward = bypass.__get__(attn_mod)
+    mb = shard(collate([ds[i] for i in case["samples"]], dims.sp, 0), dims.sp, dims.sp_rank)
+    grads = {}
+
+    def grab(engine):
+        from deepspeed.utils import safe_get_full_grad
+
+        for name, p in engine.module.named_parameters():
+            g = safe_get_full_grad(p)
+            if dims.is_main:
+                grads[name] = g.detach().clone().cpu()
+
+    if case["grads"]:
+        loss = train_step(engine, [mb], dims.world, loss_fn=loss_sum, before_step=grab)["loss"]
+    else:
+        with torch.no_grad():
+            local = loss_sum(engine, {k: v.to(engine.device) for k, v in mb.items()})
+        sums = torch.tensor([local.item(), float((mb["shift_labels"] != -100).sum())], dtype=torch.float64)
+        dist.all_reduce(sums)
+        loss = (sums[0] / sums[1]).item()
+    try:
+        ulysses.check_routed(engine.module)
+        error = None
+    except ValueError as err:
+        error = str(err)
+    if dims.is_main:
+        torch.save({"loss": loss, "grads": grads, "error": error}, case["out"])
+    engine.destroy()
+
+
+if __name__ == "__main__":
+    for case in json.loads(sys.argv[1]):
+        run_case(case)
+        dist.barrier()
