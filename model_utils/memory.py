@@ -6,8 +6,8 @@ Ulysses SP; every tensor below is a rank's sequence shard, `[bs, sl_local, ...]`
 - `--tiled_mlp`: each decoder layer's gated MLP runs through DeepSpeed's `TiledMLP` over
   ceil(sl_local / hidden) sequence tiles (ALST's rule). Only the MLP input is saved; backward recomputes
   one tile at a time, so the `[bs, sl_local, intermediate]` activations never exist whole.
-- `--tiled_logits`: the LM head and the cross-entropy run one sequence tile at a time (about 1 GiB of
-  fp32 logits per tile, ArcticTraining's rule), so the `[bs, sl_local, vocab]` logits never exist whole.
+- `--tiled_logits`: the LM head and the cross-entropy run one sequence tile at a time
+  (model_utils/tiled_loss.py; evaluation always uses it).
 - `--gradient_checkpointing`: Hugging Face activation checkpointing of every decoder layer, non-reentrant.
 - `--offload_activations`: the checkpointed layer inputs (`[bs, sl_local, hidden]` per layer) are held in
   pinned CPU memory between forward and backward. It offloads the checkpoints, so it turns checkpointing
@@ -27,15 +27,13 @@ import types
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 
+from model_utils.tiled_loss import agreed_tiles, install_loss_forward, tiled_loss_sum
 from training.step import loss_sum
 
 # Tile sizes. Module-level so the tests can force several tiles on tiny models.
 MLP_TILE_TOKENS: int | None = None  # tokens per MLP tile; None: the hidden size, ALST's ceil(sl_local / hidden) tiles
-LOGITS_TILE_BYTES: int = 2**30  # fp32 logits per loss tile (ArcticTraining's 1 GiB)
 ALLOCATOR_SETTINGS = "expandable_segments:True"
 
 
@@ -54,11 +52,11 @@ def configure_allocator() -> str | None:
 
 
 def apply_memory_features(model, cfg) -> None:
-    """Enable the features `cfg` asks for on `model` (in place). Raises ValueError for a model they do not fit."""
+    """Enable the features `cfg` asks for on `model` (in place). Raises ValueError for a model they do not fit.
+    The tiled-loss forward is always installed: evaluation uses it whatever `--tiled_logits` says."""
+    install_loss_forward(model)
     if cfg.tiled_mlp:
         _tile_mlps(model)
-    if cfg.tiled_logits:
-        _add_tiled_loss_forward(model)
     if cfg.gradient_checkpointing or cfg.offload_activations:
         # Non-reentrant: recomputation runs inside the one backward graph task (DeepSpeed's hook bookkeeping
         # then sees a single phase), and the inputs need not require grad.
@@ -70,18 +68,6 @@ def apply_memory_features(model, cfg) -> None:
 def make_loss_fn(cfg) -> Callable[..., torch.Tensor]:
     """(engine, micro_batch) -> sum of token cross-entropies over this rank's shard."""
     return tiled_loss_sum if cfg.tiled_logits else loss_sum
-
-
-def agreed_tiles(n: int, device: torch.device) -> int:
-    """max(1, n) agreed over all ranks: ZeRO-3 gathers each weight with a collective, so every rank must
-    call the tiled module the same number of times. Shapes are equal on all ranks in this project (fixed
-    length packing, sharded evenly), so this only guards against a future variable-length pipeline."""
-    n = max(1, n)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        t = torch.tensor([n], device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        n = int(t.item())
-    return n
 
 
 # --- tiled MLP ---------------------------------------------------------------------------------------
@@ -107,97 +93,6 @@ def _tile_mlps(model) -> None:
             raise ValueError(f"--tiled_mlp supports gated MLPs (gate_proj/up_proj/down_proj: Llama, Qwen2/3, "
                              f"Mistral); {type(model).__name__} has {type(mlp).__name__}")
         mlp.forward = types.MethodType(_tiled_mlp_forward, mlp)  # this instance only: other models untouched
-
-
-# --- tiled logits + loss -----------------------------------------------------------------------------
-
-def _ce_sum(lm_head, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of cross-entropies of one tile ([bs, t, hidden], [bs, t]), in fp32 like training.step.loss_sum."""
-    logits = lm_head(hidden).float()
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
-                           reduction="sum")
-
-
-class TiledCrossEntropySum(torch.autograd.Function):
-    """sum CE(lm_head(hidden), labels) with one tile of `[bs, tile, vocab]` logits alive at a time.
-
-    Forward runs the tiles without autograd; backward recomputes one tile at a time and backpropagates the
-    incoming gradient through it (DeepSpeed's SequenceTiledCompute pattern). DeepSpeed's
-    TiledFusedLogitsLoss instead runs backward inside forward with an incoming gradient of 1, so its LM
-    head gradient ignores any factor applied to the loss afterwards, and train_step scales the local
-    sum by world * GA / n_tokens: it would give a wrong LM head gradient here.
-
-    ZeRO-3 is told (`ds_grad_is_ready`) to reduce the LM head gradient once, after the last tile. When
-    the head is tied to the input embedding, the embedding's backward still adds to the same gradient
-    later in this backward pass, so it is reduced after that instead."""
-
-    @staticmethod
-    def forward(ctx, hidden, labels, lm_head, tiles: int, tied: bool):
-        ctx.save_for_backward(hidden, labels)
-        ctx.lm_head, ctx.tiles, ctx.tied = lm_head, tiles, tied
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for a, b in _spans(hidden.shape[1], tiles):
-            total += _ce_sum(lm_head, hidden[:, a:b], labels[:, a:b])
-        return total
-
-    @staticmethod
-    def backward(ctx, grad_total):
-        hidden, labels = ctx.saved_tensors
-        grad_hidden = torch.zeros_like(hidden)
-        params = [p for p in ctx.lm_head.parameters() if p.requires_grad]
-        spans = _spans(hidden.shape[1], ctx.tiles)
-        for i, (a, b) in enumerate(spans):
-            for p in params:
-                p.ds_grad_is_ready = i == len(spans) - 1 and not ctx.tied
-            tile = hidden[:, a:b].detach().requires_grad_()
-            with torch.enable_grad():
-                loss = _ce_sum(ctx.lm_head, tile, labels[:, a:b])
-            torch.autograd.backward(loss, grad_total)
-            grad_hidden[:, a:b] = tile.grad
-        for p in params:
-            p.ds_grad_is_ready = True  # tied: the embedding's gradient hook reduces the sum later
-        return grad_hidden, None, None, None, None
-
-
-def _spans(sl: int, tiles: int) -> list[tuple[int, int]]:
-    """Exactly `tiles` [a, b) ranges covering 0..sl (trailing ones empty when tiles does not divide evenly),
-    so every rank makes the same number of LM head calls."""
-    step = math.ceil(sl / tiles)
-    return [(min(i * step, sl), min((i + 1) * step, sl)) for i in range(tiles)]
-
-
-def logits_tiles(bs: int, sl: int, vocab: int) -> int:
-    """Tiles for about LOGITS_TILE_BYTES of fp32 logits each, at most one per token."""
-    return max(1, min(sl, math.ceil(bs * sl * vocab * 4 / LOGITS_TILE_BYTES)))
-
-
-def _forward_with_tiled_loss(self, *args, tiled_loss_labels: torch.Tensor | None = None, **kwargs):
-    """The model's forward; given `tiled_loss_labels` ([bs, sl_local], already shifted, -100 ignored) it
-    returns the summed cross-entropy instead of the logits, computed tile by tile."""
-    if tiled_loss_labels is None:
-        return self._untiled_forward(*args, **kwargs)
-    hidden = self.get_decoder()(*args, **kwargs).last_hidden_state  # [bs, sl_local, hidden]
-    lm_head = self.get_output_embeddings()
-    tiles = agreed_tiles(logits_tiles(*tiled_loss_labels.shape, lm_head.out_features), hidden.device)
-    tied = lm_head.weight is self.get_input_embeddings().weight
-    return TiledCrossEntropySum.apply(hidden, tiled_loss_labels, lm_head, tiles, tied)
-
-
-def _add_tiled_loss_forward(model) -> None:
-    if model.get_output_embeddings() is None or model.get_decoder() is model:
-        raise ValueError(f"--tiled_logits needs a causal LM with a separate LM head; got {type(model).__name__}")
-    model._untiled_forward = model.forward
-    model.forward = types.MethodType(_forward_with_tiled_loss, model)  # going through the engine keeps its hooks
-
-
-def tiled_loss_sum(engine, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-    """training.step.loss_sum without the whole [bs, sl_local, vocab] logits. It goes through the engine's
-    forward, like loss_sum, because DeepSpeed starts its backward bookkeeping from hooks on the outputs."""
-    out = engine(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False,
-                 tiled_loss_labels=mb["shift_labels"])
-    if not torch.is_tensor(out):
-        raise RuntimeError("tiled_logits: the model's forward was not patched (apply_memory_features not run)")
-    return out
 
 
 # --- activation checkpoint offload -------------------------------------------------------------------

@@ -94,7 +94,7 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 # with --no_ssh several launchers may share this directory.
 env_file=${DS_ENV_FILE:-.deepspeed_env}
 tmp=$(mktemp "$env_file.XXXXXX")
-names=$(compgen -e | grep -E '^(NCCL_|WANDB_|HF_|TRANSFORMERS_|TORCH_NCCL_)|^(PYTHONPATH|DS_ACCELERATOR|OMP_NUM_THREADS|PYTORCH_CUDA_ALLOC_CONF|CUDA_HOME)$' || true)
+names=$(compgen -e | grep -E '^(NCCL_|WANDB_|HF_|TRANSFORMERS_|TORCH_NCCL_)|^(PYTHONPATH|DS_ACCELERATOR|OMP_NUM_THREADS|PYTORCH_CUDA_ALLOC_CONF|CUDA_HOME|SLURM_JOB_END_TIME)$' || true)
 for v in $names ${LAUNCH_EXPORT:-}; do
   val=${!v-}
   case "$val" in *$'\n'*) echo "launch.sh: not exporting $v (multi-line value)" >&2; continue ;; esac

@@ -200,6 +200,23 @@ def test_sbatch_forwards_the_warning_signal_and_requeues(tmp_path, sig):
     assert requeues(tmp_path) == ["requeue 4242"], text
 
 
+@pytest.mark.parametrize("after, requeued", [("1", True), ("137", True), ("2", False)])
+def test_sbatch_requeues_a_run_cut_by_the_time_limit(tmp_path, after, requeued):
+    """After SLURM's warning, a run that ends without a preemption save and without COMPLETE (the time limit
+    came first) is requeued to resume from its last save; bad input (2) never is."""
+    job = sbatch(tmp_path, "wait", ["--output_dir", str(tmp_path / "out")], FAKE_EXIT_AFTER=after)
+    try:
+        wait_for(lambda: "ready" in (tmp_path / "fake.log").read_text() if (tmp_path / "fake.log").exists()
+                 else False, 30, "the stand-in launcher")
+        job.send_signal(signal.SIGUSR1)
+        text = job.communicate(timeout=30)[0]
+    finally:
+        job.kill()
+    assert f"training exited with {after}" in text, text
+    assert requeues(tmp_path) == (["requeue 4242"] if requeued else []), text
+    assert job.returncode == (0 if requeued else int(after)), text
+
+
 def test_sbatch_gives_up_after_max_requeues(tmp_path):
     job = sbatch(tmp_path, "75", ["--output_dir", str(tmp_path / "out")], SLURM_RESTART_COUNT="4",
                  MAX_REQUEUES="3")

@@ -12,12 +12,20 @@ Layout under OUTPUT_DIR/checkpoints/:
 
 A checkpoint exists only once its manifest is written, after every rank has written and fsynced its
 files (DeepSpeed's own `latest` file is not used: it is written on rank 0 before the final barrier).
-Loading verifies the manifest; an incomplete or corrupt checkpoint is skipped with a warning naming it.
-Checksums are computed and verified in parallel: rank r handles files r, r + world, ...
+Checksums are computed *while writing* (DeepSpeed's torch checkpoint engine is wrapped so every file it
+writes passes through a CRC32 counter), so a save - the preemption save included - never reads its bytes
+back; the few files written another way (DeepSpeed's copy of zero_to_fp32.py) are read once by rank 0.
+Loading verifies the manifest in parallel (rank r reads files r, r + world, ...); an incomplete or corrupt
+checkpoint is skipped with a warning naming it. At Llama-3-8B on 32 ranks a checkpoint is ~100 GB (bf16
+weights + fp32 master weights and Adam moments): each rank writes and, at resume, re-reads ~3 GB.
+
+`--resume PATH` starts a new branch from PATH: committed checkpoints newer than PATH are moved aside to
+checkpoints/abandoned/ (never deleted), so a later `--resume auto` (a SLURM requeue) continues the branch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -27,8 +35,8 @@ import zlib
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
+from training import comm
 from training.metrics import print0
 
 MANIFEST, POINTER = "MANIFEST.json", "LATEST"
@@ -47,14 +55,45 @@ def _fsync_file(path: str) -> None:
         os.close(fd)
 
 
-def _atomic_write(path: str, text: str) -> None:
+def _atomic_write(path: str, text: str) -> dict:
+    """Write `text` to `path` atomically (tmp, fsync, rename); returns its manifest entry."""
+    data = text.encode()
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as fh:
-        fh.write(text)
+    with open(tmp, "wb") as fh:
+        fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
     _fsync_file(os.path.dirname(path) or ".")
+    return {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+
+
+class _CrcWriter:
+    """A file object that counts the size and CRC32 of what passes through it (torch.save writes to it)."""
+
+    def __init__(self, fh):
+        self.fh, self.crc, self.size = fh, 0, 0
+
+    def write(self, b) -> int:
+        self.crc = zlib.crc32(b, self.crc)
+        self.size += len(b)
+        return self.fh.write(b)
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+    def entry(self) -> dict:
+        return {"size": self.size, "crc32": f"{self.crc:08x}"}
+
+
+def _save_torch(obj, path: str, zipfile: bool = True) -> dict:
+    """torch.save to `path`, fsynced; returns its manifest entry, computed while writing."""
+    with open(path, "wb") as fh:
+        w = _CrcWriter(fh)
+        torch.save(obj, w, _use_new_zipfile_serialization=zipfile)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return w.entry()
 
 
 def _crc32(path: str) -> str:
@@ -70,16 +109,11 @@ def _list_files(d: str) -> list[str]:
 
 
 def _world() -> tuple[int, int]:
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    return comm.rank(), comm.world()
 
 
 def _gather_dict(local: dict) -> dict:
-    rank, world = _world()
-    if world == 1:
-        return local
-    parts = [None] * world
-    dist.all_gather_object(parts, local)
-    return {k: v for p in parts for k, v in p.items()}
+    return {k: v for p in comm.all_gather_object(local) for k, v in p.items()}
 
 
 def rng_state() -> dict:
@@ -95,6 +129,45 @@ def set_rng_state(s: dict) -> None:
         torch.cuda.set_rng_state_all(s["cuda"])
 
 
+@contextlib.contextmanager
+def _recording(engine, root: str, written: dict):
+    """While DeepSpeed saves into `root`, every file its torch checkpoint engine writes gets its manifest entry
+    computed on the way to disk (and is fsynced). Other checkpoint engines are left alone: their files are
+    described by reading them back."""
+    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+    ce = getattr(engine, "checkpoint_engine", None)
+    if type(ce) is not TorchCheckpointEngine:
+        yield
+        return
+
+    def save(state_dict, path: str) -> None:  # TorchCheckpointEngine.save's signature (called by keyword too)
+        written[os.path.relpath(path, root)] = _save_torch(state_dict, path, ce.zipfile_serialization)
+
+    ce.save = save
+    try:
+        yield
+    finally:
+        del ce.save
+
+
+def reset_adam_moments(optimizer) -> int:
+    """Zero Adam's moments and step counts in place (a stage with `reset_optimizer`); the fp32 master weights
+    are kept. Works on DeepSpeed's ZeRO wrappers (the torch optimizer is `.optimizer`). Returns the number of
+    parameter states reset."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    for state in inner.state.values():
+        for k, v in state.items():
+            if torch.is_tensor(v):
+                v.zero_()
+            elif k == "step":
+                state[k] = 0
+    for group in inner.param_groups:
+        if "step" in group:
+            group["step"] = 0
+    return len(inner.state)
+
+
 class Checkpointer:
     def __init__(self, output_dir: str, keep: int):
         self.root = os.path.join(output_dir, "checkpoints")
@@ -108,25 +181,24 @@ class Checkpointer:
         rank, world = _world()
         tag = tag_for(step)
         path = os.path.join(self.root, tag)
+        if rank == 0 and os.path.exists(path):  # a partial leftover of a killed run at this same step
+            shutil.rmtree(path)
+        comm.barrier()
+        os.makedirs(os.path.join(path, "state"), exist_ok=True)  # every rank: no rank relies on another's mkdir
+        written: dict[str, dict] = {}
+        with _recording(engine, path, written):
+            engine.save_checkpoint(self.root, tag=tag, save_latest=False)
+        written[os.path.join("state", f"rank{rank:05d}.pt")] = _save_torch(
+            rank_state, os.path.join(path, "state", f"rank{rank:05d}.pt"))
         if rank == 0:
-            if os.path.exists(path):  # a partial leftover of a killed run at this same step
-                shutil.rmtree(path)
-            os.makedirs(os.path.join(path, "state"), exist_ok=True)
-        if world > 1:
-            dist.barrier()
-        engine.save_checkpoint(self.root, tag=tag, save_latest=False)
-        own = os.path.join(path, "state", f"rank{rank:05d}.pt")
-        torch.save(rank_state, own)
-        _fsync_file(own)
+            written["trainer.json"] = _atomic_write(os.path.join(path, "trainer.json"),
+                                                    json.dumps(trainer, indent=1, default=str))
+            written["hf_config.json"] = _atomic_write(os.path.join(path, "hf_config.json"), hf_config.to_json_string())
+        described = _gather_dict(written)  # every rank's files are on disk, fsynced, with their checksums
         if rank == 0:
-            _atomic_write(os.path.join(path, "trainer.json"), json.dumps(trainer, indent=1, default=str))
-            _atomic_write(os.path.join(path, "hf_config.json"), hf_config.to_json_string())
-        if world > 1:
-            dist.barrier()  # every rank's files are on disk
-        files = _list_files(path)
-        mine = {f: self._describe(path, f, fsync=True) for f in files[rank::world]}
-        described = _gather_dict(mine)
-        if rank == 0:
+            for f in _list_files(path):  # written outside the checkpoint engine (DeepSpeed's helper scripts)
+                if f not in described:
+                    described[f] = self._describe(path, f)
             manifest = {"tag": tag, "step": step, "world": world, "files": described, "stage_end": stage_end,
                         "model_hash": trainer.get("model_hash"), "sp": trainer.get("sp")}
             _atomic_write(os.path.join(path, MANIFEST), json.dumps(manifest, indent=1))
@@ -134,15 +206,13 @@ class Checkpointer:
             if stage_end:
                 _atomic_write(os.path.join(self.root, stage_end), tag + "\n")
             self._rotate(keep_tag=tag)
-        if world > 1:
-            dist.barrier()
+        comm.barrier()
         return path
 
     @staticmethod
-    def _describe(path: str, f: str, fsync: bool) -> dict:
+    def _describe(path: str, f: str) -> dict:
         full = os.path.join(path, f)
-        if fsync:
-            _fsync_file(full)
+        _fsync_file(full)
         return {"size": os.path.getsize(full), "crc32": _crc32(full)}
 
     def _rotate(self, keep_tag: str) -> None:
@@ -193,11 +263,7 @@ class Checkpointer:
                     break
         except (OSError, ValueError, KeyError) as e:
             reason = f"no readable manifest ({type(e).__name__}: {e})"
-        reasons = [reason]
-        if world > 1:
-            reasons = [None] * world
-            dist.all_gather_object(reasons, reason)
-        return next((r for r in reasons if r), None)
+        return next((r for r in comm.all_gather_object(reason) if r), None)
 
     def find_resume(self, resume: str) -> str | None:
         """Path of the checkpoint to resume from: newest valid (auto), a given one (PATH), or None."""
@@ -208,6 +274,9 @@ class Checkpointer:
             if why:
                 raise ValueError(f"--resume {resume}: not a complete checkpoint ({why}); use --resume auto or "
                                  "another checkpoint")
+            if comm.rank() == 0:
+                self._start_branch(resume)
+            comm.barrier()
             return resume
         for tag in reversed(self.tags()):
             path = os.path.join(self.root, tag)
@@ -216,6 +285,28 @@ class Checkpointer:
                 return path
             print0(f"warning: skipping checkpoint {path}: {why}")
         return None
+
+    def _start_branch(self, path: str) -> None:
+        """Resuming from `path` abandons this run's newer checkpoints: move them (and stage pointers to them) to
+        checkpoints/abandoned/, so `--resume auto` continues from `path`. Nothing is deleted."""
+        if os.path.dirname(os.path.abspath(path.rstrip("/"))) != os.path.abspath(self.root):
+            return  # a checkpoint of another run: this run's own checkpoints stay the newest
+        step = int(_TAG.match(os.path.basename(path.rstrip("/"))).group(1))
+        newer = [t for t in self.tags() if int(t[5:]) > step]
+        if not newer:
+            return
+        aside = os.path.join(self.root, "abandoned")
+        os.makedirs(aside, exist_ok=True)
+        for name in os.listdir(self.root):
+            pointer = os.path.join(self.root, name)
+            if name.startswith("STAGE_") and os.path.isfile(pointer):
+                with open(pointer) as fh:
+                    if fh.read().strip() in newer:
+                        os.replace(pointer, os.path.join(aside, name))
+        for t in newer:
+            os.replace(os.path.join(self.root, t), os.path.join(aside, t))
+        _atomic_write(os.path.join(self.root, POINTER), os.path.basename(path.rstrip("/")) + "\n")
+        print0(f"--resume {path}: {len(newer)} newer checkpoint(s) moved to {aside} ({newer[0]} .. {newer[-1]})")
 
     @staticmethod
     def read_trainer(path: str) -> dict:
@@ -233,11 +324,14 @@ class Checkpointer:
         if saved_world != world:
             load_dir = self._universal(path, saved_world, world)
             engine._config.load_universal_checkpoint = True
-        loaded, _ = engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=load_optimizer,
-                                           load_lr_scheduler_states=load_optimizer and load_scheduler,
-                                           load_module_only=not load_optimizer)
+        # Always the whole ZeRO state: under ZeRO-3 the weights live in the optimizer's fp32 partitions
+        # (`load_module_only` would restore them from the empty module placeholders); moments reset after.
+        loaded, _ = engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=True,
+                                           load_lr_scheduler_states=load_scheduler)
         if loaded is None:
             raise RuntimeError(f"DeepSpeed could not load {path}")
+        if not load_optimizer:
+            reset_adam_moments(engine.optimizer)
         if not load_scheduler and engine.lr_scheduler is not None:
             # the loaded optimizer state carries the old stage's LR; start the new schedule from its step 0
             for group, lr in zip(engine.optimizer.param_groups, engine.lr_scheduler.get_last_lr()):
@@ -250,15 +344,18 @@ class Checkpointer:
 
     def _universal(self, path: str, saved_world: int, world: int) -> str:
         """Convert `path` (written by `saved_world` ranks) to DeepSpeed's universal format, once; returns the
-        folder to load from. Universal checkpoints carry weights and Adam moments to any world size."""
+        folder to load from. Universal checkpoints carry weights and Adam moments to any world size.
+        Rank 0 converts while the others wait on the host (minutes for an 8B model: no NCCL collective)."""
         import subprocess
         import sys
 
-        rank, _ = _world()
         tag = os.path.basename(path.rstrip("/"))
         out_root = os.path.join(self.root, "universal")
         out = os.path.join(out_root, tag)
-        if rank == 0 and not os.path.exists(os.path.join(out, "DONE")):
+
+        def convert() -> None:
+            if os.path.exists(os.path.join(out, "DONE")):
+                return
             print0(f"checkpoint {path} was written by {saved_world} ranks, this run has {world}: converting it to a "
                    f"DeepSpeed universal checkpoint in {out}")
             shutil.rmtree(out, ignore_errors=True)
@@ -267,6 +364,6 @@ class Checkpointer:
                             "--output_folder", out, "--num_extract_workers", "2", "--num_merge_workers", "1",
                             "--inject_missing_state"], check=True, stdout=subprocess.DEVNULL)
             _atomic_write(os.path.join(out, "DONE"), "ok\n")
-        if dist.is_initialized():
-            dist.barrier()
+
+        comm.run_on_main(convert)
         return out_root

@@ -1,9 +1,15 @@
-"""Evaluation at the end of a stage, at the stage's length, through the same sharded engine.
+"""Evaluation at the end of a stage, at the stage's length, through the same sharded engine and the same tiled
+loss as training (model_utils/tiled_loss.py): never the whole `[seq, vocab]` logits.
 
-- held-out loss: token-weighted loss over the last `heldout_samples` packed samples (never trained on);
+- held-out loss: token-weighted loss over the run's held-out documents (data/pipeline.py: the same documents
+  at every stage, never trained on), packed to the stage's length;
 - passkey retrieval (needs a text tokenizer): a 5-digit key hidden at several depths of filler text,
   answered after "What is the pass key? The pass key is"; a trial counts when every answer token is the
   model's argmax given the prompt and the previous answer tokens (teacher-forced greedy decoding).
+
+Samples are split across DP groups (group g takes samples g*mb .. g*mb+mb-1 of each round of dp*mb); every
+rank runs the same number of forwards (ZeRO-3 gathers weights with collectives), a group short of samples
+runs unlabelled fillers. Cost: one forward per round without autograd plus one 1 GiB logits tile.
 Results go to metrics.jsonl, W&B and OUTPUT_DIR/eval/stage{N}.json.
 """
 
@@ -13,32 +19,31 @@ import random
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from data.sharding import collate, shard
+from model_utils.tiled_loss import eval_stats
+from training import comm
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
 
-def heldout_count(eval_cfg: dict, num_samples: int) -> int:
-    return min(int(eval_cfg.get("heldout_samples", 2)), max(0, num_samples - 1))
-
-
-@torch.no_grad()
-def _sharded_logits_check(engine, sample: dict, sp: int, sp_rank: int, pad_id: int, batch: int):
-    """(sum CE, n tokens, wrong argmax count) over this rank's shard of one sample.
-
-    Ulysses attention is registered for a fixed micro-batch size, so the batch is filled with unlabelled
-    copies of the sample."""
-    filler = {**sample, "shift_labels": np.full_like(sample["shift_labels"], -100)}
-    mb = {k: v.to(engine.device) for k, v in shard(collate([sample] + [filler] * (batch - 1), sp, pad_id), sp,
-                                                    sp_rank).items()}
-    logits = engine(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False).logits.float()
-    labels = mb["shift_labels"]
-    mask = labels != -100
-    ce = torch.nn.functional.cross_entropy(logits[mask], labels[mask], reduction="sum") if mask.any() else logits.sum() * 0
-    wrong = ((logits.argmax(-1) != labels) & mask).sum()
-    return ce.double().cpu(), mask.sum().cpu(), wrong.cpu()
+def sample_stats(engine, samples: list[dict], dims, micro_batch: int, pad_id: int) -> torch.Tensor:
+    """[len(samples), 3] on every rank: per sample [sum CE, labelled tokens, wrong argmax] over the whole
+    sequence, each sample evaluated by one DP group (its SP ranks each take their shard)."""
+    out = torch.zeros(len(samples), 3, dtype=torch.float64)
+    if not samples:
+        return out
+    per_round = dims.dp * micro_batch
+    filler = {**samples[0], "shift_labels": np.full_like(samples[0]["shift_labels"], -100)}
+    for lo in range(0, len(samples), per_round):
+        mine = list(range(lo + dims.dp_rank * micro_batch, lo + (dims.dp_rank + 1) * micro_batch))
+        batch = [samples[i] if i < len(samples) else filler for i in mine]
+        mb = {k: v.to(engine.device) for k, v in shard(collate(batch, dims.sp, pad_id), dims.sp, dims.sp_rank).items()}
+        stats = eval_stats(engine, mb).cpu()
+        for row, i in zip(stats, mine):
+            if i < len(samples):
+                out[i] += row
+    return comm.all_reduce(out)  # SP ranks hold disjoint shards, DP groups disjoint samples: the sum is each once
 
 
 def passkey_trials(eval_cfg: dict, tokenizer) -> int:
@@ -76,33 +81,23 @@ def passkey_sample(tokenizer, seq_len: int, depth: float, rng: random.Random) ->
     return {"input_ids": ids, "shift_labels": labels, "position_ids": np.arange(len(ids))}
 
 
-def evaluate_stage(engine, stage, dims, dataset, tokenizer, metrics, step: int, micro_batch: int) -> dict:
+def evaluate_stage(engine, stage, dims, heldout: list[dict], tokenizer, metrics, step: int, micro_batch: int,
+                   pad_id: int) -> dict:
     """Run the stage's evaluation on every rank; rank 0 records it. Returns the result."""
     cfg = stage.eval
     engine.eval()
-    pad_id = tokenizer.pad_id if tokenizer else 0
     result = {"stage": stage.index, "stage_name": stage.name, "step": step, "seq_len": stage.max_seq_length}
-    n_held = heldout_count(cfg, len(dataset))
-    if n_held:
-        ce, n = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.int64)
-        for i in range(len(dataset) - n_held, len(dataset)):
-            c, k, _ = _sharded_logits_check(engine, dataset[i], dims.sp, dims.sp_rank, pad_id, micro_batch)
-            ce, n = ce + c, n + k
-        t = torch.stack([ce, n.double()])
-        dist.all_reduce(t)  # every rank of an SP group holds part of the same samples; DP groups repeat them
-        result["heldout_loss"] = (t[0] / t[1].clamp_min(1)).item()
+    if heldout:
+        stats = sample_stats(engine, heldout, dims, micro_batch, pad_id).sum(0)
+        result["heldout_loss"] = (stats[0] / stats[1].clamp_min(1)).item()
+        result["heldout_tokens"] = int(stats[1].item())
     trials = passkey_trials(cfg, tokenizer)
     if trials:
         rng = random.Random(1234 + stage.index)
-        per_depth = {}
-        for depth in cfg.get("depths", [0.1, 0.5, 0.9]):
-            ok = 0
-            for _ in range(trials):
-                sample = passkey_sample(tokenizer, stage.max_seq_length, depth, rng)
-                _, _, wrong = _sharded_logits_check(engine, sample, dims.sp, dims.sp_rank, pad_id, micro_batch)
-                dist.all_reduce(wrong)
-                ok += int(wrong.item() == 0)
-            per_depth[f"{depth:g}"] = ok / trials
+        depths = cfg.get("depths", [0.1, 0.5, 0.9])
+        samples = [passkey_sample(tokenizer, stage.max_seq_length, d, rng) for d in depths for _ in range(trials)]
+        wrong = sample_stats(engine, samples, dims, micro_batch, pad_id)[:, 2].reshape(len(depths), trials)
+        per_depth = {f"{d:g}": float((w == 0).double().mean()) for d, w in zip(depths, wrong)}
         result["passkey_accuracy"] = per_depth
         result["passkey_mean"] = sum(per_depth.values()) / len(per_depth)
     engine.train()

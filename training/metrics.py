@@ -15,7 +15,8 @@ import sys
 import uuid
 
 import torch
-import torch.distributed as dist
+
+from training import comm
 
 _IS_MAIN = os.environ.get("RANK", "0") == "0"
 _RANK_LOG = logging.getLogger("ulysses_longtrain.rank")
@@ -59,10 +60,7 @@ def peak_memory_gb() -> float:
         peak = torch.cuda.max_memory_allocated() / 2**30
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-    t = torch.tensor([peak], dtype=torch.float64)
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return round(t.item(), 4)
+    return round(comm.all_reduce([peak], op="max").item(), 4)
 
 
 def wandb_enabled(report_to: str) -> bool:

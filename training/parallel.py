@@ -54,16 +54,13 @@ def check_layout(world: int, sp: int, num_heads: int, num_kv_heads: int, seq_len
                          "at least one token; raise the length or lower SP")
 
 
-def init_distributed(sp: int) -> ParallelDims:
-    """Initialise torch.distributed through DeepSpeed (gloo on CPU, nccl on GPU) and return the dims."""
-    import deepspeed
-    import torch
+def init_distributed(sp: int, timeout_s: float = 1800.0) -> ParallelDims:
+    """Set the device and initialise torch.distributed through `training.comm` (gloo on CPU, nccl on GPU) with
+    a `timeout_s` collective timeout; return the dims."""
+    from training import comm
 
-    deepspeed.init_distributed(dist_backend=None, auto_mpi_discovery=False)
-    world = torch.distributed.get_world_size()
-    rank = torch.distributed.get_rank()
+    rank, world, local_rank = comm.init(timeout_s)
     release_shm_buffer(rank)
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     return ParallelDims(world=world, sp=sp, rank=rank, local_rank=local_rank)
 
 
@@ -85,12 +82,49 @@ def release_shm_buffer(rank: int) -> str | None:
     every mapping valid and the kernel frees the memory when the last rank exits, however it exits.
     Returns the unlinked path, or None where there was no segment (GPU, multi-node, the op not built).
     """
-    import torch.distributed as dist
+    from training import comm
 
-    dist.barrier()
+    comm.barrier()
     path = shm_buffer_path(rank)
     try:
         os.unlink(path)
     except FileNotFoundError:
         return None
     return path
+
+
+def check_shared_output(output_dir: str) -> None:
+    """Every rank writes a probe file in `output_dir`; every rank must see every other rank's probe. Checkpoints
+    (each rank writes its shards, rank 0 the manifest), metrics, the PREEMPT stop file and the in-job token cache
+    all assume one file system every node mounts. A node-local output dir would save, resume and export wrong
+    checkpoints; this stops with one line naming the hosts instead. Collective; costs one small file per rank."""
+    import socket
+    import uuid
+
+    from training import comm
+
+    os.makedirs(output_dir, exist_ok=True)
+    run_id = comm.all_gather_object(uuid.uuid4().hex[:12])[0]  # one name per launch: stale probes never count
+    probe_dir = os.path.join(output_dir, f".probe-{run_id}")
+    os.makedirs(probe_dir, exist_ok=True)
+    host = socket.gethostname()
+    with open(os.path.join(probe_dir, f"rank{comm.rank():05d}"), "w") as fh:
+        fh.write(host)
+    comm.barrier()
+    world = comm.world()
+    seen = {n for n in os.listdir(probe_dir)}
+    missing = [r for r in range(world) if f"rank{r:05d}" not in seen]
+    reports = comm.all_gather_object((host, missing))
+    comm.barrier()
+    if comm.rank() == 0:
+        import shutil
+
+        shutil.rmtree(probe_dir, ignore_errors=True)
+    blind = [(h, m) for h, m in reports if m]
+    if blind:
+        host, missing = blind[0]
+        writers = sorted({reports[r][0] for r in missing})
+        raise ValueError(f"--output_dir {output_dir} is not shared: on {host} the files written there by "
+                         f"{', '.join(writers)} (ranks {missing[:4]}{'...' if len(missing) > 4 else ''}) are not "
+                         "visible; point --output_dir at a file system every node mounts (checkpoints, metrics "
+                         "and the PREEMPT file live there)")

@@ -1,4 +1,4 @@
-"""Preemption: a signal only sets a flag; at a step boundary every rank agrees through one all-reduce.
+"""Preemption: a signal only sets a flag; at a boundary every rank agrees through one all-reduce.
 
 SIGTERM (schedulers, the deepspeed launcher), SIGUSR1 (SLURM `--signal`) and SIGINT (Ctrl-C). A rank
 that got no signal still stops with the others, so all ranks save the same step and exit together with
@@ -7,23 +7,61 @@ EXIT_PREEMPTED, which launch scripts read as "requeue me".
 A file works as a signal too (OUTPUT_DIR/PREEMPT): launchers do not forward SIGUSR1 to their children,
 so scripts/slurm.sbatch traps SLURM's warning in the batch shell and touches this file on the shared
 file system; every rank checks it at the step boundary.
+
+The time limit is a stop reason too: a 1M-token step on 8 GPUs takes minutes, longer than SLURM's 120 s
+warning, and a job killed at its limit ends TIMEOUT and is never requeued. With SLURM_JOB_END_TIME (epoch
+seconds, set by SLURM) or `--time_limit_s`, a rank votes to stop when less than one measured step plus one
+measured save (and a margin) remains; until a save has been measured, `SAVE_GUESS_S` stands in for it.
+
+Where the flag is checked (train.py): after every step, after every save and evaluation, and before a stage
+builds its engine; each check is one all-reduce of one number (MAX over ranks), so every rank decides the
+same from the collective, never from its own clock alone.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 
-import torch
-import torch.distributed as dist
+from training import comm
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+SAVE_GUESS_S = 300.0  # before the first measured save (Llama-3-8B, 32 ranks: ~100 GB at a few GB/s)
+MARGIN_S = 30.0
+
+
+class Deadline:
+    """When the job must be out: SLURM_JOB_END_TIME, else start + time_limit_s, else never."""
+
+    def __init__(self, time_limit_s: float = 0.0, now: float | None = None):
+        now = time.time() if now is None else now
+        end = os.environ.get("SLURM_JOB_END_TIME")
+        self.end = float(end) if end else (now + time_limit_s if time_limit_s > 0 else None)
+        self.step_s = 0.0  # longest step measured
+        self.save_s: float | None = None  # longest save measured
+
+    def record_step(self, seconds: float) -> None:
+        self.step_s = max(self.step_s, seconds)
+
+    def record_save(self, seconds: float) -> None:
+        self.save_s = max(self.save_s or 0.0, seconds)
+
+    def needed_s(self) -> float:
+        return self.step_s + (SAVE_GUESS_S if self.save_s is None else self.save_s) + MARGIN_S
+
+    def near(self, now: float | None = None) -> bool:
+        if self.end is None:
+            return False
+        return (self.end - (time.time() if now is None else now)) < self.needed_s()
 
 
 class PreemptionFlag:
-    def __init__(self, stop_file: str | None = None):
-        self.received: int | str | None = None
+    def __init__(self, stop_file: str | None = None, deadline: Deadline | None = None):
+        self.received: int | str | None = None  # what this rank saw
+        self.stopping = False  # what all ranks agreed at the last check
         self.stop_file = stop_file
+        self.deadline = deadline or Deadline()
         self._previous = {}
 
     def install(self) -> PreemptionFlag:
@@ -35,13 +73,14 @@ class PreemptionFlag:
         self.received = signum
 
     def agreed(self) -> bool:
-        """True on every rank when any rank got a signal (a collective: call it on all ranks)."""
+        """True on every rank when any rank got a signal, saw the stop file or is near the time limit
+        (a collective: call it on all ranks at the same points)."""
         if self.received is None and self.stop_file and os.path.exists(self.stop_file):
             self.received = "stop file"
-        t = torch.tensor([1 if self.received is not None else 0], dtype=torch.int32)
-        if dist.is_initialized():
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+        if self.received is None and self.deadline.near():
+            self.received = "time limit"
+        self.stopping = bool(comm.all_reduce([1.0 if self.received is not None else 0.0], op="max").item())
+        return self.stopping
 
     def uninstall(self) -> None:
         for s, h in self._previous.items():

@@ -17,8 +17,9 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+
+from training import comm
 
 
 def loss_sum(engine, mb: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -37,9 +38,7 @@ def train_step(engine, micro_batches: list[dict[str, torch.Tensor]], world: int,
     t0 = time.perf_counter()
     device = engine.device
     n_local = sum(int((mb["shift_labels"] != -100).sum()) for mb in micro_batches)
-    counts = torch.tensor([float(n_local)], dtype=torch.float64)
-    dist.all_reduce(counts)
-    n_total = max(counts.item(), 1.0)
+    n_total = max(comm.all_reduce([float(n_local)]).item(), 1.0)
     scale = world * len(micro_batches) / n_total
     total = torch.zeros((), dtype=torch.float64)
     for i, mb in enumerate(micro_batches):
@@ -50,5 +49,4 @@ def train_step(engine, micro_batches: list[dict[str, torch.Tensor]], world: int,
             before_step(engine)  # e.g. tests reading the full gradients before the optimizer consumes them
         engine.step()
         total += local.detach().double().cpu()
-    dist.all_reduce(total)
-    return {"loss": total.item() / n_total, "label_tokens": n_total, "step_time": time.perf_counter() - t0}
+    return {"loss": comm.all_reduce(total).item() / n_total, "label_tokens": n_total, "step_time": time.perf_counter() - t0}

@@ -1,0 +1,151 @@
+"""The LM head and cross-entropy one sequence tile at a time: the `[bs, sl_local, vocab]` logits never exist
+whole (about 1 GiB of fp32 logits per tile, ArcticTraining's rule). Training uses it with `--tiled_logits`;
+evaluation always does (`eval_stats`), so an evaluation never holds more logits than a training step.
+
+Cost at the target scale (Llama 3, vocab 128256, 128k tokens, SP=2): one shard's full fp32 logits would be
+65536 x 128256 x 4 B = 31 GiB (and a copy per masked index); a tile is 1 GiB, 32 tiles.
+
+`install_loss_forward(model)` patches the model's forward once at build (before `deepspeed.initialize`);
+without `tiled_loss_labels` the forward is the model's own.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+
+import torch
+import torch.nn.functional as F
+
+from training import comm
+
+LOGITS_TILE_BYTES: int = 2**30  # fp32 logits per loss tile (ArcticTraining's 1 GiB); module-level for tests
+
+
+def agreed_tiles(n: int, device: torch.device | None = None) -> int:
+    """max(1, n) agreed over all ranks: ZeRO-3 gathers each weight with a collective, so every rank must
+    call the tiled module the same number of times. Shapes are equal on all ranks in this project (fixed
+    length packing, sharded evenly), so this only guards against a future variable-length pipeline."""
+    return int(comm.all_reduce([float(max(1, n))], op="max").item())
+
+
+def _ce_sum(lm_head, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of cross-entropies of one tile ([bs, t, hidden], [bs, t]), in fp32 like training.step.loss_sum."""
+    logits = lm_head(hidden).float()
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
+                           reduction="sum")
+
+
+class TiledCrossEntropySum(torch.autograd.Function):
+    """sum CE(lm_head(hidden), labels) with one tile of `[bs, tile, vocab]` logits alive at a time.
+
+    Forward runs the tiles without autograd; backward recomputes one tile at a time and backpropagates the
+    incoming gradient through it (DeepSpeed's SequenceTiledCompute pattern). DeepSpeed's
+    TiledFusedLogitsLoss instead runs backward inside forward with an incoming gradient of 1, so its LM
+    head gradient ignores any factor applied to the loss afterwards, and train_step scales the local
+    sum by world * GA / n_tokens: it would give a wrong LM head gradient here.
+
+    ZeRO-3 is told (`ds_grad_is_ready`) to reduce the LM head gradient once, after the last tile. When
+    the head is tied to the input embedding, the embedding's backward still adds to the same gradient
+    later in this backward pass, so it is reduced after that instead."""
+
+    @staticmethod
+    def forward(ctx, hidden, labels, lm_head, tiles: int, tied: bool):
+        ctx.save_for_backward(hidden, labels)
+        ctx.lm_head, ctx.tiles, ctx.tied = lm_head, tiles, tied
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for a, b in _spans(hidden.shape[1], tiles):
+            total += _ce_sum(lm_head, hidden[:, a:b], labels[:, a:b])
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        hidden, labels = ctx.saved_tensors
+        grad_hidden = torch.zeros_like(hidden)
+        params = [p for p in ctx.lm_head.parameters() if p.requires_grad]
+        spans = _spans(hidden.shape[1], ctx.tiles)
+        for i, (a, b) in enumerate(spans):
+            for p in params:
+                p.ds_grad_is_ready = i == len(spans) - 1 and not ctx.tied
+            tile = hidden[:, a:b].detach().requires_grad_()
+            with torch.enable_grad():
+                loss = _ce_sum(ctx.lm_head, tile, labels[:, a:b])
+            torch.autograd.backward(loss, grad_total)
+            grad_hidden[:, a:b] = tile.grad
+        for p in params:
+            p.ds_grad_is_ready = True  # tied: the embedding's gradient hook reduces the sum later
+        return grad_hidden, None, None, None, None
+
+
+def _spans(sl: int, tiles: int) -> list[tuple[int, int]]:
+    """Exactly `tiles` [a, b) ranges covering 0..sl (trailing ones empty when tiles does not divide evenly),
+    so every rank makes the same number of LM head calls."""
+    step = math.ceil(sl / tiles)
+    return [(min(i * step, sl), min((i + 1) * step, sl)) for i in range(tiles)]
+
+
+def logits_tiles(bs: int, sl: int, vocab: int) -> int:
+    """Tiles for about LOGITS_TILE_BYTES of fp32 logits each, at most one per token."""
+    return max(1, min(sl, math.ceil(bs * sl * vocab * 4 / LOGITS_TILE_BYTES)))
+
+
+@torch.no_grad()
+def _stats(lm_head, hidden: torch.Tensor, labels: torch.Tensor, tiles: int) -> torch.Tensor:
+    """Per sample: [sum CE, labelled tokens, labelled tokens whose argmax is wrong] -> [bs, 3] float64, one tile
+    of logits at a time."""
+    out = torch.zeros(hidden.shape[0], 3, dtype=torch.float64, device=hidden.device)
+    for a, b in _spans(hidden.shape[1], tiles):
+        logits = lm_head(hidden[:, a:b]).float()  # [bs, tile, vocab]
+        y = labels[:, a:b]
+        mask = y != -100
+        ce = F.cross_entropy(logits.transpose(1, 2), y, ignore_index=-100, reduction="none")  # [bs, tile]
+        out[:, 0] += ce.sum(1).double()
+        out[:, 1] += mask.sum(1)
+        out[:, 2] += ((logits.argmax(-1) != y) & mask).sum(1)
+        del logits, ce
+    return out
+
+
+def _forward_with_tiled_loss(self, *args, tiled_loss_labels: torch.Tensor | None = None, eval_stats: bool = False,
+                             **kwargs):
+    """The model's forward; given `tiled_loss_labels` ([bs, sl_local], already shifted, -100 ignored) it
+    returns the summed cross-entropy instead of the logits, computed tile by tile (with `eval_stats`, no
+    autograd, the `_stats` triple)."""
+    if tiled_loss_labels is None:
+        return self._untiled_forward(*args, **kwargs)
+    hidden = self.get_decoder()(*args, **kwargs).last_hidden_state  # [bs, sl_local, hidden]
+    lm_head = self.get_output_embeddings()
+    tiles = agreed_tiles(logits_tiles(*tiled_loss_labels.shape, lm_head.out_features), hidden.device)
+    if eval_stats:
+        return _stats(lm_head, hidden, tiled_loss_labels, tiles)
+    tied = lm_head.weight is self.get_input_embeddings().weight
+    return TiledCrossEntropySum.apply(hidden, tiled_loss_labels, lm_head, tiles, tied)
+
+
+def install_loss_forward(model) -> None:
+    """Give `model` the tiled-loss forward (in place, this instance only; idempotent)."""
+    if hasattr(model, "_untiled_forward"):
+        return
+    if model.get_output_embeddings() is None or model.get_decoder() is model:
+        raise ValueError(f"{type(model).__name__} has no separate LM head over a decoder: not a causal LM this "
+                         "project can train (AutoModelForCausalLM with get_decoder() and lm_head)")
+    model._untiled_forward = model.forward
+    model.forward = types.MethodType(_forward_with_tiled_loss, model)  # going through the engine keeps its hooks
+
+
+def tiled_loss_sum(engine, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+    """training.step.loss_sum without the whole [bs, sl_local, vocab] logits. It goes through the engine's
+    forward, like loss_sum, because DeepSpeed starts its backward bookkeeping from hooks on the outputs."""
+    out = engine(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False,
+                 tiled_loss_labels=mb["shift_labels"])
+    if not torch.is_tensor(out):
+        raise RuntimeError("tiled loss: the model's forward was not patched (install_loss_forward not run)")
+    return out
+
+
+def eval_stats(engine, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per sample [sum CE, labelled tokens, wrong argmax] ([bs, 3]) over this rank's shard of `mb`, without
+    gradients and without the whole logits: evaluation's version of the training loss."""
+    with torch.no_grad():
+        return engine(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False,
+                      tiled_loss_labels=mb["shift_labels"], eval_stats=True)
