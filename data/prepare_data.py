@@ -32,7 +32,7 @@ from data.readers import Fields, Unit, discover, iter_rows, parse_item
 
 DEFAULT_CHUNK_TOKENS = 1 << 28  # 1 GiB of uint32 per chunk file: the resume granularity
 DEFAULT_BATCH_DOCS = 256
-BATCH_BYTES = 4 << 20  # a batch closes at this much raw text too (long documents)
+BATCH_BYTES = 1 << 20  # a batch closes at this much raw text too (long documents): bounds memory in flight
 
 # ------------------------------------------------------------------ workers: parse, tokenize, check
 
