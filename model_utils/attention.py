@@ -108,7 +108,7 @@ def _sdpa_docs(orig, module, query, key, value, bounds, window, kwargs):
     for r in range(bs):
         b = bounds[r] if bounds is not None else [0, sl]
         outs = []
-        for piece in sdpa_pieces(b, window):
+        for piece in sdpa_pieces(b, window, BLOCK):
             q_lo, q_hi, k_lo, k_hi = piece
             out, _ = orig(module, query[r:r + 1, :, q_lo:q_hi], key[r:r + 1, :, k_lo:k_hi],
                           value[r:r + 1, :, k_lo:k_hi], _piece_mask(docs[r], b, piece, window), **kwargs)

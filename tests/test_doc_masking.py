@@ -26,6 +26,25 @@ DOC_LENS = [37, 11, 29, 40, 50, 25, 30, 30]
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
 
 
+SMALL = dict(vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=32, initializer_range=0.3, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+             tie_word_embeddings=False)
+# sliding-window models: windows smaller (8) and larger (30) than an SP=4 shard (24), Gemma-3 and Qwen2 with
+# local and global layers
+WINDOWED = {"mistral8": ("mistral", dict(sliding_window=8)), "mistral30": ("mistral", dict(sliding_window=30)),
+            "gemma3": ("gemma3_text", dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"])),
+            "qwen2mix": ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1))}
+
+
+def save_config_model(path: str, model_type: str, **fields) -> str:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(model_type, **{**SMALL, **fields})
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="module")
 def docs_assets(tmp_path_factory):
     d = tmp_path_factory.mktemp("docmask")
@@ -33,8 +52,11 @@ def docs_assets(tmp_path_factory):
     with open(d / "docs.jsonl", "w") as fh:
         for n in DOC_LENS:
             fh.write(json.dumps({"input_ids": rng.integers(4, 2048, n).tolist()}) + "\n")
-    return {"llama": save_tiny_model(str(d / "llama"), "tiny-llama", initializer_range=0.3),
-            "data": str(d / "docs.jsonl"), "dir": str(d)}
+    out = {"llama": save_tiny_model(str(d / "llama"), "tiny-llama", initializer_range=0.3),
+           "data": str(d / "docs.jsonl"), "dir": str(d)}
+    for name, (model_type, fields) in WINDOWED.items():
+        out[name] = save_config_model(str(d / name), model_type, **fields)
+    return out
 
 
 def packed(assets, samples: list[int]) -> list[dict]:
@@ -97,38 +119,232 @@ def test_wrong_mask_is_far_from_the_oracle(docs_assets):
 
 
 _LAUNCHED: dict = {}
+# (name, model, attn, micro-batch, gradients?, bypass?) per launch; flex_attention: forward only on CPU
+DOC_CASES = [("sdpa_mb1", "llama", "sdpa", 1, True, False), ("sdpa_mb2", "llama", "sdpa", 2, True, False),
+             ("flex_mb2", "llama", "flex_attention", 2, False, False)]
+BYPASS = ("bypass", "llama", "sdpa", 1, False, True)
+WINDOW_CASES = {2: [("mistral8_mb2", "mistral8", "sdpa", 2, True, False), ("gemma3", "gemma3", "sdpa", 1, True, False),
+                    ("qwen2mix", "qwen2mix", "sdpa", 1, True, False)],
+                4: [("mistral30", "mistral30", "sdpa", 1, True, False),
+                    ("mistral30_flex", "mistral30", "flex_attention", 1, False, False)]}
 
 
-def launch(assets, tmp_path_factory, sp: int) -> dict:
-    """One multi-process run per SP degree (every case of that degree), cached for the module."""
-    if sp in _LAUNCHED:
-        return _LAUNCHED[sp]
-    d = tmp_path_factory.mktemp(f"docmask_sp{sp}")
+def launch(assets, tmp_path_factory, key: str, sp: int, specs: list[tuple]) -> dict:
+    """One multi-process run per (kind, SP degree), every case of it in one launch; cached for the module."""
+    if (key, sp) in _LAUNCHED:
+        return _LAUNCHED[(key, sp)]
+    d = tmp_path_factory.mktemp(f"{key}_sp{sp}")
     cases = {}
-    for attn, mb, grads in (("sdpa", 1, True), ("sdpa", 2, True), ("flex_attention", 2, False)):
-        name = f"{attn}_mb{mb}"
-        cases[name] = {"model_name_or_path": assets["llama"], "dataset_path": assets["data"], "max_seq_length": SEQ,
+    for name, model, attn, mb, grads, bypass in specs:
+        cases[name] = {"model_name_or_path": assets[model], "dataset_path": assets["data"], "max_seq_length": SEQ,
                        "sequence_parallel_size": sp, "per_device_train_batch_size": mb, "attn_implementation": attn,
                        "reset_position_ids": "yes", "learning_rate": 1e-3, "max_steps": 1, "report_to": "none",
                        "seed": 0, "deepspeed": os.path.join(ROOT, "ds_configs/zero3_offload.json"),
-                       "samples": [0, 1][:mb], "grads": grads, "out": str(d / f"{name}.pt"),
+                       "samples": [0, 1][:mb], "grads": grads, "bypass": bypass, "out": str(d / f"{name}.pt"),
                        "cache": os.path.join(assets["dir"], "cache")}
     run(os.path.join(ROOT, "tests/workers/doc_masking.py"), [json.dumps(list(cases.values()))], sp, str(d / "logs"))
-    _LAUNCHED[sp] = {name: torch.load(c["out"]) for name, c in cases.items()}
-    return _LAUNCHED[sp]
+    _LAUNCHED[(key, sp)] = {name: (torch.load(c["out"]), c) for name, c in cases.items()}
+    return _LAUNCHED[(key, sp)]
+
+
+def check_against_oracle(assets, sp: int, got: dict) -> None:
+    for name, (res, case) in got.items():
+        if case["bypass"]:
+            continue
+        model = next(k for k, v in assets.items() if v == case["model_name_or_path"])
+        ref_loss, ref_grads = reference(case["model_name_or_path"], packed(assets, case["samples"]))
+        assert res["error"] is None, (name, res["error"])
+        worst = max((rel(res["grads"][n], ref_grads[n]), n) for n in res["grads"]) if res["grads"] else (0.0, "")
+        print(f"sp={sp} {name} ({model}, {case['attn_implementation']}, mb={len(case['samples'])}): loss rel err "
+              f"{abs(res['loss'] - ref_loss) / ref_loss:.2e}, worst grad rel err {worst[0]:.2e}")
+        assert abs(res["loss"] - ref_loss) / ref_loss < LOSS_TOL, (name, res["loss"], ref_loss)
+        if case["grads"]:
+            assert set(res["grads"]) == set(ref_grads)
+            assert worst[0] < GRAD_TOL, (name, worst)
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("sp", [1, 2, 4])
 def test_documents_match_plain_model_alone(docs_assets, tmp_path_factory, sp):
-    got = launch(docs_assets, tmp_path_factory, sp)
-    for name, res in got.items():
-        mb = int(name[-1])
-        ref_loss, ref_grads = reference(docs_assets["llama"], packed(docs_assets, [0, 1][:mb]))
-        assert res["error"] is None, (name, res["error"])
-        worst = max((rel(res["grads"][n], ref_grads[n]), n) for n in res["grads"]) if res["grads"] else (0.0, "")
-        print(f"sp={sp} {name}: loss rel err {abs(res['loss'] - ref_loss) / ref_loss:.2e}, grad rel err {worst[0]:.2e}")
-        assert abs(res["loss"] - ref_loss) / ref_loss < LOSS_TOL, (name, res["loss"], ref_loss)
-        if res["grads"]:
-            assert set(res["grads"]) == set(ref_grads)
-            assert worst[0] < GRAD_TOL, (name, worst)
+    got = launch(docs_assets, tmp_path_factory, "docs", sp, DOC_CASES + ([BYPASS] if sp == 2 else []))
+    check_against_oracle(docs_assets, sp, got)
+    if sp == 2:  # a layer whose attention skips ALL_ATTENTION_FUNCTIONS is refused after the first forward
+        error = got["bypass"][0]["error"]
+        assert error and "LlamaForCausalLM: 1 of its 2 attention layers" in error, error
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("sp", [2, 4])
+def test_sliding_windows_match_plain_model_alone(docs_assets, tmp_path_factory, sp):
+    check_against_oracle(docs_assets, sp, launch(docs_assets, tmp_path_factory, "windows", sp, WINDOW_CASES[sp]))
+
+
+def test_window_dropped_is_far_from_the_oracle(docs_assets):
+    """Losing the window (what Ulysses on sdpa did) misses the windowed oracle by > 100x the tolerance."""
+    from transformers import AutoConfig
+
+    samples = packed(docs_assets, [0, 1])
+    for name in ("mistral8", "mistral30"):
+        ref_loss, _ = reference(docs_assets[name], samples)
+        path = docs_assets[name] + "_nowindow"
+        if not os.path.isdir(path):
+            import shutil
+
+            shutil.copytree(docs_assets[name], path)
+            cfg = AutoConfig.from_pretrained(path)
+            cfg.sliding_window = None
+            cfg.save_pretrained(path)
+        bad_loss, _ = reference(path, samples)
+        print(f"{name} without its window: loss rel gap {abs(bad_loss - ref_loss) / ref_loss:.2e}")
+        assert abs(bad_loss - ref_loss) / ref_loss > 100 * LOSS_TOL, (name, bad_loss, ref_loss)
+
+
+# ---- the pieces, in one process ---------------------------------------------------------------------------
+
+def dense_reference(q, k, v, doc, window):
+    """Causal attention within each document (and window) through one dense [sl, sl] mask: [bs, sl, hq, hd]."""
+    sl = q.shape[2]
+    i = torch.arange(sl)
+    mask = (doc[:, :, None] == doc[:, None, :]) & (i[None, :, None] >= i[None, None, :])
+    if window:
+        mask &= (i[None, :, None] - i[None, None, :]) < window
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None]).transpose(1, 2)
+
+
+BOUNDS = [[0, 3, 40, 41, 150, 300], [0, 300]]  # a 1-token document, short ones grouped, long ones alone
+
+
+class _Attn(torch.nn.Module):
+    num_key_value_groups, is_causal, training = 2, True, True
+
+
+@pytest.mark.parametrize("window", [None, 7, 50, 400])
+def test_sdpa_pieces_equal_dense_mask(monkeypatch, window):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from model_utils import attention
+
+    monkeypatch.setattr(attention, "BLOCK", 32)  # short documents grouped, long ones chunked by the window
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 300, 16), torch.randn(2, 2, 300, 16), torch.randn(2, 2, 300, 16)
+    pos = torch.stack([torch.cat([torch.arange(e - s) for s, e in zip(b[:-1], b[1:])]) for b in BOUNDS])
+    fn = attention.document_masked("sdpa", sdpa_attention_forward)
+    out, _ = fn(_Attn(), q, k, v, None, position_ids=pos, sliding_window=window)
+    want = dense_reference(q, k, v, attention._doc_ids(BOUNDS, 2, 300, "cpu"), window)
+    assert (out - want).abs().max() < 1e-5
+    for b in BOUNDS:  # the pieces cover every query once, in order, and never cross a document without a mask
+        pieces = attention.sdpa_pieces(b, window, 32)
+        assert [p[0] for p in pieces[1:]] == [p[1] for p in pieces[:-1]] and pieces[-1][1] == 300
+
+
+def test_monotonic_positions_are_one_plain_causal_call():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from model_utils import attention
+
+    calls = []
+
+    def spy(module, q, k, v, mask, **kw):
+        calls.append(mask)
+        return sdpa_attention_forward(module, q, k, v, mask, **kw)
+
+    q, k, v = torch.randn(2, 4, 64, 16), torch.randn(2, 2, 64, 16), torch.randn(2, 2, 64, 16)
+    out, _ = attention.document_masked("sdpa", spy)(_Attn(), q, k, v, None, position_ids=torch.arange(64)[None])
+    assert calls == [None]
+    assert (out - sdpa_attention_forward(_Attn(), q, k, v, None)[0]).abs().max() == 0
+
+
+@pytest.mark.parametrize("window", [None, 50, 300])
+def test_flex_block_mask_equals_create_block_mask(window):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from model_utils import attention
+
+    bounds = [[0, 3, 300, 301, 700], [0, 130, 700]]
+    doc = attention._doc_ids(bounds, 2, 700, "cpu")
+
+    def mask_mod(b, h, q, k):
+        keep = (doc[b, q] == doc[b, k]) & (q >= k)
+        return keep & (q - k < window) if window else keep
+
+    ours = attention.doc_block_mask(doc, window)
+    theirs = create_block_mask(mask_mod, 2, None, 700, 700, device="cpu")
+    assert torch.equal(ours.to_dense(), theirs.to_dense())  # the same blocks visited
+    full = lambda m: m.full_kv_num_blocks.sum().item()  # noqa: E731
+    assert full(ours) <= full(theirs)  # whole blocks skip the mask_mod; the padded tail stays partial
+    assert full(ours) > 0 or window < 128  # a window narrower than a block leaves no whole block
+
+
+def test_flex_forward_equals_dense_mask():
+    """Compiled flex_attention over the BlockMask (forward only: no flex backward on CPU in torch 2.13)."""
+    from transformers.integrations.flex_attention import flex_attention_forward
+
+    from model_utils import attention
+
+    torch.manual_seed(0)
+    bounds = [[0, 3, 300, 301, 700], [0, 130, 700]]
+    pos = torch.stack([torch.cat([torch.arange(e - s) for s, e in zip(b[:-1], b[1:])]) for b in bounds])
+    q, k, v = torch.randn(2, 4, 700, 16), torch.randn(2, 2, 700, 16), torch.randn(2, 2, 700, 16)
+    out, _ = attention.document_masked("flex_attention", flex_attention_forward)(
+        _Attn().eval(), q, k, v, None, position_ids=pos, sliding_window=200)
+    want = dense_reference(q, k, v, attention._doc_ids(bounds, 2, 700, "cpu"), 200)
+    assert (out - want).abs().max() < 1e-5
+
+
+def bypass_attention(attn_module) -> None:
+    """Make one attention module call torch's sdpa through transformers' function directly, never through
+    ALL_ATTENTION_FUNCTIONS (as a model with its own attention code would)."""
+    import sys
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    modeling = sys.modules[type(attn_module).__module__]
+    forward = type(attn_module).forward
+    direct = SimpleNamespace(get_interface=lambda name, default: sdpa_attention_forward)
+
+    def bypass(self, *args, **kwargs):
+        with mock.patch.object(modeling, "ALL_ATTENTION_FUNCTIONS", direct):
+            return forward(self, *args, **kwargs)
+
+    attn_module.forward = bypass.__get__(attn_module)
+
+
+def test_bypassing_attention_is_refused():
+    """SP=1 in one process (the SP=2 case is in test_documents_match_plain_model_alone)."""
+    from transformers import AutoModelForCausalLM
+
+    from model_utils import attention, ulysses
+    from model_utils.presets import preset_config
+
+    model = AutoModelForCausalLM.from_config(preset_config("tiny-llama"), dtype=torch.float32,
+                                             attn_implementation="sdpa")
+    ids = torch.randint(0, 2048, (1, 32))
+    try:
+        ulysses.register(model, 1, "sdpa", 1)
+        model(input_ids=ids, position_ids=torch.arange(32)[None])
+        ulysses.check_routed(model)  # every layer went through it
+        attention.track(model, "sdpa")
+        bypass_attention(model.model.layers[1].self_attn)
+        model(input_ids=ids, position_ids=torch.arange(32)[None])
+        with pytest.raises(ValueError, match="LlamaForCausalLM: 1 of its 2 attention layers"):
+            ulysses.check_routed(model)
+    finally:
+        attention.restore()
+
+
+def test_unsupported_layer_types_are_refused():
+    from transformers import AutoModelForCausalLM
+
+    from model_utils import attention
+    from model_utils.presets import preset_config
+
+    model = AutoModelForCausalLM.from_config(preset_config("tiny-llama"), dtype=torch.float32)
+    model.config.layer_types = ["full_attention", "linear_attention"]
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM: layer types \['linear_attention'\]"):
+        attention.check_supported(model, "sdpa")
+    model.config.layer_types = None
+    with pytest.raises(ValueError, match="attention 'eager' cannot be document-masked"):
+        attention.check_supported(model, "eager")

@@ -19,6 +19,7 @@ from data.packing import PackedDataset, build_token_stream  # noqa: E402
 from data.sharding import collate, shard  # noqa: E402
 from model_utils import ulysses  # noqa: E402
 from model_utils.build import load_hf_config  # noqa: E402
+from tests.distributed import DIST_TIMEOUT_S  # noqa: E402
 from training.config import config_from_dict  # noqa: E402
 from training.engine import build_engine  # noqa: E402
 from training.parallel import init_distributed  # noqa: E402
@@ -30,27 +31,14 @@ CASE_KEYS = ("out", "cache", "samples", "grads", "bypass")
 def run_case(case: dict) -> None:
     cfg = config_from_dict({k: v for k, v in case.items() if k not in CASE_KEYS})
     hf = load_hf_config(cfg.model_name_or_path)
-    dims = init_distributed(cfg.sequence_parallel_size)
+    dims = init_distributed(cfg.sequence_parallel_size, timeout_s=DIST_TIMEOUT_S)
     tokens, starts = build_token_stream(cfg.dataset_path, None, hf.get_text_config().vocab_size, case["cache"])
     ds = PackedDataset(tokens, starts, cfg.max_seq_length, reset_position_ids=True)
     engine = build_engine(cfg, dims, hf, cfg.attn_implementation, bf16=False, seed=cfg.seed)
-    if case.get("bypass"):  # the first layer's attention calls torch directly, never ALL_ATTENTION_FUNCTIONS
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    if case.get("bypass"):  # the first layer's attention never goes through ALL_ATTENTION_FUNCTIONS
+        from tests.test_doc_masking import bypass_attention
 
-        attn_mod = engine.module.model.layers[0].self_attn
-        fwd = type(attn_mod).forward
-
-        def bypass(self, *args, **kwargs):
-            import transformers.modeling_utils as mu
-
-            saved = mu.ALL_ATTENTION_FUNCTIONS.get_interface
-            mu.ALL_ATTENTION_FUNCTIONS.get_interface = lambda name, default: sdpa_attention_forward
-            try:
-                return fwd(self, *args, **kwargs)
-            finally:
-                mu.ALL_ATTENTION_FUNCTIONS.get_interface = saved
-
-        attn_mod.forward = bypass.__get__(attn_mod)
+        bypass_attention(engine.module.model.layers[0].self_attn)
     mb = shard(collate([ds[i] for i in case["samples"]], dims.sp, 0), dims.sp, dims.sp_rank)
     grads = {}
 
