@@ -3,6 +3,10 @@ rotary embedding is computed by transformers' implementations and an exported mo
 
 Supported `rope_type`s: default (with a raised `rope_theta`: ABF), linear (position interpolation),
 dynamic (NTK), yarn, llama3. Formulas: transformers.modeling_rope_utils.
+
+`dynamic` is refused under sequence parallelism: transformers rescales its frequencies from the largest
+position id in the forward, and under Ulysses each rank computes RoPE on its own shard of the sequence
+(before the all-to-all), so the ranks would rotate one sequence with different frequencies.
 """
 
 from __future__ import annotations
@@ -19,10 +23,15 @@ ROPE_TYPES = {
 }
 
 
-def check_rope(rope: dict, where: str) -> None:
+def check_rope(rope: dict, where: str, sp: int = 1) -> None:
+    """One-line ValueError for a RoPE setting that cannot work (at SP degree `sp`)."""
     kind = rope.get("rope_type", "default")
     if kind not in ROPE_TYPES:
         raise ValueError(f"{where}: rope_type {kind!r} is not supported: use one of {sorted(ROPE_TYPES)}")
+    if kind == "dynamic" and sp > 1:
+        raise ValueError(f"{where}: rope_type dynamic scales each rank's frequencies from the positions of its own "
+                         f"sequence shard, so under sequence_parallel_size {sp} the ranks would disagree: use yarn "
+                         "or linear, or sequence_parallel_size 1")
     missing = ROPE_TYPES[kind] - set(rope)
     if missing:
         raise ValueError(f"{where}: rope_type {kind} needs {sorted(missing)}")

@@ -103,3 +103,22 @@ def test_llama3_scaling_follows_reference_formula(rotary):
 def test_bad_rope_settings(rope, match):
     with pytest.raises(ValueError, match=match):
         check_rope(rope, "stage 1")
+
+
+def test_dynamic_is_refused_under_sequence_parallelism():
+    """transformers' dynamic NTK scales from the largest position in each rank's own forward: under Ulysses the
+    ranks hold different shards of one sequence and would rotate it with different frequencies."""
+    from training.config import Config, StageConfig
+    from training.curriculum import check_stages, resolve_stages
+
+    dynamic = {"rope_type": "dynamic", "factor": 4.0}
+    check_rope(dynamic, "stage 0", sp=1)
+    with pytest.raises(ValueError, match="use yarn or linear, or sequence_parallel_size 1"):
+        check_rope(dynamic, "stage 0", sp=2)
+    cfg = Config(stages=[StageConfig(name="short", max_seq_length=64, sequence_parallel_size=1, rope=dynamic),
+                         StageConfig(name="long", max_seq_length=128, sequence_parallel_size=2, rope=dynamic)])
+    stages = resolve_stages(cfg, dp_of_sp=lambda sp: 2 // sp)
+    with pytest.raises(ValueError, match=r"^stage 1 \(long\): rope: rope_type dynamic .*sequence_parallel_size 2") as e:
+        check_stages(stages, world=2, num_heads=4, num_kv_heads=2)
+    assert "\n" not in str(e.value)
+    check_stages(stages[:1], world=2, num_heads=4, num_kv_heads=2)  # SP 1: fine

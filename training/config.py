@@ -60,6 +60,7 @@ class Config:
     max_steps: int = 100
     seed: int = 0
     bf16: bool | None = None  # None: bf16 on GPU, fp32 on CPU
+    fp16: bool = False  # fp16 with DeepSpeed's dynamic loss scaling (GPU only; turns the bf16 default off)
     deepspeed: str = "ds_configs/zero3_offload.json"
     # --- memory features (issue: long-sequence memory) ---
     tiled_mlp: bool = False
@@ -146,6 +147,9 @@ def parse_config(argv: list[str] | None = None) -> Config:
     merged.update(args)
     cfg = config_from_dict(merged, where=recipe or "command line")
     validate(cfg)
+    from training.ds_config import settle_from_file  # imports this module
+
+    settle_from_file(cfg, given=set(merged))  # SP degree / fp16 the DeepSpeed JSON sets; precision checks
     return cfg
 
 

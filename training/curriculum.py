@@ -74,7 +74,7 @@ def check_stages(stages: list[Stage], world: int, num_heads: int, num_kv_heads: 
         try:
             check_layout(world, s.sp, num_heads, num_kv_heads, s.max_seq_length)
             if s.rope:
-                check_rope(s.rope, "rope")
+                check_rope(s.rope, "rope", s.sp)
         except ValueError as e:
             raise ValueError(f"stage {s.index} ({s.name}): {e}") from None
 

@@ -3,15 +3,33 @@
 Batch sizes, LR, clipping and precision are filled here and nowhere else, so the run config and the
 DeepSpeed config can never disagree: a key set to "auto" is filled, a concrete value that contradicts
 the flags is an error naming both.
+
+Configs as users have them (e.g. Hugging Face's ZeRO-3 example, `ds_configs/hf_zero3_offload.json`):
+
+- no `optimizer` block: AdamW from the flags (`optimizer_spec`, built by `make_optimizer` and passed to
+  `deepspeed.initialize(optimizer=...)`): DeepSpeed's CPU Adam when the optimizer is offloaded, FusedAdam on
+  GPU otherwise (what DeepSpeed itself builds for an AdamW block), torch AdamW on CPU. Betas (0.9, 0.95) and
+  eps 1e-8 as in ds_configs/*.json, also what `"betas"`/`"eps": "auto"` become (no flag owns them).
+- a `scheduler` block is dropped with one warning: the per-stage schedule of training/schedule.py is used.
+- `fp16.enabled: "auto"` follows `--fp16` (off by default; GPU only, DeepSpeed's dynamic loss scaling).
+- a top-level `sequence_parallelism` block (`{"enabled": true, "degree": N, "sequence_parallel_type":
+  "ulysses"}`) sets the SP degree when flags and recipe left it unset and must agree with them otherwise
+  (`settle_from_file`, called by config.parse_config before any process group); it never reaches DeepSpeed.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import os
 
 from training.config import Config
+from training.metrics import print0
 from training.parallel import ParallelDims
+
+ADAM_BETAS = [0.9, 0.95]  # as ds_configs/*.json; no flag owns them
+ADAM_EPS = 1e-8
+SP_BLOCK_KEYS = ("enabled", "degree", "size", "sequence_parallel_type")
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -34,13 +52,79 @@ def _fill(d: dict, path: str, value, source: str) -> None:
                          "or make the two agree")
 
 
+def _load(path: str) -> dict:
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def no_gpu() -> bool:
+    import torch
+
+    return not torch.cuda.is_available() or os.environ.get("DS_ACCELERATOR") == "cpu"
+
+
+def sp_from_block(block, where: str) -> int:
+    """The SP degree a `sequence_parallelism` block asks for (1 when `"enabled": false`)."""
+    if not isinstance(block, dict):
+        raise ValueError(f"{where}: sequence_parallelism must be a mapping like {{\"enabled\": true, \"degree\": 2}}")
+    unknown = sorted(set(block) - set(SP_BLOCK_KEYS))
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {unknown} in sequence_parallelism: valid keys are {list(SP_BLOCK_KEYS)}")
+    kind = block.get("sequence_parallel_type", "ulysses")
+    if kind != "ulysses":
+        raise ValueError(f"{where}: sequence_parallelism.sequence_parallel_type {kind!r}: only \"ulysses\" is implemented")
+    if block.get("enabled", True) is False:
+        return 1
+    sizes = {block[k] for k in ("degree", "size") if k in block}
+    if len(sizes) != 1:
+        raise ValueError(f"{where}: sequence_parallelism needs one \"degree\" (got {sorted(map(str, sizes)) or 'none'})")
+    n = sizes.pop()
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"{where}: sequence_parallelism.degree must be an integer >= 1, got {n!r}")
+    return n
+
+
+def settle_from_file(cfg: Config, given: set[str]) -> None:
+    """Settings the DeepSpeed JSON decides before the process group exists; `given` are the keys the flags or the
+    recipe set. Fills cfg in place (SP degree, fp16) and checks precision; one-line ValueError otherwise."""
+    ds = _load(cfg.deepspeed)
+    if "sequence_parallelism" in ds:
+        n = sp_from_block(ds["sequence_parallelism"], cfg.deepspeed)
+        if "sequence_parallel_size" not in given:
+            cfg.sequence_parallel_size = n
+        elif cfg.sequence_parallel_size != n:
+            raise ValueError(f"--sequence_parallel_size {cfg.sequence_parallel_size} contradicts {cfg.deepspeed} "
+                             f"sequence_parallelism degree {n}: drop one of them or make them agree")
+        for i, s in enumerate(cfg.stages):
+            if s.sequence_parallel_size not in (None, n):
+                raise ValueError(f"stages[{i}] sets sequence_parallel_size {s.sequence_parallel_size} but "
+                                 f"{cfg.deepspeed} sequence_parallelism degree is {n}: remove the block (stages set "
+                                 "their own SP) or make them agree")
+    if ds.get("fp16", {}).get("enabled") is True and "fp16" not in given:
+        cfg.fp16 = True  # the JSON asks for fp16 and no flag said otherwise
+    if cfg.fp16 and cfg.bf16 is None:
+        cfg.bf16 = False
+    check_precision(cfg, bf16=bool(cfg.bf16), planning=cfg.dry_run)
+
+
+def check_precision(cfg: Config, bf16: bool, planning: bool = False) -> None:
+    if cfg.fp16 and bf16:
+        raise ValueError("--fp16 and --bf16 are both on: pick one (--no-bf16 for fp16)")
+    if cfg.fp16 and not planning and no_gpu():
+        raise ValueError("fp16 needs a GPU with loss scaling: use --bf16 or fp32 on CPU")
+
+
 def build_ds_config(cfg: Config, dims: ParallelDims, bf16: bool, hidden_size: int,
                     overrides: dict | None = None) -> dict:
     """The DeepSpeed config dict for `deepspeed.initialize`, every "auto" resolved."""
-    with open(cfg.deepspeed) as fh:
-        ds = json.load(fh)
+    ds = _load(cfg.deepspeed)
     if overrides:
         ds = _merge(ds, overrides)
+    check_precision(cfg, bf16)
+    ds.pop("sequence_parallelism", None)  # ours, read by settle_from_file; not a DeepSpeed key
+    if ds.pop("scheduler", None) is not None:
+        print0(f"warning: {cfg.deepspeed}: its \"scheduler\" block is ignored; this run uses its own per-stage "
+               f"schedule ({cfg.lr_scheduler}, warmup {cfg.warmup_steps}, --learning_rate/--min_lr)")
     mb, ga = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps
     _fill(ds, "train_micro_batch_size_per_gpu", mb, "--per_device_train_batch_size")
     _fill(ds, "gradient_accumulation_steps", ga, "--gradient_accumulation_steps")
@@ -50,11 +134,18 @@ def build_ds_config(cfg: Config, dims: ParallelDims, bf16: bool, hidden_size: in
     _fill(ds, "sequence_parallel_size", dims.sp, "--sequence_parallel_size")
     _fill(ds, "gradient_clipping", cfg.max_grad_norm, "--max_grad_norm")
     _fill(ds, "bf16.enabled", bf16, "--bf16")
+    if cfg.fp16 or "fp16" in ds:
+        _fill(ds, "fp16.enabled", cfg.fp16, "--fp16")  # loss_scale 0 (DeepSpeed's default): dynamic scaling
     if "optimizer" in ds:
         _fill(ds, "optimizer.params.lr", cfg.learning_rate, "--learning_rate")
         _fill(ds, "optimizer.params.weight_decay", cfg.weight_decay, "--weight_decay")
+        params = ds["optimizer"]["params"]
+        if params.get("betas") == "auto":
+            params["betas"] = list(ADAM_BETAS)
+        if params.get("eps") == "auto":
+            params["eps"] = ADAM_EPS
     if ds.get("seq_parallel_communication_data_type") == "auto":
-        ds["seq_parallel_communication_data_type"] = "bf16" if bf16 else "fp32"
+        ds["seq_parallel_communication_data_type"] = "bf16" if bf16 else "fp16" if cfg.fp16 else "fp32"
     zero = ds.get("zero_optimization", {})
     for key, value in (("reduce_bucket_size", hidden_size * hidden_size),
                        ("stage3_prefetch_bucket_size", int(0.9 * hidden_size * hidden_size)),
@@ -67,6 +158,39 @@ def build_ds_config(cfg: Config, dims: ParallelDims, bf16: bool, hidden_size: in
     if leftover:
         raise ValueError(f"{cfg.deepspeed}: no value derived for {leftover}; set them explicitly")
     return ds
+
+
+def optimizer_spec(ds: dict, cfg: Config) -> dict | None:
+    """The AdamW to build from the flags when the DeepSpeed config has no `optimizer` block (None when it has one):
+    the class DeepSpeed itself would build for `{"type": "AdamW"}` in the same config, with the same settings."""
+    if "optimizer" in ds:
+        return None
+    offload = ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
+    if offload in ("cpu", "nvme"):
+        kind = "DeepSpeedCPUAdam"  # DeepSpeed refuses other client optimizers under optimizer offload
+    else:
+        kind = "AdamW" if no_gpu() else "FusedAdam"
+    return {"type": kind, "lr": cfg.learning_rate, "betas": tuple(ADAM_BETAS), "eps": ADAM_EPS,
+            "weight_decay": cfg.weight_decay}
+
+
+def make_optimizer(ds: dict, cfg: Config, params: list):
+    """The client optimizer for `deepspeed.initialize(optimizer=...)`, or None when the config names one."""
+    spec = optimizer_spec(ds, cfg)
+    if spec is None:
+        return None
+    kind, kw = spec.pop("type"), spec
+    if kind == "DeepSpeedCPUAdam":
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(params, adamw_mode=True, **kw)
+    if kind == "FusedAdam":
+        from deepspeed.ops.adam import FusedAdam
+
+        return FusedAdam(params, adam_w_mode=True, **kw)
+    import torch
+
+    return torch.optim.AdamW(params, **kw)
 
 
 def _walk(d: dict, prefix: str = ""):

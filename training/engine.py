@@ -12,7 +12,7 @@ from model_utils.build import build_model
 from model_utils.memory import apply_memory_features
 from training.config import Config
 from training.curriculum import Stage
-from training.ds_config import build_ds_config
+from training.ds_config import build_ds_config, make_optimizer
 from training.parallel import ParallelDims
 from training.schedule import lambda_scheduler
 
@@ -31,12 +31,14 @@ def build_engine(cfg: Config, dims: ParallelDims, hf_config, attn: str, bf16: bo
     ds_config = build_ds_config(cfg, dims, bf16, text_cfg.hidden_size, ds_overrides)
     torch.manual_seed(seed)  # same init on every rank (and the same as a plain from_config with this seed)
     model, handle = build_model(cfg.model_name_or_path, hf_config, ds_config, attn,
-                                torch.bfloat16 if bf16 else torch.float32)
+                                torch.bfloat16 if bf16 else torch.float16 if cfg.fp16 else torch.float32)
     apply_memory_features(model, cfg)
     ulysses.unregister()  # a previous stage may have registered another SP degree
     mpu = ulysses.register(model, dims.sp, attn, cfg.per_device_train_batch_size)
+    params = [p for p in model.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config, mpu=mpu,
+        model=model, model_parameters=params, config=ds_config, mpu=mpu,
+        optimizer=make_optimizer(ds_config, cfg, params),  # AdamW from the flags when the JSON names none
         lr_scheduler=lambda_scheduler(cfg.learning_rate, cfg.min_lr, cfg.warmup_steps, cfg.max_steps,
                                       cfg.lr_scheduler))
     # ZeRO-3 partitions over the whole world whatever the SP degree, but DeepSpeed names checkpoint files

@@ -1,0 +1,203 @@
+"""DeepSpeed configs as users have them: no optimizer block, Hugging Face's ZeRO-3 "auto" example, a
+`sequence_parallelism` block, fp16 blocks. Unit tests of the resolution, then two short 2-rank SP=2 runs of
+train.py: the HF config trains, and a config without an optimizer block gives the same step losses as the
+project's own zero3_offload.json (the AdamW built from the flags is the one DeepSpeed builds from the JSON)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+
+import pytest
+
+from tests.distributed import ROOT, run
+from tests.runs import TRAIN, losses, train_args
+from training.config import parse_config
+from training.ds_config import build_ds_config, make_optimizer, optimizer_spec
+from training.parallel import ParallelDims
+
+HF = os.path.join(ROOT, "ds_configs/hf_zero3_offload.json")
+OURS = os.path.join(ROOT, "ds_configs/zero3_offload.json")
+DIMS = ParallelDims(world=2, sp=2, rank=0, local_rank=0)
+
+
+def write(tmp_path, ds: dict, name="ds.json") -> str:
+    p = tmp_path / name
+    p.write_text(json.dumps(ds))
+    return str(p)
+
+
+def without_optimizer(tmp_path) -> str:
+    with open(OURS) as fh:
+        ds = json.load(fh)
+    del ds["optimizer"]
+    return write(tmp_path, ds, "no_optimizer.json")
+
+
+def resolve(argv, bf16=False):
+    cfg = parse_config(argv)
+    return cfg, build_ds_config(cfg, DIMS, bf16=bf16, hidden_size=64)
+
+
+# --- no optimizer block ---
+
+def test_no_optimizer_block_gets_cpu_adam_from_flags_when_offloaded(tmp_path):
+    cfg, ds = resolve(["--deepspeed", without_optimizer(tmp_path), "--learning_rate", "3e-4", "--weight_decay", "0.1"])
+    assert "optimizer" not in ds
+    assert optimizer_spec(ds, cfg) == {"type": "DeepSpeedCPUAdam", "lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8,
+                                       "weight_decay": 0.1}
+    import torch
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    opt = make_optimizer(ds, cfg, [torch.nn.Parameter(torch.zeros(4))])
+    assert isinstance(opt, DeepSpeedCPUAdam) and opt.adam_w_mode
+    group = opt.param_groups[0]
+    assert (group["lr"], tuple(group["betas"]), group["eps"], group["weight_decay"]) == (3e-4, (0.9, 0.95), 1e-8, 0.1)
+
+
+def test_no_optimizer_block_without_offload_on_cpu_is_torch_adamw(tmp_path):
+    cfg, ds = resolve(["--deepspeed", write(tmp_path, {"zero_optimization": {"stage": 3}})])
+    assert optimizer_spec(ds, cfg)["type"] == "AdamW"
+    import torch
+
+    assert type(make_optimizer(ds, cfg, [torch.nn.Parameter(torch.zeros(4))])) is torch.optim.AdamW
+
+
+def test_optimizer_block_is_left_to_deepspeed():
+    cfg, ds = resolve(["--deepspeed", OURS])
+    assert optimizer_spec(ds, cfg) is None and make_optimizer(ds, cfg, []) is None
+
+
+# --- Hugging Face's ZeRO-3 offload example ---
+
+def leaves(d, prefix=""):
+    for k, v in d.items():
+        yield from leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else [(f"{prefix}{k}", v)]
+
+
+@pytest.mark.parametrize("drop_bf16", [False, True], ids=["as_committed", "docs_example_without_bf16"])
+def test_hf_canonical_config_resolves_fully(tmp_path, capsys, drop_bf16):
+    path = HF
+    if drop_bf16:  # the HF docs' ZeRO-3 example itself has no bf16 block
+        with open(HF) as fh:
+            ds = json.load(fh)
+        del ds["bf16"]
+        path = write(tmp_path, ds)
+    cfg, ds = resolve(["--deepspeed", path, "--learning_rate", "1e-4", "--weight_decay", "0.01",
+                       "--gradient_accumulation_steps", "2", "--sequence_parallel_size", "2"])
+    assert not [k for k, v in leaves(ds) if v == "auto"]
+    assert "scheduler" not in ds
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len([x for x in out if "scheduler" in x]) == 1 and "its own per-stage schedule" in out[-1]
+    assert ds["optimizer"]["params"] == {"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01}
+    assert ds["fp16"]["enabled"] is False and ds["bf16"]["enabled"] is False
+    assert ds["train_batch_size"] == 2 and ds["gradient_accumulation_steps"] == 2 and ds["gradient_clipping"] == 1.0
+    assert ds["zero_optimization"]["reduce_bucket_size"] == 64 * 64
+    assert optimizer_spec(ds, cfg) is None  # the block is there: DeepSpeed builds it
+
+
+def test_concrete_betas_are_kept(tmp_path):
+    path = write(tmp_path, {"optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": [0.8, 0.999]}},
+                            "zero_optimization": {"stage": 3}})
+    _, ds = resolve(["--deepspeed", path])
+    assert ds["optimizer"]["params"]["betas"] == [0.8, 0.999] and "eps" not in ds["optimizer"]["params"]
+
+
+# --- sequence_parallelism block (as the seed build guide writes it) ---
+
+def sp_file(tmp_path, block):
+    return write(tmp_path, {"zero_optimization": {"stage": 3}, "sequence_parallelism": block})
+
+
+def test_sp_block_sets_the_degree_when_flags_leave_it(tmp_path):
+    path = sp_file(tmp_path, {"enabled": True, "degree": 2, "sequence_parallel_type": "ulysses"})
+    cfg = parse_config(["--deepspeed", path])
+    assert cfg.sequence_parallel_size == 2
+    assert parse_config(["--deepspeed", path, "--sequence_parallel_size", "2"]).sequence_parallel_size == 2
+    ds = build_ds_config(cfg, DIMS, bf16=False, hidden_size=64)
+    assert "sequence_parallelism" not in ds and ds["sequence_parallel_size"] == 2
+    assert parse_config(["--deepspeed", sp_file(tmp_path, {"enabled": False, "degree": 8})]).sequence_parallel_size == 1
+
+
+def test_sp_block_from_recipe_and_contradictions(tmp_path):
+    path = sp_file(tmp_path, {"enabled": True, "degree": 2})
+    with pytest.raises(ValueError, match=r"--sequence_parallel_size 4 contradicts .* sequence_parallelism degree 2") as e:
+        parse_config(["--deepspeed", path, "--sequence_parallel_size", "4"])
+    assert "\n" not in str(e.value)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"deepspeed: {path}\nsequence_parallel_size: 1\n")  # the recipe sets it too: must agree
+    with pytest.raises(ValueError, match="--sequence_parallel_size 1 contradicts"):
+        parse_config(["--config", str(recipe)])
+    recipe.write_text(f"deepspeed: {path}\nstages:\n  - sequence_parallel_size: 4\n")
+    with pytest.raises(ValueError, match=r"stages\[0\] sets sequence_parallel_size 4 but .* degree is 2"):
+        parse_config(["--config", str(recipe)])
+    with pytest.raises(ValueError, match="only \"ulysses\""):
+        parse_config(["--deepspeed", sp_file(tmp_path, {"degree": 2, "sequence_parallel_type": "ring"})])
+    with pytest.raises(ValueError, match="unknown key"):
+        parse_config(["--deepspeed", sp_file(tmp_path, {"degre": 2})])
+
+
+# --- precision ---
+
+def test_fp16_auto_is_off_and_fp16_is_refused_on_cpu(tmp_path):
+    _, ds = resolve(["--deepspeed", HF])
+    assert ds["fp16"]["enabled"] is False
+    with pytest.raises(ValueError, match="fp16 needs a GPU with loss scaling: use --bf16 or fp32 on CPU"):
+        parse_config(["--fp16"])
+    with pytest.raises(ValueError, match="--fp16 and --bf16 are both on"):
+        parse_config(["--fp16", "--bf16"])
+    seed = write(tmp_path, {"zero_optimization": {"stage": 3}, "fp16": {"enabled": True}})  # the seed guide's block
+    with pytest.raises(ValueError, match="fp16 needs a GPU"):
+        parse_config(["--deepspeed", seed])
+    cfg = parse_config(["--deepspeed", seed, "--dry_run"])  # planning for a GPU cluster from a laptop
+    assert cfg.fp16 and cfg.bf16 is False
+    cfg = parse_config(["--deepspeed", seed, "--no-fp16"])  # the flag says no: a conflict, named when built
+    with pytest.raises(ValueError, match="fp16.enabled=True but --fp16 gives False"):
+        build_ds_config(cfg, DIMS, bf16=False, hidden_size=64)
+
+
+# --- end to end: 2 ranks, SP=2, 3 steps ---
+
+def train(assets, tmp_path, name, ds_path):
+    out = tmp_path / name
+    run(TRAIN, train_args(assets, out, sp=2, steps=3, extra=["--deepspeed", ds_path, "--weight_decay", "0.1"]), 2,
+        str(tmp_path / f"{name}_logs"))
+    return losses(out)
+
+
+def adam_state(out, rank: int):
+    """This rank's Adam hyper-parameters and moments from the run's final checkpoint (DeepSpeed's own file)."""
+    import torch
+
+    (path,) = glob.glob(os.path.join(out, "checkpoints", "step_*", f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"))
+    sd = torch.load(path, map_location="cpu", weights_only=False)["optimizer_state_dict"]["optimizer_state_dict"]
+    groups = [{k: list(v) if k == "betas" else v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
+    return groups, [(st["exp_avg"], st["exp_avg_sq"]) for st in sd["state"].values()]
+
+
+@pytest.mark.dist
+def test_hf_canonical_config_trains(assets, tmp_path):
+    got = train(assets, tmp_path, "hf", HF)
+    assert sorted(got) == [1, 2, 3] and all(math.isfinite(v) for v in got.values()), got
+    with open(tmp_path / "hf" / "ds_config.stage0.json") as fh:
+        used = json.load(fh)
+    assert "scheduler" not in used and used["optimizer"]["params"]["betas"] == [0.9, 0.95]
+
+
+@pytest.mark.dist
+def test_no_optimizer_block_matches_project_config(assets, tmp_path):
+    import torch
+
+    ours = train(assets, tmp_path, "ours", OURS)
+    flags = train(assets, tmp_path, "flags", without_optimizer(tmp_path))
+    assert sorted(flags) == [1, 2, 3] and all(math.isfinite(v) for v in flags.values()), flags
+    for step in (1, 2, 3):
+        assert abs(flags[step] - ours[step]) <= 1e-5 * abs(ours[step]), (step, flags, ours)
+    # three steps barely feel beta2 in the loss; the Adam moments and hyper-parameters do
+    for rank in (0, 1):
+        (g_ours, m_ours), (g_flags, m_flags) = adam_state(tmp_path / "ours", rank), adam_state(tmp_path / "flags", rank)
+        assert g_flags == g_ours and g_ours[0]["weight_decay"] == 0.1
+        for (a, b), (c, d) in zip(m_flags, m_ours, strict=True):
+            assert torch.allclose(a, c, rtol=1e-6, atol=0) and torch.allclose(b, d, rtol=1e-6, atol=0)
