@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # --- data: one token stream, its held-out documents fixed for the whole run, each stage packs its length ---
     reset_pos = cfg.reset_position_ids == "yes" or (cfg.reset_position_ids == "auto" and attn == "flash_attention_2")
-    data = open_run_data(cfg.dataset_path, cfg.tokenizer_name_or_path, arch.vocab_size, stages, reset_pos)
+    data = open_run_data(cfg.dataset_path, cfg.tokenizer_name_or_path, arch.vocab_size, stages, reset_pos,
+                         cfg.mask_cross_document_labels)
     check_passkey_fits(stages, data.tokenizer)
 
     # --- resume: the newest complete checkpoint decides where the curriculum continues ---
@@ -252,7 +253,12 @@ def _is_input_error(e: BaseException) -> bool:
     while tb.tb_next is not None:
         tb = tb.tb_next
     where = os.path.abspath(tb.tb_frame.f_code.co_filename)
-    return where.startswith(ROOT + os.sep) and f"{os.sep}site-packages{os.sep}" not in where
+    if not where.startswith(ROOT + os.sep) or f"{os.sep}site-packages{os.sep}" in where:
+        return False
+    import linecache
+
+    # our own `raise ValueError(...)`, not a C extension (numpy, torch) raising from a call on our line
+    return linecache.getline(where, tb.tb_lineno).lstrip().startswith("raise ")
 
 
 if __name__ == "__main__":

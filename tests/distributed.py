@@ -12,6 +12,9 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The collective timeout of every multi-process test (train.py's --dist_timeout_s, the workers' init): low, so a
+# rank left waiting in a collective for another's long solo work fails a test here instead of a cluster job.
+DIST_TIMEOUT_S = 60
 
 
 def free_port() -> int:
@@ -23,6 +26,8 @@ def free_port() -> int:
 def spawn(script: str, args: list[str], nproc: int, log_dir: str, extra_env: dict | None = None) -> list[subprocess.Popen]:
     port = free_port()
     procs = []
+    if script.endswith("train.py") and not any(a.startswith("--dist_timeout_s") for a in args):
+        args = [*args, "--dist_timeout_s", str(DIST_TIMEOUT_S)]
     os.makedirs(log_dir, exist_ok=True)
     for rank in range(nproc):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),

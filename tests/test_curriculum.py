@@ -60,8 +60,7 @@ def test_each_stage_starts_from_previous_final_weights(uninterrupted, assets, tm
     RoPE and length, on the samples stage 2's sampler gives first."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from data.packing import PackedDataset, build_token_stream
-    from data.sampler import ResumableSampler
+    from data.pipeline import open_run_data
     from model_utils.export import export_hf
     from model_utils.rope import apply_rope
 
@@ -70,10 +69,10 @@ def test_each_stage_starts_from_previous_final_weights(uninterrupted, assets, tm
     apply_rope(config, STAGES[1]["rope"], 128)
     model = AutoModelForCausalLM.from_pretrained(weights, config=config, dtype=torch.float32,
                                                  attn_implementation="sdpa")
-    tokens, starts = build_token_stream(assets["data"], None, 2048, os.path.join(assets["dir"], "cache"))
-    ds = PackedDataset(tokens, starts, 128, reset_position_ids=False)
-    first = ResumableSampler(len(ds) - 2, 1, 0, 1, seed=0 + 1).next_batch()  # seed + stage index; 2 held out
-    ids = torch.stack([torch.from_numpy(ds[i]["input_ids"]) for i in first])
+    stages = resolve_stages(config_from_dict({"stages": STAGES}), dp_of_sp=lambda sp: 2 // sp)
+    data = open_run_data(assets["data"], None, 2048, stages, reset_position_ids=False)  # the run's own data view
+    ds, sampler = data.stage_view(stages[1], 1, 0, 1, seed=0)  # stage 2 at SP=2: one DP group
+    ids = torch.stack([torch.from_numpy(ds[i]["input_ids"]) for i in sampler.next_batch()])
     with torch.no_grad():
         ref = model(input_ids=ids, labels=ids).loss.item()
     assert losses(uninterrupted)[4] == pytest.approx(ref, rel=1e-5)

@@ -53,13 +53,14 @@ def test_exported_model_gives_the_engine_loss(demo):
     """Round trip: the exported HF folder's loss on the held-out samples equals the engine's (fp32, 1e-5)."""
     from transformers import AutoModelForCausalLM
 
-    from data.packing import PackedDataset
-    from data.prepare import prepare_token_stream
+    from data.pipeline import open_run_data
+    from training.config import config_from_dict
+    from training.curriculum import resolve_stages
 
     engine_loss = json.loads((demo / "eval" / "stage0.json").read_text())["heldout_loss"]
-    tokens, starts, _ = prepare_token_stream(None, None, 2048, is_main=True)
-    ds = PackedDataset(tokens, starts, SEQ, reset_position_ids=False)
-    ids = torch.stack([torch.from_numpy(ds[i]["input_ids"]) for i in (len(ds) - 2, len(ds) - 1)])
+    stages = resolve_stages(config_from_dict({"max_seq_length": SEQ, "max_steps": STEPS}), dp_of_sp=lambda sp: 1)
+    held = open_run_data(None, None, 2048, stages, reset_position_ids=False).heldout(SEQ, 2)  # what the run evaluated
+    ids = torch.stack([torch.from_numpy(s["input_ids"]) for s in held])
     model = AutoModelForCausalLM.from_pretrained(demo / "hf_model", dtype=torch.float32, attn_implementation="sdpa")
     with torch.no_grad():
         loss = model(input_ids=ids, labels=ids).loss.item()

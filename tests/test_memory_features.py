@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model_utils import memory
+from model_utils import memory, tiled_loss
 from tests.distributed import ROOT, run
 from tests.test_parity import reference, rel
 
@@ -38,11 +38,11 @@ KNOBS = {"MLP_TILE_TOKENS": 12, "LOGITS_TILE_BYTES": 10 * VOCAB * 4}  # ~12 toke
 
 def test_tile_rules(monkeypatch):
     assert memory.agreed_tiles(0, torch.device("cpu")) == 1  # no process group: the local count, at least 1
-    assert memory._spans(10, 4) == [(0, 3), (3, 6), (6, 9), (9, 10)]
-    assert memory._spans(9, 4) == [(0, 3), (3, 6), (6, 9), (9, 9)]  # always `tiles` calls, the last may be empty
-    assert memory.logits_tiles(1, 128_000, 128_256) == math.ceil(128_000 * 128_256 * 4 / 2**30)  # ~1 GiB fp32 each
-    monkeypatch.setattr(memory, "LOGITS_TILE_BYTES", 1)
-    assert memory.logits_tiles(2, 5, 100) == 5  # never more tiles than tokens
+    assert tiled_loss._spans(10, 4) == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert tiled_loss._spans(9, 4) == [(0, 3), (3, 6), (6, 9), (9, 9)]  # always `tiles` calls, the last may be empty
+    assert tiled_loss.logits_tiles(1, 128_000, 128_256) == math.ceil(128_000 * 128_256 * 4 / 2**30)  # ~1 GiB fp32 each
+    monkeypatch.setattr(tiled_loss, "LOGITS_TILE_BYTES", 1)
+    assert tiled_loss.logits_tiles(2, 5, 100) == 5  # never more tiles than tokens
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -58,7 +58,7 @@ def test_tiled_cross_entropy_honours_the_incoming_gradient(tied):
     (ref * 0.37).backward()
     want_w, want_h = head.weight.grad.clone(), hidden.grad.clone()
     head.weight.grad, hidden.grad = None, None
-    got = memory.TiledCrossEntropySum.apply(hidden, labels, head, 4, tied)
+    got = tiled_loss.TiledCrossEntropySum.apply(hidden, labels, head, 4, tied)
     (got * 0.37).backward()
     assert abs(got.item() - ref.item()) / ref.item() < 1e-6
     assert rel(head.weight.grad, want_w) < 1e-6 and rel(hidden.grad, want_h) < 1e-6
@@ -70,7 +70,7 @@ def test_features_on_the_plain_model(assets, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     for name, value in KNOBS.items():
-        monkeypatch.setattr(memory, name, value)
+        monkeypatch.setattr(memory if hasattr(memory, name) else tiled_loss, name, value)
     ids = torch.randint(4, VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
     mb = {"input_ids": ids, "position_ids": torch.arange(40).expand(2, 40),
           "shift_labels": torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)}

@@ -60,6 +60,8 @@ def init(timeout_s: float) -> tuple[int, int, int]:
 
     global _HOST_GROUP
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if initialized() and _HOST_GROUP is not None:  # already set up in this process (tests run several cases)
+        return dist.get_rank(), dist.get_world_size(), local_rank
     acc = _accelerator()
     if acc.device_name() != "cpu":
         acc.set_device(local_rank)  # before any collective, object collectives included

@@ -15,11 +15,11 @@ import torch.distributed as dist
 
 warnings.filterwarnings("ignore")
 
-from model_utils import memory  # noqa: E402
+from model_utils import memory, tiled_loss  # noqa: E402
 from tests.workers.parity import run_case  # noqa: E402
 
 STATS: dict = {}
-_tiled_mlp, _tiled_ce, _to_host = memory.TiledMLP, memory.TiledCrossEntropySum, memory._to_host
+_tiled_mlp, _tiled_ce, _to_host = memory.TiledMLP, tiled_loss.TiledCrossEntropySum, memory._to_host
 
 
 class _SpyTiledMLP:
@@ -45,10 +45,10 @@ def _copying_to_host(t: torch.Tensor):
 
 
 if __name__ == "__main__":
-    memory.TiledMLP, memory.TiledCrossEntropySum, memory._to_host = _SpyTiledMLP, _SpyTiledCE, _copying_to_host
+    memory.TiledMLP, tiled_loss.TiledCrossEntropySum, memory._to_host = _SpyTiledMLP, _SpyTiledCE, _copying_to_host
     for case in json.loads(sys.argv[1]):
         for name, value in case.pop("knobs").items():
-            setattr(memory, name, value)
+            setattr(memory if hasattr(memory, name) else tiled_loss, name, value)
         STATS.update(mlp_tiles=set(), logits_tiles=set(), offloaded=0)
         run_case(case, case["sequence_parallel_size"])
         if dist.get_rank() == 0:

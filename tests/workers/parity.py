@@ -19,6 +19,7 @@ from data.sampler import ResumableSampler  # noqa: E402
 from data.sharding import collate, shard  # noqa: E402
 from model_utils.build import load_hf_config  # noqa: E402
 from model_utils.memory import make_loss_fn  # noqa: E402
+from tests.distributed import DIST_TIMEOUT_S  # noqa: E402
 from training.config import config_from_dict  # noqa: E402
 from training.engine import build_engine  # noqa: E402
 from training.parallel import check_layout, init_distributed  # noqa: E402
@@ -28,7 +29,7 @@ from training.step import train_step  # noqa: E402
 def run_case(case: dict, dims_sp: int) -> dict:
     cfg = config_from_dict({k: v for k, v in case.items() if k not in ("out", "cache")})
     hf = load_hf_config(cfg.model_name_or_path)
-    dims = init_distributed(cfg.sequence_parallel_size)
+    dims = init_distributed(cfg.sequence_parallel_size, timeout_s=DIST_TIMEOUT_S)
     t = hf.get_text_config()
     check_layout(dims.world, dims.sp, t.num_attention_heads, t.num_key_value_heads, cfg.max_seq_length)
     tokens, starts = build_token_stream(cfg.dataset_path, None, t.vocab_size, case["cache"])

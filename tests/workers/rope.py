@@ -13,6 +13,7 @@ warnings.filterwarnings("ignore")
 
 from model_utils.build import load_hf_config  # noqa: E402
 from model_utils.rope import apply_rope  # noqa: E402
+from tests.distributed import DIST_TIMEOUT_S  # noqa: E402
 from training.config import config_from_dict  # noqa: E402
 from training.engine import build_engine  # noqa: E402
 from training.parallel import init_distributed  # noqa: E402
@@ -23,7 +24,7 @@ if __name__ == "__main__":
     for name, rope in spec["cases"].items():
         cfg = config_from_dict({"model_name_or_path": spec["model"], "sequence_parallel_size": 2, "max_steps": 1,
                                 "deepspeed": spec["deepspeed"], "report_to": "none"})
-        dims = init_distributed(2)
+        dims = init_distributed(2, timeout_s=DIST_TIMEOUT_S)
         hf = copy.deepcopy(load_hf_config(cfg.model_name_or_path))
         apply_rope(hf, rope, 4096)
         engine = build_engine(cfg, dims, hf, "sdpa", bf16=False, seed=0)

@@ -1,0 +1,115 @@
+"""training/comm.py is the one owner of process-group communication, and it is NCCL-correct by construction:
+the device is set before the process group exists, every collective's tensor is on the accelerator's device,
+and no other module calls torch.distributed collectives (gloo would forgive what NCCL rejects)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+import pytest
+import torch
+
+from tests.distributed import ROOT
+from training import comm
+
+COLLECTIVE = re.compile(r"\b(all_reduce|all_gather|all_gather_object|all_to_all|all_to_all_single|broadcast|"
+                        r"broadcast_object_list|reduce|reduce_scatter|gather|gather_object|scatter|scatter_object_list|"
+                        r"barrier|monitored_barrier|send|recv|isend|irecv|new_group|init_process_group)\(")
+DIST_IMPORT = re.compile(r"^\s*(import torch\.distributed|from torch import distributed|from torch\.distributed import)",
+                         re.M)
+
+
+def project_sources() -> list[str]:
+    files = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    return [f for f in files.split() if not f.startswith("tests/") and f != "training/comm.py"]
+
+
+def test_no_module_but_comm_touches_the_process_group():
+    offenders = []
+    for rel in project_sources():
+        with open(os.path.join(ROOT, rel)) as fh:
+            text = fh.read()
+        if DIST_IMPORT.search(text):
+            offenders.append(f"{rel}: imports torch.distributed")
+        for n, line in enumerate(text.splitlines(), 1):
+            if re.search(r"\b(dist|torch\.distributed)\.", line) and COLLECTIVE.search(line):
+                offenders.append(f"{rel}:{n}: {line.strip()}")
+    assert not offenders, "collectives outside training/comm.py:\n" + "\n".join(offenders)
+
+
+def test_the_scan_sees_a_direct_collective(tmp_path):
+    """The scan above can fail: a line like the ones it must catch matches."""
+    assert COLLECTIVE.search("dist.all_reduce(t, op=dist.ReduceOp.MAX)")
+    assert DIST_IMPORT.search("import torch.distributed as dist\n")
+
+
+class FakeAccelerator:
+    """An accelerator whose current device is `meta` (a real torch device on any build, like cuda:N would be)."""
+
+    def __init__(self, log: list):
+        self.log = log
+
+    def device_name(self, index=None):
+        return "cuda"
+
+    def current_device_name(self):
+        return "meta"
+
+    def set_device(self, index):
+        self.log.append(("set_device", index))
+
+
+@pytest.fixture
+def fake_world(monkeypatch):
+    log: list = []
+    monkeypatch.setattr(comm, "_accelerator", lambda: FakeAccelerator(log))
+    monkeypatch.setattr(comm, "initialized", lambda: True)
+    monkeypatch.setattr(comm, "world", lambda: 4)
+
+    def all_reduce(t, op=None, group=None):
+        log.append(("all_reduce", t.device.type))
+
+    monkeypatch.setattr(comm.dist, "all_reduce", all_reduce)
+    return log
+
+
+def test_host_values_are_reduced_on_the_accelerator_device(fake_world, monkeypatch):
+    # the result comes back to the host: fake the device -> host copy of a meta tensor
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda self: torch.zeros(self.shape, dtype=self.dtype))
+    comm.all_reduce([1.0, 2.0])
+    comm.all_reduce(torch.ones(3), op="max")
+    assert fake_world == [("all_reduce", "meta"), ("all_reduce", "meta")]
+    assert comm.device() == torch.device("meta")
+
+
+def test_a_host_tensor_in_an_in_place_collective_is_refused(fake_world):
+    with pytest.raises(AssertionError, match="collective on cpu, expected meta"):
+        comm.all_reduce_(torch.ones(2))
+    comm.all_reduce_(torch.ones(2, device="meta"))
+    assert fake_world == [("all_reduce", "meta")]
+
+
+def test_init_sets_the_device_before_the_process_group(monkeypatch):
+    import deepspeed
+
+    log: list = []
+    monkeypatch.setattr(comm, "_accelerator", lambda: FakeAccelerator(log))
+    monkeypatch.setattr(comm, "_HOST_GROUP", None)
+    monkeypatch.setattr(comm, "initialized", lambda: False)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(deepspeed, "init_distributed", lambda **kw: log.append(("init", kw["timeout"].total_seconds())))
+    monkeypatch.setattr(comm.dist, "new_group", lambda **kw: log.append(("host_group", kw["backend"])))
+    monkeypatch.setattr(comm.dist, "get_rank", lambda: 11)
+    monkeypatch.setattr(comm.dist, "get_world_size", lambda: 32)
+    assert comm.init(timeout_s=90) == (11, 32, 3)
+    assert log == [("set_device", 3), ("init", 90.0), ("host_group", "gloo")]
+
+
+def test_single_process_needs_no_group():
+    assert comm.all_reduce([3.0]).item() == 3.0
+    assert comm.all_gather_object({"a": 1}) == [{"a": 1}]
+    assert comm.run_on_main(lambda: 7) == 7
+    with pytest.raises(ValueError, match="bad"):
+        comm.run_on_main(lambda: (_ for _ in ()).throw(ValueError("bad")))
