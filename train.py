@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     from training.preemption import Deadline, PreemptionFlag
     from training.summary import plan_lines
 
+    started = time.time()  # --time_limit_s counts from here
     configure_allocator()  # expandable CUDA segments unless PYTORCH_(CUDA_)ALLOC_CONF is set
     # --- config: every user error surfaces here, before any heavy work ---
     cfg = parse_config(argv)
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     if dims.is_main and os.path.exists(stop_file):
         os.remove(stop_file)  # the request that stopped the previous job has been honoured
     comm.barrier()
-    preempt = PreemptionFlag(stop_file, Deadline(cfg.time_limit_s)).install()
+    preempt = PreemptionFlag(stop_file, Deadline(cfg.time_limit_s, now=started)).install()
     run = Run(cfg, dims, data, ckpt, metrics, preempt, base_config, attn, bf16)
 
     # --- the curriculum: each stage builds its engine, trains, saves its end, evaluates ---

@@ -33,6 +33,7 @@ class StageConfig:
     reset_optimizer: bool = False  # False: carry Adam moments across the transition
     deepspeed_overrides: dict = field(default_factory=dict)  # merged into the DeepSpeed JSON for this stage
     eval: dict = field(default_factory=dict)  # e.g. {passkey_trials: 4, depths: [0.1, 0.5, 0.9], heldout_samples: 2}
+    data: dict | list | None = None  # mixture: {source_glob: weight} or [{source, weight, min_doc_tokens, ...}] (data/mixture.py); None: whole stream
 
 
 @dataclass
@@ -46,6 +47,7 @@ class Config:
     dataset_path: str | None = None  # JSONL file or folder of them; None: the built-in demo corpus
     max_seq_length: int = 2048  # tokens per packed sample (padded up to a multiple of SP)
     reset_position_ids: str = "auto"  # auto | yes | no: restart position ids at document starts (auto: FA2 only)
+    mask_cross_document_labels: bool = False  # no loss on a document's last token predicting the next document (ProLong)
     # --- parallelism and batch ---
     sequence_parallel_size: int = 1  # Ulysses SP degree; world = sp x dp
     per_device_train_batch_size: int = 1  # samples per SP group per micro-step
@@ -71,7 +73,9 @@ class Config:
     output_dir: str = "checkpoints/run"
     save_steps: int = 0  # 0: save only at the end and on preemption
     save_total_limit: int = 2  # never fewer than 2 kept
-    resume: str = "auto"  # auto | none | PATH
+    resume: str = "auto"  # auto | none | PATH (a PATH in this run starts a branch: newer checkpoints moved aside)
+    time_limit_s: float = 0.0  # stop, save, exit 75 before this many seconds from train.py's start (SLURM_JOB_END_TIME wins)
+    dist_timeout_s: float = 1800.0  # collective timeout of the training process group (NCCL watchdog)
     report_to: str = "auto"  # auto (wandb if installed) | wandb | none
     wandb_project: str = "ulysses-longtrain"
     progress_bar: bool = True
@@ -177,6 +181,9 @@ def validate(cfg: Config) -> None:
                          "checkpoint is never deleted before a newer one is committed")
     if cfg.save_steps < 0:
         raise ValueError(f"--save_steps {cfg.save_steps}: use 0 (end and preemption only) or a positive interval")
+    if cfg.time_limit_s < 0 or cfg.dist_timeout_s <= 0:
+        raise ValueError(f"--time_limit_s {cfg.time_limit_s} must be >= 0 (0: none) and --dist_timeout_s "
+                         f"{cfg.dist_timeout_s} > 0")
     if cfg.report_to not in ("auto", "wandb", "none"):
         raise ValueError(f"--report_to {cfg.report_to!r}: use auto, wandb or none")
     if not os.path.isfile(cfg.deepspeed):

@@ -28,6 +28,7 @@ class Stage:
     reset_optimizer: bool
     deepspeed_overrides: dict = field(default_factory=dict)
     eval: dict = field(default_factory=dict)
+    data: dict | list | None = None  # the stage's mixture (data/mixture.py); None: the whole stream
 
 
 def resolve_stages(cfg: Config, dp_of_sp) -> list[Stage]:
@@ -52,7 +53,7 @@ def resolve_stages(cfg: Config, dp_of_sp) -> list[Stage]:
                    warmup_steps=s.warmup_steps if s.warmup_steps is not None else cfg.warmup_steps,
                    lr_scheduler=s.lr_scheduler or cfg.lr_scheduler, max_steps=steps,
                    reset_optimizer=s.reset_optimizer, deepspeed_overrides=s.deepspeed_overrides or {},
-                   eval=s.eval or {})
+                   eval=s.eval or {}, data=s.data)
         if st.max_steps < 1 or st.sp < 1 or st.max_seq_length < 1:
             raise ValueError(f"stage {i} ({st.name}): max_steps, sequence_parallel_size and max_seq_length must "
                              f"be >= 1, got {st.max_steps}, {st.sp}, {st.max_seq_length}")
