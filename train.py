@@ -159,6 +159,7 @@ def train_stage(run: Run, stage, stages, trainer: dict, resume_from: str | None)
     from data.sharding import collate, shard
     from model_utils.memory import make_loss_fn
     from model_utils.rope import apply_rope, model_hash
+    from model_utils.ulysses import check_routed
     from training.checkpoint import rng_state, set_rng_state
     from training.config import to_dict
     from training.curriculum import stage_start
@@ -195,12 +196,15 @@ def train_stage(run: Run, stage, stages, trainer: dict, resume_from: str | None)
         torch.manual_seed(cfg.seed + 1000 * stage.index + dims.rank)
 
     # --- training loop; the stop flag is agreed after every step and after every save ---
-    loss_fn = make_loss_fn(cfg)
+    loss_fn, routed_checked = make_loss_fn(cfg), False
     while step < end:
         micro = [shard(collate([dataset[i] for i in sampler.next_batch()], sdims.sp, data.pad_id), sdims.sp,
                        sdims.sp_rank) for _ in range(cfg.gradient_accumulation_steps)]
         lr = engine.get_lr()[0]
         out = train_step(engine, micro, dims.world, loss_fn=loss_fn)
+        if not routed_checked:  # after the first step of this engine: every layer's attention went through
+            check_routed(engine)  # Ulysses + document masking, or one line naming the model
+            routed_checked = True
         step += 1
         preempt.deadline.record_step(out["step_time"])
         rank_log(f"step {step} stage {stage.index} loss {out['loss']:.6f} step_time {out['step_time']:.3f}s")
@@ -209,7 +213,7 @@ def train_stage(run: Run, stage, stages, trainer: dict, resume_from: str | None)
         metrics.log({"step": step, "stage": stage.index, "loss": out["loss"], "lr": lr, "tokens": n,
                      "tokens_per_s": n / out["step_time"], "seq_len": stage.max_seq_length, "sp": sdims.sp,
                      "dp": sdims.dp, "peak_mem_gb": peak_memory_gb(), "total_tokens": tokens_seen,
-                     "time": time.time()})
+                     "time": time.time(), **{f"share_{k}": v for k, v in sampler.source_shares().items()}})
         stopping = preempt.agreed()
         if stopping or step == end or (cfg.save_steps and step % cfg.save_steps == 0):
             t0 = time.perf_counter()
