@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.dry_run:  # validate the whole recipe for the cluster it names and print the plan; no training
         world = cfg.nodes * cfg.gpus_per_node or int(os.environ.get("WORLD_SIZE", "1"))
         stages = resolve_stages(cfg, dp_of_sp=lambda sp: max(1, world // sp))
-        check_stages(stages, world, arch.num_attention_heads, arch.num_key_value_heads)
+        check_stages(stages, world, arch.num_attention_heads, arch.num_key_value_heads, arch.rope_parameters)
         print(f"dry run: world={world} ({cfg.nodes or 1} node(s)) model={cfg.model_name_or_path} attn={attn} "
               f"precision={precision} deepspeed={cfg.deepspeed}")
         print("\n".join(plan_lines(cfg, stages, world, cfg.gpus_per_node or world, bf16)))
@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     set_main(dims.is_main)
     open_rank_log(cfg.output_dir, dims.rank)
     stages = resolve_stages(cfg, dp_of_sp=lambda sp: max(1, dims.world // sp))
-    check_stages(stages, dims.world, arch.num_attention_heads, arch.num_key_value_heads)
+    check_stages(stages, dims.world, arch.num_attention_heads, arch.num_key_value_heads,
+                 arch.rope_parameters)
     check_shared_output(cfg.output_dir)  # every rank sees every other rank's files, or one line naming the hosts
     if cfg.nodes and cfg.nodes * cfg.gpus_per_node != dims.world:
         print0(f"warning: the recipe is written for {cfg.nodes} x {cfg.gpus_per_node} ranks, launched with {dims.world}")

@@ -29,6 +29,7 @@ class Stage:
     deepspeed_overrides: dict = field(default_factory=dict)
     eval: dict = field(default_factory=dict)
     data: dict | list | None = None  # the stage's mixture (data/mixture.py); None: the whole stream
+    tasks: dict = field(default_factory=dict)  # synthetic task fractions of the stage (data/tasks.py)
 
 
 def resolve_stages(cfg: Config, dp_of_sp) -> list[Stage]:
@@ -53,7 +54,7 @@ def resolve_stages(cfg: Config, dp_of_sp) -> list[Stage]:
                    warmup_steps=s.warmup_steps if s.warmup_steps is not None else cfg.warmup_steps,
                    lr_scheduler=s.lr_scheduler or cfg.lr_scheduler, max_steps=steps,
                    reset_optimizer=s.reset_optimizer, deepspeed_overrides=s.deepspeed_overrides or {},
-                   eval=s.eval or {}, data=s.data)
+                   eval=s.eval or {}, data=s.data, tasks=s.tasks or {})
         if st.max_steps < 1 or st.sp < 1 or st.max_seq_length < 1:
             raise ValueError(f"stage {i} ({st.name}): max_steps, sequence_parallel_size and max_seq_length must "
                              f"be >= 1, got {st.max_steps}, {st.sp}, {st.max_seq_length}")
@@ -69,13 +70,17 @@ def resolve_stages(cfg: Config, dp_of_sp) -> list[Stage]:
     return stages
 
 
-def check_stages(stages: list[Stage], world: int, num_heads: int, num_kv_heads: int) -> None:
-    """Every stage's layout and RoPE are possible on `world` ranks (one-line ValueError otherwise)."""
+def check_stages(stages: list[Stage], world: int, num_heads: int, num_kv_heads: int,
+                 model_rope: dict | None = None) -> None:
+    """Every stage's layout and RoPE are possible on `world` ranks (one-line ValueError otherwise). A stage without
+    its own `rope` keeps the model's (`model_rope`, the config's rope_parameters), which must suit its SP degree."""
     for s in stages:
         try:
             check_layout(world, s.sp, num_heads, num_kv_heads, s.max_seq_length)
             if s.rope:
                 check_rope(s.rope, "rope", s.sp)
+            elif (model_rope or {}).get("rope_type") == "dynamic":
+                check_rope(model_rope, "the model's rope_parameters", s.sp)
         except ValueError as e:
             raise ValueError(f"stage {s.index} ({s.name}): {e}") from None
 
