@@ -9,6 +9,9 @@ Ulysses SP; every tensor below is a rank's sequence shard, `[bs, sl_local, ...]`
 - `--tiled_logits`: the LM head and the cross-entropy run one sequence tile at a time
   (model_utils/tiled_loss.py; evaluation always uses it).
 - `--gradient_checkpointing`: Hugging Face activation checkpointing of every decoder layer, non-reentrant.
+- `--checkpoint_every K`: selective checkpointing, decoder layers 0, K, 2K, ... only (ceil(L/K) of L layers);
+  the others keep their activations. K=1 is `--gradient_checkpointing`; 0 (default) defers to that flag.
+  Backward then recomputes ~1/K of the layers' forward instead of all of it.
 - `--offload_activations`: the checkpointed layer inputs (`[bs, sl_local, hidden]` per layer) are held in
   pinned CPU memory between forward and backward. It offloads the checkpoints, so it turns checkpointing
   on by itself. On a CPU run the tensors are already in host memory and nothing moves.
@@ -57,12 +60,24 @@ def apply_memory_features(model, cfg) -> None:
     install_loss_forward(model)
     if cfg.tiled_mlp:
         _tile_mlps(model)
-    if cfg.gradient_checkpointing or cfg.offload_activations:
+    every = checkpoint_every(cfg)
+    if every:
         # Non-reentrant: recomputation runs inside the one backward graph task (DeepSpeed's hook bookkeeping
         # then sees a single phase), and the inputs need not require grad.
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        # every_n_layers: transformers leaves checkpointing on for decoder layers 0, K, 2K, ... only
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
+                                              every_n_layers=every)
         if cfg.offload_activations:
             _offload_checkpoints(model)
+
+
+def checkpoint_every(cfg) -> int:
+    """K of `--checkpoint_every` (every K-th decoder layer checkpointed); --gradient_checkpointing and
+    --offload_activations alone mean K=1; 0: no checkpointing."""
+    every = getattr(cfg, "checkpoint_every", 0) or 0
+    if every < 0:
+        raise ValueError(f"--checkpoint_every {every}: use 0 (off), 1 (every layer) or K > 1 (every K-th layer)")
+    return every or (1 if cfg.gradient_checkpointing or cfg.offload_activations else 0)
 
 
 def make_loss_fn(cfg) -> Callable[..., torch.Tensor]:

@@ -1,6 +1,7 @@
 """Long-sequence memory features (model_utils/memory.py) keep training equal to the plain model.
 
-Each feature alone and all four together, through the real ZeRO-3 engine at sp=2 (world 2) and sp=1
+Each feature alone and all four together, and selective checkpointing (`checkpoint_every: 2`, alone and
+with tiled MLP + offload), through the real ZeRO-3 engine at sp=2 (world 2) and sp=1
 (world 1): the first step's loss (fp32) within 1e-5 relative and the full gradients within 1e-4 relative
 of the plain single-process Hugging Face model. Tiles are made small so the short test sequences really
 split (uneven last tiles included), on untied and tied (Qwen2) LM heads, with bs=2 and with GA=2.
@@ -28,6 +29,9 @@ CASES = [("mlp", "llama_gqa", 64, ("tiled_mlp",), {}),
          ("logits_tied_odd", "qwen2_kv1", 63, ("tiled_logits",), {}),
          ("ckpt", "llama_gqa", 64, ("gradient_checkpointing",), {}),
          ("offload", "llama_gqa", 64, ("offload_activations",), {}),
+         ("ckpt_every2", "llama_gqa", 64, (), {"checkpoint_every": 2}),
+         ("every2_offload_mlp_ga2", "qwen2_kv1", 63, ("tiled_mlp", "offload_activations"),
+          {"checkpoint_every": 2, "gradient_accumulation_steps": 2}),
          ("all_bs2", "llama_mha", 64, ALL, {"per_device_train_batch_size": 2}),
          ("all_tied_ga2", "qwen2_kv1", 63, ALL, {"gradient_accumulation_steps": 2})]
 VOCAB = 2048  # the tiny presets'
@@ -155,4 +159,21 @@ def test_features_match_plain_model(results, assets, sp, case):
                if "tiled_logits" in features else set())
     assert stats["logits_tiles"] == want_ce and all(t > 1 for t, _ in want_ce)
     layers, ga = 2, extra.get("gradient_accumulation_steps", 1)
-    assert stats["offloaded"] == (layers * ga if "offload_activations" in features else 0)
+    every = extra.get("checkpoint_every") or (1 if {"gradient_checkpointing", "offload_activations"} & set(features) else 0)
+    checkpointed = -(-layers // every) * ga if every else 0  # layers 0, K, 2K, ... per micro-step
+    assert stats["checkpointed"] == checkpointed
+    assert stats["offloaded"] == (checkpointed if "offload_activations" in features else 0)
+
+
+def test_checkpoint_every_picks_layers(assets):
+    """K=2 on a 5-layer model: layers 0, 2, 4 checkpointed; --gradient_checkpointing alone is K=1."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(assets["llama_gqa"], num_hidden_layers=5))
+    flags = dict(tiled_mlp=False, tiled_logits=False, gradient_checkpointing=False, offload_activations=False)
+    memory.apply_memory_features(model, types.SimpleNamespace(**flags, checkpoint_every=2))
+    assert [layer.gradient_checkpointing for layer in model.model.layers] == [True, False, True, False, True]
+    assert memory.checkpoint_every(types.SimpleNamespace(**{**flags, "gradient_checkpointing": True})) == 1
+    assert memory.checkpoint_every(types.SimpleNamespace(**flags, checkpoint_every=0)) == 0
+    with pytest.raises(ValueError, match="checkpoint_every"):
+        memory.checkpoint_every(types.SimpleNamespace(**flags, checkpoint_every=-1))

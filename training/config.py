@@ -33,6 +33,8 @@ class StageConfig:
     reset_optimizer: bool = False  # False: carry Adam moments across the transition
     deepspeed_overrides: dict = field(default_factory=dict)  # merged into the DeepSpeed JSON for this stage
     eval: dict = field(default_factory=dict)  # e.g. {passkey_trials: 4, depths: [0.1, 0.5, 0.9], heldout_samples: 2}
+    memory_features: str | dict | None = None  # auto | manual | {tiled_mlp: true, checkpoint_every: 2, ...}: this stage's (a mapping pins those, auto picks the rest)
+    tasks: dict = field(default_factory=dict)  # synthetic task fractions, e.g. {passkey: 0.2} (data/tasks.py)
     data: dict | list | None = None  # mixture: {source_glob: weight} or [{source, weight, min_doc_tokens, ...}] (data/mixture.py); None: whole stream
 
 
@@ -69,6 +71,10 @@ class Config:
     tiled_logits: bool = False
     gradient_checkpointing: bool = False
     offload_activations: bool = False
+    checkpoint_every: int = 0  # checkpoint decoder layers 0, K, 2K, ... only; 0: off (1 if --gradient_checkpointing)
+    memory_features: str = "manual"  # manual: the flags above | auto: per stage, the fastest set that fits (training/auto_features.py)
+    gpu_mem_gb: float = 0.0  # accelerator memory per rank for memory_features auto (0: detected from the device)
+    mem_cap_gb: float = 0.0  # memory cap per rank for memory_features auto on CPU runs (peak RSS)
     # --- output, checkpoints, tracking ---
     output_dir: str = "checkpoints/run"
     save_steps: int = 0  # 0: save only at the end and on preemption

@@ -3,7 +3,8 @@ made small enough to split the test's short sequences, and a record of what the 
 
 argv: JSON list of parity cases, each with an extra "knobs" dict ({"MLP_TILE_TOKENS": 12, ...}).
 Beside each case's "out" file, rank 0 writes OUT.stats.pt: MLP tile counts, loss tile counts (and
-whether the head was tied), and how many checkpointed tensors went through the offload hooks.
+whether the head was tied), how many checkpointed tensors went through the offload hooks, and how many
+layer calls ran under torch's checkpoint (selective checkpointing: only every K-th layer).
 """
 
 import json
@@ -12,6 +13,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
+import transformers.modeling_utils as hf_modeling
 
 warnings.filterwarnings("ignore")
 
@@ -36,6 +38,14 @@ class _SpyTiledCE:
         return _tiled_ce.apply(hidden, labels, lm_head, tiles, tied)
 
 
+def _counting_checkpoint(function, *args, **kwargs):
+    STATS["checkpointed"] += 1
+    return _checkpoint(function, *args, **kwargs)
+
+
+_checkpoint = hf_modeling.checkpoint
+
+
 def _copying_to_host(t: torch.Tensor):
     """Count the offloaded tensors and really copy them, so the unpacked copy is what backward uses."""
     if t.numel():
@@ -46,10 +56,11 @@ def _copying_to_host(t: torch.Tensor):
 
 if __name__ == "__main__":
     memory.TiledMLP, tiled_loss.TiledCrossEntropySum, memory._to_host = _SpyTiledMLP, _SpyTiledCE, _copying_to_host
+    hf_modeling.checkpoint = _counting_checkpoint  # what activation_checkpointing_enable hands the layers
     for case in json.loads(sys.argv[1]):
         for name, value in case.pop("knobs").items():
             setattr(memory if hasattr(memory, name) else tiled_loss, name, value)
-        STATS.update(mlp_tiles=set(), logits_tiles=set(), offloaded=0)
+        STATS.update(mlp_tiles=set(), logits_tiles=set(), offloaded=0, checkpointed=0)
         run_case(case, case["sequence_parallel_size"])
         if dist.get_rank() == 0:
             torch.save(dict(STATS), case["out"] + ".stats.pt")
