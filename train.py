@@ -197,7 +197,7 @@ def train_stage(run: Run, stage, stages, trainer: dict, resume_from: str | None)
         torch.manual_seed(cfg.seed + 1000 * stage.index + dims.rank)
 
     # --- training loop; the stop flag is agreed after every step and after every save ---
-    loss_fn, routed_checked = make_loss_fn(cfg), False
+    loss_fn, routed_checked = make_loss_fn(stage_config(cfg, stage)), False  # the stage's tiled_logits
     while step < end:
         micro = [shard(collate([dataset[i] for i in sampler.next_batch()], sdims.sp, data.pad_id), sdims.sp,
                        sdims.sp_rank) for _ in range(cfg.gradient_accumulation_steps)]

@@ -51,6 +51,8 @@ FEATURE_SETS: dict[str, tuple[str, ...]] = {
     "tiled_mlp": ("tiled_mlp",),
     "tiled_logits": ("tiled_logits",),
     "ckpt": ("gradient_checkpointing",),
+    "ckpt2": ("checkpoint_every=2",),  # selective: every 2nd decoder layer
+    "ckpt4": ("checkpoint_every=4",),
     "alst": ("tiled_mlp", "tiled_logits", "gradient_checkpointing", "offload_activations"),
 }
 # train.py runs ZeRO-3 with both CPU offloads (ds_configs/zero3_offload.json): the planner must count them
@@ -170,7 +172,7 @@ def train_point(model: str, seq_len: int, sp: int, features: tuple[str, ...], st
            str(free_port()), "train.py", "--config", cfg, "--model_name_or_path", model, "--max_seq_length",
            str(seq_len), "--sequence_parallel_size", str(sp), "--max_steps", str(steps), "--output_dir", out,
            "--report_to", "none", "--no-export_hf", "--save_steps", "0", "--resume", "none", "--no-progress_bar",
-           "--learning_rate", "1e-4", *[f"--{f}" for f in features], *extra_args]
+           "--learning_rate", "1e-4", *feature_flags(features), *extra_args]
     load0 = os.getloadavg()[0]
     code, wall = launch(cmd, bench_env(device, env), os.path.join(out, "launch.log"), timeout)
     rec = {"seq_len": seq_len, "sp": sp, "nproc": nproc, "features": list(features), "device": device,
@@ -182,13 +184,24 @@ def train_point(model: str, seq_len: int, sp: int, features: tuple[str, ...], st
     return rec | {"ok": True} | summarize_steps(steps_done)
 
 
+def feature_flags(features: tuple[str, ...]) -> list[str]:
+    """("tiled_mlp", "checkpoint_every=2") -> ["--tiled_mlp", "--checkpoint_every", "2"]."""
+    return [a for f in features for a in (["--" + f.split("=")[0], f.split("=")[1]] if "=" in f else ["--" + f])]
+
+
+def feature_spec(features: tuple[str, ...]) -> dict:
+    """The same features as training.memory_model.Features.of takes them: {name: True or the value}."""
+    return {f.split("=")[0]: int(f.split("=")[1]) if "=" in f else True for f in features}
+
+
 def predicted_gb(model: str, seq_len: int, sp: int, features: tuple[str, ...], device: str,
                  world: int | None = None) -> float:
     """training.memory_model's peak tensor bytes of one rank, in GiB, for the run train.py does."""
     from training.memory_model import load_shape, predict_peak_bytes
 
     precision = "bf16" if device == "cuda" else "fp32"  # train.py's default precision per device
-    return predict_peak_bytes(load_shape(model), seq_len, sp, set(features) | set(OFFLOADS), precision=precision,
+    return predict_peak_bytes(load_shape(model), seq_len, sp, feature_spec(features) | dict.fromkeys(OFFLOADS, True),
+                              precision=precision,
                               device=device, world=world) / GiB
 
 

@@ -2,6 +2,8 @@
 
 A run without `stages:` is a one-stage curriculum made of the top-level settings. Each stage's fields
 left unset inherit the run's. `locate(stages, global_step)` is a pure function of the step.
+`memory_features: auto` and a stage's `sequence_parallel_size: auto` are resolved here, once, by the planner
+(training/auto_features.py): every stage leaves with its memory features and SP degree fixed.
 """
 
 from __future__ import annotations
@@ -29,17 +31,81 @@ class Stage:
     deepspeed_overrides: dict = field(default_factory=dict)
     eval: dict = field(default_factory=dict)
     data: dict | list | None = None  # the stage's mixture (data/mixture.py); None: the whole stream
+    # memory features of the stage (None: the run's flags); auto and stage mappings are resolved into these
+    tiled_mlp: bool | None = None
+    tiled_logits: bool | None = None
+    checkpoint_every: int | None = None  # 0: none, K: decoder layers 0, K, 2K, ...
+    offload_activations: bool | None = None
+    memory_choice: dict | None = None  # what auto chose and why (predicted peak, budget, speed): plan and metrics
     tasks: dict = field(default_factory=dict)  # synthetic task fractions of the stage (data/tasks.py)
 
 
-def resolve_stages(cfg: Config, dp_of_sp) -> list[Stage]:
+MEMORY_KEYS = ("tiled_mlp", "tiled_logits", "checkpoint_every", "gradient_checkpointing", "offload_activations")
+
+
+def _memory_mode(cfg: Config, s: StageConfig, i: int) -> tuple[str, dict]:
+    """(manual | auto, the settings pinned for this stage): the run's flags set on, then the stage mapping."""
+    mode = s.memory_features if isinstance(s.memory_features, str) else cfg.memory_features
+    if mode not in ("manual", "auto"):
+        raise ValueError(f"stage {i}: memory_features {mode!r}: use auto, manual or a mapping of {list(MEMORY_KEYS)}")
+    every = cfg.checkpoint_every or (1 if cfg.gradient_checkpointing or cfg.offload_activations else 0)
+    run = {"tiled_mlp": cfg.tiled_mlp, "tiled_logits": cfg.tiled_logits, "checkpoint_every": every,
+           "offload_activations": cfg.offload_activations}
+    pinned = dict(run) if mode == "manual" else {k: v for k, v in run.items() if v}  # auto: only what is on
+    if isinstance(s.memory_features, dict):
+        unknown = sorted(set(s.memory_features) - set(MEMORY_KEYS))
+        if unknown:
+            raise ValueError(f"stage {i}: memory_features {unknown}: use {list(MEMORY_KEYS)}")
+        own = dict(s.memory_features)
+        if "gradient_checkpointing" in own:
+            own.setdefault("checkpoint_every", 1 if own.pop("gradient_checkpointing") else 0)
+        if own.get("offload_activations") and not own.get("checkpoint_every", pinned.get("checkpoint_every")):
+            own["checkpoint_every"] = 1  # offloading the checkpoints turns checkpointing on
+        pinned.update({k: int(v) if k == "checkpoint_every" else bool(v) for k, v in own.items()})
+    return mode, pinned
+
+
+def _resolve_memory(cfg: Config, s: StageConfig, i: int, sl: int, sp, world: int, budget) -> tuple[int, dict]:
+    """(SP degree, Stage memory fields) of one stage; the planner runs only for auto (features or SP)."""
+    mode, pinned = _memory_mode(cfg, s, i)
+    if mode == "manual" and sp != "auto":
+        return sp, {**pinned, "memory_choice": None}
+    from training import auto_features as af
+    from training.memory_model import Features, load_shape
+
+    if sp != "auto" and (not isinstance(sp, int) or sp < 1):
+        raise ValueError(f"stage {i}: sequence_parallel_size {sp!r}: use an integer >= 1 or auto")
+    device, usable = budget()
+    offloads = Features(**af.zero_offloads(cfg.deepspeed, s.deepspeed_overrides or {}))
+    bf16 = cfg.bf16 if cfg.bf16 is not None else device == "cuda" and not cfg.fp16
+    try:
+        choice = af.choose(load_shape(cfg.model_name_or_path), sl, world, usable,
+                           sp=None if sp == "auto" else sp, sp_max=af.gpus_per_node(cfg) or world,
+                           pinned=pinned, offloads=offloads, precision="bf16" if bf16 else "fp32", device=device)
+    except ValueError as e:
+        raise ValueError(f"stage {i} ({s.name or f'stage{i}'}): {e}") from None
+    f = choice.features
+    record = {"memory_features": mode, "sp_auto": sp == "auto", "device": device, **choice.as_dict()}
+    return choice.sp, {"tiled_mlp": f.tiled_mlp, "tiled_logits": f.tiled_logits, "checkpoint_every": f.every,
+                       "offload_activations": f.offload_activations, "memory_choice": record}
+
+
+def resolve_stages(cfg: Config, dp_of_sp, budget=None) -> list[Stage]:
     """Fill every stage from the run's defaults; `dp_of_sp(sp)` gives the DP degree for a SP degree
-    (to turn `max_tokens` into steps). Raises a one-line ValueError on an inconsistent recipe."""
+    (to turn `max_tokens` into steps; dp_of_sp(1) is the world). `budget()` -> (device, bytes per rank) for
+    memory_features / sequence_parallel_size auto (default: training.auto_features.device_budget from
+    --gpu_mem_gb / the GPU / --mem_cap_gb). Raises a one-line ValueError on an inconsistent recipe."""
     raw = cfg.stages or [StageConfig(name="main")]
+    if budget is None:
+        from training.auto_features import device_budget
+
+        def budget():
+            return device_budget(cfg.gpu_mem_gb, cfg.mem_cap_gb)
     stages = []
     for i, s in enumerate(raw):
         sl = s.max_seq_length or cfg.max_seq_length
-        sp = s.sequence_parallel_size or cfg.sequence_parallel_size
+        sp, memory = _resolve_memory(cfg, s, i, sl, s.sequence_parallel_size or cfg.sequence_parallel_size,
+                                     dp_of_sp(1), budget)
         if s.max_steps and s.max_tokens:
             raise ValueError(f"stage {i}: set max_steps or max_tokens, not both")
         if s.max_tokens:
@@ -54,7 +120,7 @@ def resolve_stages(cfg: Config, dp_of_sp) -> list[Stage]:
                    warmup_steps=s.warmup_steps if s.warmup_steps is not None else cfg.warmup_steps,
                    lr_scheduler=s.lr_scheduler or cfg.lr_scheduler, max_steps=steps,
                    reset_optimizer=s.reset_optimizer, deepspeed_overrides=s.deepspeed_overrides or {},
-                   eval=s.eval or {}, data=s.data, tasks=s.tasks or {})
+                   eval=s.eval or {}, data=s.data, tasks=s.tasks or {}, **memory)
         if st.max_steps < 1 or st.sp < 1 or st.max_seq_length < 1:
             raise ValueError(f"stage {i} ({st.name}): max_steps, sequence_parallel_size and max_seq_length must "
                              f"be >= 1, got {st.max_steps}, {st.sp}, {st.max_seq_length}")

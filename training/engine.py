@@ -18,10 +18,15 @@ from training.schedule import lambda_scheduler
 
 
 def stage_config(cfg: Config, stage: Stage) -> Config:
-    """The run config as seen by one stage (its length, SP degree and LR schedule)."""
+    """The run config as seen by one stage (its length, SP degree, LR schedule and memory features: the ones
+    resolve_stages fixed, e.g. by memory_features auto; None keeps the run's flags)."""
+    memory = {k: getattr(stage, k) for k in ("tiled_mlp", "tiled_logits", "offload_activations")
+              if getattr(stage, k, None) is not None}
+    if getattr(stage, "checkpoint_every", None) is not None:
+        memory.update(checkpoint_every=stage.checkpoint_every, gradient_checkpointing=stage.checkpoint_every > 0)
     return dataclasses.replace(cfg, max_seq_length=stage.max_seq_length, sequence_parallel_size=stage.sp,
                                learning_rate=stage.learning_rate, min_lr=stage.min_lr, warmup_steps=stage.warmup_steps,
-                               lr_scheduler=stage.lr_scheduler, max_steps=stage.max_steps, rope=stage.rope)
+                               lr_scheduler=stage.lr_scheduler, max_steps=stage.max_steps, rope=stage.rope, **memory)
 
 
 def build_engine(cfg: Config, dims: ParallelDims, hf_config, attn: str, bf16: bool, seed: int,

@@ -97,6 +97,12 @@ class Features:
     tiled_logits: bool = False
     gradient_checkpointing: bool = False
     offload_activations: bool = False
+    checkpoint_every: int = 0  # K: only decoder layers 0, K, 2K, ... checkpointed; 0: gradient_checkpointing decides
+
+    @property
+    def every(self) -> int:
+        """K of selective checkpointing; gradient_checkpointing alone is K=1; 0: none."""
+        return self.checkpoint_every or (1 if self.gradient_checkpointing else 0)
 
     @classmethod
     def of(cls, spec: Features | Mapping[str, bool] | Iterable[str] | None) -> Features:
@@ -111,8 +117,10 @@ class Features:
             unknown = sorted(set(chosen) - known)
             if unknown:
                 raise ValueError(f"unknown memory feature(s) {unknown}: use {sorted(known)}")
-            feats = cls(**{k: bool(v) for k, v in chosen.items()})
-        if feats.offload_activations and not feats.gradient_checkpointing:
+            feats = cls(**{k: int(v) if k == "checkpoint_every" else bool(v) for k, v in chosen.items()})
+        if feats.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every {feats.checkpoint_every}: use 0 (off), 1 (every layer) or K > 1")
+        if feats.offload_activations and not feats.every:
             raise ValueError("offload_activations offloads the checkpointed hidden states: it needs "
                              "gradient_checkpointing on too")
         return feats
@@ -234,11 +242,14 @@ def estimate(shape: ModelShape, seq_len: int, sp: int, world: int,
 
     saved, transient = layer_activations(shape, tokens, sp, b, f.tiled_mlp)
     phases: dict[str, int] = {}
-    if f.gradient_checkpointing:
+    if f.every:
         L = shape.num_layers
-        gpu["activation checkpoints"] = 2 * hid if f.offload_activations else L * hid
+        ck = -(-L // f.every)  # layers 0, K, 2K, ...: only their input is kept; the others keep everything
+        gpu["activation checkpoints"] = 2 * hid if f.offload_activations else ck * hid
         if f.offload_activations:
-            cpu["activation checkpoints"] = L * hid
+            cpu["activation checkpoints"] = ck * hid
+        if ck < L:
+            gpu["saved activations (layers not checkpointed)"] = (L - ck) * saved
         phases["layer working set (recompute+backward)"] = saved - hid + transient
     else:
         gpu["saved activations (all layers)"] = shape.num_layers * saved

@@ -11,17 +11,35 @@ import json
 
 from training.config import Config
 from training.curriculum import Stage
+from training.auto_features import ALL_FEATURES, describe, relative_speed
+from training.engine import stage_config
 from training.memory_model import Features, GiB, estimate, load_shape, tokens_per_sec_per_gpu
 
 
-def run_features(cfg: Config, ds_config: dict) -> Features:
+def run_features(cfg: Config, ds_config: dict, stage: Stage | None = None) -> Features:
+    """The features a stage runs with: the stage's resolved ones (training/curriculum.py), else the run's flags."""
     zero = ds_config.get("zero_optimization", {})
+    if stage is not None and stage.checkpoint_every is not None:
+        cfg = stage_config(cfg, stage)
+    every = cfg.checkpoint_every or (1 if cfg.gradient_checkpointing or cfg.offload_activations else 0)
     return Features(
         offload_params=zero.get("offload_param", {}).get("device") == "cpu",
         offload_optimizer=zero.get("offload_optimizer", {}).get("device") == "cpu",
         tiled_mlp=cfg.tiled_mlp, tiled_logits=cfg.tiled_logits,
-        gradient_checkpointing=cfg.gradient_checkpointing or cfg.offload_activations,
+        gradient_checkpointing=every > 0, checkpoint_every=every if every > 1 else 0,
         offload_activations=cfg.offload_activations)
+
+
+def feature_line(shape, s: Stage, feats: Features) -> str:
+    """The stage's memory features; with auto, what was chosen against which budget (also in the metrics)."""
+    c = s.memory_choice
+    if not c:
+        return f"memory features: {describe(feats)} (set by the flags)"
+    speed_all = relative_speed(shape, s.max_seq_length, s.sp, ALL_FEATURES, c["device"])
+    sp = f" sp={c['sp']} (auto, the smallest that fits)" if c["sp_auto"] else ""
+    return (f"memory features ({c['memory_features']}): {describe(feats)}{sp}; predicted peak "
+            f"{c['predicted_peak_gb']:.2f} of {c['budget_gb']:.2f} GiB per rank ({c['device']}); predicted speed "
+            f"{c['predicted_relative_speed']:.2f} of no-feature tokens/s (all features: {speed_all:.2f})")
 
 
 def plan_lines(cfg: Config, stages: list[Stage], world: int, gpus_per_node: int, bf16: bool) -> list[str]:
@@ -29,7 +47,7 @@ def plan_lines(cfg: Config, stages: list[Stage], world: int, gpus_per_node: int,
         ds = json.load(fh)
     lines = []
     for s in stages:
-        feats = run_features(cfg, {**ds, **s.deepspeed_overrides})
+        feats = run_features(cfg, {**ds, **s.deepspeed_overrides}, s)
         try:
             shape = load_shape(cfg.model_name_or_path)
             est = estimate(shape, s.max_seq_length, s.sp, world, feats, "bf16" if bf16 else "fp32",
@@ -41,6 +59,7 @@ def plan_lines(cfg: Config, stages: list[Stage], world: int, gpus_per_node: int,
             lines.append(f"      memory plan: {est.gpu_peak / GiB:.1f} GiB per rank on the accelerator "
                          f"(peak phase: {est.peak_phase}), {est.cpu_per_node / GiB:.0f} GiB CPU per node; "
                          f"~{tps:.0f} tokens/s/GPU at 40% MFU of an H100")
+            lines.append("      " + feature_line(shape, s, feats))
         except ValueError as e:  # a shape the planner cannot read: say so, do not stop the run
             lines.append(f"  stage {s.index} {s.name}: seq_len={s.max_seq_length} sp={s.sp} (no memory plan: {e})")
     return lines

@@ -1,0 +1,133 @@
+"""`memory_features: auto` (training/auto_features.py): the chooser against budgets derived from the planner's
+own predictions (never hard-coded), explicit settings winning, `sequence_parallel_size: auto`, and the choice
+reaching the stage's config and the start-up plan. Pure unit tests except the last, a 2-rank train.py run
+whose measured peak stays under the --mem_cap_gb it was given."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from training import auto_features as af
+from training.config import Config, StageConfig
+from training.curriculum import resolve_stages
+from training.engine import stage_config
+from training.memory_model import GiB, Features, load_shape
+
+SHAPE = load_shape("llama3-8b")
+OFF = Features(offload_params=True, offload_optimizer=True)
+SL, WORLD = 131072, 32
+
+
+def peak(f: Features, sp: int = 2, device: str = "cuda") -> int:
+    return af.peak_bytes(SHAPE, SL, sp, WORLD, f, OFF, "bf16", device)
+
+
+def budget_for(nbytes: int) -> int:
+    """The budget at which a predicted peak of `nbytes` just fits with the headroom."""
+    return int(nbytes / (1 - af.HEADROOM)) + 1
+
+
+def pick(budget: int, sp: int | None = 2, **kw) -> af.Choice:
+    return af.choose(SHAPE, SL, WORLD, budget, sp=sp, sp_max=8, offloads=OFF, **kw)
+
+
+def test_cost_model_ranks_recompute():
+    speed = {k: af.relative_speed(SHAPE, SL, 2, Features(checkpoint_every=k)) for k in (1, 2, 4)}
+    assert af.relative_speed(SHAPE, SL, 2, Features()) == 1.0
+    assert speed[1] < speed[2] < speed[4] < 1.0
+    assert 0.7 < speed[1] < 0.8  # full recompute: one more forward on top of 3 -> ~3/4
+    assert af.relative_speed(SHAPE, SL, 2, af.ALL_FEATURES) < speed[1]  # tiling and offload cost on top
+    # offload costs PCIe time on a GPU only
+    off = Features(checkpoint_every=1, offload_activations=True)
+    assert af.relative_speed(SHAPE, SL, 2, off, device="cpu") == speed[1] > af.relative_speed(SHAPE, SL, 2, off)
+
+
+def test_fits_and_does_not_fit():
+    none = peak(Features())
+    assert pick(budget_for(none)).features == Features()  # everything fits: no feature, full speed
+    c = pick(budget_for(none) - 2**20)  # 1 MiB short of the plain run: something must give
+    assert c.features != Features() and c.peak_bytes <= c.budget_bytes * (1 - af.HEADROOM) and c.relative_speed < 1
+    leanest = min(peak(f) for f in af.candidates(SHAPE.num_layers, {}, "cuda"))
+    assert pick(budget_for(leanest)).peak_bytes == leanest
+    with pytest.raises(ValueError, match="nothing fits"):
+        pick(budget_for(leanest) - 2**20)
+
+
+def test_k_chosen_between_all_and_none():
+    """With the tiling pinned on, the budget of checkpointing every 2nd layer picks K=2: faster than K=1,
+    and K=3 (more layers keep their activations) no longer fits."""
+    pins = {"tiled_mlp": True, "tiled_logits": True, "offload_activations": False}
+    tiled = Features(tiled_mlp=True, tiled_logits=True)
+    k2, k3 = peak(Features(**{**tiled.__dict__, "checkpoint_every": 2})), peak(Features(**{**tiled.__dict__,
+                                                                                           "checkpoint_every": 3}))
+    assert k2 < k3
+    c = pick(budget_for(k2), pinned=pins)
+    assert c.features.every == 2 and c.peak_bytes == k2
+
+
+def test_explicit_settings_win():
+    roomy = budget_for(peak(Features()))
+    c = pick(roomy, pinned={"tiled_mlp": True, "checkpoint_every": 4})
+    assert c.features.tiled_mlp and c.features.every == 4 and not c.features.tiled_logits
+    off = pick(roomy, pinned={"offload_activations": True}).features
+    assert off.offload_activations and off.every >= 1  # offload implies checkpointing (auto picks K)
+    tight = budget_for(peak(Features()) // 2)
+    assert not pick(tight, pinned={"tiled_logits": False}).features.tiled_logits
+
+
+def test_sp_auto_picks_the_smallest_degree_that_fits():
+    lean = {sp: min(peak(f, sp) for f in af.candidates(SHAPE.num_layers, {}, "cuda")) for sp in (1, 2, 4)}
+    assert lean[1] > lean[2] > lean[4]
+    c = pick(budget_for(lean[2]), sp=None)
+    assert c.sp == 2  # sp=1 does not fit at all, 2 does
+    assert pick(budget_for(lean[1]), sp=None).sp == 1
+    assert pick(budget_for(lean[4]), sp=None, ).sp == 4
+    with pytest.raises(ValueError, match="sp <= 2"):
+        af.choose(SHAPE, SL, WORLD, budget_for(lean[4]), sp=None, sp_max=2, offloads=OFF)  # within a node
+
+
+def _cfg(tmp_path, **kw) -> Config:
+    return Config(model_name_or_path="llama3-8b", deepspeed="ds_configs/zero3_offload.json", bf16=True,
+                  max_seq_length=SL, sequence_parallel_size=2, **kw)
+
+
+def test_resolve_stages_and_stage_config(tmp_path):
+    none = peak(Features())
+    gpu = lambda nbytes: (lambda: ("cuda", nbytes))  # noqa: E731
+    stages = [StageConfig(name="a", max_steps=1),
+              StageConfig(name="b", max_steps=1, memory_features={"checkpoint_every": 2, "tiled_mlp": True}),
+              StageConfig(name="c", max_steps=1, memory_features="manual")]
+    cfg = _cfg(tmp_path, memory_features="auto", tiled_logits=True, stages=stages)
+    a, b, c = resolve_stages(cfg, lambda sp: WORLD // sp, budget=gpu(budget_for(none)))
+    assert (a.tiled_logits, a.tiled_mlp, a.checkpoint_every) == (True, False, 0)  # explicit flag kept, rest off
+    assert a.memory_choice["predicted_peak_gb"] <= a.memory_choice["budget_gb"]
+    assert (b.checkpoint_every, b.tiled_mlp, b.tiled_logits) == (2, True, True)
+    assert c.memory_choice is None and (c.tiled_logits, c.checkpoint_every, c.tiled_mlp) == (True, 0, False)
+    # a stage's sequence_parallel_size: auto, at a budget where only sp >= 2 fits
+    lean2 = min(peak(f, 2) for f in af.candidates(SHAPE.num_layers, {"tiled_logits": True}, "cuda"))
+    cfg_sp = _cfg(tmp_path, memory_features="auto", tiled_logits=True,
+                  stages=[StageConfig(name="d", max_steps=1, sequence_parallel_size="auto")])
+    (d,) = resolve_stages(cfg_sp, lambda sp: WORLD // sp, budget=gpu(budget_for(lean2)))
+    assert d.memory_choice["sp_auto"] and d.sp == d.memory_choice["sp"] == 2 and d.max_steps == 1
+    sc = stage_config(cfg, b)
+    assert (sc.checkpoint_every, sc.gradient_checkpointing, sc.tiled_mlp, sc.sequence_parallel_size) == (2, True, True, 2)
+    manual = resolve_stages(_cfg(tmp_path, gradient_checkpointing=True), lambda sp: WORLD // sp)[0]
+    assert manual.checkpoint_every == 1 and manual.memory_choice is None  # no budget needed
+    with pytest.raises(ValueError, match="mem_cap_gb"):
+        resolve_stages(_cfg(tmp_path, memory_features="auto"), lambda sp: WORLD // sp)  # CPU, no cap given
+    with pytest.raises(ValueError, match="memory_features"):
+        resolve_stages(_cfg(tmp_path, memory_features="fast"), lambda sp: WORLD // sp)
+
+
+def test_plan_lines_print_the_choice(tmp_path):
+    from training.summary import plan_lines
+
+    cfg = _cfg(tmp_path, memory_features="auto", gpu_mem_gb=80.0, stages=[StageConfig(name="a", max_steps=1)])
+    stages = resolve_stages(cfg, lambda sp: WORLD // sp)
+    text = "\n".join(plan_lines(cfg, stages, WORLD, 8, True))
+    c = stages[0].memory_choice
+    assert f"memory features (auto): {af.describe(af.Features(tiled_logits=stages[0].tiled_logits, tiled_mlp=stages[0].tiled_mlp, checkpoint_every=stages[0].checkpoint_every, offload_activations=stages[0].offload_activations))}" in text
+    assert f"predicted peak {c['predicted_peak_gb']:.2f} of {80 - af.GPU_RESERVED / GiB:.2f} GiB" in text
