@@ -233,7 +233,7 @@ def train_stage(run: Run, stage, stages, trainer: dict, resume_from: str | None)
 
     # --- stage end: checkpoint written above; evaluate at this stage's length, then agree on a stop again ---
     evaluate_stage(engine, stage, sdims, data.heldout(stage.max_seq_length, heldout_samples(stage.eval)),
-                   data.tokenizer, metrics, step, cfg.per_device_train_batch_size, data.pad_id)
+                   data.tokenizer, metrics, step, cfg.per_device_train_batch_size, data.pad_id, stages, data.heldout)
     engine.destroy()
     preempt.agreed()
     return trainer, resume_from

@@ -27,6 +27,7 @@ from data.packing import DocPack
 from data.prepare import prepare_in_job
 from data.sampler import ResumableSampler
 from data.store import Prepared, tokenizer_identity
+from data.tasks import TaskMixDataset, TaskMixSampler, check_tasks
 from data.tokenizer import Tokenizer
 
 DEFAULT_HELDOUT_SAMPLES = 2
@@ -110,13 +111,21 @@ class RunData:
     def stage_view(self, stage, dp: int, dp_rank: int, micro_batch: int, seed: int):
         """(dataset, sampler) a stage trains from: `dataset[i]` is a sample dict, `sampler.next_batch()` gives
         this DP rank's next micro-batch of indices, the sampler's state_dict() is the data position, and
-        `sampler.source_shares()` the realised token share per mixture component ({} without a mixture)."""
+        `sampler.source_shares()` the realised token share per mixture component ({} without a mixture).
+        A stage with `tasks:` wraps both so that fraction of its micro-steps are synthetic (data/tasks.py)."""
         mix = self.mixture(stage)
         if mix is not None:
             weights = [c.weight for c in parse_mixture(stage.data)]
-            return mix, MixtureSampler(mix.sizes, weights, mix.names, dp, dp_rank, micro_batch, seed=seed + stage.index)
-        dataset = self.train_set(stage.max_seq_length)
-        return dataset, ResumableSampler(len(dataset), dp, dp_rank, micro_batch, seed=seed + stage.index)
+            dataset, sampler = mix, MixtureSampler(mix.sizes, weights, mix.names, dp, dp_rank, micro_batch,
+                                                   seed=seed + stage.index)
+        else:
+            dataset = self.train_set(stage.max_seq_length)
+            sampler = ResumableSampler(len(dataset), dp, dp_rank, micro_batch, seed=seed + stage.index)
+        tasks = check_tasks(stage, self.tokenizer)
+        if not tasks:
+            return dataset, sampler
+        dataset = TaskMixDataset(dataset, list(tasks), self.tokenizer, stage.max_seq_length, seed + stage.index)
+        return dataset, TaskMixSampler(sampler, dataset, tasks, dp, dp_rank, micro_batch)
 
     def heldout(self, seq_len: int, n: int) -> list[dict[str, np.ndarray]]:
         """The first `n` held-out samples at `seq_len` (the same documents at every stage)."""
@@ -151,4 +160,5 @@ def open_run_data(dataset_path: str | None, tokenizer_path: str | None, model_vo
     data = RunData(prepared, boundary, tokenizer, reset_position_ids, mask_cross_document_labels)
     for s in stages:
         data.mixture(s)  # a bad or empty mixture component stops the run here, before the model is built
+        check_tasks(s, tokenizer)  # so does a bad `tasks:` (unknown task, fractions, too short a length)
     return data

@@ -90,10 +90,13 @@ def logits_tiles(bs: int, sl: int, vocab: int) -> int:
 
 
 @torch.no_grad()
-def _stats(lm_head, hidden: torch.Tensor, labels: torch.Tensor, tiles: int) -> torch.Tensor:
+def _stats(lm_head, hidden: torch.Tensor, labels: torch.Tensor, tiles: int,
+           buckets: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """Per sample: [sum CE, labelled tokens, labelled tokens whose argmax is wrong] -> [bs, 3] float64, one tile
-    of logits at a time."""
-    out = torch.zeros(hidden.shape[0], 3, dtype=torch.float64, device=hidden.device)
+    of logits at a time. With `buckets` = (bucket_ids [bs, sl_local], n), n CE sums then n labelled-token counts
+    per bucket follow ([bs, 3 + 2n]; a bucket id outside 0..n-1 counts in no bucket)."""
+    nb = buckets[1] if buckets is not None else 0
+    out = torch.zeros(hidden.shape[0], 3 + 2 * nb, dtype=torch.float64, device=hidden.device)
     for a, b in _spans(hidden.shape[1], tiles):
         logits = lm_head(hidden[:, a:b]).float()  # [bs, tile, vocab]
         y = labels[:, a:b]
@@ -102,22 +105,28 @@ def _stats(lm_head, hidden: torch.Tensor, labels: torch.Tensor, tiles: int) -> t
         out[:, 0] += ce.sum(1).double()
         out[:, 1] += mask.sum(1)
         out[:, 2] += ((logits.argmax(-1) != y) & mask).sum(1)
+        if nb:
+            ids = buckets[0][:, a:b].long()
+            ok = mask & (ids >= 0) & (ids < nb)
+            onehot = F.one_hot(ids.clamp(0, nb - 1), nb).double() * ok.unsqueeze(-1)  # [bs, tile, nb]
+            out[:, 3:3 + nb] += (onehot * ce.double().unsqueeze(-1)).sum(1)
+            out[:, 3 + nb:] += onehot.sum(1)
         del logits, ce
     return out
 
 
 def _forward_with_tiled_loss(self, *args, tiled_loss_labels: torch.Tensor | None = None, eval_stats: bool = False,
-                             **kwargs):
+                             eval_buckets: tuple[torch.Tensor, int] | None = None, **kwargs):
     """The model's forward; given `tiled_loss_labels` ([bs, sl_local], already shifted, -100 ignored) it
     returns the summed cross-entropy instead of the logits, computed tile by tile (with `eval_stats`, no
-    autograd, the `_stats` triple)."""
+    autograd, the `_stats` triple, plus per-bucket CE sums and counts given `eval_buckets`)."""
     if tiled_loss_labels is None:
         return self._untiled_forward(*args, **kwargs)
     hidden = self.get_decoder()(*args, **kwargs).last_hidden_state  # [bs, sl_local, hidden]
     lm_head = self.get_output_embeddings()
     tiles = agreed_tiles(logits_tiles(*tiled_loss_labels.shape, lm_head.out_features), hidden.device)
     if eval_stats:
-        return _stats(lm_head, hidden, tiled_loss_labels, tiles)
+        return _stats(lm_head, hidden, tiled_loss_labels, tiles, eval_buckets)
     tied = lm_head.weight is self.get_input_embeddings().weight
     return TiledCrossEntropySum.apply(hidden, tiled_loss_labels, lm_head, tiles, tied)
 
@@ -143,9 +152,12 @@ def tiled_loss_sum(engine, mb: dict[str, torch.Tensor]) -> torch.Tensor:
     return out
 
 
-def eval_stats(engine, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+def eval_stats(engine, mb: dict[str, torch.Tensor], buckets: int = 0) -> torch.Tensor:
     """Per sample [sum CE, labelled tokens, wrong argmax] ([bs, 3]) over this rank's shard of `mb`, without
-    gradients and without the whole logits: evaluation's version of the training loss."""
+    gradients and without the whole logits: evaluation's version of the training loss. With `buckets` = n,
+    `mb["bucket_ids"]` ([bs, sl_local], e.g. the position's eighth of the sequence) adds n CE sums and n
+    labelled-token counts per sample ([bs, 3 + 2n])."""
+    extra = {"eval_buckets": (mb["bucket_ids"], buckets)} if buckets else {}
     with torch.no_grad():
         return engine(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False,
-                      tiled_loss_labels=mb["shift_labels"], eval_stats=True)
+                      tiled_loss_labels=mb["shift_labels"], eval_stats=True, **extra)

@@ -1,11 +1,18 @@
-"""Plot loss, tokens/s and peak memory against the optimizer step from a run's metrics.jsonl.
+"""Plot loss, tokens/s and peak memory against the optimizer step from a run's metrics.jsonl, and the
+evaluations between stages.
 
     python scripts/plot_metrics.py checkpoints/RUN/metrics.jsonl -o checkpoints/RUN/metrics.png
 
 One PNG with three panels sharing the step axis; a dashed vertical line marks each curriculum stage
-boundary (the first step of a new stage), labelled with the stage and its sequence length. Evaluation
-lines ("event": "eval") and anything without "step" and "loss" are skipped; files written before
-stages existed have no "stage" key and count as stage 0.
+boundary (the first step of a new stage), labelled with the stage and its sequence length. Anything
+without "step" and "loss" is skipped there; files written before stages existed have no "stage" key and
+count as stage 0.
+
+When the file has evaluation lines ("event": "eval", training/evaluation.py), a second PNG next to it
+(`metrics_eval.png` for `-o metrics.png`): per task, one depth x length accuracy heat map per stage (the
+needle-in-a-haystack picture: green where the model retrieves, red where it does not; lengths beyond the
+stage's own are to the right of its dashed line), accuracy vs stage (one line per task and length), and the
+held-out loss by position for each stage.
 """
 
 from __future__ import annotations
@@ -31,6 +38,20 @@ def read_steps(path: str) -> list[dict]:
             if isinstance(rec, dict) and "step" in rec and "loss" in rec and rec.get("event") != "eval":
                 by_step[int(rec["step"])] = rec
     return [by_step[s] for s in sorted(by_step)]
+
+
+def read_evals(path: str) -> list[dict]:
+    """The latest evaluation record of each stage, in stage order (a resumed run may log a stage twice)."""
+    by_stage: dict[int, dict] = {}
+    with open(path) as fh:
+        for line in fh:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(rec, dict) and rec.get("event") == "eval" and "stage" in rec:
+                by_stage[int(rec["stage"])] = rec
+    return [by_stage[s] for s in sorted(by_stage)]
 
 
 def stage_boundaries(steps: list[dict]) -> list[int]:
@@ -88,6 +109,77 @@ def plot(steps: list[dict], out: str, title: str = "") -> None:
     plt.close(fig)
 
 
+def plot_eval(evals: list[dict], out: str, title: str = "") -> None:
+    """Heat maps (task x stage: depth x length), accuracy vs stage, held-out loss by position per stage."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = list(dict.fromkeys(t for r in evals for t in r.get("tasks", {})))
+    ncol = max(2, len(evals))
+    fig = plt.figure(figsize=(3.2 * ncol, 2.9 * (len(tasks) + 1) + 0.4))
+    grid = fig.add_gridspec(len(tasks) + 1, ncol)
+    cmap = plt.get_cmap("RdYlGn")
+    image = None
+    for row, task in enumerate(tasks):
+        for col, r in enumerate(evals):
+            ax = fig.add_subplot(grid[row, col])
+            acc = r.get("tasks", {}).get(task)
+            if not acc:
+                ax.axis("off")
+                continue
+            lengths = sorted(acc, key=int)
+            depths = sorted({d for a in acc.values() for d in a}, key=float)
+            z = [[acc[n].get(d, math.nan) for n in lengths] for d in depths]
+            image = ax.imshow(z, cmap=cmap, vmin=0, vmax=1, aspect="auto")
+            for i, zr in enumerate(z):
+                for j, v in enumerate(zr):
+                    ax.text(j, i, f"{v:.1f}", ha="center", va="center", fontsize=7)
+            ax.set_xticks(range(len(lengths)), [f"{int(n) // 1024}k" if int(n) % 1024 == 0 else n for n in lengths],
+                          fontsize=7)
+            ax.set_yticks(range(len(depths)), depths, fontsize=7)
+            trained = [j for j, n in enumerate(lengths) if int(n) <= r["seq_len"]]
+            if trained and trained[-1] < len(lengths) - 1:
+                ax.axvline(trained[-1] + 0.5, color="black", ls="--", lw=1)  # right of it: longer than trained
+            ax.set_title(f"{task}\nafter stage {r['stage']} ({r['seq_len']} tok)", fontsize=8)
+            if col == 0:
+                ax.set_ylabel("depth of the needle", fontsize=8)
+            if row == len(tasks) - 1:
+                ax.set_xlabel("evaluated length", fontsize=8)
+    if image is not None:
+        fig.colorbar(image, ax=fig.axes, shrink=0.6, label="accuracy (exact match)")
+    half = max(1, ncol // 2)
+    ax = fig.add_subplot(grid[len(tasks), :half])
+    stages = [r["stage"] for r in evals]
+    for k, task in enumerate(tasks):
+        lengths = sorted({n for r in evals for n in r.get("task_mean", {}).get(task, {})}, key=int)
+        for n in lengths:
+            y = [r.get("task_mean", {}).get(task, {}).get(n, math.nan) for r in evals]
+            ax.plot(stages, y, marker="o", lw=1.2, color=f"C{k}", alpha=0.35 + 0.65 * (int(n) / int(lengths[-1])),
+                    label=f"{task} @ {n}")
+    ax.set_xticks(stages, [f"{r['stage']}\n{r['seq_len']}" for r in evals], fontsize=7)
+    ax.set_xlabel("after stage (trained length)", fontsize=8)
+    ax.set_ylabel("accuracy (mean over depths)", fontsize=8)
+    ax.set_ylim(-0.05, 1.05)
+    ax.grid(alpha=0.3)
+    if tasks:
+        ax.legend(fontsize=6, ncol=max(1, len(tasks)), loc="best")
+    ax = fig.add_subplot(grid[len(tasks), half:])
+    for r in evals:
+        pos = r.get("heldout_loss_by_position")
+        if pos:
+            x = [(i + 0.5) / len(pos) for i in range(len(pos))]
+            ax.plot(x, pos, marker=".", lw=1.2, label=f"stage {r['stage']} ({r['seq_len']} tok)")
+    ax.set_xlabel("position in the sample (fraction of the stage's length)", fontsize=8)
+    ax.set_ylabel("held-out loss", fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.savefig(out, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("metrics", help="OUTPUT_DIR/metrics.jsonl")
@@ -100,6 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or args.metrics.rsplit(".", 1)[0] + ".png"
     plot(steps, out, title=args.metrics)
     print(f"{out}: {len(steps)} steps, stage boundaries at {stage_boundaries(steps) or 'none'}")
+    evals = read_evals(args.metrics)
+    if evals:
+        eval_out = out.rsplit(".", 1)[0] + "_eval.png"
+        plot_eval(evals, eval_out, title=args.metrics + ": evaluation after each stage")
+        print(f"{eval_out}: evaluations of stages {[r['stage'] for r in evals]}")
     return 0
 
 

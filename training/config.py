@@ -34,6 +34,7 @@ class StageConfig:
     deepspeed_overrides: dict = field(default_factory=dict)  # merged into the DeepSpeed JSON for this stage
     eval: dict = field(default_factory=dict)  # e.g. {passkey_trials: 4, depths: [0.1, 0.5, 0.9], heldout_samples: 2}
     memory_features: str | dict | None = None  # auto | manual | {tiled_mlp: true, checkpoint_every: 2, ...}: this stage's (a mapping pins those, auto picks the rest)
+    tasks: dict = field(default_factory=dict)  # synthetic task fractions, e.g. {passkey: 0.2} (data/tasks.py)
     data: dict | list | None = None  # mixture: {source_glob: weight} or [{source, weight, min_doc_tokens, ...}] (data/mixture.py); None: whole stream
 
 

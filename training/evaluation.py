@@ -1,16 +1,23 @@
-"""Evaluation at the end of a stage, at the stage's length, through the same sharded engine and the same tiled
-loss as training (model_utils/tiled_loss.py): never the whole `[seq, vocab]` logits.
+"""Evaluation at the end of a stage, through the same sharded engine and the same tiled loss as training
+(model_utils/tiled_loss.py): never the whole `[seq, vocab]` logits.
 
-- held-out loss: token-weighted loss over the run's held-out documents (data/pipeline.py: the same documents
-  at every stage, never trained on), packed to the stage's length;
-- passkey retrieval (needs a text tokenizer): a 5-digit key hidden at several depths of filler text,
-  answered after "What is the pass key? The pass key is"; a trial counts when every answer token is the
-  model's argmax given the prompt and the previous answer tokens (teacher-forced greedy decoding).
+- held-out loss at the stage's length over the run's held-out documents (data/pipeline.py: the same
+  documents at every stage, never trained on), overall and by position bucket (`eval.position_buckets`,
+  default 8 equal slices of the sequence: with useful context, later slices have lower loss);
+- retention: the held-out loss at the first stage's length after every stage (`heldout_loss_first_len`);
+- synthetic retrieval tasks (data/tasks.py, needs a text tokenizer): `eval.tasks` (a list, or {task: trials};
+  default [passkey]) x `eval.depths` (default 0.1, 0.5, 0.9) x `eval.passkey_trials` trials (default 2) at each
+  length of `eval.lengths`: `earlier` (default: this stage's and every earlier stage's length, short-context
+  retention), `all` (every stage's length: an early stage is also tried beyond its training length) or a list.
+  A trial counts when every answer token is the model's argmax given the prompt and the previous answer
+  tokens (teacher-forced greedy decoding, exact match). The trials of a (task, length) are seeded by the
+  task and length only, so every stage answers the very same questions.
 
 Samples are split across DP groups (group g takes samples g*mb .. g*mb+mb-1 of each round of dp*mb); every
 rank runs the same number of forwards (ZeRO-3 gathers weights with collectives), a group short of samples
-runs unlabelled fillers. Cost: one forward per round without autograd plus one 1 GiB logits tile.
-Results go to metrics.jsonl, W&B and OUTPUT_DIR/eval/stage{N}.json.
+runs unlabelled fillers. Cost: one forward per trial without autograd, one 1 GiB logits tile at most; the
+trials at length L cost (tasks x depths x trials) forwards of L tokens per stage.
+Results go to metrics.jsonl, W&B, OUTPUT_DIR/eval/stage{N}.json and eval/summary.md.
 """
 
 from __future__ import annotations
@@ -21,25 +28,32 @@ import numpy as np
 import torch
 
 from data.sharding import collate, shard
+from data.tasks import FILLER, TASKS, make_sample, passkey  # noqa: F401  (FILLER: re-exported, older imports)
 from model_utils.tiled_loss import eval_stats
 from training import comm
 
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+DEFAULT_DEPTHS = [0.1, 0.5, 0.9]
+DEFAULT_BUCKETS = 8
 
 
-def sample_stats(engine, samples: list[dict], dims, micro_batch: int, pad_id: int) -> torch.Tensor:
+def sample_stats(engine, samples: list[dict], dims, micro_batch: int, pad_id: int, buckets: int = 0) -> torch.Tensor:
     """[len(samples), 3] on every rank: per sample [sum CE, labelled tokens, wrong argmax] over the whole
-    sequence, each sample evaluated by one DP group (its SP ranks each take their shard)."""
-    out = torch.zeros(len(samples), 3, dtype=torch.float64)
+    sequence, each sample evaluated by one DP group (its SP ranks each take their shard). With `buckets` = n,
+    n CE sums and n labelled-token counts by position (the n equal slices of the sample) follow: [.., 3 + 2n]."""
+    out = torch.zeros(len(samples), 3 + 2 * buckets, dtype=torch.float64)
     if not samples:
         return out
     per_round = dims.dp * micro_batch
     filler = {**samples[0], "shift_labels": np.full_like(samples[0]["shift_labels"], -100)}
+    sl = len(samples[0]["input_ids"])
     for lo in range(0, len(samples), per_round):
         mine = list(range(lo + dims.dp_rank * micro_batch, lo + (dims.dp_rank + 1) * micro_batch))
-        batch = [samples[i] if i < len(samples) else filler for i in mine]
-        mb = {k: v.to(engine.device) for k, v in shard(collate(batch, dims.sp, pad_id), dims.sp, dims.sp_rank).items()}
-        stats = eval_stats(engine, mb).cpu()
+        batch = collate([samples[i] if i < len(samples) else filler for i in mine], dims.sp, pad_id)
+        if buckets:
+            pos = torch.arange(batch["input_ids"].shape[1])
+            batch["bucket_ids"] = torch.where(pos < sl, pos * buckets // sl, -1).expand_as(batch["input_ids"])
+        mb = {k: v.to(engine.device) for k, v in shard(batch, dims.sp, dims.sp_rank).items()}
+        stats = eval_stats(engine, mb, buckets).cpu()
         for row, i in zip(stats, mine):
             if i < len(samples):
                 out[i] += row
@@ -47,61 +61,116 @@ def sample_stats(engine, samples: list[dict], dims, micro_batch: int, pad_id: in
 
 
 def passkey_trials(eval_cfg: dict, tokenizer) -> int:
-    """Passkey trials per depth a stage runs: its eval.passkey_trials, default 2 with a text tokenizer."""
-    return int(eval_cfg.get("passkey_trials", 2 if tokenizer else 0)) if tokenizer is not None else 0
+    """Trials per depth a stage runs (every task): its eval.passkey_trials, default 2 with a text tokenizer."""
+    return int(eval_cfg.get("passkey_trials", 2)) if tokenizer is not None else 0
+
+
+def task_trials(eval_cfg: dict, tokenizer) -> dict[str, int]:
+    """{task: trials per depth} of a stage's evaluation: eval.tasks as a list (each with passkey_trials) or a
+    mapping {task: trials}; default {passkey: passkey_trials}. Empty without a text tokenizer."""
+    n = passkey_trials(eval_cfg, tokenizer)
+    if tokenizer is None:
+        return {}
+    spec = eval_cfg.get("tasks", ["passkey"])
+    tasks = {t: int(spec[t]) for t in spec} if isinstance(spec, dict) else {t: n for t in spec}
+    unknown = sorted(set(tasks) - set(TASKS))
+    if unknown:
+        raise ValueError(f"eval.tasks: unknown task(s) {unknown}; valid: {list(TASKS)}")
+    return {t: k for t, k in tasks.items() if k > 0}
+
+
+def eval_lengths(stage, stages) -> list[int]:
+    """The lengths a stage's tasks are tried at (eval.lengths: earlier | all | [lengths])."""
+    spec = stage.eval.get("lengths", "earlier")
+    if not stages:
+        return [stage.max_seq_length]
+    if spec == "earlier":
+        return sorted({s.max_seq_length for s in stages[: stage.index + 1]})
+    if spec == "all":
+        return sorted({s.max_seq_length for s in stages})
+    if isinstance(spec, list) and all(isinstance(x, int) and x > 0 for x in spec):
+        return sorted(set(spec))
+    raise ValueError(f"stage {stage.name!r}: eval.lengths must be earlier, all or a list of lengths, got {spec!r}")
 
 
 def check_passkey_fits(stages, tokenizer) -> None:
-    """Before any training: every stage that runs passkey trials is long enough to hold one (one-line error)."""
+    """Before any training: every stage's evaluation tasks fit every length it tries them at (one-line error)."""
     for stage in stages:
-        if passkey_trials(stage.eval, tokenizer):
-            try:
-                passkey_sample(tokenizer, stage.max_seq_length, 0.5, random.Random(0))
-            except ValueError as err:
-                raise ValueError(f"stage {stage.name!r}: {err}: raise max_seq_length or set eval.passkey_trials: 0 "
-                                 "for this stage") from None
+        try:
+            tasks, lengths = task_trials(stage.eval, tokenizer), eval_lengths(stage, stages)
+        except ValueError as err:
+            raise ValueError(f"stage {stage.name!r}: {err}") from None
+        for task in tasks:
+            for length in lengths:
+                try:
+                    make_sample(task, tokenizer, length, 0.5, random.Random(0))
+                except ValueError as err:
+                    raise ValueError(f"stage {stage.name!r}: {err}: raise max_seq_length or set eval.passkey_trials: "
+                                     "0 (or drop the task from eval.tasks) for this stage") from None
 
 
 def passkey_sample(tokenizer, seq_len: int, depth: float, rng: random.Random) -> dict[str, np.ndarray]:
-    key = str(rng.randint(10000, 99999))
-    needle = tokenizer.encode(f" The pass key is {key}. Remember it. {key} is the pass key. ")
-    question = tokenizer.encode(" What is the pass key? The pass key is")
-    answer = tokenizer.encode(f" {key}")
-    filler = tokenizer.encode(FILLER)
-    n_fill = seq_len - len(needle) - len(question) - len(answer)
-    if n_fill < len(filler):
-        need = len(needle) + len(question) + len(answer) + len(filler)
-        raise ValueError(f"max_seq_length={seq_len} is too short for a passkey trial (needs {need} tokens)")
-    body = (filler * (n_fill // len(filler) + 1))[:n_fill]
-    at = int(depth * n_fill)
-    ids = np.asarray(body[:at] + needle + body[at:] + question + answer, dtype=np.int64)
-    labels = np.full_like(ids, -100)
-    first = len(ids) - len(answer)
-    labels[first - 1: len(ids) - 1] = ids[first:]  # predict each answer token from the position before it
-    return {"input_ids": ids, "shift_labels": labels, "position_ids": np.arange(len(ids))}
+    """A passkey trial (data/tasks.py `passkey`; kept under its old name)."""
+    return passkey(tokenizer, seq_len, depth, rng)
+
+
+def task_accuracy(engine, dims, micro_batch: int, pad_id: int, tokenizer, trials: dict[str, int], depths: list[float],
+                  length: int) -> dict[str, dict[str, float]]:
+    """{task: {depth: exact-match accuracy}} at `length`: one batch of trials for all tasks and depths."""
+    samples, where = [], []
+    for task, n in trials.items():
+        rng = random.Random(f"eval:{task}:{length}")
+        for d in depths:
+            samples += [make_sample(task, tokenizer, length, d, rng) for _ in range(n)]
+            where += [(task, d)] * n
+    wrong = sample_stats(engine, samples, dims, micro_batch, pad_id)[:, 2]
+    out: dict[str, dict[str, float]] = {t: {} for t in trials}
+    for task in trials:
+        for d in depths:
+            hits = [float(w == 0) for w, k in zip(wrong.tolist(), where) if k == (task, d)]
+            out[task][f"{d:g}"] = sum(hits) / len(hits)
+    return out
 
 
 def evaluate_stage(engine, stage, dims, heldout: list[dict], tokenizer, metrics, step: int, micro_batch: int,
-                   pad_id: int) -> dict:
-    """Run the stage's evaluation on every rank; rank 0 records it. Returns the result."""
+                   pad_id: int, stages=None, heldout_at=None) -> dict:
+    """Run the stage's evaluation on every rank; rank 0 records it. Returns the result. `stages` (the whole
+    curriculum) gives the other lengths to try the tasks at, `heldout_at(seq_len, n)` (RunData.heldout) the
+    held-out samples at the first stage's length; without them only this stage's length is evaluated."""
     cfg = stage.eval
     engine.eval()
     result = {"stage": stage.index, "stage_name": stage.name, "step": step, "seq_len": stage.max_seq_length}
+    buckets = int(cfg.get("position_buckets", DEFAULT_BUCKETS))
     if heldout:
-        stats = sample_stats(engine, heldout, dims, micro_batch, pad_id).sum(0)
+        stats = sample_stats(engine, heldout, dims, micro_batch, pad_id, buckets).sum(0)
         result["heldout_loss"] = (stats[0] / stats[1].clamp_min(1)).item()
         result["heldout_tokens"] = int(stats[1].item())
-    trials = passkey_trials(cfg, tokenizer)
+        if buckets:
+            ce, n = stats[3:3 + buckets], stats[3 + buckets:]
+            result["heldout_loss_by_position"] = [(c / k).item() if k > 0 else float("nan") for c, k in zip(ce, n)]
+    first = stages[0].max_seq_length if stages else stage.max_seq_length
+    if heldout and first == stage.max_seq_length:
+        result["heldout_loss_first_len"] = result["heldout_loss"]
+    elif heldout and heldout_at is not None:
+        stats = sample_stats(engine, heldout_at(first, len(heldout)), dims, micro_batch, pad_id).sum(0)
+        result["heldout_loss_first_len"] = (stats[0] / stats[1].clamp_min(1)).item()
+    if heldout:
+        result["first_len"] = first
+    trials = task_trials(cfg, tokenizer)
     if trials:
-        rng = random.Random(1234 + stage.index)
-        depths = cfg.get("depths", [0.1, 0.5, 0.9])
-        samples = [passkey_sample(tokenizer, stage.max_seq_length, d, rng) for d in depths for _ in range(trials)]
-        wrong = sample_stats(engine, samples, dims, micro_batch, pad_id)[:, 2].reshape(len(depths), trials)
-        per_depth = {f"{d:g}": float((w == 0).double().mean()) for d, w in zip(depths, wrong)}
-        result["passkey_accuracy"] = per_depth
-        result["passkey_mean"] = sum(per_depth.values()) / len(per_depth)
+        depths = [float(d) for d in cfg.get("depths", DEFAULT_DEPTHS)]
+        by_len = {n: task_accuracy(engine, dims, micro_batch, pad_id, tokenizer, trials, depths, n)
+                  for n in eval_lengths(stage, stages)}
+        # {task: {length: {depth: accuracy}}}, and each task's mean over depths per length
+        result["tasks"] = {t: {str(n): by_len[n][t] for n in by_len} for t in trials}
+        result["task_mean"] = {t: {str(n): sum(a.values()) / len(a) for n, a in lens.items()}
+                               for t, lens in result["tasks"].items()}
+        if "passkey" in trials and str(stage.max_seq_length) in result["tasks"]["passkey"]:
+            result["passkey_accuracy"] = result["tasks"]["passkey"][str(stage.max_seq_length)]
+            result["passkey_mean"] = result["task_mean"]["passkey"][str(stage.max_seq_length)]
     engine.train()
     metrics.log_eval(stage.index, result)
-    metrics.log_table(f"eval/stage{stage.index}", ["depth", "accuracy"],
-                      [[d, a] for d, a in result.get("passkey_accuracy", {}).items()])
+    metrics.log_table(f"eval/stage{stage.index}", ["task", "length", "depth", "accuracy"],
+                      [[t, int(n), float(d), a] for t, lens in result.get("tasks", {}).items()
+                       for n, acc in lens.items() for d, a in acc.items()])
     return result

@@ -129,21 +129,16 @@ class MetricsLogger:
         self._write_eval_table()
 
     def _write_eval_table(self) -> None:
-        """OUTPUT_DIR/eval/summary.md: one row per evaluated stage."""
+        """OUTPUT_DIR/eval/summary.md: one row per evaluated stage (held-out loss, at the first stage's length
+        too, passkey by depth at the stage's length), then per task one row per stage of accuracy (mean over
+        depths) at every length tried, then the held-out loss by position bucket."""
         rows = []
         for name in sorted(os.listdir(self.eval_dir), key=lambda n: (len(n), n)):
             if name.startswith("stage") and name.endswith(".json"):
                 with open(os.path.join(self.eval_dir, name)) as fh:
                     rows.append(json.load(fh))
-        depths = sorted({d for r in rows for d in r.get("passkey_accuracy", {})}, key=float)
-        head = ["stage", "name", "step", "seq_len", "heldout_loss", *[f"passkey@{d}" for d in depths]]
-        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        for r in rows:
-            cells = [r["stage"], r["stage_name"], r["step"], r["seq_len"], f"{r.get('heldout_loss', float('nan')):.4f}",
-                     *[f"{r.get('passkey_accuracy', {}).get(d, float('nan')):.2f}" for d in depths]]
-            lines.append("| " + " | ".join(str(c) for c in cells) + " |")
         with open(os.path.join(self.eval_dir, "summary.md"), "w") as fh:
-            fh.write("\n".join(lines) + "\n")
+            fh.write("\n".join(eval_tables(rows)) + "\n")
 
     def log(self, record: dict) -> None:
         if not self.is_main:
@@ -174,3 +169,34 @@ class MetricsLogger:
             self.bar.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def _table(head: list, rows: list[list]) -> list[str]:
+    return ["| " + " | ".join(str(h) for h in head) + " |", "|" + "---|" * len(head),
+            *["| " + " | ".join(str(c) for c in r) + " |" for r in rows]]
+
+
+def eval_tables(rows: list[dict]) -> list[str]:
+    """The Markdown of eval/summary.md from the stages' eval/stage{N}.json results, in stage order."""
+    nan = float("nan")
+    depths = sorted({d for r in rows for d in r.get("passkey_accuracy", {})}, key=float)
+    first = next((r["first_len"] for r in rows if "first_len" in r), None)
+    head = ["stage", "name", "step", "seq_len", "heldout_loss", f"heldout_loss@{first}", *[f"passkey@{d}" for d in depths]]
+    out = _table(head, [[r["stage"], r["stage_name"], r["step"], r["seq_len"], f"{r.get('heldout_loss', nan):.4f}",
+                         f"{r.get('heldout_loss_first_len', nan):.4f}",
+                         *[f"{r.get('passkey_accuracy', {}).get(d, nan):.2f}" for d in depths]] for r in rows])
+    tasks = list(dict.fromkeys(t for r in rows for t in r.get("task_mean", {})))
+    for task in tasks:
+        lengths = sorted({int(n) for r in rows for n in r.get("task_mean", {}).get(task, {})})
+        out += ["", f"**{task}** accuracy (mean over depths) by evaluated length, after each stage:", ""]
+        out += _table(["stage", "trained at", *lengths],
+                      [[r["stage"], r["seq_len"], *[f"{r['task_mean'][task].get(str(n), nan):.2f}" for n in lengths]]
+                       for r in rows if task in r.get("task_mean", {})])
+    with_pos = [r for r in rows if r.get("heldout_loss_by_position")]
+    if with_pos:
+        nb = max(len(r["heldout_loss_by_position"]) for r in with_pos)
+        out += ["", "held-out loss by position (equal slices of the stage's length, first to last):", ""]
+        out += _table(["stage", "seq_len", *[f"{i + 1}/{nb}" for i in range(nb)]],
+                      [[r["stage"], r["seq_len"], *[f"{x:.3f}" for x in r["heldout_loss_by_position"]]] for r in with_pos])
+    return out
+

@@ -1,0 +1,213 @@
+"""Synthetic long-context retrieval tasks (in the spirit of RULER, Hsieh et al. 2024): generators, and a
+wrapper that mixes them into a stage's training stream.
+
+Three tasks, each a sample of exactly the stage's length (a haystack of repeated filler sentences with the
+task's statements inserted at a depth, then a question whose answer ends the sample):
+
+- `passkey`: a 5-digit key at one depth; "What is the pass key? The pass key is" -> " 12345".
+- `niah_multikey`: 4 needles "One of the special magic numbers for <word> is: <7 digits>." at different
+  depths (the queried one at the given depth, 3 distractor keys elsewhere); the question names one key.
+- `variable_tracking`: two chains `VAR ABCDE = 12345.`, `VAR FGHIJ = VAR ABCDE.`, ... (5 variables each,
+  the queried chain's first statement at the given depth, the rest spread after it, the other chain
+  interleaved as a distractor); the answer lists the variables holding the queried value, in chain order.
+
+A sample is the packer's dict (`input_ids`, `shift_labels`, `position_ids`, monotonic) plus `task` and
+`answer` (text). **The loss is on the answer tokens only**: the haystack is the same filler sentence
+repeated, so its tokens carry nothing but "repeat the filler" (thousands of trivially predictable tokens
+per sample that would outweigh the 5-30 answer tokens); the stage's real text supplies the language
+modelling signal, and the task samples' loss is exactly what the evaluation scores.
+
+In training (`TaskMixSampler`), a stage key `tasks: {passkey: 0.2, niah_multikey: 0.1}` makes that fraction
+of the stage's micro-steps synthetic. A synthetic sample is a pure function of (seed, task, serial number),
+so the sampler's state (two counters plus the wrapped sampler's own state) is the whole data position.
+"""
+
+from __future__ import annotations
+
+import random
+import string
+
+import numpy as np
+
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+TASKS = ("passkey", "niah_multikey", "variable_tracking")
+WORDS = ("apple", "river", "candle", "forest", "mirror", "silver", "garden", "planet", "window", "tiger",
+         "bottle", "castle", "dragon", "engine", "feather", "guitar", "harbor", "island", "jacket", "lemon",
+         "marble", "needle", "orange", "pencil", "rocket", "saddle", "tunnel", "violin", "wallet", "yellow")
+NIAH_KEYS = 4  # 1 queried + 3 distractors (RULER's multikey_1 has 3 distractor needles too)
+VT_HOPS, VT_CHAINS = 4, 2  # 5 variables per chain, one distractor chain
+
+
+def _haystack(tokenizer, n: int) -> list[int]:
+    filler = tokenizer.encode(FILLER)
+    return (filler * (n // len(filler) + 1))[:n]
+
+
+def _assemble(tokenizer, seq_len: int, inserts: list[tuple[float, list[int]]], question: list[int],
+              answer: list[int], task: str, answer_text: str) -> dict:
+    """Filler with each (depth, tokens) inserted at that fraction of the haystack, then question + answer;
+    labels on the answer only. ValueError when `seq_len` cannot hold it with one filler sentence."""
+    need = sum(len(t) for _, t in inserts) + len(question) + len(answer)
+    n_fill = seq_len - need
+    if n_fill < len(tokenizer.encode(FILLER)):
+        raise ValueError(f"max_seq_length={seq_len} is too short for a {task} trial (needs "
+                         f"{need + len(tokenizer.encode(FILLER))} tokens)")
+    body = _haystack(tokenizer, n_fill)
+    # insert from the deepest point backwards so earlier offsets stay valid; ties keep their listed order
+    for _, (depth, toks) in sorted(enumerate(inserts), key=lambda x: (x[1][0], x[0]), reverse=True):
+        at = int(depth * n_fill)
+        body[at:at] = toks
+    ids = np.asarray(body + question + answer, dtype=np.int64)
+    labels = np.full_like(ids, -100)
+    first = len(ids) - len(answer)
+    labels[first - 1: len(ids) - 1] = ids[first:]  # each answer token predicted from the position before it
+    return {"input_ids": ids, "shift_labels": labels, "position_ids": np.arange(len(ids)), "task": task,
+            "answer": answer_text}
+
+
+def passkey(tokenizer, seq_len: int, depth: float, rng: random.Random) -> dict:
+    key = str(rng.randint(10000, 99999))
+    needle = tokenizer.encode(f" The pass key is {key}. Remember it. {key} is the pass key. ")
+    question = tokenizer.encode(" What is the pass key? The pass key is")
+    return _assemble(tokenizer, seq_len, [(depth, needle)], question, tokenizer.encode(f" {key}"), "passkey", key)
+
+
+def niah_multikey(tokenizer, seq_len: int, depth: float, rng: random.Random) -> dict:
+    keys = rng.sample(WORDS, NIAH_KEYS)
+    values = [str(rng.randint(1_000_000, 9_999_999)) for _ in keys]
+    depths = [depth] + [rng.random() for _ in keys[1:]]
+    inserts = [(d, tokenizer.encode(f" One of the special magic numbers for {k} is: {v}. "))
+               for d, k, v in zip(depths, keys, values)]
+    question = tokenizer.encode(f" What is the special magic number for {keys[0]} mentioned in the provided text? "
+                                f"One of the special magic numbers for {keys[0]} is:")
+    return _assemble(tokenizer, seq_len, inserts, question, tokenizer.encode(f" {values[0]}"), "niah_multikey",
+                     values[0])
+
+
+def _var_name(rng: random.Random, taken: set) -> str:
+    while True:
+        name = "".join(rng.choice(string.ascii_uppercase) for _ in range(5))
+        if name not in taken:
+            taken.add(name)
+            return name
+
+
+def variable_tracking(tokenizer, seq_len: int, depth: float, rng: random.Random) -> dict:
+    taken: set = set()
+    values = rng.sample(range(10000, 100000), VT_CHAINS)
+    chains = [[_var_name(rng, taken) for _ in range(VT_HOPS + 1)] for _ in range(VT_CHAINS)]
+    inserts = []
+    for c, (names, value) in enumerate(zip(chains, values)):
+        start = depth if c == 0 else rng.random() * depth  # the distractor chain begins anywhere before it
+        span = (1.0 - start) * 0.9
+        for h, name in enumerate(names):
+            rhs = str(value) if h == 0 else f"VAR {names[h - 1]}"
+            inserts.append((start + span * h / (len(names) - 1), tokenizer.encode(f" VAR {name} = {rhs}. ")))
+    question = tokenizer.encode(f" Question: Find all variables that are assigned the value {values[0]} in the "
+                                f"text above. Answer: According to the chain(s) of variables assignment in the "
+                                f"text above, {VT_HOPS + 1} variables are assigned the value {values[0]}, they are:")
+    text = " ".join(chains[0])
+    return _assemble(tokenizer, seq_len, inserts, question, tokenizer.encode(f" {text}"), "variable_tracking", text)
+
+
+GENERATORS = {"passkey": passkey, "niah_multikey": niah_multikey, "variable_tracking": variable_tracking}
+
+
+def make_sample(task: str, tokenizer, seq_len: int, depth: float, rng: random.Random) -> dict:
+    return GENERATORS[task](tokenizer, seq_len, depth, rng)
+
+
+def parse_tasks(spec, where: str = "tasks") -> dict[str, float]:
+    """A stage's `tasks:` ({task: fraction of the stage's samples}) checked; one-line ValueError."""
+    if not spec:
+        return {}
+    if not isinstance(spec, dict):
+        raise ValueError(f"{where}: expected {{task: fraction}}, e.g. {{passkey: 0.2}}, got {spec!r}")
+    unknown = sorted(set(spec) - set(TASKS))
+    if unknown:
+        raise ValueError(f"{where}: unknown task(s) {unknown}; valid: {list(TASKS)}")
+    out = {t: float(spec[t]) for t in TASKS if t in spec}
+    if any(not 0 < f <= 1 for f in out.values()) or sum(out.values()) > 1 + 1e-9:
+        raise ValueError(f"{where}: fractions must be in (0, 1] and sum to at most 1, got {out}")
+    return out
+
+
+def check_tasks(stage, tokenizer) -> dict[str, float]:
+    """A stage's task fractions, after checking it can generate them (text tokenizer, length)."""
+    tasks = parse_tasks(getattr(stage, "tasks", None), f"stage {stage.index} ({stage.name}) tasks")
+    if tasks and tokenizer is None:
+        raise ValueError(f"stage {stage.index} ({stage.name}): synthetic tasks {list(tasks)} need a text tokenizer "
+                         "(--tokenizer_name_or_path) or drop the stage's `tasks`")
+    for t in tasks:
+        try:
+            make_sample(t, tokenizer, stage.max_seq_length, 0.5, random.Random(0))
+        except ValueError as e:
+            raise ValueError(f"stage {stage.index} ({stage.name}): {e}: raise max_seq_length or drop {t}") from None
+    return tasks
+
+
+class TaskMixDataset:
+    """The stage's dataset plus virtual synthetic samples: index `i < len(base)` is the base's sample, index
+    `len(base) + k` is synthetic sample serial `k // n_tasks` of task `names[k % n_tasks]`."""
+
+    def __init__(self, base, names: list[str], tokenizer, seq_len: int, seed: int):
+        self.base, self.names, self.tokenizer, self.seq_len, self.seed = base, list(names), tokenizer, seq_len, seed
+        self.n_base = len(base)
+
+    def __len__(self) -> int:
+        return self.n_base
+
+    def index(self, task: int, serial: int) -> int:
+        return self.n_base + serial * len(self.names) + task
+
+    def __getitem__(self, i: int) -> dict:
+        if i < self.n_base:
+            return self.base[i]
+        serial, task = divmod(i - self.n_base, len(self.names))
+        rng = random.Random(f"{self.seed}:{self.names[task]}:{serial}")  # str seeds are hashed with SHA-512
+        return make_sample(self.names[task], self.tokenizer, self.seq_len, rng.random(), rng)
+
+
+class TaskMixSampler:
+    """Wraps a stage's sampler: each micro-step (all DP ranks together, dp x mb samples) is either the wrapped
+    sampler's next micro-batch or a micro-batch of one synthetic task, chosen by the same rule as
+    MixtureSampler (the component furthest below its share goes next: realised shares within one
+    micro-step of the fractions at every point). Deciding per micro-step keeps every DP rank calling the
+    wrapped sampler together, so its own position stays the same on all ranks."""
+
+    def __init__(self, base, dataset: TaskMixDataset, fractions: dict[str, float], dp: int, dp_rank: int,
+                 micro_batch: int):
+        self.base, self.dataset = base, dataset
+        self.names = list(fractions)
+        assert self.names == dataset.names
+        self.weights = np.asarray([1.0 - sum(fractions.values()), *fractions.values()], dtype=np.float64)
+        self.dp, self.dp_rank, self.mb = dp, dp_rank, micro_batch
+        self.drawn, self.counts = 0, np.zeros(len(self.weights), dtype=np.int64)
+
+    def next_batch(self) -> list[int]:
+        c = int(np.argmax(self.weights * (self.drawn + 1) - self.counts))
+        serial0 = int(self.counts[c]) * self.dp * self.mb + self.dp_rank * self.mb
+        self.counts[c] += 1
+        self.drawn += 1
+        if c == 0:
+            return self.base.next_batch()
+        return [self.dataset.index(c - 1, serial0 + j) for j in range(self.mb)]
+
+    def source_shares(self) -> dict[str, float]:
+        """Share of samples per component: the wrapped sampler's components (or `stream`) and `task:<name>`."""
+        n = max(1, self.drawn)
+        base = self.counts[0] / n
+        shares = {k: v * base for k, v in self.base.source_shares().items()} or {"stream": float(base)}
+        shares.update({f"task:{t}": float(c) / n for t, c in zip(self.names, self.counts[1:])})
+        return shares
+
+    def state_dict(self) -> dict:
+        return {"tasks": self.names, "drawn": self.drawn, "counts": self.counts.tolist(),
+                "base": self.base.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("tasks") != self.names:
+            raise ValueError(f"the checkpoint's data position is for synthetic tasks {state.get('tasks')}, this stage "
+                             f"has {self.names}: resume with the same recipe (or --resume none)")
+        self.drawn, self.counts = int(state["drawn"]), np.asarray(state["counts"], dtype=np.int64)
+        self.base.load_state_dict(state["base"])

@@ -1,0 +1,216 @@
+"""Synthetic long-context tasks (data/tasks.py) and their evaluation (training/evaluation.py).
+
+The metric itself is checked: a stub model that reads the answer out of the context (a regex oracle that
+never sees the labels) scores 1.0 on every task, a random model 0, and a model that answers with a random
+one of the values present in the text (ignoring which key or chain is asked for) about the chance level of
+the task (1/4 needles, 1/2 chains). The mixture reaches its configured fractions, resumes exactly and gives
+DP ranks disjoint samples; position-bucketed loss adds up to the plain loss under SP sharding."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from data.sampler import ResumableSampler
+from data.tasks import TASKS, TaskMixDataset, TaskMixSampler, make_sample, parse_tasks
+from model_utils.tiled_loss import _stats
+from training.evaluation import sample_stats, task_accuracy
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from data.corpus import build_demo_corpus
+    from data.tokenizer import Tokenizer
+
+    return Tokenizer(build_demo_corpus()[1])
+
+
+@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("seq_len", [512, 1500])
+def test_samples_have_the_length_and_labels_only_on_the_answer(tok, task, seq_len):
+    a = make_sample(task, tok, seq_len, 0.3, random.Random(5))
+    b = make_sample(task, tok, seq_len, 0.3, random.Random(5))
+    assert all(np.array_equal(a[k], b[k]) for k in ("input_ids", "shift_labels", "position_ids"))  # deterministic
+    ids, lab = a["input_ids"], a["shift_labels"]
+    assert len(ids) == len(lab) == seq_len and np.array_equal(a["position_ids"], np.arange(seq_len))
+    scored = np.flatnonzero(lab != -100)
+    answer = tok.encode(" " + a["answer"])
+    assert scored.tolist() == list(range(seq_len - len(answer) - 1, seq_len - 1))  # the answer's tokens, nothing else
+    assert lab[scored].tolist() == answer == ids[-len(answer):].tolist()
+    assert oracle(tok.decode(ids[: seq_len - len(answer)].tolist())) == a["answer"]
+
+
+def test_depth_places_the_needle(tok):
+    where = []
+    for depth in (0.0, 0.5, 1.0):
+        text = tok.decode(make_sample("passkey", tok, 2000, depth, random.Random(1))["input_ids"].tolist())
+        where.append(text.index("The pass key is") / len(text))
+    assert where[0] < 0.02 and 0.4 < where[1] < 0.6 and where[2] > 0.9, where
+
+
+def oracle(prompt: str, guess: random.Random | None = None) -> str:
+    """The answer read off the prompt's text (never the labels). With `guess`, a random one of the answers
+    present in the text, ignoring which key / value the question asks for (a chance-level reader)."""
+    if "pass key" in prompt:
+        return re.search(r"The pass key is (\d+)\.", prompt).group(1)
+    if "special magic number" in prompt:
+        pairs = dict(re.findall(r"special magic numbers for (\w+) is: (\d+)\.", prompt.rsplit("What is", 1)[0]))
+        key = re.search(r"magic number for (\w+) mentioned", prompt).group(1)
+        return guess.choice(sorted(pairs.values())) if guess else pairs[key]
+    assign = re.findall(r"VAR (\w+) = (VAR \w+|\d+)\.", prompt)
+    value = re.search(r"assigned the value (\d+) in the text", prompt).group(1)
+    if guess:
+        value = guess.choice(sorted(v for _, v in assign if v.isdigit()))
+    chain, frontier = [], {value}
+    for name, rhs in assign:  # statements appear in chain order
+        if rhs.removeprefix("VAR ") in frontier:
+            chain.append(name)
+            frontier.add(name)
+    return " ".join(chain)
+
+
+class StubEngine:
+    """Stands in for the DeepSpeed engine in evaluation: eval_stats calls it with the tiled-loss keywords; it
+    builds logits ([bs, sl, vocab]) from `predict` and scores them with the real `_stats` (identity head)."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, tok, mode: str, seed: int = 0):
+        self.tok, self.mode, self.rng, self.vocab = tok, mode, random.Random(seed), 2048
+
+    def eval(self):
+        pass
+
+    def train(self):
+        pass
+
+    def __call__(self, input_ids, position_ids, use_cache, tiled_loss_labels, eval_stats, eval_buckets=None):
+        logits = torch.randn(*input_ids.shape, self.vocab,
+                             generator=torch.Generator().manual_seed(self.rng.randrange(2**31)))
+        if self.mode != "random":
+            for row in range(input_ids.shape[0]):
+                scored = torch.nonzero(tiled_loss_labels[row] != -100).flatten().tolist()
+                if not scored:
+                    continue
+                prompt = self.tok.decode(input_ids[row, : scored[0] + 1].tolist())
+                answer = oracle(prompt, self.rng if self.mode == "guess" else None)
+                for p, t in zip(scored, self.tok.encode(" " + answer)):
+                    logits[row, p, t] = 100.0  # teacher forcing: position p predicts answer token k
+        return _stats(lambda h: h, logits, tiled_loss_labels, 2, eval_buckets)
+
+
+DIMS1 = types.SimpleNamespace(dp=1, dp_rank=0, sp=1, sp_rank=0)
+
+
+def test_oracle_scores_one_random_model_zero_guesser_chance(tok):
+    trials = {t: 12 for t in TASKS}
+    depths = [0.0, 0.5, 1.0]
+    exact = task_accuracy(StubEngine(tok, "oracle"), DIMS1, 2, tok.pad_id, tok, trials, depths, 1024)
+    assert exact == {t: {"0": 1.0, "0.5": 1.0, "1": 1.0} for t in TASKS}
+    noise = task_accuracy(StubEngine(tok, "random"), DIMS1, 2, tok.pad_id, tok, trials, depths, 1024)
+    assert noise == {t: {"0": 0.0, "0.5": 0.0, "1": 0.0} for t in TASKS}  # chance of a 5+ token exact match ~ 0
+    guess = task_accuracy(StubEngine(tok, "guess", seed=3), DIMS1, 3, tok.pad_id, tok,
+                          {"niah_multikey": 40, "variable_tracking": 40}, depths, 768)
+    mean = {t: sum(a.values()) / len(a) for t, a in guess.items()}
+    assert abs(mean["niah_multikey"] - 0.25) < 0.12 and abs(mean["variable_tracking"] - 0.5) < 0.15, mean
+
+
+def test_position_buckets_add_up_under_sp_sharding(tok):
+    """Per-bucket CE sums and counts over SP shards (each rank its slice) equal the whole sample's, and their
+    total is the plain [CE, tokens] pair: the bucketed output only adds columns."""
+    rng = np.random.default_rng(0)
+    sl = 301  # padded to 302 at SP=2
+    samples = [{"input_ids": rng.integers(0, 2000, sl), "position_ids": np.arange(sl),
+                "shift_labels": np.where(rng.random(sl) < 0.8, rng.integers(0, 2000, sl), -100)} for _ in range(3)]
+    eng = StubEngine(tok, "random")
+    plain = sample_stats(eng, samples, DIMS1, 2, 0)
+    eng.rng = random.Random(0)
+    whole = sample_stats(eng, samples, DIMS1, 2, 0, buckets=8)
+    parts = []
+    for r in range(2):
+        eng.rng = random.Random(0)
+        parts.append(sample_stats(eng, samples, types.SimpleNamespace(dp=1, dp_rank=0, sp=2, sp_rank=r), 2, 0, 8))
+    assert whole.shape == (3, 19) and plain.shape == (3, 3)
+    assert torch.allclose(whole[:, 3:11].sum(1), whole[:, 0]) and torch.equal(whole[:, 11:].sum(1), whole[:, 1])
+    expect = [[int(((s["shift_labels"] != -100) & (np.arange(sl) * 8 // sl == b)).sum()) for b in range(8)] for s in samples]
+    assert whole[:, 11:].tolist() == expect
+    sharded = parts[0] + parts[1]
+    assert torch.equal(sharded[:, 11:], whole[:, 11:]) and torch.equal(sharded[:, 1], whole[:, 1])
+
+
+def test_mixture_reaches_fractions_resumes_and_splits_dp(tok):
+    fractions = parse_tasks({"passkey": 0.2, "niah_multikey": 0.1, "variable_tracking": 0.1})
+    base = list(range(40))  # stand-in for the stage's packed samples
+
+    def make(dp_rank):
+        ds = TaskMixDataset(base, list(fractions), tok, 512, seed=7)
+        return ds, TaskMixSampler(ResumableSampler(40, 2, dp_rank, 2, seed=7), ds, fractions, 2, dp_rank, 2)
+
+    (ds, s0), (_, s1) = make(0), make(1)
+    seen = {t: 0 for t in ("base", *TASKS)}
+    synthetic = set()
+    for n in range(1, 201):
+        b0, b1 = s0.next_batch(), s1.next_batch()
+        assert not set(b0) & set(b1)  # DP ranks never read the same sample
+        for i in b0 + b1:
+            if i >= len(ds):
+                sample = ds[i]
+                seen[sample["task"]] += 1
+                synthetic.add(tok.decode(sample["input_ids"][-12:].tolist()))
+            else:
+                seen["base"] += 1
+        shares = s0.source_shares()
+        for t, f in fractions.items():
+            assert abs(shares[f"task:{t}"] - f) <= 1.0 / n + 1e-12  # within one micro-step at every point
+    assert seen == {"base": 480, "passkey": 160, "niah_multikey": 80, "variable_tracking": 80}  # 800 samples
+    assert len(synthetic) > 300  # a fresh question every time, not a few repeated ones
+    state = json.loads(json.dumps(s0.state_dict()))
+    ref = [s0.next_batch() for _ in range(30)]
+    _, again = make(0)
+    again.load_state_dict(state)
+    assert [again.next_batch() for _ in range(30)] == ref
+    assert all(np.array_equal(ds[i]["input_ids"], make(0)[0][i]["input_ids"]) for r in ref for i in r if i >= 40)
+
+
+def test_stage_view_wraps_the_stage_stream_and_bad_tasks_are_refused(tok):
+    from data.pipeline import open_run_data
+    from training.config import config_from_dict
+    from training.curriculum import resolve_stages
+
+    cfg = config_from_dict({"max_seq_length": 512, "max_steps": 4, "stages": [
+        {"name": "a", "max_seq_length": 512, "tasks": {"passkey": 0.5}}]})
+    stages = resolve_stages(cfg, dp_of_sp=lambda sp: 1)
+    data = open_run_data(None, None, 2048, stages, False)
+    ds, sampler = data.stage_view(stages[0], 1, 0, 1, seed=0)
+    tasks = [ds[sampler.next_batch()[0]].get("task", "text") for _ in range(10)]
+    assert tasks.count("passkey") == 5 and sampler.source_shares() == {"stream": 0.5, "task:passkey": 0.5}
+    for bad, msg in (({"passkey": 0.7, "niah_multikey": 0.4}, "sum to at most 1"), ({"needle": 0.1}, "unknown task"),
+                     ({"variable_tracking": 0.1}, "too short for a variable_tracking trial")):
+        short = {"max_seq_length": 256, "max_steps": 1, "stages": [{"name": "b", "max_seq_length": 256, "tasks": bad}]}
+        with pytest.raises(ValueError, match=msg):
+            open_run_data(None, None, 2048, resolve_stages(config_from_dict(short), dp_of_sp=lambda sp: 1), False)
+
+
+def test_eval_tables_and_plot(tmp_path):
+    from scripts.plot_metrics import plot_eval
+    from training.metrics import eval_tables
+
+    evals = []
+    for s, n in enumerate([1024, 2048]):
+        acc = {str(m): {"0.1": float(m <= n), "0.9": 0.5} for m in (1024, 2048)}
+        evals.append({"event": "eval", "stage": s, "stage_name": f"s{s}", "step": 10 * (s + 1), "seq_len": n,
+                      "heldout_loss": 3.0 - s, "heldout_loss_first_len": 3.1, "first_len": 1024,
+                      "heldout_loss_by_position": [3.5, 3.0, 2.8, 2.7], "tasks": {"passkey": acc},
+                      "task_mean": {"passkey": {m: sum(a.values()) / 2 for m, a in acc.items()}},
+                      "passkey_accuracy": acc[str(n)], "passkey_mean": 0.75})
+    md = "\n".join(eval_tables(evals))
+    assert "| 0 | 1024 | 0.75 | 0.25 |" in md and "| 1 | 2048 | 0.75 | 0.75 |" in md, md
+    assert "heldout_loss@1024" in md and "| 1 | 2048 | 3.500 | 3.000 | 2.800 | 2.700 |" in md
+    plot_eval(evals, str(tmp_path / "e.png"))
+    assert (tmp_path / "e.png").stat().st_size > 10_000
