@@ -131,3 +131,29 @@ def test_plan_lines_print_the_choice(tmp_path):
     c = stages[0].memory_choice
     assert f"memory features (auto): {af.describe(af.Features(tiled_logits=stages[0].tiled_logits, tiled_mlp=stages[0].tiled_mlp, checkpoint_every=stages[0].checkpoint_every, offload_activations=stages[0].offload_activations))}" in text
     assert f"predicted peak {c['predicted_peak_gb']:.2f} of {80 - af.GPU_RESERVED / GiB:.2f} GiB" in text
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_train_auto_stays_under_the_cap(tmp_path):
+    """2 ranks (SP=2), 8192 tokens, a 4-layer h256 Llama: --memory_features auto --mem_cap_gb 0.85 must choose
+    a set that is neither none nor everything, and the measured peak (metrics peak_mem_gb, peak RSS max over
+    ranks) must stay under the cap. MALLOC_MMAP_THRESHOLD_ as scripts/bench_memory.py (RSS follows the tensors)."""
+    from scripts.bench_memory import bench_model
+    from tests.distributed import ROOT, run
+
+    cap, out = 0.85, tmp_path / "out"
+    noeval = tmp_path / "noeval.yaml"
+    noeval.write_text("stages:\n  - {name: s, eval: {passkey_trials: 0, heldout_samples: 0}}\n")
+    args = ["--config", str(noeval), "--model_name_or_path", bench_model(256, 4), "--max_seq_length", "8192",
+            "--sequence_parallel_size", "2", "--max_steps", "2", "--output_dir", str(out), "--report_to", "none",
+            "--no-export_hf", "--resume", "none", "--no-progress_bar", "--memory_features", "auto",
+            "--mem_cap_gb", str(cap)]
+    run(os.path.join(ROOT, "train.py"), args, 2, str(tmp_path / "logs"),
+        extra_env={"MALLOC_MMAP_THRESHOLD_": "65536"})
+    with open(tmp_path / "logs" / "rank0.log") as fh:
+        chosen = [line.split("memory features (auto): ")[1].split(";")[0] for line in fh if "features (auto)" in line]
+    assert chosen and chosen[0] not in ("none", af.describe(af.ALL_FEATURES)), chosen
+    with open(out / "metrics.jsonl") as fh:
+        peaks = [r["peak_mem_gb"] for r in map(json.loads, fh) if "peak_mem_gb" in r]
+    assert len(peaks) == 2 and max(peaks) < cap, (chosen, peaks)

@@ -28,6 +28,9 @@ from training.memory_model import (GiB, Features, ModelShape, estimate, flops_pe
 
 HEADROOM = 0.10  # keep this fraction of the device memory free (allocator fragmentation, planner error)
 GPU_RESERVED = 2 * GiB  # CUDA context, NCCL buffers, the workspace of kernels: not tensors the planner sees
+# CPU runs: what the process grows by after the stages are resolved that is not a tensor the planner counts
+# (DeepSpeed engine, gloo, CPU Adam): 0.13 GiB measured (docs/memory_model.md), rounded up
+CPU_ENGINE_OVERHEAD = GiB // 5
 PCIE_BYTES_PER_S = 25e9  # effective host<->device bandwidth per GPU for checkpoint offload
 MFU, PEAK_TFLOPS = 0.4, 989.0  # the H100 bf16 figures training/summary.py quotes
 FEATURE_KEYS = ("tiled_mlp", "tiled_logits", "checkpoint_every", "offload_activations")
@@ -55,7 +58,7 @@ class Choice:
 def describe(f: Features) -> str:
     parts = [n for n in ("tiled_logits", "tiled_mlp") if getattr(f, n)]
     if f.every:
-        parts.append("checkpoint every layer" if f.every == 1 else f"checkpoint every {f.every}th layer")
+        parts.append("checkpoint every layer" if f.every == 1 else f"checkpoint 1 layer in {f.every}")
     if f.offload_activations:
         parts.append("offload checkpoints")
     return ", ".join(parts) or "none"
@@ -161,7 +164,9 @@ ALL_FEATURES = Features(tiled_mlp=True, tiled_logits=True, checkpoint_every=1, o
 
 def device_budget(gpu_mem_gb: float, mem_cap_gb: float) -> tuple[str, int]:
     """(device, bytes per rank the tensors may use): the GPU's memory (given, or detected) less GPU_RESERVED;
-    on a CPU run, the --mem_cap_gb cap less this process' peak RSS so far (interpreter and libraries)."""
+    on a CPU run, the --mem_cap_gb cap less this process' peak RSS so far (interpreter and libraries) and
+    CPU_ENGINE_OVERHEAD. CPU peak RSS follows the tensors only with MALLOC_MMAP_THRESHOLD_=65536 (glibc otherwise
+    keeps freed blocks: +0.2 GiB measured at 8192 tokens), as scripts/bench_memory.py runs."""
     if gpu_mem_gb > 0:
         return "cuda", int(gpu_mem_gb * GiB) - GPU_RESERVED
     import torch
@@ -170,7 +175,7 @@ def device_budget(gpu_mem_gb: float, mem_cap_gb: float) -> tuple[str, int]:
         return "cuda", torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory - GPU_RESERVED
     if mem_cap_gb > 0:
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-        return "cpu", int(mem_cap_gb * GiB) - rss
+        return "cpu", int(mem_cap_gb * GiB) - rss - CPU_ENGINE_OVERHEAD
     raise ValueError("memory_features auto / sequence_parallel_size auto need the memory per rank: --gpu_mem_gb "
                      "(detected on a GPU) or --mem_cap_gb on a CPU run")
 
