@@ -248,6 +248,9 @@ def check_supported(model, attn: str) -> None:
     if bad:
         raise ValueError(f"{name}: layer types {bad} are not supported (only {' / '.join(LAYER_TYPES)} layers are "
                          "sequence-parallel and document-masked): use a model without them")
+    if getattr(cfg, "final_logit_softcapping", None):
+        raise ValueError(f"{name}: final_logit_softcapping={cfg.final_logit_softcapping} is not supported: the tiled "
+                         "LM head / loss (always used by evaluation) computes the logits without it")
     if getattr(cfg, "attention_chunk_size", None):
         raise ValueError(f"{name}: chunked attention (attention_chunk_size={cfg.attention_chunk_size}) is not "
                          "supported: use a model with full or sliding-window attention")
