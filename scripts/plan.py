@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ALST:
         p.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--alst", action="store_true", help="turn on " + ", ".join(ALST))
+    p.add_argument("--auto", action="store_true",
+                   help="also show what train.py's memory_features auto picks per length (features on the command "
+                        "line stay on; --sp auto: the smallest SP that fits) and its tokens/s vs all features")
     p.add_argument("--margin", type=float, default=0.15,
                    help="recommend the smallest SP whose GPU peak leaves this fraction of usable memory free")
     p.add_argument("--mfu", type=float, default=0.4)
@@ -171,11 +174,39 @@ def make_plan(args: argparse.Namespace) -> dict:
     feats = Features.of({k: getattr(args, k) or (args.alst and k in ALST) for k in FEATURES})
     pl = Planner(args, shape, feats)
     seqs = [parse_seq_len(s) for s in args.seq_len.split(",") if s.strip()]
+    plans = [plan_one(pl, s) for s in seqs]
+    if args.auto:
+        for p, seq_len in zip(plans, seqs):
+            p["auto"] = auto_plan(args, shape, pl.world, seq_len)
     return dict(model=args.model, shape=vars(shape) | dict(params=shape.num_params()), precision=args.precision,
                 cluster=dict(nodes=args.nodes, gpus_per_node=args.gpus_per_node, world=pl.world,
                              gpu_mem_gib=args.gpu_mem_gb, gpu_usable_gib=pl.gpu_limit / GiB,
                              cpu_mem_gib_per_node=args.cpu_mem_gb),
-                features=vars(feats), margin=args.margin, plans=[plan_one(pl, s) for s in seqs])
+                features=vars(feats), margin=args.margin, plans=plans)
+
+
+def auto_plan(args: argparse.Namespace, shape: ModelShape, world: int, seq_len: int) -> dict:
+    """--auto: the choice of training/auto_features.py with train.py's budget for --gpu_mem_gb (the same as
+    `train.py --memory_features auto --gpu_mem_gb G --dry_run`), and tokens/s/GPU of it and of all features."""
+    from training import auto_features as af
+
+    pinned = {k: True for k in ALST if getattr(args, k) or args.alst}
+    if pinned.pop("gradient_checkpointing", False):
+        pinned["checkpoint_every"] = 1
+    _, budget = af.device_budget(args.gpu_mem_gb, 0.0)
+    offloads = Features(offload_params=args.offload_params, offload_optimizer=args.offload_optimizer)
+    try:
+        c = af.choose(shape, seq_len, world, budget, sp=None if args.sp == "auto" else int(args.sp),
+                      sp_max=args.gpus_per_node, pinned=pinned, offloads=offloads, precision=args.precision)
+    except ValueError as e:
+        return {"error": str(e)}
+    tps = tokens_per_sec_per_gpu(shape, seq_len, args.mfu, args.gpu_tflops)
+    speed = dict(mfu=args.mfu, peak_tflops=args.gpu_tflops)
+    all_speed = af.relative_speed(shape, seq_len, c.sp, af.ALL_FEATURES, **speed)
+    return c.as_dict() | dict(features=af.describe(c.features),
+                              predicted_relative_speed=af.relative_speed(shape, seq_len, c.sp, c.features, **speed),
+                              tokens_per_sec_per_gpu=tps * af.relative_speed(shape, seq_len, c.sp, c.features, **speed),
+                              all_features_tokens_per_sec_per_gpu=tps * all_speed)
 
 
 def _count(n: int) -> str:
@@ -227,7 +258,18 @@ def render(rep: dict) -> str:
                      + (f" with overrides {json.dumps(p['deepspeed_overrides'])}" if p["deepspeed_overrides"] else ""))
         lines.append("recipe:" if p["recommended_sp"] else "recipe (does NOT fit; for reference):")
         lines += ["  " + ln for ln in yaml.safe_dump(p["recipe"], sort_keys=False).splitlines()]
+        if "auto" in p:
+            lines.append(_auto_line(p["auto"]))
     return "\n".join(lines)
+
+
+def _auto_line(a: dict) -> str:
+    if "error" in a:
+        return f"memory_features auto: {a['error']}"
+    return (f"memory_features auto: {a['features']} at sp={a['sp']}; predicted peak {a['predicted_peak_gb']:.1f} of "
+            f"{a['budget_gb']:.1f} GiB; ~{a['tokens_per_sec_per_gpu']:,.0f} tokens/s/GPU (recompute included) vs "
+            f"~{a['all_features_tokens_per_sec_per_gpu']:,.0f} with all features "
+            f"(x{a['tokens_per_sec_per_gpu'] / a['all_features_tokens_per_sec_per_gpu']:.2f})")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -157,3 +157,24 @@ def test_train_auto_stays_under_the_cap(tmp_path):
     with open(out / "metrics.jsonl") as fh:
         peaks = [r["peak_mem_gb"] for r in map(json.loads, fh) if "peak_mem_gb" in r]
     assert len(peaks) == 2 and max(peaks) < cap, (chosen, peaks)
+
+
+@pytest.mark.parametrize("ds_file", ["zero3.json", "zero3_offload.json"])
+def test_overlap_comm_per_accelerator(monkeypatch, tmp_path, ds_file):
+    """training/ds_config.build_ds_config decides overlap_comm: on with a GPU (DeepSpeed's ZeRO-3 default), off
+    on the CPU accelerator; a concrete value in the JSON wins; buckets from the hidden size either way."""
+    from training import ds_config
+    from training.parallel import ParallelDims
+
+    path = os.path.join("ds_configs", ds_file)
+    with open(path) as fh:
+        assert json.load(fh)["zero_optimization"]["overlap_comm"] == "auto"
+    cfg, dims = Config(deepspeed=path), ParallelDims(world=2, sp=2, rank=0, local_rank=0)
+    for gpu in (True, False):
+        monkeypatch.setattr(ds_config, "no_gpu", lambda gpu=gpu: not gpu)
+        zero = ds_config.build_ds_config(cfg, dims, bf16=False, hidden_size=64)["zero_optimization"]
+        assert zero["overlap_comm"] is gpu
+        assert (zero["reduce_bucket_size"], zero["stage3_prefetch_bucket_size"]) == (64 * 64, int(0.9 * 64 * 64))
+    monkeypatch.setattr(ds_config, "no_gpu", lambda: False)
+    zero = ds_config.build_ds_config(cfg, dims, False, 64, {"zero_optimization": {"overlap_comm": False}})
+    assert zero["zero_optimization"]["overlap_comm"] is False

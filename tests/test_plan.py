@@ -200,3 +200,39 @@ def test_predict_peak_bytes_for_tiny_models_on_cpu():
         same = predict_peak_bytes(name, 2048, 2, features={"gradient_checkpointing"})
         assert predict_peak_bytes(name, 2048, 2, features=off) == pytest.approx(same, rel=0.2)
         assert predict_peak_bytes(name, 2048, 2, features=off, device="cuda") < same
+
+
+def test_selective_checkpointing_term_by_hand():
+    """checkpoint_every=K: ceil(L/K) layers keep only their input, the others all their saved activations."""
+    shape = ModelShape(**{**vars(TOY), "num_layers": 5})
+    saved, _ = layer_activations(shape, 100, 1, 2, False)
+    hid = 100 * 64 * 2
+    k1, k2 = estimate(shape, 100, 1, 1, Features(checkpoint_every=1)), estimate(shape, 100, 1, 1, {"checkpoint_every": 2})
+    assert k1.gpu == estimate(shape, 100, 1, 1, Features(gradient_checkpointing=True)).gpu  # K=1 is today's flag
+    assert k2.gpu["activation checkpoints"] == 3 * hid  # layers 0, 2, 4
+    assert k2.gpu["saved activations (layers not checkpointed)"] == 2 * saved
+    assert k2.gpu_phases == k1.gpu_phases
+    off = estimate(shape, 100, 1, 1, {"checkpoint_every": 2, "offload_activations": True})
+    assert off.cpu_per_rank["activation checkpoints"] == 3 * hid and off.gpu["activation checkpoints"] == 2 * hid
+    peaks = [estimate(shape, 100, 1, 1, Features(checkpoint_every=k)).gpu_peak for k in (1, 2, 3, 5)]
+    assert peaks == sorted(peaks) and peaks[-1] < estimate(shape, 100, 1, 1, Features()).gpu_peak
+    with pytest.raises(ValueError, match="checkpoint_every"):
+        Features.of({"checkpoint_every": -1})
+
+
+def test_auto_shows_the_dry_runs_choice(capsys):
+    """--auto: per length the choice train.py --memory_features auto --gpu_mem_gb 80 makes, faster than all features."""
+    from training.auto_features import choose, device_budget
+
+    plan.main(["--model", "llama3-8b", "--seq_len", "128k,1M", "--nodes", "4", "--auto", "--json"])
+    rep = json.loads(capsys.readouterr().out)
+    for p, seq in zip(rep["plans"], (131072, 1048576)):
+        a = p["auto"]
+        want = choose(load_shape("llama3-8b"), seq, 32, device_budget(80.0, 0.0)[1], sp=None, sp_max=8,
+                      offloads=Features(offload_params=True, offload_optimizer=True))
+        assert a["sp"] == want.sp and a["checkpoint_every"] == want.features.every
+        assert (a["tiled_mlp"], a["tiled_logits"]) == (want.features.tiled_mlp, want.features.tiled_logits)
+        assert a["predicted_peak_gb"] <= a["budget_gb"]
+        assert a["tokens_per_sec_per_gpu"] >= a["all_features_tokens_per_sec_per_gpu"]
+    plan.main(["--model", "llama3-8b", "--seq_len", "128k", "--nodes", "4", "--sp", "2", "--auto"])
+    assert "memory_features auto: tiled_logits, checkpoint every layer at sp=2" in capsys.readouterr().out

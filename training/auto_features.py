@@ -65,7 +65,7 @@ def describe(f: Features) -> str:
 
 
 def relative_speed(shape: ModelShape, seq_len: int, sp: int, f: Features, device: str = "cuda",
-                   precision: str = "bf16") -> float:
+                   precision: str = "bf16", mfu: float = MFU, peak_tflops: float = PEAK_TFLOPS) -> float:
     """time(no feature) / time(f) for one step, from the recompute (and offload copy) cost model."""
     s, h, L = seq_len, shape.hidden_size, shape.num_layers
     base = flops_per_sequence(shape, s)  # 3 x forward FLOPs
@@ -77,12 +77,12 @@ def relative_speed(shape: ModelShape, seq_len: int, sp: int, f: Features, device
         extra += L * 2.0 * 3 * h * shape.intermediate_size * s
     if f.tiled_logits:
         extra += 2.0 * shape.vocab_size * h * s
-    compute_s = (base + extra) / (sp * MFU * PEAK_TFLOPS * 1e12)  # per step, the SP group shares the sequence
+    compute_s = (base + extra) / (sp * mfu * peak_tflops * 1e12)  # per step, the SP group shares the sequence
     copy_s = 0.0
     if f.offload_activations and f.every and device == "cuda":
         hid = math.ceil(s / sp) * h * (2 if precision == "bf16" else 4)
         copy_s = 2 * math.ceil(L / f.every) * hid / PCIE_BYTES_PER_S
-    return base / (sp * MFU * PEAK_TFLOPS * 1e12) / (compute_s + copy_s)
+    return base / (sp * mfu * peak_tflops * 1e12) / (compute_s + copy_s)
 
 
 def peak_bytes(shape: ModelShape, seq_len: int, sp: int, world: int, f: Features, offloads: Features,

@@ -15,6 +15,13 @@ Configs as users have them (e.g. Hugging Face's ZeRO-3 example, `ds_configs/hf_z
 - a top-level `sequence_parallelism` block (`{"enabled": true, "degree": N, "sequence_parallel_type":
   "ulysses"}`) sets the SP degree when flags and recipe left it unset and must agree with them otherwise
   (`settle_from_file`, called by config.parse_config before any process group); it never reaches DeepSpeed.
+
+Settings per accelerator (decided in `build_ds_config`, nowhere else): `zero_optimization.overlap_comm: "auto"`
+(ds_configs/zero3*.json) is true on a GPU, where ZeRO-3's gradient reduce-scatter and parameter all-gathers run
+on their own CUDA streams behind the compute (DeepSpeed's own ZeRO-3 default), and false on the CPU accelerator,
+which has no side streams to overlap on. The buckets follow DeepSpeed's / Hugging Face's ZeRO-3 recommendations
+for both: reduce_bucket_size h^2, stage3_prefetch_bucket_size 0.9 h^2, stage3_param_persistence_threshold 10 h.
+A concrete value in the JSON is kept.
 """
 
 from __future__ import annotations
@@ -147,6 +154,8 @@ def build_ds_config(cfg: Config, dims: ParallelDims, bf16: bool, hidden_size: in
     if ds.get("seq_parallel_communication_data_type") == "auto":
         ds["seq_parallel_communication_data_type"] = "bf16" if bf16 else "fp16" if cfg.fp16 else "fp32"
     zero = ds.get("zero_optimization", {})
+    if zero.get("overlap_comm") == "auto":
+        zero["overlap_comm"] = not no_gpu()  # see the module docstring: side streams exist on a GPU only
     for key, value in (("reduce_bucket_size", hidden_size * hidden_size),
                        ("stage3_prefetch_bucket_size", int(0.9 * hidden_size * hidden_size)),
                        ("stage3_param_persistence_threshold", 10 * hidden_size)):
