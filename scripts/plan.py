@@ -197,7 +197,8 @@ def auto_plan(args: argparse.Namespace, shape: ModelShape, world: int, seq_len: 
     offloads = Features(offload_params=args.offload_params, offload_optimizer=args.offload_optimizer)
     try:
         c = af.choose(shape, seq_len, world, budget, sp=None if args.sp == "auto" else int(args.sp),
-                      sp_max=args.gpus_per_node, pinned=pinned, offloads=offloads, precision=args.precision)
+                      sp_max=args.gpus_per_node, pinned=pinned, offloads=offloads, precision=args.precision,
+                      host_bytes_per_rank=int((args.cpu_mem_gb / args.gpus_per_node - args.cpu_overhead_gb) * GiB))
     except ValueError as e:
         return {"error": str(e)}
     tps = tokens_per_sec_per_gpu(shape, seq_len, args.mfu, args.gpu_tflops)

@@ -23,8 +23,13 @@ import resource
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from training.memory_model import (GiB, Features, ModelShape, estimate, flops_per_sequence,
-                                   tokens_per_sec_per_gpu)
+from training.memory_model import (
+    Features,
+    GiB,
+    ModelShape,
+    estimate,
+    flops_per_sequence,
+)
 
 HEADROOM = 0.10  # keep this fraction of the device memory free (allocator fragmentation, planner error)
 GPU_RESERVED = 2 * GiB  # CUDA context, NCCL buffers, the workspace of kernels: not tensors the planner sees
@@ -89,9 +94,15 @@ def peak_bytes(shape: ModelShape, seq_len: int, sp: int, world: int, f: Features
                precision: str, device: str) -> int:
     """Predicted peak of one rank: on a GPU the device peak; on a CPU everything shares the host RAM, so the
     ZeRO-3 CPU offloads count too (training.memory_model.predict_peak_bytes' rule)."""
+    return _peaks(shape, seq_len, sp, world, f, offloads, precision, device)[0]
+
+
+def _peaks(shape, seq_len, sp, world, f, offloads, precision, device) -> tuple[int, int]:
+    """(peak of one rank as in peak_bytes, host bytes of one rank: offloaded states and checkpoints)."""
     feats = replace(f, offload_params=offloads.offload_params, offload_optimizer=offloads.offload_optimizer)
     est = estimate(shape, seq_len, sp, world, feats, precision)
-    return est.gpu_peak + (sum(est.cpu_per_rank.values()) if device == "cpu" else 0)
+    host = sum(est.cpu_per_rank.values())
+    return est.gpu_peak + (host if device == "cpu" else 0), host
 
 
 def candidates(num_layers: int, pinned: Mapping, device: str) -> list[Features]:
@@ -135,11 +146,13 @@ def sp_degrees(shape: ModelShape, world: int, seq_len: int, sp_max: int) -> list
 
 
 def choose(shape: ModelShape, seq_len: int, world: int, budget_bytes: int, *, sp: int | None,
-           sp_max: int | None = None, pinned: Mapping | None = None, offloads: Features = Features(),
-           precision: str = "bf16", device: str = "cuda", headroom: float = HEADROOM) -> Choice:
+           sp_max: int | None = None, pinned: Mapping | None = None, offloads: Features | None = None,
+           precision: str = "bf16", device: str = "cuda", headroom: float = HEADROOM,
+           host_bytes_per_rank: int | None = None) -> Choice:
     """The fastest candidate whose predicted peak, plus `headroom` of the budget, fits in budget_bytes; at `sp`,
-    or (sp=None) at the smallest degree <= sp_max where anything fits. Ties: the smaller peak. One-line
-    ValueError when nothing fits, naming the least memory any candidate needs."""
+    or (sp=None) at the smallest degree <= sp_max where anything fits. Ties: the smaller peak. On a GPU,
+    `host_bytes_per_rank` (CPU memory of a node / its ranks, less the runtime) also bounds what the ZeRO-3 and
+    checkpoint offloads put in host memory. One-line ValueError when nothing fits."""
     cands = candidates(shape.num_layers, pinned or {}, device)
     usable = budget_bytes * (1 - headroom)
     degrees = [sp] if sp else sp_degrees(shape, world, seq_len, sp_max or world)
@@ -147,9 +160,9 @@ def choose(shape: ModelShape, seq_len: int, world: int, budget_bytes: int, *, sp
     for d in degrees:
         scored = []
         for f in cands:
-            peak = peak_bytes(shape, seq_len, d, world, f, offloads, precision, device)
+            peak, host = _peaks(shape, seq_len, d, world, f, offloads or Features(), precision, device)
             least = peak if least is None else min(least, peak)
-            if peak <= usable:
+            if peak <= usable and (device == "cpu" or host_bytes_per_rank is None or host <= host_bytes_per_rank):
                 scored.append((-relative_speed(shape, seq_len, d, f, device, precision), peak, f))
         if scored:
             speed, peak, f = min(scored, key=lambda t: (t[0], t[1]))
