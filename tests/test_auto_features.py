@@ -14,7 +14,7 @@ from training import auto_features as af
 from training.config import Config, StageConfig
 from training.curriculum import resolve_stages
 from training.engine import stage_config
-from training.memory_model import GiB, Features, load_shape
+from training.memory_model import Features, GiB, load_shape
 
 SHAPE = load_shape("llama3-8b")
 OFF = Features(offload_params=True, offload_optimizer=True)

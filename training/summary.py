@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 
+from training.auto_features import ALL_FEATURES, describe, relative_speed
 from training.config import Config
 from training.curriculum import Stage
-from training.auto_features import ALL_FEATURES, describe, relative_speed
 from training.engine import stage_config
 from training.memory_model import Features, GiB, estimate, load_shape, tokens_per_sec_per_gpu
 
