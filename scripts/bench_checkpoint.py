@@ -3,10 +3,12 @@
 The deepspeed launcher answers SIGTERM by terminating its children and SIGKILLing them after a grace
 period (see docs/launch.md), and SLURM's `--signal=B:USR1@N` warns N seconds ahead: the preemption save
 must fit. This runs a real 2-rank save on CPU for a model of the given size, reports the bytes written per
-rank and the throughput (write + fsync + CRC32 read-back), and projects the save time of a bigger model
-on the same storage.
+rank and the throughput (write with CRC32 computed on the way + fsync), and projects the save time of a
+bigger model on the same storage.
 
     python scripts/bench_checkpoint.py [--hidden 1024 --layers 8] [--project llama3-8b --world 32 --per_node 8]
+
+scripts/bench_preempt.py measures the same save inside a preempted run, with the stop-to-exit time around it.
 """
 
 from __future__ import annotations

@@ -248,6 +248,10 @@ def render(rep: dict) -> str:
         lines += [f"  {k:<42}{_gib(v)}{'  <- peak' if k == e['peak_phase'] else ''}"
                   for k, v in e["gpu_phases"].items()]
         lines.append(f"  {'= peak':<42}{_gib(e['gpu_peak'])}  of {c['gpu_usable_gib']:.1f} usable")
+        if e.get("eval_gpu_peak"):
+            ev = max(e["eval_phases"], key=e["eval_phases"].get)
+            fits = "fits" if e["eval_gpu_peak"] <= c["gpu_usable_gib"] * GiB else "does NOT fit"
+            lines.append(f"  {'evaluation peak (' + ev[6:] + ')':<42}{_gib(e['eval_gpu_peak'])}  {fits}, no autograd")
         lines.append("per-node CPU (GiB, per rank x GPUs per node):")
         lines += [f"  {k:<42}{_gib(v * c['gpus_per_node'])}" for k, v in e["cpu_per_rank"].items()]
         lines.append(f"  {'= per node':<42}{_gib(e['cpu_per_node'])}  of {c['cpu_mem_gib_per_node']:g}")

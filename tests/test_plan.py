@@ -14,6 +14,9 @@ from training.memory_model import (
     Features,
     ModelShape,
     estimate,
+    eval_phase_bytes,
+    eval_phases,
+    eval_tile_rows,
     flops_per_sequence,
     layer_activations,
     load_shape,
@@ -59,6 +62,42 @@ def test_breakdown_by_hand_no_features():
     assert est.gpu_phases["optimizer step (fp32 grad copy)"] == 4 * (n // 2)
     assert est.gpu_peak == 2 * 210240 + 1261440 + 272384 + 2 * saved + 1_438_400 == 3_831_104
     assert est.cpu_per_rank == {}
+
+
+def test_eval_phases_by_hand():
+    # no autograd: 2 hidden [100,64] + max(attention: q,k,v,o [100,4,16] + o back [100,64]; MLP: 3 [100,128])
+    layer = 2 * 12800 + max(51200 + 12800, 3 * 100 * 128 * 2)
+    assert layer == 102400
+    # whole logits: [100, 1000] x (bf16 2 + fp32 upcast 4 + log-softmax 4 + its copy 4) + last hidden, its norm
+    assert eval_phases(TOY, 100, 1, 2, tiled=False) == {"eval: one layer forward": layer,
+                                                        "eval: whole logits + CE": 100 * 1000 * 14 + 2 * 12800}
+    # a 100 KB tile is 25 rows of fp32 logits: 4 tiles of 25 rows
+    assert eval_tile_rows(100, 1000, tile_bytes=100_000) == 25
+    assert eval_phases(TOY, 100, 1, 2, tile_bytes=100_000)["eval: logits tile + CE"] == 25 * 1000 * 14 + 2 * 12800
+    # Llama 3 at 128k, SP=2: 65536 x 128256 fp32 logits are 31.3 GiB -> 32 tiles of 2048 rows (tiled_loss's rule)
+    assert eval_tile_rows(65536, 128256) == 2048
+
+
+def test_eval_fits_where_the_training_step_does():
+    shape = load_shape("llama3-8b")
+    for feats in (set(), {"tiled_logits"}, ALL_ACT | {"offload_params", "offload_optimizer"}):
+        est = estimate(shape, 131072, 8, 32, feats)
+        assert 0 < est.eval_gpu_peak < est.gpu_peak, feats
+        assert max(est.eval_phases.values()) < max(est.gpu_phases.values()), feats
+        assert est.to_dict()["eval_gpu_peak"] == est.eval_gpu_peak
+    # evaluation holds no activations of other layers: it does not grow with the depth, the step does
+    deep = ModelShape(**{**vars(shape), "num_layers": 2 * shape.num_layers})
+    assert estimate(deep, 131072, 8, 32, set()).eval_phases == estimate(shape, 131072, 8, 32, set()).eval_phases
+
+
+def test_untiled_eval_grows_with_vocab_tiled_does_not():
+    small = load_shape("llama3-8b")
+    big = ModelShape(**{**vars(small), "vocab_size": 4 * small.vocab_size})
+    untiled = [eval_phase_bytes(s, 131072, 2, 2, tiled=False) for s in (small, big)]
+    tiled = [eval_phase_bytes(s, 131072, 2, 2, tiled=True) for s in (small, big)]
+    assert untiled[1] > 3.9 * untiled[0] > 0
+    assert abs(tiled[1] - tiled[0]) < 0.01 * tiled[0]  # one ~1 GiB tile of fp32 logits either way
+    assert tiled[0] * 10 < untiled[0]
 
 
 def test_sp_halves_activation_terms():

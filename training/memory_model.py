@@ -18,7 +18,7 @@ import json
 import math
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from model_utils.presets import PRESETS
 from training.parallel import check_layout
@@ -162,6 +162,8 @@ class Estimate:
     gpu_phases: dict[str, int]  # only one of these is live at a time; the peak adds the largest
     cpu_per_rank: dict[str, int]
     gpus_per_node: int
+    # evaluation (forward without autograd): its working set replaces the step's activations and phases
+    eval_phases: dict[str, int] = field(default_factory=dict)
 
     @property
     def gpu_peak(self) -> int:
@@ -175,10 +177,24 @@ class Estimate:
     def cpu_per_node(self) -> int:
         return sum(self.cpu_per_rank.values()) * self.gpus_per_node
 
+    @property
+    def eval_gpu_peak(self) -> int:
+        """Peak of an evaluation forward: the resident terms without the step's activations (none are saved
+        without autograd) plus the larger eval phase. 0 when no eval phase was estimated."""
+        if not self.eval_phases:
+            return 0
+        resident = sum(v for k, v in self.gpu.items() if k not in ACTIVATION_TERMS)
+        return resident + max(self.eval_phases.values())
+
     def to_dict(self) -> dict:
         out = asdict(self)
         out.update(gpu_peak=self.gpu_peak, peak_phase=self.peak_phase, cpu_per_node=self.cpu_per_node)
+        if self.eval_phases:
+            out.update(eval_gpu_peak=self.eval_gpu_peak)
         return out
+
+
+ACTIVATION_TERMS = ("saved activations (all layers)", "activation checkpoints")  # step-only resident terms
 
 
 def layer_activations(shape: ModelShape, tokens: int, sp: int, b: int, tiled_mlp: bool) -> tuple[int, int]:
@@ -207,6 +223,48 @@ def logits_bytes(shape: ModelShape, tokens: int, b: int, tiled: bool) -> int:
     per_elem = b + (4 if b < 4 else 0) + 4 + 4
     hid = tokens * shape.hidden_size * b
     return rows * shape.vocab_size * per_elem + 3 * hid  # + final norm in/out and d(hidden)
+
+
+def eval_tile_rows(tokens: int, vocab: int, tile_bytes: int = LOGITS_TILE_BYTES) -> int:
+    """Rows (tokens) of one evaluation logits tile: model_utils/tiled_loss.logits_tiles at micro-batch 1."""
+    tiles = max(1, min(tokens, math.ceil(tokens * vocab * 4 / tile_bytes)))
+    return math.ceil(tokens / tiles)
+
+
+def eval_phases(shape: ModelShape, seq_len: int, sp: int, b: int, tiled: bool = True, tiled_mlp: bool = False,
+                tile_bytes: int = LOGITS_TILE_BYTES) -> dict[str, int]:
+    """Transient bytes of one evaluation forward on one rank (no autograd: nothing is saved for backward, no
+    gradient exists), as two phases of which one is live at a time:
+
+    - one decoder layer: the hidden state carried between layers, its norm, then either attention (q, k, v, o at
+      the full sequence with heads/sp after the all-to-all, o back in [T, nh*d]; the all-to-all staging buffer
+      is among the resident terms) or the gated MLP (gate, up, act(gate)*up of [rows, I]; rows = one TiledMLP
+      tile with --tiled_mlp);
+    - the logits tile (model_utils/tiled_loss._stats): lm_head output (b), its fp32 upcast (4, bf16 only),
+      cross-entropy's fp32 log-softmax (4) and the contiguous copy of it that nll_loss makes for the
+      [bs, V, tile] layout `_stats` passes (4; measured, see docs/memory_model.md), plus the last hidden
+      state and its final norm.
+    `tiled=False` is the old evaluation (the whole [T, V] logits of the shard)."""
+    tokens = math.ceil(seq_len / sp)
+    h, d, inter = shape.hidden_size, shape.head_dim, shape.intermediate_size
+    hid = tokens * h * b
+    q_loc = shape.num_heads // sp
+    kv_loc = shape.num_kv_heads // sp if shape.num_kv_heads >= sp else 1
+    attn = tokens * sp * d * (2 * q_loc + 2 * kv_loc) * b  # q, k, v, o at [S, heads/sp, d]
+    o_back = tokens * shape.num_heads * d * b
+    rows = math.ceil(tokens / mlp_tiles(tokens, h)) if tiled_mlp else tokens
+    layer = 2 * hid + max(attn + o_back, 3 * rows * inter * b)  # all-to-all staging: a resident term already
+    logit_rows = eval_tile_rows(tokens, shape.vocab_size, tile_bytes) if tiled else tokens
+    per_elem = b + (4 if b < 4 else 0) + 4 + 4
+    return {"eval: one layer forward": layer,
+            "eval: logits tile + CE" if tiled else "eval: whole logits + CE": logit_rows * shape.vocab_size * per_elem
+            + 2 * hid}
+
+
+def eval_phase_bytes(shape: ModelShape, seq_len: int, sp: int, b: int, tiled: bool = True, tiled_mlp: bool = False,
+                     tile_bytes: int = LOGITS_TILE_BYTES) -> int:
+    """The larger of `eval_phases`: what an evaluation forward adds on top of the resident model states."""
+    return max(eval_phases(shape, seq_len, sp, b, tiled, tiled_mlp, tile_bytes).values())
 
 
 def estimate(shape: ModelShape, seq_len: int, sp: int, world: int,
@@ -258,7 +316,8 @@ def estimate(shape: ModelShape, seq_len: int, sp: int, world: int,
     if not f.offload_optimizer and b < 4:
         phases["optimizer step (fp32 grad copy)"] = 4 * min(n // world, ZERO_SUBGROUP)
     return Estimate(seq_len=seq_len, sp=sp, world=world, tokens_per_rank=tokens, gpu=gpu, gpu_phases=phases,
-                    cpu_per_rank=cpu, gpus_per_node=gpus_per_node or world)
+                    cpu_per_rank=cpu, gpus_per_node=gpus_per_node or world,
+                    eval_phases=eval_phases(shape, seq_len, sp, b, tiled=True, tiled_mlp=f.tiled_mlp))
 
 
 def predict_peak_bytes(shape: ModelShape | Mapping | str, seq_len: int, sp: int,
