@@ -85,6 +85,11 @@ def test_eval_fits_where_the_training_step_does():
         assert 0 < est.eval_gpu_peak < est.gpu_peak, feats
         assert max(est.eval_phases.values()) < max(est.gpu_phases.values()), feats
         assert est.to_dict()["eval_gpu_peak"] == est.eval_gpu_peak
+    # selective checkpointing: neither the checkpoints nor the unchecked layers' activations exist in evaluation
+    est = estimate(shape, 131072, 8, 32, Features(gradient_checkpointing=True, checkpoint_every=4))
+    activations = sum(v for k, v in est.gpu.items() if k.startswith(("saved activations", "activation checkpoints")))
+    assert activations > 0
+    assert est.eval_gpu_peak == sum(est.gpu.values()) - activations + max(est.eval_phases.values())
     # evaluation holds no activations of other layers: it does not grow with the depth, the step does
     deep = ModelShape(**{**vars(shape), "num_layers": 2 * shape.num_layers})
     assert estimate(deep, 131072, 8, 32, set()).eval_phases == estimate(shape, 131072, 8, 32, set()).eval_phases

@@ -183,7 +183,7 @@ class Estimate:
         without autograd) plus the larger eval phase. 0 when no eval phase was estimated."""
         if not self.eval_phases:
             return 0
-        resident = sum(v for k, v in self.gpu.items() if k not in ACTIVATION_TERMS)
+        resident = sum(v for k, v in self.gpu.items() if not k.startswith(ACTIVATION_TERMS))
         return resident + max(self.eval_phases.values())
 
     def to_dict(self) -> dict:
@@ -194,7 +194,7 @@ class Estimate:
         return out
 
 
-ACTIVATION_TERMS = ("saved activations (all layers)", "activation checkpoints")  # step-only resident terms
+ACTIVATION_TERMS = ("saved activations", "activation checkpoints")  # prefixes of the step-only resident terms
 
 
 def layer_activations(shape: ModelShape, tokens: int, sp: int, b: int, tiled_mlp: bool) -> tuple[int, int]:
