@@ -118,8 +118,9 @@ def plot_eval(evals: list[dict], out: str, title: str = "") -> None:
 
     tasks = list(dict.fromkeys(t for r in evals for t in r.get("tasks", {})))
     ncol = max(2, len(evals))
-    fig = plt.figure(figsize=(3.2 * ncol, 2.9 * (len(tasks) + 1) + 0.4))
-    grid = fig.add_gridspec(len(tasks) + 1, ncol)
+    fig = plt.figure(figsize=(3.2 * ncol + 1.0, 2.6 * len(tasks) + 3.6))
+    grid = fig.add_gridspec(len(tasks) + 1, ncol, hspace=0.55, wspace=0.35, right=0.88,
+                            height_ratios=[1] * len(tasks) + [1.25])
     cmap = plt.get_cmap("RdYlGn")
     image = None
     for row, task in enumerate(tasks):
@@ -142,13 +143,15 @@ def plot_eval(evals: list[dict], out: str, title: str = "") -> None:
             trained = [j for j, n in enumerate(lengths) if int(n) <= r["seq_len"]]
             if trained and trained[-1] < len(lengths) - 1:
                 ax.axvline(trained[-1] + 0.5, color="black", ls="--", lw=1)  # right of it: longer than trained
-            ax.set_title(f"{task}\nafter stage {r['stage']} ({r['seq_len']} tok)", fontsize=8)
+            ax.set_title(f"{task}, after stage {r['stage']} ({r['seq_len']} tok)", fontsize=8)
             if col == 0:
                 ax.set_ylabel("depth of the needle", fontsize=8)
             if row == len(tasks) - 1:
                 ax.set_xlabel("evaluated length", fontsize=8)
     if image is not None:
-        fig.colorbar(image, ax=fig.axes, shrink=0.6, label="accuracy (exact match)")
+        top = grid[0, 0].get_position(fig).y1
+        bottom = grid[len(tasks) - 1, 0].get_position(fig).y0
+        fig.colorbar(image, cax=fig.add_axes([0.9, bottom, 0.015, top - bottom]), label="accuracy (exact match)")
     half = max(1, ncol // 2)
     ax = fig.add_subplot(grid[len(tasks), :half])
     stages = [r["stage"] for r in evals]
@@ -163,8 +166,8 @@ def plot_eval(evals: list[dict], out: str, title: str = "") -> None:
     ax.set_ylabel("accuracy (mean over depths)", fontsize=8)
     ax.set_ylim(-0.05, 1.05)
     ax.grid(alpha=0.3)
-    if tasks:
-        ax.legend(fontsize=6, ncol=max(1, len(tasks)), loc="best")
+    if tasks:  # below the panel: the lines end near 0 or 1, where a legend inside would hide them
+        ax.legend(fontsize=6, ncol=max(1, len(tasks)), loc="upper left", bbox_to_anchor=(0, -0.3))
     ax = fig.add_subplot(grid[len(tasks), half:])
     for r in evals:
         pos = r.get("heldout_loss_by_position")

@@ -214,3 +214,53 @@ def test_eval_tables_and_plot(tmp_path):
     assert "heldout_loss@1024" in md and "| 1 | 2048 | 3.500 | 3.000 | 2.800 | 2.700 |" in md
     plot_eval(evals, str(tmp_path / "e.png"))
     assert (tmp_path / "e.png").stat().st_size > 10_000
+
+
+# --- the demo (slow: the whole recipes/tiny_cpu.yaml through the deepspeed launcher, SP=2 on CPU) ---
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    import os
+    import subprocess
+
+    from tests.distributed import ROOT
+
+    out = tmp_path_factory.mktemp("demo_tasks") / "run"
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", WANDB_MODE="offline")
+    cmd = [os.path.join(ROOT, ".venv/bin/deepspeed"), "--num_gpus", "2", "--master_port", "29733", "train.py",
+           "--config", "recipes/tiny_cpu.yaml", "--output_dir", str(out), "--report_to", "none", "--no-export_hf"]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    plot = subprocess.run([os.path.join(ROOT, ".venv/bin/python"), "scripts/plot_metrics.py", str(out / "metrics.jsonl"),
+                           "-o", str(out / "metrics.png")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert plot.returncode == 0, plot.stderr
+    return out, [json.loads((out / "eval" / f"stage{i}.json").read_text()) for i in range(4)]
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_demo_evaluates_every_stage_at_its_lengths(demo_run):
+    out, ev = demo_run
+    assert [r["seq_len"] for r in ev] == [1024, 2048, 4096, 8192]
+    assert sorted(ev[0]["task_mean"]["passkey"], key=int) == ["1024", "8192"] == sorted(ev[3]["task_mean"]["passkey"], key=int)
+    assert sorted(ev[2]["task_mean"]["passkey"], key=int) == ["1024", "2048", "4096"]  # earlier lengths: retention
+    assert set(ev[3]["tasks"]) == set(TASKS) and all(set(a) == {"0.1", "0.5", "0.9"} for a in ev[3]["tasks"]["passkey"].values())
+    for r in ev:
+        assert len(r["heldout_loss_by_position"]) == 8 and r["first_len"] == 1024
+        assert abs(r["heldout_loss_first_len"] - ev[0]["heldout_loss"]) < 2.0  # retention measured at 1024 every stage
+    assert ev[3]["heldout_loss_by_position"][-1] < ev[3]["heldout_loss_by_position"][0]  # context lowers the loss
+    assert "**passkey** accuracy" in (out / "eval" / "summary.md").read_text()
+    assert (out / "metrics_eval.png").stat().st_size > 20_000
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.xfail(strict=True, reason="not reached yet: measured passkey 0.00 at every stage, length and depth on "
+                   "the tiny 2-layer model (see the README's main-job paragraph); strict: fails once it passes")
+def test_demo_curriculum_extends_passkey_retrieval(demo_run):
+    _, ev = demo_run
+    final, first = ev[3]["task_mean"]["passkey"], ev[0]["task_mean"]["passkey"]
+    assert final["8192"] >= 0.9  # after the curriculum, at the final length
+    assert first["8192"] <= final["8192"] - 0.3  # stage 1 alone at the final length: clearly lower
+    assert final["1024"] >= first["1024"] - 0.1  # short-context retention
