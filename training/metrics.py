@@ -122,6 +122,8 @@ class MetricsLogger:
         if not self.is_main:
             return
         self.log({"event": "eval", **result})
+        if self.wandb is not None:  # the nested results (task -> length -> depth) as scalars: eval/tasks/passkey/8192/0.5
+            self.wandb.log({k: v for k, v in _flatten(result, "eval").items() if "/" in k[5:]}, step=result.get("step"))
         tmp = os.path.join(self.eval_dir, f"stage{stage}.json.tmp")
         with open(tmp, "w") as fh:
             json.dump(result, fh, indent=1)
@@ -169,6 +171,18 @@ class MetricsLogger:
             self.bar.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def _flatten(d, prefix: str) -> dict:
+    """{"a": {"b": 1.0}, "c": [2.0]} -> {"prefix/a/b": 1.0, "prefix/c/0": 2.0} (numbers only)."""
+    out = {}
+    items = d.items() if isinstance(d, dict) else enumerate(d) if isinstance(d, list) else ()
+    for k, v in items:
+        if isinstance(v, dict | list):
+            out.update(_flatten(v, f"{prefix}/{k}"))
+        elif isinstance(v, int | float) and not isinstance(v, bool):
+            out[f"{prefix}/{k}"] = v
+    return out
 
 
 def _table(head: list, rows: list[list]) -> list[str]:
