@@ -216,6 +216,21 @@ def test_eval_tables_and_plot(tmp_path):
     assert (tmp_path / "e.png").stat().st_size > 10_000
 
 
+
+def test_eval_lengths_and_task_trials():
+    from training.evaluation import eval_lengths, task_trials
+
+    stages = [types.SimpleNamespace(index=i, name=f"s{i}", max_seq_length=n, eval=e) for i, (n, e) in enumerate(
+        [(1024, {"lengths": "all"}), (2048, {}), (4096, {"lengths": [1024, 4096, 9999]})])]
+    assert [eval_lengths(s, stages) for s in stages] == [[1024, 2048, 4096], [1024, 2048], [1024, 4096, 9999]]
+    assert eval_lengths(stages[1], None) == [2048]
+    assert task_trials({}, object()) == {"passkey": 2} and task_trials({}, None) == {}
+    assert task_trials({"tasks": ["passkey", "variable_tracking"], "passkey_trials": 3}, object()) == {
+        "passkey": 3, "variable_tracking": 3}
+    assert task_trials({"tasks": {"niah_multikey": 4, "passkey": 0}}, object()) == {"niah_multikey": 4}
+    with pytest.raises(ValueError, match="unknown task"):
+        task_trials({"tasks": ["ruler"]}, object())
+
 # --- the demo (slow: the whole recipes/tiny_cpu.yaml through the deepspeed launcher, SP=2 on CPU) ---
 
 
