@@ -29,7 +29,7 @@ import string
 
 import numpy as np
 
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 TASKS = ("passkey", "niah_multikey", "variable_tracking")
 WORDS = ("apple", "river", "candle", "forest", "mirror", "silver", "garden", "planet", "window", "tiger",
          "bottle", "castle", "dragon", "engine", "feather", "guitar", "harbor", "island", "jacket", "lemon",
@@ -38,8 +38,26 @@ NIAH_KEYS = 4  # 1 queried + 3 distractors (RULER's multikey_1 has 3 distractor 
 VT_HOPS, VT_CHAINS = 4, 2  # 5 variables per chain, one distractor chain
 
 
+def _encode(tokenizer, text: str) -> list[int]:
+    """Tokens of one segment. Segments are written without outer spaces: a sentencepiece tokenizer's dummy
+    prefix is the space between them, so concatenated segments are the tokens the text would have whole
+    (with " The pass key..." the leading space became a lone "▁" token, different from the key's tokens
+    inside the needle, which no copying model can match)."""
+    return tokenizer.encode(text.strip())
+
+
+def _answer(tokenizer, question: str, answer: str) -> tuple[list[int], list[int]]:
+    """(question tokens, answer tokens) as the answer is tokenized after the question in one text, so
+    the key's tokens are the ones it has inside its needle (" 27611" alone gets a second "▁")."""
+    q = _encode(tokenizer, question)
+    both = _encode(tokenizer, f"{question.strip()} {answer}")
+    if both[: len(q)] == q and len(both) > len(q):
+        return q, both[len(q):]
+    return q, tokenizer.encode(f" {answer}")  # a tokenizer that merges across the boundary
+
+
 def _haystack(tokenizer, n: int) -> list[int]:
-    filler = tokenizer.encode(FILLER)
+    filler = _encode(tokenizer, FILLER)
     return (filler * (n // len(filler) + 1))[:n]
 
 
@@ -49,9 +67,9 @@ def _assemble(tokenizer, seq_len: int, inserts: list[tuple[float, list[int]]], q
     labels on the answer only. ValueError when `seq_len` cannot hold it with one filler sentence."""
     need = sum(len(t) for _, t in inserts) + len(question) + len(answer)
     n_fill = seq_len - need
-    if n_fill < len(tokenizer.encode(FILLER)):
+    if n_fill < len(_encode(tokenizer, FILLER)):
         raise ValueError(f"max_seq_length={seq_len} is too short for a {task} trial (needs "
-                         f"{need + len(tokenizer.encode(FILLER))} tokens)")
+                         f"{need + len(_encode(tokenizer, FILLER))} tokens)")
     body = _haystack(tokenizer, n_fill)
     # insert from the deepest point backwards so earlier offsets stay valid; ties keep their listed order
     for _, (depth, toks) in sorted(enumerate(inserts), key=lambda x: (x[1][0], x[0]), reverse=True):
@@ -67,21 +85,20 @@ def _assemble(tokenizer, seq_len: int, inserts: list[tuple[float, list[int]]], q
 
 def passkey(tokenizer, seq_len: int, depth: float, rng: random.Random) -> dict:
     key = str(rng.randint(10000, 99999))
-    needle = tokenizer.encode(f" The pass key is {key}. Remember it. {key} is the pass key. ")
-    question = tokenizer.encode(" What is the pass key? The pass key is")
-    return _assemble(tokenizer, seq_len, [(depth, needle)], question, tokenizer.encode(f" {key}"), "passkey", key)
+    needle = _encode(tokenizer, f"The pass key is {key}. Remember it. {key} is the pass key.")
+    question, answer = _answer(tokenizer, "What is the pass key? The pass key is", key)
+    return _assemble(tokenizer, seq_len, [(depth, needle)], question, answer, "passkey", key)
 
 
 def niah_multikey(tokenizer, seq_len: int, depth: float, rng: random.Random) -> dict:
     keys = rng.sample(WORDS, NIAH_KEYS)
     values = [str(rng.randint(1_000_000, 9_999_999)) for _ in keys]
     depths = [depth] + [rng.random() for _ in keys[1:]]
-    inserts = [(d, tokenizer.encode(f" One of the special magic numbers for {k} is: {v}. "))
+    inserts = [(d, _encode(tokenizer, f"One of the special magic numbers for {k} is: {v}."))
                for d, k, v in zip(depths, keys, values)]
-    question = tokenizer.encode(f" What is the special magic number for {keys[0]} mentioned in the provided text? "
-                                f"One of the special magic numbers for {keys[0]} is:")
-    return _assemble(tokenizer, seq_len, inserts, question, tokenizer.encode(f" {values[0]}"), "niah_multikey",
-                     values[0])
+    question, answer = _answer(tokenizer, f"What is the special magic number for {keys[0]} mentioned in the provided "
+                               f"text? One of the special magic numbers for {keys[0]} is:", values[0])
+    return _assemble(tokenizer, seq_len, inserts, question, answer, "niah_multikey", values[0])
 
 
 def _var_name(rng: random.Random, taken: set) -> str:
@@ -102,12 +119,13 @@ def variable_tracking(tokenizer, seq_len: int, depth: float, rng: random.Random)
         span = (1.0 - start) * 0.9
         for h, name in enumerate(names):
             rhs = str(value) if h == 0 else f"VAR {names[h - 1]}"
-            inserts.append((start + span * h / (len(names) - 1), tokenizer.encode(f" VAR {name} = {rhs}. ")))
-    question = tokenizer.encode(f" Question: Find all variables that are assigned the value {values[0]} in the "
-                                f"text above. Answer: According to the chain(s) of variables assignment in the "
-                                f"text above, {VT_HOPS + 1} variables are assigned the value {values[0]}, they are:")
+            inserts.append((start + span * h / (len(names) - 1), _encode(tokenizer, f"VAR {name} = {rhs}.")))
     text = " ".join(chains[0])
-    return _assemble(tokenizer, seq_len, inserts, question, tokenizer.encode(f" {text}"), "variable_tracking", text)
+    question, answer = _answer(tokenizer, f"Question: Find all variables that are assigned the value {values[0]} in "
+                               f"the text above. Answer: According to the chain(s) of variables assignment in the "
+                               f"text above, {VT_HOPS + 1} variables are assigned the value {values[0]}, they are:",
+                               text)
+    return _assemble(tokenizer, seq_len, inserts, question, answer, "variable_tracking", text)
 
 
 GENERATORS = {"passkey": passkey, "niah_multikey": niah_multikey, "variable_tracking": variable_tracking}

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from data.sampler import ResumableSampler
-from data.tasks import TASKS, TaskMixDataset, TaskMixSampler, make_sample, parse_tasks
+from data.tasks import TASKS, TaskMixDataset, TaskMixSampler, _answer, make_sample, parse_tasks
 from model_utils.tiled_loss import _stats
 from training.evaluation import sample_stats, task_accuracy
 
@@ -40,10 +40,17 @@ def test_samples_have_the_length_and_labels_only_on_the_answer(tok, task, seq_le
     ids, lab = a["input_ids"], a["shift_labels"]
     assert len(ids) == len(lab) == seq_len and np.array_equal(a["position_ids"], np.arange(seq_len))
     scored = np.flatnonzero(lab != -100)
-    answer = tok.encode(" " + a["answer"])
+    answer = lab[scored].tolist()
     assert scored.tolist() == list(range(seq_len - len(answer) - 1, seq_len - 1))  # the answer's tokens, nothing else
-    assert lab[scored].tolist() == answer == ids[-len(answer):].tolist()
+    assert answer == ids[-len(answer):].tolist() and tok.decode(answer).strip() == a["answer"]
     assert oracle(tok.decode(ids[: seq_len - len(answer)].tolist())) == a["answer"]
+    # copyable token by token: the answer's tokens are the ones the needle holds (an answer encoded on its own
+    # got a second lone "▁" from sentencepiece's dummy prefix, and nothing in the context to copy it from)
+    context, got = ids[: seq_len - len(answer)].tolist(), lab[scored].tolist()
+    if task == "variable_tracking":
+        assert all(t in context for t in got)
+    else:
+        assert any(context[i: i + len(got)] == got for i in range(len(context))), (got, a["answer"])
 
 
 def test_depth_places_the_needle(tok):
@@ -100,7 +107,8 @@ class StubEngine:
                     continue
                 prompt = self.tok.decode(input_ids[row, : scored[0] + 1].tolist())
                 answer = oracle(prompt, self.rng if self.mode == "guess" else None)
-                for p, t in zip(scored, self.tok.encode(" " + answer)):
+                tail = self.tok.decode(input_ids[row, max(0, scored[0] - 40): scored[0] + 1].tolist())
+                for p, t in zip(scored, _answer(self.tok, tail, answer)[1]):  # tokenized as it follows the question
                     logits[row, p, t] = 100.0  # teacher forcing: position p predicts answer token k
         return _stats(lambda h: h, logits, tiled_loss_labels, 2, eval_buckets)
 
