@@ -183,6 +183,8 @@ def train_stage(run: Run, stage, stages, trainer: dict, resume_from: str | None)
             json.dump(engine.ds_config_used, fh, indent=1)
         print0(f"stage {stage.index} ({stage.name}): DeepSpeed config used -> {used}")
     dataset, sampler = data.stage_view(stage, sdims.dp, sdims.dp_rank, cfg.per_device_train_batch_size, cfg.seed)
+    if stage.memory_choice:  # what `memory_features: auto` chose for this stage, once per stage in the metrics
+        metrics.log({"event": "memory_choice", "stage": stage.index, "step": step, **stage.memory_choice})
 
     # --- restore, and the RNG streams (dropout) of this stage: exactly one of the two below decides them ---
     saved = {}
