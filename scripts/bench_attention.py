@@ -72,10 +72,10 @@ def plot(result: dict, path: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     lengths = sorted({p["seq_len"] for p in result["points"]})
     for ax, key, label in ((axes[0], "tokens_per_s", "tokens/s (SP group)"), (axes[1], "peak_mem_gb", "per-rank peak RSS (GiB)")):
-        for mode, marker in (("masked", "o"), ("plain", "s")):
+        for mode, marker, color in (("masked", "o", "tab:blue"), ("plain", "s", "tab:orange")):
             for L in lengths:
                 ys = [p[key] for p in result["points"] if p.get("ok") and p["mode"] == mode and p["seq_len"] == L]
-                ax.scatter([L] * len(ys), ys, marker=marker, label=f"{mode}" if L == lengths[0] else None)
+                ax.scatter([L] * len(ys), ys, marker=marker, color=color, label=mode if L == lengths[0] else None)
         if key == "peak_mem_gb":
             pred = {L: result["summary"][str(L)].get("predicted_peak_gb") for L in lengths}
             ax.plot(lengths, [pred[L] for L in lengths], "k--", label="planner + runtime")
