@@ -161,7 +161,7 @@ def plot_eval(evals: list[dict], out: str, title: str = "") -> None:
             y = [r.get("task_mean", {}).get(task, {}).get(n, math.nan) for r in evals]
             ax.plot(stages, y, marker="o", lw=1.2, color=f"C{k}", alpha=0.35 + 0.65 * (int(n) / int(lengths[-1])),
                     label=f"{task} @ {n}")
-    ax.set_xticks(stages, [f"{r['stage']}\n{r['seq_len']}" for r in evals], fontsize=7)
+    ax.set_xticks(stages, [f"{r['stage']}\n{r.get('seq_len', '?')}" for r in evals], fontsize=7)  # older runs: no length
     ax.set_xlabel("after stage (trained length)", fontsize=8)
     ax.set_ylabel("accuracy (mean over depths)", fontsize=8)
     ax.set_ylim(-0.05, 1.05)
