@@ -79,3 +79,34 @@ def test_demo_tokenizer_roundtrip():
     text = "def f(x):\n    return x + 1\n"
     assert tok.decode(tok.encode(text)) == text
     assert tok.vocab_size <= 2048
+
+
+def test_heldout_documents_are_fixed_for_the_run_and_never_trained_on(tmp_path):
+    """The held-out tail is chosen once for the whole curriculum (enough for its largest evaluation): every stage
+    evaluates on the same whole documents, packed to its own length, and no stage's training samples touch them."""
+    import types
+
+    from data.pipeline import open_run_data, split_point
+
+    docs = [list(range(4 + d, 4 + d + n)) for d, n in enumerate([300, 120, 500, 90, 260, 400, 150, 700, 80, 220])]
+    p = tmp_path / "d.jsonl"
+    p.write_text("".join(json.dumps({"input_ids": d}) + "\n" for d in docs))
+    stages = [types.SimpleNamespace(index=i, name=f"s{i}", max_seq_length=n, eval={"heldout_samples": 2}, data=None,
+                                    tasks={}) for i, n in enumerate((64, 128, 256))]
+    data = open_run_data(str(p), None, 2048, stages, reset_position_ids=False)
+    tokens, starts = data.tokens[0:len(data.tokens)], np.asarray(data.starts)
+    assert data.boundary in set(starts.tolist())  # whole documents
+    assert len(tokens) - data.boundary >= 2 * 256  # the largest evaluation fits
+    held = tokens[data.boundary:]
+    for st in stages:
+        n = st.max_seq_length
+        for k, s in enumerate(data.heldout(n, 2)):  # the same tail documents at every length, packed to it
+            assert s["input_ids"].tolist() == held[k * n: (k + 1) * n].tolist()
+        ds, _ = data.stage_view(st, 1, 0, 1, 0)
+        assert (len(ds) + 1) * st.max_seq_length > data.boundary >= len(ds) * st.max_seq_length
+        last = ds[len(ds) - 1]["input_ids"]
+        assert last.tolist() == tokens[(len(ds) - 1) * st.max_seq_length: len(ds) * st.max_seq_length].tolist()
+    # a stream of a few huge documents is cut inside the last one rather than leave nothing to train on
+    assert split_point(1000, np.array([0, 10]), need=200, min_train=100) == 800
+    with pytest.raises(ValueError, match="held-out documents need 900"):
+        split_point(1000, np.array([0]), need=900, min_train=200)
