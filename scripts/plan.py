@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import yaml  # noqa: E402
 
+from training.auto_features import sp_degrees  # noqa: E402
 from training.memory_model import (  # noqa: E402
     Estimate,
     Features,
@@ -77,14 +78,7 @@ def _valid_sps(shape: ModelShape, world: int, seq_len: int, requested: str) -> l
             raise ValueError(f"--sp {requested!r}: use an integer or auto") from None
         check_layout(world, sp, shape.num_heads, shape.num_kv_heads, seq_len)
         return [sp]
-    out = []
-    for sp in (d for d in range(1, world + 1) if world % d == 0):
-        try:
-            check_layout(world, sp, shape.num_heads, shape.num_kv_heads, seq_len)
-            out.append(sp)
-        except ValueError:
-            pass
-    return out
+    return sp_degrees(shape, world, seq_len, sp_max=world)
 
 
 class Planner:

@@ -22,7 +22,17 @@ import pytest
 import torch
 
 from tests.distributed import ROOT, run
-from tests.test_doc_masking import DOC_LENS, GRAD_TOL, LOSS_TOL, SEQ, SMALL, documents, packed, rel
+from tests.test_doc_masking import (
+    DOC_LENS,
+    GRAD_TOL,
+    LOSS_TOL,
+    SEQ,
+    SMALL,
+    documents,
+    packed,
+    rel,
+    save_config_model,
+)
 
 SP = 2
 # name -> (model_type, config fields over SMALL, attention backend, gradients?, oracle backend)
@@ -50,15 +60,6 @@ SAMPLES = [0, 1]
 _RESULTS: dict = {}
 
 
-def save_model(path: str, model_type: str, **fields) -> str:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    cfg = AutoConfig.for_model(model_type, **{**SMALL, **fields})
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="module")
 def zoo(tmp_path_factory):
     d = tmp_path_factory.mktemp("zoo")
@@ -68,7 +69,7 @@ def zoo(tmp_path_factory):
             fh.write(json.dumps({"input_ids": rng.integers(4, 2048, n).tolist()}) + "\n")
     out = {"data": str(d / "docs.jsonl"), "dir": str(d)}
     for name, (model_type, fields, *_) in ZOO.items():
-        out[name] = save_model(str(d / name), model_type, **fields)
+        out[name] = save_config_model(str(d / name), model_type, **fields)
     return out
 
 
