@@ -150,12 +150,12 @@ def test_deadline_needs_one_step_and_one_save():
 
 @pytest.mark.parametrize("how", ["time_limit_s", "SLURM_JOB_END_TIME"])
 def test_time_limit_stops_with_a_save(assets, tmp_path, how):
-    """30 s more than one (guessed) save needs: the run stops by itself long before its 200 steps, commits the
-    step it reached and exits 75 (requeue); the next job continues. Only start-up slower than 30 s would make
-    it stop before its first step (k = 0), still with exit 75."""
+    """30 s more than one (guessed) save needs: the run, whose step budget it could never finish, stops by itself
+    about 30 s after its start, commits the step it reached and exits 75 (requeue); the next job continues. Only
+    start-up slower than 30 s would make it stop before its first step (k = 0), still with exit 75."""
     import time
 
-    out, steps, limit = tmp_path / "out", 200, SAVE_GUESS_S + MARGIN_S + 30
+    out, steps, limit = tmp_path / "out", 100_000, SAVE_GUESS_S + MARGIN_S + 30
     args = train_args(assets, out, 2, steps=steps)
     env = {"SLURM_JOB_END_TIME": str(int(time.time() + limit))} if how == "SLURM_JOB_END_TIME" else None
     codes = run(TRAIN, [*args, "--time_limit_s", str(limit)] if env is None else args, 2, str(tmp_path / "l1"),
