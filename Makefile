@@ -8,8 +8,11 @@ setup:
 demo:
 	.venv/bin/deepspeed --num_gpus 2 train.py --config recipes/tiny_cpu.yaml
 
+# The planner calibration measures the ranks' peak RSS against predictions: it runs in its own session, away from
+# whatever earlier tests leave behind (in one long session its runtime baseline rose from 0.43 to 0.57-0.64 GiB).
 test:
-	.venv/bin/pytest -q -m "not slow"
+	.venv/bin/pytest -q -m "not slow" --deselect tests/test_planner_calibration.py
+	.venv/bin/pytest -q -m "not slow" tests/test_planner_calibration.py
 
 test-slow:
 	.venv/bin/pytest -q -m slow

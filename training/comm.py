@@ -17,6 +17,7 @@ gloo (the CPU tests' backend) forgives:
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 from collections.abc import Callable
@@ -68,6 +69,10 @@ def init(timeout_s: float) -> tuple[int, int, int]:
     deepspeed.init_distributed(dist_backend=None, auto_mpi_discovery=False,
                                timeout=datetime.timedelta(seconds=timeout_s))
     _HOST_GROUP = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=LONG_WAIT_S))
+    # Leave the groups on every way out (exit 75 after a preemption save included): a process group still alive
+    # at interpreter teardown can abort the process ("terminate called without an active exception", -6)
+    # after its work is done, and turn a clean exit code into a crash.
+    atexit.register(shutdown)
     return dist.get_rank(), dist.get_world_size(), local_rank
 
 
