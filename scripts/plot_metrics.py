@@ -25,32 +25,28 @@ import sys
 PANELS = (("loss", "loss"), ("tokens_per_s", "tokens/s"), ("peak_mem_gb", "peak memory (GB)"))
 
 
-def read_steps(path: str) -> list[dict]:
-    """Step records in step order. A step logged twice (a job resumed behind its last log line) keeps
-    its latest record; a torn last line (a job killed mid-write) is ignored."""
-    by_step: dict[int, dict] = {}
+def _records(path: str):
+    """Every JSON object of a metrics.jsonl; a torn last line (a job killed mid-write) is skipped."""
     with open(path) as fh:
         for line in fh:
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if isinstance(rec, dict) and "step" in rec and "loss" in rec and rec.get("event") != "eval":
-                by_step[int(rec["step"])] = rec
+            if isinstance(rec, dict):
+                yield rec
+
+
+def read_steps(path: str) -> list[dict]:
+    """Step records in step order. A step logged twice (a job resumed behind its last log line) keeps
+    its latest record; a torn last line (a job killed mid-write) is ignored."""
+    by_step = {int(r["step"]): r for r in _records(path) if "step" in r and "loss" in r and r.get("event") != "eval"}
     return [by_step[s] for s in sorted(by_step)]
 
 
 def read_evals(path: str) -> list[dict]:
     """The latest evaluation record of each stage, in stage order (a resumed run may log a stage twice)."""
-    by_stage: dict[int, dict] = {}
-    with open(path) as fh:
-        for line in fh:
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(rec, dict) and rec.get("event") == "eval" and "stage" in rec:
-                by_stage[int(rec["stage"])] = rec
+    by_stage = {int(r["stage"]): r for r in _records(path) if r.get("event") == "eval" and "stage" in r}
     return [by_stage[s] for s in sorted(by_stage)]
 
 

@@ -45,13 +45,19 @@ def save_config_model(path: str, model_type: str, **fields) -> str:
     return path
 
 
+def write_documents(path) -> str:
+    """DOC_LENS documents of random token ids (seed 0), one JSONL line each."""
+    rng = np.random.default_rng(0)
+    with open(path, "w") as fh:
+        for n in DOC_LENS:
+            fh.write(json.dumps({"input_ids": rng.integers(4, 2048, n).tolist()}) + "\n")
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def docs_assets(tmp_path_factory):
     d = tmp_path_factory.mktemp("docmask")
-    rng = np.random.default_rng(0)
-    with open(d / "docs.jsonl", "w") as fh:
-        for n in DOC_LENS:
-            fh.write(json.dumps({"input_ids": rng.integers(4, 2048, n).tolist()}) + "\n")
+    write_documents(d / "docs.jsonl")
     out = {"llama": save_tiny_model(str(d / "llama"), "tiny-llama", initializer_range=0.3),
            "data": str(d / "docs.jsonl"), "dir": str(d)}
     for name, (model_type, fields) in WINDOWED.items():

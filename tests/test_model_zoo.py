@@ -17,13 +17,11 @@ from __future__ import annotations
 import json
 import os
 
-import numpy as np
 import pytest
 import torch
 
 from tests.distributed import ROOT, run
 from tests.test_doc_masking import (
-    DOC_LENS,
     GRAD_TOL,
     LOSS_TOL,
     SEQ,
@@ -32,6 +30,7 @@ from tests.test_doc_masking import (
     packed,
     rel,
     save_config_model,
+    write_documents,
 )
 
 SP = 2
@@ -63,11 +62,7 @@ _RESULTS: dict = {}
 @pytest.fixture(scope="module")
 def zoo(tmp_path_factory):
     d = tmp_path_factory.mktemp("zoo")
-    rng = np.random.default_rng(0)
-    with open(d / "docs.jsonl", "w") as fh:
-        for n in DOC_LENS:
-            fh.write(json.dumps({"input_ids": rng.integers(4, 2048, n).tolist()}) + "\n")
-    out = {"data": str(d / "docs.jsonl"), "dir": str(d)}
+    out = {"data": write_documents(d / "docs.jsonl"), "dir": str(d)}
     for name, (model_type, fields, *_) in ZOO.items():
         out[name] = save_config_model(str(d / name), model_type, **fields)
     return out
