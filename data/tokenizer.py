@@ -5,6 +5,10 @@ from __future__ import annotations
 import os
 
 
+# Text that exercises whitespace, digits, unicode and code: the direct fast path must give the same ids on it.
+_PROBE = ["  Hello world!\n\tdef f(x):  return x**2  # café 東京 1234567 ", "", "a\r\nb   c\u00a0d 🙂"]
+
+
 class Tokenizer:
     """`encode(text) -> list[int]`, `encode_batch(texts)`, `vocab_size`, `eos_id`, `pad_id`, `decode(ids)`."""
 
@@ -35,6 +39,12 @@ class Tokenizer:
             self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else self.eos_id
             self._encode = lambda t: tok(t, add_special_tokens=False)["input_ids"]
             self._encode_batch = lambda ts: tok(ts, add_special_tokens=False)["input_ids"]
+            self.direct = False
+            fast = getattr(getattr(tok, "backend_tokenizer", None), "encode_batch_fast", None)
+            if fast is not None:  # the Rust tokenizer without offsets: 1.5x faster here (same ids, checked below)
+                direct = lambda ts: [e.ids for e in fast(ts, add_special_tokens=False)]  # noqa: E731
+                if direct(_PROBE) == self._encode_batch(_PROBE):
+                    self._encode_batch, self.direct = direct, True
             self.kind = "hf"
             self._decode = lambda ids: tok.decode(ids)
         if self.eos_id is None or self.eos_id < 0:

@@ -169,7 +169,23 @@ def main() -> None:
     with open(a.out, "w") as fh:
         json.dump(res, fh, indent=1)
     plot(res, a.out[: -len(".json")] + ".png")
+    print(table(res))
     shutil.rmtree(tmp, ignore_errors=True)
+
+
+def table(res: dict) -> str:
+    """The README's table: M tokens/s (best of the rounds) per tokenizer, system and worker count."""
+    best = {(r["tokenizer"], r["system"], r["workers"]): r["tokens_per_s"] / 1e6 for r in res["throughput"]}
+    workers = sorted({k[2] for k in best})
+    lines = ["| tokenizer | system | " + " | ".join(f"{w} worker{'s' * (w > 1)}" for w in workers)
+             + f" | {workers[-1]} / {workers[0]} |", "|---" * (len(workers) + 3) + "|"]
+    for tok in ("sentencepiece", "hf_fast_bpe"):
+        for system in ("prepare_data", "datasets.map"):
+            row = [best.get((tok, system, w), float("nan")) for w in workers]
+            lines.append(f"| {tok} | {system} | " + " | ".join(f"{v:.2f}" for v in row) + f" | {row[-1] / row[0]:.2f} |")
+    for r in res["rss"]:
+        lines.append(f"peak RSS {r['peak_rss_mib']:.0f} MiB for {r['tokens'] / 1e6:.1f}M tokens")
+    return "\n".join(lines)
 
 
 def plot(res: dict, path: str) -> None:

@@ -193,3 +193,24 @@ def test_in_job_path_has_a_size_limit(tmp_path, monkeypatch):
     monkeypatch.setattr(in_job, "MAX_IN_JOB_BYTES", 1000)
     with pytest.raises(ValueError, match=r"too much to tokenize inside the job .* run `python scripts/prepare_data.py"):
         pipeline.open_run_data(src, None, 100, _stages(32), reset_position_ids=False)
+
+
+def test_hf_fast_tokenizer_direct_path_gives_the_transformers_ids(tmp_path):
+    """Tokenizer.encode_batch calls the Rust tokenizer's encode_batch_fast (no offsets); it must give exactly
+    what `tokenizer(texts)` gives, on real text and on the probe's edge cases, with and without a prefix space."""
+    from scripts.bench_data import build_hf_tokenizer
+    from transformers import AutoTokenizer
+
+    from data.corpus import build_demo_corpus
+    from data.tokenizer import _PROBE, Tokenizer
+
+    jsonl, _ = build_demo_corpus()
+    texts = [json.loads(line)["text"] for line in open(jsonl).readlines()[:20]]
+    small = tmp_path / "small.jsonl"
+    small.write_text("".join(json.dumps({"text": t[:5000]}) + "\n" for t in texts))
+    folder = build_hf_tokenizer(str(small), str(tmp_path / "bpe"), vocab=500)
+    ours = Tokenizer(folder)
+    assert ours.direct
+    ref = AutoTokenizer.from_pretrained(folder)
+    batch = texts + _PROBE
+    assert ours.encode_batch(batch) == ref(batch, add_special_tokens=False)["input_ids"]
