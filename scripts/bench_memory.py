@@ -30,6 +30,7 @@ The machine is shared: the load average before and after each point is recorded 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -162,6 +163,8 @@ def train_point(model: str, seq_len: int, sp: int, features: tuple[str, ...], st
     `ok` False with `error` when the launch failed (e.g. a feature that is not available)."""
     nproc = nproc or sp
     tag = f"L{seq_len}_sp{sp}_n{nproc}_{'-'.join(features) or 'none'}"
+    if extra_args:  # a folder of its own per argument set (they may hold paths)
+        tag += "_" + hashlib.sha1(" ".join(extra_args).encode()).hexdigest()[:8]
     out = os.path.join(work, tag)
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
@@ -178,10 +181,22 @@ def train_point(model: str, seq_len: int, sp: int, features: tuple[str, ...], st
     rec = {"seq_len": seq_len, "sp": sp, "nproc": nproc, "features": list(features), "device": device,
            "wall_s": round(wall, 1), "load_before": round(load0, 2), "load_after": round(os.getloadavg()[0], 2)}
     steps_done = read_steps(out)
+    choice = read_memory_choice(out)
+    if choice:
+        rec["memory_choice"] = choice
     if code != 0 or len(steps_done) < steps:
         return (rec | {"ok": False, "exit_code": code, "steps_logged": len(steps_done)}
                 | launch_failure(os.path.join(out, "launch.log")))
     return rec | {"ok": True} | summarize_steps(steps_done)
+
+
+def read_memory_choice(out_dir: str) -> dict | None:
+    """The first `memory_choice` event of a run's metrics (what `memory_features: auto` chose), or None."""
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return None
+    with open(path) as fh:
+        return next((r for r in map(json.loads, filter(str.strip, fh)) if r.get("event") == "memory_choice"), None)
 
 
 def feature_flags(features: tuple[str, ...]) -> list[str]:

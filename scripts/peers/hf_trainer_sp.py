@@ -2,7 +2,7 @@
 scripts/bench_peers.py: same model folder, sequence length, ranks, ZeRO-3 + CPU offload config and fp32.
 
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 deepspeed --num_gpus 2 scripts/peers/hf_trainer_sp.py \
-        --model PATH --seq_len 4096 --sp 2 --steps 3 --output_dir OUT
+        --model PATH --seq_len 4096 --sp 2 --steps 3 --output_dir OUT [--gradient_checkpointing]
 
 The SP layer is `TrainingArguments(parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=SP,
 sp_handler=DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa")))`
@@ -34,6 +34,12 @@ def ds_config(sp: int) -> dict:
         cfg = json.load(fh)
     cfg["seq_parallel_communication_data_type"] = "fp32"
     cfg["sequence_parallel_size"] = sp
+    zero = cfg.get("zero_optimization", {})
+    if zero.get("overlap_comm") == "auto":  # this project's "auto" (the Trainer fills only its own): as train.py
+        sys.path.insert(0, ROOT)
+        from training.ds_config import no_gpu
+
+        zero["overlap_comm"] = not no_gpu()
     return cfg
 
 
@@ -44,6 +50,8 @@ def main() -> int:
     p.add_argument("--sp", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--output_dir", required=True)
+    p.add_argument("--gradient_checkpointing", action="store_true",
+                   help="TrainingArguments(gradient_checkpointing=True): every decoder layer, non-reentrant")
     p.add_argument("--local_rank", type=int, default=None)  # set by the deepspeed launcher
     a = p.parse_args()
 
@@ -64,7 +72,8 @@ def main() -> int:
                              logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
                              bf16=torch.cuda.is_available(), fp16=False, deepspeed=ds_config(a.sp),
                              parallelism_config=pc, remove_unused_columns=False, dataloader_num_workers=0,
-                             seed=0)
+                             seed=0, gradient_checkpointing=a.gradient_checkpointing,
+                             gradient_checkpointing_kwargs={"use_reentrant": False} if a.gradient_checkpointing else None)
     model = AutoModelForCausalLM.from_pretrained(a.model, attn_implementation="sdpa",
                                                  dtype=torch.bfloat16 if args.bf16 else torch.float32)
     model.config.use_cache = False
@@ -89,7 +98,8 @@ def main() -> int:
             dt = time.perf_counter() - self.t0
             rec = {"step": state.global_step, "tokens": a.seq_len * dp, "tokens_per_s": a.seq_len * dp / dt,
                    "seq_len": a.seq_len, "sp": a.sp, "dp": dp, "peak_mem_gb": peak_memory_gb(), "time": time.time(),
-                   "attn": model.config._attn_implementation}  # "ulysses..." once accelerate registered SP
+                   "attn": model.config._attn_implementation,  # "ulysses..." once accelerate registered SP
+                   "gradient_checkpointing": bool(getattr(model, "is_gradient_checkpointing", False))}
             if int(os.environ.get("RANK", "0")) == 0:  # args.process_index is the DP rank: 0 on every SP rank
                 with open(os.path.join(a.output_dir, "metrics.jsonl"), "a") as fh:
                     fh.write(json.dumps(rec) + "\n")
