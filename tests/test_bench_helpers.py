@@ -64,3 +64,77 @@ def test_ratio_summary_geomean_interval_and_count():
     assert same["ci95"] == [1.02, 1.02] and same["rounds_ours_at_least_as_fast"] == 5
     faster = bp.ratio_summary([1.03, 1.01, 1.05, 1.02, 1.04, 1.02])
     assert faster["ci95"][0] > 1.0 and math.isclose(faster["geomean_ratio"], 1.028, abs_tol=1e-3)
+
+
+def test_neighbours_step_one_feature_or_one_checkpoint_count():
+    # 4 layers: auto's checkpoint counts are 4, 2, 1, 0 layers (K = 1, 2, 4, none)
+    assert sorted(bp.neighbours((False, True, 2, False), 4)) == sorted(
+        [(True, True, 2, False), (False, False, 2, False), (False, True, 1, False), (False, True, 4, False)])
+    assert sorted(bp.neighbours((False, False, 0, False), 4)) == sorted(
+        [(True, False, 0, False), (False, True, 0, False), (False, False, 4, False)])
+
+
+def _fake_world(cap_by_cfg: dict, speed_by_cfg: dict, auto_pick):
+    """Runners of a synthetic machine: peak = per-config GiB per 1k tokens x L/1000 (default 0.2), speed fixed
+    per config (default 100)."""
+    calls = []
+
+    def rec(L, peak, tps, **kw):
+        return {"ok": True, "seq_len": L, "peak_mem_gb": peak, "tokens_per_s": tps, "load_after": 0.0, **kw}
+
+    def run_ours(L, key):
+        calls.append(("ours", L, key))
+        if key is None:
+            k = auto_pick(L)
+            if k is None:
+                return {"ok": False, "seq_len": L, "error": "nothing fits", "load_after": 0.0}
+            tl, tm, every, off = k
+            choice = {"tiled_logits": tl, "tiled_mlp": tm, "checkpoint_every": every, "offload_activations": off}
+            return rec(L, cap_by_cfg.get(k, 0.2) * L / 1000, speed_by_cfg.get(k, 100.0), memory_choice=choice)
+        return rec(L, cap_by_cfg.get(key, 0.2) * L / 1000, speed_by_cfg.get(key, 100.0))
+
+    def run_hf(L, gc):
+        calls.append(("hf", L, gc))
+        return rec(L, (0.05 if gc else 0.2) * L / 1000, 80.0 if gc else 100.0)
+
+    return run_ours, run_hf, calls
+
+
+def test_same_memory_picks_measures_and_stops():
+    NONE, ALL = bp.NONE, bp.ALL
+    TM = (False, True, 0, False)
+    TM_C4 = (False, True, 4, False)  # checkpoint 1 layer in 4
+    TL_TM_C4 = (True, True, 4, False)
+    peak = {NONE: 0.2, TM: 0.11, TM_C4: 0.08, ALL: 0.04, (True, True, 0, False): 0.099, (False, True, 2, False): 0.06,
+            TL_TM_C4: 0.079, (False, False, 4, False): 0.15}
+    speed = {NONE: 120.0, TM: 110.0, TM_C4: 104.0, ALL: 60.0, (True, True, 0, False): 108.0,
+             (False, True, 2, False): 90.0, TL_TM_C4: 112.0, (False, False, 4, False): 112.0}
+
+    def auto(L):  # right at 4k and 8k; at 10k its neighbour with tiled logits too is measured 8% faster
+        return {4000: NONE, 8000: TM, 10000: TM_C4, 30000: None}[L]
+
+    run_ours, run_hf, calls = _fake_world(peak, speed, auto)
+    res = bp.same_memory([4000, 8000, 10000, 30000], cap=1.0, layers=4, rounds=2, tol=0.05,
+                         run_ours=run_ours, run_hf=run_hf)
+    rows = {r["seq_len"]: r for r in res["rows"]}
+    assert rows[4000]["hf_pick"] == "none" and rows[8000]["hf_pick"] == "gradient_checkpointing"
+    assert ("hf", 8000, False) in calls and ("hf", 10000, False) not in calls  # over the cap at 8k: not rerun
+    assert rows[4000]["choice_is_fastest"] and rows[8000]["choice_is_fastest"]
+    assert rows[10000]["fastest_measured"] == "tiled_logits+tiled_mlp+ckpt/4" and not rows[10000]["choice_is_fastest"]
+    assert res["choice_fastest"] == {"tolerance": 0.05, "lengths": 3, "fastest": 2, "share": 0.667}
+    assert rows[8000]["paired"]["median_ratio"] == round(110 / 80, 3) and len(rows[8000]["paired"]["rounds"]) == 2
+    assert res["ratio_where_hf_needs_checkpointing"] == {"8000": 1.375, "10000": 1.3}
+    assert res["ratio_where_hf_fits_without"] == {"4000": 1.2}
+    assert res["longest_under_cap"] == {"ours_auto": 10000, "ours_all_features": 10000, "hf_best": 10000}
+    assert res["auto_over_cap"] == 0 and rows[30000]["auto_refused"] and res["rows"][-1]["seq_len"] == 30000
+    assert "refused" in bp.same_memory_table(res, 1.0)
+
+
+def test_same_memory_counts_an_auto_run_over_the_cap():
+    TM = (False, True, 0, False)
+    run_ours, run_hf, _ = _fake_world({TM: 0.2, bp.NONE: 0.3, bp.ALL: 0.05, (True, True, 0, False): 0.2,
+                                       (False, False, 0, False): 0.3, (False, True, 4, False): 0.1},
+                                      {TM: 1.0, bp.NONE: 1.0, bp.ALL: 1.0, (True, True, 0, False): 1.0,
+                                       (False, True, 4, False): 1.0}, lambda L: TM)
+    res = bp.same_memory([6000], cap=1.0, layers=4, rounds=1, tol=0.05, run_ours=run_ours, run_hf=run_hf)
+    assert res["auto_over_cap"] == 1 and res["longest_under_cap"]["ours_auto"] is None
