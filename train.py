@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from data.pipeline import open_run_data
+    from model_utils.attention import check_config
     from model_utils.build import load_hf_config, pick_attn_implementation
     from model_utils.export import export_hf
     from model_utils.memory import configure_allocator
@@ -53,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(argv)
     base_config = load_hf_config(cfg.model_name_or_path)
     attn = pick_attn_implementation(cfg.attn_implementation, planning=cfg.dry_run)
+    check_config(base_config, attn)  # the architecture has this attention and it can be document-masked
     arch = base_config.get_text_config()
 
     bf16 = (torch.cuda.is_available() and not cfg.fp16) if cfg.bf16 is None else cfg.bf16

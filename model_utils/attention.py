@@ -242,10 +242,38 @@ def _no_mask(orig):
     return build
 
 
-def check_supported(model, attn: str) -> None:
+def model_class_name(hf_config) -> str:
+    """The causal-LM class transformers builds for this config (its name; the config's own type if unknown)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)].__name__
+    except KeyError:
+        return type(hf_config).__name__
+
+
+def check_config(hf_config, attn: str) -> None:
+    """`check_supported` from the config alone, plus whether transformers has `attn` for this architecture
+    (Gemma-2 has no sdpa path): train.py calls it before any heavy work, so a refusal is one line."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(hf_config), None)
+    if cls is not None and attn in SUPPORTED and not getattr(cls, flag_of(attn), False):
+        others = [a for a in SUPPORTED if a != attn and getattr(cls, flag_of(a), False)]
+        raise ValueError(f"{cls.__name__}: transformers has no {attn} attention for this architecture; use "
+                         f"--attn_implementation {' or '.join(others) or 'eager (not sequence-parallel here)'}")
+    check_supported(hf_config, attn, model_class_name(hf_config))
+
+
+def flag_of(attn: str) -> str:
+    return "_supports_sdpa" if attn == "sdpa" else "_supports_flex_attn" if attn == "flex_attention" else "_supports_flash_attn"
+
+
+def check_supported(model_or_config, attn: str, name: str | None = None) -> None:
     """One-line refusals, at start-up, of models whose attention cannot be document-masked here."""
-    cfg = model.config.get_text_config()
-    name = type(model).__name__
+    config = getattr(model_or_config, "config", model_or_config)
+    cfg = config.get_text_config()
+    name = name or type(model_or_config).__name__
     if attn not in SUPPORTED:
         raise ValueError(f"{name}: attention {attn!r} cannot be document-masked; use one of {', '.join(SUPPORTED)}")
     bad = sorted(set(getattr(cfg, "layer_types", None) or []) - set(LAYER_TYPES))

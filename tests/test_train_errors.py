@@ -105,3 +105,23 @@ def test_library_error_is_a_failure_not_bad_input(tmp_path):
         parse_config(["--learning_rate", "-1"])
     except ValueError as e:
         assert train._is_input_error(e)
+
+
+def test_architecture_without_the_attention_backend_is_one_line(tmp_path):
+    """Gemma-2 has no sdpa path in transformers: refused from its config before any heavy work (was the
+    library's traceback when the engine built the model), naming the backends it has."""
+    from transformers import AutoConfig
+
+    from model_utils.attention import check_config
+
+    folder = tmp_path / "gemma2"
+    AutoConfig.for_model("gemma2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         final_logit_softcapping=None).save_pretrained(folder)
+    p = run_train(["--model_name_or_path", str(folder), "--attn_implementation", "sdpa"], tmp_path)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert p.stderr.strip().splitlines()[-1] == ("error: Gemma2ForCausalLM: transformers has no sdpa attention for this "
+                                                 "architecture; use --attn_implementation flex_attention or "
+                                                 "flash_attention_2 or flash_attention_3")
+    check_config(AutoConfig.from_pretrained(folder), "flex_attention")  # the backend it has passes
+    check_config(AutoConfig.for_model("llama"), "sdpa")
