@@ -12,6 +12,8 @@ _PROBE = ["  Hello world!\n\tdef f(x):  return x**2  # café 東京 1234567 ", "
 class Tokenizer:
     """`encode(text) -> list[int]`, `encode_batch(texts)`, `vocab_size`, `eos_id`, `pad_id`, `decode(ids)`."""
 
+    direct = False  # a Hugging Face fast tokenizer called through its Rust encode_batch_fast
+
     def __init__(self, path: str):
         if not os.path.exists(path):
             raise ValueError(f"--tokenizer_name_or_path {path}: no such file or folder "
@@ -39,7 +41,6 @@ class Tokenizer:
             self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else self.eos_id
             self._encode = lambda t: tok(t, add_special_tokens=False)["input_ids"]
             self._encode_batch = lambda ts: tok(ts, add_special_tokens=False)["input_ids"]
-            self.direct = False
             fast = getattr(getattr(tok, "backend_tokenizer", None), "encode_batch_fast", None)
             if fast is not None:  # the Rust tokenizer without offsets: 1.5x faster here (same ids, checked below)
                 direct = lambda ts: [e.ids for e in fast(ts, add_special_tokens=False)]  # noqa: E731
