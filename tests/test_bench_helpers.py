@@ -121,6 +121,10 @@ def test_same_memory_picks_measures_and_stops():
     assert ("hf", 8000, False) in calls and ("hf", 10000, False) not in calls  # over the cap at 8k: not rerun
     assert rows[4000]["choice_is_fastest"] and rows[8000]["choice_is_fastest"]
     assert rows[10000]["fastest_measured"] == "tiled_logits+tiled_mlp+ckpt/4" and not rows[10000]["choice_is_fastest"]
+    assert rows[10000]["faster_under_cap"] == [{"setting": "tiled_logits+tiled_mlp+ckpt/4", "speed_vs_choice": 1.077,
+                                                "peak_gb": 0.79, "below_cap": 0.21}]
+    again = bp.summarize_same_memory(res["rows"], cap=1.0, tol=0.1)  # --resummarize: another tolerance, no rerun
+    assert again["choice_fastest"]["fastest"] == 3 and again["rows"][2]["faster_under_cap"] == []
     assert res["choice_fastest"] == {"tolerance": 0.05, "lengths": 3, "fastest": 2, "share": 0.667}
     assert rows[8000]["paired"]["median_ratio"] == round(110 / 80, 3) and len(rows[8000]["paired"]["rounds"]) == 2
     assert res["ratio_where_hf_needs_checkpointing"] == {"8000": 1.375, "10000": 1.3}
