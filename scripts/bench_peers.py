@@ -235,7 +235,8 @@ def same_memory(lengths: list[int], cap: float, layers: int, rounds: int, tol: f
 def judge(row: dict, cap: float, tol: float) -> None:
     """Is auto's choice the fastest of our settings measured under the cap at this length (within `tol`)? And
     what did it leave: faster settings under the cap, with how far under it they peaked (auto keeps 10% of its
-    budget free and allows 0.2 GiB for the engine, so a setting that close to the cap is refused on purpose)."""
+    budget free and allows CPU_ENGINE_OVERHEAD (0.15 GiB) for the engine: a setting that close to the cap is
+    refused on purpose)."""
     for k in ("fastest_measured", "choice_vs_fastest", "choice_is_fastest", "faster_under_cap"):
         row.pop(k, None)
     fit = {n: r for n, r in row["ours"].items() if r["ok"] and r["peak_mem_gb"] <= cap}
