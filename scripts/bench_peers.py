@@ -23,6 +23,15 @@ each of `--paired_lengths`, ulysses-longtrain and hf-trainer-sp run alternately,
 round (AB, BA, AB, ...), `--paired_steps` steps each, and the ratio ours / HF is taken per round; the
 median, min and max over rounds are reported, and over all rounds of all lengths the geometric mean ratio
 with a 95% bootstrap interval.
+
+`--same_memory` (bench/peers_same_memory.{json,png}) asks the other question: at the same per-rank cap, is
+`memory_features: auto` faster than the HF integration's best setting, and is its choice right? Per length:
+HF with and without gradient checkpointing (the faster that stays under the cap, picked by measurement), ours
+with `--memory_features auto --mem_cap_gb CAP` (every such run must stay under the cap), the choice, its
+neighbours, none and every feature explicitly (is the choice the fastest of those under the cap?), then
+`--paired_rounds` AB/BA launches auto vs the HF pick. See `same_memory`.
+
+    python scripts/bench_peers.py --same_memory --lengths 4096,8192,12288,16384,24576 --cap_gb 1.0 --layers 4
 """
 
 from __future__ import annotations
