@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 
-
 # Text that exercises whitespace, digits, unicode and code: the direct fast path must give the same ids on it.
 _PROBE = ["  Hello world!\n\tdef f(x):  return x**2  # café 東京 1234567 ", "", "a\r\nb   c\u00a0d 🙂"]
 

@@ -197,12 +197,12 @@ def test_in_job_path_has_a_size_limit(tmp_path, monkeypatch):
 
 def test_hf_fast_tokenizer_direct_path_gives_the_transformers_ids(tmp_path):
     """Tokenizer.encode_batch calls the Rust tokenizer's encode_batch_fast (no offsets); it must give exactly
-    what `tokenizer(texts)` gives, on real text and on the probe's edge cases, with and without a prefix space."""
-    from scripts.bench_data import build_hf_tokenizer
+    what `tokenizer(texts)` gives, on real text and on the probe's edge cases."""
     from transformers import AutoTokenizer
 
     from data.corpus import build_demo_corpus
     from data.tokenizer import _PROBE, Tokenizer
+    from scripts.bench_data import build_hf_tokenizer
 
     jsonl, _ = build_demo_corpus()
     texts = [json.loads(line)["text"] for line in open(jsonl).readlines()[:20]]
