@@ -21,6 +21,7 @@ def _load(name: str):
 
 bm = _load("bench_memory")
 bp = _load("bench_peers")
+sm = _load("peers_same_memory")
 
 LAUNCHER_EXIT = ("[2026-11-23 15:34:27,800] [ERROR] [launch.py:259:sigkill_handler] ['/venv/bin/python3', '-u', "
                  "'x.py', '--local_rank=1'] exits with return code = {}\n")
@@ -68,9 +69,9 @@ def test_ratio_summary_geomean_interval_and_count():
 
 def test_neighbours_step_one_feature_or_one_checkpoint_count():
     # 4 layers: auto's checkpoint counts are 4, 2, 1, 0 layers (K = 1, 2, 4, none)
-    assert sorted(bp.neighbours((False, True, 2, False), 4)) == sorted(
+    assert sorted(sm.neighbours((False, True, 2, False), 4)) == sorted(
         [(True, True, 2, False), (False, False, 2, False), (False, True, 1, False), (False, True, 4, False)])
-    assert sorted(bp.neighbours((False, False, 0, False), 4)) == sorted(
+    assert sorted(sm.neighbours((False, False, 0, False), 4)) == sorted(
         [(True, False, 0, False), (False, True, 0, False), (False, False, 4, False)])
 
 
@@ -101,7 +102,7 @@ def _fake_world(cap_by_cfg: dict, speed_by_cfg: dict, auto_pick):
 
 
 def test_same_memory_picks_measures_and_stops():
-    NONE, ALL = bp.NONE, bp.ALL
+    NONE, ALL = sm.NONE, sm.ALL
     TM = (False, True, 0, False)
     TM_C4 = (False, True, 4, False)  # checkpoint 1 layer in 4
     TL_TM_C4 = (True, True, 4, False)
@@ -114,7 +115,7 @@ def test_same_memory_picks_measures_and_stops():
         return {4000: NONE, 8000: TM, 10000: TM_C4, 30000: None}[L]
 
     run_ours, run_hf, calls = _fake_world(peak, speed, auto)
-    res = bp.same_memory([4000, 8000, 10000, 30000], cap=1.0, layers=4, rounds=2, tol=0.05,
+    res = sm.same_memory([4000, 8000, 10000, 30000], cap=1.0, layers=4, rounds=2, tol=0.05,
                          run_ours=run_ours, run_hf=run_hf)
     rows = {r["seq_len"]: r for r in res["rows"]}
     assert rows[4000]["hf_pick"] == "none" and rows[8000]["hf_pick"] == "gradient_checkpointing"
@@ -123,7 +124,7 @@ def test_same_memory_picks_measures_and_stops():
     assert rows[10000]["fastest_measured"] == "tiled_logits+tiled_mlp+ckpt/4" and not rows[10000]["choice_is_fastest"]
     assert rows[10000]["faster_under_cap"] == [{"setting": "tiled_logits+tiled_mlp+ckpt/4", "speed_vs_choice": 1.077,
                                                 "peak_gb": 0.79, "below_cap": 0.21}]
-    again = bp.summarize_same_memory(res["rows"], cap=1.0, tol=0.1)  # --resummarize: another tolerance, no rerun
+    again = sm.summarize_same_memory(res["rows"], cap=1.0, tol=0.1)  # --resummarize: another tolerance, no rerun
     assert again["choice_fastest"]["fastest"] == 3 and again["rows"][2]["faster_under_cap"] == []
     assert res["choice_fastest"] == {"tolerance": 0.05, "lengths": 3, "fastest": 2, "share": 0.667}
     assert rows[8000]["paired"]["median_ratio"] == round(110 / 80, 3) and len(rows[8000]["paired"]["rounds"]) == 2
@@ -131,14 +132,14 @@ def test_same_memory_picks_measures_and_stops():
     assert res["ratio_where_hf_fits_without"] == {"4000": 1.2}
     assert res["longest_under_cap"] == {"ours_auto": 10000, "ours_all_features": 10000, "hf_best": 10000}
     assert res["auto_over_cap"] == 0 and rows[30000]["auto_refused"] and res["rows"][-1]["seq_len"] == 30000
-    assert "refused" in bp.same_memory_table(res, 1.0)
+    assert "refused" in sm.same_memory_table(res, 1.0)
 
 
 def test_same_memory_counts_an_auto_run_over_the_cap():
     TM = (False, True, 0, False)
-    run_ours, run_hf, _ = _fake_world({TM: 0.2, bp.NONE: 0.3, bp.ALL: 0.05, (True, True, 0, False): 0.2,
+    run_ours, run_hf, _ = _fake_world({TM: 0.2, sm.NONE: 0.3, sm.ALL: 0.05, (True, True, 0, False): 0.2,
                                        (False, False, 0, False): 0.3, (False, True, 4, False): 0.1},
-                                      {TM: 1.0, bp.NONE: 1.0, bp.ALL: 1.0, (True, True, 0, False): 1.0,
+                                      {TM: 1.0, sm.NONE: 1.0, sm.ALL: 1.0, (True, True, 0, False): 1.0,
                                        (False, True, 4, False): 1.0}, lambda L: TM)
-    res = bp.same_memory([6000], cap=1.0, layers=4, rounds=1, tol=0.05, run_ours=run_ours, run_hf=run_hf)
+    res = sm.same_memory([6000], cap=1.0, layers=4, rounds=1, tol=0.05, run_ours=run_ours, run_hf=run_hf)
     assert res["auto_over_cap"] == 1 and res["longest_under_cap"]["ours_auto"] is None
