@@ -242,14 +242,9 @@ def _no_mask(orig):
     return build
 
 
-def model_class_name(hf_config) -> str:
-    """The causal-LM class transformers builds for this config (its name; the config's own type if unknown)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    try:
-        return MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)].__name__
-    except KeyError:
-        return type(hf_config).__name__
+# the class attribute by which transformers says an architecture has an attention backend
+_BACKEND_FLAG = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn",
+                 "flash_attention_2": "_supports_flash_attn", "flash_attention_3": "_supports_flash_attn"}
 
 
 def check_config(hf_config, attn: str) -> None:
@@ -258,15 +253,11 @@ def check_config(hf_config, attn: str) -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(hf_config), None)
-    if cls is not None and attn in SUPPORTED and not getattr(cls, flag_of(attn), False):
-        others = [a for a in SUPPORTED if a != attn and getattr(cls, flag_of(a), False)]
+    if cls is not None and attn in SUPPORTED and not getattr(cls, _BACKEND_FLAG[attn], False):
+        others = [a for a in SUPPORTED if a != attn and getattr(cls, _BACKEND_FLAG[a], False)]
         raise ValueError(f"{cls.__name__}: transformers has no {attn} attention for this architecture; use "
                          f"--attn_implementation {' or '.join(others) or 'eager (not sequence-parallel here)'}")
-    check_supported(hf_config, attn, model_class_name(hf_config))
-
-
-def flag_of(attn: str) -> str:
-    return "_supports_sdpa" if attn == "sdpa" else "_supports_flex_attn" if attn == "flex_attention" else "_supports_flash_attn"
+    check_supported(hf_config, attn, cls.__name__ if cls is not None else type(hf_config).__name__)
 
 
 def check_supported(model_or_config, attn: str, name: str | None = None) -> None:

@@ -139,12 +139,17 @@ def _error_line(lines: list[str]) -> str:
     return own[-1] if own else lines[-1] if lines else "no output"
 
 
-def read_steps(out_dir: str) -> list[dict]:
+def read_metrics(out_dir: str) -> list[dict]:
+    """Every record of a run's metrics.jsonl ([] when it wrote none)."""
     path = os.path.join(out_dir, "metrics.jsonl")
     if not os.path.exists(path):
         return []
     with open(path) as fh:
-        return [r for r in map(json.loads, filter(str.strip, fh)) if "tokens_per_s" in r]
+        return list(map(json.loads, filter(str.strip, fh)))
+
+
+def read_steps(out_dir: str, records: list[dict] | None = None) -> list[dict]:
+    return [r for r in (read_metrics(out_dir) if records is None else records) if "tokens_per_s" in r]
 
 
 def summarize_steps(steps: list[dict]) -> dict:
@@ -180,23 +185,15 @@ def train_point(model: str, seq_len: int, sp: int, features: tuple[str, ...], st
     code, wall = launch(cmd, bench_env(device, env), os.path.join(out, "launch.log"), timeout)
     rec = {"seq_len": seq_len, "sp": sp, "nproc": nproc, "features": list(features), "device": device,
            "wall_s": round(wall, 1), "load_before": round(load0, 2), "load_after": round(os.getloadavg()[0], 2)}
-    steps_done = read_steps(out)
-    choice = read_memory_choice(out)
+    records = read_metrics(out)
+    steps_done = read_steps(out, records)
+    choice = next((r for r in records if r.get("event") == "memory_choice"), None)  # what memory_features auto chose
     if choice:
         rec["memory_choice"] = choice
     if code != 0 or len(steps_done) < steps:
         return (rec | {"ok": False, "exit_code": code, "steps_logged": len(steps_done)}
                 | launch_failure(os.path.join(out, "launch.log")))
     return rec | {"ok": True} | summarize_steps(steps_done)
-
-
-def read_memory_choice(out_dir: str) -> dict | None:
-    """The first `memory_choice` event of a run's metrics (what `memory_features: auto` chose), or None."""
-    path = os.path.join(out_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return None
-    with open(path) as fh:
-        return next((r for r in map(json.loads, filter(str.strip, fh)) if r.get("event") == "memory_choice"), None)
 
 
 def feature_flags(features: tuple[str, ...]) -> list[str]:
