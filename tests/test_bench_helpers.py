@@ -122,6 +122,7 @@ def test_same_memory_picks_measures_and_stops():
     assert ("hf", 8000, False) in calls and ("hf", 10000, False) not in calls  # over the cap at 8k: not rerun
     assert rows[4000]["choice_is_fastest"] and rows[8000]["choice_is_fastest"]
     assert rows[10000]["fastest_measured"] == "tiled_logits+tiled_mlp+ckpt/4" and not rows[10000]["choice_is_fastest"]
+    assert not rows[10000]["choice_is_fastest_with_headroom"]  # that one peaked 21% under the cap: a real miss
     assert rows[10000]["faster_under_cap"] == [{"setting": "tiled_logits+tiled_mlp+ckpt/4", "speed_vs_choice": 1.077,
                                                 "peak_gb": 0.79, "below_cap": 0.21}]
     again = sm.summarize_same_memory(res["rows"], cap=1.0, tol=0.1)  # --resummarize: another tolerance, no rerun
@@ -133,6 +134,20 @@ def test_same_memory_picks_measures_and_stops():
     assert res["longest_under_cap"] == {"ours_auto": 10000, "ours_all_features": 10000, "hf_best": 10000}
     assert res["auto_over_cap"] == 0 and rows[30000]["auto_refused"] and res["rows"][-1]["seq_len"] == 30000
     assert "refused" in sm.same_memory_table(res, 1.0)
+
+
+def test_same_memory_judges_with_and_without_auto_headroom():
+    TM, TL_TM = (False, True, 0, False), (True, True, 0, False)
+    # at 4k: none peaks at 0.96 GiB (under the 1.0 cap but inside auto's 10% headroom) and runs 1.1x faster than
+    # the choice (tiled MLP, 0.8 GiB); tiled logits + MLP at 0.84 GiB is no faster than the choice
+    run_ours, run_hf, _ = _fake_world({sm.NONE: 0.24, TM: 0.2, TL_TM: 0.21, (False, True, 4, False): 0.15},
+                                      {sm.NONE: 110.0, TM: 100.0, TL_TM: 101.0}, lambda L: TM)
+    res = sm.same_memory([4000], cap=1.0, layers=4, rounds=0, tol=0.05, run_ours=run_ours, run_hf=run_hf)
+    row = res["rows"][0]
+    assert row["fastest_measured"] == "none" and not row["choice_is_fastest"]  # strict: a miss
+    assert row["choice_is_fastest_with_headroom"]  # none left no 10% free: auto refuses it on purpose
+    assert res["choice_fastest"]["fastest"] == 0 and res["choice_fastest_with_headroom"]["fastest"] == 1
+    assert "10% headroom free: 1 of 1" in sm.same_memory_table(res, 1.0)
 
 
 def test_same_memory_counts_an_auto_run_over_the_cap():
