@@ -4,7 +4,8 @@ allocator setting ALST uses. These are the pieces of Arctic Long Sequence Traini
 Ulysses SP; every tensor below is a rank's sequence shard, `[bs, sl_local, ...]` with sl_local = sl/sp.
 
 - `--tiled_mlp`: each decoder layer's gated MLP runs through DeepSpeed's `TiledMLP` over
-  ceil(sl_local / hidden) sequence tiles (ALST's rule). Only the MLP input is saved; backward recomputes
+  ceil(sl_local / hidden) sequence tiles (ALST's rule; tiles of at least 1024 tokens on tiny models, see
+  training.memory_model.MLP_MIN_TILE_TOKENS). Only the MLP input is saved; backward recomputes
   one tile at a time, so the `[bs, sl_local, intermediate]` activations never exist whole.
 - `--tiled_logits`: the LM head and the cross-entropy run one sequence tile at a time
   (model_utils/tiled_loss.py; evaluation always uses it).
@@ -24,7 +25,6 @@ Ulysses SP; every tensor below is a rank's sequence shard, `[bs, sl_local, ...]`
 from __future__ import annotations
 
 import functools
-import math
 import os
 import types
 from collections.abc import Callable
@@ -33,10 +33,11 @@ import torch
 from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 
 from model_utils.tiled_loss import agreed_tiles, install_loss_forward, tiled_loss_sum
+from training.memory_model import mlp_tiles
 from training.step import loss_sum
 
 # Tile sizes. Module-level so the tests can force several tiles on tiny models.
-MLP_TILE_TOKENS: int | None = None  # tokens per MLP tile; None: the hidden size, ALST's ceil(sl_local / hidden) tiles
+MLP_TILE_TOKENS: int | None = None  # tokens per MLP tile; None: training.memory_model.mlp_tiles's rule
 ALLOCATOR_SETTINGS = "expandable_segments:True"
 
 
@@ -93,7 +94,7 @@ def _gated_mlp(mlp, x: torch.Tensor) -> torch.Tensor:
 
 def _tiled_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     """x: [bs, sl_local, hidden] -> [bs, sl_local, hidden], the same MLP over sequence tiles."""
-    tiles = agreed_tiles(math.ceil(x.shape[-2] / (MLP_TILE_TOKENS or x.shape[-1])), x.device)
+    tiles = agreed_tiles(mlp_tiles(x.shape[-2], x.shape[-1], MLP_TILE_TOKENS), x.device)
     # All of the MLP's weights get one gradient per tile; TiledMLP tells ZeRO-3 to reduce them after the last.
     return TiledMLP.apply(_gated_mlp, self, x, tiles, list(self.parameters()))
 

@@ -47,6 +47,11 @@ def test_tile_rules(monkeypatch):
     assert tiled_loss.logits_tiles(1, 128_000, 128_256) == math.ceil(128_000 * 128_256 * 4 / 2**30)  # ~1 GiB fp32 each
     monkeypatch.setattr(tiled_loss, "LOGITS_TILE_BYTES", 1)
     assert tiled_loss.logits_tiles(2, 5, 100) == 5  # never more tiles than tokens
+    from training.memory_model import mlp_tiles
+
+    assert mlp_tiles(131_072, 4096) == 32  # Llama-3-8B, 128k tokens per rank: ALST's ceil(T / hidden)
+    assert mlp_tiles(4096, 256) == 4  # a tiny model's tiles are floored at 1024 tokens (not 16 of 256)
+    assert mlp_tiles(100, 4096) == 1 and mlp_tiles(100, 256, tile_tokens=12) == 9  # the tests' forced tile size
 
 
 @pytest.mark.parametrize("tied", [False, True])

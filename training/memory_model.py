@@ -24,6 +24,12 @@ from model_utils.presets import PRESETS
 from training.parallel import check_layout
 
 GiB = 2**30
+# Each tile re-enters ZeRO-3's fetch/release hooks of the MLP's three projections, in the forward and again in
+# the recomputing backward: a fixed cost per tile. ALST's tile of `hidden` tokens is large on real models (4096+
+# tokens, unchanged by this floor) but 128-256 tokens on tiny ones, where measured at 8192 tokens, h256, 2 ranks
+# (one launch each, idle): 16 tiles 1263 tok/s, 4 tiles 1359, untiled 1364. The floor keeps tiny models' tiles
+# at 1024 tokens; the intermediates of such a tile ([1024, intermediate] x 3) are a few MiB there.
+MLP_MIN_TILE_TOKENS = 1024
 LOGITS_TILE_BYTES = 2**30  # tiled logits: shards of ~1 GiB of fp32 logits (ArcticTraining's rule)
 ZERO_SUBGROUP = 10**9  # DeepSpeed sub_group_size: the optimizer step upcasts grads this many at a time
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
@@ -140,9 +146,10 @@ def parse_seq_len(text: str | int) -> int:
     return value
 
 
-def mlp_tiles(tokens: int, hidden: int) -> int:
-    """DeepSpeed TiledMLP shard count: ceil(tokens_per_rank / hidden), so a tile is ~hidden tokens."""
-    return max(1, math.ceil(tokens / hidden))
+def mlp_tiles(tokens: int, hidden: int, tile_tokens: int | None = None) -> int:
+    """DeepSpeed TiledMLP shard count over a rank's `tokens`: ALST's ceil(tokens / hidden) (a tile of ~hidden
+    tokens), with tiles of at least MLP_MIN_TILE_TOKENS; `tile_tokens` overrides the tile size (tests)."""
+    return max(1, math.ceil(tokens / (tile_tokens or max(hidden, MLP_MIN_TILE_TOKENS))))
 
 
 def logits_tiles(tokens: int, vocab: int) -> int:
