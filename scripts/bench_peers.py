@@ -222,10 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(a.resummarize) as fh:
             res = json.load(fh)
         res.update(sm.summarize_same_memory(res["rows"], res["cap_gb"], a.tolerance))
-        with open(a.resummarize, "w") as fh:
-            json.dump(res, fh, indent=1)
-        sm.plot_same_memory(res, res["cap_gb"], os.path.splitext(a.resummarize)[0] + ".png")
-        print(sm.same_memory_table(res, res["cap_gb"]))
+        sm.save_same_memory(res, a.resummarize)
         return 0
     import torch
 

@@ -280,10 +280,15 @@ def run_same_memory(a, model: str, lengths: list[int], device: str, work: str, m
            "paired_rounds": a.paired_rounds, "malloc_env": malloc or "glibc defaults", "lengths": lengths,
            "seconds": round(time.time() - t0), "load_average_end": os.getloadavg(), **res}
     out = a.out or os.path.join(bm.ROOT, "bench", "peers_same_memory.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as fh:
-        json.dump(res, fh, indent=1)
-    plot_same_memory(res, a.cap_gb, os.path.splitext(out)[0] + ".png")
-    print("\n" + same_memory_table(res, a.cap_gb))
+    save_same_memory(res, out)
     print(f"wrote {out} and {os.path.splitext(out)[0]}.png in {res['seconds']} s")
     return 0
+
+
+def save_same_memory(res: dict, path: str) -> None:
+    """The result as JSON at `path`, its plot next to it (.png), and the table on stdout (a run and --resummarize)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as fh:
+        json.dump(res, fh, indent=1)
+    plot_same_memory(res, res["cap_gb"], os.path.splitext(path)[0] + ".png")
+    print("\n" + same_memory_table(res, res["cap_gb"]))
