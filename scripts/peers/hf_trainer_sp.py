@@ -112,8 +112,9 @@ def main() -> int:
 
         release_shm_buffer(torch.distributed.get_rank())
     trainer.train()
-    if torch.distributed.is_initialized():  # a group alive at interpreter teardown can abort a finished run
-        torch.distributed.destroy_process_group()  # ("terminate called without an active exception", exit -6)
+    from training.comm import shutdown
+
+    shutdown()  # as train.py: a group alive at interpreter teardown can abort a finished run (exit -6)
     return 0
 
 
