@@ -31,6 +31,7 @@ from collections.abc import Callable
 
 import torch
 from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+from deepspeed.utils.z3_leaf_module import set_z3_leaf_module
 
 from model_utils.tiled_loss import agreed_tiles, install_loss_forward, tiled_loss_sum
 from training.memory_model import mlp_tiles
@@ -109,6 +110,11 @@ def _tile_mlps(model) -> None:
             raise ValueError(f"--tiled_mlp supports gated MLPs (gate_proj/up_proj/down_proj: Llama, Qwen2/3, "
                              f"Mistral); {type(model).__name__} has {type(mlp).__name__}")
         mlp.forward = types.MethodType(_tiled_mlp_forward, mlp)  # this instance only: other models untouched
+        # ZeRO-3 leaf: the MLP's weights are gathered once per forward and once per backward of the whole MLP,
+        # not per call of gate/up/down_proj. Without it every tile re-gathers them (with offload_param, a host
+        # -> device copy of the three matrices per tile, twice per step): measured on an H200 at 65536 tokens
+        # (h1024, 8 layers, 64 tiles), 0.36 of the tokens/s without tiled MLP, 23 ms per extra tile.
+        set_z3_leaf_module(mlp, True)
 
 
 # --- activation checkpoint offload -------------------------------------------------------------------

@@ -3,8 +3,9 @@ made small enough to split the test's short sequences, and a record of what the 
 
 argv: JSON list of parity cases, each with an extra "knobs" dict ({"MLP_TILE_TOKENS": 12, ...}).
 Beside each case's "out" file, rank 0 writes OUT.stats.pt: MLP tile counts, loss tile counts (and
-whether the head was tied), how many checkpointed tensors went through the offload hooks, and how many
-layer calls ran under torch's checkpoint (selective checkpointing: only every K-th layer).
+whether the head was tied), how many checkpointed tensors went through the offload hooks, how many
+layer calls ran under torch's checkpoint (selective checkpointing: only every K-th layer), and how often
+ZeRO-3 gathered the parameters of a tiled MLP, as a whole and per projection (gate/up/down_proj).
 """
 
 import json
@@ -14,6 +15,7 @@ import warnings
 import torch
 import torch.distributed as dist
 import transformers.modeling_utils as hf_modeling
+from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
 
 warnings.filterwarnings("ignore")
 
@@ -44,6 +46,24 @@ def _counting_checkpoint(function, *args, **kwargs):
 
 
 _checkpoint = hf_modeling.checkpoint
+_fetch, _tile_mlps = PartitionedParameterCoordinator.fetch_sub_module, memory._tile_mlps
+
+
+def _counting_fetch(self, current_submodule, forward):
+    """ZeRO-3 gathers a module's parameters here, before its forward and before its backward."""
+    if getattr(current_submodule, "_spy_tiled_mlp", False):
+        STATS["mlp_fetches"] += 1
+    if getattr(current_submodule, "_spy_mlp_projection", False):
+        STATS["projection_fetches"] += 1
+    return _fetch(self, current_submodule, forward)
+
+
+def _marking_tile_mlps(model):
+    _tile_mlps(model)
+    for layer in model.get_decoder().layers:
+        layer.mlp._spy_tiled_mlp = True
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(layer.mlp, name)._spy_mlp_projection = True
 
 
 def _copying_to_host(t: torch.Tensor):
@@ -57,10 +77,12 @@ def _copying_to_host(t: torch.Tensor):
 if __name__ == "__main__":
     memory.TiledMLP, tiled_loss.TiledCrossEntropySum, memory._to_host = _SpyTiledMLP, _SpyTiledCE, _copying_to_host
     hf_modeling.checkpoint = _counting_checkpoint  # what activation_checkpointing_enable hands the layers
+    PartitionedParameterCoordinator.fetch_sub_module, memory._tile_mlps = _counting_fetch, _marking_tile_mlps
     for case in json.loads(sys.argv[1]):
         for name, value in case.pop("knobs").items():
             setattr(memory if hasattr(memory, name) else tiled_loss, name, value)
-        STATS.update(mlp_tiles=set(), logits_tiles=set(), offloaded=0, checkpointed=0)
+        STATS.update(mlp_tiles=set(), logits_tiles=set(), offloaded=0, checkpointed=0, mlp_fetches=0,
+                     projection_fetches=0)
         run_case(case, case["sequence_parallel_size"])
         if dist.get_rank() == 0:
             torch.save(dict(STATS), case["out"] + ".stats.pt")
