@@ -201,3 +201,29 @@ def test_no_optimizer_block_matches_project_config(assets, tmp_path):
         assert g_flags == g_ours and g_ours[0]["weight_decay"] == 0.1
         for (a, b), (c, d) in zip(m_flags, m_ours, strict=True):
             assert torch.allclose(a, c, rtol=1e-6, atol=0) and torch.allclose(b, d, rtol=1e-6, atol=0)
+
+
+def test_arch_specific_cuda_arch_list_is_made_readable_for_deepspeed(monkeypatch):
+    """TORCH_CUDA_ARCH_LIST=9.0a (an H200 image here sets it) made DeepSpeed's JIT builder raise ValueError
+    ('0a') before the first step of a run without optimizer offload; importing `training` rewrites it."""
+    import subprocess
+    import sys
+
+    from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
+
+    from training import deepspeed_arch_list
+
+    assert deepspeed_arch_list("9.0a 10.0f+PTX;9.0") == "9.0;10.0+PTX"
+    assert deepspeed_arch_list("8.0;8.6") == "8.0;8.6"
+    builder = FusedAdamBuilder()
+    builder.jit_mode = True
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a;10.0f")
+    with pytest.raises(ValueError, match="0a"):
+        builder.compute_capability_args()
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", deepspeed_arch_list("9.0a;10.0f"))
+    builder.compute_capability_args()
+
+    env = dict(os.environ, TORCH_CUDA_ARCH_LIST="9.0a")
+    out = subprocess.run([sys.executable, "-c", "import os, training; print(os.environ['TORCH_CUDA_ARCH_LIST'])"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "9.0"
