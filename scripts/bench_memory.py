@@ -84,15 +84,25 @@ def bench_model(hidden: int = 256, layers: int = 2, heads: int = 4, kv_heads: in
 
 
 def bench_env(device: str, extra: dict | None = None) -> dict:
-    """Environment of every launch: one thread per rank, and this checkout's DeepSpeed ops (set by importing
-    `training`) also for the peer scripts, which do not import it."""
+    """Environment of every launch: this checkout's DeepSpeed ops (set by importing `training`) also for the
+    peer scripts, which do not import it; on CPU one thread per rank (the ranks share the cores), on a GPU the
+    threads the launcher gives (CPU Adam of the offloaded optimizer runs on them)."""
     from training import EXTENSIONS_DIR
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, WANDB_MODE="offline", **(extra or {}))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+               WANDB_MODE="offline", **(extra or {}))
     env.setdefault("TORCH_EXTENSIONS_DIR", EXTENSIONS_DIR)
     if device == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
+        env["OMP_NUM_THREADS"] = "1"
     return env
+
+
+def launcher() -> list[str]:
+    """The deepspeed launcher: this checkout's .venv one, else the running interpreter's DeepSpeed (a GPU
+    machine whose Python already holds torch)."""
+    exe = os.path.join(ROOT, ".venv", "bin", "deepspeed")
+    return [exe] if os.path.exists(exe) else [sys.executable, "-m", "deepspeed.launcher.runner"]
 
 
 def free_port() -> int:
@@ -176,7 +186,7 @@ def train_point(model: str, seq_len: int, sp: int, features: tuple[str, ...], st
     cfg = os.path.join(out, "noeval.yaml")
     with open(cfg, "w") as fh:
         fh.write(NO_EVAL)
-    cmd = [os.path.join(ROOT, ".venv", "bin", "deepspeed"), "--num_gpus", str(nproc), "--master_port",
+    cmd = [*launcher(), "--num_gpus", str(nproc), "--master_port",
            str(free_port()), "train.py", "--config", cfg, "--model_name_or_path", model, "--max_seq_length",
            str(seq_len), "--sequence_parallel_size", str(sp), "--max_steps", str(steps), "--output_dir", out,
            "--report_to", "none", "--no-export_hf", "--save_steps", "0", "--resume", "none", "--no-progress_bar",

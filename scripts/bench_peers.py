@@ -61,16 +61,16 @@ HF_SCRIPT = os.path.join(bm.ROOT, "scripts", "peers", "hf_trainer_sp.py")
 
 
 def hf_point(model: str, seq_len: int, steps: int, device: str, work: str, timeout: float, env: dict,
-             gradient_checkpointing: bool = False) -> dict:
+             gradient_checkpointing: bool = False, nproc: int = 2, sp: int = 2) -> dict:
     out = os.path.join(work, f"hf_L{seq_len}{'_gc' if gradient_checkpointing else ''}")
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
-    cmd = [os.path.join(bm.ROOT, ".venv", "bin", "deepspeed"), "--num_gpus", "2", "--master_port", str(bm.free_port()),
-           HF_SCRIPT, "--model", model, "--seq_len", str(seq_len), "--sp", "2", "--steps", str(steps),
+    cmd = [*bm.launcher(), "--num_gpus", str(nproc), "--master_port", str(bm.free_port()),
+           HF_SCRIPT, "--model", model, "--seq_len", str(seq_len), "--sp", str(sp), "--steps", str(steps),
            "--output_dir", out, *(["--gradient_checkpointing"] if gradient_checkpointing else [])]
     load0 = os.getloadavg()[0]
     code, wall = bm.launch(cmd, bm.bench_env(device, env), os.path.join(out, "launch.log"), timeout)
-    rec = {"seq_len": seq_len, "sp": 2, "nproc": 2, "wall_s": round(wall, 1), "load_before": round(load0, 2),
+    rec = {"seq_len": seq_len, "sp": sp, "nproc": nproc, "wall_s": round(wall, 1), "load_before": round(load0, 2),
            "load_after": round(os.getloadavg()[0], 2)}
     done = bm.read_steps(out)
     if code != 0 or len(done) < steps:
@@ -200,6 +200,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv_heads", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--nproc", type=int, default=2, help="--same_memory: ranks of every launch (1 on a one-GPU machine)")
+    p.add_argument("--sp", type=int, default=2, help="--same_memory: SP degree of every launch (ours and HF's)")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--mmap_threshold", type=int, default=64 * 2**10,
                    help="glibc MALLOC_MMAP_THRESHOLD_ (bytes) in every rank of every system, as in bench_memory.py "
@@ -231,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     systems = [s.strip() for s in a.systems.split(",") if s.strip()]
     if any(s not in SYSTEMS for s in systems) or lengths != sorted(lengths):
         raise ValueError(f"--systems from {list(SYSTEMS)}; --lengths increasing")
-    model = bm.bench_model(a.hidden, a.layers)
+    model = bm.bench_model(a.hidden, a.layers, a.heads, a.kv_heads, a.vocab)
     work = os.path.join(bm.ROOT, "bench", "_runs_peers") if a.keep else tempfile.mkdtemp(prefix="bench_peers_")
     malloc = {"MALLOC_MMAP_THRESHOLD_": str(a.mmap_threshold)} if a.mmap_threshold else {}
     t0 = time.time()

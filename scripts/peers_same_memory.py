@@ -55,14 +55,16 @@ def neighbours(key: tuple, layers: int) -> list[tuple]:
     return out
 
 
-def same_memory(lengths: list[int], cap: float, layers: int, rounds: int, tol: float, run_ours, run_hf) -> dict:
+def same_memory(lengths: list[int], cap: float, layers: int, rounds: int, tol: float, run_ours, run_hf,
+                on_row=None) -> dict:
     """The ladder of the issue's claim. At each length: the HF Trainer with and without gradient checkpointing
     (its pick: the faster whose measured peak <= cap, an oracle pick that favours it); ours with
     `--memory_features auto --mem_cap_gb cap` (the planner picks before any step; its measured peak must stay
     under the cap: an 'OOM' otherwise); ours with the auto choice, its neighbours, none and every feature set
     explicitly (is the choice the fastest of those that fit?); then `rounds` paired launches auto vs the HF pick
     (AB, BA, ...). A setting whose peak passed the cap is not run at longer lengths (peaks grow with length).
-    The ladder ends when neither system has anything left that fits."""
+    The ladder ends when neither system has anything left that fits. `on_row(summary so far)` after each length
+    (the run saves it: a ladder stopped by a time limit keeps its finished lengths)."""
     over: set = set()
     rows = []
     for L in lengths:
@@ -111,6 +113,8 @@ def same_memory(lengths: list[int], cap: float, layers: int, rounds: int, tol: f
                                                      "min_ratio": min(ratios), "max_ratio": max(ratios)} if ratios else {})}
             row["auto_over_cap"] |= any(x["ok"] and x["ours_peak_gb"] > cap for x in per_round)
         rows.append(row)
+        if on_row:
+            on_row(summarize_same_memory(rows, cap, tol))
         if row["auto_refused"] and ("ours", ALL) in over and ("hf", True) in over and ("hf", False) in over:
             break
     return summarize_same_memory(rows, cap, tol)
@@ -179,7 +183,8 @@ def summarize_same_memory(rows: list[dict], cap: float, tol: float) -> dict:
 
 
 def same_memory_table(res: dict, cap: float) -> str:
-    out = [f"per-rank cap {cap} GiB; tokens/s of 2 ranks; peak GiB per rank; x = over the cap or failed",
+    out = [f"per-rank cap {cap} GiB; tokens/s of {res.get('ranks', 2)} rank(s) on {res.get('device', 'cpu')}; "
+           "peak GiB per rank; x = over the cap or failed",
            f"{'seq_len':>7} | {'HF none':>15} | {'HF grad-ckpt':>15} | {'ours auto (choice)':>40} | "
            f"{'fastest of ours measured':>28} | paired ours/HF"]
 
@@ -231,7 +236,7 @@ def plot_same_memory(res: dict, cap: float, path: str) -> None:
                 ax[1].plot([p[0] for p in ok], [p[1]["tokens_per_s"] for p in ok], marker="o", label=name)
     ax[0].axhline(cap, color="k", ls="--", lw=0.8, label=f"cap {cap} GiB")
     ax[0].set(xscale="log", xlabel="sequence length", ylabel="peak GiB per rank", title="per-rank peak")
-    ax[1].set(xscale="log", yscale="log", xlabel="sequence length", ylabel="tokens/s (2 ranks)",
+    ax[1].set(xscale="log", yscale="log", xlabel="sequence length", ylabel=f"tokens/s ({res.get('ranks', 2)} rank(s))",
               title="throughput of the settings under the cap")
     paired = [(r["seq_len"], r["paired"], r["hf_pick"]) for r in rows if "median_ratio" in r.get("paired", {})]
     for i, (_, pr, pick) in enumerate(paired):
@@ -261,34 +266,45 @@ def run_same_memory(a, model: str, lengths: list[int], device: str, work: str, m
               flush=True)
         return rec
 
+    budget = "--gpu_mem_gb" if device == "cuda" else "--mem_cap_gb"  # the cap: the GPU's memory, or peak RSS
+
     def run_ours(L: int, key) -> dict:
-        extra = ("--memory_features", "auto", "--mem_cap_gb", str(a.cap_gb)) if key is None else ()
-        rec = bm.train_point(model, L, 2, features_of(key) if key else (), a.steps, device, work, nproc=2,
+        extra = ("--memory_features", "auto", budget, str(a.cap_gb)) if key is None else ()
+        rec = bm.train_point(model, L, a.sp, features_of(key) if key else (), a.steps, device, work, nproc=a.nproc,
                              timeout=a.timeout, env=malloc, extra_args=extra)
         return show("ours " + ("auto" if key is None else label(key)), rec)
 
     def run_hf(L: int, gc: bool) -> dict:
         return show("hf " + ("grad-ckpt" if gc else "none"), hf_point(model, L, a.steps, device, work, a.timeout,
-                                                                       malloc, gradient_checkpointing=gc))
+                                                                       malloc, gradient_checkpointing=gc,
+                                                                       nproc=a.nproc, sp=a.sp))
+
+    out = a.out or os.path.join(bm.ROOT, "bench", "peers_same_memory.json")
+
+    def result(summary: dict, partial: bool) -> dict:
+        return {"model": os.path.basename(model), "device": device, "ranks": a.nproc, "sp": a.sp, "steps": a.steps,
+                "cap_gb": a.cap_gb, "paired_rounds": a.paired_rounds, "malloc_env": malloc or "glibc defaults",
+                "lengths": lengths, "seconds": round(time.time() - t0), "load_average_end": os.getloadavg(),
+                **({"partial": "the lengths finished before the run stopped"} if partial else {}), **summary}
 
     try:
-        res = same_memory(lengths, a.cap_gb, a.layers, a.paired_rounds, a.tolerance, run_ours, run_hf)
+        res = result(same_memory(lengths, a.cap_gb, a.layers, a.paired_rounds, a.tolerance, run_ours, run_hf,
+                                 on_row=lambda summary: save_same_memory(result(summary, True), out, quiet=True)),
+                     False)
     finally:
         if not a.keep:
             shutil.rmtree(work, ignore_errors=True)
-    res = {"model": os.path.basename(model), "device": device, "ranks": 2, "steps": a.steps, "cap_gb": a.cap_gb,
-           "paired_rounds": a.paired_rounds, "malloc_env": malloc or "glibc defaults", "lengths": lengths,
-           "seconds": round(time.time() - t0), "load_average_end": os.getloadavg(), **res}
-    out = a.out or os.path.join(bm.ROOT, "bench", "peers_same_memory.json")
     save_same_memory(res, out)
     print(f"wrote {out} and {os.path.splitext(out)[0]}.png in {res['seconds']} s")
     return 0
 
 
-def save_same_memory(res: dict, path: str) -> None:
-    """The result as JSON at `path`, its plot next to it (.png), and the table on stdout (a run and --resummarize)."""
+def save_same_memory(res: dict, path: str, quiet: bool = False) -> None:
+    """The result as JSON at `path`, its plot next to it (.png), and the table on stdout (a run and --resummarize;
+    not when `quiet`)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as fh:
         json.dump(res, fh, indent=1)
     plot_same_memory(res, res["cap_gb"], os.path.splitext(path)[0] + ".png")
-    print("\n" + same_memory_table(res, res["cap_gb"]))
+    if not quiet:
+        print("\n" + same_memory_table(res, res["cap_gb"]))

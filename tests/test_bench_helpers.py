@@ -3,6 +3,7 @@ the README's tokens/s claim against the HF integration rests on."""
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import math
 import os
@@ -115,8 +116,12 @@ def test_same_memory_picks_measures_and_stops():
         return {4000: NONE, 8000: TM, 10000: TM_C4, 30000: None}[L]
 
     run_ours, run_hf, calls = _fake_world(peak, speed, auto)
+    saved = []  # what the run writes after each length (a ladder stopped by a time limit keeps those)
     res = sm.same_memory([4000, 8000, 10000, 30000], cap=1.0, layers=4, rounds=2, tol=0.05,
-                         run_ours=run_ours, run_hf=run_hf)
+                         run_ours=run_ours, run_hf=run_hf, on_row=lambda x: saved.append(copy.deepcopy(x)))
+    assert [[r["seq_len"] for r in x["rows"]] for x in saved] == [[4000], [4000, 8000], [4000, 8000, 10000],
+                                                                  [4000, 8000, 10000, 30000]]
+    assert saved[-1] == res
     rows = {r["seq_len"]: r for r in res["rows"]}
     assert rows[4000]["hf_pick"] == "none" and rows[8000]["hf_pick"] == "gradient_checkpointing"
     assert ("hf", 8000, False) in calls and ("hf", 10000, False) not in calls  # over the cap at 8k: not rerun

@@ -43,7 +43,8 @@ def test_two_steps_on_one_gpu_match_the_plain_model(tmp_path, attn):
     cmd = [sys.executable, "train.py", "--model_name_or_path", model_dir, "--dataset_path", data, "--max_seq_length",
            str(SEQ), "--max_steps", "2", "--bf16", "--attn_implementation", attn, "--output_dir", str(out),
            "--report_to", "none", "--learning_rate", "1e-3", "--seed", "0", "--dist_timeout_s", "120"]
-    p = subprocess.run(cmd, cwd=ROOT, env=dict(env, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=900)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))  # keep a user's own entries
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-4000:]
     recs = [json.loads(x) for x in open(out / "metrics.jsonl") if x.strip()]
     steps = [r for r in recs if "loss" in r]

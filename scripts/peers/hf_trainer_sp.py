@@ -62,7 +62,7 @@ def main() -> int:
     sys.path.insert(0, ROOT)
     from training.metrics import peak_memory_gb  # the measurement train.py logs, so the systems compare
 
-    pc = ParallelismConfig(sp_backend="deepspeed", sp_size=a.sp,
+    pc = None if a.sp == 1 else ParallelismConfig(sp_backend="deepspeed", sp_size=a.sp,
                            sp_handler=DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True,
                                                                       sp_attn_implementation="sdpa"))
     # TrainingArguments before the model: with a ZeRO-3 config it makes from_pretrained build partitioned
