@@ -304,3 +304,15 @@ def test_long_recipe_extends_passkey_retrieval(tmp_path):
     assert final["2048"] >= 0.9  # after the curriculum, at the final length
     assert first["2048"] <= final["2048"] - 0.3  # stage 1 alone at the final length: clearly lower
     assert final["256"] >= first["256"] - 0.1  # short-context retention
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_extension_demo_extends_passkey_retrieval(tmp_path):
+    """The issue's criteria in about 5 minutes: recipes/tiny_cpu_extend.yaml extends the short-context base
+    recipes/base/tiny_passkey256 (stage 1 of the long recipe, exported) 256 -> 2048 with YaRN (README)."""
+    _, ev = run_recipe(tmp_path / "run", "tiny_cpu_extend.yaml", 29735, 4, timeout=1800)
+    final, first = ev[3]["task_mean"]["passkey"], ev[0]["task_mean"]["passkey"]
+    assert final["2048"] >= 0.9  # after the curriculum, at the final length
+    assert first["2048"] <= final["2048"] - 0.3  # stage 1 alone at the final length: clearly lower
+    assert final["256"] >= first["256"] - 0.1  # short-context retention
