@@ -285,7 +285,9 @@ def test_demo_evaluates_every_stage_at_its_lengths(demo_run):
 @pytest.mark.dist
 @pytest.mark.xfail(strict=True, reason="not reached yet: measured passkey 0.00 at every stage, length and depth on "
                    "the tiny 2-layer model; probes need ~19k passkey samples at 256 tokens for 1.00 and do not carry "
-                   "over to 4x that length (README's main-job paragraph); strict: fails once it passes")
+                   "over to 4x that length (README's main-job paragraph); the effect in 5 minutes is "
+                   "test_extension_demo_extends_passkey_retrieval (a base that retrieves, extended); strict: fails "
+                   "once it passes")
 def test_demo_curriculum_extends_passkey_retrieval(demo_run):
     _, ev = demo_run
     final, first = ev[3]["task_mean"]["passkey"], ev[0]["task_mean"]["passkey"]
