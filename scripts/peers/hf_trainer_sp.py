@@ -8,7 +8,8 @@ The SP layer is `TrainingArguments(parallelism_config=ParallelismConfig(sp_backe
 sp_handler=DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa")))`
 (accelerate >= 1.12 / transformers >= 5): accelerate registers `UlyssesSPAttentionHF` and wraps the
 dataloader in `UlyssesSPDataLoaderAdapter`; the Trainer's `deepspeed_sp_compute_loss` averages the loss
-over the SP group. `--sp 1` (one GPU): no ParallelismConfig, the plain Trainer with the same DeepSpeed config. The data are random token ids (content changes neither memory nor speed).
+over the SP group. `--sp 1` (one GPU): no ParallelismConfig, the plain Trainer with the same DeepSpeed config.
+The data are random token ids (content changes neither memory nor speed).
 Writes OUTPUT_DIR/metrics.jsonl (rank 0) with the fields train.py writes: step, tokens_per_s (tokens of
 the whole world per second), peak_mem_gb (peak RSS in GiB on CPU, max_memory_allocated on GPU, max
 over ranks).
