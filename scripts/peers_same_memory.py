@@ -123,7 +123,7 @@ def same_memory(lengths: list[int], cap: float, layers: int, rounds: int, tol: f
 def judge(row: dict, cap: float, tol: float) -> None:
     """Is auto's choice the fastest of our settings measured under the cap at this length (within `tol`)? And
     what did it leave: faster settings under the cap, with how far under it they peaked (auto keeps HEADROOM,
-    10%, of its budget free and allows CPU_ENGINE_OVERHEAD (0.15 GiB) for the engine: a setting that close to
+    10%, of its budget free and allows CPU_ENGINE_OVERHEAD (0.10 GiB) for the engine: a setting that close to
     the cap is refused on purpose). `choice_is_fastest_with_headroom` asks the same of the settings whose
     measured peak also left that 10% free: the rule auto is asked to follow ("the fastest that fits with
     headroom"), judged on measurement instead of the planner's prediction."""

@@ -51,16 +51,18 @@ def test_breakdown_by_hand_no_features():
     assert est.gpu["grads (partition)"] == n * 2 // 2
     assert est.gpu["optimizer fp32 master+Adam m,v"] == 12 * n // 2
     assert est.gpu["zero3 gathered params+grads, buckets"] == 2 * (2 * 64000 + 2 * 64 * 64)
-    # per layer saved: 4 hidden [100,64] + o [100,64] + q,k,v,o [100,4,16] + lse fp32 + 4 MLP [100,128]
-    saved = 4 * 12800 + 12800 + 100 * 16 * 16 * 2 + 100 * 4 * 4 + 4 * 100 * 128 * 2
-    assert saved == 219200
+    # per layer saved: 2 RMSNorms x (fp32 input + normalized + output) [100,64], q,k,v,o [100,4,16], lse fp32,
+    # 4 MLP [100,128]; no separate o_proj input without SP (a view of o)
+    saved = 2 * 100 * 64 * (4 + 2 * 2) + 100 * 16 * 16 * 2 + 100 * 4 * 4 + 4 * 100 * 128 * 2
+    assert saved == 257600
     assert est.gpu["saved activations (all layers)"] == 2 * saved
-    # backward: 3 hidden grads + max(attention grads 51200 + fp32 dq 25600, MLP grads 51200)
+    # backward: 3 hidden grads + max(attention grads 51200 + fp32 dq 25600, MLP grads 51200,
+    # RMSNorm's 5 fp32 [100,64] temporaries 128000 less the freed MLP tensors 102400)
     assert est.gpu_phases["layer working set (backward)"] == 3 * 12800 + 76800
-    # logits: [100, 1000] x (bf16 2 + fp32 upcast 4 + log-softmax 4 + grad 4) + 3 hidden
-    assert est.gpu_phases["logits + loss"] == 100 * 1000 * 14 + 3 * 12800
+    # logits: [100, 1000] x (log-softmax, its grad, nll's grad: fp32 each) + final norm + d(hidden)
+    assert est.gpu_phases["logits + loss"] == 100 * 1000 * 12 + 100 * 64 * 8 + 12800
     assert est.gpu_phases["optimizer step (fp32 grad copy)"] == 4 * (n // 2)
-    assert est.gpu_peak == 2 * 210240 + 1261440 + 272384 + 2 * saved + 1_438_400 == 3_831_104
+    assert est.gpu_peak == 2 * 210240 + 1261440 + 272384 + 2 * saved + 1_264_000 == 3_733_504
     assert est.cpu_per_rank == {}
 
 
@@ -83,7 +85,8 @@ def test_eval_fits_where_the_training_step_does():
     for feats in (set(), {"tiled_logits"}, ALL_ACT | {"offload_params", "offload_optimizer"}):
         est = estimate(shape, 131072, 8, 32, feats)
         assert 0 < est.eval_gpu_peak < est.gpu_peak, feats
-        assert max(est.eval_phases.values()) < max(est.gpu_phases.values()), feats
+        # (its logits tile alone can be larger than the step's: 14 B per logit against 12, since the step drops
+        # the forward's logits before its backward; the step also holds activations, the evaluation none)
         assert est.to_dict()["eval_gpu_peak"] == est.eval_gpu_peak
     # selective checkpointing: neither the checkpoints nor the unchecked layers' activations exist in evaluation
     est = estimate(shape, 131072, 8, 32, Features(gradient_checkpointing=True, checkpoint_every=4))
@@ -106,14 +109,17 @@ def test_untiled_eval_grows_with_vocab_tiled_does_not():
 
 
 def test_sp_halves_activation_terms():
-    shape = load_shape("llama3-8b")  # 8 KV heads: sp 1 -> 2 splits KV heads too, no replication
+    shape = load_shape("llama3-8b")  # 8 KV heads: sp 2 -> 4 splits KV heads too, no replication
     for seq in (65536, 131072):
-        s1, t1 = layer_activations(shape, seq, 1, 2, tiled_mlp=False)
-        s2, t2 = layer_activations(shape, seq // 2, 2, 2, tiled_mlp=False)
+        s1, t1 = layer_activations(shape, seq // 2, 2, 2, tiled_mlp=False)
+        s2, t2 = layer_activations(shape, seq // 4, 4, 2, tiled_mlp=False)
         assert (s2, t2) == (s1 // 2, t1 // 2)
+        # from no SP to SP=2 the attention output gets its own [T, nh*d] (the all-to-all's result)
+        s0, _ = layer_activations(shape, seq, 1, 2, tiled_mlp=False)
+        assert s1 == s0 // 2 + seq // 2 * shape.num_heads * shape.head_dim * 2
     feats = Features(gradient_checkpointing=True)
-    e1 = estimate(shape, 131072, 1, 8, feats)
-    e2 = estimate(shape, 131072, 2, 8, feats)
+    e1 = estimate(shape, 131072, 2, 8, feats)
+    e2 = estimate(shape, 131072, 4, 8, feats)
     assert e2.gpu["activation checkpoints"] * 2 == e1.gpu["activation checkpoints"]
     assert e2.gpu_phases["logits + loss"] * 2 == e1.gpu_phases["logits + loss"]
     assert e2.gpu_phases["layer working set (recompute+backward)"] * 2 == \
@@ -255,7 +261,13 @@ def test_selective_checkpointing_term_by_hand():
     assert k1.gpu == estimate(shape, 100, 1, 1, Features(gradient_checkpointing=True)).gpu  # K=1 is today's flag
     assert k2.gpu["activation checkpoints"] == 3 * hid  # layers 0, 2, 4
     assert k2.gpu["saved activations (layers not checkpointed)"] == 2 * saved
-    assert k2.gpu_phases == k1.gpu_phases
+    _, transient = layer_activations(shape, 100, 1, 2, False)
+    assert k2.gpu_phases == k1.gpu_phases | {"layer working set (backward)": transient}  # layer 4 is checkpointed
+    # K=3: layers 0, 3; layer 4 has finished its backward and freed its activations when layer 3 is recomputed
+    k3 = estimate(shape, 100, 1, 1, {"checkpoint_every": 3})
+    assert k3.gpu["saved activations (layers not checkpointed)"] == 3 * saved
+    assert k3.gpu_phases["layer working set (recompute+backward)"] == \
+        k1.gpu_phases["layer working set (recompute+backward)"] - saved
     off = estimate(shape, 100, 1, 1, {"checkpoint_every": 2, "offload_activations": True})
     assert off.cpu_per_rank["activation checkpoints"] == 3 * hid and off.gpu["activation checkpoints"] == 2 * hid
     peaks = [estimate(shape, 100, 1, 1, Features(checkpoint_every=k)).gpu_peak for k in (1, 2, 3, 5)]

@@ -214,22 +214,35 @@ def layer_activations(shape: ModelShape, tokens: int, sp: int, b: int, tiled_mlp
     # q, k, v, o after the all-to-all: [S, heads/sp, d] each, the tensors flash attention saves
     attn_io = seq * d * (2 * q_loc + 2 * kv_loc) * b
     lse = seq * q_loc * 4  # fp32 softmax log-sum-exp
-    o_back = tokens * shape.num_heads * d * b  # attention output back in [T, nh*d], input of o_proj
+    # attention output back in [T, nh*d], o_proj's input: under SP the all-to-all's output; without SP a view of o
+    o_back = tokens * shape.num_heads * d * b if sp > 1 else 0
     mlp_saved = 0 if tiled_mlp else 4 * tokens * inter * b  # gate, up, act(gate), act*up
-    saved = 4 * hid + o_back + attn_io + lse + mlp_saved  # x, norm1(x), x+attn, norm2(.)
+    saved = 2 * norm_saved(tokens, h, b) + o_back + attn_io + lse + mlp_saved  # the residual stream: in the norms
     attn_grads = attn_io + seq * q_loc * d * 4  # dq, dk, dv, do + flash-attn fp32 dq accumulator
     rows = math.ceil(tokens / mlp_tiles(tokens, h)) if tiled_mlp else tokens
     mlp_grads = (6 if tiled_mlp else 2) * rows * inter * b  # tiled: a tile's 4 recomputed + 2 grads
-    transient = 3 * hid + max(attn_grads, mlp_grads)  # incoming dx, d(attn out), d(normed input)
+    # RMSNorm's backward runs in fp32 whatever the dtype: five [T, h] fp32 temporaries (mul, mean, pow, 2 muls:
+    # measured with the profiler's allocation events); by then the MLP's saved tensors are already freed
+    norm_grads = 5 * tokens * h * 4 - mlp_saved
+    transient = 3 * hid + max(attn_grads, mlp_grads, norm_grads)  # + incoming dx, d(attn out), d(normed input)
     return saved, transient
+
+
+def norm_saved(tokens: int, h: int, b: int) -> int:
+    """What one RMSNorm saves for backward (HF Llama/Qwen/Mistral): its input upcast to fp32 (in fp32 the input
+    itself), the normalized x in the compute dtype (for the weight's gradient) and the output (the next
+    projection's input). The residual stream is saved only through these: the additions save nothing."""
+    return tokens * h * (4 + 2 * b)
 
 
 def logits_bytes(shape: ModelShape, tokens: int, b: int, tiled: bool) -> int:
     """Logits and loss on one rank: lm_head output, its fp32 upcast, log-softmax and its grad, per row."""
     rows = math.ceil(tokens / logits_tiles(tokens, shape.vocab_size)) if tiled else tokens
-    per_elem = b + (4 if b < 4 else 0) + 4 + 4
-    hid = tokens * shape.hidden_size * b
-    return rows * shape.vocab_size * per_elem + 3 * hid  # + final norm in/out and d(hidden)
+    # backward of cross-entropy: the fp32 log-softmax it saved, nll_loss's gradient and log-softmax's (4 B each);
+    # the forward's lm_head output + fp32 upcast + log-softmax (b + 4 + 4, or 4 + 4 in fp32) is smaller, and the
+    # forward's logits are dropped before backward (training.step.loss_sum returns only the loss)
+    per_elem = 12
+    return rows * shape.vocab_size * per_elem + norm_saved(tokens, shape.hidden_size, b) + tokens * shape.hidden_size * b
 
 
 def eval_tile_rows(tokens: int, vocab: int, tile_bytes: int = LOGITS_TILE_BYTES) -> int:
@@ -313,9 +326,14 @@ def estimate(shape: ModelShape, seq_len: int, sp: int, world: int,
         gpu["activation checkpoints"] = 2 * hid if f.offload_activations else ck * hid
         if f.offload_activations:
             cpu["activation checkpoints"] = ck * hid
+        recompute = saved - hid + transient
         if ck < L:
             gpu["saved activations (layers not checkpointed)"] = (L - ck) * saved
-        phases["layer working set (recompute+backward)"] = saved - hid + transient
+            phases["layer working set (backward)"] = transient
+            # backward runs from the top layer down: the layers above the last checkpointed one (K*floor((L-1)/K))
+            # keep activations and have freed them by the time it is recomputed
+            recompute -= (L - 1 - f.every * ((L - 1) // f.every)) * saved
+        phases["layer working set (recompute+backward)"] = max(recompute, 0)
     else:
         gpu["saved activations (all layers)"] = shape.num_layers * saved
         phases["layer working set (backward)"] = transient

@@ -1,0 +1,118 @@
+"""The memory model's activation terms against exact tensor bytes, and against the peaks measured on an H200.
+
+test_planner_calibration.py compares whole runs by peak RSS (fp32, 20% band: the allocator and the runtime are
+in that number). Here the measurement is exact: the torch profiler's allocation events give the live tensor
+bytes of one forward + backward, on CPU, of a plain Hugging Face Llama through this project's own features
+(model_utils.memory.apply_memory_features, make_loss_fn): the peak above what existed before the step is the
+counterpart of a GPU's max_memory_allocated minus the model states. Each weight gradient is dropped when it is
+produced (ZeRO-3 reduces and releases it), so the peak is activations and their transients.
+
+It runs bf16 as well as fp32: before this test the model assumed RMSNorm saves two [T, h] tensors in the compute
+dtype; HF's RMSNorm saves its fp32 upcast, the normalized x and its output (in bf16, 4 of the model's `hid`
+units instead of 2), and cross-entropy's backward holds 12 bytes per logit, not 14. On the H200 the old model
+under-predicted tiled logits by 12% and over-predicted HF's checkpointing by 14%; it fails 10 of the 11 exact
+cases below (0.89-0.96 and 1.11-1.42) and the H200 check.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import types
+
+import pytest
+
+from tests.conftest import ROOT
+from training.memory_model import Features, ModelShape, estimate
+
+T = 4096
+SHAPES = {"gqa": dict(h=256, inter=688, nh=4, kv=2, vocab=2048, layers=4),
+          "mha": dict(h=256, inter=688, nh=8, kv=8, vocab=8192, layers=3)}
+
+
+def _exact_peak(prec: str, shape: dict, feats: dict) -> int:
+    """Peak live tensor bytes of one training micro-step above the bytes live before it (model, inputs)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from model_utils.memory import apply_memory_features, make_loss_fn
+
+    cfg = LlamaConfig(hidden_size=shape["h"], intermediate_size=shape["inter"], num_attention_heads=shape["nh"],
+                      num_key_value_heads=shape["kv"], vocab_size=shape["vocab"], num_hidden_layers=shape["layers"],
+                      attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to({"bf16": torch.bfloat16, "fp32": torch.float32}[prec]).train()
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+    opts = types.SimpleNamespace(tiled_mlp=False, tiled_logits=False, gradient_checkpointing=False,
+                                 checkpoint_every=0, offload_activations=False)
+    vars(opts).update(feats)
+    apply_memory_features(model, opts)
+    loss_fn = make_loss_fn(opts)
+    ids = torch.randint(0, shape["vocab"], (1, T))
+    mb = {"input_ids": ids, "position_ids": torch.arange(T)[None], "shift_labels": ids}
+    loss_fn(model, mb).backward()  # first step outside the measurement: lazy buffers (RoPE caches) exist after it
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        loss = loss_fn(model, mb)
+        loss.backward()
+        del loss
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as fh:
+            events = [e["args"] for e in json.load(fh)["traceEvents"] if e.get("name") == "[memory]"]
+    finally:
+        os.unlink(path)
+    before = events[0]["Total Allocated"] - events[0]["Bytes"]
+    return max(e["Total Allocated"] for e in events) - before
+
+
+def _predicted(prec: str, shape: dict, feats: dict) -> int:
+    ms = ModelShape(vocab_size=shape["vocab"], hidden_size=shape["h"], intermediate_size=shape["inter"],
+                    num_layers=shape["layers"], num_heads=shape["nh"], num_kv_heads=shape["kv"],
+                    head_dim=shape["h"] // shape["nh"])
+    est = estimate(ms, T, 1, 1, Features.of({**feats, "offload_params": True, "offload_optimizer": True}), prec)
+    return est.gpu_peak - est.gpu["zero3 gathered params+grads, buckets"]  # no ZeRO-3 here: the model is resident
+
+
+CASES = [  # (precision, shape, features, logits tile bytes: small ones make the layer phases the peak)
+    ("bf16", "gqa", {}, None),
+    ("fp32", "gqa", {}, None),
+    ("bf16", "gqa", {"gradient_checkpointing": True}, None),
+    ("bf16", "gqa", {"tiled_logits": True}, 4 * 2**20),
+    ("fp32", "gqa", {"tiled_logits": True}, 4 * 2**20),
+    ("bf16", "gqa", {"tiled_logits": True, "tiled_mlp": True}, 4 * 2**20),
+    ("bf16", "gqa", {"tiled_logits": True, "tiled_mlp": True, "gradient_checkpointing": True}, 4 * 2**20),
+    ("fp32", "gqa", {"tiled_logits": True, "tiled_mlp": True, "gradient_checkpointing": True}, 4 * 2**20),
+    ("bf16", "gqa", {"tiled_logits": True, "checkpoint_every": 2}, 4 * 2**20),
+    ("bf16", "mha", {"tiled_logits": True, "checkpoint_every": 3}, 4 * 2**20),
+    ("fp32", "mha", {"tiled_logits": True, "checkpoint_every": 3}, 4 * 2**20),
+]
+
+
+@pytest.mark.parametrize("prec,shape,feats,tile", CASES,
+                         ids=[f"{p}-{s}-{'+'.join(f) or 'none'}{'-tiles' if t else ''}" for p, s, f, t in CASES])
+def test_predicted_activation_peak_matches_exact_tensor_bytes(monkeypatch, prec, shape, feats, tile):
+    import model_utils.tiled_loss
+    import training.memory_model
+
+    if tile:
+        monkeypatch.setattr(model_utils.tiled_loss, "LOGITS_TILE_BYTES", tile)
+        monkeypatch.setattr(training.memory_model, "LOGITS_TILE_BYTES", tile)
+    measured, pred = _exact_peak(prec, SHAPES[shape], feats), _predicted(prec, SHAPES[shape], feats)
+    # measured here, 2026-11-24: 0.978-1.11 (above 1: RMSNorm's backward transient is an upper bound)
+    assert 0.97 <= pred / measured <= 1.12, f"predicted {pred / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB"
+
+
+def test_predicted_peak_matches_the_h200_measurements():
+    """The planner against max_memory_allocated of real train.py / HF Trainer steps on an H200 (bf16, 65536 tokens):
+    within 3%, for every feature set measured there (the old model: -12% to +14%)."""
+    with open(os.path.join(ROOT, "bench", "gpu_h200", "peaks.json")) as fh:
+        rec = json.load(fh)
+    shape = ModelShape.from_config(rec["model"])
+    for point in rec["peaks_gib"]:
+        feats = Features.of({**point["features"], "offload_params": True, "offload_optimizer": True})
+        pred = estimate(shape, rec["seq_len"], 1, 1, feats, "bf16").gpu_peak / 2**30
+        assert 0.97 <= pred / point["peak_gib"] <= 1.03, (point, pred)
