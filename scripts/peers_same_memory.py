@@ -1,8 +1,9 @@
 """The same-memory comparison of scripts/bench_peers.py (`--same_memory`): at one per-rank cap, each system's
 fastest setting. The HF Trainer with and without gradient checkpointing (its pick: the faster whose measured
 peak is under the cap); ours with `--memory_features auto --mem_cap_gb CAP` (every such run must stay under
-the cap), then the choice, its neighbours, none and every feature explicitly (is the choice the fastest of
-those under the cap?), then paired AB/BA launches auto vs the HF pick. Results: bench/peers_same_memory.*.
+the cap), then the choice, its neighbours, none, HF's own algorithm (checkpoint every layer) and every feature
+explicitly (is the choice the fastest of those under the cap?), then paired AB/BA
+launches auto vs the HF pick. Results: bench/peers_same_memory.*.
 
     python scripts/bench_peers.py --same_memory --lengths 4096,8192,12288,16384,24576 --cap_gb 1.0 --layers 4
 """
@@ -23,6 +24,7 @@ import bench_memory as bm  # noqa: E402
 
 ALL = (True, True, 1, True)  # every ALST feature: bm.FEATURE_SETS["alst"]
 NONE = (False, False, 0, False)
+HF_ALGO = (False, False, 1, False)  # checkpoint every layer, nothing tiled: HF's gradient checkpointing
 
 
 def features_of(key: tuple) -> tuple[str, ...]:
@@ -87,7 +89,7 @@ def same_memory(lengths: list[int], cap: float, layers: int, rounds: int, tol: f
         row["auto_over_cap"] = bool(auto["ok"] and auto["peak_mem_gb"] > cap)
         row["auto_choice"] = label(choice) if choice else None
         todo = [choice, *neighbours(choice, layers)] if choice else []
-        for k in dict.fromkeys([*todo, NONE, ALL]):
+        for k in dict.fromkeys([*todo, NONE, HF_ALGO, ALL]):
             if ("ours", k) in over:
                 continue
             rec = run_ours(L, k)

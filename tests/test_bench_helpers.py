@@ -125,6 +125,7 @@ def test_same_memory_picks_measures_and_stops():
     rows = {r["seq_len"]: r for r in res["rows"]}
     assert rows[4000]["hf_pick"] == "none" and rows[8000]["hf_pick"] == "gradient_checkpointing"
     assert ("hf", 8000, False) in calls and ("hf", 10000, False) not in calls  # over the cap at 8k: not rerun
+    assert ("ours", 4000, sm.HF_ALGO) in calls and "ckpt/1" in rows[4000]["ours"]  # HF's algorithm, run by ours
     assert rows[4000]["choice_is_fastest"] and rows[8000]["choice_is_fastest"]
     assert rows[10000]["fastest_measured"] == "tiled_logits+tiled_mlp+ckpt/4" and not rows[10000]["choice_is_fastest"]
     assert not rows[10000]["choice_is_fastest_with_headroom"]  # that one peaked 21% under the cap: a real miss

@@ -10,8 +10,8 @@ produced (ZeRO-3 reduces and releases it), so the peak is activations and their 
 It runs bf16 as well as fp32: before this test the model assumed RMSNorm saves two [T, h] tensors in the compute
 dtype; HF's RMSNorm saves its fp32 upcast, the normalized x and its output (in bf16, 4 of the model's `hid`
 units instead of 2), and cross-entropy's backward holds 12 bytes per logit, not 14. On the H200 the old model
-under-predicted tiled logits by 12% and over-predicted HF's checkpointing by 14%; it fails 10 of the 11 exact
-cases below (0.89-0.96 and 1.11-1.42) and the H200 check.
+under-predicted tiled logits by 12% (with tiled MLP 20%) and over-predicted HF's checkpointing by 14%; it fails
+10 of the 11 exact cases below (0.89-0.96 and 1.11-1.42) and the H200 check.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def test_predicted_activation_peak_matches_exact_tensor_bytes(monkeypatch, prec,
 
 def test_predicted_peak_matches_the_h200_measurements():
     """The planner against max_memory_allocated of real train.py / HF Trainer steps on an H200 (bf16, 65536 tokens):
-    within 3%, for every feature set measured there (the old model: -12% to +14%)."""
+    within 3%, for every feature set measured there (the old model: -20% to +14%)."""
     with open(os.path.join(ROOT, "bench", "gpu_h200", "peaks.json")) as fh:
         rec = json.load(fh)
     shape = ModelShape.from_config(rec["model"])
