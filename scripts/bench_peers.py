@@ -220,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="--same_memory: auto's choice counts as the fastest when within this fraction of the fastest")
     p.add_argument("--out", default=None, help="default bench/peers.json (bench/peers_same_memory.json)")
     p.add_argument("--keep", action="store_true", help="keep run folders under bench/_runs_peers")
+    p.add_argument("--recheck", metavar="JSON", help="--same_memory: paired rounds (--paired_rounds) of auto's choice "
+                   "against each setting a single launch measured faster under the cap, added to JSON in place")
     p.add_argument("--resummarize", metavar="JSON", help="--same_memory: recompute the summary, table and plot of a "
                    "saved result (e.g. with another --tolerance) without running anything")
     a = p.parse_args(argv)

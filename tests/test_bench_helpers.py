@@ -164,3 +164,25 @@ def test_same_memory_counts_an_auto_run_over_the_cap():
                                        (False, True, 4, False): 1.0}, lambda L: TM)
     res = sm.same_memory([6000], cap=1.0, layers=4, rounds=1, tol=0.05, run_ours=run_ours, run_hf=run_hf)
     assert res["auto_over_cap"] == 1 and res["longest_under_cap"]["ours_auto"] is None
+
+
+def test_recheck_judges_a_single_launch_miss_on_paired_rounds():
+    """A contender that one launch measured 8% faster is rerun against the choice AB/BA: here it is really 2%
+    slower, so the paired judgement counts the choice as the fastest; a real miss stays a miss."""
+    NONE, TM, TL_TM = sm.NONE, (False, True, 0, False), (True, True, 0, False)
+    peak = {NONE: 0.2, TM: 0.11, TL_TM: 0.099}
+    speed = {NONE: 120.0, TM: 110.0, TL_TM: 118.8}  # the single launches: tiled logits + MLP looks 8% faster
+    run_ours, run_hf, calls = _fake_world(peak, speed, lambda L: TM)
+    res = sm.same_memory([8000], cap=1.0, layers=4, rounds=0, tol=0.05, run_ours=run_ours, run_hf=run_hf)
+    res["cap_gb"] = 1.0  # as the JSON of a run has it
+    assert res["choice_fastest"]["fastest"] == 0 and res["choice_fastest_paired"]["fastest"] == 0
+    speed[TL_TM] = 107.8  # what paired launches measure
+    calls.clear()
+    res = sm.recheck(res, rounds=3, tol=0.05, run_ours=run_ours)
+    assert [c[2] for c in calls] == [TM, TL_TM, TL_TM, TM, TM, TL_TM]  # AB, BA, AB
+    (rc,) = res["rows"][0]["recheck"]
+    assert rc["contender"] == "tiled_logits+tiled_mlp" and rc["median_ratio"] == round(110 / 107.8, 3)
+    assert res["choice_fastest"]["fastest"] == 0 and res["choice_fastest_paired"]["fastest"] == 1
+    assert "recheck at 8000" in sm.same_memory_table(res, 1.0)
+    speed[TL_TM] = 125.0  # really faster: still a miss
+    assert sm.recheck(res, rounds=2, tol=0.05, run_ours=run_ours)["choice_fastest_paired"]["fastest"] == 0
