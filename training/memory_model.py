@@ -236,7 +236,7 @@ def norm_saved(tokens: int, h: int, b: int) -> int:
 
 
 def logits_bytes(shape: ModelShape, tokens: int, b: int, tiled: bool) -> int:
-    """Logits and loss on one rank: lm_head output, its fp32 upcast, log-softmax and its grad, per row."""
+    """Logits and loss on one rank: the backward's three fp32 buffers per logit row, the final norm, d(hidden)."""
     rows = math.ceil(tokens / logits_tiles(tokens, shape.vocab_size)) if tiled else tokens
     # backward of cross-entropy: the fp32 log-softmax it saved, nll_loss's gradient and log-softmax's (4 B each);
     # the forward's lm_head output + fp32 upcast + log-softmax (b + 4 + 4, or 4 + 4 in fp32) is smaller, and the
