@@ -43,6 +43,13 @@ def label(key: tuple) -> str:
     return "+".join(f.replace("checkpoint_every=", "ckpt/") for f in features_of(key)) or "none"
 
 
+def key_of_label(name: str) -> tuple:
+    """label's inverse: "tiled_mlp+ckpt/2" -> (False, True, 2, False)."""
+    parts = name.split("+")
+    every = next((int(p[len("ckpt/"):]) for p in parts if p.startswith("ckpt/")), 0)
+    return ("tiled_logits" in parts, "tiled_mlp" in parts, every, "offload_activations" in parts)
+
+
 def neighbours(key: tuple, layers: int) -> list[tuple]:
     """The settings one step away from `key` in auto's candidate space (training/auto_features.candidates on
     CPU: no offload): one tiled feature toggled, or one more / one fewer count of checkpointed layers. A
@@ -164,30 +171,18 @@ def recheck(res: dict, rounds: int, tol: float, run_ours) -> dict:
         names = [x["setting"] for x in row.get("faster_under_cap") or []]
         if not names:
             continue
-        keys = {label(k): k for k in _all_keys(res["rows"])}
-        mine, out = keys[row["auto_choice"]], []
+        mine, out = key_of_label(row["auto_choice"]), []
         for name in names:
-            pairs = []
+            theirs, pairs = key_of_label(name), []
             for r in range(rounds):
-                order = (mine, keys[name]) if r % 2 == 0 else (keys[name], mine)
-                got = {k: run_ours(row["seq_len"], k) for k in order}
+                got = {k: run_ours(row["seq_len"], k) for k in ((mine, theirs) if r % 2 == 0 else (theirs, mine))}
                 if all(g["ok"] for g in got.values()):
-                    pairs.append([got[mine]["tokens_per_s"], got[keys[name]]["tokens_per_s"]])
-            ratios = sorted(a / b for a, b in pairs)
+                    pairs.append([got[mine]["tokens_per_s"], got[theirs]["tokens_per_s"]])
             out.append({"contender": name, "rounds": pairs,
-                        "median_ratio": round(statistics.median(ratios), 3) if ratios else None})
+                        "median_ratio": round(statistics.median(a / b for a, b in pairs), 3) if pairs else None})
         row["recheck"] = [c for c in out if c["median_ratio"] is not None]
     res.update(summarize_same_memory(res["rows"], res["cap_gb"], tol))
     return res
-
-
-def _all_keys(rows: list[dict]) -> list[tuple]:
-    """Every setting key of our candidate space that a row names (labels back to keys)."""
-    from itertools import product
-
-    ks = {r["auto_choice"] for r in rows if r.get("auto_choice")} | {n for r in rows for n in r["ours"]}
-    every = {0} | {int(n.split("ckpt/")[1].split("+")[0]) for n in ks if "ckpt/" in n}
-    return [k for k in product((False, True), (False, True), sorted(every), (False, True)) if label(k) in ks]
 
 
 def summarize_same_memory(rows: list[dict], cap: float, tol: float) -> dict:
