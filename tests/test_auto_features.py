@@ -10,6 +10,7 @@ import os
 
 import pytest
 
+from tests.conftest import ROOT
 from training import auto_features as af
 from training.config import Config, StageConfig
 from training.curriculum import resolve_stages
@@ -178,3 +179,25 @@ def test_overlap_comm_per_accelerator(monkeypatch, tmp_path, ds_file):
     monkeypatch.setattr(ds_config, "no_gpu", lambda: False)
     zero = ds_config.build_ds_config(cfg, dims, False, 64, {"zero_optimization": {"overlap_comm": False}})
     assert zero["zero_optimization"]["overlap_comm"] is False
+
+
+def test_cpu_budget_reads_this_process_peak_not_its_parents():
+    """Linux carries a parent's peak RSS into the child's ru_maxrss across fork + exec. A train.py started by a
+    process that once held 2 GiB (here: the test suite after the exact-bytes tests) read 2 GiB of RSS before it
+    allocated anything, and auto refused every stage ("nothing fits ... in -0.8 GiB"). The budget and the CPU
+    peak in the metrics read the process' own VmHWM."""
+    import subprocess
+    import sys
+
+    child = ("import resource; from training.auto_features import device_budget; "
+             "from training.metrics import peak_rss_bytes; "
+             "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, peak_rss_bytes(), "
+             "device_budget(0, 2.5)[1])")
+    fat_parent = ("import subprocess, sys; x = bytearray(2 * 2**30); x[::4096] = b'1' * len(x[::4096]); del x; "
+                  f"print(subprocess.run([sys.executable, '-c', {child!r}], capture_output=True, text=True, "
+                  "check=True).stdout)")
+    out = subprocess.run([sys.executable, "-c", fat_parent], cwd=ROOT, capture_output=True, text=True, check=True,
+                         env=dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT))
+    inherited, own, budget = map(int, out.stdout.split())
+    assert inherited >= 2 * GiB  # the inheritance is real: what the budget used to subtract
+    assert own < 1.5 * GiB and budget > 0.8 * GiB, (own, budget)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import os
-import resource
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
@@ -190,7 +189,9 @@ def device_budget(gpu_mem_gb: float, mem_cap_gb: float) -> tuple[str, int]:
     if torch.cuda.is_available():
         return "cuda", torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory - GPU_RESERVED
     if mem_cap_gb > 0:
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        from training.metrics import peak_rss_bytes
+
+        rss = peak_rss_bytes()
         return "cpu", int(mem_cap_gb * GiB) - rss - CPU_ENGINE_OVERHEAD
     raise ValueError("memory_features auto / sequence_parallel_size auto need the memory per rank: --gpu_mem_gb "
                      "(detected on a GPU) or --mem_cap_gb on a CPU run")

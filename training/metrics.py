@@ -54,12 +54,24 @@ def rank_log(msg: str) -> None:
     _RANK_LOG.info(msg)
 
 
+def peak_rss_bytes() -> int:
+    """This process' own peak resident set size. /proc/self/status VmHWM, not getrusage's ru_maxrss: Linux
+    carries the parent's high-water mark into ru_maxrss across fork + exec, so a rank started from a process
+    that once held 1.5 GiB reads 1.5 GiB before it allocates anything (and auto's CPU budget went negative)."""
+    try:
+        with open("/proc/self/status") as fh:
+            return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):  # no procfs (not Linux): ru_maxrss, bytes on macOS
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024
+
+
 def peak_memory_gb() -> float:
     """This rank's peak memory: device memory on GPU, peak resident set size on CPU. Max over ranks."""
     if torch.cuda.is_available():
         peak = torch.cuda.max_memory_allocated() / 2**30
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+        peak = peak_rss_bytes() / 2**30
     return round(comm.all_reduce([peak], op="max").item(), 4)
 
 
