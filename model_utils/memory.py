@@ -13,6 +13,8 @@ Ulysses SP; every tensor below is a rank's sequence shard, `[bs, sl_local, ...]`
 - `--checkpoint_every K`: selective checkpointing, decoder layers 0, K, 2K, ... only (ceil(L/K) of L layers);
   the others keep their activations. K=1 is `--gradient_checkpointing`; 0 (default) defers to that flag.
   Backward then recomputes ~1/K of the layers' forward instead of all of it.
+- `--lean_rmsnorm` (default on): RMSNorms that save their input and 1/rms only and run backward in chunks of
+  rows (model_utils/rmsnorm.py); the same forward, bitwise.
 - `--offload_activations`: the checkpointed layer inputs (`[bs, sl_local, hidden]` per layer) are held in
   pinned CPU memory between forward and backward. It offloads the checkpoints, so it turns checkpointing
   on by itself. On a CPU run the tensors are already in host memory and nothing moves.
@@ -33,6 +35,7 @@ import torch
 from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 from deepspeed.utils.z3_leaf_module import set_z3_leaf_module
 
+from model_utils.rmsnorm import use_lean_rmsnorm
 from model_utils.tiled_loss import agreed_tiles, install_loss_forward, tiled_loss_sum
 from training.memory_model import mlp_tiles
 from training.step import loss_sum
@@ -60,6 +63,8 @@ def apply_memory_features(model, cfg) -> None:
     """Enable the features `cfg` asks for on `model` (in place). Raises ValueError for a model they do not fit.
     The tiled-loss forward is always installed: evaluation uses it whatever `--tiled_logits` says."""
     install_loss_forward(model)
+    if getattr(cfg, "lean_rmsnorm", False):
+        use_lean_rmsnorm(model)  # before TiledMLP and checkpointing wrap the layers: they call the norms' forward
     if cfg.tiled_mlp:
         _tile_mlps(model)
     every = checkpoint_every(cfg)

@@ -212,8 +212,10 @@ def feature_flags(features: tuple[str, ...]) -> list[str]:
 
 
 def feature_spec(features: tuple[str, ...]) -> dict:
-    """The same features as training.memory_model.Features.of takes them: {name: True or the value}."""
-    return {f.split("=")[0]: int(f.split("=")[1]) if "=" in f else True for f in features}
+    """The same features as training.memory_model.Features.of takes them: {name: True or the value}; "no-X" is
+    {X: False} (the flag --no-X)."""
+    return {f.split("=")[0].removeprefix("no-"): int(f.split("=")[1]) if "=" in f else not f.startswith("no-")
+            for f in features}
 
 
 def predicted_gb(model: str, seq_len: int, sp: int, features: tuple[str, ...], device: str,
@@ -222,7 +224,8 @@ def predicted_gb(model: str, seq_len: int, sp: int, features: tuple[str, ...], d
     from training.memory_model import load_shape, predict_peak_bytes
 
     precision = "bf16" if device == "cuda" else "fp32"  # train.py's default precision per device
-    return predict_peak_bytes(load_shape(model), seq_len, sp, feature_spec(features) | dict.fromkeys(OFFLOADS, True),
+    spec = {"lean_rmsnorm": True, **feature_spec(features), **dict.fromkeys(OFFLOADS, True)}  # train.py's defaults
+    return predict_peak_bytes(load_shape(model), seq_len, sp, spec,
                               precision=precision,
                               device=device, world=world) / GiB
 

@@ -38,7 +38,7 @@ from training.memory_model import (  # noqa: E402
 from training.parallel import check_layout  # noqa: E402
 
 FEATURES = ("offload_params", "offload_optimizer", "tiled_mlp", "tiled_logits", "gradient_checkpointing",
-            "offload_activations")
+            "offload_activations", "lean_rmsnorm")
 ALST = ("tiled_mlp", "tiled_logits", "gradient_checkpointing", "offload_activations")
 
 
@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
     p.add_argument("--offload_params", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--offload_optimizer", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--lean_rmsnorm", action=argparse.BooleanOptionalAction, default=True,
+                   help="train.py's lean RMSNorm (its default; --no-lean_rmsnorm: Hugging Face's)")
     for name in ALST:
         p.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--alst", action="store_true", help="turn on " + ", ".join(ALST))
@@ -144,7 +146,8 @@ def plan_one(pl: Planner, seq_len: int) -> dict:
                                gpu_tflops=args.gpu_tflops, tokens_per_sec_per_gpu=tps,
                                seconds_per_sequence=seq_len / (tps * best["sp"]), at_sp=best["sp"]))
     if not fitting:
-        everything = Features(offload_params=True, offload_optimizer=True, **dict.fromkeys(ALST, True))
+        everything = Features(offload_params=True, offload_optimizer=True, lean_rmsnorm=feats.lean_rmsnorm,
+                              **dict.fromkeys(ALST, True))
         if everything != feats:
             out["fits_with_all_features_at_sp"] = [sp for sp in _valid_sps(shape, pl.world, seq_len, args.sp)
                                                    if all(pl.evaluate(seq_len, sp, everything)[1:])]
@@ -188,7 +191,8 @@ def auto_plan(args: argparse.Namespace, shape: ModelShape, world: int, seq_len: 
     if pinned.pop("gradient_checkpointing", False):
         pinned["checkpoint_every"] = 1
     _, budget = af.device_budget(args.gpu_mem_gb, 0.0)
-    offloads = Features(offload_params=args.offload_params, offload_optimizer=args.offload_optimizer)
+    offloads = Features(offload_params=args.offload_params, offload_optimizer=args.offload_optimizer,
+                        lean_rmsnorm=args.lean_rmsnorm)
     try:
         c = af.choose(shape, seq_len, world, budget, sp=None if args.sp == "auto" else int(args.sp),
                       sp_max=args.gpus_per_node, pinned=pinned, offloads=offloads, precision=args.precision,

@@ -32,6 +32,7 @@ from tests.test_doc_masking import (
     save_config_model,
     write_documents,
 )
+from training.memory_model import LEAN_RMSNORM_MODEL_TYPES
 
 SP = 2
 # name -> (model_type, config fields over SMALL, attention backend, gradients?, oracle backend)
@@ -113,9 +114,11 @@ def zoo_samples(zoo) -> list[dict]:
 @pytest.mark.dist
 @pytest.mark.parametrize("name", list(ZOO))
 def test_family_matches_plain_model_at_sp2(zoo, tmp_path_factory, name):
-    _, _, attn, grads, oracle = ZOO[name]
+    model_type, _, attn, grads, oracle = ZOO[name]
     res = launch(zoo, tmp_path_factory)[name]
     assert res["error"] is None, res["error"]  # check_routed: every layer went through the registered function
+    lean, norms = res["norms"]  # train.py's default lean RMSNorm (model_utils/rmsnorm.py): every norm, or none
+    assert norms > 0 and lean == (norms if model_type in LEAN_RMSNORM_MODEL_TYPES else 0), (name, lean, norms)
     samples = zoo_samples(zoo)
     ref_loss, ref_grads = reference(zoo[name], samples, oracle)
     bad_loss, _ = reference(zoo[name], samples, oracle, across=True)

@@ -285,10 +285,14 @@ def test_auto_shows_the_dry_runs_choice(capsys):
     for p, seq in zip(rep["plans"], (131072, 1048576)):
         a = p["auto"]
         want = choose(load_shape("llama3-8b"), seq, 32, device_budget(80.0, 0.0)[1], sp=None, sp_max=8,
-                      offloads=Features(offload_params=True, offload_optimizer=True))
+                      offloads=Features(offload_params=True, offload_optimizer=True, lean_rmsnorm=True))
         assert a["sp"] == want.sp and a["checkpoint_every"] == want.features.every
         assert (a["tiled_mlp"], a["tiled_logits"]) == (want.features.tiled_mlp, want.features.tiled_logits)
         assert a["predicted_peak_gb"] <= a["budget_gb"]
         assert a["tokens_per_sec_per_gpu"] >= a["all_features_tokens_per_sec_per_gpu"]
     plan.main(["--model", "llama3-8b", "--seq_len", "128k", "--nodes", "4", "--sp", "2", "--auto"])
+    # train.py's lean RMSNorm frees enough to keep half the layers' activations; with HF's, every layer is recomputed
+    assert ("memory_features auto: tiled_logits, tiled_mlp, checkpoint 1 layer in 2, offload checkpoints at sp=2"
+            in capsys.readouterr().out)
+    plan.main(["--model", "llama3-8b", "--seq_len", "128k", "--nodes", "4", "--sp", "2", "--auto", "--no-lean_rmsnorm"])
     assert "memory_features auto: tiled_logits, checkpoint every layer at sp=2" in capsys.readouterr().out

@@ -46,7 +46,7 @@ def _exact_peak(prec: str, shape: dict, feats: dict) -> int:
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
     opts = types.SimpleNamespace(tiled_mlp=False, tiled_logits=False, gradient_checkpointing=False,
-                                 checkpoint_every=0, offload_activations=False)
+                                 checkpoint_every=0, offload_activations=False, lean_rmsnorm=False)
     vars(opts).update(feats)
     apply_memory_features(model, opts)
     loss_fn = make_loss_fn(opts)
@@ -89,6 +89,15 @@ CASES = [  # (precision, shape, features, logits tile bytes: small ones make the
     ("bf16", "gqa", {"tiled_logits": True, "checkpoint_every": 2}, 4 * 2**20),
     ("bf16", "mha", {"tiled_logits": True, "checkpoint_every": 3}, 4 * 2**20),
     ("fp32", "mha", {"tiled_logits": True, "checkpoint_every": 3}, 4 * 2**20),
+    # the lean RMSNorm (model_utils/rmsnorm.py, train.py's default): saves x and 1/rms, backward in 4 chunks here
+    ("bf16", "gqa", {"lean_rmsnorm": True}, None),
+    ("fp32", "gqa", {"lean_rmsnorm": True}, None),
+    ("bf16", "gqa", {"lean_rmsnorm": True, "tiled_logits": True}, 4 * 2**20),
+    ("bf16", "gqa", {"lean_rmsnorm": True, "tiled_logits": True, "tiled_mlp": True}, 4 * 2**20),
+    ("fp32", "gqa", {"lean_rmsnorm": True, "tiled_logits": True, "tiled_mlp": True}, 4 * 2**20),
+    ("bf16", "gqa", {"lean_rmsnorm": True, "tiled_logits": True, "tiled_mlp": True, "gradient_checkpointing": True},
+     4 * 2**20),
+    ("bf16", "mha", {"lean_rmsnorm": True, "tiled_logits": True, "checkpoint_every": 3}, 4 * 2**20),
 ]
 
 

@@ -76,7 +76,7 @@ def _resolve_memory(cfg: Config, s: StageConfig, i: int, sl: int, sp, world: int
     if sp != "auto" and (not isinstance(sp, int) or sp < 1):
         raise ValueError(f"stage {i}: sequence_parallel_size {sp!r}: use an integer >= 1 or auto")
     device, usable = budget()
-    offloads = Features(**af.zero_offloads(cfg.deepspeed, s.deepspeed_overrides or {}))
+    offloads = Features(**af.zero_offloads(cfg.deepspeed, s.deepspeed_overrides or {}), lean_rmsnorm=cfg.lean_rmsnorm)
     bf16 = cfg.bf16 if cfg.bf16 is not None else device == "cuda" and not cfg.fp16
     try:
         choice = af.choose(load_shape(cfg.model_name_or_path), sl, world, usable,

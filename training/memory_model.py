@@ -33,6 +33,12 @@ MLP_MIN_TILE_TOKENS = 1024
 LOGITS_TILE_BYTES = 2**30  # tiled logits: shards of ~1 GiB of fp32 logits (ArcticTraining's rule)
 ZERO_SUBGROUP = 10**9  # DeepSpeed sub_group_size: the optimizer step upcasts grads this many at a time
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
+# Families whose RMSNorm is Llama's formula, which model_utils/rmsnorm.py's lean RMSNorm replaces (--lean_rmsnorm)
+LEAN_RMSNORM_MODEL_TYPES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3",
+                                      "granite"})
+NORM_CHUNK_BYTES = 2**26  # lean RMSNorm: at most 64 MiB of fp32 per temporary of a chunk of rows ...
+NORM_MIN_CHUNKS = 8  # ... and at least this many chunks (tiny models), of at least NORM_MIN_CHUNK_ROWS rows
+NORM_MIN_CHUNK_ROWS = 1024
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,7 @@ class ModelShape:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2 has biases on q/k/v
     qk_norm: bool = False  # Qwen3 has RMSNorm on q and k per head
+    model_type: str = "llama"  # the HF model_type: whether the lean RMSNorm applies (LEAN_RMSNORM_MODEL_TYPES)
 
     @classmethod
     def from_config(cls, cfg: Mapping) -> ModelShape:
@@ -60,7 +67,7 @@ class ModelShape:
                        head_dim=int(cfg.get("head_dim") or h // nh),
                        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                        qkv_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False)),
-                       qk_norm=cfg.get("model_type") == "qwen3")
+                       qk_norm=cfg.get("model_type") == "qwen3", model_type=str(cfg.get("model_type", "")))
         except KeyError as e:
             raise ValueError(f"model config lacks {e.args[0]!r}: need vocab_size, hidden_size, intermediate_size, "
                              "num_hidden_layers, num_attention_heads") from None
@@ -104,6 +111,7 @@ class Features:
     gradient_checkpointing: bool = False
     offload_activations: bool = False
     checkpoint_every: int = 0  # K: only decoder layers 0, K, 2K, ... checkpointed; 0: gradient_checkpointing decides
+    lean_rmsnorm: bool = False  # model_utils/rmsnorm.py replaces HF's RMSNorm (train.py's default where supported)
 
     @property
     def every(self) -> int:
@@ -204,8 +212,10 @@ class Estimate:
 ACTIVATION_TERMS = ("saved activations", "activation checkpoints")  # prefixes of the step-only resident terms
 
 
-def layer_activations(shape: ModelShape, tokens: int, sp: int, b: int, tiled_mlp: bool) -> tuple[int, int]:
-    """(saved, backward transient) bytes of one decoder layer on one rank; `saved` includes the layer input."""
+def layer_activations(shape: ModelShape, tokens: int, sp: int, b: int, tiled_mlp: bool,
+                      lean_norm: bool = False) -> tuple[int, int]:
+    """(saved, backward transient) bytes of one decoder layer on one rank; `saved` includes the layer input.
+    lean_norm: the RMSNorms are model_utils/rmsnorm.py's (see norm_saved)."""
     h, d, inter = shape.hidden_size, shape.head_dim, shape.intermediate_size
     seq = tokens * sp
     q_loc = shape.num_heads // sp
@@ -217,32 +227,47 @@ def layer_activations(shape: ModelShape, tokens: int, sp: int, b: int, tiled_mlp
     # attention output back in [T, nh*d], o_proj's input: under SP the all-to-all's output; without SP a view of o
     o_back = tokens * shape.num_heads * d * b if sp > 1 else 0
     mlp_saved = 0 if tiled_mlp else 4 * tokens * inter * b  # gate, up, act(gate), act*up
-    saved = 2 * norm_saved(tokens, h, b) + o_back + attn_io + lse + mlp_saved  # the residual stream: in the norms
+    saved = 2 * norm_saved(tokens, h, b, lean_norm) + o_back + attn_io + lse + mlp_saved  # the residual stream: in the norms
     attn_grads = attn_io + seq * q_loc * d * 4  # dq, dk, dv, do + flash-attn fp32 dq accumulator
     rows = math.ceil(tokens / mlp_tiles(tokens, h)) if tiled_mlp else tokens
     mlp_grads = (6 if tiled_mlp else 2) * rows * inter * b  # tiled: a tile's 4 recomputed + 2 grads
-    # RMSNorm's backward runs in fp32 whatever the dtype: five [T, h] fp32 temporaries (mul, mean, pow, 2 muls:
-    # measured with the profiler's allocation events); by then the MLP's saved tensors are already freed
-    norm_grads = 5 * tokens * h * 4 - mlp_saved
+    # RMSNorm's backward runs in fp32 whatever the dtype: HF's holds five [T, h] fp32 temporaries (mul, mean, pow,
+    # 2 muls: measured with the profiler's allocation events); the lean one, its dx and five fp32 temporaries of
+    # one chunk of rows. By then the MLP's saved tensors are already freed.
+    norm_rows = norm_chunk_rows(tokens, h) if lean_norm else tokens
+    norm_grads = (hid if lean_norm else 0) + 5 * norm_rows * h * 4 - mlp_saved
     transient = 3 * hid + max(attn_grads, mlp_grads, norm_grads)  # + incoming dx, d(attn out), d(normed input)
     return saved, transient
 
 
-def norm_saved(tokens: int, h: int, b: int) -> int:
+def norm_saved(tokens: int, h: int, b: int, lean: bool = False) -> int:
     """What one RMSNorm saves for backward (HF Llama/Qwen/Mistral): its input upcast to fp32 (in fp32 the input
     itself), the normalized x in the compute dtype (for the weight's gradient) and the output (the next
-    projection's input). The residual stream is saved only through these: the additions save nothing."""
-    return tokens * h * (4 + 2 * b)
+    projection's input). The residual stream is saved only through these: the additions save nothing.
+    lean (model_utils/rmsnorm.py): the input in the compute dtype, the fp32 inverse RMS per token, the output."""
+    return tokens * (h * 2 * b + 4) if lean else tokens * h * (4 + 2 * b)
 
 
-def logits_bytes(shape: ModelShape, tokens: int, b: int, tiled: bool) -> int:
+def norm_chunk_rows(rows: int, h: int) -> int:
+    """Rows per chunk of the lean RMSNorm (model_utils/rmsnorm.py): at most NORM_CHUNK_BYTES of fp32 per
+    temporary, at least NORM_MIN_CHUNKS chunks, chunks of at least NORM_MIN_CHUNK_ROWS rows. Llama-3-8B at 128k
+    tokens per rank: 4096 rows, 32 chunks, 64 MiB per temporary instead of 2 GiB."""
+    return max(1, min(rows, max(NORM_MIN_CHUNK_ROWS, min(NORM_CHUNK_BYTES // (4 * h), math.ceil(rows / NORM_MIN_CHUNKS)))))
+
+
+def lean_norm_applies(shape: ModelShape, f: Features) -> bool:
+    """Whether the step runs the lean RMSNorm: asked for, and the family's norm is Llama's formula."""
+    return f.lean_rmsnorm and shape.model_type in LEAN_RMSNORM_MODEL_TYPES
+
+
+def logits_bytes(shape: ModelShape, tokens: int, b: int, tiled: bool, lean_norm: bool = False) -> int:
     """Logits and loss on one rank: the backward's three fp32 buffers per logit row, the final norm, d(hidden)."""
     rows = math.ceil(tokens / logits_tiles(tokens, shape.vocab_size)) if tiled else tokens
     # backward of cross-entropy: the fp32 log-softmax it saved, nll_loss's gradient and log-softmax's (4 B each);
     # the forward's lm_head output + fp32 upcast + log-softmax (b + 4 + 4, or 4 + 4 in fp32) is smaller, and the
     # forward's logits are dropped before backward (training.step.loss_sum returns only the loss)
     per_elem = 12
-    return rows * shape.vocab_size * per_elem + norm_saved(tokens, shape.hidden_size, b) + tokens * shape.hidden_size * b
+    return rows * shape.vocab_size * per_elem + norm_saved(tokens, shape.hidden_size, b, lean_norm) + tokens * shape.hidden_size * b
 
 
 def eval_tile_rows(tokens: int, vocab: int, tile_bytes: int = LOGITS_TILE_BYTES) -> int:
@@ -318,7 +343,8 @@ def estimate(shape: ModelShape, seq_len: int, sp: int, world: int,
         kv_send = max(shape.num_kv_heads, sp)
         gpu["ulysses all-to-all staging"] = tokens * (shape.num_heads + 2 * kv_send) * shape.head_dim * b
 
-    saved, transient = layer_activations(shape, tokens, sp, b, f.tiled_mlp)
+    lean = lean_norm_applies(shape, f)
+    saved, transient = layer_activations(shape, tokens, sp, b, f.tiled_mlp, lean)
     phases: dict[str, int] = {}
     if f.every:
         L = shape.num_layers
@@ -337,7 +363,7 @@ def estimate(shape: ModelShape, seq_len: int, sp: int, world: int,
     else:
         gpu["saved activations (all layers)"] = shape.num_layers * saved
         phases["layer working set (backward)"] = transient
-    phases["logits + loss"] = logits_bytes(shape, tokens, b, f.tiled_logits)
+    phases["logits + loss"] = logits_bytes(shape, tokens, b, f.tiled_logits, lean)
     if not f.offload_optimizer and b < 4:
         phases["optimizer step (fp32 grad copy)"] = 4 * min(n // world, ZERO_SUBGROUP)
     return Estimate(seq_len=seq_len, sp=sp, world=world, tokens_per_rank=tokens, gpu=gpu, gpu_phases=phases,
