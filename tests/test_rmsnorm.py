@@ -99,3 +99,27 @@ def test_chunk_rule():
     assert mm.norm_chunk_rows(16384, 256) == 2048  # tiny models: 8 chunks
     assert mm.norm_chunk_rows(500, 256) == 500  # one chunk
     assert mm.norm_chunk_rows(0, 256) == 1
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_the_flag_decides(on):
+    """apply_memory_features follows --lean_rmsnorm (train.py's default: on); the planner follows the same flag."""
+    import types
+
+    from transformers import AutoModelForCausalLM
+
+    from model_utils import rmsnorm
+    from model_utils.memory import apply_memory_features
+    from model_utils.presets import preset_config
+
+    model = AutoModelForCausalLM.from_config(preset_config("tiny-llama"))
+    apply_memory_features(model, types.SimpleNamespace(tiled_mlp=False, tiled_logits=False, gradient_checkpointing=False,
+                                                       checkpoint_every=0, offload_activations=False, lean_rmsnorm=on))
+    norms = [m for m in model.modules() if type(m).__name__ == "LlamaRMSNorm"]
+    lean = [m for m in norms if getattr(m.forward, "__func__", None) is rmsnorm._lean_forward]
+    assert len(norms) == 5 and len(lean) == (5 if on else 0)  # 2 per layer + the final norm
+    shape = mm.load_shape("tiny-llama")
+    assert mm.lean_norm_applies(shape, mm.Features(lean_rmsnorm=on)) == on
+    from training.config import Config
+
+    assert Config().lean_rmsnorm  # the default

@@ -13,7 +13,14 @@ from training.auto_features import ALL_FEATURES, describe, relative_speed
 from training.config import Config
 from training.curriculum import Stage
 from training.engine import stage_config
-from training.memory_model import Features, GiB, estimate, load_shape, tokens_per_sec_per_gpu
+from training.memory_model import (
+    Features,
+    GiB,
+    estimate,
+    lean_norm_applies,
+    load_shape,
+    tokens_per_sec_per_gpu,
+)
 
 
 def run_features(cfg: Config, ds_config: dict, stage: Stage | None = None) -> Features:
@@ -33,13 +40,14 @@ def run_features(cfg: Config, ds_config: dict, stage: Stage | None = None) -> Fe
 def feature_line(shape, s: Stage, feats: Features) -> str:
     """The stage's memory features; with auto, what was chosen against which budget (also in the metrics)."""
     c = s.memory_choice
+    norm = "lean" if lean_norm_applies(shape, feats) else "Hugging Face's"  # --lean_rmsnorm, where the family allows
     if not c:
-        return f"memory features: {describe(feats)} (set by the flags)"
+        return f"memory features: {describe(feats)} (set by the flags); RMSNorm: {norm}"
     speed_all = relative_speed(shape, s.max_seq_length, s.sp, ALL_FEATURES, c["device"])
     sp = f" sp={c['sp']} (auto, the smallest that fits)" if c["sp_auto"] else ""
     return (f"memory features ({c['memory_features']}): {describe(feats)}{sp}; predicted peak "
             f"{c['predicted_peak_gb']:.2f} of {c['budget_gb']:.2f} GiB per rank ({c['device']}); predicted speed "
-            f"{c['predicted_relative_speed']:.2f} of no-feature tokens/s (all features: {speed_all:.2f})")
+            f"{c['predicted_relative_speed']:.2f} of no-feature tokens/s (all features: {speed_all:.2f}); RMSNorm: {norm}")
 
 
 def plan_lines(cfg: Config, stages: list[Stage], world: int, gpus_per_node: int, bf16: bool) -> list[str]:
