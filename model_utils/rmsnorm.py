@@ -2,8 +2,8 @@
 
 HF's RMSNorm (Llama, Mistral, Qwen2/3, Mixtral, Phi-3, Granite) runs through autograd op by op, so it saves an
 fp32 copy of its input and the normalized x for backward, and its backward holds five `[T, h]` fp32 temporaries
-(measured: tests/test_planner_tensor_bytes.py). On Llama-3-8B at 128k tokens per rank that is 2 GiB saved per norm
-(65 norms) and a 10 GiB transient in every layer's backward, the largest one once the MLP is tiled.
+(measured: tests/test_planner_tensor_bytes.py). On Llama-3-8B at 128k tokens per rank that is 4 GiB saved per norm
+(65 norms; 2 GiB lean) and a 10 GiB transient in each norm's backward, the largest one once the MLP is tiled.
 
 `LeanRMSNormFunction` computes the identical forward (the same ops in the same order, row by row: bitwise equal
 output) but saves only its input, in the compute dtype, and the fp32 inverse RMS of each row (4 B per token). The
