@@ -228,6 +228,11 @@ def layer_activations(shape: ModelShape, tokens: int, sp: int, b: int, tiled_mlp
     o_back = tokens * shape.num_heads * d * b if sp > 1 else 0
     mlp_saved = 0 if tiled_mlp else 4 * tokens * inter * b  # gate, up, act(gate), act*up
     saved = 2 * norm_saved(tokens, h, b, lean_norm) + o_back + attn_io + lse + mlp_saved  # the residual stream: in the norms
+    if shape.qk_norm:  # Qwen3: RMSNorm on q and k per head, on the local tokens before the all-to-all; RoPE saves
+        # neither side, so what is kept is the norms' own: HF's an fp32 copy + the normalized q/k (4 + b), the lean
+        # one its input (b) and 1/rms per row
+        qk_heads = shape.num_heads + shape.num_kv_heads
+        saved += tokens * qk_heads * (d * b + 4) if lean_norm else tokens * qk_heads * d * (4 + b)
     attn_grads = attn_io + seq * q_loc * d * 4  # dq, dk, dv, do + flash-attn fp32 dq accumulator
     rows = math.ceil(tokens / mlp_tiles(tokens, h)) if tiled_mlp else tokens
     mlp_grads = (6 if tiled_mlp else 2) * rows * inter * b  # tiled: a tile's 4 recomputed + 2 grads
