@@ -17,7 +17,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,20 +43,9 @@ def _step(norm, x, dy):
 
 
 def _peak_bytes(norm, x, dy) -> int:
-    import torch
+    from training.metrics import profiled_peak_bytes
 
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        _step(norm, x, dy)
-    fd, path = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    try:
-        prof.export_chrome_trace(path)
-        with open(path) as fh:
-            events = [e["args"] for e in json.load(fh)["traceEvents"] if e.get("name") == "[memory]"]
-    finally:
-        os.unlink(path)
-    before = events[0]["Total Allocated"] - events[0]["Bytes"]
-    return max(e["Total Allocated"] for e in events) - before
+    return profiled_peak_bytes(lambda: _step(norm, x, dy))
 
 
 def measure(rows: int, h: int, dtype_name: str, repeats: int) -> dict:

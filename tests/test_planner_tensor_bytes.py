@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import types
 
 import pytest
@@ -60,20 +59,9 @@ def _exact_peak(prec: str, shape: dict, feats: dict) -> int:
     ids = torch.randint(0, shape["vocab"], (1, T))
     mb = {"input_ids": ids, "position_ids": torch.arange(T)[None], "shift_labels": ids}
     loss_fn(model, mb).backward()  # first step outside the measurement: lazy buffers (RoPE caches) exist after it
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        loss = loss_fn(model, mb)
-        loss.backward()
-        del loss
-    fd, path = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    try:
-        prof.export_chrome_trace(path)
-        with open(path) as fh:
-            events = [e["args"] for e in json.load(fh)["traceEvents"] if e.get("name") == "[memory]"]
-    finally:
-        os.unlink(path)
-    before = events[0]["Total Allocated"] - events[0]["Bytes"]
-    return max(e["Total Allocated"] for e in events) - before
+    from training.metrics import profiled_peak_bytes
+
+    return profiled_peak_bytes(lambda: loss_fn(model, mb).backward())
 
 
 def _predicted(prec: str, shape: dict, feats: dict) -> int:

@@ -54,6 +54,25 @@ def rank_log(msg: str) -> None:
     _RANK_LOG.info(msg)
 
 
+def profiled_peak_bytes(fn) -> int:
+    """Peak live tensor bytes while `fn()` runs, above those live before it: the torch profiler's allocation
+    events (the CPU counterpart of max_memory_allocated). For tests and benchmarks: profiling is slow."""
+    import tempfile
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as fh:
+            events = [e["args"] for e in json.load(fh)["traceEvents"] if e.get("name") == "[memory]"]
+    finally:
+        os.unlink(path)
+    before = events[0]["Total Allocated"] - events[0]["Bytes"]
+    return max(e["Total Allocated"] for e in events) - before
+
+
 def peak_rss_bytes() -> int:
     """This process' own peak resident set size. /proc/self/status VmHWM, not getrusage's ru_maxrss: Linux
     carries the parent's high-water mark into ru_maxrss across fork + exec, so a rank started from a process
