@@ -13,6 +13,12 @@ Ulysses SP; every tensor below is a rank's sequence shard, `[bs, sl_local, ...]`
 - `--checkpoint_every K`: selective checkpointing, decoder layers 0, K, 2K, ... only (ceil(L/K) of L layers);
   the others keep their activations. K=1 is `--gradient_checkpointing`; 0 (default) defers to that flag.
   Backward then recomputes ~1/K of the layers' forward instead of all of it.
+- `--keep_attention`: checkpointed layers keep the attention kernel's output (and its log-sum-exp) from the
+  forward: backward recomputes the rest of the layer (norms, projections, RoPE, the all-to-alls, the MLP) but
+  not attention, the quadratic part (torch's selective activation checkpointing; Megatron's selective
+  recompute inverted: with flash attention the kernel saves little and costs the most). Costs one
+  `[sl_local, heads * head_dim]` tensor per checkpointed layer, kept on the device even with
+  --offload_activations (Llama-3-8B, 128k tokens per rank, bf16: 1 GiB per layer).
 - `--lean_rmsnorm` (default on): RMSNorms that save their input and 1/rms only and run backward in chunks of
   rows (model_utils/rmsnorm.py); the same forward, bitwise.
 - `--offload_activations`: the checkpointed layer inputs (`[bs, sl_local, hidden]` per layer) are held in
@@ -34,6 +40,7 @@ from collections.abc import Callable
 import torch
 from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 from deepspeed.utils.z3_leaf_module import set_z3_leaf_module
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from model_utils.rmsnorm import use_lean_rmsnorm
 from model_utils.tiled_loss import agreed_tiles, install_loss_forward, tiled_loss_sum
@@ -72,8 +79,10 @@ def apply_memory_features(model, cfg) -> None:
         # Non-reentrant: recomputation runs inside the one backward graph task (DeepSpeed's hook bookkeeping
         # then sees a single phase), and the inputs need not require grad.
         # every_n_layers: transformers leaves checkpointing on for decoder layers 0, K, 2K, ... only
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
-                                              every_n_layers=every)
+        kwargs = {"use_reentrant": False}
+        if getattr(cfg, "keep_attention", False):
+            kwargs["context_fn"] = keep_attention_contexts
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every)
         if cfg.offload_activations:
             _offload_checkpoints(model)
 
@@ -85,6 +94,46 @@ def checkpoint_every(cfg) -> int:
     if every < 0:
         raise ValueError(f"--checkpoint_every {every}: use 0 (off), 1 (every layer) or K > 1 (every K-th layer)")
     return every or (1 if cfg.gradient_checkpointing or cfg.offload_activations else 0)
+
+
+# --- checkpointing that keeps the attention output ------------------------------------------------------
+
+def attention_ops() -> frozenset:
+    """The fused attention kernels whose outputs --keep_attention saves: every SDPA backend (CPU, flash,
+    memory-efficient, cuDNN, the overrideable one) and flash-attn's own ops when that package registered them
+    (flash-attn >= 2.7 under torch >= 2.4). A kernel not listed (SDPA's math fallback, flex_attention's
+    higher-order op) is recomputed like any other op: the layer is then checkpointed in full, never wrong."""
+    aten = torch.ops.aten
+    names = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+             "_scaled_dot_product_fused_attention_overrideable")
+    ops = {getattr(aten, n).default for n in names if hasattr(aten, n)}
+    fa = getattr(torch.ops, "flash_attn", None)
+    for n in ("_flash_attn_forward", "_flash_attn_varlen_forward"):
+        try:
+            ops.add(getattr(fa, n).default)
+        except (AttributeError, RuntimeError):  # flash-attn absent or an older version: nothing to register
+            pass
+    return frozenset(ops)
+
+
+KEPT = {"saved": 0}  # attention kernel outputs --keep_attention cached in forwards (the tests read it)
+
+
+def _keep_attention_policy(ctx, op, *args, **kwargs):
+    if op in _ATTENTION_OPS():
+        KEPT["saved"] += 1
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_ATTENTION_OPS = functools.cache(attention_ops)
+
+
+def keep_attention_contexts():
+    """torch checkpoint's `context_fn`: a fresh (forward, recompute) pair of dispatch modes per checkpointed call;
+    the forward caches the attention kernels' outputs and the recompute returns them instead of running the kernel."""
+    return create_selective_checkpoint_contexts(_keep_attention_policy)
 
 
 def make_loss_fn(cfg) -> Callable[..., torch.Tensor]:

@@ -22,21 +22,22 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_memory as bm  # noqa: E402
 
-ALL = (True, True, 1, True)  # every ALST feature: bm.FEATURE_SETS["alst"]
-NONE = (False, False, 0, False)
-HF_ALGO = (False, False, 1, False)  # checkpoint every layer, nothing tiled: HF's gradient checkpointing
+ALL = (True, True, 1, True, False)  # every ALST feature: bm.FEATURE_SETS["alst"]
+NONE = (False, False, 0, False, False)
+HF_ALGO = (False, False, 1, False, False)  # checkpoint every layer, nothing tiled: HF's gradient checkpointing
 
 
 def features_of(key: tuple) -> tuple[str, ...]:
-    """(tiled_logits, tiled_mlp, checkpoint_every, offload_activations) -> train.py feature flags."""
-    tl, tm, k, off = key
+    """(tiled_logits, tiled_mlp, checkpoint_every, offload_activations, keep_attention) -> train.py flags."""
+    tl, tm, k, off, keep = key
     return tuple([n for n, on in (("tiled_logits", tl), ("tiled_mlp", tm)) if on]
-                 + ([f"checkpoint_every={k}"] if k else []) + (["offload_activations"] if off else []))
+                 + ([f"checkpoint_every={k}"] if k else []) + (["offload_activations"] if off else [])
+                 + (["keep_attention"] if keep else []))
 
 
 def key_of(choice: dict) -> tuple:
     return (bool(choice["tiled_logits"]), bool(choice["tiled_mlp"]), int(choice["checkpoint_every"] or 0),
-            bool(choice["offload_activations"]))
+            bool(choice["offload_activations"]), bool(choice.get("keep_attention", False)))
 
 
 def label(key: tuple) -> str:
@@ -44,23 +45,25 @@ def label(key: tuple) -> str:
 
 
 def key_of_label(name: str) -> tuple:
-    """label's inverse: "tiled_mlp+ckpt/2" -> (False, True, 2, False)."""
+    """label's inverse: "tiled_mlp+ckpt/2" -> (False, True, 2, False, False)."""
     parts = name.split("+")
     every = next((int(p[len("ckpt/"):]) for p in parts if p.startswith("ckpt/")), 0)
-    return ("tiled_logits" in parts, "tiled_mlp" in parts, every, "offload_activations" in parts)
+    return ("tiled_logits" in parts, "tiled_mlp" in parts, every, "offload_activations" in parts,
+            "keep_attention" in parts)
 
 
 def neighbours(key: tuple, layers: int) -> list[tuple]:
     """The settings one step away from `key` in auto's candidate space (training/auto_features.candidates on
-    CPU: no offload): one tiled feature toggled, or one more / one fewer count of checkpointed layers. A
-    cheaper setting that fits and is faster is always among them or beyond one of them."""
+    CPU: no offload): one tiled feature toggled, keep_attention toggled (with checkpointing), or one more / one
+    fewer count of checkpointed layers. A cheaper setting that fits and is faster is always among them or
+    beyond one of them."""
     from training.auto_features import candidates
 
     ks = sorted({c.every for c in candidates(layers, {}, "cpu")}, key=lambda k: -math.ceil(layers / k) if k else 0)
-    tl, tm, k, off = key
+    tl, tm, k, off, keep = key
     i = ks.index(k) if k in ks else 0
-    out = [(not tl, tm, k, off), (tl, not tm, k, off)]
-    out += [(tl, tm, ks[j], off) for j in (i - 1, i + 1) if 0 <= j < len(ks)]
+    out = [(not tl, tm, k, off, keep), (tl, not tm, k, off, keep)] + ([(tl, tm, k, off, not keep)] if k else [])
+    out += [(tl, tm, ks[j], off, keep and bool(ks[j])) for j in (i - 1, i + 1) if 0 <= j < len(ks)]
     return out
 
 

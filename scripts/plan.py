@@ -38,7 +38,7 @@ from training.memory_model import (  # noqa: E402
 from training.parallel import check_layout  # noqa: E402
 
 FEATURES = ("offload_params", "offload_optimizer", "tiled_mlp", "tiled_logits", "gradient_checkpointing",
-            "offload_activations", "lean_rmsnorm")
+            "offload_activations", "lean_rmsnorm", "keep_attention")
 ALST = ("tiled_mlp", "tiled_logits", "gradient_checkpointing", "offload_activations")
 
 
@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train.py's lean RMSNorm (its default; --no-lean_rmsnorm: Hugging Face's)")
     for name in ALST:
         p.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--keep_attention", action=argparse.BooleanOptionalAction, default=None,
+                   help="checkpointed layers keep the attention output (needs checkpointing); with --auto, "
+                        "--no-keep_attention keeps auto from choosing it")
     p.add_argument("--alst", action="store_true", help="turn on " + ", ".join(ALST))
     p.add_argument("--auto", action="store_true",
                    help="also show what train.py's memory_features auto picks per length (features on the command "
@@ -190,6 +193,8 @@ def auto_plan(args: argparse.Namespace, shape: ModelShape, world: int, seq_len: 
     pinned = {k: True for k in ALST if getattr(args, k) or args.alst}
     if pinned.pop("gradient_checkpointing", False):
         pinned["checkpoint_every"] = 1
+    if args.keep_attention is not None:
+        pinned["keep_attention"] = args.keep_attention
     _, budget = af.device_budget(args.gpu_mem_gb, 0.0)
     offloads = Features(offload_params=args.offload_params, offload_optimizer=args.offload_optimizer,
                         lean_rmsnorm=args.lean_rmsnorm)

@@ -15,7 +15,7 @@ from training import auto_features as af
 from training.config import Config, StageConfig
 from training.curriculum import resolve_stages
 from training.engine import stage_config
-from training.memory_model import Features, GiB, load_shape
+from training.memory_model import Features, GiB, estimate, load_shape
 
 SHAPE = load_shape("llama3-8b")
 OFF = Features(offload_params=True, offload_optimizer=True)
@@ -60,13 +60,36 @@ def test_fits_and_does_not_fit():
 def test_k_chosen_between_all_and_none():
     """With the tiling pinned on, the budget of checkpointing every 2nd layer picks K=2: faster than K=1,
     and K=3 (more layers keep their activations) no longer fits."""
-    pins = {"tiled_mlp": True, "tiled_logits": True, "offload_activations": False}
+    pins = {"tiled_mlp": True, "tiled_logits": True, "offload_activations": False, "keep_attention": False}
     tiled = Features(tiled_mlp=True, tiled_logits=True)
     k2, k3 = peak(Features(**{**tiled.__dict__, "checkpoint_every": 2})), peak(Features(**{**tiled.__dict__,
                                                                                            "checkpoint_every": 3}))
     assert k2 < k3
     c = pick(budget_for(k2), pinned=pins)
     assert c.features.every == 2 and c.peak_bytes == k2
+
+
+def test_keep_attention_costs_memory_and_saves_the_attention_recompute():
+    """Keeping the attention output of the checkpointed layers: the recompute no longer pays the attention
+    forward (71% of a Llama-3-8B layer's forward FLOPs at 128k tokens), each checkpointed layer keeps [S, heads/sp, d] (+ fp32 lse) more,
+    and auto takes it when that fits, plain checkpointing when only that does."""
+    from training.memory_model import kept_attention_bytes
+
+    full, kept = Features(checkpoint_every=1), Features(checkpoint_every=1, keep_attention=True)
+    assert af.relative_speed(SHAPE, SL, 2, full) < af.relative_speed(SHAPE, SL, 2, kept) < 1.0
+    # the kernel's forward is what leaves the recompute: the extra time shrinks to the matmuls' third of it
+    extra = {n: 1 / af.relative_speed(SHAPE, SL, 2, f) - 1 for n, f in (("full", full), ("kept", kept))}
+    assert 0.27 < extra["kept"] / extra["full"] < 0.31
+    per_layer = kept_attention_bytes(SHAPE, SL // 2, 2, 2)
+    assert per_layer == SL * (SHAPE.num_heads // 2) * (SHAPE.head_dim * 2 + 4)
+    est = {n: estimate(SHAPE, SL, 2, WORLD, f) for n, f in (("full", full), ("kept", kept))}
+    assert est["kept"].gpu["activation checkpoints: kept attention outputs"] == SHAPE.num_layers * per_layer
+    phase = "layer working set (recompute+backward)"  # the recompute reuses the cached output, allocates no other
+    assert est["full"].gpu_phases[phase] - est["kept"].gpu_phases[phase] == per_layer
+    pins = {"checkpoint_every": 1, "tiled_mlp": False, "tiled_logits": False, "offload_activations": False}
+    assert pick(budget_for(peak(kept)), pinned=pins).features == kept
+    assert pick(budget_for(peak(kept)) - 2**20, pinned=pins).features == full
+    assert pick(budget_for(peak(full)), pinned={"keep_attention": True}).features.every >= 1  # pinned: ckpt on
 
 
 def test_explicit_settings_win():

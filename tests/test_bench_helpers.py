@@ -70,10 +70,11 @@ def test_ratio_summary_geomean_interval_and_count():
 
 def test_neighbours_step_one_feature_or_one_checkpoint_count():
     # 4 layers: auto's checkpoint counts are 4, 2, 1, 0 layers (K = 1, 2, 4, none)
-    assert sorted(sm.neighbours((False, True, 2, False), 4)) == sorted(
-        [(True, True, 2, False), (False, False, 2, False), (False, True, 1, False), (False, True, 4, False)])
-    assert sorted(sm.neighbours((False, False, 0, False), 4)) == sorted(
-        [(True, False, 0, False), (False, True, 0, False), (False, False, 4, False)])
+    assert sorted(sm.neighbours((False, True, 2, False, False), 4)) == sorted(
+        [(True, True, 2, False, False), (False, False, 2, False, False), (False, True, 1, False, False),
+         (False, True, 4, False, False), (False, True, 2, False, True)])  # + keep_attention toggled
+    assert sorted(sm.neighbours((False, False, 0, False, False), 4)) == sorted(
+        [(True, False, 0, False, False), (False, True, 0, False, False), (False, False, 4, False, False)])
 
 
 def _fake_world(cap_by_cfg: dict, speed_by_cfg: dict, auto_pick):
@@ -90,8 +91,9 @@ def _fake_world(cap_by_cfg: dict, speed_by_cfg: dict, auto_pick):
             k = auto_pick(L)
             if k is None:
                 return {"ok": False, "seq_len": L, "error": "nothing fits", "load_after": 0.0}
-            tl, tm, every, off = k
-            choice = {"tiled_logits": tl, "tiled_mlp": tm, "checkpoint_every": every, "offload_activations": off}
+            tl, tm, every, off, keep = k
+            choice = {"tiled_logits": tl, "tiled_mlp": tm, "checkpoint_every": every, "offload_activations": off,
+                      "keep_attention": keep}
             return rec(L, cap_by_cfg.get(k, 0.2) * L / 1000, speed_by_cfg.get(k, 100.0), memory_choice=choice)
         return rec(L, cap_by_cfg.get(key, 0.2) * L / 1000, speed_by_cfg.get(key, 100.0))
 
@@ -104,13 +106,13 @@ def _fake_world(cap_by_cfg: dict, speed_by_cfg: dict, auto_pick):
 
 def test_same_memory_picks_measures_and_stops():
     NONE, ALL = sm.NONE, sm.ALL
-    TM = (False, True, 0, False)
-    TM_C4 = (False, True, 4, False)  # checkpoint 1 layer in 4
-    TL_TM_C4 = (True, True, 4, False)
-    peak = {NONE: 0.2, TM: 0.11, TM_C4: 0.08, ALL: 0.04, (True, True, 0, False): 0.099, (False, True, 2, False): 0.06,
-            TL_TM_C4: 0.079, (False, False, 4, False): 0.15}
-    speed = {NONE: 120.0, TM: 110.0, TM_C4: 104.0, ALL: 60.0, (True, True, 0, False): 108.0,
-             (False, True, 2, False): 90.0, TL_TM_C4: 112.0, (False, False, 4, False): 112.0}
+    TM = (False, True, 0, False, False)
+    TM_C4 = (False, True, 4, False, False)  # checkpoint 1 layer in 4
+    TL_TM_C4 = (True, True, 4, False, False)
+    peak = {NONE: 0.2, TM: 0.11, TM_C4: 0.08, ALL: 0.04, (True, True, 0, False, False): 0.099, (False, True, 2, False, False): 0.06,
+            TL_TM_C4: 0.079, (False, False, 4, False, False): 0.15}
+    speed = {NONE: 120.0, TM: 110.0, TM_C4: 104.0, ALL: 60.0, (True, True, 0, False, False): 108.0,
+             (False, True, 2, False, False): 90.0, TL_TM_C4: 112.0, (False, False, 4, False, False): 112.0}
 
     def auto(L):  # right at 4k and 8k; at 10k its neighbour with tiled logits too is measured 8% faster
         return {4000: NONE, 8000: TM, 10000: TM_C4, 30000: None}[L]
@@ -143,10 +145,10 @@ def test_same_memory_picks_measures_and_stops():
 
 
 def test_same_memory_judges_with_and_without_auto_headroom():
-    TM, TL_TM = (False, True, 0, False), (True, True, 0, False)
+    TM, TL_TM = (False, True, 0, False, False), (True, True, 0, False, False)
     # at 4k: none peaks at 0.96 GiB (under the 1.0 cap but inside auto's 10% headroom) and runs 1.1x faster than
     # the choice (tiled MLP, 0.8 GiB); tiled logits + MLP at 0.84 GiB is no faster than the choice
-    run_ours, run_hf, _ = _fake_world({sm.NONE: 0.24, TM: 0.2, TL_TM: 0.21, (False, True, 4, False): 0.15},
+    run_ours, run_hf, _ = _fake_world({sm.NONE: 0.24, TM: 0.2, TL_TM: 0.21, (False, True, 4, False, False): 0.15},
                                       {sm.NONE: 110.0, TM: 100.0, TL_TM: 101.0}, lambda L: TM)
     res = sm.same_memory([4000], cap=1.0, layers=4, rounds=0, tol=0.05, run_ours=run_ours, run_hf=run_hf)
     row = res["rows"][0]
@@ -157,11 +159,11 @@ def test_same_memory_judges_with_and_without_auto_headroom():
 
 
 def test_same_memory_counts_an_auto_run_over_the_cap():
-    TM = (False, True, 0, False)
-    run_ours, run_hf, _ = _fake_world({TM: 0.2, sm.NONE: 0.3, sm.ALL: 0.05, (True, True, 0, False): 0.2,
-                                       (False, False, 0, False): 0.3, (False, True, 4, False): 0.1},
-                                      {TM: 1.0, sm.NONE: 1.0, sm.ALL: 1.0, (True, True, 0, False): 1.0,
-                                       (False, True, 4, False): 1.0}, lambda L: TM)
+    TM = (False, True, 0, False, False)
+    run_ours, run_hf, _ = _fake_world({TM: 0.2, sm.NONE: 0.3, sm.ALL: 0.05, (True, True, 0, False, False): 0.2,
+                                       (False, False, 0, False, False): 0.3, (False, True, 4, False, False): 0.1},
+                                      {TM: 1.0, sm.NONE: 1.0, sm.ALL: 1.0, (True, True, 0, False, False): 1.0,
+                                       (False, True, 4, False, False): 1.0}, lambda L: TM)
     res = sm.same_memory([6000], cap=1.0, layers=4, rounds=1, tol=0.05, run_ours=run_ours, run_hf=run_hf)
     assert res["auto_over_cap"] == 1 and res["longest_under_cap"]["ours_auto"] is None
 
@@ -169,7 +171,7 @@ def test_same_memory_counts_an_auto_run_over_the_cap():
 def test_recheck_judges_a_single_launch_miss_on_paired_rounds():
     """A contender that one launch measured 8% faster is rerun against the choice AB/BA: here it is really 2%
     slower, so the paired judgement counts the choice as the fastest; a real miss stays a miss."""
-    NONE, TM, TL_TM = sm.NONE, (False, True, 0, False), (True, True, 0, False)
+    NONE, TM, TL_TM = sm.NONE, (False, True, 0, False, False), (True, True, 0, False, False)
     peak = {NONE: 0.2, TM: 0.11, TL_TM: 0.099}
     speed = {NONE: 120.0, TM: 110.0, TL_TM: 118.8}  # the single launches: tiled logits + MLP looks 8% faster
     run_ours, run_hf, calls = _fake_world(peak, speed, lambda L: TM)

@@ -1,7 +1,8 @@
 """Long-sequence memory features (model_utils/memory.py) keep training equal to the plain model.
 
-Each feature alone and all four together, and selective checkpointing (`checkpoint_every: 2`, alone and
-with tiled MLP + offload), through the real ZeRO-3 engine at sp=2 (world 2) and sp=1
+Each feature alone and all four together, selective checkpointing (`checkpoint_every: 2`, alone and
+with tiled MLP + offload), and checkpointing that keeps the attention output (`keep_attention`: every layer,
+and every 2nd with tiled MLP + offload), through the real ZeRO-3 engine at sp=2 (world 2) and sp=1
 (world 1): the first step's loss (fp32) within 1e-5 relative and the full gradients within 1e-4 relative
 of the plain single-process Hugging Face model. Tiles are made small so the short test sequences really
 split (uneven last tiles included), on untied and tied (Qwen2) LM heads, with bs=2 and with GA=2.
@@ -30,6 +31,9 @@ CASES = [("mlp", "llama_gqa", 64, ("tiled_mlp",), {}),
          ("ckpt", "llama_gqa", 64, ("gradient_checkpointing",), {}),
          ("offload", "llama_gqa", 64, ("offload_activations",), {}),
          ("ckpt_every2", "llama_gqa", 64, (), {"checkpoint_every": 2}),
+         ("ckpt_keep_attention", "llama_gqa", 64, ("gradient_checkpointing",), {"keep_attention": True}),
+         ("keep_attention_every2_offload_mlp", "qwen2_kv1", 63, ("tiled_mlp", "offload_activations"),
+          {"checkpoint_every": 2, "keep_attention": True}),
          ("every2_offload_mlp_ga2", "qwen2_kv1", 63, ("tiled_mlp", "offload_activations"),
           {"checkpoint_every": 2, "gradient_accumulation_steps": 2}),
          ("all_bs2", "llama_mha", 64, ALL, {"per_device_train_batch_size": 2}),
@@ -168,6 +172,10 @@ def test_features_match_plain_model(results, assets, sp, case):
     checkpointed = -(-layers // every) * ga if every else 0  # layers 0, K, 2K, ... per micro-step
     assert stats["checkpointed"] == checkpointed
     assert stats["offloaded"] == (checkpointed if "offload_activations" in features else 0)
+    # keep_attention: each checkpointed layer's attention kernel ran once, in the forward; the recompute asked
+    # for it as often and got the cached output (one sdpa call per layer here: one document per sample)
+    kept = checkpointed if extra.get("keep_attention") else 0
+    assert (stats["attention_saved"], stats["attention_reused"]) == (kept, kept), stats
     # a tiled MLP is one ZeRO-3 leaf: its weights are gathered per MLP forward and backward, never per tile
     # (each tile's projections re-gathered them: from the CPU with offload_param, 0.36 of the tokens/s on an H200)
     if "tiled_mlp" in features:
@@ -186,3 +194,44 @@ def test_checkpoint_every_picks_layers(assets):
     assert memory.checkpoint_every(types.SimpleNamespace(**flags, checkpoint_every=0)) == 0
     with pytest.raises(ValueError, match="checkpoint_every"):
         memory.checkpoint_every(types.SimpleNamespace(**flags, checkpoint_every=-1))
+
+
+def test_keep_attention_runs_the_attention_kernel_once(assets):
+    """--keep_attention on a plain model: the attention kernel runs once per layer (plain checkpointing runs it
+    twice: forward and recompute), and loss and gradients are the plain model's, bitwise (the same ops run on
+    the same inputs; only the kernel's output comes from the cache)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import AutoModelForCausalLM
+
+    class Count(TorchDispatchMode):
+        runs = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.runs += func in memory.attention_ops()
+            return func(*args, **(kwargs or {}))
+
+    ids = torch.randint(4, VOCAB, (1, 48), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for name, ckpt, keep in (("plain", False, False), ("checkpointed", True, False), ("kept", True, True)):
+        model = AutoModelForCausalLM.from_pretrained(assets["llama_gqa"], dtype=torch.float32, attn_implementation="sdpa")
+        model.train()
+        memory.apply_memory_features(model, types.SimpleNamespace(
+            tiled_mlp=False, tiled_logits=False, gradient_checkpointing=ckpt, offload_activations=False,
+            keep_attention=keep))
+        Count.runs, saved = 0, memory.KEPT["saved"]
+        with Count():
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+        out[name] = (loss.item(), grads, Count.runs, memory.KEPT["saved"] - saved)
+    layers = model.config.num_hidden_layers
+    assert [out[n][2:] for n in out] == [(layers, 0), (2 * layers, 0), (layers, layers)]
+    assert out["kept"][0] == out["plain"][0] and torch.equal(out["kept"][1], out["plain"][1])
+
+
+def test_keep_attention_needs_checkpointing():
+    from training.memory_model import Features
+
+    with pytest.raises(ValueError, match="keep_attention"):
+        Features.of({"keep_attention": True})
+    assert Features.of({"keep_attention": True, "checkpoint_every": 2}).keep_attention

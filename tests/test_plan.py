@@ -291,8 +291,13 @@ def test_auto_shows_the_dry_runs_choice(capsys):
         assert a["predicted_peak_gb"] <= a["budget_gb"]
         assert a["tokens_per_sec_per_gpu"] >= a["all_features_tokens_per_sec_per_gpu"]
     plan.main(["--model", "llama3-8b", "--seq_len", "128k", "--nodes", "4", "--sp", "2", "--auto"])
-    # train.py's lean RMSNorm frees enough to keep half the layers' activations; with HF's, every layer is recomputed
+    # every layer checkpointed but none recomputing attention (71% of a layer's forward FLOPs here) beats keeping
+    # half the layers' activations, which the lean RMSNorm makes fit; with HF's RMSNorm, every layer is recomputed
+    assert ("memory_features auto: tiled_logits, checkpoint every layer (attention kept) at sp=2"
+            in capsys.readouterr().out)
+    plan.main(["--model", "llama3-8b", "--seq_len", "128k", "--nodes", "4", "--sp", "2", "--auto", "--no-keep_attention"])
     assert ("memory_features auto: tiled_logits, tiled_mlp, checkpoint 1 layer in 2, offload checkpoints at sp=2"
             in capsys.readouterr().out)
-    plan.main(["--model", "llama3-8b", "--seq_len", "128k", "--nodes", "4", "--sp", "2", "--auto", "--no-lean_rmsnorm"])
+    plan.main(["--model", "llama3-8b", "--seq_len", "128k", "--nodes", "4", "--sp", "2", "--auto", "--no-lean_rmsnorm",
+               "--no-keep_attention"])
     assert "memory_features auto: tiled_logits, checkpoint every layer at sp=2" in capsys.readouterr().out

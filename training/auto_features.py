@@ -2,12 +2,13 @@
 the smallest SP degree) that the planner (training/memory_model.py) fits in the device memory with headroom.
 
 Candidates: tiled logits, tiled MLP, checkpointing of every K-th decoder layer (K = 1 .. L, one K per number
-of checkpointed layers), checkpoint offload (GPU only: on a CPU run it moves nothing). Settings the user wrote
+of checkpointed layers), with or without keeping the attention output of the checkpointed layers, checkpoint
+offload (GPU only: on a CPU run it moves nothing). Settings the user wrote
 (`tiled_mlp: true`, a stage's `memory_features: {checkpoint_every: 2}`) are pinned: auto only picks the rest.
 
 Speed comes from a recompute cost model, derived in docs/memory_model.md ("Choosing the features"): one step
 costs 3 forward passes of FLOPs (forward + backward = 2x forward); checkpointing ceil(L/K) of L layers adds
-their forward again, tiled MLP adds the MLP forward of every layer, tiled logits the LM head forward; on a GPU,
+their forward again (less the attention kernel's with keep_attention), tiled MLP adds the MLP forward of every layer, tiled logits the LM head forward; on a GPU,
 checkpoint offload adds a device->host and a host->device copy of each checkpoint at PCIE_BYTES_PER_S, on the
 compute stream (not overlapped). relative_speed = time(no feature) / time(features).
 
@@ -17,6 +18,7 @@ compute stream (not overlapped). relative_speed = time(no feature) / time(featur
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from collections.abc import Mapping
@@ -40,7 +42,7 @@ GPU_RESERVED = 2 * GiB  # CUDA context, NCCL buffers, the workspace of kernels: 
 CPU_ENGINE_OVERHEAD = int(0.10 * GiB)
 PCIE_BYTES_PER_S = 25e9  # effective host<->device bandwidth per GPU for checkpoint offload
 MFU, PEAK_TFLOPS = 0.4, 989.0  # the H100 bf16 figures training/summary.py quotes
-FEATURE_KEYS = ("tiled_mlp", "tiled_logits", "checkpoint_every", "offload_activations")
+FEATURE_KEYS = ("tiled_mlp", "tiled_logits", "checkpoint_every", "offload_activations", "keep_attention")
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,7 @@ class Choice:
         """The record train.py logs (metrics) and the plan prints."""
         f = self.features
         return {"tiled_mlp": f.tiled_mlp, "tiled_logits": f.tiled_logits, "checkpoint_every": f.every,
-                "offload_activations": f.offload_activations, "sp": self.sp,
+                "offload_activations": f.offload_activations, "keep_attention": f.keep_attention, "sp": self.sp,
                 "predicted_peak_gb": round(self.peak_bytes / GiB, 3), "budget_gb": round(self.budget_bytes / GiB, 3),
                 "predicted_relative_speed": round(self.relative_speed, 3)}
 
@@ -66,6 +68,8 @@ def describe(f: Features) -> str:
     parts = [n for n in ("tiled_logits", "tiled_mlp") if getattr(f, n)]
     if f.every:
         parts.append("checkpoint every layer" if f.every == 1 else f"checkpoint 1 layer in {f.every}")
+        if f.keep_attention:
+            parts[-1] += " (attention kept)"
     if f.offload_activations:
         parts.append("offload checkpoints")
     return ", ".join(parts) or "none"
@@ -76,7 +80,8 @@ def relative_speed(shape: ModelShape, seq_len: int, sp: int, f: Features, device
     """time(no feature) / time(f) for one step, from the recompute (and offload copy) cost model."""
     s, h, L = seq_len, shape.hidden_size, shape.num_layers
     base = flops_per_sequence(shape, s)  # 3 x forward FLOPs
-    layer_fwd = 2.0 * shape.layer_params() * s + 2.0 * shape.num_heads * shape.head_dim * s * s
+    attn_fwd = 2.0 * shape.num_heads * shape.head_dim * s * s  # causal QK^T and AV
+    layer_fwd = 2.0 * shape.layer_params() * s + (0.0 if f.keep_attention else attn_fwd)
     extra = 0.0
     if f.every:
         extra += math.ceil(L / f.every) * layer_fwd
@@ -118,20 +123,20 @@ def candidates(num_layers: int, pinned: Mapping, device: str) -> list[Features]:
             counts.add(math.ceil(num_layers / k))
             ks.append(k)
     opts = {"tiled_logits": [False, True], "tiled_mlp": [False, True], "checkpoint_every": [0, *ks],
-            "offload_activations": [False, True] if device == "cuda" else [False]}
+            "offload_activations": [False, True] if device == "cuda" else [False], "keep_attention": [False, True]}
     for key, value in pinned.items():
         opts[key] = [int(value) if key == "checkpoint_every" else bool(value)]
     out = []
-    for tl in opts["tiled_logits"]:
-        for tm in opts["tiled_mlp"]:
-            for k in opts["checkpoint_every"]:
-                for off in opts["offload_activations"]:
-                    if off and not k:
-                        if pinned.get("offload_activations"):  # offload pinned on: it implies K=1
-                            k = 1
-                        else:
-                            continue
-                    out.append(Features(tiled_logits=tl, tiled_mlp=tm, checkpoint_every=k, offload_activations=off))
+    for tl, tm, k0, off, keep in itertools.product(*(opts[n] for n in ("tiled_logits", "tiled_mlp", "checkpoint_every",
+                                                                       "offload_activations", "keep_attention"))):
+        k = k0
+        if (off or keep) and not k:
+            if pinned.get("offload_activations") or pinned.get("keep_attention"):  # pinned on: they imply K=1
+                k = 1
+            else:
+                continue
+        out.append(Features(tiled_logits=tl, tiled_mlp=tm, checkpoint_every=k, offload_activations=off,
+                            keep_attention=keep))
     return list(dict.fromkeys(out))
 
 

@@ -36,11 +36,13 @@ class Stage:
     tiled_logits: bool | None = None
     checkpoint_every: int | None = None  # 0: none, K: decoder layers 0, K, 2K, ...
     offload_activations: bool | None = None
+    keep_attention: bool | None = None  # checkpointed layers keep the attention output (model_utils/memory.py)
     memory_choice: dict | None = None  # what auto chose and why (predicted peak, budget, speed): plan and metrics
     tasks: dict = field(default_factory=dict)  # synthetic task fractions of the stage (data/tasks.py)
 
 
-MEMORY_KEYS = ("tiled_mlp", "tiled_logits", "checkpoint_every", "gradient_checkpointing", "offload_activations")
+MEMORY_KEYS = ("tiled_mlp", "tiled_logits", "checkpoint_every", "gradient_checkpointing", "offload_activations",
+               "keep_attention")
 
 
 def _memory_mode(cfg: Config, s: StageConfig, i: int) -> tuple[str, dict]:
@@ -50,7 +52,7 @@ def _memory_mode(cfg: Config, s: StageConfig, i: int) -> tuple[str, dict]:
         raise ValueError(f"stage {i}: memory_features {mode!r}: use auto, manual or a mapping of {list(MEMORY_KEYS)}")
     every = cfg.checkpoint_every or (1 if cfg.gradient_checkpointing or cfg.offload_activations else 0)
     run = {"tiled_mlp": cfg.tiled_mlp, "tiled_logits": cfg.tiled_logits, "checkpoint_every": every,
-           "offload_activations": cfg.offload_activations}
+           "offload_activations": cfg.offload_activations, "keep_attention": cfg.keep_attention}
     pinned = dict(run) if mode == "manual" else {k: v for k, v in run.items() if v}  # auto: only what is on
     if isinstance(s.memory_features, dict):
         unknown = sorted(set(s.memory_features) - set(MEMORY_KEYS))
@@ -62,6 +64,9 @@ def _memory_mode(cfg: Config, s: StageConfig, i: int) -> tuple[str, dict]:
         if own.get("offload_activations") and not own.get("checkpoint_every", pinned.get("checkpoint_every")):
             own["checkpoint_every"] = 1  # offloading the checkpoints turns checkpointing on
         pinned.update({k: int(v) if k == "checkpoint_every" else bool(v) for k, v in own.items()})
+    if mode == "manual" and pinned.get("keep_attention") and not pinned.get("checkpoint_every"):
+        raise ValueError(f"stage {i}: keep_attention changes what checkpointed layers recompute, and no layer is "
+                         "checkpointed: add --gradient_checkpointing or --checkpoint_every K, or drop keep_attention")
     return mode, pinned
 
 
@@ -89,7 +94,8 @@ def _resolve_memory(cfg: Config, s: StageConfig, i: int, sl: int, sp, world: int
     record = {"memory_features": mode, "sp_auto": sp == "auto", "device": device, **choice.as_dict(),
               "lean_rmsnorm": lean_norm_applies(shape, offloads)}
     return choice.sp, {"tiled_mlp": f.tiled_mlp, "tiled_logits": f.tiled_logits, "checkpoint_every": f.every,
-                       "offload_activations": f.offload_activations, "memory_choice": record}
+                       "offload_activations": f.offload_activations, "keep_attention": f.keep_attention,
+                       "memory_choice": record}
 
 
 def resolve_stages(cfg: Config, dp_of_sp, budget=None) -> list[Stage]:

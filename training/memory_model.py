@@ -112,6 +112,7 @@ class Features:
     offload_activations: bool = False
     checkpoint_every: int = 0  # K: only decoder layers 0, K, 2K, ... checkpointed; 0: gradient_checkpointing decides
     lean_rmsnorm: bool = False  # model_utils/rmsnorm.py replaces HF's RMSNorm (train.py's default where supported)
+    keep_attention: bool = False  # checkpointed layers keep the attention output; backward recomputes the rest
 
     @property
     def every(self) -> int:
@@ -137,6 +138,9 @@ class Features:
         if feats.offload_activations and not feats.every:
             raise ValueError("offload_activations offloads the checkpointed hidden states: it needs "
                              "gradient_checkpointing on too")
+        if feats.keep_attention and not feats.every:
+            raise ValueError("keep_attention changes what checkpointed layers recompute: it needs "
+                             "gradient_checkpointing (or checkpoint_every K) on too")
         return feats
 
 
@@ -243,6 +247,13 @@ def layer_activations(shape: ModelShape, tokens: int, sp: int, b: int, tiled_mlp
     norm_grads = (hid if lean_norm else 0) + 5 * norm_rows * h * 4 - mlp_saved
     transient = 3 * hid + max(attn_grads, mlp_grads, norm_grads)  # + incoming dx, d(attn out), d(normed input)
     return saved, transient
+
+
+def kept_attention_bytes(shape: ModelShape, tokens: int, sp: int, b: int) -> int:
+    """What --keep_attention keeps per checkpointed layer: the attention kernel's output [S, heads/sp, d] and its
+    fp32 log-sum-exp [heads/sp, S] (torch's selective checkpoint caches the kernel's outputs, not its inputs)."""
+    q_loc = shape.num_heads // sp
+    return tokens * sp * q_loc * (shape.head_dim * b + 4)
 
 
 def norm_saved(tokens: int, h: int, b: int, lean: bool = False) -> int:
@@ -358,6 +369,10 @@ def estimate(shape: ModelShape, seq_len: int, sp: int, world: int,
         if f.offload_activations:
             cpu["activation checkpoints"] = ck * hid
         recompute = saved - hid + transient
+        if f.keep_attention:  # + each checkpointed layer's attention output and fp32 lse, cached on the device
+            kept = kept_attention_bytes(shape, tokens, sp, b)
+            gpu["activation checkpoints: kept attention outputs"] = ck * kept
+            recompute -= kept  # the recompute reuses them instead of allocating its own
         if ck < L:
             gpu["saved activations (layers not checkpointed)"] = (L - ck) * saved
             phases["layer working set (backward)"] = transient

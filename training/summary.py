@@ -34,7 +34,8 @@ def run_features(cfg: Config, ds_config: dict, stage: Stage | None = None) -> Fe
         offload_optimizer=zero.get("offload_optimizer", {}).get("device") == "cpu",
         tiled_mlp=cfg.tiled_mlp, tiled_logits=cfg.tiled_logits,
         gradient_checkpointing=every > 0, checkpoint_every=every if every > 1 else 0,
-        offload_activations=cfg.offload_activations, lean_rmsnorm=cfg.lean_rmsnorm)
+        offload_activations=cfg.offload_activations, keep_attention=cfg.keep_attention and every > 0,
+        lean_rmsnorm=cfg.lean_rmsnorm)
 
 
 def feature_line(shape, s: Stage, feats: Features) -> str:

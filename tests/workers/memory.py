@@ -5,9 +5,11 @@ argv: JSON list of parity cases, each with an extra "knobs" dict ({"MLP_TILE_TOK
 Beside each case's "out" file, rank 0 writes OUT.stats.pt: MLP tile counts, loss tile counts (and
 whether the head was tied), how many checkpointed tensors went through the offload hooks, how many
 layer calls ran under torch's checkpoint (selective checkpointing: only every K-th layer), and how often
-ZeRO-3 gathered the parameters of a tiled MLP, as a whole and per projection (gate/up/down_proj).
+ZeRO-3 gathered the parameters of a tiled MLP, as a whole and per projection (gate/up/down_proj), and how many
+attention kernel outputs --keep_attention saved in the forward and handed back in the recompute.
 """
 
+import contextlib
 import json
 import sys
 import warnings
@@ -16,6 +18,7 @@ import torch
 import torch.distributed as dist
 import transformers.modeling_utils as hf_modeling
 from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+from torch.utils._python_dispatch import TorchDispatchMode
 
 warnings.filterwarnings("ignore")
 
@@ -74,7 +77,31 @@ def _copying_to_host(t: torch.Tensor):
     return device, host.clone()
 
 
+class _CountAttention(TorchDispatchMode):
+    """Entered above the recompute's cache: sees every attention kernel call the recompute makes (the cache
+    below answers them without running the kernel)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in memory.attention_ops():
+            STATS["attention_reused"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _counted(recompute):
+    with recompute, _CountAttention():
+        yield
+
+
+def _counting_contexts():
+    forward, recompute = _keep_attention_contexts()
+    return forward, _counted(recompute)
+
+
+_keep_attention_contexts = memory.keep_attention_contexts
+
 if __name__ == "__main__":
+    memory.keep_attention_contexts = _counting_contexts
     memory.TiledMLP, tiled_loss.TiledCrossEntropySum, memory._to_host = _SpyTiledMLP, _SpyTiledCE, _copying_to_host
     hf_modeling.checkpoint = _counting_checkpoint  # what activation_checkpointing_enable hands the layers
     PartitionedParameterCoordinator.fetch_sub_module, memory._tile_mlps = _counting_fetch, _marking_tile_mlps
@@ -82,8 +109,10 @@ if __name__ == "__main__":
         for name, value in case.pop("knobs").items():
             setattr(memory if hasattr(memory, name) else tiled_loss, name, value)
         STATS.update(mlp_tiles=set(), logits_tiles=set(), offloaded=0, checkpointed=0, mlp_fetches=0,
-                     projection_fetches=0)
+                     projection_fetches=0, attention_reused=0)
+        kept = memory.KEPT["saved"]
         run_case(case, case["sequence_parallel_size"])
+        STATS["attention_saved"] = memory.KEPT["saved"] - kept
         if dist.get_rank() == 0:
             torch.save(dict(STATS), case["out"] + ".stats.pt")
         dist.barrier()
