@@ -160,7 +160,7 @@ def train_stage(run: Run, stage, stages, trainer: dict, resume_from: str | None)
 
     from data.pipeline import heldout_samples
     from data.sharding import collate, shard
-    from model_utils.memory import make_loss_fn
+    from model_utils.memory import kept_attention_line, make_loss_fn
     from model_utils.rope import apply_rope, model_hash
     from model_utils.ulysses import check_routed
     from training.checkpoint import rng_state, set_rng_state
@@ -210,6 +210,9 @@ def train_stage(run: Run, stage, stages, trainer: dict, resume_from: str | None)
         if not routed_checked:  # after the first step of this engine: every layer's attention went through
             check_routed(engine)  # Ulysses + document masking, or one line naming the model
             routed_checked = True
+            kept = kept_attention_line(stage_config(cfg, stage), run.attn)  # --keep_attention found its kernel?
+            if kept:
+                print0(kept)
         step += 1
         preempt.deadline.record_step(out["step_time"])
         rank_log(f"step {step} stage {stage.index} loss {out['loss']:.6f} step_time {out['step_time']:.3f}s")

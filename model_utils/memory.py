@@ -15,8 +15,8 @@ Ulysses SP; every tensor below is a rank's sequence shard, `[bs, sl_local, ...]`
   Backward then recomputes ~1/K of the layers' forward instead of all of it.
 - `--keep_attention`: checkpointed layers keep the attention kernel's output (and its log-sum-exp) from the
   forward: backward recomputes the rest of the layer (norms, projections, RoPE, the all-to-alls, the MLP) but
-  not attention, the quadratic part (torch's selective activation checkpointing; Megatron's selective
-  recompute inverted: with flash attention the kernel saves little and costs the most). Costs one
+  not attention, the quadratic part (a selective activation checkpoint that matches the attention kernels only;
+  Megatron's selective recompute inverted: with flash attention the kernel saves little and costs the most). Costs one
   `[sl_local, heads * head_dim]` tensor per checkpointed layer, kept on the device even with
   --offload_activations (Llama-3-8B, 128k tokens per rank, bf16: 1 GiB per layer).
 - `--lean_rmsnorm` (default on): RMSNorms that save their input and 1/rms only and run backward in chunks of
@@ -32,6 +32,7 @@ Ulysses SP; every tensor below is a rank's sequence shard, `[bs, sl_local, ...]`
 
 from __future__ import annotations
 
+import collections
 import functools
 import os
 import types
@@ -40,7 +41,8 @@ from collections.abc import Callable
 import torch
 from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 from deepspeed.utils.z3_leaf_module import set_z3_leaf_module
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
 
 from model_utils.rmsnorm import use_lean_rmsnorm
 from model_utils.tiled_loss import agreed_tiles, install_loss_forward, tiled_loss_sum
@@ -117,23 +119,56 @@ def attention_ops() -> frozenset:
     return frozenset(ops)
 
 
-KEPT = {"saved": 0}  # attention kernel outputs --keep_attention cached in forwards (the tests read it)
+# attention kernel outputs --keep_attention cached in forwards, and handed back by recomputes (train.py, the tests)
+KEPT = {"saved": 0, "reused": 0}
 
 
-def _keep_attention_policy(ctx, op, *args, **kwargs):
-    if op in _ATTENTION_OPS():
+class _KeepAttention(TorchDispatchMode):
+    """Below autograd, so the attention op's autograd node is built as usual and saves whatever the kernel call
+    returns. Forward: run every op, cache the outputs of the attention kernels in call order. Recompute: answer
+    the kernels from the cache, in the same order, and run every other op. Only the kernels are matched: torch's
+    own selective checkpointing (create_selective_checkpoint_contexts) indexes every op of the region and fails
+    when the recompute issues one the forward did not, which ZeRO-3's parameter gathers and prefetches inside a
+    layer are free to do."""
+
+    def __init__(self, ops: frozenset, cache: collections.deque, recompute: bool):
+        super().__init__()
+        self.ops, self.cache, self.recompute = ops, cache, recompute
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func not in self.ops:
+            return func(*args, **(kwargs or {}))
+        if self.recompute:
+            if not self.cache:
+                raise RuntimeError(f"keep_attention: the recompute called {func} more often than the forward did")
+            KEPT["reused"] += 1
+            return self.cache.popleft()
+        out = func(*args, **(kwargs or {}))
         KEPT["saved"] += 1
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
-_ATTENTION_OPS = functools.cache(attention_ops)
+        self.cache.append(tree_map_only(torch.Tensor, torch.Tensor.detach, out))
+        return out
 
 
 def keep_attention_contexts():
-    """torch checkpoint's `context_fn`: a fresh (forward, recompute) pair of dispatch modes per checkpointed call;
-    the forward caches the attention kernels' outputs and the recompute returns them instead of running the kernel."""
-    return create_selective_checkpoint_contexts(_keep_attention_policy)
+    """torch checkpoint's `context_fn` (non-reentrant): a fresh (forward, recompute) pair of dispatch modes per
+    checkpointed call, sharing one cache that lives as long as torch keeps the call's recompute state (until that
+    layer's backward). The op set is read per call (a few attribute reads per layer), so flash-attn's ops count
+    whenever the package was imported, which transformers does when it builds a flash_attention_2 model."""
+    ops, cache = attention_ops(), collections.deque()
+    return _KeepAttention(ops, cache, recompute=False), _KeepAttention(ops, cache, recompute=True)
+
+
+def kept_attention_line(cfg, attn: str) -> str | None:
+    """After a first step with --keep_attention: how many attention outputs were kept, or, when none was (the
+    backend's kernel is not one attention_ops knows), that those layers recompute attention as plain
+    checkpointing does. None without --keep_attention or without checkpointing."""
+    if not (getattr(cfg, "keep_attention", False) and checkpoint_every(cfg)):
+        return None
+    if KEPT["saved"]:
+        return f"keep_attention: {KEPT['saved']} attention outputs kept so far ({attn}); backward does not rerun them"
+    return (f"keep_attention: no attention kernel of {attn} was kept (not an SDPA kernel nor flash-attn's op): the "
+            "checkpointed layers recompute attention like plain checkpointing; drop --keep_attention to save the "
+            "dispatch overhead")
 
 
 def make_loss_fn(cfg) -> Callable[..., torch.Tensor]:

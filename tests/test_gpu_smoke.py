@@ -5,7 +5,8 @@
 2 optimizer steps of train.py on 1 GPU: NCCL process group (so every collective of training/comm.py runs with
 tensors on the GPU), bf16, ZeRO-3 + CPU offload, evaluation and export; for each attention backend present
 (sdpa, flash_attention_2 when flash-attn is installed) the step-1 loss equals the plain Hugging Face model's on
-the same sample within bf16 tolerance.
+the same sample within bf16 tolerance; and once more with checkpointing that keeps the attention output
+(`--keep_attention`), which must find that backend's kernel.
 """
 
 from __future__ import annotations
@@ -34,18 +35,22 @@ def backends() -> list[str]:
         return ["sdpa"]
 
 
+@pytest.mark.parametrize("keep", [False, True], ids=["", "ckpt-keep_attention"])
 @pytest.mark.parametrize("attn", backends())
-def test_two_steps_on_one_gpu_match_the_plain_model(tmp_path, attn):
+def test_two_steps_on_one_gpu_match_the_plain_model(tmp_path, attn, keep):
     model_dir = save_tiny_model(str(tmp_path / "model"), "tiny-llama", initializer_range=0.3)
     data = write_token_jsonl(str(tmp_path / "data.jsonl"), n_docs=80)
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if k not in ("DS_ACCELERATOR", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     cmd = [sys.executable, "train.py", "--model_name_or_path", model_dir, "--dataset_path", data, "--max_seq_length",
            str(SEQ), "--max_steps", "2", "--bf16", "--attn_implementation", attn, "--output_dir", str(out),
-           "--report_to", "none", "--learning_rate", "1e-3", "--seed", "0", "--dist_timeout_s", "120"]
+           "--report_to", "none", "--learning_rate", "1e-3", "--seed", "0", "--dist_timeout_s", "120",
+           *(["--gradient_checkpointing", "--keep_attention"] if keep else [])]
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))  # keep a user's own entries
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-4000:]
+    if keep:  # the backend's kernel (SDPA's CUDA kernels, flash-attn's registered op) was found and kept
+        assert "attention outputs kept so far" in p.stdout + p.stderr, (p.stdout + p.stderr)[-4000:]
     recs = [json.loads(x) for x in open(out / "metrics.jsonl") if x.strip()]
     steps = [r for r in recs if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2] and (out / "COMPLETE").exists() and (out / "hf_model").is_dir()

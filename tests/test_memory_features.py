@@ -218,14 +218,14 @@ def test_keep_attention_runs_the_attention_kernel_once(assets):
         memory.apply_memory_features(model, types.SimpleNamespace(
             tiled_mlp=False, tiled_logits=False, gradient_checkpointing=ckpt, offload_activations=False,
             keep_attention=keep))
-        Count.runs, saved = 0, memory.KEPT["saved"]
+        Count.runs, kept = 0, dict(memory.KEPT)
         with Count():
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
         grads = torch.cat([p.grad.flatten() for p in model.parameters()])
-        out[name] = (loss.item(), grads, Count.runs, memory.KEPT["saved"] - saved)
+        out[name] = (loss.item(), grads, Count.runs, *(memory.KEPT[k] - kept[k] for k in ("saved", "reused")))
     layers = model.config.num_hidden_layers
-    assert [out[n][2:] for n in out] == [(layers, 0), (2 * layers, 0), (layers, layers)]
+    assert [out[n][2:] for n in out] == [(layers, 0, 0), (2 * layers, 0, 0), (layers, layers, layers)]
     assert out["kept"][0] == out["plain"][0] and torch.equal(out["kept"][1], out["plain"][1])
 
 
@@ -235,3 +235,58 @@ def test_keep_attention_needs_checkpointing():
     with pytest.raises(ValueError, match="keep_attention"):
         Features.of({"keep_attention": True})
     assert Features.of({"keep_attention": True, "checkpoint_every": 2}).keep_attention
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_keep_attention_says_whether_the_kernel_was_kept(assets, monkeypatch, attn):
+    """train.py's line after the first step: the outputs kept, or, for a backend without a known kernel (eager
+    attention here; flex_attention on a GPU), that the layers recompute attention as plain checkpointing does."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setitem(memory.KEPT, "saved", 0)
+    model = AutoModelForCausalLM.from_pretrained(assets["llama_gqa"], dtype=torch.float32, attn_implementation=attn)
+    cfg = types.SimpleNamespace(tiled_mlp=False, tiled_logits=False, gradient_checkpointing=True,
+                                offload_activations=False, keep_attention=True)
+    memory.apply_memory_features(model.train(), cfg)
+    ids = torch.randint(4, VOCAB, (1, 32), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    line = memory.kept_attention_line(cfg, attn)
+    layers = model.config.num_hidden_layers
+    if attn == "sdpa":
+        assert line == f"keep_attention: {layers} attention outputs kept so far (sdpa); backward does not rerun them"
+    else:
+        assert line.startswith("keep_attention: no attention kernel of eager was kept")
+    assert memory.kept_attention_line(types.SimpleNamespace(**{**vars(cfg), "keep_attention": False}), attn) is None
+
+
+def test_keep_attention_tolerates_ops_the_forward_did_not_issue():
+    """ZeRO-3 may gather (or prefetch) parameters inside a layer's recompute that the forward had already: ops the
+    forward never issued. torch's own selective checkpoint indexes every op of the region and fails on them; ours
+    matches only the attention kernels, so the step goes on, with the plain gradients."""
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    calls = {"n": 0}
+    q, k, v = (torch.randn(1, 2, 16, 8, requires_grad=True, generator=torch.Generator().manual_seed(i)) for i in range(3))
+
+    def layer(q, k, v):
+        calls["n"] += 1
+        if calls["n"] % 2 == 0:  # the recompute: one more op than the forward ran (a gather, say)
+            torch.zeros(4).add_(1)
+        return F.scaled_dot_product_attention(q.sin(), k, v, is_causal=True).cos().sum()
+
+    layer(q, k, v).backward()
+    want = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    kept, calls["n"] = dict(memory.KEPT), 0
+    checkpoint(layer, q, k, v, use_reentrant=False, context_fn=memory.keep_attention_contexts).backward()
+    assert all(torch.equal(t.grad, w) for t, w in zip((q, k, v), want))
+    assert (memory.KEPT["saved"] - kept["saved"], memory.KEPT["reused"] - kept["reused"]) == (1, 1)
+
+    def torch_policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in memory.attention_ops() else CheckpointPolicy.PREFER_RECOMPUTE
+
+    calls["n"] = 0
+    with pytest.raises(RuntimeError, match="not found in storage"):
+        checkpoint(layer, q, k, v, use_reentrant=False,
+                   context_fn=lambda: create_selective_checkpoint_contexts(torch_policy)).backward()

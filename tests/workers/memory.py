@@ -9,7 +9,6 @@ ZeRO-3 gathered the parameters of a tiled MLP, as a whole and per projection (ga
 attention kernel outputs --keep_attention saved in the forward and handed back in the recompute.
 """
 
-import contextlib
 import json
 import sys
 import warnings
@@ -18,7 +17,6 @@ import torch
 import torch.distributed as dist
 import transformers.modeling_utils as hf_modeling
 from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
-from torch.utils._python_dispatch import TorchDispatchMode
 
 warnings.filterwarnings("ignore")
 
@@ -77,31 +75,7 @@ def _copying_to_host(t: torch.Tensor):
     return device, host.clone()
 
 
-class _CountAttention(TorchDispatchMode):
-    """Entered above the recompute's cache: sees every attention kernel call the recompute makes (the cache
-    below answers them without running the kernel)."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in memory.attention_ops():
-            STATS["attention_reused"] += 1
-        return func(*args, **(kwargs or {}))
-
-
-@contextlib.contextmanager
-def _counted(recompute):
-    with recompute, _CountAttention():
-        yield
-
-
-def _counting_contexts():
-    forward, recompute = _keep_attention_contexts()
-    return forward, _counted(recompute)
-
-
-_keep_attention_contexts = memory.keep_attention_contexts
-
 if __name__ == "__main__":
-    memory.keep_attention_contexts = _counting_contexts
     memory.TiledMLP, tiled_loss.TiledCrossEntropySum, memory._to_host = _SpyTiledMLP, _SpyTiledCE, _copying_to_host
     hf_modeling.checkpoint = _counting_checkpoint  # what activation_checkpointing_enable hands the layers
     PartitionedParameterCoordinator.fetch_sub_module, memory._tile_mlps = _counting_fetch, _marking_tile_mlps
@@ -109,10 +83,10 @@ if __name__ == "__main__":
         for name, value in case.pop("knobs").items():
             setattr(memory if hasattr(memory, name) else tiled_loss, name, value)
         STATS.update(mlp_tiles=set(), logits_tiles=set(), offloaded=0, checkpointed=0, mlp_fetches=0,
-                     projection_fetches=0, attention_reused=0)
-        kept = memory.KEPT["saved"]
+                     projection_fetches=0)
+        kept = dict(memory.KEPT)
         run_case(case, case["sequence_parallel_size"])
-        STATS["attention_saved"] = memory.KEPT["saved"] - kept
+        STATS.update({f"attention_{k}": memory.KEPT[k] - kept[k] for k in kept})
         if dist.get_rank() == 0:
             torch.save(dict(STATS), case["out"] + ".stats.pt")
         dist.barrier()
