@@ -21,6 +21,8 @@ Ulysses SP; every tensor below is a rank's sequence shard, `[bs, sl_local, ...]`
   --offload_activations (Llama-3-8B, 128k tokens per rank, bf16: 1 GiB per layer).
 - `--lean_rmsnorm` (default on): RMSNorms that save their input and 1/rms only and run backward in chunks of
   rows (model_utils/rmsnorm.py); the same forward, bitwise.
+- `--lean_mlp` (default on): the gated MLP keeps gate and up for backward, not act(gate) (model_utils/mlp.py);
+  the same forward, bitwise; one [T, intermediate] tensor less per layer whose activations are kept.
 - `--offload_activations`: the checkpointed layer inputs (`[bs, sl_local, hidden]` per layer) are held in
   pinned CPU memory between forward and backward. It offloads the checkpoints, so it turns checkpointing
   on by itself. On a CPU run the tensors are already in host memory and nothing moves.
@@ -44,6 +46,7 @@ from deepspeed.utils.z3_leaf_module import set_z3_leaf_module
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
+from model_utils.mlp import use_lean_mlp
 from model_utils.rmsnorm import use_lean_rmsnorm
 from model_utils.tiled_loss import agreed_tiles, install_loss_forward, tiled_loss_sum
 from training.memory_model import mlp_tiles
@@ -74,6 +77,8 @@ def apply_memory_features(model, cfg) -> None:
     install_loss_forward(model)
     if getattr(cfg, "lean_rmsnorm", False):
         use_lean_rmsnorm(model)  # before TiledMLP and checkpointing wrap the layers: they call the norms' forward
+    if getattr(cfg, "lean_mlp", False):
+        use_lean_mlp(model)  # before TiledMLP: its tiles run the MLP's forward as it is then
     if cfg.tiled_mlp:
         _tile_mlps(model)
     every = checkpoint_every(cfg)
@@ -179,7 +184,7 @@ def make_loss_fn(cfg) -> Callable[..., torch.Tensor]:
 # --- tiled MLP ---------------------------------------------------------------------------------------
 
 def _gated_mlp(mlp, x: torch.Tensor) -> torch.Tensor:
-    return mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+    return mlp._untiled_forward(x)  # HF's forward or the lean one (model_utils/mlp.py)
 
 
 def _tiled_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -198,6 +203,7 @@ def _tile_mlps(model) -> None:
         if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
             raise ValueError(f"--tiled_mlp supports gated MLPs (gate_proj/up_proj/down_proj: Llama, Qwen2/3, "
                              f"Mistral); {type(model).__name__} has {type(mlp).__name__}")
+        mlp._untiled_forward = mlp.forward
         mlp.forward = types.MethodType(_tiled_mlp_forward, mlp)  # this instance only: other models untouched
         # ZeRO-3 leaf: the MLP's weights are gathered once per forward and once per backward of the whole MLP,
         # not per call of gate/up/down_proj. Without it every tile re-gathers them (with offload_param, a host

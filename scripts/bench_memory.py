@@ -224,7 +224,7 @@ def predicted_gb(model: str, seq_len: int, sp: int, features: tuple[str, ...], d
     from training.memory_model import load_shape, predict_peak_bytes
 
     precision = "bf16" if device == "cuda" else "fp32"  # train.py's default precision per device
-    spec = {"lean_rmsnorm": True, **feature_spec(features), **dict.fromkeys(OFFLOADS, True)}  # train.py's defaults
+    spec = {"lean_rmsnorm": True, "lean_mlp": True, **feature_spec(features), **dict.fromkeys(OFFLOADS, True)}  # train.py's defaults
     return predict_peak_bytes(load_shape(model), seq_len, sp, spec,
                               precision=precision,
                               device=device, world=world) / GiB

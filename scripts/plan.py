@@ -38,7 +38,7 @@ from training.memory_model import (  # noqa: E402
 from training.parallel import check_layout  # noqa: E402
 
 FEATURES = ("offload_params", "offload_optimizer", "tiled_mlp", "tiled_logits", "gradient_checkpointing",
-            "offload_activations", "lean_rmsnorm", "keep_attention")
+            "offload_activations", "lean_rmsnorm", "lean_mlp", "keep_attention")
 ALST = ("tiled_mlp", "tiled_logits", "gradient_checkpointing", "offload_activations")
 
 
@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offload_optimizer", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--lean_rmsnorm", action=argparse.BooleanOptionalAction, default=True,
                    help="train.py's lean RMSNorm (its default; --no-lean_rmsnorm: Hugging Face's)")
+    p.add_argument("--lean_mlp", action=argparse.BooleanOptionalAction, default=True,
+                   help="train.py's lean gated MLP (its default; --no-lean_mlp: Hugging Face's)")
     for name in ALST:
         p.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--keep_attention", action=argparse.BooleanOptionalAction, default=None,
@@ -150,6 +152,7 @@ def plan_one(pl: Planner, seq_len: int) -> dict:
                                seconds_per_sequence=seq_len / (tps * best["sp"]), at_sp=best["sp"]))
     if not fitting:
         everything = Features(offload_params=True, offload_optimizer=True, lean_rmsnorm=feats.lean_rmsnorm,
+                              lean_mlp=feats.lean_mlp,
                               **dict.fromkeys(ALST, True))
         if everything != feats:
             out["fits_with_all_features_at_sp"] = [sp for sp in _valid_sps(shape, pl.world, seq_len, args.sp)
@@ -197,7 +200,7 @@ def auto_plan(args: argparse.Namespace, shape: ModelShape, world: int, seq_len: 
         pinned["keep_attention"] = args.keep_attention
     _, budget = af.device_budget(args.gpu_mem_gb, 0.0)
     offloads = Features(offload_params=args.offload_params, offload_optimizer=args.offload_optimizer,
-                        lean_rmsnorm=args.lean_rmsnorm)
+                        lean_rmsnorm=args.lean_rmsnorm, lean_mlp=args.lean_mlp)
     try:
         c = af.choose(shape, seq_len, world, budget, sp=None if args.sp == "auto" else int(args.sp),
                       sp_max=args.gpus_per_node, pinned=pinned, offloads=offloads, precision=args.precision,

@@ -106,9 +106,9 @@ def peak_bytes(shape: ModelShape, seq_len: int, sp: int, world: int, f: Features
 
 def _peaks(shape, seq_len, sp, world, f, offloads, precision, device) -> tuple[int, int]:
     """(peak of one rank as in peak_bytes, host bytes of one rank: offloaded states and checkpoints).
-    `offloads` carries the run's settings auto does not choose: the ZeRO-3 offloads and the lean RMSNorm."""
+    `offloads` carries the run's settings auto does not choose: the ZeRO-3 offloads, the lean RMSNorm and MLP."""
     feats = replace(f, offload_params=offloads.offload_params, offload_optimizer=offloads.offload_optimizer,
-                    lean_rmsnorm=offloads.lean_rmsnorm)
+                    lean_rmsnorm=offloads.lean_rmsnorm, lean_mlp=offloads.lean_mlp)
     est = estimate(shape, seq_len, sp, world, feats, precision)
     host = sum(est.cpu_per_rank.values())
     return est.gpu_peak + (host if device == "cpu" else 0), host

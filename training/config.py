@@ -74,6 +74,7 @@ class Config:
     checkpoint_every: int = 0  # checkpoint decoder layers 0, K, 2K, ... only; 0: off (1 if --gradient_checkpointing)
     keep_attention: bool = False  # checkpointed layers keep the attention output: backward recomputes all but attention
     lean_rmsnorm: bool = True  # RMSNorm that saves its input + 1/rms only, chunked fp32 backward (model_utils/rmsnorm.py); same forward
+    lean_mlp: bool = True  # gated MLP product that keeps gate and up only, act(gate) recomputed in backward (model_utils/mlp.py)
     memory_features: str = "manual"  # manual: the flags above | auto: per stage, the fastest set that fits (training/auto_features.py)
     gpu_mem_gb: float = 0.0  # accelerator memory per rank for memory_features auto (0: detected from the device)
     mem_cap_gb: float = 0.0  # memory cap per rank for memory_features auto on CPU runs (peak RSS)

@@ -76,12 +76,13 @@ def _resolve_memory(cfg: Config, s: StageConfig, i: int, sl: int, sp, world: int
     if mode == "manual" and sp != "auto":
         return sp, {**pinned, "memory_choice": None}
     from training import auto_features as af
-    from training.memory_model import Features, lean_norm_applies, load_shape
+    from training.memory_model import Features, lean_mlp_applies, lean_norm_applies, load_shape
 
     if sp != "auto" and (not isinstance(sp, int) or sp < 1):
         raise ValueError(f"stage {i}: sequence_parallel_size {sp!r}: use an integer >= 1 or auto")
     device, usable = budget()
-    offloads = Features(**af.zero_offloads(cfg.deepspeed, s.deepspeed_overrides or {}), lean_rmsnorm=cfg.lean_rmsnorm)
+    offloads = Features(**af.zero_offloads(cfg.deepspeed, s.deepspeed_overrides or {}), lean_rmsnorm=cfg.lean_rmsnorm,
+                        lean_mlp=cfg.lean_mlp)
     bf16 = cfg.bf16 if cfg.bf16 is not None else device == "cuda" and not cfg.fp16
     try:
         shape = load_shape(cfg.model_name_or_path)
@@ -92,7 +93,7 @@ def _resolve_memory(cfg: Config, s: StageConfig, i: int, sl: int, sp, world: int
         raise ValueError(f"stage {i} ({s.name or f'stage{i}'}): {e}") from None
     f = choice.features
     record = {"memory_features": mode, "sp_auto": sp == "auto", "device": device, **choice.as_dict(),
-              "lean_rmsnorm": lean_norm_applies(shape, offloads)}
+              "lean_rmsnorm": lean_norm_applies(shape, offloads), "lean_mlp": lean_mlp_applies(shape, offloads)}
     return choice.sp, {"tiled_mlp": f.tiled_mlp, "tiled_logits": f.tiled_logits, "checkpoint_every": f.every,
                        "offload_activations": f.offload_activations, "keep_attention": f.keep_attention,
                        "memory_choice": record}

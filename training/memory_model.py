@@ -36,6 +36,8 @@ DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 # Families whose RMSNorm is Llama's formula, which model_utils/rmsnorm.py's lean RMSNorm replaces (--lean_rmsnorm)
 LEAN_RMSNORM_MODEL_TYPES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3",
                                       "granite"})
+# Families whose gated MLP is Llama's formula, which model_utils/mlp.py's lean MLP replaces (--lean_mlp)
+LEAN_MLP_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "granite", "gemma", "gemma2", "olmo2"})
 NORM_CHUNK_BYTES = 2**26  # lean RMSNorm: at most 64 MiB of fp32 per temporary of a chunk of rows ...
 NORM_MIN_CHUNKS = 8  # ... and at least this many chunks (tiny models), of at least NORM_MIN_CHUNK_ROWS rows
 NORM_MIN_CHUNK_ROWS = 1024
@@ -113,6 +115,7 @@ class Features:
     checkpoint_every: int = 0  # K: only decoder layers 0, K, 2K, ... checkpointed; 0: gradient_checkpointing decides
     lean_rmsnorm: bool = False  # model_utils/rmsnorm.py replaces HF's RMSNorm (train.py's default where supported)
     keep_attention: bool = False  # checkpointed layers keep the attention output; backward recomputes the rest
+    lean_mlp: bool = False  # model_utils/mlp.py's gated product keeps gate and up only (train.py's default where supported)
 
     @property
     def every(self) -> int:
@@ -217,9 +220,10 @@ ACTIVATION_TERMS = ("saved activations", "activation checkpoints")  # prefixes o
 
 
 def layer_activations(shape: ModelShape, tokens: int, sp: int, b: int, tiled_mlp: bool,
-                      lean_norm: bool = False) -> tuple[int, int]:
+                      lean_norm: bool = False, lean_mlp: bool = False) -> tuple[int, int]:
     """(saved, backward transient) bytes of one decoder layer on one rank; `saved` includes the layer input.
-    lean_norm: the RMSNorms are model_utils/rmsnorm.py's (see norm_saved)."""
+    lean_norm: the RMSNorms are model_utils/rmsnorm.py's (see norm_saved); lean_mlp: the MLP's gated product is
+    model_utils/mlp.py's (act(gate) is not kept)."""
     h, d, inter = shape.hidden_size, shape.head_dim, shape.intermediate_size
     seq = tokens * sp
     q_loc = shape.num_heads // sp
@@ -230,7 +234,8 @@ def layer_activations(shape: ModelShape, tokens: int, sp: int, b: int, tiled_mlp
     lse = seq * q_loc * 4  # fp32 softmax log-sum-exp
     # attention output back in [T, nh*d], o_proj's input: under SP the all-to-all's output; without SP a view of o
     o_back = tokens * shape.num_heads * d * b if sp > 1 else 0
-    mlp_saved = 0 if tiled_mlp else 4 * tokens * inter * b  # gate, up, act(gate), act*up
+    mlp_kept = 3 if lean_mlp else 4  # gate, up, act(gate) (not with lean_mlp), act*up
+    mlp_saved = 0 if tiled_mlp else mlp_kept * tokens * inter * b
     saved = 2 * norm_saved(tokens, h, b, lean_norm) + o_back + attn_io + lse + mlp_saved  # the residual stream: in the norms
     if shape.qk_norm:  # Qwen3: RMSNorm on q and k per head, on the local tokens before the all-to-all; RoPE saves
         # neither side, so what is kept is the norms' own: HF's an fp32 copy + the normalized q/k (4 + b), the lean
@@ -239,7 +244,7 @@ def layer_activations(shape: ModelShape, tokens: int, sp: int, b: int, tiled_mlp
         saved += tokens * qk_heads * (d * b + 4) if lean_norm else tokens * qk_heads * d * (4 + b)
     attn_grads = attn_io + seq * q_loc * d * 4  # dq, dk, dv, do + flash-attn fp32 dq accumulator
     rows = math.ceil(tokens / mlp_tiles(tokens, h)) if tiled_mlp else tokens
-    mlp_grads = (6 if tiled_mlp else 2) * rows * inter * b  # tiled: a tile's 4 recomputed + 2 grads
+    mlp_grads = ((mlp_kept + 2) if tiled_mlp else 2) * rows * inter * b  # tiled: a tile's recomputed + 2 grads
     # RMSNorm's backward runs in fp32 whatever the dtype: HF's holds five [T, h] fp32 temporaries (mul, mean, pow,
     # 2 muls: measured with the profiler's allocation events); the lean one, its dx and five fp32 temporaries of
     # one chunk of rows. By then the MLP's saved tensors are already freed.
@@ -274,6 +279,11 @@ def norm_chunk_rows(rows: int, h: int) -> int:
 def lean_norm_applies(shape: ModelShape, f: Features) -> bool:
     """Whether the step runs the lean RMSNorm: asked for, and the family's norm is Llama's formula."""
     return f.lean_rmsnorm and shape.model_type in LEAN_RMSNORM_MODEL_TYPES
+
+
+def lean_mlp_applies(shape: ModelShape, f: Features) -> bool:
+    """Whether the step runs the lean gated MLP: asked for, and the family's MLP is Llama's formula."""
+    return f.lean_mlp and shape.model_type in LEAN_MLP_MODEL_TYPES
 
 
 def logits_bytes(shape: ModelShape, tokens: int, b: int, tiled: bool, lean_norm: bool = False) -> int:
@@ -360,7 +370,7 @@ def estimate(shape: ModelShape, seq_len: int, sp: int, world: int,
         gpu["ulysses all-to-all staging"] = tokens * (shape.num_heads + 2 * kv_send) * shape.head_dim * b
 
     lean = lean_norm_applies(shape, f)
-    saved, transient = layer_activations(shape, tokens, sp, b, f.tiled_mlp, lean)
+    saved, transient = layer_activations(shape, tokens, sp, b, f.tiled_mlp, lean, lean_mlp_applies(shape, f))
     phases: dict[str, int] = {}
     if f.every:
         L = shape.num_layers

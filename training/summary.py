@@ -17,6 +17,7 @@ from training.memory_model import (
     Features,
     GiB,
     estimate,
+    lean_mlp_applies,
     lean_norm_applies,
     load_shape,
     tokens_per_sec_per_gpu,
@@ -35,13 +36,14 @@ def run_features(cfg: Config, ds_config: dict, stage: Stage | None = None) -> Fe
         tiled_mlp=cfg.tiled_mlp, tiled_logits=cfg.tiled_logits,
         gradient_checkpointing=every > 0, checkpoint_every=every if every > 1 else 0,
         offload_activations=cfg.offload_activations, keep_attention=cfg.keep_attention and every > 0,
-        lean_rmsnorm=cfg.lean_rmsnorm)
+        lean_rmsnorm=cfg.lean_rmsnorm, lean_mlp=cfg.lean_mlp)
 
 
 def feature_line(shape, s: Stage, feats: Features) -> str:
     """The stage's memory features; with auto, what was chosen against which budget (also in the metrics)."""
     c = s.memory_choice
     norm = "lean" if lean_norm_applies(shape, feats) else "Hugging Face's"  # --lean_rmsnorm, where the family allows
+    norm += f"; MLP: {'lean' if lean_mlp_applies(shape, feats) else 'Hugging Face' + chr(39) + 's'}"  # --lean_mlp
     if not c:
         return f"memory features: {describe(feats)} (set by the flags); RMSNorm: {norm}"
     speed_all = relative_speed(shape, s.max_seq_length, s.sp, ALL_FEATURES, c["device"])
