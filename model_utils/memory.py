@@ -75,6 +75,7 @@ def apply_memory_features(model, cfg) -> None:
     """Enable the features `cfg` asks for on `model` (in place). Raises ValueError for a model they do not fit.
     The tiled-loss forward is always installed: evaluation uses it whatever `--tiled_logits` says."""
     install_loss_forward(model)
+    model._logits_tile_bytes = max(0, getattr(cfg, "logits_tile_mb", 0) or 0) * 2**20  # 0: LOGITS_TILE_BYTES
     if getattr(cfg, "lean_rmsnorm", False):
         use_lean_rmsnorm(model)  # before TiledMLP and checkpointing wrap the layers: they call the norms' forward
     if getattr(cfg, "lean_mlp", False):

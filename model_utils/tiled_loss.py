@@ -1,5 +1,6 @@
 """The LM head and cross-entropy one sequence tile at a time: the `[bs, sl_local, vocab]` logits never exist
-whole (about 1 GiB of fp32 logits per tile, ArcticTraining's rule). Training uses it with `--tiled_logits`;
+whole (about 1 GiB of fp32 logits per tile, ArcticTraining's rule; `--logits_tile_mb`, and memory_features auto
+takes 1/64 of the per-rank budget when that is less: training.memory_model.logits_tile_bytes). Training uses it with `--tiled_logits`;
 evaluation always does (`eval_stats`), so an evaluation never holds more logits than a training step.
 
 Cost at the target scale (Llama 3, vocab 128256, 128k tokens, SP=2): one shard's full fp32 logits would be
@@ -84,9 +85,9 @@ def _spans(sl: int, tiles: int) -> list[tuple[int, int]]:
     return [(min(i * step, sl), min((i + 1) * step, sl)) for i in range(tiles)]
 
 
-def logits_tiles(bs: int, sl: int, vocab: int) -> int:
-    """Tiles for about LOGITS_TILE_BYTES of fp32 logits each, at most one per token."""
-    return max(1, min(sl, math.ceil(bs * sl * vocab * 4 / LOGITS_TILE_BYTES)))
+def logits_tiles(bs: int, sl: int, vocab: int, tile_bytes: int = 0) -> int:
+    """Tiles for about `tile_bytes` (0: LOGITS_TILE_BYTES) of fp32 logits each, at most one per token."""
+    return max(1, min(sl, math.ceil(bs * sl * vocab * 4 / (tile_bytes or LOGITS_TILE_BYTES))))
 
 
 @torch.no_grad()
@@ -124,7 +125,8 @@ def _forward_with_tiled_loss(self, *args, tiled_loss_labels: torch.Tensor | None
         return self._untiled_forward(*args, **kwargs)
     hidden = self.get_decoder()(*args, **kwargs).last_hidden_state  # [bs, sl_local, hidden]
     lm_head = self.get_output_embeddings()
-    tiles = agreed_tiles(logits_tiles(*tiled_loss_labels.shape, lm_head.out_features), hidden.device)
+    tile_bytes = getattr(self, "_logits_tile_bytes", 0)  # --logits_tile_mb (auto: from the budget), set at build
+    tiles = agreed_tiles(logits_tiles(*tiled_loss_labels.shape, lm_head.out_features, tile_bytes), hidden.device)
     if eval_stats:
         return _stats(lm_head, hidden, tiled_loss_labels, tiles, eval_buckets)
     tied = lm_head.weight is self.get_input_embeddings().weight

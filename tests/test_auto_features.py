@@ -129,6 +129,9 @@ def test_resolve_stages_and_stage_config(tmp_path):
     assert (a.tiled_logits, a.tiled_mlp, a.checkpoint_every) == (True, False, 0)  # explicit flag kept, rest off
     assert a.memory_choice["predicted_peak_gb"] <= a.memory_choice["budget_gb"]
     assert (b.checkpoint_every, b.tiled_mlp, b.tiled_logits) == (2, True, True)
+    tile = min(1024, budget_for(none) // 64 // 2**20)  # auto's tile of the budget (logits_tile_bytes)
+    assert a.logits_tile_mb == b.logits_tile_mb == a.memory_choice["logits_tile_mb"] == tile
+    assert stage_config(cfg, a).logits_tile_mb == tile  # what apply_memory_features gives the model
     assert c.memory_choice is None and (c.tiled_logits, c.checkpoint_every, c.tiled_mlp) == (True, 0, False)
     # a stage's sequence_parallel_size: auto, at a budget where only sp >= 2 fits
     lean2 = min(peak(f, 2) for f in af.candidates(SHAPE.num_layers, {"tiled_logits": True}, "cuda"))
@@ -224,3 +227,55 @@ def test_cpu_budget_reads_this_process_peak_not_its_parents():
     inherited, own, budget = map(int, out.stdout.split())
     assert inherited >= 2 * GiB  # the inheritance is real: what the budget used to subtract
     assert own < 1.5 * GiB and budget > 0.8 * GiB, (own, budget)
+
+
+def test_logits_tile_follows_the_budget():
+    """Auto's tiled logits run tiles of 1/64 of the budget up to ArcticTraining's 1 GiB: an 80 GB GPU keeps 1 GiB
+    tiles, a small budget gets small ones (and a lower predicted logits phase); a tile the user set wins."""
+    from training.memory_model import LOGITS_TILE_BYTES, logits_tile_bytes
+
+    assert logits_tile_bytes(78 * GiB) == LOGITS_TILE_BYTES
+    assert logits_tile_bytes(22 * GiB) == 22 * GiB // 64 and logits_tile_bytes(0) == 2**20
+    small = af.choose(load_shape("tiny-llama"), 16384, 2, GiB // 2, sp=2, offloads=OFF, precision="fp32",
+                      device="cpu", pinned={"tiled_logits": True})
+    assert small.features.logits_tile_mb == 8 and "(8 MiB tiles)" in af.describe(small.features)
+    assert small.as_dict()["logits_tile_mb"] == 8
+    big = dict(pinned={"tiled_logits": True, "checkpoint_every": 1})
+    f8 = pick(80 * GiB, **big).features
+    assert f8.logits_tile_mb == 1024 and "MiB tiles" not in af.describe(f8)
+    f1 = pick(80 * GiB, **{**big, "pinned": {**big["pinned"], "logits_tile_mb": 64}}).features
+    assert f1.logits_tile_mb == 64
+    # the planner sees the tile: 16 tiles of 64 MiB hold 1/16 of one 1 GiB tile's three fp32 buffers
+    ph = {mb: estimate(SHAPE, SL, 2, WORLD, Features(tiled_logits=True, logits_tile_mb=mb)).gpu_phases["logits + loss"]
+          for mb in (64, 1024)}
+    assert ph[1024] - ph[64] == pytest.approx(12 * (LOGITS_TILE_BYTES - 64 * 2**20) / 4, rel=0.05)  # whole rows per tile
+
+
+def test_the_model_runs_the_configured_logits_tile():
+    """--logits_tile_mb (or the stage's auto tile) reaches the model's tiled-loss forward at build."""
+    import types
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from model_utils import tiled_loss
+    from model_utils.memory import apply_memory_features
+    from model_utils.presets import preset_config
+
+    cfg = Config(model_name_or_path="tiny-llama", max_seq_length=64, logits_tile_mb=3)
+    model = AutoModelForCausalLM.from_config(preset_config("tiny-llama"))
+    apply_memory_features(model, types.SimpleNamespace(tiled_mlp=False, tiled_logits=True, gradient_checkpointing=False,
+                                                       checkpoint_every=0, offload_activations=False,
+                                                       logits_tile_mb=cfg.logits_tile_mb))
+    calls = []
+    model.get_output_embeddings().register_forward_hook(lambda *a: calls.append(1))
+    vocab = model.config.vocab_size
+    sl = 3 * 2**20 // (vocab * 4) * 5 + 7  # five 3 MiB tiles and a bit
+    ids = torch.randint(0, vocab, (1, sl))
+    with torch.no_grad():
+        model(input_ids=ids, tiled_loss_labels=ids, eval_stats=True)
+    assert len(calls) == tiled_loss.logits_tiles(1, sl, vocab, 3 * 2**20) == 6
+    with pytest.raises(ValueError, match="logits_tile_mb -1"):
+        from training.config import validate
+
+        validate(Config(logits_tile_mb=-1))

@@ -25,11 +25,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from training.memory_model import (
+    LOGITS_TILE_BYTES,
     Features,
     GiB,
     ModelShape,
     estimate,
     flops_per_sequence,
+    logits_tile_bytes,
 )
 
 HEADROOM = 0.10  # keep this fraction of the device memory free (allocator fragmentation, planner error)
@@ -61,11 +63,13 @@ class Choice:
         return {"tiled_mlp": f.tiled_mlp, "tiled_logits": f.tiled_logits, "checkpoint_every": f.every,
                 "offload_activations": f.offload_activations, "keep_attention": f.keep_attention, "sp": self.sp,
                 "predicted_peak_gb": round(self.peak_bytes / GiB, 3), "budget_gb": round(self.budget_bytes / GiB, 3),
-                "predicted_relative_speed": round(self.relative_speed, 3)}
+                "predicted_relative_speed": round(self.relative_speed, 3), "logits_tile_mb": f.logits_tile_mb}
 
 
 def describe(f: Features) -> str:
     parts = [n for n in ("tiled_logits", "tiled_mlp") if getattr(f, n)]
+    if f.tiled_logits and f.tile_bytes != LOGITS_TILE_BYTES:
+        parts[0] += f" ({f.tile_bytes / 2**20:g} MiB tiles)"
     if f.every:
         parts.append("checkpoint every layer" if f.every == 1 else f"checkpoint 1 layer in {f.every}")
         if f.keep_attention:
@@ -161,8 +165,12 @@ def choose(shape: ModelShape, seq_len: int, world: int, budget_bytes: int, *, sp
     """The fastest candidate whose predicted peak, plus `headroom` of the budget, fits in budget_bytes; at `sp`,
     or (sp=None) at the smallest degree <= sp_max where anything fits. Ties: the smaller peak. On a GPU,
     `host_bytes_per_rank` (CPU memory of a node / its ranks, less the runtime) also bounds what the ZeRO-3 and
-    checkpoint offloads put in host memory. One-line ValueError when nothing fits."""
-    cands = candidates(shape.num_layers, pinned or {}, device)
+    checkpoint offloads put in host memory. One-line ValueError when nothing fits. Tiled logits run tiles of
+    `pinned["logits_tile_mb"]` MiB when given, else of training.memory_model.logits_tile_bytes(budget_bytes)."""
+    pinned = dict(pinned or {})
+    tile_mb = int(pinned.pop("logits_tile_mb", 0) or 0) or logits_tile_bytes(budget_bytes) // 2**20
+    cands = [replace(f, logits_tile_mb=tile_mb) if f.tiled_logits else f
+             for f in candidates(shape.num_layers, pinned, device)]
     usable = budget_bytes * (1 - headroom)
     degrees = [sp] if sp else sp_degrees(shape, world, seq_len, sp_max or world)
     least = None

@@ -74,6 +74,7 @@ class Config:
     checkpoint_every: int = 0  # checkpoint decoder layers 0, K, 2K, ... only; 0: off (1 if --gradient_checkpointing)
     keep_attention: bool = False  # checkpointed layers keep the attention output: backward recomputes all but attention
     lean_rmsnorm: bool = True  # RMSNorm that saves its input + 1/rms only, chunked fp32 backward (model_utils/rmsnorm.py); same forward
+    logits_tile_mb: int = 0  # tiled logits: MiB of fp32 logits per tile; 0: 1024 (ArcticTraining's), under memory_features auto 1/64 of the budget up to 1024
     lean_mlp: bool = True  # gated MLP product that keeps gate and up only, act(gate) recomputed in backward (model_utils/mlp.py)
     memory_features: str = "manual"  # manual: the flags above | auto: per stage, the fastest set that fits (training/auto_features.py)
     gpu_mem_gb: float = 0.0  # accelerator memory per rank for memory_features auto (0: detected from the device)
@@ -188,6 +189,9 @@ def validate(cfg: Config) -> None:
     if cfg.save_total_limit < 2:
         raise ValueError(f"--save_total_limit {cfg.save_total_limit}: keep at least 2 so the newest complete "
                          "checkpoint is never deleted before a newer one is committed")
+    if cfg.logits_tile_mb < 0:
+        raise ValueError(f"--logits_tile_mb {cfg.logits_tile_mb}: use MiB of fp32 logits per tile (> 0), or 0 for "
+                         "the default (1024; under memory_features auto 1/64 of the memory budget)")
     if cfg.save_steps < 0:
         raise ValueError(f"--save_steps {cfg.save_steps}: use 0 (end and preemption only) or a positive interval")
     if cfg.time_limit_s < 0 or cfg.dist_timeout_s <= 0:

@@ -37,6 +37,7 @@ class Stage:
     checkpoint_every: int | None = None  # 0: none, K: decoder layers 0, K, 2K, ...
     offload_activations: bool | None = None
     keep_attention: bool | None = None  # checkpointed layers keep the attention output (model_utils/memory.py)
+    logits_tile_mb: int | None = None  # tiled logits: MiB of fp32 logits per tile (auto: from the budget)
     memory_choice: dict | None = None  # what auto chose and why (predicted peak, budget, speed): plan and metrics
     tasks: dict = field(default_factory=dict)  # synthetic task fractions of the stage (data/tasks.py)
 
@@ -88,7 +89,7 @@ def _resolve_memory(cfg: Config, s: StageConfig, i: int, sl: int, sp, world: int
         shape = load_shape(cfg.model_name_or_path)
         choice = af.choose(shape, sl, world, usable,
                            sp=None if sp == "auto" else sp, sp_max=af.gpus_per_node(cfg) or world,
-                           pinned=pinned, offloads=offloads, precision="bf16" if bf16 else "fp32", device=device)
+                           pinned={**pinned, "logits_tile_mb": cfg.logits_tile_mb}, offloads=offloads, precision="bf16" if bf16 else "fp32", device=device)
     except ValueError as e:
         raise ValueError(f"stage {i} ({s.name or f'stage{i}'}): {e}") from None
     f = choice.features
@@ -96,6 +97,7 @@ def _resolve_memory(cfg: Config, s: StageConfig, i: int, sl: int, sp, world: int
               "lean_rmsnorm": lean_norm_applies(shape, offloads), "lean_mlp": lean_mlp_applies(shape, offloads)}
     return choice.sp, {"tiled_mlp": f.tiled_mlp, "tiled_logits": f.tiled_logits, "checkpoint_every": f.every,
                        "offload_activations": f.offload_activations, "keep_attention": f.keep_attention,
+                       "logits_tile_mb": f.logits_tile_mb or None,
                        "memory_choice": record}
 
 

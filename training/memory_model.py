@@ -30,7 +30,8 @@ GiB = 2**30
 # (one launch each, idle): 16 tiles 1263 tok/s, 4 tiles 1359, untiled 1364. The floor keeps tiny models' tiles
 # at 1024 tokens; the intermediates of such a tile ([1024, intermediate] x 3) are a few MiB there.
 MLP_MIN_TILE_TOKENS = 1024
-LOGITS_TILE_BYTES = 2**30  # tiled logits: shards of ~1 GiB of fp32 logits (ArcticTraining's rule)
+LOGITS_TILE_BYTES = 2**30  # tiled logits: shards of ~1 GiB of fp32 logits (ArcticTraining's rule) ...
+LOGITS_TILE_BUDGET_SHARE = 64  # ... under memory_features auto at most 1/64 of the per-rank budget (logits_tile_bytes)
 ZERO_SUBGROUP = 10**9  # DeepSpeed sub_group_size: the optimizer step upcasts grads this many at a time
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 # Families whose RMSNorm is Llama's formula, which model_utils/rmsnorm.py's lean RMSNorm replaces (--lean_rmsnorm)
@@ -116,6 +117,12 @@ class Features:
     lean_rmsnorm: bool = False  # model_utils/rmsnorm.py replaces HF's RMSNorm (train.py's default where supported)
     keep_attention: bool = False  # checkpointed layers keep the attention output; backward recomputes the rest
     lean_mlp: bool = False  # model_utils/mlp.py's gated product keeps gate and up only (train.py's default where supported)
+    logits_tile_mb: int = 0  # tiled logits: MiB of fp32 logits per tile; 0: LOGITS_TILE_BYTES
+
+    @property
+    def tile_bytes(self) -> int:
+        """Bytes of fp32 logits per tile of the tiled logits + loss."""
+        return self.logits_tile_mb * 2**20 if self.logits_tile_mb > 0 else LOGITS_TILE_BYTES
 
     @property
     def every(self) -> int:
@@ -135,7 +142,8 @@ class Features:
             unknown = sorted(set(chosen) - known)
             if unknown:
                 raise ValueError(f"unknown memory feature(s) {unknown}: use {sorted(known)}")
-            feats = cls(**{k: int(v) if k == "checkpoint_every" else bool(v) for k, v in chosen.items()})
+            feats = cls(**{k: int(v) if k in ("checkpoint_every", "logits_tile_mb") else bool(v)
+                           for k, v in chosen.items()})
         if feats.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every {feats.checkpoint_every}: use 0 (off), 1 (every layer) or K > 1")
         if feats.offload_activations and not feats.every:
@@ -167,9 +175,18 @@ def mlp_tiles(tokens: int, hidden: int, tile_tokens: int | None = None) -> int:
     return max(1, math.ceil(tokens / (tile_tokens or max(hidden, MLP_MIN_TILE_TOKENS))))
 
 
-def logits_tiles(tokens: int, vocab: int) -> int:
-    """Tiled logits+loss shard count: ~LOGITS_TILE_BYTES of fp32 logits per shard."""
-    return max(1, math.ceil(tokens * vocab * 4 / LOGITS_TILE_BYTES))
+def logits_tiles(tokens: int, vocab: int, tile_bytes: int | None = None) -> int:
+    """Tiled logits+loss shard count: ~tile_bytes (default LOGITS_TILE_BYTES) of fp32 logits per shard, at most
+    one per token (model_utils/tiled_loss.logits_tiles at micro-batch 1)."""
+    return max(1, min(tokens, math.ceil(tokens * vocab * 4 / (tile_bytes or LOGITS_TILE_BYTES))))
+
+
+def logits_tile_bytes(budget_bytes: int) -> int:
+    """The logits tile memory_features auto uses: 1/LOGITS_TILE_BUDGET_SHARE of the per-rank budget, at most
+    LOGITS_TILE_BYTES, at least 1 MiB. Training holds three fp32 buffers of a tile (12 B per logit), so the
+    logits phase stays under 5% of the budget. An 80 GB GPU keeps ArcticTraining's 1 GiB tile (Llama-3, vocab
+    128256: 2093 rows per tile); a 24 GB one gets 0.34 GiB tiles (700 rows), a 1 GiB CPU test cap 8 MiB."""
+    return max(2**20, min(LOGITS_TILE_BYTES, budget_bytes // LOGITS_TILE_BUDGET_SHARE))
 
 
 @dataclass
@@ -286,9 +303,10 @@ def lean_mlp_applies(shape: ModelShape, f: Features) -> bool:
     return f.lean_mlp and shape.model_type in LEAN_MLP_MODEL_TYPES
 
 
-def logits_bytes(shape: ModelShape, tokens: int, b: int, tiled: bool, lean_norm: bool = False) -> int:
+def logits_bytes(shape: ModelShape, tokens: int, b: int, tiled: bool, lean_norm: bool = False,
+                 tile_bytes: int | None = None) -> int:
     """Logits and loss on one rank: the backward's three fp32 buffers per logit row, the final norm, d(hidden)."""
-    rows = math.ceil(tokens / logits_tiles(tokens, shape.vocab_size)) if tiled else tokens
+    rows = math.ceil(tokens / logits_tiles(tokens, shape.vocab_size, tile_bytes)) if tiled else tokens
     # backward of cross-entropy: the fp32 log-softmax it saved, nll_loss's gradient and log-softmax's (4 B each);
     # the forward's lm_head output + fp32 upcast + log-softmax (b + 4 + 4, or 4 + 4 in fp32) is smaller, and the
     # forward's logits are dropped before backward (training.step.loss_sum returns only the loss)
@@ -393,12 +411,13 @@ def estimate(shape: ModelShape, seq_len: int, sp: int, world: int,
     else:
         gpu["saved activations (all layers)"] = shape.num_layers * saved
         phases["layer working set (backward)"] = transient
-    phases["logits + loss"] = logits_bytes(shape, tokens, b, f.tiled_logits, lean)
+    phases["logits + loss"] = logits_bytes(shape, tokens, b, f.tiled_logits, lean, f.tile_bytes)
     if not f.offload_optimizer and b < 4:
         phases["optimizer step (fp32 grad copy)"] = 4 * min(n // world, ZERO_SUBGROUP)
     return Estimate(seq_len=seq_len, sp=sp, world=world, tokens_per_rank=tokens, gpu=gpu, gpu_phases=phases,
                     cpu_per_rank=cpu, gpus_per_node=gpus_per_node or world,
-                    eval_phases=eval_phases(shape, seq_len, sp, b, tiled=True, tiled_mlp=f.tiled_mlp))
+                    eval_phases=eval_phases(shape, seq_len, sp, b, tiled=True, tiled_mlp=f.tiled_mlp,
+                                            tile_bytes=f.tile_bytes))
 
 
 def predict_peak_bytes(shape: ModelShape | Mapping | str, seq_len: int, sp: int,
