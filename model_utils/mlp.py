@@ -9,7 +9,9 @@ and up only and recomputes act(gate) in backward, a chunk of rows at a time; the
 Cost and gain at Llama-3-8B, 128k tokens per rank (I = 14336, bf16): 3.5 GiB less per decoder layer whose
 activations are kept (no checkpointing, or the layers between checkpointed ones under --checkpoint_every K),
 and inside a tiled-MLP tile or a checkpointed layer's recompute the same fraction of their working set; the
-price is one elementwise activation per MLP in backward, under 0.1% of a layer's FLOPs. This is the saving
+price is one elementwise activation per MLP in backward, under 0.1% of a layer's FLOPs, run in chunks of
+at most 64 MiB of fp32-equivalent rows (there 1170 rows: 112 chunks per MLP, each a few kernels and one
+autograd.grad call; estimated at most 1% of a ~57 s step, not yet measured on a GPU). This is the saving
 Liger's fused SwiGLU gives ALST, without Triton (it runs on CPU too).
 
 `--lean_mlp` (on by default) replaces the forward of the MLPs whose class computes exactly Llama's formula
