@@ -319,15 +319,15 @@ def run_same_memory(a, model: str, lengths: list[int], device: str, work: str, m
     tile = {}  # seq_len -> the logits tile auto chose there: explicit tiled-logits runs use the same one
 
     def run_ours(L: int, key) -> dict:
-        extra = ("--memory_features", "auto", budget, str(a.cap_gb)) if key is None else ()
-        if key is not None and key[0] and tile.get(L):
-            extra = ("--logits_tile_mb", str(tile[L]))
+        mb = tile.get(L) if key is not None and key[0] else None  # key[0]: tiled logits
+        extra = (("--memory_features", "auto", budget, str(a.cap_gb)) if key is None
+                 else ("--logits_tile_mb", str(mb)) if mb else ())
         rec = bm.train_point(model, L, a.sp, features_of(key) if key else (), a.steps, device, work, nproc=a.nproc,
                              timeout=a.timeout, env=malloc, extra_args=extra)
         if key is None and rec.get("memory_choice", {}).get("logits_tile_mb"):
             tile[L] = rec["memory_choice"]["logits_tile_mb"]
-        if extra and extra[0] == "--logits_tile_mb":
-            rec["logits_tile_mb"] = tile[L]
+        if mb:
+            rec["logits_tile_mb"] = mb
         return show("ours " + ("auto" if key is None else label(key)), rec)
 
     def run_hf(L: int, gc: bool) -> dict:

@@ -13,6 +13,21 @@ sys.path.insert(0, ROOT)
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
+def forwards_unlike_llama(classes: dict[str, str], llama_class: str) -> list[str]:
+    """The model types in `classes` ({model_type: class name in its transformers module}) whose `forward` source
+    differs from transformers' Llama class `llama_class`'s: the lean modules replace only identical ones."""
+    import importlib
+    import inspect
+    import textwrap
+
+    def body(model_type: str, cls_name: str) -> str:
+        mod = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+        return textwrap.dedent(inspect.getsource(getattr(mod, cls_name).forward))
+
+    llama = body("llama", llama_class)
+    return [t for t, cls_name in classes.items() if body(t, cls_name) != llama]
+
+
 def save_tiny_model(path: str, preset: str, seed: int = 0, **overrides) -> str:
     import torch
     from transformers import AutoModelForCausalLM

@@ -89,7 +89,8 @@ def _resolve_memory(cfg: Config, s: StageConfig, i: int, sl: int, sp, world: int
         shape = load_shape(cfg.model_name_or_path)
         choice = af.choose(shape, sl, world, usable,
                            sp=None if sp == "auto" else sp, sp_max=af.gpus_per_node(cfg) or world,
-                           pinned={**pinned, "logits_tile_mb": cfg.logits_tile_mb}, offloads=offloads, precision="bf16" if bf16 else "fp32", device=device)
+                           pinned={**pinned, "logits_tile_mb": cfg.logits_tile_mb}, offloads=offloads,
+                           precision="bf16" if bf16 else "fp32", device=device)
     except ValueError as e:
         raise ValueError(f"stage {i} ({s.name or f'stage{i}'}): {e}") from None
     f = choice.features

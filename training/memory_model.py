@@ -316,8 +316,7 @@ def logits_bytes(shape: ModelShape, tokens: int, b: int, tiled: bool, lean_norm:
 
 def eval_tile_rows(tokens: int, vocab: int, tile_bytes: int = LOGITS_TILE_BYTES) -> int:
     """Rows (tokens) of one evaluation logits tile: model_utils/tiled_loss.logits_tiles at micro-batch 1."""
-    tiles = max(1, min(tokens, math.ceil(tokens * vocab * 4 / tile_bytes)))
-    return math.ceil(tokens / tiles)
+    return math.ceil(tokens / logits_tiles(tokens, vocab, tile_bytes))
 
 
 def eval_phases(shape: ModelShape, seq_len: int, sp: int, b: int, tiled: bool = True, tiled_mlp: bool = False,
