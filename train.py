@@ -107,8 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     run = Run(cfg, dims, data, ckpt, metrics, preempt, base_config, attn, bf16)
 
     # --- the curriculum: each stage builds its engine, trains, saves its end, evaluates ---
+    evaluated = metrics.evaluated(len(stages))  # rank 0's record, the same on every rank
     for stage in stages:
-        if trainer["step"] >= stage_start(stages, stage.index) + stage.max_steps and metrics.has_eval(stage.index):
+        if trainer["step"] >= stage_start(stages, stage.index) + stage.max_steps and stage.index in evaluated:
             continue  # finished and evaluated before this (resumed) run
         if preempt.agreed():  # before building the engine: nothing new to save
             return run.exit_preempted()

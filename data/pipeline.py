@@ -26,9 +26,10 @@ from data.mixture import MixtureDataset, MixtureSampler, parse_mixture, select_d
 from data.packing import DocPack
 from data.prepare import prepare_in_job
 from data.sampler import ResumableSampler
-from data.store import Prepared, tokenizer_identity
+from data.store import MANIFEST, Prepared, read_json, tokenizer_identity
 from data.tasks import TaskMixDataset, TaskMixSampler, check_tasks
 from data.tokenizer import Tokenizer
+from training import comm
 
 DEFAULT_HELDOUT_SAMPLES = 2
 
@@ -138,13 +139,29 @@ class RunData:
 
 def open_run_data(dataset_path: str | None, tokenizer_path: str | None, model_vocab: int, stages,
                   reset_position_ids: bool, mask_cross_document_labels: bool = False) -> RunData:
-    """A prepared folder is opened by every rank itself; a small JSONL is prepared first (rank 0, collective).
-    Checks the data against the model (token ids < model_vocab) and every stage's mixture, before any model."""
+    """A small JSONL is prepared first (rank 0). Rank 0 then reads the folder's manifest and picks the tokenizer,
+    every rank opens the folder with that manifest, and a folder one rank cannot open stops every rank with the
+    same line (collectives). Checks the data against the model (token ids < model_vocab) and every stage's
+    mixture, before any model."""
     folder, tokenizer_path = prepare_in_job(dataset_path, tokenizer_path, model_vocab)
-    prepared = Prepared(folder)
-    m = prepared.manifest
-    if tokenizer_path is None and m.get("tokenizer") and os.path.exists(m["tokenizer"]["path"]):
-        tokenizer_path = m["tokenizer"]["path"]  # the one it was prepared with (passkey evaluation decodes text)
+
+    def choose() -> tuple[dict, str | None]:
+        try:
+            m = read_json(os.path.join(folder, MANIFEST))
+        except OSError as e:
+            raise ValueError(f"--dataset_path {folder}: no readable {MANIFEST} ({e}): prepare the data again") from None
+        if tokenizer_path is None and m.get("tokenizer") and os.path.exists(m["tokenizer"]["path"]):
+            return m, m["tokenizer"]["path"]  # the one it was prepared with (passkey evaluation decodes text)
+        return m, tokenizer_path
+
+    m, tokenizer_path = comm.run_on_main(choose)
+    try:
+        prepared, why = Prepared(folder, m), None
+    except (OSError, ValueError) as e:
+        prepared, why = None, f"--dataset_path {folder} on rank {comm.rank()}: {e}"
+    why = next((w for w in comm.all_gather_object(why) if w), None)
+    if why:
+        raise ValueError(why)
     tokenizer = Tokenizer(tokenizer_path) if tokenizer_path else None
     if tokenizer is not None and m.get("tokenizer") and tokenizer_identity(tokenizer_path) != m["tokenizer"]["sha256"]:
         raise ValueError(f"--tokenizer_name_or_path {tokenizer_path} is not the tokenizer {folder} was prepared with "

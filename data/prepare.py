@@ -4,7 +4,9 @@ Rank 0 runs the same preparation as `scripts/prepare_data.py` (one process, no w
 while the others wait on the host (`training.comm.run_on_main`: a gloo group with a long timeout, never an
 NCCL collective whose watchdog would kill the job); an error found on rank 0 reaches every rank as the same
 one-line message before the model is built. Every rank then memory-maps the prepared folder itself (the
-cache must be on a file system all nodes see). Inputs above `MAX_IN_JOB_BYTES` are refused: a real corpus is
+cache must be on a file system all nodes see). Whether `--dataset_path` is already prepared is rank 0's
+answer too: a node with a stale view of the folder would otherwise take the other branch and its own
+collectives. Inputs above `MAX_IN_JOB_BYTES` are refused: a real corpus is
 prepared once, before the job, with `scripts/prepare_data.py --workers N`, and passed by its folder.
 """
 
@@ -41,13 +43,14 @@ def _cache_key(files: list[str], tokenizer_path: str | None, model_vocab: int) -
 
 
 def prepare_in_job(dataset_path: str | None, tokenizer_path: str | None, model_vocab: int) -> tuple[str, str | None]:
-    """(prepared folder, tokenizer path). A prepared folder is returned as it is (no collective); otherwise
-    rank 0 prepares the small JSONL input into the cache (collective: every rank calls it)."""
-    if is_prepared(dataset_path):
-        return dataset_path, tokenizer_path
+    """(prepared folder, tokenizer path), decided by rank 0 (collective: every rank calls it): a prepared folder
+    as it is, else the small JSONL input prepared by rank 0 into the cache."""
 
     def work() -> tuple[str, str | None]:
         from data.prepare_data import prepare
+
+        if is_prepared(dataset_path):
+            return dataset_path, tokenizer_path
 
         data, tok_path = resolve_sources(dataset_path, tokenizer_path)
         files = list_files(data)

@@ -129,9 +129,11 @@ class Prepared:
     """An opened prepared folder: `tokens` (TokenStore), per-document `starts`/`lens` (int64) and `source`
     (int32 index into `sources`), and the manifest."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, manifest: dict | None = None):
+        """`manifest`: the one rank 0 read (training passes it so every rank opens the same version of a folder
+        that is being replaced); by default the folder's own."""
         self.path = path
-        self.manifest = read_json(os.path.join(path, MANIFEST))
+        self.manifest = manifest if manifest is not None else read_json(os.path.join(path, MANIFEST))
         if self.manifest.get("format") != FORMAT:
             raise ValueError(f"{path}/{MANIFEST}: format {self.manifest.get('format')!r}, expected {FORMAT!r}: "
                              "prepare the data again with scripts/prepare_data.py")

@@ -32,7 +32,8 @@ def spawn(script: str, args: list[str], nproc: int, log_dir: str, extra_env: dic
     for rank in range(nproc):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
-                   PYTHONPATH=ROOT, WANDB_MODE="offline", **(extra_env or {}))
+                   PYTHONPATH=ROOT, WANDB_MODE="offline")
+        env.update(extra_env or {})  # PYTHONPATH included (a stub folder in front of the repo)
         log = open(os.path.join(log_dir, f"rank{rank}.log"), "w")
         procs.append(subprocess.Popen([sys.executable, script, *args], cwd=ROOT, env=env, stdout=log,
                                       stderr=subprocess.STDOUT))

@@ -176,14 +176,16 @@ def test_time_limit_stops_with_a_save(assets, tmp_path, how):
 
 # --- shared output folder --------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("blind", [False, True])
-def test_output_folder_must_be_shared(tmp_path, blind):
+@pytest.mark.parametrize("mode", ["shared", "blind", "late"])
+def test_output_folder_must_be_shared(tmp_path, mode):
     """Rank 1 cannot see rank 0's files (simulated): every rank stops with one line naming the host; a shared
-    folder passes and leaves no probe behind."""
+    folder passes and leaves no probe behind, also when rank 1 sees the others' files only 2 s late (a lagging
+    NFS cache: looked for again, by name, within the settle time)."""
     out = tmp_path / "out"
-    run(os.path.join(ROOT, "tests/workers/shared_fs.py"), [str(out), "1" if blind else "0"], 2, str(tmp_path / "l"))
+    arg = {"shared": "0", "blind": "1", "late": "late"}[mode]
+    run(os.path.join(ROOT, "tests/workers/shared_fs.py"), [str(out), arg], 2, str(tmp_path / "l"))
     results = [json.loads((tmp_path / f"result{r}.json").read_text()) for r in range(2)]
-    if blind:
+    if mode == "blind":
         for r in results:
             assert "is not shared" in r["error"] and "ranks [0]" in r["error"], r
     else:

@@ -15,8 +15,15 @@ files (DeepSpeed's own `latest` file is not used: it is written on rank 0 before
 Checksums are computed *while writing* (DeepSpeed's torch checkpoint engine is wrapped so every file it
 writes passes through a CRC32 counter), so a save - the preemption save included - never reads its bytes
 back; the few files written another way (DeepSpeed's copy of zero_to_fp32.py) are read once by rank 0.
-Loading verifies the manifest in parallel (rank r reads files r, r + world, ...); an incomplete or corrupt
-checkpoint is skipped with a warning naming it. At Llama-3-8B on 32 ranks a checkpoint is ~100 GB (bf16
+Loading verifies the manifest in parallel, files dealt to ranks by bytes (the largest first, each to the rank
+with the fewest bytes so far: the optimizer partitions, ~2/3 of the bytes, no longer land on half the ranks);
+an incomplete or corrupt checkpoint is skipped with a warning naming it.
+
+Every rank takes the same decision (docs/checkpoints.md): on a shared file system a node may list a directory as
+it was up to a minute ago (NFS attribute caching), so a rank's own listing never picks what is loaded. Rank 0
+alone lists `checkpoints/`, reads the manifest, `trainer.json` and the pointer files, and broadcasts them; all
+ranks then verify the same checkpoint together and take the gathered verdict. A file a rank cannot see yet is
+looked for again for up to `settle_s` (60 s) before the checkpoint counts as incomplete. At Llama-3-8B on 32 ranks a checkpoint is ~100 GB (bf16
 weights + fp32 master weights and Adam moments): each rank writes and, at resume, re-reads ~3 GB.
 
 `--resume PATH` starts a new branch from PATH: committed checkpoints newer than PATH are moved aside to
@@ -38,6 +45,7 @@ import torch
 
 from training import comm
 from training.metrics import print0
+from training.parallel import FS_SETTLE_S
 
 MANIFEST, POINTER = "MANIFEST.json", "LATEST"
 _TAG = re.compile(r"^step_(\d{6,})$")
@@ -112,6 +120,27 @@ def _world() -> tuple[int, int]:
     return comm.rank(), comm.world()
 
 
+def deal_by_bytes(sizes: dict[str, int], world: int) -> list[list[str]]:
+    """Files to ranks for verification: largest first, each to the rank holding the fewest bytes so far (LPT).
+    Deterministic in the manifest, so every rank computes the same deal. Llama-3-8B on 32 ranks: 32 optimizer
+    partitions of ~3 GB and 32 of ~0.5 GB go one large and one small per rank, not all large ones to ranks 0-15."""
+    load, out = [0] * world, [[] for _ in range(world)]
+    for f in sorted(sizes, key=lambda f: (-sizes[f], f)):
+        r = min(range(world), key=lambda i: (load[i], i))
+        out[r].append(f)
+        load[r] += sizes[f]
+    return out
+
+
+def _read_json(path: str) -> dict:
+    """{"json": ...} or {"error": reason}: what rank 0 read, in a form every rank can be handed."""
+    try:
+        with open(path) as fh:
+            return {"json": json.load(fh)}
+    except (OSError, ValueError) as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
 def _gather_dict(local: dict) -> dict:
     return {k: v for p in comm.all_gather_object(local) for k, v in p.items()}
 
@@ -169,9 +198,11 @@ def reset_adam_moments(optimizer) -> int:
 
 
 class Checkpointer:
-    def __init__(self, output_dir: str, keep: int):
+    def __init__(self, output_dir: str, keep: int, settle_s: float | None = None):
         self.root = os.path.join(output_dir, "checkpoints")
         self.keep = keep
+        # one process has one view: nothing to wait for; several may see a new file up to SETTLE_S late
+        self.settle_s = settle_s if settle_s is not None else (FS_SETTLE_S if comm.world() > 1 else 0.0)
 
     # ---------------------------------------------------------------- save
     def save(self, engine, step: int, trainer: dict, rank_state: dict, hf_config, stage_end: str | None = None) -> str:
@@ -226,6 +257,29 @@ class Checkpointer:
                 continue
             if t in committed or int(_TAG.match(t).group(1)) < int(_TAG.match(keep_tag).group(1)):
                 shutil.rmtree(os.path.join(self.root, t), ignore_errors=True)
+        self._bound_side_folders()
+
+    def _bound_side_folders(self) -> None:
+        """universal/ (conversions for another world size) keeps only conversions of checkpoints still here;
+        abandoned/ (branches left by `--resume PATH`) keeps its newest `keep` checkpoints and the pointers to them.
+        At 8B a checkpoint is ~100 GB: without this bound every world-size change and every branch stayed."""
+        here = set(self.tags())
+        uni = os.path.join(self.root, "universal")
+        if os.path.isdir(uni):
+            for t in os.listdir(uni):
+                if _TAG.match(t) and t not in here:
+                    shutil.rmtree(os.path.join(uni, t), ignore_errors=True)
+        aside = os.path.join(self.root, "abandoned")
+        if os.path.isdir(aside):
+            old = sorted((t for t in os.listdir(aside) if _TAG.match(t)), key=lambda t: int(t[5:]))[:-self.keep]
+            for t in old:
+                shutil.rmtree(os.path.join(aside, t), ignore_errors=True)
+            for name in os.listdir(aside):
+                pointer = os.path.join(aside, name)
+                if name.startswith("STAGE_") and os.path.isfile(pointer):
+                    with open(pointer) as fh:
+                        if fh.read().strip() in old:
+                            os.remove(pointer)
 
     def _manifest(self, tag: str) -> dict:
         try:
@@ -241,29 +295,51 @@ class Checkpointer:
         return sorted((t for t in os.listdir(self.root) if _TAG.match(t)), key=lambda t: int(t[5:]))
 
     def verify(self, path: str) -> str | None:
-        """None if the checkpoint at `path` is complete and intact, else the reason. Collective."""
+        """None if the checkpoint at `path` is complete and intact, else the reason; the same answer on every rank.
+        Collective: rank 0 reads the manifest (and lists the folder for unlisted files), every rank checks its
+        deal of the files (by bytes), the first reason found by any rank is the verdict."""
         rank, world = _world()
+        manifest = comm.run_on_main(lambda: _read_json(os.path.join(path, MANIFEST)))
+        if "error" in manifest:
+            return f"no readable manifest ({manifest['error']})"
+        files = manifest["json"].get("files")
+        if not isinstance(files, dict):
+            return "no readable manifest (no file list)"
         reason = None
-        try:
-            with open(os.path.join(path, MANIFEST)) as fh:
-                manifest = json.load(fh)
-            files = sorted(manifest["files"])
-            extra = set(_list_files(path)) - set(files)
-            if extra:
-                reason = f"files not in the manifest: {sorted(extra)[:3]}"
-            for f in files[rank::world]:
+        if rank == 0:
+            extra = set(_list_files(path)) - set(files) if os.path.isdir(path) else set()
+            reason = f"files not in the manifest: {sorted(extra)[:3]}" if extra else None
+        mine = deal_by_bytes({f: int(e["size"]) for f, e in files.items()}, world)[rank]
+        reason = reason or self._check_files(path, {f: files[f] for f in mine})
+        return next((r for r in comm.all_gather_object(reason) if r), None)
+
+    def _check_files(self, path: str, files: dict) -> str | None:
+        """The first problem among `files` (name -> manifest entry), or None. A file missing or shorter than its
+        entry may be a stale view of this node: looked for again every 2 s for up to `settle_s`."""
+        import time
+
+        give_up = time.monotonic() + self.settle_s
+        todo = sorted(files)
+        while True:
+            for f in list(todo):
+                full, want = os.path.join(path, f), files[f]
+                size = os.path.getsize(full) if os.path.exists(full) else None
+                if size is None or size < want["size"]:
+                    break  # not (fully) visible here yet
+                if size != want["size"]:
+                    return f"{f} has {size} bytes, manifest says {want['size']}"
+                if _crc32(full) != want["crc32"]:
+                    return f"{f} checksum differs from the manifest"
+                todo.remove(f)
+            if not todo:
+                return None
+            if time.monotonic() >= give_up:
+                f = todo[0]
                 full = os.path.join(path, f)
                 if not os.path.exists(full):
-                    reason = f"missing {f}"
-                elif os.path.getsize(full) != manifest["files"][f]["size"]:
-                    reason = f"{f} has {os.path.getsize(full)} bytes, manifest says {manifest['files'][f]['size']}"
-                elif _crc32(full) != manifest["files"][f]["crc32"]:
-                    reason = f"{f} checksum differs from the manifest"
-                if reason:
-                    break
-        except (OSError, ValueError, KeyError) as e:
-            reason = f"no readable manifest ({type(e).__name__}: {e})"
-        return next((r for r in comm.all_gather_object(reason) if r), None)
+                    return f"missing {f}"
+                return f"{f} has {os.path.getsize(full)} bytes, manifest says {files[f]['size']}"
+            time.sleep(2.0)
 
     def find_resume(self, resume: str) -> str | None:
         """Path of the checkpoint to resume from: newest valid (auto), a given one (PATH), or None."""
@@ -274,11 +350,9 @@ class Checkpointer:
             if why:
                 raise ValueError(f"--resume {resume}: not a complete checkpoint ({why}); use --resume auto or "
                                  "another checkpoint")
-            if comm.rank() == 0:
-                self._start_branch(resume)
-            comm.barrier()
+            comm.run_on_main(lambda: self._start_branch(resume))
             return resume
-        for tag in reversed(self.tags()):
+        for tag in reversed(comm.run_on_main(self.tags)):  # rank 0's listing is the only one read
             path = os.path.join(self.root, tag)
             why = self.verify(path)
             if why is None:
@@ -310,8 +384,11 @@ class Checkpointer:
 
     @staticmethod
     def read_trainer(path: str) -> dict:
-        with open(os.path.join(path, "trainer.json")) as fh:
-            return json.load(fh)
+        """The counters, stage and config a checkpoint was saved with: rank 0 reads them, every rank gets its copy."""
+        got = comm.run_on_main(lambda: _read_json(os.path.join(path, "trainer.json")))
+        if "error" in got:
+            raise RuntimeError(f"checkpoint {path}: trainer.json unreadable after verification ({got['error']})")
+        return got["json"]
 
     def load(self, engine, path: str, load_optimizer: bool = True, load_scheduler: bool = True) -> dict:
         """Restore engine state into `engine`; returns this rank's saved state (data position, RNG).
@@ -319,8 +396,7 @@ class Checkpointer:
         A new stage loads the previous stage's weights, optionally its Adam moments, never its LR schedule."""
         rank, world = _world()
         load_dir, tag = os.path.split(path.rstrip("/"))
-        with open(os.path.join(path, MANIFEST)) as fh:
-            saved_world = json.load(fh)["world"]
+        saved_world = comm.run_on_main(lambda: _read_json(os.path.join(path, MANIFEST)))["json"]["world"]
         if saved_world != world:
             load_dir = self._universal(path, saved_world, world)
             engine._config.load_universal_checkpoint = True

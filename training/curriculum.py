@@ -102,6 +102,24 @@ def _resolve_memory(cfg: Config, s: StageConfig, i: int, sl: int, sp, world: int
                        "memory_choice": record}
 
 
+def agreed_budget(cfg: Config):
+    """budget() for auto: training.auto_features.device_budget measured once, then the minimum over ranks (a
+    collective on the first call, made by every rank at the same point of resolve_stages). Each rank's own
+    reading differs (peak RSS, a GPU another process holds memory on): from its own number two ranks could pick
+    different features, hence different collectives, and hang. The smallest budget fits every rank."""
+    agreed: list = []
+
+    def budget() -> tuple[str, int]:
+        if not agreed:
+            from training import comm
+            from training.auto_features import device_budget
+
+            device, own = device_budget(cfg.gpu_mem_gb, cfg.mem_cap_gb)
+            agreed.append((device, int(comm.all_reduce([float(own)], op="min").item())))
+        return agreed[0]
+    return budget
+
+
 def resolve_stages(cfg: Config, dp_of_sp, budget=None) -> list[Stage]:
     """Fill every stage from the run's defaults; `dp_of_sp(sp)` gives the DP degree for a SP degree
     (to turn `max_tokens` into steps; dp_of_sp(1) is the world). `budget()` -> (device, bytes per rank) for
@@ -109,10 +127,7 @@ def resolve_stages(cfg: Config, dp_of_sp, budget=None) -> list[Stage]:
     --gpu_mem_gb / the GPU / --mem_cap_gb). Raises a one-line ValueError on an inconsistent recipe."""
     raw = cfg.stages or [StageConfig(name="main")]
     if budget is None:
-        from training.auto_features import device_budget
-
-        def budget():
-            return device_budget(cfg.gpu_mem_gb, cfg.mem_cap_gb)
+        budget = agreed_budget(cfg)
     stages = []
     for i, s in enumerate(raw):
         sl = s.max_seq_length or cfg.max_seq_length

@@ -148,6 +148,11 @@ class MetricsLogger:
     def has_eval(self, stage: int) -> bool:
         return os.path.exists(os.path.join(self.eval_dir, f"stage{stage}.json"))
 
+    def evaluated(self, n_stages: int) -> set[int]:
+        """The stages whose evaluation is on record, as rank 0 sees them; the same set on every rank (collective):
+        a node with a stale view of eval/ would otherwise redo a stage the others skip."""
+        return set(comm.run_on_main(lambda: [i for i in range(n_stages) if self.has_eval(i)]))
+
     def log_eval(self, stage: int, result: dict) -> None:
         """Record a stage's evaluation: a line in metrics.jsonl, W&B, and eval/stage{N}.json (written last)."""
         if not self.is_main:

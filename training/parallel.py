@@ -93,11 +93,31 @@ def release_shm_buffer(rank: int) -> str | None:
     return path
 
 
-def check_shared_output(output_dir: str) -> None:
+FS_SETTLE_S = 60.0  # NFS's default attribute-cache ceiling (acdirmax/acregmax): how late a node may see a new file
+
+
+def unseen(names: list[str], settle_s: float, every_s: float = 1.0) -> list[str]:
+    """The `names` (paths) this process still cannot see after looking again every `every_s` for up to `settle_s`.
+    Looked up one by one, by name, never through a directory listing: a node's cached listing of a folder can
+    lag a minute behind what other nodes wrote into it."""
+    import time
+
+    give_up = time.monotonic() + settle_s
+    while True:
+        missing = [n for n in names if not os.path.exists(n)]
+        if not missing or time.monotonic() >= give_up:
+            return missing
+        time.sleep(every_s)
+        names = missing
+
+
+def check_shared_output(output_dir: str, settle_s: float = FS_SETTLE_S) -> None:
     """Every rank writes a probe file in `output_dir`; every rank must see every other rank's probe. Checkpoints
     (each rank writes its shards, rank 0 the manifest), metrics, the PREEMPT stop file and the in-job token cache
     all assume one file system every node mounts. A node-local output dir would save, resume and export wrong
-    checkpoints; this stops with one line naming the hosts instead. Collective; costs one small file per rank."""
+    checkpoints; this stops with one line naming the hosts instead. Collective, and one verdict for all: every
+    rank reports what it could not see after `settle_s`, and the gathered reports decide. Costs one small file
+    per rank; a shared folder answers at once, a node-local one after `settle_s`."""
     import socket
     import uuid
 
@@ -112,8 +132,8 @@ def check_shared_output(output_dir: str) -> None:
         fh.write(host)
     comm.barrier()
     world = comm.world()
-    seen = {n for n in os.listdir(probe_dir)}
-    missing = [r for r in range(world) if f"rank{r:05d}" not in seen]
+    probes = [os.path.join(probe_dir, f"rank{r:05d}") for r in range(world)]
+    missing = sorted(probes.index(p) for p in unseen(probes, settle_s))
     reports = comm.all_gather_object((host, missing))
     comm.barrier()
     if comm.rank() == 0:

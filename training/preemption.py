@@ -6,7 +6,8 @@ EXIT_PREEMPTED, which launch scripts read as "requeue me".
 
 A file works as a signal too (OUTPUT_DIR/PREEMPT): launchers do not forward SIGUSR1 to their children,
 so scripts/slurm.sbatch traps SLURM's warning in the batch shell and touches this file on the shared
-file system; every rank checks it at the step boundary.
+file system. Rank 0 alone looks for it (and alone removes it when a run starts): another node may still see
+a removed file for up to a minute, and its vote would stop the requeued job at its first step.
 
 The time limit is a stop reason too: a 1M-token step on 8 GPUs takes minutes, longer than SLURM's 120 s
 warning, and a job killed at its limit ends TIMEOUT and is never requeued. With SLURM_JOB_END_TIME (epoch
@@ -75,7 +76,7 @@ class PreemptionFlag:
     def agreed(self) -> bool:
         """True on every rank when any rank got a signal, saw the stop file or is near the time limit
         (a collective: call it on all ranks at the same points)."""
-        if self.received is None and self.stop_file and os.path.exists(self.stop_file):
+        if self.received is None and self.stop_file and comm.rank() == 0 and os.path.exists(self.stop_file):
             self.received = "stop file"
         if self.received is None and self.deadline.near():
             self.received = "time limit"

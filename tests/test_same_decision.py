@@ -1,0 +1,56 @@
+"""Every rank takes the same decision: two ranks whose views of the shared file system differ (rank 1 lists an
+older `checkpoints/`, misses a stage's evaluation record and the prepared data's manifest, still sees a removed
+PREEMPT file) and whose memory budgets differ decide the same at every decision point, and decide what rank 0's
+view (or the smallest budget) says. The contrast fields check the views really differed, so the test can fail."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from data.prepare import prepare_in_job
+from tests.distributed import ROOT, run
+from training.checkpoint import Checkpointer
+
+pytestmark = pytest.mark.dist
+
+
+class _Engine:
+    def save_checkpoint(self, root, tag, save_latest):
+        with open(os.path.join(root, tag, "zero_pp_rank_0_mp_rank_00_model_states.pt"), "wb") as fh:
+            fh.write(os.urandom(4096))
+
+
+class _HFConfig:
+    def to_json_string(self):
+        return "{}"
+
+
+def test_ranks_with_different_views_decide_the_same(assets, tmp_path):
+    out = tmp_path / "out"
+    ck = Checkpointer(str(out), keep=3)
+    for step in (2, 4):
+        ck.save(_Engine(), step, {"step": step}, {}, _HFConfig())
+    (out / "eval").mkdir()
+    (out / "eval" / "stage0.json").write_text("{}")
+    folder = prepare_in_job(assets["data"], None, 2048)[0]
+    env = {"PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT}/tests/stubs/stale_view", "STALE_VIEW_RANK": "1",
+           "STALE_VIEW_UNLISTED": r"checkpoints/step_000004$",
+           "STALE_VIEW_MISSING": rf"eval/stage0\.json$|{folder}/manifest\.json$",
+           "STALE_VIEW_GHOST": r"out/PREEMPT$"}
+    run(os.path.join(ROOT, "tests/workers/decisions.py"), [str(out), folder], 2, str(tmp_path / "logs"), extra_env=env)
+    r0, r1 = (json.loads((tmp_path / f"result{r}.json").read_text()) for r in range(2))
+
+    # the views differed ...
+    assert r0["own_tags"] == ["step_000002", "step_000004"] and r1["own_tags"] == ["step_000002"]
+    assert (r0["own_evaluated"], r1["own_evaluated"]) == ([0], [])
+    assert (r0["own_stop_file"], r1["own_stop_file"]) == (False, True)
+    assert (r0["own_budget"], r1["own_budget"]) == (2**30, 2**31)
+    assert (r0["own_prepared"], r1["own_prepared"]) == (True, False)
+    # ... the decisions did not, and they are rank 0's view (the smallest budget)
+    for k in ("resume", "trainer_step", "evaluated", "stop", "budget", "data"):
+        assert r0[k] == r1[k], (k, r0[k], r1[k])
+    assert (r0["resume"], r0["trainer_step"], r0["evaluated"], r0["stop"]) == ("step_000004", 4, [0], False)
+    assert r0["budget"] == 2**30 and r0["data"] == folder

@@ -1,0 +1,49 @@
+"""Worker for tests/test_same_decision.py: every decision that changes control flow or what is loaded, taken on
+two ranks whose views of the shared file system (and memory budgets) differ: rank 1 runs with
+tests/stubs/stale_view (see there). Each rank writes result<rank>.json with what it decided and, for contrast,
+what its own view alone would have said."""
+
+import json
+import os
+import sys
+from types import SimpleNamespace
+
+from data.prepare import prepare_in_job
+from data.store import is_prepared
+from tests.distributed import DIST_TIMEOUT_S
+from training import auto_features, comm
+from training.checkpoint import Checkpointer
+from training.curriculum import agreed_budget
+from training.metrics import MetricsLogger
+from training.parallel import init_distributed
+from training.preemption import PreemptionFlag
+
+out, folder = sys.argv[1], sys.argv[2]
+dims = init_distributed(1, timeout_s=DIST_TIMEOUT_S)
+r: dict = {}
+
+ck = Checkpointer(out, keep=3)
+r["own_tags"] = ck.tags()
+resume = ck.find_resume("auto")
+r["resume"] = os.path.basename(resume)
+r["trainer_step"] = Checkpointer.read_trainer(resume)["step"]
+
+metrics = MetricsLogger(out, dims.is_main, "none", "p", None, {}, 1, False)
+r["own_evaluated"] = [i for i in range(2) if metrics.has_eval(i)]
+r["evaluated"] = sorted(metrics.evaluated(2))
+
+stop_file = os.path.join(out, "PREEMPT")
+r["own_stop_file"] = os.path.exists(stop_file)
+r["stop"] = PreemptionFlag(stop_file).agreed()
+
+# each rank's own reading of its memory: 1 GiB more per rank (another process holding memory on a GPU)
+auto_features.device_budget = lambda gpu, cap: ("cpu", (1 + dims.rank) * 2**30)
+r["own_budget"] = auto_features.device_budget(0, 0)[1]
+r["budget"] = agreed_budget(SimpleNamespace(gpu_mem_gb=0.0, mem_cap_gb=4.0))()[1]
+
+r["own_prepared"] = is_prepared(folder)
+r["data"] = prepare_in_job(folder, None, 2048)[0]
+
+with open(os.path.join(os.path.dirname(out), f"result{dims.rank}.json"), "w") as fh:
+    json.dump(r, fh)
+comm.barrier()
