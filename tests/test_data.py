@@ -110,3 +110,77 @@ def test_heldout_documents_are_fixed_for_the_run_and_never_trained_on(tmp_path):
     assert split_point(1000, np.array([0, 10]), need=200, min_train=100) == 800
     with pytest.raises(ValueError, match="held-out documents need 900"):
         split_point(1000, np.array([0]), need=900, min_train=200)
+
+
+def _reset_positions_quadratic(seq_len, inside):
+    """The previous implementation (O(documents x length)): the oracle."""
+    pos = np.arange(seq_len, dtype=np.int64)
+    for s in inside:
+        pos[s:] = np.arange(seq_len - s)
+    return pos
+
+
+def test_reset_positions_equals_the_quadratic_loop_on_random_layouts():
+    from data.packing import reset_positions
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        n = int(rng.integers(1, 400))
+        k = int(rng.integers(0, n))  # up to every offset a document start (1-token documents)
+        inside = np.sort(rng.choice(np.arange(1, n), size=min(k, n - 1), replace=False)) if n > 1 else np.array([])
+        got = reset_positions(n, inside.astype(np.int64))
+        assert got.dtype == np.int64 and np.array_equal(got, _reset_positions_quadratic(n, inside)), (n, inside)
+    # DocPack end to end: random document lengths, every sample's positions as the loop gave them
+    lens = rng.integers(1, 50, 200)
+    tokens = np.arange(int(lens.sum()), dtype=np.uint32)
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
+    ds = PackedDataset(tokens, starts, 64, reset_position_ids=True)
+    for i in range(len(ds)):
+        _, inside = ds.window(i)
+        assert np.array_equal(ds[i]["position_ids"], _reset_positions_quadratic(64, inside))
+
+
+def test_reset_positions_work_does_not_grow_with_the_number_of_documents(monkeypatch):
+    """Timing-free linearity: the numpy operations (each one pass over at most the sample) that a sample's
+    position ids take are as many for 1 document as for 100,000 (the loop took one per document); and a
+    1M-token sample of 100,000 documents (5e10 element writes for the loop) restarts at each of them."""
+    import data.packing as packing
+
+    calls = []
+
+    class Counting:
+        def __getattr__(self, name):
+            f = getattr(np, name)
+            if not callable(f) or isinstance(f, type):
+                return f
+            if isinstance(f, np.ufunc):
+                return _CountingUfunc(f, calls)
+            return lambda *a, **kw: calls.append(name) or f(*a, **kw)
+
+    monkeypatch.setattr(packing, "np", Counting())
+    n = 1 << 20
+    per = []
+    for docs in (2, 100, 100_000):
+        inside = np.linspace(0, n, docs, endpoint=False).astype(np.int64)[1:]
+        calls.clear()
+        pos = packing.reset_positions(n, inside)
+        per.append(len(calls))
+        assert per[-1] == per[0] <= 5, (docs, per)  # before the big case: the loop would take minutes there
+        first = np.concatenate([[0], inside])
+        assert np.array_equal(pos[first], np.zeros(len(first)))  # every document starts at 0 ...
+        ends = np.append(inside, n) - 1
+        assert np.array_equal(pos[ends], ends - first)  # ... and ends at its length - 1
+        assert (np.diff(pos)[np.setdiff1d(np.arange(n - 1), inside - 1)] == 1).all()  # +1 inside a document
+
+
+class _CountingUfunc:
+    def __init__(self, f, calls):
+        self.f, self.calls = f, calls
+
+    def __getattr__(self, name):
+        method = getattr(self.f, name)
+        return lambda *a, **kw: self.calls.append(f"{self.f.__name__}.{name}") or method(*a, **kw)
+
+    def __call__(self, *a, **kw):
+        self.calls.append(self.f.__name__)
+        return self.f(*a, **kw)
