@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from tests.distributed import run, spawn, wait
-from tests.runs import TRAIN, losses, train_args, wait_for
+from tests.distributed import ROOT, run, spawn, wait
+from tests.runs import TRAIN, losses, preempt_after, train_args, wait_for
 
 pytestmark = pytest.mark.dist
 
@@ -95,6 +95,28 @@ def test_sigkill_during_checkpoint_writes(assets, tmp_path, reference_runs):
     logs = "".join((tmp_path / d / "rank0.log").read_text() for d in ("logs1", "logs2", "final"))
     assert "warning: skipping checkpoint" in logs  # a partial write was seen and passed over
     assert logs.count("resuming from") == 3  # every restart continued from a committed checkpoint
+    got, ref = losses(out), reference_runs[(2, 2, 1)]
+    assert sorted(got) == list(range(1, 9))
+    for s in ref:
+        assert abs(got[s] - ref[s]) <= 1e-6 * abs(ref[s]), (s, got[s], ref[s])
+
+
+def test_resume_with_a_stale_listing_on_one_rank(assets, tmp_path, reference_runs):
+    """The cluster bug of issue 25: after a preemption save, rank 1's node lists `checkpoints/` as it was before the
+    newest saves and still sees the PREEMPT file rank 0 removed (tests/stubs/stale_view). The resumed job continues
+    from rank 0's newest checkpoint on every rank (no stop at its first step) and its losses equal the
+    uninterrupted run's: one checkpoint, not a mix of two."""
+    out = tmp_path / "out"
+    args = train_args(assets, out, 2, 1, extra=["--save_steps", "2", "--save_total_limit", "4"])
+    saved = preempt_after(args, 2, out, str(tmp_path / "logs1"), steps=5)
+    assert saved >= 5
+    (out / "PREEMPT").write_text("")  # what the batch script touched; the new job's rank 0 removes it
+    env = {"PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT}/tests/stubs/stale_view", "STALE_VIEW_RANK": "1",
+           "STALE_VIEW_UNLISTED": r"checkpoints/step_0000(0[3-9]|[1-9]\d)$", "STALE_VIEW_GHOST": r"out/PREEMPT$"}
+    run(TRAIN, args, 2, str(tmp_path / "logs2"), extra_env=env)
+    for r in range(2):  # every rank's own log (print0 writes there on every rank)
+        said = [ln for ln in (out / "logs" / f"rank{r:05d}.log").read_text().splitlines() if "resuming from" in ln]
+        assert f"resuming from {out}/checkpoints/step_{saved:06d} " in said[-1], (r, said)
     got, ref = losses(out), reference_runs[(2, 2, 1)]
     assert sorted(got) == list(range(1, 9))
     for s in ref:
