@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     from training.metrics import MetricsLogger, open_rank_log, print0, set_main
     from training.parallel import check_shared_output, init_distributed
     from training.preemption import Deadline, PreemptionFlag
+    from training.preflight import check_network, check_stage_configs, preflight
     from training.summary import plan_lines
 
     started = time.time()  # --time_limit_s counts from here
@@ -63,12 +64,14 @@ def main(argv: list[str] | None = None) -> int:
         world = cfg.nodes * cfg.gpus_per_node or int(os.environ.get("WORLD_SIZE", "1"))
         stages = resolve_stages(cfg, dp_of_sp=lambda sp: max(1, world // sp))
         check_stages(stages, world, arch.num_attention_heads, arch.num_key_value_heads, arch.rope_parameters)
+        check_stage_configs(cfg, stages, world, bf16, arch.hidden_size, planning=True)  # every stage's DeepSpeed config
         print(f"dry run: world={world} ({cfg.nodes or 1} node(s)) model={cfg.model_name_or_path} attn={attn} "
               f"precision={precision} deepspeed={cfg.deepspeed}")
         print("\n".join(plan_lines(cfg, stages, world, cfg.gpus_per_node or world, bf16)))
         return EXIT_OK
 
     # --- distributed init (device first, then the process group) and the layout of every stage ---
+    check_network()  # gloo can bind this host's interface (GLOO_SOCKET_IFNAME), before it tries
     dims = init_distributed(cfg.sequence_parallel_size, cfg.dist_timeout_s)
     set_main(dims.is_main)
     open_rank_log(cfg.output_dir, dims.rank)
@@ -76,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     check_stages(stages, dims.world, arch.num_attention_heads, arch.num_key_value_heads,
                  arch.rope_parameters)
     check_shared_output(cfg.output_dir)  # every rank sees every other rank's files, or one line naming the hosts
+    preflight(cfg, stages, dims, arch, bf16)  # build locks, host memory per node, every stage's DeepSpeed config
     if cfg.nodes and cfg.nodes * cfg.gpus_per_node != dims.world:
         print0(f"warning: the recipe is written for {cfg.nodes} x {cfg.gpus_per_node} ranks, launched with {dims.world}")
     print0(f"world={dims.world} model={cfg.model_name_or_path} attn={attn} precision={precision} "

@@ -122,14 +122,16 @@ def check_precision(cfg: Config, bf16: bool, planning: bool = False) -> None:
 
 
 def build_ds_config(cfg: Config, dims: ParallelDims, bf16: bool, hidden_size: int,
-                    overrides: dict | None = None) -> dict:
-    """The DeepSpeed config dict for `deepspeed.initialize`, every "auto" resolved."""
+                    overrides: dict | None = None, planning: bool = False, quiet: bool = False) -> dict:
+    """The DeepSpeed config dict for `deepspeed.initialize`, every "auto" resolved and validated by DeepSpeed's
+    own config parser (`validate`). `planning`: a --dry_run for another machine (fp16 allowed without a GPU);
+    `quiet`: no warnings (the start-up check of every stage, training/preflight.py, builds them all once)."""
     ds = _load(cfg.deepspeed)
     if overrides:
         ds = _merge(ds, overrides)
-    check_precision(cfg, bf16)
+    check_precision(cfg, bf16, planning)
     ds.pop("sequence_parallelism", None)  # ours, read by settle_from_file; not a DeepSpeed key
-    if ds.pop("scheduler", None) is not None:
+    if ds.pop("scheduler", None) is not None and not quiet:
         print0(f"warning: {cfg.deepspeed}: its \"scheduler\" block is ignored; this run uses its own per-stage "
                f"schedule ({cfg.lr_scheduler}, warmup {cfg.warmup_steps}, --learning_rate/--min_lr)")
     mb, ga = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps
@@ -166,7 +168,53 @@ def build_ds_config(cfg: Config, dims: ParallelDims, bf16: bool, hidden_size: in
     leftover = [k for k, v in _walk(ds) if v == "auto"]
     if leftover:
         raise ValueError(f"{cfg.deepspeed}: no value derived for {leftover}; set them explicitly")
+    validate(ds, cfg.deepspeed)
     return ds
+
+
+class _OneReplica:
+    """The `mpu` DeepSpeedConfig asks for the data-parallel size: 1, matching `validate`'s probe batch."""
+
+    @staticmethod
+    def get_data_parallel_world_size() -> int:
+        return 1
+
+
+def validate(ds: dict, where: str) -> None:
+    """What DeepSpeed checks when it parses a config (`DeepSpeedConfig`: the pydantic models of every block, e.g. an
+    unknown zero_optimization key or an offload device it lacks, precision, batch arithmetic) and the optimizer
+    type the engine accepts, here, without a process group: at start for every stage (training/preflight.py),
+    not when `deepspeed.initialize` reaches a stage days into the run. One-line ValueError naming the setting."""
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS, DeepSpeedConfig
+
+    # the batch arithmetic (train = micro x accumulation x dp) is derived and checked by _fill above; the probe
+    # restates it for one replica, which is what DeepSpeedConfig sees with or without a process group
+    probe = {**ds, "train_batch_size": ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]}
+    try:
+        DeepSpeedConfig(probe, mpu=_OneReplica())
+    except (ValueError, AssertionError, TypeError, KeyError) as e:
+        raise ValueError(f"{where}: DeepSpeed rejects the config: {_one_line(e)}") from None
+    name = ds.get("optimizer", {}).get("type")
+    if name is not None:
+        import torch
+
+        if str(name).lower() not in DEEPSPEED_OPTIMIZERS and getattr(torch.optim, str(name), None) is None:
+            raise ValueError(f"{where}: optimizer.type {name!r} is neither a DeepSpeed optimizer "
+                             f"({', '.join(DEEPSPEED_OPTIMIZERS)}) nor a torch.optim class: fix the name or drop the "
+                             "block (AdamW from the flags)")
+
+
+def _one_line(e: Exception) -> str:
+    """A pydantic ValidationError's errors, or any exception's text, on one line."""
+    errors = getattr(e, "errors", None)
+    if callable(errors):
+        try:
+            where = f"{e.title}: " if getattr(e, "title", None) else ""
+            return where + "; ".join(f"{'.'.join(map(str, d['loc']))}: {d['msg']} (got {d.get('input')!r})"
+                                     for d in errors())
+        except (TypeError, KeyError):
+            pass
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 def optimizer_spec(ds: dict, cfg: Config) -> dict | None:

@@ -1,0 +1,233 @@
+"""Start-up checks (training/preflight.py), one line each, before any heavy work: the gloo interface of this host,
+a stale torch-extensions build lock, host memory per node (MemAvailable) and the memlock limit against the plan,
+every stage's DeepSpeed config (also in --dry_run). Unit tests of each reading and decision with the machine
+faked (/proc/meminfo, RLIMIT_MEMLOCK, /sys/class/net, a lock file); a 2-rank world where only rank 1 sees the
+trouble (every rank must stop with the same line); train.py's exit 2 with one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+
+import pytest
+
+from tests.distributed import ROOT, run
+from training import preflight
+from training.config import parse_config
+from training.curriculum import resolve_stages
+from training.memory_model import ModelShape
+
+GiB = 2**30
+
+
+# --- network: this host's gloo interface, before the process group ---
+
+def test_interface_missing_on_this_host_names_host_and_interface(tmp_path, monkeypatch):
+    for name in ("lo", "eth0"):
+        (tmp_path / name).mkdir()
+    monkeypatch.setattr(preflight, "NET_DIR", str(tmp_path))
+    monkeypatch.setattr(preflight.socket, "gethostname", lambda: "gpu-node-3")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "ib0")
+    with pytest.raises(ValueError) as e:
+        preflight.check_network()
+    msg = str(e.value)
+    assert "\n" not in msg and "GLOO_SOCKET_IFNAME=ib0: host gpu-node-3 has no interface ib0" in msg
+    assert "(it has eth0, lo)" in msg
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")
+    preflight.check_network()  # present: fine
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0,ib1")  # gloo's list form: every name must exist
+    with pytest.raises(ValueError, match="no interface ib1"):
+        preflight.check_network()
+
+
+@pytest.mark.parametrize("env, host_addr, expect", [
+    ({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8", "MASTER_ADDR": "10.0.0.1"}, "127.0.1.1", True),  # torchrun, 2 nodes
+    ({"WORLD_SIZE": "16", "CROSS_SIZE": "2", "MASTER_ADDR": "10.0.0.1"}, "127.0.1.1", True),  # deepspeed launcher
+    ({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8", "MASTER_ADDR": "10.0.0.1"}, "10.0.0.7", False),  # routable name
+    ({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8", "MASTER_ADDR": "10.0.0.1"}, "127.0.1.1", False),  # one node
+    ({"WORLD_SIZE": "4", "CROSS_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}, "127.0.1.1", False),  # "nodes" on one box
+], ids=["torchrun-2-nodes", "deepspeed-2-nodes", "routable", "single-node", "all-local"])
+def test_multi_node_without_interface_on_a_loopback_hostname(monkeypatch, env, host_addr, expect):
+    for k in ("GLOO_SOCKET_IFNAME", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "CROSS_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(preflight.socket, "gethostname", lambda: "gpu-node-3")
+    monkeypatch.setattr(preflight.socket, "gethostbyname", lambda host: host_addr)
+    if expect:
+        with pytest.raises(ValueError, match=r"host gpu-node-3 resolves its own name to 127\.0\.1\.1 \(loopback\) and "
+                                             "GLOO_SOCKET_IFNAME is unset"):
+            preflight.check_network()
+    else:
+        preflight.check_network()
+
+
+# --- what a rank reads of its host ---
+
+def test_mem_available_from_meminfo(tmp_path, monkeypatch):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       32000000 kB\nMemFree:         1000000 kB\nMemAvailable:   20971520 kB\n")
+    monkeypatch.setattr(preflight, "MEMINFO", str(meminfo))
+    assert preflight.mem_available_bytes() == 20 * GiB
+    meminfo.write_text("MemTotal:       32000000 kB\n")  # an old kernel: no MemAvailable line
+    assert preflight.mem_available_bytes() is None
+    assert preflight.mem_available_bytes(str(tmp_path / "missing")) is None
+
+
+def test_memlock_limit(monkeypatch):
+    monkeypatch.setattr(preflight.resource, "getrlimit", lambda which: (65536, resource.RLIM_INFINITY))
+    assert preflight.memlock_limit() == 65536
+    monkeypatch.setattr(preflight.resource, "getrlimit", lambda which: (resource.RLIM_INFINITY,) * 2)
+    assert preflight.memlock_limit() is None
+
+
+def test_stale_build_lock_is_found_and_named(tmp_path):
+    (tmp_path / "cpu_adam").mkdir()
+    (tmp_path / "cpu_adam" / "cpu_adam.so").write_text("")
+    assert preflight.build_locks(str(tmp_path)) == []
+    lock = tmp_path / "cpu_adam" / "lock"
+    lock.write_text("")
+    os.utime(lock, (1, os.path.getmtime(lock) - 7200))  # killed mid-build two hours ago
+    (tmp_path / "py311_cu124" / "fused_adam").mkdir(parents=True)  # torch's default layout, one level deeper
+    (tmp_path / "py311_cu124" / "fused_adam" / "lock").write_text("")
+    found = preflight.build_locks(str(tmp_path))
+    assert [p for p, _ in found] == [str(lock), str(tmp_path / "py311_cu124" / "fused_adam" / "lock")]
+    assert 7100 < found[0][1] < 7400
+    msg = preflight.lock_problem([{"host": "a", "locks": []}, {"host": "b", "locks": found}])
+    assert msg.startswith(f"stale torch-extensions build lock {lock} on b (120 min old)") and "\n" not in msg
+    assert f"rm {lock}" in msg and "scripts/setup.sh" in msg
+    assert preflight.lock_problem([{"host": "a", "locks": []}]) is None
+
+
+# --- host memory per node against the plan ---
+
+def reports(*hosts: tuple[str, int | None, int | None]) -> list[dict]:
+    """One report per rank: (host, MemAvailable bytes, memlock bytes or None = unlimited)."""
+    return [{"host": h, "mem_available": m, "memlock": lock, "locks": []} for h, m, lock in hosts]
+
+
+NEED = {"bytes": 10 * GiB, "pinned": 9 * GiB, "stage": "stage 2 (s512k)", "what": "offloaded optimizer"}
+
+
+def test_host_memory_counts_the_ranks_of_each_node():
+    ok = reports(("a", 50 * GiB, None), ("a", 50 * GiB, None), ("b", 50 * GiB, None), ("b", 50 * GiB, None))
+    assert preflight.host_memory_problem(ok, NEED) is None
+    # node b: 4 ranks x 10 GiB > 35 GiB (the smallest of its ranks' readings counts)
+    tight = reports(("a", 50 * GiB, None), ("b", 36 * GiB, None), ("b", 35 * GiB, None), ("b", 36 * GiB, None),
+                    ("b", 36 * GiB, None))
+    msg = preflight.host_memory_problem(tight, NEED)
+    assert msg.startswith("host memory: b has 35.0 GiB available (MemAvailable) but its 4 rank(s) will hold 40.0 GiB")
+    assert "stage 2 (s512k): offloaded optimizer, 10.00 GiB per rank" in msg and "\n" not in msg
+    assert preflight.host_memory_problem(tight, None) is None  # no plan: nothing to compare
+    assert preflight.host_memory_problem(reports(("a", None, None)), NEED) is None  # no MemAvailable line
+
+
+def test_memlock_below_pinned_bytes_is_one_warning_line():
+    low = reports(("a", 99 * GiB, None), ("b", 99 * GiB, 64 * 1024))
+    msg = preflight.memlock_warning(low, NEED)
+    assert msg.startswith("warning: memlock: b limits locked memory to 64 KiB per process (ulimit -l) and each rank "
+                          "pins 9.00 GiB") and "\n" not in msg
+    assert preflight.memlock_warning(reports(("a", 99 * GiB, 16 * GiB)), NEED) is None
+    assert preflight.memlock_warning(low, {**NEED, "pinned": 0}) is None  # nothing pinned (CPU run, pin_memory off)
+
+
+def test_host_need_is_the_planners_offloaded_states():
+    """GPU run with optimizer and parameter offload: fp32 grads + master weights + Adam moments (16 B/param) and
+    the bf16 parameters (2 B/param), partitioned over the world: what training/memory_model.estimate says."""
+    cfg = parse_config(["--output_dir", "/tmp/unused", "--max_seq_length", "256"])
+    stages = resolve_stages(cfg, dp_of_sp=lambda sp: 4)
+    from model_utils.build import load_hf_config
+
+    arch = load_hf_config(cfg.model_name_or_path).get_text_config()
+    configs = preflight.check_stage_configs(cfg, stages, 4, bf16=True, hidden_size=arch.hidden_size)
+    need = preflight.host_need(cfg, stages, 4, True, configs, arch, cpu_run=False)
+    n = ModelShape.from_config(arch.to_dict()).num_params()
+    assert need["bytes"] == 2 * n // 4 + 4 * n // 4 + 12 * n // 4
+    assert need["pinned"] == need["bytes"]  # ds_configs/zero3_offload.json pins both offloads
+    assert need["what"].startswith("offloaded params (partition)")
+    cpu = preflight.host_need(cfg, stages, 4, True, configs, arch, cpu_run=True)
+    assert cpu["bytes"] > need["bytes"] and cpu["pinned"] == 0  # a CPU run holds the whole step in host memory
+
+
+# --- every stage's DeepSpeed config at start ---
+
+def test_bad_stage_override_fails_at_start_naming_the_stage(tmp_path):
+    cfg = parse_config(["--output_dir", str(tmp_path), "--sequence_parallel_size", "1"])
+    cfg.max_steps = 2
+    from training.config import StageConfig
+
+    cfg.stages = [StageConfig(name="short", max_seq_length=128, max_steps=1),
+                  StageConfig(name="long", max_seq_length=256, max_steps=1,
+                              deepspeed_overrides={"zero_optimization": {"stage3_prefetch_bucket": 10}})]
+    stages = resolve_stages(cfg, dp_of_sp=lambda sp: 2)
+    with pytest.raises(ValueError) as e:
+        preflight.check_stage_configs(cfg, stages, 2, bf16=False, hidden_size=64)
+    msg = str(e.value)
+    assert msg.startswith("stage 1 (long) with its deepspeed_overrides: ds_configs/zero3_offload.json: DeepSpeed "
+                          "rejects the config: DeepSpeedZeroConfig: stage3_prefetch_bucket: Extra inputs are not "
+                          "permitted"), msg
+    assert "\n" not in msg
+    cfg.stages[1].deepspeed_overrides = {"zero_optimization": {"offload_optimizer": {"device": "none"}}}
+    assert len(preflight.check_stage_configs(cfg, resolve_stages(cfg, dp_of_sp=lambda sp: 2), 2, False, 64)) == 2
+
+
+def dry_run(recipe: str, tmp_path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
+    env.pop("RANK", None)
+    return subprocess.run([sys.executable, "train.py", "--config", recipe, "--dry_run", "--nodes", "1",
+                           "--gpus_per_node", "2", "--output_dir", str(tmp_path / "out")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("override, match", [
+    ("{zero_optimization: {offload_optimizer: {device: gpu}}}",
+     "DeepSpeedZeroConfig: offload_optimizer.device: Input should be 'none', 'cpu' or 'nvme' (got 'gpu')"),
+    ("{zero_optimization: {stage: 2}}", "zero_optimization.stage is 2; this project needs ZeRO-3"),
+    ("{optimizer: {type: AdamWW, params: {lr: auto}}}", "optimizer.type 'AdamWW' is neither a DeepSpeed optimizer"),
+], ids=["bad-offload-device", "zero-2", "unknown-optimizer"])
+def test_dry_run_refuses_a_bad_stage_override_in_one_line(tmp_path, override, match):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("sequence_parallel_size: 2\nstages:\n  - name: base\n    max_seq_length: 128\n"
+                      f"  - name: long\n    max_seq_length: 256\n    deepspeed_overrides: {override}\n")
+    p = dry_run(str(recipe), tmp_path)
+    assert p.returncode == 2, p.stderr[-2000:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: stage 1 (long) with its deepspeed_overrides: ") and match in last, last
+    assert "Traceback" not in p.stderr
+
+
+# --- one decision for the whole world ---
+
+@pytest.mark.parametrize("mode", ["ok", "lock", "memory", "memlock"])
+def test_every_rank_takes_rank_0s_decision(tmp_path, mode):
+    """Only rank 1 (host node1) sees the trouble; both ranks stop with the same line (or both go on)."""
+    run(os.path.join(ROOT, "tests/workers/preflight.py"), [str(tmp_path), mode], 2, str(tmp_path / "l"), timeout=300)
+    results = [json.loads((tmp_path / f"result{r}.json").read_text())["error"] for r in range(2)]
+    assert results[0] == results[1], results
+    expect = {"ok": None, "memlock": None, "lock": "stale torch-extensions build lock /ext/cpu_adam/lock on node1",
+              "memory": "host memory: node1 has 0.0 GiB available (MemAvailable) but its 1 rank(s) will hold"}[mode]
+    if expect is None:
+        assert results[0] is None
+    else:
+        assert results[0].startswith(expect), results[0]
+    rank0 = (tmp_path / "l" / "rank0.log").read_text()
+    assert ("warning: memlock: node1 limits locked memory to 64 KiB" in rank0) == (mode == "memlock"), rank0[-2000:]
+
+
+def test_train_stops_on_a_stale_lock_in_one_line(tmp_path):
+    """train.py itself: a lock in its TORCH_EXTENSIONS_DIR stops it with exit 2 and one line, before any data."""
+    ext = tmp_path / "ext"
+    (ext / "cpu_adam").mkdir(parents=True)
+    (ext / "cpu_adam" / "lock").write_text("")
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT, TORCH_EXTENSIONS_DIR=str(ext))
+    env.pop("RANK", None)
+    p = subprocess.run([sys.executable, "train.py", "--output_dir", str(tmp_path / "out"), "--report_to", "none"],
+                       cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 2, p.stderr[-2000:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: stale torch-extensions build lock {ext}/cpu_adam/lock on "), last
+    assert "Traceback" not in p.stderr

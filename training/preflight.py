@@ -1,0 +1,269 @@
+"""Start-up checks of the machines a run landed on, before any heavy work: one line each, decided once.
+
+What a 32-rank job would otherwise find out late, or never:
+- `check_network` (before the process group exists): gloo, the host-side group (and the whole world on CPU),
+  binds the interface GLOO_SOCKET_IFNAME names, else the address this host's name resolves to. A name this host
+  lacks fails inside init with "[enforce fail at .../device.cc:84] ifa != nullptr"; a multi-node world whose
+  hostname resolves to loopback (Debian's `127.0.1.1 host` line) connects every node to itself and waits for
+  the collective timeout. Gloo connects all ranks while the group is created, so this check cannot wait for a
+  collective: each rank reads its own host and stops with one line naming it. scripts/launch.sh and
+  scripts/slurm.sbatch carry the variable (and NCCL_*/FI_*/UCX_*) to every node.
+- `preflight` (collective, right after the process group and the shared-folder probe): every rank reports its
+  host, MemAvailable, memlock limit and any torch-extensions build lock (`all_gather_object`); rank 0 decides
+  over the reports (`run_on_main`), so every rank raises the same line or none does (DESIGN: one decider,
+  never a rank's own reading):
+  - a `lock` under TORCH_EXTENSIONS_DIR/<op>/: torch waits for it with no time limit before loading the op
+    (a build killed mid-way leaves it); scripts/setup.sh builds the ops ahead of time and clears them;
+  - host memory per node: what the planner (training/memory_model.estimate: ZeRO-3 CPU offload of params,
+    fp32 grads, master weights and Adam moments, offloaded checkpoints; on a CPU run everything) puts in host
+    memory per rank, times the node's ranks, at the stage that needs most, against the node's MemAvailable;
+    and, where offload pins it (`pin_memory`, GPU runs), each rank's pinned bytes against RLIMIT_MEMLOCK (a
+    warning line only: see `memlock_warning`);
+  - every stage's DeepSpeed config (`check_stage_configs`: the assembly and validation `build_engine` runs),
+    so a bad stage `deepspeed_overrides` stops the run at start, not when its stage starts days in.
+    `--dry_run` runs it too (train.py).
+"""
+
+from __future__ import annotations
+
+import glob
+import ipaddress
+import os
+import resource
+import socket
+import time
+
+from training.config import Config
+from training.curriculum import Stage
+from training.ds_config import build_ds_config, no_gpu
+from training.parallel import ParallelDims
+
+GiB = 2**30
+MEMINFO = "/proc/meminfo"
+NET_DIR = "/sys/class/net"
+
+
+# --- network: before the process group ---
+
+def interfaces(net_dir: str | None = None) -> list[str]:
+    """The network interfaces of this host (/sys/class/net)."""
+    try:
+        return sorted(os.listdir(net_dir or NET_DIR))
+    except OSError:
+        return []
+
+
+def _is_loopback(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return addr == "localhost"
+
+
+def multi_node() -> bool:
+    """Whether the launcher put ranks on more than one node (deepspeed: CROSS_SIZE; torchrun: LOCAL_WORLD_SIZE)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world)))
+    return int(os.environ.get("CROSS_SIZE", "1")) > 1 or local < world
+
+
+def network_problem(host: str, ifname: str | None, present: list[str], multi: bool, host_addr: str | None,
+                    master_addr: str) -> str | None:
+    """The one-line problem with this host's gloo interface, or None. Pure (tests give it any host)."""
+    if ifname:
+        missing = [n for n in ifname.split(",") if n.strip() and n.strip() not in present]
+        if missing:
+            return (f"GLOO_SOCKET_IFNAME={ifname}: host {host} has no interface {missing[0]} (it has "
+                    f"{', '.join(present) or 'none listed'}): set it to the interface the nodes reach each other on, "
+                    "the same name on every node, or unset it")
+        return None
+    if multi and host_addr and _is_loopback(host_addr) and not _is_loopback(master_addr):
+        return (f"host {host} resolves its own name to {host_addr} (loopback) and GLOO_SOCKET_IFNAME is unset: "
+                "gloo would offer the other nodes a loopback address; set GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME) "
+                "to the interface the nodes reach each other on, e.g. GLOO_SOCKET_IFNAME=eth0")
+    return None
+
+
+def check_network() -> None:
+    """This host can create the gloo group: call before the process group (see the module docstring)."""
+    host, ifname = socket.gethostname(), os.environ.get("GLOO_SOCKET_IFNAME")
+    multi = multi_node()
+    addr = None
+    if multi and not ifname:
+        try:
+            addr = socket.gethostbyname(host)
+        except OSError:
+            addr = None
+    problem = network_problem(host, ifname, interfaces(), multi, addr, os.environ.get("MASTER_ADDR", ""))
+    if problem:
+        raise ValueError(problem)
+
+
+# --- what each rank reports ---
+
+def mem_available_bytes(path: str | None = None) -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where the file or the line is missing)."""
+    try:
+        with open(path or MEMINFO) as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def memlock_limit() -> int | None:
+    """This process's soft RLIMIT_MEMLOCK in bytes; None when unlimited."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def extensions_dir() -> str:
+    from training import EXTENSIONS_DIR  # importing `training` sets TORCH_EXTENSIONS_DIR when unset
+
+    return os.environ.get("TORCH_EXTENSIONS_DIR", EXTENSIONS_DIR)
+
+
+def build_locks(ext_dir: str | None = None) -> list[tuple[str, float]]:
+    """(path, age in seconds) of every torch build `lock` under TORCH_EXTENSIONS_DIR/<op>/ (and one level deeper,
+    torch's own py3X_cuXXX/<op>/ layout when the variable points at its default root)."""
+    root = ext_dir or extensions_dir()
+    now = time.time()
+    out = []
+    for path in sorted(glob.glob(os.path.join(root, "*", "lock")) + glob.glob(os.path.join(root, "*", "*", "lock"))):
+        try:
+            out.append((path, now - os.path.getmtime(path)))
+        except OSError:  # removed meanwhile: the build it belonged to finished
+            pass
+    return out
+
+
+def report() -> dict:
+    """What this rank sees of its host."""
+    return {"host": socket.gethostname(), "mem_available": mem_available_bytes(), "memlock": memlock_limit(),
+            "locks": build_locks()}
+
+
+# --- the decisions (pure: rank 0 takes them over every rank's report) ---
+
+def lock_problem(reports: list[dict]) -> str | None:
+    for r in reports:
+        for path, age in r["locks"]:
+            return (f"stale torch-extensions build lock {path} on {r['host']} ({age / 60:.0f} min old): loading that "
+                    f"op would wait for it forever; remove it (rm {path}) or rerun scripts/setup.sh, with nothing of "
+                    "this checkout running (if another job is building it right now, wait for it to finish)")
+    return None
+
+
+def host_memory_problem(reports: list[dict], need: dict | None) -> str | None:
+    """`need`: host bytes per rank at the stage that needs most ({"bytes", "pinned", "stage", "what"}); None when
+    the planner cannot say. Per node: its ranks x bytes against the smallest MemAvailable its ranks saw."""
+    if not need:
+        return None
+    for host, rs in _by_host(reports).items():
+        avail = [r["mem_available"] for r in rs if r["mem_available"] is not None]
+        total = len(rs) * need["bytes"]
+        if avail and total > min(avail):
+            return (f"host memory: {host} has {min(avail) / GiB:.1f} GiB available (MemAvailable) but its {len(rs)} "
+                    f"rank(s) will hold {total / GiB:.1f} GiB in host memory ({need['stage']}: {need['what']}, "
+                    f"{need['bytes'] / GiB:.2f} GiB per rank): run fewer ranks per node, more nodes, or turn the "
+                    "ZeRO offload off for that stage (deepspeed_overrides), or free memory on the node")
+    return None
+
+
+def memlock_warning(reports: list[dict], need: dict | None) -> str | None:
+    """Each rank's pinned offload bytes against the smallest RLIMIT_MEMLOCK of a node. A warning, not a stop:
+    CUDA's pinned host allocations (what ZeRO offload's pin_memory makes) are not charged to RLIMIT_MEMLOCK, so a
+    container's 64 KiB default trains; what is charged is memory registered with InfiniBand (NCCL over IB) or
+    locked by mlock, which then fails with "Cannot allocate memory" mid-run."""
+    if not need or not need["pinned"]:
+        return None
+    for host, rs in _by_host(reports).items():
+        limits = [r["memlock"] for r in rs if r["memlock"] is not None]
+        if limits and min(limits) < need["pinned"]:
+            return (f"warning: memlock: {host} limits locked memory to {_size(min(limits))} per process "
+                    f"(ulimit -l) and each rank pins {need['pinned'] / GiB:.2f} GiB of offloaded states "
+                    f"({need['stage']}): fine for CUDA's pinned buffers, but InfiniBand registration needs more; "
+                    "raise it (ulimit -l unlimited; containers: --ulimit memlock=-1) if NCCL reports ibv_reg_mr errors")
+    return None
+
+
+def _size(n: int) -> str:
+    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
+
+
+def _by_host(reports: list[dict]) -> dict[str, list[dict]]:
+    nodes: dict[str, list[dict]] = {}
+    for r in reports:
+        nodes.setdefault(r["host"], []).append(r)
+    return nodes
+
+
+def host_need(cfg: Config, stages: list[Stage], world: int, bf16: bool, configs: list[dict], arch,
+              cpu_run: bool) -> dict | None:
+    """What the run holds in host memory per rank at its most demanding stage, from the planner (None when it
+    cannot read the model's shape): the ZeRO-3 offloaded states and checkpoints, and on a CPU run everything.
+    `arch`: the model's (text) config; `configs`: each stage's DeepSpeed config (check_stage_configs)."""
+    from training.memory_model import ModelShape, estimate
+    from training.summary import run_features
+
+    best = None
+    for s, ds in zip(stages, configs):
+        try:
+            shape = ModelShape.from_config(arch.to_dict())
+            est = estimate(shape, s.max_seq_length, s.sp, world, run_features(cfg, ds, s), "bf16" if bf16 else "fp32")
+        except ValueError:  # a shape the planner cannot read: no plan to check against (the plan lines say so)
+            return None
+        held = sum(est.cpu_per_rank.values()) + (est.gpu_peak if cpu_run else 0)
+        zero = ds.get("zero_optimization", {})
+        pins = {"params (partition)": zero.get("offload_param", {}).get("pin_memory", False),
+                "grads fp32 (partition)": zero.get("offload_optimizer", {}).get("pin_memory", False),
+                "optimizer fp32 master+Adam m,v": zero.get("offload_optimizer", {}).get("pin_memory", False)}
+        pinned = 0 if cpu_run else sum(v for k, v in est.cpu_per_rank.items() if pins.get(k))
+        if best is None or held > best["bytes"]:
+            what = ", ".join(k for k in est.cpu_per_rank) or "nothing offloaded"
+            best = {"bytes": held, "pinned": pinned, "stage": f"stage {s.index} ({s.name})",
+                    "what": "the whole step (CPU run)" if cpu_run else f"offloaded {what}"}
+    return best
+
+
+# --- the checks ---
+
+def check_stage_configs(cfg: Config, stages: list[Stage], world: int, bf16: bool, hidden_size: int,
+                        planning: bool = False) -> list[dict]:
+    """Every stage's DeepSpeed config, assembled and validated as training/engine.build_engine does when the stage
+    starts (build_ds_config: our checks and DeepSpeed's parser). One line naming the stage otherwise."""
+    from training.engine import stage_config
+
+    out = []
+    for s in stages:
+        dims = ParallelDims(world=world, sp=s.sp, rank=0, local_rank=0)
+        try:
+            out.append(build_ds_config(stage_config(cfg, s), dims, bf16, hidden_size, s.deepspeed_overrides,
+                                       planning=planning, quiet=True))
+        except ValueError as e:
+            how = " with its deepspeed_overrides" if s.deepspeed_overrides else ""
+            raise ValueError(f"stage {s.index} ({s.name}){how}: {e}") from None
+    return out
+
+
+def preflight(cfg: Config, stages: list[Stage], dims: ParallelDims, arch, bf16: bool) -> None:
+    """The start-up checks of a launched run (collective; see the module docstring); `arch`: the model's (text)
+    config. Every rank returns, or every rank raises the same one-line ValueError."""
+    from training import comm
+    from training.metrics import print0
+
+    reports = comm.all_gather_object(report())
+
+    def decide() -> None:
+        configs = check_stage_configs(cfg, stages, dims.world, bf16, arch.hidden_size)
+        need = host_need(cfg, stages, dims.world, bf16, configs, arch, no_gpu())
+        problem = lock_problem(reports) or host_memory_problem(reports, need)
+        if problem:
+            raise ValueError(problem)
+        warning = memlock_warning(reports, need)
+        if warning:
+            print0(warning)
+
+    comm.run_on_main(decide)
