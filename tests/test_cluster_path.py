@@ -14,7 +14,8 @@ import yaml
 from tests.conftest import save_tiny_model
 from tests.distributed import ROOT, run, spawn, wait
 from tests.runs import TRAIN, losses, preempt_after, train_args, wait_for
-from training.preemption import MARGIN_S, SAVE_GUESS_S, Deadline
+from training.config import parse_config
+from training.preemption import MARGIN_S, SAVE_GUESS_S, Deadline, PreemptionFlag
 
 pytestmark = pytest.mark.dist
 
@@ -146,6 +147,36 @@ def test_deadline_needs_one_step_and_one_save():
     assert d.needed_s() == 40 + 100 + MARGIN_S
     assert not d.near(now=1000 - 171) and d.near(now=1000 - 169)
     assert Deadline().end is None and not Deadline().near()
+
+
+def test_deadline_counts_the_evaluation_and_the_next_build():
+    """The work ahead of a check counts: the stage's evaluation after its last step (one step's time until one
+    evaluation is measured), the next stage's engine build before it starts."""
+    d = Deadline(time_limit_s=1000, now=0)
+    d.record_step(40)
+    d.record_save(100)
+    assert d.evaluation_s() == 40  # not measured yet: one step
+    d.record_eval(200)
+    d.record_build(160)
+    assert d.needed_s(ahead_s=d.evaluation_s()) == 40 + 100 + MARGIN_S + 200
+    now = 1000 - (40 + 100 + MARGIN_S + 150)  # enough for a step and a save, not for the evaluation too
+    assert not d.near(now=now) and d.near(now=now, ahead_s=d.evaluation_s())
+    assert d.near(now=now, ahead_s=d.build_s)
+
+
+def test_save_interval_is_rank0s_clock():
+    import time
+
+    flag = PreemptionFlag(None, save_every_s=0.05)
+    assert not flag.agreed() and not flag.save_due
+    time.sleep(0.06)
+    assert not flag.agreed() and flag.save_due
+    flag.saved()
+    assert not flag.save_due
+    flag.agreed()
+    assert not flag.save_due
+    with pytest.raises(ValueError, match="save_interval_minutes"):
+        parse_config(["--save_interval_minutes", "-1"])
 
 
 @pytest.mark.parametrize("how", ["time_limit_s", "SLURM_JOB_END_TIME"])

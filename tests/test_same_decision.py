@@ -50,7 +50,9 @@ def test_ranks_with_different_views_decide_the_same(assets, tmp_path):
     assert (r0["own_budget"], r1["own_budget"]) == (2**30, 2**31)
     assert (r0["own_prepared"], r1["own_prepared"]) == (True, False)
     # ... the decisions did not, and they are rank 0's view (the smallest budget)
-    for k in ("resume", "trainer_step", "evaluated", "stop", "budget", "data"):
+    for k in ("resume", "trainer_step", "evaluated", "stop", "budget", "data", "save_due_rank1_clock",
+              "save_due_rank0_clock"):
         assert r0[k] == r1[k], (k, r0[k], r1[k])
     assert (r0["resume"], r0["trainer_step"], r0["evaluated"], r0["stop"]) == ("step_000004", 4, [0], False)
     assert r0["budget"] == 2**30 and r0["data"] == folder
+    assert (r0["save_due_rank1_clock"], r0["save_due_rank0_clock"]) == (False, True)

@@ -14,9 +14,17 @@ warning, and a job killed at its limit ends TIMEOUT and is never requeued. With 
 seconds, set by SLURM) or `--time_limit_s`, a rank votes to stop when less than one measured step plus one
 measured save (and a margin) remains; until a save has been measured, `SAVE_GUESS_S` stands in for it.
 
+The time ahead of a check counts all the work before the next one: after the step that ends a stage, the
+save *and the stage's evaluation*; before a stage builds its engine, the build (ZeRO-3 init, restore) and its
+first step. Each is measured the first time it runs; until then an evaluation counts as one step and a build
+as nothing (the first build is at the job's start).
+
+Saves bounded by time (`save_interval_minutes`): rank 0's clock alone says when the interval has passed, and
+its vote travels in the same all-reduce, so every rank saves the same step.
+
 Where the flag is checked (train.py): after every step, after every save and evaluation, and before a stage
-builds its engine; each check is one all-reduce of one number (MAX over ranks), so every rank decides the
-same from the collective, never from its own clock alone.
+builds its engine; each check is one all-reduce of two numbers (MAX over ranks: stop, save due), so every
+rank decides the same from the collective, never from its own clock alone.
 """
 
 from __future__ import annotations
@@ -41,6 +49,8 @@ class Deadline:
         self.end = float(end) if end else (now + time_limit_s if time_limit_s > 0 else None)
         self.step_s = 0.0  # longest step measured
         self.save_s: float | None = None  # longest save measured
+        self.build_s = 0.0  # longest engine build + restore measured
+        self.eval_s: float | None = None  # longest stage evaluation measured
 
     def record_step(self, seconds: float) -> None:
         self.step_s = max(self.step_s, seconds)
@@ -48,21 +58,35 @@ class Deadline:
     def record_save(self, seconds: float) -> None:
         self.save_s = max(self.save_s or 0.0, seconds)
 
-    def needed_s(self) -> float:
-        return self.step_s + (SAVE_GUESS_S if self.save_s is None else self.save_s) + MARGIN_S
+    def record_build(self, seconds: float) -> None:
+        self.build_s = max(self.build_s, seconds)
 
-    def near(self, now: float | None = None) -> bool:
+    def record_eval(self, seconds: float) -> None:
+        self.eval_s = max(self.eval_s or 0.0, seconds)
+
+    def evaluation_s(self) -> float:
+        """A stage evaluation's time: measured, else one step's (a few forward passes at the stage's length)."""
+        return self.step_s if self.eval_s is None else self.eval_s
+
+    def needed_s(self, ahead_s: float = 0.0) -> float:
+        """One step, one save, the margin, and `ahead_s` of other work before the next check."""
+        return self.step_s + (SAVE_GUESS_S if self.save_s is None else self.save_s) + MARGIN_S + ahead_s
+
+    def near(self, now: float | None = None, ahead_s: float = 0.0) -> bool:
         if self.end is None:
             return False
-        return (self.end - (time.time() if now is None else now)) < self.needed_s()
+        return (self.end - (time.time() if now is None else now)) < self.needed_s(ahead_s)
 
 
 class PreemptionFlag:
-    def __init__(self, stop_file: str | None = None, deadline: Deadline | None = None):
+    def __init__(self, stop_file: str | None = None, deadline: Deadline | None = None, save_every_s: float = 0.0):
         self.received: int | str | None = None  # what this rank saw
         self.stopping = False  # what all ranks agreed at the last check
+        self.save_due = False  # ... and whether save_every_s has passed since the last save (rank 0's clock)
         self.stop_file = stop_file
         self.deadline = deadline or Deadline()
+        self.save_every_s = save_every_s
+        self._last_save = time.monotonic()
         self._previous = {}
 
     def install(self) -> PreemptionFlag:
@@ -73,15 +97,23 @@ class PreemptionFlag:
     def _handler(self, signum, frame) -> None:  # no I/O, no collectives: just remember it
         self.received = signum
 
-    def agreed(self) -> bool:
-        """True on every rank when any rank got a signal, saw the stop file or is near the time limit
+    def agreed(self, ahead_s: float = 0.0) -> bool:
+        """True on every rank when any rank got a signal, rank 0 saw the stop file, or a rank is near the time
+        limit with `ahead_s` of work before the next check; also sets `save_due` the same on every rank
         (a collective: call it on all ranks at the same points)."""
         if self.received is None and self.stop_file and comm.rank() == 0 and os.path.exists(self.stop_file):
             self.received = "stop file"
-        if self.received is None and self.deadline.near():
+        if self.received is None and self.deadline.near(ahead_s=ahead_s):
             self.received = "time limit"
-        self.stopping = bool(comm.all_reduce([1.0 if self.received is not None else 0.0], op="max").item())
+        due = comm.rank() == 0 and self.save_every_s > 0 and time.monotonic() - self._last_save >= self.save_every_s
+        votes = comm.all_reduce([1.0 if self.received is not None else 0.0, float(due)], op="max")
+        self.stopping, self.save_due = bool(votes[0].item()), bool(votes[1].item())
         return self.stopping
+
+    def saved(self) -> None:
+        """A checkpoint was committed: the save interval starts again."""
+        self._last_save = time.monotonic()
+        self.save_due = False
 
     def uninstall(self) -> None:
         for s, h in self._previous.items():

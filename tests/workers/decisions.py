@@ -6,6 +6,7 @@ what its own view alone would have said."""
 import json
 import os
 import sys
+import time
 from types import SimpleNamespace
 
 from data.prepare import prepare_in_job
@@ -35,6 +36,13 @@ r["evaluated"] = sorted(metrics.evaluated(2))
 stop_file = os.path.join(out, "PREEMPT")
 r["own_stop_file"] = os.path.exists(stop_file)
 r["stop"] = PreemptionFlag(stop_file).agreed()
+
+# a save by time: only rank 0's clock counts (rank 1's interval has passed, rank 0's not; then the other way)
+for key, every in (("save_due_rank1_clock", (3600.0, 1e-9)), ("save_due_rank0_clock", (1e-9, 3600.0))):
+    flag = PreemptionFlag(None, save_every_s=every[dims.rank])
+    time.sleep(0.01)
+    flag.agreed()
+    r[key] = flag.save_due
 
 # each rank's own reading of its memory: 1 GiB more per rank (another process holding memory on a GPU)
 auto_features.device_budget = lambda gpu, cap: ("cpu", (1 + dims.rank) * 2**30)
