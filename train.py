@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     if dims.is_main and os.path.exists(stop_file):
         os.remove(stop_file)  # the request that stopped the previous job has been honoured
     comm.barrier()
-    preempt = PreemptionFlag(stop_file, Deadline(cfg.time_limit_s, now=started)).install()
+    preempt = PreemptionFlag(stop_file, Deadline(cfg.time_limit_s, now=started), 60 * cfg.save_interval_minutes).install()
     run = Run(cfg, dims, data, ckpt, metrics, preempt, base_config, attn, bf16)
 
     # --- the curriculum: each stage builds its engine, trains, saves its end, evaluates ---
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     for stage in stages:
         if trainer["step"] >= stage_start(stages, stage.index) + stage.max_steps and stage.index in evaluated:
             continue  # finished and evaluated before this (resumed) run
-        if preempt.agreed():  # before building the engine: nothing new to save
+        if preempt.agreed(ahead_s=preempt.deadline.build_s):  # before building the engine: nothing new to save
             return run.exit_preempted()
         trainer, resume_from = train_stage(run, stage, stages, trainer, resume_from)
         if preempt.stopping:
@@ -179,6 +179,7 @@ def train_stage(run: Run, stage, stages, trainer: dict, resume_from: str | None)
     cfg, dims, data, ckpt, metrics, preempt = run.cfg, run.dims, run.data, run.ckpt, run.metrics, run.preempt
     step, tokens_seen = trainer["step"], trainer["tokens"]
     end = stage_start(stages, stage.index) + stage.max_steps
+    t_build = time.perf_counter()
     sdims = dataclasses.replace(dims, sp=stage.sp)
     hf_config = copy.deepcopy(run.base_config)
     apply_rope(hf_config, stage.rope, stage.max_seq_length)
@@ -204,6 +205,7 @@ def train_stage(run: Run, stage, stages, trainer: dict, resume_from: str | None)
         set_rng_state(saved["rng"])
     else:  # a stage's start (or another world size): a seed per stage and rank
         torch.manual_seed(cfg.seed + 1000 * stage.index + dims.rank)
+    preempt.deadline.record_build(time.perf_counter() - t_build)
 
     # --- training loop; the stop flag is agreed after every step and after every save ---
     loss_fn, routed_checked = make_loss_fn(stage_config(cfg, stage)), False  # the stage's tiled_logits
@@ -227,8 +229,8 @@ def train_stage(run: Run, stage, stages, trainer: dict, resume_from: str | None)
                      "tokens_per_s": n / out["step_time"], "seq_len": stage.max_seq_length, "sp": sdims.sp,
                      "dp": sdims.dp, "peak_mem_gb": peak_memory_gb(), "total_tokens": tokens_seen,
                      "time": time.time(), **{f"share_{k}": v for k, v in sampler.source_shares().items()}})
-        stopping = preempt.agreed()
-        if stopping or step == end or (cfg.save_steps and step % cfg.save_steps == 0):
+        stopping = preempt.agreed(ahead_s=preempt.deadline.evaluation_s() if step + 1 >= end else 0.0)
+        if stopping or step == end or (cfg.save_steps and step % cfg.save_steps == 0) or preempt.save_due:
             t0 = time.perf_counter()
             trainer = {"step": step, "tokens": tokens_seen, "stage": stage.index, "stage_name": stage.name,
                        "wandb_id": metrics.run_id, "model_hash": model_hash(hf_config), "world": dims.world,
@@ -237,15 +239,18 @@ def train_stage(run: Run, stage, stages, trainer: dict, resume_from: str | None)
             resume_from = ckpt.save(engine, step, trainer, {"sampler": sampler.state_dict(), "rng": rng_state()},
                                     hf_config, stage_end=f"STAGE_{stage.index}_{stage.name}" if step == end else None)
             preempt.deadline.record_save(time.perf_counter() - t0)
+            preempt.saved()
             print0(f"saved {resume_from} in {time.perf_counter() - t0:.1f}s")
-            stopping = stopping or preempt.agreed()
+            stopping = stopping or preempt.agreed(ahead_s=preempt.deadline.evaluation_s() if step == end else 0.0)
         if stopping:
             engine.destroy()
             return trainer, resume_from
 
     # --- stage end: checkpoint written above; evaluate at this stage's length, then agree on a stop again ---
+    t_eval = time.perf_counter()
     evaluate_stage(engine, stage, sdims, data.heldout(stage.max_seq_length, heldout_samples(stage.eval)),
                    data.tokenizer, metrics, step, cfg.per_device_train_batch_size, data.pad_id, stages, data.heldout)
+    preempt.deadline.record_eval(time.perf_counter() - t_eval)
     engine.destroy()
     preempt.agreed()
     return trainer, resume_from

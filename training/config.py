@@ -48,7 +48,8 @@ class Config:
     # --- data ---
     dataset_path: str | None = None  # JSONL file or folder of them; None: the built-in demo corpus
     max_seq_length: int = 2048  # tokens per packed sample (padded up to a multiple of SP)
-    reset_position_ids: str = "auto"  # auto | yes | no: restart position ids at document starts (auto: FA2 only)
+    reset_position_ids: str = "auto"  # auto | yes | no: restart positions at document starts (auto: yes on every
+    # backend that masks documents, i.e. all supported ones: model_utils.attention.resets_positions)
     mask_cross_document_labels: bool = False  # no loss on a document's last token predicting the next document (ProLong)
     # --- parallelism and batch ---
     sequence_parallel_size: int = 1  # Ulysses SP degree; world = sp x dp
@@ -82,6 +83,7 @@ class Config:
     # --- output, checkpoints, tracking ---
     output_dir: str = "checkpoints/run"
     save_steps: int = 0  # 0: save only at the end and on preemption
+    save_interval_minutes: float = 0.0  # also save once this long has passed since the last save (rank 0's clock); 0: off
     save_total_limit: int = 2  # never fewer than 2 kept
     resume: str = "auto"  # auto | none | PATH (a PATH in this run starts a branch: newer checkpoints moved aside)
     time_limit_s: float = 0.0  # stop, save, exit 75 before this many seconds from train.py's start (SLURM_JOB_END_TIME wins)
@@ -192,6 +194,9 @@ def validate(cfg: Config) -> None:
     if cfg.logits_tile_mb < 0:
         raise ValueError(f"--logits_tile_mb {cfg.logits_tile_mb}: use MiB of fp32 logits per tile (> 0), or 0 for "
                          "the default (1024; under memory_features auto 1/64 of the memory budget)")
+    if cfg.save_interval_minutes < 0:
+        raise ValueError(f"--save_interval_minutes {cfg.save_interval_minutes}: use 0 (off) or a positive number of "
+                         "minutes (the work a crash may lose)")
     if cfg.save_steps < 0:
         raise ValueError(f"--save_steps {cfg.save_steps}: use 0 (end and preemption only) or a positive interval")
     if cfg.time_limit_s < 0 or cfg.dist_timeout_s <= 0:
