@@ -42,18 +42,109 @@ _ORIGINAL: dict = {}  # (interface, name) -> the function we replaced
 _STATE: dict = {"attn": None, "modules": set(), "calls": 0, "windows": set()}
 
 
+class Documents:
+    """The documents of one micro-batch, built once from its [bs or 1, sl] position ids and reused by every
+    layer's attention call of that forward and of its activation-checkpointing recompute (`documents_for`).
+
+    On the device, without a host sync: `start` [bs, sl] (True where a document begins) and `doc` [bs, sl] int32
+    (the document index of every token) -> flex_attention's BlockMask per window. The single device -> host copy
+    (`host_starts`, one `.nonzero().tolist()`) happens on first need only (sdpa's pieces, flash-attention's
+    max length, the "no restart" test of sdpa / flash); flex never makes it. Everything derived from it
+    (bounds, sdpa pieces per window, cu_seqlens, BlockMasks) is cached here.
+
+    Cost at Llama-3-8B, 1M tokens, SP=8, 32 layers, activation checkpointing (64 attention calls per micro-batch,
+    each on the whole 1M sequence after the all-to-all). Before: every call made one host sync (the GPU queue
+    drained before the layer's attention), built the [1, 1M] document ids on the host (zeros + cumsum, ~2-3 ms
+    of CPU here) and copied their 4 MB to the device, and flex hashed str(bounds); about 64 syncs + 64 x 4 MB
+    copies + ~0.2 s of host work per micro-batch. Now: 1 sync (sdpa / flash; 0 for flex) and no copy per
+    micro-batch, plus [1, 1M] bool + int32 (5 MB) and, per window, the BlockMask (flex) or the piece list (sdpa)
+    held until the next micro-batch. A micro-batch at this size is minutes of GPU time, so the saving is
+    well under 1% of a step there; it matters at short sequences, where a step is milliseconds."""
+
+    def __init__(self, position_ids: torch.Tensor, bs: int):
+        pos = position_ids.expand(bs, -1)
+        self.bs, self.sl, self.device = bs, pos.shape[1], pos.device
+        self.start = torch.ones(bs, self.sl, dtype=torch.bool, device=pos.device)
+        self.start[:, 1:] = (pos[:, 1:] - pos[:, :-1]) != 1  # a restart begins the next document
+        self.doc = self.start.cumsum(1, dtype=torch.int32) - 1  # [bs, sl], nondecreasing along each row
+        self._flat: list[int] | None = None
+        self._cache: dict = {}
+
+    def host_starts(self) -> list[int]:
+        """Flat indices (row * sl + column) of every document start, row starts included: the one host sync."""
+        if self._flat is None:
+            self._idx = self.start.flatten().nonzero()[:, 0]  # [n_documents] on the device
+            self._flat = self._idx.tolist()
+        return self._flat
+
+    @property
+    def bounds(self) -> list[list[int]] | None:
+        """Per row [0, s1, ..., sl]; None when no row restarts (one document per row)."""
+        if "bounds" not in self._cache:
+            flat, sl = self.host_starts(), self.sl
+            rows: list[list[int]] = [[] for _ in range(self.bs)]
+            for i in flat:
+                rows[i // sl].append(i % sl)
+            self._cache["bounds"] = None if len(flat) == self.bs else [row + [sl] for row in rows]
+        return self._cache["bounds"]
+
+    def pieces(self, row: int, window: int | None) -> list[tuple[int, int, int, int]]:
+        key = ("pieces", row, window, BLOCK)
+        if key not in self._cache:
+            b = self.bounds[row] if self.bounds is not None else [0, self.sl]
+            self._cache[key] = sdpa_pieces(b, window, BLOCK)
+        return self._cache[key]
+
+    def varlen(self) -> tuple[torch.Tensor, int]:
+        """(cu_seqlens [n_documents + 1] int32 on the device, the longest document) over the rows flattened."""
+        if "varlen" not in self._cache:
+            flat = self.host_starts() + [self.bs * self.sl]
+            cu = torch.cat([self._idx, self._idx.new_full((1,), self.bs * self.sl)]).to(torch.int32)
+            self._cache["varlen"] = cu, max(e - s for s, e in zip(flat[:-1], flat[1:]))
+        return self._cache["varlen"]
+
+    def block_mask(self, window: int | None):
+        key = ("flex", window)
+        if key not in self._cache:
+            self._cache[key] = doc_block_mask(self.doc, window)
+        return self._cache[key]
+
+
+_DOCS: list = []  # [(key tensor, its version, bs, sl, Documents)], newest last
+_KEEP = 4  # micro-batches remembered: a recompute may come after another forward (evaluation, a probe)
+_OUTER: list = []  # the position ids of the outermost attention call in progress (this rank's shard under SP)
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # an inference-mode tensor has no version counter (and cannot change in place)
+        return -1
+
+
+def documents_for(position_ids: torch.Tensor, bs: int) -> Documents:
+    """The Documents of the micro-batch whose position ids these are, built on the first layer's call.
+
+    Keyed by the IDENTITY (and version) of the position-ids tensor the model was called with: every decoder
+    layer, and every recompute under activation checkpointing, gets that same tensor object (the caller moves
+    a micro-batch to the device once). Under Ulysses the core function sees a fresh all-gathered tensor in
+    every layer, so the key is then the local tensor the outermost (tracked) call received (`_OUTER`); the
+    gathered content is the same for every layer of the forward. Holding the key tensor keeps its id from being
+    reused by another micro-batch."""
+    key = _OUTER[-1] if _OUTER else position_ids
+    sl, ver = position_ids.shape[-1], _version(key)
+    for k, v, b, s, docs in _DOCS:
+        if k is key and v == ver and b == bs and s == sl:
+            return docs
+    docs = Documents(position_ids, bs)
+    _DOCS.append((key, ver, bs, sl, docs))
+    del _DOCS[:max(len(_DOCS) - _KEEP, 0)]
+    return docs
+
+
 def doc_bounds(position_ids: torch.Tensor, bs: int) -> list[list[int]] | None:
     """Document boundaries per row of [bs or 1, sl] position ids: [0, s1, ..., sl]; None when no row restarts."""
-    pos = position_ids.expand(bs, -1)
-    restart = (pos[:, 1:] - pos[:, :-1]) != 1  # [bs, sl - 1]
-    hits = restart.nonzero().tolist()  # one device -> host copy per call
-    if not hits:
-        return None
-    sl = pos.shape[1]
-    rows = [[0] for _ in range(bs)]
-    for r, i in hits:
-        rows[r].append(i + 1)
-    return [row + [sl] for row in rows]
+    return Documents(position_ids, bs).bounds
 
 
 def _window(module, kwargs: dict) -> int | None:
@@ -104,18 +195,17 @@ def _piece_mask(doc: torch.Tensor, bounds: list[int], piece, window: int | None)
     return mask[None, None]
 
 
-def _sdpa_docs(orig, module, query, key, value, bounds, window, kwargs):
+def _sdpa_docs(orig, module, query, key, value, docs: Documents, window, kwargs):
     # query [bs, hq, sl, hd], key/value [bs, hkv, sl, hd] (hq, hkv: this rank's heads after the all-to-all)
     bs, _, sl, _ = query.shape
-    docs = _doc_ids(bounds, bs, sl, query.device)  # [bs, sl]
     rows = []
     for r in range(bs):
-        b = bounds[r] if bounds is not None else [0, sl]
+        b = docs.bounds[r] if docs.bounds is not None else [0, sl]
         outs = []
-        for piece in sdpa_pieces(b, window, BLOCK):
+        for piece in docs.pieces(r, window):
             q_lo, q_hi, k_lo, k_hi = piece
             out, _ = orig(module, query[r:r + 1, :, q_lo:q_hi], key[r:r + 1, :, k_lo:k_hi],
-                          value[r:r + 1, :, k_lo:k_hi], _piece_mask(docs[r], b, piece, window), **kwargs)
+                          value[r:r + 1, :, k_lo:k_hi], _piece_mask(docs.doc[r], b, piece, window), **kwargs)
             outs.append(out)  # [1, q_hi - q_lo, hq, hd]
         rows.append(torch.cat(outs, dim=1))
     return torch.cat(rows, dim=0), None  # [bs, sl, hq, hd]
@@ -124,7 +214,8 @@ def _sdpa_docs(orig, module, query, key, value, bounds, window, kwargs):
 # ---- flex_attention ---------------------------------------------------------------------------------------
 
 def _doc_ids(bounds: list[list[int]] | None, bs: int, sl: int, device) -> torch.Tensor:
-    """[bs, sl] int32 document index of every token (nondecreasing along each row)."""
+    """[bs, sl] int32 document index of every token (nondecreasing along each row), from host bounds: for tests
+    and tools (training builds it on the device: `Documents.doc`)."""
     starts = torch.zeros(bs, sl, dtype=torch.int32)
     for r, b in enumerate(bounds or []):
         starts[r, b[1:-1]] = 1
@@ -167,32 +258,21 @@ def doc_block_mask(doc: torch.Tensor, window: int | None, block: int = FLEX_BLOC
                                     seq_lengths=(sl, sl))
 
 
-_FLEX_CACHE: dict = {}
-
-
-def _flex_docs(orig, module, query, key, value, bounds, window, kwargs):
-    # query [bs, hq, sl, hd]; one BlockMask per (documents, window, shape), shared by the layers of a forward
-    bs, _, sl, _ = query.shape
-    cache_key = (str(bounds), window, bs, sl, str(query.device))
-    if cache_key not in _FLEX_CACHE:
-        if len(_FLEX_CACHE) >= 4:  # a new sample: drop the previous ones (full and windowed layers each have one)
-            _FLEX_CACHE.clear()
-        _FLEX_CACHE[cache_key] = doc_block_mask(_doc_ids(bounds, bs, sl, query.device), window)
-    return orig(module, query, key, value, _FLEX_CACHE[cache_key], **kwargs)
+def _flex_docs(orig, module, query, key, value, docs: Documents, window, kwargs):
+    # query [bs, hq, sl, hd]; one BlockMask per window, shared by the layers of a forward and its recompute
+    return orig(module, query, key, value, docs.block_mask(window), **kwargs)
 
 
 # ---- flash_attention_2 / 3 --------------------------------------------------------------------------------
 
-def _flash_docs(orig, module, query, key, value, bounds, window, kwargs):
-    # UNTESTED here (no GPU). query [bs, hq, sl, hd] -> one packed row [1, hq, bs * sl, hd], cu_seqlens at
-    # every document start of every row; FA applies kwargs["sliding_window"] inside each document itself.
+def _flash_docs(orig, module, query, key, value, docs: Documents, window, kwargs):
+    # UNTESTED on a GPU here (no GPU). query [bs, hq, sl, hd] -> one packed row [1, hq, bs * sl, hd], cu_seqlens at
+    # every document start of every row (built once per micro-batch, on the device); FA applies
+    # kwargs["sliding_window"] inside each document itself.
     bs, hq, sl, hd = query.shape
-    if bounds is None and bs == 1:
+    if docs.bounds is None and bs == 1:
         return orig(module, query, key, value, None, **kwargs)
-    rows = bounds or [[0, sl]] * bs
-    starts = [r * sl + s for r, b in enumerate(rows) for s in b[:-1]] + [bs * sl]
-    cu = torch.tensor(starts, dtype=torch.int32, device=query.device)
-    longest = int(max(e - s for s, e in zip(starts[:-1], starts[1:])))
+    cu, longest = docs.varlen()
     kwargs = {k: v for k, v in kwargs.items() if k != "position_ids"}
 
     def flat(t):  # [bs, h, sl, hd] -> [1, h, bs * sl, hd]
@@ -219,13 +299,13 @@ def document_masked(attn: str, orig):
         if kwargs.get("position_ids") is None:
             raise ValueError(f"{type(module).__name__} passes no position_ids to its attention function: document "
                              "masking (and Ulysses SP) need them; use a model whose attention forwards **kwargs")
-        bounds = doc_bounds(kwargs["position_ids"], query.shape[0])
+        docs = documents_for(kwargs["position_ids"], query.shape[0])  # built by the first layer only
         window = _window(module, kwargs)
         if window is not None and window >= query.shape[2]:
             window = None
-        if bounds is None and window is None and attn != "flex_attention":
+        if attn != "flex_attention" and window is None and docs.bounds is None:
             return orig(module, query, key, value, None, **kwargs)  # monotonic positions: one causal call
-        return impl(orig, module, query, key, value, bounds, window, kwargs)
+        return impl(orig, module, query, key, value, docs, window, kwargs)
 
     return attention
 
@@ -245,6 +325,19 @@ def _no_mask(orig):
 # the class attribute by which transformers says an architecture has an attention backend
 _BACKEND_FLAG = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn",
                  "flash_attention_2": "_supports_flash_attn", "flash_attention_3": "_supports_flash_attn"}
+
+
+def resets_positions(setting: str, attn: str) -> bool:
+    """Whether position ids restart at every packed document (`--reset_position_ids auto | yes | no`).
+
+    `auto` is yes wherever this module masks documents: every backend in SUPPORTED (sdpa, flex_attention,
+    flash_attention_2/3), at every SP degree (train.py registers the document-masked function at SP 1 too,
+    and `check_config` refuses any other backend before this is asked). It used to mean flash-attention only,
+    from when only FA's varlen path read the restarts; sdpa and flex then attended across documents by default.
+    A model with its own attention code is refused by `check_routed`, not masked wrongly."""
+    if setting not in ("auto", "yes", "no"):
+        raise ValueError(f"--reset_position_ids {setting!r}: use auto, yes or no")
+    return setting == "yes" or (setting == "auto" and attn in SUPPORTED)
 
 
 def check_config(hf_config, attn: str) -> None:
@@ -304,7 +397,11 @@ def track(model, attn: str) -> None:
     def tracked(module, *args, **kwargs):
         _STATE["modules"].add(id(module))
         _STATE["calls"] += 1
-        return inner(module, *args, **kwargs)
+        _OUTER.append(kwargs.get("position_ids"))  # the key of this micro-batch's Documents (documents_for)
+        try:
+            return inner(module, *args, **kwargs)
+        finally:
+            _OUTER.pop()
 
     ALL_ATTENTION_FUNCTIONS[attn] = tracked
     _STATE.update(attn=attn, modules=set(), calls=0, windows=set())
@@ -337,4 +434,4 @@ def restore() -> None:
     for (kind, name), fn in _ORIGINAL.items():
         (ALL_ATTENTION_FUNCTIONS if kind == "attn" else ALL_MASK_ATTENTION_FUNCTIONS)[name] = fn
     _ORIGINAL.clear()
-    _FLEX_CACHE.clear()
+    _DOCS.clear()

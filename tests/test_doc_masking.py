@@ -129,6 +129,7 @@ _LAUNCHED: dict = {}
 DOC_CASES = [("sdpa_mb1", "llama", "sdpa", 1, True, False), ("sdpa_mb2", "llama", "sdpa", 2, True, False),
              ("flex_mb2", "llama", "flex_attention", 2, False, False)]
 BYPASS = ("bypass", "llama", "sdpa", 1, False, True)
+CHECKPOINTED = {"sdpa_mb2", "mistral8_mb2"}  # activation checkpointing: every layer's attention runs twice
 WINDOW_CASES = {2: [("mistral8_mb2", "mistral8", "sdpa", 2, True, False), ("gemma3", "gemma3", "sdpa", 1, True, False),
                     ("qwen2mix", "qwen2mix", "sdpa", 1, True, False)],
                 4: [("mistral30", "mistral30", "sdpa", 1, True, False),
@@ -148,6 +149,8 @@ def launch(assets, tmp_path_factory, key: str, sp: int, specs: list[tuple]) -> d
                        "seed": 0, "deepspeed": os.path.join(ROOT, "ds_configs/zero3_offload.json"),
                        "samples": [0, 1][:mb], "grads": grads, "bypass": bypass, "out": str(d / f"{name}.pt"),
                        "cache": os.path.join(assets["dir"], "cache")}
+        if name in CHECKPOINTED:
+            cases[name]["gradient_checkpointing"] = True
     run(os.path.join(ROOT, "tests/workers/doc_masking.py"), [json.dumps(list(cases.values()))], sp, str(d / "logs"))
     _LAUNCHED[(key, sp)] = {name: (torch.load(c["out"]), c) for name, c in cases.items()}
     return _LAUNCHED[(key, sp)]
@@ -160,6 +163,8 @@ def check_against_oracle(assets, sp: int, got: dict) -> None:
         model = next(k for k, v in assets.items() if v == case["model_name_or_path"])
         ref_loss, ref_grads = reference(case["model_name_or_path"], packed(assets, case["samples"]))
         assert res["error"] is None, (name, res["error"])
+        # one micro-batch: its documents built once, not in every layer (2) nor again in the recompute
+        assert res["builds"] == 1 and res["calls"] == 2 * (1 + ("gradient_checkpointing" in case)), (name, res)
         worst = max((rel(res["grads"][n], ref_grads[n]), n) for n in res["grads"]) if res["grads"] else (0.0, "")
         print(f"sp={sp} {name} ({model}, {case['attn_implementation']}, mb={len(case['samples'])}): loss rel err "
               f"{abs(res['loss'] - ref_loss) / ref_loss:.2e}, worst grad rel err {worst[0]:.2e}")
@@ -354,3 +359,114 @@ def test_unsupported_layer_types_are_refused():
     model.config.layer_types = None
     with pytest.raises(ValueError, match="attention 'eager' cannot be document-masked"):
         attention.check_supported(model, "eager")
+
+
+# ---- documents built once per micro-batch (model_utils/attention.Documents) -------------------------------
+
+def _count_builds(monkeypatch) -> dict:
+    """Count Documents builds and their host syncs (the one `.nonzero().tolist()` of each) from now on."""
+    from model_utils import attention
+
+    counts = {"builds": 0, "syncs": 0}
+
+    class Counted(attention.Documents):
+        def __init__(self, *args, **kwargs):
+            counts["builds"] += 1
+            super().__init__(*args, **kwargs)
+
+        def host_starts(self):
+            counts["syncs"] += self._flat is None
+            return super().host_starts()
+
+    monkeypatch.setattr(attention, "Documents", Counted)
+    return counts
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "flex_attention"])
+def test_documents_built_once_per_micro_batch(monkeypatch, attn):
+    """A 4-layer model with activation checkpointing: per micro-batch ONE Documents build and at most one host
+    sync (none for flex), although attention runs 8 times (4 layers + their recompute); a second micro-batch of
+    another layout builds its own, and both match the plain model run on each document alone."""
+    from transformers import AutoModelForCausalLM
+
+    from model_utils import attention, ulysses
+    from model_utils.presets import preset_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(preset_config("tiny-llama", num_hidden_layers=4, initializer_range=0.3),
+                                             dtype=torch.float32, attn_implementation=attn)
+    layouts = [[0, 37, 48, 77, 96], [0, 5, 60, 96]]
+    batches = []
+    for cuts in layouts:
+        ids = torch.randint(4, 2048, (1, 96))
+        pos = torch.cat([torch.arange(e - s) for s, e in zip(cuts[:-1], cuts[1:])])[None]
+        with torch.no_grad():
+            want = torch.cat([model(input_ids=ids[:, s:e]).logits for s, e in zip(cuts[:-1], cuts[1:])], dim=1)
+        batches.append((ids, pos, want))
+    counts = _count_builds(monkeypatch)
+    try:
+        ulysses.register(model, 1, attn, 1)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        for k, (ids, pos, want) in enumerate(batches, 1):
+            calls = attention._STATE["calls"]
+            if attn == "flex_attention":  # no flex backward on CPU: a forward (its recompute is a backward's)
+                with torch.no_grad():
+                    logits = model(input_ids=ids, position_ids=pos).logits
+            else:
+                logits = model(input_ids=ids, position_ids=pos).logits
+                logits.float().pow(2).mean().backward()
+                assert attention._STATE["calls"] - calls == 8  # 4 layers, each recomputed in backward
+            assert counts["builds"] == k, counts
+            assert counts["syncs"] == (0 if attn == "flex_attention" else k), counts
+            assert (logits - want).abs().max() < 1e-4
+    finally:
+        attention.restore()
+
+
+def test_documents_follow_the_position_ids_tensor(monkeypatch):
+    """The cache key is the position-ids tensor object and its version: the same tensor reuses, an in-place edit
+    or another tensor of equal content rebuilds; under Ulysses the outermost call's (local) tensor is the key."""
+    from model_utils import attention
+
+    counts = _count_builds(monkeypatch)
+    pos = torch.cat([torch.arange(10), torch.arange(6)])[None]
+    a = attention.documents_for(pos, 1)
+    assert attention.documents_for(pos, 1) is a and counts["builds"] == 1
+    assert a.bounds == [[0, 10, 16]] and a.doc.tolist() == [[0] * 10 + [1] * 6]
+    assert attention.documents_for(pos.clone(), 1) is not a and counts["builds"] == 2
+    assert attention.documents_for(pos, 2).bounds == [[0, 10, 16]] * 2  # another micro-batch size
+    pos[0, 12:] = torch.arange(4)  # in place: a third document
+    assert attention.documents_for(pos, 1).bounds == [[0, 10, 12, 16]]
+    local = pos[:, :8].clone()  # under SP: the gathered tensor is new in every layer, the local one is not
+    attention._OUTER.append(local)
+    try:
+        first = attention.documents_for(pos.clone(), 1)
+        assert attention.documents_for(pos.clone(), 1) is first
+    finally:
+        attention._OUTER.pop()
+        attention._DOCS.clear()
+    cu, longest = first.varlen()
+    assert cu.tolist() == [0, 10, 12, 16] and longest == 10
+    assert attention.Documents(torch.arange(16)[None], 2).bounds is None
+    assert attention.Documents(torch.arange(16)[None], 2).varlen()[0].tolist() == [0, 16, 32]
+
+
+def test_auto_resets_positions_wherever_documents_are_masked():
+    """`reset_position_ids: auto` is yes for exactly the backends check_config accepts (all of them mask documents),
+    not flash-attention only; yes / no win; anything else is refused."""
+    from model_utils import attention
+    from model_utils.presets import preset_config
+
+    config = preset_config("tiny-llama")
+    for attn in ("sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "eager"):
+        try:
+            attention.check_config(config, attn)
+            masked = True
+        except ValueError:
+            masked = False
+        assert attention.resets_positions("auto", attn) is masked, attn
+        assert attention.resets_positions("yes", attn) is True and attention.resets_positions("no", attn) is False
+    assert attention.resets_positions("auto", "sdpa") and attention.resets_positions("auto", "flex_attention")
+    with pytest.raises(ValueError, match="--reset_position_ids 'maybe': use auto, yes or no"):
+        attention.resets_positions("maybe", "sdpa")

@@ -1,9 +1,10 @@
 """Worker for tests/test_doc_masking.py: one step through the real engine on packed samples whose position ids
 restart at every document (reset_position_ids), per case.
 
-A case with "grads" runs `train_step` and records the loss and the full gradients (gathered from ZeRO-3
-before the optimizer step); without (flex_attention on CPU: torch has no flex backward there) it records
-the forward loss only. Every case then runs `check_routed`. Run under tests.distributed.spawn.
+Every case counts the `attention.Documents` builds (one per micro-batch, however many layers and
+recomputes) and the attention calls. A case with "grads" runs `train_step` and records the loss and the full
+gradients (gathered from ZeRO-3 before the optimizer step); without (flex_attention on CPU: torch has no flex
+backward there) it records the forward loss only. Every case then runs `check_routed`. Run under tests.distributed.spawn.
 """
 
 import json
@@ -17,7 +18,7 @@ warnings.filterwarnings("ignore")
 
 from data.packing import PackedDataset, build_token_stream  # noqa: E402
 from data.sharding import collate, shard  # noqa: E402
-from model_utils import rmsnorm, ulysses  # noqa: E402
+from model_utils import attention, rmsnorm, ulysses  # noqa: E402
 from model_utils.build import load_hf_config  # noqa: E402
 from tests.distributed import DIST_TIMEOUT_S  # noqa: E402
 from training.config import config_from_dict  # noqa: E402
@@ -39,6 +40,14 @@ def run_case(case: dict) -> None:
         from tests.test_doc_masking import bypass_attention
 
         bypass_attention(engine.module.model.layers[0].self_attn)
+    builds = []
+
+    class Counted(attention.Documents):
+        def __init__(self, *args, **kwargs):
+            builds.append(args[0].shape)
+            super().__init__(*args, **kwargs)
+
+    attention.Documents = Counted
     mb = shard(collate([ds[i] for i in case["samples"]], dims.sp, 0), dims.sp, dims.sp_rank)
     grads = {}
 
@@ -58,6 +67,8 @@ def run_case(case: dict) -> None:
         sums = torch.tensor([local.item(), float((mb["shift_labels"] != -100).sum())], dtype=torch.float64)
         dist.all_reduce(sums)
         loss = (sums[0] / sums[1]).item()
+    attention.Documents = Counted.__mro__[1]
+    calls = attention._STATE["calls"]
     try:
         ulysses.check_routed(engine.module)
         error = None
@@ -66,7 +77,8 @@ def run_case(case: dict) -> None:
     norms = [m for m in engine.module.modules() if type(m).__name__.endswith("RMSNorm")]
     lean = [m for m in norms if getattr(m.forward, "__func__", None) is rmsnorm._lean_forward]
     if dims.is_main:
-        torch.save({"loss": loss, "grads": grads, "error": error, "norms": (len(lean), len(norms))}, case["out"])
+        torch.save({"loss": loss, "grads": grads, "error": error, "norms": (len(lean), len(norms)),
+                    "builds": len(builds), "calls": calls}, case["out"])
     engine.destroy()
 
 
