@@ -143,3 +143,25 @@ def test_clean_exits_stay_clean(tmp_path):
     assert codes == [0, 0], (codes, log(tmp_path, 1)[-2000:])
     assert sorted(losses(out)) == list(range(1, 9))
     assert all("stopping:" not in log(tmp_path, r) for r in (0, 1))
+
+
+def test_a_torn_metrics_line_is_repaired_on_resume(tmp_path, capsys, monkeypatch):
+    """A job killed mid-write leaves a torn last line in metrics.jsonl: the next start (rank 0, resuming) drops it
+    with one warning line and keeps every other line up to the resumed step (it used to raise at every requeue)."""
+    from training import metrics
+    from training.metrics import MetricsLogger
+
+    monkeypatch.setattr(metrics, "_IS_MAIN", True)  # rank 0 prints the warning
+    path = tmp_path / "metrics.jsonl"
+    good = [json.dumps({"step": s, "loss": 1.0 / s}) for s in (1, 2, 3, 4)]
+    path.write_text("\n".join([*good[:2], "", json.dumps({"event": "eval", "stage": 0}), *good[2:]]) +
+                    '\n{"step": 5, "loss": 0.')
+    MetricsLogger(str(tmp_path), True, "none", "p", None, {}, 10, False, resume_step=3).close()
+    lines = path.read_text().splitlines()
+    assert [json.loads(x) for x in lines] == [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.5},
+                                              {"event": "eval", "stage": 0}, {"step": 3, "loss": 1 / 3}]
+    warned = [x for x in capsys.readouterr().out.splitlines() if "warning" in x]
+    assert len(warned) == 1 and "dropped 1 unreadable line" in warned[0], warned
+    MetricsLogger(str(tmp_path), True, "none", "p", None, {}, 10, False, resume_step=3).close()  # repaired: quiet
+    assert path.read_text().splitlines() == lines
+    assert "warning" not in capsys.readouterr().out

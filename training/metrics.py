@@ -135,11 +135,27 @@ class MetricsLogger:
             self.bar = tqdm(total=total_steps, dynamic_ncols=True, desc="train")
 
     def _truncate(self, step: int) -> None:
-        """Drop lines of steps after the checkpoint we resume from: they will be trained again."""
+        """Drop lines of steps after the checkpoint we resume from: they will be trained again. A line that does
+        not parse (a job killed mid-write leaves its last line torn) is dropped with one warning line: it would
+        otherwise stop rank 0 here at every requeue."""
         if not os.path.exists(self.path):
             return
-        with open(self.path) as fh:
-            keep = [ln for ln in fh if ln.strip() and json.loads(ln).get("step", 0) <= step]
+        keep, torn = [], 0
+        with open(self.path, errors="replace") as fh:
+            for ln in fh:
+                if not ln.strip():
+                    continue
+                try:
+                    rec = json.loads(ln)
+                except ValueError:
+                    rec = None
+                if not isinstance(rec, dict):
+                    torn += 1
+                elif rec.get("step", 0) <= step:
+                    keep.append(ln if ln.endswith("\n") else ln + "\n")
+        if torn:
+            print0(f"warning: {self.path}: dropped {torn} unreadable line(s) (a job killed while writing); "
+                   f"kept {len(keep)}")
         tmp = self.path + ".tmp"
         with open(tmp, "w") as fh:
             fh.writelines(keep)
