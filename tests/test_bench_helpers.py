@@ -1,5 +1,5 @@
 """The benchmark scripts' own bookkeeping: what a failed launch's record says, and the paired-ratio summary
-the README's tokens/s claim against the HF integration rests on."""
+the tokens/s claims against the HF integration (docs/results/peers.md) rest on."""
 
 from __future__ import annotations
 

@@ -293,7 +293,7 @@ def test_demo_evaluates_every_stage_at_its_lengths(demo_run):
 @pytest.mark.dist
 @pytest.mark.xfail(strict=True, reason="not reached yet: measured passkey 0.00 at every stage, length and depth on "
                    "the tiny 2-layer model; probes need ~19k passkey samples at 256 tokens for 1.00 and do not carry "
-                   "over to 4x that length (README's main-job paragraph); the effect in 5 minutes is "
+                   "over to 4x that length (docs/results/curriculum.md); the effect in 5 minutes is "
                    "test_extension_demo_extends_passkey_retrieval (a base that retrieves, extended); strict: fails "
                    "once it passes")
 def test_demo_curriculum_extends_passkey_retrieval(demo_run):
@@ -305,7 +305,8 @@ def test_demo_curriculum_extends_passkey_retrieval(demo_run):
 @pytest.mark.dist
 def test_long_recipe_extends_passkey_retrieval(tmp_path):
     """The issue's criteria on recipes/tiny_cpu_long.yaml (~20 min on 2 cores; measured once: 0.96 at 2048 after
-    the curriculum, 0.00 after stage 1, 0.94 vs 1.00 at 256; README). 50 trials per cell: about +-0.04."""
+    the curriculum, 0.00 after stage 1, 0.94 vs 1.00 at 256; docs/results/curriculum.md). 50 trials per cell:
+    about +-0.04."""
     _, ev = run_recipe(tmp_path / "run", "tiny_cpu_long.yaml", 29734, 4, timeout=2 * 3600)
     assert_extends_passkey(ev, final_len=2048, short_len=256)
 
@@ -314,6 +315,7 @@ def test_long_recipe_extends_passkey_retrieval(tmp_path):
 @pytest.mark.dist
 def test_extension_demo_extends_passkey_retrieval(tmp_path):
     """The issue's criteria in about 5 minutes: recipes/tiny_cpu_extend.yaml extends the short-context base
-    recipes/base/tiny_passkey256 (stage 1 of the long recipe, exported) 256 -> 2048 with YaRN (README)."""
+    recipes/base/tiny_passkey256 (stage 1 of the long recipe, exported) 256 -> 2048 with YaRN
+    (docs/results/curriculum.md)."""
     _, ev = run_recipe(tmp_path / "run", "tiny_cpu_extend.yaml", 29735, 4, timeout=1800)
     assert_extends_passkey(ev, final_len=2048, short_len=256)
