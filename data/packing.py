@@ -76,8 +76,9 @@ def reset_positions(seq_len: int, inside: np.ndarray) -> np.ndarray:
     Linear in the sample length whatever the number of documents: a fixed number of array passes (mark each
     start with its own offset, a running maximum gives every token its document's start, subtract). The
     previous loop rewrote the whole tail at every start, O(documents x length): at 1M tokens of ~2k-token
-    documents (~500 starts) ~2.5e8 element writes, ~0.5-1 s of CPU per sample here, paid by each of the 8
-    ranks of the SP group (each reads the whole sample and keeps its slice: data/sharding.py); now ~10 ms."""
+    documents (~500 starts) ~2.5e8 element writes, 0.2 s of CPU per sample here (1M tokens, 500 starts;
+    1 s under load), paid by each of the 8 ranks of the SP group (each reads the whole sample and keeps its
+    slice: data/sharding.py) and growing with the square of the length; now 7 ms, whatever the documents."""
     pos = np.arange(seq_len, dtype=np.int64)
     if len(inside):
         start = np.zeros(seq_len, dtype=np.int64)

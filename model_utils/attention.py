@@ -18,6 +18,9 @@ O(sl^2) tensor at long lengths, dropped by Ulysses anyway). Per backend, after t
 - flex_attention: a BlockMask built from document ids (+ window) at block granularity, O((sl/128)^2).
 - flash_attention_2/3: varlen with cu_seqlens from the documents, micro-batch rows flattened into one
   packed row (FA's own window). Written by construction, untested here (no GPU).
+What each backend needs (host bounds and sdpa pieces, device document ids, BlockMasks, cu_seqlens) is built
+once per micro-batch by its first layer's call (`Documents`, `documents_for`) and reused by every other layer
+and by the activation-checkpointing recompute: at most one host sync per micro-batch, not one per layer.
 `track(model, attn)` counts which attention modules went through the registered function, and
 `check_routed(model)` (train.py calls it after the first micro-step) refuses a model whose attention
 bypasses it: under SP such a model would silently attend only within its own shard.
@@ -52,14 +55,16 @@ class Documents:
     max length, the "no restart" test of sdpa / flash); flex never makes it. Everything derived from it
     (bounds, sdpa pieces per window, cu_seqlens, BlockMasks) is cached here.
 
-    Cost at Llama-3-8B, 1M tokens, SP=8, 32 layers, activation checkpointing (64 attention calls per micro-batch,
-    each on the whole 1M sequence after the all-to-all). Before: every call made one host sync (the GPU queue
-    drained before the layer's attention), built the [1, 1M] document ids on the host (zeros + cumsum, ~2-3 ms
-    of CPU here) and copied their 4 MB to the device, and flex hashed str(bounds); about 64 syncs + 64 x 4 MB
-    copies + ~0.2 s of host work per micro-batch. Now: 1 sync (sdpa / flash; 0 for flex) and no copy per
-    micro-batch, plus [1, 1M] bool + int32 (5 MB) and, per window, the BlockMask (flex) or the piece list (sdpa)
-    held until the next micro-batch. A micro-batch at this size is minutes of GPU time, so the saving is
-    well under 1% of a step there; it matters at short sequences, where a step is milliseconds."""
+    Cost at Llama-3-8B, 1M tokens, SP=8, 32 layers, activation checkpointing (64 attention calls per
+    micro-batch, each on the whole 1M sequence after the all-to-all). Before: every call made one host sync
+    (the GPU queue drained before the layer's attention), then built the [1, 1M] document ids on the host and
+    copied their 4 MB to the device, and flex hashed str(bounds): 3.2 ms of host work per call measured here
+    (1M tokens, 684 documents of 500-2500 tokens), so per micro-batch 64 syncs + 64 x 4 MB copies + ~0.2 s of
+    host work. Now: 1 sync (sdpa / flash; 0 for flex) and no copy per micro-batch, plus [1, 1M] bool + int32
+    (5 MB) and, per window, the BlockMask (flex) or the piece list (sdpa) held until the next micro-batch.
+    A micro-batch there is >= ~20 s of GPU time (6.4e16 dense FLOPs with the recompute over 8 GPUs at ~400
+    TFLOP/s; minutes when documents are long), so the saving is ~1% of a step or less; it is larger at short
+    sequences, where a step is milliseconds and 64 syncs stall the launch queue each time."""
 
     def __init__(self, position_ids: torch.Tensor, bs: int):
         pos = position_ids.expand(bs, -1)

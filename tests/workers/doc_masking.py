@@ -4,7 +4,8 @@ restart at every document (reset_position_ids), per case.
 Every case counts the `attention.Documents` builds (one per micro-batch, however many layers and
 recomputes) and the attention calls. A case with "grads" runs `train_step` and records the loss and the full
 gradients (gathered from ZeRO-3 before the optimizer step); without (flex_attention on CPU: torch has no flex
-backward there) it records the forward loss only. Every case then runs `check_routed`. Run under tests.distributed.spawn.
+backward there) it records the forward loss only. Every case then runs `check_routed`. Run under
+tests.distributed.spawn.
 """
 
 import json
