@@ -85,8 +85,23 @@ def peak_rss_bytes() -> int:
         return peak if sys.platform == "darwin" else peak * 1024
 
 
+def reset_peak_memory() -> None:
+    """Start a new peak (at every stage's start, so `peak_mem_gb` is the stage's own): the device's peak
+    allocation counters on GPU; on CPU the process' VmHWM, which Linux resets on writing 5 to
+    /proc/self/clear_refs (no effect where that file is missing)."""
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        pass
+
+
 def peak_memory_gb() -> float:
-    """This rank's peak memory: device memory on GPU, peak resident set size on CPU. Max over ranks."""
+    """The peak memory of any rank since the last reset_peak_memory (the stage's start): device memory on GPU,
+    peak resident set size on CPU. Max over ranks."""
     if torch.cuda.is_available():
         peak = torch.cuda.max_memory_allocated() / 2**30
     else:
