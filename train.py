@@ -173,18 +173,19 @@ def train_stage(run: Run, stage, stages, trainer: dict, resume_from: str | None)
     from training.curriculum import stage_start
     from training.engine import build_engine, stage_config
     from training.evaluation import evaluate_stage
-    from training.metrics import peak_memory_gb, print0, rank_log
+    from training.metrics import peak_memory_gb, print0, rank_log, reset_peak_memory
     from training.step import train_step
 
     cfg, dims, data, ckpt, metrics, preempt = run.cfg, run.dims, run.data, run.ckpt, run.metrics, run.preempt
     step, tokens_seen = trainer["step"], trainer["tokens"]
     end = stage_start(stages, stage.index) + stage.max_steps
     t_build = time.perf_counter()
+    reset_peak_memory()  # peak_mem_gb is this stage's own
     sdims = dataclasses.replace(dims, sp=stage.sp)
     hf_config = copy.deepcopy(run.base_config)
     apply_rope(hf_config, stage.rope, stage.max_seq_length)
     engine = build_engine(stage_config(cfg, stage), sdims, hf_config, run.attn, run.bf16, seed=cfg.seed,
-                          ds_overrides=stage.deepspeed_overrides)
+                          ds_overrides=stage.deepspeed_overrides, pretrained=resume_from is None)
     if dims.is_main:
         used = os.path.join(cfg.output_dir, f"ds_config.stage{stage.index}.json")
         with open(used, "w") as fh:

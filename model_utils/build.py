@@ -45,14 +45,20 @@ def pick_attn_implementation(requested: str, planning: bool = False) -> str:
     return "sdpa"
 
 
-def build_model(name_or_path: str, hf_config, ds_config: dict, attn_implementation: str, dtype: torch.dtype):
+def build_model(name_or_path: str, hf_config, ds_config: dict, attn_implementation: str, dtype: torch.dtype,
+                pretrained: bool = True):
     """The model, partitioned over the world as it is created. Returns (model, hf_ds_config_handle);
-    keep the handle alive: transformers reads ZeRO-3 settings through it."""
+    keep the handle alive: transformers reads ZeRO-3 settings through it.
+
+    `pretrained=False` when a checkpoint will overwrite every weight (a resume, a stage after the first): the
+    model is created from its config only. Loading the HF weights there was wasted work: Llama-3-8B is 16 GB
+    read from the shared file system and scattered into the partitions at every stage start and every resume,
+    minutes on 32 ranks, before the checkpoint replaced all of it."""
     from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
     handle = HfDeepSpeedConfig(ds_config)
-    if os.path.isdir(name_or_path):
+    if pretrained and os.path.isdir(name_or_path):
         model = AutoModelForCausalLM.from_pretrained(name_or_path, config=hf_config, dtype=dtype,
                                                      attn_implementation=attn_implementation)
     else:

@@ -105,11 +105,18 @@ def test_resume_with_a_stale_listing_on_one_rank(assets, tmp_path, reference_run
     """The cluster bug of issue 25: after a preemption save, rank 1's node lists `checkpoints/` as it was before the
     newest saves and still sees the PREEMPT file rank 0 removed (tests/stubs/stale_view). The resumed job continues
     from rank 0's newest checkpoint on every rank (no stop at its first step) and its losses equal the
-    uninterrupted run's: one checkpoint, not a mix of two."""
-    out = tmp_path / "out"
+    uninterrupted run's: one checkpoint, not a mix of two. The model folder's weights are gone by then: a resume
+    creates the model from its config, the checkpoint replaces every weight (HF weights are not read)."""
+    import shutil
+
+    out, model = tmp_path / "out", tmp_path / "model"
+    shutil.copytree(assets["llama_gqa"], model)
     args = train_args(assets, out, 2, 1, extra=["--save_steps", "2", "--save_total_limit", "4"])
+    args[args.index("--model_name_or_path") + 1] = str(model)
     saved = preempt_after(args, 2, out, str(tmp_path / "logs1"), steps=5)
     assert saved >= 5
+    for f in model.glob("*.safetensors"):
+        f.unlink()
     (out / "PREEMPT").write_text("")  # what the batch script touched; the new job's rank 0 removes it
     env = {"PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT}/tests/stubs/stale_view", "STALE_VIEW_RANK": "1",
            "STALE_VIEW_UNLISTED": r"checkpoints/step_0000(0[3-9]|[1-9]\d)$", "STALE_VIEW_GHOST": r"out/PREEMPT$"}

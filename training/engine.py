@@ -31,13 +31,14 @@ def stage_config(cfg: Config, stage: Stage) -> Config:
 
 
 def build_engine(cfg: Config, dims: ParallelDims, hf_config, attn: str, bf16: bool, seed: int,
-                 ds_overrides: dict | None = None):
-    """A DeepSpeed engine over the HF model (ZeRO-3, Ulysses SP when dims.sp > 1, our LR schedule)."""
+                 ds_overrides: dict | None = None, pretrained: bool = True):
+    """A DeepSpeed engine over the HF model (ZeRO-3, Ulysses SP when dims.sp > 1, our LR schedule).
+    `pretrained=False`: a checkpoint is loaded next and replaces every weight; the HF weights are not read."""
     text_cfg = hf_config.get_text_config()
     ds_config = build_ds_config(cfg, dims, bf16, text_cfg.hidden_size, ds_overrides)
     torch.manual_seed(seed)  # same init on every rank (and the same as a plain from_config with this seed)
     model, handle = build_model(cfg.model_name_or_path, hf_config, ds_config, attn,
-                                torch.bfloat16 if bf16 else torch.float16 if cfg.fp16 else torch.float32)
+                                torch.bfloat16 if bf16 else torch.float16 if cfg.fp16 else torch.float32, pretrained)
     apply_memory_features(model, cfg)
     ulysses.unregister()  # a previous stage may have registered another SP degree
     mpu = ulysses.register(model, dims.sp, attn, cfg.per_device_train_batch_size)
