@@ -15,8 +15,12 @@
 # step boundary, exit 75); a second SIGINT stops the launcher the hard way. The launchers themselves run
 # in their own process group with SIGUSR1 ignored, because the deepspeed launcher has no SIGUSR1 handler
 # (it would die of it and lose the exit code) and answers SIGTERM/SIGINT by killing its children.
+# Threads and cores: each rank gets OMP_NUM_THREADS = this node's CPUs / its ranks (a value you set wins; pdsh
+# nodes get node 0's number); on one node and with --no_ssh, where numactl is installed, the deepspeed launcher also
+# binds each rank to its own cores (--bind_cores_to_rank; it then sets OMP_NUM_THREADS per rank itself).
+# BIND_CORES=0 turns binding off, 1 insists on it.
 # Environment overrides: DEEPSPEED, TORCHRUN (launcher executables), TRAIN_SCRIPT (default train.py),
-# LAUNCH_EXPORT (extra variable names to write to .deepspeed_env).
+# LAUNCH_EXPORT (extra variable names to write to .deepspeed_env), BIND_CORES (auto | 0 | 1).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -89,12 +93,49 @@ if [ -z "$num_gpus" ] && [ -z "$hostfile" ]; then
 fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
+# --- threads and cores per rank ---
+# Ranks on this node: --num_gpus, else the hostfile's first slots= (pdsh nodes are alike), else 1.
+ranks_here=${num_gpus:-$( { [ -n "$hostfile" ] && grep -v '^\s*#' "$hostfile" | grep -oE 'slots=[0-9]+' | head -n 1 |
+                            cut -d= -f2; } || true)}
+ranks_here=${ranks_here:-1}
+cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # the CPUs this process may run on (cgroup/cpuset aware)
+[ -n "${OMP_NUM_THREADS:-}" ] || export OMP_NUM_THREADS=$(( cores / ranks_here > 0 ? cores / ranks_here : 1 ))
+bind=0
+case "${BIND_CORES:-auto}" in
+  0) ;;
+  1|auto)
+    # numactl -C per rank (the launcher's cores_per_rank = cores / ranks) where the ranks start from this launcher's
+    # launch.py: torchrun has no such option, and deepspeed 0.19.8's pdsh runner does not pass the flag to the nodes
+    if [ "$torchrun" = 1 ] || { [ -n "$hostfile" ] && [ "$no_ssh" = 0 ]; }; then
+      [ "${BIND_CORES:-auto}" = 1 ] && die "BIND_CORES=1: only the local deepspeed launcher binds cores (one node, --no_ssh)"
+    elif ! command -v numactl >/dev/null 2>&1; then
+      [ "${BIND_CORES:-auto}" = 1 ] && die "BIND_CORES=1 needs numactl on every node (apt-get install numactl)"
+    elif [ -n "${KMP_AFFINITY:-}" ]; then
+      [ "${BIND_CORES:-auto}" = 1 ] && die "BIND_CORES=1: unset KMP_AFFINITY (it conflicts with numactl binding)"
+    elif [ "$cores" -ge "$ranks_here" ]; then
+      bind=1
+    elif [ "${BIND_CORES:-auto}" = 1 ]; then
+      die "BIND_CORES=1: $ranks_here ranks but $cores CPUs here (one core per rank at least)"
+    fi ;;
+  *) die "BIND_CORES=$BIND_CORES: use auto, 0 or 1" ;;
+esac
+bind_args=()
+if [ "$bind" = 1 ]; then
+  bind_args=(--bind_cores_to_rank)
+  # the CPUs this process may use (SLURM's cgroup, taskset), the ones `cores` counted: without a list the launcher
+  # deals out physical cores 0..N-1 of the whole machine, outside a cpuset too
+  allowed=$(awk '/^Cpus_allowed_list:/ {print $2}' /proc/self/status 2>/dev/null || true)
+  [ -n "$allowed" ] && bind_args+=(--bind_core_list "$allowed")
+fi
+
 # The deepspeed launcher reads ./.deepspeed_env (and ~/.deepspeed_env; the name can be changed with
 # DS_ENV_FILE) and exports every KEY=VALUE line on each node it starts over pdsh/mpi. Written atomically:
 # with --no_ssh several launchers may share this directory.
 env_file=${DS_ENV_FILE:-.deepspeed_env}
 tmp=$(mktemp "$env_file.XXXXXX")
-names=$(compgen -e | grep -E '^(NCCL_|WANDB_|HF_|TRANSFORMERS_|TORCH_NCCL_)|^(PYTHONPATH|DS_ACCELERATOR|OMP_NUM_THREADS|PYTORCH_CUDA_ALLOC_CONF|CUDA_HOME|SLURM_JOB_END_TIME)$' || true)
+# The interface variables ride along (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME, NCCL_IB_HCA, the FI_* of libfabric/EFA,
+# the UCX_* of UCX): without them a remote node's gloo group binds whatever its hostname resolves to.
+names=$(compgen -e | grep -E '^(NCCL_|GLOO_|FI_|UCX_|WANDB_|HF_|TRANSFORMERS_|TORCH_NCCL_)|^(PYTHONPATH|DS_ACCELERATOR|OMP_NUM_THREADS|PYTORCH_CUDA_ALLOC_CONF|CUDA_HOME|SLURM_JOB_END_TIME|TORCH_EXTENSIONS_DIR)$' || true)
 for v in $names ${LAUNCH_EXPORT:-}; do
   val=${!v-}
   case "$val" in *$'\n'*) echo "launch.sh: not exporting $v (multi-line value)" >&2; continue ;; esac
@@ -118,7 +159,7 @@ elif [ "$no_ssh" = 1 ]; then
     mv -f "$tmp" "$hostfile"
   fi
   cmd=("$DEEPSPEED" --hostfile "$hostfile" --no_ssh --node_rank "$node_rank" --master_addr "$master_addr"
-       --master_port "$master_port" "$TRAIN_SCRIPT" "$@")
+       --master_port "$master_port" ${bind_args[@]+"${bind_args[@]}"} "$TRAIN_SCRIPT" "$@")
 elif [ -n "$hostfile" ]; then
   mode=pdsh
   cmd=("$DEEPSPEED" --hostfile "$hostfile")
@@ -132,9 +173,9 @@ elif [ -n "$hostfile" ]; then
 elif [ -n "${CUDA_VISIBLE_DEVICES:-}" ] && [ -z "$num_gpus_given" ]; then
   # without --num_gpus the runner turns CUDA_VISIBLE_DEVICES into --include localhost:<those ids>;
   # with it, it would use devices 0..N-1 whatever was selected
-  cmd=("$DEEPSPEED" --master_port "$master_port" "$TRAIN_SCRIPT" "$@")
+  cmd=("$DEEPSPEED" --master_port "$master_port" ${bind_args[@]+"${bind_args[@]}"} "$TRAIN_SCRIPT" "$@")
 else
-  cmd=("$DEEPSPEED" --num_gpus "$num_gpus" --master_port "$master_port" "$TRAIN_SCRIPT" "$@")
+  cmd=("$DEEPSPEED" --num_gpus "$num_gpus" --master_port "$master_port" ${bind_args[@]+"${bind_args[@]}"} "$TRAIN_SCRIPT" "$@")
 fi
 shell_words() {  # the arguments as one line a shell reads back the same (quotes only where needed)
   local a words=() safe='^[A-Za-z0-9_@%+=:,./-]+$' q="'"
@@ -143,7 +184,7 @@ shell_words() {  # the arguments as one line a shell reads back the same (quotes
   done
   echo "${words[*]}"
 }
-shell_words "DS_ACCELERATOR=$DS_ACCELERATOR" "PYTHONPATH=$PYTHONPATH" "${cmd[@]}"
+shell_words "DS_ACCELERATOR=$DS_ACCELERATOR" "PYTHONPATH=$PYTHONPATH" "OMP_NUM_THREADS=$OMP_NUM_THREADS" "${cmd[@]}"
 [ "$print_only" = 1 ] && exit 0
 
 # --- run it, pass signals on as "save and exit" requests, return train.py's exit code ---

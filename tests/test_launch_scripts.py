@@ -27,10 +27,11 @@ def clean_env(**kw: str) -> dict:
     """This environment without the variables a launcher or SLURM would have set, plus kw."""
     drop = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "DS_ACCELERATOR", "PYTHONPATH",
             "DS_ENV_FILE", "LAUNCH_CMD", "TRAIN_SCRIPT", "OUTPUT_DIR", "CUDA_VISIBLE_DEVICES", "LAUNCH_EXPORT")
-    prefixes = ("SLURM_", "NCCL_", "WANDB_", "HF_", "TRANSFORMERS_", "TORCH_NCCL_", "FAKE_")
+    drop += ("BIND_CORES", "KMP_AFFINITY", "TORCH_EXTENSIONS_DIR")
+    prefixes = ("SLURM_", "NCCL_", "WANDB_", "HF_", "TRANSFORMERS_", "TORCH_NCCL_", "FAKE_", "GLOO_", "FI_", "UCX_")
     e = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith(prefixes)}
-    e.update(OMP_NUM_THREADS="1", **kw)
-    return e
+    e.update({"OMP_NUM_THREADS": "1", "BIND_CORES": "0", **kw})  # core binding: only where a test asks for it
+    return {k: v for k, v in e.items() if v is not None}  # kw NAME=None: leave NAME unset
 
 
 def launch(args: list[str], cwd, **env: str) -> subprocess.CompletedProcess:
@@ -47,6 +48,11 @@ def wait_for(cond, timeout: float, what: str) -> None:
 
 
 # --- scripts/launch.sh: commands ---
+
+# what a cluster sets so that gloo, NCCL, libfabric (EFA) and UCX pick the nodes' fabric; every node needs them
+INTERFACES = {"GLOO_SOCKET_IFNAME": "eth1", "NCCL_SOCKET_IFNAME": "eth1", "NCCL_IB_HCA": "mlx5_0,mlx5_1",
+              "FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "UCX_TLS": "rc,sm", "TORCH_EXTENSIONS_DIR": "/x/ext"}
+
 
 @pytest.mark.parametrize("opts, expect", [
     (["--num_gpus", "4"], f"{DS} --num_gpus 4 --master_port 29500 {TRAIN} --max_steps 3"),
@@ -67,14 +73,71 @@ def wait_for(cond, timeout: float, what: str) -> None:
 def test_print_only_prints_the_command_and_writes_deepspeed_env(tmp_path, opts, expect):
     (tmp_path / "hosts").write_text("w0 slots=2\nw1 slots=2\n")
     p = launch(["--print-only", *opts, "--", "--max_steps", "3"], tmp_path, TMPDIR=str(tmp_path),
-               WANDB_MODE="offline", NCCL_DEBUG="WARN", HF_HOME="/data/hf", DS_ACCELERATOR="cpu")
+               WANDB_MODE="offline", NCCL_DEBUG="WARN", HF_HOME="/data/hf", DS_ACCELERATOR="cpu", **INTERFACES)
     assert p.returncode == 0, p.stderr
-    assert p.stdout == f"DS_ACCELERATOR=cpu PYTHONPATH={ROOT} {expect.replace('TMP', str(tmp_path))}\n"
+    assert p.stdout == (f"DS_ACCELERATOR=cpu PYTHONPATH={ROOT} OMP_NUM_THREADS=1 "
+                        f"{expect.replace('TMP', str(tmp_path))}\n")
     exported = (tmp_path / ".deepspeed_env").read_text().splitlines()
     assert {"WANDB_MODE=offline", "NCCL_DEBUG=WARN", "HF_HOME=/data/hf", "DS_ACCELERATOR=cpu",
-            f"PYTHONPATH={ROOT}", "OMP_NUM_THREADS=1"} == set(exported)  # nothing else, no blank lines
+            f"PYTHONPATH={ROOT}", "OMP_NUM_THREADS=1", *(f"{k}={v}" for k, v in INTERFACES.items())
+            } == set(exported)  # nothing else, no blank lines
     if "--no_ssh" in opts:
         assert (tmp_path / f"ulysses_hostfile.{os.getuid()}.2x8").read_text() == "node0 slots=8\nnode1 slots=8\n"
+
+
+NUMA_STUB = os.path.join(STUBS, "numa")  # a numactl stand-in: logs its options, runs the command
+
+
+def allowed_cpus() -> str:
+    with open("/proc/self/status") as fh:
+        return next(line.split()[1] for line in fh if line.startswith("Cpus_allowed_list:"))
+
+
+def test_threads_per_rank_are_the_nodes_cpus_over_its_ranks(tmp_path):
+    cores = len(os.sched_getaffinity(0))
+    (tmp_path / "hosts").write_text("w0 slots=1\nw1 slots=1\n")
+    for opts, ranks in ((["--num_gpus", "1"], 1), (["--num_gpus", str(cores + 1)], cores + 1),
+                        (["-H", "hosts"], 1), (["--torchrun", "--num_gpus", "1"], 1)):
+        p = launch(["--print-only", *opts, "--", "--x"], tmp_path, DS_ACCELERATOR="cpu", OMP_NUM_THREADS=None)
+        threads = max(1, cores // ranks)
+        assert p.returncode == 0 and f" OMP_NUM_THREADS={threads} " in p.stdout, (opts, p.stdout, p.stderr)
+        assert f"OMP_NUM_THREADS={threads}" in (tmp_path / ".deepspeed_env").read_text().splitlines()
+    p = launch(["--print-only", "--num_gpus", "1", "--", "--x"], tmp_path, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="3")
+    assert " OMP_NUM_THREADS=3 " in p.stdout  # a value the user set wins
+
+
+@pytest.mark.parametrize("opts, binds", [
+    (["--num_gpus", "1"], True),
+    (["--no_ssh", "--nnodes", "2", "--node_rank", "1", "--master_addr", "10.0.0.1", "--num_gpus", "1"], True),
+    (["-H", "hosts"], False),  # deepspeed 0.19.8's pdsh runner does not pass --bind_cores_to_rank on
+    (["--torchrun", "--num_gpus", "1"], False),
+], ids=["single-node", "no-ssh", "pdsh", "torchrun"])
+def test_cores_are_bound_per_rank_where_the_launcher_can(tmp_path, opts, binds):
+    (tmp_path / "hosts").write_text("w0 slots=1\nw1 slots=1\n")
+    path = f"{NUMA_STUB}:{os.environ['PATH']}"
+    p = launch(["--print-only", *opts, "--", "--x"], tmp_path, DS_ACCELERATOR="cpu", PATH=path, BIND_CORES="auto",
+               TMPDIR=str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    assert (f" --bind_cores_to_rank --bind_core_list {allowed_cpus()} {TRAIN} --x" in p.stdout) == binds, p.stdout
+    assert ("--bind_cores_to_rank" in p.stdout) == binds, p.stdout
+    p = launch(["--print-only", *opts, "--", "--x"], tmp_path, DS_ACCELERATOR="cpu", PATH=path, BIND_CORES="0",
+               TMPDIR=str(tmp_path))
+    assert p.returncode == 0 and "--bind_cores_to_rank" not in p.stdout, p.stdout
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"KMP_AFFINITY": "compact"}, "unset KMP_AFFINITY"),
+    ({"BIND_CORES": "yes"}, "BIND_CORES=yes: use auto, 0 or 1"),
+    ({"NUM": "many"}, "ranks but"),
+])
+def test_insisting_on_core_binding_fails_in_one_line_where_it_cannot(tmp_path, env, message):
+    num = str(len(os.sched_getaffinity(0)) + 1) if env.pop("NUM", None) else "1"
+    p = launch(["--print-only", "--num_gpus", num, "--", "--x"], tmp_path, DS_ACCELERATOR="cpu",
+               PATH=f"{NUMA_STUB}:{os.environ['PATH']}", **{"BIND_CORES": "1", **env})
+    assert p.returncode == 2 and message in p.stderr and len(p.stderr.splitlines()) == 1, p.stderr
+    p = launch(["--print-only", "--torchrun", "--num_gpus", "1", "--", "--x"], tmp_path, DS_ACCELERATOR="cpu",
+               BIND_CORES="1")
+    assert p.returncode == 2 and "only the local deepspeed launcher binds cores" in p.stderr, p.stderr
 
 
 def test_accelerator_choice(tmp_path):
@@ -135,7 +198,7 @@ def test_exit_code_of_the_launcher_is_passed_on(tmp_path, code):
     p = launch(["--num_gpus", "1", "--", "--max_steps", "1"], tmp_path, DEEPSPEED=os.path.join(STUBS, "fake_launch"),
                FAKE_LOG=str(log), FAKE_EXIT=str(code))
     assert p.returncode == code, p.stderr
-    assert log.read_text() == f"args: --num_gpus 1 --master_port 29500 {TRAIN} --max_steps 1\n"
+    assert log.read_text().splitlines()[0] == f"args: --num_gpus 1 --master_port 29500 {TRAIN} --max_steps 1"
 
 
 # --- scripts/slurm.sbatch with stub sbatch/srun/scontrol and a stand-in launch.sh ---
@@ -217,6 +280,19 @@ def test_sbatch_requeues_a_run_cut_by_the_time_limit(tmp_path, after, requeued):
     assert job.returncode == (0 if requeued else int(after)), text
 
 
+@pytest.mark.parametrize("export", ["ALL", "NONE"])
+def test_sbatch_carries_the_interface_variables_to_every_node(tmp_path, export):
+    """Under `sbatch --export=NONE` (SLURM_EXPORT_ENV=NONE in the batch shell) srun starts its tasks without the
+    batch environment unless told --export=ALL: the interface variables set in the job must still arrive."""
+    env = {k: v for k, v in INTERFACES.items() if k != "TORCH_EXTENSIONS_DIR"}
+    job = sbatch(tmp_path, "0", ["--output_dir", str(tmp_path / "out"), "--dry_run"], SLURM_EXPORT_ENV=export,
+                 **env)
+    text = job.communicate(timeout=60)[0]
+    assert job.returncode == 0, text
+    assert (tmp_path / "fake.log").read_text().splitlines()[1] == (
+        "env: GLOO_SOCKET_IFNAME=eth1 NCCL_SOCKET_IFNAME=eth1 FI_PROVIDER=efa UCX_TLS=rc,sm")
+
+
 def test_sbatch_gives_up_after_max_requeues(tmp_path):
     job = sbatch(tmp_path, "75", ["--output_dir", str(tmp_path / "out")], SLURM_RESTART_COUNT="4",
                  MAX_REQUEUES="3")
@@ -280,6 +356,36 @@ def test_sbatch_chain_with_real_launcher(tmp_path):
     assert job.returncode == 0, text
     assert [(tmp_path / f"got{r}").read_text() for r in (0, 1)] == ["SIGUSR1", "SIGUSR1"], text
     assert "training exited with 75" in text and requeues(tmp_path) == ["requeue 4242"], text
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("opts", [
+    ["--num_gpus", "2"],
+    ["--no_ssh", "--nnodes", "1", "--node_rank", "0", "--master_addr", "127.0.0.1", "--num_gpus", "2"],
+    ["--torchrun", "--num_gpus", "2"],
+], ids=["single-node", "no-ssh", "torchrun"])
+def test_ranks_get_the_interface_variables_threads_and_cores(tmp_path, opts):
+    """The real launchers: every rank sees the interface variables, OMP_NUM_THREADS = CPUs / ranks; under the
+    deepspeed launcher (numactl stand-in on PATH) each rank starts under numactl with its own cores."""
+    cores = sorted(os.sched_getaffinity(0))
+    env = clean_env(TRAIN_SCRIPT=os.path.join(STUBS, "env_train.py"), FAKE_DIR=str(tmp_path), DS_ACCELERATOR="cpu",
+                    TMPDIR=str(tmp_path), PATH=f"{NUMA_STUB}:{os.environ['PATH']}", BIND_CORES="auto",
+                    NUMACTL_LOG=str(tmp_path / "numactl.log"), OMP_NUM_THREADS=None, **INTERFACES)
+    p = subprocess.run([LAUNCH, *opts, "--master_port", "29635", "--", "--x"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    seen = [json.loads((tmp_path / f"env{r}.json").read_text()) for r in (0, 1)]
+    for s in seen:
+        assert {k: s[k] for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "FI_PROVIDER",
+                                  "UCX_TLS")} == {k: v for k, v in INTERFACES.items() if k in s}, s
+        assert s["OMP_NUM_THREADS"] == str(max(1, len(cores) // 2)), s
+    bound = "--torchrun" not in opts and len(cores) >= 2
+    log = (tmp_path / "numactl.log").read_text().splitlines() if bound else []
+    assert len(log) == (2 if bound else 0), log
+    if bound:  # the launcher's numactl -C per local rank: disjoint halves of this process' CPUs
+        per = len(cores) // 2
+        assert sorted(line.split(" -C ")[1] for line in log) == sorted(
+            (f"{cores[i * per]}-{cores[i * per + per - 1]}" if per > 1 else str(cores[i * per])) for i in (0, 1))
 
 
 @pytest.mark.dist
