@@ -38,6 +38,7 @@ import os
 import random
 import re
 import shutil
+import time
 import zlib
 
 import numpy as np
@@ -316,8 +317,6 @@ class Checkpointer:
     def _check_files(self, path: str, files: dict) -> str | None:
         """The first problem among `files` (name -> manifest entry), or None. A file missing or shorter than its
         entry may be a stale view of this node: looked for again every 2 s for up to `settle_s`."""
-        import time
-
         give_up = time.monotonic() + self.settle_s
         todo = sorted(files)
         while True:
@@ -354,8 +353,10 @@ class Checkpointer:
             return resume
         for tag in reversed(comm.run_on_main(self.tags)):  # rank 0's listing is the only one read
             path = os.path.join(self.root, tag)
+            t0 = time.perf_counter()
             why = self.verify(path)
             if why is None:
+                print0(f"verified {path} in {time.perf_counter() - t0:.1f}s")
                 return path
             print0(f"warning: skipping checkpoint {path}: {why}")
         return None
@@ -395,6 +396,7 @@ class Checkpointer:
 
         A new stage loads the previous stage's weights, optionally its Adam moments, never its LR schedule."""
         rank, world = _world()
+        t0 = time.perf_counter()
         load_dir, tag = os.path.split(path.rstrip("/"))
         saved_world = comm.run_on_main(lambda: _read_json(os.path.join(path, MANIFEST)))["json"]["world"]
         if saved_world != world:
@@ -413,6 +415,7 @@ class Checkpointer:
             for group, lr in zip(engine.optimizer.param_groups, engine.lr_scheduler.get_last_lr()):
                 group["lr"] = lr
         engine._config.load_universal_checkpoint = False
+        print0(f"loaded {path} in {time.perf_counter() - t0:.1f}s")
         if saved_world != world:  # rank r of another world: take rank 0's data position, fresh RNG
             return {k: v for k, v in torch.load(os.path.join(path, "state", "rank00000.pt"), weights_only=False).items()
                     if k != "rng"}
