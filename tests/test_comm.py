@@ -113,3 +113,181 @@ def test_single_process_needs_no_group():
     assert comm.run_on_main(lambda: 7) == 7
     with pytest.raises(ValueError, match="bad"):
         comm.run_on_main(lambda: (_ for _ in ()).throw(ValueError("bad")))
+
+
+# --- the abort channel (training/comm.py's Watcher), driven without processes: a real TCPStore, a fake clock ---
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+class Exits(list):
+    """What a watcher said and the code it would have exited with (instead of os._exit)."""
+
+    def say(self, line):
+        self.append(line)
+
+    def exit(self, code):
+        self.append(code)
+
+
+@pytest.fixture
+def channel(monkeypatch):
+    """A TCPStore server (as rank 0 hosts it) and `make(rank)`: a started watcher of a 3-rank world on its own
+    client connection, with a fake clock and recorded exits. Its thread never polls (POLL_S is huge)."""
+    import datetime
+
+    from tests.distributed import free_port
+
+    monkeypatch.setattr(comm, "POLL_S", 1e6)
+    port = free_port()
+    server = comm.dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                                timeout=datetime.timedelta(seconds=30))  # a connect here sometimes takes 5 s
+    clock, made = Clock(), []
+
+    def make(rank, world=3):
+        store = comm.dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=30))
+        store.set_timeout(datetime.timedelta(seconds=2))
+        ex = Exits()
+        w = comm.Watcher(store, rank, world, clock=clock, hard_exit=ex.exit, say=ex.say).start()
+        made.append(w)
+        return w, ex
+
+    yield make, clock, server
+    for w in made:
+        w.stop()
+
+
+def test_a_posted_failure_stops_every_other_rank_with_its_line(channel):
+    make, clock, _ = channel
+    (w0, ex0), (w1, ex1), (w2, ex2) = make(0), make(1), make(2)
+    for w in (w0, w1, w2):
+        w.poll()
+    assert ex0 == ex1 == ex2 == []
+    assert comm.publish_abort("rank 2 failed: RuntimeError: boom", 1, w2.store) == "rank 2 failed: RuntimeError: boom"
+    # a later failure (a rank whose collective broke because rank 2 left) does not replace the cause
+    assert comm.publish_abort("rank 1 failed: gloo closed", 1, w1.store) == "rank 2 failed: RuntimeError: boom"
+    w0.poll()
+    w1.poll()
+    assert ex0 == ex1 == ["stopping: rank 2 failed: RuntimeError: boom", 1]
+    assert w0.store.get("ulysses_watch/hb/1") == comm.DONE  # rank 1 marked itself done before exiting
+
+
+def test_an_input_error_stops_the_others_with_its_exit_code(channel):
+    make, _, _ = channel
+    (w0, ex0), (w1, ex1) = make(0), make(1)
+    comm.publish_abort("rank 0 stopped on an input error", 2, w0.store)
+    w1.poll()
+    assert ex0 == [] and ex1 == ["stopping: rank 0 stopped on an input error", 2]
+
+
+def test_rank0_declares_a_silent_rank_failed_after_stall_s(channel):
+    make, clock, _ = channel
+    (w0, ex0), (w1, ex1), (w2, ex2) = make(0), make(1), make(2)
+    w0.poll()
+    for _ in range(int(comm.STALL_S // 10)):  # rank 1 heartbeats, rank 2 is silent (SIGKILL, hang, node lost)
+        clock.t += 10
+        w1.poll()
+        w0.poll()
+        if ex0:
+            break
+    assert ex0 == [f"stopping: rank 2 stopped responding: no heartbeat for {comm.STALL_S:.0f} s (killed, hung, or "
+                   "its node was lost)", 1]
+    w1.poll()
+    assert ex1[-1] == 1 and ex1[0].startswith("stopping: rank 2 stopped responding")
+
+
+def test_a_rank_that_left_cleanly_is_never_declared_silent(channel):
+    make, clock, _ = channel
+    (w0, ex0), (w1, _), (w2, _) = make(0), make(1), make(2)
+    w0.poll()
+    w1._mark_done()  # what comm.leave() does on a clean exit (0, or 75 after the save)
+    w1.stop()
+    for _ in range(10):
+        clock.t += comm.STALL_S / 2
+        w2.poll()
+        w0.poll()
+    assert ex0 == []
+
+
+def test_the_others_watch_rank0s_heartbeat(channel):
+    make, clock, server = channel
+    (w0, _), (w1, ex1) = make(0), make(1)
+    w1.poll()
+    clock.t += comm.STALL_S  # rank 0 alive (the store answers) but its heartbeat stalled: a hang
+    w1.poll()
+    assert ex1 and ex1[0].startswith("stopping: rank 0 stopped responding") and ex1[-1] == 1
+
+
+def test_a_lost_store_stops_a_rank_after_the_grace_only(channel):
+    make, clock, _ = channel
+    w1, ex1 = make(1)
+
+    class Gone:
+        def __getattr__(self, name):
+            def fail(*a, **k):
+                raise comm.dist.DistNetworkError("connection refused")
+            return fail
+
+    real = w1.store
+    w1.store = Gone()
+    w1.poll()
+    clock.t += comm.LOST_STORE_S - 1
+    w1.poll()
+    assert ex1 == []
+    w1.store = real  # it came back: the grace starts again
+    w1.poll()
+    w1.store = Gone()
+    clock.t += 1
+    w1.poll()
+    clock.t += comm.LOST_STORE_S - 1
+    w1.poll()
+    assert ex1 == []
+    clock.t += 1
+    w1.poll()
+    assert ex1[-1] == 1 and "store (hosted by rank 0) has been unreachable for 20 s" in ex1[0], ex1
+
+
+def test_a_stopped_watcher_never_exits_the_process(channel):
+    make, clock, _ = channel
+    (w0, ex0), (w1, ex1) = make(0), make(1)
+    w1.stop()  # this rank is on its own way out (a clean exit, or its own failure being reported)
+    comm.publish_abort("rank 0 failed: x", 1, w0.store)
+    w1.poll()
+    clock.t += 10 * comm.STALL_S
+    w1.poll()
+    assert ex1 == []
+
+
+def test_rank0_waits_for_ranks_still_leaving_before_its_store_goes(channel):
+    make, clock, _ = channel
+    (w0, _), (w1, _), (w2, _) = make(0), make(1), make(2)
+    w1._mark_done()
+    ticks = []
+
+    def sleep(s):  # rank 2 still heartbeats for 3 ticks, then leaves
+        ticks.append(s)
+        clock.t += 1
+        w2.store.add("ulysses_watch/hb/2", 1)
+        if len(ticks) == 3:
+            w2._mark_done()
+
+    w0.sleep = sleep
+    w0.peers_done(comm.LEAVE_WAIT_S)
+    assert len(ticks) == 3
+
+
+def test_rank0_does_not_wait_for_a_silent_rank_beyond_stall_s(channel):
+    make, clock, _ = channel
+    (w0, _), (w1, _), (w2, _) = make(0), make(1), make(2)
+    ticks = []
+    w0.sleep = lambda s: (ticks.append(s), setattr(clock, "t", clock.t + 1))
+    w1._mark_done()
+    w0.peers_done(comm.LEAVE_WAIT_S)  # rank 2 never heartbeats again
+    assert comm.STALL_S - 1 <= len(ticks) <= comm.STALL_S + 1

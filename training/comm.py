@@ -166,6 +166,7 @@ POLL_S = 2.0  # how often every rank's watcher looks at the store
 STALL_S = 60.0  # a rank whose heartbeat has not advanced this long has failed (killed, hung, node lost)
 LOST_STORE_S = 20.0  # the store unreachable this long: rank 0's process (which hosts it) is gone
 STORE_OP_TIMEOUT_S = 10.0  # one store request (a lost node answers nothing: no TCP reset)
+CONNECT_TIMEOUT_S = 60.0  # the watcher's own connection, made once at init (a connect can take seconds)
 EXIT_GRACE_S = 30.0  # a failing rank's own teardown (atexit, NCCL destroy) before it is cut short
 LEAVE_WAIT_S = 600.0  # rank 0, leaving cleanly, waits at most this long for live ranks still on their way out
 DONE = b"done"  # a rank's heartbeat value once it has left (cleanly, failed, or stopped by an abort)
@@ -182,9 +183,10 @@ class Watcher:
     """One rank's side of the abort channel. `poll()` is one look at the store (the thread calls it every
     POLL_S); store, clock and exit are injected so tests can drive it without processes or waiting."""
 
-    def __init__(self, store, rank: int, world: int, clock=time.monotonic, hard_exit=os._exit, say=None):
+    def __init__(self, store, rank: int, world: int, clock=time.monotonic, hard_exit=os._exit, say=None,
+                 sleep=time.sleep):
         self.store, self.rank, self.world = store, rank, world
-        self.clock, self.hard_exit, self.say = clock, hard_exit, say or _say
+        self.clock, self.hard_exit, self.say, self.sleep = clock, hard_exit, say or _say, sleep
         self.peers = list(range(world)) if rank == 0 else [0]  # rank 0 watches everyone, the others rank 0
         self.seen: dict[int, tuple[bytes, float]] = {}  # peer -> (last heartbeat value, when it last changed)
         self.store_lost_since: float | None = None
@@ -289,7 +291,7 @@ class Watcher:
                     waiting.append(i)
             if not waiting:
                 return
-            time.sleep(min(0.2, POLL_S))
+            self.sleep(min(0.2, POLL_S))
 
 
 def _one_line(e: BaseException | str) -> str:
@@ -312,8 +314,10 @@ def _watch_store():
         store = store.underlying_store
     if not isinstance(store, dist.TCPStore):
         return None
-    return dist.TCPStore(store.host, store.port, is_master=False, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=STORE_OP_TIMEOUT_S))
+    own = dist.TCPStore(store.host, store.port, is_master=False, wait_for_workers=False,
+                        timeout=datetime.timedelta(seconds=CONNECT_TIMEOUT_S))
+    own.set_timeout(datetime.timedelta(seconds=STORE_OP_TIMEOUT_S))
+    return own
 
 
 def _start_watcher() -> None:
