@@ -25,7 +25,7 @@ GiB = 2**30
 
 # --- network: this host's gloo interface, before the process group ---
 
-def test_interface_missing_on_this_host_names_host_and_interface(tmp_path, monkeypatch):
+def test_interface_missing_on_this_host_names_host_and_interface(tmp_path, monkeypatch, capsys):
     for name in ("lo", "eth0"):
         (tmp_path / name).mkdir()
     monkeypatch.setattr(preflight, "NET_DIR", str(tmp_path))
@@ -36,6 +36,17 @@ def test_interface_missing_on_this_host_names_host_and_interface(tmp_path, monke
     msg = str(e.value)
     assert "\n" not in msg and "GLOO_SOCKET_IFNAME=ib0: host gpu-node-3 has no interface ib0" in msg
     assert "(it has eth0, lo)" in msg
+    # the bad host's local rank 0 prints the line itself (train.py prints input errors on global rank 0 only)
+    monkeypatch.setenv("RANK", "8")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(ValueError):
+        preflight.check_network()
+    assert capsys.readouterr().err == f"error: {msg}\n"
+    monkeypatch.setenv("RANK", "9")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(ValueError):
+        preflight.check_network()
+    assert capsys.readouterr().err == ""
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")
     preflight.check_network()  # present: fine
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0,ib1")  # gloo's list form: every name must exist

@@ -31,6 +31,7 @@ import ipaddress
 import os
 import resource
 import socket
+import sys
 import time
 
 from training.config import Config
@@ -96,6 +97,9 @@ def check_network() -> None:
             addr = None
     problem = network_problem(host, ifname, interfaces(), multi, addr, os.environ.get("MASTER_ADDR", ""))
     if problem:
+        # train.py prints input errors on rank 0 only, and the bad host may hold no rank 0: its local rank 0 says it
+        if os.environ.get("RANK", "0") != "0" and os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"error: {problem}", file=sys.stderr, flush=True)
         raise ValueError(problem)
 
 
