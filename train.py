@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from data.pipeline import open_run_data
-    from model_utils.attention import check_config
+    from model_utils.attention import check_config, resets_positions
     from model_utils.build import load_hf_config, pick_attn_implementation
     from model_utils.export import export_hf
     from model_utils.memory import configure_allocator
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     print0("\n".join(plan_lines(cfg, stages, dims.world, int(os.environ.get("LOCAL_WORLD_SIZE", dims.world)), bf16)))
 
     # --- data: one token stream, its held-out documents fixed for the whole run, each stage packs its length ---
-    reset_pos = cfg.reset_position_ids == "yes" or (cfg.reset_position_ids == "auto" and attn == "flash_attention_2")
+    reset_pos = resets_positions(cfg.reset_position_ids, attn)  # auto: wherever documents are masked (all backends)
     data = open_run_data(cfg.dataset_path, cfg.tokenizer_name_or_path, arch.vocab_size, stages, reset_pos,
                          cfg.mask_cross_document_labels)
     check_passkey_fits(stages, data.tokenizer)

@@ -70,11 +70,13 @@ def test_each_stage_starts_from_previous_final_weights(uninterrupted, assets, tm
     model = AutoModelForCausalLM.from_pretrained(weights, config=config, dtype=torch.float32,
                                                  attn_implementation="sdpa")
     stages = resolve_stages(config_from_dict({"stages": STAGES}), dp_of_sp=lambda sp: 2 // sp)
-    data = open_run_data(assets["data"], None, 2048, stages, reset_position_ids=False)  # the run's own data view
+    data = open_run_data(assets["data"], None, 2048, stages, reset_position_ids=True)  # the run's own data view
     ds, sampler = data.stage_view(stages[1], 1, 0, 1, seed=0)  # stage 2 at SP=2: one DP group
-    ids = torch.stack([torch.from_numpy(ds[i]["input_ids"]) for i in sampler.next_batch()])
-    with torch.no_grad():
-        ref = model(input_ids=ids, labels=ids).loss.item()
+    batch = [ds[i] for i in sampler.next_batch()]
+    ids = torch.stack([torch.from_numpy(b["input_ids"]) for b in batch])
+    pos = torch.stack([torch.from_numpy(b["position_ids"]) for b in batch])
+    with torch.no_grad():  # HF masks the packed documents itself from restarting position ids (without a cache)
+        ref = model(input_ids=ids, position_ids=pos, labels=ids, use_cache=False).loss.item()
     assert losses(uninterrupted)[4] == pytest.approx(ref, rel=1e-5)
 
 

@@ -59,13 +59,14 @@ def test_two_steps_on_one_gpu_match_the_plain_model(tmp_path, attn, keep):
     from transformers import AutoModelForCausalLM
 
     from data.pipeline import open_run_data
+    from model_utils.attention import resets_positions
     from training.config import config_from_dict
     from training.curriculum import resolve_stages
 
     cfg = config_from_dict({"model_name_or_path": model_dir, "dataset_path": data, "max_seq_length": SEQ,
                             "max_steps": 2})
     stages = resolve_stages(cfg, dp_of_sp=lambda sp: 1)
-    run_data = open_run_data(data, None, 2048, stages, reset_position_ids=attn == "flash_attention_2")
+    run_data = open_run_data(data, None, 2048, stages, reset_position_ids=resets_positions("auto", attn))
     dataset, sampler = run_data.stage_view(stages[0], 1, 0, 1, 0)
     sample = dataset[sampler.next_batch()[0]]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation=attn).cuda()
@@ -73,6 +74,6 @@ def test_two_steps_on_one_gpu_match_the_plain_model(tmp_path, attn, keep):
     labels = torch.from_numpy(sample["shift_labels"])[None].cuda()
     pos = torch.from_numpy(sample["position_ids"])[None].cuda()
     with torch.no_grad():
-        logits = model(input_ids=ids, position_ids=pos).logits.float()
+        logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits.float()  # HF masks by positions
     ref = torch.nn.functional.cross_entropy(logits[0], labels[0], ignore_index=-100).item()
     assert abs(steps[0]["loss"] - ref) / ref < 2e-2, (steps[0]["loss"], ref)
