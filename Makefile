@@ -8,11 +8,11 @@ setup:
 demo:
 	.venv/bin/deepspeed --num_gpus 2 train.py --config recipes/tiny_cpu.yaml
 
-# ~5 min on 2 cores: a base that retrieves at 256 tokens extended to 2048 with YaRN (README, bench/demo_extend/)
+# ~5 min on 2 cores: a base that retrieves at 256 tokens extended to 2048 with YaRN (docs/results/curriculum.md, bench/demo_extend/)
 demo-extend:
 	OMP_NUM_THREADS=1 .venv/bin/deepspeed --num_gpus 2 train.py --config recipes/tiny_cpu_extend.yaml
 
-# ~20 min on 2 cores: the tiny model learns passkey at 256 and keeps it to 2048 (README, bench/demo_long/)
+# ~20 min on 2 cores: the tiny model learns passkey at 256 and keeps it to 2048 (docs/results/curriculum.md, bench/demo_long/)
 demo-long:
 	OMP_NUM_THREADS=1 .venv/bin/deepspeed --num_gpus 2 train.py --config recipes/tiny_cpu_long.yaml
 

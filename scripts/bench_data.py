@@ -174,7 +174,7 @@ def main() -> None:
 
 
 def table(res: dict) -> str:
-    """The README's table: M tokens/s (best of the rounds) per tokenizer, system and worker count."""
+    """docs/results/data.md's table: M tokens/s (best of the rounds) per tokenizer, system and worker count."""
     best = {(r["tokenizer"], r["system"], r["workers"]): r["tokens_per_s"] / 1e6 for r in res["throughput"]}
     workers = sorted({k[2] for k in best})
     lines = ["| tokenizer | system | " + " | ".join(f"{w} worker{'s' * (w > 1)}" for w in workers)

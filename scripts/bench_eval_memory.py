@@ -159,7 +159,7 @@ def worker(case: dict) -> None:
         engine.train()
         return comm.all_reduce(stats)
 
-    # twice, alternating: the first evaluation also leaves the embedding and LM head gathered (see the README)
+    # twice, alternating: the first evaluation also leaves the embedding and LM head gathered (see docs/memory_model.md)
     tiled = measure(EVAL_TILED[0], eval_tiled, phases)
     full = measure(EVAL_FULL[0], eval_full, phases)
     measure(EVAL_TILED[1], eval_tiled, phases)
