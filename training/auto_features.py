@@ -12,6 +12,22 @@ their forward again (less the attention kernel's with keep_attention), tiled MLP
 checkpoint offload adds a device->host and a host->device copy of each checkpoint at PCIE_BYTES_PER_S, on the
 compute stream (not overlapped). relative_speed = time(no feature) / time(features).
 
+ZeRO-3 offloads (GPU runs): the DeepSpeed JSON's `offload_param` / `offload_optimizer` with `"device": "cpu"` is
+what auto may use at most: auto keeps it on a stage only where it pays, and never turns on an offload the JSON
+leaves off (host and pinned memory are what the user provisioned for). An offload a stage's `deepspeed_overrides`
+names (`zero_optimization.offload_param.device`, ...) is pinned: auto leaves it as written. A CPU run keeps the
+config's setting (offload moves nothing between memories there). The cost of an offload (`offload_seconds`), per
+rank and optimizer step: optimizer offload runs Adam on the host, N/W parameters x ADAM_BYTES_PER_PARAM bytes
+touched at CPU_ADAM_BYTES_PER_S shared by the node's ranks, and copies the gradient partition device->host (every
+micro-step) and the updated parameters host->device at PCIE_BYTES_PER_S; parameter offload copies the rank's
+partition host->device for every forward, backward and recompute pass. The compute time of a step comes from the
+FLOP model (training.memory_model.flops_per_sequence at MFU x PEAK_TFLOPS). An offload is chosen when nothing
+fits without it (needed), or where it pays: the fastest fitting set carries it, because the recompute it lets
+auto drop costs more than the offload (free, net of what it saves). The ranking counts the offloads' cost twice,
+since CPU_ADAM_BYTES_PER_S is an estimate: an offload wins on speed only if it would still win were CPU Adam half
+as fast. The fastest fitting set wins; at equal speed the one with fewer offloads. `choose(...,
+free_offloads=...)` names the offloads auto may turn off; the others stay as `offloads` has them.
+
     from training.auto_features import choose
     choose(load_shape("llama3-8b"), 131072, world=32, budget_bytes=72 * GiB, sp=None, sp_max=8)
 """
@@ -21,10 +37,11 @@ from __future__ import annotations
 import itertools
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from training.memory_model import (
+    DTYPE_BYTES,
     LOGITS_TILE_BYTES,
     Features,
     GiB,
@@ -42,7 +59,16 @@ GPU_RESERVED = 2 * GiB  # CUDA context, NCCL buffers, the workspace of kernels: 
 # headroom. It was 0.15 while the planner under-counted RMSNorm's fp32 copies (that error, 0.04-0.05 GiB there,
 # was in the margin), and 0.2 before that, which refused 24576 tokens where every feature on peaked at 0.87 GiB.
 CPU_ENGINE_OVERHEAD = int(0.10 * GiB)
-PCIE_BYTES_PER_S = 25e9  # effective host<->device bandwidth per GPU for checkpoint offload
+PCIE_BYTES_PER_S = 25e9  # effective host<->device bandwidth per GPU for checkpoint and ZeRO offload
+# CPU Adam (DeepSpeed's DeepSpeedCPUAdam, AVX-512/AVX2) streams memory: per parameter it reads the fp32 master,
+# gradient, m and v (16 B), writes master, m and v (12 B) and the compute-dtype copy sent to the device (b B).
+ADAM_BYTES_PER_PARAM = 28
+# Bytes/s CPU Adam sustains per node, shared by the node's ranks: an ESTIMATE, not measured here (no GPU node):
+# half the ~200 GB/s a 2-socket server streams. The order agrees with the ZeRO-Offload paper (Ren et al., ATC'21:
+# CPU-Adam updates ~1B parameters in well under a second on a DGX-2 host) and with DeepSpeed PR #7474 (Qwen2.5-3B
+# fully offloaded on 2 A100s + 128 cores: 2.4 s per whole step, so >= 3B x 30 B / 2.4 s = 38 GB/s of Adam).
+CPU_ADAM_BYTES_PER_S = 100e9
+OFFLOAD_KEYS = {"offload_params": "offload_param", "offload_optimizer": "offload_optimizer"}  # Features -> DS key
 MFU, PEAK_TFLOPS = 0.4, 989.0  # the H100 bf16 figures training/summary.py quotes
 FEATURE_KEYS = ("tiled_mlp", "tiled_logits", "checkpoint_every", "offload_activations", "keep_attention")
 
@@ -51,11 +77,16 @@ FEATURE_KEYS = ("tiled_mlp", "tiled_logits", "checkpoint_every", "offload_activa
 class Choice:
     """One stage's resolved setting: features, SP degree, predicted peak per rank and relative speed."""
 
-    features: Features
+    features: Features  # the memory features (ZeRO offloads: the fields below)
     sp: int
     peak_bytes: int
     budget_bytes: int
-    relative_speed: float  # tokens/s relative to the same stage with no memory feature (1.0: none)
+    relative_speed: float  # tokens/s relative to the same stage with no memory feature and no offload (1.0)
+    offload_params: bool = False  # the ZeRO-3 offloads the stage runs with (chosen, pinned or the config's)
+    offload_optimizer: bool = False
+    offload_why: str = ""  # why: "needed: ...", "free: ...", "fits: ...", "pinned ...", "the DeepSpeed config ..."
+    offload_step_s: float = 0.0  # predicted seconds per step the ZeRO offloads add (CPU Adam + PCIe copies)
+    step_s: float = 0.0  # predicted seconds per step in all (FLOP model + recompute + copies + offloads)
 
     def as_dict(self) -> dict:
         """The record train.py logs (metrics) and the plan prints."""
@@ -63,7 +94,15 @@ class Choice:
         return {"tiled_mlp": f.tiled_mlp, "tiled_logits": f.tiled_logits, "checkpoint_every": f.every,
                 "offload_activations": f.offload_activations, "keep_attention": f.keep_attention, "sp": self.sp,
                 "predicted_peak_gb": round(self.peak_bytes / GiB, 3), "budget_gb": round(self.budget_bytes / GiB, 3),
-                "predicted_relative_speed": round(self.relative_speed, 3), "logits_tile_mb": f.logits_tile_mb}
+                "predicted_relative_speed": round(self.relative_speed, 3), "logits_tile_mb": f.logits_tile_mb,
+                "offload_params": self.offload_params, "offload_optimizer": self.offload_optimizer,
+                "offload_why": self.offload_why, "offload_step_s": round(self.offload_step_s, 3),
+                "predicted_step_s": round(self.step_s, 3)}
+
+
+def describe_offloads(params: bool, optimizer: bool) -> str:
+    """'optimizer', 'params', 'params, optimizer' or 'none': the ZeRO-3 CPU offloads a stage runs with."""
+    return ", ".join(n for n, on in (("params", params), ("optimizer", optimizer)) if on) or "none"
 
 
 def describe(f: Features) -> str:
@@ -79,9 +118,32 @@ def describe(f: Features) -> str:
     return ", ".join(parts) or "none"
 
 
-def relative_speed(shape: ModelShape, seq_len: int, sp: int, f: Features, device: str = "cuda",
-                   precision: str = "bf16", mfu: float = MFU, peak_tflops: float = PEAK_TFLOPS) -> float:
-    """time(no feature) / time(f) for one step, from the recompute (and offload copy) cost model."""
+def offload_seconds(shape: ModelShape, world: int, f: Features, device: str = "cuda", precision: str = "bf16",
+                    ranks_per_node: int = 8, accum: int = 1) -> float:
+    """Seconds per optimizer step (of `accum` micro-steps) that the ZeRO-3 CPU offloads in `f` add to one GPU rank
+    (0 on a CPU run: nothing moves). See the module docstring for the terms."""
+    if device != "cuda" or not (f.offload_params or f.offload_optimizer):
+        return 0.0
+    b, n = DTYPE_BYTES[precision], shape.num_params() / world  # the rank's partition
+    t = 0.0
+    if f.offload_optimizer:
+        t += n * (ADAM_BYTES_PER_PARAM + b) / (CPU_ADAM_BYTES_PER_S / max(1, ranks_per_node))  # CPU Adam
+        t += accum * n * b / PCIE_BYTES_PER_S  # the reduced gradient partition to the host, every micro-step
+    if f.offload_params:
+        L = shape.num_layers
+        passes = 2 + (math.ceil(L / f.every) / L if f.every else 0)  # forward, backward, recompute of ckpt layers
+        t += accum * passes * n * b / PCIE_BYTES_PER_S
+    if f.offload_optimizer != f.offload_params:  # the updated parameters cross once: to the device or to the host
+        t += n * b / PCIE_BYTES_PER_S
+    return t
+
+
+def step_seconds(shape: ModelShape, seq_len: int, sp: int, f: Features, device: str = "cuda",
+                 precision: str = "bf16", mfu: float = MFU, peak_tflops: float = PEAK_TFLOPS, *,
+                 world: int | None = None, ranks_per_node: int = 8, accum: int = 1) -> dict[str, float]:
+    """Predicted seconds of one optimizer step (`accum` micro-batches of one sequence per SP group) on one rank:
+    {"base": no feature, no offload; "compute": with the recompute of `f`; "copies": checkpoint offload;
+    "offload": the ZeRO-3 offloads (offload_seconds; world defaults to sp); "total"}."""
     s, h, L = seq_len, shape.hidden_size, shape.num_layers
     base = flops_per_sequence(shape, s)  # 3 x forward FLOPs
     attn_fwd = 2.0 * shape.num_heads * shape.head_dim * s * s  # causal QK^T and AV
@@ -93,12 +155,24 @@ def relative_speed(shape: ModelShape, seq_len: int, sp: int, f: Features, device
         extra += L * 2.0 * 3 * h * shape.intermediate_size * s
     if f.tiled_logits:
         extra += 2.0 * shape.vocab_size * h * s
-    compute_s = (base + extra) / (sp * mfu * peak_tflops * 1e12)  # per step, the SP group shares the sequence
+    rate = sp * mfu * peak_tflops * 1e12  # per step, the SP group shares the sequence
     copy_s = 0.0
     if f.offload_activations and f.every and device == "cuda":
-        hid = math.ceil(s / sp) * h * (2 if precision == "bf16" else 4)
+        hid = math.ceil(s / sp) * h * DTYPE_BYTES[precision]
         copy_s = 2 * math.ceil(L / f.every) * hid / PCIE_BYTES_PER_S
-    return base / (sp * mfu * peak_tflops * 1e12) / (compute_s + copy_s)
+    out = {"base": accum * base / rate, "compute": accum * (base + extra) / rate, "copies": accum * copy_s,
+           "offload": offload_seconds(shape, world or sp, f, device, precision, ranks_per_node, accum)}
+    out["total"] = out["compute"] + out["copies"] + out["offload"]
+    return out
+
+
+def relative_speed(shape: ModelShape, seq_len: int, sp: int, f: Features, device: str = "cuda",
+                   precision: str = "bf16", mfu: float = MFU, peak_tflops: float = PEAK_TFLOPS, *,
+                   world: int | None = None, ranks_per_node: int = 8, accum: int = 1) -> float:
+    """time(no feature, no offload) / time(f) for one step, from the recompute, copy and offload cost model."""
+    t = step_seconds(shape, seq_len, sp, f, device, precision, mfu, peak_tflops, world=world,
+                     ranks_per_node=ranks_per_node, accum=accum)
+    return t["base"] / t["total"]
 
 
 def peak_bytes(shape: ModelShape, seq_len: int, sp: int, world: int, f: Features, offloads: Features,
@@ -161,29 +235,64 @@ def sp_degrees(shape: ModelShape, world: int, seq_len: int, sp_max: int) -> list
 def choose(shape: ModelShape, seq_len: int, world: int, budget_bytes: int, *, sp: int | None,
            sp_max: int | None = None, pinned: Mapping | None = None, offloads: Features | None = None,
            precision: str = "bf16", device: str = "cuda", headroom: float = HEADROOM,
-           host_bytes_per_rank: int | None = None) -> Choice:
+           host_bytes_per_rank: int | None = None, free_offloads: Iterable[str] = (), ranks_per_node: int = 8,
+           accum: int = 1) -> Choice:
     """The fastest candidate whose predicted peak, plus `headroom` of the budget, fits in budget_bytes; at `sp`,
-    or (sp=None) at the smallest degree <= sp_max where anything fits. Ties: the smaller peak. On a GPU,
-    `host_bytes_per_rank` (CPU memory of a node / its ranks, less the runtime) also bounds what the ZeRO-3 and
-    checkpoint offloads put in host memory. One-line ValueError when nothing fits. Tiled logits run tiles of
-    `pinned["logits_tile_mb"]` MiB when given, else of training.memory_model.logits_tile_bytes(budget_bytes)."""
+    or (sp=None) at the smallest degree <= sp_max where anything fits. Ties: fewer ZeRO offloads, then the smaller
+    peak. `offloads` holds the ZeRO-3 offloads (and lean norm / MLP) as the run has them; `free_offloads` names
+    those of them ("offload_params", "offload_optimizer") auto may also turn off (each is tried on and off, its
+    cost in the speed: step_seconds with `world`, `ranks_per_node` sharing CPU Adam, `accum` micro-steps per
+    optimizer step). On a GPU, `host_bytes_per_rank` (CPU memory of a node / its ranks, less the runtime) also
+    bounds what the ZeRO-3 and checkpoint offloads put in host memory. One-line ValueError when nothing fits.
+    Tiled logits run tiles of `pinned["logits_tile_mb"]` MiB when given, else of
+    training.memory_model.logits_tile_bytes(budget_bytes)."""
     pinned = dict(pinned or {})
     tile_mb = int(pinned.pop("logits_tile_mb", 0) or 0) or logits_tile_bytes(budget_bytes) // 2**20
     cands = [replace(f, logits_tile_mb=tile_mb) if f.tiled_logits else f
              for f in candidates(shape.num_layers, pinned, device)]
     usable = budget_bytes * (1 - headroom)
     degrees = [sp] if sp else sp_degrees(shape, world, seq_len, sp_max or world)
+    fixed = offloads or Features()
+    free = [n for n in OFFLOAD_KEYS if n in set(free_offloads)]
+    sets = [dict(zip(free, bits)) for bits in itertools.product((False, True), repeat=len(free))]
     least = None
     for d in degrees:
-        scored = []
-        for f in cands:
-            peak, host = _peaks(shape, seq_len, d, world, f, offloads or Features(), precision, device)
-            least = peak if least is None else min(least, peak)
-            if peak <= usable and (device == "cpu" or host_bytes_per_rank is None or host <= host_bytes_per_rank):
-                scored.append((-relative_speed(shape, seq_len, d, f, device, precision), peak, f))
+        scored, lean = [], {}  # lean: the leanest peak per set of free offloads turned on
+        for o in sets:
+            off = replace(fixed, **o)
+            n_on = sum(o.values())
+            on = tuple(n for n in free if o[n])
+            for f in cands:
+                peak, host = _peaks(shape, seq_len, d, world, f, off, precision, device)
+                least = peak if least is None else min(least, peak)
+                lean[on] = min(lean.get(on, peak), peak)
+                if peak <= usable and (device == "cpu" or host_bytes_per_rank is None or host <= host_bytes_per_rank):
+                    t = step_seconds(shape, seq_len, d, replace(f, offload_params=off.offload_params,
+                                                                offload_optimizer=off.offload_optimizer),
+                                     device, precision, world=world, ranks_per_node=ranks_per_node, accum=accum)
+                    # ranked on a pessimistic time, the offloads' cost counted twice (CPU_ADAM_BYTES_PER_S is an
+                    # estimate): an offload the fit does not need is taken only where it pays even then
+                    scored.append((-t["base"] / (t["total"] + t["offload"]), n_on, peak, f, off, t))
         if scored:
-            speed, peak, f = min(scored, key=lambda t: (t[0], t[1]))
-            return Choice(f, d, peak, budget_bytes, -speed)
+            _, n_on, peak, f, off, t = min(scored, key=lambda c: c[:3])
+            speed = t["base"] / t["total"]
+            why = ""
+            if free and n_on:
+                without = [c for c in scored if not c[1]]
+                if without:
+                    t0 = min(without, key=lambda c: c[:3])[5]
+                    why = f"pays: {speed:.3f} of no-feature speed with it, {t0['base'] / t0['total']:.3f} without"
+                else:
+                    on = tuple(n for n in free if getattr(off, n))
+                    subsets = [k for k in lean if k and k != on and set(k) < set(on)]
+                    why = f"needed: {lean[()] / GiB:.1f} GiB without" + "".join(
+                        f", {lean[k] / GiB:.1f} GiB with {describe_offloads(*(n in k for n in OFFLOAD_KEYS))} alone"
+                        for k in subsets) + f" > {usable / GiB:.1f} GiB usable"
+            elif free:
+                why = f"fits: {peak / GiB:.1f} of {usable / GiB:.1f} GiB usable"
+            return Choice(f, d, peak, budget_bytes, speed, offload_params=off.offload_params,
+                          offload_optimizer=off.offload_optimizer, offload_why=why, offload_step_s=t["offload"],
+                          step_s=t["total"])
     where = f"sp={sp}" if sp else f"any sp <= {sp_max or world}"
     raise ValueError(f"memory_features auto: nothing fits {seq_len} tokens at {where} in {budget_bytes / GiB:.1f} GiB "
                      f"per rank less {headroom:.0%} headroom (the leanest set needs {(least or 0) / GiB:.2f} GiB)")
@@ -214,11 +323,50 @@ def device_budget(gpu_mem_gb: float, mem_cap_gb: float) -> tuple[str, int]:
 
 def zero_offloads(ds_path: str, overrides: Mapping) -> dict:
     """{offload_params, offload_optimizer} of the DeepSpeed JSON with a stage's overrides merged in."""
+    devices = offload_devices(ds_path, overrides)
+    return {n: devices[n] == "cpu" for n in OFFLOAD_KEYS}
+
+
+def offload_devices(ds_path: str, overrides: Mapping | None = None) -> dict:
+    """{offload_params, offload_optimizer: the `device` ("cpu", "nvme", "none")} of the DeepSpeed JSON with
+    `overrides` merged in; "none" where the block or its device is absent."""
     from training.ds_config import _load, _merge
 
-    zero = _merge(_load(ds_path), dict(overrides)).get("zero_optimization", {})
-    return {"offload_params": zero.get("offload_param", {}).get("device") == "cpu",
-            "offload_optimizer": zero.get("offload_optimizer", {}).get("device") == "cpu"}
+    zero = _merge(_load(ds_path), dict(overrides or {})).get("zero_optimization", {})
+    return {n: str((zero.get(key) or {}).get("device") or "none") for n, key in OFFLOAD_KEYS.items()}
+
+
+def pinned_offloads(overrides: Mapping | None) -> dict:
+    """{offload_params / offload_optimizer: device} that a stage's deepspeed_overrides names explicitly: pinned."""
+    zero = (overrides or {}).get("zero_optimization") or {}
+    return {n: str(zero[key]["device"]) for n, key in OFFLOAD_KEYS.items()
+            if isinstance(zero.get(key), Mapping) and "device" in zero[key]}
+
+
+def offload_plan(ds_path: str, overrides: Mapping | None, device: str, auto: bool) -> tuple[list[str], str]:
+    """(the offloads auto may choose for a stage, what decides the others): free are the offloads the DeepSpeed
+    JSON puts on the CPU that the stage's overrides do not name, on a GPU run under memory_features auto."""
+    json_dev, pins = offload_devices(ds_path), pinned_offloads(overrides)
+    if device != "cuda":
+        return [], "the DeepSpeed config's: a CPU run moves nothing between memories"
+    if not auto:
+        return [], "the DeepSpeed config's (memory_features manual)"
+    free = [n for n in OFFLOAD_KEYS if json_dev[n] == "cpu" and n not in pins]
+    short = {"offload_params": "params", "offload_optimizer": "optimizer"}
+    notes = [f"{short[n]} pinned to {pins[n]} by the stage's deepspeed_overrides" for n in OFFLOAD_KEYS if n in pins]
+    kept = [n for n in OFFLOAD_KEYS if n not in pins and json_dev[n] != "cpu"]
+    off = [short[n] for n in kept if json_dev[n] == "none"]
+    if off:
+        notes.append(f"the DeepSpeed config does not offload {' or '.join(off)} (auto only turns offloads off)")
+    notes += [f"{short[n]} on {json_dev[n]} as the DeepSpeed config says" for n in kept if json_dev[n] != "none"]
+    return free, "; ".join(notes)
+
+
+def offload_overrides(choice: Choice, free: Iterable[str]) -> dict:
+    """The deepspeed_overrides that carry auto's offload choice to the engine: {"zero_optimization":
+    {"offload_param": {"device": "cpu" | "none"}, ...}} for the free offloads; {} when there are none."""
+    zero = {OFFLOAD_KEYS[n]: {"device": "cpu" if getattr(choice, n) else "none"} for n in OFFLOAD_KEYS if n in set(free)}
+    return {"zero_optimization": zero} if zero else {}
 
 
 def gpus_per_node(cfg) -> int:

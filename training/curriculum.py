@@ -72,33 +72,44 @@ def _memory_mode(cfg: Config, s: StageConfig, i: int) -> tuple[str, dict]:
 
 
 def _resolve_memory(cfg: Config, s: StageConfig, i: int, sl: int, sp, world: int, budget) -> tuple[int, dict]:
-    """(SP degree, Stage memory fields) of one stage; the planner runs only for auto (features or SP)."""
+    """(SP degree, Stage memory fields) of one stage; the planner runs only for auto (features or SP). Under
+    memory_features auto on a GPU it also decides the ZeRO-3 offloads the DeepSpeed JSON allows and the stage's
+    deepspeed_overrides do not pin (training/auto_features.offload_plan); the choice reaches the engine as the
+    stage's `deepspeed_overrides` ({"zero_optimization": {"offload_param": {"device": "cpu" | "none"}, ...}}
+    merged into the stage's own), and `memory_choice` says which offloads are on, why, and what they cost."""
     mode, pinned = _memory_mode(cfg, s, i)
     if mode == "manual" and sp != "auto":
         return sp, {**pinned, "memory_choice": None}
     from training import auto_features as af
+    from training.ds_config import _merge
     from training.memory_model import Features, lean_mlp_applies, lean_norm_applies, load_shape
 
     if sp != "auto" and (not isinstance(sp, int) or sp < 1):
         raise ValueError(f"stage {i}: sequence_parallel_size {sp!r}: use an integer >= 1 or auto")
     device, usable = budget()
-    offloads = Features(**af.zero_offloads(cfg.deepspeed, s.deepspeed_overrides or {}), lean_rmsnorm=cfg.lean_rmsnorm,
-                        lean_mlp=cfg.lean_mlp)
+    own = s.deepspeed_overrides or {}
+    offloads = Features(**af.zero_offloads(cfg.deepspeed, own), lean_rmsnorm=cfg.lean_rmsnorm, lean_mlp=cfg.lean_mlp)
+    free, fixed_why = af.offload_plan(cfg.deepspeed, own, device, mode == "auto")
     bf16 = cfg.bf16 if cfg.bf16 is not None else device == "cuda" and not cfg.fp16
     try:
         shape = load_shape(cfg.model_name_or_path)
         choice = af.choose(shape, sl, world, usable,
                            sp=None if sp == "auto" else sp, sp_max=af.gpus_per_node(cfg) or world,
                            pinned={**pinned, "logits_tile_mb": cfg.logits_tile_mb}, offloads=offloads,
-                           precision="bf16" if bf16 else "fp32", device=device)
+                           precision="bf16" if bf16 else "fp32", device=device, free_offloads=free,
+                           ranks_per_node=af.gpus_per_node(cfg) or world,
+                           accum=cfg.gradient_accumulation_steps * cfg.per_device_train_batch_size)
     except ValueError as e:
         raise ValueError(f"stage {i} ({s.name or f'stage{i}'}): {e}") from None
     f = choice.features
+    why = "; ".join(w for w in (choice.offload_why, fixed_why) if w)
     record = {"memory_features": mode, "sp_auto": sp == "auto", "device": device, **choice.as_dict(),
+              "offload_why": why, "offload_auto": list(free),
               "lean_rmsnorm": lean_norm_applies(shape, offloads), "lean_mlp": lean_mlp_applies(shape, offloads)}
     return choice.sp, {"tiled_mlp": f.tiled_mlp, "tiled_logits": f.tiled_logits, "checkpoint_every": f.every,
                        "offload_activations": f.offload_activations, "keep_attention": f.keep_attention,
                        "logits_tile_mb": f.logits_tile_mb or None,
+                       "deepspeed_overrides": _merge(own, af.offload_overrides(choice, free)),
                        "memory_choice": record}
 
 
@@ -133,6 +144,7 @@ def resolve_stages(cfg: Config, dp_of_sp, budget=None) -> list[Stage]:
         sl = s.max_seq_length or cfg.max_seq_length
         sp, memory = _resolve_memory(cfg, s, i, sl, s.sequence_parallel_size or cfg.sequence_parallel_size,
                                      dp_of_sp(1), budget)
+        overrides = memory.pop("deepspeed_overrides", s.deepspeed_overrides or {})  # with auto's offload choice
         if s.max_steps and s.max_tokens:
             raise ValueError(f"stage {i}: set max_steps or max_tokens, not both")
         if s.max_tokens:
@@ -146,7 +158,7 @@ def resolve_stages(cfg: Config, dp_of_sp, budget=None) -> list[Stage]:
                    rope=s.rope if s.rope is not None else cfg.rope, learning_rate=lr, min_lr=min_lr,
                    warmup_steps=s.warmup_steps if s.warmup_steps is not None else cfg.warmup_steps,
                    lr_scheduler=s.lr_scheduler or cfg.lr_scheduler, max_steps=steps,
-                   reset_optimizer=s.reset_optimizer, deepspeed_overrides=s.deepspeed_overrides or {},
+                   reset_optimizer=s.reset_optimizer, deepspeed_overrides=overrides,
                    eval=s.eval or {}, data=s.data, tasks=s.tasks or {}, **memory)
         if st.max_steps < 1 or st.sp < 1 or st.max_seq_length < 1:
             raise ValueError(f"stage {i} ({st.name}): max_steps, sequence_parallel_size and max_seq_length must "

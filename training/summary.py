@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 
-from training.auto_features import ALL_FEATURES, describe, relative_speed
+from training.auto_features import ALL_FEATURES, describe, describe_offloads, relative_speed
 from training.config import Config
 from training.curriculum import Stage
+from training.ds_config import _merge
 from training.engine import stage_config
 from training.memory_model import (
     Features,
@@ -53,12 +54,24 @@ def feature_line(shape, s: Stage, feats: Features) -> str:
             f"{c['predicted_relative_speed']:.2f} of no-feature tokens/s (all features: {speed_all:.2f}); RMSNorm: {norm}")
 
 
+def offload_line(s: Stage, feats: Features) -> str:
+    """The stage's ZeRO-3 offloads and why: auto's reason (needed / pays / fits, pinned, the config's) with the
+    predicted cost per step, else the DeepSpeed config's setting."""
+    on = describe_offloads(feats.offload_params, feats.offload_optimizer)
+    c = s.memory_choice
+    if not c or not c.get("offload_why"):
+        return f"offload: {on} (set by the DeepSpeed config and the stage's deepspeed_overrides)"
+    cost = (f"; costs {c['offload_step_s']:.2f} s of a {c['predicted_step_s']:.1f} s step"
+            if c.get("offload_step_s") else "")
+    return f"offload: {on} ({c['offload_why']}{cost})"
+
+
 def plan_lines(cfg: Config, stages: list[Stage], world: int, gpus_per_node: int, bf16: bool) -> list[str]:
     with open(cfg.deepspeed) as fh:
         ds = json.load(fh)
     lines = []
     for s in stages:
-        feats = run_features(cfg, {**ds, **s.deepspeed_overrides}, s)
+        feats = run_features(cfg, _merge(ds, s.deepspeed_overrides), s)
         try:
             shape = load_shape(cfg.model_name_or_path)
             est = estimate(shape, s.max_seq_length, s.sp, world, feats, "bf16" if bf16 else "fp32",
@@ -71,6 +84,7 @@ def plan_lines(cfg: Config, stages: list[Stage], world: int, gpus_per_node: int,
                          f"(peak phase: {est.peak_phase}), {est.cpu_per_node / GiB:.0f} GiB CPU per node; "
                          f"~{tps:.0f} tokens/s/GPU at 40% MFU of an H100")
             lines.append("      " + feature_line(shape, s, feats))
+            lines.append("      " + offload_line(s, feats))
         except ValueError as e:  # a shape the planner cannot read: say so, do not stop the run
             lines.append(f"  stage {s.index} {s.name}: seq_len={s.max_seq_length} sp={s.sp} (no memory plan: {e})")
     return lines
