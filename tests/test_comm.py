@@ -189,7 +189,7 @@ def test_an_input_error_stops_the_others_with_its_exit_code(channel):
 
 def test_rank0_declares_a_silent_rank_failed_after_stall_s(channel):
     make, clock, _ = channel
-    (w0, ex0), (w1, ex1), (w2, ex2) = make(0), make(1), make(2)
+    (w0, ex0), (w1, ex1), _ = make(0), make(1), make(2)
     w0.poll()
     for _ in range(int(comm.STALL_S // 10)):  # rank 1 heartbeats, rank 2 is silent (SIGKILL, hang, node lost)
         clock.t += 10
@@ -217,8 +217,8 @@ def test_a_rank_that_left_cleanly_is_never_declared_silent(channel):
 
 
 def test_the_others_watch_rank0s_heartbeat(channel):
-    make, clock, server = channel
-    (w0, _), (w1, ex1) = make(0), make(1)
+    make, clock, _ = channel
+    _, (w1, ex1) = make(0), make(1)
     w1.poll()
     clock.t += comm.STALL_S  # rank 0 alive (the store answers) but its heartbeat stalled: a hang
     w1.poll()
@@ -256,7 +256,7 @@ def test_a_lost_store_stops_a_rank_after_the_grace_only(channel):
 
 def test_a_stopped_watcher_never_exits_the_process(channel):
     make, clock, _ = channel
-    (w0, ex0), (w1, ex1) = make(0), make(1)
+    (w0, _), (w1, ex1) = make(0), make(1)
     w1.stop()  # this rank is on its own way out (a clean exit, or its own failure being reported)
     comm.publish_abort("rank 0 failed: x", 1, w0.store)
     w1.poll()
@@ -285,7 +285,7 @@ def test_rank0_waits_for_ranks_still_leaving_before_its_store_goes(channel):
 
 def test_rank0_does_not_wait_for_a_silent_rank_beyond_stall_s(channel):
     make, clock, _ = channel
-    (w0, _), (w1, _), (w2, _) = make(0), make(1), make(2)
+    (w0, _), (w1, _), _ = make(0), make(1), make(2)
     ticks = []
     w0.sleep = lambda s: (ticks.append(s), setattr(clock, "t", clock.t + 1))
     w1._mark_done()

@@ -145,7 +145,7 @@ def all_gather_object(obj: Any) -> list:
 def run_on_main(fn: Callable[[], Any]) -> Any:
     """Rank 0 runs `fn` while the others wait on the host (gloo group, LONG_WAIT_S); every rank returns its
     result. A ValueError raised by `fn` (bad user input) is raised on every rank with the same message; any
-    other exception stops rank 0, and the others fail when the host group sees it exit."""
+    other exception stops rank 0, and the abort channel stops the others within POLL_S (train.py posts it)."""
     if not initialized() or world() == 1:
         return fn()
     box: list = [None, None]
