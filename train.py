@@ -285,24 +285,51 @@ def _is_input_error(e: BaseException) -> bool:
     return linecache.getline(where, tb.tb_lineno).lstrip().startswith("raise ")
 
 
+def _fail(e: BaseException) -> int:
+    """This rank's exception ends the job: post it on the abort channel first (every other rank stops within
+    seconds instead of waiting in a collective for dist_timeout_s), then report it here. Returns the exit code."""
+    rank = os.environ.get("RANK", "0")
+    try:
+        from training import comm
+    except Exception:  # noqa: BLE001 -- the failure was importing our own stack: nothing to tell the others
+        comm = None
+    if _is_input_error(e):  # our validation of the user's input: one line, no traceback, nothing saved touched
+        if comm is not None:
+            comm.abort(f"rank {rank} stopped on an input error (its message is on rank 0's output)", EXIT_USAGE)
+        if rank == "0":
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    # anything else is a failure: the traceback in this rank's log (and stderr), one summary line
+    import traceback
+
+    own = f"rank {rank} failed: {type(e).__name__}: {e}"
+    first = comm.abort(own, EXIT_FAILED) if comm is not None else own
+    text = traceback.format_exc()
+    try:
+        from training.metrics import rank_log
+
+        rank_log(text)
+    except Exception:  # noqa: BLE001
+        pass
+    print(text, file=sys.stderr, flush=True)
+    print(f"error: rank {rank} failed with {type(e).__name__}: {e} (traceback above and in the rank log)",
+          file=sys.stderr, flush=True)
+    if not first.startswith(f"rank {rank} failed:"):
+        print(f"error: the first failure of the job: {first}", file=sys.stderr, flush=True)
+    return EXIT_FAILED
+
+
+def _leave() -> None:
+    """main() returned on every rank (0, or 75 after the agreed save): leave the abort channel cleanly."""
+    if "training.comm" in sys.modules:
+        sys.modules["training.comm"].leave()
+
+
 if __name__ == "__main__":
     _single_process_defaults()
     try:
-        sys.exit(main())
-    except Exception as e:
-        rank = os.environ.get("RANK", "0")
-        if _is_input_error(e):  # our validation of the user's input: one line, no traceback, nothing saved touched
-            if rank == "0":
-                print(f"error: {e}", file=sys.stderr, flush=True)
-            sys.exit(EXIT_USAGE)
-        # anything else is a failure: the traceback in this rank's log (and stderr), one summary line
-        import traceback
-
-        from training.metrics import rank_log
-
-        text = traceback.format_exc()
-        rank_log(text)
-        print(text, file=sys.stderr, flush=True)
-        print(f"error: rank {rank} failed with {type(e).__name__}: {e} (traceback above and in the rank log)",
-              file=sys.stderr, flush=True)
-        sys.exit(EXIT_FAILED)
+        code = main()
+    except (Exception, KeyboardInterrupt) as e:
+        sys.exit(_fail(e))
+    _leave()
+    sys.exit(code)
