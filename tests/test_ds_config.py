@@ -227,3 +227,20 @@ def test_arch_specific_cuda_arch_list_is_made_readable_for_deepspeed(monkeypatch
     out = subprocess.run([sys.executable, "-c", "import os, training; print(os.environ['TORCH_CUDA_ARCH_LIST'])"],
                          cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout.strip()
     assert out == "9.0"
+
+
+def test_gradients_are_reduced_in_fp32_under_bf16():
+    """DeepSpeed reduces gradients in seq_parallel_communication_data_type when SP > 1 and in
+    communication_data_type otherwise: both fp32 under bf16 training unless the JSON names one."""
+    import torch
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    cfg = parse_config(["--deepspeed", "ds_configs/zero3_offload.json", "--bf16"])
+    for sp in (1, 2):
+        ds = build_ds_config(cfg, ParallelDims(world=2, sp=sp, rank=0, local_rank=0), True, 64, planning=True)
+        parsed = DeepSpeedConfig({**ds, "train_batch_size": ds["train_micro_batch_size_per_gpu"]})
+        assert parsed.communication_data_type == torch.float32
+        assert parsed.seq_parallel_communication_data_type == torch.float32
+    ds = build_ds_config(cfg, ParallelDims(world=2, sp=2, rank=0, local_rank=0), True, 64, planning=True,
+                         overrides={"communication_data_type": "bf16"})
+    assert ds["communication_data_type"] == "bf16"  # the user's choice stands
