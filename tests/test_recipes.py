@@ -28,6 +28,22 @@ def test_llama3_8b_recipe_dry_run():
     for name, sl, sp in (("s128k", 131072, 2), ("s256k", 262144, 4), ("s512k", 524288, 8), ("s1m", 1048576, 8)):
         assert f"{name}: seq_len={sl} sp={sp} dp={32 // sp}" in p.stdout
     assert p.stdout.count("memory plan:") == 4
+    # ZeRO-3 offload (issue 25, item 6): the JSON allows it, auto keeps it nowhere on 80 GB GPUs, and says why
+    offload = [ln.strip() for ln in p.stdout.splitlines() if ln.strip().startswith("offload:")]
+    assert len(offload) == 4 and all(ln.startswith("offload: none (fits: ") for ln in offload), offload
+
+
+def test_llama3_8b_recipe_offloads_where_needed():
+    """The same recipe on 24 GB GPUs: the 1M stage fits only with ZeRO offload, and the plan says so per stage."""
+    p = dry_run("--config", "recipes/llama3_8b_128k_to_1m.yaml", "--gpu_mem_gb", "24")
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = p.stdout.splitlines()
+    stages = [i for i, ln in enumerate(lines) if ln.startswith("  stage ")]
+    offload = {lines[i].split()[2].rstrip(":"): next(ln.strip() for ln in lines[i:] if ln.strip().startswith("offload:"))
+               for i in stages}
+    assert list(offload) == ["s128k", "s256k", "s512k", "s1m"]
+    assert "(needed: " in offload["s1m"] and not offload["s1m"].startswith("offload: none"), offload
+    assert all(" s of a " in ln for ln in offload.values() if not ln.startswith("offload: none")), offload
 
 
 @pytest.mark.parametrize("recipe", sorted(f for f in os.listdir(os.path.join(ROOT, "recipes")) if f.endswith(".yaml")))
