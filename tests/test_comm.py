@@ -170,9 +170,9 @@ def test_a_posted_failure_stops_every_other_rank_with_its_line(channel):
     for w in (w0, w1, w2):
         w.poll()
     assert ex0 == ex1 == ex2 == []
-    assert comm.publish_abort("rank 2 failed: RuntimeError: boom", 1, w2.store) == "rank 2 failed: RuntimeError: boom"
+    assert w2.post("rank 2 failed: RuntimeError: boom", 1) == "rank 2 failed: RuntimeError: boom"
     # a later failure (a rank whose collective broke because rank 2 left) does not replace the cause
-    assert comm.publish_abort("rank 1 failed: gloo closed", 1, w1.store) == "rank 2 failed: RuntimeError: boom"
+    assert w1.post("rank 1 failed: gloo closed", 1) == "rank 2 failed: RuntimeError: boom"
     w0.poll()
     w1.poll()
     assert ex0 == ex1 == ["stopping: rank 2 failed: RuntimeError: boom", 1]
@@ -182,7 +182,7 @@ def test_a_posted_failure_stops_every_other_rank_with_its_line(channel):
 def test_an_input_error_stops_the_others_with_its_exit_code(channel):
     make, _, _ = channel
     (w0, ex0), (w1, ex1) = make(0), make(1)
-    comm.publish_abort("rank 0 stopped on an input error", 2, w0.store)
+    w0.post("rank 0 stopped on an input error", 2)
     w1.poll()
     assert ex0 == [] and ex1 == ["stopping: rank 0 stopped on an input error", 2]
 
@@ -258,7 +258,7 @@ def test_a_stopped_watcher_never_exits_the_process(channel):
     make, clock, _ = channel
     (w0, _), (w1, ex1) = make(0), make(1)
     w1.stop()  # this rank is on its own way out (a clean exit, or its own failure being reported)
-    comm.publish_abort("rank 0 failed: x", 1, w0.store)
+    w0.post("rank 0 failed: x", 1)
     w1.poll()
     clock.t += 10 * comm.STALL_S
     w1.poll()
@@ -291,3 +291,25 @@ def test_rank0_does_not_wait_for_a_silent_rank_beyond_stall_s(channel):
     w1._mark_done()
     w0.peers_done(comm.LEAVE_WAIT_S)  # rank 2 never heartbeats again
     assert comm.STALL_S - 1 <= len(ticks) <= comm.STALL_S + 1
+
+
+def test_a_store_that_never_answers_is_lost_too(channel, monkeypatch):
+    """Rank 0's process stopped (or its node gone without a TCP reset): the store's requests block with no error;
+    each poll still returns after STORE_OP_TIMEOUT_S and the rank stops after LOST_STORE_S."""
+    import threading
+
+    monkeypatch.setattr(comm, "STORE_OP_TIMEOUT_S", 0.2)
+    make, clock, _ = channel
+    w1, ex1 = make(1)
+    never = threading.Event()
+
+    class Silent:
+        def __getattr__(self, name):
+            return lambda *a, **k: never.wait()
+
+    w1.store = Silent()
+    for _ in range(3):
+        w1.poll()
+        clock.t += comm.LOST_STORE_S / 2
+    never.set()
+    assert ex1[-1] == 1 and "unreachable" in ex1[0], ex1

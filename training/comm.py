@@ -35,6 +35,7 @@ import atexit
 import datetime
 import logging
 import os
+import queue
 import sys
 import threading
 import time
@@ -179,6 +180,35 @@ def _key(name: str) -> str:
     return _PREFIX + name
 
 
+class _Asker:
+    """One daemon thread that makes the store requests: a request to a store that never answers (rank 0's process
+    stopped, its node gone without a TCP reset) blocks there, not in the caller, which gives up after `timeout`
+    (TCPStore's own timeout does not bound add/multi_get/set on a silent server: measured)."""
+
+    def __init__(self):
+        self.jobs: queue.Queue = queue.Queue()
+        threading.Thread(target=self._run, name="abort-store", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            fn, box = self.jobs.get()
+            try:
+                box.put((True, fn()))
+            except BaseException as e:  # noqa: BLE001 -- handed to the caller
+                box.put((False, e))
+
+    def __call__(self, fn, timeout: float):
+        box: queue.Queue = queue.Queue(1)
+        self.jobs.put((fn, box))
+        try:
+            ok, value = box.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no answer from the store in {timeout:.0f} s") from None
+        if not ok:
+            raise value
+        return value
+
+
 class Watcher:
     """One rank's side of the abort channel. `poll()` is one look at the store (the thread calls it every
     POLL_S); store, clock and exit are injected so tests can drive it without processes or waiting."""
@@ -194,6 +224,11 @@ class Watcher:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # stop() and a hard exit never interleave
         self.stopped = False
+        self._asker = _Asker()
+
+    def ask(self, fn, timeout: float | None = None):
+        """fn(store), bounded by `timeout` (STORE_OP_TIMEOUT_S) whatever the store does."""
+        return self._asker(lambda: fn(self.store), STORE_OP_TIMEOUT_S if timeout is None else timeout)
 
     def start(self) -> Watcher:
         self.store.compare_set(_key("abort"), "", "")  # create the abort key empty (so multi_get never blocks)
@@ -222,8 +257,7 @@ class Watcher:
     def poll(self) -> None:
         now = self.clock()
         try:
-            self.store.add(_key(f"hb/{self.rank}"), 1)
-            abort, *beats = self.store.multi_get(self._keys())
+            abort, *beats = self.ask(lambda st: (st.add(_key(f"hb/{self.rank}"), 1), st.multi_get(self._keys()))[1])
         except Exception as e:  # noqa: BLE001 -- any store error: the store (rank 0's process) may be gone
             if self.store_lost_since is None:
                 self.store_lost_since = now
@@ -247,14 +281,24 @@ class Watcher:
             elif now - last[1] >= STALL_S:
                 reason = (f"rank {p} stopped responding: no heartbeat for {now - last[1]:.0f} s "
                           "(killed, hung, or its node was lost)")
-                reason = publish_abort(reason, 1, self.store)
+                reason = self.post(reason, 1)
                 self._mark_done()
                 self._exit(1, f"stopping: {reason}")
                 return
 
+    def post(self, reason: str, code: int = 1) -> str:
+        """Post `reason` ("rank R failed: ...") as the job's abort with the exit code the others take; the first
+        reason posted wins. Returns the reason on record (this one, or the earlier one that caused this failure)."""
+        try:
+            got = self.ask(lambda st: st.compare_set(_key("abort"), "", f"{code} {_one_line(reason)}"))
+            got = got.decode() if isinstance(got, bytes) else str(got)
+            return got.partition(" ")[2] or reason
+        except Exception:  # noqa: BLE001 -- the store is gone: the others find out through it
+            return reason
+
     def _mark_done(self) -> None:
         try:
-            self.store.set(_key(f"hb/{self.rank}"), DONE)
+            self.ask(lambda st: st.set(_key(f"hb/{self.rank}"), DONE))
         except Exception:  # noqa: BLE001 -- the store may be gone already; leaving anyway
             pass
 
@@ -274,7 +318,7 @@ class Watcher:
         first: dict[int, tuple[bytes, float]] = {}
         while others and self.clock() < end:
             try:
-                abort, *beats = self.store.multi_get([_key("abort"), *others])
+                abort, *beats = self.ask(lambda st: st.multi_get([_key("abort"), *others]))
             except Exception:  # noqa: BLE001
                 return
             if abort:
@@ -332,21 +376,6 @@ def _start_watcher() -> None:
     _WATCHER = Watcher(store, rank(), world()).start()
 
 
-def publish_abort(reason: str, code: int = 1, store=None) -> str:
-    """Post `reason` ("rank R failed: ...") as the job's abort; the first reason posted wins. Returns the reason
-    on record (this one, or the earlier one that caused this failure)."""
-    store = store if store is not None else (_WATCHER.store if _WATCHER is not None else None)
-    if store is None:
-        return reason
-    try:
-        value = f"{code} {_one_line(reason)}"
-        got = store.compare_set(_key("abort"), "", value)
-        got = got.decode() if isinstance(got, bytes) else str(got)
-        return got.partition(" ")[2] or reason
-    except Exception:  # noqa: BLE001 -- the store is gone: the others find out through it
-        return reason
-
-
 def abort(reason: str, code: int = 1) -> str:
     """This rank failed: tell every rank (they exit within POLL_S), stop watching, and bound this process's own
     teardown to EXIT_GRACE_S. Rank 0 hosts the store, so it first waits a few polls for the others to read it.
@@ -355,15 +384,15 @@ def abort(reason: str, code: int = 1) -> str:
     w = _WATCHER
     if w is None:
         return reason
-    first = publish_abort(reason, code)
+    timer = threading.Timer(EXIT_GRACE_S, lambda: os._exit(code))  # first: nothing below may hang this rank
+    timer.daemon = True
+    timer.start()
+    first = w.post(reason, code)
     w.stop()
     w._mark_done()
     if w.rank == 0:
         w.peers_done(3 * POLL_S)
     _WATCHER = None
-    timer = threading.Timer(EXIT_GRACE_S, lambda: os._exit(code))
-    timer.daemon = True
-    timer.start()
     return first
 
 
