@@ -325,11 +325,21 @@ def _leave() -> None:
         sys.modules["training.comm"].leave()
 
 
+def _exit(code: int) -> None:
+    """Exit with `code`, first recording it where scripts/launch.sh reads it (LAUNCH_EXIT_DIR): a launcher that
+    was signalled too (SLURM signals every process of a job) reports its own code, not the ranks'."""
+    where = os.environ.get("LAUNCH_EXIT_DIR")
+    if where and os.path.isdir(where):
+        with open(os.path.join(where, f"rank{os.environ.get('RANK', '0')}"), "w") as fh:
+            fh.write(f"{code}\n")
+    sys.exit(code)
+
+
 if __name__ == "__main__":
     _single_process_defaults()
     try:
         code = main()
     except (Exception, KeyboardInterrupt) as e:
-        sys.exit(_fail(e))
+        _exit(_fail(e))
     _leave()
-    sys.exit(code)
+    _exit(code)

@@ -258,18 +258,32 @@ fi
 # The launcher gets its own process group (a terminal's Ctrl-C reaches only this script) and ignores
 # SIGUSR1; the ranks inherit the "ignore" until train.py installs its handler, so an early signal is
 # harmless (it stays pending here until they listen).
+# Every local rank records its exit code in $LAUNCH_EXIT_DIR (train.py): when SLURM signals every process of the
+# job, the deepspeed launcher answers its own SIGTERM by killing the ranks' tree and exits 1 or 143 while
+# the ranks, which saved and exited 75, report what really happened.
+exit_dir=$(mktemp -d "${TMPDIR:-/tmp}/launch_exit.XXXXXX")
+export LAUNCH_EXIT_DIR=$exit_dir
 set -m
 ( trap - TERM INT; trap '' USR1; exec "${cmd[@]}" 2>&3 ) &
 launcher_pid=$!
 set +m
 
+known_ranks=""
 while kill -0 "$launcher_pid" 2>/dev/null; do
   [ "$pending" = 1 ] && forward
+  [ -n "$known_ranks" ] || known_ranks=$(rank_pids | paste -sd' ')
   sleep 1 &
   wait $!  # a trapped signal interrupts this; the loop then checks again
 done
 wait "$launcher_pid"  # bash kept the status of the reaped launcher
 rc=$?
+case "$rc" in
+  0|"$EXIT_USAGE"|"$EXIT_PREEMPTED") ;;
+  *) # the launcher died of a signal before its ranks (SLURM signals every process): let them finish their save
+    for p in $known_ranks; do
+      for ((i = 0; i < ${RANK_EXIT_WAIT_S:-900}; i++)); do kill -0 "$p" 2>/dev/null || break; sleep 1; done
+    done ;;
+esac
 exec 3>&-
 
 if [ -n "$tee_pid" ]; then
@@ -283,5 +297,14 @@ if [ -n "$tee_pid" ]; then
   fi
   rm -f "$stderr_copy"
 fi
+recorded=$(cat "$exit_dir"/rank* 2>/dev/null | sort -u | paste -sd' ')
+rm -rf "$exit_dir"
+case "$rc" in
+  0|"$EXIT_USAGE"|"$EXIT_PREEMPTED") ;;
+  *) if [ "$recorded" = "$EXIT_PREEMPTED" ] || [ "$recorded" = 0 ]; then
+       echo "launch.sh: the launcher exited $rc but every rank here exited $recorded: passing on $recorded" >&2
+       rc=$recorded
+     fi ;;
+esac
 echo "launch.sh: training exited with $rc" >&2
 exit "$rc"

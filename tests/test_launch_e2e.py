@@ -65,3 +65,27 @@ def test_slurm_preemption_requeue_then_completion(tmp_path):
     assert f"resuming from {out}/checkpoints/step_{saved:06d}" in again.stdout
     assert log.read_text() == "requeue 4242\n" and (out / "COMPLETE").exists()
     assert sorted(losses(out)) == list(range(1, 31))
+
+
+def test_sigterm_to_every_process_of_the_job(tmp_path):
+    """What SLURM does on preemption or scancel: SIGTERM to every process of the step at once, the launchers
+    included (launch.sh, the deepspeed runner, launch.py, the ranks). The job still ends with one committed
+    checkpoint at the step it reached and exit 75 (requeue)."""
+    import psutil
+
+    out = tmp_path / "out"
+    job = subprocess.Popen([LAUNCH, "--num_gpus", "2", "--", *TINY, "--max_steps", "200", "--output_dir", str(out)],
+                           cwd=ROOT, env=env(MASTER_PORT="29643"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, start_new_session=True)
+    wait_for(lambda: len(losses(out)) >= 3, timeout=300)
+    tree = [job.pid, *(c.pid for c in psutil.Process(job.pid).children(recursive=True))]
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    text = job.communicate(timeout=300)[0]
+    assert job.returncode == 75, text[-3000:]
+    saved = max(losses(out))
+    assert (out / "checkpoints" / "LATEST").read_text().strip() == f"step_{saved:06d}", text[-3000:]
+    assert (out / "checkpoints" / f"step_{saved:06d}" / "MANIFEST.json").exists()
