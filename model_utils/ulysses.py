@@ -29,12 +29,17 @@ def register(model, sp: int, attn_implementation: str, micro_batch: int):
     return mpu
 
 
-def unregister() -> None:
-    """Restore the plain attention functions and drop DeepSpeed's SP groups."""
+def unregister() -> int:
+    """Restore the plain attention functions and destroy DeepSpeed's SP groups (returns how many groups)."""
     from deepspeed.runtime.sequence_parallel import parallel_state_sp
 
+    from training import comm
+
     attention.restore()
+    n = comm.destroy_groups([parallel_state_sp._SEQUENCE_PARALLEL_GROUP,
+                             parallel_state_sp._SEQUENCE_DATA_PARALLEL_GROUP])
     parallel_state_sp._release_sequence_parallel_groups()
+    return n
 
 
 check_routed = attention.check_routed  # train.py: call once after the first micro-step's forward

@@ -4,6 +4,7 @@ and no other module calls torch.distributed collectives (gloo would forgive what
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -11,7 +12,7 @@ import subprocess
 import pytest
 import torch
 
-from tests.distributed import ROOT
+from tests.distributed import ROOT, run
 from training import comm
 
 COLLECTIVE = re.compile(r"\b(all_reduce|all_gather|all_gather_object|all_to_all|all_to_all_single|broadcast|"
@@ -313,3 +314,12 @@ def test_a_store_that_never_answers_is_lost_too(channel, monkeypatch):
         clock.t += comm.LOST_STORE_S / 2
     never.set()
     assert ex1[-1] == 1 and "unreachable" in ex1[0], ex1
+
+
+@pytest.mark.dist
+def test_sp_groups_are_destroyed_between_stages(tmp_path):
+    run(os.path.join(ROOT, "tests/workers/sp_groups.py"), [str(tmp_path)], 2, str(tmp_path / "logs"))
+    for r in range(2):
+        got = json.loads((tmp_path / f"result{r}.json").read_text())
+        assert got["during"] > got["before"] and got["after"] == got["before"], got
+        assert got["destroyed"] == 2 and got["ok"], got
