@@ -8,7 +8,7 @@ and Ulysses sequence parallelism (world = sp x dp), through a staged context-ext
 
 Sections, in order: config -> distributed init and layout -> data -> resume -> for each stage (`train_stage`):
 model and engine, restore, training loop, stage end (checkpoint, evaluation) -> export. On CPU:
-`DS_ACCELERATOR=cpu` (gloo). All process-group communication goes through training/comm.py.
+`DS_ACCELERATOR=cpu` (gloo). All process-group communication goes through base/comm.py.
 Exit codes: 0 done, 1 failure (traceback in OUTPUT_DIR/logs/rankN.log), 2 bad input (one line, before any
 work), 75 saved after a preemption signal or near the time limit (requeue and `--resume auto`).
 """
@@ -32,24 +32,27 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 def main(argv: list[str] | None = None) -> int:
     import torch
 
+    from base import comm
+    from base.env import configure
+    from base.log import open_rank_log, print0, set_main
+    from base.parallel import check_shared_output, init_distributed
     from data.pipeline import open_run_data
     from model_utils.attention import check_config, resets_positions
     from model_utils.build import load_hf_config, pick_attn_implementation
     from model_utils.export import export_hf
     from model_utils.memory import configure_allocator
     from model_utils.rope import model_hash
-    from training import comm
     from training.checkpoint import Checkpointer
     from training.config import parse_config, to_dict
     from training.curriculum import check_stages, resolve_stages, stage_start, total_steps
     from training.evaluation import check_passkey_fits
-    from training.metrics import MetricsLogger, open_rank_log, print0, set_main
-    from training.parallel import check_shared_output, init_distributed
+    from training.metrics import MetricsLogger
     from training.preemption import Deadline, PreemptionFlag
     from training.preflight import check_network, check_stage_configs, preflight
     from training.summary import plan_lines
 
     started = time.time()  # --time_limit_s counts from here
+    configure()  # DeepSpeed's JIT ops in this checkout's cache, TORCH_CUDA_ARCH_LIST as DeepSpeed reads it
     configure_allocator()  # expandable CUDA segments unless PYTORCH_(CUDA_)ALLOC_CONF is set
     # --- config: every user error surfaces here, before any heavy work ---
     cfg = parse_config(argv)
@@ -150,7 +153,7 @@ class Run:
     bf16: bool
 
     def exit_preempted(self) -> int:
-        from training.metrics import print0
+        from base.log import print0
 
         print0(f"preempted ({self.preempt.received or 'on another rank'}): exiting with {EXIT_PREEMPTED}")
         self.metrics.close()
@@ -163,6 +166,7 @@ def train_stage(run: Run, stage, stages, trainer: dict, resume_from: str | None)
     returns right after the save, with `run.preempt.stopping` set."""
     import torch
 
+    from base.log import print0, rank_log
     from data.pipeline import heldout_samples
     from data.sharding import collate, shard
     from model_utils.memory import kept_attention_line, make_loss_fn
@@ -173,7 +177,7 @@ def train_stage(run: Run, stage, stages, trainer: dict, resume_from: str | None)
     from training.curriculum import stage_start
     from training.engine import build_engine, stage_config
     from training.evaluation import evaluate_stage
-    from training.metrics import peak_memory_gb, print0, rank_log, reset_peak_memory
+    from training.metrics import peak_memory_gb, reset_peak_memory
     from training.step import train_step
 
     cfg, dims, data, ckpt, metrics, preempt = run.cfg, run.dims, run.data, run.ckpt, run.metrics, run.preempt
@@ -290,7 +294,7 @@ def _fail(e: BaseException) -> int:
     seconds instead of waiting in a collective for dist_timeout_s), then report it here. Returns the exit code."""
     rank = os.environ.get("RANK", "0")
     try:
-        from training import comm
+        from base import comm
     except Exception:  # noqa: BLE001 -- the failure was importing our own stack: nothing to tell the others
         comm = None
     if _is_input_error(e):  # our validation of the user's input: one line, no traceback, nothing saved touched
@@ -306,7 +310,7 @@ def _fail(e: BaseException) -> int:
     first = comm.abort(own, EXIT_FAILED) if comm is not None else own
     text = traceback.format_exc()
     try:
-        from training.metrics import rank_log
+        from base.log import rank_log
 
         rank_log(text)
     except Exception:  # noqa: BLE001
@@ -321,8 +325,8 @@ def _fail(e: BaseException) -> int:
 
 def _leave() -> None:
     """main() returned on every rank (0, or 75 after the agreed save): leave the abort channel cleanly."""
-    if "training.comm" in sys.modules:
-        sys.modules["training.comm"].leave()
+    if "base.comm" in sys.modules:
+        sys.modules["base.comm"].leave()
 
 
 def _exit(code: int) -> None:

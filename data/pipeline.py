@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from base import comm
 from data.mixture import MixtureDataset, MixtureSampler, parse_mixture, select_documents
 from data.packing import DocPack
 from data.prepare import prepare_in_job
@@ -29,7 +30,6 @@ from data.sampler import ResumableSampler
 from data.store import MANIFEST, Prepared, read_json, tokenizer_identity
 from data.tasks import TaskMixDataset, TaskMixSampler, check_tasks
 from data.tokenizer import Tokenizer
-from training import comm
 
 DEFAULT_HELDOUT_SAMPLES = 2
 

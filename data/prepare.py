@@ -1,7 +1,7 @@
 """The in-job path: a small JSONL `--dataset_path` (the demo, tests) prepared inside the training job.
 
 Rank 0 runs the same preparation as `scripts/prepare_data.py` (one process, no workers) into the data cache
-while the others wait on the host (`training.comm.run_on_main`: a gloo group with a long timeout, never an
+while the others wait on the host (`base.comm.run_on_main`: a gloo group with a long timeout, never an
 NCCL collective whose watchdog would kill the job); an error found on rank 0 reaches every rank as the same
 one-line message before the model is built. Every rank then memory-maps the prepared folder itself (the
 cache must be on a file system all nodes see). Whether `--dataset_path` is already prepared is rank 0's
@@ -16,12 +16,12 @@ import hashlib
 import os
 import shutil
 
+from base import comm
 from data.corpus import CACHE, build_demo_corpus
 from data.jsonl import list_files
 from data.packing import build_token_stream
 from data.store import is_prepared
 from data.tokenizer import Tokenizer
-from training import comm
 
 MAX_IN_JOB_BYTES = 200 * 1024 * 1024
 

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from model_utils.presets import PRESETS, preset_config
+from planner.presets import PRESETS
 
 
 def load_hf_config(name_or_path: str):
@@ -65,3 +65,16 @@ def build_model(name_or_path: str, hf_config, ds_config: dict, attn_implementati
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=attn_implementation)
     model.config.use_cache = False
     return model, handle
+
+
+def preset_config(name: str, **overrides):
+    """A `transformers` config for preset `name` (fields in `overrides` win)."""
+    from transformers import AutoConfig
+
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}: use a local HF folder or one of {sorted(PRESETS)}")
+    fields = {**PRESETS[name], **overrides}
+    model_type = fields.pop("model_type")
+    theta = fields.pop("rope_theta")
+    fields["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    return AutoConfig.for_model(model_type, **fields)

@@ -5,7 +5,7 @@ Ulysses SP; every tensor below is a rank's sequence shard, `[bs, sl_local, ...]`
 
 - `--tiled_mlp`: each decoder layer's gated MLP runs through DeepSpeed's `TiledMLP` over
   ceil(sl_local / hidden) sequence tiles (ALST's rule; tiles of at least 1024 tokens on tiny models, see
-  training.memory_model.MLP_MIN_TILE_TOKENS). Only the MLP input is saved; backward recomputes
+  planner.memory_model.MLP_MIN_TILE_TOKENS). Only the MLP input is saved; backward recomputes
   one tile at a time, so the `[bs, sl_local, intermediate]` activations never exist whole.
 - `--tiled_logits`: the LM head and the cross-entropy run one sequence tile at a time
   (model_utils/tiled_loss.py; evaluation always uses it).
@@ -48,12 +48,11 @@ from torch.utils._pytree import tree_map_only
 
 from model_utils.mlp import use_lean_mlp
 from model_utils.rmsnorm import use_lean_rmsnorm
-from model_utils.tiled_loss import agreed_tiles, install_loss_forward, tiled_loss_sum
-from training.memory_model import mlp_tiles
-from training.step import loss_sum
+from model_utils.tiled_loss import agreed_tiles, install_loss_forward, loss_sum, tiled_loss_sum
+from planner.memory_model import mlp_tiles
 
 # Tile sizes. Module-level so the tests can force several tiles on tiny models.
-MLP_TILE_TOKENS: int | None = None  # tokens per MLP tile; None: training.memory_model.mlp_tiles's rule
+MLP_TILE_TOKENS: int | None = None  # tokens per MLP tile; None: planner.memory_model.mlp_tiles's rule
 ALLOCATOR_SETTINGS = "expandable_segments:True"
 
 

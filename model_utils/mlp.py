@@ -25,7 +25,7 @@ import types
 
 import torch
 
-from training.memory_model import LEAN_MLP_MODEL_TYPES, norm_chunk_rows
+from planner.memory_model import LEAN_MLP_MODEL_TYPES, norm_chunk_rows
 
 # The class (one per model type in LEAN_MLP_MODEL_TYPES) whose forward is LlamaMLP's, character for character
 LEAN_MLP_CLASSES = {

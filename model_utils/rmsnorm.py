@@ -7,7 +7,7 @@ fp32 copy of its input and the normalized x for backward, and its backward holds
 
 `LeanRMSNormFunction` computes the identical forward (the same ops in the same order, row by row: bitwise equal
 output) but saves only its input, in the compute dtype, and the fp32 inverse RMS of each row (4 B per token). The
-backward recomputes the normalized rows one chunk at a time (training.memory_model.norm_chunk_rows: at most
+backward recomputes the normalized rows one chunk at a time (planner.memory_model.norm_chunk_rows: at most
 64 MiB of fp32 per temporary, at least 8 chunks), so its fp32 temporaries are a few chunks, not five `[T, h]`.
 This is what ALST gets from Liger's fused RMSNorm, without a Triton dependency (it runs on CPU too).
 
@@ -22,7 +22,7 @@ import types
 
 import torch
 
-from training.memory_model import LEAN_RMSNORM_MODEL_TYPES, norm_chunk_rows
+from planner.memory_model import LEAN_RMSNORM_MODEL_TYPES, norm_chunk_rows
 
 # The classes (one per model type in LEAN_RMSNORM_MODEL_TYPES) whose forward is LlamaRMSNorm's, character for character
 LEAN_RMSNORM_CLASSES = {

@@ -1,6 +1,6 @@
 """The LM head and cross-entropy one sequence tile at a time: the `[bs, sl_local, vocab]` logits never exist
 whole (about 1 GiB of fp32 logits per tile, ArcticTraining's rule; `--logits_tile_mb`, and memory_features auto
-takes 1/64 of the per-rank budget when that is less: training.memory_model.logits_tile_bytes). Training uses it with `--tiled_logits`;
+takes 1/64 of the per-rank budget when that is less: planner.memory_model.logits_tile_bytes). Training uses it with `--tiled_logits`;
 evaluation always does (`eval_stats`), so an evaluation never holds more logits than a training step.
 
 Cost at the target scale (Llama 3, vocab 128256, 128k tokens, SP=2): one shard's full fp32 logits would be
@@ -18,9 +18,19 @@ import types
 import torch
 import torch.nn.functional as F
 
-from training import comm
+from base import comm
 
 LOGITS_TILE_BYTES: int = 2**30  # fp32 logits per loss tile (ArcticTraining's 1 GiB); module-level for tests
+
+
+def loss_sum(engine, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Sum of next-token cross-entropies over this rank's shard (labels -100 ignored).
+
+    shift_labels are already shifted (inside the full sample, before sharding), so no shift here."""
+    out = engine(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False)
+    logits = out.logits.float()
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), mb["shift_labels"].reshape(-1),
+                           ignore_index=-100, reduction="sum")
 
 
 def agreed_tiles(n: int, device: torch.device | None = None) -> int:
@@ -31,7 +41,7 @@ def agreed_tiles(n: int, device: torch.device | None = None) -> int:
 
 
 def _ce_sum(lm_head, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of cross-entropies of one tile ([bs, t, hidden], [bs, t]), in fp32 like training.step.loss_sum."""
+    """Sum of cross-entropies of one tile ([bs, t, hidden], [bs, t]), in fp32 like loss_sum."""
     logits = lm_head(hidden).float()
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
                            reduction="sum")
@@ -145,7 +155,7 @@ def install_loss_forward(model) -> None:
 
 
 def tiled_loss_sum(engine, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-    """training.step.loss_sum without the whole [bs, sl_local, vocab] logits. It goes through the engine's
+    """loss_sum without the whole [bs, sl_local, vocab] logits. It goes through the engine's
     forward, like loss_sum, because DeepSpeed starts its backward bookkeeping from hooks on the outputs."""
     out = engine(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False,
                  tiled_loss_labels=mb["shift_labels"])

@@ -33,7 +33,7 @@ def unregister() -> int:
     """Restore the plain attention functions and destroy DeepSpeed's SP groups (returns how many groups)."""
     from deepspeed.runtime.sequence_parallel import parallel_state_sp
 
-    from training import comm
+    from base import comm
 
     attention.restore()
     n = comm.destroy_groups([parallel_state_sp._SEQUENCE_PARALLEL_GROUP,

@@ -39,8 +39,8 @@ def main() -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from model_utils.presets import preset_config
-    from training.memory_model import load_shape
+    from model_utils.build import preset_config
+    from planner.memory_model import load_shape
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = preset_config("tiny-llama", hidden_size=a.hidden, intermediate_size=int(a.hidden * 2.6875),

@@ -77,7 +77,7 @@ def peak_reset_works() -> bool:
 
 def measure(name: str, fn, log: list[dict]):
     """Run fn() as one phase (ranks aligned by a barrier first); record MiB at start, peak and end."""
-    from training import comm
+    from base import comm
 
     gc.collect()
     comm.barrier()
@@ -100,14 +100,14 @@ def worker(case: dict) -> None:
     import torch.nn.functional as F
 
     import model_utils.tiled_loss as tiled_loss
+    from base import comm
+    from base.parallel import init_distributed
     from data.sharding import collate, shard
     from model_utils.build import load_hf_config
     from model_utils.memory import make_loss_fn
-    from training import comm
     from training.config import config_from_dict
     from training.engine import build_engine
     from training.evaluation import sample_stats
-    from training.parallel import init_distributed
     from training.step import train_step
 
     marks = {"imports_mib": _status_kib("VmRSS") / 1024}
@@ -236,9 +236,9 @@ def summarize(case: dict, ranks: list[dict]) -> dict:
 
 
 def predicted(case: dict) -> dict:
-    """training.memory_model's eval phase for the case (MiB, fp32), and what the first evaluation adds on CPU:
+    """planner.memory_model's eval phase for the case (MiB, fp32), and what the first evaluation adds on CPU:
     ZeRO-3 leaves the embedding and the LM head gathered after it (2 V h fp32), until the next training step."""
-    from training.memory_model import ModelShape, eval_phase_bytes
+    from planner.memory_model import ModelShape, eval_phase_bytes
 
     shape = ModelShape(vocab_size=case["vocab"], hidden_size=case["hidden"],
                        intermediate_size=round(case["hidden"] * 2.6875), num_layers=case["layers"], num_heads=4,

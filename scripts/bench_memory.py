@@ -17,7 +17,7 @@ Peak RSS includes memory that does not depend on the sequence: the interpreter, 
 transformers, gloo, the model states. Two baselines are measured and kept apart:
 - `base_gb` (B): the raw peak of the same SP degree at a tiny length (`--baseline_len`, features off).
   `net_gb = peak - B` is the memory that grows with the sequence; the SP memory target uses it.
-- `runtime_gb` (R = B - what training.memory_model.predict_peak_bytes predicts for that tiny run): the part
+- `runtime_gb` (R = B - what planner.memory_model.predict_peak_bytes predicts for that tiny run): the part
   of the peak the memory model leaves out on purpose. `tensor_gb = peak - R` is what the model predicts;
   the calibration columns compare the two.
 
@@ -71,7 +71,7 @@ def bench_model(hidden: int = 256, layers: int = 2, heads: int = 4, kv_heads: in
     import torch
     from transformers import AutoModelForCausalLM
 
-    from model_utils.presets import preset_config
+    from model_utils.build import preset_config
 
     torch.manual_seed(0)
     cfg = preset_config("tiny-llama", hidden_size=hidden, intermediate_size=round(hidden * 2.6875),
@@ -87,7 +87,7 @@ def bench_env(device: str, extra: dict | None = None) -> dict:
     """Environment of every launch: this checkout's DeepSpeed ops (set by importing `training`) also for the
     peer scripts, which do not import it; on CPU one thread per rank (the ranks share the cores), on a GPU the
     threads the launcher gives (CPU Adam of the offloaded optimizer runs on them)."""
-    from training import EXTENSIONS_DIR
+    from base.env import EXTENSIONS_DIR
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
                WANDB_MODE="offline", **(extra or {}))
@@ -212,7 +212,7 @@ def feature_flags(features: tuple[str, ...]) -> list[str]:
 
 
 def feature_spec(features: tuple[str, ...]) -> dict:
-    """The same features as training.memory_model.Features.of takes them: {name: True or the value}; "no-X" is
+    """The same features as planner.memory_model.Features.of takes them: {name: True or the value}; "no-X" is
     {X: False} (the flag --no-X)."""
     return {f.split("=")[0].removeprefix("no-"): int(f.split("=")[1]) if "=" in f else not f.startswith("no-")
             for f in features}
@@ -220,8 +220,8 @@ def feature_spec(features: tuple[str, ...]) -> dict:
 
 def predicted_gb(model: str, seq_len: int, sp: int, features: tuple[str, ...], device: str,
                  world: int | None = None) -> float:
-    """training.memory_model's peak tensor bytes of one rank, in GiB, for the run train.py does."""
-    from training.memory_model import load_shape, predict_peak_bytes
+    """planner.memory_model's peak tensor bytes of one rank, in GiB, for the run train.py does."""
+    from planner.memory_model import load_shape, predict_peak_bytes
 
     precision = "bf16" if device == "cuda" else "fp32"  # train.py's default precision per device
     spec = {"lean_rmsnorm": True, "lean_mlp": True, **feature_spec(features), **dict.fromkeys(OFFLOADS, True)}  # train.py's defaults

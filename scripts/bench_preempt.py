@@ -137,8 +137,8 @@ def main() -> int:
 
     from transformers import AutoConfig
 
+    from planner.memory_model import ModelShape
     from scripts.bench_memory import bench_model
-    from training.memory_model import ModelShape
 
     model = bench_model(a.hidden, a.layers, 8, 8, a.vocab)
     n_params = ModelShape.from_config(AutoConfig.from_pretrained(model).to_dict()).num_params()
@@ -162,7 +162,7 @@ def main() -> int:
 
 def report(result: dict, a: argparse.Namespace) -> int:
     """Medians over the rounds and the projection; writes the JSON and prints the summary."""
-    from training.memory_model import load_shape
+    from planner.memory_model import load_shape
 
     rounds, n_params = result["rounds"], result["params"]
     size = statistics.median(r["checkpoint_bytes"] for r in rounds)

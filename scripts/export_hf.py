@@ -9,10 +9,8 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from model_utils.export import export_hf  # noqa: E402
-from training.checkpoint import Checkpointer  # noqa: E402
+from model_utils.export import export_hf
+from training.checkpoint import Checkpointer
 
 
 def main() -> int:

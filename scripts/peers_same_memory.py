@@ -57,7 +57,7 @@ def neighbours(key: tuple, layers: int) -> list[tuple]:
     CPU: no offload): one tiled feature toggled, keep_attention toggled (with checkpointing), or one more / one
     fewer count of checkpointed layers. A cheaper setting that fits and is faster is always among them or
     beyond one of them."""
-    from training.auto_features import candidates
+    from planner.auto_features import candidates
 
     ks = sorted({c.every for c in candidates(layers, {}, "cpu")}, key=lambda k: -math.ceil(layers / k) if k else 0)
     tl, tm, k, off, keep = key
@@ -139,7 +139,7 @@ def judge(row: dict, cap: float, tol: float) -> None:
     the cap is refused on purpose). `choice_is_fastest_with_headroom` asks the same of the settings whose
     measured peak also left that 10% free: the rule auto is asked to follow ("the fastest that fits with
     headroom"), judged on measurement instead of the planner's prediction."""
-    from training.auto_features import HEADROOM
+    from planner.auto_features import HEADROOM
 
     for k in ("fastest_measured", "choice_vs_fastest", "choice_is_fastest", "faster_under_cap",
               "choice_is_fastest_with_headroom", "choice_is_fastest_paired"):

@@ -3,7 +3,7 @@
 Prints the per-GPU memory breakdown (ZeRO-3 model states, activation checkpoints, one layer's working set,
 logits, communication buffers), per-node CPU memory, which sequence-parallel degrees fit, the DeepSpeed
 config and recipe stage to use, and a FLOPs-based tokens/s/GPU. The formulas live in
-training/memory_model.py and are derived in docs/memory_model.md.
+planner/memory_model.py and are derived in docs/memory_model.md.
 
     python scripts/plan.py --model llama3-8b --seq_len 128k,1M --nodes 4 --gpus_per_node 8 --alst
     python scripts/plan.py --model path/to/config.json --seq_len 262144 --sp 8 --no-offload_params --json
@@ -19,12 +19,11 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import yaml
 
-import yaml  # noqa: E402
-
-from training.auto_features import sp_degrees  # noqa: E402
-from training.memory_model import (  # noqa: E402
+from base.parallel import check_layout
+from planner.auto_features import sp_degrees
+from planner.memory_model import (
     Estimate,
     Features,
     GiB,
@@ -35,7 +34,6 @@ from training.memory_model import (  # noqa: E402
     parse_seq_len,
     tokens_per_sec_per_gpu,
 )
-from training.parallel import check_layout  # noqa: E402
 
 FEATURES = ("offload_params", "offload_optimizer", "tiled_mlp", "tiled_logits", "gradient_checkpointing",
             "offload_activations", "lean_rmsnorm", "lean_mlp", "keep_attention")
@@ -44,7 +42,7 @@ ALST = ("tiled_mlp", "tiled_logits", "gradient_checkpointing", "offload_activati
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="preset name (model_utils/presets.py) or config.json path")
+    p.add_argument("--model", required=True, help="preset name (planner/presets.py) or config.json path")
     p.add_argument("--seq_len", required=True, help="tokens per sample: 131072, 128k, 1M; a comma list plans each")
     p.add_argument("--gpus_per_node", type=int, default=8)
     p.add_argument("--nodes", type=int, default=1)
@@ -189,16 +187,16 @@ def make_plan(args: argparse.Namespace) -> dict:
 
 
 def auto_plan(args: argparse.Namespace, shape: ModelShape, world: int, seq_len: int) -> dict:
-    """--auto: the choice of training/auto_features.py with train.py's budget for --gpu_mem_gb (the same as
+    """--auto: the choice of planner/auto_features.py with train.py's budget for --gpu_mem_gb (the same as
     `train.py --memory_features auto --gpu_mem_gb G --dry_run`), and tokens/s/GPU of it and of all features."""
-    from training import auto_features as af
+    from planner import auto_features as af
 
     pinned = {k: True for k in ALST if getattr(args, k) or args.alst}
     if pinned.pop("gradient_checkpointing", False):
         pinned["checkpoint_every"] = 1
     if args.keep_attention is not None:
         pinned["keep_attention"] = args.keep_attention
-    _, budget = af.device_budget(args.gpu_mem_gb, 0.0)
+    budget = af.gpu_budget(args.gpu_mem_gb)
     offloads = Features(offload_params=args.offload_params, offload_optimizer=args.offload_optimizer,
                         lean_rmsnorm=args.lean_rmsnorm, lean_mlp=args.lean_mlp)
     try:

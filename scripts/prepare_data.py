@@ -3,12 +3,9 @@
     python scripts/prepare_data.py --input corpus/ --output data/prepared --tokenizer_name_or_path TOK --workers 8
 """
 
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from data.prepare_data import main  # noqa: E402
+from data.prepare_data import main
 
 if __name__ == "__main__":
     sys.exit(main())

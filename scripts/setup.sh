@@ -8,6 +8,7 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/pip install -q --upgrade pip
 .venv/bin/pip install -q -r requirements.txt
+.venv/bin/pip install -q --no-deps --no-build-isolation -e .  # the project's packages, importable everywhere
 if [ "${WITH_FLASH_ATTN:-0}" = 1 ]; then
   .venv/bin/pip install -q --no-build-isolation -r requirements-gpu.txt
 fi
@@ -16,7 +17,7 @@ fi
 # on CPU the CPU Adam optimizer and the shared-memory comm op (about 1.5 min the first time); on a GPU node CPU Adam
 # (optimizer offload) and FusedAdam (what the flags' AdamW becomes on a GPU without optimizer offload,
 # training/ds_config.optimizer_spec). They go to this checkout's .cache/torch_extensions (importing `training` sets
-# TORCH_EXTENSIONS_DIR; see training/__init__.py), which launch.sh passes to every node. Build where the jobs run
+# TORCH_EXTENSIONS_DIR; see base/env.py), which launch.sh passes to every node. Build where the jobs run
 # (a GPU node, or set TORCH_CUDA_ARCH_LIST on a node without GPUs). A `lock` left there by a build that was killed
 # would make every later load wait forever: set-up is the one builder, so it clears them first (run it while
 # nothing in this checkout is starting); train.py stops at start with one line naming any lock it finds.
@@ -25,8 +26,11 @@ export DS_ACCELERATOR=${DS_ACCELERATOR:-$(command -v nvidia-smi >/dev/null && nv
 import glob
 import os
 
-import training  # noqa: F401  (TORCH_EXTENSIONS_DIR; TORCH_CUDA_ARCH_LIST in the form DeepSpeed reads)
 from deepspeed.accelerator import get_accelerator
+
+from base.env import configure
+
+configure()  # TORCH_EXTENSIONS_DIR; TORCH_CUDA_ARCH_LIST in the form DeepSpeed reads
 
 for lock in glob.glob(os.path.join(os.environ["TORCH_EXTENSIONS_DIR"], "**", "lock"), recursive=True):
     print(f"removing a stale build lock: {lock}")

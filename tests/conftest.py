@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import pytest
 
+from base.env import configure
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+configure()  # tests that build engines in this process load DeepSpeed's ops from the checkout's cache
 
 
 def forwards_unlike_llama(classes: dict[str, str], llama_class: str) -> list[str]:
@@ -32,7 +33,7 @@ def save_tiny_model(path: str, preset: str, seed: int = 0, **overrides) -> str:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from model_utils.presets import preset_config
+    from model_utils.build import preset_config
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(preset_config(preset, **overrides), dtype=torch.float32)

@@ -11,6 +11,8 @@ import socket
 import subprocess
 import sys
 
+from base.env import EXTENSIONS_DIR
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The collective timeout of every multi-process test (train.py's --dist_timeout_s, the workers' init): low, so a
 # rank left waiting in a collective for another's long solo work fails a test here instead of a cluster job.
@@ -33,6 +35,7 @@ def spawn(script: str, args: list[str], nproc: int, log_dir: str, extra_env: dic
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
                    PYTHONPATH=ROOT, WANDB_MODE="offline")
+        env.setdefault("TORCH_EXTENSIONS_DIR", EXTENSIONS_DIR)  # the checkout's built ops (base/env.py)
         env.update(extra_env or {})  # PYTHONPATH included (a stub folder in front of the repo)
         log = open(os.path.join(log_dir, f"rank{rank}.log"), "w")
         procs.append(subprocess.Popen([sys.executable, script, *args], cwd=ROOT, env=env, stdout=log,

@@ -1,4 +1,4 @@
-"""`memory_features: auto` (training/auto_features.py): the chooser against budgets derived from the planner's
+"""`memory_features: auto` (planner/auto_features.py): the chooser against budgets derived from the planner's
 own predictions (never hard-coded), explicit settings winning, `sequence_parallel_size: auto`, and the choice
 reaching the stage's config and the start-up plan. Pure unit tests except the last, a 2-rank train.py run
 whose measured peak stays under the --mem_cap_gb it was given."""
@@ -11,12 +11,12 @@ from dataclasses import replace
 
 import pytest
 
+from planner import auto_features as af
+from planner.memory_model import Features, GiB, estimate, load_shape
 from tests.conftest import ROOT
-from training import auto_features as af
 from training.config import Config, StageConfig
 from training.curriculum import resolve_stages
 from training.engine import stage_config
-from training.memory_model import Features, GiB, estimate, load_shape
 
 SHAPE = load_shape("llama3-8b")
 OFF = Features(offload_params=True, offload_optimizer=True)
@@ -74,7 +74,7 @@ def test_keep_attention_costs_memory_and_saves_the_attention_recompute():
     """Keeping the attention output of the checkpointed layers: the recompute no longer pays the attention
     forward (71% of a Llama-3-8B layer's forward FLOPs at 128k tokens), each checkpointed layer keeps [S, heads/sp, d] (+ fp32 lse) more,
     and auto takes it when that fits, plain checkpointing when only that does."""
-    from training.memory_model import kept_attention_bytes
+    from planner.memory_model import kept_attention_bytes
 
     full, kept = Features(checkpoint_every=1), Features(checkpoint_every=1, keep_attention=True)
     assert af.relative_speed(SHAPE, SL, 2, full) < af.relative_speed(SHAPE, SL, 2, kept) < 1.0
@@ -161,7 +161,7 @@ def test_plan_lines_print_the_choice(tmp_path):
     assert f"predicted peak {c['predicted_peak_gb']:.2f} of {80 - af.GPU_RESERVED / GiB:.2f} GiB" in text
 
 
-# --- ZeRO-3 offloads under memory_features auto (training/auto_features.py: offload_seconds, choose(free_offloads)) ---
+# --- ZeRO-3 offloads under memory_features auto (planner/auto_features.py: offload_seconds, choose(free_offloads)) ---
 
 FREE = ("offload_params", "offload_optimizer")
 LEAN = Features(lean_rmsnorm=True, lean_mlp=True)  # no ZeRO offload: what auto starts from when both are free
@@ -247,8 +247,8 @@ def test_offload_choice_reaches_the_stage_overrides_and_deepspeed():
     the engine's config: DeepSpeed parses offload "none" as off; memory_choice records what and why."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
+    from base.parallel import ParallelDims
     from training.ds_config import _OneReplica, build_ds_config
-    from training.parallel import ParallelDims
 
     roomy = budget_for(af.peak_bytes(SHAPE, SL, 2, WORLD, Features(), LEAN, "bf16", "cuda"))
     user = {"zero_optimization": {"stage3_max_live_parameters": 100000000}}
@@ -351,8 +351,8 @@ def test_train_auto_stays_under_the_cap(tmp_path):
 def test_overlap_comm_per_accelerator(monkeypatch, tmp_path, ds_file):
     """training/ds_config.build_ds_config decides overlap_comm: on with a GPU (DeepSpeed's ZeRO-3 default), off
     on the CPU accelerator; a concrete value in the JSON wins; buckets from the hidden size either way."""
+    from base.parallel import ParallelDims
     from training import ds_config
-    from training.parallel import ParallelDims
 
     path = os.path.join("ds_configs", ds_file)
     with open(path) as fh:
@@ -376,7 +376,7 @@ def test_cpu_budget_reads_this_process_peak_not_its_parents():
     import subprocess
     import sys
 
-    child = ("import resource; from training.auto_features import device_budget; "
+    child = ("import resource; from training.curriculum import device_budget; "
              "from training.metrics import peak_rss_bytes; "
              "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, peak_rss_bytes(), "
              "device_budget(0, 2.5)[1])")
@@ -393,7 +393,7 @@ def test_cpu_budget_reads_this_process_peak_not_its_parents():
 def test_logits_tile_follows_the_budget():
     """Auto's tiled logits run tiles of 1/64 of the budget up to ArcticTraining's 1 GiB: an 80 GB GPU keeps 1 GiB
     tiles, a small budget gets small ones (and a lower predicted logits phase); a tile the user set wins."""
-    from training.memory_model import LOGITS_TILE_BYTES, logits_tile_bytes
+    from planner.memory_model import LOGITS_TILE_BYTES, logits_tile_bytes
 
     assert logits_tile_bytes(78 * GiB) == LOGITS_TILE_BYTES
     assert logits_tile_bytes(22 * GiB) == 22 * GiB // 64 and logits_tile_bytes(0) == 2**20
@@ -420,8 +420,8 @@ def test_the_model_runs_the_configured_logits_tile():
     from transformers import AutoModelForCausalLM
 
     from model_utils import tiled_loss
+    from model_utils.build import preset_config
     from model_utils.memory import apply_memory_features
-    from model_utils.presets import preset_config
 
     cfg = Config(model_name_or_path="tiny-llama", max_seq_length=64, logits_tile_mb=3)
     model = AutoModelForCausalLM.from_config(preset_config("tiny-llama"))

@@ -1,4 +1,4 @@
-"""training/comm.py is the one owner of process-group communication, and it is NCCL-correct by construction:
+"""base/comm.py is the one owner of process-group communication, and it is NCCL-correct by construction:
 the device is set before the process group exists, every collective's tensor is on the accelerator's device,
 and no other module calls torch.distributed collectives (gloo would forgive what NCCL rejects)."""
 
@@ -12,8 +12,8 @@ import subprocess
 import pytest
 import torch
 
+from base import comm
 from tests.distributed import ROOT, run
-from training import comm
 
 COLLECTIVE = re.compile(r"\b(all_reduce|all_gather|all_gather_object|all_to_all|all_to_all_single|broadcast|"
                         r"broadcast_object_list|reduce|reduce_scatter|gather|gather_object|scatter|scatter_object_list|"
@@ -24,7 +24,7 @@ DIST_IMPORT = re.compile(r"^\s*(import torch\.distributed|from torch import dist
 
 def project_sources() -> list[str]:
     files = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    return [f for f in files.split() if not f.startswith("tests/") and f != "training/comm.py"]
+    return [f for f in files.split() if not f.startswith("tests/") and f != "base/comm.py"]
 
 
 def test_no_module_but_comm_touches_the_process_group():
@@ -37,7 +37,7 @@ def test_no_module_but_comm_touches_the_process_group():
         for n, line in enumerate(text.splitlines(), 1):
             if re.search(r"\b(dist|torch\.distributed)\.", line) and COLLECTIVE.search(line):
                 offenders.append(f"{rel}:{n}: {line.strip()}")
-    assert not offenders, "collectives outside training/comm.py:\n" + "\n".join(offenders)
+    assert not offenders, "collectives outside base/comm.py:\n" + "\n".join(offenders)
 
 
 def test_the_scan_sees_a_direct_collective(tmp_path):
@@ -116,7 +116,7 @@ def test_single_process_needs_no_group():
         comm.run_on_main(lambda: (_ for _ in ()).throw(ValueError("bad")))
 
 
-# --- the abort channel (training/comm.py's Watcher), driven without processes: a real TCPStore, a fake clock ---
+# --- the abort channel (base/comm.py's Watcher), driven without processes: a real TCPStore, a fake clock ---
 
 
 class Clock:

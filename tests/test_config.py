@@ -2,9 +2,9 @@
 
 import pytest
 
+from base.parallel import ParallelDims, check_layout
 from training.config import parse_config
 from training.ds_config import build_ds_config
-from training.parallel import ParallelDims, check_layout
 
 
 def test_precedence_cli_over_yaml_over_defaults(tmp_path):

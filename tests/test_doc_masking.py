@@ -328,7 +328,7 @@ def test_bypassing_attention_is_refused():
     from transformers import AutoModelForCausalLM
 
     from model_utils import attention, ulysses
-    from model_utils.presets import preset_config
+    from model_utils.build import preset_config
 
     model = AutoModelForCausalLM.from_config(preset_config("tiny-llama"), dtype=torch.float32,
                                              attn_implementation="sdpa")
@@ -350,7 +350,7 @@ def test_unsupported_layer_types_are_refused():
     from transformers import AutoModelForCausalLM
 
     from model_utils import attention
-    from model_utils.presets import preset_config
+    from model_utils.build import preset_config
 
     model = AutoModelForCausalLM.from_config(preset_config("tiny-llama"), dtype=torch.float32)
     model.config.layer_types = ["full_attention", "linear_attention"]
@@ -390,7 +390,7 @@ def test_documents_built_once_per_micro_batch(monkeypatch, attn):
     from transformers import AutoModelForCausalLM
 
     from model_utils import attention, ulysses
-    from model_utils.presets import preset_config
+    from model_utils.build import preset_config
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(preset_config("tiny-llama", num_hidden_layers=4, initializer_range=0.3),
@@ -456,7 +456,7 @@ def test_auto_resets_positions_wherever_documents_are_masked():
     """`reset_position_ids: auto` is yes for exactly the backends check_config accepts (all of them mask documents),
     not flash-attention only; yes / no win; anything else is refused."""
     from model_utils import attention
-    from model_utils.presets import preset_config
+    from model_utils.build import preset_config
 
     config = preset_config("tiny-llama")
     for attn in ("sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "eager"):

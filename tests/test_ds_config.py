@@ -12,11 +12,11 @@ import os
 
 import pytest
 
+from base.parallel import ParallelDims
 from tests.distributed import ROOT, run
 from tests.runs import TRAIN, losses, train_args
 from training.config import parse_config
 from training.ds_config import build_ds_config, make_optimizer, optimizer_spec
-from training.parallel import ParallelDims
 
 HF = os.path.join(ROOT, "ds_configs/hf_zero3_offload.json")
 OURS = os.path.join(ROOT, "ds_configs/zero3_offload.json")
@@ -211,7 +211,7 @@ def test_arch_specific_cuda_arch_list_is_made_readable_for_deepspeed(monkeypatch
 
     from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
 
-    from training import deepspeed_arch_list
+    from base.env import deepspeed_arch_list
 
     assert deepspeed_arch_list("9.0a 10.0f+PTX;9.0") == "9.0;10.0+PTX"
     assert deepspeed_arch_list("8.0;8.6") == "8.0;8.6"
@@ -224,7 +224,8 @@ def test_arch_specific_cuda_arch_list_is_made_readable_for_deepspeed(monkeypatch
     builder.compute_capability_args()
 
     env = dict(os.environ, TORCH_CUDA_ARCH_LIST="9.0a")
-    out = subprocess.run([sys.executable, "-c", "import os, training; print(os.environ['TORCH_CUDA_ARCH_LIST'])"],
+    code = "import os; from base.env import configure; configure(); print(os.environ['TORCH_CUDA_ARCH_LIST'])"
+    out = subprocess.run([sys.executable, "-c", code],
                          cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout.strip()
     assert out == "9.0"
 

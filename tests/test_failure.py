@@ -1,4 +1,4 @@
-"""A failure anywhere ends the job everywhere, quickly, whatever the collective timeout (training/comm.py's abort
+"""A failure anywhere ends the job everywhere, quickly, whatever the collective timeout (base/comm.py's abort
 channel); clean exits (0, and 75 after a preemption save) stay clean; a torn metrics line is repaired on resume.
 
 The runs use --dist_timeout_s 600: without the abort channel the surviving ranks would wait in a collective for

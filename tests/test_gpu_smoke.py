@@ -2,7 +2,7 @@
 
     .venv/bin/pytest -q -m gpu tests/test_gpu_smoke.py
 
-2 optimizer steps of train.py on 1 GPU: NCCL process group (so every collective of training/comm.py runs with
+2 optimizer steps of train.py on 1 GPU: NCCL process group (so every collective of base/comm.py runs with
 tensors on the GPU), bf16, ZeRO-3 + CPU offload, evaluation and export; for each attention backend present
 (sdpa, flash_attention_2 when flash-attn is installed) the step-1 loss equals the plain Hugging Face model's on
 the same sample within bf16 tolerance; and once more with checkpointing that keeps the attention output

@@ -51,7 +51,7 @@ def test_tile_rules(monkeypatch):
     assert tiled_loss.logits_tiles(1, 128_000, 128_256) == math.ceil(128_000 * 128_256 * 4 / 2**30)  # ~1 GiB fp32 each
     monkeypatch.setattr(tiled_loss, "LOGITS_TILE_BYTES", 1)
     assert tiled_loss.logits_tiles(2, 5, 100) == 5  # never more tiles than tokens
-    from training.memory_model import mlp_tiles
+    from planner.memory_model import mlp_tiles
 
     assert mlp_tiles(131_072, 4096) == 32  # Llama-3-8B, 128k tokens per rank: ALST's ceil(T / hidden)
     assert mlp_tiles(4096, 256) == 4  # a tiny model's tiles are floored at 1024 tokens (not 16 of 256)
@@ -230,7 +230,7 @@ def test_keep_attention_runs_the_attention_kernel_once(assets):
 
 
 def test_keep_attention_needs_checkpointing():
-    from training.memory_model import Features
+    from planner.memory_model import Features
 
     with pytest.raises(ValueError, match="keep_attention"):
         Features.of({"keep_attention": True})

@@ -7,7 +7,8 @@ import sys
 import numpy as np
 import pytest
 
-from training.metrics import peak_rss_bytes, reset_peak_memory
+from base.host import peak_rss_bytes
+from training.metrics import reset_peak_memory
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM reset through /proc/self/clear_refs")

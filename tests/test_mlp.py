@@ -14,7 +14,7 @@ import types
 import pytest
 import torch
 
-import training.memory_model as mm
+import planner.memory_model as mm
 from model_utils.mlp import LEAN_MLP_CLASSES, GatedProductFunction, use_lean_mlp
 from tests.conftest import forwards_unlike_llama
 
@@ -121,7 +121,7 @@ def test_the_flag_decides(monkeypatch, on, tiled):
     from transformers import AutoModelForCausalLM
 
     from model_utils import memory, mlp
-    from model_utils.presets import preset_config
+    from model_utils.build import preset_config
     from training.config import Config
 
     monkeypatch.setattr(memory, "MLP_TILE_TOKENS", 16)

@@ -20,6 +20,7 @@ import os
 import pytest
 import torch
 
+from planner.memory_model import LEAN_RMSNORM_MODEL_TYPES
 from tests.distributed import ROOT, run
 from tests.test_doc_masking import (
     GRAD_TOL,
@@ -32,7 +33,6 @@ from tests.test_doc_masking import (
     save_config_model,
     write_documents,
 )
-from training.memory_model import LEAN_RMSNORM_MODEL_TYPES
 
 SP = 2
 # name -> (model_type, config fields over SMALL, attention backend, gradients?, oracle backend)

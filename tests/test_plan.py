@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from training.memory_model import (
+from planner.memory_model import (
     Features,
     ModelShape,
     estimate,
@@ -228,7 +228,7 @@ def test_ds_recommendation():
 def test_parse_seq_len_and_config_json(tmp_path):
     assert [parse_seq_len(s) for s in ("131072", "128k", "128K", "1M", "15_000_000")] == \
         [131072, 131072, 131072, 1048576, 15_000_000]
-    from model_utils.presets import PRESETS
+    from planner.presets import PRESETS
 
     (tmp_path / "config.json").write_text(json.dumps(PRESETS["qwen3-32b"]))
     assert load_shape(str(tmp_path)) == load_shape(str(tmp_path / "config.json")) == load_shape("qwen3-32b")
@@ -278,7 +278,8 @@ def test_selective_checkpointing_term_by_hand():
 
 def test_auto_shows_the_dry_runs_choice(capsys):
     """--auto: per length the choice train.py --memory_features auto --gpu_mem_gb 80 makes, faster than all features."""
-    from training.auto_features import choose, device_budget
+    from planner.auto_features import choose
+    from training.curriculum import device_budget
 
     plan.main(["--model", "llama3-8b", "--seq_len", "128k,1M", "--nodes", "4", "--auto", "--json"])
     rep = json.loads(capsys.readouterr().out)

@@ -1,4 +1,4 @@
-"""The memory planner against measured memory: training.memory_model.predict_peak_bytes within 20% of the
+"""The memory planner against measured memory: planner.memory_model.predict_peak_bytes within 20% of the
 measured per-rank peak of real train.py runs on CPU (the full sweep: scripts/bench_memory.py --calibration).
 
 predict_peak_bytes counts tensor bytes only, so the measurement is the rank's peak RSS minus a runtime

@@ -25,8 +25,8 @@ import types
 
 import pytest
 
+from planner.memory_model import Features, ModelShape, estimate
 from tests.conftest import ROOT
-from training.memory_model import Features, ModelShape, estimate
 
 T = 4096
 SHAPES = {"gqa": dict(h=256, inter=688, nh=4, kv=2, vocab=2048, layers=4),
@@ -127,11 +127,11 @@ CASES = [  # (precision, shape, features, logits tile bytes: small ones make the
                          ids=[f"{p}-{s}-{'+'.join(f) or 'none'}{'-tiles' if t else ''}" for p, s, f, t in CASES])
 def test_predicted_activation_peak_matches_exact_tensor_bytes(monkeypatch, prec, shape, feats, tile):
     import model_utils.tiled_loss
-    import training.memory_model
+    import planner.memory_model
 
     if tile:
         monkeypatch.setattr(model_utils.tiled_loss, "LOGITS_TILE_BYTES", tile)
-        monkeypatch.setattr(training.memory_model, "LOGITS_TILE_BYTES", tile)
+        monkeypatch.setattr(planner.memory_model, "LOGITS_TILE_BYTES", tile)
     measured, pred = _exact_peak(prec, SHAPES[shape], feats), _predicted(prec, SHAPES[shape], feats)
     # measured here, 2026-11-24: 0.978-1.11 (above 1: RMSNorm's backward transient is an upper bound); Qwen3's
     # q/k norms (2026-11-25, before the term existed 0.70-0.93): 0.99-1.06, except with checkpointing, 1.25 (safe

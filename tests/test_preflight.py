@@ -14,11 +14,11 @@ import sys
 
 import pytest
 
+from planner.memory_model import ModelShape
 from tests.distributed import ROOT, run
 from training import preflight
 from training.config import parse_config
 from training.curriculum import resolve_stages
-from training.memory_model import ModelShape
 
 GiB = 2**30
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import training.memory_model as mm
+import planner.memory_model as mm
 from model_utils.rmsnorm import LEAN_RMSNORM_CLASSES, LeanRMSNormFunction, use_lean_rmsnorm
 from tests.conftest import forwards_unlike_llama
 
@@ -99,8 +99,8 @@ def test_the_flag_decides(on):
     from transformers import AutoModelForCausalLM
 
     from model_utils import rmsnorm
+    from model_utils.build import preset_config
     from model_utils.memory import apply_memory_features
-    from model_utils.presets import preset_config
 
     model = AutoModelForCausalLM.from_config(preset_config("tiny-llama"))
     apply_memory_features(model, types.SimpleNamespace(tiled_mlp=False, tiled_logits=False, gradient_checkpointing=False,

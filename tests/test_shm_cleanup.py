@@ -1,5 +1,5 @@
 """DeepSpeed's CPU shared-memory all-reduce leaves a 66 MB /dev/shm segment per rank after every launch
-(RAM, until reboot); training.parallel.init_distributed unlinks the names once all ranks have mapped them."""
+(RAM, until reboot); base.parallel.init_distributed unlinks the names once all ranks have mapped them."""
 
 from __future__ import annotations
 

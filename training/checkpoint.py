@@ -44,9 +44,9 @@ import zlib
 import numpy as np
 import torch
 
-from training import comm
-from training.metrics import print0
-from training.parallel import FS_SETTLE_S
+from base import comm
+from base.log import print0
+from base.parallel import FS_SETTLE_S
 
 MANIFEST, POINTER = "MANIFEST.json", "LATEST"
 _TAG = re.compile(r"^step_(\d{6,})$")

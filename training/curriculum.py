@@ -3,16 +3,17 @@
 A run without `stages:` is a one-stage curriculum made of the top-level settings. Each stage's fields
 left unset inherit the run's. `locate(stages, global_step)` is a pure function of the step.
 `memory_features: auto` and a stage's `sequence_parallel_size: auto` are resolved here, once, by the planner
-(training/auto_features.py): every stage leaves with its memory features and SP degree fixed.
+(planner/auto_features.py): every stage leaves with its memory features and SP degree fixed.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
+from base.parallel import check_layout
 from model_utils.rope import check_rope
 from training.config import Config, StageConfig
-from training.parallel import check_layout
 
 
 @dataclass(frozen=True)
@@ -74,30 +75,32 @@ def _memory_mode(cfg: Config, s: StageConfig, i: int) -> tuple[str, dict]:
 def _resolve_memory(cfg: Config, s: StageConfig, i: int, sl: int, sp, world: int, budget) -> tuple[int, dict]:
     """(SP degree, Stage memory fields) of one stage; the planner runs only for auto (features or SP). Under
     memory_features auto on a GPU it also decides the ZeRO-3 offloads the DeepSpeed JSON allows and the stage's
-    deepspeed_overrides do not pin (training/auto_features.offload_plan); the choice reaches the engine as the
+    deepspeed_overrides do not pin (planner/auto_features.offload_plan); the choice reaches the engine as the
     stage's `deepspeed_overrides` ({"zero_optimization": {"offload_param": {"device": "cpu" | "none"}, ...}}
     merged into the stage's own), and `memory_choice` says which offloads are on, why, and what they cost."""
     mode, pinned = _memory_mode(cfg, s, i)
     if mode == "manual" and sp != "auto":
         return sp, {**pinned, "memory_choice": None}
-    from training import auto_features as af
-    from training.ds_config import _merge
-    from training.memory_model import Features, lean_mlp_applies, lean_norm_applies, load_shape
+    from planner import auto_features as af
+    from planner.memory_model import Features, lean_mlp_applies, lean_norm_applies, load_shape
+    from training.config import _load, _merge
 
     if sp != "auto" and (not isinstance(sp, int) or sp < 1):
         raise ValueError(f"stage {i}: sequence_parallel_size {sp!r}: use an integer >= 1 or auto")
     device, usable = budget()
     own = s.deepspeed_overrides or {}
-    offloads = Features(**af.zero_offloads(cfg.deepspeed, own), lean_rmsnorm=cfg.lean_rmsnorm, lean_mlp=cfg.lean_mlp)
-    free, fixed_why = af.offload_plan(cfg.deepspeed, own, device, mode == "auto")
+    ds_json = _load(cfg.deepspeed)
+    offloads = Features(**af.zero_offloads(_merge(ds_json, own).get("zero_optimization", {})),
+                        lean_rmsnorm=cfg.lean_rmsnorm, lean_mlp=cfg.lean_mlp)
+    free, fixed_why = af.offload_plan(ds_json.get("zero_optimization", {}), own, device, mode == "auto")
     bf16 = cfg.bf16 if cfg.bf16 is not None else device == "cuda" and not cfg.fp16
     try:
         shape = load_shape(cfg.model_name_or_path)
         choice = af.choose(shape, sl, world, usable,
-                           sp=None if sp == "auto" else sp, sp_max=af.gpus_per_node(cfg) or world,
+                           sp=None if sp == "auto" else sp, sp_max=gpus_per_node(cfg) or world,
                            pinned={**pinned, "logits_tile_mb": cfg.logits_tile_mb}, offloads=offloads,
                            precision="bf16" if bf16 else "fp32", device=device, free_offloads=free,
-                           ranks_per_node=af.gpus_per_node(cfg) or world,
+                           ranks_per_node=gpus_per_node(cfg) or world,
                            accum=cfg.gradient_accumulation_steps * cfg.per_device_train_batch_size)
     except ValueError as e:
         raise ValueError(f"stage {i} ({s.name or f'stage{i}'}): {e}") from None
@@ -113,8 +116,35 @@ def _resolve_memory(cfg: Config, s: StageConfig, i: int, sl: int, sp, world: int
                        "memory_choice": record}
 
 
+def device_budget(gpu_mem_gb: float, mem_cap_gb: float) -> tuple[str, int]:
+    """(device, bytes per rank the tensors may use): the GPU's memory (given, or detected) less GPU_RESERVED;
+    on a CPU run, the --mem_cap_gb cap less this process' peak RSS so far (interpreter and libraries) and
+    CPU_ENGINE_OVERHEAD. CPU peak RSS follows the tensors only with MALLOC_MMAP_THRESHOLD_=65536 (glibc otherwise
+    keeps freed blocks: +0.2 GiB measured at 8192 tokens), as scripts/bench_memory.py runs."""
+    import torch
+
+    from base.host import peak_rss_bytes
+    from planner.auto_features import CPU_ENGINE_OVERHEAD, gpu_budget
+    from planner.memory_model import GiB
+
+    if gpu_mem_gb > 0:
+        return "cuda", gpu_budget(gpu_mem_gb)
+    if torch.cuda.is_available():
+        return "cuda", gpu_budget(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GiB)
+    if mem_cap_gb > 0:
+        rss = peak_rss_bytes()
+        return "cpu", int(mem_cap_gb * GiB) - rss - CPU_ENGINE_OVERHEAD
+    raise ValueError("memory_features auto / sequence_parallel_size auto need the memory per rank: --gpu_mem_gb "
+                     "(detected on a GPU) or --mem_cap_gb on a CPU run")
+
+
+def gpus_per_node(cfg) -> int:
+    """Ranks per node: the recipe's cluster, else the launcher's LOCAL_WORLD_SIZE; 0 when unknown."""
+    return cfg.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or 0
+
+
 def agreed_budget(cfg: Config):
-    """budget() for auto: training.auto_features.device_budget measured once, then the minimum over ranks (a
+    """budget() for auto: device_budget measured once, then the minimum over ranks (a
     collective on the first call, made by every rank at the same point of resolve_stages). Each rank's own
     reading differs (peak RSS, a GPU another process holds memory on): from its own number two ranks could pick
     different features, hence different collectives, and hang. The smallest budget fits every rank."""
@@ -122,8 +152,7 @@ def agreed_budget(cfg: Config):
 
     def budget() -> tuple[str, int]:
         if not agreed:
-            from training import comm
-            from training.auto_features import device_budget
+            from base import comm
 
             device, own = device_budget(cfg.gpu_mem_gb, cfg.mem_cap_gb)
             agreed.append((device, int(comm.all_reduce([float(own)], op="min").item())))
@@ -134,7 +163,7 @@ def agreed_budget(cfg: Config):
 def resolve_stages(cfg: Config, dp_of_sp, budget=None) -> list[Stage]:
     """Fill every stage from the run's defaults; `dp_of_sp(sp)` gives the DP degree for a SP degree
     (to turn `max_tokens` into steps; dp_of_sp(1) is the world). `budget()` -> (device, bytes per rank) for
-    memory_features / sequence_parallel_size auto (default: training.auto_features.device_budget from
+    memory_features / sequence_parallel_size auto (default: device_budget from
     --gpu_mem_gb / the GPU / --mem_cap_gb). Raises a one-line ValueError on an inconsistent recipe."""
     raw = cfg.stages or [StageConfig(name="main")]
     if budget is None:

@@ -26,24 +26,12 @@ A concrete value in the JSON is kept.
 
 from __future__ import annotations
 
-import copy
-import json
-import os
-
-from training.config import Config
-from training.metrics import print0
-from training.parallel import ParallelDims
+from base.log import print0
+from base.parallel import ParallelDims
+from training.config import Config, _load, _merge, check_precision, no_gpu
 
 ADAM_BETAS = [0.9, 0.95]  # as ds_configs/*.json; no flag owns them
 ADAM_EPS = 1e-8
-SP_BLOCK_KEYS = ("enabled", "degree", "size", "sequence_parallel_type")
-
-
-def _merge(base: dict, over: dict) -> dict:
-    out = copy.deepcopy(base)
-    for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
-    return out
 
 
 def _fill(d: dict, path: str, value, source: str) -> None:
@@ -57,68 +45,6 @@ def _fill(d: dict, path: str, value, source: str) -> None:
     elif cur != value:
         raise ValueError(f"DeepSpeed config sets {path}={cur} but {source} gives {value}: set it to \"auto\" "
                          "or make the two agree")
-
-
-def _load(path: str) -> dict:
-    with open(path) as fh:
-        return json.load(fh)
-
-
-def no_gpu() -> bool:
-    import torch
-
-    return not torch.cuda.is_available() or os.environ.get("DS_ACCELERATOR") == "cpu"
-
-
-def sp_from_block(block, where: str) -> int:
-    """The SP degree a `sequence_parallelism` block asks for (1 when `"enabled": false`)."""
-    if not isinstance(block, dict):
-        raise ValueError(f"{where}: sequence_parallelism must be a mapping like {{\"enabled\": true, \"degree\": 2}}")
-    unknown = sorted(set(block) - set(SP_BLOCK_KEYS))
-    if unknown:
-        raise ValueError(f"{where}: unknown key(s) {unknown} in sequence_parallelism: valid keys are {list(SP_BLOCK_KEYS)}")
-    kind = block.get("sequence_parallel_type", "ulysses")
-    if kind != "ulysses":
-        raise ValueError(f"{where}: sequence_parallelism.sequence_parallel_type {kind!r}: only \"ulysses\" is implemented")
-    if block.get("enabled", True) is False:
-        return 1
-    sizes = {block[k] for k in ("degree", "size") if k in block}
-    if len(sizes) != 1:
-        raise ValueError(f"{where}: sequence_parallelism needs one \"degree\" (got {sorted(map(str, sizes)) or 'none'})")
-    n = sizes.pop()
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"{where}: sequence_parallelism.degree must be an integer >= 1, got {n!r}")
-    return n
-
-
-def settle_from_file(cfg: Config, given: set[str]) -> None:
-    """Settings the DeepSpeed JSON decides before the process group exists; `given` are the keys the flags or the
-    recipe set. Fills cfg in place (SP degree, fp16) and checks precision; one-line ValueError otherwise."""
-    ds = _load(cfg.deepspeed)
-    if "sequence_parallelism" in ds:
-        n = sp_from_block(ds["sequence_parallelism"], cfg.deepspeed)
-        if "sequence_parallel_size" not in given:
-            cfg.sequence_parallel_size = n
-        elif cfg.sequence_parallel_size != n:
-            raise ValueError(f"--sequence_parallel_size {cfg.sequence_parallel_size} contradicts {cfg.deepspeed} "
-                             f"sequence_parallelism degree {n}: drop one of them or make them agree")
-        for i, s in enumerate(cfg.stages):
-            if s.sequence_parallel_size not in (None, n):
-                raise ValueError(f"stages[{i}] sets sequence_parallel_size {s.sequence_parallel_size} but "
-                                 f"{cfg.deepspeed} sequence_parallelism degree is {n}: remove the block (stages set "
-                                 "their own SP) or make them agree")
-    if ds.get("fp16", {}).get("enabled") is True and "fp16" not in given:
-        cfg.fp16 = True  # the JSON asks for fp16 and no flag said otherwise
-    if cfg.fp16 and cfg.bf16 is None:
-        cfg.bf16 = False
-    check_precision(cfg, bf16=bool(cfg.bf16), planning=cfg.dry_run)
-
-
-def check_precision(cfg: Config, bf16: bool, planning: bool = False) -> None:
-    if cfg.fp16 and bf16:
-        raise ValueError("--fp16 and --bf16 are both on: pick one (--no-bf16 for fp16)")
-    if cfg.fp16 and not planning and no_gpu():
-        raise ValueError("fp16 needs a GPU with loss scaling: use --bf16 or fp32 on CPU")
 
 
 def build_ds_config(cfg: Config, dims: ParallelDims, bf16: bool, hidden_size: int,

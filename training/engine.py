@@ -7,13 +7,13 @@ import dataclasses
 import deepspeed
 import torch
 
+from base.parallel import ParallelDims
 from model_utils import ulysses
 from model_utils.build import build_model
 from model_utils.memory import apply_memory_features
 from training.config import Config
 from training.curriculum import Stage
 from training.ds_config import build_ds_config, make_optimizer
-from training.parallel import ParallelDims
 from training.schedule import lambda_scheduler
 
 

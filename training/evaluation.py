@@ -27,10 +27,10 @@ import random
 import numpy as np
 import torch
 
+from base import comm
 from data.sharding import collate, shard
 from data.tasks import FILLER, TASKS, make_sample, passkey  # noqa: F401  (FILLER: re-exported, older imports)
 from model_utils.tiled_loss import eval_stats
-from training import comm
 
 DEFAULT_DEPTHS = [0.1, 0.5, 0.9]
 DEFAULT_BUCKETS = 8

@@ -8,50 +8,15 @@ same W&B run.
 from __future__ import annotations
 
 import json
-import logging
 import os
-import resource
 import sys
 import uuid
 
 import torch
 
-from training import comm
-
-_IS_MAIN = os.environ.get("RANK", "0") == "0"
-_RANK_LOG = logging.getLogger("ulysses_longtrain.rank")
-
-
-def set_main(is_main: bool) -> None:
-    global _IS_MAIN
-    _IS_MAIN = is_main
-
-
-def print0(*args, **kwargs) -> None:
-    """Print on rank 0 only (flushed: launchers buffer child output); every rank keeps it in its log file."""
-    if _IS_MAIN:
-        print(*args, **kwargs, flush=True)
-    _RANK_LOG.info(" ".join(str(a) for a in args))
-
-
-def open_rank_log(output_dir: str, rank: int) -> str:
-    """OUTPUT_DIR/logs/rank00003.log for every rank: our messages, per-step timings and DeepSpeed's log."""
-    from deepspeed.utils import logger as ds_logger
-
-    path = os.path.join(output_dir, "logs", f"rank{rank:05d}.log")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    handler = logging.FileHandler(path)
-    handler.setFormatter(logging.Formatter(f"%(asctime)s rank{rank} %(levelname)s %(message)s"))
-    for log in (_RANK_LOG, ds_logger):
-        log.addHandler(handler)
-    _RANK_LOG.setLevel(logging.INFO)
-    _RANK_LOG.propagate = False
-    return path
-
-
-def rank_log(msg: str) -> None:
-    """A line in this rank's own log file only (for debugging one rank of many)."""
-    _RANK_LOG.info(msg)
+from base import comm
+from base.host import peak_rss_bytes
+from base.log import print0
 
 
 def profiled_peak_bytes(fn) -> int:
@@ -71,18 +36,6 @@ def profiled_peak_bytes(fn) -> int:
         os.unlink(path)
     before = events[0]["Total Allocated"] - events[0]["Bytes"]
     return max(e["Total Allocated"] for e in events) - before
-
-
-def peak_rss_bytes() -> int:
-    """This process' own peak resident set size. /proc/self/status VmHWM, not getrusage's ru_maxrss: Linux
-    carries the parent's high-water mark into ru_maxrss across fork + exec, so a rank started from a process
-    that once held 1.5 GiB reads 1.5 GiB before it allocates anything (and auto's CPU budget went negative)."""
-    try:
-        with open("/proc/self/status") as fh:
-            return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmHWM:"))
-    except (OSError, StopIteration):  # no procfs (not Linux): ru_maxrss, bytes on macOS
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return peak if sys.platform == "darwin" else peak * 1024
 
 
 def reset_peak_memory() -> None:

@@ -33,7 +33,7 @@ import os
 import signal
 import time
 
-from training import comm
+from base import comm
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 SAVE_GUESS_S = 300.0  # before the first measured save (Llama-3-8B, 32 ranks: ~100 GB at a few GB/s)

@@ -14,7 +14,7 @@ What a 32-rank job would otherwise find out late, or never:
   never a rank's own reading):
   - a `lock` under TORCH_EXTENSIONS_DIR/<op>/: torch waits for it with no time limit before loading the op
     (a build killed mid-way leaves it); scripts/setup.sh builds the ops ahead of time and clears them;
-  - host memory per node: what the planner (training/memory_model.estimate: ZeRO-3 CPU offload of params,
+  - host memory per node: what the planner (planner/memory_model.estimate: ZeRO-3 CPU offload of params,
     fp32 grads, master weights and Adam moments, offloaded checkpoints; on a CPU run everything) puts in host
     memory per rank, times the node's ranks, at the stage that needs most, against the node's MemAvailable;
     and, where offload pins it (`pin_memory`, GPU runs), each rank's pinned bytes against RLIMIT_MEMLOCK (a
@@ -34,10 +34,10 @@ import socket
 import sys
 import time
 
-from training.config import Config
+from base.parallel import ParallelDims
+from training.config import Config, no_gpu
 from training.curriculum import Stage
-from training.ds_config import build_ds_config, no_gpu
-from training.parallel import ParallelDims
+from training.ds_config import build_ds_config
 
 GiB = 2**30
 MEMINFO = "/proc/meminfo"
@@ -124,7 +124,7 @@ def memlock_limit() -> int | None:
 
 
 def extensions_dir() -> str:
-    from training import EXTENSIONS_DIR  # importing `training` sets TORCH_EXTENSIONS_DIR when unset
+    from base.env import EXTENSIONS_DIR  # base.env.configure() (train.py's first step) sets it when unset
 
     return os.environ.get("TORCH_EXTENSIONS_DIR", EXTENSIONS_DIR)
 
@@ -209,7 +209,7 @@ def host_need(cfg: Config, stages: list[Stage], world: int, bf16: bool, configs:
     """What the run holds in host memory per rank at its most demanding stage, from the planner (None when it
     cannot read the model's shape): the ZeRO-3 offloaded states and checkpoints, and on a CPU run everything.
     `arch`: the model's (text) config; `configs`: each stage's DeepSpeed config (check_stage_configs)."""
-    from training.memory_model import ModelShape, estimate
+    from planner.memory_model import ModelShape, estimate
     from training.summary import run_features
 
     best = None
@@ -255,8 +255,8 @@ def check_stage_configs(cfg: Config, stages: list[Stage], world: int, bf16: bool
 def preflight(cfg: Config, stages: list[Stage], dims: ParallelDims, arch, bf16: bool) -> None:
     """The start-up checks of a launched run (collective; see the module docstring); `arch`: the model's (text)
     config. Every rank returns, or every rank raises the same one-line ValueError."""
-    from training import comm
-    from training.metrics import print0
+    from base import comm
+    from base.log import print0
 
     reports = comm.all_gather_object(report())
 

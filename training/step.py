@@ -17,19 +17,9 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.nn.functional as F
 
-from training import comm
-
-
-def loss_sum(engine, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Sum of next-token cross-entropies over this rank's shard (labels -100 ignored).
-
-    shift_labels are already shifted (inside the full sample, before sharding), so no shift here."""
-    out = engine(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False)
-    logits = out.logits.float()
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), mb["shift_labels"].reshape(-1),
-                           ignore_index=-100, reduction="sum")
+from base import comm
+from model_utils.tiled_loss import loss_sum
 
 
 def train_step(engine, micro_batches: list[dict[str, torch.Tensor]], world: int,

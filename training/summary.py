@@ -1,6 +1,6 @@
 """The start-up summary (and `--dry_run` output): layout, stages, and the memory plan of each stage.
 
-The plan comes from training/memory_model.py (the formulas of scripts/plan.py, derived in
+The plan comes from planner/memory_model.py (the formulas of scripts/plan.py, derived in
 docs/memory_model.md): per-rank GPU peak and per-node CPU memory for every stage, with the features
 and offloads this run actually uses.
 """
@@ -9,12 +9,8 @@ from __future__ import annotations
 
 import json
 
-from training.auto_features import ALL_FEATURES, describe, describe_offloads, relative_speed
-from training.config import Config
-from training.curriculum import Stage
-from training.ds_config import _merge
-from training.engine import stage_config
-from training.memory_model import (
+from planner.auto_features import ALL_FEATURES, describe, describe_offloads, relative_speed
+from planner.memory_model import (
     Features,
     GiB,
     estimate,
@@ -23,6 +19,9 @@ from training.memory_model import (
     load_shape,
     tokens_per_sec_per_gpu,
 )
+from training.config import Config, _merge
+from training.curriculum import Stage
+from training.engine import stage_config
 
 
 def run_features(cfg: Config, ds_config: dict, stage: Stage | None = None) -> Features:

@@ -38,7 +38,7 @@ def ds_config(sp: int) -> dict:
     zero = cfg.get("zero_optimization", {})
     if zero.get("overlap_comm") == "auto":  # this project's "auto" (the Trainer fills only its own): as train.py
         sys.path.insert(0, ROOT)
-        from training.ds_config import no_gpu
+        from training.config import no_gpu
 
         zero["overlap_comm"] = not no_gpu()
     return cfg
@@ -109,11 +109,11 @@ def main() -> int:
     os.makedirs(a.output_dir, exist_ok=True)
     trainer = Trainer(model=model, args=args, train_dataset=RandomTokens(), callbacks=[Meter()])
     if torch.distributed.is_initialized():  # DeepSpeed's CPU SHM all-reduce segment, as train.py releases it
-        from training.parallel import release_shm_buffer
+        from base.parallel import release_shm_buffer
 
         release_shm_buffer(torch.distributed.get_rank())
     trainer.train()
-    from training.comm import shutdown
+    from base.comm import shutdown
 
     shutdown()  # as train.py: a group alive at interpreter teardown can abort a finished run (exit -6)
     return 0

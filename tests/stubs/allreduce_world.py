@@ -14,7 +14,7 @@ parser.add_argument("--local_rank", type=int, default=0)  # the deepspeed launch
 parser.parse_known_args()
 deepspeed.init_distributed(dist_backend="gloo")
 try:  # as train.py does: drop DeepSpeed's CPU SHM all-reduce segment name (it would outlive the test in /dev/shm)
-    from training.parallel import release_shm_buffer
+    from base.parallel import release_shm_buffer
 
     release_shm_buffer(dist.get_rank())
 except ImportError:  # run from a launcher test without the repo on the path

@@ -9,14 +9,15 @@ import sys
 import time
 from types import SimpleNamespace
 
+from base import comm
+from base.parallel import init_distributed
 from data.prepare import prepare_in_job
 from data.store import is_prepared
 from tests.distributed import DIST_TIMEOUT_S
-from training import auto_features, comm
+from training import curriculum
 from training.checkpoint import Checkpointer
 from training.curriculum import agreed_budget
 from training.metrics import MetricsLogger
-from training.parallel import init_distributed
 from training.preemption import PreemptionFlag
 
 out, folder = sys.argv[1], sys.argv[2]
@@ -45,8 +46,8 @@ for key, every in (("save_due_rank1_clock", (3600.0, 1e-9)), ("save_due_rank0_cl
     r[key] = flag.save_due
 
 # each rank's own reading of its memory: 1 GiB more per rank (another process holding memory on a GPU)
-auto_features.device_budget = lambda gpu, cap: ("cpu", (1 + dims.rank) * 2**30)
-r["own_budget"] = auto_features.device_budget(0, 0)[1]
+curriculum.device_budget = lambda gpu, cap: ("cpu", (1 + dims.rank) * 2**30)
+r["own_budget"] = curriculum.device_budget(0, 0)[1]
 r["budget"] = agreed_budget(SimpleNamespace(gpu_mem_gb=0.0, mem_cap_gb=4.0))()[1]
 
 r["own_prepared"] = is_prepared(folder)

@@ -17,15 +17,16 @@ import torch.distributed as dist
 
 warnings.filterwarnings("ignore")
 
+from base.parallel import init_distributed  # noqa: E402
 from data.packing import PackedDataset, build_token_stream  # noqa: E402
 from data.sharding import collate, shard  # noqa: E402
 from model_utils import attention, rmsnorm, ulysses  # noqa: E402
 from model_utils.build import load_hf_config  # noqa: E402
+from model_utils.tiled_loss import loss_sum  # noqa: E402
 from tests.distributed import DIST_TIMEOUT_S  # noqa: E402
 from training.config import config_from_dict  # noqa: E402
 from training.engine import build_engine  # noqa: E402
-from training.parallel import init_distributed  # noqa: E402
-from training.step import loss_sum, train_step  # noqa: E402
+from training.step import train_step  # noqa: E402
 
 CASE_KEYS = ("out", "cache", "samples", "grads", "bypass")
 

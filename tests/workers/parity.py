@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 warnings.filterwarnings("ignore")
 
+from base.parallel import check_layout, init_distributed  # noqa: E402
 from data.packing import PackedDataset, build_token_stream  # noqa: E402
 from data.sampler import ResumableSampler  # noqa: E402
 from data.sharding import collate, shard  # noqa: E402
@@ -22,7 +23,6 @@ from model_utils.memory import make_loss_fn  # noqa: E402
 from tests.distributed import DIST_TIMEOUT_S  # noqa: E402
 from training.config import config_from_dict  # noqa: E402
 from training.engine import build_engine  # noqa: E402
-from training.parallel import check_layout, init_distributed  # noqa: E402
 from training.step import train_step  # noqa: E402
 
 

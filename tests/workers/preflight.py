@@ -7,12 +7,13 @@ import json
 import os
 import sys
 
+from base import comm
+from base.parallel import init_distributed
 from model_utils.build import load_hf_config
 from tests.distributed import DIST_TIMEOUT_S
-from training import comm, preflight
+from training import preflight
 from training.config import parse_config
 from training.curriculum import resolve_stages
-from training.parallel import init_distributed
 
 out, mode = sys.argv[1], sys.argv[2]
 dims = init_distributed(1, timeout_s=DIST_TIMEOUT_S)

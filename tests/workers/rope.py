@@ -11,12 +11,12 @@ import torch.distributed as dist
 
 warnings.filterwarnings("ignore")
 
+from base.parallel import init_distributed  # noqa: E402
 from model_utils.build import load_hf_config  # noqa: E402
 from model_utils.rope import apply_rope  # noqa: E402
 from tests.distributed import DIST_TIMEOUT_S  # noqa: E402
 from training.config import config_from_dict  # noqa: E402
 from training.engine import build_engine  # noqa: E402
-from training.parallel import init_distributed  # noqa: E402
 
 if __name__ == "__main__":
     spec = json.loads(sys.argv[1])

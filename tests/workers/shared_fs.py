@@ -8,9 +8,9 @@ import os
 import sys
 import time
 
+from base import comm
+from base.parallel import check_shared_output, init_distributed
 from tests.distributed import DIST_TIMEOUT_S
-from training import comm
-from training.parallel import check_shared_output, init_distributed
 
 out, mode = sys.argv[1], sys.argv[2]
 dims = init_distributed(1, timeout_s=DIST_TIMEOUT_S)

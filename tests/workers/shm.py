@@ -1,5 +1,5 @@
 """Worker for tests/test_shm_cleanup.py: DeepSpeed's CPU shared-memory all-reduce before and after
-training.parallel.release_shm_buffer unlinks this rank's segment name. Prints one JSON line per rank."""
+base.parallel.release_shm_buffer unlinks this rank's segment name. Prints one JSON line per rank."""
 
 import json
 import os
@@ -9,7 +9,7 @@ import deepspeed.comm as ds_comm
 import torch
 import torch.distributed as dist
 
-from training.parallel import release_shm_buffer, shm_buffer_path
+from base.parallel import release_shm_buffer, shm_buffer_path
 
 if __name__ == "__main__":
     deepspeed.init_distributed(dist_backend=None, auto_mpi_discovery=False)

@@ -8,10 +8,10 @@ import sys
 import torch.distributed as dist
 from deepspeed.runtime.sequence_parallel import parallel_state_sp
 
+from base import comm
+from base.parallel import init_distributed
 from model_utils import ulysses
 from tests.distributed import DIST_TIMEOUT_S
-from training import comm
-from training.parallel import init_distributed
 
 dims = init_distributed(1, timeout_s=DIST_TIMEOUT_S)
 live = lambda: len(dist.distributed_c10d._world.pg_map)  # noqa: E731

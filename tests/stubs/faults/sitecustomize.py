@@ -6,7 +6,7 @@ go on into backward's collectives) or `after` (once the step is done, while the 
 The failing rank then hangs in its teardown (an atexit sleep that runs before the process group is left), as
 an NCCL rank with pending work can: its sockets stay open, so the others' gloo collectives do not fail by
 themselves and only the abort channel can stop them; the rank's own exit timer (EXIT_GRACE_S) ends it.
-WATCH="POLL_S:STALL_S:LOST_STORE_S[:EXIT_GRACE_S]" shortens the abort channel's timings (training.comm).
+WATCH="POLL_S:STALL_S:LOST_STORE_S[:EXIT_GRACE_S]" shortens the abort channel's timings (base.comm).
 LINGER="RANK:SECONDS[,RANK:SECONDS]" makes a rank slow on its clean way out (MetricsLogger.close, after the agreed
 stop, before the rank leaves the abort channel), as a W&B sync can be.
 """
@@ -19,7 +19,7 @@ _rank = os.environ.get("RANK")
 def _install() -> None:
     fault, watch, linger = os.environ.get("FAULT"), os.environ.get("WATCH"), os.environ.get("LINGER")
     if watch:
-        from training import comm
+        from base import comm
 
         names = ("POLL_S", "STALL_S", "LOST_STORE_S", "EXIT_GRACE_S")
         for name, value in zip(names, watch.split(":")):

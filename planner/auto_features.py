@@ -1,5 +1,5 @@
 """`memory_features: auto`: per stage, the fastest memory-feature set (and, with `sequence_parallel_size: auto`,
-the smallest SP degree) that the planner (training/memory_model.py) fits in the device memory with headroom.
+the smallest SP degree) that the planner (planner/memory_model.py) fits in the device memory with headroom.
 
 Candidates: tiled logits, tiled MLP, checkpointing of every K-th decoder layer (K = 1 .. L, one K per number
 of checkpointed layers), with or without keeping the attention output of the checkpointed layers, checkpoint
@@ -21,14 +21,14 @@ rank and optimizer step: optimizer offload runs Adam on the host, N/W parameters
 touched at CPU_ADAM_BYTES_PER_S shared by the node's ranks, and copies the gradient partition device->host (every
 micro-step) and the updated parameters host->device at PCIE_BYTES_PER_S; parameter offload copies the rank's
 partition host->device for every forward, backward and recompute pass. The compute time of a step comes from the
-FLOP model (training.memory_model.flops_per_sequence at MFU x PEAK_TFLOPS). An offload is chosen when nothing
+FLOP model (planner.memory_model.flops_per_sequence at MFU x PEAK_TFLOPS). An offload is chosen when nothing
 fits without it (needed), or where it pays: the fastest fitting set carries it, because the recompute it lets
 auto drop costs more than the offload (free, net of what it saves). The ranking counts the offloads' cost twice,
 since CPU_ADAM_BYTES_PER_S is an estimate: an offload wins on speed only if it would still win were CPU Adam half
 as fast. The fastest fitting set wins; at equal speed the one with fewer offloads. `choose(...,
 free_offloads=...)` names the offloads auto may turn off; the others stay as `offloads` has them.
 
-    from training.auto_features import choose
+    from planner.auto_features import choose
     choose(load_shape("llama3-8b"), 131072, world=32, budget_bytes=72 * GiB, sp=None, sp_max=8)
 """
 
@@ -36,11 +36,10 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
-from training.memory_model import (
+from planner.memory_model import (
     DTYPE_BYTES,
     LOGITS_TILE_BYTES,
     Features,
@@ -178,7 +177,7 @@ def relative_speed(shape: ModelShape, seq_len: int, sp: int, f: Features, device
 def peak_bytes(shape: ModelShape, seq_len: int, sp: int, world: int, f: Features, offloads: Features,
                precision: str, device: str) -> int:
     """Predicted peak of one rank: on a GPU the device peak; on a CPU everything shares the host RAM, so the
-    ZeRO-3 CPU offloads count too (training.memory_model.predict_peak_bytes' rule)."""
+    ZeRO-3 CPU offloads count too (planner.memory_model.predict_peak_bytes' rule)."""
     return _peaks(shape, seq_len, sp, world, f, offloads, precision, device)[0]
 
 
@@ -220,7 +219,7 @@ def candidates(num_layers: int, pinned: Mapping, device: str) -> list[Features]:
 
 def sp_degrees(shape: ModelShape, world: int, seq_len: int, sp_max: int) -> list[int]:
     """SP degrees possible on `world` ranks (training/parallel.check_layout's rule), at most sp_max (a node)."""
-    from training.parallel import check_layout
+    from base.parallel import check_layout
 
     ok = []
     for sp in range(1, min(world, sp_max) + 1):
@@ -245,7 +244,7 @@ def choose(shape: ModelShape, seq_len: int, world: int, budget_bytes: int, *, sp
     optimizer step). On a GPU, `host_bytes_per_rank` (CPU memory of a node / its ranks, less the runtime) also
     bounds what the ZeRO-3 and checkpoint offloads put in host memory. One-line ValueError when nothing fits.
     Tiled logits run tiles of `pinned["logits_tile_mb"]` MiB when given, else of
-    training.memory_model.logits_tile_bytes(budget_bytes)."""
+    planner.memory_model.logits_tile_bytes(budget_bytes)."""
     pinned = dict(pinned or {})
     tile_mb = int(pinned.pop("logits_tile_mb", 0) or 0) or logits_tile_bytes(budget_bytes) // 2**20
     cands = [replace(f, logits_tile_mb=tile_mb) if f.tiled_logits else f
@@ -298,41 +297,23 @@ def choose(shape: ModelShape, seq_len: int, world: int, budget_bytes: int, *, sp
                      f"per rank less {headroom:.0%} headroom (the leanest set needs {(least or 0) / GiB:.2f} GiB)")
 
 
+def gpu_budget(gpu_mem_gb: float) -> int:
+    """Bytes per rank the tensors may use on a GPU of `gpu_mem_gb` GB: less GPU_RESERVED (context, NCCL, workspaces)."""
+    return int(gpu_mem_gb * GiB) - GPU_RESERVED
+
+
 ALL_FEATURES = Features(tiled_mlp=True, tiled_logits=True, checkpoint_every=1, offload_activations=True)  # ALST
 
 
-def device_budget(gpu_mem_gb: float, mem_cap_gb: float) -> tuple[str, int]:
-    """(device, bytes per rank the tensors may use): the GPU's memory (given, or detected) less GPU_RESERVED;
-    on a CPU run, the --mem_cap_gb cap less this process' peak RSS so far (interpreter and libraries) and
-    CPU_ENGINE_OVERHEAD. CPU peak RSS follows the tensors only with MALLOC_MMAP_THRESHOLD_=65536 (glibc otherwise
-    keeps freed blocks: +0.2 GiB measured at 8192 tokens), as scripts/bench_memory.py runs."""
-    if gpu_mem_gb > 0:
-        return "cuda", int(gpu_mem_gb * GiB) - GPU_RESERVED
-    import torch
-
-    if torch.cuda.is_available():
-        return "cuda", torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory - GPU_RESERVED
-    if mem_cap_gb > 0:
-        from training.metrics import peak_rss_bytes
-
-        rss = peak_rss_bytes()
-        return "cpu", int(mem_cap_gb * GiB) - rss - CPU_ENGINE_OVERHEAD
-    raise ValueError("memory_features auto / sequence_parallel_size auto need the memory per rank: --gpu_mem_gb "
-                     "(detected on a GPU) or --mem_cap_gb on a CPU run")
-
-
-def zero_offloads(ds_path: str, overrides: Mapping) -> dict:
-    """{offload_params, offload_optimizer} of the DeepSpeed JSON with a stage's overrides merged in."""
-    devices = offload_devices(ds_path, overrides)
+def zero_offloads(zero: Mapping) -> dict:
+    """{offload_params, offload_optimizer} of a `zero_optimization` block (the JSON's, a stage's overrides merged)."""
+    devices = offload_devices(zero)
     return {n: devices[n] == "cpu" for n in OFFLOAD_KEYS}
 
 
-def offload_devices(ds_path: str, overrides: Mapping | None = None) -> dict:
-    """{offload_params, offload_optimizer: the `device` ("cpu", "nvme", "none")} of the DeepSpeed JSON with
-    `overrides` merged in; "none" where the block or its device is absent."""
-    from training.ds_config import _load, _merge
-
-    zero = _merge(_load(ds_path), dict(overrides or {})).get("zero_optimization", {})
+def offload_devices(zero: Mapping) -> dict:
+    """{offload_params, offload_optimizer: the `device` ("cpu", "nvme", "none")} of a `zero_optimization` block;
+    "none" where the block or its device is absent."""
     return {n: str((zero.get(key) or {}).get("device") or "none") for n, key in OFFLOAD_KEYS.items()}
 
 
@@ -343,10 +324,10 @@ def pinned_offloads(overrides: Mapping | None) -> dict:
             if isinstance(zero.get(key), Mapping) and "device" in zero[key]}
 
 
-def offload_plan(ds_path: str, overrides: Mapping | None, device: str, auto: bool) -> tuple[list[str], str]:
+def offload_plan(json_zero: Mapping, overrides: Mapping | None, device: str, auto: bool) -> tuple[list[str], str]:
     """(the offloads auto may choose for a stage, what decides the others): free are the offloads the DeepSpeed
     JSON puts on the CPU that the stage's overrides do not name, on a GPU run under memory_features auto."""
-    json_dev, pins = offload_devices(ds_path), pinned_offloads(overrides)
+    json_dev, pins = offload_devices(json_zero), pinned_offloads(overrides)
     if device != "cuda":
         return [], "the DeepSpeed config's: a CPU run moves nothing between memories"
     if not auto:
@@ -369,5 +350,3 @@ def offload_overrides(choice: Choice, free: Iterable[str]) -> dict:
     return {"zero_optimization": zero} if zero else {}
 
 
-def gpus_per_node(cfg) -> int:
-    return cfg.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or 0

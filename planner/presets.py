@@ -1,7 +1,7 @@
 """Named model shapes: tiny ones the demo and tests build from scratch, and real ones the planner sizes.
 
 A preset is a plain dict of Hugging Face config fields plus `model_type`, so it can be turned into a
-`transformers` config (`preset_config`) or read as shapes without importing transformers (the planner).
+`transformers` config (`model_utils.build.preset_config`) or read as shapes without importing transformers (the planner).
 """
 
 from __future__ import annotations
@@ -40,16 +40,3 @@ PRESETS: dict[str, dict] = {
         max_position_embeddings=131072, rope_theta=1000000.0, tie_word_embeddings=False,
     ),
 }
-
-
-def preset_config(name: str, **overrides):
-    """A `transformers` config for preset `name` (fields in `overrides` win)."""
-    from transformers import AutoConfig
-
-    if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}: use a local HF folder or one of {sorted(PRESETS)}")
-    fields = {**PRESETS[name], **overrides}
-    model_type = fields.pop("model_type")
-    theta = fields.pop("rope_theta")
-    fields["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
-    return AutoConfig.for_model(model_type, **fields)

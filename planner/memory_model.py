@@ -8,7 +8,7 @@ derived in docs/memory_model.md, whose notation the code follows:
 All sizes are bytes. The model is a decoder-only LM with a gated (SwiGLU) MLP and RMSNorm, which covers
 the Llama / Qwen2 / Qwen3 families; attention is flash or SDPA-flash, so there is no S^2 score matrix.
 
-    from training.memory_model import predict_peak_bytes, load_shape
+    from planner.memory_model import predict_peak_bytes, load_shape
     predict_peak_bytes(load_shape("tiny-llama"), seq_len=1024, sp=2, features={"tiled_mlp"})
 """
 
@@ -20,8 +20,8 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 
-from model_utils.presets import PRESETS
-from training.parallel import check_layout
+from base.parallel import check_layout
+from planner.presets import PRESETS
 
 GiB = 2**30
 # Each tile re-enters ZeRO-3's fetch/release hooks of the MLP's three projections, in the forward and again in
@@ -93,7 +93,7 @@ class ModelShape:
 
 
 def load_shape(model: str) -> ModelShape:
-    """A preset name from model_utils/presets.py, a config.json path, or a folder holding one."""
+    """A preset name from planner/presets.py, a config.json path, or a folder holding one."""
     if model in PRESETS:
         return ModelShape.from_config(PRESETS[model])
     path = os.path.join(model, "config.json") if os.path.isdir(model) else model

@@ -55,9 +55,9 @@ def check_layout(world: int, sp: int, num_heads: int, num_kv_heads: int, seq_len
 
 
 def init_distributed(sp: int, timeout_s: float = 1800.0) -> ParallelDims:
-    """Set the device and initialise torch.distributed through `training.comm` (gloo on CPU, nccl on GPU) with
+    """Set the device and initialise torch.distributed through `base.comm` (gloo on CPU, nccl on GPU) with
     a `timeout_s` collective timeout; return the dims."""
-    from training import comm
+    from base import comm
 
     rank, world, local_rank = comm.init(timeout_s)
     release_shm_buffer(rank)
@@ -82,7 +82,7 @@ def release_shm_buffer(rank: int) -> str | None:
     every mapping valid and the kernel frees the memory when the last rank exits, however it exits.
     Returns the unlinked path, or None where there was no segment (GPU, multi-node, the op not built).
     """
-    from training import comm
+    from base import comm
 
     comm.barrier()
     path = shm_buffer_path(rank)
@@ -121,7 +121,7 @@ def check_shared_output(output_dir: str, settle_s: float = FS_SETTLE_S) -> None:
     import socket
     import uuid
 
-    from training import comm
+    from base import comm
 
     os.makedirs(output_dir, exist_ok=True)
     run_id = comm.all_gather_object(uuid.uuid4().hex[:12])[0]  # one name per launch: stale probes never count

@@ -1,0 +1,37 @@
+"""The process environment DeepSpeed's JIT-built ops need, set by `configure()` (train.py, set-up, tests), never
+at import.
+
+TORCH_EXTENSIONS_DIR: DeepSpeed's JIT-built ops (CPU Adam, the shared-memory comm op) go to this checkout's own
+`.cache/torch_extensions` unless it is set: torch serializes JIT builds with a `lock` file and waits for it to
+disappear with no time limit, so one process killed mid-build in the shared `~/.cache/torch_extensions` (or
+another checkout rebuilding there with its own include paths) would stall every later launch on the machine.
+`scripts/setup.sh` builds the ops there once.
+
+TORCH_CUDA_ARCH_LIST with arch-specific entries ("9.0a", "10.0f": what Hopper and Blackwell builds of
+FlashAttention-3 and friends ask for) is rewritten to the plain ones DeepSpeed's JIT op builder can read: it
+sorts the entries with int() on the minor part and fails on "0a" with a ValueError before the first step
+whenever it builds an op on a GPU (FusedAdam without optimizer offload). Seen on an H200 whose image sets
+TORCH_CUDA_ARCH_LIST=9.0a. The ops DeepSpeed builds use no arch-specific instructions.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+EXTENSIONS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "torch_extensions")
+
+
+def deepspeed_arch_list(value: str) -> str:
+    """TORCH_CUDA_ARCH_LIST as DeepSpeed's JIT builder reads it: "9.0a 10.0f+PTX;9.0" -> "9.0;10.0+PTX"."""
+    ccs = (re.sub(r"^(\d+\.\d+)[a-z]+", r"\1", cc) for cc in re.split(r"[;\s]+", value.strip()) if cc)
+    return ";".join(dict.fromkeys(ccs))
+
+
+def configure() -> str:
+    """Point TORCH_EXTENSIONS_DIR at this checkout's cache (unless set) and make TORCH_CUDA_ARCH_LIST readable for
+    DeepSpeed; returns the extensions folder. Call it before the first DeepSpeed op is loaded."""
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", EXTENSIONS_DIR)
+    if os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        os.environ["TORCH_CUDA_ARCH_LIST"] = deepspeed_arch_list(os.environ["TORCH_CUDA_ARCH_LIST"])
+    return os.environ["TORCH_EXTENSIONS_DIR"]
