@@ -326,8 +326,8 @@ def test_plan_lines_say_which_offloads_and_why():
 def test_train_auto_stays_under_the_cap(tmp_path):
     """2 ranks (SP=2), 8192 tokens, a 4-layer h256 Llama: --memory_features auto --mem_cap_gb 0.85 must choose
     a set that is neither none nor everything, and the measured peak (metrics peak_mem_gb, peak RSS max over
-    ranks) must stay under the cap. MALLOC_MMAP_THRESHOLD_ as scripts/bench_memory.py (RSS follows the tensors)."""
-    from scripts.bench_memory import bench_model
+    ranks) must stay under the cap. MALLOC_MMAP_THRESHOLD_ as bench/memory.py (RSS follows the tensors)."""
+    from bench.harness import bench_model
     from tests.distributed import ROOT, run
 
     cap, out = 0.85, tmp_path / "out"

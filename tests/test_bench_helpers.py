@@ -1,28 +1,17 @@
-"""The benchmark scripts' own bookkeeping: what a failed launch's record says, and the paired-ratio summary
-the tokens/s claims against the HF integration (docs/results/peers.md) rest on."""
+"""The benchmarks' own bookkeeping (bench/): what a failed launch's record says, the paired-ratio summary the
+tokens/s claims against the HF integration (docs/results/peers.md) rest on, and the planner calibration's pass
+line (bench/calibration.py)."""
 
 from __future__ import annotations
 
 import copy
-import importlib.util
+import json
 import math
-import os
-import sys
 
-from tests.distributed import ROOT
-
-
-def _load(name: str):
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))  # bench_peers imports bench_memory by name
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bm = _load("bench_memory")
-bp = _load("bench_peers")
-sm = _load("peers_same_memory")
+from bench import calibration as cal
+from bench import harness as h
+from bench import peers as bp
+from bench import peers_same_memory as sm
 
 LAUNCHER_EXIT = ("[2026-11-23 15:34:27,800] [ERROR] [launch.py:259:sigkill_handler] ['/venv/bin/python3', '-u', "
                  "'x.py', '--local_rank=1'] exits with return code = {}\n")
@@ -31,7 +20,7 @@ LAUNCHER_EXIT = ("[2026-11-23 15:34:27,800] [ERROR] [launch.py:259:sigkill_handl
 def _error(tmp_path, text: str) -> str:
     log = tmp_path / "launch.log"
     log.write_text(text)
-    return bm.launch_failure(str(log))["error"]
+    return h.launch_failure(str(log))["error"]
 
 
 def test_error_line_names_the_rank_exception_behind_torch_prefix(tmp_path):
@@ -54,7 +43,7 @@ def test_error_line_without_exception_gives_exit_code_and_last_output(tmp_path):
 def test_log_tail_keeps_the_last_lines(tmp_path):
     log = tmp_path / "launch.log"
     log.write_text("".join(f"line {i}\n" for i in range(50)))
-    assert bm.launch_failure(str(log), tail=3)["log_tail"] == ["line 47", "line 48", "line 49"]
+    assert h.launch_failure(str(log), tail=3)["log_tail"] == ["line 47", "line 48", "line 49"]
 
 
 def test_ratio_summary_geomean_interval_and_count():
@@ -188,3 +177,34 @@ def test_recheck_judges_a_single_launch_miss_on_paired_rounds():
     assert "recheck at 8000" in sm.same_memory_table(res, 1.0)
     speed[TL_TM] = 125.0  # really faster: still a miss
     assert sm.recheck(res, rounds=2, tol=0.05, run_ours=run_ours)["choice_fastest_paired"]["fastest"] == 0
+
+
+def _cal_point(name: str, ratio: float | None, ok: bool = True) -> dict:
+    p = {"name": name, "features": [], "seq_len": 8192, "ok": ok, "predicted_gb": 0.5}
+    if ok:
+        p |= {"peak_gb": 1.0, "measured_gb": 0.5 / ratio if ratio else -0.1, "ratio": ratio}
+    else:
+        p["error"] = "exit codes [1, 1]"
+    return p
+
+
+def test_calibration_pass_line_bounds_each_point_and_the_runtime():
+    inside = [_cal_point("none", 0.95), _cal_point("ckpt", 0.8), _cal_point("alst", 1.2)]  # the bounds included
+    assert cal.judge(0.43, inside) == []
+    bad = cal.judge(0.43, [_cal_point("none", 0.79), _cal_point("ckpt", 1.21), _cal_point("alst", None),
+                           _cal_point("x", None, ok=False)])
+    assert [b.split(":")[0] for b in bad] == ["none", "ckpt", "alst", "x"]
+    assert len(cal.judge(2.5, inside)) == 1 and len(cal.judge(None, inside)) == 1  # implausible or no baseline
+
+
+def test_calibration_report_exits_nonzero_on_a_point_outside(tmp_path, capsys):
+    res = {"runtime_gb": 0.43, "bound": [0.8, 1.2], "points": [_cal_point("none", 0.95), _cal_point("alst", 0.95)]}
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps(res))
+    assert cal.main(["--report", str(path)]) == 0
+    assert "calibration: PASS (2 points" in capsys.readouterr().out
+    res["points"][1] = _cal_point("alst", 0.7)
+    path.write_text(json.dumps(res))
+    assert cal.main(["--report", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL alst: predicted/measured 0.7 outside 0.8-1.2" in out and "calibration: FAIL" in out

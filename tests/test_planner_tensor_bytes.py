@@ -1,6 +1,6 @@
 """The memory model's activation terms against exact tensor bytes, and against the peaks measured on an H200.
 
-test_planner_calibration.py compares whole runs by peak RSS (fp32, 20% band: the allocator and the runtime are
+bench/calibration.py (`make calibrate`) compares whole runs by peak RSS (fp32, 20% band: the allocator and the runtime are
 in that number). Here the measurement is exact: the torch profiler's allocation events give the live tensor
 bytes of one forward + backward, on CPU, of a plain Hugging Face Llama through this project's own features
 (model_utils.memory.apply_memory_features, make_loss_fn): the peak above what existed before the step is the
@@ -145,7 +145,7 @@ def test_predicted_activation_peak_matches_exact_tensor_bytes(monkeypatch, prec,
 def test_predicted_peak_matches_the_h200_measurements():
     """The planner against max_memory_allocated of real train.py / HF Trainer steps on an H200 (bf16, 65536 tokens):
     within 3%, for every feature set measured there (the old model: -20% to +14%)."""
-    with open(os.path.join(ROOT, "bench", "gpu_h200", "peaks.json")) as fh:
+    with open(os.path.join(ROOT, "bench", "results", "gpu_h200_peaks.json")) as fh:
         rec = json.load(fh)
     shape = ModelShape.from_config(rec["model"])
     for point in rec["peaks_gib"]:

@@ -200,9 +200,9 @@ def test_hf_fast_tokenizer_direct_path_gives_the_transformers_ids(tmp_path):
     what `tokenizer(texts)` gives, on real text and on the probe's edge cases."""
     from transformers import AutoTokenizer
 
+    from bench.data import build_hf_tokenizer
     from data.corpus import build_demo_corpus
     from data.tokenizer import _PROBE, Tokenizer
-    from scripts.bench_data import build_hf_tokenizer
 
     jsonl, _ = build_demo_corpus()
     texts = [json.loads(line)["text"] for line in open(jsonl).readlines()[:20]]

@@ -1,20 +1,18 @@
 """The ZeRO-3 leaf marking of the tiled MLP on this CPU (2 ranks, SP=2, h256, 4 layers, 8192 tokens, 16 tiles of
 512 tokens), two rounds in flipped order, against no tiled MLP. From the repo root:
 
-    DS_ACCELERATOR=cpu .venv/bin/python bench/gpu_h200/cpu_leaf.py     # writes /tmp/cpu_leaf.json
+    DS_ACCELERATOR=cpu .venv/bin/python -m bench.gpu_h200.cpu_leaf     # writes /tmp/cpu_leaf.json
 """
 
 import json
 import os
-import sys
 
-sys.path.insert(0, "scripts")
-import bench_memory as bm  # noqa: E402
+from bench import harness as bm
 
 
 def main() -> None:
     model = bm.bench_model(256, 4)
-    os.environ["PYTHONPATH"] = os.path.abspath("bench/gpu_h200/probe_site")
+    os.environ["PYTHONPATH"] = os.path.join(bm.ROOT, "bench", "gpu_h200", "probe_site")
     work = "/tmp/cpu_leaf"
     os.makedirs(work, exist_ok=True)
     res = []

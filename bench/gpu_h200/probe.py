@@ -1,6 +1,7 @@
-"""GPU probe of 2026-11-24, as it ran on the device machine (one H200), from the repo root:
+"""GPU probe of 2026-11-24 on the device machine (one H200), from the repo root (it ran then as
+`python3 bench/gpu_h200/probe.py`, importing the benchmarks from scripts/):
 
-    python3 bench/gpu_h200/probe.py [pair] [tile16k] [nooff_tm] [nooff_tl] [leaf_tm] [nooff_tl_err] [nooff_tl_arch]
+    OUT=/some/folder python3 -m bench.gpu_h200.probe [pair] [tile16k] [nooff_tm] [nooff_tl] [leaf_tm] [nooff_tl_err] [nooff_tl_arch]
 
 The tiled-MLP cost under ZeRO-3 param offload, ZeRO-3 without offload, and more paired rounds of the
 same-memory comparison at 65536 tokens (cap 32 GiB). Writes $OUT/probe.json after every launch.
@@ -13,20 +14,19 @@ import os
 import sys
 import time
 
-sys.path.insert(0, "scripts")
-import bench_memory as bm  # noqa: E402
-import bench_peers as bp  # noqa: E402
+from bench import harness as bm
+from bench import peers as bp
 
-OUT = os.environ["OUT"]
 L = 65536
 WORK = "/tmp/probe"
 AUTO = ("--memory_features", "auto", "--gpu_mem_gb", "32")
 
 
 def main() -> None:
+    out = os.environ["OUT"]
     os.makedirs(WORK, exist_ok=True)
     model = bm.bench_model(1024, 8, 16, 8, 32000)
-    os.environ["PYTHONPATH"] = os.path.abspath("bench/gpu_h200/probe_site")
+    os.environ["PYTHONPATH"] = os.path.join(bm.ROOT, "bench", "gpu_h200", "probe_site")
     res = []
 
     def save(name, rec):
@@ -35,7 +35,7 @@ def main() -> None:
         said = (f"{rec['tokens_per_s']:.0f} tok/s peak {rec['peak_mem_gb']:.3f}" if rec.get("ok")
                 else f"FAILED {rec.get('error', '')[:300]}")
         print(f"[{time.strftime('%X')}] {name:<40} {said}", flush=True)
-        with open(f"{OUT}/probe.json", "w") as fh:
+        with open(f"{out}/probe.json", "w") as fh:
             json.dump(res, fh, indent=1)
 
     def ours(name, feats, extra=(), env=None):

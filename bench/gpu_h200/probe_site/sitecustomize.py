@@ -1,4 +1,4 @@
-"""Imported by every launch of bench/gpu_h200/*.py (on PYTHONPATH): measurement knobs without product flags."""
+"""Imported by every launch of bench.gpu_h200.probe / .cpu_leaf (on PYTHONPATH): measurement knobs without product flags."""
 import os
 
 if os.environ.get("PROBE_MLP_TILE_TOKENS") or os.environ.get("PROBE_NO_LEAF"):

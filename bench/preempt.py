@@ -1,9 +1,9 @@
 """Preemption, measured end to end: SIGTERM to every rank of a running 2-rank train.py until both have exited
 with 75, and what it means for Llama-3-8B on a cluster.
 
-    python scripts/bench_preempt.py [--hidden 1024 --layers 16 --rounds 2] [--project llama3-8b --world 32 --per_node 8]
+    python -m bench.preempt [--hidden 1024 --layers 16 --rounds 2] [--project llama3-8b --world 32 --per_node 8]
 
-The ranks are plain subprocesses (tests/distributed.py's spawn: what scripts/launch.sh does, it signals the
+The ranks are plain subprocesses (bench/harness.py's spawn: what scripts/launch.sh does, it signals the
 ranks directly), ZeRO-3 with both CPU offloads, fp32, SP=2, on a Llama of the given hidden size and depth
 (saved once under .cache/bench_models). Each round starts a fresh run, waits until `--after` steps are logged,
 waits a random fraction of a step more (so the signal lands anywhere inside a step), sends SIGTERM to both
@@ -37,8 +37,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from bench.harness import ROOT, bench_model, result_path, spawn, write_json
 
 MB = 1e6
 
@@ -58,8 +57,6 @@ def _stamp(line: str) -> float:
 
 
 def one_round(model: str, seq_len: int, after: int, tmp: str, rng: random.Random) -> dict:
-    from tests.distributed import spawn
-
     out = os.path.join(tmp, "run")
     shutil.rmtree(out, ignore_errors=True)
     args = ["--model_name_or_path", model, "--max_seq_length", str(seq_len), "--sequence_parallel_size", "2",
@@ -128,7 +125,7 @@ def main() -> int:
     p.add_argument("--target_step_s", type=float, default=30.0,
                    help="step time of the target run (worst case: the whole step is still to run)")
     p.add_argument("--window_s", type=float, default=120.0, help="SLURM --signal=B:USR1@N warning")
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "preempt.json"))
+    p.add_argument("--out", default=result_path("preempt.json"))
     p.add_argument("--report", action="store_true", help="redo the projection from --out's saved rounds")
     a = p.parse_args()
     if a.report:
@@ -138,7 +135,6 @@ def main() -> int:
     from transformers import AutoConfig
 
     from planner.memory_model import ModelShape
-    from scripts.bench_memory import bench_model
 
     model = bench_model(a.hidden, a.layers, 8, 8, a.vocab)
     n_params = ModelShape.from_config(AutoConfig.from_pretrained(model).to_dict()).num_params()
@@ -154,9 +150,8 @@ def main() -> int:
                   f"{r['stop_to_exit_s']}s = {r['signal_to_step_end_s']}s to the step's end + "
                   f"{r['step_end_to_saved_s']}s to the save's end + {r['saved_to_exit_s']}s to exit, exit codes "
                   f"{r['exit_codes']}", flush=True)
-    result = {"command": "python " + " ".join(sys.argv), "params": n_params, "hidden": a.hidden, "layers": a.layers,
+    result = {"command": " ".join(["python -m bench.preempt", *sys.argv[1:]]), "params": n_params, "hidden": a.hidden, "layers": a.layers,
               "vocab": a.vocab, "seq_len": a.seq_len, "sp": 2, "precision": "fp32", "rounds": rounds}
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
     return report(result, a)
 
 
@@ -187,8 +182,7 @@ def report(result: dict, a: argparse.Namespace) -> int:
                   step_s_median=statistics.median(r["step_s"] for r in rounds),
                   save_s_median=statistics.median(r["save_s"] for r in rounds),
                   stop_to_exit_s_median=statistics.median(r["stop_to_exit_s"] for r in rounds), projection=proj)
-    with open(a.out, "w") as fh:
-        json.dump(result, fh, indent=1)
+    write_json(a.out, result)
     print(f"measured: {n_params / 1e6:.0f}M params, {size / 2**30:.2f} GiB checkpoint, {bpp:.1f} bytes/param, "
           f"{rate / MB:.0f} MB/s for the node (2 ranks, median); step {result['step_s_median']}s, save "
           f"{result['save_s_median']}s, stop-to-exit {result['stop_to_exit_s_median']}s (medians); beyond the "

@@ -1,7 +1,7 @@
 """The Hugging Face Trainer with accelerate's DeepSpeed Ulysses sequence parallelism, as a peer for
-scripts/bench_peers.py: same model folder, sequence length, ranks, ZeRO-3 + CPU offload config and fp32.
+bench/peers.py: same model folder, sequence length, ranks, ZeRO-3 + CPU offload config and fp32.
 
-    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 deepspeed --num_gpus 2 scripts/peers/hf_trainer_sp.py \
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 deepspeed --num_gpus 2 bench/peers_hf/hf_trainer_sp.py \
         --model PATH --seq_len 4096 --sp 2 --steps 3 --output_dir OUT [--gradient_checkpointing]
 
 The SP layer is `TrainingArguments(parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=SP,
@@ -37,7 +37,6 @@ def ds_config(sp: int) -> dict:
     cfg["sequence_parallel_size"] = sp
     zero = cfg.get("zero_optimization", {})
     if zero.get("overlap_comm") == "auto":  # this project's "auto" (the Trainer fills only its own): as train.py
-        sys.path.insert(0, ROOT)
         from training.config import no_gpu
 
         zero["overlap_comm"] = not no_gpu()
@@ -60,7 +59,6 @@ def main() -> int:
     from accelerate.utils import DeepSpeedSequenceParallelConfig, ParallelismConfig
     from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
-    sys.path.insert(0, ROOT)
     from training.metrics import peak_memory_gb  # the measurement train.py logs, so the systems compare
 
     pc = None if a.sp == 1 else ParallelismConfig(sp_backend="deepspeed", sp_size=a.sp,

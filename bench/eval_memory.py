@@ -1,12 +1,12 @@
 """Evaluation's own memory next to a training step's, per rank, on CPU (2 ranks, SP=2), and what sets the
 whole-run peak.
 
-    python scripts/bench_eval_memory.py            # bench/eval_memory.json + bench/eval_memory.png, a table
-    python scripts/bench_eval_memory.py --quick    # a smaller shape, for a smoke check
-    python scripts/bench_eval_memory.py --report bench/eval_memory.json   # the table again from saved results
-    MALLOC_MMAP_THRESHOLD_=65536 python scripts/bench_eval_memory.py --ce_layout   # one tile's cross-entropy
+    python -m bench.eval_memory            # bench/results/eval_memory.json + eval_memory.png, a table
+    python -m bench.eval_memory --quick    # a smaller shape, for a smoke check
+    python -m bench.eval_memory --report bench/results/eval_memory.json   # the table again from saved results
+    MALLOC_MMAP_THRESHOLD_=65536 python -m bench.eval_memory --ce_layout   # one tile's cross-entropy
 
-Each configuration is one 2-rank launch (tests/distributed.py-style subprocesses) of this file's worker, which
+Each configuration is one 2-rank launch (bench/harness.py's spawn: plain subprocesses) of this file's worker, which
 builds the real engine (training.engine.build_engine: ZeRO-3 with both CPU offloads, ds_configs/
 zero3_offload.json, fp32) over a Llama of small hidden size and a large vocabulary, then runs phases in order:
 three training steps (training.step.train_step with the loss train.py uses), the evaluation train.py runs
@@ -17,7 +17,7 @@ alternating, then a fourth training step. Per phase and rank:
     peak above start = VmHWM after the phase - VmRSS at its start,
 
 with VmHWM reset at the start of the phase by writing "5" to /proc/self/clear_refs (Linux >= 4.0; checked in
-every run); every rank runs with glibc MALLOC_MMAP_THRESHOLD_=65536 (as scripts/bench_memory.py), so blocks
+every run); every rank runs with glibc MALLOC_MMAP_THRESHOLD_=65536 (as bench/memory.py), so blocks
 of 64 KiB and more are returned to the OS when freed and RSS follows live tensors. The first training step also
 allocates the Adam moments, so the training-step figure compared is the largest of steps 2-4; an evaluation's
 figure is the larger of its two runs. The absolute peak RSS of each phase is compared too.
@@ -41,8 +41,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from bench.harness import ROOT, bench_model, result_path, run
 
 MiB = 2**20
 MMAP_THRESHOLD = "65536"
@@ -201,10 +200,8 @@ def ce_layout(tokens: int = 1024, vocab: int = 128256) -> dict:
 # --- driver -----------------------------------------------------------------------------------------------
 
 def run_case(case: dict, log_root: str) -> list[dict]:
-    from tests.distributed import run
-
     os.makedirs(case["out"], exist_ok=True)
-    run(os.path.abspath(__file__), ["--worker", json.dumps(case)], 2, os.path.join(log_root, case["name"]),
+    run("bench.eval_memory", ["--worker", json.dumps(case)], 2, os.path.join(log_root, case["name"]),
         timeout=1800, extra_env={"MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD})
     ranks = []
     for r in range(2):
@@ -324,13 +321,11 @@ def main() -> int:
     p.add_argument("--tile_mib", type=int, default=32, help="the scaled-down logits tile (MiB of fp32 logits)")
     p.add_argument("--small_vocab", type=int, default=2048, help="vocabulary of the breakdown launch")
     p.add_argument("--quick", action="store_true", help="seq_len 512, vocab 32000: a smoke run")
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "eval_memory.json"))
+    p.add_argument("--out", default=result_path("eval_memory.json"))
     a = p.parse_args()
     if a.quick:
         a.seq_len, a.vocab = 512, 32000
         a.out = a.out.replace(".json", "_quick.json")
-    from scripts.bench_memory import bench_model
-
     real_tile = 2**30 // MiB
     configs = [("tile1GiB-untiled", a.vocab, real_tile, False), ("tile1GiB-tiled_logits", a.vocab, real_tile, True),
                (f"tile{a.tile_mib}MiB-untiled", a.vocab, a.tile_mib, False),
@@ -348,7 +343,7 @@ def main() -> int:
             print(f"{name}: train {r['train_step_mib']:.0f} MiB, eval tiled {r['eval_tiled_mib']:.0f}, "
                   f"eval full {r['eval_full_mib']:.0f} ({time.time() - t0:.0f}s)", flush=True)
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    return report(results, a.out, "python " + " ".join(sys.argv))
+    return report(results, a.out, " ".join(["python -m bench.eval_memory", *sys.argv[1:]]))
 
 
 if __name__ == "__main__":

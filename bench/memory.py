@@ -1,9 +1,11 @@
 """Peak memory per rank and tokens/s against sequence length, SP degree and memory features, measured by
 launching train.py once per point, and the memory planner checked against the measurements.
 
-    python scripts/bench_memory.py                  # the full sweep: bench/memory.json + bench/memory.png
-    python scripts/bench_memory.py --quick          # a tiny sweep (~2-3 min): bench/memory_quick.json/.png
-    python scripts/bench_memory.py --calibration    # also print predicted vs measured per point
+    python -m bench.memory                  # the full sweep: bench/results/memory.json + memory.png
+    python -m bench.memory --quick          # a tiny sweep (~2-3 min): bench/results/memory_quick.json/.png
+    python -m bench.memory --calibration    # also print predicted vs measured per point
+
+(the planner's pass line on three of these points, in its own process: `make calibrate`, bench/calibration.py)
 
 Each point is one `deepspeed --num_gpus SP train.py ...` launch of `--steps` optimizer steps (DP = 1) on a
 Llama of hidden 256 (`--hidden/--layers`), built once into .cache/bench_models, with the default data (the
@@ -30,23 +32,15 @@ The machine is shared: the load average before and after each point is recorded 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
-import re
 import shutil
-import signal
-import socket
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from bench.harness import ROOT, GiB, bench_model, result_path, train_point, write_json
 
-GiB = 2**30
 FEATURE_SETS: dict[str, tuple[str, ...]] = {
     "none": (),
     "tiled_mlp": ("tiled_mlp",),
@@ -58,157 +52,6 @@ FEATURE_SETS: dict[str, tuple[str, ...]] = {
 }
 # train.py runs ZeRO-3 with both CPU offloads (ds_configs/zero3_offload.json): the planner must count them
 OFFLOADS = ("offload_params", "offload_optimizer")
-NO_EVAL = "stages:\n  - {name: bench, eval: {passkey_trials: 0, heldout_samples: 0}}\n"
-
-
-def bench_model(hidden: int = 256, layers: int = 2, heads: int = 4, kv_heads: int = 2, vocab: int = 2048,
-                root: str | None = None) -> str:
-    """A tiny-llama variant saved once with save_pretrained (seed 0); returns its folder."""
-    path = os.path.join(root or os.path.join(ROOT, ".cache", "bench_models"),
-                        f"llama_h{hidden}_l{layers}_nh{heads}_kv{kv_heads}_v{vocab}")
-    if os.path.isfile(os.path.join(path, "config.json")):
-        return path
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from model_utils.build import preset_config
-
-    torch.manual_seed(0)
-    cfg = preset_config("tiny-llama", hidden_size=hidden, intermediate_size=round(hidden * 2.6875),
-                        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                        vocab_size=vocab)
-    tmp = path + f".tmp{os.getpid()}"
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(tmp)
-    os.replace(tmp, path)  # another run may have written it meanwhile: same seed, same weights
-    return path
-
-
-def bench_env(device: str, extra: dict | None = None) -> dict:
-    """Environment of every launch: this checkout's DeepSpeed ops (set by importing `training`) also for the
-    peer scripts, which do not import it; on CPU one thread per rank (the ranks share the cores), on a GPU the
-    threads the launcher gives (CPU Adam of the offloaded optimizer runs on them)."""
-    from base.env import EXTENSIONS_DIR
-
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
-               WANDB_MODE="offline", **(extra or {}))
-    env.setdefault("TORCH_EXTENSIONS_DIR", EXTENSIONS_DIR)
-    if device == "cpu":
-        env["DS_ACCELERATOR"] = "cpu"
-        env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
-def launcher() -> list[str]:
-    """The deepspeed launcher: this checkout's .venv one, else the running interpreter's DeepSpeed (a GPU
-    machine whose Python already holds torch)."""
-    exe = os.path.join(ROOT, ".venv", "bin", "deepspeed")
-    return [exe] if os.path.exists(exe) else [sys.executable, "-m", "deepspeed.launcher.runner"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(cmd: list[str], env: dict, log_path: str, timeout: float) -> tuple[int, float]:
-    """Run a launcher command in its own process group; on timeout end that group. (exit code, seconds)."""
-    t0 = time.time()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the group of the launcher started here, ranks included
-            proc.wait()
-            code = -9
-    return code, time.time() - t0
-
-
-def launch_failure(log_path: str, tail: int = 30) -> dict:
-    """What a failed launch's record keeps, from one read of its log: `error`, the line that says why
-    (train.py's one-line `error: ...`, else the last exception), and `log_tail`, its last `tail` lines
-    (the run folders are temporary)."""
-    with open(log_path, errors="replace") as fh:
-        lines = [ln.rstrip() for ln in fh]
-    return {"error": _error_line(lines)[:500], "log_tail": [ln[:300] for ln in lines[-tail:]]}
-
-
-def _error_line(lines: list[str]) -> str:
-    # ranks' lines may carry the launcher's "[N]:" or torch's "[rankN]:" prefix; the launcher's own lines
-    # ("[date] [INFO|ERROR] [launch.py:...]") only say that a rank exited, so they are the last resort
-    bare = [re.sub(r"^\[(rank)?\d+\]:?\s*", "", ln) for ln in lines]
-    for pat in (r"^error: ", r"^[\w.]*(Error|Exception|Interrupt)\b", r"Killed|Segmentation fault|core dumped"):
-        hits = [b for b in bare if re.search(pat, b)]
-        if hits:
-            return hits[-1]
-    own = [b for b in bare if b and "launch.py:" not in b]
-    codes = re.findall(r"exits with return code = (-?\d+)", "\n".join(bare))
-    if codes:
-        return f"a rank exited with return code {codes[-1]}; its last output: {own[-1] if own else 'none'}"
-    return own[-1] if own else lines[-1] if lines else "no output"
-
-
-def read_metrics(out_dir: str) -> list[dict]:
-    """Every record of a run's metrics.jsonl ([] when it wrote none)."""
-    path = os.path.join(out_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as fh:
-        return list(map(json.loads, filter(str.strip, fh)))
-
-
-def read_steps(out_dir: str, records: list[dict] | None = None) -> list[dict]:
-    return [r for r in (read_metrics(out_dir) if records is None else records) if "tokens_per_s" in r]
-
-
-def summarize_steps(steps: list[dict]) -> dict:
-    """Median tokens/s after the first step (start-up and first-touch allocations) and the max peak."""
-    later = steps[1:] or steps
-    return {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in later),
-            "peak_mem_gb": max(r["peak_mem_gb"] for r in steps),
-            "step_tokens_per_s": [round(r["tokens_per_s"], 1) for r in steps],
-            "step_peak_mem_gb": [r["peak_mem_gb"] for r in steps]}
-
-
-def train_point(model: str, seq_len: int, sp: int, features: tuple[str, ...], steps: int, device: str,
-                work: str, nproc: int | None = None, timeout: float = 900, extra_args: tuple[str, ...] = (),
-                env: dict | None = None) -> dict:
-    """One train.py launch on `nproc` ranks (default sp; DP = nproc / sp). Returns the point's record;
-    `ok` False with `error` when the launch failed (e.g. a feature that is not available)."""
-    nproc = nproc or sp
-    tag = f"L{seq_len}_sp{sp}_n{nproc}_{'-'.join(features) or 'none'}"
-    if extra_args:  # a folder of its own per argument set (they may hold paths)
-        tag += "_" + hashlib.sha1(" ".join(extra_args).encode()).hexdigest()[:8]
-    out = os.path.join(work, tag)
-    shutil.rmtree(out, ignore_errors=True)
-    os.makedirs(out)
-    cfg = os.path.join(out, "noeval.yaml")
-    with open(cfg, "w") as fh:
-        fh.write(NO_EVAL)
-    cmd = [*launcher(), "--num_gpus", str(nproc), "--master_port",
-           str(free_port()), "train.py", "--config", cfg, "--model_name_or_path", model, "--max_seq_length",
-           str(seq_len), "--sequence_parallel_size", str(sp), "--max_steps", str(steps), "--output_dir", out,
-           "--report_to", "none", "--no-export_hf", "--save_steps", "0", "--resume", "none", "--no-progress_bar",
-           "--learning_rate", "1e-4", *feature_flags(features), *extra_args]
-    load0 = os.getloadavg()[0]
-    code, wall = launch(cmd, bench_env(device, env), os.path.join(out, "launch.log"), timeout)
-    rec = {"seq_len": seq_len, "sp": sp, "nproc": nproc, "features": list(features), "device": device,
-           "wall_s": round(wall, 1), "load_before": round(load0, 2), "load_after": round(os.getloadavg()[0], 2)}
-    records = read_metrics(out)
-    steps_done = read_steps(out, records)
-    choice = next((r for r in records if r.get("event") == "memory_choice"), None)  # what memory_features auto chose
-    if choice:
-        rec["memory_choice"] = choice
-    if code != 0 or len(steps_done) < steps:
-        return (rec | {"ok": False, "exit_code": code, "steps_logged": len(steps_done)}
-                | launch_failure(os.path.join(out, "launch.log")))
-    return rec | {"ok": True} | summarize_steps(steps_done)
-
-
-def feature_flags(features: tuple[str, ...]) -> list[str]:
-    """("tiled_mlp", "checkpoint_every=2") -> ["--tiled_mlp", "--checkpoint_every", "2"]."""
-    return [a for f in features for a in (["--" + f.split("=")[0], f.split("=")[1]] if "=" in f else ["--" + f])]
 
 
 def feature_spec(features: tuple[str, ...]) -> dict:
@@ -363,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "to the OS when freed, so peak RSS follows live tensors; 64 KiB is under TiledMLP's tiles "
                         "(default 65536; 0: glibc's own, whose threshold rises to 32 MiB and keeps freed blocks)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per launch")
-    p.add_argument("--out", default=None, help="JSON path (default bench/memory.json, --quick: memory_quick.json)")
+    p.add_argument("--out", default=None, help="JSON path (default bench/results/memory.json, --quick: memory_quick.json)")
     p.add_argument("--keep", action="store_true", help="keep the run folders (logs) under bench/_runs")
     return p
 
@@ -373,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.quick:
         a.sps, a.lengths, a.features, a.feature_lengths, a.feature_sps = "1,2", "1024,4096", "none,alst", "4096", "1,2"
         a.target_len, a.steps = 4096, 3
-    out_json = a.out or os.path.join(ROOT, "bench", "memory_quick.json" if a.quick else "memory.json")
+    out_json = a.out or result_path("memory_quick.json" if a.quick else "memory.json")
     device = a.device
     if device == "auto":
         import torch
@@ -443,9 +286,7 @@ def main(argv: list[str] | None = None) -> int:
                         "max_abs_error": max((abs(p["pred_error"]) for p in cal), default=None),
                         "within_20pct": sum(abs(p["pred_error"]) <= 0.2 for p in cal)},
     }
-    os.makedirs(os.path.dirname(out_json), exist_ok=True)
-    with open(out_json, "w") as fh:
-        json.dump(result, fh, indent=1)
+    write_json(out_json, result)
     plot(result, os.path.splitext(out_json)[0] + ".png")
     print()
     print(table(sorted(points, key=lambda p: (list(FEATURE_SETS).index(p["feature_set"]), p["sp"], p["seq_len"])),

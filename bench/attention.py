@@ -2,11 +2,11 @@
 that restart at every document (`--reset_position_ids yes`: the document-masked attention of
 model_utils/attention.py) against monotonic ones (`no`: one plain causal sdpa call over the whole sample).
 
-    python scripts/bench_attention.py                       # 16k and 32k tokens, 2 paired rounds: bench/attention.json/.png
-    python scripts/bench_attention.py --lengths 4096 --rounds 1 --steps 2 --out /tmp/a.json    # a quick look
-    python scripts/bench_attention.py --micro               # the attention function alone: bench/attention_micro.json
+    python -m bench.attention                       # 16k and 32k tokens, 2 paired rounds: bench/results/attention.json/.png
+    python -m bench.attention --lengths 4096 --rounds 1 --steps 2 --out /tmp/a.json    # a quick look
+    python -m bench.attention --micro               # the attention function alone: bench/results/attention_micro.json
 
-Every launch is scripts/bench_memory.py's `train_point` (Llama hidden 256, 2 layers, vocab 2048, fp32, ZeRO-3 +
+Every launch is bench/harness.py's `train_point` (Llama hidden 256, 2 layers, vocab 2048, fp32, ZeRO-3 +
 CPU offload, one thread per rank, evaluation off) on a JSONL of token documents of 500-2500 tokens (mean 1500:
 about 11 documents per 16k sample, 22 per 32k). The two modes alternate within each round and swap order
 between rounds (AB, BA, ...), so a change in the machine's load hits both alike; the figure is the ratio
@@ -16,7 +16,7 @@ bench's shapes after the SP=2 all-to-all (16384 tokens, 2 query heads, 1 KV head
 bytes it saves for backward beyond q/k/v, plain vs document-masked with sdpa blocks of 2048 and 512 tokens, for
 documents of 500-2500 and of 20-200 tokens.
 The planner's `predict_peak_bytes` (which does not model the mask) is compared with the measured peak minus
-the runtime it leaves out (bench_memory's `tensor_gb`, from one SP=2 launch at `--baseline_len`).
+the runtime it leaves out (bench/memory.py's `tensor_gb`, from one SP=2 launch at `--baseline_len`).
 """
 
 from __future__ import annotations
@@ -30,10 +30,8 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from scripts.bench_memory import add_baselines, bench_model, train_point  # noqa: E402
+from bench.harness import bench_model, result_path, train_point, write_json
+from bench.memory import add_baselines
 
 MODES = {"masked": "yes", "plain": "no"}  # --reset_position_ids per mode
 SP = 2
@@ -176,8 +174,7 @@ def micro(out: str, sl: int = 16384, rounds: int = 3) -> dict:
         result["mixes"][f"{lo}-{hi}"] = mix
         print(f"documents of {lo}-{hi} tokens ({len(lens)}): " + ", ".join(
             f"{n} {mix[n]['median_s']}s / {mix[n]['saved_mib_beyond_qkv']} MiB" for n, _, _ in modes), flush=True)
-    with open(out, "w") as fh:
-        json.dump(result, fh, indent=1)
+    write_json(out, result)
     return result
 
 
@@ -191,11 +188,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--timeout", type=float, default=1500)
     p.add_argument("--mmap_threshold", type=int, default=65536, help="glibc MALLOC_MMAP_THRESHOLD_ (as bench_memory)")
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "attention.json"))
-    p.add_argument("--micro", action="store_true", help="the attention function alone (bench/attention_micro.json)")
+    p.add_argument("--out", default=result_path("attention.json"))
+    p.add_argument("--micro", action="store_true", help="the attention function alone (bench/results/attention_micro.json)")
     a = p.parse_args(argv)
     if a.micro:
-        micro(os.path.join(ROOT, "bench", "attention_micro.json"))
+        micro(result_path("attention_micro.json"))
         return 0
     lengths = [int(x) for x in a.lengths.split(",")]
     model = bench_model(a.hidden, a.layers)
@@ -233,15 +230,13 @@ def main(argv: list[str] | None = None) -> int:
               "doc_lengths": "uniform 500-2500 tokens", "malloc_env": env, "sweep_seconds": round(time.time() - t0),
               "machine": {"cpus": os.cpu_count(), "omp_threads_per_rank": 1, "torch": torch.__version__,
                           "transformers": transformers.__version__},
-              "command": "python scripts/bench_attention.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "command": "python -m bench.attention " + " ".join(argv if argv is not None else sys.argv[1:]),
               "definitions": {"masked": "--reset_position_ids yes (document-masked attention)",
                               "plain": "--reset_position_ids no (one causal sdpa call per sample)",
-                              "tensor_gb": "peak_mem_gb - runtime_gb (bench_memory): comparable with predicted_gb",
+                              "tensor_gb": "peak_mem_gb - runtime_gb (bench.memory): comparable with predicted_gb",
                               "predicted_peak_gb": "predicted_gb + runtime_gb"},
               "baseline": base[SP], "points": runs, "summary": summarize(runs, lengths)}
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    with open(a.out, "w") as fh:
-        json.dump(result, fh, indent=1)
+    write_json(a.out, result)
     plot(result, os.path.splitext(a.out)[0] + ".png")
     for L, r in result["summary"].items():
         print(f"L={L}: masked/plain tokens/s per round {r['tokens_per_s_ratio_masked_over_plain']} (geomean "

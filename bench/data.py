@@ -1,7 +1,7 @@
-"""Data preparation throughput and memory, side by side in one run; JSON + PNG under bench/.
+"""Data preparation throughput and memory, side by side in one run; JSON + PNG under bench/results/.
 
-    python scripts/bench_data.py                      # bench/data.json, bench/data.png
-    python scripts/bench_data.py --copies 4 --rss_tokens 10e6,100e6
+    python -m bench.data                      # bench/results/data.json, data.png
+    python -m bench.data --copies 4 --rss_tokens 10e6,100e6
 
 Throughput: tokens/s of `prepare_data` (end to end: read, tokenize, write, manifest) at 1 and 2 workers
 against `datasets.map(batched=True, num_proc=N)` with the same tokenizer on the same corpus (the demo
@@ -24,10 +24,8 @@ import tempfile
 import time
 
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from data.corpus import build_demo_corpus  # noqa: E402
+from bench.harness import ROOT, result_path, write_json
+from data.corpus import build_demo_corpus
 
 
 def build_hf_tokenizer(jsonl: str, out: str, vocab: int = 2000) -> str:
@@ -133,7 +131,7 @@ def main() -> None:
     ap.add_argument("--rss_tokens", default="10e6,100e6", help="corpus sizes (tokens, approx.) for peak RSS")
     ap.add_argument("--workers", default="1,2")
     ap.add_argument("--rounds", type=int, default=2, help="throughput runs per point (best kept), systems alternated")
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "data.json"))
+    ap.add_argument("--out", default=result_path("data.json"))
     ap.add_argument("--tmp", default=None)
     a = ap.parse_args()
     tmp = a.tmp or tempfile.mkdtemp(prefix="bench_data_")
@@ -165,9 +163,7 @@ def main() -> None:
         res["rss"].append(r)
     if len(res["rss"]) >= 2:
         res["rss_ratio_largest_to_smallest"] = res["rss"][-1]["peak_rss_mib"] / res["rss"][0]["peak_rss_mib"]
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    with open(a.out, "w") as fh:
-        json.dump(res, fh, indent=1)
+    write_json(a.out, res)
     plot(res, a.out[: -len(".json")] + ".png")
     print(table(res))
     shutil.rmtree(tmp, ignore_errors=True)

@@ -4,12 +4,12 @@
     (a') ulysses-longtrain+alst: the same with the memory features a long run turns on (tiled MLP, tiled
         logits + loss, activation checkpointing with offload);
     (b) hf-trainer-sp: the Hugging Face Trainer with accelerate's ParallelismConfig(sp_backend="deepspeed",
-        sp_size=2, ...) on 2 ranks, the same DeepSpeed JSON (scripts/peers/hf_trainer_sp.py);
+        sp_size=2, ...) on 2 ranks, the same DeepSpeed JSON (bench/peers_hf/hf_trainer_sp.py);
     (c) zero3-dp2: plain DeepSpeed ZeRO-3 without SP, train.py --sequence_parallel_size 1 on 2 ranks (DP=2:
         every rank holds a whole sequence; tokens/s counts both ranks' sequences).
 
-    python scripts/bench_peers.py                      # bench/peers.json + bench/peers.png
-    python scripts/bench_peers.py --cap_gb 1.5 --lengths 4096,8192,16384
+    python -m bench.peers                      # bench/results/peers.json + peers.png
+    python -m bench.peers --cap_gb 1.5 --lengths 4096,8192,16384
 
 For each system the lengths are stepped up until the per-rank peak (peak RSS on CPU, max over ranks, the
 same measurement in all three) exceeds `--cap_gb` or a launch fails; the longest length whose peak stayed
@@ -24,14 +24,14 @@ round (AB, BA, AB, ...), `--paired_steps` steps each, and the ratio ours / HF is
 median, min and max over rounds are reported, and over all rounds of all lengths the geometric mean ratio
 with a 95% bootstrap interval.
 
-`--same_memory` (bench/peers_same_memory.{json,png}) asks the other question: at the same per-rank cap, is
+`--same_memory` (bench/results/peers_same_memory.{json,png}) asks the other question: at the same per-rank cap, is
 `memory_features: auto` faster than the HF integration's best setting, and is its choice right? Per length:
 HF with and without gradient checkpointing (the faster that stays under the cap, picked by measurement), ours
 with `--memory_features auto --mem_cap_gb CAP` (every such run must stay under the cap), the choice, its
 neighbours, none and every feature explicitly (is the choice the fastest of those under the cap?), then
-`--paired_rounds` AB/BA launches auto vs the HF pick (scripts/peers_same_memory.py).
+`--paired_rounds` AB/BA launches auto vs the HF pick (bench/peers_same_memory.py).
 
-    python scripts/bench_peers.py --same_memory --lengths 4096,8192,12288,16384,24576 --cap_gb 1.0 --layers 4
+    python -m bench.peers --same_memory --lengths 4096,8192,12288,16384,24576 --cap_gb 1.0 --layers 4
 """
 
 from __future__ import annotations
@@ -46,10 +46,9 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import bench_memory as bm  # noqa: E402
-import peers_same_memory as sm  # noqa: E402
+from bench import harness as h
+from bench import memory as bm
+from bench import peers_same_memory as sm
 
 SYSTEMS = {
     "ulysses-longtrain": "train.py, Ulysses SP=2, 2 ranks",
@@ -57,7 +56,7 @@ SYSTEMS = {
     "hf-trainer-sp": "HF Trainer + accelerate ParallelismConfig(sp_backend=deepspeed, sp_size=2), 2 ranks",
     "zero3-dp2": "train.py --sequence_parallel_size 1 on 2 ranks (plain ZeRO-3, DP=2, no SP)",
 }
-HF_SCRIPT = os.path.join(bm.ROOT, "scripts", "peers", "hf_trainer_sp.py")
+HF_SCRIPT = os.path.join(h.ROOT, "bench", "peers_hf", "hf_trainer_sp.py")
 
 
 def hf_point(model: str, seq_len: int, steps: int, device: str, work: str, timeout: float, env: dict,
@@ -65,17 +64,17 @@ def hf_point(model: str, seq_len: int, steps: int, device: str, work: str, timeo
     out = os.path.join(work, f"hf_L{seq_len}{'_gc' if gradient_checkpointing else ''}")
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
-    cmd = [*bm.launcher(), "--num_gpus", str(nproc), "--master_port", str(bm.free_port()),
+    cmd = [*h.launcher(), "--num_gpus", str(nproc), "--master_port", str(h.free_port()),
            HF_SCRIPT, "--model", model, "--seq_len", str(seq_len), "--sp", str(sp), "--steps", str(steps),
            "--output_dir", out, *(["--gradient_checkpointing"] if gradient_checkpointing else [])]
     load0 = os.getloadavg()[0]
-    code, wall = bm.launch(cmd, bm.bench_env(device, env), os.path.join(out, "launch.log"), timeout)
+    code, wall = h.launch(cmd, h.bench_env(device, env), os.path.join(out, "launch.log"), timeout)
     rec = {"seq_len": seq_len, "sp": sp, "nproc": nproc, "wall_s": round(wall, 1), "load_before": round(load0, 2),
            "load_after": round(os.getloadavg()[0], 2)}
-    done = bm.read_steps(out)
+    done = h.read_steps(out)
     if code != 0 or len(done) < steps:
-        return rec | {"ok": False, "exit_code": code} | bm.launch_failure(os.path.join(out, "launch.log"))
-    return rec | {"ok": True} | bm.summarize_steps(done)
+        return rec | {"ok": False, "exit_code": code} | h.launch_failure(os.path.join(out, "launch.log"))
+    return rec | {"ok": True} | h.summarize_steps(done)
 
 
 def point(system: str, model: str, seq_len: int, steps: int, device: str, work: str, timeout: float,
@@ -85,7 +84,7 @@ def point(system: str, model: str, seq_len: int, steps: int, device: str, work: 
     else:
         sp = 1 if system == "zero3-dp2" else 2
         features = bm.FEATURE_SETS["alst"] if system.endswith("+alst") else ()
-        rec = bm.train_point(model, seq_len, sp, features, steps, device, work, nproc=2, timeout=timeout, env=env)
+        rec = h.train_point(model, seq_len, sp, features, steps, device, work, nproc=2, timeout=timeout, env=env)
     return rec | {"system": system}
 
 
@@ -215,10 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--paired_steps", type=int, default=6, help="steps per launch in the paired phase")
     p.add_argument("--same_memory", action="store_true",
                    help="the same-memory comparison instead (issue 15): HF with/without gradient checkpointing vs ours "
-                        "with memory_features auto under --cap_gb; writes bench/peers_same_memory.{json,png}")
+                        "with memory_features auto under --cap_gb; writes bench/results/peers_same_memory.{json,png}")
     p.add_argument("--tolerance", type=float, default=0.05,
                    help="--same_memory: auto's choice counts as the fastest when within this fraction of the fastest")
-    p.add_argument("--out", default=None, help="default bench/peers.json (bench/peers_same_memory.json)")
+    p.add_argument("--out", default=None, help="default bench/results/peers.json (peers_same_memory.json)")
     p.add_argument("--keep", action="store_true", help="keep run folders under bench/_runs_peers")
     p.add_argument("--recheck", metavar="JSON", help="--same_memory: paired rounds (--paired_rounds) of auto's choice "
                    "against each setting a single launch measured faster under the cap, added to JSON in place")
@@ -238,8 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     systems = [s.strip() for s in a.systems.split(",") if s.strip()]
     if any(s not in SYSTEMS for s in systems) or lengths != sorted(lengths):
         raise ValueError(f"--systems from {list(SYSTEMS)}; --lengths increasing")
-    model = bm.bench_model(a.hidden, a.layers, a.heads, a.kv_heads, a.vocab)
-    work = os.path.join(bm.ROOT, "bench", "_runs_peers") if a.keep else tempfile.mkdtemp(prefix="bench_peers_")
+    model = h.bench_model(a.hidden, a.layers, a.heads, a.kv_heads, a.vocab)
+    work = os.path.join(h.ROOT, "bench", "_runs_peers") if a.keep else tempfile.mkdtemp(prefix="bench_peers_")
     malloc = {"MALLOC_MMAP_THRESHOLD_": str(a.mmap_threshold)} if a.mmap_threshold else {}
     t0 = time.time()
     if a.same_memory:
@@ -280,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
               "definitions": {"tokens_per_s": "median over steps 2..N of (tokens of all ranks in the step) / step time",
                               "peak_mem_gb": "max over steps of peak RSS (GiB), max over ranks"},
               "points": points}
-    a.out = a.out or os.path.join(bm.ROOT, "bench", "peers.json")
+    a.out = a.out or h.result_path("peers.json")
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as fh:
         json.dump(result, fh, indent=1)

@@ -7,23 +7,21 @@ rank and the throughput (write with CRC32 computed on the way + fsync), and proj
 bigger model on the same storage. It then resumes the run (a second job, one step more) and measures the resume:
 verification of every file's CRC32 (dealt to ranks by bytes) and DeepSpeed's load, and projects both the same way.
 
-    python scripts/bench_checkpoint.py [--hidden 1024 --layers 8] [--project llama3-8b --world 32 --per_node 8]
+    python -m bench.checkpoint [--hidden 1024 --layers 8] [--project llama3-8b --world 32 --per_node 8]
 
-scripts/bench_preempt.py measures the same save inside a preempted run, with the stop-to-exit time around it.
+bench/preempt.py measures the same save inside a preempted run, with the stop-to-exit time around it.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from bench.harness import ROOT, result_path, write_json
 
 
 def main() -> int:
@@ -33,7 +31,7 @@ def main() -> int:
     p.add_argument("--project", default="llama3-8b", help="preset whose save time to project")
     p.add_argument("--world", type=int, default=32)
     p.add_argument("--per_node", type=int, default=8)
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "checkpoint.json"))
+    p.add_argument("--out", default=result_path("checkpoint.json"))
     a = p.parse_args()
 
     import torch
@@ -86,9 +84,7 @@ def main() -> int:
                              "bytes_per_node": node_bytes,
                              "seconds_at_this_node_bandwidth": round(node_bytes / (2 * rate), 1),
                              "resume_seconds_at_this_node_bandwidth": round(node_bytes / (2 * resume_rate), 1)}}
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    with open(a.out, "w") as fh:
-        json.dump(result, fh, indent=1)
+    write_json(a.out, result)
     print(f"measured: {n_params / 1e6:.0f}M params, {total / 2**30:.2f} GiB in {seconds:.2f}s "
           f"({result['node_MBps']} MB/s for the node, {bytes_per_param:.1f} bytes/param)")
     print(f"resume: verify {verify_s:.2f}s + load {load_s:.2f}s ({result['resume_node_MBps']} MB/s for the node)")

@@ -1,8 +1,8 @@
 """The lean RMSNorm (model_utils/rmsnorm.py) against Hugging Face's LlamaRMSNorm: time of one forward + backward
 and the exact tensor bytes live at the peak, per dtype and shape.
 
-    python scripts/bench_rmsnorm.py                   # bench/rmsnorm.json + a table
-    python scripts/bench_rmsnorm.py --rows 65536 --hidden 1024 --repeats 5
+    python -m bench.rmsnorm                   # bench/results/rmsnorm.json + a table
+    python -m bench.rmsnorm --rows 65536 --hidden 1024 --repeats 5
 
 Times are the median of --repeats runs after one warm-up, interleaved (HF, lean, HF, lean, ...) so that load on
 the shared machine hits both alike; quote the ratio, not the absolute times. Peak bytes come from the torch
@@ -13,14 +13,11 @@ while the output is kept alive until backward as a layer's next projection keeps
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from bench.harness import result_path, write_json
 
 
 def _norms(h: int, dtype):
@@ -77,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", default="256,1024", help="comma list of hidden sizes")
     p.add_argument("--dtypes", default="fp32,bf16")
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "rmsnorm.json"))
+    p.add_argument("--out", default=result_path("rmsnorm.json"))
     args = p.parse_args(argv)
     try:
         hs = [int(h) for h in args.hidden.split(",")]
@@ -91,10 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         print(f"{r['rows']:>7} {r['hidden']:>6} {r['dtype']:>5} {r['ms_hf']:>8.1f} {r['ms_lean']:>8.1f} "
               f"{r['speedup']:>8.2f} {r['peak_mib_hf']:>11.1f} {r['peak_mib_lean']:>13.1f} {r['peak_ratio']:>7.2f}")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump({"command": " ".join(["python scripts/bench_rmsnorm.py", *(argv or sys.argv[1:])]),
-                   "torch_threads": __import__("torch").get_num_threads(), "results": results}, fh, indent=1)
+    write_json(args.out, {"command": " ".join(["python -m bench.rmsnorm", *(argv or sys.argv[1:])]),
+                          "torch_threads": __import__("torch").get_num_threads(), "results": results})
     print(f"wrote {args.out}")
     return 0
 

@@ -1,11 +1,11 @@
-"""The same-memory comparison of scripts/bench_peers.py (`--same_memory`): at one per-rank cap, each system's
+"""The same-memory comparison of bench/peers.py (`--same_memory`): at one per-rank cap, each system's
 fastest setting. The HF Trainer with and without gradient checkpointing (its pick: the faster whose measured
 peak is under the cap); ours with `--memory_features auto --mem_cap_gb CAP` (every such run must stay under
 the cap), then the choice, its neighbours, none, HF's own algorithm (checkpoint every layer) and every feature
 explicitly (is the choice the fastest of those under the cap?), then paired AB/BA
-launches auto vs the HF pick. Results: bench/peers_same_memory.*.
+launches auto vs the HF pick. Results: bench/results/peers_same_memory.*.
 
-    python scripts/bench_peers.py --same_memory --lengths 4096,8192,12288,16384,24576 --cap_gb 1.0 --layers 4
+    python -m bench.peers --same_memory --lengths 4096,8192,12288,16384,24576 --cap_gb 1.0 --layers 4
 """
 
 from __future__ import annotations
@@ -15,14 +15,11 @@ import math
 import os
 import shutil
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench import harness as h
 
-import bench_memory as bm  # noqa: E402
-
-ALL = (True, True, 1, True, False)  # every ALST feature: bm.FEATURE_SETS["alst"]
+ALL = (True, True, 1, True, False)  # every ALST feature: bench.memory.FEATURE_SETS["alst"]
 NONE = (False, False, 0, False, False)
 HF_ALGO = (False, False, 1, False, False)  # checkpoint every layer, nothing tiled: HF's gradient checkpointing
 
@@ -305,7 +302,7 @@ def plot_same_memory(res: dict, cap: float, path: str) -> None:
 
 def run_same_memory(a, model: str, lengths: list[int], device: str, work: str, malloc: dict, t0: float,
                     hf_point) -> int:
-    """The `--same_memory` run of bench_peers.main (its parsed arguments `a`; `hf_point`: its HF launcher)."""
+    """The `--same_memory` run of bench.peers.main (its parsed arguments `a`; `hf_point`: its HF launcher)."""
     def show(what: str, rec: dict) -> dict:
         status = (f"{rec['tokens_per_s']:.0f} tok/s, peak {rec['peak_mem_gb']:.3f} GiB" if rec["ok"]
                   else f"FAILED ({rec['error'][:160]})")
@@ -322,7 +319,7 @@ def run_same_memory(a, model: str, lengths: list[int], device: str, work: str, m
         mb = tile.get(L) if key is not None and key[0] else None  # key[0]: tiled logits
         extra = (("--memory_features", "auto", budget, str(a.cap_gb)) if key is None
                  else ("--logits_tile_mb", str(mb)) if mb else ())
-        rec = bm.train_point(model, L, a.sp, features_of(key) if key else (), a.steps, device, work, nproc=a.nproc,
+        rec = h.train_point(model, L, a.sp, features_of(key) if key else (), a.steps, device, work, nproc=a.nproc,
                              timeout=a.timeout, env=malloc, extra_args=extra)
         if key is None and rec.get("memory_choice", {}).get("logits_tile_mb"):
             tile[L] = rec["memory_choice"]["logits_tile_mb"]
@@ -346,7 +343,7 @@ def run_same_memory(a, model: str, lengths: list[int], device: str, work: str, m
         res["recheck_seconds"] = round(time.time() - t0)
         save_same_memory(res, a.recheck)
         return 0
-    out = a.out or os.path.join(bm.ROOT, "bench", "peers_same_memory.json")
+    out = a.out or h.result_path("peers_same_memory.json")
 
     def result(summary: dict, partial: bool) -> dict:
         return {"model": os.path.basename(model), "device": device, "ranks": a.nproc, "sp": a.sp, "steps": a.steps,
