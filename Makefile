@@ -19,7 +19,7 @@ demo-long:
 test:
 	.venv/bin/pytest -q -m "not slow"
 
-# The planner's memory model against the peak RSS of real train.py runs (~5 min on 2 cores): a benchmark in a
+# The planner's memory model against the peak RSS of real train.py runs (~2 min on 2 cores): a benchmark in a
 # process of its own, exit 1 when a point is outside 20% (bench/calibration.py, bench/results/calibration.json)
 calibrate:
 	$(PY) -m bench.calibration

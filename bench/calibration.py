@@ -3,7 +3,7 @@ within 20% of the measured per-rank peak of real train.py runs on CPU (2 ranks, 
 no memory feature, activation checkpointing, all four ALST features). Exit code 1 when a point is outside
 the bound (or the runtime baseline is implausible, or a launch failed); the full sweep is bench/memory.py.
 
-    python -m bench.calibration                                        # = make calibrate (~5 min on 2 cores)
+    python -m bench.calibration                                        # = make calibrate (~2 min on 2 cores)
     python -m bench.calibration --report bench/results/calibration.json   # the table and verdict again
 
 predict_peak_bytes counts tensor bytes only, so the measurement is the rank's peak RSS minus a runtime

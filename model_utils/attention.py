@@ -35,7 +35,7 @@ import torch
 # sdpa: documents up to BLOCK tokens are grouped into one call with a [<=BLOCK, <=BLOCK] mask. torch keeps that mask
 # (as floats) and the GQA-repeated K/V of a masked call for backward, so small blocks: at 2048 a 16k sample of
 # 500-2500-token documents saved 4.3x the plain causal call's bytes and ran 1.3x slower than at 512, which saves
-# what the plain call saves (scripts/bench_attention.py's notes in docs/results/attention.md).
+# what the plain call saves (bench/attention.py's notes in docs/results/attention.md).
 BLOCK = 512
 FLEX_BLOCK = 128  # flex_attention's sparse block size
 SUPPORTED = ("sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")

@@ -54,7 +54,7 @@ HEADROOM = 0.10  # keep this fraction of the device memory free (allocator fragm
 GPU_RESERVED = 2 * GiB  # CUDA context, NCCL buffers, the workspace of kernels: not tensors the planner sees
 # CPU runs: what the process grows by after the stages are resolved that is not a tensor the planner counts
 # (DeepSpeed engine, gloo, CPU Adam): measured peak - RSS at resolution - predicted tensors was 0.059-0.082 GiB in
-# the 10 auto runs of scripts/bench_peers.py --same_memory (docs/memory_model.md), so 0.10 on top of the 10%
+# the 10 auto runs of bench/peers.py --same_memory (docs/memory_model.md), so 0.10 on top of the 10%
 # headroom. It was 0.15 while the planner under-counted RMSNorm's fp32 copies (that error, 0.04-0.05 GiB there,
 # was in the margin), and 0.2 before that, which refused 24576 tokens where every feature on peaked at 0.87 GiB.
 CPU_ENGINE_OVERHEAD = int(0.10 * GiB)
