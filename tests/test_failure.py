@@ -152,10 +152,10 @@ def test_clean_exits_stay_clean(tmp_path):
 def test_a_torn_metrics_line_is_repaired_on_resume(tmp_path, capsys, monkeypatch):
     """A job killed mid-write leaves a torn last line in metrics.jsonl: the next start (rank 0, resuming) drops it
     with one warning line and keeps every other line up to the resumed step (it used to raise at every requeue)."""
-    from training import metrics
+    from base import log
     from training.metrics import MetricsLogger
 
-    monkeypatch.setattr(metrics, "_IS_MAIN", True)  # rank 0 prints the warning
+    monkeypatch.setattr(log, "_IS_MAIN", True)  # rank 0 prints the warning
     path = tmp_path / "metrics.jsonl"
     good = [json.dumps({"step": s, "loss": 1.0 / s}) for s in (1, 2, 3, 4)]
     path.write_text("\n".join([*good[:2], "", json.dumps({"event": "eval", "stage": 0}), *good[2:]]) +

@@ -88,7 +88,7 @@ def test_fp16_on_cpu_is_refused(tmp_path):
 def test_library_error_is_a_failure_not_bad_input(tmp_path):
     """A ValueError raised inside a library (here: numpy, from a corrupt cached token file) is exit 1 with the
     traceback, not exit 2: SLURM must not treat a crash as the user's typo."""
-    import train
+    from training import job
 
     def boom():
         import numpy as np
@@ -98,13 +98,13 @@ def test_library_error_is_a_failure_not_bad_input(tmp_path):
     try:
         boom()
     except ValueError as e:
-        assert not train._is_input_error(e)
+        assert not job._is_input_error(e)
     try:
         from training.config import parse_config
 
         parse_config(["--learning_rate", "-1"])
     except ValueError as e:
-        assert train._is_input_error(e)
+        assert job._is_input_error(e)
 
 
 def test_architecture_without_the_attention_backend_is_one_line(tmp_path):

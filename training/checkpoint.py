@@ -40,6 +40,7 @@ import re
 import shutil
 import time
 import zlib
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -179,6 +180,25 @@ def _recording(engine, root: str, written: dict):
         yield
     finally:
         del ce.save
+
+
+@dataclass
+class TrainState:
+    """Where the run stands: what every checkpoint records (trainer.json, with the run's metadata) and a resume
+    restores. `checkpoint` is the newest committed checkpoint, the one a resume or the next stage loads."""
+
+    step: int = 0
+    tokens: int = 0
+    stage: int = 0
+    wandb_id: str | None = None
+    checkpoint: str | None = None
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "tokens": self.tokens, "stage": self.stage, "wandb_id": self.wandb_id}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.step, self.tokens, self.stage = int(d["step"]), int(d["tokens"]), int(d["stage"])
+        self.wandb_id = d.get("wandb_id")
 
 
 def reset_adam_moments(optimizer) -> int:
@@ -382,6 +402,40 @@ class Checkpointer:
             os.replace(os.path.join(self.root, t), os.path.join(aside, t))
         _atomic_write(os.path.join(self.root, POINTER), os.path.basename(path.rstrip("/")) + "\n")
         print0(f"--resume {path}: {len(newer)} newer checkpoint(s) moved to {aside} ({newer[0]} .. {newer[-1]})")
+
+    def resume(self, resume: str, model_hash: str, model_name: str) -> TrainState:
+        """The run's state at start: fresh, or restored from the checkpoint `resume` picks (find_resume), refused
+        in one line when that checkpoint was written for another architecture. Collective."""
+        state = TrainState()
+        path = self.find_resume(resume)
+        if path is None:
+            print0("starting fresh")
+            return state
+        trainer = self.read_trainer(path)
+        if trainer.get("model_hash") != model_hash:
+            raise ValueError(f"checkpoint {path} was written for a different model architecture than {model_name}: "
+                             "use the same model, another --output_dir, or --resume none")
+        state.load_state_dict(trainer)
+        state.checkpoint = path
+        print0(f"resuming from {path} (step {state.step}, stage {state.stage})")
+        return state
+
+    def restore_stage(self, engine, state: TrainState, stage: int, sampler, reset_optimizer: bool) -> bool:
+        """Load what stage `stage` starts from into `engine` and `sampler`: in the middle of the stage, the whole
+        engine state, the data position and (same world) every rank's RNG; at its start, the previous stage's
+        final weights (and Adam moments unless `reset_optimizer`) with a fresh LR schedule; nothing on a fresh
+        run. Returns whether the RNG streams were restored (else the caller seeds them for the stage)."""
+        if state.checkpoint is None:
+            return False
+        if state.stage == stage:
+            saved = self.load(engine, state.checkpoint)
+            sampler.load_state_dict(saved["sampler"])
+            if "rng" in saved:
+                set_rng_state(saved["rng"])
+                return True
+            return False
+        self.load(engine, state.checkpoint, load_optimizer=not reset_optimizer, load_scheduler=False)
+        return False
 
     @staticmethod
     def read_trainer(path: str) -> dict:

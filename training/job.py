@@ -1,0 +1,107 @@
+"""The process around one rank of a training job: exit codes, a world of one without a launcher, and what a rank
+does when it ends, well or not (train.py's last lines: `sys.exit(run_job(main))`).
+
+Exit codes: 0 done, 1 failure (traceback in OUTPUT_DIR/logs/rankN.log), 2 bad input (one line, before any work),
+75 saved after a preemption signal or near the time limit (requeue and `--resume auto`). A failing rank posts its
+failure on the abort channel (base/comm.py) first, so every other rank stops within seconds instead of waiting in
+a collective; every rank records its code where scripts/launch.sh reads it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_PREEMPTED = 0, 1, 2, 75  # 75 = EX_TEMPFAIL: "temporary failure, retry later"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout: "our own code" lives below it
+
+
+def run_job(main: Callable[[], int]) -> int:
+    """Run `main` as one rank of a job; returns its exit code after leaving the abort channel and recording the
+    code (an exception becomes 1, or 2 for the user's input, after the others were told)."""
+    _single_process_defaults()
+    try:
+        code = main()
+    except (Exception, KeyboardInterrupt) as e:
+        return _record(_fail(e))
+    _leave()
+    return _record(code)
+
+
+def _single_process_defaults() -> None:
+    """Let `python train.py ...` run as a world of one without a launcher."""
+    if "RANK" not in os.environ:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(port)))
+
+
+def _is_input_error(e: BaseException) -> bool:
+    """A ValueError raised by this project's own code (input validation), not inside a library."""
+    if not isinstance(e, ValueError) or e.__traceback__ is None:
+        return False
+    tb = e.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    where = os.path.abspath(tb.tb_frame.f_code.co_filename)
+    if not where.startswith(ROOT + os.sep) or f"{os.sep}site-packages{os.sep}" in where:
+        return False
+    import linecache
+
+    # our own `raise ValueError(...)`, not a C extension (numpy, torch) raising from a call on our line
+    return linecache.getline(where, tb.tb_lineno).lstrip().startswith("raise ")
+
+
+def _fail(e: BaseException) -> int:
+    """This rank's exception ends the job: post it on the abort channel first (every other rank stops within
+    seconds instead of waiting in a collective for dist_timeout_s), then report it here. Returns the exit code."""
+    rank = os.environ.get("RANK", "0")
+    try:
+        from base import comm
+    except Exception:  # noqa: BLE001 -- the failure was importing our own stack: nothing to tell the others
+        comm = None
+    if _is_input_error(e):  # our validation of the user's input: one line, no traceback, nothing saved touched
+        if comm is not None:
+            comm.abort(f"rank {rank} stopped on an input error (its message is on rank 0's output)", EXIT_USAGE)
+        if rank == "0":
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    # anything else is a failure: the traceback in this rank's log (and stderr), one summary line
+    import traceback
+
+    own = f"rank {rank} failed: {type(e).__name__}: {e}"
+    first = comm.abort(own, EXIT_FAILED) if comm is not None else own
+    text = traceback.format_exc()
+    try:
+        from base.log import rank_log
+
+        rank_log(text)
+    except Exception:  # noqa: BLE001
+        pass
+    print(text, file=sys.stderr, flush=True)
+    print(f"error: rank {rank} failed with {type(e).__name__}: {e} (traceback above and in the rank log)",
+          file=sys.stderr, flush=True)
+    if not first.startswith(f"rank {rank} failed:"):
+        print(f"error: the first failure of the job: {first}", file=sys.stderr, flush=True)
+    return EXIT_FAILED
+
+
+def _leave() -> None:
+    """main() returned on every rank (0, or 75 after the agreed save): leave the abort channel cleanly."""
+    if "base.comm" in sys.modules:
+        sys.modules["base.comm"].leave()
+
+
+def _record(code: int) -> int:
+    """Record `code` where scripts/launch.sh reads it (LAUNCH_EXIT_DIR): a launcher that was signalled too (SLURM
+    signals every process of a job) reports its own code, not the ranks'. Returns `code`."""
+    where = os.environ.get("LAUNCH_EXIT_DIR")
+    if where and os.path.isdir(where):
+        with open(os.path.join(where, f"rank{os.environ.get('RANK', '0')}"), "w") as fh:
+            fh.write(f"{code}\n")
+    return code

@@ -1,0 +1,99 @@
+"""A run's start, before any heavy work: the config and the model's shape (every user error surfaces here, in one
+line), the dry run, the process group and the layout of every stage, the start-up checks, the plan, and the stop
+flag. train.py calls these in order; each returns what the story needs next.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from base import comm
+from base.log import open_rank_log, print0, set_main
+from base.parallel import ParallelDims, check_shared_output, init_distributed
+from model_utils.attention import check_config
+from model_utils.build import load_hf_config, pick_attn_implementation
+from training.config import Config, parse_config
+from training.curriculum import Stage, check_stages, resolve_stages
+from training.preemption import Deadline, PreemptionFlag
+from training.preflight import check_network, check_stage_configs, preflight
+from training.summary import plan_lines
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """The model a run trains, as far as it is known before any weight is read."""
+
+    config: object  # the Hugging Face config (RoPE as saved; each stage applies its own)
+    attn: str  # the attention backend that runs
+    bf16: bool
+
+    @property
+    def arch(self):
+        return self.config.get_text_config()
+
+    @property
+    def precision(self) -> str:
+        return "bf16" if self.bf16 else "fp32"
+
+
+def load_run_config(argv: list[str] | None) -> tuple[Config, Model]:
+    """The validated config and the model's shape, attention and precision; one-line ValueError on bad input."""
+    cfg = parse_config(argv)
+    config = load_hf_config(cfg.model_name_or_path)
+    attn = pick_attn_implementation(cfg.attn_implementation, planning=cfg.dry_run)
+    check_config(config, attn)  # the architecture has this attention and it can be document-masked
+    bf16 = (torch.cuda.is_available() and not cfg.fp16) if cfg.bf16 is None else cfg.bf16
+    return cfg, Model(config, attn, bf16)
+
+
+def _precision(cfg: Config, model: Model) -> str:
+    return "fp16" if cfg.fp16 else model.precision
+
+
+def _stages(cfg: Config, model: Model, world: int) -> list[Stage]:
+    stages = resolve_stages(cfg, dp_of_sp=lambda sp: max(1, world // sp))
+    a = model.arch
+    check_stages(stages, world, a.num_attention_heads, a.num_key_value_heads, a.rope_parameters)
+    return stages
+
+
+def dry_run(cfg: Config, model: Model) -> None:
+    """Validate the whole recipe for the cluster it names (every stage's DeepSpeed config too) and print the plan."""
+    world = cfg.nodes * cfg.gpus_per_node or int(os.environ.get("WORLD_SIZE", "1"))
+    stages = _stages(cfg, model, world)
+    check_stage_configs(cfg, stages, world, model.bf16, model.arch.hidden_size, planning=True)
+    print(f"dry run: world={world} ({cfg.nodes or 1} node(s)) model={cfg.model_name_or_path} attn={model.attn} "
+          f"precision={_precision(cfg, model)} deepspeed={cfg.deepspeed}")
+    print("\n".join(plan_lines(cfg, stages, world, cfg.gpus_per_node or world, model.bf16)))
+
+
+def start_distributed(cfg: Config, model: Model) -> tuple[ParallelDims, list[Stage]]:
+    """The process group (device first), every rank's log, every stage's layout, the shared-folder and start-up
+    checks (one decision for all ranks), and the plan printed once."""
+    check_network()  # gloo can bind this host's interface (GLOO_SOCKET_IFNAME), before it tries
+    dims = init_distributed(cfg.sequence_parallel_size, cfg.dist_timeout_s)
+    set_main(dims.is_main)
+    open_rank_log(cfg.output_dir, dims.rank)
+    stages = _stages(cfg, model, dims.world)
+    check_shared_output(cfg.output_dir)  # every rank sees every other rank's files, or one line naming the hosts
+    preflight(cfg, stages, dims, model.arch, model.bf16)  # build locks, host memory per node, DeepSpeed configs
+    if cfg.nodes and cfg.nodes * cfg.gpus_per_node != dims.world:
+        print0(f"warning: the recipe is written for {cfg.nodes} x {cfg.gpus_per_node} ranks, launched with {dims.world}")
+    print0(f"world={dims.world} model={cfg.model_name_or_path} attn={model.attn} precision={_precision(cfg, model)} "
+           f"mb={cfg.per_device_train_batch_size} ga={cfg.gradient_accumulation_steps} deepspeed={cfg.deepspeed}")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", dims.world))
+    print0("\n".join(plan_lines(cfg, stages, dims.world, local, model.bf16)))
+    return dims, stages
+
+
+def stop_flag(cfg: Config, dims: ParallelDims, started: float) -> PreemptionFlag:
+    """The preemption flag, installed: signals, OUTPUT_DIR/PREEMPT (rank 0 removes the one that stopped the
+    previous job), the time limit counted from `started`, and saves every `save_interval_minutes`."""
+    stop_file = os.path.join(cfg.output_dir, "PREEMPT")
+    if dims.is_main and os.path.exists(stop_file):
+        os.remove(stop_file)  # the request that stopped the previous job has been honoured
+    comm.barrier()
+    return PreemptionFlag(stop_file, Deadline(cfg.time_limit_s, now=started), 60 * cfg.save_interval_minutes).install()
