@@ -120,7 +120,7 @@ def device_budget(gpu_mem_gb: float, mem_cap_gb: float) -> tuple[str, int]:
     """(device, bytes per rank the tensors may use): the GPU's memory (given, or detected) less GPU_RESERVED;
     on a CPU run, the --mem_cap_gb cap less this process' peak RSS so far (interpreter and libraries) and
     CPU_ENGINE_OVERHEAD. CPU peak RSS follows the tensors only with MALLOC_MMAP_THRESHOLD_=65536 (glibc otherwise
-    keeps freed blocks: +0.2 GiB measured at 8192 tokens), as scripts/bench_memory.py runs."""
+    keeps freed blocks: +0.2 GiB measured at 8192 tokens), as bench/memory.py runs."""
     import torch
 
     from base.host import peak_rss_bytes
