@@ -14,6 +14,15 @@ gloo (the CPU tests' backend) forgives:
 
 `tests/test_comm.py` fails if another module calls torch.distributed collectives directly.
 
+Every rank takes the same decision. Anything that changes control flow or what is loaded (which checkpoint to
+resume, whether a stage is done, whether to stop or save now, whether the output folder is shared, which memory
+features a stage runs, which data manifest is read) is taken once and handed to all ranks: by rank 0 and
+broadcast (`run_on_main`), or by a collective reduction (`all_reduce` MAX of the stop votes, MIN of the memory
+budgets, `all_gather_object` of every rank's report). Never from a rank's own clock, signal, directory listing
+or memory reading: on a shared file system a node may list a folder as it was a minute ago, and two ranks that
+decide differently run different collectives and hang, or, worse, train on two checkpoints' partitions.
+`tests/test_same_decision.py` gives the ranks different views and checks they decide the same.
+
 A failure anywhere ends the job everywhere, within about a minute, whatever the collective timeout: the abort
 channel (`Watcher`, below) runs beside the training on every rank, on its own connection to the rendezvous
 store (rank 0's TCPStore, reachable from every rank by construction). A rank that fails writes one line to the

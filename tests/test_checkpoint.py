@@ -91,3 +91,36 @@ def test_stage_end_checkpoints_survive_rotation(tmp_path):
         save(ck, s)
     assert ck.tags() == [tag_for(1), tag_for(3), tag_for(4)]
     assert (tmp_path / "checkpoints" / "STAGE_0_short").read_text().strip() == tag_for(1)
+
+
+def test_verification_is_dealt_by_bytes():
+    """Files to ranks by bytes, largest first to the least-loaded rank: the 32 large optimizer partitions of a
+    32-rank save land one per rank (by count, rank r got files r, r + 32, ...: all large ones on half the ranks)."""
+    from training.checkpoint import deal_by_bytes
+
+    sizes = {f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt": 3_000 for r in range(32)}
+    sizes.update({f"zero_pp_rank_{r}_mp_rank_00_model_states.pt": 500 for r in range(32)})
+    deal = deal_by_bytes(sizes, 32)
+    assert sorted(f for part in deal for f in part) == sorted(sizes)
+    assert {sum(sizes[f] for f in part) for part in deal} == {3_500}
+    by_count = [sorted(sizes)[r::32] for r in range(32)]
+    assert max(sum(sizes[f] for f in part) for part in by_count) == 6_000  # what counting files gave
+    assert deal_by_bytes(sizes, 32) == deal  # the same deal on every rank
+
+
+def test_side_folders_are_bounded(tmp_path):
+    """universal/ keeps conversions of checkpoints still kept; abandoned/ keeps its newest `keep` and their
+    stage pointers."""
+    ck = Checkpointer(str(tmp_path), keep=2)
+    root = tmp_path / "checkpoints"
+    for t in (1, 2, 3, 4, 5):
+        (root / "abandoned" / tag_for(10 + t)).mkdir(parents=True)
+    (root / "abandoned" / "STAGE_0_a").write_text(tag_for(11) + "\n")
+    (root / "abandoned" / "STAGE_1_b").write_text(tag_for(15) + "\n")
+    (root / "universal" / tag_for(1)).mkdir(parents=True)
+    for s in (1, 2, 3):
+        save(ck, s)  # rotation drops step 1, and with it its universal conversion
+        if s == 2:
+            (root / "universal" / tag_for(2)).mkdir()
+    assert sorted(os.listdir(root / "universal")) == [tag_for(2)]
+    assert sorted(os.listdir(root / "abandoned")) == ["STAGE_1_b", tag_for(14), tag_for(15)]
