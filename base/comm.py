@@ -12,7 +12,7 @@ gloo (the CPU tests' backend) forgives:
   `LONG_WAIT_S`: no GPU stream, no NCCL watchdog. The training group itself runs with `dist_timeout_s`
   (config key), which the multi-process tests lower so any unplanned wait fails a test, not a cluster job.
 
-`tests/test_comm.py` fails if another module calls torch.distributed collectives directly.
+`tests/unit/base/test_comm.py` fails if another module calls torch.distributed collectives directly.
 
 Every rank takes the same decision. Anything that changes control flow or what is loaded (which checkpoint to
 resume, whether a stage is done, whether to stop or save now, whether the output folder is shared, which memory
@@ -21,7 +21,7 @@ broadcast (`run_on_main`), or by a collective reduction (`all_reduce` MAX of the
 budgets, `all_gather_object` of every rank's report). Never from a rank's own clock, signal, directory listing
 or memory reading: on a shared file system a node may list a folder as it was a minute ago, and two ranks that
 decide differently run different collectives and hang, or, worse, train on two checkpoints' partitions.
-`tests/test_same_decision.py` gives the ranks different views and checks they decide the same.
+`tests/multiproc/test_same_decision.py` gives the ranks different views and checks they decide the same.
 
 A failure anywhere ends the job everywhere, within about a minute, whatever the collective timeout: the abort
 channel (`Watcher`, below) runs beside the training on every rank, on its own connection to the rendezvous

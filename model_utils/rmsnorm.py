@@ -2,7 +2,7 @@
 
 HF's RMSNorm (Llama, Mistral, Qwen2/3, Mixtral, Phi-3, Granite) runs through autograd op by op, so it saves an
 fp32 copy of its input and the normalized x for backward, and its backward holds five `[T, h]` fp32 temporaries
-(measured: tests/test_planner_tensor_bytes.py). On Llama-3-8B at 128k tokens per rank that is 4 GiB saved per norm
+(measured: tests/unit/planner/test_planner_tensor_bytes.py). On Llama-3-8B at 128k tokens per rank that is 4 GiB saved per norm
 (65 norms; 2 GiB lean) and a 10 GiB transient in each norm's backward, the largest one once the MLP is tiled.
 
 `LeanRMSNormFunction` computes the identical forward (the same ops in the same order, row by row: bitwise equal

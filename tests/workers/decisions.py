@@ -1,4 +1,4 @@
-"""Worker for tests/test_same_decision.py: every decision that changes control flow or what is loaded, taken on
+"""Worker for tests/multiproc/test_same_decision.py: every decision that changes control flow or what is loaded, taken on
 two ranks whose views of the shared file system (and memory budgets) differ: rank 1 runs with
 tests/stubs/stale_view (see there). Each rank writes result<rank>.json with what it decided and, for contrast,
 what its own view alone would have said."""

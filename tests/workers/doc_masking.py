@@ -1,4 +1,4 @@
-"""Worker for tests/test_doc_masking.py: one step through the real engine on packed samples whose position ids
+"""Worker for tests/multiproc/test_doc_masking.py: one step through the real engine on packed samples whose position ids
 restart at every document (reset_position_ids), per case.
 
 Every case counts the `attention.Documents` builds (one per micro-batch, however many layers and
@@ -39,7 +39,7 @@ def run_case(case: dict) -> None:
     ds = PackedDataset(tokens, starts, cfg.max_seq_length, reset_position_ids=True)
     engine = build_engine(cfg, dims, hf, cfg.attn_implementation, bf16=False, seed=cfg.seed)
     if case.get("bypass"):  # the first layer's attention never goes through ALL_ATTENTION_FUNCTIONS
-        from tests.test_doc_masking import bypass_attention
+        from tests.multiproc.test_doc_masking import bypass_attention
 
         bypass_attention(engine.module.model.layers[0].self_attn)
     builds = []

@@ -1,4 +1,4 @@
-"""Worker for tests/test_memory_features.py: parity.run_case per case, with the memory features' tiles
+"""Worker for tests/multiproc/test_memory_features.py: parity.run_case per case, with the memory features' tiles
 made small enough to split the test's short sequences, and a record of what the features did.
 
 argv: JSON list of parity cases, each with an extra "knobs" dict ({"MLP_TILE_TOKENS": 12, ...}).

@@ -1,4 +1,4 @@
-"""Worker for tests/test_parity.py (and, through run_case, tests/workers/memory.py): one optimizer step
+"""Worker for tests/multiproc/test_parity.py (and, through run_case, tests/workers/memory.py): one optimizer step
 through the real engine, per case, with the loss function train.py would use for the case's config.
 
 For each case it records the step's loss, the sample indices every rank used and the full gradients

@@ -1,4 +1,4 @@
-"""Worker for tests/test_preflight.py: the start-up checks (training/preflight.preflight) on a 2-rank world where
+"""Worker for tests/unit/training/test_preflight.py: the start-up checks (training/preflight.preflight) on a 2-rank world where
 each rank plays its own host (node0, node1) and only rank 1 sees the trouble: argv[2] "lock" (a build lock in its
 extensions folder), "memory" (MemAvailable too small for its ranks), "memlock" (a locked-memory limit below what a
 GPU run with offload pins: a warning on rank 0's output, no stop), "ok" (nothing). Writes result<rank>.json ({"error": the line or null}) into argv[1]."""

@@ -1,4 +1,4 @@
-"""Worker for tests/test_rope.py: build the engine under ZeRO-3 for each stage RoPE setting and report,
+"""Worker for tests/multiproc/test_rope.py: build the engine under ZeRO-3 for each stage RoPE setting and report,
 from every rank, the rotary embedding's inverse frequencies and attention factor."""
 
 import copy

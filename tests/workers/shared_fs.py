@@ -1,4 +1,4 @@
-"""Worker for tests/test_cluster_path.py: run the shared-output check; with argv[2] == "1", rank 1 is made
+"""Worker for tests/e2e/test_cluster_path.py: run the shared-output check; with argv[2] == "1", rank 1 is made
 blind to the other ranks' probe files (what a node-local --output_dir looks like); with "late", rank 1 sees
 them only 2 s after it first looks (a node whose NFS cache lags). Writes result<rank>.json next to the output
 folder."""

@@ -1,4 +1,4 @@
-"""Worker for tests/test_shm_cleanup.py: DeepSpeed's CPU shared-memory all-reduce before and after
+"""Worker for tests/multiproc/test_shm_cleanup.py: DeepSpeed's CPU shared-memory all-reduce before and after
 base.parallel.release_shm_buffer unlinks this rank's segment name. Prints one JSON line per rank."""
 
 import json

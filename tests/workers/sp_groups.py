@@ -1,4 +1,4 @@
-"""Worker for tests/test_comm.py: a stage's SP groups are destroyed when the next stage unregisters Ulysses
+"""Worker for tests/unit/base/test_comm.py: a stage's SP groups are destroyed when the next stage unregisters Ulysses
 (the process-group registry shrinks back), and the next stage's new groups then work."""
 
 import json

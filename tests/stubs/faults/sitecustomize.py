@@ -1,4 +1,4 @@
-"""Fault injection for tests/test_failure.py: on PYTHONPATH (ahead of the project) only in the runs that ask.
+"""Fault injection for tests/e2e/test_failure.py: on PYTHONPATH (ahead of the project) only in the runs that ask.
 
 FAULT="RANK:WHERE:STEP" makes rank RANK raise at step STEP (1-based): WHERE is `before` (at the start of the
 step, before its first collective), `during` (inside the step, after the forward pass, while the other ranks

@@ -22,7 +22,7 @@ import torch
 
 from planner.memory_model import LEAN_RMSNORM_MODEL_TYPES
 from tests.distributed import ROOT, run
-from tests.test_doc_masking import (
+from tests.multiproc.test_doc_masking import (
     GRAD_TOL,
     LOSS_TOL,
     SEQ,

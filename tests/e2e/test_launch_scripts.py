@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.pardir] * 2))
 STUBS = os.path.join(ROOT, "tests", "stubs")
 LAUNCH = os.path.join(ROOT, "scripts", "launch.sh")
 SBATCH_SCRIPT = os.path.join(ROOT, "scripts", "slurm.sbatch")

@@ -1,7 +1,7 @@
 """The lean gated MLP (model_utils/mlp.py) against Hugging Face's own, module by module.
 
 Under the real engine (ZeRO-3 + offload, SP=2) every family's loss and gradients are compared with the plain
-model in tests/test_model_zoo.py and tests/test_parity.py, which run train.py's default (lean on); this file
+model in tests/multiproc/test_model_zoo.py and tests/multiproc/test_parity.py, which run train.py's default (lean on); this file
 checks the function itself: the same forward bit for bit, the same gradients (elementwise kernels run on chunks
 of rows), what it keeps for backward, and that only MLPs computing Llama's formula are replaced.
 """

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from model_utils import memory, tiled_loss
 from tests.distributed import ROOT, run
-from tests.test_parity import reference, rel
+from tests.multiproc.test_parity import reference, rel
 
 ALL = ("tiled_mlp", "tiled_logits", "gradient_checkpointing", "offload_activations")
 # (name, model, seq_len, features, extra config)
