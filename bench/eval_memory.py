@@ -105,7 +105,7 @@ def worker(case: dict) -> None:
     from model_utils.build import load_hf_config
     from model_utils.memory import make_loss_fn
     from training.config import config_from_dict
-    from training.engine import build_engine
+    from training.engine import build_engine, features_of
     from training.evaluation import sample_stats
     from training.step import train_step
 
@@ -130,7 +130,7 @@ def worker(case: dict) -> None:
         return {"input_ids": ids[:-1], "shift_labels": ids[1:], "position_ids": np.arange(case["seq_len"])}
 
     samples = [sample() for _ in range(4)]
-    loss_fn = make_loss_fn(cfg)
+    loss_fn = make_loss_fn(features_of(cfg))
 
     def step(i):
         return lambda: train_step(engine, [shard(collate([samples[i]], 2, 0), 2, dims.sp_rank)], dims.world,

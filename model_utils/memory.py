@@ -27,8 +27,8 @@ Ulysses SP; every tensor below is a rank's sequence shard, `[bs, sl_local, ...]`
   pinned CPU memory between forward and backward. It offloads the checkpoints, so it turns checkpointing
   on by itself. On a CPU run the tensors are already in host memory and nothing moves.
 
-`apply_memory_features(model, cfg)` runs after the model is built and before `deepspeed.initialize`;
-`make_loss_fn(cfg)` returns the function `training.step.train_step` uses to get the local loss sum;
+`apply_memory_features(model, features)` runs after the model is built and before `deepspeed.initialize`;
+`make_loss_fn(features)` returns the function `training.step.train_step` uses to get the local loss sum;
 `configure_allocator()` belongs at the top of the entry point, before anything touches CUDA.
 """
 
@@ -70,37 +70,38 @@ def configure_allocator() -> str | None:
     return ALLOCATOR_SETTINGS
 
 
-def apply_memory_features(model, cfg) -> None:
-    """Enable the features `cfg` asks for on `model` (in place). Raises ValueError for a model they do not fit.
+def apply_memory_features(model, features) -> None:
+    """Enable `features` (a planner.memory_model.Features value, built by training.engine.features_of; never the
+    run's config) on `model` (in place). Raises ValueError for a model they do not fit.
     The tiled-loss forward is always installed: evaluation uses it whatever `--tiled_logits` says."""
     install_loss_forward(model)
-    model._logits_tile_bytes = max(0, getattr(cfg, "logits_tile_mb", 0) or 0) * 2**20  # 0: LOGITS_TILE_BYTES
-    if getattr(cfg, "lean_rmsnorm", False):
+    model._logits_tile_bytes = max(0, getattr(features, "logits_tile_mb", 0) or 0) * 2**20  # 0: LOGITS_TILE_BYTES
+    if getattr(features, "lean_rmsnorm", False):
         use_lean_rmsnorm(model)  # before TiledMLP and checkpointing wrap the layers: they call the norms' forward
-    if getattr(cfg, "lean_mlp", False):
+    if getattr(features, "lean_mlp", False):
         use_lean_mlp(model)  # before TiledMLP: its tiles run the MLP's forward as it is then
-    if cfg.tiled_mlp:
+    if features.tiled_mlp:
         _tile_mlps(model)
-    every = checkpoint_every(cfg)
+    every = checkpoint_every(features)
     if every:
         # Non-reentrant: recomputation runs inside the one backward graph task (DeepSpeed's hook bookkeeping
         # then sees a single phase), and the inputs need not require grad.
         # every_n_layers: transformers leaves checkpointing on for decoder layers 0, K, 2K, ... only
         kwargs = {"use_reentrant": False}
-        if getattr(cfg, "keep_attention", False):
+        if getattr(features, "keep_attention", False):
             kwargs["context_fn"] = keep_attention_contexts
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every)
-        if cfg.offload_activations:
+        if features.offload_activations:
             _offload_checkpoints(model)
 
 
-def checkpoint_every(cfg) -> int:
+def checkpoint_every(features) -> int:
     """K of `--checkpoint_every` (every K-th decoder layer checkpointed); --gradient_checkpointing and
     --offload_activations alone mean K=1; 0: no checkpointing."""
-    every = getattr(cfg, "checkpoint_every", 0) or 0
+    every = getattr(features, "checkpoint_every", 0) or 0
     if every < 0:
         raise ValueError(f"--checkpoint_every {every}: use 0 (off), 1 (every layer) or K > 1 (every K-th layer)")
-    return every or (1 if cfg.gradient_checkpointing or cfg.offload_activations else 0)
+    return every or (1 if features.gradient_checkpointing or features.offload_activations else 0)
 
 
 # --- checkpointing that keeps the attention output ------------------------------------------------------
@@ -163,11 +164,11 @@ def keep_attention_contexts():
     return _KeepAttention(ops, cache, recompute=False), _KeepAttention(ops, cache, recompute=True)
 
 
-def kept_attention_line(cfg, attn: str) -> str | None:
+def kept_attention_line(features, attn: str) -> str | None:
     """After a first step with --keep_attention: how many attention outputs were kept, or, when none was (the
     backend's kernel is not one attention_ops knows), that those layers recompute attention as plain
     checkpointing does. None without --keep_attention or without checkpointing."""
-    if not (getattr(cfg, "keep_attention", False) and checkpoint_every(cfg)):
+    if not (getattr(features, "keep_attention", False) and checkpoint_every(features)):
         return None
     if KEPT["saved"]:
         return f"keep_attention: {KEPT['saved']} attention outputs kept so far ({attn}); backward does not rerun them"
@@ -176,9 +177,9 @@ def kept_attention_line(cfg, attn: str) -> str | None:
             "dispatch overhead")
 
 
-def make_loss_fn(cfg) -> Callable[..., torch.Tensor]:
+def make_loss_fn(features) -> Callable[..., torch.Tensor]:
     """(engine, micro_batch) -> sum of token cross-entropies over this rank's shard."""
-    return tiled_loss_sum if cfg.tiled_logits else loss_sum
+    return tiled_loss_sum if features.tiled_logits else loss_sum
 
 
 # --- tiled MLP ---------------------------------------------------------------------------------------

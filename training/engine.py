@@ -11,6 +11,7 @@ from base.parallel import ParallelDims
 from model_utils import ulysses
 from model_utils.build import build_model
 from model_utils.memory import apply_memory_features
+from planner.memory_model import Features
 from training.config import Config
 from training.curriculum import Stage
 from training.ds_config import build_ds_config, make_optimizer
@@ -30,6 +31,13 @@ def stage_config(cfg: Config, stage: Stage) -> Config:
                                lr_scheduler=stage.lr_scheduler, max_steps=stage.max_steps, rope=stage.rope, **memory)
 
 
+def features_of(cfg: Config) -> Features:
+    """The memory features a (stage's) config asks for, as the value the model patches take: model_utils reads
+    features, never the run's config."""
+    names = {f.name for f in dataclasses.fields(Features)} - {"offload_params", "offload_optimizer"}
+    return Features(**{n: getattr(cfg, n) for n in names})
+
+
 def build_engine(cfg: Config, dims: ParallelDims, hf_config, attn: str, bf16: bool, seed: int,
                  ds_overrides: dict | None = None, pretrained: bool = True):
     """A DeepSpeed engine over the HF model (ZeRO-3, Ulysses SP when dims.sp > 1, our LR schedule).
@@ -39,7 +47,7 @@ def build_engine(cfg: Config, dims: ParallelDims, hf_config, attn: str, bf16: bo
     torch.manual_seed(seed)  # same init on every rank (and the same as a plain from_config with this seed)
     model, handle = build_model(cfg.model_name_or_path, hf_config, ds_config, attn,
                                 torch.bfloat16 if bf16 else torch.float16 if cfg.fp16 else torch.float32, pretrained)
-    apply_memory_features(model, cfg)
+    apply_memory_features(model, features_of(cfg))
     ulysses.unregister()  # a previous stage may have registered another SP degree
     mpu = ulysses.register(model, dims.sp, attn, cfg.per_device_train_batch_size)
     params = [p for p in model.parameters() if p.requires_grad]

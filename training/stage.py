@@ -26,7 +26,7 @@ from model_utils.ulysses import check_routed
 from training.checkpoint import TrainState, rng_state
 from training.config import to_dict
 from training.curriculum import stage_start
-from training.engine import build_engine, stage_config
+from training.engine import build_engine, features_of, stage_config
 from training.evaluation import evaluate_stage
 from training.job import EXIT_PREEMPTED
 from training.metrics import peak_memory_gb, reset_peak_memory
@@ -73,14 +73,15 @@ def train_stage(run: Run, stage, stages, state: TrainState) -> None:
     preempt.deadline.record_build(time.perf_counter() - t_build)
 
     # --- the steps; the stop (and a save by time) is agreed after every step and after every save ---
-    loss_fn, first = make_loss_fn(scfg), True  # the stage's tiled_logits
+    features = features_of(scfg)
+    loss_fn, first = make_loss_fn(features), True  # the stage's tiled_logits
     while state.step < end:
         micro = [shard(collate([dataset[i] for i in sampler.next_batch()], sdims.sp, run.data.pad_id), sdims.sp,
                        sdims.sp_rank) for _ in range(cfg.gradient_accumulation_steps)]
         lr = engine.get_lr()[0]
         out = train_step(engine, micro, dims.world, loss_fn=loss_fn)
         if first:  # after the engine's first step: every layer's attention went through Ulysses + masking
-            _after_first_step(run, engine, scfg)
+            _after_first_step(run, engine, features)
             first = False
         state.step += 1
         _log_step(run, stage, sdims, state, out, lr, sampler)
@@ -114,9 +115,9 @@ def _record_ds_config(run: Run, stage, engine, step: int) -> None:
         run.metrics.log({"event": "memory_choice", "stage": stage.index, "step": step, **stage.memory_choice})
 
 
-def _after_first_step(run: Run, engine, scfg) -> None:
+def _after_first_step(run: Run, engine, features) -> None:
     check_routed(engine)  # Ulysses + document masking on every layer, or one line naming the model
-    kept = kept_attention_line(scfg, run.attn)  # --keep_attention found its kernel?
+    kept = kept_attention_line(features, run.attn)  # --keep_attention found its kernel?
     if kept:
         print0(kept)
 

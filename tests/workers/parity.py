@@ -22,7 +22,7 @@ from model_utils.build import load_hf_config  # noqa: E402
 from model_utils.memory import make_loss_fn  # noqa: E402
 from tests.distributed import DIST_TIMEOUT_S  # noqa: E402
 from training.config import config_from_dict  # noqa: E402
-from training.engine import build_engine  # noqa: E402
+from training.engine import build_engine, features_of  # noqa: E402
 from training.step import train_step  # noqa: E402
 
 
@@ -51,7 +51,7 @@ def run_case(case: dict, dims_sp: int) -> dict:
             if dims.is_main:
                 grads[name] = g.detach().clone().cpu()
 
-    out = train_step(engine, micro, dims.world, loss_fn=make_loss_fn(cfg), before_step=grab)
+    out = train_step(engine, micro, dims.world, loss_fn=make_loss_fn(features_of(cfg)), before_step=grab)
     all_indices = [None] * dims.world
     dist.all_gather_object(all_indices, {"dp_rank": dims.dp_rank, "indices": indices})
     if dims.is_main:
