@@ -19,7 +19,7 @@ from planner.memory_model import (
     load_shape,
     tokens_per_sec_per_gpu,
 )
-from training.config import Config, _merge
+from training.config import Config, _merge, no_gpu
 from training.curriculum import Stage
 from training.engine import stage_config
 
@@ -69,6 +69,7 @@ def plan_lines(cfg: Config, stages: list[Stage], world: int, gpus_per_node: int,
     with open(cfg.deepspeed) as fh:
         ds = json.load(fh)
     lines = []
+    gpu_plan = cfg.nodes > 0 or not no_gpu()  # a GPU run, or a dry run for the cluster the recipe names
     for s in stages:
         feats = run_features(cfg, _merge(ds, s.deepspeed_overrides), s)
         try:
@@ -80,8 +81,8 @@ def plan_lines(cfg: Config, stages: list[Stage], world: int, gpus_per_node: int,
                          f"steps={s.max_steps} lr={s.learning_rate:g}->{s.min_lr:g} warmup={s.warmup_steps} "
                          f"reset_optimizer={s.reset_optimizer} rope={s.rope}")
             lines.append(f"      memory plan: {est.gpu_peak / GiB:.1f} GiB per rank on the accelerator "
-                         f"(peak phase: {est.peak_phase}), {est.cpu_per_node / GiB:.0f} GiB CPU per node; "
-                         f"~{tps:.0f} tokens/s/GPU at 40% MFU of an H100")
+                         f"(peak phase: {est.peak_phase}), {est.cpu_per_node / GiB:.0f} GiB CPU per node"
+                         + (f"; ~{tps:.0f} tokens/s/GPU at 40% MFU of an H100" if gpu_plan else ""))
             lines.append("      " + feature_line(shape, s, feats))
             lines.append("      " + offload_line(s, feats))
         except ValueError as e:  # a shape the planner cannot read: say so, do not stop the run

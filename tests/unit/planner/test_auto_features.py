@@ -5,6 +5,7 @@ whose measured peak stays under the --mem_cap_gb it was given."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import replace
@@ -160,6 +161,19 @@ def test_plan_lines_print_the_choice(tmp_path):
     assert f"memory features (auto): {af.describe(af.Features(tiled_logits=stages[0].tiled_logits, tiled_mlp=stages[0].tiled_mlp, checkpoint_every=stages[0].checkpoint_every, offload_activations=stages[0].offload_activations))}" in text
     assert f"predicted peak {c['predicted_peak_gb']:.2f} of {80 - af.GPU_RESERVED / GiB:.2f} GiB" in text
 
+
+
+def test_plan_lines_quote_h100_throughput_only_for_a_gpu_plan(tmp_path, monkeypatch):
+    """A CPU run's start-up plan has no H100 tokens/s (issue 27: it printed ~74M tokens/s/GPU for a 1M-parameter
+    model on CPU); a dry run for the cluster a recipe names keeps it."""
+    from training.summary import plan_lines
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    cfg = _cfg(tmp_path, stages=[StageConfig(name="a", max_steps=1)])
+    stages = resolve_stages(cfg, lambda sp: WORLD // sp)
+    assert "tokens/s/GPU" not in "\n".join(plan_lines(cfg, stages, WORLD, 8, False))
+    cluster = dataclasses.replace(cfg, nodes=4, gpus_per_node=8)
+    assert "tokens/s/GPU at 40% MFU of an H100" in "\n".join(plan_lines(cluster, stages, WORLD, 8, True))
 
 # --- ZeRO-3 offloads under memory_features auto (planner/auto_features.py: offload_seconds, choose(free_offloads)) ---
 
