@@ -172,7 +172,10 @@ def test_training_opens_a_prepared_folder_by_path(tmp_path, monkeypatch):
     src = _write_jsonl(tmp_path / "d.jsonl", DOCS * 4)
     out = str(tmp_path / "prep")
     assert main(["--input", src, "--output", out, "--vocab_size", "100", "--workers", "0"]) == 0
-    monkeypatch.setattr(in_job.comm, "run_on_main", lambda fn: pytest.fail("a prepared folder needs no collective"))
+    # rank 0 decides that the folder is prepared (a node with a stale view must not take the other branch), and
+    # that decision prepares nothing: the folder is used as it is
+    monkeypatch.setattr("data.prepare_data.prepare", lambda *a, **k: pytest.fail("a prepared folder is not prepared again"))
+    assert in_job.prepare_in_job(out, None, 100) == (out, None)
     data = pipeline.open_run_data(out, None, 100, _stages(32, 64), reset_position_ids=False)
     ds, sampler = data.stage_view(_stages(32, 64)[1], 1, 0, 1, seed=0)
     ref, _ = _reference(tmp_path, DOCS * 4)
