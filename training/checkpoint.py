@@ -39,7 +39,6 @@ import random
 import re
 import shutil
 import time
-import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,8 +47,18 @@ import torch
 from base import comm
 from base.log import print0
 from base.parallel import FS_SETTLE_S
+from training.checkpoint_files import (  # noqa: F401  (MANIFEST: part of this module's interface)
+    MANIFEST,
+    atomic_write,
+    crc32,
+    deal_by_bytes,
+    fsync_file,
+    list_files,
+    read_json,
+    save_torch,
+)
 
-MANIFEST, POINTER = "MANIFEST.json", "LATEST"
+POINTER = "LATEST"
 _TAG = re.compile(r"^step_(\d{6,})$")
 
 
@@ -57,90 +66,8 @@ def tag_for(step: int) -> str:
     return f"step_{step:06d}"
 
 
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: str, text: str) -> dict:
-    """Write `text` to `path` atomically (tmp, fsync, rename); returns its manifest entry."""
-    data = text.encode()
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    _fsync_file(os.path.dirname(path) or ".")
-    return {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
-
-
-class _CrcWriter:
-    """A file object that counts the size and CRC32 of what passes through it (torch.save writes to it)."""
-
-    def __init__(self, fh):
-        self.fh, self.crc, self.size = fh, 0, 0
-
-    def write(self, b) -> int:
-        self.crc = zlib.crc32(b, self.crc)
-        self.size += len(b)
-        return self.fh.write(b)
-
-    def flush(self) -> None:
-        self.fh.flush()
-
-    def entry(self) -> dict:
-        return {"size": self.size, "crc32": f"{self.crc:08x}"}
-
-
-def _save_torch(obj, path: str, zipfile: bool = True) -> dict:
-    """torch.save to `path`, fsynced; returns its manifest entry, computed while writing."""
-    with open(path, "wb") as fh:
-        w = _CrcWriter(fh)
-        torch.save(obj, w, _use_new_zipfile_serialization=zipfile)
-        fh.flush()
-        os.fsync(fh.fileno())
-    return w.entry()
-
-
-def _crc32(path: str) -> str:
-    crc = 0
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 24):
-            crc = zlib.crc32(chunk, crc)
-    return f"{crc:08x}"
-
-
-def _list_files(d: str) -> list[str]:
-    return sorted(os.path.relpath(os.path.join(dp, f), d) for dp, _, fs in os.walk(d) for f in fs if f != MANIFEST)
-
-
 def _world() -> tuple[int, int]:
     return comm.rank(), comm.world()
-
-
-def deal_by_bytes(sizes: dict[str, int], world: int) -> list[list[str]]:
-    """Files to ranks for verification: largest first, each to the rank holding the fewest bytes so far (LPT).
-    Deterministic in the manifest, so every rank computes the same deal. Llama-3-8B on 32 ranks: 32 optimizer
-    partitions of ~3 GB and 32 of ~0.5 GB go one large and one small per rank, not all large ones to ranks 0-15."""
-    load, out = [0] * world, [[] for _ in range(world)]
-    for f in sorted(sizes, key=lambda f: (-sizes[f], f)):
-        r = min(range(world), key=lambda i: (load[i], i))
-        out[r].append(f)
-        load[r] += sizes[f]
-    return out
-
-
-def _read_json(path: str) -> dict:
-    """{"json": ...} or {"error": reason}: what rank 0 read, in a form every rank can be handed."""
-    try:
-        with open(path) as fh:
-            return {"json": json.load(fh)}
-    except (OSError, ValueError) as e:
-        return {"error": f"{type(e).__name__}: {e}"}
 
 
 def _gather_dict(local: dict) -> dict:
@@ -173,7 +100,7 @@ def _recording(engine, root: str, written: dict):
         return
 
     def save(state_dict, path: str) -> None:  # TorchCheckpointEngine.save's signature (called by keyword too)
-        written[os.path.relpath(path, root)] = _save_torch(state_dict, path, ce.zipfile_serialization)
+        written[os.path.relpath(path, root)] = save_torch(state_dict, path, ce.zipfile_serialization)
 
     ce.save = save
     try:
@@ -240,23 +167,23 @@ class Checkpointer:
         written: dict[str, dict] = {}
         with _recording(engine, path, written):
             engine.save_checkpoint(self.root, tag=tag, save_latest=False)
-        written[os.path.join("state", f"rank{rank:05d}.pt")] = _save_torch(
+        written[os.path.join("state", f"rank{rank:05d}.pt")] = save_torch(
             rank_state, os.path.join(path, "state", f"rank{rank:05d}.pt"))
         if rank == 0:
-            written["trainer.json"] = _atomic_write(os.path.join(path, "trainer.json"),
+            written["trainer.json"] = atomic_write(os.path.join(path, "trainer.json"),
                                                     json.dumps(trainer, indent=1, default=str))
-            written["hf_config.json"] = _atomic_write(os.path.join(path, "hf_config.json"), hf_config.to_json_string())
+            written["hf_config.json"] = atomic_write(os.path.join(path, "hf_config.json"), hf_config.to_json_string())
         described = _gather_dict(written)  # every rank's files are on disk, fsynced, with their checksums
         if rank == 0:
-            for f in _list_files(path):  # written outside the checkpoint engine (DeepSpeed's helper scripts)
+            for f in list_files(path):  # written outside the checkpoint engine (DeepSpeed's helper scripts)
                 if f not in described:
                     described[f] = self._describe(path, f)
             manifest = {"tag": tag, "step": step, "world": world, "files": described, "stage_end": stage_end,
                         "model_hash": trainer.get("model_hash"), "sp": trainer.get("sp")}
-            _atomic_write(os.path.join(path, MANIFEST), json.dumps(manifest, indent=1))
-            _atomic_write(os.path.join(self.root, POINTER), tag + "\n")
+            atomic_write(os.path.join(path, MANIFEST), json.dumps(manifest, indent=1))
+            atomic_write(os.path.join(self.root, POINTER), tag + "\n")
             if stage_end:
-                _atomic_write(os.path.join(self.root, stage_end), tag + "\n")
+                atomic_write(os.path.join(self.root, stage_end), tag + "\n")
             self._rotate(keep_tag=tag)
         comm.barrier()
         return path
@@ -264,8 +191,8 @@ class Checkpointer:
     @staticmethod
     def _describe(path: str, f: str) -> dict:
         full = os.path.join(path, f)
-        _fsync_file(full)
-        return {"size": os.path.getsize(full), "crc32": _crc32(full)}
+        fsync_file(full)
+        return {"size": os.path.getsize(full), "crc32": crc32(full)}
 
     def _rotate(self, keep_tag: str) -> None:
         """Keep the newest `keep` committed checkpoints; drop older ones and uncommitted leftovers."""
@@ -320,7 +247,7 @@ class Checkpointer:
         Collective: rank 0 reads the manifest (and lists the folder for unlisted files), every rank checks its
         deal of the files (by bytes), the first reason found by any rank is the verdict."""
         rank, world = _world()
-        manifest = comm.run_on_main(lambda: _read_json(os.path.join(path, MANIFEST)))
+        manifest = comm.run_on_main(lambda: read_json(os.path.join(path, MANIFEST)))
         if "error" in manifest:
             return f"no readable manifest ({manifest['error']})"
         files = manifest["json"].get("files")
@@ -328,7 +255,7 @@ class Checkpointer:
             return "no readable manifest (no file list)"
         reason = None
         if rank == 0:
-            extra = set(_list_files(path)) - set(files) if os.path.isdir(path) else set()
+            extra = set(list_files(path)) - set(files) if os.path.isdir(path) else set()
             reason = f"files not in the manifest: {sorted(extra)[:3]}" if extra else None
         mine = deal_by_bytes({f: int(e["size"]) for f, e in files.items()}, world)[rank]
         reason = reason or self._check_files(path, {f: files[f] for f in mine})
@@ -347,7 +274,7 @@ class Checkpointer:
                     break  # not (fully) visible here yet
                 if size != want["size"]:
                     return f"{f} has {size} bytes, manifest says {want['size']}"
-                if _crc32(full) != want["crc32"]:
+                if crc32(full) != want["crc32"]:
                     return f"{f} checksum differs from the manifest"
                 todo.remove(f)
             if not todo:
@@ -400,7 +327,7 @@ class Checkpointer:
                         os.replace(pointer, os.path.join(aside, name))
         for t in newer:
             os.replace(os.path.join(self.root, t), os.path.join(aside, t))
-        _atomic_write(os.path.join(self.root, POINTER), os.path.basename(path.rstrip("/")) + "\n")
+        atomic_write(os.path.join(self.root, POINTER), os.path.basename(path.rstrip("/")) + "\n")
         print0(f"--resume {path}: {len(newer)} newer checkpoint(s) moved to {aside} ({newer[0]} .. {newer[-1]})")
 
     def resume(self, resume: str, model_hash: str, model_name: str) -> TrainState:
@@ -440,7 +367,7 @@ class Checkpointer:
     @staticmethod
     def read_trainer(path: str) -> dict:
         """The counters, stage and config a checkpoint was saved with: rank 0 reads them, every rank gets its copy."""
-        got = comm.run_on_main(lambda: _read_json(os.path.join(path, "trainer.json")))
+        got = comm.run_on_main(lambda: read_json(os.path.join(path, "trainer.json")))
         if "error" in got:
             raise RuntimeError(f"checkpoint {path}: trainer.json unreadable after verification ({got['error']})")
         return got["json"]
@@ -452,7 +379,7 @@ class Checkpointer:
         rank, world = _world()
         t0 = time.perf_counter()
         load_dir, tag = os.path.split(path.rstrip("/"))
-        saved_world = comm.run_on_main(lambda: _read_json(os.path.join(path, MANIFEST)))["json"]["world"]
+        saved_world = comm.run_on_main(lambda: read_json(os.path.join(path, MANIFEST)))["json"]["world"]
         if saved_world != world:
             load_dir = self._universal(path, saved_world, world)
             engine._config.load_universal_checkpoint = True
@@ -496,7 +423,7 @@ class Checkpointer:
             subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", path,
                             "--output_folder", out, "--num_extract_workers", "2", "--num_merge_workers", "1",
                             "--inject_missing_state"], check=True, stdout=subprocess.DEVNULL)
-            _atomic_write(os.path.join(out, "DONE"), "ok\n")
+            atomic_write(os.path.join(out, "DONE"), "ok\n")
 
         comm.run_on_main(convert)
         return out_root

@@ -1,0 +1,96 @@
+"""The file side of a checkpoint: atomic writes, files fsynced and checksummed while they are written (CRC32,
+size), and the deal of a manifest's files to the ranks that verify them. training/checkpoint.py decides what a
+checkpoint holds and when it exists; this is how its bytes reach the disk and are checked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+
+import torch
+
+MANIFEST = "MANIFEST.json"
+
+
+def fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str, text: str) -> dict:
+    """Write `text` to `path` atomically (tmp, fsync, rename); returns its manifest entry."""
+    data = text.encode()
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_file(os.path.dirname(path) or ".")
+    return {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+
+
+class _CrcWriter:
+    """A file object that counts the size and CRC32 of what passes through it (torch.save writes to it)."""
+
+    def __init__(self, fh):
+        self.fh, self.crc, self.size = fh, 0, 0
+
+    def write(self, b) -> int:
+        self.crc = zlib.crc32(b, self.crc)
+        self.size += len(b)
+        return self.fh.write(b)
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+    def entry(self) -> dict:
+        return {"size": self.size, "crc32": f"{self.crc:08x}"}
+
+
+def save_torch(obj, path: str, zipfile: bool = True) -> dict:
+    """torch.save to `path`, fsynced; returns its manifest entry, computed while writing."""
+    with open(path, "wb") as fh:
+        w = _CrcWriter(fh)
+        torch.save(obj, w, _use_new_zipfile_serialization=zipfile)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return w.entry()
+
+
+def crc32(path: str) -> str:
+    crc = 0
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def list_files(d: str) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(dp, f), d) for dp, _, fs in os.walk(d) for f in fs if f != MANIFEST)
+
+
+def deal_by_bytes(sizes: dict[str, int], world: int) -> list[list[str]]:
+    """Files to ranks for verification: largest first, each to the rank holding the fewest bytes so far (LPT).
+    Deterministic in the manifest, so every rank computes the same deal. Llama-3-8B on 32 ranks: 32 optimizer
+    partitions of ~3 GB and 32 of ~0.5 GB go one large and one small per rank, not all large ones to ranks 0-15."""
+    load, out = [0] * world, [[] for _ in range(world)]
+    for f in sorted(sizes, key=lambda f: (-sizes[f], f)):
+        r = min(range(world), key=lambda i: (load[i], i))
+        out[r].append(f)
+        load[r] += sizes[f]
+    return out
+
+
+def read_json(path: str) -> dict:
+    """{"json": ...} or {"error": reason}: what rank 0 read, in a form every rank can be handed."""
+    try:
+        with open(path) as fh:
+            return {"json": json.load(fh)}
+    except (OSError, ValueError) as e:
+        return {"error": f"{type(e).__name__}: {e}"}
