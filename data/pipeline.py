@@ -17,6 +17,7 @@ the only arrays loaded whole (a few hundred MB for tens of millions of documents
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ from base import comm
 from data.mixture import MixtureDataset, MixtureSampler, parse_mixture, select_documents
 from data.packing import DocPack
 from data.prepare import prepare_in_job
+from data.replay import ReplayDataset, ReplaySampler, parse_replay
 from data.sampler import ResumableSampler
 from data.store import MANIFEST, Prepared, read_json, tokenizer_identity
 from data.tasks import TaskMixDataset, TaskMixSampler, check_tasks
@@ -113,7 +115,20 @@ class RunData:
         """(dataset, sampler) a stage trains from: `dataset[i]` is a sample dict, `sampler.next_batch()` gives
         this DP rank's next micro-batch of indices, the sampler's state_dict() is the data position, and
         `sampler.source_shares()` the realised token share per mixture component ({} without a mixture).
-        A stage with `tasks:` wraps both so that fraction of its micro-steps are synthetic (data/tasks.py)."""
+        A stage with `tasks:` wraps both so that fraction of its micro-steps are synthetic (data/tasks.py); a
+        stage with `replay:` wraps that so a share of its micro-steps are packed shorter samples, each length's
+        own view of the same mixture and tasks (data/replay.py)."""
+        replay = parse_replay(getattr(stage, "replay", None), stage.max_seq_length,
+                              f"stage {stage.index} ({stage.name}) replay")
+        dataset, sampler = self._view(stage, dp, dp_rank, micro_batch, seed)
+        if not replay:
+            return dataset, sampler
+        short = {n: self._view(dataclasses.replace(stage, max_seq_length=n), dp, dp_rank,
+                               micro_batch * (stage.max_seq_length // n), seed + 7919 * n) for n in replay}
+        return (ReplayDataset(dataset, {n: v[0] for n, v in short.items()}),
+                ReplaySampler(sampler, {n: v[1] for n, v in short.items()}, replay, stage.max_seq_length, micro_batch))
+
+    def _view(self, stage, dp: int, dp_rank: int, micro_batch: int, seed: int):
         mix = self.mixture(stage)
         if mix is not None:
             weights = [c.weight for c in parse_mixture(stage.data)]
@@ -178,4 +193,8 @@ def open_run_data(dataset_path: str | None, tokenizer_path: str | None, model_vo
     for s in stages:
         data.mixture(s)  # a bad or empty mixture component stops the run here, before the model is built
         check_tasks(s, tokenizer)  # so does a bad `tasks:` (unknown task, fractions, too short a length)
+        for n in parse_replay(getattr(s, "replay", None), s.max_seq_length, f"stage {s.index} ({s.name}) replay"):
+            short = dataclasses.replace(s, max_seq_length=n)  # and a replay length its mixture or tasks cannot fill
+            data.mixture(short)
+            check_tasks(short, tokenizer)
     return data

@@ -38,6 +38,7 @@ class StageConfig:
     memory_features: str | dict | None = None  # auto | manual | {tiled_mlp: true, checkpoint_every: 2, ...}: this stage's (a mapping pins those, auto picks the rest)
     tasks: dict = field(default_factory=dict)  # synthetic task fractions, e.g. {passkey: 0.2} (data/tasks.py)
     data: dict | list | None = None  # mixture: {source_glob: weight} or [{source, weight, min_doc_tokens, ...}] (data/mixture.py); None: whole stream
+    replay: dict | None = None  # short-context replay: {256: 0.3} or {share: 0.3, lengths: [256]}, token shares (data/replay.py)
 
 
 @dataclass

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field
 
 from base.parallel import check_layout
+from data.replay import parse_replay
 from model_utils.rope import check_rope
 from training.config import Config, StageConfig
 
@@ -41,6 +42,7 @@ class Stage:
     logits_tile_mb: int | None = None  # tiled logits: MiB of fp32 logits per tile (auto: from the budget)
     memory_choice: dict | None = None  # what auto chose and why (predicted peak, budget, speed): plan and metrics
     tasks: dict = field(default_factory=dict)  # synthetic task fractions of the stage (data/tasks.py)
+    replay: dict | None = None  # short-context replay token shares (data/replay.py)
 
 
 MEMORY_KEYS = ("tiled_mlp", "tiled_logits", "checkpoint_every", "gradient_checkpointing", "offload_activations",
@@ -188,7 +190,8 @@ def resolve_stages(cfg: Config, dp_of_sp, budget=None) -> list[Stage]:
                    warmup_steps=s.warmup_steps if s.warmup_steps is not None else cfg.warmup_steps,
                    lr_scheduler=s.lr_scheduler or cfg.lr_scheduler, max_steps=steps,
                    reset_optimizer=s.reset_optimizer, deepspeed_overrides=overrides,
-                   eval=s.eval or {}, data=s.data, tasks=s.tasks or {}, **memory)
+                   eval=s.eval or {}, data=s.data, tasks=s.tasks or {}, replay=s.replay, **memory)
+        parse_replay(st.replay, st.max_seq_length, f"stage {i} ({st.name}) replay")  # a bad replay: one line, now
         if st.max_steps < 1 or st.sp < 1 or st.max_seq_length < 1:
             raise ValueError(f"stage {i} ({st.name}): max_steps, sequence_parallel_size and max_seq_length must "
                              f"be >= 1, got {st.max_steps}, {st.sp}, {st.max_seq_length}")

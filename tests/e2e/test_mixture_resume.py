@@ -1,7 +1,10 @@
-"""End to end: a stage with a 2-source mixture over a prepared folder, SIGTERM mid-stage, resume: the per-step
-losses equal an uninterrupted run's (fp32, 1e-6), i.e. the mixture sampler resumed at the exact micro-batch."""
+"""End to end: a stage with a 2-source mixture over a prepared folder and 30% short-context replay (64-token
+samples packed in pairs), SIGTERM mid-stage, resume: the per-step losses equal an uninterrupted run's (fp32,
+1e-6), i.e. the mixture and replay samplers resumed at the exact micro-batch; the replay share is in the metrics."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -21,7 +24,7 @@ def mixture_args(assets, tmp_path_factory):
     b = write_token_jsonl(str(d / "b.jsonl"), n_docs=30, seed=2)
     assert main(["--input", a, "--input", b, "--output", str(d / "prep"), "--vocab_size", "2048", "--workers", "0"]) == 0
     (d / "recipe.yaml").write_text("stages:\n  - {name: mix, data: [{name: a, source: a, weight: 0.7}, "
-                                   "{name: b, source: b, weight: 0.3}]}\n")
+                                   "{name: b, source: b, weight: 0.3}], replay: {64: 0.3}}\n")
 
     def args(out):
         x = train_args(assets, out, 2, extra=["--config", str(d / "recipe.yaml")])
@@ -44,3 +47,6 @@ def test_mixture_sigterm_then_resume_matches_uninterrupted(mixture_args, tmp_pat
     assert sorted(got) == list(range(1, 9))
     for s in ref:
         assert abs(got[s] - ref[s]) <= 1e-6 * abs(ref[s]), (s, got[s], ref[s])
+    with open(ref_out / "metrics.jsonl") as fh:
+        last = [json.loads(x) for x in fh if '"loss"' in x][-1]
+    assert last["share_replay64"] == pytest.approx(0.25) and last["share_a"] + last["share_b"] == pytest.approx(0.75)
