@@ -1,14 +1,18 @@
-"""What a run reads: the token stream, its held-out tail (fixed for the whole curriculum), each stage's view.
+"""What a run reads: the token stream, its held-out documents (fixed for the whole curriculum), each stage's view.
 
 The stream is a prepared folder (`scripts/prepare_data.py`, data/store.py): `--dataset_path` pointing at
 one is memory-mapped by every rank itself (nothing tokenized, no collective); a small JSONL is prepared
 inside the job first (data/prepare.py, rank 0, size-limited). A stage with a `data:` mixture trains on
 its components (data/mixture.py); a stage without one packs the whole stream in order.
 
-Held-out documents are chosen once per run, not per stage: the last documents of the stream, enough to
-fill the largest evaluation any stage asks for (max over stages of heldout_samples x max_seq_length
-tokens). No stage trains on them, and every stage evaluates on these same documents packed to its own
-length, so a later stage never evaluates on tokens an earlier one trained on.
+Held-out documents are chosen once per run, not per stage: enough whole documents to fill the largest
+evaluation any stage asks for (max over stages of heldout_samples x max_seq_length tokens), spread over the
+whole stream (`heldout_split`: documents in the order of a fixed hash of their index, so every prefix of that
+order is spread evenly; a pure function of the prepared folder, the same on every rank and every restart).
+No stage trains on them, and every stage evaluates on these same documents packed to its own length (in
+that order: a short stage's few samples still come from several documents and parts of the stream), so a
+later stage never evaluates on tokens an earlier one trained on. A dataset too small for that share keeps a
+smaller held-out set (a one-line warning) as long as one training sample of the longest stage remains.
 
 Cost at scale: the stream is memory-mapped (a 20B-token uint32 stream is 80 GB on the shared file
 system, nothing of it in RAM until read); per document, its start, length (int64) and source (int32) are
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from base import comm
+from base.log import print0
 from data.mixture import MixtureDataset, MixtureSampler, parse_mixture, select_documents
 from data.packing import DocPack
 from data.prepare import prepare_in_job
@@ -40,30 +45,83 @@ def heldout_samples(eval_cfg: dict) -> int:
     return int(eval_cfg.get("heldout_samples", DEFAULT_HELDOUT_SAMPLES))
 
 
-def heldout_tokens(stages) -> int:
-    """Tokens the held-out tail must hold: the largest evaluation of any stage."""
-    return max((heldout_samples(s.eval) * s.max_seq_length for s in stages), default=0)
+_PHI64 = np.uint64(0x9E3779B97F4A7C15)  # 2^64 / golden ratio (Fibonacci hashing)
 
 
-def split_point(n_tokens: int, starts: np.ndarray, need: int, min_train: int) -> int:
-    """First held-out token: the start of the document holding token n_tokens - need, so whole documents are
-    held out; if that would leave fewer than `min_train` training tokens (a stream of a few huge documents),
-    cut inside that document instead. ValueError when even that cannot fit."""
+def spread_order(lens: np.ndarray, need: int) -> np.ndarray:
+    """Documents holding at least `need` tokens (or all), in held-out order: by i * 2^64/phi mod 2^64, a
+    low-discrepancy sequence, so the first k of the order are spread evenly over the stream, whatever k.
+    O(documents) passes; only the candidates are sorted (tens of millions of documents cost no full sort)."""
+    key = np.arange(len(lens), dtype=np.uint64) * _PHI64  # wraps mod 2^64: numpy arrays do not raise
+    share = 1.5 * need / max(1, int(lens.sum()))
+    while True:
+        cand = np.flatnonzero(key <= np.uint64(min(int(share * 2.0**64), 2**64 - 1))) if share < 1 else np.arange(len(lens))
+        if share >= 1 or int(lens[cand].sum()) >= need:
+            return cand[np.argsort(key[cand], kind="stable")]
+        share *= 2
+
+
+def sample_starts(lens: np.ndarray, seq_len: int, n: int) -> list[int]:
+    """Where the held-out samples at `seq_len` begin, as indices into `lens` (the held-out documents' lengths,
+    in order): each sample starts at a document's start, the first one at or after the previous sample's end,
+    so even a short stage's few samples come from different documents; at most `n`, each one whole."""
+    v = np.concatenate([[0], np.cumsum(lens)])
+    out, pos = [], 0
+    while len(out) < n:
+        j = int(np.searchsorted(v[:-1], pos))
+        if j >= len(lens) or v[-1] - v[j] < seq_len:
+            break
+        out.append(j)
+        pos = int(v[j]) + seq_len
+    return out
+
+
+def heldout_split(lens: np.ndarray, wants: list[tuple[int, int]], min_train: int) -> tuple[np.ndarray, np.ndarray, str]:
+    """(cut, held, warning) for `wants` = [(seq_len, held-out samples)] per stage: document i trains on its tokens
+    [start, start + cut[i]) and the rest is held out (cut = its length: all training); `held` are the held-out
+    documents in evaluation order. Whole documents in `spread_order` until every stage's samples fit
+    (`sample_starts`); one is cut (its tail held out) only where taking it whole would leave fewer than
+    `min_train` tokens (one sample of the longest stage) to train on. A stream too small for the largest
+    evaluation holds out what leaves `min_train` (none if that is shorter than the shortest stage) and says so
+    in `warning`; ValueError when not even `min_train` tokens exist."""
+    n_tok = int(lens.sum())
+    cut = lens.astype(np.int64).copy()
+    wants = [(sl, k) for sl, k in wants if k > 0]
+    need = max((sl * k for sl, k in wants), default=0)
     if need == 0:
-        return n_tokens
-    cut = n_tokens - need
-    if cut < min_train:
-        raise ValueError(f"the dataset has {n_tokens} tokens: the held-out documents need {need} (the largest "
-                         f"stage's eval.heldout_samples x max_seq_length) and training needs at least {min_train}: "
-                         "add data or lower eval.heldout_samples")
-    doc_start = int(starts[np.searchsorted(starts, cut, side="right") - 1]) if len(starts) else cut
-    return doc_start if doc_start >= min_train else cut
+        return cut, np.zeros(0, np.int64), ""
+    if n_tok < min_train:
+        raise ValueError(f"the dataset has {n_tok} tokens, fewer than one training sample of the longest stage "
+                         f"({min_train} tokens): add data or shorten max_seq_length")
+    room, warning = n_tok - min_train, ""
+    if need > room:
+        room = room if room >= min(sl for sl, _ in wants) else 0
+        warning = (f"warning: the dataset has {n_tok} tokens, too few for {need} held-out tokens (the largest stage's "
+                   f"eval heldout_samples x max_seq_length) and {min_train} to train on: "
+                   + (f"holding out {room} tokens instead" if room else "no held-out evaluation")
+                   + " (add data, or set --eval_heldout_samples / eval.heldout_samples)")
+        if not room:
+            return cut, np.zeros(0, np.int64), warning
+    budget, held, total = min(need, room), [], 0
+    for d in spread_order(lens, min(room, 2 * budget)):
+        if total >= budget and all(len(sample_starts(lens[held] - cut[held], sl, k)) == k for sl, k in wants):
+            break
+        take = int(lens[d])
+        if take > room - total:  # the whole would starve training: hold out its tail, as much as is missing
+            take = min(room - total, max(budget - total, max(sl for sl, _ in wants)))
+        held.append(int(d))
+        cut[d] -= take
+        total += take
+        if total >= room:
+            break
+    return cut, np.asarray(held, dtype=np.int64), warning
 
 
 @dataclass
 class RunData:
     prepared: Prepared  # the memory-mapped stream: tokens, per-document starts / lens / source
-    boundary: int  # tokens[boundary:] are held out for evaluation
+    cut: np.ndarray  # per document: tokens [start, start + cut) train, the rest is held out (heldout_split)
+    held: np.ndarray  # the held-out documents, in evaluation order
     tokenizer: Tokenizer | None
     reset_position_ids: bool
     mask_cross_document_labels: bool = False
@@ -84,15 +142,15 @@ class RunData:
         """Documents `idx` clipped to the training part (or the held-out part) of the stream, packed."""
         starts, ends = self.prepared.starts[idx], self.prepared.starts[idx] + self.prepared.lens[idx]
         if heldout:
-            starts = np.maximum(starts, self.boundary)
+            starts = starts + self.cut[idx]
         else:
-            ends = np.minimum(ends, self.boundary)
+            ends = starts + self.cut[idx]
         keep = ends > starts
         return DocPack(self.prepared.tokens, starts[keep], (ends - starts)[keep], seq_len, self.reset_position_ids,
                        self.mask_cross_document_labels)
 
     def train_set(self, seq_len: int) -> DocPack:
-        """The stage's training samples: the stream before the held-out documents, packed to `seq_len`."""
+        """The stage's training samples: the stream without the held-out documents, packed to `seq_len`."""
         return self._pack(np.arange(len(self.prepared.lens)), seq_len)
 
     def mixture(self, stage) -> MixtureDataset | None:
@@ -144,12 +202,12 @@ class RunData:
         return dataset, TaskMixSampler(sampler, dataset, tasks, dp, dp_rank, micro_batch)
 
     def heldout(self, seq_len: int, n: int) -> list[dict[str, np.ndarray]]:
-        """The first `n` held-out samples at `seq_len` (the same documents at every stage)."""
-        if n == 0:
-            return []
-        idx = np.flatnonzero(self.prepared.starts + self.prepared.lens > self.boundary)
-        ds = self._pack(idx, seq_len, heldout=True)
-        return [ds[i] for i in range(min(n, len(ds)))]
+        """The first `n` held-out samples at `seq_len`: the same documents, in the same order, at every stage; each
+        sample starts at a document's start (`sample_starts`), so its position buckets measure growing context."""
+        p, held = self.prepared, self.held
+        starts, lens = p.starts[held] + self.cut[held], p.lens[held] - self.cut[held]
+        return [DocPack(p.tokens, starts[j:], lens[j:], seq_len, self.reset_position_ids,
+                        self.mask_cross_document_labels)[0] for j in sample_starts(lens, seq_len, n)]
 
 
 def open_run_data(dataset_path: str | None, tokenizer_path: str | None, model_vocab: int, stages,
@@ -188,8 +246,11 @@ def open_run_data(dataset_path: str | None, tokenizer_path: str | None, model_vo
         raise ValueError(f"--dataset_path {folder}: token id {prepared.max_token_id} >= the model's vocab_size "
                          f"{model_vocab}: the data was prepared for another vocabulary")
     longest = max(s.max_seq_length for s in stages)
-    boundary = split_point(len(prepared.tokens), prepared.starts, heldout_tokens(stages), min_train=longest)
-    data = RunData(prepared, boundary, tokenizer, reset_position_ids, mask_cross_document_labels)
+    cut, held, warning = heldout_split(prepared.lens, [(s.max_seq_length, heldout_samples(s.eval)) for s in stages],
+                                       min_train=longest)
+    if warning:
+        print0(warning)
+    data = RunData(prepared, cut, held, tokenizer, reset_position_ids, mask_cross_document_labels)
     for s in stages:
         data.mixture(s)  # a bad or empty mixture component stops the run here, before the model is built
         check_tasks(s, tokenizer)  # so does a bad `tasks:` (unknown task, fractions, too short a length)

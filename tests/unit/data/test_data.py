@@ -81,35 +81,87 @@ def test_demo_tokenizer_roundtrip():
     assert tok.vocab_size <= 2048
 
 
-def test_heldout_documents_are_fixed_for_the_run_and_never_trained_on(tmp_path):
-    """The held-out tail is chosen once for the whole curriculum (enough for its largest evaluation): every stage
-    evaluates on the same whole documents, packed to its own length, and no stage's training samples touch them."""
+def _parts(data, docs, heldout: bool):
+    """The oracle: the held-out stream (held documents in order, each from its cut) or the training stream."""
+    st, ln = np.asarray(data.starts), data.prepared.lens
+    tokens = data.tokens[0:len(data.tokens)]
+    if heldout:
+        return np.concatenate([tokens[st[i] + data.cut[i]: st[i] + ln[i]] for i in docs])
+    return np.concatenate([tokens[st[i]: st[i] + data.cut[i]] for i in docs])
+
+
+def test_heldout_documents_are_spread_fixed_for_the_run_and_never_trained_on(tmp_path, capsys):
+    """The held-out documents are chosen once for the whole curriculum (enough for its largest evaluation), drawn
+    from several documents all over the stream: every stage evaluates on the same whole documents, packed to its
+    own length, its first samples span several documents, and no stage's training samples touch them."""
     import types
 
-    from data.pipeline import open_run_data, split_point
+    from data.pipeline import open_run_data
 
-    docs = [list(range(4 + d, 4 + d + n)) for d, n in enumerate([300, 120, 500, 90, 260, 400, 150, 700, 80, 220])]
+    # document d: tokens 100 * d + j % 97, so a token names its document
+    lens = [300, 120, 500, 90, 260, 400, 150, 700, 80, 220, 310, 60, 450, 130, 240, 170]
+    docs = [[100 * d + j % 97 for j in range(n)] for d, n in enumerate(lens)]
     p = tmp_path / "d.jsonl"
     p.write_text("".join(json.dumps({"input_ids": d}) + "\n" for d in docs))
     stages = [types.SimpleNamespace(index=i, name=f"s{i}", max_seq_length=n, eval={"heldout_samples": 2}, data=None,
                                     tasks={}) for i, n in enumerate((64, 128, 256))]
     data = open_run_data(str(p), None, 2048, stages, reset_position_ids=False)
-    tokens, starts = data.tokens[0:len(data.tokens)], np.asarray(data.starts)
-    assert data.boundary in set(starts.tolist())  # whole documents
-    assert len(tokens) - data.boundary >= 2 * 256  # the largest evaluation fits
-    held = tokens[data.boundary:]
+    assert "warning" not in capsys.readouterr().out
+    held = data.held.tolist()
+    assert len(held) > 1 and set(data.cut[held].tolist()) == {0}  # whole documents, several of them
+    assert max(held) - min(held) > len(lens) // 2  # from all over the stream, not one end
+    assert sum(lens[i] for i in held) >= 2 * 256  # the largest evaluation fits
+    assert all(data.cut[i] == lens[i] for i in range(len(lens)) if i not in held)
+    held_stream, train_stream = _parts(data, held, True), _parts(data, range(len(lens)), False)
+    assert len(held_stream) + len(train_stream) == sum(lens)  # every token in exactly one of the two
+    assert not {t // 100 for t in held_stream} & {t // 100 for t in train_stream}  # no document in both
+    doc_at = np.concatenate([[0], np.cumsum([lens[i] for i in held])])  # where each held document starts
     for st in stages:
         n = st.max_seq_length
-        for k, s in enumerate(data.heldout(n, 2)):  # the same tail documents at every length, packed to it
-            assert s["input_ids"].tolist() == held[k * n: (k + 1) * n].tolist()
+        samples = data.heldout(n, 2)
+        assert len(samples) == 2
+        firsts = []
+        for s in samples:  # the same documents at every length, in the same order, packed to it from a document start
+            j = int(s["input_ids"][0]) // 100
+            assert s["input_ids"][0] == 100 * j and j in held
+            at = doc_at[held.index(j)]
+            assert s["input_ids"].tolist() == held_stream[at: at + n].tolist()
+            firsts.append(held.index(j))
+        assert firsts[0] == 0 and doc_at[firsts[1]] >= n  # the second starts after the first: no token twice
         ds, _ = data.stage_view(st, 1, 0, 1, 0)
-        assert (len(ds) + 1) * st.max_seq_length > data.boundary >= len(ds) * st.max_seq_length
-        last = ds[len(ds) - 1]["input_ids"]
-        assert last.tolist() == tokens[(len(ds) - 1) * st.max_seq_length: len(ds) * st.max_seq_length].tolist()
-    # a stream of a few huge documents is cut inside the last one rather than leave nothing to train on
-    assert split_point(1000, np.array([0, 10]), need=200, min_train=100) == 800
-    with pytest.raises(ValueError, match="held-out documents need 900"):
-        split_point(1000, np.array([0]), need=900, min_train=200)
+        assert len(ds) == len(train_stream) // n
+        for i in (0, len(ds) - 1):
+            assert ds[i]["input_ids"].tolist() == train_stream[i * n: (i + 1) * n].tolist()
+
+
+def test_heldout_split_of_a_small_dataset_warns_and_shrinks(tmp_path, capsys):
+    """Too small for the held-out share: a smaller held-out set and one warning line, as long as one training
+    sample of the longest stage remains; refused (one line) only when not even that remains. A stream of one
+    huge document is cut inside it."""
+    import types
+
+    from data.pipeline import heldout_split, open_run_data
+
+    lens = np.array([300, 120, 500, 90])
+    cut, held, warning = heldout_split(lens, [(64, 2), (512, 2)], min_train=256)  # 1010 tokens, 1024 asked
+    assert warning.startswith("warning: the dataset has 1010 tokens, too few for 1024 held-out tokens")
+    assert "holding out 754 tokens instead" in warning and "\n" not in warning
+    assert int(lens.sum() - cut.sum()) == 754 and int(cut.sum()) == 256  # training keeps one longest sample
+    cut, held, warning = heldout_split(lens, [(64, 2), (512, 2)], min_train=1000)  # 10 tokens left: no sample
+    assert "no held-out evaluation" in warning and len(held) == 0 and (cut == lens).all()
+    cut, held, warning = heldout_split(np.array([1000]), [(100, 2)], min_train=100)  # one huge document
+    assert cut.tolist() == [800] and held.tolist() == [0] and not warning
+    with pytest.raises(ValueError, match=r"has 1010 tokens, fewer than one training sample of the longest stage "
+                                         r"\(2048 tokens\): add data or shorten max_seq_length"):
+        heldout_split(lens, [(2048, 1)], min_train=2048)
+    # the run: trains and evaluates on what there is, with the one warning line
+    p = tmp_path / "d.jsonl"
+    p.write_text("".join(json.dumps({"input_ids": [5 + d] * n}) + "\n" for d, n in enumerate(lens)))
+    stage = types.SimpleNamespace(index=0, name="s0", max_seq_length=256, eval={"heldout_samples": 4}, data=None,
+                                  tasks={})
+    data = open_run_data(str(p), None, 100, [stage], reset_position_ids=False)
+    assert capsys.readouterr().out.count("warning: the dataset has 1010 tokens") == 1
+    assert len(data.stage_view(stage, 1, 0, 1, 0)[0]) == 1 and len(data.heldout(256, 4)) == 2
 
 
 def _reset_positions_quadratic(seq_len, inside):

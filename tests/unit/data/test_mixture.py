@@ -117,7 +117,8 @@ def test_stage_view_mixes_sources_with_length_filter(tmp_path):
     stages = [_stage(0, 16, mix)]
     data = open_run_data(out, None, 10, stages, reset_position_ids=False)
     ds, sampler = data.stage_view(stages[0], 1, 0, 5, seed=0)
-    assert ds.sizes == [650 // 16, (216 - 35) // 16]  # web's last document (35 tokens) is held out
+    assert data.held.tolist() == [0]  # the first document in the held-out order (data/pipeline.py spread_order)
+    assert ds.sizes == [(650 - 200) // 16, 216 // 16]  # books' first document (200 tokens) is held out
     for _ in range(10):
         for i in sampler.next_batch():
             ids = set(ds[i]["input_ids"].tolist())

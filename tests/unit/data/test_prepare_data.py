@@ -179,8 +179,11 @@ def test_training_opens_a_prepared_folder_by_path(tmp_path, monkeypatch):
     data = pipeline.open_run_data(out, None, 100, _stages(32, 64), reset_position_ids=False)
     ds, sampler = data.stage_view(_stages(32, 64)[1], 1, 0, 1, seed=0)
     ref, _ = _reference(tmp_path, DOCS * 4)
-    assert ds[0]["input_ids"].tolist() == ref[:64].tolist() and sampler.source_shares() == {}
-    assert data.heldout(32, 1)[0]["input_ids"].tolist() == ref[data.boundary: data.boundary + 32].tolist()
+    st, ln, cut = data.starts, data.prepared.lens, data.cut  # the stream without the held-out documents trains
+    train = np.concatenate([ref[a: a + c] for a, c in zip(st, cut)])
+    held = np.concatenate([ref[st[i] + cut[i]: st[i] + ln[i]] for i in data.held])
+    assert ds[0]["input_ids"].tolist() == train[:64].tolist() and sampler.source_shares() == {}
+    assert data.heldout(32, 1)[0]["input_ids"].tolist() == held[:32].tolist()
     with pytest.raises(ValueError, match="token id 84 >= the model's vocab_size 64"):
         pipeline.open_run_data(out, None, 64, _stages(32), reset_position_ids=False)
 
