@@ -165,6 +165,49 @@ def all_gather_object(obj: Any) -> list:
     return out
 
 
+def subgroups(rank_lists: list[list[int]]):
+    """Create one process group per list (every rank calls this with the same lists, in the same order, as
+    torch.distributed requires) and return the one this rank is in (None if none)."""
+    mine = None
+    for ranks in rank_lists:
+        g = dist.new_group(ranks)
+        if rank() in ranks:
+            mine = g
+    return mine
+
+
+class _GatherStack(torch.autograd.Function):
+    """All-gather over `group` into a new leading dim [n, *shape]; backward reduce-scatters the gradient (each
+    rank's tensor gets the sum over ranks of the gradient of its copy). Single collectives on `device()` tensors:
+    all_gather_into_tensor and reduce_scatter_tensor, which NCCL runs natively and gloo supports on CPU."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, group, n: int) -> torch.Tensor:
+        ctx.group, ctx.n = group, n
+        t = t.contiguous()
+        out = t.new_empty((n * t.shape[0], *t.shape[1:]))  # concatenated: the form gloo and NCCL both take
+        dist.all_gather_into_tensor(out, t, group=group)
+        return out.view(n, *t.shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        out = grad.new_empty(grad.shape[1:])
+        dist.reduce_scatter_tensor(out, grad.view(-1, *grad.shape[2:]), group=ctx.group)
+        return out, None, None
+
+
+def gather_stack(t: torch.Tensor, group, n: int) -> torch.Tensor:
+    """`t` from each of the `n` ranks of `group`, stacked in group-rank order: [n, *t.shape]. Differentiable
+    (context parallelism's K/V gather; backward is one reduce-scatter). `t` must live on `device()`."""
+    if t.device != device():
+        raise AssertionError(f"collective on {t.device}, expected {device()}")
+    if not t.requires_grad:
+        with torch.no_grad():
+            return _GatherStack.apply(t, group, n)
+    return _GatherStack.apply(t, group, n)
+
+
 def run_on_main(fn: Callable[[], Any]) -> Any:
     """Rank 0 runs `fn` while the others wait on the host (gloo group, LONG_WAIT_S); every rank returns its
     result. A ValueError raised by `fn` (bad user input) is raised on every rank with the same message; any

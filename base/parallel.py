@@ -1,9 +1,16 @@
-"""The parallel layout of a run, built once and passed down: world = sp x dp.
+"""The parallel layout of a run, built once and passed down: world = sp x dp, and sp = ulysses x cp.
 
-SP groups are consecutive ranks (on a cluster they share a node, so the attention all-to-all stays on
-NVLink); rank r has sp_rank = r % sp and dp_rank = r // sp. Different SP groups read different samples;
-ZeRO-3 partitions over the whole world. The groups themselves are created by DeepSpeed's
-`parallel_state_sp` (the `mpu` handed to `deepspeed.initialize`), which uses the same consecutive layout.
+SP groups are consecutive ranks; rank r has sp_rank = r % sp and dp_rank = r // sp. Inside an SP group the
+Ulysses groups are consecutive too (sp_rank = cp_rank * ulysses + ulysses_rank), so on a cluster the heads'
+all-to-all stays inside a node (NVLink) and the context-parallel factor spans nodes (one K/V all-gather per
+layer over InfiniBand). Different SP groups read different samples; ZeRO-3 partitions over the whole world.
+The SP group itself is DeepSpeed's `parallel_state_sp` (the `mpu` handed to `deepspeed.initialize`, same
+consecutive layout); the Ulysses and context-parallel subgroups are built in model_utils/ulysses.py.
+
+Under context parallelism (cp > 1) a sample is laid out in zigzag order before it is sliced: the sequence is cut
+into 2 * cp chunks and cp rank c holds chunks c and 2cp - 1 - c, so every cp rank does the same causal attention
+work (an early and a late chunk: (c + 1/2) + (2cp - c - 1/2) = 2cp chunk-rows of keys). `zigzag_chunks` is that
+order, shared by the data sharding and the attention (they may not import each other).
 """
 
 from __future__ import annotations
@@ -18,6 +25,20 @@ class ParallelDims:
     sp: int
     rank: int
     local_rank: int
+    cp: int = 1  # context-parallel factor of sp (the Ulysses factor is sp // cp)
+
+    @property
+    def ulysses(self) -> int:
+        return self.sp // self.cp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.sp_rank // self.ulysses
+
+    @property
+    def seq_multiple(self) -> int:
+        """Samples are padded to a multiple of this: sp tokens, or 2 * sp under context parallelism (zigzag)."""
+        return self.sp * (2 if self.cp > 1 else 1)
 
     @property
     def dp(self) -> int:
@@ -36,32 +57,75 @@ class ParallelDims:
         return self.rank == 0
 
 
-def check_layout(world: int, sp: int, num_heads: int, num_kv_heads: int, seq_len: int) -> None:
-    """One-line ValueError naming the numbers and the fix when the layout cannot work."""
+def kv_compatible(num_kv_heads: int, ulysses: int) -> bool:
+    """DeepSpeed's Ulysses splits KV heads over the group or replicates them: ulysses | kv or kv | ulysses."""
+    return num_kv_heads % ulysses == 0 or ulysses % num_kv_heads == 0
+
+
+def ulysses_options(sp: int, num_heads: int, num_kv_heads: int, gpus_per_node: int | None = None) -> list[int]:
+    """The Ulysses factors u (ascending) that make sp = u x cp possible: u | sp, u | query heads, KV-compatible,
+    and (on a cluster) u | gpus_per_node so no Ulysses group straddles two nodes. u = 1 (pure context
+    parallelism) is always one of them."""
+    return [u for u in range(1, sp + 1) if sp % u == 0 and num_heads % u == 0 and kv_compatible(num_kv_heads, u)
+            and (not gpus_per_node or gpus_per_node % u == 0)]
+
+
+def split_sp(sp: int, num_heads: int, num_kv_heads: int, gpus_per_node: int | None = None,
+             cp: int | str | None = "auto") -> tuple[int, int]:
+    """(ulysses, cp) for an SP degree. `cp` auto: Ulysses as large as the heads and the node allow (it costs one
+    all-to-all inside the node per layer; cp adds a K/V all-gather that may cross nodes), the rest context
+    parallel. An explicit cp is checked; a refusal is one line naming the valid values."""
+    options = ulysses_options(sp, num_heads, num_kv_heads, gpus_per_node)
+    valid_cp = [sp // u for u in reversed(options)]
+    if cp in (None, "auto"):
+        return options[-1], sp // options[-1]
+    if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1 or sp % cp or sp // cp not in options:
+        why = (f"{sp // cp} (= {sp} / {cp}) must divide the {num_heads} query heads, suit the {num_kv_heads} KV "
+               f"heads{f' and divide gpus_per_node {gpus_per_node}' if gpus_per_node else ''}"
+               if isinstance(cp, int) and not isinstance(cp, bool) and cp >= 1 and sp % cp == 0
+               else f"cp must divide sequence_parallel_size {sp}")
+        raise ValueError(f"context_parallel_size={cp!r} with sequence_parallel_size={sp}: the Ulysses factor {why}; "
+                         f"use one of {valid_cp} or auto")
+    return sp // cp, cp
+
+
+def check_layout(world: int, sp: int, num_heads: int, num_kv_heads: int, seq_len: int, cp: int = 1,
+                 gpus_per_node: int | None = None) -> None:
+    """One-line ValueError naming the numbers and the fix when the layout (sp = ulysses x cp) cannot work."""
     if sp < 1 or world % sp:
         divisors = [d for d in range(1, world + 1) if world % d == 0]
         raise ValueError(f"sequence_parallel_size={sp} does not divide world size {world}: use one of {divisors} "
                          f"or launch a multiple of {sp} processes")
-    if num_heads % sp:
+    if cp == 1 and num_heads % sp:
         ok = [d for d in range(1, num_heads + 1) if num_heads % d == 0 and world % d == 0]
         raise ValueError(f"the model has {num_heads} attention heads, not divisible by sequence_parallel_size={sp}: "
-                         f"use one of {ok}")
-    if num_kv_heads % sp and sp % num_kv_heads:
+                         f"use one of {ok}, or context_parallel_size auto (or a factor of {sp}) to split the rest "
+                         "of the sequence across Ulysses groups")
+    if cp == 1 and not kv_compatible(num_kv_heads, sp):
         raise ValueError(f"the model has {num_kv_heads} KV heads: sequence_parallel_size={sp} must divide it or be "
-                         "a multiple of it (KV heads are then replicated)")
-    if seq_len < sp:
-        raise ValueError(f"max_seq_length={seq_len} is shorter than sequence_parallel_size={sp}: each SP rank needs "
-                         "at least one token; raise the length or lower SP")
+                         "a multiple of it (KV heads are then replicated), or use context_parallel_size auto")
+    split_sp(sp, num_heads, num_kv_heads, gpus_per_node, cp)  # the Ulysses factor sp / cp is possible
+    need = 2 * sp if cp > 1 else sp
+    if seq_len < need:
+        raise ValueError(f"max_seq_length={seq_len} is shorter than {need} ({'2 x ' if cp > 1 else ''}"
+                         f"sequence_parallel_size={sp}): each SP rank needs at least one token"
+                         f"{' of each of its two zigzag chunks' if cp > 1 else ''}; raise the length or lower SP")
 
 
-def init_distributed(sp: int, timeout_s: float = 1800.0) -> ParallelDims:
+def zigzag_chunks(cp: int) -> list[int]:
+    """The natural chunk indices (of 2 * cp equal chunks) in the order the SP ranks hold them: cp rank c holds
+    chunks c and 2cp - 1 - c, so the order is [0, 2cp-1, 1, 2cp-2, ...]."""
+    return [i for c in range(cp) for i in (c, 2 * cp - 1 - c)]
+
+
+def init_distributed(sp: int, timeout_s: float = 1800.0, cp: int = 1) -> ParallelDims:
     """Set the device and initialise torch.distributed through `base.comm` (gloo on CPU, nccl on GPU) with
     a `timeout_s` collective timeout; return the dims."""
     from base import comm
 
     rank, world, local_rank = comm.init(timeout_s)
     release_shm_buffer(rank)
-    return ParallelDims(world=world, sp=sp, rank=rank, local_rank=local_rank)
+    return ParallelDims(world=world, sp=sp, rank=rank, local_rank=local_rank, cp=cp)
 
 
 def shm_buffer_path(rank: int) -> str:

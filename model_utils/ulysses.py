@@ -1,43 +1,98 @@
-"""Ulysses sequence parallelism through DeepSpeed's `UlyssesSPAttentionHF`, over document-masked attention.
+"""Sequence parallelism of a model's attention: Ulysses (DeepSpeed's `UlyssesSPAttentionHF`) x context parallel.
 
 `register` first puts the document-masked core attention of `model_utils/attention.py` in transformers'
-`ALL_ATTENTION_FUNCTIONS` (also at sp == 1, so every SP degree computes the same thing), then, for sp > 1,
-`register_with_transformers` wraps it: [bs, sl/sp, hc, hs] --all-to-all--> [bs, sl, hc/sp, hs] -> attention
-over the full sequence on hc/sp heads (documents and windows rebuilt from the gathered position ids) ->
-all-to-all back. KV heads fewer than sp are replicated by DeepSpeed. It also builds the SP groups
-(consecutive ranks) and returns them as the `mpu` for `deepspeed.initialize`. The outermost function is
-tracked, so `attention.check_routed(model)` can refuse a model whose attention bypasses it. `unregister`
-undoes all of it, so a later stage can register a different SP degree.
+`ALL_ATTENTION_FUNCTIONS` (also at sp == 1, so every SP degree computes the same thing); with cp > 1 it replaces
+that core by the context-parallel one (`model_utils/context_parallel.py`: K/V gathered over the cp group, queries
+kept); with a Ulysses factor u > 1 DeepSpeed's wrapper goes around it: [bs, sl/sp, hc, hs] --all-to-all over u
+ranks--> [bs, sl/cp, hc/u, hs] -> the core -> all-to-all back. KV heads fewer than u are replicated by DeepSpeed.
+
+Groups (dims.sp = u x cp, consecutive ranks, sp_rank = cp_rank * u + ulysses_rank): the SP group is DeepSpeed's
+`parallel_state_sp` (returned as the `mpu` for `deepspeed.initialize`, so its batch accounting and gradient
+reduction are those of pure Ulysses at the same SP degree); the Ulysses groups are consecutive u ranks inside it
+(one node on a cluster), the cp groups the ranks with the same Ulysses rank (across nodes). With cp == 1 this is
+DeepSpeed's own `register_with_transformers`, unchanged. The outermost function is tracked, so
+`attention.check_routed(model)` can refuse a model whose attention bypasses it. `unregister` undoes all of it,
+so a later stage can register another (u, cp).
 """
 
 from __future__ import annotations
 
-from model_utils import attention
+from model_utils import attention, context_parallel
+
+_GROUPS: list = []  # the Ulysses and cp groups this module created (destroyed by unregister)
 
 
-def register(model, sp: int, attn_implementation: str, micro_batch: int):
-    """Register document-masked (and, for sp > 1, Ulysses) attention for `model`; returns the mpu (None at sp 1)."""
+def _subgroup_ranks(world: int, sp: int, cp: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(Ulysses groups, cp groups) as rank lists over the whole world, the same on every rank."""
+    u = sp // cp
+    ulysses, cps = [], []
+    for base in range(0, world, sp):
+        ulysses += [[base + c * u + j for j in range(u)] for c in range(cp)]
+        cps += [[base + c * u + j for c in range(cp)] for j in range(u)]
+    return ulysses, cps
+
+
+def _wrap_ulysses(model, attn: str, group, micro_batch: int) -> None:
+    """DeepSpeed's Ulysses attention over `group` (the Ulysses subgroup) around the registered core, installed
+    the way `UlyssesSPAttentionHF.register_with_transformers` installs it (which always uses the whole SP group)."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    cfg = model.config.get_text_config()
+    uattn = UlyssesSPAttentionHF(
+        attn=ALL_ATTENTION_FUNCTIONS[attn], batch_size=micro_batch, attn_head_count=cfg.num_attention_heads,
+        attn_head_size=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+        kv_head_count=cfg.num_key_value_heads, num_hidden_layers=cfg.num_hidden_layers, process_group=group,
+        seq_length_is_variable=True)
+    uattn.core_attn_implementation = attn
+
+    def uattn_wrapper(module, query, key, value, attention_mask, *args, **kwargs):
+        return uattn(module, query, key, value, None, *args, **kwargs)  # masks are rebuilt from position ids
+
+    ALL_ATTENTION_FUNCTIONS[attn] = uattn_wrapper
+
+
+def register(model, sp: int, attn_implementation: str, micro_batch: int, cp: int = 1, world: int | None = None,
+             rank: int | None = None):
+    """Register document-masked (and, for sp > 1, Ulysses x context-parallel) attention for `model`; returns the
+    mpu (None at sp 1). `world` / `rank` are needed when cp > 1 (the subgroups)."""
     attention.register(model, attn_implementation)
     mpu = None
-    if sp > 1:
+    if sp > 1 and cp == 1:
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
         mpu = UlyssesSPAttentionHF.register_with_transformers(
             model_name_or_path=model, core_attn_implementation=attn_implementation, sequence_parallel_size=sp,
             micro_batch_size=micro_batch, seq_length_is_variable=True)
+    elif sp > 1:
+        from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+        from base import comm
+
+        u = sp // cp
+        parallel_state_sp.initialize_sequence_parallel(sequence_parallel_size=sp)
+        ulysses_ranks, cp_ranks = _subgroup_ranks(world, sp, cp)
+        u_group = comm.subgroups(ulysses_ranks) if u > 1 else None
+        cp_group = comm.subgroups(cp_ranks)
+        _GROUPS.extend(g for g in (u_group, cp_group) if g is not None)
+        context_parallel.register(attn_implementation, cp_group, cp, (rank % sp) // u)
+        if u > 1:
+            _wrap_ulysses(model, attn_implementation, u_group, micro_batch)
+        mpu = parallel_state_sp
     attention.track(model, attn_implementation)
     return mpu
 
 
 def unregister() -> int:
-    """Restore the plain attention functions and destroy DeepSpeed's SP groups (returns how many groups)."""
+    """Restore the plain attention functions and destroy the SP groups (returns how many groups)."""
     from deepspeed.runtime.sequence_parallel import parallel_state_sp
 
     from base import comm
 
     attention.restore()
     n = comm.destroy_groups([parallel_state_sp._SEQUENCE_PARALLEL_GROUP,
-                             parallel_state_sp._SEQUENCE_DATA_PARALLEL_GROUP])
+                             parallel_state_sp._SEQUENCE_DATA_PARALLEL_GROUP, *_GROUPS])
+    _GROUPS.clear()
     parallel_state_sp._release_sequence_parallel_groups()
     return n
 

@@ -40,7 +40,7 @@ def features_of(cfg: Config) -> Features:
 
 def build_engine(cfg: Config, dims: ParallelDims, hf_config, attn: str, bf16: bool, seed: int,
                  ds_overrides: dict | None = None, pretrained: bool = True):
-    """A DeepSpeed engine over the HF model (ZeRO-3, Ulysses SP when dims.sp > 1, our LR schedule).
+    """A DeepSpeed engine over the HF model (ZeRO-3, Ulysses x context-parallel SP when dims.sp > 1, our LR schedule).
     `pretrained=False`: a checkpoint is loaded next and replaces every weight; the HF weights are not read."""
     text_cfg = hf_config.get_text_config()
     ds_config = build_ds_config(cfg, dims, bf16, text_cfg.hidden_size, ds_overrides)
@@ -49,7 +49,7 @@ def build_engine(cfg: Config, dims: ParallelDims, hf_config, attn: str, bf16: bo
                                 torch.bfloat16 if bf16 else torch.float16 if cfg.fp16 else torch.float32, pretrained)
     apply_memory_features(model, features_of(cfg))
     ulysses.unregister()  # a previous stage may have registered another SP degree
-    mpu = ulysses.register(model, dims.sp, attn, cfg.per_device_train_batch_size)
+    mpu = ulysses.register(model, dims.sp, attn, cfg.per_device_train_batch_size, dims.cp, dims.world, dims.rank)
     params = [p for p in model.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=params, config=ds_config, mpu=mpu,

@@ -48,11 +48,11 @@ def sample_stats(engine, samples: list[dict], dims, micro_batch: int, pad_id: in
     sl = len(samples[0]["input_ids"])
     for lo in range(0, len(samples), per_round):
         mine = list(range(lo + dims.dp_rank * micro_batch, lo + (dims.dp_rank + 1) * micro_batch))
-        batch = collate([samples[i] if i < len(samples) else filler for i in mine], dims.sp, pad_id)
+        batch = collate([samples[i] if i < len(samples) else filler for i in mine], dims.seq_multiple, pad_id)
         if buckets:
             pos = torch.arange(batch["input_ids"].shape[1])
             batch["bucket_ids"] = torch.where(pos < sl, pos * buckets // sl, -1).expand_as(batch["input_ids"])
-        mb = {k: v.to(engine.device) for k, v in shard(batch, dims.sp, dims.sp_rank).items()}
+        mb = {k: v.to(engine.device) for k, v in shard(batch, dims.sp, dims.sp_rank, dims.cp).items()}
         stats = eval_stats(engine, mb, buckets).cpu()
         for row, i in zip(stats, mine):
             if i < len(samples):

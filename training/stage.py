@@ -60,7 +60,7 @@ def train_stage(run: Run, stage, stages, state: TrainState) -> None:
     end = stage_start(stages, stage.index) + stage.max_steps
     t_build = time.perf_counter()
     reset_peak_memory()  # peak_mem_gb is this stage's own
-    sdims = dataclasses.replace(dims, sp=stage.sp)
+    sdims = dataclasses.replace(dims, sp=stage.sp, cp=stage.cp)
     hf_config = copy.deepcopy(run.base_config)
     apply_rope(hf_config, stage.rope, stage.max_seq_length)
     scfg = stage_config(cfg, stage)
@@ -76,8 +76,8 @@ def train_stage(run: Run, stage, stages, state: TrainState) -> None:
     features = features_of(scfg)
     loss_fn, first = make_loss_fn(features), True  # the stage's tiled_logits
     while state.step < end:
-        micro = [shard(collate([dataset[i] for i in sampler.next_batch()], sdims.sp, run.data.pad_id), sdims.sp,
-                       sdims.sp_rank) for _ in range(cfg.gradient_accumulation_steps)]
+        micro = [shard(collate([dataset[i] for i in sampler.next_batch()], sdims.seq_multiple, run.data.pad_id),
+                       sdims.sp, sdims.sp_rank, sdims.cp) for _ in range(cfg.gradient_accumulation_steps)]
         lr = engine.get_lr()[0]
         out = train_step(engine, micro, dims.world, loss_fn=loss_fn)
         if first:  # after the engine's first step: every layer's attention went through Ulysses + masking
@@ -130,6 +130,7 @@ def _log_step(run: Run, stage, sdims, state: TrainState, out: dict, lr: float, s
     state.tokens += n
     run.metrics.log({"step": state.step, "stage": stage.index, "loss": out["loss"], "lr": lr, "tokens": n,
                      "tokens_per_s": n / out["step_time"], "seq_len": stage.max_seq_length, "sp": sdims.sp,
+                     "cp": sdims.cp,
                      "dp": sdims.dp, "peak_mem_gb": peak_memory_gb(), "total_tokens": state.tokens,
                      "time": time.time(), **{f"share_{k}": v for k, v in sampler.source_shares().items()}})
 

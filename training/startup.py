@@ -16,7 +16,7 @@ from base.parallel import ParallelDims, check_shared_output, init_distributed
 from model_utils.attention import check_config
 from model_utils.build import load_hf_config, pick_attn_implementation
 from training.config import Config, parse_config
-from training.curriculum import Stage, check_stages, resolve_stages
+from training.curriculum import Stage, check_stages, gpus_per_node, resolve_stages
 from training.preemption import Deadline, PreemptionFlag
 from training.preflight import check_network, check_stage_configs, preflight
 from training.summary import plan_lines
@@ -56,8 +56,8 @@ def _precision(cfg: Config, model: Model) -> str:
 def _stages(cfg: Config, model: Model, world: int) -> list[Stage]:
     stages = resolve_stages(cfg, dp_of_sp=lambda sp: max(1, world // sp))
     a = model.arch
-    check_stages(stages, world, a.num_attention_heads, a.num_key_value_heads, a.rope_parameters)
-    return stages
+    return check_stages(stages, world, a.num_attention_heads, a.num_key_value_heads, a.rope_parameters,
+                        gpus_per_node(cfg))
 
 
 def dry_run(cfg: Config, model: Model) -> None:

@@ -34,7 +34,8 @@ CASE_KEYS = ("out", "cache", "samples", "grads", "bypass")
 def run_case(case: dict) -> None:
     cfg = config_from_dict({k: v for k, v in case.items() if k not in CASE_KEYS})
     hf = load_hf_config(cfg.model_name_or_path)
-    dims = init_distributed(cfg.sequence_parallel_size, timeout_s=DIST_TIMEOUT_S)
+    cp = cfg.context_parallel_size if isinstance(cfg.context_parallel_size, int) else 1
+    dims = init_distributed(cfg.sequence_parallel_size, timeout_s=DIST_TIMEOUT_S, cp=cp)
     tokens, starts = build_token_stream(cfg.dataset_path, None, hf.get_text_config().vocab_size, case["cache"])
     ds = PackedDataset(tokens, starts, cfg.max_seq_length, reset_position_ids=True)
     engine = build_engine(cfg, dims, hf, cfg.attn_implementation, bf16=False, seed=cfg.seed)
@@ -50,7 +51,7 @@ def run_case(case: dict) -> None:
             super().__init__(*args, **kwargs)
 
     attention.Documents = Counted
-    mb = shard(collate([ds[i] for i in case["samples"]], dims.sp, 0), dims.sp, dims.sp_rank)
+    mb = shard(collate([ds[i] for i in case["samples"]], dims.seq_multiple, 0), dims.sp, dims.sp_rank, dims.cp)
     grads = {}
 
     def grab(engine):
