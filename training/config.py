@@ -25,6 +25,7 @@ class StageConfig:
     name: str = ""
     max_seq_length: int | None = None  # tokens per sample in this stage
     sequence_parallel_size: int | None = None  # SP degree of this stage (may grow stage to stage)
+    context_parallel_size: int | str | None = None  # cp factor of this stage's SP (ulysses = sp / cp); None: the run's
     rope: dict | None = None  # transformers `rope_parameters` for this stage (rope_type, rope_theta, factor, ...)
     learning_rate: float | None = None  # peak LR, re-warmed at the start of the stage
     min_lr: float | None = None  # LR at the end of the decay
@@ -55,7 +56,9 @@ class Config:
     # backend that masks documents, i.e. all supported ones: model_utils.attention.resets_positions)
     mask_cross_document_labels: bool = False  # no loss on a document's last token predicting the next document (ProLong)
     # --- parallelism and batch ---
-    sequence_parallel_size: int = 1  # Ulysses SP degree; world = sp x dp
+    sequence_parallel_size: int = 1  # SP degree; world = sp x dp, and sp = ulysses x cp
+    context_parallel_size: str = "auto"  # cp factor of SP: auto (Ulysses as large as the heads and the node allow,
+    # the rest context parallel: model_utils/context_parallel.py) or N dividing sp (1: pure Ulysses, sp: pure cp)
     per_device_train_batch_size: int = 1  # samples per SP group per micro-step
     gradient_accumulation_steps: int = 1
     # --- optimisation ---
@@ -98,6 +101,14 @@ class Config:
     dry_run: bool = False  # validate and print the plan (stages, memory per rank), no training
     nodes: int = 0  # the cluster the recipe is written for (dry run, memory plan); 0: the launched world
     gpus_per_node: int = 0
+    # --- evaluation at each stage's end (training/evaluation.py): eval_X sets key X of every stage's `eval:`
+    # block; a recipe's top-level eval_X is the default under each stage's own block, a command-line flag wins ---
+    eval: bool = True  # --no-eval: no held-out loss and no task evaluation at any stage
+    eval_heldout_samples: int | None = None  # held-out samples per stage (default 2; 0: no held-out loss)
+    eval_tasks: str | list | dict | None = None  # passkey:5,niah_multikey:2 (trials per depth) | passkey,common_words | none
+    eval_passkey_trials: int | None = None  # trials per depth of each task named without a count (default 2)
+    eval_depths: str | list | None = None  # 0.1,0.5,0.9: where the needle sits (0: the start, 1: the end)
+    eval_lengths: str | list | None = None  # earlier | all | 4096,8k: the lengths a stage's tasks are tried at
     # --- curriculum ---
     stages: list[StageConfig] = field(default_factory=list)
 
@@ -163,6 +174,12 @@ def parse_config(argv: list[str] | None = None) -> Config:
             merged = yaml.safe_load(fh) or {}
         if not isinstance(merged, dict):
             raise ValueError(f"--config {recipe}: expected a mapping of keys at the top level")
+    given_eval = sorted(k for k in args if k in EVAL_KEYS)
+    if args.get("eval") is False and given_eval:
+        raise ValueError(f"--no-eval turns evaluation off and --{given_eval[0]} sets it: drop one of them")
+    for st in merged.get("stages") or []:  # the command line's eval_X wins over a stage's own eval.X as well
+        if isinstance(st, dict) and isinstance(st.get("eval"), dict):
+            st["eval"] = {k: v for k, v in st["eval"].items() if k not in {EVAL_KEYS[g] for g in given_eval}}
     merged.update(args)
     cfg = config_from_dict(merged, where=recipe or "command line")
     validate(cfg)
@@ -187,6 +204,10 @@ def validate(cfg: Config) -> None:
     if cfg.attn_implementation not in ("auto", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"):
         raise ValueError(f"--attn_implementation {cfg.attn_implementation!r}: use auto, sdpa or flash_attention_2 "
                          "(eager cannot run under Ulysses SP)")
+    cfg.context_parallel_size = cp_setting(cfg.context_parallel_size, "--context_parallel_size")
+    for i, st in enumerate(cfg.stages):
+        if st.context_parallel_size is not None:
+            st.context_parallel_size = cp_setting(st.context_parallel_size, f"stages[{i}].context_parallel_size")
     if cfg.reset_position_ids not in ("auto", "yes", "no"):
         raise ValueError(f"--reset_position_ids {cfg.reset_position_ids!r}: use auto, yes or no")
     if cfg.save_total_limit < 2:
@@ -209,6 +230,19 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"--deepspeed {cfg.deepspeed}: file not found (see ds_configs/)")
     if cfg.dataset_path is not None and not os.path.exists(cfg.dataset_path):
         raise ValueError(f"--dataset_path {cfg.dataset_path}: no such file or folder")
+    if not isinstance(cfg.eval, bool):
+        raise ValueError(f"eval: {cfg.eval!r}: use true or false at the top level (a stage's settings go in its "
+                         "eval: block, the run's in eval_heldout_samples, eval_tasks, eval_depths, ...)")
+    run_eval(cfg)  # a bad eval_* value: one line now
+
+
+def cp_setting(value, where: str) -> int | str:
+    """`auto` or an integer >= 1 (a flag arrives as text)."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return value
+    raise ValueError(f"{where} {value!r}: use auto or an integer >= 1 dividing sequence_parallel_size")
 
 
 def to_dict(cfg: Config) -> dict:
@@ -288,3 +322,80 @@ def check_precision(cfg: Config, bf16: bool, planning: bool = False) -> None:
         raise ValueError("--fp16 and --bf16 are both on: pick one (--no-bf16 for fp16)")
     if cfg.fp16 and not planning and no_gpu():
         raise ValueError("fp16 needs a GPU with loss scaling: use --bf16 or fp32 on CPU")
+
+
+# --- evaluation settings: the run's eval_* keys and flags, merged into every stage's `eval:` block ---
+
+EVAL_KEYS = {"eval_heldout_samples": "heldout_samples", "eval_tasks": "tasks", "eval_passkey_trials": "passkey_trials",
+             "eval_depths": "depths", "eval_lengths": "lengths"}  # run key / flag -> a stage's eval block key
+
+
+def _listed(value) -> list:
+    return [x.strip() for x in value.split(",") if x.strip()] if isinstance(value, str) else list(value)
+
+
+def eval_value(key: str, value, where: str):
+    """A stage eval block's `key` checked and in its block form (a flag's text parsed); one-line ValueError."""
+    if key in ("heldout_samples", "passkey_trials"):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{where} {value!r}: use an integer >= 0 (0: none)")
+        return value
+    if key == "tasks":
+        from data.tasks import TASKS
+
+        if isinstance(value, str):
+            items = _listed(value)
+            if items == ["none"]:
+                return []
+            counted = [":" in t for t in items]
+            if any(counted) and not all(counted):
+                raise ValueError(f"{where} {value!r}: give every task a count (passkey:5,niah_multikey:2) or none "
+                                 "(passkey,niah_multikey: each with eval passkey_trials)")
+            try:
+                value = {t.split(":")[0].strip(): int(t.split(":")[1]) for t in items} if any(counted) else items
+            except ValueError:
+                raise ValueError(f"{where} {value!r}: a count is an integer, as in passkey:5") from None
+        if not isinstance(value, (list, dict)):
+            raise ValueError(f"{where} {value!r}: use a list of tasks or {{task: trials per depth}}")
+        unknown = [t for t in value if t not in TASKS]
+        if unknown:
+            raise ValueError(f"{where}: unknown task(s) {unknown}; valid: {list(TASKS)} (or none)")
+        if isinstance(value, dict) and any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in value.values()):
+            raise ValueError(f"{where} {value!r}: trials per depth are integers >= 0")
+        return value
+    if key == "depths":
+        try:
+            depths = [float(d) for d in _listed(value)]
+        except (TypeError, ValueError):
+            depths = []
+        if not depths or not all(0.0 <= d <= 1.0 for d in depths):
+            raise ValueError(f"{where} {value!r}: use depths between 0 (the start) and 1 (the end), as in 0.1,0.5,0.9")
+        return depths
+    if key == "lengths":
+        if value in ("earlier", "all"):
+            return value
+        from planner.memory_model import parse_seq_len
+
+        try:
+            lengths = [parse_seq_len(n) for n in _listed(value)] if isinstance(value, (str, list)) else []
+        except ValueError:
+            lengths = []
+        if not lengths:
+            raise ValueError(f"{where} {value!r}: use earlier, all or a list of lengths such as 4096,8k")
+        return lengths
+    return value
+
+
+def run_eval(cfg: Config) -> dict:
+    """The eval block the run's eval_* settings give every stage (parsed and checked)."""
+    return {key: eval_value(key, getattr(cfg, name), f"--{name}") for name, key in EVAL_KEYS.items()
+            if getattr(cfg, name) is not None}
+
+
+def stage_eval(cfg: Config, own: dict | None, where: str) -> dict:
+    """A stage's evaluation settings: the run's eval_* under the stage's own `eval:` block (both checked); with
+    --no-eval neither held-out loss nor tasks."""
+    if not isinstance(own or {}, dict):
+        raise ValueError(f"{where}: eval must be a mapping like {{heldout_samples: 2, depths: [0.1, 0.5, 0.9]}}")
+    block = {**run_eval(cfg), **{k: eval_value(k, v, f"{where}.{k}") for k, v in (own or {}).items()}}
+    return {**block, "heldout_samples": 0, "tasks": []} if cfg.eval is False else block

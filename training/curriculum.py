@@ -8,10 +8,11 @@ left unset inherit the run's. `locate(stages, global_step)` is a pure function o
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 
-from base.parallel import check_layout
+from base.parallel import check_layout, split_sp
 from data.replay import parse_replay
 from model_utils.rope import check_rope
 from training.config import Config, StageConfig
@@ -43,6 +44,7 @@ class Stage:
     memory_choice: dict | None = None  # what auto chose and why (predicted peak, budget, speed): plan and metrics
     tasks: dict = field(default_factory=dict)  # synthetic task fractions of the stage (data/tasks.py)
     replay: dict | None = None  # short-context replay token shares (data/replay.py)
+    cp: int | str = 1  # context-parallel factor of sp ("auto" until check_stages splits it for the model)
 
 
 MEMORY_KEYS = ("tiled_mlp", "tiled_logits", "checkpoint_every", "gradient_checkpointing", "offload_activations",
@@ -190,7 +192,9 @@ def resolve_stages(cfg: Config, dp_of_sp, budget=None) -> list[Stage]:
                    warmup_steps=s.warmup_steps if s.warmup_steps is not None else cfg.warmup_steps,
                    lr_scheduler=s.lr_scheduler or cfg.lr_scheduler, max_steps=steps,
                    reset_optimizer=s.reset_optimizer, deepspeed_overrides=overrides,
-                   eval=s.eval or {}, data=s.data, tasks=s.tasks or {}, replay=s.replay, **memory)
+                   eval=s.eval or {}, data=s.data, tasks=s.tasks or {}, replay=s.replay,
+                   cp=s.context_parallel_size if s.context_parallel_size is not None else cfg.context_parallel_size,
+                   **memory)
         parse_replay(st.replay, st.max_seq_length, f"stage {i} ({st.name}) replay")  # a bad replay: one line, now
         if st.max_steps < 1 or st.sp < 1 or st.max_seq_length < 1:
             raise ValueError(f"stage {i} ({st.name}): max_steps, sequence_parallel_size and max_seq_length must "
@@ -208,18 +212,25 @@ def resolve_stages(cfg: Config, dp_of_sp, budget=None) -> list[Stage]:
 
 
 def check_stages(stages: list[Stage], world: int, num_heads: int, num_kv_heads: int,
-                 model_rope: dict | None = None) -> None:
-    """Every stage's layout and RoPE are possible on `world` ranks (one-line ValueError otherwise). A stage without
-    its own `rope` keeps the model's (`model_rope`, the config's rope_parameters), which must suit its SP degree."""
+                 model_rope: dict | None = None, ranks_per_node: int = 0) -> list[Stage]:
+    """Every stage's layout and RoPE are possible on `world` ranks (one-line ValueError otherwise); returns the
+    stages with their SP split into ulysses x cp (`cp: auto`: Ulysses as large as the heads and a node of
+    `ranks_per_node` allow, base.parallel.split_sp). A stage without its own `rope` keeps the model's
+    (`model_rope`, the config's rope_parameters), which must suit its SP degree."""
+    out = []
     for s in stages:
         try:
-            check_layout(world, s.sp, num_heads, num_kv_heads, s.max_seq_length)
+            _, cp = split_sp(s.sp, num_heads, num_kv_heads, ranks_per_node or None, s.cp)
+            s = dataclasses.replace(s, cp=cp)
+            check_layout(world, s.sp, num_heads, num_kv_heads, s.max_seq_length, s.cp, ranks_per_node or None)
             if s.rope:
                 check_rope(s.rope, "rope", s.sp)
             elif (model_rope or {}).get("rope_type") == "dynamic":
                 check_rope(model_rope, "the model's rope_parameters", s.sp)
         except ValueError as e:
             raise ValueError(f"stage {s.index} ({s.name}): {e}") from None
+        out.append(s)
+    return out
 
 
 def stage_start(stages: list[Stage], index: int) -> int:
