@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from base.parallel import check_layout, split_sp
 from data.replay import parse_replay
 from model_utils.rope import check_rope
-from training.config import Config, StageConfig
+from training.config import Config, StageConfig, stage_eval
 
 
 @dataclass(frozen=True)
@@ -192,7 +192,7 @@ def resolve_stages(cfg: Config, dp_of_sp, budget=None) -> list[Stage]:
                    warmup_steps=s.warmup_steps if s.warmup_steps is not None else cfg.warmup_steps,
                    lr_scheduler=s.lr_scheduler or cfg.lr_scheduler, max_steps=steps,
                    reset_optimizer=s.reset_optimizer, deepspeed_overrides=overrides,
-                   eval=s.eval or {}, data=s.data, tasks=s.tasks or {}, replay=s.replay,
+                   eval=stage_eval(cfg, s.eval, f"stages[{i}].eval"), data=s.data, tasks=s.tasks or {}, replay=s.replay,
                    cp=s.context_parallel_size if s.context_parallel_size is not None else cfg.context_parallel_size,
                    **memory)
         parse_replay(st.replay, st.max_seq_length, f"stage {i} ({st.name}) replay")  # a bad replay: one line, now
