@@ -2,18 +2,21 @@
 
 The plan comes from planner/memory_model.py (the formulas of scripts/plan.py, derived in
 docs/memory_model.md): per-rank GPU peak and per-node CPU memory for every stage, with the features
-and offloads this run actually uses.
+and offloads this run actually uses; then what each stage's evaluation runs and, on a GPU plan, how long.
 """
 
 from __future__ import annotations
 
 import json
+import math
 
+from data.pipeline import heldout_samples
 from planner.auto_features import ALL_FEATURES, describe, describe_offloads, relative_speed
 from planner.memory_model import (
     Features,
     GiB,
     estimate,
+    flops_per_sequence,
     lean_mlp_applies,
     lean_norm_applies,
     load_shape,
@@ -22,6 +25,9 @@ from planner.memory_model import (
 from training.config import Config, _merge, no_gpu
 from training.curriculum import Stage
 from training.engine import stage_config
+from training.evaluation import DEFAULT_DEPTHS, eval_lengths, task_trials
+
+PLAN_MFU, H100_TFLOPS = 0.4, 989.0  # the plan's throughput: 40% MFU of an H100's dense bf16 peak
 
 
 def run_features(cfg: Config, ds_config: dict, stage: Stage | None = None) -> Features:
@@ -65,6 +71,44 @@ def offload_line(s: Stage, feats: Features) -> str:
     return f"offload: {on} ({c['offload_why']}{cost})"
 
 
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+
+
+def eval_line(shape, s: Stage, stages: list[Stage], world: int, micro_batch: int, gpu_plan: bool) -> str:
+    """What the stage's evaluation runs (training/evaluation.py): trials x depths x lengths forward passes of
+    the tasks (with a text tokenizer) plus the held-out samples (and again at the first stage's length), and on
+    a GPU plan its time at 40% MFU of an H100: a forward is a third of the planner's flops_per_sequence, the
+    passes of one call (a length's tasks, the held-out samples) split over the stage's DP groups (rounds of
+    dp x micro_batch), each group of sp GPUs."""
+    trials = task_trials(s.eval, tokenizer=True)  # counted as a run with a text tokenizer would run them
+    depths, lengths = len(s.eval.get("depths", DEFAULT_DEPTHS)), eval_lengths(s, stages)
+    held, first = heldout_samples(s.eval), stages[0].max_seq_length
+    calls = [(n, sum(trials.values()) * depths) for n in lengths]  # (length, forwards) of each evaluation call
+    if held:
+        calls += [(s.max_seq_length, held)] + ([(first, held)] if first != s.max_seq_length else [])  # + retention
+    calls = [(n, k) for n, k in calls if k]
+    total = sum(k for _, k in calls)
+    if not total:
+        return "eval: none (no held-out samples, no tasks)"
+    parts = []
+    if trials:
+        per = (f"{next(iter(trials.values()))} trials" if len(trials) == 1
+               else "(" + " + ".join(f"{k} {t}" for t, k in trials.items()) + ") trials")
+        parts.append(f"{per} x {depths} depths x {len(lengths)} length{'s' * (len(lengths) > 1)}")
+    if held:
+        parts.append(f"{held} held-out" + (f" + {held} held-out at {first}" if first != s.max_seq_length else ""))
+    sizes = sorted({n for n, _ in calls})
+    line = (f"eval: {' + '.join(parts)} = {total} forward passes of "
+            + (f"{sizes[0]} tokens" if len(sizes) == 1 else f"{sizes[0]}-{sizes[-1]} tokens"))
+    if not gpu_plan:
+        return line
+    dp = max(1, world // s.sp)
+    secs = sum(math.ceil(k / (dp * micro_batch)) * micro_batch * flops_per_sequence(shape, n) / 3
+               / (s.sp * PLAN_MFU * H100_TFLOPS * 1e12) for n, k in calls)
+    return line + f" ~ {_duration(secs)} on {world} x H100 at 40% MFU ({dp} groups of sp={s.sp})"
+
+
 def plan_lines(cfg: Config, stages: list[Stage], world: int, gpus_per_node: int, bf16: bool) -> list[str]:
     with open(cfg.deepspeed) as fh:
         ds = json.load(fh)
@@ -76,7 +120,7 @@ def plan_lines(cfg: Config, stages: list[Stage], world: int, gpus_per_node: int,
             shape = load_shape(cfg.model_name_or_path)
             est = estimate(shape, s.max_seq_length, s.sp, world, feats, "bf16" if bf16 else "fp32",
                            gpus_per_node=gpus_per_node)
-            tps = tokens_per_sec_per_gpu(shape, s.max_seq_length, mfu=0.4, peak_tflops=989.0)
+            tps = tokens_per_sec_per_gpu(shape, s.max_seq_length, mfu=PLAN_MFU, peak_tflops=H100_TFLOPS)
             lines.append(f"  stage {s.index} {s.name}: seq_len={s.max_seq_length} sp={s.sp} dp={world // s.sp} "
                          f"steps={s.max_steps} lr={s.learning_rate:g}->{s.min_lr:g} warmup={s.warmup_steps} "
                          f"reset_optimizer={s.reset_optimizer} rope={s.rope}")
@@ -85,6 +129,7 @@ def plan_lines(cfg: Config, stages: list[Stage], world: int, gpus_per_node: int,
                          + (f"; ~{tps:.0f} tokens/s/GPU at 40% MFU of an H100" if gpu_plan else ""))
             lines.append("      " + feature_line(shape, s, feats))
             lines.append("      " + offload_line(s, feats))
+            lines.append("      " + eval_line(shape, s, stages, world, cfg.per_device_train_batch_size, gpu_plan))
         except ValueError as e:  # a shape the planner cannot read: say so, do not stop the run
             lines.append(f"  stage {s.index} {s.name}: seq_len={s.max_seq_length} sp={s.sp} (no memory plan: {e})")
     return lines

@@ -171,9 +171,12 @@ def test_plan_lines_quote_h100_throughput_only_for_a_gpu_plan(tmp_path, monkeypa
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     cfg = _cfg(tmp_path, stages=[StageConfig(name="a", max_steps=1)])
     stages = resolve_stages(cfg, lambda sp: WORLD // sp)
-    assert "tokens/s/GPU" not in "\n".join(plan_lines(cfg, stages, WORLD, 8, False))
+    cpu = "\n".join(plan_lines(cfg, stages, WORLD, 8, False))
+    assert "tokens/s/GPU" not in cpu and "H100" not in cpu  # the evaluation's time line follows the same rule
+    assert "      eval: 2 trials x 3 depths x 1 length + 2 held-out = 8 forward passes of " in cpu
     cluster = dataclasses.replace(cfg, nodes=4, gpus_per_node=8)
-    assert "tokens/s/GPU at 40% MFU of an H100" in "\n".join(plan_lines(cluster, stages, WORLD, 8, True))
+    gpu = "\n".join(plan_lines(cluster, stages, WORLD, 8, True))
+    assert "tokens/s/GPU at 40% MFU of an H100" in gpu and f" on {WORLD} x H100 at 40% MFU (" in gpu
 
 # --- ZeRO-3 offloads under memory_features auto (planner/auto_features.py: offload_seconds, choose(free_offloads)) ---
 

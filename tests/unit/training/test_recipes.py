@@ -31,6 +31,13 @@ def test_llama3_8b_recipe_dry_run():
     # ZeRO-3 offload (issue 25, item 6): the JSON allows it, auto keeps it nowhere on 80 GB GPUs, and says why
     offload = [ln.strip() for ln in p.stdout.splitlines() if ln.strip().startswith("offload:")]
     assert len(offload) == 4 and all(ln.startswith("offload: none (fits: ") for ln in offload), offload
+    # the evaluation's forward passes and time per stage, so users can budget it (issue 27)
+    evals = [ln.strip() for ln in p.stdout.splitlines() if ln.strip().startswith("eval:")]
+    assert len(evals) == 4 and all(" on 32 x H100 at 40% MFU (" in ln for ln in evals), evals
+    assert evals[0].startswith("eval: 5 trials x 5 depths x 1 length + 4 held-out = 29 forward passes of 131072 "
+                               "tokens ~ "), evals
+    assert evals[3].startswith("eval: 5 trials x 5 depths x 4 lengths + 4 held-out + 4 held-out at 131072 = 108 "
+                               "forward passes of 131072-1048576 tokens ~ "), evals
 
 
 def test_llama3_8b_recipe_offloads_where_needed():
