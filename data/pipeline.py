@@ -246,8 +246,9 @@ def open_run_data(dataset_path: str | None, tokenizer_path: str | None, model_vo
         raise ValueError(f"--dataset_path {folder}: token id {prepared.max_token_id} >= the model's vocab_size "
                          f"{model_vocab}: the data was prepared for another vocabulary")
     longest = max(s.max_seq_length for s in stages)
-    cut, held, warning = heldout_split(prepared.lens, [(s.max_seq_length, heldout_samples(s.eval)) for s in stages],
-                                       min_train=longest)
+    first = stages[0].max_seq_length  # every stage also evaluates its held-out samples at the first stage's length
+    wants = [(n, heldout_samples(s.eval)) for s in stages for n in {s.max_seq_length, first}]
+    cut, held, warning = heldout_split(prepared.lens, wants, min_train=longest)
     if warning:
         print0(warning)
     data = RunData(prepared, cut, held, tokenizer, reset_position_ids, mask_cross_document_labels)

@@ -132,6 +132,10 @@ def test_heldout_documents_are_spread_fixed_for_the_run_and_never_trained_on(tmp
         assert len(ds) == len(train_stream) // n
         for i in (0, len(ds) - 1):
             assert ds[i]["input_ids"].tolist() == train_stream[i * n: (i + 1) * n].tolist()
+    # a later stage's held-out samples are also evaluated at the first stage's length (retention): they fit too
+    stages[0].eval, stages[2].eval = {"heldout_samples": 1}, {"heldout_samples": 5}
+    data = open_run_data(str(p), None, 2048, stages, reset_position_ids=False)
+    assert len(data.heldout(256, 5)) == len(data.heldout(64, 5)) == 5
 
 
 def test_heldout_split_of_a_small_dataset_warns_and_shrinks(tmp_path, capsys):
