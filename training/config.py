@@ -331,7 +331,8 @@ EVAL_KEYS = {"eval_heldout_samples": "heldout_samples", "eval_tasks": "tasks", "
 
 
 def _listed(value) -> list:
-    return [x.strip() for x in value.split(",") if x.strip()] if isinstance(value, str) else list(value)
+    """A flag's "a,b" or "a b" (or YAML's list) as a list."""
+    return value.replace(",", " ").split() if isinstance(value, str) else list(value)
 
 
 def eval_value(key: str, value, where: str):
@@ -344,7 +345,7 @@ def eval_value(key: str, value, where: str):
         from data.tasks import TASKS
 
         if isinstance(value, str):
-            items = _listed(value)
+            items = _listed(":".join(p.strip() for p in value.split(":")))  # "passkey: 5" too
             if items == ["none"]:
                 return []
             counted = [":" in t for t in items]

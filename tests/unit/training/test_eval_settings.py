@@ -23,6 +23,8 @@ def test_flags_only_run_sets_its_evaluation():
     assert task_trials(ev, TEXT) == {"passkey": 5, "common_words": 2}
     (ev,) = _evals(["--eval_tasks", "passkey,niah_multikey", "--eval_passkey_trials", "4"])
     assert task_trials(ev, TEXT) == {"passkey": 4, "niah_multikey": 4}
+    (ev,) = _evals(["--eval_tasks", "passkey: 3, common_words:1", "--eval_depths", "0.25 0.75"])  # as people type
+    assert ev == {"tasks": {"passkey": 3, "common_words": 1}, "depths": [0.25, 0.75]}
     assert _evals([]) == [{}]  # nothing set: the evaluation's own defaults
 
 
