@@ -1,7 +1,7 @@
 """Synthetic long-context retrieval tasks (in the spirit of RULER, Hsieh et al. 2024): generators, and a
 wrapper that mixes them into a stage's training stream.
 
-Three tasks, each a sample of exactly the stage's length (a haystack of repeated filler sentences with the
+Five tasks, each a sample of exactly the stage's length (a haystack of repeated filler sentences with the
 task's statements inserted at a depth, then a question whose answer ends the sample):
 
 - `passkey`: a 5-digit key at one depth; "What is the pass key? The pass key is" -> " 12345".
@@ -10,6 +10,12 @@ task's statements inserted at a depth, then a question whose answer ends the sam
 - `variable_tracking`: two chains `VAR ABCDE = 12345.`, `VAR FGHIJ = VAR ABCDE.`, ... (5 variables each,
   the queried chain's first statement at the given depth, the rest spread after it, the other chain
   interleaved as a distractor); the answer lists the variables holding the queried value, in chain order.
+- `niah_multivalue` (RULER's multi-value needle): 4 needles "One of the special magic numbers for <word> is:
+  <7 digits>." for the same key (the first at the given depth, the others anywhere); the answer lists all 4
+  values, in the order they appear in the text.
+- `common_words` (RULER's common-words extraction, CWE): the context is a shuffled list of made-up words (the
+  haystack is one filler sentence; depth only places the list in it): 3 words appear 5 times each, every other
+  word twice, as many as the length holds; the answer lists the 3 frequent words in order of first appearance.
 
 A sample is the packer's dict (`input_ids`, `shift_labels`, `position_ids`, monotonic) plus `task` and
 `answer` (text). **The loss is on the answer tokens only**: the haystack is the same filler sentence
@@ -30,12 +36,14 @@ import string
 import numpy as np
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
-TASKS = ("passkey", "niah_multikey", "variable_tracking")
+TASKS = ("passkey", "niah_multikey", "variable_tracking", "niah_multivalue", "common_words")
 WORDS = ("apple", "river", "candle", "forest", "mirror", "silver", "garden", "planet", "window", "tiger",
          "bottle", "castle", "dragon", "engine", "feather", "guitar", "harbor", "island", "jacket", "lemon",
          "marble", "needle", "orange", "pencil", "rocket", "saddle", "tunnel", "violin", "wallet", "yellow")
 NIAH_KEYS = 4  # 1 queried + 3 distractors (RULER's multikey_1 has 3 distractor needles too)
 VT_HOPS, VT_CHAINS = 4, 2  # 5 variables per chain, one distractor chain
+NIAH_VALUES = 4  # RULER's multivalue: 4 values for the one key
+CWE_COMMON, CWE_FREQ_COMMON, CWE_FREQ_RARE = 3, 5, 2  # 3 words 5 times each among words seen twice
 
 
 def _encode(tokenizer, text: str) -> list[int]:
@@ -128,7 +136,56 @@ def variable_tracking(tokenizer, seq_len: int, depth: float, rng: random.Random)
     return _assemble(tokenizer, seq_len, inserts, question, answer, "variable_tracking", text)
 
 
-GENERATORS = {"passkey": passkey, "niah_multikey": niah_multikey, "variable_tracking": variable_tracking}
+def niah_multivalue(tokenizer, seq_len: int, depth: float, rng: random.Random) -> dict:
+    key = rng.choice(WORDS)
+    values = rng.sample(range(1_000_000, 10_000_000), NIAH_VALUES)
+    depths = [depth] + [rng.random() for _ in values[1:]]
+    inserts = [(d, _encode(tokenizer, f"One of the special magic numbers for {key} is: {v}."))
+               for d, v in zip(depths, values)]
+    # _assemble keeps the inserts in (depth, listed order) order: the answer lists the key's values that way
+    shown = [str(values[i]) for i in sorted(range(NIAH_VALUES), key=lambda i: (depths[i], i))]
+    question, answer = _answer(tokenizer, f"What are all the special magic numbers for {key} mentioned in the provided "
+                               f"text? The special magic numbers for {key} mentioned in the provided text are:",
+                               " ".join(shown))
+    return _assemble(tokenizer, seq_len, inserts, question, answer, "niah_multivalue", " ".join(shown))
+
+
+def _made_up_word(rng: random.Random, taken: set) -> str:
+    """A pronounceable word of 3 syllables no other word of the sample has (14 x 5 syllables: 343,000 words)."""
+    while True:
+        word = "".join(rng.choice("bdfgklmnprstvz") + rng.choice("aeiou") for _ in range(3))
+        if word not in taken:
+            taken.add(word)
+            return word
+
+
+def common_words(tokenizer, seq_len: int, depth: float, rng: random.Random) -> dict:
+    taken: set = set()
+    common = [_made_up_word(rng, taken) for _ in range(CWE_COMMON)]
+    intro = _encode(tokenizer, "Below is a list of words. Memorize the ones that appear most often.")
+    question_text = (f"Question: What are the {CWE_COMMON} most common words in the list above? Answer: The top "
+                     f"{CWE_COMMON} words are:")
+    # the answer's tokens in another order may differ at the joins: 4 tokens of slack (the filler takes them)
+    question, answer = _answer(tokenizer, question_text, " ".join(common))
+    budget = seq_len - len(question) - len(answer) - 4 - len(_encode(tokenizer, FILLER)) - len(intro)
+    words = common * CWE_FREQ_COMMON
+    used = sum(len(_encode(tokenizer, w)) for w in words)
+    while True:  # rare words, each CWE_FREQ_RARE times, as many as the length holds
+        word = _made_up_word(rng, taken)
+        cost = len(_encode(tokenizer, word)) * CWE_FREQ_RARE
+        if used + cost > budget:
+            break
+        words += [word] * CWE_FREQ_RARE
+        used += cost
+    rng.shuffle(words)
+    order = sorted(common, key=words.index)
+    listed = intro + [t for w in words for t in _encode(tokenizer, w)]
+    question, answer = _answer(tokenizer, question_text, " ".join(order))
+    return _assemble(tokenizer, seq_len, [(depth, listed)], question, answer, "common_words", " ".join(order))
+
+
+GENERATORS = {"passkey": passkey, "niah_multikey": niah_multikey, "variable_tracking": variable_tracking,
+              "niah_multivalue": niah_multivalue, "common_words": common_words}
 
 
 def make_sample(task: str, tokenizer, seq_len: int, depth: float, rng: random.Random) -> dict:

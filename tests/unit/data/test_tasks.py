@@ -47,7 +47,7 @@ def test_samples_have_the_length_and_labels_only_on_the_answer(tok, task, seq_le
     # copyable token by token: the answer's tokens are the ones the needle holds (an answer encoded on its own
     # got a second lone "▁" from sentencepiece's dummy prefix, and nothing in the context to copy it from)
     context, got = ids[: seq_len - len(answer)].tolist(), lab[scored].tolist()
-    if task == "variable_tracking":
+    if task in ("variable_tracking", "niah_multivalue", "common_words"):  # lists: each token is in the context
         assert all(t in context for t in got)
     else:
         assert any(context[i: i + len(got)] == got for i in range(len(context))), (got, a["answer"])
@@ -66,6 +66,13 @@ def oracle(prompt: str, guess: random.Random | None = None) -> str:
     present in the text, ignoring which key / value the question asks for (a chance-level reader)."""
     if "pass key" in prompt:
         return re.search(r"The pass key is (\d+)\.", prompt).group(1)
+    if "What are all the special magic numbers" in prompt:  # niah_multivalue: every value of the key, text order
+        key = re.search(r"What are all the special magic numbers for (\w+) ", prompt).group(1)
+        return " ".join(re.findall(rf"special magic numbers for {key} is: (\d+)\.", prompt.rsplit("What are", 1)[0]))
+    if "most common words" in prompt:  # common_words: the most frequent words, in order of first appearance
+        words = re.findall(r"(?:[bdfgklmnprstvz][aeiou]){3}", prompt.split("appear most often.", 1)[1].split("Question:", 1)[0])
+        top = max(words.count(w) for w in words)
+        return " ".join(dict.fromkeys(w for w in words if words.count(w) == top))
     if "special magic number" in prompt:
         pairs = dict(re.findall(r"special magic numbers for (\w+) is: (\d+)\.", prompt.rsplit("What is", 1)[0]))
         key = re.search(r"magic number for (\w+) mentioned", prompt).group(1)
@@ -161,7 +168,7 @@ def test_mixture_reaches_fractions_resumes_and_splits_dp(tok):
         return ds, TaskMixSampler(ResumableSampler(40, 2, dp_rank, 2, seed=7), ds, fractions, 2, dp_rank, 2)
 
     (ds, s0), (_, s1) = make(0), make(1)
-    seen = {t: 0 for t in ("base", *TASKS)}
+    seen = {t: 0 for t in ("base", *fractions)}
     synthetic = set()
     for n in range(1, 201):
         b0, b1 = s0.next_batch(), s1.next_batch()
@@ -314,8 +321,12 @@ def test_long_recipe_extends_passkey_retrieval(tmp_path):
 @pytest.mark.slow
 @pytest.mark.dist
 def test_extension_demo_extends_passkey_retrieval(tmp_path):
-    """The issue's criteria in about 5 minutes: recipes/tiny_cpu_extend.yaml extends the short-context base
-    recipes/base/tiny_passkey256 (stage 1 of the long recipe, exported) 256 -> 2048 with YaRN
-    (docs/results/curriculum.md)."""
+    """Issue 27's criteria in about 6 minutes (`make demo`): recipes/tiny_cpu_extend.yaml extends the short-context
+    base recipes/base/tiny_passkey256 (stage 1 of the long recipe, exported) 256 -> 2048 with YaRN and short-context
+    replay: >= 0.9 at 2048, <= 0.1 there after stage 1, 256 at most 0.05 below its stage-1 value; measured on 5 seeds
+    x both RMSNorms by bench/extend_seeds.py (docs/results/curriculum.md)."""
+    from bench.extend_seeds import criteria
+
     _, ev = run_recipe(tmp_path / "run", "tiny_cpu_extend.yaml", 29735, 4, timeout=1800)
-    assert_extends_passkey(ev, final_len=2048, short_len=256)
+    got = criteria(ev, final_len=2048, short_len=256)
+    assert got["ok"], got
