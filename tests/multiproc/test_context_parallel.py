@@ -36,6 +36,8 @@ MODELS = {"h9": ("llama", dict(num_attention_heads=9, num_key_value_heads=3, hid
           "h6": ("llama", dict(num_attention_heads=6, num_key_value_heads=2, hidden_size=96, head_dim=16)),
           "kv1": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=1)),
           "mistral8": ("mistral", dict(sliding_window=8)),
+          "mistral_h9": ("mistral", dict(sliding_window=8, num_attention_heads=9, num_key_value_heads=3, hidden_size=144,
+                                         head_dim=16)),
           "gemma3": ("gemma3_text", dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"]))}
 
 # (name, model, attn, micro-batch, gradients?, extra config) per (ulysses, cp)
@@ -47,7 +49,7 @@ CASES = {
     (2, 2): [("h6_mb2", "h6", "sdpa", 2, True, {}), ("kv1_replicated", "kv1", "sdpa", 1, True, CKPT),
              ("gemma3_flex", "gemma3", "flex_attention", 1, False, {})],
     (1, 3): [("llama_mb2", "llama", "sdpa", 2, True, {}), ("gemma3_mb1", "gemma3", "sdpa", 1, True, {})],
-    (3, 2): [("h9_mb2", "h9", "sdpa", 2, True, CKPT), ("window_mb1", "mistral8", "sdpa", 1, True, {})],
+    (3, 2): [("h9_mb2", "h9", "sdpa", 2, True, CKPT), ("window_mb1", "mistral_h9", "sdpa", 1, True, {})],
 }
 SLOW = {(1, 3), (3, 2)}  # 3 and 6 processes on 2 cores: ~1-2 min each (make test-slow)
 
