@@ -75,6 +75,10 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
 
 
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}{'s' * (n != 1)}"
+
+
 def eval_line(shape, s: Stage, stages: list[Stage], world: int, micro_batch: int, gpu_plan: bool) -> str:
     """What the stage's evaluation runs (training/evaluation.py): trials x depths x lengths forward passes of
     the tasks (with a text tokenizer) plus the held-out samples (and again at the first stage's length), and on
@@ -93,9 +97,9 @@ def eval_line(shape, s: Stage, stages: list[Stage], world: int, micro_batch: int
         return "eval: none (no held-out samples, no tasks)"
     parts = []
     if trials:
-        per = (f"{next(iter(trials.values()))} trials" if len(trials) == 1
+        per = (_count(next(iter(trials.values())), "trial") if len(trials) == 1
                else "(" + " + ".join(f"{k} {t}" for t, k in trials.items()) + ") trials")
-        parts.append(f"{per} x {depths} depths x {len(lengths)} length{'s' * (len(lengths) > 1)}")
+        parts.append(f"{per} x {_count(depths, 'depth')} x {_count(len(lengths), 'length')}")
     if held:
         parts.append(f"{held} held-out" + (f" + {held} held-out at {first}" if first != s.max_seq_length else ""))
     sizes = sorted({n for n, _ in calls})
