@@ -61,6 +61,19 @@ def spread_order(lens: np.ndarray, need: int) -> np.ndarray:
         share *= 2
 
 
+def _spread(lens: np.ndarray, want: int, room: int):
+    """`spread_order`'s documents one by one, the candidates doubled while more are asked for (each larger pool
+    starts with the smaller one: both are sorted by the same key)."""
+    seen = 0
+    while True:
+        pool = spread_order(lens, want)
+        yield from pool[seen:].tolist()
+        seen = len(pool)
+        if want >= room or seen == len(lens):
+            return
+        want = min(room, 2 * want)
+
+
 def sample_starts(lens: np.ndarray, seq_len: int, n: int) -> list[int]:
     """Where the held-out samples at `seq_len` begin, as indices into `lens` (the held-out documents' lengths,
     in order): each sample starts at a document's start, the first one at or after the previous sample's end,
@@ -103,7 +116,7 @@ def heldout_split(lens: np.ndarray, wants: list[tuple[int, int]], min_train: int
         if not room:
             return cut, np.zeros(0, np.int64), warning
     budget, held, total = min(need, room), [], 0
-    for d in spread_order(lens, min(room, 2 * budget)):
+    for d in _spread(lens, min(room, 2 * budget), room):
         if total >= budget and all(len(sample_starts(lens[held] - cut[held], sl, k)) == k for sl, k in wants):
             break
         take = int(lens[d])

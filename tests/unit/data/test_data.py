@@ -144,7 +144,7 @@ def test_heldout_split_of_a_small_dataset_warns_and_shrinks(tmp_path, capsys):
     huge document is cut inside it."""
     import types
 
-    from data.pipeline import heldout_split, open_run_data
+    from data.pipeline import heldout_split, open_run_data, sample_starts
 
     lens = np.array([300, 120, 500, 90])
     cut, held, warning = heldout_split(lens, [(64, 2), (512, 2)], min_train=256)  # 1010 tokens, 1024 asked
@@ -155,6 +155,10 @@ def test_heldout_split_of_a_small_dataset_warns_and_shrinks(tmp_path, capsys):
     assert "no held-out evaluation" in warning and len(held) == 0 and (cut == lens).all()
     cut, held, warning = heldout_split(np.array([1000]), [(100, 2)], min_train=100)  # one huge document
     assert cut.tolist() == [800] and held.tolist() == [0] and not warning
+    lens = np.array([100000] + [100] * 100)  # the first held-out document is huge: more documents are held out
+    cut, held, warning = heldout_split(lens, [(1000, 2)], min_train=1000)  # for a second sample start
+    assert held[0] == 0 and len(sample_starts(lens[held] - cut[held], 1000, 2)) == 2 and not warning
+    lens = np.array([300, 120, 500, 90])
     with pytest.raises(ValueError, match=r"has 1010 tokens, fewer than one training sample of the longest stage "
                                          r"\(2048 tokens\): add data or shorten max_seq_length"):
         heldout_split(lens, [(2048, 1)], min_train=2048)
