@@ -132,6 +132,16 @@ def task_accuracy(engine, dims, micro_batch: int, pad_id: int, tokenizer, trials
     return out
 
 
+def evaluate_tasks(engine, dims, micro_batch: int, pad_id: int, tokenizer, trials: dict[str, int],
+                   depths: list[float], lengths: list[int]) -> dict:
+    """The tasks' part of an evaluation, the same for a stage's end (evaluate_stage) and scripts/evaluate.py:
+    {"tasks": {task: {length: {depth: accuracy}}}, "task_mean": {task: {length: mean over depths}}}."""
+    by_len = {n: task_accuracy(engine, dims, micro_batch, pad_id, tokenizer, trials, depths, n) for n in lengths}
+    tasks = {t: {str(n): by_len[n][t] for n in by_len} for t in trials}
+    return {"tasks": tasks, "task_mean": {t: {n: sum(a.values()) / len(a) for n, a in lens.items()}
+                                          for t, lens in tasks.items()}}
+
+
 def evaluate_stage(engine, stage, dims, heldout: list[dict], tokenizer, metrics, step: int, micro_batch: int,
                    pad_id: int, stages=None, heldout_at=None) -> dict:
     """Run the stage's evaluation on every rank; rank 0 records it. Returns the result. `stages` (the whole
@@ -159,12 +169,8 @@ def evaluate_stage(engine, stage, dims, heldout: list[dict], tokenizer, metrics,
     trials = task_trials(cfg, tokenizer)
     if trials:
         depths = [float(d) for d in cfg.get("depths", DEFAULT_DEPTHS)]
-        by_len = {n: task_accuracy(engine, dims, micro_batch, pad_id, tokenizer, trials, depths, n)
-                  for n in eval_lengths(stage, stages)}
-        # {task: {length: {depth: accuracy}}}, and each task's mean over depths per length
-        result["tasks"] = {t: {str(n): by_len[n][t] for n in by_len} for t in trials}
-        result["task_mean"] = {t: {str(n): sum(a.values()) / len(a) for n, a in lens.items()}
-                               for t, lens in result["tasks"].items()}
+        result.update(evaluate_tasks(engine, dims, micro_batch, pad_id, tokenizer, trials, depths,
+                                     eval_lengths(stage, stages)))
         if "passkey" in trials and str(stage.max_seq_length) in result["tasks"]["passkey"]:
             result["passkey_accuracy"] = result["tasks"]["passkey"][str(stage.max_seq_length)]
             result["passkey_mean"] = result["task_mean"]["passkey"][str(stage.max_seq_length)]

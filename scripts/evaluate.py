@@ -1,0 +1,329 @@
+"""Evaluate a model at long lengths outside a training run, optionally side by side with a second one.
+
+The same tasks, depths, seeds and scoring as the evaluation at a stage's end (training/evaluation.py
+`evaluate_tasks`: the trials of a (task, length) are seeded by the task and the length only, so a model scores
+here what the run scored), through the training path: the model under ZeRO-3, each sample sharded over a Ulysses
+sequence-parallel group, the tiled loss (one logits tile at a time), so a 128k-1M evaluation needs what a
+training step of that length needs. Launch it like train.py:
+
+    DS_ACCELERATOR=cpu .venv/bin/deepspeed --num_gpus 2 scripts/evaluate.py checkpoints/tiny_cpu_extend/hf_model \
+        --compare recipes/base/tiny_passkey256 --lengths 256,512,1k,2k --tasks passkey:10 \
+        --depths 0.1,0.3,0.5,0.7,0.9 --sequence_parallel_size 2 --output_dir checkpoints/eval_extend
+    deepspeed --num_gpus 8 scripts/evaluate.py checkpoints/RUN/checkpoints/step_004000 --lengths 128k,256k \
+        --tasks passkey:4,niah_multivalue:2,common_words:2 --sequence_parallel_size 8 --output_dir eval_run
+
+MODEL (and --compare) is one of
+- a Hugging Face folder (config.json + weights; scripts/export_hf.py writes one), its tokenizer next to it
+  (tokenizer.model or a tokenizer folder's files) or --tokenizer;
+- a checkpoint, OUTPUT_DIR/checkpoints/step_NNNNNN (training/checkpoint.py): its weights, its stage's RoPE
+  (hf_config.json) and the run's tokenizer (trainer.json);
+- a run folder, OUTPUT_DIR: its newest complete checkpoint.
+`--rope '{rope_type: yarn, factor: 8.0, original_max_position_embeddings: 256}'` replaces MODEL's RoPE (e.g. a short
+base model tried with the scaling its extension uses), `--compare_rope` the other's.
+
+Writes OUTPUT_DIR/eval.json (each model's result in the in-run JSON's shape, `tasks`: {task: {length: {depth:
+accuracy}}} and `task_mean`, then `difference` = compare - model), OUTPUT_DIR/summary.md (tables) and
+OUTPUT_DIR/heatmaps.png (per task: each model's depth x length heat map, and their difference). User errors
+(a missing path, a bad length, an SP degree that does not divide the heads, a task that does not fit a length)
+are refused in one line before any model is built (exit code 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line through run_job's input-error path, not argparse's usage block
+        raise ValueError(f"{message} (python scripts/evaluate.py --help)")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    p.add_argument("model", help="HF folder, checkpoint (.../checkpoints/step_N) or run folder")
+    p.add_argument("--compare", default=None, help="a second model, evaluated the same way (side by side)")
+    p.add_argument("--lengths", required=True, help="sample lengths, e.g. 256,512,2k or 128k,256k")
+    p.add_argument("--tasks", default="passkey", help="tasks, e.g. passkey,common_words or passkey:10,niah_multivalue:4")
+    p.add_argument("--trials", type=int, default=2, help="trials per depth of a task given without its count")
+    p.add_argument("--depths", default="0.1,0.5,0.9", help="needle depths (0: start, 1: end)")
+    p.add_argument("--sequence_parallel_size", type=int, default=1)
+    p.add_argument("--micro_batch", type=int, default=1, help="samples per SP group per forward")
+    p.add_argument("--output_dir", required=True)
+    p.add_argument("--rope", default=None, help="MODEL's RoPE instead of its own (YAML/JSON: rope_parameters)")
+    p.add_argument("--compare_rope", default=None, help="the --compare model's RoPE instead of its own")
+    p.add_argument("--tokenizer", default=None, help="tokenizer (.model file or folder) when the model has none")
+    p.add_argument("--attn_implementation", default="auto")
+    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None, help="default: on GPU")
+    p.add_argument("--tiled_mlp", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--dist_timeout_s", type=float, default=1800.0)
+    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # the deepspeed launcher's
+    return p.parse_args(argv)
+
+
+def settings(a: argparse.Namespace) -> dict:
+    """The flags checked and parsed (lengths, tasks, depths, RoPE); one-line ValueError."""
+    import yaml
+
+    from model_utils.rope import check_rope
+    from training.config import eval_value
+
+    lengths = eval_value("lengths", a.lengths, "--lengths")
+    if not isinstance(lengths, list):
+        raise ValueError(f"--lengths {a.lengths}: give the lengths, e.g. 256,512,2k (earlier/all mean a run's stages)")
+    ropes = []
+    for flag, text in (("--rope", a.rope), ("--compare_rope", a.compare_rope)):
+        rope = yaml.safe_load(text) if text else None
+        if text and not isinstance(rope, dict):
+            raise ValueError(f"{flag} {text!r}: use a mapping such as '{{rope_type: yarn, factor: 4.0}}'")
+        if rope:
+            check_rope(rope, flag, a.sequence_parallel_size)
+        ropes.append(rope)
+    if a.compare_rope and not a.compare:
+        raise ValueError("--compare_rope without --compare: name the second model")
+    if a.trials < 1 or a.micro_batch < 1 or a.sequence_parallel_size < 1:
+        raise ValueError("--trials, --micro_batch and --sequence_parallel_size must be >= 1")
+    for path in (a.model, a.compare, a.tokenizer):
+        if path is not None and not os.path.exists(path):
+            raise ValueError(f"{path}: no such file or folder")
+    return {"lengths": sorted(set(lengths)), "depths": eval_value("depths", a.depths, "--depths"), "ropes": ropes,
+            "eval": {"tasks": eval_value("tasks", a.tasks, "--tasks"), "passkey_trials": a.trials}}
+
+
+def describe(path: str, tokenizer: str | None) -> dict:
+    """What `path` is (rank 0 reads it): kind, the checkpoint to load, the HF config (dict) and the tokenizer."""
+    from training.checkpoint import MANIFEST, POINTER
+
+    if os.path.isfile(os.path.join(path, "checkpoints", POINTER)):  # a run folder: its newest checkpoint
+        with open(os.path.join(path, "checkpoints", POINTER)) as fh:
+            path = os.path.join(path, "checkpoints", fh.read().strip())
+    if os.path.isfile(os.path.join(path, MANIFEST)) and os.path.isfile(os.path.join(path, "hf_config.json")):
+        with open(os.path.join(path, "hf_config.json")) as fh:
+            config = json.load(fh)
+        with open(os.path.join(path, "trainer.json")) as fh:
+            trainer = json.load(fh)
+        tok = tokenizer or trainer.get("tokenizer")
+        return {"kind": "checkpoint", "path": path, "step": trainer.get("step"), "stage": trainer.get("stage_name"),
+                "config": config, "tokenizer": tok, "weights": None}
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"{path}: not a Hugging Face folder (no config.json), a checkpoint (no {MANIFEST}) nor a run "
+                         "folder (no checkpoints/LATEST)")
+    with open(os.path.join(path, "config.json")) as fh:
+        config = json.load(fh)
+    own = [os.path.join(path, "tokenizer.model")] + [path] * any(
+        os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
+    tok = tokenizer or next((t for t in own if os.path.exists(t)), None)
+    return {"kind": "hf", "path": path, "config": config, "tokenizer": tok, "weights": path}
+
+
+def check_source(src: dict, a: argparse.Namespace, s: dict, world: int, rope: dict | None) -> None:
+    """Everything about one model that can be refused before it is built (one-line ValueError)."""
+    from base.parallel import check_layout
+    from data.tasks import make_sample
+    from data.tokenizer import Tokenizer
+    from model_utils.attention import check_config
+    from model_utils.rope import check_rope
+    from training.evaluation import task_trials
+
+    where = f"{src['path']}"
+    if src["tokenizer"] is None:
+        raise ValueError(f"{where}: no tokenizer found next to the model: pass --tokenizer (a .model file or folder)")
+    tok, config, arch = Tokenizer(src["tokenizer"]), src["hf_config"], src["hf_config"].get_text_config()
+    try:
+        check_layout(world, a.sequence_parallel_size, arch.num_attention_heads, arch.num_key_value_heads,
+                     min(s["lengths"]))
+        check_config(config, src["attn"])
+        if not rope and (config.rope_parameters or {}).get("rope_type") == "dynamic":
+            check_rope(config.rope_parameters, "the model's rope_parameters", a.sequence_parallel_size)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    if tok.vocab_size > arch.vocab_size:
+        raise ValueError(f"{where}: tokenizer {src['tokenizer']} has {tok.vocab_size} tokens, the model {arch.vocab_size}: "
+                         "pass the model's own --tokenizer")
+    src["tok"], src["trials"] = tok, task_trials(s["eval"], tok)
+    for task in src["trials"]:
+        for n in s["lengths"]:
+            try:
+                make_sample(task, tok, n, 0.5, random.Random(0))
+            except ValueError as e:
+                raise ValueError(f"--lengths {n}: {e}: drop the length or the task") from None
+
+
+def evaluate_model(src: dict, a: argparse.Namespace, s: dict, dims) -> dict:
+    """One model's result ({tasks, task_mean} as in a stage's eval JSON, plus what was evaluated): the model
+    built under ZeRO-3 with Ulysses SP (training/engine.py), a checkpoint's weights loaded, evaluate_tasks."""
+    from base.log import print0
+    from training.checkpoint import Checkpointer
+    from training.config import config_from_dict
+    from training.engine import build_engine
+    from training.evaluation import evaluate_tasks
+
+    t0 = time.perf_counter()
+    run = src.get("run_config") or {}
+    cfg = config_from_dict({"model_name_or_path": src["path"], "max_seq_length": max(s["lengths"]),
+                            "sequence_parallel_size": a.sequence_parallel_size,
+                            "per_device_train_batch_size": a.micro_batch, "tiled_mlp": a.tiled_mlp,
+                            "deepspeed": os.path.join(ROOT, "ds_configs", "zero3_offload.json"),
+                            "attn_implementation": src["attn"], "bf16": src["bf16"], "report_to": "none",
+                            "output_dir": a.output_dir,
+                            **{k: run[k] for k in ("lean_rmsnorm", "lean_mlp") if k in run}})  # the run's forward
+    engine = build_engine(cfg, dims, src["hf_config"], src["attn"], src["bf16"], seed=0,
+                          pretrained=src["kind"] == "hf")
+    if src["kind"] == "checkpoint":
+        run_dir = os.path.dirname(os.path.dirname(os.path.abspath(src["path"])))  # RUN/checkpoints/step_N
+        Checkpointer(run_dir, keep=2).load(engine, src["path"], load_scheduler=False)
+    engine.eval()
+    out = evaluate_tasks(engine, dims, a.micro_batch, src["tok"].pad_id, src["tok"], src["trials"], s["depths"],
+                         s["lengths"])
+    engine.destroy()
+    rope = src["hf_config"].rope_parameters
+    print0(f"evaluated {src['path']} in {time.perf_counter() - t0:.1f}s: "
+           + ", ".join(f"{t} {m}" for t, m in out["task_mean"].items()))
+    return {"model": src["path"], "kind": src["kind"], **{k: src[k] for k in ("step", "stage") if src.get(k) is not None},
+            "rope": rope, "tokenizer": src["tokenizer"], "lengths": s["lengths"], "depths": s["depths"],
+            "trials": src["trials"], "sp": dims.sp, "world": dims.world, "time_s": round(time.perf_counter() - t0, 1),
+            **out}
+
+
+def difference(a: dict, b: dict) -> dict:
+    """{task: {length: {depth: b - a}}} where both have the cell."""
+    return {t: {n: {d: b["tasks"][t][n][d] - acc for d, acc in by_d.items() if d in b["tasks"][t].get(n, {})}
+                for n, by_d in lens.items() if n in b["tasks"][t]}
+            for t, lens in a["tasks"].items() if t in b["tasks"]}
+
+
+def _table(head: list, rows: list[list]) -> list[str]:
+    return ["| " + " | ".join(map(str, head)) + " |", "|" + "---|" * len(head),
+            *["| " + " | ".join(map(str, r)) + " |" for r in rows]]
+
+
+def summary(results: list[dict], diff: dict | None) -> list[str]:
+    """The Markdown of summary.md: the models, then per task the mean over depths by length (and the
+    difference), then every depth x length cell."""
+    names = ["model", "compare"][: len(results)]
+    out = ["# Evaluation", ""]
+    out += _table(["", "path", "kind", "RoPE", "trials per depth"],
+                  [[n, r["model"], r["kind"] + (f" (step {r['step']})" if "step" in r else ""), json.dumps(r["rope"]),
+                    json.dumps(r["trials"])] for n, r in zip(names, results)])
+    for task in dict.fromkeys(t for r in results for t in r["tasks"]):
+        lengths = sorted({int(n) for r in results for n in r["tasks"].get(task, {})})
+        rows = [[n, *[f"{r['task_mean'][task][str(m)]:.2f}" if str(m) in r["task_mean"].get(task, {}) else "-"
+                      for m in lengths]] for n, r in zip(names, results)]
+        if diff and task in diff:
+            rows.append(["compare - model", *[f"{sum(c.values()) / len(c):+.2f}" if c else "-"
+                                              for c in (diff[task].get(str(m), {}) for m in lengths)]])
+        out += ["", f"**{task}** accuracy (mean over depths) by length:", ""] + _table(["", *lengths], rows)
+        cells = []
+        for n, r in zip(names, results):
+            acc = r["tasks"].get(task, {})
+            cells += [[n, d, *[f"{acc[str(m)][d]:.2f}" if d in acc.get(str(m), {}) else "-" for m in lengths]]
+                      for d in sorted({d for a in acc.values() for d in a}, key=float)]
+        out += ["", f"**{task}** by depth and length:", ""] + _table(["", "depth", *lengths], cells)
+    return out
+
+
+def heatmaps(results: list[dict], diff: dict | None, out: str) -> None:
+    """Per task a row: each model's depth x length accuracy heat map, then compare - model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = list(dict.fromkeys(t for r in results for t in r["tasks"]))
+    panels = [(f"model: {os.path.basename(r['model'].rstrip('/'))}" if i == 0 else
+               f"compare: {os.path.basename(r['model'].rstrip('/'))}", r["tasks"], "RdYlGn", 0, 1)
+              for i, r in enumerate(results)]
+    if diff is not None:
+        panels.append(("compare - model", diff, "RdBu", -1, 1))
+    fig, axes = plt.subplots(len(tasks), len(panels), figsize=(3.6 * len(panels) + 0.5, 2.8 * len(tasks)),
+                             squeeze=False)
+    for row, task in enumerate(tasks):
+        for col, (title, data, cmap, lo, hi) in enumerate(panels):
+            ax, acc = axes[row][col], data.get(task, {})
+            if not acc:
+                ax.axis("off")
+                continue
+            lengths = sorted(acc, key=int)
+            depths = sorted({d for a in acc.values() for d in a}, key=float)
+            z = [[acc[n].get(d, float("nan")) for n in lengths] for d in depths]
+            image = ax.imshow(z, cmap=cmap, vmin=lo, vmax=hi, aspect="auto")
+            for i, zr in enumerate(z):
+                for j, v in enumerate(zr):
+                    ax.text(j, i, f"{v:+.2f}" if lo < 0 else f"{v:.2f}", ha="center", va="center", fontsize=7)
+            ax.set_xticks(range(len(lengths)), [f"{int(n) // 1024}k" if int(n) % 1024 == 0 else n for n in lengths],
+                          fontsize=7)
+            ax.set_yticks(range(len(depths)), depths, fontsize=7)
+            ax.set_title(f"{task}, {title}", fontsize=8)
+            ax.set_xlabel("length", fontsize=8)
+            if col == 0:
+                ax.set_ylabel("depth", fontsize=8)
+            fig.colorbar(image, ax=ax, fraction=0.046)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    from base import comm
+    from base.env import configure
+    from base.log import open_rank_log, print0, set_main
+    from base.parallel import init_distributed
+    from model_utils.build import load_hf_config, pick_attn_implementation
+    from model_utils.rope import apply_rope
+    from training.checkpoint import Checkpointer
+
+    configure()
+    a = parse_args(argv)
+    s = settings(a)  # flags: one line before anything starts
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    attn = pick_attn_implementation(a.attn_implementation)
+    bf16 = torch.cuda.is_available() if a.bf16 is None else a.bf16
+    dims = init_distributed(a.sequence_parallel_size, a.dist_timeout_s)
+    set_main(dims.is_main)
+    open_rank_log(a.output_dir, dims.rank)
+    sources = []
+    for path, rope in zip(filter(None, (a.model, a.compare)), s["ropes"]):
+        src = comm.run_on_main(lambda p=path: describe(p, a.tokenizer))  # rank 0 reads; every rank the same answer
+        if src["kind"] == "checkpoint":
+            why = Checkpointer(os.path.dirname(os.path.dirname(src["path"])), keep=2).verify(src["path"])
+            if why:
+                raise ValueError(f"{src['path']}: not a complete checkpoint ({why}): name another one")
+            from transformers import AutoConfig
+
+            fields = dict(src["config"])
+            config = AutoConfig.for_model(fields.pop("model_type"), **fields)  # the stage's RoPE included
+            src["run_config"] = Checkpointer.read_trainer(src["path"]).get("config")
+        else:
+            config = load_hf_config(src["path"])
+        apply_rope(config, rope, max(s["lengths"]))  # and the position table holds the longest length
+        src.update(hf_config=config, attn=attn, bf16=bf16)
+        check_source(src, a, s, world, rope)
+        sources.append(src)
+    print0(f"evaluating {len(sources)} model(s) at lengths {s['lengths']}, depths {s['depths']}, world={dims.world} "
+           f"sp={dims.sp} attn={attn}")
+    results = [evaluate_model(src, a, s, dims) for src in sources]
+    comm.barrier()
+    if dims.is_main:
+        diff = difference(*results) if len(results) == 2 else None
+        with open(os.path.join(a.output_dir, "eval.json"), "w") as fh:
+            json.dump({"models": results, **({"difference": diff} if diff is not None else {})}, fh, indent=1)
+        with open(os.path.join(a.output_dir, "summary.md"), "w") as fh:
+            fh.write("\n".join(summary(results, diff)) + "\n")
+        heatmaps(results, diff, os.path.join(a.output_dir, "heatmaps.png"))
+        print0(f"wrote {a.output_dir}/eval.json, summary.md, heatmaps.png")
+    comm.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    from training.job import run_job
+
+    sys.exit(run_job(main))
