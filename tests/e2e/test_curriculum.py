@@ -1,6 +1,7 @@
 """Staged context extension: a 3-stage run (64 -> 128 -> 256 tokens, SP 1 -> 2 -> 2 at the same world size,
-default -> linear -> YaRN RoPE, each stage its own LR schedule) completes; each stage starts from the previous
-stage's final weights; a kill in stage 2 resumes to identical losses; the exported config carries the last
+the last stage's SP split (ulysses, cp) = (1, 2) instead of (2, 1), default -> linear -> YaRN RoPE, each stage its
+own LR schedule) completes; each stage starts from the previous stage's final weights (across the change of
+(ulysses, cp) too); a kill in stage 2 resumes to identical losses; the exported config carries the last
 stage's RoPE."""
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ STAGES = [
     {"name": "s64", "max_seq_length": 64, "sequence_parallel_size": 1, "max_steps": 3, "learning_rate": 1e-3},
     {"name": "s128", "max_seq_length": 128, "sequence_parallel_size": 2, "max_steps": 3, "learning_rate": 5e-4,
      "warmup_steps": 1, "rope": {"rope_type": "linear", "factor": 2.0}},
-    {"name": "s256", "max_seq_length": 256, "sequence_parallel_size": 2, "max_steps": 3, "learning_rate": 2e-4,
-     "rope": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}},
+    {"name": "s256", "max_seq_length": 256, "sequence_parallel_size": 2, "context_parallel_size": 2, "max_steps": 3,
+     "learning_rate": 2e-4, "rope": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}},
 ]
 
 
@@ -45,9 +46,9 @@ def uninterrupted(assets, tmp_path_factory):
 def test_three_stages_complete_with_their_settings(uninterrupted):
     recs = [json.loads(x) for x in open(uninterrupted / "metrics.jsonl") if x.strip()]
     steps = [r for r in recs if "loss" in r]
-    assert [(r["step"], r["stage"], r["seq_len"], r["sp"]) for r in steps] == [
-        (1, 0, 64, 1), (2, 0, 64, 1), (3, 0, 64, 1), (4, 1, 128, 2), (5, 1, 128, 2), (6, 1, 128, 2),
-        (7, 2, 256, 2), (8, 2, 256, 2), (9, 2, 256, 2)]
+    assert [(r["step"], r["stage"], r["seq_len"], r["sp"], r["cp"]) for r in steps] == [
+        (1, 0, 64, 1, 1), (2, 0, 64, 1, 1), (3, 0, 64, 1, 1), (4, 1, 128, 2, 1), (5, 1, 128, 2, 1), (6, 1, 128, 2, 1),
+        (7, 2, 256, 2, 2), (8, 2, 256, 2, 2), (9, 2, 256, 2, 2)]
     assert steps[3]["lr"] == pytest.approx(5e-4)  # stage 2 re-warms (1 warmup step) to its own peak
     assert steps[6]["lr"] == pytest.approx(2e-4)
     assert [r["stage"] for r in recs if r.get("event") == "eval"] == [0, 1, 2]
@@ -55,29 +56,32 @@ def test_three_stages_complete_with_their_settings(uninterrupted):
     assert cfg["rope_parameters"]["rope_type"] == "yarn" and cfg["rope_parameters"]["factor"] == 4.0
 
 
-def test_each_stage_starts_from_previous_final_weights(uninterrupted, assets, tmp_path):
-    """Step 4 (first of stage 2) logged the plain HF model's loss for the stage-1 final weights under stage 2's
-    RoPE and length, on the samples stage 2's sampler gives first."""
+@pytest.mark.parametrize("stage", [1, 2])
+def test_each_stage_starts_from_previous_final_weights(uninterrupted, assets, tmp_path, stage):
+    """The first step of stage 2 (step 4, Ulysses) and of stage 3 (step 7, context parallel: the checkpoint was
+    written under (ulysses, cp) = (2, 1)) logged the plain HF model's loss for the previous stage's final weights
+    under the stage's RoPE and length, on the samples the stage's sampler gives first."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from data.pipeline import open_run_data
     from model_utils.export import export_hf
     from model_utils.rope import apply_rope
 
-    weights = export_hf(str(uninterrupted / "checkpoints" / "step_000003"), str(tmp_path / "w3"))
+    last = 3 * stage
+    weights = export_hf(str(uninterrupted / "checkpoints" / f"step_{last:06d}"), str(tmp_path / f"w{last}"))
     config = AutoConfig.from_pretrained(weights)
-    apply_rope(config, STAGES[1]["rope"], 128)
+    apply_rope(config, STAGES[stage]["rope"], STAGES[stage]["max_seq_length"])
     model = AutoModelForCausalLM.from_pretrained(weights, config=config, dtype=torch.float32,
                                                  attn_implementation="sdpa")
     stages = resolve_stages(config_from_dict({"stages": STAGES}), dp_of_sp=lambda sp: 2 // sp)
     data = open_run_data(assets["data"], None, 2048, stages, reset_position_ids=True)  # the run's own data view
-    ds, sampler = data.stage_view(stages[1], 1, 0, 1, seed=0)  # stage 2 at SP=2: one DP group
+    ds, sampler = data.stage_view(stages[stage], 1, 0, 1, seed=0)  # SP=2: one DP group
     batch = [ds[i] for i in sampler.next_batch()]
     ids = torch.stack([torch.from_numpy(b["input_ids"]) for b in batch])
     pos = torch.stack([torch.from_numpy(b["position_ids"]) for b in batch])
     with torch.no_grad():  # HF masks the packed documents itself from restarting position ids (without a cache)
         ref = model(input_ids=ids, position_ids=pos, labels=ids, use_cache=False).loss.item()
-    assert losses(uninterrupted)[4] == pytest.approx(ref, rel=1e-5)
+    assert losses(uninterrupted)[last + 1] == pytest.approx(ref, rel=1e-5)
 
 
 def test_kill_in_stage_two_resumes_identically(uninterrupted, assets, tmp_path):
