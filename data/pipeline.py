@@ -62,38 +62,47 @@ def spread_order(lens: np.ndarray, need: int) -> np.ndarray:
 
 
 def _spread(lens: np.ndarray, want: int, room: int):
-    """`spread_order`'s documents one by one, the candidates doubled while more are asked for (each larger pool
-    starts with the smaller one: both are sorted by the same key)."""
-    seen = 0
+    """`spread_order`'s documents one by one, each once, the candidates doubled while more are asked for (a larger
+    pool continues after the largest key given so far: pools are sorted by the same key)."""
+    last = None
     while True:
         pool = spread_order(lens, want)
-        yield from pool[seen:].tolist()
-        seen = len(pool)
-        if want >= room or seen == len(lens):
+        keys = pool.astype(np.uint64) * _PHI64
+        new = pool if last is None else pool[keys > last]
+        yield from new.tolist()
+        if len(new):
+            last = keys[-1]
+        if want >= room or len(pool) == len(lens):
             return
         want = min(room, 2 * want)
 
 
-def sample_starts(lens: np.ndarray, seq_len: int, n: int) -> list[int]:
-    """Where the held-out samples at `seq_len` begin, as indices into `lens` (the held-out documents' lengths,
-    in order): each sample starts at a document's start, the first one at or after the previous sample's end,
-    so even a short stage's few samples come from different documents; at most `n`, each one whole."""
-    v = np.concatenate([[0], np.cumsum(lens)])
+def sample_starts(lens: np.ndarray, seq_len: int, n: int, inside: bool = True) -> list[int]:
+    """Where the held-out samples at `seq_len` begin, as offsets into the held-out documents (lengths `lens`, in
+    order) laid end to end: each at the start of the first document at or after the previous sample's end, so
+    even a short stage's few samples come from different documents; where that would leave no room for the
+    samples still to come, right at that end, inside a document (with `inside`; else as many as start at a
+    document's start). At most `n`, each one whole: `n` when the documents hold n x seq_len tokens."""
+    v = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
     out, pos = [], 0
-    while len(out) < n:
+    while len(out) < n and v[-1] - pos >= seq_len:
         j = int(np.searchsorted(v[:-1], pos))
-        if j >= len(lens) or v[-1] - v[j] < seq_len:
+        if j < len(lens) and v[-1] - v[j] >= seq_len * (1 if not inside else n - len(out)):
+            pos = int(v[j])
+        elif not inside:
             break
-        out.append(j)
-        pos = int(v[j]) + seq_len
+        out.append(pos)
+        pos += seq_len
     return out
 
 
 def heldout_split(lens: np.ndarray, wants: list[tuple[int, int]], min_train: int) -> tuple[np.ndarray, np.ndarray, str]:
     """(cut, held, warning) for `wants` = [(seq_len, held-out samples)] per stage: document i trains on its tokens
     [start, start + cut[i]) and the rest is held out (cut = its length: all training); `held` are the held-out
-    documents in evaluation order. Whole documents in `spread_order` until every stage's samples fit
-    (`sample_starts`); one is cut (its tail held out) only where taking it whole would leave fewer than
+    documents in evaluation order. Whole documents in `spread_order` until every stage's samples fit, each from
+    a document's start (`sample_starts`; at most twice the tokens asked); a document longer than twice the
+    largest evaluation is passed over (it would take from training what no sample reads) unless only such are
+    left, then its tail is held out, as the last one's is where taking it whole would leave fewer than
     `min_train` tokens (one sample of the longest stage) to train on. A stream too small for the largest
     evaluation holds out what leaves `min_train` (none if that is shorter than the shortest stage) and says so
     in `warning`; ValueError when not even `min_train` tokens exist."""
@@ -115,18 +124,28 @@ def heldout_split(lens: np.ndarray, wants: list[tuple[int, int]], min_train: int
                    + " (add data, or set --eval_heldout_samples / eval.heldout_samples)")
         if not room:
             return cut, np.zeros(0, np.int64), warning
-    budget, held, total = min(need, room), [], 0
-    for d in _spread(lens, min(room, 2 * budget), room):
-        if total >= budget and all(len(sample_starts(lens[held] - cut[held], sl, k)) == k for sl, k in wants):
-            break
-        take = int(lens[d])
-        if take > room - total:  # the whole would starve training: hold out its tail, as much as is missing
-            take = min(room - total, max(budget - total, max(sl for sl, _ in wants)))
-        held.append(int(d))
+    budget, held, big = min(need, room), [], []
+
+    def fits() -> bool:  # every stage's samples start at a document's start
+        return all(len(sample_starts(lens[held] - cut[held], sl, k, inside=False)) == k for sl, k in wants)
+
+    def hold(d: int, take: int) -> int:  # document d's last `take` tokens held out
+        held.append(d)
         cut[d] -= take
-        total += take
-        if total >= room:
+        return take
+
+    total = 0
+    for d in _spread(lens, min(room, 2 * budget), room):
+        if total >= min(2 * budget, room) or (total >= budget and fits()):
+            break  # enough, or as much as spreading the sample starts may cost (the rest start inside documents)
+        if lens[d] > 2 * need:
+            big.append(d)  # longer than any evaluation reads: it trains, unless nothing else is left
+            continue
+        total += hold(d, min(int(lens[d]), room - total))  # its tail only where the whole would starve training
+    for d in big:  # a stream of a few huge documents: their tails
+        if total >= budget:
             break
+        total += hold(d, min(int(lens[d]), budget - total))
     return cut, np.asarray(held, dtype=np.int64), warning
 
 
@@ -216,11 +235,18 @@ class RunData:
 
     def heldout(self, seq_len: int, n: int) -> list[dict[str, np.ndarray]]:
         """The first `n` held-out samples at `seq_len`: the same documents, in the same order, at every stage; each
-        sample starts at a document's start (`sample_starts`), so its position buckets measure growing context."""
+        sample starts at a document's start where one leaves room (`sample_starts`), so its position buckets
+        measure growing context."""
         p, held = self.prepared, self.held
         starts, lens = p.starts[held] + self.cut[held], p.lens[held] - self.cut[held]
-        return [DocPack(p.tokens, starts[j:], lens[j:], seq_len, self.reset_position_ids,
-                        self.mask_cross_document_labels)[0] for j in sample_starts(lens, seq_len, n)]
+        at = np.concatenate([[0], np.cumsum(lens)])  # where each held-out document begins, laid end to end
+        out = []
+        for o in sample_starts(lens, seq_len, n):
+            j = int(np.searchsorted(at, o, side="right")) - 1  # the document the sample begins in
+            st, ln = starts[j:].copy(), lens[j:].copy()
+            st[0], ln[0] = st[0] + o - at[j], ln[0] - (o - at[j])
+            out.append(DocPack(p.tokens, st, ln, seq_len, self.reset_position_ids, self.mask_cross_document_labels)[0])
+        return out
 
 
 def open_run_data(dataset_path: str | None, tokenizer_path: str | None, model_vocab: int, stages,

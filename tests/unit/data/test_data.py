@@ -155,9 +155,14 @@ def test_heldout_split_of_a_small_dataset_warns_and_shrinks(tmp_path, capsys):
     assert "no held-out evaluation" in warning and len(held) == 0 and (cut == lens).all()
     cut, held, warning = heldout_split(np.array([1000]), [(100, 2)], min_train=100)  # one huge document
     assert cut.tolist() == [800] and held.tolist() == [0] and not warning
-    lens = np.array([100000] + [100] * 100)  # the first held-out document is huge: more documents are held out
-    cut, held, warning = heldout_split(lens, [(1000, 2)], min_train=1000)  # for a second sample start
-    assert held[0] == 0 and len(sample_starts(lens[held] - cut[held], 1000, 2)) == 2 and not warning
+    lens = np.array([100000] + [100] * 100)  # the first document in the held-out order is longer than any
+    cut, held, warning = heldout_split(lens, [(1000, 2)], min_train=1000)  # evaluation reads: it trains
+    assert cut[0] == lens[0] and len(sample_starts(lens[held] - cut[held], 1000, 2, inside=False)) == 2
+    assert 2000 <= int((lens - cut).sum()) <= 4000 and not warning
+    assert sample_starts(np.array([300, 2500, 1200]), 1000, 2) == [0, 2800]  # the next document's start ...
+    assert sample_starts(np.array([300, 2500, 1200]), 1000, 3) == [0, 1000, 2800]  # ... unless all would not fit
+    assert sample_starts(np.array([300, 2500, 40]), 1000, 3) == [0, 1000]
+    assert sample_starts(np.array([300, 2500, 40]), 1000, 3, inside=False) == [0]
     lens = np.array([300, 120, 500, 90])
     with pytest.raises(ValueError, match=r"has 1010 tokens, fewer than one training sample of the longest stage "
                                          r"\(2048 tokens\): add data or shorten max_seq_length"):

@@ -117,8 +117,10 @@ def test_stage_view_mixes_sources_with_length_filter(tmp_path):
     stages = [_stage(0, 16, mix)]
     data = open_run_data(out, None, 10, stages, reset_position_ids=False)
     ds, sampler = data.stage_view(stages[0], 1, 0, 5, seed=0)
-    assert data.held.tolist() == [0]  # the first document in the held-out order (data/pipeline.py spread_order)
-    assert ds.sizes == [(650 - 200) // 16, 216 // 16]  # books' first document (200 tokens) is held out
+    # held out: the first documents in the held-out order (data/pipeline.py spread_order) no longer than twice the
+    # evaluation (16 tokens): web's 10- and 9-token ones; books' train whole
+    assert data.held.tolist() == [13, 5]
+    assert ds.sizes == [650 // 16, (216 - 10 - 9) // 16]
     for _ in range(10):
         for i in sampler.next_batch():
             ids = set(ds[i]["input_ids"].tolist())
