@@ -6,7 +6,8 @@ documents misses it by > 100x the tolerances), loss within 1e-5 relative and ZeR
 for (ulysses, cp) in (1,2), (2,2), (1,3), (3,2): packed documents crossing every shard and zigzag chunk
 boundary, micro-batch 1 and 2, GQA with KV replication (u = 2 > 1 KV head), sliding windows, activation
 checkpointing with keep_attention, tiled MLP and logits, flex_attention (loss only: torch has no flex backward
-on CPU). Heads: 9 (SP 2 and 6 do not divide it), 6 (SP 4 does not), 4 (SP 3 does not).
+on CPU), and the evaluation's per-sample statistics (loss by position bucket) through the same split.
+Heads: 9 (SP 2 and 6 do not divide it), 6 (SP 4 does not), 4 (SP 3 does not).
 """
 
 from __future__ import annotations
@@ -43,10 +44,10 @@ MODELS = {"h9": ("llama", dict(num_attention_heads=9, num_key_value_heads=3, hid
 # (name, model, attn, micro-batch, gradients?, extra config) per (ulysses, cp)
 CKPT = {"gradient_checkpointing": True, "keep_attention": True}
 CASES = {
-    (1, 2): [("h9_mb1", "h9", "sdpa", 1, True, {}), ("h9_mb2_ckpt", "h9", "sdpa", 2, True, CKPT),
+    (1, 2): [("h9_mb1", "h9", "sdpa", 1, True, {"eval": True}), ("h9_mb2_ckpt", "h9", "sdpa", 2, True, CKPT),
              ("h9_flex_mb2", "h9", "flex_attention", 2, False, {}),
              ("window_mb2", "mistral8", "sdpa", 2, True, {"tiled_logits": True, "tiled_mlp": True})],
-    (2, 2): [("h6_mb2", "h6", "sdpa", 2, True, {}), ("kv1_replicated", "kv1", "sdpa", 1, True, CKPT),
+    (2, 2): [("h6_mb2", "h6", "sdpa", 2, True, {"eval": True}), ("kv1_replicated", "kv1", "sdpa", 1, True, CKPT),
              ("gemma3_flex", "gemma3", "flex_attention", 1, False, {})],
     (1, 3): [("llama_mb2", "llama", "sdpa", 2, True, {}), ("gemma3_mb1", "gemma3", "sdpa", 1, True, {})],
     (3, 2): [("h9_mb2", "h9", "sdpa", 2, True, CKPT), ("window_mb1", "mistral_h9", "sdpa", 1, True, {})],
@@ -94,6 +95,10 @@ def test_hybrid_sp_matches_plain_model(cp_assets, tmp_path, layout):
         print(f"u={u} cp={cp} {name} (heads {heads}, {case['attn_implementation']}, mb={len(case['samples'])}): "
               f"loss rel err {abs(res['loss'] - ref_loss) / ref_loss:.2e}, worst grad rel err {worst[0]:.2e}")
         assert abs(res["loss"] - ref_loss) / ref_loss < LOSS_TOL, (name, res["loss"], ref_loss)
+        if case.get("eval"):  # the evaluation's statistics (training/evaluation.py) through the same split
+            ev = res["eval"]
+            assert abs(ev[:, 0].sum().item() / ev[:, 1].sum().item() - ref_loss) / ref_loss < LOSS_TOL, (name, ev)
+            assert torch.allclose(ev[:, 3:7].sum(1), ev[:, 0]) and torch.equal(ev[:, 7:].sum(1), ev[:, 1])
         if case["grads"]:
             assert set(res["grads"]) == set(ref_grads)
             assert worst[0] < GRAD_TOL, (name, worst)

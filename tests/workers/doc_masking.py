@@ -28,7 +28,7 @@ from training.config import config_from_dict  # noqa: E402
 from training.engine import build_engine  # noqa: E402
 from training.step import train_step  # noqa: E402
 
-CASE_KEYS = ("out", "cache", "samples", "grads", "bypass")
+CASE_KEYS = ("out", "cache", "samples", "grads", "bypass", "eval")
 
 
 def run_case(case: dict) -> None:
@@ -43,6 +43,11 @@ def run_case(case: dict) -> None:
         from tests.multiproc.test_doc_masking import bypass_attention
 
         bypass_attention(engine.module.model.layers[0].self_attn)
+    stats = None
+    if case.get("eval"):  # the evaluation's per-sample statistics on the same samples, before any update
+        from training.evaluation import sample_stats
+
+        stats = sample_stats(engine, [ds[i] for i in case["samples"]], dims, len(case["samples"]), 0, buckets=4)
     builds = []
 
     class Counted(attention.Documents):
@@ -81,7 +86,7 @@ def run_case(case: dict) -> None:
     lean = [m for m in norms if getattr(m.forward, "__func__", None) is rmsnorm._lean_forward]
     if dims.is_main:
         torch.save({"loss": loss, "grads": grads, "error": error, "norms": (len(lean), len(norms)),
-                    "builds": len(builds), "calls": calls}, case["out"])
+                    "builds": len(builds), "calls": calls, "eval": stats}, case["out"])
     engine.destroy()
 
 
