@@ -270,6 +270,9 @@ def heatmaps(results: list[dict], diff: dict | None, out: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    s = settings(a)  # the flags: refused in one line before torch is even imported
+
     import torch
 
     from base import comm
@@ -281,8 +284,6 @@ def main(argv: list[str] | None = None) -> int:
     from training.checkpoint import Checkpointer
 
     configure()
-    a = parse_args(argv)
-    s = settings(a)  # flags: one line before anything starts
     world = int(os.environ.get("WORLD_SIZE", "1"))
     attn = pick_attn_implementation(a.attn_implementation)
     bf16 = torch.cuda.is_available() if a.bf16 is None else a.bf16

@@ -1,0 +1,103 @@
+"""scripts/evaluate.py against the in-run evaluation: a short run of the shipped base (recipes/base/tiny_passkey256,
+2 steps at 256 tokens under a YaRN stage RoPE, SP=2 on 2 ranks) evaluates its stage at 256 and 512 tokens; then
+evaluate.py, also SP=2 on 2 ranks, scores the exported model and the run's checkpoint side by side: both must
+score exactly what the run scored, cell by cell (same tasks, depths, trials and seeds; the checkpoint with its
+stage's RoPE). User errors are refused in one line before any model is built."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from tests.distributed import ROOT, run
+from tests.runs import TRAIN
+
+pytestmark = pytest.mark.dist
+EVALUATE = os.path.join(ROOT, "scripts", "evaluate.py")
+ROPE = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 256}
+TASKS = {"passkey": 3, "niah_multivalue": 1, "common_words": 1}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    d = tmp_path_factory.mktemp("evaluate")
+    recipe = d / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "model_name_or_path": os.path.join(ROOT, "recipes/base/tiny_passkey256"),
+        "deepspeed": os.path.join(ROOT, "ds_configs/zero3_offload.json"), "report_to": "none", "seed": 0,
+        "per_device_train_batch_size": 2, "learning_rate": 1e-4, "stages": [
+            {"name": "s256", "max_seq_length": 256, "sequence_parallel_size": 2, "max_steps": 2, "rope": ROPE,
+             "tasks": {"passkey": 0.5},
+             "eval": {"tasks": TASKS, "depths": [0.1, 0.9], "lengths": [256, 512], "heldout_samples": 0}}]}))
+    out = d / "run"
+    run(TRAIN, ["--config", str(recipe), "--output_dir", str(out)], 2, str(d / "logs_train"))
+    return d, out
+
+
+def test_evaluate_scores_what_the_run_scored(trained):
+    d, out = trained
+    in_run = json.loads((out / "eval" / "stage0.json").read_text())
+    ckpt = out / "checkpoints" / "step_000002"
+    report = d / "report"
+    run(EVALUATE, [str(out / "hf_model"), "--compare", str(ckpt), "--lengths", "256,512",
+                   "--tasks", ",".join(f"{t}:{n}" for t, n in TASKS.items()), "--depths", "0.1,0.9",
+                   "--sequence_parallel_size", "2", "--micro_batch", "2", "--output_dir", str(report),
+                   "--dist_timeout_s", "60"], 2, str(d / "logs_eval"))
+    got = json.loads((report / "eval.json").read_text())
+    exported, checkpoint = got["models"]
+    assert set(in_run["tasks"]) == set(TASKS) and set(in_run["tasks"]["passkey"]) == {"256", "512"}
+    assert exported["tasks"] == in_run["tasks"] and checkpoint["tasks"] == in_run["tasks"]  # every cell, exactly
+    assert exported["task_mean"] == in_run["task_mean"] == checkpoint["task_mean"]
+    assert in_run["task_mean"]["passkey"]["256"] > 0.5  # the base retrieves: the equality is not only of zeros
+    assert (exported["kind"], checkpoint["kind"], checkpoint["step"]) == ("hf", "checkpoint", 2)
+    for r in (exported, checkpoint):  # the stage's RoPE: carried by the export, read from the checkpoint
+        assert {k: r["rope"][k] for k in ROPE} == ROPE and (r["sp"], r["world"]) == (2, 2)
+    assert all(v == 0 for lens in got["difference"].values() for acc in lens.values() for v in acc.values())
+    summary = (report / "summary.md").read_text()
+    assert "**common_words** accuracy" in summary and "| compare - model | +0.00 | +0.00 |" in summary
+    assert (report / "heatmaps.png").stat().st_size > 20_000
+
+
+@pytest.mark.parametrize("args, message", [
+    (["missing_model", "--lengths", "256"], "missing_model: no such file or folder"),
+    (["recipes/base/tiny_passkey256", "--lengths", "256,huge"], "--lengths '256,huge': use"),
+])
+def test_user_errors_are_one_line(tmp_path, args, message):
+    p = subprocess.run([sys.executable, EVALUATE, *args, "--output_dir", str(tmp_path)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120, env=dict(os.environ, DS_ACCELERATOR="cpu"))
+    assert p.returncode == 2, p.stderr[-2000:]
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in p.stderr, p.stderr[-2000:]
+
+
+def test_refusals_before_any_model_is_built(tmp_path):
+    """What main() checks before building: flags (settings), then each model (check_source, on every rank)."""
+    from model_utils.build import load_hf_config
+    from scripts.evaluate import check_source, describe, parse_args, settings
+
+    base = os.path.join(ROOT, "recipes/base/tiny_passkey256")
+
+    def refused(*args, world=2):
+        a = parse_args([base, *args, "--output_dir", str(tmp_path)])
+        s = settings(a)
+        src = {**describe(base, None), "hf_config": load_hf_config(base), "attn": "sdpa", "bf16": False}
+        check_source(src, a, s, world, s["ropes"][0])
+
+    for args, message in [(["--lengths", "256", "--depths", "0.5,2"], "--depths '0.5,2': use depths"),
+                          (["--lengths", "256", "--rope", "{rope_type: dynamic, factor: 2.0}", "--sequence_parallel_size",
+                            "2"], "--rope: rope_type dynamic scales"),
+                          (["--lengths", "256", "--sequence_parallel_size", "8"],
+                           "4 attention heads, not divisible by sequence_parallel_size=8"),
+                          (["--lengths", "200,256", "--tasks", "niah_multivalue"],
+                           "--lengths 200: max_seq_length=200 is too short for a niah_multivalue trial"),
+                          (["--lengths", "256", "--compare_rope", "{rope_type: linear, factor: 2.0}"],
+                           "--compare_rope without --compare")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            refused(*args, world=8 if "8" in args else 2)
+    refused("--lengths", "256,512", "--tasks", "passkey:2,common_words:1")  # a valid request passes
