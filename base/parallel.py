@@ -79,13 +79,14 @@ def split_sp(sp: int, num_heads: int, num_kv_heads: int, gpus_per_node: int | No
     valid_cp = [sp // u for u in reversed(options)]
     if cp in (None, "auto"):
         return options[-1], sp // options[-1]
-    if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1 or sp % cp or sp // cp not in options:
-        why = (f"{sp // cp} (= {sp} / {cp}) must divide the {num_heads} query heads, suit the {num_kv_heads} KV "
-               f"heads{f' and divide gpus_per_node {gpus_per_node}' if gpus_per_node else ''}"
-               if isinstance(cp, int) and not isinstance(cp, bool) and cp >= 1 and sp % cp == 0
-               else f"cp must divide sequence_parallel_size {sp}")
-        raise ValueError(f"context_parallel_size={cp!r} with sequence_parallel_size={sp}: the Ulysses factor {why}; "
-                         f"use one of {valid_cp} or auto")
+    if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1 or sp % cp:
+        raise ValueError(f"context_parallel_size={cp!r} does not divide sequence_parallel_size={sp}: use one of "
+                         f"{valid_cp} or auto")
+    if sp // cp not in options:
+        node = f", divide gpus_per_node {gpus_per_node} (a Ulysses group stays in a node)" if gpus_per_node else ""
+        raise ValueError(f"context_parallel_size={cp} with sequence_parallel_size={sp} leaves a Ulysses factor of "
+                         f"{sp // cp}, which must divide the {num_heads} query heads, suit the {num_kv_heads} KV "
+                         f"heads{node}: use context_parallel_size one of {valid_cp} or auto")
     return sp // cp, cp
 
 
@@ -105,11 +106,13 @@ def check_layout(world: int, sp: int, num_heads: int, num_kv_heads: int, seq_len
         raise ValueError(f"the model has {num_kv_heads} KV heads: sequence_parallel_size={sp} must divide it or be "
                          "a multiple of it (KV heads are then replicated), or use context_parallel_size auto")
     split_sp(sp, num_heads, num_kv_heads, gpus_per_node, cp)  # the Ulysses factor sp / cp is possible
-    need = 2 * sp if cp > 1 else sp
-    if seq_len < need:
-        raise ValueError(f"max_seq_length={seq_len} is shorter than {need} ({'2 x ' if cp > 1 else ''}"
-                         f"sequence_parallel_size={sp}): each SP rank needs at least one token"
-                         f"{' of each of its two zigzag chunks' if cp > 1 else ''}; raise the length or lower SP")
+    if cp == 1 and seq_len < sp:
+        raise ValueError(f"max_seq_length={seq_len} is shorter than sequence_parallel_size={sp}: each SP rank needs "
+                         "at least one token; raise the length or lower SP")
+    if cp > 1 and seq_len < 2 * sp:
+        raise ValueError(f"max_seq_length={seq_len} is shorter than 2 x sequence_parallel_size={sp}: under context "
+                         "parallelism each SP rank holds two zigzag chunks of at least one token; raise the length "
+                         "or lower SP")
 
 
 def zigzag_chunks(cp: int) -> list[int]:

@@ -31,6 +31,9 @@ def run_train(args, tmp_path):
     ('{"input_ids": [5, 6, 7]}\n{"input_ids": [5, "x"]}\n', [], "data.jsonl:2: expected"),
     ('{"input_ids": [5, 6, 7]}\n', ["--learning_rat", "1"], "unknown command-line argument"),
     ('{"input_ids": [5, 6, 7]}\n', ["--sequence_parallel_size", "2"], "does not divide world size 1"),
+    ('{"input_ids": [5, 6, 7]}\n', ["--context_parallel_size", "3"],
+     "context_parallel_size=3 does not divide sequence_parallel_size=1: use one of [1] or auto"),
+    ('{"input_ids": [5, 6, 7]}\n', ["--context_parallel_size", "two"], "use auto or an integer"),
 ])
 def test_one_line_errors(tmp_path, make, args, match):
     data = tmp_path / "data.jsonl"

@@ -37,10 +37,12 @@ def test_split_chooses_the_largest_ulysses_and_refuses_in_one_line():
     assert split_sp(2, 9, 3) == (1, 2)
     assert split_sp(64, 32, 8, 8) == (8, 8)  # Llama-3-8B on 8 nodes: Ulysses never leaves a node
     assert split_sp(4, 32, 8, None, 2) == (2, 2)
-    with pytest.raises(ValueError, match=r"context_parallel_size=3 .* use one of \[1, 2, 4\] or auto"):
+    with pytest.raises(ValueError, match=r"context_parallel_size=3 does not divide .* use one of \[1, 2, 4\] or auto"):
         split_sp(4, 32, 8, None, 3)
-    with pytest.raises(ValueError, match=r"use one of \[2, 4\]"):
+    with pytest.raises(ValueError, match=r"Ulysses factor of 4, which must divide the 6 query heads.* one of \[2, 4\]"):
         split_sp(4, 6, 2, None, 1)  # pure Ulysses at 4 on 6 heads
+    with pytest.raises(ValueError, match=r"divide gpus_per_node 4 .* one of \[2, 4, 8\]"):
+        split_sp(8, 32, 8, 4, 1)  # a Ulysses group of 8 would straddle two 4-GPU nodes
     check_layout(6, 6, 9, 3, 96, cp=2)
     with pytest.raises(ValueError, match="2 x sequence_parallel_size"):
         check_layout(4, 4, 8, 8, 6, cp=2)
