@@ -137,6 +137,11 @@ def _flash_chunk(orig, module, q, key, value, docs, a: int, b: int, window, kwar
     bs, hq, _, _ = q.shape
     k = ("cp_varlen", a, b)
     if k not in docs._cache:
+        from transformers.modeling_flash_attention_utils import flash_attn_supports_top_left_mask
+
+        if flash_attn_supports_top_left_mask():  # flash-attn < 2.1 aligns causal top-left: wrong when lq < lk
+            raise ValueError("context parallelism with flash-attention needs flash-attn >= 2.1 (bottom-right causal "
+                             "alignment); upgrade it or use context_parallel_size 1")
         cu_q, cu_k, ranges, max_q, max_k = [0], [0], [], 0, 0
         for r in range(bs):
             bounds = docs.bounds[r] if docs.bounds is not None else [0, docs.sl]
