@@ -1,16 +1,23 @@
-# make setup | demo | demo-extend | demo-long | test | test-slow | calibrate | lint
+# make setup | demo | demo-machinery | demo-long | test | test-slow | calibrate | lint
 export DS_ACCELERATOR ?= cpu
 PY := .venv/bin/python
 
 setup:
 	bash scripts/setup.sh
 
+# The main job (~6 min on 2 cores): the shipped base, which retrieves a passkey at 256 tokens, extended to 2048 with
+# YaRN and short-context replay; then its curves and heat maps (docs/results/curriculum.md, bench/results/demo_extend/)
 demo:
-	.venv/bin/deepspeed --num_gpus 2 train.py --config recipes/tiny_cpu.yaml
-
-# ~5 min on 2 cores: a base that retrieves at 256 tokens extended to 2048 with YaRN (docs/results/curriculum.md, bench/results/demo_extend/)
-demo-extend:
 	OMP_NUM_THREADS=1 .venv/bin/deepspeed --num_gpus 2 train.py --config recipes/tiny_cpu_extend.yaml
+	$(PY) scripts/plot_metrics.py checkpoints/tiny_cpu_extend/metrics.jsonl -o checkpoints/tiny_cpu_extend/metrics.png
+
+demo-extend: demo
+
+# ~6 min: the machinery on a model trained from scratch (1k -> 8k, code corpus, three tasks, export); it does not
+# learn to retrieve in that time (0.00 everywhere): docs/results/curriculum.md
+demo-machinery:
+	.venv/bin/deepspeed --num_gpus 2 train.py --config recipes/tiny_cpu.yaml
+	$(PY) scripts/plot_metrics.py checkpoints/tiny_cpu/metrics.jsonl -o checkpoints/tiny_cpu/metrics.png
 
 # ~20 min on 2 cores: the tiny model learns passkey at 256 and keeps it to 2048 (docs/results/curriculum.md, bench/results/demo_long/)
 demo-long:
@@ -30,4 +37,4 @@ test-slow:
 lint:
 	.venv/bin/ruff check .
 
-.PHONY: setup demo demo-extend demo-long test test-slow calibrate lint
+.PHONY: setup demo demo-extend demo-machinery demo-long test test-slow calibrate lint
