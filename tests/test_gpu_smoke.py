@@ -77,3 +77,33 @@ def test_two_steps_on_one_gpu_match_the_plain_model(tmp_path, attn, keep):
         logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits.float()  # HF masks by positions
     ref = torch.nn.functional.cross_entropy(logits[0], labels[0], ignore_index=-100).item()
     assert abs(steps[0]["loss"] - ref) / ref < 2e-2, (steps[0]["loss"], ref)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_context_parallel_flash_chunks_match_dense_attention(window):
+    """Context parallelism's flash-attention path (model_utils/context_parallel.py `_flash_chunk`: each query chunk
+    [a, b) against its documents' keys, separate cu_seqlens, bottom-right causal) on the GPU, one process (no
+    collective needed: the chunk function takes the gathered K/V): equals one dense document-and-window mask."""
+    try:
+        from transformers.integrations.flash_attention import flash_attention_forward
+    except ImportError:
+        pytest.skip("flash-attn not installed")
+    pytest.importorskip("flash_attn")
+    from model_utils import attention
+    from model_utils import context_parallel as cpm
+    from tests.multiproc.test_doc_masking import BOUNDS, dense_reference
+
+    class Attn(torch.nn.Module):
+        num_key_value_groups, is_causal, training = 2, True, True
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, h, 300, 64, device="cuda", dtype=torch.bfloat16) for h in (4, 2, 2))
+    pos = torch.stack([torch.cat([torch.arange(e - s) for s, e in zip(b[:-1], b[1:])]) for b in BOUNDS]).cuda()
+    docs = attention.Documents(pos, 2)
+    want = dense_reference(q.float(), k.float(), v.float(), docs.doc, window)
+    for cp in (2, 3):
+        for c in range(cp):
+            for a, b in cpm.local_ranges(300, cp, c):
+                got = cpm._flash_chunk(flash_attention_forward, Attn(), q[:, :, a:b], k, v, docs, a, b, window,
+                                       {"sliding_window": window})
+                assert (got.float() - want[:, a:b]).abs().max() < 2e-2, (cp, c, a, b)
