@@ -2,7 +2,7 @@
 2 steps at 256 tokens under a YaRN stage RoPE, SP=2 on 2 ranks) evaluates its stage at 256 and 512 tokens; then
 evaluate.py, also SP=2 on 2 ranks, scores the exported model and the run's checkpoint side by side: both must
 score exactly what the run scored, cell by cell (same tasks, depths, trials and seeds; the checkpoint with its
-stage's RoPE). User errors are refused in one line before any model is built."""
+stage's RoPE; the run folder resolves to it). User errors are refused in one line before any model is built."""
 
 from __future__ import annotations
 
@@ -43,9 +43,8 @@ def trained(tmp_path_factory):
 def test_evaluate_scores_what_the_run_scored(trained):
     d, out = trained
     in_run = json.loads((out / "eval" / "stage0.json").read_text())
-    ckpt = out / "checkpoints" / "step_000002"
     report = d / "report"
-    run(EVALUATE, [str(out / "hf_model"), "--compare", str(ckpt), "--lengths", "256,512",
+    run(EVALUATE, [str(out / "hf_model"), "--compare", str(out), "--lengths", "256,512",  # the run: its newest checkpoint
                    "--tasks", ",".join(f"{t}:{n}" for t, n in TASKS.items()), "--depths", "0.1,0.9",
                    "--sequence_parallel_size", "2", "--micro_batch", "2", "--output_dir", str(report),
                    "--dist_timeout_s", "60"], 2, str(d / "logs_eval"))
@@ -56,6 +55,7 @@ def test_evaluate_scores_what_the_run_scored(trained):
     assert exported["task_mean"] == in_run["task_mean"] == checkpoint["task_mean"]
     assert in_run["task_mean"]["passkey"]["256"] > 0.5  # the base retrieves: the equality is not only of zeros
     assert (exported["kind"], checkpoint["kind"], checkpoint["step"]) == ("hf", "checkpoint", 2)
+    assert checkpoint["model"] == str(out / "checkpoints" / "step_000002")
     for r in (exported, checkpoint):  # the stage's RoPE: carried by the export, read from the checkpoint
         assert {k: r["rope"][k] for k in ROPE} == ROPE and (r["sp"], r["world"]) == (2, 2)
     assert all(v == 0 for lens in got["difference"].values() for acc in lens.values() for v in acc.values())
@@ -101,3 +101,15 @@ def test_refusals_before_any_model_is_built(tmp_path):
         with pytest.raises(ValueError, match=re.escape(message)):
             refused(*args, world=8 if "8" in args else 2)
     refused("--lengths", "256,512", "--tasks", "passkey:2,common_words:1")  # a valid request passes
+
+
+def test_a_checkpoint_brings_its_stage_rope_and_tokenizer(trained):
+    from scripts.evaluate import describe
+
+    _, out = trained
+    src = describe(str(out / "checkpoints" / "step_000002"), None)
+    assert (src["kind"], src["step"], src["stage"]) == ("checkpoint", 2, "s256")
+    assert {k: src["config"]["rope_parameters"][k] for k in ROPE} == ROPE  # the stage's, not the base's default
+    assert src["tokenizer"] and os.path.isfile(src["tokenizer"])
+    exported = describe(str(out / "hf_model"), None)
+    assert exported["kind"] == "hf" and exported["tokenizer"] == str(out / "hf_model" / "tokenizer.model")
