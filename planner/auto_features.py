@@ -39,6 +39,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
+from base.parallel import check_layout, split_sp
 from planner.memory_model import (
     DTYPE_BYTES,
     LOGITS_TILE_BYTES,
@@ -86,6 +87,7 @@ class Choice:
     offload_why: str = ""  # why: "needed: ...", "free: ...", "fits: ...", "pinned ...", "the DeepSpeed config ..."
     offload_step_s: float = 0.0  # predicted seconds per step the ZeRO offloads add (CPU Adam + PCIe copies)
     step_s: float = 0.0  # predicted seconds per step in all (FLOP model + recompute + copies + offloads)
+    cp: int = 1  # context-parallel factor of sp (the Ulysses factor is sp // cp)
 
     def as_dict(self) -> dict:
         """The record train.py logs (metrics) and the plan prints."""
@@ -96,7 +98,7 @@ class Choice:
                 "predicted_relative_speed": round(self.relative_speed, 3), "logits_tile_mb": f.logits_tile_mb,
                 "offload_params": self.offload_params, "offload_optimizer": self.offload_optimizer,
                 "offload_why": self.offload_why, "offload_step_s": round(self.offload_step_s, 3),
-                "predicted_step_s": round(self.step_s, 3)}
+                "predicted_step_s": round(self.step_s, 3), "cp": self.cp, "ulysses": self.sp // self.cp}
 
 
 def describe_offloads(params: bool, optimizer: bool) -> str:
@@ -175,18 +177,18 @@ def relative_speed(shape: ModelShape, seq_len: int, sp: int, f: Features, device
 
 
 def peak_bytes(shape: ModelShape, seq_len: int, sp: int, world: int, f: Features, offloads: Features,
-               precision: str, device: str) -> int:
+               precision: str, device: str, cp: int = 1) -> int:
     """Predicted peak of one rank: on a GPU the device peak; on a CPU everything shares the host RAM, so the
     ZeRO-3 CPU offloads count too (planner.memory_model.predict_peak_bytes' rule)."""
-    return _peaks(shape, seq_len, sp, world, f, offloads, precision, device)[0]
+    return _peaks(shape, seq_len, sp, world, f, offloads, precision, device, cp)[0]
 
 
-def _peaks(shape, seq_len, sp, world, f, offloads, precision, device) -> tuple[int, int]:
+def _peaks(shape, seq_len, sp, world, f, offloads, precision, device, cp=1) -> tuple[int, int]:
     """(peak of one rank as in peak_bytes, host bytes of one rank: offloaded states and checkpoints).
     `offloads` carries the run's settings auto does not choose: the ZeRO-3 offloads, the lean RMSNorm and MLP."""
     feats = replace(f, offload_params=offloads.offload_params, offload_optimizer=offloads.offload_optimizer,
                     lean_rmsnorm=offloads.lean_rmsnorm, lean_mlp=offloads.lean_mlp)
-    est = estimate(shape, seq_len, sp, world, feats, precision)
+    est = estimate(shape, seq_len, sp, world, feats, precision, cp=cp)
     host = sum(est.cpu_per_rank.values())
     return est.gpu_peak + (host if device == "cpu" else 0), host
 
@@ -218,14 +220,21 @@ def candidates(num_layers: int, pinned: Mapping, device: str) -> list[Features]:
 
 
 def sp_degrees(shape: ModelShape, world: int, seq_len: int, sp_max: int) -> list[int]:
-    """SP degrees possible on `world` ranks (training/parallel.check_layout's rule), at most sp_max (a node)."""
-    from base.parallel import check_layout
+    """Pure-Ulysses SP degrees possible on `world` ranks (base.parallel.check_layout's rule), at most sp_max."""
+    return [sp for sp, _ in sp_splits(shape, world, seq_len, sp_max, cp=1)]
 
+
+def sp_splits(shape: ModelShape, world: int, seq_len: int, sp_max: int, cp: int | str = 1,
+              gpus_per_node: int | None = None) -> list[tuple[int, int]]:
+    """(sp, cp) pairs possible on `world` ranks, sp <= sp_max ascending (base.parallel.check_layout's rule). cp an
+    int: that context-parallel factor (1: pure Ulysses, sp must suit the heads); "auto": every sp dividing the
+    world, split by base.parallel.split_sp (Ulysses as large as the heads and `gpus_per_node` allow)."""
     ok = []
     for sp in range(1, min(world, sp_max) + 1):
         try:
-            check_layout(world, sp, shape.num_heads, shape.num_kv_heads, seq_len)
-            ok.append(sp)
+            c = split_sp(sp, shape.num_heads, shape.num_kv_heads, gpus_per_node)[1] if cp == "auto" else int(cp)
+            check_layout(world, sp, shape.num_heads, shape.num_kv_heads, seq_len, cp=c)
+            ok.append((sp, c))
         except ValueError:
             pass
     return ok
@@ -235,7 +244,7 @@ def choose(shape: ModelShape, seq_len: int, world: int, budget_bytes: int, *, sp
            sp_max: int | None = None, pinned: Mapping | None = None, offloads: Features | None = None,
            precision: str = "bf16", device: str = "cuda", headroom: float = HEADROOM,
            host_bytes_per_rank: int | None = None, free_offloads: Iterable[str] = (), ranks_per_node: int = 8,
-           accum: int = 1) -> Choice:
+           accum: int = 1, cp: int | str = 1) -> Choice:
     """The fastest candidate whose predicted peak, plus `headroom` of the budget, fits in budget_bytes; at `sp`,
     or (sp=None) at the smallest degree <= sp_max where anything fits. Ties: fewer ZeRO offloads, then the smaller
     peak. `offloads` holds the ZeRO-3 offloads (and lean norm / MLP) as the run has them; `free_offloads` names
@@ -244,25 +253,31 @@ def choose(shape: ModelShape, seq_len: int, world: int, budget_bytes: int, *, sp
     optimizer step). On a GPU, `host_bytes_per_rank` (CPU memory of a node / its ranks, less the runtime) also
     bounds what the ZeRO-3 and checkpoint offloads put in host memory. One-line ValueError when nothing fits.
     Tiled logits run tiles of `pinned["logits_tile_mb"]` MiB when given, else of
-    planner.memory_model.logits_tile_bytes(budget_bytes)."""
+    planner.memory_model.logits_tile_bytes(budget_bytes). `cp`: the context-parallel factor of each degree tried
+    (1: pure Ulysses, today's rule; an int; "auto": base.parallel.split_sp with `ranks_per_node`, so a degree the
+    heads do not divide is split u x cp); the Choice carries it."""
     pinned = dict(pinned or {})
     tile_mb = int(pinned.pop("logits_tile_mb", 0) or 0) or logits_tile_bytes(budget_bytes) // 2**20
     cands = [replace(f, logits_tile_mb=tile_mb) if f.tiled_logits else f
              for f in candidates(shape.num_layers, pinned, device)]
     usable = budget_bytes * (1 - headroom)
-    degrees = [sp] if sp else sp_degrees(shape, world, seq_len, sp_max or world)
+    if sp:
+        degrees = [(sp, split_sp(sp, shape.num_heads, shape.num_kv_heads, ranks_per_node)[1] if cp == "auto"
+                    else int(cp))]
+    else:
+        degrees = sp_splits(shape, world, seq_len, sp_max or world, cp, ranks_per_node)
     fixed = offloads or Features()
     free = [n for n in OFFLOAD_KEYS if n in set(free_offloads)]
     sets = [dict(zip(free, bits)) for bits in itertools.product((False, True), repeat=len(free))]
     least = None
-    for d in degrees:
+    for d, c in degrees:
         scored, lean = [], {}  # lean: the leanest peak per set of free offloads turned on
         for o in sets:
             off = replace(fixed, **o)
             n_on = sum(o.values())
             on = tuple(n for n in free if o[n])
             for f in cands:
-                peak, host = _peaks(shape, seq_len, d, world, f, off, precision, device)
+                peak, host = _peaks(shape, seq_len, d, world, f, off, precision, device, c)
                 least = peak if least is None else min(least, peak)
                 lean[on] = min(lean.get(on, peak), peak)
                 if peak <= usable and (device == "cpu" or host_bytes_per_rank is None or host <= host_bytes_per_rank):
@@ -291,7 +306,7 @@ def choose(shape: ModelShape, seq_len: int, world: int, budget_bytes: int, *, sp
                 why = f"fits: {peak / GiB:.1f} of {usable / GiB:.1f} GiB usable"
             return Choice(f, d, peak, budget_bytes, speed, offload_params=off.offload_params,
                           offload_optimizer=off.offload_optimizer, offload_why=why, offload_step_s=t["offload"],
-                          step_s=t["total"])
+                          step_s=t["total"], cp=c)
     where = f"sp={sp}" if sp else f"any sp <= {sp_max or world}"
     raise ValueError(f"memory_features auto: nothing fits {seq_len} tokens at {where} in {budget_bytes / GiB:.1f} GiB "
                      f"per rank less {headroom:.0%} headroom (the leanest set needs {(least or 0) / GiB:.2f} GiB)")

@@ -2,7 +2,8 @@
 
 Shared by `scripts/plan.py` (the planner) and the tests; no torch or transformers import. Every term is
 derived in docs/memory_model.md, whose notation the code follows:
-    T = tokens per rank (ceil(seq_len / sp)), S = T * sp (the padded sequence), h = hidden size,
+    T = tokens per rank (ceil(seq_len / sp); 2*ceil(seq_len / 2sp) under context parallelism), S = T * sp (the padded
+    sequence), sp = u * cp (Ulysses factor u splits heads, context-parallel factor cp splits the sequence), h = hidden size,
     I = MLP intermediate size, V = vocab, L = layers, nh / nkv = query / KV heads, d = head dim,
     b = bytes per element of the compute dtype (bf16: 2, fp32: 4), W = world size, N = parameters.
 All sizes are bytes. The model is a decoder-only LM with a gated (SwiGLU) MLP and RMSNorm, which covers
@@ -20,7 +21,7 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 
-from base.parallel import check_layout
+from base.parallel import check_layout, kv_compatible
 from planner.presets import PRESETS
 
 GiB = 2**30
@@ -203,6 +204,11 @@ class Estimate:
     gpus_per_node: int
     # evaluation (forward without autograd): its working set replaces the step's activations and phases
     eval_phases: dict[str, int] = field(default_factory=dict)
+    cp: int = 1  # context-parallel factor of sp; the Ulysses factor is sp // cp
+
+    @property
+    def ulysses(self) -> int:
+        return self.sp // self.cp
 
     @property
     def gpu_peak(self) -> int:
@@ -227,7 +233,8 @@ class Estimate:
 
     def to_dict(self) -> dict:
         out = asdict(self)
-        out.update(gpu_peak=self.gpu_peak, peak_phase=self.peak_phase, cpu_per_node=self.cpu_per_node)
+        out.update(gpu_peak=self.gpu_peak, peak_phase=self.peak_phase, cpu_per_node=self.cpu_per_node,
+                   ulysses=self.ulysses)
         if self.eval_phases:
             out.update(eval_gpu_peak=self.eval_gpu_peak)
         return out
@@ -236,20 +243,68 @@ class Estimate:
 ACTIVATION_TERMS = ("saved activations", "activation checkpoints")  # prefixes of the step-only resident terms
 
 
+def tokens_per_rank(seq_len: int, sp: int, cp: int = 1) -> int:
+    """T: a sample is padded to a multiple of sp, or of 2*sp under context parallelism (zigzag: 2*cp chunks, each
+    cut over the u ranks of a Ulysses group; base.parallel.ParallelDims.seq_multiple)."""
+    return 2 * math.ceil(seq_len / (2 * sp)) if cp > 1 else math.ceil(seq_len / sp)
+
+
+def attention_split(shape: ModelShape, sp: int, cp: int = 1) -> tuple[int, int, int]:
+    """(u, q_loc, kv_loc): the Ulysses factor u = sp / cp, query heads per rank after its all-to-all (nh / u) and
+    KV heads per rank (nkv / u, or 1 when u > nkv: DeepSpeed replicates KV heads before the all-to-all)."""
+    assert cp >= 1 and sp % cp == 0, f"cp={cp} must divide sp={sp}"
+    u = sp // cp
+    assert shape.num_heads % u == 0 and kv_compatible(shape.num_kv_heads, u), (shape.num_heads, shape.num_kv_heads, u)
+    return u, shape.num_heads // u, shape.num_kv_heads // u if shape.num_kv_heads >= u else 1
+
+
+def kv_length(seq: int, cp: int = 1) -> int:
+    """Keys per layer the attention kernel holds (and saves) on one rank: the whole sequence S; under cp > 1 the
+    flash path (model_utils/context_parallel._flash_chunk) copies, for each of the rank's two zigzag query chunks,
+    the gathered keys up to that chunk's end: (c+1)*n + (2cp-c)*n = S + S/(2cp) keys (n = S/2cp; fewer with
+    document masking, and the sdpa path slices views: S). Counted at the flash bound."""
+    return seq if cp == 1 else seq + seq // (2 * cp)
+
+
+def attention_tensor_bytes(shape: ModelShape, tokens: int, sp: int, b: int, cp: int = 1) -> int:
+    """q, k, v, o as the attention kernel sees them on one rank, per layer: q and o [S/cp, nh/u, d] (this rank's
+    queries: its cp share of the sequence, its Ulysses share of the heads); k and v [kv_length, kv_loc, d], the
+    WHOLE sequence: under cp > 1 gathered from the cp group (all-gather of K/V, Llama-3's context parallelism), so
+    they grow with S, not S/cp. With cp = 1 this is the pure-Ulysses `S*d*(2*q_loc + 2*kv_loc)*b`.
+    Llama-3-8B at 1M tokens, 32 ranks as u=8 x cp=4 (bf16): q + o 0.5 GiB, k + v 0.56 GiB per layer (pure Ulysses
+    at sp=32 holds 0.5: its 8 KV heads replicated to one per rank over the full S); Qwen2.5-7B at 1M as u=4 x cp=2
+    inside a node (T=131072): q + o 1.75 GiB, k + v 0.625 GiB."""
+    u, q_loc, kv_loc = attention_split(shape, sp, cp)
+    seq = tokens * sp
+    return (seq // cp) * shape.head_dim * 2 * q_loc * b + kv_length(seq, cp) * shape.head_dim * 2 * kv_loc * b
+
+
+def cp_kv_buffer_bytes(shape: ModelShape, tokens: int, sp: int, b: int, cp: int = 1) -> int:
+    """The context-parallel K/V staging of one rank (0 when cp = 1): the all-gather writes K and V in rank order
+    ([cp, S/cp] = zigzag chunks) and the kernel reads them in sequence order, so one full-length [S, kv_loc, d]
+    pair exists twice around the forward's gather; in backward dK and dV are reordered back into rank order for
+    the reduce-scatter, the same size again. Counted as resident, as the Ulysses staging is (conservative: it
+    lives only around each collective). Llama-3-8B at 1M, u=8 x cp=4: 0.5 GiB; Qwen2.5-7B at 1M, 4 x 2: 0.5 GiB."""
+    if cp == 1:
+        return 0
+    _, _, kv_loc = attention_split(shape, sp, cp)
+    return 2 * tokens * sp * kv_loc * shape.head_dim * b
+
+
 def layer_activations(shape: ModelShape, tokens: int, sp: int, b: int, tiled_mlp: bool,
-                      lean_norm: bool = False, lean_mlp: bool = False) -> tuple[int, int]:
+                      lean_norm: bool = False, lean_mlp: bool = False, cp: int = 1) -> tuple[int, int]:
     """(saved, backward transient) bytes of one decoder layer on one rank; `saved` includes the layer input.
     lean_norm: the RMSNorms are model_utils/rmsnorm.py's (see norm_saved); lean_mlp: the MLP's gated product is
-    model_utils/mlp.py's (act(gate) is not kept)."""
+    model_utils/mlp.py's (act(gate) is not kept). cp: the context-parallel factor of sp (attention_tensor_bytes)."""
     h, d, inter = shape.hidden_size, shape.head_dim, shape.intermediate_size
-    seq = tokens * sp
-    q_loc = shape.num_heads // sp
-    kv_loc = shape.num_kv_heads // sp if shape.num_kv_heads >= sp else 1  # KV heads replicated when sp > nkv
+    _, q_loc, _ = attention_split(shape, sp, cp)
+    queries = tokens * sp // cp  # S/cp: the queries (and outputs) a rank attends for
     hid = tokens * h * b  # one [T, h] hidden state
-    # q, k, v, o after the all-to-all: [S, heads/sp, d] each, the tensors flash attention saves
-    attn_io = seq * d * (2 * q_loc + 2 * kv_loc) * b
-    lse = seq * q_loc * 4  # fp32 softmax log-sum-exp
-    # attention output back in [T, nh*d], o_proj's input: under SP the all-to-all's output; without SP a view of o
+    # q, o [S/cp, nh/u, d] and k, v [S, kv_loc, d] (gathered over cp): the tensors flash attention saves
+    attn_io = attention_tensor_bytes(shape, tokens, sp, b, cp)
+    lse = queries * q_loc * 4  # fp32 softmax log-sum-exp
+    # attention output back in [T, nh*d], o_proj's input: under SP the all-to-all's output (u > 1) or the
+    # concatenation of the two zigzag chunks' outputs (u = 1, cp > 1); without SP a view of o
     o_back = tokens * shape.num_heads * d * b if sp > 1 else 0
     mlp_kept = 3 if lean_mlp else 4  # gate, up, act(gate) (not with lean_mlp), act*up
     mlp_saved = 0 if tiled_mlp else mlp_kept * tokens * inter * b
@@ -259,7 +314,9 @@ def layer_activations(shape: ModelShape, tokens: int, sp: int, b: int, tiled_mlp
         # one its input (b) and 1/rms per row
         qk_heads = shape.num_heads + shape.num_kv_heads
         saved += tokens * qk_heads * (d * b + 4) if lean_norm else tokens * qk_heads * d * (4 + b)
-    attn_grads = attn_io + seq * q_loc * d * 4  # dq, dk, dv, do + flash-attn fp32 dq accumulator
+    # dq, do [S/cp, ...]; dk, dv full-length [kv_length, kv_loc, d] (each cp rank's contribution to every key, before
+    # the reduce-scatter; their copy in rank order is cp_kv_buffer_bytes) + flash-attn's fp32 dq accumulator
+    attn_grads = attn_io + queries * q_loc * d * 4
     rows = math.ceil(tokens / mlp_tiles(tokens, h)) if tiled_mlp else tokens
     mlp_grads = ((mlp_kept + 2) if tiled_mlp else 2) * rows * inter * b  # tiled: a tile's recomputed + 2 grads
     # RMSNorm's backward runs in fp32 whatever the dtype: HF's holds five [T, h] fp32 temporaries (mul, mean, pow,
@@ -271,11 +328,12 @@ def layer_activations(shape: ModelShape, tokens: int, sp: int, b: int, tiled_mlp
     return saved, transient
 
 
-def kept_attention_bytes(shape: ModelShape, tokens: int, sp: int, b: int) -> int:
-    """What --keep_attention keeps per checkpointed layer: the attention kernel's output [S, heads/sp, d] and its
-    fp32 log-sum-exp [heads/sp, S] (torch's selective checkpoint caches the kernel's outputs, not its inputs)."""
-    q_loc = shape.num_heads // sp
-    return tokens * sp * q_loc * (shape.head_dim * b + 4)
+def kept_attention_bytes(shape: ModelShape, tokens: int, sp: int, b: int, cp: int = 1) -> int:
+    """What --keep_attention keeps per checkpointed layer: the attention kernel's output [S/cp, nh/u, d] and its
+    fp32 log-sum-exp [nh/u, S/cp] (torch's selective checkpoint caches the kernel's outputs, not its inputs; the
+    gathered K/V are inputs, so cp adds nothing here)."""
+    _, q_loc, _ = attention_split(shape, sp, cp)
+    return tokens * sp // cp * q_loc * (shape.head_dim * b + 4)
 
 
 def norm_saved(tokens: int, h: int, b: int, lean: bool = False) -> int:
@@ -320,7 +378,7 @@ def eval_tile_rows(tokens: int, vocab: int, tile_bytes: int = LOGITS_TILE_BYTES)
 
 
 def eval_phases(shape: ModelShape, seq_len: int, sp: int, b: int, tiled: bool = True, tiled_mlp: bool = False,
-                tile_bytes: int = LOGITS_TILE_BYTES) -> dict[str, int]:
+                tile_bytes: int = LOGITS_TILE_BYTES, cp: int = 1) -> dict[str, int]:
     """Transient bytes of one evaluation forward on one rank (no autograd: nothing is saved for backward, no
     gradient exists), as two phases of which one is live at a time:
 
@@ -332,14 +390,13 @@ def eval_phases(shape: ModelShape, seq_len: int, sp: int, b: int, tiled: bool = 
       cross-entropy's fp32 log-softmax (4) and the contiguous copy of it that nll_loss makes for the
       [bs, V, tile] layout `_stats` passes (4; measured, see docs/memory_model.md), plus the last hidden
       state and its final norm.
-    `tiled=False` is the old evaluation (the whole [T, V] logits of the shard)."""
-    tokens = math.ceil(seq_len / sp)
-    h, d, inter = shape.hidden_size, shape.head_dim, shape.intermediate_size
+    `tiled=False` is the old evaluation (the whole [T, V] logits of the shard). cp: as in layer_activations (q, o
+    for S/cp tokens, k, v gathered for all S)."""
+    tokens = tokens_per_rank(seq_len, sp, cp)
+    h, inter = shape.hidden_size, shape.intermediate_size
     hid = tokens * h * b
-    q_loc = shape.num_heads // sp
-    kv_loc = shape.num_kv_heads // sp if shape.num_kv_heads >= sp else 1
-    attn = tokens * sp * d * (2 * q_loc + 2 * kv_loc) * b  # q, k, v, o at [S, heads/sp, d]
-    o_back = tokens * shape.num_heads * d * b
+    attn = attention_tensor_bytes(shape, tokens, sp, b, cp)  # q, o [S/cp, nh/u, d]; k, v [S, kv_loc, d]
+    o_back = tokens * shape.num_heads * shape.head_dim * b
     rows = math.ceil(tokens / mlp_tiles(tokens, h)) if tiled_mlp else tokens
     layer = 2 * hid + max(attn + o_back, 3 * rows * inter * b)  # all-to-all staging: a resident term already
     logit_rows = eval_tile_rows(tokens, shape.vocab_size, tile_bytes) if tiled else tokens
@@ -350,21 +407,24 @@ def eval_phases(shape: ModelShape, seq_len: int, sp: int, b: int, tiled: bool = 
 
 
 def eval_phase_bytes(shape: ModelShape, seq_len: int, sp: int, b: int, tiled: bool = True, tiled_mlp: bool = False,
-                     tile_bytes: int = LOGITS_TILE_BYTES) -> int:
+                     tile_bytes: int = LOGITS_TILE_BYTES, cp: int = 1) -> int:
     """The larger of `eval_phases`: what an evaluation forward adds on top of the resident model states."""
-    return max(eval_phases(shape, seq_len, sp, b, tiled, tiled_mlp, tile_bytes).values())
+    return max(eval_phases(shape, seq_len, sp, b, tiled, tiled_mlp, tile_bytes, cp).values())
 
 
 def estimate(shape: ModelShape, seq_len: int, sp: int, world: int,
              features: Features | Mapping[str, bool] | Iterable[str] | None,
-             precision: str = "bf16", gpus_per_node: int | None = None) -> Estimate:
-    """Per-rank memory of one training step for seq_len tokens per sample, micro-batch 1 per SP group."""
-    check_layout(world, sp, shape.num_heads, shape.num_kv_heads, seq_len)
+             precision: str = "bf16", gpus_per_node: int | None = None, cp: int = 1) -> Estimate:
+    """Per-rank memory of one training step for seq_len tokens per sample, micro-batch 1 per SP group; sp = u x cp
+    (cp = 1: pure Ulysses). gpus_per_node only sizes the per-node CPU total: a split whose Ulysses groups straddle
+    nodes is slow, not impossible (planner.comm_model prices it)."""
+    check_layout(world, sp, shape.num_heads, shape.num_kv_heads, seq_len, cp=cp)
     if precision not in DTYPE_BYTES:
         raise ValueError(f"precision {precision!r}: use bf16 or fp32")
     f = Features.of(features)
     b = DTYPE_BYTES[precision]
-    tokens = math.ceil(seq_len / sp)
+    tokens = tokens_per_rank(seq_len, sp, cp)
+    u = sp // cp
     h, n = shape.hidden_size, shape.num_params()
     hid = tokens * h * b
 
@@ -382,12 +442,14 @@ def estimate(shape: ModelShape, seq_len: int, sp: int, world: int,
     # grads, plus the prefetch (0.9 h^2) and reduce (h^2) buckets
     gpu["zero3 gathered params+grads, buckets"] = b * (2 * max(shape.layer_params(), shape.vocab_size * h)
                                                       + 2 * h * h)
-    if sp > 1:
-        kv_send = max(shape.num_kv_heads, sp)
+    if u > 1:  # Llama-3-8B at 1M, u=8 x cp=4: 0.375 GiB (0.75 as sp=32); Qwen2.5-7B, 4 x 2: 1.125
+        kv_send = max(shape.num_kv_heads, u)
         gpu["ulysses all-to-all staging"] = tokens * (shape.num_heads + 2 * kv_send) * shape.head_dim * b
+    if cp > 1:
+        gpu["context-parallel K/V gather staging"] = cp_kv_buffer_bytes(shape, tokens, sp, b, cp)
 
     lean = lean_norm_applies(shape, f)
-    saved, transient = layer_activations(shape, tokens, sp, b, f.tiled_mlp, lean, lean_mlp_applies(shape, f))
+    saved, transient = layer_activations(shape, tokens, sp, b, f.tiled_mlp, lean, lean_mlp_applies(shape, f), cp)
     phases: dict[str, int] = {}
     if f.every:
         L = shape.num_layers
@@ -397,7 +459,7 @@ def estimate(shape: ModelShape, seq_len: int, sp: int, world: int,
             cpu["activation checkpoints"] = ck * hid
         recompute = saved - hid + transient
         if f.keep_attention:  # + each checkpointed layer's attention output and fp32 lse, cached on the device
-            kept = kept_attention_bytes(shape, tokens, sp, b)
+            kept = kept_attention_bytes(shape, tokens, sp, b, cp)
             gpu["activation checkpoints: kept attention outputs"] = ck * kept
             recompute -= kept  # the recompute reuses them instead of allocating its own
         if ck < L:
@@ -416,12 +478,12 @@ def estimate(shape: ModelShape, seq_len: int, sp: int, world: int,
     return Estimate(seq_len=seq_len, sp=sp, world=world, tokens_per_rank=tokens, gpu=gpu, gpu_phases=phases,
                     cpu_per_rank=cpu, gpus_per_node=gpus_per_node or world,
                     eval_phases=eval_phases(shape, seq_len, sp, b, tiled=True, tiled_mlp=f.tiled_mlp,
-                                            tile_bytes=f.tile_bytes))
+                                            tile_bytes=f.tile_bytes, cp=cp), cp=cp)
 
 
 def predict_peak_bytes(shape: ModelShape | Mapping | str, seq_len: int, sp: int,
                        features: Features | Mapping[str, bool] | Iterable[str] | None = None,
-                       precision: str = "fp32", device: str = "cpu", world: int | None = None) -> int:
+                       precision: str = "fp32", device: str = "cpu", world: int | None = None, cp: int = 1) -> int:
     """Predicted peak tensor bytes of one rank in one training step (world defaults to sp, i.e. dp = 1).
 
     shape: a ModelShape, a config dict or a preset name. device="cuda": the GPU peak (offloaded states and
@@ -436,7 +498,7 @@ def predict_peak_bytes(shape: ModelShape | Mapping | str, seq_len: int, sp: int,
     feats = Features.of(features)
     if device == "cpu":
         feats = replace(feats, offload_activations=False)
-    est = estimate(shape, seq_len, sp, world or sp, feats, precision)
+    est = estimate(shape, seq_len, sp, world or sp, feats, precision, cp=cp)
     return est.gpu_peak + (sum(est.cpu_per_rank.values()) if device == "cpu" else 0)
 
 

@@ -2,11 +2,15 @@
 
 Prints the per-GPU memory breakdown (ZeRO-3 model states, activation checkpoints, one layer's working set,
 logits, communication buffers), per-node CPU memory, which sequence-parallel degrees fit, the DeepSpeed
-config and recipe stage to use, and a FLOPs-based tokens/s/GPU. The formulas live in
-planner/memory_model.py and are derived in docs/memory_model.md.
+config and recipe stage to use, a FLOPs-based tokens/s/GPU, and the SP communication per layer against the
+attention compute. SP = ulysses x cp: `--cp auto` (the default, as train.py's context_parallel_size) takes
+Ulysses as large as the heads and a node allow, and shows pure Ulysses (cp 1) next to it where that exists;
+`--cp N` or `--ulysses N` fix the split. The formulas live in planner/memory_model.py and planner/comm_model.py
+and are derived in docs/memory_model.md.
 
     python scripts/plan.py --model llama3-8b --seq_len 128k,1M --nodes 4 --gpus_per_node 8 --alst
-    python scripts/plan.py --model path/to/config.json --seq_len 262144 --sp 8 --no-offload_params --json
+    python scripts/plan.py --model qwen2.5-7b --seq_len 1M --nodes 4 --sp 8 --alst      # 8 = 4 x 2
+    python scripts/plan.py --model path/to/config.json --seq_len 262144 --sp 8 --cp 1 --no-offload_params --json
 
 Memory flags are GiB (2**30). An "80GB" H100 shows 79.6 GiB; --reserve_gb covers that, the CUDA context,
 NCCL buffers and allocator fragmentation.
@@ -21,8 +25,9 @@ import sys
 
 import yaml
 
-from base.parallel import check_layout
-from planner.auto_features import sp_degrees
+from base.parallel import check_layout, split_sp
+from planner.auto_features import sp_splits
+from planner.comm_model import layer_comm
 from planner.memory_model import (
     Estimate,
     Features,
@@ -51,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu_mem_gb", type=float, default=1024.0, help="CPU memory per node")
     p.add_argument("--cpu_overhead_gb", type=float, default=2.0, help="assumed runtime CPU memory per rank")
     p.add_argument("--sp", default="auto", help="sequence-parallel degree, or auto: every valid degree")
+    split = p.add_mutually_exclusive_group()
+    split.add_argument("--cp", default="auto",
+                       help="context-parallel factor of sp (sp = ulysses x cp); auto (default): Ulysses as large as "
+                            "the heads and --gpus_per_node allow, pure Ulysses shown next to it where it exists")
+    split.add_argument("--ulysses", type=int, default=None, help="Ulysses factor of --sp instead of --cp (needs --sp N)")
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
     p.add_argument("--offload_params", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--offload_optimizer", action=argparse.BooleanOptionalAction, default=True)
@@ -75,15 +85,39 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _valid_sps(shape: ModelShape, world: int, seq_len: int, requested: str) -> list[int]:
-    if requested != "auto":
-        try:
-            sp = int(requested)
-        except ValueError:
-            raise ValueError(f"--sp {requested!r}: use an integer or auto") from None
-        check_layout(world, sp, shape.num_heads, shape.num_kv_heads, seq_len)
-        return [sp]
-    return sp_degrees(shape, world, seq_len, sp_max=world)
+def _int_or_auto(flag: str, value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"--{flag} {value!r}: use an integer or auto") from None
+
+
+def _valid_splits(shape: ModelShape, world: int, seq_len: int, args: argparse.Namespace) -> list[tuple[int, int]]:
+    """(sp, cp) rows to plan: the requested split of each SP degree, then pure Ulysses (cp 1) where --cp is auto,
+    that differs and the heads allow it."""
+    sp_req, cp = _int_or_auto("sp", args.sp), _int_or_auto("cp", args.cp)
+    if args.ulysses is not None:
+        if sp_req == "auto" or args.ulysses < 1 or sp_req % args.ulysses:
+            raise ValueError(f"--ulysses {args.ulysses} needs --sp N with N a multiple of it (cp = N / ulysses)")
+        cp = sp_req // args.ulysses
+    gpn = args.gpus_per_node
+    if sp_req == "auto":
+        rows = sp_splits(shape, world, seq_len, world, cp, gpn)
+    else:
+        c = split_sp(sp_req, shape.num_heads, shape.num_kv_heads, gpn)[1] if cp == "auto" else cp
+        check_layout(world, sp_req, shape.num_heads, shape.num_kv_heads, seq_len, cp=c)
+        rows = [(sp_req, c)]
+    if cp == "auto":
+        pure = {sp for sp, _ in sp_splits(shape, world, seq_len, world, 1)}
+        rows = [r for sp, c in rows for r in ([(sp, c), (sp, 1)] if c > 1 and sp in pure else [(sp, c)])]
+    return rows
+
+
+def split_label(sp: int, cp: int) -> str:
+    """'8' (pure Ulysses) or '8=4x2' (ulysses x cp)."""
+    return str(sp) if cp == 1 else f"{sp}={sp // cp}x{cp}"
 
 
 class Planner:
@@ -95,20 +129,25 @@ class Planner:
         self.gpu_limit = int((args.gpu_mem_gb - args.reserve_gb) * GiB)
         self.cpu_limit = int(args.cpu_mem_gb * GiB)
 
-    def evaluate(self, seq_len: int, sp: int, feats: Features | None = None) -> tuple[Estimate, bool, bool]:
+    def evaluate(self, seq_len: int, sp: int, feats: Features | None = None, cp: int = 1) -> tuple[Estimate, bool, bool]:
         est = estimate(self.shape, seq_len, sp, self.world, feats or self.feats, self.args.precision,
-                       self.args.gpus_per_node)
+                       self.args.gpus_per_node, cp=cp)
         est.cpu_per_rank["process runtime (assumed)"] = int(self.args.cpu_overhead_gb * GiB)
         return est, est.gpu_peak <= self.gpu_limit, est.cpu_per_node <= self.cpu_limit
 
-    def longest(self, sp: int, feats: Features | None = None) -> int:
-        """Longest multiple of sp that fits (peak memory grows monotonically with length)."""
-        lo, hi = 0, 2**36 // sp
+    def longest(self, sp: int, feats: Features | None = None, cp: int = 1) -> int:
+        """Longest multiple of sp (of 2*sp under cp > 1: zigzag) that fits (peak memory grows with length)."""
+        step = sp * (2 if cp > 1 else 1)
+        lo, hi = 0, 2**36 // step
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            _, g, c = self.evaluate(mid * sp, sp, feats)
+            _, g, c = self.evaluate(mid * step, sp, feats, cp)
             lo, hi = (mid, hi) if g and c else (lo, mid - 1)
-        return lo * sp
+        return lo * step
+
+    def comm(self, seq_len: int, sp: int, cp: int) -> dict:
+        a = self.args
+        return layer_comm(self.shape, seq_len, sp, cp, a.gpus_per_node, a.precision, a.mfu, a.gpu_tflops)
 
 
 def ds_recommendation(feats: Features) -> tuple[str, dict]:
@@ -125,15 +164,19 @@ def ds_recommendation(feats: Features) -> tuple[str, dict]:
 def plan_one(pl: Planner, seq_len: int) -> dict:
     args, shape, feats = pl.args, pl.shape, pl.feats
     rows = []
-    for sp in _valid_sps(shape, pl.world, seq_len, args.sp):
-        est, g, c = pl.evaluate(seq_len, sp)
-        rows.append(dict(sp=sp, fits_gpu=g, fits_cpu=c, fits=g and c, longest_fitting_seq_len=pl.longest(sp),
-                         estimate=est.to_dict()))
-    fitting = [r["sp"] for r in rows if r["fits"]]
+    splits = _valid_splits(shape, pl.world, seq_len, args)
+    for sp, cp in splits:
+        est, g, c = pl.evaluate(seq_len, sp, cp=cp)
+        rows.append(dict(sp=sp, ulysses=sp // cp, cp=cp, fits_gpu=g, fits_cpu=c, fits=g and c,
+                         longest_fitting_seq_len=pl.longest(sp, cp=cp), estimate=est.to_dict(),
+                         comm_per_layer=pl.comm(seq_len, sp, cp)))
+    fitting = list(dict.fromkeys(r["sp"] for r in rows if r["fits"]))
     roomy = [r for r in rows if r["fits"] and r["estimate"]["gpu_peak"] <= (1 - args.margin) * pl.gpu_limit]
     best = (roomy or [r for r in rows if r["fits"]] or [min(rows, key=lambda r: r["estimate"]["gpu_peak"])])[0]
     ds_file, overrides = ds_recommendation(feats)
     stage = dict(name=f"seq{seq_len}", max_seq_length=seq_len, sequence_parallel_size=best["sp"])
+    if best["cp"] > 1 or split_sp(best["sp"], shape.num_heads, shape.num_kv_heads, args.gpus_per_node)[1] > 1:
+        stage["context_parallel_size"] = best["cp"]  # explicit where it is not pure Ulysses or differs from auto
     if overrides:
         stage["deepspeed_overrides"] = overrides
     model_path = os.path.dirname(args.model) if args.model.endswith(".json") else args.model
@@ -143,6 +186,7 @@ def plan_one(pl: Planner, seq_len: int) -> dict:
     attn = 6.0 * shape.num_layers * shape.num_heads * shape.head_dim * seq_len**2
     tps = tokens_per_sec_per_gpu(shape, seq_len, args.mfu, args.gpu_tflops)
     out = dict(seq_len=seq_len, candidates=rows, fitting_sp=fitting, recommended_sp=best["sp"] if fitting else None,
+               recommended_split=[best["sp"], best["ulysses"], best["cp"]] if fitting else None,
                deepspeed_config=ds_file, deepspeed_overrides=overrides, recipe=recipe,
                throughput=dict(formula="6*N_matmul*s + 6*L*nh*d*s^2 (causal) FLOPs per sequence",
                                flops_per_sequence=flops, attention_share=attn / flops, mfu=args.mfu,
@@ -153,8 +197,8 @@ def plan_one(pl: Planner, seq_len: int) -> dict:
                               lean_mlp=feats.lean_mlp,
                               **dict.fromkeys(ALST, True))
         if everything != feats:
-            out["fits_with_all_features_at_sp"] = [sp for sp in _valid_sps(shape, pl.world, seq_len, args.sp)
-                                                   if all(pl.evaluate(seq_len, sp, everything)[1:])]
+            out["fits_with_all_features_at_sp"] = [split_label(sp, cp) for sp, cp in splits
+                                                   if all(pl.evaluate(seq_len, sp, everything, cp)[1:])]
     return out
 
 
@@ -200,9 +244,12 @@ def auto_plan(args: argparse.Namespace, shape: ModelShape, world: int, seq_len: 
     offloads = Features(offload_params=args.offload_params, offload_optimizer=args.offload_optimizer,
                         lean_rmsnorm=args.lean_rmsnorm, lean_mlp=args.lean_mlp)
     try:
-        c = af.choose(shape, seq_len, world, budget, sp=None if args.sp == "auto" else int(args.sp),
+        sp = None if args.sp == "auto" else int(args.sp)
+        cp = args.cp if args.ulysses is None else sp // args.ulysses
+        c = af.choose(shape, seq_len, world, budget, sp=sp, cp=_int_or_auto("cp", str(cp)),
                       sp_max=args.gpus_per_node, pinned=pinned, offloads=offloads, precision=args.precision,
-                      host_bytes_per_rank=int((args.cpu_mem_gb / args.gpus_per_node - args.cpu_overhead_gb) * GiB))
+                      host_bytes_per_rank=int((args.cpu_mem_gb / args.gpus_per_node - args.cpu_overhead_gb) * GiB),
+                      ranks_per_node=args.gpus_per_node)
     except ValueError as e:
         return {"error": str(e)}
     tps = tokens_per_sec_per_gpu(shape, seq_len, args.mfu, args.gpu_tflops)
@@ -230,23 +277,27 @@ def render(rep: dict) -> str:
              f"cluster: {c['nodes']} node(s) x {c['gpus_per_node']} GPUs = {c['world']} ranks; GPU {c['gpu_mem_gib']:g} "
              f"GiB ({c['gpu_usable_gib']:.1f} usable), CPU {c['cpu_mem_gib_per_node']:g} GiB/node",
              f"features: {' '.join(on)}",
-             "attention: flash/SDPA-flash, no seq^2 term; q,k,v,o live at full seq with heads/sp after the all-to-all"]
+             "attention: flash/SDPA-flash, no seq^2 term; sp = u x cp: after the all-to-all q,o hold seq/cp tokens with "
+             "heads/u, k,v the full seq (gathered over cp) with kv_heads/u (at least 1)"]
     for p in rep["plans"]:
         lines += ["", f"== seq_len {p['seq_len']:,} ==",
-                  f"{'sp':>4} {'tokens/rank':>12} {'GPU peak GiB':>13} {'GPU':>4} {'CPU/node GiB':>13} {'CPU':>4}"
-                  f" {'longest that fits':>18}"]
+                  f"{'sp=uxcp':>9} {'tokens/rank':>12} {'GPU peak GiB':>13} {'GPU':>4} {'CPU/node GiB':>13} {'CPU':>4}"
+                  f" {'longest that fits':>18} {'comm/layer fwd+bwd':>19}"]
         for r in p["candidates"]:
-            e = r["estimate"]
-            lines.append(f"{r['sp']:>4} {e['tokens_per_rank']:>12,} {_gib(e['gpu_peak']):>13} "
+            e, m = r["estimate"], r["comm_per_layer"]
+            lines.append(f"{split_label(r['sp'], r['cp']):>9} {e['tokens_per_rank']:>12,} {_gib(e['gpu_peak']):>13} "
                          f"{'yes' if r['fits_gpu'] else 'NO':>4} {_gib(e['cpu_per_node']):>13} "
-                         f"{'yes' if r['fits_cpu'] else 'NO':>4} {r['longest_fitting_seq_len']:>18,}")
+                         f"{'yes' if r['fits_cpu'] else 'NO':>4} {r['longest_fitting_seq_len']:>18,} "
+                         f"{(m['fwd_s'] + m['bwd_s']) * 1e3:>10.1f} ms {m['exposed_share']:>5.1%}")
         lines.append(f"SP degrees that fit: {p['fitting_sp'] or 'none'}; recommended: {p['recommended_sp']} (smallest "
                      f"that fits with {rep['margin']:.0%} of usable GPU memory to spare, else smallest that fits)")
         if "fits_with_all_features_at_sp" in p:
             lines.append(f"with --alst and both offloads it would fit at sp: {p['fits_with_all_features_at_sp']}")
         sp = p["recommended_sp"] or p["throughput"]["at_sp"]
-        e = next(r["estimate"] for r in p["candidates"] if r["sp"] == sp)
-        lines.append(f"per-GPU breakdown at sp={sp} (GiB):")
+        cp = p["recommended_split"][2] if p["recommended_split"] else None
+        row = next(r for r in p["candidates"] if r["sp"] == sp and cp in (None, r["cp"]))
+        e = row["estimate"]
+        lines.append(f"per-GPU breakdown at sp={split_label(sp, row['cp'])} (GiB):")
         lines += [f"  {k:<42}{_gib(v)}" for k, v in e["gpu"].items()]
         lines.append("  + the largest of these phases:")
         lines += [f"  {k:<42}{_gib(v)}{'  <- peak' if k == e['peak_phase'] else ''}"
@@ -259,6 +310,7 @@ def render(rep: dict) -> str:
         lines.append("per-node CPU (GiB, per rank x GPUs per node):")
         lines += [f"  {k:<42}{_gib(v * c['gpus_per_node'])}" for k, v in e["cpu_per_rank"].items()]
         lines.append(f"  {'= per node':<42}{_gib(e['cpu_per_node'])}  of {c['cpu_mem_gib_per_node']:g}")
+        lines += _comm_lines(row)
         t = p["throughput"]
         lines.append(f"throughput: {t['formula']} = {t['flops_per_sequence']:.3g} ({t['attention_share']:.0%} "
                      f"attention); at MFU {t['mfu']} of {t['gpu_tflops']:g} TFLOPs: "
@@ -272,10 +324,27 @@ def render(rep: dict) -> str:
     return "\n".join(lines)
 
 
+def _comm_lines(row: dict) -> list[str]:
+    """The SP collectives of one layer at a row's split, against the layer's compute (planner/comm_model.py)."""
+    m = row["comm_per_layer"]
+    if not m["collectives"]:
+        return ["SP communication per layer: none (sp=1)"]
+    out = [f"SP communication per layer and rank at sp={split_label(row['sp'], row['cp'])} (ulysses {m['ulysses']} x "
+           f"cp {m['cp']}), forward (backward the same; a recomputed layer repeats the forward):"]
+    out += [f"  {c['name']:<42}{c['group']:>3} ranks over {c['link']:<9} {c['fwd_bytes'] / 1e9:8.3f} GB "
+            f"{c['fwd_s'] * 1e3:8.2f} ms" for c in m["collectives"]]
+    out.append(f"  vs attention {m['attention_fwd_s'] * 1e3:,.1f} ms forward, {m['attention_bwd_s'] * 1e3:,.1f} ms "
+               f"backward; the whole layer {m['compute_s'] * 1e3:,.1f} ms: "
+               + ("hidden if overlapped (shorter than the attention of each pass)" if m["hidden"]
+                  else "NOT hidden (longer than the attention of a pass)")
+               + f"; {m['exposed_share']:.1%} of the layer's time if not overlapped")
+    return out
+
+
 def _auto_line(a: dict) -> str:
     if "error" in a:
         return f"memory_features auto: {a['error']}"
-    return (f"memory_features auto: {a['features']} at sp={a['sp']}; predicted peak {a['predicted_peak_gb']:.1f} of "
+    return (f"memory_features auto: {a['features']} at sp={split_label(a['sp'], a['cp'])}; predicted peak {a['predicted_peak_gb']:.1f} of "
             f"{a['budget_gb']:.1f} GiB; ~{a['tokens_per_sec_per_gpu']:,.0f} tokens/s/GPU (recompute included) vs "
             f"~{a['all_features_tokens_per_sec_per_gpu']:,.0f} with all features "
             f"(x{a['tokens_per_sec_per_gpu'] / a['all_features_tokens_per_sec_per_gpu']:.2f})")

@@ -177,8 +177,8 @@ def test_monotonic_in_seq_len():
 @pytest.mark.parametrize("argv, needle", [
     (["--sp", "3"], "does not divide world size 8"),
     (["--sp", "16"], "does not divide world size 8"),
-    (["--model", "qwen2.5-7b", "--gpus_per_node", "7", "--sp", "7"], "KV heads"),
-    (["--model", "tiny-llama", "--sp", "8"], "not divisible by sequence_parallel_size=8"),
+    (["--model", "qwen2.5-7b", "--gpus_per_node", "7", "--sp", "7", "--cp", "1"], "KV heads"),
+    (["--model", "tiny-llama", "--sp", "8", "--cp", "1"], "not divisible by sequence_parallel_size=8"),
     (["--seq_len", "lots"], "sequence length"),
     (["--model", "no-such-model"], "not a preset"),
     (["--offload_activations"], "needs gradient_checkpointing"),
@@ -202,7 +202,9 @@ def test_json_output_parses_and_auto_sp(capsys):
     rep = json.loads(capsys.readouterr().out)
     assert rep["cluster"]["world"] == 32 and rep["features"]["tiled_mlp"]
     short, long = rep["plans"]
-    assert [c["sp"] for c in short["candidates"]] == [1, 2, 4, 8, 16, 32]
+    # --cp auto (the default): beyond a node Ulysses stays at 8 and cp takes the rest; pure Ulysses next to it
+    assert [(c["sp"], c["cp"]) for c in short["candidates"]] == [(1, 1), (2, 1), (4, 1), (8, 1), (16, 2), (16, 1),
+                                                                 (32, 4), (32, 1)]
     assert set(long["fitting_sp"]) <= set(short["fitting_sp"])
     assert long["recommended_sp"] in long["fitting_sp"]
     stage = long["recipe"]["stages"][0]
