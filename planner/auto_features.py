@@ -244,7 +244,7 @@ def choose(shape: ModelShape, seq_len: int, world: int, budget_bytes: int, *, sp
            sp_max: int | None = None, pinned: Mapping | None = None, offloads: Features | None = None,
            precision: str = "bf16", device: str = "cuda", headroom: float = HEADROOM,
            host_bytes_per_rank: int | None = None, free_offloads: Iterable[str] = (), ranks_per_node: int = 8,
-           accum: int = 1, cp: int | str = 1) -> Choice:
+           accum: int = 1, cp: int | str = "auto") -> Choice:
     """The fastest candidate whose predicted peak, plus `headroom` of the budget, fits in budget_bytes; at `sp`,
     or (sp=None) at the smallest degree <= sp_max where anything fits. Ties: fewer ZeRO offloads, then the smaller
     peak. `offloads` holds the ZeRO-3 offloads (and lean norm / MLP) as the run has them; `free_offloads` names
@@ -254,8 +254,9 @@ def choose(shape: ModelShape, seq_len: int, world: int, budget_bytes: int, *, sp
     bounds what the ZeRO-3 and checkpoint offloads put in host memory. One-line ValueError when nothing fits.
     Tiled logits run tiles of `pinned["logits_tile_mb"]` MiB when given, else of
     planner.memory_model.logits_tile_bytes(budget_bytes). `cp`: the context-parallel factor of each degree tried
-    (1: pure Ulysses, today's rule; an int; "auto": base.parallel.split_sp with `ranks_per_node`, so a degree the
-    heads do not divide is split u x cp); the Choice carries it."""
+    ("auto", as context_parallel_size's default: base.parallel.split_sp with `ranks_per_node`, Ulysses as large as
+    the heads and a node allow, so a degree the heads do not divide is split u x cp; an int: that factor, 1 being
+    pure Ulysses); the Choice carries it (Choice.cp)."""
     pinned = dict(pinned or {})
     tile_mb = int(pinned.pop("logits_tile_mb", 0) or 0) or logits_tile_bytes(budget_bytes) // 2**20
     cands = [replace(f, logits_tile_mb=tile_mb) if f.tiled_logits else f
