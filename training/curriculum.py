@@ -105,7 +105,8 @@ def _resolve_memory(cfg: Config, s: StageConfig, i: int, sl: int, sp, world: int
                            pinned={**pinned, "logits_tile_mb": cfg.logits_tile_mb}, offloads=offloads,
                            precision="bf16" if bf16 else "fp32", device=device, free_offloads=free,
                            ranks_per_node=gpus_per_node(cfg) or world,
-                           accum=cfg.gradient_accumulation_steps * cfg.per_device_train_batch_size)
+                           accum=cfg.gradient_accumulation_steps * cfg.per_device_train_batch_size,
+                           cp=s.context_parallel_size if s.context_parallel_size is not None else cfg.context_parallel_size)
     except ValueError as e:
         raise ValueError(f"stage {i} ({s.name or f'stage{i}'}): {e}") from None
     f = choice.features

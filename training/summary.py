@@ -123,9 +123,10 @@ def plan_lines(cfg: Config, stages: list[Stage], world: int, gpus_per_node: int,
         try:
             shape = load_shape(cfg.model_name_or_path)
             est = estimate(shape, s.max_seq_length, s.sp, world, feats, "bf16" if bf16 else "fp32",
-                           gpus_per_node=gpus_per_node)
+                           gpus_per_node=gpus_per_node, cp=s.cp if isinstance(s.cp, int) else 1)
             tps = tokens_per_sec_per_gpu(shape, s.max_seq_length, mfu=PLAN_MFU, peak_tflops=H100_TFLOPS)
-            lines.append(f"  stage {s.index} {s.name}: seq_len={s.max_seq_length} sp={s.sp} dp={world // s.sp} "
+            split = f" (ulysses {s.sp // s.cp} x cp {s.cp})" if isinstance(s.cp, int) and s.cp > 1 else ""
+            lines.append(f"  stage {s.index} {s.name}: seq_len={s.max_seq_length} sp={s.sp}{split} dp={world // s.sp} "
                          f"steps={s.max_steps} lr={s.learning_rate:g}->{s.min_lr:g} warmup={s.warmup_steps} "
                          f"reset_optimizer={s.reset_optimizer} rope={s.rope}")
             lines.append(f"      memory plan: {est.gpu_peak / GiB:.1f} GiB per rank on the accelerator "

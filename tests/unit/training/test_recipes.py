@@ -40,6 +40,17 @@ def test_llama3_8b_recipe_dry_run():
                                "forward passes of 131072-1048576 tokens ~ "), evals
 
 
+def test_qwen25_7b_recipe_dry_run_splits_sp_past_the_heads():
+    """Qwen2.5-7B has 28 query heads: SP 8 and 16 run as Ulysses 4 inside a node x context parallelism (issue 28),
+    and every stage has a memory plan for its split."""
+    p = dry_run("--config", "recipes/qwen25_7b_128k_to_1m.yaml")
+    assert p.returncode == 0, p.stderr[-2000:]
+    for name, sl, sp, cp in (("s128k", 131072, 8, 2), ("s256k", 262144, 8, 2), ("s512k", 524288, 8, 2),
+                             ("s1m", 1048576, 16, 4)):
+        assert f"{name}: seq_len={sl} sp={sp} (ulysses 4 x cp {cp}) dp={32 // sp}" in p.stdout, p.stdout
+    assert p.stdout.count("memory plan:") == 4 and "no memory plan" not in p.stdout
+
+
 def test_llama3_8b_recipe_offloads_where_needed():
     """The same recipe on 24 GB GPUs: the 1M stage fits only with ZeRO offload, and the plan says so per stage."""
     p = dry_run("--config", "recipes/llama3_8b_128k_to_1m.yaml", "--gpu_mem_gb", "24")
