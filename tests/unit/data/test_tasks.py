@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from base.parallel import ParallelDims
 from data.sampler import ResumableSampler
 from data.tasks import TASKS, TaskMixDataset, TaskMixSampler, _answer, make_sample, parse_tasks
 from model_utils.tiled_loss import _stats
@@ -47,7 +48,7 @@ def test_samples_have_the_length_and_labels_only_on_the_answer(tok, task, seq_le
     # copyable token by token: the answer's tokens are the ones the needle holds (an answer encoded on its own
     # got a second lone "▁" from sentencepiece's dummy prefix, and nothing in the context to copy it from)
     context, got = ids[: seq_len - len(answer)].tolist(), lab[scored].tolist()
-    if task == "variable_tracking":
+    if task in ("variable_tracking", "niah_multivalue", "common_words"):  # lists: each token is in the context
         assert all(t in context for t in got)
     else:
         assert any(context[i: i + len(got)] == got for i in range(len(context))), (got, a["answer"])
@@ -66,6 +67,13 @@ def oracle(prompt: str, guess: random.Random | None = None) -> str:
     present in the text, ignoring which key / value the question asks for (a chance-level reader)."""
     if "pass key" in prompt:
         return re.search(r"The pass key is (\d+)\.", prompt).group(1)
+    if "What are all the special magic numbers" in prompt:  # niah_multivalue: every value of the key, text order
+        key = re.search(r"What are all the special magic numbers for (\w+) ", prompt).group(1)
+        return " ".join(re.findall(rf"special magic numbers for {key} is: (\d+)\.", prompt.rsplit("What are", 1)[0]))
+    if "most common words" in prompt:  # common_words: the most frequent words, in order of first appearance
+        words = re.findall(r"(?:[bdfgklmnprstvz][aeiou]){3}", prompt.split("appear most often.", 1)[1].split("Question:", 1)[0])
+        top = max(words.count(w) for w in words)
+        return " ".join(dict.fromkeys(w for w in words if words.count(w) == top))
     if "special magic number" in prompt:
         pairs = dict(re.findall(r"special magic numbers for (\w+) is: (\d+)\.", prompt.rsplit("What is", 1)[0]))
         key = re.search(r"magic number for (\w+) mentioned", prompt).group(1)
@@ -113,7 +121,7 @@ class StubEngine:
         return _stats(lambda h: h, logits, tiled_loss_labels, 2, eval_buckets)
 
 
-DIMS1 = types.SimpleNamespace(dp=1, dp_rank=0, sp=1, sp_rank=0)
+DIMS1 = ParallelDims(world=1, sp=1, rank=0, local_rank=0)  # sample_stats reads seq_multiple and cp too
 
 
 def test_oracle_scores_one_random_model_zero_guesser_chance(tok):
@@ -143,7 +151,7 @@ def test_position_buckets_add_up_under_sp_sharding(tok):
     parts = []
     for r in range(2):
         eng.rng = random.Random(0)
-        parts.append(sample_stats(eng, samples, types.SimpleNamespace(dp=1, dp_rank=0, sp=2, sp_rank=r), 2, 0, 8))
+        parts.append(sample_stats(eng, samples, ParallelDims(world=2, sp=2, rank=r, local_rank=r), 2, 0, 8))
     assert whole.shape == (3, 19) and plain.shape == (3, 3)
     assert torch.allclose(whole[:, 3:11].sum(1), whole[:, 0]) and torch.equal(whole[:, 11:].sum(1), whole[:, 1])
     expect = [[int(((s["shift_labels"] != -100) & (np.arange(sl) * 8 // sl == b)).sum()) for b in range(8)] for s in samples]
@@ -161,7 +169,7 @@ def test_mixture_reaches_fractions_resumes_and_splits_dp(tok):
         return ds, TaskMixSampler(ResumableSampler(40, 2, dp_rank, 2, seed=7), ds, fractions, 2, dp_rank, 2)
 
     (ds, s0), (_, s1) = make(0), make(1)
-    seen = {t: 0 for t in ("base", *TASKS)}
+    seen = {t: 0 for t in ("base", *fractions)}
     synthetic = set()
     for n in range(1, 201):
         b0, b1 = s0.next_batch(), s1.next_batch()
