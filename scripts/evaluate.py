@@ -31,6 +31,7 @@ are refused in one line before any model is built (exit code 2).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -54,6 +55,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--trials", type=int, default=2, help="trials per depth of a task given without its count")
     p.add_argument("--depths", default="0.1,0.5,0.9", help="needle depths (0: start, 1: end)")
     p.add_argument("--sequence_parallel_size", type=int, default=1)
+    p.add_argument("--context_parallel_size", default="auto",
+                   help="cp factor of SP (ulysses = sp / cp): auto (Ulysses as large as the heads allow) or N")
     p.add_argument("--micro_batch", type=int, default=1, help="samples per SP group per forward")
     p.add_argument("--output_dir", required=True)
     p.add_argument("--rope", default=None, help="MODEL's RoPE instead of its own (YAML/JSON: rope_parameters)")
@@ -89,6 +92,9 @@ def settings(a: argparse.Namespace) -> dict:
         raise ValueError("--compare_rope without --compare: name the second model")
     if a.trials < 1 or a.micro_batch < 1 or a.sequence_parallel_size < 1:
         raise ValueError("--trials, --micro_batch and --sequence_parallel_size must be >= 1")
+    from training.config import cp_setting
+
+    a.context_parallel_size = cp_setting(a.context_parallel_size, "--context_parallel_size")
     for path in (a.model, a.compare, a.tokenizer):
         if path is not None and not os.path.exists(path):
             raise ValueError(f"{path}: no such file or folder")
@@ -124,7 +130,7 @@ def describe(path: str, tokenizer: str | None) -> dict:
 
 def check_source(src: dict, a: argparse.Namespace, s: dict, world: int, rope: dict | None) -> None:
     """Everything about one model that can be refused before it is built (one-line ValueError)."""
-    from base.parallel import check_layout
+    from base.parallel import check_layout, split_sp
     from data.tasks import make_sample
     from data.tokenizer import Tokenizer
     from model_utils.attention import check_config
@@ -136,8 +142,11 @@ def check_source(src: dict, a: argparse.Namespace, s: dict, world: int, rope: di
         raise ValueError(f"{where}: no tokenizer found next to the model: pass --tokenizer (a .model file or folder)")
     tok, config, arch = Tokenizer(src["tokenizer"]), src["hf_config"], src["hf_config"].get_text_config()
     try:
+        node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None
+        src["cp"] = split_sp(a.sequence_parallel_size, arch.num_attention_heads, arch.num_key_value_heads, node,
+                             a.context_parallel_size)[1]
         check_layout(world, a.sequence_parallel_size, arch.num_attention_heads, arch.num_key_value_heads,
-                     min(s["lengths"]))
+                     min(s["lengths"]), src["cp"], node)
         check_config(config, src["attn"])
         if not rope and (config.rope_parameters or {}).get("rope_type") == "dynamic":
             check_rope(config.rope_parameters, "the model's rope_parameters", a.sequence_parallel_size)
@@ -165,6 +174,7 @@ def evaluate_model(src: dict, a: argparse.Namespace, s: dict, dims) -> dict:
     from training.evaluation import evaluate_tasks
 
     t0 = time.perf_counter()
+    dims = dataclasses.replace(dims, cp=src["cp"])  # this model's (ulysses, cp) split of the SP degree
     run = src.get("run_config") or {}
     cfg = config_from_dict({"model_name_or_path": src["path"], "max_seq_length": max(s["lengths"]),
                             "sequence_parallel_size": a.sequence_parallel_size,
@@ -187,7 +197,7 @@ def evaluate_model(src: dict, a: argparse.Namespace, s: dict, dims) -> dict:
            + ", ".join(f"{t} {m}" for t, m in out["task_mean"].items()))
     return {"model": src["path"], "kind": src["kind"], **{k: src[k] for k in ("step", "stage") if src.get(k) is not None},
             "rope": rope, "tokenizer": src["tokenizer"], "lengths": s["lengths"], "depths": s["depths"],
-            "trials": src["trials"], "sp": dims.sp, "world": dims.world, "time_s": round(time.perf_counter() - t0, 1),
+            "trials": src["trials"], "sp": dims.sp, "cp": dims.cp, "world": dims.world, "time_s": round(time.perf_counter() - t0, 1),
             **out}
 
 

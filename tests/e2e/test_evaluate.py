@@ -46,8 +46,8 @@ def test_evaluate_scores_what_the_run_scored(trained):
     report = d / "report"
     run(EVALUATE, [str(out / "hf_model"), "--compare", str(out), "--lengths", "256,512",  # the run: its newest checkpoint
                    "--tasks", ",".join(f"{t}:{n}" for t, n in TASKS.items()), "--depths", "0.1,0.9",
-                   "--sequence_parallel_size", "2", "--micro_batch", "2", "--output_dir", str(report),
-                   "--dist_timeout_s", "60"], 2, str(d / "logs_eval"))
+                   "--sequence_parallel_size", "2", "--context_parallel_size", "2",  # the run used Ulysses: same scores
+                   "--micro_batch", "2", "--output_dir", str(report), "--dist_timeout_s", "60"], 2, str(d / "logs_eval"))
     got = json.loads((report / "eval.json").read_text())
     exported, checkpoint = got["models"]
     assert set(in_run["tasks"]) == set(TASKS) and set(in_run["tasks"]["passkey"]) == {"256", "512"}
@@ -57,7 +57,7 @@ def test_evaluate_scores_what_the_run_scored(trained):
     assert (exported["kind"], checkpoint["kind"], checkpoint["step"]) == ("hf", "checkpoint", 2)
     assert checkpoint["model"] == str(out / "checkpoints" / "step_000002")
     for r in (exported, checkpoint):  # the stage's RoPE: carried by the export, read from the checkpoint
-        assert {k: r["rope"][k] for k in ROPE} == ROPE and (r["sp"], r["world"]) == (2, 2)
+        assert {k: r["rope"][k] for k in ROPE} == ROPE and (r["sp"], r["cp"], r["world"]) == (2, 2, 2)
     assert all(v == 0 for lens in got["difference"].values() for acc in lens.values() for v in acc.values())
     summary = (report / "summary.md").read_text()
     assert "**common_words** accuracy" in summary and "| compare - model | +0.00 | +0.00 |" in summary
@@ -92,8 +92,8 @@ def test_refusals_before_any_model_is_built(tmp_path):
     for args, message in [(["--lengths", "256", "--depths", "0.5,2"], "--depths '0.5,2': use depths"),
                           (["--lengths", "256", "--rope", "{rope_type: dynamic, factor: 2.0}", "--sequence_parallel_size",
                             "2"], "--rope: rope_type dynamic scales"),
-                          (["--lengths", "256", "--sequence_parallel_size", "8"],
-                           "4 attention heads, not divisible by sequence_parallel_size=8"),
+                          (["--lengths", "256", "--sequence_parallel_size", "8", "--context_parallel_size", "1"],
+                           "leaves a Ulysses factor of 8, which must divide the 4 query heads"),
                           (["--lengths", "200,256", "--tasks", "niah_multivalue"],
                            "--lengths 200: max_seq_length=200 is too short for a niah_multivalue trial"),
                           (["--lengths", "256", "--compare_rope", "{rope_type: linear, factor: 2.0}"],
