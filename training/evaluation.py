@@ -117,29 +117,40 @@ def passkey_sample(tokenizer, seq_len: int, depth: float, rng: random.Random) ->
 def task_accuracy(engine, dims, micro_batch: int, pad_id: int, tokenizer, trials: dict[str, int], depths: list[float],
                   length: int) -> dict[str, dict[str, float]]:
     """{task: {depth: exact-match accuracy}} at `length`: one batch of trials for all tasks and depths."""
+    return task_scores(engine, dims, micro_batch, pad_id, tokenizer, trials, depths, length)[0]
+
+
+def task_scores(engine, dims, micro_batch: int, pad_id: int, tokenizer, trials: dict[str, int], depths: list[float],
+                length: int) -> tuple[dict, dict]:
+    """({task: {depth: exact-match accuracy}}, {task: {depth: mean CE per answer token}}) at `length`."""
     samples, where = [], []
     for task, n in trials.items():
         rng = random.Random(f"eval:{task}:{length}")
         for d in depths:
             samples += [make_sample(task, tokenizer, length, d, rng) for _ in range(n)]
             where += [(task, d)] * n
-    wrong = sample_stats(engine, samples, dims, micro_batch, pad_id)[:, 2]
-    out: dict[str, dict[str, float]] = {t: {} for t in trials}
+    stats = sample_stats(engine, samples, dims, micro_batch, pad_id).tolist()
+    acc: dict[str, dict[str, float]] = {t: {} for t in trials}
+    loss: dict[str, dict[str, float]] = {t: {} for t in trials}
     for task in trials:
         for d in depths:
-            hits = [float(w == 0) for w, k in zip(wrong.tolist(), where) if k == (task, d)]
-            out[task][f"{d:g}"] = sum(hits) / len(hits)
-    return out
+            rows = [r for r, k in zip(stats, where) if k == (task, d)]
+            acc[task][f"{d:g}"] = sum(float(r[2] == 0) for r in rows) / len(rows)
+            loss[task][f"{d:g}"] = sum(r[0] for r in rows) / max(1.0, sum(r[1] for r in rows))
+    return acc, loss
 
 
 def evaluate_tasks(engine, dims, micro_batch: int, pad_id: int, tokenizer, trials: dict[str, int],
                    depths: list[float], lengths: list[int]) -> dict:
     """The tasks' part of an evaluation, the same for a stage's end (evaluate_stage) and scripts/evaluate.py:
-    {"tasks": {task: {length: {depth: accuracy}}}, "task_mean": {task: {length: mean over depths}}}."""
-    by_len = {n: task_accuracy(engine, dims, micro_batch, pad_id, tokenizer, trials, depths, n) for n in lengths}
-    tasks = {t: {str(n): by_len[n][t] for n in by_len} for t in trials}
+    {"tasks": {task: {length: {depth: accuracy}}}, "task_mean": {task: {length: mean over depths}},
+    "task_loss": {task: {length: {depth: mean cross-entropy per answer token}}} (a graded view of the same trials:
+    it moves before the exact match does)."""
+    by_len = {n: task_scores(engine, dims, micro_batch, pad_id, tokenizer, trials, depths, n) for n in lengths}
+    tasks = {t: {str(n): by_len[n][0][t] for n in by_len} for t in trials}
     return {"tasks": tasks, "task_mean": {t: {n: sum(a.values()) / len(a) for n, a in lens.items()}
-                                          for t, lens in tasks.items()}}
+                                          for t, lens in tasks.items()},
+            "task_loss": {t: {str(n): by_len[n][1][t] for n in by_len} for t in trials}}
 
 
 def evaluate_stage(engine, stage, dims, heldout: list[dict], tokenizer, metrics, step: int, micro_batch: int,

@@ -1,5 +1,5 @@
 """scripts/evaluate.py against the in-run evaluation: a short run of the shipped base (recipes/base/tiny_passkey256,
-2 steps at 256 tokens under a YaRN stage RoPE, SP=2 on 2 ranks) evaluates its stage at 256 and 512 tokens; then
+2 steps at 256 tokens under a YaRN stage RoPE, SP=2 on 2 ranks) evaluates its stage at 256, 512 and 768 tokens; then
 evaluate.py, also SP=2 on 2 ranks, scores the exported model and the run's checkpoint side by side: both must
 score exactly what the run scored, cell by cell (same tasks, depths, trials and seeds; the checkpoint with its
 stage's RoPE; the run folder resolves to it). User errors are refused in one line before any model is built."""
@@ -34,7 +34,7 @@ def trained(tmp_path_factory):
         "per_device_train_batch_size": 2, "learning_rate": 1e-4, "stages": [
             {"name": "s256", "max_seq_length": 256, "sequence_parallel_size": 2, "max_steps": 2, "rope": ROPE,
              "tasks": {"passkey": 0.5},
-             "eval": {"tasks": TASKS, "depths": [0.1, 0.9], "lengths": [256, 512], "heldout_samples": 0}}]}))
+             "eval": {"tasks": TASKS, "depths": [0.1, 0.9], "lengths": [256, 512, 768], "heldout_samples": 0}}]}))
     out = d / "run"
     run(TRAIN, ["--config", str(recipe), "--output_dir", str(out)], 2, str(d / "logs_train"))
     return d, out
@@ -44,23 +44,32 @@ def test_evaluate_scores_what_the_run_scored(trained):
     d, out = trained
     in_run = json.loads((out / "eval" / "stage0.json").read_text())
     report = d / "report"
-    run(EVALUATE, [str(out / "hf_model"), "--compare", str(out), "--lengths", "256,512",  # the run: its newest checkpoint
+    run(EVALUATE, [str(out / "hf_model"), "--compare", str(out), "--lengths", "256,512,768",  # the run: its newest checkpoint
                    "--tasks", ",".join(f"{t}:{n}" for t, n in TASKS.items()), "--depths", "0.1,0.9",
                    "--sequence_parallel_size", "2", "--context_parallel_size", "2",  # the run used Ulysses: same scores
                    "--micro_batch", "2", "--output_dir", str(report), "--dist_timeout_s", "60"], 2, str(d / "logs_eval"))
     got = json.loads((report / "eval.json").read_text())
     exported, checkpoint = got["models"]
-    assert set(in_run["tasks"]) == set(TASKS) and set(in_run["tasks"]["passkey"]) == {"256", "512"}
+    assert set(in_run["tasks"]) == set(TASKS) and set(in_run["tasks"]["passkey"]) == {"256", "512", "768"}
     assert exported["tasks"] == in_run["tasks"] and checkpoint["tasks"] == in_run["tasks"]  # every cell, exactly
     assert exported["task_mean"] == in_run["task_mean"] == checkpoint["task_mean"]
+    # the answer tokens' mean loss per cell: the very same questions (other ones would not agree to 1e-4; only the
+    # summation order differs: the run's Ulysses split vs this (ulysses, cp) = (1, 2))
+    cells = [(t, n, dd) for t, lens in in_run["task_loss"].items() for n, by_d in lens.items() for dd in by_d]
+    assert len(cells) == len(TASKS) * 3 * 2
+    for r in (exported, checkpoint):
+        assert [r["task_loss"][t][n][dd] for t, n, dd in cells] == pytest.approx(
+            [in_run["task_loss"][t][n][dd] for t, n, dd in cells], rel=1e-4)
     assert in_run["task_mean"]["passkey"]["256"] > 0.5  # the base retrieves: the equality is not only of zeros
+    # and at 768 (3x its training length) only some trials: cells that other questions would score differently
+    assert any(0 < a < 1 for a in in_run["tasks"]["passkey"]["768"].values()), in_run["tasks"]["passkey"]
     assert (exported["kind"], checkpoint["kind"], checkpoint["step"]) == ("hf", "checkpoint", 2)
     assert checkpoint["model"] == str(out / "checkpoints" / "step_000002")
     for r in (exported, checkpoint):  # the stage's RoPE: carried by the export, read from the checkpoint
         assert {k: r["rope"][k] for k in ROPE} == ROPE and (r["sp"], r["cp"], r["world"]) == (2, 2, 2)
     assert all(v == 0 for lens in got["difference"].values() for acc in lens.values() for v in acc.values())
     summary = (report / "summary.md").read_text()
-    assert "**common_words** accuracy" in summary and "| compare - model | +0.00 | +0.00 |" in summary
+    assert "**common_words** accuracy" in summary and "| compare - model | +0.00 | +0.00 | +0.00 |" in summary
     assert (report / "heatmaps.png").stat().st_size > 20_000
 
 
