@@ -116,7 +116,7 @@ def describe(path: str, tokenizer: str | None) -> dict:
             trainer = json.load(fh)
         tok = tokenizer or trainer.get("tokenizer")
         return {"kind": "checkpoint", "path": path, "step": trainer.get("step"), "stage": trainer.get("stage_name"),
-                "config": config, "tokenizer": tok, "weights": None}
+                "config": config, "tokenizer": tok}
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"{path}: not a Hugging Face folder (no config.json), a checkpoint (no {MANIFEST}) nor a run "
                          "folder (no checkpoints/LATEST)")
@@ -125,7 +125,7 @@ def describe(path: str, tokenizer: str | None) -> dict:
     own = [os.path.join(path, "tokenizer.model")] + [path] * any(
         os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
     tok = tokenizer or next((t for t in own if os.path.exists(t)), None)
-    return {"kind": "hf", "path": path, "config": config, "tokenizer": tok, "weights": path}
+    return {"kind": "hf", "path": path, "config": config, "tokenizer": tok}
 
 
 def check_source(src: dict, a: argparse.Namespace, s: dict, world: int, rope: dict | None) -> None:
@@ -140,6 +140,8 @@ def check_source(src: dict, a: argparse.Namespace, s: dict, world: int, rope: di
     where = f"{src['path']}"
     if src["tokenizer"] is None:
         raise ValueError(f"{where}: no tokenizer found next to the model: pass --tokenizer (a .model file or folder)")
+    if not os.path.exists(src["tokenizer"]):  # a checkpoint names its run's tokenizer: moved since?
+        raise ValueError(f"{where}: its tokenizer {src['tokenizer']} is not there: pass --tokenizer")
     tok, config, arch = Tokenizer(src["tokenizer"]), src["hf_config"], src["hf_config"].get_text_config()
     try:
         node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None
