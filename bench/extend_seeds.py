@@ -67,8 +67,9 @@ def run_one(recipe: str, seed: int, norm: str, work: str, timeout: float) -> dic
     code, wall = launch(cmd, bench_env("cpu"), os.path.join(out, "launch.log"), timeout)
     rec = {"seed": seed, "norm": norm, "wall_s": round(wall, 1), "load_before": round(load0, 2),
            "load_after": round(os.getloadavg()[0], 2), "exit_code": code, "out": os.path.relpath(out, ROOT)}
-    if os.path.exists(timing):
-        user, sys_s, rss_kb = open(timing).read().split()[-3:]
+    fields = open(timing).read().split()[-3:] if os.path.exists(timing) else []
+    if code == 0 and len(fields) == 3:  # (a launch killed from outside leaves the file empty)
+        user, sys_s, rss_kb = fields
         # two ranks, one thread each, on two cores: on idle cores the wall time is about half the CPU time
         rec |= {"cpu_s": round(float(user) + float(sys_s), 1), "max_rss_gb": round(int(rss_kb) / 2**20, 2)}
     evals = sorted(glob.glob(os.path.join(out, "eval", "stage*.json")), key=lambda p: int(p.split("stage")[-1][:-5]))
