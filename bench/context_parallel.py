@@ -2,7 +2,7 @@
 (model_utils/context_parallel.py) against pure Ulysses at the same SP degree. Tokens/s of a train step and peak
 RSS per rank of the real train.py.
 
-    python -m bench.context_parallel           # the full run (~6-8 min on 2 idle cores):
+    python -m bench.context_parallel           # the full run (352 s on 2 idle cores):
                                                # bench/results/context_parallel.json + .png and
                                                # docs/results/context_parallel.md rendered from that JSON
     python -m bench.context_parallel --quick   # tiny settings (~3 min): /tmp/context_parallel_quick.json, no docs
