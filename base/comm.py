@@ -202,10 +202,7 @@ def gather_stack(t: torch.Tensor, group, n: int) -> torch.Tensor:
     (context parallelism's K/V gather; backward is one reduce-scatter). `t` must live on `device()`."""
     if t.device != device():
         raise AssertionError(f"collective on {t.device}, expected {device()}")
-    if not t.requires_grad:
-        with torch.no_grad():
-            return _GatherStack.apply(t, group, n)
-    return _GatherStack.apply(t, group, n)
+    return _GatherStack.apply(t, group, n)  # records no graph when `t` needs no gradient (position ids)
 
 
 def run_on_main(fn: Callable[[], Any]) -> Any:

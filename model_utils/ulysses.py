@@ -52,31 +52,29 @@ def _wrap_ulysses(model, attn: str, group, micro_batch: int) -> None:
     ALL_ATTENTION_FUNCTIONS[attn] = uattn_wrapper
 
 
-def register(model, sp: int, attn_implementation: str, micro_batch: int, cp: int = 1, world: int | None = None,
-             rank: int | None = None):
-    """Register document-masked (and, for sp > 1, Ulysses x context-parallel) attention for `model`; returns the
-    mpu (None at sp 1). `world` / `rank` are needed when cp > 1 (the subgroups)."""
+def register(model, dims, attn_implementation: str, micro_batch: int):
+    """Register document-masked (and, for dims.sp > 1, Ulysses x context-parallel) attention for `model`; returns
+    the mpu (None at sp 1). `dims`: the stage's base.parallel.ParallelDims (sp, cp, world, rank)."""
     attention.register(model, attn_implementation)
     mpu = None
-    if sp > 1 and cp == 1:
+    if dims.sp > 1 and dims.cp == 1:
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
         mpu = UlyssesSPAttentionHF.register_with_transformers(
-            model_name_or_path=model, core_attn_implementation=attn_implementation, sequence_parallel_size=sp,
+            model_name_or_path=model, core_attn_implementation=attn_implementation, sequence_parallel_size=dims.sp,
             micro_batch_size=micro_batch, seq_length_is_variable=True)
-    elif sp > 1:
+    elif dims.sp > 1:
         from deepspeed.runtime.sequence_parallel import parallel_state_sp
 
         from base import comm
 
-        u = sp // cp
-        parallel_state_sp.initialize_sequence_parallel(sequence_parallel_size=sp)
-        ulysses_ranks, cp_ranks = _subgroup_ranks(world, sp, cp)
-        u_group = comm.subgroups(ulysses_ranks) if u > 1 else None
+        parallel_state_sp.initialize_sequence_parallel(sequence_parallel_size=dims.sp)
+        ulysses_ranks, cp_ranks = _subgroup_ranks(dims.world, dims.sp, dims.cp)
+        u_group = comm.subgroups(ulysses_ranks) if dims.ulysses > 1 else None
         cp_group = comm.subgroups(cp_ranks)
         _GROUPS.extend(g for g in (u_group, cp_group) if g is not None)
-        context_parallel.register(attn_implementation, cp_group, cp, (rank % sp) // u)
-        if u > 1:
+        context_parallel.register(attn_implementation, cp_group, dims.cp, dims.cp_rank)
+        if dims.ulysses > 1:
             _wrap_ulysses(model, attn_implementation, u_group, micro_batch)
         mpu = parallel_state_sp
     attention.track(model, attn_implementation)

@@ -49,7 +49,7 @@ def build_engine(cfg: Config, dims: ParallelDims, hf_config, attn: str, bf16: bo
                                 torch.bfloat16 if bf16 else torch.float16 if cfg.fp16 else torch.float32, pretrained)
     apply_memory_features(model, features_of(cfg))
     ulysses.unregister()  # a previous stage may have registered another SP degree
-    mpu = ulysses.register(model, dims.sp, attn, cfg.per_device_train_batch_size, dims.cp, dims.world, dims.rank)
+    mpu = ulysses.register(model, dims, attn, cfg.per_device_train_batch_size)
     params = [p for p in model.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=params, config=ds_config, mpu=mpu,

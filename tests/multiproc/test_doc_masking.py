@@ -18,12 +18,14 @@ import numpy as np
 import pytest
 import torch
 
+from base.parallel import ParallelDims
 from tests.conftest import save_tiny_model
 from tests.distributed import ROOT, run
 
 SEQ = 96  # SP=4 shards of 24 tokens: documents [0,37) [37,48) [48,77) [77,..) cross 24 and 72
 DOC_LENS = [37, 11, 29, 40, 50, 25, 30, 30]
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
+ONE_RANK = ParallelDims(world=1, sp=1, rank=0, local_rank=0)
 
 
 SMALL = dict(vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -334,7 +336,7 @@ def test_bypassing_attention_is_refused():
                                              attn_implementation="sdpa")
     ids = torch.randint(0, 2048, (1, 32))
     try:
-        ulysses.register(model, 1, "sdpa", 1)
+        ulysses.register(model, ONE_RANK, "sdpa", 1)
         model(input_ids=ids, position_ids=torch.arange(32)[None])
         ulysses.check_routed(model)  # every layer went through it
         attention.track(model, "sdpa")
@@ -405,7 +407,7 @@ def test_documents_built_once_per_micro_batch(monkeypatch, attn):
         batches.append((ids, pos, want))
     counts = _count_builds(monkeypatch)
     try:
-        ulysses.register(model, 1, attn, 1)
+        ulysses.register(model, ONE_RANK, attn, 1)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
         for k, (ids, pos, want) in enumerate(batches, 1):
