@@ -17,12 +17,21 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_PREEMPTED = 0, 1, 2, 75  # 75 = EX_TEMPFA
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout: "our own code" lives below it
 
 
+class Requeue(Exception):  # noqa: N818 -- what the job asks for, not an error
+    """Stop before doing work and be requeued (exit 75), raised on every rank from one decision (rank 0's, broadcast):
+    e.g. a universal conversion that cannot finish before the job's end (training/universal.py)."""
+
+
 def run_job(main: Callable[[], int]) -> int:
     """Run `main` as one rank of a job; returns its exit code after leaving the abort channel and recording the
-    code (an exception becomes 1, or 2 for the user's input, after the others were told)."""
+    code (an exception becomes 1, or 2 for the user's input, after the others were told; Requeue 75)."""
     _single_process_defaults()
     try:
         code = main()
+    except Requeue as e:  # every rank raised it: a clean exit, nothing to tell the others
+        if os.environ.get("RANK", "0") == "0":
+            print(f"requeue: {e}", file=sys.stderr, flush=True)
+        code = EXIT_PREEMPTED
     except (Exception, KeyboardInterrupt) as e:
         return _record(_fail(e))
     _leave()
