@@ -15,14 +15,26 @@ the Llama / Qwen2 / Qwen3 families; attention is flash or SDPA-flash, so there i
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 
-from base.parallel import check_layout, kv_compatible
-from planner.presets import PRESETS
+from base.parallel import check_layout
+from planner.attention_sp import (  # noqa: F401  (re-exported: the attention-under-SP terms live there)
+    attention_split,
+    attention_tensor_bytes,
+    cp_kv_buffer_bytes,
+    kept_attention_bytes,
+    kv_length,
+)
+from planner.shapes import (  # noqa: F401  (re-exported: callers import them from here)
+    DTYPE_BYTES,
+    LEAN_MLP_MODEL_TYPES,
+    LEAN_RMSNORM_MODEL_TYPES,
+    Features,
+    ModelShape,
+    load_shape,
+)
 
 GiB = 2**30
 # Each tile re-enters ZeRO-3's fetch/release hooks of the MLP's three projections, in the forward and again in
@@ -31,129 +43,13 @@ GiB = 2**30
 # (one launch each, idle): 16 tiles 1263 tok/s, 4 tiles 1359, untiled 1364. The floor keeps tiny models' tiles
 # at 1024 tokens; the intermediates of such a tile ([1024, intermediate] x 3) are a few MiB there.
 MLP_MIN_TILE_TOKENS = 1024
-LOGITS_TILE_BYTES = 2**30  # tiled logits: shards of ~1 GiB of fp32 logits (ArcticTraining's rule) ...
+LOGITS_TILE_BYTES = 2**30  # tiled logits: shards of ~1 GiB of fp32 logits (ArcticTraining's rule; shapes.py has the same) ...
 LOGITS_TILE_BUDGET_SHARE = 64  # ... under memory_features auto at most 1/64 of the per-rank budget (logits_tile_bytes)
 ZERO_SUBGROUP = 10**9  # DeepSpeed sub_group_size: the optimizer step upcasts grads this many at a time
-DTYPE_BYTES = {"bf16": 2, "fp32": 4}
-# Families whose RMSNorm is Llama's formula, which model_utils/rmsnorm.py's lean RMSNorm replaces (--lean_rmsnorm)
-LEAN_RMSNORM_MODEL_TYPES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3",
-                                      "granite"})
-# Families whose gated MLP is Llama's formula, which model_utils/mlp.py's lean MLP replaces (--lean_mlp)
-LEAN_MLP_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "granite", "gemma", "gemma2", "olmo2"})
 NORM_CHUNK_BYTES = 2**26  # lean RMSNorm: at most 64 MiB of fp32 per temporary of a chunk of rows ...
 NORM_MIN_CHUNKS = 8  # ... and at least this many chunks (tiny models), of at least NORM_MIN_CHUNK_ROWS rows
 NORM_MIN_CHUNK_ROWS = 1024
 
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The shapes that memory and FLOPs depend on (read from a preset or a Hugging Face config.json)."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    tie_word_embeddings: bool = False
-    qkv_bias: bool = False  # Qwen2 has biases on q/k/v
-    qk_norm: bool = False  # Qwen3 has RMSNorm on q and k per head
-    model_type: str = "llama"  # the HF model_type: whether the lean RMSNorm applies (LEAN_RMSNORM_MODEL_TYPES)
-
-    @classmethod
-    def from_config(cls, cfg: Mapping) -> ModelShape:
-        try:
-            h, nh = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-            return cls(vocab_size=int(cfg["vocab_size"]), hidden_size=h,
-                       intermediate_size=int(cfg["intermediate_size"]), num_layers=int(cfg["num_hidden_layers"]),
-                       num_heads=nh, num_kv_heads=int(cfg.get("num_key_value_heads") or nh),
-                       head_dim=int(cfg.get("head_dim") or h // nh),
-                       tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                       qkv_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False)),
-                       qk_norm=cfg.get("model_type") == "qwen3", model_type=str(cfg.get("model_type", "")))
-        except KeyError as e:
-            raise ValueError(f"model config lacks {e.args[0]!r}: need vocab_size, hidden_size, intermediate_size, "
-                             "num_hidden_layers, num_attention_heads") from None
-
-    def layer_params(self) -> int:
-        """Parameters of one decoder layer: q/k/v/o projections, gated MLP, two norms."""
-        h, d, nh, nkv = self.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads
-        attn = h * d * (nh + 2 * nkv) + nh * d * h
-        attn += d * (nh + 2 * nkv) if self.qkv_bias else 0
-        attn += 2 * d if self.qk_norm else 0
-        return attn + 3 * h * self.intermediate_size + 2 * h
-
-    def num_params(self) -> int:
-        emb = self.vocab_size * self.hidden_size
-        return emb * (1 if self.tie_word_embeddings else 2) + self.num_layers * self.layer_params() + self.hidden_size
-
-    def matmul_params(self) -> int:
-        """Weights that take part in a matmul per token: all layers plus the LM head (not the embedding lookup)."""
-        return self.num_layers * self.layer_params() + self.vocab_size * self.hidden_size
-
-
-def load_shape(model: str) -> ModelShape:
-    """A preset name from planner/presets.py, a config.json path, or a folder holding one."""
-    if model in PRESETS:
-        return ModelShape.from_config(PRESETS[model])
-    path = os.path.join(model, "config.json") if os.path.isdir(model) else model
-    if not os.path.isfile(path):
-        raise ValueError(f"model {model!r}: not a preset ({', '.join(sorted(PRESETS))}) nor a config.json path")
-    with open(path) as fh:
-        return ModelShape.from_config(json.load(fh))
-
-
-@dataclass(frozen=True)
-class Features:
-    """Memory features, named as in training/config.py (offloads are the ZeRO-3 CPU offloads)."""
-
-    offload_params: bool = False
-    offload_optimizer: bool = False
-    tiled_mlp: bool = False
-    tiled_logits: bool = False
-    gradient_checkpointing: bool = False
-    offload_activations: bool = False
-    checkpoint_every: int = 0  # K: only decoder layers 0, K, 2K, ... checkpointed; 0: gradient_checkpointing decides
-    lean_rmsnorm: bool = False  # model_utils/rmsnorm.py replaces HF's RMSNorm (train.py's default where supported)
-    keep_attention: bool = False  # checkpointed layers keep the attention output; backward recomputes the rest
-    lean_mlp: bool = False  # model_utils/mlp.py's gated product keeps gate and up only (train.py's default where supported)
-    logits_tile_mb: int = 0  # tiled logits: MiB of fp32 logits per tile; 0: LOGITS_TILE_BYTES
-
-    @property
-    def tile_bytes(self) -> int:
-        """Bytes of fp32 logits per tile of the tiled logits + loss."""
-        return self.logits_tile_mb * 2**20 if self.logits_tile_mb > 0 else LOGITS_TILE_BYTES
-
-    @property
-    def every(self) -> int:
-        """K of selective checkpointing; gradient_checkpointing alone is K=1; 0: none."""
-        return self.checkpoint_every or (1 if self.gradient_checkpointing else 0)
-
-    @classmethod
-    def of(cls, spec: Features | Mapping[str, bool] | Iterable[str] | None) -> Features:
-        """From a Features, a {name: bool} mapping, or an iterable of the enabled names."""
-        if isinstance(spec, str):
-            spec = [spec]
-        if spec is None or isinstance(spec, Features):
-            feats = spec or cls()
-        else:
-            known = {f.name for f in fields(cls)}
-            chosen = dict(spec) if isinstance(spec, Mapping) else dict.fromkeys(spec, True)
-            unknown = sorted(set(chosen) - known)
-            if unknown:
-                raise ValueError(f"unknown memory feature(s) {unknown}: use {sorted(known)}")
-            feats = cls(**{k: int(v) if k in ("checkpoint_every", "logits_tile_mb") else bool(v)
-                           for k, v in chosen.items()})
-        if feats.checkpoint_every < 0:
-            raise ValueError(f"checkpoint_every {feats.checkpoint_every}: use 0 (off), 1 (every layer) or K > 1")
-        if feats.offload_activations and not feats.every:
-            raise ValueError("offload_activations offloads the checkpointed hidden states: it needs "
-                             "gradient_checkpointing on too")
-        if feats.keep_attention and not feats.every:
-            raise ValueError("keep_attention changes what checkpointed layers recompute: it needs "
-                             "gradient_checkpointing (or checkpoint_every K) on too")
-        return feats
 
 
 def parse_seq_len(text: str | int) -> int:
@@ -249,47 +145,6 @@ def tokens_per_rank(seq_len: int, sp: int, cp: int = 1) -> int:
     return 2 * math.ceil(seq_len / (2 * sp)) if cp > 1 else math.ceil(seq_len / sp)
 
 
-def attention_split(shape: ModelShape, sp: int, cp: int = 1) -> tuple[int, int, int]:
-    """(u, q_loc, kv_loc): the Ulysses factor u = sp / cp, query heads per rank after its all-to-all (nh / u) and
-    KV heads per rank (nkv / u, or 1 when u > nkv: DeepSpeed replicates KV heads before the all-to-all)."""
-    assert cp >= 1 and sp % cp == 0, f"cp={cp} must divide sp={sp}"
-    u = sp // cp
-    assert shape.num_heads % u == 0 and kv_compatible(shape.num_kv_heads, u), (shape.num_heads, shape.num_kv_heads, u)
-    return u, shape.num_heads // u, shape.num_kv_heads // u if shape.num_kv_heads >= u else 1
-
-
-def kv_length(seq: int, cp: int = 1) -> int:
-    """Keys per layer the attention kernel holds (and saves) on one rank: the whole sequence S; under cp > 1 the
-    flash path (model_utils/context_parallel._flash_chunk) copies, for each of the rank's two zigzag query chunks,
-    the gathered keys up to that chunk's end: (c+1)*n + (2cp-c)*n = S + S/(2cp) keys (n = S/2cp; fewer with
-    document masking, and the sdpa path slices views: S). Counted at the flash bound."""
-    return seq if cp == 1 else seq + seq // (2 * cp)
-
-
-def attention_tensor_bytes(shape: ModelShape, tokens: int, sp: int, b: int, cp: int = 1) -> int:
-    """q, k, v, o as the attention kernel sees them on one rank, per layer: q and o [S/cp, nh/u, d] (this rank's
-    queries: its cp share of the sequence, its Ulysses share of the heads); k and v [kv_length, kv_loc, d], the
-    WHOLE sequence: under cp > 1 gathered from the cp group (all-gather of K/V, Llama-3's context parallelism), so
-    they grow with S, not S/cp. With cp = 1 this is the pure-Ulysses `S*d*(2*q_loc + 2*kv_loc)*b`.
-    Llama-3-8B at 1M tokens, 32 ranks as u=8 x cp=4 (bf16): q + o 0.5 GiB, k + v 0.56 GiB per layer (pure Ulysses
-    at sp=32 holds 0.5: its 8 KV heads replicated to one per rank over the full S); Qwen2.5-7B at 1M as u=4 x cp=2
-    inside a node (T=131072): q + o 1.75 GiB, k + v 0.625 GiB."""
-    u, q_loc, kv_loc = attention_split(shape, sp, cp)
-    seq = tokens * sp
-    return (seq // cp) * shape.head_dim * 2 * q_loc * b + kv_length(seq, cp) * shape.head_dim * 2 * kv_loc * b
-
-
-def cp_kv_buffer_bytes(shape: ModelShape, tokens: int, sp: int, b: int, cp: int = 1) -> int:
-    """The context-parallel K/V staging of one rank (0 when cp = 1): the all-gather writes K and V in rank order
-    ([cp, S/cp] = zigzag chunks) and the kernel reads them in sequence order, so one full-length [S, kv_loc, d]
-    pair exists twice around the forward's gather; in backward dK and dV are reordered back into rank order for
-    the reduce-scatter, the same size again. Counted as resident, as the Ulysses staging is (conservative: it
-    lives only around each collective). Llama-3-8B at 1M, u=8 x cp=4: 0.5 GiB; Qwen2.5-7B at 1M, 4 x 2: 0.5 GiB."""
-    if cp == 1:
-        return 0
-    _, _, kv_loc = attention_split(shape, sp, cp)
-    return 2 * tokens * sp * kv_loc * shape.head_dim * b
-
 
 def layer_activations(shape: ModelShape, tokens: int, sp: int, b: int, tiled_mlp: bool,
                       lean_norm: bool = False, lean_mlp: bool = False, cp: int = 1) -> tuple[int, int]:
@@ -327,13 +182,6 @@ def layer_activations(shape: ModelShape, tokens: int, sp: int, b: int, tiled_mlp
     transient = 3 * hid + max(attn_grads, mlp_grads, norm_grads)  # + incoming dx, d(attn out), d(normed input)
     return saved, transient
 
-
-def kept_attention_bytes(shape: ModelShape, tokens: int, sp: int, b: int, cp: int = 1) -> int:
-    """What --keep_attention keeps per checkpointed layer: the attention kernel's output [S/cp, nh/u, d] and its
-    fp32 log-sum-exp [nh/u, S/cp] (torch's selective checkpoint caches the kernel's outputs, not its inputs; the
-    gathered K/V are inputs, so cp adds nothing here)."""
-    _, q_loc, _ = attention_split(shape, sp, cp)
-    return tokens * sp // cp * q_loc * (shape.head_dim * b + 4)
 
 
 def norm_saved(tokens: int, h: int, b: int, lean: bool = False) -> int:
@@ -472,13 +320,14 @@ def estimate(shape: ModelShape, seq_len: int, sp: int, world: int,
     else:
         gpu["saved activations (all layers)"] = shape.num_layers * saved
         phases["layer working set (backward)"] = transient
-    phases["logits + loss"] = logits_bytes(shape, tokens, b, f.tiled_logits, lean, f.tile_bytes)
+    tile = f.logits_tile_mb * 2**20 if f.logits_tile_mb > 0 else LOGITS_TILE_BYTES  # this module's (tests patch it)
+    phases["logits + loss"] = logits_bytes(shape, tokens, b, f.tiled_logits, lean, tile)
     if not f.offload_optimizer and b < 4:
         phases["optimizer step (fp32 grad copy)"] = 4 * min(n // world, ZERO_SUBGROUP)
     return Estimate(seq_len=seq_len, sp=sp, world=world, tokens_per_rank=tokens, gpu=gpu, gpu_phases=phases,
                     cpu_per_rank=cpu, gpus_per_node=gpus_per_node or world,
                     eval_phases=eval_phases(shape, seq_len, sp, b, tiled=True, tiled_mlp=f.tiled_mlp,
-                                            tile_bytes=f.tile_bytes, cp=cp), cp=cp)
+                                            tile_bytes=tile, cp=cp), cp=cp)
 
 
 def predict_peak_bytes(shape: ModelShape | Mapping | str, seq_len: int, sp: int,

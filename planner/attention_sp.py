@@ -1,0 +1,63 @@
+"""Attention under sequence parallelism, per rank: what the kernel holds under Ulysses x context parallelism,
+and what headwise chunking (model_utils/head_chunks.py) changes. Pure arithmetic on shapes (no torch).
+
+Notation as in docs/memory_model.md: T tokens per rank, S = T * sp, sp = u x cp, nh / nkv query / KV heads,
+d head dim, b bytes per element, n head chunks (`attention_head_chunks`).
+"""
+
+from __future__ import annotations
+
+from base.parallel import kv_compatible
+from planner.shapes import ModelShape
+
+
+def attention_split(shape: ModelShape, sp: int, cp: int = 1) -> tuple[int, int, int]:
+    """(u, q_loc, kv_loc): the Ulysses factor u = sp / cp, query heads per rank after its all-to-all (nh / u) and
+    KV heads per rank (nkv / u, or 1 when u > nkv: DeepSpeed replicates KV heads before the all-to-all)."""
+    assert cp >= 1 and sp % cp == 0, f"cp={cp} must divide sp={sp}"
+    u = sp // cp
+    assert shape.num_heads % u == 0 and kv_compatible(shape.num_kv_heads, u), (shape.num_heads, shape.num_kv_heads, u)
+    return u, shape.num_heads // u, shape.num_kv_heads // u if shape.num_kv_heads >= u else 1
+
+
+def kv_length(seq: int, cp: int = 1) -> int:
+    """Keys per layer the attention kernel holds (and saves) on one rank: the whole sequence S; under cp > 1 the
+    flash path (model_utils/context_parallel._flash_chunk) copies, for each of the rank's two zigzag query chunks,
+    the gathered keys up to that chunk's end: (c+1)*n + (2cp-c)*n = S + S/(2cp) keys (n = S/2cp; fewer with
+    document masking, and the sdpa path slices views: S). Counted at the flash bound."""
+    return seq if cp == 1 else seq + seq // (2 * cp)
+
+
+def attention_tensor_bytes(shape: ModelShape, tokens: int, sp: int, b: int, cp: int = 1) -> int:
+    """q, k, v, o as the attention kernel sees them on one rank, per layer: q and o [S/cp, nh/u, d] (this rank's
+    queries: its cp share of the sequence, its Ulysses share of the heads); k and v [kv_length, kv_loc, d], the
+    WHOLE sequence: under cp > 1 gathered from the cp group (all-gather of K/V, Llama-3's context parallelism), so
+    they grow with S, not S/cp. With cp = 1 this is the pure-Ulysses `S*d*(2*q_loc + 2*kv_loc)*b`.
+    Llama-3-8B at 1M tokens, 32 ranks as u=8 x cp=4 (bf16): q + o 0.5 GiB, k + v 0.56 GiB per layer (pure Ulysses
+    at sp=32 holds 0.5: its 8 KV heads replicated to one per rank over the full S); Qwen2.5-7B at 1M as u=4 x cp=2
+    inside a node (T=131072): q + o 1.75 GiB, k + v 0.625 GiB."""
+    u, q_loc, kv_loc = attention_split(shape, sp, cp)
+    seq = tokens * sp
+    return (seq // cp) * shape.head_dim * 2 * q_loc * b + kv_length(seq, cp) * shape.head_dim * 2 * kv_loc * b
+
+
+def cp_kv_buffer_bytes(shape: ModelShape, tokens: int, sp: int, b: int, cp: int = 1) -> int:
+    """The context-parallel K/V staging of one rank (0 when cp = 1): the all-gather writes K and V in rank order
+    ([cp, S/cp] = zigzag chunks) and the kernel reads them in sequence order, so one full-length [S, kv_loc, d]
+    pair exists twice around the forward's gather; in backward dK and dV are reordered back into rank order for
+    the reduce-scatter, the same size again. Counted as resident, as the Ulysses staging is (conservative: it
+    lives only around each collective). Llama-3-8B at 1M, u=8 x cp=4: 0.5 GiB; Qwen2.5-7B at 1M, 4 x 2: 0.5 GiB."""
+    if cp == 1:
+        return 0
+    _, _, kv_loc = attention_split(shape, sp, cp)
+    return 2 * tokens * sp * kv_loc * shape.head_dim * b
+
+
+
+def kept_attention_bytes(shape: ModelShape, tokens: int, sp: int, b: int, cp: int = 1) -> int:
+    """What --keep_attention keeps per checkpointed layer: the attention kernel's output [S/cp, nh/u, d] and its
+    fp32 log-sum-exp [nh/u, S/cp] (torch's selective checkpoint caches the kernel's outputs, not its inputs; the
+    gathered K/V are inputs, so cp adds nothing here)."""
+    _, q_loc, _ = attention_split(shape, sp, cp)
+    return tokens * sp // cp * q_loc * (shape.head_dim * b + 4)
+

@@ -1,0 +1,135 @@
+"""Model shapes and memory features: the values the planner's models take (no torch, no transformers).
+
+`ModelShape` is what memory and FLOPs depend on (from a preset of planner/presets.py or a config.json);
+`Features` the memory features of a step, named as in training/config.py. Split out of memory_model.py so that
+the attention-under-SP terms (planner/attention_sp.py) and the memory model can both import them without a cycle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields
+
+from planner.presets import PRESETS
+
+LOGITS_TILE_BYTES = 2**30  # tiled logits: shards of ~1 GiB of fp32 logits (ArcticTraining's rule)
+DTYPE_BYTES = {"bf16": 2, "fp32": 4}
+# Families whose RMSNorm is Llama's formula, which model_utils/rmsnorm.py's lean RMSNorm replaces (--lean_rmsnorm)
+LEAN_RMSNORM_MODEL_TYPES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3",
+                                      "granite"})
+# Families whose gated MLP is Llama's formula, which model_utils/mlp.py's lean MLP replaces (--lean_mlp)
+LEAN_MLP_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "granite", "gemma", "gemma2", "olmo2"})
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The shapes that memory and FLOPs depend on (read from a preset or a Hugging Face config.json)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2 has biases on q/k/v
+    qk_norm: bool = False  # Qwen3 has RMSNorm on q and k per head
+    model_type: str = "llama"  # the HF model_type: whether the lean RMSNorm applies (LEAN_RMSNORM_MODEL_TYPES)
+
+    @classmethod
+    def from_config(cls, cfg: Mapping) -> ModelShape:
+        try:
+            h, nh = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+            return cls(vocab_size=int(cfg["vocab_size"]), hidden_size=h,
+                       intermediate_size=int(cfg["intermediate_size"]), num_layers=int(cfg["num_hidden_layers"]),
+                       num_heads=nh, num_kv_heads=int(cfg.get("num_key_value_heads") or nh),
+                       head_dim=int(cfg.get("head_dim") or h // nh),
+                       tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                       qkv_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False)),
+                       qk_norm=cfg.get("model_type") == "qwen3", model_type=str(cfg.get("model_type", "")))
+        except KeyError as e:
+            raise ValueError(f"model config lacks {e.args[0]!r}: need vocab_size, hidden_size, intermediate_size, "
+                             "num_hidden_layers, num_attention_heads") from None
+
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer: q/k/v/o projections, gated MLP, two norms."""
+        h, d, nh, nkv = self.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads
+        attn = h * d * (nh + 2 * nkv) + nh * d * h
+        attn += d * (nh + 2 * nkv) if self.qkv_bias else 0
+        attn += 2 * d if self.qk_norm else 0
+        return attn + 3 * h * self.intermediate_size + 2 * h
+
+    def num_params(self) -> int:
+        emb = self.vocab_size * self.hidden_size
+        return emb * (1 if self.tie_word_embeddings else 2) + self.num_layers * self.layer_params() + self.hidden_size
+
+    def matmul_params(self) -> int:
+        """Weights that take part in a matmul per token: all layers plus the LM head (not the embedding lookup)."""
+        return self.num_layers * self.layer_params() + self.vocab_size * self.hidden_size
+
+
+def load_shape(model: str) -> ModelShape:
+    """A preset name from planner/presets.py, a config.json path, or a folder holding one."""
+    if model in PRESETS:
+        return ModelShape.from_config(PRESETS[model])
+    path = os.path.join(model, "config.json") if os.path.isdir(model) else model
+    if not os.path.isfile(path):
+        raise ValueError(f"model {model!r}: not a preset ({', '.join(sorted(PRESETS))}) nor a config.json path")
+    with open(path) as fh:
+        return ModelShape.from_config(json.load(fh))
+
+
+@dataclass(frozen=True)
+class Features:
+    """Memory features, named as in training/config.py (offloads are the ZeRO-3 CPU offloads)."""
+
+    offload_params: bool = False
+    offload_optimizer: bool = False
+    tiled_mlp: bool = False
+    tiled_logits: bool = False
+    gradient_checkpointing: bool = False
+    offload_activations: bool = False
+    checkpoint_every: int = 0  # K: only decoder layers 0, K, 2K, ... checkpointed; 0: gradient_checkpointing decides
+    lean_rmsnorm: bool = False  # model_utils/rmsnorm.py replaces HF's RMSNorm (train.py's default where supported)
+    keep_attention: bool = False  # checkpointed layers keep the attention output; backward recomputes the rest
+    lean_mlp: bool = False  # model_utils/mlp.py's gated product keeps gate and up only (train.py's default where supported)
+    logits_tile_mb: int = 0  # tiled logits: MiB of fp32 logits per tile; 0: LOGITS_TILE_BYTES
+
+    @property
+    def tile_bytes(self) -> int:
+        """Bytes of fp32 logits per tile of the tiled logits + loss."""
+        return self.logits_tile_mb * 2**20 if self.logits_tile_mb > 0 else LOGITS_TILE_BYTES
+
+    @property
+    def every(self) -> int:
+        """K of selective checkpointing; gradient_checkpointing alone is K=1; 0: none."""
+        return self.checkpoint_every or (1 if self.gradient_checkpointing else 0)
+
+    @classmethod
+    def of(cls, spec: Features | Mapping[str, bool] | Iterable[str] | None) -> Features:
+        """From a Features, a {name: bool} mapping, or an iterable of the enabled names."""
+        if isinstance(spec, str):
+            spec = [spec]
+        if spec is None or isinstance(spec, Features):
+            feats = spec or cls()
+        else:
+            known = {f.name for f in fields(cls)}
+            chosen = dict(spec) if isinstance(spec, Mapping) else dict.fromkeys(spec, True)
+            unknown = sorted(set(chosen) - known)
+            if unknown:
+                raise ValueError(f"unknown memory feature(s) {unknown}: use {sorted(known)}")
+            feats = cls(**{k: int(v) if k in ("checkpoint_every", "logits_tile_mb") else bool(v)
+                           for k, v in chosen.items()})
+        if feats.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every {feats.checkpoint_every}: use 0 (off), 1 (every layer) or K > 1")
+        if feats.offload_activations and not feats.every:
+            raise ValueError("offload_activations offloads the checkpointed hidden states: it needs "
+                             "gradient_checkpointing on too")
+        if feats.keep_attention and not feats.every:
+            raise ValueError("keep_attention changes what checkpointed layers recompute: it needs "
+                             "gradient_checkpointing (or checkpoint_every K) on too")
+        return feats
+
