@@ -130,6 +130,7 @@ def describe(path: str, tokenizer: str | None) -> dict:
 
 def check_source(src: dict, a: argparse.Namespace, s: dict, world: int, rope: dict | None) -> None:
     """Everything about one model that can be refused before it is built (one-line ValueError)."""
+    from base.host import ranks_per_node
     from base.parallel import check_layout, split_sp
     from data.tasks import make_sample
     from data.tokenizer import Tokenizer
@@ -144,7 +145,7 @@ def check_source(src: dict, a: argparse.Namespace, s: dict, world: int, rope: di
         raise ValueError(f"{where}: its tokenizer {src['tokenizer']} is not there: pass --tokenizer")
     tok, config, arch = Tokenizer(src["tokenizer"]), src["hf_config"], src["hf_config"].get_text_config()
     try:
-        node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None
+        node = ranks_per_node() or None
         src["cp"] = split_sp(a.sequence_parallel_size, arch.num_attention_heads, arch.num_key_value_heads, node,
                              a.context_parallel_size)[1]
         check_layout(world, a.sequence_parallel_size, arch.num_attention_heads, arch.num_key_value_heads,

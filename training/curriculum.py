@@ -9,9 +9,9 @@ left unset inherit the run's. `locate(stages, global_step)` is a pure function o
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 
+from base.host import ranks_per_node
 from base.parallel import check_layout, split_sp
 from data.replay import parse_replay
 from model_utils.rope import check_rope
@@ -144,8 +144,9 @@ def device_budget(gpu_mem_gb: float, mem_cap_gb: float) -> tuple[str, int]:
 
 
 def gpus_per_node(cfg) -> int:
-    """Ranks per node: the recipe's cluster, else the launcher's LOCAL_WORLD_SIZE; 0 when unknown."""
-    return cfg.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or 0
+    """Ranks per node: the recipe's cluster, else what the launcher says (base.host.ranks_per_node: torchrun,
+    the deepspeed launcher, MPI, srun); 0 when unknown."""
+    return cfg.gpus_per_node or ranks_per_node()
 
 
 def agreed_budget(cfg: Config):

@@ -34,6 +34,7 @@ import socket
 import sys
 import time
 
+from base.host import ranks_per_node
 from base.parallel import ParallelDims
 from training.config import Config, no_gpu
 from training.curriculum import Stage
@@ -64,7 +65,7 @@ def _is_loopback(addr: str) -> bool:
 def multi_node() -> bool:
     """Whether the launcher put ranks on more than one node (deepspeed: CROSS_SIZE; torchrun: LOCAL_WORLD_SIZE)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world)))
+    local = ranks_per_node() or world
     return int(os.environ.get("CROSS_SIZE", "1")) > 1 or local < world
 
 

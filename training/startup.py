@@ -11,6 +11,7 @@ import os
 import torch
 
 from base import comm
+from base.host import check_cpu_placement, ranks_per_node
 from base.log import open_rank_log, print0, set_main
 from base.parallel import ParallelDims, check_shared_output, init_distributed
 from model_utils.attention import check_config
@@ -80,11 +81,12 @@ def start_distributed(cfg: Config, model: Model) -> tuple[ParallelDims, list[Sta
     stages = _stages(cfg, model, dims.world)
     check_shared_output(cfg.output_dir)  # every rank sees every other rank's files, or one line naming the hosts
     preflight(cfg, stages, dims, model.arch, model.bf16)  # build locks, host memory per node, DeepSpeed configs
+    print0(check_cpu_placement(torch.cuda.is_available()))  # each node's ranks have cores (one verdict)
     if cfg.nodes and cfg.nodes * cfg.gpus_per_node != dims.world:
         print0(f"warning: the recipe is written for {cfg.nodes} x {cfg.gpus_per_node} ranks, launched with {dims.world}")
     print0(f"world={dims.world} model={cfg.model_name_or_path} attn={model.attn} precision={_precision(cfg, model)} "
            f"mb={cfg.per_device_train_batch_size} ga={cfg.gradient_accumulation_steps} deepspeed={cfg.deepspeed}")
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", dims.world))
+    local = ranks_per_node() or dims.world
     print0("\n".join(plan_lines(cfg, stages, dims.world, local, model.bf16)))
     return dims, stages
 
