@@ -85,7 +85,7 @@ def cpu_placement(readings: list[tuple[str, list[int]]], gpu: bool) -> tuple[str
     A node's cores are the union of its ranks' CPU sets (ranks bound to the same core count it once). Fewer cores
     than ranks on a node: refused on a GPU run (the srun step bound to one core, the case this check exists for),
     a warning on the CPU accelerator (where several ranks per core is how a laptop tests). Fewer than
-    ADAM_THREADS cores per rank: a warning. Pure: tests give it any cluster."""
+    ADAM_THREADS cores per rank on a GPU run: a warning. Pure: tests give it any cluster."""
     nodes: dict[str, list] = {}
     for host, cpus in readings:
         n = nodes.setdefault(host, [0, set()])
@@ -98,7 +98,7 @@ def cpu_placement(readings: list[tuple[str, list[int]]], gpu: bool) -> tuple[str
            "SRUN_CPUS_PER_TASK; scripts/slurm.sbatch does this), otherwise a wider taskset/cpuset or fewer ranks per node")
     if per < 1:
         return ("refuse" if gpu else "warn"), f"{where}: fewer cores than ranks; {fix}"
-    if per < ADAM_THREADS:
+    if per < ADAM_THREADS and gpu:  # on the CPU accelerator every core is the ranks' anyway: nothing to add
         return "warn", (f"{where}: {per:.3g} per rank, CPU Adam (ZeRO optimizer offload) wants {ADAM_THREADS}; "
                         f"expect a slow optimizer step if it is offloaded; {fix}")
     return "ok", f"{where}: {per:.3g} per rank"

@@ -50,6 +50,7 @@ def test_deepspeed_launcher_keeps_ulysses_inside_a_node(monkeypatch):
     ([("n0", [0])] * 8, True, "refuse", "8 ranks on node n0 may run on 1 CPU(s) (0): fewer cores than ranks"),
     ([("n0", [0])] * 2, False, "warn", "fewer cores than ranks"),  # the CPU accelerator: slow, allowed
     ([("n0", list(range(16)))] * 8, True, "warn", f"2 per rank, CPU Adam (ZeRO optimizer offload) wants {ADAM_THREADS}"),
+    ([("n0", [0, 1])] * 2, False, "ok", "1 per rank"),  # the CPU accelerator: the ranks are the compute
     # each rank bound to its own 12 cores (numactl -C): the node's cores are their union
     ([("n0", list(range(12 * r, 12 * r + 12))) for r in range(8)], True, "ok", "may run on 96 CPU(s) (0-95): 12 per"),
     # the worst node decides: n1's ranks share 2 cores
