@@ -61,3 +61,38 @@ def kept_attention_bytes(shape: ModelShape, tokens: int, sp: int, b: int, cp: in
     _, q_loc, _ = attention_split(shape, sp, cp)
     return tokens * sp // cp * q_loc * (shape.head_dim * b + 4)
 
+
+
+# ---- headwise chunking (model_utils/head_chunks.py) ---------------------------------------------------------
+
+def chunk_heads(num_heads: int, num_kv_heads: int, chunks: int) -> tuple[int, int]:
+    """(query heads, KV heads) of one head chunk before the all-to-all: nh / n query heads and the KV heads they
+    read (nkv / n, or 1 when a chunk is narrower than a GQA group: that KV head is then projected by each chunk
+    of its group)."""
+    hc = num_heads // chunks
+    return hc, max(1, hc * num_kv_heads // num_heads)
+
+
+def head_chunk_choices(num_heads: int, num_kv_heads: int, ulysses: int = 1) -> list[int]:
+    """The head-chunk counts n that work under a Ulysses factor u: n divides the query heads per rank (nh / u), a
+    chunk holds whole GQA groups or lies inside one (its KV heads are whole), and its KV heads split over or
+    replicate across the u ranks as DeepSpeed's all-to-all needs (kv_compatible). 1 is always one."""
+    g = num_heads // num_kv_heads
+    out = []
+    for n in range(1, num_heads // ulysses + 1):
+        if (num_heads // ulysses) % n:
+            continue
+        hc, kvc = chunk_heads(num_heads, num_kv_heads, n)
+        if (hc % g == 0 or g % hc == 0) and kv_compatible(kvc, ulysses):
+            out.append(n)
+    return out
+
+
+def check_head_chunks(chunks: int, num_heads: int, num_kv_heads: int, ulysses: int = 1) -> int:
+    """`chunks` when it is one of head_chunk_choices, else a one-line ValueError naming the valid values."""
+    ok = head_chunk_choices(num_heads, num_kv_heads, ulysses)
+    if chunks not in ok:
+        per = f" ({num_heads // ulysses} per rank at Ulysses factor {ulysses})" if ulysses > 1 else ""
+        raise ValueError(f"attention_head_chunks={chunks}: the model's {num_heads} query heads{per} and {num_kv_heads} "
+                         f"KV heads split into whole-head chunks for {ok}: use one of them, or auto")
+    return chunks

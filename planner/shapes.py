@@ -82,6 +82,9 @@ def load_shape(model: str) -> ModelShape:
         return ModelShape.from_config(json.load(fh))
 
 
+INT_FEATURES = ("checkpoint_every", "logits_tile_mb", "attention_head_chunks")  # the others are on / off
+
+
 @dataclass(frozen=True)
 class Features:
     """Memory features, named as in training/config.py (offloads are the ZeRO-3 CPU offloads)."""
@@ -97,6 +100,7 @@ class Features:
     keep_attention: bool = False  # checkpointed layers keep the attention output; backward recomputes the rest
     lean_mlp: bool = False  # model_utils/mlp.py's gated product keeps gate and up only (train.py's default where supported)
     logits_tile_mb: int = 0  # tiled logits: MiB of fp32 logits per tile; 0: LOGITS_TILE_BYTES
+    attention_head_chunks: int = 1  # attention in n chunks of heads (model_utils/head_chunks.py); 1: all heads at once
 
     @property
     def tile_bytes(self) -> int:
@@ -121,8 +125,10 @@ class Features:
             unknown = sorted(set(chosen) - known)
             if unknown:
                 raise ValueError(f"unknown memory feature(s) {unknown}: use {sorted(known)}")
-            feats = cls(**{k: int(v) if k in ("checkpoint_every", "logits_tile_mb") else bool(v)
+            feats = cls(**{k: int(v) if k in INT_FEATURES else bool(v)
                            for k, v in chosen.items()})
+        if feats.attention_head_chunks < 1:
+            raise ValueError(f"attention_head_chunks {feats.attention_head_chunks}: use 1 (all heads at once) or more")
         if feats.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every {feats.checkpoint_every}: use 0 (off), 1 (every layer) or K > 1")
         if feats.offload_activations and not feats.every:

@@ -82,6 +82,8 @@ class Config:
     keep_attention: bool = False  # checkpointed layers keep the attention output: backward recomputes all but attention
     lean_rmsnorm: bool = True  # RMSNorm that saves its input + 1/rms only, chunked fp32 backward (model_utils/rmsnorm.py); same forward
     logits_tile_mb: int = 0  # tiled logits: MiB of fp32 logits per tile; 0: 1024 (ArcticTraining's), under memory_features auto 1/64 of the budget up to 1024
+    attention_head_chunks: str = "auto"  # auto (the planner's choice: 1 unless memory_features auto needs more) or N:
+    # attention runs N chunks of heads at a time (model_utils/head_chunks.py); N must split the heads per rank
     lean_mlp: bool = True  # gated MLP product that keeps gate and up only, act(gate) recomputed in backward (model_utils/mlp.py)
     memory_features: str = "manual"  # manual: the flags above | auto: per stage, the fastest set that fits (planner/auto_features.py)
     gpu_mem_gb: float = 0.0  # accelerator memory per rank for memory_features auto (0: detected from the device)
@@ -208,6 +210,7 @@ def validate(cfg: Config) -> None:
     for i, st in enumerate(cfg.stages):
         if st.context_parallel_size is not None:
             st.context_parallel_size = cp_setting(st.context_parallel_size, f"stages[{i}].context_parallel_size")
+    cfg.attention_head_chunks = cp_setting(cfg.attention_head_chunks, "--attention_head_chunks")
     if cfg.reset_position_ids not in ("auto", "yes", "no"):
         raise ValueError(f"--reset_position_ids {cfg.reset_position_ids!r}: use auto, yes or no")
     if cfg.save_total_limit < 2:
@@ -242,7 +245,8 @@ def cp_setting(value, where: str) -> int | str:
         value = int(value)
     if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
         return value
-    raise ValueError(f"{where} {value!r}: use auto or an integer >= 1 dividing sequence_parallel_size")
+    what = "the heads per rank" if "head" in where else "sequence_parallel_size"
+    raise ValueError(f"{where} {value!r}: use auto or an integer >= 1 dividing {what}")
 
 
 def to_dict(cfg: Config) -> dict:
