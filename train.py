@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     from training.curriculum import stage_start, total_steps
     from training.evaluation import check_passkey_fits
     from training.metrics import MetricsLogger
+    from training.preemption import Deadline
     from training.stage import Run, train_stage
     from training.startup import dry_run, load_run_config, start_distributed, stop_flag
 
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     check_passkey_fits(stages, data.tokenizer)
 
     # --- resume: the newest complete checkpoint (rank 0's listing, verified together) decides where we are ---
-    ckpt = Checkpointer(cfg.output_dir, cfg.save_total_limit)
+    ckpt = Checkpointer(cfg.output_dir, cfg.save_total_limit, deadline=Deadline(cfg.time_limit_s, now=started))
     state = ckpt.resume(cfg.resume, model_hash(model.config), cfg.model_name_or_path)
     metrics = MetricsLogger(cfg.output_dir, dims.is_main, cfg.report_to, cfg.wandb_project, state.wandb_id,
                             to_dict(cfg), total_steps(stages), cfg.progress_bar, resume_step=state.step)

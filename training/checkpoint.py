@@ -23,8 +23,14 @@ Every rank takes the same decision (docs/checkpoints.md): on a shared file syste
 it was up to a minute ago (NFS attribute caching), so a rank's own listing never picks what is loaded. Rank 0
 alone lists `checkpoints/`, reads the manifest, `trainer.json` and the pointer files, and broadcasts them; all
 ranks then verify the same checkpoint together and take the gathered verdict. A file a rank cannot see yet is
-looked for again for up to `settle_s` (60 s) before the checkpoint counts as incomplete. At Llama-3-8B on 32 ranks a checkpoint is ~100 GB (bf16
-weights + fp32 master weights and Adam moments): each rank writes and, at resume, re-reads ~3 GB.
+looked for again for up to `settle_s` (60 s) before the checkpoint counts as incomplete; the rank that *loads* a
+file does the same (every rank looks up what it is about to load, then one gathered verdict), so a node that sees a
+file late does not fail the resume. At Llama-3-8B on 32 ranks a checkpoint is ~100 GB (bf16 weights + fp32 master
+weights and Adam moments): each rank writes and, at resume, re-reads ~3 GB.
+
+A checkpoint written by another world size is converted to DeepSpeed's universal format (training/universal.py):
+keyed by the checkpoint's content (its manifest's hash), never by its name, and started only if it can finish
+before the job's end (else exit 75 to be requeued).
 
 `--resume PATH` starts a new branch from PATH: committed checkpoints newer than PATH are moved aside to
 checkpoints/abandoned/ (never deleted), so a later `--resume auto` (a SLURM requeue) continues the branch.
@@ -45,8 +51,9 @@ import numpy as np
 import torch
 
 from base import comm
-from base.log import print0
+from base.log import print0, rank_log
 from base.parallel import FS_SETTLE_S
+from training import universal
 from training.checkpoint_files import (  # noqa: F401  (MANIFEST: part of this module's interface)
     MANIFEST,
     atomic_write,
@@ -54,9 +61,12 @@ from training.checkpoint_files import (  # noqa: F401  (MANIFEST: part of this m
     deal_by_bytes,
     fsync_file,
     list_files,
+    not_visible,
     read_json,
     save_torch,
 )
+from training.job import Requeue
+from training.preemption import Deadline
 
 POINTER = "LATEST"
 _TAG = re.compile(r"^step_(\d{6,})$")
@@ -146,11 +156,12 @@ def reset_adam_moments(optimizer) -> int:
 
 
 class Checkpointer:
-    def __init__(self, output_dir: str, keep: int, settle_s: float | None = None):
+    def __init__(self, output_dir: str, keep: int, settle_s: float | None = None, deadline: Deadline | None = None):
         self.root = os.path.join(output_dir, "checkpoints")
         self.keep = keep
         # one process has one view: nothing to wait for; several may see a new file up to SETTLE_S late
         self.settle_s = settle_s if settle_s is not None else (FS_SETTLE_S if comm.world() > 1 else 0.0)
+        self.deadline = deadline or Deadline()  # the job's end (SLURM_JOB_END_TIME): bounds a universal conversion
 
     # ---------------------------------------------------------------- save
     def save(self, engine, step: int, trainer: dict, rank_state: dict, hf_config, stage_end: str | None = None) -> str:
@@ -208,14 +219,14 @@ class Checkpointer:
         self._bound_side_folders()
 
     def _bound_side_folders(self) -> None:
-        """universal/ (conversions for another world size) keeps only conversions of checkpoints still here;
+        """universal/ (conversions for another world size) keeps only finished conversions of the checkpoints still
+        here, the same content and not only the same name (a branch's new step_N makes the old conversion stale);
         abandoned/ (branches left by `--resume PATH`) keeps its newest `keep` checkpoints and the pointers to them.
         At 8B a checkpoint is ~100 GB: without this bound every world-size change and every branch stayed."""
-        here = set(self.tags())
         uni = os.path.join(self.root, "universal")
         if os.path.isdir(uni):
             for t in os.listdir(uni):
-                if _TAG.match(t) and t not in here:
+                if _TAG.match(t) and not universal.is_conversion_of(os.path.join(uni, t), os.path.join(self.root, t)):
                     shutil.rmtree(os.path.join(uni, t), ignore_errors=True)
         aside = os.path.join(self.root, "abandoned")
         if os.path.isdir(aside):
@@ -264,28 +275,35 @@ class Checkpointer:
     def _check_files(self, path: str, files: dict) -> str | None:
         """The first problem among `files` (name -> manifest entry), or None. A file missing or shorter than its
         entry may be a stale view of this node: looked for again every 2 s for up to `settle_s`."""
-        give_up = time.monotonic() + self.settle_s
-        todo = sorted(files)
-        while True:
-            for f in list(todo):
-                full, want = os.path.join(path, f), files[f]
-                size = os.path.getsize(full) if os.path.exists(full) else None
-                if size is None or size < want["size"]:
-                    break  # not (fully) visible here yet
-                if size != want["size"]:
-                    return f"{f} has {size} bytes, manifest says {want['size']}"
-                if crc32(full) != want["crc32"]:
-                    return f"{f} checksum differs from the manifest"
-                todo.remove(f)
-            if not todo:
-                return None
-            if time.monotonic() >= give_up:
-                f = todo[0]
-                full = os.path.join(path, f)
-                if not os.path.exists(full):
-                    return f"missing {f}"
-                return f"{f} has {os.path.getsize(full)} bytes, manifest says {files[f]['size']}"
-            time.sleep(2.0)
+        late = not_visible(path, {f: int(e["size"]) for f, e in files.items()}, self.settle_s)
+        if late:
+            f = min(late)
+            return f"missing {f}" if late[f] is None else f"{f} has {late[f]} bytes, manifest says {files[f]['size']}"
+        for f in sorted(files):
+            full, want = os.path.join(path, f), files[f]
+            if os.path.getsize(full) != want["size"]:
+                return f"{f} has {os.path.getsize(full)} bytes, manifest says {want['size']}"
+            if crc32(full) != want["crc32"]:
+                return f"{f} checksum differs from the manifest"
+        return None
+
+    def _await_files(self, root: str, sizes: dict[str, int], what: str) -> None:
+        """Before loading: every rank looks up the files under `root` (name -> size) by name until it sees them whole,
+        for up to `settle_s` (a node's stale view, as verification does), then one gathered verdict: a file some rank
+        still cannot see fails the load on every rank in one line (exit 1). Collective."""
+        t0 = time.monotonic()
+        late = not_visible(root, sizes, self.settle_s)
+        if time.monotonic() - t0 >= 1.0:
+            rank_log(f"waited {time.monotonic() - t0:.0f} s for files of {what} this node did not see yet"
+                     + (f"; still not seen: {sorted(late)[:3]}" if late else ""))
+        reports = comm.all_gather_object({f: late[f] for f in sorted(late)[:3]})
+        for r, got in enumerate(reports):
+            if got:
+                f = next(iter(got))
+                seen = "not found" if got[f] is None else f"{got[f]} of {sizes[f]} bytes"
+                raise RuntimeError(f"{what}: rank {r} cannot see {os.path.join(root, f)} ({seen}) after looking for "
+                                   f"it for {self.settle_s:.0f} s: that node's view of the shared file system is stale "
+                                   "or the file was removed")
 
     def find_resume(self, resume: str) -> str | None:
         """Path of the checkpoint to resume from: newest valid (auto), a given one (PATH), or None."""
@@ -342,6 +360,7 @@ class Checkpointer:
         if trainer.get("model_hash") != model_hash:
             raise ValueError(f"checkpoint {path} was written for a different model architecture than {model_name}: "
                              "use the same model, another --output_dir, or --resume none")
+        self._universal(path)  # another world size: converted now, before any engine holds memory (or exit 75/2)
         state.load_state_dict(trainer)
         state.checkpoint = path
         print0(f"resuming from {path} (step {state.step}, stage {state.stage})")
@@ -379,9 +398,12 @@ class Checkpointer:
         rank, world = _world()
         t0 = time.perf_counter()
         load_dir, tag = os.path.split(path.rstrip("/"))
-        saved_world = comm.run_on_main(lambda: read_json(os.path.join(path, MANIFEST)))["json"]["world"]
+        manifest = comm.run_on_main(lambda: read_json(os.path.join(path, MANIFEST)))["json"]
+        saved_world = manifest["world"]
+        self._await_files(path, {f: int(e["size"]) for f, e in manifest["files"].items()}, f"checkpoint {path}")
         if saved_world != world:
-            load_dir = self._universal(path, saved_world, world)
+            load_dir, files = self._universal(path)
+            self._await_files(os.path.join(load_dir, tag), files, f"the universal conversion of {path}")
             engine._config.load_universal_checkpoint = True
         # Always the whole ZeRO state: under ZeRO-3 the weights live in the optimizer's fp32 partitions
         # (`load_module_only` would restore them from the empty module placeholders); moments reset after.
@@ -402,28 +424,24 @@ class Checkpointer:
                     if k != "rng"}
         return torch.load(os.path.join(path, "state", f"rank{rank:05d}.pt"), weights_only=False)
 
-    def _universal(self, path: str, saved_world: int, world: int) -> str:
-        """Convert `path` (written by `saved_world` ranks) to DeepSpeed's universal format, once; returns the
-        folder to load from. Universal checkpoints carry weights and Adam moments to any world size.
-        Rank 0 converts while the others wait on the host (minutes for an 8B model: no NCCL collective)."""
-        import subprocess
-        import sys
+    def _universal(self, path: str) -> tuple[str, dict[str, int]] | None:
+        """For a checkpoint written by another world size: its universal conversion (training/universal.py), made
+        by rank 0 if none of exactly this content exists, and if it can finish before the job's end. Returns the
+        folder to load from and the conversion's files (name -> size), the same on every rank; None for a checkpoint
+        of this world size. Raises Requeue (exit 75) when the conversion cannot finish before the job's end,
+        ValueError (exit 2) when it cannot fit a whole allocation. Collective: rank 0 decides and converts while
+        the others wait on the host (comm.run_on_main)."""
+        world = comm.world()
 
-        tag = os.path.basename(path.rstrip("/"))
-        out_root = os.path.join(self.root, "universal")
-        out = os.path.join(out_root, tag)
+        def decide() -> dict | None:
+            saved = read_json(os.path.join(path, MANIFEST))["json"]["world"]
+            return None if saved == world else universal.prepare(path, saved, world, self.deadline)
 
-        def convert() -> None:
-            if os.path.exists(os.path.join(out, "DONE")):
-                return
-            print0(f"checkpoint {path} was written by {saved_world} ranks, this run has {world}: converting it to a "
-                   f"DeepSpeed universal checkpoint in {out}")
-            shutil.rmtree(out, ignore_errors=True)
-            os.makedirs(out_root, exist_ok=True)
-            subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", path,
-                            "--output_folder", out, "--num_extract_workers", "2", "--num_merge_workers", "1",
-                            "--inject_missing_state"], check=True, stdout=subprocess.DEVNULL)
-            atomic_write(os.path.join(out, "DONE"), "ok\n")
-
-        comm.run_on_main(convert)
-        return out_root
+        got = comm.run_on_main(decide)
+        if got is None:
+            return None
+        if "requeue" in got:
+            raise Requeue(got["requeue"])
+        if "refuse" in got:
+            raise ValueError(got["refuse"])
+        return got["dir"], got["files"]

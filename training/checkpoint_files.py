@@ -1,5 +1,5 @@
 """The file side of a checkpoint: atomic writes, files fsynced and checksummed while they are written (CRC32,
-size), and the deal of a manifest's files to the ranks that verify them. training/checkpoint.py decides what a
+size), the deal of a manifest's files to the ranks that verify them, and the look-up of files a node may see late. training/checkpoint.py decides what a
 checkpoint holds and when it exists; this is how its bytes reach the disk and are checked.
 """
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import zlib
 
 import torch
@@ -94,3 +95,26 @@ def read_json(path: str) -> dict:
             return {"json": json.load(fh)}
     except (OSError, ValueError) as e:
         return {"error": f"{type(e).__name__}: {e}"}
+
+
+def not_visible(root: str, sizes: dict[str, int], settle_s: float, every_s: float = 2.0) -> dict[str, int | None]:
+    """The files (relative to `root`, name -> size expected) this process still cannot see whole after looking each
+    one up again, by name, every `every_s` for up to `settle_s`: name -> the size seen (None: not found). A node may
+    see another node's new file up to a minute late (NFS attribute and negative-lookup caching); a name lookup, never
+    a cached directory listing, is what ends that. Costs one stat per file and look: 32 ranks x ~100 files of a
+    Llama-3-8B checkpoint (~1,200 of its universal conversion) are a few thousand metadata requests once per load."""
+    give_up = time.monotonic() + settle_s
+    todo = sorted(sizes)
+    while True:
+        seen = {}
+        for f in todo:
+            try:
+                size = os.path.getsize(os.path.join(root, f)) if os.path.exists(os.path.join(root, f)) else None
+            except OSError:  # removed between the two looks
+                size = None
+            if size is None or size < sizes[f]:
+                seen[f] = size
+        if not seen or time.monotonic() >= give_up:
+            return seen
+        time.sleep(every_s)
+        todo = list(seen)

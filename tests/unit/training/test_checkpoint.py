@@ -1,11 +1,17 @@
 """Checkpoint commit protocol without a process group: manifest written last, verification rejects missing,
 truncated, corrupted or unlisted files, auto-resume falls back to the previous complete checkpoint, and
-rotation never deletes the newest complete one."""
+rotation never deletes the newest complete one; a universal conversion is keyed by its source's content and
+bounded by the job's end; a file the loading rank cannot see yet is looked for again."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
+import threading
+import time
+import types
 
 import pytest
 
@@ -108,19 +114,156 @@ def test_verification_is_dealt_by_bytes():
     assert deal_by_bytes(sizes, 32) == deal  # the same deal on every rank
 
 
-def test_side_folders_are_bounded(tmp_path):
-    """universal/ keeps conversions of checkpoints still kept; abandoned/ keeps its newest `keep` and their
+def test_side_folders_are_bounded(tmp_path, monkeypatch):
+    """universal/ keeps finished conversions of the checkpoints still kept, of their content now (a branch's new
+    step_N under an old name makes the old conversion stale: dropped); abandoned/ keeps its newest `keep` and their
     stage pointers."""
+    from training import universal
+
+    fake_converter(monkeypatch)
     ck = Checkpointer(str(tmp_path), keep=2)
     root = tmp_path / "checkpoints"
+
+    def convert(step):
+        p = str(root / tag_for(step))
+        universal.convert(p, universal.folder(p), universal.source_id(p), 0)
+
     for t in (1, 2, 3, 4, 5):
         (root / "abandoned" / tag_for(10 + t)).mkdir(parents=True)
     (root / "abandoned" / "STAGE_0_a").write_text(tag_for(11) + "\n")
     (root / "abandoned" / "STAGE_1_b").write_text(tag_for(15) + "\n")
-    (root / "universal" / tag_for(1)).mkdir(parents=True)
     for s in (1, 2, 3):
-        save(ck, s)  # rotation drops step 1, and with it its universal conversion
-        if s == 2:
-            (root / "universal" / tag_for(2)).mkdir()
-    assert sorted(os.listdir(root / "universal")) == [tag_for(2)]
+        save(ck, s)  # rotation drops step 1, and with it its conversion
+        if s < 3:
+            convert(s)
+    assert sorted(os.listdir(root / "universal")) == ["RATE.json", tag_for(2)]
     assert sorted(os.listdir(root / "abandoned")) == ["STAGE_1_b", tag_for(14), tag_for(15)]
+    convert(3)
+    save(ck, 3)  # a branch's own step 3: the conversion of the old one is stale
+    assert sorted(os.listdir(root / "universal")) == ["RATE.json", tag_for(2)]
+
+
+# --- loading: universal conversions (issue 32 item 3) and files a rank cannot see yet (item 8) ---
+
+MODEL_FILE = "zero_pp_rank_0_mp_rank_00_model_states.pt"
+
+
+class LoadEngine:
+    """What Checkpointer.load uses of a DeepSpeed engine; records the bytes of the model file it loaded (from the
+    checkpoint itself, or from the universal conversion it was pointed at)."""
+
+    def __init__(self):
+        self._config = types.SimpleNamespace(load_universal_checkpoint=False)
+        self.optimizer = types.SimpleNamespace(state={}, param_groups=[])
+        self.lr_scheduler = None
+        self.loaded: list[tuple[bool, bytes]] = []
+
+    def load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states):
+        with open(os.path.join(load_dir, tag, MODEL_FILE), "rb") as fh:  # FileNotFoundError if not seen, as torch.load
+            self.loaded.append((self._config.load_universal_checkpoint, fh.read()))
+        return os.path.join(load_dir, tag), {}
+
+
+def fake_converter(monkeypatch) -> list:
+    """`python -m deepspeed.checkpoint.ds_to_universal` replaced by a copy of the model file (ds_to_universal copies
+    the model-states files into its output too); returns the list of conversions started."""
+    calls, real_run = [], subprocess.run
+
+    def run(cmd, *args, **kwargs):
+        if "deepspeed.checkpoint.ds_to_universal" not in cmd:
+            return real_run(cmd, *args, **kwargs)
+        src, out = cmd[cmd.index("--input_folder") + 1], cmd[cmd.index("--output_folder") + 1]
+        calls.append(src)
+        os.makedirs(out, exist_ok=True)
+        shutil.copy2(os.path.join(src, MODEL_FILE), os.path.join(out, MODEL_FILE))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(subprocess, "run", run)
+    return calls
+
+
+def save_from_world(ck, step: int, world: int) -> str:
+    """A checkpoint as `world` ranks would have committed it (the manifest says who wrote it)."""
+    path = save(ck, step)
+    manifest = json.loads(open(os.path.join(path, MANIFEST)).read())
+    manifest["world"] = world
+    with open(os.path.join(path, MANIFEST), "w") as fh:
+        json.dump(manifest, fh)
+    return path
+
+
+def model_bytes(path) -> bytes:
+    with open(os.path.join(path, MODEL_FILE), "rb") as fh:
+        return fh.read()
+
+
+def test_universal_conversion_is_keyed_by_its_source(tmp_path, monkeypatch):
+    """A branch writes a new step_4 under the old name: a resume at another world size converts the new one
+    (the old conversion, of another step_4, must never be loaded); the same content is converted once."""
+    calls = fake_converter(monkeypatch)
+    ck = Checkpointer(str(tmp_path), keep=3)
+    path = save_from_world(ck, 4, world=2)
+    engine = LoadEngine()
+    ck.load(engine, path)
+    ck.load(engine, path)
+    assert len(calls) == 1 and engine.loaded == [(True, model_bytes(path))] * 2  # converted once, then reused
+    save_from_world(ck, 2, world=2)
+    branch = save_from_world(ck, 4, world=2)  # the branch's own step_4: other bytes, same name
+    ck.load(engine, branch)
+    assert len(calls) == 2, "the branch's step_4 was loaded through the old step_4's conversion"
+    assert engine.loaded[-1] == (True, model_bytes(branch))
+
+
+def _exit_code(monkeypatch, fn) -> int:
+    from training.job import run_job
+
+    monkeypatch.setenv("RANK", "0")  # a world of one: run_job leaves the environment alone
+    return run_job(lambda: fn() or 0)
+
+
+def test_conversion_that_cannot_finish_before_the_job_ends_is_not_started(tmp_path, monkeypatch, capsys):
+    """A job that starts 60 s before its end (SLURM_JOB_END_TIME) does not start a conversion it cannot finish
+    (killed at the limit, it was redone from scratch on every requeue): exit 75 (requeue) in one line, before it."""
+    calls = fake_converter(monkeypatch)
+    monkeypatch.setenv("SLURM_JOB_START_TIME", str(int(time.time() - 3600)))
+    monkeypatch.setenv("SLURM_JOB_END_TIME", str(int(time.time() + 60)))
+    ck = Checkpointer(str(tmp_path), keep=3)
+    path = save_from_world(ck, 4, world=2)
+    code = _exit_code(monkeypatch, lambda: ck.load(LoadEngine(), path))
+    assert calls == [], "the conversion was started 60 s before the job's end"
+    assert code == 75
+    assert "requeue" in capsys.readouterr().err
+
+
+def test_conversion_longer_than_a_whole_allocation_is_refused(tmp_path, monkeypatch, capsys):
+    """A job whose whole allocation (SLURM_JOB_END_TIME - SLURM_JOB_START_TIME) cannot hold the conversion would be
+    requeued for ever: refused as bad input (exit 2), naming the offline conversion as the fix."""
+    calls = fake_converter(monkeypatch)
+    monkeypatch.setenv("SLURM_JOB_START_TIME", str(int(time.time() - 5)))
+    monkeypatch.setenv("SLURM_JOB_END_TIME", str(int(time.time() + 100)))
+    ck = Checkpointer(str(tmp_path), keep=3)
+    path = save_from_world(ck, 4, world=2)
+    code = _exit_code(monkeypatch, lambda: ck.load(LoadEngine(), path))
+    assert calls == [] and code == 2
+    assert "python -m training.universal" in capsys.readouterr().err
+
+
+def test_a_file_the_loading_rank_cannot_see_yet_is_looked_for_again(tmp_path):
+    """The rank that loads a file looks it up again by name (a stale view of its node) as the verifying rank does:
+    files that appear 1.5 s late are loaded; a file that never appears fails in one line naming it."""
+    ck = Checkpointer(str(tmp_path), keep=2, settle_s=8)
+    path = save(ck, 2)
+    late = [os.path.join(path, "state", "rank00000.pt"), os.path.join(path, MODEL_FILE)]
+    for f in late:
+        os.rename(f, f + ".away")
+    timers = [threading.Timer(1.5, os.rename, (f + ".away", f)) for f in late]
+    for t in timers:
+        t.start()
+    engine = LoadEngine()
+    assert ck.load(engine, path) == {"sampler": {}}
+    assert engine.loaded == [(False, model_bytes(path))]
+
+    os.remove(late[0])
+    ck.settle_s = 1
+    with pytest.raises(RuntimeError, match="state/rank00000.pt"):
+        ck.load(LoadEngine(), path)
