@@ -32,13 +32,16 @@ A checkpoint written by another world size is converted to DeepSpeed's universal
 keyed by the checkpoint's content (its manifest's hash), never by its name, and started only if it can finish
 before the job's end (else exit 75 to be requeued).
 
-`--resume PATH` starts a new branch from PATH: committed checkpoints newer than PATH are moved aside to
-checkpoints/abandoned/ (never deleted), so a later `--resume auto` (a SLURM requeue) continues the branch.
+`--resume PATH` (or `none`) starts a new branch from PATH (or from nothing) once: this run's checkpoints not on it are
+moved aside to checkpoints/abandoned/, a stale COMPLETE too, and the branch is recorded in checkpoints/BRANCHES.json
+(its source's content hash), so the same command run again (a SLURM requeue, a re-run after a crash) continues the
+branch from its own newest checkpoint instead of taking it again.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import random
@@ -69,6 +72,7 @@ from training.job import Requeue
 from training.preemption import Deadline
 
 POINTER = "LATEST"
+BRANCHES = "BRANCHES.json"  # the branches this run took (--resume PATH / none), each taken once
 _TAG = re.compile(r"^step_(\d{6,})$")
 
 
@@ -306,16 +310,22 @@ class Checkpointer:
                                    "or the file was removed")
 
     def find_resume(self, resume: str) -> str | None:
-        """Path of the checkpoint to resume from: newest valid (auto), a given one (PATH), or None."""
-        if resume == "none":
-            return None
+        """Path of the checkpoint to resume from, or None (fresh). Collective; rank 0 decides, every rank gets it.
+
+        `auto`: this run's newest complete checkpoint. `PATH` and `none` start a branch (from PATH, or fresh) the
+        first time this run folder is started with them, recorded in checkpoints/BRANCHES.json; started again with
+        the same `--resume` (a SLURM requeue, a launch.sh re-run, a user re-running the command after a crash) the
+        run continues like `auto`, from PATH again only while the branch has no complete checkpoint of its own. A
+        branch is known by its source's content (the sha256 of its MANIFEST.json), not by its name: a new `step_N`
+        written under an old name (after another branch) is a new branch point."""
         if resume != "auto":
-            why = self.verify(resume)
-            if why:
-                raise ValueError(f"--resume {resume}: not a complete checkpoint ({why}); use --resume auto or "
-                                 "another checkpoint")
-            comm.run_on_main(lambda: self._start_branch(resume))
-            return resume
+            taken = comm.run_on_main(lambda: self._branch_taken(resume))
+            if taken is None:
+                path = None if resume == "none" else self._checked(resume)
+                comm.run_on_main(lambda: self._start_branch(path, resume))
+                return path
+            print0(f"--resume {resume}: this branch was taken on {taken}: continuing from this run's newest complete "
+                   f"checkpoint (docs/checkpoints.md)")
         for tag in reversed(comm.run_on_main(self.tags)):  # rank 0's listing is the only one read
             path = os.path.join(self.root, tag)
             t0 = time.perf_counter()
@@ -324,29 +334,87 @@ class Checkpointer:
                 print0(f"verified {path} in {time.perf_counter() - t0:.1f}s")
                 return path
             print0(f"warning: skipping checkpoint {path}: {why}")
+        if resume not in ("auto", "none"):  # the branch saved nothing of its own yet: from its source again
+            return self._checked(resume)
         return None
 
-    def _start_branch(self, path: str) -> None:
-        """Resuming from `path` abandons this run's newer checkpoints: move them (and stage pointers to them) to
-        checkpoints/abandoned/, so `--resume auto` continues from `path`. Nothing is deleted."""
-        if os.path.dirname(os.path.abspath(path.rstrip("/"))) != os.path.abspath(self.root):
-            return  # a checkpoint of another run: this run's own checkpoints stay the newest
-        step = int(_TAG.match(os.path.basename(path.rstrip("/"))).group(1))
-        newer = [t for t in self.tags() if int(t[5:]) > step]
-        if not newer:
-            return
+    def _checked(self, path: str) -> str:
+        why = self.verify(path)
+        if why:
+            raise ValueError(f"--resume {path}: not a complete checkpoint ({why}); use --resume auto or another "
+                             "checkpoint")
+        return path
+
+    @staticmethod
+    def _source_id(path: str) -> str | None:
+        """A checkpoint's content identity: the sha256 of its manifest (every file's size and CRC32); None if none."""
+        try:
+            with open(os.path.join(path, MANIFEST), "rb") as fh:
+                return hashlib.sha256(fh.read()).hexdigest()
+        except OSError:
+            return None
+
+    def _branches(self) -> list[dict]:
+        got = read_json(os.path.join(self.root, BRANCHES))
+        return got.get("json", {}).get("branches", []) if "json" in got else []
+
+    def _branch_taken(self, resume: str) -> str | None:
+        """Rank 0: when this run folder took the branch `resume` (PATH or none), or None if it never did. PATH is
+        matched by real path and content; a source that is gone (rotated away by the branch's own saves) by path."""
+        if resume == "none":
+            key, sid = None, None
+        else:
+            key, sid = os.path.realpath(resume.rstrip("/")), self._source_id(resume)
+        for b in reversed(self._branches()):
+            if key is None:
+                same = b.get("resume") == "none"
+            else:
+                same = b.get("source") == key and (sid is None or b.get("manifest_sha256") == sid)
+            if same:
+                return b.get("taken_at", "an earlier start")
+        return None
+
+    def _start_branch(self, path: str | None, resume: str) -> None:
+        """Rank 0: start a branch from `path` (None: fresh). This run's checkpoints not on the branch (newer than
+        `path` when it is one of this run's, all of them otherwise), the stage pointers to them and a COMPLETE left
+        by the line they belong to move to checkpoints/abandoned/ (bounded by save_total_limit like the rest); then
+        the branch is recorded in BRANCHES.json, last and atomically: a start killed before that takes it again."""
+        own = path is not None and os.path.dirname(os.path.realpath(path.rstrip("/"))) == os.path.realpath(self.root)
+        step = int(_TAG.match(os.path.basename(path.rstrip("/"))).group(1)) if own else -1
+        off = [t for t in self.tags() if int(t[5:]) > step]
         aside = os.path.join(self.root, "abandoned")
-        os.makedirs(aside, exist_ok=True)
-        for name in os.listdir(self.root):
+        src = os.path.realpath(path.rstrip("/")) if path else None
+        for t in off:
+            if os.path.realpath(os.path.join(aside, t)) == src:
+                raise ValueError(f"--resume {path}: this branch would move this run's {t} onto it (abandoned/{t}); "
+                                 "copy it out of checkpoints/ and resume from the copy")
+        complete = os.path.join(os.path.dirname(self.root), "COMPLETE")
+        if off or os.path.exists(complete):
+            os.makedirs(aside, exist_ok=True)
+        for name in os.listdir(self.root) if os.path.isdir(self.root) else []:
             pointer = os.path.join(self.root, name)
             if name.startswith("STAGE_") and os.path.isfile(pointer):
                 with open(pointer) as fh:
-                    if fh.read().strip() in newer:
+                    if fh.read().strip() in off:
                         os.replace(pointer, os.path.join(aside, name))
-        for t in newer:
+        for t in off:
+            if os.path.exists(os.path.join(aside, t)):  # an older abandoned line's checkpoint of the same step
+                shutil.rmtree(os.path.join(aside, t))
             os.replace(os.path.join(self.root, t), os.path.join(aside, t))
-        atomic_write(os.path.join(self.root, POINTER), os.path.basename(path.rstrip("/")) + "\n")
-        print0(f"--resume {path}: {len(newer)} newer checkpoint(s) moved to {aside} ({newer[0]} .. {newer[-1]})")
+        if os.path.exists(complete):  # it described the line left behind; this branch writes its own at its end
+            os.replace(complete, os.path.join(aside, "COMPLETE"))
+        os.makedirs(self.root, exist_ok=True)
+        pointer = os.path.join(self.root, POINTER)
+        if own:
+            atomic_write(pointer, os.path.basename(path.rstrip("/")) + "\n")
+        elif os.path.exists(pointer):
+            os.remove(pointer)
+        record = {"resume": resume, "source": src, "manifest_sha256": self._source_id(path) if path else None,
+                  "step": step if own else None, "moved": off, "taken_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+        atomic_write(os.path.join(self.root, BRANCHES),
+                     json.dumps({"branches": [*self._branches(), record]}, indent=1) + "\n")
+        print0(f"--resume {resume}: branch started" + (f"; {len(off)} checkpoint(s) not on it moved to {aside} "
+                                                       f"({off[0]} .. {off[-1]})" if off else ""))
 
     def resume(self, resume: str, model_hash: str, model_name: str) -> TrainState:
         """The run's state at start: fresh, or restored from the checkpoint `resume` picks (find_resume), refused
