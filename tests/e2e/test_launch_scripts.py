@@ -88,6 +88,11 @@ def test_print_only_prints_the_command_and_writes_deepspeed_env(tmp_path, opts, 
 NUMA_STUB = os.path.join(STUBS, "numa")  # a numactl stand-in: logs its options, runs the command
 
 
+def cpu_set(ranges: str) -> list[int]:
+    """"0-2,5" -> [0, 1, 2, 5] (the Cpus_allowed_list form)."""
+    return [c for part in ranges.split(",") for a, _, b in [part.partition("-")] for c in range(int(a), int(b or a) + 1)]
+
+
 def allowed_cpus() -> str:
     with open("/proc/self/status") as fh:
         return next(line.split()[1] for line in fh if line.startswith("Cpus_allowed_list:"))
@@ -228,18 +233,21 @@ def test_sbatch_runs_one_launcher_per_node_with_node_rank_and_master(tmp_path):
 
 
 @pytest.mark.parametrize("code, complete, job_rc, requeued", [
-    ("75", False, 0, True),   # preempted after a save: requeue
-    ("75", True, 0, False),   # finished anyway: nothing to resume
-    ("0", True, 0, False),    # done
-    ("0", False, 1, False),   # 0 without COMPLETE: a launcher died of a signal; fail, do not loop
-    ("3", False, 3, False),   # failure: no requeue
+    ("75", None, 0, True),        # preempted after a save: requeue
+    ("75", "during", 0, False),   # finished anyway: nothing to resume
+    ("75", "before", 0, True),    # a COMPLETE older than the job (the line before a branch, a run since extended)
+    ("0", "during", 0, False),    # done
+    ("0", None, 1, False),        # 0 without COMPLETE: a launcher died of a signal; fail, do not loop
+    ("0", "before", 1, False),    # ... also when an older COMPLETE is there
+    ("3", None, 3, False),        # failure: no requeue
 ])
 def test_sbatch_requeues_only_after_a_preemption_save(tmp_path, code, complete, job_rc, requeued):
     out_dir = tmp_path / "out"
-    if complete:
+    if complete == "before":
         out_dir.mkdir()
         (out_dir / "COMPLETE").write_text("")
-    job = sbatch(tmp_path, code, ["--output_dir", str(out_dir)])
+    env = {"FAKE_COMPLETE": str(out_dir / "COMPLETE")} if complete == "during" else {}
+    job = sbatch(tmp_path, code, ["--output_dir", str(out_dir)], **env)
     text = job.communicate(timeout=60)[0]
     assert job.returncode == job_rc, text
     assert requeues(tmp_path) == (["requeue 4242"] if requeued else []), text
@@ -291,6 +299,29 @@ def test_sbatch_carries_the_interface_variables_to_every_node(tmp_path, export):
     assert job.returncode == 0, text
     assert (tmp_path / "fake.log").read_text().splitlines()[1] == (
         "env: GLOO_SOCKET_IFNAME=eth1 NCCL_SOCKET_IFNAME=eth1 FI_PROVIDER=efa UCX_TLS=rc,sm")
+
+
+needs_2_cpus = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a CPU-placement test needs 2 CPUs")
+
+
+@needs_2_cpus
+@pytest.mark.parametrize("env, cpus", [
+    ({}, "all"),  # the node's CPUs (SLURM_CPUS_ON_NODE / SLURM_JOB_CPUS_PER_NODE from the allocation)
+    ({"SLURM_JOB_CPUS_PER_NODE": "1,2(x3)"}, 1),  # uneven nodes: what the smallest can give
+    ({"SLURM_CPUS_PER_TASK": "1"}, 1),  # sbatch -c 1: the user's number
+])
+def test_sbatch_gives_each_nodes_task_the_nodes_cpus(tmp_path, env, cpus):
+    """The srun stand-in confines the step's task as Slurm does (one CPU unless --cpus-per-task): the launcher of
+    each node (here its stand-in) must run on the CPUs the job has there, not on one core."""
+    job = sbatch(tmp_path, "0", ["--output_dir", str(tmp_path / "out"), "--dry_run"], SRUN_LOG=str(tmp_path / "srun"),
+                 **env)
+    text = job.communicate(timeout=60)[0]
+    assert job.returncode == 0, text
+    mine = sorted(os.sched_getaffinity(0))
+    want = mine if cpus == "all" else mine[:1]
+    assert f" --cpus-per-task={len(want)} --cpu-bind=none " in (tmp_path / "srun").read_text(), text
+    seen = (tmp_path / "fake.log").read_text().splitlines()[2]
+    assert seen.startswith("cpus: ") and cpu_set(seen[6:]) == want, (seen, text)
 
 
 def test_sbatch_gives_up_after_max_requeues(tmp_path):
@@ -356,6 +387,27 @@ def test_sbatch_chain_with_real_launcher(tmp_path):
     assert job.returncode == 0, text
     assert [(tmp_path / f"got{r}").read_text() for r in (0, 1)] == ["SIGUSR1", "SIGUSR1"], text
     assert "training exited with 75" in text and requeues(tmp_path) == ["requeue 4242"], text
+
+
+@pytest.mark.dist
+@needs_2_cpus
+def test_sbatch_ranks_spread_over_the_nodes_cpus(tmp_path):
+    """sbatch -> srun (confining its task as Slurm does) -> launch.sh -> deepspeed (numactl stand-in binding with
+    taskset) -> 2 ranks: each rank runs on its own share of the job's CPUs and together they cover them, with
+    OMP_NUM_THREADS = CPUs / ranks. (With no --cpus-per-task both ranks ran on one CPU, OMP_NUM_THREADS=1.)"""
+    cores = sorted(os.sched_getaffinity(0))
+    e = clean_env(PATH=f"{STUBS}:{NUMA_STUB}:{os.environ['PATH']}", SLURM_SUBMIT_DIR=str(tmp_path), GPUS_PER_NODE="2",
+                  SCONTROL_LOG=str(tmp_path / "scontrol.log"), LAUNCH_CMD=LAUNCH, MASTER_PORT="29636",
+                  TRAIN_SCRIPT=os.path.join(STUBS, "env_train.py"), FAKE_DIR=str(tmp_path), DS_ACCELERATOR="cpu",
+                  TMPDIR=str(tmp_path), BIND_CORES="auto", OMP_NUM_THREADS=None)
+    job = subprocess.run(["sbatch", SBATCH_SCRIPT, "--output_dir", str(tmp_path / "out"), "--dry_run"], cwd=tmp_path,
+                         env=e, capture_output=True, text=True, timeout=300)
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    seen = [json.loads((tmp_path / f"env{r}.json").read_text()) for r in (0, 1)]
+    per = len(cores) // 2
+    assert [s["OMP_NUM_THREADS"] for s in seen] == [str(per)] * 2, seen
+    assert sorted(c for s in seen for c in s["cpus"]) == cores[:2 * per], seen  # disjoint, all of them
+    assert all(len(s["cpus"]) == per for s in seen), seen
 
 
 @pytest.mark.dist
