@@ -104,17 +104,34 @@ def cpu_placement(readings: list[tuple[str, list[int]]], gpu: bool) -> tuple[str
     return "ok", f"{where}: {per:.3g} per rank"
 
 
+def threads_per_rank(readings: list[tuple[str, list[int]]], host: str, mine: list[int]) -> int:
+    """This rank's share of its node's cores (the union of the node's ranks' CPUs over its ranks), within its own
+    CPUs, at least 1."""
+    node = [set(c) for h, c in readings if h == host]
+    return max(1, min(len(mine), len(set().union(*node)) // max(1, len(node))))
+
+
 def check_cpu_placement(gpu: bool) -> str:
     """Collective: every rank's host and usable CPUs gathered, one verdict for all (cpu_placement), the line to
     print ("cpus: ..." or "warning: cpus: ..."); ValueError (exit 2) where the placement is refused. Each rank's own
-    CPUs and OMP_NUM_THREADS go to its log (OUTPUT_DIR/logs/rankNNNNN.log)."""
+    CPUs and OMP_NUM_THREADS go to its log (OUTPUT_DIR/logs/rankNNNNN.log); where no launcher set OMP_NUM_THREADS,
+    the rank sets it (and torch's threads) to its share of the node's cores (threads_per_rank)."""
     from base import comm
     from base.log import rank_log
 
     mine = usable_cpus()
     rank_log(f"cpus: this rank may run on {cpu_ranges(mine)} ({len(mine)}), "
              f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
-    verdict, line = cpu_placement(comm.all_gather_object((socket.gethostname(), mine)), gpu)
+    host = socket.gethostname()
+    readings = comm.all_gather_object((host, mine))
+    if not os.environ.get("OMP_NUM_THREADS"):  # no launcher set a share (plain `deepspeed`, python): take this rank's
+        import torch  # (else every rank's pool, and CPU Adam's OpenMP loaded later, starts a thread per CPU)
+
+        n = threads_per_rank(readings, host, mine)
+        os.environ["OMP_NUM_THREADS"] = str(n)
+        torch.set_num_threads(n)
+        rank_log(f"cpus: OMP_NUM_THREADS was unset: {n} (this rank's share of its node's CPUs)")
+    verdict, line = cpu_placement(readings, gpu)
     if verdict == "refuse":
         raise ValueError(f"cpus: {line}")
     return f"cpus: {line}" if verdict == "ok" else f"warning: cpus: {line}"

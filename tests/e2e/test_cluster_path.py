@@ -127,8 +127,9 @@ def test_resume_path_starts_a_branch_that_auto_continues(assets, tmp_path):
         p.send_signal(signal.SIGTERM)
     assert wait(procs, str(tmp_path / "l1")) == [75, 75]
     k = max(losses(out))
-    # moved aside, not deleted: the newer checkpoints and the stage-end pointer to one of them
-    assert sorted(os.listdir(ck / "abandoned")) == ["STAGE_0_main", "step_000006", "step_000008"]
+    # moved aside, not deleted: the newer checkpoints, the stage-end pointer to one of them and the line's COMPLETE
+    assert sorted(os.listdir(ck / "abandoned")) == ["COMPLETE", "STAGE_0_main", "step_000006", "step_000008"]
+    assert not (out / "COMPLETE").exists()
     assert (ck / "LATEST").read_text().strip() == f"step_{k:06d}"
     run(TRAIN, [*args, "--resume", "auto"], 2, str(tmp_path / "l2"))  # what a SLURM requeue runs
     assert f"resuming from {ck}/step_{k:06d}" in (tmp_path / "l2" / "rank0.log").read_text()

@@ -67,6 +67,44 @@ def test_slurm_preemption_requeue_then_completion(tmp_path):
     assert sorted(losses(out)) == list(range(1, 31))
 
 
+def test_slurm_requeue_continues_a_branch_once(assets, tmp_path):
+    """The real slurm.sbatch (stand-in sbatch/srun/scontrol on PATH; srun confines its task as Slurm does) submitted
+    with `--resume <branch point>` in a folder whose run had finished: the branch trains, saves steps 6 and 8 (the
+    branch point, step 4, rotated away), is preempted (SIGTERM to the batch shell), saves, and is requeued; the
+    requeue runs the same arguments and continues from the branch's own save to COMPLETE. (It was not requeued at
+    all, the old line's COMPLETE being there; and its requeue asked for step 4 again: exit 2, "bad input".)"""
+    from tests.distributed import run
+    from tests.runs import TRAIN, train_args
+
+    out = tmp_path / "out"
+    ck = out / "checkpoints"
+    keep = ["--save_steps", "2", "--save_total_limit", "2"]
+    run(TRAIN, train_args(assets, out, 2, steps=6, extra=keep), 2, str(tmp_path / "l0"))  # the line branched from
+    assert (out / "COMPLETE").exists() and sorted(p.name for p in ck.glob("step_*")) == ["step_000004", "step_000006"]
+    args = train_args(assets, out, 2, steps=20, extra=[*keep, "--resume", str(ck / "step_000004")])
+    log = tmp_path / "scontrol.log"
+    e = env(PATH=f"{ROOT}/tests/stubs:{os.environ['PATH']}", SCONTROL_LOG=str(log), SLURM_SUBMIT_DIR=ROOT,
+            GPUS_PER_NODE="2", MASTER_PORT="29651")
+    e.pop("OMP_NUM_THREADS")  # launch.sh's share of the step's CPUs
+    job = subprocess.Popen(["sbatch", SBATCH, *args], cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True)
+    wait_for(lambda: (ck / "step_000008" / "MANIFEST.json").exists(), timeout=400)
+    job.send_signal(signal.SIGTERM)  # SLURM's preemption (or the time-limit warning)
+    text = job.communicate(timeout=300)[0]
+    assert job.returncode == 0 and log.exists() and log.read_text() == "requeue 4242\n", text[-3000:]
+    saved = max(losses(out))
+    assert 8 <= saved < 20 and not (ck / "step_000004").exists() and not (out / "COMPLETE").exists(), text[-3000:]
+    rank0 = (out / "logs" / "rank00000.log").read_text()
+    if len(os.sched_getaffinity(0)) >= 2:  # the step's CPUs reached the ranks (srun --cpus-per-task)
+        assert f"may run on {len(os.sched_getaffinity(0))} CPU(s)" in rank0, rank0[-3000:]
+    again = subprocess.run(["sbatch", SBATCH, *args], cwd=ROOT, env=dict(e, SLURM_RESTART_COUNT="1"),
+                           capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:]
+    assert "this branch was taken" in again.stdout and f"resuming from {ck}/step_{saved:06d}" in again.stdout
+    assert log.read_text() == "requeue 4242\n" and (out / "COMPLETE").exists()
+    assert sorted(losses(out)) == list(range(1, 21))
+
+
 def test_sigterm_to_every_process_of_the_job(tmp_path):
     """What SLURM does on preemption or scancel: SIGTERM to every process of the step at once, the launchers
     included (launch.sh, the deepspeed runner, launch.py, the ranks). The job still ends with one committed

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from base.host import ADAM_THREADS, cpu_placement, cpu_ranges, ranks_per_node
+from base.host import ADAM_THREADS, cpu_placement, cpu_ranges, ranks_per_node, threads_per_rank
 
 LAUNCHER_VARS = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "WORLD_SIZE", "SLURM_NTASKS",
                  "SLURM_STEP_NUM_TASKS", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE",
@@ -65,3 +65,11 @@ def test_cpu_placement_verdict(readings, gpu, verdict, words):
 
 def test_cpu_ranges():
     assert cpu_ranges([5, 0, 1, 2, 7, 8]) == "0-2,5,7-8" and cpu_ranges([3]) == "3" and cpu_ranges([]) == ""
+
+
+def test_threads_per_rank_is_the_share_of_the_nodes_cores():
+    node = [("n0", list(range(128)))] * 8 + [("n1", list(range(64)))] * 8
+    assert threads_per_rank(node, "n0", list(range(128))) == 16 and threads_per_rank(node, "n1", list(range(64))) == 8
+    bound = [("n0", list(range(4 * r, 4 * r + 4))) for r in range(8)]
+    assert threads_per_rank(bound, "n0", [0, 1, 2, 3]) == 4  # within its own CPUs
+    assert threads_per_rank([("n0", [0])] * 8, "n0", [0]) == 1  # at least one
