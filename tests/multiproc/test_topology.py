@@ -1,14 +1,24 @@
 """Resuming under another layout. Same world, other SP degree: loads directly (checkpoint files are named by
 world rank). Other world size: converted to DeepSpeed's universal checkpoint, which carries weights and
 Adam moments; with the same DP degree the data order is unchanged, so losses continue as uninterrupted
-(up to reduction-order rounding: 1e-4)."""
+(up to reduction-order rounding: 1e-4). A conversion is keyed by its source's content: a branch's new checkpoint
+under an old name is converted again. A rank that cannot see the conversion's files yet (another node, a stale view)
+looks them up again instead of failing."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+
 import pytest
 
-from tests.distributed import run
+from tests.conftest import write_token_jsonl
+from tests.distributed import ROOT, run
 from tests.runs import TRAIN, losses, preempt_after, train_args
+from training.checkpoint import tag_for
+
+LATE_S = 6  # rank 1 sees the conversion's files this long after its first look (a node's cached negative lookup)
 
 pytestmark = pytest.mark.dist
 
@@ -23,9 +33,15 @@ def test_world_size_change_carries_optimizer_state(assets, tmp_path, before, aft
     ref = _ref(assets, tmp_path, *before)
     out = tmp_path / "out"
     k = preempt_after(train_args(assets, out, before[0], steps=6), before[1], out, str(tmp_path / "l1"), 2)
-    run(TRAIN, train_args(assets, out, after[0], steps=6), after[1], str(tmp_path / "l2"))
+    # 1 -> 2: rank 1 (another node) sees the files rank 0 just converted only LATE_S after it first looks for them
+    late = {"PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT}/tests/stubs/stale_view", "STALE_VIEW_RANK": "1",
+            "STALE_VIEW_LATE": r"/universal/step_\d+/.+\.pt$", "STALE_VIEW_LATE_S": str(LATE_S)}
+    run(TRAIN, train_args(assets, out, after[0], steps=6), after[1], str(tmp_path / "l2"),
+        extra_env=late if after[1] == 2 else None)
     log = (tmp_path / "l2" / "rank0.log").read_text()
     assert "converting it to a DeepSpeed universal checkpoint" in log and f"resuming from {out}" in log
+    if after[1] == 2:  # the view really was late, and rank 1 waited instead of failing
+        assert "did not see yet" in (out / "logs" / "rank00001.log").read_text()
     got = losses(out)
     assert sorted(got) == list(range(1, 7)) and k < 6
     for s in range(k + 1, 7):
@@ -56,3 +72,36 @@ def test_other_model_is_refused_clearly(assets, tmp_path):
     args[args.index("--model_name_or_path") + 1] = assets["qwen2_kv1"]
     run(TRAIN, args, 1, str(tmp_path / "l2"), expect=2)
     assert "written for a different model architecture" in (tmp_path / "l2" / "rank0.log").read_text()
+
+
+@pytest.mark.slow
+def test_a_branch_is_converted_again_not_loaded_through_the_old_conversion(assets, tmp_path):
+    """Issue 32's run: 2 ranks save steps 2 and 4; 1 rank resumes (step 4 converted); 1 rank branches from step 2 on
+    another corpus and saves a new step 4; 2 ranks resume from it. The new step 4 is converted (the old branch's
+    conversion carried the old weights and Adam state: step 5's loss differed by 5e-3) and step 5's loss equals
+    that of the same checkpoint resumed on 1 rank. The abort channel's stall limit is lowered below the
+    conversion's time: the ranks waiting for rank 0's conversion are not taken for dead."""
+    out, save2 = tmp_path / "out", ["--save_steps", "2", "--save_total_limit", "4"]
+    run(TRAIN, train_args(assets, out, 2, steps=4, extra=save2), 2, str(tmp_path / "l1"))
+    run(TRAIN, train_args(assets, out, 1, steps=5, extra=save2), 1, str(tmp_path / "l2"))
+    assert "converting it to a DeepSpeed universal checkpoint" in (tmp_path / "l2" / "rank0.log").read_text()
+    other = write_token_jsonl(str(tmp_path / "other.jsonl"), seed=1)
+    branch = train_args(assets, out, 1, steps=4, extra=[*save2, "--resume", str(out / "checkpoints" / tag_for(2))])
+    branch[branch.index("--dataset_path") + 1] = other
+    run(TRAIN, branch, 1, str(tmp_path / "l3"))
+    shutil.copytree(out, tmp_path / "same_world")
+
+    def resume(where, sp, nproc, logs, env=None):
+        args = train_args(assets, where, sp, steps=5, extra=save2)
+        args[args.index("--dataset_path") + 1] = other
+        run(TRAIN, args, nproc, str(tmp_path / logs), extra_env=env)
+        return losses(where)[5]
+
+    stall_s = 3.0
+    watch = {"PYTHONPATH": f"{ROOT}/tests/stubs/faults{os.pathsep}{ROOT}", "WATCH": f"0.5:{stall_s}:20"}
+    got = resume(out, 2, 2, "l4", watch)
+    assert "converting it to a DeepSpeed universal checkpoint" in (tmp_path / "l4" / "rank0.log").read_text()
+    done = json.loads((out / "checkpoints" / "universal" / tag_for(4) / "DONE").read_text())
+    assert done["seconds"] > stall_s  # the others waited longer than the stall limit, and were not stopped
+    ref = resume(tmp_path / "same_world", 1, 1, "l5")
+    assert abs(got - ref) <= 1e-4 * ref, (got, ref)
