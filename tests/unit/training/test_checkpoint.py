@@ -214,6 +214,22 @@ def test_universal_conversion_is_keyed_by_its_source(tmp_path, monkeypatch):
     assert engine.loaded[-1] == (True, model_bytes(branch))
 
 
+def test_offline_conversion_is_the_one_a_resume_uses(tmp_path, monkeypatch, capsys):
+    """`python -m training.universal CHECKPOINT` (the fix a refusal names) converts it with no deadline; a resume at
+    another world size then loads that conversion without converting again."""
+    from training import universal
+
+    calls = fake_converter(monkeypatch)
+    ck = Checkpointer(str(tmp_path), keep=3)
+    path = save_from_world(ck, 4, world=2)
+    assert universal.main([path]) == 0 and len(calls) == 1
+    assert universal.main([path]) == 0 and "already holds" in capsys.readouterr().out
+    engine = LoadEngine()
+    ck.load(engine, path)
+    assert len(calls) == 1 and engine.loaded == [(True, model_bytes(path))]
+    assert universal.main([str(tmp_path)]) == 2  # not a checkpoint: usage, exit 2
+
+
 def _exit_code(monkeypatch, fn) -> int:
     from training.job import run_job
 
