@@ -52,7 +52,7 @@ def ranks_per_node(env: Mapping[str, str] | None = None) -> int:
         if env.get(key):
             return int(env[key])
     step_tasks = env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS")
-    if step_tasks and env.get("WORLD_SIZE", step_tasks) == step_tasks:
+    if step_tasks and env.get("WORLD_SIZE") == step_tasks:  # ranks started (WORLD_SIZE), one per srun task
         return _first_count(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
                             or env.get("SLURM_NTASKS_PER_NODE", ""))
     return 0

@@ -47,7 +47,7 @@ def test_slurm_preemption_requeue_then_completion(tmp_path):
     log = tmp_path / "scontrol.log"
     e = env(PATH=f"{ROOT}/tests/stubs:{os.environ['PATH']}", SCONTROL_LOG=str(log), SLURM_JOB_ID="4242",
             SLURM_NNODES="1", SLURM_JOB_NUM_NODES="1", SLURM_JOB_NODELIST="127.0.0.1", GPUS_PER_NODE="2",
-            SLURM_SUBMIT_DIR=ROOT, MASTER_PORT="29631")
+            SLURM_SUBMIT_DIR=ROOT, MASTER_PORT="29631", SLURM_CPUS_ON_NODE=str(len(os.sched_getaffinity(0))))
     args = [*TINY, "--max_steps", "30", "--output_dir", str(out)]
     job = subprocess.Popen(["bash", SBATCH, *args], cwd=ROOT, env=e, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)

@@ -21,6 +21,7 @@ LAUNCHER_VARS = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
     ({"SLURM_STEP_NUM_TASKS": "4", "SLURM_NTASKS_PER_NODE": "1", "SLURM_GPUS_ON_NODE": "8", "LOCAL_SIZE": "8",
       "WORLD_SIZE": "32"}, 8),
     ({"SLURM_STEP_NUM_TASKS": "4", "SLURM_NTASKS_PER_NODE": "1", "WORLD_SIZE": "32"}, 0),  # ranks not srun's tasks
+    ({"SLURM_NTASKS": "2", "SLURM_TASKS_PER_NODE": "1(x2)"}, 0),  # the batch shell (a dry run there): no ranks yet
     ({}, 0),  # no launcher: unknown
 ])
 def test_ranks_per_node_under_every_launcher(env, expect):
