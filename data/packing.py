@@ -15,14 +15,19 @@ import os
 import numpy as np
 
 from data.jsonl import list_files, read_documents
+from data.store import tokenizer_identity
 from data.tokenizer import Tokenizer
 
 
-def _cache_key(dataset_path: str, tokenizer_path: str | None) -> str:
-    h = hashlib.sha256()
-    for f in list_files(dataset_path) + ([tokenizer_path] if tokenizer_path else []):
-        st = os.stat(f) if os.path.isfile(f) else None
-        h.update(f"{os.path.abspath(f)}:{st.st_size if st else 0}:{st.st_mtime_ns if st else 0}".encode())
+def _cache_key(dataset_path: str, tokenizer_path: str | None, model_vocab: int) -> str:
+    """What the token stream is derived from: each input file (path, size, mtime), the tokenizer's content (a HF
+    folder rewritten in place keeps its own size and mtime) and the vocabulary its token ids were checked against."""
+    h = hashlib.sha256(str(model_vocab).encode())
+    for f in list_files(dataset_path):
+        st = os.stat(f)
+        h.update(f"{os.path.abspath(f)}:{st.st_size}:{st.st_mtime_ns}".encode())
+    if tokenizer_path:
+        h.update(tokenizer_identity(tokenizer_path).encode())
     return h.hexdigest()[:16]
 
 
@@ -32,7 +37,7 @@ def build_token_stream(dataset_path: str, tokenizer: Tokenizer | None, model_voc
 
     Validates as it goes: bad lines, token ids outside the model's vocabulary, an empty dataset.
     """
-    key = _cache_key(dataset_path, tokenizer.path if tokenizer else None)
+    key = _cache_key(dataset_path, tokenizer.path if tokenizer else None, model_vocab)
     out = os.path.join(cache_dir, f"tokens-{key}")
     tok_path, starts_path = out + ".npy", out + ".starts.npy"
     if os.path.exists(tok_path) and os.path.exists(starts_path):

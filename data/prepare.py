@@ -20,7 +20,7 @@ from base import comm
 from data.corpus import CACHE, build_demo_corpus
 from data.jsonl import list_files
 from data.packing import build_token_stream
-from data.store import is_prepared
+from data.store import is_prepared, tokenizer_identity
 from data.tokenizer import Tokenizer
 
 MAX_IN_JOB_BYTES = 200 * 1024 * 1024
@@ -35,10 +35,14 @@ def resolve_sources(dataset_path: str | None, tokenizer_path: str | None) -> tup
 
 
 def _cache_key(files: list[str], tokenizer_path: str | None, model_vocab: int) -> str:
+    """What the prepared folder is derived from: each input file (path, size, mtime) and the tokenizer's content
+    (its files' SHA-256: a HF folder rewritten in place keeps its own size and mtime), with the model's vocab."""
     h = hashlib.sha256(str(model_vocab).encode())
-    for f in files + ([tokenizer_path] if tokenizer_path else []):
+    for f in files:
         st = os.stat(f)
         h.update(f"{os.path.abspath(f)}:{st.st_size}:{st.st_mtime_ns}".encode())
+    if tokenizer_path:
+        h.update(tokenizer_identity(tokenizer_path).encode())
     return h.hexdigest()[:16]
 
 

@@ -220,3 +220,24 @@ def test_hf_fast_tokenizer_direct_path_gives_the_transformers_ids(tmp_path):
     ref = AutoTokenizer.from_pretrained(folder)
     batch = texts + _PROBE
     assert ours.encode_batch(batch) == ref(batch, add_special_tokens=False)["input_ids"]
+
+
+def test_token_caches_follow_the_tokenizers_content(tmp_path, monkeypatch):
+    """The in-job prepared folder and the .npy token stream are derived from the input and the tokenizer: keyed by
+    the tokenizer's files (issue 32), not by its folder's name and metadata. A HF tokenizer folder whose
+    tokenizer.json is rewritten in place keeps the folder's size and mtime: the old key reused the old tokens, and
+    the run was then refused as prepared with another tokenizer, with no way to prepare again."""
+    from data import packing
+    from data import prepare as in_job
+
+    src = _write_jsonl(tmp_path / "d.jsonl", DOCS)
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text('{"version": "a"}')
+    keys = [in_job._cache_key([src], str(tok), 100), packing._cache_key(src, str(tok), 100)]
+    st = os.stat(tok)
+    (tok / "tokenizer.json").write_text('{"version": "b"}')  # in place: the folder's entry is unchanged
+    assert os.stat(tok).st_mtime_ns == st.st_mtime_ns
+    assert in_job._cache_key([src], str(tok), 100) != keys[0], "the in-job prepared folder of the old tokenizer"
+    assert packing._cache_key(src, str(tok), 100) != keys[1], "the token stream of the old tokenizer"
+    assert packing._cache_key(src, str(tok), 100) != packing._cache_key(src, str(tok), 64)  # validated per vocab
