@@ -26,6 +26,11 @@ warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distri
 
 def main(argv: list[str] | None = None) -> int:
     from base import comm
+
+    # the abort channel before anything that can fail on one node (an import, the config, a node's checks): a failure
+    # from here on ends every node within seconds, not at the rendezvous' timeout (base/comm.py)
+    comm.open_channel()
+
     from base.env import configure
     from base.log import print0
     from data.pipeline import open_run_data

@@ -25,16 +25,37 @@ decide differently run different collectives and hang, or, worse, train on two c
 
 A failure anywhere ends the job everywhere, within about a minute, whatever the collective timeout: the abort
 channel (`Watcher`, below) runs beside the training on every rank, on its own connection to the rendezvous
-store (rank 0's TCPStore, reachable from every rank by construction). A rank that fails writes one line to the
-store (`abort`); every rank's watcher polls it every `POLL_S` and hard-exits with it (the main thread may sit in
-an NCCL or gloo collective that would otherwise wait for `dist_timeout_s`). A rank that dies without a word
-(SIGKILL, node loss, a hang) stops its heartbeat: rank 0 declares it failed after `STALL_S`; every other rank
-does the same for rank 0, and takes a store that stays unreachable for `LOST_STORE_S` (rank 0's process gone)
-as a failure. Clean exits (0, and 75 after a committed preemption save) first leave the channel (`leave`):
-the rank marks itself done and stops its watcher, and rank 0, which hosts the store, waits for the others'
-marks before it goes, so no rank ever sees the store vanish under a clean exit. Nothing kills a rank inside a
-save unless a rank truly failed or went silent for `STALL_S` (torch.save releases the GIL: measured).
-Cost: one `add` and one `multi_get` per rank per `POLL_S`: at Llama-3-8B on 32 ranks, 32 store requests/s on
+store at MASTER_ADDR:MASTER_PORT. It opens at a launched rank's first line (`open_channel`: train.py,
+scripts/evaluate.py), before the config, model-folder and network checks and before the process group exists:
+rank 0 starts the TCPStore server there itself (`multi_tenant`, so torch's env:// rendezvous in the same process
+later reuses that server rather than binding the port twice; under torchrun the agent hosts it and every rank is
+a client), the others connect to it, as they would at the rendezvous. A node that fails a start-up check so
+reaches the nodes waiting at the rendezvous within POLL_S, not after `dist_timeout_s` (30 min).
+A rank that fails writes one line to the store (`abort`); every rank's watcher polls it every `POLL_S` and
+hard-exits with it (the main thread may sit in an NCCL or gloo collective, or in the rendezvous, that would
+otherwise wait for `dist_timeout_s`). The failing rank then stays, at most ABORT_WAIT_S, until every other rank
+has read the line (marked itself done), and so does rank 0 when its watcher stops it: rank 0's process hosts
+the store, and a launcher kills a failed rank's node-mates (rank 0 among them) as soon as the failed rank exits,
+so without that wait the others would find the store gone ("unreachable", LOST_STORE_S later) instead of the
+reason. A rank that dies without a word (SIGKILL, SIGSTOP, node loss) stops its heartbeat: rank 0 declares it
+failed after `STALL_S`; every other rank does the same for rank 0, and takes a store that stays unreachable for
+`LOST_STORE_S` (rank 0's process gone) as a failure. A rank that has not joined yet (its node still starting) is
+left to the rendezvous' own timeout. Clean exits (0, and 75 after a committed preemption save) first leave the
+channel (`leave`): the rank marks itself done and stops its watcher, and rank 0, which hosts the store, waits for
+the others' marks before it goes, so no rank ever sees the store vanish under a clean exit.
+
+The heartbeat does not depend on the GIL: a forked helper process per rank posts it (`_heartbeat`) while the
+rank's process exists and is not stopped (/proc state T). DeepSpeed's CPU Adam (`adam_update`) holds the GIL for
+a whole sub-group (1e9 parameters by default): with 8 ranks on one core, as a one-CPU srun step leaves them, a
+heartbeat thread can starve past STALL_S and a healthy job was aborted. Why a process and not a stall limit
+that adapts to measured step times: the first optimizer step has no measurement yet, and k x a 1M-token step
+(minutes) would delay the detection of a truly lost node by as much; the helper keeps STALL_S at 60 s for
+death, SIGSTOP and node loss, and costs one fork (copy-on-write pages, no import) and one `add` per POLL_S.
+What it gives up: a rank hung with the GIL held forever is no longer "silent" (the collective timeout still
+ends it); a busy rank is never declared dead. The watcher thread itself may still be starved: it then reads an
+abort late, by at most the GIL hold. The watcher says its line on stderr first and writes the rank log (on
+the shared file system, which may be what broke) for at most LOG_WRITE_S before it exits.
+Cost: two `add`s and one `multi_get` per rank per `POLL_S`: at Llama-3-8B on 32 ranks, 48 store requests/s on
 rank 0's store server (rank 0's multi_get carries 33 small keys), nothing on the GPU or the training group.
 """
 
@@ -230,7 +251,10 @@ STALL_S = 60.0  # a rank whose heartbeat has not advanced this long has failed (
 LOST_STORE_S = 20.0  # the store unreachable this long: rank 0's process (which hosts it) is gone
 STORE_OP_TIMEOUT_S = 10.0  # one store request (a lost node answers nothing: no TCP reset)
 CONNECT_TIMEOUT_S = 60.0  # the watcher's own connection, made once at init (a connect can take seconds)
+START_WAIT_S = 1800.0  # a rank's first connection to rank 0's store: as long as the rendezvous waits by default
 EXIT_GRACE_S = 30.0  # a failing rank's own teardown (atexit, NCCL destroy) before it is cut short
+ABORT_WAIT_S = 15.0  # a failing rank (and rank 0, stopped) waits at most this long for the others to read why
+LOG_WRITE_S = 2.0  # the watcher's rank-log line before its hard exit (the log is on the shared file system)
 LEAVE_WAIT_S = 600.0  # rank 0, leaving cleanly, waits at most this long for live ranks still on their way out
 DONE = b"done"  # a rank's heartbeat value once it has left (cleanly, failed, or stopped by an abort)
 _PREFIX = "ulysses_watch/"
@@ -276,9 +300,11 @@ class Watcher:
     POLL_S); store, clock and exit are injected so tests can drive it without processes or waiting."""
 
     def __init__(self, store, rank: int, world: int, clock=time.monotonic, hard_exit=os._exit, say=None,
-                 sleep=time.sleep):
+                 sleep=time.sleep, log=None, heart: int | None = None):
         self.store, self.rank, self.world = store, rank, world
         self.clock, self.hard_exit, self.say, self.sleep = clock, hard_exit, say or _say, sleep
+        self.log = log or _LOG.info
+        self.heart = heart  # the pid of this rank's heartbeat process (None: the thread's beat only)
         self.peers = list(range(world)) if rank == 0 else [0]  # rank 0 watches everyone, the others rank 0
         self.seen: dict[int, tuple[bytes, float]] = {}  # peer -> (last heartbeat value, when it last changed)
         self.store_lost_since: float | None = None
@@ -295,8 +321,8 @@ class Watcher:
     def start(self) -> Watcher:
         self.store.compare_set(_key("abort"), "", "")  # create the abort key empty (so multi_get never blocks)
         self.store.add(_key(f"hb/{self.rank}"), 1)
-        for p in self.peers:
-            self.store.add(_key(f"hb/{p}"), 0)  # create the peer's key if it has not started yet
+        for p in self.peers:  # create the peer's key if it has not started yet ("0": not joined); compare_set, not
+            self.store.compare_set(_key(f"hb/{p}"), "", "0")  # add: an add on a "done" key drops the connection
         self._thread = threading.Thread(target=self._run, name="abort-watcher", daemon=True)
         self._thread.start()
         return self
@@ -326,16 +352,15 @@ class Watcher:
             if now - self.store_lost_since >= LOST_STORE_S and not self.stopped:
                 self._exit(1, f"stopping: the job's store (hosted by rank 0) has been unreachable for "
                               f"{now - self.store_lost_since:.0f} s: rank 0 failed or its node was lost "
-                              f"({type(e).__name__}: {_one_line(e)})")
+                              f"({type(e).__name__}: {_one_line(e)})", mark=False)
             return
         self.store_lost_since = None
         if abort:
             code, _, reason = abort.decode().partition(" ")
-            self._mark_done()
             self._exit(int(code), f"stopping: {reason}")
             return
         for p, beat in zip(self.peers, beats):
-            if p == self.rank:
+            if p == self.rank or beat == b"0":  # b"0": not joined yet (the rendezvous' timeout covers it)
                 continue
             last = self.seen.get(p)
             if beat == DONE or last is None or last[0] != beat:
@@ -344,7 +369,6 @@ class Watcher:
                 reason = (f"rank {p} stopped responding: no heartbeat for {now - last[1]:.0f} s "
                           "(killed, hung, or its node was lost)")
                 reason = self.post(reason, 1)
-                self._mark_done()
                 self._exit(1, f"stopping: {reason}")
                 return
 
@@ -364,26 +388,36 @@ class Watcher:
         except Exception:  # noqa: BLE001 -- the store may be gone already; leaving anyway
             pass
 
-    def _exit(self, code: int, line: str) -> None:
+    def _exit(self, code: int, line: str, mark: bool = True) -> None:
+        """Say `line`, mark this rank done (`mark`), let the others read the abort if this rank hosts the store,
+        and exit. Nothing here touches the file system unbounded: stderr first, the rank log (shared FS) for at
+        most LOG_WRITE_S, in a thread the exit does not wait for."""
         with self._lock:
             if self.stopped:  # this rank is leaving on its own (clean exit or its own failure): never kill it
                 return
             self.say(line)
+            _bounded(self.log, line, LOG_WRITE_S)
+            self.heart = _stop_heartbeat(self.heart)
+            if mark:
+                self._mark_done()
+                if self.rank == 0:
+                    self.peers_done(ABORT_WAIT_S)
             self.hard_exit(code)
 
     def peers_done(self, deadline_s: float) -> None:
-        """Rank 0, leaving: wait until every other rank has marked itself done (or its heartbeat has stalled for
-        STALL_S), or an abort is posted, at most `deadline_s`: the store lives in this process, and a rank still
-        finishing its own clean exit must not see it vanish."""
-        end = self.clock() + deadline_s
-        others = [_key(f"hb/{p}") for p in range(1, self.world)]
+        """Wait until every other rank has marked itself done (having read an abort, or left cleanly) or its
+        heartbeat has stalled for STALL_S, at most `deadline_s`: rank 0 leaving (the store lives in its process, and
+        a rank still finishing its own exit must not see it vanish), and any rank that failed (until the others have
+        read its reason: its launcher then kills its node-mates, rank 0 among them)."""
+        end, tick = self.clock() + deadline_s, min(0.2, POLL_S)
+        others = [_key(f"hb/{p}") for p in range(self.world) if p != self.rank]
         first: dict[int, tuple[bytes, float]] = {}
-        while others and self.clock() < end:
-            try:
-                abort, *beats = self.ask(lambda st: st.multi_get([_key("abort"), *others]))
-            except Exception:  # noqa: BLE001
+        for _ in range(int(deadline_s / tick) + 1):  # also bounded if the clock stands still (tests)
+            if not others or self.clock() >= end:
                 return
-            if abort:
+            try:
+                beats = self.ask(lambda st: st.multi_get(others))
+            except Exception:  # noqa: BLE001
                 return
             now = self.clock()
             waiting = []
@@ -397,7 +431,7 @@ class Watcher:
                     waiting.append(i)
             if not waiting:
                 return
-            self.sleep(min(0.2, POLL_S))
+            self.sleep(tick)
 
 
 def _one_line(e: BaseException | str) -> str:
@@ -407,7 +441,84 @@ def _one_line(e: BaseException | str) -> str:
 
 def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
-    _LOG.info(line)
+
+
+def _bounded(fn, arg, timeout_s: float) -> None:
+    """fn(arg) in a daemon thread, waited for at most `timeout_s` (a write to a file system that hangs)."""
+    t = threading.Thread(target=fn, args=(arg,), name="abort-log", daemon=True)
+    t.start()
+    t.join(timeout_s)
+
+
+# --- the heartbeat process (see the module docstring: why not a thread) ---
+
+def _start_heartbeat(addr: str, port: int, rank: int) -> int | None:
+    """Fork this rank's heartbeat process; its pid (None if fork failed: the watcher thread's beat remains). Call
+    before this process starts a thread or a store server: the child must not inherit a listening socket (rank 0's
+    port would outlive rank 0) nor a lock held by a thread it does not have."""
+    parent = os.getpid()
+    try:
+        pid = os.fork()
+    except OSError:
+        return None
+    if pid:
+        return pid
+    code = 0
+    try:
+        _heartbeat(addr, port, rank, parent)
+    except BaseException:  # noqa: BLE001 -- never back into the parent's code
+        code = 1
+    finally:
+        os._exit(code)
+
+
+def _heartbeat(addr: str, port: int, rank: int, parent: int) -> None:
+    """The child: `add hb/RANK 1` every POLL_S while `parent` exists and is not stopped; dies with it. Signals a
+    launcher or SLURM send the whole job are ignored (the rank may be saving: its beat must go on)."""
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: gone when the rank is gone
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:
+        return
+    store = dist.TCPStore(addr, port, is_master=False, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=START_WAIT_S))
+    store.set_timeout(datetime.timedelta(seconds=STORE_OP_TIMEOUT_S))
+    key = _key(f"hb/{rank}")
+    while os.getppid() == parent:
+        if not _stopped(parent):
+            try:
+                store.add(key, 1)
+            except Exception:  # noqa: BLE001 -- the store may be gone: the rank's watcher decides, not this
+                pass
+        time.sleep(POLL_S)
+
+
+def _stopped(pid: int) -> bool:
+    """Whether `pid` is stopped (SIGSTOP, a debugger): its heartbeat must stop too."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rpartition(")")[2].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+def _stop_heartbeat(pid: int | None) -> None:
+    """End the heartbeat process (before this rank marks itself done: an `add` on a "done" key drops the
+    connection). Returns None."""
+    if pid:
+        try:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+        except OSError:
+            pass
+    return None
 
 
 def _watch_store():
@@ -426,6 +537,34 @@ def _watch_store():
     return own
 
 
+def open_channel() -> None:
+    """The abort channel from a launched rank's first line (train.py, scripts/evaluate.py), before anything that
+    can fail on one node (imports, config, model folder, network interface, a path a node lacks): from the
+    launcher's RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT. Blocks until rank 0's store answers (START_WAIT_S,
+    as the rendezvous would). Nothing for a world of one. A failure posted before this rank arrived ends it here."""
+    global _WATCHER
+    env = os.environ
+    world_size, rank_ = int(env.get("WORLD_SIZE", "1")), int(env.get("RANK", "0"))
+    addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
+    if _WATCHER is not None or world_size <= 1 or not addr or not port:
+        return
+    heart = _start_heartbeat(addr, int(port), rank_)  # first: a fork, before any thread or server exists
+    try:
+        if rank_ == 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            # the rendezvous store itself: torch's env:// init (multi_tenant too) reuses this server
+            store = dist.TCPStore(addr, int(port), is_master=True, wait_for_workers=False, multi_tenant=True,
+                                  timeout=datetime.timedelta(seconds=STORE_OP_TIMEOUT_S))
+        else:
+            store = dist.TCPStore(addr, int(port), is_master=False, wait_for_workers=False,
+                                  timeout=datetime.timedelta(seconds=START_WAIT_S))
+            store.set_timeout(datetime.timedelta(seconds=STORE_OP_TIMEOUT_S))
+    except BaseException:
+        _stop_heartbeat(heart)
+        raise
+    _WATCHER = Watcher(store, rank_, world_size, heart=heart).start()
+    _WATCHER.poll()
+
+
 def _start_watcher() -> None:
     global _WATCHER
     if _WATCHER is not None or world() == 1:
@@ -439,9 +578,9 @@ def _start_watcher() -> None:
 
 
 def abort(reason: str, code: int = 1) -> str:
-    """This rank failed: tell every rank (they exit within POLL_S), stop watching, and bound this process's own
-    teardown to EXIT_GRACE_S. Rank 0 hosts the store, so it first waits a few polls for the others to read it.
-    Returns the first failure on record (the cause, when this rank failed because another one did)."""
+    """This rank failed: tell every rank (they exit within POLL_S), stop watching, wait (ABORT_WAIT_S at most) until
+    the others have read it, and bound this process's own teardown to EXIT_GRACE_S. Returns the first failure on
+    record (the cause, when this rank failed because another one did)."""
     global _WATCHER
     w = _WATCHER
     if w is None:
@@ -451,9 +590,11 @@ def abort(reason: str, code: int = 1) -> str:
     timer.start()
     first = w.post(reason, code)
     w.stop()
+    w.heart = _stop_heartbeat(w.heart)
     w._mark_done()
-    if w.rank == 0:
-        w.peers_done(3 * POLL_S)
+    # every failing rank, not only rank 0 (whose process hosts the store): the launcher kills this rank's node-mates,
+    # rank 0 among them, as soon as this one exits
+    w.peers_done(ABORT_WAIT_S)
     _WATCHER = None
     return first
 
@@ -467,6 +608,7 @@ def leave() -> None:
         return
     _WATCHER = None
     w.stop()
+    w.heart = _stop_heartbeat(w.heart)
     w._mark_done()
     if w.rank == 0:
         w.peers_done(LEAVE_WAIT_S)

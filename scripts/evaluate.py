@@ -283,23 +283,28 @@ def heatmaps(results: list[dict], diff: dict | None, out: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = parse_args(argv)
-    s = settings(a)  # the flags: refused in one line before torch is even imported
+    a = parse_args(argv)  # the same argv on every rank: a refusal here is every rank's
+
+    from base import comm
+
+    comm.open_channel()  # before the checks a node may fail alone (a path it lacks): base/comm.py
+    s = settings(a)  # the flags: refused in one line before the model or the process group
 
     import torch
 
-    from base import comm
     from base.env import configure
     from base.log import open_rank_log, print0, set_main
     from base.parallel import init_distributed
     from model_utils.build import load_hf_config, pick_attn_implementation
     from model_utils.rope import apply_rope
     from training.checkpoint import Checkpointer
+    from training.preflight import check_network
 
     configure()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     attn = pick_attn_implementation(a.attn_implementation)
     bf16 = torch.cuda.is_available() if a.bf16 is None else a.bf16
+    check_network()  # gloo can bind this host's interface (GLOO_SOCKET_IFNAME): one line, not gloo's enforce
     dims = init_distributed(a.sequence_parallel_size, a.dist_timeout_s)
     set_main(dims.is_main)
     open_rank_log(a.output_dir, dims.rank)

@@ -75,9 +75,11 @@ def _fail(e: BaseException) -> int:
     except Exception:  # noqa: BLE001 -- the failure was importing our own stack: nothing to tell the others
         comm = None
     if _is_input_error(e):  # our validation of the user's input: one line, no traceback, nothing saved touched
-        if comm is not None:
-            comm.abort(f"rank {rank} stopped on an input error (its message is on rank 0's output)", EXIT_USAGE)
-        if rank == "0":
+        # the line itself goes to every rank: a check one node fails alone (its network interface, a path it lacks)
+        # is not on rank 0's output. Printed once per node (its local rank 0), by rank 0, and by the rank on record
+        own = f"rank {rank} stopped on an input error: {e}"
+        first = comm.abort(own, EXIT_USAGE) if comm is not None else own
+        if "0" in (rank, os.environ.get("LOCAL_RANK", "0")) or first.startswith(f"rank {rank} "):
             print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_USAGE
     # anything else is a failure: the traceback in this rank's log (and stderr), one summary line

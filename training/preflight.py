@@ -31,7 +31,6 @@ import ipaddress
 import os
 import resource
 import socket
-import sys
 import time
 
 from base.host import ranks_per_node
@@ -97,10 +96,7 @@ def check_network() -> None:
         except OSError:
             addr = None
     problem = network_problem(host, ifname, interfaces(), multi, addr, os.environ.get("MASTER_ADDR", ""))
-    if problem:
-        # train.py prints input errors on rank 0 only, and the bad host may hold no rank 0: its local rank 0 says it
-        if os.environ.get("RANK", "0") != "0" and os.environ.get("LOCAL_RANK", "0") == "0":
-            print(f"error: {problem}", file=sys.stderr, flush=True)
+    if problem:  # the abort channel (open since the first line) carries it to every node; each node prints it too
         raise ValueError(problem)
 
 

@@ -169,3 +169,118 @@ def test_a_torn_metrics_line_is_repaired_on_resume(tmp_path, capsys, monkeypatch
     MetricsLogger(str(tmp_path), True, "none", "p", None, {}, 10, False, resume_step=3).close()  # repaired: quiet
     assert path.read_text().splitlines() == lines
     assert "warning" not in capsys.readouterr().out
+
+
+@pytest.mark.dist
+def test_rank0s_own_failure_reaches_the_others_with_its_reason(tmp_path):
+    """Rank 0 raises and exits at once (no hanging teardown: `quick`), taking the store it hosts with it: the
+    other rank still stops with rank 0's reason, not "the job's store ... has been unreachable" LOST_STORE_S
+    later (rank 0 waits, bounded, until the others have read its reason)."""
+    out, procs = launch(tmp_path, FAULT="0:after:2:quick", WATCH=f"2:60:20:{GRACE_S}")
+    codes, spread, _ = wait_all(procs, tmp_path)
+    other = log(tmp_path, 1)
+    assert codes == [1, 1], (codes, other[-3000:])
+    assert "stopping: rank 0 failed: RuntimeError: injected fault after step 2" in other, other[-3000:]
+    assert "unreachable" not in other
+
+
+@pytest.mark.dist
+def test_a_rank_holding_the_gil_is_not_declared_dead(tmp_path):
+    """DeepSpeed's CPU Adam (`adam_update`) holds the GIL for a whole sub-group: on a core shared by every rank
+    of a node that can outlast STALL_S, and the abort channel must not take a busy rank for a dead one. Both
+    ranks confined to CPU 0 (as a one-CPU srun step confines them); rank 1 holds the GIL for 3 x STALL_S inside
+    its optimizer step at step 2 (faults stub HOLD). The run completes; nothing says "stopped responding"."""
+    stall = 4
+    out, procs = launch(tmp_path, steps=3, WATCH=f"0.5:{stall}:{stall}", HOLD=f"1:{3 * stall}:2", CPUS="0")
+    codes, _, _ = wait_all(procs, tmp_path, timeout=120)
+    texts = [log(tmp_path, r) for r in (0, 1)]
+    assert codes == [0, 0], (codes, texts[0][-3000:], texts[1][-3000:])
+    assert sorted(losses(out)) == [1, 2, 3]
+    assert all("stopped responding" not in t for t in texts)
+
+
+# --- before the process group: nodes started with scripts/launch.sh --no_ssh, as slurm.sbatch starts them ---
+
+LAUNCH = os.path.join(ROOT, "scripts", "launch.sh")
+NODE_BOUND_S = 90  # issue 32: a failure anywhere ends the job on every node within 90 s
+
+
+def launch_nodes(tmp_path, node_env: list[dict], node_args: list[list[str]], script: str | None = None):
+    """One `launch.sh --no_ssh` per node on this machine (one rank each), every node's own environment and
+    arguments; returns the launchers (stdout+stderr: that node's log)."""
+    import subprocess
+
+    from tests.distributed import free_port
+
+    port = str(free_port())
+    base = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", DS_ENV_FILE=str(tmp_path / "ds_env"),
+                BIND_CORES="0")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME"):
+        base.pop(k, None)
+    if script:
+        base["TRAIN_SCRIPT"] = script
+    return [subprocess.Popen([LAUNCH, "--no_ssh", "--nnodes", str(len(node_env)), "--node_rank", str(r),
+                              "--master_addr", "127.0.0.1", "--master_port", port, "--num_gpus", "1", "--", *args],
+                             cwd=ROOT, env=dict(base, **e), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, start_new_session=True)
+            for r, (e, args) in enumerate(zip(node_env, node_args))]
+
+
+def node_logs(nodes, bound_s=NODE_BOUND_S) -> tuple[list[int | None], list[str]]:
+    """Each node's exit code (None: still running `bound_s` after the first node ended; then killed) and log."""
+    import subprocess
+
+    t0, first = time.time(), None
+    while time.time() - t0 < 600 and any(n.poll() is None for n in nodes):
+        if first is None and any(n.poll() is not None for n in nodes):
+            first = time.time()
+        if first and time.time() - first > bound_s:
+            break
+        time.sleep(0.2)
+    codes = [n.poll() for n in nodes]
+    for n in nodes:
+        if n.poll() is None:
+            os.killpg(n.pid, signal.SIGKILL)
+    texts = []
+    for n in nodes:
+        try:
+            texts.append(n.communicate(timeout=30)[0])
+        except subprocess.TimeoutExpired:
+            texts.append("")
+    return codes, texts
+
+
+TINY = ["--model_name_or_path", "tiny-llama", "--sequence_parallel_size", "2", "--max_seq_length", "256",
+        "--report_to", "none", "--no-export_hf", "--max_steps", "3"]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("bad", [1, pytest.param(0, marks=pytest.mark.slow)])
+def test_a_node_that_fails_before_the_process_group_ends_every_node(tmp_path, bad):
+    """Two nodes (launch.sh --no_ssh, one rank each); node `bad` names a GLOO_SOCKET_IFNAME it lacks, so its
+    rank refuses in start-up's network check, before the process group exists. Every node ends within 90 s
+    (the others used to wait at the rendezvous for dist_timeout_s, 30 min), exit 2 (bad input), and every
+    node's log holds the bad node's reason."""
+    envs = [{}, {}]
+    envs[bad] = {"GLOO_SOCKET_IFNAME": "bogus0"}
+    args = [*TINY, "--output_dir", str(tmp_path / "out")]
+    codes, texts = node_logs(launch_nodes(tmp_path, envs, [args, args]))
+    assert codes == [2, 2], (codes, texts[0][-3000:], texts[1][-3000:])
+    for text in texts:
+        assert "GLOO_SOCKET_IFNAME=bogus0: host" in text and "has no interface bogus0" in text, text[-3000:]
+    assert f"stopping: rank {bad} stopped on an input error: GLOO_SOCKET_IFNAME=bogus0" in texts[1 - bad]
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_a_node_that_fails_evaluate_py_checks_ends_every_node(tmp_path):
+    """scripts/evaluate.py on two nodes, node 1 given a --tokenizer its file system lacks (a mount missing on one
+    node): node 1 refuses in its flag checks, before the process group; node 0 stops too, with node 1's line."""
+    model = os.path.join(ROOT, "recipes", "base", "tiny_passkey256")
+    args = [model, "--lengths", "256", "--output_dir", str(tmp_path / "eval"), "--sequence_parallel_size", "2"]
+    missing = str(tmp_path / "not_mounted" / "tokenizer.model")
+    codes, texts = node_logs(launch_nodes(tmp_path, [{}, {}], [args, [*args, "--tokenizer", missing]],
+                                          script=os.path.join(ROOT, "scripts", "evaluate.py")))
+    assert codes == [2, 2], (codes, texts[0][-3000:], texts[1][-3000:])
+    for text in texts:
+        assert f"{missing}: no such file or folder" in text, text[-3000:]

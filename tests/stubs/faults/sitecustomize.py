@@ -6,6 +6,13 @@ go on into backward's collectives) or `after` (once the step is done, while the 
 The failing rank then hangs in its teardown (an atexit sleep that runs before the process group is left), as
 an NCCL rank with pending work can: its sockets stay open, so the others' gloo collectives do not fail by
 themselves and only the abort channel can stop them; the rank's own exit timer (EXIT_GRACE_S) ends it.
+A fourth field `quick` ("0:after:2:quick") makes the opposite: the process is gone as soon as train.py has
+reported the failure (an atexit `os._exit(1)`, before any teardown), as when its launcher kills it.
+HOLD="RANK:SECONDS:STEP" makes rank RANK hold the GIL for SECONDS inside its optimizer step at step STEP (a
+CPU-bound loop under a 1000 s switch interval, so no other thread of the rank runs: what DeepSpeed's CPU Adam
+`adam_update` does for a whole sub-group).
+CPUS="0" confines the rank to those CPUs (os.sched_setaffinity, what `taskset -c 0` does), as a one-CPU srun
+step confines every rank of a node.
 WATCH="POLL_S:STALL_S:LOST_STORE_S[:EXIT_GRACE_S]" shortens the abort channel's timings (base.comm).
 LINGER="RANK:SECONDS[,RANK:SECONDS]" makes a rank slow on its clean way out (MetricsLogger.close, after the agreed
 stop, before the rank leaves the abort channel), as a W&B sync can be.
@@ -18,6 +25,10 @@ _rank = os.environ.get("RANK")
 
 def _install() -> None:
     fault, watch, linger = os.environ.get("FAULT"), os.environ.get("WATCH"), os.environ.get("LINGER")
+    if os.environ.get("CPUS"):
+        os.sched_setaffinity(0, {int(c) for c in os.environ["CPUS"].split(",")})
+    if os.environ.get("HOLD") and os.environ["HOLD"].split(":")[0] == _rank:
+        _hold_gil(*os.environ["HOLD"].split(":")[1:])
     if watch:
         from base import comm
 
@@ -39,7 +50,7 @@ def _install() -> None:
         metrics.MetricsLogger.close = slow_close
     if not fault or fault.split(":")[0] != _rank:
         return
-    _, where, at = fault.split(":")
+    _, where, at, *how = fault.split(":")
     at = int(at)
     import atexit
     import time
@@ -47,7 +58,8 @@ def _install() -> None:
     from training import step
 
     def fail(msg):
-        atexit.register(time.sleep, 3600)  # runs first (last registered): a teardown that hangs
+        # runs first (last registered): a teardown that hangs, or none at all
+        atexit.register(*((os._exit, 1) if how == ["quick"] else (time.sleep, 3600)))
         raise RuntimeError(msg)
 
     real = step.train_step
@@ -71,5 +83,38 @@ def _install() -> None:
     step.train_step = train_step
 
 
-if _rank is not None and (os.environ.get("FAULT") or os.environ.get("WATCH") or os.environ.get("LINGER")):
+def _hold_gil(seconds: str, at: str) -> None:
+    import sys
+    import time
+
+    from training import step
+
+    real, calls = step.train_step, [0]
+
+    def train_step(engine, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] != int(at):
+            return real(engine, *args, **kwargs)
+        optimizer_step = engine.step
+
+        def held_step(*a, **k):
+            interval = sys.getswitchinterval()
+            sys.setswitchinterval(1000.0)  # a thread that wants the GIL now waits 1000 s before asking for it
+            time.sleep(0.1)  # (threads already waiting under the old interval take their turn first)
+            end = time.perf_counter() + float(seconds)
+            while time.perf_counter() < end:  # CPU-bound, GIL held: no other thread of this rank runs
+                pass
+            sys.setswitchinterval(interval)
+            return optimizer_step(*a, **k)
+
+        engine.step = held_step
+        try:
+            return real(engine, *args, **kwargs)
+        finally:
+            del engine.step
+
+    step.train_step = train_step
+
+
+if _rank is not None and any(os.environ.get(k) for k in ("FAULT", "WATCH", "LINGER", "HOLD", "CPUS")):
     _install()

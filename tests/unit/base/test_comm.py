@@ -146,17 +146,19 @@ def channel(monkeypatch):
     from tests.distributed import free_port
 
     monkeypatch.setattr(comm, "POLL_S", 1e6)
+    monkeypatch.setattr(comm, "ABORT_WAIT_S", 0.5)  # a stopped rank 0 waits for the others' marks: briefly here
     port = free_port()
     server = comm.dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                                 timeout=datetime.timedelta(seconds=30))  # a connect here sometimes takes 5 s
     clock, made = Clock(), []
 
-    def make(rank, world=3):
+    def make(rank, world=3, **kw):
         store = comm.dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=30))
         store.set_timeout(datetime.timedelta(seconds=2))
         ex = Exits()
-        w = comm.Watcher(store, rank, world, clock=clock, hard_exit=ex.exit, say=ex.say).start()
+        kw.setdefault("say", ex.say)
+        w = comm.Watcher(store, rank, world, clock=clock, hard_exit=ex.exit, **kw).start()
         made.append(w)
         return w, ex
 
@@ -314,6 +316,84 @@ def test_a_store_that_never_answers_is_lost_too(channel, monkeypatch):
         clock.t += comm.LOST_STORE_S / 2
     never.set()
     assert ex1[-1] == 1 and "unreachable" in ex1[0], ex1
+
+
+def test_a_rank_that_has_not_joined_yet_is_not_declared_silent(channel):
+    """The channel opens at a rank's first line, before the rendezvous: a rank still starting (another node's
+    srun task, a slow import) has never beaten, and is left to the rendezvous' own timeout."""
+    make, clock, _ = channel
+    (w0, ex0), (w1, _) = make(0), make(1)  # rank 2 has not started
+    for _ in range(10):
+        clock.t += comm.STALL_S
+        w1.poll()
+        w0.poll()
+    assert ex0 == []
+
+
+def test_a_hung_log_write_does_not_keep_a_rank_from_exiting(channel, monkeypatch, capfd):
+    """The rank log lives on the shared file system, which may be what broke: the watcher says its line on stderr
+    and exits whether or not the log write ever returns."""
+    import logging
+    import threading
+
+    class Stuck(logging.Handler):
+        def emit(self, record):
+            threading.Event().wait()  # a write to a file system that stopped answering
+
+    stuck = Stuck()
+    monkeypatch.setattr(comm._LOG, "level", logging.INFO)
+    comm._LOG.addHandler(stuck)
+    monkeypatch.setattr(comm, "LOG_WRITE_S", 0.5, raising=False)
+    try:
+        import datetime
+
+        make, _, server = channel
+        w0, _ = make(0)
+        ex1 = Exits()  # made here, not by the fixture, whose teardown would wait for a watcher stuck in the write
+        store = comm.dist.TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=30))
+        w1 = comm.Watcher(store, 1, 3, hard_exit=ex1.exit).start()  # comm's own say and log
+        w0.post("rank 0 failed: OSError: stale file handle", 1)
+        t = threading.Thread(target=w1.poll, daemon=True)
+        t.start()
+        t.join(10)
+        assert ex1 == [1], ex1
+        assert "stopping: rank 0 failed: OSError: stale file handle" in capfd.readouterr().err
+    finally:
+        comm._LOG.removeHandler(stuck)
+
+
+def test_a_failing_rank0_waits_for_the_others_to_read_its_reason(channel, monkeypatch):
+    """Rank 0 hosts the store: if it went at once, the others would find the store gone (LOST_STORE_S later, "store
+    unreachable") instead of its reason. comm.abort on rank 0 returns once every other rank has read the reason
+    (marked itself done), at most ABORT_WAIT_S."""
+    import threading
+
+    make, clock, _ = channel
+    (w0, _), (w1, ex1), (w2, ex2) = make(0), make(1), make(2)
+    monkeypatch.setattr(comm, "_WATCHER", w0)
+    monkeypatch.setattr(comm, "EXIT_GRACE_S", 1e6)  # abort's own exit timer must not end pytest
+    monkeypatch.setattr(comm, "ABORT_WAIT_S", 30.0)
+    done = threading.Event()
+    threading.Thread(target=lambda: (comm.abort("rank 0 failed: RuntimeError: boom"), done.set()), daemon=True).start()
+    assert not done.wait(1.0)  # still there: nobody has read it
+    w1.poll()
+    assert not done.wait(0.5)
+    w2.poll()
+    assert done.wait(5)
+    assert ex1 == ex2 == ["stopping: rank 0 failed: RuntimeError: boom", 1]
+
+
+def test_a_failing_rank0_does_not_wait_beyond_abort_wait_s(channel, monkeypatch):
+    make, clock, _ = channel
+    (w0, _), _ = make(0), make(1)
+    monkeypatch.setattr(comm, "_WATCHER", w0)
+    monkeypatch.setattr(comm, "EXIT_GRACE_S", 1e6)
+    monkeypatch.setattr(comm, "ABORT_WAIT_S", 5.0)
+    w0.sleep = lambda s: setattr(clock, "t", clock.t + 1)  # rank 1 never reads it (its watcher starved, say)
+    t0 = clock.t
+    comm.abort("rank 0 failed: RuntimeError: boom")
+    assert clock.t - t0 <= comm.ABORT_WAIT_S + 1
 
 
 @pytest.mark.dist
