@@ -17,7 +17,7 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_PREEMPTED = 0, 1, 2, 75  # 75 = EX_TEMPFA
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout: "our own code" lives below it
 
 
-class Requeue(Exception):  # noqa: N818 -- what the job asks for, not an error
+class Requeue(Exception):
     """Stop before doing work and be requeued (exit 75), raised on every rank from one decision (rank 0's, broadcast):
     e.g. a universal conversion that cannot finish before the job's end (training/universal.py)."""
 
