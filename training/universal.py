@@ -24,8 +24,8 @@ and partition (291 x 3 x 32 = 28k files, 96 GB), reads them back and writes the 
 I/O from one node. At 1-2 GB/s to a parallel file system that is 3-7 minutes; at the 149 MB/s per node measured for
 saves here (docs/results/checkpoints.md) about 45 minutes. The guess, 50 MB/s of checkpoint bytes (~200 MB/s of
 I/O), says 33 minutes until the first measurement. The other ranks wait meanwhile in `comm.run_on_main` (a host gloo
-group with a 6 h timeout, not the training group's `dist_timeout_s`); the abort channel's heartbeats come from its
-own thread, which rank 0's wait for the subprocess does not block, so the wait is never taken for a stall.
+group with a 6 h timeout, not the training group's `dist_timeout_s`); the abort channel's heartbeat comes from a
+helper process of each rank (base/comm.py), not from the waiting thread, so the wait is never taken for a stall.
 
 Offline: `python -m training.universal OUTPUT_DIR/checkpoints/step_000200` converts it with no deadline (in a job
 of its own, before a resume at another world size), recorded the same way.
