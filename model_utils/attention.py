@@ -400,7 +400,7 @@ def track(model, attn: str) -> None:
     inner = ALL_ATTENTION_FUNCTIONS[attn]
 
     def tracked(module, *args, **kwargs):
-        _STATE["modules"].add(id(module))
+        _STATE["modules"].add(id(getattr(module, "_chunk_of", module)))  # a head chunk's view counts as its module
         _STATE["calls"] += 1
         _OUTER.append(kwargs.get("position_ids"))  # the key of this micro-batch's Documents (documents_for)
         try:

@@ -18,6 +18,7 @@ so a later stage can register another (u, cp).
 from __future__ import annotations
 
 from model_utils import attention, context_parallel
+from model_utils import head_chunks as head_chunks_mod
 
 _GROUPS: list = []  # the Ulysses and cp groups this module created (destroyed by unregister)
 
@@ -33,36 +34,50 @@ def _subgroup_ranks(world: int, sp: int, cp: int) -> tuple[list[list[int]], list
 
 
 def _wrap_ulysses(model, attn: str, group, micro_batch: int) -> None:
-    """DeepSpeed's Ulysses attention over `group` (the Ulysses subgroup) around the registered core, installed
-    the way `UlyssesSPAttentionHF.register_with_transformers` installs it (which always uses the whole SP group)."""
+    """DeepSpeed's Ulysses attention over `group` around the registered core, installed the way
+    `UlyssesSPAttentionHF.register_with_transformers` installs it, but with one instance per head shape of the call
+    (the instance checks its shapes): the whole layer's heads, or one head chunk's (model_utils/head_chunks.py)."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     cfg = model.config.get_text_config()
-    uattn = UlyssesSPAttentionHF(
-        attn=ALL_ATTENTION_FUNCTIONS[attn], batch_size=micro_batch, attn_head_count=cfg.num_attention_heads,
-        attn_head_size=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
-        kv_head_count=cfg.num_key_value_heads, num_hidden_layers=cfg.num_hidden_layers, process_group=group,
-        seq_length_is_variable=True)
-    uattn.core_attn_implementation = attn
+    core = ALL_ATTENTION_FUNCTIONS[attn]
+    by_heads: dict = {}
 
     def uattn_wrapper(module, query, key, value, attention_mask, *args, **kwargs):
-        return uattn(module, query, key, value, None, *args, **kwargs)  # masks are rebuilt from position ids
+        heads = (query.shape[1], key.shape[1])  # query [bs, hq, sl/sp, d], key [bs, hkv, sl/sp, d]
+        if heads not in by_heads:
+            uattn = UlyssesSPAttentionHF(
+                attn=core, batch_size=micro_batch, attn_head_count=heads[0], attn_head_size=query.shape[-1],
+                kv_head_count=heads[1], num_hidden_layers=cfg.num_hidden_layers, process_group=group,
+                seq_length_is_variable=True)
+            uattn.core_attn_implementation = attn
+            by_heads[heads] = uattn
+        return by_heads[heads](module, query, key, value, None, *args, **kwargs)  # masks: rebuilt from positions
 
     ALL_ATTENTION_FUNCTIONS[attn] = uattn_wrapper
 
 
-def register(model, dims, attn_implementation: str, micro_batch: int):
+def register(model, dims, attn_implementation: str, micro_batch: int, head_chunks: int | str = 1):
     """Register document-masked (and, for dims.sp > 1, Ulysses x context-parallel) attention for `model`; returns
-    the mpu (None at sp 1). `dims`: the stage's base.parallel.ParallelDims (sp, cp, world, rank)."""
+    the mpu (None at sp 1). `dims`: the stage's base.parallel.ParallelDims (sp, cp, world, rank). `head_chunks` > 1
+    runs each layer's attention that many chunks of heads at a time (model_utils/head_chunks.py; "auto" unresolved
+    by the planner: 1); a count that does not split the heads per rank is refused in one line."""
+    head_chunks = 1 if head_chunks in ("auto", None, 0) else int(head_chunks)
+    head_chunks_mod.install(model, head_chunks, dims.ulysses)
     attention.register(model, attn_implementation)
     mpu = None
     if dims.sp > 1 and dims.cp == 1:
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+        core = ALL_ATTENTION_FUNCTIONS[attn_implementation]
         mpu = UlyssesSPAttentionHF.register_with_transformers(
             model_name_or_path=model, core_attn_implementation=attn_implementation, sequence_parallel_size=dims.sp,
             micro_batch_size=micro_batch, seq_length_is_variable=True)
+        if head_chunks > 1:  # DeepSpeed's wrapper is built for all heads: one per chunk shape instead
+            ALL_ATTENTION_FUNCTIONS[attn_implementation] = core
+            _wrap_ulysses(model, attn_implementation, mpu.get_sequence_parallel_group(), micro_batch)
     elif dims.sp > 1:
         from deepspeed.runtime.sequence_parallel import parallel_state_sp
 

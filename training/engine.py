@@ -47,9 +47,10 @@ def build_engine(cfg: Config, dims: ParallelDims, hf_config, attn: str, bf16: bo
     torch.manual_seed(seed)  # same init on every rank (and the same as a plain from_config with this seed)
     model, handle = build_model(cfg.model_name_or_path, hf_config, ds_config, attn,
                                 torch.bfloat16 if bf16 else torch.float16 if cfg.fp16 else torch.float32, pretrained)
-    apply_memory_features(model, features_of(cfg))
+    features = features_of(cfg)
+    apply_memory_features(model, features)
     ulysses.unregister()  # a previous stage may have registered another SP degree
-    mpu = ulysses.register(model, dims, attn, cfg.per_device_train_batch_size)
+    mpu = ulysses.register(model, dims, attn, cfg.per_device_train_batch_size, features.attention_head_chunks)
     params = [p for p in model.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=params, config=ds_config, mpu=mpu,

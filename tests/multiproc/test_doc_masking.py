@@ -132,8 +132,20 @@ DOC_CASES = [("sdpa_mb1", "llama", "sdpa", 1, True, False), ("sdpa_mb2", "llama"
              ("flex_mb2", "llama", "flex_attention", 2, False, False)]
 BYPASS = ("bypass", "llama", "sdpa", 1, False, True)
 CHECKPOINTED = {"sdpa_mb2", "mistral8_mb2"}  # activation checkpointing: every layer's attention runs twice
+# headwise-chunked attention (model_utils/head_chunks.py; extra config as a 7th field): 4 chunks = every head alone
+# at SP 1 (a chunk narrower than its GQA group: the KV head projected per chunk), 2 = every local head at SP 2
+# (one KV head per chunk, replicated over the 2 ranks), with checkpointing + keep_attention, tiled MLP + logits
+CKPT_KEEP = {"gradient_checkpointing": True, "keep_attention": True}
+CHUNKED = {1: [("chunks4_ckpt", "llama", "sdpa", 2, True, False, {"attention_head_chunks": 4, **CKPT_KEEP}),
+               ("chunks2_tiled", "llama", "sdpa", 1, True, False,
+                {"attention_head_chunks": 2, "tiled_mlp": True, "tiled_logits": True})],
+           2: [("chunks2_ckpt", "llama", "sdpa", 2, True, False, {"attention_head_chunks": 2, **CKPT_KEEP}),
+               ("chunks2_tiled", "llama", "sdpa", 1, True, False,
+                {"attention_head_chunks": 2, "tiled_mlp": True, "tiled_logits": True, "gradient_checkpointing": True})]}
 WINDOW_CASES = {2: [("mistral8_mb2", "mistral8", "sdpa", 2, True, False), ("gemma3", "gemma3", "sdpa", 1, True, False),
-                    ("qwen2mix", "qwen2mix", "sdpa", 1, True, False)],
+                    ("qwen2mix", "qwen2mix", "sdpa", 1, True, False),
+                    ("mistral8_chunks2", "mistral8", "sdpa", 2, True, False,
+                     {"attention_head_chunks": 2, "gradient_checkpointing": True})],
                 4: [("mistral30", "mistral30", "sdpa", 1, True, False),
                     ("mistral30_flex", "mistral30", "flex_attention", 1, False, False)]}
 
@@ -144,7 +156,7 @@ def launch(assets, tmp_path_factory, key: str, sp: int, specs: list[tuple]) -> d
         return _LAUNCHED[(key, sp)]
     d = tmp_path_factory.mktemp(f"{key}_sp{sp}")
     cases = {}
-    for name, model, attn, mb, grads, bypass in specs:
+    for name, model, attn, mb, grads, bypass, *extra in specs:
         cases[name] = {"model_name_or_path": assets[model], "dataset_path": assets["data"], "max_seq_length": SEQ,
                        "sequence_parallel_size": sp, "per_device_train_batch_size": mb, "attn_implementation": attn,
                        "reset_position_ids": "yes", "learning_rate": 1e-3, "max_steps": 1, "report_to": "none",
@@ -153,6 +165,7 @@ def launch(assets, tmp_path_factory, key: str, sp: int, specs: list[tuple]) -> d
                        "cache": os.path.join(assets["dir"], "cache")}
         if name in CHECKPOINTED:
             cases[name]["gradient_checkpointing"] = True
+        cases[name].update(*extra)
     run(os.path.join(ROOT, "tests/workers/doc_masking.py"), [json.dumps(list(cases.values()))], sp, str(d / "logs"))
     _LAUNCHED[(key, sp)] = {name: (torch.load(c["out"]), c) for name, c in cases.items()}
     return _LAUNCHED[(key, sp)]
@@ -165,8 +178,11 @@ def check_against_oracle(assets, sp: int, got: dict) -> None:
         model = next(k for k, v in assets.items() if v == case["model_name_or_path"])
         ref_loss, ref_grads = reference(case["model_name_or_path"], packed(assets, case["samples"]))
         assert res["error"] is None, (name, res["error"])
-        # one micro-batch: its documents built once, not in every layer (2) nor again in the recompute
-        assert res["builds"] == 1 and res["calls"] == 2 * (1 + ("gradient_checkpointing" in case)), (name, res)
+        # one micro-batch: its documents built once, not in every layer (2) nor again in the recompute; head chunks:
+        # one call per chunk, and once more per chunk in backward (it recomputes the chunk from its projections)
+        n = case.get("attention_head_chunks", 1)
+        calls = 2 * (1 + bool(case.get("gradient_checkpointing"))) * n + (2 * n if n > 1 and case["grads"] else 0)
+        assert res["builds"] == 1 and res["calls"] == calls, (name, res, calls)
         worst = max((rel(res["grads"][n], ref_grads[n]), n) for n in res["grads"]) if res["grads"] else (0.0, "")
         print(f"sp={sp} {name} ({model}, {case['attn_implementation']}, mb={len(case['samples'])}): loss rel err "
               f"{abs(res['loss'] - ref_loss) / ref_loss:.2e}, worst grad rel err {worst[0]:.2e}")
@@ -179,7 +195,7 @@ def check_against_oracle(assets, sp: int, got: dict) -> None:
 @pytest.mark.dist
 @pytest.mark.parametrize("sp", [1, 2, 4])
 def test_documents_match_plain_model_alone(docs_assets, tmp_path_factory, sp):
-    got = launch(docs_assets, tmp_path_factory, "docs", sp, DOC_CASES + ([BYPASS] if sp == 2 else []))
+    got = launch(docs_assets, tmp_path_factory, "docs", sp, DOC_CASES + ([BYPASS] if sp == 2 else []) + CHUNKED.get(sp, []))
     check_against_oracle(docs_assets, sp, got)
     if sp == 2:  # a layer whose attention skips ALL_ATTENTION_FUNCTIONS is refused after the first forward
         error = got["bypass"][0]["error"]

@@ -1,0 +1,282 @@
+"""Headwise-chunked attention (UPipe's "untied Ulysses"): a layer's attention runs n chunks of heads one after another.
+
+For each chunk c of the query heads (and the KV heads they read): the q/k/v projections of those heads only, the
+model's own attention code (RoPE, q/k norms, windows: transformers' forward, run on a view of the module whose
+projections are the chunk's rows), the registered attention function (document masking; Ulysses' all-to-all and
+context parallelism around it, ulysses.py: one DeepSpeed `UlyssesSPAttentionHF` per chunk shape) and the all-to-all
+back; the output projection of those heads is added into the layer's output in place. Per rank, a chunk's full-sequence
+q, k, v and output are 1/n of the layer's, so the attention part of a layer's working set shrinks n-fold (the
+planner's terms: planner/attention_sp.py; the exact bytes: tests/unit/planner/test_planner_tensor_bytes.py).
+
+The whole chunk loop is one autograd Function (`_Chunked`), so backward also runs chunk by chunk. What a finished
+chunk leaves alive for backward, by design: the attention KERNEL's outputs of that chunk (its output [bs, hc/u, S,
+d] and fp32 log-sum-exp [bs, hc/u, S]: ~1/n of a [T, nh*d] tensor per chunk, ~1 [T, h] for the layer) and nothing
+else; the layer input x (shared by all chunks, already kept by the norm before it) and the RoPE cos/sin. Backward,
+per chunk: recompute the chunk's projections and all-to-all, answer the kernel from its saved outputs (no second
+attention forward: the quadratic part), run the chunk's own backward, and accumulate dx and the weight gradients in
+place (addmm_): no [T, h] tensor per chunk. Costs against unchunked attention: the chunk's projections and the q/k/v
+all-to-all (and the output's all-to-all back) once more in backward, and n times the launches of each collective,
+each 1/n the bytes (Llama-3-8B at 1M tokens, SP 8, n = 4: 4 launches of 64 MB instead of 1 of 256 MB per all-to-all).
+A kernel that is not one of model_utils.memory.attention_ops (flex_attention's higher-order op, SDPA's math fallback)
+is recomputed in backward instead: right, one attention forward more.
+
+Under activation checkpointing the Function saves through the checkpoint like any op (its saved kernel outputs are
+dropped in the forward and rebuilt by the recompute), and with --keep_attention the layer's cached kernel outputs
+answer the recompute's calls: the kernel runs once per chunk in the forward, never again.
+The forward accumulates the output in the compute dtype (bf16: n roundings of partial sums where one o_proj matmul
+has one). Evaluation (no autograd) runs the same loop without saving anything.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+import types
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
+
+from planner.attention_sp import check_head_chunks, chunk_heads
+
+PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+class _View:
+    """What transformers' attention forward sees as `self` for one head chunk: q/k/v_proj return the chunk's
+    projections (computed outside, so backward can start from them), o_proj hands back its input (the chunk's
+    attention output after the all-to-all back, [bs, T, hc*d]); everything else is the real module's. Attributes
+    set on it (DeepSpeed sets num_key_value_groups when it replicates KV heads) stay on the view."""
+
+    def __init__(self, module, q, k, v, groups: int):
+        self.__dict__.update(_chunk_of=module, _qkv={"q_proj": q, "k_proj": k, "v_proj": v},
+                             num_key_value_groups=groups, y=None)
+
+    def __getattr__(self, name):
+        if name in ("q_proj", "k_proj", "v_proj"):
+            return lambda x, t=self._qkv[name]: t
+        if name == "o_proj":
+            def keep(y):
+                self.__dict__["y"] = y
+                return y
+            return keep
+        return getattr(self._chunk_of, name)
+
+
+class _KeepKernel(TorchDispatchMode):
+    """Forward: cache the outputs of the attention kernels (model_utils.memory.attention_ops) in call order.
+    Recompute: answer those calls from the cache and run every other op."""
+
+    def __init__(self, ops: frozenset, cache: collections.deque, recompute: bool):
+        super().__init__()
+        self.ops, self.cache, self.recompute = ops, cache, recompute
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func not in self.ops:
+            return func(*args, **(kwargs or {}))
+        if self.recompute:
+            if not self.cache:
+                raise RuntimeError(f"head chunks: backward called {func} more often than the forward did")
+            return self.cache.popleft()
+        out = func(*args, **(kwargs or {}))
+        self.cache.append(tree_map_only(torch.Tensor, torch.Tensor.detach, out))
+        return out
+
+
+def _identity(t):
+    return t
+
+
+class _Plan:
+    """One call of one attention module: its chunk geometry, the call's arguments (position embeddings, position
+    ids, window: captured, not saved tensors) and the model's own forward to run per chunk."""
+
+    def __init__(self, module, chunks: int, hidden_shape, position_embeddings, kwargs):
+        self.module, self.n, self.kwargs = module, chunks, kwargs
+        self.position_embeddings = position_embeddings
+        self.names = [n for n, _ in module.named_parameters()]
+        cfg = module.config.get_text_config() if hasattr(module.config, "get_text_config") else module.config
+        nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, module.head_dim
+        self.hq, self.hkv = chunk_heads(nh, nkv, chunks)
+        self.d, self.group = d, nh // nkv
+
+    def rows(self, c: int) -> tuple[slice, slice]:
+        """(query rows = o_proj columns, key/value rows) of chunk c in the projection weights."""
+        q0 = c * self.hq
+        k0 = q0 // self.group  # the chunk's first KV head (chunks hold whole groups or lie inside one)
+        return slice(q0 * self.d, (q0 + self.hq) * self.d), slice(k0 * self.d, (k0 + self.hkv) * self.d)
+
+    def project(self, x, W: dict, c: int):
+        """The chunk's q [bs, T, hq*d], k, v [bs, T, hkv*d] (no autograd: backward starts from them)."""
+        qr, kr = self.rows(c)
+
+        def lin(name, r):
+            b = W.get(f"{name}.bias")
+            return torch.nn.functional.linear(x, W[f"{name}.weight"][r], None if b is None else b[r])
+
+        with torch.no_grad():
+            return lin("q_proj", qr), lin("k_proj", kr), lin("v_proj", kr)
+
+    def run(self, q, k, v, x):
+        """transformers' attention forward for one chunk -> its output after the all-to-all back, [bs, T, hq*d]."""
+        view = _View(self.module, q, k, v, self.hq // self.hkv)
+        type(self.module).forward(view, x, position_embeddings=self.position_embeddings, attention_mask=None,
+                                  **self.kwargs)
+        return view.y
+
+
+def _local_graph():
+    """Grad on, and our own saved-tensor hooks: a chunk's graph lives only while we use it, whatever checkpoint
+    (and its pack hooks) surrounds the layer."""
+    stack = torch.autograd.graph.saved_tensors_hooks(_identity, _identity)
+    return stack
+
+
+class _Chunked(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, plan: _Plan, x, *params):
+        from model_utils.memory import attention_ops
+
+        W = dict(zip(plan.names, params))
+        ops = attention_ops()
+        out = _output(x, W)
+        flat_out = out.view(-1, out.shape[-1])
+        kept, layouts = [], []
+        for c in range(plan.n):
+            q, k, v = plan.project(x, W, c)
+            cache: collections.deque = collections.deque()
+            # grad on, as in backward's recompute: SDPA picks its kernel (and whether it returns the log-sum-exp)
+            # from requires_grad, so the cached outputs are what the recompute's call would have returned
+            with torch.enable_grad(), _local_graph(), _KeepKernel(ops, cache, recompute=False):
+                y = plan.run(q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), x)
+            qr, _ = plan.rows(c)
+            flat_out.addmm_(y.detach().reshape(-1, y.shape[-1]), W["o_proj.weight"][:, qr].t())
+            del y, q, k, v  # the chunk's graph (its q/k/v/output at full length) goes here
+            leaves, spec = tree_flatten(list(cache))
+            layouts.append((spec, [isinstance(t, torch.Tensor) for t in leaves], len(leaves)))
+            kept += leaves
+        tensors = [t for t in kept if isinstance(t, torch.Tensor)]
+        ctx.plan, ctx.layouts, ctx.params = plan, layouts, params
+        ctx.others = [t for t in kept if not isinstance(t, torch.Tensor)]
+        ctx.save_for_backward(x, *tensors)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        from model_utils.memory import attention_ops
+
+        plan = ctx.plan
+        x, *tensors = ctx.saved_tensors
+        tensors.reverse()
+        others = list(reversed(ctx.others))
+        W = {n: p.detach() for n, p in zip(plan.names, ctx.params)}
+        grads = {n: torch.zeros_like(p) if p.requires_grad else None for n, p in zip(plan.names, ctx.params)}
+        extra = [(n, p) for n, p in zip(plan.names, ctx.params) if n.split(".")[0] not in PROJ and p.requires_grad]
+        dx = torch.zeros_like(x) if ctx.needs_input_grad[1] else None
+        d2 = dout.reshape(-1, dout.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1])
+        ops = attention_ops()
+        for c in range(plan.n):
+            spec, is_t, count = ctx.layouts[c]
+            leaves = [tensors.pop() if t else others.pop() for t in is_t]
+            cache = collections.deque(tree_unflatten(leaves, spec) if count else [])
+            del leaves
+            qr, kr = plan.rows(c)
+            q, k, v = (t.requires_grad_() for t in plan.project(x, W, c))
+            with torch.enable_grad(), _local_graph(), _KeepKernel(ops, cache, recompute=True):
+                y = plan.run(q, k, v, x)
+            del cache
+            y2 = y.detach().reshape(-1, y.shape[-1])
+            Wo = W["o_proj.weight"][:, qr]
+            if grads["o_proj.weight"] is not None:
+                grads["o_proj.weight"][:, qr].addmm_(d2.t(), y2)
+            dy = (d2 @ Wo).view_as(y)
+            inputs = [q, k, v] + [p for _, p in extra]
+            got = torch.autograd.grad(y, inputs, dy, allow_unused=True)
+            del y, y2, dy
+            for name, r, g in (("q_proj", qr, got[0]), ("k_proj", kr, got[1]), ("v_proj", kr, got[2])):
+                g2 = g.reshape(-1, g.shape[-1])
+                if dx is not None:
+                    dx.view(-1, dx.shape[-1]).addmm_(g2, W[f"{name}.weight"][r])
+                if grads[f"{name}.weight"] is not None:
+                    grads[f"{name}.weight"][r].addmm_(g2.t(), x2)
+                if grads.get(f"{name}.bias") is not None:
+                    grads[f"{name}.bias"][r] += g2.sum(0)
+            for (n, _), g in zip(extra, got[3:]):
+                if g is not None:
+                    grads[n] += g
+            del got, q, k, v
+        if grads.get("o_proj.bias") is not None:
+            grads["o_proj.bias"] += d2.sum(0)
+        # The weight gradients go into .grad here, not through autograd (DeepSpeed's TiledMLP does the same): ZeRO-3
+        # reduces a leaf module's gradients in the module's backward hook, which fires as soon as dx is returned
+        for n, p in zip(plan.names, ctx.params):
+            g = grads[n]
+            if g is None:
+                continue
+            if p.grad is None or p.grad.shape != p.shape:
+                p.grad = g
+            else:
+                p.grad.add_(g)
+        return (None, dx, *(None for _ in plan.names))
+
+
+def _output(x, W: dict) -> torch.Tensor:
+    """The layer's attention output buffer [bs, T, h]: o_proj's bias, or zeros."""
+    Wo, bo = W["o_proj.weight"], W.get("o_proj.bias")
+    shape = (*x.shape[:-1], Wo.shape[0])
+    return bo.to(x.dtype).expand(shape).clone() if bo is not None else x.new_zeros(shape)
+
+
+def chunked_forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
+                    **kwargs):
+    """The attention module's forward, n chunks of heads at a time (a KV cache or a padding mask: the model's own)."""
+    n = self._head_chunks
+    if n == 1 or past_key_values is not None or attention_mask is not None:
+        return type(self).forward(self, hidden_states, position_embeddings=position_embeddings,
+                                  attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
+    plan = _Plan(self, n, hidden_states.shape, position_embeddings, kwargs)
+    params = [p for _, p in self.named_parameters()]
+    if torch.is_grad_enabled() and (hidden_states.requires_grad or any(p.requires_grad for p in params)):
+        return _Chunked.apply(plan, hidden_states, *params), None
+    W = dict(zip(plan.names, params))
+    out = _output(hidden_states, W)
+    for c in range(n):  # evaluation: nothing saved
+        q, k, v = plan.project(hidden_states, W, c)
+        y = plan.run(q, k, v, hidden_states)
+        out.view(-1, out.shape[-1]).addmm_(y.reshape(-1, y.shape[-1]), W["o_proj.weight"][:, plan.rows(c)[0]].t())
+    return out, None
+
+
+def attention_modules(model) -> list:
+    layers = getattr(model.get_decoder(), "layers", None) or []
+    return [layer.self_attn for layer in layers if hasattr(layer, "self_attn")]
+
+
+def install(model, chunks: int, ulysses: int = 1) -> int:
+    """Run every decoder layer's attention in `chunks` chunks of heads (1: leave it). Returns the chunks; a
+    one-line ValueError for a count that does not split the heads per rank, or an attention module this cannot
+    slice (it needs q/k/v/o_proj Linear layers and head_dim, as Llama, Mistral, Qwen2/3, Gemma-3 have)."""
+    cfg = model.config.get_text_config()
+    check_head_chunks(chunks, cfg.num_attention_heads, cfg.num_key_value_heads, ulysses)
+    if chunks == 1:
+        return 1
+    from deepspeed.utils.z3_leaf_module import set_z3_leaf_module
+
+    mods = attention_modules(model)
+    if len(mods) != cfg.num_hidden_layers:
+        raise ValueError(f"attention_head_chunks={chunks}: {type(model).__name__} has no decoder layers with a "
+                         "self_attn module; use attention_head_chunks 1")
+    for m in mods:
+        if not all(isinstance(getattr(m, p, None), torch.nn.Linear) for p in PROJ) or not hasattr(m, "head_dim"):
+            raise ValueError(f"attention_head_chunks={chunks}: {type(m).__name__} lacks q/k/v/o_proj linear layers or "
+                             "head_dim; use attention_head_chunks 1")
+        if "apply_rotary_pos_emb" not in vars(sys.modules[type(m).__module__]):
+            raise ValueError(f"attention_head_chunks={chunks}: {type(m).__name__} does not use RoPE the Llama way; "
+                             "use attention_head_chunks 1")
+        m._head_chunks = chunks
+        m.forward = types.MethodType(chunked_forward, m)  # this instance only
+        # ZeRO-3 leaf: the projections' weights are read as tensors, not through their modules' forward, so they
+        # are gathered once for the whole attention module (forward and backward), as the unchunked path's are
+        set_z3_leaf_module(m, True)
+    return chunks
