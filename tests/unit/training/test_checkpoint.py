@@ -264,6 +264,27 @@ def test_conversion_longer_than_a_whole_allocation_is_refused(tmp_path, monkeypa
     assert "python -m training.universal" in capsys.readouterr().err
 
 
+def test_conversion_that_overruns_its_estimate_is_stopped_before_the_job_ends(tmp_path, monkeypatch, capsys):
+    """A conversion that fits by its estimate still runs under a timeout that leaves a step, a save and the margin
+    before SLURM_JOB_END_TIME; stopped there, its time is recorded as unfinished and the job exits 75."""
+    from training import universal
+
+    seen = []
+
+    def run(cmd, *args, timeout=None, **kwargs):
+        seen.append(timeout)
+        raise subprocess.TimeoutExpired(cmd, timeout)
+
+    monkeypatch.setattr(subprocess, "run", run)
+    monkeypatch.setenv("SLURM_JOB_END_TIME", str(int(time.time() + 600)))
+    ck = Checkpointer(str(tmp_path), keep=3)
+    path = save_from_world(ck, 4, world=2)
+    assert _exit_code(monkeypatch, lambda: ck.load(LoadEngine(), path)) == 75
+    assert len(seen) == 1 and 200 < seen[0] < 600 - 300  # ends before the job does, with a save's time to spare
+    rate = json.loads((tmp_path / "checkpoints" / "universal" / universal.RATE).read_text())
+    assert rate["finished"] is False and "was stopped after" in capsys.readouterr().err
+
+
 def test_a_file_the_loading_rank_cannot_see_yet_is_looked_for_again(tmp_path):
     """The rank that loads a file looks it up again by name (a stale view of its node) as the verifying rank does:
     files that appear 1.5 s late are loaded; a file that never appears fails in one line naming it."""
