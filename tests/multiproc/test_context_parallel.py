@@ -4,7 +4,8 @@ The oracle and the samples are test_doc_masking's: the plain Hugging Face model 
 alone (peaked weights, initializer_range 0.3; `test_wrong_mask_is_far_from_the_oracle` shows attention across
 documents misses it by > 100x the tolerances), loss within 1e-5 relative and ZeRO-3 full gradients within 1e-4,
 for (ulysses, cp) in (1,2), (2,2), (1,3), (3,2): packed documents crossing every shard and zigzag chunk
-boundary, micro-batch 1 and 2, GQA with KV replication (u = 2 > 1 KV head), sliding windows, activation
+boundary, micro-batch 1 and 2, GQA with KV replication (u = 2 > 1 KV head), sliding windows, head-chunked attention
+(attention_head_chunks 2, 3 and every head), activation
 checkpointing (every layer, and selective: layer 0 of 2) with keep_attention, tiled MLP and logits, flex_attention (loss only: torch has no flex backward
 on CPU), and the evaluation's per-sample statistics (loss by position bucket) through the same split.
 Heads: 9 (SP 2 and 6 do not divide it), 6 (SP 4 does not), 4 (SP 3 does not).
@@ -46,9 +47,16 @@ CKPT = {"gradient_checkpointing": True, "keep_attention": True}
 CASES = {
     (1, 2): [("h9_mb1", "h9", "sdpa", 1, True, {"eval": True}), ("h9_mb2_ckpt", "h9", "sdpa", 2, True, CKPT),
              ("h9_flex_mb2", "h9", "flex_attention", 2, False, {}),
-             ("window_mb2", "mistral8", "sdpa", 2, True, {"tiled_logits": True, "tiled_mlp": True})],
+             ("window_mb2", "mistral8", "sdpa", 2, True, {"tiled_logits": True, "tiled_mlp": True}),
+             # head chunks (model_utils/head_chunks.py): 3 of 3 heads (one GQA group each), 9 = every head alone
+             ("h9_chunks3_ckpt", "h9", "sdpa", 2, True, {"attention_head_chunks": 3, **CKPT}),
+             ("h9_chunks9_tiled", "h9", "sdpa", 1, True, {"attention_head_chunks": 9, "tiled_logits": True,
+                                                           "tiled_mlp": True, "gradient_checkpointing": True})],
     (2, 2): [("h6_mb2_selective", "h6", "sdpa", 2, True, {"eval": True, "checkpoint_every": 2, "keep_attention": True}), ("kv1_replicated", "kv1", "sdpa", 1, True, CKPT),
-             ("gemma3_flex", "gemma3", "flex_attention", 1, False, {})],
+             ("gemma3_flex", "gemma3", "flex_attention", 1, False, {}),
+             # head chunks: every local head alone, its one KV head replicated over u = 2; a window
+             ("kv1_chunks2_ckpt", "kv1", "sdpa", 1, True, {"attention_head_chunks": 2, **CKPT}),
+             ("window_chunks2", "mistral8", "sdpa", 2, True, {"attention_head_chunks": 2, "gradient_checkpointing": True})],
     (1, 3): [("llama_mb2", "llama", "sdpa", 2, True, {}), ("gemma3_mb1", "gemma3", "sdpa", 1, True, {})],
     (3, 2): [("h9_mb2", "h9", "sdpa", 2, True, CKPT), ("window_mb1", "mistral_h9", "sdpa", 1, True, {})],
 }
