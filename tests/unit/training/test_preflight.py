@@ -37,12 +37,13 @@ def test_interface_missing_on_this_host_names_host_and_interface(tmp_path, monke
     assert "\n" not in msg and "GLOO_SOCKET_IFNAME=ib0: host gpu-node-3 has no interface ib0" in msg
     assert "(it has eth0, lo)" in msg
     # the bad host's local rank 0 prints the line (run_job, below), not only global rank 0
-    # (rank 9 prints too here: with no abort channel its own report is the only one on record)
-    for rank, local, printed in (("8", "0", True), ("9", "1", True), ("0", "0", True)):
+    # (the abort channel answers with the report on record: rank 8's, posted first)
+    from base import comm
+
+    monkeypatch.setattr(comm, "abort", lambda reason, code=1: f"rank 8 stopped on an input error: {msg}")
+    for rank, local, printed in (("8", "0", True), ("9", "1", False), ("0", "0", True), ("8", "1", True)):
         monkeypatch.setenv("RANK", rank)
         monkeypatch.setenv("LOCAL_RANK", local)
-        monkeypatch.setenv("WORLD_SIZE", "16")
-        monkeypatch.delenv("MASTER_ADDR", raising=False)  # no abort channel in this process: nothing on record
         assert job.run_job(preflight.check_network) == job.EXIT_USAGE
         assert capsys.readouterr().err == (f"error: {msg}\n" if printed else ""), (rank, local)
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")
