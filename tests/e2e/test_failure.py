@@ -172,6 +172,7 @@ def test_a_torn_metrics_line_is_repaired_on_resume(tmp_path, capsys, monkeypatch
 
 
 @pytest.mark.dist
+@pytest.mark.slow  # the mechanism: test_comm.py::test_a_failing_rank0_waits_for_the_others_to_read_its_reason
 def test_rank0s_own_failure_reaches_the_others_with_its_reason(tmp_path):
     """Rank 0 raises and exits at once (no hanging teardown: `quick`), taking the store it hosts with it: the
     other rank still stops with rank 0's reason, not "the job's store ... has been unreachable" LOST_STORE_S
