@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import json
 import os
 import time
@@ -26,7 +27,7 @@ from model_utils.ulysses import check_routed
 from training.checkpoint import TrainState, rng_state
 from training.config import to_dict
 from training.curriculum import stage_start
-from training.engine import build_engine, features_of, stage_config
+from training.engine import build_engine, features_of, release_engine, stage_config
 from training.evaluation import evaluate_stage
 from training.job import EXIT_PREEMPTED
 from training.metrics import peak_memory_gb, reset_peak_memory
@@ -91,7 +92,9 @@ def train_stage(run: Run, stage, stages, state: TrainState) -> None:
             _save(run, engine, stage, hf_config, state, sampler, at_end)
             stopping = stopping or preempt.agreed(ahead_s=preempt.deadline.evaluation_s() if at_end else 0.0)
         if stopping:
-            engine.destroy()
+            release_engine(engine)
+            del engine
+            gc.collect()  # the engine's model, optimizer and partitions reference each other: free them now
             return
 
     # --- stage end: checkpoint written above; evaluate at this stage's length, then agree on a stop again ---
@@ -100,7 +103,9 @@ def train_stage(run: Run, stage, stages, state: TrainState) -> None:
                    run.data.tokenizer, run.metrics, state.step, cfg.per_device_train_batch_size, run.data.pad_id,
                    stages, run.data.heldout)
     preempt.deadline.record_eval(time.perf_counter() - t_eval)
-    engine.destroy()
+    release_engine(engine)
+    del engine
+    gc.collect()  # before the next stage builds its engine: the host memory of this one goes back first
     preempt.agreed()
 
 

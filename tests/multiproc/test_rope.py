@@ -59,6 +59,13 @@ def close(a, b, rel=1e-6):
     return all(abs(x - y) <= rel * abs(y) for x, y in zip(a, b)) and len(a) == len(b)
 
 
+def test_a_stage_engine_is_freed_when_released(rotary):
+    """Every engine (model and optimizer: ZeRO-3 partitions, CPU Adam's fp32 master and moments) is freed when its
+    stage releases it. DeepSpeed keeps the top module on a module-level list (FWD_MODULE_STACK): before
+    release_engine each stage's engine stayed alive, +2.5 GiB of host memory per stage for a 147M model here."""
+    assert rotary["_released"] and all(all(r) for r in rotary["_released"]), rotary["_released"]
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_same_on_every_rank(rotary, name):
     ranks = rotary[name]
