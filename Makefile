@@ -1,4 +1,4 @@
-# make setup | demo | demo-machinery | demo-long | test | test-slow | calibrate | lint
+# make setup | demo | demo-machinery | demo-long | test | test-slow | calibrate | gpu-check | lint
 export DS_ACCELERATOR ?= cpu
 PY := .venv/bin/python
 
@@ -31,10 +31,15 @@ test:
 calibrate:
 	$(PY) -m bench.calibration
 
+# On a GPU machine (<= 9 min on one H100/H200): smoke test, document-masking parity, length/speed ladder;
+# bench/results/gpu.json and docs/results/gpu.md (bench/gpu.py)
+gpu-check:
+	DS_ACCELERATOR=cuda $(PY) -m bench.gpu
+
 test-slow:
 	.venv/bin/pytest -q -m slow
 
 lint:
 	.venv/bin/ruff check .
 
-.PHONY: setup demo demo-extend demo-machinery demo-long test test-slow calibrate lint
+.PHONY: setup demo demo-extend demo-machinery demo-long test test-slow calibrate gpu-check lint

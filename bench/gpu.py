@@ -52,7 +52,7 @@ TINY = dict(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_ke
             max_position_embeddings=1 << 16, rope_theta=10000.0)
 K = 1024
 # (length, steps) of the throughput rungs; the dry run's stand-ins keep the shape of the plan at CPU sizes
-THROUGHPUT = {"gpu": [(64 * K, 3), (128 * K, 3), (256 * K, 2)], "dry": [(256, 3), (512, 3), (1024, 2)]}
+THROUGHPUT = {"gpu": [(64 * K, 3), (128 * K, 3), (256 * K, 2)], "dry": [(256, 2), (512, 1), (1024, 1)]}
 LADDER_STEP = {"gpu": 64 * K, "dry": 512}
 LEANEST = {"tiled_mlp": True, "tiled_logits": True, "gradient_checkpointing": True, "offload_activations": True}
 OFFLOADS = {"zero_optimization": {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}}
@@ -320,16 +320,17 @@ def ladder(rec: Record, model: str, device: str, dry: bool, cap_gib: float, work
     with open(cfg, "w") as fh:
         fh.write("stages:\n" + "".join(stage_yaml(f"L{r['length']}", r["length"], r["steps"], r["features"])
                                        for r in rungs))
-    env = {} if dry else {"BENCH_GPU_CAP_GIB": str(cap_gib),
-                          "PYTHONPATH": os.pathsep.join(filter(None, [os.path.join(bm.ROOT, "bench", "gpu_site"),
-                                                                      os.environ.get("PYTHONPATH")]))}
+    env = bm.bench_env(device)
+    if not dry:  # the allocator cap (bench/gpu_site/sitecustomize.py) in the ranks
+        env.update(BENCH_GPU_CAP_GIB=str(cap_gib),
+                   PYTHONPATH=os.pathsep.join([os.path.join(bm.ROOT, "bench", "gpu_site"), env["PYTHONPATH"]]))
     cmd = [*bm.launcher(), "--num_gpus", "1", "--master_port", str(bm.free_port()), "train.py", "--config", cfg,
            "--model_name_or_path", model, "--sequence_parallel_size", "1", "--output_dir", out,
            "--report_to", "none", "--no-export_hf", "--save_steps", "0", "--resume", "none", "--no-progress_bar",
            "--learning_rate", "1e-5", "--warmup_steps", "0", "--reset_position_ids", "no", "--memory_features",
            "manual", "--dist_timeout_s", "600"]
     log = os.path.join(work, "ladder.log")
-    code, wall = bm.launch(cmd, bm.bench_env(device, env), log, max(timeout, 60))
+    code, wall = bm.launch(cmd, env, log, max(timeout, 60))
     steps = bm.read_steps(out)
     with open(log, errors="replace") as fh:
         text = fh.read()
@@ -380,6 +381,7 @@ def render(data: dict) -> str:
              f"{data.get('elapsed_s', '?')} s of a {data.get('budget_s', '?')} s budget."
              + (" **Dry run on CPU (tiny shapes): the page shows the script works, not GPU figures.**"
                 if env.get("dry") else ""), ""]
+    lines += [f"- {n}" for n in data.get("notes", [])] + ([""] if data.get("notes") else [])
     s = data.get("smoke")
     lines += ["## Smoke test", "", "`pytest -m gpu tests/test_gpu_smoke.py`: " +
               (f"exit {s['exit_code']}, {s['summary']} ({s['seconds']} s)" if s else "not run"), ""]
