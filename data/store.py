@@ -23,6 +23,8 @@ import zlib
 
 import numpy as np
 
+from base.atomic import atomic_write, fsync_path
+
 MANIFEST = "manifest.json"
 FORMAT = "ulysses-longtrain/prepared-v1"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
@@ -64,30 +66,14 @@ def file_crc32(path: str, block: int = 1 << 24) -> int:
 
 def write_json_atomic(path: str, obj) -> None:
     """tmp + fsync + os.replace + fsync of the folder: a reader sees the old file, the new one, or none."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as fh:
-        json.dump(obj, fh, indent=1)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(path) or ".")
+    atomic_write(path, json.dumps(obj, indent=1).encode())
 
 
 def save_npy_atomic(path: str, arr: np.ndarray) -> None:
-    tmp = f"{path}.tmp{os.getpid()}.npy"
-    with open(tmp, "wb") as fh:
-        np.save(fh, arr)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, lambda fh: np.save(fh, arr), suffix=".npy")
 
 
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+fsync_dir = fsync_path  # a folder's fsync (base/atomic.py holds the one copy)
 
 
 def read_json(path: str) -> dict:

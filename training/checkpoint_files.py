@@ -12,27 +12,19 @@ import zlib
 
 import torch
 
+from base.atomic import atomic_write as atomic_bytes
+from base.atomic import fsync_path
+
 MANIFEST = "MANIFEST.json"
 
 
-def fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+fsync_file = fsync_path  # base/atomic.py holds the one copy (data/store.py writes through it too)
 
 
 def atomic_write(path: str, text: str) -> dict:
-    """Write `text` to `path` atomically (tmp, fsync, rename); returns its manifest entry."""
+    """Write `text` to `path` atomically (tmp, fsync, rename, fsync of the folder); returns its manifest entry."""
     data = text.encode()
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    fsync_file(os.path.dirname(path) or ".")
+    atomic_bytes(path, data)
     return {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
 
 
