@@ -57,6 +57,7 @@ from base import comm
 from base.log import print0, rank_log
 from base.parallel import FS_SETTLE_S
 from training import universal
+from training.async_save import Snapshot
 from training.checkpoint_files import (  # noqa: F401  (MANIFEST: part of this module's interface)
     MANIFEST,
     atomic_write,
@@ -102,10 +103,11 @@ def set_rng_state(s: dict) -> None:
 
 
 @contextlib.contextmanager
-def _recording(engine, root: str, written: dict):
+def _recording(engine, root: str, written: dict, snapshot: Snapshot | None = None):
     """While DeepSpeed saves into `root`, every file its torch checkpoint engine writes gets its manifest entry
-    computed on the way to disk (and is fsynced). Other checkpoint engines are left alone: their files are
-    described by reading them back."""
+    computed on the way to disk (and is fsynced); with a `snapshot` (an asynchronous save) each file is serialized
+    into host memory instead and written later by the snapshot's thread. Other checkpoint engines are left alone:
+    their files are written by them and described by reading them back."""
     from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
     ce = getattr(engine, "checkpoint_engine", None)
@@ -114,13 +116,37 @@ def _recording(engine, root: str, written: dict):
         return
 
     def save(state_dict, path: str) -> None:  # TorchCheckpointEngine.save's signature (called by keyword too)
-        written[os.path.relpath(path, root)] = save_torch(state_dict, path, ce.zipfile_serialization)
+        if snapshot is not None:
+            snapshot.add_torch(path, state_dict, ce.zipfile_serialization)
+        else:
+            written[os.path.relpath(path, root)] = save_torch(state_dict, path, ce.zipfile_serialization)
 
     ce.save = save
     try:
         yield
     finally:
         del ce.save
+
+
+def async_capable(engine) -> bool:
+    """Whether DeepSpeed writes through the torch checkpoint engine (the one `_recording` can snapshot)."""
+    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+    return type(getattr(engine, "checkpoint_engine", None)) is TorchCheckpointEngine
+
+
+@dataclass
+class Pending:
+    """The save whose files are being written in the background (at most one)."""
+
+    tag: str
+    step: int
+    path: str
+    stage_end: str | None
+    trainer: dict
+    snapshot: Snapshot
+    started: float  # time.perf_counter() when the save began
+    blocked_s: float  # how long the step loop waited for the snapshot
 
 
 @dataclass
@@ -166,13 +192,20 @@ class Checkpointer:
         # one process has one view: nothing to wait for; several may see a new file up to SETTLE_S late
         self.settle_s = settle_s if settle_s is not None else (FS_SETTLE_S if comm.world() > 1 else 0.0)
         self.deadline = deadline or Deadline()  # the job's end (SLURM_JOB_END_TIME): bounds a universal conversion
+        self.pending: Pending | None = None  # the save being written in the background, not committed yet
 
     # ---------------------------------------------------------------- save
-    def save(self, engine, step: int, trainer: dict, rank_state: dict, hf_config, stage_end: str | None = None) -> str:
-        """Write checkpoint `step` on all ranks, commit it, rotate old ones. Collective.
+    def save(self, engine, step: int, trainer: dict, rank_state: dict, hf_config, stage_end: str | None = None,
+             background: bool = False) -> str | None:
+        """Write checkpoint `step` on all ranks, commit it, rotate old ones; returns its path. Collective.
 
-        `stage_end` ("STAGE_<index>_<name>") marks the final checkpoint of a stage: kept for good."""
+        `stage_end` ("STAGE_<index>_<name>") marks the final checkpoint of a stage: kept for good. `background`:
+        only the snapshot happens now (every file serialized into host memory) and a thread writes it; returns
+        None, and `poll()` / `finish()` commit it once every rank's write is durable. One save in flight at most:
+        the caller finishes the pending one first (`pending`)."""
+        assert self.pending is None, "finish() the background save before starting another"
         rank, world = _world()
+        t0 = time.perf_counter()
         tag = tag_for(step)
         path = os.path.join(self.root, tag)
         if rank == 0 and os.path.exists(path):  # a partial leftover of a killed run at this same step
@@ -180,16 +213,68 @@ class Checkpointer:
         comm.barrier()
         os.makedirs(os.path.join(path, "state"), exist_ok=True)  # every rank: no rank relies on another's mkdir
         written: dict[str, dict] = {}
-        with _recording(engine, path, written):
+        snap = Snapshot(path) if background and async_capable(engine) else None
+        with _recording(engine, path, written, snap):
             engine.save_checkpoint(self.root, tag=tag, save_latest=False)
-        written[os.path.join("state", f"rank{rank:05d}.pt")] = save_torch(
-            rank_state, os.path.join(path, "state", f"rank{rank:05d}.pt"))
+        own = os.path.join(path, "state", f"rank{rank:05d}.pt")
+        if snap is not None:
+            snap.add_torch(own, rank_state)
+        else:
+            written[os.path.relpath(own, path)] = save_torch(rank_state, own)
         if rank == 0:
-            written["trainer.json"] = atomic_write(os.path.join(path, "trainer.json"),
-                                                    json.dumps(trainer, indent=1, default=str))
-            written["hf_config.json"] = atomic_write(os.path.join(path, "hf_config.json"), hf_config.to_json_string())
-        described = _gather_dict(written)  # every rank's files are on disk, fsynced, with their checksums
-        if rank == 0:
+            meta = {"trainer.json": json.dumps(trainer, indent=1, default=str),
+                    "hf_config.json": hf_config.to_json_string()}
+            for name, text in meta.items():
+                if snap is not None:
+                    snap.add_bytes(os.path.join(path, name), text.encode())
+                else:
+                    written[name] = atomic_write(os.path.join(path, name), text)
+        if snap is None:
+            self._commit(path, tag, step, written, stage_end, trainer)
+            return path
+        snap.start()
+        self.pending = Pending(tag, step, path, stage_end, trainer, snap, t0, time.perf_counter() - t0)
+        return None
+
+    def poll(self) -> tuple[str, float] | None:
+        """At a step boundary: commit the background save if every rank's write is durable (one all-reduce of two
+        numbers, the same answer everywhere; never a rank's own clock); returns (path, seconds from the save's start
+        to its commit) then, else None. A failed write on any rank fails every rank in one line. Collective."""
+        if self.pending is None:
+            return None
+        p = self.pending
+        votes = comm.all_reduce([0.0 if p.snapshot.done() else 1.0, 1.0 if p.snapshot.failed() else 0.0], op="max")
+        if votes[1].item():
+            self._failed()
+        if votes[0].item():
+            return None
+        return self.finish()
+
+    def finish(self) -> tuple[str, float] | None:
+        """Wait for this rank's background write, then commit as `poll` does. Collective; None if none is pending."""
+        if self.pending is None:
+            return None
+        p = self.pending
+        p.snapshot.wait()
+        if comm.all_reduce([1.0 if p.snapshot.failed() else 0.0], op="max")[0].item():
+            self._failed()
+        self._commit(p.path, p.tag, p.step, p.snapshot.result(), p.stage_end, p.trainer)
+        self.pending = None
+        return p.path, time.perf_counter() - p.started
+
+    def _failed(self) -> None:
+        p, self.pending = self.pending, None
+        p.snapshot.wait()
+        p.snapshot.result()  # raises this rank's own error
+        raise RuntimeError(f"checkpoint {p.path}: another rank's background write failed (see its log); "
+                           "not committed")
+
+    def _commit(self, path: str, tag: str, step: int, written: dict, stage_end: str | None, trainer: dict) -> None:
+        """Every rank's files are on disk, fsynced, with their checksums: rank 0 writes the manifest (the commit),
+        then the pointers, then rotates. Collective."""
+        world = comm.world()
+        described = _gather_dict(written)
+        if comm.rank() == 0:
             for f in list_files(path):  # written outside the checkpoint engine (DeepSpeed's helper scripts)
                 if f not in described:
                     described[f] = self._describe(path, f)
@@ -201,7 +286,6 @@ class Checkpointer:
                 atomic_write(os.path.join(self.root, stage_end), tag + "\n")
             self._rotate(keep_tag=tag)
         comm.barrier()
-        return path
 
     @staticmethod
     def _describe(path: str, f: str) -> dict:

@@ -86,12 +86,17 @@ def train_stage(run: Run, stage, stages, state: TrainState) -> None:
             first = False
         state.step += 1
         _log_step(run, stage, sdims, state, out, lr, sampler)
-        stopping = preempt.agreed(ahead_s=preempt.deadline.evaluation_s() if state.step + 1 >= end else 0.0)
+        _committed(run, state, run.ckpt.poll())  # a background save whose writes are durable on every rank
+        # a background write still running must finish before the stop's own save: its time counts as one save more
+        ahead = (preempt.deadline.evaluation_s() if state.step + 1 >= end else 0.0) + (
+            (preempt.deadline.save_s or 0.0) if run.ckpt.pending else 0.0)
+        stopping = preempt.agreed(ahead_s=ahead)
         at_end = state.step == end
         if stopping or at_end or (cfg.save_steps and state.step % cfg.save_steps == 0) or preempt.save_due:
             _save(run, engine, stage, hf_config, state, sampler, at_end)
             stopping = stopping or preempt.agreed(ahead_s=preempt.deadline.evaluation_s() if at_end else 0.0)
         if stopping:
+            _committed(run, state, run.ckpt.finish())  # a background save of this step: durable before exit 75
             release_engine(engine)
             del engine
             gc.collect()  # the engine's model, optimizer and partitions reference each other: free them now
@@ -141,14 +146,35 @@ def _log_step(run: Run, stage, sdims, state: TrainState, out: dict, lr: float, s
 
 
 def _save(run: Run, engine, stage, hf_config, state: TrainState, sampler, at_end: bool) -> None:
-    """A committed checkpoint of `state` (collective); the stage's last one is kept for good."""
+    """A checkpoint of `state` (collective); the stage's last one is kept for good. With `async_save` only the
+    snapshot blocks here and the commit comes at a later step boundary (`_committed`); a stage's end and an agreed
+    stop save synchronously (the next stage loads it; the job exits after it), after the write in flight."""
+    if run.ckpt.pending:  # at most one save in flight: this one waits for it
+        print0(f"save at step {state.step} waits for the background write of step {run.ckpt.pending.step}")
+        _committed(run, state, run.ckpt.finish())
     t0 = time.perf_counter()
     state.stage, state.wandb_id = stage.index, run.metrics.run_id
     meta = {"stage_name": stage.name, "model_hash": model_hash(hf_config), "world": run.dims.world, "sp": stage.sp,
             "tokenizer": run.data.tokenizer.path if run.data.tokenizer else None, "config": to_dict(run.cfg)}
-    state.checkpoint = run.ckpt.save(engine, state.step, {**state.state_dict(), **meta},
-                                     {"sampler": sampler.state_dict(), "rng": rng_state()}, hf_config,
-                                     stage_end=f"STAGE_{stage.index}_{stage.name}" if at_end else None)
-    run.preempt.deadline.record_save(time.perf_counter() - t0)
-    run.preempt.saved()
-    print0(f"saved {state.checkpoint} in {time.perf_counter() - t0:.1f}s")
+    background = run.cfg.async_save and not (at_end or run.preempt.stopping)
+    path = run.ckpt.save(engine, state.step, {**state.state_dict(), **meta},
+                         {"sampler": sampler.state_dict(), "rng": rng_state()}, hf_config,
+                         stage_end=f"STAGE_{stage.index}_{stage.name}" if at_end else None, background=background)
+    run.preempt.saved()  # the save interval starts at the snapshot: lost work <= interval + one background write
+    if path is not None:
+        _committed(run, state, (path, time.perf_counter() - t0))
+    else:
+        p = run.ckpt.pending
+        print0(f"snapshot of step {state.step} in {p.blocked_s:.2f}s ({p.snapshot.nbytes / 2**30:.2f} GiB of host "
+               "memory on this rank); writing in the background")
+
+
+def _committed(run: Run, state: TrainState, got: tuple[str, float] | None) -> None:
+    """A save was committed: it is the checkpoint a resume or the next stage loads; its whole time (the
+    background write included) is what the time-limit stop reserves for a save."""
+    if got is None:
+        return
+    path, seconds = got
+    state.checkpoint = path
+    run.preempt.deadline.record_save(seconds)
+    print0(f"saved {path} in {seconds:.1f}s")

@@ -14,6 +14,7 @@ import time
 import types
 
 import pytest
+import torch
 
 from training.checkpoint import MANIFEST, POINTER, Checkpointer, tag_for
 
@@ -304,3 +305,116 @@ def test_a_file_the_loading_rank_cannot_see_yet_is_looked_for_again(tmp_path):
     ck.settle_s = 1
     with pytest.raises(RuntimeError, match="state/rank00000.pt"):
         ck.load(LoadEngine(), path)
+
+
+# ---------------------------------------------------------------- asynchronous saves (issue 35)
+class TorchEngine:
+    """Saves through DeepSpeed's torch checkpoint engine, as engine.save_checkpoint does under ZeRO-3: a live tensor
+    (the optimizer's fp32 partition) that the next step changes in place."""
+
+    def __init__(self):
+        from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+        self.checkpoint_engine = TorchCheckpointEngine.__new__(TorchCheckpointEngine)
+        self.checkpoint_engine.zipfile_serialization = True
+        self.weights = torch.arange(1 << 16, dtype=torch.float32)
+
+    def save_checkpoint(self, root, tag, save_latest):
+        self.checkpoint_engine.save({"fp32": self.weights}, os.path.join(root, tag, "zero_pp_rank_0_optim_states.pt"))
+
+
+class Gate:
+    """Holds the background writer at its first file until opened (or kills the process there)."""
+
+    def __init__(self, monkeypatch):
+        import training.async_save as a
+
+        self.at_write, self.open = threading.Event(), threading.Event()
+        real = a.write_durable
+
+        def held(path, data):
+            self.at_write.set()
+            assert self.open.wait(30)
+            return real(path, data)
+
+        monkeypatch.setattr(a, "write_durable", held)
+
+
+def test_background_save_commits_only_once_its_write_is_durable(tmp_path, monkeypatch):
+    """The step loop waits only for the snapshot: the next step's in-place update does not reach the files; until
+    the write is done the checkpoint has no manifest, a resume takes the previous one, and poll() commits nothing."""
+    ck, eng = Checkpointer(str(tmp_path), keep=3), TorchEngine()
+    first = ck.save(eng, 1, {"step": 1}, {"sampler": {}}, FakeConfig())
+    gate = Gate(monkeypatch)
+    assert ck.save(eng, 2, {"step": 2}, {"sampler": {"pos": 2}}, FakeConfig(), background=True) is None
+    assert gate.at_write.wait(30)
+    eng.weights += 1.0  # the next step, while the write is held
+    path = str(tmp_path / "checkpoints" / tag_for(2))
+    assert ck.poll() is None and not os.path.exists(os.path.join(path, MANIFEST))
+    assert "no readable manifest" in ck.verify(path)
+    assert ck.find_resume("auto") == first
+    gate.open.set()
+    got = ck.finish()
+    assert got[0] == path and got[1] >= 0 and ck.pending is None
+    assert ck.verify(path) is None and ck.find_resume("auto") == path
+    assert (tmp_path / "checkpoints" / POINTER).read_text().strip() == tag_for(2)
+    saved = torch.load(os.path.join(path, "zero_pp_rank_0_optim_states.pt"))["fp32"]
+    assert torch.equal(saved, torch.arange(1 << 16, dtype=torch.float32))  # the snapshot, not the next step's
+    assert torch.load(os.path.join(path, "state", "rank00000.pt"))["sampler"] == {"pos": 2}
+    assert json.loads((tmp_path / "checkpoints" / tag_for(2) / "trainer.json").read_text()) == {"step": 2}
+
+
+def test_poll_commits_when_the_write_is_done(tmp_path):
+    ck = Checkpointer(str(tmp_path), keep=2)
+    ck.save(TorchEngine(), 1, {"step": 1}, {}, FakeConfig(), background=True)
+    ck.pending.snapshot.wait()
+    path, _ = ck.poll()
+    assert ck.pending is None and ck.verify(path) is None
+
+
+def test_failed_background_write_is_never_committed(tmp_path, monkeypatch):
+    import training.async_save as a
+
+    def full(path, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(a, "write_durable", full)
+    ck = Checkpointer(str(tmp_path), keep=2)
+    ck.save(TorchEngine(), 1, {"step": 1}, {}, FakeConfig(), background=True)
+    with pytest.raises(RuntimeError, match="background checkpoint write .* failed: OSError"):
+        ck.finish()
+    assert not (tmp_path / "checkpoints" / tag_for(1) / MANIFEST).exists() and ck.pending is None
+    assert ck.find_resume("auto") is None
+
+
+_KILLED_WRITER = """
+import os, signal, sys, threading, json
+import training.async_save as a
+from tests.unit.training.test_checkpoint import FakeConfig, TorchEngine
+from training.checkpoint import Checkpointer
+real = a.write_durable
+n = {"files": 0}
+def write(path, data):  # SIGKILL the whole process after the first file of the background write is on disk
+    out = real(path, data)
+    n["files"] += 1
+    if n["files"] == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return out
+a.write_durable = write
+ck = Checkpointer(sys.argv[1], keep=3)
+ck.save(TorchEngine(), 1, {"step": 1}, {}, FakeConfig())
+ck.save(TorchEngine(), 2, {"step": 2}, {}, FakeConfig(), background=True)
+ck.finish()
+"""
+
+
+def test_sigkill_during_the_background_write_leaves_nothing_a_resume_takes(tmp_path):
+    from tests.distributed import ROOT
+
+    proc = subprocess.run([os.path.join(ROOT, ".venv/bin/python"), "-c", _KILLED_WRITER, str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    partial = tmp_path / "checkpoints" / tag_for(2)
+    assert partial.is_dir() and any(partial.rglob("*.pt")) and not (partial / MANIFEST).exists()
+    ck = Checkpointer(str(tmp_path), keep=3)
+    assert ck.find_resume("auto") == str(tmp_path / "checkpoints" / tag_for(1))
