@@ -10,6 +10,10 @@ Layout under OUTPUT_DIR/checkpoints/:
     LATEST                  name of the newest committed checkpoint, replaced atomically
     STAGE_1_s128k           name of the checkpoint that ended stage 1 ("s128k"); those are never rotated away
 
+With `background=True` (`--async_save`) a save only snapshots its files into host memory and a thread writes them
+(training/async_save.py); `poll()` at each step boundary commits it once an all-reduce says every rank's write is
+durable, `finish()` waits for it. At most one save is in flight.
+
 A checkpoint exists only once its manifest is written, after every rank has written and fsynced its
 files (DeepSpeed's own `latest` file is not used: it is written on rank 0 before the final barrier).
 Checksums are computed *while writing* (DeepSpeed's torch checkpoint engine is wrapped so every file it
