@@ -1,0 +1,130 @@
+"""Every causal-LM model type the installed transformers registers, as a tiny config: which are swept under
+sequence parallelism (decoder-only text models), which are skipped and why, and docs/models.md rendered from
+the sweep's JSON (tests/multiproc/test_model_sweep.py writes it).
+
+    python -m bench.model_sweep --render bench/results/model_sweep.json   # -> docs/models.md
+
+The sweep itself (tests/multiproc/test_model_sweep.py, worker tests/workers/model_sweep.py) runs every swept type
+at SP=2 on 2 ranks (ZeRO-3 + CPU offload, fp32) in one launch and requires parity with the plain model or a
+one-line refusal. This module imports no torch at import time (the catalog is cheap to list).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from bench.harness import ROOT
+
+# the sizes every tiny config gets, where the config has the field (hidden 128, 2 layers, 4 heads, 2 KV heads)
+SMALL = dict(vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=32, initializer_range=0.3, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+             tie_word_embeddings=False)
+# family-specific sizes, applied only where the config class has the field: MoE experts, latent attention (MLA)
+# ranks and head dims, sliding windows smaller than a shard, linear-attention / SSM widths
+FAMILY = dict(num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+              n_shared_experts=1, shared_expert_intermediate_size=64, n_group=1, topk_group=1, first_k_dense_replace=1,
+              kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+              sliding_window=16, max_position_embeddings=4096, n_positions=4096, max_window_layers=1,
+              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+              mamba_d_state=16, mamba_n_heads=8, mamba_d_head=32, state_size=16, expand=2, num_heads=8,
+              rotary_dim=16,
+              global_attn_every_n_layers=2)
+MAX_PARAMS = 20_000_000  # a config that ignores the small sizes (fixed vocabularies, wide defaults) is not "tiny"
+
+
+def classify(model_type: str) -> str | None:
+    """Why `model_type` is not swept (multimodal, encoder-decoder, BERT-style encoder), or None."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(model_type)
+    if getattr(cfg, "is_encoder_decoder", False):
+        return "encoder-decoder"
+    subs = [k for k in ("vision_config", "audio_config", "text_config", "decoder") if getattr(cfg, k, None) is not None]
+    if subs:
+        return f"multimodal or composite ({', '.join(subs)}); its text model type is swept where registered"
+    if "add_cross_attention" in type(cfg).__dict__.get("__annotations__", {}) or hasattr(type(cfg), "is_decoder"):
+        return "encoder (bidirectional, BERT-style; causal only as a decoder head)"
+    return None
+
+
+def tiny_config(model_type: str):
+    """AutoConfig.for_model with SMALL and the FAMILY fields this config class has."""
+    from transformers import AutoConfig
+
+    default = AutoConfig.for_model(model_type)
+    fields = {**SMALL, **{k: v for k, v in FAMILY.items() if hasattr(default, k) and getattr(default, k) is not None}}
+    if hasattr(default, "qk_rope_head_dim"):  # latent attention: head_dim is the RoPE part's, one KV head per head
+        fields.pop("head_dim")
+        fields["num_key_value_heads"] = fields["num_attention_heads"]
+    if getattr(default, "layer_types", None):  # keep the family's pattern over 2 layers (one of each kind)
+        kinds = list(dict.fromkeys(default.layer_types))
+        fields["layer_types"] = (kinds * 2)[:2]
+    for _ in range(len(fields)):
+        try:
+            return AutoConfig.for_model(model_type, **fields)
+        except AttributeError as err:  # a derived field (a property without setter): let the family derive it
+            name = str(err).split("'")[1] if "'" in str(err) else None
+            if name not in fields:
+                raise
+            fields.pop(name)
+        except Exception:
+            if "layer_types" not in fields:  # a config that derives its layer types from other fields
+                raise
+            fields.pop("layer_types")
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def param_count(config) -> int:
+    """Parameters of the causal LM built from `config`, counted on the meta device (no memory)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def render(results: dict) -> str:
+    """docs/models.md from the sweep's JSON: {model_type: {status, detail, ...}}."""
+    import transformers
+
+    order = {"parity": 0, "refused": 1, "skipped": 2}
+    rows = sorted(results.items(), key=lambda kv: (order.get(kv[1]["status"], 3), kv[0]))
+    count = {s: sum(r["status"] == s for r in results.values()) for s in order}
+    lines = ["# Supported models", "",
+             "Generated by `python -m bench.model_sweep --render bench/results/model_sweep.json` from the output of "
+             "`tests/multiproc/test_model_sweep.py` (do not edit by hand).", "",
+             f"Every causal-LM model type that transformers {transformers.__version__} registers "
+             f"({len(results)}), as a tiny random config (hidden 128, 2 layers, 4 heads / 2 KV heads where the config "
+             "has them, peaked weights), run at Ulysses SP=2 on 2 ranks (ZeRO-3 + CPU offload, fp32) on packed "
+             "documents through the start-up checks and one training step:", "",
+             f"- **parity** ({count['parity']}): the loss (and gradients where listed) matches the plain "
+             "single-process Hugging Face model run on each document alone;",
+             f"- **refused** ({count['refused']}): the start-up stops it with one line (exit 2) naming why;",
+             f"- **skipped** ({count['skipped']}): not a decoder-only text model, or no tiny config could be built.",
+             "", "A real checkpoint of a listed type can still differ from its tiny config (other options of the same "
+             "config class); the start-up checks read the real config.", "",
+             "| model type | status | attention | detail |", "|---|---|---|---|"]
+    for mt, r in rows:
+        detail = str(r.get("detail", "")).replace("|", "\\|").replace("\n", " ")
+        lines.append(f"| `{mt}` | {r['status']} | {r.get('attn', '')} | {detail} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--render", default=os.path.join(ROOT, "bench", "results", "model_sweep.json"),
+                    help="the sweep's JSON (tests/multiproc/test_model_sweep.py writes it)")
+    ap.add_argument("--out", default=os.path.join(ROOT, "docs", "models.md"))
+    args = ap.parse_args()
+    with open(args.render) as fh:
+        results = json.load(fh)
+    with open(args.out, "w") as fh:
+        fh.write(render(results))
+    print(f"wrote {args.out} ({len(results)} model types)")
+
+
+if __name__ == "__main__":
+    main()
