@@ -83,7 +83,13 @@ class _KeepKernel(TorchDispatchMode):
         return out
 
 
-def _identity(t):
+def _pack(t):
+    # detached: a node saving its own output through a hook that returns the tensor itself would hold it with its
+    # grad_fn, a cycle through C++ that Python's gc cannot see (measured: every chunk's graph stayed alive)
+    return t.detach()
+
+
+def _unpack(t):
     return t
 
 
@@ -128,8 +134,7 @@ class _Plan:
 def _local_graph():
     """Grad on, and our own saved-tensor hooks: a chunk's graph lives only while we use it, whatever checkpoint
     (and its pack hooks) surrounds the layer."""
-    stack = torch.autograd.graph.saved_tensors_hooks(_identity, _identity)
-    return stack
+    return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
 
 
 class _Chunked(torch.autograd.Function):
