@@ -58,6 +58,8 @@ def tiny_config(model_type: str):
     if hasattr(default, "qk_rope_head_dim"):  # latent attention: head_dim is the RoPE part's, one KV head per head
         fields.pop("head_dim")
         fields["num_key_value_heads"] = fields["num_attention_heads"]
+        if default.v_head_dim == default.qk_nope_head_dim + default.qk_rope_head_dim:  # GLM-4.7-Flash: one head dim
+            fields["v_head_dim"] = fields["qk_nope_head_dim"] + fields["qk_rope_head_dim"]
     if getattr(default, "layer_types", None):  # keep the family's pattern over 2 layers (one of each kind)
         kinds = list(dict.fromkeys(default.layer_types))
         fields["layer_types"] = (kinds * 2)[:2]

@@ -40,6 +40,9 @@ BLOCK = 512
 FLEX_BLOCK = 128  # flex_attention's sparse block size
 SUPPORTED = ("sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# architectures with a learned per-head attention sink (an extra softmax logit, GPT-OSS): refused until the
+# all-to-all carries the sinks with their heads and every backend here adds them (issue 34)
+SINK_MODEL_TYPES = ("gpt_oss", "flint", "granite_swa", "granitemoe_swa", "mimo_v2_flash", "hy_v4", "deepseek_v4")
 
 _ORIGINAL: dict = {}  # (interface, name) -> the function we replaced
 _STATE: dict = {"attn": None, "modules": set(), "calls": 0, "windows": set()}
@@ -375,6 +378,16 @@ def check_supported(model_or_config, attn: str, name: str | None = None) -> None
     if getattr(cfg, "attention_chunk_size", None):
         raise ValueError(f"{name}: chunked attention (attention_chunk_size={cfg.attention_chunk_size}) is not "
                          "supported: use a model with full or sliding-window attention")
+    qk_dim = getattr(cfg, "qk_head_dim", None) or getattr(cfg, "head_dim", None)
+    if getattr(cfg, "v_head_dim", None) and qk_dim and cfg.v_head_dim != qk_dim:  # DeepSeek-V2/V3 latent attention
+        raise ValueError(f"{name} ({cfg.model_type}): q/k head dim {qk_dim} != v head dim {cfg.v_head_dim} (latent "
+                         "attention) is not supported under sequence parallelism yet: Ulysses' all-to-all assumes one "
+                         "head dim")
+    model = model_or_config if model_or_config is not config else None
+    if cfg.model_type in SINK_MODEL_TYPES or (model is not None and any(n.endswith(".sinks") for n, _ in
+                                                                         model.named_parameters())):
+        raise ValueError(f"{name} ({cfg.model_type}): learned attention sinks are not supported under sequence "
+                         "parallelism yet: the document-masked attention would drop them (a wrong loss)")
 
 
 def register(model, attn: str) -> None:

@@ -168,3 +168,15 @@ def test_the_sweep_covers_text_decoders_and_skips_the_rest():
     assert classify("bert").startswith("encoder")
     config = tiny_config("deepseek_v3")
     assert (config.hidden_size, config.num_hidden_layers, config.kv_lora_rank) == (128, 2, 32)
+
+
+@pytest.mark.parametrize("model_type,attn,line", [
+    ("deepseek_v3", "sdpa", r"^DeepseekV3ForCausalLM \(deepseek_v3\): q/k head dim 24 != v head dim 16 \(latent"),
+    ("gpt_oss", "flex_attention", r"^GptOssForCausalLM \(gpt_oss\): learned attention sinks are not supported"),
+])
+def test_latent_attention_and_sinks_are_refused_in_one_line(model_type, attn, line):
+    """What the sweep relies on for these families, from the config alone (train.py's start-up)."""
+    from model_utils.attention import check_config
+
+    with pytest.raises(ValueError, match=line):
+        check_config(tiny_config(model_type), attn)
