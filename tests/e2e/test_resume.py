@@ -32,11 +32,16 @@ def reference_runs(assets, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("sp, nproc, ga", [(2, 2, 1), (2, 4, 2)], ids=["sp2", "sp2xdp2_ga2"])
-def test_sigterm_then_resume_matches_uninterrupted(assets, tmp_path, reference_runs, sp, nproc, ga):
+# sp2_async (issue 35): asynchronous saves every 2 steps on a slow disk (each fsync +1 s, tests/stubs/slow_disk), so
+# the signal lands while step 2's background write runs: that write commits, then the stop's own save, then exit 75,
+# and the resume still equals the uninterrupted run
+@pytest.mark.parametrize("sp, nproc, ga, extra", [(2, 2, 1, ("--async_save", "--save_steps", "2")), (2, 4, 2, ())],
+                         ids=["sp2_async", "sp2xdp2_ga2"])
+def test_sigterm_then_resume_matches_uninterrupted(assets, tmp_path, reference_runs, sp, nproc, ga, extra):
     out = tmp_path / "out"
-    args = train_args(assets, out, sp, ga)
-    procs = spawn(TRAIN, args, nproc, str(tmp_path / "logs1"))
+    args = train_args(assets, out, sp, ga, extra=extra)
+    env = {"PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT}/tests/stubs/slow_disk", "SLOW_DISK_S": "1.0"} if extra else None
+    procs = spawn(TRAIN, args, nproc, str(tmp_path / "logs1"), extra_env=env)
     wait_for(lambda: steps_logged(out) >= 3)
     for p in procs:  # what SLURM does: the signal reaches every task
         p.send_signal(signal.SIGTERM)
@@ -46,6 +51,11 @@ def test_sigterm_then_resume_matches_uninterrupted(assets, tmp_path, reference_r
     run(TRAIN, args, nproc, str(tmp_path / "logs2"))
     log = (tmp_path / "logs2" / "rank0.log").read_text()
     assert f"resuming from {out}/checkpoints/step_{max(first):06d}" in log
+    if extra:  # the stop's save waited for the background write in flight, which committed first
+        said = (tmp_path / "logs1" / "rank0.log").read_text()
+        assert "snapshot of step 2" in said and "waits for the background write of step 2" in said, said[-3000:]
+        assert said.index(f"saved {out}/checkpoints/step_000002 ") < said.index(
+            f"saved {out}/checkpoints/step_{max(first):06d} ")
     got, ref = losses(out), reference_runs[(sp, nproc, ga)]
     assert sorted(got) == list(range(1, 9))
     for s in ref:
@@ -71,7 +81,8 @@ def test_signal_on_one_rank_stops_all(assets, tmp_path):
 
 def test_sigkill_during_checkpoint_writes(assets, tmp_path, reference_runs):
     """SIGKILL every rank while a checkpoint is being written (several trials, save every step): each resume
-    starts from a complete checkpoint and the final losses equal the uninterrupted run's."""
+    starts from a complete checkpoint and the final losses equal the uninterrupted run's. Trials 2 and 3 and the
+    final run save asynchronously (issue 35): the kill lands in a background write, which a resume never takes."""
     out = tmp_path / "out"
     args = train_args(assets, out, 2, 1, extra=["--save_steps", "1"])
     rng = random.Random(0)
@@ -82,7 +93,7 @@ def test_sigkill_during_checkpoint_writes(assets, tmp_path, reference_runs):
                                            for t in os.listdir(ck) if t.startswith("step_"))
 
     for trial, min_step in enumerate((2, 4, 6)):
-        procs = spawn(TRAIN, args, 2, str(tmp_path / f"logs{trial}"))
+        procs = spawn(TRAIN, args + (["--async_save"] if trial else []), 2, str(tmp_path / f"logs{trial}"))
         if trial < 2:
             wait_for(writing(min_step), every=0.002)
         else:  # a random moment, write or not
@@ -91,8 +102,9 @@ def test_sigkill_during_checkpoint_writes(assets, tmp_path, reference_runs):
         for p in procs:
             p.send_signal(signal.SIGKILL)
         wait(procs, str(tmp_path / f"logs{trial}"))
-    run(TRAIN, args, 2, str(tmp_path / "final"))
+    run(TRAIN, [*args, "--async_save"], 2, str(tmp_path / "final"))
     logs = "".join((tmp_path / d / "rank0.log").read_text() for d in ("logs1", "logs2", "final"))
+    assert "writing in the background" in (tmp_path / "logs1" / "rank0.log").read_text()
     assert "warning: skipping checkpoint" in logs  # a partial write was seen and passed over
     assert logs.count("resuming from") == 3  # every restart continued from a committed checkpoint
     got, ref = losses(out), reference_runs[(2, 2, 1)]
