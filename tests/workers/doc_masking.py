@@ -64,7 +64,7 @@ def run_case(case: dict) -> None:
 
         for name, p in engine.module.named_parameters():
             g = safe_get_full_grad(p)
-            if dims.is_main:
+            if dims.is_main and g is not None:  # None: a parameter the step did not reach (an unrouted expert)
                 grads[name] = g.detach().clone().cpu()
 
     if case["grads"]:
