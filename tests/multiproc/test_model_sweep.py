@@ -113,9 +113,19 @@ def launch(types: list[str], assets) -> dict:
                  "grads": r["attn"] == "sdpa", "bypass": False, "out": os.path.join(d, f"{t}.pt"),
                  "cache": os.path.join(d, "cache")}
              for t, r in rows.items() if r["status"] == "built"}
-    if cases:
-        run(os.path.join(ROOT, "tests/workers/model_sweep.py"), [json.dumps(list(cases.values()))], SP,
-            os.path.join(d, f"logs_{len(_LAUNCHES)}"), timeout=60 + 20 * len(cases))
+    todo = list(cases)
+    while todo:  # normally one launch; a case that kills it (a rank-asymmetric crash) is recorded, the rest rerun
+        logs = os.path.join(d, f"logs_{len(_LAUNCHES)}_{len(todo)}")
+        codes = run(os.path.join(ROOT, "tests/workers/model_sweep.py"), [json.dumps([cases[t] for t in todo])], SP,
+                    logs, timeout=60 + 20 * len(todo), expect=None)
+        done = [t for t in todo if os.path.exists(cases[t]["out"] + ".json")]
+        if len(done) < len(todo):
+            dead = todo[len(done)]
+            with open(os.path.join(logs, "rank0.log")) as fh:
+                last = [ln for ln in fh.read().splitlines() if ln.strip()][-1:] or [""]
+            with open(cases[dead]["out"] + ".json", "w") as fh:
+                json.dump({"status": "crash", "detail": f"the launch died (exit codes {codes}): {last[0][:300]}"}, fh)
+        todo = todo[len(done) + 1:] if len(done) < len(todo) else []
     for t, c in cases.items():
         with open(c["out"] + ".json") as fh:
             rows[t].update(json.load(fh))
@@ -133,7 +143,10 @@ def check(model_type: str, row: dict, assets) -> None:
         samples = packed(assets, SAMPLES)
         ref_loss, ref_grads = reference(row["path"], samples, "sdpa" if row["attn"] == "sdpa" else "eager")
         loss_err = abs(res["loss"] - ref_loss) / ref_loss
-        worst = max(rel(res["grads"][n], ref_grads[n]) for n in res["grads"]) if res["grads"] else None
+        # a parameter the step does not reach (an expert no token chose) has no gradient in either run
+        reached = [n for n, g in ref_grads.items() if g is not None]
+        worst = max(rel(res["grads"][n], ref_grads[n]) if n in res["grads"] else float("inf")
+                    for n in reached) if res["grads"] else None
         ok = res["error"] is None and loss_err < LOSS_TOL and (worst is None or worst < GRAD_TOL)
         what = f"loss rel err {loss_err:.1e}" + (f", grads {worst:.1e}" if worst is not None else " (forward only)")
         if res["error"] is not None:  # check_routed after the first step: not before any heavy work
