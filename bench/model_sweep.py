@@ -54,7 +54,8 @@ def tiny_config(model_type: str):
     from transformers import AutoConfig
 
     default = AutoConfig.for_model(model_type)
-    fields = {**SMALL, **{k: v for k, v in FAMILY.items() if hasattr(default, k) and getattr(default, k) is not None}}
+    fields = {**{k: v for k, v in SMALL.items() if hasattr(default, k)},  # a field the class lacks is not read
+              **{k: v for k, v in FAMILY.items() if hasattr(default, k) and getattr(default, k) is not None}}
     if hasattr(default, "qk_rope_head_dim"):  # latent attention: head_dim is the RoPE part's, one KV head per head
         fields.pop("head_dim")
         fields["num_key_value_heads"] = fields["num_attention_heads"]

@@ -43,6 +43,7 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 # architectures with a learned per-head attention sink (an extra softmax logit, GPT-OSS): refused until the
 # all-to-all carries the sinks with their heads and every backend here adds them (issue 34)
 SINK_MODEL_TYPES = ("gpt_oss", "flint", "granite_swa", "granitemoe_swa", "mimo_v2_flash", "hy_v4", "deepseek_v4")
+_SHAPE_FIELDS = ("head_dim", "num_attention_heads", "num_key_value_heads", "qk_head_dim", "v_head_dim")
 
 _ORIGINAL: dict = {}  # (interface, name) -> the function we replaced
 _STATE: dict = {"attn": None, "modules": set(), "calls": 0, "windows": set()}
@@ -378,6 +379,10 @@ def check_supported(model_or_config, attn: str, name: str | None = None) -> None
     if getattr(cfg, "attention_chunk_size", None):
         raise ValueError(f"{name}: chunked attention (attention_chunk_size={cfg.attention_chunk_size}) is not "
                          "supported: use a model with full or sliding-window attention")
+    per_layer = sorted(set(getattr(cfg, "per_layer_attributes", None) or ()) & set(_SHAPE_FIELDS))
+    if per_layer:  # a heterogeneous config (Gemma-4 unified: head_dim per layer); reading them globally raises
+        raise ValueError(f"{name} ({cfg.model_type}): per-layer {', '.join(per_layer)} is not supported under sequence "
+                         "parallelism yet: Ulysses is set up with one attention shape for every layer")
     qk_dim = getattr(cfg, "qk_head_dim", None) or getattr(cfg, "head_dim", None)
     if getattr(cfg, "v_head_dim", None) and qk_dim and cfg.v_head_dim != qk_dim:  # DeepSeek-V2/V3 latent attention
         raise ValueError(f"{name} ({cfg.model_type}): q/k head dim {qk_dim} != v head dim {cfg.v_head_dim} (latent "

@@ -35,6 +35,8 @@ def sweep_case(case: dict) -> dict:
                      case["max_seq_length"])
     except ValueError as err:  # train.py's start-up refusal: one line, before the process group or any weight
         return {"status": "refused", "detail": str(err)}
+    except Exception as err:  # a start-up check that itself crashes: a failed row, not a lost launch
+        return {"status": "crash", "detail": f"{type(err).__name__} in the start-up checks: {err}"[:400]}
     try:
         run_case(case)
         return {"status": "ran"}
