@@ -383,11 +383,11 @@ def check_supported(model_or_config, attn: str, name: str | None = None) -> None
     if per_layer:  # a heterogeneous config (Gemma-4 unified: head_dim per layer); reading them globally raises
         raise ValueError(f"{name} ({cfg.model_type}): per-layer {', '.join(per_layer)} is not supported under sequence "
                          "parallelism yet: Ulysses is set up with one attention shape for every layer")
-    qk_dim = getattr(cfg, "qk_head_dim", None) or getattr(cfg, "head_dim", None)
-    if getattr(cfg, "v_head_dim", None) and qk_dim and cfg.v_head_dim != qk_dim:  # DeepSeek-V2/V3 latent attention
-        raise ValueError(f"{name} ({cfg.model_type}): q/k head dim {qk_dim} != v head dim {cfg.v_head_dim} (latent "
-                         "attention) is not supported under sequence parallelism yet: Ulysses' all-to-all assumes one "
-                         "head dim")
+    qk, v, hd = (getattr(cfg, k, None) for k in ("qk_head_dim", "v_head_dim", "head_dim"))
+    if (qk or v) and {qk or hd, v or hd} != {hd}:  # latent attention (DeepSeek-V2/V3, GLM-4.7-Flash): head_dim is RoPE's
+        raise ValueError(f"{name} ({cfg.model_type}): latent attention (q/k head dim {qk or hd}, v head dim {v or hd}, "
+                         f"head_dim {hd}) is not supported under sequence parallelism yet: Ulysses' all-to-all assumes "
+                         "one head dim")
     model = model_or_config if model_or_config is not config else None
     if cfg.model_type in SINK_MODEL_TYPES or (model is not None and any(n.endswith(".sinks") for n, _ in
                                                                          model.named_parameters())):

@@ -184,7 +184,8 @@ def test_the_sweep_covers_text_decoders_and_skips_the_rest():
 
 
 @pytest.mark.parametrize("model_type,attn,line", [
-    ("deepseek_v3", "sdpa", r"^DeepseekV3ForCausalLM \(deepseek_v3\): q/k head dim 24 != v head dim 16 \(latent"),
+    ("deepseek_v3", "sdpa", r"^DeepseekV3ForCausalLM \(deepseek_v3\): latent attention \(q/k head dim 24, v head dim 16, head_dim 8\)"),
+    ("glm4_moe_lite", "sdpa", r"^Glm4MoeLiteForCausalLM \(glm4_moe_lite\): latent attention \(q/k head dim 24, v "),
     ("gpt_oss", "flex_attention", r"^GptOssForCausalLM \(gpt_oss\): learned attention sinks are not supported"),
 ])
 def test_latent_attention_and_sinks_are_refused_in_one_line(model_type, attn, line):
