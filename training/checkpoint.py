@@ -61,7 +61,7 @@ from base import comm
 from base.log import print0, rank_log
 from base.parallel import FS_SETTLE_S
 from training import universal
-from training.async_save import Snapshot
+from training.async_save import Arena, Snapshot
 from training.checkpoint_files import (  # noqa: F401  (MANIFEST: part of this module's interface)
     MANIFEST,
     atomic_write,
@@ -197,6 +197,7 @@ class Checkpointer:
         self.settle_s = settle_s if settle_s is not None else (FS_SETTLE_S if comm.world() > 1 else 0.0)
         self.deadline = deadline or Deadline()  # the job's end (SLURM_JOB_END_TIME): bounds a universal conversion
         self.pending: Pending | None = None  # the save being written in the background, not committed yet
+        self._arena: Arena | None = None  # host memory the background saves serialize into (one rank's checkpoint)
 
     # ---------------------------------------------------------------- save
     def save(self, engine, step: int, trainer: dict, rank_state: dict, hf_config, stage_end: str | None = None,
@@ -217,7 +218,11 @@ class Checkpointer:
         comm.barrier()
         os.makedirs(os.path.join(path, "state"), exist_ok=True)  # every rank: no rank relies on another's mkdir
         written: dict[str, dict] = {}
-        snap = Snapshot(path) if background and async_capable(engine) else None
+        if background and async_capable(engine):
+            self._arena = self._arena or Arena()  # reused by every background save of the run
+            snap = Snapshot(path, self._arena)
+        else:
+            snap = None
         with _recording(engine, path, written, snap):
             engine.save_checkpoint(self.root, tag=tag, save_latest=False)
         own = os.path.join(path, "state", f"rank{rank:05d}.pt")

@@ -365,11 +365,18 @@ def test_background_save_commits_only_once_its_write_is_durable(tmp_path, monkey
 
 
 def test_poll_commits_when_the_write_is_done(tmp_path):
-    ck = Checkpointer(str(tmp_path), keep=2)
-    ck.save(TorchEngine(), 1, {"step": 1}, {}, FakeConfig(), background=True)
-    ck.pending.snapshot.wait()
-    path, _ = ck.poll()
-    assert ck.pending is None and ck.verify(path) is None
+    """poll() commits a finished write; the next background save reuses the host memory (the arena) and each
+    checkpoint holds its own step's state."""
+    ck, eng = Checkpointer(str(tmp_path), keep=2), TorchEngine()
+    for step in (1, 2):
+        ck.save(eng, step, {"step": step}, {}, FakeConfig(), background=True)
+        ck.pending.snapshot.wait()
+        path, _ = ck.poll()
+        assert ck.pending is None and ck.verify(path) is None
+        eng.weights += 1.0
+    for step in (1, 2):
+        got = torch.load(str(tmp_path / "checkpoints" / tag_for(step) / "zero_pp_rank_0_optim_states.pt"))["fp32"]
+        assert torch.equal(got, torch.arange(1 << 16, dtype=torch.float32) + (step - 1))
 
 
 def test_failed_background_write_is_never_committed(tmp_path, monkeypatch):
