@@ -56,6 +56,9 @@ def tiny_config(model_type: str):
     default = AutoConfig.for_model(model_type)
     fields = {**{k: v for k, v in SMALL.items() if hasattr(default, k)},  # a field the class lacks is not read
               **{k: v for k, v in FAMILY.items() if hasattr(default, k) and getattr(default, k) is not None}}
+    # training-mode randomness (dropout, router jitter: Seed-OSS, PhiMoE) would differ from the plain model in eval
+    fields.update({k: 0.0 for k, v in default.to_dict().items() if isinstance(v, float) and v > 0
+                   and any(w in k for w in ("dropout", "jitter", "noise"))})
     if hasattr(default, "qk_rope_head_dim"):  # latent attention: head_dim is the RoPE part's, one KV head per head
         fields.pop("head_dim")
         fields["num_key_value_heads"] = fields["num_attention_heads"]

@@ -44,6 +44,15 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 # all-to-all carries the sinks with their heads and every backend here adds them (issue 34)
 SINK_MODEL_TYPES = ("gpt_oss", "flint", "granite_swa", "granitemoe_swa", "mimo_v2_flash", "hy_v4", "deepseek_v4")
 _SHAPE_FIELDS = ("head_dim", "num_attention_heads", "num_key_value_heads", "qk_head_dim", "v_head_dim")
+# architectures whose attention Ulysses cannot split as transformers writes it (found by tests/multiproc/
+# test_model_sweep.py, which crashed in the first SP step for each): refused at start-up with the reason
+SP_UNSUPPORTED = {
+    "jetmoe": "mixture-of-attention heads (keys repeated per routed expert) do not match num_key_value_heads",
+    "diffllama": "differential attention pairs heads (its outputs are 2 x head_dim), Ulysses assumes one head dim",
+    "ctrl": "its attention receives no position_ids (Ulysses and document masking need them)",
+    "moshi": "its attention receives no position_ids (Ulysses and document masking need them)",
+    "persimmon": "its attention receives no position_ids (Ulysses and document masking need them)",
+}
 
 _ORIGINAL: dict = {}  # (interface, name) -> the function we replaced
 _STATE: dict = {"attn": None, "modules": set(), "calls": 0, "windows": set()}
@@ -379,6 +388,9 @@ def check_supported(model_or_config, attn: str, name: str | None = None) -> None
     if getattr(cfg, "attention_chunk_size", None):
         raise ValueError(f"{name}: chunked attention (attention_chunk_size={cfg.attention_chunk_size}) is not "
                          "supported: use a model with full or sliding-window attention")
+    if cfg.model_type in SP_UNSUPPORTED:
+        raise ValueError(f"{name} ({cfg.model_type}) is not supported under sequence parallelism: "
+                         f"{SP_UNSUPPORTED[cfg.model_type]}")
     per_layer = sorted(set(getattr(cfg, "per_layer_attributes", None) or ()) & set(_SHAPE_FIELDS))
     if per_layer:  # a heterogeneous config (Gemma-4 unified: head_dim per layer); reading them globally raises
         raise ValueError(f"{name} ({cfg.model_type}): per-layer {', '.join(per_layer)} is not supported under sequence "
