@@ -391,6 +391,9 @@ def check_supported(model_or_config, attn: str, name: str | None = None) -> None
     if cfg.model_type in SP_UNSUPPORTED:
         raise ValueError(f"{name} ({cfg.model_type}) is not supported under sequence parallelism: "
                          f"{SP_UNSUPPORTED[cfg.model_type]}")
+    if not hasattr(cfg, "num_key_value_heads"):  # OPT, Falcon, BioGPT...: the layout checks read it (AttributeError)
+        raise ValueError(f"{name} ({cfg.model_type}): the config has no num_key_value_heads, which the sequence-parallel "
+                         "layout reads: not supported under sequence parallelism yet")
     per_layer = sorted(set(getattr(cfg, "per_layer_attributes", None) or ()) & set(_SHAPE_FIELDS))
     if per_layer:  # a heterogeneous config (Gemma-4 unified: head_dim per layer); reading them globally raises
         raise ValueError(f"{name} ({cfg.model_type}): per-layer {', '.join(per_layer)} is not supported under sequence "
