@@ -96,3 +96,37 @@ def check_head_chunks(chunks: int, num_heads: int, num_kv_heads: int, ulysses: i
         raise ValueError(f"attention_head_chunks={chunks}: the model's {num_heads} query heads{per} and {num_kv_heads} "
                          f"KV heads split into whole-head chunks for {ok}: use one of them, or auto")
     return chunks
+
+
+def chunk_split(shape: ModelShape, sp: int, cp: int, chunks: int) -> tuple[int, int, int, int]:
+    """(hq, hkv, q_c, kv_c): one chunk's query / KV heads before the all-to-all (nh / n, chunk_heads) and per rank
+    after it (hq / u; hkv / u, or 1 when DeepSpeed replicates the chunk's KV heads over u > hkv ranks)."""
+    u = sp // cp
+    hq, hkv = chunk_heads(shape.num_heads, shape.num_kv_heads, chunks)
+    return hq, hkv, hq // u, hkv // u if hkv >= u else 1
+
+
+def chunked_attention_bytes(shape: ModelShape, tokens: int, sp: int, b: int, cp: int = 1,
+                            chunks: int = 1) -> tuple[int, int]:
+    """(saved, backward transient) of one layer's attention run in `chunks` head chunks (model_utils/head_chunks.py),
+    on one rank; the transient excludes the 3 [T, h] gradients every layer's backward holds (layer_activations).
+
+    saved: the kernel outputs of every chunk, the output [S/cp, nh/u, d] and fp32 log-sum-exp, which is what
+    --keep_attention keeps (kept_attention_bytes): about 1 [T, h] however many chunks. Unchunked, the layer saves
+    q, k, v, o, lse and o's all-to-all back instead (attn_io + lse + o_back: 3.5 [T, h] for Llama-3-8B at SP 8).
+    transient, one chunk at a time: its recomputed projections before the all-to-all and their gradients
+    (2 T (hq + 2 hkv) d b), q, k, v after it and the gradients of q, k, v, o (2 attn_io_c - o_c), the fp32 dq
+    accumulator of flash attention, and the output back in [T, hq d] with its gradient (2 o_back_c; at SP 1 the
+    output is a view of o, its gradient still a tensor)."""
+    u = sp // cp
+    d = shape.head_dim
+    hq, hkv, q_c, kv_c = chunk_split(shape, sp, cp, chunks)
+    queries, seq = tokens * sp // cp, tokens * sp
+    o_c = queries * q_c * d * b
+    io_c = 2 * o_c + 2 * kv_length(seq, cp) * kv_c * d * b
+    acc_c = queries * q_c * d * 4
+    back_c = tokens * hq * d * b
+    pre_c = tokens * (hq + 2 * max(hkv, u if u > hkv else 0)) * d * b  # KV replicated to u heads before sending
+    saved = kept_attention_bytes(shape, tokens, sp, b, cp)
+    transient = 2 * pre_c + 2 * io_c - o_c + acc_c + back_c * (2 if sp > 1 else 1)
+    return saved, transient

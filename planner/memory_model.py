@@ -23,6 +23,7 @@ from base.parallel import check_layout
 from planner.attention_sp import (  # noqa: F401  (re-exported: the attention-under-SP terms live there)
     attention_split,
     attention_tensor_bytes,
+    chunked_attention_bytes,
     cp_kv_buffer_bytes,
     kept_attention_bytes,
     kv_length,
@@ -147,7 +148,7 @@ def tokens_per_rank(seq_len: int, sp: int, cp: int = 1) -> int:
 
 
 def layer_activations(shape: ModelShape, tokens: int, sp: int, b: int, tiled_mlp: bool,
-                      lean_norm: bool = False, lean_mlp: bool = False, cp: int = 1) -> tuple[int, int]:
+                      lean_norm: bool = False, lean_mlp: bool = False, cp: int = 1, chunks: int = 1) -> tuple[int, int]:
     """(saved, backward transient) bytes of one decoder layer on one rank; `saved` includes the layer input.
     lean_norm: the RMSNorms are model_utils/rmsnorm.py's (see norm_saved); lean_mlp: the MLP's gated product is
     model_utils/mlp.py's (act(gate) is not kept). cp: the context-parallel factor of sp (attention_tensor_bytes)."""
@@ -164,14 +165,17 @@ def layer_activations(shape: ModelShape, tokens: int, sp: int, b: int, tiled_mlp
     mlp_kept = 3 if lean_mlp else 4  # gate, up, act(gate) (not with lean_mlp), act*up
     mlp_saved = 0 if tiled_mlp else mlp_kept * tokens * inter * b
     saved = 2 * norm_saved(tokens, h, b, lean_norm) + o_back + attn_io + lse + mlp_saved  # the residual stream: in the norms
-    if shape.qk_norm:  # Qwen3: RMSNorm on q and k per head, on the local tokens before the all-to-all; RoPE saves
+    if chunks > 1:  # head chunks (attention_sp.chunked_attention_bytes): only the kernel outputs stay for backward
+        chunk_saved, chunk_transient = chunked_attention_bytes(shape, tokens, sp, b, cp, chunks)
+        saved += chunk_saved - (o_back + attn_io + lse)
+    if shape.qk_norm and chunks == 1:  # (chunked: the q/k norms run inside a chunk and keep nothing)  # Qwen3: RMSNorm on q and k per head, on the local tokens before the all-to-all; RoPE saves
         # neither side, so what is kept is the norms' own: HF's an fp32 copy + the normalized q/k (4 + b), the lean
         # one its input (b) and 1/rms per row
         qk_heads = shape.num_heads + shape.num_kv_heads
         saved += tokens * qk_heads * (d * b + 4) if lean_norm else tokens * qk_heads * d * (4 + b)
     # dq, do [S/cp, ...]; dk, dv full-length [kv_length, kv_loc, d] (each cp rank's contribution to every key, before
     # the reduce-scatter; their copy in rank order is cp_kv_buffer_bytes) + flash-attn's fp32 dq accumulator
-    attn_grads = attn_io + queries * q_loc * d * 4
+    attn_grads = attn_io + queries * q_loc * d * 4 if chunks == 1 else chunk_transient
     rows = math.ceil(tokens / mlp_tiles(tokens, h)) if tiled_mlp else tokens
     mlp_grads = ((mlp_kept + 2) if tiled_mlp else 2) * rows * inter * b  # tiled: a tile's recomputed + 2 grads
     # RMSNorm's backward runs in fp32 whatever the dtype: HF's holds five [T, h] fp32 temporaries (mul, mean, pow,
@@ -297,7 +301,8 @@ def estimate(shape: ModelShape, seq_len: int, sp: int, world: int,
         gpu["context-parallel K/V gather staging"] = cp_kv_buffer_bytes(shape, tokens, sp, b, cp)
 
     lean = lean_norm_applies(shape, f)
-    saved, transient = layer_activations(shape, tokens, sp, b, f.tiled_mlp, lean, lean_mlp_applies(shape, f), cp)
+    saved, transient = layer_activations(shape, tokens, sp, b, f.tiled_mlp, lean, lean_mlp_applies(shape, f), cp,
+                                         f.attention_head_chunks)
     phases: dict[str, int] = {}
     if f.every:
         L = shape.num_layers
