@@ -52,6 +52,7 @@ SP_UNSUPPORTED = {
     "ctrl": "its attention receives no position_ids (Ulysses and document masking need them)",
     "moshi": "its attention receives no position_ids (Ulysses and document masking need them)",
     "persimmon": "its attention receives no position_ids (Ulysses and document masking need them)",
+    "doge": "its attention does not call transformers' ALL_ATTENTION_FUNCTIONS (check_routed found 0 of 2 layers)",
 }
 
 _ORIGINAL: dict = {}  # (interface, name) -> the function we replaced
