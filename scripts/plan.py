@@ -22,10 +22,12 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
 
 import yaml
 
 from base.parallel import check_layout, split_sp
+from planner.attention_sp import head_chunk_choices
 from planner.auto_features import sp_splits
 from planner.comm_model import layer_comm
 from planner.memory_model import (
@@ -73,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep_attention", action=argparse.BooleanOptionalAction, default=None,
                    help="checkpointed layers keep the attention output (needs checkpointing); with --auto, "
                         "--no-keep_attention keeps auto from choosing it")
+    p.add_argument("--attention_head_chunks", default="1",
+                   help="attention N chunks of heads at a time (model_utils/head_chunks.py); per SP split the largest "
+                        "valid count <= N; max: every head per rank alone")
     p.add_argument("--alst", action="store_true", help="turn on " + ", ".join(ALST))
     p.add_argument("--auto", action="store_true",
                    help="also show what train.py's memory_features auto picks per length (features on the command "
@@ -129,8 +134,15 @@ class Planner:
         self.gpu_limit = int((args.gpu_mem_gb - args.reserve_gb) * GiB)
         self.cpu_limit = int(args.cpu_mem_gb * GiB)
 
+    def chunks(self, sp: int, cp: int) -> int:
+        """--attention_head_chunks at this split: the largest valid count <= N (max: the largest)."""
+        want = self.args.attention_head_chunks
+        ok = head_chunk_choices(self.shape.num_heads, self.shape.num_kv_heads, sp // cp)
+        return max(ok) if want == "max" else max(c for c in ok if c <= int(want))
+
     def evaluate(self, seq_len: int, sp: int, feats: Features | None = None, cp: int = 1) -> tuple[Estimate, bool, bool]:
-        est = estimate(self.shape, seq_len, sp, self.world, feats or self.feats, self.args.precision,
+        feats = feats or replace(self.feats, attention_head_chunks=self.chunks(sp, cp))
+        est = estimate(self.shape, seq_len, sp, self.world, feats, self.args.precision,
                        self.args.gpus_per_node, cp=cp)
         est.cpu_per_rank["process runtime (assumed)"] = int(self.args.cpu_overhead_gb * GiB)
         return est, est.gpu_peak <= self.gpu_limit, est.cpu_per_node <= self.cpu_limit
