@@ -127,6 +127,7 @@ def test_a_killed_rank_ends_every_rank(tmp_path):
 
 
 @pytest.mark.dist
+@pytest.mark.slow  # 111 s in the suite on 2 cores (2026-11-26); every e2e run that completes also exits clean
 def test_clean_exits_stay_clean(tmp_path):
     """SIGTERM on every rank -> 75 on every rank (twice), then the resumed run -> 0 on every rank, with the abort
     channel's stall and lost-store times shortened to 3 s and one rank 8 s slow on its way out after the agreed
@@ -186,6 +187,7 @@ def test_rank0s_own_failure_reaches_the_others_with_its_reason(tmp_path):
 
 
 @pytest.mark.dist
+@pytest.mark.slow  # 69 s in the suite on 2 cores (2026-11-26): make test-slow
 def test_a_rank_holding_the_gil_is_not_declared_dead(tmp_path):
     """DeepSpeed's CPU Adam (`adam_update`) holds the GIL for a whole sub-group: on a core shared by every rank
     of a node that can outlast STALL_S, and the abort channel must not take a busy rank for a dead one. Both

@@ -67,6 +67,7 @@ def test_slurm_preemption_requeue_then_completion(tmp_path):
     assert sorted(losses(out)) == list(range(1, 31))
 
 
+@pytest.mark.slow  # 86 s in the suite on 2 cores (2026-11-26); the branch rules: tests/unit/training/test_resume_branch.py
 def test_slurm_requeue_continues_a_branch_once(assets, tmp_path):
     """The real slurm.sbatch (stand-in sbatch/srun/scontrol on PATH; srun confines its task as Slurm does) submitted
     with `--resume <branch point>` in a folder whose run had finished: the branch trains, saves steps 6 and 8 (the
