@@ -45,7 +45,6 @@ branch from its own newest checkpoint instead of taking it again.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import random
@@ -69,6 +68,7 @@ from training.checkpoint_files import (  # noqa: F401  (MANIFEST: part of this m
     deal_by_bytes,
     fsync_file,
     list_files,
+    manifest_sha256,
     not_visible,
     read_json,
     save_torch,
@@ -440,12 +440,7 @@ class Checkpointer:
 
     @staticmethod
     def _source_id(path: str) -> str | None:
-        """A checkpoint's content identity: the sha256 of its manifest (every file's size and CRC32); None if none."""
-        try:
-            with open(os.path.join(path, MANIFEST), "rb") as fh:
-                return hashlib.sha256(fh.read()).hexdigest()
-        except OSError:
-            return None
+        return manifest_sha256(path)
 
     def _branches(self) -> list[dict]:
         got = read_json(os.path.join(self.root, BRANCHES))

@@ -5,6 +5,7 @@ checkpoint holds and when it exists; this is how its bytes reach the disk and ar
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -16,6 +17,15 @@ from base.atomic import atomic_write as atomic_bytes
 from base.atomic import fsync_path
 
 MANIFEST = "MANIFEST.json"
+
+
+def manifest_sha256(ckpt: str) -> str | None:
+    """A checkpoint's content identity: the SHA-256 of its manifest (every file's size and CRC32); None if none."""
+    try:
+        with open(os.path.join(ckpt, MANIFEST), "rb") as fh:
+            return hashlib.sha256(fh.read()).hexdigest()
+    except OSError:
+        return None
 
 
 fsync_file = fsync_path  # base/atomic.py holds the one copy (data/store.py writes through it too)

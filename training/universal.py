@@ -33,7 +33,6 @@ of its own, before a resume at another world size), recorded the same way.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -42,7 +41,7 @@ import sys
 import time
 
 from base.log import print0
-from training.checkpoint_files import MANIFEST, atomic_write, list_files, read_json
+from training.checkpoint_files import MANIFEST, atomic_write, list_files, manifest_sha256, read_json
 
 DONE = "DONE"
 RATE = "RATE.json"
@@ -54,11 +53,8 @@ SAFETY = 1.25  # a measured rate varies with the file system's load
 
 def source_id(ckpt: str) -> str | None:
     """The content identity of the checkpoint at `ckpt`: SHA-256 of its manifest (every file's size and CRC32)."""
-    try:
-        with open(os.path.join(ckpt, MANIFEST), "rb") as fh:
-            return hashlib.sha256(fh.read()).hexdigest()[:24]
-    except OSError:
-        return None
+    sha = manifest_sha256(ckpt)
+    return sha and sha[:24]
 
 
 def folder(ckpt: str) -> str:
