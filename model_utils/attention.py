@@ -379,7 +379,9 @@ def check_supported(model_or_config, attn: str, name: str | None = None) -> None
     name = name or type(model_or_config).__name__
     if attn not in SUPPORTED:
         raise ValueError(f"{name}: attention {attn!r} cannot be document-masked; use one of {', '.join(SUPPORTED)}")
-    bad = sorted(set(getattr(cfg, "layer_types", None) or []) - set(LAYER_TYPES))
+    from model_utils.linear_attention import supported_layer_types  # gated delta-net: Ulysses by heads there
+
+    bad = sorted(set(getattr(cfg, "layer_types", None) or []) - set(LAYER_TYPES) - set(supported_layer_types(cfg)))
     if bad:
         raise ValueError(f"{name}: layer types {bad} are not supported (only {' / '.join(LAYER_TYPES)} layers are "
                          "sequence-parallel and document-masked): use a model without them")
@@ -451,7 +453,8 @@ def check_routed(model) -> None:
     + document masking), and a sliding-window model's window reached it. One-line ValueError otherwise."""
     model = getattr(model, "module", model)  # a DeepSpeed engine
     cfg = model.config.get_text_config()
-    name, want, seen = type(model).__name__, cfg.num_hidden_layers, len(_STATE["modules"])
+    linear = sum(t == "linear_attention" for t in getattr(cfg, "layer_types", None) or ())  # linear_attention.py's
+    name, want, seen = type(model).__name__, cfg.num_hidden_layers - linear, len(_STATE["modules"])
     if seen != want:
         raise ValueError(f"{name}: {seen} of its {want} attention layers called the registered "
                          f"{_STATE['attn']!r} attention function, so the others bypass Ulysses sequence parallelism "

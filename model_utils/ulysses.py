@@ -17,7 +17,7 @@ so a later stage can register another (u, cp).
 
 from __future__ import annotations
 
-from model_utils import attention, context_parallel
+from model_utils import attention, context_parallel, linear_attention
 from model_utils import head_chunks as head_chunks_mod
 
 _GROUPS: list = []  # the Ulysses and cp groups this module created (destroyed by unregister)
@@ -92,6 +92,9 @@ def register(model, dims, attn_implementation: str, micro_batch: int, head_chunk
         if dims.ulysses > 1:
             _wrap_ulysses(model, attn_implementation, u_group, micro_batch)
         mpu = parallel_state_sp
+    if linear_attention.is_hybrid(model):  # gated delta-net layers: Ulysses by heads, documents restarted (any sp)
+        linear_attention.check_layout(model, dims.sp, dims.cp)
+        linear_attention.install(model, mpu.get_sequence_parallel_group() if dims.sp > 1 else None, dims.sp)
     attention.track(model, attn_implementation)
     return mpu
 
@@ -110,4 +113,7 @@ def unregister() -> int:
     return n
 
 
-check_routed = attention.check_routed  # train.py: call once after the first micro-step's forward
+def check_routed(model) -> None:
+    """train.py: call once after the first micro-step's forward (attention and linear-attention layers)."""
+    attention.check_routed(model)
+    linear_attention.check_routed(model)
