@@ -168,3 +168,51 @@ def test_refusals():
         la.check_layout(cfg, 2, 2)
     with pytest.raises(ValueError, match=r"use one of \[1, 2\]"):
         la.check_layout(cfg, 4, 1)
+
+
+@pytest.mark.slow
+def test_sweep_reference_is_far_from_the_wrong_answers(tmp_path, monkeypatch):
+    """The SP=2 parity case (tests/multiproc/test_model_sweep.py, qwen3_5_text in FAST: loss within LOSS_TOL of the
+    plain model on each document alone) can fail: on the same tiny model and packed samples, transformers' own pass
+    over the packed samples (the state leaking across documents, what every SP degree computed before) and the
+    linear layers run by transformers on each SP=2 shard alone (no SP handling: the state starts at the shard edge
+    and leaks inside it) both miss the reference by more than 100x that tolerance (measured 1.1e-2 and 1.2e-2;
+    slow: ~25 s on 2 loaded cores)."""
+    from transformers import AutoModelForCausalLM
+
+    from bench.model_sweep import tiny_config
+    from tests.multiproc.test_doc_masking import LOSS_TOL, SEQ, packed, write_documents
+    from tests.multiproc.test_model_zoo import reference
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("qwen3_5_text"), dtype=torch.float32).save_pretrained(tmp_path / "m")
+    samples = packed({"data": write_documents(tmp_path / "docs.jsonl"), "dir": str(tmp_path)}, [0, 1])
+    ref, _ = reference(str(tmp_path / "m"), samples, "sdpa")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32, attn_implementation="sdpa")
+
+    def loss():
+        total = sum(torch.nn.functional.cross_entropy(
+            model(input_ids=s["input_ids"][None], position_ids=s["position_ids"][None], use_cache=False).logits[0], s["shift_labels"],
+            ignore_index=-100, reduction="sum") for s in samples)
+        return (total / sum(int((s["shift_labels"] != -100).sum()) for s in samples)).item()
+
+    from model_utils import attention
+
+    attention.register(model, "sdpa")  # full attention document-masked, as train.py has it at every SP degree
+    with torch.no_grad():
+        leak = loss()  # transformers' linear layers see no position ids: one state over each packed sample
+        la.install(model)
+        right = loss()
+
+        def shard_edge(position_ids, bs, group, sp):  # transformers' layer on each SP=2 shard alone
+            start = torch.zeros(bs, SEQ, dtype=torch.bool)
+            start[:, [0, SEQ // 2]] = True
+            return start
+
+        monkeypatch.setattr(la, "documents", shard_edge)
+        la._POS.clear()
+        shard = loss()
+    attention.restore()
+    assert abs(right - ref) / ref < LOSS_TOL  # this module at sp 1 is the reference
+    assert abs(leak - ref) / ref > 100 * LOSS_TOL, (leak, ref)
+    assert abs(shard - ref) / ref > 100 * LOSS_TOL, (shard, ref)
