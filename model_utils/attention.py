@@ -372,6 +372,18 @@ def check_config(hf_config, attn: str) -> None:
     check_supported(hf_config, attn, cls.__name__ if cls is not None else type(hf_config).__name__)
 
 
+def latent_dims(config) -> tuple[int, int] | None:
+    """(q/k head dim, v head dim) of latent attention (MLA: DeepSeek-V2/V3, GLM-4.7-Flash, where `head_dim` is the
+    RoPE part's), None where q, k and v all have `head_dim` (DeepSpeed's Ulysses assumes that one head dim; ulysses.py
+    wraps latent attention itself, v padded to the q/k head dim)."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    qk, v, hd = (getattr(cfg, k, None) for k in ("qk_head_dim", "v_head_dim", "head_dim"))
+    if not qk and getattr(cfg, "qk_rope_head_dim", None):
+        qk = (getattr(cfg, "qk_nope_head_dim", 0) or 0) + cfg.qk_rope_head_dim
+    qk, v = qk or hd, v or hd
+    return (int(qk), int(v)) if qk and v and {qk, v} != {hd} else None
+
+
 def check_supported(model_or_config, attn: str, name: str | None = None) -> None:
     """One-line refusals, at start-up, of models whose attention cannot be document-masked here."""
     config = getattr(model_or_config, "config", model_or_config)
@@ -401,11 +413,10 @@ def check_supported(model_or_config, attn: str, name: str | None = None) -> None
     if per_layer:  # a heterogeneous config (Gemma-4 unified: head_dim per layer); reading them globally raises
         raise ValueError(f"{name} ({cfg.model_type}): per-layer {', '.join(per_layer)} is not supported under sequence "
                          "parallelism yet: Ulysses is set up with one attention shape for every layer")
-    qk, v, hd = (getattr(cfg, k, None) for k in ("qk_head_dim", "v_head_dim", "head_dim"))
-    if (qk or v) and {qk or hd, v or hd} != {hd}:  # latent attention (DeepSeek-V2/V3, GLM-4.7-Flash): head_dim is RoPE's
-        raise ValueError(f"{name} ({cfg.model_type}): latent attention (q/k head dim {qk or hd}, v head dim {v or hd}, "
-                         f"head_dim {hd}) is not supported under sequence parallelism yet: Ulysses' all-to-all assumes "
-                         "one head dim")
+    dims = latent_dims(cfg)
+    if dims is not None and dims[1] > dims[0]:  # ulysses.py pads v up to the q/k head dim, never down
+        raise ValueError(f"{name} ({cfg.model_type}): latent attention with a v head dim ({dims[1]}) above the q/k head "
+                         f"dim ({dims[0]}) is not supported under sequence parallelism")
     model = model_or_config if model_or_config is not config else None
     if cfg.model_type in SINK_MODEL_TYPES or (model is not None and any(n.endswith(".sinks") for n, _ in
                                                                          model.named_parameters())):

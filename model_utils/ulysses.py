@@ -5,6 +5,9 @@
 that core by the context-parallel one (`model_utils/context_parallel.py`: K/V gathered over the cp group, queries
 kept); with a Ulysses factor u > 1 DeepSpeed's wrapper goes around it: [bs, sl/sp, hc, hs] --all-to-all over u
 ranks--> [bs, sl/cp, hc/u, hs] -> the core -> all-to-all back. KV heads fewer than u are replicated by DeepSpeed.
+Latent attention (MLA: DeepSeek-V2/V3; q/k head dim d, v head dim dv < d, `attention.latent_dims`) goes through our
+own instance per call shape (`_wrap_ulysses`, as head chunks do): v padded with zeros to d for the all-to-all and the
+core, the output's padding dropped after the all-to-all back (costs there); head chunks are refused for it.
 
 Groups (dims.sp = u x cp, consecutive ranks, sp_rank = cp_rank * u + ulysses_rank): the SP group is DeepSpeed's
 `parallel_state_sp` (returned as the `mpu` for `deepspeed.initialize`, so its batch accounting and gradient
@@ -16,6 +19,8 @@ so a later stage can register another (u, cp).
 """
 
 from __future__ import annotations
+
+import torch
 
 from model_utils import attention, context_parallel, linear_attention
 from model_utils import head_chunks as head_chunks_mod
@@ -45,7 +50,7 @@ def _wrap_ulysses(model, attn: str, group, micro_batch: int) -> None:
     by_heads: dict = {}
 
     def uattn_wrapper(module, query, key, value, attention_mask, *args, **kwargs):
-        heads = (query.shape[1], key.shape[1])  # query [bs, hq, sl/sp, d], key [bs, hkv, sl/sp, d]
+        heads = (query.shape[1], key.shape[1], query.shape[-1])  # query [bs, hq, sl/sp, d], key [bs, hkv, sl/sp, d]
         if heads not in by_heads:
             uattn = UlyssesSPAttentionHF(
                 attn=core, batch_size=micro_batch, attn_head_count=heads[0], attn_head_size=query.shape[-1],
@@ -53,7 +58,18 @@ def _wrap_ulysses(model, attn: str, group, micro_batch: int) -> None:
                 seq_length_is_variable=True)
             uattn.core_attn_implementation = attn
             by_heads[heads] = uattn
-        return by_heads[heads](module, query, key, value, None, *args, **kwargs)  # masks: rebuilt from positions
+        dv = value.shape[-1]
+        if dv == query.shape[-1]:
+            return by_heads[heads](module, query, key, value, None, *args, **kwargs)  # masks: rebuilt from positions
+        # latent attention (MLA): value [bs, h, sl/sp, dv] with dv < d. DeepSpeed's all-to-all takes one head dim, so
+        # v goes padded with zeros to d (the zero columns stay zero through attention) and the output, [bs, sl/sp,
+        # hq * d] after the all-to-all back, loses them. Cost: v's and the output's all-to-all carry d / dv times
+        # their bytes; at DeepSeek-V3 (128 heads, d 192, dv 128) the layer's four all-to-alls move 768 instead of
+        # 640 values per head and token (+20%), and the core's P.V product is 1.5x (flash-attn pads v itself).
+        out, weights = by_heads[heads](module, query, key, torch.nn.functional.pad(value, (0, query.shape[-1] - dv)),
+                                       None, *args, **kwargs)
+        bs, sl = out.shape[:2]
+        return out.view(bs, sl, heads[0], -1)[..., :dv].reshape(bs, sl, heads[0] * dv), weights
 
     ALL_ATTENTION_FUNCTIONS[attn] = uattn_wrapper
 
@@ -64,6 +80,10 @@ def register(model, dims, attn_implementation: str, micro_batch: int, head_chunk
     runs each layer's attention that many chunks of heads at a time (model_utils/head_chunks.py; "auto" unresolved
     by the planner: 1); a count that does not split the heads per rank is refused in one line."""
     head_chunks = 1 if head_chunks in ("auto", None, 0) else int(head_chunks)
+    latent = attention.latent_dims(model.config) is not None
+    if latent and head_chunks > 1:
+        raise ValueError(f"attention_head_chunks {head_chunks}: latent attention (MLA, {model.config.model_type}) has "
+                         "no per-head q/k/v projections to chunk; use attention_head_chunks 1")
     head_chunks_mod.install(model, head_chunks, dims.ulysses)
     attention.register(model, attn_implementation)
     mpu = None
@@ -75,7 +95,7 @@ def register(model, dims, attn_implementation: str, micro_batch: int, head_chunk
         mpu = UlyssesSPAttentionHF.register_with_transformers(
             model_name_or_path=model, core_attn_implementation=attn_implementation, sequence_parallel_size=dims.sp,
             micro_batch_size=micro_batch, seq_length_is_variable=True)
-        if head_chunks > 1:  # DeepSpeed's wrapper is built for all heads: one per chunk shape instead
+        if head_chunks > 1 or latent:  # DeepSpeed's wrapper is built for all heads of one head dim: ours instead
             ALL_ATTENTION_FUNCTIONS[attn_implementation] = core
             _wrap_ulysses(model, attn_implementation, mpu.get_sequence_parallel_group(), micro_batch)
     elif dims.sp > 1:

@@ -39,4 +39,19 @@ PRESETS: dict[str, dict] = {
         num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
         max_position_embeddings=131072, rope_theta=1000000.0, tie_word_embeddings=False,
     ),
+    # latent attention (MLA) + MoE: q/k head dim 128 + 64 (RoPE part), v head dim 128, latent ranks
+    "deepseek-v2-lite": dict(  # 15.7B parameters, 2.4B active
+        model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, intermediate_size=10944,
+        num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, n_shared_experts=2,
+        num_experts_per_tok=6, moe_intermediate_size=1408, first_k_dense_replace=1,
+        max_position_embeddings=163840, rope_theta=10000.0, tie_word_embeddings=False,
+    ),
+    "deepseek-v3": dict(  # 671B parameters, 37B active (the multi-token-prediction layer not counted)
+        model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+        num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256, n_shared_experts=1,
+        num_experts_per_tok=8, moe_intermediate_size=2048, first_k_dense_replace=3,
+        max_position_embeddings=163840, rope_theta=10000.0, tie_word_embeddings=False,
+    ),
 }

@@ -38,37 +38,89 @@ class ModelShape:
     qkv_bias: bool = False  # Qwen2 has biases on q/k/v
     qk_norm: bool = False  # Qwen3 has RMSNorm on q and k per head
     model_type: str = "llama"  # the HF model_type: whether the lean RMSNorm applies (LEAN_RMSNORM_MODEL_TYPES)
+    # latent attention (MLA, DeepSeek-V2/V3): q/k and v head dims and the latent ranks (0: none). `head_dim` is then
+    # the q/k head dim, and num_kv_heads the query heads (keys are expanded per head): what the all-to-all and the
+    # core attention carry, v padded to the q/k head dim (model_utils/ulysses.py), so the attention terms hold as is.
+    v_head_dim: int = 0  # 0: head_dim
+    qk_rope_head_dim: int = 0  # the RoPE part of the q/k head dim (its key part is shared by all heads)
+    q_lora_rank: int = 0  # 0: q projected from the hidden state directly
+    kv_lora_rank: int = 0  # > 0: latent attention
+    # mixture of experts (DeepSeek, Qwen-MoE, Mixtral): routed experts of moe_intermediate_size, `experts_per_token`
+    # of them active, `shared_experts` always active, the first `dense_layers` layers a dense MLP of intermediate_size
+    num_experts: int = 0
+    experts_per_token: int = 0
+    shared_experts: int = 0
+    moe_intermediate_size: int = 0
+    dense_layers: int = 0
 
     @classmethod
     def from_config(cls, cfg: Mapping) -> ModelShape:
         try:
             h, nh = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+            latent = bool(cfg.get("kv_lora_rank"))
+            qk = int(cfg.get("qk_nope_head_dim") or 0) + int(cfg.get("qk_rope_head_dim") or 0) if latent else 0
+            experts = int(cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
             return cls(vocab_size=int(cfg["vocab_size"]), hidden_size=h,
                        intermediate_size=int(cfg["intermediate_size"]), num_layers=int(cfg["num_hidden_layers"]),
-                       num_heads=nh, num_kv_heads=int(cfg.get("num_key_value_heads") or nh),
-                       head_dim=int(cfg.get("head_dim") or h // nh),
+                       num_heads=nh, num_kv_heads=nh if latent else int(cfg.get("num_key_value_heads") or nh),
+                       head_dim=qk or int(cfg.get("head_dim") or h // nh),
                        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                        qkv_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False)),
-                       qk_norm=cfg.get("model_type") == "qwen3", model_type=str(cfg.get("model_type", "")))
+                       qk_norm=cfg.get("model_type") == "qwen3", model_type=str(cfg.get("model_type", "")),
+                       v_head_dim=int(cfg.get("v_head_dim") or 0) if latent else 0,
+                       qk_rope_head_dim=int(cfg.get("qk_rope_head_dim") or 0) if latent else 0,
+                       q_lora_rank=int(cfg.get("q_lora_rank") or 0) if latent else 0,
+                       kv_lora_rank=int(cfg.get("kv_lora_rank") or 0),
+                       num_experts=experts, experts_per_token=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
+                       shared_experts=int(cfg.get("n_shared_experts") or 0) if experts else 0,
+                       moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+                       if experts else 0,
+                       dense_layers=int(cfg.get("first_k_dense_replace") or 0) if experts else 0)
         except KeyError as e:
             raise ValueError(f"model config lacks {e.args[0]!r}: need vocab_size, hidden_size, intermediate_size, "
                              "num_hidden_layers, num_attention_heads") from None
 
-    def layer_params(self) -> int:
-        """Parameters of one decoder layer: q/k/v/o projections, gated MLP, two norms."""
+    @property
+    def v_dim(self) -> int:
+        return self.v_head_dim or self.head_dim
+
+    def attention_params(self) -> int:
+        """Parameters of one layer's attention: q/k/v/o projections, or MLA's latent projections and norms."""
         h, d, nh, nkv = self.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads
+        if self.kv_lora_rank:  # q: [h -> q_lora -> nh * d] or [h -> nh * d]; kv: h -> kv_lora + rope -> nh * (nope + v)
+            qr, kvr, rope, dv = self.q_lora_rank, self.kv_lora_rank, self.qk_rope_head_dim, self.v_dim
+            q = (h * qr + qr + qr * nh * d) if qr else h * nh * d
+            return q + h * (kvr + rope) + kvr + kvr * nh * (d - rope + dv) + nh * dv * h
         attn = h * d * (nh + 2 * nkv) + nh * d * h
         attn += d * (nh + 2 * nkv) if self.qkv_bias else 0
-        attn += 2 * d if self.qk_norm else 0
-        return attn + 3 * h * self.intermediate_size + 2 * h
+        return attn + (2 * d if self.qk_norm else 0)
+
+    def _mlp_params(self, active: bool) -> float:
+        """MLP parameters of the average layer (all experts, or with `active` those one token uses)."""
+        dense = 3 * self.hidden_size * self.intermediate_size
+        if not self.num_experts:
+            return dense
+        n = (self.experts_per_token if active else self.num_experts) + self.shared_experts
+        moe = 3 * self.hidden_size * self.moe_intermediate_size * n + self.hidden_size * self.num_experts  # + router
+        k = min(self.dense_layers, self.num_layers)
+        return (k * dense + (self.num_layers - k) * moe) / self.num_layers
+
+    def layer_params(self) -> int:
+        """Parameters of one (average) decoder layer: attention, gated MLP (every expert), two norms."""
+        return self.attention_params() + int(self._mlp_params(False)) + 2 * self.hidden_size
+
+    def active_layer_params(self) -> int:
+        """What one token multiplies by in one (average) layer: layer_params with only its routed experts."""
+        return self.attention_params() + int(self._mlp_params(True)) + 2 * self.hidden_size
 
     def num_params(self) -> int:
         emb = self.vocab_size * self.hidden_size
         return emb * (1 if self.tie_word_embeddings else 2) + self.num_layers * self.layer_params() + self.hidden_size
 
     def matmul_params(self) -> int:
-        """Weights that take part in a matmul per token: all layers plus the LM head (not the embedding lookup)."""
-        return self.num_layers * self.layer_params() + self.vocab_size * self.hidden_size
+        """Weights that take part in a matmul per token: all layers (the routed experts a token uses) plus the LM
+        head (not the embedding lookup)."""
+        return self.num_layers * self.active_layer_params() + self.vocab_size * self.hidden_size
 
 
 def load_shape(model: str) -> ModelShape:

@@ -3,7 +3,8 @@ or is refused at start-up in one line.
 
 Tiny random configs of each family (`AutoConfig.for_model` with the family's own fields: Llama-3 RoPE, Qwen2.5
 q/k/v bias, Qwen3 q/k norm, Mistral and Phi-3 windows, Gemma-3 local/global layers, Gemma-2 attention soft-capping,
-OLMo-2 q/k norm over all heads, Qwen3-MoE and Mixtral routers and experts under ZeRO-3), peaked weights
+OLMo-2 q/k norm over all heads, Qwen3-MoE and Mixtral routers and experts under ZeRO-3, DeepSeek-V3 latent attention
+with q/k and v of different head dims, also at ulysses 1 x cp 2), peaked weights
 (initializer_range 0.3). Every case runs one step of the real engine (`training.engine.build_engine`: ZeRO-3 +
 CPU offload, memory features' loss forward, document-masked Ulysses attention) on two packed samples whose
 position ids restart at every document (tests/workers/doc_masking.py, all families in one SP=2 launch), and is
@@ -35,6 +36,9 @@ from tests.multiproc.test_doc_masking import (
 )
 
 SP = 2
+MLA = dict(head_dim=8, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, kv_lora_rank=32, q_lora_rank=48,
+           num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+           first_k_dense_replace=1, n_group=1, topk_group=1)
 # name -> (model_type, config fields over SMALL, attention backend, gradients?, oracle backend)
 ZOO = {
     "llama3": ("llama", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
@@ -55,7 +59,12 @@ ZOO = {
     "qwen3_moe": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                                     norm_topk_prob=True), "sdpa", True, "sdpa"),
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2), "sdpa", True, "sdpa"),
+    # latent attention (MLA): q/k head dim 16 + 8 (RoPE part, `head_dim`), v head dim 16, q and kv latent ranks, MoE
+    # after a dense first layer; at Ulysses 2 (v padded through the all-to-all) and at ulysses 1 x cp 2
+    "deepseek_v3": ("deepseek_v3", MLA, "sdpa", True, "sdpa"),
+    "deepseek_v3_u1cp2": ("deepseek_v3", MLA, "sdpa", True, "sdpa"),
 }
+CASE = {"deepseek_v3_u1cp2": {"context_parallel_size": 2}}  # case fields beyond SP=2 Ulysses
 SAMPLES = [0, 1]
 _RESULTS: dict = {}
 
@@ -100,7 +109,7 @@ def launch(zoo, tmp_path_factory) -> dict:
                     "attn_implementation": attn, "reset_position_ids": "yes", "learning_rate": 1e-3, "max_steps": 1,
                     "report_to": "none", "seed": 0, "deepspeed": os.path.join(ROOT, "ds_configs/zero3_offload.json"),
                     "samples": SAMPLES, "grads": grads, "bypass": False, "out": str(d / f"{name}.pt"),
-                    "cache": os.path.join(zoo["dir"], "cache")}
+                    "cache": os.path.join(zoo["dir"], "cache"), **CASE.get(name, {})}
              for name, (_, _, attn, grads, _) in ZOO.items()}
     run(os.path.join(ROOT, "tests/workers/doc_masking.py"), [json.dumps(list(cases.values()))], SP, str(d / "logs"))
     _RESULTS.update({name: torch.load(c["out"]) for name, c in cases.items()})
@@ -124,7 +133,7 @@ def test_family_matches_plain_model_at_sp2(zoo, tmp_path_factory, name):
     bad_loss, _ = reference(zoo[name], samples, oracle, across=True)
     loss_err = abs(res["loss"] - ref_loss) / ref_loss
     worst = max((rel(res["grads"][n], ref_grads[n]), n) for n in res["grads"]) if grads else (float("nan"), "-")
-    print(f"ZOO {name} ({attn}, sp={SP}): loss rel err {loss_err:.2e}, worst grad rel err {worst[0]:.2e} ({worst[1]}), "
+    print(f"ZOO {name} ({attn}, sp={SP}{CASE.get(name, '')}): loss rel err {loss_err:.2e}, worst grad rel err {worst[0]:.2e} ({worst[1]}), "
           f"across-documents loss gap {abs(bad_loss - ref_loss) / ref_loss:.2e}")
     assert abs(bad_loss - ref_loss) / ref_loss > 100 * LOSS_TOL, (name, bad_loss, ref_loss)  # the mask matters
     assert loss_err < LOSS_TOL, (name, res["loss"], ref_loss)

@@ -1,0 +1,49 @@
+"""The planner's shapes of latent attention (MLA) and mixture-of-experts models: DeepSeek-V2-Lite and DeepSeek-V3
+presets give their published parameter counts, their attention is sized at the q/k head dim (v is padded to it
+through Ulysses' all-to-all) with one KV head per query head, and scripts/plan.py plans them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from planner.presets import PRESETS
+from planner.shapes import ModelShape, load_shape
+
+
+@pytest.mark.parametrize("name,total,active", [("deepseek-v2-lite", 15.7e9, 2.4e9), ("deepseek-v3", 671e9, 37e9)])
+def test_deepseek_presets_count_latent_attention_and_experts(name, total, active):
+    shape = load_shape(name)
+    assert (shape.head_dim, shape.v_dim, shape.num_kv_heads) == (192, 128, shape.num_heads)
+    assert shape.kv_lora_rank == 512 and shape.q_lora_rank == (PRESETS[name]["q_lora_rank"] or 0)
+    assert abs(shape.num_params() - total) / total < 0.02, shape.num_params()
+    assert abs(shape.matmul_params() - active) / active < 0.05, shape.matmul_params()  # the routed experts a token uses
+
+
+def test_latent_attention_params_are_not_the_dense_formula():
+    """The MLA projections from the latent ranks, against the module sizes transformers builds (meta device)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, kv_lora_rank=32,
+                  q_lora_rank=48, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                  moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1)
+    shape = ModelShape.from_config({**fields, "model_type": "deepseek_v3"})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("deepseek_v3", **fields))
+    attn = sum(p.numel() for p in model.model.layers[0].self_attn.parameters())
+    assert shape.attention_params() == attn
+    dense = ModelShape(**{**vars(shape), "kv_lora_rank": 0, "num_experts": 0})
+    assert dense.attention_params() != attn
+    total = sum(p.numel() for n, p in model.named_parameters() if "bias" not in n)  # e_score_correction_bias
+    assert shape.num_params() == total
+
+
+def test_plan_py_plans_a_deepseek_preset():
+    out = subprocess.run([sys.executable, "scripts/plan.py", "--model", "deepseek-v2-lite", "--seq_len", "128k",
+                          "--nodes", "1", "--auto"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "memory_features auto:" in out.stdout
