@@ -14,6 +14,7 @@ from base import comm
 from base.host import check_cpu_placement, ranks_per_node
 from base.log import open_rank_log, print0, set_main
 from base.parallel import ParallelDims, check_shared_output, init_distributed
+from model_utils import linear_attention
 from model_utils.attention import check_config
 from model_utils.build import load_hf_config, pick_attn_implementation
 from training.config import Config, parse_config
@@ -57,6 +58,10 @@ def _precision(cfg: Config, model: Model) -> str:
 def _stages(cfg: Config, model: Model, world: int) -> list[Stage]:
     stages = resolve_stages(cfg, dp_of_sp=lambda sp: max(1, world // sp))
     a = model.arch
+    if linear_attention.is_hybrid(a):  # gated delta-net layers: `cp: auto` is pure Ulysses, an explicit cp > 1 refused
+        stages = [dataclasses.replace(s, cp=1) if s.cp in ("auto", None) else s for s in stages]
+        for s in stages:
+            linear_attention.check_layout(a, s.sp, int(s.cp))
     return check_stages(stages, world, a.num_attention_heads, a.num_key_value_heads, a.rope_parameters,
                         gpus_per_node(cfg))
 

@@ -216,3 +216,28 @@ def test_sweep_reference_is_far_from_the_wrong_answers(tmp_path, monkeypatch):
     assert abs(right - ref) / ref < LOSS_TOL  # this module at sp 1 is the reference
     assert abs(leak - ref) / ref > 100 * LOSS_TOL, (leak, ref)
     assert abs(shard - ref) / ref > 100 * LOSS_TOL, (shard, ref)
+
+
+@pytest.mark.parametrize("cp,expect", [("auto", 1), ("2", "context_parallel_size 1 \\(pure Ulysses")])
+def test_startup_picks_pure_ulysses_or_refuses_cp(cp, expect):
+    """train.py's stage resolution (training/startup._stages): `cp: auto` is cp 1 for a hybrid model; an explicit
+    cp > 1 is refused in one line naming pure Ulysses (a Llama-shaped model at the same settings keeps cp 2)."""
+    from training.config import parse_config
+    from training.startup import Model, _stages
+
+    argv = ["--output_dir", "/tmp/unused", "--max_seq_length", "256", "--sequence_parallel_size", "2",
+            "--context_parallel_size", cp]
+    cfg = _tiny_config("qwen3_next")
+    cfg.num_attention_heads = cfg.num_key_value_heads = 1  # one query head: Ulysses 2 cannot split the attention
+    cfg.linear_num_key_heads = 2
+    if expect == 1:
+        with pytest.raises(ValueError, match="Ulysses factor of 2"):  # pure Ulysses, which these heads refuse
+            _stages(parse_config(argv), Model(cfg, "sdpa", False), 2)
+        cfg.num_attention_heads = cfg.num_key_value_heads = 2
+        assert [s.cp for s in _stages(parse_config(argv), Model(cfg, "sdpa", False), 2)] == [1]
+        cfg.layer_types = ["full_attention"] * 2  # not hybrid: the same heads split as before
+        cfg.num_attention_heads = cfg.num_key_value_heads = 1
+        assert [s.cp for s in _stages(parse_config(argv), Model(cfg, "sdpa", False), 2)] == [2]
+    else:
+        with pytest.raises(ValueError, match=expect):
+            _stages(parse_config(argv), Model(cfg, "sdpa", False), 2)
