@@ -40,6 +40,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from base.parallel import check_layout, split_sp
+from planner.attention_sp import check_head_chunks, chunk_heads, head_chunk_choices
+from planner.comm_model import all_to_all_seconds, members_per_node
 from planner.memory_model import (
     DTYPE_BYTES,
     LOGITS_TILE_BYTES,
@@ -70,7 +72,12 @@ ADAM_BYTES_PER_PARAM = 28
 CPU_ADAM_BYTES_PER_S = 100e9
 OFFLOAD_KEYS = {"offload_params": "offload_param", "offload_optimizer": "offload_optimizer"}  # Features -> DS key
 MFU, PEAK_TFLOPS = 0.4, 989.0  # the H100 bf16 figures training/summary.py quotes
-FEATURE_KEYS = ("tiled_mlp", "tiled_logits", "checkpoint_every", "offload_activations", "keep_attention")
+FEATURE_KEYS = ("tiled_mlp", "tiled_logits", "checkpoint_every", "offload_activations", "keep_attention",
+                "attention_head_chunks")
+# Head chunks (model_utils/head_chunks.py) launch each Ulysses all-to-all n times instead of once. What one launch
+# costs beyond its bytes: an ESTIMATE (not measured here, no GPU node): NCCL's small-message all-to-all on 8 NVLink
+# GPUs takes a few tens of microseconds; counted exposed (not overlapped with the attention kernel).
+A2A_LAUNCH_S = 30e-6
 
 
 @dataclass(frozen=True)
@@ -98,7 +105,8 @@ class Choice:
                 "predicted_relative_speed": round(self.relative_speed, 3), "logits_tile_mb": f.logits_tile_mb,
                 "offload_params": self.offload_params, "offload_optimizer": self.offload_optimizer,
                 "offload_why": self.offload_why, "offload_step_s": round(self.offload_step_s, 3),
-                "predicted_step_s": round(self.step_s, 3), "cp": self.cp, "ulysses": self.sp // self.cp}
+                "predicted_step_s": round(self.step_s, 3), "cp": self.cp, "ulysses": self.sp // self.cp,
+                "attention_head_chunks": f.attention_head_chunks}
 
 
 def describe_offloads(params: bool, optimizer: bool) -> str:
@@ -116,6 +124,8 @@ def describe(f: Features) -> str:
             parts[-1] += " (attention kept)"
     if f.offload_activations:
         parts.append("offload checkpoints")
+    if f.attention_head_chunks > 1:
+        parts.append(f"attention in {f.attention_head_chunks} head chunks")
     return ", ".join(parts) or "none"
 
 
@@ -139,11 +149,40 @@ def offload_seconds(shape: ModelShape, world: int, f: Features, device: str = "c
     return t
 
 
+def head_chunk_seconds(shape: ModelShape, seq_len: int, sp: int, f: Features, precision: str = "bf16",
+                       mfu: float = MFU, peak_tflops: float = PEAK_TFLOPS, cp: int = 1, ranks_per_node: int = 8) -> float:
+    """Seconds per sequence that running attention in f.attention_head_chunks chunks adds (0 for 1 chunk), on one
+    rank (model_utils/head_chunks.py's cost notes):
+    - backward recomputes each chunk's q/k/v projections (2 s h d (nh + 2 n hkv) FLOPs per layer), and a chunk
+      narrower than a GQA group projects its KV head once per chunk (forward + backward of n hkv - nkv extra heads);
+    - under Ulysses (u > 1) the chunk's q/k/v all-to-all and the output's all-to-all back run once more in
+      backward (comm_model.all_to_all_seconds of the rank's bytes), and every all-to-all is launched n times,
+      each 1/n the bytes: 6n - 4 launches more per layer (forward 2, backward 2 + the re-sent 2, per chunk), 2(n - 1)
+      more in a checkpointed layer's recompute, A2A_LAUNCH_S each. Counted exposed (not overlapped)."""
+    n = f.attention_head_chunks
+    if n <= 1:
+        return 0.0
+    s, h, d, L = seq_len, shape.hidden_size, shape.head_dim, shape.num_layers
+    hq, hkv = chunk_heads(shape.num_heads, shape.num_kv_heads, n)
+    flops = 2.0 * s * h * d * (shape.num_heads + 2 * n * hkv) + 3 * 2.0 * s * h * d * 2 * max(0, n * hkv - shape.num_kv_heads)
+    t = L * flops / (sp * mfu * peak_tflops * 1e12)
+    u = sp // cp
+    if u > 1:
+        b, tokens = DTYPE_BYTES[precision], math.ceil(s / sp)
+        per_node = members_per_node(u, 1, ranks_per_node)
+        qkv = n * tokens * (hq + 2 * max(hkv, u if u > hkv else 0)) * d * b
+        out = tokens * shape.num_heads * d * b
+        launches = L * (6 * n - 4) + (math.ceil(L / f.every) * 2 * (n - 1) if f.every else 0)
+        t += L * (all_to_all_seconds(qkv, u, per_node) + all_to_all_seconds(out, u, per_node)) + launches * A2A_LAUNCH_S
+    return t
+
+
 def step_seconds(shape: ModelShape, seq_len: int, sp: int, f: Features, device: str = "cuda",
                  precision: str = "bf16", mfu: float = MFU, peak_tflops: float = PEAK_TFLOPS, *,
-                 world: int | None = None, ranks_per_node: int = 8, accum: int = 1) -> dict[str, float]:
+                 world: int | None = None, ranks_per_node: int = 8, accum: int = 1, cp: int = 1) -> dict[str, float]:
     """Predicted seconds of one optimizer step (`accum` micro-batches of one sequence per SP group) on one rank:
-    {"base": no feature, no offload; "compute": with the recompute of `f`; "copies": checkpoint offload;
+    {"base": no feature, no offload; "compute": with the recompute of `f` and the head chunks' cost
+    (head_chunk_seconds; cp: the context-parallel factor of sp); "copies": checkpoint offload;
     "offload": the ZeRO-3 offloads (offload_seconds; world defaults to sp); "total"}."""
     s, h, L = seq_len, shape.hidden_size, shape.num_layers
     base = flops_per_sequence(shape, s)  # 3 x forward FLOPs
@@ -161,7 +200,8 @@ def step_seconds(shape: ModelShape, seq_len: int, sp: int, f: Features, device: 
     if f.offload_activations and f.every and device == "cuda":
         hid = math.ceil(s / sp) * h * DTYPE_BYTES[precision]
         copy_s = 2 * math.ceil(L / f.every) * hid / PCIE_BYTES_PER_S
-    out = {"base": accum * base / rate, "compute": accum * (base + extra) / rate, "copies": accum * copy_s,
+    chunk_s = head_chunk_seconds(shape, seq_len, sp, f, precision, mfu, peak_tflops, cp, ranks_per_node)
+    out = {"base": accum * base / rate, "compute": accum * ((base + extra) / rate + chunk_s), "copies": accum * copy_s,
            "offload": offload_seconds(shape, world or sp, f, device, precision, ranks_per_node, accum)}
     out["total"] = out["compute"] + out["copies"] + out["offload"]
     return out
@@ -169,10 +209,10 @@ def step_seconds(shape: ModelShape, seq_len: int, sp: int, f: Features, device: 
 
 def relative_speed(shape: ModelShape, seq_len: int, sp: int, f: Features, device: str = "cuda",
                    precision: str = "bf16", mfu: float = MFU, peak_tflops: float = PEAK_TFLOPS, *,
-                   world: int | None = None, ranks_per_node: int = 8, accum: int = 1) -> float:
+                   world: int | None = None, ranks_per_node: int = 8, accum: int = 1, cp: int = 1) -> float:
     """time(no feature, no offload) / time(f) for one step, from the recompute, copy and offload cost model."""
     t = step_seconds(shape, seq_len, sp, f, device, precision, mfu, peak_tflops, world=world,
-                     ranks_per_node=ranks_per_node, accum=accum)
+                     ranks_per_node=ranks_per_node, accum=accum, cp=cp)
     return t["base"] / t["total"]
 
 
@@ -193,21 +233,24 @@ def _peaks(shape, seq_len, sp, world, f, offloads, precision, device, cp=1) -> t
     return est.gpu_peak + (host if device == "cpu" else 0), host
 
 
-def candidates(num_layers: int, pinned: Mapping, device: str) -> list[Features]:
+def candidates(num_layers: int, pinned: Mapping, device: str, chunks: Iterable[int] = (1,)) -> list[Features]:
     """Every feature set that honours `pinned` ({name: value} the user wrote). One K per count of
-    checkpointed layers (the smallest K that gives it); offload only with checkpointing, and on GPU."""
+    checkpointed layers (the smallest K that gives it); offload only with checkpointing, and on GPU; attention in
+    each of `chunks` head chunks (a pinned attention_head_chunks: that count only)."""
     ks, counts = [], set()
     for k in range(1, num_layers + 1):
         if math.ceil(num_layers / k) not in counts:
             counts.add(math.ceil(num_layers / k))
             ks.append(k)
     opts = {"tiled_logits": [False, True], "tiled_mlp": [False, True], "checkpoint_every": [0, *ks],
-            "offload_activations": [False, True] if device == "cuda" else [False], "keep_attention": [False, True]}
+            "offload_activations": [False, True] if device == "cuda" else [False], "keep_attention": [False, True],
+            "attention_head_chunks": list(chunks)}
     for key, value in pinned.items():
-        opts[key] = [int(value) if key == "checkpoint_every" else bool(value)]
+        opts[key] = [int(value) if key in ("checkpoint_every", "attention_head_chunks") else bool(value)]
     out = []
-    for tl, tm, k0, off, keep in itertools.product(*(opts[n] for n in ("tiled_logits", "tiled_mlp", "checkpoint_every",
-                                                                       "offload_activations", "keep_attention"))):
+    for tl, tm, k0, off, keep, n in itertools.product(*(opts[n] for n in (
+            "tiled_logits", "tiled_mlp", "checkpoint_every", "offload_activations", "keep_attention",
+            "attention_head_chunks"))):
         k = k0
         if (off or keep) and not k:
             if pinned.get("offload_activations") or pinned.get("keep_attention"):  # pinned on: they imply K=1
@@ -215,7 +258,7 @@ def candidates(num_layers: int, pinned: Mapping, device: str) -> list[Features]:
             else:
                 continue
         out.append(Features(tiled_logits=tl, tiled_mlp=tm, checkpoint_every=k, offload_activations=off,
-                            keep_attention=keep))
+                            keep_attention=keep, attention_head_chunks=n))
     return list(dict.fromkeys(out))
 
 
@@ -240,6 +283,24 @@ def sp_splits(shape: ModelShape, world: int, seq_len: int, sp_max: int, cp: int 
     return ok
 
 
+def head_chunk_options(shape: ModelShape, ulysses: int, pinned: int | str = "auto",
+                       explicit_sp: bool = False) -> list[int]:
+    """The attention_head_chunks counts auto tries at Ulysses factor `ulysses`: a pinned count (an int) alone, [] where
+    it does not split the heads per rank (a one-line ValueError instead when the SP degree is the user's); "auto":
+    every valid count (planner.attention_sp.head_chunk_choices), or [1] for latent attention (MLA: no per-head
+    q/k/v projections to chunk; model_utils/ulysses.register refuses it)."""
+    if pinned in ("auto", None, 0):
+        if getattr(shape, "kv_lora_rank", 0):
+            return [1]
+        return head_chunk_choices(shape.num_heads, shape.num_kv_heads, ulysses)
+    ok = head_chunk_choices(shape.num_heads, shape.num_kv_heads, ulysses)
+    if int(pinned) not in ok:
+        if explicit_sp:
+            check_head_chunks(int(pinned), shape.num_heads, shape.num_kv_heads, ulysses)
+        return []
+    return [int(pinned)]
+
+
 def choose(shape: ModelShape, seq_len: int, world: int, budget_bytes: int, *, sp: int | None,
            sp_max: int | None = None, pinned: Mapping | None = None, offloads: Features | None = None,
            precision: str = "bf16", device: str = "cuda", headroom: float = HEADROOM,
@@ -247,7 +308,9 @@ def choose(shape: ModelShape, seq_len: int, world: int, budget_bytes: int, *, sp
            accum: int = 1, cp: int | str = "auto") -> Choice:
     """The fastest candidate whose predicted peak, plus `headroom` of the budget, fits in budget_bytes; at `sp`,
     or (sp=None) at the smallest degree <= sp_max where anything fits. Ties: fewer ZeRO offloads, then the smaller
-    peak. `offloads` holds the ZeRO-3 offloads (and lean norm / MLP) as the run has them; `free_offloads` names
+    peak. Attention head chunks (model_utils/head_chunks.py) are tried at every count that splits a degree's heads
+    per rank (`pinned["attention_head_chunks"]`, an int, pins one); they cost time (head_chunk_seconds), so a
+    count > 1 wins only where it is the cheapest way to fit. `offloads` holds the ZeRO-3 offloads (and lean norm / MLP) as the run has them; `free_offloads` names
     those of them ("offload_params", "offload_optimizer") auto may also turn off (each is tried on and off, its
     cost in the speed: step_seconds with `world`, `ranks_per_node` sharing CPU Adam, `accum` micro-steps per
     optimizer step). On a GPU, `host_bytes_per_rank` (CPU memory of a node / its ranks, less the runtime) also
@@ -259,8 +322,7 @@ def choose(shape: ModelShape, seq_len: int, world: int, budget_bytes: int, *, sp
     pure Ulysses); the Choice carries it (Choice.cp)."""
     pinned = dict(pinned or {})
     tile_mb = int(pinned.pop("logits_tile_mb", 0) or 0) or logits_tile_bytes(budget_bytes) // 2**20
-    cands = [replace(f, logits_tile_mb=tile_mb) if f.tiled_logits else f
-             for f in candidates(shape.num_layers, pinned, device)]
+    chunk_pin = pinned.pop("attention_head_chunks", "auto")
     usable = budget_bytes * (1 - headroom)
     if sp:
         degrees = [(sp, split_sp(sp, shape.num_heads, shape.num_kv_heads, ranks_per_node)[1] if cp == "auto"
@@ -272,6 +334,11 @@ def choose(shape: ModelShape, seq_len: int, world: int, budget_bytes: int, *, sp
     sets = [dict(zip(free, bits)) for bits in itertools.product((False, True), repeat=len(free))]
     least = None
     for d, c in degrees:
+        chunks = head_chunk_options(shape, d // c, chunk_pin, explicit_sp=bool(sp))
+        if not chunks:
+            continue  # the pinned count does not split this degree's heads per rank
+        cands = [replace(f, logits_tile_mb=tile_mb) if f.tiled_logits else f
+                 for f in candidates(shape.num_layers, pinned, device, chunks)]
         scored, lean = [], {}  # lean: the leanest peak per set of free offloads turned on
         for o in sets:
             off = replace(fixed, **o)
@@ -284,7 +351,8 @@ def choose(shape: ModelShape, seq_len: int, world: int, budget_bytes: int, *, sp
                 if peak <= usable and (device == "cpu" or host_bytes_per_rank is None or host <= host_bytes_per_rank):
                     t = step_seconds(shape, seq_len, d, replace(f, offload_params=off.offload_params,
                                                                 offload_optimizer=off.offload_optimizer),
-                                     device, precision, world=world, ranks_per_node=ranks_per_node, accum=accum)
+                                     device, precision, world=world, ranks_per_node=ranks_per_node, accum=accum,
+                                     cp=c)
                     # ranked on a pessimistic time, the offloads' cost counted twice (CPU_ADAM_BYTES_PER_S is an
                     # estimate): an offload the fit does not need is taken only where it pays even then
                     scored.append((-t["base"] / (t["total"] + t["offload"]), n_on, peak, f, off, t))

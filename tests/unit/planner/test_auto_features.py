@@ -37,6 +37,11 @@ def pick(budget: int, sp: int | None = 2, **kw) -> af.Choice:
     return af.choose(SHAPE, SL, WORLD, budget, sp=sp, sp_max=8, offloads=OFF, **kw)
 
 
+def cands(sp: int = 2, pinned: dict | None = None) -> list[Features]:
+    """Every set auto tries at `sp`, head chunk counts included."""
+    return af.candidates(SHAPE.num_layers, pinned or {}, "cuda", af.head_chunk_options(SHAPE, sp))
+
+
 def test_cost_model_ranks_recompute():
     speed = {k: af.relative_speed(SHAPE, SL, 2, Features(checkpoint_every=k)) for k in (1, 2, 4)}
     assert af.relative_speed(SHAPE, SL, 2, Features()) == 1.0
@@ -53,7 +58,7 @@ def test_fits_and_does_not_fit():
     assert pick(budget_for(none)).features == Features()  # everything fits: no feature, full speed
     c = pick(budget_for(none) - 2**20)  # 1 MiB short of the plain run: something must give
     assert c.features != Features() and c.peak_bytes <= c.budget_bytes * (1 - af.HEADROOM) and c.relative_speed < 1
-    leanest = min(peak(f) for f in af.candidates(SHAPE.num_layers, {}, "cuda"))
+    leanest = min(peak(f) for f in cands())
     assert pick(budget_for(leanest)).peak_bytes == leanest
     with pytest.raises(ValueError, match="nothing fits"):
         pick(budget_for(leanest) - 2**20)
@@ -94,6 +99,36 @@ def test_keep_attention_costs_memory_and_saves_the_attention_recompute():
     assert pick(budget_for(peak(full)), pinned={"keep_attention": True}).features.every >= 1  # pinned: ckpt on
 
 
+def test_head_chunks_cost_time_and_are_taken_only_to_fit():
+    """attention_head_chunks: each count costs time (projections and all-to-all again in backward, n launches of
+    each collective), more chunks more; auto takes the smallest count that fits where no unchunked set does, none
+    where one does, and a pinned count wins (refused in one line where it does not split the heads per rank)."""
+    ck = Features(checkpoint_every=1, tiled_mlp=True, tiled_logits=True, offload_activations=True)
+    speed = {n: af.relative_speed(SHAPE, SL, 8, replace(ck, attention_head_chunks=n)) for n in (1, 2, 4)}
+    assert speed[1] > speed[2] > speed[4]
+    t = {n: af.head_chunk_seconds(SHAPE, SL, 8, replace(ck, attention_head_chunks=n)) for n in (1, 2, 4)}
+    assert t[1] == 0 < t[2] < t[4]
+    assert 0 < af.head_chunk_seconds(SHAPE, SL, 1, replace(ck, attention_head_chunks=2))  # sp 1: FLOPs, no comm
+    counts = af.head_chunk_options(SHAPE, 2)
+    assert counts[0] == 1 and len(counts) > 2
+    lean = {n: min(peak(f) for f in cands() if f.attention_head_chunks == n) for n in counts}
+    assert lean[1] > lean[counts[1]] and all(lean[a] >= lean[b] for a, b in zip(counts, counts[1:]))  # fewer bytes
+    assert pick(budget_for(lean[1])).features.attention_head_chunks == 1  # fits unchunked: no chunks
+    c = pick(budget_for(lean[1]) - 2**20)
+    assert c.features.attention_head_chunks == counts[1] and c.as_dict()["attention_head_chunks"] == counts[1]
+    assert f"attention in {counts[1]} head chunks" in af.describe(c.features)
+    least = min(lean.values())  # past the count where attention stops setting the peak, more chunks only cost
+    assert pick(budget_for(least)).features.attention_head_chunks == min(n for n in counts if lean[n] == least)
+    with pytest.raises(ValueError, match="nothing fits"):
+        pick(budget_for(lean[1]) - 2**20, pinned={"attention_head_chunks": 1})
+    assert pick(budget_for(lean[1]), pinned={"attention_head_chunks": 4}).features.attention_head_chunks == 4
+    with pytest.raises(ValueError, match="attention_head_chunks=3"):
+        pick(budget_for(lean[1]), pinned={"attention_head_chunks": 3})
+    latent = replace(SHAPE, kv_lora_rank=512) if hasattr(SHAPE, "kv_lora_rank") else None
+    if latent is not None:
+        assert af.head_chunk_options(latent, 1) == [1]  # MLA: no per-head projections to chunk
+
+
 def test_explicit_settings_win():
     roomy = budget_for(peak(Features()))
     c = pick(roomy, pinned={"tiled_mlp": True, "checkpoint_every": 4})
@@ -105,7 +140,7 @@ def test_explicit_settings_win():
 
 
 def test_sp_auto_picks_the_smallest_degree_that_fits():
-    lean = {sp: min(peak(f, sp) for f in af.candidates(SHAPE.num_layers, {}, "cuda")) for sp in (1, 2, 4)}
+    lean = {sp: min(peak(f, sp) for f in cands(sp)) for sp in (1, 2, 4)}
     assert lean[1] > lean[2] > lean[4]
     c = pick(budget_for(lean[2]), sp=None)
     assert c.sp == 2  # sp=1 does not fit at all, 2 does
@@ -136,7 +171,7 @@ def test_resolve_stages_and_stage_config(tmp_path):
     assert stage_config(cfg, a).logits_tile_mb == tile  # what apply_memory_features gives the model
     assert c.memory_choice is None and (c.tiled_logits, c.checkpoint_every, c.tiled_mlp) == (True, 0, False)
     # a stage's sequence_parallel_size: auto, at a budget where only sp >= 2 fits
-    lean2 = min(peak(f, 2) for f in af.candidates(SHAPE.num_layers, {"tiled_logits": True}, "cuda"))
+    lean2 = min(peak(f, 2) for f in cands(2, {"tiled_logits": True}))
     cfg_sp = _cfg(tmp_path, memory_features="auto", tiled_logits=True,
                   stages=[StageConfig(name="d", max_steps=1, sequence_parallel_size="auto")])
     (d,) = resolve_stages(cfg_sp, lambda sp: WORLD // sp, budget=gpu(budget_for(lean2)))
