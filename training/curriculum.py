@@ -40,6 +40,7 @@ class Stage:
     checkpoint_every: int | None = None  # 0: none, K: decoder layers 0, K, 2K, ...
     offload_activations: bool | None = None
     keep_attention: bool | None = None  # checkpointed layers keep the attention output (model_utils/memory.py)
+    attention_head_chunks: int | None = None  # attention in N head chunks (auto resolved here: the planner's count)
     logits_tile_mb: int | None = None  # tiled logits: MiB of fp32 logits per tile (auto: from the budget)
     memory_choice: dict | None = None  # what auto chose and why (predicted peak, budget, speed): plan and metrics
     tasks: dict = field(default_factory=dict)  # synthetic task fractions of the stage (data/tasks.py)
@@ -83,6 +84,9 @@ def _resolve_memory(cfg: Config, s: StageConfig, i: int, sl: int, sp, world: int
     stage's `deepspeed_overrides` ({"zero_optimization": {"offload_param": {"device": "cpu" | "none"}, ...}}
     merged into the stage's own), and `memory_choice` says which offloads are on, why, and what they cost."""
     mode, pinned = _memory_mode(cfg, s, i)
+    chunks = cfg.attention_head_chunks  # auto: the planner's count under memory_features auto, else 1 (all heads)
+    if chunks != "auto" or mode == "manual":
+        pinned["attention_head_chunks"] = 1 if chunks == "auto" else chunks
     if mode == "manual" and sp != "auto":
         return sp, {**pinned, "memory_choice": None}
     from planner import auto_features as af
@@ -116,7 +120,7 @@ def _resolve_memory(cfg: Config, s: StageConfig, i: int, sl: int, sp, world: int
               "lean_rmsnorm": lean_norm_applies(shape, offloads), "lean_mlp": lean_mlp_applies(shape, offloads)}
     return choice.sp, {"tiled_mlp": f.tiled_mlp, "tiled_logits": f.tiled_logits, "checkpoint_every": f.every,
                        "offload_activations": f.offload_activations, "keep_attention": f.keep_attention,
-                       "logits_tile_mb": f.logits_tile_mb or None,
+                       "logits_tile_mb": f.logits_tile_mb or None, "attention_head_chunks": f.attention_head_chunks,
                        "deepspeed_overrides": _merge(own, af.offload_overrides(choice, free)),
                        "memory_choice": record}
 

@@ -28,6 +28,11 @@ def peak(f: Features, sp: int = 2, device: str = "cuda") -> int:
     return af.peak_bytes(SHAPE, SL, sp, WORLD, f, OFF, "bf16", device)
 
 
+def run_peak(f: Features, sp: int = 2) -> int:
+    """peak() as resolve_stages plans it: train.py's lean RMSNorm and MLP on (its defaults)."""
+    return af.peak_bytes(SHAPE, SL, sp, WORLD, f, replace(OFF, lean_rmsnorm=True, lean_mlp=True), "bf16", "cuda")
+
+
 def budget_for(nbytes: int) -> int:
     """The budget at which a predicted peak of `nbytes` just fits with the headroom."""
     return int(nbytes / (1 - af.HEADROOM)) + 1
@@ -171,7 +176,8 @@ def test_resolve_stages_and_stage_config(tmp_path):
     assert stage_config(cfg, a).logits_tile_mb == tile  # what apply_memory_features gives the model
     assert c.memory_choice is None and (c.tiled_logits, c.checkpoint_every, c.tiled_mlp) == (True, 0, False)
     # a stage's sequence_parallel_size: auto, at a budget where only sp >= 2 fits
-    lean2 = min(peak(f, 2) for f in cands(2, {"tiled_logits": True}))
+    lean2 = min(run_peak(f, 2) for f in cands(2, {"tiled_logits": True}))
+    assert min(run_peak(f, 1) for f in cands(1, {"tiled_logits": True})) > lean2
     cfg_sp = _cfg(tmp_path, memory_features="auto", tiled_logits=True,
                   stages=[StageConfig(name="d", max_steps=1, sequence_parallel_size="auto")])
     (d,) = resolve_stages(cfg_sp, lambda sp: WORLD // sp, budget=gpu(budget_for(lean2)))
@@ -184,6 +190,31 @@ def test_resolve_stages_and_stage_config(tmp_path):
         resolve_stages(_cfg(tmp_path, memory_features="auto"), lambda sp: WORLD // sp)  # CPU, no cap given
     with pytest.raises(ValueError, match="memory_features"):
         resolve_stages(_cfg(tmp_path, memory_features="fast"), lambda sp: WORLD // sp)
+
+
+def test_attention_head_chunks_auto_resolves_to_the_planners_count(tmp_path):
+    """--attention_head_chunks auto (the default) is resolved once per stage in resolve_stages (from the agreed
+    budget, so every rank gets the same count): the chooser's count under memory_features auto, 1 under manual;
+    an explicit N is kept. The count reaches the stage's config (what ulysses.register gets) and the plan line."""
+    from training.engine import features_of
+    from training.summary import plan_lines
+
+    lean1 = min(run_peak(f) for f in cands() if f.attention_head_chunks == 1)
+    gpu = (lambda: ("cuda", budget_for(lean1) - 2**20))  # noqa: E731  (nothing unchunked fits)
+    cfg = _cfg(tmp_path, memory_features="auto", stages=[StageConfig(name="a", max_steps=1)])
+    (a,) = resolve_stages(cfg, lambda sp: WORLD // sp, budget=gpu)
+    n = af.head_chunk_options(SHAPE, 2)[1]
+    assert a.attention_head_chunks == a.memory_choice["attention_head_chunks"] == n
+    assert stage_config(cfg, a).attention_head_chunks == features_of(stage_config(cfg, a)).attention_head_chunks == n
+    text = "\n".join(plan_lines(replace(cfg, gpu_mem_gb=80.0), [a], WORLD, 8, True))
+    assert f"attention in {n} head chunks" in text
+    with pytest.raises(ValueError, match="nothing fits"):  # an explicit count is pinned: 1 does not fit
+        resolve_stages(_cfg(tmp_path, memory_features="auto", attention_head_chunks=1), lambda sp: WORLD // sp,
+                       budget=gpu)
+    (m,) = resolve_stages(_cfg(tmp_path, gradient_checkpointing=True), lambda sp: WORLD // sp)
+    assert m.attention_head_chunks == 1 and stage_config(cfg, m).attention_head_chunks == 1  # manual: auto is 1
+    (p,) = resolve_stages(_cfg(tmp_path, attention_head_chunks=4), lambda sp: WORLD // sp)
+    assert p.attention_head_chunks == 4
 
 
 def test_plan_lines_print_the_choice(tmp_path):
