@@ -31,6 +31,7 @@ def test_llama3_8b_recipe_dry_run():
     # ZeRO-3 offload (issue 25, item 6): the JSON allows it, auto keeps it nowhere on 80 GB GPUs, and says why
     offload = [ln.strip() for ln in p.stdout.splitlines() if ln.strip().startswith("offload:")]
     assert len(offload) == 4 and all(ln.startswith("offload: none (fits: ") for ln in offload), offload
+    assert "head chunks" not in p.stdout  # every stage fits unchunked on 80 GB: no chunk's extra cost is paid
     # the evaluation's forward passes and time per stage, so users can budget it (issue 27)
     evals = [ln.strip() for ln in p.stdout.splitlines() if ln.strip().startswith("eval:")]
     assert len(evals) == 4 and all(" on 32 x H100 at 40% MFU (" in ln for ln in evals), evals
@@ -62,6 +63,11 @@ def test_llama3_8b_recipe_offloads_where_needed():
     assert list(offload) == ["s128k", "s256k", "s512k", "s1m"]
     assert "(needed: " in offload["s1m"] and not offload["s1m"].startswith("offload: none"), offload
     assert all(" s of a " in ln for ln in offload.values() if not ln.startswith("offload: none")), offload
+    # attention head chunks (issue 33): where they are the cheapest way to fit, auto takes them before an offload
+    feats = {lines[i].split()[2].rstrip(":"): next(ln.strip() for ln in lines[i:] if "memory features" in ln)
+             for i in stages}
+    chunked = [n for n, ln in feats.items() if "head chunks" in ln]
+    assert chunked and all(offload[n].startswith("offload: none") for n in chunked), feats
 
 
 @pytest.mark.parametrize("recipe", sorted(f for f in os.listdir(os.path.join(ROOT, "recipes")) if f.endswith(".yaml")))
