@@ -40,9 +40,11 @@ BLOCK = 512
 FLEX_BLOCK = 128  # flex_attention's sparse block size
 SUPPORTED = ("sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
 LAYER_TYPES = ("full_attention", "sliding_attention")
-# architectures with a learned per-head attention sink (an extra softmax logit, GPT-OSS): refused until the
-# all-to-all carries the sinks with their heads and every backend here adds them (issue 34)
+# architectures with a learned per-head attention sink (an extra softmax logit per head, passed as `s_aux`): GPT-OSS
+# is covered (ulysses.py slices the sinks with their heads; `_sink_sdpa` on CPU, transformers' flex lse on GPU); the
+# others are refused until each is checked against its plain model (their attention code differs: issue 34)
 SINK_MODEL_TYPES = ("gpt_oss", "flint", "granite_swa", "granitemoe_swa", "mimo_v2_flash", "hy_v4", "deepseek_v4")
+SINKS_COVERED = ("gpt_oss",)
 _SHAPE_FIELDS = ("head_dim", "num_attention_heads", "num_key_value_heads", "qk_head_dim", "v_head_dim")
 # architectures whose attention Ulysses cannot split as transformers writes it (found by tests/multiproc/
 # test_model_sweep.py, which crashed in the first SP step for each): refused at start-up with the reason
@@ -230,6 +232,42 @@ def _sdpa_docs(orig, module, query, key, value, docs: Documents, window, kwargs)
     return torch.cat(rows, dim=0), None  # [bs, sl, hq, hd]
 
 
+def _sink_sdpa(module, query, key, value, mask, s_aux=None, scaling=None, **kwargs):
+    """One piece's attention with a learned sink per head (GPT-OSS's `s_aux`): an extra logit in every query's softmax
+    that attends to nothing. Same signature and output as transformers' sdpa_attention_forward ([1, q, hq, dv]), so
+    `_sdpa_docs` and context_parallel's `_sdpa_chunk` run it per piece: every query is in exactly one piece (also
+    under cp, whose queries see the gathered keys in one call), so its sink enters its softmax once.
+
+    The sink is one more key, first, that every query sees: one more q/k dimension (q 1, real keys 0, the sink key
+    s_h / scale) so its score is s_h, and a zero value; torch's sdpa then computes softmax([scores, s_h]) . [V, 0] and
+    its backward reaches the sinks through that key. query [1, hq, q, d]; key/value [1, hkv, k, d]; `mask` [1, 1, q, k]
+    bool or None (plain causal). The CPU path (transformers' flex refuses sinks on CPU): per piece it repeats K/V to the
+    query heads and builds a [q, k + 1] mask (torch keeps both for backward), so one long document of n tokens costs
+    O(n^2) bytes per layer here, as the eager path does; on a GPU flex_attention applies the sink from its lse with the
+    BlockMask (no [q, k] tensor) and this function is not used."""
+    hq, nq, d = query.shape[1], query.shape[2], query.shape[-1]
+    g, nk = hq // key.shape[1], key.shape[2]
+    scale = scaling if scaling is not None else d ** -0.5
+    key, value = key.repeat_interleave(g, dim=1), value.repeat_interleave(g, dim=1)  # [1, hq, k, d]
+    sink_key = torch.cat([query.new_zeros(1, hq, 1, d), (s_aux.to(query.dtype) / scale).view(1, hq, 1, 1)], dim=-1)
+    q = torch.cat([query, query.new_ones(1, hq, nq, 1)], dim=-1)  # [1, hq, q, d + 1]
+    k = torch.cat([sink_key, torch.cat([key, key.new_zeros(1, hq, nk, 1)], dim=-1)], dim=2)  # [1, hq, 1 + k, d + 1]
+    v = torch.cat([value.new_zeros(1, hq, 1, value.shape[-1]), value], dim=2)  # [1, hq, 1 + k, dv]
+    if mask is None:  # causal with the last query and key aligned
+        mask = torch.ones(nq, nk, dtype=torch.bool, device=query.device).tril(nk - nq)[None, None]
+    mask = torch.cat([mask.new_ones(1, 1, nq, 1), mask], dim=-1)  # [1, 1, q, 1 + k]: the sink for every query
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out.transpose(1, 2), None  # [1, q, hq, dv]
+
+
+def has_sinks(model_or_config) -> bool:
+    """Whether the model's attention has learned sinks (by its type, or a `.sinks` parameter)."""
+    config = getattr(model_or_config, "config", model_or_config)
+    if config.get_text_config().model_type in SINK_MODEL_TYPES:
+        return True
+    return model_or_config is not config and any(n.endswith(".sinks") for n, _ in model_or_config.named_parameters())
+
+
 # ---- flex_attention ---------------------------------------------------------------------------------------
 
 def _doc_ids(bounds: list[list[int]] | None, bs: int, sl: int, device) -> torch.Tensor:
@@ -322,6 +360,8 @@ def document_masked(attn: str, orig):
         window = _window(module, kwargs)
         if window is not None and window >= query.shape[2]:
             window = None
+        if kwargs.get("s_aux") is not None and query.device.type == "cpu":  # sinks on CPU: flex cannot (its lse)
+            return _sdpa_docs(_sink_sdpa, module, query, key, value, docs, window, kwargs)
         if attn != "flex_attention" and window is None and docs.bounds is None:
             return orig(module, query, key, value, None, **kwargs)  # monotonic positions: one causal call
         return impl(orig, module, query, key, value, docs, window, kwargs)
@@ -417,11 +457,13 @@ def check_supported(model_or_config, attn: str, name: str | None = None) -> None
     if dims is not None and dims[1] > dims[0]:  # ulysses.py pads v up to the q/k head dim, never down
         raise ValueError(f"{name} ({cfg.model_type}): latent attention with a v head dim ({dims[1]}) above the q/k head "
                          f"dim ({dims[0]}) is not supported under sequence parallelism")
-    model = model_or_config if model_or_config is not config else None
-    if cfg.model_type in SINK_MODEL_TYPES or (model is not None and any(n.endswith(".sinks") for n, _ in
-                                                                         model.named_parameters())):
+    if has_sinks(model_or_config) and cfg.model_type not in SINKS_COVERED:
         raise ValueError(f"{name} ({cfg.model_type}): learned attention sinks are not supported under sequence "
-                         "parallelism yet: the document-masked attention would drop them (a wrong loss)")
+                         f"parallelism for this architecture yet (only {', '.join(SINKS_COVERED)}): its attention was "
+                         "not checked against the plain model")
+    if has_sinks(model_or_config) and attn.startswith("flash_attention"):
+        raise ValueError(f"{name} ({cfg.model_type}): learned attention sinks with {attn}: the flash-attn 2/3 kernels "
+                         "transformers calls drop the sinks (a wrong loss); use --attn_implementation flex_attention")
 
 
 def register(model, attn: str) -> None:

@@ -8,6 +8,9 @@ ranks--> [bs, sl/cp, hc/u, hs] -> the core -> all-to-all back. KV heads fewer th
 Latent attention (MLA: DeepSeek-V2/V3; q/k head dim d, v head dim dv < d, `attention.latent_dims`) goes through our
 own instance per call shape (`_wrap_ulysses`, as head chunks do): v padded with zeros to d for the all-to-all and the
 core, the output's padding dropped after the all-to-all back (costs there); head chunks are refused for it.
+Learned attention sinks (GPT-OSS: `s_aux` [hq], one logit per query head) go the same way: after the all-to-all a
+rank holds query heads [r*hq/u, (r+1)*hq/u), so `_wrap_ulysses` hands the core that slice of the sinks (their
+gradient reaches the whole parameter, the other heads' part zero on this rank); under cp every rank holds them all.
 
 Groups (dims.sp = u x cp, consecutive ranks, sp_rank = cp_rank * u + ulysses_rank): the SP group is DeepSpeed's
 `parallel_state_sp` (returned as the `mpu` for `deepspeed.initialize`, so its batch accounting and gradient
@@ -48,6 +51,7 @@ def _wrap_ulysses(model, attn: str, group, micro_batch: int) -> None:
     cfg = model.config.get_text_config()
     core = ALL_ATTENTION_FUNCTIONS[attn]
     by_heads: dict = {}
+    rank, u = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
 
     def uattn_wrapper(module, query, key, value, attention_mask, *args, **kwargs):
         heads = (query.shape[1], key.shape[1], query.shape[-1])  # query [bs, hq, sl/sp, d], key [bs, hkv, sl/sp, d]
@@ -58,6 +62,9 @@ def _wrap_ulysses(model, attn: str, group, micro_batch: int) -> None:
                 seq_length_is_variable=True)
             uattn.core_attn_implementation = attn
             by_heads[heads] = uattn
+        if kwargs.get("s_aux") is not None:  # learned sinks [hq] (GPT-OSS): this rank's heads after the all-to-all
+            n = heads[0] // u  # query heads split in order, rank r holds [r*n, (r+1)*n) (KV replication is K/V's only)
+            kwargs["s_aux"] = kwargs["s_aux"][rank * n:(rank + 1) * n]
         dv = value.shape[-1]
         if dv == query.shape[-1]:
             return by_heads[heads](module, query, key, value, None, *args, **kwargs)  # masks: rebuilt from positions
@@ -80,10 +87,13 @@ def register(model, dims, attn_implementation: str, micro_batch: int, head_chunk
     runs each layer's attention that many chunks of heads at a time (model_utils/head_chunks.py; "auto" unresolved
     by the planner: 1); a count that does not split the heads per rank is refused in one line."""
     head_chunks = 1 if head_chunks in ("auto", None, 0) else int(head_chunks)
-    latent = attention.latent_dims(model.config) is not None
+    latent, sinks = attention.latent_dims(model.config) is not None, attention.has_sinks(model)
     if latent and head_chunks > 1:
         raise ValueError(f"attention_head_chunks {head_chunks}: latent attention (MLA, {model.config.model_type}) has "
                          "no per-head q/k/v projections to chunk; use attention_head_chunks 1")
+    if sinks and head_chunks > 1:
+        raise ValueError(f"attention_head_chunks {head_chunks}: {model.config.model_type}'s learned attention sinks are "
+                         "not split by head chunks; use attention_head_chunks 1")
     head_chunks_mod.install(model, head_chunks, dims.ulysses)
     attention.register(model, attn_implementation)
     mpu = None
@@ -95,7 +105,7 @@ def register(model, dims, attn_implementation: str, micro_batch: int, head_chunk
         mpu = UlyssesSPAttentionHF.register_with_transformers(
             model_name_or_path=model, core_attn_implementation=attn_implementation, sequence_parallel_size=dims.sp,
             micro_batch_size=micro_batch, seq_length_is_variable=True)
-        if head_chunks > 1 or latent:  # DeepSpeed's wrapper is built for all heads of one head dim: ours instead
+        if head_chunks > 1 or latent or sinks:  # DeepSpeed's wrapper: all heads of one head dim, no sinks: ours
             ALL_ATTENTION_FUNCTIONS[attn_implementation] = core
             _wrap_ulysses(model, attn_implementation, mpu.get_sequence_parallel_group(), micro_batch)
     elif dims.sp > 1:

@@ -4,7 +4,8 @@ or is refused at start-up in one line.
 Tiny random configs of each family (`AutoConfig.for_model` with the family's own fields: Llama-3 RoPE, Qwen2.5
 q/k/v bias, Qwen3 q/k norm, Mistral and Phi-3 windows, Gemma-3 local/global layers, Gemma-2 attention soft-capping,
 OLMo-2 q/k norm over all heads, Qwen3-MoE and Mixtral routers and experts under ZeRO-3, DeepSeek-V3 latent attention
-with q/k and v of different head dims, also at ulysses 1 x cp 2), peaked weights
+with q/k and v of different head dims, GPT-OSS learned attention sinks with alternating windows, both also at
+ulysses 1 x cp 2), peaked weights
 (initializer_range 0.3). Every case runs one step of the real engine (`training.engine.build_engine`: ZeRO-3 +
 CPU offload, memory features' loss forward, document-masked Ulysses attention) on two packed samples whose
 position ids restart at every document (tests/workers/doc_masking.py, all families in one SP=2 launch), and is
@@ -39,6 +40,8 @@ SP = 2
 MLA = dict(head_dim=8, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, kv_lora_rank=32, q_lora_rank=48,
            num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
            first_k_dense_replace=1, n_group=1, topk_group=1)
+OSS = dict(sliding_window=16, layer_types=["sliding_attention", "full_attention"], num_local_experts=4,
+           num_experts_per_tok=2)
 # name -> (model_type, config fields over SMALL, attention backend, gradients?, oracle backend)
 ZOO = {
     "llama3": ("llama", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
@@ -63,8 +66,13 @@ ZOO = {
     # after a dense first layer; at Ulysses 2 (v padded through the all-to-all) and at ulysses 1 x cp 2
     "deepseek_v3": ("deepseek_v3", MLA, "sdpa", True, "sdpa"),
     "deepseek_v3_u1cp2": ("deepseek_v3", MLA, "sdpa", True, "sdpa"),
+    # learned attention sinks per head, alternating 16-token windows and full layers, MoE: transformers has no sdpa for
+    # it and its flex refuses sinks on CPU, so the document-masked flex path runs the sinks through sdpa pieces there
+    # (attention._sink_sdpa, with backward); at Ulysses 2 (sinks sliced with their heads) and at ulysses 1 x cp 2
+    "gpt_oss": ("gpt_oss", OSS, "flex_attention", True, "eager"),
+    "gpt_oss_u1cp2": ("gpt_oss", OSS, "flex_attention", True, "eager"),
 }
-CASE = {"deepseek_v3_u1cp2": {"context_parallel_size": 2}}  # case fields beyond SP=2 Ulysses
+CASE = {"deepseek_v3_u1cp2": {"context_parallel_size": 2}, "gpt_oss_u1cp2": {"context_parallel_size": 2}}
 SAMPLES = [0, 1]
 _RESULTS: dict = {}
 
@@ -172,3 +180,27 @@ def test_final_logit_softcapping_is_refused_at_start_up():
         for attn in ("sdpa", "flex_attention"):
             with pytest.raises(ValueError, match=rf"^{name}: final_logit_softcapping=30.0 is not supported"):
                 attention.check_supported(model, attn)
+
+
+def test_attention_sinks_matter(zoo):
+    """The GPT-OSS cases above can fail: the same weights with the sinks switched off (logit -1e4) miss the oracle by
+    > 100x the loss tolerance, and so do sinks counted twice (each query's sink logit + log 2)."""
+    import math
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    samples = zoo_samples(zoo)
+    ref_loss, _ = reference(zoo["gpt_oss"], samples, "eager")
+    for what, change in (("off", lambda s: s.fill_(-1e4)), ("twice", lambda s: s.add_(math.log(2.0)))):
+        path = os.path.join(zoo["dir"], f"gpt_oss_sinks_{what}")
+        shutil.copytree(zoo["gpt_oss"], path, dirs_exist_ok=True)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(".sinks"):
+                    change(p)
+        model.save_pretrained(path)
+        bad_loss, _ = reference(path, samples, "eager")
+        print(f"gpt_oss with its sinks {what}: loss rel gap {abs(bad_loss - ref_loss) / ref_loss:.2e}")
+        assert abs(bad_loss - ref_loss) / ref_loss > 100 * LOSS_TOL, what
