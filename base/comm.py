@@ -28,8 +28,9 @@ channel (`Watcher`, below) runs beside the training on every rank, on its own co
 store at MASTER_ADDR:MASTER_PORT. It opens at a launched rank's first line (`open_channel`: train.py,
 scripts/evaluate.py), before the config, model-folder and network checks and before the process group exists:
 rank 0 starts the TCPStore server there itself (`multi_tenant`, so torch's env:// rendezvous in the same process
-later reuses that server rather than binding the port twice; under torchrun the agent hosts it and every rank is
-a client), the others connect to it, as they would at the rendezvous. A node that fails a start-up check so
+later reuses that server rather than binding the port twice; under torchrun the agent hosts it, and with several
+`launch.sh --no_ssh` nodes node 0's launcher does (base/node_store.py: a node whose ranks die before this line is
+then still heard); every rank is then a client), the others connect to it, as they would at the rendezvous. A node that fails a start-up check so
 reaches the nodes waiting at the rendezvous within POLL_S, not after `dist_timeout_s` (30 min).
 A rank that fails writes one line to the store (`abort`); every rank's watcher polls it every `POLL_S` and
 hard-exits with it (the main thread may sit in an NCCL or gloo collective, or in the rendezvous, that would

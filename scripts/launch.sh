@@ -258,6 +258,17 @@ fi
 # The launcher gets its own process group (a terminal's Ctrl-C reaches only this script) and ignores
 # SIGUSR1; the ranks inherit the "ignore" until train.py installs its handler, so an early signal is
 # harmless (it stays pending here until they listen).
+# several nodes started one by one (--no_ssh, as slurm.sbatch does): node 0's launcher hosts the job's store, so a
+# node whose ranks die before they can speak (an import error) still ends every node: base/node_store.py
+store_pid="" node_store=0
+if [ "$no_ssh" = 1 ] && [ "$nnodes" -gt 1 ]; then
+  node_store=1
+  export TORCHELASTIC_USE_AGENT_STORE=True  # torch's rule: every rank a client of the store at MASTER_ADDR:PORT
+  if [ "$node_rank" = 0 ]; then
+    ( trap '' INT TERM USR1; exec "$(bin python)" -m base.node_store serve "$master_addr" "$master_port" ) &
+    store_pid=$!
+  fi
+fi
 # Every local rank records its exit code in $LAUNCH_EXIT_DIR (train.py): when SLURM signals every process of the
 # job, the deepspeed launcher answers its own SIGTERM by killing the ranks' tree and exits 1 or 143 while
 # the ranks, which saved and exited 75, report what really happened.
@@ -306,5 +317,17 @@ case "$rc" in
        rc=$recorded
      fi ;;
 esac
+if [ "$node_store" = 1 ]; then
+  case "$rc" in
+    0|"$EXIT_PREEMPTED") ;;
+    *) # a rank's own reason, posted earlier, stays the job's reason; this one reaches the ranks that had none
+      wait_arg=()
+      [ "$node_rank" = 0 ] && wait_arg=(--wait)
+      "$(bin python)" -m base.node_store post "$master_addr" "$master_port" "$rc" \
+        "node $node_rank: its ranks exited $rc (that node's log has the cause)" --node "$node_rank" \
+        --nnodes "$nnodes" --ranks-per-node "$ranks_here" ${wait_arg[@]+"${wait_arg[@]}"} ;;
+  esac
+  if [ -n "$store_pid" ]; then kill -9 "$store_pid" 2>/dev/null; wait "$store_pid" 2>/dev/null; fi
+fi
 echo "launch.sh: training exited with $rc" >&2
 exit "$rc"

@@ -275,6 +275,22 @@ def test_a_node_that_fails_before_the_process_group_ends_every_node(tmp_path, ba
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("bad", [0, pytest.param(1, marks=pytest.mark.slow)])
+def test_a_node_whose_ranks_die_before_train_py_starts_ends_every_node(tmp_path, bad):
+    """Two nodes (launch.sh --no_ssh, one rank each); node `bad`'s rank dies at interpreter start-up, before
+    train.py's first line can open the abort channel (an import error on a node with a broken venv). Node 0's
+    launcher hosts the job's store (base/node_store.py), so the failing node's launcher posts "node N: its ranks
+    exited 1" there and the other node ends within 90 s with that line. Before, with rank 0 hosting the store,
+    node 1 waited for it START_WAIT_S (30 min; bad = 0), or rank 0 waited at the rendezvous (bad = 1)."""
+    envs = [{"PYTHONPATH": FAULTS, "BROKEN": str(bad)}, {"PYTHONPATH": FAULTS, "BROKEN": str(bad)}]
+    args = [*TINY, "--output_dir", str(tmp_path / "out")]
+    codes, texts = node_logs(launch_nodes(tmp_path, envs, [args, args]))
+    assert codes == [1, 1], (codes, texts[0][-3000:], texts[1][-3000:])
+    assert "ImportError: libcudart.so.12" in texts[bad], texts[bad][-3000:]
+    assert f"node {bad}: its ranks exited 1" in texts[1 - bad], texts[1 - bad][-3000:]
+
+
+@pytest.mark.dist
 @pytest.mark.slow
 def test_a_node_that_fails_evaluate_py_checks_ends_every_node(tmp_path):
     """scripts/evaluate.py on two nodes, node 1 given a --tokenizer its file system lacks (a mount missing on one

@@ -366,7 +366,10 @@ def test_torchrun_preemption_exit_code_is_75_not_1(tmp_path):
                        cwd=tmp_path, env=clean_env(**fake_train_env(tmp_path, "75")), capture_output=True,
                        text=True, timeout=300)
     assert p.returncode == 75, p.stderr[-3000:]
-    assert "torchrun exited 1 but every failed rank exited 75" in p.stderr
+    # torchrun's summary (both ranks exited 75), or, when torchrun SIGTERMed the slower rank after the first one
+    # exited (a race, seen under load), the ranks' own records in LAUNCH_EXIT_DIR
+    assert ("torchrun exited 1 but every failed rank exited 75" in p.stderr
+            or "the launcher exited 1 but every rank here exited 75" in p.stderr), p.stderr[-3000:]
 
 
 @pytest.mark.dist

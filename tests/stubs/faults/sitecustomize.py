@@ -11,6 +11,8 @@ reported the failure (an atexit `os._exit(1)`, before any teardown), as when its
 HOLD="RANK:SECONDS:STEP" makes rank RANK hold the GIL for SECONDS inside its optimizer step at step STEP (a
 CPU-bound loop under a 1000 s switch interval, so no other thread of the rank runs: what DeepSpeed's CPU Adam
 `adam_update` does for a whole sub-group).
+BROKEN="RANK" makes rank RANK die at interpreter start-up, before train.py's first line (before the abort channel
+opens), as an import error does on a node whose venv or mount is broken: it prints the ImportError and exits 1.
 CPUS="0" confines the rank to those CPUs (os.sched_setaffinity, what `taskset -c 0` does), as a one-CPU srun
 step confines every rank of a node.
 WATCH="POLL_S:STALL_S:LOST_STORE_S[:EXIT_GRACE_S]" shortens the abort channel's timings (base.comm).
@@ -116,5 +118,11 @@ def _hold_gil(seconds: str, at: str) -> None:
     step.train_step = train_step
 
 
+if _rank is not None and os.environ.get("BROKEN") == _rank:
+    import sys
+
+    print("ImportError: libcudart.so.12: cannot open shared object file (injected: tests/stubs/faults BROKEN)",
+          file=sys.stderr, flush=True)
+    os._exit(1)
 if _rank is not None and any(os.environ.get(k) for k in ("FAULT", "WATCH", "LINGER", "HOLD", "CPUS")):
     _install()
