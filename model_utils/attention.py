@@ -55,6 +55,8 @@ SP_UNSUPPORTED = {
     "moshi": "its attention receives no position_ids (Ulysses and document masking need them)",
     "persimmon": "its attention receives no position_ids (Ulysses and document masking need them)",
     "doge": "its attention does not call transformers' ALL_ATTENTION_FUNCTIONS (check_routed found 0 of 2 layers)",
+    "youtu": "loading under ZeRO-3 crashes: its _init_weights indexes the embedding's padding row, which ZeRO-3 has "
+             "partitioned (IndexError before the first step)",
 }
 
 _ORIGINAL: dict = {}  # (interface, name) -> the function we replaced

@@ -10,7 +10,8 @@ packed samples of documents, then `check_routed`. A type passes when
 
 - the start-up refused it in one line (ValueError: train.py exits 2 before any weight is read), or
 - its loss is the plain single-process HF model's on each document alone within 1e-5 (relative), and its
-  ZeRO-3 full gradients within 1e-4 (sdpa; flex_attention has no backward on CPU, so loss only).
+  ZeRO-3 full gradients within 1e-4 (sdpa, and GPT-OSS's sinks path; flex_attention has no backward on CPU, so
+  loss only).
 
 A crash in the step, a refusal after the step, or a wrong loss fails the type's row. Multimodal,
 encoder-decoder and BERT-style encoder types are skipped with the reason, as are the types whose tiny config
@@ -85,7 +86,13 @@ def _prepare(model_type: str, folder: str) -> dict:
     except Exception as err:  # noqa: BLE001 - a family-specific field the generic sizes cannot satisfy
         line = (str(err).strip().splitlines() or [""])[-1][:160]
         return {"status": "skipped", "detail": f"no tiny config: {type(err).__name__}: {line}"}
-    return {"status": "built", "path": folder, "attn": _attn(config)}
+    # gradients wherever the step has a CPU backward: sdpa, and flex_attention with learned sinks (GPT-OSS), whose
+    # document-masked path runs sdpa pieces on CPU (model_utils/attention._sink_sdpa)
+    from model_utils.attention import SINKS_COVERED
+
+    attn = _attn(config)
+    grads = attn == "sdpa" or config.get_text_config().model_type in SINKS_COVERED
+    return {"status": "built", "path": folder, "attn": attn, "grads": grads}
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +117,7 @@ def launch(types: list[str], assets) -> dict:
                  "attn_implementation": r["attn"], "reset_position_ids": "yes", "learning_rate": 1e-3,
                  "max_steps": 1, "report_to": "none", "seed": 0,
                  "deepspeed": os.path.join(ROOT, "ds_configs/zero3_offload.json"), "samples": SAMPLES,
-                 "grads": r["attn"] == "sdpa", "bypass": False, "out": os.path.join(d, f"{t}.pt"),
+                 "grads": r["grads"], "bypass": False, "out": os.path.join(d, f"{t}.pt"),
                  "cache": os.path.join(d, "cache")}
              for t, r in rows.items() if r["status"] == "built"}
     todo = list(cases)
