@@ -18,6 +18,10 @@ O(sl^2) tensor at long lengths, dropped by Ulysses anyway). Per backend, after t
 - flex_attention: a BlockMask built from document ids (+ window) at block granularity, O((sl/128)^2).
 - flash_attention_2/3: varlen with cu_seqlens from the documents, micro-batch rows flattened into one
   packed row (FA's own window). Written by construction, untested here (no GPU).
+Learned attention sinks (GPT-OSS's `s_aux`, one logit per query head, already sliced to the rank's heads by ulysses.py):
+on CPU every backend's call runs the sdpa pieces with `_sink_sdpa` (transformers' flex refuses sinks there); on a GPU
+flex applies them from its lse; flash-attention is refused for them. Latent attention (`latent_dims`: q/k and v of
+different head dims) needs nothing here: ulysses.py pads v for the all-to-all.
 What each backend needs (host bounds and sdpa pieces, device document ids, BlockMasks, cu_seqlens) is built
 once per micro-batch by its first layer's call (`Documents`, `documents_for`) and reused by every other layer
 and by the activation-checkpointing recompute: at most one host sync per micro-batch, not one per layer.
