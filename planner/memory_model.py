@@ -140,6 +140,19 @@ class Estimate:
 ACTIVATION_TERMS = ("saved activations", "activation checkpoints")  # prefixes of the step-only resident terms
 
 
+def linear_attention_bytes(shape: ModelShape, seq_len: int, sp: int, chunk: int = 64) -> int:
+    """Working set of one gated delta-net layer (Qwen3-Next, Qwen3.5: model_utils/linear_attention.py) on a rank,
+    which after its all-to-all holds the FULL sequence S for nv/sp value heads: the recurrent state [nv/sp, dk, dv]
+    at every chunk boundary (S/C of them; the chunked kernels keep them for backward) and, per token and head, the
+    chunk buffers (the [C] decay / UT-system row, the corrected values and the decayed keys), fp32. Counted once
+    (one layer at a time). Qwen3-Next-80B at 1M tokens, SP 8: 4 GiB of states + 7 GiB of buffers."""
+    if not shape.linear_layers:
+        return 0
+    hv, dk, dv = shape.linear_v_heads // sp, shape.linear_k_dim, shape.linear_v_dim
+    chunks = -(-seq_len // chunk)
+    return 4 * hv * (chunks * dk * dv + chunks * chunk * (chunk + 2 * dv + dk))
+
+
 def tokens_per_rank(seq_len: int, sp: int, cp: int = 1) -> int:
     """T: a sample is padded to a multiple of sp, or of 2*sp under context parallelism (zigzag: 2*cp chunks, each
     cut over the u ranks of a Ulysses group; base.parallel.ParallelDims.seq_multiple)."""
@@ -299,6 +312,8 @@ def estimate(shape: ModelShape, seq_len: int, sp: int, world: int,
         gpu["ulysses all-to-all staging"] = tokens * (shape.num_heads + 2 * kv_send) * shape.head_dim * b
     if cp > 1:
         gpu["context-parallel K/V gather staging"] = cp_kv_buffer_bytes(shape, tokens, sp, b, cp)
+    if shape.linear_layers:  # gated delta-net: its state per chunk and chunk buffers over the full sequence
+        gpu["linear attention: chunk states + buffers (one layer)"] = linear_attention_bytes(shape, seq_len, sp)
 
     lean = lean_norm_applies(shape, f)
     saved, transient = layer_activations(shape, tokens, sp, b, f.tiled_mlp, lean, lean_mlp_applies(shape, f), cp,

@@ -52,9 +52,18 @@ class ModelShape:
     shared_experts: int = 0
     moe_intermediate_size: int = 0
     dense_layers: int = 0
+    # gated delta-net linear attention (Qwen3-Next, Qwen3.5: model_utils/linear_attention.py): how many layers are
+    # linear, their q/k and v heads and head dims (0: none). Planner terms: planner.memory_model.linear_attention_bytes
+    linear_layers: int = 0
+    linear_k_heads: int = 0
+    linear_v_heads: int = 0
+    linear_k_dim: int = 0
+    linear_v_dim: int = 0
 
     @classmethod
     def from_config(cls, cfg: Mapping) -> ModelShape:
+        cfg = cfg.get("text_config") or cfg  # a composite config (Qwen3.5): its text model
+        linear = sum(t == "linear_attention" for t in cfg.get("layer_types") or ())
         try:
             h, nh = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
             latent = bool(cfg.get("kv_lora_rank"))
@@ -75,7 +84,10 @@ class ModelShape:
                        shared_experts=int(cfg.get("n_shared_experts") or 0) if experts else 0,
                        moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
                        if experts else 0,
-                       dense_layers=int(cfg.get("first_k_dense_replace") or 0) if experts else 0)
+                       dense_layers=int(cfg.get("first_k_dense_replace") or 0) if experts else 0,
+                       **({"linear_layers": linear, **{f"linear_{k}": int(cfg[f"linear_{n}"]) for k, n in (
+                           ("k_heads", "num_key_heads"), ("v_heads", "num_value_heads"), ("k_dim", "key_head_dim"),
+                           ("v_dim", "value_head_dim"))}} if linear else {}))
         except KeyError as e:
             raise ValueError(f"model config lacks {e.args[0]!r}: need vocab_size, hidden_size, intermediate_size, "
                              "num_hidden_layers, num_attention_heads") from None

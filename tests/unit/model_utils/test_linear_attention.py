@@ -241,3 +241,27 @@ def test_startup_picks_pure_ulysses_or_refuses_cp(cp, expect):
     else:
         with pytest.raises(ValueError, match=expect):
             _stages(parse_config(argv), Model(cfg, "sdpa", False), 2)
+
+
+def test_planner_counts_linear_layers_and_keeps_cp_1():
+    """planner: a composite Qwen3.5 config.json reads its text model (it raised "lacks 'hidden_size'" before), the
+    linear layers' heads and dims are in ModelShape, their state per chunk and chunk buffers are a term of the
+    estimate (scaling with the heads per rank), and cp auto is pure Ulysses for them (a non-hybrid twin splits cp)."""
+    import dataclasses
+
+    from transformers import AutoConfig
+
+    from planner.auto_features import sp_splits
+    from planner.memory_model import estimate, linear_attention_bytes
+    from planner.shapes import ModelShape
+
+    shape = ModelShape.from_config(AutoConfig.for_model("qwen3_5").to_dict())
+    assert (shape.linear_layers, shape.linear_k_heads, shape.linear_v_heads) == (24, 16, 32)
+    feats = ["offload_params", "offload_optimizer", "gradient_checkpointing", "tiled_mlp", "tiled_logits"]
+    term = "linear attention: chunk states + buffers (one layer)"
+    e8, e16 = (estimate(shape, 2**20, sp, 32, feats).gpu for sp in (8, 16))
+    assert e8[term] == linear_attention_bytes(shape, 2**20, 8) == 2 * e16[term] > 2**30
+    assert term not in estimate(dataclasses.replace(shape, linear_layers=0), 2**20, 8, 32, feats).gpu
+    few_heads = dataclasses.replace(shape, num_heads=4, num_kv_heads=4)  # Ulysses <= 4: sp 8 needs cp 2 ...
+    assert (8, 2) in sp_splits(dataclasses.replace(few_heads, linear_layers=0), 32, 2**20, 8, "auto")
+    assert (8, 2) not in sp_splits(few_heads, 32, 2**20, 8, "auto")  # ... which the hybrid refuses
