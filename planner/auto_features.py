@@ -272,6 +272,7 @@ def sp_splits(shape: ModelShape, world: int, seq_len: int, sp_max: int, cp: int 
     """(sp, cp) pairs possible on `world` ranks, sp <= sp_max ascending (base.parallel.check_layout's rule). cp an
     int: that context-parallel factor (1: pure Ulysses, sp must suit the heads); "auto": every sp dividing the
     world, split by base.parallel.split_sp (Ulysses as large as the heads and `gpus_per_node` allow)."""
+    cp = 1 if cp == "auto" and shape.linear_layers else cp  # gated delta-net layers refuse cp (linear_attention.py)
     ok = []
     for sp in range(1, min(world, sp_max) + 1):
         try:
@@ -320,6 +321,7 @@ def choose(shape: ModelShape, seq_len: int, world: int, budget_bytes: int, *, sp
     ("auto", as context_parallel_size's default: base.parallel.split_sp with `ranks_per_node`, Ulysses as large as
     the heads and a node allow, so a degree the heads do not divide is split u x cp; an int: that factor, 1 being
     pure Ulysses); the Choice carries it (Choice.cp)."""
+    cp = 1 if cp == "auto" and shape.linear_layers else cp  # gated delta-net layers refuse cp (linear_attention.py)
     pinned = dict(pinned or {})
     tile_mb = int(pinned.pop("logits_tile_mb", 0) or 0) or logits_tile_bytes(budget_bytes) // 2**20
     chunk_pin = pinned.pop("attention_head_chunks", "auto")
