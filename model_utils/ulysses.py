@@ -44,7 +44,8 @@ def _subgroup_ranks(world: int, sp: int, cp: int) -> tuple[list[list[int]], list
 def _wrap_ulysses(model, attn: str, group, micro_batch: int) -> None:
     """DeepSpeed's Ulysses attention over `group` around the registered core, installed the way
     `UlyssesSPAttentionHF.register_with_transformers` installs it, but with one instance per head shape of the call
-    (the instance checks its shapes): the whole layer's heads, or one head chunk's (model_utils/head_chunks.py)."""
+    (the instance checks its shapes): the whole layer's heads, or one head chunk's (model_utils/head_chunks.py). It
+    also carries what DeepSpeed's own wrapper cannot: latent attention's narrower v, and learned sinks per head."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -72,7 +73,7 @@ def _wrap_ulysses(model, attn: str, group, micro_batch: int) -> None:
         # v goes padded with zeros to d (the zero columns stay zero through attention) and the output, [bs, sl/sp,
         # hq * d] after the all-to-all back, loses them. Cost: v's and the output's all-to-all carry d / dv times
         # their bytes; at DeepSeek-V3 (128 heads, d 192, dv 128) the layer's four all-to-alls move 768 instead of
-        # 640 values per head and token (+20%), and the core's P.V product is 1.5x (flash-attn pads v itself).
+        # 640 values per head and token (+20%), and the core's P.V product is 1.5x.
         out, weights = by_heads[heads](module, query, key, torch.nn.functional.pad(value, (0, query.shape[-1] - dv)),
                                        None, *args, **kwargs)
         bs, sl = out.shape[:2]
