@@ -289,9 +289,10 @@ def head_chunk_options(shape: ModelShape, ulysses: int, pinned: int | str = "aut
     """The attention_head_chunks counts auto tries at Ulysses factor `ulysses`: a pinned count (an int) alone, [] where
     it does not split the heads per rank (a one-line ValueError instead when the SP degree is the user's); "auto":
     every valid count (planner.attention_sp.head_chunk_choices), or [1] for latent attention (MLA: no per-head
-    q/k/v projections to chunk; model_utils/ulysses.register refuses it)."""
+    q/k/v projections to chunk) and for GPT-OSS's learned sinks (not split by chunks): model_utils/ulysses.register
+    refuses both."""
     if pinned in ("auto", None, 0):
-        if getattr(shape, "kv_lora_rank", 0):
+        if getattr(shape, "kv_lora_rank", 0) or shape.model_type == "gpt_oss":
             return [1]
         return head_chunk_choices(shape.num_heads, shape.num_kv_heads, ulysses)
     ok = head_chunk_choices(shape.num_heads, shape.num_kv_heads, ulysses)
