@@ -54,4 +54,10 @@ PRESETS: dict[str, dict] = {
         num_experts_per_tok=8, moe_intermediate_size=2048, first_k_dense_replace=3,
         max_position_embeddings=163840, rope_theta=10000.0, tie_word_embeddings=False,
     ),
+    # learned attention sinks per head, alternating 128-token windows and full layers, MoE: 20.9B parameters
+    "gpt-oss-20b": dict(
+        model_type="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
+        sliding_window=128, max_position_embeddings=131072, rope_theta=150000.0, tie_word_embeddings=False,
+    ),
 }

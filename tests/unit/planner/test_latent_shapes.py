@@ -55,10 +55,8 @@ def test_auto_never_chunks_heads_of_latent_attention_or_sinks():
 
     from planner.auto_features import head_chunk_options
 
-    oss = ModelShape.from_config(dict(model_type="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880,
-                                      num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
-                                      num_local_experts=32, num_experts_per_tok=4))
-    assert abs(oss.num_params() - 20.9e9) / 20.9e9 < 0.02  # GPT-OSS-20B
+    oss = load_shape("gpt-oss-20b")
+    assert abs(oss.num_params() - 20.9e9) / 20.9e9 < 0.02 and oss.num_experts == 32
     for shape in (oss, load_shape("deepseek-v3")):
         assert head_chunk_options(shape, 8) == [1], shape.model_type
     assert head_chunk_options(dataclasses.replace(oss, model_type="llama"), 8) == [1, 2, 4, 8]
