@@ -116,10 +116,11 @@ def documents(position_ids: torch.Tensor | None, bs: int, group, sp: int) -> tor
     of the position ids under SP and one host sync."""
     if position_ids is None:
         return None
+    from model_utils.attention import Documents, _version
+
     for key, ver, starts in _POS:
-        if key is position_ids and ver == position_ids._version:
+        if key is position_ids and ver == _version(position_ids):
             return starts
-    from model_utils.attention import Documents
 
     full = position_ids
     if sp > 1:
@@ -130,7 +131,7 @@ def documents(position_ids: torch.Tensor | None, bs: int, group, sp: int) -> tor
         full = torch.cat(shards, dim=-1)
     start = Documents(full, bs).start
     starts = start if bool(start[:, 1:].any()) else None  # the host sync
-    _POS.append((position_ids, position_ids._version, starts))
+    _POS.append((position_ids, _version(position_ids), starts))
     del _POS[:-4]
     return starts
 
@@ -219,7 +220,7 @@ def _fla_rule(query, key, value, g, beta, start):
     flat = start.flatten() if start is not None else torch.zeros(bs * sl, dtype=torch.bool, device=query.device)
     flat = flat.clone()
     flat[::sl] = True
-    cu = torch.cat([flat.nonzero()[:, 0], flat.new_full((1,), bs * sl, dtype=torch.long)]).to(torch.int32)
+    cu = torch.cat([flat.nonzero()[:, 0], torch.full((1,), bs * sl, dtype=torch.long, device=flat.device)])
     q, k, v, gg, b = (x.reshape(1, bs * sl, *x.shape[2:]) for x in (query, key, value, g, beta))
     out, _ = fla_chunk(q, k, v, g=gg, beta=b, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
     return out.reshape(bs, sl, *out.shape[2:])
