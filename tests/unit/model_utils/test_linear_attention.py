@@ -265,3 +265,25 @@ def test_planner_counts_linear_layers_and_keeps_cp_1():
     few_heads = dataclasses.replace(shape, num_heads=4, num_kv_heads=4)  # Ulysses <= 4: sp 8 needs cp 2 ...
     assert (8, 2) in sp_splits(dataclasses.replace(few_heads, linear_layers=0), 32, 2**20, 8, "auto")
     assert (8, 2) not in sp_splits(few_heads, 32, 2**20, 8, "auto")  # ... which the hybrid refuses
+
+
+def test_check_routed_refuses_a_linear_layer_that_bypasses():
+    """After the first forward every linear-attention layer must have run through `_forward` (a model whose layer
+    does not, e.g. another GatedDeltaNet class, would leak across documents and see only its shard under SP)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = _tiny_config("qwen3_next")
+    cfg.num_hidden_layers, cfg.layer_types = 3, ["linear_attention", "linear_attention", "full_attention"]
+    model = AutoModelForCausalLM.from_config(cfg)
+    assert la.install(model) == 2
+    ids = torch.randint(0, 64, (1, 20))
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+    la.check_routed(model)
+    m = model.model.layers[1].linear_attn
+    m.forward = m._lt_orig_forward  # this layer now bypasses
+    la.install(model)
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+    with pytest.raises(ValueError, match="1 of its 2 linear-attention layers"):
+        la.check_routed(model)
