@@ -52,6 +52,7 @@ def dropout_args(assets, model, out, extra=()):
     return args
 
 
+@pytest.mark.slow  # make test's budget (~1-2 min each): run by make test-slow
 def test_dropout_resumes_identically_after_sigterm(assets, dropout_model, dropout_reference, tmp_path):
     out = tmp_path / "out"
     args = dropout_args(assets, dropout_model["on"], out)
@@ -61,6 +62,7 @@ def test_dropout_resumes_identically_after_sigterm(assets, dropout_model, dropou
     close(losses(out), dropout_reference, 1e-6, range(1, 9))
 
 
+@pytest.mark.slow  # make test's budget (~1-2 min each): run by make test-slow
 def test_dropout_resumes_identically_after_sigkill(assets, dropout_model, dropout_reference, tmp_path):
     out = tmp_path / "out"
     args = dropout_args(assets, dropout_model["on"], out, extra=["--save_steps", "2"])
@@ -88,6 +90,7 @@ def recipe(path, model, data, stages, seed=0) -> str:
     return str(path)
 
 
+@pytest.mark.slow  # make test's budget (~1-2 min each): run by make test-slow
 def test_reset_optimizer_carries_weights_and_restarts_adam(assets, tmp_path):
     """Stage 2 with reset_optimizer == a fresh single-stage run from stage 1's final weights (same samples: seed + 1
     is what stage index 1 adds), within 1e-5 at every step; carrying the moments instead is measurably different."""
@@ -113,6 +116,7 @@ def test_reset_optimizer_carries_weights_and_restarts_adam(assets, tmp_path):
 
 # --- --resume PATH starts a branch ----------------------------------------------------------------------------
 
+@pytest.mark.slow  # make test's budget (~1-2 min each): run by make test-slow
 def test_resume_path_starts_a_branch_that_auto_continues(assets, tmp_path):
     out = tmp_path / "out"
     args = train_args(assets, out, 2, extra=["--save_steps", "2", "--save_total_limit", "3"])
@@ -180,7 +184,7 @@ def test_save_interval_is_rank0s_clock():
         parse_config(["--save_interval_minutes", "-1"])
 
 
-@pytest.mark.parametrize("how", ["time_limit_s", "SLURM_JOB_END_TIME"])
+@pytest.mark.parametrize("how", [pytest.param("time_limit_s", marks=pytest.mark.slow), "SLURM_JOB_END_TIME"])
 def test_time_limit_stops_with_a_save(assets, tmp_path, how):
     """30 s more than one (guessed) save needs: the run, whose step budget it could never finish, stops by itself
     about 30 s after its start, commits the step it reached and exits 75 (requeue); the next job continues. Only

@@ -56,7 +56,7 @@ def test_three_stages_complete_with_their_settings(uninterrupted):
     assert cfg["rope_parameters"]["rope_type"] == "yarn" and cfg["rope_parameters"]["factor"] == 4.0
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_each_stage_starts_from_previous_final_weights(uninterrupted, assets, tmp_path, stage):
     """The first step of stage 2 (step 4, Ulysses) and of stage 3 (step 7, context parallel: the checkpoint was
     written under (ulysses, cp) = (2, 1)) logged the plain HF model's loss for the previous stage's final weights

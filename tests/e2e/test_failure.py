@@ -64,7 +64,7 @@ def _assets(assets):
 @pytest.mark.dist
 @pytest.mark.parametrize("rank, where", [
     (1, "during"),
-    (0, "after"),
+    pytest.param(0, "after", marks=pytest.mark.slow),  # rank 0's own failure: test_comm.py's unit test in make test
     pytest.param(1, "before", marks=pytest.mark.slow),
     pytest.param(1, "after", marks=pytest.mark.slow),
     pytest.param(0, "before", marks=pytest.mark.slow),
@@ -88,7 +88,7 @@ def test_a_rank_that_raises_ends_every_rank(tmp_path, rank, where):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("rank", [1, 0])
+@pytest.mark.parametrize("rank", [1, pytest.param(0, marks=pytest.mark.slow)])
 def test_a_silent_rank_ends_every_rank(tmp_path, rank):
     """A rank that stops without a word (SIGSTOP: a hang or a lost node; its sockets stay open, so the others'
     gloo collectives would wait for the full 600 s): its heartbeat stalls (rank 1: rank 0 decides) or its store

@@ -34,6 +34,7 @@ def mixture_args(assets, tmp_path_factory):
     return args
 
 
+@pytest.mark.slow  # make test's budget; exact resume: test_resume.py, the mixture's position: tests/unit/data
 def test_mixture_sigterm_then_resume_matches_uninterrupted(mixture_args, tmp_path):
     ref_out = tmp_path / "ref"
     run(TRAIN, mixture_args(ref_out), 2, str(tmp_path / "ref_logs"))

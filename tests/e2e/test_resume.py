@@ -62,6 +62,7 @@ def test_sigterm_then_resume_matches_uninterrupted(assets, tmp_path, reference_r
         assert abs(got[s] - ref[s]) <= 1e-6 * abs(ref[s]), (s, got[s], ref[s])
 
 
+@pytest.mark.slow  # make test's budget; every rank signalled: test_launch_e2e.py::test_sigterm_to_every_process_of_the_job
 def test_signal_on_one_rank_stops_all(assets, tmp_path):
     """Only rank 1 is signalled (SIGUSR1, as SLURM --signal): all ranks agree, save the same step, exit 75.
     The resumed job continues the same (offline) W&B run."""
