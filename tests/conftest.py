@@ -63,3 +63,12 @@ def assets(tmp_path_factory):
         "data": write_token_jsonl(str(d / "tokens.jsonl")),
         "dir": str(d),
     }
+
+
+def pytest_runtest_logreport(report):
+    """PYTEST_TIMES=FILE: one line per test phase as it ends ("setup|call|teardown seconds nodeid"), so a long run's
+    cost per test can be read while it runs (make test's budget: docs/testing.md)."""
+    where = os.environ.get("PYTEST_TIMES")
+    if where:
+        with open(where, "a") as fh:
+            fh.write(f"{report.when} {report.duration:.1f} {report.outcome} {report.nodeid}\n")
