@@ -191,6 +191,8 @@ def layer_activations(shape: ModelShape, tokens: int, sp: int, b: int, tiled_mlp
     attn_grads = attn_io + queries * q_loc * d * 4 if chunks == 1 else chunk_transient
     rows = math.ceil(tokens / mlp_tiles(tokens, h)) if tiled_mlp else tokens
     mlp_grads = ((mlp_kept + 2) if tiled_mlp else 2) * rows * inter * b  # tiled: a tile's recomputed + 2 grads
+    if tiled_mlp:  # + DeepSpeed TiledMLP's x_grad, zeros_like the whole [T, h] input, filled tile by tile (profiler:
+        mlp_grads += hid  # TiledMLPBackward set the peak 1u above the old term once chunked attention no longer did)
     # RMSNorm's backward runs in fp32 whatever the dtype: HF's holds five [T, h] fp32 temporaries (mul, mean, pow,
     # 2 muls: measured with the profiler's allocation events); the lean one, its dx and five fp32 temporaries of
     # one chunk of rows. By then the MLP's saved tensors are already freed.
