@@ -59,7 +59,7 @@ CASES = {
     (1, 3): [("llama_mb2", "llama", "sdpa", 2, True, {}), ("gemma3_mb1", "gemma3", "sdpa", 1, True, {})],
     (3, 2): [("h9_mb2", "h9", "sdpa", 2, True, CKPT), ("window_mb1", "mistral_h9", "sdpa", 1, True, {})],
 }
-SLOW = {(1, 3), (3, 2)}
+SLOW = {(1, 3), (3, 2), (2, 2)}  # (2, 2): 4 ranks on 2 cores, 150 s; u1cp2 and the zoo's u1cp2 cases stay in make test
 # flex_attention on CPU under cp, micro-batch 2: loss NaN or 2.8e-3 off, varying from run to run (seen at d3113da,
 # before this session's changes, and after them; a fresh inductor cache changes NaN into 2.8e-3). A torch 2.13 CPU
 # inductor flex kernel over the rectangular chunk BlockMask is the suspect, not isolated: test_flex_under_cp_on_cpu

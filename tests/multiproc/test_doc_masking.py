@@ -193,7 +193,7 @@ def check_against_oracle(assets, sp: int, got: dict) -> None:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("sp", [1, 2, 4])
+@pytest.mark.parametrize("sp", [1, 2, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks on 2 cores: 70 s
 def test_documents_match_plain_model_alone(docs_assets, tmp_path_factory, sp):
     got = launch(docs_assets, tmp_path_factory, "docs", sp, DOC_CASES + ([BYPASS] if sp == 2 else []) + CHUNKED.get(sp, []))
     check_against_oracle(docs_assets, sp, got)
@@ -203,7 +203,7 @@ def test_documents_match_plain_model_alone(docs_assets, tmp_path_factory, sp):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("sp", [2, 4])
+@pytest.mark.parametrize("sp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_sliding_windows_match_plain_model_alone(docs_assets, tmp_path_factory, sp):
     check_against_oracle(docs_assets, sp, launch(docs_assets, tmp_path_factory, "windows", sp, WINDOW_CASES[sp]))
 
