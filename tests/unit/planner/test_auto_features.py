@@ -253,7 +253,7 @@ LEAN = Features(lean_rmsnorm=True, lean_mlp=True)  # no ZeRO offload: what auto 
 def lean_peak(offloads: Features, sp: int = 2) -> int:
     """The leanest candidate's predicted peak with these ZeRO offloads."""
     return min(af.peak_bytes(SHAPE, SL, sp, WORLD, f, offloads, "bf16", "cuda")
-               for f in af.candidates(SHAPE.num_layers, {}, "cuda"))
+               for f in cands(sp))  # head chunk counts included, as choose tries them
 
 
 def pick_free(budget: int, **kw) -> af.Choice:
