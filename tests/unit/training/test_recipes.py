@@ -52,6 +52,20 @@ def test_qwen25_7b_recipe_dry_run_splits_sp_past_the_heads():
     assert p.stdout.count("memory plan:") == 4 and "no memory plan" not in p.stdout
 
 
+def test_gpt_oss_20b_recipe_dry_run():
+    """A 2026 family (issue 34): GPT-OSS-20B's sinks on flex_attention, Ulysses 8 inside a node, the 1M stage split
+    8 x cp 2 by `auto`, YaRN factor doubled per stage over the model's own settings; head chunks never (sinks)."""
+    p = dry_run("--config", "recipes/gpt_oss_20b_128k_to_1m.yaml")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "model=gpt-oss-20b attn=flex_attention" in p.stdout, p.stdout
+    for name, sl, split, factor in (("s128k", 131072, "sp=8", 32), ("s256k", 262144, "sp=8", 64),
+                                    ("s512k", 524288, "sp=8", 128), ("s1m", 1048576, "sp=16 (ulysses 8 x cp 2)", 256)):
+        line = next(ln for ln in p.stdout.splitlines() if f"{name}: seq_len={sl} " in ln)
+        assert f" {split} " in line and f"'factor': {float(factor)}" in line, line
+    assert p.stdout.count("memory plan:") == 4 and "no memory plan" not in p.stdout
+    assert "head chunks" not in p.stdout
+
+
 def test_llama3_8b_recipe_offloads_where_needed():
     """The same recipe on 24 GB GPUs: the 1M stage fits only with ZeRO offload, and the plan says so per stage."""
     p = dry_run("--config", "recipes/llama3_8b_128k_to_1m.yaml", "--gpu_mem_gb", "24")
