@@ -48,6 +48,7 @@ def test_world_size_change_carries_optimizer_state(assets, tmp_path, before, aft
         assert abs(got[s] - ref[s]) <= 1e-4 * ref[s], (s, got[s], ref[s])
 
 
+@pytest.mark.slow  # 116 s on loaded cores; every curriculum stage that changes SP loads across it (test_curriculum.py)
 def test_same_world_other_sp_degree_loads(assets, tmp_path):
     """sp 2 x dp 1 with 2 samples per micro-batch -> sp 1 x dp 2 with 1: each step still sees the same two
     samples, so after loading directly (no conversion) the losses continue as the uninterrupted run's."""
