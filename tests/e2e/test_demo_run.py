@@ -13,7 +13,7 @@ import torch
 
 from tests.distributed import ROOT
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]  # 200 steps: 176 s on 2 idle cores (make test-slow)
 STEPS, SEQ = 200, 256
 FIELDS = {"step", "loss", "lr", "tokens", "tokens_per_s", "seq_len", "sp", "dp", "peak_mem_gb", "stage"}
 
