@@ -88,7 +88,8 @@ def test_a_rank_that_raises_ends_every_rank(tmp_path, rank, where):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("rank", [1, pytest.param(0, marks=pytest.mark.slow)])
+@pytest.mark.slow  # 84 s on idle cores; the watcher's stall rule: tests/unit/base/test_comm.py (fake clock)
+@pytest.mark.parametrize("rank", [1, 0])
 def test_a_silent_rank_ends_every_rank(tmp_path, rank):
     """A rank that stops without a word (SIGSTOP: a hang or a lost node; its sockets stay open, so the others'
     gloo collectives would wait for the full 600 s): its heartbeat stalls (rank 1: rank 0 decides) or its store
