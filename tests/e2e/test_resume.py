@@ -20,22 +20,33 @@ def steps_logged(out) -> int:
     return len(losses(out))
 
 
+class _References(dict):
+    """Uninterrupted runs keyed by (sp, nproc, ga), each run on its first use (a slow layout's reference costs the
+    fast suite nothing)."""
+
+    def __init__(self, assets, tmp_path_factory):
+        super().__init__()
+        self.assets, self.factory = assets, tmp_path_factory
+
+    def __missing__(self, key):
+        sp, nproc, ga = key
+        d = self.factory.mktemp(f"ref_sp{sp}_n{nproc}")
+        run(TRAIN, train_args(self.assets, d / "out", sp, ga), nproc, str(d / "logs"))
+        self[key] = losses(d / "out")
+        assert sorted(self[key]) == list(range(1, 9))
+        return self[key]
+
+
 @pytest.fixture(scope="module")
 def reference_runs(assets, tmp_path_factory):
-    """Uninterrupted runs, one per layout."""
-    out = {}
-    for sp, nproc, ga in ((2, 2, 1), (2, 4, 2)):
-        d = tmp_path_factory.mktemp(f"ref_sp{sp}_n{nproc}")
-        run(TRAIN, train_args(assets, d / "out", sp, ga), nproc, str(d / "logs"))
-        out[(sp, nproc, ga)] = losses(d / "out")
-        assert sorted(out[(sp, nproc, ga)]) == list(range(1, 9))
-    return out
+    return _References(assets, tmp_path_factory)
 
 
 # sp2_async (issue 35): asynchronous saves every 2 steps on a slow disk (each fsync +1 s, tests/stubs/slow_disk), so
 # the signal lands while step 2's background write runs: that write commits, then the stop's own save, then exit 75,
 # and the resume still equals the uninterrupted run
-@pytest.mark.parametrize("sp, nproc, ga, extra", [(2, 2, 1, ("--async_save", "--save_steps", "2")), (2, 4, 2, ())],
+@pytest.mark.parametrize("sp, nproc, ga, extra", [(2, 2, 1, ("--async_save", "--save_steps", "2")),
+                                                   pytest.param(2, 4, 2, (), marks=pytest.mark.slow)],  # 4 ranks: 198 s + its reference
                          ids=["sp2_async", "sp2xdp2_ga2"])
 def test_sigterm_then_resume_matches_uninterrupted(assets, tmp_path, reference_runs, sp, nproc, ga, extra):
     out = tmp_path / "out"
