@@ -227,6 +227,34 @@ def gather_stack(t: torch.Tensor, group, n: int) -> torch.Tensor:
     return _GatherStack.apply(t, group, n)  # records no graph when `t` needs no gradient (position ids)
 
 
+class _AllToAll(torch.autograd.Function):
+    """[n, ...] -> [n, ...] over `group`: row j goes to group rank j, row i of the result came from rank i. Its own
+    adjoint, so backward is the same exchange of the gradient. One all_to_all_single (NCCL native; gloo on CPU)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _AllToAll.apply(grad.contiguous(), ctx.group), None
+
+
+def all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    """Differentiable all-to-all of `x` [n, ...] (n = the group's size) over `group`: the linear-attention layers'
+    sequence <-> head exchange (model_utils/linear_attention.py). `x` must live on `device()`."""
+    if x.device != device():
+        raise AssertionError(f"collective on {x.device}, expected {device()}")
+    return _AllToAll.apply(x, group)
+
+
+TCPStore = dist.TCPStore  # the job's store, for base/node_store.py (no other module imports torch.distributed)
+
+
 def run_on_main(fn: Callable[[], Any]) -> Any:
     """Rank 0 runs `fn` while the others wait on the host (gloo group, LONG_WAIT_S); every rank returns its
     result. A ValueError raised by `fn` (bad user input) is raised on every rank with the same message; any

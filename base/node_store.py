@@ -33,9 +33,7 @@ import signal
 import sys
 import time
 
-import torch.distributed as dist
-
-from base.comm import DONE, POLL_S, STORE_OP_TIMEOUT_S, _key, _one_line
+from base.comm import DONE, POLL_S, STORE_OP_TIMEOUT_S, TCPStore, _key, _one_line
 
 LATE_JOIN_S = 300.0  # after a failure, node 0's launcher keeps the store this long for ranks still on their way
 CONNECT_S = 20.0  # a launcher's connection to post (node 0 may be gone: then nobody is waiting on its store)
@@ -43,7 +41,7 @@ CONNECT_S = 20.0  # a launcher's connection to post (node 0 may be gone: then no
 
 def serve(addr: str, port: int) -> None:
     """Host the job's TCPStore on `port` until launch.sh kills it (its node's ranks done) or dies."""
-    store = dist.TCPStore(addr, port, is_master=True, wait_for_workers=False, multi_tenant=True,
+    store = TCPStore(addr, port, is_master=True, wait_for_workers=False, multi_tenant=True,
                           timeout=datetime.timedelta(seconds=STORE_OP_TIMEOUT_S))
     store.compare_set(_key("abort"), "", "")  # the watchers' multi_get never blocks on a missing key
     # Slurm signals every process of the step (preemption, time limit): the ranks then save and need the store until
@@ -65,7 +63,7 @@ def post(addr: str, port: int, code: int, reason: str, node: int, nnodes: int, p
     """Post `reason` as the job's abort (the first reason posted wins) and record that node `node`'s ranks are gone;
     returns the reason on record. With `wait` (node 0's launcher, whose process holds the store), then keep it until
     every rank of the nodes that did not fail has left or `late_join_s` has passed, so they read it before it goes."""
-    store = dist.TCPStore(addr, port, is_master=False, wait_for_workers=False,
+    store = TCPStore(addr, port, is_master=False, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=CONNECT_S))
     store.set_timeout(datetime.timedelta(seconds=STORE_OP_TIMEOUT_S))
     store.set(_key(f"node_exit/{node}"), str(code))

@@ -44,6 +44,9 @@ BLOCK = 512
 FLEX_BLOCK = 128  # flex_attention's sparse block size
 SUPPORTED = ("sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# gated delta-net hybrids whose "linear_attention" layers model_utils/linear_attention.py runs under Ulysses by heads
+# (defined here, imported there: attention.py never imports linear_attention.py, so the two form no cycle)
+LINEAR_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 # architectures with a learned per-head attention sink (an extra softmax logit per head, passed as `s_aux`): GPT-OSS
 # is covered (ulysses.py slices the sinks with their heads; `_sink_sdpa` on CPU, transformers' flex lse on GPU); the
 # others are refused until each is checked against its plain model (their attention code differs: issue 34)
@@ -437,9 +440,8 @@ def check_supported(model_or_config, attn: str, name: str | None = None) -> None
     name = name or type(model_or_config).__name__
     if attn not in SUPPORTED:
         raise ValueError(f"{name}: attention {attn!r} cannot be document-masked; use one of {', '.join(SUPPORTED)}")
-    from model_utils.linear_attention import supported_layer_types  # gated delta-net: Ulysses by heads there
-
-    bad = sorted(set(getattr(cfg, "layer_types", None) or []) - set(LAYER_TYPES) - set(supported_layer_types(cfg)))
+    linear = ("linear_attention",) if cfg.model_type in LINEAR_MODEL_TYPES else ()  # Ulysses by heads there
+    bad = sorted(set(getattr(cfg, "layer_types", None) or []) - set(LAYER_TYPES) - set(linear))
     if bad:
         raise ValueError(f"{name}: layer types {bad} are not supported (only {' / '.join(LAYER_TYPES)} layers are "
                          "sequence-parallel and document-masked): use a model without them")

@@ -32,9 +32,11 @@ import types
 import torch
 import torch.nn.functional as F
 
-# model types whose linear_attention layers are transformers' GatedDeltaNet (this module's `_forward`); other
-# linear-attention families (Kimi-Linear's KDA, OLMo-hybrid, Mamba hybrids) stay refused by attention.check_supported
-MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+from base import comm
+from model_utils.attention import LINEAR_MODEL_TYPES as MODEL_TYPES
+
+# MODEL_TYPES: the types whose linear_attention layers are transformers' GatedDeltaNet (this module's `_forward`);
+# other linear-attention families (Kimi-Linear's KDA, OLMo-hybrid, Mamba hybrids) stay refused by check_supported
 CHUNK = 64  # the chunked rule's chunk length (transformers' and fla's default)
 
 _STATE: dict = {"modules": set()}  # id of every linear-attention module that ran through `_forward` (check_routed)
@@ -74,28 +76,11 @@ def check_layout(cfg, sp: int, cp: int) -> None:
 
 # ---- the all-to-all -------------------------------------------------------------------------------------
 
-class _AllToAll(torch.autograd.Function):
-    """[sp, ...] -> [sp, ...]: row j goes to rank j, row i of the result came from rank i (its own adjoint)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        import torch.distributed as dist
-
-        ctx.group = group
-        out = torch.empty_like(x)
-        dist.all_to_all_single(out, x.contiguous(), group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _AllToAll.apply(grad.contiguous(), ctx.group), None
-
-
 def seq_to_heads(parts: list[torch.Tensor], group, sp: int) -> list[torch.Tensor]:
     """[bs, sl/sp, H_i, F_i] each -> [bs, sl, H_i/sp, F_i] each (this rank's heads, the full sequence), one exchange."""
     bs, sl_l = parts[0].shape[:2]
     packed = torch.cat([p.reshape(bs, sl_l, sp, -1) for p in parts], dim=-1)  # [bs, sl/sp, sp, sum H_i F_i / sp]
-    out = _AllToAll.apply(packed.permute(2, 0, 1, 3).contiguous(), group)  # [sp (sequence shard), bs, sl/sp, ..]
+    out = comm.all_to_all(packed.permute(2, 0, 1, 3), group)  # [sp (sequence shard), bs, sl/sp, ..]
     out = out.permute(1, 0, 2, 3).reshape(bs, sp * sl_l, -1)
     sizes = [p.shape[2] // sp * p.shape[3] for p in parts]
     return [o.reshape(bs, sp * sl_l, p.shape[2] // sp, p.shape[3]) for o, p in zip(out.split(sizes, -1), parts)]
@@ -104,7 +89,7 @@ def seq_to_heads(parts: list[torch.Tensor], group, sp: int) -> list[torch.Tensor
 def heads_to_seq(x: torch.Tensor, group, sp: int) -> torch.Tensor:
     """[bs, sl, h, F] (this rank's h heads) -> [bs, sl/sp, sp * h, F] (every head, this rank's tokens)."""
     bs, sl, h, f = x.shape
-    out = _AllToAll.apply(x.reshape(bs, sp, sl // sp, h, f).transpose(0, 1).contiguous(), group)  # [sp (heads), ..]
+    out = comm.all_to_all(x.reshape(bs, sp, sl // sp, h, f).transpose(0, 1), group)  # [sp (heads), ..]
     return out.permute(1, 2, 0, 3, 4).reshape(bs, sl // sp, sp * h, f)
 
 
@@ -124,11 +109,7 @@ def documents(position_ids: torch.Tensor | None, bs: int, group, sp: int) -> tor
 
     full = position_ids
     if sp > 1:
-        import torch.distributed as dist
-
-        shards = [torch.empty_like(position_ids) for _ in range(sp)]
-        dist.all_gather(shards, position_ids.contiguous(), group=group)
-        full = torch.cat(shards, dim=-1)
+        full = torch.cat(list(comm.gather_stack(position_ids, group, sp)), dim=-1)  # [sp, bs, sl/sp] -> [bs, sl]
     start = Documents(full, bs).start
     starts = start if bool(start[:, 1:].any()) else None  # the host sync
     _POS.append((position_ids, _version(position_ids), starts))
