@@ -184,7 +184,8 @@ def test_save_interval_is_rank0s_clock():
         parse_config(["--save_interval_minutes", "-1"])
 
 
-@pytest.mark.parametrize("how", [pytest.param("time_limit_s", marks=pytest.mark.slow), "SLURM_JOB_END_TIME"])
+@pytest.mark.slow  # ~90 s; the deadline rule is test_deadline_* (fast), the requeue chain is test_launch_e2e
+@pytest.mark.parametrize("how", ["time_limit_s", "SLURM_JOB_END_TIME"])
 def test_time_limit_stops_with_a_save(assets, tmp_path, how):
     """30 s more than one (guessed) save needs: the run, whose step budget it could never finish, stops by itself
     about 30 s after its start, commits the step it reached and exits 75 (requeue); the next job continues. Only
@@ -212,7 +213,8 @@ def test_time_limit_stops_with_a_save(assets, tmp_path, how):
 
 # --- shared output folder --------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("mode", ["shared", "blind", "late"])
+@pytest.mark.parametrize("mode", [pytest.param("shared", marks=pytest.mark.slow), "blind",
+                                  pytest.param("late", marks=pytest.mark.slow)])  # ~20-40 s each
 def test_output_folder_must_be_shared(tmp_path, mode):
     """Rank 1 cannot see rank 0's files (simulated): every rank stops with one line naming the host; a shared
     folder passes and leaves no probe behind, also when rank 1 sees the others' files only 2 s late (a lagging

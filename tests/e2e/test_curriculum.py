@@ -84,6 +84,7 @@ def test_each_stage_starts_from_previous_final_weights(uninterrupted, assets, tm
     assert losses(uninterrupted)[last + 1] == pytest.approx(ref, rel=1e-5)
 
 
+@pytest.mark.slow  # ~85 s; exact resume stays fast in test_resume, the stages in test_three_stages
 def test_kill_in_stage_two_resumes_identically(uninterrupted, assets, tmp_path):
     args = ["--config", recipe(assets, tmp_path), "--output_dir", str(tmp_path / "out")]
     k = preempt_after(args, 2, tmp_path / "out", str(tmp_path / "l1"), 4)

@@ -40,6 +40,7 @@ def trained(tmp_path_factory):
     return d, out
 
 
+@pytest.mark.slow  # ~100 s: a training run then the tool; its refusals and checkpoint reading stay fast
 def test_evaluate_scores_what_the_run_scored(trained):
     d, out = trained
     in_run = json.loads((out / "eval" / "stage0.json").read_text())

@@ -106,6 +106,7 @@ def test_slurm_requeue_continues_a_branch_once(assets, tmp_path):
     assert sorted(losses(out)) == list(range(1, 21))
 
 
+@pytest.mark.slow  # ~45 s; the launcher signal path: test_launch_scripts (fast)
 def test_sigterm_to_every_process_of_the_job(tmp_path):
     """What SLURM does on preemption or scancel: SIGTERM to every process of the step at once, the launchers
     included (launch.sh, the deepspeed runner, launch.py, the ranks). The job still ends with one committed

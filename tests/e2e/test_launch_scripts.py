@@ -443,6 +443,7 @@ def test_ranks_get_the_interface_variables_threads_and_cores(tmp_path, opts):
             (f"{cores[i * per]}-{cores[i * per + per - 1]}" if per > 1 else str(cores[i * per])) for i in (0, 1))
 
 
+@pytest.mark.slow  # a stub of test_launch_e2e.py::test_two_nodes_without_ssh, which trains (fast)
 @pytest.mark.dist
 def test_two_nodes_without_ssh(tmp_path):
     """launch.sh --no_ssh started twice on this machine (node ranks 0 and 1): one world of 2."""

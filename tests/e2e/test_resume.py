@@ -125,6 +125,7 @@ def test_sigkill_during_checkpoint_writes(assets, tmp_path, reference_runs):
         assert abs(got[s] - ref[s]) <= 1e-6 * abs(ref[s]), (s, got[s], ref[s])
 
 
+@pytest.mark.slow  # ~100 s; the same decision from different views: multiproc/test_same_decision (fast)
 def test_resume_with_a_stale_listing_on_one_rank(assets, tmp_path, reference_runs):
     """The cluster bug of issue 25: after a preemption save, rank 1's node lists `checkpoints/` as it was before the
     newest saves and still sees the PREEMPT file rank 0 removed (tests/stubs/stale_view). The resumed job continues

@@ -28,11 +28,13 @@ def run_train(args, tmp_path):
 @pytest.mark.parametrize("make, args, match", [
     (None, ["--dataset_path", "/no/such.jsonl"], "--dataset_path /no/such.jsonl: no such file or folder"),
     ("", [], "no documents"),
-    ('{"input_ids": [5, 6, 7]}\n{"input_ids": [5, "x"]}\n', [], "data.jsonl:2: expected"),
+    pytest.param('{"input_ids": [5, 6, 7]}\n{"input_ids": [5, "x"]}\n', [], "data.jsonl:2: expected",
+                 marks=pytest.mark.slow),  # each case is a train.py start (~14 s); the reader's rule: test_data
     ('{"input_ids": [5, 6, 7]}\n', ["--learning_rat", "1"], "unknown command-line argument"),
     ('{"input_ids": [5, 6, 7]}\n', ["--sequence_parallel_size", "2"], "does not divide world size 1"),
-    ('{"input_ids": [5, 6, 7]}\n', ["--context_parallel_size", "3"],
-     "context_parallel_size=3 does not divide sequence_parallel_size=1: use one of [1] or auto"),
+    pytest.param('{"input_ids": [5, 6, 7]}\n', ["--context_parallel_size", "3"],
+                 "context_parallel_size=3 does not divide sequence_parallel_size=1: use one of [1] or auto",
+                 marks=pytest.mark.slow),
     ('{"input_ids": [5, 6, 7]}\n', ["--context_parallel_size", "two"], "use auto or an integer"),
 ])
 def test_one_line_errors(tmp_path, make, args, match):
@@ -60,6 +62,7 @@ def test_tokenizer_larger_than_model_vocab(tmp_path):
     assert "has 2000 tokens but the model's vocab_size is 1000" in p.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.slow  # ~12 s each: a train.py start
 def test_stage_too_short_for_passkey_is_refused_before_training(tmp_path):
     """The demo corpus has a text tokenizer, so every stage ends with passkey trials; 64 tokens cannot hold one.
     This used to surface after the step had run and its checkpoint was written."""
@@ -70,6 +73,7 @@ def test_stage_too_short_for_passkey_is_refused_before_training(tmp_path):
     assert "eval.passkey_trials: 0" in last and "Traceback" not in p.stderr
 
 
+@pytest.mark.slow
 def test_dynamic_rope_under_sp_is_refused_by_dry_run(tmp_path):
     recipe = tmp_path / "dynamic_sp2.yaml"
     recipe.write_text("sequence_parallel_size: 2\nstages:\n  - name: base\n    max_seq_length: 128\n"

@@ -193,7 +193,8 @@ def check_against_oracle(assets, sp: int, got: dict) -> None:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("sp", [1, 2, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks on 2 cores: 70 s
+@pytest.mark.parametrize("sp", [pytest.param(1, marks=pytest.mark.slow), 2,  # SP=1: ~100 s
+                                pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks on 2 cores: 70 s
 def test_documents_match_plain_model_alone(docs_assets, tmp_path_factory, sp):
     got = launch(docs_assets, tmp_path_factory, "docs", sp, DOC_CASES + ([BYPASS] if sp == 2 else []) + CHUNKED.get(sp, []))
     check_against_oracle(docs_assets, sp, got)
@@ -203,11 +204,13 @@ def test_documents_match_plain_model_alone(docs_assets, tmp_path_factory, sp):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("sp", [2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.slow  # ~100-200 s; windows under SP stay fast in test_model_zoo (gpt_oss: windows 16 / full, sinks)
+@pytest.mark.parametrize("sp", [2, 4])
 def test_sliding_windows_match_plain_model_alone(docs_assets, tmp_path_factory, sp):
     check_against_oracle(docs_assets, sp, launch(docs_assets, tmp_path_factory, "windows", sp, WINDOW_CASES[sp]))
 
 
+@pytest.mark.slow  # ~45 s: the far-from-oracle check of the slow windows test
 def test_window_dropped_is_far_from_the_oracle(docs_assets):
     """Losing the window (what Ulysses on sdpa did) misses the windowed oracle by > 100x the tolerance."""
     from transformers import AutoConfig
@@ -400,7 +403,7 @@ def _count_builds(monkeypatch) -> dict:
     return counts
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "flex_attention"])
+@pytest.mark.parametrize("attn", ["sdpa", pytest.param("flex_attention", marks=pytest.mark.slow)])  # flex: ~65 s
 def test_documents_built_once_per_micro_batch(monkeypatch, attn):
     """A 4-layer model with activation checkpointing: per micro-batch ONE Documents build and at most one host
     sync (none for flex), although attention runs 8 times (4 layers + their recompute); a second micro-batch of

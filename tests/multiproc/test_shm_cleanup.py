@@ -31,6 +31,7 @@ def test_shm_segment_released_and_allreduce_still_works(tmp_path):
         assert not os.path.exists(rec["path"])
 
 
+@pytest.mark.slow  # ~35 s; the segment release itself is the fast test above
 def test_train_py_under_the_deepspeed_launcher_leaves_no_segment(tmp_path):
     port = "29733"
     pattern = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"

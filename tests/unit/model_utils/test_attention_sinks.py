@@ -48,7 +48,7 @@ def _grads(out, tensors):
     return torch.autograd.grad((out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum(), tensors)
 
 
-@pytest.mark.parametrize("window", [None, 7, 50])
+@pytest.mark.parametrize("window", [None, pytest.param(7, marks=pytest.mark.slow), 50])  # ~10-20 s each
 def test_sinks_per_document_equal_gpt_oss_eager(monkeypatch, window):
     monkeypatch.setattr(attention, "BLOCK", 32)  # short documents grouped, long ones alone or chunked by the window
     q, k, v, sinks, pos = _inputs()

@@ -110,7 +110,7 @@ def test_varlen_inputs_give_the_dense_answer(window):
                     assert (got - want[r:r + 1, a:b]).abs().max() < 1e-5, (cp, c, a, b, r)
 
 
-@pytest.mark.parametrize("window", [None, 50])
+@pytest.mark.parametrize("window", [None, pytest.param(50, marks=pytest.mark.slow)])  # flex on CPU: ~25-50 s each
 def test_flex_rectangular_block_mask_equals_dense(window):
     """transformers compiles flex_attention; on CPU, once a first shape was compiled, torch 2.13's inductor
     recompiles with dynamic shapes and its C++ codegen fails for these chunk shapes ("cur_qSplitSize8 was not

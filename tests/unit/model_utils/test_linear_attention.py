@@ -68,7 +68,7 @@ def _per_document(fn, tensors, lens):
     return torch.cat(outs, dim=1)
 
 
-@pytest.mark.parametrize("lens", [[150], [37, 64, 1, 90, 128, 3], [64, 64, 70]])  # mid-chunk, on chunk edges, 1 token
+@pytest.mark.parametrize("lens", [[150], [37, 64, 1, 90, 128, 3], pytest.param([64, 64, 70], marks=pytest.mark.slow)])  # mid-chunk, on chunk edges, 1 token
 def test_chunk_rule_restarts_like_separate_documents(lens):
     q, k, v, g, beta, start = _inputs(0, 2, lens)
     hf = _hf_rule()
@@ -96,7 +96,7 @@ def test_conv_restarts_like_separate_documents():
     assert (causal_conv1d_fn(x, w, None, activation="silu") - ref).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_text"])
+@pytest.mark.parametrize("model_type", [pytest.param("qwen3_next", marks=pytest.mark.slow), "qwen3_5_text"])  # ~15 s each
 def test_layer_forward_and_grads_match_transformers_per_document(model_type):
     """The replaced layer forward on a packed sample (sp 1) == transformers' layer run on each document alone, in
     the output and the weight gradients; transformers' own layer on the packed sample leaks (differs by far more)."""
