@@ -33,7 +33,8 @@ import signal
 import sys
 import time
 
-from base.comm import DONE, POLL_S, STORE_OP_TIMEOUT_S, TCPStore, _key, _one_line
+from base.comm import TCPStore
+from base.watcher import DONE, POLL_S, STORE_OP_TIMEOUT_S, key, one_line
 
 LATE_JOIN_S = 300.0  # after a failure, node 0's launcher keeps the store this long for ranks still on their way
 CONNECT_S = 20.0  # a launcher's connection to post (node 0 may be gone: then nobody is waiting on its store)
@@ -43,7 +44,7 @@ def serve(addr: str, port: int) -> None:
     """Host the job's TCPStore on `port` until launch.sh kills it (its node's ranks done) or dies."""
     store = TCPStore(addr, port, is_master=True, wait_for_workers=False, multi_tenant=True,
                           timeout=datetime.timedelta(seconds=STORE_OP_TIMEOUT_S))
-    store.compare_set(_key("abort"), "", "")  # the watchers' multi_get never blocks on a missing key
+    store.compare_set(key("abort"), "", "")  # the watchers' multi_get never blocks on a missing key
     # Slurm signals every process of the step (preemption, time limit): the ranks then save and need the store until
     # they have committed; launch.sh ends this process with SIGKILL when its ranks are gone, and it dies with launch.sh
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
@@ -66,13 +67,13 @@ def post(addr: str, port: int, code: int, reason: str, node: int, nnodes: int, p
     store = TCPStore(addr, port, is_master=False, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=CONNECT_S))
     store.set_timeout(datetime.timedelta(seconds=STORE_OP_TIMEOUT_S))
-    store.set(_key(f"node_exit/{node}"), str(code))
-    got = store.compare_set(_key("abort"), "", f"{code} {_one_line(reason)}")
+    store.set(key(f"node_exit/{node}"), str(code))
+    got = store.compare_set(key("abort"), "", f"{code} {one_line(reason)}")
     on_record = (got.decode() if isinstance(got, bytes) else str(got)).partition(" ")[2] or reason
     end = time.monotonic() + late_join_s
     while wait and time.monotonic() < end:
-        live = [k for k in range(nnodes) if not store.check([_key(f"node_exit/{k}")])]
-        ranks = [_key(f"hb/{r}") for k in live for r in range(k * per_node, (k + 1) * per_node)]
+        live = [k for k in range(nnodes) if not store.check([key(f"node_exit/{k}")])]
+        ranks = [key(f"hb/{r}") for k in live for r in range(k * per_node, (k + 1) * per_node)]
         if all(store.check([r]) for r in ranks) and all(b == DONE for b in store.multi_get(ranks)):
             break  # (no live node left: nobody to wait for)
         time.sleep(POLL_S / 2)
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         got = post(a.addr, a.port, a.code, a.reason, a.node, a.nnodes, a.ranks_per_node, a.wait, a.late_join_s)
         print(f"node_store: abort on record: {got}", file=sys.stderr)
     except Exception as e:  # noqa: BLE001 -- node 0's store is gone: nobody waits on it any more
-        print(f"node_store: could not post the failure ({_one_line(e)}): the job's store is gone", file=sys.stderr)
+        print(f"node_store: could not post the failure ({one_line(e)}): the job's store is gone", file=sys.stderr)
         return 1
     return 0
 

@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 
 from base import comm
-from model_utils.attention import LINEAR_MODEL_TYPES as MODEL_TYPES
+from model_utils.attention import LINEAR_MODEL_TYPES
 
-# MODEL_TYPES: the types whose linear_attention layers are transformers' GatedDeltaNet (this module's `_forward`);
+# LINEAR_MODEL_TYPES: the types whose linear_attention layers are transformers' GatedDeltaNet (this module's `_forward`);
 # other linear-attention families (Kimi-Linear's KDA, OLMo-hybrid, Mamba hybrids) stay refused by check_supported
 CHUNK = 64  # the chunked rule's chunk length (transformers' and fla's default)
 
@@ -55,7 +55,7 @@ def is_hybrid(cfg) -> bool:
 
 def supported_layer_types(cfg) -> tuple[str, ...]:
     """The layer types beyond full / sliding attention this module makes sequence-parallel for `cfg`."""
-    return ("linear_attention",) if _text(cfg).model_type in MODEL_TYPES else ()
+    return ("linear_attention",) if _text(cfg).model_type in LINEAR_MODEL_TYPES else ()
 
 
 def check_layout(cfg, sp: int, cp: int) -> None:
@@ -242,7 +242,7 @@ def _forward(self, hidden_states, cache_params=None, attention_mask=None, **kwar
                                      **kwargs)
     _STATE["modules"].add(id(self))
     bs = hidden_states.shape[0]
-    rank = torch.distributed.get_rank(group) if sp > 1 else 0
+    rank = comm.rank(group) if sp > 1 else 0
     nk, nv = self.num_k_heads // sp, self.num_v_heads // sp  # this rank's heads
     q, k, v, z, b, a = _project(self, hidden_states)
     if sp > 1:
@@ -300,4 +300,4 @@ def check_routed(model) -> None:
     if want and len(_STATE["modules"]) != want:
         raise ValueError(f"{type(model).__name__}: {len(_STATE['modules'])} of its {want} linear-attention layers ran "
                          "through model_utils/linear_attention (Ulysses by heads, documents restarted): use a model "
-                         f"type among {', '.join(MODEL_TYPES)}")
+                         f"type among {', '.join(LINEAR_MODEL_TYPES)}")

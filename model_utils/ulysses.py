@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from base import comm
 from model_utils import attention, context_parallel, linear_attention
 from model_utils import head_chunks as head_chunks_mod
 
@@ -52,7 +53,7 @@ def _wrap_ulysses(model, attn: str, group, micro_batch: int) -> None:
     cfg = model.config.get_text_config()
     core = ALL_ATTENTION_FUNCTIONS[attn]
     by_heads: dict = {}
-    rank, u = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+    rank, u = comm.rank(group), comm.world(group)
 
     def uattn_wrapper(module, query, key, value, attention_mask, *args, **kwargs):
         heads = (query.shape[1], key.shape[1], query.shape[-1])  # query [bs, hq, sl/sp, d], key [bs, hkv, sl/sp, d]
@@ -112,8 +113,6 @@ def register(model, dims, attn_implementation: str, micro_batch: int, head_chunk
     elif dims.sp > 1:
         from deepspeed.runtime.sequence_parallel import parallel_state_sp
 
-        from base import comm
-
         parallel_state_sp.initialize_sequence_parallel(sequence_parallel_size=dims.sp)
         ulysses_ranks, cp_ranks = _subgroup_ranks(dims.world, dims.sp, dims.cp)
         u_group = comm.subgroups(ulysses_ranks) if dims.ulysses > 1 else None
@@ -133,8 +132,6 @@ def register(model, dims, attn_implementation: str, micro_batch: int, head_chunk
 def unregister() -> int:
     """Restore the plain attention functions and destroy the SP groups (returns how many groups)."""
     from deepspeed.runtime.sequence_parallel import parallel_state_sp
-
-    from base import comm
 
     attention.restore()
     n = comm.destroy_groups([parallel_state_sp._SEQUENCE_PARALLEL_GROUP,

@@ -17,7 +17,7 @@ from tests.distributed import ROOT, spawn, wait
 from tests.runs import TRAIN, losses, train_args, wait_for
 
 FAULTS = os.path.join(ROOT, "tests", "stubs", "faults")
-GRACE_S = 8  # the failing rank's own teardown bound (comm.EXIT_GRACE_S, 30 s outside tests)
+GRACE_S = 8  # the failing rank's own teardown bound (watcher.EXIT_GRACE_S, 30 s outside tests)
 BOUND_S = 120  # issue 25: every rank out within 2 minutes of the failure (plus teardown)
 
 

@@ -15,7 +15,7 @@ BROKEN="RANK" makes rank RANK die at interpreter start-up, before train.py's fir
 opens), as an import error does on a node whose venv or mount is broken: it prints the ImportError and exits 1.
 CPUS="0" confines the rank to those CPUs (os.sched_setaffinity, what `taskset -c 0` does), as a one-CPU srun
 step confines every rank of a node.
-WATCH="POLL_S:STALL_S:LOST_STORE_S[:EXIT_GRACE_S]" shortens the abort channel's timings (base.comm).
+WATCH="POLL_S:STALL_S:LOST_STORE_S[:EXIT_GRACE_S]" shortens the abort channel's timings (base.watcher).
 LINGER="RANK:SECONDS[,RANK:SECONDS]" makes a rank slow on its clean way out (MetricsLogger.close, after the agreed
 stop, before the rank leaves the abort channel), as a W&B sync can be.
 """
@@ -32,11 +32,11 @@ def _install() -> None:
     if os.environ.get("HOLD") and os.environ["HOLD"].split(":")[0] == _rank:
         _hold_gil(*os.environ["HOLD"].split(":")[1:])
     if watch:
-        from base import comm
+        from base import watcher
 
         names = ("POLL_S", "STALL_S", "LOST_STORE_S", "EXIT_GRACE_S")
         for name, value in zip(names, watch.split(":")):
-            setattr(comm, name, float(value))
+            setattr(watcher, name, float(value))
     lingers = dict(x.split(":") for x in linger.split(",")) if linger else {}
     if _rank in lingers:
         import time

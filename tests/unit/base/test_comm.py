@@ -12,7 +12,7 @@ import subprocess
 import pytest
 import torch
 
-from base import comm
+from base import comm, watcher
 from tests.distributed import ROOT, run
 
 COLLECTIVE = re.compile(r"\b(all_reduce|all_gather|all_gather_object|all_to_all|all_to_all_single|broadcast|"
@@ -116,7 +116,7 @@ def test_single_process_needs_no_group():
         comm.run_on_main(lambda: (_ for _ in ()).throw(ValueError("bad")))
 
 
-# --- the abort channel (base/comm.py's Watcher), driven without processes: a real TCPStore, a fake clock ---
+# --- the abort channel (base/watcher.py's Watcher), driven without processes: a real TCPStore, a fake clock ---
 
 
 class Clock:
@@ -145,8 +145,8 @@ def channel(monkeypatch):
 
     from tests.distributed import free_port
 
-    monkeypatch.setattr(comm, "POLL_S", 1e6)
-    monkeypatch.setattr(comm, "ABORT_WAIT_S", 0.5)  # a stopped rank 0 waits for the others' marks: briefly here
+    monkeypatch.setattr(watcher, "POLL_S", 1e6)
+    monkeypatch.setattr(watcher, "ABORT_WAIT_S", 0.5)  # a stopped rank 0 waits for the others' marks: briefly here
     port = free_port()
     server = comm.dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                                 timeout=datetime.timedelta(seconds=30))  # a connect here sometimes takes 5 s
@@ -158,7 +158,7 @@ def channel(monkeypatch):
         store.set_timeout(datetime.timedelta(seconds=2))
         ex = Exits()
         kw.setdefault("say", ex.say)
-        w = comm.Watcher(store, rank, world, clock=clock, hard_exit=ex.exit, **kw).start()
+        w = watcher.Watcher(store, rank, world, clock=clock, hard_exit=ex.exit, **kw).start()
         made.append(w)
         return w, ex
 
@@ -179,7 +179,7 @@ def test_a_posted_failure_stops_every_other_rank_with_its_line(channel):
     w0.poll()
     w1.poll()
     assert ex0 == ex1 == ["stopping: rank 2 failed: RuntimeError: boom", 1]
-    assert w0.store.get("ulysses_watch/hb/1") == comm.DONE  # rank 1 marked itself done before exiting
+    assert w0.store.get("ulysses_watch/hb/1") == watcher.DONE  # rank 1 marked itself done before exiting
 
 
 def test_an_input_error_stops_the_others_with_its_exit_code(channel):
@@ -194,13 +194,13 @@ def test_rank0_declares_a_silent_rank_failed_after_stall_s(channel):
     make, clock, _ = channel
     (w0, ex0), (w1, ex1), _ = make(0), make(1), make(2)
     w0.poll()
-    for _ in range(int(comm.STALL_S // 10)):  # rank 1 heartbeats, rank 2 is silent (SIGKILL, hang, node lost)
+    for _ in range(int(watcher.STALL_S // 10)):  # rank 1 heartbeats, rank 2 is silent (SIGKILL, hang, node lost)
         clock.t += 10
         w1.poll()
         w0.poll()
         if ex0:
             break
-    assert ex0 == [f"stopping: rank 2 stopped responding: no heartbeat for {comm.STALL_S:.0f} s (killed, hung, or "
+    assert ex0 == [f"stopping: rank 2 stopped responding: no heartbeat for {watcher.STALL_S:.0f} s (killed, hung, or "
                    "its node was lost)", 1]
     w1.poll()
     assert ex1[-1] == 1 and ex1[0].startswith("stopping: rank 2 stopped responding")
@@ -213,7 +213,7 @@ def test_a_rank_that_left_cleanly_is_never_declared_silent(channel):
     w1._mark_done()  # what comm.leave() does on a clean exit (0, or 75 after the save)
     w1.stop()
     for _ in range(10):
-        clock.t += comm.STALL_S / 2
+        clock.t += watcher.STALL_S / 2
         w2.poll()
         w0.poll()
     assert ex0 == []
@@ -223,7 +223,7 @@ def test_the_others_watch_rank0s_heartbeat(channel):
     make, clock, _ = channel
     _, (w1, ex1) = make(0), make(1)
     w1.poll()
-    clock.t += comm.STALL_S  # rank 0 alive (the store answers) but its heartbeat stalled: a hang
+    clock.t += watcher.STALL_S  # rank 0 alive (the store answers) but its heartbeat stalled: a hang
     w1.poll()
     assert ex1 and ex1[0].startswith("stopping: rank 0 stopped responding") and ex1[-1] == 1
 
@@ -241,7 +241,7 @@ def test_a_lost_store_stops_a_rank_after_the_grace_only(channel):
     real = w1.store
     w1.store = Gone()
     w1.poll()
-    clock.t += comm.LOST_STORE_S - 1
+    clock.t += watcher.LOST_STORE_S - 1
     w1.poll()
     assert ex1 == []
     w1.store = real  # it came back: the grace starts again
@@ -249,7 +249,7 @@ def test_a_lost_store_stops_a_rank_after_the_grace_only(channel):
     w1.store = Gone()
     clock.t += 1
     w1.poll()
-    clock.t += comm.LOST_STORE_S - 1
+    clock.t += watcher.LOST_STORE_S - 1
     w1.poll()
     assert ex1 == []
     clock.t += 1
@@ -263,7 +263,7 @@ def test_a_stopped_watcher_never_exits_the_process(channel):
     w1.stop()  # this rank is on its own way out (a clean exit, or its own failure being reported)
     w0.post("rank 0 failed: x", 1)
     w1.poll()
-    clock.t += 10 * comm.STALL_S
+    clock.t += 10 * watcher.STALL_S
     w1.poll()
     assert ex1 == []
 
@@ -282,7 +282,7 @@ def test_rank0_waits_for_ranks_still_leaving_before_its_store_goes(channel):
             w2._mark_done()
 
     w0.sleep = sleep
-    w0.peers_done(comm.LEAVE_WAIT_S)
+    w0.peers_done(watcher.LEAVE_WAIT_S)
     assert len(ticks) == 3
 
 
@@ -292,8 +292,8 @@ def test_rank0_does_not_wait_for_a_silent_rank_beyond_stall_s(channel):
     ticks = []
     w0.sleep = lambda s: (ticks.append(s), setattr(clock, "t", clock.t + 1))
     w1._mark_done()
-    w0.peers_done(comm.LEAVE_WAIT_S)  # rank 2 never heartbeats again
-    assert comm.STALL_S - 1 <= len(ticks) <= comm.STALL_S + 1
+    w0.peers_done(watcher.LEAVE_WAIT_S)  # rank 2 never heartbeats again
+    assert watcher.STALL_S - 1 <= len(ticks) <= watcher.STALL_S + 1
 
 
 def test_a_store_that_never_answers_is_lost_too(channel, monkeypatch):
@@ -301,7 +301,7 @@ def test_a_store_that_never_answers_is_lost_too(channel, monkeypatch):
     each poll still returns after STORE_OP_TIMEOUT_S and the rank stops after LOST_STORE_S."""
     import threading
 
-    monkeypatch.setattr(comm, "STORE_OP_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(watcher, "STORE_OP_TIMEOUT_S", 0.2)
     make, clock, _ = channel
     w1, ex1 = make(1)
     never = threading.Event()
@@ -313,7 +313,7 @@ def test_a_store_that_never_answers_is_lost_too(channel, monkeypatch):
     w1.store = Silent()
     for _ in range(3):
         w1.poll()
-        clock.t += comm.LOST_STORE_S / 2
+        clock.t += watcher.LOST_STORE_S / 2
     never.set()
     assert ex1[-1] == 1 and "unreachable" in ex1[0], ex1
 
@@ -324,7 +324,7 @@ def test_a_rank_that_has_not_joined_yet_is_not_declared_silent(channel):
     make, clock, _ = channel
     (w0, ex0), (w1, _) = make(0), make(1)  # rank 2 has not started
     for _ in range(10):
-        clock.t += comm.STALL_S
+        clock.t += watcher.STALL_S
         w1.poll()
         w0.poll()
     assert ex0 == []
@@ -341,9 +341,9 @@ def test_a_hung_log_write_does_not_keep_a_rank_from_exiting(channel, monkeypatch
             threading.Event().wait()  # a write to a file system that stopped answering
 
     stuck = Stuck()
-    monkeypatch.setattr(comm._LOG, "level", logging.INFO)
-    comm._LOG.addHandler(stuck)
-    monkeypatch.setattr(comm, "LOG_WRITE_S", 0.5, raising=False)
+    monkeypatch.setattr(watcher.LOG, "level", logging.INFO)
+    watcher.LOG.addHandler(stuck)
+    monkeypatch.setattr(watcher, "LOG_WRITE_S", 0.5)
     try:
         import datetime
 
@@ -352,7 +352,7 @@ def test_a_hung_log_write_does_not_keep_a_rank_from_exiting(channel, monkeypatch
         ex1 = Exits()  # made here, not by the fixture, whose teardown would wait for a watcher stuck in the write
         store = comm.dist.TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=30))
-        w1 = comm.Watcher(store, 1, 3, hard_exit=ex1.exit).start()  # comm's own say and log
+        w1 = watcher.Watcher(store, 1, 3, hard_exit=ex1.exit).start()  # comm's own say and log
         w0.post("rank 0 failed: OSError: stale file handle", 1)
         t = threading.Thread(target=w1.poll, daemon=True)
         t.start()
@@ -360,7 +360,7 @@ def test_a_hung_log_write_does_not_keep_a_rank_from_exiting(channel, monkeypatch
         assert ex1 == [1], ex1
         assert "stopping: rank 0 failed: OSError: stale file handle" in capfd.readouterr().err
     finally:
-        comm._LOG.removeHandler(stuck)
+        watcher.LOG.removeHandler(stuck)
 
 
 def test_a_failing_rank0_waits_for_the_others_to_read_its_reason(channel, monkeypatch):
@@ -372,8 +372,8 @@ def test_a_failing_rank0_waits_for_the_others_to_read_its_reason(channel, monkey
     make, clock, _ = channel
     (w0, _), (w1, ex1), (w2, ex2) = make(0), make(1), make(2)
     monkeypatch.setattr(comm, "_WATCHER", w0)
-    monkeypatch.setattr(comm, "EXIT_GRACE_S", 1e6)  # abort's own exit timer must not end pytest
-    monkeypatch.setattr(comm, "ABORT_WAIT_S", 30.0)
+    monkeypatch.setattr(watcher, "EXIT_GRACE_S", 1e6)  # abort's own exit timer must not end pytest
+    monkeypatch.setattr(watcher, "ABORT_WAIT_S", 30.0)
     done = threading.Event()
     threading.Thread(target=lambda: (comm.abort("rank 0 failed: RuntimeError: boom"), done.set()), daemon=True).start()
     assert not done.wait(1.0)  # still there: nobody has read it
@@ -388,12 +388,12 @@ def test_a_failing_rank0_does_not_wait_beyond_abort_wait_s(channel, monkeypatch)
     make, clock, _ = channel
     (w0, _), _ = make(0), make(1)
     monkeypatch.setattr(comm, "_WATCHER", w0)
-    monkeypatch.setattr(comm, "EXIT_GRACE_S", 1e6)
-    monkeypatch.setattr(comm, "ABORT_WAIT_S", 5.0)
+    monkeypatch.setattr(watcher, "EXIT_GRACE_S", 1e6)
+    monkeypatch.setattr(watcher, "ABORT_WAIT_S", 5.0)
     w0.sleep = lambda s: setattr(clock, "t", clock.t + 1)  # rank 1 never reads it (its watcher starved, say)
     t0 = clock.t
     comm.abort("rank 0 failed: RuntimeError: boom")
-    assert clock.t - t0 <= comm.ABORT_WAIT_S + 1
+    assert clock.t - t0 <= watcher.ABORT_WAIT_S + 1
 
 
 @pytest.mark.dist

@@ -1,0 +1,320 @@
+"""The abort channel's protocol: a failure anywhere ends the job everywhere, within about a minute, whatever the
+collective timeout. The channel (`Watcher`) runs beside the training on every rank, on its own connection to the
+rendezvous store at MASTER_ADDR:MASTER_PORT. base/comm.py opens it (`open_channel`) at a launched rank's first
+line (train.py, scripts/evaluate.py), before the config, model-folder and network checks and before the process
+group exists: rank 0 starts the TCPStore server there itself (`multi_tenant`, so torch's env:// rendezvous in the
+same process later reuses that server rather than binding the port twice; under torchrun the agent hosts it, and
+with several `launch.sh --no_ssh` nodes node 0's launcher does (base/node_store.py: a node whose ranks die before
+this line is then still heard); every rank is then a client), the others connect to it, as they would at the
+rendezvous. A node that fails a start-up check so reaches the nodes waiting at the rendezvous within POLL_S, not
+after `dist_timeout_s` (30 min).
+A rank that fails writes one line to the store (base/comm.py's `abort`); every rank's watcher polls it every `POLL_S` and
+hard-exits with it (the main thread may sit in an NCCL or gloo collective, or in the rendezvous, that would
+otherwise wait for `dist_timeout_s`). The failing rank then stays, at most ABORT_WAIT_S, until every other rank
+has read the line (marked itself done), and so does rank 0 when its watcher stops it: rank 0's process hosts
+the store, and a launcher kills a failed rank's node-mates (rank 0 among them) as soon as the failed rank exits,
+so without that wait the others would find the store gone ("unreachable", LOST_STORE_S later) instead of the
+reason. A rank that dies without a word (SIGKILL, SIGSTOP, node loss) stops its heartbeat: rank 0 declares it
+failed after `STALL_S`; every other rank does the same for rank 0, and takes a store that stays unreachable for
+`LOST_STORE_S` (rank 0's process gone) as a failure. A rank that has not joined yet (its node still starting) is
+left to the rendezvous' own timeout. Clean exits (0, and 75 after a committed preemption save) first leave the
+channel (`leave`): the rank marks itself done and stops its watcher, and rank 0, which hosts the store, waits for
+the others' marks before it goes, so no rank ever sees the store vanish under a clean exit.
+
+The heartbeat does not depend on the GIL: a forked helper process per rank posts it (`_heartbeat`) while the
+rank's process exists and is not stopped (/proc state T). DeepSpeed's CPU Adam (`adam_update`) holds the GIL for
+a whole sub-group (1e9 parameters by default): with 8 ranks on one core, as a one-CPU srun step leaves them, a
+heartbeat thread can starve past STALL_S and a healthy job was aborted. Why a process and not a stall limit
+that adapts to measured step times: the first optimizer step has no measurement yet, and k x a 1M-token step
+(minutes) would delay the detection of a truly lost node by as much; the helper keeps STALL_S at 60 s for
+death, SIGSTOP and node loss, and costs one fork (copy-on-write pages, no import) and one `add` per POLL_S.
+What it gives up: a rank hung with the GIL held forever is no longer "silent" (the collective timeout still
+ends it); a busy rank is never declared dead. The watcher thread itself may still be starved: it then reads an
+abort late, by at most the GIL hold. The watcher says its line on stderr first and writes the rank log (on
+the shared file system, which may be what broke) for at most LOG_WRITE_S before it exits.
+Cost: two `add`s and one `multi_get` per rank per `POLL_S`: at Llama-3-8B on 32 ranks, 48 store requests/s on
+rank 0's store server (rank 0's multi_get carries 33 small keys), nothing on the GPU or the training group.
+
+base/comm.py creates the stores and calls this module; this module never touches the process group.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+
+POLL_S = 2.0  # how often every rank's watcher looks at the store
+STALL_S = 60.0  # a rank whose heartbeat has not advanced this long has failed (killed, hung, node lost)
+LOST_STORE_S = 20.0  # the store unreachable this long: rank 0's process (which hosts it) is gone
+STORE_OP_TIMEOUT_S = 10.0  # one store request (a lost node answers nothing: no TCP reset)
+CONNECT_TIMEOUT_S = 60.0  # the watcher's own connection, made once at init (a connect can take seconds)
+START_WAIT_S = 1800.0  # a rank's first connection to rank 0's store: as long as the rendezvous waits by default
+EXIT_GRACE_S = 30.0  # a failing rank's own teardown (atexit, NCCL destroy) before it is cut short
+ABORT_WAIT_S = 15.0  # a failing rank (and rank 0, stopped) waits at most this long for the others to read why
+LOG_WRITE_S = 2.0  # the watcher's rank-log line before its hard exit (the log is on the shared file system)
+LEAVE_WAIT_S = 600.0  # rank 0, leaving cleanly, waits at most this long for live ranks still on their way out
+DONE = b"done"  # a rank's heartbeat value once it has left (cleanly, failed, or stopped by an abort)
+_PREFIX = "ulysses_watch/"
+LOG = logging.getLogger("ulysses_longtrain.rank")  # training.metrics' rank log (same logger, no import)
+
+
+def key(name: str) -> str:
+    return _PREFIX + name
+
+
+class _Asker:
+    """One daemon thread that makes the store requests: a request to a store that never answers (rank 0's process
+    stopped, its node gone without a TCP reset) blocks there, not in the caller, which gives up after `timeout`
+    (TCPStore's own timeout does not bound add/multi_get/set on a silent server: measured)."""
+
+    def __init__(self):
+        self.jobs: queue.Queue = queue.Queue()
+        threading.Thread(target=self._run, name="abort-store", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            fn, box = self.jobs.get()
+            try:
+                box.put((True, fn()))
+            except BaseException as e:  # noqa: BLE001 -- handed to the caller
+                box.put((False, e))
+
+    def __call__(self, fn, timeout: float):
+        box: queue.Queue = queue.Queue(1)
+        self.jobs.put((fn, box))
+        try:
+            ok, value = box.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no answer from the store in {timeout:.0f} s") from None
+        if not ok:
+            raise value
+        return value
+
+
+class Watcher:
+    """One rank's side of the abort channel. `poll()` is one look at the store (the thread calls it every
+    POLL_S); store, clock and exit are injected so tests can drive it without processes or waiting."""
+
+    def __init__(self, store, rank: int, world: int, clock=time.monotonic, hard_exit=os._exit, say=None,
+                 sleep=time.sleep, log=None, heart: int | None = None):
+        self.store, self.rank, self.world = store, rank, world
+        self.clock, self.hard_exit, self.say, self.sleep = clock, hard_exit, say or _say, sleep
+        self.log = log or LOG.info
+        self.heart = heart  # the pid of this rank's heartbeat process (None: the thread's beat only)
+        self.peers = list(range(world)) if rank == 0 else [0]  # rank 0 watches everyone, the others rank 0
+        self.seen: dict[int, tuple[bytes, float]] = {}  # peer -> (last heartbeat value, when it last changed)
+        self.store_lost_since: float | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # stop() and a hard exit never interleave
+        self.stopped = False
+        self._asker = _Asker()
+
+    def ask(self, fn, timeout: float | None = None):
+        """fn(store), bounded by `timeout` (STORE_OP_TIMEOUT_S) whatever the store does."""
+        return self._asker(lambda: fn(self.store), STORE_OP_TIMEOUT_S if timeout is None else timeout)
+
+    def start(self) -> Watcher:
+        self.store.compare_set(key("abort"), "", "")  # create the abort key empty (so multi_get never blocks)
+        self.store.add(key(f"hb/{self.rank}"), 1)
+        for p in self.peers:  # create the peer's key if it has not started yet ("0": not joined); compare_set, not
+            self.store.compare_set(key(f"hb/{p}"), "", "0")  # add: an add on a "done" key drops the connection
+        self._thread = threading.Thread(target=self._run, name="abort-watcher", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(POLL_S):
+            self.poll()
+
+    def stop(self) -> None:
+        """No more polls; after this returns the watcher will never exit the process."""
+        with self._lock:
+            self.stopped = True
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=STORE_OP_TIMEOUT_S + 1)
+
+    def _keys(self) -> list[str]:
+        return [key("abort"), *(key(f"hb/{p}") for p in self.peers)]
+
+    def poll(self) -> None:
+        now = self.clock()
+        try:
+            abort, *beats = self.ask(lambda st: (st.add(key(f"hb/{self.rank}"), 1), st.multi_get(self._keys()))[1])
+        except Exception as e:  # noqa: BLE001 -- any store error: the store (rank 0's process) may be gone
+            if self.store_lost_since is None:
+                self.store_lost_since = now
+            if now - self.store_lost_since >= LOST_STORE_S and not self.stopped:
+                self._exit(1, f"stopping: the job's store (hosted by rank 0) has been unreachable for "
+                              f"{now - self.store_lost_since:.0f} s: rank 0 failed or its node was lost "
+                              f"({type(e).__name__}: {one_line(e)})", mark=False)
+            return
+        self.store_lost_since = None
+        if abort:
+            code, _, reason = abort.decode().partition(" ")
+            self._exit(int(code), f"stopping: {reason}")
+            return
+        for p, beat in zip(self.peers, beats):
+            if p == self.rank or beat == b"0":  # b"0": not joined yet (the rendezvous' timeout covers it)
+                continue
+            last = self.seen.get(p)
+            if beat == DONE or last is None or last[0] != beat:
+                self.seen[p] = (beat, now)
+            elif now - last[1] >= STALL_S:
+                reason = (f"rank {p} stopped responding: no heartbeat for {now - last[1]:.0f} s "
+                          "(killed, hung, or its node was lost)")
+                reason = self.post(reason, 1)
+                self._exit(1, f"stopping: {reason}")
+                return
+
+    def post(self, reason: str, code: int = 1) -> str:
+        """Post `reason` ("rank R failed: ...") as the job's abort with the exit code the others take; the first
+        reason posted wins. Returns the reason on record (this one, or the earlier one that caused this failure)."""
+        try:
+            got = self.ask(lambda st: st.compare_set(key("abort"), "", f"{code} {one_line(reason)}"))
+            got = got.decode() if isinstance(got, bytes) else str(got)
+            return got.partition(" ")[2] or reason
+        except Exception:  # noqa: BLE001 -- the store is gone: the others find out through it
+            return reason
+
+    def _mark_done(self) -> None:
+        try:
+            self.ask(lambda st: st.set(key(f"hb/{self.rank}"), DONE))
+        except Exception:  # noqa: BLE001 -- the store may be gone already; leaving anyway
+            pass
+
+    def _exit(self, code: int, line: str, mark: bool = True) -> None:
+        """Say `line`, mark this rank done (`mark`), let the others read the abort if this rank hosts the store,
+        and exit. Nothing here touches the file system unbounded: stderr first, the rank log (shared FS) for at
+        most LOG_WRITE_S, in a thread the exit does not wait for."""
+        with self._lock:
+            if self.stopped:  # this rank is leaving on its own (clean exit or its own failure): never kill it
+                return
+            self.say(line)
+            _bounded(self.log, line, LOG_WRITE_S)
+            self.heart = stop_heartbeat(self.heart)
+            if mark:
+                self._mark_done()
+                if self.rank == 0:
+                    self.peers_done(ABORT_WAIT_S)
+            self.hard_exit(code)
+
+    def peers_done(self, deadline_s: float) -> None:
+        """Wait until every other rank has marked itself done (having read an abort, or left cleanly) or its
+        heartbeat has stalled for STALL_S, at most `deadline_s`: rank 0 leaving (the store lives in its process, and
+        a rank still finishing its own exit must not see it vanish), and any rank that failed (until the others have
+        read its reason: its launcher then kills its node-mates, rank 0 among them)."""
+        end, tick = self.clock() + deadline_s, min(0.2, POLL_S)
+        others = [key(f"hb/{p}") for p in range(self.world) if p != self.rank]
+        first: dict[int, tuple[bytes, float]] = {}
+        for _ in range(int(deadline_s / tick) + 1):  # also bounded if the clock stands still (tests)
+            if not others or self.clock() >= end:
+                return
+            try:
+                beats = self.ask(lambda st: st.multi_get(others))
+            except Exception:  # noqa: BLE001
+                return
+            now = self.clock()
+            waiting = []
+            for i, b in enumerate(beats):
+                if b == DONE:
+                    continue
+                last = first.get(i)
+                if last is None or last[0] != b:
+                    first[i] = (b, now)
+                if now - first[i][1] < STALL_S:
+                    waiting.append(i)
+            if not waiting:
+                return
+            self.sleep(tick)
+
+
+def one_line(e: BaseException | str) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:300] if text else ""
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _bounded(fn, arg, timeout_s: float) -> None:
+    """fn(arg) in a daemon thread, waited for at most `timeout_s` (a write to a file system that hangs)."""
+    t = threading.Thread(target=fn, args=(arg,), name="abort-log", daemon=True)
+    t.start()
+    t.join(timeout_s)
+
+
+# --- the heartbeat process (see the module docstring: why not a thread) ---
+
+def start_heartbeat(connect, rank: int) -> int | None:
+    """Fork this rank's heartbeat process; its pid (None if fork failed: the watcher thread's beat remains). Call
+    before this process starts a thread or a store server: the child must not inherit a listening socket (rank 0's
+    port would outlive rank 0) nor a lock held by a thread it does not have."""
+    parent = os.getpid()
+    try:
+        pid = os.fork()
+    except OSError:
+        return None
+    if pid:
+        return pid
+    code = 0
+    try:
+        _heartbeat(connect, rank, parent)
+    except BaseException:  # noqa: BLE001 -- never back into the parent's code
+        code = 1
+    finally:
+        os._exit(code)
+
+
+def _heartbeat(connect, rank: int, parent: int) -> None:
+    """The child: `add hb/RANK 1` every POLL_S on its own `connect()`ion while `parent` exists and is not stopped;
+    dies with it. Signals a
+    launcher or SLURM send the whole job are ignored (the rank may be saving: its beat must go on)."""
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: gone when the rank is gone
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:
+        return
+    store = connect()
+    beat = key(f"hb/{rank}")
+    while os.getppid() == parent:
+        if not _stopped(parent):
+            try:
+                store.add(beat, 1)
+            except Exception:  # noqa: BLE001 -- the store may be gone: the rank's watcher decides, not this
+                pass
+        time.sleep(POLL_S)
+
+
+def _stopped(pid: int) -> bool:
+    """Whether `pid` is stopped (SIGSTOP, a debugger): its heartbeat must stop too."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rpartition(")")[2].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+def stop_heartbeat(pid: int | None) -> None:
+    """End the heartbeat process (before this rank marks itself done: an `add` on a "done" key drops the
+    connection). Returns None."""
+    if pid:
+        try:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+        except OSError:
+            pass
+    return None
