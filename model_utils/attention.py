@@ -19,9 +19,10 @@ O(sl^2) tensor at long lengths, dropped by Ulysses anyway). Per backend, after t
 - flash_attention_2/3: varlen with cu_seqlens from the documents, micro-batch rows flattened into one
   packed row (FA's own window). Written by construction, untested here (no GPU).
 Learned attention sinks (GPT-OSS's `s_aux`, one logit per query head, already sliced to the rank's heads by ulysses.py):
-on CPU every backend's call runs the sdpa pieces with `_sink_sdpa` (transformers' flex refuses sinks there); on a GPU
-flex applies them from its lse; flash-attention is refused for them. Latent attention (`latent_dims`: q/k and v of
-different head dims) needs nothing here: ulysses.py pads v for the all-to-all.
+on CPU every backend's call runs the sdpa pieces with `sinks.sink_sdpa` (transformers' flex refuses sinks there); on a
+GPU flex applies them from its lse; flash-attention is refused for them. Latent attention (`families.latent_dims`: q/k
+and v of different head dims) needs nothing here: ulysses.py pads v for the all-to-all. Which architectures and
+backends this path takes, and the one-line refusals of the others: families.py.
 What each backend needs (host bounds and sdpa pieces, device document ids, BlockMasks, cu_seqlens) is built
 once per micro-batch by its first layer's call (`Documents`, `documents_for`) and reused by every other layer
 and by the activation-checkpointing recompute: at most one host sync per micro-batch, not one per layer.
@@ -36,6 +37,8 @@ import bisect
 
 import torch
 
+from model_utils import sinks
+
 # sdpa: documents up to BLOCK tokens are grouped into one call with a [<=BLOCK, <=BLOCK] mask. torch keeps that mask
 # (as floats) and the GQA-repeated K/V of a masked call for backward, so small blocks: at 2048 a 16k sample of
 # 500-2500-token documents saved 4.3x the plain causal call's bytes and ran 1.3x slower than at 512, which saves
@@ -44,28 +47,6 @@ BLOCK = 512
 FLEX_BLOCK = 128  # flex_attention's sparse block size
 SUPPORTED = ("sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
 LAYER_TYPES = ("full_attention", "sliding_attention")
-# gated delta-net hybrids whose "linear_attention" layers model_utils/linear_attention.py runs under Ulysses by heads
-# (defined here, imported there: attention.py never imports linear_attention.py, so the two form no cycle)
-LINEAR_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
-# architectures with a learned per-head attention sink (an extra softmax logit per head, passed as `s_aux`): GPT-OSS
-# is covered (ulysses.py slices the sinks with their heads; `_sink_sdpa` on CPU, transformers' flex lse on GPU); the
-# others are refused until each is checked against its plain model (their attention code differs: issue 34)
-SINK_MODEL_TYPES = ("gpt_oss", "flint", "granite_swa", "granitemoe_swa", "mimo_v2_flash", "hy_v4", "deepseek_v4")
-SINKS_COVERED = ("gpt_oss",)
-_SHAPE_FIELDS = ("head_dim", "num_attention_heads", "num_key_value_heads", "qk_head_dim", "v_head_dim")
-# architectures whose attention Ulysses cannot split as transformers writes it (found by tests/multiproc/
-# test_model_sweep.py, which crashed in the first SP step for each): refused at start-up with the reason
-SP_UNSUPPORTED = {
-    "jetmoe": "mixture-of-attention heads (keys repeated per routed expert) do not match num_key_value_heads",
-    "diffllama": "differential attention pairs heads (its outputs are 2 x head_dim), Ulysses assumes one head dim",
-    "ctrl": "its attention receives no position_ids (Ulysses and document masking need them)",
-    "moshi": "its attention receives no position_ids (Ulysses and document masking need them)",
-    "persimmon": "its attention receives no position_ids (Ulysses and document masking need them)",
-    "doge": "its attention does not call transformers' ALL_ATTENTION_FUNCTIONS (check_routed found 0 of 2 layers)",
-    "youtu": "loading under ZeRO-3 crashes: its _init_weights indexes the embedding's padding row, which ZeRO-3 has "
-             "partitioned (IndexError before the first step)",
-}
-
 _ORIGINAL: dict = {}  # (interface, name) -> the function we replaced
 _STATE: dict = {"attn": None, "modules": set(), "calls": 0, "windows": set()}
 
@@ -241,42 +222,6 @@ def _sdpa_docs(orig, module, query, key, value, docs: Documents, window, kwargs)
     return torch.cat(rows, dim=0), None  # [bs, sl, hq, hd]
 
 
-def _sink_sdpa(module, query, key, value, mask, s_aux=None, scaling=None, **kwargs):
-    """One piece's attention with a learned sink per head (GPT-OSS's `s_aux`): an extra logit in every query's softmax
-    that attends to nothing. Same signature and output as transformers' sdpa_attention_forward ([1, q, hq, dv]), so
-    `_sdpa_docs` and context_parallel's `_sdpa_chunk` run it per piece: every query is in exactly one piece (also
-    under cp, whose queries see the gathered keys in one call), so its sink enters its softmax once.
-
-    The sink is one more key, first, that every query sees: one more q/k dimension (q 1, real keys 0, the sink key
-    s_h / scale) so its score is s_h, and a zero value; torch's sdpa then computes softmax([scores, s_h]) . [V, 0] and
-    its backward reaches the sinks through that key. query [1, hq, q, d]; key/value [1, hkv, k, d]; `mask` [1, 1, q, k]
-    bool or None (plain causal). The CPU path (transformers' flex refuses sinks on CPU): per piece it repeats K/V to the
-    query heads and builds a [q, k + 1] mask (torch keeps both for backward), so one long document of n tokens costs
-    O(n^2) bytes per layer here, as the eager path does; on a GPU flex_attention applies the sink from its lse with the
-    BlockMask (no [q, k] tensor) and this function is not used."""
-    hq, nq, d = query.shape[1], query.shape[2], query.shape[-1]
-    g, nk = hq // key.shape[1], key.shape[2]
-    scale = scaling if scaling is not None else d ** -0.5
-    key, value = key.repeat_interleave(g, dim=1), value.repeat_interleave(g, dim=1)  # [1, hq, k, d]
-    sink_key = torch.cat([query.new_zeros(1, hq, 1, d), (s_aux.to(query.dtype) / scale).view(1, hq, 1, 1)], dim=-1)
-    q = torch.cat([query, query.new_ones(1, hq, nq, 1)], dim=-1)  # [1, hq, q, d + 1]
-    k = torch.cat([sink_key, torch.cat([key, key.new_zeros(1, hq, nk, 1)], dim=-1)], dim=2)  # [1, hq, 1 + k, d + 1]
-    v = torch.cat([value.new_zeros(1, hq, 1, value.shape[-1]), value], dim=2)  # [1, hq, 1 + k, dv]
-    if mask is None:  # causal with the last query and key aligned
-        mask = torch.ones(nq, nk, dtype=torch.bool, device=query.device).tril(nk - nq)[None, None]
-    mask = torch.cat([mask.new_ones(1, 1, nq, 1), mask], dim=-1)  # [1, 1, q, 1 + k]: the sink for every query
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    return out.transpose(1, 2), None  # [1, q, hq, dv]
-
-
-def has_sinks(model_or_config) -> bool:
-    """Whether the model's attention has learned sinks (by its type, or a `.sinks` parameter)."""
-    config = getattr(model_or_config, "config", model_or_config)
-    if config.get_text_config().model_type in SINK_MODEL_TYPES:
-        return True
-    return model_or_config is not config and any(n.endswith(".sinks") for n, _ in model_or_config.named_parameters())
-
-
 # ---- flex_attention ---------------------------------------------------------------------------------------
 
 def _doc_ids(bounds: list[list[int]] | None, bs: int, sl: int, device) -> torch.Tensor:
@@ -370,7 +315,7 @@ def document_masked(attn: str, orig):
         if window is not None and window >= query.shape[2]:
             window = None
         if kwargs.get("s_aux") is not None and query.device.type == "cpu":  # sinks on CPU: flex cannot (its lse)
-            return _sdpa_docs(_sink_sdpa, module, query, key, value, docs, window, kwargs)
+            return _sdpa_docs(sinks.sink_sdpa, module, query, key, value, docs, window, kwargs)
         if attn != "flex_attention" and window is None and docs.bounds is None:
             return orig(module, query, key, value, None, **kwargs)  # monotonic positions: one causal call
         return impl(orig, module, query, key, value, docs, window, kwargs)
@@ -390,11 +335,6 @@ def _no_mask(orig):
     return build
 
 
-# the class attribute by which transformers says an architecture has an attention backend
-_BACKEND_FLAG = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn",
-                 "flash_attention_2": "_supports_flash_attn", "flash_attention_3": "_supports_flash_attn"}
-
-
 def resets_positions(setting: str, attn: str) -> bool:
     """Whether position ids restart at every packed document (`--reset_position_ids auto | yes | no`).
 
@@ -408,79 +348,13 @@ def resets_positions(setting: str, attn: str) -> bool:
     return setting == "yes" or (setting == "auto" and attn in SUPPORTED)
 
 
-def check_config(hf_config, attn: str) -> None:
-    """`check_supported` from the config alone, plus whether transformers has `attn` for this architecture
-    (Gemma-2 has no sdpa path): train.py calls it before any heavy work, so a refusal is one line."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(hf_config), None)
-    if cls is not None and attn in SUPPORTED and not getattr(cls, _BACKEND_FLAG[attn], False):
-        others = [a for a in SUPPORTED if a != attn and getattr(cls, _BACKEND_FLAG[a], False)]
-        raise ValueError(f"{cls.__name__}: transformers has no {attn} attention for this architecture; use "
-                         f"--attn_implementation {' or '.join(others) or 'eager (not sequence-parallel here)'}")
-    check_supported(hf_config, attn, cls.__name__ if cls is not None else type(hf_config).__name__)
-
-
-def latent_dims(config) -> tuple[int, int] | None:
-    """(q/k head dim, v head dim) of latent attention (MLA: DeepSeek-V2/V3, GLM-4.7-Flash, where `head_dim` is the
-    RoPE part's), None where q, k and v all have `head_dim` (DeepSpeed's Ulysses assumes that one head dim; ulysses.py
-    wraps latent attention itself, v padded to the q/k head dim)."""
-    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-    qk, v, hd = (getattr(cfg, k, None) for k in ("qk_head_dim", "v_head_dim", "head_dim"))
-    if not qk and getattr(cfg, "qk_rope_head_dim", None):
-        qk = (getattr(cfg, "qk_nope_head_dim", 0) or 0) + cfg.qk_rope_head_dim
-    qk, v = qk or hd, v or hd
-    return (int(qk), int(v)) if qk and v and {qk, v} != {hd} else None
-
-
-def check_supported(model_or_config, attn: str, name: str | None = None) -> None:
-    """One-line refusals, at start-up, of models whose attention cannot be document-masked here."""
-    config = getattr(model_or_config, "config", model_or_config)
-    cfg = config.get_text_config()
-    name = name or type(model_or_config).__name__
-    if attn not in SUPPORTED:
-        raise ValueError(f"{name}: attention {attn!r} cannot be document-masked; use one of {', '.join(SUPPORTED)}")
-    linear = ("linear_attention",) if cfg.model_type in LINEAR_MODEL_TYPES else ()  # Ulysses by heads there
-    bad = sorted(set(getattr(cfg, "layer_types", None) or []) - set(LAYER_TYPES) - set(linear))
-    if bad:
-        raise ValueError(f"{name}: layer types {bad} are not supported (only {' / '.join(LAYER_TYPES)} layers are "
-                         "sequence-parallel and document-masked): use a model without them")
-    if getattr(cfg, "final_logit_softcapping", None):
-        raise ValueError(f"{name}: final_logit_softcapping={cfg.final_logit_softcapping} is not supported: the tiled "
-                         "LM head / loss (always used by evaluation) computes the logits without it")
-    if getattr(cfg, "attention_chunk_size", None):
-        raise ValueError(f"{name}: chunked attention (attention_chunk_size={cfg.attention_chunk_size}) is not "
-                         "supported: use a model with full or sliding-window attention")
-    if cfg.model_type in SP_UNSUPPORTED:
-        raise ValueError(f"{name} ({cfg.model_type}) is not supported under sequence parallelism: "
-                         f"{SP_UNSUPPORTED[cfg.model_type]}")
-    if not hasattr(cfg, "num_key_value_heads"):  # OPT, Falcon, BioGPT...: the layout checks read it (AttributeError)
-        raise ValueError(f"{name} ({cfg.model_type}): the config has no num_key_value_heads, which the sequence-parallel "
-                         "layout reads: not supported under sequence parallelism yet")
-    per_layer = sorted(set(getattr(cfg, "per_layer_attributes", None) or ()) & set(_SHAPE_FIELDS))
-    if per_layer:  # a heterogeneous config (Gemma-4 unified: head_dim per layer); reading them globally raises
-        raise ValueError(f"{name} ({cfg.model_type}): per-layer {', '.join(per_layer)} is not supported under sequence "
-                         "parallelism yet: Ulysses is set up with one attention shape for every layer")
-    dims = latent_dims(cfg)
-    if dims is not None and dims[1] > dims[0]:  # ulysses.py pads v up to the q/k head dim, never down
-        raise ValueError(f"{name} ({cfg.model_type}): latent attention with a v head dim ({dims[1]}) above the q/k head "
-                         f"dim ({dims[0]}) is not supported under sequence parallelism")
-    if has_sinks(model_or_config) and cfg.model_type not in SINKS_COVERED:
-        raise ValueError(f"{name} ({cfg.model_type}): learned attention sinks are not supported under sequence "
-                         f"parallelism for this architecture yet (only {', '.join(SINKS_COVERED)}): its attention was "
-                         "not checked against the plain model")
-    if has_sinks(model_or_config) and attn.startswith("flash_attention"):
-        raise ValueError(f"{name} ({cfg.model_type}): learned attention sinks with {attn}: the flash-attn 2/3 kernels "
-                         "transformers calls drop the sinks (a wrong loss); use --attn_implementation flex_attention")
-
-
 def register(model, attn: str) -> None:
     """Put the document-masked function for `attn` in ALL_ATTENTION_FUNCTIONS (and skip the model's own sdpa /
-    flex mask). Call before Ulysses registers, which then wraps it."""
+    flex mask). Call before Ulysses registers, which then wraps it; ulysses.register checks the model first
+    (families.check_supported)."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    check_supported(model, attn)
     restore()
     orig = ALL_ATTENTION_FUNCTIONS[attn]
     _ORIGINAL[("attn", attn)] = orig

@@ -24,7 +24,7 @@ Per backend, for each of the rank's two query chunks [a, b) against the keys [0,
 - flex_attention: a rectangular BlockMask from the document ids at block granularity (`rect_block_mask`).
 Learned attention sinks (GPT-OSS's `s_aux`, already sliced to the rank's heads by ulysses.py) enter once per query:
 every query is computed in one call against all its keys (nothing is merged across K/V shards); flex applies them
-from its lse (GPU), and on CPU the sdpa pieces run `attention._sink_sdpa`.
+from its lse (GPU), and on CPU the sdpa pieces run `sinks.sink_sdpa`.
 - flash_attention_2/3: varlen with separate cu_seqlens for queries and keys (`varlen_chunk`): each document's
   queries inside [a, b) against its keys from its start, causal aligned bottom-right as flash-attn does when
   the lengths differ. Written by construction (no GPU here); tests/unit/model_utils checks its inputs on CPU.
@@ -38,7 +38,7 @@ import torch
 
 from base import comm
 from base.parallel import zigzag_chunks
-from model_utils import attention
+from model_utils import attention, sinks
 
 
 def natural(stacked: torch.Tensor, cp: int, dim: int) -> torch.Tensor:
@@ -199,7 +199,7 @@ def context_parallel(attn: str, orig, group, cp: int, cp_rank: int):
         v_all = natural(comm.gather_stack(value, group, cp), cp, dim=2)
         fn, inner = chunk_fn, orig
         if kwargs.get("s_aux") is not None and query.device.type == "cpu":  # learned sinks (GPT-OSS) on CPU
-            fn, inner = _sdpa_chunk, attention._sink_sdpa  # each query in one piece: its sink enters once
+            fn, inner = _sdpa_chunk, sinks.sink_sdpa  # each query in one piece: its sink enters once
         outs = []
         for half, (a, b) in enumerate(local_ranges(sl, cp, cp_rank)):
             q = query[:, :, half * (t // 2):(half + 1) * (t // 2)]

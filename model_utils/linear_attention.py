@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from base import comm
-from model_utils.attention import LINEAR_MODEL_TYPES
+from model_utils.families import LINEAR_MODEL_TYPES
 
 # LINEAR_MODEL_TYPES: the types whose linear_attention layers are transformers' GatedDeltaNet (this module's `_forward`);
 # other linear-attention families (Kimi-Linear's KDA, OLMo-hybrid, Mamba hybrids) stay refused by check_supported

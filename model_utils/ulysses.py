@@ -5,7 +5,7 @@
 that core by the context-parallel one (`model_utils/context_parallel.py`: K/V gathered over the cp group, queries
 kept); with a Ulysses factor u > 1 DeepSpeed's wrapper goes around it: [bs, sl/sp, hc, hs] --all-to-all over u
 ranks--> [bs, sl/cp, hc/u, hs] -> the core -> all-to-all back. KV heads fewer than u are replicated by DeepSpeed.
-Latent attention (MLA: DeepSeek-V2/V3; q/k head dim d, v head dim dv < d, `attention.latent_dims`) goes through our
+Latent attention (MLA: DeepSeek-V2/V3; q/k head dim d, v head dim dv < d, `families.latent_dims`) goes through our
 own instance per call shape (`_wrap_ulysses`, as head chunks do): v padded with zeros to d for the all-to-all and the
 core, the output's padding dropped after the all-to-all back (costs there); head chunks are refused for it.
 Learned attention sinks (GPT-OSS: `s_aux` [hq], one logit per query head) go the same way: after the all-to-all a
@@ -26,8 +26,9 @@ from __future__ import annotations
 import torch
 
 from base import comm
-from model_utils import attention, context_parallel, linear_attention
+from model_utils import attention, context_parallel, families, linear_attention
 from model_utils import head_chunks as head_chunks_mod
+from model_utils.sinks import has_sinks
 
 _GROUPS: list = []  # the Ulysses and cp groups this module created (destroyed by unregister)
 
@@ -89,13 +90,8 @@ def register(model, dims, attn_implementation: str, micro_batch: int, head_chunk
     runs each layer's attention that many chunks of heads at a time (model_utils/head_chunks.py; "auto" unresolved
     by the planner: 1); a count that does not split the heads per rank is refused in one line."""
     head_chunks = 1 if head_chunks in ("auto", None, 0) else int(head_chunks)
-    latent, sinks = attention.latent_dims(model.config) is not None, attention.has_sinks(model)
-    if latent and head_chunks > 1:
-        raise ValueError(f"attention_head_chunks {head_chunks}: latent attention (MLA, {model.config.model_type}) has "
-                         "no per-head q/k/v projections to chunk; use attention_head_chunks 1")
-    if sinks and head_chunks > 1:
-        raise ValueError(f"attention_head_chunks {head_chunks}: {model.config.model_type}'s learned attention sinks are "
-                         "not split by head chunks; use attention_head_chunks 1")
+    families.check_supported(model, attn_implementation, head_chunks=head_chunks)  # at start-up too (config alone)
+    latent, sinks = families.latent_dims(model.config) is not None, has_sinks(model)
     head_chunks_mod.install(model, head_chunks, dims.ulysses)
     attention.register(model, attn_implementation)
     mpu = None

@@ -134,7 +134,7 @@ def check_source(src: dict, a: argparse.Namespace, s: dict, world: int, rope: di
     from base.parallel import check_layout, split_sp
     from data.tasks import make_sample
     from data.tokenizer import Tokenizer
-    from model_utils.attention import check_config
+    from model_utils.families import check_config
     from model_utils.rope import check_rope
     from training.evaluation import task_trials
 

@@ -15,8 +15,8 @@ from base.host import check_cpu_placement, ranks_per_node
 from base.log import open_rank_log, print0, set_main
 from base.parallel import ParallelDims, check_shared_output, init_distributed
 from model_utils import linear_attention
-from model_utils.attention import check_config
 from model_utils.build import load_hf_config, pick_attn_implementation
+from model_utils.families import check_config
 from training.config import Config, parse_config
 from training.curriculum import Stage, check_stages, gpus_per_node, resolve_stages
 from training.preemption import Deadline, PreemptionFlag
@@ -46,7 +46,8 @@ def load_run_config(argv: list[str] | None) -> tuple[Config, Model]:
     cfg = parse_config(argv)
     config = load_hf_config(cfg.model_name_or_path)
     attn = pick_attn_implementation(cfg.attn_implementation, planning=cfg.dry_run)
-    check_config(config, attn)  # the architecture has this attention and it can be document-masked
+    # the architecture has this attention, it can be document-masked, and in this many head chunks
+    check_config(config, attn, cfg.attention_head_chunks)
     bf16 = (torch.cuda.is_available() and not cfg.fp16) if cfg.bf16 is None else cfg.bf16
     return cfg, Model(config, attn, bf16)
 

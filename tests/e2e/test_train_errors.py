@@ -119,7 +119,7 @@ def test_architecture_without_the_attention_backend_is_one_line(tmp_path):
     library's traceback when the engine built the model), naming the backends it has."""
     from transformers import AutoConfig
 
-    from model_utils.attention import check_config
+    from model_utils.families import check_config
 
     folder = tmp_path / "gemma2"
     AutoConfig.for_model("gemma2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

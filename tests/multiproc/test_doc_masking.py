@@ -370,16 +370,16 @@ def test_bypassing_attention_is_refused():
 def test_unsupported_layer_types_are_refused():
     from transformers import AutoModelForCausalLM
 
-    from model_utils import attention
+    from model_utils import families
     from model_utils.build import preset_config
 
     model = AutoModelForCausalLM.from_config(preset_config("tiny-llama"), dtype=torch.float32)
     model.config.layer_types = ["full_attention", "linear_attention"]
     with pytest.raises(ValueError, match=r"LlamaForCausalLM: layer types \['linear_attention'\]"):
-        attention.check_supported(model, "sdpa")
+        families.check_supported(model, "sdpa")
     model.config.layer_types = None
     with pytest.raises(ValueError, match="attention 'eager' cannot be document-masked"):
-        attention.check_supported(model, "eager")
+        families.check_supported(model, "eager")
 
 
 # ---- documents built once per micro-batch (model_utils/attention.Documents) -------------------------------
@@ -476,13 +476,13 @@ def test_documents_follow_the_position_ids_tensor(monkeypatch):
 def test_auto_resets_positions_wherever_documents_are_masked():
     """`reset_position_ids: auto` is yes for exactly the backends check_config accepts (all of them mask documents),
     not flash-attention only; yes / no win; anything else is refused."""
-    from model_utils import attention
+    from model_utils import attention, families
     from model_utils.build import preset_config
 
     config = preset_config("tiny-llama")
     for attn in ("sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "eager"):
         try:
-            attention.check_config(config, attn)
+            families.check_config(config, attn)
             masked = True
         except ValueError:
             masked = False

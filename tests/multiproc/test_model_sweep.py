@@ -5,7 +5,7 @@ Each decoder-only text type gets a tiny random config (bench/model_sweep.tiny_co
 heads / 2 KV heads where the config has them, the family's MoE / latent-attention / window fields small, peaked
 weights initializer_range 0.3) and goes, with every other type, through ONE 2-rank launch of
 tests/workers/model_sweep.py (a launch costs ~15 s; one per type would add minutes): the start-up checks
-(`attention.check_config`, `check_layout`), then one step of the real engine (ZeRO-3 + CPU offload, fp32) on two
+(`families.check_config`, `check_layout`), then one step of the real engine (ZeRO-3 + CPU offload, fp32) on two
 packed samples of documents, then `check_routed`. A type passes when
 
 - the start-up refused it in one line (ValueError: train.py exits 2 before any weight is read), or
@@ -87,8 +87,8 @@ def _prepare(model_type: str, folder: str) -> dict:
         line = (str(err).strip().splitlines() or [""])[-1][:160]
         return {"status": "skipped", "detail": f"no tiny config: {type(err).__name__}: {line}"}
     # gradients wherever the step has a CPU backward: sdpa, and flex_attention with learned sinks (GPT-OSS), whose
-    # document-masked path runs sdpa pieces on CPU (model_utils/attention._sink_sdpa)
-    from model_utils.attention import SINKS_COVERED
+    # document-masked path runs sdpa pieces on CPU (model_utils/sinks.sink_sdpa)
+    from model_utils.sinks import SINKS_COVERED
 
     attn = _attn(config)
     grads = attn == "sdpa" or config.get_text_config().model_type in SINKS_COVERED
@@ -199,7 +199,7 @@ def test_the_sweep_covers_text_decoders_and_skips_the_rest():
 def test_sinks_are_refused_in_one_line(model_type, attn, line):
     """What the sweep relies on for these families, from the config alone (train.py's start-up): sinks of the
     architectures not checked against their plain model, and flash-attention (its kernels here drop the sinks)."""
-    from model_utils.attention import check_config
+    from model_utils.families import check_config
 
     with pytest.raises(ValueError, match=line):
         check_config(tiny_config(model_type), attn)
@@ -208,7 +208,7 @@ def test_sinks_are_refused_in_one_line(model_type, attn, line):
 def test_latent_attention_passes_the_start_up_unless_v_is_wider():
     """MLA (q/k head dim 24, v 16, `head_dim` 8: RoPE's) is carried by ulysses.py with v padded to 24; a v head dim
     above the q/k one cannot be padded down and stays refused in one line."""
-    from model_utils.attention import check_config, latent_dims
+    from model_utils.families import check_config, latent_dims
 
     for model_type in ("deepseek_v2", "deepseek_v3", "glm4_moe_lite"):
         config = tiny_config(model_type)

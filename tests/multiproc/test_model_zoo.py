@@ -68,7 +68,7 @@ ZOO = {
     "deepseek_v3_u1cp2": ("deepseek_v3", MLA, "sdpa", True, "sdpa"),
     # learned attention sinks per head, alternating 16-token windows and full layers, MoE: transformers has no sdpa for
     # it and its flex refuses sinks on CPU, so the document-masked flex path runs the sinks through sdpa pieces there
-    # (attention._sink_sdpa, with backward); at Ulysses 2 (sinks sliced with their heads) and at ulysses 1 x cp 2
+    # (sinks.sink_sdpa, with backward); at Ulysses 2 (sinks sliced with their heads) and at ulysses 1 x cp 2
     "gpt_oss": ("gpt_oss", OSS, "flex_attention", True, "eager"),
     "gpt_oss_u1cp2": ("gpt_oss", OSS, "flex_attention", True, "eager"),
 }
@@ -172,14 +172,14 @@ def test_final_logit_softcapping_is_refused_at_start_up():
     """The tiled LM head / loss (evaluation always uses it) computes logits without the final soft-cap."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from model_utils import attention
+    from model_utils import families
 
     for model_type, name in (("gemma2", "Gemma2ForCausalLM"), ("gemma3_text", "Gemma3ForCausalLM")):
         cfg = AutoConfig.for_model(model_type, **{**SMALL, "final_logit_softcapping": 30.0})
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
         for attn in ("sdpa", "flex_attention"):
             with pytest.raises(ValueError, match=rf"^{name}: final_logit_softcapping=30.0 is not supported"):
-                attention.check_supported(model, attn)
+                families.check_supported(model, attn)
 
 
 def test_attention_sinks_matter(zoo):

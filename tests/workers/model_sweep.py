@@ -1,5 +1,5 @@
 """Worker for tests/multiproc/test_model_sweep.py: many model types in one SP launch, each through the start-up
-check train.py runs (`attention.check_config`, before any weight is read) and, when it passes, one step of the real
+check train.py runs (`families.check_config`, before any weight is read) and, when it passes, one step of the real
 engine on packed documents (tests/workers/doc_masking.run_case: ZeRO-3 + CPU offload, document-masked Ulysses
 attention, then `check_routed`).
 
@@ -21,8 +21,8 @@ warnings.filterwarnings("ignore")
 
 from base.parallel import check_layout  # noqa: E402
 from model_utils import attention, ulysses  # noqa: E402
-from model_utils.attention import check_config  # noqa: E402
 from model_utils.build import load_hf_config  # noqa: E402
+from model_utils.families import check_config  # noqa: E402
 from tests.workers.doc_masking import run_case  # noqa: E402
 
 

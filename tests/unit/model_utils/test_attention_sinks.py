@@ -1,5 +1,5 @@
 """Learned attention sinks (GPT-OSS's `s_aux`) in the document-masked attention, in one process: the CPU path
-(`attention._sink_sdpa` per sdpa piece, and per context-parallel chunk) against GPT-OSS's own eager attention run on
+(`model_utils/sinks.sink_sdpa` per sdpa piece, and per context-parallel chunk) against GPT-OSS's own eager attention run on
 each document alone (forward and gradients, sinks included), with windows and packed documents; and the start-up
 rules for latent attention and sinks (refused head chunks, refused flash-attention, other sink types refused)."""
 
@@ -10,8 +10,9 @@ import types
 import pytest
 import torch
 
-from model_utils import attention
+from model_utils import attention, families
 from model_utils import context_parallel as cpm
+from model_utils.sinks import sink_sdpa
 
 BOUNDS = [[0, 3, 40, 41, 150, 300], [0, 300]]  # a 1-token document, short ones grouped, long ones alone
 HQ, HKV, D, SCALE = 4, 2, 16, 0.25
@@ -75,7 +76,7 @@ def test_sinks_once_per_query_under_context_parallel_chunks(window, cp):
     docs = attention.Documents(pos, 2)
     for c in range(cp):
         for a, b in cpm.local_ranges(300 - 300 % (2 * cp), cp, c):
-            got = cpm._sdpa_chunk(attention._sink_sdpa, types.SimpleNamespace(), q[:, :, a:b], k, v, docs, a, b,
+            got = cpm._sdpa_chunk(sink_sdpa, types.SimpleNamespace(), q[:, :, a:b], k, v, docs, a, b,
                                   window, {"s_aux": sinks, "scaling": SCALE})
             assert (got - want[:, a:b]).abs().max() < 1e-5, (c, a, b)
 
@@ -89,21 +90,25 @@ def test_sink_and_latent_rules_at_start_up():
                  num_key_value_heads=2, head_dim=16)
     oss = AutoConfig.for_model("gpt_oss", **small, num_local_experts=2, num_experts_per_tok=1, sliding_window=8,
                                layer_types=["sliding_attention", "full_attention"])
-    attention.check_config(oss, "flex_attention")  # covered
+    families.check_config(oss, "flex_attention")  # covered
     with pytest.raises(ValueError, match=r"^GptOssForCausalLM \(gpt_oss\): learned attention sinks with "
                                          r"flash_attention_2: .* use --attn_implementation flex_attention$"):
-        attention.check_supported(oss, "flash_attention_2", "GptOssForCausalLM")
+        families.check_supported(oss, "flash_attention_2", "GptOssForCausalLM")
     other = AutoConfig.for_model("llama", **small)
     other.model_type = "flint"  # a sinks family not checked against its plain model
     with pytest.raises(ValueError, match=r"\(flint\): learned attention sinks are not supported .* \(only gpt_oss\)"):
-        attention.check_supported(other, "sdpa", "X")
+        families.check_supported(other, "sdpa", "X")
     dims = types.SimpleNamespace(ulysses=2, sp=2, cp=1)
     mla = AutoConfig.for_model("deepseek_v3", **{**small, "num_key_value_heads": 4, "head_dim": 8},
                                qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, kv_lora_rank=16,
                                q_lora_rank=None, n_routed_experts=2, num_experts_per_tok=1, moe_intermediate_size=32,
                                n_group=1, topk_group=1)
     for cfg, what in ((mla, "latent attention"), (oss, "learned attention sinks")):
+        refusal = rf"^attention_head_chunks 2: .*{what}.* use attention_head_chunks 1$"
+        with pytest.raises(ValueError, match=refusal):  # at start-up, from the config alone (training/startup.py)
+            families.check_config(cfg, "flex_attention", 2)
+        families.check_config(cfg, "flex_attention", "auto")  # the planner's choice never chunks these
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(cfg)
-        with pytest.raises(ValueError, match=rf"^attention_head_chunks 2: .*{what}.* use attention_head_chunks 1$"):
+        with pytest.raises(ValueError, match=refusal):  # and again where a stage registers its attention
             ulysses.register(model, dims, "sdpa", 1, head_chunks=2)

@@ -159,7 +159,7 @@ def test_all_to_all_layout_by_heads(monkeypatch):
 
 
 def test_refusals():
-    from model_utils.attention import check_supported
+    from model_utils.families import check_supported
 
     cfg = _tiny_config("qwen3_next")
     check_supported(cfg, "sdpa")  # accepted now (refused in one line before)

@@ -1,0 +1,106 @@
+"""Which architectures the sequence-parallel, document-masked attention path takes, decided from the config at
+start-up (train.py's `training.startup`, scripts/evaluate.py) so that a refusal is one line before any weight is
+read: the attention backends (attention.SUPPORTED), the layer types, the 2026 families (gated delta-net hybrids run
+by model_utils/linear_attention.py, latent attention padded by ulysses.py, learned sinks in sinks.py), and the
+architectures tests/multiproc/test_model_sweep.py found Ulysses cannot split as transformers writes them.
+"""
+
+from __future__ import annotations
+
+from model_utils.attention import LAYER_TYPES, SUPPORTED
+from model_utils.sinks import SINKS_COVERED, has_sinks
+
+# gated delta-net hybrids whose "linear_attention" layers model_utils/linear_attention.py runs under Ulysses by heads
+# (defined here, imported there: attention.py never imports linear_attention.py, so the two form no cycle)
+LINEAR_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+_SHAPE_FIELDS = ("head_dim", "num_attention_heads", "num_key_value_heads", "qk_head_dim", "v_head_dim")
+# architectures whose attention Ulysses cannot split as transformers writes it (found by tests/multiproc/
+# test_model_sweep.py, which crashed in the first SP step for each): refused at start-up with the reason
+SP_UNSUPPORTED = {
+    "jetmoe": "mixture-of-attention heads (keys repeated per routed expert) do not match num_key_value_heads",
+    "diffllama": "differential attention pairs heads (its outputs are 2 x head_dim), Ulysses assumes one head dim",
+    "ctrl": "its attention receives no position_ids (Ulysses and document masking need them)",
+    "moshi": "its attention receives no position_ids (Ulysses and document masking need them)",
+    "persimmon": "its attention receives no position_ids (Ulysses and document masking need them)",
+    "doge": "its attention does not call transformers' ALL_ATTENTION_FUNCTIONS (check_routed found 0 of 2 layers)",
+    "youtu": "loading under ZeRO-3 crashes: its _init_weights indexes the embedding's padding row, which ZeRO-3 has "
+             "partitioned (IndexError before the first step)",
+}
+
+# the class attribute by which transformers says an architecture has an attention backend
+_BACKEND_FLAG = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn",
+                 "flash_attention_2": "_supports_flash_attn", "flash_attention_3": "_supports_flash_attn"}
+
+
+def check_config(hf_config, attn: str, head_chunks: int | str = 1) -> None:
+    """`check_supported` from the config alone, plus whether transformers has `attn` for this architecture
+    (Gemma-2 has no sdpa path): train.py calls it before any heavy work, so a refusal is one line."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(hf_config), None)
+    if cls is not None and attn in SUPPORTED and not getattr(cls, _BACKEND_FLAG[attn], False):
+        others = [a for a in SUPPORTED if a != attn and getattr(cls, _BACKEND_FLAG[a], False)]
+        raise ValueError(f"{cls.__name__}: transformers has no {attn} attention for this architecture; use "
+                         f"--attn_implementation {' or '.join(others) or 'eager (not sequence-parallel here)'}")
+    check_supported(hf_config, attn, cls.__name__ if cls is not None else type(hf_config).__name__, head_chunks)
+
+
+def latent_dims(config) -> tuple[int, int] | None:
+    """(q/k head dim, v head dim) of latent attention (MLA: DeepSeek-V2/V3, GLM-4.7-Flash, where `head_dim` is the
+    RoPE part's), None where q, k and v all have `head_dim` (DeepSpeed's Ulysses assumes that one head dim; ulysses.py
+    wraps latent attention itself, v padded to the q/k head dim)."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    qk, v, hd = (getattr(cfg, k, None) for k in ("qk_head_dim", "v_head_dim", "head_dim"))
+    if not qk and getattr(cfg, "qk_rope_head_dim", None):
+        qk = (getattr(cfg, "qk_nope_head_dim", 0) or 0) + cfg.qk_rope_head_dim
+    qk, v = qk or hd, v or hd
+    return (int(qk), int(v)) if qk and v and {qk, v} != {hd} else None
+
+
+def check_supported(model_or_config, attn: str, name: str | None = None, head_chunks: int | str = 1) -> None:
+    """One-line refusals, at start-up, of models whose attention cannot be document-masked here, or not in
+    `head_chunks` chunks of heads ("auto": the planner's choice, which never chunks these)."""
+    config = getattr(model_or_config, "config", model_or_config)
+    cfg = config.get_text_config()
+    name = name or type(model_or_config).__name__
+    if attn not in SUPPORTED:
+        raise ValueError(f"{name}: attention {attn!r} cannot be document-masked; use one of {', '.join(SUPPORTED)}")
+    linear = ("linear_attention",) if cfg.model_type in LINEAR_MODEL_TYPES else ()  # Ulysses by heads there
+    bad = sorted(set(getattr(cfg, "layer_types", None) or []) - set(LAYER_TYPES) - set(linear))
+    if bad:
+        raise ValueError(f"{name}: layer types {bad} are not supported (only {' / '.join(LAYER_TYPES)} layers are "
+                         "sequence-parallel and document-masked): use a model without them")
+    if getattr(cfg, "final_logit_softcapping", None):
+        raise ValueError(f"{name}: final_logit_softcapping={cfg.final_logit_softcapping} is not supported: the tiled "
+                         "LM head / loss (always used by evaluation) computes the logits without it")
+    if getattr(cfg, "attention_chunk_size", None):
+        raise ValueError(f"{name}: chunked attention (attention_chunk_size={cfg.attention_chunk_size}) is not "
+                         "supported: use a model with full or sliding-window attention")
+    if cfg.model_type in SP_UNSUPPORTED:
+        raise ValueError(f"{name} ({cfg.model_type}) is not supported under sequence parallelism: "
+                         f"{SP_UNSUPPORTED[cfg.model_type]}")
+    if not hasattr(cfg, "num_key_value_heads"):  # OPT, Falcon, BioGPT...: the layout checks read it (AttributeError)
+        raise ValueError(f"{name} ({cfg.model_type}): the config has no num_key_value_heads, which the sequence-parallel "
+                         "layout reads: not supported under sequence parallelism yet")
+    per_layer = sorted(set(getattr(cfg, "per_layer_attributes", None) or ()) & set(_SHAPE_FIELDS))
+    if per_layer:  # a heterogeneous config (Gemma-4 unified: head_dim per layer); reading them globally raises
+        raise ValueError(f"{name} ({cfg.model_type}): per-layer {', '.join(per_layer)} is not supported under sequence "
+                         "parallelism yet: Ulysses is set up with one attention shape for every layer")
+    dims = latent_dims(cfg)
+    if dims is not None and dims[1] > dims[0]:  # ulysses.py pads v up to the q/k head dim, never down
+        raise ValueError(f"{name} ({cfg.model_type}): latent attention with a v head dim ({dims[1]}) above the q/k head "
+                         f"dim ({dims[0]}) is not supported under sequence parallelism")
+    if has_sinks(model_or_config) and cfg.model_type not in SINKS_COVERED:
+        raise ValueError(f"{name} ({cfg.model_type}): learned attention sinks are not supported under sequence "
+                         f"parallelism for this architecture yet (only {', '.join(SINKS_COVERED)}): its attention was "
+                         "not checked against the plain model")
+    if has_sinks(model_or_config) and attn.startswith("flash_attention"):
+        raise ValueError(f"{name} ({cfg.model_type}): learned attention sinks with {attn}: the flash-attn 2/3 kernels "
+                         "transformers calls drop the sinks (a wrong loss); use --attn_implementation flex_attention")
+    n = 1 if head_chunks in ("auto", None, 0) else int(head_chunks)
+    if n > 1 and dims is not None:
+        raise ValueError(f"attention_head_chunks {n}: latent attention (MLA, {cfg.model_type}) has no per-head q/k/v "
+                         "projections to chunk; use attention_head_chunks 1")
+    if n > 1 and has_sinks(model_or_config):
+        raise ValueError(f"attention_head_chunks {n}: {cfg.model_type}'s learned attention sinks are not split by head "
+                         "chunks; use attention_head_chunks 1")
