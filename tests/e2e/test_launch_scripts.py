@@ -1,59 +1,37 @@
 """Launch paths without the real train.py: scripts/launch.sh builds the right command for each mode,
-writes .deepspeed_env and passes exit codes and signals through; scripts/slurm.sbatch (stub sbatch, srun
-and scontrol from tests/stubs on PATH) requeues on 75 only and forwards SLURM's warning signal; plots
-mark stage boundaries. Tests marked `dist` start the real deepspeed/torchrun launchers with stand-ins
-for train.py (tests/stubs/fake_train.py, allreduce_world.py)."""
+writes .deepspeed_env and passes exit codes and signals through. Tests marked `dist` start the real
+deepspeed/torchrun launchers (and slurm.sbatch over them) with stand-ins for train.py (tests/stubs/fake_train.py,
+allreduce_world.py). slurm.sbatch with stub sbatch/srun/scontrol alone: test_sbatch.py."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
 import subprocess
-import time
 
 import pytest
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.pardir] * 2))
-STUBS = os.path.join(ROOT, "tests", "stubs")
-LAUNCH = os.path.join(ROOT, "scripts", "launch.sh")
-SBATCH_SCRIPT = os.path.join(ROOT, "scripts", "slurm.sbatch")
-DS = os.path.join(ROOT, ".venv", "bin", "deepspeed")
-TRAIN = os.path.join(ROOT, "train.py")
-
-
-def clean_env(**kw: str) -> dict:
-    """This environment without the variables a launcher or SLURM would have set, plus kw."""
-    drop = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "DS_ACCELERATOR", "PYTHONPATH",
-            "DS_ENV_FILE", "LAUNCH_CMD", "TRAIN_SCRIPT", "OUTPUT_DIR", "CUDA_VISIBLE_DEVICES", "LAUNCH_EXPORT")
-    drop += ("BIND_CORES", "KMP_AFFINITY", "TORCH_EXTENSIONS_DIR")
-    prefixes = ("SLURM_", "NCCL_", "WANDB_", "HF_", "TRANSFORMERS_", "TORCH_NCCL_", "FAKE_", "GLOO_", "FI_", "UCX_")
-    e = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith(prefixes)}
-    e.update({"OMP_NUM_THREADS": "1", "BIND_CORES": "0", **kw})  # core binding: only where a test asks for it
-    return {k: v for k, v in e.items() if v is not None}  # kw NAME=None: leave NAME unset
-
-
-def launch(args: list[str], cwd, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([LAUNCH, *args], cwd=cwd, capture_output=True, text=True, timeout=60,
-                          env=clean_env(**env))
-
-
-def wait_for(cond, timeout: float, what: str) -> None:
-    t0 = time.time()
-    while not cond():
-        if time.time() - t0 > timeout:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.1)
-
+from tests.e2e.launchers import (
+    DS,
+    INTERFACES,
+    LAUNCH,
+    NUMA_STUB,
+    ROOT,
+    SBATCH_SCRIPT,
+    STUBS,
+    TRAIN,
+    allowed_cpus,
+    clean_env,
+    launch,
+    needs_2_cpus,
+    requeues,
+    wait_for,
+)
 
 # --- scripts/launch.sh: commands ---
 
 # what a cluster sets so that gloo, NCCL, libfabric (EFA) and UCX pick the nodes' fabric; every node needs them
-INTERFACES = {"GLOO_SOCKET_IFNAME": "eth1", "NCCL_SOCKET_IFNAME": "eth1", "NCCL_IB_HCA": "mlx5_0,mlx5_1",
-              "FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "UCX_TLS": "rc,sm", "TORCH_EXTENSIONS_DIR": "/x/ext"}
-
-
 @pytest.mark.parametrize("opts, expect", [
     (["--num_gpus", "4"], f"{DS} --num_gpus 4 --master_port 29500 {TRAIN} --max_steps 3"),
     (["-H", "hosts", "--include", "w0@w1:0,1", "--master_port", "29400"],
@@ -83,19 +61,6 @@ def test_print_only_prints_the_command_and_writes_deepspeed_env(tmp_path, opts, 
             } == set(exported)  # nothing else, no blank lines
     if "--no_ssh" in opts:
         assert (tmp_path / f"ulysses_hostfile.{os.getuid()}.2x8").read_text() == "node0 slots=8\nnode1 slots=8\n"
-
-
-NUMA_STUB = os.path.join(STUBS, "numa")  # a numactl stand-in: logs its options, runs the command
-
-
-def cpu_set(ranges: str) -> list[int]:
-    """"0-2,5" -> [0, 1, 2, 5] (the Cpus_allowed_list form)."""
-    return [c for part in ranges.split(",") for a, _, b in [part.partition("-")] for c in range(int(a), int(b or a) + 1)]
-
-
-def allowed_cpus() -> str:
-    with open("/proc/self/status") as fh:
-        return next(line.split()[1] for line in fh if line.startswith("Cpus_allowed_list:"))
 
 
 def test_threads_per_rank_are_the_nodes_cpus_over_its_ranks(tmp_path):
@@ -204,132 +169,6 @@ def test_exit_code_of_the_launcher_is_passed_on(tmp_path, code):
                FAKE_LOG=str(log), FAKE_EXIT=str(code))
     assert p.returncode == code, p.stderr
     assert log.read_text().splitlines()[0] == f"args: --num_gpus 1 --master_port 29500 {TRAIN} --max_steps 1"
-
-
-# --- scripts/slurm.sbatch with stub sbatch/srun/scontrol and a stand-in launch.sh ---
-
-def sbatch(tmp_path, fake_exit: str, args: list[str], **env: str) -> subprocess.Popen:
-    e = clean_env(PATH=f"{STUBS}:{os.environ['PATH']}", SLURM_SUBMIT_DIR=str(tmp_path),
-                  SCONTROL_LOG=str(tmp_path / "scontrol.log"), FAKE_LOG=str(tmp_path / "fake.log"),
-                  FAKE_EXIT=fake_exit, LAUNCH_CMD=os.path.join(STUBS, "fake_launch"), **env)
-    return subprocess.Popen(["sbatch", SBATCH_SCRIPT, *args], cwd=tmp_path, env=e, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-
-
-def requeues(tmp_path) -> list[str]:
-    log = tmp_path / "scontrol.log"
-    return log.read_text().splitlines() if log.exists() else []
-
-
-def test_sbatch_runs_one_launcher_per_node_with_node_rank_and_master(tmp_path):
-    job = sbatch(tmp_path, "75", ["--config", "recipes/x.yaml", "--output_dir", str(tmp_path / "out")],
-                 GPUS_PER_NODE="4", SLURM_JOB_ID="7")
-    out = job.communicate(timeout=60)[0]
-    assert job.returncode == 0, out
-    assert (tmp_path / "fake.log").read_text().splitlines()[0] == (
-        "args: --no_ssh --nnodes 1 --node_rank 0 --master_addr 127.0.0.1 --master_port 20007 --num_gpus 4 -- "
-        f"--resume auto --config recipes/x.yaml --output_dir {tmp_path}/out")
-    assert requeues(tmp_path) == ["requeue 7"]
-
-
-@pytest.mark.parametrize("code, complete, job_rc, requeued", [
-    ("75", None, 0, True),        # preempted after a save: requeue
-    ("75", "during", 0, False),   # finished anyway: nothing to resume
-    ("75", "before", 0, True),    # a COMPLETE older than the job (the line before a branch, a run since extended)
-    ("0", "during", 0, False),    # done
-    ("0", None, 1, False),        # 0 without COMPLETE: a launcher died of a signal; fail, do not loop
-    ("0", "before", 1, False),    # ... also when an older COMPLETE is there
-    ("3", None, 3, False),        # failure: no requeue
-])
-def test_sbatch_requeues_only_after_a_preemption_save(tmp_path, code, complete, job_rc, requeued):
-    out_dir = tmp_path / "out"
-    if complete == "before":
-        out_dir.mkdir()
-        (out_dir / "COMPLETE").write_text("")
-    env = {"FAKE_COMPLETE": str(out_dir / "COMPLETE")} if complete == "during" else {}
-    job = sbatch(tmp_path, code, ["--output_dir", str(out_dir)], **env)
-    text = job.communicate(timeout=60)[0]
-    assert job.returncode == job_rc, text
-    assert requeues(tmp_path) == (["requeue 4242"] if requeued else []), text
-    assert f"training exited with {code}" in text
-
-
-@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM])
-def test_sbatch_forwards_the_warning_signal_and_requeues(tmp_path, sig):
-    out_dir = tmp_path / "out"
-    job = sbatch(tmp_path, "wait", ["--output_dir", str(out_dir)])
-    try:
-        wait_for(lambda: "ready" in (tmp_path / "fake.log").read_text() if (tmp_path / "fake.log").exists()
-                 else False, 30, "the stand-in launcher")
-        job.send_signal(sig)  # what --signal=B:USR1@120 does before the time limit
-        text = job.communicate(timeout=30)[0]
-    finally:
-        job.kill()
-    assert job.returncode == 0, text
-    assert "got SIGUSR1" in (tmp_path / "fake.log").read_text(), text  # passed on as SIGUSR1
-    assert (out_dir / "PREEMPT").exists()  # train.py's stop file, for ranks a signal cannot reach
-    assert requeues(tmp_path) == ["requeue 4242"], text
-
-
-@pytest.mark.parametrize("after, requeued", [("1", True), ("137", True), ("2", False)])
-def test_sbatch_requeues_a_run_cut_by_the_time_limit(tmp_path, after, requeued):
-    """After SLURM's warning, a run that ends without a preemption save and without COMPLETE (the time limit
-    came first) is requeued to resume from its last save; bad input (2) never is."""
-    job = sbatch(tmp_path, "wait", ["--output_dir", str(tmp_path / "out")], FAKE_EXIT_AFTER=after)
-    try:
-        wait_for(lambda: "ready" in (tmp_path / "fake.log").read_text() if (tmp_path / "fake.log").exists()
-                 else False, 30, "the stand-in launcher")
-        job.send_signal(signal.SIGUSR1)
-        text = job.communicate(timeout=30)[0]
-    finally:
-        job.kill()
-    assert f"training exited with {after}" in text, text
-    assert requeues(tmp_path) == (["requeue 4242"] if requeued else []), text
-    assert job.returncode == (0 if requeued else int(after)), text
-
-
-@pytest.mark.parametrize("export", ["ALL", "NONE"])
-def test_sbatch_carries_the_interface_variables_to_every_node(tmp_path, export):
-    """Under `sbatch --export=NONE` (SLURM_EXPORT_ENV=NONE in the batch shell) srun starts its tasks without the
-    batch environment unless told --export=ALL: the interface variables set in the job must still arrive."""
-    env = {k: v for k, v in INTERFACES.items() if k != "TORCH_EXTENSIONS_DIR"}
-    job = sbatch(tmp_path, "0", ["--output_dir", str(tmp_path / "out"), "--dry_run"], SLURM_EXPORT_ENV=export,
-                 **env)
-    text = job.communicate(timeout=60)[0]
-    assert job.returncode == 0, text
-    assert (tmp_path / "fake.log").read_text().splitlines()[1] == (
-        "env: GLOO_SOCKET_IFNAME=eth1 NCCL_SOCKET_IFNAME=eth1 FI_PROVIDER=efa UCX_TLS=rc,sm")
-
-
-needs_2_cpus = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a CPU-placement test needs 2 CPUs")
-
-
-@needs_2_cpus
-@pytest.mark.parametrize("env, cpus", [
-    ({}, "all"),  # the node's CPUs (SLURM_CPUS_ON_NODE / SLURM_JOB_CPUS_PER_NODE from the allocation)
-    ({"SLURM_JOB_CPUS_PER_NODE": "1,2(x3)"}, 1),  # uneven nodes: what the smallest can give
-    ({"SLURM_CPUS_PER_TASK": "1"}, 1),  # sbatch -c 1: the user's number
-])
-def test_sbatch_gives_each_nodes_task_the_nodes_cpus(tmp_path, env, cpus):
-    """The srun stand-in confines the step's task as Slurm does (one CPU unless --cpus-per-task): the launcher of
-    each node (here its stand-in) must run on the CPUs the job has there, not on one core."""
-    job = sbatch(tmp_path, "0", ["--output_dir", str(tmp_path / "out"), "--dry_run"], SRUN_LOG=str(tmp_path / "srun"),
-                 **env)
-    text = job.communicate(timeout=60)[0]
-    assert job.returncode == 0, text
-    mine = sorted(os.sched_getaffinity(0))
-    want = mine if cpus == "all" else mine[:1]
-    assert f" --cpus-per-task={len(want)} --cpu-bind=none " in (tmp_path / "srun").read_text(), text
-    seen = (tmp_path / "fake.log").read_text().splitlines()[2]
-    assert seen.startswith("cpus: ") and cpu_set(seen[6:]) == want, (seen, text)
-
-
-def test_sbatch_gives_up_after_max_requeues(tmp_path):
-    job = sbatch(tmp_path, "75", ["--output_dir", str(tmp_path / "out")], SLURM_RESTART_COUNT="4",
-                 MAX_REQUEUES="3")
-    text = job.communicate(timeout=60)[0]
-    assert job.returncode == 1 and "giving up" in text and requeues(tmp_path) == []
-    assert not (tmp_path / "fake.log").exists()
 
 
 # --- the real launchers with stand-ins for train.py ---
@@ -460,50 +299,3 @@ def test_two_nodes_without_ssh(tmp_path):
             p.kill()
     assert [p.returncode for p in procs] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
     assert "world 2 rank 0 sum 2" in outs[0] and "world 2 rank 1 sum 2" in outs[1]
-
-
-# --- scripts/plot_metrics.py ---
-
-def load_plot_metrics():
-    spec = importlib.util.spec_from_file_location("plot_metrics", os.path.join(ROOT, "scripts", "plot_metrics.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def write_metrics(path, stage_of, n: int = 10) -> None:
-    rows = [{"step": s, "stage": stage_of(s), "loss": 5 - 0.1 * s, "lr": 1e-3, "tokens": 64 * s,
-             "tokens_per_s": 100.0 + s, "seq_len": 64 * 2 ** stage_of(s), "sp": 2, "dp": 1, "peak_mem_gb": 1.0 + 0.1 * s}
-            for s in range(1, n + 1)]
-    rows.insert(5, {"event": "eval", "stage": 0, "step": 5, "heldout_loss": 4.0})  # not a step
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 11, "lo')  # torn last line
-
-
-def test_plot_marks_stage_boundaries(tmp_path):
-    mod = load_plot_metrics()
-    m = tmp_path / "metrics.jsonl"
-    write_metrics(m, lambda s: 0 if s <= 5 else 1)
-    steps = mod.read_steps(str(m))
-    assert [r["step"] for r in steps] == list(range(1, 11))
-    assert mod.stage_boundaries(steps) == [6]
-    png = tmp_path / "plots" / "m.png"
-    png.parent.mkdir()
-    p = subprocess.run([os.path.join(ROOT, ".venv", "bin", "python"), os.path.join(ROOT, "scripts", "plot_metrics.py"),
-                        str(m), "-o", str(png)], capture_output=True, text=True, timeout=120,
-                       env=clean_env(MPLBACKEND="TkAgg"))  # the script must pick Agg itself
-    assert p.returncode == 0, p.stderr
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
-    assert "stage boundaries at [6]" in p.stdout
-
-
-def test_stage_boundaries_edge_cases(tmp_path):
-    mod = load_plot_metrics()
-    m = tmp_path / "metrics.jsonl"
-    write_metrics(m, lambda s: 0 if s <= 3 else 1 if s <= 7 else 2)
-    assert mod.stage_boundaries(mod.read_steps(str(m))) == [4, 8]
-    # old files have no "stage": one stage; a step logged twice after a resume keeps its last record
-    m.write_text("".join(json.dumps({"step": s, "loss": float(s)}) + "\n" for s in (1, 2, 3, 2, 3, 4)))
-    steps = mod.read_steps(str(m))
-    assert [r["step"] for r in steps] == [1, 2, 3, 4] and mod.stage_boundaries(steps) == []
-    m.write_text(json.dumps({"event": "eval", "step": 1}) + "\n")
-    assert mod.main([str(m), "-o", str(tmp_path / "x.png")]) == 2

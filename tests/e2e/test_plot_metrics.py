@@ -1,0 +1,55 @@
+"""scripts/plot_metrics.py: stage boundaries marked on the loss plot, and their edge cases."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+
+from tests.e2e.launchers import ROOT, clean_env
+
+
+def load_plot_metrics():
+    spec = importlib.util.spec_from_file_location("plot_metrics", os.path.join(ROOT, "scripts", "plot_metrics.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def write_metrics(path, stage_of, n: int = 10) -> None:
+    rows = [{"step": s, "stage": stage_of(s), "loss": 5 - 0.1 * s, "lr": 1e-3, "tokens": 64 * s,
+             "tokens_per_s": 100.0 + s, "seq_len": 64 * 2 ** stage_of(s), "sp": 2, "dp": 1, "peak_mem_gb": 1.0 + 0.1 * s}
+            for s in range(1, n + 1)]
+    rows.insert(5, {"event": "eval", "stage": 0, "step": 5, "heldout_loss": 4.0})  # not a step
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 11, "lo')  # torn last line
+
+
+def test_plot_marks_stage_boundaries(tmp_path):
+    mod = load_plot_metrics()
+    m = tmp_path / "metrics.jsonl"
+    write_metrics(m, lambda s: 0 if s <= 5 else 1)
+    steps = mod.read_steps(str(m))
+    assert [r["step"] for r in steps] == list(range(1, 11))
+    assert mod.stage_boundaries(steps) == [6]
+    png = tmp_path / "plots" / "m.png"
+    png.parent.mkdir()
+    p = subprocess.run([os.path.join(ROOT, ".venv", "bin", "python"), os.path.join(ROOT, "scripts", "plot_metrics.py"),
+                        str(m), "-o", str(png)], capture_output=True, text=True, timeout=120,
+                       env=clean_env(MPLBACKEND="TkAgg"))  # the script must pick Agg itself
+    assert p.returncode == 0, p.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert "stage boundaries at [6]" in p.stdout
+
+
+def test_stage_boundaries_edge_cases(tmp_path):
+    mod = load_plot_metrics()
+    m = tmp_path / "metrics.jsonl"
+    write_metrics(m, lambda s: 0 if s <= 3 else 1 if s <= 7 else 2)
+    assert mod.stage_boundaries(mod.read_steps(str(m))) == [4, 8]
+    # old files have no "stage": one stage; a step logged twice after a resume keeps its last record
+    m.write_text("".join(json.dumps({"step": s, "loss": float(s)}) + "\n" for s in (1, 2, 3, 2, 3, 4)))
+    steps = mod.read_steps(str(m))
+    assert [r["step"] for r in steps] == [1, 2, 3, 4] and mod.stage_boundaries(steps) == []
+    m.write_text(json.dumps({"event": "eval", "step": 1}) + "\n")
+    assert mod.main([str(m), "-o", str(tmp_path / "x.png")]) == 2
