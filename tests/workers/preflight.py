@@ -1,7 +1,8 @@
 """Worker for tests/unit/training/test_preflight.py: the start-up checks (training/preflight.preflight) on a 2-rank world where
 each rank plays its own host (node0, node1) and only rank 1 sees the trouble: argv[2] "lock" (a build lock in its
 extensions folder), "memory" (MemAvailable too small for its ranks), "memlock" (a locked-memory limit below what a
-GPU run with offload pins: a warning on rank 0's output, no stop), "ok" (nothing). Writes result<rank>.json ({"error": the line or null}) into argv[1]."""
+GPU run with offload pins: a warning on rank 0's output, no stop), "ok" (nothing); several, comma-separated, run in
+turn in one launch. Writes result<rank>_<mode>.json ({"error": the line or null}) into argv[1]."""
 
 import json
 import os
@@ -15,25 +16,31 @@ from training import preflight
 from training.config import parse_config
 from training.curriculum import resolve_stages
 
-out, mode = sys.argv[1], sys.argv[2]
+out, modes = sys.argv[1], sys.argv[2].split(",")
 dims = init_distributed(1, timeout_s=DIST_TIMEOUT_S)
 preflight.socket.gethostname = lambda: f"node{dims.rank}"
-if dims.rank == 1:  # this rank's own readings; rank 0 sees a healthy host
-    if mode == "lock":
-        preflight.build_locks = lambda ext_dir=None: [("/ext/cpu_adam/lock", 3600.0)]
-    elif mode == "memory":
-        preflight.mem_available_bytes = lambda path=None: 1024  # 1 KiB: nothing fits
-if mode == "memlock":  # a GPU run (pinned offload) as far as the plan is concerned; only node1 limits locked memory
-    preflight.no_gpu = lambda: False
-    preflight.memlock_limit = lambda: 64 * 1024 if dims.rank == 1 else None
 cfg = parse_config(["--output_dir", os.path.join(out, "run")])
 stages = resolve_stages(cfg, dp_of_sp=lambda sp: dims.world // sp)
 arch = load_hf_config(cfg.model_name_or_path).get_text_config()
-try:
-    preflight.preflight(cfg, stages, dims, arch, bf16=False)
-    error = None
-except ValueError as e:
-    error = str(e)
-with open(os.path.join(out, f"result{dims.rank}.json"), "w") as fh:
-    json.dump({"error": error}, fh)
-comm.barrier()
+READINGS = ("build_locks", "mem_available_bytes", "no_gpu", "memlock_limit")
+real = {name: getattr(preflight, name) for name in READINGS}
+for mode in modes:  # every case in one launch (a 2-rank launch costs ~10 s here)
+    for name, fn in real.items():
+        setattr(preflight, name, fn)
+    print(f"=== mode {mode}", flush=True)  # the test splits rank 0's output at these lines
+    if dims.rank == 1:  # this rank's own readings; rank 0 sees a healthy host
+        if mode == "lock":
+            preflight.build_locks = lambda ext_dir=None: [("/ext/cpu_adam/lock", 3600.0)]
+        elif mode == "memory":
+            preflight.mem_available_bytes = lambda path=None: 1024  # 1 KiB: nothing fits
+    if mode == "memlock":  # a GPU run (pinned offload) as far as the plan is concerned; only node1 limits locked memory
+        preflight.no_gpu = lambda: False
+        preflight.memlock_limit = lambda: 64 * 1024 if dims.rank == 1 else None
+    try:
+        preflight.preflight(cfg, stages, dims, arch, bf16=False)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    with open(os.path.join(out, f"result{dims.rank}_{mode}.json"), "w") as fh:
+        json.dump({"error": error}, fh)
+    comm.barrier()

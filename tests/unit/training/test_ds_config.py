@@ -186,6 +186,7 @@ def test_hf_canonical_config_trains(assets, tmp_path):
     assert "scheduler" not in used and used["optimizer"]["params"]["betas"] == [0.9, 0.95]
 
 
+@pytest.mark.slow  # two 3-step runs (~40 s); the HF canonical config's run stays fast
 @pytest.mark.dist
 def test_no_optimizer_block_matches_project_config(assets, tmp_path):
     import torch

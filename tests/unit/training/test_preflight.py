@@ -211,11 +211,24 @@ def test_dry_run_refuses_a_bad_stage_override_in_one_line(tmp_path, override, ma
 
 # --- one decision for the whole world ---
 
-@pytest.mark.parametrize("mode", ["ok", "lock", "memory", "memlock"])
-def test_every_rank_takes_rank_0s_decision(tmp_path, mode):
+MODES = ["ok", "lock", "memory", "memlock"]
+
+
+@pytest.fixture(scope="module")
+def decisions(tmp_path_factory):
+    """One 2-rank launch runs every mode in turn: {mode: ([rank 0's error, rank 1's], rank 0's output for it)}."""
+    d = tmp_path_factory.mktemp("preflight")
+    run(os.path.join(ROOT, "tests/workers/preflight.py"), [str(d), ",".join(MODES)], 2, str(d / "l"), timeout=300)
+    out = (d / "l" / "rank0.log").read_text().split("=== mode ")[1:]
+    logs = {part.split("\n", 1)[0].strip(): part for part in out}
+    return {m: ([json.loads((d / f"result{r}_{m}.json").read_text())["error"] for r in range(2)], logs[m])
+            for m in MODES}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_rank_takes_rank_0s_decision(decisions, mode):
     """Only rank 1 (host node1) sees the trouble; both ranks stop with the same line (or both go on)."""
-    run(os.path.join(ROOT, "tests/workers/preflight.py"), [str(tmp_path), mode], 2, str(tmp_path / "l"), timeout=300)
-    results = [json.loads((tmp_path / f"result{r}.json").read_text())["error"] for r in range(2)]
+    results, rank0 = decisions[mode]
     assert results[0] == results[1], results
     expect = {"ok": None, "memlock": None, "lock": "stale torch-extensions build lock /ext/cpu_adam/lock on node1",
               "memory": "host memory: node1 has 0.0 GiB available (MemAvailable) but its 1 rank(s) will hold"}[mode]
@@ -223,15 +236,21 @@ def test_every_rank_takes_rank_0s_decision(tmp_path, mode):
         assert results[0] is None
     else:
         assert results[0].startswith(expect), results[0]
-    rank0 = (tmp_path / "l" / "rank0.log").read_text()
     assert ("warning: memlock: node1 limits locked memory to 64 KiB" in rank0) == (mode == "memlock"), rank0[-2000:]
 
 
 def test_train_stops_on_a_stale_lock_in_one_line(tmp_path):
     """train.py itself: a lock in its TORCH_EXTENSIONS_DIR stops it with exit 2 and one line, before any data."""
+    from base.env import EXTENSIONS_DIR
+
     ext = tmp_path / "ext"
     (ext / "cpu_adam").mkdir(parents=True)
     (ext / "cpu_adam" / "lock").write_text("")
+    # the other ops this checkout built already (a fresh folder would JIT-build the shm comm op first: ~50 s)
+    if os.path.isdir(EXTENSIONS_DIR):
+        for op in os.listdir(EXTENSIONS_DIR):
+            if op != "cpu_adam":
+                (ext / op).symlink_to(os.path.join(EXTENSIONS_DIR, op))
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT, TORCH_EXTENSIONS_DIR=str(ext))
     env.pop("RANK", None)
     p = subprocess.run([sys.executable, "train.py", "--output_dir", str(tmp_path / "out"), "--report_to", "none"],
