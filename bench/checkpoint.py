@@ -5,8 +5,8 @@ The deepspeed launcher answers SIGTERM by terminating its children and SIGKILLin
 period (see docs/launch.md), and SLURM's `--signal=B:USR1@N` warns N seconds ahead: the preemption save
 must fit. This runs real 2-rank trainings on CPU for a model of the given size, side by side: one saving
 synchronously at steps 2 and 4 (every byte written, CRC32 on the way, fsynced, committed before step 3 starts), one with
-`--async_save` (the step loop waits only for the snapshot: each rank's files serialized into host memory; a thread
-writes them; the commit comes at a later step boundary). It reports the blocked time and the total time (save start
+`--async_save` (the step loop waits only for the snapshot: each rank's state copied into host memory; a thread
+serializes and writes it; the commit comes at a later step boundary). It reports the blocked time and the total time (save start
 to commit) of each, their ratio (goal <= 0.25), the snapshot's host memory per rank, and projects the blocked
 time and the write of a bigger model. It then resumes the asynchronous run (a third job, one step more) and
 measures the resume (from step 6): verification of every file's CRC32 (dealt to ranks by bytes) and DeepSpeed's load.
@@ -84,7 +84,7 @@ def main() -> int:
         blocked_s = number(r"snapshot of step 4 in ([0-9.]+)s", async_log)
         async_total_s = number(r"saved \S+step_000004 in ([0-9.]+)s", async_log)
         snapshot_gib = number(r"snapshot of step 4 in \S+ \(([0-9.]+) GiB of host memory", async_log)
-        serialize_s = number(r"snapshot of step 4 in .*serialized in ([0-9.]+)s", async_log)
+        copy_s = number(r"snapshot of step 4 in .*copied in ([0-9.]+)s", async_log)
         ck = os.path.join(async_out, "checkpoints", "step_000004")
         total = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(ck) for f in fs)
         try:
@@ -96,7 +96,7 @@ def main() -> int:
         load_s = number(r"loaded \S+ in ([0-9.]+)s", again)
     per_rank = total / 2
     rate = per_rank / sync_s  # bytes per second per rank, both ranks writing at once on one disk
-    snap_rate = per_rank / blocked_s  # bytes per second per rank serialized into host memory, both ranks at once
+    snap_rate = per_rank / blocked_s  # bytes per second per rank snapshot into host memory, both ranks at once
     big = load_shape(a.project).num_params()
     bytes_per_param = total / n_params  # bf16/fp32 weights + fp32 master + Adam moments as DeepSpeed saves them
     rank_bytes = big * bytes_per_param / a.world
@@ -105,7 +105,7 @@ def main() -> int:
     result = {"params": n_params, "bytes_total": total, "bytes_per_param": round(bytes_per_param, 2),
               "save_seconds": sync_s, "per_rank_MBps": round(rate / 2**20, 1), "node_MBps": round(2 * rate / 2**20, 1),
               "async": {"blocked_seconds": blocked_s, "first_save_blocked_seconds": first_blocked_s,
-                        "serialize_seconds": serialize_s, "deepspeed_state_seconds": round(blocked_s - serialize_s, 2),
+                        "copy_seconds": copy_s, "deepspeed_state_seconds": round(blocked_s - copy_s, 2),
                         "total_seconds": async_total_s,
                         "blocked_over_sync": round(blocked_s / sync_s, 3),
                         "snapshot_host_GiB_per_rank": snapshot_gib,
@@ -123,7 +123,8 @@ def main() -> int:
     print(f"measured: {n_params / 1e6:.0f}M params, {total / 2**30:.2f} GiB per save, {bytes_per_param:.1f} bytes/param")
     print(f"synchronous save: {sync_s:.2f}s blocked = total ({result['node_MBps']} MB/s for the node)")
     print(f"asynchronous save: {blocked_s:.2f}s blocked (snapshot, {snapshot_gib:.2f} GiB of host memory per rank; "
-          f"serialization {serialize_s:.2f}s, the rest DeepSpeed's state assembly; the run's first: {first_blocked_s:.2f}s), "
+          f"copy into host memory {copy_s:.2f}s, the rest DeepSpeed's state assembly; the run's first: "
+          f"{first_blocked_s:.2f}s), "
           f"{async_total_s:.1f}s to its commit; blocked / synchronous = {blocked_s / sync_s:.3f}")
     print(f"resume: verify {verify_s:.2f}s + load {load_s:.2f}s ({result['resume_node_MBps']} MB/s for the node)")
     print(f"projected: {a.project} on {a.world} ranks, {node_bytes / 2**30:.1f} GiB per node -> synchronous save "

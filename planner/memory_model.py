@@ -281,10 +281,12 @@ def eval_phase_bytes(shape: ModelShape, seq_len: int, sp: int, b: int, tiled: bo
 
 def estimate(shape: ModelShape, seq_len: int, sp: int, world: int,
              features: Features | Mapping[str, bool] | Iterable[str] | None,
-             precision: str = "bf16", gpus_per_node: int | None = None, cp: int = 1) -> Estimate:
+             precision: str = "bf16", gpus_per_node: int | None = None, cp: int = 1,
+             async_save: bool = False) -> Estimate:
     """Per-rank memory of one training step for seq_len tokens per sample, micro-batch 1 per SP group; sp = u x cp
     (cp = 1: pure Ulysses). gpus_per_node only sizes the per-node CPU total: a split whose Ulysses groups straddle
-    nodes is slow, not impossible (planner.comm_model prices it)."""
+    nodes is slow, not impossible (planner.comm_model prices it). `async_save`: the run keeps a host copy of the
+    rank's checkpoint for its background saves (training/async_save.Staging)."""
     check_layout(world, sp, shape.num_heads, shape.num_kv_heads, seq_len, cp=cp)
     if precision not in DTYPE_BYTES:
         raise ValueError(f"precision {precision!r}: use bf16 or fp32")
@@ -305,6 +307,8 @@ def estimate(shape: ModelShape, seq_len: int, sp: int, world: int,
     else:
         gpu["grads (partition)"] = n * b // world
         gpu["optimizer fp32 master+Adam m,v"] = 12 * n // world
+    if async_save:  # what ZeRO-3 saves per rank: fp32 master + Adam m, v (Llama-3-8B on 32 ranks: 3.0 GB, 24 GB/node)
+        cpu["async save: host copy of the rank's checkpoint"] = 12 * n // world
     # communication: the largest gathered module (a layer or the embedding/LM head) with its unreduced
     # grads, plus the prefetch (0.9 h^2) and reduce (h^2) buckets
     gpu["zero3 gathered params+grads, buckets"] = b * (2 * max(shape.layer_params(), shape.vocab_size * h)

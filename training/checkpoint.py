@@ -60,7 +60,7 @@ from base import comm
 from base.log import print0, rank_log
 from base.parallel import FS_SETTLE_S
 from training import universal
-from training.async_save import Arena, Snapshot
+from training.async_save import Snapshot, Staging
 from training.checkpoint_files import (  # noqa: F401  (MANIFEST: part of this module's interface)
     MANIFEST,
     atomic_write,
@@ -109,8 +109,8 @@ def set_rng_state(s: dict) -> None:
 @contextlib.contextmanager
 def _recording(engine, root: str, written: dict, snapshot: Snapshot | None = None):
     """While DeepSpeed saves into `root`, every file its torch checkpoint engine writes gets its manifest entry
-    computed on the way to disk (and is fsynced); with a `snapshot` (an asynchronous save) each file is serialized
-    into host memory instead and written later by the snapshot's thread. Other checkpoint engines are left alone:
+    computed on the way to disk (and is fsynced); with a `snapshot` (an asynchronous save) each file's state is copied
+    into host memory instead, and serialized and written later by the snapshot's thread. Other checkpoint engines are left alone:
     their files are written by them and described by reading them back."""
     from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
@@ -197,7 +197,7 @@ class Checkpointer:
         self.settle_s = settle_s if settle_s is not None else (FS_SETTLE_S if comm.world() > 1 else 0.0)
         self.deadline = deadline or Deadline()  # the job's end (SLURM_JOB_END_TIME): bounds a universal conversion
         self.pending: Pending | None = None  # the save being written in the background, not committed yet
-        self._arena: Arena | None = None  # host memory the background saves serialize into (one rank's checkpoint)
+        self._staging: Staging | None = None  # host memory the background saves copy into (one rank's checkpoint)
 
     # ---------------------------------------------------------------- save
     def save(self, engine, step: int, trainer: dict, rank_state: dict, hf_config, stage_end: str | None = None,
@@ -205,7 +205,7 @@ class Checkpointer:
         """Write checkpoint `step` on all ranks, commit it, rotate old ones; returns its path. Collective.
 
         `stage_end` ("STAGE_<index>_<name>") marks the final checkpoint of a stage: kept for good. `background`:
-        only the snapshot happens now (every file serialized into host memory) and a thread writes it; returns
+        only the snapshot happens now (every file's state copied into host memory) and a thread writes it; returns
         None, and `poll()` / `finish()` commit it once every rank's write is durable. One save in flight at most:
         the caller finishes the pending one first (`pending`)."""
         assert self.pending is None, "finish() the background save before starting another"
@@ -219,8 +219,8 @@ class Checkpointer:
         os.makedirs(os.path.join(path, "state"), exist_ok=True)  # every rank: no rank relies on another's mkdir
         written: dict[str, dict] = {}
         if background and async_capable(engine):
-            self._arena = self._arena or Arena()  # reused by every background save of the run
-            snap = Snapshot(path, self._arena)
+            self._staging = self._staging or Staging()  # reused by every background save of the run
+            snap = Snapshot(path, self._staging)
         else:
             snap = None
         with _recording(engine, path, written, snap):

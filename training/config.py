@@ -93,7 +93,7 @@ class Config:
     save_steps: int = 0  # 0: save only at the end and on preemption
     save_interval_minutes: float = 0.0  # also save once this long has passed since the last save (rank 0's clock); 0: off
     save_total_limit: int = 2  # never fewer than 2 kept
-    async_save: bool = False  # only the snapshot (serialized to host memory) blocks the steps; a thread writes it and the
+    async_save: bool = False  # only the snapshot (a copy in host memory) blocks the steps; a thread writes it and the
     # checkpoint commits at the first step boundary where every rank's write is durable (docs/checkpoints.md)
     resume: str = "auto"  # auto | none | PATH (a PATH in this run starts a branch: newer checkpoints moved aside)
     time_limit_s: float = 0.0  # stop, save, exit 75 before this many seconds from train.py's start (SLURM_JOB_END_TIME wins)

@@ -214,14 +214,15 @@ def host_need(cfg: Config, stages: list[Stage], world: int, bf16: bool, configs:
         try:
             shape = ModelShape.from_config(arch.to_dict())
             est = estimate(shape, s.max_seq_length, s.sp, world, run_features(cfg, ds, s), "bf16" if bf16 else "fp32",
-                           cp=s.cp if isinstance(s.cp, int) else 1)
+                           cp=s.cp if isinstance(s.cp, int) else 1, async_save=cfg.async_save)
         except ValueError:  # a shape the planner cannot read: no plan to check against (the plan lines say so)
             return None
         held = sum(est.cpu_per_rank.values()) + (est.gpu_peak if cpu_run else 0)
         zero = ds.get("zero_optimization", {})
         pins = {"params (partition)": zero.get("offload_param", {}).get("pin_memory", False),
                 "grads fp32 (partition)": zero.get("offload_optimizer", {}).get("pin_memory", False),
-                "optimizer fp32 master+Adam m,v": zero.get("offload_optimizer", {}).get("pin_memory", False)}
+                "optimizer fp32 master+Adam m,v": zero.get("offload_optimizer", {}).get("pin_memory", False),
+                "async save: host copy of the rank's checkpoint": True}  # pinned on a GPU (training/async_save.py)
         pinned = 0 if cpu_run else sum(v for k, v in est.cpu_per_rank.items() if pins.get(k))
         if best is None or held > best["bytes"]:
             what = ", ".join(k for k in est.cpu_per_rank) or "nothing offloaded"

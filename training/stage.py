@@ -166,7 +166,7 @@ def _save(run: Run, engine, stage, hf_config, state: TrainState, sampler, at_end
     else:
         p = run.ckpt.pending
         print0(f"snapshot of step {state.step} in {p.blocked_s:.2f}s ({p.snapshot.nbytes / 2**30:.2f} GiB of host "
-               f"memory on this rank, serialized in {p.snapshot.serialize_s:.2f}s); writing in the background")
+               f"memory on this rank, copied in {p.snapshot.copy_s:.2f}s); serializing and writing in the background")
 
 
 def _committed(run: Run, state: TrainState, got: tuple[str, float] | None) -> None:

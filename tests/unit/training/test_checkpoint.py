@@ -425,3 +425,54 @@ def test_sigkill_during_the_background_write_leaves_nothing_a_resume_takes(tmp_p
     assert partial.is_dir() and any(partial.rglob("*.pt")) and not (partial / MANIFEST).exists()
     ck = Checkpointer(str(tmp_path), keep=3)
     assert ck.find_resume("auto") == str(tmp_path / "checkpoints" / tag_for(1))
+
+
+def test_the_step_loop_only_copies_the_writer_thread_serializes(tmp_path, monkeypatch):
+    """The snapshot on the training thread is a memory copy; torch.save (the zip writer: a CRC32 per record and
+    Python write calls, ~250 MB/s here, what the step loop used to wait for) runs in the writer thread."""
+    import training.checkpoint_files as cf
+
+    callers, real = [], torch.save
+
+    def recording(*args, **kwargs):
+        callers.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", recording)
+    monkeypatch.setattr(cf.torch, "save", recording)
+    ck, eng = Checkpointer(str(tmp_path), keep=2), TorchEngine()
+    ck.save(eng, 1, {"step": 1}, {"sampler": {}}, FakeConfig(), background=True)
+    ck.finish()
+    assert callers == ["checkpoint-writer"] * 2, callers  # the optimizer file and the rank state, none in this thread
+
+
+def test_staged_state_saves_the_same_bytes_and_reuses_its_memory(tmp_path):
+    """stage() of a state dict with views of one storage, a Parameter and param groups: torch.save writes the same
+    bytes as of the original at snapshot time; later in-place updates do not reach it; the second snapshot of the
+    same shapes reuses every host buffer."""
+    from collections import OrderedDict
+
+    from training.async_save import Staging, stage
+
+    flat = torch.arange(12, dtype=torch.float32)
+    state = {"model": OrderedDict(w=torch.nn.Parameter(torch.ones(3, 2)), b=torch.zeros(2)),
+             "optim": {"flat": flat, "views": [flat[:4], flat[4:].view(2, 4)], "param_groups": [{"lr": 1e-3}]},
+             "step": 7}
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    torch.save(state, tmp_path / "a" / "s.pt")  # (the zip's folder name comes from the file's)
+    staging = Staging()
+    snap = stage(state, staging)
+    flat += 1.0
+    state["optim"]["param_groups"][0]["lr"] = 5.0
+    state["model"]["w"].data.mul_(3)
+    torch.save(snap, tmp_path / "b" / "s.pt")
+    assert (tmp_path / "b" / "s.pt").read_bytes() == (tmp_path / "a" / "s.pt").read_bytes()
+    views = snap["optim"]["views"]
+    assert views[0].untyped_storage().data_ptr() == snap["optim"]["flat"].untyped_storage().data_ptr()
+    assert staging.nbytes == (6 + 2 + 12) * 4 and len(staging.buffers) == 3
+    ptrs = [b.data_ptr() for b in staging.buffers]
+    staging.reset()
+    again = stage(state, staging)
+    assert [b.data_ptr() for b in staging.buffers] == ptrs and torch.equal(again["optim"]["flat"], flat)
+    assert torch.equal(snap["optim"]["flat"], flat)  # the first snapshot's memory was reused, as documented

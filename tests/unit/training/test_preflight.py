@@ -160,6 +160,9 @@ def test_host_need_is_the_planners_offloaded_states():
     assert need["what"].startswith("offloaded params (partition)")
     cpu = preflight.host_need(cfg, stages, 4, True, configs, arch, cpu_run=True)
     assert cpu["bytes"] > need["bytes"] and cpu["pinned"] == 0  # a CPU run holds the whole step in host memory
+    cfg.async_save = True  # background saves keep a (pinned) host copy of the rank's checkpoint: 12 B/param / world
+    snap = preflight.host_need(cfg, stages, 4, True, configs, arch, cpu_run=False)
+    assert snap["bytes"] == need["bytes"] + 12 * n // 4 and snap["pinned"] == snap["bytes"]
 
 
 # --- every stage's DeepSpeed config at start ---
