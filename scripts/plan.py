@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
     p.add_argument("--offload_params", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--offload_optimizer", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--async_save", action=argparse.BooleanOptionalAction, default=False,
+                   help="train.py --async_save: a host copy of each rank's checkpoint (12 B/param / world) for its "
+                        "background saves")
     p.add_argument("--lean_rmsnorm", action=argparse.BooleanOptionalAction, default=True,
                    help="train.py's lean RMSNorm (its default; --no-lean_rmsnorm: Hugging Face's)")
     p.add_argument("--lean_mlp", action=argparse.BooleanOptionalAction, default=True,
@@ -143,7 +146,7 @@ class Planner:
     def evaluate(self, seq_len: int, sp: int, feats: Features | None = None, cp: int = 1) -> tuple[Estimate, bool, bool]:
         feats = feats or replace(self.feats, attention_head_chunks=self.chunks(sp, cp))
         est = estimate(self.shape, seq_len, sp, self.world, feats, self.args.precision,
-                       self.args.gpus_per_node, cp=cp)
+                       self.args.gpus_per_node, cp=cp, async_save=self.args.async_save)
         est.cpu_per_rank["process runtime (assumed)"] = int(self.args.cpu_overhead_gb * GiB)
         return est, est.gpu_peak <= self.gpu_limit, est.cpu_per_node <= self.cpu_limit
 

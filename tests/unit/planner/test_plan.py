@@ -212,6 +212,17 @@ def test_json_output_parses_and_auto_sp(capsys):
     assert os.path.isfile(os.path.join(ROOT, long["deepspeed_config"]))
 
 
+def test_async_save_host_copy_is_in_the_plan():
+    """--async_save (train.py's background saves) keeps a host copy of each rank's checkpoint: 12 B/param / world per
+    rank in the CPU budget (Llama-3-8B on 32 ranks: 2.8 GiB per rank, 22.4 GiB per 8-GPU node)."""
+    shape = load_shape("llama3-8b")
+    base = estimate(shape, 1 << 20, 8, 32, None, gpus_per_node=8)
+    snap = estimate(shape, 1 << 20, 8, 32, None, gpus_per_node=8, async_save=True)
+    term = snap.cpu_per_rank["async save: host copy of the rank's checkpoint"]
+    assert term == 12 * shape.num_params() // 32 and snap.gpu_peak == base.gpu_peak
+    assert snap.cpu_per_node - base.cpu_per_node == 8 * term
+
+
 def test_table_output_mentions_the_essentials(capsys):
     plan.main(["--model", "tiny-llama", "--seq_len", "4k", "--gpus_per_node", "2"])
     out = capsys.readouterr().out
