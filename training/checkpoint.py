@@ -36,10 +36,7 @@ A checkpoint written by another world size is converted to DeepSpeed's universal
 keyed by the checkpoint's content (its manifest's hash), never by its name, and started only if it can finish
 before the job's end (else exit 75 to be requeued).
 
-`--resume PATH` (or `none`) starts a new branch from PATH (or from nothing) once: this run's checkpoints not on it are
-moved aside to checkpoints/abandoned/, a stale COMPLETE too, and the branch is recorded in checkpoints/BRANCHES.json
-(its source's content hash), so the same command run again (a SLURM requeue, a re-run after a crash) continues the
-branch from its own newest checkpoint instead of taking it again.
+`--resume PATH` (or `none`) starts a new branch from PATH (or from nothing) once (training/branches.py).
 """
 
 from __future__ import annotations
@@ -48,7 +45,6 @@ import contextlib
 import json
 import os
 import random
-import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -59,10 +55,13 @@ import torch
 from base import comm
 from base.log import print0, rank_log
 from base.parallel import FS_SETTLE_S
-from training import universal
+from training import branches, universal
 from training.async_save import Snapshot, Staging
-from training.checkpoint_files import (  # noqa: F401  (MANIFEST: part of this module's interface)
+from training.branches import BRANCHES  # noqa: F401  (part of this module's interface)
+from training.checkpoint_files import (  # noqa: F401  (MANIFEST, POINTER: part of this module's interface)
     MANIFEST,
+    POINTER,
+    TAG,
     atomic_write,
     crc32,
     deal_by_bytes,
@@ -75,10 +74,6 @@ from training.checkpoint_files import (  # noqa: F401  (MANIFEST: part of this m
 )
 from training.job import Requeue
 from training.preemption import Deadline
-
-POINTER = "LATEST"
-BRANCHES = "BRANCHES.json"  # the branches this run took (--resume PATH / none), each taken once
-_TAG = re.compile(r"^step_(\d{6,})$")
 
 
 def tag_for(step: int) -> str:
@@ -311,7 +306,7 @@ class Checkpointer:
         for t in tags:
             if t in newest or t == keep_tag or t in stage_ends:
                 continue
-            if t in committed or int(_TAG.match(t).group(1)) < int(_TAG.match(keep_tag).group(1)):
+            if t in committed or int(TAG.match(t).group(1)) < int(TAG.match(keep_tag).group(1)):
                 shutil.rmtree(os.path.join(self.root, t), ignore_errors=True)
         self._bound_side_folders()
 
@@ -323,11 +318,11 @@ class Checkpointer:
         uni = os.path.join(self.root, "universal")
         if os.path.isdir(uni):
             for t in os.listdir(uni):
-                if _TAG.match(t) and not universal.is_conversion_of(os.path.join(uni, t), os.path.join(self.root, t)):
+                if TAG.match(t) and not universal.is_conversion_of(os.path.join(uni, t), os.path.join(self.root, t)):
                     shutil.rmtree(os.path.join(uni, t), ignore_errors=True)
         aside = os.path.join(self.root, "abandoned")
         if os.path.isdir(aside):
-            old = sorted((t for t in os.listdir(aside) if _TAG.match(t)), key=lambda t: int(t[5:]))[:-self.keep]
+            old = sorted((t for t in os.listdir(aside) if TAG.match(t)), key=lambda t: int(t[5:]))[:-self.keep]
             for t in old:
                 shutil.rmtree(os.path.join(aside, t), ignore_errors=True)
             for name in os.listdir(aside):
@@ -348,7 +343,7 @@ class Checkpointer:
     def tags(self) -> list[str]:
         if not os.path.isdir(self.root):
             return []
-        return sorted((t for t in os.listdir(self.root) if _TAG.match(t)), key=lambda t: int(t[5:]))
+        return sorted((t for t in os.listdir(self.root) if TAG.match(t)), key=lambda t: int(t[5:]))
 
     def verify(self, path: str) -> str | None:
         """None if the checkpoint at `path` is complete and intact, else the reason; the same answer on every rank.
@@ -412,10 +407,10 @@ class Checkpointer:
         branch is known by its source's content (the sha256 of its MANIFEST.json), not by its name: a new `step_N`
         written under an old name (after another branch) is a new branch point."""
         if resume != "auto":
-            taken = comm.run_on_main(lambda: self._branch_taken(resume))
+            taken = comm.run_on_main(lambda: branches.taken(self.root, resume))
             if taken is None:
                 path = None if resume == "none" else self._checked(resume)
-                comm.run_on_main(lambda: self._start_branch(path, resume))
+                comm.run_on_main(lambda: branches.start(self.root, path, resume, self.tags()))
                 return path
             print0(f"--resume {resume}: this branch was taken on {taken}: continuing from this run's newest complete "
                    f"checkpoint (docs/checkpoints.md)")
@@ -437,72 +432,6 @@ class Checkpointer:
             raise ValueError(f"--resume {path}: not a complete checkpoint ({why}); use --resume auto or another "
                              "checkpoint")
         return path
-
-    @staticmethod
-    def _source_id(path: str) -> str | None:
-        return manifest_sha256(path)
-
-    def _branches(self) -> list[dict]:
-        got = read_json(os.path.join(self.root, BRANCHES))
-        return got.get("json", {}).get("branches", []) if "json" in got else []
-
-    def _branch_taken(self, resume: str) -> str | None:
-        """Rank 0: when this run folder took the branch `resume` (PATH or none), or None if it never did. PATH is
-        matched by real path and content; a source that is gone (rotated away by the branch's own saves) by path."""
-        if resume == "none":
-            key, sid = None, None
-        else:
-            key, sid = os.path.realpath(resume.rstrip("/")), self._source_id(resume)
-        for b in reversed(self._branches()):
-            if key is None:
-                same = b.get("resume") == "none"
-            else:
-                same = b.get("source") == key and (sid is None or b.get("manifest_sha256") == sid)
-            if same:
-                return b.get("taken_at", "an earlier start")
-        return None
-
-    def _start_branch(self, path: str | None, resume: str) -> None:
-        """Rank 0: start a branch from `path` (None: fresh). This run's checkpoints not on the branch (newer than
-        `path` when it is one of this run's, all of them otherwise), the stage pointers to them and a COMPLETE left
-        by the line they belong to move to checkpoints/abandoned/ (bounded by save_total_limit like the rest); then
-        the branch is recorded in BRANCHES.json, last and atomically: a start killed before that takes it again."""
-        own = path is not None and os.path.dirname(os.path.realpath(path.rstrip("/"))) == os.path.realpath(self.root)
-        step = int(_TAG.match(os.path.basename(path.rstrip("/"))).group(1)) if own else -1
-        off = [t for t in self.tags() if int(t[5:]) > step]
-        aside = os.path.join(self.root, "abandoned")
-        src = os.path.realpath(path.rstrip("/")) if path else None
-        for t in off:
-            if os.path.realpath(os.path.join(aside, t)) == src:
-                raise ValueError(f"--resume {path}: this branch would move this run's {t} onto it (abandoned/{t}); "
-                                 "copy it out of checkpoints/ and resume from the copy")
-        complete = os.path.join(os.path.dirname(self.root), "COMPLETE")
-        if off or os.path.exists(complete):
-            os.makedirs(aside, exist_ok=True)
-        for name in os.listdir(self.root) if os.path.isdir(self.root) else []:
-            pointer = os.path.join(self.root, name)
-            if name.startswith("STAGE_") and os.path.isfile(pointer):
-                with open(pointer) as fh:
-                    if fh.read().strip() in off:
-                        os.replace(pointer, os.path.join(aside, name))
-        for t in off:
-            if os.path.exists(os.path.join(aside, t)):  # an older abandoned line's checkpoint of the same step
-                shutil.rmtree(os.path.join(aside, t))
-            os.replace(os.path.join(self.root, t), os.path.join(aside, t))
-        if os.path.exists(complete):  # it described the line left behind; this branch writes its own at its end
-            os.replace(complete, os.path.join(aside, "COMPLETE"))
-        os.makedirs(self.root, exist_ok=True)
-        pointer = os.path.join(self.root, POINTER)
-        if own:
-            atomic_write(pointer, os.path.basename(path.rstrip("/")) + "\n")
-        elif os.path.exists(pointer):
-            os.remove(pointer)
-        record = {"resume": resume, "source": src, "manifest_sha256": self._source_id(path) if path else None,
-                  "step": step if own else None, "moved": off, "taken_at": time.strftime("%Y-%m-%d %H:%M:%S")}
-        atomic_write(os.path.join(self.root, BRANCHES),
-                     json.dumps({"branches": [*self._branches(), record]}, indent=1) + "\n")
-        print0(f"--resume {resume}: branch started" + (f"; {len(off)} checkpoint(s) not on it moved to {aside} "
-                                                       f"({off[0]} .. {off[-1]})" if off else ""))
 
     def resume(self, resume: str, model_hash: str, model_name: str) -> TrainState:
         """The run's state at start: fresh, or restored from the checkpoint `resume` picks (find_resume), refused

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import time
 import zlib
 
@@ -17,6 +18,8 @@ from base.atomic import atomic_write as atomic_bytes
 from base.atomic import fsync_path
 
 MANIFEST = "MANIFEST.json"
+POINTER = "LATEST"  # under checkpoints/: the newest committed checkpoint's name
+TAG = re.compile(r"^step_(\d{6,})$")  # a checkpoint's folder name
 
 
 def manifest_sha256(ckpt: str) -> str | None:

@@ -1,0 +1,83 @@
+"""Branches of a run (training/checkpoint.py's `find_resume`): `--resume PATH` (or `none`) starts a new branch from
+PATH (or from nothing) once: this run's checkpoints not on it are moved aside to checkpoints/abandoned/, a stale
+COMPLETE too, and the branch is recorded in checkpoints/BRANCHES.json (its source's content hash), so the same
+command run again (a SLURM requeue, a re-run after a crash) continues the branch from its own newest checkpoint
+instead of taking it again. Rank 0 alone runs these (the caller broadcasts what they decide)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+
+from base.log import print0
+from training.checkpoint_files import POINTER, TAG, atomic_write, manifest_sha256, read_json
+
+BRANCHES = "BRANCHES.json"  # the branches this run took (--resume PATH / none), each taken once
+
+
+def _recorded(root: str) -> list[dict]:
+    got = read_json(os.path.join(root, BRANCHES))
+    return got.get("json", {}).get("branches", []) if "json" in got else []
+
+
+def taken(root: str, resume: str) -> str | None:
+    """Rank 0: when the run folder whose checkpoints are under `root` took the branch `resume` (PATH or none), or
+    None if it never did. PATH is matched by real path and content; a source that is gone (rotated away by the
+    branch's own saves) by path."""
+    if resume == "none":
+        key, sid = None, None
+    else:
+        key, sid = os.path.realpath(resume.rstrip("/")), manifest_sha256(resume)
+    for b in reversed(_recorded(root)):
+        if key is None:
+            same = b.get("resume") == "none"
+        else:
+            same = b.get("source") == key and (sid is None or b.get("manifest_sha256") == sid)
+        if same:
+            return b.get("taken_at", "an earlier start")
+    return None
+
+
+def start(root: str, path: str | None, resume: str, tags: list[str]) -> None:
+    """Rank 0: start a branch from `path` (None: fresh); `tags` are this run's checkpoints, oldest first. Those not
+    on the branch (newer than `path` when it is one of this run's, all of them otherwise), the stage pointers to
+    them and a COMPLETE left by the line they belong to move to checkpoints/abandoned/ (bounded by save_total_limit like the rest); then
+    the branch is recorded in BRANCHES.json, last and atomically: a start killed before that takes it again."""
+    own = path is not None and os.path.dirname(os.path.realpath(path.rstrip("/"))) == os.path.realpath(root)
+    step = int(TAG.match(os.path.basename(path.rstrip("/"))).group(1)) if own else -1
+    off = [t for t in tags if int(t[5:]) > step]
+    aside = os.path.join(root, "abandoned")
+    src = os.path.realpath(path.rstrip("/")) if path else None
+    for t in off:
+        if os.path.realpath(os.path.join(aside, t)) == src:
+            raise ValueError(f"--resume {path}: this branch would move this run's {t} onto it (abandoned/{t}); "
+                             "copy it out of checkpoints/ and resume from the copy")
+    complete = os.path.join(os.path.dirname(root), "COMPLETE")
+    if off or os.path.exists(complete):
+        os.makedirs(aside, exist_ok=True)
+    for name in os.listdir(root) if os.path.isdir(root) else []:
+        pointer = os.path.join(root, name)
+        if name.startswith("STAGE_") and os.path.isfile(pointer):
+            with open(pointer) as fh:
+                if fh.read().strip() in off:
+                    os.replace(pointer, os.path.join(aside, name))
+    for t in off:
+        if os.path.exists(os.path.join(aside, t)):  # an older abandoned line's checkpoint of the same step
+            shutil.rmtree(os.path.join(aside, t))
+        os.replace(os.path.join(root, t), os.path.join(aside, t))
+    if os.path.exists(complete):  # it described the line left behind; this branch writes its own at its end
+        os.replace(complete, os.path.join(aside, "COMPLETE"))
+    os.makedirs(root, exist_ok=True)
+    pointer = os.path.join(root, POINTER)
+    if own:
+        atomic_write(pointer, os.path.basename(path.rstrip("/")) + "\n")
+    elif os.path.exists(pointer):
+        os.remove(pointer)
+    record = {"resume": resume, "source": src, "manifest_sha256": manifest_sha256(path) if path else None,
+              "step": step if own else None, "moved": off, "taken_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+    atomic_write(os.path.join(root, BRANCHES),
+                 json.dumps({"branches": [*_recorded(root), record]}, indent=1) + "\n")
+    print0(f"--resume {resume}: branch started" + (f"; {len(off)} checkpoint(s) not on it moved to {aside} "
+                                                   f"({off[0]} .. {off[-1]})" if off else ""))
