@@ -190,7 +190,10 @@ def layer_activations(shape: ModelShape, tokens: int, sp: int, b: int, tiled_mlp
     # the reduce-scatter; their copy in rank order is cp_kv_buffer_bytes) + flash-attn's fp32 dq accumulator
     attn_grads = attn_io + queries * q_loc * d * 4 if chunks == 1 else chunk_transient
     rows = math.ceil(tokens / mlp_tiles(tokens, h)) if tiled_mlp else tokens
-    mlp_grads = ((mlp_kept + 2) if tiled_mlp else 2) * rows * inter * b  # tiled: a tile's recomputed + 2 grads
+    # tiled: a tile's recomputed tensors + 2 grads; the lean product's backward (model_utils/mlp.py) allocates
+    # d(gate) and d(up) whole while d(product) is alive: 3 (profiler, 2026-11-26: with 4 head chunks +
+    # checkpointing the tiled MLP's backward sets the peak; with 2 the planner gave 0.952 of it, fp32 gqa)
+    mlp_grads = ((mlp_kept + (3 if lean_mlp else 2)) if tiled_mlp else 2) * rows * inter * b
     if tiled_mlp:  # + DeepSpeed TiledMLP's x_grad, zeros_like the whole [T, h] input, filled tile by tile (profiler:
         mlp_grads += hid  # TiledMLPBackward set the peak 1u above the old term once chunked attention no longer did)
     # RMSNorm's backward runs in fp32 whatever the dtype: HF's holds five [T, h] fp32 temporaries (mul, mean, pow,
