@@ -11,6 +11,7 @@ and are derived in docs/memory_model.md.
     python scripts/plan.py --model llama3-8b --seq_len 128k,1M --nodes 4 --gpus_per_node 8 --alst
     python scripts/plan.py --model qwen2.5-7b --seq_len 1M --nodes 4 --sp 8 --alst      # 8 = 4 x 2
     python scripts/plan.py --model path/to/config.json --seq_len 262144 --sp 8 --cp 1 --no-offload_params --json
+    python scripts/plan.py --compare     # Llama-3-8B's longest on 1/8/32 GPUs next to ALST's and UPipe's (Markdown)
 
 Memory flags are GiB (2**30). An "80GB" H100 shows 79.6 GiB; --reserve_gb covers that, the CUDA context,
 NCCL buffers and allocator fragmentation.
@@ -365,7 +366,55 @@ def _auto_line(a: dict) -> str:
             f"(x{a['tokens_per_sec_per_gpu'] / a['all_features_tokens_per_sec_per_gpu']:.2f})")
 
 
+# Published figures for Llama-3-8B, bf16, 80 GB H100s: ALST (Bekman et al., 2025: 500K on 1 GPU, 3.7M on 8, 15M on
+# 32) and UPipe ("Untied Ulysses", 2026: 5M on one node of 8). Quoted, not computed.
+PUBLISHED = {1: {"ALST": 500_000}, 8: {"ALST": 3_700_000, "UPipe": 5_000_000}, 32: {"ALST": 15_000_000}}
+COMPARE_SETUPS = ((1, 1, 1024.0), (8, 1, 2048.0), (32, 4, 2048.0))  # (GPUs, nodes, host GiB per node)
+
+
+def compare(model: str = "llama3-8b", extra: list[str] | None = None) -> list[dict]:
+    """This project's longest Llama-3-8B sequence on 1 / 8 / 32 80 GB GPUs (ALST features, every head per rank in
+    its own chunk, the host budget of COMPARE_SETUPS), with the cost model's throughput there, next to the
+    PUBLISHED figures. One row per setup."""
+    from planner.auto_features import relative_speed
+
+    rows = []
+    for gpus, nodes, host in COMPARE_SETUPS:
+        argv = ["--model", model, "--seq_len", "1M", "--alst", "--attention_head_chunks", "max",
+                "--gpus_per_node", str(gpus // nodes), "--nodes", str(nodes), "--cpu_mem_gb", str(host)] + (extra or [])
+        args = build_parser().parse_args(argv)
+        rep = make_plan(args)
+        best = max(rep["plans"][0]["candidates"], key=lambda r: r["longest_fitting_seq_len"])
+        longest, sp, cp = best["longest_fitting_seq_len"], best["sp"], best["cp"]
+        shape = load_shape(model)
+        pl = Planner(args, shape, Features.of(rep["features"]))
+        feats = replace(pl.feats, attention_head_chunks=pl.chunks(sp, cp))
+        speed = relative_speed(shape, longest, sp, feats, mfu=args.mfu, peak_tflops=args.gpu_tflops,
+                               world=gpus, ranks_per_node=gpus // nodes, cp=cp)
+        tps = tokens_per_sec_per_gpu(shape, longest, args.mfu, args.gpu_tflops) * speed
+        rows.append(dict(gpus=gpus, nodes=nodes, host_gib_per_node=host, longest=longest, split=split_label(sp, cp),
+                         head_chunks=feats.attention_head_chunks, relative_speed=speed, tokens_per_sec_per_gpu=tps,
+                         published=PUBLISHED.get(gpus, {})))
+    return rows
+
+
+def render_compare(rows: list[dict]) -> str:
+    """The compare rows as a Markdown table (docs/results/memory.md quotes it)."""
+    lines = ["| GPUs (80 GB) | host / node | this project, longest | split, head chunks | predicted speed vs no "
+             "feature | tokens/s/GPU (MFU 0.4 of 989 TF) | ALST | UPipe |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        pub = [f"{r['published'][k]:,}" if k in r["published"] else "-" for k in ("ALST", "UPipe")]
+        lines.append(f"| {r['gpus']} | {r['host_gib_per_node']:.0f} GiB | {r['longest']:,} | {r['split']}, "
+                     f"{r['head_chunks']} | {r['relative_speed']:.2f} | {r['tokens_per_sec_per_gpu']:.0f} | "
+                     f"{pub[0]} | {pub[1]} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--compare"]:  # `plan.py --compare [plan options]`: the table of docs/results/memory.md
+        print(render_compare(compare(extra=argv[1:])))
+        return 0
     args = build_parser().parse_args(argv)
     rep = make_plan(args)
     print(json.dumps(rep, indent=1) if args.json else render(rep))

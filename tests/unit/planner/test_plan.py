@@ -317,3 +317,17 @@ def test_auto_shows_the_dry_runs_choice(capsys):
     plan.main(["--model", "llama3-8b", "--seq_len", "128k", "--nodes", "4", "--sp", "2", "--auto", "--no-lean_rmsnorm",
                "--no-keep_attention"])
     assert "memory_features auto: tiled_logits, checkpoint every layer at sp=2" in capsys.readouterr().out
+
+
+def test_compare_table_has_one_row_per_setup_and_the_published_figures():
+    """`plan.py --compare`: the docs/results table's shape (its figures are the planner's, tested elsewhere)."""
+    rows = plan.compare()
+    assert [r["gpus"] for r in rows] == [g for g, _, _ in plan.COMPARE_SETUPS]
+    for r in rows:
+        assert r["longest"] > 0 and 0 < r["relative_speed"] <= 1 and r["tokens_per_sec_per_gpu"] > 0
+        assert r["published"] == plan.PUBLISHED.get(r["gpus"], {})
+    table = plan.render_compare(rows).splitlines()
+    assert len(table) == 2 + len(rows) and all(line.count("|") == table[0].count("|") for line in table)
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plan.py"), "--compare"], capture_output=True,
+                         text=True, check=True).stdout.splitlines()
+    assert out == table
