@@ -125,8 +125,9 @@ def test_sigkill_during_checkpoint_writes(assets, tmp_path, reference_runs):
         assert abs(got[s] - ref[s]) <= 1e-6 * abs(ref[s]), (s, got[s], ref[s])
 
 
-@pytest.mark.slow  # ~100 s; the same decision from different views: multiproc/test_same_decision (fast)
-def test_resume_with_a_stale_listing_on_one_rank(assets, tmp_path, reference_runs):
+@pytest.mark.slow  # ~100 s a case; the same decision from different views: multiproc/test_same_decision (fast)
+@pytest.mark.parametrize("extra", [(), ("--async_save",)], ids=["sync", "async"])  # async: issue 35
+def test_resume_with_a_stale_listing_on_one_rank(assets, tmp_path, reference_runs, extra):
     """The cluster bug of issue 25: after a preemption save, rank 1's node lists `checkpoints/` as it was before the
     newest saves and still sees the PREEMPT file rank 0 removed (tests/stubs/stale_view). The resumed job continues
     from rank 0's newest checkpoint on every rank (no stop at its first step) and its losses equal the
@@ -136,10 +137,12 @@ def test_resume_with_a_stale_listing_on_one_rank(assets, tmp_path, reference_run
 
     out, model = tmp_path / "out", tmp_path / "model"
     shutil.copytree(assets["llama_gqa"], model)
-    args = train_args(assets, out, 2, 1, extra=["--save_steps", "2", "--save_total_limit", "4"])
+    args = train_args(assets, out, 2, 1, extra=["--save_steps", "2", "--save_total_limit", "4", *extra])
     args[args.index("--model_name_or_path") + 1] = str(model)
     saved = preempt_after(args, 2, out, str(tmp_path / "logs1"), steps=5)
     assert saved >= 5
+    if extra:  # the saves before the stop were background ones
+        assert "snapshot of step 2 in" in (tmp_path / "logs1" / "rank0.log").read_text()
     for f in model.glob("*.safetensors"):
         f.unlink()
     (out / "PREEMPT").write_text("")  # what the batch script touched; the new job's rank 0 removes it
