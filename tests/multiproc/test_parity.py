@@ -18,8 +18,11 @@ from tests.distributed import ROOT, run
 pytestmark = pytest.mark.dist
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 # (name, model, seq_len, grad_accum): "mha_ga2" at dp=1 sees the same two samples as "mha" at dp=2
+# "gqa_chunks2": attention in 2 head chunks (model_utils/head_chunks.py) through the real engine's step: its weight
+# gradients must reach ZeRO-3's reduction (they once went into .grad by hand: never reduced, and the step failed)
 CASES = [("mha", "llama_mha", 64, 1), ("kv1_odd", "qwen2_kv1", 63, 1), ("gqa", "llama_gqa", 64, 1),
-         ("mha_ga2", "llama_mha", 64, 2)]
+         ("mha_ga2", "llama_mha", 64, 2), ("gqa_chunks2", "llama_gqa", 64, 1)]
+EXTRA = {"gqa_chunks2": {"attention_head_chunks": 2}}
 
 
 def reference(model_dir: str, data: str, seq_len: int, samples: list[int]):
@@ -48,7 +51,8 @@ def results(assets, tmp_path_factory):
                           "sequence_parallel_size": sp, "gradient_accumulation_steps": ga, "learning_rate": 1e-3,
                           "max_steps": 1, "report_to": "none", "seed": 0,
                           "deepspeed": os.path.join(ROOT, "ds_configs/zero3_offload.json"),
-                          "out": str(d / f"{name}.pt"), "cache": os.path.join(assets["dir"], "cache")})
+                          "out": str(d / f"{name}.pt"), "cache": os.path.join(assets["dir"], "cache"),
+                          **EXTRA.get(name, {})})
         run(os.path.join(ROOT, "tests/workers/parity.py"), [json.dumps(cases)], sp * dp, str(d / "logs"))
         for (name, model, sl, _ga), case in zip(CASES, cases):
             out[(sp, dp, name)] = (torch.load(case["out"]), model, sl)
