@@ -250,10 +250,11 @@ def test_train_stops_on_a_stale_lock_in_one_line(tmp_path):
     (ext / "cpu_adam").mkdir(parents=True)
     (ext / "cpu_adam" / "lock").write_text("")
     # the other ops this checkout built already (a fresh folder would JIT-build the shm comm op first: ~50 s)
-    if os.path.isdir(EXTENSIONS_DIR):
-        for op in os.listdir(EXTENSIONS_DIR):
+    built = os.environ.get("TORCH_EXTENSIONS_DIR", EXTENSIONS_DIR)  # where this checkout's runs load them from
+    if os.path.isdir(built):
+        for op in os.listdir(built):
             if op != "cpu_adam":
-                (ext / op).symlink_to(os.path.join(EXTENSIONS_DIR, op))
+                (ext / op).symlink_to(os.path.join(built, op))
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT, TORCH_EXTENSIONS_DIR=str(ext))
     env.pop("RANK", None)
     p = subprocess.run([sys.executable, "train.py", "--output_dir", str(tmp_path / "out"), "--report_to", "none"],
