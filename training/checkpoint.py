@@ -55,7 +55,7 @@ import torch
 from base import comm
 from base.log import print0, rank_log
 from base.parallel import FS_SETTLE_S
-from training import branches, universal
+from training import branches, rotation, universal
 from training.async_save import Snapshot, Staging
 from training.branches import BRANCHES  # noqa: F401  (part of this module's interface)
 from training.checkpoint_files import (  # noqa: F401  (MANIFEST, POINTER: part of this module's interface)
@@ -288,7 +288,7 @@ class Checkpointer:
             atomic_write(os.path.join(self.root, POINTER), tag + "\n")
             if stage_end:
                 atomic_write(os.path.join(self.root, stage_end), tag + "\n")
-            self._rotate(keep_tag=tag)
+            rotation.rotate(self.root, self.keep, keep_tag=tag)
         comm.barrier()
 
     @staticmethod
@@ -297,53 +297,9 @@ class Checkpointer:
         fsync_file(full)
         return {"size": os.path.getsize(full), "crc32": crc32(full)}
 
-    def _rotate(self, keep_tag: str) -> None:
-        """Keep the newest `keep` committed checkpoints; drop older ones and uncommitted leftovers."""
-        tags = self.tags()
-        committed = [t for t in tags if os.path.exists(os.path.join(self.root, t, MANIFEST))]
-        newest = committed[-self.keep:]
-        stage_ends = {t for t in committed if self._manifest(t).get("stage_end")}
-        for t in tags:
-            if t in newest or t == keep_tag or t in stage_ends:
-                continue
-            if t in committed or int(TAG.match(t).group(1)) < int(TAG.match(keep_tag).group(1)):
-                shutil.rmtree(os.path.join(self.root, t), ignore_errors=True)
-        self._bound_side_folders()
-
-    def _bound_side_folders(self) -> None:
-        """universal/ (conversions for another world size) keeps only finished conversions of the checkpoints still
-        here, the same content and not only the same name (a branch's new step_N makes the old conversion stale);
-        abandoned/ (branches left by `--resume PATH`) keeps its newest `keep` checkpoints and the pointers to them.
-        At 8B a checkpoint is ~100 GB: without this bound every world-size change and every branch stayed."""
-        uni = os.path.join(self.root, "universal")
-        if os.path.isdir(uni):
-            for t in os.listdir(uni):
-                if TAG.match(t) and not universal.is_conversion_of(os.path.join(uni, t), os.path.join(self.root, t)):
-                    shutil.rmtree(os.path.join(uni, t), ignore_errors=True)
-        aside = os.path.join(self.root, "abandoned")
-        if os.path.isdir(aside):
-            old = sorted((t for t in os.listdir(aside) if TAG.match(t)), key=lambda t: int(t[5:]))[:-self.keep]
-            for t in old:
-                shutil.rmtree(os.path.join(aside, t), ignore_errors=True)
-            for name in os.listdir(aside):
-                pointer = os.path.join(aside, name)
-                if name.startswith("STAGE_") and os.path.isfile(pointer):
-                    with open(pointer) as fh:
-                        if fh.read().strip() in old:
-                            os.remove(pointer)
-
-    def _manifest(self, tag: str) -> dict:
-        try:
-            with open(os.path.join(self.root, tag, MANIFEST)) as fh:
-                return json.load(fh)
-        except (OSError, ValueError):
-            return {}
-
     # ---------------------------------------------------------------- find and load
     def tags(self) -> list[str]:
-        if not os.path.isdir(self.root):
-            return []
-        return sorted((t for t in os.listdir(self.root) if TAG.match(t)), key=lambda t: int(t[5:]))
+        return rotation.tags(self.root)
 
     def verify(self, path: str) -> str | None:
         """None if the checkpoint at `path` is complete and intact, else the reason; the same answer on every rank.
