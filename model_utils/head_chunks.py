@@ -284,4 +284,26 @@ def install(model, chunks: int, ulysses: int = 1) -> int:
         # ZeRO-3 leaf: the projections' weights are read as tensors, not through their modules' forward, so they
         # are gathered once for the whole attention module (forward and backward), as the unchunked path's are
         set_z3_leaf_module(m, True)
+        if not getattr(m, "_head_chunks_positional", False):
+            m.register_forward_pre_hook(_positional_input, with_kwargs=True, prepend=True)
+            m._head_chunks_positional = True
     return chunks
+
+
+def _positional_input(module, args, kwargs):
+    """The layer's input as a positional argument that requires grad, before any other hook sees the call.
+
+    ZeRO-3 reduces a leaf module's gradients in a full backward hook (stage3's reduce_leaf_module_grads), which fires
+    when the gradient of the module's positional tensor inputs is computed, i.e. after _Chunked.backward has written
+    the weight gradients. transformers' decoder layers pass `hidden_states=` as a keyword: the hook then sees no input
+    and fires as soon as the OUTPUT's gradient arrives, before that backward runs: it reduced zeros and left the real
+    gradients in .grad, unreduced (q/k/v stopped learning after the first step; on CPU the next zero_grad failed). A
+    layer input that does not require grad (frozen embeddings) is made a leaf that does, for the same reason: it
+    changes no gradient, since nothing upstream of it needs one."""
+    if args or "hidden_states" not in kwargs:
+        return None
+    kwargs = dict(kwargs)
+    x = kwargs.pop("hidden_states")
+    if torch.is_grad_enabled() and not x.requires_grad and any(p.requires_grad for p in module.parameters()):
+        x = x.detach().requires_grad_()
+    return (x,), kwargs

@@ -1,8 +1,9 @@
-"""Worker for tests/multiproc/test_parity.py (and, through run_case, tests/workers/memory.py): one optimizer step
-through the real engine, per case, with the loss function train.py would use for the case's config.
+"""Worker for tests/multiproc/test_parity.py (and, through run_case, tests/workers/memory.py): `max_steps` optimizer
+steps through the real engine, per case, with the loss function train.py would use for the case's config.
 
-For each case it records the step's loss, the sample indices every rank used and the full gradients
-(gathered from ZeRO-3 before the optimizer step). Run under tests.distributed.spawn.
+For each case it records the first step's loss, the sample indices every rank used and the full gradients
+(gathered from ZeRO-3 before the optimizer step, and the names of any left in .grad unreduced), and every step's
+loss. Run under tests.distributed.spawn.
 """
 
 import json
@@ -36,26 +37,36 @@ def run_case(case: dict, dims_sp: int) -> dict:
     ds = PackedDataset(tokens, starts, cfg.max_seq_length, reset_position_ids=False)
     sampler = ResumableSampler(len(ds), dims.dp, dims.dp_rank, cfg.per_device_train_batch_size, cfg.seed)
     engine = build_engine(cfg, dims, hf, "sdpa", bf16=False, seed=cfg.seed)
-    indices, micro = [], []
-    for _ in range(cfg.gradient_accumulation_steps):
-        idx = sampler.next_batch()
-        indices.append(idx)
-        micro.append(shard(collate([ds[i] for i in idx], dims.sp, 0), dims.sp, dims.sp_rank))
-    grads = {}
+    indices, grads, losses, leftover = [], {}, [], []
+
+    def batches():
+        micro = []
+        for _ in range(cfg.gradient_accumulation_steps):
+            idx = sampler.next_batch()
+            indices.append(idx)
+            micro.append(shard(collate([ds[i] for i in idx], dims.sp, 0), dims.sp, dims.sp_rank))
+        return micro
 
     def grab(engine):
         from deepspeed.utils import safe_get_full_grad
 
         for name, p in engine.module.named_parameters():
+            if p.grad is not None:  # ZeRO-3 reduces every gradient into its partition and drops .grad
+                leftover.append(name)
             g = safe_get_full_grad(p)
             if dims.is_main:
                 grads[name] = g.detach().clone().cpu()
 
-    out = train_step(engine, micro, dims.world, loss_fn=make_loss_fn(features_of(cfg)), before_step=grab)
+    out = train_step(engine, batches(), dims.world, loss_fn=make_loss_fn(features_of(cfg)), before_step=grab)
+    losses.append(out["loss"])
+    first = list(indices)
+    for _ in range(cfg.max_steps - 1):  # later steps: their losses only (what the first step's update changed)
+        losses.append(train_step(engine, batches(), dims.world, loss_fn=make_loss_fn(features_of(cfg)))["loss"])
+    indices = first
     all_indices = [None] * dims.world
     dist.all_gather_object(all_indices, {"dp_rank": dims.dp_rank, "indices": indices})
     if dims.is_main:
-        torch.save({"loss": out["loss"], "indices": all_indices, "grads": grads}, case["out"])
+        torch.save({"loss": out["loss"], "losses": losses, "leftover": leftover, "indices": all_indices, "grads": grads}, case["out"])
     engine.destroy()
     return out
 
