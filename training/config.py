@@ -91,10 +91,12 @@ class Config:
     # --- output, checkpoints, tracking ---
     output_dir: str = "checkpoints/run"
     save_steps: int = 0  # 0: save only at the end and on preemption
-    save_interval_minutes: float = 0.0  # also save once this long has passed since the last save (rank 0's clock); 0: off
+    save_interval_minutes: float | str = "auto"  # also save once this long has passed since the last save (rank 0's
+    # clock); 0: off; auto: 10 minutes, longer where the last save blocked the steps > 1% of it (training/preemption.py)
     save_total_limit: int = 2  # never fewer than 2 kept
-    async_save: bool = False  # only the snapshot (a copy in host memory) blocks the steps; a thread writes it and the
-    # checkpoint commits at the first step boundary where every rank's write is durable (docs/checkpoints.md)
+    async_save: bool | str = "auto"  # only the snapshot (a copy in host memory) blocks the steps; a thread writes it and
+    # the checkpoint commits at the first step boundary where every rank's write is durable (docs/checkpoints.md);
+    # auto: on for a GPU run whose nodes' host memory fits the snapshot (training/preflight.py decides, once)
     resume: str = "auto"  # auto | none | PATH (a PATH in this run starts a branch: newer checkpoints moved aside)
     time_limit_s: float = 0.0  # stop, save, exit 75 before this many seconds from train.py's start (SLURM_JOB_END_TIME wins)
     dist_timeout_s: float = 1800.0  # collective timeout of the training process group (NCCL watchdog)
@@ -136,7 +138,12 @@ def _build_parser() -> argparse.ArgumentParser:
         if f.name == "stages":
             continue
         tp = hints[f.name]
-        if tp in (bool, bool | None):
+        if f.name in AUTO_OR_BOOL:  # --async_save (true), --no-async_save (false), --async_save auto|true|false
+            p.add_argument(f"--{f.name}", nargs="?", const=True, default=argparse.SUPPRESS)
+            p.add_argument(f"--no-{f.name}", dest=f.name, action="store_false", default=argparse.SUPPRESS)
+        elif f.name in AUTO_OR_NUMBER:
+            p.add_argument(f"--{f.name}", default=argparse.SUPPRESS)  # checked by validate
+        elif tp in (bool, bool | None):
             p.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
         else:
             p.add_argument(f"--{f.name}", type=_flag_type(tp), default=argparse.SUPPRESS)
@@ -221,9 +228,8 @@ def validate(cfg: Config) -> None:
     if cfg.logits_tile_mb < 0:
         raise ValueError(f"--logits_tile_mb {cfg.logits_tile_mb}: use MiB of fp32 logits per tile (> 0), or 0 for "
                          "the default (1024; under memory_features auto 1/64 of the memory budget)")
-    if cfg.save_interval_minutes < 0:
-        raise ValueError(f"--save_interval_minutes {cfg.save_interval_minutes}: use 0 (off) or a positive number of "
-                         "minutes (the work a crash may lose)")
+    cfg.save_interval_minutes = interval_setting(cfg.save_interval_minutes)
+    cfg.async_save = auto_or_bool(cfg.async_save, "--async_save", "on for a GPU run whose host memory fits the snapshot")
     if cfg.save_steps < 0:
         raise ValueError(f"--save_steps {cfg.save_steps}: use 0 (end and preemption only) or a positive interval")
     if cfg.time_limit_s < 0 or cfg.dist_timeout_s <= 0:
@@ -239,6 +245,37 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"eval: {cfg.eval!r}: use true or false at the top level (a stage's settings go in its "
                          "eval: block, the run's in eval_heldout_samples, eval_tasks, eval_depths, ...)")
     run_eval(cfg)  # a bad eval_* value: one line now
+
+
+AUTO_OR_BOOL = ("async_save",)  # auto | true | false (a recipe's bool, a flag's text)
+AUTO_OR_NUMBER = ("save_interval_minutes",)
+
+
+def auto_or_bool(value, where: str, auto: str) -> bool | str:
+    """`auto`, or a bool (a flag arrives as text: true/false, yes/no, on/off, 1/0); `auto` says what auto does."""
+    if isinstance(value, str):
+        value = {"auto": "auto", "true": True, "yes": True, "on": True, "1": True,
+                 "false": False, "no": False, "off": False, "0": False}.get(value.strip().lower(), value)
+    if value == "auto" or isinstance(value, bool):
+        return value
+    raise ValueError(f"{where} {value!r}: use auto ({auto}), true or false")
+
+
+def interval_setting(value) -> float | str:
+    """`save_interval_minutes`: auto or minutes >= 0 (0: off); a flag arrives as text."""
+    given = value
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+        return float(value)
+    value = given
+    raise ValueError(f"--save_interval_minutes {value!r}: use auto (10 minutes, longer where a save blocks the steps "
+                     "> 1% of it), 0 (off) or a positive number of minutes (the work a crash may lose)")
 
 
 def cp_setting(value, where: str) -> int | str:

@@ -20,7 +20,11 @@ first step. Each is measured the first time it runs; until then an evaluation co
 as nothing (the first build is at the job's start).
 
 Saves bounded by time (`save_interval_minutes`): rank 0's clock alone says when the interval has passed, and
-its vote travels in the same all-reduce, so every rank saves the same step.
+its vote travels in the same all-reduce, so every rank saves the same step. `auto` (the default) is 10 minutes of
+lost work at most, stretched where the last save blocked the steps more than 1% of the interval (rank 0's
+measurement, rank 0's decision): 100 x the blocked seconds. An asynchronous save blocks ~1 s (0.8 s projected for
+Llama-3-8B on 32 ranks): every 10 minutes at ~0.2%. A synchronous one blocks for its whole write (95 s projected):
+every 158 minutes, where every 10 minutes would cost 16% (docs/checkpoints.md). Until a save is measured, 10 minutes.
 
 Where the flag is checked (train.py): after every step, after every save and evaluation, and before a stage
 builds its engine; each check is one all-reduce of two numbers (MAX over ranks: stop, save due), so every
@@ -37,6 +41,8 @@ from base import comm
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 SAVE_GUESS_S = 300.0  # before the first measured save (Llama-3-8B, 32 ranks: ~100 GB at a few GB/s)
+AUTO_SAVE_EVERY_S = 600.0  # save_interval_minutes auto: lost work <= 10 minutes ...
+MAX_SAVE_OVERHEAD = 0.01  # ... unless the saves would then block the steps > 1% of the time
 MARGIN_S = 30.0
 
 
@@ -78,14 +84,21 @@ class Deadline:
         return (self.end - (time.time() if now is None else now)) < self.needed_s(ahead_s)
 
 
+def auto_save_every_s(blocked_s: float | None) -> float:
+    """`save_interval_minutes: auto` in seconds, from the last save's blocked time (None: none measured yet)."""
+    return AUTO_SAVE_EVERY_S if blocked_s is None else max(AUTO_SAVE_EVERY_S, blocked_s / MAX_SAVE_OVERHEAD)
+
+
 class PreemptionFlag:
-    def __init__(self, stop_file: str | None = None, deadline: Deadline | None = None, save_every_s: float = 0.0):
+    def __init__(self, stop_file: str | None = None, deadline: Deadline | None = None,
+                 save_every_s: float | str = 0.0):
         self.received: int | str | None = None  # what this rank saw
         self.stopping = False  # what all ranks agreed at the last check
         self.save_due = False  # ... and whether save_every_s has passed since the last save (rank 0's clock)
         self.stop_file = stop_file
         self.deadline = deadline or Deadline()
-        self.save_every_s = save_every_s
+        self.auto_interval = save_every_s == "auto"
+        self.save_every_s = auto_save_every_s(None) if self.auto_interval else float(save_every_s)
         self._last_save = time.monotonic()
         self._previous = {}
 
@@ -110,10 +123,14 @@ class PreemptionFlag:
         self.stopping, self.save_due = bool(votes[0].item()), bool(votes[1].item())
         return self.stopping
 
-    def saved(self) -> None:
-        """A checkpoint was committed: the save interval starts again."""
+    def saved(self, blocked_s: float | None = None) -> None:
+        """A save was made (committed, or snapshotted for a background write): the save interval starts again.
+        `blocked_s`: how long it held the steps, for the `auto` interval (rank 0's reading decides, as `due` does;
+        None: keep the last measurement, for a save unlike the periodic ones, e.g. a stage's synchronous end)."""
         self._last_save = time.monotonic()
         self.save_due = False
+        if self.auto_interval and blocked_s is not None:
+            self.save_every_s = auto_save_every_s(blocked_s)
 
     def uninstall(self) -> None:
         for s, h in self._previous.items():

@@ -202,10 +202,12 @@ def _by_host(reports: list[dict]) -> dict[str, list[dict]]:
 
 
 def host_need(cfg: Config, stages: list[Stage], world: int, bf16: bool, configs: list[dict], arch,
-              cpu_run: bool) -> dict | None:
+              cpu_run: bool, async_save: bool | None = None) -> dict | None:
     """What the run holds in host memory per rank at its most demanding stage, from the planner (None when it
     cannot read the model's shape): the ZeRO-3 offloaded states and checkpoints, and on a CPU run everything.
-    `arch`: the model's (text) config; `configs`: each stage's DeepSpeed config (check_stage_configs)."""
+    `arch`: the model's (text) config; `configs`: each stage's DeepSpeed config (check_stage_configs);
+    `async_save`: count the background saves' host copy (None: as `cfg.async_save` is set to true)."""
+    async_save = cfg.async_save is True if async_save is None else async_save
     from planner.memory_model import ModelShape, estimate
     from training.summary import run_features
 
@@ -214,7 +216,7 @@ def host_need(cfg: Config, stages: list[Stage], world: int, bf16: bool, configs:
         try:
             shape = ModelShape.from_config(arch.to_dict())
             est = estimate(shape, s.max_seq_length, s.sp, world, run_features(cfg, ds, s), "bf16" if bf16 else "fp32",
-                           cp=s.cp if isinstance(s.cp, int) else 1, async_save=cfg.async_save)
+                           cp=s.cp if isinstance(s.cp, int) else 1, async_save=async_save)
         except ValueError:  # a shape the planner cannot read: no plan to check against (the plan lines say so)
             return None
         held = sum(est.cpu_per_rank.values()) + (est.gpu_peak if cpu_run else 0)
@@ -229,6 +231,23 @@ def host_need(cfg: Config, stages: list[Stage], world: int, bf16: bool, configs:
             best = {"bytes": held, "pinned": pinned, "stage": f"stage {s.index} ({s.name})",
                     "what": "the whole step (CPU run)" if cpu_run else f"offloaded {what}"}
     return best
+
+
+def auto_async(reports: list[dict], need: dict | None, cpu_run: bool) -> tuple[bool, str]:
+    """`async_save: auto`: on, or off with the line that says why; `need`: host_need with the snapshot counted.
+    Off on a CPU run: its host memory holds the whole step and the writer thread takes cores from it (tests and
+    demos keep their synchronous saves). Off where the planner cannot size the snapshot, or a node's host memory
+    would not hold it (Llama-3-8B on 32 ranks: 3.0 GB per rank, 24 GB per 8-GPU node; planner/memory_model.py)."""
+    force = "--async_save true forces it"
+    if cpu_run:
+        return False, f"async_save auto: off on a CPU run (the background writer would share the step's cores); {force}"
+    if not need:
+        return False, f"async_save auto: off (the planner cannot size the snapshot for this model); {force}"
+    problem = host_memory_problem(reports, need)
+    if problem:
+        return False, f"async_save auto: off, the host copy would not fit: {problem.split(': run fewer')[0]}; {force}"
+    return True, (f"async_save auto: on ({need['stage']} holds {need['bytes'] / GiB:.2f} GiB of host memory per rank "
+                  f"with the snapshot, and every node has it); --async_save false turns it off")
 
 
 # --- the checks ---
@@ -259,14 +278,20 @@ def preflight(cfg: Config, stages: list[Stage], dims: ParallelDims, arch, bf16: 
 
     reports = comm.all_gather_object(report())
 
-    def decide() -> None:
+    def decide() -> bool:
         configs = check_stage_configs(cfg, stages, dims.world, bf16, arch.hidden_size)
-        need = host_need(cfg, stages, dims.world, bf16, configs, arch, no_gpu())
+        cpu_run = no_gpu()
+        on, why = cfg.async_save, None
+        if on == "auto":
+            on, why = auto_async(reports, host_need(cfg, stages, dims.world, bf16, configs, arch, cpu_run, True),
+                                 cpu_run)
+        need = host_need(cfg, stages, dims.world, bf16, configs, arch, cpu_run, on)
         problem = lock_problem(reports) or host_memory_problem(reports, need)
         if problem:
             raise ValueError(problem)
-        warning = memlock_warning(reports, need)
-        if warning:
-            print0(warning)
+        for line in (memlock_warning(reports, need), why):
+            if line:
+                print0(line)
+        return on
 
-    comm.run_on_main(decide)
+    cfg.async_save = comm.run_on_main(decide)  # rank 0's decision on every rank (`auto` resolved)

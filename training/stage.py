@@ -160,7 +160,9 @@ def _save(run: Run, engine, stage, hf_config, state: TrainState, sampler, at_end
     path = run.ckpt.save(engine, state.step, {**state.state_dict(), **meta},
                          {"sampler": sampler.state_dict(), "rng": rng_state()}, hf_config,
                          stage_end=f"STAGE_{stage.index}_{stage.name}" if at_end else None, background=background)
-    run.preempt.saved()  # the save interval starts at the snapshot: lost work <= interval + one background write
+    # the save interval starts at the snapshot (lost work <= interval + one background write); `auto` sizes it
+    # from what this save blocked, when it is of the kind the interval makes (a stage's end under async is not)
+    run.preempt.saved(time.perf_counter() - t0 if background == run.cfg.async_save else None)
     if path is not None:
         _committed(run, state, (path, time.perf_counter() - t0))
     else:

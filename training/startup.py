@@ -104,4 +104,9 @@ def stop_flag(cfg: Config, dims: ParallelDims, started: float) -> PreemptionFlag
     if dims.is_main and os.path.exists(stop_file):
         os.remove(stop_file)  # the request that stopped the previous job has been honoured
     comm.barrier()
-    return PreemptionFlag(stop_file, Deadline(cfg.time_limit_s, now=started), 60 * cfg.save_interval_minutes).install()
+    return PreemptionFlag(stop_file, Deadline(cfg.time_limit_s, now=started), save_every_s(cfg)).install()
+
+
+def save_every_s(cfg: Config) -> float | str:
+    """`save_interval_minutes` in seconds for the flag (0: off), or `auto` (training/preemption.py)."""
+    return cfg.save_interval_minutes if cfg.save_interval_minutes == "auto" else 60 * cfg.save_interval_minutes
