@@ -92,7 +92,7 @@ class Config:
     output_dir: str = "checkpoints/run"
     save_steps: int = 0  # 0: save only at the end and on preemption
     save_interval_minutes: float | str = "auto"  # also save once this long has passed since the last save (rank 0's
-    # clock); 0: off; auto: 10 minutes, longer where the last save blocked the steps > 1% of it (training/preemption.py)
+    # clock); 0: off; auto: 9 minutes, longer where the last save blocked the steps > 1% of it (training/preemption.py)
     save_total_limit: int = 2  # never fewer than 2 kept
     async_save: bool | str = "auto"  # only the snapshot (a copy in host memory) blocks the steps; a thread writes it and
     # the checkpoint commits at the first step boundary where every rank's write is durable (docs/checkpoints.md);
@@ -274,7 +274,7 @@ def interval_setting(value) -> float | str:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
         return float(value)
     value = given
-    raise ValueError(f"--save_interval_minutes {value!r}: use auto (10 minutes, longer where a save blocks the steps "
+    raise ValueError(f"--save_interval_minutes {value!r}: use auto (9 minutes, longer where a save blocks the steps "
                      "> 1% of it), 0 (off) or a positive number of minutes (the work a crash may lose)")
 
 

@@ -20,11 +20,12 @@ first step. Each is measured the first time it runs; until then an evaluation co
 as nothing (the first build is at the job's start).
 
 Saves bounded by time (`save_interval_minutes`): rank 0's clock alone says when the interval has passed, and
-its vote travels in the same all-reduce, so every rank saves the same step. `auto` (the default) is 10 minutes of
-lost work at most, stretched where the last save blocked the steps more than 1% of the interval (rank 0's
-measurement, rank 0's decision): 100 x the blocked seconds. An asynchronous save blocks ~1 s (0.8 s projected for
-Llama-3-8B on 32 ranks): every 10 minutes at ~0.2%. A synchronous one blocks for its whole write (95 s projected):
-every 158 minutes, where every 10 minutes would cost 16% (docs/checkpoints.md). Until a save is measured, 10 minutes.
+its vote travels in the same all-reduce, so every rank saves the same step. `auto` (the default) is every 9 minutes
+(a crash loses at most the interval plus one save's write: <= 10 minutes where a rank's checkpoint is written in
+<= 60 s), stretched where the last save blocked the steps more than 1% of the interval (rank 0's measurement,
+rank 0's decision): 100 x the blocked seconds. An asynchronous save blocks ~1 s (0.8 s projected for Llama-3-8B on
+32 ranks): every 9 minutes at ~0.15%. A synchronous one blocks for its whole write (95 s projected): every 158
+minutes, where every 9 would cost 18% (docs/checkpoints.md). Until a save is measured, 9 minutes.
 
 Where the flag is checked (train.py): after every step, after every save and evaluation, and before a stage
 builds its engine; each check is one all-reduce of two numbers (MAX over ranks: stop, save due), so every
@@ -41,7 +42,7 @@ from base import comm
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 SAVE_GUESS_S = 300.0  # before the first measured save (Llama-3-8B, 32 ranks: ~100 GB at a few GB/s)
-AUTO_SAVE_EVERY_S = 600.0  # save_interval_minutes auto: lost work <= 10 minutes ...
+AUTO_SAVE_EVERY_S = 540.0  # save_interval_minutes auto: lost work <= 9 min + one write (<= 10 min) ...
 MAX_SAVE_OVERHEAD = 0.01  # ... unless the saves would then block the steps > 1% of the time
 MARGIN_S = 30.0
 
