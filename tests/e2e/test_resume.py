@@ -156,3 +156,31 @@ def test_resume_with_a_stale_listing_on_one_rank(assets, tmp_path, reference_run
     assert sorted(got) == list(range(1, 9))
     for s in ref:
         assert abs(got[s] - ref[s]) <= 1e-6 * abs(ref[s]), (s, got[s], ref[s])
+
+
+@pytest.mark.slow  # ~3 launches (reference, 2 ranks, 1 rank) ~120 s; the synchronous case: multiproc/test_topology.py
+def test_background_checkpoint_resumes_at_another_world_size(assets, tmp_path, reference_runs):
+    """Issue 35, a regression guard: a checkpoint written in the background (`--async_save`, 2 ranks, SP 2) and the
+    job SIGKILLed after it committed resumes on 1 rank: converted to a universal checkpoint (weights and Adam
+    moments), then the losses continue as the uninterrupted 2-rank run's (same DP degree, so the same data order;
+    1e-4: reduction order). The async files are byte-identical to synchronous ones by design, so this passed on the
+    code before the defaults too; it fails if a background write ever leaves out or reorders what conversion reads."""
+    out = tmp_path / "out"
+    ck = out / "checkpoints"
+    async_args = ["--async_save", "--save_steps", "2"]
+    procs = spawn(TRAIN, train_args(assets, out, 2, extra=async_args), 2, str(tmp_path / "l1"))
+    wait_for(lambda: (ck / "step_000004" / "MANIFEST.json").exists(), every=0.005)  # step 4 committed
+    for p in procs:
+        p.send_signal(signal.SIGKILL)
+    wait(procs, str(tmp_path / "l1"))
+    said = (tmp_path / "l1" / "rank0.log").read_text()
+    run(TRAIN, train_args(assets, out, 1, extra=async_args), 1, str(tmp_path / "l2"))
+    log = (tmp_path / "l2" / "rank0.log").read_text()
+    assert "converting it to a DeepSpeed universal checkpoint" in log, log[-3000:]
+    k = int(log.split(f"resuming from {ck}/step_")[1][:6])
+    assert k in (4, 6) and f"snapshot of step {k} " in said  # what it resumed from was written in the background
+    assert "writing in the background" in log  # and the 1-rank run saves in the background too
+    got, ref = losses(out), reference_runs[(2, 2, 1)]
+    assert sorted(got) == list(range(1, 9))
+    for s in range(k + 1, 9):
+        assert abs(got[s] - ref[s]) <= 1e-4 * abs(ref[s]), (s, got[s], ref[s])
