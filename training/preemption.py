@@ -75,9 +75,19 @@ class Deadline:
         """A stage evaluation's time: measured, else one step's (a few forward passes at the stage's length)."""
         return self.step_s if self.eval_s is None else self.eval_s
 
+    def saving_s(self) -> float:
+        """A save's time: the longest measured (a background one: snapshot to commit), else SAVE_GUESS_S."""
+        return SAVE_GUESS_S if self.save_s is None else self.save_s
+
+    def ahead_s(self, stage_ends: bool, write_in_flight: bool) -> float:
+        """Work after a step, before the next check, beyond the step and the stop's own save: the stage's
+        evaluation when the step ends the stage, and a background write in flight (the stop's save waits for it;
+        before the first one commits, nothing is measured: SAVE_GUESS_S stands in, as for the stop's save)."""
+        return (self.evaluation_s() if stage_ends else 0.0) + (self.saving_s() if write_in_flight else 0.0)
+
     def needed_s(self, ahead_s: float = 0.0) -> float:
         """One step, one save, the margin, and `ahead_s` of other work before the next check."""
-        return self.step_s + (SAVE_GUESS_S if self.save_s is None else self.save_s) + MARGIN_S + ahead_s
+        return self.step_s + self.saving_s() + MARGIN_S + ahead_s
 
     def near(self, now: float | None = None, ahead_s: float = 0.0) -> bool:
         if self.end is None:

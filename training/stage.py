@@ -88,9 +88,7 @@ def train_stage(run: Run, stage, stages, state: TrainState) -> None:
         _log_step(run, stage, sdims, state, out, lr, sampler)
         _committed(run, state, run.ckpt.poll())  # a background save whose writes are durable on every rank
         # a background write still running must finish before the stop's own save: its time counts as one save more
-        ahead = (preempt.deadline.evaluation_s() if state.step + 1 >= end else 0.0) + (
-            (preempt.deadline.save_s or 0.0) if run.ckpt.pending else 0.0)
-        stopping = preempt.agreed(ahead_s=ahead)
+        stopping = preempt.agreed(ahead_s=preempt.deadline.ahead_s(state.step + 1 >= end, run.ckpt.pending is not None))
         at_end = state.step == end
         if stopping or at_end or (cfg.save_steps and state.step % cfg.save_steps == 0) or preempt.save_due:
             _save(run, engine, stage, hf_config, state, sampler, at_end)

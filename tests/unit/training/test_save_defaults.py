@@ -13,7 +13,15 @@ from base.parallel import ParallelDims
 from training import preflight
 from training.config import parse_config
 from training.curriculum import resolve_stages
-from training.preemption import AUTO_SAVE_EVERY_S, MAX_SAVE_OVERHEAD, PreemptionFlag, auto_save_every_s
+from training.preemption import (
+    AUTO_SAVE_EVERY_S,
+    MARGIN_S,
+    MAX_SAVE_OVERHEAD,
+    SAVE_GUESS_S,
+    Deadline,
+    PreemptionFlag,
+    auto_save_every_s,
+)
 from training.startup import save_every_s
 
 GiB = 2**30
@@ -118,3 +126,18 @@ def test_preflight_resolves_auto_into_the_config(monkeypatch, capsys):
         assert cfg.async_save is want, (setting, available)
         said = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("async_save auto")]
         assert len(said) == (setting == "auto") and (not said or said[0].startswith(f"async_save auto: {'on' if want else 'off'}"))
+
+
+def test_time_limit_counts_a_background_write_in_flight():
+    """A stop with a background write in flight saves after that write: the time-limit stop reserves one save more,
+    the measured one (snapshot to commit), or SAVE_GUESS_S before the first background save commits (it was 0)."""
+    d = Deadline(time_limit_s=2000, now=0)
+    d.record_step(40)
+    assert d.ahead_s(stage_ends=False, write_in_flight=False) == 0
+    first = d.ahead_s(stage_ends=False, write_in_flight=True)
+    assert first == SAVE_GUESS_S  # nothing measured yet: the write in flight is not free
+    assert d.near(now=2000 - (40 + 2 * SAVE_GUESS_S + MARGIN_S) + 1, ahead_s=first)
+    d.record_save(100)  # that write committed after 100 s
+    d.record_eval(7)
+    assert d.ahead_s(stage_ends=True, write_in_flight=True) == 7 + 100
+    assert d.ahead_s(stage_ends=True, write_in_flight=False) == 7
