@@ -74,7 +74,7 @@ def main() -> int:
         # snapshot's host memory is reused from step 2's, as in a long run), step 6 ends the stage
         sync_out, async_out = os.path.join(tmp, "sync"), os.path.join(tmp, "async")
         try:
-            sync_log = train(sync_out, 6)
+            sync_log = train(sync_out, 6, "--no-async_save")  # explicit: the default (auto) is on for a GPU run
             async_log = train(async_out, 6, "--async_save")
         except RuntimeError as e:
             print(e)
