@@ -36,6 +36,8 @@ def run_train(args, tmp_path):
                  "context_parallel_size=3 does not divide sequence_parallel_size=1: use one of [1] or auto",
                  marks=pytest.mark.slow),
     ('{"input_ids": [5, 6, 7]}\n', ["--context_parallel_size", "two"], "use auto or an integer"),
+    pytest.param('{"input_ids": [5, 6, 7]}\n', ["--async_save", "maybe"], "--async_save 'maybe': use auto",
+                 marks=pytest.mark.slow),  # the save defaults (issue 35): test_save_defaults
 ])
 def test_one_line_errors(tmp_path, make, args, match):
     data = tmp_path / "data.jsonl"
