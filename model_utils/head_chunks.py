@@ -11,7 +11,9 @@ planner's terms: planner/attention_sp.py; the exact bytes: tests/unit/planner/te
 The whole chunk loop is one autograd Function (`_Chunked`), so backward also runs chunk by chunk. What a finished
 chunk leaves alive for backward, by design: the attention KERNEL's outputs of that chunk (its output [bs, hc/u, S,
 d] and fp32 log-sum-exp [bs, hc/u, S]: ~1/n of a [T, nh*d] tensor per chunk, ~1 [T, h] for the layer) and nothing
-else; the layer input x (shared by all chunks, already kept by the norm before it) and the RoPE cos/sin. Backward,
+else; the layer input x (shared by all chunks) and the RoPE cos/sin. When x is the lean RMSNorm's output, what that
+norm keeps (its input and 1/rms) stands for x, and backward recomputes x from it (model_utils/rmsnorm.py): no
+[T, h] of x is kept by the layer's attention at all. Backward,
 per chunk: recompute the chunk's projections and all-to-all, answer the kernel from its saved outputs (no second
 attention forward: the quadratic part), run the chunk's own backward, and accumulate dx and the weight gradients in
 place (addmm_): no [T, h] tensor per chunk. Costs against unchunked attention: the chunk's projections and the q/k/v
@@ -37,6 +39,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
+from model_utils.rmsnorm import norm_source, renorm
 from planner.attention_sp import check_head_chunks, chunk_heads
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -163,7 +166,11 @@ class _Chunked(torch.autograd.Function):
         tensors = [t for t in kept if isinstance(t, torch.Tensor)]
         ctx.plan, ctx.layouts, ctx.params = plan, layouts, params
         ctx.others = [t for t in kept if not isinstance(t, torch.Tensor)]
-        ctx.save_for_backward(x, *tensors)
+        # x is the input norm's output: when that norm is the lean one, keep what it keeps already (its input and
+        # 1/rms) and recompute x in backward, not a [T, h] copy of its own (model_utils/rmsnorm.norm_source)
+        source = norm_source(x)
+        ctx.x_shape, ctx.renorm = x.shape, source is not None
+        ctx.save_for_backward(*(source if source is not None else (x,)), *tensors)
         return out
 
     @staticmethod
@@ -171,7 +178,12 @@ class _Chunked(torch.autograd.Function):
         from model_utils.memory import attention_ops
 
         plan = ctx.plan
-        x, *tensors = ctx.saved_tensors
+        if ctx.renorm:  # the layer input's norm output, recomputed (bitwise equal): one [T, h] while backward runs
+            xr, w, rstd, *tensors = ctx.saved_tensors
+            x = renorm(xr, w, rstd).view(ctx.x_shape)
+            del xr, w, rstd
+        else:
+            x, *tensors = ctx.saved_tensors
         tensors.reverse()
         others = list(reversed(ctx.others))
         W = {n: p.detach() for n, p in zip(plan.names, ctx.params)}

@@ -19,6 +19,7 @@ OLMo-2's cast order) are left as they are.
 from __future__ import annotations
 
 import types
+import weakref
 
 import torch
 
@@ -49,7 +50,9 @@ class LeanRMSNormFunction(torch.autograd.Function):
             rstd[s:s + step] = r.squeeze(-1)
             torch.mul(weight, (xf * r).to(x.dtype), out=out[s:s + step])
         ctx.save_for_backward(x, weight, rstd)
-        return out.view(*x.shape[:-1], h)
+        out = out.view(*x.shape[:-1], h)
+        _remember(out, x, weight, rstd)
+        return out
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
@@ -68,6 +71,61 @@ class LeanRMSNormFunction(torch.autograd.Function):
             # d/dx of x * rsqrt(mean(x^2) + eps) applied to dn: rstd * (dn - n * mean(dn * n))
             dx[s:s + step] = (rstd[s:s + step, None] * (dn - n * (dn * n).mean(-1, keepdim=True))).to(x.dtype)
         return dx.view(x.shape), None if dw is None else dw.to(weight.dtype), None
+
+
+# ---- the norm's output, recomputed by its consumer --------------------------------------------------------------
+# A lean norm already keeps its input and 1/rms for its own backward, and its output is bitwise a function of them.
+# A consumer that would save the output for its backward (model_utils/head_chunks.py's chunked attention,
+# model_utils/memory.py's tiled MLP) saves those instead and recomputes the output there: one [T, h] tensor fewer
+# kept per norm (Llama-3-8B at 1M tokens on one GPU: 8 GiB per norm, 16 GiB per layer), for one elementwise pass
+# over [T, h] in backward (under 0.1% of a layer's FLOPs). The consumers receive the output through ZeRO-3's and
+# the module hooks' wrappers (detach, identity Functions): aliases of the same memory, so the output is known by
+# its storage, offset, shape and strides while that storage is alive and the output unmodified (its version
+# counter, shared by every alias).
+
+_OUTPUTS: dict = {}  # (device, storage pointer, offset, shape, strides, dtype) -> (weakref to the output's storage,
+# its version, x, weight, rstd)
+
+
+def _key(t: torch.Tensor) -> tuple:
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def _remember(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -> None:
+    # A weak reference to the output's STORAGE (torch keeps one Python object per live storage, the same through
+    # every alias; ZeRO-3's module hooks replace the output tensor itself by a detached alias at once): the entry,
+    # which holds the norm's own saved x and 1/rms, goes when the output's memory does, never later.
+    key = _key(out)
+    ref = weakref.ref(out.untyped_storage(),
+                      lambda r, key=key: _OUTPUTS.pop(key) if _OUTPUTS.get(key, (None,))[0] is r else None)
+    # the weight's values as they are now (gathered, inside the norm's forward): ZeRO-3 may release the parameter
+    # before the consumer's backward whatever its persistence threshold (h elements: 8 KiB per norm for Llama-3-8B)
+    _OUTPUTS[key] = (ref, out._version, x, weight.detach().clone(), rstd)
+
+
+def norm_source(t: torch.Tensor):
+    """(x, weight values, rstd) when `t` is (an alias of) a live, unmodified lean RMSNorm output; else None (the
+    consumer saves `t` itself). The weight is a copy of its values at the norm's forward, so a ZeRO-3 parameter
+    released since (a CPU run showed it: size 0 in the consumer's backward) does not matter."""
+    entry = _OUTPUTS.get(_key(t)) if isinstance(t, torch.Tensor) else None
+    if entry is None or entry[0]() is not t.untyped_storage() or t._version != entry[1]:
+        return None
+    return entry[2:]
+
+
+def renorm(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, start: int = 0, stop: int | None = None):
+    """Rows [start, stop) of the norm's output, [rows, h], bitwise equal to what its forward returned (the same
+    elementwise ops on the same values; 1/rms is the saved one, no reduction is rerun)."""
+    h = x.shape[-1]
+    x2 = x.detach().reshape(-1, h)
+    stop = x2.shape[0] if stop is None else stop
+    out = torch.empty((stop - start, h), dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    step = norm_chunk_rows(x2.shape[0], h)
+    with torch.no_grad():
+        for s in range(start, stop, step):
+            e = min(s + step, stop)
+            torch.mul(weight, (x2[s:e].to(torch.float32) * rstd[s:e, None]).to(x.dtype), out=out[s - start:e - start])
+    return out
 
 
 def _lean_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:

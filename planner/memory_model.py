@@ -178,6 +178,13 @@ def layer_activations(shape: ModelShape, tokens: int, sp: int, b: int, tiled_mlp
     mlp_kept = 3 if lean_mlp else 4  # gate, up, act(gate) (not with lean_mlp), act*up
     mlp_saved = 0 if tiled_mlp else mlp_kept * tokens * inter * b
     saved = 2 * norm_saved(tokens, h, b, lean_norm) + o_back + attn_io + lse + mlp_saved  # the residual stream: in the norms
+    # A lean norm's output is recomputed by the consumers that can (model_utils/rmsnorm.norm_source), so it is not
+    # kept: chunked attention recomputes it whole in its backward (1 [T, h], in the place of the post-attention
+    # norm's saved input, which that norm's backward has released by then: no net term), the tiled MLP one tile's
+    # rows at a time. Llama-3-8B at 1M tokens on one GPU: 16 GiB less per layer's working set.
+    renorm_attn = lean_norm and chunks > 1
+    renorm_mlp = lean_norm and tiled_mlp
+    saved -= (renorm_attn + renorm_mlp) * hid
     if chunks > 1:  # head chunks (attention_sp.chunked_attention_bytes): only the kernel outputs stay for backward
         chunk_saved, chunk_transient = chunked_attention_bytes(shape, tokens, sp, b, cp, chunks)
         saved += chunk_saved - (o_back + attn_io + lse)
@@ -196,6 +203,8 @@ def layer_activations(shape: ModelShape, tokens: int, sp: int, b: int, tiled_mlp
     mlp_grads = ((mlp_kept + (3 if lean_mlp else 2)) if tiled_mlp else 2) * rows * inter * b
     if tiled_mlp:  # + DeepSpeed TiledMLP's x_grad, zeros_like the whole [T, h] input, filled tile by tile (profiler:
         mlp_grads += hid  # TiledMLPBackward set the peak 1u above the old term once chunked attention no longer did)
+        if renorm_mlp:  # the tile's input rows, recomputed (the norm's fp32 temporaries, a few rows each, are gone
+            mlp_grads += rows * h * b  # before the tile's MLP runs; profiler, bf16 gqa + checkpointing: 1.077)
     # RMSNorm's backward runs in fp32 whatever the dtype: HF's holds five [T, h] fp32 temporaries (mul, mean, pow,
     # 2 muls: measured with the profiler's allocation events); the lean one, its dx and five fp32 temporaries of
     # one chunk of rows. By then the MLP's saved tensors are already freed.

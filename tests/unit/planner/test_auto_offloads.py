@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from planner import auto_features as af
-from planner.memory_model import Features, GiB
+from planner.memory_model import Features, GiB, logits_tile_bytes
 from tests.unit.planner.test_auto_features import OFF, SHAPE, SL, WORLD, budget_for, cands
 from training.config import Config, StageConfig
 from training.curriculum import resolve_stages
@@ -20,9 +20,15 @@ LEAN = Features(lean_rmsnorm=True, lean_mlp=True)  # no ZeRO offload: what auto 
 
 
 def lean_peak(offloads: Features, sp: int = 2) -> int:
-    """The leanest candidate's predicted peak with these ZeRO offloads."""
-    return min(af.peak_bytes(SHAPE, SL, sp, WORLD, f, offloads, "bf16", "cuda")
-               for f in cands(sp))  # head chunk counts included, as choose tries them
+    """The leanest candidate's predicted peak with these ZeRO offloads, just under the budget that peak needs: head
+    chunk counts included, and tiled logits in the tiles choose sizes from that budget (with the norms' outputs
+    recomputed, the logits phase binds the leanest sets at some budgets, so the tile size moves the peak)."""
+    peak = min(af.peak_bytes(SHAPE, SL, sp, WORLD, f, offloads, "bf16", "cuda") for f in cands(sp))
+    for _ in range(4):  # the tile follows the budget, the budget the peak: a fixed point in a step or two
+        tile = logits_tile_bytes(budget_for(peak) - 2**20) // 2**20
+        peak = min(af.peak_bytes(SHAPE, SL, sp, WORLD, replace(f, logits_tile_mb=tile) if f.tiled_logits else f,
+                                 offloads, "bf16", "cuda") for f in cands(sp))
+    return peak
 
 
 def pick_free(budget: int, **kw) -> af.Choice:

@@ -47,7 +47,8 @@ ALL = {"tiled_mlp", "tiled_logits", "gradient_checkpointing", "offload_activatio
 @pytest.mark.parametrize("name, seq, sp, world, feats, peak, eval_peak, phases", [
     # (gpu_peak, eval_gpu_peak, sum of the phases) of the planner before hybrid SP (commit 55b6348), bf16, 8/node
     ("llama3-8b", 131072, 8, 32, {}, 141860931584, 10330703872, 28233204224),
-    ("llama3-8b", 2**20, 32, 32, dict.fromkeys(ALL, True), 8580382976, 7689879808, 8525316096),
+    # -T*h*b (256 MiB at 32k tokens per rank): the tiled MLP recomputes its lean norm's output (issue 33, 2026-11-27)
+    ("llama3-8b", 2**20, 32, 32, dict.fromkeys(ALL, True), 8311947520, 7689879808, 8256880640),
     ("qwen2.5-7b", 262144, 4, 32, {"gradient_checkpointing": True, "keep_attention": True, "tiled_logits": True},
      53824883456, 15031765760, 27118017216),
     ("tiny-llama", 4096, 4, 4, {"tiled_mlp": True}, 38775296, 35334656, 32639616),  # +T*h*b: TiledMLP x_grad (issue 33)
