@@ -25,6 +25,7 @@ from tests.workers.parity import run_case  # noqa: E402
 
 STATS: dict = {}
 _tiled_mlp, _tiled_ce, _to_host = memory.TiledMLP, tiled_loss.TiledCrossEntropySum, memory._to_host
+_norm_tiled_mlp = memory.NormTiledMLP
 
 
 class _SpyTiledMLP:
@@ -32,6 +33,14 @@ class _SpyTiledMLP:
     def apply(fn, mlp, x, shards, params):
         STATS["mlp_tiles"].add(shards)
         return _tiled_mlp.apply(fn, mlp, x, shards, params)
+
+
+class _SpyNormTiledMLP:  # the tiled MLP that recomputes its lean norm's output (model_utils/rmsnorm.norm_source)
+    @staticmethod
+    def apply(fn, mlp, x, shards, params, source):
+        STATS["mlp_tiles"].add(shards)
+        STATS["mlp_renorm"] += 1
+        return _norm_tiled_mlp.apply(fn, mlp, x, shards, params, source)
 
 
 class _SpyTiledCE:
@@ -77,12 +86,13 @@ def _copying_to_host(t: torch.Tensor):
 
 if __name__ == "__main__":
     memory.TiledMLP, tiled_loss.TiledCrossEntropySum, memory._to_host = _SpyTiledMLP, _SpyTiledCE, _copying_to_host
+    memory.NormTiledMLP = _SpyNormTiledMLP
     hf_modeling.checkpoint = _counting_checkpoint  # what activation_checkpointing_enable hands the layers
     PartitionedParameterCoordinator.fetch_sub_module, memory._tile_mlps = _counting_fetch, _marking_tile_mlps
     for case in json.loads(sys.argv[1]):
         for name, value in case.pop("knobs").items():
             setattr(memory if hasattr(memory, name) else tiled_loss, name, value)
-        STATS.update(mlp_tiles=set(), logits_tiles=set(), offloaded=0, checkpointed=0, mlp_fetches=0,
+        STATS.update(mlp_tiles=set(), mlp_renorm=0, logits_tiles=set(), offloaded=0, checkpointed=0, mlp_fetches=0,
                      projection_fetches=0)
         kept = dict(memory.KEPT)
         run_case(case, case["sequence_parallel_size"])
