@@ -188,7 +188,7 @@ def _gated_mlp(mlp, x: torch.Tensor) -> torch.Tensor:
     return mlp._untiled_forward(x)  # HF's forward or the lean one (model_utils/mlp.py)
 
 
-class NormTiledMLP(TiledMLP):
+class NormTiledMLP(torch.autograd.Function):
     """DeepSpeed's TiledMLP for an input that is a lean RMSNorm's output: the same forward and gradients, but it
     keeps what the norm keeps (its input and 1/rms, model_utils/rmsnorm.norm_source) instead of the input itself,
     and its backward recomputes each tile's input rows from them (bitwise equal). One [T, h] tensor fewer kept per

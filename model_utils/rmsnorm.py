@@ -48,7 +48,7 @@ class LeanRMSNormFunction(torch.autograd.Function):
             xf = x2[s:s + step].to(torch.float32)
             r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
             rstd[s:s + step] = r.squeeze(-1)
-            torch.mul(weight, (xf * r).to(x.dtype), out=out[s:s + step])
+            _output_rows(xf, r, weight, x.dtype, out[s:s + step])
         ctx.save_for_backward(x, weight, rstd)
         out = out.view(*x.shape[:-1], h)
         _remember(out, x, weight, rstd)
@@ -124,8 +124,14 @@ def renorm(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, start: int
     with torch.no_grad():
         for s in range(start, stop, step):
             e = min(s + step, stop)
-            torch.mul(weight, (x2[s:e].to(torch.float32) * rstd[s:e, None]).to(x.dtype), out=out[s - start:e - start])
+            _output_rows(x2[s:e].to(torch.float32), rstd[s:e, None], weight, x.dtype, out[s - start:e - start])
     return out
+
+
+def _output_rows(xf: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, out: torch.Tensor):
+    """w * (x_fp32 * 1/rms).to(dtype) into `out`: the forward's output rows, and renorm's (one op sequence for both,
+    so the recomputed output is the forward's bit for bit)."""
+    torch.mul(weight, (xf * r).to(dtype), out=out)
 
 
 def _lean_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
