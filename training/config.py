@@ -263,17 +263,16 @@ def auto_or_bool(value, where: str, auto: str) -> bool | str:
 
 def interval_setting(value) -> float | str:
     """`save_interval_minutes`: auto or minutes >= 0 (0: off); a flag arrives as text."""
-    given = value
+    number = value
     if isinstance(value, str) and value.strip().lower() == "auto":
         return "auto"
     if isinstance(value, str):
         try:
-            value = float(value)
+            number = float(value)
         except ValueError:
             pass
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
-        return float(value)
-    value = given
+    if isinstance(number, (int, float)) and not isinstance(number, bool) and number >= 0:
+        return float(number)
     raise ValueError(f"--save_interval_minutes {value!r}: use auto (9 minutes, longer where a save blocks the steps "
                      "> 1% of it), 0 (off) or a positive number of minutes (the work a crash may lose)")
 

@@ -281,11 +281,13 @@ def preflight(cfg: Config, stages: list[Stage], dims: ParallelDims, arch, bf16: 
     def decide() -> bool:
         configs = check_stage_configs(cfg, stages, dims.world, bf16, arch.hidden_size)
         cpu_run = no_gpu()
-        on, why = cfg.async_save, None
+        on, why, with_snapshot = cfg.async_save, None, None
         if on == "auto":
-            on, why = auto_async(reports, host_need(cfg, stages, dims.world, bf16, configs, arch, cpu_run, True),
-                                 cpu_run)
-        need = host_need(cfg, stages, dims.world, bf16, configs, arch, cpu_run, on)
+            with_snapshot = host_need(cfg, stages, dims.world, bf16, configs, arch, cpu_run, True)
+            on, why = auto_async(reports, with_snapshot, cpu_run)
+        # the host need of what runs: the one just computed when auto turned the snapshot on
+        need = with_snapshot if on and with_snapshot is not None else host_need(cfg, stages, dims.world, bf16,
+                                                                                 configs, arch, cpu_run, on)
         problem = lock_problem(reports) or host_memory_problem(reports, need)
         if problem:
             raise ValueError(problem)
