@@ -15,11 +15,9 @@ tokens/s = of step 2. The two settings alternate at each length, so the machine'
 alike. The RSS cap is the unchunked run's peak at the second-longest length: the ladder says whether chunking
 reaches the next rung under the memory the unchunked run needed one rung lower.
 
-Not through train.py + ZeRO-3: there `--attention_head_chunks N>1` fails at the first optimizer step on CPU
-(2026-11-26, 2 ranks, SP 2, ZeRO-3 with CPU offloads: `zero_grad: RuntimeError: unknown parameter type`;
-model_utils/head_chunks.py writes the weight gradients into .grad by hand, and ZeRO-3's zero_grad finds them still
-there; returning them through autograd instead fails with a size mismatch, 0 vs 512, against the released
-parameter). Open: see issue 33's report. Until then this bench measures the model path, one rank.
+One rank, the model path (no DeepSpeed engine): what chunking changes in the layer, without ZeRO-3's buffers in the
+RSS. Under train.py + ZeRO-3 chunks once failed at the second step (the leaf module's gradient hook fired before
+the chunked backward; fixed 2026-11-27, docs/attention.md); test_parity checks 3 steps there.
 """
 
 from __future__ import annotations
