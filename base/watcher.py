@@ -47,6 +47,8 @@ import sys
 import threading
 import time
 
+from base.exits import EXIT_PEER_LOST
+
 POLL_S = 2.0  # how often every rank's watcher looks at the store
 STALL_S = 60.0  # a rank whose heartbeat has not advanced this long has failed (killed, hung, node lost)
 LOST_STORE_S = 20.0  # the store unreachable this long: rank 0's process (which hosts it) is gone
@@ -150,7 +152,7 @@ class Watcher:
             if self.store_lost_since is None:
                 self.store_lost_since = now
             if now - self.store_lost_since >= LOST_STORE_S and not self.stopped:
-                self._exit(1, f"stopping: the job's store (hosted by rank 0) has been unreachable for "
+                self._exit(EXIT_PEER_LOST, f"stopping: the job's store (hosted by rank 0) has been unreachable for "
                               f"{now - self.store_lost_since:.0f} s: rank 0 failed or its node was lost "
                               f"({type(e).__name__}: {one_line(e)})", mark=False)
             return
@@ -168,8 +170,8 @@ class Watcher:
             elif now - last[1] >= STALL_S:
                 reason = (f"rank {p} stopped responding: no heartbeat for {now - last[1]:.0f} s "
                           "(killed, hung, or its node was lost)")
-                reason = self.post(reason, 1)
-                self._exit(1, f"stopping: {reason}")
+                reason = self.post(reason, EXIT_PEER_LOST)
+                self._exit(EXIT_PEER_LOST, f"stopping: {reason}")
                 return
 
     def post(self, reason: str, code: int = 1) -> str:

@@ -1,8 +1,9 @@
 """The process around one rank of a training job: exit codes, a world of one without a launcher, and what a rank
 does when it ends, well or not (train.py's last lines: `sys.exit(run_job(main))`).
 
-Exit codes: 0 done, 1 failure (traceback in OUTPUT_DIR/logs/rankN.log), 2 bad input (one line, before any work),
-75 saved after a preemption signal or near the time limit (requeue and `--resume auto`). A failing rank posts its
+Exit codes (base/exits.py has the table): 0 done, 1 failure (traceback in OUTPUT_DIR/logs/rankN.log), 2 bad input
+(one line, before any work), 69 a peer lost (requeue), 75 saved after a preemption signal or near the time limit
+(requeue and `--resume auto`). A failing rank posts its
 failure on the abort channel (base/comm.py) first, so every other rank stops within seconds instead of waiting in
 a collective; every rank records its code where scripts/launch.sh reads it.
 """
@@ -13,7 +14,7 @@ import os
 import sys
 from collections.abc import Callable
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_PREEMPTED = 0, 1, 2, 75  # 75 = EX_TEMPFAIL: "temporary failure, retry later"
+from base.exits import EXIT_FAILED, EXIT_OK, EXIT_PEER_LOST, EXIT_PREEMPTED, EXIT_USAGE  # noqa: F401 -- the table: base/exits.py
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout: "our own code" lives below it
 
 

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from base.exits import EXIT_PEER_LOST
 from tests.distributed import ROOT, spawn, wait
 from tests.runs import TRAIN, losses, train_args, wait_for
 
@@ -106,7 +107,7 @@ def test_a_silent_rank_ends_every_rank(tmp_path, rank):
     took = time.time() - t0
     # the stopped rank, once continued, sees the abort (or the store gone) and leaves too
     codes, _, _ = wait_all(procs, tmp_path, timeout=60)
-    assert other.returncode == 1, (codes, log(tmp_path, 1 - rank)[-3000:])
+    assert other.returncode == EXIT_PEER_LOST, (codes, log(tmp_path, 1 - rank)[-3000:])
     assert codes[rank] not in (None, 0), codes
     assert took < 6 + 30, took
     expect = "stopping: rank 1 stopped responding" if rank == 1 else "stopping: "

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from base import comm, watcher
+from base.exits import EXIT_PEER_LOST
 from tests.distributed import ROOT, run
 
 COLLECTIVE = re.compile(r"\b(all_reduce|all_gather|all_gather_object|all_to_all|all_to_all_single|broadcast|"
@@ -201,9 +202,9 @@ def test_rank0_declares_a_silent_rank_failed_after_stall_s(channel):
         if ex0:
             break
     assert ex0 == [f"stopping: rank 2 stopped responding: no heartbeat for {watcher.STALL_S:.0f} s (killed, hung, or "
-                   "its node was lost)", 1]
+                   "its node was lost)", EXIT_PEER_LOST]
     w1.poll()
-    assert ex1[-1] == 1 and ex1[0].startswith("stopping: rank 2 stopped responding")
+    assert ex1[-1] == EXIT_PEER_LOST and ex1[0].startswith("stopping: rank 2 stopped responding")
 
 
 def test_a_rank_that_left_cleanly_is_never_declared_silent(channel):
@@ -225,7 +226,7 @@ def test_the_others_watch_rank0s_heartbeat(channel):
     w1.poll()
     clock.t += watcher.STALL_S  # rank 0 alive (the store answers) but its heartbeat stalled: a hang
     w1.poll()
-    assert ex1 and ex1[0].startswith("stopping: rank 0 stopped responding") and ex1[-1] == 1
+    assert ex1 and ex1[0].startswith("stopping: rank 0 stopped responding") and ex1[-1] == EXIT_PEER_LOST
 
 
 def test_a_lost_store_stops_a_rank_after_the_grace_only(channel):
@@ -254,7 +255,7 @@ def test_a_lost_store_stops_a_rank_after_the_grace_only(channel):
     assert ex1 == []
     clock.t += 1
     w1.poll()
-    assert ex1[-1] == 1 and "store (hosted by rank 0) has been unreachable for 20 s" in ex1[0], ex1
+    assert ex1[-1] == EXIT_PEER_LOST and "store (hosted by rank 0) has been unreachable for 20 s" in ex1[0], ex1
 
 
 def test_a_stopped_watcher_never_exits_the_process(channel):

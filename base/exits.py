@@ -1,0 +1,19 @@
+"""The exit codes of a rank, a node's launcher and the SLURM job: which kind of end it was, and what follows.
+
+| code | name | kind of end | what scripts/slurm.sbatch does |
+|---|---|---|---|
+| 0 | EXIT_OK | run complete (`OUTPUT_DIR/COMPLETE` written) | done |
+| 1 | EXIT_FAILED | a crash: this rank's own exception (traceback in its rank log) | fail, no requeue |
+| 2 | EXIT_USAGE | bad input: one line, before any work, nothing saved touched | fail, no requeue |
+| 69 | EXIT_PEER_LOST | a peer was lost: a rank's heartbeat stalled, the job's store vanished, a node's launcher died or a rank never arrived at start-up (EX_UNAVAILABLE) | requeue, excluding the lost node where known; resume from the newest complete checkpoint |
+| 75 | EXIT_PREEMPTED | stopped after an agreed save: a signal, the stop file or the time limit (EX_TEMPFAIL) | requeue; resume from that save |
+
+A lost node is a requeue, not a failure: its last complete checkpoint is intact, and Slurm's own node-failure requeue
+comes too late (SlurmdTimeout, 300 s by default, after the job has already ended with the code its survivors gave).
+"""
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_PEER_LOST = 69  # sysexits EX_UNAVAILABLE: a peer (rank, node, the job's store) is unavailable
+EXIT_PREEMPTED = 75  # sysexits EX_TEMPFAIL: "temporary failure, retry later"
