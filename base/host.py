@@ -1,9 +1,12 @@
-"""Readings of this host: the process' own peak memory, the ranks that share this node under whichever launcher
-started them, the CPUs this process may run on, and whether the ranks of each node have the cores they need.
-Torch-free at import (the planner uses it); `check_cpu_placement` gathers through base.comm when it runs."""
+"""Readings of this host: the process' own peak memory, the host memory the job may still use (the node's
+MemAvailable and the job's cgroup/container memory limit), the ranks that share this node under whichever launcher
+started them and the node size the whole job agreed, the CPUs this process may run on, and whether the ranks of
+each node have the cores they need. Torch-free at import (the planner uses it); `agree_ranks_per_node` and
+`check_cpu_placement` gather through base.comm when they run."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import resource
@@ -57,6 +60,175 @@ def ranks_per_node(env: Mapping[str, str] | None = None) -> int:
                             or env.get("SLURM_NTASKS_PER_NODE", ""))
     return 0
 
+
+# --- the node size, agreed once for the whole job ---
+
+_JOB_NODE: list = []  # [(ranks per node, the line saying so)] once a multi-rank job agreed it (agree_ranks_per_node)
+
+
+def node_size_agreement(readings: list[tuple[str, int]]) -> tuple[int, str]:
+    """(the job's ranks per node, one line saying what it is and why) from every rank's (host, ranks_per_node()), in
+    rank order; the same list on every rank, so the same answer. Pure: tests give it any cluster.
+
+    Uneven nodes (hostfile slots 8/4/4) tell their ranks different sizes: from its own number each rank would
+    split SP differently (split_sp at SP 16: Ulysses 8 x cp 2 on the 8-slot node, 4 x 4 on the others), hence
+    mismatched collectives or silently wrong attention. The job takes the greatest common divisor of the sizes
+    the launchers report: a Ulysses factor dividing it divides every node, and since a launcher gives each node
+    consecutive ranks, no Ulysses group (consecutive ranks too) straddles two nodes (the smallest node would not
+    do: nodes of 8 and 6 take 2, not 6). Where no launcher says, the ranks' hosts do when there are several (the
+    gcd of the runs of consecutive ranks on one host); one host and no launcher: 0 (unknown, no node limit)."""
+    known = [n for _, n in readings if n > 0]
+    if known:
+        size = math.gcd(*known)
+        hosts: dict[int, list[str]] = {}
+        for host, n in readings:
+            if n > 0 and host not in hosts.setdefault(n, []):
+                hosts[n].append(host)
+        if len(hosts) == 1:
+            return size, f"node size: {size} ranks per node (every rank's launcher says so)"
+        said = ", ".join(f"{n} on {h[0]}" + (f" and {len(h) - 1} more host(s)" if len(h) > 1 else "")
+                         for n, h in sorted(hosts.items(), reverse=True))
+        return size, (f"node size: the launchers report different node sizes ({said}): every rank takes {size}, their "
+                      "greatest common divisor, so no Ulysses group straddles a node; gpus_per_node in the recipe "
+                      "overrides it")
+    runs, last = [], None
+    for host, _ in readings:
+        if host == last:
+            runs[-1] += 1
+        else:
+            runs.append(1)
+            last = host
+    if len({h for h, _ in readings}) > 1:
+        size = math.gcd(*runs)
+        return size, f"node size: no launcher says; {size} ranks per node from the ranks' hosts (consecutive ranks on one host)"
+    return 0, "node size: no launcher says and every rank is on one host: no node limit on the Ulysses groups"
+
+
+def agree_ranks_per_node() -> tuple[int, str]:
+    """Collective, once per job (base.parallel.init_distributed runs it right after the process group, before
+    anything is laid out): every rank's (host, ranks_per_node()) gathered, one answer for all (node_size_agreement),
+    kept for job_ranks_per_node. Costs one all_gather_object of a (hostname, int) pair: at 512 ranks ~32 KB
+    gathered per rank, milliseconds, once per job."""
+    from base import comm
+
+    agreed = node_size_agreement(comm.all_gather_object((socket.gethostname(), ranks_per_node())))
+    if comm.world() > 1:  # a one-rank "job" has nothing to agree: its own reading stays the answer (tests in-process)
+        _JOB_NODE[:] = [agreed]
+    return agreed
+
+
+def job_ranks_per_node() -> int:
+    """The node size every layout decision takes: the one the job agreed (agree_ranks_per_node), else (no
+    multi-rank process group: a dry run, a one-rank run, scripts/plan.py) this process' own ranks_per_node()."""
+    return _JOB_NODE[0][0] if _JOB_NODE else ranks_per_node()
+
+
+def job_node_line() -> str | None:
+    """The agreed node size's line (printed once by rank 0 at start-up); None before any agreement."""
+    return _JOB_NODE[0][1] if _JOB_NODE else None
+
+
+# --- host memory: the node's MemAvailable and the job's cgroup limit ---
+
+MEMINFO = "/proc/meminfo"
+PROC_CGROUP = "/proc/self/cgroup"  # this process' cgroups (injectable: tests give a fake tree)
+CGROUP_ROOT = "/sys/fs/cgroup"
+UNLIMITED = 2**60  # cgroup v1 writes "no limit" as PAGE_COUNTER_MAX pages (9223372036854771712 bytes)
+
+
+def meminfo_available(path: str | None = None) -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where the file or the line is missing): the whole node's."""
+    try:
+        with open(path or MEMINFO) as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _read_int(path: str) -> int | None:
+    """A cgroup file's number; None where it is missing, unreadable or "max" (no limit)."""
+    try:
+        with open(path) as fh:
+            text = fh.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _inactive_file(folder: str, key: str) -> int:
+    """Page cache the kernel reclaims before it OOM-kills anything (memory.stat's inactive file pages): what
+    docker stats and the kubelet leave out of a container's usage. Without it a job that has read its data set
+    or a checkpoint looks full."""
+    try:
+        with open(os.path.join(folder, "memory.stat")) as fh:
+            for line in fh:
+                name, _, value = line.partition(" ")
+                if name == key:
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def cgroup_memory(proc_cgroup: str | None = None, root: str | None = None) -> dict | None:
+    """The job's memory limit, as the kernel will enforce it: {"limit", "used", "headroom", "cgroup", "version"} at
+    the level of this process' cgroup hierarchy with the least headroom (limit - used), None where no level limits.
+
+    cgroup v2 (`0::<path>` in /proc/self/cgroup): memory.max ("max": none) and memory.current under
+    <root>/<path>. cgroup v1 (a line whose controllers include `memory`): memory.limit_in_bytes and
+    memory.usage_in_bytes under <root>/memory/<path> (huge = none); v1's memory controller wins on a hybrid host.
+    Walked from the process' own cgroup up to the mount's root (`sbatch --mem` limits the job's cgroup, above the
+    step and task ones; a container's limit sits at the root of its cgroup namespace; a cgroup path that is not
+    under the mount, a container without its own namespace, falls through to the root). `used` leaves out the
+    inactive page cache (reclaimed before an OOM kill). One small file read per level: microseconds."""
+    root = root or CGROUP_ROOT
+    try:
+        with open(proc_cgroup or PROC_CGROUP) as fh:
+            lines = [ln.strip().split(":", 2) for ln in fh if ln.count(":") >= 2]
+    except OSError:
+        return None
+    v1 = [path for _, ctl, path in lines if "memory" in ctl.split(",")]
+    v2 = [path for hid, ctl, path in lines if hid == "0" and ctl == ""]
+    if v1:
+        version, base, path = 1, os.path.join(root, "memory"), v1[0]
+        files, stat_key = ("memory.limit_in_bytes", "memory.usage_in_bytes"), "total_inactive_file"
+    elif v2:
+        version, base, path = 2, root, v2[0]
+        files, stat_key = ("memory.max", "memory.current"), "inactive_file"
+    else:
+        return None
+    parts = [p for p in path.split("/") if p]
+    best = None
+    for depth in range(len(parts), -1, -1):  # this process' own cgroup first, the mount's root last
+        folder = os.path.join(base, *parts[:depth])
+        limit, used = _read_int(os.path.join(folder, files[0])), _read_int(os.path.join(folder, files[1]))
+        if limit is None or limit >= UNLIMITED or used is None:
+            continue
+        used = max(0, used - _inactive_file(folder, stat_key))
+        headroom = max(0, limit - used)
+        if best is None or headroom < best["headroom"]:
+            best = {"limit": limit, "used": used, "headroom": headroom, "version": version,
+                    "cgroup": "/" + "/".join(parts[:depth])}
+    return best
+
+
+def memory_available(meminfo: int | None, limit: dict | None) -> int | None:
+    """What the job may still use on this node: min(MemAvailable, the cgroup's headroom); None where neither says.
+    Pure (preflight's decision takes it over every rank's report)."""
+    known = [v for v in (meminfo, (limit or {}).get("headroom")) if v is not None]
+    return min(known) if known else None
+
+
+def job_memory_available() -> int | None:
+    """This process' reading of what its job may still allocate on this node (memory_available of its own files).
+    A reading: a decision that depends on it is rank 0's over every rank's report (training/preflight.py)."""
+    return memory_available(meminfo_available(), cgroup_memory())
+
+
+# --- CPUs ---
 
 def usable_cpus() -> list[int]:
     """The CPUs this process may run on (its affinity: SLURM's cgroup and binding, taskset, numactl -C)."""

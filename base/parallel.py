@@ -123,10 +123,15 @@ def zigzag_chunks(cp: int) -> list[int]:
 
 def init_distributed(sp: int, timeout_s: float = 1800.0, cp: int = 1) -> ParallelDims:
     """Set the device and initialise torch.distributed through `base.comm` (gloo on CPU, nccl on GPU) with
-    a `timeout_s` collective timeout; return the dims."""
+    a `timeout_s` collective timeout; return the dims. The node size is agreed here, once, before anything is laid
+    out (base.host.agree_ranks_per_node: one all_gather_object of a few bytes per rank, milliseconds at 512
+    ranks): every later reader (the curriculum's Ulysses split, the planner's choice, the plan, evaluate.py)
+    takes that one value (base.host.job_ranks_per_node), never its own launcher's variable."""
     from base import comm
+    from base.host import agree_ranks_per_node
 
     rank, world, local_rank = comm.init(timeout_s)
+    agree_ranks_per_node()
     release_shm_buffer(rank)
     return ParallelDims(world=world, sp=sp, rank=rank, local_rank=local_rank, cp=cp)
 

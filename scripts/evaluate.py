@@ -130,7 +130,7 @@ def describe(path: str, tokenizer: str | None) -> dict:
 
 def check_source(src: dict, a: argparse.Namespace, s: dict, world: int, rope: dict | None) -> None:
     """Everything about one model that can be refused before it is built (one-line ValueError)."""
-    from base.host import ranks_per_node
+    from base.host import job_ranks_per_node
     from base.parallel import check_layout, split_sp
     from data.tasks import make_sample
     from data.tokenizer import Tokenizer
@@ -145,7 +145,7 @@ def check_source(src: dict, a: argparse.Namespace, s: dict, world: int, rope: di
         raise ValueError(f"{where}: its tokenizer {src['tokenizer']} is not there: pass --tokenizer")
     tok, config, arch = Tokenizer(src["tokenizer"]), src["hf_config"], src["hf_config"].get_text_config()
     try:
-        node = ranks_per_node() or None
+        node = job_ranks_per_node() or None  # the node size every rank agreed in init_distributed
         src["cp"] = split_sp(a.sequence_parallel_size, arch.num_attention_heads, arch.num_key_value_heads, node,
                              a.context_parallel_size)[1]
         check_layout(world, a.sequence_parallel_size, arch.num_attention_heads, arch.num_key_value_heads,

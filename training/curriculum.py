@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from base.host import ranks_per_node
+from base.host import job_ranks_per_node
 from base.parallel import check_layout, split_sp
 from data.replay import parse_replay
 from model_utils.rope import check_rope
@@ -46,6 +46,7 @@ class Stage:
     tasks: dict = field(default_factory=dict)  # synthetic task fractions of the stage (data/tasks.py)
     replay: dict | None = None  # short-context replay token shares (data/replay.py)
     cp: int | str = 1  # context-parallel factor of sp ("auto" until check_stages splits it for the model)
+    kind: str = "text"  # text | sft: how the stage packs its documents (data/pipeline.py, docs/sft.md)
 
 
 MEMORY_KEYS = ("tiled_mlp", "tiled_logits", "checkpoint_every", "gradient_checkpointing", "offload_activations",
@@ -148,9 +149,11 @@ def device_budget(gpu_mem_gb: float, mem_cap_gb: float) -> tuple[str, int]:
 
 
 def gpus_per_node(cfg) -> int:
-    """Ranks per node: the recipe's cluster, else what the launcher says (base.host.ranks_per_node: torchrun,
-    the deepspeed launcher, MPI, srun); 0 when unknown."""
-    return cfg.gpus_per_node or ranks_per_node()
+    """Ranks per node: the recipe's cluster, else the node size the job agreed at its process group
+    (base.host.job_ranks_per_node: the launchers' sizes gathered from every rank, their gcd on uneven nodes; a
+    dry run without a group: this process' launcher); 0 when unknown. The same on every rank, so every rank
+    splits SP (and the planner chooses) alike."""
+    return cfg.gpus_per_node or job_ranks_per_node()
 
 
 def agreed_budget(cfg: Config):
@@ -199,6 +202,7 @@ def resolve_stages(cfg: Config, dp_of_sp, budget=None) -> list[Stage]:
                    lr_scheduler=s.lr_scheduler or cfg.lr_scheduler, max_steps=steps,
                    reset_optimizer=s.reset_optimizer, deepspeed_overrides=overrides,
                    eval=stage_eval(cfg, s.eval, f"stages[{i}].eval"), data=s.data, tasks=s.tasks or {}, replay=s.replay,
+                   kind=s.kind or getattr(cfg, "data_kind", "text"),
                    cp=s.context_parallel_size if s.context_parallel_size is not None else cfg.context_parallel_size,
                    **memory)
         parse_replay(st.replay, st.max_seq_length, f"stage {i} ({st.name}) replay")  # a bad replay: one line, now

@@ -9,14 +9,18 @@ What a 32-rank job would otherwise find out late, or never:
   collective: each rank reads its own host and stops with one line naming it. scripts/launch.sh and
   scripts/slurm.sbatch carry the variable (and NCCL_*/FI_*/UCX_*) to every node.
 - `preflight` (collective, right after the process group and the shared-folder probe): every rank reports its
-  host, MemAvailable, memlock limit and any torch-extensions build lock (`all_gather_object`); rank 0 decides
+  host, the host memory its job may still use (the node's MemAvailable and the job's cgroup/container memory
+  limit: base.host.cgroup_memory), memlock limit and any torch-extensions build lock (`all_gather_object`); rank 0 decides
   over the reports (`run_on_main`), so every rank raises the same line or none does (DESIGN: one decider,
   never a rank's own reading):
   - a `lock` under TORCH_EXTENSIONS_DIR/<op>/: torch waits for it with no time limit before loading the op
     (a build killed mid-way leaves it); scripts/setup.sh builds the ops ahead of time and clears them;
   - host memory per node: what the planner (planner/memory_model.estimate: ZeRO-3 CPU offload of params,
     fp32 grads, master weights and Adam moments, offloaded checkpoints; on a CPU run everything) puts in host
-    memory per rank, times the node's ranks, at the stage that needs most, against the node's MemAvailable;
+    memory per rank, times the node's ranks, at the stage that needs most, against what the job may still use
+    there: min(MemAvailable, cgroup limit - usage). Under `sbatch --mem` or a container limit the node's
+    MemAvailable is far above what the job may use, and the cgroup OOM-kills the ranks (after every requeue
+    again) where the check read only /proc/meminfo; the refusal names the cgroup's limit and how to raise it;
     and, where offload pins it (`pin_memory`, GPU runs), each rank's pinned bytes against RLIMIT_MEMLOCK (a
     warning line only: see `memlock_warning`);
   - every stage's DeepSpeed config (`check_stage_configs`: the assembly and validation `build_engine` runs),
@@ -33,7 +37,7 @@ import resource
 import socket
 import time
 
-from base.host import ranks_per_node
+from base.host import cgroup_memory, meminfo_available, memory_available, ranks_per_node
 from base.parallel import ParallelDims
 from training.config import Config, no_gpu
 from training.curriculum import Stage
@@ -62,7 +66,12 @@ def _is_loopback(addr: str) -> bool:
 
 
 def multi_node() -> bool:
-    """Whether the launcher put ranks on more than one node (deepspeed: CROSS_SIZE; torchrun: LOCAL_WORLD_SIZE)."""
+    """Whether the launcher put ranks on more than one node (deepspeed: CROSS_SIZE; torchrun: LOCAL_WORLD_SIZE).
+    This process' own launcher's node size, not the job's agreed one (base.host.job_ranks_per_node): it runs before
+    the process group, which gloo cannot form if this host's interface is wrong, so nothing can be agreed yet. It
+    needs no agreement: it asks only whether this host's ranks have peers elsewhere, which every rank of an uneven
+    job answers alike (nodes of 8 and 4 in a world of 16: both fewer than 16), and a refusal on any one host ends
+    every rank through the abort channel; no layout depends on it."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = ranks_per_node() or world
     return int(os.environ.get("CROSS_SIZE", "1")) > 1 or local < world
@@ -103,15 +112,15 @@ def check_network() -> None:
 # --- what each rank reports ---
 
 def mem_available_bytes(path: str | None = None) -> int | None:
-    """MemAvailable of /proc/meminfo in bytes (None where the file or the line is missing)."""
-    try:
-        with open(path or MEMINFO) as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    """MemAvailable of /proc/meminfo in bytes (None where the file or the line is missing): the whole node's, which
+    a job under a cgroup limit may not have; report() takes the smaller of it and the cgroup's headroom."""
+    return meminfo_available(path or MEMINFO)
+
+
+def memory_limit() -> dict | None:
+    """The job's cgroup/container memory limit where one applies (base.host.cgroup_memory: limit, used, headroom,
+    the cgroup), None where none does."""
+    return cgroup_memory()
 
 
 def memlock_limit() -> int | None:
@@ -141,9 +150,11 @@ def build_locks(ext_dir: str | None = None) -> list[tuple[str, float]]:
 
 
 def report() -> dict:
-    """What this rank sees of its host."""
-    return {"host": socket.gethostname(), "mem_available": mem_available_bytes(), "memlock": memlock_limit(),
-            "locks": build_locks()}
+    """What this rank sees of its host. `mem_available`: what its job may still use there, min(MemAvailable, the
+    cgroup's limit - usage); `mem_node`: MemAvailable; `mem_limit`: the cgroup reading (None: no limit)."""
+    node, limit = mem_available_bytes(), memory_limit()
+    return {"host": socket.gethostname(), "mem_available": memory_available(node, limit), "mem_node": node,
+            "mem_limit": limit, "memlock": memlock_limit(), "locks": build_locks()}
 
 
 # --- the decisions (pure: rank 0 takes them over every rank's report) ---
@@ -157,20 +168,39 @@ def lock_problem(reports: list[dict]) -> str | None:
     return None
 
 
-def host_memory_problem(reports: list[dict], need: dict | None) -> str | None:
-    """`need`: host bytes per rank at the stage that needs most ({"bytes", "pinned", "stage", "what"}); None when
-    the planner cannot say. Per node: its ranks x bytes against the smallest MemAvailable its ranks saw."""
+def _memory_shortfall(reports: list[dict], need: dict | None) -> tuple[str, str] | None:
+    """(what does not fit, the fix) for the first node whose ranks x need["bytes"] exceed the least memory its
+    ranks may still use (report's mem_available: MemAvailable, or the job's cgroup headroom where that is less)."""
     if not need:
         return None
     for host, rs in _by_host(reports).items():
-        avail = [r["mem_available"] for r in rs if r["mem_available"] is not None]
+        known = [r for r in rs if r["mem_available"] is not None]
         total = len(rs) * need["bytes"]
-        if avail and total > min(avail):
-            return (f"host memory: {host} has {min(avail) / GiB:.1f} GiB available (MemAvailable) but its {len(rs)} "
-                    f"rank(s) will hold {total / GiB:.1f} GiB in host memory ({need['stage']}: {need['what']}, "
-                    f"{need['bytes'] / GiB:.2f} GiB per rank): run fewer ranks per node, more nodes, or turn the "
-                    "ZeRO offload off for that stage (deepspeed_overrides), or free memory on the node")
+        if not known or total <= min(r["mem_available"] for r in known):
+            continue
+        r = min(known, key=lambda r: r["mem_available"])
+        holds = (f"but its {len(rs)} rank(s) will hold {total / GiB:.1f} GiB in host memory ({need['stage']}: "
+                 f"{need['what']}, {need['bytes'] / GiB:.2f} GiB per rank)")
+        fix = ("run fewer ranks per node, more nodes, or turn the ZeRO offload off for that stage "
+               "(deepspeed_overrides)")
+        lim = r.get("mem_limit")
+        if lim and lim["headroom"] <= r["mem_available"]:  # the cgroup binds, not the node
+            node = f"; the node's MemAvailable {r['mem_node'] / GiB:.1f} GiB is not the job's" if r.get("mem_node") else ""
+            return (f"host memory: {host} has {r['mem_available'] / GiB:.1f} GiB available to the job (cgroup "
+                    f"{lim['cgroup']} memory limit {lim['limit'] / GiB:.1f} GiB, {lim['used'] / GiB:.1f} GiB in use"
+                    f"{node}) {holds}"), (f"raise the job's memory limit (sbatch --mem=<GB per node>, or --mem=0 for "
+                                          f"the whole node; a container's --memory), {fix}")
+        return (f"host memory: {host} has {r['mem_available'] / GiB:.1f} GiB available (MemAvailable) {holds}",
+                f"{fix}, or free memory on the node")
     return None
+
+
+def host_memory_problem(reports: list[dict], need: dict | None) -> str | None:
+    """`need`: host bytes per rank at the stage that needs most ({"bytes", "pinned", "stage", "what"}); None when
+    the planner cannot say. Per node: its ranks x bytes against the least memory its ranks' job may still use
+    there (MemAvailable, or the job's cgroup limit less its usage where that is less); one line with the fix."""
+    short = _memory_shortfall(reports, need)
+    return f"{short[0]}: {short[1]}" if short else None
 
 
 def memlock_warning(reports: list[dict], need: dict | None) -> str | None:
@@ -243,9 +273,9 @@ def auto_async(reports: list[dict], need: dict | None, cpu_run: bool) -> tuple[b
         return False, f"async_save auto: off on a CPU run (the background writer would share the step's cores); {force}"
     if not need:
         return False, f"async_save auto: off (the planner cannot size the snapshot for this model); {force}"
-    problem = host_memory_problem(reports, need)
-    if problem:
-        return False, f"async_save auto: off, the host copy would not fit: {problem.split(': run fewer')[0]}; {force}"
+    short = _memory_shortfall(reports, need)  # the same memory figures as the start-up check (cgroup included)
+    if short:
+        return False, f"async_save auto: off, the host copy would not fit: {short[0]}; {force}"
     return True, (f"async_save auto: on ({need['stage']} holds {need['bytes'] / GiB:.2f} GiB of host memory per rank "
                   f"with the snapshot, and every node has it); --async_save false turns it off")
 

@@ -11,7 +11,7 @@ import os
 import torch
 
 from base import comm
-from base.host import check_cpu_placement, ranks_per_node
+from base.host import check_cpu_placement, job_node_line
 from base.log import open_rank_log, print0, set_main
 from base.parallel import ParallelDims, check_shared_output, init_distributed
 from model_utils import linear_attention
@@ -84,6 +84,10 @@ def start_distributed(cfg: Config, model: Model) -> tuple[ParallelDims, list[Sta
     dims = init_distributed(cfg.sequence_parallel_size, cfg.dist_timeout_s)
     set_main(dims.is_main)
     open_rank_log(cfg.output_dir, dims.rank)
+    line = job_node_line()  # the node size every rank agreed in init_distributed, before any layout below
+    if line:
+        print0(line if not cfg.gpus_per_node else
+               f"node size: {cfg.gpus_per_node} (gpus_per_node of the recipe; the launchers': {line[len('node size: '):]})")
     stages = _stages(cfg, model, dims.world)
     check_shared_output(cfg.output_dir)  # every rank sees every other rank's files, or one line naming the hosts
     preflight(cfg, stages, dims, model.arch, model.bf16)  # build locks, host memory per node, DeepSpeed configs
@@ -92,8 +96,7 @@ def start_distributed(cfg: Config, model: Model) -> tuple[ParallelDims, list[Sta
         print0(f"warning: the recipe is written for {cfg.nodes} x {cfg.gpus_per_node} ranks, launched with {dims.world}")
     print0(f"world={dims.world} model={cfg.model_name_or_path} attn={model.attn} precision={_precision(cfg, model)} "
            f"mb={cfg.per_device_train_batch_size} ga={cfg.gradient_accumulation_steps} deepspeed={cfg.deepspeed}")
-    local = ranks_per_node() or dims.world
-    print0("\n".join(plan_lines(cfg, stages, dims.world, local, model.bf16)))
+    print0("\n".join(plan_lines(cfg, stages, dims.world, gpus_per_node(cfg) or dims.world, model.bf16)))
     return dims, stages
 
 

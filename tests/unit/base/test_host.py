@@ -1,11 +1,16 @@
-"""base/host.py: the node size every launcher reports (one reading for the curriculum, start-up, preflight and
-evaluate.py), and the CPU placement verdict from every rank's usable CPUs."""
+"""base/host.py: the node size every launcher reports and the one the job agrees from all of them (uneven nodes
+included: the curriculum, start-up's plan and evaluate.py take it), the job's host memory under a cgroup/container
+limit (fake /proc/self/cgroup and /sys/fs/cgroup trees: v2, v1, nested, hybrid), and the CPU placement verdict
+from every rank's usable CPUs."""
 
 from __future__ import annotations
 
 import pytest
 
+from base import host
 from base.host import ADAM_THREADS, cpu_placement, cpu_ranges, ranks_per_node, threads_per_rank
+
+GiB = 2**30
 
 LAUNCHER_VARS = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "WORLD_SIZE", "SLURM_NTASKS",
                  "SLURM_STEP_NUM_TASKS", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE",
@@ -44,6 +49,126 @@ def test_deepspeed_launcher_keeps_ulysses_inside_a_node(monkeypatch):
     stages = check_stages(resolve_stages(cfg, lambda sp: 32 // sp), 32, 32, 8, None, gpus_per_node(cfg))
     assert [(s.sp // s.cp, s.cp) for s in stages] == [(8, 2)]
     assert gpus_per_node(cfg) == 8
+
+
+# --- the node size, agreed once for the whole job ---
+
+@pytest.mark.parametrize("readings, size, words", [
+    # hostfile slots 8/4/4: rank 0-7 on n0, 8-11 on n1, 12-15 on n2; each rank's launcher says its own node's
+    ([("n0", 8)] * 8 + [("n1", 4)] * 4 + [("n2", 4)] * 4, 4, "different node sizes (8 on n0, 4 on n1 and 1 more host(s))"),
+    ([("n0", 8)] * 8 + [("n1", 6)] * 6, 2, "every rank takes 2, their greatest common divisor"),  # not the smallest (6)
+    ([(f"n{r // 8}", 8) for r in range(32)], 8, "8 ranks per node (every rank's launcher says so)"),
+    ([("n0", 8)] * 8 + [("n1", 0)] * 8, 8, "8 ranks per node"),  # a rank whose launcher says nothing: the others do
+    ([("n0", 0)] * 8 + [("n1", 0)] * 4, 4, "4 ranks per node from the ranks' hosts"),  # no launcher, several hosts
+    ([("n0", 0)] * 4, 0, "no node limit"),  # no launcher, one host: unknown (split_sp gets None)
+])
+def test_uneven_nodes_agree_on_one_node_size(readings, size, words):
+    got, line = host.node_size_agreement(readings)
+    assert got == size and words in line and "\n" not in line, line
+
+
+def test_every_reader_takes_the_agreed_node_size(monkeypatch):
+    """A rank of the 8-slot node of an 8/4/4 job (its launcher says LOCAL_SIZE=8) splits SP 16 as the job agreed
+    (node size 4: Ulysses 4 x cp 4, as the 4-slot nodes' ranks do), not as its own launcher says (Ulysses 8 x cp 2,
+    which the other ranks' collectives would not match); a recipe's gpus_per_node still wins. The multi-rank check: tests/multiproc/test_same_decision.py."""
+    from training.config import Config
+    from training.curriculum import check_stages, gpus_per_node, resolve_stages
+
+    for k in LAUNCHER_VARS:
+        monkeypatch.delenv(k, raising=False)
+    for k, v in {"LOCAL_SIZE": "8", "CROSS_SIZE": "3", "WORLD_SIZE": "16", "RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    cfg = Config(model_name_or_path="llama3-8b", deepspeed="ds_configs/zero3_offload.json", bf16=True,
+                 max_seq_length=131072, sequence_parallel_size=16)
+
+    def layout(cfg):
+        return [(s.sp // s.cp, s.cp) for s in check_stages(resolve_stages(cfg, lambda sp: 16 // sp), 16, 32, 8, None,
+                                                           gpus_per_node(cfg))]
+    assert layout(cfg) == [(8, 2)]  # no agreement yet (a dry run): this process' launcher
+    monkeypatch.setattr(host, "_JOB_NODE", [host.node_size_agreement([("n0", 8)] * 8 + [("n1", 4)] * 4 + [("n2", 4)] * 4)])
+    assert host.job_ranks_per_node() == 4 and gpus_per_node(cfg) == 4 and layout(cfg) == [(4, 4)]
+    assert host.job_node_line().startswith("node size: the launchers report different node sizes")
+    cfg.gpus_per_node = 8
+    assert gpus_per_node(cfg) == 8 and layout(cfg) == [(8, 2)]
+
+
+# --- host memory under a cgroup/container limit ---
+
+def cgroup_tree(tmp_path, own: str, levels: dict[str, tuple], version: int = 2, hybrid: bool = False):
+    """A fake /proc/self/cgroup (this process in cgroup `own`) and /sys/fs/cgroup tree whose `levels` ({cgroup path:
+    (limit or "max", usage, inactive file bytes)}) hold the files the kernel writes. Returns (proc file, root)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    proc, root = tmp_path / "proc_self_cgroup", tmp_path / "sys_fs_cgroup"
+    if version == 2:
+        proc.write_text(f"0::{own}\n")
+        files, stat = ("memory.max", "memory.current"), "inactive_file"
+        base = root
+    else:  # v1 (hybrid: a v2 unified line too, without the memory controller)
+        proc.write_text(f"12:pids:/\n4:cpu,memory:{own}\n1:name=systemd:{own}\n" + ("0::/\n" if hybrid else ""))
+        files, stat = ("memory.limit_in_bytes", "memory.usage_in_bytes"), "total_inactive_file"
+        base = root / "memory"
+    for path, (limit, used, inactive) in levels.items():
+        d = base / path.strip("/") if path.strip("/") else base
+        d.mkdir(parents=True, exist_ok=True)
+        (d / files[0]).write_text(f"{limit}\n")
+        (d / files[1]).write_text(f"{used}\n")
+        (d / "memory.stat").write_text(f"anon {used}\nfile 0\n{stat} {inactive}\n")
+    return str(proc), str(root)
+
+
+def test_cgroup_v2_limit_is_the_jobs_memory(tmp_path):
+    """sbatch --mem=64G under cgroup v2: Slurm's job cgroup holds memory.max; the step and task cgroups below it
+    say "max". The job may still use 64 - 60 = 4 GiB, whatever the node's MemAvailable says."""
+    proc, root = cgroup_tree(tmp_path, "/system.slice/slurmstepd.scope/job_7/step_0/user/task_0", {
+        "/": ("max", 200 * GiB, 0),  # a v2 root writes no memory.max; an unlimited level reads the same
+        "/system.slice/slurmstepd.scope/job_7": (64 * GiB, 60 * GiB, 0),
+        "/system.slice/slurmstepd.scope/job_7/step_0": ("max", 59 * GiB, 0),
+        "/system.slice/slurmstepd.scope/job_7/step_0/user/task_0": ("max", 59 * GiB, 0)})
+    got = host.cgroup_memory(proc, root)
+    assert got == {"limit": 64 * GiB, "used": 60 * GiB, "headroom": 4 * GiB, "version": 2,
+                   "cgroup": "/system.slice/slurmstepd.scope/job_7"}
+    assert host.memory_available(300 * GiB, got) == 4 * GiB  # min(MemAvailable, limit - usage)
+    assert host.memory_available(3 * GiB, got) == 3 * GiB  # the node itself is shorter
+    assert host.memory_available(None, None) is None and host.memory_available(5 * GiB, None) == 5 * GiB
+
+
+def test_cgroup_nested_limits_take_the_least_headroom(tmp_path):
+    """Nested limits: the tightest level counts: a smaller limit below (8 GiB task in a 100 GiB job), or a parent
+    whose other children use most of its larger limit (job at 100 GiB with 97 in use: 3 GiB left for this task)."""
+    own = "/slurm/uid_1/job_7/step_0"
+    levels = {"/slurm/uid_1/job_7": (100 * GiB, 20 * GiB, 0), own: (8 * GiB, 1 * GiB, 0)}
+    proc, root = cgroup_tree(tmp_path / "a", own, levels)
+    assert host.cgroup_memory(proc, root)["headroom"] == 7 * GiB and host.cgroup_memory(proc, root)["limit"] == 8 * GiB
+    levels["/slurm/uid_1/job_7"] = (100 * GiB, 97 * GiB, 0)
+    proc, root = cgroup_tree(tmp_path / "b", own, levels)
+    got = host.cgroup_memory(proc, root)
+    assert (got["headroom"], got["limit"], got["cgroup"]) == (3 * GiB, 100 * GiB, "/slurm/uid_1/job_7")
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["v1", "hybrid"])
+def test_cgroup_v1_limit_and_unlimited(tmp_path, hybrid):
+    """cgroup v1 (memory.limit_in_bytes / usage_in_bytes; "no limit" is PAGE_COUNTER_MAX pages), alone or beside a
+    v2 unified hierarchy without the memory controller (this dev box's layout). Inactive page cache (a data set
+    read once) is reclaimed before an OOM kill: not counted as used."""
+    own = "/slurm/uid_1/job_9/step_0"
+    proc, root = cgroup_tree(tmp_path, own, {"/": (9223372036854771712, 50 * GiB, 0),
+                                             "/slurm/uid_1/job_9": (32 * GiB, 30 * GiB, 6 * GiB),
+                                             own: (9223372036854771712, 30 * GiB, 6 * GiB)}, version=1, hybrid=hybrid)
+    got = host.cgroup_memory(proc, root)
+    assert (got["limit"], got["used"], got["headroom"], got["version"]) == (32 * GiB, 24 * GiB, 8 * GiB, 1)
+    proc, root = cgroup_tree(tmp_path / "x", own,
+                             {"/": (9223372036854771712, 50 * GiB, 0), own: (9223372036854771712, 1, 0)}, version=1)
+    assert host.cgroup_memory(proc, root) is None  # no level limits
+
+
+def test_cgroup_container_root_and_missing_files(tmp_path):
+    """A container without its own cgroup namespace: /proc/self/cgroup names a path the mount does not have; the
+    limit is at the mount's root (docker --memory). No cgroup file at all (not Linux, no mount): None."""
+    proc, root = cgroup_tree(tmp_path, "/docker/0123abcd", {"/": (16 * GiB, 2 * GiB, 0)})
+    got = host.cgroup_memory(proc, root)
+    assert (got["limit"], got["headroom"], got["cgroup"]) == (16 * GiB, 14 * GiB, "/")
+    assert host.cgroup_memory(str(tmp_path / "no_such_file"), root) is None
+    assert host.cgroup_memory(proc, str(tmp_path / "no_mount")) is None
 
 
 @pytest.mark.parametrize("readings, gpu, verdict, words", [

@@ -1,7 +1,8 @@
 """Start-up checks (training/preflight.py), one line each, before any heavy work: the gloo interface of this host,
-a stale torch-extensions build lock, host memory per node (MemAvailable) and the memlock limit against the plan,
-every stage's DeepSpeed config (also in --dry_run). Unit tests of each reading and decision with the machine
-faked (/proc/meminfo, RLIMIT_MEMLOCK, /sys/class/net, a lock file); a 2-rank world where only rank 1 sees the
+a stale torch-extensions build lock, host memory per node (MemAvailable, and the job's cgroup limit) and the
+memlock limit against the plan, every stage's DeepSpeed config (also in --dry_run). Unit tests of each reading and
+decision with the machine faked (/proc/meminfo, a /proc/self/cgroup + /sys/fs/cgroup tree, RLIMIT_MEMLOCK,
+/sys/class/net, a lock file); a 2-rank world where only rank 1 sees the
 trouble (every rank must stop with the same line); train.py's exit 2 with one line."""
 
 from __future__ import annotations
@@ -135,6 +136,49 @@ def test_host_memory_counts_the_ranks_of_each_node():
     assert preflight.host_memory_problem(reports(("a", None, None)), NEED) is None  # no MemAvailable line
 
 
+def cgroup_v2(tmp_path, limit: int, used: int) -> tuple[str, str]:
+    """A fake /proc/self/cgroup and /sys/fs/cgroup (v2): this process in Slurm's task cgroup, the job's cgroup
+    (sbatch --mem) holding `limit` with `used` in use. (The v1, nested and container layouts: tests/unit/base/test_host.py.)"""
+    own, job = "/system.slice/slurmstepd.scope/job_7/step_0/user/task_0", "/system.slice/slurmstepd.scope/job_7"
+    (tmp_path / "proc").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "proc" / "cgroup").write_text(f"0::{own}\n")
+    for path, lim in ((job, str(limit)), (own, "max")):
+        d = tmp_path / "cgroup" / path.strip("/")
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "memory.max").write_text(lim + "\n")
+        (d / "memory.current").write_text(f"{used}\n")
+    return str(tmp_path / "proc" / "cgroup"), str(tmp_path / "cgroup")
+
+
+def test_host_memory_reads_the_jobs_cgroup_limit(tmp_path, monkeypatch):
+    """sbatch --mem=16G on a node with 200 GiB MemAvailable: the report says what the job may still use (16 - 12 =
+    4 GiB), and the start-up check refuses 4 ranks x 10 GiB in one line naming the cgroup's limit and the fix (it
+    passed on MemAvailable alone, and the cgroup OOM-killed the ranks, after every requeue again)."""
+    from base import host
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemTotal: 263000000 kB\nMemAvailable: {200 * 2**20} kB\n")
+    monkeypatch.setattr(preflight, "MEMINFO", str(meminfo))
+    proc, root = cgroup_v2(tmp_path, 16 * GiB, 12 * GiB)
+    monkeypatch.setattr(host, "PROC_CGROUP", proc)
+    monkeypatch.setattr(host, "CGROUP_ROOT", root)
+    mine = preflight.report()
+    assert (mine["mem_available"], mine["mem_node"]) == (4 * GiB, 200 * GiB)
+    assert mine["mem_limit"]["limit"] == 16 * GiB and mine["mem_limit"]["cgroup"] == "/system.slice/slurmstepd.scope/job_7"
+    node = [{**mine, "host": "gpu-7"}] * 4
+    msg = preflight.host_memory_problem(node, NEED)
+    assert msg.startswith("host memory: gpu-7 has 4.0 GiB available to the job (cgroup /system.slice/slurmstepd.scope/"
+                          "job_7 memory limit 16.0 GiB, 12.0 GiB in use; the node's MemAvailable 200.0 GiB is not the "
+                          "job's) but its 4 rank(s) will hold 40.0 GiB in host memory"), msg
+    assert "raise the job's memory limit (sbatch --mem=" in msg and "\n" not in msg
+    on, why = preflight.auto_async(node[:1], NEED, cpu_run=False)  # 1 rank x 10 GiB > 4 GiB: no snapshot either
+    assert not on and "available to the job (cgroup" in why and "\n" not in why
+    (tmp_path / "cgroup" / "system.slice/slurmstepd.scope/job_7" / "memory.max").write_text("max\n")  # --mem=0
+    free = preflight.report()
+    assert free["mem_available"] == 200 * GiB and free["mem_limit"] is None
+    assert preflight.host_memory_problem([{**free, "host": "gpu-7"}] * 4, NEED) is None
+
+
 def test_memlock_below_pinned_bytes_is_one_warning_line():
     low = reports(("a", 99 * GiB, None), ("b", 99 * GiB, 64 * 1024))
     msg = preflight.memlock_warning(low, NEED)
@@ -214,13 +258,14 @@ def test_dry_run_refuses_a_bad_stage_override_in_one_line(tmp_path, override, ma
 
 # --- one decision for the whole world ---
 
-MODES = ["ok", "lock", "memory", "memlock"]
+MODES = ["ok", "lock", "memory", "cgroup", "memlock"]
 
 
 @pytest.fixture(scope="module")
 def decisions(tmp_path_factory):
     """One 2-rank launch runs every mode in turn: {mode: ([rank 0's error, rank 1's], rank 0's output for it)}."""
     d = tmp_path_factory.mktemp("preflight")
+    cgroup_v2(d / "fake", 2**20, 2**19)  # rank 1's job: a 1 MiB cgroup limit, half of it in use (mode "cgroup")
     run(os.path.join(ROOT, "tests/workers/preflight.py"), [str(d), ",".join(MODES)], 2, str(d / "l"), timeout=300)
     out = (d / "l" / "rank0.log").read_text().split("=== mode ")[1:]
     logs = {part.split("\n", 1)[0].strip(): part for part in out}
@@ -234,7 +279,9 @@ def test_every_rank_takes_rank_0s_decision(decisions, mode):
     results, rank0 = decisions[mode]
     assert results[0] == results[1], results
     expect = {"ok": None, "memlock": None, "lock": "stale torch-extensions build lock /ext/cpu_adam/lock on node1",
-              "memory": "host memory: node1 has 0.0 GiB available (MemAvailable) but its 1 rank(s) will hold"}[mode]
+              "memory": "host memory: node1 has 0.0 GiB available (MemAvailable) but its 1 rank(s) will hold",
+              "cgroup": "host memory: node1 has 0.0 GiB available to the job (cgroup /system.slice/slurmstepd.scope/"
+                        "job_7 memory limit 0.0 GiB, 0.0 GiB in use"}[mode]
     if expect is None:
         assert results[0] is None
     else:
