@@ -1,7 +1,9 @@
 """Every rank takes the same decision: two ranks whose views of the shared file system differ (rank 1 lists an
 older `checkpoints/`, misses a stage's evaluation record and the prepared data's manifest, still sees a removed
-PREEMPT file) and whose memory budgets differ decide the same at every decision point, and decide what rank 0's
-view (or the smallest budget) says. The contrast fields check the views really differed, so the test can fail."""
+PREEMPT file), whose memory budgets differ and whose launchers report different node sizes (uneven hostfile slots
+8/4/4: rank 0 on the 8-slot node, rank 1 on a 4-slot one) decide the same at every decision point, and decide what
+rank 0's view (or the smallest budget, or the nodes' gcd) says. The contrast fields check the views really
+differed, so the test can fail."""
 
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ def test_ranks_with_different_views_decide_the_same(assets, tmp_path):
     env = {"PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT}/tests/stubs/stale_view", "STALE_VIEW_RANK": "1",
            "STALE_VIEW_UNLISTED": r"checkpoints/step_000004$",
            "STALE_VIEW_MISSING": rf"eval/stage0\.json$|{folder}/manifest\.json$",
-           "STALE_VIEW_GHOST": r"out/PREEMPT$"}
+           "STALE_VIEW_GHOST": r"out/PREEMPT$", "DECISIONS_NODE_SIZES": "8,4"}
     run(os.path.join(ROOT, "tests/workers/decisions.py"), [str(out), folder], 2, str(tmp_path / "logs"), extra_env=env)
     r0, r1 = (json.loads((tmp_path / f"result{r}.json").read_text()) for r in range(2))
 
@@ -49,10 +51,13 @@ def test_ranks_with_different_views_decide_the_same(assets, tmp_path):
     assert (r0["own_stop_file"], r1["own_stop_file"]) == (False, True)
     assert (r0["own_budget"], r1["own_budget"]) == (2**30, 2**31)
     assert (r0["own_prepared"], r1["own_prepared"]) == (True, False)
+    assert (r0["own_node_size"], r1["own_node_size"]) == (8, 4)
+    assert (r0["own_layout"], r1["own_layout"]) == ([[8, 2]], [[4, 4]])  # SP 16 split two ways: mismatched groups
     # ... the decisions did not, and they are rank 0's view (the smallest budget)
     for k in ("resume", "trainer_step", "evaluated", "stop", "budget", "data", "save_due_rank1_clock",
-              "save_due_rank0_clock"):
+              "save_due_rank0_clock", "node_size", "layout"):
         assert r0[k] == r1[k], (k, r0[k], r1[k])
     assert (r0["resume"], r0["trainer_step"], r0["evaluated"], r0["stop"]) == ("step_000004", 4, [0], False)
     assert r0["budget"] == 2**30 and r0["data"] == folder
+    assert (r0["node_size"], r0["layout"]) == (4, [[4, 4]])  # gcd(8, 4): no Ulysses group straddles a node
     assert (r0["save_due_rank1_clock"], r0["save_due_rank0_clock"]) == (False, True)

@@ -1,6 +1,8 @@
 """Worker for tests/multiproc/test_same_decision.py: every decision that changes control flow or what is loaded, taken on
-two ranks whose views of the shared file system (and memory budgets) differ: rank 1 runs with
-tests/stubs/stale_view (see there). Each rank writes result<rank>.json with what it decided and, for contrast,
+two ranks whose views of the shared file system (and memory budgets, and node sizes) differ: rank 1 runs with
+tests/stubs/stale_view (see there); DECISIONS_NODE_SIZES ("8,4") gives each rank its own launcher's node size
+(LOCAL_WORLD_SIZE, as uneven hostfile slots 8/4/4 do) before the process group. Each rank writes
+result<rank>.json with what it decided and, for contrast,
 what its own view alone would have said."""
 
 import json
@@ -10,19 +12,33 @@ import time
 from types import SimpleNamespace
 
 from base import comm
+from base.host import ranks_per_node
 from base.parallel import init_distributed
 from data.prepare import prepare_in_job
 from data.store import is_prepared
 from tests.distributed import DIST_TIMEOUT_S
 from training import curriculum
 from training.checkpoint import Checkpointer
-from training.curriculum import agreed_budget
+from training.config import Config
+from training.curriculum import agreed_budget, check_stages, gpus_per_node, resolve_stages
 from training.metrics import MetricsLogger
 from training.preemption import PreemptionFlag
 
 out, folder = sys.argv[1], sys.argv[2]
+sizes = os.environ.get("DECISIONS_NODE_SIZES")
+if sizes:  # this rank's launcher says its node has this many ranks (the 8-slot node for rank 0, a 4-slot one for 1)
+    os.environ["LOCAL_WORLD_SIZE"] = sizes.split(",")[int(os.environ["RANK"])]
 dims = init_distributed(1, timeout_s=DIST_TIMEOUT_S)
 r: dict = {}
+
+# the Ulysses x cp split of SP 16 for Llama-3-8B (32 heads, 8 KV) in a 16-rank job, as start-up lays it out
+cfg = Config(model_name_or_path="llama3-8b", deepspeed="ds_configs/zero3_offload.json", bf16=True,
+             max_seq_length=131072, sequence_parallel_size=16)
+stages = resolve_stages(cfg, lambda sp: 16 // sp)
+r["own_node_size"] = ranks_per_node()
+r["own_layout"] = [(s.sp // s.cp, s.cp) for s in check_stages(stages, 16, 32, 8, None, ranks_per_node())]
+r["node_size"] = gpus_per_node(cfg)
+r["layout"] = [(s.sp // s.cp, s.cp) for s in check_stages(stages, 16, 32, 8, None, gpus_per_node(cfg))]
 
 ck = Checkpointer(out, keep=3)
 r["own_tags"] = ck.tags()
