@@ -16,38 +16,62 @@ post (a rank that failed with its reason posted earlier keeps it). Every rank's 
 a rank still connecting reads it at its first poll. Node 0's launcher keeps the store LATE_JOIN_S at most after a
 failure (until every rank of the other nodes has left), so a node that starts late still finds the reason.
 
-What stays uncovered: node 0's launch.sh itself never starting (its node lost before the job step), which the
-rendezvous' timeout and Slurm's node health handle; `deepspeed --hostfile` over pdsh (one launcher for all nodes:
-its own exit ends the others). Cost: one Python process on node 0 (torch imported, ~300 MB RSS, idle), no
-extra request on the training's path.
+Node 0's store must start: its launch.sh waits (STORE_START_S at most) for `serve` to write its ready file before it
+starts its own ranks, and ends at once (exit 1, one line naming the host and the port) when `serve` exits or does
+not answer: a broken venv, torch or mount on node 0, or the port taken by another job's store (whose ranks would
+otherwise join a stranger's store). Under SLURM, srun then ends the step on every node (slurm.sbatch).
 
-    python -m base.node_store serve ADDR PORT          # node 0's launch.sh, in the background
+A lost node (SIGKILLed, hung, cut off) posts nothing: its ranks' heartbeats stop and rank 0's watcher ends the job
+with EXIT_PEER_LOST (69). Node 0's `post --wait` then counts a rank whose heartbeat has not moved for STALE_S as
+gone (a live rank beats every POLL_S until it marks itself done), and, the abort being 69, a rank that never arrived
+too: node 0's launcher ends within STALE_S of its ranks (it used to wait LATE_JOIN_S, 300 s, for ranks that never
+mark themselves done). A node that posted no exit and whose ranks are all gone that way is lost: `--lost-file`
+names it (its node index, one a line), where slurm.sbatch reads it to requeue without that node.
+
+What stays uncovered: node 0 lost (its launcher and the store with it: the others stop after LOST_STORE_S, and Slurm
+itself requeues a job whose batch host failed); `deepspeed --hostfile` over pdsh (one launcher for all nodes: its
+own exit ends the others). Cost: one Python process on node 0 (torch imported, ~300 MB RSS, idle), no extra request
+on the training's path; node 0's `post --wait` reads every rank's heartbeat key every POLL_S/2 (512 small keys at
+512 ranks, for STALE_S at most once the job has failed).
+
+    python -m base.node_store serve ADDR PORT [--ready FILE]   # node 0's launch.sh, in the background
     python -m base.node_store post ADDR PORT CODE REASON --node K --nnodes N --ranks-per-node R [--wait]
+        [--lost-file FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import signal
 import sys
 import time
 
 from base.comm import TCPStore
+from base.exits import EXIT_PEER_LOST
 from base.watcher import DONE, POLL_S, STORE_OP_TIMEOUT_S, key, one_line
 
 LATE_JOIN_S = 300.0  # after a failure, node 0's launcher keeps the store this long for ranks still on their way
+STALE_S = 5 * POLL_S  # a rank's heartbeat unchanged this long after a failure: the rank is gone (it beats every POLL_S)
 CONNECT_S = 20.0  # a launcher's connection to post (node 0 may be gone: then nobody is waiting on its store)
+_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
 
 
-def serve(addr: str, port: int) -> None:
-    """Host the job's TCPStore on `port` until launch.sh kills it (its node's ranks done) or dies."""
+def serve(addr: str, port: int, ready: str | None = None) -> None:
+    """Host the job's TCPStore on `port` until launch.sh kills it (its node's ranks done) or dies; write `ready` (a
+    file launch.sh waits for) once the store answers."""
+    from base.comm import publish_fd_limit
+    from base.watcher import raise_fd_limit
+
+    soft, _ = raise_fd_limit()  # 3 connections per rank: 1664 descriptors at 512 ranks, past a soft limit of 1024
     store = TCPStore(addr, port, is_master=True, wait_for_workers=False, multi_tenant=True,
                           timeout=datetime.timedelta(seconds=STORE_OP_TIMEOUT_S))
     store.compare_set(key("abort"), "", "")  # the watchers' multi_get never blocks on a missing key
+    publish_fd_limit(store, soft)  # every rank refuses a world this process cannot hold (base/comm.py open_channel)
     # Slurm signals every process of the step (preemption, time limit): the ranks then save and need the store until
     # they have committed; launch.sh ends this process with SIGKILL when its ranks are gone, and it dies with launch.sh
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
+    for sig in _SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     try:
         import ctypes
@@ -55,29 +79,65 @@ def serve(addr: str, port: int) -> None:
         ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: never outlive launch.sh on the port
     except (OSError, AttributeError):
         pass
+    if ready:
+        with open(ready, "w") as fh:
+            fh.write(f"{addr}:{port}\n")
     while True:
         time.sleep(3600)
 
 
 def post(addr: str, port: int, code: int, reason: str, node: int, nnodes: int, per_node: int, wait: bool = False,
-         late_join_s: float = LATE_JOIN_S) -> str:
+         late_join_s: float = LATE_JOIN_S, stale_s: float = STALE_S, store=None, clock=time.monotonic,
+         sleep=time.sleep) -> tuple[str, list[int]]:
     """Post `reason` as the job's abort (the first reason posted wins) and record that node `node`'s ranks are gone;
-    returns the reason on record. With `wait` (node 0's launcher, whose process holds the store), then keep it until
-    every rank of the nodes that did not fail has left or `late_join_s` has passed, so they read it before it goes."""
-    store = TCPStore(addr, port, is_master=False, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=CONNECT_S))
-    store.set_timeout(datetime.timedelta(seconds=STORE_OP_TIMEOUT_S))
+    returns the reason on record and the nodes found lost. With `wait` (node 0's launcher, whose process holds the
+    store), then keep it until every rank of the nodes that did not fail has left or `late_join_s` has passed, so
+    they read it before it goes. A rank has left when it marked itself done, or when its heartbeat has not moved for
+    `stale_s` (killed, stopped, its node lost), or, the abort on record being EXIT_PEER_LOST, when it never arrived.
+    A node that posted no exit of its own and none of whose ranks is done or still beating is lost."""
+    if store is None:
+        store = TCPStore(addr, port, is_master=False, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=CONNECT_S))
+        store.set_timeout(datetime.timedelta(seconds=STORE_OP_TIMEOUT_S))
     store.set(key(f"node_exit/{node}"), str(code))
     got = store.compare_set(key("abort"), "", f"{code} {one_line(reason)}")
-    on_record = (got.decode() if isinstance(got, bytes) else str(got)).partition(" ")[2] or reason
-    end = time.monotonic() + late_join_s
-    while wait and time.monotonic() < end:
+    got = got.decode() if isinstance(got, bytes) else str(got)
+    code_on_record, _, on_record = got.partition(" ")
+    peer_lost = code_on_record == str(EXIT_PEER_LOST)
+    seen: dict[int, tuple[bytes, float]] = {}  # rank -> (its heartbeat value, when it last changed)
+    end = clock() + late_join_s
+    lost: list[int] = []
+    while wait and clock() < end:
+        now = clock()
         live = [k for k in range(nnodes) if not store.check([key(f"node_exit/{k}")])]
-        ranks = [key(f"hb/{r}") for k in live for r in range(k * per_node, (k + 1) * per_node)]
-        if all(store.check([r]) for r in ranks) and all(b == DONE for b in store.multi_get(ranks)):
+        waiting, lost = False, []
+        for k in live:
+            ranks = list(range(k * per_node, (k + 1) * per_node))
+            names = [key(f"hb/{r}") for r in ranks]
+            present = [store.check([n]) for n in names]
+            beats = dict(zip([r for r, p in zip(ranks, present) if p],
+                             store.multi_get([n for n, p in zip(names, present) if p]) if any(present) else []))
+            gone = 0
+            for r in ranks:
+                beat = beats.get(r, b"0")
+                if beat == DONE:
+                    continue
+                if beat == b"0":  # never arrived: gone if a peer was lost, else it may still come to read the reason
+                    gone += peer_lost
+                    waiting |= not peer_lost
+                    continue
+                if seen.get(r, (None,))[0] != beat:
+                    seen[r] = (beat, now)
+                if now - seen[r][1] >= stale_s:
+                    gone += 1
+                else:
+                    waiting = True
+            if gone == per_node:
+                lost.append(k)
+        if not waiting:
             break  # (no live node left: nobody to wait for)
-        time.sleep(POLL_S / 2)
-    return on_record
+        sleep(POLL_S / 2)
+    return on_record or reason, lost
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("serve")
     s.add_argument("addr")
     s.add_argument("port", type=int)
+    s.add_argument("--ready", help="a file written once the store answers (launch.sh waits for it)")
     q = sub.add_parser("post")
     q.add_argument("addr")
     q.add_argument("port", type=int)
@@ -96,13 +157,26 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--ranks-per-node", type=int, required=True)
     q.add_argument("--wait", action="store_true", help="node 0: keep the store until the live nodes' ranks have read it")
     q.add_argument("--late-join-s", type=float, default=LATE_JOIN_S)
+    q.add_argument("--lost-file", help="with --wait: write the lost nodes' indices here, one a line (none: no file)")
     a = p.parse_args(argv)
     if a.cmd == "serve":
-        serve(a.addr, a.port)
+        serve(a.addr, a.port, a.ready)
         return 0
+    # Slurm signals every process of the step when it ends it (srun --kill-on-bad-exit, scancel): the wait is bounded,
+    # and its verdict (the lost nodes) is what the batch shell needs to requeue without them
+    for sig in _SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
     try:
-        got = post(a.addr, a.port, a.code, a.reason, a.node, a.nnodes, a.ranks_per_node, a.wait, a.late_join_s)
+        got, lost = post(a.addr, a.port, a.code, a.reason, a.node, a.nnodes, a.ranks_per_node, a.wait, a.late_join_s)
         print(f"node_store: abort on record: {got}", file=sys.stderr)
+        if lost:
+            print(f"node_store: lost node(s) {' '.join(map(str, lost))}: no exit posted, every rank's heartbeat "
+                  f"stopped or never came", file=sys.stderr)
+            if a.lost_file:
+                tmp = f"{a.lost_file}.{os.getpid()}"
+                with open(tmp, "w") as fh:
+                    fh.write("".join(f"{k}\n" for k in lost))
+                os.replace(tmp, a.lost_file)
     except Exception as e:  # noqa: BLE001 -- node 0's store is gone: nobody waits on it any more
         print(f"node_store: could not post the failure ({one_line(e)}): the job's store is gone", file=sys.stderr)
         return 1

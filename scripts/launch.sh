@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One entry for every way to start a run. Prints the exact command, runs it, and exits with train.py's
-# code: 0 done, 75 preempted after a save (requeue the same command; it resumes with --resume auto),
-# anything else failed. docs/launch.md has the details.
+# code (base/exits.py): 0 done, 75 preempted after a save (requeue the same command; it resumes with --resume auto),
+# 69 a peer was lost (a node, a rank, the job's store: requeue, without the lost node), 2 bad input, anything else
+# failed. docs/launch.md has the details.
 #
 #   scripts/launch.sh [--num_gpus N] -- TRAIN_ARGS...                            one node
 #   scripts/launch.sh -H HOSTFILE [--include S | --exclude S] [--num_nodes N] -- TRAIN_ARGS...
@@ -20,11 +21,12 @@
 # binds each rank to its own cores (--bind_cores_to_rank; it then sets OMP_NUM_THREADS per rank itself).
 # BIND_CORES=0 turns binding off, 1 insists on it.
 # Environment overrides: DEEPSPEED, TORCHRUN (launcher executables), TRAIN_SCRIPT (default train.py),
-# LAUNCH_EXPORT (extra variable names to write to .deepspeed_env), BIND_CORES (auto | 0 | 1).
+# LAUNCH_EXPORT (extra variable names to write to .deepspeed_env), BIND_CORES (auto | 0 | 1), STORE_START_S (node 0's
+# store must answer within this, default 60), LAUNCH_LOST_FILE (node 0, after a lost node: its index is written here).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-EXIT_USAGE=2 EXIT_PREEMPTED=75
+EXIT_FAILED=1 EXIT_USAGE=2 EXIT_PEER_LOST=69 EXIT_PREEMPTED=75  # base/exits.py
 TRAIN_SCRIPT=${TRAIN_SCRIPT:-$ROOT/train.py}
 bin() { if [ -x "$ROOT/.venv/bin/$1" ]; then echo "$ROOT/.venv/bin/$1"; else echo "$1"; fi; }
 DEEPSPEED=${DEEPSPEED:-$(bin deepspeed)}
@@ -265,8 +267,27 @@ if [ "$no_ssh" = 1 ] && [ "$nnodes" -gt 1 ]; then
   node_store=1
   export TORCHELASTIC_USE_AGENT_STORE=True  # torch's rule: every rank a client of the store at MASTER_ADDR:PORT
   if [ "$node_rank" = 0 ]; then
-    ( trap '' INT TERM USR1; exec "$(bin python)" -m base.node_store serve "$master_addr" "$master_port" ) &
+    # The store must answer before this node's ranks start: a broken venv, torch or mount here (its Python exits at
+    # once) or a port another job's store holds would otherwise leave every node waiting for a store that never
+    # comes (or joined to a stranger's). Cost: node 0's ranks start after one torch import (seconds); every other
+    # node's ranks wait for the store anyway.
+    ready=$(mktemp -u "${TMPDIR:-/tmp}/launch_store.XXXXXX")
+    ( trap '' INT TERM USR1; exec "$(bin python)" -m base.node_store serve "$master_addr" "$master_port" --ready "$ready" ) &
     store_pid=$!
+    for ((i = 0; i < ${STORE_START_S:-60} * 5; i++)); do
+      [ -f "$ready" ] && break
+      kill -0 "$store_pid" 2>/dev/null || break
+      sleep 0.2
+    done
+    if [ ! -f "$ready" ]; then
+      kill -9 "$store_pid" 2>/dev/null
+      wait "$store_pid" 2>/dev/null
+      echo "launch.sh: error: node 0 ($(hostname)): the job's store did not start on $master_addr:$master_port within" \
+        "${STORE_START_S:-60} s ($(bin python) -m base.node_store serve: its error is above; a broken venv, torch or" \
+        "mount on this node, or the port taken): no rank started; every node ends (srun ends the step under SLURM)" >&2
+      exit "$EXIT_FAILED"
+    fi
+    rm -f "$ready"
   fi
 fi
 # Every local rank records its exit code in $LAUNCH_EXIT_DIR (train.py): when SLURM signals every process of the
@@ -301,9 +322,9 @@ if [ -n "$tee_pid" ]; then
   wait "$tee_pid"
   if [ "$rc" = 1 ]; then
     codes=$(grep -oE 'exitcode +: -?[0-9]+' "$stderr_copy" | grep -oE -- '-?[0-9]+$' | sort -u | paste -sd' ')
-    if [ "$codes" = "$EXIT_PREEMPTED" ]; then
-      echo "launch.sh: torchrun exited 1 but every failed rank exited $EXIT_PREEMPTED: passing on $EXIT_PREEMPTED" >&2
-      rc=$EXIT_PREEMPTED
+    if [ "$codes" = "$EXIT_PREEMPTED" ] || [ "$codes" = "$EXIT_PEER_LOST" ]; then
+      echo "launch.sh: torchrun exited 1 but every failed rank exited $codes: passing on $codes" >&2
+      rc=$codes
     fi
   fi
   rm -f "$stderr_copy"
@@ -311,7 +332,7 @@ fi
 recorded=$(cat "$exit_dir"/rank* 2>/dev/null | sort -u | paste -sd' ')
 rm -rf "$exit_dir"
 case "$rc" in
-  0|"$EXIT_USAGE"|"$EXIT_PREEMPTED") ;;
+  0|"$EXIT_USAGE"|"$EXIT_PREEMPTED"|"$EXIT_PEER_LOST") ;;  # 69: a rank's watcher lost a peer (it records nothing)
   *) if [ "$recorded" = "$EXIT_PREEMPTED" ] || [ "$recorded" = 0 ]; then
        echo "launch.sh: the launcher exited $rc but every rank here exited $recorded: passing on $recorded" >&2
        rc=$recorded
@@ -322,7 +343,9 @@ if [ "$node_store" = 1 ]; then
     0|"$EXIT_PREEMPTED") ;;
     *) # a rank's own reason, posted earlier, stays the job's reason; this one reaches the ranks that had none
       wait_arg=()
-      [ "$node_rank" = 0 ] && wait_arg=(--wait)
+      # node 0 holds the store: keep it until the live nodes' ranks have read the reason (a rank whose heartbeat has
+      # stopped has left), and name the nodes found lost where slurm.sbatch reads them
+      [ "$node_rank" = 0 ] && wait_arg=(--wait ${LAUNCH_LOST_FILE:+--lost-file "$LAUNCH_LOST_FILE"})
       "$(bin python)" -m base.node_store post "$master_addr" "$master_port" "$rc" \
         "node $node_rank: its ranks exited $rc (that node's log has the cause)" --node "$node_rank" \
         --nnodes "$nnodes" --ranks-per-node "$ranks_here" ${wait_arg[@]+"${wait_arg[@]}"} ;;

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 
 import pytest
 
@@ -139,3 +140,63 @@ def test_sbatch_gives_up_after_max_requeues(tmp_path):
     text = job.communicate(timeout=60)[0]
     assert job.returncode == 1 and "giving up" in text and requeues(tmp_path) == []
     assert not (tmp_path / "fake.log").exists()
+
+
+# --- two nodes: the srun stand-in runs one task per node (SLURM_NODEID 0 and 1), honouring --kill-on-bad-exit ---
+
+TWO_NODES = {"SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "127.0.0.1,localhost", "SRUN_KILL_WAIT": "5"}
+
+
+def node_lines(tmp_path, node: int) -> list[str]:
+    return [x[len(f"node {node}: "):] for x in (tmp_path / "fake.log").read_text().splitlines()
+            if x.startswith(f"node {node}: ")]
+
+
+@pytest.mark.parametrize("how", ["killed", "stalled"])
+def test_sbatch_requeues_a_lost_node_without_it(tmp_path, how):
+    """A lost node is a requeue (69, base/exits.py), not a failure, and the next run excludes it. `killed`: every
+    process of node 1 SIGKILLed (its task dies of a signal, no exit recorded): srun ends the step (node 0 gets
+    SIGTERM). `stalled`: node 1's ranks stopped beating (hung, cut off): node 0's launcher exits 69 naming node 1 in
+    LAUNCH_LOST_FILE, node 1 is ended by srun. Either way: requeuehold, ExcNodeList += node 1's host, release. (The
+    job used to fail: "failed with 137" / "failed with 69: not requeueing".)"""
+    env = dict(TWO_NODES, FAKE_EXIT_1="kill", FAKE_EXIT_0="wait", FAKE_EXIT_AFTER="143") if how == "killed" else \
+        dict(TWO_NODES, FAKE_EXIT_0="69", FAKE_LOST="1", FAKE_EXIT_1="wait", FAKE_EXIT_AFTER="69")
+    (tmp_path / "scontrol.log.state").write_text("exc=gpu7\n")  # excluded by an earlier requeue: kept
+    job = sbatch(tmp_path, "0", ["--output_dir", str(tmp_path / "out")], **env)
+    text = job.communicate(timeout=60)[0]
+    assert job.returncode == 0, text
+    assert requeues(tmp_path) == ["requeuehold 4242", "update JobId=4242 ExcNodeList=gpu7,localhost",
+                                  "release 4242"], text
+    assert "node(s) 1 lost (localhost)" in text and "training exited with 69" in text, text
+    assert "got SIGTERM" in node_lines(tmp_path, 1 if how == "stalled" else 0), text  # srun ended the step
+
+
+def test_sbatch_requeues_a_lost_node_that_cannot_be_named(tmp_path):
+    """69 with no node named (a store lost, every node reporting it): requeued as it is."""
+    job = sbatch(tmp_path, "69", ["--output_dir", str(tmp_path / "out")], **TWO_NODES)
+    text = job.communicate(timeout=60)[0]
+    assert job.returncode == 0 and requeues(tmp_path) == ["requeue 4242"], text
+
+
+def test_srun_ends_the_step_when_a_nodes_launcher_fails(tmp_path):
+    """Node 1's launcher fails at once (node 0's store not starting is the same for srun): srun --kill-on-bad-exit
+    ends node 0 (SIGTERM) within seconds; the job fails with node 1's code (the first failure, not node 0's 143).
+    Before, --kill-on-bad-exit=0: node 0 waited (here 60 s; a real node waits for the store, START_WAIT_S)."""
+    t0 = time.time()
+    job = sbatch(tmp_path, "0", ["--output_dir", str(tmp_path / "out")], FAKE_EXIT_1="3", FAKE_EXIT_0="wait",
+                 FAKE_EXIT_AFTER="143", **TWO_NODES)
+    text = job.communicate(timeout=120)[0]
+    assert time.time() - t0 < 30, text
+    assert "got SIGTERM" in node_lines(tmp_path, 0), text
+    assert job.returncode == 3 and "training exited with 3" in text and requeues(tmp_path) == [], text
+
+
+def test_a_node_preempted_first_does_not_end_the_others(tmp_path):
+    """Node 1 exits 75 (its save done) while node 0 still writes the same checkpoint: 75 is not a bad exit for srun
+    (the node's bash reports it as 0), so node 0 is not killed; it exits 75 and the job is requeued."""
+    job = sbatch(tmp_path, "0", ["--output_dir", str(tmp_path / "out")], FAKE_EXIT_1="75", FAKE_EXIT_0="sleep:3:75",
+                 **TWO_NODES)
+    text = job.communicate(timeout=60)[0]
+    assert job.returncode == 0 and requeues(tmp_path) == ["requeue 4242"], text
+    assert "got SIGTERM" not in node_lines(tmp_path, 0), text
+    assert node_lines(tmp_path, 1)[0].startswith("args: --no_ssh --nnodes 2 --node_rank 1 --master_addr 127.0.0.1 ")

@@ -13,6 +13,9 @@ CPU-bound loop under a 1000 s switch interval, so no other thread of the rank ru
 `adam_update` does for a whole sub-group).
 BROKEN="RANK" makes rank RANK die at interpreter start-up, before train.py's first line (before the abort channel
 opens), as an import error does on a node whose venv or mount is broken: it prints the ImportError and exits 1.
+BROKEN_NODE="K" makes every Python started on node K (SLURM_NODEID, as srun sets it for every process of a node's
+task) exit at once, whatever it is (node 0's job store, the deepspeed launcher, the ranks): a node whose venv, torch
+or mount is broken, the job's store host included.
 CPUS="0" confines the rank to those CPUs (os.sched_setaffinity, what `taskset -c 0` does), as a one-CPU srun
 step confines every rank of a node.
 WATCH="POLL_S:STALL_S:LOST_STORE_S[:EXIT_GRACE_S]" shortens the abort channel's timings (base.watcher).
@@ -118,6 +121,12 @@ def _hold_gil(seconds: str, at: str) -> None:
     step.train_step = train_step
 
 
+if os.environ.get("BROKEN_NODE") is not None and os.environ.get("BROKEN_NODE") == os.environ.get("SLURM_NODEID"):
+    import sys
+
+    print(f"ImportError: libcudart.so.12: cannot open shared object file (injected: tests/stubs/faults BROKEN_NODE, "
+          f"node {os.environ['BROKEN_NODE']}: {' '.join(getattr(sys, 'argv', []))[:120]})", file=sys.stderr, flush=True)
+    os._exit(1)
 if _rank is not None and os.environ.get("BROKEN") == _rank:
     import sys
 
