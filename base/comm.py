@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from base import watcher
+from base.exits import EXIT_PEER_LOST
 
 LONG_WAIT_S = 6 * 3600  # rank-0-only work others may wait for: universal conversion of 8B on 32 ranks, prep
 _HOST_GROUP = None  # gloo group over the same ranks, for the long waits above
@@ -275,28 +276,67 @@ def _watch_store():
 def open_channel() -> None:
     """The abort channel from a launched rank's first line (train.py, scripts/evaluate.py), before anything that
     can fail on one node (imports, config, model folder, network interface, a path a node lacks): from the
-    launcher's RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT. Blocks until rank 0's store answers (START_WAIT_S,
-    as the rendezvous would). Nothing for a world of one. A failure posted before this rank arrived ends it here."""
+    launcher's RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT. Nothing for a world of one. A failure posted before
+    this rank arrived ends it here.
+
+    Start-up is bounded: a rank waits START_WAIT_S (5 min) for the store's first answer, then exits EXIT_PEER_LOST
+    naming who hosts it (rank 0, or node 0's launcher); once connected, its watcher ends the job the same way when a
+    peer never arrives (base/watcher.py). Descriptors: every rank raises its soft RLIMIT_NOFILE to the hard limit
+    (at 512 ranks the host gloo group alone holds 511 sockets per rank); the store's host publishes the limit it
+    runs under, and every rank refuses the job (ValueError: one line, exit 2 on every rank, before any work) when
+    it cannot hold 3 connections per rank of this world, or the rank's own limit its peers: the same published
+    number and WORLD_SIZE on every rank, so every rank takes the same decision. Cost at 512 ranks: one getrlimit and
+    setrlimit per rank, one `check` + `get` on the store per rank at start (1024 requests, once)."""
     global _WATCHER
     env = os.environ
     world_size, rank_ = int(env.get("WORLD_SIZE", "1")), int(env.get("RANK", "0"))
     addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
     if _WATCHER is not None or world_size <= 1 or not addr or not port:
         return
+    soft, _ = watcher.raise_fd_limit()  # every rank; on rank 0 before its store server accepts anyone
+    hosting = rank_ == 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     # first: a fork, before any thread or server exists
     heart = watcher.start_heartbeat(lambda: _client(addr, int(port), watcher.START_WAIT_S), rank_)
     try:
-        if rank_ == 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        if hosting:
             # the rendezvous store itself: torch's env:// init (multi_tenant too) reuses this server
             store = dist.TCPStore(addr, int(port), is_master=True, wait_for_workers=False, multi_tenant=True,
                                   timeout=datetime.timedelta(seconds=watcher.STORE_OP_TIMEOUT_S))
+            publish_fd_limit(store, soft)
         else:
             store = _client(addr, int(port), watcher.START_WAIT_S)
-    except BaseException:
+    except BaseException as e:
         watcher.stop_heartbeat(heart)
-        raise
+        if hosting or not isinstance(e, Exception):
+            raise
+        host = "node 0's launcher" if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else "rank 0"
+        watcher._bounded(watcher._say, f"error: rank {rank_}: the job's store at {addr}:{port} did not answer in "
+                         f"{watcher.START_WAIT_S:.0f} s: {host}, which hosts it, never arrived (its node stuck or "
+                         f"lost, or MASTER_ADDR/MASTER_PORT wrong) ({watcher.one_line(e)})", watcher.SAY_S)
+        raise SystemExit(EXIT_PEER_LOST) from None
     _WATCHER = watcher.Watcher(store, rank_, world_size, heart=heart).start()
     _WATCHER.poll()
+    refusal = fd_refusal(store, world_size, rank_, soft)
+    if refusal:
+        raise ValueError(refusal)
+
+
+def publish_fd_limit(store, soft: int) -> None:
+    """The store's host records the descriptors it may hold (its raised soft limit): rank 0 here, node 0's launcher
+    in base/node_store.py."""
+    store.set(watcher.key("store_fds"), str(soft))
+
+
+def fd_refusal(store, world_size: int, rank_: int, soft: int) -> str | None:
+    """The one-line refusal when the store's host (its published limit) cannot hold this world's connections, or
+    this rank's own limit its sockets; None when both can (or the host published nothing: torchrun's agent)."""
+    name = watcher.key("store_fds")
+    if store.check([name]):
+        server = watcher.fd_refusal(int(store.get(name)), watcher.store_fds(world_size),
+                                    "the job's store (hosted by rank 0, or node 0's launcher)")
+        if server:
+            return server
+    return watcher.fd_refusal(soft, watcher.rank_fds(world_size), f"rank {rank_} ({watcher._hostname()})")
 
 
 def _start_watcher() -> None:

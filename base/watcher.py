@@ -54,11 +54,22 @@ STALL_S = 60.0  # a rank whose heartbeat has not advanced this long has failed (
 LOST_STORE_S = 20.0  # the store unreachable this long: rank 0's process (which hosts it) is gone
 STORE_OP_TIMEOUT_S = 10.0  # one store request (a lost node answers nothing: no TCP reset)
 CONNECT_TIMEOUT_S = 60.0  # the watcher's own connection, made once at init (a connect can take seconds)
-START_WAIT_S = 1800.0  # a rank's first connection to rank 0's store: as long as the rendezvous waits by default
+# the start-up wait: a rank's first connection to the store, and every rank's arrival at it (train.py's first line)
+# counted from when its watcher started; a rank stuck before that (a hung mount, a node that never launched) ends
+# the job with EXIT_PEER_LOST after this, naming it. 5 min: 512 ranks importing torch from a cold shared file system
+# arrive within about a minute of each other; ULYSSES_START_WAIT_S sets it where nodes start slower
+START_WAIT_S = float(os.environ.get("ULYSSES_START_WAIT_S", "300"))
+SUSPENDED_S = 10.0  # a watcher that wakes this much later than it should was itself stopped (or starved): see poll()
 EXIT_GRACE_S = 30.0  # a failing rank's own teardown (atexit, NCCL destroy) before it is cut short
 ABORT_WAIT_S = 15.0  # a failing rank (and rank 0, stopped) waits at most this long for the others to read why
 LOG_WRITE_S = 2.0  # the watcher's rank-log line before its hard exit (the log is on the shared file system)
+SAY_S = 2.0  # the watcher's stderr line before its hard exit (a full pipe into slurm-%j.out on a hung file system)
 LEAVE_WAIT_S = 600.0  # rank 0, leaving cleanly, waits at most this long for live ranks still on their way out
+# descriptors the store's server needs: 3 connections per rank (its heartbeat process, its watcher, the rendezvous'
+# own client), one per node launcher posting a failure (64 at 64 nodes), and its own files and listening socket
+# (15 measured with torch imported): at 512 ranks 3 x 512 + 128 = 1664, past the common soft limit of 1024
+STORE_FDS_PER_RANK, STORE_FDS_MARGIN = 3, 128
+RANK_FDS_MARGIN = 256  # a rank's own, beyond one socket per peer (the host gloo group's full mesh): files, NCCL, CUDA
 DONE = b"done"  # a rank's heartbeat value once it has left (cleanly, failed, or stopped by an abort)
 _PREFIX = "ulysses_watch/"
 LOG = logging.getLogger("ulysses_longtrain.rank")  # training.metrics' rank log (same logger, no import)
@@ -66,6 +77,50 @@ LOG = logging.getLogger("ulysses_longtrain.rank")  # training.metrics' rank log 
 
 def key(name: str) -> str:
     return _PREFIX + name
+
+
+def store_fds(world: int) -> int:
+    """Descriptors the job's store server needs for a world of `world` ranks (3 x 512 + 128 = 1664 at 512)."""
+    return STORE_FDS_PER_RANK * world + STORE_FDS_MARGIN
+
+
+def rank_fds(world: int) -> int:
+    """Descriptors one rank needs: a socket per peer in each gloo group's full mesh (measured: +1 per rank per group;
+    the host group of base/comm.py, NCCL's own are few) plus files: 512 + 256 = 768 at 512 ranks."""
+    return world + RANK_FDS_MARGIN
+
+
+def raise_fd_limit() -> tuple[int, int]:
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit (what `ulimit -n` can do unprivileged; nothing else in
+    the stack does it, and past the soft limit a store server stops accepting ranks: a start-up hang near 330 ranks at
+    1024). Returns (soft, hard) after; an unlimited hard limit counts as the kernel's nr_open."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard
+    if hard == resource.RLIM_INFINITY:
+        try:
+            with open("/proc/sys/fs/nr_open") as fh:
+                want = int(fh.read())
+        except (OSError, ValueError):
+            want = max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError):
+            pass
+    return soft, want
+
+
+def fd_refusal(have: int, need: int, who: str) -> str | None:
+    """The one-line refusal when `have` descriptors (the raised limit) cannot hold `need`; None when they can."""
+    if have >= need:
+        return None
+    return (f"{who} may open only {have} file descriptors (its hard limit, `ulimit -Hn`) but needs {need} for this "
+            f"world: raise the hard limit on the nodes (`ulimit -n {need}` in the job script where the hard limit "
+            f"allows, LimitNOFILE={need} or more in slurmd's systemd unit, or PropagateResourceLimits=NOFILE in "
+            "slurm.conf with a higher limit where you submit) and resubmit")
 
 
 class _Asker:
@@ -110,6 +165,8 @@ class Watcher:
         self.peers = list(range(world)) if rank == 0 else [0]  # rank 0 watches everyone, the others rank 0
         self.seen: dict[int, tuple[bytes, float]] = {}  # peer -> (last heartbeat value, when it last changed)
         self.store_lost_since: float | None = None
+        self.last = clock()  # when the last poll ended (a much later next one: this process was stopped)
+        self.join_by = self.last + START_WAIT_S  # a peer not joined ("0") by then never arrived
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # stop() and a hard exit never interleave
@@ -123,6 +180,7 @@ class Watcher:
     def start(self) -> Watcher:
         self.store.compare_set(key("abort"), "", "")  # create the abort key empty (so multi_get never blocks)
         self.store.add(key(f"hb/{self.rank}"), 1)
+        self.store.set(key(f"host/{self.rank}"), _hostname())  # names this rank's node if a node-mate never arrives
         for p in self.peers:  # create the peer's key if it has not started yet ("0": not joined); compare_set, not
             self.store.compare_set(key(f"hb/{p}"), "", "0")  # add: an add on a "done" key drops the connection
         self._thread = threading.Thread(target=self._run, name="abort-watcher", daemon=True)
@@ -145,24 +203,50 @@ class Watcher:
         return [key("abort"), *(key(f"hb/{p}") for p in self.peers)]
 
     def poll(self) -> None:
-        now = self.clock()
+        """One look at the store: an abort posted, a peer's heartbeat stalled STALL_S, a peer never arrived
+        START_WAIT_S, the store unreachable LOST_STORE_S.
+
+        A suspended job (`scontrol suspend`, gang scheduling: SIGSTOP to every process, SIGCONT later, node by node
+        in any order) must go on: every clock here is this process's monotonic time, which runs on while it is
+        stopped, so after a resume every peer's heartbeat looks minutes old, or the store (stopped rank 0, or node 0's
+        launcher) unreachable since before the stop. This watcher cannot tell a peer that was stopped with it from
+        one that died meanwhile, so when it finds itself late (it woke SUSPENDED_S after it should have, or a
+        request bounded by STORE_OP_TIMEOUT_S returned that much later) it restarts what it measures: every peer gets
+        STALL_S again from now, the store LOST_STORE_S, a peer not joined yet the rest of its START_WAIT_S. Any
+        order of SIGCONT is then safe: a peer resumed later than this rank beats within STALL_S; a store resumed
+        later answers within LOST_STORE_S; a peer still stopped (or dead) is declared STALL_S after the resume. The
+        same holds when this thread was starved (the GIL held by CPU Adam for longer than SUSPENDED_S): detection
+        is late by the starved time, never early."""
+        start = self.clock()
+        error: Exception | None = None
         try:
             abort, *beats = self.ask(lambda st: (st.add(key(f"hb/{self.rank}"), 1), st.multi_get(self._keys()))[1])
         except Exception as e:  # noqa: BLE001 -- any store error: the store (rank 0's process) may be gone
+            error = e
+        now = self.clock()
+        late = max(start - self.last - POLL_S, now - start - STORE_OP_TIMEOUT_S)
+        self.last = now
+        if late >= SUSPENDED_S:
+            self._resumed(now, late)
+        if error is not None:
             if self.store_lost_since is None:
                 self.store_lost_since = now
             if now - self.store_lost_since >= LOST_STORE_S and not self.stopped:
                 self._exit(EXIT_PEER_LOST, f"stopping: the job's store (hosted by rank 0) has been unreachable for "
                               f"{now - self.store_lost_since:.0f} s: rank 0 failed or its node was lost "
-                              f"({type(e).__name__}: {one_line(e)})", mark=False)
+                              f"({type(error).__name__}: {one_line(error)})", mark=False)
             return
         self.store_lost_since = None
         if abort:
             code, _, reason = abort.decode().partition(" ")
             self._exit(int(code), f"stopping: {reason}")
             return
+        missing = []
         for p, beat in zip(self.peers, beats):
-            if p == self.rank or beat == b"0":  # b"0": not joined yet (the rendezvous' timeout covers it)
+            if p == self.rank:
+                continue
+            if beat == b"0":  # not joined yet: waited for START_WAIT_S from this watcher's start
+                missing.append(p)
                 continue
             last = self.seen.get(p)
             if beat == DONE or last is None or last[0] != beat:
@@ -173,6 +257,39 @@ class Watcher:
                 reason = self.post(reason, EXIT_PEER_LOST)
                 self._exit(EXIT_PEER_LOST, f"stopping: {reason}")
                 return
+        if missing and now >= self.join_by and not self.stopped:
+            reason = self.post(self._never_arrived(missing), EXIT_PEER_LOST)
+            self._exit(EXIT_PEER_LOST, f"stopping: {reason}")
+
+    def _resumed(self, now: float, late: float) -> None:
+        """This process was stopped (or starved) for about `late` s: what it measured meanwhile is stale."""
+        self.seen = {p: (beat, now) for p, (beat, _) in self.seen.items()}
+        self.store_lost_since = None
+        self.join_by += late
+        _bounded(self.log, f"abort channel: this rank was stopped or starved for {late:.0f} s (a suspended job?): "
+                           "its peers' heartbeat clocks restart", LOG_WRITE_S)
+
+    def _never_arrived(self, missing: list[int]) -> str:
+        """"ranks 8-15 never arrived ...", with the host of each missing rank's node where a node-mate arrived (ranks
+        by node from this rank's LOCAL_SIZE / LOCAL_WORLD_SIZE, contiguous as every launcher here places them)."""
+        per_node = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 0)
+        where = []
+        if per_node > 0:
+            gone = set(missing)
+            for node in sorted({p // per_node for p in missing})[:4]:
+                mates = [r for r in range(node * per_node, min((node + 1) * per_node, self.world)) if r not in gone]
+                host = "none of its ranks arrived"
+                if mates:
+                    try:
+                        got = self.ask(lambda st, m=mates[0]: st.get(key(f"host/{m}")))
+                        host = f"host {got.decode() if isinstance(got, bytes) else got}"
+                    except Exception:  # noqa: BLE001 -- named without its host
+                        host = "host unknown"
+                where.append(f"node {node}: {host}")
+        at = f" ({'; '.join(where)})" if where else ""
+        return (f"{_ranges(missing)} never arrived{at}: not at the job's store {START_WAIT_S:.0f} s after rank "
+                f"{self.rank} was (stuck before train.py's first line: a hung mount, a node that never launched; "
+                "ULYSSES_START_WAIT_S sets this wait)")
 
     def post(self, reason: str, code: int = 1) -> str:
         """Post `reason` ("rank R failed: ...") as the job's abort with the exit code the others take; the first
@@ -197,7 +314,7 @@ class Watcher:
         with self._lock:
             if self.stopped:  # this rank is leaving on its own (clean exit or its own failure): never kill it
                 return
-            self.say(line)
+            _bounded(self.say, line, SAY_S)  # stderr may be a full pipe nobody drains (slurm-%j.out on a hung FS)
             _bounded(self.log, line, LOG_WRITE_S)
             self.heart = stop_heartbeat(self.heart)
             if mark:
@@ -234,6 +351,24 @@ class Watcher:
             if not waiting:
                 return
             self.sleep(tick)
+
+
+def _ranges(ranks: list[int]) -> str:
+    """[3] -> "rank 3"; [8, 9, 10, 12] -> "ranks 8-10, 12" (at most 8 runs shown)."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs[:8]) + (", ..." if len(runs) > 8 else "")
+    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
+
+
+def _hostname() -> str:
+    import socket
+
+    return socket.gethostname()
 
 
 def one_line(e: BaseException | str) -> str:

@@ -141,12 +141,13 @@ class Exits(list):
 @pytest.fixture
 def channel(monkeypatch):
     """A TCPStore server (as rank 0 hosts it) and `make(rank)`: a started watcher of a 3-rank world on its own
-    client connection, with a fake clock and recorded exits. Its thread never polls (POLL_S is huge)."""
+    client connection, with a fake clock and recorded exits. Its thread never polls (the test calls poll(), every
+    POLL_S of the fake clock as the thread would: `run_for`)."""
     import datetime
 
     from tests.distributed import free_port
 
-    monkeypatch.setattr(watcher, "POLL_S", 1e6)
+    monkeypatch.setattr(watcher.Watcher, "_run", lambda self: None)
     monkeypatch.setattr(watcher, "ABORT_WAIT_S", 0.5)  # a stopped rank 0 waits for the others' marks: briefly here
     port = free_port()
     server = comm.dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
@@ -166,6 +167,15 @@ def channel(monkeypatch):
     yield make, clock, server
     for w in made:
         w.stop()
+
+
+def run_for(clock, seconds, *watchers, step=None):
+    """`seconds` of the fake clock with every watcher polling every `step` (POLL_S), as their threads do."""
+    step = step or watcher.POLL_S
+    for _ in range(int(round(seconds / step))):
+        clock.t += step
+        for w in watchers:
+            w.poll()
 
 
 def test_a_posted_failure_stops_every_other_rank_with_its_line(channel):
@@ -224,8 +234,7 @@ def test_the_others_watch_rank0s_heartbeat(channel):
     make, clock, _ = channel
     _, (w1, ex1) = make(0), make(1)
     w1.poll()
-    clock.t += watcher.STALL_S  # rank 0 alive (the store answers) but its heartbeat stalled: a hang
-    w1.poll()
+    run_for(clock, watcher.STALL_S, w1)  # rank 0 alive (the store answers) but its heartbeat stalled: a hang
     assert ex1 and ex1[0].startswith("stopping: rank 0 stopped responding") and ex1[-1] == EXIT_PEER_LOST
 
 
@@ -242,16 +251,14 @@ def test_a_lost_store_stops_a_rank_after_the_grace_only(channel):
     real = w1.store
     w1.store = Gone()
     w1.poll()
-    clock.t += watcher.LOST_STORE_S - 1
-    w1.poll()
+    run_for(clock, watcher.LOST_STORE_S - 1, w1, step=1)
     assert ex1 == []
     w1.store = real  # it came back: the grace starts again
     w1.poll()
     w1.store = Gone()
     clock.t += 1
     w1.poll()
-    clock.t += watcher.LOST_STORE_S - 1
-    w1.poll()
+    run_for(clock, watcher.LOST_STORE_S - 1, w1, step=1)
     assert ex1 == []
     clock.t += 1
     w1.poll()
@@ -316,19 +323,91 @@ def test_a_store_that_never_answers_is_lost_too(channel, monkeypatch):
         w1.poll()
         clock.t += watcher.LOST_STORE_S / 2
     never.set()
-    assert ex1[-1] == 1 and "unreachable" in ex1[0], ex1
+    assert ex1[-1] == EXIT_PEER_LOST and "unreachable" in ex1[0], ex1
 
 
-def test_a_rank_that_has_not_joined_yet_is_not_declared_silent(channel):
+def test_a_rank_that_never_arrives_ends_the_job_after_the_start_wait_naming_it(channel, monkeypatch):
     """The channel opens at a rank's first line, before the rendezvous: a rank still starting (another node's
-    srun task, a slow import) has never beaten, and is left to the rendezvous' own timeout."""
+    srun task, a slow import) has never beaten and is not declared silent; one that has not arrived START_WAIT_S
+    (5 min, not the rendezvous' 30) after rank 0 did (stuck on a hung mount before train.py's first line) ends
+    every rank with EXIT_PEER_LOST, named, with its node's host where a node-mate arrived."""
+    assert watcher.START_WAIT_S <= 300
+    monkeypatch.setenv("LOCAL_SIZE", "2")  # ranks 0-1 on node 0, 2-3 on node 1: rank 3 is missing, rank 2 arrived
     make, clock, _ = channel
-    (w0, ex0), (w1, _) = make(0), make(1)  # rank 2 has not started
-    for _ in range(10):
-        clock.t += watcher.STALL_S
+    (w0, ex0), (w1, ex1), (w2, ex2) = make(0, 4), make(1, 4), make(2, 4)
+    run_for(clock, watcher.START_WAIT_S - 2 * watcher.POLL_S, w0, w1, w2)
+    assert ex0 == ex1 == ex2 == []  # beyond STALL_S: not joined is not silent
+    run_for(clock, 2 * watcher.POLL_S, w0)
+    import socket
+
+    line = (f"stopping: rank 3 never arrived (node 1: host {socket.gethostname()}): not at the job's store "
+            f"{watcher.START_WAIT_S:.0f} s after rank 0 was")
+    assert ex0[0].startswith(line) and ex0[-1] == EXIT_PEER_LOST, ex0
+    w1.poll()
+    w2.poll()
+    assert ex1 == ex2 == ex0
+
+
+def test_the_others_end_when_rank0_never_arrives(channel):
+    """With node 0's launcher hosting the store (launch.sh on several nodes), rank 0 itself can be the one stuck."""
+    make, clock, _ = channel
+    (w1, ex1), (w2, ex2) = make(1), make(2)
+    run_for(clock, watcher.START_WAIT_S, w1, w2)
+    assert ex1[0].startswith("stopping: rank 0 never arrived") and ex1[-1] == EXIT_PEER_LOST, ex1
+    w2.poll()
+    assert ex2 == ex1
+
+
+@pytest.mark.parametrize("order", ["rank0_resumes_first", "rank0_resumes_last", "stopped_mid_request"])
+def test_a_suspended_job_goes_on_whatever_the_order_of_sigcont(channel, order):
+    """`scontrol suspend` / gang scheduling SIGSTOPs every process of the job (ranks, heartbeat processes, the
+    store's host) and SIGCONTs them later, node by node: on resume every clock shows minutes without a heartbeat.
+    Rank 0 resumed first sees its peers' beats move only seconds later; resumed last, the others find its store
+    silent at first; a watcher stopped inside a request finds it timed out. None of it is a failure. A rank that
+    stays silent after the resume is still declared lost, STALL_S after it."""
+    make, clock, _ = channel
+    (w0, ex0), (w1, ex1), (w2, ex2) = make(0), make(1), make(2)
+    # the watcher that resumes first saw its peers' last beats before the stop (it polled after them)
+    run_for(clock, 20, *((w1, w2, w0) if order == "rank0_resumes_first" else (w0, w1, w2)))
+    clock.t += 600  # everything stopped 10 minutes
+    if order == "rank0_resumes_first":
+        run_for(clock, 8, w0)  # rank 1 and 2 (and their heartbeat processes) are still stopped
+    elif order == "rank0_resumes_last":
+        real = w1.store, w2.store
+
+        class Stopped:  # rank 0's process (the store) still stopped: every request times out
+            def __getattr__(self, name):
+                def fail(*a, **k):
+                    raise TimeoutError("no answer from the store in 10 s")
+                return fail
+
+        w1.store = w2.store = Stopped()
+        run_for(clock, 14, w1, w2)
+        w1.store, w2.store = real
+        run_for(clock, 4, w1, w2)  # rank 0's process answers again; its heartbeat process resumes a little later
+    else:
+        real = w1.store
+
+        class StopsNow:  # SIGSTOP arrives while rank 1's request is in flight; on SIGCONT it has timed out
+            def __getattr__(self, name):
+                def stop(*a, **k):
+                    clock.t += 600
+                    w1.store = real
+                    raise TimeoutError("no answer from the store in 10 s")
+                return stop
+
+        w1.store = StopsNow()
         w1.poll()
-        w0.poll()
-    assert ex0 == []
+        run_for(clock, 4, w1)  # rank 0 resumes a little later
+    run_for(clock, 2 * watcher.STALL_S, w0, w1, w2)
+    assert ex0 == ex1 == ex2 == []
+    clock.t += 600  # suspended again; this time rank 2 never comes back
+    w0.poll()  # (a watcher resumed polls at once: its wait is long over)
+    w1.poll()
+    run_for(clock, watcher.STALL_S - 2 * watcher.POLL_S, w0, w1)
+    assert ex0 == ex1 == []
+    run_for(clock, 2 * watcher.POLL_S, w0, w1)
+    assert ex0[0].startswith("stopping: rank 2 stopped responding") and ex0[-1] == EXIT_PEER_LOST, ex0
 
 
 def test_a_hung_log_write_does_not_keep_a_rank_from_exiting(channel, monkeypatch, capfd):
