@@ -33,8 +33,9 @@ file late does not fail the resume. At Llama-3-8B on 32 ranks a checkpoint is ~1
 weights and Adam moments): each rank writes and, at resume, re-reads ~3 GB.
 
 A checkpoint written by another world size is converted to DeepSpeed's universal format (training/universal.py):
-keyed by the checkpoint's content (its manifest's hash), never by its name, and started only if it can finish
-before the job's end (else exit 75 to be requeued).
+keyed by the checkpoint's content (its manifest's hash), never by its name, written under this run's
+OUTPUT_DIR/universal/ (never beside a source it does not own), locked against another job converting the same
+source, and started only if it can finish before the job's end (else exit 75 to be requeued).
 
 `--resume PATH` (or `none`) starts a new branch from PATH (or from nothing) once (training/branches.py).
 """
@@ -187,6 +188,7 @@ def reset_adam_moments(optimizer) -> int:
 class Checkpointer:
     def __init__(self, output_dir: str, keep: int, settle_s: float | None = None, deadline: Deadline | None = None):
         self.root = os.path.join(output_dir, "checkpoints")
+        self.output_dir = output_dir  # conversions go under OUTPUT_DIR/universal/, never beside their source
         self.keep = keep
         # one process has one view: nothing to wait for; several may see a new file up to SETTLE_S late
         self.settle_s = settle_s if settle_s is not None else (FS_SETTLE_S if comm.world() > 1 else 0.0)
@@ -366,11 +368,11 @@ class Checkpointer:
             taken = comm.run_on_main(lambda: branches.taken(self.root, resume))
             if taken is None:
                 path = None if resume == "none" else self._checked(resume)
-                comm.run_on_main(lambda: branches.start(self.root, path, resume, self.tags()))
+                comm.run_on_main(lambda: branches.start(self.root, path, resume, self._listed()))
                 return path
             print0(f"--resume {resume}: this branch was taken on {taken}: continuing from this run's newest complete "
                    f"checkpoint (docs/checkpoints.md)")
-        for tag in reversed(comm.run_on_main(self.tags)):  # rank 0's listing is the only one read
+        for tag in reversed(comm.run_on_main(self._listed)):  # rank 0's view is the only one read
             path = os.path.join(self.root, tag)
             t0 = time.perf_counter()
             why = self.verify(path)
@@ -381,6 +383,31 @@ class Checkpointer:
         if resume not in ("auto", "none"):  # the branch saved nothing of its own yet: from its source again
             return self._checked(resume)
         return None
+
+    def _listed(self) -> list[str]:
+        """Rank 0: this run's checkpoints, oldest first: its listing of checkpoints/ and the one LATEST names, looked up
+        by name (a node's cached listing can be up to FS_SETTLE_S older than the folder: the newest checkpoint, just
+        committed by the job before on another node, missing from it would resume an older one without a word). When
+        LATEST names a checkpoint whose manifest this node cannot see yet, it is looked for again by name for up to
+        `settle_s` (FS_SETTLE_S on several ranks), then left out with a warning naming it. Costs one small read and,
+        on a stale view, up to 60 s once per start."""
+        listed = self.tags()
+        try:
+            with open(os.path.join(self.root, POINTER)) as fh:
+                latest = fh.read().strip()
+        except OSError:
+            return listed
+        if not TAG.match(latest) or latest in listed and os.path.isfile(os.path.join(self.root, latest, MANIFEST)):
+            return listed
+        t0 = time.monotonic()
+        if not_visible(os.path.join(self.root, latest), {MANIFEST: 1}, self.settle_s):
+            print0(f"warning: {os.path.join(self.root, POINTER)} names {latest}, but this node cannot see "
+                   f"{os.path.join(self.root, latest, MANIFEST)} after looking for it for {self.settle_s:.0f} s (a "
+                   "stale view of the file system, or it was removed): resuming from an older checkpoint")
+            return listed
+        if time.monotonic() - t0 >= 1.0:
+            print0(f"{POINTER} names {latest}: its manifest became visible here after {time.monotonic() - t0:.0f} s")
+        return sorted(set(listed) | {latest}, key=lambda t: int(TAG.match(t).group(1)))
 
     def _checked(self, path: str) -> str:
         why = self.verify(path)
@@ -476,7 +503,7 @@ class Checkpointer:
 
         def decide() -> dict | None:
             saved = read_json(os.path.join(path, MANIFEST))["json"]["world"]
-            return None if saved == world else universal.prepare(path, saved, world, self.deadline)
+            return None if saved == world else universal.prepare(path, saved, world, self.output_dir, self.deadline)
 
         got = comm.run_on_main(decide)
         if got is None:

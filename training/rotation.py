@@ -46,7 +46,10 @@ def _bound_side_folders(root: str, keep: int) -> None:
     here, the same content and not only the same name (a branch's new step_N makes the old conversion stale);
     abandoned/ (branches left by `--resume PATH`) keeps its newest `keep` checkpoints and the pointers to them.
     At 8B a checkpoint is ~100 GB: without this bound every world-size change and every branch stayed."""
-    uni = os.path.join(root, "universal")
+    # OUTPUT_DIR/universal/ (training/universal.py): this run's conversions; one in progress is never touched
+    universal.bound(os.path.join(os.path.dirname(root), "universal"),
+                    {universal.source_id(os.path.join(root, t)) for t in tags(root)})
+    uni = os.path.join(root, "universal")  # where conversions were written before issue 41 (beside their source)
     if os.path.isdir(uni):
         for t in os.listdir(uni):
             if TAG.match(t) and not universal.is_conversion_of(os.path.join(uni, t), os.path.join(root, t)):

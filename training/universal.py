@@ -1,13 +1,29 @@
 """DeepSpeed universal checkpoints: a checkpoint written by N ranks, converted for a run of another world size.
 
-    checkpoints/universal/step_000200/   the conversion (DeepSpeed loads it as load_dir=universal/, tag=step_000200)
-        DONE                             written last: {"source": id, "files": {name: size}, "bytes", "seconds"}
-    checkpoints/universal/RATE.json      the last conversion's measured bytes and seconds (the next estimate)
+    OUTPUT_DIR/universal/                  this run's conversions: written where this run may write, never beside
+                                           their source (it may be read-only, another team's, or rotated by its run)
+        <key>/                             one finished conversion; key: the first 24 hex digits of the SHA-256 of the
+                                           source's MANIFEST.json (DeepSpeed loads load_dir=universal/<key>, tag=step_N)
+            step_000200/                   ds_to_universal's output
+            DONE                           {"source": key, "source_path", "files": {name: size}, "bytes", "seconds"}
+        <key>.lock/                        held while <key> is converted: OWNER (job id, requeue count, host, pid);
+                                           its mtime is the owner's heartbeat (touched every HEARTBEAT_S)
+        <key>.tmp.<host>.<pid>/            a conversion being written by that process; renamed to <key> once DONE is
+                                           in it (a rename onto an existing <key> fails: the first complete one wins)
+        RATE.json                          the last conversion's measured bytes and seconds (the next estimate)
 
 **Keyed by content, not by name.** A branch (`--resume step_000100`) writes a new `step_000200` under an old name;
-a conversion is used only when its recorded `source` equals the identity of the checkpoint there now: the SHA-256 of
-its MANIFEST.json, which lists every file's size and CRC32 (and the step, world, layout). Any other conversion is
-redone, never loaded; checkpoints without a matching conversion get theirs dropped at the next save.
+a conversion is found by the identity of the checkpoint there now: the SHA-256 of its MANIFEST.json, which lists
+every file's size and CRC32 (and the step, world, layout). Another content is another key: converted again, never
+loaded through an old conversion. This run's rotation (training/rotation.py) drops conversions whose source is not
+one of the checkpoints it keeps, never one in progress; another run's rotation never sees them.
+
+**Two jobs, one source** (two branches started at once, a requeued job whose earlier incarnation still runs): the
+first to create `<key>.lock` (an atomic mkdir, also on NFS) converts; the others wait for `<key>/DONE` and load it.
+A lock whose owner is gone is taken over: its heartbeat older than STALE_S, its process gone (same host), or it was
+an earlier run of this same Slurm job (SLURM_JOB_ID equal, SLURM_RESTART_COUNT lower). Each converter writes only
+its own `<key>.tmp.<host>.<pid>` and renames it into place: even two converters at once (a suspended owner resumed
+after its lock was taken over) never delete or overwrite each other's files.
 
 **Bounded by the job's end.** `python -m deepspeed.checkpoint.ds_to_universal` runs in one process on rank 0 and
 cannot resume: killed at the time limit, it started again from nothing on every requeue. Before starting it, rank 0
@@ -15,29 +31,38 @@ estimates its time from the checkpoint's bytes and the last measured rate (RATE.
 conversion of at least `TRUST_BYTES` was measured) and starts it only if it, a step and a save fit before the job's
 end (`Deadline`: SLURM_JOB_END_TIME or --time_limit_s). Otherwise the job exits 75 (requeue) without starting it,
 or, when it cannot fit even a whole allocation (SLURM_JOB_END_TIME - SLURM_JOB_START_TIME), 2 with the fix: convert
-in a longer job (`python -m training.universal CHECKPOINT`) or resume at the saved world size. A conversion that runs
-past its estimate is stopped before the end, its time recorded (so the next estimate is at least that), exit 75.
+in a longer job (`python -m training.universal CHECKPOINT OUTPUT_DIR`) or resume at the saved world size. A
+conversion that runs past its estimate (or a wait for another job's that does) is stopped before the end, its time
+recorded (so the next estimate is at least that), exit 75. An output dir this job cannot write: exit 2, one line.
 
 Cost at target scale (Llama-3-8B, 32 ranks, ZeRO-3): the checkpoint is ~100 GB, of which 96 GB are fp32 master
 weights and Adam moments in 32 partitions. ds_to_universal reads them (96 GB), writes one fragment per parameter, state
 and partition (291 x 3 x 32 = 28k files, 96 GB), reads them back and writes the merged tensors (96 GB): ~390 GB of
-I/O from one node. At 1-2 GB/s to a parallel file system that is 3-7 minutes; at the 149 MB/s per node measured for
-saves here (docs/results/checkpoints.md) about 45 minutes. The guess, 50 MB/s of checkpoint bytes (~200 MB/s of
-I/O), says 33 minutes until the first measurement. The other ranks wait meanwhile in `comm.run_on_main` (a host gloo
-group with a 6 h timeout, not the training group's `dist_timeout_s`); the abort channel's heartbeat comes from a
-helper process of each rank (base/comm.py), not from the waiting thread, so the wait is never taken for a stall.
+I/O from one node, and ~100 GB more on disk in the converting run's output dir (its quota, not the source's). At
+1-2 GB/s to a parallel file system that is 3-7 minutes; at the 149 MB/s per node measured for saves here
+(docs/results/checkpoints.md) about 45 minutes. The guess, 50 MB/s of checkpoint bytes (~200 MB/s of I/O), says 33
+minutes until the first measurement. A second job branching from the same source waits instead of adding another
+390 GB of I/O; its lock costs a mkdir, a 100-byte file and one utime per HEARTBEAT_S. The other ranks wait meanwhile
+in `comm.run_on_main` (a host gloo group with a 6 h timeout, not the training group's `dist_timeout_s`); the abort
+channel's heartbeat comes from a helper process of each rank (base/comm.py), not from the waiting thread, so the
+wait is never taken for a stall.
 
-Offline: `python -m training.universal OUTPUT_DIR/checkpoints/step_000200` converts it with no deadline (in a job
-of its own, before a resume at another world size), recorded the same way.
+Offline: `python -m training.universal OUTPUT_DIR/checkpoints/step_000200 [OUTPUT_DIR]` converts it with no
+deadline into OUTPUT_DIR/universal/ (default: the run folder that holds the checkpoint), in a job of its own before
+a resume at another world size with that --output_dir, recorded the same way.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import shutil
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 from base.log import print0
@@ -45,10 +70,16 @@ from training.checkpoint_files import MANIFEST, atomic_write, list_files, manife
 
 DONE = "DONE"
 RATE = "RATE.json"
+OWNER = "OWNER"  # in <key>.lock/: who converts
 START_S = 30.0  # the converter's own start-up (python, torch, deepspeed imports) and its small files
 RATE_GUESS_BPS = 50e6  # checkpoint bytes per second until measured (see the module docstring)
 TRUST_BYTES = 2**30  # a finished conversion smaller than this measures start-up, not the file system's rate
 SAFETY = 1.25  # a measured rate varies with the file system's load
+HEARTBEAT_S = 30.0  # the lock's owner touches it this often while it converts
+STALE_S = 600.0  # a lock untouched this long is taken over: 20 missed heartbeats, far above NFS's 60 s attribute
+# cache and clock skew between nodes; a suspended job (scontrol suspend) past it loses the lock, not its files
+WAIT_EVERY_S = 5.0  # how often a job waiting for another's conversion looks for its DONE (by name)
+KEY = re.compile(r"^[0-9a-f]{24}$")
 
 
 def source_id(ckpt: str) -> str | None:
@@ -57,10 +88,15 @@ def source_id(ckpt: str) -> str | None:
     return sha and sha[:24]
 
 
-def folder(ckpt: str) -> str:
-    """Where the conversion of `ckpt` (ROOT/checkpoints/step_N) lives: ROOT/checkpoints/universal/step_N."""
-    root, tag = os.path.split(os.path.abspath(ckpt.rstrip("/")))
-    return os.path.join(root, "universal", tag)
+def home(output_dir: str) -> str:
+    """The folder of this run's conversions: OUTPUT_DIR/universal."""
+    return os.path.join(os.path.abspath(output_dir), "universal")
+
+
+def folder(ckpt: str, output_dir: str) -> str | None:
+    """Where the conversion of the checkpoint now at `ckpt` lives for the run in `output_dir` (None: no manifest)."""
+    sid = source_id(ckpt)
+    return sid and os.path.join(home(output_dir), sid)
 
 
 def record(out: str) -> dict:
@@ -84,22 +120,166 @@ def estimate_s(nbytes: int, measured: dict) -> float:
     return START_S + nbytes / rate
 
 
-def _measured(out: str) -> dict:
-    got = read_json(os.path.join(os.path.dirname(out), RATE))
+def _measured(where: str) -> dict:
+    got = read_json(os.path.join(where, RATE))
     return got["json"] if isinstance(got.get("json"), dict) else {}
 
 
-def prepare(ckpt: str, saved_world: int, world: int, deadline=None) -> dict:
-    """Rank 0: the conversion of `ckpt` ready to load, made now if needed and if it fits before `deadline`.
-    Returns {"dir": load_dir, "files": {name: size}} or {"requeue": reason} or {"refuse": reason} (one line each)."""
-    out = folder(ckpt)
+# ---------------------------------------------------------------- the lock
+
+
+def _me() -> dict:
+    return {"job": os.environ.get("SLURM_JOB_ID"), "restart": int(os.environ.get("SLURM_RESTART_COUNT") or 0),
+            "host": socket.gethostname(), "pid": os.getpid()}
+
+
+def _tmp(out: str, owner: dict) -> str:
+    return f"{out}.tmp.{owner.get('host')}.{owner.get('pid')}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def gone(lock: str, now: float | None = None) -> str | None:
+    """Why the owner of `lock` is gone (its lock may be taken over), or None while it may still be converting."""
+    try:
+        age = (time.time() if now is None else now) - os.stat(lock).st_mtime
+    except FileNotFoundError:
+        return "released"
+    owner, me = read_json(os.path.join(lock, OWNER)).get("json") or {}, _me()
+    if age > STALE_S:
+        return f"its heartbeat is {age:.0f} s old"
+    if owner.get("host") == me["host"] and isinstance(owner.get("pid"), int) and not _alive(owner["pid"]):
+        return f"its process {owner['pid']} on this host has exited"
+    if me["job"] and owner.get("job") == me["job"] and int(owner.get("restart") or 0) < me["restart"]:
+        return f"it was an earlier run of this job {me['job']} (requeued since)"
+    return None
+
+
+class Lock:
+    """`<key>.lock`: an atomic mkdir, an OWNER file and a heartbeat thread while held (see the module docstring)."""
+
+    def __init__(self, out: str):
+        self.out, self.path, self.owner = out, out + ".lock", _me()
+        self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
+
+    def acquire(self) -> dict | None:
+        """Take the lock: None once held, else the live owner's record (it converts; wait for its DONE)."""
+        while True:
+            try:
+                os.mkdir(self.path)
+            except FileExistsError:
+                why = gone(self.path)
+                if why is None:
+                    return read_json(os.path.join(self.path, OWNER)).get("json") or {}
+                self._take_over(why)
+                continue
+            atomic_write(os.path.join(self.path, OWNER), json.dumps(self.owner))
+            self._beat = threading.Thread(target=self._heartbeat, name="universal-lock", daemon=True)
+            self._beat.start()
+            return None
+
+    def _take_over(self, why: str) -> None:
+        """Move a gone owner's lock out of the way (a rename: of two takers, one wins) and drop its partial folder."""
+        owner = read_json(os.path.join(self.path, OWNER)).get("json") or {}
+        grave = f"{self.path}.stale.{self.owner['host']}.{self.owner['pid']}"
+        try:
+            os.rename(self.path, grave)
+        except FileNotFoundError:  # another job took it over first (or this node's view of it is stale)
+            time.sleep(0.5)
+            return
+        print0(f"taking over the universal conversion lock {self.path} of job {owner.get('job')} on "
+               f"{owner.get('host')} (pid {owner.get('pid')}): {why}")
+        if owner.get("host") and owner.get("pid"):
+            shutil.rmtree(_tmp(self.out, owner), ignore_errors=True)
+        shutil.rmtree(grave, ignore_errors=True)
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                os.utime(self.path)
+            except OSError:  # taken over (we were judged gone) or the file system is away: the rename still guards
+                return
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._beat is not None:
+            self._beat.join()
+        if (read_json(os.path.join(self.path, OWNER)).get("json") or {}) == self.owner:  # still ours
+            shutil.rmtree(self.path, ignore_errors=True)
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.stat(path).st_mtime
+    except FileNotFoundError:  # removed meanwhile
+        return time.time()
+
+
+def bound(where: str, keep: set[str], remove=None) -> None:
+    """Rank 0, after a commit: drop this run's finished conversions whose source is not in `keep` (the keys of the
+    checkpoints it keeps: at 8B each conversion is ~100 GB) and what a gone converter left (its lock, its partial
+    folder). Never a conversion in progress: a key whose lock's owner is alive is left whole."""
+    if not os.path.isdir(where):
+        return
+    remove = remove or (lambda p: shutil.rmtree(p, ignore_errors=True))  # rotation passes its background Trash
+    names = set(os.listdir(where))
+    live = {n[:-5] for n in names if n.endswith(".lock") and gone(os.path.join(where, n)) is None}
+    for n in sorted(names):
+        key, p = n[:24], os.path.join(where, n)
+        if not KEY.match(key) or key in live:
+            continue
+        if n == key and key not in keep:
+            remove(p)
+        elif n.endswith(".lock") or ".stale." in n:
+            remove(p)
+        elif ".tmp." in n and time.time() - _mtime(p) > STALE_S:  # no live lock: its owner was taken over
+            remove(p)
+
+
+# ---------------------------------------------------------------- conversion
+
+
+def _writable(where: str) -> str | None:
+    """None if this process can create folders in `where` (made if missing), else why not."""
+    try:
+        os.makedirs(where, exist_ok=True)
+        probe = os.path.join(where, f".probe.{socket.gethostname()}.{os.getpid()}")
+        os.mkdir(probe)
+        os.rmdir(probe)
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
+def prepare(ckpt: str, saved_world: int, world: int | None, output_dir: str, deadline=None) -> dict:
+    """Rank 0: the conversion of `ckpt` ready to load, made now (or by another job now) if needed and if it fits
+    before `deadline`. Returns {"dir": load_dir, "files": {name: size}} or {"requeue": reason} or {"refuse": reason}
+    (one line each)."""
     sid = source_id(ckpt)
+    if sid is None:
+        return {"refuse": f"checkpoint {ckpt} has no readable {MANIFEST}: resume from a committed checkpoint"}
+    where = home(output_dir)
+    out = os.path.join(where, sid)
     done = record(out)
-    if sid is not None and done.get("source") == sid:
-        return {"dir": os.path.dirname(out), "files": done["files"]}
+    if done.get("source") == sid:
+        return {"dir": out, "files": done["files"]}
+    why = _writable(where)
+    if why:
+        return {"refuse": f"checkpoint {ckpt} (written by {saved_world} ranks) needs a universal conversion for "
+                          f"{world} ranks, written under {where}, which this job cannot write ({why}): give "
+                          "--output_dir a folder this job may write, or resume with the saved world size"}
     manifest = read_json(os.path.join(ckpt, MANIFEST)).get("json") or {}
     nbytes = sum(int(e["size"]) for e in manifest.get("files", {}).values())
-    est = estimate_s(nbytes, _measured(out))
+    est = estimate_s(nbytes, _measured(where))
     timeout = None
     end = getattr(deadline, "end", None)
     if end is not None:
@@ -110,59 +290,105 @@ def prepare(ckpt: str, saved_world: int, world: int, deadline=None) -> dict:
         if start and end - float(start) < needed:
             return {"refuse": f"{what}, more than this job's whole allocation ({(end - float(start)) / 60:.0f} min) "
                               f"with a step and a save after it: convert it in a longer job first (python -m "
-                              f"training.universal {ckpt}), or resume with {saved_world} ranks"}
+                              f"training.universal {ckpt} {os.path.abspath(output_dir)}), or resume with "
+                              f"{saved_world} ranks"}
         left = end - time.time()
         if left < needed:
             return {"requeue": f"{what}; {left / 60:.0f} min are left before the job's end, not enough with a step "
                                "and a save after it: not started, exiting 75 to be requeued"}
         timeout = left - (needed - est)  # stop it in time to exit before the end, whatever the estimate said
-    print0(f"checkpoint {ckpt} was written by {saved_world} ranks, this run has {world}: converting it to a DeepSpeed "
-           f"universal checkpoint in {out} (about {est / 60:.1f} min estimated)")
+    give_up = None if timeout is None else time.monotonic() + timeout
+    lock, said = Lock(out), False
+    while (holder := lock.acquire()) is not None:  # another job converts this very source: wait for its DONE
+        done = record(out)
+        if done.get("source") == sid:
+            return {"dir": out, "files": done["files"]}
+        if give_up is not None and time.monotonic() >= give_up:
+            return {"requeue": f"the universal conversion of {ckpt} by job {holder.get('job')} on {holder.get('host')} "
+                               f"(pid {holder.get('pid')}) did not finish before this job's end: exiting 75 to be "
+                               "requeued"}
+        if not said:
+            print0(f"checkpoint {ckpt} is being converted to a universal checkpoint in {out} by job "
+                   f"{holder.get('job')} on {holder.get('host')} (pid {holder.get('pid')}): waiting for it")
+            said = True
+        time.sleep(WAIT_EVERY_S)
     try:
-        return {"dir": os.path.dirname(out), "files": convert(ckpt, out, sid, nbytes, timeout)["files"]}
+        done = record(out)  # finished by the job whose lock was just released
+        if done.get("source") == sid:
+            return {"dir": out, "files": done["files"]}
+        print0(f"checkpoint {ckpt} was written by {saved_world} ranks"
+               + ("" if world is None else f", this run has {world}")
+               + f": converting it to a DeepSpeed universal checkpoint in {out} (about {est / 60:.1f} min estimated)")
+        left = None if give_up is None else max(give_up - time.monotonic(), 1.0)
+        return {"dir": out, "files": convert(ckpt, out, sid, nbytes, left)["files"]}
     except subprocess.TimeoutExpired as e:
         return {"requeue": f"the universal conversion of {ckpt} was stopped after {e.timeout / 60:.0f} min, before the "
                            "job's end (its time is recorded for the next estimate): exiting 75 to be requeued"}
+    finally:
+        lock.release()
 
 
 def convert(ckpt: str, out: str, sid: str | None, nbytes: int, timeout: float | None = None) -> dict:
-    """Run ds_to_universal from `ckpt` into `out` (emptied first), then write the DONE record and the measured rate.
-    Returns the record. A conversion stopped at `timeout` records its time as unfinished and raises TimeoutExpired."""
-    shutil.rmtree(out, ignore_errors=True)
-    os.makedirs(os.path.dirname(out), exist_ok=True)
+    """Run ds_to_universal from `ckpt` into this process's own `<out>.tmp.<host>.<pid>`, write the DONE record in it,
+    rename it to `out` (if another converter's is already there, that one is kept and ours dropped), record the
+    measured rate. Returns the record. Stopped at `timeout`: its time recorded as unfinished, TimeoutExpired raised.
+    The caller holds `out`'s lock (prepare, main)."""
+    tag, where = os.path.basename(os.path.abspath(ckpt.rstrip("/"))), os.path.dirname(out)
+    tmp = _tmp(out, _me())
+    shutil.rmtree(tmp, ignore_errors=True)  # this process's own leftover only
+    os.makedirs(tmp)
     t0 = time.time()
     try:
         subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", ckpt,
-                        "--output_folder", out, "--num_extract_workers", "2", "--num_merge_workers", "1",
-                        "--inject_missing_state"], check=True, stdout=subprocess.DEVNULL, timeout=timeout)
+                        "--output_folder", os.path.join(tmp, tag), "--num_extract_workers", "2",
+                        "--num_merge_workers", "1", "--inject_missing_state"],
+                       check=True, stdout=subprocess.DEVNULL, timeout=timeout)
     except subprocess.TimeoutExpired:
-        atomic_write(os.path.join(os.path.dirname(out), RATE),
+        shutil.rmtree(tmp, ignore_errors=True)
+        atomic_write(os.path.join(where, RATE),
                      json.dumps({"bytes": nbytes, "seconds": time.time() - t0, "finished": False}))
         raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     seconds = time.time() - t0
-    files = {f: os.path.getsize(os.path.join(out, f)) for f in list_files(out) if f != DONE}
+    files = {f: os.path.getsize(os.path.join(tmp, tag, f)) for f in list_files(os.path.join(tmp, tag))}
     done = {"source": sid, "source_path": ckpt, "files": files, "bytes": nbytes, "seconds": round(seconds, 1)}
-    atomic_write(os.path.join(out, DONE), json.dumps(done))
-    atomic_write(os.path.join(os.path.dirname(out), RATE),
-                 json.dumps({"bytes": nbytes, "seconds": seconds, "finished": True}))
+    atomic_write(os.path.join(tmp, DONE), json.dumps(done))
+    try:
+        os.rename(tmp, out)
+    except OSError as e:  # ENOTEMPTY / EEXIST: another converter's complete one is in place first
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or record(out).get("source") != sid:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        done = record(out)
+    atomic_write(os.path.join(where, RATE), json.dumps({"bytes": nbytes, "seconds": seconds, "finished": True}))
     return done
 
 
 def main(argv: list[str] | None = None) -> int:
-    """python -m training.universal CHECKPOINT: convert it now, with no deadline (a job of its own)."""
+    """python -m training.universal CHECKPOINT [OUTPUT_DIR]: convert it now, with no deadline (a job of its own), into
+    OUTPUT_DIR/universal/ (default: the run folder holding CHECKPOINT), where a resume with that --output_dir finds
+    it. Exit 2 with one line for a CHECKPOINT that is not one or an OUTPUT_DIR this user cannot write."""
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1 or source_id(args[0]) is None:
-        print("usage: python -m training.universal OUTPUT_DIR/checkpoints/step_N (a committed checkpoint: "
-              "MANIFEST.json)", file=sys.stderr)
+    if len(args) not in (1, 2) or source_id(args[0]) is None:
+        print("usage: python -m training.universal OUTPUT_DIR/checkpoints/step_N [OUTPUT_DIR of the run that will "
+              "resume from it] (a committed checkpoint: MANIFEST.json)", file=sys.stderr)
         return 2
     ckpt = os.path.abspath(args[0].rstrip("/"))
-    manifest = read_json(os.path.join(ckpt, MANIFEST))["json"]
-    nbytes = sum(int(e["size"]) for e in manifest["files"].values())
-    if is_conversion_of(folder(ckpt), ckpt):
-        print(f"{folder(ckpt)} already holds the conversion of {ckpt}")
+    output_dir = args[1] if len(args) == 2 else os.path.dirname(os.path.dirname(ckpt))
+    out = folder(ckpt, output_dir)
+    if is_conversion_of(out, ckpt):
+        print(f"{out} already holds the conversion of {ckpt}")
         return 0
-    done = convert(ckpt, folder(ckpt), source_id(ckpt), nbytes)
-    print(f"converted {ckpt} ({nbytes / 1e9:.1f} GB) in {done['seconds'] / 60:.1f} min into {folder(ckpt)}")
+    saved = (read_json(os.path.join(ckpt, MANIFEST)).get("json") or {}).get("world")
+    got = prepare(ckpt, saved, None, output_dir)
+    if "dir" not in got:
+        print(f"error: {got.get('refuse') or got.get('requeue')}", file=sys.stderr)
+        return 2
+    done = record(got["dir"])
+    print(f"converted {ckpt} ({done.get('bytes', 0) / 1e9:.1f} GB) in {done.get('seconds', 0) / 60:.1f} min into "
+          f"{got['dir']}")
     return 0
 
 

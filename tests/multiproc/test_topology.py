@@ -17,6 +17,7 @@ from tests.conftest import write_token_jsonl
 from tests.distributed import ROOT, run
 from tests.runs import TRAIN, losses, preempt_after, train_args
 from training.checkpoint import tag_for
+from training.universal import source_id
 
 LATE_S = 6  # rank 1 sees the conversion's files this long after its first look (a node's cached negative lookup)
 
@@ -37,7 +38,7 @@ def test_world_size_change_carries_optimizer_state(assets, tmp_path, before, aft
     k = preempt_after(train_args(assets, out, before[0], steps=6), before[1], out, str(tmp_path / "l1"), 2)
     # 1 -> 2: rank 1 (another node) sees the files rank 0 just converted only LATE_S after it first looks for them
     late = {"PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT}/tests/stubs/stale_view", "STALE_VIEW_RANK": "1",
-            "STALE_VIEW_LATE": r"/universal/step_\d+/.+\.pt$", "STALE_VIEW_LATE_S": str(LATE_S)}
+            "STALE_VIEW_LATE": r"/universal/[0-9a-f]{24}/step_\d+/.+\.pt$", "STALE_VIEW_LATE_S": str(LATE_S)}
     run(TRAIN, train_args(assets, out, after[0], steps=6), after[1], str(tmp_path / "l2"),
         extra_env=late if after[1] == 2 else None)
     log = (tmp_path / "l2" / "rank0.log").read_text()
@@ -105,7 +106,7 @@ def test_a_branch_is_converted_again_not_loaded_through_the_old_conversion(asset
     watch = {"PYTHONPATH": f"{ROOT}/tests/stubs/faults{os.pathsep}{ROOT}", "WATCH": f"0.5:{stall_s}:20"}
     got = resume(out, 2, 2, "l4", watch)
     assert "converting it to a DeepSpeed universal checkpoint" in (tmp_path / "l4" / "rank0.log").read_text()
-    done = json.loads((out / "checkpoints" / "universal" / tag_for(4) / "DONE").read_text())
+    done = json.loads((out / "universal" / source_id(str(out / "checkpoints" / tag_for(4))) / "DONE").read_text())
     assert done["seconds"] > stall_s  # the others waited longer than the stall limit, and were not stopped
     ref = resume(tmp_path / "same_world", 1, 1, "l5")
     assert abs(got - ref) <= 1e-4 * ref, (got, ref)

@@ -127,7 +127,7 @@ def test_side_folders_are_bounded(tmp_path, monkeypatch):
 
     def convert(step):
         p = str(root / tag_for(step))
-        universal.convert(p, universal.folder(p), universal.source_id(p), 0)
+        universal.convert(p, universal.folder(p, str(tmp_path)), universal.source_id(p), 0)
 
     for t in (1, 2, 3, 4, 5):
         (root / "abandoned" / tag_for(10 + t)).mkdir(parents=True)
@@ -137,11 +137,12 @@ def test_side_folders_are_bounded(tmp_path, monkeypatch):
         save(ck, s)  # rotation drops step 1, and with it its conversion
         if s < 3:
             convert(s)
-    assert sorted(os.listdir(root / "universal")) == ["RATE.json", tag_for(2)]
+    kept = sorted(["RATE.json", universal.source_id(str(root / tag_for(2)))])  # OUTPUT_DIR/universal/<its key>
+    assert sorted(os.listdir(tmp_path / "universal")) == kept
     assert sorted(os.listdir(root / "abandoned")) == ["STAGE_1_b", tag_for(14), tag_for(15)]
     convert(3)
     save(ck, 3)  # a branch's own step 3: the conversion of the old one is stale
-    assert sorted(os.listdir(root / "universal")) == ["RATE.json", tag_for(2)]
+    assert sorted(os.listdir(tmp_path / "universal")) == kept
 
 
 # --- loading: universal conversions (issue 32 item 3) and files a rank cannot see yet (item 8) ---
@@ -282,7 +283,7 @@ def test_conversion_that_overruns_its_estimate_is_stopped_before_the_job_ends(tm
     path = save_from_world(ck, 4, world=2)
     assert _exit_code(monkeypatch, lambda: ck.load(LoadEngine(), path)) == 75
     assert len(seen) == 1 and 200 < seen[0] < 600 - 300  # ends before the job does, with a save's time to spare
-    rate = json.loads((tmp_path / "checkpoints" / "universal" / universal.RATE).read_text())
+    rate = json.loads((tmp_path / "universal" / universal.RATE).read_text())
     assert rate["finished"] is False and "was stopped after" in capsys.readouterr().err
 
 
