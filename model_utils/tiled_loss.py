@@ -24,13 +24,23 @@ LOGITS_TILE_BYTES: int = 2**30  # fp32 logits per loss tile (ArcticTraining's 1 
 
 
 def loss_sum(engine, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Sum of next-token cross-entropies over this rank's shard (labels -100 ignored).
+    """Sum of next-token cross-entropies over this rank's shard (labels -100 ignored), each weighted by
+    `mb["loss_weights"]` when the micro-batch has them (per-conversation weighting, data/sharding.py).
 
-    shift_labels are already shifted (inside the full sample, before sharding), so no shift here."""
+    shift_labels are already shifted (inside the full sample, before sharding), so no shift here. A shard with
+    no supervised token gives 0 (a sum, never a mean: no 0/0), and its backward still runs every collective."""
     out = engine(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False)
-    logits = out.logits.float()
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), mb["shift_labels"].reshape(-1),
-                           ignore_index=-100, reduction="sum")
+    return _weighted_ce_sum(out.logits.float(), mb["shift_labels"], mb.get("loss_weights"))
+
+
+def _weighted_ce_sum(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """sum_t w_t CE_t over [bs, t, vocab] fp32 logits (w = 1 without weights). The weighted form keeps a [bs, t]
+    fp32 vector of per-token losses: 4 B a token, nothing next to the logits' 4 x vocab B."""
+    flat, y = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+    if weights is None:
+        return F.cross_entropy(flat, y, ignore_index=-100, reduction="sum")
+    ce = F.cross_entropy(flat, y, ignore_index=-100, reduction="none")  # 0 where ignored
+    return (ce * weights.reshape(-1).to(ce.dtype)).sum()
 
 
 def agreed_tiles(n: int, device: torch.device | None = None) -> int:
@@ -40,11 +50,9 @@ def agreed_tiles(n: int, device: torch.device | None = None) -> int:
     return int(comm.all_reduce([float(max(1, n))], op="max").item())
 
 
-def _ce_sum(lm_head, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of cross-entropies of one tile ([bs, t, hidden], [bs, t]), in fp32 like loss_sum."""
-    logits = lm_head(hidden).float()
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
-                           reduction="sum")
+def _ce_sum(lm_head, hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """(Weighted) sum of cross-entropies of one tile ([bs, t, hidden], [bs, t]), in fp32 like loss_sum."""
+    return _weighted_ce_sum(lm_head(hidden).float(), labels, weights)
 
 
 class TiledCrossEntropySum(torch.autograd.Function):
@@ -61,17 +69,17 @@ class TiledCrossEntropySum(torch.autograd.Function):
     later in this backward pass, so it is reduced after that instead."""
 
     @staticmethod
-    def forward(ctx, hidden, labels, lm_head, tiles: int, tied: bool):
-        ctx.save_for_backward(hidden, labels)
+    def forward(ctx, hidden, labels, lm_head, tiles: int, tied: bool, weights=None):
+        ctx.save_for_backward(hidden, labels, weights)
         ctx.lm_head, ctx.tiles, ctx.tied = lm_head, tiles, tied
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for a, b in _spans(hidden.shape[1], tiles):
-            total += _ce_sum(lm_head, hidden[:, a:b], labels[:, a:b])
+            total += _ce_sum(lm_head, hidden[:, a:b], labels[:, a:b], None if weights is None else weights[:, a:b])
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
-        hidden, labels = ctx.saved_tensors
+        hidden, labels, weights = ctx.saved_tensors
         grad_hidden = torch.zeros_like(hidden)
         params = [p for p in ctx.lm_head.parameters() if p.requires_grad]
         spans = _spans(hidden.shape[1], ctx.tiles)
@@ -80,12 +88,12 @@ class TiledCrossEntropySum(torch.autograd.Function):
                 p.ds_grad_is_ready = i == len(spans) - 1 and not ctx.tied
             tile = hidden[:, a:b].detach().requires_grad_()
             with torch.enable_grad():
-                loss = _ce_sum(ctx.lm_head, tile, labels[:, a:b])
+                loss = _ce_sum(ctx.lm_head, tile, labels[:, a:b], None if weights is None else weights[:, a:b])
             torch.autograd.backward(loss, grad_total)
             grad_hidden[:, a:b] = tile.grad
         for p in params:
             p.ds_grad_is_ready = True  # tied: the embedding's gradient hook reduces the sum later
-        return grad_hidden, None, None, None, None
+        return grad_hidden, None, None, None, None, None
 
 
 def _spans(sl: int, tiles: int) -> list[tuple[int, int]]:
@@ -127,10 +135,12 @@ def _stats(lm_head, hidden: torch.Tensor, labels: torch.Tensor, tiles: int,
 
 
 def _forward_with_tiled_loss(self, *args, tiled_loss_labels: torch.Tensor | None = None, eval_stats: bool = False,
-                             eval_buckets: tuple[torch.Tensor, int] | None = None, **kwargs):
+                             eval_buckets: tuple[torch.Tensor, int] | None = None,
+                             tiled_loss_weights: torch.Tensor | None = None, **kwargs):
     """The model's forward; given `tiled_loss_labels` ([bs, sl_local], already shifted, -100 ignored) it
-    returns the summed cross-entropy instead of the logits, computed tile by tile (with `eval_stats`, no
-    autograd, the `_stats` triple, plus per-bucket CE sums and counts given `eval_buckets`)."""
+    returns the summed cross-entropy instead of the logits (weighted per token by `tiled_loss_weights` when
+    given), computed tile by tile (with `eval_stats`, no autograd, the `_stats` triple, plus per-bucket CE sums
+    and counts given `eval_buckets`)."""
     if tiled_loss_labels is None:
         return self._untiled_forward(*args, **kwargs)
     hidden = self.get_decoder()(*args, **kwargs).last_hidden_state  # [bs, sl_local, hidden]
@@ -140,7 +150,7 @@ def _forward_with_tiled_loss(self, *args, tiled_loss_labels: torch.Tensor | None
     if eval_stats:
         return _stats(lm_head, hidden, tiled_loss_labels, tiles, eval_buckets)
     tied = lm_head.weight is self.get_input_embeddings().weight
-    return TiledCrossEntropySum.apply(hidden, tiled_loss_labels, lm_head, tiles, tied)
+    return TiledCrossEntropySum.apply(hidden, tiled_loss_labels, lm_head, tiles, tied, tiled_loss_weights)
 
 
 def install_loss_forward(model) -> None:
@@ -157,8 +167,9 @@ def install_loss_forward(model) -> None:
 def tiled_loss_sum(engine, mb: dict[str, torch.Tensor]) -> torch.Tensor:
     """loss_sum without the whole [bs, sl_local, vocab] logits. It goes through the engine's
     forward, like loss_sum, because DeepSpeed starts its backward bookkeeping from hooks on the outputs."""
+    weights = {"tiled_loss_weights": mb["loss_weights"]} if "loss_weights" in mb else {}
     out = engine(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False,
-                 tiled_loss_labels=mb["shift_labels"])
+                 tiled_loss_labels=mb["shift_labels"], **weights)
     if not torch.is_tensor(out):
         raise RuntimeError("tiled loss: the model's forward was not patched (install_loss_forward not run)")
     return out

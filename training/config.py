@@ -55,6 +55,8 @@ class Config:
     reset_position_ids: str = "auto"  # auto | yes | no: restart positions at document starts (auto: yes on every
     # backend that masks documents, i.e. all supported ones: model_utils.attention.resets_positions)
     mask_cross_document_labels: bool = False  # no loss on a document's last token predicting the next document (ProLong)
+    loss_weighting: str = "token"  # token: mean over the global batch's supervised tokens | conversation: LongAlign's
+    # mean of each packed document's (conversation's) mean, 1/N_i per token computed before sharding (data/sharding.py)
     # --- parallelism and batch ---
     sequence_parallel_size: int = 1  # SP degree; world = sp x dp, and sp = ulysses x cp
     context_parallel_size: str = "auto"  # cp factor of SP: auto (Ulysses as large as the heads and the node allow,
@@ -222,6 +224,11 @@ def validate(cfg: Config) -> None:
     cfg.attention_head_chunks = cp_setting(cfg.attention_head_chunks, "--attention_head_chunks")
     if cfg.reset_position_ids not in ("auto", "yes", "no"):
         raise ValueError(f"--reset_position_ids {cfg.reset_position_ids!r}: use auto, yes or no")
+    if cfg.loss_weighting not in ("token", "conversation"):
+        raise ValueError(f"--loss_weighting {cfg.loss_weighting!r}: use token or conversation")
+    if cfg.loss_weighting == "conversation" and cfg.reset_position_ids == "no":
+        raise ValueError("--loss_weighting conversation finds conversations where position ids restart: drop "
+                         "--reset_position_ids no (or use --loss_weighting token)")
     if cfg.save_total_limit < 2:
         raise ValueError(f"--save_total_limit {cfg.save_total_limit}: keep at least 2 so the newest complete "
                          "checkpoint is never deleted before a newer one is committed")

@@ -1,15 +1,25 @@
-"""One optimizer step over a sequence-sharded global batch, weighting every real token equally.
+"""One optimizer step over a sequence-sharded global batch, weighting every supervised token equally.
 
 Each rank holds [bs, sl/sp] shards of its SP group's samples. The step's loss is
 
     L = sum of token cross-entropies over the whole global batch / number of labelled tokens in it
 
-(all DP replicas, all accumulation micro-steps, all SP shards): exactly the plain model's mean loss
-over the same samples. Every rank backpropagates its *local* sum of cross-entropies; Ulysses'
-all-to-all carries the gradient to the ranks that own the other parts of the sequence, so the sum of
-all ranks' gradients is the gradient of the global sum. DeepSpeed then divides by the gradient
-accumulation steps and averages over the world (its data-parallel group is the whole world when SP is
-on), so scaling each local sum by world * GA / n_tokens yields the gradient of L.
+(all DP replicas, all accumulation micro-steps, all micro-batch rows, all SP shards): exactly the plain model's
+mean loss over the same samples, never a mean of per-rank, per-sample or per-micro-batch means (under SFT most
+SP ranks of a long prompt hold no label at all, and such means would weigh a 3-token shard like a 3000-token
+one). Every rank backpropagates its *local* sum of cross-entropies; Ulysses' all-to-all carries the gradient
+to the ranks that own the other parts of the sequence, so the sum of all ranks' gradients is the gradient of
+the global sum. DeepSpeed then divides by the gradient accumulation steps and averages over the world (its
+data-parallel group is the whole world when SP is on), so scaling each local sum by world * GA / n_tokens
+yields the gradient of L.
+
+With per-conversation weights (`loss_weights`, LongAlign: 1 / N_i on conversation i's supervised tokens,
+computed on the whole sample before sharding, data/sharding.py) the same holds with weighted sums: L = sum of
+w_t CE_t / sum of w_t, the mean over the global batch's conversations of each one's mean loss.
+
+A rank, a micro-batch or a whole SP group without any supervised token adds 0 to the sums (and still runs its
+forward and backward: every collective is called on every rank); a global batch without any gives loss 0 and
+zero gradients, not 0/0. Cost: one all-reduce of two numbers per step, before the first forward.
 """
 
 from __future__ import annotations
@@ -22,14 +32,26 @@ from base import comm
 from model_utils.tiled_loss import loss_sum
 
 
+def label_totals(micro_batches: list[dict[str, torch.Tensor]]) -> list[float]:
+    """This rank's [supervised tokens, loss weight] over its micro-batches (the weight is the token count
+    without `loss_weights`). Summed over the world they are the global batch's, each token counted once: SP
+    ranks hold disjoint shards of their group's samples, DP groups disjoint samples."""
+    tokens = sum(int((mb["shift_labels"] != -100).sum()) for mb in micro_batches)
+    weight = sum(float(mb["loss_weights"].double().sum()) if "loss_weights" in mb
+                 else float((mb["shift_labels"] != -100).sum()) for mb in micro_batches)
+    return [float(tokens), weight]
+
+
 def train_step(engine, micro_batches: list[dict[str, torch.Tensor]], world: int,
                loss_fn=loss_sum, before_step=None) -> dict[str, float]:
-    """Forward/backward every micro-batch, then the optimizer step. Returns loss and token counts."""
+    """Forward/backward every micro-batch, then the optimizer step. Returns the loss, `label_tokens` (the
+    global batch's supervised tokens, for the metrics) and, with conversation weights, `label_weight` (its
+    conversations with a supervised token)."""
     t0 = time.perf_counter()
     device = engine.device
-    n_local = sum(int((mb["shift_labels"] != -100).sum()) for mb in micro_batches)
-    n_total = max(comm.all_reduce([float(n_local)]).item(), 1.0)
-    scale = world * len(micro_batches) / n_total
+    n_tokens, n_weight = comm.all_reduce(label_totals(micro_batches)).tolist()
+    denom = n_weight if n_weight > 0 else 1.0  # nothing supervised anywhere: loss 0, gradients 0
+    scale = world * len(micro_batches) / denom
     total = torch.zeros((), dtype=torch.float64)
     for i, mb in enumerate(micro_batches):
         mb = {k: v.to(device) for k, v in mb.items()}
@@ -39,4 +61,8 @@ def train_step(engine, micro_batches: list[dict[str, torch.Tensor]], world: int,
             before_step(engine)  # e.g. tests reading the full gradients before the optimizer consumes them
         engine.step()
         total += local.detach().double().cpu()
-    return {"loss": comm.all_reduce(total).item() / n_total, "label_tokens": n_total, "step_time": time.perf_counter() - t0}
+    out = {"loss": comm.all_reduce(total).item() / denom, "label_tokens": int(n_tokens),
+           "step_time": time.perf_counter() - t0}
+    if any("loss_weights" in mb for mb in micro_batches):
+        out["label_weight"] = n_weight
+    return out

@@ -1,0 +1,322 @@
+"""The loss over supervised tokens only, under sequence parallelism (issue 42), in one process.
+
+SP x DP ranks are simulated by threads, each running the real `train_step` on its shards (data/sharding.py's collate
+and shard) with a stand-in engine over a per-token model (embedding -> linear: a token's logits depend on that token
+alone, so a shard's loss is exactly its part of the whole sample's) and a stand-in all-reduce that sums over the
+threads. DeepSpeed's own step is emulated as it works (step.py): the gradients of every rank and micro-step summed,
+divided by world x GA. The oracle is the mean over the whole global batch's supervised tokens (or of each
+conversation's mean), computed on the unsharded samples; the wrong answers (a mean of per-rank, per-micro-batch or
+per-sample means) are checked to be far from it. Attention across shards is the multi-process parity test's
+(tests/multiproc/test_parity.py, the `sft_*` cases).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import types
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from data.sharding import collate, conversation_weights, segment_ids, shard, shifted_labels
+from model_utils import tiled_loss
+from model_utils.tiled_loss import loss_sum, tiled_loss_sum
+from training import step as step_mod
+
+VOCAB, SL = 50, 24
+
+
+def sample(n: int, spans: list[tuple[int, int]], docs: list[int] | None = None, seed: int = 0) -> dict:
+    """n random tokens; the tokens in `spans` ([a, b) token indices) are supervised; `docs`: document lengths
+    (position ids restart at each)."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, VOCAB, n)
+    mask = np.zeros(n, np.uint8)
+    for a, b in spans:
+        mask[a:b] = 1
+    pos = np.concatenate([np.arange(d) for d in (docs or [n])])
+    return {"input_ids": ids, "loss_mask": mask, "position_ids": pos}
+
+
+# ---- labels shifted on the whole sample, before sharding ----------------------------------------------------
+
+@pytest.mark.parametrize("sp, cp", [(2, 1), (3, 1), (4, 1), (2, 2), (4, 2)])
+def test_labels_shifted_before_sharding(sp, cp):
+    """A supervised token at every shard (and zigzag chunk) start: its label sits on the last position of the shard
+    before it (the token that predicts it), and the shards' labels are exactly the whole sample's shifted labels."""
+    n = 48
+    chunk = n // (sp * (2 if cp > 1 else 1))
+    starts = list(range(chunk, n, chunk))
+    s = sample(n, [(a, a + 1) for a in starts] + [(n - 3, n)])  # and the sample's last tokens
+    batch = collate([s], sp * (2 if cp > 1 else 1), 0)
+    want = np.full(n, -100)
+    want[:-1] = np.where(s["loss_mask"][1:] == 1, s["input_ids"][1:], -100)
+    assert batch["shift_labels"][0].tolist() == want.tolist()
+    got = torch.full((n,), -7)
+    for r in range(sp):  # put every rank's labels back where its tokens came from (positions travel with them)
+        part = shard({**batch, "where": torch.arange(n)[None]}, sp, r, cp)
+        got[part["where"][0]] = part["shift_labels"][0]
+    assert got.tolist() == want.tolist()
+    for a in starts:  # the boundary's predicting token holds the first token of the next shard as its label
+        assert got[a - 1].item() == s["input_ids"][a]
+
+
+def test_hf_labels_and_masks_shift_alike_without_crossing_documents():
+    """`labels` (HF convention, aligned with input_ids) and a `loss_mask` give the packer's `shift_labels`; the last
+    token of a document never predicts the next document's first token, even when that one is supervised."""
+    s = sample(12, [(2, 5), (7, 9)], docs=[7, 5])
+    labels = np.where(s["loss_mask"] == 1, s["input_ids"], -100)
+    a = shifted_labels(s)
+    b = shifted_labels({**{k: v for k, v in s.items() if k != "loss_mask"}, "labels": labels})
+    ids = s["input_ids"]
+    assert a.tolist() == b.tolist() == [-100, ids[2], ids[3], ids[4], -100, -100, -100, ids[8], -100, -100, -100,
+                                        -100]
+    assert segment_ids(s["position_ids"]).tolist() == [0] * 7 + [1] * 5
+
+
+def test_conversation_weights_are_one_over_each_conversations_count():
+    """LongAlign: 1/N_i on conversation i's supervised positions (by the predicting token's document), 0 elsewhere;
+    a document without a supervised token adds nothing; padding weighs 0."""
+    s = sample(14, [(1, 4), (6, 7), (12, 14)], docs=[5, 2, 4, 3])  # N = 3, 1, 0, 2
+    lab = shifted_labels(s)
+    w = conversation_weights(lab, s["position_ids"])
+    assert w.tolist() == pytest.approx([1 / 3] * 3 + [0, 0] + [1, 0] + [0] * 4 + [0.5, 0.5, 0])
+    batch = collate([s], 4, 0, "conversation")
+    assert batch["loss_weights"].shape == (1, 16) and batch["loss_weights"][0, 14:].tolist() == [0, 0]
+    assert batch["loss_weights"].sum().item() == pytest.approx(3.0)  # the conversations with a supervised token
+    with pytest.raises(ValueError, match="--loss_weighting 'turn': use token or conversation"):
+        collate([s], 4, 0, "turn")
+
+
+# ---- the step over simulated ranks ------------------------------------------------------------------------------
+
+class PerToken(torch.nn.Module):
+    """logits[t] = f(input_ids[t]) only: sharding a sample changes no token's loss."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(VOCAB, 16)
+        self.head = torch.nn.Linear(16, VOCAB)
+        with torch.no_grad():
+            self.head.weight.mul_(8.0)  # peaked: the per-token losses differ a lot
+
+    def forward(self, input_ids, position_ids=None, use_cache=False):
+        return types.SimpleNamespace(logits=self.head(torch.tanh(self.emb(input_ids))))
+
+
+class Engine:
+    """What train_step uses of a DeepSpeed engine, for one rank: forward, backward (accumulating), step."""
+
+    def __init__(self, model):
+        self.module, self.device, self.steps = model, torch.device("cpu"), 0
+
+    def __call__(self, **kw):
+        return self.module(**kw)
+
+    def backward(self, loss):
+        loss.backward()
+
+    def step(self):
+        self.steps += 1
+
+
+def run_ranks(model, batches, sp: int, cp: int = 1, weighting: str = "token", loss_fn=loss_sum):
+    """batches[dp_rank][micro_step] = samples. Every (dp, sp) rank in a thread runs train_step on its shards; the
+    all-reduce sums over the threads. Returns (rank 0's result, every rank's result, gradients as DeepSpeed
+    makes them: the sum over ranks / (world x GA))."""
+    dp, ga = len(batches), len(batches[0])
+    world = dp * sp
+    barrier, box, lock = threading.Barrier(world), [], threading.Lock()
+
+    def all_reduce(values, op="sum", group=None):
+        t = values if torch.is_tensor(values) else torch.tensor(values, dtype=torch.float64)
+        with lock:
+            box.append(t.detach().clone())
+        barrier.wait()
+        total = torch.stack(box).sum(0)
+        barrier.wait()
+        with lock:
+            box.clear()
+        barrier.wait()
+        return total
+
+    models = [copy.deepcopy(model) for _ in range(world)]
+    results = [None] * world
+    errors = []
+
+    def rank(r):
+        try:
+            d, s = divmod(r, sp)
+            mult = sp * (2 if cp > 1 else 1)
+            micro = [shard(collate(mb, mult, 0, weighting), sp, s, cp) for mb in batches[d]]
+            results[r] = step_mod.train_step(Engine(models[r]), micro, world, loss_fn=loss_fn)
+        except BaseException as e:  # noqa: BLE001 - surfaced below
+            errors.append(e)
+            barrier.abort()
+
+    orig = step_mod.comm.all_reduce
+    step_mod.comm.all_reduce = all_reduce
+    try:
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        step_mod.comm.all_reduce = orig
+    if errors:
+        raise errors[0]
+    grads = {n: sum(m.get_parameter(n).grad for m in models) / (world * ga) for n, _ in model.named_parameters()}
+    return results[0], results, grads
+
+
+def per_token(model, samples) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole samples' per-position cross-entropy (0 where unsupervised) and supervised mask, [n, sl]."""
+    batch = collate(samples, 1, 0)
+    logits = model(batch["input_ids"]).logits
+    ce = F.cross_entropy(logits.transpose(1, 2), batch["shift_labels"], ignore_index=-100, reduction="none")
+    return ce, batch["shift_labels"] != -100
+
+
+def oracle(model, samples, weighting: str = "token"):
+    """Loss and gradients of the whole global batch at once: the mean over its supervised tokens (or of each
+    conversation's mean)."""
+    m = copy.deepcopy(model)
+    ce, sup = per_token(m, samples)
+    if weighting == "token":
+        loss = ce.sum() / sup.sum()
+    else:
+        w = torch.stack([torch.from_numpy(conversation_weights(shifted_labels(s), s["position_ids"])) for s in samples])
+        loss = (ce * w).sum() / w.sum()
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in m.named_parameters()}
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+LONG = sample(SL, [(19, 22)], seed=1)  # a long prompt, a 3-token answer near the end: SP 2/3/4's first ranks hold none
+BOUNDARY = sample(SL, [(6, 7), (11, 13), (16, 18)], seed=2)  # answers starting at SP 4, ending at SP 2, at SP 3 bounds
+PACKED = sample(SL, [(3, 5), (8, 14), (22, 23)], docs=[7, 9, 8], seed=3)  # 3 conversations, N = 2, 6, 1
+EMPTY = sample(SL, [], seed=4)  # nothing supervised
+
+
+@pytest.mark.parametrize("sp, cp, batches", [
+    (2, 1, [[[LONG]]]), (3, 1, [[[LONG]]]), (4, 1, [[[LONG, BOUNDARY]]]),  # most ranks without a label
+    (2, 2, [[[BOUNDARY, PACKED]]]),  # zigzag chunks
+    (2, 1, [[[LONG], [BOUNDARY, PACKED]]]),  # GA 2, the second micro-step with two rows
+    (2, 1, [[[LONG]], [[EMPTY]]]),  # DP 2: a whole SP group without a supervised token
+    (3, 1, [[[EMPTY, LONG], [PACKED, EMPTY]], [[BOUNDARY, EMPTY], [EMPTY, EMPTY]]]),  # DP 2 x GA 2 x mb 2
+], ids=["sp2_long", "sp3_long", "sp4_mb2", "u2cp2", "ga2_mb2", "dp2_group_empty", "sp3_dp2_ga2_mb2"])
+def test_loss_is_mean_over_global_supervised_tokens(sp, cp, batches):
+    model = PerToken()
+    samples = [s for d in batches for mb in d for s in mb]
+    ref_loss, ref_grads = oracle(model, samples)
+    got, every, grads = run_ranks(model, batches, sp, cp)
+    assert all(abs(r["loss"] - got["loss"]) == 0 and r["label_tokens"] == got["label_tokens"] for r in every)
+    assert got["label_tokens"] == sum(int(collate([s], 1, 0)["shift_labels"].ne(-100).sum()) for s in samples)
+    assert abs(got["loss"] - ref_loss) / ref_loss < 1e-6, (got["loss"], ref_loss)
+    for n, g in ref_grads.items():
+        assert torch.isfinite(grads[n]).all() and rel(grads[n], g) < 1e-5, n
+
+
+def test_wrong_means_are_far_from_the_oracle():
+    """A mean of per-rank means (SP 4), of per-micro-batch means (GA 2) or of per-sample means misses the oracle by
+    far more than the tolerances above: those tests can fail."""
+    model = PerToken()
+    ref, _ = oracle(model, [LONG, BOUNDARY])
+    ce, sup = per_token(model, [LONG, BOUNDARY])
+    ce, sup = ce.detach(), sup.float()
+    q = SL // 4
+    ranks = [(ce[:, r * q:(r + 1) * q].sum() / sup[:, r * q:(r + 1) * q].sum()) for r in range(4)
+             if sup[:, r * q:(r + 1) * q].sum() > 0]
+    wrong = {"per_rank": torch.stack(ranks).mean().item(),
+             "per_sample": (ce.sum(1) / sup.sum(1)).mean().item()}
+    for name, w in wrong.items():
+        assert abs(w - ref) / ref > 1e-2, (name, w, ref)
+
+
+def test_nothing_supervised_anywhere_gives_zero_not_nan():
+    """No supervised token in the whole global batch: loss 0, gradients 0, label_tokens 0 (the old step reported
+    1), at SP 1 and SP 4 alike."""
+    for sp in (1, 4):
+        got, _, grads = run_ranks(PerToken(), [[[EMPTY, EMPTY]]], sp)
+        assert got["loss"] == 0.0 and got["label_tokens"] == 0, got
+        assert all(torch.equal(g, torch.zeros_like(g)) for g in grads.values())
+
+
+@pytest.mark.parametrize("sp, cp, batches", [
+    (2, 1, [[[PACKED]]]), (4, 1, [[[PACKED, LONG]]]), (2, 2, [[[PACKED], [BOUNDARY]], [[EMPTY], [PACKED]]]),
+], ids=["sp2", "sp4_mb2", "u2cp2_dp2_ga2"])
+def test_conversation_weighting_is_mean_of_conversation_means(sp, cp, batches):
+    """LongAlign's weighting: the mean over the global batch's conversations of each one's mean loss, whatever the
+    layout (N_i counted on the whole sample before sharding); the step reports the conversations as label_weight."""
+    model = PerToken()
+    samples = [s for d in batches for mb in d for s in mb]
+    ref_loss, ref_grads = oracle(model, samples, "conversation")
+    tok_loss, _ = oracle(model, samples, "token")
+    assert abs(tok_loss - ref_loss) / ref_loss > 1e-2  # the two weightings differ here: the test can tell them apart
+    got, _, grads = run_ranks(model, batches, sp, cp, "conversation")
+    n_conv = sum(float(conversation_weights(shifted_labels(s), s["position_ids"]).sum()) for s in samples)
+    assert got["label_weight"] == pytest.approx(n_conv)
+    assert abs(got["loss"] - ref_loss) / ref_loss < 1e-6, (got["loss"], ref_loss)
+    for n, g in ref_grads.items():
+        assert rel(grads[n], g) < 1e-5, n
+
+
+# ---- the tiled loss equals the plain one with masks and weights -------------------------------------------------
+
+@pytest.mark.parametrize("weighting", ["token", "conversation"])
+def test_tiled_loss_equals_plain_with_masks(monkeypatch, weighting):
+    """tiled_logits' loss (5 tiles, some without a supervised token) and the plain loss agree, value and gradients,
+    on masked labels (and per-conversation weights)."""
+    from transformers import AutoModelForCausalLM
+
+    from model_utils.build import preset_config
+
+    torch.manual_seed(0)
+    cfg = preset_config("tiny-llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                        num_key_value_heads=1, initializer_range=0.3)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    mb = collate([PACKED, LONG], 1, 0, weighting)
+    monkeypatch.setattr(tiled_loss, "LOGITS_TILE_BYTES", 2 * 5 * VOCAB * 4)  # 5 tokens x 2 rows per tile
+    plain = copy.deepcopy(model)
+    with torch.no_grad():  # what both must compute: sum of w_t CE_t (w = 1 on supervised tokens without weights)
+        logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False).logits
+        ce = F.cross_entropy(logits.transpose(1, 2), mb["shift_labels"],
+                             ignore_index=-100, reduction="none")
+        want = (ce * mb.get("loss_weights", torch.ones_like(ce))).sum().item()
+    a = loss_sum(plain, mb)
+    a.backward()
+    tiled_loss.install_loss_forward(model)
+    b = tiled_loss_sum(model, mb)
+    b.backward()
+    assert abs(a.item() - want) / want < 1e-6 and abs(b.item() - want) / want < 1e-6, (a.item(), b.item(), want)
+    for (n, p), q in zip(plain.named_parameters(), model.parameters()):
+        assert rel(q.grad, p.grad) < 1e-5, n
+
+
+# ---- the metrics report the supervised tokens of every step -----------------------------------------------------
+
+def test_metrics_report_supervised_tokens_per_step():
+    from training import stage
+
+    logged = []
+    run = types.SimpleNamespace(
+        cfg=types.SimpleNamespace(gradient_accumulation_steps=2, per_device_train_batch_size=1),
+        preempt=types.SimpleNamespace(deadline=types.SimpleNamespace(record_step=lambda s: None)),
+        metrics=types.SimpleNamespace(log=logged.append))
+    st = types.SimpleNamespace(step=3, tokens=0)
+    stage._log_step(run, types.SimpleNamespace(index=0, max_seq_length=SL), types.SimpleNamespace(dp=1, sp=2, cp=1),
+                    st, {"loss": 1.5, "label_tokens": 23, "step_time": 0.5}, 1e-3,
+                    types.SimpleNamespace(source_shares=lambda: {}))
+    assert logged[0]["label_tokens"] == 23 and "label_weight" not in logged[0]
+    stage._log_step(run, types.SimpleNamespace(index=0, max_seq_length=SL), types.SimpleNamespace(dp=1, sp=2, cp=1),
+                    st, {"loss": 1.5, "label_tokens": 23, "label_weight": 4.0, "step_time": 0.5}, 1e-3,
+                    types.SimpleNamespace(source_shares=lambda: {}))
+    assert logged[1]["label_weight"] == 4.0
