@@ -1,0 +1,106 @@
+"""base/node_store.py's `post --wait` (node 0's launcher after a failure) with a store stand-in and a fake clock:
+it keeps the job's store while live ranks may still read the reason, but a rank whose heartbeat has stopped has
+left, and so, the abort being EXIT_PEER_LOST, has a rank that never arrived; a node gone that way is named lost."""
+
+from __future__ import annotations
+
+from base import node_store
+from base.exits import EXIT_PEER_LOST
+from base.watcher import DONE, key
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def sleep(self, s: float) -> None:
+        self.t += s
+
+
+class Store:
+    """The TCPStore calls post() makes. `beating`: ranks whose heartbeat advances at every read (alive);
+    `done_at`: rank -> the time it marks itself done."""
+
+    def __init__(self, clock, values: dict[str, str], beating=(), done_at=None):
+        self.clock, self.kv = clock, {k: v.encode() for k, v in values.items()}
+        self.beating, self.done_at = set(beating), done_at or {}
+
+    def set(self, k, v):
+        self.kv[k] = str(v).encode()
+
+    def compare_set(self, k, expected, desired):
+        if self.kv.get(k, b"") == expected.encode():
+            self.kv[k] = desired.encode()
+        return self.kv[k]
+
+    def check(self, keys):
+        return all(k in self.kv for k in keys)
+
+    def multi_get(self, keys):
+        for r in self.beating:
+            name = key(f"hb/{r}")
+            if self.done_at.get(r, float("inf")) <= self.clock():
+                self.kv[name] = DONE
+            elif self.kv.get(name) != DONE:
+                self.kv[name] = str(int(self.kv.get(name, b"0")) + 1).encode()
+        return [self.kv[k] for k in keys]
+
+
+def run(store, clock, code=EXIT_PEER_LOST, nnodes=3):
+    t0 = clock()
+    got = node_store.post("a", 1, code, "node 0: its ranks exited", 0, nnodes, 2, wait=True, store=store, clock=clock,
+                          sleep=clock.sleep)
+    return got, clock() - t0
+
+
+def test_a_lost_nodes_ranks_have_left_and_the_node_is_named():
+    """The issue's case: node 2 SIGKILLed (its ranks' heartbeats frozen, its launcher gone: no node_exit), rank 0
+    ended the job with 69; node 1's ranks read the abort and mark themselves done 3 s later. Node 0's launcher
+    leaves STALE_S after it starts looking, naming node 2 (it used to wait LATE_JOIN_S, 300 s)."""
+    clock = Clock()
+    store = Store(clock, {key("abort"): f"{EXIT_PEER_LOST} rank 4 stopped responding", key("hb/0"): "done",
+                          key("hb/1"): "done", key("hb/4"): "37", key("hb/5"): "36"},
+                  beating={2, 3}, done_at={2: 3.0, 3: 3.0})
+    (reason, lost), took = run(store, clock)
+    assert reason == "rank 4 stopped responding" and lost == [2]
+    assert node_store.STALE_S <= took <= node_store.STALE_S + 2, took
+    assert store.kv[key("node_exit/0")] == str(EXIT_PEER_LOST).encode()
+
+
+def test_live_ranks_are_waited_for_and_no_node_is_lost():
+    """Every other rank alive: the wait lasts until they are done (20 s here, past STALE_S: a beating rank is not
+    stale), and nobody is named lost."""
+    clock = Clock()
+    store = Store(clock, {key("abort"): "1 rank 0 failed: RuntimeError: x", key("hb/0"): "done", key("hb/1"): "done",
+                          **{key(f"hb/{r}"): "1" for r in (2, 3, 4, 5)}}, beating={2, 3, 4, 5}, done_at={2: 5.0, 3: 20.0, 4: 1.0, 5: 2.0})
+    (reason, lost), took = run(store, clock, code=1)
+    assert reason == "rank 0 failed: RuntimeError: x" and lost == []
+    assert 20 <= took <= 22, took
+
+
+def test_a_rank_that_never_arrived():
+    """A crash (1) during start-up: a node still on its way may yet come to read the reason: waited for,
+    LATE_JOIN_S at most. After a peer was lost (69, e.g. rank 0 gave up on that node): it has left, and is lost."""
+    for code, late in ((1, True), (EXIT_PEER_LOST, False)):
+        clock = Clock()
+        store = Store(clock, {key("abort"): f"{code} why", key("hb/0"): "done", key("hb/1"): "done",
+                              key("hb/2"): "done", key("hb/3"): "done", key("hb/4"): "0"})  # rank 5: no key yet
+        (_, lost), took = run(store, clock, code=code)
+        if late:
+            assert took >= node_store.LATE_JOIN_S and lost == [], (code, took, lost)
+        else:
+            assert took < 2 and lost == [2], (code, took, lost)
+
+
+def test_a_node_that_posted_its_exit_is_not_lost():
+    """Node 1's launcher posted (its ranks died: a crash there, not a loss): its frozen heartbeats are not waited
+    for and it is not named lost."""
+    clock = Clock()
+    store = Store(clock, {key("abort"): f"{EXIT_PEER_LOST} x", key("node_exit/1"): "1", key("hb/0"): "done",
+                          key("hb/1"): "done", key("hb/2"): "9", key("hb/3"): "9", key("hb/4"): "done",
+                          key("hb/5"): "done"})
+    (_, lost), took = run(store, clock)
+    assert lost == [] and took < 2, (lost, took)
