@@ -190,10 +190,10 @@ class Lock:
     def _take_over(self, why: str) -> None:
         """Move a gone owner's lock out of the way (a rename: of two takers, one wins) and drop its partial folder."""
         owner = read_json(os.path.join(self.path, OWNER)).get("json") or {}
-        grave = f"{self.path}.stale.{self.owner['host']}.{self.owner['pid']}"
+        grave = f"{self.path}.stale.{self.owner['host']}.{self.owner['pid']}.{time.time_ns()}"
         try:
             os.rename(self.path, grave)
-        except FileNotFoundError:  # another job took it over first (or this node's view of it is stale)
+        except OSError:  # another job took it over first (or this node's view of it is stale): look again
             time.sleep(0.5)
             return
         print0(f"taking over the universal conversion lock {self.path} of job {owner.get('job')} on "
@@ -231,11 +231,10 @@ def bound(where: str, keep: set[str], remove=None) -> None:
     if not os.path.isdir(where):
         return
     remove = remove or (lambda p: shutil.rmtree(p, ignore_errors=True))  # rotation passes its background Trash
-    names = set(os.listdir(where))
-    live = {n[:-5] for n in names if n.endswith(".lock") and gone(os.path.join(where, n)) is None}
-    for n in sorted(names):
+    live: dict[str, bool] = {}  # key -> its lock's owner may still be converting (looked up by name, not listed)
+    for n in sorted(os.listdir(where)):
         key, p = n[:24], os.path.join(where, n)
-        if not KEY.match(key) or key in live:
+        if not KEY.match(key) or live.setdefault(key, gone(os.path.join(where, key + ".lock")) is None):
             continue
         if n == key and key not in keep:
             remove(p)
