@@ -483,3 +483,116 @@ def test_sp_groups_are_destroyed_between_stages(tmp_path):
         got = json.loads((tmp_path / f"result{r}.json").read_text())
         assert got["during"] > got["before"] and got["after"] == got["before"], got
         assert got["destroyed"] == 2 and got["ok"], got
+
+
+def test_the_stderr_line_before_a_hard_exit_cannot_block_it(tmp_path):
+    """The watcher says why on stderr before os._exit; stderr may be a pipe into slurm-%j.out nobody drains (a hung
+    file system): a rank whose stderr pipe is full still exits, with the abort's code."""
+    import sys
+
+    script = tmp_path / "full_stderr.py"
+    script.write_text(f"""
+import fcntl, os, sys
+sys.path.insert(0, {ROOT!r})
+from base import watcher
+flags = fcntl.fcntl(2, fcntl.F_GETFL)
+fcntl.fcntl(2, fcntl.F_SETFL, flags | os.O_NONBLOCK)
+try:
+    while True:
+        os.write(2, b"x" * 4096)  # fill the pipe: nobody reads it
+except BlockingIOError:
+    pass
+fcntl.fcntl(2, fcntl.F_SETFL, flags)
+class Store:  # rank 0 posted a failure
+    def add(self, *a): return 1
+    def set(self, *a): pass
+    def multi_get(self, keys): return [b"1 rank 0 failed: OSError: stale file handle", b"7"]
+watcher.SAY_S = 0.5
+watcher.Watcher(Store(), 1, 2, hard_exit=os._exit, log=lambda line: None).poll()
+os._exit(99)
+""")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        assert proc.wait(timeout=30) == 1  # the abort's code, not stuck in the write
+    finally:
+        proc.kill()
+        proc.stderr.close()
+
+
+def test_a_rank_waits_for_a_store_that_never_answers_a_bounded_time(monkeypatch, capfd):
+    """Rank 0 (or node 0's launcher, which hosts the store) stuck before it serves: the other ranks wait
+    START_WAIT_S (5 min by default, not the rendezvous' 30), then exit EXIT_PEER_LOST with one line naming it."""
+    from tests.distributed import free_port
+
+    monkeypatch.setattr(watcher, "START_WAIT_S", 1.0)
+    monkeypatch.setattr(comm, "_WATCHER", None)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))  # nobody serves it
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    with pytest.raises(SystemExit) as stop:
+        comm.open_channel()
+    assert stop.value.code == EXIT_PEER_LOST
+    lines = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "did not answer in 1 s: rank 0, which hosts it, never arrived" in lines[0], lines
+
+
+def test_every_rank_raises_its_descriptor_limit_to_the_hard_limit():
+    """Nothing else raises RLIMIT_NOFILE: a soft limit of 1024 holds a store server's 3 connections per rank only up
+    to about 330 ranks, and a rank's own gloo mesh (one socket per peer) up to about 800."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= 256:
+        pytest.skip(f"hard limit {hard}: nothing to raise")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))  # a low `ulimit -n` (soft)
+    try:
+        got, _ = watcher.raise_fd_limit()
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == got > 256
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_world_the_store_cannot_hold_is_refused_in_one_line(channel):
+    """The store's host publishes the descriptors it may hold; every rank compares them with 3 per rank of its
+    WORLD_SIZE (the same number and world on every rank: the same decision) and refuses before any work."""
+    make, _, server = channel
+    assert watcher.store_fds(512) == 3 * 512 + 128
+    comm.publish_fd_limit(server, 1024)
+    w1, _ = make(1, 512)
+    line = comm.fd_refusal(w1.store, 512, 1, 20000)
+    assert line.startswith("the job's store (hosted by rank 0, or node 0's launcher) may open only 1024 file "
+                           "descriptors (its hard limit, `ulimit -Hn`) but needs 1664 for this world"), line
+    assert "ulimit -n 1664" in line and "LimitNOFILE" in line and "PropagateResourceLimits" in line
+    assert comm.fd_refusal(w1.store, 256, 1, 20000) is None  # 3 x 256 + 128 = 896 fit
+    assert "rank 1 " in comm.fd_refusal(w1.store, 256, 1, 300)  # this rank's own limit: 256 + 256 peers' sockets
+
+
+@pytest.mark.slow  # fast siblings: test_a_world_the_store_cannot_hold_is_refused_in_one_line, ..._raises_its_descriptor_limit
+def test_a_low_ulimit_refuses_the_job_in_one_line_before_it_starts(tmp_path):
+    """A real low `ulimit -n` (soft = hard = 64, set in the rank's process) on rank 0, which hosts the store, for a
+    world of 64: exit 2 with one line naming the limit and the fix, no traceback, before any work."""
+    import resource
+    import sys
+
+    from tests.distributed import free_port
+
+    script = tmp_path / "rank0.py"
+    script.write_text(f"""
+import sys
+sys.path.insert(0, {ROOT!r})
+from base import comm, watcher
+from training.job import run_job
+watcher.ABORT_WAIT_S = 0.5  # nobody else is there to read it
+sys.exit(run_job(lambda: (comm.open_channel(), print("started", flush=True), 0)[2]))
+""")
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="64", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()))
+    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64)))
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert proc.returncode == 2 and "started" not in proc.stdout, (proc.returncode, proc.stdout, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr and len(errors) == 1, proc.stderr[-2000:]
+    assert "may open only 64 file descriptors" in errors[0] and "needs 320" in errors[0], errors
