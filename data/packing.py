@@ -104,12 +104,14 @@ class DocPack:
     boundaries (every token in exactly one sample, none lost or repeated, except the stream's last partial
     sample), shorter ones are packed with their boundaries kept for position ids and label masking.
     Labels are the next token inside the sample; with `mask_cross_document_labels` the label of a
-    document's last token (predicting the next document's first token) is -100, as ProLong trains.
+    document's last token (predicting the next document's first token) is -100, as ProLong trains. With a
+    `mask` (the prepared folder's per-token loss mask, data/store.py; chat documents, data/chat.py) a label is
+    -100 where the token it names is not a target: only the assistant's tokens are predicted.
     """
 
     def __init__(self, tokens, doc_starts, doc_lens, seq_len: int, reset_position_ids: bool,
-                 mask_cross_document_labels: bool = False):
-        self.tokens = tokens
+                 mask_cross_document_labels: bool = False, mask=None):
+        self.tokens, self.mask = tokens, mask
         self.doc_starts = np.asarray(doc_starts, dtype=np.int64)
         lens = np.asarray(doc_lens, dtype=np.int64)
         self.virt = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)  # virtual start of each document
@@ -125,20 +127,22 @@ class DocPack:
     def __len__(self) -> int:
         return self.n_tokens // self.seq_len
 
-    def window(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        """(token ids of sample i, offsets inside it where a document starts, 0 excluded)."""
+    def window(self, i: int, src=None) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids of sample i, offsets inside it where a document starts, 0 excluded); `src`: read that array
+        (the loss mask) at the same places instead of the tokens."""
+        src = self.tokens if src is None else src
         lo, hi = i * self.seq_len, (i + 1) * self.seq_len
         k0 = int(np.searchsorted(self.virt, lo, side="right")) - 1
         k1 = int(np.searchsorted(self.virt, hi, side="left"))
         inside = self.virt[k0 + 1: k1] - lo
         if self.contiguous:
             base = int(self.doc_starts[0]) if len(self.doc_starts) else 0
-            return _read(self.tokens, base + lo, base + hi), inside
+            return _read(src, base + lo, base + hi), inside
         pieces = []
         for k in range(k0, k1):
             a, b = max(lo, int(self.virt[k])), min(hi, int(self.virt[k + 1]))
             off = int(self.doc_starts[k]) + a - int(self.virt[k])
-            pieces.append(_read(self.tokens, off, off + b - a))
+            pieces.append(_read(src, off, off + b - a))
         return np.concatenate(pieces), inside
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
@@ -146,6 +150,9 @@ class DocPack:
         ids = np.asarray(raw, dtype=np.int64)
         labels = np.full_like(ids, -100)
         labels[:-1] = ids[1:]  # next-token targets inside the sample; last position unlabeled
+        if self.mask is not None:
+            target = np.asarray(self.window(i, self.mask)[0], dtype=bool)
+            labels[:-1][~target[1:]] = -100  # a token that is not a target is never predicted
         if self.mask_cross_document_labels and len(inside):
             labels[inside - 1] = -100  # a document's last token does not predict the next document
         # restart positions at each document start inside the window (document-masked attention reads these)
@@ -169,3 +176,67 @@ class PackedDataset(DocPack):
         super().__init__(tokens, bounds, np.diff(np.append(bounds, n)), seq_len, reset_position_ids,
                          mask_cross_document_labels)
         self.starts = starts
+
+
+class ConvPack:
+    """Supervised fine-tuning samples: whole conversations (documents `doc_starts[k]`, `doc_lens[k]` in order)
+    packed side by side into samples of `seq_len` tokens, never split between two samples.
+
+    Conversations are placed in stream order, each in the current sample while it fits, else in a new one (a
+    sample wastes at most the conversation that did not fit: ~1% at 128k of 1-2k-token chats). A conversation
+    longer than `seq_len` is cut to its first `seq_len` tokens, alone in its sample; one whose targets (mask 1
+    at positions 1..seq_len-1) were all cut is dropped (`dropped`), the others cut are counted (`truncated`). The
+    tail of a sample is padding (`pad_id`, no label) with its own restarted positions, so it is a document of its
+    own under document masking. Positions restart at every conversation (document masking as the text stages
+    do) and no conversation's last token predicts the next one's first (labels -100 there), whatever the run's
+    flags: one conversation never sees another.
+
+    Built from the per-document lengths and the mask only where a conversation is too long (one pass over the
+    documents, O(documents) Python steps: ~1 s per million conversations, done once per stage by every rank,
+    the same pure function of the folder on each)."""
+
+    def __init__(self, tokens, mask, doc_starts, doc_lens, seq_len: int, pad_id: int):
+        self.tokens, self.mask, self.seq_len, self.pad_id = tokens, mask, seq_len, pad_id
+        starts = np.asarray(doc_starts, dtype=np.int64)
+        lens = np.asarray(doc_lens, dtype=np.int64)
+        self.truncated = self.dropped = 0
+        bins, cur, fill = [], [], 0
+        for st, ln in zip(starts.tolist(), lens.tolist()):
+            if ln > seq_len:
+                m = np.ones(seq_len, bool) if mask is None else np.asarray(_read(mask, st, st + seq_len), bool)
+                if not m[1:].any():
+                    self.dropped += 1
+                    continue
+                self.truncated += 1
+                ln = seq_len
+            if fill + ln > seq_len:
+                bins.append(cur)
+                cur, fill = [], 0
+            cur.append((st, ln))
+            fill += ln
+        if cur:
+            bins.append(cur)
+        self.bins = bins
+        self.n_tokens = int(sum(ln for b in bins for _, ln in b))
+
+    def __len__(self) -> int:
+        return len(self.bins)
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        L = self.seq_len
+        ids = np.full(L, self.pad_id, dtype=np.int64)
+        target = np.zeros(L, dtype=bool)
+        inside, at = [], 0
+        for st, ln in self.bins[i]:
+            ids[at:at + ln] = _read(self.tokens, st, st + ln)
+            target[at:at + ln] = True if self.mask is None else np.asarray(_read(self.mask, st, st + ln), bool)
+            target[at] = False  # a conversation's first token is predicted by nothing of it
+            if at:
+                inside.append(at)
+            at += ln
+        if at < L:
+            inside.append(at)  # the padding: a document of its own
+        labels = np.full(L, -100, dtype=np.int64)
+        labels[:-1] = np.where(target[1:], ids[1:], -100)
+        pos = reset_positions(L, np.asarray(inside, dtype=np.int64))
+        return {"input_ids": ids, "shift_labels": labels, "position_ids": pos}

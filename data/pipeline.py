@@ -30,7 +30,7 @@ import numpy as np
 from base import comm
 from base.log import print0
 from data.mixture import MixtureDataset, MixtureSampler, parse_mixture, select_documents
-from data.packing import DocPack
+from data.packing import ConvPack, DocPack
 from data.prepare import prepare_in_job
 from data.replay import ReplayDataset, ReplaySampler, parse_replay
 from data.sampler import ResumableSampler
@@ -170,20 +170,40 @@ class RunData:
     def starts(self) -> np.ndarray:
         return self.prepared.starts
 
-    def _pack(self, idx: np.ndarray, seq_len: int, heldout: bool = False) -> DocPack:
-        """Documents `idx` clipped to the training part (or the held-out part) of the stream, packed."""
+    @property
+    def mask(self):
+        """The prepared per-token loss mask (chat documents: data/chat.py), None for a text-only folder."""
+        return getattr(self.prepared, "mask", None)
+
+    def _pack(self, idx: np.ndarray, seq_len: int, heldout: bool = False, sft: bool = False) -> DocPack | ConvPack:
+        """Documents `idx` clipped to the training part (or the held-out part) of the stream, packed: end to end
+        (text), or as whole conversations side by side (`sft`: ConvPack)."""
         starts, ends = self.prepared.starts[idx], self.prepared.starts[idx] + self.prepared.lens[idx]
         if heldout:
             starts = starts + self.cut[idx]
         else:
             ends = starts + self.cut[idx]
         keep = ends > starts
+        if sft:
+            return ConvPack(self.prepared.tokens, self.mask, starts[keep], (ends - starts)[keep], seq_len, self.pad_id)
         return DocPack(self.prepared.tokens, starts[keep], (ends - starts)[keep], seq_len, self.reset_position_ids,
-                       self.mask_cross_document_labels)
+                       self.mask_cross_document_labels, self.mask)
 
-    def train_set(self, seq_len: int) -> DocPack:
+    def train_set(self, seq_len: int, sft: bool = False) -> DocPack | ConvPack:
         """The stage's training samples: the stream without the held-out documents, packed to `seq_len`."""
-        return self._pack(np.arange(len(self.prepared.lens)), seq_len)
+        return self._pack(np.arange(len(self.prepared.lens)), seq_len, sft=sft)
+
+    def check_sft(self, stage) -> None:
+        """An SFT stage needs chat documents (a loss mask) and document masking; one line otherwise."""
+        if getattr(stage, "kind", "text") != "sft":
+            return
+        where = f"stage {stage.index} ({stage.name}) kind sft"
+        if self.mask is None:
+            raise ValueError(f"{where}: the dataset has no chat documents (no loss mask): prepare chat rows (messages, "
+                             "conversations, prompt/completion) with scripts/prepare_data.py, or make it a text stage")
+        if not self.reset_position_ids:
+            raise ValueError(f"{where}: conversations are packed with document masking, which restarts positions: "
+                             "drop --reset_position_ids no")
 
     def mixture(self, stage) -> MixtureDataset | None:
         comps = parse_mixture(getattr(stage, "data", None), f"stage {stage.index} ({stage.name}) data")
@@ -193,7 +213,7 @@ class RunData:
         parts = []
         for c in comps:
             idx = select_documents(c, p.sources, p.source, p.lens)
-            pack = self._pack(idx, stage.max_seq_length)
+            pack = self._pack(idx, stage.max_seq_length, sft=getattr(stage, "kind", "text") == "sft")
             if len(pack) < 1:
                 raise ValueError(f"stage {stage.index} ({stage.name}): mixture component {c.name!r} (sources "
                                  f"{list(c.sources)}) has {pack.n_tokens} training tokens, less than one sample of "
@@ -225,8 +245,14 @@ class RunData:
             dataset, sampler = mix, MixtureSampler(mix.sizes, weights, mix.names, dp, dp_rank, micro_batch,
                                                    seed=seed + stage.index)
         else:
-            dataset = self.train_set(stage.max_seq_length)
+            dataset = self.train_set(stage.max_seq_length, sft=getattr(stage, "kind", "text") == "sft")
             sampler = ResumableSampler(len(dataset), dp, dp_rank, micro_batch, seed=seed + stage.index)
+        packs = mix.parts if mix is not None and hasattr(mix, "parts") else [dataset]
+        cut = [p for p in packs if isinstance(p, ConvPack) and (p.truncated or p.dropped)]
+        if cut:
+            print0(f"stage {stage.index} ({stage.name}) at {stage.max_seq_length}: {sum(p.truncated for p in cut)} "
+                   f"conversation(s) cut to the length, {sum(p.dropped for p in cut)} dropped (every supervised token "
+                   "was past the cut)")
         tasks = check_tasks(stage, self.tokenizer)
         if not tasks:
             return dataset, sampler
@@ -292,6 +318,7 @@ def open_run_data(dataset_path: str | None, tokenizer_path: str | None, model_vo
         print0(warning)
     data = RunData(prepared, cut, held, tokenizer, reset_position_ids, mask_cross_document_labels)
     for s in stages:
+        data.check_sft(s)  # an SFT stage on a folder without chat documents
         data.mixture(s)  # a bad or empty mixture component stops the run here, before the model is built
         check_tasks(s, tokenizer)  # so does a bad `tasks:` (unknown task, fractions, too short a length)
         for n in parse_replay(getattr(s, "replay", None), s.max_seq_length, f"stage {s.index} ({s.name}) replay"):

@@ -32,6 +32,7 @@ from data.readers import Fields, Unit, discover, iter_rows, parse_item
 
 DEFAULT_CHUNK_TOKENS = 1 << 28  # 1 GiB of uint32 per chunk file: the resume granularity
 DEFAULT_BATCH_DOCS = 256
+CHAT_STATS = ("chat_docs", "supervised_tokens", "untrained_turns")  # counted per shard, summed in the manifest
 BATCH_BYTES = 1 << 20  # a batch closes at this much raw text too (long documents): bounds memory in flight
 
 # ------------------------------------------------------------------ workers: parse, tokenize, check
@@ -39,22 +40,36 @@ BATCH_BYTES = 1 << 20  # a batch closes at this much raw text too (long document
 _W: dict = {}
 
 
-def _init_worker(tokenizer_path: str | None, fields: Fields, vocab_bound: int, eos_id: int | None, dtype: str):
+def _init_worker(tokenizer_path: str | None, fields: Fields, vocab_bound: int, eos_id: int | None, dtype: str,
+                 loss_on: str = "auto", chat_template: str = "auto"):
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one core per worker
+    from data.chat import ChatEncoder
     from data.tokenizer import Tokenizer
 
-    _W.update(tok=Tokenizer(tokenizer_path) if tokenizer_path else None, fields=fields, bound=vocab_bound,
-              eos=eos_id, dtype=np.dtype(dtype))
+    tok = Tokenizer(tokenizer_path) if tokenizer_path else None
+    _W.update(tok=tok, fields=fields, bound=vocab_bound, eos=eos_id, dtype=np.dtype(dtype),
+              chat=ChatEncoder(tok, loss_on, chat_template) if tok else None)
 
 
 def _tokenize_batch(items: list[tuple[int, int, object]]) -> dict:
-    """items: (unit index, row, raw item) -> tokens of the kept documents (EOS appended) and what was dropped."""
+    """items: (unit index, row, raw item) -> tokens of the kept documents (EOS appended to text documents; a chat
+    row's tokens and loss mask as its template renders them, data/chat.py) and what was dropped."""
+    from data.chat import RowError
+
     fields, tok, eos, bound = _W["fields"], _W["tok"], _W["eos"], _W["bound"]
-    docs, bad = [], []
+    docs, bad, masks, chat = [], [], {}, {"chat_docs": 0, "supervised_tokens": 0, "untrained_turns": 0}
     for u, row, item in items:
         value, src, err = parse_item(item, fields)
-        if err is None and isinstance(value, str) and tok is None:
-            err = "a text document needs a tokenizer (--tokenizer_name_or_path), or give input_ids"
+        if err is None and isinstance(value, str | dict) and tok is None:
+            err = "a text or chat document needs a tokenizer (--tokenizer_name_or_path), or give input_ids"
+        if err is None and isinstance(value, dict):
+            try:
+                value, masks[len(docs)], st = _W["chat"].encode(value)
+            except RowError as e:
+                err = f"chat row: {e}"
+            else:
+                chat["chat_docs"] += 1
+                chat["untrained_turns"] += st["untrained_turns"]
         if err:
             bad.append((u, row, err))
         else:
@@ -63,8 +78,8 @@ def _tokenize_batch(items: list[tuple[int, int, object]]) -> dict:
     if texts:
         for i, ids in zip(texts, tok.encode_batch([docs[i][2] for i in texts])):
             docs[i] = (*docs[i][:2], ids, docs[i][3])
-    arrays, lens, srcs, empty, max_id = [], [], [], 0, -1
-    for u, row, ids, src in docs:
+    arrays, lens, srcs, empty, max_id, mask_parts = [], [], [], 0, -1, []
+    for d, (u, row, ids, src) in enumerate(docs):
         if not len(ids):
             empty += 1
             continue
@@ -75,15 +90,18 @@ def _tokenize_batch(items: list[tuple[int, int, object]]) -> dict:
             continue
         max_id = max(max_id, top)
         arrays.append(a)
-        if eos is not None:
+        add_eos = eos is not None and d not in masks  # a conversation ends with its own end-of-turn token
+        if add_eos:
             arrays.append(np.asarray([eos], dtype=np.int64))
-        lens.append(len(a) + (eos is not None))
+            max_id = max(max_id, eos)
+        lens.append(len(a) + add_eos)
         srcs.append((u, src))
+        mask_parts.append(masks[d] if d in masks else np.ones(lens[-1], np.uint8))
+        chat["supervised_tokens"] += int(masks[d][1:].sum()) if d in masks else 0
     flat = np.concatenate(arrays).astype(_W["dtype"]) if arrays else np.zeros(0, _W["dtype"])
-    if eos is not None and len(flat):
-        max_id = max(max_id, eos)
-    return {"tokens": flat, "lens": lens, "srcs": srcs, "bad": sorted(bad, key=lambda b: b[:2]), "empty": empty,
-            "max_id": max_id, "last": items[-1][:2]}
+    mask = np.concatenate(mask_parts) if masks and mask_parts else None  # None: every token a target (text only)
+    return {"tokens": flat, "mask": mask, "lens": lens, "srcs": srcs, "bad": sorted(bad, key=lambda b: b[:2]),
+            "empty": empty, "max_id": max_id, "last": items[-1][:2], "chat": chat}
 
 
 # ------------------------------------------------------------------ the reading/writing process
@@ -103,10 +121,21 @@ class ChunkWriter:
         name = store.chunk_name(self.shard, self.chunk)
         self.files = {"tokens": f"tokens-{name}.bin", "lens": f"docs-{name}.lens.npy", "src": f"docs-{name}.src.npy"}
         self.fh = open(os.path.join(self.out, self.files["tokens"]), "wb")
+        self.mask_fh, self.mask_crc = None, 0  # opened at the chunk's first chat document (data/store.py: mask)
         self.lens, self.src, self.n_tokens, self.crc, self.max_id = array("q"), array("i"), 0, 0, -1
         self.per_source: dict[str, list[int]] = {}
 
+    def _write_mask(self, m: np.ndarray) -> None:
+        b = np.ascontiguousarray(m, dtype=np.uint8).tobytes()
+        self.mask_fh.write(b)
+        self.mask_crc = zlib.crc32(b, self.mask_crc)
+
     def add(self, res: dict, unit_names: list[str]) -> None:
+        if res.get("mask") is not None and self.mask_fh is None:  # the chunk's text so far: every token a target
+            self.mask_fh = open(os.path.join(self.out, self.files["tokens"].replace("tokens-", "mask-")), "wb")
+            self._write_mask(np.ones(self.n_tokens, np.uint8))
+        if self.mask_fh is not None:
+            self._write_mask(res["mask"] if res.get("mask") is not None else np.ones(len(res["tokens"]), np.uint8))
         b = res["tokens"].tobytes()
         self.fh.write(b)
         self.crc = zlib.crc32(b, self.crc)
@@ -127,6 +156,12 @@ class ChunkWriter:
         self.fh.flush()
         os.fsync(self.fh.fileno())
         self.fh.close()
+        mask = None
+        if self.mask_fh is not None:
+            self.mask_fh.flush()
+            os.fsync(self.mask_fh.fileno())
+            self.mask_fh.close()
+            mask = os.path.basename(self.mask_fh.name)
         lens, src = np.frombuffer(self.lens, dtype=np.int64), np.frombuffer(self.src, dtype=np.int32)
         for key, arr in (("lens", lens), ("src", src)):
             store.save_npy_atomic(os.path.join(self.out, self.files[key]), arr)
@@ -134,6 +169,7 @@ class ChunkWriter:
                "crc32_lens": store.file_crc32(os.path.join(self.out, self.files["lens"])),
                "crc32_src": store.file_crc32(os.path.join(self.out, self.files["src"])),
                "sources": list(self.sources), "per_source": self.per_source, "max_token_id": self.max_id,
+               "mask": mask, "crc32_mask": self.mask_crc if mask else None,
                "next": list(next_pos), **stats}
         store.write_json_atomic(os.path.join(self.out, f"chunk-{store.chunk_name(self.shard, self.chunk)}.json"), rec)
         self.records.append(rec)
@@ -144,6 +180,9 @@ class ChunkWriter:
     def abandon(self) -> None:
         self.fh.close()
         os.remove(os.path.join(self.out, self.files["tokens"]))
+        if self.mask_fh is not None:
+            self.mask_fh.close()
+            os.remove(self.mask_fh.name)
 
 
 def shard_units(units: list[Unit], shard: int, n_shards: int) -> list[Unit]:
@@ -186,7 +225,7 @@ def prepare(inputs: list[str], output: str, tokenizer: str | None = None, vocab_
             workers: int = 1, shard: tuple[int, int] = (0, 1), fields: Fields | None = None, skip_bad_rows: bool = False,
             chunk_tokens: int = DEFAULT_CHUNK_TOKENS, batch_docs: int = DEFAULT_BATCH_DOCS, loader: str | None = None,
             eos_id: int | None = None, overwrite: bool = False, command: list[str] | None = None,
-            log=print) -> dict:
+            log=print, loss_on: str = "auto", chat_template: str = "auto") -> dict:
     """Prepare this shard of `inputs` into `output`; with one shard, also write the manifest. Returns the
     manifest (one shard) or the shard record. ValueError (one line) on bad input."""
     from data.tokenizer import Tokenizer
@@ -205,7 +244,12 @@ def prepare(inputs: list[str], output: str, tokenizer: str | None = None, vocab_
     dtype = store.token_dtype(bound)
     plan = {"units": [u.identity() for u in mine], "tokenizer": tok_info and tok_info["sha256"], "vocab_bound": bound,
             "eos_id": eos, "dtype": dtype.name, "fields": [fields.text, fields.ids, fields.source],
-            "shard": [i_shard, n_shards], "chunk_tokens": chunk_tokens, "skip_bad_rows": skip_bad_rows}
+            "shard": [i_shard, n_shards], "chunk_tokens": chunk_tokens, "skip_bad_rows": skip_bad_rows,
+            "loss_on": loss_on, "chat_template": chat_template}
+    if tok is not None:
+        from data.chat import ChatEncoder
+
+        ChatEncoder(tok, loss_on, chat_template)  # a bad --loss_on / --chat_template: one line, before any work
     os.makedirs(output, exist_ok=True)
     plan_path = os.path.join(output, f"plan-s{i_shard:05d}.json")
     if overwrite:
@@ -225,7 +269,7 @@ def prepare(inputs: list[str], output: str, tokenizer: str | None = None, vocab_
             log(f"resuming shard {i_shard}/{n_shards} after {len(done)} committed chunk(s), "
                 f"{sum(r['n_tokens'] for r in done)} tokens")
         record = _run_shard(mine, output, i_shard, done, tokenizer, fields, bound, eos, dtype, workers, skip_bad_rows,
-                            chunk_tokens, batch_docs, log)
+                            chunk_tokens, batch_docs, log, loss_on, chat_template)
         record.update(plan=plan, tokenizer=tok_info, command=command or [])
         store.write_json_atomic(shard_path, record)
     if n_shards == 1:
@@ -247,14 +291,15 @@ def _batches(units: list[Unit], fields: Fields, start: tuple[int, int], batch_do
 
 
 def _run_shard(units, out, i_shard, done, tokenizer, fields, bound, eos, dtype, workers, skip_bad_rows,
-               chunk_tokens, batch_docs, log) -> dict:
+               chunk_tokens, batch_docs, log, loss_on="auto", chat_template="auto") -> dict:
     start = tuple(done[-1]["next"]) if done else (0, 0)
     stats = {"bad_rows": done[-1]["bad_rows"] if done else 0, "empty_docs": done[-1]["empty_docs"] if done else 0,
              "bad_examples": done[-1]["bad_examples"] if done else []}
+    stats.update({k: done[-1].get(k, 0) if done else 0 for k in CHAT_STATS})
     writer = ChunkWriter(out, i_shard, len(done), dtype, done[-1]["sources"] if done else [])
     writer.records = list(done)
     names = [u.name for u in units]
-    init = (tokenizer, fields, bound, eos, dtype.name)
+    init = (tokenizer, fields, bound, eos, dtype.name, loss_on, chat_template)
     pool = mp.get_context("fork").Pool(workers, _init_worker, init) if workers > 0 else None
     if pool is None:
         _init_worker(*init)
@@ -269,6 +314,8 @@ def _run_shard(units, out, i_shard, done, tokenizer, fields, bound, eos, dtype, 
             if len(stats["bad_examples"]) < 20:
                 stats["bad_examples"].append(f"{_where(units[u], row)}: {err}")
         stats["empty_docs"] += res["empty"]
+        for k in CHAT_STATS:
+            stats[k] += res["chat"][k]
         writer.add(res, names)
         tokens_here += len(res["tokens"])
         if writer.n_tokens >= chunk_tokens:
@@ -311,7 +358,7 @@ def merge(output: str, log=print) -> dict:
     missing = [i for i in range(n) if i not in recs]
     if missing:
         raise ValueError(f"{output}: shard(s) {missing} of {n} are not finished; run them (--shard i/{n}), then merge")
-    keys = ("tokenizer", "vocab_bound", "eos_id", "dtype", "fields", "chunk_tokens")
+    keys = ("tokenizer", "vocab_bound", "eos_id", "dtype", "fields", "chunk_tokens", "loss_on", "chat_template")
     first = recs[0]["plan"]
     for i in range(n):
         differs = [k for k in keys if recs[i]["plan"][k] != first[k]]
@@ -320,8 +367,9 @@ def merge(output: str, log=print) -> dict:
     chunks, sources, per_source = [], [], {}
     for i in range(n):
         for c in recs[i]["chunks"]:
-            chunks.append({k: c[k] for k in ("tokens", "lens", "src", "n_tokens", "n_docs", "crc32_tokens",
-                                             "crc32_lens", "crc32_src", "sources", "max_token_id")})
+            chunks.append({k: c.get(k) for k in ("tokens", "lens", "src", "n_tokens", "n_docs", "crc32_tokens",
+                                                 "crc32_lens", "crc32_src", "sources", "max_token_id", "mask",
+                                                 "crc32_mask")})
             for s in c["sources"]:
                 if s not in sources:
                     sources.append(s)
@@ -337,11 +385,15 @@ def merge(output: str, log=print) -> dict:
         "n_docs": sum(c["n_docs"] for c in chunks), "max_token_id": max(c["max_token_id"] for c in chunks),
         "sources": sources, "per_source": per_source, "chunks": chunks,
         "bad_rows": sum(recs[i]["bad_rows"] for i in range(n)), "empty_docs": sum(recs[i]["empty_docs"] for i in range(n)),
+        **{k: sum(recs[i].get(k, 0) for i in range(n)) for k in CHAT_STATS},
+        "loss_on": first.get("loss_on", "auto"), "chat_template": first.get("chat_template", "auto"),
         "shards": n, "commands": [recs[i]["command"] for i in range(n)], "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     store.write_json_atomic(os.path.join(output, store.MANIFEST), manifest)
     log(f"{output}: {manifest['n_docs']} documents, {n_tokens} tokens ({first['dtype']}), {len(sources)} source(s), "
-        f"{manifest['bad_rows']} bad row(s) skipped")
+        f"{manifest['bad_rows']} bad row(s) skipped"
+        + (f"; {manifest['chat_docs']} conversations, {manifest['supervised_tokens']} supervised tokens, "
+           f"{manifest['untrained_turns']} assistant turn(s) not located" if manifest["chat_docs"] else ""))
     return manifest
 
 
@@ -363,6 +415,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--eos_id", type=int, default=None, help="append this id to pre-tokenized documents when no "
                    "tokenizer is given")
     p.add_argument("--skip_bad_rows", action="store_true", help="skip rows that cannot be read, count and report them")
+    p.add_argument("--loss_on", default="auto", choices=["auto", "assistant", "completion", "all"],
+                   help="chat rows: which tokens get loss (auto: the assistant's replies, the completion of a "
+                   "prompt/completion pair; docs/sft.md)")
+    p.add_argument("--chat_template", default="auto", choices=["auto", "chatml", "none"],
+                   help="chat rows: the tokenizer's own template (auto; ChatML when it has none), always the ChatML "
+                   "default, or none (refuse chat rows when the tokenizer has no template)")
     p.add_argument("--shard", default="0/1", help="i/N: prepare this machine's share of the input files")
     p.add_argument("--merge", action="store_true", help="write the manifest from finished shards and stop")
     p.add_argument("--chunk_tokens", type=int, default=DEFAULT_CHUNK_TOKENS, help="tokens per chunk file (resume unit)")
@@ -392,7 +450,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("give at least one --input")
         prepare(a.input, a.output, a.tokenizer_name_or_path, a.vocab_size, a.workers, (i, n),
                 Fields(a.text_field, a.ids_field, a.source_field), a.skip_bad_rows, a.chunk_tokens, a.batch_docs,
-                a.loader, a.eos_id, a.overwrite, command=["prepare_data.py", *argv])
+                a.loader, a.eos_id, a.overwrite, command=["prepare_data.py", *argv], loss_on=a.loss_on,
+                chat_template=a.chat_template)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

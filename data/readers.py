@@ -1,5 +1,7 @@
 """Corpus inputs for `prepare_data`: JSONL (plain, .gz, .zst), Parquet, Hugging Face `datasets` folders
-(`save_to_disk`) and local data files through `datasets.load_dataset(builder, data_files=...)`.
+(`save_to_disk`) and local data files through `datasets.load_dataset(builder, data_files=...)`. A row is a
+text, pre-tokenized ids, or a chat row (`messages`, `conversations`, `prompt` + `completion`: data/chat.py),
+in any of these containers.
 
 An input is a list of `Unit`s (one file, or one datasets folder); a unit yields `(row, item)` pairs from a
 given row on (resume). JSONL lines are passed on undecoded (`bytes`): the worker processes parse them, so
@@ -16,6 +18,8 @@ import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+
+from data.chat import row_format
 
 JSONL_EXT = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst")
 PARQUET_EXT = (".parquet",)
@@ -118,7 +122,7 @@ def iter_rows(unit: Unit, fields: Fields, start: int = 0, batch_rows: int = 1024
             if row + n <= start:  # resume: whole row groups before the position are not decoded
                 row += n
                 continue
-            for batch in pf.iter_batches(batch_size=batch_rows, row_groups=[rg], columns=[c for c in cols if c]):
+            for batch in pf.iter_batches(batch_size=batch_rows, row_groups=[rg], columns=_flat(cols)):
                 yield from _columnar(batch.to_pydict(), cols, row, start)
                 row += batch.num_rows
         return
@@ -131,7 +135,7 @@ def iter_rows(unit: Unit, fields: Fields, start: int = 0, batch_rows: int = 1024
                 raise ValueError(f"{unit.path}: a DatasetDict without a 'train' split ({list(ds)}); save one split")
             ds = ds["train"]
         cols = _columns(unit, ds.column_names, fields)
-        ds = ds.select_columns([c for c in cols if c])
+        ds = ds.select_columns(_flat(cols))
         if start:
             ds = ds.select(range(start, len(ds)))
     else:
@@ -146,24 +150,38 @@ def iter_rows(unit: Unit, fields: Fields, start: int = 0, batch_rows: int = 1024
         row += len(next(iter(batch.values())))
 
 
-def _columns(unit: Unit, names: list[str], fields: Fields) -> tuple[str, str | None]:
+CHAT_COLUMNS = (("messages",), ("conversations",), ("prompt", "completion"))  # data/chat.py's row formats
+
+
+def _columns(unit: Unit, names: list[str], fields: Fields) -> tuple[str | tuple[str, ...], str | None]:
+    """(the value column, or a chat format's columns; the source column or None)."""
     value = fields.text if fields.text in names else fields.ids if fields.ids in names else None
     if value is None:
-        raise ValueError(f"{unit.path}: no column {fields.text!r} (--text_field) or {fields.ids!r} (--ids_field); "
-                         f"columns are {names}")
+        value = next((c for c in CHAT_COLUMNS if all(n in names for n in c)), None)
+    if value is None:
+        raise ValueError(f"{unit.path}: no column {fields.text!r} (--text_field), {fields.ids!r} (--ids_field), "
+                         f"messages, conversations or prompt + completion (chat); columns are {names}")
     return value, (fields.source if fields.source in names else None)
 
 
-def _columnar(batch: dict, cols: tuple[str, str | None], row: int, start: int) -> Iterator[tuple[int, object]]:
-    values = batch[cols[0]]
+def _flat(cols: tuple[str | tuple[str, ...], str | None]) -> list[str]:
+    return [c for c in ((*cols[0],) if isinstance(cols[0], tuple) else (cols[0],)) + (cols[1],) if c]
+
+
+def _columnar(batch: dict, cols: tuple[str | tuple[str, ...], str | None], row: int,
+              start: int) -> Iterator[tuple[int, object]]:
+    chat = isinstance(cols[0], tuple)
+    values = batch[cols[0][0] if chat else cols[0]]
     sources = batch[cols[1]] if cols[1] else None
     for i, v in enumerate(values):
         if row + i >= start:
+            if chat:  # a chat row travels as the dict data/chat.py reads
+                v = {c: batch[c][i] for c in cols[0]}
             yield row + i, (v, str(sources[i]) if sources is not None and sources[i] is not None else None)
 
 
-def parse_item(item: object, fields: Fields) -> tuple[str | list | None, str | None, str | None]:
-    """(text or ids, source or None, error or None) for one row; runs in the worker processes."""
+def parse_item(item: object, fields: Fields) -> tuple[str | list | dict | None, str | None, str | None]:
+    """(text, ids or a chat row (dict), source or None, error or None) for one row; runs in the worker processes."""
     if isinstance(item, bytes):
         try:
             obj = json.loads(item)
@@ -172,13 +190,15 @@ def parse_item(item: object, fields: Fields) -> tuple[str | list | None, str | N
         if not isinstance(obj, dict):
             return None, None, f"expected a JSON object, got {type(obj).__name__}"
         value = obj.get(fields.text, obj.get(fields.ids))
+        if value is None and row_format(obj):
+            value = obj  # a chat row: data/chat.py reads it
         src = obj.get(fields.source) if fields.source else None
         item = (value, None if src is None else str(src))
         if value is None:
-            return None, None, (f"expected {{\"{fields.text}\": str}} or {{\"{fields.ids}\": [int, ...]}}, got keys "
-                                f"{sorted(obj)}")
+            return None, None, (f"expected {{\"{fields.text}\": str}}, {{\"{fields.ids}\": [int, ...]}} or a chat row "
+                                f"(messages, conversations, prompt + completion), got keys {sorted(obj)}")
     value, src = item
-    if isinstance(value, str):
+    if isinstance(value, str | dict):
         return value, src, None
     if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
         return value, src, None

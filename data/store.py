@@ -4,6 +4,8 @@
     FOLDER/tokens-s00000-c000000.bin         raw token ids, uint16 when the vocabulary fits, else uint32
     FOLDER/docs-s00000-c000000.lens.npy      int64 length of every document of the chunk (EOS included)
     FOLDER/docs-s00000-c000000.src.npy       int32 source of every document (index into the chunk's table)
+    FOLDER/mask-s00000-c000000.bin           uint8 loss mask, one per token (1: a target), only in a chunk holding
+                                             chat documents (data/chat.py); a chunk without one: every token is
     FOLDER/chunk-s00000-c000000.json         chunk record: counts, CRC32s, source table, input position
     FOLDER/shard-00000-of-00001.json         a finished shard (`--shard i/N`): its chunk records in order
     FOLDER/plan-s00000.json                  what a shard was started with (resume refuses another plan)
@@ -81,6 +83,22 @@ def read_json(path: str) -> dict:
         return json.load(fh)
 
 
+class Ones:
+    """A chunk without a mask file: every token a target. Sliced like the memory-mapped masks."""
+
+    dtype = np.dtype(np.uint8)
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, sl: slice) -> np.ndarray:
+        lo, hi, _ = sl.indices(self.n)
+        return np.ones(max(0, hi - lo), np.uint8)
+
+
 class TokenStore:
     """The chunks' token files as one array-like: `len(store)`, `store.read(lo, hi)` (a copy) and
     `store[lo:hi]`. Each file is memory-mapped; nothing is read until a sample asks for it."""
@@ -126,7 +144,7 @@ class Prepared:
         dtype = np.dtype(self.manifest["dtype"])
         self.sources: list[str] = list(self.manifest["sources"])
         index = {name: i for i, name in enumerate(self.sources)}
-        parts, lens, srcs = [], [], []
+        parts, lens, srcs, masks = [], [], [], []
         for c in self.manifest["chunks"]:
             f = os.path.join(path, c["tokens"])
             size = os.path.getsize(f) if os.path.exists(f) else -1
@@ -134,10 +152,16 @@ class Prepared:
                 raise ValueError(f"{f}: {size} bytes, the manifest says {c['n_tokens'] * dtype.itemsize}: the "
                                  "prepared folder is incomplete or was modified; prepare it again")
             parts.append(np.memmap(f, dtype=dtype, mode="r") if c["n_tokens"] else np.zeros(0, dtype))
+            m = os.path.join(path, c["mask"]) if c.get("mask") else None
+            if m and (os.path.getsize(m) if os.path.exists(m) else -1) != c["n_tokens"]:
+                raise ValueError(f"{m}: not {c['n_tokens']} bytes as the manifest says: prepare the folder again")
+            masks.append(np.memmap(m, dtype=np.uint8, mode="r") if m and c["n_tokens"] else Ones(c["n_tokens"]))
             lens.append(np.load(os.path.join(path, c["lens"])))
             remap = np.asarray([index[s] for s in c["sources"]] or [0], dtype=np.int32)
             srcs.append(remap[np.load(os.path.join(path, c["src"]))])
         self.tokens = TokenStore(parts)
+        # the per-token loss mask (uint8, 1: a target) where a chunk holds chat documents; None: text only
+        self.mask = TokenStore(masks) if any(c.get("mask") for c in self.manifest["chunks"]) else None
         self.lens = np.concatenate(lens).astype(np.int64) if lens else np.zeros(0, np.int64)
         self.source = np.concatenate(srcs) if srcs else np.zeros(0, np.int32)
         self.starts = np.concatenate([[0], np.cumsum(self.lens)[:-1]]).astype(np.int64)
@@ -153,7 +177,7 @@ class Prepared:
         """Re-read every file and compare with the manifest's CRC32s; the list of mismatches (empty: intact)."""
         bad = []
         for c in self.manifest["chunks"]:
-            for key in ("tokens", "lens", "src"):
+            for key in ("tokens", "lens", "src") + (("mask",) if c.get("mask") else ()):
                 f = os.path.join(self.path, c[key])
                 if file_crc32(f) != c[f"crc32_{key}"]:
                     bad.append(f)

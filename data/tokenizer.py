@@ -30,6 +30,7 @@ class Tokenizer:
             # one thread: parallelism comes from prepare_data's worker processes, one core each
             self._encode_batch = lambda ts: self._sp.encode(ts, num_threads=1)
             self.kind = "sentencepiece"
+            self.hf = None  # no chat template: chat rows get the documented ChatML default (data/chat.py)
             self._decode = lambda ids: self._sp.decode(ids)
         else:
             from transformers import AutoTokenizer
@@ -46,6 +47,7 @@ class Tokenizer:
                 if direct(_PROBE) == self._encode_batch(_PROBE):
                     self._encode_batch, self.direct = direct, True
             self.kind = "hf"
+            self.hf = tok  # its chat template renders conversations (data/chat.py)
             self._decode = lambda ids: tok.decode(ids)
         if self.eos_id is None or self.eos_id < 0:
             raise ValueError(f"tokenizer {path} has no end-of-sequence token; documents cannot be separated")

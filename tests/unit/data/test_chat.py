@@ -1,0 +1,162 @@
+"""Chat rows -> ids + loss mask (data/chat.py): golden masks per template family, the cases peers got wrong (a
+reply repeated in the user turn, the end-of-turn token, an empty think block, a template that rewrites history),
+the ChatML default and the refusal, and the three row formats. No network: tests/unit/data/chat_fixtures.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from data.chat import ChatEncoder, RowError, normalize
+from data.tokenizer import Tokenizer
+from tests.unit.data.chat_fixtures import build_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok_root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("chat_tokenizers"))
+
+
+def encoder(root, family, **kw):
+    return ChatEncoder(Tokenizer(build_tokenizer(root, family)), **kw)
+
+
+def spans(enc, ids, mask) -> list[str]:
+    """The supervised runs of `mask`, decoded (special tokens kept)."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])))
+    return [enc.tok.hf.decode(ids[a:b]) if enc.tok.hf is not None else enc.tok.decode(ids[a:b])
+            for a, b in zip(edges[::2], edges[1::2])]
+
+
+SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
+TURNS = [{"role": "user", "content": "Repeat these words: apple river"},
+         {"role": "assistant", "content": "apple river"},
+         {"role": "user", "content": "Count them."},
+         {"role": "assistant", "content": "2 words"}]
+
+# family -> (with a system turn?, the supervised spans: each reply and its end-of-turn token, nothing else)
+GOLDEN = {
+    "llama3": (True, ["apple river<|eot_id|>", "2 words<|eot_id|>"]),
+    "qwen25": (True, ["apple river<|im_end|>", "2 words<|im_end|>"]),
+    "smollm2": (True, ["apple river<|im_end|>", "2 words<|im_end|>"]),
+    "gemma": (False, ["apple river<end_of_turn>", "2 words<end_of_turn>"]),
+    "mistral": (False, [" apple river</s>", " 2 words</s>"]),  # the template writes the space before the reply
+    "markers": (True, ["apple river<|im_end|>", "2 words<|im_end|>"]),  # {% generation %}: HF's own mask
+}
+
+
+@pytest.mark.parametrize("family", sorted(GOLDEN))
+def test_golden_mask_multi_turn(tok_root, family):
+    with_system, want = GOLDEN[family]
+    enc = encoder(tok_root, family)
+    ids, mask, stats = enc.encode({"messages": ([SYSTEM] if with_system else []) + TURNS})
+    assert spans(enc, ids, mask) == want
+    assert stats["untrained_turns"] == 0
+    assert enc.kind == ("markers" if family == "markers" else "prefix")
+    # the ids are exactly the template's own rendering of the conversation
+    full = enc.tok.hf.apply_chat_template(([SYSTEM] if with_system else []) + TURNS, tokenize=False)
+    assert ids == enc.tok.encode(full)
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen25", "gemma", "mistral", "smollm2"])
+def test_reply_repeated_in_user_turn(tok_root, family):
+    """The reply's text appears first in the user turn: a text search would mask the user's copy."""
+    enc = encoder(tok_root, family)
+    conv = [{"role": "user", "content": "Say exactly: apple river"}, {"role": "assistant", "content": "apple river"}]
+    ids, mask, _ = enc.encode({"messages": conv})
+    got = spans(enc, ids, mask)
+    assert len(got) == 1 and got[0].strip().startswith("apple river")
+    first = int(np.flatnonzero(mask)[0])
+    head = enc.tok.encode(enc.tok.hf.apply_chat_template(conv[:1], tokenize=False, add_generation_prompt=True))
+    assert first >= len(head) - 1  # after the assistant header, never inside the user turn
+
+
+def test_empty_think_block_and_rewritten_history(tok_root):
+    """Qwen3-style: the last reply carries an empty think block (the model generates it: trained), an earlier
+    reply renders without one once a later user turn follows (history rewritten): still located, token-wise."""
+    enc = encoder(tok_root, "qwen3")
+    ids, mask, stats = enc.encode({"messages": TURNS})
+    assert spans(enc, ids, mask) == ["apple river<|im_end|>", "<think>\n\n</think>\n\n2 words<|im_end|>"]
+    assert stats["untrained_turns"] == 0
+
+
+def test_mistral_system_prompt_is_refused_not_guessed(tok_root):
+    """Mistral v0.3 writes the system prompt into the user turn only when that turn is the last message: in a
+    conversation ending with a reply it is dropped, so every turn's header renders differently alone than in the
+    whole conversation. No turn is located: the row is refused (a bad row, counted), never masked by guesswork."""
+    enc = encoder(tok_root, "mistral")
+    with pytest.raises(RowError, match="none of the 2 assistant turn"):
+        enc.encode({"messages": [SYSTEM] + TURNS})
+
+
+def test_template_refusal_is_a_bad_row(tok_root):
+    enc = encoder(tok_root, "gemma")
+    with pytest.raises(RowError, match="refuses"):
+        enc.encode({"messages": [SYSTEM] + TURNS})  # gemma-2: "System role not supported"
+
+
+def test_default_chatml_and_refusal(tok_root):
+    enc = encoder(tok_root, "none")  # an HF tokenizer without a template
+    assert enc.kind == "chatml"
+    ids, mask, _ = enc.encode({"messages": TURNS})
+    # its vocabulary has <|im_end|> (the default's end-of-turn when present; else EOS: test_sentencepiece_default)
+    assert spans(enc, ids, mask) == ["apple river<|im_end|>", "2 words<|im_end|>"]
+    assert "<|im_start|>assistant\n" in enc.tok.hf.decode(ids)
+    forced = encoder(tok_root, "qwen25", template="chatml")  # <|im_end|> is in this vocabulary: it ends the turns
+    ids, mask, _ = forced.encode({"messages": TURNS})
+    assert spans(forced, ids, mask) == ["apple river<|im_end|>", "2 words<|im_end|>"]
+    refuse = encoder(tok_root, "none", template="none")
+    with pytest.raises(RowError, match="has no chat template"):
+        refuse.encode({"messages": TURNS})
+
+
+def test_sentencepiece_default():
+    """The demo's sentencepiece tokenizer: ChatML layout, its EOS ends each assistant turn and is trained."""
+    enc = ChatEncoder(Tokenizer(".cache/demo/stdlib_sp.model"))
+    ids, mask, _ = enc.encode({"messages": TURNS})
+    sup = [t for t, m in zip(ids, mask) if m]
+    assert sup.count(enc.tok.eos_id) == 2 and enc.tok.decode(sup).split() == ["apple", "river", "2", "words"]
+
+
+def test_formats_and_loss_on(tok_root):
+    enc = encoder(tok_root, "qwen25")
+    share = {"conversations": [{"from": "human", "value": TURNS[0]["content"]}, {"from": "gpt", "value": "apple river"}]}
+    ids, mask, _ = enc.encode(share)
+    assert spans(enc, ids, mask) == ["apple river<|im_end|>"]
+    # conversational prompt/completion: only the completion's assistant turns
+    pair = {"prompt": TURNS[:3], "completion": TURNS[3:]}
+    ids, mask, _ = enc.encode(pair)
+    assert spans(enc, ids, mask) == ["2 words<|im_end|>"]
+    # text prompt/completion: the completion and the EOS appended
+    ids, mask, _ = enc.encode({"prompt": "Count: apple river.", "completion": " 2 words"})
+    assert spans(enc, ids, mask) == [" 2 words<|im_end|>"]
+    everything = encoder(tok_root, "qwen25", loss_on="all")
+    ids, mask, _ = everything.encode({"messages": TURNS})
+    assert mask.all()
+    assistant = encoder(tok_root, "qwen25", loss_on="assistant")  # every assistant turn, prompt's too
+    ids, mask, _ = assistant.encode(pair)
+    assert spans(assistant, ids, mask) == ["apple river<|im_end|>", "2 words<|im_end|>"]
+
+
+@pytest.mark.parametrize("row,match", [
+    ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant turn"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "role 'robot'"),
+    ({"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "x"}]}, "must be a string"),
+    ({"conversations": [{"from": "alien", "value": "hi"}]}, "from 'alien'"),
+    ({"prompt": "a", "completion": ["b"]}, "two strings or two lists"),
+])
+def test_bad_rows(row, match):
+    with pytest.raises(RowError, match=match):
+        normalize(row)
+
+
+def test_tool_role(tok_root):
+    """A tool turn (Qwen2.5 renders it as a user-side <tool_response>) gets no loss; the reply after it does."""
+    enc = encoder(tok_root, "qwen25")
+    conv = TURNS[:1] + [{"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "count", "arguments": {"n": 2}}}]},
+        {"role": "tool", "content": "2"}, {"role": "assistant", "content": "2 words"}]
+    ids, mask, _ = enc.encode({"messages": conv})
+    got = spans(enc, ids, mask)
+    assert got[-1] == "2 words<|im_end|>" and "tool_response" not in "".join(got)
+    assert got[0].startswith("<tool_call>") and got[0].endswith("</tool_call><|im_end|>")
