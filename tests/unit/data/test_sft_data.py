@@ -1,0 +1,160 @@
+"""Chat data through the offline preparation (JSONL, Parquet, HF datasets; bad rows; resume; the manifest) and
+the SFT packer (ConvPack): whole conversations, positions restarted, no conversation predicting the next one's
+first token, truncation dropping samples left without a supervised token (counted)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from data.chat import ChatEncoder, build_demo_chats
+from data.packing import ConvPack, DocPack
+from data.prepare_data import prepare
+from data.store import Prepared
+from data.tokenizer import Tokenizer
+from tests.unit.data.chat_fixtures import build_tokenizer
+
+SP = ".cache/demo/stdlib_sp.model"
+CONV = [{"role": "user", "content": "Repeat these words: apple river"}, {"role": "assistant", "content": "apple river"}]
+
+
+def _jsonl(path, rows):
+    with open(path, "w") as fh:
+        for r in rows:
+            fh.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
+    return str(path)
+
+
+def test_prepare_jsonl_parquet_hf_chat(tmp_path):
+    """The three containers, three row formats and a text corpus in one folder: the chat documents' masks are the
+    encoder's, the text document's chunk region all ones; bad rows skipped and counted in the manifest."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tok_path = build_tokenizer(str(tmp_path / "tok"), "qwen25")
+    rows = [{"messages": CONV}, {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]},
+            {"prompt": "2+2=", "completion": " 4"}, "{not json", {"messages": [{"role": "user", "content": "no reply"}]},
+            {"messages": [{"role": "wizard", "content": "x"}]}]
+    _jsonl(tmp_path / "chat.jsonl", rows)
+    _jsonl(tmp_path / "text.jsonl", [{"text": "The quick brown fox jumps over the lazy dog."}])
+    pq.write_table(pa.table({"messages": [CONV, CONV]}), tmp_path / "chat.parquet")
+    datasets.Dataset.from_dict({"conversations": [[{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]]}) \
+        .save_to_disk(str(tmp_path / "hf"))
+    with pytest.raises(ValueError, match="chat.jsonl:4: not valid JSON"):  # refused by default, as text rows are
+        prepare([str(tmp_path / "chat.jsonl")], str(tmp_path / "refused"), tok_path, workers=0, log=lambda _: None)
+    m = prepare([f"text={tmp_path / 'text.jsonl'}", f"chat={tmp_path / 'chat.jsonl'}", str(tmp_path / "chat.parquet"),
+                 str(tmp_path / "hf")], str(tmp_path / "out"), tok_path, workers=2, skip_bad_rows=True,
+                log=lambda _: None)
+    assert (m["bad_rows"], m["chat_docs"], m["n_docs"], m["untrained_turns"]) == (3, 6, 7, 0)
+    p = Prepared(str(tmp_path / "out"))
+    assert p.verify() == [] and p.mask is not None
+    enc = ChatEncoder(Tokenizer(tok_path))
+    docs = [p.tokens.read(int(s), int(s + n)).tolist() for s, n in zip(p.starts, p.lens)]
+    masks = [p.mask.read(int(s), int(s + n)) for s, n in zip(p.starts, p.lens)]
+    assert masks[0].all()  # the text document: every token a target
+    want = [{"messages": CONV}, rows[1], rows[2], {"messages": CONV}, {"messages": CONV},
+            {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}]
+    for d, row in enumerate(want, start=1):
+        ids, mask, _ = enc.encode(row)
+        assert docs[d] == ids and masks[d].tolist() == mask.tolist()
+    assert m["supervised_tokens"] == sum(int(x[1:].sum()) for x in masks[1:])
+
+
+def test_prepare_resume_keeps_masks(tmp_path):
+    """A run killed after its first committed chunk resumes (same command) to the same manifest and mask files."""
+    data = build_demo_chats(str(tmp_path / "chats.jsonl"), 120, seed=1)
+    kw = dict(tokenizer=SP, workers=0, chunk_tokens=2000, batch_docs=16, log=lambda _: None)
+    whole = prepare([data], str(tmp_path / "a"), **kw)
+    assert len(whole["chunks"]) >= 3 and all(c["mask"] for c in whole["chunks"])
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    b = tmp_path / "b"
+    for f in ["manifest.json", "shard-00000-of-00001.json"] + [f for f in os.listdir(b) if "-c000001" in f or "-c000002" in f]:
+        os.remove(b / f)  # as if killed while writing chunk 1
+    resumed = prepare([data], str(b), **kw)
+    key = ("tokens", "mask", "n_tokens", "crc32_tokens", "crc32_mask", "crc32_lens")
+    assert [[c[k] for k in key] for c in resumed["chunks"]] == [[c[k] for k in key] for c in whole["chunks"]]
+    assert resumed["supervised_tokens"] == whole["supervised_tokens"] > 0
+
+
+def _store(docs):
+    """(tokens, mask, starts, lens) of documents given as (ids, mask) pairs laid end to end."""
+    toks = np.concatenate([np.asarray(i, np.int64) for i, _ in docs])
+    mask = np.concatenate([np.asarray(m, np.uint8) for _, m in docs])
+    lens = np.asarray([len(i) for i, _ in docs], np.int64)
+    return toks, mask, np.concatenate([[0], np.cumsum(lens)[:-1]]), lens
+
+
+def test_convpack_whole_conversations_restart_and_no_cross_label():
+    docs = [([10, 11, 12, 13], [0, 0, 1, 1]), ([20, 21, 22], [0, 1, 1]), ([30, 31, 32, 33, 34], [0, 0, 0, 1, 1])]
+    toks, mask, starts, lens = _store(docs)
+    pack = ConvPack(toks, mask, starts, lens, 8, pad_id=0)
+    assert len(pack) == 2 and (pack.truncated, pack.dropped) == (0, 0)
+    a, b = pack[0], pack[1]
+    assert a["input_ids"].tolist() == [10, 11, 12, 13, 20, 21, 22, 0]  # the third does not fit: never split
+    assert a["position_ids"].tolist() == [0, 1, 2, 3, 0, 1, 2, 0]  # restarted per conversation, padding its own
+    # targets: 12, 13 of the first, 21, 22 of the second; 13 never predicts 20, the padding nothing
+    assert a["shift_labels"].tolist() == [-100, 12, 13, -100, 21, 22, -100, -100]
+    assert b["input_ids"].tolist() == [30, 31, 32, 33, 34, 0, 0, 0]
+    assert b["shift_labels"].tolist() == [-100, -100, 33, 34, -100, -100, -100, -100]
+
+
+def test_convpack_truncation_drops_and_counts():
+    long_late = ([1] * 10, [0] * 8 + [1, 1])  # its reply lies past the cut at 6: dropped
+    long_early = ([2] * 10, [0, 0, 1] + [1] * 7)  # cut, keeps its first supervised tokens
+    short = ([3, 4, 5], [0, 1, 1])
+    toks, mask, starts, lens = _store([long_late, long_early, short])
+    pack = ConvPack(toks, mask, starts, lens, 6, pad_id=0)
+    assert (pack.truncated, pack.dropped, len(pack)) == (1, 1, 2)
+    s = pack[0]
+    assert s["input_ids"].tolist() == [2] * 6 and s["shift_labels"].tolist() == [-100, 2, 2, 2, 2, -100]
+    assert pack[1]["input_ids"].tolist()[:3] == [3, 4, 5]
+
+
+def test_docpack_honours_the_mask():
+    docs = [([10, 11, 12, 13], [0, 0, 1, 1]), ([20, 21, 22, 23], [1, 1, 1, 1])]
+    toks, mask, starts, lens = _store(docs)
+    plain = DocPack(toks, starts, lens, 8, True, mask_cross_document_labels=True)
+    masked = DocPack(toks, starts, lens, 8, True, mask_cross_document_labels=True, mask=mask)
+    assert plain[0]["shift_labels"].tolist() == [11, 12, 13, -100, 21, 22, 23, -100]
+    assert masked[0]["shift_labels"].tolist() == [-100, 12, 13, -100, 21, 22, 23, -100]
+
+
+def _stage(i, n, kind):
+    import types
+
+    return types.SimpleNamespace(index=i, name=f"s{i}", max_seq_length=n, eval={"heldout_samples": 1}, data=None,
+                                 tasks={}, replay=None, kind=kind)
+
+
+def test_sft_stage_in_the_run(tmp_path, capsys):
+    """A text stage then an SFT stage on one chat folder: the SFT stage's samples are whole conversations with
+    labels only on the prepared targets; an SFT stage without chat data, or without document masking, stops the
+    run in one line before any model."""
+    from data.pipeline import open_run_data
+
+    chats = build_demo_chats(str(tmp_path / "chats.jsonl"), 200, seed=2)
+    vocab = Tokenizer(SP).vocab_size
+    data = open_run_data(chats, SP, vocab, [_stage(0, 128, "text"), _stage(1, 256, "sft")], reset_position_ids=True)
+    ds, sampler = data.stage_view(_stage(1, 256, "sft"), 1, 0, 2, seed=0)
+    assert isinstance(ds, ConvPack) and len(ds) > 10
+    p = data.prepared
+    targets = {int(s): p.mask.read(int(s), int(s + n)) for s, n in zip(p.starts, p.lens)}
+    for i in sampler.next_batch():
+        s = ds[i]
+        restarts = np.flatnonzero(s["position_ids"] == 0)
+        assert (s["shift_labels"][restarts[1:] - 1] == -100).all()  # nothing predicts another conversation's start
+        sup = s["shift_labels"] != -100
+        assert sup.any() and (s["shift_labels"][sup] == s["input_ids"][1:][sup[:-1]]).all()
+    n_target = sum(int(m[1:].sum()) for s, m in targets.items() if data.cut[np.searchsorted(p.starts, s)])
+    assert sum(int((ds[i]["shift_labels"] != -100).sum()) for i in range(len(ds))) == n_target
+    text = tmp_path / "text.jsonl"
+    _jsonl(text, [{"text": "hello world " * 40}] * 30)
+    with pytest.raises(ValueError, match="kind sft: the dataset has no chat documents"):
+        open_run_data(str(text), SP, vocab, [_stage(0, 128, "sft")], reset_position_ids=True)
+    with pytest.raises(ValueError, match="drop --reset_position_ids no"):
+        open_run_data(chats, SP, vocab, [_stage(0, 128, "sft")], reset_position_ids=False)
