@@ -2,8 +2,7 @@
 two ranks whose views of the shared file system (and memory budgets, and node sizes) differ: rank 1 runs with
 tests/stubs/stale_view (see there); DECISIONS_NODE_SIZES ("8,4") gives each rank its own launcher's node size
 (LOCAL_WORLD_SIZE, as uneven hostfile slots 8/4/4 do) before the process group. Each rank writes
-result<rank>.json with what it decided and, for contrast,
-what its own view alone would have said."""
+result<rank>.json with what it decided and, for contrast, what its own view alone would have said."""
 
 import json
 import os
