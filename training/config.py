@@ -40,6 +40,7 @@ class StageConfig:
     tasks: dict = field(default_factory=dict)  # synthetic task fractions, e.g. {passkey: 0.2} (data/tasks.py)
     data: dict | list | None = None  # mixture: {source_glob: weight} or [{source, weight, min_doc_tokens, ...}] (data/mixture.py); None: whole stream
     replay: dict | None = None  # short-context replay: {256: 0.3} or {share: 0.3, lengths: [256]}, token shares (data/replay.py)
+    kind: str | None = None  # text | sft: how the stage packs its documents (None: the run's data_kind; docs/sft.md)
 
 
 @dataclass
@@ -55,6 +56,8 @@ class Config:
     reset_position_ids: str = "auto"  # auto | yes | no: restart positions at document starts (auto: yes on every
     # backend that masks documents, i.e. all supported ones: model_utils.attention.resets_positions)
     mask_cross_document_labels: bool = False  # no loss on a document's last token predicting the next document (ProLong)
+    data_kind: str = "text"  # text: documents packed end to end | sft: whole conversations packed, loss on the
+    # prepared loss mask (the assistant's replies), positions restarted per conversation (data/packing.py ConvPack)
     loss_weighting: str = "token"  # token: mean over the global batch's supervised tokens | conversation: LongAlign's
     # mean of each packed document's (conversation's) mean, 1/N_i per token computed before sharding (data/sharding.py)
     # --- parallelism and batch ---
@@ -224,6 +227,10 @@ def validate(cfg: Config) -> None:
     cfg.attention_head_chunks = cp_setting(cfg.attention_head_chunks, "--attention_head_chunks")
     if cfg.reset_position_ids not in ("auto", "yes", "no"):
         raise ValueError(f"--reset_position_ids {cfg.reset_position_ids!r}: use auto, yes or no")
+    for where, kind in [("--data_kind", cfg.data_kind)] + [(f"stages[{i}].kind", st.kind) for i, st in enumerate(cfg.stages)]:
+        if kind not in (None, "text", "sft") or (kind == "sft" and cfg.reset_position_ids == "no"):
+            raise ValueError(f"{where} {kind!r}: use text or sft (sft packs conversations with document masking: "
+                             "not with --reset_position_ids no)")
     if cfg.loss_weighting not in ("token", "conversation"):
         raise ValueError(f"--loss_weighting {cfg.loss_weighting!r}: use token or conversation")
     if cfg.loss_weighting == "conversation" and cfg.reset_position_ids == "no":

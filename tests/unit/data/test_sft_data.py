@@ -158,3 +158,18 @@ def test_sft_stage_in_the_run(tmp_path, capsys):
         open_run_data(str(text), SP, vocab, [_stage(0, 128, "sft")], reset_position_ids=True)
     with pytest.raises(ValueError, match="drop --reset_position_ids no"):
         open_run_data(chats, SP, vocab, [_stage(0, 128, "sft")], reset_position_ids=False)
+
+
+def test_stage_kind_config():
+    """`kind: sft` per stage (or the run's --data_kind) reaches the resolved stages; a bad kind is one line."""
+    from training.config import config_from_dict, validate
+    from training.curriculum import resolve_stages
+
+    cfg = config_from_dict({"data_kind": "text", "max_steps": 2, "stages": [
+        {"name": "long", "max_seq_length": 256}, {"name": "chat", "max_seq_length": 256, "kind": "sft"}]})
+    validate(cfg)
+    assert [s.kind for s in resolve_stages(cfg, lambda sp: 1)] == ["text", "sft"]
+    with pytest.raises(ValueError, match=r"stages\[0\].kind 'chat': use text or sft"):
+        validate(config_from_dict({"stages": [{"name": "x", "kind": "chat"}]}))
+    with pytest.raises(ValueError, match="--data_kind 'sft'.*reset_position_ids no"):
+        validate(config_from_dict({"data_kind": "sft", "reset_position_ids": "no"}))
