@@ -3,6 +3,15 @@
 For (sp, dp) in (1,1), (2,1), (1,2), (2,2): the first step's loss (fp32) within 1e-5 relative and the
 full gradients gathered from ZeRO-3 within 1e-4 relative, for MHA, GQA with fewer KV heads than SP,
 and a length not divisible by SP. Gradient accumulation and DP weight every token equally.
+
+Supervised fine-tuning (issue 42; the `sft_*` cases, in the same launches: one launch runs several layouts of its
+world): loss on the masked tokens only, the mean over the global batch's supervised tokens (or LongAlign's mean of
+conversation means), against the plain model run on each conversation alone with the same mask (peaked weights,
+initializer_range 0.3; `test_sft_wrong_means_are_far_from_the_oracle` shows a mean of per-rank or per-sample means
+misses it by far more than the tolerances). A 1.5k-token user turn with a 20-token answer at SP 2 and 4 (u4 and
+u2 x cp2; SP 3 in its own slow launch) where most ranks hold no label, answers starting and ending exactly at shard
+and zigzag-chunk boundaries, packed conversations, micro-batch 2, gradient accumulation 2, a whole SP group without
+a supervised token, tiled logits with conversation weights.
 """
 
 from __future__ import annotations
@@ -44,23 +53,160 @@ def reference(model_dir: str, data: str, seq_len: int, samples: list[int]):
     return loss.item(), {n: p.grad for n, p in model.named_parameters()}
 
 
+# --- supervised fine-tuning cases -------------------------------------------------------------------------------
+SFT_SEQ = 1560  # divisible by 2, 3, 4 and by 2 x cp: SP 2 shards 780, SP 3 520, SP 4 390; u1cp2 / u2cp2 chunks 390 / 195
+# a 12-head MHA model: Ulysses 2, 3 and 4 divide its heads
+SFT_MODEL = dict(num_attention_heads=12, num_key_value_heads=12, hidden_size=96, head_dim=8, intermediate_size=192,
+                 initializer_range=0.3)
+# name: (document lengths, supervised token spans [a, b))
+SFT_SAMPLES = {
+    "LONG": ([SFT_SEQ], [(1530, 1550)]),  # a 1530-token user turn, a 20-token answer, the next header unsupervised
+    # answers across SP 4's and u2cp2's boundary 390 (2 + 2 tokens), from SP 3's 520 and SP 2's 780, a 1-token answer
+    # at SP 3's 1040, one ending at SP 4's 1170 (its last label on the last position before the boundary)
+    "BOUNDARY": ([SFT_SEQ], [(388, 392), (520, 525), (780, 790), (1040, 1041), (1165, 1170)]),
+    # 3 conversations packed (positions restart): 40, 5 + 30 and 4 supervised tokens, the first ending its document
+    "PACKED": ([600, 400, 560], [(560, 600), (700, 705), (970, 1000), (1555, 1559)]),
+    "EMPTY": ([SFT_SEQ], []),  # a prompt only: nothing supervised
+}
+SFT_NAMES = list(SFT_SAMPLES)
+# per launch layout (sp, dp): (name, sp, cp, batches[dp_rank][micro_step] = sample names, extra config)
+SFT_CASES = {
+    (2, 1): [("sft_long_sp2", 2, 1, [[["LONG"]]], {}),
+             ("sft_ga2_mb2_sp2", 2, 1, [[["BOUNDARY", "PACKED"], ["LONG", "EMPTY"]]], {}),
+             ("sft_u1cp2_tiled_conv", 2, 2, [[["BOUNDARY", "PACKED"]]],
+              {"tiled_logits": True, "logits_tile_mb": 1, "loss_weighting": "conversation"})],
+    (2, 2): [("sft_long_sp4", 4, 1, [[["LONG"]]], {}),
+             ("sft_group_empty_sp2dp2_ga2", 2, 1, [[["LONG"], ["BOUNDARY"]], [["EMPTY"], ["EMPTY"]]], {}),
+             ("sft_u2cp2_mb2", 4, 2, [[["BOUNDARY", "PACKED"]]], {})],
+    (3, 1): [("sft_long_sp3", 3, 1, [[["LONG"]]], {}), ("sft_mb2_sp3", 3, 1, [[["BOUNDARY", "PACKED"]]], {})],
+}
+SFT_SLOW = {(3, 1)}  # 3 processes, its own launch: SP 2 and 4 (the fast cases) check the same rules
+
+
+def sft_samples() -> list[dict]:
+    """SFT_SAMPLES as the packer's samples: random token ids (seed 0), a per-token loss_mask, positions restarting."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    out = []
+    for docs, spans in SFT_SAMPLES.values():
+        mask = np.zeros(SFT_SEQ, np.uint8)
+        for a, b in spans:
+            mask[a:b] = 1
+        out.append({"input_ids": rng.integers(4, 2048, SFT_SEQ), "loss_mask": mask,
+                    "position_ids": np.concatenate([np.arange(n) for n in docs])})
+    return out
+
+
+def sft_per_token(model, names: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain HF model's per-position cross-entropy [n, SFT_SEQ] (0 where unsupervised) and supervised mask on the
+    named samples, each conversation run alone, the target of position j its next token where that one is supervised
+    (the mask is read here, not through data/sharding.py's shift)."""
+    samples = sft_samples()
+    ces, sups = [], []
+    for name in names:
+        s, (docs, _) = samples[SFT_NAMES.index(name)], SFT_SAMPLES[name]
+        ids, mask = torch.from_numpy(s["input_ids"]), torch.from_numpy(s["loss_mask"]).bool()
+        ce, sup, a = torch.zeros(SFT_SEQ), torch.zeros(SFT_SEQ, dtype=torch.bool), 0
+        for n in docs:
+            logits = model(input_ids=ids[None, a:a + n]).logits[0, :-1]
+            target = torch.where(mask[a + 1:a + n], ids[a + 1:a + n], -100)
+            ce[a:a + n - 1] = torch.nn.functional.cross_entropy(logits, target, ignore_index=-100, reduction="none")
+            sup[a:a + n - 1] = mask[a + 1:a + n]
+            a += n
+        ces.append(ce)
+        sups.append(sup)
+    return torch.stack(ces), torch.stack(sups).float()
+
+
+def sft_loss(ce: torch.Tensor, sup: torch.Tensor, names: list[str], weighting: str = "token") -> torch.Tensor:
+    """The mean over all supervised tokens, or ("conversation") the mean of each conversation's mean."""
+    if weighting == "token":
+        return ce.sum() / sup.sum()
+    means = []
+    for name, row_ce, row_sup in zip(names, ce, sup):
+        a = 0
+        for n in SFT_SAMPLES[name][0]:
+            if row_sup[a:a + n].sum() > 0:
+                means.append(row_ce[a:a + n].sum() / row_sup[a:a + n].sum())
+            a += n
+    return torch.stack(means).mean()
+
+
+def wrong_means(ce: torch.Tensor, sup: torch.Tensor, split: int) -> dict[str, float]:
+    """What a sharded loss could wrongly give: the mean of the `split` contiguous shards' means (shards holding a
+    supervised token), the mean of each sample's mean."""
+    q = SFT_SEQ // split
+    ranks = [ce[:, r * q:(r + 1) * q].sum() / sup[:, r * q:(r + 1) * q].sum() for r in range(split)
+             if sup[:, r * q:(r + 1) * q].sum() > 0]
+    rows = sup.sum(1) > 0
+    return {"per_rank": torch.stack(ranks).mean().item(), "per_sample": (ce.sum(1)[rows] / sup.sum(1)[rows]).mean().item()}
+
+
+def sft_reference(model_dir: str, names: list[str], weighting: str = "token"):
+    """Loss, gradients and supervised-token count of the plain HF model (one process, sdpa) on the named samples."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    ce, sup = sft_per_token(model, names)
+    loss = sft_loss(ce, sup, names, weighting)
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters()}, int(sup.sum())
+
+
+class Launches(dict):
+    """results[(sp, dp, case)] -> (the worker's record, model, seq_len); each layout's launch runs when first asked
+    for (one launch per layout, every case of it inside)."""
+
+    def __init__(self, assets, tmp_path_factory):
+        super().__init__()
+        self.assets, self.tmp = assets, tmp_path_factory
+
+    def __missing__(self, key):
+        self.launch(*key[:2])
+        return self[key]
+
+    def launch(self, sp: int, dp: int) -> None:
+        assets, d = self.assets, self.tmp.mktemp(f"sp{sp}dp{dp}")
+        common = {"learning_rate": 1e-3, "max_steps": 1, "report_to": "none", "seed": 0,
+                  "deepspeed": os.path.join(ROOT, "ds_configs/zero3_offload.json"),
+                  "cache": os.path.join(assets["dir"], "cache"), "dataset_path": assets["data"]}
+        cases, keys = [], []
+        for name, model, sl, ga in CASES if (sp, dp) in LAYOUTS else []:
+            cases.append({"model_name_or_path": assets[model], "max_seq_length": sl, "sequence_parallel_size": sp,
+                          "gradient_accumulation_steps": ga, "out": str(d / f"{name}.pt"), **common,
+                          **EXTRA.get(name, {})})
+            keys.append((name, model, sl))
+        if SFT_CASES.get((sp, dp)):
+            sft = sft_assets(assets)
+            for name, case_sp, cp, batches, extra in SFT_CASES[(sp, dp)]:
+                cases.append({"model_name_or_path": sft["model"], "max_seq_length": SFT_SEQ,
+                              "sequence_parallel_size": case_sp, "context_parallel_size": cp,
+                              "per_device_train_batch_size": len(batches[0][0]),
+                              "gradient_accumulation_steps": len(batches[0]), "reset_position_ids": "yes",
+                              "sft_samples": sft["samples"], "out": str(d / f"{name}.pt"),
+                              "sft_batches": [[[SFT_NAMES.index(n) for n in mb] for mb in rank] for rank in batches],
+                              **common, **extra})
+                keys.append((name, "sft", SFT_SEQ))
+        run(os.path.join(ROOT, "tests/workers/parity.py"), [json.dumps(cases)], sp * dp, str(d / "logs"))
+        for (name, model, sl), case in zip(keys, cases):
+            self[(sp, dp, name)] = (torch.load(case["out"]), model, sl)
+
+
+def sft_assets(assets) -> dict:
+    """The 12-head model and the SFT samples' file, next to the session's assets (made once)."""
+    from tests.conftest import save_tiny_model
+
+    model, samples = os.path.join(assets["dir"], "sft_h12"), os.path.join(assets["dir"], "sft_samples.pt")
+    if not os.path.isdir(model):
+        save_tiny_model(model, "tiny-llama", **SFT_MODEL)
+        torch.save(sft_samples(), samples)
+    return {"model": model, "samples": samples}
+
+
 @pytest.fixture(scope="module")
 def results(assets, tmp_path_factory):
-    out = {}
-    for sp, dp in LAYOUTS:
-        d = tmp_path_factory.mktemp(f"sp{sp}dp{dp}")
-        cases = []
-        for name, model, sl, ga in CASES:
-            cases.append({"model_name_or_path": assets[model], "dataset_path": assets["data"], "max_seq_length": sl,
-                          "sequence_parallel_size": sp, "gradient_accumulation_steps": ga, "learning_rate": 1e-3,
-                          "max_steps": 1, "report_to": "none", "seed": 0,
-                          "deepspeed": os.path.join(ROOT, "ds_configs/zero3_offload.json"),
-                          "out": str(d / f"{name}.pt"), "cache": os.path.join(assets["dir"], "cache"),
-                          **EXTRA.get(name, {})})
-        run(os.path.join(ROOT, "tests/workers/parity.py"), [json.dumps(cases)], sp * dp, str(d / "logs"))
-        for (name, model, sl, _ga), case in zip(CASES, cases):
-            out[(sp, dp, name)] = (torch.load(case["out"]), model, sl)
-    return out
+    return Launches(assets, tmp_path_factory)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -99,3 +245,57 @@ def test_head_chunks_train_like_unchunked(results, layout):
         assert abs(a - b) / b < 1e-5, (chunked, plain)
     # the steps move the loss by far more than the tolerance: an update missing q/k/v would show
     assert max(abs(a - plain[0]) / plain[0] for a in plain[1:]) > 1e-3, plain
+
+
+def check_sft(results, assets, layout, name: str) -> None:
+    case = next(c for c in SFT_CASES[layout] if c[0] == name)
+    _, sp, cp, batches, extra = case
+    got = results[(*layout, name)][0]
+    names = [n for rank in batches for mb in rank for n in mb]
+    ref_loss, ref_grads, n_sup = sft_reference(sft_assets(assets)["model"], names, extra.get("loss_weighting", "token"))
+    worst = max((rel(got["grads"][n], ref_grads[n]), n) for n in ref_grads)
+    print(f"{name} (sp {sp} = u{sp // cp} x cp{cp}): loss {got['loss']:.6f} vs {ref_loss:.6f} "
+          f"(rel {abs(got['loss'] - ref_loss) / ref_loss:.1e}), worst grad rel err {worst[0]:.1e}, "
+          f"{got['label_tokens']} supervised tokens")
+    assert got["label_tokens"] == n_sup, (got["label_tokens"], n_sup)
+    assert abs(got["loss"] - ref_loss) / ref_loss < 1e-5, (got["loss"], ref_loss)
+    assert got["leftover"] == [], f"gradients left in .grad, never reduced by ZeRO-3: {got['leftover']}"
+    assert set(got["grads"]) == set(ref_grads)
+    assert all(torch.isfinite(g).all() for g in got["grads"].values())
+    assert worst[0] < 1e-4, worst
+
+
+@pytest.mark.parametrize("layout, name", [(k, c[0]) for k in SFT_CASES if k not in SFT_SLOW for c in SFT_CASES[k]],
+                         ids=lambda x: x if isinstance(x, str) else f"sp{x[0]}dp{x[1]}")
+def test_sft_matches_plain_model(results, assets, layout, name):
+    """Masked labels at SP 2 and 4 (Ulysses, Ulysses x cp), micro-batch 2, GA 2, DP 2 with an SP group holding no
+    supervised token, packed conversations, tiled logits with conversation weights: the plain model's loss (1e-5) and
+    gradients (1e-4), the supervised tokens counted once."""
+    check_sft(results, assets, layout, name)
+
+
+@pytest.mark.slow  # its own 3-process launch; test_sft_matches_plain_model checks the same rules at SP 2 and 4
+@pytest.mark.parametrize("name", [c[0] for c in SFT_CASES[(3, 1)]])
+def test_sft_matches_plain_model_sp3(results, assets, name):
+    check_sft(results, assets, (3, 1), name)
+
+
+def test_sft_wrong_means_are_far_from_the_oracle(assets):
+    """A mean of per-rank means (SP 2, 3, 4) or of per-sample means misses the oracle by > 100x the loss tolerance,
+    and the two weightings differ by as much: the SFT cases above can fail."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(sft_assets(assets)["model"], dtype=torch.float32,
+                                                 attn_implementation="sdpa")
+    with torch.no_grad():
+        ce, sup = sft_per_token(model, ["LONG", "BOUNDARY", "PACKED"])
+    for rows in ([0, 1], [1, 2]):
+        ref = sft_loss(ce[rows], sup[rows], []).item()
+        for split in (2, 3, 4):
+            wrong = wrong_means(ce[rows], sup[rows], split)
+            print(f"rows {rows} SP {split}: oracle {ref:.4f}, wrong {wrong}")
+            assert abs(wrong["per_rank"] - ref) / ref > 1e-3, (rows, split, wrong, ref)
+        assert abs(wrong["per_sample"] - ref) / ref > 1e-3, (rows, wrong, ref)
+    names = ["BOUNDARY", "PACKED"]
+    conv, tok = sft_loss(ce[1:], sup[1:], names, "conversation").item(), sft_loss(ce[1:], sup[1:], names).item()
+    assert abs(conv - tok) / tok > 1e-3, (conv, tok)
