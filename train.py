@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # --- export: rank 0 alone, after every rank has left the process group (nobody waits in a collective
     # while 8B parameters are consolidated in fp32: 32 GB of host memory and minutes of I/O on Llama-3-8B) ---
+    ckpt.close()  # rank 0's background deletion of rotated checkpoints (training/rotation.py) ends with the run
     comm.barrier()
     comm.shutdown()
     if dims.is_main:

@@ -168,9 +168,11 @@ class Snapshot:
     def failed(self) -> bool:
         return self.done() and self._error is not None
 
-    def wait(self) -> None:
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Wait for the write (at most `timeout_s`, None: to its end); True if it is done."""
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout_s)
+        return self.done()
 
     def result(self) -> dict[str, dict]:
         self.wait()

@@ -12,7 +12,14 @@ Layout under OUTPUT_DIR/checkpoints/:
 
 With `background=True` (`--async_save`) a save only snapshots its files into host memory and a thread writes them
 (training/async_save.py); `poll()` at each step boundary commits it once an all-reduce says every rank's write is
-durable, `finish()` waits for it. At most one save is in flight.
+durable, `finish()` waits for it (`finish(timeout_s)`: at most that long, for a stop inside the launcher's kill
+window). At most one save is in flight.
+
+What the commit costs on the step path (every other rank waits at its barrier meanwhile), Llama-3-8B on 32 ranks:
+one all-gather of the ranks' manifest entries (~100 small dicts), rank 0's walk of the folder, MANIFEST.json (~20 KB)
+and LATEST written atomically (a rename and two fsyncs each: milliseconds, ~0.1 s on a loaded NFS), and rotation's
+*decision* with one rename per folder it drops. Deleting the dropped ~100 GB checkpoint (seconds to minutes) runs in
+rank 0's background thread (training/rotation.py `Trash`), no longer inside `poll()`.
 
 A checkpoint exists only once its manifest is written, after every rank has written and fsynced its
 files (DeepSpeed's own `latest` file is not used: it is written on rank 0 before the final barrier).
@@ -195,6 +202,7 @@ class Checkpointer:
         self.deadline = deadline or Deadline()  # the job's end (SLURM_JOB_END_TIME): bounds a universal conversion
         self.pending: Pending | None = None  # the save being written in the background, not committed yet
         self._staging: Staging | None = None  # host memory the background saves copy into (one rank's checkpoint)
+        self.trash = rotation.Trash(self.root)  # rank 0's deletions, off the step path
 
     # ---------------------------------------------------------------- save
     def save(self, engine, step: int, trainer: dict, rank_state: dict, hf_config, stage_end: str | None = None,
@@ -256,14 +264,19 @@ class Checkpointer:
             return None
         return self.finish()
 
-    def finish(self) -> tuple[str, float] | None:
-        """Wait for this rank's background write, then commit as `poll` does. Collective; None if none is pending."""
+    def finish(self, timeout_s: float | None = None) -> tuple[str, float] | None:
+        """Wait for this rank's background write, then commit as `poll` does. Collective; None if none is pending.
+        `timeout_s`: wait at most that long (each rank; then one all-reduce decides): if some rank's write is not
+        durable by then, nothing is committed, the save stays pending and None is returned."""
         if self.pending is None:
             return None
         p = self.pending
-        p.snapshot.wait()
-        if comm.all_reduce([1.0 if p.snapshot.failed() else 0.0], op="max")[0].item():
+        p.snapshot.wait(None if timeout_s is None else max(0.0, timeout_s))
+        votes = comm.all_reduce([0.0 if p.snapshot.done() else 1.0, 1.0 if p.snapshot.failed() else 0.0], op="max")
+        if votes[1].item():
             self._failed()
+        if votes[0].item():
+            return None
         self._commit(p.path, p.tag, p.step, p.snapshot.result(), p.stage_end, p.trainer)
         self.pending = None
         return p.path, time.perf_counter() - p.started
@@ -290,8 +303,14 @@ class Checkpointer:
             atomic_write(os.path.join(self.root, POINTER), tag + "\n")
             if stage_end:
                 atomic_write(os.path.join(self.root, stage_end), tag + "\n")
-            rotation.rotate(self.root, self.keep, keep_tag=tag)
+            rotation.rotate(self.root, self.keep, keep_tag=tag, trash=self.trash)  # renames only; deletes in the background
+            if os.path.isdir(self.trash.folder):
+                self.trash.empty()  # (what a killed job left there too)
         comm.barrier()
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """At a run's end: wait for rank 0's background deletions (a stop does not: the next job's commit ends them)."""
+        self.trash.wait(timeout_s)
 
     @staticmethod
     def _describe(path: str, f: str) -> dict:

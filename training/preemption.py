@@ -21,15 +21,31 @@ as nothing (the first build is at the job's start).
 
 Saves bounded by time (`save_interval_minutes`): rank 0's clock alone says when the interval has passed, and
 its vote travels in the same all-reduce, so every rank saves the same step. `auto` (the default) is every 9 minutes
-(a crash loses at most the interval plus one save's write: <= 10 minutes where a rank's checkpoint is written in
-<= 60 s), stretched where the last save blocked the steps more than 1% of the interval (rank 0's measurement,
-rank 0's decision): 100 x the blocked seconds. An asynchronous save blocks ~1 s (0.8 s projected for Llama-3-8B on
+(a stop or a crash loses at most the interval plus one step, below), stretched where the last save blocked the
+steps more than 1% of the interval (rank 0's measurement, rank 0's decision): 100 x the blocked seconds, the wait
+for the previous write included. An asynchronous save blocks ~1 s (0.8 s projected for Llama-3-8B on
 32 ranks): every 9 minutes at ~0.15%. A synchronous one blocks for its whole write (95 s projected): every 158
 minutes, where every 9 would cost 18% (docs/checkpoints.md). Until a save is measured, 9 minutes.
 
+The interval is counted so that the newest *committed* checkpoint is never older than the interval plus one step:
+the next save is due one measured write (snapshot to commit, rank 0's) before the interval has passed since the
+previous save's snapshot. A kill at any moment then loses at most the interval plus one step (docs/checkpoints.md
+states the argument); the write's time no longer adds to it.
+
+SIGTERM (and SIGINT) is a stop with a kill window: SLURM signals every process of the step, the deepspeed launcher
+(`launch.py`: `terminate_process_tree`, `wait_procs(timeout=30)`, then SIGKILL) and torchrun (`_close(timeout=30)`)
+included, so the ranks are SIGKILLed `KILL_WINDOW_S` (30 s; env KILL_WINDOW_S) after it, whatever GraceTime says.
+Such a stop commits what can be committed in the window and exits (training/stage.py `_stop_in_window`): the
+background write in flight if every rank's finishes in time, and the stop's own save only if the measured save
+time (before one is measured: `guess_save_s`, from the rank's checkpoint bytes) fits what is left. At Llama-3-8B on
+32 ranks a synchronous save is ~95 s (projected): it never fits, so a SIGTERM commits the write in flight or nothing
+new, and exits 75 before the SIGKILL. SIGUSR1 (SLURM's `--signal` warning through slurm.sbatch/launch.sh, sized
+by its @N) and the PREEMPT file keep the full save: no launcher times them.
+
 Where the flag is checked (train.py): after every step, after every save and evaluation, and before a stage
-builds its engine; each check is one all-reduce of two numbers (MAX over ranks: stop, save due), so every
-rank decides the same from the collective, never from its own clock alone.
+builds its engine; each check is one all-reduce of four numbers (MAX over ranks: stop, save due, how far past its
+kill window the earliest SIGTERM is, the save time to count), so every rank decides the same from the collective,
+never from its own clock alone.
 """
 
 from __future__ import annotations
@@ -41,8 +57,17 @@ import time
 from base import comm
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+WINDOWED = (signal.SIGTERM, signal.SIGINT)  # the launchers get these too and SIGKILL the ranks KILL_WINDOW_S later
+KILL_WINDOW_S = 30.0  # deepspeed launch.py's wait_procs(timeout=30) and torchrun's default shutdown timeout
+EXIT_MARGIN_S = 5.0  # from the window stop's last decision to the process's end (commit, engine release, exit)
+# a save's time before one is measured, for the window stop only (the time-limit stop keeps SAVE_GUESS_S): the rank's
+# checkpoint bytes at the slowest rate measured here (149 MB/s per node shared by its 8 ranks) plus DeepSpeed's own
+# start and the commit. Llama-3-8B on 32 ranks: ~3 GB per rank -> ~165 s (no SIGTERM save); the tiny test model: ~5 s
+GUESS_RANK_BPS = 149e6 / 8
+GUESS_FIXED_S = 5.0
+NO_WINDOW = -1e18  # the window vote of a rank that got no SIGTERM
 SAVE_GUESS_S = 300.0  # before the first measured save (Llama-3-8B, 32 ranks: ~100 GB at a few GB/s)
-AUTO_SAVE_EVERY_S = 540.0  # save_interval_minutes auto: lost work <= 9 min + one write (<= 10 min) ...
+AUTO_SAVE_EVERY_S = 540.0  # save_interval_minutes auto: lost work <= 9 min + one step ...
 MAX_SAVE_OVERHEAD = 0.01  # ... unless the saves would then block the steps > 1% of the time
 MARGIN_S = 30.0
 
@@ -58,6 +83,7 @@ class Deadline:
         self.save_s: float | None = None  # longest save measured
         self.build_s = 0.0  # longest engine build + restore measured
         self.eval_s: float | None = None  # longest stage evaluation measured
+        self.rank_bytes: float | None = None  # this rank's checkpoint bytes (engine state), for guess_save_s
 
     def record_step(self, seconds: float) -> None:
         self.step_s = max(self.step_s, seconds)
@@ -70,6 +96,16 @@ class Deadline:
 
     def record_eval(self, seconds: float) -> None:
         self.eval_s = max(self.eval_s or 0.0, seconds)
+
+    def record_rank_bytes(self, nbytes: float) -> None:
+        self.rank_bytes = nbytes
+
+    def guess_save_s(self) -> float:
+        """A save's time for the window stop: the longest measured, else the rank's bytes at GUESS_RANK_BPS plus
+        GUESS_FIXED_S, else SAVE_GUESS_S."""
+        if self.save_s is not None:
+            return self.save_s
+        return SAVE_GUESS_S if self.rank_bytes is None else GUESS_FIXED_S + self.rank_bytes / GUESS_RANK_BPS
 
     def evaluation_s(self) -> float:
         """A stage evaluation's time: measured, else one step's (a few forward passes at the stage's length)."""
@@ -110,7 +146,13 @@ class PreemptionFlag:
         self.deadline = deadline or Deadline()
         self.auto_interval = save_every_s == "auto"
         self.save_every_s = auto_save_every_s(None) if self.auto_interval else float(save_every_s)
-        self._last_save = time.monotonic()
+        self.write_s: float | None = None  # the last save's snapshot-to-commit time (rank 0's counts): the next save
+        # comes that much early; until one is measured, the deadline's guess (guess_save_s)
+        self._last_save = time.monotonic()  # when the last save's snapshot was taken
+        self.window_s = float(os.environ.get("KILL_WINDOW_S") or KILL_WINDOW_S)
+        self.term_at: float | None = None  # this rank's first SIGTERM/SIGINT (monotonic)
+        self.window_left_s: float | None = None  # agreed at the last check: seconds to the kill (None: no SIGTERM)
+        self.save_need_s = 0.0  # ... and the save time to count (MAX over ranks of guess_save_s)
         self._previous = {}
 
     def install(self) -> PreemptionFlag:
@@ -119,6 +161,8 @@ class PreemptionFlag:
         return self
 
     def _handler(self, signum, frame) -> None:  # no I/O, no collectives: just remember it
+        if signum in WINDOWED and self.term_at is None:
+            self.term_at = time.monotonic()  # the launcher's kill comes window_s after this, a later SIGUSR1 or not
         self.received = signum
 
     def agreed(self, ahead_s: float = 0.0) -> bool:
@@ -129,19 +173,39 @@ class PreemptionFlag:
             self.received = "stop file"
         if self.received is None and self.deadline.near(ahead_s=ahead_s):
             self.received = "time limit"
-        due = comm.rank() == 0 and self.save_every_s > 0 and time.monotonic() - self._last_save >= self.save_every_s
-        votes = comm.all_reduce([1.0 if self.received is not None else 0.0, float(due)], op="max")
+        now = time.monotonic()
+        due = comm.rank() == 0 and self.save_every_s > 0 and now - self._last_save >= self.due_after_s()
+        past = NO_WINDOW if self.term_at is None else now - self.term_at - self.window_s
+        votes = comm.all_reduce([1.0 if self.received is not None else 0.0, float(due), past,
+                                 self.deadline.guess_save_s()], op="max")
         self.stopping, self.save_due = bool(votes[0].item()), bool(votes[1].item())
+        self.window_left_s = None if votes[2].item() <= NO_WINDOW / 2 else -votes[2].item()
+        self.save_need_s = votes[3].item()
         return self.stopping
 
-    def saved(self, blocked_s: float | None = None) -> None:
-        """A save was made (committed, or snapshotted for a background write): the save interval starts again.
-        `blocked_s`: how long it held the steps, for the `auto` interval (rank 0's reading decides, as `due` does;
-        None: keep the last measurement, for a save unlike the periodic ones, e.g. a stage's synchronous end)."""
-        self._last_save = time.monotonic()
+    def due_after_s(self) -> float:
+        """Seconds after the last save's snapshot that the next save is due: the interval less the last measured
+        write, so the newest committed checkpoint is never older than the interval plus one step (at least half
+        the interval: where a write takes longer than that, saves would otherwise follow each other back to back).
+        Before a write is measured, the guess of Deadline.guess_save_s (Llama-3-8B on 32 ranks: ~190 s, so the first
+        save comes after ~6 of `auto`'s 9 minutes)."""
+        write = self.deadline.guess_save_s() if self.write_s is None else self.write_s
+        return max(self.save_every_s - write, self.save_every_s / 2)
+
+    def saved(self, blocked_s: float | None = None, at: float | None = None) -> None:
+        """A save was made (committed, or snapshotted for a background write): the save interval starts again, from
+        `at` (time.monotonic() when its state was taken: the save's start; default now). `blocked_s`: how long it
+        held the steps, waiting for the previous write included, for the `auto` interval (rank 0's reading decides,
+        as `due` does; None: keep the last measurement, for a save unlike the periodic ones, e.g. a stage's
+        synchronous end)."""
+        self._last_save = time.monotonic() if at is None else at
         self.save_due = False
         if self.auto_interval and blocked_s is not None:
             self.save_every_s = auto_save_every_s(blocked_s)
+
+    def committed(self, write_s: float) -> None:
+        """A save committed `write_s` after its start: the next one comes that much earlier (`due_after_s`)."""
+        self.write_s = write_s
 
     def uninstall(self) -> None:
         for s, h in self._previous.items():

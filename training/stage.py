@@ -24,13 +24,14 @@ from data.sharding import collate, shard
 from model_utils.memory import kept_attention_line, make_loss_fn
 from model_utils.rope import apply_rope, model_hash
 from model_utils.ulysses import check_routed
-from training.checkpoint import TrainState, rng_state
+from training.checkpoint import TrainState, rng_state, tag_for
 from training.config import to_dict
 from training.curriculum import stage_start
 from training.engine import build_engine, features_of, release_engine, stage_config
 from training.evaluation import evaluate_stage
 from training.job import EXIT_PREEMPTED
 from training.metrics import peak_memory_gb, reset_peak_memory
+from training.preemption import EXIT_MARGIN_S
 from training.step import train_step
 
 
@@ -72,14 +73,14 @@ def train_stage(run: Run, stage, stages, state: TrainState) -> None:
     if not run.ckpt.restore_stage(engine, state, stage.index, sampler, stage.reset_optimizer):
         torch.manual_seed(cfg.seed + 1000 * stage.index + dims.rank)  # a stage's start: a seed per stage and rank
     preempt.deadline.record_build(time.perf_counter() - t_build)
+    preempt.deadline.record_rank_bytes(_rank_bytes(engine, dims.world))  # a save's guessed time before one is measured
 
     # --- the steps; the stop (and a save by time) is agreed after every step and after every save ---
     features = features_of(scfg)
     loss_fn, first = make_loss_fn(features), True  # the stage's tiled_logits
     while state.step < end:
-        micro = [shard(collate([dataset[i] for i in sampler.next_batch()], sdims.seq_multiple, run.data.pad_id,
-                               cfg.loss_weighting), sdims.sp, sdims.sp_rank, sdims.cp)
-                 for _ in range(cfg.gradient_accumulation_steps)]
+        micro = [shard(collate([dataset[i] for i in sampler.next_batch()], sdims.seq_multiple, run.data.pad_id),
+                       sdims.sp, sdims.sp_rank, sdims.cp) for _ in range(cfg.gradient_accumulation_steps)]
         lr = engine.get_lr()[0]
         out = train_step(engine, micro, dims.world, loss_fn=loss_fn)
         if first:  # after the engine's first step: every layer's attention went through Ulysses + masking
@@ -88,14 +89,20 @@ def train_stage(run: Run, stage, stages, state: TrainState) -> None:
         state.step += 1
         _log_step(run, stage, sdims, state, out, lr, sampler)
         _committed(run, state, run.ckpt.poll())  # a background save whose writes are durable on every rank
-        # a background write still running must finish before the stop's own save: its time counts as one save more
-        stopping = preempt.agreed(ahead_s=preempt.deadline.ahead_s(state.step + 1 >= end, run.ckpt.pending is not None))
+        stopping = _agree(run, state.step + 1 >= end)
         at_end = state.step == end
-        if stopping or at_end or (cfg.save_steps and state.step % cfg.save_steps == 0) or preempt.save_due:
+        in_window = stopping and preempt.window_left_s is not None  # SIGTERM: the launcher SIGKILLs every rank soon
+        due = at_end or (cfg.save_steps and state.step % cfg.save_steps == 0) or preempt.save_due
+        if (stopping or due) and not in_window:
             _save(run, engine, stage, hf_config, state, sampler, at_end)
-            stopping = stopping or preempt.agreed(ahead_s=preempt.deadline.evaluation_s() if at_end else 0.0)
-        if stopping:
+            # after a background snapshot the write it started is ahead too: the next step runs only if that
+            # write, the stop's save and the step fit before the job's end (it used to reserve nothing for it)
+            stopping = stopping or _agree(run, at_end)
+        if stopping and preempt.window_left_s is not None:
+            _stop_in_window(run, engine, stage, hf_config, state, sampler, at_end)
+        elif stopping:
             _committed(run, state, run.ckpt.finish())  # a background save of this step: durable before exit 75
+        if stopping:
             release_engine(engine)
             del engine
             gc.collect()  # the engine's model, optimizer and partitions reference each other: free them now
@@ -111,6 +118,49 @@ def train_stage(run: Run, stage, stages, state: TrainState) -> None:
     del engine
     gc.collect()  # before the next stage builds its engine: the host memory of this one goes back first
     preempt.agreed()
+
+
+def _agree(run: Run, stage_ends: bool) -> bool:
+    """The stop, agreed after a step or a save (collective), counting the work before the next check: the stage's
+    evaluation when `stage_ends`, and a background write in flight (the stop waits for it before its own save)."""
+    preempt = run.preempt
+    return preempt.agreed(ahead_s=preempt.deadline.ahead_s(stage_ends, run.ckpt.pending is not None))
+
+
+def _stop_in_window(run: Run, engine, stage, hf_config, state: TrainState, sampler, at_end: bool) -> None:
+    """A SIGTERM stop (every rank agreed, `window_left_s` seconds before the launcher's SIGKILL): commit what can be
+    committed in the window, never start what cannot finish in it. The background write in flight is waited for
+    (at most the window less EXIT_MARGIN_S; one all-reduce then says whether every rank's is durable) and committed;
+    then the stop's own synchronous save only if the agreed save time (measured, else guessed from the rank's bytes)
+    fits what is left. At Llama-3-8B on 32 ranks: the rest of a background write (~40-95 s in all) commits when it
+    ends inside the window, the commit itself ~0.1 s; a synchronous save (~95 s projected) never fits 30 s, so the
+    stop exits 75 within the window instead of being SIGKILLed mid-save. Lost work stays <= the save interval plus
+    one step (training/preemption.py `due_after_s`)."""
+    preempt, ckpt = run.preempt, run.ckpt
+    if ckpt.pending is not None:
+        p = ckpt.pending
+        got = ckpt.finish(timeout_s=preempt.window_left_s - EXIT_MARGIN_S)
+        if got is None:
+            print0(f"SIGTERM: the background write of step {p.step} is not durable on every rank "
+                   f"{preempt.window_left_s:.0f} s before the launcher's SIGKILL: not committed; the newest committed "
+                   f"checkpoint is {state.checkpoint}")
+            return
+        _committed(run, state, got)
+        preempt.agreed()  # the window left after that wait, agreed again (one all-reduce)
+    if state.checkpoint and os.path.basename(state.checkpoint) == tag_for(state.step):
+        return  # this step is committed
+    left = preempt.window_left_s - EXIT_MARGIN_S
+    if preempt.save_need_s > left:
+        print0(f"SIGTERM: a save of step {state.step} takes ~{preempt.save_need_s:.0f} s, {max(left, 0):.0f} s are left "
+               f"before the launcher's SIGKILL: not started; the newest committed checkpoint is {state.checkpoint}")
+        return
+    _save(run, engine, stage, hf_config, state, sampler, at_end)
+
+
+def _rank_bytes(engine, world: int) -> float:
+    """This rank's checkpoint bytes, for a save's guessed time before one is measured: 14 bytes per parameter / world
+    under ZeRO-3 (bf16 weights 2, fp32 master 4, Adam moments 8). Llama-3-8B on 32 ranks: ~3.5 GB."""
+    return 14.0 * sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters()) / world
 
 
 def _record_ds_config(run: Run, stage, engine, step: int) -> None:
@@ -138,8 +188,6 @@ def _log_step(run: Run, stage, sdims, state: TrainState, out: dict, lr: float, s
     n = sdims.dp * cfg.gradient_accumulation_steps * cfg.per_device_train_batch_size * stage.max_seq_length
     state.tokens += n
     run.metrics.log({"step": state.step, "stage": stage.index, "loss": out["loss"], "lr": lr, "tokens": n,
-                     "label_tokens": out["label_tokens"],  # supervised tokens of the step (global; the loss's count)
-                     **({"label_weight": out["label_weight"]} if "label_weight" in out else {}),
                      "tokens_per_s": n / out["step_time"], "seq_len": stage.max_seq_length, "sp": sdims.sp,
                      "cp": sdims.cp,
                      "dp": sdims.dp, "peak_mem_gb": peak_memory_gb(), "total_tokens": state.tokens,
@@ -150,10 +198,11 @@ def _save(run: Run, engine, stage, hf_config, state: TrainState, sampler, at_end
     """A checkpoint of `state` (collective); the stage's last one is kept for good. With `async_save` only the
     snapshot blocks here and the commit comes at a later step boundary (`_committed`); a stage's end and an agreed
     stop save synchronously (the next stage loads it; the job exits after it), after the write in flight."""
-    if run.ckpt.pending:  # at most one save in flight: this one waits for it
+    t_wait = time.perf_counter()
+    if run.ckpt.pending:  # at most one save in flight: this one waits for it (the steps are blocked meanwhile)
         print0(f"save at step {state.step} waits for the background write of step {run.ckpt.pending.step}")
         _committed(run, state, run.ckpt.finish())
-    t0 = time.perf_counter()
+    t0, taken = time.perf_counter(), time.monotonic()  # the state saved is this moment's
     state.stage, state.wandb_id = stage.index, run.metrics.run_id
     meta = {"stage_name": stage.name, "model_hash": model_hash(hf_config), "world": run.dims.world, "sp": stage.sp,
             "tokenizer": run.data.tokenizer.path if run.data.tokenizer else None, "config": to_dict(run.cfg)}
@@ -161,9 +210,10 @@ def _save(run: Run, engine, stage, hf_config, state: TrainState, sampler, at_end
     path = run.ckpt.save(engine, state.step, {**state.state_dict(), **meta},
                          {"sampler": sampler.state_dict(), "rng": rng_state()}, hf_config,
                          stage_end=f"STAGE_{stage.index}_{stage.name}" if at_end else None, background=background)
-    # the save interval starts at the snapshot (lost work <= interval + one background write); `auto` sizes it
-    # from what this save blocked, when it is of the kind the interval makes (a stage's end under async is not)
-    run.preempt.saved(time.perf_counter() - t0 if background == run.cfg.async_save else None)
+    # the save interval starts at the snapshot (the next save comes one measured write early: lost work <= interval
+    # + one step); `auto` sizes it from what this save blocked, the wait for the previous write included, when it is
+    # of the kind the interval makes (a stage's end under async is not)
+    run.preempt.saved(time.perf_counter() - t_wait if background == run.cfg.async_save else None, at=taken)
     if path is not None:
         _committed(run, state, (path, time.perf_counter() - t0))
     else:
@@ -180,4 +230,5 @@ def _committed(run: Run, state: TrainState, got: tuple[str, float] | None) -> No
     path, seconds = got
     state.checkpoint = path
     run.preempt.deadline.record_save(seconds)
+    run.preempt.committed(seconds)
     print0(f"saved {path} in {seconds:.1f}s")
