@@ -54,6 +54,19 @@ def cp_kv_buffer_bytes(shape: ModelShape, tokens: int, sp: int, b: int, cp: int 
 
 
 
+def gqa_expanded_grad_bytes(shape: ModelShape, tokens: int, sp: int, b: int, cp: int = 1, q_heads: int | None = None,
+                            kv_heads: int | None = None) -> int:
+    """FlashAttention-2's GQA backward (flash_attn's mha_bwd / mha_varlen_bwd): where a rank holds fewer KV heads than
+    query heads, dk and dv are first written for every query head ([keys, q_heads, d] each, the compute dtype) and
+    summed to the KV heads after, so the kernel's backward holds two query-head-wide key gradients beyond dk and dv.
+    q_heads / kv_heads: per rank (default: attention_split's; a head chunk passes its own). Keys: the whole S (under
+    cp, one zigzag chunk's call sees at most S keys; the calls run one at a time). 0 without GQA on the rank.
+    Llama-3-8B at SP 1: 2 [T, h] (2 GiB per 128k tokens in bf16); at 1M tokens on one GPU 16 GiB."""
+    _, q_loc, kv_loc = attention_split(shape, sp, cp)
+    q_loc, kv_loc = q_heads or q_loc, kv_heads or kv_loc
+    return 2 * tokens * sp * q_loc * shape.head_dim * b if q_loc > kv_loc else 0
+
+
 def kept_attention_bytes(shape: ModelShape, tokens: int, sp: int, b: int, cp: int = 1) -> int:
     """What --keep_attention keeps per checkpointed layer: the attention kernel's output [S/cp, nh/u, d] and its
     fp32 log-sum-exp [nh/u, S/cp] (torch's selective checkpoint caches the kernel's outputs, not its inputs; the
@@ -107,7 +120,7 @@ def chunk_split(shape: ModelShape, sp: int, cp: int, chunks: int) -> tuple[int, 
 
 
 def chunked_attention_bytes(shape: ModelShape, tokens: int, sp: int, b: int, cp: int = 1,
-                            chunks: int = 1) -> tuple[int, int]:
+                            chunks: int = 1, flash: bool = False) -> tuple[int, int]:
     """(saved, backward transient) of one layer's attention run in `chunks` head chunks (model_utils/head_chunks.py),
     on one rank; the transient excludes the 3 [T, h] gradients every layer's backward holds (layer_activations).
 
@@ -117,7 +130,8 @@ def chunked_attention_bytes(shape: ModelShape, tokens: int, sp: int, b: int, cp:
     transient, one chunk at a time: its recomputed projections before the all-to-all and their gradients
     (2 T (hq + 2 hkv) d b), q, k, v after it and the gradients of q, k, v, o (2 attn_io_c - o_c), the fp32 dq
     accumulator of flash attention, and the output back in [T, hq d] with its gradient (2 o_back_c; at SP 1 the
-    output is a view of o, its gradient still a tensor)."""
+    output is a view of o, its gradient still a tensor); flash: FlashAttention-2's GQA backward's query-head-wide dk,
+    dv of the chunk (gqa_expanded_grad_bytes)."""
     u = sp // cp
     d = shape.head_dim
     hq, hkv, q_c, kv_c = chunk_split(shape, sp, cp, chunks)
@@ -129,4 +143,6 @@ def chunked_attention_bytes(shape: ModelShape, tokens: int, sp: int, b: int, cp:
     pre_c = tokens * (hq + 2 * max(hkv, u if u > hkv else 0)) * d * b  # KV replicated to u heads before sending
     saved = kept_attention_bytes(shape, tokens, sp, b, cp)
     transient = 2 * pre_c + 2 * io_c - o_c + acc_c + back_c * (2 if sp > 1 else 1)
+    if flash:
+        transient += gqa_expanded_grad_bytes(shape, tokens, sp, b, cp, q_c, kv_c)
     return saved, transient

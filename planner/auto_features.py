@@ -228,7 +228,7 @@ def _peaks(shape, seq_len, sp, world, f, offloads, precision, device, cp=1) -> t
     `offloads` carries the run's settings auto does not choose: the ZeRO-3 offloads, the lean RMSNorm and MLP."""
     feats = replace(f, offload_params=offloads.offload_params, offload_optimizer=offloads.offload_optimizer,
                     lean_rmsnorm=offloads.lean_rmsnorm, lean_mlp=offloads.lean_mlp)
-    est = estimate(shape, seq_len, sp, world, feats, precision, cp=cp)
+    est = estimate(shape, seq_len, sp, world, feats, precision, cp=cp, device=device)
     host = sum(est.cpu_per_rank.values())
     return est.gpu_peak + (host if device == "cpu" else 0), host
 
@@ -326,7 +326,7 @@ def choose(shape: ModelShape, seq_len: int, world: int, budget_bytes: int, *, sp
     pinned = dict(pinned or {})
     tile_mb = int(pinned.pop("logits_tile_mb", 0) or 0) or logits_tile_bytes(budget_bytes) // 2**20
     chunk_pin = pinned.pop("attention_head_chunks", "auto")
-    usable = budget_bytes * (1 - headroom)
+    usable = usable_bytes(budget_bytes, headroom)
     if sp:
         degrees = [(sp, split_sp(sp, shape.num_heads, shape.num_kv_heads, ranks_per_node)[1] if cp == "auto"
                     else int(cp))]
@@ -387,6 +387,14 @@ def choose(shape: ModelShape, seq_len: int, world: int, budget_bytes: int, *, sp
 def gpu_budget(gpu_mem_gb: float) -> int:
     """Bytes per rank the tensors may use on a GPU of `gpu_mem_gb` GB: less GPU_RESERVED (context, NCCL, workspaces)."""
     return int(gpu_mem_gb * GiB) - GPU_RESERVED
+
+
+def usable_bytes(budget_bytes: int, headroom: float = HEADROOM) -> int:
+    """THE headroom rule: the most a predicted peak may be on a rank whose budget is `budget_bytes` (gpu_budget, or a
+    CPU run's cap less its start-up RSS): the budget less `headroom` of it. `choose` (every run's start-up, through
+    training/curriculum.device_budget) and scripts/plan.py (its fits, longest lengths and --compare) both use it, so
+    a length the planner shows is one a run accepts. An 80 GiB GPU: (80 - 2) x 0.9 = 70.2 GiB."""
+    return int(budget_bytes * (1 - headroom))
 
 
 ALL_FEATURES = Features(tiled_mlp=True, tiled_logits=True, checkpoint_every=1, offload_activations=True)  # ALST

@@ -25,6 +25,7 @@ from planner.attention_sp import (  # noqa: F401  (re-exported: the attention-un
     attention_tensor_bytes,
     chunked_attention_bytes,
     cp_kv_buffer_bytes,
+    gqa_expanded_grad_bytes,
     kept_attention_bytes,
     kv_length,
 )
@@ -50,6 +51,15 @@ ZERO_SUBGROUP = 10**9  # DeepSpeed sub_group_size: the optimizer step upcasts gr
 NORM_CHUNK_BYTES = 2**26  # lean RMSNorm: at most 64 MiB of fp32 per temporary of a chunk of rows ...
 NORM_MIN_CHUNKS = 8  # ... and at least this many chunks (tiny models), of at least NORM_MIN_CHUNK_ROWS rows
 NORM_MIN_CHUNK_ROWS = 1024
+# PyTorch's caching host allocator (pinned memory on a CUDA run: ATen/core/CachingHostAllocator.h, torch 2.13) rounds
+# every block up to a power of two (c10::llvm::PowerOf2Ceil) unless the request is above `pinned_max_round_threshold_mb`
+# or `pinned_max_cached_size_mb` (PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF; both unlimited by default), and keeps a
+# freed block cached for reuse (never returned to the OS) unless it is above `pinned_max_cached_size_mb`. So the host
+# holds each pinned block at its rounded size for the whole run: Llama-3-8B at 5M tokens on 8 GPUs pins each offloaded
+# layer checkpoint (4.77 GiB) as 8 GiB, 2,048 GiB of checkpoints per node instead of 1,221. (Setting only the round
+# threshold is not safe in torch 2.13: get_free_block hands out the last cached block of the request's power-of-two
+# bucket without comparing sizes, so an unrounded block can be reused for a larger request of the same bucket.)
+PINNED_NO_LIMIT = 2**64 - 1  # torch's default for both options (SIZE_MAX): every pinned block is rounded
 
 
 
@@ -71,6 +81,40 @@ def mlp_tiles(tokens: int, hidden: int, tile_tokens: int | None = None) -> int:
     """DeepSpeed TiledMLP shard count over a rank's `tokens`: ALST's ceil(tokens / hidden) (a tile of ~hidden
     tokens), with tiles of at least MLP_MIN_TILE_TOKENS; `tile_tokens` overrides the tile size (tests)."""
     return max(1, math.ceil(tokens / (tile_tokens or max(hidden, MLP_MIN_TILE_TOKENS))))
+
+
+def pinned_block_bytes(nbytes: int, round_limit: int = PINNED_NO_LIMIT) -> int:
+    """Bytes the caching host allocator holds for one pinned request of `nbytes` (see PINNED_NO_LIMIT): the next power
+    of two, or `nbytes` itself above `round_limit` (pinned_round_limit of the run's allocator settings; torch's
+    default: no limit). 4.77 GiB -> 8 GiB; 4 GiB -> 4 GiB; 3 B -> 4 B."""
+    if nbytes <= 0:
+        return 0
+    return nbytes if nbytes > round_limit else 1 << (nbytes - 1).bit_length()
+
+
+def pinned_round_limit(conf: str | None) -> int:
+    """The request size above which torch's caching host allocator stops rounding pinned blocks, from an allocator
+    settings string (PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF, "key:value,..."): the smaller of
+    pinned_max_round_threshold_mb and pinned_max_cached_size_mb in bytes; PINNED_NO_LIMIT where neither is set."""
+    limit = PINNED_NO_LIMIT
+    for item in (conf or "").split(","):
+        key, _, value = item.partition(":")
+        if key.strip() in ("pinned_max_round_threshold_mb", "pinned_max_cached_size_mb"):
+            try:
+                limit = min(limit, int(float(value)) * 2**20)
+            except ValueError:
+                raise ValueError(f"allocator setting {item.strip()!r}: the value is a size in MiB") from None
+    return limit
+
+
+def zero3_subgroups(numel: int, sub_group_size: int | None = None) -> list[int]:
+    """Elements of each ZeRO-3 optimizer sub-group of a rank's partition of `numel` parameters: DeepSpeed closes a
+    sub-group once it holds sub_group_size (ZERO_SUBGROUP) elements, counted as whole groups of that size and the rest
+    (DeepSpeed's groups end on a parameter's boundary: at most one parameter's partition longer). Each sub-group is
+    one flat fp32 tensor of master weights, one of Adam's m and one of v: what a checkpoint of the rank holds."""
+    size = sub_group_size or ZERO_SUBGROUP
+    full, rest = divmod(numel, size)
+    return [size] * full + ([rest] if rest else [])
 
 
 def logits_tiles(tokens: int, vocab: int, tile_bytes: int | None = None) -> int:
@@ -161,10 +205,13 @@ def tokens_per_rank(seq_len: int, sp: int, cp: int = 1) -> int:
 
 
 def layer_activations(shape: ModelShape, tokens: int, sp: int, b: int, tiled_mlp: bool,
-                      lean_norm: bool = False, lean_mlp: bool = False, cp: int = 1, chunks: int = 1) -> tuple[int, int]:
+                      lean_norm: bool = False, lean_mlp: bool = False, cp: int = 1, chunks: int = 1,
+                      flash: bool = False) -> tuple[int, int]:
     """(saved, backward transient) bytes of one decoder layer on one rank; `saved` includes the layer input.
     lean_norm: the RMSNorms are model_utils/rmsnorm.py's (see norm_saved); lean_mlp: the MLP's gated product is
-    model_utils/mlp.py's (act(gate) is not kept). cp: the context-parallel factor of sp (attention_tensor_bytes)."""
+    model_utils/mlp.py's (act(gate) is not kept). cp: the context-parallel factor of sp (attention_tensor_bytes).
+    flash: the attention kernel is FlashAttention-2's (a GPU run), whose GQA backward writes dk and dv for every query
+    head and sums them to the KV heads after (gqa_expanded_grad_bytes)."""
     h, d, inter = shape.hidden_size, shape.head_dim, shape.intermediate_size
     _, q_loc, _ = attention_split(shape, sp, cp)
     queries = tokens * sp // cp  # S/cp: the queries (and outputs) a rank attends for
@@ -186,7 +233,7 @@ def layer_activations(shape: ModelShape, tokens: int, sp: int, b: int, tiled_mlp
     renorm_mlp = lean_norm and tiled_mlp
     saved -= (renorm_attn + renorm_mlp) * hid
     if chunks > 1:  # head chunks (attention_sp.chunked_attention_bytes): only the kernel outputs stay for backward
-        chunk_saved, chunk_transient = chunked_attention_bytes(shape, tokens, sp, b, cp, chunks)
+        chunk_saved, chunk_transient = chunked_attention_bytes(shape, tokens, sp, b, cp, chunks, flash)
         saved += chunk_saved - (o_back + attn_io + lse)
     if shape.qk_norm and chunks == 1:  # (chunked: the q/k norms run inside a chunk and keep nothing)  # Qwen3: RMSNorm on q and k per head, on the local tokens before the all-to-all; RoPE saves
         # neither side, so what is kept is the norms' own: HF's an fp32 copy + the normalized q/k (4 + b), the lean
@@ -196,6 +243,8 @@ def layer_activations(shape: ModelShape, tokens: int, sp: int, b: int, tiled_mlp
     # dq, do [S/cp, ...]; dk, dv full-length [kv_length, kv_loc, d] (each cp rank's contribution to every key, before
     # the reduce-scatter; their copy in rank order is cp_kv_buffer_bytes) + flash-attn's fp32 dq accumulator
     attn_grads = attn_io + queries * q_loc * d * 4 if chunks == 1 else chunk_transient
+    if flash and chunks == 1:  # (chunked: per chunk, in chunked_attention_bytes)
+        attn_grads += gqa_expanded_grad_bytes(shape, tokens, sp, b, cp)
     rows = math.ceil(tokens / mlp_tiles(tokens, h)) if tiled_mlp else tokens
     # tiled: a tile's recomputed tensors + 2 grads; the lean product's backward (model_utils/mlp.py) allocates
     # d(gate) and d(up) whole while d(product) is alive: 3 (profiler, 2026-11-26: with 4 head chunks +
@@ -294,11 +343,22 @@ def eval_phase_bytes(shape: ModelShape, seq_len: int, sp: int, b: int, tiled: bo
 def estimate(shape: ModelShape, seq_len: int, sp: int, world: int,
              features: Features | Mapping[str, bool] | Iterable[str] | None,
              precision: str = "bf16", gpus_per_node: int | None = None, cp: int = 1,
-             async_save: bool = False) -> Estimate:
+             async_save: bool = False, device: str = "cuda", pinned_offloads: bool = False,
+             pinned_limit: int = PINNED_NO_LIMIT) -> Estimate:
     """Per-rank memory of one training step for seq_len tokens per sample, micro-batch 1 per SP group; sp = u x cp
     (cp = 1: pure Ulysses). gpus_per_node only sizes the per-node CPU total: a split whose Ulysses groups straddle
     nodes is slow, not impossible (planner.comm_model prices it). `async_save`: the run keeps a host copy of the
-    rank's checkpoint for its background saves (training/async_save.Staging)."""
+    rank's checkpoint for its background saves (training/async_save.Staging).
+    device "cuda" (a GPU run): attention is FlashAttention-2 (its GQA backward: gqa_expanded_grad_bytes) and what goes
+    to host memory through pinned buffers is counted as the caching host allocator holds it (pinned_block_bytes):
+    the offloaded layer checkpoints, and the async save's host copy when the optimizer's states are on the GPU;
+    `pinned_offloads`: ZeRO-3's offloaded parameter and gradient buffers are pinned too (DeepSpeed's offload
+    `pin_memory`, on in ds_configs/zero3_offload.json), one flat block each; `pinned_limit`: pinned_round_limit of the
+    run's allocator settings (default: torch's, every block rounded). "cpu": SDPA on the host, nothing pinned."""
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r}: use cpu or cuda")
+    gpu_run = device == "cuda"
+    pin = (lambda nbytes: pinned_block_bytes(nbytes, pinned_limit)) if gpu_run else (lambda nbytes: nbytes)
     check_layout(world, sp, shape.num_heads, shape.num_kv_heads, seq_len, cp=cp)
     if precision not in DTYPE_BYTES:
         raise ValueError(f"precision {precision!r}: use bf16 or fp32")
@@ -312,15 +372,23 @@ def estimate(shape: ModelShape, seq_len: int, sp: int, world: int,
     gpu: dict[str, int] = {}
     cpu: dict[str, int] = {}
     # ZeRO-3 model states, partitioned over the whole world (SP ranks included)
-    (cpu if f.offload_params else gpu)["params (partition)"] = n * b // world
+    pin_state = pin if pinned_offloads else (lambda nbytes: nbytes)
+    if f.offload_params:  # DeepSpeed pins the rank's flat parameter buffer (one block) with pin_memory
+        cpu["params (partition)"] = pin_state(n * b // world)
+    else:
+        gpu["params (partition)"] = n * b // world
     if f.offload_optimizer:
-        cpu["grads fp32 (partition)"] = 4 * n // world
-        cpu["optimizer fp32 master+Adam m,v"] = 12 * n // world
+        cpu["grads fp32 (partition)"] = pin_state(4 * n // world)  # one flat fp32 gradient buffer, pinned likewise
+        cpu["optimizer fp32 master+Adam m,v"] = 12 * n // world  # pageable: CPU Adam's own tensors
     else:
         gpu["grads (partition)"] = n * b // world
         gpu["optimizer fp32 master+Adam m,v"] = 12 * n // world
-    if async_save:  # what ZeRO-3 saves per rank: fp32 master + Adam m, v (Llama-3-8B on 32 ranks: 3.0 GB, 24 GB/node)
-        cpu["async save: host copy of the rank's checkpoint"] = 12 * n // world
+    if async_save:  # what ZeRO-3 saves per rank: fp32 master + Adam m, v (Llama-3-8B on 32 ranks: 3.0 GB, 24 GB/node).
+        # Staging pins a buffer per storage copied from the GPU (the optimizer there): per sub-group, master, m and v
+        # rounded (Llama-3-8B on 8 ranks: 3 x 3.73 -> 3 x 4 GiB, +7%); from host states (offloaded) a pageable copy.
+        groups = zero3_subgroups(n // world)
+        snap = pin if not f.offload_optimizer else (lambda nbytes: nbytes)
+        cpu["async save: host copy of the rank's checkpoint"] = 3 * sum(snap(4 * g) for g in groups)
     # communication: the largest gathered module (a layer or the embedding/LM head) with its unreduced
     # grads, plus the prefetch (0.9 h^2) and reduce (h^2) buckets
     gpu["zero3 gathered params+grads, buckets"] = b * (2 * max(shape.layer_params(), shape.vocab_size * h)
@@ -335,14 +403,14 @@ def estimate(shape: ModelShape, seq_len: int, sp: int, world: int,
 
     lean = lean_norm_applies(shape, f)
     saved, transient = layer_activations(shape, tokens, sp, b, f.tiled_mlp, lean, lean_mlp_applies(shape, f), cp,
-                                         f.attention_head_chunks)
+                                         f.attention_head_chunks, flash=gpu_run)
     phases: dict[str, int] = {}
     if f.every:
         L = shape.num_layers
         ck = -(-L // f.every)  # layers 0, K, 2K, ...: only their input is kept; the others keep everything
         gpu["activation checkpoints"] = 2 * hid if f.offload_activations else ck * hid
-        if f.offload_activations:
-            cpu["activation checkpoints"] = ck * hid
+        if f.offload_activations:  # one pinned block per checkpoint (model_utils/memory._to_host), as the allocator
+            cpu["activation checkpoints"] = ck * pin(hid)  # holds it: 5M tokens on 8 GPUs, 4.77 GiB each -> 8 GiB
         recompute = saved - hid + transient
         if f.keep_attention:  # + each checkpointed layer's attention output and fp32 lse, cached on the device
             kept = kept_attention_bytes(shape, tokens, sp, b, cp)
@@ -385,7 +453,7 @@ def predict_peak_bytes(shape: ModelShape | Mapping | str, seq_len: int, sp: int,
     feats = Features.of(features)
     if device == "cpu":
         feats = replace(feats, offload_activations=False)
-    est = estimate(shape, seq_len, sp, world or sp, feats, precision, cp=cp)
+    est = estimate(shape, seq_len, sp, world or sp, feats, precision, cp=cp, device=device)
     return est.gpu_peak + (sum(est.cpu_per_rank.values()) if device == "cpu" else 0)
 
 

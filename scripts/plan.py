@@ -12,9 +12,13 @@ and are derived in docs/memory_model.md.
     python scripts/plan.py --model qwen2.5-7b --seq_len 1M --nodes 4 --sp 8 --alst      # 8 = 4 x 2
     python scripts/plan.py --model path/to/config.json --seq_len 262144 --sp 8 --cp 1 --no-offload_params --json
     python scripts/plan.py --compare     # Llama-3-8B's longest on 1/8/32 GPUs next to ALST's and UPipe's (Markdown)
+    python scripts/plan.py --alst_check  # ALST's published runs against the planner with their features (Markdown)
 
-Memory flags are GiB (2**30). An "80GB" H100 shows 79.6 GiB; --reserve_gb covers that, the CUDA context,
-NCCL buffers and allocator fragmentation.
+Memory flags are GiB (2**30). A GPU fits where its peak is within the run's own rule
+(planner.auto_features.usable_bytes): --gpu_mem_gb less 2 GiB (CUDA context, NCCL, kernel workspaces) less 10%
+headroom (allocator fragmentation, planner error); 80 GiB -> 70.2 GiB. The same rule `memory_features: auto` applies
+at every run's start-up, so a length shown here is one a run accepts. (A device that reports 79.6 GiB, as an
+"80GB" H100 may, gets 0.4 GiB less: give --gpu_mem_gb what torch.cuda.get_device_properties reports.)
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import yaml
 
 from base.parallel import check_layout, split_sp
 from planner.attention_sp import head_chunk_choices
-from planner.auto_features import sp_splits
+from planner.auto_features import GPU_RESERVED, HEADROOM, gpu_budget, sp_splits, usable_bytes
 from planner.comm_model import layer_comm
 from planner.memory_model import (
     Estimate,
@@ -40,6 +44,7 @@ from planner.memory_model import (
     flops_per_sequence,
     load_shape,
     parse_seq_len,
+    pinned_round_limit,
     tokens_per_sec_per_gpu,
 )
 
@@ -55,9 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus_per_node", type=int, default=8)
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpu_mem_gb", type=float, default=80.0)
-    p.add_argument("--reserve_gb", type=float, default=4.0, help="GPU memory the model may not use")
     p.add_argument("--cpu_mem_gb", type=float, default=1024.0, help="CPU memory per node")
     p.add_argument("--cpu_overhead_gb", type=float, default=2.0, help="assumed runtime CPU memory per rank")
+    p.add_argument("--alloc_conf", default="",
+                   help="the run's PYTORCH_ALLOC_CONF: its pinned_max_cached_size_mb / pinned_max_round_threshold_mb set "
+                        "where pinned host blocks stop being rounded up to a power of two (default: torch's, all are)")
     p.add_argument("--sp", default="auto", help="sequence-parallel degree, or auto: every valid degree")
     split = p.add_mutually_exclusive_group()
     split.add_argument("--cp", default="auto",
@@ -135,7 +142,7 @@ class Planner:
     def __init__(self, args: argparse.Namespace, shape: ModelShape, feats: Features):
         self.args, self.shape, self.feats = args, shape, feats
         self.world = args.gpus_per_node * args.nodes
-        self.gpu_limit = int((args.gpu_mem_gb - args.reserve_gb) * GiB)
+        self.gpu_limit = usable_bytes(gpu_budget(args.gpu_mem_gb))  # the run's rule (module docstring)
         self.cpu_limit = int(args.cpu_mem_gb * GiB)
 
     def chunks(self, sp: int, cp: int) -> int:
@@ -146,8 +153,10 @@ class Planner:
 
     def evaluate(self, seq_len: int, sp: int, feats: Features | None = None, cp: int = 1) -> tuple[Estimate, bool, bool]:
         feats = feats or replace(self.feats, attention_head_chunks=self.chunks(sp, cp))
+        # ds_recommendation's JSON (ds_configs/zero3_offload.json) pins the offloaded buffers: counted as pinned
         est = estimate(self.shape, seq_len, sp, self.world, feats, self.args.precision,
-                       self.args.gpus_per_node, cp=cp, async_save=self.args.async_save)
+                       self.args.gpus_per_node, cp=cp, async_save=self.args.async_save, pinned_offloads=True,
+                       pinned_limit=pinned_round_limit(self.args.alloc_conf))
         est.cpu_per_rank["process runtime (assumed)"] = int(self.args.cpu_overhead_gb * GiB)
         return est, est.gpu_peak <= self.gpu_limit, est.cpu_per_node <= self.cpu_limit
 
@@ -229,8 +238,8 @@ def make_plan(args: argparse.Namespace) -> dict:
             raise ValueError(f"--{name} must be positive, got {getattr(args, name)}")
     if not 0 <= args.margin < 1:
         raise ValueError(f"--margin {args.margin}: use a fraction in [0, 1)")
-    if args.reserve_gb >= args.gpu_mem_gb:
-        raise ValueError(f"--reserve_gb {args.reserve_gb} leaves nothing of --gpu_mem_gb {args.gpu_mem_gb}")
+    if gpu_budget(args.gpu_mem_gb) <= 0:
+        raise ValueError(f"--gpu_mem_gb {args.gpu_mem_gb}: at least {GPU_RESERVED / GiB:g} GiB are the runtime's")
     shape = load_shape(args.model)
     feats = Features.of({k: getattr(args, k) or (args.alst and k in ALST) for k in FEATURES})
     pl = Planner(args, shape, feats)
@@ -242,6 +251,7 @@ def make_plan(args: argparse.Namespace) -> dict:
     return dict(model=args.model, shape=vars(shape) | dict(params=shape.num_params()), precision=args.precision,
                 cluster=dict(nodes=args.nodes, gpus_per_node=args.gpus_per_node, world=pl.world,
                              gpu_mem_gib=args.gpu_mem_gb, gpu_usable_gib=pl.gpu_limit / GiB,
+                             gpu_budget_gib=gpu_budget(args.gpu_mem_gb) / GiB, headroom=HEADROOM,
                              cpu_mem_gib_per_node=args.cpu_mem_gb),
                 features=vars(feats), margin=args.margin, plans=plans)
 
@@ -392,21 +402,66 @@ def compare(model: str = "llama3-8b", extra: list[str] | None = None) -> list[di
         speed = relative_speed(shape, longest, sp, feats, mfu=args.mfu, peak_tflops=args.gpu_tflops,
                                world=gpus, ranks_per_node=gpus // nodes, cp=cp)
         tps = tokens_per_sec_per_gpu(shape, longest, args.mfu, args.gpu_tflops) * speed
+        est = pl.evaluate(longest, sp, feats, cp)[0]
         rows.append(dict(gpus=gpus, nodes=nodes, host_gib_per_node=host, longest=longest, split=split_label(sp, cp),
                          head_chunks=feats.attention_head_chunks, relative_speed=speed, tokens_per_sec_per_gpu=tps,
-                         published=PUBLISHED.get(gpus, {})))
+                         published=PUBLISHED.get(gpus, {}), **margins(pl, est)))
     return rows
+
+
+def margins(pl: Planner, est: Estimate) -> dict:
+    """What a plan leaves free: the GPU peak against the budget (the GPU less GPU_RESERVED; the run's rule keeps
+    HEADROOM of it free) and the host memory a node's ranks hold (pinned blocks as the allocator rounds them)."""
+    budget = gpu_budget(pl.args.gpu_mem_gb)
+    return dict(gpu_peak_gib=est.gpu_peak / GiB, gpu_budget_gib=budget / GiB, gpu_room_gib=(budget - est.gpu_peak) / GiB,
+                host_used_gib=est.cpu_per_node / GiB, host_room_gib=(pl.cpu_limit - est.cpu_per_node) / GiB)
 
 
 def render_compare(rows: list[dict]) -> str:
     """The compare rows as a Markdown table (docs/results/memory.md quotes it)."""
-    lines = ["| GPUs (80 GB) | host / node | this project, longest | split, head chunks | predicted speed vs no "
-             "feature | tokens/s/GPU (MFU 0.4 of 989 TF) | ALST | UPipe |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| GPUs (80 GiB) | host / node | this project, longest | split, head chunks | GPU peak / budget, room "
+             "(GiB) | host held / node (GiB) | predicted speed vs no feature | tokens/s/GPU (MFU 0.4 of 989 TF) | "
+             "ALST | UPipe |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         pub = [f"{r['published'][k]:,}" if k in r["published"] else "-" for k in ("ALST", "UPipe")]
         lines.append(f"| {r['gpus']} | {r['host_gib_per_node']:.0f} GiB | {r['longest']:,} | {r['split']}, "
-                     f"{r['head_chunks']} | {r['relative_speed']:.2f} | {r['tokens_per_sec_per_gpu']:.0f} | "
-                     f"{pub[0]} | {pub[1]} |")
+                     f"{r['head_chunks']} | {r['gpu_peak_gib']:.2f} / {r['gpu_budget_gib']:.0f}, "
+                     f"{r['gpu_room_gib']:.2f} | {r['host_used_gib']:,.0f} | {r['relative_speed']:.2f} | "
+                     f"{r['tokens_per_sec_per_gpu']:.0f} | {pub[0]} | {pub[1]} |")
+    return "\n".join(lines)
+
+
+# ALST's runs (ArcticTraining's projects/sequence-parallelism recipes: FlashAttention-2, Liger, optimizer offload, the
+# 1-GPU run also parameter offload; H100 80GB, 1.9 TB host per node) against the planner's longest with the same
+# features, pure Ulysses, no head chunks, this project's lean RMSNorm and MLP. 16 GPUs: the recipe's 8.0M ("close to
+# oom"; the paper's abstract names 1, 8 and 32 GPUs only).
+ALST_RUNS = ((1, 1, 500_000, ["--sp", "1"]), (8, 1, 3_700_000, ["--sp", "8", "--no-offload_params"]),
+             (16, 2, 8_000_000, ["--sp", "16", "--no-offload_params"]),
+             (32, 4, 15_000_000, ["--sp", "32", "--no-offload_params"]))
+ALST_HOST_GIB = 1769.0  # 1.9e12 bytes per node
+
+
+def alst_check(model: str = "llama3-8b", extra: list[str] | None = None) -> list[dict]:
+    """The planner's longest Llama-3-8B length for each of ALST_RUNS, under the run's headroom rule: one row each."""
+    rows = []
+    for gpus, nodes, published, flags in ALST_RUNS:
+        argv = ["--model", model, "--seq_len", str(published), "--alst", "--cp", "1", "--gpus_per_node",
+                str(gpus // nodes), "--nodes", str(nodes), "--cpu_mem_gb", str(ALST_HOST_GIB), *flags] + (extra or [])
+        args = build_parser().parse_args(argv)
+        rep = make_plan(args)
+        (row,) = rep["plans"][0]["candidates"]
+        longest = row["longest_fitting_seq_len"]
+        pl = Planner(args, load_shape(model), Features.of(rep["features"]))
+        rows.append(dict(gpus=gpus, sp=row["sp"], published=published, longest=longest, ratio=longest / published,
+                         **margins(pl, pl.evaluate(longest, row["sp"])[0])))
+    return rows
+
+
+def render_alst_check(rows: list[dict]) -> str:
+    lines = ["| GPUs (80 GiB), sp | ALST published | planner's longest (same features) | / published | GPU peak / "
+             "budget (GiB) | host held / node (GiB) |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['gpus']}, {r['sp']} | {r['published']:,} | {r['longest']:,} | {r['ratio']:.2f} | "
+              f"{r['gpu_peak_gib']:.2f} / {r['gpu_budget_gib']:.0f} | {r['host_used_gib']:,.0f} |" for r in rows]
     return "\n".join(lines)
 
 
@@ -414,6 +469,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--compare"]:  # `plan.py --compare [plan options]`: the table of docs/results/memory.md
         print(render_compare(compare(extra=argv[1:])))
+        return 0
+    if argv[:1] == ["--alst_check"]:  # `plan.py --alst_check [plan options]`: docs/memory_model.md's cross-check
+        print(render_alst_check(alst_check(extra=argv[1:])))
         return 0
     args = build_parser().parse_args(argv)
     rep = make_plan(args)

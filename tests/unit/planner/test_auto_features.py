@@ -203,8 +203,10 @@ def test_attention_head_chunks_auto_resolves_to_the_planners_count(tmp_path):
     gpu = (lambda: ("cuda", budget_for(lean1) - 2**20))  # noqa: E731  (nothing unchunked fits)
     cfg = _cfg(tmp_path, memory_features="auto", stages=[StageConfig(name="a", max_steps=1)])
     (a,) = resolve_stages(cfg, lambda sp: WORLD // sp, budget=gpu)
-    n = af.head_chunk_options(SHAPE, 2)[1]
-    assert a.attention_head_chunks == a.memory_choice["attention_head_chunks"] == n
+    # the chooser's count (the fastest that fits; since FlashAttention-2's GQA backward is counted, issue 43, more
+    # than the 2 chunks the smallest fitting count would be)
+    n = a.memory_choice["attention_head_chunks"]
+    assert a.attention_head_chunks == n and n in af.head_chunk_options(SHAPE, 2)[1:]
     assert stage_config(cfg, a).attention_head_chunks == features_of(stage_config(cfg, a)).attention_head_chunks == n
     text = "\n".join(plan_lines(replace(cfg, gpu_mem_gb=80.0), [a], WORLD, 8, True))
     assert f"attention in {n} head chunks" in text

@@ -52,7 +52,8 @@ ALL = {"tiled_mlp", "tiled_logits", "gradient_checkpointing", "offload_activatio
     ("qwen2.5-7b", 262144, 4, 32, {"gradient_checkpointing": True, "keep_attention": True, "tiled_logits": True},
      53824883456, 15031765760, 27118017216),
     ("tiny-llama", 4096, 4, 4, {"tiled_mlp": True}, 38775296, 35334656, 32639616),  # +T*h*b: TiledMLP x_grad (issue 33)
-    ("qwen3-32b", 65536, 16, 32, {"checkpoint_every": 4}, 106614696448, 22687741952, 12222932992),
+    # +16 MiB of phases: FlashAttention-2's GQA backward writes dk, dv for each of the rank's 4 query heads (issue 43)
+    ("qwen3-32b", 65536, 16, 32, {"checkpoint_every": 4}, 106614696448, 22687741952, 12239710208),
 ])
 def test_cp1_is_todays_pure_ulysses(name, seq, sp, world, feats, peak, eval_peak, phases):
     for kw in ({}, {"cp": 1}):

@@ -214,13 +214,23 @@ def test_json_output_parses_and_auto_sp(capsys):
 
 def test_async_save_host_copy_is_in_the_plan():
     """--async_save (train.py's background saves) keeps a host copy of each rank's checkpoint: 12 B/param / world per
-    rank in the CPU budget (Llama-3-8B on 32 ranks: 2.8 GiB per rank, 22.4 GiB per 8-GPU node)."""
+    rank in the CPU budget (Llama-3-8B on 32 ranks: 2.8 GiB per rank, 22.4 GiB per 8-GPU node). With the optimizer
+    on the GPU the copy is pinned, one block per ZeRO-3 sub-group's master, m and v, each held rounded up to a power
+    of two (issue 43): 3 x 0.93 -> 3 x 1 GiB per rank on 32 ranks; from offloaded (host) states a pageable copy."""
     shape = load_shape("llama3-8b")
+    n = shape.num_params()
     base = estimate(shape, 1 << 20, 8, 32, None, gpus_per_node=8)
     snap = estimate(shape, 1 << 20, 8, 32, None, gpus_per_node=8, async_save=True)
     term = snap.cpu_per_rank["async save: host copy of the rank's checkpoint"]
-    assert term == 12 * shape.num_params() // 32 and snap.gpu_peak == base.gpu_peak
+    assert term == 3 * 2**30 > 12 * n // 32 and snap.gpu_peak == base.gpu_peak
     assert snap.cpu_per_node - base.cpu_per_node == 8 * term
+    host = estimate(shape, 1 << 20, 8, 32, {"offload_optimizer"}, gpus_per_node=8, async_save=True)
+    assert host.cpu_per_rank["async save: host copy of the rank's checkpoint"] == 12 * (n // 32)
+    cpu = estimate(shape, 1 << 20, 8, 32, None, gpus_per_node=8, async_save=True, device="cpu")
+    assert cpu.cpu_per_rank["async save: host copy of the rank's checkpoint"] == 12 * (n // 32)
+    # on 8 ranks the partition is one sub-group of 10^9 elements and one of the rest: 3 x (4 GiB + 16 MiB), +7%
+    eight = estimate(shape, 1 << 20, 8, 8, None, async_save=True).cpu_per_rank
+    assert eight["async save: host copy of the rank's checkpoint"] == 3 * (4 * 2**30 + 2**24)
 
 
 def test_table_output_mentions_the_essentials(capsys):
@@ -282,7 +292,9 @@ def test_selective_checkpointing_term_by_hand():
     assert k3.gpu_phases["layer working set (recompute+backward)"] == \
         k1.gpu_phases["layer working set (recompute+backward)"] - saved
     off = estimate(shape, 100, 1, 1, {"checkpoint_every": 2, "offload_activations": True})
-    assert off.cpu_per_rank["activation checkpoints"] == 3 * hid and off.gpu["activation checkpoints"] == 2 * hid
+    # each offloaded checkpoint is one pinned block, held as the caching host allocator rounds it (issue 43):
+    # 12800 B -> 16384 B
+    assert off.cpu_per_rank["activation checkpoints"] == 3 * 16384 and off.gpu["activation checkpoints"] == 2 * hid
     peaks = [estimate(shape, 100, 1, 1, Features(checkpoint_every=k)).gpu_peak for k in (1, 2, 3, 5)]
     assert peaks == sorted(peaks) and peaks[-1] < estimate(shape, 100, 1, 1, Features()).gpu_peak
     with pytest.raises(ValueError, match="checkpoint_every"):

@@ -75,7 +75,8 @@ def _predicted(prec: str, shape: dict, feats: dict) -> int:
                     num_layers=shape["layers"], num_heads=shape["nh"], num_kv_heads=shape["kv"],
                     head_dim=shape.get("head_dim", shape["h"] // shape["nh"]), qk_norm=model_type == "qwen3",
                     model_type=model_type)
-    est = estimate(ms, T, 1, 1, Features.of({**feats, "offload_params": True, "offload_optimizer": True}), prec)
+    est = estimate(ms, T, 1, 1, Features.of({**feats, "offload_params": True, "offload_optimizer": True}), prec,
+                   device="cpu")  # CPU SDPA: no FlashAttention-2 GQA expansion (issue 43), nothing pinned
     return est.gpu_peak - est.gpu["zero3 gathered params+grads, buckets"]  # no ZeRO-3 here: the model is resident
 
 
