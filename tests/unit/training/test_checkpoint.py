@@ -477,3 +477,61 @@ def test_staged_state_saves_the_same_bytes_and_reuses_its_memory(tmp_path):
     again = stage(state, staging)
     assert [b.data_ptr() for b in staging.buffers] == ptrs and torch.equal(again["optim"]["flat"], flat)
     assert torch.equal(snap["optim"]["flat"], flat)  # the first snapshot's memory was reused, as documented
+
+
+# ---------------------------------------------------------------- the commit off the step path (issue 41 items 2, 11)
+def test_rotation_deletes_off_the_step_path(tmp_path, monkeypatch):
+    """A deletion that takes long (a ~100 GB checkpoint on a loaded file system) no longer holds the commit, where
+    every other rank waits at its barrier: the dropped checkpoint leaves the listing at once (a rename into
+    checkpoints/.trash, so a half-deleted folder never looks like a checkpoint) and rank 0's thread deletes it; the
+    newest complete one is found all along. Before: the commit returned only after the deletion."""
+    import training.rotation as rotation
+
+    held, release, real = threading.Event(), threading.Event(), shutil.rmtree
+
+    def slow_rmtree(path, ignore_errors=False):
+        held.set()
+        assert release.wait(30)
+        real(path, ignore_errors=ignore_errors)
+
+    ck = Checkpointer(str(tmp_path), keep=2)
+    for s in (1, 2):
+        save(ck, s)
+    monkeypatch.setattr(rotation.shutil, "rmtree", slow_rmtree)
+    done = threading.Thread(target=save, args=(ck, 3))
+    done.start()
+    done.join(10)
+    assert not done.is_alive(), "the commit waited for the deletion"
+    assert held.wait(10)  # the deletion runs meanwhile, in the background
+    assert ck.tags() == [tag_for(2), tag_for(3)] and ck.find_resume("auto").endswith(tag_for(3))
+    trash = tmp_path / "checkpoints" / ".trash"
+    assert [p.name.split(".")[0] for p in trash.iterdir()] == [tag_for(1)]
+    release.set()
+    ck.close(timeout_s=30)
+    assert list(trash.iterdir()) == []
+
+
+def test_a_killed_jobs_trash_is_emptied_by_the_next_commit(tmp_path):
+    ck = Checkpointer(str(tmp_path), keep=2)
+    left = tmp_path / "checkpoints" / ".trash" / f"{tag_for(7)}.123"
+    (left / "state").mkdir(parents=True)
+    (left / "state" / "rank00000.pt").write_bytes(b"x" * 100)
+    save(ck, 8)
+    ck.close(timeout_s=30)
+    assert list((tmp_path / "checkpoints" / ".trash").iterdir()) == [] and ck.tags() == [tag_for(8)]
+
+
+def test_finish_with_a_timeout_commits_only_a_durable_write(tmp_path, monkeypatch):
+    """The SIGTERM stop's bounded wait: a write still running when the time is up is not committed and stays
+    pending (no manifest: a resume takes the previous checkpoint); once durable, finish() commits it."""
+    ck, eng = Checkpointer(str(tmp_path), keep=3), TorchEngine()
+    first = ck.save(eng, 1, {"step": 1}, {}, FakeConfig())
+    gate = Gate(monkeypatch)
+    ck.save(eng, 2, {"step": 2}, {}, FakeConfig(), background=True)
+    assert gate.at_write.wait(30)
+    t0 = time.monotonic()
+    assert ck.finish(timeout_s=0.3) is None and time.monotonic() - t0 < 10
+    assert ck.pending is not None and ck.find_resume("auto") == first
+    gate.open.set()
+    path, _ = ck.finish(timeout_s=30)
+    assert path.endswith(tag_for(2)) and ck.pending is None and ck.verify(path) is None

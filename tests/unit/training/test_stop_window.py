@@ -93,7 +93,7 @@ class SimCheckpointer:
 
 
 def simulate(monkeypatch, steps=40, time_limit_s=0.0, save_every_s=600.0, signal_at=None, sig=signal.SIGTERM,
-             save_s=None, ckpt_kw=None, step_s=STEP_S):
+             save_s=None, ckpt_kw=None, step_s=STEP_S, save_steps=0):
     """Run training/stage.train_stage (the real loop) for `steps` steps of `step_s`; `signal_at`: (step, seconds
     into it) at which every rank gets `sig`. Returns (clock, checkpointer, flag, state, the SIGTERM's time)."""
     clock = Clock()
@@ -131,7 +131,7 @@ def simulate(monkeypatch, steps=40, time_limit_s=0.0, save_every_s=600.0, signal
     sampler = types.SimpleNamespace(next_batch=lambda: [0], state_dict=lambda: {}, source_shares=lambda: {})
     data = types.SimpleNamespace(stage_view=lambda *a: ([0], sampler), pad_id=0, tokenizer=None,
                                  heldout=lambda *a: None)
-    cfg = types.SimpleNamespace(seed=0, per_device_train_batch_size=1, gradient_accumulation_steps=1, save_steps=0,
+    cfg = types.SimpleNamespace(seed=0, per_device_train_batch_size=1, gradient_accumulation_steps=1, save_steps=save_steps,
                                 async_save=True, loss_weighting=None, output_dir="/unused")
     run = stage_mod.Run(cfg, ParallelDims(world=32, sp=1, rank=0, local_rank=0), data, ckpt,
                         types.SimpleNamespace(log=lambda r: None, run_id=None), flag, types.SimpleNamespace(), "sdpa",
@@ -212,3 +212,14 @@ def test_lost_work_on_a_stop_is_at_most_the_interval_plus_one_step(monkeypatch):
             kept = [1_000.0] + [taken for _, taken, when in ckpt.commits if when <= kill]  # (the run's start)
             worst = max(worst, min(clock.t, kill) - max(kept))  # the work done since the state a resume loads
     assert worst <= 600 + STEP_S, worst
+
+
+def test_the_wait_for_the_previous_write_counts_as_blocked_time(monkeypatch):
+    """`save_interval_minutes: auto` is 100 x the seconds the last periodic save held the steps: with saves every 2
+    steps of 20 s and writes of 100 s, step 4's save first waits 60 s for step 2's write (which ends 141 s in; step 4
+    ends 81 s in), then snapshots (1 s): it held the steps ~61 s, so the interval stretches to ~6100 s. Before: the
+    wait was not counted (1 s blocked: 540 s, 9 minutes)."""
+    clock, ckpt, flag, state, _ = simulate(monkeypatch, steps=6, save_every_s="auto", save_steps=2, step_s=20.0,
+                                           ckpt_kw={"write_s": 100.0})
+    assert [(s, kind) for s, _, kind in ckpt.started] == [(2, "background"), (4, "background"), (6, "sync")]
+    assert flag.save_every_s == pytest.approx(100 * (60 + COMMIT_S + SNAPSHOT_S))
