@@ -320,3 +320,16 @@ def test_metrics_report_supervised_tokens_per_step():
                     st, {"loss": 1.5, "label_tokens": 23, "label_weight": 4.0, "step_time": 0.5}, 1e-3,
                     types.SimpleNamespace(source_shares=lambda: {}))
     assert logged[1]["label_weight"] == 4.0
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--loss_weighting", "turn"], r"--loss_weighting 'turn': use token or conversation"),
+    (["--loss_weighting", "conversation", "--reset_position_ids", "no"], r"where position ids restart"),
+])
+def test_bad_loss_weighting_is_one_line(argv, match):
+    from training.config import parse_config
+
+    with pytest.raises(ValueError, match=match) as e:
+        parse_config(argv)
+    assert "\n" not in str(e.value)
+    assert parse_config(["--loss_weighting", "conversation"]).loss_weighting == "conversation"
