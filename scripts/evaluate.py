@@ -189,8 +189,9 @@ def evaluate_model(src: dict, a: argparse.Namespace, s: dict, dims) -> dict:
     engine = build_engine(cfg, dims, src["hf_config"], src["attn"], src["bf16"], seed=0,
                           pretrained=src["kind"] == "hf")
     if src["kind"] == "checkpoint":
-        run_dir = os.path.dirname(os.path.dirname(os.path.abspath(src["path"])))  # RUN/checkpoints/step_N
-        Checkpointer(run_dir, keep=2).load(engine, src["path"], load_scheduler=False)
+        # this evaluation's own folder: a conversion at another world size goes under --output_dir/universal/, never
+        # into the run that wrote the checkpoint (another team's, or read-only: training/universal.py)
+        Checkpointer(a.output_dir, keep=2).load(engine, src["path"], load_scheduler=False)
     engine.eval()
     out = evaluate_tasks(engine, dims, a.micro_batch, src["tok"].pad_id, src["tok"], src["trials"], s["depths"],
                          s["lengths"])
