@@ -200,15 +200,44 @@ def test_deepspeed_launcher_signal_becomes_a_preemption_save(tmp_path):
 
 
 @pytest.mark.dist
-def test_torchrun_preemption_exit_code_is_75_not_1(tmp_path):
+@pytest.mark.parametrize("code", [75, pytest.param(69, marks=pytest.mark.slow)])  # 69: the same summary rule as 75
+def test_torchrun_preemption_exit_code_is_75_not_1(tmp_path, code):
+    """torchrun reports any failing worker as 1: launch.sh passes on the ranks' own 75 (preempted) and 69 (a peer
+    lost, base/exits.py: slurm.sbatch requeues it; it used to come out as 1, a crash)."""
     p = subprocess.run([LAUNCH, "--torchrun", "--num_gpus", "2", "--master_port", "29632", "--", "--x"],
-                       cwd=tmp_path, env=clean_env(**fake_train_env(tmp_path, "75")), capture_output=True,
+                       cwd=tmp_path, env=clean_env(**fake_train_env(tmp_path, str(code))), capture_output=True,
                        text=True, timeout=300)
-    assert p.returncode == 75, p.stderr[-3000:]
+    assert p.returncode == code, p.stderr[-3000:]
     # torchrun's summary (both ranks exited 75), or, when torchrun SIGTERMed the slower rank after the first one
-    # exited (a race, seen under load), the ranks' own records in LAUNCH_EXIT_DIR
-    assert ("torchrun exited 1 but every failed rank exited 75" in p.stderr
-            or "the launcher exited 1 but every rank here exited 75" in p.stderr), p.stderr[-3000:]
+    # exited (a race, seen under load), the ranks' own records in LAUNCH_EXIT_DIR (75; a watcher's 69 records nothing)
+    assert (f"torchrun exited 1 but every failed rank exited {code}" in p.stderr
+            or f"the launcher exited 1 but every rank here exited {code}" in p.stderr), p.stderr[-3000:]
+
+
+@pytest.mark.dist
+def test_node_0_ends_at_once_when_its_store_cannot_start(tmp_path):
+    """Node 0's launch.sh hosts the job's store (base/node_store.py serve): when it cannot start (here its port is
+    held by another process, as another job's store would hold it; a broken venv or torch on node 0 is the same:
+    tests/e2e/test_failure.py) launch.sh says so in one line and exits 1 within seconds, no rank started. It used to
+    start its ranks anyway, which then waited for a store (or joined a stranger's) until their start-up timeout."""
+    import socket
+    import time
+
+    squat = socket.socket()
+    squat.bind(("127.0.0.1", 0))
+    squat.listen(1)
+    port = str(squat.getsockname()[1])
+    t0 = time.time()
+    try:
+        p = subprocess.run([LAUNCH, "--no_ssh", "--nnodes", "2", "--node_rank", "0", "--master_addr", "127.0.0.1",
+                            "--master_port", port, "--num_gpus", "1", "--", "--x"], cwd=tmp_path,
+                           env=clean_env(**fake_train_env(tmp_path, "wait"), TMPDIR=str(tmp_path)),
+                           capture_output=True, text=True, timeout=90)
+    finally:
+        squat.close()
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert f"node 0 ({os.uname().nodename}): the job's store did not start on 127.0.0.1:{port}" in p.stderr, p.stderr
+    assert time.time() - t0 < 60 and not (tmp_path / "ready0").exists(), p.stderr[-3000:]
 
 
 @pytest.mark.dist
