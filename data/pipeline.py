@@ -271,7 +271,8 @@ class RunData:
             j = int(np.searchsorted(at, o, side="right")) - 1  # the document the sample begins in
             st, ln = starts[j:].copy(), lens[j:].copy()
             st[0], ln[0] = st[0] + o - at[j], ln[0] - (o - at[j])
-            out.append(DocPack(p.tokens, st, ln, seq_len, self.reset_position_ids, self.mask_cross_document_labels)[0])
+            out.append(DocPack(p.tokens, st, ln, seq_len, self.reset_position_ids, self.mask_cross_document_labels,
+                               self.mask)[0])  # with chat documents: the loss on their targets only
         return out
 
 
