@@ -150,6 +150,9 @@ def test_sft_stage_in_the_run(tmp_path, capsys):
         assert (s["shift_labels"][restarts[1:] - 1] == -100).all()  # nothing predicts another conversation's start
         sup = s["shift_labels"] != -100
         assert sup.any() and (s["shift_labels"][sup] == s["input_ids"][1:][sup[:-1]]).all()
+    for s in data.heldout(256, 1):  # held-out samples score the targets only, as training does
+        sup = s["shift_labels"] != -100
+        assert 0 < sup.sum() < 0.5 * len(sup)
     n_target = sum(int(m[1:].sum()) for s, m in targets.items() if data.cut[np.searchsorted(p.starts, s)])
     assert sum(int((ds[i]["shift_labels"] != -100).sum()) for i in range(len(ds))) == n_target
     text = tmp_path / "text.jsonl"
