@@ -25,8 +25,9 @@ A lost node (SIGKILLed, hung, cut off) posts nothing: its ranks' heartbeats stop
 with EXIT_PEER_LOST (69). Node 0's `post --wait` then counts a rank whose heartbeat has not moved for STALE_S as
 gone (a live rank beats every POLL_S until it marks itself done), and, the abort being 69, a rank that never arrived
 too: node 0's launcher ends within STALE_S of its ranks (it used to wait LATE_JOIN_S, 300 s, for ranks that never
-mark themselves done). A node that posted no exit and whose ranks are all gone that way is lost: `--lost-file`
-names it (its node index, one a line), where slurm.sbatch reads it to requeue without that node.
+mark themselves done). A node that posted no exit and whose ranks are all gone that way is lost, whatever the code on
+record (a rank whose collective saw the node's sockets close raises: a crash, 1, caused by the loss): `post` exits
+69 and `--lost-file` names it (its node index, one a line), where slurm.sbatch reads it to requeue without it.
 
 What stays uncovered: node 0 lost (its launcher and the store with it: the others stop after LOST_STORE_S, and Slurm
 itself requeues a job whose batch host failed); `deepspeed --hostfile` over pdsh (one launcher for all nodes: its
@@ -177,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                 with open(tmp, "w") as fh:
                     fh.write("".join(f"{k}\n" for k in lost))
                 os.replace(tmp, a.lost_file)
+            return EXIT_PEER_LOST  # the job's end was a lost node, whatever the ranks that saw it go raised
     except Exception as e:  # noqa: BLE001 -- node 0's store is gone: nobody waits on it any more
         print(f"node_store: could not post the failure ({one_line(e)}): the job's store is gone", file=sys.stderr)
         return 1

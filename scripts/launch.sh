@@ -348,7 +348,11 @@ if [ "$node_store" = 1 ]; then
       [ "$node_rank" = 0 ] && wait_arg=(--wait ${LAUNCH_LOST_FILE:+--lost-file "$LAUNCH_LOST_FILE"})
       "$(bin python)" -m base.node_store post "$master_addr" "$master_port" "$rc" \
         "node $node_rank: its ranks exited $rc (that node's log has the cause)" --node "$node_rank" \
-        --nnodes "$nnodes" --ranks-per-node "$ranks_here" ${wait_arg[@]+"${wait_arg[@]}"} ;;
+        --nnodes "$nnodes" --ranks-per-node "$ranks_here" ${wait_arg[@]+"${wait_arg[@]}"}
+      if [ $? = "$EXIT_PEER_LOST" ] && [ "$rc" != "$EXIT_PEER_LOST" ]; then  # node 0 found a node lost: its cause
+        echo "launch.sh: the ranks here exited $rc after a node was lost: passing on $EXIT_PEER_LOST" >&2
+        rc=$EXIT_PEER_LOST
+      fi ;;
   esac
   if [ -n "$store_pid" ]; then kill -9 "$store_pid" 2>/dev/null; wait "$store_pid" 2>/dev/null; fi
 fi

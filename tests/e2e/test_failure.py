@@ -306,3 +306,75 @@ def test_a_node_that_fails_evaluate_py_checks_ends_every_node(tmp_path):
     assert codes == [2, 2], (codes, texts[0][-3000:], texts[1][-3000:])
     for text in texts:
         assert f"{missing}: no such file or folder" in text, text[-3000:]
+
+
+@pytest.mark.dist
+def test_node_0_whose_every_python_fails_ends_every_node_under_slurm(tmp_path):
+    """Two nodes under slurm.sbatch (stand-in sbatch/srun/scontrol: srun runs one launch.sh per node here, honours
+    --kill-on-bad-exit as Slurm does: SIGTERM to every process of the step, SIGKILL KillWait later, 10 s here, 30 s
+    by default); on node 0 every Python exits at once (BROKEN_NODE: a broken venv, torch or mount on the node that
+    hosts the job's store, the store itself included). Node 0's launch.sh finds its store dead and exits 1; srun ends
+    node 1, whose ranks wait for that store: every node is out within 90 s, the job fails (1, no requeue) with node
+    0's line. (Node 1 used to wait START_WAIT_S: 30 min, then 5; --kill-on-bad-exit was 0.)"""
+    import subprocess
+
+    from tests.distributed import free_port
+    from tests.e2e.launchers import SBATCH_SCRIPT, STUBS, clean_env, requeues
+
+    e = clean_env(PATH=f"{STUBS}:{os.environ['PATH']}", SLURM_SUBMIT_DIR=ROOT, SCONTROL_LOG=str(tmp_path / "scontrol.log"),
+                  SLURM_JOB_NUM_NODES="2", SLURM_JOB_NODELIST="127.0.0.1,localhost", SRUN_KILL_WAIT="10",
+                  GPUS_PER_NODE="1", MASTER_PORT=str(free_port()), DS_ACCELERATOR="cpu", TMPDIR=str(tmp_path),
+                  PYTHONPATH=FAULTS, BROKEN_NODE="0", SLURM_JOB_ID=str(os.getpid()))
+    t0 = time.time()
+    job = subprocess.Popen(["sbatch", SBATCH_SCRIPT, *TINY, "--output_dir", str(tmp_path / "out")], cwd=ROOT, env=e,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        text = job.communicate(timeout=300)[0]
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    took = time.time() - t0
+    assert job.returncode == 1 and requeues(tmp_path) == [], text[-4000:]
+    assert "the job's store did not start on 127.0.0.1" in text and "node 0 (127.0.0.1) exited 1 first" in text, text
+    assert "terminating the step (--kill-on-bad-exit)" in text, text[-4000:]
+    assert took < NODE_BOUND_S, (took, text[-4000:])
+
+
+@pytest.mark.dist
+@pytest.mark.slow  # ~2 min; the rules: tests/unit/base/test_node_store.py, test_sbatch.py::test_sbatch_requeues_a_lost_node_without_it
+def test_a_lost_node_ends_node_0_promptly_with_69_and_is_named(tmp_path):
+    """Two nodes (launch.sh --no_ssh, one rank each) training; after step 3 every process of node 1 is SIGKILLed (a
+    lost node: it posts nothing). Rank 0 stops (on CPU its gloo collective sees node 1's sockets close and raises: 1;
+    under NCCL its watcher finds the heartbeat stalled: 69) and node 0's launcher exits 69 (a requeue,
+    base/exits.py) within STALE_S of its rank, naming node 1 in LAUNCH_LOST_FILE. It used to keep the store
+    LATE_JOIN_S (300 s) for node 1's ranks, which never mark themselves done, and exit 1 (a crash: no requeue)."""
+    import psutil
+
+    lost_file = tmp_path / "lost"
+    envs = [{"PYTHONPATH": FAULTS, "WATCH": "0.5:6:6", "LAUNCH_LOST_FILE": str(lost_file)},
+            {"PYTHONPATH": FAULTS, "WATCH": "0.5:6:6"}]
+    out = tmp_path / "out"
+    args = [*TINY[:-2], "--max_steps", "200", "--output_dir", str(out)]
+    nodes = launch_nodes(tmp_path, envs, [args, args])
+    try:
+        wait_for(lambda: len(losses(out)) >= 3, timeout=300)
+    except BaseException:
+        node_logs(nodes, bound_s=0)
+        raise
+    node1 = [nodes[1].pid, *(c.pid for c in psutil.Process(nodes[1].pid).children(recursive=True))]
+    for pid in node1:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    t0 = time.time()
+    try:
+        text = nodes[0].communicate(timeout=240)[0]
+    finally:
+        node_logs(nodes, bound_s=0)
+    took = time.time() - t0
+    assert nodes[0].returncode == EXIT_PEER_LOST, text[-4000:]
+    assert "lost node(s) 1" in text, text[-4000:]
+    assert lost_file.read_text() == "1\n"
+    assert took < 6 + 2 * 10 + 30, (took, text[-3000:])  # stall + STALE_S and teardown slack; it was 305 s
+    print(f"node 0 out {took:.0f} s after node 1 was killed")
