@@ -256,7 +256,12 @@ class RunData:
         tasks = check_tasks(stage, self.tokenizer)
         if not tasks:
             return dataset, sampler
-        dataset = TaskMixDataset(dataset, list(tasks), self.tokenizer, stage.max_seq_length, seed + stage.index)
+        chat = None
+        if getattr(stage, "kind", "text") == "sft":  # the tasks as chat exchanges, in the conversations' template
+            from data.chat import ChatEncoder
+
+            chat = ChatEncoder(self.tokenizer, "assistant", self.prepared.manifest.get("chat_template", "auto"))
+        dataset = TaskMixDataset(dataset, list(tasks), self.tokenizer, stage.max_seq_length, seed + stage.index, chat)
         return dataset, TaskMixSampler(sampler, dataset, tasks, dp, dp_rank, micro_batch)
 
     def heldout(self, seq_len: int, n: int) -> list[dict[str, np.ndarray]]:

@@ -192,6 +192,40 @@ def make_sample(task: str, tokenizer, seq_len: int, depth: float, rng: random.Ra
     return GENERATORS[task](tokenizer, seq_len, depth, rng)
 
 
+def chat_sample(task: str, tokenizer, chat, seq_len: int, depth: float, rng: random.Random) -> dict:
+    """A task rendered as one chat exchange through `chat` (data/chat.py's ChatEncoder, the template the stage's
+    conversations were prepared with): the user turn is the haystack and the question, the assistant's reply the
+    answer (loss on the reply and its end-of-turn token, as on the real conversations), padded to `seq_len` (the
+    padding its own document: no label, positions restarted). How an SFT stage mixes a small share of long
+    synthetic exchanges into short chats (Llama 3's recipe). The plain sample is built shorter by the template's
+    overhead (measured on a short exchange, plus 8 tokens of slack for text re-tokenized at its joins) and shrunk
+    again if the rendering still runs over."""
+    probe = {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}
+    over = len(chat.encode(probe)[0]) - len(tokenizer.encode("x")) - len(tokenizer.encode("y")) + 8
+    inner = seq_len - over
+    for _ in range(4):
+        plain = make_sample(task, tokenizer, inner, depth, random.Random(rng.random()))
+        first = int(np.flatnonzero(plain["shift_labels"] != -100)[0]) + 1  # the answer's first token
+        row = {"messages": [{"role": "user", "content": tokenizer.decode(plain["input_ids"][:first]).strip()},
+                            {"role": "assistant", "content": plain["answer"]}]}
+        ids, mask, _ = chat.encode(row)
+        if len(ids) <= seq_len:
+            break
+        inner -= len(ids) - seq_len + 8
+    else:
+        raise ValueError(f"max_seq_length={seq_len} is too short for a {task} trial rendered as chat")
+    n = len(ids)
+    out = np.full(seq_len, tokenizer.pad_id, dtype=np.int64)
+    out[:n] = ids
+    target = np.zeros(seq_len, dtype=bool)
+    target[:n] = mask.astype(bool)
+    labels = np.full(seq_len, -100, dtype=np.int64)
+    labels[:-1] = np.where(target[1:], out[1:], -100)
+    pos = np.arange(seq_len, dtype=np.int64)
+    pos[n:] -= n  # the padding: a document of its own
+    return {"input_ids": out, "shift_labels": labels, "position_ids": pos, "task": task, "answer": plain["answer"]}
+
+
 def parse_tasks(spec, where: str = "tasks") -> dict[str, float]:
     """A stage's `tasks:` ({task: fraction of the stage's samples}) checked; one-line ValueError."""
     if not spec:
@@ -225,8 +259,10 @@ class TaskMixDataset:
     """The stage's dataset plus virtual synthetic samples: index `i < len(base)` is the base's sample, index
     `len(base) + k` is synthetic sample serial `k // n_tasks` of task `names[k % n_tasks]`."""
 
-    def __init__(self, base, names: list[str], tokenizer, seq_len: int, seed: int):
+    def __init__(self, base, names: list[str], tokenizer, seq_len: int, seed: int, chat=None):
+        """`chat`: a ChatEncoder (an SFT stage): the synthetic samples are rendered as chat exchanges."""
         self.base, self.names, self.tokenizer, self.seq_len, self.seed = base, list(names), tokenizer, seq_len, seed
+        self.chat = chat
         self.n_base = len(base)
 
     def __len__(self) -> int:
@@ -240,6 +276,8 @@ class TaskMixDataset:
             return self.base[i]
         serial, task = divmod(i - self.n_base, len(self.names))
         rng = random.Random(f"{self.seed}:{self.names[task]}:{serial}")  # str seeds are hashed with SHA-512
+        if self.chat is not None:
+            return chat_sample(self.names[task], self.tokenizer, self.chat, self.seq_len, rng.random(), rng)
         return make_sample(self.names[task], self.tokenizer, self.seq_len, rng.random(), rng)
 
 

@@ -176,3 +176,25 @@ def test_stage_kind_config():
         validate(config_from_dict({"stages": [{"name": "x", "kind": "chat"}]}))
     with pytest.raises(ValueError, match="--data_kind 'sft'.*reset_position_ids no"):
         validate(config_from_dict({"data_kind": "sft", "reset_position_ids": "no"}))
+
+
+@pytest.mark.parametrize("family", ["qwen25", "llama3"])
+def test_tasks_rendered_as_chat(tmp_path, family):
+    """A synthetic retrieval trial as one chat exchange in the stage's template: exactly the stage's length, the
+    loss on the answer and its end-of-turn token only, the padding a document of its own without labels."""
+    import random
+
+    from data.tasks import TASKS, chat_sample
+
+    tok = Tokenizer(build_tokenizer(str(tmp_path), family))
+    enc = ChatEncoder(tok)
+    eot = {"qwen25": "<|im_end|>", "llama3": "<|eot_id|>"}[family]
+    for task in TASKS:
+        s = chat_sample(task, tok, enc, 1024, 0.5, random.Random(3))
+        ids, lab, pos = s["input_ids"], s["shift_labels"], s["position_ids"]
+        assert len(ids) == len(lab) == len(pos) == 1024
+        assert tok.hf.decode([t for t in lab if t >= 0]) == s["answer"] + eot
+        pad = int(np.flatnonzero(pos == 0)[-1])  # where the padding starts (positions restart there)
+        assert pad > 900 and (ids[pad:] == tok.pad_id).all() and (lab[pad - 1:] == -100).all()
+        head = tok.hf.decode(ids[:pad])
+        assert head.rstrip().endswith(s["answer"] + eot)  # the exchange ends with the reply, then padding
