@@ -246,7 +246,8 @@ def host_need(cfg: Config, stages: list[Stage], world: int, bf16: bool, configs:
         try:
             shape = ModelShape.from_config(arch.to_dict())
             est = estimate(shape, s.max_seq_length, s.sp, world, run_features(cfg, ds, s), "bf16" if bf16 else "fp32",
-                           cp=s.cp if isinstance(s.cp, int) else 1, async_save=async_save)
+                           cp=s.cp if isinstance(s.cp, int) else 1, async_save=async_save,
+                           device="cpu" if cpu_run else "cuda")  # cuda: pinned host blocks as the allocator holds them
         except ValueError:  # a shape the planner cannot read: no plan to check against (the plan lines say so)
             return None
         held = sum(est.cpu_per_rank.values()) + (est.gpu_peak if cpu_run else 0)
