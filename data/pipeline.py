@@ -35,7 +35,7 @@ from data.prepare import prepare_in_job
 from data.replay import ReplayDataset, ReplaySampler, parse_replay
 from data.sampler import ResumableSampler
 from data.store import MANIFEST, Prepared, read_json, tokenizer_identity
-from data.tasks import TaskMixDataset, TaskMixSampler, check_tasks
+from data.tasks import TaskMixDataset, TaskMixSampler, check_tasks, tasks_as_chat
 from data.tokenizer import Tokenizer
 
 DEFAULT_HELDOUT_SAMPLES = 2
@@ -257,7 +257,7 @@ class RunData:
         if not tasks:
             return dataset, sampler
         chat = None
-        if getattr(stage, "kind", "text") == "sft":  # the tasks as chat exchanges, in the conversations' template
+        if getattr(stage, "kind", "text") == "sft" and tasks_as_chat(stage.tasks):  # in the conversations' template
             from data.chat import ChatEncoder
 
             chat = ChatEncoder(self.tokenizer, "assistant", self.prepared.manifest.get("chat_template", "auto"))

@@ -226,12 +226,22 @@ def chat_sample(task: str, tokenizer, chat, seq_len: int, depth: float, rng: ran
     return {"input_ids": out, "shift_labels": labels, "position_ids": pos, "task": task, "answer": plain["answer"]}
 
 
+def tasks_as_chat(spec) -> bool:
+    """`tasks: {passkey: 0.02, chat: true}`: an SFT stage renders its synthetic samples as chat exchanges
+    (`chat_sample`); without it they are plain text with answer-only loss, as the retrieval evaluation asks them."""
+    return bool(isinstance(spec, dict) and spec.get("chat"))
+
+
 def parse_tasks(spec, where: str = "tasks") -> dict[str, float]:
-    """A stage's `tasks:` ({task: fraction of the stage's samples}) checked; one-line ValueError."""
+    """A stage's `tasks:` ({task: fraction of the stage's samples}, and `chat: true|false`) checked; one-line
+    ValueError."""
     if not spec:
         return {}
     if not isinstance(spec, dict):
         raise ValueError(f"{where}: expected {{task: fraction}}, e.g. {{passkey: 0.2}}, got {spec!r}")
+    if not isinstance(spec.get("chat", False), bool):
+        raise ValueError(f"{where}: chat must be true or false (render the tasks as chat exchanges in an SFT stage)")
+    spec = {k: v for k, v in spec.items() if k != "chat"}
     unknown = sorted(set(spec) - set(TASKS))
     if unknown:
         raise ValueError(f"{where}: unknown task(s) {unknown}; valid: {list(TASKS)}")

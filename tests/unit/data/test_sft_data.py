@@ -198,3 +198,24 @@ def test_tasks_rendered_as_chat(tmp_path, family):
         assert pad > 900 and (ids[pad:] == tok.pad_id).all() and (lab[pad - 1:] == -100).all()
         head = tok.hf.decode(ids[:pad])
         assert head.rstrip().endswith(s["answer"] + eot)  # the exchange ends with the reply, then padding
+
+
+def test_sft_stage_tasks_plain_or_chat(tmp_path):
+    """An SFT stage's tasks are plain text (answer-only loss, as the retrieval evaluation asks them) unless
+    `chat: true` renders them as chat exchanges; a non-boolean `chat` is one line."""
+    from data.pipeline import open_run_data
+    from data.tasks import parse_tasks
+
+    chats = build_demo_chats(str(tmp_path / "chats.jsonl"), 200, seed=4)
+    vocab = Tokenizer(SP).vocab_size
+    for chat in (False, True):
+        st = _stage(0, 512, "sft")
+        st.tasks = {"passkey": 0.5, "chat": chat}
+        data = open_run_data(chats, SP, vocab, [st], reset_position_ids=True)
+        ds, sampler = data.stage_view(st, 1, 0, 1, seed=0)
+        sample = next(ds[i] for i in (sampler.next_batch()[0] for _ in range(4)) if i >= ds.n_base)
+        text = data.tokenizer.decode(sample["input_ids"])
+        assert ("<|im_start|>assistant" in text) == chat and sample["task"] == "passkey"
+    assert parse_tasks({"passkey": 0.1, "chat": True}) == {"passkey": 0.1}
+    with pytest.raises(ValueError, match="chat must be true or false"):
+        parse_tasks({"passkey": 0.1, "chat": "yes"})
