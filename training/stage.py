@@ -138,8 +138,10 @@ def _stop_in_window(run: Run, engine, stage, hf_config, state: TrainState, sampl
     one step (training/preemption.py `due_after_s`)."""
     preempt, ckpt = run.preempt, run.ckpt
     if ckpt.pending is not None:
-        p = ckpt.pending
-        got = ckpt.finish(timeout_s=preempt.window_left_s - EXIT_MARGIN_S)
+        p, wait_s = ckpt.pending, preempt.window_left_s - EXIT_MARGIN_S
+        print0(f"SIGTERM: waiting up to {max(wait_s, 0):.0f} s for the background write of step {p.step} "
+               f"({preempt.window_left_s:.0f} s before the launcher's SIGKILL)")
+        got = ckpt.finish(timeout_s=wait_s)
         if got is None:
             print0(f"SIGTERM: the background write of step {p.step} is not durable on every rank "
                    f"{preempt.window_left_s:.0f} s before the launcher's SIGKILL: not committed; the newest committed "

@@ -44,14 +44,17 @@ def reference_runs(assets, tmp_path_factory):
 
 # sp2_async (issue 35): asynchronous saves every 2 steps on a slow disk (each fsync +1 s, tests/stubs/slow_disk), so
 # the signal lands while step 2's background write runs: that write commits, then the stop's own save, then exit 75,
-# and the resume still equals the uninterrupted run
+# and the resume still equals the uninterrupted run. The launcher's kill window is 120 s here (KILL_WINDOW_S, as
+# torchrun --shutdown-timeout 120 gives), so the stop's own save fits it on a loaded machine too; a stop that must
+# skip it: test_sigterm_stop_fits_the_launchers_kill_window below
 @pytest.mark.parametrize("sp, nproc, ga, extra", [(2, 2, 1, ("--async_save", "--save_steps", "2")),
                                                    pytest.param(2, 4, 2, (), marks=pytest.mark.slow)],  # 4 ranks: 198 s + its reference
                          ids=["sp2_async", "sp2xdp2_ga2"])
 def test_sigterm_then_resume_matches_uninterrupted(assets, tmp_path, reference_runs, sp, nproc, ga, extra):
     out = tmp_path / "out"
     args = train_args(assets, out, sp, ga, extra=extra)
-    env = {"PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT}/tests/stubs/slow_disk", "SLOW_DISK_S": "1.0"} if extra else None
+    env = {"PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT}/tests/stubs/slow_disk", "SLOW_DISK_S": "1.0",
+           "KILL_WINDOW_S": "120"} if extra else None
     procs = spawn(TRAIN, args, nproc, str(tmp_path / "logs1"), extra_env=env)
     wait_for(lambda: steps_logged(out) >= 3)
     for p in procs:  # what SLURM does: the signal reaches every task
@@ -64,13 +67,45 @@ def test_sigterm_then_resume_matches_uninterrupted(assets, tmp_path, reference_r
     assert f"resuming from {out}/checkpoints/step_{max(first):06d}" in log
     if extra:  # the stop's save waited for the background write in flight, which committed first
         said = (tmp_path / "logs1" / "rank0.log").read_text()
-        assert "snapshot of step 2" in said and "waits for the background write of step 2" in said, said[-3000:]
+        assert "snapshot of step 2" in said and "for the background write of step 2" in said, said[-3000:]
         assert said.index(f"saved {out}/checkpoints/step_000002 ") < said.index(
             f"saved {out}/checkpoints/step_{max(first):06d} ")
     got, ref = losses(out), reference_runs[(sp, nproc, ga)]
     assert sorted(got) == list(range(1, 9))
     for s in ref:
         assert abs(got[s] - ref[s]) <= 1e-6 * abs(ref[s]), (s, got[s], ref[s])
+
+
+@pytest.mark.slow  # ~60 s; the rule's fast sibling: tests/unit/training/test_stop_window.py (the stage loop, simulated)
+def test_sigterm_stop_fits_the_launchers_kill_window(assets, tmp_path):
+    """SIGTERM to every rank the step after a background snapshot, on a slow disk (each fsync +1.5 s), with a launcher
+    stand-in that SIGKILLs every rank KILL_WINDOW_S (24 s, scaled down from launch.py's 30) after its SIGTERM, as
+    deepspeed's launch.py and torchrun do: the write in flight commits, the stop's own synchronous save (which would
+    not fit) is not started, and every rank exits 75 before the kill. Before: the stop waited for the write, then
+    started a full save and was SIGKILLed in it (-9)."""
+    out, window = tmp_path / "out", 24.0
+    args = train_args(assets, out, 2, steps=40, extra=["--async_save", "--save_steps", "2"])
+    env = {"PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT}/tests/stubs/slow_disk", "SLOW_DISK_S": "1.5",
+           "KILL_WINDOW_S": str(window)}
+    log = tmp_path / "logs" / "rank0.log"
+    procs = spawn(TRAIN, args, 2, str(tmp_path / "logs"), extra_env=env)
+    # step 2's save measured (~17 s snapshot to commit), step 4's write in flight, the stop comes at step 5 or 6
+    wait_for(lambda: "step 5 stage 0 loss" in log.read_text(), timeout=300, every=0.05)
+    t0 = time.monotonic()
+    for p in procs:  # SLURM: every process of the step; the launcher's own timer starts now
+        p.send_signal(signal.SIGTERM)
+    while time.monotonic() - t0 < window and any(p.poll() is None for p in procs):
+        time.sleep(0.1)
+    for p in procs:  # the launcher stand-in: wait_procs(timeout=window), then SIGKILL
+        if p.poll() is None:
+            p.kill()
+    codes = wait(procs, str(tmp_path / "logs"))
+    said = log.read_text()
+    assert codes == [75, 75], (codes, said[-3000:])
+    ck = out / "checkpoints"
+    assert (ck / "LATEST").read_text().strip() == "step_000004", said[-3000:]  # the write in flight, committed
+    assert "SIGTERM: waiting up to" in said and "not started" in said, said[-3000:]
+    assert all((ck / t / "MANIFEST.json").exists() for t in os.listdir(ck) if t.startswith("step_"))  # no torn save
 
 
 @pytest.mark.slow  # make test's budget; every rank signalled: test_launch_e2e.py::test_sigterm_to_every_process_of_the_job
