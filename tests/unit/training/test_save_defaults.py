@@ -141,3 +141,37 @@ def test_time_limit_counts_a_background_write_in_flight():
     d.record_eval(7)
     assert d.ahead_s(stage_ends=True, write_in_flight=True) == 7 + 100
     assert d.ahead_s(stage_ends=True, write_in_flight=False) == 7
+
+
+def test_the_sigterm_window_is_agreed_not_a_ranks_own_clock(monkeypatch):
+    """A rank with no SIGTERM of its own (or a later one) takes the window of the rank signalled first, and the save
+    time to count is the largest any rank holds: both travel in the check's one all-reduce (MAX). A later SIGUSR1
+    (launch.sh turns its own SIGTERM into one) does not undo the window; SIGUSR1 alone has none (a full save)."""
+    import signal
+    import types
+
+    from training import preemption
+
+    clock = {"t": 100.0}
+    monkeypatch.setattr(preemption, "time", types.SimpleNamespace(monotonic=lambda: clock["t"], time=time.time))
+    monkeypatch.delenv("KILL_WINDOW_S", raising=False)
+    other = {"votes": [0.0, 0.0, preemption.NO_WINDOW, 0.0]}  # the other rank's, as it would contribute them
+    real = preemption.comm.all_reduce
+    monkeypatch.setattr(preemption.comm, "all_reduce",
+                        lambda v, op="sum": real([max(a, b) for a, b in zip(v, other["votes"])], op=op))
+    flag = PreemptionFlag(None)
+    flag.deadline.record_save(12.0)
+    assert not flag.agreed() and flag.window_left_s is None
+    other["votes"] = [1.0, 0.0, (100.0 - 90.0) - 30.0, 40.0]  # SIGTERM there 10 s ago; its measured save 40 s
+    assert flag.agreed() and flag.window_left_s == pytest.approx(20.0) and flag.save_need_s == 40.0
+    flag._handler(signal.SIGTERM, None)  # ours now: the earlier one still decides
+    clock["t"] = 105.0
+    other["votes"][2] = (105.0 - 90.0) - 30.0
+    flag._handler(signal.SIGUSR1, None)
+    assert flag.agreed() and flag.window_left_s == pytest.approx(15.0) and flag.term_at == 100.0
+    usr1 = PreemptionFlag(None)
+    usr1._handler(signal.SIGUSR1, None)
+    other["votes"] = [0.0, 0.0, preemption.NO_WINDOW, 0.0]
+    assert usr1.agreed() and usr1.window_left_s is None
+    monkeypatch.setenv("KILL_WINDOW_S", "120")  # torchrun --shutdown-timeout 120
+    assert PreemptionFlag(None).window_s == 120.0
