@@ -192,16 +192,18 @@ class ChatEncoder:
         loss_on = "assistant" if self.loss_on == "auto" and first == 0 else "completion" if self.loss_on == "auto" \
             else self.loss_on
         wanted = [k for k, m in enumerate(conv) if m["role"] == "assistant" and (loss_on != "completion" or k >= first)]
+        if loss_on == "all":  # no span to find: the rendering alone
+            ids = self._chatml(conv)[0] if self.kind == "chatml" else self._render(conv)
+            return ids, np.ones(len(ids), np.uint8), {"untrained_turns": 0}
         if self.kind == "chatml":
             ids, spans = self._chatml(conv)
         elif self.kind == "markers":
             ids, spans = self._markers(conv)
+            if spans is None:  # the markers do not give one run per assistant turn: find the turns by prefixes
+                ids, spans = self._prefix(conv, wanted)
         else:
             ids, spans = self._prefix(conv, wanted)
         mask = np.zeros(len(ids), np.uint8)
-        if loss_on == "all":
-            mask[:] = 1
-            return ids, mask, {"untrained_turns": 0}
         untrained = 0
         for k in wanted:
             span = spans.get(k)
@@ -226,7 +228,7 @@ class ChatEncoder:
             ids += self.tok.encode("\n")
         return ids, spans
 
-    def _markers(self, conv: list[dict]) -> tuple[list[int], dict]:
+    def _markers(self, conv: list[dict]) -> tuple[list[int], dict | None]:
         try:
             out = self.hf.apply_chat_template(conv, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
         except Exception as e:
@@ -236,6 +238,8 @@ class ChatEncoder:
         edges = np.flatnonzero(np.diff(np.concatenate([[0], m, [0]])))
         runs = list(zip(edges[::2].tolist(), edges[1::2].tolist()))
         turns = [k for k, msg in enumerate(conv) if msg["role"] == "assistant"]
+        if len(runs) != len(turns) or ids != self._render(conv):  # merged or missing runs; another tokenization
+            return ids, None
         return ids, dict(zip(turns, runs))
 
     def _trim(self, turn: list[int], a: int, b: int) -> int:

@@ -282,7 +282,8 @@ def _batches(units: list[Unit], fields: Fields, start: tuple[int, int], batch_do
     for u in range(start[0], len(units)):
         for row, item in iter_rows(units[u], fields, start[1] if u == start[0] else 0):
             batch.append((u, row, item))
-            size += len(item) if isinstance(item, bytes) else len(item[0]) if isinstance(item[0], str | list) else 0
+            size += len(item) if isinstance(item, bytes) else len(item[0]) if isinstance(item[0], str | list) \
+                else len(str(item[0]))  # a columnar chat row: its rendering's size, roughly
             if len(batch) >= batch_docs or size >= BATCH_BYTES:
                 yield batch
                 batch, size = [], 0

@@ -219,3 +219,13 @@ def test_sft_stage_tasks_plain_or_chat(tmp_path):
     assert parse_tasks({"passkey": 0.1, "chat": True}) == {"passkey": 0.1}
     with pytest.raises(ValueError, match="chat must be true or false"):
         parse_tasks({"passkey": 0.1, "chat": "yes"})
+
+
+def test_cli_chat_rows_need_a_tokenizer(tmp_path, capsys):
+    """scripts/prepare_data.py: chat rows without a tokenizer stop with one line (exit 2), naming file and line."""
+    from data.prepare_data import main
+
+    chats = _jsonl(tmp_path / "c.jsonl", [{"messages": CONV}])
+    assert main(["--input", chats, "--output", str(tmp_path / "o"), "--vocab_size", "100", "--workers", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "c.jsonl:1: a text or chat document needs a tokenizer" in err[0]
