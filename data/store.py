@@ -30,7 +30,8 @@ from base.atomic import atomic_write, fsync_path
 MANIFEST = "manifest.json"
 FORMAT = "ulysses-longtrain/prepared-v1"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
-                   "vocab.json", "merges.txt", "vocab.txt")
+                   "vocab.json", "merges.txt", "vocab.txt",
+                   "chat_template.jinja", "chat_template.json")  # the template renders chat rows (data/chat.py)
 
 
 def is_prepared(path: str | None) -> bool:

@@ -229,3 +229,21 @@ def test_cli_chat_rows_need_a_tokenizer(tmp_path, capsys):
     assert main(["--input", chats, "--output", str(tmp_path / "o"), "--vocab_size", "100", "--workers", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "c.jsonl:1: a text or chat document needs a tokenizer" in err[0]
+
+
+def test_chat_template_is_part_of_the_tokenizer_identity(tmp_path):
+    """transformers saves the template as chat_template.jinja: a folder whose template changed after the data was
+    prepared is not the tokenizer the masks were computed with, and the run says so in one line."""
+    from data.pipeline import open_run_data
+    from data.store import tokenizer_identity
+
+    tok = build_tokenizer(str(tmp_path / "tok"), "qwen25")
+    chats = _jsonl(tmp_path / "c.jsonl", [{"messages": CONV}] * 40)
+    out = str(tmp_path / "prep")
+    prepare([chats], out, tok, workers=0, log=lambda _: None)
+    before = tokenizer_identity(tok)
+    with open(os.path.join(tok, "chat_template.jinja"), "a") as fh:
+        fh.write("{# edited #}")
+    assert tokenizer_identity(tok) != before
+    with pytest.raises(ValueError, match="is not the tokenizer"):
+        open_run_data(out, tok, 1000, [_stage(0, 64, "sft")], reset_position_ids=True)
