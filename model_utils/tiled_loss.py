@@ -150,7 +150,8 @@ def _forward_with_tiled_loss(self, *args, tiled_loss_labels: torch.Tensor | None
     if eval_stats:
         return _stats(lm_head, hidden, tiled_loss_labels, tiles, eval_buckets)
     tied = lm_head.weight is self.get_input_embeddings().weight
-    return TiledCrossEntropySum.apply(hidden, tiled_loss_labels, lm_head, tiles, tied, tiled_loss_weights)
+    weights = () if tiled_loss_weights is None else (tiled_loss_weights,)  # unweighted: the 5-argument call as before
+    return TiledCrossEntropySum.apply(hidden, tiled_loss_labels, lm_head, tiles, tied, *weights)
 
 
 def install_loss_forward(model) -> None:
