@@ -79,6 +79,14 @@ def test_prepare_resume_keeps_masks(tmp_path):
     key = ("tokens", "mask", "n_tokens", "crc32_tokens", "crc32_mask", "crc32_lens")
     assert [[c[k] for k in key] for c in resumed["chunks"]] == [[c[k] for k in key] for c in whole["chunks"]]
     assert resumed["supervised_tokens"] == whole["supervised_tokens"] > 0
+    mask = b / resumed["chunks"][1]["mask"]  # --verify reads the masks too; a truncated one is refused on open
+    raw = bytearray(mask.read_bytes())
+    raw[5] ^= 1
+    mask.write_bytes(bytes(raw))
+    assert Prepared(str(b)).verify() == [str(mask)]
+    mask.write_bytes(bytes(raw[:-1]))
+    with pytest.raises(ValueError, match="not .* bytes as the manifest says"):
+        Prepared(str(b))
 
 
 def _store(docs):
