@@ -264,12 +264,17 @@ class RunData:
         dataset = TaskMixDataset(dataset, list(tasks), self.tokenizer, stage.max_seq_length, seed + stage.index, chat)
         return dataset, TaskMixSampler(sampler, dataset, tasks, dp, dp_rank, micro_batch)
 
-    def heldout(self, seq_len: int, n: int) -> list[dict[str, np.ndarray]]:
+    def heldout(self, seq_len: int, n: int, sft: bool = False) -> list[dict[str, np.ndarray]]:
         """The first `n` held-out samples at `seq_len`: the same documents, in the same order, at every stage; each
         sample starts at a document's start where one leaves room (`sample_starts`), so its position buckets
-        measure growing context."""
+        measure growing context. With `sft` (an SFT stage's evaluation) the held-out conversations packed whole, as
+        the stage trains (ConvPack)."""
         p, held = self.prepared, self.held
         starts, lens = p.starts[held] + self.cut[held], p.lens[held] - self.cut[held]
+        if sft:
+            keep = lens > 0
+            pack = ConvPack(p.tokens, self.mask, starts[keep], lens[keep], seq_len, self.pad_id)
+            return [pack[i] for i in range(min(n, len(pack)))]
         at = np.concatenate([[0], np.cumsum(lens)])  # where each held-out document begins, laid end to end
         out = []
         for o in sample_starts(lens, seq_len, n):

@@ -161,6 +161,12 @@ def test_sft_stage_in_the_run(tmp_path, capsys):
     for s in data.heldout(256, 1):  # held-out samples score the targets only, as training does
         sup = s["shift_labels"] != -100
         assert 0 < sup.sum() < 0.5 * len(sup)
+    conv = data.heldout(256, 2, sft=True)  # an SFT stage's: whole held-out conversations, as it trains
+    d0 = int(data.held[0])  # the first held-out conversation, whole, at the start of the first sample
+    first = p.tokens.read(int(p.starts[d0]), int(p.starts[d0] + p.lens[d0]))
+    assert len(conv) == 2 and conv[0]["input_ids"][:len(first)].tolist() == first.tolist()
+    assert conv[0]["position_ids"][len(first)] == 0
+    assert all((s["shift_labels"][np.flatnonzero(s["position_ids"] == 0)[1:] - 1] == -100).all() for s in conv)
     n_target = sum(int(m[1:].sum()) for s, m in targets.items() if data.cut[np.searchsorted(p.starts, s)])
     assert sum(int((ds[i]["shift_labels"] != -100).sum()) for i in range(len(ds))) == n_target
     text = tmp_path / "text.jsonl"
