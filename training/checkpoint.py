@@ -53,7 +53,6 @@ import contextlib
 import json
 import os
 import random
-import shutil
 import time
 from dataclasses import dataclass
 
@@ -219,7 +218,7 @@ class Checkpointer:
         tag = tag_for(step)
         path = os.path.join(self.root, tag)
         if rank == 0 and os.path.exists(path):  # a partial leftover of a killed run at this same step
-            shutil.rmtree(path)
+            self.trash.discard(path)  # out of the way at once; deleted in the background
         comm.barrier()
         os.makedirs(os.path.join(path, "state"), exist_ok=True)  # every rank: no rank relies on another's mkdir
         written: dict[str, dict] = {}

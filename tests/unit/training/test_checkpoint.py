@@ -535,3 +535,16 @@ def test_finish_with_a_timeout_commits_only_a_durable_write(tmp_path, monkeypatc
     gate.open.set()
     path, _ = ck.finish(timeout_s=30)
     assert path.endswith(tag_for(2)) and ck.pending is None and ck.verify(path) is None
+
+
+def test_a_partial_leftover_at_the_same_step_is_moved_aside_not_loaded(tmp_path):
+    """A killed run's partial folder at the step being saved again leaves through the trash (deleted in the
+    background) and the new save commits in its place."""
+    ck = Checkpointer(str(tmp_path), keep=2)
+    partial = tmp_path / "checkpoints" / tag_for(5)
+    (partial / "state").mkdir(parents=True)
+    (partial / "state" / "rank00007.pt").write_bytes(b"old")
+    path = save(ck, 5)
+    assert not (partial / "state" / "rank00007.pt").exists() and ck.verify(path) is None
+    ck.close(timeout_s=30)
+    assert list((tmp_path / "checkpoints" / ".trash").iterdir()) == []
