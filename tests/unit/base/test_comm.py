@@ -596,3 +596,78 @@ sys.exit(run_job(lambda: (comm.open_channel(), print("started", flush=True), 0)[
     assert proc.returncode == 2 and "started" not in proc.stdout, (proc.returncode, proc.stdout, proc.stderr[-2000:])
     assert "Traceback" not in proc.stderr and len(errors) == 1, proc.stderr[-2000:]
     assert "may open only 64 file descriptors" in errors[0] and "needs 320" in errors[0], errors
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as fh:
+            return [int(c) for c in fh.read().split()]
+    except OSError:
+        return []
+
+
+@pytest.mark.slow  # fast sibling: test_a_suspended_job_goes_on_whatever_the_order_of_sigcont (the same orders, fake clock)
+def test_sigstop_and_sigcont_of_whole_process_groups_in_any_order():
+    """Three real ranks (tests/workers/channel_rank.py: the real channel, STALL_S 5 s), each in its own process group
+    with its heartbeat process. Stopped together for 2 x STALL_S and resumed rank 0 first (its peers 3 s later: 15
+    of its polls), then rank 0 last (its peers 2 s earlier; rank 1's heartbeat process 1 s after rank 1): nobody
+    exits (before: rank 0, or the others, declared a peer dead at once). Then rank 2 alone stays stopped: ranks 0
+    and 1 exit 69 after STALL_S."""
+    import signal
+    import sys
+    import time
+
+    from bench.control_plane import _numeric_names
+    from tests.distributed import free_port
+
+    env = dict(os.environ, WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               TORCH_CPP_LOG_LEVEL="FATAL")
+    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    preload = _numeric_names()  # this machine's resolver stalls connects 5 s (bench/control_plane.py)
+    if preload:
+        env["LD_PRELOAD"] = preload
+    worker = os.path.join(ROOT, "tests/workers/channel_rank.py")
+    ranks = [subprocess.Popen([sys.executable, worker, "120"], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                              stdout=subprocess.PIPE, text=True, start_new_session=True) for r in range(3)]
+    try:
+        for p in ranks:
+            assert p.stdout.readline().strip() == "joined"
+        time.sleep(1)
+
+        def signal_group(r, sig):
+            os.killpg(ranks[r].pid, sig)
+
+        stall = 5.0
+        for r in (0, 1, 2):  # suspended, rank 0 resumed first
+            signal_group(r, signal.SIGSTOP)
+        time.sleep(2 * stall)
+        signal_group(0, signal.SIGCONT)
+        time.sleep(3.0)
+        signal_group(1, signal.SIGCONT)
+        signal_group(2, signal.SIGCONT)
+        time.sleep(2 * stall)
+        assert [p.poll() for p in ranks] == [None, None, None]
+        for r in (2, 1, 0):  # suspended, rank 0 resumed last; rank 1's heartbeat process after rank 1
+            signal_group(r, signal.SIGSTOP)
+        time.sleep(2 * stall)
+        os.kill(ranks[1].pid, signal.SIGCONT)
+        signal_group(2, signal.SIGCONT)
+        time.sleep(1.0)
+        for child in _children(ranks[1].pid):
+            os.kill(child, signal.SIGCONT)
+        signal_group(1, signal.SIGCONT)
+        time.sleep(1.0)
+        signal_group(0, signal.SIGCONT)
+        time.sleep(2 * stall)
+        assert [p.poll() for p in ranks] == [None, None, None]
+        signal_group(2, signal.SIGSTOP)  # rank 2 alone: truly silent
+        t0 = time.monotonic()
+        codes = [ranks[0].wait(timeout=30), ranks[1].wait(timeout=30)]
+        assert codes == [EXIT_PEER_LOST, EXIT_PEER_LOST] and stall <= time.monotonic() - t0 <= stall + 10
+    finally:
+        for p in ranks:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            p.wait()
