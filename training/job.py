@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable
 
 from base.exits import EXIT_FAILED, EXIT_OK, EXIT_PEER_LOST, EXIT_PREEMPTED, EXIT_USAGE  # noqa: F401 -- the table: base/exits.py
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout: "our own code" lives below it
 
 
