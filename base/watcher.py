@@ -16,8 +16,11 @@ the store, and a launcher kills a failed rank's node-mates (rank 0 among them) a
 so without that wait the others would find the store gone ("unreachable", LOST_STORE_S later) instead of the
 reason. A rank that dies without a word (SIGKILL, SIGSTOP, node loss) stops its heartbeat: rank 0 declares it
 failed after `STALL_S`; every other rank does the same for rank 0, and takes a store that stays unreachable for
-`LOST_STORE_S` (rank 0's process gone) as a failure. A rank that has not joined yet (its node still starting) is
-left to the rendezvous' own timeout. Clean exits (0, and 75 after a committed preemption save) first leave the
+`LOST_STORE_S` (rank 0's process gone) as a failure. A rank that has not joined yet (its node still starting:
+"0") is not silent; one still missing START_WAIT_S after the watcher started (stuck on a hung mount before
+train.py's first line, a node never launched) ends the job with EXIT_PEER_LOST, named with its node's host where
+a node-mate arrived; a rank whose store never answers its first connection exits the same way (base/comm.py).
+Clean exits (0, and 75 after a committed preemption save) first leave the
 channel (`leave`): the rank marks itself done and stops its watcher, and rank 0, which hosts the store, waits for
 the others' marks before it goes, so no rank ever sees the store vanish under a clean exit.
 
@@ -30,10 +33,31 @@ that adapts to measured step times: the first optimizer step has no measurement 
 death, SIGSTOP and node loss, and costs one fork (copy-on-write pages, no import) and one `add` per POLL_S.
 What it gives up: a rank hung with the GIL held forever is no longer "silent" (the collective timeout still
 ends it); a busy rank is never declared dead. The watcher thread itself may still be starved: it then reads an
-abort late, by at most the GIL hold. The watcher says its line on stderr first and writes the rank log (on
-the shared file system, which may be what broke) for at most LOG_WRITE_S before it exits.
-Cost: two `add`s and one `multi_get` per rank per `POLL_S`: at Llama-3-8B on 32 ranks, 48 store requests/s on
-rank 0's store server (rank 0's multi_get carries 33 small keys), nothing on the GPU or the training group.
+abort late, by at most the GIL hold. Before its hard exit the watcher says its line on stderr for at most SAY_S
+(stderr may be a full pipe into slurm-%j.out on a hung file system: an unbounded write would block os._exit) and
+writes the rank log (on the shared file system, which may be what broke) for at most LOG_WRITE_S.
+
+A suspended job goes on: `scontrol suspend` and gang scheduling SIGSTOP every process and SIGCONT them later, node
+by node, in any order; the monotonic clock runs on meanwhile. A watcher that wakes SUSPENDED_S late (it was
+stopped, or starved) restarts its peers' stall clocks, the store's grace and the start-up wait (`poll`).
+
+What a user waits, with the defaults:
+| event | every rank stops after | exit |
+|---|---|---|
+| a rank posts its failure (an exception, a failed check) | POLL_S (2 s; 1.9 s max over 510 ranks measured) | its code |
+| a rank or node goes silent (SIGKILL, SIGSTOP alone, node lost) | STALL_S (60 s; 60.1 s measured) + POLL_S | 69 |
+| rank 0's process (the store) gone | LOST_STORE_S (20 s) + up to STORE_OP_TIMEOUT_S (10 s) | 69 |
+| a rank never arrives at the store | START_WAIT_S (300 s) after the watcher started | 69 |
+| the store never answers a rank's first connection | START_WAIT_S (300 s) | 69 |
+| the store's host cannot hold 3 descriptors per rank | at once, one line, before any work | 2 |
+| the whole job suspended and resumed | never (a rank still silent after the resume: STALL_S) | - |
+(measured: bench/control_plane.py, docs/results/control_plane.md.)
+
+Cost at 512 ranks (64 nodes x 8 GPUs): per rank two `add`s and one `multi_get` per POLL_S (rank 0's carries 513
+keys): 768 store requests/s on the store's server, measured 2% of one core on this 2-core machine with 512
+watcher and heartbeat threads beside it; 3 x 512 connections + the server's own: 1555 descriptors open, 1664
+budgeted (STORE_FDS_*), past the common soft limit of 1024, which base/comm.py raises; the abort reaches every
+rank in under POLL_S; nothing on the GPU or the training group. At 32 ranks: 48 requests/s.
 
 base/comm.py creates the stores and calls this module; this module never touches the process group.
 """
