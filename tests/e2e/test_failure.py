@@ -331,8 +331,11 @@ def test_node_0_whose_every_python_fails_ends_every_node_under_slurm(tmp_path):
     try:
         text = job.communicate(timeout=300)[0]
     finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
+        if job.poll() is None:  # every process of the job: the nodes' launchers run in process groups of their own
+            import psutil
+
+            for p in [psutil.Process(job.pid), *psutil.Process(job.pid).children(recursive=True)]:
+                p.kill()
     took = time.time() - t0
     assert job.returncode == 1 and requeues(tmp_path) == [], text[-4000:]
     assert "the job's store did not start on 127.0.0.1" in text and "node 0 (127.0.0.1) exited 1 first" in text, text
