@@ -37,6 +37,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -53,7 +54,7 @@ TINY = dict(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_ke
             max_position_embeddings=1 << 16, rope_theta=10000.0)
 K = 1024
 # (length, steps) of the throughput rungs; the dry run's stand-ins keep the shape of the plan at CPU sizes
-THROUGHPUT = {"gpu": [(64 * K, 3), (128 * K, 3), (256 * K, 2)], "dry": [(256, 2), (512, 1), (1024, 1)]}
+THROUGHPUT = {"gpu": [(64 * K, 3), (128 * K, 3), (256 * K, 2)], "dry": [(256, 2), (1024, 1)]}
 LADDER_STEP = {"gpu": 64 * K, "dry": 512}
 LEANEST = {"tiled_mlp": True, "tiled_logits": True, "gradient_checkpointing": True, "offload_activations": True}
 OFFLOADS = {"zero_optimization": {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}}
@@ -111,6 +112,277 @@ def peak_tflops(device_name: str, given: float | None) -> float | None:
     if given:
         return given
     return next((v for k, v in PEAK_TFLOPS.items() if k in device_name), None)
+
+
+# --- 0. issue 43: one step at 1M tokens, per phase, against the planner --------------------------------------
+
+LONG = {"gpu": 1 << 20, "dry": 2048}  # T = 1,048,576: T x h = 2^32 elements, past int32 indexing (ALST's 555K stop)
+LONG_LAYERS = 2  # one layer checkpointed (its recompute) and one that keeps its activations (checkpoint_every 2)
+PLAN_GPU_GB = 80.0  # the card plan.py --compare and the issue plan for; the run's own rule: (80 - 2) x 0.9 usable
+# the gap near the cap: auto at a budget whose usable memory IS the cap (budget = cap / 0.9 + 2), at the shortest
+# of these lengths where auto's predicted peak is within GAP_NEAR of the cap (2 layers at 256k: 77.2 of 78.5 GiB)
+GAP_LENGTHS = {"gpu": [256 * K, 320 * K, 384 * K, 512 * K, 640 * K], "dry": [1024, 1536, 2048]}
+GAP_NEAR = 0.95
+FLAG = 0.10  # measured / planner outside 1 +- this: flagged on the page as the planner's next fix
+# dry: the CPU stand-in pins what makes every probe path run (a recomputed layer, the tiled MLP, 2 head chunks)
+DRY_PINS = {"checkpoint_every": 2, "tiled_mlp": True}
+INDEX_ERRORS = r"illegal memory access|invalid configuration argument|numel|int32|2\^31|2147483647|overflow|" \
+               r"CUDA error|cuDNN error|CUBLAS_STATUS|index out of bounds|device-side assert"
+
+
+def engagement(records: list[dict]) -> dict | None:
+    """HOOK for issue 43's per-step engagement counters (chunked attention, norm-output recompute, tiled MLP and
+    logits, checkpoint offload), which model_utils/training add to metrics.jsonl: every key of a step record
+    whose name holds "engag" and every record with event "engagement" (the last of each kept), None while the
+    train.py under test logs none. The page lists them as logged, beside what the plan counted."""
+    found: dict = {}
+    for r in records:
+        if r.get("event") == "engagement":
+            found.update({k: v for k, v in r.items() if k not in ("event", "time")})
+        found.update({k: v for k, v in r.items() if "engag" in k.lower() and k != "event"})
+    return found or None
+
+
+def _features_of(choice: dict):
+    from planner.memory_model import Features
+
+    return Features(tiled_mlp=bool(choice.get("tiled_mlp")), tiled_logits=bool(choice.get("tiled_logits")),
+                    checkpoint_every=int(choice.get("checkpoint_every") or 0),
+                    offload_activations=bool(choice.get("offload_activations")),
+                    keep_attention=bool(choice.get("keep_attention")),
+                    attention_head_chunks=int(choice.get("attention_head_chunks") or 1),
+                    logits_tile_mb=int(choice.get("logits_tile_mb") or 0),
+                    offload_params=bool(choice.get("offload_params")),
+                    offload_optimizer=bool(choice.get("offload_optimizer")),
+                    lean_rmsnorm=bool(choice.get("lean_rmsnorm", True)), lean_mlp=bool(choice.get("lean_mlp", True)))
+
+
+def backward_terms(shape, tokens: int, b: int, f, flash: bool) -> dict:
+    """The three terms of which planner.memory_model.layer_activations' backward transient takes the largest (sp = 1):
+    attention's gradients, the MLP's, the RMSNorm's, each without the 3 [T, h] every layer's backward holds. Written
+    out here because the planner returns only their maximum; `consistent` says whether 3 [T, h] + their maximum is
+    still the planner's transient (False: the planner changed and this copy must follow)."""
+    import math
+
+    from planner import memory_model as mm
+
+    h, d, inter = shape.hidden_size, shape.head_dim, shape.intermediate_size
+    lean, lean_mlp = mm.lean_norm_applies(shape, f), mm.lean_mlp_applies(shape, f)
+    hid = tokens * h * b
+    _, q_loc, _ = mm.attention_split(shape, 1, 1)
+    chunks = f.attention_head_chunks
+    if chunks > 1:
+        attn = mm.chunked_attention_bytes(shape, tokens, 1, b, 1, chunks, flash)[1]
+    else:
+        attn = mm.attention_tensor_bytes(shape, tokens, 1, b, 1) + tokens * q_loc * d * 4
+        attn += mm.gqa_expanded_grad_bytes(shape, tokens, 1, b, 1) if flash else 0
+    kept = 3 if lean_mlp else 4
+    mlp_saved = 0 if f.tiled_mlp else kept * tokens * inter * b
+    rows = math.ceil(tokens / mm.mlp_tiles(tokens, h)) if f.tiled_mlp else tokens
+    mlp = ((kept + (3 if lean_mlp else 2)) if f.tiled_mlp else 2) * rows * inter * b
+    if f.tiled_mlp:
+        mlp += hid + (rows * h * b if lean else 0)
+    norm_rows = mm.norm_chunk_rows(tokens, h) if lean else tokens
+    norm = (hid if lean else 0) + 5 * norm_rows * h * 4 - mlp_saved
+    saved, transient = mm.layer_activations(shape, tokens, 1, b, f.tiled_mlp, lean, lean_mlp, 1, chunks, flash=flash)
+    return {"attention": attn, "mlp": mlp, "norm": norm, "grads_3u": 3 * hid, "saved": saved,
+            "transient": transient, "consistent": 3 * hid + max(attn, mlp, norm) == transient}
+
+
+def planner_phases(model, length: int, choice: dict, device: str) -> dict:
+    """The planner's figures for the run's own configuration (its memory_choice record), absolute bytes as
+    max_memory_allocated reads them: resident R (sum of Estimate.gpu) + the phase. Per decoder layer i:
+    a checkpointed one (i % K == 0) runs `recompute` (R + the recompute phase less the backward transient: the
+    layer's saved tensors), then its `mlp_backward` / `attention_backward` (that + 3 [T, h] + the MLP's / attention's
+    term); a layer that kept its activations the same without the recompute part. `phase` is what the planner
+    commits to for the layer (R + its phase: the largest term); `logits` R + the logits phase; `step` the peak.
+    Host: the pinned blocks (ZeRO-3's flat parameter and fp32 gradient buffers with pin_memory, offloaded
+    checkpoints: as the caching host allocator rounds them) and every host term."""
+    from planner.memory_model import estimate, load_shape
+
+    shape = load_shape(model) if isinstance(model, str) else model  # a model folder or a ModelShape
+    f = _features_of(choice)
+    b = 2 if device == "cuda" else 4
+    est = estimate(shape, length, 1, 1, f, "bf16" if b == 2 else "fp32", device=device, pinned_offloads=True)
+    terms = backward_terms(shape, est.tokens_per_rank, b, f, flash=device == "cuda")
+    R = sum(est.gpu.values())
+    ph = est.gpu_phases
+    every = f.every
+    layers = {}
+    for i in range(shape.num_layers):
+        ckpt = bool(every) and i % every == 0
+        phase = ph["layer working set (recompute+backward)"] if ckpt else ph["layer working set (backward)"]
+        extra = phase - terms["transient"] if ckpt else 0
+        base = R + extra + terms["grads_3u"]
+        layers[i] = {"checkpointed": ckpt, "phase": R + phase, "mlp_backward": base + terms["mlp"],
+                     "attention_backward": base + terms["attention"]}
+        if ckpt:
+            layers[i]["recompute"] = R + extra
+    pinned_names = ("params (partition)", "grads fp32 (partition)", "activation checkpoints")
+    return {"resident": R, "resident_terms": dict(est.gpu), "phases": dict(ph), "layers": layers,
+            "logits": R + ph["logits + loss"], "step": est.gpu_peak, "peak_phase": est.peak_phase,
+            "terms": terms, "host_terms": dict(est.cpu_per_rank), "host": sum(est.cpu_per_rank.values()),
+            "pinned": sum(v for k, v in est.cpu_per_rank.items() if k in pinned_names) if device == "cuda" else 0}
+
+
+def read_probe(path: str) -> list[dict]:
+    """The rank's records of bench/gpu_probe.py (the process that recorded a layer's forward; the subprocesses a
+    rank starts inherit the hooks and leave a record or two), in the order written."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as fh:
+        recs = [json.loads(ln) for ln in fh if ln.strip()]
+    ranks = [r.get("pid") for r in recs if r["phase"] == "forward"]
+    return [r for r in recs if r.get("pid") == ranks[0]] if ranks else []
+
+
+def _ratio(measured, predicted) -> dict:
+    if not measured or not predicted:
+        return {"measured_gib": round(measured / GiB, 3) if measured else None,
+                "planner_gib": round(predicted / GiB, 3) if predicted else None, "ratio": None, "flag": False}
+    r = measured / predicted
+    return {"measured_gib": round(measured / GiB, 3), "planner_gib": round(predicted / GiB, 3), "ratio": round(r, 3),
+            "flag": abs(r - 1) > FLAG}
+
+
+def compare(probe: list[dict], plan: dict, n_layers: int) -> dict:
+    """Measured per phase (the probe's records) against planner_phases: rows for the page, flags past FLAG."""
+    rows = []
+    for rec in probe:
+        if rec["phase"] in ("recompute", "mlp_backward", "attention_backward") and rec["layer"] in plan["layers"]:
+            lay = plan["layers"][rec["layer"]]
+            row = {"phase": rec["phase"], "layer": rec["layer"], "reserved_gib": round(rec["reserved"] / GiB, 3),
+                   "gap_gib": round((rec["reserved"] - rec["peak"]) / GiB, 3),
+                   "incl_gib": round(rec["peak_incl"] / GiB, 3), **_ratio(rec["peak"], lay.get(rec["phase"])),
+                   "planner_phase_gib": round(lay["phase"] / GiB, 3)}
+            rows.append(row)
+        elif rec["phase"] == "forward":
+            rows.append({"phase": "forward", "layer": rec["layer"], "reserved_gib": round(rec["reserved"] / GiB, 3),
+                         "gap_gib": round((rec["reserved"] - rec["peak"]) / GiB, 3),
+                         "incl_gib": round(rec["peak_incl"] / GiB, 3), **_ratio(rec["peak"], None)})
+    logits = next((r for r in probe if r["phase"] == "between" and r["after"] == f"close forward L{n_layers - 1}"),
+                  None)
+    if logits:
+        rows.append({"phase": "logits", "layer": -1, "reserved_gib": round(logits["reserved"] / GiB, 3),
+                     "gap_gib": round((logits["reserved"] - logits["peak"]) / GiB, 3),
+                     "incl_gib": round(logits["peak"] / GiB, 3), **_ratio(logits["peak"], plan["logits"])})
+    last = probe[-1] if probe else {}
+    step = {**_ratio(last.get("step_peak"), plan["step"]),
+            "reserved_gib": round(last.get("step_reserved", 0) / GiB, 3),
+            "gap_gib": round((last.get("step_reserved", 0) - last.get("step_peak", 0)) / GiB, 3)}
+    pinned = (last.get("pinned") or {}).get("allocated_bytes.current")
+    host = {"pinned": _ratio(pinned, plan["pinned"]) | {"stats": last.get("pinned") or {}},
+            "rss": _ratio(last.get("rss"), plan["host"] + 2 * GiB) | {"note": "planner host terms + 2 GiB runtime "
+                                                                           "(plan.py --cpu_overhead_gb)"}}
+    errors = sorted({e for r in probe for e in r.get("errors", [])})
+    flags = [f"{r['phase']} L{r['layer']}" for r in rows if r["flag"]] + (["step"] if step["flag"] else []) + \
+        (["pinned"] if host["pinned"]["flag"] else [])
+    return {"rows": rows, "step": step, "host": host, "probe_errors": errors, "flags": flags}
+
+
+def long_run(rec: Record, name: str, model: str, device: str, dry: bool, cap_gib: float, work: str,
+             length: int, gpu_mem_gb: float, timeout: float) -> dict:
+    """One train.py launch of one step at `length` under memory_features auto (the run's own start-up choice at
+    gpu_mem_gb, or on the CPU stand-in DRY_PINS under a 8 GiB cap), the probe in its rank; the per-phase figures
+    against the planner's for the configuration the run chose."""
+    out = os.path.join(work, name)
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
+    cfg = os.path.join(work, f"{name}.yaml")
+    pins = f"memory_features: {json.dumps(DRY_PINS)}, " if dry else ""
+    with open(cfg, "w") as fh:
+        fh.write(f"stages:\n  - {{name: {name}, max_seq_length: {length}, max_steps: 1, {pins}"
+                 "eval: {passkey_trials: 0, heldout_samples: 0}}\n")
+    probe_path = os.path.join(work, f"{name}.phases.jsonl")
+    for p in (probe_path + ".rank0",):
+        if os.path.exists(p):
+            os.remove(p)
+    env = bm.bench_env(device)
+    env.update(BENCH_GPU_PHASES=probe_path,
+               PYTHONPATH=os.pathsep.join([os.path.join(bm.ROOT, "bench", "gpu_site"), env["PYTHONPATH"]]))
+    if not dry:
+        env["BENCH_GPU_CAP_GIB"] = str(cap_gib)
+    budget = ["--mem_cap_gb", "8", "--attention_head_chunks", "2"] if dry else ["--gpu_mem_gb", str(gpu_mem_gb)]
+    cmd = [*bm.launcher(), "--num_gpus", "1", "--master_port", str(bm.free_port()), "train.py", "--config", cfg,
+           "--model_name_or_path", model, "--sequence_parallel_size", "1", "--output_dir", out,
+           "--report_to", "none", "--no-export_hf", "--save_steps", "0", "--resume", "none", "--no-progress_bar",
+           "--learning_rate", "1e-5", "--warmup_steps", "0", "--reset_position_ids", "no",
+           "--memory_features", "auto", *budget, "--dist_timeout_s", "600"]
+    log = os.path.join(work, f"{name}.log")
+    rec.say(f"{name}: {length:,} tokens, {os.path.basename(model)}, launch (timeout {timeout:.0f} s)")
+    code, wall = bm.launch(cmd, env, log, max(timeout, 30))
+    records = bm.read_metrics(out)
+    steps = bm.read_steps(out, records)
+    choice = next((r for r in records if r.get("event") == "memory_choice"), None)
+    probe = read_probe(probe_path + ".rank0")
+    with open(log, errors="replace") as fh:
+        text = fh.read()
+    result = {"model": os.path.basename(model), "length": length, "cap_gib": cap_gib, "gpu_mem_gb": gpu_mem_gb,
+              "budget_args": " ".join(budget),
+              "exit_code": code, "wall_s": round(wall, 1), "steps_done": len(steps), "memory_choice": choice,
+              "engagement": engagement(records), "probe_records": len(probe)}
+    if steps:
+        result["step_s"] = round(steps[0]["seq_len"] / steps[0]["tokens_per_s"], 2)
+    if code != 0 or not steps:
+        fail = bm.launch_failure(log)
+        result.update(error=fail["error"], log_tail=fail["log_tail"],
+                      oom=bool(re.search(r"OutOfMemoryError|CUDA out of memory", text)),
+                      time_limit=code == -9)
+    # the index-overflow class (T x h = 2^32 at 1M): any kernel error text, whether or not the run survived it
+    result["kernel_errors"] = sorted({ln.strip()[:300] for ln in text.splitlines()
+                                      if re.search(INDEX_ERRORS, ln) and re.search(r"Error|error|assert|failed", ln)
+                                      and "Warning" not in ln})[:10]
+    if choice:
+        plan = planner_phases(model, length, choice, device)
+        result["planner"] = {"resident_gib": round(plan["resident"] / GiB, 3), "step_gib": round(plan["step"] / GiB, 3),
+                             "peak_phase": plan["peak_phase"], "predicted_peak_gb": choice.get("predicted_peak_gb"),
+                             "phases_gib": {k: round(v / GiB, 3) for k, v in plan["phases"].items()},
+                             "terms_gib": {k: (round(v / GiB, 3) if not isinstance(v, bool) else v)
+                                           for k, v in plan["terms"].items()},
+                             "host_terms_gib": {k: round(v / GiB, 3) for k, v in plan["host_terms"].items()},
+                             "pinned_gib": round(plan["pinned"] / GiB, 3)}
+        if probe:
+            result.update(compare(probe, plan, load_layers(model)))
+    for row in result.get("rows", []):
+        rec.say(f"  {row['phase']:<19} L{row['layer']:<2} allocated {row['measured_gib']} GiB (planner "
+                f"{row['planner_gib']}, x{row['ratio']}{' FLAG' if row['flag'] else ''}) reserved {row['reserved_gib']}")
+    if "step" in result:
+        rec.say(f"  step peak {result['step']['measured_gib']} GiB vs planner {result['step']['planner_gib']}; "
+                f"pinned {result['host']['pinned']['measured_gib']} vs {result['host']['pinned']['planner_gib']}; "
+                f"flags: {result['flags'] or 'none'}")
+    if result.get("error"):
+        rec.say(f"  {name} failed: {result['error']}")
+    return result
+
+
+def load_layers(model: str) -> int:
+    from planner.memory_model import load_shape
+
+    return load_shape(model).num_layers
+
+
+def gap_length(model: str | None, dry: bool, cap_gib: float, left: float, shape=None) -> tuple[int, float] | None:
+    """(length, gpu_mem_gb) of the gap run: the budget whose usable memory is the cap (cap / 0.9 + 2 GiB), the
+    shortest GAP_LENGTHS entry where auto's predicted peak reaches GAP_NEAR of the cap and whose predicted step
+    (twice, + 90 s of start-up) fits the time left. None when none does. The dry run plans the GPU's (the real
+    shape, arithmetic only) and launches its own tiny length."""
+    from planner import auto_features as af
+    from planner.memory_model import Features, ModelShape, load_shape
+
+    if shape is None:
+        shape = ModelShape.from_config(dict(LLAMA3_8B, num_hidden_layers=LONG_LAYERS, model_type="llama",
+                                            head_dim=128)) if dry else load_shape(model)
+    mem = cap_gib / (1 - af.HEADROOM) + af.GPU_RESERVED / GiB
+    off = Features(offload_params=True, offload_optimizer=True, lean_rmsnorm=True, lean_mlp=True)
+    for n in GAP_LENGTHS["gpu"]:
+        try:
+            c = af.choose(shape, n, 1, af.gpu_budget(mem), sp=1, offloads=off, device="cuda", precision="bf16",
+                          ranks_per_node=1, free_offloads=("offload_params", "offload_optimizer"))
+        except ValueError:
+            continue
+        if c.peak_bytes >= GAP_NEAR * cap_gib * GiB and (dry or c.step_s * 2 + 90 < left):
+            return (GAP_LENGTHS["dry"][0], 0.0) if dry else (n, round(mem, 3))
+    return None
 
 
 # --- 1. smoke ---------------------------------------------------------------------------------------------
@@ -308,7 +580,7 @@ def ladder(rec: Record, model: str, device: str, dry: bool, cap_gib: float, work
     kept = []
     for r in rungs:
         est = r["steps"] * flops(model, r["length"]) * 4 / 3 / (0.4 * (peak or 989.0) * 1e12) + (5 if dry else 15)
-        if dry or budget - est > 0 or r["kind"] == "throughput":
+        if dry or budget - est > 0 or r is rungs[0]:  # the first rung always: the launch's own check
             kept.append(r)
             budget -= est
     dropped = [r["length"] for r in rungs if r not in kept]
@@ -336,7 +608,7 @@ def ladder(rec: Record, model: str, device: str, dry: bool, cap_gib: float, work
     with open(log, errors="replace") as fh:
         text = fh.read()
     oom = bool(re.search(r"OutOfMemoryError|CUDA out of memory|out of memory", text))
-    result = {"model": os.path.basename(model), "cap_gib": cap_gib, "planner_longest_leanest": longest,
+    result = {"model": os.path.basename(model), "layers": load_layers(model), "cap_gib": cap_gib, "planner_longest_leanest": longest,
               "exit_code": code, "wall_s": round(wall, 1), "dropped_for_time": dropped, "rungs": []}
     for r in rungs:
         mine = [s for s in steps if s["seq_len"] == r["length"]]
@@ -383,9 +655,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--page", default=None, help="the results page (default docs/results/gpu.md; none in --dry)")
     p.add_argument("--budget_s", type=float, default=500.0, help="wall-clock seconds for all sections")
     p.add_argument("--cap_gib", type=float, default=78.5, help="GPU allocations allowed (an H100 80 GB)")
-    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--layers", type=int, default=LONG_LAYERS, help="decoder layers of the model every launch uses")
     p.add_argument("--peak_tflops", type=float, default=None, help="bf16 peak (default by device name)")
-    p.add_argument("--sections", default="smoke,parity,ladder")
+    p.add_argument("--sections", default="long,gap,parity,smoke,ladder", help="run in this order, each when the "
+                   "time left can hold it (the 1M step first: issue 43)")
     p.add_argument("--work", default="/tmp/bench_gpu")
     return p
 
@@ -415,9 +688,31 @@ def main(argv: list[str] | None = None) -> int:
             f"deepspeed {env['deepspeed']}, flash-attn {env['flash_attn']}")
     sections = args.sections.split(",")
     os.makedirs(args.work, exist_ok=True)
-    if "smoke" in sections and device == "cuda":
-        rec.put("smoke", smoke(rec, timeout=min(200.0, rec.left() - 260)))
-    if "parity" in sections:
+    kind = "dry" if args.dry else "gpu"
+    skipped = []
+
+    def model() -> str:  # one model for the long runs and the ladder: saved once (bf16, 3 GB at 2 layers)
+        return save_model(os.path.join(args.work, "models"), args.dry, args.layers)
+
+    def page_now():  # the page after every section too: a run cut off from outside keeps a readable page
+        if page:
+            with open(page, "w") as fh:
+                fh.write(render(rec.data))
+
+    if "long" in sections:
+        rec.put("long", guarded(rec, "long", lambda: long_run(
+            rec, "long", model(), device, args.dry, args.cap_gib, args.work, LONG[kind], PLAN_GPU_GB,
+            rec.left() - 15)))
+        page_now()
+    if "gap" in sections:
+        at = guarded(rec, "gap", lambda: gap_length(model(), args.dry, args.cap_gib, rec.left()))
+        if at:
+            rec.put("gap", guarded(rec, "gap", lambda: long_run(
+                rec, "gap", model(), device, args.dry, args.cap_gib, args.work, at[0], at[1], rec.left() - 15)))
+        else:
+            skipped.append("gap")
+        page_now()
+    if "parity" in sections and rec.left() > (0 if args.dry else 45):
         t0 = time.time()
         rows = guarded(rec, "parity", lambda: doc_parity(device)) or []
         for r in rows:
@@ -426,19 +721,31 @@ def main(argv: list[str] | None = None) -> int:
                     else f"FAILED {r['error']}"))
         rec.put("parity", rows)
         rec.put("parity_s", round(time.time() - t0, 1))
-    if "ladder" in sections:
+        page_now()
+    elif "parity" in sections:
+        skipped.append("parity")
+    if "smoke" in sections and device == "cuda" and rec.left() > 150:  # 117 s on an H200 (2026-11-26)
+        rec.put("smoke", smoke(rec, timeout=min(200.0, rec.left() - 20)))
+        page_now()
+    elif "smoke" in sections and device == "cuda":
+        skipped.append("smoke")
+    if "ladder" in sections and rec.left() > (0 if args.dry else 120):  # an engine build and a few steps
         def run_ladder():
-            model = save_model(os.path.join(args.work, "models"), args.dry, args.layers)
             peak = peak_tflops(env["device"], args.peak_tflops) if device == "cuda" else args.peak_tflops
-            return ladder(rec, model, device, args.dry, args.cap_gib, args.work, peak, rec.left() - 10)
+            return ladder(rec, model(), device, args.dry, args.cap_gib, args.work, peak, rec.left() - 10)
 
         rec.put("ladder", guarded(rec, "ladder", run_ladder))
-    if page:
-        with open(page, "w") as fh:
-            fh.write(render(rec.data))
+    elif "ladder" in sections:
+        skipped.append("ladder")
+    rec.put("skipped_for_time", skipped)
+    page_now()
     bad = [k for k in ("parity",) if any(not r["ok"] for r in rec.data.get(k) or [])]
     bad += [k.removesuffix("_error") for k in rec.data if k.endswith("_error")]
     bad += ["smoke"] if rec.data.get("smoke", {}).get("exit_code", 0) != 0 else []
+    for name in ("long", "gap"):  # the step must run (an out-of-memory step is a result: flagged, not a failure)
+        r = rec.data.get(name)
+        if r is not None and not r["steps_done"] and not r.get("oom"):
+            bad.append(name)
     lad = rec.data.get("ladder")
     if lad is not None and not (lad["rungs"] and lad["rungs"][0]["fits"] and all(r["fits"] or r["why"] == "out of memory"
                                                                       for r in lad["rungs"])):

@@ -12,6 +12,73 @@ def _feat(f: dict) -> str:
     return ", ".join(names) or "none"
 
 
+PHASE_NAMES = {"forward": "forward", "recompute": "recomputed forward", "mlp_backward": "MLP backward",
+               "attention_backward": "attention backward", "logits": "logits + loss (fwd and bwd)"}
+
+
+def _gib(v) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def _long(r: dict, title: str, what: str) -> list[str]:
+    """One long-length section (bench.gpu.long_run's record): the run, per-phase peaks against the planner, the
+    host memory, the engagement counters, the errors."""
+    lines = [f"## {title}", ""]
+    ch = r.get("memory_choice") or {}
+    feats = _feat({k: ch.get(k) for k in ("tiled_mlp", "tiled_logits", "checkpoint_every", "offload_activations",
+                                          "keep_attention")}) if ch else "?"
+    lines += [f"{what} Model `{r['model']}`, {r['length']:,} tokens, SP=1, bf16, `memory_features auto` with "
+              f"`{r.get('budget_args') or '--gpu_mem_gb ' + str(r['gpu_mem_gb'])}` (the run's own start-up choice), allocations capped at "
+              f"{r['cap_gib']} GiB. Launch exit {r['exit_code']}, {r['wall_s']} s"
+              + (f"; the step {r['step_s']} s." if r.get("step_s") else "; **no step finished**.")
+              + (f" Features: {feats}, {ch.get('attention_head_chunks')} head chunks, offload params "
+                 f"{ch.get('offload_params')}, optimizer {ch.get('offload_optimizer')}; predicted peak "
+                 f"{ch.get('predicted_peak_gb')} of {ch.get('budget_gb')} GiB budget." if ch else ""), ""]
+    if r.get("error"):
+        lines += [f"**Failed**: `{r['error']}`" + (" (out of memory)" if r.get("oom") else "")
+                  + (" (time limit)" if r.get("time_limit") else ""), ""]
+    lines += ["Kernel errors past 2^31 elements (T x h = 2^32 at 1M; the index-overflow class): "
+              + ("; ".join(f"`{e}`" for e in r["kernel_errors"]) if r.get("kernel_errors") else "none in the log."), ""]
+    if r.get("rows"):
+        lines += ["| phase | layer | max allocated GiB | planner GiB | measured / planner | max reserved GiB | "
+                  "reserved - allocated | planner's phase (the layer's largest term) |", "|---|---|---|---|---|---|---|---|"]
+        for x in r["rows"]:
+            ratio = "-" if x["ratio"] is None else (f"**{x['ratio']}** (the planner's next fix)" if x["flag"]
+                                                    else str(x["ratio"]))
+            lines.append(f"| {PHASE_NAMES.get(x['phase'], x['phase'])} | {'-' if x['layer'] < 0 else x['layer']} | "
+                         f"{_gib(x['measured_gib'])} | {_gib(x['planner_gib'])} | {ratio} | {_gib(x['reserved_gib'])} | "
+                         f"{_gib(x['gap_gib'])} | {_gib(x.get('planner_phase_gib'))} |")
+        st = r["step"]
+        ratio = "-" if st["ratio"] is None else (f"**{st['ratio']}** (the planner's next fix)" if st["flag"]
+                                                 else str(st["ratio"]))
+        lines.append(f"| **the step** | | {_gib(st['measured_gib'])} | {_gib(st['planner_gib'])} | {ratio} | "
+                     f"{_gib(st['reserved_gib'])} | {_gib(st['gap_gib'])} | |")
+        lines += ["", "Planner: resident {res} GiB + its phase; checkpointed layers' MLP backward includes their "
+                  "recompute (it runs at the first saved tensor the MLP's backward unpacks): the row's figure counts the "
+                  "segments where no inner phase was open. Terms (GiB): {terms}.".format(
+                      res=r["planner"]["resident_gib"],
+                      terms=", ".join(f"{k} {v}" for k, v in r["planner"]["terms_gib"].items())), ""]
+        h = r["host"]
+        stats = h["pinned"].get("stats") or {}
+        lines += ["Host memory after the step: pinned (torch.cuda.host_memory_stats allocated_bytes.current, the "
+                  f"blocks as the caching host allocator rounds and keeps them) {_gib(h['pinned']['measured_gib'])} GiB "
+                  f"against the planner's {_gib(h['pinned']['planner_gib'])} (x{h['pinned']['ratio']}"
+                  f"{', **the planner' + chr(39) + 's next fix**' if h['pinned']['flag'] else ''}); "
+                  f"RSS {_gib(h['rss']['measured_gib'])} GiB against {_gib(h['rss']['planner_gib'])} "
+                  f"({h['rss']['note']}, x{h['rss']['ratio']})."
+                  + (f" Pinned stats: {', '.join(f'{k} {v:,}' for k, v in stats.items())}." if stats else ""), ""]
+        if r.get("flags"):
+            lines += [f"**Outside 10% of the planner**: {', '.join(r['flags'])}.", ""]
+        if r.get("probe_errors"):
+            lines += [f"Probe errors: {'; '.join(r['probe_errors'])}", ""]
+    elif r.get("memory_choice"):
+        lines += ["No per-phase records (the probe wrote none).", ""]
+    eng = r.get("engagement")
+    lines += ["Engagement counters (metrics.jsonl): " + (", ".join(f"{k} {v}" for k, v in eng.items()) if eng else
+              "none logged by this train.py (the hook, bench.gpu.engagement, reads them once they are)."), ""]
+    return lines
+
+
 def render(data: dict) -> str:
     env = data.get("environment", {})
     lines = [f"# GPU check: {env.get('device', '?')}, {data.get('started', '?')}", "",
@@ -23,6 +90,18 @@ def render(data: dict) -> str:
              + (" **Dry run on CPU (tiny shapes): the page shows the script works, not GPU figures.**"
                 if env.get("dry") else ""), ""]
     lines += [f"- {n}" for n in data.get("notes", [])] + ([""] if data.get("notes") else [])
+    if data.get("long"):
+        lines += _long(data["long"], "One step at 1M tokens per phase, against the planner (issue 43)",
+                       "Llama-3-8B's width and vocabulary (hidden 4096, 32 heads, 8 KV, MLP 14336, vocab 128256), 2 "
+                       "decoder layers: one checkpointed (its recompute), one keeping its activations.")
+    elif data.get("long_error"):
+        lines += ["## One step at 1M tokens per phase (issue 43)", "", f"Failed: {data['long_error']}", ""]
+    if data.get("gap"):
+        lines += _long(data["gap"], "The reserved-minus-allocated gap near the cap",
+                       "The same model under a budget whose usable memory is the cap itself (cap / 0.9 + 2 GiB), at "
+                       "the shortest length where auto's predicted peak reaches 95% of the cap.")
+    if data.get("skipped_for_time"):
+        lines += [f"Sections skipped for time: {', '.join(data['skipped_for_time'])}.", ""]
     s = data.get("smoke")
     lines += ["## Smoke test", "", "`pytest -m gpu tests/test_gpu_smoke.py`: " +
               (f"exit {s['exit_code']}, {s['summary']} ({s['seconds']} s)" if s else "not run"), ""]
@@ -40,7 +119,8 @@ def render(data: dict) -> str:
     lad = data.get("ladder")
     lines += ["", "## Length and speed at SP=1", ""]
     if lad:
-        lines += [f"Model `{lad['model']}` (Llama-3-8B's layer, embedding and head; 1 decoder layer), bf16, ZeRO-3 with "
+        lines += [f"Model `{lad['model']}` (Llama-3-8B's layer, embedding and head; {lad.get('layers', 1)} decoder "
+                  "layer(s)), bf16, ZeRO-3 with "
                   f"params and optimizer offloaded, allocations capped at {lad['cap_gib']} GiB (an 80 GB card). "
                   f"The planner's longest length with every memory feature on: {lad['planner_longest_leanest']:,} "
                   f"tokens. Launch exit {lad['exit_code']}, {lad['wall_s']} s.", "",

@@ -1,7 +1,10 @@
-"""The GPU check's CPU dry mode (`python -m bench.gpu --dry`): the same script as on a GPU, tiny shapes. The
-document-masking parity passes against the plain model on each document alone, the ladder's one train.py launch
-records every rung (throughput rungs with auto's features, then the planner's longest length under the cap and one
-above it), and the page renders from the JSON."""
+"""The GPU check's CPU dry mode (`python -m bench.gpu --dry`): the same script as on a GPU, tiny shapes. First the
+issue-43 sections: one step under memory_features auto with the per-phase probe in the rank (bench/gpu_probe.py:
+forward, the checkpointed layer's recomputed forward, MLP and attention backward of each layer, logits), each
+against the planner's figure for the configuration the run chose, then the same at the gap run's length; then the
+document-masking parity against the plain model on each document alone, the ladder's one train.py launch (throughput
+rungs with auto's features, then the planner's longest length under the cap and one above it), and the page
+rendered from the JSON."""
 
 from __future__ import annotations
 
@@ -12,6 +15,9 @@ import sys
 
 from tests.distributed import ROOT
 
+PHASES = [("forward", 0), ("forward", 1), ("mlp_backward", 1), ("attention_backward", 1), ("recompute", 0),
+          ("mlp_backward", 0), ("attention_backward", 0), ("logits", -1)]
+
 
 def test_gpu_check_dry_run(tmp_path):
     out, page = tmp_path / "gpu.json", tmp_path / "gpu.md"
@@ -21,11 +27,49 @@ def test_gpu_check_dry_run(tmp_path):
                        timeout=600)
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     data = json.loads(out.read_text())
+    # issue 43 first: the step ran with the probe in its rank, every phase in backward order, against the planner
+    for name, length in (("long", 2048), ("gap", 1024)):
+        run = data[name]
+        assert run["steps_done"] == 1 and run["length"] == length and not run["kernel_errors"], run.get("error")
+        assert run["memory_choice"]["checkpoint_every"] == 2 and run["memory_choice"]["attention_head_chunks"] == 2
+        assert [(r["phase"], r["layer"]) for r in run["rows"]] == PHASES, run["rows"]
+        assert all(r["planner_gib"] and r["ratio"] for r in run["rows"] if r["phase"] != "forward")
+        assert run["planner"]["terms_gib"]["consistent"] and not run["probe_errors"]
+        assert run["step"]["measured_gib"] >= max(r["measured_gib"] for r in run["rows"])
+        assert run["host"]["rss"]["measured_gib"] > 0 and "engagement" in run
+    assert data["skipped_for_time"] == []
     assert [r["backend"] for r in data["parity"]] == ["sdpa"] and data["parity"][0]["ok"]
     # the check can see a bug: attention across documents is far outside the tolerance
     assert data["parity"][0]["wrong_rel_err"] > 100 * data["parity"][0]["loss_tol"]
     rungs = data["ladder"]["rungs"]
-    assert [r["kind"] for r in rungs] == ["throughput"] * 3 + ["ladder"] * 2
+    assert [r["kind"] for r in rungs] == ["throughput"] * 2 + ["ladder"] * 2
     assert all(r["fits"] and r["tokens_per_s"] > 0 and r["predicted_gib"] > 0 for r in rungs)
-    assert rungs[3]["length"] == data["ladder"]["planner_longest_leanest"] // 512 * 512
-    assert "| 1,024 | throughput |" in page.read_text()
+    assert rungs[2]["length"] == data["ladder"]["planner_longest_leanest"] // 512 * 512
+    text = page.read_text()
+    assert "| recomputed forward | 0 |" in text and "| attention backward | 1 |" in text and "| 1,024 | throughput |" in text
+
+
+def test_gpu_check_plans_the_real_run():
+    """The arithmetic the GPU run does before its launches, at the real shape (Llama-3-8B's width and vocabulary,
+    2 layers, 1M tokens, an 80 GB card): auto's choice, the planner's per-phase figures and their decomposition
+    (bench.gpu.backward_terms copies the three terms planner.memory_model.layer_activations takes the largest of:
+    this fails when the planner changes them), and the gap run's length."""
+    from bench import gpu
+    from planner import auto_features as af
+    from planner.memory_model import Features, GiB, ModelShape
+
+    shape = ModelShape.from_config(dict(gpu.LLAMA3_8B, num_hidden_layers=2, model_type="llama", head_dim=128))
+    off = Features(offload_params=True, offload_optimizer=True, lean_rmsnorm=True, lean_mlp=True)
+    c = af.choose(shape, gpu.LONG["gpu"], 1, af.gpu_budget(gpu.PLAN_GPU_GB), sp=1, offloads=off, device="cuda",
+                  precision="bf16", ranks_per_node=1, free_offloads=("offload_params", "offload_optimizer"))
+    choice = c.as_dict() | {"lean_rmsnorm": True, "lean_mlp": True}
+    plan = gpu.planner_phases(shape, gpu.LONG["gpu"], choice, "cuda")
+    assert plan["terms"]["consistent"], plan["terms"]
+    assert abs(plan["step"] - c.peak_bytes) < 2**20  # the same configuration the run's start-up predicts
+    assert plan["step"] <= af.usable_bytes(af.gpu_budget(gpu.PLAN_GPU_GB))
+    lay = plan["layers"]
+    assert lay[0]["checkpointed"] and "recompute" in lay[0] and not lay[1]["checkpointed"]
+    assert max(max(v for k, v in x.items() if k not in ("checkpointed",)) for x in lay.values()) <= plan["step"]
+    at = gpu.gap_length(None, False, 78.5, left=600, shape=shape)
+    assert at and at[1] == round(78.5 / 0.9 + 2, 3) and at[0] in gpu.GAP_LENGTHS["gpu"], at
+    assert plan["step"] / GiB > 60  # the 1M step is near the 70.2 GiB the run allows itself
