@@ -38,7 +38,8 @@ test:
 calibrate:
 	$(PY) -m bench.calibration
 
-# On a GPU machine (<= 9 min on one H100/H200): smoke test, document-masking parity, length/speed ladder;
+# On a GPU machine (<= 9 min on one H100/H200): one 1M-token step per phase against the planner, the gap near the cap,
+# then document-masking parity, smoke test, length/speed ladder as time allows;
 # bench/results/gpu.json and docs/results/gpu.md (bench/gpu.py)
 gpu-check:
 	DS_ACCELERATOR=cuda $(PY) -m bench.gpu

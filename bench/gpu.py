@@ -5,20 +5,34 @@
     python -m bench.gpu --render               # the page again from bench/results/gpu.json
     DS_ACCELERATOR=cpu python -m bench.gpu --dry   # the same script on this CPU with tiny shapes (the suite runs it)
 
-Sections, in order, each written to the JSON as soon as it ends (a run cut off by its time limit keeps what it
-finished), each skipped when the time left (`--budget_s`) cannot hold it:
+Sections (run in the order long, gap, parity, smoke, ladder: `--sections`), each written to the JSON as soon as it ends (a run cut off by its time limit keeps what it
+finished), each skipped when the time left (`--budget_s`) cannot hold it. Every launch uses ONE model, Llama-3-8B's
+width and vocabulary (hidden 4096, 32 heads, 8 KV heads, MLP 14336, vocab 128256) with 2 decoder layers, saved once
+(bf16, 3 GB), and caps the allocator at an H100's memory (`--cap_gib`, default 78.5 GiB of allocations: an 80 GB card
+less its CUDA context), so an H200 answers as an H100 would.
+0. long (issue 43, first because it matters most): one train.py step at T = 1,048,576 under `memory_features auto`
+   with `--gpu_mem_gb 80` (the run's own start-up choice and headroom rule, (80 - 2) x 0.9 = 70.2 GiB usable),
+   bench/gpu_probe.py in the rank: max allocated and max reserved per phase (each layer's forward, the checkpointed
+   layer's recomputed forward, the MLP backward and the attention backward of each layer, logits + loss), the step's
+   peak, pinned host bytes (torch.cuda.host_memory_stats) and RSS after the step, each against the planner's figure
+   for the configuration the run chose (planner_phases) with the ratio, flagged past 10% (FLAG: the planner's next
+   fix); the engagement counters train.py logs (the `engagement` hook); any kernel error in the log (T x h = 2^32
+   elements at 1M: the index-overflow class that stopped ALST at 555K). ~3 min of step (the planner: 182 s at 40%
+   MFU) + start-up.
+   gap: the reserved-minus-allocated gap near the cap: the same under a budget whose usable memory is the cap itself
+   (cap / 0.9 + 2 GiB), at the shortest GAP_LENGTHS entry where auto's predicted peak reaches 95% of the cap (256k:
+   77.2 of 78.5 GiB, 13 s of step), when the time left holds it.
 1. smoke: tests/test_gpu_smoke.py (NCCL, bf16, ZeRO-3 + CPU offload, evaluation, export, step-1 loss = the plain
    model's) through pytest.
 2. parity: document masking on every attention backend installed (sdpa, flex_attention, flash_attention_2 where
    flash-attn is there): the loss and every gradient of a packed sample of 7 documents through the registered
    document-masked function equal the plain Hugging Face model run on each document alone (peaked weights,
    initializer_range 0.3); the wrong answer (attention across documents) is printed beside the tolerance.
-3. ladder: a Llama-3-8B-shaped model (hidden 4096, 32 heads, 8 KV heads, MLP 14336, vocab 128256) with 1 decoder
-   layer at SP=1, bf16, ZeRO-3 + CPU offload of params and optimizer, in ONE train.py launch whose stages are the
-   rungs (one model load; an out-of-memory rung ends the launch after the rungs below it were recorded). The
-   allocator is capped at an H100's memory (`--cap_gib`, default 78.5 GiB of allocations: an 80 GB card less its
-   CUDA context), so an H200 answers as an H100 would. At one rank the per-layer working set is what binds (the
-   layers' checkpoints are offloaded to the host), so 1 layer answers the length question for 32.
+3. ladder: the model at SP=1, bf16, ZeRO-3 + CPU offload of params and optimizer, in ONE train.py launch whose
+   stages are the rungs (one model load; an out-of-memory rung ends the launch after the rungs below it were
+   recorded). At one rank the per-layer working set is what binds (the layers' checkpoints are offloaded to the
+   host), so 2 layers answer the length question for 32. Rungs whose predicted time does not fit are dropped (the
+   first one runs whenever the ladder does).
    - 64k, 128k, 256k (3, 3, 2 steps): the features `memory_features: auto` picks for the capped card, pinned per
      stage; tokens/s (median after the first step), MFU, measured peak vs the planner's prediction.
    - then the planner's longest length under the cap with every memory feature on (tiled MLP and logits,

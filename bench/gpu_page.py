@@ -120,7 +120,7 @@ def render(data: dict) -> str:
     lines += ["", "## Length and speed at SP=1", ""]
     if lad:
         lines += [f"Model `{lad['model']}` (Llama-3-8B's layer, embedding and head; {lad.get('layers', 1)} decoder "
-                  "layer(s)), bf16, ZeRO-3 with "
+                  f"layer{'s' if lad.get('layers', 1) != 1 else ''}), bf16, ZeRO-3 with "
                   f"params and optimizer offloaded, allocations capped at {lad['cap_gib']} GiB (an 80 GB card). "
                   f"The planner's longest length with every memory feature on: {lad['planner_longest_leanest']:,} "
                   f"tokens. Launch exit {lad['exit_code']}, {lad['wall_s']} s.", "",
