@@ -18,6 +18,15 @@ MODEL (and --compare) is one of
 - a checkpoint, OUTPUT_DIR/checkpoints/step_NNNNNN (training/checkpoint.py): its weights, its stage's RoPE
   (hf_config.json) and the run's tokenizer (trainer.json);
 - a run folder, OUTPUT_DIR: its newest complete checkpoint.
+A chat model is asked through its template with `--chat` (auto | on | chatml | off): each trial is one user turn
+(the haystack and the question) rendered by the tokenizer's chat template with its generation prompt, and it counts
+when the assistant's reply, the answer and its end-of-turn token, is the model's argmax token by token (the
+rendering an SFT stage trains with `tasks: {..., chat: true}`, data/tasks.py `chat_sample`). `on`: the tokenizer's
+own template (a tokenizer without one is refused); `chatml`: data/chat.py's documented ChatML default (what a
+template-less tokenizer, such as the demo's, is fine-tuned with); `auto` (default): through the template the run
+fine-tuned with (its own, else the ChatML default) when MODEL is a checkpoint or run folder whose run had an SFT
+stage, plain text otherwise (an HF folder is asked in plain text: pass `--chat on` for an Instruct model). Rank 0
+decides, every rank gets its answer.
 `--rope '{rope_type: yarn, factor: 8.0, original_max_position_embeddings: 256}'` replaces MODEL's RoPE (e.g. a short
 base model tried with the scaling its extension uses), `--compare_rope` the other's.
 
@@ -39,6 +48,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ASKED = {"plain": "plain text", "template": "chat (its template)", "chatml": "chat (ChatML default)"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -61,6 +71,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--output_dir", required=True)
     p.add_argument("--rope", default=None, help="MODEL's RoPE instead of its own (YAML/JSON: rope_parameters)")
     p.add_argument("--compare_rope", default=None, help="the --compare model's RoPE instead of its own")
+    p.add_argument("--chat", default="auto", choices=["auto", "on", "chatml", "off"],
+                   help="ask the tasks through a chat template: auto (a fine-tuned run's checkpoint), on (the tokenizer's "
+                        "own), chatml (the ChatML default), off (plain text)")
     p.add_argument("--tokenizer", default=None, help="tokenizer (.model file or folder) when the model has none")
     p.add_argument("--attn_implementation", default="auto")
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None, help="default: on GPU")
@@ -116,7 +129,7 @@ def describe(path: str, tokenizer: str | None) -> dict:
             trainer = json.load(fh)
         tok = tokenizer or trainer.get("tokenizer")
         return {"kind": "checkpoint", "path": path, "step": trainer.get("step"), "stage": trainer.get("stage_name"),
-                "config": config, "tokenizer": tok}
+                "config": config, "tokenizer": tok, "sft_run": sft_run(trainer.get("config") or {})}
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"{path}: not a Hugging Face folder (no config.json), a checkpoint (no {MANIFEST}) nor a run "
                          "folder (no checkpoints/LATEST)")
@@ -128,15 +141,43 @@ def describe(path: str, tokenizer: str | None) -> dict:
     return {"kind": "hf", "path": path, "config": config, "tokenizer": tok}
 
 
+def sft_run(run_config: dict) -> bool:
+    """Whether a run (its trainer.json config) fine-tuned on chat data: --data_kind sft or a stage of kind sft."""
+    return run_config.get("data_kind") == "sft" or any(
+        isinstance(st, dict) and st.get("kind") == "sft" for st in run_config.get("stages") or [])
+
+
+def chat_mode(flag: str, tok, sft: bool, where: str) -> str:
+    """How the tasks are asked (rank 0 decides: main broadcasts it): `template` (the tokenizer's own chat template),
+    `chatml` (data/chat.py's default) or `plain`. `flag` is --chat; `sft`: the model's run fine-tuned on chat data.
+    One-line ValueError for --chat on with a tokenizer that has no template."""
+    own = bool(getattr(getattr(tok, "hf", None), "chat_template", None))
+    if flag == "off" or (flag == "auto" and not sft):
+        return "plain"
+    if flag == "chatml":
+        return "chatml"
+    if flag == "on" and not own:
+        raise ValueError(f"{where}: --chat on: tokenizer {tok.path} has no chat template: pass --chat chatml (the ChatML "
+                         "default data/chat.py fine-tunes a template-less tokenizer with) or --chat off")
+    return "template" if own else "chatml"  # auto on a fine-tuned run: the template its conversations were rendered in
+
+
+def chat_encoder(tok, mode: str):
+    """The ChatEncoder that renders the trials for `mode` (chat_mode's answer), None for plain text."""
+    from data.chat import ChatEncoder
+
+    return None if mode == "plain" else ChatEncoder(tok, "assistant", "none" if mode == "template" else "chatml")
+
+
 def check_source(src: dict, a: argparse.Namespace, s: dict, world: int, rope: dict | None) -> None:
     """Everything about one model that can be refused before it is built (one-line ValueError)."""
+    from base import comm
     from base.host import job_ranks_per_node
     from base.parallel import check_layout, split_sp
-    from data.tasks import make_sample
     from data.tokenizer import Tokenizer
     from model_utils.families import check_config
     from model_utils.rope import check_rope
-    from training.evaluation import task_trials
+    from training.evaluation import task_trials, trial
 
     where = f"{src['path']}"
     if src["tokenizer"] is None:
@@ -159,10 +200,12 @@ def check_source(src: dict, a: argparse.Namespace, s: dict, world: int, rope: di
         raise ValueError(f"{where}: tokenizer {src['tokenizer']} has {tok.vocab_size} tokens, the model {arch.vocab_size}: "
                          "pass the model's own --tokenizer")
     src["tok"], src["trials"] = tok, task_trials(s["eval"], tok)
+    src["chat"] = comm.run_on_main(lambda: chat_mode(a.chat, tok, bool(src.get("sft_run")), where))  # rank 0's
+    src["chat_enc"] = chat_encoder(tok, src["chat"])
     for task in src["trials"]:
         for n in s["lengths"]:
             try:
-                make_sample(task, tok, n, 0.5, random.Random(0))
+                trial(task, tok, n, 0.5, random.Random(0), src["chat_enc"])
             except ValueError as e:
                 raise ValueError(f"--lengths {n}: {e}: drop the length or the task") from None
 
@@ -194,13 +237,13 @@ def evaluate_model(src: dict, a: argparse.Namespace, s: dict, dims) -> dict:
         Checkpointer(a.output_dir, keep=2).load(engine, src["path"], load_scheduler=False)
     engine.eval()
     out = evaluate_tasks(engine, dims, a.micro_batch, src["tok"].pad_id, src["tok"], src["trials"], s["depths"],
-                         s["lengths"])
+                         s["lengths"], src["chat_enc"])
     engine.destroy()
     rope = src["hf_config"].rope_parameters
     print0(f"evaluated {src['path']} in {time.perf_counter() - t0:.1f}s: "
-           + ", ".join(f"{t} {m}" for t, m in out["task_mean"].items()))
+           + ", ".join(f"{t} {m}" for t, m in out["task_mean"].items()) + f" (asked as {ASKED[src['chat']]})")
     return {"model": src["path"], "kind": src["kind"], **{k: src[k] for k in ("step", "stage") if src.get(k) is not None},
-            "rope": rope, "tokenizer": src["tokenizer"], "lengths": s["lengths"], "depths": s["depths"],
+            "rope": rope, "tokenizer": src["tokenizer"], "chat": src["chat"], "lengths": s["lengths"], "depths": s["depths"],
             "trials": src["trials"], "sp": dims.sp, "cp": dims.cp, "world": dims.world, "time_s": round(time.perf_counter() - t0, 1),
             **out}
 
@@ -222,9 +265,9 @@ def summary(results: list[dict], diff: dict | None) -> list[str]:
     difference), then every depth x length cell."""
     names = ["model", "compare"][: len(results)]
     out = ["# Evaluation", ""]
-    out += _table(["", "path", "kind", "RoPE", "trials per depth"],
+    out += _table(["", "path", "kind", "RoPE", "trials per depth", "asked as"],
                   [[n, r["model"], r["kind"] + (f" (step {r['step']})" if "step" in r else ""), json.dumps(r["rope"]),
-                    json.dumps(r["trials"])] for n, r in zip(names, results)])
+                    json.dumps(r["trials"]), ASKED[r.get("chat", "plain")]] for n, r in zip(names, results)])
     for task in dict.fromkeys(t for r in results for t in r["tasks"]):
         lengths = sorted({int(n) for r in results for n in r["tasks"].get(task, {})})
         rows = [[n, *[f"{r['task_mean'][task][str(m)]:.2f}" if str(m) in r["task_mean"].get(task, {}) else "-"

@@ -18,6 +18,13 @@ rank runs the same number of forwards (ZeRO-3 gathers weights with collectives),
 runs unlabelled fillers. Cost: one forward per trial without autograd, one 1 GiB logits tile at most; the
 trials at length L cost (tasks x depths x trials) forwards of L tokens per stage.
 Results go to metrics.jsonl, W&B, OUTPUT_DIR/eval/stage{N}.json and eval/summary.md.
+
+An SFT stage (`kind: sft`) is evaluated on what it trains: its held-out samples are whole held-out conversations
+packed as the stage packs them, the loss on the assistant's tokens only (`stage_heldout`, RunData.heldout with
+`sft`). The tasks can be asked through a chat template (`chat`: a data/chat.py ChatEncoder; scripts/evaluate.py
+`--chat`): each trial is one user turn (the haystack and the question) rendered with the template and its
+generation prompt, and the trial counts when the assistant's reply, the answer and its end-of-turn token, is the
+model's argmax token by token (data/tasks.py `chat_sample`, the rendering an SFT stage trains with `chat: true`).
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import torch
 
 from base import comm
 from data.sharding import collate, shard
-from data.tasks import FILLER, TASKS, make_sample, passkey  # noqa: F401  (FILLER: re-exported, older imports)
+from data.tasks import FILLER, TASKS, chat_sample, make_sample, passkey  # noqa: F401  (FILLER: re-exported, older imports)
 from model_utils.tiled_loss import eval_stats
 
 DEFAULT_DEPTHS = [0.1, 0.5, 0.9]
@@ -114,20 +121,40 @@ def passkey_sample(tokenizer, seq_len: int, depth: float, rng: random.Random) ->
     return passkey(tokenizer, seq_len, depth, rng)
 
 
+def stage_heldout(data, stage, n: int) -> list[dict]:
+    """A stage's held-out samples at its length (data/pipeline.py RunData.heldout): an SFT stage's are the held-out
+    conversations packed whole, as it trains (ConvPack: positions restarted, the loss on the assistant's tokens),
+    a text stage's documents packed as text. Same cost either way: `n` samples of the stage's length."""
+    if getattr(stage, "kind", None) == "sft":
+        return data.heldout(stage.max_seq_length, n, sft=True)
+    return data.heldout(stage.max_seq_length, n)
+
+
+def trial(task: str, tokenizer, length: int, depth: float, rng: random.Random, chat=None) -> dict:
+    """One trial of `task` at `length`: plain text (the answer ends the sample, loss on it), or with `chat` (a
+    ChatEncoder) one user turn through the template and its generation prompt, the reply (answer + end-of-turn)
+    scored. The same question either way (seeded by `rng`)."""
+    if chat is None:
+        return make_sample(task, tokenizer, length, depth, rng)
+    return chat_sample(task, tokenizer, chat, length, depth, rng)
+
+
 def task_accuracy(engine, dims, micro_batch: int, pad_id: int, tokenizer, trials: dict[str, int], depths: list[float],
-                  length: int) -> dict[str, dict[str, float]]:
+                  length: int, chat=None) -> dict[str, dict[str, float]]:
     """{task: {depth: exact-match accuracy}} at `length`: one batch of trials for all tasks and depths."""
-    return task_scores(engine, dims, micro_batch, pad_id, tokenizer, trials, depths, length)[0]
+    return task_scores(engine, dims, micro_batch, pad_id, tokenizer, trials, depths, length, chat)[0]
 
 
 def task_scores(engine, dims, micro_batch: int, pad_id: int, tokenizer, trials: dict[str, int], depths: list[float],
-                length: int) -> tuple[dict, dict]:
-    """({task: {depth: exact-match accuracy}}, {task: {depth: mean CE per answer token}}) at `length`."""
+                length: int, chat=None) -> tuple[dict, dict]:
+    """({task: {depth: exact-match accuracy}}, {task: {depth: mean CE per answer token}}) at `length`; with `chat`
+    the trials asked through that template (`trial`). Rendering through a template costs two renders of each trial's
+    prompt on every rank (data/chat.py, ~0.1 s per 80k tokens), nothing next to its forward."""
     samples, where = [], []
     for task, n in trials.items():
         rng = random.Random(f"eval:{task}:{length}")
         for d in depths:
-            samples += [make_sample(task, tokenizer, length, d, rng) for _ in range(n)]
+            samples += [trial(task, tokenizer, length, d, rng, chat) for _ in range(n)]
             where += [(task, d)] * n
     stats = sample_stats(engine, samples, dims, micro_batch, pad_id).tolist()
     acc: dict[str, dict[str, float]] = {t: {} for t in trials}
@@ -141,12 +168,12 @@ def task_scores(engine, dims, micro_batch: int, pad_id: int, tokenizer, trials: 
 
 
 def evaluate_tasks(engine, dims, micro_batch: int, pad_id: int, tokenizer, trials: dict[str, int],
-                   depths: list[float], lengths: list[int]) -> dict:
+                   depths: list[float], lengths: list[int], chat=None) -> dict:
     """The tasks' part of an evaluation, the same for a stage's end (evaluate_stage) and scripts/evaluate.py:
     {"tasks": {task: {length: {depth: accuracy}}}, "task_mean": {task: {length: mean over depths}},
     "task_loss": {task: {length: {depth: mean cross-entropy per answer token}}} (a graded view of the same trials:
-    it moves before the exact match does)."""
-    by_len = {n: task_scores(engine, dims, micro_batch, pad_id, tokenizer, trials, depths, n) for n in lengths}
+    it moves before the exact match does). With `chat`, the trials are asked through that template."""
+    by_len = {n: task_scores(engine, dims, micro_batch, pad_id, tokenizer, trials, depths, n, chat) for n in lengths}
     tasks = {t: {str(n): by_len[n][0][t] for n in by_len} for t in trials}
     return {"tasks": tasks, "task_mean": {t: {n: sum(a.values()) / len(a) for n, a in lens.items()}
                                           for t, lens in tasks.items()},
@@ -157,7 +184,8 @@ def evaluate_stage(engine, stage, dims, heldout: list[dict], tokenizer, metrics,
                    pad_id: int, stages=None, heldout_at=None) -> dict:
     """Run the stage's evaluation on every rank; rank 0 records it. Returns the result. `stages` (the whole
     curriculum) gives the other lengths to try the tasks at, `heldout_at(seq_len, n)` (RunData.heldout) the
-    held-out samples at the first stage's length; without them only this stage's length is evaluated."""
+    held-out samples at the first stage's length (packed as the first stage packs them: text or conversations);
+    without them only this stage's length is evaluated."""
     cfg = stage.eval
     engine.eval()
     result = {"stage": stage.index, "stage_name": stage.name, "step": step, "seq_len": stage.max_seq_length}
@@ -170,10 +198,12 @@ def evaluate_stage(engine, stage, dims, heldout: list[dict], tokenizer, metrics,
             ce, n = stats[3:3 + buckets], stats[3 + buckets:]
             result["heldout_loss_by_position"] = [(c / k).item() if k > 0 else float("nan") for c, k in zip(ce, n)]
     first = stages[0].max_seq_length if stages else stage.max_seq_length
-    if heldout and first == stage.max_seq_length:
+    first_sft = getattr(stages[0] if stages else stage, "kind", None) == "sft"  # retention: as the first stage measured
+    if heldout and first == stage.max_seq_length and first_sft == (getattr(stage, "kind", None) == "sft"):
         result["heldout_loss_first_len"] = result["heldout_loss"]
     elif heldout and heldout_at is not None:
-        stats = sample_stats(engine, heldout_at(first, len(heldout)), dims, micro_batch, pad_id).sum(0)
+        again = heldout_at(first, len(heldout), sft=True) if first_sft else heldout_at(first, len(heldout))
+        stats = sample_stats(engine, again, dims, micro_batch, pad_id).sum(0)
         result["heldout_loss_first_len"] = (stats[0] / stats[1].clamp_min(1)).item()
     if heldout:
         result["first_len"] = first

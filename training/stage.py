@@ -28,7 +28,7 @@ from training.checkpoint import TrainState, rng_state, tag_for
 from training.config import to_dict
 from training.curriculum import stage_start
 from training.engine import build_engine, features_of, release_engine, stage_config
-from training.evaluation import evaluate_stage
+from training.evaluation import evaluate_stage, stage_heldout
 from training.job import EXIT_PREEMPTED
 from training.metrics import peak_memory_gb, reset_peak_memory
 from training.preemption import EXIT_MARGIN_S
@@ -110,7 +110,8 @@ def train_stage(run: Run, stage, stages, state: TrainState) -> None:
 
     # --- stage end: checkpoint written above; evaluate at this stage's length, then agree on a stop again ---
     t_eval = time.perf_counter()
-    evaluate_stage(engine, stage, sdims, run.data.heldout(stage.max_seq_length, heldout_samples(stage.eval)),
+    # an SFT stage's held-out: whole conversations, loss on the assistant's tokens (training/evaluation.py)
+    evaluate_stage(engine, stage, sdims, stage_heldout(run.data, stage, heldout_samples(stage.eval)),
                    run.data.tokenizer, run.metrics, state.step, cfg.per_device_train_batch_size, run.data.pad_id,
                    stages, run.data.heldout)
     preempt.deadline.record_eval(time.perf_counter() - t_eval)

@@ -1,0 +1,71 @@
+"""Print a run's evaluation summary: what `make demo` and `make demo-sft` end with, so a newcomer sees the result
+without going to find it.
+
+    python scripts/eval_summary.py checkpoints/tiny_cpu_sft
+
+The tables are those of OUTPUT_DIR/eval/summary.md (training/metrics.py `eval_tables`), rebuilt from the stages'
+records OUTPUT_DIR/eval/stage{N}.json (each stage's latest evaluation, the same record metrics.jsonl holds as an
+`"event": "eval"` line), preceded by one line per measure from the first evaluated stage to the last (the "before"
+and the "after": held-out loss, each task's accuracy at each length both tried). Reads a few small JSON files
+(one per stage): nothing at any scale. A folder without records is refused in one line (exit 2).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def records(output_dir: str) -> list[dict]:
+    """The stages' evaluation records, in stage order; ValueError (one line) when there are none."""
+    folder = os.path.join(output_dir, "eval")
+    names = sorted((n for n in (os.listdir(folder) if os.path.isdir(folder) else [])
+                    if n.startswith("stage") and n.endswith(".json") and n[5:-5].isdigit()), key=lambda n: int(n[5:-5]))
+    if not names:
+        raise ValueError(f"{output_dir}: no evaluation records ({folder}/stage*.json): name a run's --output_dir "
+                         "whose stages have ended")
+    out = []
+    for n in names:
+        with open(os.path.join(folder, n)) as fh:
+            out.append(json.load(fh))
+    return out
+
+
+def headline(rows: list[dict]) -> list[str]:
+    """First evaluated stage -> last: the held-out loss and each task's accuracy (mean over depths) at each length
+    both stages tried."""
+    a, b = rows[0], rows[-1]
+    where = f"stage {a['stage']} ({a['stage_name']}) -> stage {b['stage']} ({b['stage_name']})"
+    out = []
+    if "heldout_loss" in a and "heldout_loss" in b:
+        out.append(f"held-out loss at {a['seq_len']} -> {b['seq_len']}: {a['heldout_loss']:.4f} -> "
+                   f"{b['heldout_loss']:.4f}")
+    for task, lens in b.get("task_mean", {}).items():
+        before = a.get("task_mean", {}).get(task, {})
+        for n in sorted((n for n in lens if n in before), key=int):
+            out.append(f"{task} at {n}: {before[n]:.2f} -> {lens[n]:.2f}")
+    return [f"{where}: " + "; ".join(out)] if out and len(rows) > 1 else []
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python scripts/eval_summary.py OUTPUT_DIR", file=sys.stderr)
+        return 2
+    try:
+        rows = records(argv[0])
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from training.metrics import eval_tables
+
+    print(f"\nEvaluation of {argv[0]} ({os.path.join(argv[0], 'eval', 'summary.md')}):")
+    print("\n".join(headline(rows) + [""] + eval_tables(rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

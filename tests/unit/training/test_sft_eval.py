@@ -1,0 +1,216 @@
+"""Evaluating a fine-tuned (chat) model (issue 42): the retrieval tasks asked through a chat template and scored on
+the assistant's reply (training/evaluation.py `trial`, scripts/evaluate.py `--chat`), an SFT stage's held-out
+samples as whole conversations (`stage_heldout`, retention measured as the first stage measured it), and the
+evaluation summary the demos end with (scripts/eval_summary.py). No launch: stand-in engines score the real
+samples with the real `_stats`."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import types
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from base.parallel import ParallelDims
+from data.chat import ChatEncoder, build_demo_chats
+from data.tasks import TASKS, make_sample
+from data.tokenizer import Tokenizer
+from model_utils.tiled_loss import _stats
+from tests.unit.data.chat_fixtures import build_tokenizer
+from training.evaluation import evaluate_stage, stage_heldout, task_accuracy, trial
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+SP = os.path.join(ROOT, "recipes/base/tiny_passkey256/tokenizer.model")  # the demo's: no chat template
+DIMS1 = ParallelDims(world=1, sp=1, rank=0, local_rank=0)
+USER = {"qwen25": ("<|im_start|>user\n", "<|im_end|>"),
+        "llama3": ("<|start_header_id|>user<|end_header_id|>\n\n", "<|eot_id|>")}
+
+
+@pytest.mark.parametrize("family", ["qwen25", "llama3"])
+def test_a_trial_is_a_user_turn_through_the_template(tmp_path, family):
+    """The prompt is exactly the template's rendering of one user turn with its generation prompt; what is scored
+    is the assistant's reply: the answer, then the end-of-turn token; the question is the plain trial's."""
+    tok = Tokenizer(build_tokenizer(str(tmp_path), family))
+    chat = ChatEncoder(tok, "assistant", "none")
+    head, eot = USER[family]
+    for task in TASKS:
+        s = trial(task, tok, 1024, 0.5, random.Random(7), chat)
+        scored = np.flatnonzero(s["shift_labels"] != -100)
+        prompt = s["input_ids"][: scored[0] + 1].tolist()
+        user = tok.hf.decode(prompt).split(head, 1)[1].rsplit(eot, 1)[0]
+        rendered = tok.hf.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
+                                              add_generation_prompt=True)
+        assert prompt == tok.encode(rendered), task
+        assert tok.hf.decode(s["shift_labels"][scored].tolist()) == s["answer"] + eot
+        assert all(w in user for w in s["answer"].split()), task  # the context the answer is read from
+        assert user.endswith({"passkey": "What is the pass key? The pass key is"}.get(task, ":"))  # then the question
+    assert all(np.array_equal(trial("passkey", tok, 512, 0.5, random.Random(1))[k],
+                              make_sample("passkey", tok, 512, 0.5, random.Random(1))[k])
+               for k in ("input_ids", "shift_labels"))  # without a template: the plain trial, as before
+
+
+class ReplyEngine:
+    """A stand-in model that answers every trial right (teacher forcing: it predicts each scored token), and with
+    `stops=False` never ends its turn (the end-of-turn token predicted wrong): scored with the real `_stats`."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, eot: int, stops: bool):
+        self.eot, self.stops = eot, stops
+
+    def __call__(self, input_ids, position_ids, use_cache, tiled_loss_labels, eval_stats, eval_buckets=None):
+        logits = torch.zeros(*input_ids.shape, 4096)
+        rows, cols = torch.nonzero(tiled_loss_labels != -100, as_tuple=True)
+        target = tiled_loss_labels[rows, cols]
+        if not self.stops:
+            target = torch.where(target == self.eot, (target + 1) % 4096, target)
+        logits[rows, cols, target] = 100.0
+        return _stats(lambda h: h, logits, tiled_loss_labels, 2, eval_buckets)
+
+
+def test_chat_scoring_counts_the_reply_and_its_end_of_turn(tmp_path):
+    """Asked through the template, a trial counts only when the model answers AND ends its turn; in plain text the
+    same model (no turn to end) scores the answer alone."""
+    tok = Tokenizer(build_tokenizer(str(tmp_path), "qwen25"))
+    chat, eot = ChatEncoder(tok, "assistant", "none"), tok.hf.convert_tokens_to_ids("<|im_end|>")
+    trials, depths = {"passkey": 2, "niah_multikey": 1}, [0.2, 0.8]
+
+    def acc(stops, asked):
+        return task_accuracy(ReplyEngine(eot, stops), DIMS1, 2, tok.pad_id, tok, trials, depths, 768, asked)
+
+    ones = {t: {"0.2": 1.0, "0.8": 1.0} for t in trials}
+    assert acc(True, chat) == ones and acc(False, None) == ones
+    assert acc(False, chat) == {t: {"0.2": 0.0, "0.8": 0.0} for t in trials}
+
+
+def _evaluate_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("evaluate_script", os.path.join(ROOT, "scripts", "evaluate.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_chat_mode_decision_and_refusal(tmp_path):
+    """--chat auto asks a fine-tuned run's model through the template it trained with (its own, else the ChatML
+    default), anything else in plain text; on / chatml / off force it; --chat on without a template: one line."""
+    ev = _evaluate_module()
+    own, bare = Tokenizer(build_tokenizer(str(tmp_path), "qwen25")), Tokenizer(SP)
+    assert ev.sft_run({"data_kind": "sft"}) and ev.sft_run({"stages": [{"kind": "text"}, {"kind": "sft"}]})
+    assert not ev.sft_run({"data_kind": "text", "stages": [{"name": "s"}]}) and not ev.sft_run({})
+    cases = {("auto", own, True): "template", ("auto", bare, True): "chatml", ("auto", own, False): "plain",
+             ("off", own, True): "plain", ("on", own, False): "template", ("chatml", own, False): "chatml",
+             ("chatml", bare, False): "chatml"}
+    for (flag, tok, sft), want in cases.items():
+        assert ev.chat_mode(flag, tok, sft, "m") == want, (flag, tok.path, sft)
+    with pytest.raises(ValueError, match=r"^m: --chat on: tokenizer .*tokenizer.model has no chat template: pass "
+                                         r"--chat chatml .* or --chat off$"):
+        ev.chat_mode("on", bare, True, "m")
+    assert ev.chat_encoder(own, "plain") is None
+    assert ev.chat_encoder(own, "template").kind == "prefix" and ev.chat_encoder(own, "chatml").kind == "chatml"
+    with pytest.raises(ValueError, match=r"argument --chat: invalid choice: 'yes'"):
+        ev.parse_args(["m", "--lengths", "256", "--output_dir", "o", "--chat", "yes"])
+
+
+def _stage(i, n, kind):
+    return types.SimpleNamespace(index=i, name=f"s{i}", max_seq_length=n, eval={"heldout_samples": 2}, data=None,
+                                 tasks={}, replay=None, kind=kind)
+
+
+def test_sft_stage_heldout_is_whole_conversations(tmp_path):
+    """An SFT stage is evaluated on held-out conversations packed whole (RunData.heldout sft=True), a text stage on
+    the held-out documents packed as text; both with the loss on the assistant's tokens only."""
+    from data.pipeline import open_run_data
+
+    chats = build_demo_chats(str(tmp_path / "chats.jsonl"), 200, seed=2)
+    data = open_run_data(chats, SP, Tokenizer(SP).vocab_size, [_stage(0, 256, "text"), _stage(1, 256, "sft")],
+                         reset_position_ids=True)
+    sft, text = stage_heldout(data, _stage(1, 256, "sft"), 2), stage_heldout(data, _stage(0, 256, "text"), 2)
+    want_sft, want_text = data.heldout(256, 2, sft=True), data.heldout(256, 2)
+    for got, want in ((sft, want_sft), (text, want_text)):
+        assert len(got) == 2 and all(np.array_equal(g[k], w[k]) for g, w in zip(got, want)
+                                     for k in ("input_ids", "shift_labels", "position_ids"))
+    assert not np.array_equal(sft[0]["input_ids"], text[0]["input_ids"])  # the two packings differ here
+
+
+class LabelEngine(ReplyEngine):
+    def __init__(self):
+        super().__init__(-1, True)
+
+
+def test_retention_is_measured_as_the_first_stage_measured(tmp_path):
+    """heldout_loss_first_len of an SFT stage after a text stage at the same length is the text packing's (the
+    first stage's number, comparable), and after an SFT first stage the conversations' (sft=True)."""
+    calls = []
+
+    def heldout_at(seq_len, n, **kw):
+        calls.append((seq_len, n, kw))
+        return [{"input_ids": np.arange(8), "shift_labels": np.r_[np.arange(1, 8), -100],
+                 "position_ids": np.arange(8)}] * n
+
+    metrics = types.SimpleNamespace(log_eval=lambda *a: None, log_table=lambda *a: None)
+    held = heldout_at(8, 2)
+    calls.clear()
+    engine = LabelEngine()
+    engine.eval = engine.train = lambda: None
+    text0, sft1 = _stage(0, 8, "text"), _stage(1, 8, "sft")
+    for st in (text0, sft1):
+        st.eval = {"heldout_samples": 2, "position_buckets": 0}
+    r = evaluate_stage(engine, sft1, DIMS1, held, None, metrics, 5, 1, 0, [text0, sft1], heldout_at)
+    assert calls == [(8, 2, {})] and "heldout_loss_first_len" in r  # the text packing, as stage 0 measured it
+    calls.clear()
+    sft0, sft1 = _stage(0, 4, "sft"), _stage(1, 8, "sft")
+    for st in (sft0, sft1):
+        st.eval = {"heldout_samples": 2, "position_buckets": 0}
+    evaluate_stage(engine, sft1, DIMS1, held, None, metrics, 5, 1, 0, [sft0, sft1], heldout_at)
+    assert calls == [(4, 2, {"sft": True})]
+    calls.clear()
+    evaluate_stage(engine, sft1, DIMS1, held, None, metrics, 5, 1, 0, [_stage(0, 8, "sft"), sft1], heldout_at)
+    assert calls == []  # same length, same packing: the stage's own number
+
+
+def _records(out, rows):
+    os.makedirs(out / "eval", exist_ok=True)
+    for r in rows:
+        (out / "eval" / f"stage{r['stage']}.json").write_text(json.dumps(r))
+
+
+def test_eval_summary_prints_before_and_after(tmp_path, capsys):
+    """scripts/eval_summary.py prints the run's evaluation (the first evaluated stage -> the last, then the tables
+    of eval/summary.md); a folder without records is refused in one line, exit 2."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("eval_summary", os.path.join(ROOT, "scripts", "eval_summary.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "run"
+    mean = [{"passkey": {"256": 1.0}}, {"passkey": {"256": 0.7333}}]
+    _records(out, [{"stage": i, "stage_name": n, "step": s, "seq_len": 512, "heldout_loss": h,
+                    "heldout_loss_first_len": h, "first_len": 512, "task_mean": m,
+                    "tasks": {"passkey": {"256": {"0.5": m["passkey"]["256"]}}}}
+                   for i, (n, s, h, m) in enumerate([("before", 1, 7.4737, mean[0]), ("sft", 101, 1.7419, mean[1])])])
+    assert script.main([str(out)]) == 0
+    got = capsys.readouterr().out
+    assert ("stage 0 (before) -> stage 1 (sft): held-out loss at 512 -> 512: 7.4737 -> 1.7419; passkey at 256: "
+            "1.00 -> 0.73") in got
+    assert "| 1 | sft | 101 | 512 | 1.7419 | 1.7419 |" in got and "| 1 | 512 | 0.73 |" in got
+    assert script.main([str(tmp_path / "empty")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "no evaluation records" in err
+
+
+@pytest.mark.parametrize("target, recipe", [("demo", "recipes/tiny_cpu_extend.yaml"),
+                                            ("demo-sft", "recipes/tiny_cpu_sft.yaml")])
+def test_demos_end_by_printing_their_evaluation(target, recipe):
+    """`make demo` and `make demo-sft` end with the summary of the run they just made (its output_dir)."""
+    p = subprocess.run(["make", "-n", target], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    with open(os.path.join(ROOT, recipe)) as fh:
+        out = yaml.safe_load(fh)["output_dir"]
+    assert p.returncode == 0 and p.stdout.strip().splitlines()[-1] == f".venv/bin/python scripts/eval_summary.py {out}"
