@@ -240,7 +240,8 @@ class Watcher:
         order of SIGCONT is then safe: a peer resumed later than this rank beats within STALL_S; a store resumed
         later answers within LOST_STORE_S; a peer still stopped (or dead) is declared STALL_S after the resume. The
         same holds when this thread was starved (the GIL held by CPU Adam for longer than SUSPENDED_S): detection
-        is late by the starved time, never early."""
+        is late by the starved time, never early. Cost per poll at 512 ranks: one `add` and one `multi_get` (rank 0:
+        513 keys, the others 2), two clock reads; naming a rank that never arrived: a few `get`s, once."""
         start = self.clock()
         error: Exception | None = None
         try:
