@@ -107,10 +107,34 @@ def test_refusals_before_any_model_is_built(tmp_path):
                           (["--lengths", "200,256", "--tasks", "niah_multivalue"],
                            "--lengths 200: max_seq_length=200 is too short for a niah_multivalue trial"),
                           (["--lengths", "256", "--compare_rope", "{rope_type: linear, factor: 2.0}"],
-                           "--compare_rope without --compare")]:
+                           "--compare_rope without --compare"),
+                          (["--lengths", "256", "--chat", "on"],  # the demo's sentencepiece tokenizer has no template
+                           "--chat on: tokenizer " + os.path.join(base, "tokenizer.model") + " has no chat template: "
+                           "pass --chat chatml")]:
         with pytest.raises(ValueError, match=re.escape(message)):
             refused(*args, world=8 if "8" in args else 2)
     refused("--lengths", "256,512", "--tasks", "passkey:2,common_words:1")  # a valid request passes
+
+
+@pytest.mark.slow  # ~40 s after the run above; fast siblings: tests/unit/training/test_sft_eval.py (rendering, scoring,
+# the --chat decision) and test_refusals_before_any_model_is_built (--chat on without a template)
+def test_evaluate_asks_through_the_chat_template(trained):
+    """--chat chatml on 2 ranks (SP 2): the same tasks asked as one ChatML user turn, scored on the reply and its
+    end-of-turn; the report says how they were asked. A base never fine-tuned on chat answers in plain text, not in
+    the chat layout: its answer tokens' loss rises against the plain-text cells of the same run (other samples)."""
+    d, out = trained
+    in_run = json.loads((out / "eval" / "stage0.json").read_text())
+    report = d / "report_chat"
+    run(EVALUATE, [str(out), "--lengths", "256,512", "--tasks", "passkey:3", "--depths", "0.1,0.9", "--chat", "chatml",
+                   "--sequence_parallel_size", "2", "--output_dir", str(report), "--dist_timeout_s", "60"], 2,
+        str(d / "logs_eval_chat"))
+    (model,) = json.loads((report / "eval.json").read_text())["models"]
+    assert model["chat"] == "chatml" and set(model["tasks"]["passkey"]) == {"256", "512"}
+    chat_loss = [model["task_loss"]["passkey"][n][dd] for n in ("256", "512") for dd in ("0.1", "0.9")]
+    plain_loss = [in_run["task_loss"]["passkey"][n][dd] for n in ("256", "512") for dd in ("0.1", "0.9")]
+    assert chat_loss != pytest.approx(plain_loss, rel=1e-3)  # other samples than the plain trials
+    assert "| model |" in (report / "summary.md").read_text() and "chat (ChatML default)" in (
+        report / "summary.md").read_text()
 
 
 def test_a_checkpoint_brings_its_stage_rope_and_tokenizer(trained):
