@@ -159,8 +159,9 @@ def test_sbatch_requeues_a_lost_node_without_it(tmp_path, how):
     SIGTERM). `stalled`: node 1's ranks stopped beating (hung, cut off): node 0's launcher exits 69 naming node 1 in
     LAUNCH_LOST_FILE, node 1 is ended by srun. Either way: requeuehold, ExcNodeList += node 1's host, release. (The
     job used to fail: "failed with 137" / "failed with 69: not requeueing".)"""
-    env = dict(TWO_NODES, FAKE_EXIT_1="kill", FAKE_EXIT_0="wait", FAKE_EXIT_AFTER="143") if how == "killed" else \
-        dict(TWO_NODES, FAKE_EXIT_0="69", FAKE_LOST="1", FAKE_EXIT_1="wait", FAKE_EXIT_AFTER="69")
+    env = dict(TWO_NODES, FAKE_EXIT_1="kill", FAKE_EXIT_0="wait", FAKE_EXIT_AFTER="143", FAKE_AFTER_READY="0") \
+        if how == "killed" else \
+        dict(TWO_NODES, FAKE_EXIT_0="69", FAKE_LOST="1", FAKE_EXIT_1="wait", FAKE_EXIT_AFTER="69", FAKE_AFTER_READY="1")
     (tmp_path / "scontrol.log.state").write_text("exc=gpu7\n")  # excluded by an earlier requeue: kept
     job = sbatch(tmp_path, "0", ["--output_dir", str(tmp_path / "out")], **env)
     text = job.communicate(timeout=60)[0]
@@ -184,7 +185,7 @@ def test_srun_ends_the_step_when_a_nodes_launcher_fails(tmp_path):
     Before, --kill-on-bad-exit=0: node 0 waited (here 60 s; a real node waits for the store, START_WAIT_S)."""
     t0 = time.time()
     job = sbatch(tmp_path, "0", ["--output_dir", str(tmp_path / "out")], FAKE_EXIT_1="3", FAKE_EXIT_0="wait",
-                 FAKE_EXIT_AFTER="143", **TWO_NODES)
+                 FAKE_EXIT_AFTER="143", FAKE_AFTER_READY="0", **TWO_NODES)
     text = job.communicate(timeout=120)[0]
     assert time.time() - t0 < 30, text
     assert "got SIGTERM" in node_lines(tmp_path, 0), text
