@@ -39,6 +39,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
+from model_utils.engagement import engaged, missing_norm_source
 from model_utils.rmsnorm import norm_source, renorm
 from planner.attention_sp import check_head_chunks, chunk_heads
 
@@ -100,8 +101,8 @@ class _Plan:
     """One call of one attention module: its chunk geometry, the call's arguments (position embeddings, position
     ids, window: captured, not saved tensors) and the model's own forward to run per chunk."""
 
-    def __init__(self, module, chunks: int, hidden_shape, position_embeddings, kwargs):
-        self.module, self.n, self.kwargs = module, chunks, kwargs
+    def __init__(self, module, chunks: int, hidden_shape, position_embeddings, kwargs, attention_mask=None):
+        self.module, self.n, self.kwargs, self.attention_mask = module, chunks, kwargs, attention_mask
         self.position_embeddings = position_embeddings
         self.names = [n for n, _ in module.named_parameters()]
         cfg = module.config.get_text_config() if hasattr(module.config, "get_text_config") else module.config
@@ -129,8 +130,10 @@ class _Plan:
     def run(self, q, k, v, x):
         """transformers' attention forward for one chunk -> its output after the all-to-all back, [bs, T, hq*d]."""
         view = _View(self.module, q, k, v, self.hq // self.hkv)
-        type(self.module).forward(view, x, position_embeddings=self.position_embeddings, attention_mask=None,
-                                  **self.kwargs)
+        # the mask (eager's additive [bs, 1, q, k], sdpa's boolean one, flex's BlockMask) is the same for every head:
+        # each chunk passes it whole, as the unchunked call does
+        type(self.module).forward(view, x, position_embeddings=self.position_embeddings,
+                                  attention_mask=self.attention_mask, **self.kwargs)
         return view.y
 
 
@@ -247,14 +250,22 @@ def _output(x, W: dict) -> torch.Tensor:
 
 def chunked_forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
                     **kwargs):
-    """The attention module's forward, n chunks of heads at a time (a KV cache or a padding mask: the model's own)."""
+    """The attention module's forward, n chunks of heads at a time, with or without an attention mask (a mask is
+    head-independent: every chunk gets it whole). Only a KV cache (generation: no gradients, nothing the memory plan
+    counts) runs the model's own forward. It used to run unchunked whenever a mask was passed (eager attention
+    always builds one; a padding mask under sdpa), while the planner counted the chunks' saving."""
     n = self._head_chunks
-    if n == 1 or past_key_values is not None or attention_mask is not None:
+    if n == 1 or past_key_values is not None:
         return type(self).forward(self, hidden_states, position_embeddings=position_embeddings,
                                   attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
-    plan = _Plan(self, n, hidden_states.shape, position_embeddings, kwargs)
+    plan = _Plan(self, n, hidden_states.shape, position_embeddings, kwargs, attention_mask)
     params = [p for _, p in self.named_parameters()]
     if torch.is_grad_enabled() and (hidden_states.requires_grad or any(p.requires_grad for p in params)):
+        engaged("attention_head_chunks")  # per layer and micro-batch (model_utils/engagement.py)
+        if norm_source(hidden_states) is not None:  # _Chunked keeps the norm's input for x: one [T, h] fewer
+            engaged("norm_recompute")
+        else:  # the plan counted it: stop before the layer's backward needs the [T, h] it did not count
+            missing_norm_source(self, f"{type(self).__name__} (chunked attention)")
         return _Chunked.apply(plan, hidden_states, *params), None
     W = dict(zip(plan.names, params))
     out = _output(hidden_states, W)

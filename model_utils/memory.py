@@ -46,6 +46,7 @@ from deepspeed.utils.z3_leaf_module import set_z3_leaf_module
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
+from model_utils.engagement import engaged, missing_norm_source
 from model_utils.mlp import use_lean_mlp
 from model_utils.rmsnorm import norm_source, renorm, use_lean_rmsnorm
 from model_utils.tiled_loss import agreed_tiles, install_loss_forward, loss_sum, tiled_loss_sum
@@ -201,8 +202,11 @@ class NormTiledMLP(torch.autograd.Function):
         ctx.compute_params = [p for p in compute_params if p.requires_grad]
         ctx.x_requires_grad = x.requires_grad
         ctx.save_for_backward(*source)
+        # tiles of the flattened rows, as the backward's (bs 1: TiledMLP's tiles along the sequence; bs > 1 used to
+        # keep its input, a [T, h] per layer the planner did not count)
         with torch.no_grad():
-            return torch.cat([fn(mlp, t) for t in torch.chunk(x, chunks=shards, dim=-2)], dim=-2)
+            x2 = x.reshape(-1, x.shape[-1])
+            return torch.cat([fn(mlp, t) for t in torch.chunk(x2, chunks=shards, dim=0)], dim=0).view(x.shape)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -230,9 +234,12 @@ def _tiled_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     """x: [bs, sl_local, hidden] -> [bs, sl_local, hidden], the same MLP over sequence tiles."""
     tiles = agreed_tiles(mlp_tiles(x.shape[-2], x.shape[-1], MLP_TILE_TOKENS), x.device)
     # All of the MLP's weights get one gradient per tile; TiledMLP tells ZeRO-3 to reduce them after the last.
-    source = norm_source(x) if torch.is_grad_enabled() and x.dim() == 3 and x.shape[0] == 1 else None
+    source = norm_source(x) if torch.is_grad_enabled() else None
+    engaged("tiled_mlp")  # per layer and micro-batch (model_utils/engagement.py)
     if source is not None:  # x is the post-attention lean RMSNorm's output: keep what the norm keeps, not x
+        engaged("norm_recompute")
         return NormTiledMLP.apply(_gated_mlp, self, x, tiles, list(self.parameters()), source)
+    missing_norm_source(self, "the tiled MLP")  # the plan counted it: stop before its backward needs the [T, h]
     return TiledMLP.apply(_gated_mlp, self, x, tiles, list(self.parameters()))
 
 
@@ -273,8 +280,17 @@ def _to_device(packed) -> torch.Tensor:
 def _checkpoint_with_offload(checkpoint_fn, function, *args, **kwargs):
     # torch's non-reentrant checkpoint saves the layer inputs under the hooks active here, and everything
     # computed inside the layer under its own (innermost) hooks: so only the inputs pass through _to_host.
-    with torch.autograd.graph.saved_tensors_hooks(_to_host, _to_device):
-        return checkpoint_fn(function, *args, **kwargs)
+    packed = []
+
+    def pack(t):
+        packed.append(True)
+        return _to_host(t)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, _to_device):
+        out = checkpoint_fn(function, *args, **kwargs)
+    if packed:  # the layer's inputs went through the offload hooks (model_utils/engagement.py)
+        engaged("offload_activations")
+    return out
 
 
 def _offload_checkpoints(model) -> None:

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from base import comm
+from model_utils.engagement import engaged
 
 LOGITS_TILE_BYTES: int = 2**30  # fp32 logits per loss tile (ArcticTraining's 1 GiB); module-level for tests
 
@@ -151,6 +152,7 @@ def _forward_with_tiled_loss(self, *args, tiled_loss_labels: torch.Tensor | None
         return _stats(lm_head, hidden, tiled_loss_labels, tiles, eval_buckets)
     tied = lm_head.weight is self.get_input_embeddings().weight
     weights = () if tiled_loss_weights is None else (tiled_loss_weights,)  # unweighted: the 5-argument call as before
+    engaged("tiled_logits")  # per training micro-batch (model_utils/engagement.py)
     return TiledCrossEntropySum.apply(hidden, tiled_loss_labels, lm_head, tiles, tied, *weights)
 
 

@@ -8,7 +8,7 @@ import deepspeed
 import torch
 
 from base.parallel import ParallelDims
-from model_utils import ulysses
+from model_utils import engagement, ulysses
 from model_utils.build import build_model
 from model_utils.memory import apply_memory_features
 from planner.memory_model import Features
@@ -51,6 +51,7 @@ def build_engine(cfg: Config, dims: ParallelDims, hf_config, attn: str, bf16: bo
     apply_memory_features(model, features)
     ulysses.unregister()  # a previous stage may have registered another SP degree
     mpu = ulysses.register(model, dims, attn, cfg.per_device_train_batch_size, features.attention_head_chunks)
+    engagement.arm(model, features)  # what each step's counters must reach (model_utils/engagement.py)
     params = [p for p in model.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=params, config=ds_config, mpu=mpu,

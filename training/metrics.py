@@ -52,14 +52,22 @@ def reset_peak_memory() -> None:
         pass
 
 
-def peak_memory_gb() -> float:
+def peak_memory_gb(engagement: dict | None = None) -> float:
     """The peak memory of any rank since the last reset_peak_memory (the stage's start): device memory on GPU,
-    peak resident set size on CPU. Max over ranks."""
+    peak resident set size on CPU. Max over ranks.
+
+    `engagement` (model_utils/engagement.take's {"engaged": {...}, "expected": {...}}) rides in the same all-reduce:
+    its "engaged" counts become the minimum over ranks, in place (max of the negatives), so the step's counters and
+    the stop they may decide cost no collective of their own and read the same on every rank."""
     if torch.cuda.is_available():
         peak = torch.cuda.max_memory_allocated() / 2**30
     else:
         peak = peak_rss_bytes() / 2**30
-    return round(comm.all_reduce([peak], op="max").item(), 4)
+    names = list(engagement["engaged"]) if engagement else []
+    got = comm.all_reduce([peak, *(-float(engagement["engaged"][k]) for k in names)], op="max")
+    for k, v in zip(names, got[1:].tolist()):
+        engagement["engaged"][k] = int(-v)
+    return round(got[0].item(), 4)
 
 
 def wandb_enabled(report_to: str) -> bool:

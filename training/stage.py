@@ -21,6 +21,7 @@ import torch
 from base.log import print0, rank_log
 from data.pipeline import heldout_samples
 from data.sharding import collate, shard
+from model_utils import engagement
 from model_utils.memory import kept_attention_line, make_loss_fn
 from model_utils.rope import apply_rope, model_hash
 from model_utils.ulysses import check_routed
@@ -83,6 +84,7 @@ def train_stage(run: Run, stage, stages, state: TrainState) -> None:
                        sdims.sp, sdims.sp_rank, sdims.cp) for _ in range(cfg.gradient_accumulation_steps)]
         lr = engine.get_lr()[0]
         out = train_step(engine, micro, dims.world, loss_fn=loss_fn)
+        out["engagement"] = engagement.take(engine.module, len(micro))  # the plan's savings, engaged vs expected this step
         if first:  # after the engine's first step: every layer's attention went through Ulysses + masking
             _after_first_step(run, engine, features)
             first = False
@@ -186,6 +188,8 @@ def _after_first_step(run: Run, engine, features) -> None:
 
 def _log_step(run: Run, stage, sdims, state: TrainState, out: dict, lr: float, sampler) -> None:
     cfg = run.cfg
+    eng = out.get("engagement")  # minimum over ranks after the peak's all-reduce (one collective for both)
+    peak = peak_memory_gb(eng) if eng else peak_memory_gb()
     run.preempt.deadline.record_step(out["step_time"])
     rank_log(f"step {state.step} stage {stage.index} loss {out['loss']:.6f} step_time {out['step_time']:.3f}s")
     n = sdims.dp * cfg.gradient_accumulation_steps * cfg.per_device_train_batch_size * stage.max_seq_length
@@ -193,8 +197,11 @@ def _log_step(run: Run, stage, sdims, state: TrainState, out: dict, lr: float, s
     run.metrics.log({"step": state.step, "stage": stage.index, "loss": out["loss"], "lr": lr, "tokens": n,
                      "tokens_per_s": n / out["step_time"], "seq_len": stage.max_seq_length, "sp": sdims.sp,
                      "cp": sdims.cp,
-                     "dp": sdims.dp, "peak_mem_gb": peak_memory_gb(), "total_tokens": state.tokens,
-                     "time": time.time(), **{f"share_{k}": v for k, v in sampler.source_shares().items()}})
+                     "dp": sdims.dp, "peak_mem_gb": peak, "total_tokens": state.tokens,
+                     "time": time.time(), **{f"share_{k}": v for k, v in sampler.source_shares().items()},
+                     **(engagement.fields(eng) if eng else {})})
+    if eng:  # a saving the plan counts that did not engage: one line naming it, exit 2 (the same on every rank)
+        engagement.check(eng)
 
 
 def _save(run: Run, engine, stage, hf_config, state: TrainState, sampler, at_end: bool) -> None:
