@@ -148,8 +148,11 @@ def task_accuracy(engine, dims, micro_batch: int, pad_id: int, tokenizer, trials
 def task_scores(engine, dims, micro_batch: int, pad_id: int, tokenizer, trials: dict[str, int], depths: list[float],
                 length: int, chat=None) -> tuple[dict, dict]:
     """({task: {depth: exact-match accuracy}}, {task: {depth: mean CE per answer token}}) at `length`; with `chat`
-    the trials asked through that template (`trial`). Rendering through a template costs two renders of each trial's
-    prompt on every rank (data/chat.py, ~0.1 s per 80k tokens), nothing next to its forward."""
+    the trials asked through that template (`trial`). Rendering through a template is not free: each trial's text is
+    decoded, rendered and tokenized three times (data/chat.py's prefix renders) on every rank, linear in the length:
+    measured here 1.5 s at 16k and 10 s at 128k per trial on one loaded core (plain: 0.2 s at 128k), so ~1.5 min per
+    trial at 1M, about the forward's time on 64 GPUs: give fewer trials at 1M, or render once (a follow-up: splice
+    the haystack's tokens between the template's head and tail instead of re-tokenizing it)."""
     samples, where = [], []
     for task, n in trials.items():
         rng = random.Random(f"eval:{task}:{length}")
