@@ -68,7 +68,7 @@ TINY = dict(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_ke
             max_position_embeddings=1 << 16, rope_theta=10000.0)
 K = 1024
 # (length, steps) of the throughput rungs; the dry run's stand-ins keep the shape of the plan at CPU sizes
-THROUGHPUT = {"gpu": [(64 * K, 3), (128 * K, 3), (256 * K, 2)], "dry": [(256, 2), (1024, 1)]}
+THROUGHPUT = {"gpu": [(64 * K, 3), (128 * K, 3), (256 * K, 2)], "dry": [(256, 2)]}
 LADDER_STEP = {"gpu": 64 * K, "dry": 512}
 LEANEST = {"tiled_mlp": True, "tiled_logits": True, "gradient_checkpointing": True, "offload_activations": True}
 OFFLOADS = {"zero_optimization": {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}}
@@ -281,13 +281,18 @@ def compare(probe: list[dict], plan: dict, n_layers: int) -> dict:
                      "gap_gib": round((logits["reserved"] - logits["peak"]) / GiB, 3),
                      "incl_gib": round(logits["peak"] / GiB, 3), **_ratio(logits["peak"], plan["logits"])})
     last = probe[-1] if probe else {}
-    step = {**_ratio(last.get("step_peak"), plan["step"]),
-            "reserved_gib": round(last.get("step_reserved", 0) / GiB, 3),
-            "gap_gib": round((last.get("step_reserved", 0) - last.get("step_peak", 0)) / GiB, 3)}
-    pinned = (last.get("pinned") or {}).get("allocated_bytes.current")
-    host = {"pinned": _ratio(pinned, plan["pinned"]) | {"stats": last.get("pinned") or {}},
-            "rss": _ratio(last.get("rss"), plan["host"] + 2 * GiB) | {"note": "planner host terms + 2 GiB runtime "
-                                                                           "(plan.py --cpu_overhead_gb)"}}
+    # the step: every segment is in some record (a phase's, or "between" when none was open)
+    top = max([r["peak_incl"] for r in probe] or [0])
+    top_reserved = max([r["reserved_incl"] for r in probe] or [0])
+    step = {**_ratio(top, plan["step"]), "reserved_gib": round(top_reserved / GiB, 3),
+            "gap_gib": round((top_reserved - top) / GiB, 3)}
+    # host: the most the caching host allocator held (active + cached, rounded blocks: it never gives them back)
+    # and the process' peak RSS (VmHWM on a GPU run; the CPU stand-in resets it, so there the largest RSS read)
+    held = max([(r.get("pinned") or {}).get("allocated_bytes.current", 0) for r in probe] or [0]) or None
+    rss = max([r.get("rss_hwm") or r.get("rss") or 0 for r in probe] or [0]) or None
+    host = {"pinned": _ratio(held, plan["pinned"]) | {"stats": last.get("pinned") or {}},
+            "rss": _ratio(rss, plan["host"] + 2 * GiB) | {"note": "peak RSS against the planner's host terms + the "
+                                                                  "2 GiB runtime plan.py assumes (--cpu_overhead_gb)"}}
     errors = sorted({e for r in probe for e in r.get("errors", [])})
     flags = [f"{r['phase']} L{r['layer']}" for r in rows if r["flag"]] + (["step"] if step["flag"] else []) + \
         (["pinned"] if host["pinned"]["flag"] else [])
@@ -295,22 +300,23 @@ def compare(probe: list[dict], plan: dict, n_layers: int) -> dict:
 
 
 def long_run(rec: Record, name: str, model: str, device: str, dry: bool, cap_gib: float, work: str,
-             length: int, gpu_mem_gb: float, timeout: float) -> dict:
-    """One train.py launch of one step at `length` under memory_features auto (the run's own start-up choice at
-    gpu_mem_gb, or on the CPU stand-in DRY_PINS under a 8 GiB cap), the probe in its rank; the per-phase figures
-    against the planner's for the configuration the run chose."""
+             stages: list[tuple[str, int]], gpu_mem_gb: float, timeout: float) -> dict:
+    """One train.py launch, one step per stage (name, length) under memory_features auto (the run's own start-up
+    choice at gpu_mem_gb, or on the CPU stand-in DRY_PINS under an 8 GiB cap), the probe in its rank; per stage,
+    the per-phase figures against the planner's for the configuration the run chose: {stage name: result}. The GPU
+    run launches each stage alone (their budgets differ); the dry run puts both in one launch (one start-up less
+    in the suite) and splits the probe's records at each stage's step record."""
     out = os.path.join(work, name)
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     cfg = os.path.join(work, f"{name}.yaml")
     pins = f"memory_features: {json.dumps(DRY_PINS)}, " if dry else ""
     with open(cfg, "w") as fh:
-        fh.write(f"stages:\n  - {{name: {name}, max_seq_length: {length}, max_steps: 1, {pins}"
-                 "eval: {passkey_trials: 0, heldout_samples: 0}}\n")
+        fh.write("stages:\n" + "".join(f"  - {{name: {s}, max_seq_length: {n}, max_steps: 1, {pins}"
+                                       "eval: {passkey_trials: 0, heldout_samples: 0}}\n" for s, n in stages))
     probe_path = os.path.join(work, f"{name}.phases.jsonl")
-    for p in (probe_path + ".rank0",):
-        if os.path.exists(p):
-            os.remove(p)
+    if os.path.exists(probe_path + ".rank0"):
+        os.remove(probe_path + ".rank0")
     env = bm.bench_env(device)
     env.update(BENCH_GPU_PHASES=probe_path,
                PYTHONPATH=os.pathsep.join([os.path.join(bm.ROOT, "bench", "gpu_site"), env["PYTHONPATH"]]))
@@ -323,50 +329,60 @@ def long_run(rec: Record, name: str, model: str, device: str, dry: bool, cap_gib
            "--learning_rate", "1e-5", "--warmup_steps", "0", "--reset_position_ids", "no",
            "--memory_features", "auto", *budget, "--dist_timeout_s", "600"]
     log = os.path.join(work, f"{name}.log")
-    rec.say(f"{name}: {length:,} tokens, {os.path.basename(model)}, launch (timeout {timeout:.0f} s)")
+    rec.say(f"{name}: {', '.join(f'{s} {n:,} tokens' for s, n in stages)}, {os.path.basename(model)}, launch "
+            f"(timeout {timeout:.0f} s)")
     code, wall = bm.launch(cmd, env, log, max(timeout, 30))
     records = bm.read_metrics(out)
-    steps = bm.read_steps(out, records)
-    choice = next((r for r in records if r.get("event") == "memory_choice"), None)
     probe = read_probe(probe_path + ".rank0")
     with open(log, errors="replace") as fh:
         text = fh.read()
-    result = {"model": os.path.basename(model), "length": length, "cap_gib": cap_gib, "gpu_mem_gb": gpu_mem_gb,
-              "budget_args": " ".join(budget),
-              "exit_code": code, "wall_s": round(wall, 1), "steps_done": len(steps), "memory_choice": choice,
-              "engagement": engagement(records), "probe_records": len(probe)}
-    if steps:
-        result["step_s"] = round(steps[0]["seq_len"] / steps[0]["tokens_per_s"], 2)
-    if code != 0 or not steps:
-        fail = bm.launch_failure(log)
-        result.update(error=fail["error"], log_tail=fail["log_tail"],
-                      oom=bool(re.search(r"OutOfMemoryError|CUDA out of memory", text)),
-                      time_limit=code == -9)
     # the index-overflow class (T x h = 2^32 at 1M): any kernel error text, whether or not the run survived it
-    result["kernel_errors"] = sorted({ln.strip()[:300] for ln in text.splitlines()
-                                      if re.search(INDEX_ERRORS, ln) and re.search(r"Error|error|assert|failed", ln)
-                                      and "Warning" not in ln})[:10]
-    if choice:
-        plan = planner_phases(model, length, choice, device)
-        result["planner"] = {"resident_gib": round(plan["resident"] / GiB, 3), "step_gib": round(plan["step"] / GiB, 3),
-                             "peak_phase": plan["peak_phase"], "predicted_peak_gb": choice.get("predicted_peak_gb"),
-                             "phases_gib": {k: round(v / GiB, 3) for k, v in plan["phases"].items()},
-                             "terms_gib": {k: (round(v / GiB, 3) if not isinstance(v, bool) else v)
-                                           for k, v in plan["terms"].items()},
-                             "host_terms_gib": {k: round(v / GiB, 3) for k, v in plan["host_terms"].items()},
-                             "pinned_gib": round(plan["pinned"] / GiB, 3)}
-        if probe:
-            result.update(compare(probe, plan, load_layers(model)))
-    for row in result.get("rows", []):
-        rec.say(f"  {row['phase']:<19} L{row['layer']:<2} allocated {row['measured_gib']} GiB (planner "
-                f"{row['planner_gib']}, x{row['ratio']}{' FLAG' if row['flag'] else ''}) reserved {row['reserved_gib']}")
-    if "step" in result:
-        rec.say(f"  step peak {result['step']['measured_gib']} GiB vs planner {result['step']['planner_gib']}; "
-                f"pinned {result['host']['pinned']['measured_gib']} vs {result['host']['pinned']['planner_gib']}; "
-                f"flags: {result['flags'] or 'none'}")
-    if result.get("error"):
-        rec.say(f"  {name} failed: {result['error']}")
-    return result
+    kernel_errors = sorted({ln.strip()[:300] for ln in text.splitlines()
+                            if re.search(INDEX_ERRORS, ln) and re.search(r"Error|error|assert|failed", ln)
+                            and "Warning" not in ln})[:10]
+    results, start = {}, 0.0
+    for i, (stage, length) in enumerate(stages):
+        mine = [r for r in records if r.get("stage") == i]
+        steps = bm.read_steps(out, mine)
+        end = steps[-1]["time"] if steps and i + 1 < len(stages) else float("inf")
+        part = [r for r in probe if start < r.get("time", 0) <= end]
+        start = end
+        choice = next((r for r in mine if r.get("event") == "memory_choice"), None)
+        result = {"model": os.path.basename(model), "length": length, "cap_gib": cap_gib, "gpu_mem_gb": gpu_mem_gb,
+                  "budget_args": " ".join(budget), "exit_code": code, "wall_s": round(wall, 1),
+                  "steps_done": len(steps), "memory_choice": choice, "engagement": engagement(mine),
+                  "probe_records": len(part), "kernel_errors": kernel_errors}
+        if steps:
+            result["step_s"] = round(steps[0]["seq_len"] / steps[0]["tokens_per_s"], 2)
+        if code != 0 or not steps:
+            fail = bm.launch_failure(log)
+            result.update(error=fail["error"], log_tail=fail["log_tail"],
+                          oom=bool(re.search(r"OutOfMemoryError|CUDA out of memory", text)), time_limit=code == -9)
+        if choice:
+            plan = planner_phases(model, length, choice, device)
+            result["planner"] = {"resident_gib": round(plan["resident"] / GiB, 3),
+                                 "step_gib": round(plan["step"] / GiB, 3), "peak_phase": plan["peak_phase"],
+                                 "predicted_peak_gb": choice.get("predicted_peak_gb"),
+                                 "phases_gib": {k: round(v / GiB, 3) for k, v in plan["phases"].items()},
+                                 "terms_gib": {k: (round(v / GiB, 3) if not isinstance(v, bool) else v)
+                                               for k, v in plan["terms"].items()},
+                                 "host_terms_gib": {k: round(v / GiB, 3) for k, v in plan["host_terms"].items()},
+                                 "pinned_gib": round(plan["pinned"] / GiB, 3)}
+            if part:
+                result.update(compare(part, plan, load_layers(model)))
+        rec.say(f"{stage}: {length:,} tokens, {len(steps)} step, exit {code}")
+        for row in result.get("rows", []):
+            rec.say(f"  {row['phase']:<19} L{row['layer']:<2} allocated {row['measured_gib']} GiB (planner "
+                    f"{row['planner_gib']}, x{row['ratio']}{' FLAG' if row['flag'] else ''}) reserved "
+                    f"{row['reserved_gib']}")
+        if "step" in result:
+            rec.say(f"  step peak {result['step']['measured_gib']} GiB vs planner {result['step']['planner_gib']}; "
+                    f"pinned {result['host']['pinned']['measured_gib']} vs {result['host']['pinned']['planner_gib']}; "
+                    f"flags: {result['flags'] or 'none'}")
+        if result.get("error"):
+            rec.say(f"  {stage} failed: {result['error']}")
+        results[stage] = result
+    return results
 
 
 def load_layers(model: str) -> int:
@@ -713,16 +729,26 @@ def main(argv: list[str] | None = None) -> int:
             with open(page, "w") as fh:
                 fh.write(render(rec.data))
 
+    if args.dry and "long" in sections and "gap" in sections:  # one launch, two stages (the suite's time)
+        at = guarded(rec, "gap", lambda: gap_length(model(), True, args.cap_gib, rec.left()))
+        both = guarded(rec, "long", lambda: long_run(rec, "long", model(), device, True, args.cap_gib, args.work,
+                                                     sorted([("long", LONG[kind]), ("gap", at[0])], key=lambda x: x[1]),  # lengths grow
+                                                     0.0, rec.left() - 15))
+        for name in ("long", "gap"):
+            rec.put(name, (both or {}).get(name))
+        page_now()
+        sections = [s for s in sections if s not in ("long", "gap")]
     if "long" in sections:
-        rec.put("long", guarded(rec, "long", lambda: long_run(
-            rec, "long", model(), device, args.dry, args.cap_gib, args.work, LONG[kind], PLAN_GPU_GB,
-            rec.left() - 15)))
+        rec.put("long", (guarded(rec, "long", lambda: long_run(
+            rec, "long", model(), device, args.dry, args.cap_gib, args.work, [("long", LONG[kind])], PLAN_GPU_GB,
+            rec.left() - 15)) or {}).get("long"))
         page_now()
     if "gap" in sections:
         at = guarded(rec, "gap", lambda: gap_length(model(), args.dry, args.cap_gib, rec.left()))
         if at:
-            rec.put("gap", guarded(rec, "gap", lambda: long_run(
-                rec, "gap", model(), device, args.dry, args.cap_gib, args.work, at[0], at[1], rec.left() - 15)))
+            rec.put("gap", (guarded(rec, "gap", lambda: long_run(
+                rec, "gap", model(), device, args.dry, args.cap_gib, args.work, [("gap", at[0])], at[1],
+                rec.left() - 15)) or {}).get("gap"))
         else:
             skipped.append("gap")
         page_now()

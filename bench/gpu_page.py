@@ -60,12 +60,12 @@ def _long(r: dict, title: str, what: str) -> list[str]:
                       terms=", ".join(f"{k} {v}" for k, v in r["planner"]["terms_gib"].items())), ""]
         h = r["host"]
         stats = h["pinned"].get("stats") or {}
-        lines += ["Host memory after the step: pinned (torch.cuda.host_memory_stats allocated_bytes.current, the "
-                  f"blocks as the caching host allocator rounds and keeps them) {_gib(h['pinned']['measured_gib'])} GiB "
+        lines += ["Host memory by the end of the step: pinned (torch.cuda.host_memory_stats allocated_bytes.current at "
+                  "most, the blocks as the caching host allocator rounds and keeps them) {_gib(h['pinned']['measured_gib'])} GiB "
                   f"against the planner's {_gib(h['pinned']['planner_gib'])} (x{h['pinned']['ratio']}"
                   f"{', **the planner' + chr(39) + 's next fix**' if h['pinned']['flag'] else ''}); "
-                  f"RSS {_gib(h['rss']['measured_gib'])} GiB against {_gib(h['rss']['planner_gib'])} "
-                  f"({h['rss']['note']}, x{h['rss']['ratio']})."
+                  f"{h['rss']['note']}: {_gib(h['rss']['measured_gib'])} GiB against {_gib(h['rss']['planner_gib'])} "
+                  f"(x{h['rss']['ratio']})."
                   + (f" Pinned stats: {', '.join(f'{k} {v:,}' for k, v in stats.items())}." if stats else ""), ""]
         if r.get("flags"):
             lines += [f"**Outside 10% of the planner**: {', '.join(r['flags'])}.", ""]

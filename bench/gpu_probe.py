@@ -117,7 +117,9 @@ class Probe:
             self.errors.append(f"{type(e).__name__}: {e}"[:300])
 
     def write(self, rec: dict) -> None:
-        rec.update(pid=os.getpid(), t_close=round(time.time() - self.t0, 3), rss=_rss(), pinned=pinned_stats(),
+        rec.update(pid=os.getpid(), time=time.time(), t_close=round(time.time() - self.t0, 3), rss=_rss(),
+                   pinned=pinned_stats(),
+                   rss_hwm=_hwm() if self.cuda else None,  # the process' peak RSS (the CPU stand-in resets it)
                    step_peak=self.step_alloc, step_reserved=self.step_reserved, events=self.events,
                    errors=self.errors[-3:])
         with open(self.path, "a") as fh:
