@@ -6,7 +6,8 @@ Beside each case's "out" file, rank 0 writes OUT.stats.pt: MLP tile counts, loss
 whether the head was tied), how many checkpointed tensors went through the offload hooks, how many
 layer calls ran under torch's checkpoint (selective checkpointing: only every K-th layer), and how often
 ZeRO-3 gathered the parameters of a tiled MLP, as a whole and per projection (gate/up/down_proj), and how many
-attention kernel outputs --keep_attention saved in the forward and handed back in the recompute.
+attention kernel outputs --keep_attention saved in the forward and handed back in the recompute; and the step's
+engagement counters (model_utils/engagement.py) with what the built model expected per micro-batch.
 """
 
 import json
@@ -20,7 +21,7 @@ from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedPara
 
 warnings.filterwarnings("ignore")
 
-from model_utils import memory, tiled_loss  # noqa: E402
+from model_utils import engagement, memory, tiled_loss  # noqa: E402
 from tests.workers.parity import run_case  # noqa: E402
 
 STATS: dict = {}
@@ -76,6 +77,15 @@ def _marking_tile_mlps(model):
             getattr(layer.mlp, name)._spy_mlp_projection = True
 
 
+_arm = engagement.arm
+
+
+def _recording_arm(model, features):
+    """What the built model expects per micro-batch (model_utils/engagement.py), for the case's stats."""
+    STATS["expected"] = _arm(model, features)
+    return STATS["expected"]
+
+
 def _copying_to_host(t: torch.Tensor):
     """Count the offloaded tensors and really copy them, so the unpacked copy is what backward uses."""
     if t.numel():
@@ -88,6 +98,7 @@ if __name__ == "__main__":
     memory.TiledMLP, tiled_loss.TiledCrossEntropySum, memory._to_host = _SpyTiledMLP, _SpyTiledCE, _copying_to_host
     memory.NormTiledMLP = _SpyNormTiledMLP
     hf_modeling.checkpoint = _counting_checkpoint  # what activation_checkpointing_enable hands the layers
+    engagement.arm = _recording_arm
     PartitionedParameterCoordinator.fetch_sub_module, memory._tile_mlps = _counting_fetch, _marking_tile_mlps
     for case in json.loads(sys.argv[1]):
         for name, value in case.pop("knobs").items():
@@ -97,6 +108,7 @@ if __name__ == "__main__":
         kept = dict(memory.KEPT)
         run_case(case, case["sequence_parallel_size"])
         STATS.update({f"attention_{k}": memory.KEPT[k] - kept[k] for k in kept})
+        STATS["engaged"] = dict(engagement._ENGAGED)  # the case's one step (arm zeroed the counters)
         if dist.get_rank() == 0:
             torch.save(dict(STATS), case["out"] + ".stats.pt")
         dist.barrier()
