@@ -61,7 +61,8 @@ def _long(r: dict, title: str, what: str) -> list[str]:
         h = r["host"]
         stats = h["pinned"].get("stats") or {}
         lines += ["Host memory by the end of the step: pinned (torch.cuda.host_memory_stats allocated_bytes.current at "
-                  "most, the blocks as the caching host allocator rounds and keeps them) {_gib(h['pinned']['measured_gib'])} GiB "
+                  f"most, the blocks as the caching host allocator rounds and keeps them) {_gib(h['pinned']['measured_gib'])} "
+                  "GiB "
                   f"against the planner's {_gib(h['pinned']['planner_gib'])} (x{h['pinned']['ratio']}"
                   f"{', **the planner' + chr(39) + 's next fix**' if h['pinned']['flag'] else ''}); "
                   f"{h['rss']['note']}: {_gib(h['rss']['measured_gib'])} GiB against {_gib(h['rss']['planner_gib'])} "

@@ -46,6 +46,7 @@ def test_gpu_check_dry_run(tmp_path):
     assert all(r["fits"] and r["tokens_per_s"] > 0 and r["predicted_gib"] > 0 for r in rungs)
     assert rungs[1]["length"] == data["ladder"]["planner_longest_leanest"] // 512 * 512
     text = page.read_text()
+    assert "_gib(" not in text and "None GiB" not in text
     assert "| recomputed forward | 0 |" in text and "| attention backward | 1 |" in text and "| 256 | throughput |" in text
 
 
@@ -73,3 +74,47 @@ def test_gpu_check_plans_the_real_run():
     at = gpu.gap_length(None, False, 78.5, left=600, shape=shape)
     assert at and at[1] == round(78.5 / 0.9 + 2, 3) and at[0] in gpu.GAP_LENGTHS["gpu"], at
     assert plan["step"] / GiB > 60  # the 1M step is near the 70.2 GiB the run allows itself
+
+
+def test_gpu_check_flags_and_host_figures():
+    """What only a GPU run produces, from stand-in probe records at the 1M plan's own figures: pinned host stats
+    (torch.cuda.host_memory_stats' keys) and peak RSS against the planner, a phase 5% over (not flagged) and one 20%
+    over (flagged bold on the page as the planner's next fix), the reserved-minus-allocated gap."""
+    from bench import gpu
+    from bench.gpu_page import render
+    from planner import auto_features as af
+    from planner.memory_model import Features, GiB, ModelShape
+
+    shape = ModelShape.from_config(dict(gpu.LLAMA3_8B, num_hidden_layers=2, model_type="llama", head_dim=128))
+    off = Features(offload_params=True, offload_optimizer=True, lean_rmsnorm=True, lean_mlp=True)
+    c = af.choose(shape, gpu.LONG["gpu"], 1, af.gpu_budget(gpu.PLAN_GPU_GB), sp=1, offloads=off, device="cuda",
+                  precision="bf16", ranks_per_node=1, free_offloads=("offload_params", "offload_optimizer"))
+    choice = c.as_dict() | {"lean_rmsnorm": True, "lean_mlp": True}
+    plan = gpu.planner_phases(shape, gpu.LONG["gpu"], choice, "cuda")
+    lay = plan["layers"]
+
+    def rec(phase, layer, peak, **kw):
+        return {"phase": phase, "layer": layer, "peak": int(peak), "reserved": int(peak + GiB), "peak_incl": int(peak),
+                "reserved_incl": int(peak + GiB), "pid": 1, "rss": 30 * GiB, "rss_hwm": 40 * GiB, **kw}
+
+    probe = [rec("forward", 0, 20 * GiB), rec("forward", 1, 30 * GiB),
+             rec("between", -1, plan["logits"], after="close forward L1", before="open mlp_backward L1"),
+             rec("mlp_backward", 1, 1.05 * lay[1]["mlp_backward"]),
+             rec("attention_backward", 1, 1.2 * lay[1]["attention_backward"]),
+             rec("recompute", 0, lay[0]["recompute"]), rec("mlp_backward", 0, lay[0]["mlp_backward"]),
+             rec("attention_backward", 0, lay[0]["attention_backward"],
+                 pinned={"allocated_bytes.current": int(plan["pinned"]), "num_host_alloc": 3})]
+    got = gpu.compare(probe, plan, 2)
+    rows = {(r["phase"], r["layer"]): r for r in got["rows"]}
+    assert rows[("mlp_backward", 1)]["ratio"] == 1.05 and not rows[("mlp_backward", 1)]["flag"]
+    assert rows[("attention_backward", 1)]["flag"] and "attention_backward L1" in got["flags"]
+    assert not {"mlp_backward L1", "recompute L0", "mlp_backward L0", "logits L-1", "pinned"} & set(got["flags"])
+    assert rows[("logits", -1)]["ratio"] == 1.0 and rows[("recompute", 0)]["gap_gib"] == 1.0
+    assert plan["pinned"] > 0 and got["host"]["pinned"]["ratio"] == 1.0 and got["host"]["rss"]["measured_gib"] == 40
+    text = render({"environment": {"device": "NVIDIA H200"}, "long": {
+        "model": "llama3_8b_shape_l2", "length": gpu.LONG["gpu"], "cap_gib": 78.5, "gpu_mem_gb": 80.0,
+        "budget_args": "--gpu_mem_gb 80.0", "exit_code": 0, "wall_s": 300.0, "step_s": 190.0, "steps_done": 1,
+        "memory_choice": choice, "engagement": {"engaged_head_chunks": 16}, "kernel_errors": [],
+        "planner": {"resident_gib": 1.0, "terms_gib": {"consistent": True}}, **got}})
+    assert "| **1.2** (the planner's next fix) |" in text and "| 1.05 |" in text
+    assert "engaged_head_chunks 16" in text and "_gib(" not in text and "num_host_alloc 3" in text
