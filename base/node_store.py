@@ -3,7 +3,7 @@
 Without it, rank 0's Python process hosts the rendezvous TCPStore (base/comm.py `open_channel`, train.py's first
 line). A node-0 rank that dies before that line (an import error: a broken venv or a missing mount on node 0,
 an OOM kill while importing torch from a cold shared file system) leaves every other node connecting to a store
-that never comes, for START_WAIT_S (30 min, as the rendezvous would); a node whose ranks die before they
+that never comes, for START_WAIT_S (5 min; it was 30, as the rendezvous waits); a node whose ranks die before they
 connect leaves rank 0 at the rendezvous for `dist_timeout_s`. Their own launcher knows at once (it reaps them),
 but it had no one to tell.
 
