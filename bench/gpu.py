@@ -21,7 +21,8 @@ less its CUDA context), so an H200 answers as an H100 would.
    MFU) + start-up.
    gap: the reserved-minus-allocated gap near the cap: the same under a budget whose usable memory is the cap itself
    (cap / 0.9 + 2 GiB), at the shortest GAP_LENGTHS entry where auto's predicted peak reaches 95% of the cap (256k:
-   77.2 of 78.5 GiB, 13 s of step), when the time left holds it.
+   77.2 of 78.5 GiB, 13 s of step), when the time left holds it. (The dry run runs both as two stages of one
+   launch, the shorter first: one start-up less in the suite.)
 1. smoke: tests/test_gpu_smoke.py (NCCL, bf16, ZeRO-3 + CPU offload, evaluation, export, step-1 loss = the plain
    model's) through pytest.
 2. parity: document masking on every attention backend installed (sdpa, flex_attention, flash_attention_2 where

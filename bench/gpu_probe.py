@@ -16,11 +16,14 @@ events. Phases, per decoder layer i (one JSON line per closed phase in BENCH_GPU
   events where no inner phase was open, `peak_incl` all of them;
 - `attention_backward`: from the gradient of the attention output to that of its input (the input norm's output).
 
+Segments while no phase is open (the embedding, the logits and loss, the optimizer step, an engine build) are
+written as `between` records naming the events around them; the last one is written at the rank's exit (atexit).
 Every record carries its process id (a subprocess a rank starts inherits the hooks and writes its own short
-records: bench.gpu.read_probe keeps the rank's), the process RSS and torch.cuda.host_memory_stats()' pinned bytes (GPU only) at its end, so
-the last record of the run is the host memory after the step's backward (the optimizer step pins nothing new: the
-offload buffers are pinned at engine start). train.py's own peak_mem_gb reads max_memory_allocated since this
-probe's last reset, so bench.gpu takes the step's peak from here (`step` records: the max over every event).
+records: bench.gpu.read_probe keeps the rank's), its time, the process RSS and peak RSS (VmHWM, GPU runs) and
+torch.cuda.host_memory_stats()' pinned bytes (GPU only) at its end: bench.gpu takes the most the caching host
+allocator held (it keeps freed blocks) and the peak RSS over the step. train.py's own peak_mem_gb reads
+max_memory_allocated since this probe's last reset, so bench.gpu takes the step's peak from these records (the
+max over all of them: every segment is in one).
 Cost: two procfs reads or two CUDA stat calls per event, a few dozen events per step.
 """
 
