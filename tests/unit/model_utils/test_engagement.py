@@ -14,7 +14,7 @@ import torch
 from model_utils import engagement, head_chunks, memory
 from tests.multiproc.test_parity import rel
 
-LAYERS = 3
+LAYERS = 2
 
 
 def _model(attn: str, chunks: int, offload: bool = True):
@@ -33,7 +33,7 @@ def _model(attn: str, chunks: int, offload: bool = True):
     return model, opts
 
 
-def _step(model, bs: int = 2, sl: int = 40):
+def _step(model, bs: int = 2, sl: int = 32):
     """One micro-batch's forward and backward with a padding mask (the last token of row 0 masked: sdpa then gets
     a mask; eager always builds one), through the tiled loss."""
     ids = torch.randint(4, 512, (bs, sl), generator=torch.Generator().manual_seed(1))
