@@ -80,8 +80,9 @@ def train_stage(run: Run, stage, stages, state: TrainState) -> None:
     features = features_of(scfg)
     loss_fn, first = make_loss_fn(features), True  # the stage's tiled_logits
     while state.step < end:
-        micro = [shard(collate([dataset[i] for i in sampler.next_batch()], sdims.seq_multiple, run.data.pad_id),
-                       sdims.sp, sdims.sp_rank, sdims.cp) for _ in range(cfg.gradient_accumulation_steps)]
+        micro = [shard(collate([dataset[i] for i in sampler.next_batch()], sdims.seq_multiple, run.data.pad_id,
+                               cfg.loss_weighting), sdims.sp, sdims.sp_rank, sdims.cp)
+                 for _ in range(cfg.gradient_accumulation_steps)]
         lr = engine.get_lr()[0]
         out = train_step(engine, micro, dims.world, loss_fn=loss_fn)
         out["engagement"] = engagement.take(engine.module, len(micro))  # the plan's savings, engaged vs expected this step
@@ -195,6 +196,8 @@ def _log_step(run: Run, stage, sdims, state: TrainState, out: dict, lr: float, s
     n = sdims.dp * cfg.gradient_accumulation_steps * cfg.per_device_train_batch_size * stage.max_seq_length
     state.tokens += n
     run.metrics.log({"step": state.step, "stage": stage.index, "loss": out["loss"], "lr": lr, "tokens": n,
+                     "label_tokens": out["label_tokens"],  # supervised tokens of the step (global; the loss's count)
+                     **({"label_weight": out["label_weight"]} if "label_weight" in out else {}),
                      "tokens_per_s": n / out["step_time"], "seq_len": stage.max_seq_length, "sp": sdims.sp,
                      "cp": sdims.cp,
                      "dp": sdims.dp, "peak_mem_gb": peak, "total_tokens": state.tokens,
