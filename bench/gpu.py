@@ -146,16 +146,16 @@ INDEX_ERRORS = r"illegal memory access|invalid configuration argument|numel|int3
 
 
 def engagement(records: list[dict]) -> dict | None:
-    """HOOK for issue 43's per-step engagement counters (chunked attention, norm-output recompute, tiled MLP and
-    logits, checkpoint offload), which model_utils/training add to metrics.jsonl: every key of a step record
-    whose name holds "engag" and every record with event "engagement" (the last of each kept), None while the
-    train.py under test logs none. The page lists them as logged, beside what the plan counted."""
-    found: dict = {}
-    for r in records:
-        if r.get("event") == "engagement":
-            found.update({k: v for k, v in r.items() if k not in ("event", "time")})
-        found.update({k: v for k, v in r.items() if "engag" in k.lower() and k != "event"})
-    return found or None
+    """The per-step engagement counters of issue 43 (model_utils/engagement.py: chunked attention, norm-output
+    recompute, tiled MLP and logits, checkpoint offload), as train.py logs them in its step records
+    (`engaged/<feature>`, `expected/<feature>`: the step's count and what the plan counts on): {feature: {"engaged",
+    "expected"}} of the stage's last step, None where the step records carry none (a train.py before them, or a
+    plan counting none). A feature that engaged fewer times than expected stops the run with one line naming it
+    (training/stage.py), which the section records as its error."""
+    steps = [r for r in records if "tokens_per_s" in r]
+    last = steps[-1] if steps else {}
+    names = sorted({k.split("/", 1)[1] for k in last if k.startswith(("engaged/", "expected/"))})
+    return {n: {"engaged": last.get(f"engaged/{n}"), "expected": last.get(f"expected/{n}")} for n in names} or None
 
 
 def _features_of(choice: dict):

@@ -75,8 +75,10 @@ def _long(r: dict, title: str, what: str) -> list[str]:
     elif r.get("memory_choice"):
         lines += ["No per-phase records (the probe wrote none).", ""]
     eng = r.get("engagement")
-    lines += ["Engagement counters (metrics.jsonl): " + (", ".join(f"{k} {v}" for k, v in eng.items()) if eng else
-              "none logged by this train.py (the hook, bench.gpu.engagement, reads them once they are)."), ""]
+    lines += ["Engagement counters of the step (metrics.jsonl, engaged / expected by the plan): "
+              + (", ".join(f"{k} {v['engaged']} / {v['expected']}" + (" **NOT ENGAGED**" if (v["engaged"] or 0) <
+                                                                       (v["expected"] or 0) else "")
+                           for k, v in eng.items()) + "." if eng else "none in the step records."), ""]
     return lines
 
 

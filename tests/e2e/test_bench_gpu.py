@@ -36,7 +36,11 @@ def test_gpu_check_dry_run(tmp_path):
         assert all(r["planner_gib"] and r["ratio"] for r in run["rows"] if r["phase"] != "forward")
         assert run["planner"]["terms_gib"]["consistent"] and not run["probe_errors"]
         assert run["step"]["measured_gib"] >= max(r["measured_gib"] for r in run["rows"])
-        assert run["host"]["rss"]["measured_gib"] > 0 and "engagement" in run
+        assert run["host"]["rss"]["measured_gib"] > 0
+        # the savings the plan counts engaged as often as it expects (model_utils/engagement.py's counters)
+        eng = run["engagement"]
+        assert {"attention_head_chunks", "norm_recompute", "tiled_mlp"} <= set(eng), eng
+        assert all(v["engaged"] == v["expected"] > 0 for v in eng.values()), eng
     assert data["skipped_for_time"] == []
     assert [r["backend"] for r in data["parity"]] == ["sdpa"] and data["parity"][0]["ok"]
     # the check can see a bug: attention across documents is far outside the tolerance
@@ -114,7 +118,10 @@ def test_gpu_check_flags_and_host_figures():
     text = render({"environment": {"device": "NVIDIA H200"}, "long": {
         "model": "llama3_8b_shape_l2", "length": gpu.LONG["gpu"], "cap_gib": 78.5, "gpu_mem_gb": 80.0,
         "budget_args": "--gpu_mem_gb 80.0", "exit_code": 0, "wall_s": 300.0, "step_s": 190.0, "steps_done": 1,
-        "memory_choice": choice, "engagement": {"engaged_head_chunks": 16}, "kernel_errors": [],
+        "memory_choice": choice, "engagement": {"tiled_mlp": {"engaged": 2, "expected": 2},
+                                                 "norm_recompute": {"engaged": 1, "expected": 3}},
+        "kernel_errors": [],
         "planner": {"resident_gib": 1.0, "terms_gib": {"consistent": True}}, **got}})
     assert "| **1.2** (the planner's next fix) |" in text and "| 1.05 |" in text
-    assert "engaged_head_chunks 16" in text and "_gib(" not in text and "num_host_alloc 3" in text
+    assert "tiled_mlp 2 / 2," in text and "norm_recompute 1 / 3 **NOT ENGAGED**" in text
+    assert "_gib(" not in text and "num_host_alloc 3" in text
