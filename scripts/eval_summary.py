@@ -5,8 +5,9 @@ without going to find it.
 
 The tables are those of OUTPUT_DIR/eval/summary.md (training/metrics.py `eval_tables`), rebuilt from the stages'
 records OUTPUT_DIR/eval/stage{N}.json (each stage's latest evaluation, the same record metrics.jsonl holds as an
-`"event": "eval"` line), preceded by one line per measure from the first evaluated stage to the last (the "before"
-and the "after": held-out loss, each task's accuracy at each length both tried). Reads a few small JSON files
+`"event": "eval"` line), preceded by one line from the first evaluated stage to the last (the "before" and the
+"after": the held-out loss at the first stage's length, the same samples both times, and at the last stage's own
+length; each task's accuracy at each length both tried). Reads a few small JSON files
 (one per stage): nothing at any scale. A folder without records is refused in one line (exit 2).
 """
 
@@ -41,9 +42,12 @@ def headline(rows: list[dict]) -> list[str]:
     a, b = rows[0], rows[-1]
     where = f"stage {a['stage']} ({a['stage_name']}) -> stage {b['stage']} ({b['stage_name']})"
     out = []
-    if "heldout_loss" in a and "heldout_loss" in b:
-        out.append(f"held-out loss at {a['seq_len']} -> {b['seq_len']}: {a['heldout_loss']:.4f} -> "
-                   f"{b['heldout_loss']:.4f}")
+    first = a.get("first_len")
+    if first is not None and b.get("first_len") == first and "heldout_loss_first_len" in a and \
+            "heldout_loss_first_len" in b:  # the same held-out samples before and after: retention
+        out.append(f"held-out loss at {first}: {a['heldout_loss_first_len']:.4f} -> {b['heldout_loss_first_len']:.4f}")
+    if "heldout_loss" in b and b["seq_len"] != first:
+        out.append(f"held-out loss at {b['seq_len']} (the last stage's length): {b['heldout_loss']:.4f}")
     for task, lens in b.get("task_mean", {}).items():
         before = a.get("task_mean", {}).get(task, {})
         for n in sorted((n for n in lens if n in before), key=int):

@@ -198,7 +198,7 @@ def test_eval_summary_prints_before_and_after(tmp_path, capsys):
                    for i, (n, s, h, m) in enumerate([("before", 1, 7.4737, mean[0]), ("sft", 101, 1.7419, mean[1])])])
     assert script.main([str(out)]) == 0
     got = capsys.readouterr().out
-    assert ("stage 0 (before) -> stage 1 (sft): held-out loss at 512 -> 512: 7.4737 -> 1.7419; passkey at 256: "
+    assert ("stage 0 (before) -> stage 1 (sft): held-out loss at 512: 7.4737 -> 1.7419; passkey at 256: "
             "1.00 -> 0.73") in got
     assert "| 1 | sft | 101 | 512 | 1.7419 | 1.7419 |" in got and "| 1 | 512 | 0.73 |" in got
     assert script.main([str(tmp_path / "empty")]) == 2
