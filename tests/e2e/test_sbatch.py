@@ -144,7 +144,8 @@ def test_sbatch_gives_up_after_max_requeues(tmp_path):
 
 # --- two nodes: the srun stand-in runs one task per node (SLURM_NODEID 0 and 1), honouring --kill-on-bad-exit ---
 
-TWO_NODES = {"SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "127.0.0.1,localhost", "SRUN_KILL_WAIT": "5"}
+TWO_NODES = {"SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "127.0.0.1,localhost", "SRUN_KILL_WAIT": "5",
+             "STATE_SETTLE_S": "8"}
 
 
 def node_lines(tmp_path, node: int) -> list[str]:
@@ -170,6 +171,17 @@ def test_sbatch_requeues_a_lost_node_without_it(tmp_path, how):
                                   "release 4242"], text
     assert "node(s) 1 lost (localhost)" in text and "training exited with 69" in text, text
     assert "got SIGTERM" in node_lines(tmp_path, 1 if how == "stalled" else 0), text  # srun ended the step
+
+
+def test_a_nodes_exit_record_seen_late_does_not_exclude_it(tmp_path):
+    """Both nodes saved and exited 75, but node 1's record reaches the batch host's view of the shared file system 3 s
+    late: slurm.sbatch looks for it again by name (STATE_SETTLE_S) and requeues plainly; it used to declare node 1
+    lost at once and exclude a healthy node from every later requeue."""
+    job = sbatch(tmp_path, "0", ["--output_dir", str(tmp_path / "out")], FAKE_EXIT_0="75", FAKE_EXIT_1="late:75:3",
+                 **TWO_NODES)
+    text = job.communicate(timeout=60)[0]
+    assert job.returncode == 0 and requeues(tmp_path) == ["requeue 4242"], text
+    assert "lost" not in text and "training exited with 75" in text, text
 
 
 def test_sbatch_requeues_a_lost_node_that_cannot_be_named(tmp_path):
