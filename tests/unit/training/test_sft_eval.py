@@ -210,7 +210,9 @@ def test_eval_summary_prints_before_and_after(tmp_path, capsys):
                                             ("demo-sft", "recipes/tiny_cpu_sft.yaml")])
 def test_demos_end_by_printing_their_evaluation(target, recipe):
     """`make demo` and `make demo-sft` end with the summary of the run they just made (its output_dir)."""
-    p = subprocess.run(["make", "-n", target], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}  # under `make test`
+    p = subprocess.run(["make", "--no-print-directory", "-n", target], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60, env=env)
     with open(os.path.join(ROOT, recipe)) as fh:
         out = yaml.safe_load(fh)["output_dir"]
     assert p.returncode == 0 and p.stdout.strip().splitlines()[-1] == f".venv/bin/python scripts/eval_summary.py {out}"
