@@ -59,6 +59,7 @@ import sys
 import time
 
 from bench import harness as bm
+from bench.gpu_compare import compare, engagement, planner_phases, read_probe
 from bench.gpu_page import render
 
 GiB = 2**30
@@ -138,166 +139,10 @@ PLAN_GPU_GB = 80.0  # the card plan.py --compare and the issue plan for; the run
 # of these lengths where auto's predicted peak is within GAP_NEAR of the cap (2 layers at 256k: 77.2 of 78.5 GiB)
 GAP_LENGTHS = {"gpu": [256 * K, 320 * K, 384 * K, 512 * K, 640 * K], "dry": [1024, 1536, 2048]}
 GAP_NEAR = 0.95
-FLAG = 0.10  # measured / planner outside 1 +- this: flagged on the page as the planner's next fix
 # dry: the CPU stand-in pins what makes every probe path run (a recomputed layer, the tiled MLP, 2 head chunks)
 DRY_PINS = {"checkpoint_every": 2, "tiled_mlp": True}
 INDEX_ERRORS = r"illegal memory access|invalid configuration argument|numel|int32|2\^31|2147483647|overflow|" \
                r"CUDA error|cuDNN error|CUBLAS_STATUS|index out of bounds|device-side assert"
-
-
-def engagement(records: list[dict]) -> dict | None:
-    """The per-step engagement counters of issue 43 (model_utils/engagement.py: chunked attention, norm-output
-    recompute, tiled MLP and logits, checkpoint offload), as train.py logs them in its step records
-    (`engaged/<feature>`, `expected/<feature>`: the step's count and what the plan counts on): {feature: {"engaged",
-    "expected"}} of the stage's last step, None where the step records carry none (a train.py before them, or a
-    plan counting none). A feature that engaged fewer times than expected stops the run with one line naming it
-    (training/stage.py), which the section records as its error."""
-    steps = [r for r in records if "tokens_per_s" in r]
-    last = steps[-1] if steps else {}
-    names = sorted({k.split("/", 1)[1] for k in last if k.startswith(("engaged/", "expected/"))})
-    return {n: {"engaged": last.get(f"engaged/{n}"), "expected": last.get(f"expected/{n}")} for n in names} or None
-
-
-def _features_of(choice: dict):
-    from planner.memory_model import Features
-
-    return Features(tiled_mlp=bool(choice.get("tiled_mlp")), tiled_logits=bool(choice.get("tiled_logits")),
-                    checkpoint_every=int(choice.get("checkpoint_every") or 0),
-                    offload_activations=bool(choice.get("offload_activations")),
-                    keep_attention=bool(choice.get("keep_attention")),
-                    attention_head_chunks=int(choice.get("attention_head_chunks") or 1),
-                    logits_tile_mb=int(choice.get("logits_tile_mb") or 0),
-                    offload_params=bool(choice.get("offload_params")),
-                    offload_optimizer=bool(choice.get("offload_optimizer")),
-                    lean_rmsnorm=bool(choice.get("lean_rmsnorm", True)), lean_mlp=bool(choice.get("lean_mlp", True)))
-
-
-def backward_terms(shape, tokens: int, b: int, f, flash: bool) -> dict:
-    """The three terms of which planner.memory_model.layer_activations' backward transient takes the largest (sp = 1):
-    attention's gradients, the MLP's, the RMSNorm's, each without the 3 [T, h] every layer's backward holds. Written
-    out here because the planner returns only their maximum; `consistent` says whether 3 [T, h] + their maximum is
-    still the planner's transient (False: the planner changed and this copy must follow)."""
-    import math
-
-    from planner import memory_model as mm
-
-    h, d, inter = shape.hidden_size, shape.head_dim, shape.intermediate_size
-    lean, lean_mlp = mm.lean_norm_applies(shape, f), mm.lean_mlp_applies(shape, f)
-    hid = tokens * h * b
-    _, q_loc, _ = mm.attention_split(shape, 1, 1)
-    chunks = f.attention_head_chunks
-    if chunks > 1:
-        attn = mm.chunked_attention_bytes(shape, tokens, 1, b, 1, chunks, flash)[1]
-    else:
-        attn = mm.attention_tensor_bytes(shape, tokens, 1, b, 1) + tokens * q_loc * d * 4
-        attn += mm.gqa_expanded_grad_bytes(shape, tokens, 1, b, 1) if flash else 0
-    kept = 3 if lean_mlp else 4
-    mlp_saved = 0 if f.tiled_mlp else kept * tokens * inter * b
-    rows = math.ceil(tokens / mm.mlp_tiles(tokens, h)) if f.tiled_mlp else tokens
-    mlp = ((kept + (3 if lean_mlp else 2)) if f.tiled_mlp else 2) * rows * inter * b
-    if f.tiled_mlp:
-        mlp += hid + (rows * h * b if lean else 0)
-    norm_rows = mm.norm_chunk_rows(tokens, h) if lean else tokens
-    norm = (hid if lean else 0) + 5 * norm_rows * h * 4 - mlp_saved
-    saved, transient = mm.layer_activations(shape, tokens, 1, b, f.tiled_mlp, lean, lean_mlp, 1, chunks, flash=flash)
-    return {"attention": attn, "mlp": mlp, "norm": norm, "grads_3u": 3 * hid, "saved": saved,
-            "transient": transient, "consistent": 3 * hid + max(attn, mlp, norm) == transient}
-
-
-def planner_phases(model, length: int, choice: dict, device: str) -> dict:
-    """The planner's figures for the run's own configuration (its memory_choice record), absolute bytes as
-    max_memory_allocated reads them: resident R (sum of Estimate.gpu) + the phase. Per decoder layer i:
-    a checkpointed one (i % K == 0) runs `recompute` (R + the recompute phase less the backward transient: the
-    layer's saved tensors), then its `mlp_backward` / `attention_backward` (that + 3 [T, h] + the MLP's / attention's
-    term); a layer that kept its activations the same without the recompute part. `phase` is what the planner
-    commits to for the layer (R + its phase: the largest term); `logits` R + the logits phase; `step` the peak.
-    Host: the pinned blocks (ZeRO-3's flat parameter and fp32 gradient buffers with pin_memory, offloaded
-    checkpoints: as the caching host allocator rounds them) and every host term."""
-    from planner.memory_model import estimate, load_shape
-
-    shape = load_shape(model) if isinstance(model, str) else model  # a model folder or a ModelShape
-    f = _features_of(choice)
-    b = 2 if device == "cuda" else 4
-    est = estimate(shape, length, 1, 1, f, "bf16" if b == 2 else "fp32", device=device, pinned_offloads=True)
-    terms = backward_terms(shape, est.tokens_per_rank, b, f, flash=device == "cuda")
-    R = sum(est.gpu.values())
-    ph = est.gpu_phases
-    every = f.every
-    layers = {}
-    for i in range(shape.num_layers):
-        ckpt = bool(every) and i % every == 0
-        phase = ph["layer working set (recompute+backward)"] if ckpt else ph["layer working set (backward)"]
-        extra = phase - terms["transient"] if ckpt else 0
-        base = R + extra + terms["grads_3u"]
-        layers[i] = {"checkpointed": ckpt, "phase": R + phase, "mlp_backward": base + terms["mlp"],
-                     "attention_backward": base + terms["attention"]}
-        if ckpt:
-            layers[i]["recompute"] = R + extra
-    pinned_names = ("params (partition)", "grads fp32 (partition)", "activation checkpoints")
-    return {"resident": R, "resident_terms": dict(est.gpu), "phases": dict(ph), "layers": layers,
-            "logits": R + ph["logits + loss"], "step": est.gpu_peak, "peak_phase": est.peak_phase,
-            "terms": terms, "host_terms": dict(est.cpu_per_rank), "host": sum(est.cpu_per_rank.values()),
-            "pinned": sum(v for k, v in est.cpu_per_rank.items() if k in pinned_names) if device == "cuda" else 0}
-
-
-def read_probe(path: str) -> list[dict]:
-    """The rank's records of bench/gpu_probe.py (the process that recorded a layer's forward; the subprocesses a
-    rank starts inherit the hooks and leave a record or two), in the order written."""
-    if not os.path.exists(path):
-        return []
-    with open(path) as fh:
-        recs = [json.loads(ln) for ln in fh if ln.strip()]
-    ranks = [r.get("pid") for r in recs if r["phase"] == "forward"]
-    return [r for r in recs if r.get("pid") == ranks[0]] if ranks else []
-
-
-def _ratio(measured, predicted) -> dict:
-    if not measured or not predicted:
-        return {"measured_gib": round(measured / GiB, 3) if measured else None,
-                "planner_gib": round(predicted / GiB, 3) if predicted else None, "ratio": None, "flag": False}
-    r = measured / predicted
-    return {"measured_gib": round(measured / GiB, 3), "planner_gib": round(predicted / GiB, 3), "ratio": round(r, 3),
-            "flag": abs(r - 1) > FLAG}
-
-
-def compare(probe: list[dict], plan: dict, n_layers: int) -> dict:
-    """Measured per phase (the probe's records) against planner_phases: rows for the page, flags past FLAG."""
-    rows = []
-    for rec in probe:
-        if rec["phase"] in ("recompute", "mlp_backward", "attention_backward") and rec["layer"] in plan["layers"]:
-            lay = plan["layers"][rec["layer"]]
-            row = {"phase": rec["phase"], "layer": rec["layer"], "reserved_gib": round(rec["reserved"] / GiB, 3),
-                   "gap_gib": round((rec["reserved"] - rec["peak"]) / GiB, 3),
-                   "incl_gib": round(rec["peak_incl"] / GiB, 3), **_ratio(rec["peak"], lay.get(rec["phase"])),
-                   "planner_phase_gib": round(lay["phase"] / GiB, 3)}
-            rows.append(row)
-        elif rec["phase"] == "forward":
-            rows.append({"phase": "forward", "layer": rec["layer"], "reserved_gib": round(rec["reserved"] / GiB, 3),
-                         "gap_gib": round((rec["reserved"] - rec["peak"]) / GiB, 3),
-                         "incl_gib": round(rec["peak_incl"] / GiB, 3), **_ratio(rec["peak"], None)})
-    logits = next((r for r in probe if r["phase"] == "between" and r["after"] == f"close forward L{n_layers - 1}"),
-                  None)
-    if logits:
-        rows.append({"phase": "logits", "layer": -1, "reserved_gib": round(logits["reserved"] / GiB, 3),
-                     "gap_gib": round((logits["reserved"] - logits["peak"]) / GiB, 3),
-                     "incl_gib": round(logits["peak"] / GiB, 3), **_ratio(logits["peak"], plan["logits"])})
-    last = probe[-1] if probe else {}
-    # the step: every segment is in some record (a phase's, or "between" when none was open)
-    top = max([r["peak_incl"] for r in probe] or [0])
-    top_reserved = max([r["reserved_incl"] for r in probe] or [0])
-    step = {**_ratio(top, plan["step"]), "reserved_gib": round(top_reserved / GiB, 3),
-            "gap_gib": round((top_reserved - top) / GiB, 3)}
-    # host: the most the caching host allocator held (active + cached, rounded blocks: it never gives them back)
-    # and the process' peak RSS (VmHWM on a GPU run; the CPU stand-in resets it, so there the largest RSS read)
-    held = max([(r.get("pinned") or {}).get("allocated_bytes.current", 0) for r in probe] or [0]) or None
-    rss = max([r.get("rss_hwm") or r.get("rss") or 0 for r in probe] or [0]) or None
-    host = {"pinned": _ratio(held, plan["pinned"]) | {"stats": last.get("pinned") or {}},
-            "rss": _ratio(rss, plan["host"] + 2 * GiB) | {"note": "peak RSS against the planner's host terms + the "
-                                                                  "2 GiB runtime plan.py assumes (--cpu_overhead_gb)"}}
-    errors = sorted({e for r in probe for e in r.get("errors", [])})
-    flags = [f"{r['phase']} L{r['layer']}" for r in rows if r["flag"]] + (["step"] if step["flag"] else []) + \
-        (["pinned"] if host["pinned"]["flag"] else [])
-    return {"rows": rows, "step": step, "host": host, "probe_errors": errors, "flags": flags}
 
 
 def long_run(rec: Record, name: str, model: str, device: str, dry: bool, cap_gib: float, work: str,

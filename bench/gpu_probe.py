@@ -19,7 +19,7 @@ events. Phases, per decoder layer i (one JSON line per closed phase in BENCH_GPU
 Segments while no phase is open (the embedding, the logits and loss, the optimizer step, an engine build) are
 written as `between` records naming the events around them; the last one is written at the rank's exit (atexit).
 Every record carries its process id (a subprocess a rank starts inherits the hooks and writes its own short
-records: bench.gpu.read_probe keeps the rank's), its time, the process RSS and peak RSS (VmHWM, GPU runs) and
+records: bench.gpu_compare.read_probe keeps the rank's), its time, the process RSS and peak RSS (VmHWM, GPU runs) and
 torch.cuda.host_memory_stats()' pinned bytes (GPU only) at its end: bench.gpu takes the most the caching host
 allocator held (it keeps freed blocks) and the peak RSS over the step. train.py's own peak_mem_gb reads
 max_memory_allocated since this probe's last reset, so bench.gpu takes the step's peak from these records (the

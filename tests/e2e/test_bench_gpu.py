@@ -54,21 +54,31 @@ def test_gpu_check_dry_run(tmp_path):
     assert "| recomputed forward | 0 |" in text and "| attention backward | 1 |" in text and "| 256 | throughput |" in text
 
 
-def test_gpu_check_plans_the_real_run():
-    """The arithmetic the GPU run does before its launches, at the real shape (Llama-3-8B's width and vocabulary,
-    2 layers, 1M tokens, an 80 GB card): auto's choice, the planner's per-phase figures and their decomposition
-    (bench.gpu.backward_terms copies the three terms planner.memory_model.layer_activations takes the largest of:
-    this fails when the planner changes them), and the gap run's length."""
+def long_plan():
+    """The 1M run's plan as the GPU check makes it: Llama-3-8B's width and vocabulary, 2 layers, auto's choice on an
+    80 GB card with both ZeRO offloads free; (shape, auto's Choice, its memory_choice record, planner_phases of it)."""
     from bench import gpu
     from planner import auto_features as af
-    from planner.memory_model import Features, GiB, ModelShape
+    from planner.memory_model import Features, ModelShape
 
     shape = ModelShape.from_config(dict(gpu.LLAMA3_8B, num_hidden_layers=2, model_type="llama", head_dim=128))
     off = Features(offload_params=True, offload_optimizer=True, lean_rmsnorm=True, lean_mlp=True)
     c = af.choose(shape, gpu.LONG["gpu"], 1, af.gpu_budget(gpu.PLAN_GPU_GB), sp=1, offloads=off, device="cuda",
                   precision="bf16", ranks_per_node=1, free_offloads=("offload_params", "offload_optimizer"))
     choice = c.as_dict() | {"lean_rmsnorm": True, "lean_mlp": True}
-    plan = gpu.planner_phases(shape, gpu.LONG["gpu"], choice, "cuda")
+    return shape, c, choice, gpu.planner_phases(shape, gpu.LONG["gpu"], choice, "cuda")
+
+
+def test_gpu_check_plans_the_real_run():
+    """The arithmetic the GPU run does before its launches, at the real shape (Llama-3-8B's width and vocabulary,
+    2 layers, 1M tokens, an 80 GB card): auto's choice, the planner's per-phase figures and their decomposition
+    (bench.gpu_compare.backward_terms copies the three terms planner.memory_model.layer_activations takes the largest of:
+    this fails when the planner changes them), and the gap run's length."""
+    from bench import gpu
+    from planner import auto_features as af
+    from planner.memory_model import GiB
+
+    shape, c, choice, plan = long_plan()
     assert plan["terms"]["consistent"], plan["terms"]
     assert abs(plan["step"] - c.peak_bytes) < 2**20  # the same configuration the run's start-up predicts
     assert plan["step"] <= af.usable_bytes(af.gpu_budget(gpu.PLAN_GPU_GB))
@@ -86,15 +96,9 @@ def test_gpu_check_flags_and_host_figures():
     over (flagged bold on the page as the planner's next fix), the reserved-minus-allocated gap."""
     from bench import gpu
     from bench.gpu_page import render
-    from planner import auto_features as af
-    from planner.memory_model import Features, GiB, ModelShape
+    from planner.memory_model import GiB
 
-    shape = ModelShape.from_config(dict(gpu.LLAMA3_8B, num_hidden_layers=2, model_type="llama", head_dim=128))
-    off = Features(offload_params=True, offload_optimizer=True, lean_rmsnorm=True, lean_mlp=True)
-    c = af.choose(shape, gpu.LONG["gpu"], 1, af.gpu_budget(gpu.PLAN_GPU_GB), sp=1, offloads=off, device="cuda",
-                  precision="bf16", ranks_per_node=1, free_offloads=("offload_params", "offload_optimizer"))
-    choice = c.as_dict() | {"lean_rmsnorm": True, "lean_mlp": True}
-    plan = gpu.planner_phases(shape, gpu.LONG["gpu"], choice, "cuda")
+    shape, c, choice, plan = long_plan()
     lay = plan["layers"]
 
     def rec(phase, layer, peak, **kw):
