@@ -222,7 +222,7 @@ def test_demos_end_by_printing_their_evaluation(target, recipe):
 def test_the_stage_loop_evaluates_an_sft_stage_on_conversations(monkeypatch, kind):
     """training/stage.py's real loop (test_stop_window's stand-ins: simulated clock, checkpointer, no engine) hands
     its evaluation the held-out samples asked with sft=True for an SFT stage, by length only for a text stage."""
-    from tests.unit.training.test_stop_window import Clock, SimCheckpointer
+    from tests.unit.training.test_stop_window import Clock, SimCheckpointer, stub_data, stub_stage
     from training import preemption
     from training import stage as stage_mod
     from training.checkpoint import TrainState
@@ -233,19 +233,9 @@ def test_the_stage_loop_evaluates_an_sft_stage_on_conversations(monkeypatch, kin
     monkeypatch.setattr(preemption, "time", clock)
     monkeypatch.delenv("SLURM_JOB_END_TIME", raising=False)
     module = torch.nn.Linear(1, 1, bias=False)
-    for name, fn in {"build_engine": lambda *a, **k: types.SimpleNamespace(get_lr=lambda: [1e-3], module=module),
-                     "stage_config": lambda cfg, s: cfg, "_record_ds_config": lambda *a: None,
-                     "apply_rope": lambda *a: None, "features_of": lambda c: None, "make_loss_fn": lambda f: None,
-                     "shard": lambda b, *a: b, "collate": lambda *a: None, "_after_first_step": lambda *a: None,
-                     "train_step": lambda *a, **k: {"loss": 1.0, "step_time": 1.0, "label_tokens": 1},
-                     "evaluate_stage": lambda engine, stage, dims, heldout, *a: given.append(heldout),
-                     "release_engine": lambda e: None, "heldout_samples": lambda e: 3, "model_hash": lambda c: "h",
-                     "to_dict": lambda c: {}, "peak_memory_gb": lambda: 0.0,
-                     "gc": types.SimpleNamespace(collect=lambda: 0)}.items():
-        monkeypatch.setattr(stage_mod, name, fn)
-    sampler = types.SimpleNamespace(next_batch=lambda: [0], state_dict=lambda: {}, source_shares=lambda: {})
-    data = types.SimpleNamespace(stage_view=lambda *a: ([0], sampler), pad_id=0, tokenizer=None,
-                                 heldout=lambda *a, **k: asked.append((a, k)) or ["held"])
+    stub_stage(monkeypatch, module, heldout_samples=lambda e: 3,
+               evaluate_stage=lambda engine, stage, dims, heldout, *a: given.append(heldout))
+    data = stub_data(heldout=lambda *a, **k: asked.append((a, k)) or ["held"])
     cfg = types.SimpleNamespace(seed=0, per_device_train_batch_size=1, gradient_accumulation_steps=1, save_steps=0,
                                 async_save=True, loss_weighting=None, output_dir="/unused")
     run = stage_mod.Run(cfg, ParallelDims(world=1, sp=1, rank=0, local_rank=0), data, SimCheckpointer(clock),

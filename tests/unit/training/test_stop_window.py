@@ -92,6 +92,27 @@ class SimCheckpointer:
         return f"/ck/{tag_for(p.step)}", self.clock.t - p.started
 
 
+def stub_stage(monkeypatch, module, **overrides) -> None:
+    """training/stage.py's collaborators replaced by stand-ins (no engine, model, data or collective): an engine around
+    `module`, a step of 1 s, no evaluation; `overrides` (name=function) replace any of them."""
+    fns = {"build_engine": lambda *a, **k: types.SimpleNamespace(get_lr=lambda: [1e-3], module=module),
+           "stage_config": lambda cfg, s: cfg, "_record_ds_config": lambda *a: None,
+           "apply_rope": lambda *a: None, "features_of": lambda c: None, "make_loss_fn": lambda f: None,
+           "shard": lambda b, *a: b, "collate": lambda *a: None, "_after_first_step": lambda *a: None,
+           "train_step": lambda *a, **k: {"loss": 1.0, "step_time": 1.0, "label_tokens": 1},
+           "evaluate_stage": lambda *a: None, "release_engine": lambda e: None, "heldout_samples": lambda e: 0,
+           "model_hash": lambda c: "h", "to_dict": lambda c: {}, "peak_memory_gb": lambda: 0.0,
+           "gc": types.SimpleNamespace(collect=lambda: 0)}
+    for name, fn in {**fns, **overrides}.items():
+        monkeypatch.setattr(stage_mod, name, fn)
+
+
+def stub_data(heldout):
+    """The run's data as the stage loop reads it: one sample per batch, `heldout` for the stage's evaluation."""
+    sampler = types.SimpleNamespace(next_batch=lambda: [0], state_dict=lambda: {}, source_shares=lambda: {})
+    return types.SimpleNamespace(stage_view=lambda *a: ([0], sampler), pad_id=0, tokenizer=None, heldout=heldout)
+
+
 def simulate(monkeypatch, steps=40, time_limit_s=0.0, save_every_s=600.0, signal_at=None, sig=signal.SIGTERM,
              save_s=None, ckpt_kw=None, step_s=STEP_S, save_steps=0):
     """Run training/stage.train_stage (the real loop) for `steps` steps of `step_s`; `signal_at`: (step, seconds
@@ -119,18 +140,8 @@ def simulate(monkeypatch, steps=40, time_limit_s=0.0, save_every_s=600.0, signal
 
     module = torch.nn.Linear(1, 1, bias=False)
     module.weight.ds_numel = 8_030_000_000  # Llama-3-8B's parameters, as ZeRO-3 records them on a partitioned one
-    for name, fn in {"build_engine": lambda *a, **k: types.SimpleNamespace(get_lr=lambda: [1e-3], module=module),
-                     "stage_config": lambda cfg, s: cfg, "_record_ds_config": lambda *a: None,
-                     "apply_rope": lambda *a: None, "features_of": lambda c: None, "make_loss_fn": lambda f: None,
-                     "shard": lambda b, *a: b, "collate": lambda *a: None, "train_step": step,
-                     "_after_first_step": lambda *a: None, "evaluate_stage": lambda *a: None,
-                     "release_engine": lambda e: None, "heldout_samples": lambda e: 0, "model_hash": lambda c: "h",
-                     "to_dict": lambda c: {}, "peak_memory_gb": lambda: 0.0,
-                     "gc": types.SimpleNamespace(collect=lambda: 0)}.items():
-        monkeypatch.setattr(stage_mod, name, fn)
-    sampler = types.SimpleNamespace(next_batch=lambda: [0], state_dict=lambda: {}, source_shares=lambda: {})
-    data = types.SimpleNamespace(stage_view=lambda *a: ([0], sampler), pad_id=0, tokenizer=None,
-                                 heldout=lambda *a: None)
+    stub_stage(monkeypatch, module, train_step=step)
+    data = stub_data(heldout=lambda *a: None)
     cfg = types.SimpleNamespace(seed=0, per_device_train_batch_size=1, gradient_accumulation_steps=1, save_steps=save_steps,
                                 async_save=True, loss_weighting=None, output_dir="/unused")
     run = stage_mod.Run(cfg, ParallelDims(world=32, sp=1, rank=0, local_rank=0), data, ckpt,
