@@ -65,7 +65,7 @@ def _assets(assets):
 @pytest.mark.dist
 @pytest.mark.parametrize("rank, where", [
     (1, "during"),
-    pytest.param(0, "after", marks=pytest.mark.slow),  # rank 0's own failure: test_comm.py's unit test in make test
+    pytest.param(0, "after", marks=pytest.mark.slow),  # rank 0's own failure: test_watcher.py's unit test in make test
     pytest.param(1, "before", marks=pytest.mark.slow),
     pytest.param(1, "after", marks=pytest.mark.slow),
     pytest.param(0, "before", marks=pytest.mark.slow),
@@ -89,7 +89,7 @@ def test_a_rank_that_raises_ends_every_rank(tmp_path, rank, where):
 
 
 @pytest.mark.dist
-@pytest.mark.slow  # 84 s on idle cores; the watcher's stall rule: tests/unit/base/test_comm.py (fake clock)
+@pytest.mark.slow  # 84 s on idle cores; the watcher's stall rule: tests/unit/base/test_watcher.py (fake clock)
 @pytest.mark.parametrize("rank", [1, 0])
 def test_a_silent_rank_ends_every_rank(tmp_path, rank):
     """A rank that stops without a word (SIGSTOP: a hang or a lost node; its sockets stay open, so the others'
@@ -175,7 +175,7 @@ def test_a_torn_metrics_line_is_repaired_on_resume(tmp_path, capsys, monkeypatch
 
 
 @pytest.mark.dist
-@pytest.mark.slow  # the mechanism: test_comm.py::test_a_failing_rank0_waits_for_the_others_to_read_its_reason
+@pytest.mark.slow  # the mechanism: test_watcher.py::test_a_failing_rank0_waits_for_the_others_to_read_its_reason
 def test_rank0s_own_failure_reaches_the_others_with_its_reason(tmp_path):
     """Rank 0 raises and exits at once (no hanging teardown: `quick`), taking the store it hosts with it: the
     other rank still stops with rank 0's reason, not "the job's store ... has been unreachable" LOST_STORE_S

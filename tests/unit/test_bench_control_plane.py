@@ -15,7 +15,7 @@ from bench.control_plane import _numeric_names
 from tests.distributed import ROOT
 
 
-@pytest.mark.slow  # ~10 s (5 s of it importing torch); fast siblings: test_comm's channel tests (suspend orders,
+@pytest.mark.slow  # ~10 s (5 s of it importing torch); fast siblings: test_watcher's channel tests (suspend orders,
 # never-arrived, a world the store cannot hold), which drive the same Watcher and refusal with a fake clock
 def test_the_control_plane_of_64_ranks():
     env = dict(os.environ, PYTHONPATH=ROOT, TORCH_CPP_LOG_LEVEL="FATAL")

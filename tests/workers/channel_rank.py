@@ -1,7 +1,7 @@
 """One rank of a job with nothing but the abort channel (base/comm.py open_channel, the real one: its store, its
 forked heartbeat, its watcher), the channel's timings shortened: POLL_S 0.2, STALL_S 5, LOST_STORE_S 4,
 STORE_OP_TIMEOUT_S 1, SUSPENDED_S 1. Prints "joined", lives argv[1] seconds, leaves cleanly (exit 0); its watcher
-ends it earlier with the job's exit code (69 for a lost peer). For test_comm's SIGSTOP/SIGCONT test."""
+ends it earlier with the job's exit code (69 for a lost peer). For test_watcher's SIGSTOP/SIGCONT test."""
 
 import os
 import sys

@@ -1,0 +1,560 @@
+"""The abort channel (base/watcher.py's Watcher and base/comm.py's channel functions), driven without training: a real
+TCPStore and a fake clock for the protocol (a posted failure, a silent rank, a lost store, a suspended job, a rank
+that never arrives, a hung log or stderr), the descriptor limit, and (slow) real processes stopped and continued."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from base import comm, watcher
+from base.exits import EXIT_PEER_LOST
+from tests.distributed import ROOT
+
+# --- the abort channel (base/watcher.py's Watcher), driven without processes: a real TCPStore, a fake clock ---
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+class Exits(list):
+    """What a watcher said and the code it would have exited with (instead of os._exit)."""
+
+    def say(self, line):
+        self.append(line)
+
+    def exit(self, code):
+        self.append(code)
+
+
+@pytest.fixture
+def channel(monkeypatch):
+    """A TCPStore server (as rank 0 hosts it) and `make(rank)`: a started watcher of a 3-rank world on its own
+    client connection, with a fake clock and recorded exits. Its thread never polls (the test calls poll(), every
+    POLL_S of the fake clock as the thread would: `run_for`)."""
+    import datetime
+
+    from tests.distributed import free_port
+
+    monkeypatch.setattr(watcher.Watcher, "_run", lambda self: None)
+    monkeypatch.setattr(watcher, "ABORT_WAIT_S", 0.5)  # a stopped rank 0 waits for the others' marks: briefly here
+    port = free_port()
+    server = comm.dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                                timeout=datetime.timedelta(seconds=30))  # a connect here sometimes takes 5 s
+    clock, made = Clock(), []
+
+    def make(rank, world=3, **kw):
+        store = comm.dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=30))
+        store.set_timeout(datetime.timedelta(seconds=2))
+        ex = Exits()
+        kw.setdefault("say", ex.say)
+        w = watcher.Watcher(store, rank, world, clock=clock, hard_exit=ex.exit, **kw).start()
+        made.append(w)
+        return w, ex
+
+    yield make, clock, server
+    for w in made:
+        w.stop()
+
+
+def run_for(clock, seconds, *watchers, step=None):
+    """`seconds` of the fake clock with every watcher polling every `step` (POLL_S), as their threads do."""
+    step = step or watcher.POLL_S
+    for _ in range(int(round(seconds / step))):
+        clock.t += step
+        for w in watchers:
+            w.poll()
+
+
+def test_a_posted_failure_stops_every_other_rank_with_its_line(channel):
+    make, clock, _ = channel
+    (w0, ex0), (w1, ex1), (w2, ex2) = make(0), make(1), make(2)
+    for w in (w0, w1, w2):
+        w.poll()
+    assert ex0 == ex1 == ex2 == []
+    assert w2.post("rank 2 failed: RuntimeError: boom", 1) == "rank 2 failed: RuntimeError: boom"
+    # a later failure (a rank whose collective broke because rank 2 left) does not replace the cause
+    assert w1.post("rank 1 failed: gloo closed", 1) == "rank 2 failed: RuntimeError: boom"
+    w0.poll()
+    w1.poll()
+    assert ex0 == ex1 == ["stopping: rank 2 failed: RuntimeError: boom", 1]
+    assert w0.store.get("ulysses_watch/hb/1") == watcher.DONE  # rank 1 marked itself done before exiting
+
+
+def test_an_input_error_stops_the_others_with_its_exit_code(channel):
+    make, _, _ = channel
+    (w0, ex0), (w1, ex1) = make(0), make(1)
+    w0.post("rank 0 stopped on an input error", 2)
+    w1.poll()
+    assert ex0 == [] and ex1 == ["stopping: rank 0 stopped on an input error", 2]
+
+
+def test_rank0_declares_a_silent_rank_failed_after_stall_s(channel):
+    make, clock, _ = channel
+    (w0, ex0), (w1, ex1), _ = make(0), make(1), make(2)
+    w0.poll()
+    for _ in range(int(watcher.STALL_S // 10)):  # rank 1 heartbeats, rank 2 is silent (SIGKILL, hang, node lost)
+        clock.t += 10
+        w1.poll()
+        w0.poll()
+        if ex0:
+            break
+    assert ex0 == [f"stopping: rank 2 stopped responding: no heartbeat for {watcher.STALL_S:.0f} s (killed, hung, or "
+                   "its node was lost)", EXIT_PEER_LOST]
+    w1.poll()
+    assert ex1[-1] == EXIT_PEER_LOST and ex1[0].startswith("stopping: rank 2 stopped responding")
+
+
+def test_a_rank_that_left_cleanly_is_never_declared_silent(channel):
+    make, clock, _ = channel
+    (w0, ex0), (w1, _), (w2, _) = make(0), make(1), make(2)
+    w0.poll()
+    w1._mark_done()  # what comm.leave() does on a clean exit (0, or 75 after the save)
+    w1.stop()
+    for _ in range(10):
+        clock.t += watcher.STALL_S / 2
+        w2.poll()
+        w0.poll()
+    assert ex0 == []
+
+
+def test_the_others_watch_rank0s_heartbeat(channel):
+    make, clock, _ = channel
+    _, (w1, ex1) = make(0), make(1)
+    w1.poll()
+    run_for(clock, watcher.STALL_S, w1)  # rank 0 alive (the store answers) but its heartbeat stalled: a hang
+    assert ex1 and ex1[0].startswith("stopping: rank 0 stopped responding") and ex1[-1] == EXIT_PEER_LOST
+
+
+def test_a_lost_store_stops_a_rank_after_the_grace_only(channel):
+    make, clock, _ = channel
+    w1, ex1 = make(1)
+
+    class Gone:
+        def __getattr__(self, name):
+            def fail(*a, **k):
+                raise comm.dist.DistNetworkError("connection refused")
+            return fail
+
+    real = w1.store
+    w1.store = Gone()
+    w1.poll()
+    run_for(clock, watcher.LOST_STORE_S - 1, w1, step=1)
+    assert ex1 == []
+    w1.store = real  # it came back: the grace starts again
+    w1.poll()
+    w1.store = Gone()
+    clock.t += 1
+    w1.poll()
+    run_for(clock, watcher.LOST_STORE_S - 1, w1, step=1)
+    assert ex1 == []
+    clock.t += 1
+    w1.poll()
+    assert ex1[-1] == EXIT_PEER_LOST and "store (hosted by rank 0) has been unreachable for 20 s" in ex1[0], ex1
+
+
+def test_a_stopped_watcher_never_exits_the_process(channel):
+    make, clock, _ = channel
+    (w0, _), (w1, ex1) = make(0), make(1)
+    w1.stop()  # this rank is on its own way out (a clean exit, or its own failure being reported)
+    w0.post("rank 0 failed: x", 1)
+    w1.poll()
+    clock.t += 10 * watcher.STALL_S
+    w1.poll()
+    assert ex1 == []
+
+
+def test_rank0_waits_for_ranks_still_leaving_before_its_store_goes(channel):
+    make, clock, _ = channel
+    (w0, _), (w1, _), (w2, _) = make(0), make(1), make(2)
+    w1._mark_done()
+    ticks = []
+
+    def sleep(s):  # rank 2 still heartbeats for 3 ticks, then leaves
+        ticks.append(s)
+        clock.t += 1
+        w2.store.add("ulysses_watch/hb/2", 1)
+        if len(ticks) == 3:
+            w2._mark_done()
+
+    w0.sleep = sleep
+    w0.peers_done(watcher.LEAVE_WAIT_S)
+    assert len(ticks) == 3
+
+
+def test_rank0_does_not_wait_for_a_silent_rank_beyond_stall_s(channel):
+    make, clock, _ = channel
+    (w0, _), (w1, _), _ = make(0), make(1), make(2)
+    ticks = []
+    w0.sleep = lambda s: (ticks.append(s), setattr(clock, "t", clock.t + 1))
+    w1._mark_done()
+    w0.peers_done(watcher.LEAVE_WAIT_S)  # rank 2 never heartbeats again
+    assert watcher.STALL_S - 1 <= len(ticks) <= watcher.STALL_S + 1
+
+
+def test_a_store_that_never_answers_is_lost_too(channel, monkeypatch):
+    """Rank 0's process stopped (or its node gone without a TCP reset): the store's requests block with no error;
+    each poll still returns after STORE_OP_TIMEOUT_S and the rank stops after LOST_STORE_S."""
+    import threading
+
+    monkeypatch.setattr(watcher, "STORE_OP_TIMEOUT_S", 0.2)
+    make, clock, _ = channel
+    w1, ex1 = make(1)
+    never = threading.Event()
+
+    class Silent:
+        def __getattr__(self, name):
+            return lambda *a, **k: never.wait()
+
+    w1.store = Silent()
+    for _ in range(3):
+        w1.poll()
+        clock.t += watcher.LOST_STORE_S / 2
+    never.set()
+    assert ex1[-1] == EXIT_PEER_LOST and "unreachable" in ex1[0], ex1
+
+
+def test_a_rank_that_never_arrives_ends_the_job_after_the_start_wait_naming_it(channel, monkeypatch):
+    """The channel opens at a rank's first line, before the rendezvous: a rank still starting (another node's
+    srun task, a slow import) has never beaten and is not declared silent; one that has not arrived START_WAIT_S
+    (5 min, not the rendezvous' 30) after rank 0 did (stuck on a hung mount before train.py's first line) ends
+    every rank with EXIT_PEER_LOST, named, with its node's host where a node-mate arrived."""
+    assert watcher.START_WAIT_S <= 300
+    monkeypatch.setenv("LOCAL_SIZE", "2")  # ranks 0-1 on node 0, 2-3 on node 1: rank 3 is missing, rank 2 arrived
+    make, clock, _ = channel
+    (w0, ex0), (w1, ex1), (w2, ex2) = make(0, 4), make(1, 4), make(2, 4)
+    run_for(clock, watcher.START_WAIT_S - 2 * watcher.POLL_S, w0, w1, w2)
+    assert ex0 == ex1 == ex2 == []  # beyond STALL_S: not joined is not silent
+    run_for(clock, 2 * watcher.POLL_S, w0)
+    import socket
+
+    line = (f"stopping: rank 3 never arrived (node 1: host {socket.gethostname()}): not at the job's store "
+            f"{watcher.START_WAIT_S:.0f} s after rank 0 was")
+    assert ex0[0].startswith(line) and ex0[-1] == EXIT_PEER_LOST, ex0
+    w1.poll()
+    w2.poll()
+    assert ex1 == ex2 == ex0
+
+
+def test_the_others_end_when_rank0_never_arrives(channel):
+    """With node 0's launcher hosting the store (launch.sh on several nodes), rank 0 itself can be the one stuck."""
+    make, clock, _ = channel
+    (w1, ex1), (w2, ex2) = make(1), make(2)
+    run_for(clock, watcher.START_WAIT_S, w1, w2)
+    assert ex1[0].startswith("stopping: rank 0 never arrived") and ex1[-1] == EXIT_PEER_LOST, ex1
+    w2.poll()
+    assert ex2 == ex1
+
+
+@pytest.mark.parametrize("order", ["rank0_resumes_first", "rank0_resumes_last", "stopped_mid_request"])
+def test_a_suspended_job_goes_on_whatever_the_order_of_sigcont(channel, order):
+    """`scontrol suspend` / gang scheduling SIGSTOPs every process of the job (ranks, heartbeat processes, the
+    store's host) and SIGCONTs them later, node by node: on resume every clock shows minutes without a heartbeat.
+    Rank 0 resumed first sees its peers' beats move only seconds later; resumed last, the others find its store
+    silent at first; a watcher stopped inside a request finds it timed out. None of it is a failure. A rank that
+    stays silent after the resume is still declared lost, STALL_S after it."""
+    make, clock, _ = channel
+    (w0, ex0), (w1, ex1), (w2, ex2) = make(0), make(1), make(2)
+    # the watcher that resumes first saw its peers' last beats before the stop (it polled after them)
+    run_for(clock, 20, *((w1, w2, w0) if order == "rank0_resumes_first" else (w0, w1, w2)))
+    clock.t += 600  # everything stopped 10 minutes
+    if order == "rank0_resumes_first":
+        run_for(clock, 8, w0)  # rank 1 and 2 (and their heartbeat processes) are still stopped
+    elif order == "rank0_resumes_last":
+        real = w1.store, w2.store
+
+        class Stopped:  # rank 0's process (the store) still stopped: every request times out
+            def __getattr__(self, name):
+                def fail(*a, **k):
+                    raise TimeoutError("no answer from the store in 10 s")
+                return fail
+
+        w1.store = w2.store = Stopped()
+        run_for(clock, 14, w1, w2)
+        w1.store, w2.store = real
+        run_for(clock, 4, w1, w2)  # rank 0's process answers again; its heartbeat process resumes a little later
+    else:
+        real = w1.store
+
+        class StopsNow:  # SIGSTOP arrives while rank 1's request is in flight; on SIGCONT it has timed out
+            def __getattr__(self, name):
+                def stop(*a, **k):
+                    clock.t += 600
+                    w1.store = real
+                    raise TimeoutError("no answer from the store in 10 s")
+                return stop
+
+        w1.store = StopsNow()
+        w1.poll()
+        run_for(clock, 4, w1)  # rank 0 resumes a little later
+    run_for(clock, 2 * watcher.STALL_S, w0, w1, w2)
+    assert ex0 == ex1 == ex2 == []
+    clock.t += 600  # suspended again; this time rank 2 never comes back
+    w0.poll()  # (a watcher resumed polls at once: its wait is long over)
+    w1.poll()
+    run_for(clock, watcher.STALL_S - 2 * watcher.POLL_S, w0, w1)
+    assert ex0 == ex1 == []
+    run_for(clock, 2 * watcher.POLL_S, w0, w1)
+    assert ex0[0].startswith("stopping: rank 2 stopped responding") and ex0[-1] == EXIT_PEER_LOST, ex0
+
+
+def test_a_hung_log_write_does_not_keep_a_rank_from_exiting(channel, monkeypatch, capfd):
+    """The rank log lives on the shared file system, which may be what broke: the watcher says its line on stderr
+    and exits whether or not the log write ever returns."""
+    import logging
+    import threading
+
+    class Stuck(logging.Handler):
+        def emit(self, record):
+            threading.Event().wait()  # a write to a file system that stopped answering
+
+    stuck = Stuck()
+    monkeypatch.setattr(watcher.LOG, "level", logging.INFO)
+    watcher.LOG.addHandler(stuck)
+    monkeypatch.setattr(watcher, "LOG_WRITE_S", 0.5)
+    try:
+        import datetime
+
+        make, _, server = channel
+        w0, _ = make(0)
+        ex1 = Exits()  # made here, not by the fixture, whose teardown would wait for a watcher stuck in the write
+        store = comm.dist.TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=30))
+        w1 = watcher.Watcher(store, 1, 3, hard_exit=ex1.exit).start()  # comm's own say and log
+        w0.post("rank 0 failed: OSError: stale file handle", 1)
+        t = threading.Thread(target=w1.poll, daemon=True)
+        t.start()
+        t.join(10)
+        assert ex1 == [1], ex1
+        assert "stopping: rank 0 failed: OSError: stale file handle" in capfd.readouterr().err
+    finally:
+        watcher.LOG.removeHandler(stuck)
+
+
+def test_a_failing_rank0_waits_for_the_others_to_read_its_reason(channel, monkeypatch):
+    """Rank 0 hosts the store: if it went at once, the others would find the store gone (LOST_STORE_S later, "store
+    unreachable") instead of its reason. comm.abort on rank 0 returns once every other rank has read the reason
+    (marked itself done), at most ABORT_WAIT_S."""
+    import threading
+
+    make, clock, _ = channel
+    (w0, _), (w1, ex1), (w2, ex2) = make(0), make(1), make(2)
+    monkeypatch.setattr(comm, "_WATCHER", w0)
+    monkeypatch.setattr(watcher, "EXIT_GRACE_S", 1e6)  # abort's own exit timer must not end pytest
+    monkeypatch.setattr(watcher, "ABORT_WAIT_S", 30.0)
+    done = threading.Event()
+    threading.Thread(target=lambda: (comm.abort("rank 0 failed: RuntimeError: boom"), done.set()), daemon=True).start()
+    assert not done.wait(1.0)  # still there: nobody has read it
+    w1.poll()
+    assert not done.wait(0.5)
+    w2.poll()
+    assert done.wait(5)
+    assert ex1 == ex2 == ["stopping: rank 0 failed: RuntimeError: boom", 1]
+
+
+def test_a_failing_rank0_does_not_wait_beyond_abort_wait_s(channel, monkeypatch):
+    make, clock, _ = channel
+    (w0, _), _ = make(0), make(1)
+    monkeypatch.setattr(comm, "_WATCHER", w0)
+    monkeypatch.setattr(watcher, "EXIT_GRACE_S", 1e6)
+    monkeypatch.setattr(watcher, "ABORT_WAIT_S", 5.0)
+    w0.sleep = lambda s: setattr(clock, "t", clock.t + 1)  # rank 1 never reads it (its watcher starved, say)
+    t0 = clock.t
+    comm.abort("rank 0 failed: RuntimeError: boom")
+    assert clock.t - t0 <= watcher.ABORT_WAIT_S + 1
+
+
+def test_the_stderr_line_before_a_hard_exit_cannot_block_it(tmp_path):
+    """The watcher says why on stderr before os._exit; stderr may be a pipe into slurm-%j.out nobody drains (a hung
+    file system): a rank whose stderr pipe is full still exits, with the abort's code."""
+    import sys
+
+    script = tmp_path / "full_stderr.py"
+    script.write_text(f"""
+import fcntl, os, sys
+sys.path.insert(0, {ROOT!r})
+from base import watcher
+flags = fcntl.fcntl(2, fcntl.F_GETFL)
+fcntl.fcntl(2, fcntl.F_SETFL, flags | os.O_NONBLOCK)
+try:
+    while True:
+        os.write(2, b"x" * 4096)  # fill the pipe: nobody reads it
+except BlockingIOError:
+    pass
+fcntl.fcntl(2, fcntl.F_SETFL, flags)
+class Store:  # rank 0 posted a failure
+    def add(self, *a): return 1
+    def set(self, *a): pass
+    def multi_get(self, keys): return [b"1 rank 0 failed: OSError: stale file handle", b"7"]
+watcher.SAY_S = 0.5
+watcher.Watcher(Store(), 1, 2, hard_exit=os._exit, log=lambda line: None).poll()
+os._exit(99)
+""")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        assert proc.wait(timeout=30) == 1  # the abort's code, not stuck in the write
+    finally:
+        proc.kill()
+        proc.stderr.close()
+
+
+def test_a_rank_waits_for_a_store_that_never_answers_a_bounded_time(monkeypatch, capfd):
+    """Rank 0 (or node 0's launcher, which hosts the store) stuck before it serves: the other ranks wait
+    START_WAIT_S (5 min by default, not the rendezvous' 30), then exit EXIT_PEER_LOST with one line naming it."""
+    from tests.distributed import free_port
+
+    monkeypatch.setattr(watcher, "START_WAIT_S", 1.0)
+    monkeypatch.setattr(comm, "_WATCHER", None)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))  # nobody serves it
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    with pytest.raises(SystemExit) as stop:
+        comm.open_channel()
+    assert stop.value.code == EXIT_PEER_LOST
+    lines = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "did not answer in 1 s: rank 0, which hosts it, never arrived" in lines[0], lines
+
+
+def test_every_rank_raises_its_descriptor_limit_to_the_hard_limit():
+    """Nothing else raises RLIMIT_NOFILE: a soft limit of 1024 holds a store server's 3 connections per rank only up
+    to about 330 ranks, and a rank's own gloo mesh (one socket per peer) up to about 800."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= 256:
+        pytest.skip(f"hard limit {hard}: nothing to raise")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))  # a low `ulimit -n` (soft)
+    try:
+        got, _ = watcher.raise_fd_limit()
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == got > 256
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_world_the_store_cannot_hold_is_refused_in_one_line(channel):
+    """The store's host publishes the descriptors it may hold; every rank compares them with 3 per rank of its
+    WORLD_SIZE (the same number and world on every rank: the same decision) and refuses before any work."""
+    make, _, server = channel
+    assert watcher.store_fds(512) == 3 * 512 + 128
+    comm.publish_fd_limit(server, 1024)
+    w1, _ = make(1, 512)
+    line = comm.fd_refusal(w1.store, 512, 1, 20000)
+    assert line.startswith("the job's store (hosted by rank 0, or node 0's launcher) may open only 1024 file "
+                           "descriptors (its hard limit, `ulimit -Hn`) but needs 1664 for this world"), line
+    assert "ulimit -n 1664" in line and "LimitNOFILE" in line and "PropagateResourceLimits" in line
+    assert comm.fd_refusal(w1.store, 256, 1, 20000) is None  # 3 x 256 + 128 = 896 fit
+    assert "rank 1 " in comm.fd_refusal(w1.store, 256, 1, 300)  # this rank's own limit: 256 + 256 peers' sockets
+
+
+@pytest.mark.slow  # fast siblings: test_a_world_the_store_cannot_hold_is_refused_in_one_line, ..._raises_its_descriptor_limit
+def test_a_low_ulimit_refuses_the_job_in_one_line_before_it_starts(tmp_path):
+    """A real low `ulimit -n` (soft = hard = 64, set in the rank's process) on rank 0, which hosts the store, for a
+    world of 64: exit 2 with one line naming the limit and the fix, no traceback, before any work."""
+    import resource
+    import sys
+
+    from tests.distributed import free_port
+
+    script = tmp_path / "rank0.py"
+    script.write_text(f"""
+import sys
+sys.path.insert(0, {ROOT!r})
+from base import comm, watcher
+from training.job import run_job
+watcher.ABORT_WAIT_S = 0.5  # nobody else is there to read it
+sys.exit(run_job(lambda: (comm.open_channel(), print("started", flush=True), 0)[2]))
+""")
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="64", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()))
+    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64)))
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert proc.returncode == 2 and "started" not in proc.stdout, (proc.returncode, proc.stdout, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr and len(errors) == 1, proc.stderr[-2000:]
+    assert "may open only 64 file descriptors" in errors[0] and "needs 320" in errors[0], errors
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as fh:
+            return [int(c) for c in fh.read().split()]
+    except OSError:
+        return []
+
+
+@pytest.mark.slow  # fast sibling: test_a_suspended_job_goes_on_whatever_the_order_of_sigcont (the same orders, fake clock)
+def test_sigstop_and_sigcont_of_whole_process_groups_in_any_order():
+    """Three real ranks (tests/workers/channel_rank.py: the real channel, STALL_S 5 s), each in its own process group
+    with its heartbeat process. Stopped together for 2 x STALL_S and resumed rank 0 first (its peers 3 s later: 15
+    of its polls), then rank 0 last (its peers 2 s earlier; rank 1's heartbeat process 1 s after rank 1): nobody
+    exits (before: rank 0, or the others, declared a peer dead at once). Then rank 2 alone stays stopped: ranks 0
+    and 1 exit 69 after STALL_S."""
+    import signal
+    import sys
+    import time
+
+    from bench.control_plane import _numeric_names
+    from tests.distributed import free_port
+
+    env = dict(os.environ, WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               TORCH_CPP_LOG_LEVEL="FATAL")
+    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    preload = _numeric_names()  # this machine's resolver stalls connects 5 s (bench/control_plane.py)
+    if preload:
+        env["LD_PRELOAD"] = preload
+    worker = os.path.join(ROOT, "tests/workers/channel_rank.py")
+    ranks = [subprocess.Popen([sys.executable, worker, "120"], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                              stdout=subprocess.PIPE, text=True, start_new_session=True) for r in range(3)]
+    try:
+        for p in ranks:
+            assert p.stdout.readline().strip() == "joined"
+        time.sleep(1)
+
+        def signal_group(r, sig):
+            os.killpg(ranks[r].pid, sig)
+
+        stall = 5.0
+        for r in (0, 1, 2):  # suspended, rank 0 resumed first
+            signal_group(r, signal.SIGSTOP)
+        time.sleep(2 * stall)
+        signal_group(0, signal.SIGCONT)
+        time.sleep(3.0)
+        signal_group(1, signal.SIGCONT)
+        signal_group(2, signal.SIGCONT)
+        time.sleep(2 * stall)
+        assert [p.poll() for p in ranks] == [None, None, None]
+        for r in (2, 1, 0):  # suspended, rank 0 resumed last; rank 1's heartbeat process after rank 1
+            signal_group(r, signal.SIGSTOP)
+        time.sleep(2 * stall)
+        os.kill(ranks[1].pid, signal.SIGCONT)
+        signal_group(2, signal.SIGCONT)
+        time.sleep(1.0)
+        for child in _children(ranks[1].pid):
+            os.kill(child, signal.SIGCONT)
+        signal_group(1, signal.SIGCONT)
+        time.sleep(1.0)
+        signal_group(0, signal.SIGCONT)
+        time.sleep(2 * stall)
+        assert [p.poll() for p in ranks] == [None, None, None]
+        signal_group(2, signal.SIGSTOP)  # rank 2 alone: truly silent
+        t0 = time.monotonic()
+        codes = [ranks[0].wait(timeout=30), ranks[1].wait(timeout=30)]
+        assert codes == [EXIT_PEER_LOST, EXIT_PEER_LOST] and stall <= time.monotonic() - t0 <= stall + 10
+    finally:
+        for p in ranks:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            p.wait()
