@@ -1,4 +1,4 @@
-# make setup | demo | demo-machinery | demo-long | demo-sft | test | test-slow | calibrate | gpu-check | lint
+# make setup | demo | demo-machinery | demo-long | demo-sft | test | test-slow | calibrate | gpu-check | gpu-wheels | lint
 export DS_ACCELERATOR ?= cpu
 PY := .venv/bin/python
 
@@ -46,10 +46,14 @@ calibrate:
 gpu-check:
 	DS_ACCELERATOR=cuda $(PY) -m bench.gpu
 
+# the wheels the device tool's GPU machine lacks (docs/benchmarks.md)
+gpu-wheels:
+	bash bench/gpu_wheels.sh
+
 test-slow:
 	.venv/bin/pytest -q -m slow
 
 lint:
 	.venv/bin/ruff check .
 
-.PHONY: setup demo demo-extend demo-machinery demo-long demo-sft test test-slow calibrate gpu-check lint
+.PHONY: setup demo demo-extend demo-machinery demo-long demo-sft test test-slow calibrate gpu-check gpu-wheels lint
