@@ -1,0 +1,318 @@
+"""The restore path of a checkpoint: which one a start resumes (`resume`, `find_resume`), its verification, and
+loading it into an engine (`load`, `restore_stage`), through a universal conversion when another world size wrote it.
+training/checkpoint.py saves and commits; `Checkpointer` there is this class plus the save path (nothing else reads
+state: DESIGN.md).
+
+Loading verifies the manifest in parallel, files dealt to ranks by bytes (the largest first, each to the rank
+with the fewest bytes so far: the optimizer partitions, ~2/3 of the bytes, no longer land on half the ranks);
+an incomplete or corrupt checkpoint is skipped with a warning naming it.
+
+Every rank takes the same decision (docs/checkpoints.md): on a shared file system a node may list a directory as
+it was up to a minute ago (NFS attribute caching), so a rank's own listing never picks what is loaded. Rank 0
+alone lists `checkpoints/`, reads the manifest, `trainer.json` and the pointer files, and broadcasts them; all
+ranks then verify the same checkpoint together and take the gathered verdict. A file a rank cannot see yet is
+looked for again for up to `settle_s` (60 s) before the checkpoint counts as incomplete; the rank that *loads* a
+file does the same (every rank looks up what it is about to load, then one gathered verdict), so a node that sees a
+file late does not fail the resume. At Llama-3-8B on 32 ranks a checkpoint is ~100 GB (bf16 weights + fp32 master
+weights and Adam moments): each rank writes and, at resume, re-reads ~3 GB.
+
+A checkpoint written by another world size is converted to DeepSpeed's universal format (training/universal.py):
+keyed by the checkpoint's content (its manifest's hash), never by its name, written under this run's
+OUTPUT_DIR/universal/ (never beside a source it does not own), locked against another job converting the same
+source, and started only if it can finish before the job's end (else exit 75 to be requeued).
+
+`--resume PATH` (or `none`) starts a new branch from PATH (or from nothing) once (training/branches.py).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from base import comm
+from base.log import print0, rank_log
+from training import branches, rotation, universal
+from training.checkpoint_files import (
+    MANIFEST,
+    POINTER,
+    TAG,
+    crc32,
+    deal_by_bytes,
+    list_files,
+    not_visible,
+    read_json,
+)
+from training.job import Requeue
+from training.preemption import Deadline
+
+
+def set_rng_state(s: dict) -> None:
+    random.setstate(s["python"])
+    np.random.set_state(s["numpy"])
+    torch.set_rng_state(s["torch"])
+    if s.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+
+
+@dataclass
+class TrainState:
+    """Where the run stands: what every checkpoint records (trainer.json, with the run's metadata) and a resume
+    restores. `checkpoint` is the newest committed checkpoint, the one a resume or the next stage loads."""
+
+    step: int = 0
+    tokens: int = 0
+    stage: int = 0
+    wandb_id: str | None = None
+    checkpoint: str | None = None
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "tokens": self.tokens, "stage": self.stage, "wandb_id": self.wandb_id}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.step, self.tokens, self.stage = int(d["step"]), int(d["tokens"]), int(d["stage"])
+        self.wandb_id = d.get("wandb_id")
+
+
+def reset_adam_moments(optimizer) -> int:
+    """Zero Adam's moments and step counts in place (a stage with `reset_optimizer`); the fp32 master weights
+    are kept. Works on DeepSpeed's ZeRO wrappers (the torch optimizer is `.optimizer`). Returns the number of
+    parameter states reset."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    for state in inner.state.values():
+        for k, v in state.items():
+            if torch.is_tensor(v):
+                v.zero_()
+            elif k == "step":
+                state[k] = 0
+    for group in inner.param_groups:
+        if "step" in group:
+            group["step"] = 0
+    return len(inner.state)
+
+
+class Restorer:
+    """Find, verify and load checkpoints under `root` (Checkpointer's restore half: it sets these fields)."""
+
+    root: str  # OUTPUT_DIR/checkpoints
+    output_dir: str  # conversions go under OUTPUT_DIR/universal/
+    settle_s: float  # how long a file this node cannot see yet is looked for again
+    deadline: Deadline  # the job's end: bounds a universal conversion
+
+    def tags(self) -> list[str]:
+        return rotation.tags(self.root)
+
+    def verify(self, path: str) -> str | None:
+        """None if the checkpoint at `path` is complete and intact, else the reason; the same answer on every rank.
+        Collective: rank 0 reads the manifest (and lists the folder for unlisted files), every rank checks its
+        deal of the files (by bytes), the first reason found by any rank is the verdict."""
+        rank, world = comm.rank(), comm.world()
+        manifest = comm.run_on_main(lambda: read_json(os.path.join(path, MANIFEST)))
+        if "error" in manifest:
+            return f"no readable manifest ({manifest['error']})"
+        files = manifest["json"].get("files")
+        if not isinstance(files, dict):
+            return "no readable manifest (no file list)"
+        reason = None
+        if rank == 0:
+            extra = set(list_files(path)) - set(files) if os.path.isdir(path) else set()
+            reason = f"files not in the manifest: {sorted(extra)[:3]}" if extra else None
+        mine = deal_by_bytes({f: int(e["size"]) for f, e in files.items()}, world)[rank]
+        reason = reason or self._check_files(path, {f: files[f] for f in mine})
+        return next((r for r in comm.all_gather_object(reason) if r), None)
+
+    def _check_files(self, path: str, files: dict) -> str | None:
+        """The first problem among `files` (name -> manifest entry), or None. A file missing or shorter than its
+        entry may be a stale view of this node: looked for again every 2 s for up to `settle_s`."""
+        late = not_visible(path, {f: int(e["size"]) for f, e in files.items()}, self.settle_s)
+        if late:
+            f = min(late)
+            return f"missing {f}" if late[f] is None else f"{f} has {late[f]} bytes, manifest says {files[f]['size']}"
+        for f in sorted(files):
+            full, want = os.path.join(path, f), files[f]
+            if os.path.getsize(full) != want["size"]:
+                return f"{f} has {os.path.getsize(full)} bytes, manifest says {want['size']}"
+            if crc32(full) != want["crc32"]:
+                return f"{f} checksum differs from the manifest"
+        return None
+
+    def _await_files(self, root: str, sizes: dict[str, int], what: str) -> None:
+        """Before loading: every rank looks up the files under `root` (name -> size) by name until it sees them whole,
+        for up to `settle_s` (a node's stale view, as verification does), then one gathered verdict: a file some rank
+        still cannot see fails the load on every rank in one line (exit 1). Collective."""
+        t0 = time.monotonic()
+        late = not_visible(root, sizes, self.settle_s)
+        if time.monotonic() - t0 >= 1.0:
+            rank_log(f"waited {time.monotonic() - t0:.0f} s for files of {what} this node did not see yet"
+                     + (f"; still not seen: {sorted(late)[:3]}" if late else ""))
+        reports = comm.all_gather_object({f: late[f] for f in sorted(late)[:3]})
+        for r, got in enumerate(reports):
+            if got:
+                f = next(iter(got))
+                seen = "not found" if got[f] is None else f"{got[f]} of {sizes[f]} bytes"
+                raise RuntimeError(f"{what}: rank {r} cannot see {os.path.join(root, f)} ({seen}) after looking for "
+                                   f"it for {self.settle_s:.0f} s: that node's view of the shared file system is stale "
+                                   "or the file was removed")
+
+    def find_resume(self, resume: str) -> str | None:
+        """Path of the checkpoint to resume from, or None (fresh). Collective; rank 0 decides, every rank gets it.
+
+        `auto`: this run's newest complete checkpoint. `PATH` and `none` start a branch (from PATH, or fresh) the
+        first time this run folder is started with them, recorded in checkpoints/BRANCHES.json; started again with
+        the same `--resume` (a SLURM requeue, a launch.sh re-run, a user re-running the command after a crash) the
+        run continues like `auto`, from PATH again only while the branch has no complete checkpoint of its own. A
+        branch is known by its source's content (the sha256 of its MANIFEST.json), not by its name: a new `step_N`
+        written under an old name (after another branch) is a new branch point."""
+        if resume != "auto":
+            taken = comm.run_on_main(lambda: branches.taken(self.root, resume))
+            if taken is None:
+                path = None if resume == "none" else self._checked(resume)
+                comm.run_on_main(lambda: branches.start(self.root, path, resume, self._listed()))
+                return path
+            print0(f"--resume {resume}: this branch was taken on {taken}: continuing from this run's newest complete "
+                   f"checkpoint (docs/checkpoints.md)")
+        for tag in reversed(comm.run_on_main(self._listed)):  # rank 0's view is the only one read
+            path = os.path.join(self.root, tag)
+            t0 = time.perf_counter()
+            why = self.verify(path)
+            if why is None:
+                print0(f"verified {path} in {time.perf_counter() - t0:.1f}s")
+                return path
+            print0(f"warning: skipping checkpoint {path}: {why}")
+        if resume not in ("auto", "none"):  # the branch saved nothing of its own yet: from its source again
+            return self._checked(resume)
+        return None
+
+    def _listed(self) -> list[str]:
+        """Rank 0: this run's checkpoints, oldest first: its listing of checkpoints/ and the one LATEST names, looked up
+        by name (a node's cached listing can be up to FS_SETTLE_S older than the folder: the newest checkpoint, just
+        committed by the job before on another node, missing from it would resume an older one without a word). When
+        LATEST names a checkpoint whose manifest this node cannot see yet, it is looked for again by name for up to
+        `settle_s` (FS_SETTLE_S on several ranks), then left out with a warning naming it. Costs one small read and,
+        on a stale view, up to 60 s once per start."""
+        listed = self.tags()
+        try:
+            with open(os.path.join(self.root, POINTER)) as fh:
+                latest = fh.read().strip()
+        except OSError:
+            return listed
+        if not TAG.match(latest) or latest in listed and os.path.isfile(os.path.join(self.root, latest, MANIFEST)):
+            return listed
+        t0 = time.monotonic()
+        if not_visible(os.path.join(self.root, latest), {MANIFEST: 1}, self.settle_s):
+            print0(f"warning: {os.path.join(self.root, POINTER)} names {latest}, but this node cannot see "
+                   f"{os.path.join(self.root, latest, MANIFEST)} after looking for it for {self.settle_s:.0f} s (a "
+                   "stale view of the file system, or it was removed): resuming from an older checkpoint")
+            return listed
+        if time.monotonic() - t0 >= 1.0:
+            print0(f"{POINTER} names {latest}: its manifest became visible here after {time.monotonic() - t0:.0f} s")
+        return sorted(set(listed) | {latest}, key=lambda t: int(TAG.match(t).group(1)))
+
+    def _checked(self, path: str) -> str:
+        why = self.verify(path)
+        if why:
+            raise ValueError(f"--resume {path}: not a complete checkpoint ({why}); use --resume auto or another "
+                             "checkpoint")
+        return path
+
+    def resume(self, resume: str, model_hash: str, model_name: str) -> TrainState:
+        """The run's state at start: fresh, or restored from the checkpoint `resume` picks (find_resume), refused
+        in one line when that checkpoint was written for another architecture. Collective."""
+        state = TrainState()
+        path = self.find_resume(resume)
+        if path is None:
+            print0("starting fresh")
+            return state
+        trainer = self.read_trainer(path)
+        if trainer.get("model_hash") != model_hash:
+            raise ValueError(f"checkpoint {path} was written for a different model architecture than {model_name}: "
+                             "use the same model, another --output_dir, or --resume none")
+        self._universal(path)  # another world size: converted now, before any engine holds memory (or exit 75/2)
+        state.load_state_dict(trainer)
+        state.checkpoint = path
+        print0(f"resuming from {path} (step {state.step}, stage {state.stage})")
+        return state
+
+    def restore_stage(self, engine, state: TrainState, stage: int, sampler, reset_optimizer: bool) -> bool:
+        """Load what stage `stage` starts from into `engine` and `sampler`: in the middle of the stage, the whole
+        engine state, the data position and (same world) every rank's RNG; at its start, the previous stage's
+        final weights (and Adam moments unless `reset_optimizer`) with a fresh LR schedule; nothing on a fresh
+        run. Returns whether the RNG streams were restored (else the caller seeds them for the stage)."""
+        if state.checkpoint is None:
+            return False
+        if state.stage == stage:
+            saved = self.load(engine, state.checkpoint)
+            sampler.load_state_dict(saved["sampler"])
+            if "rng" in saved:
+                set_rng_state(saved["rng"])
+                return True
+            return False
+        self.load(engine, state.checkpoint, load_optimizer=not reset_optimizer, load_scheduler=False)
+        return False
+
+    @staticmethod
+    def read_trainer(path: str) -> dict:
+        """The counters, stage and config a checkpoint was saved with: rank 0 reads them, every rank gets its copy."""
+        got = comm.run_on_main(lambda: read_json(os.path.join(path, "trainer.json")))
+        if "error" in got:
+            raise RuntimeError(f"checkpoint {path}: trainer.json unreadable after verification ({got['error']})")
+        return got["json"]
+
+    def load(self, engine, path: str, load_optimizer: bool = True, load_scheduler: bool = True) -> dict:
+        """Restore engine state into `engine`; returns this rank's saved state (data position, RNG).
+
+        A new stage loads the previous stage's weights, optionally its Adam moments, never its LR schedule."""
+        rank, world = comm.rank(), comm.world()
+        t0 = time.perf_counter()
+        load_dir, tag = os.path.split(path.rstrip("/"))
+        manifest = comm.run_on_main(lambda: read_json(os.path.join(path, MANIFEST)))["json"]
+        saved_world = manifest["world"]
+        self._await_files(path, {f: int(e["size"]) for f, e in manifest["files"].items()}, f"checkpoint {path}")
+        if saved_world != world:
+            load_dir, files = self._universal(path)
+            self._await_files(os.path.join(load_dir, tag), files, f"the universal conversion of {path}")
+            engine._config.load_universal_checkpoint = True
+        # Always the whole ZeRO state: under ZeRO-3 the weights live in the optimizer's fp32 partitions
+        # (`load_module_only` would restore them from the empty module placeholders); moments reset after.
+        loaded, _ = engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=True,
+                                           load_lr_scheduler_states=load_scheduler)
+        if loaded is None:
+            raise RuntimeError(f"DeepSpeed could not load {path}")
+        if not load_optimizer:
+            reset_adam_moments(engine.optimizer)
+        if not load_scheduler and engine.lr_scheduler is not None:
+            # the loaded optimizer state carries the old stage's LR; start the new schedule from its step 0
+            for group, lr in zip(engine.optimizer.param_groups, engine.lr_scheduler.get_last_lr()):
+                group["lr"] = lr
+        engine._config.load_universal_checkpoint = False
+        print0(f"loaded {path} in {time.perf_counter() - t0:.1f}s")
+        if saved_world != world:  # rank r of another world: take rank 0's data position, fresh RNG
+            return {k: v for k, v in torch.load(os.path.join(path, "state", "rank00000.pt"), weights_only=False).items()
+                    if k != "rng"}
+        return torch.load(os.path.join(path, "state", f"rank{rank:05d}.pt"), weights_only=False)
+
+    def _universal(self, path: str) -> tuple[str, dict[str, int]] | None:
+        """For a checkpoint written by another world size: its universal conversion (training/universal.py), made
+        by rank 0 if none of exactly this content exists, and if it can finish before the job's end. Returns the
+        folder to load from and the conversion's files (name -> size), the same on every rank; None for a checkpoint
+        of this world size. Raises Requeue (exit 75) when the conversion cannot finish before the job's end,
+        ValueError (exit 2) when it cannot fit a whole allocation. Collective: rank 0 decides and converts while
+        the others wait on the host (comm.run_on_main)."""
+        world = comm.world()
+
+        def decide() -> dict | None:
+            saved = read_json(os.path.join(path, MANIFEST))["json"]["world"]
+            return None if saved == world else universal.prepare(path, saved, world, self.output_dir, self.deadline)
+
+        got = comm.run_on_main(decide)
+        if got is None:
+            return None
+        if "requeue" in got:
+            raise Requeue(got["requeue"])
+        if "refuse" in got:
+            raise ValueError(got["refuse"])
+        return got["dir"], got["files"]
