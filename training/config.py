@@ -41,6 +41,7 @@ class StageConfig:
     data: dict | list | None = None  # mixture: {source_glob: weight} or [{source, weight, min_doc_tokens, ...}] (data/mixture.py); None: whole stream
     replay: dict | None = None  # short-context replay: {256: 0.3} or {share: 0.3, lengths: [256]}, token shares (data/replay.py)
     kind: str | None = None  # text | sft: how the stage packs its documents (None: the run's data_kind; docs/sft.md)
+    loss_weighting: str | None = None  # token | conversation: this stage's loss (None: the run's --loss_weighting)
 
 
 @dataclass
@@ -231,11 +232,14 @@ def validate(cfg: Config) -> None:
         if kind not in (None, "text", "sft") or (kind == "sft" and cfg.reset_position_ids == "no"):
             raise ValueError(f"{where} {kind!r}: use text or sft (sft packs conversations with document masking: "
                              "not with --reset_position_ids no)")
-    if cfg.loss_weighting not in ("token", "conversation"):
-        raise ValueError(f"--loss_weighting {cfg.loss_weighting!r}: use token or conversation")
-    if cfg.loss_weighting == "conversation" and cfg.reset_position_ids == "no":
-        raise ValueError("--loss_weighting conversation finds conversations where position ids restart: drop "
-                         "--reset_position_ids no (or use --loss_weighting token)")
+    for where, lw in [("--loss_weighting", cfg.loss_weighting)] + [
+            (f"stages[{i}] ({st.name or f'stage{i}'}) loss_weighting", st.loss_weighting)
+            for i, st in enumerate(cfg.stages) if st.loss_weighting is not None]:
+        if lw not in ("token", "conversation"):
+            raise ValueError(f"{where} {lw!r}: use token or conversation")
+        if lw == "conversation" and cfg.reset_position_ids == "no":
+            raise ValueError(f"{where} conversation finds conversations where position ids restart: drop "
+                             f"--reset_position_ids no (or use {where} token)")
     if cfg.save_total_limit < 2:
         raise ValueError(f"--save_total_limit {cfg.save_total_limit}: keep at least 2 so the newest complete "
                          "checkpoint is never deleted before a newer one is committed")

@@ -47,6 +47,7 @@ class Stage:
     replay: dict | None = None  # short-context replay token shares (data/replay.py)
     cp: int | str = 1  # context-parallel factor of sp ("auto" until check_stages splits it for the model)
     kind: str = "text"  # text | sft: how the stage packs its documents (data/pipeline.py, docs/sft.md)
+    loss_weighting: str = "token"  # token | conversation: the stage's own, else the run's (data/sharding.py collate)
 
 
 MEMORY_KEYS = ("tiled_mlp", "tiled_logits", "checkpoint_every", "gradient_checkpointing", "offload_activations",
@@ -203,6 +204,7 @@ def resolve_stages(cfg: Config, dp_of_sp, budget=None) -> list[Stage]:
                    reset_optimizer=s.reset_optimizer, deepspeed_overrides=overrides,
                    eval=stage_eval(cfg, s.eval, f"stages[{i}].eval"), data=s.data, tasks=s.tasks or {}, replay=s.replay,
                    kind=s.kind or getattr(cfg, "data_kind", "text"),
+                   loss_weighting=s.loss_weighting or getattr(cfg, "loss_weighting", "token"),
                    cp=s.context_parallel_size if s.context_parallel_size is not None else cfg.context_parallel_size,
                    **memory)
         parse_replay(st.replay, st.max_seq_length, f"stage {i} ({st.name}) replay")  # a bad replay: one line, now

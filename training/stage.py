@@ -79,9 +79,12 @@ def train_stage(run: Run, stage, stages, state: TrainState) -> None:
     # --- the steps; the stop (and a save by time) is agreed after every step and after every save ---
     features = features_of(scfg)
     loss_fn, first = make_loss_fn(features), True  # the stage's tiled_logits
+    # the stage's loss weighting (its recipe key, else the run's flag): resolve_stages reads it from the recipe, so a
+    # run resumed mid-curriculum weighs the stage it resumes in as that stage says
+    weighting = getattr(stage, "loss_weighting", None) or cfg.loss_weighting
     while state.step < end:
         micro = [shard(collate([dataset[i] for i in sampler.next_batch()], sdims.seq_multiple, run.data.pad_id,
-                               cfg.loss_weighting), sdims.sp, sdims.sp_rank, sdims.cp)
+                               weighting), sdims.sp, sdims.sp_rank, sdims.cp)
                  for _ in range(cfg.gradient_accumulation_steps)]
         lr = engine.get_lr()[0]
         out = train_step(engine, micro, dims.world, loss_fn=loss_fn)
