@@ -197,6 +197,34 @@ def gather_stack(t: torch.Tensor, group, n: int) -> torch.Tensor:
     return _GatherStack.apply(t, group, n)  # records no graph when `t` needs no gradient (position ids)
 
 
+class RingShift:
+    """One step of a ring over `group`: the tensors `ts` go to the next group rank while the previous one's tensors
+    of the same shapes and dtypes arrive (batch_isend_irecv: NCCL send/recv on GPUs, gloo on CPU), in flight until
+    `wait()`, which returns them. Context parallelism's ring of K/V blocks (model_utils/ring_attention.py) starts the
+    next block's shift before computing on the current one. Every rank of the group must shift the same shapes in
+    the same order: NCCL does not check that a receive matches its send, so the CPU tests compare each rank's `log`."""
+
+    def __init__(self, ts: list[torch.Tensor], group, log: list | None = None):
+        n, me = dist.get_world_size(group), dist.get_rank(group)
+        nxt, prv = dist.get_global_rank(group, (me + 1) % n), dist.get_global_rank(group, (me - 1) % n)
+        self.sent = [t.contiguous() for t in ts]
+        self.recv = [torch.empty_like(t) for t in self.sent]
+        ops = []
+        for s, r in zip(self.sent, self.recv):
+            if s.device != device():
+                raise AssertionError(f"send/recv on {s.device}, expected {device()}")
+            if log is not None:
+                log.append((tuple(s.shape), str(s.dtype)))
+            ops += [dist.P2POp(dist.isend, s, nxt, group), dist.P2POp(dist.irecv, r, prv, group)]
+        self._reqs = dist.batch_isend_irecv(ops)
+
+    def wait(self) -> list[torch.Tensor]:
+        for r in self._reqs:
+            r.wait()
+        self.sent = self._reqs = None  # the sent buffers may be freed now
+        return self.recv
+
+
 class _AllToAll(torch.autograd.Function):
     """[n, ...] -> [n, ...] over `group`: row j goes to group rank j, row i of the result came from rank i. Its own
     adjoint, so backward is the same exchange of the gradient. One all_to_all_single (NCCL native; gloo on CPU)."""

@@ -38,7 +38,7 @@ import torch
 
 from base import comm
 from base.parallel import zigzag_chunks
-from model_utils import attention, sinks
+from model_utils import attention, ring_attention, sinks
 
 
 def natural(stacked: torch.Tensor, cp: int, dim: int) -> torch.Tensor:
@@ -171,10 +171,12 @@ _BY_BACKEND = {"sdpa": _sdpa_chunk, "flex_attention": _flex_chunk, "flash_attent
                "flash_attention_3": _flash_chunk}
 
 
-def context_parallel(attn: str, orig, group, cp: int, cp_rank: int):
+def context_parallel(attn: str, orig, group, cp: int, cp_rank: int, ring: bool = False):
     """The core attention function for backend `attn` under context parallelism over `group` (cp ranks): gathers
     K / V (and the position ids) of the whole sequence, computes this rank's two query chunks against them with
-    document masking and the layer's window, and returns [bs, sl/cp, hq, hd] in the rank's own (zigzag) order."""
+    document masking and the layer's window, and returns [bs, sl/cp, hq, hd] in the rank's own (zigzag) order.
+    ring: K / V pass around the cp group block by block instead (model_utils/ring_attention.py); the position ids
+    are still gathered ([sl] int32 per row: 64 MiB at 16M tokens)."""
     chunk_fn = _BY_BACKEND[attn]
 
     def attention_cp(module, query, key, value, attention_mask, **kwargs):
@@ -195,6 +197,13 @@ def context_parallel(attn: str, orig, group, cp: int, cp_rank: int):
         sl = pos_all.shape[1]
         if window is not None and window >= sl:
             window = None
+        if ring:
+            if kwargs.get("s_aux") is not None or kwargs.get("softcap") or kwargs.get("dropout"):
+                raise ValueError(f"{type(module).__name__}: ring_attention does not run attention sinks, logit "
+                                 "softcapping or attention dropout: use ring_attention false")
+            spec = ring_attention.Spec(group, cp, cp_rank, [local_ranges(sl, cp, j) for j in range(cp)], docs.doc,
+                                       window, kwargs.get("scaling") or query.shape[-1] ** -0.5)
+            return ring_attention.ring_attention(query, key, value, spec), None
         k_all = natural(comm.gather_stack(key, group, cp), cp, dim=2)  # [bs, hkv, sl, hd]
         v_all = natural(comm.gather_stack(value, group, cp), cp, dim=2)
         fn, inner = chunk_fn, orig
@@ -209,9 +218,13 @@ def context_parallel(attn: str, orig, group, cp: int, cp_rank: int):
     return attention_cp
 
 
-def register(attn: str, group, cp: int, cp_rank: int) -> None:
+def register(attn: str, group, cp: int, cp_rank: int, ring: bool = False) -> None:
     """Make the registered core attention for `attn` the context-parallel one (after attention.register, before
-    Ulysses wraps it). attention.restore() undoes it."""
+    Ulysses wraps it). attention.restore() undoes it. ring: K / V in a ring (ring_attention.RING_BACKENDS only)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    ALL_ATTENTION_FUNCTIONS[attn] = context_parallel(attn, attention._ORIGINAL[("attn", attn)], group, cp, cp_rank)
+    if ring and attn not in ring_attention.RING_BACKENDS:
+        raise ValueError(f"ring_attention with attn_implementation {attn}: the ring runs on "
+                         f"{list(ring_attention.RING_BACKENDS)}; use one of them or ring_attention false")
+    ALL_ATTENTION_FUNCTIONS[attn] = context_parallel(attn, attention._ORIGINAL[("attn", attn)], group, cp, cp_rank,
+                                                     ring)

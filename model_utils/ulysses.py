@@ -84,7 +84,7 @@ def _wrap_ulysses(model, attn: str, group, micro_batch: int) -> None:
     ALL_ATTENTION_FUNCTIONS[attn] = uattn_wrapper
 
 
-def register(model, dims, attn_implementation: str, micro_batch: int, head_chunks: int | str = 1):
+def register(model, dims, attn_implementation: str, micro_batch: int, head_chunks: int | str = 1, ring: bool = False):
     """Register document-masked (and, for dims.sp > 1, Ulysses x context-parallel) attention for `model`; returns
     the mpu (None at sp 1). `dims`: the stage's base.parallel.ParallelDims (sp, cp, world, rank). `head_chunks` > 1
     runs each layer's attention that many chunks of heads at a time (model_utils/head_chunks.py; "auto" unresolved
@@ -114,7 +114,7 @@ def register(model, dims, attn_implementation: str, micro_batch: int, head_chunk
         u_group = comm.subgroups(ulysses_ranks) if dims.ulysses > 1 else None
         cp_group = comm.subgroups(cp_ranks)
         _GROUPS.extend(g for g in (u_group, cp_group) if g is not None)
-        context_parallel.register(attn_implementation, cp_group, dims.cp, dims.cp_rank)
+        context_parallel.register(attn_implementation, cp_group, dims.cp, dims.cp_rank, ring)  # ring: K/V in a ring
         if dims.ulysses > 1:
             _wrap_ulysses(model, attn_implementation, u_group, micro_batch)
         mpu = parallel_state_sp

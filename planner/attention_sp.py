@@ -41,16 +41,27 @@ def attention_tensor_bytes(shape: ModelShape, tokens: int, sp: int, b: int, cp: 
     return (seq // cp) * shape.head_dim * 2 * q_loc * b + kv_length(seq, cp) * shape.head_dim * 2 * kv_loc * b
 
 
-def cp_kv_buffer_bytes(shape: ModelShape, tokens: int, sp: int, b: int, cp: int = 1) -> int:
+def cp_kv_buffer_bytes(shape: ModelShape, tokens: int, sp: int, b: int, cp: int = 1, ring: bool = False) -> int:
     """The context-parallel K/V staging of one rank (0 when cp = 1): the all-gather writes K and V in rank order
     ([cp, S/cp] = zigzag chunks) and the kernel reads them in sequence order, so one full-length [S, kv_loc, d]
     pair exists twice around the forward's gather; in backward dK and dV are reordered back into rank order for
     the reduce-scatter, the same size again. Counted as resident, as the Ulysses staging is (conservative: it
-    lives only around each collective). Llama-3-8B at 1M, u=8 x cp=4: 0.5 GiB; Qwen2.5-7B at 1M, 4 x 2: 0.5 GiB."""
+    lives only around each collective). Llama-3-8B at 1M, u=8 x cp=4: 0.5 GiB; Qwen2.5-7B at 1M, 4 x 2: 0.5 GiB.
+
+    ring (model_utils/ring_attention.py): the most the ring holds at once, in its backward: 2 K/V blocks of one rank
+    ([S/cp, kv_loc, d] each of K and V; 1 block at cp = 2) in the compute dtype, the fp32 dQ accumulator
+    [S/cp, q_loc, d] and 3 fp32 dK/dV blocks (computed, in flight, arriving); the kernel's k, v are then the
+    rank's own S/cp keys (kv_length). Llama-3-8B at 16M, 8 x 4: 18 GiB (the gather: 8 GiB here and whole-S K, V
+    and dK, dV in the kernel). tests/multiproc/test_context_parallel checks it byte for byte (micro-batch 1 per
+    sample: the ring's buffers scale with the micro-batch)."""
     if cp == 1:
         return 0
-    _, _, kv_loc = attention_split(shape, sp, cp)
-    return 2 * tokens * sp * kv_loc * shape.head_dim * b
+    _, q_loc, kv_loc = attention_split(shape, sp, cp)
+    if not ring:
+        return 2 * tokens * sp * kv_loc * shape.head_dim * b
+    t = tokens * sp // cp  # the rank's queries and keys after the all-to-all
+    block = 2 * t * kv_loc * shape.head_dim  # K and V elements of one rank's block
+    return min(2, cp - 1) * block * b + t * q_loc * shape.head_dim * 4 + 3 * block * 4
 
 
 

@@ -165,6 +165,7 @@ class Features:
     lean_mlp: bool = False  # model_utils/mlp.py's gated product keeps gate and up only (train.py's default where supported)
     logits_tile_mb: int = 0  # tiled logits: MiB of fp32 logits per tile; 0: LOGITS_TILE_BYTES
     attention_head_chunks: int = 1  # attention in n chunks of heads (model_utils/head_chunks.py); 1: all heads at once
+    ring_attention: bool = False  # context-parallel K/V passed in a ring, not gathered whole (model_utils/ring_attention.py)
 
     @property
     def tile_bytes(self) -> int:

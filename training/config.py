@@ -65,6 +65,8 @@ class Config:
     sequence_parallel_size: int = 1  # SP degree; world = sp x dp, and sp = ulysses x cp
     context_parallel_size: str = "auto"  # cp factor of SP: auto (Ulysses as large as the heads and the node allow,
     # the rest context parallel: model_utils/context_parallel.py) or N dividing sp (1: pure Ulysses, sp: pure cp)
+    ring_attention: bool = False  # under cp > 1, pass K/V around the cp group block by block instead of gathering the
+    # whole sequence's (model_utils/ring_attention.py: sdpa only so far); fewer bytes held, more sent in backward
     per_device_train_batch_size: int = 1  # samples per SP group per micro-step
     gradient_accumulation_steps: int = 1
     # --- optimisation ---

@@ -50,7 +50,8 @@ def build_engine(cfg: Config, dims: ParallelDims, hf_config, attn: str, bf16: bo
     features = features_of(cfg)
     apply_memory_features(model, features)
     ulysses.unregister()  # a previous stage may have registered another SP degree
-    mpu = ulysses.register(model, dims, attn, cfg.per_device_train_batch_size, features.attention_head_chunks)
+    mpu = ulysses.register(model, dims, attn, cfg.per_device_train_batch_size, features.attention_head_chunks,
+                           ring=features.ring_attention)
     engagement.arm(model, features)  # what each step's counters must reach (model_utils/engagement.py)
     params = [p for p in model.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(

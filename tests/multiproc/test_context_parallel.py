@@ -58,8 +58,23 @@ CASES = {
              ("window_chunks2", "mistral8", "sdpa", 2, True, {"attention_head_chunks": 2, "gradient_checkpointing": True})],
     (1, 3): [("llama_mb2", "llama", "sdpa", 2, True, {}), ("gemma3_mb1", "gemma3", "sdpa", 1, True, {})],
     (3, 2): [("h9_mb2", "h9", "sdpa", 2, True, CKPT), ("window_mb1", "mistral_h9", "sdpa", 1, True, {})],
+    (1, 4): [],
 }
-SLOW = {(1, 3), (3, 2), (2, 2)}  # (2, 2): 4 ranks on 2 cores, 150 s; u1cp2 and the zoo's u1cp2 cases stay in make test
+# ring_attention (model_utils/ring_attention.py): K/V passed around the cp group block by block; packed documents, a
+# window, micro-batch 2, checkpointing, GQA replicated over u = 2. Joined to each layout's launch; the (1, 2) case is
+# the fast sibling of the slow layouts' ones. "ring_bytes": the exact-bytes check (check_ring_bytes).
+RING = {"ring_attention": True}
+RING_CASES = {
+    (1, 2): [("ring_window_mb2", "mistral8", "sdpa", 2, True, {**RING, "ring_bytes": True})],
+    (2, 2): [("ring_h6_mb2", "h6", "sdpa", 2, True, {**RING, "ring_bytes": True}),
+             ("ring_window_mb2_ckpt", "mistral8", "sdpa", 2, True, {**RING, **CKPT}),
+             ("ring_kv1_replicated", "kv1", "sdpa", 1, True, RING)],
+    (1, 4): [("ring_window_mb2", "mistral8", "sdpa", 2, True, {**RING, "ring_bytes": True}),
+             ("ring_h9_mb2_ckpt", "h9", "sdpa", 2, True, {**RING, **CKPT}), ("ring_llama_mb1", "llama", "sdpa", 1, True, RING)],
+}
+for _layout, _ring in RING_CASES.items():
+    CASES[_layout] = CASES[_layout] + _ring
+SLOW = {(1, 3), (3, 2), (2, 2), (1, 4)}  # (2, 2): 4 ranks on 2 cores, 150 s; u1cp2 and the zoo's u1cp2 cases stay in make test
 # flex_attention on CPU under cp, micro-batch 2: loss NaN or 2.8e-3 off, varying from run to run (seen at d3113da,
 # before this session's changes, and after them; a fresh inductor cache changes NaN into 2.8e-3). A torch 2.13 CPU
 # inductor flex kernel over the rectangular chunk BlockMask is the suspect, not isolated: test_flex_under_cp_on_cpu
@@ -122,3 +137,23 @@ def check_layout(cp_assets, tmp_path, u: int, cp: int, which: list | None = None
         if case["grads"]:
             assert set(res["grads"]) == set(ref_grads)
             assert worst[0] < GRAD_TOL, (name, worst)
+        check_ring(name, res["ring"], case, u, cp)
+
+
+def check_ring(name: str, rings: list, case: dict, u: int, cp: int) -> None:
+    """A ring case ran the ring on every rank (and a gather case never did); every rank of a cp group shifted the
+    same shapes and dtypes in the same order (its sends are what its next rank's receives expect: NCCL would not
+    check); with "ring_bytes", the most the ring held on each rank is the planner's cp_kv_buffer_bytes, to the byte."""
+    if not case.get("ring_attention"):
+        assert all(r["calls"] == 0 for r in rings), (name, rings)
+        return
+    assert all(r["calls"] > 0 and r["log"] for r in rings), (name, [r["calls"] for r in rings])
+    for rank, r in enumerate(rings):  # cp group of rank: the ranks at stride u (base.parallel: u consecutive)
+        assert r["log"] == rings[rank % u]["log"], (name, rank)
+    if case.get("ring_bytes"):
+        from planner.attention_sp import cp_kv_buffer_bytes
+        from planner.shapes import load_shape
+
+        shape, mb, sp = load_shape(case["model_name_or_path"]), case["per_device_train_batch_size"], u * cp
+        want = mb * cp_kv_buffer_bytes(shape, SEQ // sp, sp, 4, cp, ring=True)  # fp32 on CPU
+        assert [r["peak_bytes"] for r in rings] == [want] * sp, (name, want, [r["peak_bytes"] for r in rings])

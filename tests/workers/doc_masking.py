@@ -20,7 +20,7 @@ warnings.filterwarnings("ignore")
 from base.parallel import init_distributed  # noqa: E402
 from data.packing import PackedDataset, build_token_stream  # noqa: E402
 from data.sharding import collate, shard  # noqa: E402
-from model_utils import attention, rmsnorm, ulysses  # noqa: E402
+from model_utils import attention, ring_attention, rmsnorm, ulysses  # noqa: E402
 from model_utils.build import load_hf_config  # noqa: E402
 from model_utils.tiled_loss import loss_sum  # noqa: E402
 from tests.distributed import DIST_TIMEOUT_S  # noqa: E402
@@ -28,7 +28,7 @@ from training.config import config_from_dict  # noqa: E402
 from training.engine import build_engine  # noqa: E402
 from training.step import train_step  # noqa: E402
 
-CASE_KEYS = ("out", "cache", "samples", "grads", "bypass", "eval")
+CASE_KEYS = ("out", "cache", "samples", "grads", "bypass", "eval", "ring_bytes")
 
 
 def run_case(case: dict) -> None:
@@ -67,6 +67,7 @@ def run_case(case: dict) -> None:
             if dims.is_main and g is not None:  # None: a parameter the step did not reach (an unrouted expert)
                 grads[name] = g.detach().clone().cpu()
 
+    ring_attention.STATS.update(peak_bytes=0, calls=0, log=[])  # the ring's buffers and shifts (ring_attention cases)
     if case["grads"]:
         loss = train_step(engine, [mb], dims.world, loss_fn=loss_sum, before_step=grab)["loss"]
     else:
@@ -84,8 +85,13 @@ def run_case(case: dict) -> None:
         error = str(err)
     norms = [m for m in engine.module.modules() if type(m).__name__.endswith("RMSNorm")]
     lean = [m for m in norms if getattr(m.forward, "__func__", None) is rmsnorm._lean_forward]
+    ring = {"peak_bytes": ring_attention.STATS["peak_bytes"], "calls": ring_attention.STATS["calls"],
+            "log": ring_attention.STATS["log"]}
+    rings = [None] * dist.get_world_size()
+    dist.all_gather_object(rings, ring)  # every rank's shifts: what each sends, its peer must expect
+    ring_attention.STATS["log"] = None
     if dims.is_main:
-        torch.save({"loss": loss, "grads": grads, "error": error, "norms": (len(lean), len(norms)),
+        torch.save({"ring": rings, "loss": loss, "grads": grads, "error": error, "norms": (len(lean), len(norms)),
                     "builds": len(builds), "calls": calls, "eval": stats}, case["out"])
     engine.destroy()
 
