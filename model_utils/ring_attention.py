@@ -12,22 +12,25 @@ global ranges, masked as one whole-sequence call would mask them.
 
 Backward (the `_Ring` autograd.Function) runs the ring again, as ring-flash-attention and Megatron's context
 parallelism do: with the global output O and lse saved, block j's gradients are exact on their own (P = exp(S -
-lse), D = rowsum(dO * O), dS = P (dP - D)), so nothing per block is kept from the forward. dQ accumulates locally;
-dK / dV of block j travel with it (fp32) and arrive at their owner after cp steps. Autograd over the per-block
+lse), D = rowsum(dO * O), dS = P (dP - D)), so nothing per block is kept from the forward. dQ accumulates locally
+(fp32); dK / dV of block j travel with it in the compute dtype and arrive at their owner after cp steps (bf16: the
+partial sums rounded at each of the cp - 1 hops, as Transformer Engine's context-parallel ring does). Autograd over the per-block
 calls would have kept every block's K / V for backward: the whole gathered K / V again, which is what this avoids.
 
-What a rank holds beyond its own q, k, v, o (planner.attention_sp.cp_kv_buffer_bytes counts it;
-tests/multiproc/test_context_parallel checks it byte for byte against STATS["peak_bytes"]): forward, the block being computed on and
-the one arriving (2 K/V blocks; 1 at cp = 2) plus the fp32 output and lse accumulators; backward, 2 K/V blocks
-(1 at cp = 2), the fp32 dQ accumulator and 3 fp32 dK/dV blocks (the one computed, the one in flight to the next rank and the one arriving).
-Llama-3-8B at 16M on u=8 x cp=4 (bf16, 1 KV head per rank): a K/V block is 2 GiB, the backward's ring 18 GiB
-where the gather held 8 GiB of staging plus 18 GiB more of whole-sequence K / V and dK / dV in the kernel.
+What a rank holds beyond its own q, k, v, o (planner.attention_sp.cp_kv_buffer_bytes counts it; the multi-process
+test checks it byte for byte against STATS["peak_bytes"]): forward, the block computed on and the one arriving (2
+K/V blocks; 1 at cp = 2) plus the fp32 output and lse accumulators; backward, 2 K/V blocks (1 at cp = 2), the fp32
+dQ accumulator and 3 dK/dV blocks (the one computed, the one in flight to the next rank, the one arriving).
+Llama-3-8B at 16M tokens on u=8 x cp=4 in 4 head chunks (bf16; per chunk 1 query and 1 KV head per rank): a K/V
+block is 2 GiB and the backward's ring 12 GiB, where the gather holds 8 GiB of staging and whole-sequence K, V,
+dK, dV in the kernel (18 GiB, against 4 for the rank's own).
 
-Cost against the gather at that scale: the same K / V bytes cross the links in forward ((cp-1)/cp of the gathered
-size), and backward sends K / V again plus dK / dV in fp32 (cp steps): 3x the gather's backward bytes, each step
-started before the step's compute (planner.comm_model.layer_collectives). A step computes a (S/2cp)-query chunk
-against S/cp keys: ~4M x 4M per step at 16M, seconds of attention next to 0.3 s of InfiniBand per block, so the
-ring hides it where the gather's single collective waits before any compute.
+Cost against the gather at that scale: forward passes the same K / V bytes ((cp-1)/cp of the gathered size);
+backward passes K / V again and dK / dV (cp hops): 2x the gather's backward bytes (one reduce-scatter of dK / dV).
+Each hop starts before the step's compute and is waited after it. A step computes an S/(2cp)-query chunk pair
+against S/cp keys: at 16M ~11 s per head chunk on an H100 (MFU 0.4) next to ~0.04 s for a 2 GiB
+block over a 50 GB/s InfiniBand port, so the ring hides its traffic where the gather waits for its whole collective
+before any compute (planner.comm_model.layer_collectives).
 
 Kernels per backend (queries [a, b) of one zigzag chunk against the keys [c, e) of another, global positions):
 - sdpa (the CPU / test path): the attention written out in fp32 (torch's sdpa returns no lse on CPU), over tiles
@@ -184,14 +187,14 @@ class _Ring(torch.autograd.Function):
             shift = comm.RingShift(kv, spec.group, STATS["log"]) if i < spec.cp - 1 else None
             if shift is not None:
                 held.add(*shift.recv)
-            part = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)  # dK, dV of block c - i
+            part = torch.zeros((2, *k.shape), dtype=k.dtype, device=k.device)  # dK, dV of block c - i
             held.add(part)
             for qs, ks, qr, kr in _pairs(spec, (spec.rank - i) % spec.cp, c):
                 dq_p, dk_p, dv_p = math_backward(spec, dout[:, :, qs], q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks],
                                                  out[:, :, qs], lse[:, :, qs], qr, kr)
                 dq[:, :, qs] += dq_p
-                part[0][:, :, ks] += dk_p
-                part[1][:, :, ks] += dv_p
+                part[0][:, :, ks] += dk_p.to(k.dtype)
+                part[1][:, :, ks] += dv_p.to(k.dtype)
             if dshift is not None:  # the other ranks' part of this block, from the previous rank
                 (incoming,) = dshift.wait()
                 held.drop(part, part)  # the buffer sent last step is free, and `part` folds into the arrived one
@@ -203,7 +206,7 @@ class _Ring(torch.autograd.Function):
                     held.drop(*kv)
                 kv = shift.wait()
         (mine,) = dshift.wait()
-        return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None
+        return dq.to(q.dtype), mine[0], mine[1], None
 
 
 def ring_attention(query, key, value, spec: Spec) -> torch.Tensor:

@@ -20,15 +20,18 @@ def attention_split(shape: ModelShape, sp: int, cp: int = 1) -> tuple[int, int, 
     return u, shape.num_heads // u, shape.num_kv_heads // u if shape.num_kv_heads >= u else 1
 
 
-def kv_length(seq: int, cp: int = 1) -> int:
+def kv_length(seq: int, cp: int = 1, ring: bool = False) -> int:
     """Keys per layer the attention kernel holds (and saves) on one rank: the whole sequence S; under cp > 1 the
     flash path (model_utils/context_parallel._flash_chunk) copies, for each of the rank's two zigzag query chunks,
     the gathered keys up to that chunk's end: (c+1)*n + (2cp-c)*n = S + S/(2cp) keys (n = S/2cp; fewer with
-    document masking, and the sdpa path slices views: S). Counted at the flash bound."""
+    document masking, and the sdpa path slices views: S). Counted at the flash bound. ring (ring_attention): the
+    kernel holds the rank's own S/cp keys; the blocks passing through are cp_kv_buffer_bytes."""
+    if ring and cp > 1:
+        return seq // cp
     return seq if cp == 1 else seq + seq // (2 * cp)
 
 
-def attention_tensor_bytes(shape: ModelShape, tokens: int, sp: int, b: int, cp: int = 1) -> int:
+def attention_tensor_bytes(shape: ModelShape, tokens: int, sp: int, b: int, cp: int = 1, ring: bool = False) -> int:
     """q, k, v, o as the attention kernel sees them on one rank, per layer: q and o [S/cp, nh/u, d] (this rank's
     queries: its cp share of the sequence, its Ulysses share of the heads); k and v [kv_length, kv_loc, d], the
     WHOLE sequence: under cp > 1 gathered from the cp group (all-gather of K/V, Llama-3's context parallelism), so
@@ -38,10 +41,11 @@ def attention_tensor_bytes(shape: ModelShape, tokens: int, sp: int, b: int, cp: 
     inside a node (T=131072): q + o 1.75 GiB, k + v 0.625 GiB."""
     u, q_loc, kv_loc = attention_split(shape, sp, cp)
     seq = tokens * sp
-    return (seq // cp) * shape.head_dim * 2 * q_loc * b + kv_length(seq, cp) * shape.head_dim * 2 * kv_loc * b
+    return (seq // cp) * shape.head_dim * 2 * q_loc * b + kv_length(seq, cp, ring) * shape.head_dim * 2 * kv_loc * b
 
 
-def cp_kv_buffer_bytes(shape: ModelShape, tokens: int, sp: int, b: int, cp: int = 1, ring: bool = False) -> int:
+def cp_kv_buffer_bytes(shape: ModelShape, tokens: int, sp: int, b: int, cp: int = 1, ring: bool = False,
+                       heads: tuple[int, int] | None = None) -> int:
     """The context-parallel K/V staging of one rank (0 when cp = 1): the all-gather writes K and V in rank order
     ([cp, S/cp] = zigzag chunks) and the kernel reads them in sequence order, so one full-length [S, kv_loc, d]
     pair exists twice around the forward's gather; in backward dK and dV are reordered back into rank order for
@@ -49,19 +53,21 @@ def cp_kv_buffer_bytes(shape: ModelShape, tokens: int, sp: int, b: int, cp: int 
     lives only around each collective). Llama-3-8B at 1M, u=8 x cp=4: 0.5 GiB; Qwen2.5-7B at 1M, 4 x 2: 0.5 GiB.
 
     ring (model_utils/ring_attention.py): the most the ring holds at once, in its backward: 2 K/V blocks of one rank
-    ([S/cp, kv_loc, d] each of K and V; 1 block at cp = 2) in the compute dtype, the fp32 dQ accumulator
-    [S/cp, q_loc, d] and 3 fp32 dK/dV blocks (computed, in flight, arriving); the kernel's k, v are then the
-    rank's own S/cp keys (kv_length). Llama-3-8B at 16M, 8 x 4: 18 GiB (the gather: 8 GiB here and whole-S K, V
-    and dK, dV in the kernel). tests/multiproc/test_context_parallel checks it byte for byte (micro-batch 1 per
-    sample: the ring's buffers scale with the micro-batch)."""
+    ([S/cp, kv, d] each of K and V; 1 block at cp = 2), the fp32 dQ accumulator [S/cp, q, d] and 3 dK/dV blocks
+    (computed, in flight, arriving) in the compute dtype; the kernel's k, v are then the rank's own S/cp keys
+    (kv_length). heads: (q, kv) per rank of one head chunk (chunk_split; the ring runs per chunk), default the
+    rank's (attention_split). Llama-3-8B at 16M, 8 x 4, 4 head chunks: 12 GiB (the gather: 8 GiB here and 18 GiB of
+    whole-S K, V, dK, dV in the kernel). tests/multiproc/test_context_parallel checks it byte for byte (x the
+    micro-batch: the ring's buffers scale with it)."""
     if cp == 1:
         return 0
     _, q_loc, kv_loc = attention_split(shape, sp, cp)
     if not ring:
         return 2 * tokens * sp * kv_loc * shape.head_dim * b
+    q_loc, kv_loc = heads or (q_loc, kv_loc)
     t = tokens * sp // cp  # the rank's queries and keys after the all-to-all
     block = 2 * t * kv_loc * shape.head_dim  # K and V elements of one rank's block
-    return min(2, cp - 1) * block * b + t * q_loc * shape.head_dim * 4 + 3 * block * 4
+    return (min(2, cp - 1) + 3) * block * b + t * q_loc * shape.head_dim * 4
 
 
 
@@ -131,7 +137,7 @@ def chunk_split(shape: ModelShape, sp: int, cp: int, chunks: int) -> tuple[int, 
 
 
 def chunked_attention_bytes(shape: ModelShape, tokens: int, sp: int, b: int, cp: int = 1,
-                            chunks: int = 1, flash: bool = False) -> tuple[int, int]:
+                            chunks: int = 1, flash: bool = False, ring: bool = False) -> tuple[int, int]:
     """(saved, backward transient) of one layer's attention run in `chunks` head chunks (model_utils/head_chunks.py),
     on one rank; the transient excludes the 3 [T, h] gradients every layer's backward holds (layer_activations).
 
@@ -148,7 +154,7 @@ def chunked_attention_bytes(shape: ModelShape, tokens: int, sp: int, b: int, cp:
     hq, hkv, q_c, kv_c = chunk_split(shape, sp, cp, chunks)
     queries, seq = tokens * sp // cp, tokens * sp
     o_c = queries * q_c * d * b
-    io_c = 2 * o_c + 2 * kv_length(seq, cp) * kv_c * d * b
+    io_c = 2 * o_c + 2 * kv_length(seq, cp, ring) * kv_c * d * b  # ring: the rank's own K / V (kv_length)
     acc_c = queries * q_c * d * 4
     back_c = tokens * hq * d * b
     pre_c = tokens * (hq + 2 * max(hkv, u if u > hkv else 0)) * d * b  # KV replicated to u heads before sending

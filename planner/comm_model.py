@@ -78,13 +78,17 @@ def ring_seconds(full_bytes: int, size: int, per_node: int) -> float:
 
 
 def layer_collectives(shape: ModelShape, seq_len: int, sp: int, cp: int = 1, gpus_per_node: int = 8,
-                      precision: str = "bf16") -> list[Collective]:
+                      precision: str = "bf16", ring: bool = False) -> list[Collective]:
     """The SP collectives of one decoder layer on one rank (empty at sp = 1).
 
     Llama-3-8B, 1M tokens, 32 ranks on 4 nodes of 8 (bf16): as u=8 x cp=4 the all-to-all sends 0.59 GB per pass
     over NVLink (1.3 ms) and the K/V all-gather 0.40 GB over IB (8.1 ms); as pure Ulysses sp=32 the all-to-all
     sends 1.04 GB, 0.81 GB of it over IB (16.1 ms). Qwen2.5-7B at 1M, 4 x 2 inside each node: all-to-all 1.61 GB
-    (3.6 ms), K/V all-gather 0.27 GB (0.6 ms), NVLink only. Backward: the same again."""
+    (3.6 ms), K/V all-gather 0.27 GB (0.6 ms), NVLink only. Backward: the same again.
+    ring (model_utils/ring_attention.py): forward passes the same K/V bytes in cp - 1 hops of one block; backward
+    passes K/V again and dK/dV in cp hops (the compute dtype): the gather's bytes plus the whole gathered size, 2x.
+    Each hop starts before its step's attention and is waited after it, so a hop is hidden when it is shorter than
+    1/cp of the pass's attention (at 16M on 8 x 4: 0.04 s per 2 GiB block over IB against ~11 s per step)."""
     if sp == 1:
         return []
     b = DTYPE_BYTES[precision]
@@ -104,7 +108,11 @@ def layer_collectives(shape: ModelShape, seq_len: int, sp: int, cp: int = 1, gpu
         m = members_per_node(cp, u, gpus_per_node)
         sent = full * (cp - 1) // cp
         t = ring_seconds(full, cp, m)
-        out.append(Collective("cp all-gather K,V / reduce-scatter dK,dV", cp, _link(cp, m), sent, sent, t, t))
+        if ring:
+            t_bwd = t + full / (NVLINK_BYTES_PER_S if m >= cp else IB_BYTES_PER_S)
+            out.append(Collective("cp ring K,V / K,V + dK,dV", cp, _link(cp, m), sent, sent + full, t, t_bwd))
+        else:
+            out.append(Collective("cp all-gather K,V / reduce-scatter dK,dV", cp, _link(cp, m), sent, sent, t, t))
     return out
 
 

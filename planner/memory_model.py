@@ -23,6 +23,7 @@ from base.parallel import check_layout
 from planner.attention_sp import (  # noqa: F401  (re-exported: the attention-under-SP terms live there)
     attention_split,
     attention_tensor_bytes,
+    chunk_split,
     chunked_attention_bytes,
     cp_kv_buffer_bytes,
     gqa_expanded_grad_bytes,
@@ -206,18 +207,19 @@ def tokens_per_rank(seq_len: int, sp: int, cp: int = 1) -> int:
 
 def layer_activations(shape: ModelShape, tokens: int, sp: int, b: int, tiled_mlp: bool,
                       lean_norm: bool = False, lean_mlp: bool = False, cp: int = 1, chunks: int = 1,
-                      flash: bool = False) -> tuple[int, int]:
+                      flash: bool = False, ring: bool = False) -> tuple[int, int]:
     """(saved, backward transient) bytes of one decoder layer on one rank; `saved` includes the layer input.
     lean_norm: the RMSNorms are model_utils/rmsnorm.py's (see norm_saved); lean_mlp: the MLP's gated product is
     model_utils/mlp.py's (act(gate) is not kept). cp: the context-parallel factor of sp (attention_tensor_bytes).
     flash: the attention kernel is FlashAttention-2's (a GPU run), whose GQA backward writes dk and dv for every query
-    head and sums them to the KV heads after (gqa_expanded_grad_bytes)."""
+    head and sums them to the KV heads after (gqa_expanded_grad_bytes). ring: context-parallel K/V in a ring
+    (model_utils/ring_attention.py): the kernel's k, v are the rank's own S/cp (attention_sp.kv_length)."""
     h, d, inter = shape.hidden_size, shape.head_dim, shape.intermediate_size
     _, q_loc, _ = attention_split(shape, sp, cp)
     queries = tokens * sp // cp  # S/cp: the queries (and outputs) a rank attends for
     hid = tokens * h * b  # one [T, h] hidden state
     # q, o [S/cp, nh/u, d] and k, v [S, kv_loc, d] (gathered over cp): the tensors flash attention saves
-    attn_io = attention_tensor_bytes(shape, tokens, sp, b, cp)
+    attn_io = attention_tensor_bytes(shape, tokens, sp, b, cp, ring)
     lse = queries * q_loc * 4  # fp32 softmax log-sum-exp
     # attention output back in [T, nh*d], o_proj's input: under SP the all-to-all's output (u > 1) or the
     # concatenation of the two zigzag chunks' outputs (u = 1, cp > 1); without SP a view of o
@@ -233,7 +235,7 @@ def layer_activations(shape: ModelShape, tokens: int, sp: int, b: int, tiled_mlp
     renorm_mlp = lean_norm and tiled_mlp
     saved -= (renorm_attn + renorm_mlp) * hid
     if chunks > 1:  # head chunks (attention_sp.chunked_attention_bytes): only the kernel outputs stay for backward
-        chunk_saved, chunk_transient = chunked_attention_bytes(shape, tokens, sp, b, cp, chunks, flash)
+        chunk_saved, chunk_transient = chunked_attention_bytes(shape, tokens, sp, b, cp, chunks, flash, ring)
         saved += chunk_saved - (o_back + attn_io + lse)
     if shape.qk_norm and chunks == 1:  # (chunked: the q/k norms run inside a chunk and keep nothing)  # Qwen3: RMSNorm on q and k per head, on the local tokens before the all-to-all; RoPE saves
         # neither side, so what is kept is the norms' own: HF's an fp32 copy + the normalized q/k (4 + b), the lean
@@ -397,13 +399,15 @@ def estimate(shape: ModelShape, seq_len: int, sp: int, world: int,
         kv_send = max(shape.num_kv_heads, u)
         gpu["ulysses all-to-all staging"] = tokens * (shape.num_heads + 2 * kv_send) * shape.head_dim * b
     if cp > 1:
-        gpu["context-parallel K/V gather staging"] = cp_kv_buffer_bytes(shape, tokens, sp, b, cp)
+        gpu["context-parallel K/V ring buffers" if f.ring_attention else "context-parallel K/V gather staging"] = \
+            cp_kv_buffer_bytes(shape, tokens, sp, b, cp, f.ring_attention,  # the ring runs per head chunk
+                               chunk_split(shape, sp, cp, f.attention_head_chunks)[2:] if f.ring_attention else None)
     if shape.linear_layers:  # gated delta-net: its state per chunk and chunk buffers over the full sequence
         gpu["linear attention: chunk states + buffers (one layer)"] = linear_attention_bytes(shape, seq_len, sp)
 
     lean = lean_norm_applies(shape, f)
     saved, transient = layer_activations(shape, tokens, sp, b, f.tiled_mlp, lean, lean_mlp_applies(shape, f), cp,
-                                         f.attention_head_chunks, flash=gpu_run)
+                                         f.attention_head_chunks, flash=gpu_run, ring=f.ring_attention)
     phases: dict[str, int] = {}
     if f.every:
         L = shape.num_layers

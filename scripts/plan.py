@@ -49,7 +49,7 @@ from planner.memory_model import (
 )
 
 FEATURES = ("offload_params", "offload_optimizer", "tiled_mlp", "tiled_logits", "gradient_checkpointing",
-            "offload_activations", "lean_rmsnorm", "lean_mlp", "keep_attention")
+            "offload_activations", "lean_rmsnorm", "lean_mlp", "keep_attention", "ring_attention")
 ALST = ("tiled_mlp", "tiled_logits", "gradient_checkpointing", "offload_activations")
 
 
@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep_attention", action=argparse.BooleanOptionalAction, default=None,
                    help="checkpointed layers keep the attention output (needs checkpointing); with --auto, "
                         "--no-keep_attention keeps auto from choosing it")
+    p.add_argument("--ring_attention", action=argparse.BooleanOptionalAction, default=False,
+                   help="train.py --ring_attention: under cp > 1 K/V pass around the cp group block by block instead "
+                        "of being gathered whole (model_utils/ring_attention.py; the sdpa backend so far)")
     p.add_argument("--attention_head_chunks", default="1",
                    help="attention N chunks of heads at a time (model_utils/head_chunks.py); per SP split the largest "
                         "valid count <= N; max: every head per rank alone")
