@@ -61,6 +61,11 @@ NORM_MIN_CHUNK_ROWS = 1024
 # threshold is not safe in torch 2.13: get_free_block hands out the last cached block of the request's power-of-two
 # bucket without comparing sizes, so an unrounded block can be reused for a larger request of the same bucket.)
 PINNED_NO_LIMIT = 2**64 - 1  # torch's default for both options (SIZE_MAX): every pinned block is rounded
+# The runtime does not pin the offloaded layer checkpoints nor the async save's copy of GPU-resident states through
+# that allocator: base/host_arena.py page-locks pageable memory of their exact size in place (cudaHostRegister), so
+# the host holds them as bytes (to a 4 KiB page). False: count them as torch's pinned blocks, as the runtime's
+# fallback holds them where registration fails (one warning line on that rank).
+HOST_ARENA = True
 
 
 
@@ -386,10 +391,11 @@ def estimate(shape: ModelShape, seq_len: int, sp: int, world: int,
         gpu["grads (partition)"] = n * b // world
         gpu["optimizer fp32 master+Adam m,v"] = 12 * n // world
     if async_save:  # what ZeRO-3 saves per rank: fp32 master + Adam m, v (Llama-3-8B on 32 ranks: 3.0 GB, 24 GB/node).
-        # Staging pins a buffer per storage copied from the GPU (the optimizer there): per sub-group, master, m and v
-        # rounded (Llama-3-8B on 8 ranks: 3 x 3.73 -> 3 x 4 GiB, +7%); from host states (offloaded) a pageable copy.
+        # Staging page-locks a buffer per storage copied from the GPU (the optimizer there): per sub-group, master, m
+        # and v, exact in the host arena (as pinned blocks, the fallback, rounded: Llama-3-8B on 8 ranks 3 x 3.73 ->
+        # 3 x 4 GiB, +7%); from host states (offloaded) a pageable copy.
         groups = zero3_subgroups(n // world)
-        snap = pin if not f.offload_optimizer else (lambda nbytes: nbytes)
+        snap = pin if not (f.offload_optimizer or HOST_ARENA) else (lambda nbytes: nbytes)  # arena: exact bytes
         cpu["async save: host copy of the rank's checkpoint"] = 3 * sum(snap(4 * g) for g in groups)
     # communication: the largest gathered module (a layer or the embedding/LM head) with its unreduced
     # grads, plus the prefetch (0.9 h^2) and reduce (h^2) buckets
@@ -413,8 +419,9 @@ def estimate(shape: ModelShape, seq_len: int, sp: int, world: int,
         L = shape.num_layers
         ck = -(-L // f.every)  # layers 0, K, 2K, ...: only their input is kept; the others keep everything
         gpu["activation checkpoints"] = 2 * hid if f.offload_activations else ck * hid
-        if f.offload_activations:  # one pinned block per checkpoint (model_utils/memory._to_host), as the allocator
-            cpu["activation checkpoints"] = ck * pin(hid)  # holds it: 5M tokens on 8 GPUs, 4.77 GiB each -> 8 GiB
+        if f.offload_activations:  # one page-locked slot per checkpoint (model_utils/memory._to_host): 5M tokens on
+            # 8 GPUs, 4.77 GiB each, held as 4.77 in the host arena (as torch's pinned blocks, the fallback: 8 GiB)
+            cpu["activation checkpoints"] = ck * (hid if HOST_ARENA else pin(hid))
         recompute = saved - hid + transient
         if f.keep_attention:  # + each checkpointed layer's attention output and fp32 lse, cached on the device
             kept = kept_attention_bytes(shape, tokens, sp, b, cp)

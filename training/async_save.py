@@ -6,7 +6,9 @@ durable, decided by a collective (docs/checkpoints.md, "Asynchronous saves").
 Why a thread and our own staging rather than DeepSpeed's decoupled engine, its FastPersist writer or PyTorch's async
 DCP: see docs/checkpoints.md. What the snapshot costs: one copy of the rank's checkpoint bytes in host memory
 (`Staging`, kept for the run: Llama-3-8B on 32 ranks under ZeRO-3, 12 bytes per parameter / world: ~3 GB per rank,
-~24 GB per 8-rank node; pinned on a GPU node, where the copy is GPU -> pinned host at ~10+ GB/s). The copy is all
+~24 GB per 8-rank node; page-locked at its exact size on a GPU node (base/host_arena.py; torch's pinned blocks were
+rounded up to a power of two: 3 x 3.73 -> 3 x 4 GiB per sub-group on 8 ranks), where the copy is GPU -> host by DMA
+at ~10+ GB/s). The copy is all
 the step loop waits for: host -> host for what ZeRO offload keeps on the CPU, one memcpy per storage (GB/s; ~1 s
 for 3 GB at this box's ~3 GB/s). torch.save's zip writer (a CRC32 per record and Python write calls, ~250 MB/s
 here: 4.7 s of the 4.9 s the step loop used to wait) and the write (the storage's rate: 100 GB at ~0.6 GB/s per
@@ -24,9 +26,11 @@ import zlib
 
 import torch
 
+from base import host_arena
 from base.atomic import fsync_path
 from training.checkpoint_files import save_torch
 
+_HOST = ("cpu",)  # device types whose states are host memory already: a pageable copy (a test empties it)
 CHUNK = 1 << 26  # 64 MiB per write and CRC32 update: both release the GIL, so the step loop runs meanwhile
 _ATOMS = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device)
 
@@ -51,9 +55,12 @@ class Staging:
         n, i = src.nbytes(), self.used
         self.used += 1
         if i >= len(self.buffers) or self.buffers[i].nbytes() != n:
-            buf = torch.UntypedStorage(n)
-            if src.device.type != "cpu":  # GPU -> pinned host: a DMA at the link's rate, not a pageable bounce
-                buf = buf.pin_memory()
+            if src.device.type not in _HOST:  # GPU -> page-locked host, exact size: a DMA, not a pageable bounce
+                buf = host_arena.page_locked(n).untyped_storage()
+            else:
+                buf = torch.UntypedStorage(n)
+            if i < len(self.buffers):
+                host_arena.unlock(self.buffers[i])  # a size that changed: the old buffer goes back pageable
             self.buffers[i:i + 1] = [buf]
         buf = self.buffers[i]
         buf.copy_(src, non_blocking=src.device.type != "cpu")

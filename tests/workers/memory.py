@@ -86,11 +86,11 @@ def _recording_arm(model, features):
     return STATS["expected"]
 
 
-def _copying_to_host(t: torch.Tensor):
+def _copying_to_host(t: torch.Tensor, *arena):
     """Count the offloaded tensors and really copy them, so the unpacked copy is what backward uses."""
     if t.numel():
         STATS["offloaded"] += 1
-    device, host = _to_host(t)
+    device, host = _to_host(t, *arena)
     return device, host.clone()
 
 

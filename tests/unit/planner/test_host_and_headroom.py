@@ -53,9 +53,11 @@ def test_pinned_blocks_are_rounded_as_torchs_host_allocator_rounds_them():
         pinned_round_limit("pinned_max_cached_size_mb:lots")
 
 
-def test_offloaded_checkpoints_are_held_as_pinned_blocks():
+def test_offloaded_checkpoints_are_held_as_pinned_blocks(monkeypatch):
     """Llama-3-8B, 5M tokens on one 8-GPU node: 32 checkpoints of 4.77 GiB per rank, each held as an 8 GiB pinned
-    block: 2,048 GiB of checkpoints per node, which a 2 TiB node does not hold with the model states next to them."""
+    block: 2,048 GiB of checkpoints per node, which a 2 TiB node does not hold with the model states next to them.
+    (As pinned blocks: the host arena's fallback; the arena itself: tests/unit/model_utils/test_host_arena.py.)"""
+    monkeypatch.setattr("planner.memory_model.HOST_ARENA", False)
     seq = 5_000_000
     hid = tokens_per_rank(seq, 8) * LLAMA.hidden_size * 2
     est = estimate(LLAMA, seq, 8, 8, ALST, gpus_per_node=8)
