@@ -21,7 +21,9 @@ written as `between` records naming the events around them; the last one is writ
 Every record carries its process id (a subprocess a rank starts inherits the hooks and writes its own short
 records: bench.gpu_compare.read_probe keeps the rank's), its time, the process RSS and peak RSS (VmHWM, GPU runs) and
 torch.cuda.host_memory_stats()' pinned bytes (GPU only) at its end: bench.gpu takes the most the caching host
-allocator held (it keeps freed blocks) and the peak RSS over the step. train.py's own peak_mem_gb reads
+allocator held (it keeps freed blocks) and the peak RSS over the step; and `arena`: the bytes base/host_arena.py
+holds page-locked at their exact size (the offloaded checkpoints, the async save's copy of GPU states: registered
+with cudaHostRegister, so not in host_memory_stats), what its fallback pinned instead, and which path ran. train.py's own peak_mem_gb reads
 max_memory_allocated since this probe's last reset, so bench.gpu takes the step's peak from these records (the
 max over all of them: every segment is in one).
 Cost: two procfs reads or two CUDA stat calls per event, a few dozen events per step.
@@ -65,6 +67,14 @@ def pinned_stats() -> dict:
     keys = ("allocated_bytes.current", "allocated_bytes.peak", "active_bytes.current", "active_bytes.peak",
             "allocations.current", "num_host_alloc")
     return {k: int(s[k]) for k in keys if k in s}
+
+
+def arena_stats() -> dict:
+    """base/host_arena.STATS (registered_bytes, fallback_pinned_bytes, fallbacks, registrations) and its path():
+    "registered", "pinned-fallback" (registration failed: torch's rounded blocks) or "pageable" (no CUDA)."""
+    from base import host_arena
+
+    return {**host_arena.STATS, "path": host_arena.path()}
 
 
 class Probe:
@@ -121,7 +131,7 @@ class Probe:
 
     def write(self, rec: dict) -> None:
         rec.update(pid=os.getpid(), time=time.time(), t_close=round(time.time() - self.t0, 3), rss=_rss(),
-                   pinned=pinned_stats(),
+                   pinned=pinned_stats(), arena=arena_stats(),
                    rss_hwm=_hwm() if self.cuda else None,  # the process' peak RSS (the CPU stand-in resets it)
                    step_peak=self.step_alloc, step_reserved=self.step_reserved, events=self.events,
                    errors=self.errors[-3:])
