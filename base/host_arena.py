@@ -18,7 +18,8 @@ blocking the host), so the offload's device -> host copy overlaps compute as wit
 
 `HostArena`: slots keyed by (bytes, dtype), reused across steps: a slot is free again once nothing but the arena
 holds its storage (the step's backward dropped the checkpoint), and the checkpoints of a stage have the same shapes
-every step, so the first step allocates them and later steps allocate nothing. `release()` (or the arena's end with
+every step (every micro-batch is packed to the stage's length), so the first step allocates them and later steps
+allocate nothing; shapes that varied from step to step would keep a set of slots per shape. `release()` (or the arena's end with
 its model, at stage end: training/engine.release_engine + gc.collect) waits for the device and unregisters them.
 
 What it costs at the target scale: registration faults in and page-locks every page once (the kernel zeroes each
@@ -169,7 +170,7 @@ class HostArena:
         numel = 1
         for d in shape:
             numel *= d
-        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         if nbytes == 0:
             return torch.empty(shape, dtype=dtype)
         slots = self.slots.setdefault((nbytes, dtype), [])
@@ -203,7 +204,8 @@ class HostArena:
 
 
 def _use_count(buf: torch.Tensor) -> int:
-    """References to `buf`'s storage: the arena's own while the slot is free, more while a handed-out view lives."""
+    """References to `buf`'s storage: the arena's own while the slot is free, more while a handed-out view lives (or a
+    view of it, which a per-tensor weakref would miss). torch's own private counter (torch 2.13)."""
     return torch._C._storage_Use_Count(buf.untyped_storage()._cdata)
 
 
