@@ -22,7 +22,8 @@
 # BIND_CORES=0 turns binding off, 1 insists on it.
 # Environment overrides: DEEPSPEED, TORCHRUN (launcher executables), TRAIN_SCRIPT (default train.py),
 # LAUNCH_EXPORT (extra variable names to write to .deepspeed_env), BIND_CORES (auto | 0 | 1), STORE_START_S (node 0's
-# store must answer within this, default 60), LAUNCH_LOST_FILE (node 0, after a lost node: its index is written here).
+# store must answer within this, default 60), LAUNCH_LOST_FILE (node 0, after a lost node: its index is written here),
+# LAUNCH_CRASH_FILE (after a crash: `first` if it began on this node, `own` if this node's ranks raised too).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -338,6 +339,7 @@ case "$rc" in
        rc=$recorded
      fi ;;
 esac
+origin=""  # the node where the job's first failure on record (in its store) happened
 if [ "$node_store" = 1 ]; then
   case "$rc" in
     0|"$EXIT_PREEMPTED") ;;
@@ -346,15 +348,41 @@ if [ "$node_store" = 1 ]; then
       # node 0 holds the store: keep it until the live nodes' ranks have read the reason (a rank whose heartbeat has
       # stopped has left), and name the nodes found lost where slurm.sbatch reads them
       [ "$node_rank" = 0 ] && wait_arg=(--wait ${LAUNCH_LOST_FILE:+--lost-file "$LAUNCH_LOST_FILE"})
+      said=$(mktemp "${TMPDIR:-/tmp}/launch_post.XXXXXX")
       "$(bin python)" -m base.node_store post "$master_addr" "$master_port" "$rc" \
         "node $node_rank: its ranks exited $rc (that node's log has the cause)" --node "$node_rank" \
-        --nnodes "$nnodes" --ranks-per-node "$ranks_here" ${wait_arg[@]+"${wait_arg[@]}"}
-      if [ $? = "$EXIT_PEER_LOST" ] && [ "$rc" != "$EXIT_PEER_LOST" ]; then  # node 0 found a node lost: its cause
+        --nnodes "$nnodes" --ranks-per-node "$ranks_here" ${wait_arg[@]+"${wait_arg[@]}"} 2> "$said"
+      post_rc=$?
+      cat "$said" >&2
+      # "rank R failed: ..." (a rank's own exception, training/job.py) or "node K: its ranks exited C" (a launcher's)
+      first=$(sed -n 's/^node_store: abort on record: //p' "$said" | head -n 1)
+      rm -f "$said"
+      if [[ $first =~ ^rank\ ([0-9]+)\ failed: ]]; then origin=$((BASH_REMATCH[1] / ranks_here))
+      elif [[ $first =~ ^node\ ([0-9]+):\ its\ ranks\ exited ]]; then origin=${BASH_REMATCH[1]}
+      fi
+      if [ "$post_rc" = "$EXIT_PEER_LOST" ] && [ "$rc" != "$EXIT_PEER_LOST" ]; then  # node 0 found a node lost: its cause
         echo "launch.sh: the ranks here exited $rc after a node was lost: passing on $EXIT_PEER_LOST" >&2
         rc=$EXIT_PEER_LOST
       fi ;;
   esac
   if [ -n "$store_pid" ]; then kill -9 "$store_pid" 2>/dev/null; wait "$store_pid" 2>/dev/null; fi
+fi
+# Whether this node crashed on its own, for slurm.sbatch (LAUNCH_CRASH_FILE; a crash confined to one node is requeued
+# without it): `first` when the job's first failure on record is this node's (a rank here raised first, or its ranks
+# died without a word and this launcher's post came first; with one node or no job store: a rank here raised), `own`
+# when a rank here raised too (its record a failure code) after another node's first failure, nothing when the ranks
+# here were stopped by it (the abort channel: a watcher's exit records nothing) or by Slurm.
+if [ -n "${LAUNCH_CRASH_FILE:-}" ]; then
+  case "$rc" in
+    0|"$EXIT_USAGE"|"$EXIT_PEER_LOST"|"$EXIT_PREEMPTED") ;;
+    *) raised=0
+       for c in $recorded; do case "$c" in 0|"$EXIT_USAGE"|"$EXIT_PEER_LOST"|"$EXIT_PREEMPTED") ;; *) raised=1 ;; esac; done
+       if [ "$origin" = "$node_rank" ] || { [ "$node_store" = 0 ] && [ "$raised" = 1 ]; }; then
+         echo first > "$LAUNCH_CRASH_FILE"
+       elif [ "$raised" = 1 ]; then
+         echo own > "$LAUNCH_CRASH_FILE"
+       fi ;;
+  esac
 fi
 echo "launch.sh: training exited with $rc" >&2
 exit "$rc"

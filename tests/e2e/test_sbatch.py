@@ -213,3 +213,61 @@ def test_a_node_preempted_first_does_not_end_the_others(tmp_path):
     assert job.returncode == 0 and requeues(tmp_path) == ["requeue 4242"], text
     assert "got SIGTERM" not in node_lines(tmp_path, 0), text
     assert node_lines(tmp_path, 1)[0].startswith("args: --no_ssh --nnodes 2 --node_rank 1 --master_addr 127.0.0.1 ")
+
+
+# --- a crash on one node (exit 1: a GPU Xid, an ECC error): requeued without it, bounded ---
+
+def crash_run(tmp_path, checkpoint: int, last_step: int, earlier: list[str] = (), **env: str) -> tuple[int, str]:
+    """Two nodes; node 1 crashes (its launch.sh's verdict `first`: the job's first failure on record began there) and
+    node 0 exits 1 first, stopped by the abort channel, before srun ends node 1 (SIGTERM: 143), as a real job's
+    nodes end (the failing rank waits for the others to read its reason). The run's newest checkpoint and last logged
+    step as train.py leaves them; `earlier`: this job's crash requeues already recorded."""
+    out = tmp_path / "out"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / "LATEST").write_text(f"step_{checkpoint:06d}")
+    (out / "metrics.jsonl").write_text("".join(f'{{"step": {s}, "loss": 1.0}}\n' for s in range(1, last_step + 1)))
+    if earlier:
+        (tmp_path / ".cache" / "slurm").mkdir(parents=True)
+        (tmp_path / ".cache" / "slurm" / "4242.crashes").write_text("".join(f"{x}\n" for x in earlier))
+    env = dict(TWO_NODES, FAKE_EXIT_1="sleep:2:1", FAKE_CRASH_1="first", FAKE_EXIT_0="1", FAKE_AFTER_READY="1",
+               SLURM_RESTART_COUNT=str(len(earlier)), **env)
+    job = sbatch(tmp_path, "0", ["--output_dir", str(out)], **env)
+    text = job.communicate(timeout=60)[0]
+    return job.returncode, text
+
+
+@pytest.mark.parametrize("earlier", [[], ["0 0 gpu3 10 12"]])
+def test_sbatch_requeues_a_crash_on_one_node_without_it(tmp_path, earlier):
+    """Node 1's ranks crash, node 0 is stopped by it: requeuehold, ExcNodeList += node 1's host, release (as a lost
+    node), the crash recorded with its checkpoint and last step. Also the second crash requeue of a job, when the
+    first was another failure (another step). It used to end FAILED ("failed with 1: not requeueing")."""
+    if earlier:
+        (tmp_path / "scontrol.log.state").write_text("exc=gpu3\n")
+    code, text = crash_run(tmp_path, 20, 25, earlier)
+    assert code == 0, text
+    assert requeues(tmp_path) == ["requeuehold 4242", f"update JobId=4242 ExcNodeList={'gpu3,' if earlier else ''}"
+                                  "localhost", "release 4242"], text
+    assert f"node 1 (localhost) crashed (exit 1), no other node on its own (checkpoint step 20, last step 25): crash " \
+           f"requeue {len(earlier) + 1} of 2, without that node" in text, text
+    assert (tmp_path / ".cache" / "slurm" / "4242.crashes").read_text().splitlines() == [
+        *earlier, f"{len(earlier)} 1 localhost 20 25"]
+    assert "got SIGTERM" in node_lines(tmp_path, 1), text  # srun ended it: node 0's 1 came first
+
+
+@pytest.mark.parametrize("case, line", [
+    ("every node", "crashed on node(s) 1 0 (exit 1), each on its own, 2 node(s) in the job: not a node's fault"),
+    ("same failure", "the same failure twice: a crash after step 25 from the checkpoint of step 20 again (node 0 at "
+                     "restart 0, now node 1): a bug, not a node: not requeueing"),
+    ("cap", "node 1 (localhost) crashed (exit 1), but this job was already requeued 2 time(s) for a crash "
+            "(ULYSSES_MAX_CRASH_REQUEUES=2): not requeueing"),
+])
+def test_sbatch_does_not_requeue_a_crash_that_is_not_one_nodes(tmp_path, case, line):
+    """Not requeued (FAILED, 1, one line saying why): both nodes crashed on their own (node 0's ranks raised too);
+    the same failure again after a crash requeue (the same checkpoint, the same last step: deterministic, a bug);
+    ULYSSES_MAX_CRASH_REQUEUES (2) crash requeues already spent by this job."""
+    earlier = {"every node": [], "same failure": ["0 0 gpu3 20 25"], "cap": ["0 0 gpu3 10 12", "1 0 gpu4 15 17"]}
+    code, text = crash_run(tmp_path, 20, 25, earlier[case], **({"FAKE_CRASH_0": "own"} if case == "every node" else {}))
+    assert code == 1 and requeues(tmp_path) == [], text
+    assert line in text and "failed with 1: not requeueing" in text, text
+    assert len((tmp_path / ".cache" / "slurm" / "4242.crashes").read_text().splitlines()) == len(earlier[case]) \
+        if earlier[case] else not (tmp_path / ".cache" / "slurm" / "4242.crashes").exists()
