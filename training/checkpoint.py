@@ -134,8 +134,9 @@ class Checkpointer(Restorer):
         self.root = os.path.join(output_dir, "checkpoints")
         self.output_dir = output_dir  # conversions go under OUTPUT_DIR/universal/, never beside their source
         self.keep = keep
-        # one process has one view: nothing to wait for; several may see a new file up to SETTLE_S late
-        self.settle_s = settle_s if settle_s is not None else (FS_SETTLE_S if comm.world() > 1 else 0.0)
+        # how long a file this node cannot see yet is looked for again, whatever the world size: a 1-rank job
+        # requeued onto another node sees what the job before wrote there as late as a rank of a larger one does
+        self.settle_s = FS_SETTLE_S if settle_s is None else settle_s
         self.deadline = deadline or Deadline()  # the job's end (SLURM_JOB_END_TIME): bounds a universal conversion
         self.pending: Pending | None = None  # the save being written in the background, not committed yet
         self._staging: Staging | None = None  # host memory the background saves copy into (one rank's checkpoint)

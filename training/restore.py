@@ -192,13 +192,12 @@ class Restorer:
         by name (a node's cached listing can be up to FS_SETTLE_S older than the folder: the newest checkpoint, just
         committed by the job before on another node, missing from it would resume an older one without a word). When
         LATEST names a checkpoint whose manifest this node cannot see yet, it is looked for again by name for up to
-        `settle_s` (FS_SETTLE_S on several ranks), then left out with a warning naming it. Costs one small read and,
-        on a stale view, up to 60 s once per start."""
+        `settle_s` (FS_SETTLE_S, whatever the world size), then left out with a warning naming it; LATEST itself the
+        same way when this start has reason to expect one (`_latest`). Costs one small read and, on a stale view, up
+        to 60 s for LATEST and 60 s for its manifest, once per start."""
         listed = self.tags()
-        try:
-            with open(os.path.join(self.root, POINTER)) as fh:
-                latest = fh.read().strip()
-        except OSError:
+        latest = self._latest(listed)
+        if latest is None:
             return listed
         if not TAG.match(latest) or latest in listed and os.path.isfile(os.path.join(self.root, latest, MANIFEST)):
             return listed
@@ -211,6 +210,39 @@ class Restorer:
         if time.monotonic() - t0 >= 1.0:
             print0(f"{POINTER} names {latest}: its manifest became visible here after {time.monotonic() - t0:.0f} s")
         return sorted(set(listed) | {latest}, key=lambda t: int(TAG.match(t).group(1)))
+
+    def _latest(self, listed: list[str]) -> str | None:
+        """Rank 0: the name LATEST holds, None if there is none. A LATEST this node cannot see is looked for again by
+        name for up to `settle_s` only when this start has reason to expect one (`_expects_latest`): a requeue onto a
+        node whose cached negative lookup hides the LATEST the job before wrote on another node would otherwise start
+        over, or resume an older checkpoint, without a word. A fresh run has none to wait for and starts at once."""
+        pointer = os.path.join(self.root, POINTER)
+        why = None if os.path.isfile(pointer) else self._expects_latest(listed)
+        if why:
+            t0 = time.monotonic()
+            if not_visible(self.root, {POINTER: 1}, self.settle_s):
+                print0(f"warning: {why}, but this node cannot see {pointer} after looking for it for "
+                       f"{self.settle_s:.0f} s (a stale view of the file system, or it was removed): resuming from "
+                       "this node's listing of checkpoints/")
+            elif time.monotonic() - t0 >= 1.0:
+                print0(f"{pointer} became visible here after {time.monotonic() - t0:.0f} s ({why})")
+        try:
+            with open(pointer) as fh:
+                return fh.read().strip()
+        except OSError:
+            return None
+
+    def _expects_latest(self, listed: list[str]) -> str | None:
+        """Rank 0: why this start should find a LATEST (a commit came before it), or None. A requeue of the job
+        (SLURM_RESTART_COUNT > 0: the run before may have committed, on another node) or a committed checkpoint in
+        the listing are reasons; a first start in an empty folder (a 1-rank run on a local disk included) has none
+        and never waits. Not a reason: rotation's `.trash`, which outlives a `--resume none` branch (LATEST removed,
+        every checkpoint moved to abandoned/). One stat per listed checkpoint (a few)."""
+        restarts = os.environ.get("SLURM_RESTART_COUNT", "0")
+        if restarts.isdigit() and int(restarts) > 0:
+            return f"this is restart {restarts} of the job (SLURM_RESTART_COUNT)"
+        committed = [t for t in listed if os.path.isfile(os.path.join(self.root, t, MANIFEST))]
+        return f"{committed[-1]} is committed" if committed else None
 
     def _checked(self, path: str) -> str:
         why = self.verify(path)

@@ -55,7 +55,7 @@ def test_commit_writes_manifest_and_pointer(tmp_path):
     (lambda p: (p / MANIFEST).write_text("{not json"), "no readable manifest"),
 ])
 def test_damaged_checkpoint_is_never_loaded(tmp_path, damage, reason, capsys):
-    ck = Checkpointer(str(tmp_path), keep=3)
+    ck = Checkpointer(str(tmp_path), keep=3, settle_s=0)  # a local disk: a missing file is damage, not a late view
     good = save(ck, 1)
     bad = save(ck, 2)
     damage(tmp_path / "checkpoints" / tag_for(2))
@@ -305,3 +305,4 @@ def test_a_file_the_loading_rank_cannot_see_yet_is_looked_for_again(tmp_path):
     ck.settle_s = 1
     with pytest.raises(RuntimeError, match="state/rank00000.pt"):
         ck.load(LoadEngine(), path)
+
