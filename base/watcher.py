@@ -137,6 +137,73 @@ def raise_fd_limit() -> tuple[int, int]:
     return soft, want
 
 
+def store_host_pid(port: int, pid: int | None = None, depth: int = 4) -> int | None:
+    """The process among this one's ancestors (its parent first, `depth` at most) that listens on TCP `port`: under
+    torchrun, the agent that hosts the job's store. Global rank 0 is a child of the agent whose group rank is 0
+    (torch.distributed.elastic assigns ranks by group rank), and that agent hosts the workers' store at
+    MASTER_ADDR:MASTER_PORT under both its rendezvous: `static` (`--master_addr`: `StaticTCPRendezvous`, is_master =
+    node rank 0) and `c10d` (`DynamicRendezvousHandler._shared_tcp_store_server`, created by rank 0); torch 2.13's
+    sources. Checked, not assumed: the port's listening socket (/proc/net/tcp{,6}, state 0A) must be one of that
+    process's descriptors (/proc/PID/fd, readable for a process of the same user). None when none of them holds it.
+    Cost: two small /proc reads and one listing of the agent's descriptors, once, on rank 0."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as fh:
+                rows = fh.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()
+            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{f[9]}]")
+    p = os.getppid() if pid is None else pid
+    for _ in range(depth if inodes else 0):
+        if p <= 1:
+            return None
+        try:
+            fds = os.listdir(f"/proc/{p}/fd")
+        except OSError:
+            fds = []
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{p}/fd/{fd}") in inodes:
+                    return p
+            except OSError:
+                continue
+        try:
+            with open(f"/proc/{p}/stat") as fh:
+                p = int(fh.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return None
+    return None
+
+
+def raise_fd_limit_of(pid: int) -> int | None:
+    """raise_fd_limit() for another process of this user (prlimit(2) allows it): torchrun's agent, which hosts the job's
+    store and never raises its own soft limit. Returns its soft limit after (None if it cannot be read)."""
+    import resource
+
+    try:
+        soft, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    except (OSError, ValueError):
+        return None
+    want = hard
+    if hard == resource.RLIM_INFINITY:
+        try:
+            with open("/proc/sys/fs/nr_open") as fh:
+                want = int(fh.read())
+        except (OSError, ValueError):
+            want = max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.prlimit(pid, resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError):
+            pass
+    return want if soft == resource.RLIM_INFINITY else soft
+
+
 def fd_refusal(have: int, need: int, who: str) -> str | None:
     """The one-line refusal when `have` descriptors (the raised limit) cannot hold `need`; None when they can."""
     if have >= need:

@@ -296,6 +296,11 @@ fi
 # the ranks, which saved and exited 75, report what really happened.
 exit_dir=$(mktemp -d "${TMPDIR:-/tmp}/launch_exit.XXXXXX")
 export LAUNCH_EXIT_DIR=$exit_dir
+# The job's store may live in a launcher started here (torchrun's agent on node 0; node 0's base/node_store.py raises
+# its own): 3 descriptors per rank, past a soft `ulimit -n` of 1024 near 330 ranks. Every process started from here
+# gets the hard limit as its soft one before any rank connects (rank 0 also raises the agent's, base/comm.py, for a
+# torchrun started another way, but only once it has arrived).
+ulimit -Sn "$(ulimit -Hn)" 2>/dev/null || true
 set -m
 ( trap - TERM INT; trap '' USR1; exec "${cmd[@]}" 2>&3 ) &
 launcher_pid=$!
