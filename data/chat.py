@@ -217,6 +217,69 @@ class ChatEncoder:
                            "user turn is last); docs/sft.md")
         return ids, mask, {"untrained_turns": untrained}
 
+    def encode_long(self, messages: list[dict], at: int) -> tuple[list[int], np.ndarray]:
+        """(ids, mask) of `messages` (OpenAI form) whose message `at` is long (a haystack): what `encode` gives, with
+        that message's content tokenized once instead of once per render. The template is rendered around a short
+        placeholder; its text is cut at the special tokens on either side of the placeholder (HF tokenizers split
+        special tokens out before anything else, so tokenization never crosses them), the outer parts are the
+        placeholder render's tokens and mask, the text between (e.g. "user\n" + content) is tokenized once. Used
+        where it is checked to hold: the placeholder render splits that way, the template inserts the content
+        verbatim (a render of the content's head and tail, cheap), the placeholder's span has one mask value;
+        otherwise `encode` (exact either way; tests/unit/data/test_chat_splice.py compares both on the golden
+        families). A 128k-token trial: one tokenization of the haystack instead of three (`--chat`, `chat: true`)."""
+        conv = [_message(m, i) for i, m in enumerate(messages)]
+        content = conv[at]["content"]
+        if self.kind == "chatml" or self.refusal:  # built token by token: the content is tokenized once already
+            ids, mask, _ = self.encode({"messages": conv})
+            return ids, mask
+        parts = self._splice_parts(conv, at, content)
+        if parts is None:
+            ids, mask, _ = self.encode({"messages": conv})
+            return ids, mask
+        (pre_ids, pre_mask), (soft_pre, soft_post, value), (post_ids, post_mask) = parts
+        mid = self.tok.encode(soft_pre + content + soft_post)
+        return pre_ids + mid + post_ids, np.concatenate([pre_mask, np.full(len(mid), value, np.uint8), post_mask])
+
+    PLACEHOLDER = "SPLICEDCONTENT"
+
+    def _hard_cuts(self, text: str) -> tuple[int, int]:
+        """(end of the last special token before the placeholder, start of the first one after it) in `text`."""
+        at = text.index(self.PLACEHOLDER)
+        end = at + len(self.PLACEHOLDER)
+        names = {self.hf.convert_ids_to_tokens(i) for i in self.special} - {None}
+        a = max((text.rfind(n, 0, at) + len(n) for n in names if text.rfind(n, 0, at) >= 0), default=0)
+        b = min((text.find(n, end) for n in names if text.find(n, end) >= 0), default=len(text))
+        return a, b
+
+    def _splice_parts(self, conv: list[dict], at: int, content: str):
+        """((pre ids, pre mask), (text before the content, text after it, the content's mask value), (post ids,
+        post mask)) of the placeholder render, or None where splicing would not give `encode`'s tokens."""
+        ph = self.PLACEHOLDER
+        try:
+            text = self.hf.apply_chat_template([{**m, "content": ph} if k == at else m for k, m in enumerate(conv)],
+                                               tokenize=False)
+        except Exception:
+            return None  # encode says why, in its own words
+        if text.count(ph) != 1 or content.count(ph):
+            return None
+        probe = content if len(content) <= 512 else content[:256] + content[-256:]
+        shown = self.hf.apply_chat_template([{**m, "content": probe} if k == at else m for k, m in enumerate(conv)],
+                                            tokenize=False)
+        if shown != text.replace(ph, probe):  # the template changes the content (trims it, ...): render it whole
+            return None
+        a, b = self._hard_cuts(text)
+        pre, soft_pre = text[:a], text[a:text.index(ph)]
+        soft_post, post = text[text.index(ph) + len(ph):b], text[b:]
+        ids, mask, _ = self.encode({"messages": [{**m, "content": ph} if k == at else m for k, m in enumerate(conv)]})
+        pre_ids, mid, post_ids = self.tok.encode(pre), self.tok.encode(soft_pre + ph + soft_post), self.tok.encode(post)
+        if ids != pre_ids + mid + post_ids:
+            return None
+        span = mask[len(pre_ids):len(pre_ids) + len(mid)]
+        if len(span) and span.min() != span.max():
+            return None
+        value = int(span[0]) if len(span) else 0
+        return (pre_ids, mask[:len(pre_ids)]), (soft_pre, soft_post, value), (post_ids, mask[len(ids) - len(post_ids):])
+
     def _chatml(self, conv: list[dict]) -> tuple[list[int], dict]:
         """The documented default, token by token: the spans are known as they are written."""
         ids, spans = [], {}

@@ -206,9 +206,9 @@ def chat_sample(task: str, tokenizer, chat, seq_len: int, depth: float, rng: ran
     for _ in range(4):
         plain = make_sample(task, tokenizer, inner, depth, random.Random(rng.random()))
         first = int(np.flatnonzero(plain["shift_labels"] != -100)[0]) + 1  # the answer's first token
-        row = {"messages": [{"role": "user", "content": tokenizer.decode(plain["input_ids"][:first]).strip()},
-                            {"role": "assistant", "content": plain["answer"]}]}
-        ids, mask, _ = chat.encode(row)
+        msgs = [{"role": "user", "content": tokenizer.decode(plain["input_ids"][:first]).strip()},
+                {"role": "assistant", "content": plain["answer"]}]
+        ids, mask = chat.encode_long(msgs, 0)  # the haystack tokenized once, spliced into the template's rendering
         if len(ids) <= seq_len:
             break
         inner -= len(ids) - seq_len + 8

@@ -148,11 +148,10 @@ def task_accuracy(engine, dims, micro_batch: int, pad_id: int, tokenizer, trials
 def task_scores(engine, dims, micro_batch: int, pad_id: int, tokenizer, trials: dict[str, int], depths: list[float],
                 length: int, chat=None) -> tuple[dict, dict]:
     """({task: {depth: exact-match accuracy}}, {task: {depth: mean CE per answer token}}) at `length`; with `chat`
-    the trials asked through that template (`trial`). Rendering through a template is not free: each trial's text is
-    decoded, rendered and tokenized three times (data/chat.py's prefix renders) on every rank, linear in the length:
-    measured here 1.5 s at 16k and 10 s at 128k per trial on one loaded core (plain: 0.2 s at 128k), so ~1.5 min per
-    trial at 1M, about the forward's time on 64 GPUs: give fewer trials at 1M, or render once (a follow-up: splice
-    the haystack's tokens between the template's head and tail instead of re-tokenizing it)."""
+    the trials asked through that template (`trial`). Rendering through a template costs one decode and one
+    tokenization of each trial's haystack on every rank (the template rendered around a placeholder, the haystack's
+    tokens spliced in: data/chat.py `encode_long`), linear in the length: ~0.13 s at 128k and ~2 s at 1M per trial on
+    one loaded core (tests/unit/data/chat_render_bench.py; a whole render was ~3x that), small next to the trial's forward."""
     samples, where = [], []
     for task, n in trials.items():
         rng = random.Random(f"eval:{task}:{length}")
