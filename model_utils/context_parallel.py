@@ -201,8 +201,8 @@ def context_parallel(attn: str, orig, group, cp: int, cp_rank: int, ring: bool =
             if kwargs.get("s_aux") is not None or kwargs.get("softcap") or kwargs.get("dropout"):
                 raise ValueError(f"{type(module).__name__}: ring_attention does not run attention sinks, logit "
                                  "softcapping or attention dropout: use ring_attention false")
-            spec = ring_attention.Spec(group, cp, cp_rank, [local_ranges(sl, cp, j) for j in range(cp)], docs.doc,
-                                       window, kwargs.get("scaling") or query.shape[-1] ** -0.5)
+            spec = ring_attention.Spec(group, cp, cp_rank, [local_ranges(sl, cp, j) for j in range(cp)], docs,
+                                       window, kwargs.get("scaling") or query.shape[-1] ** -0.5, attn)
             return ring_attention.ring_attention(query, key, value, spec), None
         k_all = natural(comm.gather_stack(key, group, cp), cp, dim=2)  # [bs, hkv, sl, hd]
         v_all = natural(comm.gather_stack(value, group, cp), cp, dim=2)

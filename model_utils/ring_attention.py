@@ -35,18 +35,26 @@ before any compute (planner.comm_model.layer_collectives).
 Kernels per backend (queries [a, b) of one zigzag chunk against the keys [c, e) of another, global positions):
 - sdpa (the CPU / test path): the attention written out in fp32 (torch's sdpa returns no lse on CPU), over tiles
   of TILE_ROWS queries, with the document / causal / window mask of the pair.
-- flash_attention_2/3, flex_attention: not yet (context_parallel.register refuses them with a one-line error; the
-  gather path serves them).
+- flash_attention_2: flash-attn's varlen forward (softmax_lse) and backward from the global out / lse per block pair
+  (`pair_calls`: the diagonal pair per document, causal; an earlier key chunk only for the document that spans into
+  the query chunk, not causal, the window shifted for flash's bottom-right alignment). Written by construction: no
+  GPU here; tests/unit/model_utils/test_ring_attention.py runs it on CPU with a stand-in of flash's semantics
+  (`FLASH`) against the math kernel.
+- flash_attention_3, flex_attention: not yet (context_parallel.register refuses them in one line; the gather serves
+  them).
 """
 
 from __future__ import annotations
+
+import bisect
+import itertools
 
 import torch
 
 from base import comm
 
 TILE_ROWS = 1024  # queries per tile of the math kernel: scores [bs, hq, TILE_ROWS, S/(2cp)] fp32 at a time
-RING_BACKENDS = ("sdpa",)
+RING_BACKENDS = ("sdpa", "flash_attention_2")
 STATS: dict = {"peak_bytes": 0, "calls": 0, "log": None}  # log: a list to record every shift's (shape, dtype)
 
 
@@ -69,11 +77,15 @@ class _Held:
 
 
 class Spec:
-    """What one attention call's ring needs: the group, the layout, the mask and the kernel."""
+    """What one attention call's ring needs: the group, the layout, the mask and the kernel. `docs`: the micro-batch's
+    attention.Documents (doc ids [bs, sl] on the device; the flash kernel's plans are cached on it)."""
 
-    def __init__(self, group, cp: int, rank: int, ranges: list, doc: torch.Tensor, window: int | None, scale: float):
+    def __init__(self, group, cp: int, rank: int, ranges: list, docs, window: int | None, scale: float,
+                 backend: str = "sdpa"):
         self.group, self.cp, self.rank, self.ranges = group, cp, rank, ranges  # ranges[c]: rank c's two (a, b)
-        self.doc, self.window, self.scale = doc, window, scale  # doc [bs, sl] int32 document ids (global)
+        self.docs, self.doc, self.window, self.scale = docs, docs.doc, window, scale  # doc [bs, sl] int32 ids
+        flash = backend.startswith("flash_attention")
+        self.forward, self.backward = (flash_forward, flash_backward) if flash else (math_forward, math_backward)
 
     def reaches(self, qr: tuple[int, int], kr: tuple[int, int]) -> bool:
         """Whether any key of kr can be attended by a query of qr (causal, window; documents inside the kernel)."""
@@ -130,6 +142,132 @@ def math_backward(spec: Spec, do, q, k, v, out, lse, qr, kr):
     return torch.cat(dqs, dim=2), fold(dk), fold(dv)
 
 
+# ---- the flash kernel (flash_attention_2): flash-attn's varlen forward / backward per block pair -------------------
+
+def pair_calls(bounds: list[list[int]], qr: tuple[int, int], kr: tuple[int, int], window: int | None) -> list:
+    """The varlen calls of queries qr against keys kr (global ranges of two zigzag chunks), per row's document
+    bounds [0, s1, ..., sl]: [(segments, causal, left)], segments [(row, q_lo, q_hi, k_lo, k_hi)] offsets inside the
+    chunks, `left` flash-attn's window_size_left (-1: none). Every query of a segment sees at least one key (flash-attn
+    gives an empty row lse +inf). Flash aligns a segment's causal / window bottom-right (its last query with its last
+    key), so:
+    - the diagonal pair (kr == qr): each document clipped to the chunk, the same range of queries and keys: causal,
+      left = window - 1; one call for all rows.
+    - keys before the queries (kr ends at or before qr starts): only the document holding query qr[0] reaches back
+      (documents are contiguous): its queries [qr[0], q_hi) against its keys [k_lo, kr[1]), not causal; with a window
+      w, query p sees keys > p - w: q_hi <= kr[1] + w - 1, k_lo >= qr[0] - w + 1, and bottom-right alignment gives
+      left = kr[1] - q_hi + w - 1 (>= 0). One call per row (left differs).
+    - keys after the queries: nothing (Spec.reaches skips the pair)."""
+    (a, b), (c, e), n = qr, kr, qr[1] - qr[0]
+    if kr == qr:
+        segs = []
+        for r, bd in enumerate(bounds):
+            i = bisect.bisect_right(bd, a) - 1
+            while i < len(bd) - 1 and bd[i] < b:
+                lo, hi = max(bd[i], a) - a, min(bd[i + 1], b) - a
+                segs.append((r, lo, hi, lo, hi))
+                i += 1
+        return [(segs, True, window - 1 if window else -1)]
+    assert e <= a, (qr, kr)
+    calls = []
+    for r, bd in enumerate(bounds):
+        i = bisect.bisect_right(bd, a) - 1
+        s, end = bd[i], bd[i + 1]
+        k_lo = max(s, c, a - window + 1 if window else c)
+        q_hi = min(end, b, e + window - 1 if window else b)
+        if k_lo < e and q_hi > a:
+            calls.append(([(r, 0, q_hi - a, k_lo - c, e - c)], False, e - q_hi + window - 1 if window else -1))
+    assert all(seg[2] <= n for call in calls for seg in call[0])
+    return calls
+
+
+def _fa_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, left):
+    """flash-attn 2.8's varlen forward -> (out [total_q, hq, d], lse [hq, total_q] fp32). UNTESTED on a GPU here."""
+    from flash_attn.flash_attn_interface import _flash_attn_varlen_forward
+
+    out, lse, _, _ = _flash_attn_varlen_forward(
+        q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, dropout_p=0.0,
+        softmax_scale=scale, causal=causal, window_size_left=left, window_size_right=0 if causal else -1,
+        softcap=0.0, alibi_slopes=None, return_softmax=False)
+    return out, lse
+
+
+def _fa_backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, left):
+    """flash-attn 2.8's varlen backward from the GIVEN out / lse -> (dq, dk, dv) in q's dtype. UNTESTED on a GPU."""
+    from flash_attn.flash_attn_interface import _flash_attn_varlen_backward
+
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    _flash_attn_varlen_backward(
+        dout=do, q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk, dv=dv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+        max_seqlen_q=max_q, max_seqlen_k=max_k, dropout_p=0.0, softmax_scale=scale, causal=causal,
+        window_size_left=left, window_size_right=0 if causal else -1, softcap=0.0, alibi_slopes=None,
+        deterministic=False, rng_state=None)
+    return dq, dk, dv
+
+
+FLASH = {"forward": _fa_forward, "backward": _fa_backward}  # a test puts a CPU stand-in with flash's semantics here
+
+
+def _calls(spec: Spec, qr, kr):
+    key = ("ring_flash", qr, kr, spec.window)
+    if key not in spec.docs._cache:
+        bounds = spec.docs.bounds or [[0, spec.docs.sl]] * spec.docs.bs
+        spec.docs._cache[key] = pair_calls(bounds, qr, kr, spec.window)
+    return spec.docs._cache[key]
+
+
+def _gather(x: torch.Tensor, segs, kv: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """[bs, h, n, d] -> the segments' rows as [total, h, d], their cu_seqlens (int32) and longest length."""
+    lo, hi = (3, 4) if kv else (1, 2)
+    parts = [x[s[0], :, s[lo]:s[hi]].transpose(0, 1) for s in segs]
+    lens = [s[hi] - s[lo] for s in segs]
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=x.device)
+    return torch.cat(parts).contiguous(), cu, max(lens)
+
+
+def _scatter(dst: torch.Tensor, src: torch.Tensor, segs, kv: bool, add: bool = False) -> None:
+    """The inverse of _gather into dst [bs, h, n, ...] from src [total, h, ...] (or [h, total] for lse: dst 3-d)."""
+    lo, hi = (3, 4) if kv else (1, 2)
+    off = 0
+    for s in segs:
+        m = s[hi] - s[lo]
+        part = src[:, off:off + m] if dst.dim() == 3 else src[off:off + m].transpose(0, 1)
+        view = dst[s[0], :, s[lo]:s[hi]]
+        view.add_(part) if add else view.copy_(part)
+        off += m
+
+
+def flash_forward(spec: Spec, q, k, v, qr, kr):
+    """As math_forward, through flash-attn's varlen kernel per call of pair_calls."""
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+    for segs, causal, left in _calls(spec, qr, kr):
+        qf, cu_q, max_q = _gather(q, segs, False)
+        kf, cu_k, max_k = _gather(k, segs, True)
+        vf, _, _ = _gather(v, segs, True)
+        o, lo = FLASH["forward"](qf, kf, vf, cu_q, cu_k, max_q, max_k, spec.scale, causal, left)
+        _scatter(out, o.float(), segs, False)
+        _scatter(lse, lo.float(), segs, False)
+    return out, lse
+
+
+def flash_backward(spec: Spec, do, q, k, v, out, lse, qr, kr):
+    """As math_backward, through flash-attn's varlen backward given the global out / lse of the queries."""
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    for segs, causal, left in _calls(spec, qr, kr):
+        qf, cu_q, max_q = _gather(q, segs, False)
+        kf, cu_k, max_k = _gather(k, segs, True)
+        vf, _, _ = _gather(v, segs, True)
+        dof, of = _gather(do, segs, False)[0], _gather(out, segs, False)[0]
+        lf = torch.cat([lse[s[0], :, s[1]:s[2]] for s in segs], dim=1).contiguous()  # [hq, total_q]
+        g = FLASH["backward"](dof, qf, kf, vf, of, lf, cu_q, cu_k, max_q, max_k, spec.scale, causal, left)
+        _scatter(dq, g[0].float(), segs, False, add=True)
+        _scatter(dk, g[1].float(), segs, True, add=True)
+        _scatter(dv, g[2].float(), segs, True, add=True)
+    return dq, dk, dv
+
+
 # ---- the ring --------------------------------------------------------------------------------------------------
 
 def _merge(acc: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, lo: torch.Tensor) -> None:
@@ -163,7 +301,7 @@ class _Ring(torch.autograd.Function):
             if shift is not None:
                 held.add(*shift.recv)
             for qs, ks, qr, kr in _pairs(spec, (spec.rank - i) % spec.cp, c):
-                o, lo = math_forward(spec, q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], qr, kr)
+                o, lo = spec.forward(spec, q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], qr, kr)
                 _merge(acc[:, :, qs], lse[:, :, qs], o, lo)
             if shift is not None:
                 if i > 0:
@@ -190,7 +328,7 @@ class _Ring(torch.autograd.Function):
             part = torch.zeros((2, *k.shape), dtype=k.dtype, device=k.device)  # dK, dV of block c - i
             held.add(part)
             for qs, ks, qr, kr in _pairs(spec, (spec.rank - i) % spec.cp, c):
-                dq_p, dk_p, dv_p = math_backward(spec, dout[:, :, qs], q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks],
+                dq_p, dk_p, dv_p = spec.backward(spec, dout[:, :, qs], q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks],
                                                  out[:, :, qs], lse[:, :, qs], qr, kr)
                 dq[:, :, qs] += dq_p
                 part[0][:, :, ks] += dk_p.to(k.dtype)
