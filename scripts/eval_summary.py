@@ -7,7 +7,8 @@ The tables are those of OUTPUT_DIR/eval/summary.md (training/metrics.py `eval_ta
 records OUTPUT_DIR/eval/stage{N}.json (each stage's latest evaluation, the same record metrics.jsonl holds as an
 `"event": "eval"` line), preceded by one line from the first evaluated stage to the last (the "before" and the
 "after": the held-out loss at the first stage's length, the same samples both times, and at the last stage's own
-length; each task's accuracy at each length both tried). Reads a few small JSON files
+length; in a curriculum with an SFT stage the held-out conversation loss on the assistant's tokens, `chat_loss` in
+the table; each task's accuracy at each length both tried). Reads a few small JSON files
 (one per stage): nothing at any scale. A folder without records is refused in one line (exit 2).
 """
 
@@ -48,6 +49,9 @@ def headline(rows: list[dict]) -> list[str]:
         out.append(f"held-out loss at {first}: {a['heldout_loss_first_len']:.4f} -> {b['heldout_loss_first_len']:.4f}")
     if "heldout_loss" in b and b["seq_len"] != first:
         out.append(f"held-out loss at {b['seq_len']} (the last stage's length): {b['heldout_loss']:.4f}")
+    if "heldout_chat_loss" in a and "heldout_chat_loss" in b:  # the same held-out conversations before and after SFT
+        out.append(f"held-out conversation loss (assistant tokens) at {b['heldout_chat_len']}: "
+                   f"{a['heldout_chat_loss']:.4f} -> {b['heldout_chat_loss']:.4f}")
     for task, lens in b.get("task_mean", {}).items():
         before = a.get("task_mean", {}).get(task, {})
         for n in sorted((n for n in lens if n in before), key=int):

@@ -27,6 +27,17 @@ template-less tokenizer, such as the demo's, is fine-tuned with); `auto` (defaul
 fine-tuned with (its own, else the ChatML default) when MODEL is a checkpoint or run folder whose run had an SFT
 stage, plain text otherwise (an HF folder is asked in plain text: pass `--chat on` for an Instruct model). Rank 0
 decides, every rank gets its answer.
+`--heldout CHATS` adds the held-out conversation loss: the mean cross-entropy over the assistant's tokens only (the
+tokens an SFT stage trains: each reply and its end-of-turn token; a completion for prompt/completion pairs), over
+every supervised token of the set. CHATS is chat rows (data/chat.py's formats: `messages`, ShareGPT `conversations`,
+`prompt`/`completion`; a JSONL or Parquet file, a folder of them, or a `datasets` folder), rendered here by
+data/chat.py with the model's template (`--chat chatml`: the ChatML default; otherwise the tokenizer's own, else the
+ChatML default, as scripts/prepare_data.py renders by default), or a folder scripts/prepare_data.py wrote (its
+mask-*.bin used as written; it must have been prepared with the model's tokenizer). The conversations are packed whole
+at the longest of --lengths (data/packing.py ConvPack: positions restarted per conversation, no label across two) and
+scored through the same sharded engine as the tasks; `--heldout_conversations N` takes the first N. A bad row is
+refused in one line naming it. Reported as `heldout_chat_loss` (+ `_tokens`, `_conversations`) in eval.json and
+summary.md.
 `--rope '{rope_type: yarn, factor: 8.0, original_max_position_embeddings: 256}'` replaces MODEL's RoPE (e.g. a short
 base model tried with the scaling its extension uses), `--compare_rope` the other's.
 
@@ -74,6 +85,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--chat", default="auto", choices=["auto", "on", "chatml", "off"],
                    help="ask the tasks through a chat template: auto (a fine-tuned run's checkpoint), on (the tokenizer's "
                         "own), chatml (the ChatML default), off (plain text)")
+    p.add_argument("--heldout", default=None, help="held-out chat rows (JSONL/Parquet file or folder, datasets folder) "
+                   "or a prepared folder: the loss on the assistant's tokens (heldout_chat_loss)")
+    p.add_argument("--heldout_conversations", type=int, default=0, help="the first N conversations of --heldout (0: all)")
     p.add_argument("--tokenizer", default=None, help="tokenizer (.model file or folder) when the model has none")
     p.add_argument("--attn_implementation", default="auto")
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None, help="default: on GPU")
@@ -105,10 +119,12 @@ def settings(a: argparse.Namespace) -> dict:
         raise ValueError("--compare_rope without --compare: name the second model")
     if a.trials < 1 or a.micro_batch < 1 or a.sequence_parallel_size < 1:
         raise ValueError("--trials, --micro_batch and --sequence_parallel_size must be >= 1")
+    if a.heldout_conversations < 0:
+        raise ValueError(f"--heldout_conversations {a.heldout_conversations}: use N >= 1 (the first N), or 0 for all")
     from training.config import cp_setting
 
     a.context_parallel_size = cp_setting(a.context_parallel_size, "--context_parallel_size")
-    for path in (a.model, a.compare, a.tokenizer):
+    for path in (a.model, a.compare, a.tokenizer, a.heldout):
         if path is not None and not os.path.exists(path):
             raise ValueError(f"{path}: no such file or folder")
     return {"lengths": sorted(set(lengths)), "depths": eval_value("depths", a.depths, "--depths"), "ropes": ropes,
@@ -169,6 +185,73 @@ def chat_encoder(tok, mode: str):
     return None if mode == "plain" else ChatEncoder(tok, "assistant", "none" if mode == "template" else "chatml")
 
 
+def heldout_set(path: str, tok, template: str, limit: int = 0) -> dict:
+    """The held-out conversations of --heldout as {"ids": int64 [n], "mask": uint8 [n], "lens": int64 [docs]} (the
+    documents laid end to end): chat rows rendered by data/chat.py (`template`: auto | chatml; the loss on the
+    assistant's tokens, the completion of a pair), or a prepared folder's tokens and mask-*.bin as written. Rank 0
+    reads it (main broadcasts it: a held-out set is small, ~9 bytes a token, 9 MB for 1M tokens); a bad row, a folder
+    without chat documents or prepared with another tokenizer: one-line ValueError."""
+    import numpy as np
+
+    from data.store import MANIFEST, Prepared, is_prepared, tokenizer_identity
+
+    if is_prepared(path):
+        p = Prepared(path)
+        prepared_with = (p.manifest.get("tokenizer") or {}).get("sha256")
+        if prepared_with and prepared_with != tokenizer_identity(tok.path):
+            raise ValueError(f"--heldout {path}: prepared with tokenizer {p.manifest['tokenizer']['path']}, not the "
+                             f"model's {tok.path}: prepare it again with the model's tokenizer, or pass the chat rows")
+        if p.mask is None:
+            raise ValueError(f"--heldout {path}: no chat documents (no mask-*.bin in {MANIFEST}): prepare chat rows "
+                             "(messages, conversations, prompt/completion) with scripts/prepare_data.py")
+        lens = p.lens[:limit] if limit else p.lens
+        n = int(lens.sum())
+        return {"ids": p.tokens.read(0, n).astype(np.int64), "mask": np.asarray(p.mask.read(0, n), np.uint8),
+                "lens": lens.astype(np.int64)}
+    from data.chat import ChatEncoder, RowError
+    from data.readers import Fields, discover, iter_rows, parse_item
+
+    enc, fields = ChatEncoder(tok, "auto", template), Fields()
+    ids, masks = [], []
+    for unit in discover(path):
+        for row, item in iter_rows(unit, fields):
+            if limit and len(ids) == limit:
+                break
+            value, _, err = parse_item(item, fields)
+            where = f"{unit.path}:{row + 1}" if unit.kind == "jsonl" else f"{unit.path}: row {row}"
+            if err is None and not isinstance(value, dict):
+                err = "not a chat row: expected messages, conversations or prompt + completion"
+            try:
+                if err is not None:
+                    raise RowError(err)
+                i, m, _ = enc.encode(value)
+            except RowError as e:
+                raise ValueError(f"--heldout {where}: {e}") from None
+            ids.append(np.asarray(i, np.int64))
+            masks.append(np.asarray(m, np.uint8))
+    if not ids:
+        raise ValueError(f"--heldout {path}: no conversation in it")
+    return {"ids": np.concatenate(ids), "mask": np.concatenate(masks), "lens": np.asarray([len(i) for i in ids])}
+
+
+def heldout_loss(engine, dims, micro_batch: int, pad_id: int, held: dict, length: int) -> dict:
+    """The held-out conversation loss: the conversations packed whole at `length` (ConvPack, as an SFT stage packs
+    them), the mean CE over every supervised token (sum over the set / count: a long reply weighs by its tokens, as
+    the training loss does), through training/evaluation.py `sample_stats` (the sharded engine, the tiled loss).
+    Cost: one forward of `length` tokens per packed sample, no backward."""
+    import numpy as np
+
+    from data.packing import ConvPack
+    from training.evaluation import sample_stats
+
+    starts = np.concatenate([[0], np.cumsum(held["lens"])[:-1]]).astype(np.int64)
+    pack = ConvPack(held["ids"], held["mask"], starts, held["lens"], length, pad_id)
+    stats = sample_stats(engine, [pack[i] for i in range(len(pack))], dims, micro_batch, pad_id).sum(0)
+    return {"heldout_chat_loss": (stats[0] / stats[1].clamp_min(1)).item(), "heldout_chat_tokens": int(stats[1].item()),
+            "heldout_chat_conversations": int(len(held["lens"]) - pack.dropped), "heldout_chat_length": length,
+            "heldout_chat_truncated": pack.truncated, "heldout_chat_dropped": pack.dropped}
+
+
 def check_source(src: dict, a: argparse.Namespace, s: dict, world: int, rope: dict | None) -> None:
     """Everything about one model that can be refused before it is built (one-line ValueError)."""
     from base import comm
@@ -202,6 +285,9 @@ def check_source(src: dict, a: argparse.Namespace, s: dict, world: int, rope: di
     src["tok"], src["trials"] = tok, task_trials(s["eval"], tok)
     src["chat"] = comm.run_on_main(lambda: chat_mode(a.chat, tok, bool(src.get("sft_run")), where))  # rank 0's
     src["chat_enc"] = chat_encoder(tok, src["chat"])
+    if a.heldout:  # rendered as the model's conversations were: the ChatML default under --chat chatml, else auto
+        template = "chatml" if src["chat"] == "chatml" else "auto"
+        src["heldout"] = comm.run_on_main(lambda: heldout_set(a.heldout, tok, template, a.heldout_conversations))
     for task in src["trials"]:
         for n in s["lengths"]:
             try:
@@ -238,10 +324,14 @@ def evaluate_model(src: dict, a: argparse.Namespace, s: dict, dims) -> dict:
     engine.eval()
     out = evaluate_tasks(engine, dims, a.micro_batch, src["tok"].pad_id, src["tok"], src["trials"], s["depths"],
                          s["lengths"], src["chat_enc"])
+    if src.get("heldout") is not None:
+        out.update(heldout_loss(engine, dims, a.micro_batch, src["tok"].pad_id, src["heldout"], max(s["lengths"])))
     engine.destroy()
     rope = src["hf_config"].rope_parameters
     print0(f"evaluated {src['path']} in {time.perf_counter() - t0:.1f}s: "
-           + ", ".join(f"{t} {m}" for t, m in out["task_mean"].items()) + f" (asked as {ASKED[src['chat']]})")
+           + ", ".join([f"{t} {m}" for t, m in out["task_mean"].items()]
+                       + [f"held-out conversation loss {out['heldout_chat_loss']:.4f}"] * ("heldout_chat_loss" in out))
+           + f" (asked as {ASKED[src['chat']]})")
     return {"model": src["path"], "kind": src["kind"], **{k: src[k] for k in ("step", "stage") if src.get(k) is not None},
             "rope": rope, "tokenizer": src["tokenizer"], "chat": src["chat"], "lengths": s["lengths"], "depths": s["depths"],
             "trials": src["trials"], "sp": dims.sp, "cp": dims.cp, "world": dims.world, "time_s": round(time.perf_counter() - t0, 1),
@@ -268,6 +358,14 @@ def summary(results: list[dict], diff: dict | None) -> list[str]:
     out += _table(["", "path", "kind", "RoPE", "trials per depth", "asked as"],
                   [[n, r["model"], r["kind"] + (f" (step {r['step']})" if "step" in r else ""), json.dumps(r["rope"]),
                     json.dumps(r["trials"]), ASKED[r.get("chat", "plain")]] for n, r in zip(names, results)])
+    if any("heldout_chat_loss" in r for r in results):
+        rows = [[n, f"{r['heldout_chat_loss']:.4f}", r["heldout_chat_tokens"], r["heldout_chat_conversations"],
+                 r["heldout_chat_length"]] for n, r in zip(names, results) if "heldout_chat_loss" in r]
+        if len(rows) == 2:
+            rows.append(["compare - model", f"{results[1]['heldout_chat_loss'] - results[0]['heldout_chat_loss']:+.4f}",
+                         "", "", ""])
+        out += ["", "**held-out conversation loss** (mean cross-entropy over the assistant's tokens):", ""]
+        out += _table(["", "loss", "supervised tokens", "conversations", "packed at"], rows)
     for task in dict.fromkeys(t for r in results for t in r["tasks"]):
         lengths = sorted({int(n) for r in results for n in r["tasks"].get(task, {})})
         rows = [[n, *[f"{r['task_mean'][task][str(m)]:.2f}" if str(m) in r["task_mean"].get(task, {}) else "-"
@@ -380,8 +478,9 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"models": results, **({"difference": diff} if diff is not None else {})}, fh, indent=1)
         with open(os.path.join(a.output_dir, "summary.md"), "w") as fh:
             fh.write("\n".join(summary(results, diff)) + "\n")
-        heatmaps(results, diff, os.path.join(a.output_dir, "heatmaps.png"))
-        print0(f"wrote {a.output_dir}/eval.json, summary.md, heatmaps.png")
+        if any(r["tasks"] for r in results):  # --tasks none with --heldout: no heat map to draw
+            heatmaps(results, diff, os.path.join(a.output_dir, "heatmaps.png"))
+        print0(f"wrote {a.output_dir}/eval.json, summary.md" + ", heatmaps.png" * any(r["tasks"] for r in results))
     comm.shutdown()
     return 0
 

@@ -21,7 +21,9 @@ Results go to metrics.jsonl, W&B, OUTPUT_DIR/eval/stage{N}.json and eval/summary
 
 An SFT stage (`kind: sft`) is evaluated on what it trains: its held-out samples are whole held-out conversations
 packed as the stage packs them, the loss on the assistant's tokens only (`stage_heldout`, RunData.heldout with
-`sft`). The tasks can be asked through a chat template (`chat`: a data/chat.py ChatEncoder; scripts/evaluate.py
+`sft`). In a curriculum with an SFT stage every stage also reports that loss as `heldout_chat_loss` (the held-out
+conversations packed at the first SFT stage's length, the same samples after every stage: the text stages' value is
+the "before"; it costs `heldout_samples` forwards at that length per stage, none where the stage measured just that). The tasks can be asked through a chat template (`chat`: a data/chat.py ChatEncoder; scripts/evaluate.py
 `--chat`): each trial is one user turn (the haystack and the question) rendered with the template and its
 generation prompt, and the trial counts when the assistant's reply, the answer and its end-of-turn token, is the
 model's argmax token by token (data/tasks.py `chat_sample`, the rendering an SFT stage trains with `chat: true`).
@@ -209,6 +211,19 @@ def evaluate_stage(engine, stage, dims, heldout: list[dict], tokenizer, metrics,
         result["heldout_loss_first_len"] = (stats[0] / stats[1].clamp_min(1)).item()
     if heldout:
         result["first_len"] = first
+    # the held-out conversation loss after every stage of a curriculum with an SFT stage (the text stages before it
+    # too: the "before" of the fine-tuning): the held-out conversations packed whole at the first SFT stage's length,
+    # loss on the assistant's tokens, the same samples at every stage (reused where this stage measured just that:
+    # its own held-out loss, or the retention number of a curriculum that starts with the SFT stage)
+    chat_len = next((s.max_seq_length for s in stages or [] if getattr(s, "kind", None) == "sft"), None)
+    if heldout and chat_len is not None and (getattr(stage, "kind", None) == "sft" and chat_len == stage.max_seq_length):
+        result["heldout_chat_loss"], result["heldout_chat_len"] = result["heldout_loss"], chat_len
+    elif heldout and chat_len is not None and first_sft and first == chat_len and "heldout_loss_first_len" in result:
+        result["heldout_chat_loss"], result["heldout_chat_len"] = result["heldout_loss_first_len"], chat_len
+    elif heldout and chat_len is not None and heldout_at is not None:
+        stats = sample_stats(engine, heldout_at(chat_len, len(heldout), sft=True), dims, micro_batch, pad_id).sum(0)
+        result["heldout_chat_loss"] = (stats[0] / stats[1].clamp_min(1)).item()
+        result["heldout_chat_len"] = chat_len
     trials = task_trials(cfg, tokenizer)
     if trials:
         depths = [float(d) for d in cfg.get("depths", DEFAULT_DEPTHS)]

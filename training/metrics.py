@@ -223,9 +223,12 @@ def eval_tables(rows: list[dict]) -> list[str]:
     nan = float("nan")
     depths = sorted({d for r in rows for d in r.get("passkey_accuracy", {})}, key=float)
     first = next((r["first_len"] for r in rows if "first_len" in r), None)
-    head = ["stage", "name", "step", "seq_len", "heldout_loss", f"heldout_loss@{first}", *[f"passkey@{d}" for d in depths]]
+    chat = next((r["heldout_chat_len"] for r in rows if "heldout_chat_len" in r), None)  # a curriculum with SFT
+    head = ["stage", "name", "step", "seq_len", "heldout_loss", f"heldout_loss@{first}",
+            *[f"chat_loss@{chat}"] * (chat is not None), *[f"passkey@{d}" for d in depths]]
     out = _table(head, [[r["stage"], r["stage_name"], r["step"], r["seq_len"], f"{r.get('heldout_loss', nan):.4f}",
                          f"{r.get('heldout_loss_first_len', nan):.4f}",
+                         *[f"{r.get('heldout_chat_loss', nan):.4f}"] * (chat is not None),
                          *[f"{r.get('passkey_accuracy', {}).get(d, nan):.2f}" for d in depths]] for r in rows])
     tasks = list(dict.fromkeys(t for r in rows for t in r.get("task_mean", {})))
     for task in tasks:

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import yaml
 
 from tests.distributed import ROOT, run
@@ -121,14 +122,30 @@ def test_refusals_before_any_model_is_built(tmp_path):
 def test_evaluate_asks_through_the_chat_template(trained):
     """--chat chatml on 2 ranks (SP 2): the same tasks asked as one ChatML user turn, scored on the reply and its
     end-of-turn; the report says how they were asked. A base never fine-tuned on chat answers in plain text, not in
-    the chat layout: its answer tokens' loss rises against the plain-text cells of the same run (other samples)."""
+    the chat layout: its answer tokens' loss rises against the plain-text cells of the same run (other samples).
+    With --heldout, the held-out conversation loss equals the plain Hugging Face model's mean loss over the assistant's
+    tokens, each conversation alone, its ChatML rendering written out by hand (tests/unit/training/test_heldout_chat.py,
+    the fast sibling, checks the same against a stand-in model)."""
+    from transformers import AutoModelForCausalLM
+
+    from data.tokenizer import Tokenizer
+    from tests.unit.training.test_heldout_chat import ROWS, oracle
+
     d, out = trained
     in_run = json.loads((out / "eval" / "stage0.json").read_text())
-    report = d / "report_chat"
+    report, chats = d / "report_chat", d / "chats.jsonl"
+    chats.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     run(EVALUATE, [str(out), "--lengths", "256,512", "--tasks", "passkey:3", "--depths", "0.1,0.9", "--chat", "chatml",
-                   "--sequence_parallel_size", "2", "--output_dir", str(report), "--dist_timeout_s", "60"], 2,
-        str(d / "logs_eval_chat"))
+                   "--heldout", str(chats), "--sequence_parallel_size", "2", "--output_dir", str(report),
+                   "--dist_timeout_s", "60"], 2, str(d / "logs_eval_chat"))
     (model,) = json.loads((report / "eval.json").read_text())["models"]
+    hf = AutoModelForCausalLM.from_pretrained(str(out / "hf_model"), torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        want, n = oracle(Tokenizer(str(out / "hf_model" / "tokenizer.model")),
+                         lambda ids: hf(input_ids=ids[None]).logits[0], ROWS)
+    assert (model["heldout_chat_tokens"], model["heldout_chat_conversations"]) == (n, len(ROWS))
+    assert model["heldout_chat_loss"] == pytest.approx(want, rel=1e-4), (model["heldout_chat_loss"], want)
+    assert "**held-out conversation loss**" in (report / "summary.md").read_text()
     assert model["chat"] == "chatml" and set(model["tasks"]["passkey"]) == {"256", "512"}
     chat_loss = [model["task_loss"]["passkey"][n][dd] for n in ("256", "512") for dd in ("0.1", "0.9")]
     plain_loss = [in_run["task_loss"]["passkey"][n][dd] for n in ("256", "512") for dd in ("0.1", "0.9")]
