@@ -49,7 +49,8 @@ def headline(rows: list[dict]) -> list[str]:
         out.append(f"held-out loss at {first}: {a['heldout_loss_first_len']:.4f} -> {b['heldout_loss_first_len']:.4f}")
     if "heldout_loss" in b and b["seq_len"] != first:
         out.append(f"held-out loss at {b['seq_len']} (the last stage's length): {b['heldout_loss']:.4f}")
-    if "heldout_chat_loss" in a and "heldout_chat_loss" in b:  # the same held-out conversations before and after SFT
+    same = all(r.get("heldout_chat_loss") == r.get("heldout_loss_first_len") for r in (a, b))  # said just above
+    if "heldout_chat_loss" in a and "heldout_chat_loss" in b and not same:  # the same conversations before and after
         out.append(f"held-out conversation loss (assistant tokens) at {b['heldout_chat_len']}: "
                    f"{a['heldout_chat_loss']:.4f} -> {b['heldout_chat_loss']:.4f}")
     for task, lens in b.get("task_mean", {}).items():

@@ -223,7 +223,8 @@ def eval_tables(rows: list[dict]) -> list[str]:
     nan = float("nan")
     depths = sorted({d for r in rows for d in r.get("passkey_accuracy", {})}, key=float)
     first = next((r["first_len"] for r in rows if "first_len" in r), None)
-    chat = next((r["heldout_chat_len"] for r in rows if "heldout_chat_len" in r), None)  # a curriculum with SFT
+    chat = next((r["heldout_chat_len"] for r in rows if "heldout_chat_len" in r  # a curriculum with SFT: the column
+                 and any(q.get("heldout_chat_loss") != q.get("heldout_loss") for q in rows)), None)  # unless a copy
     head = ["stage", "name", "step", "seq_len", "heldout_loss", f"heldout_loss@{first}",
             *[f"chat_loss@{chat}"] * (chat is not None), *[f"passkey@{d}" for d in depths]]
     out = _table(head, [[r["stage"], r["stage_name"], r["step"], r["seq_len"], f"{r.get('heldout_loss', nan):.4f}",
