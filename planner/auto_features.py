@@ -106,7 +106,7 @@ class Choice:
                 "offload_params": self.offload_params, "offload_optimizer": self.offload_optimizer,
                 "offload_why": self.offload_why, "offload_step_s": round(self.offload_step_s, 3),
                 "predicted_step_s": round(self.step_s, 3), "cp": self.cp, "ulysses": self.sp // self.cp,
-                "attention_head_chunks": f.attention_head_chunks}
+                "attention_head_chunks": f.attention_head_chunks, "ring_attention": f.ring_attention}
 
 
 def describe_offloads(params: bool, optimizer: bool) -> str:
@@ -126,6 +126,8 @@ def describe(f: Features) -> str:
         parts.append("offload checkpoints")
     if f.attention_head_chunks > 1:
         parts.append(f"attention in {f.attention_head_chunks} head chunks")
+    if f.ring_attention:
+        parts.append("context-parallel K/V in a ring")
     return ", ".join(parts) or "none"
 
 
@@ -342,6 +344,9 @@ def choose(shape: ModelShape, seq_len: int, world: int, budget_bytes: int, *, sp
             continue  # the pinned count does not split this degree's heads per rank
         cands = [replace(f, logits_tile_mb=tile_mb) if f.tiled_logits else f
                  for f in candidates(shape.num_layers, pinned, device, chunks)]
+        # cp K/V in a ring (model_utils/ring_attention.py): tried under cp > 1, taken only where no gather set fits
+        rings = [bool(pinned["ring_attention"])] if "ring_attention" in pinned else [False, True] if c > 1 else [False]
+        cands = [replace(f, ring_attention=r and c > 1) for r in rings for f in cands]
         scored, lean = [], {}  # lean: the leanest peak per set of free offloads turned on
         for o in sets:
             off = replace(fixed, **o)
@@ -359,6 +364,8 @@ def choose(shape: ModelShape, seq_len: int, world: int, budget_bytes: int, *, sp
                     # ranked on a pessimistic time, the offloads' cost counted twice (CPU_ADAM_BYTES_PER_S is an
                     # estimate): an offload the fit does not need is taken only where it pays even then
                     scored.append((-t["base"] / (t["total"] + t["offload"]), n_on, peak, f, off, t))
+        if any(not s[3].ring_attention for s in scored):  # the gather fits: keep it (the ring sends 2x in backward)
+            scored = [s for s in scored if not s[3].ring_attention]
         if scored:
             _, n_on, peak, f, off, t = min(scored, key=lambda c: c[:3])
             speed = t["base"] / t["total"]

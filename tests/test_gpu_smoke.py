@@ -107,3 +107,39 @@ def test_context_parallel_flash_chunks_match_dense_attention(window):
                 got = cpm._flash_chunk(flash_attention_forward, Attn(), q[:, :, a:b], k, v, docs, a, b, window,
                                        {"sliding_window": window})
                 assert (got.float().cpu() - want[:, a:b]).abs().max() < 2e-2, (cp, c, a, b)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_ring_flash_kernel_matches_the_math_kernel(window):
+    """ring_attention's flash_attention_2 block kernel (model_utils/ring_attention.py `flash_forward` / `flash_backward`:
+    flash-attn's varlen forward with softmax_lse and its backward from a given out / lse) on the GPU, one process (the
+    kernels take one block pair; the ring is tested on CPU): equals the math kernel on every zigzag chunk pair."""
+    pytest.importorskip("flash_attn")
+    from model_utils import attention
+    from model_utils import context_parallel as cpm
+    from model_utils import ring_attention as ra
+    from tests.multiproc.test_doc_masking import BOUNDS
+
+    torch.manual_seed(0)
+    q, k, v, do = (torch.randn(2, h, 300, 64, device="cuda", dtype=torch.bfloat16) for h in (4, 2, 2, 4))
+    pos = torch.stack([torch.cat([torch.arange(e - s) for s, e in zip(b[:-1], b[1:])]) for b in BOUNDS]).cuda()
+    docs = attention.Documents(pos, 2)
+    for cp in (2, 3):
+        ranges = [cpm.local_ranges(300, cp, c) for c in range(cp)]
+        math, flash = (ra.Spec(None, cp, 0, ranges, docs, window, 0.125, b) for b in ("sdpa", "flash_attention_2"))
+        chunks = [r for rank in ranges for r in rank]
+        for qr in chunks:
+            qs = slice(*qr)
+            for kr in chunks:
+                if math.reaches(qr, kr):
+                    ks = slice(*kr)
+                    o, lo = ra.math_forward(math, q[:, :, qs], k[:, :, ks], v[:, :, ks], qr, kr)
+                    fo, flo = ra.flash_forward(flash, q[:, :, qs], k[:, :, ks], v[:, :, ks], qr, kr)
+                    assert torch.equal(torch.isinf(lo), torch.isinf(flo)), (cp, qr, kr)
+                    fin = ~torch.isinf(lo)
+                    assert (flo[fin] - lo[fin]).abs().max() < 2e-2 and (fo - o).abs().max() < 2e-2, (cp, qr, kr)
+                    lse = torch.where(fin, lo, 0.0)  # a finite lse for every query (backward's formula)
+                    out = o.to(q.dtype)
+                    args = (do[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks], out, lse, qr, kr)
+                    for want, got in zip(ra.math_backward(math, *args), ra.flash_backward(flash, *args)):
+                        assert (got - want).abs().max() < 5e-2 * max(1.0, want.abs().max().item()), (cp, qr, kr)

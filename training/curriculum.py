@@ -41,6 +41,7 @@ class Stage:
     offload_activations: bool | None = None
     keep_attention: bool | None = None  # checkpointed layers keep the attention output (model_utils/memory.py)
     attention_head_chunks: int | None = None  # attention in N head chunks (auto resolved here: the planner's count)
+    ring_attention: bool | None = None  # cp K/V in a ring (model_utils/ring_attention.py); auto: where the gather binds
     logits_tile_mb: int | None = None  # tiled logits: MiB of fp32 logits per tile (auto: from the budget)
     memory_choice: dict | None = None  # what auto chose and why (predicted peak, budget, speed): plan and metrics
     tasks: dict = field(default_factory=dict)  # synthetic task fractions of the stage (data/tasks.py)
@@ -89,6 +90,8 @@ def _resolve_memory(cfg: Config, s: StageConfig, i: int, sl: int, sp, world: int
     chunks = cfg.attention_head_chunks  # auto: the planner's count under memory_features auto, else 1 (all heads)
     if chunks != "auto" or mode == "manual":
         pinned["attention_head_chunks"] = 1 if chunks == "auto" else chunks
+    if cfg.ring_attention or mode == "manual":  # auto: the ring only where the gathered K/V would not fit
+        pinned["ring_attention"] = bool(cfg.ring_attention)
     if mode == "manual" and sp != "auto":
         return sp, {**pinned, "memory_choice": None}
     from planner import auto_features as af
@@ -123,7 +126,7 @@ def _resolve_memory(cfg: Config, s: StageConfig, i: int, sl: int, sp, world: int
     return choice.sp, {"tiled_mlp": f.tiled_mlp, "tiled_logits": f.tiled_logits, "checkpoint_every": f.every,
                        "offload_activations": f.offload_activations, "keep_attention": f.keep_attention,
                        "logits_tile_mb": f.logits_tile_mb or None, "attention_head_chunks": f.attention_head_chunks,
-                       "deepspeed_overrides": _merge(own, af.offload_overrides(choice, free)),
+                       "ring_attention": f.ring_attention, "deepspeed_overrides": _merge(own, af.offload_overrides(choice, free)),
                        "memory_choice": record}
 
 

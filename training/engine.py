@@ -22,7 +22,7 @@ def stage_config(cfg: Config, stage: Stage) -> Config:
     """The run config as seen by one stage (its length, SP degree, LR schedule and memory features: the ones
     resolve_stages fixed, e.g. by memory_features auto; None keeps the run's flags)."""
     memory = {k: getattr(stage, k) for k in ("tiled_mlp", "tiled_logits", "offload_activations", "keep_attention",
-                                             "logits_tile_mb", "attention_head_chunks")
+                                             "logits_tile_mb", "attention_head_chunks", "ring_attention")
               if getattr(stage, k, None) is not None}
     if getattr(stage, "checkpoint_every", None) is not None:
         memory.update(checkpoint_every=stage.checkpoint_every, gradient_checkpointing=stage.checkpoint_every > 0)

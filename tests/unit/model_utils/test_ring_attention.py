@@ -132,3 +132,27 @@ def test_pair_calls_shift_the_window_for_earlier_key_chunks():
     assert ra.pair_calls([[0, 40]], (20, 30), (10, 20), None) == [([(0, 0, 10, 0, 10)], False, -1)]
     assert ra.pair_calls([[0, 20, 40]], (20, 30), (10, 20), None) == []  # the queries' document starts at 20
     assert ra.pair_calls([[0, 22, 40]], (20, 30), (20, 30), 4) == [([(0, 0, 2, 0, 2), (0, 2, 10, 2, 10)], True, 3)]
+
+
+def test_planner_takes_the_ring_only_where_the_gathered_kv_does_not_fit():
+    """memory_features auto at Llama-3-8B on 32 GPUs (8 x 4, ALST features pinned): the gather at 8M tokens; at 16M
+    nothing with the gather fits and the ring does (issue 43's 16M on 32), holding 12 GiB per rank in 4 head chunks."""
+    from planner import auto_features as af
+    from planner.attention_sp import chunk_split, cp_kv_buffer_bytes
+    from planner.memory_model import Features, load_shape
+
+    shape = load_shape("llama3-8b")
+    pinned = {"checkpoint_every": 1, "offload_activations": True, "tiled_mlp": True, "tiled_logits": True}
+    offloads = Features(offload_params=True, offload_optimizer=True, lean_rmsnorm=True, lean_mlp=True)
+
+    def choose(seq, **pin):
+        return af.choose(shape, seq, 32, af.gpu_budget(80), sp=32, cp=4, sp_max=8, pinned={**pinned, **pin},
+                         offloads=offloads, device="cuda", ranks_per_node=8)
+
+    assert not choose(2**23).features.ring_attention
+    ring = choose(2**24)
+    assert ring.features.ring_attention and ring.peak_bytes <= af.usable_bytes(af.gpu_budget(80))
+    with pytest.raises(ValueError, match="nothing fits"):
+        choose(2**24, ring_attention=False)
+    heads = chunk_split(shape, 32, 4, ring.features.attention_head_chunks)[2:]
+    assert heads == (1, 1) and cp_kv_buffer_bytes(shape, 2**24 // 32, 32, 2, 4, True, heads) == 12 * 2**30
