@@ -387,13 +387,14 @@ COMPARE_SETUPS = ((1, 1, 1024.0), (8, 1, 2048.0), (32, 4, 2048.0))  # (GPUs, nod
 
 def compare(model: str = "llama3-8b", extra: list[str] | None = None) -> list[dict]:
     """This project's longest Llama-3-8B sequence on 1 / 8 / 32 80 GB GPUs (ALST features, every head per rank in
-    its own chunk, the host budget of COMPARE_SETUPS), with the cost model's throughput there, next to the
+    its own chunk, context-parallel K/V in a ring where cp > 1 as memory_features auto takes it where the gather
+    does not fit, the host budget of COMPARE_SETUPS), with the cost model's throughput there, next to the
     PUBLISHED figures. One row per setup."""
     from planner.auto_features import relative_speed
 
     rows = []
     for gpus, nodes, host in COMPARE_SETUPS:
-        argv = ["--model", model, "--seq_len", "1M", "--alst", "--attention_head_chunks", "max",
+        argv = ["--model", model, "--seq_len", "1M", "--alst", "--attention_head_chunks", "max", "--ring_attention",
                 "--gpus_per_node", str(gpus // nodes), "--nodes", str(nodes), "--cpu_mem_gb", str(host)] + (extra or [])
         args = build_parser().parse_args(argv)
         rep = make_plan(args)

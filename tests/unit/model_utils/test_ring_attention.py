@@ -156,3 +156,18 @@ def test_planner_takes_the_ring_only_where_the_gathered_kv_does_not_fit():
         choose(2**24, ring_attention=False)
     heads = chunk_split(shape, 32, 4, ring.features.attention_head_chunks)[2:]
     assert heads == (1, 1) and cp_kv_buffer_bytes(shape, 2**24 // 32, 32, 2, 4, True, heads) == 12 * 2**30
+
+
+def test_compare_reaches_16m_tokens_on_32_gpus_with_room():
+    """Issue 43: `plan.py --compare` (which runs the ring where cp > 1) gives >= 16,777,216 tokens of Llama-3-8B on
+    32 GPUs with >= 4 GiB of the 78 GiB budget free (the gather alone: 15,655,296)."""
+    import importlib.util
+    import os
+
+    from tests.distributed import ROOT
+
+    spec = importlib.util.spec_from_file_location("plan", os.path.join(ROOT, "scripts", "plan.py"))
+    plan = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan)
+    row = next(r for r in plan.compare() if r["gpus"] == 32)
+    assert row["longest"] >= 2**24 and row["gpu_room_gib"] >= 4, row
