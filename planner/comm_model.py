@@ -128,7 +128,7 @@ def layer_compute_seconds(shape: ModelShape, seq_len: int, sp: int, mfu: float =
 
 
 def layer_comm(shape: ModelShape, seq_len: int, sp: int, cp: int = 1, gpus_per_node: int = 8,
-               precision: str = "bf16", mfu: float = MFU, peak_tflops: float = PEAK_TFLOPS) -> dict:
+               precision: str = "bf16", mfu: float = MFU, peak_tflops: float = PEAK_TFLOPS, ring: bool = False) -> dict:
     """Per layer and rank: the collectives, their total seconds per forward and backward, the compute they sit
     next to, and
     - `hidden`: every pass's communication is shorter than that pass's attention compute, so an implementation
@@ -136,7 +136,7 @@ def layer_comm(shape: ModelShape, seq_len: int, sp: int, cp: int = 1, gpus_per_n
       one's MLP) can hide it;
     - `exposed_share`: the share of the layer's time it takes if nothing overlaps (DeepSpeed's all-to-all is
       synchronous), comm / (comm + compute)."""
-    colls = layer_collectives(shape, seq_len, sp, cp, gpus_per_node, precision)
+    colls = layer_collectives(shape, seq_len, sp, cp, gpus_per_node, precision, ring)  # ring: ring_attention
     comp = layer_compute_seconds(shape, seq_len, sp, mfu, peak_tflops)
     fwd = sum(c.fwd_s for c in colls)
     bwd = sum(c.bwd_s for c in colls)

@@ -175,7 +175,8 @@ class Planner:
 
     def comm(self, seq_len: int, sp: int, cp: int) -> dict:
         a = self.args
-        return layer_comm(self.shape, seq_len, sp, cp, a.gpus_per_node, a.precision, a.mfu, a.gpu_tflops)
+        return layer_comm(self.shape, seq_len, sp, cp, a.gpus_per_node, a.precision, a.mfu, a.gpu_tflops,
+                          ring=self.feats.ring_attention)
 
 
 def ds_recommendation(feats: Features) -> tuple[str, dict]:
