@@ -27,84 +27,62 @@ def engagement(records: list[dict]) -> dict | None:
 
 
 def _features_of(choice: dict):
-    from planner.memory_model import Features
+    from planner.shapes import Features
 
-    return Features(tiled_mlp=bool(choice.get("tiled_mlp")), tiled_logits=bool(choice.get("tiled_logits")),
-                    checkpoint_every=int(choice.get("checkpoint_every") or 0),
-                    offload_activations=bool(choice.get("offload_activations")),
-                    keep_attention=bool(choice.get("keep_attention")),
-                    attention_head_chunks=int(choice.get("attention_head_chunks") or 1),
-                    logits_tile_mb=int(choice.get("logits_tile_mb") or 0),
-                    offload_params=bool(choice.get("offload_params")),
-                    offload_optimizer=bool(choice.get("offload_optimizer")),
-                    lean_rmsnorm=bool(choice.get("lean_rmsnorm", True)), lean_mlp=bool(choice.get("lean_mlp", True)))
+    return Features.from_choice(choice)
 
 
-def backward_terms(shape, tokens: int, b: int, f, flash: bool) -> dict:
-    """The three terms of which planner.memory_model.layer_activations' backward transient takes the largest (sp = 1):
-    attention's gradients, the MLP's, the RMSNorm's, each without the 3 [T, h] every layer's backward holds. Written
-    out here because the planner returns only their maximum; `consistent` says whether 3 [T, h] + their maximum is
-    still the planner's transient (False: the planner changed and this copy must follow)."""
-    import math
-
+def backward_terms(shape, tokens: int, b: int, f, flash: bool, checkpointed: bool = False) -> dict:
+    """planner.memory_model.layer_phase_terms for one decoder layer of the run (sp = 1): what its attention's, its
+    MLP's and a norm's backward hold beyond the saved sets (their gradients included), its recompute where
+    `checkpointed`, the saved set and the largest phase (`transient`). `consistent`: the planner's layer_activations
+    still returns that transient (it is built on the same terms)."""
     from planner import memory_model as mm
 
-    h, d, inter = shape.hidden_size, shape.head_dim, shape.intermediate_size
     lean, lean_mlp = mm.lean_norm_applies(shape, f), mm.lean_mlp_applies(shape, f)
-    hid = tokens * h * b
-    _, q_loc, _ = mm.attention_split(shape, 1, 1)
-    chunks = f.attention_head_chunks
-    if chunks > 1:
-        attn = mm.chunked_attention_bytes(shape, tokens, 1, b, 1, chunks, flash)[1]
-    else:
-        attn = mm.attention_tensor_bytes(shape, tokens, 1, b, 1) + tokens * q_loc * d * 4
-        attn += mm.gqa_expanded_grad_bytes(shape, tokens, 1, b, 1) if flash else 0
-    kept = 3 if lean_mlp else 4
-    mlp_saved = 0 if f.tiled_mlp else kept * tokens * inter * b
-    rows = math.ceil(tokens / mm.mlp_tiles(tokens, h)) if f.tiled_mlp else tokens
-    mlp = ((kept + (3 if lean_mlp else 2)) if f.tiled_mlp else 2) * rows * inter * b
-    if f.tiled_mlp:
-        mlp += hid + (rows * h * b if lean else 0)
-    norm_rows = mm.norm_chunk_rows(tokens, h) if lean else tokens
-    norm = (hid if lean else 0) + 5 * norm_rows * h * 4 - mlp_saved
-    saved, transient = mm.layer_activations(shape, tokens, 1, b, f.tiled_mlp, lean, lean_mlp, 1, chunks, flash=flash)
-    return {"attention": attn, "mlp": mlp, "norm": norm, "grads_3u": 3 * hid, "saved": saved,
-            "transient": transient, "consistent": 3 * hid + max(attn, mlp, norm) == transient}
+    args = (shape, tokens, 1, b, f.tiled_mlp, lean, lean_mlp, 1, f.attention_head_chunks, flash)
+    terms = mm.layer_phase_terms(*args, checkpointed=checkpointed)
+    saved, transient = mm.layer_activations(*args, checkpointed=checkpointed)
+    return {**terms, "consistent": (saved, transient) == (terms["saved"], terms["transient"])}
 
 
 def planner_phases(model, length: int, choice: dict, device: str) -> dict:
     """The planner's figures for the run's own configuration (its memory_choice record), absolute bytes as
-    max_memory_allocated reads them: resident R (sum of Estimate.gpu) + the phase. Per decoder layer i:
-    a checkpointed one (i % K == 0) runs `recompute` (R + the recompute phase less the backward transient: the
-    layer's saved tensors), then its `mlp_backward` / `attention_backward` (that + 3 [T, h] + the MLP's / attention's
-    term); a layer that kept its activations the same without the recompute part. `phase` is what the planner
-    commits to for the layer (R + its phase: the largest term); `logits` R + the logits phase; `step` the peak.
-    Host: the pinned blocks (ZeRO-3's flat parameter and fp32 gradient buffers with pin_memory, offloaded
-    checkpoints: as the caching host allocator rounds them) and every host term."""
+    max_memory_allocated reads them: resident R (sum of Estimate.gpu) + the phase. Per decoder layer i: one that kept
+    its activations runs `mlp_backward` / `attention_backward` at R + that phase's term (layer_phase_terms); a
+    checkpointed one (i % K == 0) first rebuilds its saved set in place of what the layers above it freed (base = R +
+    the recompute phase less its largest term), then runs `recompute` (base + the recompute term), `mlp_backward`
+    and `attention_backward` (base + theirs). `phase` is what the planner commits to for the layer (R + its phase:
+    the largest term); `logits` R + the logits phase; `step` the peak. Host: the pinned blocks (ZeRO-3's parameter
+    and gradient buffers with pin_memory, block by block as zero3_pinned_requests lists them, and offloaded
+    checkpoints, as the host holds them) and every host term."""
     from planner.memory_model import estimate, load_shape
 
     shape = load_shape(model) if isinstance(model, str) else model  # a model folder or a ModelShape
     f = _features_of(choice)
     b = 2 if device == "cuda" else 4
     est = estimate(shape, length, 1, 1, f, "bf16" if b == 2 else "fp32", device=device, pinned_offloads=True)
-    terms = backward_terms(shape, est.tokens_per_rank, b, f, flash=device == "cuda")
+    flash = device == "cuda"
+    terms = backward_terms(shape, est.tokens_per_rank, b, f, flash=flash)
+    terms_ck = backward_terms(shape, est.tokens_per_rank, b, f, flash=flash, checkpointed=True)
     R = sum(est.gpu.values())
     ph = est.gpu_phases
     every = f.every
     layers = {}
     for i in range(shape.num_layers):
         ckpt = bool(every) and i % every == 0
+        t = terms_ck if ckpt else terms
         phase = ph["layer working set (recompute+backward)"] if ckpt else ph["layer working set (backward)"]
-        extra = phase - terms["transient"] if ckpt else 0
-        base = R + extra + terms["grads_3u"]
-        layers[i] = {"checkpointed": ckpt, "phase": R + phase, "mlp_backward": base + terms["mlp"],
-                     "attention_backward": base + terms["attention"]}
+        base = R + (phase - t["transient"] if ckpt else 0)
+        layers[i] = {"checkpointed": ckpt, "phase": R + phase, "mlp_backward": base + t["mlp"],
+                     "attention_backward": base + t["attention"]}
         if ckpt:
-            layers[i]["recompute"] = R + extra
+            layers[i]["recompute"] = base + t["recompute"]
     pinned_names = ("params (partition)", "grads fp32 (partition)", "activation checkpoints")
     return {"resident": R, "resident_terms": dict(est.gpu), "phases": dict(ph), "layers": layers,
             "logits": R + ph["logits + loss"], "step": est.gpu_peak, "peak_phase": est.peak_phase,
-            "terms": terms, "host_terms": dict(est.cpu_per_rank), "host": sum(est.cpu_per_rank.values()),
+            "terms": terms, "terms_checkpointed": terms_ck, "host_terms": dict(est.cpu_per_rank),
+            "host": sum(est.cpu_per_rank.values()),
             "pinned": sum(v for k, v in est.cpu_per_rank.items() if k in pinned_names) if device == "cuda" else 0}
 
 

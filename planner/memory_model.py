@@ -123,6 +123,47 @@ def zero3_subgroups(numel: int, sub_group_size: int | None = None) -> list[int]:
     return [size] * full + ([rest] if rest else [])
 
 
+def zero3_param_subgroups(partition_numels: list[int], sub_group_size: int | None = None) -> list[int]:
+    """Elements of each ZeRO-3 optimizer sub-group as DeepSpeed forms them (stage3._create_fp16_sub_groups, 0.19.8):
+    parameter by parameter in the param group's order, a sub-group closing once it holds >= sub_group_size elements
+    or at the last parameter; one group when the whole partition is within sub_group_size. Llama-3-8B's width with
+    2 layers on one GPU (1.487e9 elements): one sub-group, not zero3_subgroups' [1e9, 0.487e9]."""
+    size = sub_group_size or ZERO_SUBGROUP
+    if size >= sum(partition_numels):
+        return [sum(partition_numels)] if partition_numels else []
+    groups, acc = [], 0
+    for i, n in enumerate(partition_numels):
+        acc += n
+        if acc >= size or i == len(partition_numels) - 1:
+            groups.append(acc)
+            acc = 0
+    return groups
+
+
+def zero3_pinned_requests(shape: ModelShape, world: int, b: int, offload_params: bool, offload_optimizer: bool,
+                          grad_accum_bytes: int | None = None, sub_group_size: int | None = None) -> list[int]:
+    """The pinned host requests (bytes, in the order DeepSpeed 0.19.8 makes them) of one rank's ZeRO-3 offloads with
+    `pin_memory` (ds_configs/zero3_offload.json), each a block the caching host allocator rounds (pinned_block_bytes)
+    and keeps for the run:
+    - offload_params: every parameter's partition pinned as zero.Init creates it (partition_parameters.py, one
+      request per parameter), then one flat block of the param group (stage3._create_param_groups_fp16_flat_cpu_memory)
+      into which the partitions move; the per-parameter blocks are then free but stay cached (never returned);
+    - offload_optimizer: one fp32 gradient buffer per optimizer sub-group (`subgroup_gradient_buffer`,
+      zero3_param_subgroups), then the flat gradient-accumulation buffer of all partitions (`grad_partitions_flat_buffer`,
+      `grad_accum_bytes` per element: the model's dtype unless data_types.grad_accum_dtype says fp32).
+    A partition is ceil(numel / world) elements. Measured on the H200 (2026-11-27, Llama-3-8B width, 2 layers, optimizer
+    offloaded): 12 GiB held in blocks of 8 + 4 GiB, where the planner counted one 8 GiB block; tests/unit/planner/
+    test_pinned_requests.py checks this list against a real DeepSpeed engine's requests byte for byte."""
+    parts = [-(-n // world) for n in shape.param_numels()]
+    out: list[int] = []
+    if offload_params:
+        out += [n * b for n in parts] + [sum(parts) * b]
+    if offload_optimizer:  # the sub-groups' fp32 buffers (initialize_optimizer_states) come before the flat one
+        out += [4 * g for g in zero3_param_subgroups(parts, sub_group_size)]
+        out.append(sum(parts) * (grad_accum_bytes or b))
+    return out
+
+
 def logits_tiles(tokens: int, vocab: int, tile_bytes: int | None = None) -> int:
     """Tiled logits+loss shard count: ~tile_bytes (default LOGITS_TILE_BYTES) of fp32 logits per shard, at most
     one per token (model_utils/tiled_loss.logits_tiles at micro-batch 1)."""
@@ -210,10 +251,18 @@ def tokens_per_rank(seq_len: int, sp: int, cp: int = 1) -> int:
 
 
 
-def layer_activations(shape: ModelShape, tokens: int, sp: int, b: int, tiled_mlp: bool,
+def layer_phase_terms(shape: ModelShape, tokens: int, sp: int, b: int, tiled_mlp: bool,
                       lean_norm: bool = False, lean_mlp: bool = False, cp: int = 1, chunks: int = 1,
-                      flash: bool = False, ring: bool = False) -> tuple[int, int]:
-    """(saved, backward transient) bytes of one decoder layer on one rank; `saved` includes the layer input.
+                      flash: bool = False, ring: bool = False, checkpointed: bool = False) -> dict[str, int]:
+    """One decoder layer on one rank, per phase: {"saved": what it keeps for backward, its input included;
+    "attention", "mlp", "norm": what its attention's / MLP's / a norm's backward holds beyond the saved sets (their
+    own gradients included); "recompute" (a checkpointed layer): what re-running its forward holds beyond its saved set
+    (the incoming gradient included); "transient": the largest of these}. `checkpointed`: the layer is one of
+    activation checkpointing's (its recompute counted, and its chunked attention's backward holds no projections of
+    earlier chunks, see below).
+    Measured per phase (2026-11-27, issue 43): the H200 run at 1M tokens (bench/results/gpu.json, Llama-3-8B width,
+    2 layers, 16 head chunks, tiled lean MLP, layer 0 checkpointed) and the same phases of a small model on CPU by exact
+    live bytes (bench/live_bytes.py; tests/unit/planner/test_phase_bytes.py), which agree in [T, h] units.
     lean_norm: the RMSNorms are model_utils/rmsnorm.py's (see norm_saved); lean_mlp: the MLP's gated product is
     model_utils/mlp.py's (act(gate) is not kept). cp: the context-parallel factor of sp (attention_tensor_bytes).
     flash: the attention kernel is FlashAttention-2's (a GPU run), whose GQA backward writes dk and dv for every query
@@ -266,8 +315,56 @@ def layer_activations(shape: ModelShape, tokens: int, sp: int, b: int, tiled_mlp
     # one chunk of rows. By then the MLP's saved tensors are already freed.
     norm_rows = norm_chunk_rows(tokens, h) if lean_norm else tokens
     norm_grads = (hid if lean_norm else 0) + 5 * norm_rows * h * 4 - mlp_saved
-    transient = 3 * hid + max(attn_grads, mlp_grads, norm_grads)  # + incoming dx, d(attn out), d(normed input)
-    return saved, transient
+    # + the gradients every backward holds: incoming dx, d(attn out), d(normed input), 3 [T, h] ...
+    terms = {"attention": 3 * hid + attn_grads, "mlp": 3 * hid + mlp_grads, "norm": 3 * hid + norm_grads}
+    if tiled_mlp:  # ... except the tiled MLP's: only the incoming gradient (d(attn out) does not exist yet, its input
+        # gradient is the x_grad above). H200: MLP backward measured 52.58 GiB where 3 [T, h] gave 69.61 (x0.755).
+        # The lean tile (model_utils/mlp.py under TiledMLP) holds 8 [rows, I] at its peak, not 6: gate, up, act(gate)
+        # and the product recomputed, d(product), d(gate), d(up) and silu's backward; and the tile's input gradient
+        # rows beside its recomputed input (exact live bytes, CPU)
+        tile_tensors = 8 if lean_mlp else mlp_kept + 2
+        terms["mlp"] = hid + hid + tile_tensors * rows * inter * b + (2 if renorm_mlp else 1) * rows * h * b
+    if chunks > 1:  # one chunk's q, k, v projections before the all-to-all (KV replicated to u heads before sending)
+        _, hkv_c, _, _ = chunk_split(shape, sp, cp, chunks)
+        u_ = sp // cp
+        pre_c = tokens * (shape.num_heads // chunks + 2 * max(hkv_c, u_ if u_ > hkv_c else 0)) * d * b
+    if chunks > 1:  # chunked attention's backward: the incoming gradient and dx (2 [T, h]); the recomputed input x
+        # takes the place of the post-attention norm's saved input, freed by then. H200, layer 0 (checkpointed):
+        # 48.89 GiB measured where 3 [T, h] gave 59.92 (x0.816)
+        terms["attention"] = 2 * hid + attn_grads
+        if not checkpointed:  # A layer that kept its activations holds the q, k, v projections of EVERY chunk until
+            # its attention's backward returns (model_utils/head_chunks._Chunked.backward: the kernel's saved outputs
+            # are answered as the recomputed call's outputs, autograd links them to that chunk's graph and its leaves
+            # q, k, v, and ctx's saved tensors keep that alive). H200, layer 1: 72.14 GiB measured where 67.92 was
+            # planned (the step's peak); at 1M tokens 16 chunks x 4 heads x [T, d] = 16 GiB. The current chunk's
+            # projections are in the chunk's term already.
+            terms["attention"] += (chunks - 1) * pre_c
+    if checkpointed:  # re-running the forward in backward: the incoming gradient (1 [T, h]) + the forward's own
+        # working set beyond the saved set it rebuilds: the MLP's input (the post-attention norm's output) and output
+        # (2 [T, h]) with the tiled MLP's 4 tensors of a tile (gate, up, act, product) and 3 [rows, h], or the
+        # attention's input and output with one chunk's q, k, v. H200, layer 0: recompute measured 59.56 GiB where
+        # the planner's figure (its saved set alone) was 28.92 (x2.06); on CPU the recompute is the layer's forward
+        # peak + the incoming gradient + the kernel outputs it keeps, exactly.
+        f_mlp = 2 * hid + (4 * rows * inter * b + 3 * rows * h * b if tiled_mlp else rows * inter * b)
+        f_attn = 2 * hid + (2 * pre_c if chunks > 1 else 0)  # + one chunk's projections and their RoPE'd copies
+        terms["recompute"] = hid + max(f_mlp, f_attn)
+    terms["saved"] = saved
+    terms["transient"] = max(v for k, v in terms.items() if k != "saved")
+    return terms
+
+
+def layer_activations(shape: ModelShape, tokens: int, sp: int, b: int, tiled_mlp: bool,
+                      lean_norm: bool = False, lean_mlp: bool = False, cp: int = 1, chunks: int = 1,
+                      flash: bool = False, ring: bool = False, checkpointed: bool = False) -> tuple[int, int]:
+    """(saved, backward transient) bytes of one decoder layer on one rank (layer_phase_terms: the transient is its
+    largest phase); `saved` includes the layer input. lean_norm: the RMSNorms are model_utils/rmsnorm.py's (see
+    norm_saved); lean_mlp: the MLP's gated product is model_utils/mlp.py's (act(gate) is not kept). cp: the
+    context-parallel factor of sp (attention_tensor_bytes). flash: the attention kernel is FlashAttention-2's (a GPU
+    run), whose GQA backward writes dk and dv for every query head and sums them to the KV heads after
+    (gqa_expanded_grad_bytes). ring: context-parallel K/V in a ring (model_utils/ring_attention.py): the kernel's k, v
+    are the rank's own S/cp (attention_sp.kv_length)."""
+    t = layer_phase_terms(shape, tokens, sp, b, tiled_mlp, lean_norm, lean_mlp, cp, chunks, flash, ring, checkpointed)
+    return t["saved"], t["transient"]
 
 
 
@@ -350,7 +447,7 @@ def eval_phase_bytes(shape: ModelShape, seq_len: int, sp: int, b: int, tiled: bo
 def estimate(shape: ModelShape, seq_len: int, sp: int, world: int,
              features: Features | Mapping[str, bool] | Iterable[str] | None,
              precision: str = "bf16", gpus_per_node: int | None = None, cp: int = 1,
-             async_save: bool = False, device: str = "cuda", pinned_offloads: bool = False,
+             async_save: bool = False, device: str = "cuda", pinned_offloads: bool = True,
              pinned_limit: int = PINNED_NO_LIMIT) -> Estimate:
     """Per-rank memory of one training step for seq_len tokens per sample, micro-batch 1 per SP group; sp = u x cp
     (cp = 1: pure Ulysses). gpus_per_node only sizes the per-node CPU total: a split whose Ulysses groups straddle
@@ -359,8 +456,9 @@ def estimate(shape: ModelShape, seq_len: int, sp: int, world: int,
     device "cuda" (a GPU run): attention is FlashAttention-2 (its GQA backward: gqa_expanded_grad_bytes) and what goes
     to host memory through pinned buffers is counted as the caching host allocator holds it (pinned_block_bytes):
     the offloaded layer checkpoints, and the async save's host copy when the optimizer's states are on the GPU;
-    `pinned_offloads`: ZeRO-3's offloaded parameter and gradient buffers are pinned too (DeepSpeed's offload
-    `pin_memory`, on in ds_configs/zero3_offload.json), one flat block each; `pinned_limit`: pinned_round_limit of the
+    `pinned_offloads` (default True): ZeRO-3's offloaded parameter and gradient buffers are pinned too (DeepSpeed's
+    offload `pin_memory`, on in ds_configs/zero3_offload.json), block by block as zero3_pinned_requests lists them;
+    `pinned_limit`: pinned_round_limit of the
     run's allocator settings (default: torch's, every block rounded). "cpu": SDPA on the host, nothing pinned."""
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device {device!r}: use cpu or cuda")
@@ -380,12 +478,18 @@ def estimate(shape: ModelShape, seq_len: int, sp: int, world: int,
     cpu: dict[str, int] = {}
     # ZeRO-3 model states, partitioned over the whole world (SP ranks included)
     pin_state = pin if pinned_offloads else (lambda nbytes: nbytes)
-    if f.offload_params:  # DeepSpeed pins the rank's flat parameter buffer (one block) with pin_memory
-        cpu["params (partition)"] = pin_state(n * b // world)
+    # ZeRO-3's host buffers with pin_memory, request by request as DeepSpeed makes them (zero3_pinned_requests), each
+    # block as the caching host allocator holds it; pageable (pinned_offloads False, or a CPU run): their bytes
+    n_param = len(zero3_pinned_requests(shape, world, b, True, False)) if f.offload_params else 0
+    zero_pins = [pin_state(x) for x in zero3_pinned_requests(shape, world, b, f.offload_params, f.offload_optimizer)]
+    if f.offload_params:  # every partition pinned at zero.Init (cached once moved) + the param group's flat block
+        cpu["params (partition)"] = sum(zero_pins[:n_param]) if gpu_run and pinned_offloads else n * b // world
     else:
         gpu["params (partition)"] = n * b // world
-    if f.offload_optimizer:
-        cpu["grads fp32 (partition)"] = pin_state(4 * n // world)  # one flat fp32 gradient buffer, pinned likewise
+    if f.offload_optimizer:  # fp32 gradients per optimizer sub-group + the flat gradient-accumulation buffer (the
+        # model's dtype): measured on the H200, 2026-11-27, 12 GiB (8 + 4) held where one fp32 buffer (8) was counted
+        cpu["grads fp32 (partition)"] = sum(zero_pins[n_param:]) if gpu_run and pinned_offloads else \
+            sum(zero3_pinned_requests(shape, world, b, False, True))
         cpu["optimizer fp32 master+Adam m,v"] = 12 * n // world  # pageable: CPU Adam's own tensors
     else:
         gpu["grads (partition)"] = n * b // world
@@ -414,6 +518,10 @@ def estimate(shape: ModelShape, seq_len: int, sp: int, world: int,
     lean = lean_norm_applies(shape, f)
     saved, transient = layer_activations(shape, tokens, sp, b, f.tiled_mlp, lean, lean_mlp_applies(shape, f), cp,
                                          f.attention_head_chunks, flash=gpu_run, ring=f.ring_attention)
+    # a checkpointed layer: its recompute counted, no earlier chunks' projections held (layer_phase_terms)
+    transient_ck = layer_activations(shape, tokens, sp, b, f.tiled_mlp, lean, lean_mlp_applies(shape, f), cp,
+                                     f.attention_head_chunks, flash=gpu_run, ring=f.ring_attention,
+                                     checkpointed=True)[1] if f.every else transient
     phases: dict[str, int] = {}
     if f.every:
         L = shape.num_layers
@@ -422,7 +530,7 @@ def estimate(shape: ModelShape, seq_len: int, sp: int, world: int,
         if f.offload_activations:  # one page-locked slot per checkpoint (model_utils/memory._to_host): 5M tokens on
             # 8 GPUs, 4.77 GiB each, held as 4.77 in the host arena (as torch's pinned blocks, the fallback: 8 GiB)
             cpu["activation checkpoints"] = ck * (hid if HOST_ARENA else pin(hid))
-        recompute = saved - hid + transient
+        recompute = saved - hid + transient_ck
         if f.keep_attention:  # + each checkpointed layer's attention output and fp32 lse, cached on the device
             kept = kept_attention_bytes(shape, tokens, sp, b, cp)
             gpu["activation checkpoints: kept attention outputs"] = ck * kept

@@ -125,6 +125,27 @@ class ModelShape:
         """What one token multiplies by in one (average) layer: layer_params with only its routed experts."""
         return self.attention_params() + int(self._mlp_params(True)) + 2 * self.hidden_size
 
+    def param_numels(self) -> list[int]:
+        """Elements of each parameter in the order the model registers them (model.parameters(): what ZeRO-3's flat
+        buffers and optimizer sub-groups follow): the embedding, per decoder layer the attention's q, k, v, o (each
+        weight followed by its bias where the family has one; Qwen3's q/k norms after them), the MLP's gate, up, down
+        and the two norms, then the final norm and the LM head (absent when tied). A family this does not spell out
+        parameter by parameter (latent attention, experts) gives each layer as one entry of layer_params(): the
+        totals agree, the sub-group boundaries are then approximate."""
+        h, d, nh, nkv, inter = self.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, self.intermediate_size
+        emb = self.vocab_size * h
+        if self.kv_lora_rank or self.num_experts or self.linear_layers:
+            layers = [self.layer_params()] * self.num_layers
+        else:
+            attn = []
+            for rows in (nh * d, nkv * d, nkv * d):
+                attn += [rows * h] + ([rows] if self.qkv_bias else [])
+            attn.append(h * nh * d)
+            attn += [d, d] if self.qk_norm else []
+            layers = [attn + [inter * h] * 3 + [h, h]] * self.num_layers
+            layers = [n for layer in layers for n in layer]
+        return [emb, *layers, h] + ([] if self.tie_word_embeddings else [emb])
+
     def num_params(self) -> int:
         emb = self.vocab_size * self.hidden_size
         return emb * (1 if self.tie_word_embeddings else 2) + self.num_layers * self.layer_params() + self.hidden_size
@@ -176,6 +197,17 @@ class Features:
     def every(self) -> int:
         """K of selective checkpointing; gradient_checkpointing alone is K=1; 0: none."""
         return self.checkpoint_every or (1 if self.gradient_checkpointing else 0)
+
+    @classmethod
+    def from_choice(cls, record: Mapping) -> Features:
+        """The features of a run's `memory_choice` record (training/startup: the chooser's Choice.record, with the
+        start-up fields beside them): its fields that name a feature, through `of`. The lean norm and MLP, which a
+        record before they were logged does not name, are train.py's defaults (on); an absent or null value is the
+        feature's default."""
+        known = {f.name for f in fields(cls)}
+        spec = {"lean_rmsnorm": True, "lean_mlp": True}
+        spec.update({k: v for k, v in record.items() if k in known and v is not None})
+        return cls.of(spec)
 
     @classmethod
     def of(cls, spec: Features | Mapping[str, bool] | Iterable[str] | None) -> Features:

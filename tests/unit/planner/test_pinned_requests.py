@@ -1,0 +1,77 @@
+"""ZeRO-3's pinned host buffers, byte for byte against a real DeepSpeed engine (issue 43).
+
+On the H200 (2026-11-27) the caching host allocator held 12 GiB (blocks of 8 + 4 GiB) where the planner counted one
+8 GiB block: with offload_optimizer.pin_memory, DeepSpeed pins its bf16 gradient-accumulation buffer as well as one
+fp32 gradient buffer per optimizer sub-group, and forms the sub-groups parameter by parameter. Here a one-rank engine
+(gloo, CPU) is built with both offloads pinned, the accelerator's pin_memory (a no-op on CPU) records every request,
+and planner.memory_model.zero3_pinned_requests must list the same requests, in order. The old planner (one fp32
+buffer of 4 n / world bytes, no per-parameter blocks) fails it.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from planner.memory_model import ModelShape, estimate, pinned_block_bytes, zero3_pinned_requests
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("sub_group_size", [20_000])
+def test_planner_lists_zero3_pinned_requests_as_deepspeed_makes_them(monkeypatch, sub_group_size):
+    import deepspeed
+    import torch
+    from deepspeed.accelerator import get_accelerator
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}.items():
+        monkeypatch.setenv(k, v)
+    acc = get_accelerator()
+    seen: list[int] = []
+    real = acc.pin_memory
+
+    def pin(tensor, *a, **kw):
+        seen.append(tensor.numel() * tensor.element_size())
+        return real(tensor, *a, **kw)
+
+    monkeypatch.setattr(acc, "pin_memory", pin)
+    cfg = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=160, num_attention_heads=4,
+                               num_key_value_heads=2, vocab_size=512, num_hidden_layers=2, tie_word_embeddings=False)
+    ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+          "zero_force_ds_cpu_optimizer": False,
+          "zero_optimization": {"stage": 3, "sub_group_size": sub_group_size,
+                                "offload_param": {"device": "cpu", "pin_memory": True},
+                                "offload_optimizer": {"device": "cpu", "pin_memory": True}}}
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    try:
+        handle = HfDeepSpeedConfig(ds)  # noqa: F841  (transformers builds the model under zero.Init through it)
+        model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+        deepspeed.initialize(model=model, optimizer=opt, config=ds)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    shape = ModelShape.from_config(cfg.to_dict())
+    planned = zero3_pinned_requests(shape, 1, 2, True, True, sub_group_size=sub_group_size)
+    print("SEEN", seen); print("PLAN", planned)
+    assert seen == planned
+    # the plan's host terms hold these blocks as the caching host allocator rounds them
+    from dataclasses import replace
+
+    from planner.memory_model import Features
+    import planner.memory_model as mm
+
+    monkeypatch.setattr(mm, "ZERO_SUBGROUP", sub_group_size)
+    est = estimate(shape, 64, 1, 1, replace(Features(), offload_params=True, offload_optimizer=True), "bf16")
+    pinned = est.cpu_per_rank["params (partition)"] + est.cpu_per_rank["grads fp32 (partition)"]
+    assert pinned == sum(pinned_block_bytes(n) for n in seen)
