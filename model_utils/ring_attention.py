@@ -1,4 +1,4 @@
-"""Context parallelism with K/V passed in a ring (`context_parallel_kv: ring`) instead of gathered whole.
+"""Context parallelism with K/V passed in a ring (`ring_attention: true`) instead of gathered whole.
 
 model_utils/context_parallel.py's default all-gathers the whole sequence's K and V over the cp group for each
 layer: one [S, kv_heads/u, d] pair per rank (plus its rank-order copy, and dK / dV as large in backward). At
@@ -20,7 +20,9 @@ calls would have kept every block's K / V for backward: the whole gathered K / V
 What a rank holds beyond its own q, k, v, o (planner.attention_sp.cp_kv_buffer_bytes counts it; the multi-process
 test checks it byte for byte against STATS["peak_bytes"]): forward, the block computed on and the one arriving (2
 K/V blocks; 1 at cp = 2) plus the fp32 output and lse accumulators; backward, 2 K/V blocks (1 at cp = 2), the fp32
-dQ accumulator and 3 dK/dV blocks (the one computed, the one in flight to the next rank, the one arriving).
+dQ accumulator and 3 dK/dV blocks (the one computed, the one in flight to the next rank, the one arriving). Not in
+it: each block pair's kernel working set (the math path's fp32 scores of a tile; flash-attn's own dq accumulator
+and dk, dv of one chunk, the pair's rows being views at micro-batch 1), as for the gather's kernel.
 Llama-3-8B at 16M tokens on u=8 x cp=4 in 4 head chunks (bf16; per chunk 1 query and 1 KV head per rank): a K/V
 block is 2 GiB and the backward's ring 12 GiB, where the gather holds 8 GiB of staging and whole-sequence K, V,
 dK, dV in the kernel (18 GiB, against 4 for the rank's own).
@@ -125,21 +127,23 @@ def math_forward(spec: Spec, q, k, v, qr, kr):
     return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
-def math_backward(spec: Spec, do, q, k, v, out, lse, qr, kr):
-    """(dq [bs, hq, nq, d], dk, dv [bs, hkv, nk, d]) fp32 of block (qr, kr) given the GLOBAL out and lse."""
+def math_backward(spec: Spec, do, q, k, v, out, lse, qr, kr, dq, dk, dv) -> None:
+    """Adds block (qr, kr)'s gradients, given the GLOBAL out and lse of the queries, into dq [bs, hq, nq, d] and
+    dk, dv [bs, hkv, nk, d] (views of the ring's accumulators)."""
     hq, hkv = q.shape[1], k.shape[1]
     ke, ve = _expand(k, hq).float(), _expand(v, hq).float()
-    dqs, dk, dv = [], 0.0, 0.0
+    dk_x, dv_x = 0.0, 0.0  # [bs, hq, nk, d] fp32: the query heads' parts, summed to the KV heads below
     for lo in range(0, q.shape[2], TILE_ROWS):
         hi = min(lo + TILE_ROWS, q.shape[2])
         p = torch.exp(_scores(spec, q, ke, qr, kr, lo, hi) - lse[:, :, lo:hi, None])
         g = do[:, :, lo:hi].float()
-        dv = dv + p.transpose(-1, -2) @ g
+        dv_x = dv_x + p.transpose(-1, -2) @ g
         ds = p * (g @ ve.transpose(-1, -2) - (g * out[:, :, lo:hi].float()).sum(-1, keepdim=True))
-        dqs.append(ds @ ke * spec.scale)
-        dk = dk + ds.transpose(-1, -2) @ q[:, :, lo:hi].float() * spec.scale
+        dq[:, :, lo:hi] += ds @ ke * spec.scale
+        dk_x = dk_x + ds.transpose(-1, -2) @ q[:, :, lo:hi].float() * spec.scale
     fold = (lambda x: x.unflatten(1, (hkv, hq // hkv)).sum(2)) if hq != hkv else (lambda x: x)
-    return torch.cat(dqs, dim=2), fold(dk), fold(dv)
+    dk += fold(dk_x)
+    dv += fold(dv_x)
 
 
 # ---- the flash kernel (flash_attention_2): flash-attn's varlen forward / backward per block pair -------------------
@@ -216,12 +220,15 @@ def _calls(spec: Spec, qr, kr):
 
 
 def _gather(x: torch.Tensor, segs, kv: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """[bs, h, n, d] -> the segments' rows as [total, h, d], their cu_seqlens (int32) and longest length."""
+    """[bs, h, n, d] -> the segments' rows as [total, h, d], their cu_seqlens (int32) and longest length. Segments
+    of one row, back to back (micro-batch 1: every call), are a view (flash-attn takes any strides but the last);
+    else a copy."""
     lo, hi = (3, 4) if kv else (1, 2)
-    parts = [x[s[0], :, s[lo]:s[hi]].transpose(0, 1) for s in segs]
     lens = [s[hi] - s[lo] for s in segs]
     cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=x.device)
-    return torch.cat(parts).contiguous(), cu, max(lens)
+    if all(s[0] == segs[0][0] for s in segs) and all(s[hi] == t[lo] for s, t in zip(segs, segs[1:])):
+        return x[segs[0][0], :, segs[0][lo]:segs[-1][hi]].transpose(0, 1), cu, max(lens)
+    return torch.cat([x[s[0], :, s[lo]:s[hi]].transpose(0, 1) for s in segs]), cu, max(lens)
 
 
 def _scatter(dst: torch.Tensor, src: torch.Tensor, segs, kv: bool, add: bool = False) -> None:
@@ -250,11 +257,8 @@ def flash_forward(spec: Spec, q, k, v, qr, kr):
     return out, lse
 
 
-def flash_backward(spec: Spec, do, q, k, v, out, lse, qr, kr):
+def flash_backward(spec: Spec, do, q, k, v, out, lse, qr, kr, dq, dk, dv) -> None:
     """As math_backward, through flash-attn's varlen backward given the global out / lse of the queries."""
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
     for segs, causal, left in _calls(spec, qr, kr):
         qf, cu_q, max_q = _gather(q, segs, False)
         kf, cu_k, max_k = _gather(k, segs, True)
@@ -262,10 +266,9 @@ def flash_backward(spec: Spec, do, q, k, v, out, lse, qr, kr):
         dof, of = _gather(do, segs, False)[0], _gather(out, segs, False)[0]
         lf = torch.cat([lse[s[0], :, s[1]:s[2]] for s in segs], dim=1).contiguous()  # [hq, total_q]
         g = FLASH["backward"](dof, qf, kf, vf, of, lf, cu_q, cu_k, max_q, max_k, spec.scale, causal, left)
-        _scatter(dq, g[0].float(), segs, False, add=True)
-        _scatter(dk, g[1].float(), segs, True, add=True)
-        _scatter(dv, g[2].float(), segs, True, add=True)
-    return dq, dk, dv
+        _scatter(dq, g[0], segs, False, add=True)
+        _scatter(dk, g[1], segs, True, add=True)
+        _scatter(dv, g[2], segs, True, add=True)
 
 
 # ---- the ring --------------------------------------------------------------------------------------------------
@@ -317,7 +320,6 @@ class _Ring(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         spec, held, c = ctx.spec, _Held(), q.shape[2] // 2
-        dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         held.add(dq)
         kv, dshift = [k, v], None
@@ -328,11 +330,8 @@ class _Ring(torch.autograd.Function):
             part = torch.zeros((2, *k.shape), dtype=k.dtype, device=k.device)  # dK, dV of block c - i
             held.add(part)
             for qs, ks, qr, kr in _pairs(spec, (spec.rank - i) % spec.cp, c):
-                dq_p, dk_p, dv_p = spec.backward(spec, dout[:, :, qs], q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks],
-                                                 out[:, :, qs], lse[:, :, qs], qr, kr)
-                dq[:, :, qs] += dq_p
-                part[0][:, :, ks] += dk_p.to(k.dtype)
-                part[1][:, :, ks] += dv_p.to(k.dtype)
+                spec.backward(spec, dout[:, :, qs], q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], out[:, :, qs],
+                              lse[:, :, qs], qr, kr, dq[:, :, qs], part[0][:, :, ks], part[1][:, :, ks])
             if dshift is not None:  # the other ranks' part of this block, from the previous rank
                 (incoming,) = dshift.wait()
                 held.drop(part, part)  # the buffer sent last step is free, and `part` folds into the arrived one
