@@ -7,8 +7,8 @@ Llama layers, GQA with 2 query heads and 1 KV head per head chunk as at 1M, laye
 activations, the tiled lean MLP, lean RMSNorm, tiled logits) runs one step under bench/live_bytes.py's tracker with
 bench/gpu_probe.py's phase hooks, and bench.gpu_compare.planner_phases' figure for every phase must be within 10%
 (less the model states, which the tracker does not see). In [T, h] units the CPU phases agree with the H200's.
-The planner before this change: recompute 2.30 of the measured, attention backward (layer 1) 0.91, MLP backward
-1.18 / 1.20.
+The planner before this change failed it: measured / planned 3.14 for the recompute and 0.86 for layer 0's attention
+backward (seen 2026-11-27 on a copy of the old tree).
 """
 
 from __future__ import annotations
