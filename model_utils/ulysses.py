@@ -88,7 +88,8 @@ def register(model, dims, attn_implementation: str, micro_batch: int, head_chunk
     """Register document-masked (and, for dims.sp > 1, Ulysses x context-parallel) attention for `model`; returns
     the mpu (None at sp 1). `dims`: the stage's base.parallel.ParallelDims (sp, cp, world, rank). `head_chunks` > 1
     runs each layer's attention that many chunks of heads at a time (model_utils/head_chunks.py; "auto" unresolved
-    by the planner: 1); a count that does not split the heads per rank is refused in one line."""
+    by the planner: 1); a count that does not split the heads per rank is refused in one line. `ring`: under cp > 1
+    the K/V pass around the cp group (model_utils/ring_attention.py) instead of being gathered whole."""
     head_chunks = 1 if head_chunks in ("auto", None, 0) else int(head_chunks)
     families.check_supported(model, attn_implementation, head_chunks=head_chunks)  # at start-up too (config alone)
     latent, sinks = families.latent_dims(model.config) is not None, has_sinks(model)
