@@ -95,3 +95,21 @@ def test_planner_lists_zero3_pinned_requests_as_deepspeed_makes_them(monkeypatch
     est = estimate(shape, 64, 1, 1, replace(Features(), offload_params=True, offload_optimizer=True), "bf16")
     pinned = est.cpu_per_rank["params (partition)"] + est.cpu_per_rank["grads fp32 (partition)"]
     assert pinned == sum(pinned_block_bytes(n) for n in seen)
+
+
+def test_chooser_counts_the_pinned_blocks_the_plan_table_counts():
+    """memory_features auto's host figure (planner.auto_features._peaks, which bounds the ZeRO and checkpoint offloads
+    by host_bytes_per_rank) holds ZeRO-3's pinned buffers as scripts/plan.py's table does (pinned_offloads: rounded
+    blocks). Before, the chooser's estimate counted them as bytes (seen failing on the old tree: Llama-3-8B on 8 ranks,
+    48.83 GiB of host per rank where the table counted 49.22, its 1.87 + 3.74 GiB ZeRO buffers held as 2 + 4)."""
+    from planner.auto_features import _peaks
+    from planner.memory_model import Features, load_shape
+
+    shape = load_shape("llama3-8b")
+    off = Features(offload_params=True, offload_optimizer=True, lean_rmsnorm=True, lean_mlp=True)
+    f = Features(tiled_mlp=True, tiled_logits=True, checkpoint_every=1, offload_activations=True)
+    _, host = _peaks(shape, 1 << 20, 8, 8, f, off, "bf16", "cuda")
+    both = Features(tiled_mlp=True, tiled_logits=True, checkpoint_every=1, offload_activations=True,
+                    offload_params=True, offload_optimizer=True, lean_rmsnorm=True, lean_mlp=True)
+    table = estimate(shape, 1 << 20, 8, 8, both, "bf16", pinned_offloads=True)
+    assert host == sum(table.cpu_per_rank.values())
