@@ -8,7 +8,9 @@ boundary, micro-batch 1 and 2, GQA with KV replication (u = 2 > 1 KV head), slid
 (attention_head_chunks 2, 3 and every head), activation
 checkpointing (every layer, and selective: layer 0 of 2) with keep_attention, tiled MLP and logits, flex_attention (loss only: torch has no flex backward
 on CPU), and the evaluation's per-sample statistics (loss by position bucket) through the same split.
-Heads: 9 (SP 2 and 6 do not divide it), 6 (SP 4 does not), 4 (SP 3 does not).
+Heads: 9 (SP 2 and 6 do not divide it), 6 (SP 4 does not), 4 (SP 3 does not). With ring_attention (K/V passed
+around the cp group, model_utils/ring_attention.py) at (1,2), (2,2) and (1,4), in the same launches (RING_CASES):
+the same tolerances, every rank's shifts matching in shape and dtype, and the ring's peak bytes = the planner's.
 """
 
 from __future__ import annotations
@@ -68,7 +70,8 @@ RING_CASES = {
     (1, 2): [("ring_window_mb2", "mistral8", "sdpa", 2, True, {**RING, "ring_bytes": True})],
     (2, 2): [("ring_h6_mb2", "h6", "sdpa", 2, True, {**RING, "ring_bytes": True}),
              ("ring_window_mb2_ckpt", "mistral8", "sdpa", 2, True, {**RING, **CKPT}),
-             ("ring_kv1_replicated", "kv1", "sdpa", 1, True, RING)],
+             ("ring_kv1_replicated", "kv1", "sdpa", 1, True, RING),
+             ("ring_kv1_chunks2", "kv1", "sdpa", 1, True, {**RING, "attention_head_chunks": 2, "ring_bytes": True})],
     (1, 4): [("ring_window_mb2", "mistral8", "sdpa", 2, True, {**RING, "ring_bytes": True}),
              ("ring_h9_mb2_ckpt", "h9", "sdpa", 2, True, {**RING, **CKPT}), ("ring_llama_mb1", "llama", "sdpa", 1, True, RING)],
 }
@@ -151,9 +154,11 @@ def check_ring(name: str, rings: list, case: dict, u: int, cp: int) -> None:
     for rank, r in enumerate(rings):  # cp group of rank: the ranks at stride u (base.parallel: u consecutive)
         assert r["log"] == rings[rank % u]["log"], (name, rank)
     if case.get("ring_bytes"):
-        from planner.attention_sp import cp_kv_buffer_bytes
+        from planner.attention_sp import chunk_split, cp_kv_buffer_bytes
         from planner.shapes import load_shape
 
         shape, mb, sp = load_shape(case["model_name_or_path"]), case["per_device_train_batch_size"], u * cp
-        want = mb * cp_kv_buffer_bytes(shape, SEQ // sp, sp, 4, cp, ring=True)  # fp32 on CPU
+        n = case.get("attention_head_chunks", 1)  # the ring runs per head chunk
+        heads = chunk_split(shape, sp, cp, n)[2:] if n > 1 else None
+        want = mb * cp_kv_buffer_bytes(shape, SEQ // sp, sp, 4, cp, ring=True, heads=heads)  # fp32 on CPU
         assert [r["peak_bytes"] for r in rings] == [want] * sp, (name, want, [r["peak_bytes"] for r in rings])

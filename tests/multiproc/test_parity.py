@@ -74,10 +74,13 @@ SFT_CASES = {
     (2, 1): [("sft_long_sp2", 2, 1, [[["LONG"]]], {}),
              ("sft_ga2_mb2_sp2", 2, 1, [[["BOUNDARY", "PACKED"], ["LONG", "EMPTY"]]], {}),
              ("sft_u1cp2_tiled_conv", 2, 2, [[["BOUNDARY", "PACKED"]]],
-              {"tiled_logits": True, "logits_tile_mb": 1, "loss_weighting": "conversation"})],
+              {"tiled_logits": True, "logits_tile_mb": 1, "loss_weighting": "conversation"}),
+             # context-parallel K/V in a ring (model_utils/ring_attention.py), packed conversations, micro-batch 2
+             ("sft_u1cp2_ring_mb2", 2, 2, [[["BOUNDARY", "PACKED"]]], {"ring_attention": True})],
     (2, 2): [("sft_long_sp4", 4, 1, [[["LONG"]]], {}),
              ("sft_group_empty_sp2dp2_ga2", 2, 1, [[["LONG"], ["BOUNDARY"]], [["EMPTY"], ["EMPTY"]]], {}),
-             ("sft_u2cp2_mb2", 4, 2, [[["BOUNDARY", "PACKED"]]], {})],
+             ("sft_u2cp2_mb2", 4, 2, [[["BOUNDARY", "PACKED"]]], {}),
+             ("sft_u2cp2_ring_mb2", 4, 2, [[["BOUNDARY", "PACKED"]]], {"ring_attention": True})],
     (3, 1): [("sft_long_sp3", 3, 1, [[["LONG"]]], {}), ("sft_mb2_sp3", 3, 1, [[["BOUNDARY", "PACKED"]]], {})],
 }
 SFT_SLOW = {(3, 1)}  # 3 processes, its own launch: SP 2 and 4 (the fast cases) check the same rules
