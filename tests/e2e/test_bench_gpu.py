@@ -72,8 +72,8 @@ def long_plan():
 def test_gpu_check_plans_the_real_run():
     """The arithmetic the GPU run does before its launches, at the real shape (Llama-3-8B's width and vocabulary,
     2 layers, 1M tokens, an 80 GB card): auto's choice, the planner's per-phase figures and their decomposition
-    (bench.gpu_compare.backward_terms copies the three terms planner.memory_model.layer_activations takes the largest of:
-    this fails when the planner changes them), and the gap run's length."""
+    (bench.gpu_compare.backward_terms reads planner.memory_model.layer_phase_terms, whose largest term
+    layer_activations returns: `consistent`), and the gap run's length."""
     from bench import gpu
     from planner import auto_features as af
     from planner.memory_model import GiB
@@ -83,7 +83,9 @@ def test_gpu_check_plans_the_real_run():
     assert abs(plan["step"] - c.peak_bytes) < 2**20  # the same configuration the run's start-up predicts
     assert plan["step"] <= af.usable_bytes(af.gpu_budget(gpu.PLAN_GPU_GB))
     lay = plan["layers"]
-    assert lay[0]["checkpointed"] and "recompute" in lay[0] and not lay[1]["checkpointed"]
+    # (since the per-phase correction of 2026-11-27 auto checkpoints both layers at 1M: the H200 run's choice, layer 1
+    # keeping its activations, is predicted at 74.9 GiB, over the 70.2 the run allows itself; it measured 72.1)
+    assert lay[0]["checkpointed"] and all(("recompute" in x) == x["checkpointed"] for x in lay.values())
     assert max(max(v for k, v in x.items() if k not in ("checkpointed",)) for x in lay.values()) <= plan["step"]
     at = gpu.gap_length(None, False, 78.5, left=600, shape=shape)
     assert at and at[1] == round(78.5 / 0.9 + 2, 3) and at[0] in gpu.GAP_LENGTHS["gpu"], at
