@@ -43,7 +43,8 @@ def run_features(cfg: Config, ds_config: dict, stage: Stage | None = None) -> Fe
         gradient_checkpointing=every > 0, checkpoint_every=every if every > 1 else 0,
         offload_activations=cfg.offload_activations, keep_attention=cfg.keep_attention and every > 0,
         lean_rmsnorm=cfg.lean_rmsnorm, lean_mlp=cfg.lean_mlp, logits_tile_mb=cfg.logits_tile_mb,
-        attention_head_chunks=cfg.attention_head_chunks if isinstance(cfg.attention_head_chunks, int) else 1)
+        attention_head_chunks=cfg.attention_head_chunks if isinstance(cfg.attention_head_chunks, int) else 1,
+        ring_attention=bool(cfg.ring_attention))
 
 
 def feature_line(shape, s: Stage, feats: Features) -> str:
