@@ -175,3 +175,9 @@ def test_compare_reaches_16m_tokens_on_32_gpus_with_room():
     spec.loader.exec_module(plan)
     row = next(r for r in plan.compare() if r["gpus"] == 32)
     assert row["longest"] >= 2**24 and row["gpu_room_gib"] >= 4, row
+
+
+@pytest.mark.parametrize("attn", ["flex_attention", "flash_attention_3"])
+def test_ring_on_a_backend_without_its_kernel_is_refused_in_one_line(attn):
+    with pytest.raises(ValueError, match=f"ring_attention with attn_implementation {attn}: .* ring_attention false"):
+        cpm.register(attn, None, 2, 0, ring=True)
