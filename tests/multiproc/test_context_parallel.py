@@ -162,3 +162,37 @@ def check_ring(name: str, rings: list, case: dict, u: int, cp: int) -> None:
         heads = chunk_split(shape, sp, cp, n)[2:] if n > 1 else None
         want = mb * cp_kv_buffer_bytes(shape, SEQ // sp, sp, 4, cp, ring=True, heads=heads)  # fp32 on CPU
         assert [r["peak_bytes"] for r in rings] == [want] * sp, (name, want, [r["peak_bytes"] for r in rings])
+
+
+def test_ring_in_bf16_matches_dense_attention_and_holds_the_planned_bytes(tmp_path):
+    """The ring alone on 2 ranks in bf16, the dtype the planner counts for a GPU run (tests/workers/ring_kernel.py):
+    output and gradients within bf16 tolerance of one dense document / window mask in fp32; each rank's most bytes
+    held = cp_kv_buffer_bytes(ring=True) in bf16 (dK / dV travel in the compute dtype, dQ in fp32); the same shifts
+    on both ranks. Cheap: no model, no DeepSpeed."""
+    import dataclasses
+
+    from planner.attention_sp import cp_kv_buffer_bytes
+    from planner.shapes import load_shape
+    from tests.unit.model_utils.test_ring_attention import _dense
+
+    case = {"sl": 48, "d": 16, "hq": 4, "hkv": 2, "bounds": [0, 1, 20, 33, 48], "window": 9}
+    run(os.path.join(ROOT, "tests/workers/ring_kernel.py"), [str(tmp_path), json.dumps(case)], 2,
+        str(tmp_path / "logs"))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    torch.manual_seed(0)
+    q, k, v, do = (torch.randn(1, h, 48, 16).to(torch.bfloat16).float().requires_grad_() for h in (4, 2, 2, 4))
+    pos = torch.cat([torch.arange(e - s) for s, e in zip(case["bounds"][:-1], case["bounds"][1:])])[None]
+    doc = (pos[:, 1:] - pos[:, :-1] != 1).cumsum(1)
+    doc = torch.cat([torch.zeros(1, 1, dtype=doc.dtype), doc], 1)
+    want, _ = _dense(q, k, v, doc, case["window"], 16 ** -0.5)
+    want.backward(do.detach())
+    wrong = _dense(q.detach(), k.detach(), v.detach(), torch.zeros_like(doc), case["window"], 16 ** -0.5)[0]
+    assert (wrong - want).abs().max() > 0.1  # a mask across documents is far outside the tolerance below
+    for r in ranks:
+        i = r["idx"]
+        assert (r["out"].float().transpose(1, 2) - want[:, :, i]).abs().max() < 2e-2
+        for got, ref in ((r["dq"], q.grad), (r["dk"], k.grad), (r["dv"], v.grad)):
+            assert (got.float() - ref[:, :, i]).abs().max() < 3e-2 * max(1.0, ref.abs().max().item())
+    shape = dataclasses.replace(load_shape("llama3-8b"), num_heads=4, num_kv_heads=2, head_dim=16)
+    assert [r["peak"] for r in ranks] == [cp_kv_buffer_bytes(shape, 24, 2, 2, 2, ring=True)] * 2
+    assert ranks[0]["log"] == ranks[1]["log"] and {dt for _, dt in ranks[0]["log"]} == {"torch.bfloat16"}
