@@ -321,9 +321,11 @@ def layer_phase_terms(shape: ModelShape, tokens: int, sp: int, b: int, tiled_mlp
         # gradient is the x_grad above). H200: MLP backward measured 52.58 GiB where 3 [T, h] gave 69.61 (x0.755).
         # The lean tile (model_utils/mlp.py under TiledMLP) holds 8 [rows, I] at its peak, not 6: gate, up, act(gate)
         # and the product recomputed, d(product), d(gate), d(up) and silu's backward; and the tile's input gradient
-        # rows beside its recomputed input (exact live bytes, CPU)
+        # rows beside its recomputed input, with the lean norm's recompute of the tile's rows 4 [rows, h] (exact live
+        # bytes, CPU: test_planner_tensor_bytes' fp32 gqa case with checkpointing and 4 head chunks measured 14.40u
+        # in the top layer's MLP backward where 2 [rows, h] gave 13.90u)
         tile_tensors = 8 if lean_mlp else mlp_kept + 2
-        terms["mlp"] = hid + hid + tile_tensors * rows * inter * b + (2 if renorm_mlp else 1) * rows * h * b
+        terms["mlp"] = hid + hid + tile_tensors * rows * inter * b + (4 if renorm_mlp else 1) * rows * h * b
     if chunks > 1:  # one chunk's q, k, v projections before the all-to-all (KV replicated to u heads before sending)
         _, hkv_c, _, _ = chunk_split(shape, sp, cp, chunks)
         u_ = sp // cp

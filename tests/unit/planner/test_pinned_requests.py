@@ -88,8 +88,8 @@ def test_planner_lists_zero3_pinned_requests_as_deepspeed_makes_them(monkeypatch
     # the plan's host terms hold these blocks as the caching host allocator rounds them
     from dataclasses import replace
 
-    from planner.memory_model import Features
     import planner.memory_model as mm
+    from planner.memory_model import Features
 
     monkeypatch.setattr(mm, "ZERO_SUBGROUP", sub_group_size)
     est = estimate(shape, 64, 1, 1, replace(Features(), offload_params=True, offload_optimizer=True), "bf16")
