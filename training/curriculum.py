@@ -115,6 +115,7 @@ def _resolve_memory(cfg: Config, s: StageConfig, i: int, sl: int, sp, world: int
                            precision="bf16" if bf16 else "fp32", device=device, free_offloads=free,
                            ranks_per_node=gpus_per_node(cfg) or world,
                            accum=cfg.gradient_accumulation_steps * cfg.per_device_train_batch_size,
+                           host_bytes_per_rank=getattr(budget, "host_bytes", lambda: None)(),
                            cp=s.context_parallel_size if s.context_parallel_size is not None else cfg.context_parallel_size)
     except ValueError as e:
         raise ValueError(f"stage {i} ({s.name or f'stage{i}'}): {e}") from None
@@ -170,10 +171,18 @@ def agreed_budget(cfg: Config):
     def budget() -> tuple[str, int]:
         if not agreed:
             from base import comm
+            from base.host import job_memory_available
 
             device, own = device_budget(cfg.gpu_mem_gb, cfg.mem_cap_gb)
-            agreed.append((device, int(comm.all_reduce([float(own)], op="min").item())))
-        return agreed[0]
+            # the host memory a rank's offloads may take (issue 43): what the job may still use on this node over its
+            # ranks, less the runtime plan.py assumes per rank (--cpu_overhead_gb 2); agreed as the minimum too.
+            # memory_features auto bounds the ZeRO and checkpoint offloads by it, as plan.py does (GPU runs only)
+            avail = job_memory_available() if device == "cuda" else None
+            host = avail // max(1, gpus_per_node(cfg) or 1) - 2 * 2**30 if avail else 2.0**62
+            got = comm.all_reduce([float(own), float(host)], op="min").tolist()
+            agreed.append((device, int(got[0]), None if got[1] >= 2.0**62 else max(0, int(got[1]))))
+        return agreed[0][:2]
+    budget.host_bytes = lambda: (budget(), agreed[0][2])[1]  # type: ignore[attr-defined]
     return budget
 
 

@@ -177,3 +177,32 @@ def test_plan_lines_say_which_offloads_and_why():
     cfg, stages = _gpu_stages("zero3_offload.json", roomy, device="cpu")
     assert "offload: params, optimizer (the DeepSpeed config's: a CPU run moves nothing between memories)" in \
         "\n".join(plan_lines(cfg, stages, WORLD, 8, True))
+
+
+def test_the_agreed_host_budget_reaches_the_chooser():
+    """Start-up gives memory_features auto the host memory a rank's offloads may take (training/curriculum.agreed_budget:
+    the job's available memory on the node over its ranks, less 2 GiB of runtime, the minimum over ranks), as plan.py
+    gives its own: a stage whose GPU budget needs the ZeRO offloads is refused in one line where the host cannot hold
+    them, and planned where it can. Before, start-up never passed a host budget (the stage was planned either way)."""
+    from types import SimpleNamespace
+
+    from training.curriculum import agreed_budget
+
+    tight = budget_for(lean_peak(LEAN)) - 2**20  # the offloads are needed
+
+    def with_host(host):
+        b = lambda: ("cuda", tight)  # noqa: E731
+        b.host_bytes = lambda: host
+        cfg = Config(model_name_or_path="llama3-8b", deepspeed="ds_configs/zero3_offload.json", bf16=True,
+                     max_seq_length=SL, sequence_parallel_size=2, memory_features="auto", gpus_per_node=8,
+                     stages=[StageConfig(name="a", max_steps=1)])
+        return resolve_stages(cfg, lambda sp: WORLD // sp, budget=b)
+
+    (st,) = with_host(None)
+    assert st.memory_choice["offload_why"].startswith("needed: ")
+    (st,) = with_host(1 << 50)
+    assert st.memory_choice["offload_why"].startswith("needed: ")
+    with pytest.raises(ValueError, match="nothing fits"):
+        with_host(2**20)
+    b = agreed_budget(SimpleNamespace(gpu_mem_gb=80.0, mem_cap_gb=0.0, gpus_per_node=8))  # one process: no collective
+    assert b()[0] == "cuda" and (b.host_bytes() is None or b.host_bytes() >= 0)
