@@ -83,6 +83,9 @@ def release_engine(engine) -> None:
 
     module = engine.module
     engine.destroy()
+    arena = module.__dict__.get("_host_arena")  # the offloaded checkpoints' page-locked slots (base/host_arena.py):
+    if arena is not None:  # unregistered now, not when the model's cycle is collected (5M on 8 GPUs: 153 GiB a rank)
+        arena.release()
     parameter_offload.FWD_MODULE_STACK[:] = [m for m in parameter_offload.FWD_MODULE_STACK if m is not module]
     # the model, the optimizer and the engine reference each other: the caller drops its reference and runs
     # gc.collect() so that the cycle is freed before the next engine is built, not at some later collection

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from base import host_arena
 from base.log import print0, rank_log
 from data.pipeline import heldout_samples
 from data.sharding import collate, shard
@@ -205,9 +206,19 @@ def _log_step(run: Run, stage, sdims, state: TrainState, out: dict, lr: float, s
                      "cp": sdims.cp,
                      "dp": sdims.dp, "peak_mem_gb": peak, "total_tokens": state.tokens,
                      "time": time.time(), **{f"share_{k}": v for k, v in sampler.source_shares().items()},
-                     **(engagement.fields(eng) if eng else {})})
+                     **(engagement.fields(eng) if eng else {}), **_host_fields()})
     if eng:  # a saving the plan counts that did not engage: one line naming it, exit 2 (the same on every rank)
         engagement.check(eng)
+
+
+def _host_fields() -> dict:
+    """This rank's page-locked host memory by path (base/host_arena.STATS), where a CUDA run locked any: the exact-size
+    registered slots the plan counts, and what a failed registration pinned instead (rounded: up to 2x)."""
+    s = host_arena.STATS
+    if not (s["registered_bytes"] or s["fallback_pinned_bytes"]):
+        return {}
+    return {"host_registered_gb": round(s["registered_bytes"] / 2**30, 3),
+            "host_fallback_pinned_gb": round(s["fallback_pinned_bytes"] / 2**30, 3), "host_fallbacks": s["fallbacks"]}
 
 
 def _save(run: Run, engine, stage, hf_config, state: TrainState, sampler, at_end: bool) -> None:
