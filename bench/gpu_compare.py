@@ -78,12 +78,18 @@ def planner_phases(model, length: int, choice: dict, device: str) -> dict:
                      "attention_backward": base + t["attention"]}
         if ckpt:
             layers[i]["recompute"] = base + t["recompute"]
-    pinned_names = ("params (partition)", "grads fp32 (partition)", "activation checkpoints")
+    from planner.memory_model import HOST_ARENA
+
+    # torch's pinned blocks (host_memory_stats) vs the host arena's exact-size registered slots (base/host_arena.py:
+    # not in host_memory_stats; the offloaded checkpoints go there unless the planner's HOST_ARENA is off)
+    arena_names = ("activation checkpoints",) if HOST_ARENA else ()
+    pinned_names = ("params (partition)", "grads fp32 (partition)") + (() if HOST_ARENA else ("activation checkpoints",))
     return {"resident": R, "resident_terms": dict(est.gpu), "phases": dict(ph), "layers": layers,
             "logits": R + ph["logits + loss"], "step": est.gpu_peak, "peak_phase": est.peak_phase,
             "terms": terms, "terms_checkpointed": terms_ck, "host_terms": dict(est.cpu_per_rank),
             "host": sum(est.cpu_per_rank.values()),
-            "pinned": sum(v for k, v in est.cpu_per_rank.items() if k in pinned_names) if device == "cuda" else 0}
+            "pinned": sum(v for k, v in est.cpu_per_rank.items() if k in pinned_names) if device == "cuda" else 0,
+            "arena": sum(v for k, v in est.cpu_per_rank.items() if k in arena_names) if device == "cuda" else 0}
 
 
 def read_probe(path: str) -> list[dict]:
@@ -140,7 +146,15 @@ def compare(probe: list[dict], plan: dict, n_layers: int) -> dict:
     host = {"pinned": _ratio(held, plan["pinned"]) | {"stats": last.get("pinned") or {}},
             "rss": _ratio(rss, plan["host"] + 2 * GiB) | {"note": "peak RSS against the planner's host terms + the "
                                                                   "2 GiB runtime plan.py assumes (--cpu_overhead_gb)"}}
+    # the host arena (bench/gpu_probe.py records base/host_arena.STATS and its path): the most it registered against
+    # the plan's exact bytes; a fallback to torch's rounded pinned blocks is a saving that did not engage
+    registered = max([(r.get("arena") or {}).get("registered_bytes", 0) for r in probe] or [0]) or None
+    arena_path = (last.get("arena") or {}).get("path")
+    fallbacks = max([(r.get("arena") or {}).get("fallbacks", 0) for r in probe] or [0])
+    if plan.get("arena") or registered:
+        host["arena"] = _ratio(registered, plan.get("arena")) | {"path": arena_path, "fallbacks": fallbacks}
+        host["arena"]["flag"] = host["arena"]["flag"] or bool(fallbacks) or arena_path not in (None, "registered")
     errors = sorted({e for r in probe for e in r.get("errors", [])})
     flags = [f"{r['phase']} L{r['layer']}" for r in rows if r["flag"]] + (["step"] if step["flag"] else []) + \
-        (["pinned"] if host["pinned"]["flag"] else [])
+        (["pinned"] if host["pinned"]["flag"] else []) + (["arena"] if host.get("arena", {}).get("flag") else [])
     return {"rows": rows, "step": step, "host": host, "probe_errors": errors, "flags": flags}

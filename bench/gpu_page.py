@@ -68,6 +68,11 @@ def _long(r: dict, title: str, what: str) -> list[str]:
                   f"{h['rss']['note']}: {_gib(h['rss']['measured_gib'])} GiB against {_gib(h['rss']['planner_gib'])} "
                   f"(x{h['rss']['ratio']})."
                   + (f" Pinned stats: {', '.join(f'{k} {v:,}' for k, v in stats.items())}." if stats else ""), ""]
+        if h.get("arena"):  # the offloaded checkpoints' exact-size registered slots (base/host_arena.py)
+            a = h["arena"]
+            lines += [f"Host arena (exact-size registered slots, outside the pinned stats): {_gib(a['measured_gib'])} GiB "
+                      f"against the planner's {_gib(a['planner_gib'])} (x{a['ratio']}), path {a['path']}, "
+                      f"{a['fallbacks']} fallbacks{' (**a saving that did not engage**)' if a['flag'] else ''}.", ""]
         if r.get("flags"):
             lines += [f"**Outside 10% of the planner**: {', '.join(r['flags'])}.", ""]
         if r.get("probe_errors"):

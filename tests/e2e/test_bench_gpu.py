@@ -131,3 +131,35 @@ def test_gpu_check_flags_and_host_figures():
     assert "| **1.2** (the planner's next fix) |" in text and "| 1.05 |" in text
     assert "tiled_mlp 2 / 2," in text and "norm_recompute 1 / 3 **NOT ENGAGED**" in text
     assert "_gib(" not in text and "num_host_alloc 3" in text
+
+
+def test_gpu_check_compares_the_host_arena_and_flags_its_fallback():
+    """A plan that offloads its checkpoints (the ladder's leanest rungs, the gap run): they go to the host arena's
+    exact-size registered slots (base/host_arena.py), which torch's pinned stats do not see, so the check compares
+    the probe's `arena` record with the planner's exact bytes and flags a fallback to torch's rounded pinned blocks
+    (a saving the plan counts that did not engage) or a wrong size; the pinned figure keeps ZeRO-3's blocks alone."""
+    from bench import gpu
+    from bench.gpu_compare import planner_phases
+    from bench.gpu_page import render
+    from planner.memory_model import GiB
+
+    shape, c, choice, _ = long_plan()
+    choice = {**choice, "offload_activations": True, "checkpoint_every": 1, "keep_attention": False}
+    plan = planner_phases(shape, gpu.LONG["gpu"], choice, "cuda")
+    assert plan["arena"] == 2 * gpu.LONG["gpu"] * shape.hidden_size * 2  # two checkpoints, exact bytes
+    assert plan["pinned"] > 0 and plan["arena"] not in (0, plan["pinned"])
+
+    def probe(arena):
+        return [{"phase": "forward", "layer": 0, "peak": GiB, "reserved": GiB, "peak_incl": GiB, "reserved_incl": GiB,
+                 "pid": 1, "rss": GiB, "pinned": {"allocated_bytes.current": int(plan["pinned"])}, "arena": arena}]
+
+    ok = gpu.compare(probe({"registered_bytes": plan["arena"], "fallbacks": 0, "path": "registered"}), plan, 2)
+    assert ok["host"]["arena"]["ratio"] == 1.0 and "arena" not in ok["flags"] and "pinned" not in ok["flags"]
+    fell = gpu.compare(probe({"registered_bytes": plan["arena"], "fallbacks": 1, "path": "pinned-fallback"}), plan, 2)
+    assert "arena" in fell["flags"]
+    text = render({"environment": {"device": "NVIDIA H200"}, "long": {
+        "model": "llama3_8b_shape_l2", "length": gpu.LONG["gpu"], "cap_gib": 78.5, "gpu_mem_gb": 80.0,
+        "budget_args": "--gpu_mem_gb 80.0", "exit_code": 0, "wall_s": 300.0, "step_s": 190.0, "steps_done": 1,
+        "memory_choice": choice, "engagement": {}, "kernel_errors": [],
+        "planner": {"resident_gib": 1.0, "terms_gib": {"consistent": True}}, **fell}})
+    assert "path pinned-fallback, 1 fallbacks (**a saving that did not engage**)" in text
