@@ -258,8 +258,7 @@ def layer_phase_terms(shape: ModelShape, tokens: int, sp: int, b: int, tiled_mlp
     "attention", "mlp", "norm": what its attention's / MLP's / a norm's backward holds beyond the saved sets (their
     own gradients included); "recompute" (a checkpointed layer): what re-running its forward holds beyond its saved set
     (the incoming gradient included); "transient": the largest of these}. `checkpointed`: the layer is one of
-    activation checkpointing's (its recompute counted, and its chunked attention's backward holds no projections of
-    earlier chunks, see below).
+    activation checkpointing's (its recompute counted).
     Measured per phase (2026-11-27, issue 43): the H200 run at 1M tokens (bench/results/gpu.json, Llama-3-8B width,
     2 layers, 16 head chunks, tiled lean MLP, layer 0 checkpointed) and the same phases of a small model on CPU by exact
     live bytes (bench/live_bytes.py; tests/unit/planner/test_phase_bytes.py), which agree in [T, h] units.
@@ -333,14 +332,13 @@ def layer_phase_terms(shape: ModelShape, tokens: int, sp: int, b: int, tiled_mlp
     if chunks > 1:  # chunked attention's backward: the incoming gradient and dx (2 [T, h]); the recomputed input x
         # takes the place of the post-attention norm's saved input, freed by then. H200, layer 0 (checkpointed):
         # 48.89 GiB measured where 3 [T, h] gave 59.92 (x0.816)
+        # The current chunk's projections are in the chunk's term; a finished chunk's are freed before the next
+        # chunk's backward, in a layer that kept its activations as in a checkpointed one. (Until 2026-11-27 they
+        # were not: head_chunks._KeepKernel answered the recomputed kernel call with the cached tensor itself, one
+        # of _Chunked's saved tensors, and autograd tied each chunk's graph and q, k, v to it until the backward
+        # returned: the H200's 72.14 GiB in layer 1 at 1M tokens, 16 chunks x 4 heads x [T, d] = 16 GiB above this
+        # term. Fixed; CPU exact live bytes: tests/unit/planner/test_phase_bytes.py.)
         terms["attention"] = 2 * hid + attn_grads
-        if not checkpointed:  # A layer that kept its activations holds the q, k, v projections of EVERY chunk until
-            # its attention's backward returns (model_utils/head_chunks._Chunked.backward: the kernel's saved outputs
-            # are answered as the recomputed call's outputs, autograd links them to that chunk's graph and its leaves
-            # q, k, v, and ctx's saved tensors keep that alive). H200, layer 1: 72.14 GiB measured where 67.92 was
-            # planned (the step's peak); at 1M tokens 16 chunks x 4 heads x [T, d] = 16 GiB. The current chunk's
-            # projections are in the chunk's term already.
-            terms["attention"] += (chunks - 1) * pre_c
     if checkpointed:  # re-running the forward in backward: the incoming gradient (1 [T, h]) + the forward's own
         # working set beyond the saved set it rebuilds: the MLP's input (the post-attention norm's output) and output
         # (2 [T, h]) with the tiled MLP's 4 tensors of a tile (gate, up, act, product) and 3 [rows, h], or the
