@@ -19,7 +19,8 @@ attention forward: the quadratic part), run the chunk's own backward, and accumu
 place (addmm_): no [T, h] tensor per chunk, and the chunk's q, k, v freed before the next chunk's projections. (The
 kernel is answered with fresh aliases of the saved outputs: answered with the saved tensors themselves, which autograd
 then tied to the chunk's graph, every chunk's q, k, v stayed alive until the backward returned, 16 GiB at 1M tokens
-with 16 chunks; tests/unit/model_utils/test_head_chunks_release.py.) Costs against unchunked attention: the chunk's projections and the q/k/v
+with 16 chunks; tests/unit/model_utils/test_head_chunks_release.py.)
+Costs against unchunked attention: the chunk's projections and the q/k/v
 all-to-all (and the output's all-to-all back) once more in backward, and n times the launches of each collective,
 each 1/n the bytes (Llama-3-8B at 1M tokens, SP 8, n = 4: 4 launches of 64 MB instead of 1 of 256 MB per all-to-all).
 A kernel that is not one of model_utils.memory.attention_ops (flex_attention's higher-order op, SDPA's math fallback)
