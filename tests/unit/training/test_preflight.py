@@ -189,8 +189,10 @@ def test_memlock_below_pinned_bytes_is_one_warning_line():
 
 
 def test_host_need_is_the_planners_offloaded_states():
-    """GPU run with optimizer and parameter offload: fp32 grads + master weights + Adam moments (16 B/param) and
-    the bf16 parameters (2 B/param), partitioned over the world: what training/memory_model.estimate says."""
+    """GPU run with optimizer and parameter offload: CPU Adam's fp32 master weights and moments (12 B/param, pageable)
+    and ZeRO-3's pinned requests (the bf16 parameters, the fp32 gradients per sub-group and the bf16 accumulation
+    buffer: planner.memory_model.zero3_pinned_requests, each block as the caching host allocator rounds it),
+    partitioned over the world: what planner.memory_model.estimate says."""
     cfg = parse_config(["--output_dir", "/tmp/unused", "--max_seq_length", "256"])
     stages = resolve_stages(cfg, dp_of_sp=lambda sp: 4)
     from model_utils.build import load_hf_config
@@ -199,7 +201,12 @@ def test_host_need_is_the_planners_offloaded_states():
     configs = preflight.check_stage_configs(cfg, stages, 4, bf16=True, hidden_size=arch.hidden_size)
     need = preflight.host_need(cfg, stages, 4, True, configs, arch, cpu_run=False)
     n = ModelShape.from_config(arch.to_dict()).num_params()
-    assert need["bytes"] == 2 * n // 4 + 4 * n // 4 + 12 * n // 4
+    from planner.memory_model import pinned_block_bytes, zero3_pinned_requests
+
+    pins = sum(pinned_block_bytes(x) for x in zero3_pinned_requests(ModelShape.from_config(arch.to_dict()), 4, 2,
+                                                                    True, True))
+    assert pins > 2 * n // 4 + 4 * n // 4  # the rounding and the accumulation buffer, beyond bytes per parameter
+    assert need["bytes"] == pins + 12 * n // 4
     assert need["pinned"] == need["bytes"]  # ds_configs/zero3_offload.json pins both offloads
     assert need["what"].startswith("offloaded params (partition)")
     cpu = preflight.host_need(cfg, stages, 4, True, configs, arch, cpu_run=True)
