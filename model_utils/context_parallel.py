@@ -226,5 +226,9 @@ def register(attn: str, group, cp: int, cp_rank: int, ring: bool = False) -> Non
     if ring and attn not in ring_attention.RING_BACKENDS:
         raise ValueError(f"ring_attention with attn_implementation {attn}: the ring runs on "
                          f"{list(ring_attention.RING_BACKENDS)}; use one of them or ring_attention false")
+    if ring and attn == "sdpa" and torch.cuda.is_available():  # the sdpa ring is the CPU / test path: fp32 scores of
+        # TILE_ROWS queries against a whole key block, which the plan does not count (16M on 8 x 4: 8 GiB a tile)
+        raise ValueError("ring_attention on a GPU runs flash_attention_2 (the sdpa ring is the CPU test path): install "
+                         "flash-attn (requirements-gpu.txt) or set ring_attention false")
     ALL_ATTENTION_FUNCTIONS[attn] = context_parallel(attn, attention._ORIGINAL[("attn", attn)], group, cp, cp_rank,
                                                      ring)

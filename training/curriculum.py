@@ -101,6 +101,8 @@ def _resolve_memory(cfg: Config, s: StageConfig, i: int, sl: int, sp, world: int
     if sp != "auto" and (not isinstance(sp, int) or sp < 1):
         raise ValueError(f"stage {i}: sequence_parallel_size {sp!r}: use an integer >= 1 or auto")
     device, usable = budget()
+    if device == "cuda" and "ring_attention" not in pinned and _gpu_without_flash(cfg):
+        pinned["ring_attention"] = False  # auto never picks the ring that context_parallel.register would refuse
     own = s.deepspeed_overrides or {}
     ds_json = _load(cfg.deepspeed)
     offloads = Features(**af.zero_offloads(_merge(ds_json, own).get("zero_optimization", {})),
@@ -129,6 +131,18 @@ def _resolve_memory(cfg: Config, s: StageConfig, i: int, sl: int, sp, world: int
                        "logits_tile_mb": f.logits_tile_mb or None, "attention_head_chunks": f.attention_head_chunks,
                        "ring_attention": f.ring_attention, "deepspeed_overrides": _merge(own, af.offload_overrides(choice, free)),
                        "memory_choice": record}
+
+
+def _gpu_without_flash(cfg: Config) -> bool:
+    """A real GPU run whose attention is not flash_attention_2 (flash-attn not installed, or another backend asked):
+    the context-parallel ring runs flash only there (model_utils/context_parallel.register). A dry run plans as asked."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    from model_utils.build import pick_attn_implementation
+
+    return pick_attn_implementation(cfg.attn_implementation) != "flash_attention_2"
 
 
 def device_budget(gpu_mem_gb: float, mem_cap_gb: float) -> tuple[str, int]:

@@ -6,6 +6,8 @@ semantics, equal the math kernel forward and backward, with no query left withou
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -181,3 +183,19 @@ def test_compare_reaches_16m_tokens_on_32_gpus_with_room():
 def test_ring_on_a_backend_without_its_kernel_is_refused_in_one_line(attn):
     with pytest.raises(ValueError, match=f"ring_attention with attn_implementation {attn}: .* ring_attention false"):
         cpm.register(attn, None, 2, 0, ring=True)
+
+
+def test_the_sdpa_ring_on_a_gpu_is_refused_and_auto_does_not_pick_it(monkeypatch):
+    """On a GPU the ring runs flash_attention_2: the sdpa ring (the CPU test path, fp32 score tiles the plan does not
+    count: 8 GiB a tile at 16M on 8 x 4) is refused in one line, and memory_features auto on a GPU without flash-attn
+    pins the ring off before it plans (training.curriculum._gpu_without_flash). A CPU run (and a dry run) keeps it."""
+    from training import curriculum
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ValueError, match="ring_attention on a GPU runs flash_attention_2 .* ring_attention false"):
+        cpm.register("sdpa", None, 2, 0, ring=True)
+    cfg = types.SimpleNamespace(attn_implementation="sdpa")
+    assert curriculum._gpu_without_flash(cfg)
+    assert not curriculum._gpu_without_flash(types.SimpleNamespace(attn_implementation="flash_attention_2"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not curriculum._gpu_without_flash(cfg)
