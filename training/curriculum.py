@@ -191,7 +191,12 @@ def agreed_budget(cfg: Config):
             # the host memory a rank's offloads may take (issue 43): what the job may still use on this node over its
             # ranks, less the runtime plan.py assumes per rank (--cpu_overhead_gb 2); agreed as the minimum too.
             # memory_features auto bounds the ZeRO and checkpoint offloads by it, as plan.py does (GPU runs only)
-            avail = job_memory_available() if device == "cuda" else None
+            # (a real GPU run only: a dry run, or one planned for GPUs on a machine without any, is not on the node it
+            # plans for, and this machine's memory would bound the target's offloads)
+            import torch
+
+            on_node = device == "cuda" and torch.cuda.is_available() and not getattr(cfg, "dry_run", False)
+            avail = job_memory_available() if on_node else None
             host = avail // max(1, gpus_per_node(cfg) or 1) - 2 * 2**30 if avail else 2.0**62
             got = comm.all_reduce([float(own), float(host)], op="min").tolist()
             agreed.append((device, int(got[0]), None if got[1] >= 2.0**62 else max(0, int(got[1]))))

@@ -524,7 +524,6 @@ def test_under_torchrun_the_limit_is_checked_where_the_store_lives(tmp_path, uli
     limit to the hard one and the job starts (the agent used to stay at 200: a start-up hang near 330 ranks at 1024).
     Soft = hard = 120, below 3 x 2 + 128 = 134: every rank refuses with the same line naming torchrun's agent (each
     rank used to check only its own limit)."""
-    import sys
 
     from tests.distributed import free_port
 

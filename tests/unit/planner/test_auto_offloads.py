@@ -184,9 +184,7 @@ def test_the_agreed_host_budget_reaches_the_chooser():
     the job's available memory on the node over its ranks, less 2 GiB of runtime, the minimum over ranks), as plan.py
     gives its own: a stage whose GPU budget needs the ZeRO offloads is refused in one line where the host cannot hold
     them, and planned where it can. Before, start-up never passed a host budget (the stage was planned either way)."""
-    from types import SimpleNamespace
 
-    from training.curriculum import agreed_budget
 
     tight = budget_for(lean_peak(LEAN)) - 2**20  # the offloads are needed
 
@@ -204,5 +202,25 @@ def test_the_agreed_host_budget_reaches_the_chooser():
     assert st.memory_choice["offload_why"].startswith("needed: ")
     with pytest.raises(ValueError, match="nothing fits"):
         with_host(2**20)
-    b = agreed_budget(SimpleNamespace(gpu_mem_gb=80.0, mem_cap_gb=0.0, gpus_per_node=8))  # one process: no collective
-    assert b()[0] == "cuda" and (b.host_bytes() is None or b.host_bytes() >= 0)
+
+def test_the_host_budget_is_the_nodes_own_on_a_gpu_run_only(monkeypatch):
+    """agreed_budget reads the job's host memory on a real GPU run (the node it plans for: available // ranks per node
+    - 2 GiB), and not on a dry run or a GPU plan made on a machine without a GPU: there this machine's memory would
+    bound the target's offloads (the Llama-3-8B recipe's dry run at --gpu_mem_gb 24 on a 24 GiB CPU box was refused
+    'nothing fits' with 7.09 of 19.8 GiB needed)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from base import host
+    from training.curriculum import agreed_budget
+
+    monkeypatch.setattr(host, "job_memory_available", lambda: 100 * 2**30)
+    cfg = SimpleNamespace(gpu_mem_gb=80.0, mem_cap_gb=0.0, gpus_per_node=8, dry_run=False)
+    b = agreed_budget(cfg)  # one process: no collective
+    assert b()[0] == "cuda" and b.host_bytes() is None  # no GPU here: not the node it plans for
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    b = agreed_budget(cfg)
+    assert b.host_bytes() == 100 * 2**30 // 8 - 2 * 2**30
+    b = agreed_budget(SimpleNamespace(**{**vars(cfg), "dry_run": True}))
+    assert b.host_bytes() is None
