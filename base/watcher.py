@@ -121,6 +121,14 @@ def raise_fd_limit() -> tuple[int, int]:
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return _raise_soft(soft, hard, lambda limits: resource.setrlimit(resource.RLIMIT_NOFILE, limits))
+
+
+def _raise_soft(soft: int, hard: int, set_limits) -> tuple[int, int]:
+    """(soft, want) after raising a soft RLIMIT_NOFILE to its hard limit through `set_limits((soft, hard))`; an
+    unlimited hard limit counts as the kernel's nr_open; a refused raise leaves the soft limit as it was."""
+    import resource
+
     want = hard
     if hard == resource.RLIM_INFINITY:
         try:
@@ -130,7 +138,7 @@ def raise_fd_limit() -> tuple[int, int]:
             want = max(soft, 1 << 20)
     if soft != resource.RLIM_INFINITY and soft < want:
         try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            set_limits((want, hard))
             soft = want
         except (ValueError, OSError):
             pass
@@ -188,19 +196,7 @@ def raise_fd_limit_of(pid: int) -> int | None:
         soft, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
     except (OSError, ValueError):
         return None
-    want = hard
-    if hard == resource.RLIM_INFINITY:
-        try:
-            with open("/proc/sys/fs/nr_open") as fh:
-                want = int(fh.read())
-        except (OSError, ValueError):
-            want = max(soft, 1 << 20)
-    if soft != resource.RLIM_INFINITY and soft < want:
-        try:
-            resource.prlimit(pid, resource.RLIMIT_NOFILE, (want, hard))
-            soft = want
-        except (ValueError, OSError):
-            pass
+    soft, want = _raise_soft(soft, hard, lambda limits: resource.prlimit(pid, resource.RLIMIT_NOFILE, limits))
     return want if soft == resource.RLIM_INFINITY else soft
 
 
