@@ -328,9 +328,10 @@ def evaluate_model(src: dict, a: argparse.Namespace, s: dict, dims) -> dict:
         out.update(heldout_loss(engine, dims, a.micro_batch, src["tok"].pad_id, src["heldout"], max(s["lengths"])))
     engine.destroy()
     rope = src["hf_config"].rope_parameters
-    print0(f"evaluated {src['path']} in {time.perf_counter() - t0:.1f}s: "
-           + ", ".join([f"{t} {m}" for t, m in out["task_mean"].items()]
-                       + [f"held-out conversation loss {out['heldout_chat_loss']:.4f}"] * ("heldout_chat_loss" in out))
+    said = [f"{t} {m}" for t, m in out["task_mean"].items()]
+    if "heldout_chat_loss" in out:  # only with --heldout (a KeyError on every plain run once)
+        said.append(f"held-out conversation loss {out['heldout_chat_loss']:.4f}")
+    print0(f"evaluated {src['path']} in {time.perf_counter() - t0:.1f}s: " + ", ".join(said)
            + f" (asked as {ASKED[src['chat']]})")
     return {"model": src["path"], "kind": src["kind"], **{k: src[k] for k in ("step", "stage") if src.get(k) is not None},
             "rope": rope, "tokenizer": src["tokenizer"], "chat": src["chat"], "lengths": s["lengths"], "depths": s["depths"],

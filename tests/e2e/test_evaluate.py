@@ -75,6 +75,18 @@ def test_evaluate_scores_what_the_run_scored(trained):
     assert (report / "heatmaps.png").stat().st_size > 20_000
 
 
+def test_the_plainest_run(tmp_path):
+    """The tool as a user first runs it: a model, its lengths, an output folder, no optional flag, one process (~13 s):
+    it evaluates and writes its report (the held-out conversation loss once broke this: KeyError without --heldout)."""
+    p = subprocess.run([sys.executable, EVALUATE, os.path.join(ROOT, "recipes/base/tiny_passkey256"), "--lengths", "256",
+                        "--output_dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    (model,) = json.loads((tmp_path / "eval.json").read_text())["models"]
+    assert set(model["tasks"]) == {"passkey"} and "heldout_chat_loss" not in model
+    assert "evaluated " in p.stdout + p.stderr and (tmp_path / "summary.md").is_file()
+
+
 @pytest.mark.parametrize("args, message", [
     (["missing_model", "--lengths", "256"], "missing_model: no such file or folder"),
     (["recipes/base/tiny_passkey256", "--lengths", "256,huge"], "--lengths '256,huge': use"),
