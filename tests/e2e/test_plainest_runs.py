@@ -1,0 +1,55 @@
+"""Every user-facing tool run the plainest way a user would, no optional flag (issue 47): so that an addition to one
+path cannot break the default again. train.py with nothing but an output folder (the built-in model and corpus, 100
+steps at 2048 tokens, one process, ~45 s), then scripts/export_hf.py RUN and scripts/eval_summary.py RUN on that run;
+scripts/prepare_data.py and scripts/plan.py with their required arguments only. scripts/evaluate.py's plainest run:
+tests/e2e/test_evaluate.py::test_the_plainest_run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.distributed import ROOT
+
+pytestmark = pytest.mark.dist
+ENV = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", WANDB_MODE="offline")
+TOK = os.path.join(ROOT, "recipes/base/tiny_passkey256/tokenizer.model")
+
+
+def tool(script: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    p = subprocess.run([sys.executable, os.path.join(ROOT, script), *args], cwd=ROOT, env=ENV, capture_output=True,
+                       text=True, timeout=timeout)
+    assert p.returncode == 0, f"{script}: {p.stdout[-2000:]}{p.stderr[-3000:]}"
+    return p
+
+
+def test_train_then_export_then_eval_summary(tmp_path):
+    run = tmp_path / "run"
+    tool("train.py", "--output_dir", str(run))  # the output folder only: every other setting is the default
+    steps = [json.loads(x)["step"] for x in open(run / "metrics.jsonl") if '"loss"' in x]
+    assert steps[-1] == 100 and (run / "COMPLETE").exists() and (run / "eval" / "stage0.json").is_file()
+    os.rename(run / "hf_model", tmp_path / "hf_by_train")
+    assert tool("scripts/export_hf.py", str(run)).stdout.strip().endswith("hf_model")
+    assert (run / "hf_model" / "config.json").is_file()
+    out = tool("scripts/eval_summary.py", str(run)).stdout
+    assert f"Evaluation of {run}" in out and "passkey" in out
+
+
+def test_prepare_data(tmp_path):
+    src = tmp_path / "corpus.jsonl"
+    src.write_text("".join(json.dumps({"text": f"document {i}: " + "words and more words " * 20}) + "\n"
+                           for i in range(50)))
+    tool("scripts/prepare_data.py", "--input", str(src), "--output", str(tmp_path / "prepared"),
+         "--tokenizer_name_or_path", TOK)
+    from data.store import Prepared
+
+    assert len(Prepared(str(tmp_path / "prepared")).lens) == 50
+
+
+def test_plan():
+    out = tool("scripts/plan.py", "--model", "llama3-8b", "--seq_len", "128k", timeout=120).stdout
+    assert "131072" in out or "128k" in out
