@@ -1,7 +1,7 @@
 """The descriptor limit (base/watcher.py raise_fd_limit / raise_fd_limit_of, base/comm.py's refusal): every rank and
 the store's host raise RLIMIT_NOFILE to the hard limit; under torchrun rank 0 raises the agent that hosts the store;
-a limit the world cannot fit is refused in one line before any work (slow: a real launch and a real torchrun). The
-fast refusal through the abort channel's store is in test_watcher.py (it uses that file's fake-clock channel)."""
+a limit the world cannot fit is refused in one line before any work: through the abort channel's store
+(tests/unit/base/fake_channel.py), and slow, a real launch and a real torchrun."""
 
 from __future__ import annotations
 
@@ -10,8 +10,14 @@ import subprocess
 
 import pytest
 
-from base import watcher
+from base import comm, watcher
 from tests.distributed import ROOT
+from tests.unit.base.fake_channel import open_fake_channel
+
+
+@pytest.fixture
+def channel(monkeypatch):
+    yield from open_fake_channel(monkeypatch)
 
 
 def test_every_rank_raises_its_descriptor_limit_to_the_hard_limit():
@@ -59,6 +65,21 @@ print(os.getpid(), *out, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
     agent_pid, found, raised, other, after = got.stdout.split()
     assert found == agent_pid and other == "None", got.stdout + got.stderr
     assert int(raised) == int(after) > 64, got.stdout  # the agent's own soft limit, raised by its child
+
+
+def test_a_world_the_store_cannot_hold_is_refused_in_one_line(channel):
+    """The store's host publishes the descriptors it may hold; every rank compares them with 3 per rank of its
+    WORLD_SIZE (the same number and world on every rank: the same decision) and refuses before any work."""
+    make, _, server = channel
+    assert watcher.store_fds(512) == 3 * 512 + 128
+    comm.publish_fd_limit(server, 1024)
+    w1, _ = make(1, 512)
+    line = comm.fd_refusal(w1.store, 512, 1, 20000)
+    assert line.startswith("the job's store (hosted by rank 0, or node 0's launcher) may open only 1024 file "
+                           "descriptors (its hard limit, `ulimit -Hn`) but needs 1664 for this world"), line
+    assert "ulimit -n 1664" in line and "LimitNOFILE" in line and "PropagateResourceLimits" in line
+    assert comm.fd_refusal(w1.store, 256, 1, 20000) is None  # 3 x 256 + 128 = 896 fit
+    assert "rank 1 " in comm.fd_refusal(w1.store, 256, 1, 300)  # this rank's own limit: 256 + 256 peers' sockets
 
 
 @pytest.mark.slow  # fast siblings: test_a_world_the_store_cannot_hold_is_refused_in_one_line, ..._raises_its_descriptor_limit
