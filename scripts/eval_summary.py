@@ -18,9 +18,6 @@ import json
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
 
 def records(output_dir: str) -> list[dict]:
     """The stages' evaluation records, in stage order; ValueError (one line) when there are none."""

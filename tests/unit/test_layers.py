@@ -84,6 +84,37 @@ def test_no_upward_imports_and_siblings_apart():
     assert not bad, "imports that go up (or across siblings):\n" + "\n".join(sorted(bad))
 
 
+def sys_path_edits(path: str) -> list[int]:
+    """Lines of `path` that change the import path: sys.path assigned, augmented or indexed into, any call of a
+    sys.path method (insert, append, extend, remove, ...), site.addsitedir."""
+    tree = ast.parse(open(path).read(), path)
+
+    def is_sys_path(node) -> bool:
+        return isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name) \
+            and node.value.id == "sys"
+
+    lines = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        if any(is_sys_path(t) or isinstance(t, ast.Subscript) and is_sys_path(t.value) for t in targets):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and (
+                is_sys_path(node.func.value) or node.func.attr == "addsitedir"):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_nothing_edits_sys_path_outside_tests():
+    """The project is installed (`pip install -e .`, scripts/setup.sh; pyproject.toml's packages), so the library,
+    train.py, scripts/ and bench/ import it as installed; only tests may put stand-ins on the path. (The upward-import
+    rule above covers scripts/ too: LAYERS places them at 5, with train.py.) Failed on scripts/eval_summary.py's
+    `sys.path.insert(0, ROOT)` before it was removed."""
+    bad = [f"{os.path.relpath(p, ROOT)}:{line}" for m, p in modules().items() if not m.startswith("tests")
+           for line in sys_path_edits(p)]
+    assert not bad, "sys.path edited outside tests:\n" + "\n".join(bad)
+
+
 def test_no_import_cycles():
     g = graph()
     seen, stack, cycles = set(), [], []
