@@ -1,11 +1,6 @@
 """Chat data: a conversation row -> token ids plus a per-token loss mask, through the tokenizer's own template.
 
-Row formats (one JSON object / table row; `row_format` tells them apart by their keys):
-- OpenAI `messages`: [{"role": "system" | "user" | "assistant" | "tool", "content": str}, ...], multi-turn;
-  an assistant message may carry `tool_calls` (passed on to the template) with an empty content;
-- ShareGPT `conversations`: [{"from": "human" | "gpt" | "system" | "tool" | ..., "value": str}, ...];
-- `prompt` / `completion`: two strings (plain text, encoded one after the other, EOS appended), or two
-  message lists (TRL's conversational form: the prompt's messages, then the completion's).
+Rows (OpenAI `messages`, ShareGPT `conversations`, `prompt` / `completion`) are read by data/chat_rows.py.
 
 What gets loss (`loss_on`, the mask: 1 = the token is a target, predicted from the token before it):
 - `assistant` (default for chat rows): each assistant reply's tokens and its end-of-turn token, nothing of the
@@ -13,126 +8,54 @@ What gets loss (`loss_on`, the mask: 1 = the token is a target, predicted from t
 - `completion` (default for prompt/completion): the completion only (with messages: its assistant turns);
 - `all`: every token.
 
-How an assistant reply is found, by tokens, never by searching the text for the reply (a reply repeated in a
-user turn, or a reply that is a substring of the header, would be found in the wrong place):
+Which template: the tokenizer's own (`auto`); of named templates (Command-R, Hermes-2-Pro ship `default`,
+`tool_use`, `rag`) the `default`, or the one named (`--chat_template tool_use`); `chatml` forces the documented
+default below; `none` refuses chat rows when the tokenizer has no template. A set of named templates without
+`default`, or a name it lacks: one line before any work.
+
+How an assistant reply is found, by tokens, never by searching the conversation's text for the reply (a reply
+repeated in a user turn would be found in the wrong place):
 1. a template with `{% generation %}` markers: Hugging Face's own `return_assistant_tokens_mask`;
-2. any other template (Llama 3, Qwen/ChatML, Mistral, Gemma, SmolLM as shipped): incremental prefix renders.
-   For assistant turn k, `head = render(messages[:k], add_generation_prompt=True)` ends with the assistant's
-   header, `turn = render(messages[:k+1])` ends with the reply and its end-of-turn; both tokenized, the reply
-   is `turn[len(head):]` where the whole conversation's tokens continue them (checked token by token: the first
-   token where head and the conversation differ starts the reply, in case the tokenizer merged across the
-   header's end). Template text after the end-of-turn token inside the turn (ChatML's "\n") gets no loss: the
-   model stops at the end-of-turn token and never generates it. A template that renders a turn differently once
-   later turns follow (Qwen3 drops earlier reasoning, Mistral v0.3 moves the system prompt into the last user
-   turn) keeps the header test; the reply then ends at its first end-of-turn token in the whole conversation
-   (`_rewritten_end`). A turn whose header still cannot be located gets no loss and is counted
-   (`untrained_turns`); a row with none located is a bad row (Mistral v0.3 with a system prompt: its template
-   drops the system prompt from a conversation that ends with a reply, so no prefix render matches).
+2. any other template: incremental prefix renders. For assistant turn k, `head = render(messages[:k],
+   add_generation_prompt=True)` ends with the assistant's header; the reply starts where the whole conversation's
+   tokens stop following it (the first differing token, in case the tokenizer merged across the header's end). A
+   generation prompt longer than the header inside the conversation (DeepSeek-R1's `<｜Assistant｜><think>\n`)
+   counts as far as the conversation follows it past the earlier messages. The reply ends at its template's
+   end-of-turn token: the control token(s) the template writes right after a reply's text, read once from a
+   probe conversation (mid-conversation and last: Phi-3 `<|end|>`, gpt-oss `<|end|>` and `<|return|>`), the first
+   one after the reply's text, within the turn rendered alone. Never "the last control token of the turn rendered
+   alone": Phi-3 / OLMo-3 end the conversation with an EOS, gpt-oss with `<|return|>`, which inside the conversation
+   is the conversation's end. A turn the template ends with another control token (gpt-oss's `<|call|>` after a
+   tool call) ends at the turn's own last one, where the turn is a prefix of the conversation. Template text after
+   the end-of-turn token (ChatML's "\n", Phi-3's trailing EOS) gets no loss: the model stops at the end-of-turn.
+   Every span is checked: its text holds the reply's text (past a `</think>`, which R1 / Qwen3 templates drop)
+   and each tool call's name; a template that does not render tool calls (Llama 3.0, SmolLM2) is a refused row,
+   never an empty reply trained. A reply holding the text of its end-of-turn token (`<|im_end|>` quoted in prose)
+   gets no loss: it is tokenized as the control token (as TRL and inference servers do) and the model would learn to
+   stop inside it. A turn not located (also: one the template refuses to render up to, like an assistant turn
+   first) gets no loss and is counted (`untrained_turns`); a row with none located is a bad row, with the reason.
 3. a tokenizer without a template (the demo's sentencepiece model, a base model's HF tokenizer): the documented
    default, ChatML built token by token: `<|im_start|>{role}\n` + content + end-of-turn + `\n`, the end-of-turn
    being the vocabulary's `<|im_end|>` token when it has one, else its EOS token (a base model then learns to
-   stop where it already stops). `--chat_template chatml` forces it; `--chat_template none` refuses such rows.
+   stop where it already stops). It renders no tool calls: such a row is refused.
 
 Cost: the prefix renders tokenize each assistant turn's prefix twice: O(turns x length) tokens per conversation
-(measured here: an 80k-token conversation with 25 replies takes 2.7 s of one core, one render 0.1 s; a 128k one
-with 50 replies ~10 s); preparation is offline and parallel (`prepare_data --workers N`), so the training job
-pays nothing. The mask is stored as one
-uint8 per token beside the tokens (data/store.py), read with them.
+(an 80k-token conversation with 25 replies ~2.7 s of one core); preparation is offline and parallel
+(`prepare_data --workers N`), so the training job pays nothing. The mask is stored as one uint8 per token beside
+the tokens (data/store.py). The sweep over every family's template: `python -m data.chat_sweep` (docs/sft.md).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import random
-
 import numpy as np
 
-ROLES = ("system", "user", "assistant", "tool")
-SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant",
-                  "tool": "tool", "observation": "tool", "function_response": "tool", "ipython": "tool"}
+from data.chat_demo import build_demo_chats, demo_conversation  # noqa: F401  (python -m data.chat OUT.jsonl)
+from data.chat_rows import ROLES, SHAREGPT_ROLES, RowError, normalize, row_format  # noqa: F401
+from data.chat_rows import message as _message
+
 LOSS_ON = ("auto", "assistant", "completion", "all")
-CHAT_KEYS = ("messages", "conversations", "prompt")
-
-
-class RowError(ValueError):
-    """A row that cannot be used (bad shape, no assistant turn, a template that refuses it): a bad row."""
-
-
-def row_format(obj: dict) -> str | None:
-    """`messages` | `conversations` | `pair` for a chat row, None for anything else (text, input_ids)."""
-    if "messages" in obj:
-        return "messages"
-    if "conversations" in obj:
-        return "conversations"
-    if "prompt" in obj and "completion" in obj:
-        return "pair"
-    return None
-
-
-def _message(m, i: int) -> dict:
-    if not isinstance(m, dict):
-        raise RowError(f"message {i}: expected an object with role and content, got {type(m).__name__}")
-    role = m.get("role")
-    if role not in ROLES:
-        raise RowError(f"message {i}: role {role!r}; expected one of {list(ROLES)}")
-    content = m.get("content")
-    if content is None and role == "assistant" and m.get("tool_calls"):
-        content = ""
-    if not isinstance(content, str):
-        raise RowError(f"message {i} ({role}): content must be a string, got {type(content).__name__}")
-    out = {"role": role, "content": content}
-    for k in ("tool_calls", "name", "tool_call_id", "reasoning_content"):
-        if m.get(k) is not None:
-            out[k] = m[k]
-    return out
-
-
-def _sharegpt(turns) -> list[dict]:
-    if not isinstance(turns, list):
-        raise RowError(f"conversations: expected a list of {{from, value}}, got {type(turns).__name__}")
-    out = []
-    for i, t in enumerate(turns):
-        if not isinstance(t, dict) or "from" not in t:
-            raise RowError(f"conversations[{i}]: expected {{\"from\": ..., \"value\": ...}}, got {t!r:.60}")
-        role = SHAREGPT_ROLES.get(str(t["from"]).lower())
-        if role is None:
-            raise RowError(f"conversations[{i}]: from {t['from']!r}; expected one of {sorted(SHAREGPT_ROLES)}")
-        out.append(_message({"role": role, "content": t.get("value")}, i))
-    return out
-
-
-def normalize(obj: dict) -> tuple[str, list[dict] | tuple[str, str], int]:
-    """(kind, conversation, first supervised message) of a chat row: kind `chat` with its messages (`first` = the
-    index of the first message a `completion` loss covers: 0, or the prompt's length for conversational pairs)
-    or `text_pair` with (prompt, completion). RowError on a malformed row."""
-    fmt = row_format(obj)
-    if fmt == "pair":
-        p, c = obj["prompt"], obj["completion"]
-        if isinstance(p, str) and isinstance(c, str):
-            return "text_pair", (p, c), 0
-        if isinstance(p, list) and isinstance(c, list):
-            msgs = [_message(m, i) for i, m in enumerate(p + c)]
-            return "chat", _checked(msgs), len(p)
-        raise RowError("prompt/completion: expected two strings or two lists of messages, got "
-                       f"{type(p).__name__} and {type(c).__name__}")
-    if fmt == "messages":
-        if not isinstance(obj["messages"], list):
-            raise RowError(f"messages: expected a list, got {type(obj['messages']).__name__}")
-        return "chat", _checked([_message(m, i) for i, m in enumerate(obj["messages"])]), 0
-    if fmt == "conversations":
-        return "chat", _checked(_sharegpt(obj["conversations"])), 0
-    raise RowError(f"not a chat row: expected one of {list(CHAT_KEYS)} (prompt with completion), got keys {sorted(obj)}")
-
-
-def _checked(msgs: list[dict]) -> list[dict]:
-    if not any(m["role"] == "assistant" for m in msgs):
-        raise RowError("no assistant turn: nothing to train on")
-    return msgs
-
-
-# ------------------------------------------------------------------ encoders
+_PROBE = [{"role": "user", "content": "Probe question one?"}, {"role": "assistant", "content": "Probe answer one."},
+          {"role": "user", "content": "Probe question two?"}, {"role": "assistant", "content": "Probe answer two."}]
 
 
 def _lcp(a: list[int], b: list[int]) -> int:
@@ -142,22 +65,43 @@ def _lcp(a: list[int], b: list[int]) -> int:
     return int(diff[0]) if len(diff) else n
 
 
+def pick_template(own, template: str, path: str) -> str | None:
+    """The template text a ChatEncoder renders with: None for the ChatML default. `own` is the tokenizer's
+    `chat_template` (a string, a dict of named templates, or None); `template` is auto | chatml | none | a name."""
+    if template == "chatml":
+        return None
+    if isinstance(own, dict):
+        name = "default" if template in ("auto", "none") else template
+        if name not in own:
+            lack = "none is named `default`" if name == "default" else f"none is named {name!r}"
+            raise ValueError(f"tokenizer {path} ships named chat templates {sorted(own)} and {lack}: name one with "
+                             "--chat_template NAME")
+        return own[name]
+    if template not in ("auto", "none"):
+        raise ValueError(f"--chat_template {template!r}: tokenizer {path} has no named templates; use auto, chatml "
+                         "or none")
+    return own or None
+
+
 class ChatEncoder:
     """`encode(obj) -> (ids, mask, stats)` for one chat row, with one tokenizer (data/tokenizer.py's `Tokenizer`).
 
-    `template`: `auto` (the tokenizer's own, else the ChatML default), `chatml` (the default, always) or `none`
-    (the tokenizer's own, else refuse the row)."""
+    `template`: `auto` (the tokenizer's own: its `default` when it ships named ones; else the ChatML default),
+    `chatml` (the default, always), `none` (the tokenizer's own, else refuse the row) or the name of one of the
+    tokenizer's named templates."""
 
     def __init__(self, tokenizer, loss_on: str = "auto", template: str = "auto"):
         if loss_on not in LOSS_ON:
             raise ValueError(f"--loss_on {loss_on!r}: use one of {list(LOSS_ON)}")
-        if template not in ("auto", "chatml", "none"):
-            raise ValueError(f"--chat_template {template!r}: use auto, chatml or none")
         self.tok, self.loss_on = tokenizer, loss_on
         hf = getattr(tokenizer, "hf", None)
         own = getattr(hf, "chat_template", None) if hf is not None else None
-        self.hf = hf if (own and template != "chatml") else None
-        self.markers = bool(self.hf is not None and "{% generation %}" in own.replace("{%- generation", "{% generation"))
+        if not isinstance(template, str) or not template:
+            raise ValueError(f"--chat_template {template!r}: use auto, chatml, none or a named template's name")
+        self.template = pick_template(own, template, tokenizer.path)
+        self.hf = hf if self.template else None
+        self.markers = bool(self.hf is not None and "{% generation %}" in self.template.replace("{%- generation",
+                                                                                              "{% generation"))
         if self.hf is None and template == "none":
             self.refusal = (f"tokenizer {tokenizer.path} has no chat template (--chat_template none): give one with a "
                             "template, or --chat_template chatml for the documented default")
@@ -170,14 +114,48 @@ class ChatEncoder:
         unk = getattr(hf, "unk_token_id", None) if hf is not None else None
         self.default_eot = im_end if isinstance(im_end, int) and im_end >= 0 and im_end != unk else tokenizer.eos_id
         self.kind = "markers" if self.markers else "prefix" if self.hf is not None else "chatml"
+        self._eot = None
 
     # ---- rendering
-    def _render(self, msgs: list[dict], gen: bool = False) -> list[int]:
+    def _text(self, msgs: list[dict], gen: bool = False) -> str:
         try:
-            text = self.hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+            return self.hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen,
+                                               chat_template=self.template)
         except Exception as e:  # jinja's raise_exception (roles must alternate, no system role, ...)
             raise RowError(f"the chat template refuses this conversation: {str(e).splitlines()[0][:160]}") from None
-        return self.tok.encode(text)
+
+    def _render(self, msgs: list[dict], gen: bool = False) -> list[int]:
+        return self.tok.encode(self._text(msgs, gen))
+
+    def _names(self) -> dict[str, int]:
+        """The control tokens' texts -> ids."""
+        return {n: i for i in self.special if (n := self.hf.convert_ids_to_tokens(i))}
+
+    @property
+    def eot(self) -> np.ndarray:
+        """The ids that end an assistant reply in this template: the control token written right after a probe
+        reply's text (the reply mid-conversation and last), read once; the EOS when the probe shows none."""
+        if self._eot is None:
+            names, found = self._names(), set()
+            for msgs in (_PROBE, [{"role": "system", "content": "Probe system."}] + _PROBE):
+                try:
+                    text = self._text(msgs)
+                except RowError:
+                    continue
+                for reply in ("Probe answer one.", "Probe answer two."):
+                    at = text.find(reply)
+                    if at < 0:
+                        continue
+                    j = at + len(reply)
+                    while j < len(text) and text[j].isspace():
+                        j += 1
+                    hit = max((n for n in names if text.startswith(n, j)), key=len, default=None)
+                    if hit:
+                        found.add(names[hit])
+                if found:
+                    break
+            self._eot = np.array(sorted(found or {self.tok.eos_id}), dtype=np.int64)
+        return self._eot
 
     def encode(self, obj: dict) -> tuple[list[int], np.ndarray, dict]:
         kind, conv, first = normalize(obj)
@@ -192,17 +170,24 @@ class ChatEncoder:
         loss_on = "assistant" if self.loss_on == "auto" and first == 0 else "completion" if self.loss_on == "auto" \
             else self.loss_on
         wanted = [k for k, m in enumerate(conv) if m["role"] == "assistant" and (loss_on != "completion" or k >= first)]
+        if self.kind == "chatml" and any(conv[k].get("tool_calls") for k in wanted):
+            k = next(k for k in wanted if conv[k].get("tool_calls"))
+            raise RowError(f"message {k} (assistant): tool calls, and the ChatML default (the tokenizer has no "
+                           "template) renders none: give a tokenizer whose template renders tool_calls")
         if loss_on == "all":  # no span to find: the rendering alone
             ids = self._chatml(conv)[0] if self.kind == "chatml" else self._render(conv)
             return ids, np.ones(len(ids), np.uint8), {"untrained_turns": 0}
+        why = {}
         if self.kind == "chatml":
             ids, spans = self._chatml(conv)
         elif self.kind == "markers":
             ids, spans = self._markers(conv)
             if spans is None:  # the markers do not give one run per assistant turn: find the turns by prefixes
-                ids, spans = self._prefix(conv, wanted)
+                ids, spans, why = self._prefix(conv, wanted)
+            else:
+                spans = {k: s for k, s in spans.items() if self._shows(ids, s[0], s[1], conv[k])}
         else:
-            ids, spans = self._prefix(conv, wanted)
+            ids, spans, why = self._prefix(conv, wanted)
         mask = np.zeros(len(ids), np.uint8)
         untrained = 0
         for k in wanted:
@@ -212,10 +197,85 @@ class ChatEncoder:
                 continue
             mask[span[0]:span[1]] = 1
         if not mask[1:].any():
-            raise RowError(f"none of the {untrained} assistant turn(s) could be located: the template renders the "
-                           "turns differently once later ones follow (Mistral v0.3 drops a system prompt unless a "
-                           "user turn is last); docs/sft.md")
+            reason = next(iter(why.values()), "its span does not show its text")
+            raise RowError(f"none of the {untrained} assistant turn(s) could be located in {self.tok.path}'s template: "
+                           f"{reason}; docs/sft.md")
         return ids, mask, {"untrained_turns": untrained}
+
+    # ---- where a reply is
+    def _shows(self, ids: list[int], a: int, e: int, msg: dict) -> bool:
+        """Whether ids[a:e] shows the reply: its text (past a `</think>`, which R1 / Qwen3 templates drop from the
+        content) and each tool call's name. One token before `a` too: a reply merged into the header's last token."""
+        text = self.tok.hf.decode(ids[max(a - 1, 0):e], clean_up_tokenization_spaces=False)
+        want = msg["content"].split("</think>")[-1].strip()
+        if want and want not in text:
+            return False
+        return all(_call_name(c) in text for c in msg.get("tool_calls") or [])
+
+    def _header_end(self, conv: list[dict], k: int, head: list[int], full: list[int]) -> int | None:
+        """Where turn k's reply starts in `full`: the end of its header, None where the header is not there."""
+        a = _lcp(head, full)
+        if len(head) - 1 <= a < len(full):
+            return a
+        # a generation prompt longer than the header inside the conversation (DeepSeek-R1's `<｜Assistant｜><think>\n`):
+        # the header is what the conversation follows of it past the earlier messages
+        try:
+            prev = self._render(conv[:k]) if k else []
+        except RowError:
+            prev = []
+        return a if _lcp(prev, full) < a < len(full) else None
+
+    def _prefix(self, conv: list[dict], wanted: list[int]) -> tuple[list[int], dict, dict]:
+        full = self._render(conv)
+        arr = np.asarray(full)
+        eot_names = [n for n, i in self._names().items() if i in set(self.eot.tolist())]
+        spans, why = {}, {}
+        for k in wanted:
+            msg = conv[k]
+            try:
+                head = self._render(conv[:k], gen=True)
+                turn = self._render(conv[:k + 1])
+            except RowError as e:  # e.g. an assistant turn first: the template refuses to render what is before it
+                why[k] = f"message {k}: {e}"
+                continue
+            a = self._header_end(conv, k, head, full)
+            if a is None:
+                why[k] = (f"message {k}: its header renders differently alone than in the conversation (Mistral v0.3 "
+                          "drops a system prompt unless a user turn is last)")
+                continue
+            prefix = _lcp(turn, full) == len(turn)
+            if msg.get("tool_calls") and not all(_call_name(c) in self.tok.hf.decode(turn[a:]) for c in msg["tool_calls"]):
+                raise RowError(f"message {k} (assistant): the chat template does not render its tool call(s) "
+                               f"{[_call_name(c) for c in msg['tool_calls']]}, so an empty reply would be trained: use "
+                               "a template that renders tool_calls, or drop the calls")
+            if any(n in msg["content"] for n in eot_names):
+                why[k] = (f"message {k}: its text holds an end-of-turn token's text "
+                          f"{[n for n in eot_names if n in msg['content']]}, tokenized as that token")
+                continue
+            end = self._end(full, arr, a, len(turn) + (0 if prefix else 1), msg)
+            if end is None and prefix:  # a turn ended by another control token (gpt-oss's <|call|>)
+                end = self._trim(turn, a, len(turn))
+                end = end if self._shows(full, a, end, msg) else None
+            if end is None:
+                why[k] = f"message {k}: no end-of-turn token {self.tok.hf.convert_ids_to_tokens(self.eot.tolist())} after its text"
+                continue
+            spans[k] = (a, end)
+        return full, spans, why
+
+    def _end(self, full: list[int], arr: np.ndarray, a: int, bound: int, msg: dict) -> int | None:
+        """One past the first end-of-turn token at or after `a` (before `bound`) whose span shows the reply (gpt-oss
+        writes a last reply's reasoning as its own message, ended by <|end|>, before the answer)."""
+        for i in (np.flatnonzero(np.isin(arr[a:bound], self.eot)) + a)[:16].tolist():
+            if self._shows(full, a, i + 1, msg):
+                return i + 1
+        return None
+
+    def _trim(self, turn: list[int], a: int, b: int) -> int:
+        """End of the reply: after the last special token of turn[a:b] (its end-of-turn); b when there is none."""
+        for i in range(b - 1, a - 1, -1):
+            if turn[i] in self.special:
+                return i + 1
+        return b
 
     def encode_long(self, messages: list[dict], at: int) -> tuple[list[int], np.ndarray]:
         """(ids, mask) of `messages` (OpenAI form) whose message `at` is long (a haystack): what `encode` gives, with
@@ -256,15 +316,13 @@ class ChatEncoder:
         post mask)) of the placeholder render, or None where splicing would not give `encode`'s tokens."""
         ph = self.PLACEHOLDER
         try:
-            text = self.hf.apply_chat_template([{**m, "content": ph} if k == at else m for k, m in enumerate(conv)],
-                                               tokenize=False)
-        except Exception:
+            text = self._text([{**m, "content": ph} if k == at else m for k, m in enumerate(conv)])
+        except RowError:
             return None  # encode says why, in its own words
         if text.count(ph) != 1 or content.count(ph):
             return None
         probe = content if len(content) <= 512 else content[:256] + content[-256:]
-        shown = self.hf.apply_chat_template([{**m, "content": probe} if k == at else m for k, m in enumerate(conv)],
-                                            tokenize=False)
+        shown = self._text([{**m, "content": probe} if k == at else m for k, m in enumerate(conv)])
         if shown != text.replace(ph, probe):  # the template changes the content (trims it, ...): render it whole
             return None
         a, b = self._hard_cuts(text)
@@ -293,7 +351,8 @@ class ChatEncoder:
 
     def _markers(self, conv: list[dict]) -> tuple[list[int], dict | None]:
         try:
-            out = self.hf.apply_chat_template(conv, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+            out = self.hf.apply_chat_template(conv, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+                                              chat_template=self.template)
         except Exception as e:
             raise RowError(f"the chat template refuses this conversation: {str(e).splitlines()[0][:160]}") from None
         ids, m = list(out["input_ids"]), np.asarray(out["assistant_masks"], dtype=np.uint8)
@@ -305,83 +364,11 @@ class ChatEncoder:
             return ids, None
         return ids, dict(zip(turns, runs))
 
-    def _trim(self, turn: list[int], a: int, b: int) -> int:
-        """End of the reply: after the last special token of turn[a:b] (its end-of-turn); b when there is none."""
-        for i in range(b - 1, a - 1, -1):
-            if turn[i] in self.special:
-                return i + 1
-        return b
 
-    def _prefix(self, conv: list[dict], wanted: list[int]) -> tuple[list[int], dict]:
-        full = self._render(conv)
-        spans = {}
-        for k in wanted:
-            head = self._render(conv[:k], gen=True)
-            turn = self._render(conv[:k + 1])
-            a = _lcp(head, full)
-            if a < len(head) - 1 or a >= len(full):
-                continue  # the template renders the earlier turns or the header differently here: not located
-            b = _lcp(turn, full)
-            if b == len(turn):  # the turn is a prefix of the whole conversation
-                end = self._trim(turn, a, len(turn))
-            else:
-                end = self._rewritten_end(turn, full, a)
-            if end is not None and end > a:
-                spans[k] = (a, end)
-        return full, spans
-
-    def _rewritten_end(self, turn: list[int], full: list[int], a: int) -> int | None:
-        """The reply's end in `full` when the template renders this turn differently once later turns follow:
-        its first end-of-turn token (the last special token of the turn rendered alone) at or after `a`."""
-        eot = next((t for t in reversed(turn[a:]) if t in self.special), None)
-        if eot is None:
-            return None
-        for i in range(a, len(full)):
-            if full[i] == eot:
-                return i + 1
-        return None
-
-
-# ------------------------------------------------------------------ the demo's chat set
-
-
-_WORDS = ("apple", "river", "candle", "forest", "mirror", "silver", "garden", "planet", "window", "tiger", "bottle",
-          "castle", "dragon", "engine", "feather", "guitar", "harbor", "island", "jacket", "lemon", "marble", "needle",
-          "orange", "pencil", "rocket", "saddle", "tunnel", "violin", "wallet", "yellow")
-
-
-def demo_conversation(rng: random.Random) -> dict:
-    """One synthetic conversation a tiny model learns in minutes: repeat, reverse or count a list of words, over
-    1-3 turns, in one of the three row formats (so the demo exercises all three readers)."""
-    msgs = [{"role": "system", "content": "You are a careful assistant."}] if rng.random() < 0.5 else []
-    for _ in range(rng.randint(1, 3)):
-        words = rng.sample(_WORDS, rng.randint(2, 5))
-        op = rng.choice(("Repeat", "Reverse", "Count"))
-        reply = (" ".join(words) if op == "Repeat" else " ".join(reversed(words)) if op == "Reverse"
-                 else f"{len(words)} words")
-        msgs += [{"role": "user", "content": f"{op} these words: {' '.join(words)}"},
-                 {"role": "assistant", "content": reply}]
-    form = rng.random()
-    if form < 0.6:
-        return {"messages": msgs}
-    if form < 0.85:
-        names = {"system": "system", "user": "human", "assistant": "gpt"}
-        return {"conversations": [{"from": names[m["role"]], "value": m["content"]} for m in msgs]}
-    return {"prompt": msgs[:-1], "completion": msgs[-1:]}
-
-
-def build_demo_chats(path: str, n: int = 4000, seed: int = 0) -> str:
-    """Write `n` demo conversations as JSONL at `path` (atomic; kept when it exists)."""
-    if os.path.exists(path):
-        return path
-    rng = random.Random(seed)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as fh:
-        for _ in range(n):
-            fh.write(json.dumps(demo_conversation(rng)) + "\n")
-    os.replace(tmp, path)
-    return path
+def _call_name(call: dict) -> str:
+    """A tool call's function name (OpenAI `{"function": {"name": ...}}` or a bare `{"name": ...}`)."""
+    fn = call.get("function", call) if isinstance(call, dict) else {}
+    return str(fn.get("name", "")) if isinstance(fn, dict) else ""
 
 
 if __name__ == "__main__":  # python -m data.chat OUT.jsonl [N]: the demo's chat set

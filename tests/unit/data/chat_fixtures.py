@@ -148,6 +148,12 @@ CHATML_MARKERS = ("{% for message in messages %}{% if message['role'] == 'assist
                   "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endif %}"
                   "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
+# Phi-3 / 3.5-mini-instruct's layout: an EOS after the last message when no generation prompt is asked, so a turn
+# rendered alone ends differently from the same turn inside the conversation
+PHI3 = ("{% for message in messages %}{% if message['role'] in ('system', 'user', 'assistant') and message['content'] %}"
+        "{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}")
+
 FAMILIES = {  # name: (template, bos, eos, end-of-turn token)
     "llama3": (LLAMA3, "<|begin_of_text|>", "<|eot_id|>", "<|eot_id|>"),
     "qwen25": (QWEN25, None, "<|im_end|>", "<|im_end|>"),
@@ -156,10 +162,12 @@ FAMILIES = {  # name: (template, bos, eos, end-of-turn token)
     "smollm2": (SMOLLM2, None, "<|im_end|>", "<|im_end|>"),
     "qwen3": (QWEN3_THINK, None, "<|im_end|>", "<|im_end|>"),
     "markers": (CHATML_MARKERS, None, "<|im_end|>", "<|im_end|>"),
+    "phi3": (PHI3, "<s>", "<|endoftext|>", "<|end|>"),
     "none": (None, None, "</s>", "</s>"),
 }
 SPECIAL = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|im_start|>", "<|im_end|>",
-           "<s>", "</s>", "[INST]", "[/INST]", "<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>", "<pad>"]
+           "<s>", "</s>", "[INST]", "[/INST]", "<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>", "<pad>",
+           "<|user|>", "<|assistant|>", "<|system|>", "<|end|>", "<|endoftext|>"]
 CORPUS = ["The quick brown fox jumps over the lazy dog. Hello there, how are you today?",
           "Repeat these words: apple river candle forest mirror. Reverse the list. Count them.",
           "You are a helpful assistant. system user assistant model tool think answer question.",

@@ -160,3 +160,13 @@ def test_tool_role(tok_root):
     got = spans(enc, ids, mask)
     assert got[-1] == "2 words<|im_end|>" and "tool_response" not in "".join(got)
     assert got[0].startswith("<tool_call>") and got[0].endswith("</tool_call><|im_end|>")
+
+
+def test_final_eos_does_not_pull_the_mask_through_later_turns(tok_root):
+    """Phi-3 ends the conversation with an EOS when no generation prompt is asked: the first turn rendered alone ends
+    `<|end|>\\n<|endoftext|>`, the same turn inside the conversation `<|end|>\\n<|user|>`. Each reply is its text and
+    its <|end|>: never the next user turn, never the trailing newline and EOS (issue 47 item 1)."""
+    enc = encoder(tok_root, "phi3")
+    ids, mask, stats = enc.encode({"messages": [SYSTEM] + TURNS})
+    assert spans(enc, ids, mask) == ["apple river<|end|>", "2 words<|end|>"]
+    assert stats["untrained_turns"] == 0

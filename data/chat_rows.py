@@ -1,0 +1,141 @@
+"""Chat rows as users bring them -> one list of messages (what data/chat.py renders through a template).
+
+Row formats (one JSON object / table row; `row_format` tells them apart by their keys):
+- OpenAI `messages`: [{"role": "system" | "developer" | "user" | "assistant" | "tool", "content": ...}, ...];
+  `content` a string or a list of text parts (`[{"type": "text", "text": ...}]`, what most exporters write: the
+  parts joined by a newline, as vLLM does for a string-content template; a non-text part is refused); `developer`
+  (OpenAI's newer name for the system prompt) is read as `system`; an assistant message may carry `tool_calls`
+  (passed on to the template) with an empty content;
+- ShareGPT `conversations`: [{"from": "human" | "gpt" | "system" | "function_call" | "observation" | ..., "value":
+  str}, ...]; `function_call` (LLaMA-Factory's tool call: a JSON object, or a list of them, with `name` and
+  `arguments`) becomes an assistant message with `tool_calls`, `observation` a tool message;
+- `prompt` / `completion`: two strings, or two message lists (TRL's conversational form).
+A row with both a text field and a chat field is ambiguous (which one was meant?) and refused in one line
+(data/readers.py); so is every malformed row, with the message and what was expected.
+"""
+
+from __future__ import annotations
+
+import json
+
+ROLES = ("system", "user", "assistant", "tool")
+ALIASES = {"developer": "system"}
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant",
+                  "tool": "tool", "observation": "tool", "function_response": "tool", "ipython": "tool",
+                  "function_call": "assistant", "developer": "system"}
+CHAT_KEYS = ("messages", "conversations", "prompt")
+
+
+class RowError(ValueError):
+    """A row that cannot be used (bad shape, no assistant turn, a template that refuses it): a bad row."""
+
+
+def row_format(obj: dict) -> str | None:
+    """`messages` | `conversations` | `pair` for a chat row, None for anything else (text, input_ids)."""
+    if "messages" in obj:
+        return "messages"
+    if "conversations" in obj:
+        return "conversations"
+    if "prompt" in obj and "completion" in obj:
+        return "pair"
+    return None
+
+
+def _text(content, i: int, role: str) -> str:
+    """A message's content as one string: a string as is, a list of text parts joined by a newline."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        out = []
+        for j, part in enumerate(content):
+            if isinstance(part, str):
+                out.append(part)
+            elif isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
+                out.append(part["text"])
+            else:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise RowError(f"message {i} ({role}): content part {j} is {kind!r}, not text: only text is trained "
+                               "here (drop the part, or give its text as a {\"type\": \"text\"} part)")
+        return "\n".join(out)
+    raise RowError(f"message {i} ({role}): content must be a string or a list of text parts, got "
+                   f"{type(content).__name__}")
+
+
+def message(m, i: int) -> dict:
+    """One OpenAI-style message, checked: {role, content: str} and the optional keys templates read."""
+    if not isinstance(m, dict):
+        raise RowError(f"message {i}: expected an object with role and content, got {type(m).__name__}")
+    role = ALIASES.get(m.get("role"), m.get("role"))
+    if role not in ROLES:
+        raise RowError(f"message {i}: role {m.get('role')!r}; expected one of {list(ROLES) + list(ALIASES)}")
+    content = m.get("content")
+    if content is None and role == "assistant" and m.get("tool_calls"):
+        content = ""
+    out = {"role": role, "content": _text(content, i, role)}
+    for k in ("tool_calls", "name", "tool_call_id", "reasoning_content", "thinking"):
+        if m.get(k) is not None:
+            out[k] = m[k]
+    return out
+
+
+def _function_call(value, i: int) -> dict:
+    """ShareGPT's `function_call` turn -> an assistant message with `tool_calls` (OpenAI form)."""
+    try:
+        calls = json.loads(value) if isinstance(value, str) else value
+    except ValueError:
+        raise RowError(f"conversations[{i}] (function_call): value is not JSON; expected {{\"name\": ..., "
+                       "\"arguments\": {...}} or a list of them") from None
+    calls = calls if isinstance(calls, list) else [calls]
+    if not calls or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
+        raise RowError(f"conversations[{i}] (function_call): expected {{\"name\": ..., \"arguments\": {{...}}}} or a "
+                       f"list of them, got {value!r:.80}")
+    return {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": c["name"], "arguments": c.get("arguments", {})}} for c in calls]}
+
+
+def _sharegpt(turns) -> list[dict]:
+    if not isinstance(turns, list):
+        raise RowError(f"conversations: expected a list of {{from, value}}, got {type(turns).__name__}")
+    out = []
+    for i, t in enumerate(turns):
+        if not isinstance(t, dict) or "from" not in t:
+            raise RowError(f"conversations[{i}]: expected {{\"from\": ..., \"value\": ...}}, got {t!r:.60}")
+        who = str(t["from"]).lower()
+        role = SHAREGPT_ROLES.get(who)
+        if role is None:
+            raise RowError(f"conversations[{i}]: from {t['from']!r}; expected one of {sorted(SHAREGPT_ROLES)}")
+        if who == "function_call":
+            out.append(message(_function_call(t.get("value"), i), i))
+        else:
+            out.append(message({"role": role, "content": t.get("value")}, i))
+    return out
+
+
+def normalize(obj: dict) -> tuple[str, list[dict] | tuple[str, str], int]:
+    """(kind, conversation, first supervised message) of a chat row: kind `chat` with its messages (`first` = the
+    index of the first message a `completion` loss covers: 0, or the prompt's length for conversational pairs)
+    or `text_pair` with (prompt, completion). RowError on a malformed row."""
+    fmt = row_format(obj)
+    if fmt == "pair":
+        p, c = obj["prompt"], obj["completion"]
+        if isinstance(p, str) and isinstance(c, str):
+            return "text_pair", (p, c), 0
+        if isinstance(p, list) and isinstance(c, list):
+            msgs = [message(m, i) for i, m in enumerate(p + c)]
+            return "chat", _checked(msgs), len(p)
+        raise RowError("prompt/completion: expected two strings or two lists of messages, got "
+                       f"{type(p).__name__} and {type(c).__name__}")
+    if fmt == "messages":
+        if not isinstance(obj["messages"], list):
+            raise RowError(f"messages: expected a list, got {type(obj['messages']).__name__}")
+        return "chat", _checked([message(m, i) for i, m in enumerate(obj["messages"])]), 0
+    if fmt == "conversations":
+        return "chat", _checked(_sharegpt(obj["conversations"])), 0
+    raise RowError(f"not a chat row: expected one of {list(CHAT_KEYS)} (prompt with completion), got keys {sorted(obj)}")
+
+
+def _checked(msgs: list[dict]) -> list[dict]:
+    if not any(m["role"] == "assistant" for m in msgs):
+        raise RowError("no assistant turn: nothing to train on")
+    return msgs

@@ -1,0 +1,42 @@
+"""Chat rows as exporters write them (data/chat_rows.py, issue 47 item 8): content as a list of text parts, the
+`developer` role, ShareGPT `function_call` / `observation` turns, and the one-line refusals. Pure functions."""
+
+from __future__ import annotations
+
+import pytest
+
+from data.chat_rows import RowError, normalize
+
+
+def test_content_as_text_parts():
+    row = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Count"}, {"type": "text", "text": "these"}]},
+                        {"role": "assistant", "content": [{"type": "text", "text": "2 words"}]}]}
+    _, conv, _ = normalize(row)
+    assert [m["content"] for m in conv] == ["Count\nthese", "2 words"]
+
+
+def test_a_non_text_part_is_refused_in_one_line():
+    row = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+                        {"role": "assistant", "content": "no"}]}
+    with pytest.raises(RowError, match=r"content part 0 is 'image_url', not text") as e:
+        normalize(row)
+    assert "\n" not in str(e.value)
+
+
+def test_developer_is_the_system_prompt():
+    _, conv, _ = normalize({"messages": [{"role": "developer", "content": "Be brief."},
+                                         {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]})
+    assert conv[0] == {"role": "system", "content": "Be brief."}
+
+
+def test_sharegpt_function_call_and_observation():
+    row = {"conversations": [{"from": "human", "value": "Count apple river"},
+                             {"from": "function_call", "value": '{"name": "count", "arguments": {"words": 2}}'},
+                             {"from": "observation", "value": "2"},
+                             {"from": "gpt", "value": "2 words"}]}
+    _, conv, _ = normalize(row)
+    assert [m["role"] for m in conv] == ["user", "assistant", "tool", "assistant"]
+    assert conv[1]["content"] == "" and conv[1]["tool_calls"] == [
+        {"type": "function", "function": {"name": "count", "arguments": {"words": 2}}}]
+    with pytest.raises(RowError, match="function_call.*not JSON"):
+        normalize({"conversations": [{"from": "human", "value": "x"}, {"from": "function_call", "value": "count("}]})
