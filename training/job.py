@@ -41,8 +41,14 @@ def run_job(main: Callable[[], int]) -> int:
 
 
 def _single_process_defaults() -> None:
-    """Let `python train.py ...` run as a world of one without a launcher."""
-    if "RANK" not in os.environ:
+    """Without a launcher's RANK: the world srun started (`srun python train.py`, one task per rank: base/slurm_env.py),
+    else `python train.py ...` as a world of one."""
+    from base.slurm_env import srun_world
+
+    world = srun_world() if "RANK" not in os.environ else None
+    if world is not None:
+        os.environ.update(world)
+    elif "RANK" not in os.environ:
         import socket
 
         with socket.socket() as s:

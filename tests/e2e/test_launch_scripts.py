@@ -328,3 +328,23 @@ def test_two_nodes_without_ssh(tmp_path):
             p.kill()
     assert [p.returncode for p in procs] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
     assert "world 2 rank 0 sum 2" in outs[0] and "world 2 rank 1 sum 2" in outs[1]
+
+
+@pytest.mark.dist
+def test_srun_python_starts_one_world(tmp_path):
+    """`srun python train.py` on 2 nodes (the srun stand-in: a task per node here, SLURM_PROCID 0 and 1,
+    SLURM_STEP_NODELIST "127.0.0.1,localhost", no RANK): one world of 2 whose master is the step's first host, each
+    rank its PROCID (SLURM_LOCALID as the local rank: tests/unit/base/test_slurm_env.py). It used to be 2 worlds of one
+    (training/job.py without RANK): 2 runs writing one output folder."""
+    import re
+
+    from tests.distributed import free_port
+
+    e = clean_env(PATH=f"{STUBS}:{os.environ['PATH']}", SLURM_JOB_ID="77", SLURM_JOB_NUM_NODES="2",
+                  SLURM_JOB_NODELIST="127.0.0.1,localhost", MASTER_PORT=str(free_port()), DS_ACCELERATOR="cpu",
+                  PYTHONPATH=ROOT, SRUN_CPUS_PER_TASK="1")
+    job = subprocess.run(["srun", os.path.join(ROOT, ".venv", "bin", "python"), os.path.join(STUBS, "srun_world.py")],
+                         cwd=tmp_path, env=e, capture_output=True, text=True, timeout=240)
+    assert job.returncode == 0, job.stdout + job.stderr[-3000:]
+    assert sorted(re.findall(r"world \d+ rank \d+ local \d+ sum \d+ master [\d.]+", job.stdout)) == [
+        f"world 2 rank {r} local 0 sum 2 master 127.0.0.1" for r in range(2)], job.stdout

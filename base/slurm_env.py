@@ -1,0 +1,78 @@
+"""What SLURM tells a process about its job, read without `scontrol`: the hostlist syntax, the world of ranks that
+`srun python train.py` starts (one task per rank), and the job's default store port. Torch-free, no I/O but
+/proc reads; training/job.py takes the world from here when no launcher set RANK.
+
+`srun --ntasks-per-node=8 python train.py ...` (what torchtitan, Lightning, Megatron and accelerate users write):
+srun starts every rank itself, and each task has SLURM_PROCID (its rank), SLURM_STEP_NUM_TASKS (the world: the
+step's tasks, not SLURM_NTASKS, which a batch shell's `--ntasks` also sets), SLURM_LOCALID (its rank on the node)
+and SLURM_STEP_NODELIST (the step's hosts, compressed: `gpu[01-04,07]`). The master is the step's first host (where
+task 0 runs under srun's default block distribution), the port MASTER_PORT if set, else job_port(). The batch shell
+itself has no SLURM_STEP_NUM_TASKS: a `python train.py` there stays a world of one.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+
+PORT_BASE = 20000  # the job's store port: PORT_BASE + (job, step) % PORT_SPAN, below Linux's ephemeral range
+PORT_SPAN = 10000  # (ip_local_port_range, 32768-60999 by default): a port there may be an outgoing socket's already
+
+
+def split_top(text: str) -> list[str]:
+    """"a[1-2],b,c[3,5]" -> ["a[1-2]", "b", "c[3,5]"]: the commas outside brackets."""
+    items, item, depth = [], "", 0
+    for c in text:
+        depth += (c == "[") - (c == "]")
+        if c == "," and depth == 0:
+            items.append(item)
+            item = ""
+        else:
+            item += c
+    items.append(item)
+    return [i for i in items if i]
+
+
+def _expand_one(item: str) -> list[str]:
+    m = re.match(r"^([^\[]*)\[([^\]]*)\](.*)$", item)
+    if not m:
+        return [item]
+    pre, ranges, rest = m.groups()
+    values = []
+    for part in ranges.split(","):
+        a, _, b = part.partition("-")
+        values += [f"{k:0{len(a)}d}" for k in range(int(a), int(b or a) + 1)]
+    return [pre + v + tail for v in values for tail in _expand_one(rest)]  # several bracket groups: rack[1-2]-n[1-4]
+
+
+def expand_hostlist(text: str) -> list[str]:
+    """SLURM's hostlist syntax, expanded as `scontrol show hostnames` does: "gpu[01-03,07],login" -> gpu01, gpu02,
+    gpu03, gpu07, login (zero padding kept; several bracket groups in one name expand in order)."""
+    return [h for item in split_top(text.strip()) for h in _expand_one(item)]
+
+
+def job_port(job_id: str | int, step_id: str | int = 0) -> int:
+    """The job's default store port (MASTER_PORT unset): the same on every task of a step, different for the steps of
+    one job and for most jobs sharing a node, never in the default ephemeral range (a port some outgoing connection
+    already holds there makes the store fail to start: the job ends FAILED, not requeued)."""
+    try:
+        step = int(step_id)
+    except ValueError:
+        step = 0
+    return PORT_BASE + (int(job_id) * 7 + max(step, 0)) % PORT_SPAN
+
+
+def srun_world(env: Mapping[str, str] | None = None) -> dict[str, str] | None:
+    """RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT of a rank that srun started itself (one task per
+    rank), from the SLURM_* variables; None outside an srun step (no SLURM_STEP_NUM_TASKS or SLURM_PROCID)."""
+    env = os.environ if env is None else env
+    tasks, rank = env.get("SLURM_STEP_NUM_TASKS"), env.get("SLURM_PROCID")
+    nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not tasks or rank is None or not nodes:
+        return None
+    hosts = expand_hostlist(nodes)
+    port = env.get("MASTER_PORT") or str(job_port(env.get("SLURM_JOB_ID", "0"),
+                                                  env.get("SLURM_STEP_ID", env.get("SLURM_STEPID", "0"))))
+    return {"RANK": rank, "LOCAL_RANK": env.get("SLURM_LOCALID", "0"), "WORLD_SIZE": tasks,
+            "MASTER_ADDR": env.get("MASTER_ADDR") or hosts[0], "MASTER_PORT": port}

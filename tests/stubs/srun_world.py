@@ -1,0 +1,23 @@
+"""Stand-in for train.py under `srun python ...` (one task per rank, no launcher): the same start as train.py
+(training.job.run_job, the abort channel, the process group), one all-reduce; prints `world W rank R local L sum S`
+(S = W when every task joined one world) and exits 0."""
+
+import sys
+
+from training.job import run_job
+
+
+def main() -> int:
+    import os
+
+    from base import comm
+
+    comm.open_channel()
+    rank, world, local = comm.init(60)
+    total = int(comm.all_reduce([1.0])[0].item())
+    print(f"world {world} rank {rank} local {local} sum {total} master {os.environ['MASTER_ADDR']}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_job(main))

@@ -1,0 +1,42 @@
+"""base/slurm_env.py: SLURM's hostlist syntax expanded as `scontrol show hostnames` does, the world `srun python
+train.py` describes in its tasks' variables, and the job's default port outside the ephemeral range."""
+
+from __future__ import annotations
+
+import pytest
+
+from base.slurm_env import expand_hostlist, job_port, srun_world
+
+
+@pytest.mark.parametrize("text, hosts", [
+    ("gpu[01-03,07],login", ["gpu01", "gpu02", "gpu03", "gpu07", "login"]),
+    ("a,b", ["a", "b"]),
+    ("node7", ["node7"]),
+    ("rack[1-2]-n[1-2]", ["rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"]),
+    ("x[8-10]", ["x8", "x9", "x10"]),
+])
+def test_hostlists_expand_as_scontrol_does(text, hosts):
+    assert expand_hostlist(text) == hosts
+
+
+def test_srun_tasks_are_one_world_with_the_steps_first_host_as_master():
+    env = {"SLURM_STEP_NUM_TASKS": "512", "SLURM_PROCID": "9", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "123",
+           "SLURM_STEP_ID": "0", "SLURM_STEP_NODELIST": "gpu[017-080]", "SLURM_JOB_NODELIST": "gpu[001-080]"}
+    assert srun_world(env) == {"RANK": "9", "LOCAL_RANK": "1", "WORLD_SIZE": "512", "MASTER_ADDR": "gpu017",
+                               "MASTER_PORT": str(job_port(123, 0))}
+    assert srun_world({**env, "MASTER_PORT": "29999"})["MASTER_PORT"] == "29999"
+
+
+@pytest.mark.parametrize("env", [
+    {},  # no SLURM
+    {"SLURM_NTASKS": "8", "SLURM_PROCID": "0", "SLURM_JOB_NODELIST": "a"},  # the batch shell of `sbatch -n 8`
+])
+def test_outside_an_srun_step_there_is_no_srun_world(env):
+    assert srun_world(env) is None
+
+
+def test_the_jobs_port_is_never_in_the_ephemeral_range():
+    """Linux's default ip_local_port_range is 32768-60999; 20000 + job % 20000 reached 39999."""
+    ports = {job_port(j, s) for j in range(0, 200000, 7) for s in (0, 1, 5)}
+    assert min(ports) >= 1024 and max(ports) < 32768
+    assert job_port(123, 0) != job_port(123, 1)  # two steps of one job
