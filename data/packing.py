@@ -96,6 +96,22 @@ def _read(tokens, lo: int, hi: int) -> np.ndarray:
     return tokens.read(lo, hi) if hasattr(tokens, "read") else np.asarray(tokens[lo:hi])
 
 
+def chat_documents(mask, starts, lens, limit: int = 0) -> np.ndarray:
+    """Indices of the documents that are conversations: their loss mask leaves some token untrained (a header, a
+    prompt; data/chat.py), where a text document's trains every token (data/store.py `Ones`, or a mixed chunk's ones).
+    A chat row prepared with `--loss_on all` trains every token too and counts as text here. `limit`: the first that
+    many. Reads each document's mask once, stopping at `limit`: for held-out sets (small), not a whole stream."""
+    if mask is None:
+        return np.zeros(0, np.int64)
+    out = []
+    for k, (st, ln) in enumerate(zip(np.asarray(starts).tolist(), np.asarray(lens).tolist())):
+        if ln and not np.asarray(_read(mask, st, st + ln)).all():
+            out.append(k)
+            if limit and len(out) == limit:
+                break
+    return np.asarray(out, np.int64)
+
+
 class DocPack:
     """Samples of `seq_len` tokens cut from the concatenation of chosen documents (`doc_starts[k]`,
     `doc_lens[k]` into `tokens`, in that order; a document may appear more than once (upsampling)).

@@ -30,7 +30,7 @@ import numpy as np
 from base import comm
 from base.log import print0
 from data.mixture import MixtureDataset, MixtureSampler, parse_mixture, select_documents
-from data.packing import ConvPack, DocPack
+from data.packing import ConvPack, DocPack, chat_documents
 from data.prepare import prepare_in_job
 from data.replay import ReplayDataset, ReplaySampler, parse_replay
 from data.sampler import ResumableSampler
@@ -267,12 +267,13 @@ class RunData:
     def heldout(self, seq_len: int, n: int, sft: bool = False) -> list[dict[str, np.ndarray]]:
         """The first `n` held-out samples at `seq_len`: the same documents, in the same order, at every stage; each
         sample starts at a document's start where one leaves room (`sample_starts`), so its position buckets
-        measure growing context. With `sft` (an SFT stage's evaluation) the held-out conversations packed whole, as
-        the stage trains (ConvPack)."""
+        measure growing context. With `sft` (an SFT stage's evaluation, the held-out conversation loss) the held-out
+        conversations packed whole, as the stage trains (ConvPack): chat documents only (data/packing.py
+        `chat_documents`), none when no conversation was held out."""
         p, held = self.prepared, self.held
         starts, lens = p.starts[held] + self.cut[held], p.lens[held] - self.cut[held]
-        if sft:
-            keep = lens > 0
+        if sft:  # the conversations only: a mixed folder's held-out text documents would outweigh them (issue 47)
+            keep = chat_documents(self.mask, starts, lens)
             pack = ConvPack(p.tokens, self.mask, starts[keep], lens[keep], seq_len, self.pad_id)
             return [pack[i] for i in range(min(n, len(pack)))]
         at = np.concatenate([[0], np.cumsum(lens)])  # where each held-out document begins, laid end to end

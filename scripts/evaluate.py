@@ -33,11 +33,12 @@ every supervised token of the set. CHATS is chat rows (data/chat.py's formats: `
 `prompt`/`completion`; a JSONL or Parquet file, a folder of them, or a `datasets` folder), rendered here by
 data/chat.py with the model's template (`--chat chatml`: the ChatML default; otherwise the tokenizer's own, else the
 ChatML default, as scripts/prepare_data.py renders by default), or a folder scripts/prepare_data.py wrote (its
-mask-*.bin used as written; it must have been prepared with the model's tokenizer). The conversations are packed whole
-at the longest of --lengths (data/packing.py ConvPack: positions restarted per conversation, no label across two) and
-scored through the same sharded engine as the tasks; `--heldout_conversations N` takes the first N. A bad row is
-refused in one line naming it. Reported as `heldout_chat_loss` (+ `_tokens`, `_conversations`) in eval.json and
-summary.md.
+mask-*.bin used as written, its chat documents only: a mixed folder's text documents are not conversations; it
+must have been prepared with the model's tokenizer). The conversations are packed whole at the longest of --lengths
+(data/packing.py ConvPack: positions restarted per conversation, no label across two) and scored through the same
+sharded engine as the tasks; `--heldout_conversations N` takes the first N. A bad row is refused in one line naming
+it. Reported as `heldout_chat_loss` (+ `_tokens`, `_conversations`) in eval.json and summary.md; a set with no
+supervised token has no `heldout_chat_loss` (summary.md: `none`), never 0.0 (training/heldout_chat.py).
 `--rope '{rope_type: yarn, factor: 8.0, original_max_position_embeddings: 256}'` replaces MODEL's RoPE (e.g. a short
 base model tried with the scaling its extension uses), `--compare_rope` the other's.
 
@@ -57,6 +58,8 @@ import os
 import random
 import sys
 import time
+
+from training.heldout_chat import heldout_loss, heldout_set  # noqa: F401  (the --heldout concern; tests import them here)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ASKED = {"plain": "plain text", "template": "chat (its template)", "chatml": "chat (ChatML default)"}
@@ -185,73 +188,6 @@ def chat_encoder(tok, mode: str):
     return None if mode == "plain" else ChatEncoder(tok, "assistant", "none" if mode == "template" else "chatml")
 
 
-def heldout_set(path: str, tok, template: str, limit: int = 0) -> dict:
-    """The held-out conversations of --heldout as {"ids": int64 [n], "mask": uint8 [n], "lens": int64 [docs]} (the
-    documents laid end to end): chat rows rendered by data/chat.py (`template`: auto | chatml; the loss on the
-    assistant's tokens, the completion of a pair), or a prepared folder's tokens and mask-*.bin as written. Rank 0
-    reads it (main broadcasts it: a held-out set is small, ~9 bytes a token, 9 MB for 1M tokens); a bad row, a folder
-    without chat documents or prepared with another tokenizer: one-line ValueError."""
-    import numpy as np
-
-    from data.store import MANIFEST, Prepared, is_prepared, tokenizer_identity
-
-    if is_prepared(path):
-        p = Prepared(path)
-        prepared_with = (p.manifest.get("tokenizer") or {}).get("sha256")
-        if prepared_with and prepared_with != tokenizer_identity(tok.path):
-            raise ValueError(f"--heldout {path}: prepared with tokenizer {p.manifest['tokenizer']['path']}, not the "
-                             f"model's {tok.path}: prepare it again with the model's tokenizer, or pass the chat rows")
-        if p.mask is None:
-            raise ValueError(f"--heldout {path}: no chat documents (no mask-*.bin in {MANIFEST}): prepare chat rows "
-                             "(messages, conversations, prompt/completion) with scripts/prepare_data.py")
-        lens = p.lens[:limit] if limit else p.lens
-        n = int(lens.sum())
-        return {"ids": p.tokens.read(0, n).astype(np.int64), "mask": np.asarray(p.mask.read(0, n), np.uint8),
-                "lens": lens.astype(np.int64)}
-    from data.chat import ChatEncoder, RowError
-    from data.readers import Fields, discover, iter_rows, parse_item
-
-    enc, fields = ChatEncoder(tok, "auto", template), Fields()
-    ids, masks = [], []
-    for unit in discover(path):
-        for row, item in iter_rows(unit, fields):
-            if limit and len(ids) == limit:
-                break
-            value, _, err = parse_item(item, fields)
-            where = f"{unit.path}:{row + 1}" if unit.kind == "jsonl" else f"{unit.path}: row {row}"
-            if err is None and not isinstance(value, dict):
-                err = "not a chat row: expected messages, conversations or prompt + completion"
-            try:
-                if err is not None:
-                    raise RowError(err)
-                i, m, _ = enc.encode(value)
-            except RowError as e:
-                raise ValueError(f"--heldout {where}: {e}") from None
-            ids.append(np.asarray(i, np.int64))
-            masks.append(np.asarray(m, np.uint8))
-    if not ids:
-        raise ValueError(f"--heldout {path}: no conversation in it")
-    return {"ids": np.concatenate(ids), "mask": np.concatenate(masks), "lens": np.asarray([len(i) for i in ids])}
-
-
-def heldout_loss(engine, dims, micro_batch: int, pad_id: int, held: dict, length: int) -> dict:
-    """The held-out conversation loss: the conversations packed whole at `length` (ConvPack, as an SFT stage packs
-    them), the mean CE over every supervised token (sum over the set / count: a long reply weighs by its tokens, as
-    the training loss does), through training/evaluation.py `sample_stats` (the sharded engine, the tiled loss).
-    Cost: one forward of `length` tokens per packed sample, no backward."""
-    import numpy as np
-
-    from data.packing import ConvPack
-    from training.evaluation import sample_stats
-
-    starts = np.concatenate([[0], np.cumsum(held["lens"])[:-1]]).astype(np.int64)
-    pack = ConvPack(held["ids"], held["mask"], starts, held["lens"], length, pad_id)
-    stats = sample_stats(engine, [pack[i] for i in range(len(pack))], dims, micro_batch, pad_id).sum(0)
-    return {"heldout_chat_loss": (stats[0] / stats[1].clamp_min(1)).item(), "heldout_chat_tokens": int(stats[1].item()),
-            "heldout_chat_conversations": int(len(held["lens"]) - pack.dropped), "heldout_chat_length": length,
-            "heldout_chat_truncated": pack.truncated, "heldout_chat_dropped": pack.dropped}
-
-
 def check_source(src: dict, a: argparse.Namespace, s: dict, world: int, rope: dict | None) -> None:
     """Everything about one model that can be refused before it is built (one-line ValueError)."""
     from base import comm
@@ -329,8 +265,8 @@ def evaluate_model(src: dict, a: argparse.Namespace, s: dict, dims) -> dict:
     engine.destroy()
     rope = src["hf_config"].rope_parameters
     said = [f"{t} {m}" for t, m in out["task_mean"].items()]
-    if "heldout_chat_loss" in out:  # only with --heldout (a KeyError on every plain run once)
-        said.append(f"held-out conversation loss {out['heldout_chat_loss']:.4f}")
+    if "heldout_chat_tokens" in out:  # only with --heldout (a KeyError on every plain run once); none: nothing scored
+        said.append(f"held-out conversation loss {_loss(out)}")
     print0(f"evaluated {src['path']} in {time.perf_counter() - t0:.1f}s: " + ", ".join(said)
            + f" (asked as {ASKED[src['chat']]})")
     return {"model": src["path"], "kind": src["kind"], **{k: src[k] for k in ("step", "stage") if src.get(k) is not None},
@@ -346,6 +282,11 @@ def difference(a: dict, b: dict) -> dict:
             for t, lens in a["tasks"].items() if t in b["tasks"]}
 
 
+def _loss(r: dict) -> str:
+    """A result's held-out conversation loss as printed: `none` where the set had no supervised token."""
+    return f"{r['heldout_chat_loss']:.4f}" if "heldout_chat_loss" in r else "none"
+
+
 def _table(head: list, rows: list[list]) -> list[str]:
     return ["| " + " | ".join(map(str, head)) + " |", "|" + "---|" * len(head),
             *["| " + " | ".join(map(str, r)) + " |" for r in rows]]
@@ -359,10 +300,10 @@ def summary(results: list[dict], diff: dict | None) -> list[str]:
     out += _table(["", "path", "kind", "RoPE", "trials per depth", "asked as"],
                   [[n, r["model"], r["kind"] + (f" (step {r['step']})" if "step" in r else ""), json.dumps(r["rope"]),
                     json.dumps(r["trials"]), ASKED[r.get("chat", "plain")]] for n, r in zip(names, results)])
-    if any("heldout_chat_loss" in r for r in results):
-        rows = [[n, f"{r['heldout_chat_loss']:.4f}", r["heldout_chat_tokens"], r["heldout_chat_conversations"],
-                 r["heldout_chat_length"]] for n, r in zip(names, results) if "heldout_chat_loss" in r]
-        if len(rows) == 2:
+    if any("heldout_chat_tokens" in r for r in results):
+        rows = [[n, _loss(r), r["heldout_chat_tokens"], r["heldout_chat_conversations"],
+                 r["heldout_chat_length"]] for n, r in zip(names, results) if "heldout_chat_tokens" in r]
+        if all("heldout_chat_loss" in r for r in results) and len(rows) == 2:
             rows.append(["compare - model", f"{results[1]['heldout_chat_loss'] - results[0]['heldout_chat_loss']:+.4f}",
                          "", "", ""])
         out += ["", "**held-out conversation loss** (mean cross-entropy over the assistant's tokens):", ""]

@@ -184,6 +184,19 @@ def evaluate_tasks(engine, dims, micro_batch: int, pad_id: int, tokenizer, trial
             "task_loss": {t: {str(n): by_len[n][1][t] for n in by_len} for t in trials}}
 
 
+def _put(result: dict, key: str, stats: torch.Tensor) -> bool:
+    """result[key] = the mean loss of summed `sample_stats` rows (sum CE / supervised tokens), only where some token
+    was scored: an empty held-out set is absent from the result, never a 0.0 that reads as a perfect model."""
+    if stats[1] > 0:
+        result[key] = (stats[0] / stats[1]).item()
+    return key in result
+
+
+def _copy(result: dict, key: str, source: str) -> None:
+    if source in result:
+        result[key] = result[source]
+
+
 def evaluate_stage(engine, stage, dims, heldout: list[dict], tokenizer, metrics, step: int, micro_batch: int,
                    pad_id: int, stages=None, heldout_at=None) -> dict:
     """Run the stage's evaluation on every rank; rank 0 records it. Returns the result. `stages` (the whole
@@ -196,33 +209,35 @@ def evaluate_stage(engine, stage, dims, heldout: list[dict], tokenizer, metrics,
     buckets = int(cfg.get("position_buckets", DEFAULT_BUCKETS))
     if heldout:
         stats = sample_stats(engine, heldout, dims, micro_batch, pad_id, buckets).sum(0)
-        result["heldout_loss"] = (stats[0] / stats[1].clamp_min(1)).item()
-        result["heldout_tokens"] = int(stats[1].item())
-        if buckets:
-            ce, n = stats[3:3 + buckets], stats[3 + buckets:]
-            result["heldout_loss_by_position"] = [(c / k).item() if k > 0 else float("nan") for c, k in zip(ce, n)]
+        if _put(result, "heldout_loss", stats):
+            result["heldout_tokens"] = int(stats[1].item())
+            if buckets:
+                ce, n = stats[3:3 + buckets], stats[3 + buckets:]
+                result["heldout_loss_by_position"] = [(c / k).item() if k > 0 else float("nan") for c, k in zip(ce, n)]
     first = stages[0].max_seq_length if stages else stage.max_seq_length
+    sft = getattr(stage, "kind", None) == "sft"
     first_sft = getattr(stages[0] if stages else stage, "kind", None) == "sft"  # retention: as the first stage measured
-    if heldout and first == stage.max_seq_length and first_sft == (getattr(stage, "kind", None) == "sft"):
-        result["heldout_loss_first_len"] = result["heldout_loss"]
+    if heldout and first == stage.max_seq_length and first_sft == sft:
+        _copy(result, "heldout_loss_first_len", "heldout_loss")
     elif heldout and heldout_at is not None:
         again = heldout_at(first, len(heldout), sft=True) if first_sft else heldout_at(first, len(heldout))
-        stats = sample_stats(engine, again, dims, micro_batch, pad_id).sum(0)
-        result["heldout_loss_first_len"] = (stats[0] / stats[1].clamp_min(1)).item()
+        _put(result, "heldout_loss_first_len", sample_stats(engine, again, dims, micro_batch, pad_id).sum(0))
     if heldout:
         result["first_len"] = first
     # the held-out conversation loss after every stage of a curriculum with an SFT stage (the text stages before it
     # too: the "before" of the fine-tuning): the held-out conversations packed whole at the first SFT stage's length,
     # loss on the assistant's tokens, the same samples at every stage (reused where this stage measured just that:
-    # its own held-out loss, or the retention number of a curriculum that starts with the SFT stage)
+    # its own held-out loss, or the retention number of a curriculum that starts with the SFT stage). Conversations
+    # only (RunData.heldout with `sft`: a mixed folder's text documents are not); none held out: absent, never 0.0.
     chat_len = next((s.max_seq_length for s in stages or [] if getattr(s, "kind", None) == "sft"), None)
-    if heldout and chat_len is not None and (getattr(stage, "kind", None) == "sft" and chat_len == stage.max_seq_length):
-        result["heldout_chat_loss"], result["heldout_chat_len"] = result["heldout_loss"], chat_len
-    elif heldout and chat_len is not None and first_sft and first == chat_len and "heldout_loss_first_len" in result:
-        result["heldout_chat_loss"], result["heldout_chat_len"] = result["heldout_loss_first_len"], chat_len
+    if heldout and chat_len is not None and sft and chat_len == stage.max_seq_length:
+        _copy(result, "heldout_chat_loss", "heldout_loss")
+    elif heldout and chat_len is not None and first_sft and first == chat_len:
+        _copy(result, "heldout_chat_loss", "heldout_loss_first_len")
     elif heldout and chat_len is not None and heldout_at is not None:
-        stats = sample_stats(engine, heldout_at(chat_len, len(heldout), sft=True), dims, micro_batch, pad_id).sum(0)
-        result["heldout_chat_loss"] = (stats[0] / stats[1].clamp_min(1)).item()
+        _put(result, "heldout_chat_loss", sample_stats(engine, heldout_at(chat_len, len(heldout), sft=True), dims,
+                                                       micro_batch, pad_id).sum(0))
+    if "heldout_chat_loss" in result:
         result["heldout_chat_len"] = chat_len
     trials = task_trials(cfg, tokenizer)
     if trials:

@@ -178,3 +178,57 @@ def test_every_stage_of_a_curriculum_with_sft_reports_it_and_eval_summary_shows_
     got = capsys.readouterr().out
     assert f"held-out conversation loss (assistant tokens) at 8: {ce:.4f} -> {ce:.4f}" in got
     assert "chat_loss@8" in got and f"| 2 | s2 | 2 | 8 | {rows[2]['heldout_loss']:.4f} |" in got
+
+
+@pytest.fixture(scope="module")
+def mixed(chats):
+    """Text documents and the chats prepared together (what docs/sft.md recommends): text first, chats after."""
+    from data.prepare_data import prepare
+
+    (chats / "text.jsonl").write_text("".join(json.dumps({"text": f"plain text number {i} " * 6}) + "\n"
+                                              for i in range(12)))
+    out = str(chats / "mixed")
+    prepare([str(chats / "text.jsonl"), str(chats / "chats.jsonl")], out, SP, workers=0, log=lambda _: None)
+    return out
+
+
+def test_a_mixed_folders_conversation_loss_counts_conversations_only(chats, mixed):
+    """Issue 47 item 7: with text and chats in one folder, the held-out conversation loss is the chats' alone, in
+    scripts/evaluate.py --heldout FOLDER and in the run's evaluation (RunData.heldout with sft). On the old code the
+    text documents' every token was a supervised held-out token (--heldout: 12 text documents first, so
+    `--heldout_conversations 4` read text only)."""
+    from data.pipeline import RunData
+    from data.store import Prepared
+
+    ev, tok = _script("evaluate"), Tokenizer(SP)
+    alone = ev.heldout_set(str(chats / "chats.jsonl"), tok, "auto")
+    for limit in (0, len(ROWS)):
+        got = ev.heldout_set(mixed, tok, "auto", limit)
+        assert all(np.array_equal(alone[k], got[k]) for k in ("ids", "mask", "lens")), limit
+    p = Prepared(mixed)
+    data = RunData(p, p.lens.copy() * 0, np.arange(len(p.lens)), tok, True)  # every document held out
+    samples = data.heldout(256, 8, sft=True)
+    want = sum(int(m[1:].sum()) for m in np.split(alone["mask"], np.cumsum(alone["lens"])[:-1]))
+    assert sum(int((s["shift_labels"] != -100).sum()) for s in samples) == want
+
+
+def test_no_held_out_conversation_is_none_never_zero(chats):
+    """An empty held-out set reports no loss: the run's evaluation leaves heldout_chat_loss out (it wrote 0.0),
+    --heldout whose every conversation is dropped has no heldout_chat_loss and summary.md says none."""
+    tok = Tokenizer(SP)
+    engine = TokenEngine(tok.vocab_size)
+    text = {"input_ids": np.arange(8) + 5, "shift_labels": np.r_[np.arange(6, 13), -100], "position_ids": np.arange(8)}
+    metrics = types.SimpleNamespace(log_eval=lambda *a: None, log_table=lambda *a: None)
+    stages = [_stage(0, 8, "text"), _stage(1, 8, "sft")]
+    r = evaluate_stage(engine, stages[0], DIMS1, [text] * 2, None, metrics, 0, 1, 0, stages,
+                       lambda seq_len, n, sft=False: [] if sft else [text] * n)
+    assert "heldout_loss" in r and "heldout_chat_loss" not in r and "heldout_chat_len" not in r
+    r = evaluate_stage(engine, stages[1], DIMS1, [], None, metrics, 0, 1, 0, stages, None)
+    assert "heldout_chat_loss" not in r and "heldout_loss" not in r
+    ev = _script("evaluate")
+    held = ev.heldout_set(str(chats / "chats.jsonl"), tok, "auto", 1)
+    held["mask"][:] = 0  # nothing supervised (every target cut away)
+    got = ev.heldout_loss(engine, DIMS1, 1, tok.pad_id, held, 256)
+    assert "heldout_chat_loss" not in got and got["heldout_chat_tokens"] == 0
+    row = {"model": "m", "kind": "hf", "rope": None, "trials": {}, "chat": "chatml", "tasks": {}, "task_mean": {}, **got}
+    assert "| model | none | 0 | 1 | 256 |" in "\n".join(ev.summary([row], None))
