@@ -119,6 +119,8 @@ def _leave() -> None:
 def _record(code: int) -> int:
     """Record `code` where scripts/launch.sh reads it (LAUNCH_EXIT_DIR): a launcher that was signalled too (SLURM
     signals every process of a job) reports its own code, not the ranks'. Returns `code`."""
+    if "base.run_lock" in sys.modules:  # rank 0's hold on the output folder ends with the run, whatever its end
+        sys.modules["base.run_lock"].release()
     where = os.environ.get("LAUNCH_EXIT_DIR")
     if where and os.path.isdir(where):
         with open(os.path.join(where, f"rank{os.environ.get('RANK', '0')}"), "w") as fh:

@@ -14,6 +14,7 @@ from base import comm
 from base.host import check_cpu_placement, job_node_line
 from base.log import open_rank_log, print0, set_main
 from base.parallel import ParallelDims, check_shared_output, init_distributed
+from base.run_lock import hold
 from model_utils import linear_attention
 from model_utils.build import load_hf_config, pick_attn_implementation
 from model_utils.families import check_config
@@ -83,6 +84,7 @@ def start_distributed(cfg: Config, model: Model) -> tuple[ParallelDims, list[Sta
     check_network()  # gloo can bind this host's interface (GLOO_SOCKET_IFNAME), before it tries
     dims = init_distributed(cfg.sequence_parallel_size, cfg.dist_timeout_s)
     set_main(dims.is_main)
+    print0(hold(cfg.output_dir))  # one output folder, one live run (base/run_lock.py): before anything is written there
     open_rank_log(cfg.output_dir, dims.rank)
     line = job_node_line()  # the node size every rank agreed in init_distributed, before any layout below
     if line:

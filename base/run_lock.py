@@ -1,0 +1,187 @@
+"""One output folder, one live run: OUTPUT_DIR/RUN_LOCK names the run that writes there (host, pid, the process'
+start time, the SLURM job and restart), and a second run that finds it held by a live run is refused in one line
+(exit 2), whatever launched either of them (two sbatch jobs, an srun and a deepspeed launch, a forgotten run in a
+terminal). Without it two runs resume from the same checkpoint and overwrite each other's checkpoints and metrics.
+
+Rank 0 decides (base.comm.run_on_main: every rank raises the same line) right after the process group exists,
+before anything is written in the folder; rank 0 keeps the lock fresh (its mtime, every HEARTBEAT_S, from a daemon
+thread) and removes it when the run ends (training/job.py). A lock whose owner is dead is taken over:
+- the same SLURM job: an earlier run of this job (a requeue; Slurm never runs two of one job at once);
+- on this host: its pid is gone, or is another process now (the start time in /proc differs);
+- on another host: its job's state (`scontrol show job`) is not a live one (RUNNING, SUSPENDED, COMPLETING, ...;
+  an unknown job id is gone); where no job or no scontrol says, its heartbeat is older than STALE_S. The age is
+  read on the file server's clock (the lock's mtime against a probe file touched now), never this host's.
+Cost: one small file, one `scontrol` call at most at start (only for a lock from another host), one utime a minute.
+Two runs that start within the same second on a stale lock can both take it (the replace is not atomic with the
+check); every other case is decided by an atomic link.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import threading
+import time
+
+LOCK = "RUN_LOCK"
+HEARTBEAT_S = 60.0
+STALE_S = 600.0  # a lock from another host with no job state to read: dead when its heartbeat is this old
+LIVE_STATES = {"RUNNING", "SUSPENDED", "COMPLETING", "CONFIGURING", "STAGE_OUT", "SIGNALING", "RESIZING", "STOPPED"}
+_HELD: list = []  # [path, token, stop event] of the lock this process holds
+
+
+def _start_time(pid: int) -> str | None:
+    """The process' start time (clock ticks since boot, /proc/PID/stat field 22): tells a reused pid apart."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def me(env=None) -> dict:
+    """This process as a lock's owner."""
+    env = os.environ if env is None else env
+    return {"host": socket.gethostname(), "pid": os.getpid(), "start": _start_time(os.getpid()),
+            "job": env.get("SLURM_JOB_ID", ""), "restart": env.get("SLURM_RESTART_COUNT", "0"),
+            "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+
+
+def pid_alive(pid: int, start: str | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process: alive
+    now = _start_time(pid)
+    return start is None or now is None or now == start
+
+
+def job_state(job: str) -> str | None:
+    """The job's JobState as slurmctld says it ("GONE" for a job it no longer knows); None where it cannot say."""
+    try:
+        p = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    m = re.search(r"JobState=(\w+)", p.stdout)
+    if m:
+        return m.group(1)
+    return "GONE" if "Invalid job id" in p.stderr else None
+
+
+def verdict(lock: dict, mine: dict, age_s: float | None, alive=pid_alive, state=job_state) -> tuple[bool, str]:
+    """(whether the lock's owner is alive, why). Pure given its readers: tests give it any cluster."""
+    if lock.get("job") and lock["job"] == mine.get("job"):
+        return False, f"an earlier run of this job ({lock['job']})"
+    if lock.get("host") == mine["host"]:
+        if int(lock.get("pid", 0)) == mine["pid"]:
+            return False, "this process' own (an earlier run in it)"
+        if alive(int(lock.get("pid", 0)), lock.get("start")):
+            return True, "its process is alive on this host"
+        return False, "its process is gone"
+    if lock.get("job"):
+        s = state(lock["job"])
+        if s is not None:
+            return s in LIVE_STATES, f"its job {lock['job']} is {s}"
+    if age_s is not None and age_s > STALE_S:
+        return False, f"its heartbeat is {age_s:.0f} s old"
+    return True, "its heartbeat is " + ("unknown" if age_s is None else f"{age_s:.0f} s old") + \
+        f" (at most {STALE_S:.0f} s for a live run on another host)"
+
+
+def _age(path: str, folder: str) -> float | None:
+    """Seconds since `path` was touched, on the file server's clock: its mtime against a probe file written now."""
+    probe = os.path.join(folder, f".{LOCK}.probe.{socket.gethostname()}.{os.getpid()}")
+    try:
+        with open(probe, "w"):
+            pass
+        return os.stat(probe).st_mtime - os.stat(path).st_mtime
+    except OSError:
+        return None
+    finally:
+        try:
+            os.remove(probe)
+        except OSError:
+            pass
+
+
+def acquire(folder: str, mine: dict | None = None, alive=pid_alive, state=job_state) -> str:
+    """Take `folder`'s lock for this process (one line saying so), or raise ValueError naming the live owner."""
+    mine = me() if mine is None else mine
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, LOCK)
+    token = f"{mine['host']}:{mine['pid']}:{time.time_ns()}"
+    tmp = f"{path}.{mine['host']}.{mine['pid']}"
+    with open(tmp, "w") as fh:
+        json.dump({**mine, "token": token}, fh)
+    took_over = ""
+    try:
+        for _ in range(3):
+            try:
+                os.link(tmp, path)  # atomic, also on NFS: exactly one of two racing runs gets it
+                break
+            except FileExistsError:
+                pass
+            try:
+                with open(path) as fh:
+                    lock = json.load(fh)
+            except (OSError, ValueError):
+                lock = {}  # torn or vanished: a writer died mid-write (or just released it)
+            live, why = verdict(lock, mine, _age(path, folder), alive, state) if lock else (False, "unreadable")
+            if live:
+                job = f", job {lock['job']}" if lock.get("job") else ""
+                raise ValueError(f"output folder {folder} is held by a live run: host {lock.get('host')} pid "
+                                 f"{lock.get('pid')}{job}, since {lock.get('since')} ({why}); two runs there would "
+                                 f"overwrite each other's checkpoints and metrics: stop that run or use another "
+                                 f"--output_dir (a lock its owner left when it died: remove {path})")
+            took_over = f" (taken over: {lock.get('host')} pid {lock.get('pid')}, {why})"
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
+        else:
+            raise ValueError(f"output folder {folder}: could not take {path} (another run keeps taking it)")
+    finally:
+        os.remove(tmp)
+    _HELD[:] = [path, token, _beat(path)]
+    return f"run lock: {path} held by {mine['host']} pid {mine['pid']}{took_over}"
+
+
+def _beat(path: str) -> threading.Event:
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.wait(HEARTBEAT_S):
+            try:
+                os.utime(path)
+            except OSError:
+                pass
+
+    threading.Thread(target=run, name="run-lock-heartbeat", daemon=True).start()
+    return stop
+
+
+def hold(folder: str) -> str:
+    """Collective: rank 0 takes `folder`'s lock (acquire), every rank gets its line or raises its refusal."""
+    from base import comm
+
+    return comm.run_on_main(lambda: acquire(folder))
+
+
+def release() -> None:
+    """Remove the lock this process holds (if it is still ours)."""
+    if not _HELD:
+        return
+    path, token, stop = _HELD
+    _HELD.clear()
+    stop.set()
+    try:
+        with open(path) as fh:
+            if json.load(fh).get("token") == token:
+                os.remove(path)
+    except (OSError, ValueError):
+        pass

@@ -1,0 +1,61 @@
+"""base/run_lock.py: one output folder, one live run. A live owner (this host: its pid alive with the same start
+time; another host: its job RUNNING, or a fresh heartbeat where no job state can be read) refuses a second run in
+one line; a dead one (pid gone or reused, job ended or unknown to Slurm, heartbeat stale, the same job's earlier
+run) is taken over."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from base import run_lock
+from base.run_lock import LOCK, STALE_S, acquire, release, verdict
+
+MINE = {"host": "gpu001", "pid": 4242, "start": "100", "job": "900", "restart": "0", "since": "now"}
+
+
+@pytest.mark.parametrize("lock, age, alive, state, live", [
+    ({"host": "gpu001", "pid": 7, "start": "5", "job": ""}, 1.0, True, None, True),  # this host, alive
+    ({"host": "gpu001", "pid": 7, "start": "5", "job": ""}, 1.0, False, None, False),  # this host, pid gone/reused
+    ({"host": "gpu002", "pid": 7, "job": "800"}, 9999.0, True, "RUNNING", True),  # another host, job running
+    ({"host": "gpu002", "pid": 7, "job": "800"}, 1.0, True, "CANCELLED", False),  # ... job ended
+    ({"host": "gpu002", "pid": 7, "job": "800"}, 1.0, True, "GONE", False),  # ... unknown to slurmctld
+    ({"host": "gpu002", "pid": 7, "job": "800"}, 1.0, True, None, True),  # no scontrol: a fresh heartbeat
+    ({"host": "gpu002", "pid": 7, "job": ""}, STALE_S + 1, True, None, False),  # no job, a stale heartbeat
+    ({"host": "gpu002", "pid": 7, "job": "900"}, 1.0, True, "RUNNING", False),  # this job's earlier run (requeue)
+])
+def test_the_owner_is_alive_or_dead_as_its_host_job_or_heartbeat_says(lock, age, alive, state, live):
+    assert verdict(lock, MINE, age, alive=lambda pid, start: alive, state=lambda job: state)[0] is live
+
+
+def test_a_second_run_is_refused_in_one_line_and_the_first_releases(tmp_path):
+    sleeper = subprocess.Popen(["sleep", "60"])  # a live "first run" on this host
+    try:
+        owner = {**run_lock.me(), "pid": sleeper.pid, "start": run_lock._start_time(sleeper.pid), "job": "1"}
+        (tmp_path / LOCK).write_text(json.dumps(owner))
+        with pytest.raises(ValueError, match=rf"output folder {tmp_path} is held by a live run: host \S+ pid "
+                                             rf"{sleeper.pid}, job 1, since .*its process is alive on this host") as e:
+            acquire(str(tmp_path), {**run_lock.me(), "job": "2"})
+        assert "\n" not in str(e.value)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    line = acquire(str(tmp_path), {**run_lock.me(), "job": "2"})  # its owner is gone now: taken over
+    assert "taken over" in line and "its process is gone" in line
+    assert json.loads((tmp_path / LOCK).read_text())["pid"] == os.getpid()
+    release()
+    assert not (tmp_path / LOCK).exists() and sorted(os.listdir(tmp_path)) == []
+
+
+def test_a_stale_heartbeat_from_another_host_is_taken_over(tmp_path):
+    (tmp_path / LOCK).write_text(json.dumps({"host": "elsewhere", "pid": 1, "job": "", "since": "then"}))
+    old = os.stat(tmp_path / LOCK).st_mtime - STALE_S - 60
+    os.utime(tmp_path / LOCK, (old, old))
+    assert "heartbeat is" in acquire(str(tmp_path), run_lock.me())
+    release()
+    (tmp_path / LOCK).write_text(json.dumps({"host": "elsewhere", "pid": 1, "job": "", "since": "then"}))
+    with pytest.raises(ValueError, match="held by a live run: host elsewhere pid 1, since then"):
+        acquire(str(tmp_path), run_lock.me())  # fresh: refused
