@@ -180,7 +180,8 @@ class MetricsLogger:
             self.wandb.log({k: v for k, v in record.items() if isinstance(v, int | float)}, step=step)
         if "loss" in record and "step" in record:
             line = (f"step {record['step']} stage {record.get('stage', 0)} loss {record['loss']:.4f} "
-                    f"lr {record['lr']:.2e} tok/s {record['tokens_per_s']:.0f} mem {record['peak_mem_gb']:.2f}GB")
+                    f"lr {record['lr']:.2e} tok/s {record['tokens_per_s']:.0f} mem {record['peak_mem_gb']:.2f}GB"
+                    + " (no supervised token: optimizer step skipped)" * bool(record.get("optimizer_skipped")))
             if self.bar is not None:
                 self.bar.n = record["step"]
                 self.bar.set_postfix_str(line)

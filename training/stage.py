@@ -89,8 +89,9 @@ def train_stage(run: Run, stage, stages, state: TrainState) -> None:
                  for _ in range(cfg.gradient_accumulation_steps)]
         lr = engine.get_lr()[0]
         out = train_step(engine, micro, dims.world, loss_fn=loss_fn)
-        out["engagement"] = engagement.take(engine.module, len(micro))  # the plan's savings, engaged vs expected this step
-        if first:  # after the engine's first step: every layer's attention went through Ulysses + masking
+        skipped = out.get("skipped", False)  # no supervised token in the global batch: nothing ran (training/step.py)
+        out["engagement"] = engagement.take(engine.module, 0 if skipped else len(micro))  # savings engaged vs expected
+        if first and not skipped:  # after the engine's first step: every layer's attention went through Ulysses + masking
             _after_first_step(run, engine, features)
             first = False
         state.step += 1
@@ -195,13 +196,15 @@ def _log_step(run: Run, stage, sdims, state: TrainState, out: dict, lr: float, s
     cfg = run.cfg
     eng = out.get("engagement")  # minimum over ranks after the peak's all-reduce (one collective for both)
     peak = peak_memory_gb(eng) if eng else peak_memory_gb()
-    run.preempt.deadline.record_step(out["step_time"])
+    if not out.get("skipped"):  # a skipped step ran nothing: its time says nothing of the next one's
+        run.preempt.deadline.record_step(out["step_time"])
     rank_log(f"step {state.step} stage {stage.index} loss {out['loss']:.6f} step_time {out['step_time']:.3f}s")
     n = sdims.dp * cfg.gradient_accumulation_steps * cfg.per_device_train_batch_size * stage.max_seq_length
     state.tokens += n
     run.metrics.log({"step": state.step, "stage": stage.index, "loss": out["loss"], "lr": lr, "tokens": n,
                      "label_tokens": out["label_tokens"],  # supervised tokens of the step (global; the loss's count)
                      **({"label_weight": out["label_weight"]} if "label_weight" in out else {}),
+                     **({"optimizer_skipped": True} if out.get("skipped") else {}),  # no supervised token: no step
                      "tokens_per_s": n / out["step_time"], "seq_len": stage.max_seq_length, "sp": sdims.sp,
                      "cp": sdims.cp,
                      "dp": sdims.dp, "peak_mem_gb": peak, "total_tokens": state.tokens,

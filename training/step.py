@@ -18,8 +18,11 @@ computed on the whole sample before sharding, data/sharding.py) the same holds w
 w_t CE_t / sum of w_t, the mean over the global batch's conversations of each one's mean loss.
 
 A rank, a micro-batch or a whole SP group without any supervised token adds 0 to the sums (and still runs its
-forward and backward: every collective is called on every rank); a global batch without any gives loss 0 and
-zero gradients, not 0/0. Cost: one all-reduce of two numbers per step, before the first forward.
+forward and backward: every collective is called on every rank). A global batch without any supervised token is
+skipped whole: no forward, no backward, no optimizer step (AdamW's momentum and weight decay would still move the
+weights, and the LR schedule would advance), loss 0 and `skipped` in the result. Every rank decides it from the same
+all-reduced count, so every rank skips the same collectives. Cost: one all-reduce of two numbers per step, before
+the first forward.
 """
 
 from __future__ import annotations
@@ -46,10 +49,12 @@ def train_step(engine, micro_batches: list[dict[str, torch.Tensor]], world: int,
                loss_fn=loss_sum, before_step=None) -> dict[str, float]:
     """Forward/backward every micro-batch, then the optimizer step. Returns the loss, `label_tokens` (the
     global batch's supervised tokens, for the metrics) and, with conversation weights, `label_weight` (its
-    conversations with a supervised token)."""
+    conversations with a supervised token); `skipped` where the global batch had no supervised token (nothing run)."""
     t0 = time.perf_counter()
     device = engine.device
     n_tokens, n_weight = comm.all_reduce(label_totals(micro_batches)).tolist()
+    if n_tokens == 0:  # the global count, the same on every rank: every rank skips (never a rank-local decision)
+        return {"loss": 0.0, "label_tokens": 0, "skipped": True, "step_time": time.perf_counter() - t0}
     denom = n_weight if n_weight > 0 else 1.0  # nothing supervised anywhere: loss 0, gradients 0
     scale = world * len(micro_batches) / denom
     total = torch.zeros((), dtype=torch.float64)

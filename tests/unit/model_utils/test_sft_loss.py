@@ -124,10 +124,10 @@ class Engine:
         self.steps += 1
 
 
-def run_ranks(model, batches, sp: int, cp: int = 1, weighting: str = "token", loss_fn=loss_sum):
+def run_ranks(model, batches, sp: int, cp: int = 1, weighting: str = "token", loss_fn=loss_sum, engines=None):
     """batches[dp_rank][micro_step] = samples. Every (dp, sp) rank in a thread runs train_step on its shards; the
     all-reduce sums over the threads. Returns (rank 0's result, every rank's result, gradients as DeepSpeed
-    makes them: the sum over ranks / (world x GA))."""
+    makes them: the sum over ranks / (world x GA); 0 where none). `engines`: each rank's own, kept across calls."""
     dp, ga = len(batches), len(batches[0])
     world = dp * sp
     barrier, box, lock = threading.Barrier(world), [], threading.Lock()
@@ -144,7 +144,7 @@ def run_ranks(model, batches, sp: int, cp: int = 1, weighting: str = "token", lo
         barrier.wait()
         return total
 
-    models = [copy.deepcopy(model) for _ in range(world)]
+    models = [e.module for e in engines] if engines else [copy.deepcopy(model) for _ in range(world)]
     results = [None] * world
     errors = []
 
@@ -153,7 +153,8 @@ def run_ranks(model, batches, sp: int, cp: int = 1, weighting: str = "token", lo
             d, s = divmod(r, sp)
             mult = sp * (2 if cp > 1 else 1)
             micro = [shard(collate(mb, mult, 0, weighting), sp, s, cp) for mb in batches[d]]
-            results[r] = step_mod.train_step(Engine(models[r]), micro, world, loss_fn=loss_fn)
+            engine = engines[r] if engines else Engine(models[r])
+            results[r] = step_mod.train_step(engine, micro, world, loss_fn=loss_fn)
         except BaseException as e:  # noqa: BLE001 - surfaced below
             errors.append(e)
             barrier.abort()
@@ -170,7 +171,8 @@ def run_ranks(model, batches, sp: int, cp: int = 1, weighting: str = "token", lo
         step_mod.comm.all_reduce = orig
     if errors:
         raise errors[0]
-    grads = {n: sum(m.get_parameter(n).grad for m in models) / (world * ga) for n, _ in model.named_parameters()}
+    grads = {n: sum(m.get_parameter(n).grad if m.get_parameter(n).grad is not None else torch.zeros_like(p)
+                    for m in models) / (world * ga) for n, p in model.named_parameters()}
     return results[0], results, grads
 
 
@@ -243,11 +245,48 @@ def test_wrong_means_are_far_from_the_oracle():
 
 def test_nothing_supervised_anywhere_gives_zero_not_nan():
     """No supervised token in the whole global batch: loss 0, gradients 0, label_tokens 0 (the old step reported
-    1), at SP 1 and SP 4 alike."""
+    1), at SP 1 and SP 4 alike; the step is skipped on every rank."""
     for sp in (1, 4):
-        got, _, grads = run_ranks(PerToken(), [[[EMPTY, EMPTY]]], sp)
+        got, every, grads = run_ranks(PerToken(), [[[EMPTY, EMPTY]]], sp)
         assert got["loss"] == 0.0 and got["label_tokens"] == 0, got
+        assert all(r["skipped"] for r in every)
         assert all(torch.equal(g, torch.zeros_like(g)) for g in grads.values())
+
+
+class AdamEngine(Engine):
+    """A rank's engine whose step is AdamW's (weight decay, momentum) and an LR schedule's, as DeepSpeed's is."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: 1.0 / (1 + s))
+
+    def step(self):
+        super().step()
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad()
+
+
+def test_a_batch_without_supervised_token_does_not_step_the_optimizer():
+    """Issue 47 item 10: after a supervised step (AdamW now has momentum), a global batch without any supervised
+    token (SP 2 x DP 2, GA 2, threads as ranks; one DP group's shards supervised on no rank) leaves the weights, the
+    optimizer's state and the LR schedule where they were, on every rank alike, and says `skipped`. On the old step
+    the weights moved (weight decay and momentum) and the schedule advanced."""
+    engines = [AdamEngine(copy.deepcopy(PerToken())) for _ in range(4)]
+    first, _, _ = run_ranks(engines[0].module, [[[PACKED], [LONG]], [[BOUNDARY], [EMPTY]]], 2, engines=engines)
+    assert not first.get("skipped") and all(e.steps == 2 for e in engines)
+    before = [({n: p.detach().clone() for n, p in e.module.named_parameters()},
+               [st["exp_avg"].clone() for st in e.opt.state.values()], e.sched.last_epoch, e.opt.param_groups[0]["lr"])
+              for e in engines]
+    got, every, _ = run_ranks(engines[0].module, [[[EMPTY], [EMPTY]], [[EMPTY, EMPTY], [EMPTY]]], 2, engines=engines)
+    assert all(r["skipped"] and r["loss"] == 0.0 and r["label_tokens"] == 0 for r in every), every
+    for e, (params, moments, epoch, lr) in zip(engines, before):
+        assert all(torch.equal(p, params[n]) for n, p in e.module.named_parameters())
+        assert all(torch.equal(st["exp_avg"], m) for st, m in zip(e.opt.state.values(), moments))
+        assert (e.sched.last_epoch, e.opt.param_groups[0]["lr"], e.steps) == (epoch, lr, 2)
+    again, _, _ = run_ranks(engines[0].module, [[[PACKED]], [[LONG]]], 2, engines=engines)  # a supervised batch steps again
+    assert not again.get("skipped") and all(e.steps == 3 for e in engines)
 
 
 @pytest.mark.parametrize("sp, cp, batches", [
