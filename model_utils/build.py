@@ -11,12 +11,20 @@ import os
 
 import torch
 
+from model_utils.hub import resolve
 from planner.presets import PRESETS
+
+
+def resolve_model(name_or_path: str, weights: bool = True) -> str:
+    """The folder (or preset name) a --model_name_or_path reads: a hub id becomes its snapshot in the local Hugging
+    Face cache (model_utils/hub.py), offline; one-line ValueError naming the download command when it is not there."""
+    return resolve(name_or_path, PRESETS, weights=weights)
 
 
 def load_hf_config(name_or_path: str):
     from transformers import AutoConfig
 
+    name_or_path = resolve_model(name_or_path, weights=False)
     if os.path.isdir(name_or_path):
         if not os.path.isfile(os.path.join(name_or_path, "config.json")):
             raise ValueError(f"--model_name_or_path {name_or_path}: folder has no config.json "
@@ -24,8 +32,8 @@ def load_hf_config(name_or_path: str):
         return AutoConfig.from_pretrained(name_or_path)
     if name_or_path in PRESETS:
         return preset_config(name_or_path)
-    raise ValueError(f"--model_name_or_path {name_or_path!r}: not a local folder nor a preset "
-                     f"({', '.join(sorted(PRESETS))}); hub downloads are not used")
+    raise ValueError(f"--model_name_or_path {name_or_path!r}: not a local folder, a preset "
+                     f"({', '.join(sorted(PRESETS))}) nor a Hugging Face hub id (org/name) in the local cache")
 
 
 def pick_attn_implementation(requested: str, planning: bool = False) -> str:
@@ -58,6 +66,7 @@ def build_model(name_or_path: str, hf_config, ds_config: dict, attn_implementati
     from transformers.integrations import HfDeepSpeedConfig
 
     handle = HfDeepSpeedConfig(ds_config)
+    name_or_path = resolve_model(name_or_path, weights=pretrained)  # a hub id must never build random weights
     if pretrained and os.path.isdir(name_or_path):
         model = AutoModelForCausalLM.from_pretrained(name_or_path, config=hf_config, dtype=dtype,
                                                      attn_implementation=attn_implementation)
