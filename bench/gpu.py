@@ -5,40 +5,37 @@
     python -m bench.gpu --render               # the page again from bench/results/gpu.json
     DS_ACCELERATOR=cpu python -m bench.gpu --dry   # the same script on this CPU with tiny shapes (the suite runs it)
 
-Sections (run in the order long, gap, parity, smoke, ladder: `--sections`), each written to the JSON as soon as it ends (a run cut off by its time limit keeps what it
-finished), each skipped when the time left (`--budget_s`) cannot hold it. Every launch uses ONE model, Llama-3-8B's
-width and vocabulary (hidden 4096, 32 heads, 8 KV heads, MLP 14336, vocab 128256) with 2 decoder layers, saved once
-(bf16, 3 GB), and caps the allocator at an H100's memory (`--cap_gib`, default 78.5 GiB of allocations: an 80 GB card
-less its CUDA context), so an H200 answers as an H100 would.
-0. long (issue 43, first because it matters most): one train.py step at T = 1,048,576 under `memory_features auto`
-   with `--gpu_mem_gb 80` (the run's own start-up choice and headroom rule, (80 - 2) x 0.9 = 70.2 GiB usable),
-   bench/gpu_probe.py in the rank: max allocated and max reserved per phase (each layer's forward, the checkpointed
-   layer's recomputed forward, the MLP backward and the attention backward of each layer, logits + loss), the step's
-   peak, pinned host bytes (torch.cuda.host_memory_stats) and RSS after the step, each against the planner's figure
-   for the configuration the run chose (planner_phases) with the ratio, flagged past 10% (FLAG: the planner's next
-   fix); the engagement counters train.py logs (the `engagement` hook); any kernel error in the log (T x h = 2^32
-   elements at 1M: the index-overflow class that stopped ALST at 555K). ~3 min of step (the planner: 182 s at 40%
-   MFU) + start-up.
-   gap: the reserved-minus-allocated gap near the cap: the same under a budget whose usable memory is the cap itself
-   (cap / 0.9 + 2 GiB), at the shortest GAP_LENGTHS entry where auto's predicted peak reaches 95% of the cap (256k:
-   77.2 of 78.5 GiB, 13 s of step), when the time left holds it. (The dry run runs both as two stages of one
-   launch, the shorter first: one start-up less in the suite.)
-1. smoke: tests/test_gpu_smoke.py (NCCL, bf16, ZeRO-3 + CPU offload, evaluation, export, step-1 loss = the plain
-   model's) through pytest.
-2. parity: document masking on every attention backend installed (sdpa, flex_attention, flash_attention_2 where
-   flash-attn is there): the loss and every gradient of a packed sample of 7 documents through the registered
-   document-masked function equal the plain Hugging Face model run on each document alone (peaked weights,
-   initializer_range 0.3); the wrong answer (attention across documents) is printed beside the tolerance.
-3. ladder: the model at SP=1, bf16, ZeRO-3 + CPU offload of params and optimizer, in ONE train.py launch whose
-   stages are the rungs (one model load; an out-of-memory rung ends the launch after the rungs below it were
-   recorded). At one rank the per-layer working set is what binds (the layers' checkpoints are offloaded to the
-   host), so 2 layers answer the length question for 32. Rungs whose predicted time does not fit are dropped (the
-   first one runs whenever the ladder does).
-   - 64k, 128k, 256k (3, 3, 2 steps): the features `memory_features: auto` picks for the capped card, pinned per
-     stage; tokens/s (median after the first step), MFU, measured peak vs the planner's prediction.
-   - then the planner's longest length under the cap with every memory feature on (tiled MLP and logits,
-     checkpointing, checkpoints offloaded), rounded down to 64k, and one rung 128k above it (1 step each): fits or
-     out of memory, peak vs prediction. Rungs whose predicted time does not fit the budget left are dropped.
+Sections (run in the order headline, kernels, arena, parity, long, gap, smoke, ladder: `--sections`), each written
+to the JSON as soon as it ends (a run cut off by its time limit keeps what it finished), each skipped when the time
+left (`--budget_s`) cannot hold it. Every launch uses ONE model, Llama-3-8B's width and vocabulary (hidden 4096,
+32 heads, 8 KV heads, MLP 14336, vocab 128256) with 2 decoder layers, saved once (bf16, 3 GB, initialised on the
+GPU), and caps the allocator at an H100's memory (`--cap_gib`, default 78.5 GiB of allocations: an 80 GB card less
+its CUDA context), so an H200 answers as an H100 would.
+- kernels, arena (bench/gpu_kernels.py, issue 49, ~40 s, after the headline): the headline's attention call (one head chunk, bf16, at
+  its length) timed through SDPA's default, forced flash / cuDNN / memory-efficient backends and FA2 where
+  installed, with the kernels' names; the host arena's registration time per GiB and copy rate.
+- headline (issue 49, first): the 1-GPU headline's configuration itself, pinned: every layer
+  checkpointed with its checkpoint offloaded, tiled MLP and logits, parameters and optimizer offloaded, the
+  largest head-chunk count (32), at the planner's longest length under `--gpu_mem_gb 80` (the run's own start-up
+  rule: (80 - 2) x 0.9 = 70.2 GiB usable; 1,109,646 tokens). Under these features the GPU peak does not depend on
+  the layer count: parameters and gradients live on the host (ZeRO-3 offload, one layer gathered at a time), and
+  every layer's checkpoint is copied to the host as soon as it is made, so the GPU holds one layer's working set,
+  the checkpoint being fetched, the embedding / head and the logits tiles whatever the depth (plan.py prints the
+  same 70.20 GiB peak for 2 and 32 layers); 2 layers show a recomputed layer below another, which is all the
+  32-layer step repeats. One train.py step with bench/gpu_probe.py in the rank: every segment of the step (each
+  layer's forward, recompute, MLP / attention / norm backward, the logits, the segments between), max allocated
+  and reserved, against planner_phases for the run's memory_choice, past 10% flagged; any segment above the usable
+  limit flagged whatever its ratio; the attention kernels the step dispatched to; host pinned / arena / RSS; the
+  engagement counters; kernel errors past 2^31 elements.
+- long: the same step at T = 1,048,576 under `memory_features auto` (the run's own choice: issue 43's run).
+  gap: the reserved-minus-allocated gap near the cap: auto under a budget whose usable memory is the cap itself
+  (cap / 0.9 + 2 GiB), at the shortest GAP_LENGTHS entry where auto's predicted peak reaches 95% of the cap. (The
+  dry run runs headline, long and gap as three stages of one launch: one start-up in the suite.)
+- smoke: tests/test_gpu_smoke.py (NCCL, bf16, ZeRO-3 + CPU offload, evaluation, export, step-1 loss = the plain
+  model's) through pytest.
+- parity (bench/gpu_parity.py): document masking on every attention backend installed against the plain Hugging
+  Face model on each document alone.
+- ladder (bench/gpu_ladder.py): length and tokens/s at SP=1 in one launch whose stages are the rungs.
 
 MFU = tokens/s x flops_per_sequence(L) / L / peak bf16 FLOP/s: planner.memory_model.flops_per_sequence counts
 6 FLOPs per matmul weight per token and causal attention once (6 x layers x heads x head_dim x L^2), activation
@@ -53,14 +50,15 @@ import os
 import platform
 import re
 import shutil
-import statistics
 import subprocess
 import sys
 import time
 
 from bench import harness as bm
 from bench.gpu_compare import compare, engagement, planner_phases, read_probe
+from bench.gpu_ladder import OFFLOADS, flops, ladder, load_layers
 from bench.gpu_page import render
+from bench.gpu_parity import doc_parity
 
 GiB = 2**30
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}  # dense bf16, SXM
@@ -69,11 +67,10 @@ LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=
 TINY = dict(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2, vocab_size=2048,
             max_position_embeddings=1 << 16, rope_theta=10000.0)
 K = 1024
-# (length, steps) of the throughput rungs; the dry run's stand-ins keep the shape of the plan at CPU sizes
-THROUGHPUT = {"gpu": [(64 * K, 3), (128 * K, 3), (256 * K, 2)], "dry": [(256, 2)]}
-LADDER_STEP = {"gpu": 64 * K, "dry": 512}
-LEANEST = {"tiled_mlp": True, "tiled_logits": True, "gradient_checkpointing": True, "offload_activations": True}
-OFFLOADS = {"zero_optimization": {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}}
+# the 1-GPU headline's per-layer features (plan.py --compare's --alst row), pinned per stage, and its offloads
+HEADLINE = {"tiled_mlp": True, "tiled_logits": True, "checkpoint_every": 1, "offload_activations": True,
+            "keep_attention": False}
+HEADLINE_DRY = 1536  # the dry stand-in's length (its tiny model's planner maximum is far past a CPU step)
 PAGE = os.path.join(bm.ROOT, "docs", "results", "gpu.md")
 
 
@@ -145,21 +142,31 @@ INDEX_ERRORS = r"illegal memory access|invalid configuration argument|numel|int3
                r"CUDA error|cuDNN error|CUBLAS_STATUS|index out of bounds|device-side assert"
 
 
+def stage_pins(name: str, dry: bool) -> dict:
+    """A stage's own settings: the headline pins its features and both ZeRO-3 offloads; the dry stand-in pins
+    DRY_PINS for the others (on a GPU they are auto's own choice)."""
+    if name == "headline":
+        return {"memory_features": HEADLINE, "deepspeed_overrides": OFFLOADS}
+    return {"memory_features": DRY_PINS} if dry else {}
+
+
 def long_run(rec: Record, name: str, model: str, device: str, dry: bool, cap_gib: float, work: str,
-             stages: list[tuple[str, int]], gpu_mem_gb: float, timeout: float) -> dict:
-    """One train.py launch, one step per stage (name, length) under memory_features auto (the run's own start-up
-    choice at gpu_mem_gb, or on the CPU stand-in DRY_PINS under an 8 GiB cap), the probe in its rank; per stage,
-    the per-phase figures against the planner's for the configuration the run chose: {stage name: result}. The GPU
-    run launches each stage alone (their budgets differ); the dry run puts both in one launch (one start-up less
-    in the suite) and splits the probe's records at each stage's step record."""
+             stages: list[tuple[str, int]], gpu_mem_gb: float, timeout: float, chunks: int | None = None) -> dict:
+    """One train.py launch, one step per stage (name, length) under memory_features auto with the stage's pins
+    (stage_pins: the headline's features, or none: the run's own start-up choice at gpu_mem_gb; on the CPU stand-in
+    under an 8 GiB cap), `chunks` head chunks where given, the probe in its rank; per stage, the per-phase figures
+    against the planner's for the configuration the run took: {stage name: result}. The GPU run launches each
+    stage alone (their budgets differ); the dry run puts them in one launch (one start-up in the suite) and splits
+    the probe's records at each stage's step record."""
     out = os.path.join(work, name)
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     cfg = os.path.join(work, f"{name}.yaml")
-    pins = f"memory_features: {json.dumps(DRY_PINS)}, " if dry else ""
     with open(cfg, "w") as fh:
-        fh.write("stages:\n" + "".join(f"  - {{name: {s}, max_seq_length: {n}, max_steps: 1, {pins}"
-                                       "eval: {passkey_trials: 0, heldout_samples: 0}}\n" for s, n in stages))
+        fh.write("stages:\n" + "".join(
+            f"  - {{name: {s}, max_seq_length: {n}, max_steps: 1, "
+            + "".join(f"{k}: {json.dumps(v)}, " for k, v in stage_pins(s, dry).items())
+            + "eval: {passkey_trials: 0, heldout_samples: 0}}\n" for s, n in stages))
     probe_path = os.path.join(work, f"{name}.phases.jsonl")
     if os.path.exists(probe_path + ".rank0"):
         os.remove(probe_path + ".rank0")
@@ -168,7 +175,8 @@ def long_run(rec: Record, name: str, model: str, device: str, dry: bool, cap_gib
                PYTHONPATH=os.pathsep.join([os.path.join(bm.ROOT, "bench", "gpu_site"), env["PYTHONPATH"]]))
     if not dry:
         env["BENCH_GPU_CAP_GIB"] = str(cap_gib)
-    budget = ["--mem_cap_gb", "8", "--attention_head_chunks", "2"] if dry else ["--gpu_mem_gb", str(gpu_mem_gb)]
+    budget = ["--mem_cap_gb", "8", "--attention_head_chunks", "2"] if dry else ["--gpu_mem_gb", str(gpu_mem_gb)] + (
+        ["--attention_head_chunks", str(chunks)] if chunks else [])
     cmd = [*bm.launcher(), "--num_gpus", "1", "--master_port", str(bm.free_port()), "train.py", "--config", cfg,
            "--model_name_or_path", model, "--sequence_parallel_size", "1", "--output_dir", out,
            "--report_to", "none", "--no-export_hf", "--save_steps", "0", "--resume", "none", "--no-progress_bar",
@@ -186,20 +194,31 @@ def long_run(rec: Record, name: str, model: str, device: str, dry: bool, cap_gib
     kernel_errors = sorted({ln.strip()[:300] for ln in text.splitlines()
                             if re.search(INDEX_ERRORS, ln) and re.search(r"Error|error|assert|failed", ln)
                             and "Warning" not in ln})[:10]
-    results, start = {}, 0.0
+    parts, start = [], 0.0
+    for i in range(len(stages)):
+        steps = bm.read_steps(out, [r for r in records if r.get("stage") == i])
+        end = steps[-1]["time"] if steps and i + 1 < len(stages) else float("inf")
+        part = [r for r in probe if start < r.get("time", 0) <= end]
+        # the segment after a stage's last backward (its input norm, the optimizer step) closes at the next
+        # stage's first event: it belongs to the stage it started in
+        while parts and part and part[0]["phase"] == "between" and "backward" in part[0].get("after", ""):
+            parts[-1].append(part.pop(0))
+        parts.append(part)
+        start = end
+    results = {}
     for i, (stage, length) in enumerate(stages):
         mine = [r for r in records if r.get("stage") == i]
         steps = bm.read_steps(out, mine)
-        end = steps[-1]["time"] if steps and i + 1 < len(stages) else float("inf")
-        part = [r for r in probe if start < r.get("time", 0) <= end]
-        start = end
+        part = parts[i]
         choice = next((r for r in mine if r.get("event") == "memory_choice"), None)
         result = {"model": os.path.basename(model), "length": length, "cap_gib": cap_gib, "gpu_mem_gb": gpu_mem_gb,
-                  "budget_args": " ".join(budget), "exit_code": code, "wall_s": round(wall, 1),
+                  "budget_args": " ".join(budget), "pinned": stage_pins(stage, dry), "exit_code": code, "wall_s": round(wall, 1),
                   "steps_done": len(steps), "memory_choice": choice, "engagement": engagement(mine),
                   "probe_records": len(part), "kernel_errors": kernel_errors}
         if steps:
             result["step_s"] = round(steps[0]["seq_len"] / steps[0]["tokens_per_s"], 2)
+            # MFU as the page counts it (causal attention once, no recompute) at the H100/H200's 989 TFLOP/s
+            result["mfu"] = round(flops(model, length) / result["step_s"] / (PEAK_TFLOPS["H100"] * 1e12), 4)
         if code != 0 or not steps:
             fail = bm.launch_failure(log)
             result.update(error=fail["error"], log_tail=fail["log_tail"],
@@ -215,12 +234,19 @@ def long_run(rec: Record, name: str, model: str, device: str, dry: bool, cap_gib
                                  "host_terms_gib": {k: round(v / GiB, 3) for k, v in plan["host_terms"].items()},
                                  "pinned_gib": round(plan["pinned"] / GiB, 3)}
             if part:
-                result.update(compare(part, plan, load_layers(model)))
+                from planner.auto_features import usable_bytes
+
+                usable = usable_bytes(int(choice["budget_gb"] * GiB)) if choice.get("budget_gb") else None
+                result.update(compare(part, plan, load_layers(model), usable))
         rec.say(f"{stage}: {length:,} tokens, {len(steps)} step, exit {code}")
         for row in result.get("rows", []):
             rec.say(f"  {row['phase']:<19} L{row['layer']:<2} allocated {row['measured_gib']} GiB (planner "
                     f"{row['planner_gib']}, x{row['ratio']}{' FLAG' if row['flag'] else ''}) reserved "
                     f"{row['reserved_gib']}")
+        if result.get("over_usable"):
+            rec.say(f"  ABOVE THE USABLE LIMIT ({result['usable_gib']} GiB): {', '.join(result['over_usable'])}")
+        if result.get("attention_kernels"):
+            rec.say(f"  attention kernels: {result['attention_kernels']}")
         if "step" in result:
             rec.say(f"  step peak {result['step']['measured_gib']} GiB vs planner {result['step']['planner_gib']}; "
                     f"pinned {result['host']['pinned']['measured_gib']} vs {result['host']['pinned']['planner_gib']}; "
@@ -229,12 +255,6 @@ def long_run(rec: Record, name: str, model: str, device: str, dry: bool, cap_gib
             rec.say(f"  {stage} failed: {result['error']}")
         results[stage] = result
     return results
-
-
-def load_layers(model: str) -> int:
-    from planner.memory_model import load_shape
-
-    return load_shape(model).num_layers
 
 
 def gap_length(model: str | None, dry: bool, cap_gib: float, left: float, shape=None) -> tuple[int, float] | None:
@@ -277,105 +297,11 @@ def smoke(rec: Record, timeout: float) -> dict:
             "tail": out.splitlines()[-15:] if code else []}
 
 
-# --- 2. document-masking parity ---------------------------------------------------------------------------
-
-DOC_LENS = [37, 11, 29, 120, 1, 58, 44]  # 300 tokens: a 1-token document, short ones and a long one
-
-
-def backends(device: str) -> list[str]:
-    if device == "cpu":
-        return ["sdpa"]  # torch has no flex_attention backward on CPU; flash-attn needs CUDA
-    names = ["sdpa", "flex_attention"]
-    try:
-        import flash_attn  # noqa: F401
-
-        names.append("flash_attention_2")
-    except ImportError:
-        pass
-    return names
-
-
-def _loss_and_grads(model, ids, pos, labels) -> tuple[float, dict]:
-    import torch
-
-    model.zero_grad(set_to_none=True)
-    logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits.float()
-    total = torch.nn.functional.cross_entropy(logits[0], labels[0], ignore_index=-100, reduction="sum")
-    total.backward()
-    return total.item(), {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def doc_parity(device: str) -> list[dict]:
-    """Per backend: relative error of the loss and of all gradients (one vector) against the plain model on each
-    document alone, and how far the wrong answer (monotonic positions, attention across documents) is."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from model_utils import attention
-    from model_utils.build import preset_config
-
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    cfg = preset_config("tiny-llama", hidden_size=128, intermediate_size=256, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=32, initializer_range=0.3)
-    torch.manual_seed(0)
-    master = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).state_dict()
-    g = torch.Generator().manual_seed(0)
-    docs = [torch.randint(4, 2048, (n,), generator=g) for n in DOC_LENS]
-    n_labels = sum(n - 1 for n in DOC_LENS)
-
-    def build(attn: str, dtype):
-        m = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn)
-        m.load_state_dict(master)
-        return m.to(device).train()
-
-    def labels_of(d):
-        return torch.cat([d[1:], torch.tensor([-100])])
-
-    ref = build("sdpa", torch.float32)  # the oracle: each document alone, plain model, fp32
-    ref_loss, ref_grads = 0.0, {}
-    for d in docs:
-        loss, grads = _loss_and_grads(ref, d[None].to(device), torch.arange(len(d))[None].to(device),
-                                      labels_of(d)[None].to(device))
-        ref_loss += loss
-        for k, v in grads.items():
-            ref_grads[k] = ref_grads.get(k, 0) + v
-    ids = torch.cat(docs)[None].to(device)
-    pos = torch.cat([torch.arange(len(d)) for d in docs])[None].to(device)
-    labels = torch.cat([labels_of(d) for d in docs])[None].to(device)
-    wrong_loss, _ = _loss_and_grads(ref, ids, torch.arange(ids.shape[1])[None].to(device), labels)
-    flat_ref = torch.cat([ref_grads[k].flatten() for k in sorted(ref_grads)])
-    out = []
-    for attn in backends(device):
-        dtype = torch.bfloat16 if attn.startswith("flash") else torch.float32
-        try:
-            model = build(attn, dtype)
-            attention.register(model, attn)
-            try:
-                loss, grads = _loss_and_grads(model, ids, pos, labels)
-            finally:
-                attention.restore()
-        except Exception as e:  # a backend that fails here is a result, not the end of the check
-            out.append({"backend": attn, "dtype": str(dtype).removeprefix("torch."), "ok": False,
-                        "error": f"{type(e).__name__}: {e}"[:400]})
-            continue
-        flat = torch.cat([grads[k].flatten() for k in sorted(ref_grads)])
-        loss_tol, grad_tol = (2e-2, 5e-2) if dtype == torch.bfloat16 else (1e-5, 1e-4)
-        row = {"backend": attn, "dtype": str(dtype).removeprefix("torch."), "loss": loss / n_labels,
-               "ref_loss": ref_loss / n_labels, "wrong_loss": wrong_loss / n_labels,
-               "loss_rel_err": abs(loss - ref_loss) / abs(ref_loss),
-               "wrong_rel_err": abs(wrong_loss - ref_loss) / abs(ref_loss),
-               "grad_rel_err": ((flat - flat_ref).norm() / flat_ref.norm()).item(),
-               "loss_tol": loss_tol, "grad_tol": grad_tol}
-        row["ok"] = row["loss_rel_err"] <= loss_tol and row["grad_rel_err"] <= grad_tol
-        out.append(row)
-    return out
-
-
-# --- 3. the ladder ----------------------------------------------------------------------------------------
+# --- the model every launch uses ---------------------------------------------------------------------
 
 def save_model(root: str, dry: bool, layers: int) -> str:
-    """The Llama-3-8B-shaped model (bf16 on disk: 2.5 GB at 1 layer) or the dry run's tiny one, saved once."""
+    """The Llama-3-8B-shaped model (bf16 on disk: 3 GB at 2 layers) or the dry run's tiny one, saved once; the GPU
+    one initialised on the GPU (on the CPU its init took 83 s of the H200 session's budget)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -387,128 +313,47 @@ def save_model(root: str, dry: bool, layers: int) -> str:
         return path
     torch.manual_seed(0)
     cfg = preset_config("tiny-llama", num_hidden_layers=layers, **shape)
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32 if dry else torch.bfloat16).save_pretrained(path)
+    with torch.device("cuda" if torch.cuda.is_available() and not dry else "cpu"):
+        m = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32 if dry else torch.bfloat16)
+    m.save_pretrained(path)
+    del m
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return path
 
 
-def auto_features(model: str, length: int, device: str, cap_gib: float) -> dict:
-    """What memory_features auto picks for one rank at `length` on a card of cap_gib (the planner's chooser with
-    both ZeRO-3 offloads held on), as a stage's memory_features mapping; {} when nothing fits."""
+def headline_length(model: str, gpu_mem_gb: float, chunks: int) -> int:
+    """The planner's longest length for the headline's pinned features (HEADLINE, both offloads, `chunks` head
+    chunks) on one GPU of gpu_mem_gb, by the chooser train.py's start-up runs (so the launch accepts it): 1,109,646
+    for Llama-3-8B's shape on an 80 GB card, whatever the layer count (plan.py --compare's 1-GPU row)."""
     from planner import auto_features as af
     from planner.memory_model import Features, load_shape
 
     shape = load_shape(model)
-    offloads = Features(offload_params=True, offload_optimizer=True, lean_rmsnorm=True, lean_mlp=True)
-    try:
-        c = af.choose(shape, length, 1, int(cap_gib * GiB), sp=1, offloads=offloads, device=device,
-                      precision="bf16" if device == "cuda" else "fp32", ranks_per_node=1)
-    except ValueError:
-        return {}
-    f = c.features
-    return {"tiled_mlp": f.tiled_mlp, "tiled_logits": f.tiled_logits, "checkpoint_every": f.every,
-            "offload_activations": f.offload_activations}
+    off = Features(offload_params=True, offload_optimizer=True, lean_rmsnorm=True, lean_mlp=True)
+    pins = {**HEADLINE, "keep_attention": False, "attention_head_chunks": chunks, "ring_attention": False}
 
+    def fits(n: int) -> bool:
+        try:
+            af.choose(shape, n, 1, af.gpu_budget(gpu_mem_gb), sp=1, pinned=pins, offloads=off, device="cuda",
+                      precision="bf16", ranks_per_node=1)
+            return True
+        except ValueError:
+            return False
 
-def predicted_gib(model: str, length: int, feats: dict, device: str) -> float:
-    from planner.memory_model import load_shape, predict_peak_bytes
-
-    spec = {"lean_rmsnorm": True, "lean_mlp": True, "offload_params": True, "offload_optimizer": True, **feats}
-    return predict_peak_bytes(load_shape(model), length, 1, spec, precision="bf16" if device == "cuda" else "fp32",
-                              device=device) / GiB
-
-
-def planner_longest(model: str, feats: dict, device: str, cap_gib: float, step: int) -> int:
-    """Longest multiple of `step` whose predicted peak fits cap_gib (the peak grows with the length)."""
-    lo, hi = 0, (1 << 26) // step
+    lo, hi = 0, 1 << 26
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if predicted_gib(model, mid * step, feats, device) <= cap_gib else (lo, mid - 1)
-    return lo * step
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
 
 
-def stage_yaml(name: str, length: int, steps: int, feats: dict) -> str:
-    mf = ", ".join(f"{k}: {json.dumps(v)}" for k, v in feats.items())
-    return (f"  - {{name: {name}, max_seq_length: {length}, max_steps: {steps}, memory_features: {{{mf}}},\n"
-            f"     deepspeed_overrides: {json.dumps(OFFLOADS)}, eval: {{passkey_trials: 0, heldout_samples: 0}}}}\n")
+def max_chunks(model: str) -> int:
+    from planner.attention_sp import head_chunk_choices
+    from planner.memory_model import load_shape
 
-
-def flops(model: str, length: int) -> float:
-    from planner.memory_model import flops_per_sequence, load_shape
-
-    return flops_per_sequence(load_shape(model), length)
-
-
-def ladder(rec: Record, model: str, device: str, dry: bool, cap_gib: float, work: str, peak: float | None,
-           timeout: float) -> dict:
-    kind = "dry" if dry else "gpu"
-    if dry:  # a cap that the tiny model reaches at ~2k tokens, so the dry ladder ends where the GPU one would
-        cap_gib = round(predicted_gib(model, 2304, LEANEST, device), 4)
-    rungs = [dict(length=n, steps=s, kind="throughput", features=auto_features(model, n, device, cap_gib))
-             for n, s in THROUGHPUT[kind]]
-    longest = planner_longest(model, LEANEST, device, cap_gib, LADDER_STEP[kind])
-    top = max(longest // LADDER_STEP[kind] * LADDER_STEP[kind], rungs[-1]["length"] + LADDER_STEP[kind])
-    rungs += [dict(length=n, steps=1, kind="ladder", features=dict(LEANEST)) for n in (top, top + 2 * LADDER_STEP[kind])]
-    for r in rungs:
-        r["predicted_gib"] = round(predicted_gib(model, r["length"], r["features"], device), 2) if r["features"] else None
-    # keep the rungs whose predicted time fits: 1.5 min of start-up and engine builds, then the steps at 40% MFU
-    # (recompute included) - checked again against the measured rate once the throughput rungs have run
-    budget = timeout - (30 if dry else 75)
-    kept = []
-    for r in rungs:
-        est = r["steps"] * flops(model, r["length"]) * 4 / 3 / (0.4 * (peak or 989.0) * 1e12) + (5 if dry else 15)
-        if dry or budget - est > 0 or r is rungs[0]:  # the first rung always: the launch's own check
-            kept.append(r)
-            budget -= est
-    dropped = [r["length"] for r in rungs if r not in kept]
-    rungs = [r for r in kept if r["features"] or r["kind"] == "ladder"]
-    rec.say(f"ladder: rungs {[r['length'] for r in rungs]} (planner's longest with every feature under "
-            f"{cap_gib} GiB: {longest:,}; dropped for time: {dropped})")
-    out = os.path.join(work, "ladder")
-    os.makedirs(out, exist_ok=True)
-    cfg = os.path.join(work, "ladder.yaml")
-    with open(cfg, "w") as fh:
-        fh.write("stages:\n" + "".join(stage_yaml(f"L{r['length']}", r["length"], r["steps"], r["features"])
-                                       for r in rungs))
-    env = bm.bench_env(device)
-    if not dry:  # the allocator cap (bench/gpu_site/sitecustomize.py) in the ranks
-        env.update(BENCH_GPU_CAP_GIB=str(cap_gib),
-                   PYTHONPATH=os.pathsep.join([os.path.join(bm.ROOT, "bench", "gpu_site"), env["PYTHONPATH"]]))
-    cmd = [*bm.launcher(), "--num_gpus", "1", "--master_port", str(bm.free_port()), "train.py", "--config", cfg,
-           "--model_name_or_path", model, "--sequence_parallel_size", "1", "--output_dir", out,
-           "--report_to", "none", "--no-export_hf", "--save_steps", "0", "--resume", "none", "--no-progress_bar",
-           "--learning_rate", "1e-5", "--warmup_steps", "0", "--reset_position_ids", "no", "--memory_features",
-           "manual", "--dist_timeout_s", "600"]
-    log = os.path.join(work, "ladder.log")
-    code, wall = bm.launch(cmd, env, log, max(timeout, 60))
-    steps = bm.read_steps(out)
-    with open(log, errors="replace") as fh:
-        text = fh.read()
-    oom = bool(re.search(r"OutOfMemoryError|CUDA out of memory|out of memory", text))
-    result = {"model": os.path.basename(model), "layers": load_layers(model), "cap_gib": cap_gib, "planner_longest_leanest": longest,
-              "exit_code": code, "wall_s": round(wall, 1), "dropped_for_time": dropped, "rungs": []}
-    for r in rungs:
-        mine = [s for s in steps if s["seq_len"] == r["length"]]
-        row = {**r, "steps_done": len(mine)}
-        if len(mine) >= r["steps"]:
-            tps = statistics.median(s["tokens_per_s"] for s in (mine[1:] or mine))
-            row.update(fits=True, tokens_per_s=round(tps, 1), peak_gib=round(max(s["peak_mem_gb"] for s in mine), 2),
-                       step_s=[round(s["seq_len"] / s["tokens_per_s"], 2) for s in mine])
-            if peak:
-                row["mfu"] = round(tps * flops(model, r["length"]) / r["length"] / (peak * 1e12), 4)
-            if row.get("predicted_gib"):
-                row["measured_over_predicted"] = round(row["peak_gib"] / row["predicted_gib"], 3)
-        else:
-            row.update(fits=False, why="out of memory" if oom and code != 0 else
-                       ("time limit" if code == -9 else bm.launch_failure(log)["error"]))
-            result["rungs"].append(row)
-            break  # the launch ended here
-        result["rungs"].append(row)
-    if code != 0 and not oom:
-        result["log_tail"] = bm.launch_failure(log)["log_tail"]
-    for row in result["rungs"]:
-        rec.say(f"  {row['length']:>8} {row['kind']:<10} fits={row['fits']} tok/s={row.get('tokens_per_s')} "
-                f"mfu={row.get('mfu')} peak={row.get('peak_gib')} predicted={row.get('predicted_gib')}")
-    return result
+    shape = load_shape(model)
+    return max(head_chunk_choices(shape.num_heads, shape.num_kv_heads, 1))
 
 
 def guarded(rec: Record, name: str, fn):
@@ -533,8 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cap_gib", type=float, default=78.5, help="GPU allocations allowed (an H100 80 GB)")
     p.add_argument("--layers", type=int, default=LONG_LAYERS, help="decoder layers of the model every launch uses")
     p.add_argument("--peak_tflops", type=float, default=None, help="bf16 peak (default by device name)")
-    p.add_argument("--sections", default="long,gap,parity,smoke,ladder", help="run in this order, each when the "
-                   "time left can hold it (the 1M step first: issue 43)")
+    p.add_argument("--sections", default="headline,kernels,arena,parity,long,gap,smoke,ladder",
+                   help="run in this order, each when the time left can hold it (the headline first: issue 49)")
     p.add_argument("--work", default="/tmp/bench_gpu")
     return p
 
@@ -575,30 +420,57 @@ def main(argv: list[str] | None = None) -> int:
             with open(page, "w") as fh:
                 fh.write(render(rec.data))
 
-    if args.dry and "long" in sections and "gap" in sections:  # one launch, two stages (the suite's time)
+    def chunks() -> int:
+        return 2 if args.dry else max_chunks(model())  # the dry launch shares its --attention_head_chunks 2
+
+    if args.dry and {"headline", "long", "gap"} <= set(sections):  # one launch, three stages (the suite's time)
         at = guarded(rec, "gap", lambda: gap_length(model(), True, args.cap_gib, rec.left()))
-        both = guarded(rec, "long", lambda: long_run(rec, "long", model(), device, True, args.cap_gib, args.work,
-                                                     sorted([("long", LONG[kind]), ("gap", at[0])], key=lambda x: x[1]),  # lengths grow
-                                                     0.0, rec.left() - 15))
-        for name in ("long", "gap"):
-            rec.put(name, (both or {}).get(name))
+        runs = [("long", LONG[kind]), ("gap", at[0]), ("headline", HEADLINE_DRY)]
+        got = guarded(rec, "long", lambda: long_run(rec, "long", model(), device, True, args.cap_gib, args.work,
+                                                    sorted(runs, key=lambda x: x[1]), 0.0, rec.left() - 15))
+        for name in ("headline", "long", "gap"):
+            rec.put(name, (got or {}).get(name))
         page_now()
-        sections = [s for s in sections if s not in ("long", "gap")]
-    if "long" in sections:
-        rec.put("long", (guarded(rec, "long", lambda: long_run(
-            rec, "long", model(), device, args.dry, args.cap_gib, args.work, [("long", LONG[kind])], PLAN_GPU_GB,
-            rec.left() - 15)) or {}).get("long"))
+        sections = [s for s in sections if s not in ("headline", "long", "gap")]
+    if "headline" in sections:  # issue 49: the headline's own configuration at the planner's longest length
+        def run_headline():
+            n = headline_length(model(), PLAN_GPU_GB, chunks())
+            rec.say(f"headline: planner's longest with its features at {PLAN_GPU_GB} GB: {n:,} tokens")
+            return long_run(rec, "headline", model(), device, args.dry, args.cap_gib, args.work, [("headline", n)],
+                            PLAN_GPU_GB, rec.left() - 15, chunks=chunks())
+
+        rec.put("headline", (guarded(rec, "headline", run_headline) or {}).get("headline"))
         page_now()
-    if "gap" in sections:
-        at = guarded(rec, "gap", lambda: gap_length(model(), args.dry, args.cap_gib, rec.left()))
-        if at:
-            rec.put("gap", (guarded(rec, "gap", lambda: long_run(
-                rec, "gap", model(), device, args.dry, args.cap_gib, args.work, [("gap", at[0])], at[1],
-                rec.left() - 15)) or {}).get("gap"))
-        else:
-            skipped.append("gap")
+    if "kernels" in sections and rec.left() > (0 if args.dry else 45):
+        def run_kernels():
+            from bench.gpu_kernels import time_backends
+            from planner.attention_sp import chunk_heads
+            from planner.memory_model import load_shape
+
+            shape = load_shape(model())
+            hq, hkv = chunk_heads(shape.num_heads, shape.num_kv_heads, chunks())
+            n = (rec.data.get("headline") or {}).get("length") or (HEADLINE_DRY if args.dry else LONG[kind])
+            rows = time_backends(n, hq, hkv, shape.head_dim, device)
+            for r in rows:
+                rec.say(f"kernels: {r['backend']:<15} " + (f"fwd {r['forward_s']} s ({r['forward_tflops']} TF/s) "
+                        f"bwd {r['backward_s']} s ({r['backward_tflops']} TF/s) {r.get('kernels')}"
+                        f"{' dispatch ' + r['dispatch_at_length'] if 'dispatch_at_length' in r else ''}"
+                        if r["ok"] else f"FAILED {r['error']}"))
+            return rows
+
+        rec.put("kernels", guarded(rec, "kernels", run_kernels))
         page_now()
-    if "parity" in sections and rec.left() > (0 if args.dry else 45):
+    elif "kernels" in sections:
+        skipped.append("kernels")
+    if "arena" in sections and rec.left() > (0 if args.dry else 20):
+        from bench.gpu_kernels import arena_probe
+
+        rec.put("arena", guarded(rec, "arena", lambda: arena_probe([0.01] if args.dry else [1.0, 4.0], device)))
+        rec.say(f"arena: {rec.data.get('arena')}")
+        page_now()
+    elif "arena" in sections:
+        skipped.append("arena")
+    if "parity" in sections and rec.left() > (0 if args.dry else 30):
         t0 = time.time()
         rows = guarded(rec, "parity", lambda: doc_parity(device)) or []
         for r in rows:
@@ -610,6 +482,22 @@ def main(argv: list[str] | None = None) -> int:
         page_now()
     elif "parity" in sections:
         skipped.append("parity")
+    if "long" in sections and rec.left() > (0 if args.dry else 330):  # 322 s on the H200 (2026-11-27)
+        rec.put("long", (guarded(rec, "long", lambda: long_run(
+            rec, "long", model(), device, args.dry, args.cap_gib, args.work, [("long", LONG[kind])], PLAN_GPU_GB,
+            rec.left() - 15)) or {}).get("long"))
+        page_now()
+    elif "long" in sections:
+        skipped.append("long")
+    if "gap" in sections:
+        at = guarded(rec, "gap", lambda: gap_length(model(), args.dry, args.cap_gib, rec.left()))
+        if at:
+            rec.put("gap", (guarded(rec, "gap", lambda: long_run(
+                rec, "gap", model(), device, args.dry, args.cap_gib, args.work, [("gap", at[0])], at[1],
+                rec.left() - 15)) or {}).get("gap"))
+        else:
+            skipped.append("gap")
+        page_now()
     if "smoke" in sections and device == "cuda" and rec.left() > 150:  # 117 s on an H200 (2026-11-26)
         rec.put("smoke", smoke(rec, timeout=min(200.0, rec.left() - 20)))
         page_now()
@@ -628,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = [k for k in ("parity",) if any(not r["ok"] for r in rec.data.get(k) or [])]
     bad += [k.removesuffix("_error") for k in rec.data if k.endswith("_error")]
     bad += ["smoke"] if rec.data.get("smoke", {}).get("exit_code", 0) != 0 else []
-    for name in ("long", "gap"):  # the step must run (an out-of-memory step is a result: flagged, not a failure)
+    for name in ("headline", "long", "gap"):  # the step must run (an out-of-memory step is a result: flagged, not a failure)
         r = rec.data.get(name)
         if r is not None and not r["steps_done"] and not r.get("oom"):
             bad.append(name)

@@ -75,7 +75,7 @@ def planner_phases(model, length: int, choice: dict, device: str) -> dict:
         phase = ph["layer working set (recompute+backward)"] if ckpt else ph["layer working set (backward)"]
         base = R + (phase - t["transient"] if ckpt else 0)
         layers[i] = {"checkpointed": ckpt, "phase": R + phase, "mlp_backward": base + t["mlp"],
-                     "attention_backward": base + t["attention"]}
+                     "attention_backward": base + t["attention"], "norm_backward": base + t["norm"]}
         if ckpt:
             layers[i]["recompute"] = base + t["recompute"]
     from planner.memory_model import HOST_ARENA
@@ -112,27 +112,53 @@ def _ratio(measured, predicted) -> dict:
             "flag": abs(r - 1) > FLAG}
 
 
-def compare(probe: list[dict], plan: dict, n_layers: int) -> dict:
-    """Measured per phase (the probe's records) against planner_phases: rows for the page, flags past FLAG."""
+def segment_phase(rec: dict, n_layers: int) -> tuple[str, int]:
+    """(phase, layer) of a `between` record (a segment while no probed phase was open), from the events around it:
+    after a layer's MLP backward closes, its post-attention norm's backward (and the residual add) runs until its
+    attention backward opens; after the attention backward closes, its input norm's backward, until the layer below
+    opens (both `norm_backward`, which the planner's norm term bounds); after the last layer's forward, the logits
+    and loss, forward and backward (`logits`); anything else (the embedding, the optimizer step, the exit) keeps
+    `between`, with no planner figure."""
+    after = rec.get("after", "")
+    for closed in ("close mlp_backward L", "close attention_backward L"):
+        if after.startswith(closed):
+            return "norm_backward", int(after[len(closed):])
+    if after == f"close forward L{n_layers - 1}":
+        return "logits", -1
+    return "between", -1
+
+
+def compare(probe: list[dict], plan: dict, n_layers: int, usable_bytes: float | None = None) -> dict:
+    """Measured per phase (the probe's records, every segment of the step: the probed phases, the norms' backward
+    and the other between-phase segments) against planner_phases: rows for the page, flags past FLAG, and any
+    segment whose peak exceeds `usable_bytes` (the run's own usable limit: the budget less its headroom) flagged
+    whatever its ratio."""
     rows = []
+
+    def row(rec: dict, phase: str, layer: int, predicted) -> dict:
+        r = {"phase": phase, "layer": layer, "reserved_gib": round(rec["reserved"] / GiB, 3),
+             "gap_gib": round((rec["reserved"] - rec["peak"]) / GiB, 3),
+             "incl_gib": round(rec["peak_incl"] / GiB, 3), **_ratio(rec["peak"], predicted)}
+        if rec["phase"] == "between":  # the events around it (the last layer's input norm runs up to the step's end)
+            r["segment"] = f"{rec.get('after')} -> {rec.get('before')}"
+            if phase == "norm_backward":
+                r["norm"] = "post-attention" if "mlp_backward" in rec.get("after", "") else "input"
+        if usable_bytes and rec["peak"] > usable_bytes:
+            r["over_usable"] = True
+        return r
+
     for rec in probe:
         if rec["phase"] in ("recompute", "mlp_backward", "attention_backward") and rec["layer"] in plan["layers"]:
             lay = plan["layers"][rec["layer"]]
-            row = {"phase": rec["phase"], "layer": rec["layer"], "reserved_gib": round(rec["reserved"] / GiB, 3),
-                   "gap_gib": round((rec["reserved"] - rec["peak"]) / GiB, 3),
-                   "incl_gib": round(rec["peak_incl"] / GiB, 3), **_ratio(rec["peak"], lay.get(rec["phase"])),
-                   "planner_phase_gib": round(lay["phase"] / GiB, 3)}
-            rows.append(row)
+            rows.append({**row(rec, rec["phase"], rec["layer"], lay.get(rec["phase"])),
+                         "planner_phase_gib": round(lay["phase"] / GiB, 3)})
         elif rec["phase"] == "forward":
-            rows.append({"phase": "forward", "layer": rec["layer"], "reserved_gib": round(rec["reserved"] / GiB, 3),
-                         "gap_gib": round((rec["reserved"] - rec["peak"]) / GiB, 3),
-                         "incl_gib": round(rec["peak_incl"] / GiB, 3), **_ratio(rec["peak"], None)})
-    logits = next((r for r in probe if r["phase"] == "between" and r["after"] == f"close forward L{n_layers - 1}"),
-                  None)
-    if logits:
-        rows.append({"phase": "logits", "layer": -1, "reserved_gib": round(logits["reserved"] / GiB, 3),
-                     "gap_gib": round((logits["reserved"] - logits["peak"]) / GiB, 3),
-                     "incl_gib": round(logits["peak"] / GiB, 3), **_ratio(logits["peak"], plan["logits"])})
+            rows.append(row(rec, "forward", rec["layer"], None))
+        elif rec["phase"] == "between":
+            phase, layer = segment_phase(rec, n_layers)
+            predicted = plan["logits"] if phase == "logits" else \
+                plan["layers"].get(layer, {}).get("norm_backward") if phase == "norm_backward" else None
+            rows.append(row(rec, phase, layer, predicted))
     last = probe[-1] if probe else {}
     # the step: every segment is in some record (a phase's, or "between" when none was open)
     top = max([r["peak_incl"] for r in probe] or [0])
@@ -155,6 +181,13 @@ def compare(probe: list[dict], plan: dict, n_layers: int) -> dict:
         host["arena"] = _ratio(registered, plan.get("arena")) | {"path": arena_path, "fallbacks": fallbacks}
         host["arena"]["flag"] = host["arena"]["flag"] or bool(fallbacks) or arena_path not in (None, "registered")
     errors = sorted({e for r in probe for e in r.get("errors", [])})
+    over = [f"{r['phase']} L{r['layer']}" for r in rows if r.get("over_usable")]
+    if usable_bytes and top > usable_bytes:
+        step["over_usable"] = True
+        over.append("step")
     flags = [f"{r['phase']} L{r['layer']}" for r in rows if r["flag"]] + (["step"] if step["flag"] else []) + \
         (["pinned"] if host["pinned"]["flag"] else []) + (["arena"] if host.get("arena", {}).get("flag") else [])
-    return {"rows": rows, "step": step, "host": host, "probe_errors": errors, "flags": flags}
+    kernels = last.get("attention_kernels") or {}
+    return {"rows": rows, "step": step, "host": host, "probe_errors": errors, "flags": flags,
+            "over_usable": over, "usable_gib": round(usable_bytes / GiB, 3) if usable_bytes else None,
+            "attention_kernels": kernels}

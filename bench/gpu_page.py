@@ -13,7 +13,17 @@ def _feat(f: dict) -> str:
 
 
 PHASE_NAMES = {"forward": "forward", "recompute": "recomputed forward", "mlp_backward": "MLP backward",
-               "attention_backward": "attention backward", "logits": "logits + loss (fwd and bwd)"}
+               "attention_backward": "attention backward", "logits": "logits + loss (fwd and bwd)",
+               "norm_backward": "norm backward", "between": "between phases"}
+
+
+def _phase(x: dict) -> str:
+    name = PHASE_NAMES.get(x["phase"], x["phase"])
+    if x.get("norm"):
+        name += f" ({x['norm']})"
+    if x["phase"] == "between" and x.get("segment"):
+        name += f" (`{x['segment']}`)"
+    return name
 
 
 def _gib(v) -> str:
@@ -27,10 +37,13 @@ def _long(r: dict, title: str, what: str) -> list[str]:
     ch = r.get("memory_choice") or {}
     feats = _feat({k: ch.get(k) for k in ("tiled_mlp", "tiled_logits", "checkpoint_every", "offload_activations",
                                           "keep_attention")}) if ch else "?"
-    lines += [f"{what} Model `{r['model']}`, {r['length']:,} tokens, SP=1, bf16, `memory_features auto` with "
+    lines += [f"{what} Model `{r['model']}`, {r['length']:,} tokens, SP=1, bf16, `memory_features auto`"
+              + (" with the stage's features pinned," if r.get("pinned") else "") + " with "
               f"`{r.get('budget_args') or '--gpu_mem_gb ' + str(r['gpu_mem_gb'])}` (the run's own start-up choice), allocations capped at "
               f"{r['cap_gib']} GiB. Launch exit {r['exit_code']}, {r['wall_s']} s"
-              + (f"; the step {r['step_s']} s." if r.get("step_s") else "; **no step finished**.")
+              + (f"; the step {r['step_s']} s" + (f" (MFU {100 * r['mfu']:.1f}%, counted as the ladder counts it)"
+                                                  if r.get("mfu") else "") + "."
+                 if r.get("step_s") else "; **no step finished**.")
               + (f" Features: {feats}, {ch.get('attention_head_chunks')} head chunks, offload params "
                  f"{ch.get('offload_params')}, optimizer {ch.get('offload_optimizer')}; predicted peak "
                  f"{ch.get('predicted_peak_gb')} of {ch.get('budget_gb')} GiB budget." if ch else ""), ""]
@@ -45,8 +58,9 @@ def _long(r: dict, title: str, what: str) -> list[str]:
         for x in r["rows"]:
             ratio = "-" if x["ratio"] is None else (f"**{x['ratio']}** (the planner's next fix)" if x["flag"]
                                                     else str(x["ratio"]))
-            lines.append(f"| {PHASE_NAMES.get(x['phase'], x['phase'])} | {'-' if x['layer'] < 0 else x['layer']} | "
-                         f"{_gib(x['measured_gib'])} | {_gib(x['planner_gib'])} | {ratio} | {_gib(x['reserved_gib'])} | "
+            over = " **above the usable limit**" if x.get("over_usable") else ""
+            lines.append(f"| {_phase(x)} | {'-' if x['layer'] < 0 else x['layer']} | "
+                         f"{_gib(x['measured_gib'])}{over} | {_gib(x['planner_gib'])} | {ratio} | {_gib(x['reserved_gib'])} | "
                          f"{_gib(x['gap_gib'])} | {_gib(x.get('planner_phase_gib'))} |")
         st = r["step"]
         ratio = "-" if st["ratio"] is None else (f"**{st['ratio']}** (the planner's next fix)" if st["flag"]
@@ -75,6 +89,15 @@ def _long(r: dict, title: str, what: str) -> list[str]:
                       f"{a['fallbacks']} fallbacks{' (**a saving that did not engage**)' if a['flag'] else ''}.", ""]
         if r.get("flags"):
             lines += [f"**Outside 10% of the planner**: {', '.join(r['flags'])}.", ""]
+        if r.get("usable_gib"):
+            lines += [f"The run's usable limit (its budget less the 10% headroom): {r['usable_gib']} GiB; "
+                      + (f"**above it**: {', '.join(r['over_usable'])}." if r.get("over_usable")
+                         else "no segment above it."), ""]
+        if r.get("attention_kernels"):
+            lines += ["Attention calls of the step by the kernel SDPA's dispatch chose (torch._fused_sdp_choice on "
+                      "each call's arguments; flash-attn's calls where installed): "
+                      + "; ".join(f"`{k}` {v['calls']} calls (first: q {v['first'][0]}, k {v['first'][1]}, "
+                                  f"{v['first'][-1]})" for k, v in r["attention_kernels"].items()) + ".", ""]
         if r.get("probe_errors"):
             lines += [f"Probe errors: {'; '.join(r['probe_errors'])}", ""]
     elif r.get("memory_choice"):
@@ -84,6 +107,43 @@ def _long(r: dict, title: str, what: str) -> list[str]:
               + (", ".join(f"{k} {v['engaged']} / {v['expected']}" + (" **NOT ENGAGED**" if (v["engaged"] or 0) <
                                                                        (v["expected"] or 0) else "")
                            for k, v in eng.items()) + "." if eng else "none in the step records."), ""]
+    return lines
+
+
+def _kernels(data: dict) -> list[str]:
+    """The attention-kernel probe and the host-arena probe (bench/gpu_kernels.py)."""
+    lines = []
+    ks = data.get("kernels")
+    if ks:
+        r0 = ks[0]
+        lines += ["## Attention kernels at the headline's call (issue 49)", "",
+                  f"One head chunk's call ({r0['heads']} query head(s), head dim {r0['head_dim']}, {r0['dtype']}, causal, "
+                  f"one document) at {r0['length']:,} tokens, forward then backward, one timed call each after a "
+                  "warm-up at 8,192 tokens (kernel names from torch.profiler there). TFLOP/s count causal attention "
+                  "once (forward 2 T^2 d per head, backward 2.5x).", "",
+                  "| backend | dispatch | forward s | TFLOP/s | backward s | TFLOP/s | kernels | |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in ks:
+            if r.get("ok"):
+                lines.append(f"| {r['backend']} | {r.get('dispatch_at_length', '-')} | {r['forward_s']} | "
+                             f"{r['forward_tflops']} | {r['backward_s']} | {r['backward_tflops']} | "
+                             f"{', '.join(f'`{k}`' for k in r.get('kernels', [])) or '-'} | "
+                             f"{'**fastest**' if r.get('fastest') else ''} |")
+            else:
+                lines.append(f"| {r['backend']} | - | failed: {r['error']} | | | | | |")
+        lines.append("")
+    ar = data.get("arena")
+    if ar:
+        lines += ["## Host arena on this machine (base/host_arena.py)", "",
+                  f"Path: {ar['path']}. Registration = mmap + first touch + cudaHostRegister of exactly the bytes; "
+                  "torch's pinned allocation of the same bytes (rounded to a power of two, cached) for comparison.", "",
+                  "| GiB | register s | s / GiB | device -> host GB/s | unregister s | torch pinned s |",
+                  "|---|---|---|---|---|---|"]
+        for r in ar["rows"]:
+            lines.append(f"| {r['gib']} | " + (f"failed: {r['error']} | | | | |" if "error" in r else
+                         f"{r.get('register_s')} | {r.get('register_s_per_gib')} | {r.get('d2h_gb_s', '-')} | "
+                         f"{r.get('unregister_s')} | {r.get('torch_pinned_s', '-')} |"))
+        lines.append("")
     return lines
 
 
@@ -98,6 +158,18 @@ def render(data: dict) -> str:
              + (" **Dry run on CPU (tiny shapes): the page shows the script works, not GPU figures.**"
                 if env.get("dry") else ""), ""]
     lines += [f"- {n}" for n in data.get("notes", [])] + ([""] if data.get("notes") else [])
+    if data.get("headline"):
+        lines += _long(data["headline"], "The 1-GPU headline's configuration at its planned maximum (issue 49)",
+                       "Llama-3-8B's width and vocabulary, 2 decoder layers, the headline's per-layer features "
+                       "pinned (every layer checkpointed and its checkpoint offloaded, tiled MLP and logits, "
+                       "parameters and optimizer offloaded, the largest head-chunk count) at the planner's longest "
+                       "length for them on an 80 GB card. Under these features the GPU peak does not depend on the "
+                       "layer count (parameters, gradients and every checkpoint live on the host; the GPU holds one "
+                       "layer's working set, the checkpoint being fetched and the logits tiles), so this is the "
+                       "32-layer run's peak; its step time is 2 of 32 layers'.")
+    elif data.get("headline_error"):
+        lines += ["## The 1-GPU headline's configuration (issue 49)", "", f"Failed: {data['headline_error']}", ""]
+    lines += _kernels(data)
     if data.get("long"):
         lines += _long(data["long"], "One step at 1M tokens per phase, against the planner (issue 43)",
                        "Llama-3-8B's width and vocabulary (hidden 4096, 32 heads, 8 KV, MLP 14336, vocab 128256), 2 "

@@ -26,7 +26,12 @@ holds page-locked at their exact size (the offloaded checkpoints, the async save
 with cudaHostRegister, so not in host_memory_stats), what its fallback pinned instead, and which path ran. train.py's own peak_mem_gb reads
 max_memory_allocated since this probe's last reset, so bench.gpu takes the step's peak from these records (the
 max over all of them: every segment is in one).
-Cost: two procfs reads or two CUDA stat calls per event, a few dozen events per step.
+Which attention kernel ran (issue 49): torch.nn.functional.scaled_dot_product_attention is wrapped to count, per
+backend its default dispatch picks for the call's arguments (torch._fused_sdp_choice: the same C++ selection the call
+then runs), the calls and the first call's shapes; flash-attn's entry points where installed, the same way. Every
+record carries the counts so far (`attention_kernels`).
+Cost: two procfs reads or two CUDA stat calls per event, a few dozen events per step; one dispatch query per
+attention call (a few microseconds; 32 head chunks x 2 layers x (forward + recompute) calls a step here).
 """
 
 from __future__ import annotations
@@ -133,7 +138,7 @@ class Probe:
         rec.update(pid=os.getpid(), time=time.time(), t_close=round(time.time() - self.t0, 3), rss=_rss(),
                    pinned=pinned_stats(), arena=arena_stats(),
                    rss_hwm=_hwm() if self.cuda else None,  # the process' peak RSS (the CPU stand-in resets it)
-                   step_peak=self.step_alloc, step_reserved=self.step_reserved, events=self.events,
+                   attention_kernels=dict(KERNELS), step_peak=self.step_alloc, step_reserved=self.step_reserved, events=self.events,
                    errors=self.errors[-3:])
         with open(self.path, "a") as fh:
             fh.write(json.dumps(rec) + "\n")
@@ -211,12 +216,56 @@ class Probe:
         return checkpoint
 
 
+KERNELS: dict = {}  # "sdpa:<backend>" or "flash_attn:<function>" -> {"calls", "first": shapes and dtype}
+
+
+def _count(key: str, tensors) -> None:
+    k = KERNELS.setdefault(key, {"calls": 0})
+    k["calls"] += 1
+    if "first" not in k:
+        k["first"] = [list(t.shape) for t in tensors[:3]] + [str(tensors[0].dtype).removeprefix("torch.")]
+
+
+def wrap_sdpa() -> None:
+    """Count SDPA's calls by the backend its dispatch picks (bench/gpu_kernels.sdpa_choice); flash-attn's too."""
+    import torch.nn.functional as F
+
+    from bench.gpu_kernels import sdpa_choice
+
+    real = F.scaled_dot_product_attention
+
+    @functools.wraps(real)
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *args, **kwargs):
+        try:
+            name = sdpa_choice(query, key, value, is_causal, attn_mask, bool(kwargs.get("enable_gqa")))
+            _count(f"sdpa:{name}" + (" (masked)" if attn_mask is not None else ""), (query, key, value))
+        except Exception:
+            pass
+        return real(query, key, value, attn_mask, dropout_p, is_causal, *args, **kwargs)
+
+    F.scaled_dot_product_attention = sdpa
+    try:
+        import flash_attn.flash_attn_interface as fai
+    except ImportError:
+        return
+    for fn in ("flash_attn_func", "flash_attn_varlen_func"):
+        if hasattr(fai, fn):
+            inner = getattr(fai, fn)
+
+            def counted(*a, _inner=inner, _fn=fn, **k):
+                _count(f"flash_attn:{_fn}", [x for x in a if hasattr(x, "shape")] or [a[0]])
+                return _inner(*a, **k)
+
+            setattr(fai, fn, functools.wraps(inner)(counted))
+
+
 def install(path: str) -> Probe:
     """Hooks for the whole process (call before transformers is imported: it binds torch's checkpoint then)."""
     import torch.utils.checkpoint as tuc
     from torch.nn.modules import module as nn_module
 
     probe = Probe(path)
+    wrap_sdpa()
     tuc.checkpoint = probe.wrap_checkpoint(tuc.checkpoint)
     nn_module.register_module_forward_pre_hook(probe.pre_hook)
     nn_module.register_module_forward_hook(probe.post_hook)

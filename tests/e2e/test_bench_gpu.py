@@ -15,8 +15,10 @@ import sys
 
 from tests.distributed import ROOT
 
-PHASES = [("forward", 0), ("forward", 1), ("mlp_backward", 1), ("attention_backward", 1), ("recompute", 0),
-          ("mlp_backward", 0), ("attention_backward", 0), ("logits", -1)]
+PHASES = [("forward", 0), ("forward", 1), ("logits", -1), ("mlp_backward", 1), ("attention_backward", 1),
+          ("recompute", 0), ("mlp_backward", 0), ("attention_backward", 0)]
+HEADLINE_PHASES = [("forward", 0), ("forward", 1), ("logits", -1), ("recompute", 1), ("mlp_backward", 1),
+                   ("attention_backward", 1), ("recompute", 0), ("mlp_backward", 0), ("attention_backward", 0)]
 
 
 def test_gpu_check_dry_run(tmp_path):
@@ -27,13 +29,27 @@ def test_gpu_check_dry_run(tmp_path):
                        timeout=600)
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     data = json.loads(out.read_text())
-    # issue 43 first: the step ran with the probe in its rank, every phase in backward order, against the planner
-    for name, length in (("long", 2048), ("gap", 1024)):
+    # the step ran with the probe in its rank, every phase in backward order, against the planner; the headline
+    # (issue 49) with its features pinned, long and gap (issue 43) with auto's choice under the dry pins
+    for name, length in (("headline", 1536), ("long", 2048), ("gap", 1024)):
         run = data[name]
         assert run["steps_done"] == 1 and run["length"] == length and not run["kernel_errors"], run.get("error")
-        assert run["memory_choice"]["checkpoint_every"] == 2 and run["memory_choice"]["attention_head_chunks"] == 2
-        assert [(r["phase"], r["layer"]) for r in run["rows"]] == PHASES, run["rows"]
-        assert all(r["planner_gib"] and r["ratio"] for r in run["rows"] if r["phase"] != "forward")
+        ch = run["memory_choice"]
+        assert ch["attention_head_chunks"] == 2
+        probed = [(r["phase"], r["layer"]) for r in run["rows"] if r["phase"] not in ("between", "norm_backward")]
+        # every segment of the step is a row: each layer's two norm backwards (after its MLP's and its attention's)
+        norms = [(r["layer"], r["norm"]) for r in run["rows"] if r["phase"] == "norm_backward"]
+        assert {(1, "post-attention"), (1, "input"), (0, "post-attention"), (0, "input")} <= set(norms), norms
+        assert all(r["planner_gib"] and r["ratio"] for r in run["rows"] if r["phase"] not in ("forward", "between"))
+        assert run["usable_gib"] and not run["over_usable"]  # 8 GiB budget: nothing near it
+        assert any(k.startswith("sdpa:") and v["calls"] > 0 for k, v in run["attention_kernels"].items())
+        if name == "headline":
+            assert probed == [p if p[0] != "mlp_backward" or p[1] else p for p in HEADLINE_PHASES], probed
+            assert (ch["checkpoint_every"], ch["offload_activations"], ch["keep_attention"], ch["offload_params"],
+                    ch["tiled_mlp"], ch["tiled_logits"]) == (1, True, False, True, True, True), ch
+            assert run["engagement"]["offload_activations"]["engaged"] == 2
+            continue
+        assert ch["checkpoint_every"] == 2 and probed == PHASES, probed
         assert run["planner"]["terms_gib"]["consistent"] and not run["probe_errors"]
         assert run["step"]["measured_gib"] >= max(r["measured_gib"] for r in run["rows"])
         assert run["host"]["rss"]["measured_gib"] > 0
@@ -42,6 +58,10 @@ def test_gpu_check_dry_run(tmp_path):
         assert {"attention_head_chunks", "norm_recompute", "tiled_mlp"} <= set(eng), eng
         assert all(v["engaged"] == v["expected"] > 0 for v in eng.values()), eng
     assert data["skipped_for_time"] == []
+    # the kernel probe (the headline's call through SDPA's default dispatch, named) and the arena probe ran
+    (k,) = data["kernels"]
+    assert k["ok"] and k["backend"] == "sdpa default" and k["dispatch_at_length"] and k["length"] == 1536
+    assert data["arena"]["path"] == "pageable" and "register_s" in data["arena"]["rows"][0]
     assert [r["backend"] for r in data["parity"]] == ["sdpa"] and data["parity"][0]["ok"]
     # the check can see a bug: attention across documents is far outside the tolerance
     assert data["parity"][0]["wrong_rel_err"] > 100 * data["parity"][0]["loss_tol"]
@@ -52,6 +72,8 @@ def test_gpu_check_dry_run(tmp_path):
     text = page.read_text()
     assert "_gib(" not in text and "None GiB" not in text
     assert "| recomputed forward | 0 |" in text and "| attention backward | 1 |" in text and "| 256 | throughput |" in text
+    assert "## The 1-GPU headline's configuration" in text and "| norm backward (input) | 0 |" in text
+    assert "## Attention kernels at the headline's call" in text and "## Host arena on this machine" in text
 
 
 def long_plan():
@@ -163,3 +185,46 @@ def test_gpu_check_compares_the_host_arena_and_flags_its_fallback():
         "memory_choice": choice, "engagement": {}, "kernel_errors": [],
         "planner": {"resident_gib": 1.0, "terms_gib": {"consistent": True}}, **fell}})
     assert "path pinned-fallback, 1 fallbacks (**a saving that did not engage**)" in text
+
+
+def test_gpu_check_headline_is_plan_compare_row_and_flags_above_usable():
+    """The headline section's length is plan.py --compare's 1-GPU row (the chooser train.py's start-up runs, with the
+    headline's features pinned, accepts it and nothing longer), the same at 2 and at 32 layers (the GPU peak does
+    not depend on the depth under these features); compare() names each norm backward against the planner's norm
+    term, and flags a segment above the run's usable limit although its ratio is within 10%."""
+    import json as _json
+
+    from bench import gpu
+    from bench.gpu_compare import planner_phases
+    from planner import auto_features as af
+    from planner.memory_model import GiB, ModelShape
+
+    lens = []
+    for layers in (2, 32):
+        path = os.path.join(ROOT, ".cache", f"headline_l{layers}.json")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as fh:
+            _json.dump(dict(gpu.LLAMA3_8B, num_hidden_layers=layers, model_type="llama", head_dim=128), fh)
+        lens.append(gpu.headline_length(path, gpu.PLAN_GPU_GB, 32))
+    assert lens[0] == lens[1] == 1_109_646, lens  # docs/results/memory.md's 1-GPU row
+    shape = ModelShape.from_config(dict(gpu.LLAMA3_8B, num_hidden_layers=2, model_type="llama", head_dim=128))
+    choice = {**gpu.HEADLINE, "offload_params": True, "offload_optimizer": True, "attention_head_chunks": 32,
+              "lean_rmsnorm": True, "lean_mlp": True, "budget_gb": 78.0}
+    plan = planner_phases(shape, lens[0], choice, "cuda")
+    usable = af.usable_bytes(int(78.0 * GiB))
+    near = plan["layers"][1]["norm_backward"]
+    assert near * 1.09 > usable  # within the flag's 10% yet past the usable limit
+
+    def rec(phase, layer, peak, **kw):
+        return {"phase": phase, "layer": layer, "peak": int(peak), "reserved": int(peak), "peak_incl": int(peak),
+                "reserved_incl": int(peak), "pid": 1, "rss": GiB, **kw}
+
+    probe = [rec("mlp_backward", 1, plan["layers"][1]["mlp_backward"]),
+             rec("between", -1, near * 1.09, after="close mlp_backward L1", before="open attention_backward L1"),
+             rec("attention_backward", 1, plan["layers"][1]["attention_backward"]),
+             rec("between", -1, near, after="close attention_backward L1", before="open recompute L0")]
+    got = gpu.compare(probe, plan, 2, usable)
+    norms = [r for r in got["rows"] if r["phase"] == "norm_backward"]
+    assert [(r["layer"], r["norm"], r["flag"]) for r in norms] == [(1, "post-attention", False), (1, "input", False)]
+    assert norms[0]["over_usable"] and got["over_usable"] == ["norm_backward L1", "step"], got["over_usable"]
+    assert got["usable_gib"] == round(usable / GiB, 3)

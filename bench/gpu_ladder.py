@@ -1,0 +1,149 @@
+"""The GPU check's ladder (bench/gpu.py's `ladder` section): the model at SP=1, bf16, ZeRO-3 + CPU offload of params
+and optimizer, in ONE train.py launch whose stages are the rungs (one model load; an out-of-memory rung ends the
+launch after the rungs below it were recorded): the throughput rungs with the features `memory_features: auto`
+picks for the capped card, then the planner's longest length with every memory feature on and one rung above it.
+Rungs whose predicted time does not fit the budget left are dropped (the first one runs whenever the ladder does)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+
+from bench import harness as bm
+
+K = 1024
+# (length, steps) of the throughput rungs; the dry run's stand-ins keep the shape of the plan at CPU sizes
+THROUGHPUT = {"gpu": [(64 * K, 3), (128 * K, 3), (256 * K, 2)], "dry": [(256, 2)]}
+LADDER_STEP = {"gpu": 64 * K, "dry": 512}
+LEANEST = {"tiled_mlp": True, "tiled_logits": True, "gradient_checkpointing": True, "offload_activations": True}
+OFFLOADS = {"zero_optimization": {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}}
+GiB = 2**30
+
+
+def load_layers(model: str) -> int:
+    from planner.memory_model import load_shape
+
+    return load_shape(model).num_layers
+
+
+def auto_features(model: str, length: int, device: str, cap_gib: float) -> dict:
+    """What memory_features auto picks for one rank at `length` on a card of cap_gib (the planner's chooser with
+    both ZeRO-3 offloads held on), as a stage's memory_features mapping; {} when nothing fits."""
+    from planner import auto_features as af
+    from planner.memory_model import Features, load_shape
+
+    shape = load_shape(model)
+    offloads = Features(offload_params=True, offload_optimizer=True, lean_rmsnorm=True, lean_mlp=True)
+    try:
+        c = af.choose(shape, length, 1, int(cap_gib * GiB), sp=1, offloads=offloads, device=device,
+                      precision="bf16" if device == "cuda" else "fp32", ranks_per_node=1)
+    except ValueError:
+        return {}
+    f = c.features
+    return {"tiled_mlp": f.tiled_mlp, "tiled_logits": f.tiled_logits, "checkpoint_every": f.every,
+            "offload_activations": f.offload_activations}
+
+
+def predicted_gib(model: str, length: int, feats: dict, device: str) -> float:
+    from planner.memory_model import load_shape, predict_peak_bytes
+
+    spec = {"lean_rmsnorm": True, "lean_mlp": True, "offload_params": True, "offload_optimizer": True, **feats}
+    return predict_peak_bytes(load_shape(model), length, 1, spec, precision="bf16" if device == "cuda" else "fp32",
+                              device=device) / GiB
+
+
+def planner_longest(model: str, feats: dict, device: str, cap_gib: float, step: int) -> int:
+    """Longest multiple of `step` whose predicted peak fits cap_gib (the peak grows with the length)."""
+    lo, hi = 0, (1 << 26) // step
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if predicted_gib(model, mid * step, feats, device) <= cap_gib else (lo, mid - 1)
+    return lo * step
+
+
+def stage_yaml(name: str, length: int, steps: int, feats: dict) -> str:
+    mf = ", ".join(f"{k}: {json.dumps(v)}" for k, v in feats.items())
+    return (f"  - {{name: {name}, max_seq_length: {length}, max_steps: {steps}, memory_features: {{{mf}}},\n"
+            f"     deepspeed_overrides: {json.dumps(OFFLOADS)}, eval: {{passkey_trials: 0, heldout_samples: 0}}}}\n")
+
+
+def flops(model: str, length: int) -> float:
+    from planner.memory_model import flops_per_sequence, load_shape
+
+    return flops_per_sequence(load_shape(model), length)
+
+
+def ladder(rec, model: str, device: str, dry: bool, cap_gib: float, work: str, peak: float | None,
+           timeout: float) -> dict:
+    kind = "dry" if dry else "gpu"
+    if dry:  # a cap that the tiny model reaches at ~2k tokens, so the dry ladder ends where the GPU one would
+        cap_gib = round(predicted_gib(model, 2304, LEANEST, device), 4)
+    rungs = [dict(length=n, steps=s, kind="throughput", features=auto_features(model, n, device, cap_gib))
+             for n, s in THROUGHPUT[kind]]
+    longest = planner_longest(model, LEANEST, device, cap_gib, LADDER_STEP[kind])
+    top = max(longest // LADDER_STEP[kind] * LADDER_STEP[kind], rungs[-1]["length"] + LADDER_STEP[kind])
+    rungs += [dict(length=n, steps=1, kind="ladder", features=dict(LEANEST)) for n in (top, top + 2 * LADDER_STEP[kind])]
+    for r in rungs:
+        r["predicted_gib"] = round(predicted_gib(model, r["length"], r["features"], device), 2) if r["features"] else None
+    # keep the rungs whose predicted time fits: 1.5 min of start-up and engine builds, then the steps at 40% MFU
+    # (recompute included) - checked again against the measured rate once the throughput rungs have run
+    budget = timeout - (30 if dry else 75)
+    kept = []
+    for r in rungs:
+        est = r["steps"] * flops(model, r["length"]) * 4 / 3 / (0.4 * (peak or 989.0) * 1e12) + (5 if dry else 15)
+        if dry or budget - est > 0 or r is rungs[0]:  # the first rung always: the launch's own check
+            kept.append(r)
+            budget -= est
+    dropped = [r["length"] for r in rungs if r not in kept]
+    rungs = [r for r in kept if r["features"] or r["kind"] == "ladder"]
+    rec.say(f"ladder: rungs {[r['length'] for r in rungs]} (planner's longest with every feature under "
+            f"{cap_gib} GiB: {longest:,}; dropped for time: {dropped})")
+    out = os.path.join(work, "ladder")
+    os.makedirs(out, exist_ok=True)
+    cfg = os.path.join(work, "ladder.yaml")
+    with open(cfg, "w") as fh:
+        fh.write("stages:\n" + "".join(stage_yaml(f"L{r['length']}", r["length"], r["steps"], r["features"])
+                                       for r in rungs))
+    env = bm.bench_env(device)
+    if not dry:  # the allocator cap (bench/gpu_site/sitecustomize.py) in the ranks
+        env.update(BENCH_GPU_CAP_GIB=str(cap_gib),
+                   PYTHONPATH=os.pathsep.join([os.path.join(bm.ROOT, "bench", "gpu_site"), env["PYTHONPATH"]]))
+    cmd = [*bm.launcher(), "--num_gpus", "1", "--master_port", str(bm.free_port()), "train.py", "--config", cfg,
+           "--model_name_or_path", model, "--sequence_parallel_size", "1", "--output_dir", out,
+           "--report_to", "none", "--no-export_hf", "--save_steps", "0", "--resume", "none", "--no-progress_bar",
+           "--learning_rate", "1e-5", "--warmup_steps", "0", "--reset_position_ids", "no", "--memory_features",
+           "manual", "--dist_timeout_s", "600"]
+    log = os.path.join(work, "ladder.log")
+    code, wall = bm.launch(cmd, env, log, max(timeout, 60))
+    steps = bm.read_steps(out)
+    with open(log, errors="replace") as fh:
+        text = fh.read()
+    oom = bool(re.search(r"OutOfMemoryError|CUDA out of memory|out of memory", text))
+    result = {"model": os.path.basename(model), "layers": load_layers(model), "cap_gib": cap_gib, "planner_longest_leanest": longest,
+              "exit_code": code, "wall_s": round(wall, 1), "dropped_for_time": dropped, "rungs": []}
+    for r in rungs:
+        mine = [s for s in steps if s["seq_len"] == r["length"]]
+        row = {**r, "steps_done": len(mine)}
+        if len(mine) >= r["steps"]:
+            tps = statistics.median(s["tokens_per_s"] for s in (mine[1:] or mine))
+            row.update(fits=True, tokens_per_s=round(tps, 1), peak_gib=round(max(s["peak_mem_gb"] for s in mine), 2),
+                       step_s=[round(s["seq_len"] / s["tokens_per_s"], 2) for s in mine])
+            if peak:
+                row["mfu"] = round(tps * flops(model, r["length"]) / r["length"] / (peak * 1e12), 4)
+            if row.get("predicted_gib"):
+                row["measured_over_predicted"] = round(row["peak_gib"] / row["predicted_gib"], 3)
+        else:
+            row.update(fits=False, why="out of memory" if oom and code != 0 else
+                       ("time limit" if code == -9 else bm.launch_failure(log)["error"]))
+            result["rungs"].append(row)
+            break  # the launch ended here
+        result["rungs"].append(row)
+    if code != 0 and not oom:
+        result["log_tail"] = bm.launch_failure(log)["log_tail"]
+    for row in result["rungs"]:
+        rec.say(f"  {row['length']:>8} {row['kind']:<10} fits={row['fits']} tok/s={row.get('tokens_per_s')} "
+                f"mfu={row.get('mfu')} peak={row.get('peak_gib')} predicted={row.get('predicted_gib')}")
+    return result
+
