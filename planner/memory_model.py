@@ -38,6 +38,16 @@ from planner.shapes import (  # noqa: F401  (re-exported: callers import them fr
     ModelShape,
     load_shape,
 )
+from planner.zero3_host import (  # noqa: F401  (re-exported: ZeRO-3's host terms live there)
+    PINNED_NO_LIMIT,
+    ZERO_SUBGROUP,
+    pinned_block_bytes,
+    pinned_round_limit,
+    zero3_param_subgroups,
+    zero3_pinned_requests,
+    zero3_state_terms,
+    zero3_subgroups,
+)
 
 GiB = 2**30
 # Each tile re-enters ZeRO-3's fetch/release hooks of the MLP's three projections, in the forward and again in
@@ -48,19 +58,9 @@ GiB = 2**30
 MLP_MIN_TILE_TOKENS = 1024
 LOGITS_TILE_BYTES = 2**30  # tiled logits: shards of ~1 GiB of fp32 logits (ArcticTraining's rule; shapes.py has the same) ...
 LOGITS_TILE_BUDGET_SHARE = 64  # ... under memory_features auto at most 1/64 of the per-rank budget (logits_tile_bytes)
-ZERO_SUBGROUP = 10**9  # DeepSpeed sub_group_size: the optimizer step upcasts grads this many at a time
 NORM_CHUNK_BYTES = 2**26  # lean RMSNorm: at most 64 MiB of fp32 per temporary of a chunk of rows ...
 NORM_MIN_CHUNKS = 8  # ... and at least this many chunks (tiny models), of at least NORM_MIN_CHUNK_ROWS rows
 NORM_MIN_CHUNK_ROWS = 1024
-# PyTorch's caching host allocator (pinned memory on a CUDA run: ATen/core/CachingHostAllocator.h, torch 2.13) rounds
-# every block up to a power of two (c10::llvm::PowerOf2Ceil) unless the request is above `pinned_max_round_threshold_mb`
-# or `pinned_max_cached_size_mb` (PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF; both unlimited by default), and keeps a
-# freed block cached for reuse (never returned to the OS) unless it is above `pinned_max_cached_size_mb`. So the host
-# holds each pinned block at its rounded size for the whole run: Llama-3-8B at 5M tokens on 8 GPUs pins each offloaded
-# layer checkpoint (4.77 GiB) as 8 GiB, 2,048 GiB of checkpoints per node instead of 1,221. (Setting only the round
-# threshold is not safe in torch 2.13: get_free_block hands out the last cached block of the request's power-of-two
-# bucket without comparing sizes, so an unrounded block can be reused for a larger request of the same bucket.)
-PINNED_NO_LIMIT = 2**64 - 1  # torch's default for both options (SIZE_MAX): every pinned block is rounded
 # The runtime does not pin the offloaded layer checkpoints nor the async save's copy of GPU-resident states through
 # that allocator: base/host_arena.py page-locks pageable memory of their exact size in place (cudaHostRegister), so
 # the host holds them as bytes (to a 4 KiB page). False: count them as torch's pinned blocks, as the runtime's
@@ -87,81 +87,6 @@ def mlp_tiles(tokens: int, hidden: int, tile_tokens: int | None = None) -> int:
     """DeepSpeed TiledMLP shard count over a rank's `tokens`: ALST's ceil(tokens / hidden) (a tile of ~hidden
     tokens), with tiles of at least MLP_MIN_TILE_TOKENS; `tile_tokens` overrides the tile size (tests)."""
     return max(1, math.ceil(tokens / (tile_tokens or max(hidden, MLP_MIN_TILE_TOKENS))))
-
-
-def pinned_block_bytes(nbytes: int, round_limit: int = PINNED_NO_LIMIT) -> int:
-    """Bytes the caching host allocator holds for one pinned request of `nbytes` (see PINNED_NO_LIMIT): the next power
-    of two, or `nbytes` itself above `round_limit` (pinned_round_limit of the run's allocator settings; torch's
-    default: no limit). 4.77 GiB -> 8 GiB; 4 GiB -> 4 GiB; 3 B -> 4 B."""
-    if nbytes <= 0:
-        return 0
-    return nbytes if nbytes > round_limit else 1 << (nbytes - 1).bit_length()
-
-
-def pinned_round_limit(conf: str | None) -> int:
-    """The request size above which torch's caching host allocator stops rounding pinned blocks, from an allocator
-    settings string (PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF, "key:value,..."): the smaller of
-    pinned_max_round_threshold_mb and pinned_max_cached_size_mb in bytes; PINNED_NO_LIMIT where neither is set."""
-    limit = PINNED_NO_LIMIT
-    for item in (conf or "").split(","):
-        key, _, value = item.partition(":")
-        if key.strip() in ("pinned_max_round_threshold_mb", "pinned_max_cached_size_mb"):
-            try:
-                limit = min(limit, int(float(value)) * 2**20)
-            except ValueError:
-                raise ValueError(f"allocator setting {item.strip()!r}: the value is a size in MiB") from None
-    return limit
-
-
-def zero3_subgroups(numel: int, sub_group_size: int | None = None) -> list[int]:
-    """Elements of each ZeRO-3 optimizer sub-group of a rank's partition of `numel` parameters: DeepSpeed closes a
-    sub-group once it holds sub_group_size (ZERO_SUBGROUP) elements, counted as whole groups of that size and the rest
-    (DeepSpeed's groups end on a parameter's boundary: at most one parameter's partition longer). Each sub-group is
-    one flat fp32 tensor of master weights, one of Adam's m and one of v: what a checkpoint of the rank holds."""
-    size = sub_group_size or ZERO_SUBGROUP
-    full, rest = divmod(numel, size)
-    return [size] * full + ([rest] if rest else [])
-
-
-def zero3_param_subgroups(partition_numels: list[int], sub_group_size: int | None = None) -> list[int]:
-    """Elements of each ZeRO-3 optimizer sub-group as DeepSpeed forms them (stage3._create_fp16_sub_groups, 0.19.8):
-    parameter by parameter in the param group's order, a sub-group closing once it holds >= sub_group_size elements
-    or at the last parameter; one group when the whole partition is within sub_group_size. Llama-3-8B's width with
-    2 layers on one GPU (1.487e9 elements): one sub-group, not zero3_subgroups' [1e9, 0.487e9]."""
-    size = sub_group_size or ZERO_SUBGROUP
-    if size >= sum(partition_numels):
-        return [sum(partition_numels)] if partition_numels else []
-    groups, acc = [], 0
-    for i, n in enumerate(partition_numels):
-        acc += n
-        if acc >= size or i == len(partition_numels) - 1:
-            groups.append(acc)
-            acc = 0
-    return groups
-
-
-def zero3_pinned_requests(shape: ModelShape, world: int, b: int, offload_params: bool, offload_optimizer: bool,
-                          grad_accum_bytes: int | None = None, sub_group_size: int | None = None) -> list[int]:
-    """The pinned host requests (bytes, in the order DeepSpeed 0.19.8 makes them) of one rank's ZeRO-3 offloads with
-    `pin_memory` (ds_configs/zero3_offload.json), each a block the caching host allocator rounds (pinned_block_bytes)
-    and keeps for the run:
-    - offload_params: every parameter's partition pinned as zero.Init creates it (partition_parameters.py, one
-      request per parameter), then one flat block of the param group (stage3._create_param_groups_fp16_flat_cpu_memory)
-      into which the partitions move; the per-parameter blocks are then free but stay cached (never returned);
-    - offload_optimizer: one fp32 gradient buffer per optimizer sub-group (`subgroup_gradient_buffer`,
-      zero3_param_subgroups), then the flat gradient-accumulation buffer of all partitions (`grad_partitions_flat_buffer`,
-      `grad_accum_bytes` per element: the model's dtype unless data_types.grad_accum_dtype says fp32).
-    A partition is ceil(numel / world) elements. Measured on the H200 (2026-11-27, Llama-3-8B width, 2 layers, optimizer
-    offloaded): 12 GiB held in blocks of 8 + 4 GiB, where the planner counted one 8 GiB block; tests/unit/planner/
-    test_pinned_requests.py checks this list against a real DeepSpeed engine's requests byte for byte."""
-    parts = [-(-n // world) for n in shape.param_numels()]
-    out: list[int] = []
-    if offload_params:
-        out += [n * b for n in parts] + [sum(parts) * b]
-    if offload_optimizer:  # the sub-groups' fp32 buffers (initialize_optimizer_states) come before the flat one
-        out += [4 * g for g in zero3_param_subgroups(parts, sub_group_size)]
-        out.append(sum(parts) * (grad_accum_bytes or b))
-    return out
 
 
 def logits_tiles(tokens: int, vocab: int, tile_bytes: int | None = None) -> int:
@@ -474,33 +399,8 @@ def estimate(shape: ModelShape, seq_len: int, sp: int, world: int,
     h, n = shape.hidden_size, shape.num_params()
     hid = tokens * h * b
 
-    gpu: dict[str, int] = {}
-    cpu: dict[str, int] = {}
-    # ZeRO-3 model states, partitioned over the whole world (SP ranks included)
-    pin_state = pin if pinned_offloads else (lambda nbytes: nbytes)
-    # ZeRO-3's host buffers with pin_memory, request by request as DeepSpeed makes them (zero3_pinned_requests), each
-    # block as the caching host allocator holds it; pageable (pinned_offloads False, or a CPU run): their bytes
-    n_param = len(zero3_pinned_requests(shape, world, b, True, False)) if f.offload_params else 0
-    zero_pins = [pin_state(x) for x in zero3_pinned_requests(shape, world, b, f.offload_params, f.offload_optimizer)]
-    if f.offload_params:  # every partition pinned at zero.Init (cached once moved) + the param group's flat block
-        cpu["params (partition)"] = sum(zero_pins[:n_param]) if gpu_run and pinned_offloads else n * b // world
-    else:
-        gpu["params (partition)"] = n * b // world
-    if f.offload_optimizer:  # fp32 gradients per optimizer sub-group + the flat gradient-accumulation buffer (the
-        # model's dtype): measured on the H200, 2026-11-27, 12 GiB (8 + 4) held where one fp32 buffer (8) was counted
-        cpu["grads fp32 (partition)"] = sum(zero_pins[n_param:]) if gpu_run and pinned_offloads else \
-            sum(zero3_pinned_requests(shape, world, b, False, True))
-        cpu["optimizer fp32 master+Adam m,v"] = 12 * n // world  # pageable: CPU Adam's own tensors
-    else:
-        gpu["grads (partition)"] = n * b // world
-        gpu["optimizer fp32 master+Adam m,v"] = 12 * n // world
-    if async_save:  # what ZeRO-3 saves per rank: fp32 master + Adam m, v (Llama-3-8B on 32 ranks: 3.0 GB, 24 GB/node).
-        # Staging page-locks a buffer per storage copied from the GPU (the optimizer there): per sub-group, master, m
-        # and v, exact in the host arena (as pinned blocks, the fallback, rounded: Llama-3-8B on 8 ranks 3 x 3.73 ->
-        # 3 x 4 GiB, +7%); from host states (offloaded) a pageable copy.
-        groups = zero3_subgroups(n // world)
-        snap = pin if not (f.offload_optimizer or HOST_ARENA) else (lambda nbytes: nbytes)  # arena: exact bytes
-        cpu["async save: host copy of the rank's checkpoint"] = 3 * sum(snap(4 * g) for g in groups)
+    # ZeRO-3 model states, partitioned over the whole world (SP ranks included); on the host as the allocator holds them
+    gpu, cpu = zero3_state_terms(shape, world, b, f, gpu_run, pinned_offloads, pinned_limit, async_save, HOST_ARENA)
     # communication: the largest gathered module (a layer or the embedding/LM head) with its unreduced
     # grads, plus the prefetch (0.9 h^2) and reduce (h^2) buckets
     gpu["zero3 gathered params+grads, buckets"] = b * (2 * max(shape.layer_params(), shape.vocab_size * h)
