@@ -194,64 +194,109 @@ class PackedDataset(DocPack):
         self.starts = starts
 
 
+PACK_WINDOW = 64  # samples' worth of conversations sorted and best-fit together; as many bins stay open
+PAD_PIECE = 128  # the padding tail is cut into documents of at most this many tokens (document-masked: no quadratic cost)
+
+
+def best_fit_bins(lens: np.ndarray, seq_len: int, window: int = PACK_WINDOW) -> tuple[np.ndarray, np.ndarray]:
+    """Whole documents (lengths `lens`, each <= seq_len) into bins of `seq_len` tokens, best-fit decreasing within a
+    bounded window of the stream: the documents of the next `window` x seq_len tokens, longest first, each into the
+    open bin it fills best (the least room that holds it), else a new bin; after each window the fullest bins beyond
+    `window` open ones are closed. Returns (order, bounds): bin b holds documents order[bounds[b]:bounds[b + 1]], in
+    the order placed; bins in the order opened (a pure function of `lens`, the same on every rank and restart).
+
+    Bounded at any scale: the working set is one window and `window` open bins, whatever the number of documents
+    (millions of conversations into 1M-token samples: the window is then 64M tokens, ~32k 2k-token chats); a
+    document never travels further than the open bins' life from its place in the stream. Output: two int64 arrays
+    of one entry per document (16 bytes each, as the per-document arrays already loaded); one Python step per
+    document (bisect over <= 2 x window open bins): ~2 s per million documents here (bench/packing.py)."""
+    import bisect
+
+    n = len(lens)
+    bin_of, seq = np.zeros(n, np.int64), np.zeros(n, np.int64)
+    cum = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    open_: list[tuple[int, int]] = []  # (room left, bin), sorted: the best fit is the first with room >= length
+    bins, placed, lo = 0, 0, 0
+    lens_l = np.asarray(lens, np.int64).tolist()
+    while lo < n:
+        hi = max(lo + 1, int(np.searchsorted(cum, cum[lo] + window * seq_len, side="right")) - 1)
+        for k in (lo + np.argsort(-np.asarray(lens[lo:hi]), kind="stable")).tolist():
+            ln = lens_l[k]
+            at = bisect.bisect_left(open_, (ln, -1))
+            if at < len(open_):
+                room, b = open_.pop(at)
+            else:
+                room, b, bins = seq_len, bins, bins + 1
+            bin_of[k], seq[k], placed = b, placed, placed + 1
+            if room - ln > 0:
+                bisect.insort(open_, (room - ln, b))
+        if len(open_) > window:
+            del open_[: len(open_) - window]  # the fullest close: the rest keep taking the next window's documents
+        lo = hi
+    order = np.lexsort((seq, bin_of)).astype(np.int64)
+    bounds = np.searchsorted(bin_of[order], np.arange(bins + 1)).astype(np.int64)
+    return order, bounds
+
+
 class ConvPack:
-    """Supervised fine-tuning samples: whole conversations (documents `doc_starts[k]`, `doc_lens[k]` in order)
-    packed side by side into samples of `seq_len` tokens, never split between two samples.
+    """Supervised fine-tuning samples: whole conversations (documents `doc_starts[k]`, `doc_lens[k]`) packed side by
+    side into samples of `seq_len` tokens, never split between two samples.
 
-    Conversations are placed in stream order, each in the current sample while it fits, else in a new one (a
-    sample wastes at most the conversation that did not fit: ~1% at 128k of 1-2k-token chats). A conversation
-    longer than `seq_len` is cut to its first `seq_len` tokens, alone in its sample; one whose targets (mask 1
-    at positions 1..seq_len-1) were all cut is dropped (`dropped`), the others cut are counted (`truncated`). The
-    tail of a sample is padding (`pad_id`, no label) with its own restarted positions, so it is a document of its
-    own under document masking. Positions restart at every conversation (document masking as the text stages
-    do) and no conversation's last token predicts the next one's first (labels -100 there), whatever the run's
-    flags: one conversation never sees another.
+    Packed best-fit decreasing within a bounded window of the stream (`best_fit_bins`): next-fit in stream order
+    filled 0.75 of 64k samples for LongAlign-like lengths and 0.77 of 128k samples for 90% short / 10% 30k-100k
+    chats; best-fit 0.96-0.99 (bench/packing.py, docs/data.md). A conversation longer than `seq_len` is cut to its
+    first `seq_len` tokens, alone in its sample; one whose targets (mask 1 at positions 1..seq_len-1) were all cut is
+    dropped (`dropped`), the others cut are counted (`truncated`). The tail of a sample is padding (`pad_id`, no
+    label) cut into documents of at most PAD_PIECE tokens, so under document masking it costs tail x PAD_PIECE, not
+    tail^2. Positions restart at every conversation and no conversation's last token predicts the next one's first
+    (labels -100 there), whatever the run's flags: one conversation never sees another.
 
-    Built from the per-document lengths and the mask only where a conversation is too long (one pass over the
-    documents, O(documents) Python steps: ~1 s per million conversations, done once per stage by every rank,
-    the same pure function of the folder on each)."""
+    The packing is a pure function of the documents' lengths (and the masks of those too long), computed once per
+    stage by every rank, so the sampler's position (data/sampler.py: epoch, micro-batches taken, the number of
+    samples) is all a resume needs; `state_dict()` names the packing for the checkpoint's records."""
 
-    def __init__(self, tokens, mask, doc_starts, doc_lens, seq_len: int, pad_id: int):
-        self.tokens, self.mask, self.seq_len, self.pad_id = tokens, mask, seq_len, pad_id
-        starts = np.asarray(doc_starts, dtype=np.int64)
-        lens = np.asarray(doc_lens, dtype=np.int64)
-        self.truncated = self.dropped = 0
-        bins, cur, fill = [], [], 0
-        for st, ln in zip(starts.tolist(), lens.tolist()):
-            if ln > seq_len:
-                m = np.ones(seq_len, bool) if mask is None else np.asarray(_read(mask, st, st + seq_len), bool)
-                if not m[1:].any():
-                    self.dropped += 1
-                    continue
-                self.truncated += 1
-                ln = seq_len
-            if fill + ln > seq_len:
-                bins.append(cur)
-                cur, fill = [], 0
-            cur.append((st, ln))
-            fill += ln
-        if cur:
-            bins.append(cur)
-        self.bins = bins
-        self.n_tokens = int(sum(ln for b in bins for _, ln in b))
+    def __init__(self, tokens, mask, doc_starts, doc_lens, seq_len: int, pad_id: int, window: int = PACK_WINDOW):
+        self.tokens, self.mask, self.seq_len, self.pad_id, self.window = tokens, mask, seq_len, pad_id, window
+        self.starts = np.asarray(doc_starts, dtype=np.int64)
+        lens = np.asarray(doc_lens, dtype=np.int64).copy()
+        keep = np.ones(len(lens), bool)
+        for k in np.flatnonzero(lens > seq_len).tolist():
+            st = int(self.starts[k])
+            m = np.ones(seq_len, bool) if mask is None else np.asarray(_read(mask, st, st + seq_len), bool)
+            keep[k] = bool(m[1:].any())  # every target past the cut: nothing of it would train
+        long = lens > seq_len
+        self.dropped = int((long & ~keep).sum())
+        self.truncated = int((long & keep).sum())
+        self.lens = np.minimum(lens, seq_len)
+        kept = np.flatnonzero(keep)
+        order, self.bounds = best_fit_bins(self.lens[kept], seq_len, window)
+        self.order = kept[order]
+        self.n_tokens = int(self.lens[kept].sum())
 
     def __len__(self) -> int:
-        return len(self.bins)
+        return len(self.bounds) - 1
+
+    def fill(self) -> float:
+        """Tokens of conversations over the samples' tokens (1.0: no padding)."""
+        return self.n_tokens / max(1, len(self) * self.seq_len)
+
+    def state_dict(self) -> dict:
+        return {"packing": "best-fit-decreasing", "window": self.window, "samples": len(self), "tokens": self.n_tokens}
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
         L = self.seq_len
         ids = np.full(L, self.pad_id, dtype=np.int64)
         target = np.zeros(L, dtype=bool)
         inside, at = [], 0
-        for st, ln in self.bins[i]:
+        for k in self.order[self.bounds[i]:self.bounds[i + 1]].tolist():
+            st, ln = int(self.starts[k]), int(self.lens[k])
             ids[at:at + ln] = _read(self.tokens, st, st + ln)
             target[at:at + ln] = True if self.mask is None else np.asarray(_read(self.mask, st, st + ln), bool)
             target[at] = False  # a conversation's first token is predicted by nothing of it
             if at:
                 inside.append(at)
             at += ln
-        if at < L:
-            inside.append(at)  # the padding: a document of its own
+        inside += range(at, L, PAD_PIECE)  # the padding (after at least one conversation): short documents
         labels = np.full(L, -100, dtype=np.int64)
         labels[:-1] = np.where(target[1:], ids[1:], -100)
         pos = reset_positions(L, np.asarray(inside, dtype=np.int64))

@@ -103,12 +103,38 @@ def test_convpack_whole_conversations_restart_and_no_cross_label():
     pack = ConvPack(toks, mask, starts, lens, 8, pad_id=0)
     assert len(pack) == 2 and (pack.truncated, pack.dropped) == (0, 0)
     a, b = pack[0], pack[1]
-    assert a["input_ids"].tolist() == [10, 11, 12, 13, 20, 21, 22, 0]  # the third does not fit: never split
-    assert a["position_ids"].tolist() == [0, 1, 2, 3, 0, 1, 2, 0]  # restarted per conversation, padding its own
-    # targets: 12, 13 of the first, 21, 22 of the second; 13 never predicts 20, the padding nothing
-    assert a["shift_labels"].tolist() == [-100, 12, 13, -100, 21, 22, -100, -100]
-    assert b["input_ids"].tolist() == [30, 31, 32, 33, 34, 0, 0, 0]
-    assert b["shift_labels"].tolist() == [-100, -100, 33, 34, -100, -100, -100, -100]
+    # best-fit decreasing: the longest (5) first, the 3 fills its sample exactly, the 4 alone: never split
+    assert a["input_ids"].tolist() == [30, 31, 32, 33, 34, 20, 21, 22]
+    assert a["position_ids"].tolist() == [0, 1, 2, 3, 4, 0, 1, 2]  # restarted per conversation
+    # targets: 33, 34 of the first, 21, 22 of the second; 34 never predicts 20
+    assert a["shift_labels"].tolist() == [-100, -100, 33, 34, -100, 21, 22, -100]
+    assert b["input_ids"].tolist() == [10, 11, 12, 13, 0, 0, 0, 0]
+    assert b["position_ids"].tolist() == [0, 1, 2, 3, 0, 1, 2, 3]  # the padding a document of its own
+    assert b["shift_labels"].tolist() == [-100, 12, 13, -100, -100, -100, -100, -100]
+
+
+def test_convpack_best_fit_fills_and_cuts_the_padding_into_short_documents():
+    """Issue 47 item 9: 8k-64k conversations into 64k samples fill >= 0.95 (next-fit in stream order filled 0.75);
+    every conversation is in exactly one sample, whole, in the order of a pure function of the lengths; the padding
+    tail is documents of at most PAD_PIECE tokens (it was one document, tail^2 of attention)."""
+    from data.packing import PAD_PIECE
+
+    rng = np.random.default_rng(0)
+    lens = rng.integers(8 << 10, (64 << 10) + 1, 2000)
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
+    pack = ConvPack(None, None, starts, lens, 64 << 10, pad_id=0)
+    assert pack.fill() >= 0.95, pack.fill()
+    assert sorted(pack.order.tolist()) == list(range(len(lens)))  # each once
+    per = [int(lens[pack.order[a:b]].sum()) for a, b in zip(pack.bounds[:-1], pack.bounds[1:])]
+    assert max(per) <= 64 << 10
+    again = ConvPack(None, None, starts, lens, 64 << 10, pad_id=0)
+    assert np.array_equal(again.order, pack.order) and np.array_equal(again.bounds, pack.bounds)
+    docs = [([5] * 7, [0] + [1] * 6), ([6] * 3, [0, 1, 1])]
+    toks, mask, st, ln = _store(docs)
+    s = ConvPack(toks, mask, st, ln, 7 + 3 + 2 * PAD_PIECE + 5, pad_id=0)[0]
+    restarts = np.flatnonzero(s["position_ids"] == 0).tolist()
+    assert restarts == [0, 7, 10, 10 + PAD_PIECE, 10 + 2 * PAD_PIECE]  # two conversations, three padding pieces
+    assert (s["shift_labels"][10:] == -100).all()
 
 
 def test_convpack_truncation_drops_and_counts():
@@ -164,8 +190,9 @@ def test_sft_stage_in_the_run(tmp_path, capsys):
     conv = data.heldout(256, 2, sft=True)  # an SFT stage's: whole held-out conversations, as it trains
     d0 = int(data.held[0])  # the first held-out conversation, whole, at the start of the first sample
     first = p.tokens.read(int(p.starts[d0]), int(p.starts[d0] + p.lens[d0]))
-    assert len(conv) == 2 and conv[0]["input_ids"][:len(first)].tolist() == first.tolist()
-    assert conv[0]["position_ids"][len(first)] == 0
+    whole = [(s, r) for s in conv for r in np.flatnonzero(s["position_ids"] == 0).tolist()  # whole, at a restart
+             if s["input_ids"][r:r + len(first)].tolist() == first.tolist()]
+    assert len(conv) == 2 and len(whole) == 1 and whole[0][0]["position_ids"][whole[0][1] + len(first) - 1] == len(first) - 1
     assert all((s["shift_labels"][np.flatnonzero(s["position_ids"] == 0)[1:] - 1] == -100).all() for s in conv)
     n_target = sum(int(m[1:].sum()) for s, m in targets.items() if data.cut[np.searchsorted(p.starts, s)])
     assert sum(int((ds[i]["shift_labels"] != -100).sum()) for i in range(len(ds))) == n_target
@@ -175,6 +202,28 @@ def test_sft_stage_in_the_run(tmp_path, capsys):
         open_run_data(str(text), SP, vocab, [_stage(0, 128, "sft")], reset_position_ids=True)
     with pytest.raises(ValueError, match="drop --reset_position_ids no"):
         open_run_data(chats, SP, vocab, [_stage(0, 128, "sft")], reset_position_ids=False)
+
+
+def test_sft_stage_resumes_exactly(tmp_path):
+    """A restart rebuilds the SFT stage's packing (best-fit decreasing: a pure function of the folder) and continues
+    from the sampler's state: the same samples, token for token, as the uninterrupted run, across an epoch's end."""
+    from data.pipeline import open_run_data
+
+    chats = build_demo_chats(str(tmp_path / "chats.jsonl"), 200, seed=3)
+    vocab, stages = Tokenizer(SP).vocab_size, [_stage(0, 256, "sft")]
+
+    def view():
+        return open_run_data(chats, SP, vocab, stages, reset_position_ids=True).stage_view(stages[0], 2, 1, 2, seed=5)
+
+    ds, sampler = view()
+    for _ in range(3):
+        sampler.next_batch()
+    state = sampler.state_dict()
+    want = [ds[i] for _ in range(len(ds) // 4 + 2) for i in sampler.next_batch()]  # past the epoch's end
+    ds2, resumed = view()
+    resumed.load_state_dict(state)
+    got = [ds2[i] for _ in range(len(ds2) // 4 + 2) for i in resumed.next_batch()]
+    assert len(got) == len(want) > 0 and all(np.array_equal(a[k], b[k]) for a, b in zip(got, want) for k in a)
 
 
 def test_stage_kind_config():
