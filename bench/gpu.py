@@ -434,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
         sections = [s for s in sections if s not in ("headline", "long", "gap")]
     if "headline" in sections:  # issue 49: the headline's own configuration at the planner's longest length
         def run_headline():
-            n = headline_length(model(), PLAN_GPU_GB, chunks())
+            n = HEADLINE_DRY if args.dry else headline_length(model(), PLAN_GPU_GB, chunks())
             rec.say(f"headline: planner's longest with its features at {PLAN_GPU_GB} GB: {n:,} tokens")
             return long_run(rec, "headline", model(), device, args.dry, args.cap_gib, args.work, [("headline", n)],
                             PLAN_GPU_GB, rec.left() - 15, chunks=chunks())
