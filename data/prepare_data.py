@@ -277,16 +277,35 @@ def prepare(inputs: list[str], output: str, tokenizer: str | None = None, vocab_
     return store.read_json(shard_path)
 
 
+def row_cost(item) -> tuple[int, int]:
+    """(bytes, work) of one row as the reader sees it: work ~ bytes x turns for a chat row (data/chat.py renders and
+    tokenizes the conversation up to each assistant turn: a 1,000-turn trace costs ~1,000 of its own size), bytes for
+    text. Counted on the raw line (two C-speed byte counts), never parsed here."""
+    if isinstance(item, bytes):
+        turns = item.count(b'"role"') + item.count(b'"from"')  # messages / ShareGPT turns; 0 for a text row
+        return len(item), len(item) * max(1, turns)
+    value = item[0]
+    if isinstance(value, dict):  # a columnar chat row
+        size = len(str(value))
+        turns = sum(len(v) for v in value.values() if isinstance(v, list))
+        return size, size * max(1, turns)
+    n = len(value) if isinstance(value, str | list) else len(str(value))
+    return n, n
+
+
 def _batches(units: list[Unit], fields: Fields, start: tuple[int, int], batch_docs: int):
-    batch, size = [], 0
+    """Rows in input order, grouped into worker tasks: a task closes at `batch_docs` rows, BATCH_BYTES of raw rows
+    (memory in flight) or BATCH_BYTES of work (`row_cost`: a batch of long multi-turn chats is split over the workers
+    instead of going whole to one of them; a single row is never split)."""
+    batch, size, work = [], 0, 0
     for u in range(start[0], len(units)):
         for row, item in iter_rows(units[u], fields, start[1] if u == start[0] else 0):
             batch.append((u, row, item))
-            size += len(item) if isinstance(item, bytes) else len(item[0]) if isinstance(item[0], str | list) \
-                else len(str(item[0]))  # a columnar chat row: its rendering's size, roughly
-            if len(batch) >= batch_docs or size >= BATCH_BYTES:
+            b, w = row_cost(item)
+            size, work = size + b, work + w
+            if len(batch) >= batch_docs or size >= BATCH_BYTES or work >= BATCH_BYTES:
                 yield batch
-                batch, size = [], 0
+                batch, size, work = [], 0, 0
     if batch:
         yield batch
 

@@ -241,3 +241,19 @@ def test_token_caches_follow_the_tokenizers_content(tmp_path, monkeypatch):
     assert in_job._cache_key([src], str(tok), 100) != keys[0], "the in-job prepared folder of the old tokenizer"
     assert packing._cache_key(src, str(tok), 100) != keys[1], "the token stream of the old tokenizer"
     assert packing._cache_key(src, str(tok), 100) != packing._cache_key(src, str(tok), 64)  # validated per vocab
+
+
+def test_long_multi_turn_chats_are_spread_over_worker_tasks(tmp_path):
+    """Issue 47 item 12: a worker task closes at BATCH_BYTES of work (bytes x turns: data/chat.py renders up to each
+    assistant turn), so 40 agent traces of 100 turns (~6 KB each, 250 KB in all) go to many workers instead of one
+    task (the old batches closed at 256 rows or 1 MB of bytes only: one task of 40); text batches as before."""
+    from data.readers import discover
+
+    turn = [{"role": r, "content": "step " * 10} for r in ("user", "assistant")] * 50
+    chats = tmp_path / "traces.jsonl"
+    chats.write_text("".join(json.dumps({"messages": turn}) + "\n" for _ in range(40)))
+    batches = list(pd_mod._batches(discover(str(chats)), Fields(), (0, 0), 256))
+    assert sum(map(len, batches)) == 40 and len(batches) >= 10, [len(b) for b in batches]
+    assert all(sum(pd_mod.row_cost(it)[1] for _, _, it in b[:-1]) < pd_mod.BATCH_BYTES for b in batches)
+    text = _write_jsonl(tmp_path / "text.jsonl", DOCS * 30)
+    assert [len(b) for b in pd_mod._batches(discover(text), Fields(), (0, 0), 256)] == [256, 104]
