@@ -228,9 +228,11 @@ def eval_tables(rows: list[dict]) -> list[str]:
                  and any(q.get("heldout_chat_loss") != q.get("heldout_loss") for q in rows)), None)  # unless a copy
     head = ["stage", "name", "step", "seq_len", "heldout_loss", f"heldout_loss@{first}",
             *[f"chat_loss@{chat}"] * (chat is not None), *[f"passkey@{d}" for d in depths]]
-    out = _table(head, [[r["stage"], r["stage_name"], r["step"], r["seq_len"], f"{r.get('heldout_loss', nan):.4f}",
-                         f"{r.get('heldout_loss_first_len', nan):.4f}",
-                         *[f"{r.get('heldout_chat_loss', nan):.4f}"] * (chat is not None),
+    def loss(r: dict, key: str) -> str:  # none: nothing was held out (or scored) for it, never a 0.0
+        return f"{r[key]:.4f}" if key in r else "none"
+
+    out = _table(head, [[r["stage"], r["stage_name"], r["step"], r["seq_len"], loss(r, "heldout_loss"),
+                         loss(r, "heldout_loss_first_len"), *[loss(r, "heldout_chat_loss")] * (chat is not None),
                          *[f"{r.get('passkey_accuracy', {}).get(d, nan):.2f}" for d in depths]] for r in rows])
     tasks = list(dict.fromkeys(t for r in rows for t in r.get("task_mean", {})))
     for task in tasks:
