@@ -99,6 +99,8 @@ class ChatEncoder:
         if not isinstance(template, str) or not template:
             raise ValueError(f"--chat_template {template!r}: use auto, chatml, none or a named template's name")
         self.template = pick_template(own, template, tokenizer.path)
+        self.name = (f"{tokenizer.path}'s `{'default' if template in ('auto', 'none') else template}` template"
+                     if isinstance(own, dict) else f"{tokenizer.path}'s template")
         self.hf = hf if self.template else None
         self.markers = bool(self.hf is not None and "{% generation %}" in self.template.replace("{%- generation",
                                                                                               "{% generation"))
@@ -122,7 +124,7 @@ class ChatEncoder:
             return self.hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen,
                                                chat_template=self.template)
         except Exception as e:  # jinja's raise_exception (roles must alternate, no system role, ...)
-            raise RowError(f"the chat template refuses this conversation: {str(e).splitlines()[0][:160]}") from None
+            raise RowError(f"{self.name} refuses this conversation: {str(e).splitlines()[0][:160]}") from None
 
     def _render(self, msgs: list[dict], gen: bool = False) -> list[int]:
         return self.tok.encode(self._text(msgs, gen))
@@ -185,7 +187,9 @@ class ChatEncoder:
             if spans is None:  # the markers do not give one run per assistant turn: find the turns by prefixes
                 ids, spans, why = self._prefix(conv, wanted)
             else:
-                spans = {k: s for k, s in spans.items() if self._shows(ids, s[0], s[1], conv[k])}
+                self._tool_calls_shown(conv, wanted, {k: ids[a:b] for k, (a, b) in spans.items()})
+                why = {k: w for k in wanted if (w := self._eot_text(conv, k))}
+                spans = {k: s for k, s in spans.items() if k not in why and self._shows(ids, s[0], s[1], conv[k])}
         else:
             ids, spans, why = self._prefix(conv, wanted)
         mask = np.zeros(len(ids), np.uint8)
@@ -198,9 +202,10 @@ class ChatEncoder:
             mask[span[0]:span[1]] = 1
         if not mask[1:].any():
             reason = next(iter(why.values()), "its span does not show its text")
-            raise RowError(f"none of the {untrained} assistant turn(s) could be located in {self.tok.path}'s template: "
-                           f"{reason}; docs/sft.md")
-        return ids, mask, {"untrained_turns": untrained}
+            raise RowError(f"none of the {untrained} assistant turn(s) could be located in {self.name}: {reason}; "
+                           "docs/sft.md")
+        return ids, mask, {"untrained_turns": untrained, "why": [why.get(k, f"message {k}: its span does not show "
+                                                                   "its text") for k in wanted if k not in spans]}
 
     # ---- where a reply is
     def _shows(self, ids: list[int], a: int, e: int, msg: dict) -> bool:
@@ -211,6 +216,25 @@ class ChatEncoder:
         if want and want not in text:
             return False
         return all(_call_name(c) in text for c in msg.get("tool_calls") or [])
+
+    def _tool_calls_shown(self, conv: list[dict], turns: list[int], rendered: dict[int, list[int]]) -> None:
+        """A RowError where the template does not render a turn's tool calls (Llama 3.0, SmolLM2): the turn would
+        train an empty reply, the model learning to stop where it should call a tool."""
+        for k in turns:
+            calls = conv[k].get("tool_calls") or []
+            if k in rendered and calls:
+                text = self.tok.hf.decode(rendered[k])
+                if not all(_call_name(c) in text for c in calls):
+                    raise RowError(f"message {k} (assistant): {self.name} does not render its tool call(s) "
+                                   f"{[_call_name(c) for c in calls]}, so an empty reply would be trained: use a "
+                                   "template that renders tool_calls, or drop the calls")
+
+    def _eot_text(self, conv: list[dict], k: int) -> str | None:
+        """Why turn k gets no loss when its text holds the text of an end-of-turn token (tokenized as that token,
+        as TRL and inference servers do, it would teach the model to stop inside the reply); None otherwise."""
+        names = [n for n, i in self._names().items() if i in set(self.eot.tolist()) and n in conv[k]["content"]]
+        return (f"message {k}: its text holds the end-of-turn token's text {names}, which is tokenized as that "
+                "token") if names else None
 
     def _header_end(self, conv: list[dict], k: int, head: list[int], full: list[int]) -> int | None:
         """Where turn k's reply starts in `full`: the end of its header, None where the header is not there."""
@@ -228,29 +252,28 @@ class ChatEncoder:
     def _prefix(self, conv: list[dict], wanted: list[int]) -> tuple[list[int], dict, dict]:
         full = self._render(conv)
         arr = np.asarray(full)
-        eot_names = [n for n, i in self._names().items() if i in set(self.eot.tolist())]
         spans, why = {}, {}
         for k in wanted:
             msg = conv[k]
             try:
                 head = self._render(conv[:k], gen=True)
                 turn = self._render(conv[:k + 1])
-            except RowError as e:  # e.g. an assistant turn first: the template refuses to render what is before it
-                why[k] = f"message {k}: {e}"
+            except RowError as e:  # e.g. an assistant turn first: there is nothing before it to render
+                why[k] = f"message {k}: " + ("an assistant turn first (no messages before it to find its header by)"
+                                             if k == 0 else str(e))
                 continue
             a = self._header_end(conv, k, head, full)
             if a is None:
-                why[k] = (f"message {k}: its header renders differently alone than in the conversation (Mistral v0.3 "
-                          "drops a system prompt unless a user turn is last)")
+                why[k] = (f"message {k}: the conversation does not go on from the messages before it with the "
+                          "template's assistant header: the template renders earlier messages differently once a "
+                          "reply follows (Mistral v0.3 drops a system prompt unless a user turn is last: put it in "
+                          "the first user turn) or writes text after the last message (Command-R's tool_use: use "
+                          "its `default`)")
                 continue
             prefix = _lcp(turn, full) == len(turn)
-            if msg.get("tool_calls") and not all(_call_name(c) in self.tok.hf.decode(turn[a:]) for c in msg["tool_calls"]):
-                raise RowError(f"message {k} (assistant): the chat template does not render its tool call(s) "
-                               f"{[_call_name(c) for c in msg['tool_calls']]}, so an empty reply would be trained: use "
-                               "a template that renders tool_calls, or drop the calls")
-            if any(n in msg["content"] for n in eot_names):
-                why[k] = (f"message {k}: its text holds an end-of-turn token's text "
-                          f"{[n for n in eot_names if n in msg['content']]}, tokenized as that token")
+            self._tool_calls_shown(conv, [k], {k: turn[a:]})
+            if w := self._eot_text(conv, k):
+                why[k] = w
                 continue
             end = self._end(full, arr, a, len(turn) + (0 if prefix else 1), msg)
             if end is None and prefix:  # a turn ended by another control token (gpt-oss's <|call|>)
@@ -354,7 +377,7 @@ class ChatEncoder:
             out = self.hf.apply_chat_template(conv, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
                                               chat_template=self.template)
         except Exception as e:
-            raise RowError(f"the chat template refuses this conversation: {str(e).splitlines()[0][:160]}") from None
+            raise RowError(f"{self.name} refuses this conversation: {str(e).splitlines()[0][:160]}") from None
         ids, m = list(out["input_ids"]), np.asarray(out["assistant_masks"], dtype=np.uint8)
         # runs of 1 in generation order are the assistant turns, in order
         edges = np.flatnonzero(np.diff(np.concatenate([[0], m, [0]])))

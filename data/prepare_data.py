@@ -438,9 +438,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--loss_on", default="auto", choices=["auto", "assistant", "completion", "all"],
                    help="chat rows: which tokens get loss (auto: the assistant's replies, the completion of a "
                    "prompt/completion pair; docs/sft.md)")
-    p.add_argument("--chat_template", default="auto", choices=["auto", "chatml", "none"],
-                   help="chat rows: the tokenizer's own template (auto; ChatML when it has none), always the ChatML "
-                   "default, or none (refuse chat rows when the tokenizer has no template)")
+    p.add_argument("--chat_template", default="auto",
+                   help="chat rows: the tokenizer's own template (auto: its `default` of named ones; ChatML when it has "
+                   "none), always the ChatML default (chatml), none (refuse chat rows when the tokenizer has no "
+                   "template), or the name of one of the tokenizer's named templates (tool_use, ...)")
     p.add_argument("--shard", default="0/1", help="i/N: prepare this machine's share of the input files")
     p.add_argument("--merge", action="store_true", help="write the manifest from finished shards and stop")
     p.add_argument("--chunk_tokens", type=int, default=DEFAULT_CHUNK_TOKENS, help="tokens per chunk file (resume unit)")

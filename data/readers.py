@@ -156,6 +156,10 @@ CHAT_COLUMNS = (("messages",), ("conversations",), ("prompt", "completion"))  # 
 def _columns(unit: Unit, names: list[str], fields: Fields) -> tuple[str | tuple[str, ...], str | None]:
     """(the value column, or a chat format's columns; the source column or None)."""
     value = fields.text if fields.text in names else fields.ids if fields.ids in names else None
+    chat = next((c for c in CHAT_COLUMNS if all(n in names for n in c)), None)
+    if value is not None and chat is not None:
+        raise ValueError(f"{unit.path}: both a text column ({value!r}) and chat columns {list(chat)}: which is meant? "
+                         "Keep one (a text column would train every token of the row)")
     if value is None:
         value = next((c for c in CHAT_COLUMNS if all(n in names for n in c)), None)
     if value is None:
@@ -190,6 +194,9 @@ def parse_item(item: object, fields: Fields) -> tuple[str | list | dict | None, 
         if not isinstance(obj, dict):
             return None, None, f"expected a JSON object, got {type(obj).__name__}"
         value = obj.get(fields.text, obj.get(fields.ids))
+        if value is not None and row_format(obj):
+            return None, None, (f"both {fields.text!r} / {fields.ids!r} and a chat field ({row_format(obj)}): which is "
+                                "meant? Keep one (read as text, every token of the row would be trained)")
         if value is None and row_format(obj):
             value = obj  # a chat row: data/chat.py reads it
         src = obj.get(fields.source) if fields.source else None

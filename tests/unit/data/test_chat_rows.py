@@ -40,3 +40,22 @@ def test_sharegpt_function_call_and_observation():
         {"type": "function", "function": {"name": "count", "arguments": {"words": 2}}}]
     with pytest.raises(RowError, match="function_call.*not JSON"):
         normalize({"conversations": [{"from": "human", "value": "x"}, {"from": "function_call", "value": "count("}]})
+
+
+@pytest.mark.parametrize("row", [{"text": "hello", "messages": [{"role": "user", "content": "hi"}]},
+                                 {"input_ids": [1, 2], "conversations": []}])
+def test_a_row_with_both_text_and_a_chat_field_is_refused(row):
+    """Which was meant? Read as text, every token of it would be trained: refused in one line instead."""
+    import json
+
+    from data.readers import Fields, parse_item
+
+    value, _, err = parse_item(json.dumps(row).encode(), Fields())
+    assert value is None and "both" in err and "\n" not in err
+
+
+def test_a_table_with_both_a_text_and_a_chat_column_is_refused():
+    from data.readers import Fields, Unit, _columns
+
+    with pytest.raises(ValueError, match="both a text column .* and chat columns"):
+        _columns(Unit("x", "parquet", "x.parquet"), ["text", "messages"], Fields())

@@ -1,0 +1,223 @@
+"""The chat-template sweep: every family users fine-tune, one property, a table of what trains and what is refused.
+
+    python -m data.chat_sweep [--markdown]      # the table in docs/sft.md (a few seconds, no network)
+
+Each family (data/chat_templates/families.json) has a template written here that renders what the family's own
+renders, with `{% generation %}` around what the model writes after its generation prompt (the reply, its
+reasoning and tool calls where the family renders them, and its end-of-turn token). The template as the family
+ships it is that text without the markers (the generation-marker family keeps them). A small byte-level BPE
+tokenizer gets the family's control tokens (as single special tokens) and its plain added tokens.
+
+For each family and each kind of conversation (CASES) data/chat.py's ChatEncoder encodes the row through the
+shipped template, and Hugging Face's own assistant mask of the marked template is the oracle. The property:
+- the ids are the template's rendering, tokenized;
+- every supervised token lies in an assistant message's marked region, and every region is supervised whole or
+  not at all (no token of a header, a system, user or tool message is ever supervised; no reply cut short);
+- the regions not supervised are exactly the turns the encoder counts (`untrained_turns`);
+- every supervised span decodes to text holding its reply (past a `</think>`) and its tool calls' names.
+A row the encoder refuses (RowError, one line, naming the template and the fix) passes as a refusal. Anything
+else is WRONG: tests/unit/data/test_chat_sweep.py fails on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import tempfile
+
+import numpy as np
+
+from data.chat import ChatEncoder, RowError
+from data.tokenizer import Tokenizer
+
+HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_templates")
+MARKER = re.compile(r"\{%-?\s*(end)?generation\s*-?%\}")
+
+_ASK = {"role": "user", "content": "Say exactly: apple river"}  # the reply's text comes first in a user turn
+_CALL = {"type": "function", "function": {"name": "count_words", "arguments": {"text": "apple river"}}}
+_THINK = "Two words: apple, river."
+CASES = {  # name -> a conversation (every assistant message is a turn to train)
+    "multi-turn": [_ASK, {"role": "assistant", "content": "apple river"},
+                   {"role": "user", "content": "Count them."}, {"role": "assistant", "content": "2 words"}],
+    "system": [{"role": "system", "content": "You are terse."}, _ASK, {"role": "assistant", "content": "apple river"},
+               {"role": "user", "content": "Count them."}, {"role": "assistant", "content": "2 words"}],
+    "tool call": [{"role": "user", "content": "How many words in apple river?"},
+                  {"role": "assistant", "content": "", "tool_calls": [_CALL]},
+                  {"role": "tool", "content": "2"}, {"role": "assistant", "content": "2 words"}],
+    "reasoning": [_ASK, {"role": "assistant", "content": "apple river", "reasoning_content": _THINK, "thinking": _THINK},
+                  {"role": "user", "content": "Count them."},
+                  {"role": "assistant", "content": "2 words", "reasoning_content": _THINK, "thinking": _THINK}],
+    "assistant first": [{"role": "assistant", "content": "Hello, what shall I count?"}, _ASK,
+                        {"role": "assistant", "content": "apple river"}],
+    "end-of-turn text in a reply": [_ASK, {"role": "assistant", "content": "apple river"},
+                                    {"role": "user", "content": "What ends your turn?"},
+                                    {"role": "assistant", "content": "The token {eot} ends it."}],
+}
+CORPUS = ["Say exactly: apple river. Count them. 2 words. How many words in apple river? Two words: apple, river.",
+          "You are terse. Hello, what shall I count? The token ends it. What ends your turn?",
+          "system user assistant model tool ipython environment developer function functions count_words text",
+          "[INST] [/INST] <<SYS>> USER: ASSISTANT: ```json {\"name\": \"arguments\": \"parameters\": } <think> </think>",
+          "You are a helpful assistant. Cutting Knowledge Date: December 2023 Today Date: 26 Jul 2024"] * 20
+
+
+def families() -> dict[str, dict]:
+    with open(os.path.join(HERE, "families.json")) as fh:
+        return {k: v for k, v in json.load(fh).items() if not k.startswith("_")}
+
+
+def marked(fam: dict, name: str | None = None) -> str:
+    """The family's template with its generation markers (the oracle)."""
+    with open(os.path.join(HERE, (fam.get("named") or {}).get(name, fam["file"]) if name else fam["file"])) as fh:
+        return fh.read()
+
+
+def shipped(text: str) -> str:
+    """The template as the family ships it: the markers taken out (they render nothing)."""
+    return MARKER.sub("", text)
+
+
+def build_tokenizer(root: str, key: str, fam: dict) -> str:
+    """A Hugging Face tokenizer folder for `fam` under `root` (its path): a byte-level BPE trained in a fraction of a
+    second, the family's control tokens as special tokens, its template as shipped (named templates as a dict)."""
+    from tokenizers import Tokenizer as Bpe
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    out = os.path.join(root, key)
+    if os.path.isdir(out):
+        return out
+    base = os.path.join(root, "_bpe.json")
+    if not os.path.exists(base):
+        t = Bpe(models.BPE())
+        t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        t.decoder = decoders.ByteLevel()
+        t.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=500, show_progress=False,
+                                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        t.save(base)
+    tok = PreTrainedTokenizerFast(tokenizer_file=base)
+    special = {"eos_token": fam["eos"], "additional_special_tokens": list(fam.get("special", []))}
+    if fam.get("bos"):
+        special["bos_token"] = fam["bos"]
+    tok.add_special_tokens(special)
+    tok.add_tokens(list(fam.get("added", [])))
+    if fam.get("named"):
+        tok.chat_template = {n: shipped(marked(fam, n)) for n in fam["named"]}
+    else:
+        text = marked(fam)
+        tok.chat_template = text if fam.get("markers") else shipped(text)
+    tok.save_pretrained(out)
+    return out
+
+
+def _runs(m: np.ndarray) -> list[tuple[int, int]]:
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], m, [0]])))
+    return list(zip(edges[::2].tolist(), edges[1::2].tolist()))
+
+
+def check(enc: ChatEncoder, oracle_template: str, conv: list[dict]) -> str:
+    """One family x one conversation: `trains`, `trains k of n: why`, `refused: why` or `WRONG: what`."""
+    hf = enc.tok.hf
+    try:
+        ids, mask, stats = enc.encode({"messages": conv})
+    except RowError as e:
+        msg = str(e)
+        return f"WRONG: a refusal of {len(msg.splitlines())} lines" if "\n" in msg else f"refused: {msg}"
+    try:
+        out = hf.apply_chat_template(conv, chat_template=oracle_template, tokenize=True, return_dict=True,
+                                     return_assistant_tokens_mask=True)
+    except Exception as e:  # noqa: BLE001 (the template's own refusal, which the encoder should have passed on)
+        return f"WRONG: trained a conversation the template refuses ({str(e).splitlines()[0][:80]})"
+    if list(out["input_ids"]) != list(ids):
+        return "WRONG: the ids are not the template's rendering"
+    oracle = np.asarray(out["assistant_masks"], dtype=np.uint8)
+    turns = [k for k, m in enumerate(conv) if m["role"] == "assistant"]
+    runs = _runs(oracle)
+    if len(runs) != len(turns):
+        return f"WRONG: the oracle marks {len(runs)} regions for {len(turns)} assistant turns (the sweep's template)"
+    if (mask.astype(bool) & ~oracle.astype(bool))[1:].any():
+        bad = int(np.flatnonzero(mask.astype(bool) & ~oracle.astype(bool))[-1])
+        return f"WRONG: supervises a token outside every reply ({hf.decode(ids[max(bad - 3, 0):bad + 1])!r})"
+    untrained = 0
+    for k, (a, b) in zip(turns, runs):
+        got = mask[a:b]
+        if got.all():
+            text = hf.decode(ids[a:b])
+            want = conv[k]["content"].split("</think>")[-1].strip()
+            names = [c["function"]["name"] for c in conv[k].get("tool_calls") or []]
+            if want not in text or not all(n in text for n in names):
+                return f"WRONG: the span of message {k} does not show its reply ({text!r})"
+        elif not got.any():
+            untrained += 1
+        else:
+            return f"WRONG: message {k} is supervised in part ({int(got.sum())} of {b - a} tokens)"
+    if untrained != stats["untrained_turns"]:
+        return f"WRONG: {untrained} turns untrained, {stats['untrained_turns']} counted"
+    if untrained:
+        return f"trains {len(turns) - untrained} of {len(turns)}: " + "; ".join(stats["why"]) + " (counted)"
+    return "trains"
+
+
+def sweep(root: str | None = None, only: list[str] | None = None) -> dict[str, dict[str, str]]:
+    """{family: {case: outcome}} over every family (or `only`), tokenizers built under `root` (a temp dir)."""
+    root = root or tempfile.mkdtemp(prefix="chat_sweep_")
+    table = {}
+    for key, fam in families().items():
+        if only and key not in only:
+            continue
+        tok = Tokenizer(build_tokenizer(root, key, fam))
+        try:
+            enc = ChatEncoder(tok, "assistant", fam.get("template", "auto"))
+        except ValueError as e:
+            table[key] = {case: f"refused: {e}" for case in CASES}
+            continue
+        oracle = marked(fam, fam.get("template"))
+        row = {}
+        for case, conv in CASES.items():
+            conv = [{**m, "content": m["content"].replace("{eot}", fam["eot"])} for m in conv]
+            row[case] = check(enc, oracle, conv).replace(os.path.join(root, ""), "")
+        table[key] = row
+    return table
+
+
+def markdown(table: dict[str, dict[str, str]]) -> str:
+    """The table for docs/sft.md: one row per family, one column per kind of conversation; refusals in full below."""
+    fams = families()
+    lines = ["| family (template written here: data/chat_templates/) | " + " | ".join(CASES) + " |",
+             "|---|" + "---|" * len(CASES)]
+    notes: dict[str, int] = {}
+    for key, row in table.items():
+        cells = []
+        for case in CASES:
+            out = row[case]
+            if out == "trains":
+                cells.append("trains")
+                continue
+            head, _, why = out.partition(": ")
+            why = re.sub(r"token's text \[[^\]]*\]", "token's text", why.replace(f"{key}'s ", "the "))
+            n = notes.setdefault(why, len(notes) + 1)
+            cells.append(f"{head} [{n}]")
+        lines.append(f"| {fams[key]['name']} (`{fams[key]['file']}`) | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines += [f"[{n}] {why}" + "  " for why, n in notes.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", nargs="*", help="family keys (families.json); all by default")
+    p.add_argument("--markdown", action="store_true", help="the table as docs/sft.md holds it")
+    a = p.parse_args(argv)
+    table = sweep(only=a.only)
+    if a.markdown:
+        print(markdown(table))
+    else:
+        for key, row in table.items():
+            for case, out in row.items():
+                print(f"{key:20s} {case:30s} {out}")
+    return int(any(o.startswith("WRONG") for row in table.values() for o in row.values()))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
