@@ -170,3 +170,26 @@ def test_final_eos_does_not_pull_the_mask_through_later_turns(tok_root):
     ids, mask, stats = enc.encode({"messages": [SYSTEM] + TURNS})
     assert spans(enc, ids, mask) == ["apple river<|end|>", "2 words<|end|>"]
     assert stats["untrained_turns"] == 0
+
+
+def test_named_templates_default_or_the_one_named():
+    """A dict-valued chat_template (Command-R, Hermes-2-Pro): `default` unless one is named; one line otherwise."""
+    from data.chat import pick_template
+
+    named = {"default": "D", "tool_use": "T"}
+    assert pick_template(named, "auto", "tok") == "D" and pick_template(named, "tool_use", "tok") == "T"
+    assert pick_template(named, "chatml", "tok") is None and pick_template("S", "auto", "tok") == "S"
+    with pytest.raises(ValueError, match=r"named chat templates \['rag', 'tool_use'\] and none is named `default`"):
+        pick_template({"tool_use": "T", "rag": "R"}, "auto", "tok")
+    with pytest.raises(ValueError, match="none is named 'rag'"):
+        pick_template(named, "rag", "tok")
+    with pytest.raises(ValueError, match="has no named templates"):
+        pick_template("S", "tool_use", "tok")
+
+
+def test_the_chatml_default_refuses_tool_calls(tok_root):
+    """The default renders no tool calls: a tool-call turn would train an empty reply; the row is refused."""
+    enc = encoder(tok_root, "none")
+    call = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "count", "arguments": {}}}]}
+    with pytest.raises(RowError, match="ChatML default .* renders none"):
+        enc.encode({"messages": TURNS[:1] + [call]})
