@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     from training.config import to_dict
     from training.curriculum import stage_start, total_steps
     from training.evaluation import check_passkey_fits
+    from training.hf_args import epoch_stages
     from training.metrics import MetricsLogger
     from training.preemption import Deadline
     from training.stage import Run, train_stage
@@ -64,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     data = open_run_data(cfg.dataset_path, cfg.tokenizer_name_or_path, model.arch.vocab_size, stages,
                          resets_positions(cfg.reset_position_ids, model.attn), cfg.mask_cross_document_labels)
     check_passkey_fits(stages, data.tokenizer)
+    stages = epoch_stages(cfg, stages, data, dims.world)  # --num_train_epochs / --warmup_ratio: steps from the data
 
     # --- resume: the newest complete checkpoint (rank 0's listing, verified together) decides where we are ---
     ckpt = Checkpointer(cfg.output_dir, cfg.save_total_limit, deadline=Deadline(cfg.time_limit_s, now=started))

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from training import hf_args
+
 
 @dataclass
 class StageConfig:
@@ -77,6 +79,9 @@ class Config:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     max_steps: int = 100
+    num_train_epochs: float | None = None  # epochs over each stage's data instead (HF Trainer's; max_steps wins if
+    # both are set; a stage's own max_steps / max_tokens win): steps fixed once the data is open (training/hf_args.py)
+    warmup_ratio: float = 0.0  # warmup as a fraction of each stage's steps (HF's ceil(ratio x steps)); or warmup_steps
     seed: int = 0
     bf16: bool | None = None  # None: bf16 on GPU, fp32 on CPU
     fp16: bool = False  # fp16 with DeepSpeed's dynamic loss scaling (GPU only; turns the bf16 default off)
@@ -141,6 +146,7 @@ def _build_parser() -> argparse.ArgumentParser:
                                 allow_abbrev=False)  # a typo must not silently set another key
     p.add_argument("--config", default=None, help="YAML recipe; command-line flags override its keys")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the deepspeed launcher
+    hf_args.add_arguments(p)  # the HF Trainer's names users carry over: mapped, or refused in one line
     hints = typing.get_type_hints(Config)
     for f in dataclasses.fields(Config):
         if f.name == "stages":
@@ -200,8 +206,10 @@ def parse_config(argv: list[str] | None = None) -> Config:
         if isinstance(st, dict) and isinstance(st.get("eval"), dict):
             st["eval"] = {k: v for k, v in st["eval"].items() if k not in {EVAL_KEYS[g] for g in given_eval}}
     merged.update(args)
+    merged = hf_args.apply(merged, where=recipe or "the command line")
     cfg = config_from_dict(merged, where=recipe or "command line")
     validate(cfg)
+    resolve_hub_ids(cfg)
     settle_from_file(cfg, given=set(merged))  # SP degree / fp16 the DeepSpeed JSON sets; precision checks
     return cfg
 
@@ -216,6 +224,7 @@ def validate(cfg: Config) -> None:
     for name in ("max_seq_length", "sequence_parallel_size", "per_device_train_batch_size",
                  "gradient_accumulation_steps", "max_steps"):
         positive(name, getattr(cfg, name))
+    hf_args.check(cfg)
     if cfg.learning_rate <= 0 or cfg.min_lr < 0 or cfg.min_lr > cfg.learning_rate:
         raise ValueError(f"need 0 <= --min_lr ({cfg.min_lr}) <= --learning_rate ({cfg.learning_rate}), lr > 0")
     if cfg.lr_scheduler not in ("cosine", "linear", "constant"):
@@ -265,6 +274,21 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"eval: {cfg.eval!r}: use true or false at the top level (a stage's settings go in its "
                          "eval: block, the run's in eval_heldout_samples, eval_tasks, eval_depths, ...)")
     run_eval(cfg)  # a bad eval_* value: one line now
+
+
+def resolve_hub_ids(cfg: Config) -> None:
+    """A Hugging Face hub id given as the model (or tokenizer) becomes its snapshot folder in the local cache, offline,
+    so every later reader sees a folder (model_utils/hub.py); one line naming the download command when it is not
+    there. A dry run needs the model's config only."""
+    from model_utils.build import resolve_model
+    from model_utils.hub import resolve
+
+    given = cfg.model_name_or_path
+    cfg.model_name_or_path = resolve_model(given, weights=not cfg.dry_run)
+    if cfg.model_name_or_path != given and os.environ.get("RANK", "0") == "0":
+        print(f"model {given}: {cfg.model_name_or_path} (the local Hugging Face cache)", flush=True)
+    if cfg.tokenizer_name_or_path:
+        cfg.tokenizer_name_or_path = resolve(cfg.tokenizer_name_or_path, weights=False, flag="--tokenizer_name_or_path")
 
 
 AUTO_OR_BOOL = ("async_save",)  # auto | true | false (a recipe's bool, a flag's text)
@@ -372,6 +396,10 @@ def settle_from_file(cfg: Config, given: set[str]) -> None:
                 raise ValueError(f"stages[{i}] sets sequence_parallel_size {s.sequence_parallel_size} but "
                                  f"{cfg.deepspeed} sequence_parallelism degree is {n}: remove the block (stages set "
                                  "their own SP) or make them agree")
+    for key, name in (("gradient_accumulation_steps", "gradient_accumulation_steps"),
+                      ("train_micro_batch_size_per_gpu", "per_device_train_batch_size")):
+        if isinstance(ds.get(key), int) and not isinstance(ds[key], bool) and name not in given:
+            setattr(cfg, name, ds[key])  # the JSON's own value where no flag set it (a contradiction: ds_config.py)
     if ds.get("fp16", {}).get("enabled") is True and "fp16" not in given:
         cfg.fp16 = True  # the JSON asks for fp16 and no flag said otherwise
     if cfg.fp16 and cfg.bf16 is None:

@@ -18,6 +18,7 @@ from base.run_lock import hold
 from model_utils import linear_attention
 from model_utils.build import load_hf_config, pick_attn_implementation
 from model_utils.families import check_config
+from model_utils.hub import check_same_snapshot
 from training.config import Config, parse_config
 from training.curriculum import Stage, check_stages, gpus_per_node, resolve_stages
 from training.preemption import Deadline, PreemptionFlag
@@ -76,6 +77,9 @@ def dry_run(cfg: Config, model: Model) -> None:
     print(f"dry run: world={world} ({cfg.nodes or 1} node(s)) model={cfg.model_name_or_path} attn={model.attn} "
           f"precision={_precision(cfg, model)} deepspeed={cfg.deepspeed}")
     print("\n".join(plan_lines(cfg, stages, world, cfg.gpus_per_node or world, model.bf16)))
+    if cfg.num_train_epochs is not None:  # counted from the data when a run opens it (training/hf_args.py)
+        print(f"steps: {cfg.num_train_epochs:g} epoch(s) of the data in each stage without its own max_steps or "
+              "max_tokens (counted when the run opens its data; steps= above stands in until then)")
 
 
 def start_distributed(cfg: Config, model: Model) -> tuple[ParallelDims, list[Stage]]:
@@ -86,6 +90,7 @@ def start_distributed(cfg: Config, model: Model) -> tuple[ParallelDims, list[Sta
     set_main(dims.is_main)
     print0(hold(cfg.output_dir))  # one output folder, one live run (base/run_lock.py): before anything is written there
     open_rank_log(cfg.output_dir, dims.rank)
+    check_same_snapshot(cfg.model_name_or_path)  # a hub id: every rank read the same commit from its cache
     line = job_node_line()  # the node size every rank agreed in init_distributed, before any layout below
     if line:
         print0(line if not cfg.gpus_per_node else

@@ -16,7 +16,7 @@ HUB_ID = "meta-llama/Meta-Llama-3-8B"
 
 
 def fill_cache(cache, hub_id: str = HUB_ID, commit: str = "8cde5ca8380496c9a6cc7ef3a8b46a0372a1d920",
-               weights=("model.safetensors",), main: bool = True) -> str:
+               weights=("model.safetensors",), main: bool = True, preset: str = "tiny-llama") -> str:
     """huggingface_hub's layout: models--org--name/{refs/main, snapshots/<commit>/...}; returns the snapshot."""
     repo = os.path.join(str(cache), "models--" + hub_id.replace("/", "--"))
     snap = os.path.join(repo, "snapshots", commit)
@@ -25,7 +25,7 @@ def fill_cache(cache, hub_id: str = HUB_ID, commit: str = "8cde5ca8380496c9a6cc7
         os.makedirs(os.path.join(repo, "refs"))
         with open(os.path.join(repo, "refs", "main"), "w") as fh:
             fh.write(commit)  # no newline, as huggingface_hub writes it
-    preset_config("tiny-llama").save_pretrained(snap)
+    preset_config(preset).save_pretrained(snap)
     for w in weights:
         with open(os.path.join(snap, w), "w") as fh:
             fh.write("{}" if w.endswith(".json") else "")

@@ -70,6 +70,20 @@ def test_ds_config_conflict_is_an_error(tmp_path):
 
     p = tmp_path / "ds.json"
     p.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3}}))
-    cfg = parse_config(["--deepspeed", str(p)])
+    cfg = parse_config(["--deepspeed", str(p), "--per_device_train_batch_size", "1"])
     with pytest.raises(ValueError, match="train_micro_batch_size_per_gpu=4 but --per_device_train_batch_size gives 1"):
         build_ds_config(cfg, ParallelDims(world=1, sp=1, rank=0, local_rank=0), bf16=False, hidden_size=64)
+
+
+def test_the_json_batch_settings_stand_where_no_flag_sets_them(tmp_path):
+    """A DeepSpeed JSON written for the HF Trainer (the seed guide's: accumulation 4, micro-batch 1) sets them when
+    no flag or recipe key does, as its sequence_parallelism block sets the SP degree (before: refused, 'gives 1')."""
+    import json
+
+    p = tmp_path / "ds.json"
+    p.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
+                             "zero_optimization": {"stage": 3}}))
+    cfg = parse_config(["--deepspeed", str(p)])
+    assert (cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps) == (2, 4)
+    ds = build_ds_config(cfg, ParallelDims(world=2, sp=1, rank=0, local_rank=0), bf16=False, hidden_size=64)
+    assert ds["train_batch_size"] == 2 * 4 * 2

@@ -1,0 +1,177 @@
+"""The Hugging Face Trainer's argument names a user carries over (`TrainingArguments`), and `--num_train_epochs`.
+
+A command written for the HF Trainer (the seed guide's `deepspeed --num_gpus=32 train.py --deepspeed ds_config.json
+--model_name_or_path meta-llama/Meta-Llama-3-8B --max_seq_length 524288 --per_device_train_batch_size 1
+--learning_rate 2e-5 --num_train_epochs 1`) runs here as written. Most names are this project's own already
+(`per_device_train_batch_size`, `gradient_accumulation_steps`, `learning_rate`, `weight_decay`, `max_grad_norm`,
+`max_steps`, `warmup_steps`, `save_steps`, `save_total_limit`, `output_dir`, `seed`, `bf16`, `fp16`, `deepspeed`,
+`gradient_checkpointing`, `report_to`); the others are mapped where they mean the same (ALIASES, `num_train_epochs`,
+`warmup_ratio`, `do_train`/`do_eval`, `logging_steps 1`, `per_device_eval_batch_size 1`) and refused in one line
+naming this project's flag where they do not (REFUSED). Never silently ignored.
+
+`num_train_epochs` as the Trainer means it: a stage without its own `max_steps`/`max_tokens` trains that many epochs
+over its packed training samples, `ceil(epochs x max(batches_per_epoch // gradient_accumulation_steps, 1))` optimizer
+steps where `batches_per_epoch = samples // dp // per_device_train_batch_size` (the sampler's own epoch,
+data/sampler.py); `max_steps` wins when both are set (recipe or flag). The data's size is known only once the run
+has opened its data: `epoch_stages` fixes the steps then (rank 0 counts, every rank receives the same numbers).
+`warmup_ratio` (HF: `ceil(ratio x steps)` warmup steps) is applied there too, per stage, from its final steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+
+ALIASES = {"lr_scheduler_type": "lr_scheduler", "resume_from_checkpoint": "resume", "ddp_timeout": "dist_timeout_s"}
+# HF lr_scheduler_type -> ours (HF's "constant" has no warmup: the same only without warmup, checked in `apply`)
+SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant_with_warmup": "constant", "constant": "constant"}
+NO_OPS = ("do_train", "do_eval")  # train.py trains, and evaluates at each stage's end (--no-eval: not)
+ONLY_ONE = {  # accepted at 1, what this project does; another value is refused with the reason
+    "logging_steps": "every optimizer step's loss is written to OUTPUT_DIR/metrics.jsonl (and wandb): drop it",
+    "per_device_eval_batch_size": "the held-out evaluation runs one sample per SP group (--eval_heldout_samples sets "
+                                  "how many): drop it",
+}
+REFUSED = {
+    "eval_steps": "evaluation runs at each stage's end: its eval: block or --eval_heldout_samples / --eval_tasks",
+    "eval_strategy": "evaluation runs at each stage's end: its eval: block or --eval_heldout_samples / --eval_tasks",
+    "evaluation_strategy": "evaluation runs at each stage's end: its eval: block or --eval_heldout_samples / "
+                           "--eval_tasks",
+    "save_strategy": "use --save_steps N and --save_interval_minutes M (0: at the end and on preemption only)",
+    "logging_dir": "metrics go to OUTPUT_DIR/metrics.jsonl and the rank logs to OUTPUT_DIR/logs: use --output_dir",
+    "logging_strategy": "every optimizer step is logged (OUTPUT_DIR/metrics.jsonl): drop it",
+    "overwrite_output_dir": "a run continues its folder's newest checkpoint (--resume auto): use a new --output_dir, "
+                            "or --resume none to start over in it",
+    "warmup_steps_ratio": "use --warmup_ratio or --warmup_steps",
+    "optim": "AdamW is built from the flags (ds_config.py); another optimizer goes in the DeepSpeed JSON's "
+             "optimizer block (--deepspeed)",
+    "adam_beta1": "set betas in the DeepSpeed JSON's optimizer block (--deepspeed)",
+    "adam_beta2": "set betas in the DeepSpeed JSON's optimizer block (--deepspeed)",
+    "adam_epsilon": "set eps in the DeepSpeed JSON's optimizer block (--deepspeed)",
+    "lr_scheduler_kwargs": "use --lr_scheduler cosine|linear|constant, --warmup_steps and --min_lr",
+    "dataloader_num_workers": "samples are read from the memory-mapped prepared folder in the training process",
+    "run_name": "the wandb run is named by --output_dir (--wandb_project sets the project)",
+    "push_to_hub": "the run exports OUTPUT_DIR/hf_model (--export_hf); push that folder yourself",
+    "hub_model_id": "the run exports OUTPUT_DIR/hf_model (--export_hf); push that folder yourself",
+    "torch_compile": "not supported under Ulysses SP here",
+    "tf32": "TF32 matmuls follow torch's defaults here",
+    "gradient_checkpointing_kwargs": "use --gradient_checkpointing or --checkpoint_every K (and --keep_attention)",
+    "save_only_model": "a checkpoint holds the full training state so a requeue resumes exactly; --export_hf writes "
+                       "the model alone at the end",
+    "do_predict": "use scripts/evaluate.py on the exported model",
+    "model_max_length": "use --max_seq_length",
+    "block_size": "use --max_seq_length",
+    "train_file": "prepare it with scripts/prepare_data.py and pass --dataset_path",
+    "dataset_name": "prepare it with scripts/prepare_data.py and pass --dataset_path",
+    "num_train_steps": "use --max_steps or --num_train_epochs",
+}
+HF_NAMES = (*ALIASES, *NO_OPS, *ONLY_ONE, *REFUSED)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The carried-over names on the command line (their values are checked in `apply`, with the recipe's)."""
+    for name in HF_NAMES:  # nargs="?": a refused switch (--overwrite_output_dir) or one with a value, both parsed
+        p.add_argument(f"--{name}", nargs="?", const=True, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+def _number(value, name: str):
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"--{name} {value!r}: expected a number") from None
+
+
+def apply(d: dict, where: str) -> dict:
+    """`d` (recipe keys and flags merged) with the HF names replaced by this project's; one-line ValueError for a
+    name that does not mean the same here, or an alias that contradicts the project's own key."""
+    d = dict(d)
+    for name in [k for k in d if k in REFUSED]:
+        raise ValueError(f"--{name} (a Hugging Face Trainer argument) is not taken by this project: {REFUSED[name]}")
+    for name in [k for k in d if k in ONLY_ONE]:
+        if _number(d.pop(name), name) != 1:
+            raise ValueError(f"--{name} (a Hugging Face Trainer argument): only 1 means the same here: {ONLY_ONE[name]}")
+    for name in NO_OPS:
+        if d.pop(name, True) not in (True, "true", "True", "1"):
+            raise ValueError(f"--{name} false: train.py always trains, and evaluates at each stage's end unless "
+                             "--no-eval: drop it (or use --no-eval)")
+    if "lr_scheduler_type" in d:
+        kind = str(d["lr_scheduler_type"])
+        if kind not in SCHEDULERS:
+            raise ValueError(f"--lr_scheduler_type {kind!r}: this project has --lr_scheduler cosine, linear or "
+                             "constant (with warmup: constant_with_warmup), decaying to --min_lr")
+        if kind == "constant" and (d.get("warmup_steps") or d.get("warmup_ratio")):
+            raise ValueError("--lr_scheduler_type constant has no warmup in the Hugging Face Trainer, and a warmup is "
+                             "set: use constant_with_warmup (--lr_scheduler constant), or drop the warmup")
+        d["lr_scheduler_type"] = SCHEDULERS[kind]
+    if d.get("resume_from_checkpoint") is True:  # HF's bare flag: the newest checkpoint in output_dir
+        d["resume_from_checkpoint"] = "auto"
+    for hf, ours in ALIASES.items():
+        if hf not in d:
+            continue
+        value = d.pop(hf)
+        if hf == "ddp_timeout":
+            value = _number(value, hf)
+        if ours in d and d[ours] != value:
+            raise ValueError(f"--{hf} {value!r} and --{ours} {d[ours]!r} in {where} set the same thing: drop one")
+        d[ours] = value
+    if d.get("num_train_epochs") is not None and d.get("max_steps") is not None:
+        d["num_train_epochs"] = None  # the Trainer's rule: max_steps wins
+    return d
+
+
+def check(cfg) -> None:
+    """num_train_epochs and warmup_ratio values (validate calls this)."""
+    if cfg.num_train_epochs is not None and not cfg.num_train_epochs > 0:
+        raise ValueError(f"--num_train_epochs {cfg.num_train_epochs}: use a number > 0 (or --max_steps)")
+    if not 0 <= cfg.warmup_ratio < 1:
+        raise ValueError(f"--warmup_ratio {cfg.warmup_ratio}: use a fraction of the steps in [0, 1)")
+    if cfg.warmup_ratio and (cfg.warmup_steps or any(s.warmup_steps for s in cfg.stages)):
+        raise ValueError(f"--warmup_ratio {cfg.warmup_ratio} and --warmup_steps {cfg.warmup_steps} (or a stage's "
+                         "warmup_steps) both set the warmup: drop one")
+
+
+def epoch_steps(epochs: float, samples: int, dp: int, micro_batch: int, accum: int) -> int:
+    """Optimizer steps of `epochs` epochs over `samples` packed samples, as the HF Trainer counts them."""
+    batches = samples // dp // micro_batch  # data/sampler.py's batches_per_epoch
+    return math.ceil(epochs * max(batches // accum, 1))
+
+
+def epoch_stages(cfg, stages: list, data, world: int) -> list:
+    """`stages` with the steps of --num_train_epochs and the warmup of --warmup_ratio fixed, from the run's data (rank 0
+    counts its samples, every rank receives the same stages); unchanged when neither is set."""
+    if cfg.num_train_epochs is None and not cfg.warmup_ratio:
+        return stages
+    from base import comm
+    from base.log import print0
+
+    def decide() -> list:
+        out, lines = [], []
+        for st in stages:
+            own = cfg.stages[st.index] if cfg.stages else None
+            steps = st.max_steps
+            if cfg.num_train_epochs is not None and not (own and (own.max_steps or own.max_tokens)):
+                mixed = [k for k in ("data", "tasks", "replay") if getattr(st, k, None)]
+                if mixed:
+                    raise ValueError(f"stage {st.index} ({st.name}): --num_train_epochs counts epochs over the whole "
+                                     f"stream, and this stage samples by its {mixed[0]}: block: give the stage "
+                                     "max_steps or max_tokens")
+                samples = len(data.train_set(st.max_seq_length, sft=st.kind == "sft"))
+                dp = max(1, world // st.sp)
+                steps = epoch_steps(cfg.num_train_epochs, samples, dp, cfg.per_device_train_batch_size,
+                                    cfg.gradient_accumulation_steps)
+                lines.append(f"stage {st.index} ({st.name}): {cfg.num_train_epochs:g} epoch(s) of {samples} packed "
+                             f"samples at {st.max_seq_length} = {steps} steps (dp {dp} x micro-batch "
+                             f"{cfg.per_device_train_batch_size} x accumulation {cfg.gradient_accumulation_steps})")
+            warm = st.warmup_steps
+            if cfg.warmup_ratio and not (own and own.warmup_steps is not None):
+                warm = math.ceil(cfg.warmup_ratio * steps)
+                lines.append(f"stage {st.index} ({st.name}): warmup {warm} steps (--warmup_ratio {cfg.warmup_ratio:g})")
+            out.append(dataclasses.replace(st, max_steps=steps, warmup_steps=warm))
+        return [out, lines]
+
+    out, lines = comm.run_on_main(decide)
+    for line in lines:
+        print0(line)
+    return out
