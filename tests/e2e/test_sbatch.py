@@ -38,7 +38,7 @@ def test_sbatch_runs_one_launcher_per_node_with_node_rank_and_master(tmp_path):
     out = job.communicate(timeout=60)[0]
     assert job.returncode == 0, out
     assert (tmp_path / "fake.log").read_text().splitlines()[0] == (
-        "args: --no_ssh --nnodes 1 --node_rank 0 --master_addr 127.0.0.1 --master_port 20007 --num_gpus 4 -- "
+        "args: --no_ssh --nnodes 1 --node_rank 0 --master_addr 127.0.0.1 --master_port 20049 --num_gpus 4 -- "
         f"--resume auto --config recipes/x.yaml --output_dir {tmp_path}/out")
     assert requeues(tmp_path) == ["requeue 7"]
 
@@ -134,18 +134,10 @@ def test_sbatch_gives_each_nodes_task_the_nodes_cpus(tmp_path, env, cpus):
     assert seen.startswith("cpus: ") and cpu_set(seen[6:]) == want, (seen, text)
 
 
-def test_sbatch_gives_up_after_max_requeues(tmp_path):
-    job = sbatch(tmp_path, "75", ["--output_dir", str(tmp_path / "out")], SLURM_RESTART_COUNT="4",
-                 MAX_REQUEUES="3")
-    text = job.communicate(timeout=60)[0]
-    assert job.returncode == 1 and "giving up" in text and requeues(tmp_path) == []
-    assert not (tmp_path / "fake.log").exists()
-
-
 # --- two nodes: the srun stand-in runs one task per node (SLURM_NODEID 0 and 1), honouring --kill-on-bad-exit ---
 
 TWO_NODES = {"SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "127.0.0.1,localhost", "SRUN_KILL_WAIT": "5",
-             "STATE_SETTLE_S": "8"}
+             "STATE_SETTLE_S": "8", "SCONTROL_NODES": "gpu[1-8]"}  # the cluster's other nodes (the partition's)
 
 
 def node_lines(tmp_path, node: int) -> list[str]:
@@ -158,7 +150,7 @@ def test_sbatch_requeues_a_lost_node_without_it(tmp_path, how):
     """A lost node is a requeue (69, base/exits.py), not a failure, and the next run excludes it. `killed`: every
     process of node 1 SIGKILLed (its task dies of a signal, no exit recorded): srun ends the step (node 0 gets
     SIGTERM). `stalled`: node 1's ranks stopped beating (hung, cut off): node 0's launcher exits 69 naming node 1 in
-    LAUNCH_LOST_FILE, node 1 is ended by srun. Either way: requeuehold, ExcNodeList += node 1's host, release. (The
+    LAUNCH_LOST_FILE, node 1 is ended by srun. Either way: requeue, then ExcNodeList += node 1's host (the job pending). (The
     job used to fail: "failed with 137" / "failed with 69: not requeueing".)"""
     env = dict(TWO_NODES, FAKE_EXIT_1="kill", FAKE_EXIT_0="wait", FAKE_EXIT_AFTER="143", FAKE_AFTER_READY="0") \
         if how == "killed" else \
@@ -167,8 +159,7 @@ def test_sbatch_requeues_a_lost_node_without_it(tmp_path, how):
     job = sbatch(tmp_path, "0", ["--output_dir", str(tmp_path / "out")], **env)
     text = job.communicate(timeout=60)[0]
     assert job.returncode == 0, text
-    assert requeues(tmp_path) == ["requeuehold 4242", "update JobId=4242 ExcNodeList=gpu7,localhost",
-                                  "release 4242"], text
+    assert requeues(tmp_path) == ["requeue 4242", "update JobId=4242 ExcNodeList=gpu7,localhost"], text
     assert "node(s) 1 lost (localhost)" in text and "training exited with 69" in text, text
     assert "got SIGTERM" in node_lines(tmp_path, 1 if how == "stalled" else 0), text  # srun ended the step
 
@@ -238,15 +229,14 @@ def crash_run(tmp_path, checkpoint: int, last_step: int, earlier: list[str] = ()
 
 @pytest.mark.parametrize("earlier", [[], ["0 0 gpu3 10 12"]])
 def test_sbatch_requeues_a_crash_on_one_node_without_it(tmp_path, earlier):
-    """Node 1's ranks crash, node 0 is stopped by it: requeuehold, ExcNodeList += node 1's host, release (as a lost
-    node), the crash recorded with its checkpoint and last step. Also the second crash requeue of a job, when the
+    """Node 1's ranks crash, node 0 is stopped by it: requeue, ExcNodeList += node 1's host (as a lost node), the crash recorded with its checkpoint and last step. Also the second crash requeue of a job, when the
     first was another failure (another step). It used to end FAILED ("failed with 1: not requeueing")."""
     if earlier:
         (tmp_path / "scontrol.log.state").write_text("exc=gpu3\n")
     code, text = crash_run(tmp_path, 20, 25, earlier)
     assert code == 0, text
-    assert requeues(tmp_path) == ["requeuehold 4242", f"update JobId=4242 ExcNodeList={'gpu3,' if earlier else ''}"
-                                  "localhost", "release 4242"], text
+    assert requeues(tmp_path) == ["requeue 4242", f"update JobId=4242 ExcNodeList={'gpu3,' if earlier else ''}"
+                                  "localhost"], text
     assert f"node 1 (localhost) crashed (exit 1), no other node on its own (checkpoint step 20, last step 25): crash " \
            f"requeue {len(earlier) + 1} of 2, without that node" in text, text
     assert (tmp_path / ".cache" / "slurm" / "4242.crashes").read_text().splitlines() == [

@@ -1,0 +1,140 @@
+"""How scripts/slurm.sbatch decides a job's end from Slurm's own word (issue 48), under stand-ins that behave as Slurm
+does (tests/stubs/: `scancel` and the time limit set the job's state and signal every process of the job, SIGCONT +
+SIGTERM then SIGKILL KillWait later; `scontrol requeue` ends the batch step the same way; `update` only on a pending
+job and only known node names): a cancel is never requeued, a preemption or the time limit is (inside KillWait), a
+requeue's exclusion survives the requeue's own kill and never leaves the job held, an exclusion that would leave too
+few nodes is not applied, and requeues are bounded by progress (newer checkpoints), not by count."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from tests.e2e.launchers import clean_env, requeues, wait_for
+from tests.e2e.test_sbatch import TWO_NODES, sbatch
+
+
+def ready(tmp_path) -> bool:
+    log = tmp_path / "fake.log"
+    return log.exists() and "ready" in log.read_text()
+
+
+def slurm(tmp_path, *args: str) -> None:
+    """A Slurm command from outside the job (the user's terminal, slurmctld itself)."""
+    import os
+
+    from tests.e2e.launchers import STUBS
+
+    subprocess.run(list(args), check=True, timeout=30,
+                   env=clean_env(PATH=f"{STUBS}:{os.environ['PATH']}", SCONTROL_LOG=str(tmp_path / "scontrol.log")))
+
+
+def state(tmp_path) -> dict:
+    return dict(line.split("=", 1) for line in (tmp_path / "scontrol.log.state").read_text().splitlines())
+
+
+def test_scancel_ends_the_job_and_is_never_requeued(tmp_path):
+    """scancel: slurmctld sets CANCELLED, then every process gets SIGTERM; the ranks save (75) within KillWait. The
+    batch shell reads CANCELLED and does not requeue (it used to take the TERM for the time-limit warning and
+    `scontrol requeue`, which slurmctld accepts for a CANCELLED, COMPLETING job: the cancel undone)."""
+    job = sbatch(tmp_path, "wait", ["--output_dir", str(tmp_path / "out")], FAKE_EXIT_AFTER="75",
+                 SCONTROL_KILL_WAIT="10")
+    try:
+        wait_for(lambda: ready(tmp_path), 90, "the stand-in launcher")
+        slurm(tmp_path, "scancel", "4242")
+        text = job.communicate(timeout=30)[0]
+    finally:
+        job.kill()
+    assert "got SIGTERM" in (tmp_path / "fake.log").read_text(), text  # Slurm's own TERM reached the launcher
+    assert requeues(tmp_path) == [] and state(tmp_path)["state"] == "CANCELLED", text
+    assert "JobState=CANCELLED (scancel)" in text and "the job was cancelled (JobState=CANCELLED): not requeueing" \
+        in text, text
+
+
+@pytest.mark.parametrize("end, save_s", [("TIMEOUT", 0), ("TIMEOUT", 6), ("PREEMPTED", 6)])
+def test_the_time_limit_and_a_preemption_requeue_inside_killwait(tmp_path, end, save_s):
+    """The time limit (TIMEOUT) or a preemption in cancel mode (PREEMPTED): every process gets SIGTERM, SIGKILL
+    KillWait (4 s here) later. The batch shell reads the state and requeues at once, so a save that outlasts KillWait
+    (6 s) still leaves the job requeued (it used to requeue only after the ranks' exit: SIGKILLed first, the job
+    ended TIMEOUT and the chain stopped)."""
+    job = sbatch(tmp_path, "wait", ["--output_dir", str(tmp_path / "out")], FAKE_EXIT_AFTER="75",
+                 FAKE_SAVE_S=str(save_s), SCONTROL_KILL_WAIT="4")
+    try:
+        wait_for(lambda: ready(tmp_path), 90, "the stand-in launcher")
+        slurm(tmp_path, "scontrol", "_end", "4242", end)
+        text = job.communicate(timeout=30)[0]
+    finally:
+        job.kill()
+    assert requeues(tmp_path) == ["requeue 4242"], text
+    assert f"JobState={end}: requeueing now, inside KillWait" in text, text
+    assert state(tmp_path)["state"] == "PENDING"
+
+
+def test_a_job_slurm_requeued_itself_is_left_to_slurm(tmp_path):
+    """PreemptMode=REQUEUE: slurmctld requeues the job (PENDING) and ends it; the batch shell says so and calls no
+    requeue of its own (one would be refused: the job is pending)."""
+    job = sbatch(tmp_path, "wait", ["--output_dir", str(tmp_path / "out")], FAKE_EXIT_AFTER="75")
+    try:
+        wait_for(lambda: ready(tmp_path), 90, "the stand-in launcher")
+        slurm(tmp_path, "scontrol", "_end", "4242", "REQUEUED")
+        text = job.communicate(timeout=30)[0]
+    finally:
+        job.kill()
+    assert requeues(tmp_path) == [] and "Slurm requeued the job itself" in text and "requeue failed" not in text, text
+
+
+LOST_NODE_1 = dict(TWO_NODES, FAKE_EXIT_0="69", FAKE_LOST="1", FAKE_EXIT_1="wait", FAKE_EXIT_AFTER="69",
+                   FAKE_AFTER_READY="1")
+
+
+def test_the_exclusion_survives_the_requeues_own_kill(tmp_path):
+    """A lost node, a busy controller (each scontrol call that changes the job takes 1 s): the requeue makes slurmd
+    SIGTERM every process of the batch step 0.3 s later, while the exclusion's update is in flight. It must still
+    land, and the job must never be left held (it used to: requeuehold, then an `update` killed by that TERM, the job
+    requeued with the bad node; a `release` killed the same way leaves it held forever)."""
+    job = sbatch(tmp_path, "0", ["--output_dir", str(tmp_path / "out")], SCONTROL_RPC_S="1", SCONTROL_SIGNAL_S="0.3",
+                 SCONTROL_KILL_WAIT="10", **LOST_NODE_1)
+    text = job.communicate(timeout=60)[0]
+    assert requeues(tmp_path) == ["requeue 4242", "update JobId=4242 ExcNodeList=localhost"], text
+    assert state(tmp_path)["reason"] != "JobHeldUser" and state(tmp_path)["exc"] == "localhost", text
+
+
+def test_an_exclusion_that_leaves_too_few_nodes_is_not_applied(tmp_path):
+    """A 2-node job in a 2-node partition: excluding the lost node would leave it pending forever (slurmctld accepts
+    any ExcNodeList on a pending job). Requeued as it is, one line saying why (it used to exclude it)."""
+    job = sbatch(tmp_path, "0", ["--output_dir", str(tmp_path / "out")], SCONTROL_PARTITION_NODES="127.0.0.1,localhost",
+                 **LOST_NODE_1)
+    text = job.communicate(timeout=60)[0]
+    assert requeues(tmp_path) == ["requeue 4242"], text
+    assert "not excluding localhost: ExcNodeList=localhost would leave 1 node(s) of partition batch for a job of 2" \
+        in text, text
+
+
+def progress_run(tmp_path, code: str, latest: int, before: str, **env: str) -> tuple[int, str]:
+    out = tmp_path / "out"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / "LATEST").write_text(f"step_{latest:06d}")
+    (tmp_path / ".cache" / "slurm").mkdir(parents=True)
+    (tmp_path / ".cache" / "slurm" / "4242.progress").write_text(before + "\n")
+    job = sbatch(tmp_path, code, ["--output_dir", str(out)], **env)
+    return job.wait(timeout=60), job.stdout.read()
+
+
+def test_healthy_requeues_are_not_counted(tmp_path):
+    """The 61st run of a job on short allocations, each bringing a newer checkpoint: requeued (it used to give up
+    after MAX_REQUEUES=50 restarts, ~8 days of 4-hour allocations, while still progressing)."""
+    code, text = progress_run(tmp_path, "75", 120, "0 100", SLURM_RESTART_COUNT="60")
+    assert code == 0 and requeues(tmp_path) == ["requeue 4242"], text
+    assert (tmp_path / ".cache" / "slurm" / "4242.progress").read_text() == "0 120\n"
+
+
+@pytest.mark.parametrize("code", ["69", "75"])
+def test_requeues_without_progress_end_the_job(tmp_path, code):
+    """A rank that dies silently (69, no node named: a deterministic segfault, a host OOM kill), or a run preempted
+    each time before it saves: the 4th requeue in a row without a newer checkpoint is not made (the 69 used to be
+    requeued up to 50 times)."""
+    rc, text = progress_run(tmp_path, code, 100, "3 100", **TWO_NODES)
+    assert rc == int(code) and requeues(tmp_path) == [], text
+    assert "4 requeues in a row without a newer checkpoint (newest: step 100) > ULYSSES_MAX_STALLED_REQUEUES=3: not " \
+           "requeueing" in text, text
