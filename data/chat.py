@@ -116,7 +116,7 @@ class ChatEncoder:
         unk = getattr(hf, "unk_token_id", None) if hf is not None else None
         self.default_eot = im_end if isinstance(im_end, int) and im_end >= 0 and im_end != unk else tokenizer.eos_id
         self.kind = "markers" if self.markers else "prefix" if self.hf is not None else "chatml"
-        self._eot = None
+        self._eot, self._name_ids = None, None
 
     # ---- rendering
     def _text(self, msgs: list[dict], gen: bool = False) -> str:
@@ -131,7 +131,9 @@ class ChatEncoder:
 
     def _names(self) -> dict[str, int]:
         """The control tokens' texts -> ids."""
-        return {n: i for i in self.special if (n := self.hf.convert_ids_to_tokens(i))}
+        if self._name_ids is None:
+            self._name_ids = {n: i for i in self.special if (n := self.hf.convert_ids_to_tokens(i))}
+        return self._name_ids
 
     @property
     def eot(self) -> np.ndarray:
@@ -232,7 +234,8 @@ class ChatEncoder:
     def _eot_text(self, conv: list[dict], k: int) -> str | None:
         """Why turn k gets no loss when its text holds the text of an end-of-turn token (tokenized as that token,
         as TRL and inference servers do, it would teach the model to stop inside the reply); None otherwise."""
-        names = [n for n, i in self._names().items() if i in set(self.eot.tolist()) and n in conv[k]["content"]]
+        eot = set(self.eot.tolist())
+        names = [n for n, i in self._names().items() if i in eot and n in conv[k]["content"]]
         return (f"message {k}: its text holds the end-of-turn token's text {names}, which is tokenized as that "
                 "token") if names else None
 
