@@ -37,6 +37,7 @@ def test_every_family_trains_exactly_its_replies_or_is_refused_in_one_line(table
                                          "command_r_tool_use's `tool_use` template"),
     # item 4: a generation prompt longer than the header inside the conversation (<｜Assistant｜><think>\n)
     ("deepseek_r1", "multi-turn", "trains"), ("deepseek_r1", "reasoning", "trains"),
+    ("deepseek_r1", "reasoning in the content", "trains"), ("qwen3", "reasoning in the content", "trains"),
     # item 5: an assistant turn first: the later turns train, the first is counted
     ("llama3", "assistant first", "trains 1 of 2: message 0: an assistant turn first"),
     # item 6: a reply holding its end-of-turn token's text is not trained (it would teach a stop inside it), counted
@@ -51,4 +52,4 @@ def test_the_docs_table_is_the_sweeps(table):
     """docs/sft.md holds `python -m data.chat_sweep --markdown` as it prints now."""
     with open("docs/sft.md") as fh:
         assert markdown(table) in fh.read(), "regenerate: python -m data.chat_sweep --markdown"
-    assert len(CASES) == 6
+    assert len(CASES) == 7
