@@ -35,13 +35,14 @@ import atexit
 import datetime
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from base import watcher
+from base import connect, watcher
 from base.exits import EXIT_PEER_LOST
 
 LONG_WAIT_S = 6 * 3600  # rank-0-only work others may wait for: universal conversion of 8B on 32 ranks, prep
@@ -278,11 +279,19 @@ _WATCHER = None
 
 def _client(addr: str, port: int, wait_s: float):
     """A client connection to the store at addr:port, waiting up to `wait_s` for it; requests time out after
-    STORE_OP_TIMEOUT_S."""
+    STORE_OP_TIMEOUT_S. Unbounded beyond that by torch itself: see `_connect`."""
     store = dist.TCPStore(addr, port, is_master=False, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=wait_s))
     store.set_timeout(datetime.timedelta(seconds=watcher.STORE_OP_TIMEOUT_S))
     return store
+
+
+def _connect(addr: str, port: int, deadline: float):
+    """A client connection to the store at addr:port by `deadline` (monotonic), or TimeoutError: one bounded wait
+    (base/connect.py says why torch's own timeout is not one)."""
+    connect.wait_for_port(addr, port, deadline)
+    return connect.by_deadline(lambda: _client(addr, port, max(deadline - time.monotonic(), 0.5)), deadline,
+                               "the port accepted a connection but the store never answered its handshake")
 
 
 def _watch_store():
@@ -324,8 +333,9 @@ def open_channel() -> None:
         return
     soft, _ = watcher.raise_fd_limit()  # every rank; on rank 0 before its store server accepts anyone
     hosting = rank_ == 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    deadline = connect.deadline(watcher.START_WAIT_S)  # one bounded wait, from this rank's start, for both below
     # first: a fork, before any thread or server exists
-    heart = watcher.start_heartbeat(lambda: _client(addr, int(port), watcher.START_WAIT_S), rank_)
+    heart = watcher.start_heartbeat(lambda: _connect(addr, int(port), deadline), rank_)
     try:
         if hosting:
             # the rendezvous store itself: torch's env:// init (multi_tenant too) reuses this server
@@ -333,15 +343,18 @@ def open_channel() -> None:
                                   timeout=datetime.timedelta(seconds=watcher.STORE_OP_TIMEOUT_S))
             publish_fd_limit(store, soft)
         else:
-            store = _client(addr, int(port), watcher.START_WAIT_S)
+            store = _connect(addr, int(port), deadline)
     except BaseException as e:
         watcher.stop_heartbeat(heart)
         if hosting or not isinstance(e, Exception):
             raise
-        host = "node 0's launcher" if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else "rank 0"
+        agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        host = "node 0's launcher" if agent else "rank 0"
         watcher._bounded(watcher._say, f"error: rank {rank_}: the job's store at {addr}:{port} did not answer in "
-                         f"{watcher.START_WAIT_S:.0f} s: {host}, which hosts it, never arrived (its node stuck or "
-                         f"lost, or MASTER_ADDR/MASTER_PORT wrong) ({watcher.one_line(e)})", watcher.SAY_S)
+                         f"{watcher.START_WAIT_S:.0f} s: {host}, which hosts it, never arrived: node 0 or its store did "
+                         f"not start ({'launch.sh' if agent else 'train.py'} on {addr} broken, stuck or lost, or "
+                         "MASTER_ADDR/MASTER_PORT wrong; counted from this rank's start, ULYSSES_START_WAIT_S sets it) "
+                         f"({watcher.one_line(e)})", watcher.SAY_S)
         raise SystemExit(EXIT_PEER_LOST) from None
     _WATCHER = watcher.Watcher(store, rank_, world_size, heart=heart).start()
     _WATCHER.poll()

@@ -123,3 +123,71 @@ def test_sp_groups_are_destroyed_between_stages(tmp_path):
         got = json.loads((tmp_path / f"result{r}.json").read_text())
         assert got["during"] > got["before"] and got["after"] == got["before"], got
         assert got["destroyed"] == 2 and got["ok"], got
+
+
+@pytest.mark.parametrize("agent", [False, True], ids=["rank0_hosts", "launcher_hosts"])
+def test_a_store_that_never_starts_ends_the_rank_within_its_bound(monkeypatch, capfd, agent):
+    """Node 0 broken before its store starts (train.py or launch.sh's node_store on node 0), with or without SLURM:
+    another rank's first connection is one wait of START_WAIT_S from its start, torch's own retry included, then
+    one line naming the address that never answered and what it means. Before: torch's client waited its timeout,
+    then retried after a random delay (3 s bound: 6-9 s here; 300 s: 600-900 s, 'still waiting after 381 s')."""
+    import time
+
+    from base import connect, watcher
+    from base.exits import EXIT_PEER_LOST
+    from tests.distributed import free_port
+
+    port = free_port()  # nothing listens on it
+    monkeypatch.setattr(watcher, "START_WAIT_S", 3.0)
+    monkeypatch.setattr(connect, "rank_age_s", lambda: 0.0)  # this rank starts now
+    monkeypatch.setattr(comm, "_WATCHER", None)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    if agent:
+        monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    else:
+        monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    t0 = time.monotonic()
+    with pytest.raises(SystemExit) as stop:
+        comm.open_channel()
+    took = time.monotonic() - t0
+    assert stop.value.code == EXIT_PEER_LOST and 2.5 <= took <= 3.7, took  # the old code: 4-5 s here
+    lines = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1, lines
+    who = "node 0's launcher" if agent else "rank 0"
+    assert f"the job's store at 127.0.0.1:{port} did not answer in 3 s: {who}, which hosts it, never arrived: node 0 " \
+           "or its store did not start" in lines[0], lines
+
+
+def test_the_bound_counts_from_the_ranks_start(monkeypatch):
+    """A rank that spent 2.5 s of its 3 s importing has 0.5 s left (at least MIN_CONNECT_S: one real try)."""
+    import time
+
+    from base import connect
+
+    monkeypatch.setattr(connect, "rank_age_s", lambda: 2.5)
+    assert connect.deadline(3.0) - time.monotonic() == pytest.approx(connect.MIN_CONNECT_S, abs=0.05)
+    monkeypatch.setattr(connect, "rank_age_s", lambda: 1.0)
+    assert connect.deadline(3.0) - time.monotonic() == pytest.approx(2.0, abs=0.05)
+
+
+def test_a_store_that_starts_late_is_joined(monkeypatch):
+    """The bounded wait still connects to a store that starts while it waits (the port probe then torch's client)."""
+    import datetime
+    import threading
+    import time
+
+    from base import connect
+    from tests.distributed import free_port
+
+    port = free_port()
+    held = []
+    timer = threading.Timer(1.0, lambda: held.append(comm.TCPStore("127.0.0.1", port, is_master=True,
+                                                                   wait_for_workers=False,
+                                                                   timeout=datetime.timedelta(seconds=10))))
+    timer.start()
+    store = comm._connect("127.0.0.1", port, time.monotonic() + 10)
+    store.set("k", "v")
+    assert held[0].get("k") == b"v" and connect.rank_age_s() > 0
