@@ -43,7 +43,7 @@ from planner.zero3_host import (  # noqa: F401  (re-exported: ZeRO-3's host term
     ZERO_SUBGROUP,
     pinned_block_bytes,
     pinned_round_limit,
-    zero3_param_subgroups,
+    zero3_partitions,
     zero3_pinned_requests,
     zero3_state_terms,
     zero3_subgroups,
@@ -396,7 +396,7 @@ def estimate(shape: ModelShape, seq_len: int, sp: int, world: int,
     b = DTYPE_BYTES[precision]
     tokens = tokens_per_rank(seq_len, sp, cp)
     u = sp // cp
-    h, n = shape.hidden_size, shape.num_params()
+    h = shape.hidden_size
     hid = tokens * h * b
 
     # ZeRO-3 model states, partitioned over the whole world (SP ranks included); on the host as the allocator holds them
@@ -448,7 +448,7 @@ def estimate(shape: ModelShape, seq_len: int, sp: int, world: int,
     tile = f.logits_tile_mb * 2**20 if f.logits_tile_mb > 0 else LOGITS_TILE_BYTES  # this module's (tests patch it)
     phases["logits + loss"] = logits_bytes(shape, tokens, b, f.tiled_logits, lean, tile)
     if not f.offload_optimizer and b < 4:
-        phases["optimizer step (fp32 grad copy)"] = 4 * min(n // world, ZERO_SUBGROUP)
+        phases["optimizer step (fp32 grad copy)"] = 4 * max(zero3_subgroups(zero3_partitions(shape, world)))
     return Estimate(seq_len=seq_len, sp=sp, world=world, tokens_per_rank=tokens, gpu=gpu, gpu_phases=phases,
                     cpu_per_rank=cpu, gpus_per_node=gpus_per_node or world,
                     eval_phases=eval_phases(shape, seq_len, sp, b, tiled=True, tiled_mlp=f.tiled_mlp,

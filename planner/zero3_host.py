@@ -4,8 +4,8 @@
 planner/memory_model.estimate counts these as host terms (zero3_state_terms); scripts/plan.py reads the allocator
 settings through pinned_round_limit. Derivation: docs/memory_model.md, "Host memory as the allocator holds it".
 
-    from planner.zero3_host import zero3_pinned_requests
-    zero3_pinned_requests(shape, world, 2, True, True)  # bytes of each pinned request of one rank, in order
+    from planner.zero3_host import zero3_subgroups, zero3_partitions
+    zero3_subgroups(zero3_partitions(shape, world))  # elements of each optimizer sub-group of one rank
 """
 
 from __future__ import annotations
@@ -48,21 +48,20 @@ def pinned_round_limit(conf: str | None) -> int:
     return limit
 
 
-def zero3_subgroups(numel: int, sub_group_size: int | None = None) -> list[int]:
-    """Elements of each ZeRO-3 optimizer sub-group of a rank's partition of `numel` parameters: DeepSpeed closes a
-    sub-group once it holds sub_group_size (ZERO_SUBGROUP) elements, counted as whole groups of that size and the rest
-    (DeepSpeed's groups end on a parameter's boundary: at most one parameter's partition longer). Each sub-group is
-    one flat fp32 tensor of master weights, one of Adam's m and one of v: what a checkpoint of the rank holds."""
-    size = sub_group_size or ZERO_SUBGROUP
-    full, rest = divmod(numel, size)
-    return [size] * full + ([rest] if rest else [])
+def zero3_partitions(shape: ModelShape, world: int) -> list[int]:
+    """Elements of one rank's partition of each parameter, in the param group's order: ceil(numel / world) each
+    (ZeRO-3 pads every parameter to a multiple of the world)."""
+    return [-(-n // world) for n in shape.param_numels()]
 
 
-def zero3_param_subgroups(partition_numels: list[int], sub_group_size: int | None = None) -> list[int]:
-    """Elements of each ZeRO-3 optimizer sub-group as DeepSpeed forms them (stage3._create_fp16_sub_groups, 0.19.8):
-    parameter by parameter in the param group's order, a sub-group closing once it holds >= sub_group_size elements
-    or at the last parameter; one group when the whole partition is within sub_group_size. Llama-3-8B's width with
-    2 layers on one GPU (1.487e9 elements): one sub-group, not zero3_subgroups' [1e9, 0.487e9]."""
+def zero3_subgroups(partition_numels: list[int], sub_group_size: int | None = None) -> list[int]:
+    """Elements of each ZeRO-3 optimizer sub-group as DeepSpeed 0.19.8 forms them (stage3._create_fp16_sub_groups):
+    parameter by parameter in the param group's order (`partition_numels`, zero3_partitions), a sub-group closing
+    once it holds >= sub_group_size (default ZERO_SUBGROUP) elements or at the last parameter; one group when the
+    whole partition is within sub_group_size. Each sub-group is one flat fp32 tensor of master weights, one of Adam's
+    m and one of v (what a checkpoint of the rank holds, and what the async save's snapshot copies), one fp32
+    gradient buffer when the optimizer is offloaded, and the optimizer step's fp32 gradient copy. Llama-3-8B's width
+    with 2 layers on one GPU (1.487e9 elements): one sub-group, not [1e9, 0.487e9]."""
     size = sub_group_size or ZERO_SUBGROUP
     if size >= sum(partition_numels):
         return [sum(partition_numels)] if partition_numels else []
@@ -84,17 +83,17 @@ def zero3_pinned_requests(shape: ModelShape, world: int, b: int, offload_params:
       request per parameter), then one flat block of the param group (stage3._create_param_groups_fp16_flat_cpu_memory)
       into which the partitions move; the per-parameter blocks are then free but stay cached (never returned);
     - offload_optimizer: one fp32 gradient buffer per optimizer sub-group (`subgroup_gradient_buffer`,
-      zero3_param_subgroups), then the flat gradient-accumulation buffer of all partitions (`grad_partitions_flat_buffer`,
+      zero3_subgroups), then the flat gradient-accumulation buffer of all partitions (`grad_partitions_flat_buffer`,
       `grad_accum_bytes` per element: the model's dtype unless data_types.grad_accum_dtype says fp32).
     A partition is ceil(numel / world) elements. Measured on the H200 (2026-11-27, Llama-3-8B width, 2 layers, optimizer
     offloaded): 12 GiB held in blocks of 8 + 4 GiB, where the planner counted one 8 GiB block; tests/unit/planner/
     test_pinned_requests.py checks this list against a real DeepSpeed engine's requests byte for byte."""
-    parts = [-(-n // world) for n in shape.param_numels()]
+    parts = zero3_partitions(shape, world)
     out: list[int] = []
     if offload_params:
         out += [n * b for n in parts] + [sum(parts) * b]
     if offload_optimizer:  # the sub-groups' fp32 buffers (initialize_optimizer_states) come before the flat one
-        out += [4 * g for g in zero3_param_subgroups(parts, sub_group_size)]
+        out += [4 * g for g in zero3_subgroups(parts, sub_group_size)]
         out.append(sum(parts) * (grad_accum_bytes or b))
     return out
 
@@ -132,7 +131,7 @@ def zero3_state_terms(shape: ModelShape, world: int, b: int, f: Features, gpu_ru
         # Staging page-locks a buffer per storage copied from the GPU (the optimizer there): per sub-group, master, m
         # and v, exact in the host arena (as pinned blocks, the fallback, rounded: Llama-3-8B on 8 ranks 3 x 3.73 ->
         # 3 x 4 GiB, +7%); from host states (offloaded) a pageable copy.
-        groups = zero3_subgroups(n // world)
+        groups = zero3_subgroups(zero3_partitions(shape, world))
         snap = pin if not (f.offload_optimizer or host_arena) else (lambda nbytes: nbytes)  # arena: exact bytes
         cpu["async save: host copy of the rank's checkpoint"] = 3 * sum(snap(4 * g) for g in groups)
     return gpu, cpu

@@ -252,7 +252,7 @@ def test_the_plan_counts_the_arena_and_8_gpus_pass_the_host_bound(monkeypatch):
     est = estimate(llama, 5_000_000, 8, 8, alst, gpus_per_node=8)
     assert est.cpu_per_rank["activation checkpoints"] == 32 * hid < 32 * 8 * GiB and est.cpu_per_node < 2048 * GiB
     gpu_states = memory_model.Features(tiled_mlp=True, tiled_logits=True, checkpoint_every=1)
-    groups = memory_model.zero3_subgroups(llama.num_params() // 8)
+    groups = memory_model.zero3_subgroups(memory_model.zero3_partitions(llama, 8))
     snap = estimate(llama, 65536, 8, 8, gpu_states, async_save=True).cpu_per_rank
     assert snap["async save: host copy of the rank's checkpoint"] == 3 * 4 * sum(groups)
     root = os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.pardir] * 3))

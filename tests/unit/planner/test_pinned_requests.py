@@ -6,6 +6,11 @@ fp32 gradient buffer per optimizer sub-group, and forms the sub-groups parameter
 (gloo, CPU) is built with both offloads pinned, the accelerator's pin_memory (a no-op on CPU) records every request,
 and planner.memory_model.zero3_pinned_requests must list the same requests, in order. The old planner (one fp32
 buffer of 4 n / world bytes, no per-parameter blocks) fails it.
+
+The optimizer sub-groups have one model (planner/zero3_host.zero3_subgroups, parameter by parameter as DeepSpeed 0.19.8
+forms them): it sizes the pinned gradient buffers, the async save's snapshot (fp32 master, Adam's m and v per
+sub-group) and the optimizer step's fp32 copy. Checked fast against DeepSpeed's own formation function, and (slow) the
+same engine's sub-groups and its optimizer state staged as the async save stages it.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ import socket
 
 import pytest
 
-from planner.memory_model import ModelShape, estimate, pinned_block_bytes
+from planner.memory_model import ModelShape, estimate, load_shape, pinned_block_bytes
+from planner.zero3_host import zero3_partitions, zero3_subgroups
 
 
 def _free_port() -> int:
@@ -41,7 +47,31 @@ def test_pinned_blocks_of_the_h200_run_are_the_planners():
     assert planner_phases(shape, run["length"], run["memory_choice"], "cuda")["pinned"] == held - held % 2**20
 
 
-@pytest.mark.slow  # ~90 s (DeepSpeed's engine on CPU); fast sibling: test_pinned_blocks_of_the_h200_run_are_the_planners
+@pytest.mark.parametrize("model, world, size", [("llama3-8b", 8, None), ("llama3-8b", 64, None), ("llama3-8b", 8, 3 * 10**8),
+                                               ("h200", 1, None), ("tiny", 1, 20_000), ("tiny", 1, 10**9)])
+def test_subgroups_are_deepspeeds_own(model, world, size):
+    """zero3_subgroups against DeepSpeed 0.19.8's own stage3._create_fp16_sub_groups, run on stand-in parameters with
+    the model's partitions: several sub-groups (Llama-3-8B on 8 ranks: each closes past 1e9 on a parameter's boundary,
+    not at 1e9 exactly as the old fixed model had it), one group (the H200 run's 1.487e9 elements on one GPU: 1e9 is
+    first reached at the last parameter), the whole partition within sub_group_size, and the tiny engine's groups."""
+    import types
+
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    shape = {"llama3-8b": load_shape("llama3-8b"),
+             "h200": ModelShape(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=2,
+                                num_heads=32, num_kv_heads=8, head_dim=128),
+             "tiny": ModelShape(vocab_size=512, hidden_size=64, intermediate_size=160, num_layers=2, num_heads=4,
+                                num_kv_heads=2, head_dim=16)}[model]
+    parts = zero3_partitions(shape, world)
+    params = [types.SimpleNamespace(partition_numel=lambda n=n: n) for n in parts]
+    owner = types.SimpleNamespace(sub_group_size=size or 10**9)  # DeepSpeed's default sub_group_size: 1e9
+    theirs = DeepSpeedZeroOptimizer_Stage3._create_fp16_sub_groups(owner, params)
+    assert zero3_subgroups(parts, size) == [sum(p.partition_numel() for p in g) for g in theirs]
+
+
+@pytest.mark.slow  # ~90 s (DeepSpeed's engine on CPU); fast siblings: test_pinned_blocks_of_the_h200_run_are_the_planners,
+# test_subgroups_are_deepspeeds_own
 @pytest.mark.parametrize("sub_group_size", [20_000])
 def test_planner_lists_zero3_pinned_requests_as_deepspeed_makes_them(monkeypatch, sub_group_size):
     import deepspeed
@@ -74,7 +104,17 @@ def test_planner_lists_zero3_pinned_requests_as_deepspeed_makes_them(monkeypatch
         handle = HfDeepSpeedConfig(ds)  # noqa: F841  (transformers builds the model under zero.Init through it)
         model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-        deepspeed.initialize(model=model, optimizer=opt, config=ds)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds)
+        requests = list(seen)  # the engine's own; then one step, so that Adam's m and v exist, as at any save
+        ids = torch.randint(0, 512, (1, 16))
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+        # the snapshot of the rank's optimizer states as the async save takes it (training/async_save.stage)
+        from training.async_save import Staging, stage
+
+        staging = Staging()
+        stage(engine.optimizer.state_dict(), staging)
+        groups = [int(n) for n in engine.optimizer.fp16_partitioned_groups_flat_numel]
     finally:
         import torch.distributed as dist
 
@@ -84,17 +124,25 @@ def test_planner_lists_zero3_pinned_requests_as_deepspeed_makes_them(monkeypatch
 
     shape = ModelShape.from_config(cfg.to_dict())
     planned = zero3_pinned_requests(shape, 1, 2, True, True, sub_group_size=sub_group_size)
-    assert seen == planned
+    assert requests == planned
+    # one model of the sub-groups: DeepSpeed's, the snapshot's (fp32 master, Adam's m and v of each, and nothing else
+    # above a few bytes) and the plan's async-save term
+    parts = zero3_partitions(shape, 1)
+    assert groups == zero3_subgroups(parts, sub_group_size) and len(groups) > 1
+    big = sorted(b.nbytes() for b in staging.buffers if b.nbytes() > 64)
+    assert big == sorted(4 * g for g in groups for _ in range(3)), (big, groups)
     # the plan's host terms hold these blocks as the caching host allocator rounds them
     from dataclasses import replace
 
-    import planner.memory_model as mm
+    import planner.zero3_host as zh
     from planner.memory_model import Features
 
-    monkeypatch.setattr(mm, "ZERO_SUBGROUP", sub_group_size)
-    est = estimate(shape, 64, 1, 1, replace(Features(), offload_params=True, offload_optimizer=True), "bf16")
+    monkeypatch.setattr(zh, "ZERO_SUBGROUP", sub_group_size)
+    est = estimate(shape, 64, 1, 1, replace(Features(), offload_params=True, offload_optimizer=True), "bf16",
+                   async_save=True)
     pinned = est.cpu_per_rank["params (partition)"] + est.cpu_per_rank["grads fp32 (partition)"]
-    assert pinned == sum(pinned_block_bytes(n) for n in seen)
+    assert pinned == sum(pinned_block_bytes(n) for n in requests)
+    assert est.cpu_per_rank["async save: host copy of the rank's checkpoint"] == sum(big)
 
 
 def test_chooser_counts_the_pinned_blocks_the_plan_table_counts():
