@@ -214,7 +214,7 @@ class ChatEncoder:
         """Whether ids[a:e] shows the reply: its text (past a `</think>`, which R1 / Qwen3 templates drop from the
         content) and each tool call's name. One token before `a` too: a reply merged into the header's last token."""
         text = self.tok.hf.decode(ids[max(a - 1, 0):e], clean_up_tokenization_spaces=False)
-        want = msg["content"].split("</think>")[-1].strip()
+        want = _reply(msg)
         if want and want not in text:
             return False
         return all(_call_name(c) in text for c in msg.get("tool_calls") or [])
@@ -242,15 +242,27 @@ class ChatEncoder:
     def _header_end(self, conv: list[dict], k: int, head: list[int], full: list[int]) -> int | None:
         """Where turn k's reply starts in `full`: the end of its header, None where the header is not there."""
         a = _lcp(head, full)
-        if len(head) - 1 <= a < len(full):
+        if a == len(head) < len(full):
             return a
+        dec = self.tok.hf.decode
+        if a == len(head) - 1 < len(full) and dec(full[a:a + 1]).startswith(dec(head[a:])):
+            return a  # the header's last token merged with the reply's start into one token
+
         # a generation prompt longer than the header inside the conversation (DeepSeek-R1's `<｜Assistant｜><think>\n`):
         # the header is what the conversation follows of it past the earlier messages
         try:
             prev = self._render(conv[:k]) if k else []
         except RowError:
             prev = []
-        return a if _lcp(prev, full) < a < len(full) else None
+        if not _lcp(prev, full) < a < len(full):
+            return None
+        want = _reply(conv[k])[:16]  # and the reply's text starts there: nothing but blanks between them
+        if not want:
+            return a
+        pre = self.tok.hf.decode(full[max(a - 1, 0):a])
+        shown = self.tok.hf.decode(full[max(a - 1, 0):a + len(self.tok.encode(want)) + 4])
+        i = shown.find(want)
+        return a if i >= 0 and (i < len(pre) or not shown[len(pre):i].strip()) else None
 
     def _prefix(self, conv: list[dict], wanted: list[int]) -> tuple[list[int], dict, dict]:
         full = self._render(conv)
@@ -389,6 +401,11 @@ class ChatEncoder:
         if len(runs) != len(turns) or ids != self._render(conv):  # merged or missing runs; another tokenization
             return ids, None
         return ids, dict(zip(turns, runs))
+
+
+def _reply(msg: dict) -> str:
+    """The text a reply's span must show: its content past a `</think>` (R1 / Qwen3 templates cut the reasoning)."""
+    return msg["content"].split("</think>")[-1].strip()
 
 
 def _call_name(call: dict) -> str:
