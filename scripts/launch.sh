@@ -354,9 +354,10 @@ if [ "$node_store" = 1 ]; then
       # stopped has left), and name the nodes found lost where slurm.sbatch reads them
       [ "$node_rank" = 0 ] && wait_arg=(--wait ${LAUNCH_LOST_FILE:+--lost-file "$LAUNCH_LOST_FILE"})
       said=$(mktemp "${TMPDIR:-/tmp}/launch_post.XXXXXX")
-      "$(bin python)" -m base.node_store post "$master_addr" "$master_port" "$rc" \
-        "node $node_rank: its ranks exited $rc (that node's log has the cause)" --node "$node_rank" \
-        --nnodes "$nnodes" --ranks-per-node "$ranks_here" ${wait_arg[@]+"${wait_arg[@]}"} 2> "$said"
+      # signals ignored from its start (Slurm's SIGTERM to the step would otherwise end it while it imports torch)
+      ( trap '' TERM INT USR1 USR2 HUP; exec "$(bin python)" -m base.node_store post "$master_addr" "$master_port" \
+        "$rc" "node $node_rank: its ranks exited $rc (that node's log has the cause)" --node "$node_rank" \
+        --nnodes "$nnodes" --ranks-per-node "$ranks_here" ${wait_arg[@]+"${wait_arg[@]}"} ) 2> "$said"
       post_rc=$?
       cat "$said" >&2
       # "rank R failed: ..." (a rank's own exception, training/job.py) or "node K: its ranks exited C" (a launcher's)
@@ -384,8 +385,8 @@ if [ -n "${LAUNCH_CRASH_FILE:-}" ]; then
        for c in $recorded; do case "$c" in 0|"$EXIT_USAGE"|"$EXIT_PEER_LOST"|"$EXIT_PREEMPTED") ;; *) raised=1 ;; esac; done
        if [ "$origin" = "$node_rank" ] || { [ "$node_store" = 0 ] && [ "$raised" = 1 ]; }; then
          echo first > "$LAUNCH_CRASH_FILE"
-       elif [ "$raised" = 1 ]; then
-         echo own > "$LAUNCH_CRASH_FILE"
+       elif [ "$raised" = 1 ] && [ "$(cat "$LAUNCH_CRASH_FILE" 2>/dev/null)" != first ]; then
+         echo own > "$LAUNCH_CRASH_FILE"  # never over `first`, which a failing rank here wrote itself (training/job.py)
        fi ;;
   esac
 fi

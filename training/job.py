@@ -94,6 +94,8 @@ def _fail(e: BaseException) -> int:
     import traceback
 
     own = f"rank {rank} failed: {type(e).__name__}: {e}"
+    watching = getattr(comm, "_WATCHER", None) if comm is not None else None
+    _crash_record(rank, watching.post(own, EXIT_FAILED) if watching is not None else own)  # posted: first wins
     first = comm.abort(own, EXIT_FAILED) if comm is not None else own
     text = traceback.format_exc()
     try:
@@ -108,6 +110,32 @@ def _fail(e: BaseException) -> int:
     if not first.startswith(f"rank {rank} failed:"):
         print(f"error: the first failure of the job: {first}", file=sys.stderr, flush=True)
     return EXIT_FAILED
+
+
+def _crash_record(rank: str, first: str) -> None:
+    """This node's crash verdict for scripts/slurm.sbatch (LAUNCH_CRASH_FILE, set per node): `first` when this rank's
+    failure is the job's first on record, else `own` (a rank here raised too, after another's failure), `first`
+    winning over `own`. Written by the failing rank itself, as soon as its failure is posted and before it waits for
+    the others: its launcher's own verdict (launch.sh, through node 0's job store) can come too late, node 0's store
+    gone, or srun's SIGTERM ending the launcher first. Bounded (2 s: the file is on the shared file system)."""
+    where = os.environ.get("LAUNCH_CRASH_FILE")
+    if not where:
+        return
+    verdict = "first" if first.startswith(f"rank {rank} failed:") else "own"
+
+    def write() -> None:
+        try:
+            flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if verdict == "first" else os.O_EXCL)
+            with os.fdopen(os.open(where, flags, 0o644), "w") as fh:
+                fh.write(f"{verdict}\n")
+        except OSError:  # `own` with a verdict there already, or the folder gone: launch.sh's verdict stands
+            pass
+
+    import threading
+
+    t = threading.Thread(target=write, daemon=True)
+    t.start()
+    t.join(2.0)
 
 
 def _leave() -> None:

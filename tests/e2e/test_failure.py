@@ -385,12 +385,16 @@ def test_a_lost_node_ends_node_0_promptly_with_69_and_is_named(tmp_path):
 
 @pytest.mark.dist
 @pytest.mark.slow  # ~1 min; the rules on the records: test_sbatch.py::test_sbatch_requeues_a_crash_on_one_node_without_it
-def test_a_crash_on_one_node_is_requeued_without_it_under_slurm(tmp_path):
+@pytest.mark.parametrize("slow_post", ["", "1:8"])
+def test_a_crash_on_one_node_is_requeued_without_it_under_slurm(tmp_path, slow_post):
     """Two nodes under slurm.sbatch (stand-in sbatch/srun/scontrol, the real launch.sh and train.py, one rank per
     node); node 1's rank raises during step 2 (a GPU Xid or an ECC error on that node). Node 0's rank is stopped by the
     abort channel (it exits first), srun ends the step; node 1's launch.sh finds the job's first failure on record is
     its own rank's and writes `first` (LAUNCH_CRASH_FILE), node 0 nothing: the batch shell requeues without node 1
-    (requeue, then ExcNodeList while it is pending). It used to end FAILED ("failed with 1: not requeueing")."""
+    (requeue, then ExcNodeList while it is pending). It used to end FAILED ("failed with 1: not requeueing").
+    `1:8`: node 1's launcher takes 8 s to post (a torch import from a cold file system), so node 0's store is gone and
+    srun's SIGTERM has come before it can: the failing rank's own record (training/job.py, written as soon as its
+    failure is posted) still names node 1 (it used to end FAILED: the verdict came only from that post)."""
     import subprocess
 
     from tests.distributed import free_port
@@ -400,8 +404,10 @@ def test_a_crash_on_one_node_is_requeued_without_it_under_slurm(tmp_path):
     e = clean_env(PATH=f"{STUBS}:{os.environ['PATH']}", SLURM_SUBMIT_DIR=ROOT, SCONTROL_LOG=str(tmp_path / "scontrol.log"),
                   SLURM_JOB_NUM_NODES="2", SLURM_JOB_NODELIST="127.0.0.1,localhost", SRUN_KILL_WAIT="10",
                   GPUS_PER_NODE="1", MASTER_PORT=str(free_port()), DS_ACCELERATOR="cpu", TMPDIR=str(tmp_path),
-                  PYTHONPATH=FAULTS, FAULT="1:during:2:quick", SLURM_JOB_ID=job_id, STATE_SETTLE_S="10")
+                  PYTHONPATH=FAULTS, FAULT="1:during:2:quick", SLURM_JOB_ID=job_id, STATE_SETTLE_S="10",
+                  SLOW_POST=slow_post or None, SCONTROL_NODES="gpu[1-8]")
     crashes = os.path.join(ROOT, ".cache", "slurm", f"{job_id}.crashes")
+    progress = os.path.join(ROOT, ".cache", "slurm", f"{job_id}.progress")
     job = subprocess.Popen(["sbatch", SBATCH_SCRIPT, *TINY, "--output_dir", str(tmp_path / "out")], cwd=ROOT, env=e,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -413,8 +419,9 @@ def test_a_crash_on_one_node_is_requeued_without_it_under_slurm(tmp_path):
 
             for p in [psutil.Process(job.pid), *psutil.Process(job.pid).children(recursive=True)]:
                 p.kill()
-        if os.path.exists(crashes):
-            os.remove(crashes)
+        for path in (crashes, progress):
+            if os.path.exists(path):
+                os.remove(path)
     assert job.returncode == 0, text[-5000:]
     assert "stopping: rank 1 failed: RuntimeError: injected fault during step 2" in text, text[-5000:]
     assert "node 1 (localhost) crashed (exit 1), no other node on its own" in text, text[-5000:]

@@ -19,6 +19,9 @@ or mount is broken, the job's store host included.
 CPUS="0" confines the rank to those CPUs (os.sched_setaffinity, what `taskset -c 0` does), as a one-CPU srun
 step confines every rank of a node.
 WATCH="POLL_S:STALL_S:LOST_STORE_S[:EXIT_GRACE_S]" shortens the abort channel's timings (base.watcher).
+SLOW_POST="K:SECONDS" makes node K's launcher slow to post its exit to the job's store (`python -m base.node_store
+post`, launch.sh after its ranks exit): it sleeps SECONDS before its first line, as a torch import from a cold shared
+file system can, so Slurm's SIGTERM and node 0's store going away both come first.
 LINGER="RANK:SECONDS[,RANK:SECONDS]" makes a rank slow on its clean way out (MetricsLogger.close, after the agreed
 stop, before the rank leaves the abort channel), as a W&B sync can be.
 """
@@ -127,6 +130,12 @@ if os.environ.get("BROKEN_NODE") is not None and os.environ.get("BROKEN_NODE") =
     print(f"ImportError: libcudart.so.12: cannot open shared object file (injected: tests/stubs/faults BROKEN_NODE, "
           f"node {os.environ['BROKEN_NODE']}: {' '.join(getattr(sys, 'argv', []))[:120]})", file=sys.stderr, flush=True)
     os._exit(1)
+if os.environ.get("SLOW_POST", ":").split(":")[0] == os.environ.get("SLURM_NODEID") and _rank is None:
+    with open("/proc/self/cmdline", "rb") as _fh:
+        if b"base.node_store\0post\0" in _fh.read():
+            import time
+
+            time.sleep(float(os.environ["SLOW_POST"].split(":")[1]))
 if _rank is not None and os.environ.get("BROKEN") == _rank:
     import sys
 
