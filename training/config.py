@@ -209,7 +209,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
     merged = hf_args.apply(merged, where=recipe or "the command line")
     cfg = config_from_dict(merged, where=recipe or "command line")
     validate(cfg)
-    resolve_hub_ids(cfg)
+    hf_args.resolve_hub_ids(cfg)  # a hub id: its snapshot in the local Hugging Face cache, offline
     settle_from_file(cfg, given=set(merged))  # SP degree / fp16 the DeepSpeed JSON sets; precision checks
     return cfg
 
@@ -274,21 +274,6 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"eval: {cfg.eval!r}: use true or false at the top level (a stage's settings go in its "
                          "eval: block, the run's in eval_heldout_samples, eval_tasks, eval_depths, ...)")
     run_eval(cfg)  # a bad eval_* value: one line now
-
-
-def resolve_hub_ids(cfg: Config) -> None:
-    """A Hugging Face hub id given as the model (or tokenizer) becomes its snapshot folder in the local cache, offline,
-    so every later reader sees a folder (model_utils/hub.py); one line naming the download command when it is not
-    there. A dry run needs the model's config only."""
-    from model_utils.build import resolve_model
-    from model_utils.hub import resolve
-
-    given = cfg.model_name_or_path
-    cfg.model_name_or_path = resolve_model(given, weights=not cfg.dry_run)
-    if cfg.model_name_or_path != given and os.environ.get("RANK", "0") == "0":
-        print(f"model {given}: {cfg.model_name_or_path} (the local Hugging Face cache)", flush=True)
-    if cfg.tokenizer_name_or_path:
-        cfg.tokenizer_name_or_path = resolve(cfg.tokenizer_name_or_path, weights=False, flag="--tokenizer_name_or_path")
 
 
 AUTO_OR_BOOL = ("async_save",)  # auto | true | false (a recipe's bool, a flag's text)

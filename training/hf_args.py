@@ -15,6 +15,9 @@ steps where `batches_per_epoch = samples // dp // per_device_train_batch_size` (
 data/sampler.py); `max_steps` wins when both are set (recipe or flag). The data's size is known only once the run
 has opened its data: `epoch_stages` fixes the steps then (rank 0 counts, every rank receives the same numbers).
 `warmup_ratio` (HF: `ceil(ratio x steps)` warmup steps) is applied there too, per stage, from its final steps.
+
+A hub id as the model or tokenizer (`meta-llama/Meta-Llama-3-8B`) becomes its snapshot folder in the local Hugging
+Face cache (`resolve_hub_ids`, model_utils/hub.py), offline, before anything reads it.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 
 ALIASES = {"lr_scheduler_type": "lr_scheduler", "resume_from_checkpoint": "resume", "ddp_timeout": "dist_timeout_s"}
 # HF lr_scheduler_type -> ours (HF's "constant" has no warmup: the same only without warmup, checked in `apply`)
@@ -175,3 +179,18 @@ def epoch_stages(cfg, stages: list, data, world: int) -> list:
     for line in lines:
         print0(line)
     return out
+
+
+def resolve_hub_ids(cfg) -> None:
+    """A Hugging Face hub id given as the model (or tokenizer) becomes its snapshot folder in the local cache, offline,
+    so every later reader sees a folder (model_utils/hub.py); one line naming the download command when it is not
+    there. A dry run needs the model's config only."""
+    from model_utils.build import resolve_model
+    from model_utils.hub import resolve
+
+    given = cfg.model_name_or_path
+    cfg.model_name_or_path = resolve_model(given, weights=not cfg.dry_run)
+    if cfg.model_name_or_path != given and os.environ.get("RANK", "0") == "0":
+        print(f"model {given}: {cfg.model_name_or_path} (the local Hugging Face cache)", flush=True)
+    if cfg.tokenizer_name_or_path:
+        cfg.tokenizer_name_or_path = resolve(cfg.tokenizer_name_or_path, weights=False, flag="--tokenizer_name_or_path")
