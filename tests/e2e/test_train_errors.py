@@ -25,13 +25,20 @@ def run_train(args, tmp_path):
     return p
 
 
+# Each case is a train.py start (~14 s). The path (one line, exit 2, nothing saved touched, no traceback) stays fast
+# through the `--context_parallel_size two` case, whose rule has no unit test; the others are slow, each naming the
+# one-process test of its rule.
 @pytest.mark.parametrize("make, args, match", [
-    (None, ["--dataset_path", "/no/such.jsonl"], "--dataset_path /no/such.jsonl: no such file or folder"),
-    ("", [], "no documents"),
+    pytest.param(None, ["--dataset_path", "/no/such.jsonl"], "--dataset_path /no/such.jsonl: no such file or folder",
+                 marks=pytest.mark.slow),  # fast sibling: tests/unit/training/test_config.py::test_bad_values_one_line
+    pytest.param("", [], "no documents",
+                 marks=pytest.mark.slow),  # fast sibling: tests/unit/data/test_data.py::test_bad_dataset_errors
     pytest.param('{"input_ids": [5, 6, 7]}\n{"input_ids": [5, "x"]}\n', [], "data.jsonl:2: expected",
-                 marks=pytest.mark.slow),  # each case is a train.py start (~14 s); the reader's rule: test_data
-    ('{"input_ids": [5, 6, 7]}\n', ["--learning_rat", "1"], "unknown command-line argument"),
-    ('{"input_ids": [5, 6, 7]}\n', ["--sequence_parallel_size", "2"], "does not divide world size 1"),
+                 marks=pytest.mark.slow),  # the reader's rule: test_data
+    pytest.param('{"input_ids": [5, 6, 7]}\n', ["--learning_rat", "1"], "unknown command-line argument",
+                 marks=pytest.mark.slow),  # fast sibling: tests/unit/training/test_config.py::test_bad_values_one_line
+    pytest.param('{"input_ids": [5, 6, 7]}\n', ["--sequence_parallel_size", "2"], "does not divide world size 1",
+                 marks=pytest.mark.slow),  # fast sibling: tests/unit/training/test_config.py::test_layout_errors
     pytest.param('{"input_ids": [5, 6, 7]}\n', ["--context_parallel_size", "3"],
                  "context_parallel_size=3 does not divide sequence_parallel_size=1: use one of [1] or auto",
                  marks=pytest.mark.slow),
@@ -88,6 +95,7 @@ def test_dynamic_rope_under_sp_is_refused_by_dry_run(tmp_path):
     assert "Traceback" not in p.stderr
 
 
+@pytest.mark.slow  # a train.py start; fast sibling: tests/unit/training/test_ds_config.py::test_fp16_auto_is_off_and_fp16_is_refused_on_cpu
 def test_fp16_on_cpu_is_refused(tmp_path):
     p = run_train(["--fp16", "--max_steps", "1"], tmp_path)
     assert p.returncode == 2, p.stderr[-2000:]

@@ -35,9 +35,11 @@ from tests.multiproc.test_model_zoo import reference
 
 SP = 2
 SAMPLES = [0, 1]
-# dense (Llama), MoE under ZeRO-3 (Qwen3-MoE), windows (OLMo-3), latent attention (DeepSeek-V3), attention sinks
-# (GPT-OSS), linear-attention hybrid (Qwen3.5), no sdpa (Bloom)
-FAST = ["llama", "qwen3_moe", "olmo3", "deepseek_v3", "gpt_oss", "qwen3_5_text", "bloom"]
+# windows (OLMo-3), linear-attention hybrid (Qwen3.5), no sdpa (Bloom: the refusal): what test_model_zoo.py's fast
+# launch does not run. Dense (llama), MoE under ZeRO-3 (qwen3_moe), latent attention (deepseek_v3) and attention sinks
+# (gpt_oss) run in the slow sweep here; their parity at SP=2 stays fast in
+# test_model_zoo.py::test_family_matches_plain_model_at_sp2 (llama3, qwen3_moe, deepseek_v3, gpt_oss).
+FAST = ["olmo3", "qwen3_5_text", "bloom"]
 
 
 def _all_types() -> list[str]:

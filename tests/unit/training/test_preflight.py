@@ -246,12 +246,37 @@ def dry_run(recipe: str, tmp_path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("override, match", [
+BAD_OVERRIDES = [
     ("{zero_optimization: {offload_optimizer: {device: gpu}}}",
      "DeepSpeedZeroConfig: offload_optimizer.device: Input should be 'none', 'cpu' or 'nvme' (got 'gpu')"),
     ("{zero_optimization: {stage: 2}}", "zero_optimization.stage is 2; this project needs ZeRO-3"),
     ("{optimizer: {type: AdamWW, params: {lr: auto}}}", "optimizer.type 'AdamWW' is neither a DeepSpeed optimizer"),
-], ids=["bad-offload-device", "zero-2", "unknown-optimizer"])
+]
+BAD_OVERRIDE_IDS = ["bad-offload-device", "zero-2", "unknown-optimizer"]
+
+
+@pytest.mark.parametrize("override, match", BAD_OVERRIDES, ids=BAD_OVERRIDE_IDS)
+def test_a_bad_stage_override_is_refused_in_one_line(tmp_path, override, match):
+    """Every bad override, in this process: the check train.py --dry_run (and every start) makes of each stage's
+    DeepSpeed config names the stage and its overrides in one line."""
+    import yaml
+
+    from training.config import StageConfig
+
+    cfg = parse_config(["--output_dir", str(tmp_path), "--sequence_parallel_size", "2"])
+    cfg.stages = [StageConfig(name="base", max_seq_length=128),
+                  StageConfig(name="long", max_seq_length=256, deepspeed_overrides=yaml.safe_load(override))]
+    with pytest.raises(ValueError) as e:
+        preflight.check_stage_configs(cfg, resolve_stages(cfg, dp_of_sp=lambda sp: 2 // sp), 2, bf16=False,
+                                      hidden_size=64)
+    assert str(e.value).startswith("stage 1 (long) with its deepspeed_overrides: ") and match in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+# each case is a train.py --dry_run start (~5 s): the path (exit 2, the last line, no traceback) once, the other
+# overrides slow (fast sibling: test_a_bad_stage_override_is_refused_in_one_line, every override in this process)
+@pytest.mark.parametrize("override, match", [o if i == 1 else pytest.param(*o, marks=pytest.mark.slow)
+                                             for i, o in enumerate(BAD_OVERRIDES)], ids=BAD_OVERRIDE_IDS)
 def test_dry_run_refuses_a_bad_stage_override_in_one_line(tmp_path, override, match):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("sequence_parallel_size: 2\nstages:\n  - name: base\n    max_seq_length: 128\n"
