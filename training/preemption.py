@@ -51,7 +51,10 @@ never from its own clock alone.
 from __future__ import annotations
 
 import os
+import re
 import signal
+import subprocess
+import threading
 import time
 
 from base import comm
@@ -70,6 +73,18 @@ SAVE_GUESS_S = 300.0  # before the first measured save (Llama-3-8B, 32 ranks: ~1
 AUTO_SAVE_EVERY_S = 540.0  # save_interval_minutes auto: lost work <= 9 min + one step ...
 MAX_SAVE_OVERHEAD = 0.01  # ... unless the saves would then block the steps > 1% of the time
 MARGIN_S = 30.0
+END_REFRESH_S = 300.0  # rank 0 reads the job's end time from slurmctld again this often (a time-limit update, a suspend)
+
+
+def slurm_end_time(job: str) -> float | None:
+    """The job's EndTime as slurmctld has it now (epoch seconds; `scontrol show job` prints the controller's local
+    time, read here in this node's time zone); None where it cannot say."""
+    try:
+        p = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, timeout=20)
+        m = re.search(r"EndTime=(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)", p.stdout)
+        return time.mktime(time.strptime(m.group(1), "%Y-%m-%dT%H:%M:%S")) if m else None
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        return None
 
 
 class Deadline:
@@ -84,6 +99,25 @@ class Deadline:
         self.build_s = 0.0  # longest engine build + restore measured
         self.eval_s: float | None = None  # longest stage evaluation measured
         self.rank_bytes: float | None = None  # this rank's checkpoint bytes (engine state), for guess_save_s
+        self._refreshing = False
+
+    def refresh_from_slurm(self, every_s: float = END_REFRESH_S) -> None:
+        """Read the job's end time from slurmctld again every `every_s`, in a daemon thread (never on the step's
+        path): SLURM_JOB_END_TIME is read once at start and goes stale after `scontrol update TimeLimit=` or a
+        suspend. Rank 0 only (its reading is the job's: agreed() takes the time-limit vote from rank 0 alone)."""
+        job = os.environ.get("SLURM_JOB_ID")
+        if self._refreshing or self.end is None or not job or not os.environ.get("SLURM_JOB_END_TIME"):
+            return
+        self._refreshing = True
+
+        def run() -> None:
+            while True:
+                end = slurm_end_time(job)
+                if end is not None:
+                    self.end = end
+                time.sleep(every_s)
+
+        threading.Thread(target=run, name="slurm-end-time", daemon=True).start()
 
     def record_step(self, seconds: float) -> None:
         self.step_s = max(self.step_s, seconds)
@@ -171,8 +205,11 @@ class PreemptionFlag:
         (a collective: call it on all ranks at the same points)."""
         if self.received is None and self.stop_file and comm.rank() == 0 and os.path.exists(self.stop_file):
             self.received = "stop file"
-        if self.received is None and self.deadline.near(ahead_s=ahead_s):
-            self.received = "time limit"
+        # the time limit on one clock, rank 0's (a node whose clock runs ahead would stop every run, never named)
+        if self.received is None and comm.rank() == 0:
+            self.deadline.refresh_from_slurm()
+            if self.deadline.near(ahead_s=ahead_s):
+                self.received = "time limit"
         now = time.monotonic()
         due = comm.rank() == 0 and self.save_every_s > 0 and now - self._last_save >= self.due_after_s()
         past = NO_WINDOW if self.term_at is None else now - self.term_at - self.window_s
