@@ -157,8 +157,9 @@ def _build_parser() -> argparse.ArgumentParser:
             p.add_argument(f"--no-{f.name}", dest=f.name, action="store_false", default=argparse.SUPPRESS)
         elif f.name in AUTO_OR_NUMBER:
             p.add_argument(f"--{f.name}", default=argparse.SUPPRESS)  # checked by validate
-        elif tp in (bool, bool | None):
-            p.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
+        elif tp in (bool, bool | None):  # --bf16, --no-bf16, and the HF Trainer's --bf16 True / --bf16 false
+            p.add_argument(f"--{f.name}", nargs="?", const=True, type=hf_args.bool_text, default=argparse.SUPPRESS)
+            p.add_argument(f"--no-{f.name}", dest=f.name, action="store_false", default=argparse.SUPPRESS)
         else:
             p.add_argument(f"--{f.name}", type=_flag_type(tp), default=argparse.SUPPRESS)
     return p
@@ -190,6 +191,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
         raise ValueError(f"unknown command-line argument(s) {unknown}: see `python train.py --help`")
     args = vars(ns)
     args.pop("local_rank", None)
+    hf_args.check_bools(args, [f.name for f in dataclasses.fields(Config) if f.type in ("bool", "bool | None")])
     recipe = args.pop("config")
     merged: dict = {}
     if recipe:

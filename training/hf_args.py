@@ -78,6 +78,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         p.add_argument(f"--{name}", nargs="?", const=True, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
+def bool_text(value: str) -> bool | str:
+    """A boolean flag's value as HfArgumentParser takes it (`--bf16 True`, `--gradient_checkpointing false`); another
+    text is returned as is, for `check_bools` to refuse in one line."""
+    got = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}.get(value.strip().lower())
+    return value if got is None else got
+
+
+def check_bools(args: dict, names) -> None:
+    """A boolean flag given a value that is not one: one line (argparse would print its whole usage)."""
+    for name in names:
+        if isinstance(args.get(name), str):
+            raise ValueError(f"--{name} {args[name]!r}: use true or false (or --{name} / --no-{name})")
+
+
 def _number(value, name: str):
     try:
         if isinstance(value, bool):
@@ -131,9 +145,9 @@ def check(cfg) -> None:
         raise ValueError(f"--num_train_epochs {cfg.num_train_epochs}: use a number > 0 (or --max_steps)")
     if not 0 <= cfg.warmup_ratio < 1:
         raise ValueError(f"--warmup_ratio {cfg.warmup_ratio}: use a fraction of the steps in [0, 1)")
-    if cfg.warmup_ratio and (cfg.warmup_steps or any(s.warmup_steps for s in cfg.stages)):
-        raise ValueError(f"--warmup_ratio {cfg.warmup_ratio} and --warmup_steps {cfg.warmup_steps} (or a stage's "
-                         "warmup_steps) both set the warmup: drop one")
+    if cfg.warmup_ratio and cfg.warmup_steps:  # (a stage's own warmup_steps wins over the run's ratio)
+        raise ValueError(f"--warmup_ratio {cfg.warmup_ratio} and --warmup_steps {cfg.warmup_steps} both set the "
+                         "warmup: drop one")
 
 
 def epoch_steps(epochs: float, samples: int, dp: int, micro_batch: int, accum: int) -> int:

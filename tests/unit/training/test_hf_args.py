@@ -144,6 +144,8 @@ def test_epochs_over_a_mixture_stage_are_refused():
     (["--save_total_limit", "3", "--save_steps", "50", "--weight_decay", "0.1", "--max_grad_norm", "0.5", "--seed", "7",
       "--gradient_checkpointing", "--bf16", "--output_dir", "o", "--gradient_accumulation_steps", "2"], "seed", 7),
     (["--warmup_ratio", "0.03"], "warmup_ratio", 0.03),
+    (["--bf16", "True", "--gradient_checkpointing", "true", "--fp16", "False"], "bf16", True),  # HfArgumentParser's
+    (["--no-bf16", "--gradient_checkpointing"], "bf16", False),
 ])
 def test_hf_names_that_mean_the_same_are_taken(argv, field, value):
     assert getattr(parse_config(argv), field) == value
@@ -161,6 +163,7 @@ def test_hf_names_that_mean_the_same_are_taken(argv, field, value):
     (["--optim", "adafactor"], "optimizer block"),
     (["--warmup_ratio", "0.1", "--warmup_steps", "5"], "both set the warmup: drop one"),
     (["--num_train_epochs", "0"], "--num_train_epochs 0.0: use a number > 0"),
+    (["--bf16", "maybe"], "--bf16 'maybe': use true or false"),
 ])
 def test_hf_names_that_do_not_are_refused_in_one_line(argv, match):
     with pytest.raises(ValueError, match=match) as e:
