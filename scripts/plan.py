@@ -31,26 +31,26 @@ from dataclasses import replace
 
 import yaml
 
-from base.parallel import check_layout, split_sp
-from planner.attention_sp import head_chunk_choices
-from planner.auto_features import GPU_RESERVED, HEADROOM, gpu_budget, sp_splits, usable_bytes
-from planner.comm_model import layer_comm
+from base.parallel import split_sp
+from planner.auto_features import GPU_RESERVED, HEADROOM, gpu_budget
+from planner.cluster import Planner, _int_or_auto, _valid_splits, split_label
 from planner.memory_model import (
     Estimate,
     Features,
     GiB,
     ModelShape,
-    estimate,
     flops_per_sequence,
     load_shape,
     parse_seq_len,
-    pinned_round_limit,
     tokens_per_sec_per_gpu,
 )
+from planner.step_time import HOUR_S, TRAINABLE_S, duration, longest_within, measured_mfu, step_time
 
 FEATURES = ("offload_params", "offload_optimizer", "tiled_mlp", "tiled_logits", "gradient_checkpointing",
             "offload_activations", "lean_rmsnorm", "lean_mlp", "keep_attention", "ring_attention")
 ALST = ("tiled_mlp", "tiled_logits", "gradient_checkpointing", "offload_activations")
+# host terms held page-locked (ZeRO-3's pinned offload buffers, the arena's checkpoint slots: base/host_arena.py)
+PAGE_LOCKED = ("params (partition)", "grads fp32 (partition)", "activation checkpoints")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,81 +104,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _int_or_auto(flag: str, value: str) -> int | str:
-    if value == "auto":
-        return value
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"--{flag} {value!r}: use an integer or auto") from None
-
-
-def _valid_splits(shape: ModelShape, world: int, seq_len: int, args: argparse.Namespace) -> list[tuple[int, int]]:
-    """(sp, cp) rows to plan: the requested split of each SP degree, then pure Ulysses (cp 1) where --cp is auto,
-    that differs and the heads allow it."""
-    sp_req, cp = _int_or_auto("sp", args.sp), _int_or_auto("cp", args.cp)
-    if args.ulysses is not None:
-        if sp_req == "auto" or args.ulysses < 1 or sp_req % args.ulysses:
-            raise ValueError(f"--ulysses {args.ulysses} needs --sp N with N a multiple of it (cp = N / ulysses)")
-        cp = sp_req // args.ulysses
-    gpn = args.gpus_per_node
-    if sp_req == "auto":
-        rows = sp_splits(shape, world, seq_len, world, cp, gpn)
-    else:
-        c = split_sp(sp_req, shape.num_heads, shape.num_kv_heads, gpn)[1] if cp == "auto" else cp
-        check_layout(world, sp_req, shape.num_heads, shape.num_kv_heads, seq_len, cp=c)
-        rows = [(sp_req, c)]
-    if cp == "auto":
-        pure = {sp for sp, _ in sp_splits(shape, world, seq_len, world, 1)}
-        rows = [r for sp, c in rows for r in ([(sp, c), (sp, 1)] if c > 1 and sp in pure else [(sp, c)])]
-    return rows
-
-
-def split_label(sp: int, cp: int) -> str:
-    """'8' (pure Ulysses) or '8=4x2' (ulysses x cp)."""
-    return str(sp) if cp == 1 else f"{sp}={sp // cp}x{cp}"
-
-
-class Planner:
-    """Cluster limits plus the model; evaluates one (seq_len, sp) at a time."""
-
-    def __init__(self, args: argparse.Namespace, shape: ModelShape, feats: Features):
-        self.args, self.shape, self.feats = args, shape, feats
-        self.world = args.gpus_per_node * args.nodes
-        self.gpu_limit = usable_bytes(gpu_budget(args.gpu_mem_gb))  # the run's rule (module docstring)
-        self.cpu_limit = int(args.cpu_mem_gb * GiB)
-
-    def chunks(self, sp: int, cp: int) -> int:
-        """--attention_head_chunks at this split: the largest valid count <= N (max: the largest)."""
-        want = self.args.attention_head_chunks
-        ok = head_chunk_choices(self.shape.num_heads, self.shape.num_kv_heads, sp // cp)
-        return max(ok) if want == "max" else max(c for c in ok if c <= int(want))
-
-    def evaluate(self, seq_len: int, sp: int, feats: Features | None = None, cp: int = 1) -> tuple[Estimate, bool, bool]:
-        feats = feats or replace(self.feats, attention_head_chunks=self.chunks(sp, cp))
-        # ds_recommendation's JSON (ds_configs/zero3_offload.json) pins the offloaded buffers: counted as pinned
-        est = estimate(self.shape, seq_len, sp, self.world, feats, self.args.precision,
-                       self.args.gpus_per_node, cp=cp, async_save=self.args.async_save, pinned_offloads=True,
-                       pinned_limit=pinned_round_limit(self.args.alloc_conf))
-        est.cpu_per_rank["process runtime (assumed)"] = int(self.args.cpu_overhead_gb * GiB)
-        return est, est.gpu_peak <= self.gpu_limit, est.cpu_per_node <= self.cpu_limit
-
-    def longest(self, sp: int, feats: Features | None = None, cp: int = 1) -> int:
-        """Longest multiple of sp (of 2*sp under cp > 1: zigzag) that fits (peak memory grows with length)."""
-        step = sp * (2 if cp > 1 else 1)
-        lo, hi = 0, 2**36 // step
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            _, g, c = self.evaluate(mid * step, sp, feats, cp)
-            lo, hi = (mid, hi) if g and c else (lo, mid - 1)
-        return lo * step
-
-    def comm(self, seq_len: int, sp: int, cp: int) -> dict:
-        a = self.args
-        return layer_comm(self.shape, seq_len, sp, cp, a.gpus_per_node, a.precision, a.mfu, a.gpu_tflops,
-                          ring=self.feats.ring_attention)
-
-
 def ds_recommendation(feats: Features) -> tuple[str, dict]:
     if not (feats.offload_params or feats.offload_optimizer):
         return "ds_configs/zero3.json", {}
@@ -196,9 +121,13 @@ def plan_one(pl: Planner, seq_len: int) -> dict:
     splits = _valid_splits(shape, pl.world, seq_len, args)
     for sp, cp in splits:
         est, g, c = pl.evaluate(seq_len, sp, cp=cp)
+        f = replace(feats, attention_head_chunks=pl.chunks(sp, cp))
+        step_s = step_time(shape, seq_len, sp, f, world=pl.world, ranks_per_node=args.gpus_per_node, cp=cp)
         rows.append(dict(sp=sp, ulysses=sp // cp, cp=cp, fits_gpu=g, fits_cpu=c, fits=g and c,
                          longest_fitting_seq_len=pl.longest(sp, cp=cp), estimate=est.to_dict(),
-                         comm_per_layer=pl.comm(seq_len, sp, cp)))
+                         comm_per_layer=pl.comm(seq_len, sp, cp), step_s=step_s,
+                         page_locked_gib_per_node=sum(v for k, v in est.cpu_per_rank.items() if k in PAGE_LOCKED)
+                         * args.gpus_per_node / GiB))
     fitting = list(dict.fromkeys(r["sp"] for r in rows if r["fits"]))
     roomy = [r for r in rows if r["fits"] and r["estimate"]["gpu_peak"] <= (1 - args.margin) * pl.gpu_limit]
     best = (roomy or [r for r in rows if r["fits"]] or [min(rows, key=lambda r: r["estimate"]["gpu_peak"])])[0]
@@ -312,13 +241,17 @@ def render(rep: dict) -> str:
     for p in rep["plans"]:
         lines += ["", f"== seq_len {p['seq_len']:,} ==",
                   f"{'sp=uxcp':>9} {'tokens/rank':>12} {'GPU peak GiB':>13} {'GPU':>4} {'CPU/node GiB':>13} {'CPU':>4}"
-                  f" {'longest that fits':>18} {'comm/layer fwd+bwd':>19}"]
+                  f" {'longest that fits':>18} {'comm/layer fwd+bwd':>19} {'step':>10} {'page-locked/node':>17}"]
         for r in p["candidates"]:
             e, m = r["estimate"], r["comm_per_layer"]
             lines.append(f"{split_label(r['sp'], r['cp']):>9} {e['tokens_per_rank']:>12,} {_gib(e['gpu_peak']):>13} "
                          f"{'yes' if r['fits_gpu'] else 'NO':>4} {_gib(e['cpu_per_node']):>13} "
                          f"{'yes' if r['fits_cpu'] else 'NO':>4} {r['longest_fitting_seq_len']:>18,} "
-                         f"{(m['fwd_s'] + m['bwd_s']) * 1e3:>10.1f} ms {m['exposed_share']:>5.1%}")
+                         f"{(m['fwd_s'] + m['bwd_s']) * 1e3:>10.1f} ms {m['exposed_share']:>5.1%} "
+                         f"{duration(r['step_s']) + ('!' if r['step_s'] > HOUR_S else ''):>10} "
+                         f"{r['page_locked_gib_per_node']:>13,.0f} GiB")
+        lines.append(f"step: at the measured FLOP rate (MFU {measured_mfu()}, fitted to the one GPU run: "
+                     "planner/step_time.py), one sequence per SP group; ! marks a step over an hour")
         lines.append(f"SP degrees that fit: {p['fitting_sp'] or 'none'}; recommended: {p['recommended_sp']} (smallest "
                      f"that fits with {rep['margin']:.0%} of usable GPU memory to spare, else smallest that fits)")
         if "fits_with_all_features_at_sp" in p:
@@ -389,8 +322,9 @@ COMPARE_SETUPS = ((1, 1, 1024.0), (8, 1, 2048.0), (32, 4, 2048.0))  # (GPUs, nod
 def compare(model: str = "llama3-8b", extra: list[str] | None = None) -> list[dict]:
     """This project's longest Llama-3-8B sequence on 1 / 8 / 32 80 GB GPUs (ALST features, every head per rank in
     its own chunk, context-parallel K/V in a ring where cp > 1 as memory_features auto takes it where the gather
-    does not fit, the host budget of COMPARE_SETUPS), with the cost model's throughput there, next to the
-    PUBLISHED figures. One row per setup."""
+    does not fit, the host budget of COMPARE_SETUPS), with the cost model's throughput there and its step time at
+    the measured FLOP rate (planner/step_time.py: fitted to the one GPU run), next to the PUBLISHED figures; and
+    the longest length whose step takes at most TRAINABLE_S with the same features and split. One row per setup."""
     from planner.auto_features import relative_speed
 
     rows = []
@@ -408,8 +342,15 @@ def compare(model: str = "llama3-8b", extra: list[str] | None = None) -> list[di
                                world=gpus, ranks_per_node=gpus // nodes, cp=cp)
         tps = tokens_per_sec_per_gpu(shape, longest, args.mfu, args.gpu_tflops) * speed
         est = pl.evaluate(longest, sp, feats, cp)[0]
+        timing = dict(world=gpus, ranks_per_node=gpus // nodes, cp=cp)
+        step_s = step_time(shape, longest, sp, feats, **timing)
         rows.append(dict(gpus=gpus, nodes=nodes, host_gib_per_node=host, longest=longest, split=split_label(sp, cp),
                          head_chunks=feats.attention_head_chunks, relative_speed=speed, tokens_per_sec_per_gpu=tps,
+                         features=vars(feats), cp=cp, sp=sp, step_s=step_s, measured_tokens_per_sec_per_gpu=longest / step_s / sp,
+                         over_an_hour=step_s > HOUR_S, mfu=measured_mfu(),
+                         within_15_min=longest_within(TRAINABLE_S, shape, sp, feats, **timing),
+                         page_locked_gib_per_node=sum(v for k, v in est.cpu_per_rank.items() if k in PAGE_LOCKED)
+                         * (gpus // nodes) / GiB,
                          published=PUBLISHED.get(gpus, {}), **margins(pl, est)))
     return rows
 
@@ -423,16 +364,26 @@ def margins(pl: Planner, est: Estimate) -> dict:
 
 
 def render_compare(rows: list[dict]) -> str:
-    """The compare rows as a Markdown table (docs/results/memory.md quotes it)."""
+    """The compare rows as two Markdown tables (docs/results/memory.md quotes them): the longest length per setup
+    with its step time, then the longest length each setup trains within TRAINABLE_S a step."""
     lines = ["| GPUs (80 GiB) | host / node | this project, longest | split, head chunks | GPU peak / budget, room "
-             "(GiB) | host held / node (GiB) | predicted speed vs no feature | tokens/s/GPU (MFU 0.4 of 989 TF) | "
-             "ALST | UPipe |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "(GiB) | host held / node (GiB) | of it page-locked | step (measured rate) | tokens/s/GPU | ALST | UPipe |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         pub = [f"{r['published'][k]:,}" if k in r["published"] else "-" for k in ("ALST", "UPipe")]
+        step = duration(r["step_s"]) + (" (**over an hour**)" if r["over_an_hour"] else "")
         lines.append(f"| {r['gpus']} | {r['host_gib_per_node']:.0f} GiB | {r['longest']:,} | {r['split']}, "
                      f"{r['head_chunks']} | {r['gpu_peak_gib']:.2f} / {r['gpu_budget_gib']:.0f}, "
-                     f"{r['gpu_room_gib']:.2f} | {r['host_used_gib']:,.0f} | {r['relative_speed']:.2f} | "
-                     f"{r['tokens_per_sec_per_gpu']:.0f} | {pub[0]} | {pub[1]} |")
+                     f"{r['gpu_room_gib']:.2f} | {r['host_used_gib']:,.0f} | {r['page_locked_gib_per_node']:,.0f} | "
+                     f"{step} | {r['measured_tokens_per_sec_per_gpu']:.0f} | {pub[0]} | {pub[1]} |")
+    lines += ["", f"| GPUs (80 GiB) | split | longest length whose step takes at most {duration(TRAINABLE_S)} |",
+              "|---|---|---|"]
+    lines += [f"| {r['gpus']} | {r['split']} | {r['within_15_min']:,} |" for r in rows]
+    lines += ["", f"Step times: the cost model (planner.auto_features.step_seconds) at MFU {rows[0]['mfu']}, the "
+              "rate that reproduces the measured 1,109,646-token step of the 1-GPU configuration (224.6 s for 2 "
+              "layers on an H200 capped at 78.5 GiB, docs/results/gpu.md): fitted to that one run, extrapolated "
+              "to the other lengths and splits. One sequence per SP group per step. The second table keeps each row's features "
+              "and split: a lower bound (a shorter length may fit with fewer features, which run faster)."]
     return "\n".join(lines)
 
 

@@ -334,6 +334,33 @@ def test_auto_shows_the_dry_runs_choice(capsys):
     assert "memory_features auto: tiled_logits, checkpoint every layer at sp=2" in capsys.readouterr().out
 
 
+def test_every_length_comes_with_its_step_time():
+    """Issue 49: plan.py's rows and --compare carry the step time at the measured FLOP rate (planner/step_time.py:
+    the MFU that reproduces the GPU run's measured step), mark a step over an hour, and give per setup the longest
+    length whose step stays within 15 minutes (its step is within, one more unit is not)."""
+    from planner.step_time import MEASURED, TRAINABLE_S, measured_mfu, step_time
+
+    shape = ModelShape.from_config(MEASURED["model"])
+    f = Features.of(MEASURED["features"])
+    assert abs(step_time(shape, MEASURED["seq_len"], 1, f, world=1, ranks_per_node=1) - MEASURED["step_s"]) < 0.1
+    assert 0.2 < measured_mfu() < 0.6
+    rows = plan.compare()
+    for r in rows:
+        assert r["step_s"] > 0 and r["over_an_hour"] == (r["step_s"] > 3600)
+        n, sp, cp, feats = r["within_15_min"], r["sp"], r["cp"], Features(**r["features"])
+        assert 0 < n < r["longest"]
+        step = sp * (2 if cp > 1 else 1)
+        t = [step_time(load_shape("llama3-8b"), m, sp, feats, world=r["gpus"], ranks_per_node=r["gpus"] // r["nodes"],
+                       cp=cp) for m in (n, n + step)]
+        assert t[0] <= TRAINABLE_S < t[1], (r["gpus"], n, t)
+    assert rows[0]["over_an_hour"] is False and rows[1]["over_an_hour"] and rows[2]["over_an_hour"]
+    out = plan.render_compare(rows)
+    assert "(**over an hour**)" in out and f"MFU {measured_mfu()}" in out and "at most 15.0 min" in out
+    text = "\n".join(plan.render(plan.plan(["--model", "llama3-8b", "--seq_len", "1M", "--alst", "--gpus_per_node", "1",
+                                              "--nodes", "1", "--cpu_mem_gb", "1024"])).splitlines()[:9])
+    assert "page-locked/node" in text and " min " in text and "MFU 0.412" in text
+
+
 def test_compare_table_has_one_row_per_setup_and_the_published_figures():
     """`plan.py --compare`: the docs/results table's shape (its figures are the planner's, tested elsewhere)."""
     rows = plan.compare()
@@ -342,7 +369,8 @@ def test_compare_table_has_one_row_per_setup_and_the_published_figures():
         assert r["longest"] > 0 and 0 < r["relative_speed"] <= 1 and r["tokens_per_sec_per_gpu"] > 0
         assert r["published"] == plan.PUBLISHED.get(r["gpus"], {})
     table = plan.render_compare(rows).splitlines()
-    assert len(table) == 2 + len(rows) and all(line.count("|") == table[0].count("|") for line in table)
+    first = table[:2 + len(rows)]
+    assert all(line.count("|") == first[0].count("|") for line in first) and table[2 + len(rows)] == ""
     out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plan.py"), "--compare"], capture_output=True,
                          text=True, check=True).stdout.splitlines()
     assert out == table
