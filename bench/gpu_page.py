@@ -39,7 +39,9 @@ def _long(r: dict, title: str, what: str) -> list[str]:
                                           "keep_attention")}) if ch else "?"
     lines += [f"{what} Model `{r['model']}`, {r['length']:,} tokens, SP=1, bf16, `memory_features auto`"
               + (" with the stage's features pinned," if r.get("pinned") else "") + " with "
-              f"`{r.get('budget_args') or '--gpu_mem_gb ' + str(r['gpu_mem_gb'])}` (the run's own start-up choice), allocations capped at "
+              f"`{r.get('budget_args') or '--gpu_mem_gb ' + str(r['gpu_mem_gb'])}`"
+              + (" (the start-up's check of the pinned features)" if r.get("pinned") else " (the run's own start-up choice)")
+              + ", allocations capped at "
               f"{r['cap_gib']} GiB. Launch exit {r['exit_code']}, {r['wall_s']} s"
               + (f"; the step {r['step_s']} s" + (f" (MFU {100 * r['mfu']:.1f}%, counted as the ladder counts it)"
                                                   if r.get("mfu") else "") + "."
@@ -110,6 +112,12 @@ def _long(r: dict, title: str, what: str) -> list[str]:
     return lines
 
 
+def _short(kernel: str) -> str:
+    """A kernel's name without its parameter list (the page's table stays readable; the JSON keeps it whole)."""
+    name = kernel.split("(")[0].removeprefix("void ")
+    return name if len(name) <= 90 else name[:87] + "..."
+
+
 def _kernels(data: dict) -> list[str]:
     """The attention-kernel probe and the host-arena probe (bench/gpu_kernels.py)."""
     lines = []
@@ -127,7 +135,7 @@ def _kernels(data: dict) -> list[str]:
             if r.get("ok"):
                 lines.append(f"| {r['backend']} | {r.get('dispatch_at_length', '-')} | {r['forward_s']} | "
                              f"{r['forward_tflops']} | {r['backward_s']} | {r['backward_tflops']} | "
-                             f"{', '.join(f'`{k}`' for k in r.get('kernels', [])) or '-'} | "
+                             f"{', '.join(f'`{_short(k)}`' for k in r.get('kernels', [])) or '-'} | "
                              f"{'**fastest**' if r.get('fastest') else ''} |")
             else:
                 lines.append(f"| {r['backend']} | - | failed: {r['error']} | | | | | |")
