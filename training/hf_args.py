@@ -135,7 +135,10 @@ def apply(d: dict, where: str) -> dict:
             raise ValueError(f"--{hf} {value!r} and --{ours} {d[ours]!r} in {where} set the same thing: drop one")
         d[ours] = value
     if d.get("num_train_epochs") is not None and d.get("max_steps") is not None:
-        d["num_train_epochs"] = None  # the Trainer's rule: max_steps wins
+        if isinstance(d["max_steps"], int) and d["max_steps"] <= 0:
+            d.pop("max_steps")  # the Trainer's default -1: not set, the epochs count
+        else:
+            d["num_train_epochs"] = None  # the Trainer's rule: max_steps wins
     return d
 
 

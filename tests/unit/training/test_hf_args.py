@@ -120,6 +120,7 @@ def test_each_stage_trains_its_epochs_unless_it_sets_its_own_length(tmp_path):
 def test_max_steps_wins_over_epochs(tmp_path):
     cfg = parse_config(["--num_train_epochs", "3", "--max_steps", "7"])
     assert cfg.num_train_epochs is None and cfg.max_steps == 7
+    assert parse_config(["--num_train_epochs", "3", "--max_steps", "-1"]).num_train_epochs == 3  # HF's "not set"
     stages = epoch_stages(cfg, resolve_stages(cfg, dp_of_sp=lambda sp: 1), Data({2048: 1000}), 1)
     assert stages[0].max_steps == 7
 
