@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import yaml
@@ -15,10 +16,23 @@ from training.curriculum import check_stages, resolve_stages
 
 
 def dry_run(*args):
+    """train.py --dry_run in its own process (~5-15 s a start): the path, its exit code and its last line."""
     env = dict(os.environ, DS_ACCELERATOR="cpu")
     env.pop("RANK", None)
     return subprocess.run([sys.executable, "train.py", "--dry_run", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)
+
+
+def dry_run_here(capsys, *args) -> types.SimpleNamespace:
+    """What train.py --dry_run prints, run in this process (training.startup's load_run_config and dry_run, as
+    train.py calls them): for the plan's content, where a start of its own adds nothing that dry_run() above does
+    not check (test_llama3_8b_recipe_dry_run, test_bad_stage_fails_before_work)."""
+    from training.startup import dry_run as plan_only
+    from training.startup import load_run_config
+
+    capsys.readouterr()
+    plan_only(*load_run_config(["--dry_run", *args]))
+    return types.SimpleNamespace(returncode=0, stdout=capsys.readouterr().out, stderr="")
 
 
 def test_llama3_8b_recipe_dry_run():
@@ -44,10 +58,10 @@ def test_llama3_8b_recipe_dry_run():
                                "forward passes of 131072-1048576 tokens ~ "), evals
 
 
-def test_qwen25_7b_recipe_dry_run_splits_sp_past_the_heads():
+def test_qwen25_7b_recipe_dry_run_splits_sp_past_the_heads(capsys):
     """Qwen2.5-7B has 28 query heads: SP 8 and 16 run as Ulysses 4 inside a node x context parallelism (issue 28),
     and every stage has a memory plan for its split."""
-    p = dry_run("--config", "recipes/qwen25_7b_128k_to_1m.yaml")
+    p = dry_run_here(capsys, "--config", "recipes/qwen25_7b_128k_to_1m.yaml")
     assert p.returncode == 0, p.stderr[-2000:]
     for name, sl, sp, cp in (("s128k", 131072, 8, 2), ("s256k", 262144, 8, 2), ("s512k", 524288, 8, 2),
                              ("s1m", 1048576, 16, 4)):
@@ -55,10 +69,10 @@ def test_qwen25_7b_recipe_dry_run_splits_sp_past_the_heads():
     assert p.stdout.count("memory plan:") == 4 and "no memory plan" not in p.stdout
 
 
-def test_gpt_oss_20b_recipe_dry_run():
+def test_gpt_oss_20b_recipe_dry_run(capsys):
     """A 2026 family (issue 34): GPT-OSS-20B's sinks on flex_attention, Ulysses 8 inside a node, the 1M stage split
     8 x cp 2 by `auto`, YaRN factor doubled per stage over the model's own settings; head chunks never (sinks)."""
-    p = dry_run("--config", "recipes/gpt_oss_20b_128k_to_1m.yaml")
+    p = dry_run_here(capsys, "--config", "recipes/gpt_oss_20b_128k_to_1m.yaml")
     assert p.returncode == 0, p.stderr[-2000:]
     assert "model=gpt-oss-20b attn=flex_attention" in p.stdout, p.stdout
     for name, sl, split, factor in (("s128k", 131072, "sp=8", 32), ("s256k", 262144, "sp=8", 64),
@@ -75,19 +89,19 @@ def _stage_lines(stdout: str, prefix: str) -> dict:
             for i, ln in enumerate(lines) if ln.startswith("  stage ")}
 
 
-def test_llama3_8b_recipe_offloads_where_needed():
+def test_llama3_8b_recipe_offloads_where_needed(capsys):
     """The same recipe on smaller GPUs. 24 GB: every stage fits without ZeRO offload, attention head chunks taking
     its place where they are the cheapest way to fit (with the lean norms' outputs recomputed, 2026-11-27; before,
     the 1M stage needed the optimizer offloaded there). 20 GB: the 1M stage fits only with ZeRO offload, and the
     plan says so per stage, with what it costs."""
-    p = dry_run("--config", "recipes/llama3_8b_128k_to_1m.yaml", "--gpu_mem_gb", "24")
+    p = dry_run_here(capsys, "--config", "recipes/llama3_8b_128k_to_1m.yaml", "--gpu_mem_gb", "24")
     assert p.returncode == 0, p.stderr[-2000:]
     offload, feats = _stage_lines(p.stdout, "offload:"), _stage_lines(p.stdout, "memory features")
     assert list(offload) == ["s128k", "s256k", "s512k", "s1m"]
     assert all(ln.startswith("offload: none") for ln in offload.values()), offload
     # attention head chunks (issue 33): where they are the cheapest way to fit, auto takes them before an offload
     assert "head chunks" in feats["s1m"], feats
-    p = dry_run("--config", "recipes/llama3_8b_128k_to_1m.yaml", "--gpu_mem_gb", "20")
+    p = dry_run_here(capsys, "--config", "recipes/llama3_8b_128k_to_1m.yaml", "--gpu_mem_gb", "20")
     assert p.returncode == 0, p.stderr[-2000:]
     offload = _stage_lines(p.stdout, "offload:")
     assert "(needed: " in offload["s1m"] and not offload["s1m"].startswith("offload: none"), offload
