@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 
+from planner.cluster import RUNTIME_HOST_GIB
+
 GiB = 2**30
 FLAG = 0.10  # measured / planner outside 1 +- this: flagged on the page as the planner's next fix
 
@@ -170,8 +172,9 @@ def compare(probe: list[dict], plan: dict, n_layers: int, usable_bytes: float | 
     held = max([(r.get("pinned") or {}).get("allocated_bytes.current", 0) for r in probe] or [0]) or None
     rss = max([r.get("rss_hwm") or r.get("rss") or 0 for r in probe] or [0]) or None
     host = {"pinned": _ratio(held, plan["pinned"]) | {"stats": last.get("pinned") or {}},
-            "rss": _ratio(rss, plan["host"] + 2 * GiB) | {"note": "peak RSS against the planner's host terms + the "
-                                                                  "2 GiB runtime plan.py assumes (--cpu_overhead_gb)"}}
+            "rss": _ratio(rss, plan["host"] + RUNTIME_HOST_GIB * GiB) | {
+                "note": f"peak RSS against the planner's host terms + the {RUNTIME_HOST_GIB} GiB of runtime measured on "
+                        "the GPU run of 2026-11-28 (planner/cluster.RUNTIME_HOST_GIB, plan.py's --cpu_overhead_gb)"}}
     # the host arena (bench/gpu_probe.py records base/host_arena.STATS and its path): the most it registered against
     # the plan's exact bytes; a fallback to torch's rounded pinned blocks is a saving that did not engage
     registered = max([(r.get("arena") or {}).get("registered_bytes", 0) for r in probe] or [0]) or None

@@ -18,6 +18,13 @@ from planner.auto_features import gpu_budget, sp_splits, usable_bytes
 from planner.comm_model import layer_comm
 from planner.memory_model import Estimate, Features, GiB, ModelShape, estimate, pinned_round_limit
 
+# What a rank's process holds on the host beyond the planner's host terms (the CUDA runtime and its host allocations,
+# the interpreter, torch, DeepSpeed and the other libraries, the model file's pages while it loads): MEASURED on the
+# GPU run of 2026-11-28 (docs/results/gpu.md, the headline's configuration): peak RSS 54.43 GiB against 52.46 of host
+# terms (pinned blocks, arena and RSS each matched the planner within 0.1%), so 1.98 GiB. One run, one rank, one
+# machine: a fit, not a law (a model of another size maps another weights file).
+RUNTIME_HOST_GIB = 1.98
+
 
 def _int_or_auto(flag: str, value: str) -> int | str:
     if value == "auto":
@@ -75,7 +82,7 @@ class Planner:
         est = estimate(self.shape, seq_len, sp, self.world, feats, self.args.precision,
                        self.args.gpus_per_node, cp=cp, async_save=self.args.async_save, pinned_offloads=True,
                        pinned_limit=pinned_round_limit(self.args.alloc_conf))
-        est.cpu_per_rank["process runtime (assumed)"] = int(self.args.cpu_overhead_gb * GiB)
+        est.cpu_per_rank["process runtime (measured)"] = int(self.args.cpu_overhead_gb * GiB)
         return est, est.gpu_peak <= self.gpu_limit, est.cpu_per_node <= self.cpu_limit
 
     def longest(self, sp: int, feats: Features | None = None, cp: int = 1) -> int:

@@ -33,7 +33,7 @@ import yaml
 
 from base.parallel import split_sp
 from planner.auto_features import GPU_RESERVED, HEADROOM, gpu_budget
-from planner.cluster import Planner, _int_or_auto, _valid_splits, split_label
+from planner.cluster import RUNTIME_HOST_GIB, Planner, _int_or_auto, _valid_splits, split_label
 from planner.memory_model import (
     Estimate,
     Features,
@@ -61,7 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpu_mem_gb", type=float, default=80.0)
     p.add_argument("--cpu_mem_gb", type=float, default=1024.0, help="CPU memory per node")
-    p.add_argument("--cpu_overhead_gb", type=float, default=2.0, help="assumed runtime CPU memory per rank")
+    p.add_argument("--cpu_overhead_gb", type=float, default=RUNTIME_HOST_GIB,
+                   help="runtime CPU memory per rank beyond the planner's host terms (default: the GPU run's measured "
+                        "1.98 GiB, planner/cluster.RUNTIME_HOST_GIB)")
     p.add_argument("--alloc_conf", default="",
                    help="the run's PYTORCH_ALLOC_CONF: its pinned_max_cached_size_mb / pinned_max_round_threshold_mb set "
                         "where pinned host blocks stop being rounded up to a power of two (default: torch's, all are)")

@@ -189,7 +189,8 @@ def agreed_budget(cfg: Config):
 
             device, own = device_budget(cfg.gpu_mem_gb, cfg.mem_cap_gb)
             # the host memory a rank's offloads may take (issue 43): what the job may still use on this node over its
-            # ranks, less the runtime plan.py assumes per rank (--cpu_overhead_gb 2); agreed as the minimum too.
+            # ranks, less the runtime a rank holds beyond the planner's terms (planner/cluster.RUNTIME_HOST_GIB,
+            # measured; plan.py's --cpu_overhead_gb); agreed as the minimum too.
             # memory_features auto bounds the ZeRO and checkpoint offloads by it, as plan.py does (GPU runs only)
             # (a real GPU run only: a dry run, or one planned for GPUs on a machine without any, is not on the node it
             # plans for, and this machine's memory would bound the target's offloads)
@@ -197,7 +198,9 @@ def agreed_budget(cfg: Config):
 
             on_node = device == "cuda" and torch.cuda.is_available() and not getattr(cfg, "dry_run", False)
             avail = job_memory_available() if on_node else None
-            host = avail // max(1, gpus_per_node(cfg) or 1) - 2 * 2**30 if avail else 2.0**62
+            from planner.cluster import RUNTIME_HOST_GIB
+
+            host = avail // max(1, gpus_per_node(cfg) or 1) - int(RUNTIME_HOST_GIB * 2**30) if avail else 2.0**62
             got = comm.all_reduce([float(own), float(host)], op="min").tolist()
             agreed.append((device, int(got[0]), None if got[1] >= 2.0**62 else max(0, int(got[1]))))
         return agreed[0][:2]

@@ -228,3 +228,17 @@ def test_gpu_check_headline_is_plan_compare_row_and_flags_above_usable():
     assert [(r["layer"], r["norm"], r["flag"]) for r in norms] == [(1, "post-attention", False), (1, "input", False)]
     assert norms[0]["over_usable"] and got["over_usable"] == ["norm_backward L1", "step"], got["over_usable"]
     assert got["usable_gib"] == round(usable / GiB, 3)
+
+
+def test_the_fitted_constants_are_the_committed_gpu_run():
+    """The two figures fitted to the GPU run (planner/step_time.MEASURED's step, planner/cluster.RUNTIME_HOST_GIB) are
+    read off the committed bench/results/gpu.json: a new run that moves them fails here until they follow it."""
+    from planner.cluster import RUNTIME_HOST_GIB
+    from planner.step_time import MEASURED
+
+    with open(os.path.join(ROOT, "bench", "results", "gpu.json")) as fh:
+        run = json.load(fh)["headline"]
+    assert (run["length"], run["step_s"]) == (MEASURED["seq_len"], MEASURED["step_s"])
+    assert run["memory_choice"]["attention_head_chunks"] == MEASURED["features"]["attention_head_chunks"]
+    runtime = run["host"]["rss"]["measured_gib"] - sum(run["planner"]["host_terms_gib"].values())
+    assert abs(runtime - RUNTIME_HOST_GIB) < 0.01, runtime

@@ -221,6 +221,8 @@ def test_the_host_budget_is_the_nodes_own_on_a_gpu_run_only(monkeypatch):
     assert b()[0] == "cuda" and b.host_bytes() is None  # no GPU here: not the node it plans for
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     b = agreed_budget(cfg)
-    assert b.host_bytes() == 100 * 2**30 // 8 - 2 * 2**30
+    from planner.cluster import RUNTIME_HOST_GIB
+
+    assert b.host_bytes() == 100 * 2**30 // 8 - int(RUNTIME_HOST_GIB * 2**30)  # the measured runtime per rank
     b = agreed_budget(SimpleNamespace(**{**vars(cfg), "dry_run": True}))
     assert b.host_bytes() is None
