@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from base import host_arena
+from base import host_arena, progress
 from base.log import print0, rank_log
 from data.pipeline import heldout_samples
 from data.sharding import collate, shard
@@ -63,6 +63,7 @@ def train_stage(run: Run, stage, stages, state: TrainState) -> None:
     cfg, dims, preempt = run.cfg, run.dims, run.preempt
     end = stage_start(stages, stage.index) + stage.max_steps
     t_build = time.perf_counter()
+    progress.mark(state.step, "build")  # never judged a hang: a restore or a conversion may hold the ranks for hours
     reset_peak_memory()  # peak_mem_gb is this stage's own
     sdims = dataclasses.replace(dims, sp=stage.sp, cp=stage.cp)
     hf_config = copy.deepcopy(run.base_config)
@@ -84,6 +85,7 @@ def train_stage(run: Run, stage, stages, state: TrainState) -> None:
     # run resumed mid-curriculum weighs the stage it resumes in as that stage says
     weighting = getattr(stage, "loss_weighting", None) or cfg.loss_weighting
     while state.step < end:
+        progress.mark(state.step + 1, "data")  # rank 0 ends the job when a rank's marks stop (base/progress.py)
         micro = [shard(collate([dataset[i] for i in sampler.next_batch()], sdims.seq_multiple, run.data.pad_id,
                                weighting), sdims.sp, sdims.sp_rank, sdims.cp)
                  for _ in range(cfg.gradient_accumulation_steps)]
@@ -97,6 +99,7 @@ def train_stage(run: Run, stage, stages, state: TrainState) -> None:
         state.step += 1
         _log_step(run, stage, sdims, state, out, lr, sampler)
         _committed(run, state, run.ckpt.poll())  # a background save whose writes are durable on every rank
+        progress.mark(None, "sync")
         stopping = _agree(run, state.step + 1 >= end)
         at_end = state.step == end
         in_window = stopping and preempt.window_left_s is not None  # SIGTERM: the launcher SIGKILLs every rank soon
@@ -111,12 +114,14 @@ def train_stage(run: Run, stage, stages, state: TrainState) -> None:
         elif stopping:
             _committed(run, state, run.ckpt.finish())  # a background save of this step: durable before exit 75
         if stopping:
+            progress.mark(None, "idle")
             release_engine(engine)
             del engine
             gc.collect()  # the engine's model, optimizer and partitions reference each other: free them now
             return
 
     # --- stage end: checkpoint written above; evaluate at this stage's length, then agree on a stop again ---
+    progress.mark(None, "idle")  # evaluation: not judged
     t_eval = time.perf_counter()
     # an SFT stage's held-out: whole conversations, loss on the assistant's tokens (training/evaluation.py)
     evaluate_stage(engine, stage, sdims, stage_heldout(run.data, stage, heldout_samples(stage.eval)),
@@ -228,6 +233,7 @@ def _save(run: Run, engine, stage, hf_config, state: TrainState, sampler, at_end
     """A checkpoint of `state` (collective); the stage's last one is kept for good. With `async_save` only the
     snapshot blocks here and the commit comes at a later step boundary (`_committed`); a stage's end and an agreed
     stop save synchronously (the next stage loads it; the job exits after it), after the write in flight."""
+    progress.mark(None, "save")
     t_wait = time.perf_counter()
     if run.ckpt.pending:  # at most one save in flight: this one waits for it (the steps are blocked meanwhile)
         print0(f"save at step {state.step} waits for the background write of step {run.ckpt.pending.step}")

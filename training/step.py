@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from base import comm
+from base import comm, progress
 from model_utils.tiled_loss import loss_sum
 
 
@@ -51,6 +51,7 @@ def train_step(engine, micro_batches: list[dict[str, torch.Tensor]], world: int,
     global batch's supervised tokens, for the metrics) and, with conversation weights, `label_weight` (its
     conversations with a supervised token); `skipped` where the global batch had no supervised token (nothing run)."""
     t0 = time.perf_counter()
+    progress.mark(None, "forward")  # before the step's first collective: a rank that never gets here is behind
     device = engine.device
     n_tokens, n_weight = comm.all_reduce(label_totals(micro_batches)).tolist()
     if n_tokens == 0:  # the global count, the same on every rank: every rank skips (never a rank-local decision)
@@ -60,10 +61,13 @@ def train_step(engine, micro_batches: list[dict[str, torch.Tensor]], world: int,
     total = torch.zeros((), dtype=torch.float64)
     for i, mb in enumerate(micro_batches):
         mb = {k: v.to(device) for k, v in mb.items()}
+        progress.mark(None, "forward")  # where this rank is, for rank 0's hang detection (base/progress.py)
         local = loss_fn(engine, mb)
+        progress.mark(None, "backward")
         engine.backward(local * scale)
         if before_step is not None and i == len(micro_batches) - 1:
             before_step(engine)  # e.g. tests reading the full gradients before the optimizer consumes them
+        progress.mark(None, "optimizer")
         engine.step()
         total += local.detach().double().cpu()
     out = {"loss": comm.all_reduce(total).item() / denom, "label_tokens": int(n_tokens),

@@ -427,3 +427,22 @@ def test_a_crash_on_one_node_is_requeued_without_it_under_slurm(tmp_path, slow_p
     assert "node 1 (localhost) crashed (exit 1), no other node on its own" in text, text[-5000:]
     assert requeues(tmp_path) == [f"requeue {job_id}", f"update JobId={job_id} ExcNodeList=localhost"], text[-5000:]
     assert recorded.split()[1:3] == ["1", "localhost"], recorded
+
+
+@pytest.mark.dist
+def test_a_hung_rank_ends_the_job_naming_it(tmp_path):
+    """Rank 1 stops at the start of step 3 (before its first collective), its process alive and its heartbeat beating:
+    rank 0, blocked in that collective, used to wait for the collective timeout (600 s here, 30 min by default).
+    Rank 0's progress monitor (base/progress.py) finds rank 1 behind and silent past its phase's bound (5 s floor
+    here) and ends the job with 69, naming rank 1 and its host."""
+    import socket
+
+    t0 = time.time()
+    out, procs = launch(tmp_path, FAULT="1:hang:3", WATCH=f"2:60:20:{GRACE_S}", ULYSSES_HANG_MIN_S="5",
+                        ULYSSES_HANG_FIRST_S="60", ULYSSES_HANG_POLL_S="1")
+    codes, _, _ = wait_all(procs, tmp_path)
+    took = time.time() - t0
+    assert codes == [EXIT_PEER_LOST, EXIT_PEER_LOST], (codes, log(tmp_path, 0)[-3000:])
+    assert f"rank 1 ({socket.gethostname()}) hung: no progress for " in log(tmp_path, 0), log(tmp_path, 0)[-3000:]
+    assert "in data of step 3, behind 1 other rank(s) stopped waiting for it" in log(tmp_path, 0), log(tmp_path, 0)[-3000:]
+    assert took < 300, took  # not the 600 s collective timeout

@@ -6,6 +6,8 @@ go on into backward's collectives) or `after` (once the step is done, while the 
 The failing rank then hangs in its teardown (an atexit sleep that runs before the process group is left), as
 an NCCL rank with pending work can: its sockets stay open, so the others' gloo collectives do not fail by
 themselves and only the abort channel can stop them; the rank's own exit timer (EXIT_GRACE_S) ends it.
+`hang` ("1:hang:3") makes the rank stop at the start of step STEP for an hour, before its first collective (a hung
+host-side read or kernel launch), no exception, its process alive.
 A fourth field `quick` ("0:after:2:quick") makes the opposite: the process is gone as soon as train.py has
 reported the failure (an atexit `os._exit(1)`, before any teardown), as when its launcher kills it.
 HOLD="RANK:SECONDS:STEP" makes rank RANK hold the GIL for SECONDS inside its optimizer step at step STEP (a
@@ -79,6 +81,8 @@ def _install() -> None:
             return real(engine, micro_batches, world, loss_fn=loss_fn, before_step=before_step)
         if where == "before":
             fail(f"injected fault before step {at}")
+        if where == "hang":  # stuck at the step's start, before its first collective: no exception, no exit
+            time.sleep(3600)
         if where == "during":
             def failing_loss(engine, mb):
                 loss_fn(engine, mb)

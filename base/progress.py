@@ -1,0 +1,183 @@
+"""A hang is found from progress, not from a collective's timeout: each rank publishes where it is (its step, its
+phase and a counter) on the job's store, and rank 0 ends the job when a rank's progress has stopped for longer than a
+bound derived from the measured durations of that phase, naming the rank and its host, well before NCCL's watchdog
+(`dist_timeout_s`, 30 min) would raise somewhere else.
+
+The heartbeat (base/watcher.py) only says a rank's process lives: its beat is a forked process that goes on while
+the rank is stuck in a kernel or a collective. Progress is what the training loop itself marks (`mark(step, phase)`:
+training/stage.py and training/step.py mark `data`, `forward` and `backward` per micro-batch, `optimizer`, `sync`
+and `save`); a rank's
+small publisher thread sets `progress/RANK = "COUNTER STEP PHASE"` on the store when it changed, every PUBLISH_S, off
+the step's path. Rank 0's monitor reads every rank's value every POLL_S and keeps, on its own clock, when each last
+changed (one decider, one clock; the ranks' clocks never meet).
+
+The bound of a phase: FACTOR (2) x the longest that phase has lasted on any rank so far, at least MIN_S (300 s); a
+phase not yet measured (the first step's compile and warm-up): FIRST_S (1200 s). `build` and `idle` (building an
+engine, restoring, converting a checkpoint, evaluating: rank 0's solo work may hold the others for hours) are never
+judged. When ranks stall, the rank that is behind (the smallest step and mark counter: the others went on into a
+collective that waits for it) is named; where none is behind (every rank in the same collective), the line says so
+and names the ranks. The job ends with EXIT_PEER_LOST (69: a requeue, bounded by progress under slurm.sbatch): `rank R
+(HOST) hung: no progress for S s in PHASE of step N (bound B s: 2 x the longest PHASE measured, M s)`.
+
+Cost: one `set` per rank per PUBLISH_S at most, rank 0 one `multi_get` of WORLD keys per POLL_S (512 small keys at
+512 ranks every 10 s). What it costs in detection time: a 10-s step of Llama-3-8B at 128K is judged after 5 min (the
+floor); at 1M tokens, where one backward takes ~13 min, after 2 x 13 = 26 min, just inside NCCL's 30: finer progress
+there needs marks inside the backward (per layer), which this module takes as they come (any `mark` is progress).
+Environment: ULYSSES_HANG_MIN_S, ULYSSES_HANG_FIRST_S, ULYSSES_HANG_POLL_S, ULYSSES_HANG=0 (off).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+FACTOR = 2.0
+MIN_S = float(os.environ.get("ULYSSES_HANG_MIN_S", "300"))
+FIRST_S = float(os.environ.get("ULYSSES_HANG_FIRST_S", "1200"))
+POLL_S = float(os.environ.get("ULYSSES_HANG_POLL_S", "10"))
+PUBLISH_S = POLL_S / 2
+SUSPENDED_S = 3 * POLL_S  # a monitor that wakes this late was stopped with the job (scontrol suspend): clocks restart
+UNJUDGED = ("build", "idle")  # a stage's build, restore, conversion, evaluation: solo work may hold the others for hours
+
+
+class Tracker:
+    """Rank 0's view of every rank's progress, on its clock. Pure: `observe(now, values)` -> the hang's line or None."""
+
+    def __init__(self, world: int, factor: float = FACTOR, min_s: float = MIN_S, first_s: float = FIRST_S):
+        self.world, self.factor, self.min_s, self.first_s = world, factor, min_s, first_s
+        self.last: dict[int, tuple[str, float]] = {}  # rank -> (its value, when it last changed)
+        self.longest: dict[str, float] = {}  # phase -> the longest it lasted on any rank
+        self.polled: float | None = None
+
+    def bound(self, phase: str) -> float:
+        done = self.longest.get(phase)
+        return self.first_s if done is None else max(self.min_s, self.factor * done)
+
+    def observe(self, now: float, values: list[str], hosts: list[str] | None = None) -> str | None:
+        if self.polled is not None and now - self.polled > SUSPENDED_S:  # stopped with the job: nothing measured
+            self.last = {r: (v, now) for r, (v, _) in self.last.items()}
+        self.polled = now
+        stalled = []
+        for r, value in enumerate(values):
+            seen = self.last.get(r)
+            if seen is None or seen[0] != value:
+                if seen is not None and seen[0]:
+                    phase = seen[0].split(" ")[-1]
+                    self.longest[phase] = max(self.longest.get(phase, 0.0), now - seen[1])
+                self.last[r] = (value, now)
+                continue
+            if not value:
+                continue  # not marked yet
+            count, step, phase = value.split(" ", 2)
+            if phase not in UNJUDGED and now - seen[1] > self.bound(phase):
+                stalled.append((seen[1], r, step, count, phase))
+        if not stalled:
+            return None
+        # who is behind among every rank that stopped no later than a stalled one (a hung rank in a phase with a
+        # longer bound is among them: the others stalled waiting for it)
+        latest = max(t for t, *_ in stalled)
+        quiet = []
+        for r, (value, t) in self.last.items():
+            if value and t <= latest and value.split(" ", 2)[2] not in UNJUDGED:
+                count, step, phase = value.split(" ", 2)
+                quiet.append((t, r, step, count, phase))
+        since = min(t for t, *_ in quiet)
+        behind = min((int(step), int(count)) for _, _, step, count, _ in quiet)
+        first = [x for x in quiet if (int(x[2]), int(x[3])) == behind]
+        t, r, step, _, phase = min(first)
+        t0, _, _, _, p0 = min(stalled)  # the stop that passed its bound first
+        how = (f"{self.factor:g} x the longest {p0} measured, {self.longest[p0]:.0f} s, at least {self.min_s:.0f} s"
+               if p0 in self.longest else f"{p0} not measured yet")
+        bound = f"{p0}'s bound {self.bound(p0):.0f} s passed after {now - t0:.0f} s: {how}"
+        if len(first) < len(quiet) or len(quiet) < len(values):
+            host = f" ({hosts[r]})" if hosts and hosts[r] else ""
+            others = f", behind {len(quiet) - 1} other rank(s) stopped waiting for it" if len(quiet) > 1 else ""
+            return f"rank {r}{host} hung: no progress for {now - t:.0f} s in {phase} of step {step}{others} ({bound})"
+        return (f"ranks {_ranges(sorted(x[1] for x in first))} hung together: no progress for {now - since:.0f} s in "
+                f"{phase} of step {step} ({bound}); none is behind the others (a collective none of them left): the "
+                "hung rank is not told apart by progress")
+
+
+def _ranges(ranks: list[int]) -> str:
+    out, i = [], 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+_MINE: dict = {}  # this rank's publisher: value, counter
+
+
+def mark(step: int | None, phase: str) -> None:
+    """This rank reached `phase` (of `step`; None: the step of its last mark). Costs a dict update; the first call
+    starts this rank's publisher (and rank 0's monitor). Nothing in a world of one or without the abort channel."""
+    if not _MINE:
+        if not _start():
+            _MINE["off"] = True
+    if _MINE.get("off"):
+        return
+    _MINE["count"] += 1
+    _MINE["step"] = _MINE["step"] if step is None else step
+    _MINE["value"] = f"{_MINE['count']} {_MINE['step']} {phase}"
+
+
+def _start() -> bool:
+    if os.environ.get("ULYSSES_HANG") == "0":
+        return False
+    from base import comm
+    from base.watcher import key
+
+    w = getattr(comm, "_WATCHER", None)  # the abort channel's store (base/comm.py): none for a world of one
+    if w is None or w.world <= 1:
+        return False
+    _MINE.update(count=0, step=0, value="")
+
+    def publish() -> None:
+        sent = None
+        while True:
+            value = _MINE["value"]
+            if value != sent:
+                try:
+                    w.ask(lambda st, v=value: st.set(key(f"progress/{w.rank}"), v))
+                    sent = value
+                except Exception:  # noqa: BLE001 -- the store gone: the watcher ends this rank
+                    pass
+            time.sleep(PUBLISH_S)
+
+    threading.Thread(target=publish, name="progress-publish", daemon=True).start()
+    if w.rank == 0:
+        threading.Thread(target=_monitor, args=(w,), name="progress-monitor", daemon=True).start()
+    return True
+
+
+def _monitor(w) -> None:
+    from base.exits import EXIT_PEER_LOST
+    from base.watcher import key
+
+    names = [key(f"progress/{r}") for r in range(w.world)]
+    try:
+        w.ask(lambda st: [st.compare_set(n, "", "") for n in names])  # exist, so multi_get never blocks
+        hosts = [h.decode() if isinstance(h, bytes) else str(h)
+                 for h in w.ask(lambda st: st.multi_get([key(f"host/{r}") for r in range(w.world)]))]
+    except Exception:  # noqa: BLE001 -- no store: the watcher handles it
+        return
+    tracker = Tracker(w.world)
+    while not w.stopped:
+        try:
+            values = [v.decode() if isinstance(v, bytes) else str(v) for v in w.ask(lambda st: st.multi_get(names))]
+        except Exception:  # noqa: BLE001
+            values = None
+        line = tracker.observe(time.monotonic(), values, hosts) if values else None
+        if line:
+            from base import comm
+
+            print(f"error: {line}", file=sys.stderr, flush=True)
+            comm.abort(line, EXIT_PEER_LOST)
+            os._exit(EXIT_PEER_LOST)
+        time.sleep(POLL_S)

@@ -1,0 +1,70 @@
+"""base/progress.py: a hang found from progress on rank 0's clock. A rank whose marks stop for longer than its
+phase's bound (2 x the longest that phase lasted, at least MIN_S; FIRST_S before it was measured) is named with its
+host, the rank that is behind when the others wait for it in a collective; build and evaluation are never judged; a
+suspended job's late poll restarts the clocks."""
+
+from __future__ import annotations
+
+from base.progress import Tracker
+
+HOSTS = ["n0", "n0", "n1", "n1"]
+
+
+def run(tracker: Tracker, until: float, values_at) -> tuple[float, str] | None:
+    t = 0.0
+    while t <= until:
+        line = tracker.observe(t, values_at(t), HOSTS)
+        if line:
+            return t, line
+        t += 10.0
+    return None
+
+
+def steps(t: float, hung: int | None = None, at: float = 1e9, step_s: float = 60.0) -> list[str]:
+    """Four ranks marking forward, backward, optimizer each third of a step_s step; `hung` stops in its data phase of
+    the step after `at` while the others go on into that step's forward (a collective that waits for it)."""
+    out = []
+    for r in range(4):
+        now = min(t, at) if r == hung else t
+        step, part = int(now // step_s) + 1, int((now % step_s) // (step_s / 3))
+        count = 4 * (step - 1) + part + 1
+        phase = ("forward", "backward", "optimizer")[part]
+        if r == hung and t >= at:
+            step, count, phase = step + 1, 4 * step, "data"
+        elif hung is not None and t >= at:
+            step, count, phase = int(at // step_s) + 2, 4 * int(at // step_s + 1) + 1, "forward"
+        out.append(f"{count} {step} {phase}")
+    return out
+
+
+def test_a_rank_that_stops_is_named_within_its_bound():
+    tracker = Tracker(4, min_s=60.0, first_s=600.0)
+    got = run(tracker, 5000, lambda t: steps(t, hung=2, at=1200.0))
+    assert got is not None
+    t, line = got
+    assert line.startswith("rank 2 (n1) hung: no progress for ") and "in data of step 22" in line, line
+    assert "behind 3 other rank(s) stopped waiting for it" in line
+    assert 1200 + 60 < t <= 1200 + 600 + 20, (t, line)  # the data phase never measured: FIRST_S
+
+
+def test_a_measured_phase_is_judged_at_twice_its_longest():
+    tracker = Tracker(4, min_s=30.0, first_s=600.0)
+    frozen = ["9 3 forward"] * 4
+    got = run(tracker, 4000, lambda t: steps(t) if t < 1200 else ["1000 99 backward"] + frozen[1:])
+    t, line = got
+    assert "bound 40 s passed after 50 s: 2 x the longest " in line, line  # each phase lasted 20 s: 40 s
+    assert line.startswith("rank 1 (n0) hung: no progress for "), line
+
+
+def test_build_and_evaluation_are_never_judged():
+    tracker = Tracker(4, min_s=10.0, first_s=20.0)
+    assert run(tracker, 10000, lambda t: ["5 3 idle", "5 3 idle", "4 3 build", "4 3 build"]) is None
+
+
+def test_a_suspended_job_is_not_a_hang():
+    tracker = Tracker(4, min_s=10.0, first_s=20.0)
+    values = ["1 1 forward"] * 4
+    assert tracker.observe(0.0, values, HOSTS) is None
+    assert tracker.observe(10.0, values, HOSTS) is None
+    assert tracker.observe(3600.0, values, HOSTS) is None  # an hour stopped (scontrol suspend): clocks restart
+    assert tracker.observe(3610.0, ["2 1 backward"] * 4, HOSTS) is None
