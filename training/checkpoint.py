@@ -38,6 +38,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import time
 from dataclasses import dataclass
 
@@ -129,6 +130,22 @@ class Pending:
 
 
 
+# Bytes per parameter of a first checkpoint, before any was written to measure: ZeRO-3's fp32 master, Adam's m and v
+# (12) and the model-dtype partition (2). Later saves take the newest committed one's size from its manifest.
+CKPT_BYTES_PER_PARAM = 14
+DISK_MARGIN = 1.05
+
+
+def _own_params(engine) -> int:
+    """Parameters this rank's files hold: its ZeRO-3 partitions (ds_tensor), else all of them over the world."""
+    n = 0
+    module = getattr(engine, "module", None)  # (the tests' stand-in engines have none: nothing to estimate)
+    for p in module.parameters() if module is not None else ():
+        part = getattr(p, "ds_tensor", None)
+        n += part.numel() if part is not None else p.numel() // max(1, comm.world())
+    return n
+
+
 class Checkpointer(Restorer):
     def __init__(self, output_dir: str, keep: int, settle_s: float | None = None, deadline: Deadline | None = None):
         self.root = os.path.join(output_dir, "checkpoints")
@@ -156,6 +173,7 @@ class Checkpointer(Restorer):
         t0 = time.perf_counter()
         tag = tag_for(step)
         path = os.path.join(self.root, tag)
+        self._room(engine, tag)
         if rank == 0 and os.path.exists(path):  # a partial leftover of a killed run at this same step
             self.trash.discard(path)  # out of the way at once; deleted in the background
         comm.barrier()
@@ -187,6 +205,33 @@ class Checkpointer(Restorer):
         snap.start()
         self.pending = Pending(tag, step, path, stage_end, trainer, snap, t0, time.perf_counter() - t0)
         return None
+
+    def _room(self, engine, tag: str) -> None:
+        """Refuse, on every rank and in one line, a save the output folder's file system cannot hold, before any byte
+        is written (a short write surfaced as torch.save's 'unexpected pos' after a ~21 GB file; Llama-3-8B's
+        checkpoint is ~100 GB, and every stage's final one is kept). Need: the newest committed checkpoint's size
+        (its manifest, rank 0), else each rank's parameters x CKPT_BYTES_PER_PARAM summed; room: the least free space
+        any rank sees there (the folder is shared: train.py refuses one that is not). One all-reduce of two numbers
+        (two before the first checkpoint). Collective."""
+        os.makedirs(self.root, exist_ok=True)
+        last = (self._newest_size() or 0) if comm.rank() == 0 else 0
+        top = comm.all_reduce([float(last), -float(shutil.disk_usage(self.root).free)], op="max")
+        free = -top[1].item()
+        need_all = top[0].item() or comm.all_reduce([float(_own_params(engine) * CKPT_BYTES_PER_PARAM)])[0].item()
+        if need_all * DISK_MARGIN > free:
+            raise ValueError(f"checkpoint {tag} needs ~{need_all / 1e9:.1f} GB in {self.root}, {free / 1e9:.1f} GB free "
+                             "there: free space (every stage's final checkpoint is kept), lower --save_total_limit, "
+                             "or give --output_dir a larger file system")
+
+    def _newest_size(self) -> int | None:
+        """Bytes of the newest committed checkpoint (its manifest's files), None when there is none."""
+        try:
+            with open(os.path.join(self.root, POINTER)) as fh:
+                tag = fh.read().strip()
+            with open(os.path.join(self.root, tag, MANIFEST)) as fh:
+                return sum(int(f.get("size", 0)) for f in json.load(fh)["files"].values()) or None
+        except (OSError, ValueError, KeyError):
+            return None
 
     def poll(self) -> tuple[str, float] | None:
         """At a step boundary: commit the background save if every rank's write is durable (one all-reduce of two
