@@ -28,7 +28,7 @@ import time
 
 LOCK = "RUN_LOCK"
 HEARTBEAT_S = 60.0
-STALE_S = 600.0  # a lock from another host with no job state to read: dead when its heartbeat is this old
+STALE_S = 300.0  # a lock from another host with no job state to read: dead when its heartbeat is this old (5 beats)
 LIVE_STATES = {"RUNNING", "SUSPENDED", "COMPLETING", "CONFIGURING", "STAGE_OUT", "SIGNALING", "RESIZING", "STOPPED"}
 _HELD: list = []  # [path, token, stop event] of the lock this process holds
 
