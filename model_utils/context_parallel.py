@@ -218,9 +218,29 @@ def context_parallel(attn: str, orig, group, cp: int, cp_rank: int, ring: bool =
     return attention_cp
 
 
+RING_FLASH_ATTN = "2.7"  # the ring calls flash-attn's private varlen ops: window_size_left / _right and 4 outputs
+
+
+def check_ring_flash_attn() -> None:
+    """The ring's flash kernel calls flash_attn_interface._flash_attn_varlen_forward / _backward with 2.7's signature
+    (2.6 takes window_size=(left, right) and returns 8 values: a TypeError at the first ring call): refused at start-up."""
+    from packaging.version import Version
+
+    try:
+        import flash_attn
+    except ImportError:
+        flash_attn = None
+    found = getattr(flash_attn, "__version__", None)
+    if found is None or Version(found) < Version(RING_FLASH_ATTN):
+        raise ValueError(f"ring_attention with flash_attention_2 needs flash-attn >= {RING_FLASH_ATTN} (found "
+                         f"{found or 'none'}): upgrade it (requirements-gpu.txt) or set ring_attention false")
+
+
 def register(attn: str, group, cp: int, cp_rank: int, ring: bool = False) -> None:
     """Make the registered core attention for `attn` the context-parallel one (after attention.register, before
     Ulysses wraps it). attention.restore() undoes it. ring: K / V in a ring (ring_attention.RING_BACKENDS only)."""
+    if ring and attn == "flash_attention_2":
+        check_ring_flash_attn()
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     if ring and attn not in ring_attention.RING_BACKENDS:

@@ -49,6 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
 from base.host_arena import HostArena
+from model_utils import ring_attention
 from model_utils.engagement import engaged, missing_norm_source
 from model_utils.mlp import use_lean_mlp
 from model_utils.rmsnorm import norm_source, renorm, use_lean_rmsnorm
@@ -112,14 +113,16 @@ def checkpoint_every(features) -> int:
 
 def attention_ops() -> frozenset:
     """The fused attention kernels whose outputs --keep_attention saves: every SDPA backend (CPU, flash,
-    memory-efficient, cuDNN, the overrideable one) and flash-attn's own ops when that package registered them
-    (flash-attn >= 2.7 under torch >= 2.4). A kernel not listed (SDPA's math fallback, flex_attention's
+    memory-efficient, cuDNN, the overrideable one), the context-parallel ring's forward (one op: its block calls
+    inside it are not seen) and flash-attn's own ops when that package registered them (flash-attn >= 2.7 under
+    torch >= 2.4). A kernel not listed (SDPA's math fallback, flex_attention's
     higher-order op) is recomputed like any other op: the layer is then checkpointed in full, never wrong."""
     aten = torch.ops.aten
     names = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
              "_scaled_dot_product_fused_attention_overrideable")
     ops = {getattr(aten, n).default for n in names if hasattr(aten, n)}
+    ops.add(ring_attention.forward_op())  # the ring's merged output, not its block calls (ring_attention.py)
     fa = getattr(torch.ops, "flash_attn", None)
     for n in ("_flash_attn_forward", "_flash_attn_varlen_forward"):
         try:

@@ -13,19 +13,20 @@ global ranges, masked as one whole-sequence call would mask them.
 Backward (the `_Ring` autograd.Function) runs the ring again, as ring-flash-attention and Megatron's context
 parallelism do: with the global output O and lse saved, block j's gradients are exact on their own (P = exp(S -
 lse), D = rowsum(dO * O), dS = P (dP - D)), so nothing per block is kept from the forward. dQ accumulates locally
-(fp32); dK / dV of block j travel with it in the compute dtype and arrive at their owner after cp steps (bf16: the
-partial sums rounded at each of the cp - 1 hops, as Transformer Engine's context-parallel ring does). Autograd over the per-block
-calls would have kept every block's K / V for backward: the whole gathered K / V again, which is what this avoids.
+(fp32); dK / dV of block j accumulate and travel with it in fp32 (as ring-flash-attention does) and arrive at their
+owner after cp steps, cast to the compute dtype there. Autograd over the per-block calls would have kept every
+block's K / V for backward: the whole gathered K / V again, which is what this avoids. The forward is one torch op
+(`_forward_op`), so --keep_attention and head chunks keep its merged output and lse, not each block call's.
 
 What a rank holds beyond its own q, k, v, o (planner.attention_sp.cp_kv_buffer_bytes counts it; the multi-process
 test checks it byte for byte against STATS["peak_bytes"]): forward, the block computed on and the one arriving (2
 K/V blocks; 1 at cp = 2) plus the fp32 output and lse accumulators; backward, 2 K/V blocks (1 at cp = 2), the fp32
-dQ accumulator and 3 dK/dV blocks (the one computed, the one in flight to the next rank, the one arriving). Not in
+dQ accumulator and 3 fp32 dK/dV blocks (the one computed, the one in flight to the next rank, the one arriving). Not in
 it: each block pair's kernel working set (the math path's fp32 scores of a tile; flash-attn's own dq accumulator
 and dk, dv of one chunk, the pair's rows being views at micro-batch 1), as for the gather's kernel.
 Llama-3-8B at 16M tokens on u=8 x cp=4 in 4 head chunks (bf16; per chunk 1 query and 1 KV head per rank): a K/V
-block is 2 GiB and the backward's ring 12 GiB, where the gather holds 8 GiB of staging and whole-sequence K, V,
-dK, dV in the kernel (18 GiB, against 4 for the rank's own).
+block is 2 GiB and the backward's ring 18 GiB (4 of K/V, 2 of dQ, 12 of fp32 dK/dV: 6 more than in bf16), where the
+gather holds 8 GiB of staging and whole-sequence K, V, dK, dV in the kernel (18 GiB, against 4 for the rank's own).
 
 Cost against the gather at that scale: forward passes the same K / V bytes ((cp-1)/cp of the gathered size);
 backward passes K / V again and dK / dV (cp hops): 2x the gather's backward bytes (one reduce-scatter of dK / dV).
@@ -37,11 +38,13 @@ before any compute (planner.comm_model.layer_collectives).
 Kernels per backend (queries [a, b) of one zigzag chunk against the keys [c, e) of another, global positions):
 - sdpa (the CPU / test path): the attention written out in fp32 (torch's sdpa returns no lse on CPU), over tiles
   of TILE_ROWS queries, with the document / causal / window mask of the pair.
-- flash_attention_2: flash-attn's varlen forward (softmax_lse) and backward from the global out / lse per block pair
-  (`pair_calls`: the diagonal pair per document, causal; an earlier key chunk only for the document that spans into
-  the query chunk, not causal, the window shifted for flash's bottom-right alignment). Written by construction: no
-  GPU here; tests/unit/model_utils/test_ring_attention.py runs it on CPU with a stand-in of flash's semantics
-  (`FLASH`) against the math kernel.
+- flash_attention_2: flash-attn's (>= 2.7) varlen forward (softmax_lse) and backward from the global out / lse per
+  block pair (`pair_calls`: the diagonal pair per document, causal; an earlier key chunk only for the document that
+  spans into the query chunk, not causal, the window shifted for flash's bottom-right alignment and split so its
+  implicit right limit drops no key), the calls' cu_seqlens built once per micro-batch on the device (`_plan`).
+  Written by construction: no GPU with flash-attn here; tests/unit/model_utils/test_ring_flash_rules.py runs it on
+  CPU through a stand-in registered as flash-attn's own ops (tests/unit/model_utils/flash_rules.py: its window
+  conversions, bottom-right mask, +inf lse of an empty row) against the math kernel and a dense mask.
 - flash_attention_3, flex_attention: not yet (context_parallel.register refuses them in one line; the gather serves
   them).
 """
@@ -151,15 +154,21 @@ def math_backward(spec: Spec, do, q, k, v, out, lse, qr, kr, dq, dk, dv) -> None
 def pair_calls(bounds: list[list[int]], qr: tuple[int, int], kr: tuple[int, int], window: int | None) -> list:
     """The varlen calls of queries qr against keys kr (global ranges of two zigzag chunks), per row's document
     bounds [0, s1, ..., sl]: [(segments, causal, left)], segments [(row, q_lo, q_hi, k_lo, k_hi)] offsets inside the
-    chunks, `left` flash-attn's window_size_left (-1: none). Every query of a segment sees at least one key (flash-attn
-    gives an empty row lse +inf). Flash aligns a segment's causal / window bottom-right (its last query with its last
-    key), so:
+    chunks, `left` flash-attn's window_size_left (-1: none). flash-attn's rules (csrc/flash_attn/flash_api.cpp,
+    src/mask.h, 2.8.3): a segment's mask is aligned bottom-right (its last query with its last key); a left window
+    with no right one gets right = max_seqlen_k, so query i of a segment of m queries and n keys sees keys j <=
+    i + n - m + max_seqlen_k; a query that sees no key gets out 0 and lse +inf. So every call here has each query
+    see all of its keys within those limits, and none is empty:
     - the diagonal pair (kr == qr): each document clipped to the chunk, the same range of queries and keys: causal,
       left = window - 1; one call for all rows.
     - keys before the queries (kr ends at or before qr starts): only the document holding query qr[0] reaches back
-      (documents are contiguous): its queries [qr[0], q_hi) against its keys [k_lo, kr[1]), not causal; with a window
-      w, query p sees keys > p - w: q_hi <= kr[1] + w - 1, k_lo >= qr[0] - w + 1, and bottom-right alignment gives
-      left = kr[1] - q_hi + w - 1 (>= 0). One call per row (left differs).
+      (documents are contiguous): its queries [qr[0], q_hi) against its keys [k_lo, kr[1]), not causal. Without a
+      window (or where the window reaches past k_lo: queries < k_lo + w) a query sees all of them: one call for all
+      rows, no window. The queries past k_lo + w - 1 (at most n - 1 of them, so the implicit right limit keeps every
+      key) see keys > p - w: a second call per row on keys [k_lo + 1, kr[1]) with left = kr[1] - q_hi + w - 1
+      (bottom-right alignment). One call for both, left = that and right = -1, took right = max_seqlen_k: with more
+      queries than keys + 1 the first queries lost keys, all of them (lse +inf: NaN in `_merge`) past twice as many
+      (issue 49: bounds [0, 10, 48], cp 2, window 8).
     - keys after the queries: nothing (Spec.reaches skips the pair)."""
     (a, b), (c, e), n = qr, kr, qr[1] - qr[0]
     if kr == qr:
@@ -172,20 +181,25 @@ def pair_calls(bounds: list[list[int]], qr: tuple[int, int], kr: tuple[int, int]
                 i += 1
         return [(segs, True, window - 1 if window else -1)]
     assert e <= a, (qr, kr)
-    calls = []
+    whole, cut = [], []
     for r, bd in enumerate(bounds):
         i = bisect.bisect_right(bd, a) - 1
         s, end = bd[i], bd[i + 1]
         k_lo = max(s, c, a - window + 1 if window else c)
         q_hi = min(end, b, e + window - 1 if window else b)
-        if k_lo < e and q_hi > a:
-            calls.append(([(r, 0, q_hi - a, k_lo - c, e - c)], False, e - q_hi + window - 1 if window else -1))
-    assert all(seg[2] <= n for call in calls for seg in call[0])
-    return calls
+        if k_lo >= e or q_hi <= a:
+            continue
+        split = min(q_hi, k_lo + window) if window else q_hi  # queries before it see every key of [k_lo, e)
+        whole.append((r, 0, split - a, k_lo - c, e - c))
+        if split < q_hi:  # q_hi - split <= e - k_lo - 1 keys: the implicit right limit keeps them all
+            cut.append(([(r, split - a, q_hi - a, k_lo + 1 - c, e - c)], False, e - q_hi + window - 1))
+    assert all(seg[2] <= n for call in cut for seg in call[0]) and all(seg[2] <= n for seg in whole)
+    return ([(whole, False, -1)] if whole else []) + cut
 
 
 def _fa_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, left):
-    """flash-attn 2.8's varlen forward -> (out [total_q, hq, d], lse [hq, total_q] fp32). UNTESTED on a GPU here."""
+    """flash-attn 2.8's varlen forward -> (out [total_q, hq, d], lse [hq, total_q] fp32). Not run on a GPU yet (a CPU
+    stand-in of its rules runs it: tests/unit/model_utils/flash_rules.py)."""
     from flash_attn.flash_attn_interface import _flash_attn_varlen_forward
 
     out, lse, _, _ = _flash_attn_varlen_forward(
@@ -196,7 +210,7 @@ def _fa_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, left):
 
 
 def _fa_backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, left):
-    """flash-attn 2.8's varlen backward from the GIVEN out / lse -> (dq, dk, dv) in q's dtype. UNTESTED on a GPU."""
+    """flash-attn 2.8's varlen backward from the GIVEN out / lse -> (dq, dk, dv) in q's dtype. Not run on a GPU yet."""
     from flash_attn.flash_attn_interface import _flash_attn_varlen_backward
 
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -211,24 +225,39 @@ def _fa_backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal,
 FLASH = {"forward": _fa_forward, "backward": _fa_backward}  # a test puts a CPU stand-in with flash's semantics here
 
 
-def _calls(spec: Spec, qr, kr):
-    key = ("ring_flash", qr, kr, spec.window)
+def _plan(spec: Spec) -> dict:
+    """{(qr, kr): [(segments, causal, left, cu_q, cu_k, max_q, max_k)]} for every block pair of the layout (every
+    rank's: a few hundred small lists at most), with the calls' cu_seqlens (int32) as views of one tensor on the
+    device: built by the first ring call of a micro-batch (one host-to-device copy) and cached on its Documents, so
+    a layer's block calls copy nothing (each call built its own with a blocking copy: 3 per forward pair, 5 per
+    backward pair)."""
+    key = ("ring_flash", spec.cp, spec.window)
     if key not in spec.docs._cache:
         bounds = spec.docs.bounds or [[0, spec.docs.sl]] * spec.docs.bs
-        spec.docs._cache[key] = pair_calls(bounds, qr, kr, spec.window)
+        host, calls = [], {}
+        chunks = [r for rank in spec.ranges for r in rank]
+        for qr in chunks:
+            for kr in chunks:
+                if spec.reaches(qr, kr):
+                    calls[(qr, kr)] = []
+                    for segs, causal, left in pair_calls(bounds, qr, kr, spec.window):
+                        lq, lk = [s[2] - s[1] for s in segs], [s[4] - s[3] for s in segs]
+                        at = len(host)
+                        host += [0, *itertools.accumulate(lq), 0, *itertools.accumulate(lk)]
+                        calls[(qr, kr)].append((segs, causal, left, at, len(segs) + 1, max(lq), max(lk)))
+        cu = torch.tensor(host, dtype=torch.int32, device=spec.doc.device)
+        spec.docs._cache[key] = {pair: [(segs, causal, left, cu[at:at + m], cu[at + m:at + 2 * m], mq, mk)
+                                        for segs, causal, left, at, m, mq, mk in got] for pair, got in calls.items()}
     return spec.docs._cache[key]
 
 
-def _gather(x: torch.Tensor, segs, kv: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """[bs, h, n, d] -> the segments' rows as [total, h, d], their cu_seqlens (int32) and longest length. Segments
-    of one row, back to back (micro-batch 1: every call), are a view (flash-attn takes any strides but the last);
-    else a copy."""
+def _gather(x: torch.Tensor, segs, kv: bool) -> torch.Tensor:
+    """[bs, h, n, d] -> the segments' rows as [total, h, d]. Segments of one row, back to back (micro-batch 1: every
+    call), are a view (flash-attn takes any strides but the last); else a copy."""
     lo, hi = (3, 4) if kv else (1, 2)
-    lens = [s[hi] - s[lo] for s in segs]
-    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=x.device)
     if all(s[0] == segs[0][0] for s in segs) and all(s[hi] == t[lo] for s, t in zip(segs, segs[1:])):
-        return x[segs[0][0], :, segs[0][lo]:segs[-1][hi]].transpose(0, 1), cu, max(lens)
-    return torch.cat([x[s[0], :, s[lo]:s[hi]].transpose(0, 1) for s in segs]), cu, max(lens)
+        return x[segs[0][0], :, segs[0][lo]:segs[-1][hi]].transpose(0, 1)
+    return torch.cat([x[s[0], :, s[lo]:s[hi]].transpose(0, 1) for s in segs])
 
 
 def _scatter(dst: torch.Tensor, src: torch.Tensor, segs, kv: bool, add: bool = False) -> None:
@@ -247,10 +276,8 @@ def flash_forward(spec: Spec, q, k, v, qr, kr):
     """As math_forward, through flash-attn's varlen kernel per call of pair_calls."""
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
-    for segs, causal, left in _calls(spec, qr, kr):
-        qf, cu_q, max_q = _gather(q, segs, False)
-        kf, cu_k, max_k = _gather(k, segs, True)
-        vf, _, _ = _gather(v, segs, True)
+    for segs, causal, left, cu_q, cu_k, max_q, max_k in _plan(spec)[(qr, kr)]:
+        qf, kf, vf = _gather(q, segs, False), _gather(k, segs, True), _gather(v, segs, True)
         o, lo = FLASH["forward"](qf, kf, vf, cu_q, cu_k, max_q, max_k, spec.scale, causal, left)
         _scatter(out, o.float(), segs, False)
         _scatter(lse, lo.float(), segs, False)
@@ -259,11 +286,9 @@ def flash_forward(spec: Spec, q, k, v, qr, kr):
 
 def flash_backward(spec: Spec, do, q, k, v, out, lse, qr, kr, dq, dk, dv) -> None:
     """As math_backward, through flash-attn's varlen backward given the global out / lse of the queries."""
-    for segs, causal, left in _calls(spec, qr, kr):
-        qf, cu_q, max_q = _gather(q, segs, False)
-        kf, cu_k, max_k = _gather(k, segs, True)
-        vf, _, _ = _gather(v, segs, True)
-        dof, of = _gather(do, segs, False)[0], _gather(out, segs, False)[0]
+    for segs, causal, left, cu_q, cu_k, max_q, max_k in _plan(spec)[(qr, kr)]:
+        qf, kf, vf = _gather(q, segs, False), _gather(k, segs, True), _gather(v, segs, True)
+        dof, of = _gather(do, segs, False), _gather(out, segs, False)
         lf = torch.cat([lse[s[0], :, s[1]:s[2]] for s in segs], dim=1).contiguous()  # [hq, total_q]
         g = FLASH["backward"](dof, qf, kf, vf, of, lf, cu_q, cu_k, max_q, max_k, spec.scale, causal, left)
         _scatter(dq, g[0], segs, False, add=True)
@@ -274,7 +299,9 @@ def flash_backward(spec: Spec, do, q, k, v, out, lse, qr, kr, dq, dk, dv) -> Non
 # ---- the ring --------------------------------------------------------------------------------------------------
 
 def _merge(acc: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, lo: torch.Tensor) -> None:
-    """In place: (acc, lse) <- the softmax over both key sets (acc, o: [.., n, d] fp32; lse, lo: [.., n])."""
+    """In place: (acc, lse) <- the softmax over both key sets (acc, o: [.., n, d] fp32; lse, lo: [.., n]). A query
+    that saw no key of the block has lo -inf (math) or +inf (flash-attn's convention): both add nothing."""
+    lo = torch.where(lo == float("inf"), float("-inf"), lo)
     new = torch.logaddexp(lse, lo)
     safe = torch.where(torch.isinf(new), 0.0, new)
     acc.mul_(torch.exp(lse - safe)[..., None]).add_(o * torch.exp(lo - safe)[..., None])
@@ -289,28 +316,58 @@ def _pairs(spec: Spec, j: int, c: int):
                 yield slice(qh * c, (qh + 1) * c), slice(kh * c, (kh + 1) * c), qr, kr
 
 
+def _forward(q, k, v, spec: Spec):
+    """The ring's forward: (out [bs, hq, T, d] in q's dtype, lse [bs, hq, T] fp32) of the rank's queries against
+    every rank's block."""
+    held, c = _Held(), q.shape[2] // 2
+    acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+    held.add(acc, lse)
+    kv = [k, v]
+    for i in range(spec.cp):
+        shift = comm.RingShift(kv, spec.group, STATS["log"]) if i < spec.cp - 1 else None
+        if shift is not None:
+            held.add(*shift.recv)
+        for qs, ks, qr, kr in _pairs(spec, (spec.rank - i) % spec.cp, c):
+            o, lo = spec.forward(spec, q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], qr, kr)
+            _merge(acc[:, :, qs], lse[:, :, qs], o, lo)
+        if shift is not None:
+            if i > 0:
+                held.drop(*kv)  # the block received last step, now sent on
+            kv = shift.wait()
+    return acc.to(q.dtype), lse
+
+
+# The ring's forward as one torch op, so that what caches attention kernels' outputs by op (--keep_attention's
+# _KeepAttention, head chunks' _KeepKernel: model_utils.memory.attention_ops lists this op) keeps the ring's merged
+# output and lse once: a dispatch mode does not see the ops run inside an op it handles. flash-attn >= 2.7
+# registers its varlen forward as an op too, and each of the ring's 2cp+1 block calls was kept (16M on 8 x 4 in 4
+# head chunks: ~18.3 GiB a layer against 4.06 planned). The Spec travels by an id (an op takes no Python object).
+_SPECS: dict[int, Spec] = {}
+_SPEC_IDS = itertools.count()
+
+
+@torch.library.custom_op("ulysses_ring::forward", mutates_args=())
+def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(q, k, v, _SPECS[spec_id])
+
+
+def forward_op():
+    """The ring's forward op (for model_utils.memory.attention_ops)."""
+    return torch.ops.ulysses_ring.forward.default
+
+
 class _Ring(torch.autograd.Function):
     """q [bs, hq, T, d], k / v [bs, hkv, T, d] (this rank's two zigzag chunks) -> out [bs, hq, T, d]."""
 
     @staticmethod
     def forward(ctx, q, k, v, spec: Spec):
-        held, c = _Held(), q.shape[2] // 2
-        acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
-        held.add(acc, lse)
-        kv = [k, v]
-        for i in range(spec.cp):
-            shift = comm.RingShift(kv, spec.group, STATS["log"]) if i < spec.cp - 1 else None
-            if shift is not None:
-                held.add(*shift.recv)
-            for qs, ks, qr, kr in _pairs(spec, (spec.rank - i) % spec.cp, c):
-                o, lo = spec.forward(spec, q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], qr, kr)
-                _merge(acc[:, :, qs], lse[:, :, qs], o, lo)
-            if shift is not None:
-                if i > 0:
-                    held.drop(*kv)  # the block received last step, now sent on
-                kv = shift.wait()
-        out = acc.to(q.dtype)
+        sid = next(_SPEC_IDS)
+        _SPECS[sid] = spec
+        try:
+            out, lse = forward_op()(q, k, v, sid)
+        finally:
+            del _SPECS[sid]
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.spec = spec
         STATS["calls"] += 1
@@ -327,7 +384,9 @@ class _Ring(torch.autograd.Function):
             shift = comm.RingShift(kv, spec.group, STATS["log"]) if i < spec.cp - 1 else None
             if shift is not None:
                 held.add(*shift.recv)
-            part = torch.zeros((2, *k.shape), dtype=k.dtype, device=k.device)  # dK, dV of block c - i
+            # dK, dV of block c - i, accumulated and passed on in fp32 as ring-flash-attention does (in the compute
+            # dtype, bf16, each of the cp - 1 hops rounded the partial sums)
+            part = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
             held.add(part)
             for qs, ks, qr, kr in _pairs(spec, (spec.rank - i) % spec.cp, c):
                 spec.backward(spec, dout[:, :, qs], q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], out[:, :, qs],
@@ -343,7 +402,7 @@ class _Ring(torch.autograd.Function):
                     held.drop(*kv)
                 kv = shift.wait()
         (mine,) = dshift.wait()
-        return dq.to(q.dtype), mine[0], mine[1], None
+        return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None
 
 
 def ring_attention(query, key, value, spec: Spec) -> torch.Tensor:

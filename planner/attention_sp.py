@@ -53,10 +53,11 @@ def cp_kv_buffer_bytes(shape: ModelShape, tokens: int, sp: int, b: int, cp: int 
     lives only around each collective). Llama-3-8B at 1M, u=8 x cp=4: 0.5 GiB; Qwen2.5-7B at 1M, 4 x 2: 0.5 GiB.
 
     ring (model_utils/ring_attention.py): the most the ring holds at once, in its backward: 2 K/V blocks of one rank
-    ([S/cp, kv, d] each of K and V; 1 block at cp = 2), the fp32 dQ accumulator [S/cp, q, d] and 3 dK/dV blocks
-    (computed, in flight, arriving) in the compute dtype; the kernel's k, v are then the rank's own S/cp keys
-    (kv_length). heads: (q, kv) per rank of one head chunk (chunk_split; the ring runs per chunk), default the
-    rank's (attention_split). Llama-3-8B at 16M, 8 x 4, 4 head chunks: 12 GiB (the gather: 8 GiB here and 18 GiB of
+    ([S/cp, kv, d] each of K and V; 1 block at cp = 2) in the compute dtype, the fp32 dQ accumulator [S/cp, q, d] and
+    3 dK/dV blocks (computed, in flight, arriving) in fp32 (accumulated and passed on in fp32, as ring-flash-attention
+    does); the kernel's k, v are then the rank's own S/cp keys (kv_length). heads: (q, kv) per rank of one head chunk
+    (chunk_split; the ring runs per chunk), default the rank's (attention_split). Llama-3-8B at 16M, 8 x 4, 4 head
+    chunks: 18 GiB (4 of K/V, 2 of dQ, 12 of dK/dV: in bf16 they were 6; the gather: 8 GiB here and 18 GiB of
     whole-S K, V, dK, dV in the kernel). tests/multiproc/test_context_parallel checks it byte for byte (x the
     micro-batch: the ring's buffers scale with it)."""
     if cp == 1:
@@ -67,7 +68,7 @@ def cp_kv_buffer_bytes(shape: ModelShape, tokens: int, sp: int, b: int, cp: int 
     q_loc, kv_loc = heads or (q_loc, kv_loc)
     t = tokens * sp // cp  # the rank's queries and keys after the all-to-all
     block = 2 * t * kv_loc * shape.head_dim  # K and V elements of one rank's block
-    return (min(2, cp - 1) + 3) * block * b + t * q_loc * shape.head_dim * 4
+    return min(2, cp - 1) * block * b + 3 * block * 4 + t * q_loc * shape.head_dim * 4
 
 
 
