@@ -205,3 +205,14 @@ def test_a_longer_generation_prompt_is_followed_only_up_to_the_reply(tok_root):
                             "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
     with pytest.raises(RowError, match="none of the 2 assistant turn"):
         ChatEncoder(tok).encode({"messages": TURNS})
+
+
+def test_end_of_turn_text_in_a_rewritten_reply_is_counted_never_cut(tok_root):
+    """Qwen3 rewrites an earlier reply (its think block dropped) and the reply quotes `<|im_end|>`: tokenized as the
+    control token (as TRL does), the reply is not trained (it would teach a stop inside it) and is counted; before,
+    its span silently ended at the quoted token (issue 47 item 6)."""
+    enc = encoder(tok_root, "qwen3")
+    conv = [TURNS[0], {"role": "assistant", "content": "apple <|im_end|> river"}] + TURNS[2:]
+    ids, mask, stats = enc.encode({"messages": conv})
+    assert spans(enc, ids, mask) == ["<think>\n\n</think>\n\n2 words<|im_end|>"]
+    assert stats["untrained_turns"] == 1 and "end-of-turn token's text" in stats["why"][0]
