@@ -3,8 +3,9 @@
 The templates are the `chat_template` strings of the models' tokenizer_config.json (checked against copies of
 those files in public repositories): Meta-Llama-3-8B-Instruct, Qwen2.5-*-Instruct, Mistral-7B-Instruct-v0.3
 (its tool-call branches left out: they render only for `tools` / `tool_calls`, which these tests do not send),
-gemma-2-*-it, SmolLM2-*-Instruct, and a Qwen3-style template whose last reply always carries a (possibly empty)
-think block and whose earlier replies drop theirs. The tokenizer is a byte-level BPE trained in a second on a
+gemma-2-*-it, SmolLM2-*-Instruct, Phi-3-mini-instruct (an EOS after the last message), and a Qwen3-style template
+whose last reply always carries a (possibly empty) think block and whose earlier replies drop theirs. Every family
+users fine-tune, through templates written here: data/chat_templates/ and data/chat_sweep.py. The tokenizer is a byte-level BPE trained in a second on a
 few sentences, with each family's control tokens as single special tokens, as in the real vocabularies:
 merges across a header's end and a reply's start happen as they do in the real ones.
 """

@@ -18,7 +18,7 @@ from data.tokenizer import Tokenizer
 from tests.unit.data.chat_fixtures import FAMILIES, build_tokenizer
 
 SP = "recipes/base/tiny_passkey256/tokenizer.model"  # the demo's: no template, the ChatML default by tokens
-SPLICED = ("llama3", "qwen25", "mistral", "gemma", "smollm2", "qwen3", "markers")  # every templated family
+SPLICED = ("llama3", "qwen25", "mistral", "gemma", "smollm2", "qwen3", "markers", "phi3")  # every templated family
 
 
 @pytest.fixture(scope="module")
