@@ -109,27 +109,40 @@ def test_context_parallel_flash_chunks_match_dense_attention(window):
                 assert (got.float().cpu() - want[:, a:b]).abs().max() < 2e-2, (cp, c, a, b)
 
 
-@pytest.mark.parametrize("window", [None, 7])
-def test_ring_flash_kernel_matches_the_math_kernel(window):
+# (bounds per row, sequence length, cp degrees, window): the doc-masking layouts; issue 49's [0, 10, 48] at cp 2 with
+# a window of 8 (flash's implicit right limit left queries 12..14 with no key: NaN in the merge) and two more
+# layouts where a document starts a few keys before a query chunk under a window longer than that
+RING_CASES = [(None, 300, (2, 3), None), (None, 300, (2, 3), 7), ([[0, 10, 48]], 48, (2,), 8),
+              ([[0, 11, 48], [0, 23, 48]], 48, (2,), 12), ([[0, 11, 48], [0, 23, 48]], 48, (4,), 6)]
+
+
+@pytest.mark.parametrize("bounds,sl,cps,window", RING_CASES)
+def test_ring_flash_kernel_matches_the_math_kernel(bounds, sl, cps, window):
     """ring_attention's flash_attention_2 block kernel (model_utils/ring_attention.py `flash_forward` / `flash_backward`:
     flash-attn's varlen forward with softmax_lse and its backward from a given out / lse) on the GPU, one process (the
-    kernels take one block pair; the ring is tested on CPU): equals the math kernel on every zigzag chunk pair."""
+    kernels take one block pair; the ring is tested on CPU): equals the math kernel on every zigzag chunk pair, and the
+    pairs merged as the ring merges them equal one dense document / window mask (no NaN)."""
     pytest.importorskip("flash_attn")
     from model_utils import attention
     from model_utils import context_parallel as cpm
     from model_utils import ring_attention as ra
-    from tests.multiproc.test_doc_masking import BOUNDS
+    from tests.multiproc.test_doc_masking import BOUNDS, dense_reference
 
+    bounds = bounds or BOUNDS
+    bs = len(bounds)
     torch.manual_seed(0)
-    q, k, v, do = (torch.randn(2, h, 300, 64, device="cuda", dtype=torch.bfloat16) for h in (4, 2, 2, 4))
-    pos = torch.stack([torch.cat([torch.arange(e - s) for s, e in zip(b[:-1], b[1:])]) for b in BOUNDS]).cuda()
-    docs = attention.Documents(pos, 2)
-    for cp in (2, 3):
-        ranges = [cpm.local_ranges(300, cp, c) for c in range(cp)]
+    q, k, v, do = (torch.randn(bs, h, sl, 64, device="cuda", dtype=torch.bfloat16) for h in (4, 2, 2, 4))
+    pos = torch.stack([torch.cat([torch.arange(e - s) for s, e in zip(b[:-1], b[1:])]) for b in bounds]).cuda()
+    docs = attention.Documents(pos, bs)
+    dense = dense_reference(q.float().cpu(), k.float().cpu(), v.float().cpu(), docs.doc.cpu(), window)  # [bs, sl, hq, d]
+    for cp in cps:
+        ranges = [cpm.local_ranges(sl, cp, c) for c in range(cp)]
         math, flash = (ra.Spec(None, cp, 0, ranges, docs, window, 0.125, b) for b in ("sdpa", "flash_attention_2"))
         chunks = [r for rank in ranges for r in rank]
         for qr in chunks:
             qs = slice(*qr)
+            acc = torch.zeros(bs, 4, qr[1] - qr[0], 64, device="cuda")
+            merged = torch.full(acc.shape[:3], float("-inf"), device="cuda")
             for kr in chunks:
                 if math.reaches(qr, kr):
                     ks = slice(*kr)
@@ -138,13 +151,16 @@ def test_ring_flash_kernel_matches_the_math_kernel(window):
                     assert torch.equal(torch.isinf(lo), torch.isinf(flo)), (cp, qr, kr)
                     fin = ~torch.isinf(lo)
                     assert (flo[fin] - lo[fin]).abs().max() < 2e-2 and (fo - o).abs().max() < 2e-2, (cp, qr, kr)
+                    ra._merge(acc, merged, fo, flo)
                     lse = torch.where(fin, lo, 0.0)  # a finite lse for every query (backward's formula)
                     out = o.to(q.dtype)
                     args = (do[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks], out, lse, qr, kr)
                     nq, nk = qr[1] - qr[0], kr[1] - kr[0]
-                    want, got = ([torch.zeros(2, h, n, 64, device="cuda") for h, n in ((4, nq), (2, nk), (2, nk))]
+                    want, got = ([torch.zeros(bs, h, n, 64, device="cuda") for h, n in ((4, nq), (2, nk), (2, nk))]
                                  for _ in range(2))
                     ra.math_backward(math, *args, *want)  # each adds into (dq, dk, dv)
                     ra.flash_backward(flash, *args, *got)
                     for w, g in zip(want, got):
                         assert (g - w).abs().max() < 5e-2 * max(1.0, w.abs().max().item()), (cp, qr, kr)
+            assert not acc.isnan().any(), (cp, qr)
+            assert (acc.transpose(1, 2).cpu() - dense[:, qs]).abs().max() < 2e-2, (cp, qr)
