@@ -247,7 +247,6 @@ class ChatEncoder:
         dec = self.tok.hf.decode
         if a == len(head) - 1 < len(full) and dec(full[a:a + 1]).startswith(dec(head[a:])):
             return a  # the header's last token merged with the reply's start into one token
-
         # a generation prompt longer than the header inside the conversation (DeepSeek-R1's `<｜Assistant｜><think>\n`):
         # the header is what the conversation follows of it past the earlier messages
         try:
@@ -295,7 +294,8 @@ class ChatEncoder:
                 end = self._trim(turn, a, len(turn))
                 end = end if self._shows(full, a, end, msg) else None
             if end is None:
-                why[k] = f"message {k}: no end-of-turn token {self.tok.hf.convert_ids_to_tokens(self.eot.tolist())} after its text"
+                eot = self.tok.hf.convert_ids_to_tokens(self.eot.tolist())
+                why[k] = f"message {k}: no end-of-turn token {eot} after its text"
                 continue
             spans[k] = (a, end)
         return full, spans, why

@@ -16,7 +16,8 @@ shipped template, and Hugging Face's own assistant mask of the marked template i
 - the regions not supervised are exactly the turns the encoder counts (`untrained_turns`);
 - every supervised span decodes to text holding its reply (past a `</think>`) and its tool calls' names.
 A row the encoder refuses (RowError, one line, naming the template and the fix) passes as a refusal; a branch of
-a family's template not written here (`unchecked` in families.json) is `not checked`. Anything else is WRONG: tests/unit/data/test_chat_sweep.py fails on it.
+a family's template not written here (`unchecked` in families.json) is `not checked`. Anything else is WRONG:
+tests/unit/data/test_chat_sweep.py fails on it.
 """
 
 from __future__ import annotations

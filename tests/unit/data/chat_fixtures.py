@@ -5,9 +5,9 @@ those files in public repositories): Meta-Llama-3-8B-Instruct, Qwen2.5-*-Instruc
 (its tool-call branches left out: they render only for `tools` / `tool_calls`, which these tests do not send),
 gemma-2-*-it, SmolLM2-*-Instruct, Phi-3-mini-instruct (an EOS after the last message), and a Qwen3-style template
 whose last reply always carries a (possibly empty) think block and whose earlier replies drop theirs. Every family
-users fine-tune, through templates written here: data/chat_templates/ and data/chat_sweep.py. The tokenizer is a byte-level BPE trained in a second on a
-few sentences, with each family's control tokens as single special tokens, as in the real vocabularies:
-merges across a header's end and a reply's start happen as they do in the real ones.
+users fine-tune, through templates written here: data/chat_templates/ and data/chat_sweep.py. The tokenizer is a
+byte-level BPE trained in a second on a few sentences, with each family's control tokens as single special tokens,
+as in the real vocabularies: merges across a header's end and a reply's start happen as they do in the real ones.
 """
 
 from __future__ import annotations

@@ -200,8 +200,9 @@ def test_a_longer_generation_prompt_is_followed_only_up_to_the_reply(tok_root):
     reply's text starts right where the conversation leaves the prompt: a header that goes on differently inside
     the conversation (here ` (bot)` after `assistant`) is not trained as if it were the reply."""
     tok = Tokenizer(build_tokenizer(tok_root, "qwen25"))
-    tok.hf.chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + (' (bot)' if m['role'] == 'assistant' "
-                            "else '') + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+    tok.hf.chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + "
+                            "(' (bot)' if m['role'] == 'assistant' else '') + '\n' + m['content'] + '<|im_end|>\n' }}"
+                            "{% endfor %}"
                             "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
     with pytest.raises(RowError, match="none of the 2 assistant turn"):
         ChatEncoder(tok).encode({"messages": TURNS})

@@ -9,7 +9,8 @@ from data.chat_rows import RowError, normalize
 
 
 def test_content_as_text_parts():
-    row = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Count"}, {"type": "text", "text": "these"}]},
+    parts = [{"type": "text", "text": "Count"}, {"type": "text", "text": "these"}]
+    row = {"messages": [{"role": "user", "content": parts},
                         {"role": "assistant", "content": [{"type": "text", "text": "2 words"}]}]}
     _, conv, _ = normalize(row)
     assert [m["content"] for m in conv] == ["Count\nthese", "2 words"]
