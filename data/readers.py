@@ -161,7 +161,7 @@ def _columns(unit: Unit, names: list[str], fields: Fields) -> tuple[str | tuple[
         raise ValueError(f"{unit.path}: both a text column ({value!r}) and chat columns {list(chat)}: which is meant? "
                          "Keep one (a text column would train every token of the row)")
     if value is None:
-        value = next((c for c in CHAT_COLUMNS if all(n in names for n in c)), None)
+        value = chat
     if value is None:
         raise ValueError(f"{unit.path}: no column {fields.text!r} (--text_field), {fields.ids!r} (--ids_field), "
                          f"messages, conversations or prompt + completion (chat); columns are {names}")
