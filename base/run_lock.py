@@ -6,7 +6,8 @@ terminal). Without it two runs resume from the same checkpoint and overwrite eac
 Rank 0 decides (base.comm.run_on_main: every rank raises the same line) right after the process group exists,
 before anything is written in the folder; rank 0 keeps the lock fresh (its mtime, every HEARTBEAT_S, from a daemon
 thread) and removes it when the run ends (training/job.py). A lock whose owner is dead is taken over:
-- the same SLURM job: an earlier run of this job (a requeue; Slurm never runs two of one job at once);
+- the same SLURM job: an earlier run of this job (another restart: a requeue; Slurm never runs two of one job at
+  once), unless it is another step of the same run (two `srun` steps of one allocation), judged as below;
 - on this host: its pid is gone, or is another process now (the start time in /proc differs);
 - on another host: its job's state (`scontrol show job`) is not a live one (RUNNING, SUSPENDED, COMPLETING, ...;
   an unknown job id is gone); where no job or no scontrol says, its heartbeat is older than STALE_S. The age is
@@ -47,6 +48,7 @@ def me(env=None) -> dict:
     env = os.environ if env is None else env
     return {"host": socket.gethostname(), "pid": os.getpid(), "start": _start_time(os.getpid()),
             "job": env.get("SLURM_JOB_ID", ""), "restart": env.get("SLURM_RESTART_COUNT", "0"),
+            "step": env.get("SLURM_STEP_ID", env.get("SLURM_STEPID", "")),
             "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
 
@@ -75,15 +77,17 @@ def job_state(job: str) -> str | None:
 
 def verdict(lock: dict, mine: dict, age_s: float | None, alive=pid_alive, state=job_state) -> tuple[bool, str]:
     """(whether the lock's owner is alive, why). Pure given its readers: tests give it any cluster."""
-    if lock.get("job") and lock["job"] == mine.get("job"):
-        return False, f"an earlier run of this job ({lock['job']})"
+    same_job = bool(lock.get("job")) and lock["job"] == mine.get("job")
+    if same_job and (lock.get("restart") != mine.get("restart") or lock.get("step") == mine.get("step")):
+        return False, f"an earlier run of this job ({lock['job']})"  # a requeue, or this step's earlier start
+    # (the same job's other step, running now, is judged as any other run: by its process or its heartbeat)
     if lock.get("host") == mine["host"]:
         if int(lock.get("pid", 0)) == mine["pid"]:
             return False, "this process' own (an earlier run in it)"
         if alive(int(lock.get("pid", 0)), lock.get("start")):
             return True, "its process is alive on this host"
         return False, "its process is gone"
-    if lock.get("job"):
+    if lock.get("job") and not same_job:
         s = state(lock["job"])
         if s is not None:
             return s in LIVE_STATES, f"its job {lock['job']} is {s}"

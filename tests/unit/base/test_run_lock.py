@@ -14,7 +14,7 @@ import pytest
 from base import run_lock
 from base.run_lock import LOCK, STALE_S, acquire, release, verdict
 
-MINE = {"host": "gpu001", "pid": 4242, "start": "100", "job": "900", "restart": "0", "since": "now"}
+MINE = {"host": "gpu001", "pid": 4242, "start": "100", "job": "900", "restart": "0", "step": "0", "since": "now"}
 
 
 @pytest.mark.parametrize("lock, age, alive, state, live", [
@@ -26,6 +26,9 @@ MINE = {"host": "gpu001", "pid": 4242, "start": "100", "job": "900", "restart": 
     ({"host": "gpu002", "pid": 7, "job": "800"}, 1.0, True, None, True),  # no scontrol: a fresh heartbeat
     ({"host": "gpu002", "pid": 7, "job": ""}, STALE_S + 1, True, None, False),  # no job, a stale heartbeat
     ({"host": "gpu002", "pid": 7, "job": "900"}, 1.0, True, "RUNNING", False),  # this job's earlier run (requeue)
+    ({"host": "gpu002", "pid": 7, "job": "900", "restart": "0", "step": "1"}, 1.0, True, "RUNNING", True),  # another
+    # step of this same run, running now on another host (two srun steps of one allocation): its fresh heartbeat
+    ({"host": "gpu002", "pid": 7, "job": "900", "restart": "0", "step": "1"}, STALE_S + 1, True, "RUNNING", False),
 ])
 def test_the_owner_is_alive_or_dead_as_its_host_job_or_heartbeat_says(lock, age, alive, state, live):
     assert verdict(lock, MINE, age, alive=lambda pid, start: alive, state=lambda job: state)[0] is live
