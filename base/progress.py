@@ -1,7 +1,9 @@
 """A hang is found from progress, not from a collective's timeout: each rank publishes where it is (its step, its
 phase and a counter) on the job's store, and rank 0 ends the job when a rank's progress has stopped for longer than a
 bound derived from the measured durations of that phase, naming the rank and its host, well before NCCL's watchdog
-(`dist_timeout_s`, 30 min) would raise somewhere else.
+(`dist_timeout_s`, 30 min) would raise somewhere else (where it used to blame the node whose watchdog fired first,
+often a healthy one waiting for the hung rank). Under slurm.sbatch the named rank's node goes to LAUNCH_LOST_FILE:
+the job is requeued without it, as a lost node is.
 
 The heartbeat (base/watcher.py) only says a rank's process lives: its beat is a forked process that goes on while
 the rank is stuck in a kernel or a collective. Progress is what the training loop itself marks (`mark(step, phase)`:
@@ -50,6 +52,7 @@ class Tracker:
         self.last: dict[int, tuple[str, float]] = {}  # rank -> (its value, when it last changed)
         self.longest: dict[str, float] = {}  # phase -> the longest it lasted on any rank
         self.polled: float | None = None
+        self.named: int | None = None  # the rank the last hang line named alone (None: none behind the others)
 
     def bound(self, phase: str) -> float:
         done = self.longest.get(phase)
@@ -92,6 +95,7 @@ class Tracker:
                if p0 in self.longest else f"{p0} not measured yet")
         bound = f"{p0}'s bound {self.bound(p0):.0f} s passed after {now - t0:.0f} s: {how}"
         if len(first) < len(quiet) or len(quiet) < len(values):
+            self.named = r
             host = f" ({hosts[r]})" if hosts and hosts[r] else ""
             others = f", behind {len(quiet) - 1} other rank(s) stopped waiting for it" if len(quiet) > 1 else ""
             return f"rank {r}{host} hung: no progress for {now - t:.0f} s in {phase} of step {step}{others} ({bound})"
@@ -109,6 +113,22 @@ def _ranges(ranks: list[int]) -> str:
         out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
         i = j + 1
     return ",".join(out)
+
+
+def record_node(rank: int, per_node: int, path: str | None) -> bool:
+    """Name the hung rank's node where scripts/slurm.sbatch reads the lost nodes (LAUNCH_LOST_FILE, node 0's): the job
+    is requeued without it, as a lost node is (bounded by progress; not when too few nodes would be left). A hang
+    that every rank shares names no node. Returns whether it wrote."""
+    if not path or per_node <= 0:
+        return False
+    try:
+        tmp = f"{path}.progress.{os.getpid()}"
+        with open(tmp, "w") as fh:
+            fh.write(f"{rank // per_node}\n")
+        os.replace(tmp, path)
+        return True
+    except OSError:
+        return False
 
 
 _MINE: dict = {}  # this rank's publisher: value, counter
@@ -176,8 +196,11 @@ def _monitor(w) -> None:
         line = tracker.observe(time.monotonic(), values, hosts) if values else None
         if line:
             from base import comm
+            from base.host import job_ranks_per_node
 
             print(f"error: {line}", file=sys.stderr, flush=True)
+            if tracker.named is not None:
+                record_node(tracker.named, job_ranks_per_node(), os.environ.get("LAUNCH_LOST_FILE"))
             comm.abort(line, EXIT_PEER_LOST)
             os._exit(EXIT_PEER_LOST)
         time.sleep(POLL_S)

@@ -68,3 +68,19 @@ def test_a_suspended_job_is_not_a_hang():
     assert tracker.observe(10.0, values, HOSTS) is None
     assert tracker.observe(3600.0, values, HOSTS) is None  # an hour stopped (scontrol suspend): clocks restart
     assert tracker.observe(3610.0, ["2 1 backward"] * 4, HOSTS) is None
+
+
+def test_the_hung_ranks_node_is_named_for_the_requeue(tmp_path):
+    """slurm.sbatch reads the lost nodes from LAUNCH_LOST_FILE: rank 9 at 8 ranks per node is node 1; a hang every rank
+    shares names none."""
+    from base.progress import record_node
+
+    tracker = Tracker(4, min_s=60.0, first_s=600.0)
+    run(tracker, 5000, lambda t: steps(t, hung=2, at=1200.0))
+    assert tracker.named == 2
+    lost = tmp_path / "lost"
+    assert record_node(9, 8, str(lost)) and lost.read_text() == "1\n"
+    assert not record_node(9, 0, str(tmp_path / "unknown"))  # node size unknown: nothing named
+    together = Tracker(2, min_s=10.0, first_s=20.0)
+    assert run(together, 1000, lambda t: ["1 1 forward"] * 2).__getitem__(1).startswith("ranks 0-1 hung together")
+    assert together.named is None
