@@ -26,7 +26,7 @@ demo-long:
 	OMP_NUM_THREADS=1 .venv/bin/deepspeed --num_gpus 2 train.py --config recipes/tiny_cpu_long.yaml
 
 # ~3 min on 2 cores: supervised fine-tuning of the same base on the demo's chat set (loss on the assistant's replies,
-# conversations packed with document masking, 25% passkey mixed in to keep it); prints its evaluation summary (docs/sft.md)
+# conversations packed with document masking, 40% passkey steps and 30% replay at 256 to keep it); prints its evaluation summary (docs/sft.md)
 demo-sft:
 	$(PY) -m data.chat .cache/demo/chat_demo.jsonl
 	OMP_NUM_THREADS=1 .venv/bin/deepspeed --num_gpus 2 train.py --config recipes/tiny_cpu_sft.yaml
