@@ -138,3 +138,17 @@ def test_requeues_without_progress_end_the_job(tmp_path, code):
     assert rc == int(code) and requeues(tmp_path) == [], text
     assert "4 requeues in a row without a newer checkpoint (newest: step 100) > ULYSSES_MAX_STALLED_REQUEUES=3: not " \
            "requeueing" in text, text
+
+
+def test_a_run_on_a_node_its_last_requeue_meant_to_exclude_requeues_again(tmp_path):
+    """The last requeue recorded its exclusion (.cache/slurm/<job>.exclude) but its update never landed (cut by the
+    requeue's SIGKILL under a busy controller): this run starts on that node. It requeues again without it before any
+    work (it used to train there: the exclusion lost)."""
+    (tmp_path / ".cache" / "slurm").mkdir(parents=True)
+    (tmp_path / ".cache" / "slurm" / "4242.exclude").write_text("localhost\n")
+    job = sbatch(tmp_path, "0", ["--output_dir", str(tmp_path / "out")], **TWO_NODES)
+    text = job.communicate(timeout=60)[0]
+    assert not (tmp_path / "fake.log").exists(), text  # no launcher started
+    assert "this run landed on localhost, which the last requeue meant to exclude" in text, text
+    assert requeues(tmp_path) == ["requeue 4242", "update JobId=4242 ExcNodeList=localhost"], text
+    assert not (tmp_path / ".cache" / "slurm" / "4242.exclude").exists()  # landed this time
