@@ -6,7 +6,8 @@
     python scripts/prepare_data.py ... --shard 3/8          # on machine 3 of 8
     python scripts/prepare_data.py --output data/prep --merge
 
-Streaming: the reading process groups rows into batches and keeps at most 2 x workers batches in flight;
+Streaming: the reading process groups rows into batches (`--batch_docs` rows, 1 MB of rows, or 1 MB of work: bytes x
+turns for a chat row, whose rendering grows with both) and keeps at most 2 x workers batches in flight;
 workers parse, tokenize and check each batch; the reading process appends the results, in input order,
 to the current chunk file. Peak memory is the batches in flight, not the corpus. A chunk (`--chunk_tokens`)
 is committed by its record file after its data is fsynced; a killed run resumes after the last committed
