@@ -152,3 +152,12 @@ def test_a_run_on_a_node_its_last_requeue_meant_to_exclude_requeues_again(tmp_pa
     assert "this run landed on localhost, which the last requeue meant to exclude" in text, text
     assert requeues(tmp_path) == ["requeue 4242", "update JobId=4242 ExcNodeList=localhost"], text
     assert not (tmp_path / ".cache" / "slurm" / "4242.exclude").exists()  # landed this time
+
+
+def test_a_requeue_a_busy_controller_refuses_is_tried_again(tmp_path):
+    """The first two `scontrol requeue` calls time out (a busy slurmctld): the third lands (it used to give up after one:
+    'requeue failed', the job ended with the preemption's 75 and the chain stopped)."""
+    job = sbatch(tmp_path, "75", ["--output_dir", str(tmp_path / "out")], SCONTROL_FAIL_REQUEUES="2")
+    text = job.communicate(timeout=60)[0]
+    assert job.returncode == 0 and requeues(tmp_path) == ["requeue 4242"], text
+    assert text.count("Socket timed out") == 2, text
