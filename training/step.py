@@ -56,7 +56,7 @@ def train_step(engine, micro_batches: list[dict[str, torch.Tensor]], world: int,
     n_tokens, n_weight = comm.all_reduce(label_totals(micro_batches)).tolist()
     if n_tokens == 0:  # the global count, the same on every rank: every rank skips (never a rank-local decision)
         return {"loss": 0.0, "label_tokens": 0, "skipped": True, "step_time": time.perf_counter() - t0}
-    denom = n_weight if n_weight > 0 else 1.0  # nothing supervised anywhere: loss 0, gradients 0
+    denom = n_weight if n_weight > 0 else 1.0  # guard only: a supervised token weighs > 0 (1 / N_i at most)
     scale = world * len(micro_batches) / denom
     total = torch.zeros((), dtype=torch.float64)
     for i, mb in enumerate(micro_batches):
