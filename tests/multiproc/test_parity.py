@@ -16,9 +16,12 @@ a supervised token, tiled logits with conversation weights.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import tempfile
 
+import numpy as np
 import pytest
 import torch
 
@@ -68,10 +71,46 @@ SFT_SAMPLES = {
     "PACKED": ([600, 400, 560], [(560, 600), (700, 705), (970, 1000), (1555, 1559)]),
     "EMPTY": ([SFT_SEQ], []),  # a prompt only: nothing supervised
 }
+
+
+@functools.lru_cache(maxsize=1)
+def phi3_packed() -> tuple[list[int], list[tuple[int, int]], np.ndarray]:
+    """Issue 47: conversations as a fixed family renders them, packed. Phi-3's template (data/chat_templates: its final
+    message ends in an extra EOS, which used to pull the mask through every later user turn) on the chat sweep's
+    tokenizer, three two-exchange conversations encoded by data/chat.py and packed with a padding document to SFT_SEQ:
+    (document lengths, supervised spans, ids)."""
+    from data.chat import ChatEncoder
+    from data.chat_sweep import build_tokenizer, families
+    from data.tokenizer import Tokenizer
+
+    fam = families()["phi3"]
+    enc = ChatEncoder(Tokenizer(build_tokenizer(tempfile.mkdtemp(prefix="phi3_"), "phi3", fam)), "assistant",
+                      fam.get("template", "auto"))
+    ids, masks, docs = [], [], []
+    for k, fruit in enumerate(("apples", "pears", "plums")):
+        conv = [{"role": "user", "content": f"Count the {fruit} in basket {k}, please. " * (4 + 3 * k)},
+                {"role": "assistant", "content": f"There are {k + 7} {fruit}."},
+                {"role": "user", "content": f"And how many are ripe? {fruit} " * (2 + k)},
+                {"role": "assistant", "content": f"{k + 2} of them are ripe, the rest are not."}]
+        i, m, stats = enc.encode({"messages": conv})
+        assert stats["untrained_turns"] == 0, stats
+        ids.append(np.asarray(i))
+        masks.append(np.asarray(m))
+        docs.append(len(i))
+    pad = SFT_SEQ - sum(docs)  # the rest: one unsupervised document
+    ids.append(np.random.default_rng(1).integers(4, 400, pad))
+    masks.append(np.zeros(pad, np.uint8))
+    docs.append(pad)
+    mask = np.concatenate(masks)
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])))
+    return docs, list(zip(edges[::2].tolist(), edges[1::2].tolist())), np.concatenate(ids)
+
+
+SFT_SAMPLES["PHI3"] = phi3_packed()[:2]
 SFT_NAMES = list(SFT_SAMPLES)
 # per launch layout (sp, dp): (name, sp, cp, batches[dp_rank][micro_step] = sample names, extra config)
 SFT_CASES = {
-    (2, 1): [("sft_long_sp2", 2, 1, [[["LONG"]]], {}),
+    (2, 1): [("sft_long_sp2", 2, 1, [[["LONG"]]], {}), ("sft_phi3_packed_sp2", 2, 1, [[["PHI3"]]], {}),
              ("sft_ga2_mb2_sp2", 2, 1, [[["BOUNDARY", "PACKED"], ["LONG", "EMPTY"]]], {}),
              ("sft_u1cp2_tiled_conv", 2, 2, [[["BOUNDARY", "PACKED"]]],
               {"tiled_logits": True, "logits_tile_mb": 1, "loss_weighting": "conversation"}),
@@ -96,8 +135,10 @@ def sft_samples() -> list[dict]:
         mask = np.zeros(SFT_SEQ, np.uint8)
         for a, b in spans:
             mask[a:b] = 1
-        out.append({"input_ids": rng.integers(4, 2048, SFT_SEQ), "loss_mask": mask,
-                    "position_ids": np.concatenate([np.arange(n) for n in docs])})
+        ids = rng.integers(4, 2048, SFT_SEQ)
+        if (docs, spans) == SFT_SAMPLES["PHI3"]:
+            ids = phi3_packed()[2]
+        out.append({"input_ids": ids, "loss_mask": mask, "position_ids": np.concatenate([np.arange(n) for n in docs])})
     return out
 
 
