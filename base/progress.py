@@ -41,6 +41,9 @@ FIRST_S = float(os.environ.get("ULYSSES_HANG_FIRST_S", "1200"))
 POLL_S = float(os.environ.get("ULYSSES_HANG_POLL_S", "10"))
 PUBLISH_S = POLL_S / 2
 SUSPENDED_S = 3 * POLL_S  # a monitor that wakes this late was stopped with the job (scontrol suspend): clocks restart
+# the hang this process's monitor declared (its line), set before it tells the others: the main thread, whose collective
+# then fails as the named rank leaves, ends with the hang's code, not its own error's (training/job._fail)
+DECLARED: str | None = None
 UNJUDGED = ("build", "idle")  # a stage's build, restore, conversion, evaluation: solo work may hold the others for hours
 
 
@@ -195,6 +198,8 @@ def _monitor(w) -> None:
             values = None
         line = tracker.observe(time.monotonic(), values, hosts) if values else None
         if line:
+            global DECLARED
+            DECLARED = line
             from base import comm
             from base.host import job_ranks_per_node
 

@@ -79,9 +79,13 @@ def _fail(e: BaseException) -> int:
     seconds instead of waiting in a collective for dist_timeout_s), then report it here. Returns the exit code."""
     rank = os.environ.get("RANK", "0")
     try:
-        from base import comm
+        from base import comm, progress
     except Exception:  # noqa: BLE001 -- the failure was importing our own stack: nothing to tell the others
-        comm = None
+        comm = progress = None
+    if progress is not None and progress.DECLARED:  # this rank's monitor ended the job as a hang (it exits 69 itself
+        # once the others have read it); what the main thread raised since is the hung rank leaving its collective
+        print(f"error: the first failure of the job: {progress.DECLARED}", file=sys.stderr, flush=True)
+        return EXIT_PEER_LOST
     if _is_input_error(e):  # our validation of the user's input: one line, no traceback, nothing saved touched
         # the line itself goes to every rank: a check one node fails alone (its network interface, a path it lacks)
         # is not on rank 0's output. Printed once per node (its local rank 0), by rank 0, and by the rank on record

@@ -84,3 +84,16 @@ def test_the_hung_ranks_node_is_named_for_the_requeue(tmp_path):
     together = Tracker(2, min_s=10.0, first_s=20.0)
     assert run(together, 1000, lambda t: ["1 1 forward"] * 2).__getitem__(1).startswith("ranks 0-1 hung together")
     assert together.named is None
+
+
+def test_the_main_threads_error_after_a_declared_hang_exits_with_the_hangs_code(monkeypatch, capsys):
+    """The race a clean-clone make test lost: rank 0's monitor declares rank 1 hung and tells the others; rank 1 leaves,
+    so rank 0's main thread, blocked in the collective, raises 'Connection closed by peer' and used to exit 1 before
+    the monitor's own exit 69. The main thread's failure path now ends with the hang's code and names it."""
+    from base import progress
+    from training import job
+
+    monkeypatch.setattr(progress, "DECLARED", "rank 1 (vm) hung: no progress for 60 s in data of step 3")
+    code = job._fail(RuntimeError("Connection closed by peer [127.0.0.1]:29384"))
+    assert code == job.EXIT_PEER_LOST == 69
+    assert "the first failure of the job: rank 1 (vm) hung" in capsys.readouterr().err
