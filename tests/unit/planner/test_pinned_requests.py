@@ -31,8 +31,10 @@ def _free_port() -> int:
 
 def test_pinned_blocks_of_the_h200_run_are_the_planners():
     """The fast sibling: the planner's pinned blocks for the H200 run's own configuration (bench/results/gpu.json,
-    its memory_choice record) are what torch.cuda.host_memory_stats held there, 12 GiB (8 + 4; the 13 bytes beyond
-    are three small pinned tensors of the step, not ZeRO-3's). The old planner: 8 GiB."""
+    its memory_choice record) are what torch.cuda.host_memory_stats held there, to the MiB (the bytes beyond are small
+    pinned tensors of the step, not ZeRO-3's). The run of 2026-11-27 (no parameter offload) held 12 GiB (8 + 4), where
+    the old planner said 8; the headline run of 2026-11-28 (parameters offloaded too: every partition pinned at
+    zero.Init, then the flat block) held 18.91 GiB, predicted before it ran."""
     import json
     import os
 
@@ -40,11 +42,11 @@ def test_pinned_blocks_of_the_h200_run_are_the_planners():
     from tests.conftest import ROOT
 
     with open(os.path.join(ROOT, "bench", "results", "gpu.json")) as fh:
-        run = json.load(fh)["long"]
+        run = json.load(fh)["headline"]
     shape = ModelShape(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=2, num_heads=32,
                        num_kv_heads=8, head_dim=128)
     held = run["host"]["pinned"]["stats"]["allocated_bytes.current"]
-    assert planner_phases(shape, run["length"], run["memory_choice"], "cuda")["pinned"] == held - held % 2**20
+    assert 0 <= held - planner_phases(shape, run["length"], run["memory_choice"], "cuda")["pinned"] < 2**20
 
 
 @pytest.mark.parametrize("model, world, size", [("llama3-8b", 8, None), ("llama3-8b", 64, None), ("llama3-8b", 8, 3 * 10**8),
