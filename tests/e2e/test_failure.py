@@ -439,7 +439,7 @@ def test_a_hung_rank_ends_the_job_naming_it(tmp_path):
 
     t0 = time.time()
     out, procs = launch(tmp_path, FAULT="1:hang:3", WATCH=f"2:60:20:{GRACE_S}", ULYSSES_HANG_MIN_S="5",
-                        ULYSSES_HANG_FIRST_S="60", ULYSSES_HANG_POLL_S="1")
+                        ULYSSES_HANG_FIRST_S="20", ULYSSES_HANG_POLL_S="1")
     codes, _, _ = wait_all(procs, tmp_path)
     took = time.time() - t0
     assert codes == [EXIT_PEER_LOST, EXIT_PEER_LOST], (codes, log(tmp_path, 0)[-3000:])
