@@ -35,6 +35,8 @@ import sys
 import threading
 import time
 
+from base.host import cpu_ranges
+
 FACTOR = 2.0
 MIN_S = float(os.environ.get("ULYSSES_HANG_MIN_S", "300"))
 FIRST_S = float(os.environ.get("ULYSSES_HANG_FIRST_S", "1200"))
@@ -102,20 +104,9 @@ class Tracker:
             host = f" ({hosts[r]})" if hosts and hosts[r] else ""
             others = f", behind {len(quiet) - 1} other rank(s) stopped waiting for it" if len(quiet) > 1 else ""
             return f"rank {r}{host} hung: no progress for {now - t:.0f} s in {phase} of step {step}{others} ({bound})"
-        return (f"ranks {_ranges(sorted(x[1] for x in first))} hung together: no progress for {now - since:.0f} s in "
+        return (f"ranks {cpu_ranges([x[1] for x in first])} hung together: no progress for {now - since:.0f} s in "
                 f"{phase} of step {step} ({bound}); none is behind the others (a collective none of them left): the "
                 "hung rank is not told apart by progress")
-
-
-def _ranges(ranks: list[int]) -> str:
-    out, i = [], 0
-    while i < len(ranks):
-        j = i
-        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
-            j += 1
-        out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
-        i = j + 1
-    return ",".join(out)
 
 
 def record_node(rank: int, per_node: int, path: str | None) -> bool:

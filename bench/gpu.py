@@ -176,6 +176,7 @@ def headline_length(model: str, gpu_mem_gb: float, chunks: int) -> int:
     chunks) on one GPU of gpu_mem_gb, by the chooser train.py's start-up runs (so the launch accepts it): 1,109,646
     for Llama-3-8B's shape on an 80 GB card, whatever the layer count (plan.py --compare's 1-GPU row)."""
     from planner import auto_features as af
+    from planner.cluster import longest_multiple
     from planner.memory_model import Features, load_shape
 
     shape = load_shape(model)
@@ -190,11 +191,7 @@ def headline_length(model: str, gpu_mem_gb: float, chunks: int) -> int:
         except ValueError:
             return False
 
-    lo, hi = 0, 1 << 26
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-    return lo
+    return longest_multiple(fits, 1, 1 << 26)
 
 
 def max_chunks(model: str) -> int:

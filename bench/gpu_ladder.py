@@ -56,11 +56,9 @@ def predicted_gib(model: str, length: int, feats: dict, device: str) -> float:
 
 def planner_longest(model: str, feats: dict, device: str, cap_gib: float, step: int) -> int:
     """Longest multiple of `step` whose predicted peak fits cap_gib (the peak grows with the length)."""
-    lo, hi = 0, (1 << 26) // step
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if predicted_gib(model, mid * step, feats, device) <= cap_gib else (lo, mid - 1)
-    return lo * step
+    from planner.cluster import longest_multiple
+
+    return longest_multiple(lambda n: predicted_gib(model, n, feats, device) <= cap_gib, step, 1 << 26)
 
 
 def stage_yaml(name: str, length: int, steps: int, feats: dict) -> str:

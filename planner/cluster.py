@@ -10,6 +10,7 @@ Torch-free, like the rest of the planner.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import replace
 
 from base.parallel import check_layout, split_sp
@@ -24,6 +25,16 @@ from planner.memory_model import Estimate, Features, GiB, ModelShape, estimate, 
 # terms (pinned blocks, arena and RSS each matched the planner within 0.1%), so 1.98 GiB. One run, one rank, one
 # machine: a fit, not a law (a model of another size maps another weights file).
 RUNTIME_HOST_GIB = 1.98
+
+
+def longest_multiple(fits: Callable[[int], bool], step: int, upper: int) -> int:
+    """The longest multiple of `step` below `upper` for which `fits` holds, `fits` holding for every shorter one
+    (peak memory and step time grow with the length); 0 when none does. A bisection: ~log2(upper / step) calls."""
+    lo, hi = 0, upper // step
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid * step) else (lo, mid - 1)
+    return lo * step
 
 
 def _int_or_auto(flag: str, value: str) -> int | str:
@@ -87,13 +98,7 @@ class Planner:
 
     def longest(self, sp: int, feats: Features | None = None, cp: int = 1) -> int:
         """Longest multiple of sp (of 2*sp under cp > 1: zigzag) that fits (peak memory grows with length)."""
-        step = sp * (2 if cp > 1 else 1)
-        lo, hi = 0, 2**36 // step
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            _, g, c = self.evaluate(mid * step, sp, feats, cp)
-            lo, hi = (mid, hi) if g and c else (lo, mid - 1)
-        return lo * step
+        return longest_multiple(lambda n: all(self.evaluate(n, sp, feats, cp)[1:]), sp * (2 if cp > 1 else 1), 2**36)
 
     def comm(self, seq_len: int, sp: int, cp: int) -> dict:
         a = self.args

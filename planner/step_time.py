@@ -18,6 +18,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from planner.auto_features import PEAK_TFLOPS, step_seconds
+from planner.cluster import longest_multiple
 from planner.memory_model import Features, ModelShape
 from planner.presets import PRESETS
 
@@ -56,13 +57,8 @@ def longest_within(seconds: float, shape: ModelShape, sp: int, f: Features, *, w
                    cp: int = 1, upper: int = 1 << 27) -> int:
     """The longest length (a multiple of sp, of 2 sp under cp > 1) whose step at these features takes at most
     `seconds` (the time grows with the length)."""
-    step = sp * (2 if cp > 1 else 1)
-    lo, hi = 0, upper // step
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        t = step_time(shape, mid * step, sp, f, world=world, ranks_per_node=ranks_per_node, cp=cp)
-        lo, hi = (mid, hi) if t <= seconds else (lo, mid - 1)
-    return lo * step
+    return longest_multiple(lambda n: step_time(shape, n, sp, f, world=world, ranks_per_node=ranks_per_node,
+                                                cp=cp) <= seconds, sp * (2 if cp > 1 else 1), upper)
 
 
 def duration(seconds: float) -> str:
