@@ -53,6 +53,11 @@ ALST = ("tiled_mlp", "tiled_logits", "gradient_checkpointing", "offload_activati
 PAGE_LOCKED = ("params (partition)", "grads fp32 (partition)", "activation checkpoints")
 
 
+def page_locked_gib(est: Estimate, ranks_per_node: int) -> float:
+    """GiB a node holds page-locked: its ranks' PAGE_LOCKED host terms."""
+    return sum(v for k, v in est.cpu_per_rank.items() if k in PAGE_LOCKED) * ranks_per_node / GiB
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="preset name (planner/presets.py) or config.json path")
@@ -128,8 +133,7 @@ def plan_one(pl: Planner, seq_len: int) -> dict:
         rows.append(dict(sp=sp, ulysses=sp // cp, cp=cp, fits_gpu=g, fits_cpu=c, fits=g and c,
                          longest_fitting_seq_len=pl.longest(sp, cp=cp), estimate=est.to_dict(),
                          comm_per_layer=pl.comm(seq_len, sp, cp), step_s=step_s,
-                         page_locked_gib_per_node=sum(v for k, v in est.cpu_per_rank.items() if k in PAGE_LOCKED)
-                         * args.gpus_per_node / GiB))
+                         page_locked_gib_per_node=page_locked_gib(est, args.gpus_per_node)))
     fitting = list(dict.fromkeys(r["sp"] for r in rows if r["fits"]))
     roomy = [r for r in rows if r["fits"] and r["estimate"]["gpu_peak"] <= (1 - args.margin) * pl.gpu_limit]
     best = (roomy or [r for r in rows if r["fits"]] or [min(rows, key=lambda r: r["estimate"]["gpu_peak"])])[0]
@@ -351,8 +355,7 @@ def compare(model: str = "llama3-8b", extra: list[str] | None = None) -> list[di
                          features=vars(feats), cp=cp, sp=sp, step_s=step_s, measured_tokens_per_sec_per_gpu=longest / step_s / sp,
                          over_an_hour=step_s > HOUR_S, mfu=measured_mfu(),
                          within_15_min=longest_within(TRAINABLE_S, shape, sp, feats, **timing),
-                         page_locked_gib_per_node=sum(v for k, v in est.cpu_per_rank.items() if k in PAGE_LOCKED)
-                         * (gpus // nodes) / GiB,
+                         page_locked_gib_per_node=page_locked_gib(est, gpus // nodes),
                          published=PUBLISHED.get(gpus, {}), **margins(pl, est)))
     return rows
 
