@@ -9,13 +9,16 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import statistics
+import threading
 
 from bench import harness as bm
 
 K = 1024
 # (length, steps) of the throughput rungs; the dry run's stand-ins keep the shape of the plan at CPU sizes
-THROUGHPUT = {"gpu": [(64 * K, 3), (128 * K, 3), (256 * K, 2)], "dry": [(256, 2)]}
+# (512k: the MFU goal's length, issue 49)
+THROUGHPUT = {"gpu": [(128 * K, 3), (256 * K, 2), (512 * K, 2)], "dry": [(256, 2)]}
 LADDER_STEP = {"gpu": 64 * K, "dry": 512}
 LEANEST = {"tiled_mlp": True, "tiled_logits": True, "gradient_checkpointing": True, "offload_activations": True}
 OFFLOADS = {"zero_optimization": {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}}
@@ -67,6 +70,29 @@ def stage_yaml(name: str, length: int, steps: int, feats: dict) -> str:
             f"     deepspeed_overrides: {json.dumps(OFFLOADS)}, eval: {{passkey_trials: 0, heldout_samples: 0}}}}\n")
 
 
+def _prune(root: str, stop: threading.Event, gone: list[str], every_s: float = 1.0) -> None:
+    """Delete, while the launch runs, every committed checkpoint but the newest (the one LATEST names): each rung is
+    a stage and every stage's final checkpoint is kept for good, ~21 GB at Llama-3-8B's width and 2 layers, so five
+    rungs overflow the device's 64 GiB disk (the 2026-11-28 ladder died in its fourth write). The next stage has
+    loaded the newest at its start and nothing reads an older one; a folder without its manifest is being written
+    and is left alone. `gone` receives the folders deleted."""
+    while True:
+        done = stop.is_set()
+        try:
+            with open(os.path.join(root, "LATEST")) as fh:
+                newest = fh.read().strip()
+            names = os.listdir(root)
+        except OSError:
+            names, newest = [], None
+        for name in names:
+            path = os.path.join(root, name)
+            if newest and name != newest and name.startswith("step_") and os.path.exists(os.path.join(path, "MANIFEST.json")):
+                shutil.rmtree(path, ignore_errors=True)
+                gone.append(name)
+        if done or stop.wait(every_s):
+            return
+
+
 def flops(model: str, length: int) -> float:
     from planner.memory_model import flops_per_sequence, load_shape
 
@@ -114,13 +140,21 @@ def ladder(rec, model: str, device: str, dry: bool, cap_gib: float, work: str, p
            "--learning_rate", "1e-5", "--warmup_steps", "0", "--reset_position_ids", "no", "--memory_features",
            "manual", "--dist_timeout_s", "600"]
     log = os.path.join(work, "ladder.log")
-    code, wall = bm.launch(cmd, env, log, max(timeout, 60))
+    stop, pruned = threading.Event(), []
+    pruner = threading.Thread(target=_prune, args=(os.path.join(out, "checkpoints"), stop, pruned), daemon=True)
+    pruner.start()
+    try:
+        code, wall = bm.launch(cmd, env, log, max(timeout, 60))
+    finally:
+        stop.set()
+        pruner.join()
     steps = bm.read_steps(out)
     with open(log, errors="replace") as fh:
         text = fh.read()
     oom = bool(re.search(r"OutOfMemoryError|CUDA out of memory|out of memory", text))
     result = {"model": os.path.basename(model), "layers": load_layers(model), "cap_gib": cap_gib, "planner_longest_leanest": longest,
-              "exit_code": code, "wall_s": round(wall, 1), "dropped_for_time": dropped, "rungs": []}
+              "exit_code": code, "wall_s": round(wall, 1), "dropped_for_time": dropped, "pruned_checkpoints": pruned,
+              "rungs": []}
     for r in rungs:
         mine = [s for s in steps if s["seq_len"] == r["length"]]
         row = {**r, "steps_done": len(mine)}

@@ -69,6 +69,8 @@ def test_gpu_check_dry_run(tmp_path):
     assert [r["kind"] for r in rungs] == ["throughput"] + ["ladder"] * 2
     assert all(r["fits"] and r["tokens_per_s"] > 0 and r["predicted_gib"] > 0 for r in rungs)
     assert rungs[1]["length"] == data["ladder"]["planner_longest_leanest"] // 512 * 512
+    # every stage's final checkpoint but the newest was deleted while the launch ran (the device's disk holds ~3)
+    assert len(data["ladder"]["pruned_checkpoints"]) == 2, data["ladder"]["pruned_checkpoints"]
     text = page.read_text()
     assert "_gib(" not in text and "None GiB" not in text
     assert "| recomputed forward | 0 |" in text and "| attention backward | 1 |" in text and "| 256 | throughput |" in text
