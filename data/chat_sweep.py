@@ -16,7 +16,8 @@ shipped template, and Hugging Face's own assistant mask of the marked template i
 - the regions not supervised are exactly the turns the encoder counts (`untrained_turns`);
 - every supervised span decodes to text holding its reply (past a `</think>`) and its tool calls' names.
 A row the encoder refuses (RowError, one line, naming the template and the fix) passes as a refusal; a branch of
-a family's template not written here (`unchecked` in families.json) is `not checked`. Anything else is WRONG:
+a family's template not written here (`unchecked` in families.json) is `not checked`. `checked` names the stored
+copy of the family's own template (repository and path) ours was compared with, or says that none was found. Anything else is WRONG:
 tests/unit/data/test_chat_sweep.py fails on it.
 """
 
@@ -37,7 +38,8 @@ HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_templates"
 MARKER = re.compile(r"\{%-?\s*(end)?generation\s*-?%\}")
 
 _ASK = {"role": "user", "content": "Say exactly: apple river"}  # the reply's text comes first in a user turn
-_CALL = {"type": "function", "function": {"name": "count_words", "arguments": {"text": "apple river"}}}
+_CALL = {"id": "call00001", "type": "function",  # 9 characters: Mistral's templates refuse other ids
+         "function": {"name": "count_words", "arguments": {"text": "apple river"}}}
 _THINK = "Two words: apple, river."
 CASES = {  # name -> a conversation (every assistant message is a turn to train)
     "multi-turn": [_ASK, {"role": "assistant", "content": "apple river"},
@@ -46,7 +48,8 @@ CASES = {  # name -> a conversation (every assistant message is a turn to train)
                {"role": "user", "content": "Count them."}, {"role": "assistant", "content": "2 words"}],
     "tool call": [{"role": "user", "content": "How many words in apple river?"},
                   {"role": "assistant", "content": "", "tool_calls": [_CALL]},
-                  {"role": "tool", "content": "2"}, {"role": "assistant", "content": "2 words"}],
+                  {"role": "tool", "tool_call_id": "call00001", "content": "2"},
+                  {"role": "assistant", "content": "2 words"}],
     "reasoning": [_ASK, {"role": "assistant", "content": "apple river", "reasoning_content": _THINK, "thinking": _THINK},
                   {"role": "user", "content": "Count them."},
                   {"role": "assistant", "content": "2 words", "reasoning_content": _THINK, "thinking": _THINK}],
@@ -72,9 +75,10 @@ def families() -> dict[str, dict]:
 
 
 def marked(fam: dict, name: str | None = None) -> str:
-    """The family's template with its generation markers (the oracle)."""
+    """The family's template with its generation markers (the oracle): its file, after the family's `prelude` (a line
+    setting what tells two families of one file apart: Llama 3.2's date from the clock, DeepSeek-R1's think rules)."""
     with open(os.path.join(HERE, (fam.get("named") or {}).get(name, fam["file"]) if name else fam["file"])) as fh:
-        return fh.read()
+        return fam.get("prelude", "") + fh.read()
 
 
 def shipped(text: str) -> str:
@@ -183,6 +187,9 @@ def sweep(root: str | None = None, only: list[str] | None = None) -> dict[str, d
                 row[case] = f"not checked: {fam['unchecked'][case]}"
                 continue
             conv = [{**m, "content": m["content"].replace("{eot}", fam["eot"])} for m in conv]
+            if fam.get("arguments") == "json string":  # a template that writes tool-call arguments as given
+                conv = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.dumps(
+                    c["function"]["arguments"])}} for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in conv]
             row[case] = check(enc, oracle, conv).replace(os.path.join(root, ""), "")
         table[key] = row
     return table
@@ -208,6 +215,9 @@ def markdown(table: dict[str, dict[str, str]]) -> str:
         lines.append(f"| {fams[key]['name']} (`{fams[key]['file']}`) | " + " | ".join(cells) + " |")
     lines.append("")
     lines += [f"[{n}] {why}" + "  " for why, n in notes.items()]
+    lines += ["", "What each template written here was compared with (`checked` in families.json; rendered: the same "
+              "conversations through both, string by string):", ""]
+    lines += [f"- {fams[key]['name']}: {fams[key].get('checked', 'not recorded')}" for key in table]
     return "\n".join(lines)
 
 

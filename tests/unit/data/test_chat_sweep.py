@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from data.chat_sweep import CASES, families, markdown, sweep
+from data.chat_sweep import CASES, families, markdown, marked, shipped, sweep
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,11 @@ def test_every_family_trains_exactly_its_replies_or_is_refused_in_one_line(table
     # item 2: a tool call the template does not render is a refused row, never an empty reply trained
     ("llama3", "tool call", "refused: message 1 (assistant): llama3's template does not render its tool call(s)"),
     ("smollm2", "tool call", "refused: message 1 (assistant): smollm2's template does not render its tool call(s)"),
+    # Granite 3.1-3.3 render only an assistant's content (granite-common's 3.2 template, llama.cpp's 3.3 copy)
+    ("granite3", "tool call", "refused: message 1 (assistant): granite3's template does not render its tool call(s)"),
+    ("granite33", "tool call", "refused: message 1 (assistant): granite33's template does not render its tool call"),
     ("llama31", "tool call", "trains"), ("qwen25", "tool call", "trains"), ("deepseek_v3", "tool call", "trains"),
+    ("mistral_v03", "tool call", "trains"),  # [TOOL_CALLS] supervised with the call: what the model writes
     # item 3: named templates: `default` by default, another when named
     ("command_r", "multi-turn", "trains"),
     ("command_r_tool_use", "multi-turn", "refused: none of the 2 assistant turn(s) could be located in "
@@ -54,3 +58,61 @@ def test_the_docs_table_is_the_sweeps(table):
     with open("docs/sft.md") as fh:
         assert markdown(table) in fh.read(), "regenerate: python -m data.chat_sweep --markdown"
     assert len(CASES) == 7
+
+
+# Facts read in the families' own templates as stored in public repositories (families.json `checked`), each one a
+# place where the template written here from memory rendered something else before it was compared.
+_CALL = {"type": "function", "function": {"name": "count_words", "arguments": '{"text": "apple river"}'}}
+_TOOL = [{"role": "user", "content": "How many?"}, {"role": "assistant", "content": "", "tool_calls": [_CALL]},
+         {"role": "tool", "content": "2"}, {"role": "assistant", "content": "2 words"}]
+
+
+def _render(key: str, conv: list[dict], **kw) -> str:
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    fam = families()[key]
+    out, _ = render_jinja_template(conversations=[conv], chat_template=shipped(marked(fam)),
+                                   bos_token=fam.get("bos") or "", eos_token=fam["eos"], **kw)
+    return out[0]
+
+
+@pytest.mark.parametrize("family,conv,want,kw", [
+    # llama.cpp's Llama-3.1-8B / 3.2-3B / 3.3-70B: a tool result goes through tojson (a string is iterable): quoted
+    ("llama31", _TOOL, '<|start_header_id|>ipython<|end_header_id|>\n\n"2"<|eot_id|>', {}),
+    ("llama32", _TOOL, '<|start_header_id|>ipython<|end_header_id|>\n\n"2"<|eot_id|>', {}),
+    # huggingface.js's zephyr-7b-beta renders system, user and assistant messages only: a tool result vanishes
+    ("zephyr", _TOOL, "<|assistant|>\n</s>\n<|assistant|>\n2 words</s>\n", {}),
+    # llama.cpp's granite-3.3-2B: the default system prompt's sentences joined by spaces (3.2's by newlines)
+    ("granite33", _TOOL[:1], "<|end_of_role|>Knowledge Cutoff Date: April 2024. Today's Date: ", {}),
+    ("granite3", _TOOL[:1], "<|end_of_role|>Knowledge Cutoff Date: April 2024.\nToday's Date: ", {}),
+    # huggingface.js's DeepSeek-R1: system prompts joined by a blank line; a later message's calls get no header
+    ("deepseek_r1", [{"role": "system", "content": "A."}, {"role": "system", "content": "B."}] + _TOOL[:1],
+     "<｜begin▁of▁sentence｜>A.\n\nB.<｜User｜>", {}),
+    ("deepseek_r1", _TOOL + [{"role": "user", "content": "Again?"}, {**_TOOL[1], "content": None}],
+     "<｜User｜>Again?\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>count_words", {}),
+    # llama.cpp's mistralai 'v3' template: calls with their ids, no space, then the EOS; a result's content unquoted
+    ("mistral_v03", [_TOOL[0], {**_TOOL[1], "tool_calls": [{**_CALL, "id": "call00001", "function": {
+        **_CALL["function"], "arguments": {"text": "apple river"}}}]}, {**_TOOL[2], "tool_call_id": "call00001"}, _TOOL[3]],
+     '[/INST][TOOL_CALLS] [{"name": "count_words", "arguments": {"text": "apple river"}, "id": "call00001"}]</s>'
+     '[TOOL_RESULTS] {"content": 2, "call_id": "call00001"}[/TOOL_RESULTS] 2 words</s>', {}),
+])
+def test_what_the_families_own_templates_render(family, conv, want, kw):
+    assert want in _render(family, conv, **kw)
+
+
+def test_llama32_takes_todays_date_and_deepseek_refuses_arguments_not_a_string():
+    import datetime
+
+    today = datetime.datetime.now().strftime("%d %b %Y")
+    assert f"Today Date: {today}\n" in _render("llama32", _TOOL[:1])  # llama.cpp's Llama-3.2-3B: strftime_now
+    assert "Today Date: 26 Jul 2024\n" in _render("llama31", _TOOL[:1])
+    call = {**_CALL, "function": {**_CALL["function"], "arguments": {"text": "apple river"}}}
+    with pytest.raises(Exception, match="JSON string"):  # R1's template concatenates them: a dict cannot render
+        _render("deepseek_r1", [_TOOL[0], {**_TOOL[1], "tool_calls": [call]}])
+
+
+def test_every_template_written_from_memory_names_what_it_was_checked_against():
+    fams = families()
+    for key in ("llama31", "llama32", "qwen3", "gemma3", "granite3", "granite33", "deepseek_v3", "deepseek_r1",
+                "zephyr", "vicuna", "mistral_v03"):
+        assert fams[key].get("checked"), key
