@@ -39,10 +39,14 @@ repeated in a user turn would be found in the wrong place):
    being the vocabulary's `<|im_end|>` token when it has one, else its EOS token (a base model then learns to
    stop where it already stops). It renders no tool calls: such a row is refused.
 
-Cost: the prefix renders tokenize each assistant turn's prefix twice: O(turns x length) tokens per conversation
-(an 80k-token conversation with 25 replies ~2.7 s of one core); preparation is offline and parallel
-(`prepare_data --workers N`), so the training job pays nothing. The mask is stored as one uint8 per token beside
-the tokens (data/store.py). The sweep over every family's template: `python -m data.chat_sweep` (docs/sft.md).
+Cost: linear in the conversation. The conversation is tokenized once; each prefix render is a view on those tokens
+(data/chat_views.py: a Hugging Face tokenizer splits control tokens out first, so a prefix's tokens up to the last
+control token it shares with the conversation are the conversation's; only the short rest is tokenized). Before,
+each prefix was tokenized whole: turns x length (a 1M-token conversation of 100 turns took minutes). The template
+is still rendered per prefix as text (a memory copy per render). A tokenizer without offsets takes that exact path.
+Preparation is offline and parallel (`prepare_data --workers N`), so the training job pays nothing. The mask is
+stored as one uint8 per token beside the tokens (data/store.py). The sweep over every family's template:
+`python -m data.chat_sweep` (docs/sft.md).
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ import numpy as np
 from data.chat_demo import build_demo_chats, demo_conversation  # noqa: F401  (python -m data.chat OUT.jsonl)
 from data.chat_rows import ROLES, SHAREGPT_ROLES, RowError, normalize, row_format  # noqa: F401
 from data.chat_rows import message as _message
+from data.chat_views import Renders, View
 
 LOSS_ON = ("auto", "assistant", "completion", "all")
 _PROBE = [{"role": "user", "content": "Probe question one?"}, {"role": "assistant", "content": "Probe answer one."},
@@ -90,6 +95,8 @@ class ChatEncoder:
     `chatml` (the default, always), `none` (the tokenizer's own, else refuse the row) or the name of one of the
     tokenizer's named templates."""
 
+    linear = True  # prefix renders as views on one tokenization (data/chat_views.py); False: each tokenized whole
+
     def __init__(self, tokenizer, loss_on: str = "auto", template: str = "auto"):
         if loss_on not in LOSS_ON:
             raise ValueError(f"--loss_on {loss_on!r}: use one of {list(LOSS_ON)}")
@@ -116,7 +123,7 @@ class ChatEncoder:
         unk = getattr(hf, "unk_token_id", None) if hf is not None else None
         self.default_eot = im_end if isinstance(im_end, int) and im_end >= 0 and im_end != unk else tokenizer.eos_id
         self.kind = "markers" if self.markers else "prefix" if self.hf is not None else "chatml"
-        self._eot, self._name_ids = None, None
+        self._eot, self._name_ids, self._added_ids = None, None, None
 
     # ---- rendering
     def _text(self, msgs: list[dict], gen: bool = False) -> str:
@@ -128,6 +135,13 @@ class ChatEncoder:
 
     def _render(self, msgs: list[dict], gen: bool = False) -> list[int]:
         return self.tok.encode(self._text(msgs, gen))
+
+    def _added(self) -> set[int]:
+        """The ids of the tokenizer's added tokens (control tokens and plain added ones): split out of a text before
+        anything else is tokenized (data/chat_views.py)."""
+        if self._added_ids is None:
+            self._added_ids = set(getattr(self.hf, "added_tokens_decoder", {}) or {})
+        return self._added_ids
 
     def _names(self) -> dict[str, int]:
         """The control tokens' texts -> ids."""
@@ -213,7 +227,7 @@ class ChatEncoder:
     def _shows(self, ids: list[int], a: int, e: int, msg: dict) -> bool:
         """Whether ids[a:e] shows the reply: its text (past a `</think>`, which R1 / Qwen3 templates drop from the
         content) and each tool call's name. One token before `a` too: a reply merged into the header's last token."""
-        text = self.tok.hf.decode(ids[max(a - 1, 0):e], clean_up_tokenization_spaces=False)
+        text = self.tok.hf.decode(np.asarray(ids[max(a - 1, 0):e]), clean_up_tokenization_spaces=False)  # fast
         want = _reply(msg)
         if want and want not in text:
             return False
@@ -239,21 +253,23 @@ class ChatEncoder:
         return (f"message {k}: its text holds the end-of-turn token's text {names}, which is tokenized as that "
                 "token") if names else None
 
-    def _header_end(self, conv: list[dict], k: int, head: list[int], full: list[int]) -> int | None:
-        """Where turn k's reply starts in `full`: the end of its header, None where the header is not there."""
-        a = _lcp(head, full)
+    def _header_end(self, conv: list[dict], k: int, head: View, r: Renders) -> int | None:
+        """Where turn k's reply starts in the conversation's tokens: the end of its header, None where the header is
+        not there."""
+        full = r.full
+        a = head.lcp(r.arr)
         if a == len(head) < len(full):
             return a
         dec = self.tok.hf.decode
-        if a == len(head) - 1 < len(full) and dec(full[a:a + 1]).startswith(dec(head[a:])):
+        if a == len(head) - 1 < len(full) and dec(full[a:a + 1]).startswith(dec(head.slice(a, len(head)))):
             return a  # the header's last token merged with the reply's start into one token
         # a generation prompt longer than the header inside the conversation (DeepSeek-R1's `<｜Assistant｜><think>\n`):
         # the header is what the conversation follows of it past the earlier messages
         try:
-            prev = self._render(conv[:k]) if k else []
+            shared = r.prefix(k).lcp(r.arr) if k else 0
         except RowError:
-            prev = []
-        if not _lcp(prev, full) < a < len(full):
+            shared = 0
+        if not shared < a < len(full):
             return None
         want = _reply(conv[k])[:16]  # and the reply's text starts there: nothing but blanks between them
         if not want:
@@ -264,19 +280,19 @@ class ChatEncoder:
         return a if i >= 0 and (i < len(pre) or not shown[len(pre):i].strip()) else None
 
     def _prefix(self, conv: list[dict], wanted: list[int]) -> tuple[list[int], dict, dict]:
-        full = self._render(conv)
-        arr = np.asarray(full)
+        r = Renders(self, conv, self.linear)  # rendered and tokenized once; each prefix a view on it
+        full, arr = r.full, r.arr
         spans, why = {}, {}
         for k in wanted:
             msg = conv[k]
             try:
-                head = self._render(conv[:k], gen=True)
-                turn = self._render(conv[:k + 1])
+                head = r.prefix(k, gen=True)
+                turn = r.prefix(k + 1)
             except RowError as e:  # e.g. an assistant turn first: there is nothing before it to render
                 why[k] = f"message {k}: " + ("an assistant turn first (no messages before it to find its header by)"
                                              if k == 0 else str(e))
                 continue
-            a = self._header_end(conv, k, head, full)
+            a = self._header_end(conv, k, head, r)
             if a is None:
                 why[k] = (f"message {k}: the conversation does not go on from the messages before it with the "
                           "template's assistant header: the template renders earlier messages differently once a "
@@ -284,14 +300,15 @@ class ChatEncoder:
                           "the first user turn) or writes text after the last message (Command-R's tool_use: use "
                           "its `default`)")
                 continue
-            prefix = _lcp(turn, full) == len(turn)
-            self._tool_calls_shown(conv, [k], {k: turn[a:]})
+            prefix = turn.lcp(arr) == len(turn)
+            tail = turn.slice(a, len(turn))
+            self._tool_calls_shown(conv, [k], {k: tail})
             if w := self._eot_text(conv, k):
                 why[k] = w
                 continue
             end = self._end(full, arr, a, len(turn) + (0 if prefix else 1), msg)
             if end is None and prefix:  # a turn ended by another control token (gpt-oss's <|call|>)
-                end = self._trim(turn, a, len(turn))
+                end = self._trim(tail, a, len(turn))
                 end = end if self._shows(full, a, end, msg) else None
             if end is None:
                 eot = self.tok.hf.convert_ids_to_tokens(self.eot.tolist())
@@ -308,10 +325,11 @@ class ChatEncoder:
                 return i + 1
         return None
 
-    def _trim(self, turn: list[int], a: int, b: int) -> int:
-        """End of the reply: after the last special token of turn[a:b] (its end-of-turn); b when there is none."""
+    def _trim(self, tail: list[int], a: int, b: int) -> int:
+        """End of the reply: after the last special token of turn[a:b] (`tail`, from a) (its end-of-turn); b when
+        there is none."""
         for i in range(b - 1, a - 1, -1):
-            if turn[i] in self.special:
+            if tail[i - a] in self.special:
                 return i + 1
         return b
 
