@@ -90,6 +90,9 @@ def _render(key: str, conv: list[dict], **kw) -> str:
      "<｜begin▁of▁sentence｜>A.\n\nB.<｜User｜>", {}),
     ("deepseek_r1", _TOOL + [{"role": "user", "content": "Again?"}, {**_TOOL[1], "content": None}],
      "<｜User｜>Again?\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>count_words", {}),
+    # llama.cpp's openai-gpt-oss-120b: the developer message ends with a blank line
+    ("gpt_oss", [{"role": "system", "content": "You are terse."}, _TOOL[0]],
+     "<|start|>developer<|message|># Instructions\n\nYou are terse.\n\n<|end|>", {}),
     # llama.cpp's mistralai 'v3' template: calls with their ids, no space, then the EOS; a result's content unquoted
     ("mistral_v03", [_TOOL[0], {**_TOOL[1], "tool_calls": [{**_CALL, "id": "call00001", "function": {
         **_CALL["function"], "arguments": {"text": "apple river"}}}]}, {**_TOOL[2], "tool_call_id": "call00001"}, _TOOL[3]],
