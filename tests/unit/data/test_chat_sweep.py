@@ -36,6 +36,8 @@ def test_every_family_trains_exactly_its_replies_or_is_refused_in_one_line(table
     ("granite33", "tool call", "refused: message 1 (assistant): granite33's template does not render its tool call"),
     ("llama31", "tool call", "trains"), ("qwen25", "tool call", "trains"), ("deepseek_v3", "tool call", "trains"),
     ("mistral_v03", "tool call", "trains"),  # [TOOL_CALLS] supervised with the call: what the model writes
+    # Mistral's system prompt: in the first user turn ('v1', v0.2) it trains; in the last (v3, v0.3) it is refused
+    ("mistral_v02", "system", "trains"), ("mistral_v03", "system", "refused: none of the 2 assistant turn(s)"),
     # item 3: named templates: `default` by default, another when named
     ("command_r", "multi-turn", "trains"),
     ("command_r_tool_use", "multi-turn", "refused: none of the 2 assistant turn(s) could be located in "
