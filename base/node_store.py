@@ -13,8 +13,9 @@ env:// rendezvous' own rule for an agent-hosted store, as under torchrun). When 
 failure code (not 0, 2 or 75 handled by the ranks themselves: any code other than 0 and 75), its launch.sh
 `post`s "node N: its ranks exited C" as the job's abort, with the same first-reason-wins rule as a rank's own
 post (a rank that failed with its reason posted earlier keeps it). Every rank's watcher reads it within POLL_S;
-a rank still connecting reads it at its first poll. Node 0's launcher keeps the store LATE_JOIN_S at most after a
-failure (until every rank of the other nodes has left), so a node that starts late still finds the reason.
+a rank still connecting reads it at its first poll. Node 0's launcher keeps the store LATE_JOIN_S (the start bound,
+START_WAIT_S: one setting, ULYSSES_START_WAIT_S) at most after a failure (until every rank of the other nodes has
+left), so a node that starts late still finds the reason.
 
 Node 0's store must start: its launch.sh waits (STORE_START_S at most) for `serve` to write its ready file before it
 starts its own ranks, and ends at once (exit 1, one line naming the host and the port) when `serve` exits or does
@@ -28,6 +29,10 @@ too: node 0's launcher ends within STALE_S of its ranks (it used to wait LATE_JO
 mark themselves done). A node that posted no exit and whose ranks are all gone that way is lost, whatever the code on
 record (a rank whose collective saw the node's sockets close raises: a crash, 1, caused by the loss): `post` exits
 69 and `--lost-file` names it (its node index, one a line), where slurm.sbatch reads it to requeue without it.
+A node none of whose ranks ever arrived (beat "0" to the end: rank 0 gave up on it START_WAIT_S after it started
+waiting) is not lost but absent, `K absent` in that file: its ranks never reached train.py's first line within the
+start bound, which a slow start (a container image pulled, a cold file-system client, a busy prolog) does as well
+as a broken node. slurm.sbatch excludes such a node only on evidence (docs/launch.md, "A node slow to start").
 
 What stays uncovered: node 0 lost (its launcher and the store with it: the others stop after LOST_STORE_S, and Slurm
 itself requeues a job whose batch host failed); `deepspeed --hostfile` over pdsh (one launcher for all nodes: its
@@ -51,9 +56,9 @@ import time
 
 from base.comm import TCPStore
 from base.exits import EXIT_PEER_LOST
-from base.watcher import DONE, POLL_S, STORE_OP_TIMEOUT_S, key, one_line
+from base.watcher import DONE, POLL_S, START_WAIT_S, STORE_OP_TIMEOUT_S, key, one_line
 
-LATE_JOIN_S = 300.0  # after a failure, node 0's launcher keeps the store this long for ranks still on their way
+LATE_JOIN_S = START_WAIT_S  # after a failure, node 0's launcher keeps the store this long for ranks still on their way
 STALE_S = 5 * POLL_S  # a rank's heartbeat unchanged this long after a failure: the rank is gone (it beats every POLL_S)
 CONNECT_S = 20.0  # a launcher's connection to post (node 0 may be gone: then nobody is waiting on its store)
 _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
@@ -89,13 +94,15 @@ def serve(addr: str, port: int, ready: str | None = None) -> None:
 
 def post(addr: str, port: int, code: int, reason: str, node: int, nnodes: int, per_node: int, wait: bool = False,
          late_join_s: float = LATE_JOIN_S, stale_s: float = STALE_S, store=None, clock=time.monotonic,
-         sleep=time.sleep) -> tuple[str, list[int]]:
+         sleep=time.sleep) -> tuple[str, list[int], list[int]]:
     """Post `reason` as the job's abort (the first reason posted wins) and record that node `node`'s ranks are gone;
-    returns the reason on record and the nodes found lost. With `wait` (node 0's launcher, whose process holds the
+    returns the reason on record, the nodes found lost and the nodes found absent. With `wait` (node 0's launcher,
+    whose process holds the
     store), then keep it until every rank of the nodes that did not fail has left or `late_join_s` has passed, so
     they read it before it goes. A rank has left when it marked itself done, or when its heartbeat has not moved for
     `stale_s` (killed, stopped, its node lost), or, the abort on record being EXIT_PEER_LOST, when it never arrived.
-    A node that posted no exit of its own and none of whose ranks is done or still beating is lost."""
+    A node that posted no exit of its own and none of whose ranks is done or still beating is lost; absent instead
+    when none of its ranks ever arrived (it never started within the start bound: slow, or broken)."""
     if store is None:
         store = TCPStore(addr, port, is_master=False, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=CONNECT_S))
@@ -108,23 +115,25 @@ def post(addr: str, port: int, code: int, reason: str, node: int, nnodes: int, p
     seen: dict[int, tuple[bytes, float]] = {}  # rank -> (its heartbeat value, when it last changed)
     end = clock() + late_join_s
     lost: list[int] = []
+    absent: list[int] = []
     while wait and clock() < end:
         now = clock()
         live = [k for k in range(nnodes) if not store.check([key(f"node_exit/{k}")])]
-        waiting, lost = False, []
+        waiting, lost, absent = False, [], []
         for k in live:
             ranks = list(range(k * per_node, (k + 1) * per_node))
             names = [key(f"hb/{r}") for r in ranks]
             present = [store.check([n]) for n in names]
             beats = dict(zip([r for r, p in zip(ranks, present) if p],
                              store.multi_get([n for n, p in zip(names, present) if p]) if any(present) else []))
-            gone = 0
+            gone = never = 0
             for r in ranks:
                 beat = beats.get(r, b"0")
                 if beat == DONE:
                     continue
                 if beat == b"0":  # never arrived: gone if a peer was lost, else it may still come to read the reason
                     gone += peer_lost
+                    never += 1
                     waiting |= not peer_lost
                     continue
                 if seen.get(r, (None,))[0] != beat:
@@ -134,11 +143,11 @@ def post(addr: str, port: int, code: int, reason: str, node: int, nnodes: int, p
                 else:
                     waiting = True
             if gone == per_node:
-                lost.append(k)
+                (absent if never == per_node else lost).append(k)
         if not waiting:
             break  # (no live node left: nobody to wait for)
         sleep(POLL_S / 2)
-    return on_record or reason, lost
+    return on_record or reason, lost, absent
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--ranks-per-node", type=int, required=True)
     q.add_argument("--wait", action="store_true", help="node 0: keep the store until the live nodes' ranks have read it")
     q.add_argument("--late-join-s", type=float, default=LATE_JOIN_S)
-    q.add_argument("--lost-file", help="with --wait: write the lost nodes' indices here, one a line (none: no file)")
+    q.add_argument("--lost-file", help="with --wait: write the lost nodes' indices here, one a line, and `K absent` "
+                   "for a node none of whose ranks arrived (none: no file)")
     a = p.parse_args(argv)
     if a.cmd == "serve":
         serve(a.addr, a.port, a.ready)
@@ -168,15 +178,20 @@ def main(argv: list[str] | None = None) -> int:
     for sig in _SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     try:
-        got, lost = post(a.addr, a.port, a.code, a.reason, a.node, a.nnodes, a.ranks_per_node, a.wait, a.late_join_s)
+        got, lost, absent = post(a.addr, a.port, a.code, a.reason, a.node, a.nnodes, a.ranks_per_node, a.wait,
+                                 a.late_join_s)
         print(f"node_store: abort on record: {got}", file=sys.stderr)
         if lost:
             print(f"node_store: lost node(s) {' '.join(map(str, lost))}: no exit posted, every rank's heartbeat "
-                  f"stopped or never came", file=sys.stderr)
+                  f"stopped", file=sys.stderr)
+        if absent:
+            print(f"node_store: absent node(s) {' '.join(map(str, absent))}: no exit posted, none of its ranks arrived "
+                  f"within the start bound (ULYSSES_START_WAIT_S={START_WAIT_S:.0f} s)", file=sys.stderr)
+        if lost or absent:
             if a.lost_file:
                 tmp = f"{a.lost_file}.{os.getpid()}"
                 with open(tmp, "w") as fh:
-                    fh.write("".join(f"{k}\n" for k in lost))
+                    fh.write("".join([f"{k}\n" for k in lost] + [f"{k} absent\n" for k in absent]))
                 os.replace(tmp, a.lost_file)
             return EXIT_PEER_LOST  # the job's end was a lost node, whatever the ranks that saw it go raised
     except Exception as e:  # noqa: BLE001 -- node 0's store is gone: nobody waits on it any more

@@ -175,6 +175,35 @@ def test_a_nodes_exit_record_seen_late_does_not_exclude_it(tmp_path):
     assert "lost" not in text and "training exited with 75" in text, text
 
 
+@pytest.mark.parametrize("start", ["late", "never"])
+def test_a_node_slow_to_start_is_excluded_only_on_evidence(tmp_path, start):
+    """Two attempts of a job (restart 0, then 1) in which node 1's ranks never reach the job's store within the start
+    bound: node 0 exits 69 naming node 1 absent (LAUNCH_LOST_FILE `1 absent`, base/node_store.py). `late`: node 1's
+    task starts 1 s late and its launcher runs (its ranks still importing from a cold file system): never excluded.
+    `never`: node 1's task never begins (the srun stand-in holds it 60 s, an image pull; the step ends first): a
+    first time is not excluded, the second attempt in a row is. Both used to exclude node 1 at the first attempt."""
+    env = dict(TWO_NODES, FAKE_EXIT_0="69", FAKE_ABSENT="1")
+    if start == "late":
+        env.update(SRUN_DELAY_1="1", FAKE_EXIT_1="wait", FAKE_EXIT_AFTER="69", FAKE_AFTER_READY="1")
+    else:
+        env.update(SRUN_DELAY_1="60")
+    texts = []
+    for restart in (0, 1):
+        (tmp_path / "fake.log").unlink(missing_ok=True)  # each attempt's own (node 0 waits for node 1's "ready" there)
+        job = sbatch(tmp_path, "0", ["--output_dir", str(tmp_path / "out")], SLURM_RESTART_COUNT=str(restart), **env)
+        texts.append(job.communicate(timeout=60)[0])
+        assert job.returncode == 0, texts[-1]
+        assert requeues(tmp_path) == ["requeue 4242"] * (restart + 1) + (
+            ["update JobId=4242 ExcNodeList=localhost"] if start == "never" and restart == 1 else []), texts
+    starts = tmp_path / ".cache" / "slurm" / "4242.starts"
+    if start == "late":
+        assert "node 1 (localhost) started, but none of its ranks reached the job's store" in texts[0], texts[0]
+        assert not starts.exists() and "got SIGTERM" in node_lines(tmp_path, 1), texts
+    else:
+        assert "not excluded for a first time" in texts[0] and "in 2 attempts in a row: excluded" in texts[1], texts
+        assert starts.read_text() == "localhost 2\n" and node_lines(tmp_path, 1) == [], texts
+
+
 def test_sbatch_requeues_a_lost_node_that_cannot_be_named(tmp_path):
     """69 with no node named (a store lost, every node reporting it): requeued as it is."""
     job = sbatch(tmp_path, "69", ["--output_dir", str(tmp_path / "out")], **TWO_NODES)

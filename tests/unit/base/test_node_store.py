@@ -64,8 +64,8 @@ def test_a_lost_nodes_ranks_have_left_and_the_node_is_named():
     store = Store(clock, {key("abort"): f"{EXIT_PEER_LOST} rank 4 stopped responding", key("hb/0"): "done",
                           key("hb/1"): "done", key("hb/4"): "37", key("hb/5"): "36"},
                   beating={2, 3}, done_at={2: 3.0, 3: 3.0})
-    (reason, lost), took = run(store, clock)
-    assert reason == "rank 4 stopped responding" and lost == [2]
+    (reason, lost, absent), took = run(store, clock)
+    assert reason == "rank 4 stopped responding" and lost == [2] and absent == []
     assert node_store.STALE_S <= took <= node_store.STALE_S + 2, took
     assert store.kv[key("node_exit/0")] == str(EXIT_PEER_LOST).encode()
 
@@ -76,23 +76,36 @@ def test_live_ranks_are_waited_for_and_no_node_is_lost():
     clock = Clock()
     store = Store(clock, {key("abort"): "1 rank 0 failed: RuntimeError: x", key("hb/0"): "done", key("hb/1"): "done",
                           **{key(f"hb/{r}"): "1" for r in (2, 3, 4, 5)}}, beating={2, 3, 4, 5}, done_at={2: 5.0, 3: 20.0, 4: 1.0, 5: 2.0})
-    (reason, lost), took = run(store, clock, code=1)
-    assert reason == "rank 0 failed: RuntimeError: x" and lost == []
+    (reason, lost, absent), took = run(store, clock, code=1)
+    assert reason == "rank 0 failed: RuntimeError: x" and lost == absent == []
     assert 20 <= took <= 22, took
 
 
 def test_a_rank_that_never_arrived():
     """A crash (1) during start-up: a node still on its way may yet come to read the reason: waited for,
-    LATE_JOIN_S at most. After a peer was lost (69, e.g. rank 0 gave up on that node): it has left, and is lost."""
+    LATE_JOIN_S (the start bound, START_WAIT_S) at most. After a peer was lost (69, e.g. rank 0 gave up on that node):
+    it has left, and is named absent, not lost: none of its ranks ever arrived, which a node slow to start (an image
+    pull, a cold file-system client) does too; slurm.sbatch excludes it only on evidence. It used to be named lost,
+    and excluded from the job at once."""
+    assert node_store.LATE_JOIN_S == node_store.START_WAIT_S
     for code, late in ((1, True), (EXIT_PEER_LOST, False)):
         clock = Clock()
         store = Store(clock, {key("abort"): f"{code} why", key("hb/0"): "done", key("hb/1"): "done",
                               key("hb/2"): "done", key("hb/3"): "done", key("hb/4"): "0"})  # rank 5: no key yet
-        (_, lost), took = run(store, clock, code=code)
+        (_, lost, absent), took = run(store, clock, code=code)
         if late:
-            assert took >= node_store.LATE_JOIN_S and lost == [], (code, took, lost)
+            assert took >= node_store.LATE_JOIN_S and lost == absent == [], (code, took, lost, absent)
         else:
-            assert took < 2 and lost == [2], (code, took, lost)
+            assert took < 2 and lost == [] and absent == [2], (code, took, lost, absent)
+
+
+def test_a_node_where_one_rank_arrived_is_lost_not_absent():
+    """Node 2: rank 4 arrived and stopped beating, rank 5 never arrived: the node ran, then went: lost."""
+    clock = Clock()
+    store = Store(clock, {key("abort"): f"{EXIT_PEER_LOST} why", key("hb/0"): "done", key("hb/1"): "done",
+                          key("hb/2"): "done", key("hb/3"): "done", key("hb/4"): "7", key("hb/5"): "0"})
+    (_, lost, absent), _ = run(store, clock)
+    assert lost == [2] and absent == []
 
 
 def test_a_node_that_posted_its_exit_is_not_lost():
@@ -102,5 +115,15 @@ def test_a_node_that_posted_its_exit_is_not_lost():
     store = Store(clock, {key("abort"): f"{EXIT_PEER_LOST} x", key("node_exit/1"): "1", key("hb/0"): "done",
                           key("hb/1"): "done", key("hb/2"): "9", key("hb/3"): "9", key("hb/4"): "done",
                           key("hb/5"): "done"})
-    (_, lost), took = run(store, clock)
-    assert lost == [] and took < 2, (lost, took)
+    (_, lost, absent), took = run(store, clock)
+    assert lost == absent == [] and took < 2, (lost, took)
+
+
+def test_the_lost_file_names_lost_and_absent_nodes_apart(tmp_path, monkeypatch):
+    """What slurm.sbatch reads (`--lost-file`): a lost node's index alone, an absent one's as `K absent`; exit 69."""
+    monkeypatch.setattr(node_store, "post", lambda *a: ("rank 2 never arrived", [1], [3]))
+    monkeypatch.setattr(node_store.signal, "signal", lambda *a: None)  # main() ignores Slurm's signals: not pytest's
+    f = tmp_path / "lost"
+    code = node_store.main(["post", "a", "1", "69", "why", "--node", "0", "--nnodes", "4", "--ranks-per-node", "2",
+                            "--wait", "--lost-file", str(f)])
+    assert code == EXIT_PEER_LOST and f.read_text() == "1\n3 absent\n"
