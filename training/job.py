@@ -27,6 +27,13 @@ class Requeue(Exception):
 def run_job(main: Callable[[], int]) -> int:
     """Run `main` as one rank of a job; returns its exit code after leaving the abort channel and recording the
     code (an exception becomes 1, or 2 for the user's input, after the others were told; Requeue 75)."""
+    from base.env import configure
+
+    # DeepSpeed's JIT ops from this checkout's cache, which scripts/setup.sh built, for every entry through here (not
+    # only train.py's own call): without it a rank that reaches deepspeed.init_distributed on CPU loads the
+    # shared-memory comm op from ~/.cache/torch_extensions, which every checkout shares and rebuilds with its own
+    # include paths (90 s of compiling inside test_srun_python_starts_one_world after another clone had run it)
+    configure()
     _single_process_defaults()
     try:
         code = main()

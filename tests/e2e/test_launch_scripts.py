@@ -335,7 +335,10 @@ def test_srun_python_starts_one_world(tmp_path):
     """`srun python train.py` on 2 nodes (the srun stand-in: a task per node here, SLURM_PROCID 0 and 1,
     SLURM_STEP_NODELIST "127.0.0.1,localhost", no RANK): one world of 2 whose master is the step's first host, each
     rank its PROCID (SLURM_LOCALID as the local rank: tests/unit/base/test_slurm_env.py). It used to be 2 worlds of one
-    (training/job.py without RANK): 2 runs writing one output folder."""
+    (training/job.py without RANK): 2 runs writing one output folder. DeepSpeed's shared-memory comm op (built at
+    deepspeed.init_distributed on CPU) comes from the checkout's cache, which scripts/setup.sh built: it came from
+    ~/.cache/torch_extensions, which every clone shares and rebuilds with its own paths (this test took 80-99 s, 90 s of
+    them compiling, whenever another clone had run it last)."""
     import re
 
     from tests.distributed import free_port
@@ -348,3 +351,4 @@ def test_srun_python_starts_one_world(tmp_path):
     assert job.returncode == 0, job.stdout + job.stderr[-3000:]
     assert sorted(re.findall(r"world \d+ rank \d+ local \d+ sum \d+ master [\d.]+", job.stdout)) == [
         f"world 2 rank {r} local 0 sum 2 master 127.0.0.1" for r in range(2)], job.stdout
+    assert re.findall(r"ops (\S+)", job.stdout) == [os.path.join(ROOT, ".cache", "torch_extensions")] * 2, job.stdout

@@ -1,6 +1,6 @@
 """Stand-in for train.py under `srun python ...` (one task per rank, no launcher): the same start as train.py
 (training.job.run_job, the abort channel, the process group), one all-reduce; prints `world W rank R local L sum S`
-(S = W when every task joined one world) and exits 0."""
+(S = W when every task joined one world) and the folder DeepSpeed's JIT ops came from, and exits 0."""
 
 import sys
 
@@ -15,7 +15,8 @@ def main() -> int:
     comm.open_channel()
     rank, world, local = comm.init(60)
     total = int(comm.all_reduce([1.0])[0].item())
-    print(f"world {world} rank {rank} local {local} sum {total} master {os.environ['MASTER_ADDR']}", flush=True)
+    print(f"world {world} rank {rank} local {local} sum {total} master {os.environ['MASTER_ADDR']} "
+          f"ops {os.environ.get('TORCH_EXTENSIONS_DIR')}", flush=True)
     return 0
 
 
