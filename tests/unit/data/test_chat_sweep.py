@@ -34,6 +34,7 @@ def test_every_family_trains_exactly_its_replies_or_is_refused_in_one_line(table
     # Granite 3.1-3.3 render only an assistant's content (granite-common's 3.2 template, llama.cpp's 3.3 copy)
     ("granite3", "tool call", "refused: message 1 (assistant): granite3's template does not render its tool call(s)"),
     ("granite33", "tool call", "refused: message 1 (assistant): granite33's template does not render its tool call"),
+    ("olmo3", "tool call", "refused: message 1 (assistant): olmo3's template does not render its tool call(s)"),
     ("llama31", "tool call", "trains"), ("qwen25", "tool call", "trains"), ("deepseek_v3", "tool call", "trains"),
     ("mistral_v03", "tool call", "trains"),  # [TOOL_CALLS] supervised with the call: what the model writes
     # Mistral's system prompt: in the first user turn ('v1', v0.2) it trains; in the last (v3, v0.3) it is refused
@@ -92,6 +93,9 @@ def _render(key: str, conv: list[dict], **kw) -> str:
      "<｜begin▁of▁sentence｜>A.\n\nB.<｜User｜>", {}),
     ("deepseek_r1", _TOOL + [{"role": "user", "content": "Again?"}, {**_TOOL[1], "content": None}],
      "<｜User｜>Again?\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>count_words", {}),
+    # open-instruct's `olmo` template (OLMo 3): its own default system prompt; an OpenAI tool call is not rendered
+    ("olmo3", _TOOL[:1], "<|im_start|>system\nYou are OLMo, a helpful function-calling AI assistant built by Ai2.", {}),
+    ("olmo3", _TOOL[:2], "<|im_start|>assistant\n<|endoftext|>", {}),
     # llama.cpp's openai-gpt-oss-120b: the developer message ends with a blank line
     ("gpt_oss", [{"role": "system", "content": "You are terse."}, _TOOL[0]],
      "<|start|>developer<|message|># Instructions\n\nYou are terse.\n\n<|end|>", {}),
