@@ -204,6 +204,19 @@ def test_a_node_slow_to_start_is_excluded_only_on_evidence(tmp_path, start):
         assert starts.read_text() == "localhost 2\n" and node_lines(tmp_path, 1) == [], texts
 
 
+def test_a_start_clears_a_nodes_start_miss(tmp_path):
+    """Misses count in a row: node 1 (localhost) missed the start once in an earlier attempt; this attempt it starts
+    (both nodes save and exit 75): its miss is forgotten, so a later miss is a first one again, not an exclusion."""
+    starts = tmp_path / ".cache" / "slurm" / "4242.starts"
+    starts.parent.mkdir(parents=True)
+    starts.write_text("localhost 1\ngpu3 1\n")  # gpu3: not in this attempt, its miss kept
+    job = sbatch(tmp_path, "0", ["--output_dir", str(tmp_path / "out")], FAKE_EXIT_0="75", FAKE_EXIT_1="75",
+                 SLURM_RESTART_COUNT="1", **TWO_NODES)
+    text = job.communicate(timeout=60)[0]
+    assert job.returncode == 0 and requeues(tmp_path) == ["requeue 4242"], text
+    assert starts.read_text() == "gpu3 1\n", text
+
+
 def test_sbatch_requeues_a_lost_node_that_cannot_be_named(tmp_path):
     """69 with no node named (a store lost, every node reporting it): requeued as it is."""
     job = sbatch(tmp_path, "69", ["--output_dir", str(tmp_path / "out")], **TWO_NODES)
