@@ -6,12 +6,12 @@
     python scripts/prepare_data.py ... --shard 3/8          # on machine 3 of 8
     python scripts/prepare_data.py --output data/prep --merge
 
-Streaming: the reading process groups rows into batches (`--batch_docs` rows, 1 MB of rows, or 1 MB of work: bytes x
-turns for a chat row, whose rendering grows with both) and keeps at most 2 x workers batches in flight;
-workers parse, tokenize and check each batch; the reading process appends the results, in input order,
-to the current chunk file. Peak memory is the batches in flight, not the corpus. A chunk (`--chunk_tokens`)
-is committed by its record file after its data is fsynced; a killed run resumes after the last committed
-chunk (same command), and `manifest.json` is written last, so a folder without it is never read as data.
+Streaming: the reading process groups rows into batches (`--batch_docs` rows, 1 MB of rows, or 1 MB of work: ~1 s of
+a worker, `row_cost`: a chat row's bytes plus what its template renders add per message) and keeps at most
+2 x workers batches in flight; workers parse, tokenize and check each batch; the reading process appends the
+results, in input order, to the current chunk file. Peak memory is the batches in flight, not the corpus. A chunk
+(`--chunk_tokens`) is committed by its record file after its data is fsynced; a killed run resumes after the last
+committed chunk (same command), and `manifest.json` is written last, so a folder without it is never read as data.
 """
 
 from __future__ import annotations
@@ -279,19 +279,26 @@ def prepare(inputs: list[str], output: str, tokenizer: str | None = None, vocab_
 
 
 def row_cost(item) -> tuple[int, int]:
-    """(bytes, work) of one row as the reader sees it: work ~ bytes x turns for a chat row (data/chat.py renders and
-    tokenizes the conversation up to each assistant turn: a 1,000-turn trace costs ~1,000 of its own size), bytes for
-    text. Counted on the raw line (two C-speed byte counts), never parsed here."""
+    """(bytes, work) of one row as the reader sees it; work is a worker's time in bytes of text tokenized. A chat row
+    of m messages (data/chat.py: the conversation tokenized once, the template rendered once per prefix) adds ~500
+    bytes' worth per message (its prefix renders, spans and checks), 8 per message per render (the template loops
+    over the prefix's messages: m^2 in all) and a copy of the text per render (m x bytes / 700): a 100-message 6 KB
+    chat ~0.14 MB, a 1,000-message 60 KB trace ~8.6 MB (its own task), a 1M-token chat of 100 messages ~4.7 MB. Measured
+    with the fixture tokenizers (tests/unit/data/chat_render_bench.py). Text: its bytes. Counted on the raw line
+    (C-speed byte counts), never parsed here."""
     if isinstance(item, bytes):
         turns = item.count(b'"role"') + item.count(b'"from"')  # messages / ShareGPT turns; 0 for a text row
-        return len(item), len(item) * max(1, turns)
+        return len(item), len(item) + _chat_work(turns, len(item))
     value = item[0]
     if isinstance(value, dict):  # a columnar chat row
         size = len(str(value))
-        turns = sum(len(v) for v in value.values() if isinstance(v, list))
-        return size, size * max(1, turns)
+        return size, size + _chat_work(sum(len(v) for v in value.values() if isinstance(v, list)), size)
     n = len(value) if isinstance(value, str | list) else len(str(value))
     return n, n
+
+
+def _chat_work(messages: int, size: int) -> int:
+    return 500 * messages + 8 * messages * messages + messages * size // 700
 
 
 def _batches(units: list[Unit], fields: Fields, start: tuple[int, int], batch_docs: int):

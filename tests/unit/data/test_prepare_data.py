@@ -244,16 +244,24 @@ def test_token_caches_follow_the_tokenizers_content(tmp_path, monkeypatch):
 
 
 def test_long_multi_turn_chats_are_spread_over_worker_tasks(tmp_path):
-    """Issue 47 item 12: a worker task closes at BATCH_BYTES of work (bytes x turns: data/chat.py renders up to each
-    assistant turn), so 40 agent traces of 100 turns (~6 KB each, 250 KB in all) go to many workers instead of one
-    task (the old batches closed at 256 rows or 1 MB of bytes only: one task of 40); text batches as before."""
+    """Issue 47 item 12: a worker task closes at BATCH_BYTES of work (`row_cost`: a chat row's bytes plus what its
+    prefix renders add per message, data/chat.py tokenizing the conversation once), so 40 agent traces of 100
+    messages (~6 KB each, ~0.14 MB of work) go to several workers, ~7 a task (the bytes x turns of the old quadratic
+    encoder made 20 tasks of 2, or one task when counted by rows); a 1,000-message trace is a task alone; short
+    chats and text batch by rows as before."""
     from data.readers import discover
 
     turn = [{"role": r, "content": "step " * 10} for r in ("user", "assistant")] * 50
     chats = tmp_path / "traces.jsonl"
     chats.write_text("".join(json.dumps({"messages": turn}) + "\n" for _ in range(40)))
     batches = list(pd_mod._batches(discover(str(chats)), Fields(), (0, 0), 256))
-    assert sum(map(len, batches)) == 40 and len(batches) >= 10, [len(b) for b in batches]
+    assert sum(map(len, batches)) == 40 and 4 <= len(batches) <= 10, [len(b) for b in batches]
     assert all(sum(pd_mod.row_cost(it)[1] for _, _, it in b[:-1]) < pd_mod.BATCH_BYTES for b in batches)
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(json.dumps({"messages": turn * 10}) + "\n" + json.dumps({"messages": turn[:2]}) + "\n")
+    assert [len(b) for b in pd_mod._batches(discover(str(trace)), Fields(), (0, 0), 256)] == [1, 1]
+    short = tmp_path / "short.jsonl"
+    short.write_text("".join(json.dumps({"messages": turn[:2]}) + "\n" for _ in range(300)))
+    assert [len(b) for b in pd_mod._batches(discover(str(short)), Fields(), (0, 0), 256)] == [256, 44]
     text = _write_jsonl(tmp_path / "text.jsonl", DOCS * 30)
     assert [len(b) for b in pd_mod._batches(discover(text), Fields(), (0, 0), 256)] == [256, 104]
