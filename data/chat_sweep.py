@@ -16,7 +16,8 @@ shipped template, and Hugging Face's own assistant mask of the marked template i
 - the regions not supervised are exactly the turns the encoder counts (`untrained_turns`);
 - every supervised span decodes to text holding its reply (past a `</think>`) and its tool calls' names.
 A row the encoder refuses (RowError, one line, naming the template and the fix) passes as a refusal; a branch of
-a family's template not written here (`unchecked` in families.json) is `not checked`. `checked` names the stored
+a family's template not written here (`unchecked` in families.json) is `not checked`; a WRONG cell stays WRONG in
+the table, and the test allows it only in a family whose `wrong` says why (an encoder bug found, not fixed yet). `checked` names the stored
 copy of the family's own template (repository and path) ours was compared with, or says that none was found. Anything else is WRONG:
 tests/unit/data/test_chat_sweep.py fails on it.
 """
@@ -218,6 +219,8 @@ def markdown(table: dict[str, dict[str, str]]) -> str:
     lines += ["", "What each template written here was compared with (`checked` in families.json; rendered: the same "
               "conversations through both, string by string):", ""]
     lines += [f"- {fams[key]['name']}: {fams[key].get('checked', 'not recorded')}" for key in table]
+    lines += ["", "Open (a WRONG cell: the encoder trains what the property forbids; `wrong` in families.json):", ""]
+    lines += [f"- {fams[key]['name']}: {fams[key]['wrong']}" for key in table if fams[key].get("wrong")] or ["- none"]
     return "\n".join(lines)
 
 

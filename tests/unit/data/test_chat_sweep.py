@@ -19,7 +19,10 @@ def test_every_family_trains_exactly_its_replies_or_is_refused_in_one_line(table
     assert set(table) == set(families())
     ok = ("trains", "refused", "not checked")
     wrong = {(f, c): out for f, row in table.items() for c, out in row.items() if not out.startswith(ok)}
-    assert not wrong
+    # a WRONG cell only where families.json records the encoder bug it shows (`wrong`), and each record still shows
+    # one: fixed in data/chat.py, the record goes (and the table regenerated)
+    open_bugs = {f for f, fam in families().items() if fam.get("wrong")}
+    assert {f for f, _ in wrong} == open_bugs, wrong
     assert all("\n" not in out for row in table.values() for out in row.values())
 
 
