@@ -2,8 +2,8 @@
 
 Each feature alone and all four together, selective checkpointing (`checkpoint_every: 2`, alone and
 with tiled MLP + offload), and checkpointing that keeps the attention output (`keep_attention`: every layer,
-and every 2nd with tiled MLP + offload), through the real ZeRO-3 engine at sp=2 (world 2) and sp=1
-(world 1): the first step's loss (fp32) within 1e-5 relative and the full gradients within 1e-4 relative
+and every 2nd with tiled MLP + offload), through the real ZeRO-3 engine at sp=2 (world 2; the all-feature cases also
+at sp=1 x dp=2 in that launch; every case at sp=1 in a world of 1: slow): the first step's loss (fp32) within 1e-5 relative and the full gradients within 1e-4 relative
 of the plain single-process Hugging Face model. Tiles are made small so the short test sequences really
 split (uneven last tiles included), on untied and tied (Qwen2) LM heads, with bs=2 and with GA=2.
 Unit tests cover the tile rules, the tiled loss against a scaled backward, and the allocator setting.
@@ -127,30 +127,56 @@ def test_configure_allocator_keeps_the_users_setting(monkeypatch):
 
 # --- through the engine, against the plain model -------------------------------------------------------
 
+# layout -> (world, cases): the SP=2 launch also runs the all-feature cases at SP=1 over DP=2 (sp1dp2, one world);
+# every case at SP=1 in a world of 1 is its own launch, slow (its rules: sp2 and sp1dp2 in the fast launch, and
+# test_features_on_the_plain_model in this process)
+FAST_SP1 = ("all_bs2", "all_tied_ga2")
+# sp1dp2 before sp2 in its launch: a DeepSpeed engine at SP 1 after one at SP 2 finds DeepSpeed's groups still
+# pointing at the SP 2 mpu ("sequence data parallel group is not initialized")
+LAYOUTS = {"sp1dp2": (2, list(FAST_SP1)), "sp2": (2, [c[0] for c in CASES]), "sp1": (1, [c[0] for c in CASES])}
+PARAMS = [pytest.param(lay, c, id=f"{c[0]}-{lay}", marks=[pytest.mark.slow] if lay == "sp1" else [])
+          for c in CASES for lay in ("sp2", "sp1dp2", "sp1") if c[0] in LAYOUTS[lay][1]]
+
+
+class _Launches(dict):
+    """results[(layout, case name)] -> (record, stats); one launch per world, run when a case of it is first asked for."""
+
+    def __init__(self, assets, tmp_path_factory):
+        super().__init__()
+        self.assets, self.tmp = assets, tmp_path_factory
+
+    def __missing__(self, key):
+        world = LAYOUTS[key[0]][0]
+        d = self.tmp.mktemp(f"memory_world{world}")
+        assets, cases, keys = self.assets, [], []
+        for lay, (w, names) in LAYOUTS.items():
+            for name, model, sl, features, extra in CASES if w == world else []:
+                if name not in names:
+                    continue
+                cases.append({"model_name_or_path": assets[model], "dataset_path": assets["data"],
+                              "max_seq_length": sl, "sequence_parallel_size": 2 if lay == "sp2" else 1,
+                              "learning_rate": 1e-3, "max_steps": 1, "report_to": "none", "seed": 0,
+                              "deepspeed": os.path.join(ROOT, "ds_configs/zero3_offload.json"),
+                              **{f: True for f in features}, **extra, "knobs": KNOBS,
+                              "out": str(d / f"{lay}_{name}.pt"), "cache": os.path.join(assets["dir"], "cache")})
+                keys.append((lay, name))
+        run(os.path.join(ROOT, "tests/workers/memory.py"), [json.dumps(cases)], world, str(d / "logs"))
+        for k, case in zip(keys, cases):
+            self[k] = (torch.load(case["out"]), torch.load(case["out"] + ".stats.pt"))
+        return self[key]
+
+
 @pytest.fixture(scope="module")
 def results(assets, tmp_path_factory):
-    out = {}
-    for sp in (2, 1):
-        d = tmp_path_factory.mktemp(f"memory_sp{sp}")
-        cases = []
-        for name, model, sl, features, extra in CASES:
-            cases.append({"model_name_or_path": assets[model], "dataset_path": assets["data"], "max_seq_length": sl,
-                          "sequence_parallel_size": sp, "learning_rate": 1e-3, "max_steps": 1, "report_to": "none",
-                          "seed": 0, "deepspeed": os.path.join(ROOT, "ds_configs/zero3_offload.json"),
-                          **{f: True for f in features}, **extra, "knobs": KNOBS,
-                          "out": str(d / f"{name}.pt"), "cache": os.path.join(assets["dir"], "cache")})
-        run(os.path.join(ROOT, "tests/workers/memory.py"), [json.dumps(cases)], sp, str(d / "logs"))
-        for (name, *_), case in zip(CASES, cases):
-            out[(sp, name)] = (torch.load(case["out"]), torch.load(case["out"] + ".stats.pt"))
-    return out
+    return _Launches(assets, tmp_path_factory)
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("sp", [2, 1], ids=lambda sp: f"sp{sp}")
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
-def test_features_match_plain_model(results, assets, sp, case):
+@pytest.mark.parametrize("layout, case", PARAMS)
+def test_features_match_plain_model(results, assets, layout, case):
     name, model, sl, features, extra = case
-    got, stats = results[(sp, name)]
+    got, stats = results[(layout, name)]
+    sp = 2 if layout == "sp2" else 1
     samples = [i for r in got["indices"] for mb in r["indices"] for i in mb]
     samples = sorted(set(samples), key=samples.index)  # the SP ranks report the same samples
     ref_loss, ref_grads = reference(assets[model], assets["data"], sl, samples)
