@@ -81,14 +81,19 @@ def test_a_chat_trial_tokenizes_its_haystack_once(toks, task, monkeypatch):
 
     tok = toks["qwen25"]
     enc = ChatEncoder(tok, "assistant", "none")
-    long_texts, encode = [], tok.encode
+    long_texts, encode, encode_batch = [], tok.encode, tok.encode_batch
 
     def counted(text):
         if len(text) > 1000:
             long_texts.append(len(text))
         return encode(text)
 
+    def counted_batch(texts):
+        long_texts.extend(len(t) for t in texts if len(t) > 1000)
+        return encode_batch(texts)
+
     monkeypatch.setattr(tok, "encode", counted)
+    monkeypatch.setattr(tok, "encode_batch", counted_batch)
     s = chat_sample(task, tok, enc, 2048, 0.5, random.Random(3))
     monkeypatch.undo()
     assert len(long_texts) == 1, long_texts
