@@ -114,14 +114,15 @@ def test_a_sentencepiece_style_tokenizer(root, legacy):
 
 def test_200_turns_tokenize_the_conversation_about_once(root, monkeypatch):
     """A 200-message conversation: the characters handed to the tokenizer are at most 3x the conversation's
-    rendering (the old path tokenized each reply's two prefix renders whole: ~100x here)."""
+    rendering (the old path tokenized each reply's two prefix renders whole: ~100x here), and its ids equal the
+    exact path's."""
     from transformers import PreTrainedTokenizerFast
 
     enc = ChatEncoder(Tokenizer(build_tokenizer(root + "/golden", "qwen25")), "assistant", "none")
     conv = []
     for i in range(100):
-        conv += [{"role": "user", "content": f"Question {i}: " + "apple river " * 20},
-                 {"role": "assistant", "content": f"Answer {i}: " + "two words " * 20}]
+        conv += [{"role": "user", "content": f"Question {i}: " + "apple river " * 6},
+                 {"role": "assistant", "content": f"Answer {i}: " + "two words " * 6}]
     length = len(enc._text(conv))
     seen, call = [], PreTrainedTokenizerFast.__call__
 
