@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+from base.env import EXTENSIONS_DIR
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.pardir] * 2))
 STUBS = os.path.join(ROOT, "tests", "stubs")
 LAUNCH = os.path.join(ROOT, "scripts", "launch.sh")
@@ -18,12 +20,17 @@ TRAIN = os.path.join(ROOT, "train.py")
 
 
 def clean_env(**kw: str) -> dict:
-    """This environment without the variables a launcher or SLURM would have set, plus kw."""
+    """This environment without the variables a launcher or SLURM would have set, with the checkout's JIT-op cache,
+    plus kw."""
     drop = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "DS_ACCELERATOR", "PYTHONPATH",
             "DS_ENV_FILE", "LAUNCH_CMD", "TRAIN_SCRIPT", "OUTPUT_DIR", "CUDA_VISIBLE_DEVICES", "LAUNCH_EXPORT")
     drop += ("BIND_CORES", "KMP_AFFINITY", "TORCH_EXTENSIONS_DIR")
     prefixes = ("SLURM_", "NCCL_", "WANDB_", "HF_", "TRANSFORMERS_", "TORCH_NCCL_", "FAKE_", "GLOO_", "FI_", "UCX_")
     e = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith(prefixes)}
+    # DeepSpeed's JIT ops from the checkout's cache (scripts/setup.sh built them, train.py loads them there): a stand-in
+    # rank that starts DeepSpeed without base.env.configure (allreduce_world.py) would otherwise build them in
+    # ~/.cache/torch_extensions, which every clone shares and rebuilds with its own paths (90 s inside a test)
+    e["TORCH_EXTENSIONS_DIR"] = EXTENSIONS_DIR
     e.update({"OMP_NUM_THREADS": "1", "BIND_CORES": "0", **kw})  # core binding: only where a test asks for it
     return {k: v for k, v in e.items() if v is not None}  # kw NAME=None: leave NAME unset
 

@@ -345,7 +345,7 @@ def test_srun_python_starts_one_world(tmp_path):
 
     e = clean_env(PATH=f"{STUBS}:{os.environ['PATH']}", SLURM_JOB_ID="77", SLURM_JOB_NUM_NODES="2",
                   SLURM_JOB_NODELIST="127.0.0.1,localhost", MASTER_PORT=str(free_port()), DS_ACCELERATOR="cpu",
-                  PYTHONPATH=ROOT, SRUN_CPUS_PER_TASK="1")
+                  PYTHONPATH=ROOT, SRUN_CPUS_PER_TASK="1", TORCH_EXTENSIONS_DIR=None)  # a user's shell sets none
     job = subprocess.run(["srun", os.path.join(ROOT, ".venv", "bin", "python"), os.path.join(STUBS, "srun_world.py")],
                          cwd=tmp_path, env=e, capture_output=True, text=True, timeout=240)
     assert job.returncode == 0, job.stdout + job.stderr[-3000:]
