@@ -327,9 +327,12 @@ exec 3>&-
 if [ -n "$tee_pid" ]; then
   wait "$tee_pid"
   if [ "$rc" = 1 ]; then
-    codes=$(grep -oE 'exitcode +: -?[0-9]+' "$stderr_copy" | grep -oE -- '-?[0-9]+$' | sort -u | paste -sd' ')
+    # a rank dead of SIGTERM (-15) had no handler yet: torchrun stopping the others after the first exit (a rank still
+    # starting, seen under load), or Slurm's TERM at its start; it failed on nobody's account: the others' code stands
+    codes=$(grep -oE 'exitcode +: -?[0-9]+' "$stderr_copy" | grep -oE -- '-?[0-9]+$' | grep -vx -- -15 | sort -u |
+            paste -sd' ')
     if [ "$codes" = "$EXIT_PREEMPTED" ] || [ "$codes" = "$EXIT_PEER_LOST" ]; then
-      echo "launch.sh: torchrun exited 1 but every failed rank exited $codes: passing on $codes" >&2
+      echo "launch.sh: torchrun exited 1 but every failed rank exited $codes (or died of SIGTERM): passing on $codes" >&2
       rc=$codes
     fi
   fi
