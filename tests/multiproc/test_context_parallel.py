@@ -23,6 +23,7 @@ import torch
 
 from tests.conftest import save_tiny_model
 from tests.distributed import ROOT, run
+from tests.multiproc.joint_launch import ASSETS, WORLD2, by_name
 from tests.multiproc.test_doc_masking import (
     GRAD_TOL,
     LOSS_TOL,
@@ -84,27 +85,45 @@ SLOW = {(1, 3), (3, 2), (2, 2), (1, 4)}  # (2, 2): 4 ranks on 2 cores, 150 s; u1
 FLEX_CP = [("h9_flex_mb2", "h9", "flex_attention", 2, False, {})]  # 3 and 6 processes on 2 cores: ~1-2 min each (make test-slow)
 
 
-@pytest.fixture(scope="module")
-def cp_assets(tmp_path_factory):
-    d = tmp_path_factory.mktemp("cp")
-    write_documents(d / "docs.jsonl")
-    out = {"llama": save_tiny_model(str(d / "llama"), "tiny-llama", initializer_range=0.3),
-           "data": str(d / "docs.jsonl"), "dir": str(d)}
-    for name, (model_type, fields) in MODELS.items():
-        out[name] = save_config_model(str(d / name), model_type, **fields)
+def cp_assets_of(tmp_path_factory) -> dict:
+    """The documents and models, made once (also by the joint launch, before this module's first test asks)."""
+    out = ASSETS.setdefault("cp", {})
+    if not out:
+        d = tmp_path_factory.mktemp("cp")
+        write_documents(d / "docs.jsonl")
+        out.update(llama=save_tiny_model(str(d / "llama"), "tiny-llama", initializer_range=0.3),
+                   data=str(d / "docs.jsonl"), dir=str(d))
+        for name, (model_type, fields) in MODELS.items():
+            out[name] = save_config_model(str(d / name), model_type, **fields)
     return out
 
 
-def launch(assets, tmp_path, u: int, cp: int, which: list | None = None) -> dict:
-    cases = {}
-    for name, model, attn, mb, grads, extra in which or CASES[(u, cp)]:
-        cases[name] = {"model_name_or_path": assets[model], "dataset_path": assets["data"], "max_seq_length": SEQ,
-                       "sequence_parallel_size": u * cp, "context_parallel_size": cp,
-                       "per_device_train_batch_size": mb, "attn_implementation": attn, "reset_position_ids": "yes",
-                       "learning_rate": 1e-3, "max_steps": 1, "report_to": "none", "seed": 0,
-                       "deepspeed": os.path.join(ROOT, "ds_configs/zero3_offload.json"), "samples": [0, 1][:mb],
-                       "grads": grads, "bypass": False, "out": str(tmp_path / f"{name}.pt"),
-                       "cache": os.path.join(assets["dir"], "cache"), **extra}
+@pytest.fixture(scope="module")
+def cp_assets(tmp_path_factory):
+    return cp_assets_of(tmp_path_factory)
+
+
+def cp_cases(assets, d, u: int, cp: int, which: list | None = None) -> dict:
+    return {name: {"model_name_or_path": assets[model], "dataset_path": assets["data"], "max_seq_length": SEQ,
+                   "sequence_parallel_size": u * cp, "context_parallel_size": cp,
+                   "per_device_train_batch_size": mb, "attn_implementation": attn, "reset_position_ids": "yes",
+                   "learning_rate": 1e-3, "max_steps": 1, "report_to": "none", "seed": 0,
+                   "deepspeed": os.path.join(ROOT, "ds_configs/zero3_offload.json"), "samples": [0, 1][:mb],
+                   "grads": grads, "bypass": False, "out": str(d / f"{name}.pt"),
+                   "cache": os.path.join(assets["dir"], "cache"), **extra}
+            for name, model, attn, mb, grads, extra in which or CASES[(u, cp)]}
+
+
+# u1cp2 (world 2) joins the fast modules' shared 2-rank launch (tests/multiproc/joint_launch.py)
+WORLD2.join("cp_u1cp2", __name__, "tests/workers/doc_masking.py",
+            lambda assets, factory, d: list(cp_cases(cp_assets_of(factory), d, 1, 2).values()),
+            ("test_hybrid_sp_matches_plain_model",))
+
+
+def launch(assets, tmp_path, u: int, cp: int, which: list | None = None, shared=None) -> dict:
+    if (u, cp) == (1, 2) and which is None:
+        return by_name(WORLD2.launched("cp_u1cp2", *shared))
+    cases = cp_cases(assets, tmp_path, u, cp, which)
     run(os.path.join(ROOT, "tests/workers/doc_masking.py"), [json.dumps(list(cases.values()))], u * cp,
         str(tmp_path / "logs"))
     return {name: (torch.load(c["out"]), c) for name, c in cases.items()}
@@ -112,8 +131,8 @@ def launch(assets, tmp_path, u: int, cp: int, which: list | None = None) -> dict
 
 @pytest.mark.parametrize("layout", [pytest.param(k, marks=[pytest.mark.slow] if k in SLOW else [])
                                     for k in CASES], ids=lambda k: f"u{k[0]}cp{k[1]}")
-def test_hybrid_sp_matches_plain_model(cp_assets, tmp_path, layout):
-    check_layout(cp_assets, tmp_path, *layout)
+def test_hybrid_sp_matches_plain_model(cp_assets, tmp_path, assets, tmp_path_factory, layout):
+    check_layout(cp_assets, tmp_path, *layout, shared=(assets, tmp_path_factory))
 
 
 @pytest.mark.slow
@@ -122,8 +141,8 @@ def test_flex_under_cp_on_cpu(cp_assets, tmp_path):
     check_layout(cp_assets, tmp_path, 1, 2, FLEX_CP)
 
 
-def check_layout(cp_assets, tmp_path, u: int, cp: int, which: list | None = None) -> None:
-    for name, (res, case) in launch(cp_assets, tmp_path, u, cp, which).items():
+def check_layout(cp_assets, tmp_path, u: int, cp: int, which: list | None = None, shared=None) -> None:
+    for name, (res, case) in launch(cp_assets, tmp_path, u, cp, which, shared).items():
         model = next(k for k, v in cp_assets.items() if v == case["model_name_or_path"])
         heads = MODELS.get(model, (None, {}))[1].get("num_attention_heads", 4)
         ref_loss, ref_grads = reference(case["model_name_or_path"], packed(cp_assets, case["samples"]))

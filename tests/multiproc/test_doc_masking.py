@@ -21,6 +21,7 @@ import torch
 from base.parallel import ParallelDims
 from tests.conftest import save_tiny_model
 from tests.distributed import ROOT, run
+from tests.multiproc.joint_launch import ASSETS, WORLD2, by_name
 
 SEQ = 96  # SP=4 shards of 24 tokens: documents [0,37) [37,48) [48,77) [77,..) cross 24 and 72
 DOC_LENS = [37, 11, 29, 40, 50, 25, 30, 30]
@@ -56,15 +57,22 @@ def write_documents(path) -> str:
     return str(path)
 
 
+def docs_assets_of(tmp_path_factory) -> dict:
+    """The documents and models, made once (also by the joint launch, before this module's first test asks)."""
+    assets = ASSETS.setdefault("docs", {})
+    if not assets:
+        d = tmp_path_factory.mktemp("docmask")
+        write_documents(d / "docs.jsonl")
+        assets.update(llama=save_tiny_model(str(d / "llama"), "tiny-llama", initializer_range=0.3),
+                      data=str(d / "docs.jsonl"), dir=str(d))
+        for name, (model_type, fields) in WINDOWED.items():
+            assets[name] = save_config_model(str(d / name), model_type, **fields)
+    return assets
+
+
 @pytest.fixture(scope="module")
 def docs_assets(tmp_path_factory):
-    d = tmp_path_factory.mktemp("docmask")
-    write_documents(d / "docs.jsonl")
-    out = {"llama": save_tiny_model(str(d / "llama"), "tiny-llama", initializer_range=0.3),
-           "data": str(d / "docs.jsonl"), "dir": str(d)}
-    for name, (model_type, fields) in WINDOWED.items():
-        out[name] = save_config_model(str(d / name), model_type, **fields)
-    return out
+    return docs_assets_of(tmp_path_factory)
 
 
 def packed(assets, samples: list[int]) -> list[dict]:
@@ -150,11 +158,7 @@ WINDOW_CASES = {2: [("mistral8_mb2", "mistral8", "sdpa", 2, True, False), ("gemm
                     ("mistral30_flex", "mistral30", "flex_attention", 1, False, False)]}
 
 
-def launch(assets, tmp_path_factory, key: str, sp: int, specs: list[tuple]) -> dict:
-    """One multi-process run per (kind, SP degree), every case of it in one launch; cached for the module."""
-    if (key, sp) in _LAUNCHED:
-        return _LAUNCHED[(key, sp)]
-    d = tmp_path_factory.mktemp(f"{key}_sp{sp}")
+def doc_cases(assets, d, sp: int, specs: list[tuple]) -> dict:
     cases = {}
     for name, model, attn, mb, grads, bypass, *extra in specs:
         cases[name] = {"model_name_or_path": assets[model], "dataset_path": assets["data"], "max_seq_length": SEQ,
@@ -166,6 +170,27 @@ def launch(assets, tmp_path_factory, key: str, sp: int, specs: list[tuple]) -> d
         if name in CHECKPOINTED:
             cases[name]["gradient_checkpointing"] = True
         cases[name].update(*extra)
+    return cases
+
+
+def doc_specs(sp: int) -> list[tuple]:
+    return DOC_CASES + ([BYPASS] if sp == 2 else []) + CHUNKED.get(sp, [])
+
+
+# the SP=2 documents launch is shared with other modules' fast cases (one start-up: tests/multiproc/joint_launch.py)
+WORLD2.join("docs", __name__, "tests/workers/doc_masking.py",
+            lambda assets, factory, d: list(doc_cases(docs_assets_of(factory), d, 2, doc_specs(2)).values()),
+            ("test_documents_match_plain_model_alone",))
+
+
+def launch(assets, tmp_path_factory, key: str, sp: int, specs: list[tuple], session_assets=None) -> dict:
+    """One multi-process run per (kind, SP degree), every case of it in one launch; cached for the module."""
+    if (key, sp) == ("docs", 2):
+        return by_name(WORLD2.launched("docs", session_assets, tmp_path_factory))
+    if (key, sp) in _LAUNCHED:
+        return _LAUNCHED[(key, sp)]
+    d = tmp_path_factory.mktemp(f"{key}_sp{sp}")
+    cases = doc_cases(assets, d, sp, specs)
     run(os.path.join(ROOT, "tests/workers/doc_masking.py"), [json.dumps(list(cases.values()))], sp, str(d / "logs"))
     _LAUNCHED[(key, sp)] = {name: (torch.load(c["out"]), c) for name, c in cases.items()}
     return _LAUNCHED[(key, sp)]
@@ -195,8 +220,8 @@ def check_against_oracle(assets, sp: int, got: dict) -> None:
 @pytest.mark.dist
 @pytest.mark.parametrize("sp", [pytest.param(1, marks=pytest.mark.slow), 2,  # SP=1: ~100 s
                                 pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks on 2 cores: 70 s
-def test_documents_match_plain_model_alone(docs_assets, tmp_path_factory, sp):
-    got = launch(docs_assets, tmp_path_factory, "docs", sp, DOC_CASES + ([BYPASS] if sp == 2 else []) + CHUNKED.get(sp, []))
+def test_documents_match_plain_model_alone(docs_assets, tmp_path_factory, assets, sp):
+    got = launch(docs_assets, tmp_path_factory, "docs", sp, doc_specs(sp), assets)
     check_against_oracle(docs_assets, sp, got)
     if sp == 2:  # a layer whose attention skips ALL_ATTENTION_FUNCTIONS is refused after the first forward
         error = got["bypass"][0]["error"]

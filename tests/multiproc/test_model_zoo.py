@@ -8,7 +8,7 @@ with q/k and v of different head dims, GPT-OSS learned attention sinks with alte
 ulysses 1 x cp 2), peaked weights
 (initializer_range 0.3). Every case runs one step of the real engine (`training.engine.build_engine`: ZeRO-3 +
 CPU offload, memory features' loss forward, document-masked Ulysses attention) on two packed samples whose
-position ids restart at every document (tests/workers/doc_masking.py, all families in one SP=2 launch), and is
+position ids restart at every document (tests/workers/doc_masking.py, all families in one SP=2 launch, shared with other modules' fast cases), and is
 compared with the plain HF model run on each document alone: loss within 1e-5, ZeRO-3 full gradients within
 1e-4 (relative). Each family also shows the document mask matters: its causal-across-documents answer is more
 than 100x the loss tolerance away from the oracle.
@@ -16,14 +16,14 @@ than 100x the loss tolerance away from the oracle.
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 import torch
 
 from planner.memory_model import LEAN_RMSNORM_MODEL_TYPES
-from tests.distributed import ROOT, run
+from tests.distributed import ROOT
+from tests.multiproc.joint_launch import ASSETS, WORLD2, by_name
 from tests.multiproc.test_doc_masking import (
     GRAD_TOL,
     LOSS_TOL,
@@ -74,16 +74,21 @@ ZOO = {
 }
 CASE = {"deepseek_v3_u1cp2": {"context_parallel_size": 2}, "gpt_oss_u1cp2": {"context_parallel_size": 2}}
 SAMPLES = [0, 1]
-_RESULTS: dict = {}
+def zoo_assets(tmp_path_factory) -> dict:
+    """Every family's model folder and the documents, made once (also by the joint launch, before this module's
+    first test asks)."""
+    assets = ASSETS.setdefault("zoo", {})
+    if not assets:
+        d = tmp_path_factory.mktemp("zoo")
+        assets.update(data=write_documents(d / "docs.jsonl"), dir=str(d))
+        for name, (model_type, fields, *_) in ZOO.items():
+            assets[name] = save_config_model(str(d / name), model_type, **fields)
+    return assets
 
 
 @pytest.fixture(scope="module")
 def zoo(tmp_path_factory):
-    d = tmp_path_factory.mktemp("zoo")
-    out = {"data": write_documents(d / "docs.jsonl"), "dir": str(d)}
-    for name, (model_type, fields, *_) in ZOO.items():
-        out[name] = save_config_model(str(d / name), model_type, **fields)
-    return out
+    return zoo_assets(tmp_path_factory)
 
 
 def reference(model_dir: str, samples: list[dict], attn: str, across: bool = False):
@@ -107,21 +112,25 @@ def reference(model_dir: str, samples: list[dict], attn: str, across: bool = Fal
     return loss.item(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def launch(zoo, tmp_path_factory) -> dict:
-    """Every family in one SP=2 launch of the doc-masking worker (one engine per family); cached."""
-    if _RESULTS:
-        return _RESULTS
-    d = tmp_path_factory.mktemp(f"zoo_sp{SP}")
-    cases = {name: {"model_name_or_path": zoo[name], "dataset_path": zoo["data"], "max_seq_length": SEQ,
-                    "sequence_parallel_size": SP, "per_device_train_batch_size": len(SAMPLES),
-                    "attn_implementation": attn, "reset_position_ids": "yes", "learning_rate": 1e-3, "max_steps": 1,
-                    "report_to": "none", "seed": 0, "deepspeed": os.path.join(ROOT, "ds_configs/zero3_offload.json"),
-                    "samples": SAMPLES, "grads": grads, "bypass": False, "out": str(d / f"{name}.pt"),
-                    "cache": os.path.join(zoo["dir"], "cache"), **CASE.get(name, {})}
-             for name, (_, _, attn, grads, _) in ZOO.items()}
-    run(os.path.join(ROOT, "tests/workers/doc_masking.py"), [json.dumps(list(cases.values()))], SP, str(d / "logs"))
-    _RESULTS.update({name: torch.load(c["out"]) for name, c in cases.items()})
-    return _RESULTS
+def zoo_cases(tmp_path_factory, d) -> dict:
+    zoo = zoo_assets(tmp_path_factory)
+    return {name: {"model_name_or_path": zoo[name], "dataset_path": zoo["data"], "max_seq_length": SEQ,
+                   "sequence_parallel_size": SP, "per_device_train_batch_size": len(SAMPLES),
+                   "attn_implementation": attn, "reset_position_ids": "yes", "learning_rate": 1e-3, "max_steps": 1,
+                   "report_to": "none", "seed": 0, "deepspeed": os.path.join(ROOT, "ds_configs/zero3_offload.json"),
+                   "samples": SAMPLES, "grads": grads, "bypass": False, "out": str(d / f"{name}.pt"),
+                   "cache": os.path.join(zoo["dir"], "cache"), **CASE.get(name, {})}
+            for name, (_, _, attn, grads, _) in ZOO.items()}
+
+
+# every family (one engine each) in one SP=2 launch of the doc-masking worker, which other modules' fast cases
+# share (tests/multiproc/joint_launch.py)
+WORLD2.join("zoo", __name__, "tests/workers/doc_masking.py", lambda assets, factory, d: list(zoo_cases(factory, d).values()),
+            ("test_family_matches_plain_model_at_sp2",))
+
+
+def launch(assets, tmp_path_factory) -> dict:
+    return {name: rec for name, (rec, _) in by_name(WORLD2.launched("zoo", assets, tmp_path_factory)).items()}
 
 
 def zoo_samples(zoo) -> list[dict]:
@@ -130,9 +139,9 @@ def zoo_samples(zoo) -> list[dict]:
 
 @pytest.mark.dist
 @pytest.mark.parametrize("name", list(ZOO))
-def test_family_matches_plain_model_at_sp2(zoo, tmp_path_factory, name):
+def test_family_matches_plain_model_at_sp2(zoo, assets, tmp_path_factory, name):
     model_type, _, attn, grads, oracle = ZOO[name]
-    res = launch(zoo, tmp_path_factory)[name]
+    res = launch(assets, tmp_path_factory)[name]
     assert res["error"] is None, res["error"]  # check_routed: every layer went through the registered function
     lean, norms = res["norms"]  # train.py's default lean RMSNorm (model_utils/rmsnorm.py): every norm, or none
     assert norms > 0 and lean == (norms if model_type in LEAN_RMSNORM_MODEL_TYPES else 0), (name, lean, norms)

@@ -26,9 +26,14 @@ import pytest
 import torch
 
 from tests.distributed import ROOT, run
+from tests.multiproc.joint_launch import WORLD2
 
 pytestmark = pytest.mark.dist
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
+# (1, 1) is a launch of its own (a world of 1): slow; ZeRO-3 against the plain model stays fast at (1, 2), (2, 1) and
+# (2, 2), and G=2 x dp=1 == G=1 x dp=2 at sp 2 (test_grad_accumulation_equals_data_parallel[2])
+LAYOUT_PARAMS = [pytest.param(lay, id=f"sp{lay[0]}dp{lay[1]}", marks=[pytest.mark.slow] if lay == (1, 1) else [])
+                 for lay in LAYOUTS]
 # (name, model, seq_len, grad_accum): "mha_ga2" at dp=1 sees the same two samples as "mha" at dp=2
 # "gqa_chunks2": attention in 2 head chunks (model_utils/head_chunks.py) through the real engine's steps: its weight
 # gradients must reach ZeRO-3's reduction at every step. They once reached it at no step: the leaf module's backward
@@ -198,29 +203,19 @@ def sft_reference(model_dir: str, names: list[str], weighting: str = "token"):
     return loss.item(), {n: p.grad for n, p in model.named_parameters()}, int(sup.sum())
 
 
-class Launches(dict):
-    """results[(sp, dp, case)] -> (the worker's record, model, seq_len); each layout's launch runs when first asked
-    for (one launch per layout, every case of it inside)."""
-
-    def __init__(self, assets, tmp_path_factory):
-        super().__init__()
-        self.assets, self.tmp = assets, tmp_path_factory
-
-    def __missing__(self, key):
-        self.launch(*key[:2])
-        return self[key]
-
-    def launch(self, sp: int, dp: int) -> None:
-        assets, d = self.assets, self.tmp.mktemp(f"sp{sp}dp{dp}")
-        common = {"learning_rate": 1e-3, "max_steps": 1, "report_to": "none", "seed": 0,
-                  "deepspeed": os.path.join(ROOT, "ds_configs/zero3_offload.json"),
-                  "cache": os.path.join(assets["dir"], "cache"), "dataset_path": assets["data"]}
-        cases, keys = [], []
+def parity_cases(assets, d, world: int) -> list[dict]:
+    """The worker's cases of every layout of `world` (SFT ones included), each writing `<d>/sp<S>dp<D>_<name>.pt`.
+    SP 1 first: a DeepSpeed engine at SP 1 after one at SP 2 finds DeepSpeed's groups still pointing at the SP 2 mpu
+    ("sequence data parallel group is not initialized")."""
+    common = {"learning_rate": 1e-3, "max_steps": 1, "report_to": "none", "seed": 0,
+              "deepspeed": os.path.join(ROOT, "ds_configs/zero3_offload.json"),
+              "cache": os.path.join(assets["dir"], "cache"), "dataset_path": assets["data"]}
+    cases = []
+    for sp, dp in sorted({lay for lay in [*LAYOUTS, *SFT_CASES] if lay[0] * lay[1] == world}):
         for name, model, sl, ga in CASES if (sp, dp) in LAYOUTS else []:
             cases.append({"model_name_or_path": assets[model], "max_seq_length": sl, "sequence_parallel_size": sp,
-                          "gradient_accumulation_steps": ga, "out": str(d / f"{name}.pt"), **common,
+                          "gradient_accumulation_steps": ga, "out": str(d / f"sp{sp}dp{dp}_{name}.pt"), **common,
                           **EXTRA.get(name, {})})
-            keys.append((name, model, sl))
         if SFT_CASES.get((sp, dp)):
             sft = sft_assets(assets)
             for name, case_sp, cp, batches, extra in SFT_CASES[(sp, dp)]:
@@ -228,13 +223,42 @@ class Launches(dict):
                               "sequence_parallel_size": case_sp, "context_parallel_size": cp,
                               "per_device_train_batch_size": len(batches[0][0]),
                               "gradient_accumulation_steps": len(batches[0]), "reset_position_ids": "yes",
-                              "sft_samples": sft["samples"], "out": str(d / f"{name}.pt"),
+                              "sft_samples": sft["samples"], "out": str(d / f"sp{sp}dp{dp}_{name}.pt"),
                               "sft_batches": [[[SFT_NAMES.index(n) for n in mb] for mb in rank] for rank in batches],
                               **common, **extra})
-                keys.append((name, "sft", SFT_SEQ))
-        run(os.path.join(ROOT, "tests/workers/parity.py"), [json.dumps(cases)], sp * dp, str(d / "logs"))
-        for (name, model, sl), case in zip(keys, cases):
-            self[(sp, dp, name)] = (torch.load(case["out"]), model, sl)
+    return cases
+
+
+# world 2 ((2, 1) and (1, 2), and the SFT cases of (2, 1)) joins the fast modules' shared 2-rank launch
+# (tests/multiproc/joint_launch.py), first in it: its SP 1 cases
+WORLD2.join("parity", __name__, "tests/workers/parity.py",
+            lambda assets, factory, d: parity_cases(assets, d, 2),
+            ("test_first_step_matches_plain_model", "test_grad_accumulation_equals_data_parallel",
+             "test_head_chunks_train_like_unchunked", "test_sft_matches_plain_model"), order=0)
+
+
+class Launches(dict):
+    """results[(sp, dp, case)] -> (the worker's record, model, seq_len); one launch per world size, run when a case of
+    it is first asked for, every layout of that world inside it; world 2 is the shared launch."""
+
+    def __init__(self, assets, tmp_path_factory):
+        super().__init__()
+        self.assets, self.tmp = assets, tmp_path_factory
+
+    def __missing__(self, key):
+        world = key[0] * key[1]
+        if world == 2:
+            cases = WORLD2.launched("parity", self.assets, self.tmp)
+        else:
+            d = self.tmp.mktemp(f"world{world}")
+            cases = parity_cases(self.assets, d, world)
+            run(os.path.join(ROOT, "tests/workers/parity.py"), [json.dumps(cases)], world, str(d / "logs"))
+        models = {c[0]: (c[1], c[2]) for c in CASES}
+        for case in cases:
+            layout, name = os.path.basename(case["out"]).removesuffix(".pt").split("_", 1)
+            sp, dp = map(int, layout[2:].split("dp"))
+            self[(sp, dp, name)] = (torch.load(case["out"]), *models.get(name, ("sft", SFT_SEQ)))
+        return self[key]
 
 
 def sft_assets(assets) -> dict:
@@ -257,7 +281,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"sp{x[0]}dp{x[1]}")
+@pytest.mark.parametrize("layout", LAYOUT_PARAMS)
 @pytest.mark.parametrize("case", [c[0] for c in CASES])
 def test_first_step_matches_plain_model(results, assets, layout, case):
     got, model, sl = results[(*layout, case)]
@@ -271,7 +295,7 @@ def test_first_step_matches_plain_model(results, assets, layout, case):
     assert worst[0] < 1e-4, worst
 
 
-@pytest.mark.parametrize("sp", [1, 2])
+@pytest.mark.parametrize("sp", [pytest.param(1, marks=pytest.mark.slow), 2])  # sp 1: the (1, 1) launch
 def test_grad_accumulation_equals_data_parallel(results, sp):
     """Two samples as G=2 on dp=1 equal the same two samples as G=1 on dp=2 (every token weighs the same)."""
     ga, dp2 = results[(sp, 1, "mha_ga2")][0], results[(sp, 2, "mha")][0]
@@ -280,7 +304,7 @@ def test_grad_accumulation_equals_data_parallel(results, sp):
         assert rel(ga["grads"][n], g) < 1e-5, n
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"sp{x[0]}dp{x[1]}")
+@pytest.mark.parametrize("layout", LAYOUT_PARAMS)
 def test_head_chunks_train_like_unchunked(results, layout):
     """Every step's loss of 2 head chunks equals the unchunked run's: the updates of steps 1 and 2 were the same."""
     chunked, plain = results[(*layout, "gqa_chunks2")][0]["losses"], results[(*layout, "gqa")][0]["losses"]

@@ -3,7 +3,6 @@ inverse frequencies / attention factor follow the published formulas (checked at
 
 from __future__ import annotations
 
-import json
 import math
 import os
 
@@ -11,7 +10,8 @@ import pytest
 import torch
 
 from model_utils.rope import check_rope
-from tests.distributed import ROOT, run
+from tests.distributed import ROOT
+from tests.multiproc.joint_launch import WORLD2
 
 pytestmark = pytest.mark.dist
 D = 32  # tiny-llama head_dim = 128 / 4
@@ -46,13 +46,18 @@ def llama3_inv_freq(factor=8.0, low=1.0, high=4.0):
     return out
 
 
+# the worker's run joins the fast modules' shared 2-rank launch (tests/multiproc/joint_launch.py)
+WORLD2.join("rope", __name__, "tests/workers/rope.py",
+            lambda assets, factory, d: {"model": assets["llama_gqa"], "cases": CASES, "out": str(d / "rope.pt"),
+                                        "deepspeed": os.path.join(ROOT, "ds_configs/zero3_offload.json")},
+            ("test_a_stage_engine_is_freed_when_released", "test_same_on_every_rank", "test_abf_raises_theta",
+             "test_linear_interpolation_divides_every_frequency", "test_dynamic_ntk_starts_from_default",
+             "test_yarn_interpolates_low_keeps_high_and_scales_attention", "test_llama3_scaling_follows_reference_formula"))
+
+
 @pytest.fixture(scope="module")
 def rotary(assets, tmp_path_factory):
-    out = tmp_path_factory.mktemp("rope") / "rope.pt"
-    spec = {"model": assets["llama_gqa"], "deepspeed": os.path.join(ROOT, "ds_configs/zero3_offload.json"),
-            "cases": CASES, "out": str(out)}
-    run(os.path.join(ROOT, "tests/workers/rope.py"), [json.dumps(spec)], 2, str(out.parent / "logs"))
-    return torch.load(out)
+    return torch.load(WORLD2.launched("rope", assets, tmp_path_factory)["out"])
 
 
 def close(a, b, rel=1e-6):
