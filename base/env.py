@@ -7,6 +7,12 @@ disappear with no time limit, so one process killed mid-build in the shared `~/.
 another checkout rebuilding there with its own include paths) would stall every later launch on the machine.
 `scripts/setup.sh` builds the ops there once.
 
+PATH: the running interpreter's folder goes first, so every build of an op runs one `ninja`, the interpreter's own
+(a venv holds pip's ninja 1.13 beside the system's 1.11; torch's JIT build calls whichever PATH finds first, and the
+two record a build differently, so each rebuilds what the other built: ~1.5-3 min of every rank's start with the
+`lock` held, whenever an activated shell and a plain `.venv/bin/python` take turns. Seen here 2026-11-28: the 2-task
+srun test waited 91 s in a rebuild, and cpu_adam was rebuilt three times in an hour).
+
 TORCH_CUDA_ARCH_LIST with arch-specific entries ("9.0a", "10.0f": what Hopper and Blackwell builds of
 FlashAttention-3 and friends ask for) is rewritten to the plain ones DeepSpeed's JIT op builder can read: it
 sorts the entries with int() on the minor part and fails on "0a" with a ValueError before the first step
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 
 EXTENSIONS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "torch_extensions")
 
@@ -29,9 +36,12 @@ def deepspeed_arch_list(value: str) -> str:
 
 
 def configure() -> str:
-    """Point TORCH_EXTENSIONS_DIR at this checkout's cache (unless set) and make TORCH_CUDA_ARCH_LIST readable for
-    DeepSpeed; returns the extensions folder. Call it before the first DeepSpeed op is loaded."""
+    """Point TORCH_EXTENSIONS_DIR at this checkout's cache (unless set), put the interpreter's folder first on PATH
+    (one ninja for every build) and make TORCH_CUDA_ARCH_LIST readable for DeepSpeed; returns the extensions folder. Call it before the first DeepSpeed op is loaded."""
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", EXTENSIONS_DIR)
+    here = os.path.dirname(sys.executable)
+    rest = [p for p in os.environ.get("PATH", "").split(os.pathsep) if p and p != here]
+    os.environ["PATH"] = os.pathsep.join([here, *rest])
     if os.environ.get("TORCH_CUDA_ARCH_LIST"):
         os.environ["TORCH_CUDA_ARCH_LIST"] = deepspeed_arch_list(os.environ["TORCH_CUDA_ARCH_LIST"])
     return os.environ["TORCH_EXTENSIONS_DIR"]

@@ -231,6 +231,21 @@ def test_arch_specific_cuda_arch_list_is_made_readable_for_deepspeed(monkeypatch
     assert out == "9.0"
 
 
+def test_one_ninja_builds_every_op():
+    """base.env.configure puts the interpreter's folder first on PATH, so torch's JIT build runs the venv's ninja
+    whether or not the shell activated it (two ninjas record builds differently and rebuild each other's: minutes of
+    every rank's start). The old configure left PATH as it was (a plain `.venv/bin/python` found /usr/bin/ninja)."""
+    import subprocess
+    import sys
+
+    here = os.path.dirname(sys.executable)
+    env = dict(os.environ, PATH=os.pathsep.join(["/usr/bin", "/bin", here]))
+    code = "import os; from base.env import configure; configure(); print(os.environ['PATH'])"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                         check=True).stdout.strip().split(os.pathsep)
+    assert out == [here, "/usr/bin", "/bin"], out
+
+
 def test_gradients_are_reduced_in_fp32_under_bf16():
     """DeepSpeed reduces gradients in seq_parallel_communication_data_type when SP > 1 and in
     communication_data_type otherwise: both fp32 under bf16 training unless the JSON names one."""
