@@ -63,7 +63,7 @@ def _exact_peak(prec: str, shape: dict, feats: dict) -> int:
     loss_fn = make_loss_fn(opts)
     ids = torch.randint(0, shape["vocab"], (1, T))
     mb = {"input_ids": ids, "position_ids": torch.arange(T)[None], "shift_labels": ids}
-    # first step outside the measurement, on a short input (a quarter of the cost of a T-token one): lazy buffers
+    # first step outside the measurement, on a short input (256 tokens: a sixteenth of a T-token step): lazy buffers
     # (RoPE caches) exist after it
     w = ids[:, :256]
     loss_fn(model, {"input_ids": w, "position_ids": torch.arange(256)[None], "shift_labels": w}).backward()
