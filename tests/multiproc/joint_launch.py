@@ -3,9 +3,10 @@
 test_parity (world 2), test_doc_masking, test_model_zoo, test_context_parallel and test_rope each launched a worker
 on 2 ranks: their fast cases now share one launch (tests/multiproc/joint_worker.py runs the workers one after the
 other). A module `join`s at import with a builder (the session's `assets` and `tmp_path_factory`, a folder -> the
-worker's JSON argument, with its output files inside that folder) and the names of its tests that read the outputs; the first
-`launched(key)` runs every joined builder whose tests are selected in this session (tests/multiproc/conftest.py
-records them), and returns the key's argument, from which the module reads its outputs.
+worker's JSON argument, with its output files inside that folder) and the names of its tests that read the
+outputs; the first `launched(key)` runs every joined builder whose tests are selected in this session
+(tests/multiproc/conftest.py records them), and returns the key's argument, from which the module reads its
+outputs.
 """
 
 from __future__ import annotations
@@ -29,11 +30,13 @@ class JointLaunch:
         self.builders: dict[str, tuple[str, str, Callable, tuple[str, ...], int]] = {}
         self.done: dict = {}
 
-    def join(self, key: str, module: str, worker: str, build: Callable, uses: tuple[str, ...], order: int = 1) -> None:
-        """`build(assets, tmp_path_factory, folder)` -> the JSON argument of `worker` (tests/workers/...); `uses`: the tests
-        of `module` that read its outputs; workers run by `order` (a DeepSpeed engine at SP 1 must come before any at
-        SP 2 in a process: after one, DeepSpeed's groups still point at the SP 2 mpu). The module by its file's name:
-        pytest imports a test file as `test_x`, another test file importing it as `tests.multiproc.test_x`."""
+    def join(self, key: str, module: str, worker: str, build: Callable, uses: tuple[str, ...],
+             order: int = 1) -> None:
+        """`build(assets, tmp_path_factory, folder)` -> the JSON argument of `worker` (tests/workers/...);
+        `uses`: the tests of `module` that read its outputs; workers run by `order` (a DeepSpeed engine at SP 1
+        must come before any at SP 2 in a process: after one, DeepSpeed's groups still point at the SP 2 mpu).
+        The module by its file's name: pytest imports a test file as `test_x`, another test file importing it as
+        `tests.multiproc.test_x`."""
         self.builders[key] = (module.rsplit(".", 1)[-1], os.path.join(ROOT, worker), build, uses, order)
 
     def launched(self, key: str, assets: dict, tmp_path_factory):

@@ -2,11 +2,12 @@
 
 Each feature alone and all four together, selective checkpointing (`checkpoint_every: 2`, alone and
 with tiled MLP + offload), and checkpointing that keeps the attention output (`keep_attention`: every layer,
-and every 2nd with tiled MLP + offload), through the real ZeRO-3 engine at sp=2 (world 2; the all-feature cases also
-at sp=1 x dp=2 in that launch; every case at sp=1 in a world of 1: slow): the first step's loss (fp32) within 1e-5 relative and the full gradients within 1e-4 relative
-of the plain single-process Hugging Face model. Tiles are made small so the short test sequences really
-split (uneven last tiles included), on untied and tied (Qwen2) LM heads, with bs=2 and with GA=2.
-Unit tests cover the tile rules, the tiled loss against a scaled backward, and the allocator setting.
+and every 2nd with tiled MLP + offload), through the real ZeRO-3 engine at sp=2 (world 2; the all-feature
+cases also at sp=1 x dp=2 in that launch; every case at sp=1 in a world of 1: slow): the first step's loss
+(fp32) within 1e-5 relative and the full gradients within 1e-4 relative of the plain single-process Hugging
+Face model. Tiles are made small so the short test sequences really split (uneven last tiles included), on
+untied and tied (Qwen2) LM heads, with bs=2 and with GA=2. Unit tests cover the tile rules, the tiled loss
+against a scaled backward, and the allocator setting.
 """
 
 from __future__ import annotations
