@@ -17,7 +17,7 @@ its CUDA context), so an H200 answers as an H100 would.
 - headline (issue 49, first): the 1-GPU headline's configuration itself, pinned: every layer
   checkpointed with its checkpoint offloaded, tiled MLP and logits, parameters and optimizer offloaded, the
   largest head-chunk count (32), at the planner's longest length under `--gpu_mem_gb 80` (the run's own start-up
-  rule: (80 - 2) x 0.9 = 70.2 GiB usable; 1,109,646 tokens). Under these features the GPU peak does not depend on
+  rule: (80 - 2) x 0.9 = 70.2 GiB usable; 1,240,480 tokens since the norm term's fix, 1,109,646 in the 2026-11-28 run). Under these features the GPU peak does not depend on
   the layer count: parameters and gradients live on the host (ZeRO-3 offload, one layer gathered at a time), and
   every layer's checkpoint is copied to the host as soon as it is made, so the GPU holds one layer's working set,
   the checkpoint being fetched, the embedding / head and the logits tiles whatever the depth (plan.py prints the
@@ -173,7 +173,7 @@ def save_model(root: str, dry: bool, layers: int) -> str:
 
 def headline_length(model: str, gpu_mem_gb: float, chunks: int) -> int:
     """The planner's longest length for the headline's pinned features (HEADLINE, both offloads, `chunks` head
-    chunks) on one GPU of gpu_mem_gb, by the chooser train.py's start-up runs (so the launch accepts it): 1,109,646
+    chunks) on one GPU of gpu_mem_gb, by the chooser train.py's start-up runs (so the launch accepts it): 1,240,480
     for Llama-3-8B's shape on an 80 GB card, whatever the layer count (plan.py --compare's 1-GPU row)."""
     from planner import auto_features as af
     from planner.cluster import longest_multiple
@@ -352,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     if "ladder" in sections and rec.left() > (0 if args.dry else 120):  # an engine build and a few steps
         def run_ladder():
             peak = peak_tflops(env["device"], args.peak_tflops) if device == "cuda" else args.peak_tflops
-            return ladder(rec, model(), device, args.dry, args.cap_gib, args.work, peak, rec.left() - 10)
+            return ladder(rec, model(), device, args.dry, args.cap_gib, args.work, peak, rec.left() - 10,
+                          PLAN_GPU_GB)
 
         rec.put("ladder", guarded(rec, "ladder", run_ladder))
     elif "ladder" in sections:

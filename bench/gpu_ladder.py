@@ -1,8 +1,9 @@
 """The GPU check's ladder (bench/gpu.py's `ladder` section): the model at SP=1, bf16, ZeRO-3 + CPU offload of params
 and optimizer, in ONE train.py launch whose stages are the rungs (one model load; an out-of-memory rung ends the
-launch after the rungs below it were recorded): the throughput rungs with the features `memory_features: auto`
-picks for the capped card, then the planner's longest length with every memory feature on and one rung above it.
-Rungs whose predicted time does not fit the budget left are dropped (the first one runs whenever the ladder does)."""
+launch after the rungs below it were recorded): the throughput rungs under `memory_features: auto` for the card the cap
+stands for (train.py's own choice, head chunks included, read back from the run's `memory_choice` records), then the
+planner's longest length with every memory feature on and one rung above it. Rungs whose predicted time does not fit
+the budget left are dropped (the first one runs whenever the ladder does)."""
 
 from __future__ import annotations
 
@@ -32,8 +33,8 @@ def load_layers(model: str) -> int:
 
 
 def auto_features(model: str, length: int, device: str, cap_gib: float) -> dict:
-    """What memory_features auto picks for one rank at `length` on a card of cap_gib (the planner's chooser with
-    both ZeRO-3 offloads held on), as a stage's memory_features mapping; {} when nothing fits."""
+    """What memory_features auto picks for one rank at `length` with cap_gib usable (the planner's chooser with both
+    ZeRO-3 offloads held on); {} when nothing fits (the rung is dropped: the launch would refuse it)."""
     from planner import auto_features as af
     from planner.memory_model import Features, load_shape
 
@@ -46,7 +47,7 @@ def auto_features(model: str, length: int, device: str, cap_gib: float) -> dict:
         return {}
     f = c.features
     return {"tiled_mlp": f.tiled_mlp, "tiled_logits": f.tiled_logits, "checkpoint_every": f.every,
-            "offload_activations": f.offload_activations}
+            "offload_activations": f.offload_activations, "attention_head_chunks": f.attention_head_chunks}
 
 
 def predicted_gib(model: str, length: int, feats: dict, device: str) -> float:
@@ -64,9 +65,9 @@ def planner_longest(model: str, feats: dict, device: str, cap_gib: float, step: 
     return longest_multiple(lambda n: predicted_gib(model, n, feats, device) <= cap_gib, step, 1 << 26)
 
 
-def stage_yaml(name: str, length: int, steps: int, feats: dict) -> str:
-    mf = ", ".join(f"{k}: {json.dumps(v)}" for k, v in feats.items())
-    return (f"  - {{name: {name}, max_seq_length: {length}, max_steps: {steps}, memory_features: {{{mf}}},\n"
+def stage_yaml(name: str, length: int, steps: int, feats: dict | str) -> str:
+    mf = feats if isinstance(feats, str) else "{" + ", ".join(f"{k}: {json.dumps(v)}" for k, v in feats.items()) + "}"
+    return (f"  - {{name: {name}, max_seq_length: {length}, max_steps: {steps}, memory_features: {mf},\n"
             f"     deepspeed_overrides: {json.dumps(OFFLOADS)}, eval: {{passkey_trials: 0, heldout_samples: 0}}}}\n")
 
 
@@ -100,11 +101,16 @@ def flops(model: str, length: int) -> float:
 
 
 def ladder(rec, model: str, device: str, dry: bool, cap_gib: float, work: str, peak: float | None,
-           timeout: float) -> dict:
+           timeout: float, gpu_mem_gb: float) -> dict:
+    from planner.auto_features import gpu_budget
+
     kind = "dry" if dry else "gpu"
     if dry:  # a cap that the tiny model reaches at ~2k tokens, so the dry ladder ends where the GPU one would
         cap_gib = round(predicted_gib(model, 2304, LEANEST, device), 4)
-    rungs = [dict(length=n, steps=s, kind="throughput", features=auto_features(model, n, device, cap_gib))
+    # train.py's auto plans for the card the cap stands for (--gpu_mem_gb 80: (80 - 2) x 0.9 usable); the dry run's
+    # CPU stand-in plans under the tiny cap
+    plan_gib = cap_gib if dry else gpu_budget(gpu_mem_gb) / GiB
+    rungs = [dict(length=n, steps=s, kind="throughput", features=auto_features(model, n, device, plan_gib))
              for n, s in THROUGHPUT[kind]]
     longest = planner_longest(model, LEANEST, device, cap_gib, LADDER_STEP[kind])
     top = max(longest // LADDER_STEP[kind] * LADDER_STEP[kind], rungs[-1]["length"] + LADDER_STEP[kind])
@@ -128,7 +134,8 @@ def ladder(rec, model: str, device: str, dry: bool, cap_gib: float, work: str, p
     os.makedirs(out, exist_ok=True)
     cfg = os.path.join(work, "ladder.yaml")
     with open(cfg, "w") as fh:
-        fh.write("stages:\n" + "".join(stage_yaml(f"L{r['length']}", r["length"], r["steps"], r["features"])
+        fh.write("stages:\n" + "".join(stage_yaml(f"L{r['length']}", r["length"], r["steps"],
+                                                   "auto" if r["kind"] == "throughput" else r["features"])
                                        for r in rungs))
     env = bm.bench_env(device)
     if not dry:  # the allocator cap (bench/gpu_site/sitecustomize.py) in the ranks
@@ -138,7 +145,7 @@ def ladder(rec, model: str, device: str, dry: bool, cap_gib: float, work: str, p
            "--model_name_or_path", model, "--sequence_parallel_size", "1", "--output_dir", out,
            "--report_to", "none", "--no-export_hf", "--save_steps", "0", "--resume", "none", "--no-progress_bar",
            "--learning_rate", "1e-5", "--warmup_steps", "0", "--reset_position_ids", "no", "--memory_features",
-           "manual", "--dist_timeout_s", "600"]
+           "manual", "--dist_timeout_s", "600"] + (["--mem_cap_gb", "8"] if dry else ["--gpu_mem_gb", str(gpu_mem_gb)])
     log = os.path.join(work, "ladder.log")
     stop, pruned = threading.Event(), []
     pruner = threading.Thread(target=_prune, args=(os.path.join(out, "checkpoints"), stop, pruned), daemon=True)
@@ -148,7 +155,13 @@ def ladder(rec, model: str, device: str, dry: bool, cap_gib: float, work: str, p
     finally:
         stop.set()
         pruner.join()
-    steps = bm.read_steps(out)
+    records = bm.read_metrics(out)
+    steps = bm.read_steps(out, records)
+    chosen = {e["stage"]: e for e in records if e.get("event") == "memory_choice"}
+    for i, r in enumerate(rungs):  # what train.py's auto chose for the throughput rungs, as the run recorded it
+        if r["kind"] == "throughput" and i in chosen:
+            r["features"] = {k: chosen[i].get(k) for k in r["features"]}
+            r["predicted_gib"] = chosen[i].get("predicted_peak_gb")
     with open(log, errors="replace") as fh:
         text = fh.read()
     oom = bool(re.search(r"OutOfMemoryError|CUDA out of memory|out of memory", text))

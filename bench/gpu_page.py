@@ -6,7 +6,9 @@ from __future__ import annotations
 
 
 def _feat(f: dict) -> str:
-    names = [k.replace("_", " ") for k, v in f.items() if v and k != "checkpoint_every"]
+    names = [k.replace("_", " ") for k, v in f.items() if v and k not in ("checkpoint_every", "attention_head_chunks")]
+    if (f.get("attention_head_chunks") or 1) > 1:
+        names.append(f"{f['attention_head_chunks']} head chunks")
     if f.get("checkpoint_every"):
         names.append("ckpt" if f["checkpoint_every"] == 1 else f"ckpt 1/{f['checkpoint_every']}")
     return ", ".join(names) or "none"

@@ -235,10 +235,15 @@ def layer_phase_terms(shape: ModelShape, tokens: int, sp: int, b: int, tiled_mlp
         if renorm_mlp:  # the tile's input rows, recomputed (the norm's fp32 temporaries, a few rows each, are gone
             mlp_grads += rows * h * b  # before the tile's MLP runs; profiler, bf16 gqa + checkpointing: 1.077)
     # RMSNorm's backward runs in fp32 whatever the dtype: HF's holds five [T, h] fp32 temporaries (mul, mean, pow,
-    # 2 muls: measured with the profiler's allocation events); the lean one, its dx and five fp32 temporaries of
-    # one chunk of rows. By then the MLP's saved tensors are already freed.
+    # 2 muls: measured with the profiler's allocation events) beside 3 [T, h]; the lean one holds 3 [T, h] and five
+    # fp32 temporaries of one chunk of rows: the incoming gradient, d(normed input) from the consumer (the MLP's
+    # x_grad, or the attention's dx) and the norm's own dx (d(attn out) of the other terms does not exist in a norm's
+    # backward). Until 2026-11-28 the lean term counted its dx on top of the 3 (4 [T, h]): the H200 headline run
+    # measured the post-attention norm at 54.00 GiB where that gave 70.20 (x0.769), exact live bytes on CPU (fp32,
+    # the top layer, bench/live_bytes.py) 9.30u where it gave 10.32u and this gives 9.32u
+    # (tests/unit/planner/test_phase_bytes.py). By then the MLP's saved tensors are already freed.
     norm_rows = norm_chunk_rows(tokens, h) if lean_norm else tokens
-    norm_grads = (hid if lean_norm else 0) + 5 * norm_rows * h * 4 - mlp_saved
+    norm_grads = 5 * norm_rows * h * 4 - mlp_saved
     # + the gradients every backward holds: incoming dx, d(attn out), d(normed input), 3 [T, h] ...
     terms = {"attention": 3 * hid + attn_grads, "mlp": 3 * hid + mlp_grads, "norm": 3 * hid + norm_grads}
     if tiled_mlp:  # ... except the tiled MLP's: only the incoming gradient (d(attn out) does not exist yet, its input

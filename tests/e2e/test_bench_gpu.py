@@ -71,6 +71,9 @@ def test_gpu_check_dry_run(tmp_path):
     assert rungs[1]["length"] == data["ladder"]["planner_longest_leanest"] // 512 * 512
     # every stage's final checkpoint but the newest was deleted while the launch ran (the device's disk holds ~3)
     assert len(data["ladder"]["pruned_checkpoints"]) == 2, data["ladder"]["pruned_checkpoints"]
+    # the throughput rung ran train.py's own auto (head chunks included) and reports the choice the run recorded
+    assert "memory_features: auto" in (tmp_path / "work" / "ladder.yaml").read_text()
+    assert rungs[0]["features"]["attention_head_chunks"] >= 1 and rungs[0]["predicted_gib"] > 0, rungs[0]
     text = page.read_text()
     assert "_gib(" not in text and "None GiB" not in text
     assert "| recomputed forward | 0 |" in text and "| attention backward | 1 |" in text and "| 256 | throughput |" in text
@@ -208,7 +211,7 @@ def test_gpu_check_headline_is_plan_compare_row_and_flags_above_usable():
         with open(path, "w") as fh:
             _json.dump(dict(gpu.LLAMA3_8B, num_hidden_layers=layers, model_type="llama", head_dim=128), fh)
         lens.append(gpu.headline_length(path, gpu.PLAN_GPU_GB, 32))
-    assert lens[0] == lens[1] == 1_109_646, lens  # docs/results/memory.md's 1-GPU row
+    assert lens[0] == lens[1] == 1_240_480, lens  # docs/results/memory.md's 1-GPU row
     shape = ModelShape.from_config(dict(gpu.LLAMA3_8B, num_hidden_layers=2, model_type="llama", head_dim=128))
     choice = {**gpu.HEADLINE, "offload_params": True, "offload_optimizer": True, "attention_head_chunks": 32,
               "lean_rmsnorm": True, "lean_mlp": True, "budget_gb": 78.0}
