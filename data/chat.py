@@ -25,7 +25,9 @@ repeated in a user turn would be found in the wrong place):
    probe conversation (mid-conversation and last: Phi-3 `<|end|>`, gpt-oss `<|end|>` and `<|return|>`), the first
    one after the reply's text, within the turn rendered alone. Never "the last control token of the turn rendered
    alone": Phi-3 / OLMo-3 end the conversation with an EOS, gpt-oss with `<|return|>`, which inside the conversation
-   is the conversation's end. A turn the template ends with another control token (gpt-oss's `<|call|>` after a
+   is the conversation's end. A turn that renders alone as a prefix of the conversation ending in its text ends at
+   the end-of-turn token the conversation goes on with (Qwen1.5 writes `<|im_end|>` only when a message follows; its
+   last reply has none to train). A turn the template ends with another control token (gpt-oss's `<|call|>` after a
    tool call) ends at the turn's own last one, where the turn is a prefix of the conversation. Template text after
    the end-of-turn token (ChatML's "\n", Phi-3's trailing EOS) gets no loss: the model stops at the end-of-turn.
    Every span is checked: its text holds the reply's text (past a `</think>`, which R1 / Qwen3 templates drop)
@@ -307,6 +309,10 @@ class ChatEncoder:
                 why[k] = w
                 continue
             end = self._end(full, arr, a, len(turn) + (0 if prefix else 1), msg)
+            if end is None and prefix and len(turn) < len(full) and tail and tail[-1] not in self.special:
+                # the turn alone ends in its text, the conversation goes on with an end-of-turn token: written only
+                # when a message follows (Qwen1.5), it is this reply's end
+                end = self._end(full, arr, a, len(turn) + 1, msg)
             if end is None and prefix:  # a turn ended by another control token (gpt-oss's <|call|>)
                 end = self._trim(tail, a, len(turn))
                 end = end if self._shows(full, a, end, msg) else None

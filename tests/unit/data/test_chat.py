@@ -217,3 +217,25 @@ def test_end_of_turn_text_in_a_rewritten_reply_is_counted_never_cut(tok_root):
     ids, mask, stats = enc.encode({"messages": conv})
     assert spans(enc, ids, mask) == ["<think>\n\n</think>\n\n2 words<|im_end|>"]
     assert stats["untrained_turns"] == 1 and "end-of-turn token's text" in stats["why"][0]
+
+
+@pytest.mark.parametrize("linear", [True, False])
+def test_an_end_of_turn_written_only_when_a_message_follows_is_trained(tok_root, linear):
+    """Qwen1.5 writes `<|im_end|>\\n` after a message only when another follows: an earlier reply rendered alone ends
+    in its text, inside the conversation in its `<|im_end|>`. That token is the reply's end (the model must learn to
+    stop there), and nothing after it is; the last reply has no end-of-turn token to train. Before, the earlier reply
+    was trained without its `<|im_end|>` (the search stopped at the end of the turn rendered alone)."""
+    tok = Tokenizer(build_tokenizer(tok_root, "qwen25"))
+    tok.hf.chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] }}"
+                            "{% if not loop.last or add_generation_prompt %}{{ '<|im_end|>\n' }}{% endif %}"
+                            "{% endfor %}"
+                            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    enc = ChatEncoder(tok)
+    enc.linear = linear
+    for conv, want in (([SYSTEM] + TURNS, ["apple river<|im_end|>", "2 words"]),
+                       (TURNS + [{"role": "user", "content": "Thanks."}], ["apple river<|im_end|>",
+                                                                          "2 words<|im_end|>"])):
+        ids, mask, stats = enc.encode({"messages": conv})
+        assert spans(enc, ids, mask) == want
+        assert stats["untrained_turns"] == 0
+        assert ids == tok.encode(tok.hf.apply_chat_template(conv, tokenize=False))
