@@ -5,7 +5,8 @@ Row formats (one JSON object / table row; `row_format` tells them apart by their
   `content` a string or a list of text parts (`[{"type": "text", "text": ...}]`, what most exporters write: the
   parts joined by a newline, as vLLM does for a string-content template; a non-text part is refused); `developer`
   (OpenAI's newer name for the system prompt) is read as `system`; an assistant message may carry `tool_calls`
-  (passed on to the template) with an empty content;
+  (passed on to the template) with an empty content; a system message's `tools` (Phi-4-mini's template renders
+  the tool list from it, as a JSON string) is passed on as given;
 - ShareGPT `conversations`: [{"from": "human" | "gpt" | "system" | "function_call" | "observation" | ..., "value":
   str}, ...]; `function_call` (LLaMA-Factory's tool call: a JSON object, or a list of them, with `name` and
   `arguments`) becomes an assistant message with `tool_calls`, `observation` a tool message;
@@ -25,6 +26,7 @@ SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "a
                   "tool": "tool", "observation": "tool", "function_response": "tool", "ipython": "tool",
                   "function_call": "assistant", "developer": "system"}
 CHAT_KEYS = ("messages", "conversations", "prompt")
+KEYS = ("tool_calls", "name", "tool_call_id", "reasoning_content", "thinking")  # a message's keys templates read
 
 
 class RowError(ValueError):
@@ -63,7 +65,8 @@ def _text(content, i: int, role: str) -> str:
 
 
 def message(m, i: int) -> dict:
-    """One OpenAI-style message, checked: {role, content: str} and the optional keys templates read."""
+    """One OpenAI-style message, checked: {role, content: str} and the optional keys templates read (a system
+    message's `tools` too)."""
     if not isinstance(m, dict):
         raise RowError(f"message {i}: expected an object with role and content, got {type(m).__name__}")
     role = ALIASES.get(m.get("role"), m.get("role"))
@@ -73,7 +76,8 @@ def message(m, i: int) -> dict:
     if content is None and role == "assistant" and m.get("tool_calls"):
         content = ""
     out = {"role": role, "content": _text(content, i, role)}
-    for k in ("tool_calls", "name", "tool_call_id", "reasoning_content", "thinking"):
+    keys = KEYS + (("tools",) if role == "system" else ())  # Phi-4-mini's tool list rides on the system message
+    for k in keys:
         if m.get(k) is not None:
             out[k] = m[k]
     return out

@@ -239,3 +239,19 @@ def test_an_end_of_turn_written_only_when_a_message_follows_is_trained(tok_root,
         assert spans(enc, ids, mask) == want
         assert stats["untrained_turns"] == 0
         assert ids == tok.encode(tok.hf.apply_chat_template(conv, tokenize=False))
+
+
+def test_phi4_mini_renders_the_system_messages_tool_list(tok_root):
+    """Phi-4-mini's own template writes the system message's `tools` between `<|tool|>` and `<|/tool|>`: the row's
+    list reaches the rendering (data/chat_rows.py passes it on), the replies alone are trained."""
+    tok = Tokenizer(build_tokenizer(tok_root, "phi3"))
+    tok.hf.chat_template = ("{% for message in messages %}{% if message['role'] == 'system' and 'tools' in message and "
+                            "message['tools'] is not none %}{{ '<|' + message['role'] + '|>' + message['content'] + "
+                            "'<|tool|>' + message['tools'] + '<|/tool|>' + '<|end|>' }}{% else %}{{ '<|' + "
+                            "message['role'] + '|>' + message['content'] + '<|end|>' }}{% endif %}{% endfor %}"
+                            "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% else %}{{ eos_token }}{% endif %}")
+    enc = ChatEncoder(tok)
+    tools = '[{"name": "count_words"}]'
+    ids, mask, stats = enc.encode({"messages": [{**SYSTEM, "tools": tools}] + TURNS})
+    assert "<|tool|>" + tools + "<|/tool|>" in tok.hf.decode(ids)
+    assert spans(enc, ids, mask) == ["apple river<|end|>", "2 words<|end|>"] and stats["untrained_turns"] == 0

@@ -60,3 +60,13 @@ def test_a_table_with_both_a_text_and_a_chat_column_is_refused():
 
     with pytest.raises(ValueError, match="both a text column .* and chat columns"):
         _columns(Unit("x", "parquet", "x.parquet"), ["text", "messages"], Fields())
+
+
+def test_a_system_messages_tools_are_passed_on():
+    """Phi-4-mini's template renders the tool list from the system message's `tools` (a JSON string): kept as given,
+    `developer` included; before, the key was dropped and the list never rendered."""
+    tools = '[{"name": "count_words", "parameters": {"text": {"type": "str"}}}]'
+    for role in ("system", "developer"):
+        _, conv, _ = normalize({"messages": [{"role": role, "content": "Be brief.", "tools": tools},
+                                             {"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]})
+        assert conv[0] == {"role": "system", "content": "Be brief.", "tools": tools}
