@@ -348,7 +348,8 @@ class ChatEncoder:
         where it is checked to hold: the placeholder render splits that way, the template inserts the content
         verbatim (a render of the content's head and tail, cheap), the placeholder's span has one mask value;
         otherwise `encode` (exact either way; tests/unit/data/test_chat_splice.py compares both on the golden
-        families). A 128k-token trial: one tokenization of the haystack instead of three (`--chat`, `chat: true`)."""
+        families). `encode` also tokenizes the haystack once now (data/chat_views.py): the two cost about the same
+        (docs/sft.md's cost paragraph; `--chat`, `chat: true`)."""
         conv = [_message(m, i) for i, m in enumerate(messages)]
         content = conv[at]["content"]
         if self.kind == "chatml" or self.refusal:  # built token by token: the content is tokenized once already
