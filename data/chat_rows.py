@@ -6,7 +6,9 @@ Row formats (one JSON object / table row; `row_format` tells them apart by their
   parts joined by a newline, as vLLM does for a string-content template; a non-text part is refused); `developer`
   (OpenAI's newer name for the system prompt) is read as `system`; an assistant message may carry `tool_calls`
   (passed on to the template) with an empty content; a system message's `tools` (Phi-4-mini's template renders
-  the tool list from it, as a JSON string) is passed on as given;
+  the tool list from it, as a JSON string) is passed on as given, and so are OLMo 3's function-calling keys (its
+  template, open-instruct's `olmo`: a system or user message's `functions`, an assistant reply's `function_calls`,
+  both strings; a reply with `function_calls` may have an empty content);
 - ShareGPT `conversations`: [{"from": "human" | "gpt" | "system" | "function_call" | "observation" | ..., "value":
   str}, ...]; `function_call` (LLaMA-Factory's tool call: a JSON object, or a list of them, with `name` and
   `arguments`) becomes an assistant message with `tool_calls`, `observation` a tool message;
@@ -27,6 +29,8 @@ SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "a
                   "function_call": "assistant", "developer": "system"}
 CHAT_KEYS = ("messages", "conversations", "prompt")
 KEYS = ("tool_calls", "name", "tool_call_id", "reasoning_content", "thinking")  # a message's keys templates read
+ROLE_KEYS = {"system": ("tools", "functions"), "user": ("functions",), "assistant": ("function_calls",)}  # Phi-4-mini's
+# tool list rides on the system message; OLMo 3's function list on a system (or user) message, its calls on a reply
 
 
 class RowError(ValueError):
@@ -65,19 +69,18 @@ def _text(content, i: int, role: str) -> str:
 
 
 def message(m, i: int) -> dict:
-    """One OpenAI-style message, checked: {role, content: str} and the optional keys templates read (a system
-    message's `tools` too)."""
+    """One OpenAI-style message, checked: {role, content: str} and the optional keys templates read (KEYS, and
+    ROLE_KEYS for its role), as given."""
     if not isinstance(m, dict):
         raise RowError(f"message {i}: expected an object with role and content, got {type(m).__name__}")
     role = ALIASES.get(m.get("role"), m.get("role"))
     if role not in ROLES:
         raise RowError(f"message {i}: role {m.get('role')!r}; expected one of {list(ROLES) + list(ALIASES)}")
     content = m.get("content")
-    if content is None and role == "assistant" and m.get("tool_calls"):
+    if content is None and role == "assistant" and (m.get("tool_calls") or m.get("function_calls")):
         content = ""
     out = {"role": role, "content": _text(content, i, role)}
-    keys = KEYS + (("tools",) if role == "system" else ())  # Phi-4-mini's tool list rides on the system message
-    for k in keys:
+    for k in KEYS + ROLE_KEYS.get(role, ()):
         if m.get(k) is not None:
             out[k] = m[k]
     return out

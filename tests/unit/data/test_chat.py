@@ -255,3 +255,24 @@ def test_phi4_mini_renders_the_system_messages_tool_list(tok_root):
     ids, mask, stats = enc.encode({"messages": [{**SYSTEM, "tools": tools}] + TURNS})
     assert "<|tool|>" + tools + "<|/tool|>" in tok.hf.decode(ids)
     assert spans(enc, ids, mask) == ["apple river<|end|>", "2 words<|end|>"] and stats["untrained_turns"] == 0
+
+
+def test_olmo3_renders_its_functions_and_function_calls(tmp_path):
+    """OLMo 3's real template (data/chat_templates/olmo3.jinja, as the sweep ships it): the system message's
+    `functions` is in the ids, a reply's `function_calls` text is trained with the reply (data/chat_rows.py passes
+    both on; before, the system turn said it had no functions and the call was never rendered)."""
+    import json
+    import os
+
+    from data import chat_sweep
+
+    fam = json.load(open(os.path.join(os.path.dirname(chat_sweep.__file__), "chat_templates", "families.json")))["olmo3"]
+    tok = Tokenizer(chat_sweep.build_tokenizer(str(tmp_path), "olmo3", fam))
+    enc = ChatEncoder(tok)
+    funcs, calls = '[{"name": "count_words"}]', '[{"name": "count_words"}]'
+    ids, mask, stats = enc.encode({"messages": [{**SYSTEM, "functions": funcs}, TURNS[0],
+                                                {"role": "assistant", "content": "", "function_calls": calls},
+                                                TURNS[2], TURNS[3]]})
+    assert "<functions>" + funcs + "</functions>" in tok.hf.decode(ids)
+    assert spans(enc, ids, mask) == ["<function_calls>" + calls + "</function_calls><|im_end|>",
+                                     "2 words<|endoftext|>"] and stats["untrained_turns"] == 0

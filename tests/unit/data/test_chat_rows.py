@@ -70,3 +70,17 @@ def test_a_system_messages_tools_are_passed_on():
         _, conv, _ = normalize({"messages": [{"role": role, "content": "Be brief.", "tools": tools},
                                              {"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]})
         assert conv[0] == {"role": "system", "content": "Be brief.", "tools": tools}
+
+
+def test_olmo3s_function_keys_are_passed_on():
+    """OLMo 3's template (open-instruct's `olmo`) renders a system or user message's `functions` and an assistant
+    reply's `function_calls` (strings): kept as given, a reply with calls and no content allowed; before, both keys
+    were dropped and never rendered."""
+    funcs, calls = '[{"name": "count_words"}]', '[{"name": "count_words", "arguments": {"text": "apple river"}}]'
+    _, conv, _ = normalize({"messages": [{"role": "developer", "content": "Be brief.", "functions": funcs},
+                                         {"role": "user", "content": "Count.", "functions": funcs},
+                                         {"role": "assistant", "content": None, "function_calls": calls},
+                                         {"role": "user", "content": "2"}, {"role": "assistant", "content": "2 words"}]})
+    assert conv[:3] == [{"role": "system", "content": "Be brief.", "functions": funcs},
+                        {"role": "user", "content": "Count.", "functions": funcs},
+                        {"role": "assistant", "content": "", "function_calls": calls}]
