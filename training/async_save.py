@@ -5,15 +5,14 @@ durable, decided by a collective (docs/checkpoints.md, "Asynchronous saves").
 
 Why a thread and our own staging rather than DeepSpeed's decoupled engine, its FastPersist writer or PyTorch's async
 DCP: see docs/checkpoints.md. What the snapshot costs: one copy of the rank's checkpoint bytes in host memory
-(`Staging`, kept for the run: Llama-3-8B on 32 ranks under ZeRO-3, 12 bytes per parameter / world: ~3 GB per rank,
-~24 GB per 8-rank node; page-locked at its exact size on a GPU node (base/host_arena.py; torch's pinned blocks were
-rounded up to a power of two: 3 x 3.73 -> 3 x 4 GiB per sub-group on 8 ranks), where the copy is GPU -> host by DMA
-at ~10+ GB/s). The copy is all
-the step loop waits for: host -> host for what ZeRO offload keeps on the CPU, one memcpy per storage (GB/s; ~1 s
-for 3 GB at this box's ~3 GB/s). torch.save's zip writer (a CRC32 per record and Python write calls, ~250 MB/s
-here: 4.7 s of the 4.9 s the step loop used to wait) and the write (the storage's rate: 100 GB at ~0.6 GB/s per
-node is ~40 s) run in the thread. The files hold what the synchronous save's hold (torch.save of the same state
-dicts: storages shared as they were, whole storages saved), so a resume cannot tell the two apart.
+(`Staging`, kept until the stage's end: Llama-3-8B on 32 ranks under ZeRO-3, 12 bytes per parameter / world: ~3 GB per
+rank, ~24 GB per 8-rank node; page-locked at its exact size on a GPU node (base/host_arena.py; torch's pinned blocks
+were rounded up to a power of two: 3 x 3.73 -> 3 x 4 GiB per sub-group on 8 ranks), where the copy is GPU -> host by
+DMA at ~10+ GB/s). The copy is all the step loop waits for: host -> host for what ZeRO offload keeps on the CPU, one
+memcpy per storage (GB/s; ~1 s for 3 GB at this box's ~3 GB/s). torch.save's zip writer (a CRC32 per record and Python
+write calls, ~250 MB/s here: 4.7 s of the 4.9 s the step loop used to wait) and the write (the storage's rate: 100 GB
+at ~0.6 GB/s per node is ~40 s) run in the thread. The files hold what the synchronous save's hold (torch.save of the
+same state dicts: storages shared as they were, whole storages saved), so a resume cannot tell the two apart.
 """
 
 from __future__ import annotations
@@ -39,8 +38,8 @@ class Staging:
     """Host storages a snapshot copies the state's tensors into, kept from one save to the next: a save of the same
     shapes (every save of a stage) reuses each one, so after the first save a snapshot is one memory copy per byte
     (no allocation, no page faults; a fresh buffer per save measured ~2x slower here). Its size is the rank's
-    checkpoint, held for the run once a background save happened. One snapshot uses it at a time (at most one save
-    is in flight: the next snapshot starts after the previous write is durable)."""
+    checkpoint, held from a stage's first background save to the stage's end (`release`). One snapshot uses it at a
+    time (at most one save is in flight: the next snapshot starts after the previous write is durable)."""
 
     def __init__(self):
         self.buffers: list[torch.UntypedStorage] = []
@@ -49,6 +48,18 @@ class Staging:
 
     def reset(self) -> None:
         self.used, self.nbytes = 0, 0  # the previous snapshot is on disk: overwrite its buffers
+
+    def release(self) -> int:
+        """Give every buffer back (unregistered where page-locked); the next snapshot allocates afresh. At a stage's
+        end (training/stage.py), with no save in flight: the stage's last save is synchronous and the next stage's
+        first background save is a stage away, while the next engine is built and loads its checkpoint (that load
+        holds a transient copy of the fp32 master, 4 bytes per parameter / world). Returns the bytes released."""
+        held = sum(b.nbytes() for b in self.buffers)
+        for b in self.buffers:
+            host_arena.unlock(b)
+        self.buffers.clear()
+        self.reset()
+        return held
 
     def copy(self, src: torch.UntypedStorage) -> torch.UntypedStorage:
         """A host copy of `src` in the next buffer (reused when its size matches, else replaced)."""

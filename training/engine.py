@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import deepspeed
 import torch
@@ -69,23 +70,88 @@ def build_engine(cfg: Config, dims: ParallelDims, hf_config, attn: str, bf16: bo
     return engine
 
 
-def release_engine(engine) -> None:
-    """End a stage's engine so that its memory goes back: DeepSpeed's destroy(), then the reference it keeps.
+def release_engine(engine) -> list[tuple[str, weakref.ref]]:
+    """End a stage's engine so that its memory goes back; returns weak references to the engine, its model and its
+    optimizer, which must all be dead once the caller has dropped its own reference and run gc.collect()
+    (training/stage.py checks and records it: `engine_released` in metrics.jsonl).
 
-    ZeRO-3's parameter offload pushes the top module on a module-level list (deepspeed.runtime.zero.
-    parameter_offload.FWD_MODULE_STACK) when it sets up and never pops it, so every stage's model, its ZeRO-3
-    partitions, the optimizer (reached through the parameters) and CPU Adam's fp32 master and moments stayed alive
-    until the process ended. Measured on this CPU: 2.5 GiB more RSS per rebuilt engine of a 147M-parameter model
-    (one per stage); on an H200 a 1.27B model's fourth stage was killed by the host's OOM killer (bench/gpu.py's
-    ladder). At Llama-3-8B on 32 ranks with both offloads, each stage would keep ~4.5 GiB per rank, 36 GiB per
-    8-rank node: 108 GiB more by the fourth stage of 128k -> 1M."""
+    What kept a stage's engine alive after its stage, each found on this CPU by following the referrers of the old
+    engine at the next stage's build (gc.get_referrers from a weakref):
+    - ZeRO-3's parameter offload pushes the top module on a module-level list (deepspeed.runtime.zero.
+      parameter_offload.FWD_MODULE_STACK) when it sets up and never pops it; under activation checkpointing the
+      recomputed submodules are pushed again at every step and not popped either (4 LlamaMLP / Linear entries a step
+      on a 4-layer model with checkpoint_every 1 or 2): every module of the released model comes off the list.
+    - PartitionedParameterCoordinator.__params_to_release is memoized with a class-level functools.lru_cache(maxsize=
+      None) (deepspeed 0.19.8, runtime/zero/partitioned_param_coordinator.py), filled from an engine's second step on
+      (once its trace is complete): its keys hold the coordinator and every submodule of the model, whose forward hooks
+      hold the engine, so the model, the optimizer, CPU Adam's fp32 master and moments and the offload buffers stayed
+      alive until the process ended (an engine built but never stepped twice, as tests/workers/rope.py's, was freed).
+    Measured on this CPU (75M parameters, fp32, both offloads, 2 ranks, 2 steps a stage): +0.87 GiB RSS per rank per
+    stage, all four engines of a 4-stage run alive at its end. On the H200 ladder (one rank, 1.49B parameters in bf16,
+    both offloads: 35.5 GiB of host state per engine, the planner's host terms in bench/results/gpu.json's headline,
+    pinned blocks as held) the three earlier stages' engines, ~106 GiB, were then still alive when the fourth built
+    its own (+35.5) and loaded its checkpoint: the rank was SIGKILLed there on the 125 GiB host (no swap). At
+    Llama-3-8B on 32 ranks with both offloads each leaked engine holds ~4.7 GiB per rank, ~37 GiB per 8-rank node:
+    ~110 GiB more by the fourth stage of 128k -> 1M. Clearing the cache costs nothing that matters: the next engine's
+    coordinator fills its own keys at its second step (a set of parameter ids per submodule and step, computed
+    once)."""
     from deepspeed.runtime.zero import parameter_offload
 
     module = engine.module
+    watch = []
+    for name, obj in (("engine", engine), ("model", module), ("optimizer", getattr(engine, "optimizer", None))):
+        try:
+            watch.append((name, weakref.ref(obj)))
+        except TypeError:  # None, or a stand-in without weak references (the tests')
+            pass
     engine.destroy()
     arena = module.__dict__.get("_host_arena")  # the offloaded checkpoints' page-locked slots (base/host_arena.py):
     if arena is not None:  # unregistered now, not when the model's cycle is collected (5M on 8 GPUs: 153 GiB a rank)
         arena.release()
-    parameter_offload.FWD_MODULE_STACK[:] = [m for m in parameter_offload.FWD_MODULE_STACK if m is not module]
+    mine = {id(m) for m in module.modules()}  # the top module, and a submodule whose post-forward hook never ran
+    parameter_offload.FWD_MODULE_STACK[:] = [m for m in parameter_offload.FWD_MODULE_STACK if id(m) not in mine]
+    _clear_method_caches(_coordinator_class())
     # the model, the optimizer and the engine reference each other: the caller drops its reference and runs
     # gc.collect() so that the cycle is freed before the next engine is built, not at some later collection
+    return watch
+
+
+def _coordinator_class():
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+    return PartitionedParameterCoordinator
+
+
+def _clear_method_caches(cls) -> int:
+    """Clear every functools cache on `cls`'s methods, found on the method itself or in its decorators' closures
+    (DeepSpeed wraps the lru_cache in instrument_w_nvtx, whose wrapper keeps no __wrapped__). Returns how many."""
+    n = 0
+    for attr in vars(cls).values():
+        seen = [attr]
+        for cell in getattr(attr, "__closure__", None) or ():
+            try:
+                seen.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                pass
+        for f in seen:
+            if callable(getattr(f, "cache_clear", None)):
+                f.cache_clear()
+                n += 1
+    return n
+
+
+def return_cached_memory() -> None:
+    """After the old engine is collected (gc.collect): the device's cached blocks and torch's cached page-locked host
+    blocks go back, so the next stage starts from one engine's host memory whatever its own buffers' sizes.
+
+    ZeRO-3's offload buffers are pinned through torch's caching host allocator (DeepSpeed's `pin_memory`), which keeps
+    a freed block cached for the run: the next engine reuses those of the same (rounded) size, but a stage whose
+    buffers differ (another offload choice under memory_features auto, other sub-group sizes) left the old ones cached
+    on top of its own. Cost: the next engine pins its buffers afresh (cudaHostAlloc, the kernel zeroing each page):
+    ~0.1-0.5 s per GiB once per stage; Llama-3-8B on 32 ranks, both offloads: ~2-3 GiB pinned per rank, ~1 s."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return
+    torch.cuda.empty_cache()
+    host_empty = getattr(torch._C, "_host_emptyCache", None)  # torch's own call (torch/cuda/graphs.py), torch 2.13
+    if host_empty is not None:
+        host_empty()

@@ -20,7 +20,8 @@ from training.curriculum import locate, resolve_stages
 
 pytestmark = pytest.mark.dist
 STAGES = [
-    {"name": "s64", "max_seq_length": 64, "sequence_parallel_size": 1, "max_steps": 3, "learning_rate": 1e-3},
+    {"name": "s64", "max_seq_length": 64, "sequence_parallel_size": 1, "max_steps": 3, "learning_rate": 1e-3,
+     "memory_features": {"checkpoint_every": 1}},  # recomputed layers: DeepSpeed's module stack keeps some (released)
     {"name": "s128", "max_seq_length": 128, "sequence_parallel_size": 2, "max_steps": 3, "learning_rate": 5e-4,
      "warmup_steps": 1, "rope": {"rope_type": "linear", "factor": 2.0}},
     {"name": "s256", "max_seq_length": 256, "sequence_parallel_size": 2, "context_parallel_size": 2, "max_steps": 3,
@@ -52,6 +53,9 @@ def test_three_stages_complete_with_their_settings(uninterrupted):
     assert steps[3]["lr"] == pytest.approx(5e-4)  # stage 2 re-warms (1 warmup step) to its own peak
     assert steps[6]["lr"] == pytest.approx(2e-4)
     assert [r["stage"] for r in recs if r.get("event") == "eval"] == [0, 1, 2]
+    # every stage's engine, model and optimizer are gone (after gc) before the next stage builds its own: DeepSpeed's
+    # ZeRO-3 coordinator cache kept each one alive from its second step on (training/engine.release_engine)
+    assert [(r["stage"], r["alive"]) for r in recs if r.get("event") == "engine_released"] == [(0, 0), (1, 0), (2, 0)]
     cfg = json.loads((uninterrupted / "hf_model" / "config.json").read_text())
     assert cfg["rope_parameters"]["rope_type"] == "yarn" and cfg["rope_parameters"]["factor"] == 4.0
 
