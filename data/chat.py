@@ -27,8 +27,9 @@ repeated in a user turn would be found in the wrong place):
    alone": Phi-3 / OLMo-3 end the conversation with an EOS, gpt-oss with `<|return|>`, which inside the conversation
    is the conversation's end. A turn that renders alone as a prefix of the conversation ending in its text ends at
    the end-of-turn token the conversation goes on with (Qwen1.5 writes `<|im_end|>` only when a message follows; its
-   last reply has none to train). A turn the template ends with another control token (gpt-oss's `<|call|>` after a
-   tool call) ends at the turn's own last one, where the turn is a prefix of the conversation. Template text after
+   last reply has none to train: such a row is counted, `no_stop_rows`, and the preparation warns). A turn the
+   template ends with another control token (gpt-oss's `<|call|>` after a tool call) ends at the turn's own last one,
+   where the turn is a prefix of the conversation. Template text after
    the end-of-turn token (ChatML's "\n", Phi-3's trailing EOS) gets no loss: the model stops at the end-of-turn.
    Every span is checked: its text holds the reply's text (past a `</think>`, which R1 / Qwen3 templates drop)
    and each tool call's name; a template that does not render tool calls (Llama 3.0, SmolLM2) is a refused row,
@@ -196,7 +197,10 @@ class ChatEncoder:
                            "template) renders none: give a tokenizer whose template renders tool_calls")
         if loss_on == "all":  # no span to find: the rendering alone
             ids = self._chatml(conv)[0] if self.kind == "chatml" else self._render(conv)
-            return ids, np.ones(len(ids), np.uint8), {"untrained_turns": 0}
+            end = len(ids)
+            while end and self.kind != "chatml" and not self.tok.hf.decode(ids[end - 1:end]).strip():
+                end -= 1  # ChatML's "\n" after the end-of-turn
+            return ids, np.ones(len(ids), np.uint8), {"untrained_turns": 0, "no_stop_rows": self._no_stop(ids, conv, end)}
         why = {}
         if self.kind == "chatml":
             ids, spans = self._chatml(conv)
@@ -222,8 +226,16 @@ class ChatEncoder:
             reason = next(iter(why.values()), "its span does not show its text")
             raise RowError(f"none of the {untrained} assistant turn(s) could be located in {self.name}: {reason}; "
                            "docs/sft.md")
+        last = spans.get(len(conv) - 1)
         return ids, mask, {"untrained_turns": untrained, "why": [why.get(k, f"message {k}: its span does not show "
-                                                                   "its text") for k in wanted if k not in spans]}
+                                                                   "its text") for k in wanted if k not in spans],
+                           "no_stop_rows": self._no_stop(ids, conv, last[1] if last else None)}
+
+    def _no_stop(self, ids: list[int], conv: list[dict], end: int | None) -> int:
+        """1 where the conversation ends with a reply trained up to `end` and no control token ends it: the template
+        writes its end-of-turn only when a message follows (Qwen1.5), so the model is never shown where to stop
+        (counted in the preparation summary, data/prepare_data.py); else 0."""
+        return int(conv[-1]["role"] == "assistant" and bool(end) and ids[end - 1] not in self.special)
 
     # ---- where a reply is
     def _shows(self, ids: list[int], a: int, e: int, msg: dict) -> bool:

@@ -33,7 +33,7 @@ from data.readers import Fields, Unit, discover, iter_rows, parse_item
 
 DEFAULT_CHUNK_TOKENS = 1 << 28  # 1 GiB of uint32 per chunk file: the resume granularity
 DEFAULT_BATCH_DOCS = 256
-CHAT_STATS = ("chat_docs", "supervised_tokens", "untrained_turns")  # counted per shard, summed in the manifest
+CHAT_STATS = ("chat_docs", "supervised_tokens", "untrained_turns", "no_stop_rows")  # per shard, summed in the manifest
 BATCH_BYTES = 1 << 20  # a batch closes at this much raw text too (long documents): bounds memory in flight
 
 # ------------------------------------------------------------------ workers: parse, tokenize, check
@@ -58,7 +58,7 @@ def _tokenize_batch(items: list[tuple[int, int, object]]) -> dict:
     from data.chat import RowError
 
     fields, tok, eos, bound = _W["fields"], _W["tok"], _W["eos"], _W["bound"]
-    docs, bad, masks, chat = [], [], {}, {"chat_docs": 0, "supervised_tokens": 0, "untrained_turns": 0}
+    docs, bad, masks, chat = [], [], {}, dict.fromkeys(CHAT_STATS, 0)
     for u, row, item in items:
         value, src, err = parse_item(item, fields)
         if err is None and isinstance(value, str | dict) and tok is None:
@@ -71,6 +71,7 @@ def _tokenize_batch(items: list[tuple[int, int, object]]) -> dict:
             else:
                 chat["chat_docs"] += 1
                 chat["untrained_turns"] += st["untrained_turns"]
+                chat["no_stop_rows"] += st.get("no_stop_rows", 0)
         if err:
             bad.append((u, row, err))
         else:
@@ -421,7 +422,13 @@ def merge(output: str, log=print) -> dict:
     log(f"{output}: {manifest['n_docs']} documents, {n_tokens} tokens ({first['dtype']}), {len(sources)} source(s), "
         f"{manifest['bad_rows']} bad row(s) skipped"
         + (f"; {manifest['chat_docs']} conversations, {manifest['supervised_tokens']} supervised tokens, "
-           f"{manifest['untrained_turns']} assistant turn(s) not located" if manifest["chat_docs"] else ""))
+           f"{manifest['untrained_turns']} assistant turn(s) not located, {manifest['no_stop_rows']} ending with no "
+           "end-of-turn token" if manifest["chat_docs"] else ""))
+    if manifest.get("no_stop_rows"):
+        log(f"warning: {manifest['no_stop_rows']} conversation(s) end with a reply trained with no end-of-turn token "
+            "after it (the template writes its end-of-turn only when another message follows, as Qwen1.5's "
+            "<|im_end|>): the model is never shown where to stop; end each conversation with the template's "
+            "end-of-turn (a template that writes <|im_end|> after the last message), or append it (docs/sft.md)")
     return manifest
 
 

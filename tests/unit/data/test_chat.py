@@ -276,3 +276,23 @@ def test_olmo3_renders_its_functions_and_function_calls(tmp_path):
     assert "<functions>" + funcs + "</functions>" in tok.hf.decode(ids)
     assert spans(enc, ids, mask) == ["<function_calls>" + calls + "</function_calls><|im_end|>",
                                      "2 words<|endoftext|>"] and stats["untrained_turns"] == 0
+
+
+QWEN15_SHAPE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] }}"
+                "{% if not loop.last or add_generation_prompt %}{{ '<|im_end|>\n' }}{% endif %}{% endfor %}"
+                "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+@pytest.mark.parametrize("loss_on", ["auto", "all"])
+def test_a_last_reply_with_no_end_of_turn_is_counted(tok_root, loss_on):
+    """A template that writes no end-of-turn after the last message (Qwen1.5) trains a conversation's final reply with
+    no stop token: the row is counted (`no_stop_rows`, warned about by the preparation), not silent. A row ending
+    with a user turn, or a template that ends every reply (Qwen2.5), is not."""
+    tok = Tokenizer(build_tokenizer(tok_root, "qwen25"))
+    own = ChatEncoder(tok, loss_on=loss_on)
+    tok15 = Tokenizer(build_tokenizer(tok_root, "qwen25"))
+    tok15.hf.chat_template = QWEN15_SHAPE
+    enc = ChatEncoder(tok15, loss_on=loss_on)
+    thanks = TURNS + [{"role": "user", "content": "Thanks."}]
+    assert [e.encode({"messages": c})[2]["no_stop_rows"] for e in (enc, own) for c in (TURNS[:2], thanks)] == [1, 0,
+                                                                                                               0, 0]

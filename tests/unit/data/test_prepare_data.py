@@ -265,3 +265,24 @@ def test_long_multi_turn_chats_are_spread_over_worker_tasks(tmp_path):
     assert [len(b) for b in pd_mod._batches(discover(str(short)), Fields(), (0, 0), 256)] == [256, 44]
     text = _write_jsonl(tmp_path / "text.jsonl", DOCS * 30)
     assert [len(b) for b in pd_mod._batches(discover(text), Fields(), (0, 0), 256)] == [256, 104]
+
+
+def test_conversations_ending_with_no_end_of_turn_are_counted_and_warned(tmp_path):
+    """A template that writes its end-of-turn only when a message follows (Qwen1.5) trains each conversation's last
+    reply with no stop token: the manifest counts such rows and the summary says so in one warning line with the
+    fix; before, nothing said it."""
+    from data.tokenizer import Tokenizer
+    from tests.unit.data.chat_fixtures import build_tokenizer
+    from tests.unit.data.test_chat import QWEN15_SHAPE
+
+    path = build_tokenizer(str(tmp_path / "tok"), "qwen25")
+    tok = Tokenizer(path)
+    tok.hf.chat_template = QWEN15_SHAPE
+    tok.hf.save_pretrained(path)
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    src = _write_jsonl(tmp_path / "c.jsonl", [turns, turns + [{"role": "user", "content": "bye"}], turns], "messages")
+    lines = []
+    m = prepare([src], str(tmp_path / "out"), path, workers=0, log=lines.append)
+    assert (m["chat_docs"], m["no_stop_rows"]) == (3, 2)
+    warn = [x for x in lines if x.startswith("warning:")]
+    assert len(warn) == 1 and "2 conversation(s)" in warn[0] and "or append it" in warn[0]
