@@ -29,8 +29,8 @@ repeated in a user turn would be found in the wrong place):
    the end-of-turn token the conversation goes on with (Qwen1.5 writes `<|im_end|>` only when a message follows; its
    last reply has none to train: such a row is counted, `no_stop_rows`, and the preparation warns). A turn the
    template ends with another control token (gpt-oss's `<|call|>` after a tool call) ends at the turn's own last one,
-   where the turn is a prefix of the conversation. Template text after
-   the end-of-turn token (ChatML's "\n", Phi-3's trailing EOS) gets no loss: the model stops at the end-of-turn.
+   where the turn is a prefix of the conversation. Template text after the end-of-turn token (ChatML's "\n",
+   Phi-3's trailing EOS) gets no loss: the model stops at the end-of-turn.
    Every span is checked: its text holds the reply's text (past a `</think>`, which R1 / Qwen3 templates drop)
    and each tool call's name; a template that does not render tool calls (Llama 3.0, SmolLM2) is a refused row,
    never an empty reply trained. A reply holding the text of its end-of-turn token (`<|im_end|>` quoted in prose)
