@@ -14,47 +14,25 @@ from __future__ import annotations
 import json
 import os
 
-import numpy as np
 import pytest
 import torch
 
 from base.parallel import ParallelDims
 from tests.conftest import save_tiny_model
 from tests.distributed import ROOT, run
+from tests.multiproc.doc_assets import DOC_LENS, SMALL, save_config_model, write_documents  # noqa: F401
 from tests.multiproc.joint_launch import ASSETS, WORLD2, by_name
 
 SEQ = 96  # SP=4 shards of 24 tokens: documents [0,37) [37,48) [48,77) [77,..) cross 24 and 72
-DOC_LENS = [37, 11, 29, 40, 50, 25, 30, 30]
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
 ONE_RANK = ParallelDims(world=1, sp=1, rank=0, local_rank=0)
 
 
-SMALL = dict(vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=32, initializer_range=0.3, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-             tie_word_embeddings=False)
 # sliding-window models: windows smaller (8) and larger (30) than an SP=4 shard (24), Gemma-3 and Qwen2 with
 # local and global layers
 WINDOWED = {"mistral8": ("mistral", dict(sliding_window=8)), "mistral30": ("mistral", dict(sliding_window=30)),
             "gemma3": ("gemma3_text", dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"])),
             "qwen2mix": ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1))}
-
-
-def save_config_model(path: str, model_type: str, **fields) -> str:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    cfg = AutoConfig.for_model(model_type, **{**SMALL, **fields})
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
-    return path
-
-
-def write_documents(path) -> str:
-    """DOC_LENS documents of random token ids (seed 0), one JSONL line each."""
-    rng = np.random.default_rng(0)
-    with open(path, "w") as fh:
-        for n in DOC_LENS:
-            fh.write(json.dumps({"input_ids": rng.integers(4, 2048, n).tolist()}) + "\n")
-    return str(path)
 
 
 def docs_assets_of(tmp_path_factory) -> dict:
@@ -134,7 +112,6 @@ def test_wrong_mask_is_far_from_the_oracle(docs_assets):
     assert gap_grad > 100 * GRAD_TOL
 
 
-_LAUNCHED: dict = {}
 # (name, model, attn, micro-batch, gradients?, bypass?) per launch; flex_attention: forward only on CPU
 DOC_CASES = [("sdpa_mb1", "llama", "sdpa", 1, True, False), ("sdpa_mb2", "llama", "sdpa", 2, True, False),
              ("flex_mb2", "llama", "flex_attention", 2, False, False)]
@@ -158,42 +135,32 @@ WINDOW_CASES = {2: [("mistral8_mb2", "mistral8", "sdpa", 2, True, False), ("gemm
                     ("mistral30_flex", "mistral30", "flex_attention", 1, False, False)]}
 
 
-def doc_cases(assets, d, sp: int, specs: list[tuple]) -> dict:
-    cases = {}
-    for name, model, attn, mb, grads, bypass, *extra in specs:
-        cases[name] = {"model_name_or_path": assets[model], "dataset_path": assets["data"], "max_seq_length": SEQ,
-                       "sequence_parallel_size": sp, "per_device_train_batch_size": mb, "attn_implementation": attn,
-                       "reset_position_ids": "yes", "learning_rate": 1e-3, "max_steps": 1, "report_to": "none",
-                       "seed": 0, "deepspeed": os.path.join(ROOT, "ds_configs/zero3_offload.json"),
-                       "samples": [0, 1][:mb], "grads": grads, "bypass": bypass, "out": str(d / f"{name}.pt"),
-                       "cache": os.path.join(assets["dir"], "cache")}
-        if name in CHECKPOINTED:
-            cases[name]["gradient_checkpointing"] = True
-        cases[name].update(*extra)
-    return cases
+def doc_cases(assets, d, sp: int, specs: list[tuple]) -> list[dict]:
+    """The worker's cases, each writing `<d>/<name>.pt` (extra config: a 7th field)."""
+    return [{"model_name_or_path": assets[model], "dataset_path": assets["data"], "max_seq_length": SEQ,
+             "sequence_parallel_size": sp, "per_device_train_batch_size": mb, "attn_implementation": attn,
+             "reset_position_ids": "yes", "learning_rate": 1e-3, "max_steps": 1, "report_to": "none", "seed": 0,
+             "deepspeed": os.path.join(ROOT, "ds_configs/zero3_offload.json"), "samples": [0, 1][:mb], "grads": grads,
+             "bypass": bypass, "out": str(d / f"{name}.pt"), "cache": os.path.join(assets["dir"], "cache"),
+             **({"gradient_checkpointing": True} if name in CHECKPOINTED else {}), **(extra[0] if extra else {})}
+            for name, model, attn, mb, grads, bypass, *extra in specs]
 
 
-def doc_specs(sp: int) -> list[tuple]:
-    return DOC_CASES + ([BYPASS] if sp == 2 else []) + CHUNKED.get(sp, [])
-
-
+DOC_SPECS = {sp: DOC_CASES + ([BYPASS] if sp == 2 else []) + CHUNKED.get(sp, []) for sp in (1, 2, 4)}
 # the SP=2 documents launch is shared with other modules' fast cases (one start-up: tests/multiproc/joint_launch.py)
 WORLD2.join("docs", __name__, "tests/workers/doc_masking.py",
-            lambda assets, factory, d: list(doc_cases(docs_assets_of(factory), d, 2, doc_specs(2)).values()),
+            lambda assets, factory, d: doc_cases(docs_assets_of(factory), d, 2, DOC_SPECS[2]),
             ("test_documents_match_plain_model_alone",))
 
 
 def launch(assets, tmp_path_factory, key: str, sp: int, specs: list[tuple], session_assets=None) -> dict:
-    """One multi-process run per (kind, SP degree), every case of it in one launch; cached for the module."""
+    """One multi-process run per (kind, SP degree), every case of it in one launch (each read by one test)."""
     if (key, sp) == ("docs", 2):
         return by_name(WORLD2.launched("docs", session_assets, tmp_path_factory))
-    if (key, sp) in _LAUNCHED:
-        return _LAUNCHED[(key, sp)]
     d = tmp_path_factory.mktemp(f"{key}_sp{sp}")
     cases = doc_cases(assets, d, sp, specs)
-    run(os.path.join(ROOT, "tests/workers/doc_masking.py"), [json.dumps(list(cases.values()))], sp, str(d / "logs"))
-    _LAUNCHED[(key, sp)] = {name: (torch.load(c["out"]), c) for name, c in cases.items()}
-    return _LAUNCHED[(key, sp)]
+    run(os.path.join(ROOT, "tests/workers/doc_masking.py"), [json.dumps(cases)], sp, str(d / "logs"))
+    return by_name(cases)
 
 
 def check_against_oracle(assets, sp: int, got: dict) -> None:
@@ -221,7 +188,7 @@ def check_against_oracle(assets, sp: int, got: dict) -> None:
 @pytest.mark.parametrize("sp", [pytest.param(1, marks=pytest.mark.slow), 2,  # SP=1: ~100 s
                                 pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks on 2 cores: 70 s
 def test_documents_match_plain_model_alone(docs_assets, tmp_path_factory, assets, sp):
-    got = launch(docs_assets, tmp_path_factory, "docs", sp, doc_specs(sp), assets)
+    got = launch(docs_assets, tmp_path_factory, "docs", sp, DOC_SPECS[sp], assets)
     check_against_oracle(docs_assets, sp, got)
     if sp == 2:  # a layer whose attention skips ALL_ATTENTION_FUNCTIONS is refused after the first forward
         error = got["bypass"][0]["error"]
