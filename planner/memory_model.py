@@ -68,7 +68,6 @@ NORM_MIN_CHUNK_ROWS = 1024
 HOST_ARENA = True
 
 
-
 def parse_seq_len(text: str | int) -> int:
     """'131072', '128k', '1M', '15_000_000' -> tokens; k and M are binary (128k = 131072, 1M = 1048576)."""
     s = str(text).strip().replace("_", "").lower()
@@ -173,7 +172,6 @@ def tokens_per_rank(seq_len: int, sp: int, cp: int = 1) -> int:
     """T: a sample is padded to a multiple of sp, or of 2*sp under context parallelism (zigzag: 2*cp chunks, each
     cut over the u ranks of a Ulysses group; base.parallel.ParallelDims.seq_multiple)."""
     return 2 * math.ceil(seq_len / (2 * sp)) if cp > 1 else math.ceil(seq_len / sp)
-
 
 
 def layer_phase_terms(shape: ModelShape, tokens: int, sp: int, b: int, tiled_mlp: bool,
@@ -295,7 +293,6 @@ def layer_activations(shape: ModelShape, tokens: int, sp: int, b: int, tiled_mlp
     are the rank's own S/cp (attention_sp.kv_length)."""
     t = layer_phase_terms(shape, tokens, sp, b, tiled_mlp, lean_norm, lean_mlp, cp, chunks, flash, ring, checkpointed)
     return t["saved"], t["transient"]
-
 
 
 def norm_saved(tokens: int, h: int, b: int, lean: bool = False) -> int:
@@ -454,6 +451,11 @@ def estimate(shape: ModelShape, seq_len: int, sp: int, world: int,
     phases["logits + loss"] = logits_bytes(shape, tokens, b, f.tiled_logits, lean, tile)
     if not f.offload_optimizer and b < 4:
         phases["optimizer step (fp32 grad copy)"] = 4 * max(zero3_subgroups(zero3_partitions(shape, world)))
+    if gpu_run and f.offload_optimizer:  # a checkpoint load (stage start, resume) holds a transient fp32 master copy, the
+        # arena and snapshot given back first (training/stage.py): Llama-3-8B, 32 ranks: 1 GB/rank (GPU optimizer: unmeasured)
+        load = 4 * shape.num_params() // world - sum(v for k, v in cpu.items() if k.startswith(("activation", "async")))
+        if load > 0:
+            cpu["checkpoint load: fp32 master copy (transient)"] = load
     return Estimate(seq_len=seq_len, sp=sp, world=world, tokens_per_rank=tokens, gpu=gpu, gpu_phases=phases,
                     cpu_per_rank=cpu, gpus_per_node=gpus_per_node or world,
                     eval_phases=eval_phases(shape, seq_len, sp, b, tiled=True, tiled_mlp=f.tiled_mlp,

@@ -142,11 +142,18 @@ def test_offload_moves_model_states_to_cpu():
         assert key not in off.gpu
     # pageable: ZeRO-3's fp32 gradient buffers of the sub-groups and its bf16 accumulation buffer, per partition
     part = sum(-(-x // world) for x in shape.param_numels())
+    # + a checkpoint load's transient fp32 master copy (a stage's start, a resume), beside CPU Adam's own
     assert off.cpu_per_rank == {"params (partition)": 2 * n // world, "grads fp32 (partition)": 6 * part,
-                                "optimizer fp32 master+Adam m,v": 12 * n // world}
+                                "optimizer fp32 master+Adam m,v": 12 * n // world,
+                                "checkpoint load: fp32 master copy (transient)": 4 * n // world}
     assert sum(on_gpu.gpu.values()) - sum(off.gpu.values()) == 16 * n // world
     assert off.gpu_peak < on_gpu.gpu_peak
-    assert off.cpu_per_node == 8 * (14 * n // world + 6 * part)
+    assert off.cpu_per_node == 8 * (18 * n // world + 6 * part)
+    # the offloaded checkpoints' arena is given back before a load, so the load holds its place, not both
+    ck = estimate(shape, 32768, 8, world, Features(offload_params=True, offload_optimizer=True, gradient_checkpointing=True,
+                                                   offload_activations=True), pinned_offloads=False)
+    load = ck.cpu_per_rank.get("checkpoint load: fp32 master copy (transient)", 0)
+    assert load == max(0, 4 * n // world - ck.cpu_per_rank["activation checkpoints"])
 
 
 def test_tiled_features_reduce_their_terms():
