@@ -159,6 +159,13 @@ class Checkpointer(Restorer):
         self._staging: Staging | None = None  # host memory the background saves copy into (one rank's checkpoint)
         self.trash = rotation.Trash(self.root)  # rank 0's deletions, off the step path
 
+    def release_staging(self) -> int:
+        """Give the background saves' host copy back (at a stage's end, with no save in flight: training/stage.py);
+        the next background save allocates it afresh. Bytes released (0 when none was held or a save is pending)."""
+        if self._staging is None or self.pending is not None:
+            return 0
+        return self._staging.release()
+
     # ---------------------------------------------------------------- save
     def save(self, engine, step: int, trainer: dict, rank_state: dict, hf_config, stage_end: str | None = None,
              background: bool = False) -> str | None:

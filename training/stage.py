@@ -147,9 +147,7 @@ def _released(run: Run, stage, watch, step: int) -> None:
     of two numbers."""
     gc.collect()  # the engine, its model and optimizer reference each other: the cycle is freed now
     return_cached_memory()
-    staging = getattr(run.ckpt, "_staging", None)  # training/checkpoint.Checkpointer's, once a background save ran
-    if staging is not None and run.ckpt.pending is None:
-        staging.release()
+    run.ckpt.release_staging()
     alive = [name for name, ref in watch or () if ref() is not None]
     if alive:
         rank_log(f"warning: stage {stage.index}'s {', '.join(alive)} still referenced after its release: its host "

@@ -59,3 +59,19 @@ def test_staging_release_gives_its_buffers_back():
     assert staging.buffers == [] and staging.nbytes == 0 and staging.used == 0
     again = stage({"m": torch.ones(3)}, staging)  # the next stage's first background save allocates afresh
     assert torch.equal(again["m"], torch.ones(3)) and staging.nbytes == 12
+
+
+def test_the_checkpointer_releases_its_staging_only_with_no_save_in_flight(tmp_path):
+    """training/stage.py gives the background saves' host copy back at a stage's end through Checkpointer.
+    release_staging: never under a write still in flight (its snapshot is being read), and a no-op before any
+    background save."""
+    from training.checkpoint import Checkpointer
+
+    ckpt = Checkpointer(str(tmp_path), keep=2)
+    assert ckpt.release_staging() == 0  # no background save yet
+    ckpt._staging = Staging()
+    stage({"m": torch.ones(1000)}, ckpt._staging)
+    ckpt.pending = object()  # a write in flight
+    assert ckpt.release_staging() == 0 and ckpt._staging.nbytes == 4000
+    ckpt.pending = None
+    assert ckpt.release_staging() == 4000 and ckpt._staging.buffers == []
