@@ -30,3 +30,20 @@ def write_documents(path) -> str:
         for n in DOC_LENS:
             fh.write(json.dumps({"input_ids": rng.integers(4, 2048, n).tolist()}) + "\n")
     return str(path)
+
+
+def made_once(store: dict, key: str, tmp_path_factory, models: dict, llama: bool = True) -> dict:
+    """`store[key]`: the documents (`data`), their folder (`dir`), the tiny Llama (`llama`, unless not asked for) and
+    one folder per entry of `models` (name -> (model_type, config fields, ...)), made the first time it is asked for
+    (by the joint launch or by the module's first test) and shared after."""
+    out = store.setdefault(key, {})
+    if not out:
+        from tests.conftest import save_tiny_model
+
+        d = tmp_path_factory.mktemp(key)
+        out.update(data=write_documents(d / "docs.jsonl"), dir=str(d))
+        if llama:
+            out["llama"] = save_tiny_model(str(d / "llama"), "tiny-llama", initializer_range=0.3)
+        for name, (model_type, fields, *_) in models.items():
+            out[name] = save_config_model(str(d / name), model_type, **fields)
+    return out

@@ -21,8 +21,8 @@ import os
 import pytest
 import torch
 
-from tests.conftest import save_tiny_model
 from tests.distributed import ROOT, run
+from tests.multiproc.doc_assets import made_once
 from tests.multiproc.joint_launch import ASSETS, WORLD2, by_name
 from tests.multiproc.test_doc_masking import (
     GRAD_TOL,
@@ -31,8 +31,6 @@ from tests.multiproc.test_doc_masking import (
     packed,
     reference,
     rel,
-    save_config_model,
-    write_documents,
 )
 
 pytestmark = pytest.mark.dist
@@ -87,15 +85,7 @@ FLEX_CP = [("h9_flex_mb2", "h9", "flex_attention", 2, False, {})]  # 3 and 6 pro
 
 def cp_assets_of(tmp_path_factory) -> dict:
     """The documents and models, made once (also by the joint launch, before this module's first test asks)."""
-    out = ASSETS.setdefault("cp", {})
-    if not out:
-        d = tmp_path_factory.mktemp("cp")
-        write_documents(d / "docs.jsonl")
-        out.update(llama=save_tiny_model(str(d / "llama"), "tiny-llama", initializer_range=0.3),
-                   data=str(d / "docs.jsonl"), dir=str(d))
-        for name, (model_type, fields) in MODELS.items():
-            out[name] = save_config_model(str(d / name), model_type, **fields)
-    return out
+    return made_once(ASSETS, "cp", tmp_path_factory, MODELS)
 
 
 @pytest.fixture(scope="module")

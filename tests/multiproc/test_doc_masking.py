@@ -18,9 +18,8 @@ import pytest
 import torch
 
 from base.parallel import ParallelDims
-from tests.conftest import save_tiny_model
 from tests.distributed import ROOT, run
-from tests.multiproc.doc_assets import DOC_LENS, SMALL, save_config_model, write_documents  # noqa: F401
+from tests.multiproc.doc_assets import DOC_LENS, SMALL, made_once, save_config_model, write_documents  # noqa: F401
 from tests.multiproc.joint_launch import ASSETS, WORLD2, by_name
 
 SEQ = 96  # SP=4 shards of 24 tokens: documents [0,37) [37,48) [48,77) [77,..) cross 24 and 72
@@ -37,15 +36,7 @@ WINDOWED = {"mistral8": ("mistral", dict(sliding_window=8)), "mistral30": ("mist
 
 def docs_assets_of(tmp_path_factory) -> dict:
     """The documents and models, made once (also by the joint launch, before this module's first test asks)."""
-    assets = ASSETS.setdefault("docs", {})
-    if not assets:
-        d = tmp_path_factory.mktemp("docmask")
-        write_documents(d / "docs.jsonl")
-        assets.update(llama=save_tiny_model(str(d / "llama"), "tiny-llama", initializer_range=0.3),
-                      data=str(d / "docs.jsonl"), dir=str(d))
-        for name, (model_type, fields) in WINDOWED.items():
-            assets[name] = save_config_model(str(d / name), model_type, **fields)
-    return assets
+    return made_once(ASSETS, "docs", tmp_path_factory, WINDOWED)
 
 
 @pytest.fixture(scope="module")

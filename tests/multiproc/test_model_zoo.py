@@ -23,6 +23,7 @@ import torch
 
 from planner.memory_model import LEAN_RMSNORM_MODEL_TYPES
 from tests.distributed import ROOT
+from tests.multiproc.doc_assets import made_once
 from tests.multiproc.joint_launch import ASSETS, WORLD2, by_name
 from tests.multiproc.test_doc_masking import (
     GRAD_TOL,
@@ -32,8 +33,6 @@ from tests.multiproc.test_doc_masking import (
     documents,
     packed,
     rel,
-    save_config_model,
-    write_documents,
 )
 
 SP = 2
@@ -77,13 +76,7 @@ SAMPLES = [0, 1]
 def zoo_assets(tmp_path_factory) -> dict:
     """Every family's model folder and the documents, made once (also by the joint launch, before this module's
     first test asks)."""
-    assets = ASSETS.setdefault("zoo", {})
-    if not assets:
-        d = tmp_path_factory.mktemp("zoo")
-        assets.update(data=write_documents(d / "docs.jsonl"), dir=str(d))
-        for name, (model_type, fields, *_) in ZOO.items():
-            assets[name] = save_config_model(str(d / name), model_type, **fields)
-    return assets
+    return made_once(ASSETS, "zoo", tmp_path_factory, ZOO, llama=False)
 
 
 @pytest.fixture(scope="module")
