@@ -27,12 +27,25 @@ def peak_rss_bytes() -> int:
     """This process' own peak resident set size. /proc/self/status VmHWM, not getrusage's ru_maxrss: Linux
     carries the parent's high-water mark into ru_maxrss across fork + exec, so a rank started from a process
     that once held 1.5 GiB reads 1.5 GiB before it allocates anything (and auto's CPU budget went negative)."""
-    try:
-        with open("/proc/self/status") as fh:
-            return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmHWM:"))
-    except (OSError, StopIteration):  # no procfs (not Linux): ru_maxrss, bytes on macOS
+    peak = _status_bytes("VmHWM")
+    if peak is None:  # no procfs (not Linux): ru_maxrss, bytes on macOS
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return peak if sys.platform == "darwin" else peak * 1024
+    return peak
+
+
+def rss_bytes() -> int:
+    """This process' resident set size now (/proc/self/status VmRSS; 0 where there is no procfs)."""
+    return _status_bytes("VmRSS") or 0
+
+
+def _status_bytes(field: str) -> int | None:
+    """A kB field of /proc/self/status in bytes; None without procfs."""
+    try:
+        with open("/proc/self/status") as fh:
+            return next(int(line.split()[1]) * 1024 for line in fh if line.startswith(field + ":"))
+    except (OSError, StopIteration):
+        return None
 
 
 def _first_count(value: str) -> int:

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from base import comm, host_arena, progress
+from base import comm, host, host_arena, progress
 from base.log import print0, rank_log
 from data.pipeline import heldout_samples
 from data.sharding import collate, shard
@@ -152,21 +152,12 @@ def _released(run: Run, stage, watch, step: int) -> None:
     if alive:
         rank_log(f"warning: stage {stage.index}'s {', '.join(alive)} still referenced after its release: its host "
                  "memory stays held next to the next stage's engine")
-    top = comm.all_reduce([float(len(alive)), _rss_bytes() / 2**30], op="max")
+    top = comm.all_reduce([float(len(alive)), host.rss_bytes() / 2**30], op="max")
     if top[0].item():
         print0(f"warning: stage {stage.index}'s engine is still alive after its release on some rank (see the rank "
                "logs): the next stage holds its host memory on top of its own engine's")
     run.metrics.log({"event": "engine_released", "stage": stage.index, "step": step, "alive": int(top[0].item()),
                      "host_rss_gb": round(top[1].item(), 3)})
-
-
-def _rss_bytes() -> int:
-    """This process' resident set size now (/proc/self/status VmRSS; 0 where there is no procfs)."""
-    try:
-        with open("/proc/self/status") as fh:
-            return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmRSS:"))
-    except (OSError, StopIteration):
-        return 0
 
 
 def _agree(run: Run, stage_ends: bool) -> bool:
