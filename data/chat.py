@@ -199,7 +199,7 @@ class ChatEncoder:
             ids = self._chatml(conv)[0] if self.kind == "chatml" else self._render(conv)
             end = len(ids)
             while end and self.kind != "chatml" and not self.tok.hf.decode(ids[end - 1:end]).strip():
-                end -= 1  # ChatML's "\n" after the end-of-turn
+                end -= 1  # a template's blank after its end-of-turn (ChatML templates' "\n"; the token-built default has none)
             return ids, np.ones(len(ids), np.uint8), {"untrained_turns": 0, "no_stop_rows": self._no_stop(ids, conv, end)}
         why = {}
         if self.kind == "chatml":
