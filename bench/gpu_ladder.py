@@ -167,7 +167,10 @@ def ladder(rec, model: str, device: str, dry: bool, cap_gib: float, work: str, p
     oom = bool(re.search(r"OutOfMemoryError|CUDA out of memory|out of memory", text))
     result = {"model": os.path.basename(model), "layers": load_layers(model), "cap_gib": cap_gib, "planner_longest_leanest": longest,
               "exit_code": code, "wall_s": round(wall, 1), "dropped_for_time": dropped, "pruned_checkpoints": pruned,
-              "rungs": []}
+              "rungs": [],
+              # each stage end's release (training/stage.py): `alive` 0 = no engine left behind for the next rung
+              "engine_released": [{k: e.get(k) for k in ("stage", "alive", "host_rss_gb")}
+                                  for e in records if e.get("event") == "engine_released"]}
     for r in rungs:
         mine = [s for s in steps if s["seq_len"] == r["length"]]
         row = {**r, "steps_done": len(mine)}
@@ -187,6 +190,8 @@ def ladder(rec, model: str, device: str, dry: bool, cap_gib: float, work: str, p
         result["rungs"].append(row)
     if code != 0 and not oom:
         result["log_tail"] = bm.launch_failure(log)["log_tail"]
+    for e in result["engine_released"]:
+        rec.say(f"  stage {e['stage']} released: engines alive {e['alive']}, host RSS {e['host_rss_gb']} GiB")
     for row in result["rungs"]:
         rec.say(f"  {row['length']:>8} {row['kind']:<10} fits={row['fits']} tok/s={row.get('tokens_per_s')} "
                 f"mfu={row.get('mfu')} peak={row.get('peak_gib')} predicted={row.get('predicted_gib')}")
