@@ -206,24 +206,34 @@ def render(data: dict) -> str:
                   for r in par]
     else:
         lines.append("not run")
-    lad = data.get("ladder")
-    lines += ["", "## Length and speed at SP=1", ""]
-    if lad:
-        lines += [f"Model `{lad['model']}` (Llama-3-8B's layer, embedding and head; {lad.get('layers', 1)} decoder "
-                  f"layer{'s' if lad.get('layers', 1) != 1 else ''}), bf16, ZeRO-3 with "
-                  f"params and optimizer offloaded, allocations capped at {lad['cap_gib']} GiB (an 80 GB card). "
-                  f"The planner's longest length with every memory feature on: {lad['planner_longest_leanest']:,} "
-                  f"tokens. Launch exit {lad['exit_code']}, {lad['wall_s']} s.", "",
-                  "| tokens | rung | features | fits | tokens/s | MFU | step s | peak GiB | planner GiB | measured / "
-                  "planner |", "|---|---|---|---|---|---|---|---|---|---|"]
-        for r in lad["rungs"]:
-            mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
-            lines.append(f"| {r['length']:,} | {r['kind']} | {_feat(r['features'])} | "
-                         f"{'yes' if r['fits'] else 'no: ' + r.get('why', '')} | {r.get('tokens_per_s', '-')} | {mfu} | "
-                         f"{', '.join(map(str, r.get('step_s', []))) or '-'} | {r.get('peak_gib', '-')} | "
-                         f"{r.get('predicted_gib') or '-'} | {r.get('measured_over_predicted', '-')} |")
-        if lad.get("dropped_for_time"):
-            lines += ["", f"Rungs dropped for time: {lad['dropped_for_time']}."]
-    else:
-        lines.append("not run")
+    lines += ["", "## Length and speed at SP=1", ""] + _ladder(data.get("ladder"))
+    if data.get("ladder_recheck"):  # a later session's short ladder, merged beside the first (notes say which)
+        lines += ["", "### A later ladder (the stage change checked)", ""] + _ladder(data["ladder_recheck"])
     return "\n".join(lines) + "\n"
+
+
+def _ladder(lad: dict | None) -> list[str]:
+    """One ladder launch: its rungs, the rungs dropped for time, and each stage end's release record."""
+    if not lad:
+        return ["not run"]
+    lines = [f"Model `{lad['model']}` (Llama-3-8B's layer, embedding and head; {lad.get('layers', 1)} decoder "
+             f"layer{'s' if lad.get('layers', 1) != 1 else ''}), bf16, ZeRO-3 with "
+             f"params and optimizer offloaded, allocations capped at {lad['cap_gib']} GiB (an 80 GB card). "
+             f"The planner's longest length with every memory feature on: {lad['planner_longest_leanest']:,} "
+             f"tokens. Launch exit {lad['exit_code']}, {lad['wall_s']} s.", "",
+             "| tokens | rung | features | fits | tokens/s | MFU | step s | peak GiB | planner GiB | measured / "
+             "planner |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in lad["rungs"]:
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
+        lines.append(f"| {r['length']:,} | {r['kind']} | {_feat(r['features'])} | "
+                     f"{'yes' if r['fits'] else 'no: ' + r.get('why', '')} | {r.get('tokens_per_s', '-')} | {mfu} | "
+                     f"{', '.join(map(str, r.get('step_s', []))) or '-'} | {r.get('peak_gib', '-')} | "
+                     f"{r.get('predicted_gib') or '-'} | {r.get('measured_over_predicted', '-')} |")
+    if lad.get("dropped_for_time"):
+        lines += ["", f"Rungs dropped for time: {lad['dropped_for_time']}."]
+    if "engine_released" in lad:
+        lines += ["", "Stage ends (training/stage.py's `engine_released` record: engines left alive, 0 expected; the "
+                  "largest host RSS after the release): " + ("; ".join(
+                      f"stage {e['stage']}: alive {e['alive']}, {e['host_rss_gb']} GiB" for e in lad["engine_released"])
+                      or "none reached") + "."]
+    return lines
