@@ -83,12 +83,16 @@ class Tracker:
                 stalled.append((seen[1], r, step, count, phase))
         if not stalled:
             return None
-        # who is behind among every rank that stopped no later than a stalled one (a hung rank in a phase with a
-        # longer bound is among them: the others stalled waiting for it)
+        # who is behind among every rank quiet for at least half as long as the latest stalled one: a hung rank in a
+        # phase with a longer bound is among them (the others stalled waiting for it), and so is a hung rank whose
+        # last mark reached the store a poll after theirs (it is behind them, so its publisher can be the later one:
+        # "no later than a stalled one" named the waiting rank 0 in a clean-clone make test); a rank still marking
+        # changed within the last phase and stays out
         latest = max(t for t, *_ in stalled)
+        horizon = latest + (now - latest) / 2
         quiet = []
         for r, (value, t) in self.last.items():
-            if value and t <= latest and value.split(" ", 2)[2] not in UNJUDGED:
+            if value and t <= horizon and value.split(" ", 2)[2] not in UNJUDGED:
                 count, step, phase = value.split(" ", 2)
                 quiet.append((t, r, step, count, phase))
         since = min(t for t, *_ in quiet)

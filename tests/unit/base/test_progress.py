@@ -56,6 +56,28 @@ def test_a_measured_phase_is_judged_at_twice_its_longest():
     assert line.startswith("rank 1 (n0) hung: no progress for "), line
 
 
+def test_the_rank_behind_is_named_when_its_mark_arrived_a_poll_after_the_waiting_ranks():
+    """The race a clean-clone make test lost (tests/e2e/test_failure.py's hung rank): rank 1 hangs in the data phase
+    of step 3, and its mark reaches the store a poll after rank 0's forward mark of step 3 (rank 0 waits for it in
+    the collective). Both phases are unmeasured (one bound): rank 0 passes it first. The rank behind is rank 1, not
+    the waiting rank 0 (the old rule kept only ranks that stopped no later than the stalled one)."""
+    tracker = Tracker(2, min_s=5.0, first_s=20.0)
+
+    def values(t: float) -> list[str]:
+        if t < 100.0:
+            return ["4 2 optimizer", "4 2 optimizer"] if int(t) % 2 else ["3 2 backward", "3 2 backward"]
+        return ["6 3 forward", "5 3 data" if t >= 101.0 else "4 2 optimizer"]
+
+    got = None
+    t = 0.0
+    while got is None and t < 300:
+        got = tracker.observe(t, values(t), ["n0", "n1"])
+        t += 1.0
+    assert got is not None and got.startswith("rank 1 (n1) hung: no progress for "), got
+    assert "in data of step 3, behind 1 other rank(s) stopped waiting for it" in got, got
+    assert tracker.named == 1
+
+
 def test_build_and_evaluation_are_never_judged():
     tracker = Tracker(4, min_s=10.0, first_s=20.0)
     assert run(tracker, 10000, lambda t: ["5 3 idle", "5 3 idle", "4 3 build", "4 3 build"]) is None
