@@ -23,8 +23,11 @@ and names the ranks. The job ends with EXIT_PEER_LOST (69: a requeue, bounded by
 
 Cost: one `set` per rank per PUBLISH_S at most, rank 0 one `multi_get` of WORLD keys per POLL_S (512 small keys at
 512 ranks every 10 s). What it costs in detection time: a 10-s step of Llama-3-8B at 128K is judged after 5 min (the
-floor); at 1M tokens, where one backward takes ~13 min, after 2 x 13 = 26 min, just inside NCCL's 30: finer progress
-there needs marks inside the backward (per layer), which this module takes as they come (any `mark` is progress).
+floor). Inside a step every decoder layer ticks too (`watch_layers`: its forward, its recompute and its backward each
+move the counter, the phase kept), so a phase's bound is 2 x its longest stretch without a tick, at least MIN_S: at
+1M tokens, where one backward takes ~13 min on 32 ranks (~24 s a layer of Llama-3-8B's 32) and ~48 min on one GPU
+(~90 s a layer), a hang is judged after the 5-min floor, not after 2 x 13 = 26 min (nearly NCCL's 30). A tick costs a
+dict update and, per layer and micro-batch, one forward pre-hook and one gradient hook on the layer's output.
 Environment: ULYSSES_HANG_MIN_S, ULYSSES_HANG_FIRST_S, ULYSSES_HANG_POLL_S, ULYSSES_HANG=0 (off).
 """
 
@@ -143,6 +146,34 @@ def mark(step: int | None, phase: str) -> None:
     _MINE["count"] += 1
     _MINE["step"] = _MINE["step"] if step is None else step
     _MINE["value"] = f"{_MINE['count']} {_MINE['step']} {phase}"
+
+
+def tick() -> None:
+    """Progress inside the current phase (a layer's forward, recompute or backward: `watch_layers`): the counter moves,
+    step and phase stay. Nothing before this rank's first `mark` or where marks are off (never starts the publisher)."""
+    if "count" not in _MINE:
+        return
+    _MINE["count"] += 1
+    _MINE["value"] = f"{_MINE['count']} {_MINE['step']} {_MINE['value'].split(' ', 2)[2] if _MINE['value'] else 'data'}"
+
+
+def watch_layers(layers) -> int:
+    """Tick at every layer's forward (a recompute's included) and at the start of its backward (the gradient of its
+    output arriving), so that a long phase is judged by its longest layer, not as a whole. Returns the hooks added."""
+    def grad_tick(_grad):
+        tick()
+
+    def after(_module, _args, out):
+        first = out[0] if isinstance(out, (tuple, list)) else out
+        if getattr(first, "requires_grad", False):
+            first.register_hook(grad_tick)
+
+    n = 0
+    for layer in layers:
+        layer.register_forward_pre_hook(lambda *_: tick())
+        layer.register_forward_hook(after)
+        n += 2
+    return n
 
 
 def _start() -> bool:

@@ -8,6 +8,7 @@ import weakref
 import deepspeed
 import torch
 
+from base import progress
 from base.parallel import ParallelDims
 from model_utils import engagement, ulysses
 from model_utils.build import build_model
@@ -54,6 +55,7 @@ def build_engine(cfg: Config, dims: ParallelDims, hf_config, attn: str, bf16: bo
     mpu = ulysses.register(model, dims, attn, cfg.per_device_train_batch_size, features.attention_head_chunks,
                            ring=features.ring_attention)
     engagement.arm(model, features)  # what each step's counters must reach (model_utils/engagement.py)
+    progress.watch_layers(getattr(model.get_decoder(), "layers", None) or [])  # a hang judged per layer, not per phase
     params = [p for p in model.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=params, config=ds_config, mpu=mpu,

@@ -119,3 +119,55 @@ def test_the_main_threads_error_after_a_declared_hang_exits_with_the_hangs_code(
     code = job._fail(RuntimeError("Connection closed by peer [127.0.0.1]:29384"))
     assert code == job.EXIT_PEER_LOST == 69
     assert "the first failure of the job: rank 1 (vm) hung" in capsys.readouterr().err
+
+
+def _ticks(model, batch) -> list[int]:
+    """The counter after the forward and after the backward of one step of `model`, marks on (a started publisher
+    stood in by the module's state: nothing is published)."""
+    import torch
+
+    from base import progress
+
+    progress._MINE.clear()
+    progress._MINE.update(count=0, step=3, value="0 3 forward")
+    try:
+        loss = model(**batch).logits.float().pow(2).mean()
+        after_forward = progress._MINE["count"]
+        progress._MINE["value"] = f"{after_forward} 3 backward"
+        loss.backward()
+        assert progress._MINE["value"].endswith(" 3 backward"), progress._MINE  # the phase kept, only the counter moves
+        return [after_forward, progress._MINE["count"] - after_forward]
+    finally:
+        progress._MINE.clear()
+        torch.manual_seed(0)
+
+
+def test_every_layer_ticks_in_the_forward_and_in_the_backward_with_or_without_checkpointing():
+    """A phase at 1M tokens (a ~13-min backward) is judged by its longest layer: each decoder layer moves the counter
+    at its forward and again in the backward (the gradient of its output, or its recompute under checkpointing)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from base import progress
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2)
+    batch = {"input_ids": torch.randint(0, 64, (1, 16))}
+    # one backward tick per layer: its output's gradient, or under checkpointing (reentrant, or model_utils/memory.py's
+    # non-reentrant) its recompute
+    for checkpointing in (None, {"use_reentrant": True}, {"use_reentrant": False}):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg)
+        assert progress.watch_layers(model.get_decoder().layers) == 6
+        if checkpointing:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpointing)  # as model_utils/memory
+            model.train()
+        fwd, bwd = _ticks(model, batch)
+        assert fwd == 3, (checkpointing, fwd)
+        assert bwd == 3, (checkpointing, bwd)
+    progress._MINE.update(off=True)  # marks off (a world of one): a tick changes nothing
+    try:
+        progress.tick()
+        assert "count" not in progress._MINE
+    finally:
+        progress._MINE.clear()
