@@ -191,6 +191,8 @@ class ChatEncoder:
         loss_on = "assistant" if self.loss_on == "auto" and first == 0 else "completion" if self.loss_on == "auto" \
             else self.loss_on
         wanted = [k for k, m in enumerate(conv) if m["role"] == "assistant" and (loss_on != "completion" or k >= first)]
+        if self.kind != "chatml" and any(m["role"] == "environment" for m in conv):
+            self._environment_shown(conv)
         if self.kind == "chatml" and any(conv[k].get("tool_calls") for k in wanted):
             k = next(k for k in wanted if conv[k].get("tool_calls"))
             raise RowError(f"message {k} (assistant): tool calls, and the ChatML default (the tokenizer has no "
@@ -258,6 +260,22 @@ class ChatEncoder:
                     raise RowError(f"message {k} (assistant): {self.name} does not render its tool call(s) "
                                    f"{[_call_name(c) for c in calls]}, so an empty reply would be trained: use a "
                                    "template that renders tool_calls, or drop the calls")
+
+    def _environment_shown(self, conv: list[dict]) -> None:
+        """A RowError where the template drops an `environment` message (OLMo 3's tool results, a role only its
+        template renders; Qwen2.5's, for one, renders `tool` and skips other roles): the replies after it would be
+        trained on a result the model never sees."""
+        text = self._text(conv)
+        for k, m in enumerate(conv):
+            if m["role"] != "environment":
+                continue
+            try:  # dropped: the conversation renders the same without it (a search for its text could find a reply)
+                same = self._text(conv[:k] + conv[k + 1:]) == text
+            except RowError:  # the template needs it there (roles must alternate): it reads it
+                same = False
+            if same:
+                raise RowError(f"message {k} (environment): {self.name} does not render the environment role (OLMo "
+                               "3's tool results): give tool results as the role this template renders (tool)")
 
     def _eot_text(self, conv: list[dict], k: int) -> str | None:
         """Why turn k gets no loss when its text holds the text of an end-of-turn token (tokenized as that token,

@@ -5,7 +5,8 @@ Row formats (one JSON object / table row; `row_format` tells them apart by their
   `content` a string or a list of text parts (`[{"type": "text", "text": ...}]`, what most exporters write: the
   parts joined by a newline, as vLLM does for a string-content template; a non-text part is refused); `developer`
   (OpenAI's newer name for the system prompt) is read as `system`; an assistant message may carry `tool_calls`
-  (passed on to the template) with an empty content; a system message's `tools` (Phi-4-mini's template renders
+  (passed on to the template) with an empty content; `environment` (OLMo 3's tool results: its template renders
+  them as a turn of that role, and a `tool` message not at all) is passed on as given; a system message's `tools` (Phi-4-mini's template renders
   the tool list from it, as a JSON string) is passed on as given, and so are OLMo 3's function-calling keys (its
   template, open-instruct's `olmo`: a system or user message's `functions`, an assistant reply's `function_calls`,
   both strings; a reply with `function_calls` may have an empty content);
@@ -21,7 +22,9 @@ from __future__ import annotations
 
 import json
 
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "user", "assistant", "tool", "environment")  # environment: OLMo 3's tool results, a role of its
+# own in its template (open-instruct's `olmo`); passed on as given, never supervised; a template that does not render
+# it refuses the row (data/chat.py)
 ALIASES = {"developer": "system"}
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant",

@@ -59,6 +59,10 @@ CASES = {  # name -> a conversation (every assistant message is a turn to train)
                                  {"role": "assistant", "content": f"<think>\n{_THINK}\n</think>\n\n2 words"}],
     "assistant first": [{"role": "assistant", "content": "Hello, what shall I count?"}, _ASK,
                         {"role": "assistant", "content": "apple river"}],
+    "environment turn": [{"role": "user", "content": "How many words in apple river?"},  # OLMo 3's tool result
+                         {"role": "assistant", "content": "Counting them."},
+                         {"role": "environment", "content": "count_words returned 2"},
+                         {"role": "assistant", "content": "2 words"}],
     "end-of-turn text in a reply": [_ASK, {"role": "assistant", "content": "apple river"},
                                     {"role": "user", "content": "What ends your turn?"},
                                     {"role": "assistant", "content": "The token {eot} ends it."}],

@@ -30,6 +30,15 @@ def test_developer_is_the_system_prompt():
     assert conv[0] == {"role": "system", "content": "Be brief."}
 
 
+def test_environment_is_passed_on_as_given():
+    """OLMo 3's tool results (open-instruct's `olmo` template renders an `environment` turn, and no `tool` one)."""
+    _, conv, _ = normalize({"messages": [{"role": "user", "content": "Count apple river"},
+                                         {"role": "assistant", "content": "Counting."},
+                                         {"role": "environment", "content": "2"},
+                                         {"role": "assistant", "content": "2 words"}]})
+    assert conv[2] == {"role": "environment", "content": "2"}
+
+
 def test_sharegpt_function_call_and_observation():
     row = {"conversations": [{"from": "human", "value": "Count apple river"},
                              {"from": "function_call", "value": '{"name": "count", "arguments": {"words": 2}}'},
