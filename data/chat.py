@@ -369,7 +369,7 @@ class ChatEncoder:
                 return i + 1
         return b
 
-    def encode_long(self, messages: list[dict], at: int) -> tuple[list[int], np.ndarray]:
+    def encode_long(self, messages: list[dict], at: int, stats: bool = False):
         """(ids, mask) of `messages` (OpenAI form) whose message `at` is long (a haystack): what `encode` gives, with
         that message's content tokenized once instead of once per render. The template is rendered around a short
         placeholder; its text is cut at the special tokens on either side of the placeholder (HF tokenizers split
@@ -379,19 +379,21 @@ class ChatEncoder:
         verbatim (a render of the content's head and tail, cheap), the placeholder's span has one mask value;
         otherwise `encode` (exact either way; tests/unit/data/test_chat_splice.py compares both on the golden
         families). `encode` also tokenizes the haystack once now (data/chat_views.py): the two cost about the same
-        (docs/sft.md's cost paragraph; `--chat`, `chat: true`)."""
+        (docs/sft.md's cost paragraph; `--chat`, `chat: true`). `stats=True`: (ids, mask, stats), `encode`'s stats
+        (`untrained_turns`, `no_stop_rows`: a last reply the template ends with no end-of-turn token, Qwen1.5's, so
+        the model is never shown where to stop), for the caller to count as the preparation does."""
         conv = [_message(m, i) for i, m in enumerate(messages)]
         content = conv[at]["content"]
-        if self.kind == "chatml" or self.refusal:  # built token by token: the content is tokenized once already
-            ids, mask, _ = self.encode({"messages": conv})
-            return ids, mask
-        parts = self._splice_parts(conv, at, content)
-        if parts is None:
-            ids, mask, _ = self.encode({"messages": conv})
-            return ids, mask
-        (pre_ids, pre_mask), (soft_pre, soft_post, value), (post_ids, post_mask) = parts
+        parts = None if self.kind == "chatml" or self.refusal else self._splice_parts(conv, at, content)
+        if parts is None:  # the ChatML default is built token by token (the content tokenized once already); or
+            ids, mask, st = self.encode({"messages": conv})  # splicing would not give encode's tokens
+            return (ids, mask, st) if stats else (ids, mask)
+        (pre_ids, pre_mask), (soft_pre, soft_post, value), (post_ids, post_mask), st = parts
         mid = self.tok.encode_batch([soft_pre + content + soft_post])[0]  # the Rust tokenizer without offsets
-        return pre_ids + mid + post_ids, np.concatenate([pre_mask, np.full(len(mid), value, np.uint8), post_mask])
+        ids, mask = pre_ids + mid + post_ids, np.concatenate([pre_mask, np.full(len(mid), value, np.uint8), post_mask])
+        # the placeholder render's stats hold for the spliced tokens: the spans are the same, and the token ending the
+        # last one is the same (or, the long message being the last reply, a text token either way)
+        return (ids, mask, st) if stats else (ids, mask)
 
     PLACEHOLDER = "SPLICEDCONTENT"
 
@@ -406,7 +408,8 @@ class ChatEncoder:
 
     def _splice_parts(self, conv: list[dict], at: int, content: str):
         """((pre ids, pre mask), (text before the content, text after it, the content's mask value), (post ids,
-        post mask)) of the placeholder render, or None where splicing would not give `encode`'s tokens."""
+        post mask), the placeholder render's stats) of the placeholder render, or None where splicing would not give
+        `encode`'s tokens."""
         ph = self.PLACEHOLDER
         try:
             text = self._text([{**m, "content": ph} if k == at else m for k, m in enumerate(conv)])
@@ -421,7 +424,7 @@ class ChatEncoder:
         a, b = self._hard_cuts(text)
         pre, soft_pre = text[:a], text[a:text.index(ph)]
         soft_post, post = text[text.index(ph) + len(ph):b], text[b:]
-        ids, mask, _ = self.encode({"messages": [{**m, "content": ph} if k == at else m for k, m in enumerate(conv)]})
+        ids, mask, st = self.encode({"messages": [{**m, "content": ph} if k == at else m for k, m in enumerate(conv)]})
         pre_ids, mid, post_ids = self.tok.encode(pre), self.tok.encode(soft_pre + ph + soft_post), self.tok.encode(post)
         if ids != pre_ids + mid + post_ids:
             return None
@@ -429,7 +432,8 @@ class ChatEncoder:
         if len(span) and span.min() != span.max():
             return None
         value = int(span[0]) if len(span) else 0
-        return (pre_ids, mask[:len(pre_ids)]), (soft_pre, soft_post, value), (post_ids, mask[len(ids) - len(post_ids):])
+        return ((pre_ids, mask[:len(pre_ids)]), (soft_pre, soft_post, value), (post_ids, mask[len(ids) - len(post_ids):]),
+                st)
 
     def _chatml(self, conv: list[dict]) -> tuple[list[int], dict]:
         """The documented default, token by token: the spans are known as they are written."""

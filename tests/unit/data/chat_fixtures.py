@@ -155,6 +155,10 @@ PHI3 = ("{% for message in messages %}{% if message['role'] in ('system', 'user'
         "{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}{% endif %}{% endfor %}"
         "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}")
 
+# Qwen1.5-Chat's shape: no <|im_end|> after the last message (without a generation prompt)
+QWEN15_SHAPE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] }}"
+                "{% if not loop.last or add_generation_prompt %}{{ '<|im_end|>\n' }}{% endif %}{% endfor %}"
+                "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 FAMILIES = {  # name: (template, bos, eos, end-of-turn token)
     "llama3": (LLAMA3, "<|begin_of_text|>", "<|eot_id|>", "<|eot_id|>"),
     "qwen25": (QWEN25, None, "<|im_end|>", "<|im_end|>"),

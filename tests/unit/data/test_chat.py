@@ -9,7 +9,7 @@ import pytest
 
 from data.chat import ChatEncoder, RowError, normalize
 from data.tokenizer import Tokenizer
-from tests.unit.data.chat_fixtures import build_tokenizer
+from tests.unit.data.chat_fixtures import QWEN15_SHAPE, build_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -278,9 +278,6 @@ def test_olmo3_renders_its_functions_and_function_calls(tmp_path):
                                      "2 words<|endoftext|>"] and stats["untrained_turns"] == 0
 
 
-QWEN15_SHAPE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] }}"
-                "{% if not loop.last or add_generation_prompt %}{{ '<|im_end|>\n' }}{% endif %}{% endfor %}"
-                "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
 @pytest.mark.parametrize("loss_on", ["auto", "all"])

@@ -15,7 +15,7 @@ import pytest
 from data.chat import ChatEncoder
 from data.tasks import TASKS, make_sample
 from data.tokenizer import Tokenizer
-from tests.unit.data.chat_fixtures import FAMILIES, build_tokenizer
+from tests.unit.data.chat_fixtures import FAMILIES, QWEN15_SHAPE, build_tokenizer
 
 SP = "recipes/base/tiny_passkey256/tokenizer.model"  # the demo's: no template, the ChatML default by tokens
 SPLICED = ("llama3", "qwen25", "mistral", "gemma", "smollm2", "qwen3", "markers", "phi3")  # every templated family
@@ -70,6 +70,24 @@ def test_a_template_that_alters_the_content_falls_back_to_the_whole_render(toks)
     ids, mask = enc.encode_long(msgs, 0)
     want_ids, want_mask, _ = enc.encode({"messages": msgs})
     assert ids == want_ids and np.array_equal(mask, want_mask)
+
+
+def test_a_last_reply_with_no_end_of_turn_is_counted_spliced_too(tmp_path):
+    """`encode_long(..., stats=True)` gives `encode`'s stats: a conversation whose last reply the template ends with
+    no end-of-turn token (Qwen1.5) is counted (`no_stop_rows`), spliced or rendered whole (a long last reply)."""
+    tok = Tokenizer(build_tokenizer(str(tmp_path), "qwen25"))
+    tok.hf.chat_template = QWEN15_SHAPE
+    enc = ChatEncoder(tok, "assistant", "none")
+    user, answer = haystack(tok, "passkey", 512)
+    pair = [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+    cases = [(pair, 0, 1), (pair + [{"role": "user", "content": "Thanks."}], 0, 0),
+             ([{"role": "user", "content": "Repeat it."}, {"role": "assistant", "content": user}], 1, 1)]
+    for msgs, at, want in cases:
+        ids, mask, stats = enc.encode_long(msgs, at, stats=True)
+        whole_ids, whole_mask, whole = enc.encode({"messages": msgs})
+        assert (ids, stats["no_stop_rows"]) == (whole_ids, whole["no_stop_rows"]) and np.array_equal(mask, whole_mask)
+        assert stats["no_stop_rows"] == want, (at, want)
+    assert enc._splice_parts(enc_conv(pair), 0, user) is not None  # the first case was spliced
 
 
 @pytest.mark.parametrize("task", TASKS)
