@@ -38,7 +38,9 @@ def test_every_family_trains_exactly_its_replies_or_is_refused_in_one_line(table
     ("granite3", "tool call", "refused: message 1 (assistant): granite3's template does not render its tool call(s)"),
     ("granite33", "tool call", "refused: message 1 (assistant): granite33's template does not render its tool call"),
     ("olmo3", "tool call", "refused: message 1 (assistant): olmo3's template does not render its tool call(s)"),
-    ("llama31", "tool call", "trains"), ("qwen25", "tool call", "trains"), ("deepseek_v3", "tool call", "trains"),
+    ("llama31", "tool call", "trains"), ("qwen25", "tool call", "trains"), ("deepseek_r1", "tool call", "trains"),
+    # DeepSeek-V3's own template renders calls only for a reply whose content is None; "" drops them
+    ("deepseek_v3", "tool call", "refused: message 1 (assistant): deepseek_v3's template does not render its tool"),
     ("mistral_v03", "tool call", "trains"),  # [TOOL_CALLS] supervised with the call: what the model writes
     # Mistral's system prompt: in the first user turn ('v1', v0.2) it trains; in the last (v3, v0.3) it is refused
     ("mistral_v02", "system", "trains"), ("mistral_v03", "system", "refused: none of the 2 assistant turn(s)"),
@@ -101,6 +103,11 @@ def _render(key: str, conv: list[dict], **kw) -> str:
      "<｜begin▁of▁sentence｜>A.\n\nB.<｜User｜>", {}),
     ("deepseek_r1", _TOOL + [{"role": "user", "content": "Again?"}, {**_TOOL[1], "content": None}],
      "<｜User｜>Again?\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>count_words", {}),
+    # huggingface.js ollama-utils' deepseek-v3:671b (V3's own): calls only when the content is None, a lone first call
+    # with no end of turn, a newline before a later tool output; an empty-string content drops the calls
+    ("deepseek_v3", _TOOL, "<｜Assistant｜><｜end▁of▁sentence｜><｜tool▁outputs▁begin｜>", {}),
+    ("deepseek_v3", [_TOOL[0], {**_TOOL[1], "content": None}, _TOOL[2], _TOOL[2]],
+     "```<｜tool▁call▁end｜><｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>2<｜tool▁output▁end｜>\n<｜tool▁output▁begin｜>", {}),
     # open-instruct's `olmo` template (OLMo 3): its own default system prompt; an OpenAI tool call is not rendered
     ("olmo3", _TOOL[:1], "<|im_start|>system\nYou are OLMo, a helpful function-calling AI assistant built by Ai2.", {}),
     ("olmo3", _TOOL[:2], "<|im_start|>assistant\n<|endoftext|>", {}),
