@@ -46,8 +46,8 @@ def test_every_family_trains_exactly_its_replies_or_is_refused_in_one_line(table
     ("mistral_v02", "system", "trains"), ("mistral_v03", "system", "refused: none of the 2 assistant turn(s)"),
     # item 3: named templates: `default` by default, another when named
     ("command_r", "multi-turn", "trains"),
-    ("command_r_tool_use", "multi-turn", "refused: none of the 2 assistant turn(s) could be located in "
-                                         "command_r_tool_use's `tool_use` template"),
+    # (Command-R's own `tool_use` iterates `tools`: rows here carry none, so it raises and the row is refused)
+    ("command_r_tool_use", "multi-turn", "refused: command_r_tool_use's `tool_use` template refuses this conversation"),
     # item 4: a generation prompt longer than the header inside the conversation (<｜Assistant｜><think>\n)
     ("deepseek_r1", "multi-turn", "trains"), ("deepseek_r1", "reasoning", "trains"),
     ("deepseek_r1", "reasoning in the content", "trains"), ("qwen3", "reasoning in the content", "trains"),
@@ -78,6 +78,9 @@ def test_the_docs_table_is_the_sweeps(table):
 _CALL = {"type": "function", "function": {"name": "count_words", "arguments": '{"text": "apple river"}'}}
 _TOOL = [{"role": "user", "content": "How many?"}, {"role": "assistant", "content": "", "tool_calls": [_CALL]},
          {"role": "tool", "content": "2"}, {"role": "assistant", "content": "2 words"}]
+_DEF = {"type": "function", "function": {"name": "count_words", "description": "Count the words.", "parameters": {
+    "type": "object", "properties": {"text": {"type": "string", "description": "The text"}}, "required": ["text"]}}}
+_DICT_ARGS = {**_TOOL[1], "tool_calls": [{**_CALL, "function": {**_CALL["function"], "arguments": {"text": "apple river"}}}]}
 
 
 def _render(key: str, conv: list[dict], **kw) -> str:
@@ -108,6 +111,13 @@ def _render(key: str, conv: list[dict], **kw) -> str:
     ("deepseek_v3", _TOOL, "<｜Assistant｜><｜end▁of▁sentence｜><｜tool▁outputs▁begin｜>", {}),
     ("deepseek_v3", [_TOOL[0], {**_TOOL[1], "content": None}, _TOOL[2], _TOOL[2]],
      "```<｜tool▁call▁end｜><｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>2<｜tool▁output▁end｜>\n<｜tool▁output▁begin｜>", {}),
+    # huggingface.js's c4ai-command-r-v01 (JSON Schema) `tool_use`: tools as Python stubs; calls as an Action: list
+    # with no end of turn; a tool result as a system turn in <results>
+    ("command_r_tool_use", _TOOL[:1], '```python\ndef count_words(text: str) -> List[Dict]:\n    """Count the words.\n\n'
+     '    Args:\n        text (str): The text\n    """\n    pass\n```<|END_OF_TURN_TOKEN|>', {"tools": [_DEF]}),
+    ("command_r_tool_use", [_TOOL[0], _DICT_ARGS, _TOOL[2]], '<|CHATBOT_TOKEN|>\nAction:\n```json\n[\n    {\n        '
+     '"tool_name": "count_words",\n        "parameters": {\n            "text": "apple river"\n        }\n    }\n]```\n'
+     '<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|><results>\n2</results><|END_OF_TURN_TOKEN|>', {"tools": [_DEF]}),
     # open-instruct's `olmo` template (OLMo 3): its own default system prompt; an OpenAI tool call is not rendered
     ("olmo3", _TOOL[:1], "<|im_start|>system\nYou are OLMo, a helpful function-calling AI assistant built by Ai2.", {}),
     ("olmo3", _TOOL[:2], "<|im_start|>assistant\n<|endoftext|>", {}),
