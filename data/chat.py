@@ -191,8 +191,12 @@ class ChatEncoder:
         loss_on = "assistant" if self.loss_on == "auto" and first == 0 else "completion" if self.loss_on == "auto" \
             else self.loss_on
         wanted = [k for k, m in enumerate(conv) if m["role"] == "assistant" and (loss_on != "completion" or k >= first)]
-        if self.kind != "chatml" and any(m["role"] == "environment" for m in conv):
+        if self.kind != "chatml" and any(m["role"] == "environment" or _defs(m) for m in conv):
             self._environment_shown(conv)
+        if self.kind == "chatml" and any(_defs(m) for m in conv):
+            raise RowError(f"message {next(k for k, m in enumerate(conv) if _defs(m))}: tool definitions, and the "
+                           "ChatML default (the tokenizer has no template) renders none: give a tokenizer whose "
+                           "template renders them, or drop them")
         if self.kind == "chatml" and any(conv[k].get("tool_calls") for k in wanted):
             k = next(k for k in wanted if conv[k].get("tool_calls"))
             raise RowError(f"message {k} (assistant): tool calls, and the ChatML default (the tokenizer has no "
@@ -264,7 +268,8 @@ class ChatEncoder:
     def _environment_shown(self, conv: list[dict]) -> None:
         """A RowError where the template drops an `environment` message (OLMo 3's tool results, a role only its
         template renders; Qwen2.5's, for one, renders `tool` and skips other roles): the replies after it would be
-        trained on a result the model never sees."""
+        trained on a result the model never sees. The same for a message's tool definitions (its `tools` /
+        `functions`: only Phi-4-mini's and OLMo 3's templates read them there)."""
         text = self._text(conv)
         for k, m in enumerate(conv):
             if m["role"] != "environment":
@@ -276,6 +281,11 @@ class ChatEncoder:
             if same:
                 raise RowError(f"message {k} (environment): {self.name} does not render the environment role (OLMo "
                                "3's tool results): give tool results as the role this template renders (tool)")
+        for k, m in enumerate(conv):  # tool definitions on a message (Phi-4-mini's `tools`, OLMo 3's `functions`)
+            for key in _defs(m):  # dropped, the replies would be trained as if no tool had been offered
+                if self._text(conv[:k] + [{x: v for x, v in m.items() if x != key}] + conv[k + 1:]) == text:
+                    raise RowError(f"message {k} ({m['role']}): {self.name} does not render a message's `{key}` "
+                                   "(tool definitions): give them as this template takes them, or drop them")
 
     def _eot_text(self, conv: list[dict], k: int) -> str | None:
         """Why turn k gets no loss when its text holds the text of an end-of-turn token (tokenized as that token,
@@ -465,6 +475,11 @@ class ChatEncoder:
 def _reply(msg: dict) -> str:
     """The text a reply's span must show: its content past a `</think>` (R1 / Qwen3 templates cut the reasoning)."""
     return msg["content"].split("</think>")[-1].strip()
+
+
+def _defs(m: dict) -> list[str]:
+    """The keys of a message that hold tool definitions (data/chat_rows.py ROLE_KEYS), where given."""
+    return [k for k in ("tools", "functions") if m.get(k) is not None]
 
 
 def _call_name(call: dict) -> str:

@@ -42,6 +42,8 @@ _ASK = {"role": "user", "content": "Say exactly: apple river"}  # the reply's te
 _CALL = {"id": "call00001", "type": "function",  # 9 characters: Mistral's templates refuse other ids
          "function": {"name": "count_words", "arguments": {"text": "apple river"}}}
 _THINK = "Two words: apple, river."
+_DEFS = json.dumps([{"name": "count_words", "description": "Count the words of a text",  # a tool list on a system
+                    "parameters": {"text": {"type": "str"}}}])  # message, a JSON string (Phi-4-mini's template)
 CASES = {  # name -> a conversation (every assistant message is a turn to train)
     "multi-turn": [_ASK, {"role": "assistant", "content": "apple river"},
                    {"role": "user", "content": "Count them."}, {"role": "assistant", "content": "2 words"}],
@@ -62,6 +64,9 @@ CASES = {  # name -> a conversation (every assistant message is a turn to train)
     "environment turn": [{"role": "user", "content": "How many words in apple river?"},  # OLMo 3's tool result
                          {"role": "assistant", "content": "Counting them."},
                          {"role": "environment", "content": "count_words returned 2"},
+                         {"role": "assistant", "content": "2 words"}],
+    "tool definitions": [{"role": "system", "content": "You are terse.", "tools": _DEFS}, _ASK,  # Phi-4-mini's form
+                         {"role": "assistant", "content": "apple river"}, {"role": "user", "content": "Count them."},
                          {"role": "assistant", "content": "2 words"}],
     "end-of-turn text in a reply": [_ASK, {"role": "assistant", "content": "apple river"},
                                     {"role": "user", "content": "What ends your turn?"},

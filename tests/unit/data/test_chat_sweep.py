@@ -61,6 +61,11 @@ def test_every_family_trains_exactly_its_replies_or_is_refused_in_one_line(table
     ("olmo3", "environment turn", "trains"), ("llama3", "environment turn", "trains"),
     ("qwen25", "environment turn", "refused: message 2 (environment): qwen25's template does not render the "
                                    "environment role"),
+    # a system message's tool list: Phi-4-mini's template renders it (never supervised); one that drops it refuses
+    # the row rather than train replies as if no tool had been offered
+    ("phi4_mini", "tool definitions", "trains"),
+    ("llama31", "tool definitions", "refused: message 0 (system): llama31's template does not render a message's "
+                                    "`tools`"),
 ])
 def test_issue_47_cases(table, family, case, want):
     assert table[family][case].startswith(want), table[family][case]
@@ -70,7 +75,7 @@ def test_the_docs_table_is_the_sweeps(table):
     """docs/sft.md holds `python -m data.chat_sweep --markdown` as it prints now."""
     with open("docs/sft.md") as fh:
         assert markdown(table) in fh.read(), "regenerate: python -m data.chat_sweep --markdown"
-    assert len(CASES) == 8
+    assert len(CASES) == 9
 
 
 # Facts read in the families' own templates as stored in public repositories (families.json `checked`), each one a
@@ -118,6 +123,9 @@ def _render(key: str, conv: list[dict], **kw) -> str:
     ("command_r_tool_use", [_TOOL[0], _DICT_ARGS, _TOOL[2]], '<|CHATBOT_TOKEN|>\nAction:\n```json\n[\n    {\n        '
      '"tool_name": "count_words",\n        "parameters": {\n            "text": "apple river"\n        }\n    }\n]```\n'
      '<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|><results>\n2</results><|END_OF_TURN_TOKEN|>', {"tools": [_DEF]}),
+    # gorilla's and huggingface.js ollama-utils' Phi-4-mini: a system message's tools between <|tool|> and <|/tool|>
+    ("phi4_mini", [{"role": "system", "content": "Be terse.", "tools": '[{"name": "count_words"}]'}] + _TOOL[:1],
+     '<|system|>Be terse.<|tool|>[{"name": "count_words"}]<|/tool|><|end|><|user|>How many?<|end|>', {}),
     # open-instruct's `olmo` template (OLMo 3): its own default system prompt; an OpenAI tool call is not rendered
     ("olmo3", _TOOL[:1], "<|im_start|>system\nYou are OLMo, a helpful function-calling AI assistant built by Ai2.", {}),
     ("olmo3", _TOOL[:2], "<|im_start|>assistant\n<|endoftext|>", {}),
@@ -150,3 +158,21 @@ def test_every_template_written_from_memory_names_what_it_was_checked_against():
     for key in ("llama31", "llama32", "qwen3", "gemma3", "granite3", "granite33", "deepseek_v3", "deepseek_r1",
                 "zephyr", "vicuna", "mistral_v03"):
         assert fams[key].get("checked"), key
+
+
+def test_tool_definitions_are_never_supervised_and_never_dropped(tmp_path):
+    """Phi-4-mini's tool list is in the ids and out of the mask; the ChatML default (no template) renders none, so a
+    row with one is refused in one line, as a template that drops it is (the sweep's `tool definitions` cells)."""
+    from data.chat import ChatEncoder, RowError
+    from data.chat_sweep import build_tokenizer
+    from data.tokenizer import Tokenizer
+    from tests.unit.data.chat_fixtures import build_tokenizer as fixture_tokenizer
+
+    conv = CASES["tool definitions"]
+    tok = Tokenizer(build_tokenizer(str(tmp_path), "phi4_mini", families()["phi4_mini"]))
+    ids, mask, _ = ChatEncoder(tok).encode({"messages": conv})
+    text, trained = tok.hf.decode(ids), tok.hf.decode([i for i, m in zip(ids, mask) if m])
+    assert "<|tool|>" + conv[0]["tools"] + "<|/tool|>" in text and "count_words" not in trained
+    default = ChatEncoder(Tokenizer(fixture_tokenizer(str(tmp_path / "fx"), "none")))
+    with pytest.raises(RowError, match="message 0: tool definitions, and the ChatML default"):
+        default.encode({"messages": conv})
