@@ -1,6 +1,8 @@
 """Chat data: a conversation row -> token ids plus a per-token loss mask, through the tokenizer's own template.
 
-Rows (OpenAI `messages`, ShareGPT `conversations`, `prompt` / `completion`) are read by data/chat_rows.py.
+Rows (OpenAI `messages`, ShareGPT `conversations`, `prompt` / `completion`) are read by data/chat_rows.py; a row's
+top-level `tools` (tool definitions) is passed to every render of it as `tools=`, and what a template drops (tools,
+tool turns) refuses the row: data/chat_tools.py.
 
 What gets loss (`loss_on`, the mask: 1 = the token is a target, predicted from the token before it):
 - `assistant` (default for chat rows): each assistant reply's tokens and its end-of-turn token, nothing of the
@@ -59,6 +61,7 @@ import numpy as np
 from data.chat_demo import build_demo_chats, demo_conversation  # noqa: F401  (python -m data.chat OUT.jsonl)
 from data.chat_rows import ROLES, SHAREGPT_ROLES, RowError, normalize, row_format  # noqa: F401
 from data.chat_rows import message as _message
+from data.chat_tools import call_name, refuse_unrendered, row_tools, tool_names
 from data.chat_views import Renders, View
 
 LOSS_ON = ("auto", "assistant", "completion", "all")
@@ -129,15 +132,15 @@ class ChatEncoder:
         self._eot, self._name_ids, self._added_ids = None, None, None
 
     # ---- rendering
-    def _text(self, msgs: list[dict], gen: bool = False) -> str:
-        try:
-            return self.hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen,
+    def _text(self, msgs: list[dict], gen: bool = False, tools: list | None = None) -> str:
+        try:  # a row's `tools` as apply_chat_template and TRL pass them (data/chat_tools.py)
+            return self.hf.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=gen,
                                                chat_template=self.template)
         except Exception as e:  # jinja's raise_exception (roles must alternate, no system role, ...)
             raise RowError(f"{self.name} refuses this conversation: {str(e).splitlines()[0][:160]}") from None
 
-    def _render(self, msgs: list[dict], gen: bool = False) -> list[int]:
-        return self.tok.encode(self._text(msgs, gen))
+    def _render(self, msgs: list[dict], gen: bool = False, tools: list | None = None) -> list[int]:
+        return self.tok.encode(self._text(msgs, gen, tools))
 
     def _added(self) -> set[int]:
         """The ids of the tokenizer's added tokens (control tokens and plain added ones): split out of a text before
@@ -180,6 +183,10 @@ class ChatEncoder:
 
     def encode(self, obj: dict) -> tuple[list[int], np.ndarray, dict]:
         kind, conv, first = normalize(obj)
+        tools = row_tools(obj)  # the row's top-level tool definitions, passed to every render of it
+        if kind == "text_pair" and tools:
+            raise RowError(f"tools {tool_names(tools)} with a prompt / completion of strings, which no template "
+                           "renders: give them as message lists (TRL's conversational form), or drop the tools")
         if kind == "text_pair":
             p, c = conv
             pi, ci = self.tok.encode(p), self.tok.encode(c) + [self.tok.eos_id]
@@ -191,18 +198,13 @@ class ChatEncoder:
         loss_on = "assistant" if self.loss_on == "auto" and first == 0 else "completion" if self.loss_on == "auto" \
             else self.loss_on
         wanted = [k for k, m in enumerate(conv) if m["role"] == "assistant" and (loss_on != "completion" or k >= first)]
-        if self.kind != "chatml" and any(m["role"] == "environment" or _defs(m) for m in conv):
-            self._environment_shown(conv)
-        if self.kind == "chatml" and any(_defs(m) for m in conv):
-            raise RowError(f"message {next(k for k, m in enumerate(conv) if _defs(m))}: tool definitions, and the "
-                           "ChatML default (the tokenizer has no template) renders none: give a tokenizer whose "
-                           "template renders them, or drop them")
+        refuse_unrendered(self, conv, tools)  # tool definitions, environment turns the template drops
         if self.kind == "chatml" and any(conv[k].get("tool_calls") for k in wanted):
             k = next(k for k in wanted if conv[k].get("tool_calls"))
             raise RowError(f"message {k} (assistant): tool calls, and the ChatML default (the tokenizer has no "
                            "template) renders none: give a tokenizer whose template renders tool_calls")
         if loss_on == "all":  # no span to find: the rendering alone
-            ids = self._chatml(conv)[0] if self.kind == "chatml" else self._render(conv)
+            ids = self._chatml(conv)[0] if self.kind == "chatml" else self._render(conv, tools=tools)
             end = len(ids)
             while end and self.kind != "chatml" and not self.tok.hf.decode(ids[end - 1:end]).strip():
                 end -= 1  # a template's blank after its end-of-turn (ChatML templates' "\n"; the token-built default has none)
@@ -211,15 +213,15 @@ class ChatEncoder:
         if self.kind == "chatml":
             ids, spans = self._chatml(conv)
         elif self.kind == "markers":
-            ids, spans = self._markers(conv)
+            ids, spans = self._markers(conv, tools)
             if spans is None:  # the markers do not give one run per assistant turn: find the turns by prefixes
-                ids, spans, why = self._prefix(conv, wanted)
+                ids, spans, why = self._prefix(conv, wanted, tools)
             else:
                 self._tool_calls_shown(conv, wanted, {k: ids[a:b] for k, (a, b) in spans.items()})
                 why = {k: w for k in wanted if (w := self._eot_text(conv, k))}
                 spans = {k: s for k, s in spans.items() if k not in why and self._shows(ids, s[0], s[1], conv[k])}
         else:
-            ids, spans, why = self._prefix(conv, wanted)
+            ids, spans, why = self._prefix(conv, wanted, tools)
         mask = np.zeros(len(ids), np.uint8)
         untrained = 0
         for k in wanted:
@@ -251,7 +253,7 @@ class ChatEncoder:
         want = _reply(msg)
         if want and want not in text:
             return False
-        return all(_call_name(c) in text for c in msg.get("tool_calls") or [])
+        return all(call_name(c) in text for c in msg.get("tool_calls") or [])
 
     def _tool_calls_shown(self, conv: list[dict], turns: list[int], rendered: dict[int, list[int]]) -> None:
         """A RowError where the template does not render a turn's tool calls (Llama 3.0, SmolLM2): the turn would
@@ -260,32 +262,10 @@ class ChatEncoder:
             calls = conv[k].get("tool_calls") or []
             if k in rendered and calls:
                 text = self.tok.hf.decode(rendered[k])
-                if not all(_call_name(c) in text for c in calls):
+                if not all(call_name(c) in text for c in calls):
                     raise RowError(f"message {k} (assistant): {self.name} does not render its tool call(s) "
-                                   f"{[_call_name(c) for c in calls]}, so an empty reply would be trained: use a "
+                                   f"{[call_name(c) for c in calls]}, so an empty reply would be trained: use a "
                                    "template that renders tool_calls, or drop the calls")
-
-    def _environment_shown(self, conv: list[dict]) -> None:
-        """A RowError where the template drops an `environment` message (OLMo 3's tool results, a role only its
-        template renders; Qwen2.5's, for one, renders `tool` and skips other roles): the replies after it would be
-        trained on a result the model never sees. The same for a message's tool definitions (its `tools` /
-        `functions`: only Phi-4-mini's and OLMo 3's templates read them there)."""
-        text = self._text(conv)
-        for k, m in enumerate(conv):
-            if m["role"] != "environment":
-                continue
-            try:  # dropped: the conversation renders the same without it (a search for its text could find a reply)
-                same = self._text(conv[:k] + conv[k + 1:]) == text
-            except RowError:  # the template needs it there (roles must alternate): it reads it
-                same = False
-            if same:
-                raise RowError(f"message {k} (environment): {self.name} does not render the environment role (OLMo "
-                               "3's tool results): give tool results as the role this template renders (tool)")
-        for k, m in enumerate(conv):  # tool definitions on a message (Phi-4-mini's `tools`, OLMo 3's `functions`)
-            for key in _defs(m):  # dropped, the replies would be trained as if no tool had been offered
-                if self._text(conv[:k] + [{x: v for x, v in m.items() if x != key}] + conv[k + 1:]) == text:
-                    raise RowError(f"message {k} ({m['role']}): {self.name} does not render a message's `{key}` "
-                                   "(tool definitions): give them as this template takes them, or drop them")
 
     def _eot_text(self, conv: list[dict], k: int) -> str | None:
         """Why turn k gets no loss when its text holds the text of an end-of-turn token (tokenized as that token,
@@ -321,8 +301,8 @@ class ChatEncoder:
         i = shown.find(want)
         return a if i >= 0 and (i < len(pre) or not shown[len(pre):i].strip()) else None
 
-    def _prefix(self, conv: list[dict], wanted: list[int]) -> tuple[list[int], dict, dict]:
-        r = Renders(self, conv, self.linear)  # rendered and tokenized once; each prefix a view on it
+    def _prefix(self, conv: list[dict], wanted: list[int], tools: list | None = None) -> tuple[list[int], dict, dict]:
+        r = Renders(self, conv, self.linear, tools)  # rendered and tokenized once; each prefix a view on it
         full, arr = r.full, r.arr
         spans, why = {}, {}
         for k in wanted:
@@ -456,10 +436,10 @@ class ChatEncoder:
             ids += self.tok.encode("\n")
         return ids, spans
 
-    def _markers(self, conv: list[dict]) -> tuple[list[int], dict | None]:
+    def _markers(self, conv: list[dict], tools: list | None = None) -> tuple[list[int], dict | None]:
         try:
-            out = self.hf.apply_chat_template(conv, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
-                                              chat_template=self.template)
+            out = self.hf.apply_chat_template(conv, tools=tools, tokenize=True, return_dict=True,
+                                              return_assistant_tokens_mask=True, chat_template=self.template)
         except Exception as e:
             raise RowError(f"{self.name} refuses this conversation: {str(e).splitlines()[0][:160]}") from None
         ids, m = list(out["input_ids"]), np.asarray(out["assistant_masks"], dtype=np.uint8)
@@ -467,7 +447,7 @@ class ChatEncoder:
         edges = np.flatnonzero(np.diff(np.concatenate([[0], m, [0]])))
         runs = list(zip(edges[::2].tolist(), edges[1::2].tolist()))
         turns = [k for k, msg in enumerate(conv) if msg["role"] == "assistant"]
-        if len(runs) != len(turns) or ids != self._render(conv):  # merged or missing runs; another tokenization
+        if len(runs) != len(turns) or ids != self._render(conv, tools=tools):  # merged or missing runs; another tokenization
             return ids, None
         return ids, dict(zip(turns, runs))
 
@@ -475,17 +455,6 @@ class ChatEncoder:
 def _reply(msg: dict) -> str:
     """The text a reply's span must show: its content past a `</think>` (R1 / Qwen3 templates cut the reasoning)."""
     return msg["content"].split("</think>")[-1].strip()
-
-
-def _defs(m: dict) -> list[str]:
-    """The keys of a message that hold tool definitions (data/chat_rows.py ROLE_KEYS), where given."""
-    return [k for k in ("tools", "functions") if m.get(k) is not None]
-
-
-def _call_name(call: dict) -> str:
-    """A tool call's function name (OpenAI `{"function": {"name": ...}}` or a bare `{"name": ...}`)."""
-    fn = call.get("function", call) if isinstance(call, dict) else {}
-    return str(fn.get("name", "")) if isinstance(fn, dict) else ""
 
 
 if __name__ == "__main__":  # python -m data.chat OUT.jsonl [N]: the demo's chat set

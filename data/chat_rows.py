@@ -14,6 +14,8 @@ Row formats (one JSON object / table row; `row_format` tells them apart by their
   str}, ...]; `function_call` (LLaMA-Factory's tool call: a JSON object, or a list of them, with `name` and
   `arguments`) becomes an assistant message with `tool_calls`, `observation` a tool message;
 - `prompt` / `completion`: two strings, or two message lists (TRL's conversational form).
+Beside any of them, a top-level `tools` (a list of OpenAI function definitions, or that list as a JSON string) is
+read by data/chat_tools.py and passed to the template as `tools=`.
 A row with both a text field and a chat field is ambiguous (which one was meant?) and refused in one line
 (data/readers.py); so is every malformed row, with the message and what was expected.
 """

@@ -44,6 +44,10 @@ _CALL = {"id": "call00001", "type": "function",  # 9 characters: Mistral's templ
 _THINK = "Two words: apple, river."
 _DEFS = json.dumps([{"name": "count_words", "description": "Count the words of a text",  # a tool list on a system
                     "parameters": {"text": {"type": "str"}}}])  # message, a JSON string (Phi-4-mini's template)
+# the row's `tools` (OpenAI / TRL): a JSON-schema function, its parameter described (Command-R's tool_use needs it)
+_TOOLS = [{"type": "function", "function": {"name": "count_words", "description": "Count the words of a text",
+                                            "parameters": {"type": "object", "required": ["text"], "properties": {
+                                                "text": {"type": "string", "description": "The text"}}}}}]
 CASES = {  # name -> a conversation (every assistant message is a turn to train)
     "multi-turn": [_ASK, {"role": "assistant", "content": "apple river"},
                    {"role": "user", "content": "Count them."}, {"role": "assistant", "content": "2 words"}],
@@ -68,10 +72,15 @@ CASES = {  # name -> a conversation (every assistant message is a turn to train)
     "tool definitions": [{"role": "system", "content": "You are terse.", "tools": _DEFS}, _ASK,  # Phi-4-mini's form
                          {"role": "assistant", "content": "apple river"}, {"role": "user", "content": "Count them."},
                          {"role": "assistant", "content": "2 words"}],
+    "tool list": [{"role": "user", "content": "How many words in apple river?"},  # with the row's `tools` (TOOLS)
+                  {"role": "assistant", "content": "", "tool_calls": [_CALL]},
+                  {"role": "tool", "tool_call_id": "call00001", "content": "2"},
+                  {"role": "assistant", "content": "2 words"}],
     "end-of-turn text in a reply": [_ASK, {"role": "assistant", "content": "apple river"},
                                     {"role": "user", "content": "What ends your turn?"},
                                     {"role": "assistant", "content": "The token {eot} ends it."}],
 }
+TOOLS = {"tool list": _TOOLS}  # case -> the row's top-level `tools`, passed to the template as tools=
 CORPUS = ["Say exactly: apple river. Count them. 2 words. How many words in apple river? Two words: apple, river.",
           "You are terse. Hello, what shall I count? The token ends it. What ends your turn?",
           "system user assistant model tool ipython environment developer function functions count_words text",
@@ -134,16 +143,17 @@ def _runs(m: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(edges[::2].tolist(), edges[1::2].tolist()))
 
 
-def check(enc: ChatEncoder, oracle_template: str, conv: list[dict]) -> str:
-    """One family x one conversation: `trains`, `trains k of n: why`, `refused: why` or `WRONG: what`."""
+def check(enc: ChatEncoder, oracle_template: str, conv: list[dict], tools: list | None = None) -> str:
+    """One family x one conversation (with the row's `tools`): `trains`, `trains k of n: why`, `refused: why` or
+    `WRONG: what`."""
     hf = enc.tok.hf
     try:
-        ids, mask, stats = enc.encode({"messages": conv})
+        ids, mask, stats = enc.encode({"messages": conv} if tools is None else {"messages": conv, "tools": tools})
     except RowError as e:
         msg = str(e)
         return f"WRONG: a refusal of {len(msg.splitlines())} lines" if "\n" in msg else f"refused: {msg}"
     try:
-        out = hf.apply_chat_template(conv, chat_template=oracle_template, tokenize=True, return_dict=True,
+        out = hf.apply_chat_template(conv, tools=tools, chat_template=oracle_template, tokenize=True, return_dict=True,
                                      return_assistant_tokens_mask=True)
     except Exception as e:  # noqa: BLE001 (the template's own refusal, which the encoder should have passed on)
         return f"WRONG: trained a conversation the template refuses ({str(e).splitlines()[0][:80]})"
@@ -200,7 +210,7 @@ def sweep(root: str | None = None, only: list[str] | None = None) -> dict[str, d
             if fam.get("arguments") == "json string":  # a template that writes tool-call arguments as given
                 conv = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.dumps(
                     c["function"]["arguments"])}} for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in conv]
-            row[case] = check(enc, oracle, conv).replace(os.path.join(root, ""), "")
+            row[case] = check(enc, oracle, conv, TOOLS.get(case)).replace(os.path.join(root, ""), "")
         table[key] = row
     return table
 

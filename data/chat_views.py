@@ -55,11 +55,13 @@ class View:
 
 class Renders:
     """The conversation rendered and tokenized once (`text`, `full`, `arr`); `prefix(n, gen)` is the View of
-    `render(conv[:n], add_generation_prompt=gen)`. `linear=False`: every prefix tokenized whole (the exact path)."""
+    `render(conv[:n], add_generation_prompt=gen)`, every render given the row's `tools` (its tool definitions,
+    usually in the first turn: a text every prefix shares). `linear=False`: every prefix tokenized whole (the exact
+    path)."""
 
-    def __init__(self, enc, conv: list[dict], linear: bool = True):
-        self.enc, self.conv = enc, conv
-        self.text = enc._text(conv)
+    def __init__(self, enc, conv: list[dict], linear: bool = True, tools: list | None = None):
+        self.enc, self.conv, self.tools = enc, conv, tools
+        self.text = enc._text(conv, tools=tools)
         hf = enc.hf
         self.linear = linear and bool(getattr(hf, "is_fast", False))
         self.starts, self.ends, self.at = [], [], []
@@ -95,7 +97,7 @@ class Renders:
                 self.ends.append(offsets[t][1])
 
     def prefix(self, n: int, gen: bool = False) -> View:
-        text = self.enc._text(self.conv[:n], gen)  # RowError where the template refuses the prefix
+        text = self.enc._text(self.conv[:n], gen, self.tools)  # RowError where the template refuses the prefix
         tok = self.enc.tok.encode
         i = self._shared(text)
         if i < 0:

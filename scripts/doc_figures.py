@@ -11,6 +11,9 @@ and this script reruns each command and writes its output between the markers:
     python scripts/doc_figures.py           # rewrite the stale blocks, print which
     python scripts/doc_figures.py --check   # exit 1 naming each stale block (tests/unit/planner/test_doc_figures.py)
 
+(exit 2, one line, when a block's command fails: its own one-line refusal, e.g. plan_vs_run.py's for a JSON without
+the section it names.)
+
 Commands run in a subprocess from the repository root (only `python scripts/...` commands: the markers are read
 from our own pages). A length claimed in bold prose ("**1,109,646 tokens on one GPU**") must be one a block holds: `stale_bold`
 lists the others (history is written plain, in docs/results/LOG.md).
@@ -75,7 +78,12 @@ def stale_bold() -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     check = "--check" in (argv if argv is not None else sys.argv[1:])
-    stale = refresh(check)
+    try:
+        stale = refresh(check)
+    except subprocess.CalledProcessError as err:  # a block's command refused (its own one line) or failed
+        why = (err.stderr or "").strip().splitlines()
+        print(f"a block's command failed: {shlex.join(err.cmd[1:])}: {why[-1] if why else f'exit {err.returncode}'}")
+        return 2
     for s in stale:
         print(f"{'stale' if check else 'regenerated'}: {s}")
     bold = stale_bold()

@@ -66,6 +66,14 @@ def test_every_family_trains_exactly_its_replies_or_is_refused_in_one_line(table
     ("phi4_mini", "tool definitions", "trains"),
     ("llama31", "tool definitions", "refused: message 0 (system): llama31's template does not render a message's "
                                     "`tools`"),
+    # the row's top-level `tools` (OpenAI / TRL), passed as tools=: the families whose templates take them train the
+    # call and the reply after it (the list in the ids, never supervised); a template that renders the same without
+    # them refuses the row, never training a call to a function the model never saw defined
+    ("llama31", "tool list", "trains"), ("llama32", "tool list", "trains"), ("qwen25", "tool list", "trains"),
+    ("qwen3", "tool list", "trains"), ("mistral_v03", "tool list", "trains"), ("gpt_oss", "tool list", "trains"),
+    ("qwen2", "tool list", "refused: tools ['count_words']: qwen2's template does not render a row's `tools`"),
+    ("deepseek_r1", "tool list", "refused: tools ['count_words']: deepseek_r1's template does not render a row's"),
+    ("granite33", "tool list", "refused: message 1 (assistant): granite33's template does not render its tool call"),
 ])
 def test_issue_47_cases(table, family, case, want):
     assert table[family][case].startswith(want), table[family][case]
@@ -75,7 +83,7 @@ def test_the_docs_table_is_the_sweeps(table):
     """docs/sft.md holds `python -m data.chat_sweep --markdown` as it prints now."""
     with open("docs/sft.md") as fh:
         assert markdown(table) in fh.read(), "regenerate: python -m data.chat_sweep --markdown"
-    assert len(CASES) == 9
+    assert len(CASES) == 10
 
 
 # Facts read in the families' own templates as stored in public repositories (families.json `checked`), each one a
@@ -137,6 +145,33 @@ def _render(key: str, conv: list[dict], **kw) -> str:
         **_CALL["function"], "arguments": {"text": "apple river"}}}]}, {**_TOOL[2], "tool_call_id": "call00001"}, _TOOL[3]],
      '[/INST][TOOL_CALLS] [{"name": "count_words", "arguments": {"text": "apple river"}, "id": "call00001"}]</s>'
      '[TOOL_RESULTS] {"content": 2, "call_id": "call00001"}[/TOOL_RESULTS] 2 words</s>', {}),
+    # the row's tool list (tools=), as each family's own template writes it (families.json `checked`): Qwen2.5 after
+    # its default system prompt, one JSON definition a line; Qwen3 with no default prompt; Llama 3.1 in the first
+    # user turn, indented by 4; Mistral v0.3 before the last user turn; Granite 3.3 in an available_tools turn;
+    # gpt-oss as a TypeScript namespace in the developer message
+    ("qwen25", _TOOL[:1], "You are a helpful assistant.\n\n# Tools\n\nYou may call one or more functions to assist "
+     'with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{"'
+     'type": "function", "function": {"name": "count_words", ', {"tools": [_DEF]}),
+    ("qwen3", _TOOL[:1], "<|im_start|>system\n# Tools\n\nYou may call", {"tools": [_DEF]}),
+    ("llama31", _TOOL[:1], 'Environment: ipython\nCutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n<|'
+     'eot_id|><|start_header_id|>user<|end_header_id|>\n\nGiven the following functions, please respond with a JSON '
+     'for a function call with its proper arguments that best answers the given prompt.\n\nRespond in the format {"'
+     'name": function name, "parameters": dictionary of argument name and its value}.Do not use variables.\n\n{\n    '
+     '"type": "function",\n    "function": {\n        "name": "count_words",', {"tools": [_DEF]}),
+    ("llama31", _TOOL[:1], '"required": [\n                "text"\n            ]\n        }\n    }\n}\n\nHow many?'
+     '<|eot_id|>', {"tools": [_DEF]}),
+    ("mistral_v03", [_TOOL[0], {"role": "assistant", "content": "2"}, {"role": "user", "content": "Sure?"}],
+     '[INST] How many?[/INST] 2</s>[AVAILABLE_TOOLS] [{"type": "function", "function": {"name": "count_words", '
+     '"description": "Count the words.", "parameters": {"type": "object", "properties": {"text": {"type": "string", '
+     '"description": "The text"}}, "required": ["text"]}}}][/AVAILABLE_TOOLS][INST] Sure?[/INST]', {"tools": [_DEF]}),
+    ("granite33", _TOOL[:1], "You are Granite, developed by IBM. You are a helpful assistant with access to the "
+     "following tools. When a tool is required to answer the user's query, respond only with <|tool_call|> followed "
+     'by a JSON list of tools used. If a tool does not exist in the provided list of tools, notify the user that you do'
+     ' not have the ability to fulfill the request.<|end_of_text|>\n<|start_of_role|>available_tools<|end_of_role|>[\n'
+     '    {\n        "type": "function",', {"tools": [_DEF]}),
+    ("gpt_oss", _TOOL[:1], "Calls to these tools must go to the commentary channel: 'functions'.<|end|><|start|>"
+     "developer<|message|># Tools\n\n## functions\n\nnamespace functions {\n\n// Count the words.\ntype count_words ="
+     " (_: {\n// The text\ntext: string,\n}) => any;\n\n} // namespace functions<|end|><|start|>user", {"tools": [_DEF]}),
 ])
 def test_what_the_families_own_templates_render(family, conv, want, kw):
     assert want in _render(family, conv, **kw)

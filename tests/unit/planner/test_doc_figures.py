@@ -1,11 +1,13 @@
 """The docs quote only current figures (issue 49): every block a command generates (scripts/doc_figures.py's
-markers: plan.py --compare's tables in docs/results/memory.md) equals the command's output now, and no length is
+markers: plan.py --compare's tables in docs/results/memory.md, the measured headline run against the planner
+now in docs/memory_model.md) equals the command's output now, and no length is
 claimed in bold prose that no generated block holds. A planner change that moves a figure fails here until
 `python scripts/doc_figures.py` is run."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.pardir] * 3))
@@ -17,8 +19,14 @@ _spec.loader.exec_module(doc_figures)
 def test_every_generated_block_is_current_and_no_bold_length_is_stale():
     assert doc_figures.refresh(check=True) == []
     assert doc_figures.stale_bold() == []
-    blocks = [m for p in doc_figures.pages() for m in doc_figures.BLOCK.finditer(open(p).read())]
-    assert len(blocks) >= 2 and all(m.group(3).startswith("| GPUs") for m in blocks)
+    blocks = {(os.path.relpath(p, ROOT), m.group(2).strip()): m.group(3) for p in doc_figures.pages()
+              for m in doc_figures.BLOCK.finditer(open(p).read())}
+    # the tables issue 49 made generated: plan.py --compare's, the ALST cross-check and the measured headline run
+    # against the planner now (scripts/plan_vs_run.py), none of them empty
+    assert {("docs/results/memory.md", "python scripts/plan.py --compare"),
+            ("docs/memory_model.md", "python scripts/plan.py --alst_check"),
+            ("docs/memory_model.md", "python scripts/plan_vs_run.py bench/results/gpu.json")} <= set(blocks)
+    assert all("|---|" in out for out in blocks.values())
 
 
 def test_a_stale_block_and_a_stale_bold_length_are_caught(tmp_path, monkeypatch):
@@ -30,3 +38,23 @@ def test_a_stale_block_and_a_stale_bold_length_are_caught(tmp_path, monkeypatch)
     assert doc_figures.stale_bold() == [f"{os.path.relpath(page, ROOT)}: 1,198,361"]
     assert doc_figures.refresh(check=False) and doc_figures.refresh(check=True) == []  # regenerated in place
     assert "| old table |" not in page.read_text()
+
+
+def test_the_measured_run_against_the_planner_goes_stale_with_its_json(tmp_path, monkeypatch):
+    """The out-of-sample table is a function of the run's JSON and the planner: a changed measurement (here the
+    step's recompute, in a copy) makes the block stale until it is regenerated."""
+    data = json.load(open(os.path.join(ROOT, "bench", "results", "gpu.json")))
+    run = tmp_path / "gpu.json"
+    run.write_text(json.dumps(data))
+    page = tmp_path / "page.md"
+    cmd = f"python scripts/plan_vs_run.py {run}"
+    page.write_text(f"<!-- generated: {cmd} -->\n<!-- end generated -->\n")
+    monkeypatch.setattr(doc_figures, "pages", lambda: [str(page)])
+    assert doc_figures.refresh(check=False) and doc_figures.refresh(check=True) == []
+    measured = next(r["measured_gib"] for r in data["headline"]["rows"] if r["phase"] == "recompute")
+    assert f"| recomputed forward (L1, L0) | {measured:.2f} |" in page.read_text()
+    for row in data["headline"]["rows"]:
+        if row["phase"] == "recompute":
+            row["measured_gib"] = 60.0
+    run.write_text(json.dumps(data))
+    assert doc_figures.refresh(check=True) == [f"{os.path.relpath(page, ROOT)}: {cmd}"]

@@ -1,0 +1,103 @@
+"""Tool definitions and tool turns a chat row brings, and whether the template renders them (data/chat.py).
+
+A row's top-level `tools` (OpenAI / TRL: `{"messages": [...], "tools": [{"type": "function", "function": {"name":
+..., "parameters": {...}}}]}`; LLaMA-Factory's ShareGPT writes the list as a JSON string, of bare `{"name": ...}`
+definitions) is passed to the chat template as `tools=`, as given, exactly as transformers' apply_chat_template
+and TRL do, in every render of the conversation (its prefixes included): the definitions are then in the ids, in a
+system or user turn (never supervised: only assistant replies are). A template that renders the same with and
+without them (Llama 3.0, Qwen2, Phi-3, ... take no tool list) would train each reply as if no tool had been
+offered, a call to a function the model never saw defined: such a row is refused in one line, as the same is for a
+message's `tools` / `functions` (Phi-4-mini's, OLMo 3's) and for an `environment` turn (OLMo 3's tool results) the
+template drops.
+"""
+
+from __future__ import annotations
+
+import json
+
+from data.chat_rows import RowError
+
+_FORM = ('a list of function definitions [{"type": "function", "function": {"name": ..., "description": ..., '
+         '"parameters": {...}}}] (or that list as a JSON string)')
+
+
+def row_tools(obj: dict) -> list | None:
+    """The row's top-level `tools` as the template gets them (a list, as given; a JSON string of one parsed), None
+    where absent or null. RowError, one line naming the value and the form expected, for anything else."""
+    value = obj.get("tools") if isinstance(obj, dict) else None
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise RowError(f"tools: {obj['tools']!r:.80} is not JSON: give {_FORM}") from None
+    if hasattr(value, "tolist") and not isinstance(value, list):  # a Parquet / Arrow list column read as an array
+        value = value.tolist()
+    if not isinstance(value, list):
+        raise RowError(f"tools: {obj['tools']!r:.80} is a {type(value).__name__}, not a list: give {_FORM}")
+    for i, t in enumerate(value):
+        fn = t.get("function", t) if isinstance(t, dict) else None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and fn["name"]):
+            raise RowError(f"tools[{i}]: {t!r:.80} is not a function definition with a name: give {_FORM}")
+    return value
+
+
+def tool_names(tools: list) -> list[str]:
+    """The functions' names of a tool list (row_tools' checked form)."""
+    return [t.get("function", t)["name"] for t in tools]
+
+
+def defs(m: dict) -> list[str]:
+    """The keys of a message that hold tool definitions (data/chat_rows.py ROLE_KEYS), where given."""
+    return [k for k in ("tools", "functions") if m.get(k) is not None]
+
+
+def call_name(call: dict) -> str:
+    """A tool call's function name (OpenAI `{"function": {"name": ...}}` or a bare `{"name": ...}`)."""
+    fn = call.get("function", call) if isinstance(call, dict) else {}
+    return str(fn.get("name", "")) if isinstance(fn, dict) else ""
+
+
+def refuse_unrendered(enc, conv: list[dict], tools: list | None) -> None:
+    """A RowError, one line, where `enc`'s template drops what the replies depend on: the row's `tools`, an
+    `environment` message (OLMo 3's tool results; Qwen2.5's template, for one, renders `tool` and skips other
+    roles) or a message's `tools` / `functions` (only Phi-4-mini's and OLMo 3's templates read them there).
+    Dropped, the replies would be trained on a result the model never sees, or as if no tool had been offered.
+    The ChatML default (no template) renders none of them. Cost: one render of the text per thing checked."""
+    if enc.kind == "chatml":
+        if tools:
+            raise RowError(f"tools {tool_names(tools)}: the ChatML default (the tokenizer has no template) renders no "
+                           "tool definitions: give a tokenizer whose template takes tools, or drop them")
+        if any(defs(m) for m in conv):
+            raise RowError(f"message {next(k for k, m in enumerate(conv) if defs(m))}: tool definitions, and the "
+                           "ChatML default (the tokenizer has no template) renders none: give a tokenizer whose "
+                           "template renders them, or drop them")
+        return
+    if not tools and not any(m["role"] == "environment" or defs(m) for m in conv):
+        return
+    text = enc._text(conv, tools=tools)
+    if tools:
+        try:  # the same text without them: the template ignores `tools`
+            same = enc._text(conv) == text
+        except RowError:  # it needs them (Command-R's tool_use iterates `tools`): it reads them
+            same = False
+        if same:
+            raise RowError(f"tools {tool_names(tools)}: {enc.name} does not render a row's `tools` (tool definitions),"
+                           " so the replies would be trained as if no tool had been offered: use a template that "
+                           "takes tools= (Llama 3.1, Qwen2.5 / 3, Mistral v0.3, ...), or drop them")
+    for k, m in enumerate(conv):
+        if m["role"] != "environment":
+            continue
+        try:  # dropped: the conversation renders the same without it (a search for its text could find a reply)
+            same = enc._text(conv[:k] + conv[k + 1:], tools=tools) == text
+        except RowError:  # the template needs it there (roles must alternate): it reads it
+            same = False
+        if same:
+            raise RowError(f"message {k} (environment): {enc.name} does not render the environment role (OLMo "
+                           "3's tool results): give tool results as the role this template renders (tool)")
+    for k, m in enumerate(conv):  # tool definitions on a message (Phi-4-mini's `tools`, OLMo 3's `functions`)
+        for key in defs(m):  # dropped, the replies would be trained as if no tool had been offered
+            if enc._text(conv[:k] + [{x: v for x, v in m.items() if x != key}] + conv[k + 1:], tools=tools) == text:
+                raise RowError(f"message {k} ({m['role']}): {enc.name} does not render a message's `{key}` "
+                               "(tool definitions): give them as this template takes them, or drop them")

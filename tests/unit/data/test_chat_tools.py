@@ -1,0 +1,116 @@
+"""A row's top-level `tools` (OpenAI / TRL: `{"messages": [...], "tools": [...]}`; data/chat_tools.py): passed to the
+chat template as `tools=` in every render of the row, in the ids and never supervised, on the prefix path (linear and
+exact), the generation-marker path and `--loss_on all`; a template that ignores them, the ChatML default and a
+text prompt / completion refuse the row in one line; malformed values are refused in one line naming them. Fixture
+tokenizers of the sweep's families (data/chat_sweep.py), no network: ~3 s."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from data.chat import ChatEncoder, RowError
+from data.chat_sweep import CASES, TOOLS, families
+from data.chat_sweep import build_tokenizer as sweep_tokenizer
+from data.tokenizer import Tokenizer
+from tests.unit.data.chat_fixtures import build_tokenizer as fixture_tokenizer
+
+CONV = CASES["tool list"]  # a question, a tool call, its result, a reply
+DEFS = TOOLS["tool list"]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("tools_tokenizers"))
+
+
+def encoder(root: str, key: str, loss_on: str = "auto") -> ChatEncoder:
+    return ChatEncoder(Tokenizer(sweep_tokenizer(root, key, families()[key])), loss_on)
+
+
+def trained_text(enc: ChatEncoder, ids: list[int], mask: np.ndarray) -> str:
+    return enc.tok.hf.decode([i for i, m in zip(ids, mask) if m])
+
+
+@pytest.mark.parametrize("key", ["qwen25", "qwen3", "llama31", "mistral_v03", "gpt_oss"])
+def test_tools_are_in_the_ids_as_the_template_renders_them_and_never_supervised(root, key):
+    enc = encoder(root, key)
+    hf = enc.tok.hf
+    want = enc.tok.encode(hf.apply_chat_template(CONV, tools=DEFS, tokenize=False, chat_template=enc.template))
+    outs = []
+    for linear in (True, False):  # the views on one tokenization, and every prefix tokenized whole
+        enc.linear = linear
+        ids, mask, stats = enc.encode({"messages": CONV, "tools": DEFS})
+        assert ids == want and stats["untrained_turns"] == 0
+        assert "Count the words of a text" in hf.decode(ids)  # the definition's description: in the ids
+        trained = trained_text(enc, ids, mask)
+        assert "Count the words of a text" not in trained and "The text" not in trained, trained
+        assert "count_words" in trained and "2 words" in trained  # the call and the reply after it
+        outs.append((ids, mask.tolist()))
+    assert outs[0] == outs[1]
+
+
+def test_a_json_string_and_a_sharegpt_row_give_the_same_as_the_list(root):
+    """LLaMA-Factory writes `tools` as a JSON string beside ShareGPT `conversations`."""
+    enc = encoder(root, "qwen25")
+    ids, mask, _ = enc.encode({"messages": CONV, "tools": DEFS})
+    ids2, mask2, _ = enc.encode({"messages": CONV, "tools": json.dumps(DEFS)})
+    assert ids2 == ids and mask2.tolist() == mask.tolist()
+    bare = [d["function"] for d in DEFS]  # LLaMA-Factory's definitions: {"name", "description", "parameters"}
+    row = {"conversations": [{"from": "human", "value": "How many words in apple river?"},
+                             {"from": "gpt", "value": "Let me count."}], "tools": json.dumps(bare)}
+    ids, mask, _ = enc.encode(row)
+    assert '"name": "count_words"' in enc.tok.hf.decode(ids) and "count_words" not in trained_text(enc, ids, mask)
+
+
+def test_the_marker_path_and_loss_on_all_get_the_tools_too(root):
+    """A template with generation markers (TRL's ChatML, here with a tool list in a system turn) and `--loss_on all`
+    render the row with its tools as the prefix path does."""
+    tok = Tokenizer(sweep_tokenizer(root, "chatml_generation", families()["chatml_generation"]))
+    tok.hf.chat_template = ("{%- if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{%- endif %}"
+                            + tok.hf.chat_template)
+    plain = CASES["multi-turn"]
+    ids, mask, _ = ChatEncoder(tok).encode({"messages": plain, "tools": DEFS})
+    assert ChatEncoder(tok).kind == "markers"
+    assert tok.hf.decode(ids).startswith("<|im_start|>system\nTools: [{") and "count_words" not in trained_text(
+        ChatEncoder(tok), ids, mask)
+    every, ones, _ = ChatEncoder(tok, "all").encode({"messages": plain, "tools": DEFS})
+    assert every == ids and ones.all()
+
+
+@pytest.mark.parametrize("key", ["qwen2", "llama3", "phi4_mini", "deepseek_r1"])
+def test_a_template_that_ignores_tools_refuses_the_row_in_one_line(root, key):
+    enc = encoder(root, key)
+    conv = CASES["multi-turn"]  # no tool call: only the definitions would be lost
+    enc.encode({"messages": conv})  # trains without them
+    with pytest.raises(RowError, match=r"^tools \['count_words'\]: .* does not render a row's `tools`") as e:
+        enc.encode({"messages": conv, "tools": DEFS})
+    assert "\n" not in str(e.value)
+    enc.encode({"messages": conv, "tools": []})  # an empty list: nothing to drop
+    enc.encode({"messages": conv, "tools": None})
+
+
+def test_the_chatml_default_and_a_text_pair_refuse_tools(tmp_path):
+    enc = ChatEncoder(Tokenizer(fixture_tokenizer(str(tmp_path), "none")))
+    with pytest.raises(RowError, match=r"^tools \['count_words'\]: the ChatML default"):
+        enc.encode({"messages": CASES["multi-turn"], "tools": DEFS})
+    with pytest.raises(RowError, match=r"^tools \['count_words'\] with a prompt / completion of strings"):
+        enc.encode({"prompt": "Count apple river.", "completion": "2", "tools": DEFS})
+
+
+@pytest.mark.parametrize("value,match", [
+    (5, r"^tools: 5 is a int, not a list"),
+    ({"type": "function", "function": {"name": "f"}}, r"^tools: \{'type': 'function'.* is a dict, not a list"),
+    ("count_words(text)", r"^tools: 'count_words\(text\)' is not JSON"),
+    ('{"name": "f"}', r"is a dict, not a list"),
+    ([{"type": "function", "function": {"description": "no name"}}], r"^tools\[0\]: .* is not a function definition"),
+    (["count_words"], r"^tools\[0\]: 'count_words' is not a function definition"),
+])
+def test_malformed_tools_are_refused_in_one_line_naming_the_value(root, value, match):
+    enc = encoder(root, "qwen25")
+    with pytest.raises(RowError, match=match) as e:
+        enc.encode({"messages": CONV, "tools": value})
+    assert "\n" not in str(e.value) and "function definitions" in str(e.value)
+
