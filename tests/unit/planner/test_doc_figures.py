@@ -58,3 +58,15 @@ def test_the_measured_run_against_the_planner_goes_stale_with_its_json(tmp_path,
             row["measured_gib"] = 60.0
     run.write_text(json.dumps(data))
     assert doc_figures.refresh(check=True) == [f"{os.path.relpath(page, ROOT)}: {cmd}"]
+
+
+def test_a_failing_command_is_one_line(tmp_path, monkeypatch, capsys):
+    """A block whose command refuses (here plan_vs_run.py on a JSON that is not there) stops doc_figures with that
+    refusal in one line (exit 2), not a traceback."""
+    page = tmp_path / "page.md"
+    page.write_text(f"<!-- generated: python scripts/plan_vs_run.py {tmp_path / 'none.json'} -->\n"
+                    "<!-- end generated -->\n")
+    monkeypatch.setattr(doc_figures, "pages", lambda: [str(page)])
+    assert doc_figures.main(["--check"]) == 2
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "not a readable JSON file" in out and "Traceback" not in out
