@@ -114,3 +114,15 @@ def test_malformed_tools_are_refused_in_one_line_naming_the_value(root, value, m
         enc.encode({"messages": CONV, "tools": value})
     assert "\n" not in str(e.value) and "function definitions" in str(e.value)
 
+
+
+def test_mistral_v03_trains_only_the_replies_after_its_tool_list(root):
+    """Mistral v0.3 writes the tool list before the LAST user turn only: a reply before that turn was rendered with no
+    tool list in its own prefix, so its header is not where the conversation has it; it gets no loss and is counted
+    (the model never learns a reply the conversation does not show it as given)."""
+    enc = encoder(root, "mistral_v03", "assistant")
+    conv = CASES["multi-turn"]
+    ids, mask, stats = enc.encode({"messages": conv, "tools": DEFS})
+    assert stats["untrained_turns"] == 1 and "message 1" in stats["why"][0]
+    assert " apple river</s>[AVAILABLE_TOOLS] [{" in enc.tok.hf.decode(ids)  # after the first exchange
+    assert trained_text(enc, ids, mask).strip() == "2 words</s>"
