@@ -151,6 +151,7 @@ def iter_rows(unit: Unit, fields: Fields, start: int = 0, batch_rows: int = 1024
 
 
 CHAT_COLUMNS = (("messages",), ("conversations",), ("prompt", "completion"))  # data/chat.py's row formats
+CHAT_EXTRAS = ("tools",)  # carried with a chat row when the table has them (data/chat_tools.py reads them)
 
 
 def _columns(unit: Unit, names: list[str], fields: Fields) -> tuple[str | tuple[str, ...], str | None]:
@@ -160,8 +161,8 @@ def _columns(unit: Unit, names: list[str], fields: Fields) -> tuple[str | tuple[
     if value is not None and chat is not None:
         raise ValueError(f"{unit.path}: both a text column ({value!r}) and chat columns {list(chat)}: which is meant? "
                          "Keep one (a text column would train every token of the row)")
-    if value is None:
-        value = chat
+    if value is None and chat is not None:
+        value = chat + tuple(c for c in CHAT_EXTRAS if c in names)
     if value is None:
         raise ValueError(f"{unit.path}: no column {fields.text!r} (--text_field), {fields.ids!r} (--ids_field), "
                          f"messages, conversations or prompt + completion (chat); columns are {names}")
@@ -181,7 +182,21 @@ def _columnar(batch: dict, cols: tuple[str | tuple[str, ...], str | None], row: 
         if row + i >= start:
             if chat:  # a chat row travels as the dict data/chat.py reads
                 v = {c: batch[c][i] for c in cols[0]}
+                if v.get("tools") is not None and not isinstance(v["tools"], str):
+                    v["tools"] = _without_nulls(v["tools"])
             yield row + i, (v, str(sources[i]) if sources is not None and sources[i] is not None else None)
+
+
+def _without_nulls(value: object) -> object:
+    """A struct column's value without the nulls Arrow adds: a table holds one struct type per column, the union of
+    every row's keys, so each tool comes back with every other tool's parameters as null (`"query": None`), which the
+    template would render into the tool's schema. A null written on purpose in a tool definition cannot be told apart
+    in such a column: a JSON-string column (json.dumps of the list) is read exactly (docs/sft.md)."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
 
 
 def parse_item(item: object, fields: Fields) -> tuple[str | list | dict | None, str | None, str | None]:

@@ -93,3 +93,28 @@ def test_olmo3s_function_keys_are_passed_on():
     assert conv[:3] == [{"role": "system", "content": "Be brief.", "functions": funcs},
                         {"role": "user", "content": "Count.", "functions": funcs},
                         {"role": "assistant", "content": "", "function_calls": calls}]
+
+
+def test_a_tables_tools_column_travels_with_its_chat_rows(tmp_path):
+    """A Parquet row's `tools` reach data/chat.py beside its messages (they were dropped: the row trained as if no
+    tool had been offered), a struct column without the nulls Arrow's one-type-per-column union adds (each tool got
+    the other's parameters as null), a JSON-string column as written."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from data.readers import Fields, Unit, iter_rows
+
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    tools = [{"type": "function", "function": {"name": "a", "parameters": {"type": "object",
+                                                                          "properties": {"city": {"type": "string"}}}}},
+             {"type": "function", "function": {"name": "b", "parameters": {"type": "object",
+                                                                          "properties": {"q": {"type": "string"}}}}}]
+    pq.write_table(pa.table({"messages": [msgs, msgs], "tools": [tools, None]}), tmp_path / "s.parquet")
+    pq.write_table(pa.table({"messages": [msgs], "tools": [json.dumps(tools)]}), tmp_path / "j.parquet")
+    rows = [v for _, (v, _) in iter_rows(Unit("s", "parquet", str(tmp_path / "s.parquet")), Fields())]
+    assert rows[0]["tools"] == tools and rows[0]["messages"] == msgs
+    assert rows[1]["tools"] is None
+    (_, (row, _)), = iter_rows(Unit("j", "parquet", str(tmp_path / "j.parquet")), Fields())
+    assert json.loads(row["tools"]) == tools
