@@ -33,7 +33,7 @@ demo-sft:
 	@$(PY) scripts/eval_summary.py checkpoints/tiny_cpu_sft
 
 test:
-	.venv/bin/pytest -q -m "not slow"
+	.venv/bin/pytest -q -m "not slow" -n 2 --no-loadscope-reorder
 
 # The planner's memory model against the peak RSS of real train.py runs (~2 min on 2 cores): a benchmark in a
 # process of its own, exit 1 when a point is outside 20% (bench/calibration.py, bench/results/calibration.json)

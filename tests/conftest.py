@@ -65,10 +65,31 @@ def assets(tmp_path_factory):
     }
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """make test runs on two pytest-xdist workers (`-n 2`): a launch waits on sleeps, polls and process start-ups a
+    third of its time, which the other worker's tests fill. One worker runs a whole file (its module-scoped launches
+    are paid once), and every module of tests/multiproc/joint_launch.py's shared launch goes to the same worker (the
+    launch runs once, for them all). Files are handed out in collection order (`--no-loadscope-reorder`: the e2e
+    launches first, the short unit files fill the end). (xdist's own `loadgroup` marks do not reach pytest 9.2's test
+    ids, so the grouping is this scheduler's.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    from tests.multiproc.joint_launch import JOINED
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "joint_launch" if os.path.splitext(os.path.basename(path))[0] in JOINED else path
+
+    return ByFile(config, log)
+
+
 def pytest_runtest_logreport(report):
     """PYTEST_TIMES=FILE: one line per test phase as it ends ("setup|call|teardown seconds nodeid"), so a long run's
-    cost per test can be read while it runs (make test's budget: docs/testing.md)."""
+    cost per test can be read while it runs (make test's budget: docs/testing.md). Under xdist the controller writes
+    (a worker's reports reach it), the workers do not."""
     where = os.environ.get("PYTEST_TIMES")
-    if where:
+    if where and not os.environ.get("PYTEST_XDIST_WORKER"):
         with open(where, "a") as fh:
             fh.write(f"{report.when} {report.duration:.1f} {report.outcome} {report.nodeid}\n")

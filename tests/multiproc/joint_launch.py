@@ -17,6 +17,9 @@ from collections.abc import Callable
 
 from tests.distributed import ROOT, run
 
+# the modules that join (tests/conftest.py's xdist scheduler sends them to one worker: the launch runs once for all;
+# test_joint_launch checks the list against the modules that do join)
+JOINED = ("test_parity", "test_doc_masking", "test_model_zoo", "test_context_parallel", "test_rope")
 SELECTED: set[tuple[str, str]] = set()  # (module name, test function name) of this session's selected tests
 # each joining module's assets (model folders, documents), made once: kept here, not in the module, because pytest
 # imports a test file as `test_x` while another test file's import makes a second copy, `tests.multiproc.test_x`
@@ -37,7 +40,9 @@ class JointLaunch:
         must come before any at SP 2 in a process: after one, DeepSpeed's groups still point at the SP 2 mpu).
         The module by its file's name: pytest imports a test file as `test_x`, another test file importing it as
         `tests.multiproc.test_x`."""
-        self.builders[key] = (module.rsplit(".", 1)[-1], os.path.join(ROOT, worker), build, uses, order)
+        name = module.rsplit(".", 1)[-1]
+        assert name in JOINED, f"{name} joins the shared launch: add it to joint_launch.JOINED (one xdist worker)"
+        self.builders[key] = (name, os.path.join(ROOT, worker), build, uses, order)
 
     def launched(self, key: str, assets: dict, tmp_path_factory):
         """The JSON argument `key`'s builder made, after one launch of every selected module's worker."""
