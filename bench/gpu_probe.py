@@ -48,11 +48,10 @@ ROLES = ("attn", "mlp", "attn_in", "mlp_in")
 
 
 def _rss() -> int:
-    try:
-        with open("/proc/self/statm") as fh:
-            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):
-        return 0
+    """VmRSS now: base.host's reader of /proc/self/status, the one the stage end's record reads too."""
+    from base.host import rss_bytes
+
+    return rss_bytes()
 
 
 def _hwm() -> int:

@@ -15,8 +15,11 @@ def main() -> int:
     comm.open_channel()
     rank, world, local = comm.init(60)
     total = int(comm.all_reduce([1.0])[0].item())
-    print(f"world {world} rank {rank} local {local} sum {total} master {os.environ['MASTER_ADDR']} "
-          f"ops {os.environ.get('TORCH_EXTENSIONS_DIR')}", flush=True)
+    # one write of the whole line (under PYTHONUNBUFFERED print writes the text and its newline apart, and the two
+    # tasks share srun's stdout: a clean-clone make test once read rank 1's line glued to rank 0's path)
+    sys.stdout.write(f"world {world} rank {rank} local {local} sum {total} master {os.environ['MASTER_ADDR']} "
+                     f"ops {os.environ.get('TORCH_EXTENSIONS_DIR')}\n")
+    sys.stdout.flush()
     return 0
 
 
