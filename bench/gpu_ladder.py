@@ -76,7 +76,9 @@ def _prune(root: str, stop: threading.Event, gone: list[str], every_s: float = 1
     a stage and every stage's final checkpoint is kept for good, ~21 GB at Llama-3-8B's width and 2 layers, so five
     rungs overflow the device's 64 GiB disk (the 2026-11-28 ladder died in its fourth write). The next stage has
     loaded the newest at its start and nothing reads an older one; a folder without its manifest is being written
-    and is left alone. `gone` receives the folders deleted."""
+    and is left alone, and so is one newer than LATEST (its manifest is written before LATEST moves to it: a pruner
+    that deleted every folder but LATEST's once took the newest stage's checkpoint in that window, under a loaded
+    make test). `gone` receives the folders deleted."""
     while True:
         done = stop.is_set()
         try:
@@ -87,11 +89,18 @@ def _prune(root: str, stop: threading.Event, gone: list[str], every_s: float = 1
             names, newest = [], None
         for name in names:
             path = os.path.join(root, name)
-            if newest and name != newest and name.startswith("step_") and os.path.exists(os.path.join(path, "MANIFEST.json")):
+            if (newest and _step(name) is not None and _step(newest) is not None and _step(name) < _step(newest)
+                    and os.path.exists(os.path.join(path, "MANIFEST.json"))):
                 shutil.rmtree(path, ignore_errors=True)
                 gone.append(name)
         if done or stop.wait(every_s):
             return
+
+
+def _step(name: str) -> int | None:
+    """The step of a checkpoint folder's name (step_000012 -> 12); None for anything else."""
+    head, _, num = name.partition("_")
+    return int(num) if head == "step" and num.isdigit() else None
 
 
 def flops(model: str, length: int) -> float:

@@ -208,3 +208,25 @@ def test_calibration_report_exits_nonzero_on_a_point_outside(tmp_path, capsys):
     assert cal.main(["--report", str(path)]) == 1
     out = capsys.readouterr().out
     assert "FAIL alst: predicted/measured 0.7 outside 0.8-1.2" in out and "calibration: FAIL" in out
+
+
+def test_the_ladders_pruner_never_takes_a_checkpoint_newer_than_latest(tmp_path):
+    """bench/gpu_ladder._prune deletes the stages' older checkpoints while the launch runs. A checkpoint's manifest is
+    written before LATEST moves to it: in that window the pruner used to delete every committed folder but LATEST's,
+    the newest included (a loaded make test's dry ladder lost step_000004, which the next stage loads). Older
+    complete folders go; a newer one and one still being written (no manifest) stay."""
+    import threading
+
+    from bench.gpu_ladder import _prune
+
+    for step, manifest in ((2, True), (3, True), (4, True), (5, False)):
+        d = tmp_path / f"step_{step:06d}"
+        d.mkdir()
+        if manifest:
+            (d / "MANIFEST.json").write_text("{}")
+    (tmp_path / "LATEST").write_text("step_000003\n")
+    stop, gone = threading.Event(), []
+    stop.set()  # one pass
+    _prune(str(tmp_path), stop, gone)
+    assert gone == ["step_000002"], gone
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST", "step_000003", "step_000004", "step_000005"]
