@@ -93,8 +93,9 @@ def _prune(root: str, stop: threading.Event, gone: list[str], every_s: float = 1
                     and os.path.exists(os.path.join(path, "MANIFEST.json"))):
                 shutil.rmtree(path, ignore_errors=True)
                 gone.append(name)
-        if done or stop.wait(every_s):
+        if done:  # the pass after the launch ended has run: the last stage's LATEST seen
             return
+        stop.wait(every_s)
 
 
 def _step(name: str) -> int | None:

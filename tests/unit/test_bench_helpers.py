@@ -230,3 +230,26 @@ def test_the_ladders_pruner_never_takes_a_checkpoint_newer_than_latest(tmp_path)
     _prune(str(tmp_path), stop, gone)
     assert gone == ["step_000002"], gone
     assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST", "step_000003", "step_000004", "step_000005"]
+
+
+def test_the_ladders_pruner_makes_a_last_pass_after_the_launch(tmp_path):
+    """The launch's last stage moves LATEST just before it ends: the pruner's pass after its stop deletes the stage
+    before it (it used to return from its wait at the stop without one, and the dry ladder kept one checkpoint too
+    many now and then)."""
+    import threading
+    import time
+
+    from bench.gpu_ladder import _prune
+
+    for step in (2, 3):
+        (tmp_path / f"step_{step:06d}").mkdir()
+        (tmp_path / f"step_{step:06d}" / "MANIFEST.json").write_text("{}")
+    (tmp_path / "LATEST").write_text("step_000002\n")
+    stop, gone = threading.Event(), []
+    t = threading.Thread(target=_prune, args=(str(tmp_path), stop, gone, 30.0))
+    t.start()
+    time.sleep(0.3)  # its first pass: nothing older than LATEST
+    (tmp_path / "LATEST").write_text("step_000003\n")
+    stop.set()
+    t.join(10)
+    assert gone == ["step_000002"] and not t.is_alive(), gone
