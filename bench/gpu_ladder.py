@@ -87,9 +87,10 @@ def _prune(root: str, stop: threading.Event, gone: list[str], every_s: float = 1
             names = os.listdir(root)
         except OSError:
             names, newest = [], None
+        top = _step(newest) if newest else None
         for name in names:
-            path = os.path.join(root, name)
-            if (newest and _step(name) is not None and _step(newest) is not None and _step(name) < _step(newest)
+            path, step = os.path.join(root, name), _step(name)
+            if (top is not None and step is not None and step < top
                     and os.path.exists(os.path.join(path, "MANIFEST.json"))):
                 shutil.rmtree(path, ignore_errors=True)
                 gone.append(name)
