@@ -432,6 +432,8 @@ def abort(reason: str, code: int = 1) -> str:
     timer.daemon = True
     timer.start()
     first = w.post(reason, code)
+    if w.on_record is not None:
+        watcher.tell_launcher(w.rank, f"abort {w.on_record}")
     w.stop()
     w.heart = watcher.stop_heartbeat(w.heart)
     w._mark_done()

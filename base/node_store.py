@@ -51,6 +51,7 @@ import argparse
 import datetime
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -61,6 +62,7 @@ from base.watcher import DONE, POLL_S, START_WAIT_S, STORE_OP_TIMEOUT_S, key, on
 LATE_JOIN_S = START_WAIT_S  # after a failure, node 0's launcher keeps the store this long for ranks still on their way
 STALE_S = 5 * POLL_S  # a rank's heartbeat unchanged this long after a failure: the rank is gone (it beats every POLL_S)
 CONNECT_S = 20.0  # a launcher's connection to post (node 0 may be gone: then nobody is waiting on its store)
+KNOWN_CONNECT_S = 3.0  # the same when a rank here read the reason on record: the store was up, node 0 may have left
 _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
 
 
@@ -92,9 +94,28 @@ def serve(addr: str, port: int, ready: str | None = None) -> None:
         time.sleep(3600)
 
 
+class StoreGone(Exception):
+    pass
+
+
+def reachable(addr: str, port: int, within_s: float, clock=time.monotonic, sleep=time.sleep) -> bool:
+    """Whether anything listens on addr:port within `within_s` (a refused connection tried again every 0.25 s:
+    node 0's store may not have started yet). A plain socket, so that a store that is gone costs `within_s` and one
+    line, not torch's connect retries (20 s, then a 17 s back-off, each with a C++ stack in the node's log)."""
+    end = clock() + within_s
+    while True:
+        try:
+            socket.create_connection((addr, port), timeout=max(0.1, min(2.0, end - clock()))).close()
+            return True
+        except OSError:
+            if clock() >= end:
+                return False
+            sleep(0.25)
+
+
 def post(addr: str, port: int, code: int, reason: str, node: int, nnodes: int, per_node: int, wait: bool = False,
          late_join_s: float = LATE_JOIN_S, stale_s: float = STALE_S, store=None, clock=time.monotonic,
-         sleep=time.sleep) -> tuple[str, list[int], list[int]]:
+         sleep=time.sleep, connect_s: float = CONNECT_S) -> tuple[str, list[int], list[int]]:
     """Post `reason` as the job's abort (the first reason posted wins) and record that node `node`'s ranks are gone;
     returns the reason on record, the nodes found lost and the nodes found absent. With `wait` (node 0's launcher,
     whose process holds the
@@ -104,8 +125,10 @@ def post(addr: str, port: int, code: int, reason: str, node: int, nnodes: int, p
     A node that posted no exit of its own and none of whose ranks is done or still beating is lost; absent instead
     when none of its ranks ever arrived (it never started within the start bound: slow, or broken)."""
     if store is None:
+        if not reachable(addr, port, connect_s):
+            raise StoreGone(f"nothing answers on {addr}:{port} within {connect_s:.0f} s")
         store = TCPStore(addr, port, is_master=False, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=CONNECT_S))
+                              timeout=datetime.timedelta(seconds=connect_s))
         store.set_timeout(datetime.timedelta(seconds=STORE_OP_TIMEOUT_S))
     store.set(key(f"node_exit/{node}"), str(code))
     got = store.compare_set(key("abort"), "", f"{code} {one_line(reason)}")
@@ -167,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--ranks-per-node", type=int, required=True)
     q.add_argument("--wait", action="store_true", help="node 0: keep the store until the live nodes' ranks have read it")
     q.add_argument("--late-join-s", type=float, default=LATE_JOIN_S)
+    q.add_argument("--known", metavar="REASON", help="the reason on record, as a rank here read it from the store "
+                   "(LAUNCH_EXIT_DIR's store<R> notes): the store was up, so wait only KNOWN_CONNECT_S for it")
     q.add_argument("--lost-file", help="with --wait: write the lost nodes' indices here, one a line, and `K absent` "
                    "for a node none of whose ranks arrived (none: no file)")
     a = p.parse_args(argv)
@@ -179,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, signal.SIG_IGN)
     try:
         got, lost, absent = post(a.addr, a.port, a.code, a.reason, a.node, a.nnodes, a.ranks_per_node, a.wait,
-                                 a.late_join_s)
+                                 a.late_join_s, connect_s=KNOWN_CONNECT_S if a.known else CONNECT_S)
         print(f"node_store: abort on record: {got}", file=sys.stderr)
         if lost:
             print(f"node_store: lost node(s) {' '.join(map(str, lost))}: no exit posted, every rank's heartbeat "
@@ -194,6 +219,13 @@ def main(argv: list[str] | None = None) -> int:
                     fh.write("".join([f"{k}\n" for k in lost] + [f"{k} absent\n" for k in absent]))
                 os.replace(tmp, a.lost_file)
             return EXIT_PEER_LOST  # the job's end was a lost node, whatever the ranks that saw it go raised
+    except StoreGone as e:
+        if a.known:  # every rank of the job has read it: node 0 ended once they had
+            print(f"node_store: abort on record: {a.known}", file=sys.stderr)
+            print(f"node_store: the job's store has ended ({e}): its ranks had read the reason", file=sys.stderr)
+            return 0
+        print(f"node_store: could not post the failure ({e}): the job's store is gone", file=sys.stderr)
+        return 1
     except Exception as e:  # noqa: BLE001 -- node 0's store is gone: nobody waits on it any more
         print(f"node_store: could not post the failure ({one_line(e)}): the job's store is gone", file=sys.stderr)
         return 1

@@ -157,6 +157,7 @@ class Watcher:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # stop() and a hard exit never interleave
         self.stopped = False
+        self.on_record: str | None = None  # the job's abort reason as the store answered it (read or posted here)
         self._asker = _Asker()
 
     def ask(self, fn, timeout: float | None = None):
@@ -226,6 +227,7 @@ class Watcher:
         self.store_lost_since = None
         if abort:
             code, _, reason = abort.decode().partition(" ")
+            self.on_record = reason
             self._exit(int(code), f"stopping: {reason}")
             return
         missing = []
@@ -284,7 +286,8 @@ class Watcher:
         try:
             got = self.ask(lambda st: st.compare_set(key("abort"), "", f"{code} {one_line(reason)}"))
             got = got.decode() if isinstance(got, bytes) else str(got)
-            return got.partition(" ")[2] or reason
+            self.on_record = got.partition(" ")[2] or one_line(reason)
+            return self.on_record
         except Exception:  # noqa: BLE001 -- the store is gone: the others find out through it
             return reason
 
@@ -303,6 +306,10 @@ class Watcher:
                 return
             _bounded(self.say, line, SAY_S)  # stderr may be a full pipe nobody drains (slurm-%j.out on a hung FS)
             _bounded(self.log, line, LOG_WRITE_S)
+            if self.on_record is not None:
+                tell_launcher(self.rank, f"abort {self.on_record}")
+            elif not mark:  # the store unreachable for LOST_STORE_S: nothing left to post to
+                tell_launcher(self.rank, "gone")
             self.heart = stop_heartbeat(self.heart)
             if mark:
                 self._mark_done()
@@ -365,6 +372,28 @@ def one_line(e: BaseException | str) -> str:
 
 def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
+
+
+def tell_launcher(rank: int, what: str) -> None:
+    """Leave this node's scripts/launch.sh what this rank knows of the job's store as it exits, in
+    `$LAUNCH_EXIT_DIR/store<RANK>` (a node-local temp folder; nothing without it): `abort REASON`, the reason on record
+    (the store answered: the launcher's own post then waits briefly for a store that may have gone since, node 0's
+    launcher ending as soon as every rank has read it), or `gone` (unreachable: nothing to post to). Without it a
+    launcher whose ranks read node 0's abort waited 37 s (torch's connect retries) to find that store gone."""
+    where = os.environ.get("LAUNCH_EXIT_DIR")
+    if not where:
+        return
+
+    def write(text: str) -> None:
+        try:
+            tmp = os.path.join(where, f".store{rank}.{os.getpid()}")
+            with open(tmp, "w") as fh:
+                fh.write(text + "\n")
+            os.replace(tmp, os.path.join(where, f"store{rank}"))
+        except OSError:
+            pass
+
+    _bounded(write, one_line(what), LOG_WRITE_S)
 
 
 def _bounded(fn, arg, timeout_s: float) -> None:

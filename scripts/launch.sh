@@ -339,6 +339,10 @@ if [ -n "$tee_pid" ]; then
   rm -f "$stderr_copy"
 fi
 recorded=$(cat "$exit_dir"/rank* 2>/dev/null | sort -u | paste -sd' ')
+# what the ranks here learned of the job's store as they left (base/watcher.py tell_launcher): the reason on record
+# (node 0 may have ended since, once every rank had read it), or that it was unreachable
+known=$(sed -n 's/^abort //p' "$exit_dir"/store* 2>/dev/null | head -n 1)
+store_gone=0; grep -qx gone "$exit_dir"/store* 2>/dev/null && store_gone=1
 rm -rf "$exit_dir"
 case "$rc" in
   0|"$EXIT_USAGE"|"$EXIT_PREEMPTED"|"$EXIT_PEER_LOST") ;;  # 69: a rank's watcher lost a peer (it records nothing)
@@ -357,11 +361,17 @@ if [ "$node_store" = 1 ]; then
       # stopped has left), and name the nodes found lost where slurm.sbatch reads them
       [ "$node_rank" = 0 ] && wait_arg=(--wait ${LAUNCH_LOST_FILE:+--lost-file "$LAUNCH_LOST_FILE"})
       said=$(mktemp "${TMPDIR:-/tmp}/launch_post.XXXXXX")
-      # signals ignored from its start (Slurm's SIGTERM to the step would otherwise end it while it imports torch)
-      ( trap '' TERM INT USR1 USR2 HUP; exec "$(bin python)" -m base.node_store post "$master_addr" "$master_port" \
-        "$rc" "node $node_rank: its ranks exited $rc (that node's log has the cause)" --node "$node_rank" \
-        --nnodes "$nnodes" --ranks-per-node "$ranks_here" ${wait_arg[@]+"${wait_arg[@]}"} ) 2> "$said"
-      post_rc=$?
+      post_rc=0
+      if [ "$node_rank" != 0 ] && [ -z "$known" ] && [ "$store_gone" = 1 ]; then
+        echo "node_store: not posted: the job's store is gone (a rank here found it unreachable)" > "$said"
+      else
+        # signals ignored from its start (Slurm's SIGTERM to the step would otherwise end it while it imports torch)
+        ( trap '' TERM INT USR1 USR2 HUP; exec "$(bin python)" -m base.node_store post "$master_addr" "$master_port" \
+          "$rc" "node $node_rank: its ranks exited $rc (that node's log has the cause)" --node "$node_rank" \
+          --nnodes "$nnodes" --ranks-per-node "$ranks_here" ${known:+--known="$known"} \
+          ${wait_arg[@]+"${wait_arg[@]}"} ) 2> "$said"
+        post_rc=$?
+      fi
       cat "$said" >&2
       # "rank R failed: ..." (a rank's own exception, training/job.py) or "node K: its ranks exited C" (a launcher's)
       first=$(sed -n 's/^node_store: abort on record: //p' "$said" | head -n 1)

@@ -121,9 +121,37 @@ def test_a_node_that_posted_its_exit_is_not_lost():
 
 def test_the_lost_file_names_lost_and_absent_nodes_apart(tmp_path, monkeypatch):
     """What slurm.sbatch reads (`--lost-file`): a lost node's index alone, an absent one's as `K absent`; exit 69."""
-    monkeypatch.setattr(node_store, "post", lambda *a: ("rank 2 never arrived", [1], [3]))
+    monkeypatch.setattr(node_store, "post", lambda *a, **k: ("rank 2 never arrived", [1], [3]))
     monkeypatch.setattr(node_store.signal, "signal", lambda *a: None)  # main() ignores Slurm's signals: not pytest's
     f = tmp_path / "lost"
     code = node_store.main(["post", "a", "1", "69", "why", "--node", "0", "--nnodes", "4", "--ranks-per-node", "2",
                             "--wait", "--lost-file", str(f)])
     assert code == EXIT_PEER_LOST and f.read_text() == "1\n3 absent\n"
+
+
+def test_a_launcher_whose_ranks_read_the_reason_does_not_wait_for_a_store_that_has_ended(monkeypatch, capsys):
+    """A node's ranks stopped on node 0's abort (read from its store); node 0's launcher ended as soon as they had
+    read it, so this launcher's post finds nothing listening. It used to wait 37 s in torch's connect retries, a C++
+    stack in the node's log: now KNOWN_CONNECT_S and one line, the reason on record kept, exit 0. Without that
+    knowledge (node 0's store may still be starting) it waits CONNECT_S as before."""
+    import socket
+    import time
+
+    from tests.distributed import free_port
+
+    monkeypatch.setattr(node_store.signal, "signal", lambda *a: None)
+    port = free_port()
+    with socket.socket() as s:  # nothing listens on `port`
+        s.bind(("127.0.0.1", 0))
+    args = ["post", "127.0.0.1", str(port), "1", "node 1: its ranks exited 1", "--node", "1", "--nnodes", "2",
+            "--ranks-per-node", "1"]
+    t0 = time.monotonic()
+    code = node_store.main([*args, "--known=node 0: its ranks exited 1 (that node's log has the cause)"])
+    took = time.monotonic() - t0
+    err = capsys.readouterr().err
+    assert code == 0 and took < node_store.KNOWN_CONNECT_S + 2, (code, took, err)
+    assert "node_store: abort on record: node 0: its ranks exited 1 (that node's log has the cause)\n" in err, err
+    monkeypatch.setattr(node_store, "CONNECT_S", 1.0)
+    t0 = time.monotonic()
+    assert node_store.main(args) == 1 and 1.0 <= time.monotonic() - t0 < 3
+    assert "could not post the failure (nothing answers on 127.0.0.1:" in capsys.readouterr().err

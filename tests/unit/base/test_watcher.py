@@ -319,3 +319,27 @@ def test_a_rank_waits_for_a_store_that_never_answers_a_bounded_time(monkeypatch,
     assert stop.value.code == EXIT_PEER_LOST
     lines = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and "did not answer in 1 s: rank 0, which hosts it, never arrived" in lines[0], lines
+
+
+def test_a_rank_leaving_tells_its_launcher_what_it_knows_of_the_store(channel, monkeypatch, tmp_path):
+    """scripts/launch.sh reads `$LAUNCH_EXIT_DIR/store<R>` after its ranks exit: the reason on record when the store
+    answered (read or posted here: its own post then waits briefly for a store node 0 may have ended meanwhile),
+    `gone` when it was unreachable (nothing to post), nothing when this rank never heard from it."""
+    monkeypatch.setenv("LAUNCH_EXIT_DIR", str(tmp_path))
+    make, clock, _ = channel
+    (w0, ex0), (w1, ex1), (w2, _) = make(0), make(1), make(2)
+    w2.post("rank 2 failed: RuntimeError: boom", 1)
+    w1.poll()
+    assert ex1[-1] == 1 and (tmp_path / "store1").read_text() == "abort rank 2 failed: RuntimeError: boom\n"
+
+    class Gone:
+        def __getattr__(self, name):
+            def fail(*a, **k):
+                raise comm.dist.DistNetworkError("connection refused")
+            return fail
+
+    w0.store = Gone()
+    w0.poll()
+    run_for(clock, watcher.LOST_STORE_S, w0, step=1)
+    assert ex0[-1] == EXIT_PEER_LOST and (tmp_path / "store0").read_text() == "gone\n"
+    assert not (tmp_path / "store2").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["store0", "store1"]
