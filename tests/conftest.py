@@ -85,11 +85,39 @@ def pytest_xdist_make_scheduler(config, log):
     return ByFile(config, log)
 
 
+def _cpu_s() -> float:
+    """CPU seconds of this process and of its reaped children (a launch's ranks and launchers, once waited for)."""
+    import resource
+
+    return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
+                                                 resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """With PYTEST_TIMES: each phase's CPU seconds (this worker and the processes it started and reaped) on its
+    report, where the controller's line below reads it: on 2 busy cores the CPU a test burns, not its wall time, is
+    what a second worker cannot hide."""
+    outcome = yield
+    if os.environ.get("PYTEST_TIMES"):
+        now = _cpu_s()
+        outcome.get_result().user_properties.append(("cpu_s", now - getattr(item, "_cpu_mark", now)))
+        item._cpu_mark = now
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    if os.environ.get("PYTEST_TIMES"):
+        item._cpu_mark = _cpu_s()
+
+
 def pytest_runtest_logreport(report):
-    """PYTEST_TIMES=FILE: one line per test phase as it ends ("setup|call|teardown seconds nodeid"), so a long run's
-    cost per test can be read while it runs (make test's budget: docs/testing.md). Under xdist the controller writes
-    (a worker's reports reach it), the workers do not."""
+    """PYTEST_TIMES=FILE: one line per test phase as it ends ("setup|call|teardown seconds outcome nodeid cpu=S"), so
+    a long run's cost per test can be read while it runs (make test's budget: docs/testing.md). Under xdist the
+    controller writes (a worker's reports reach it), the workers do not."""
     where = os.environ.get("PYTEST_TIMES")
     if where and not os.environ.get("PYTEST_XDIST_WORKER"):
+        cpu = dict(report.user_properties).get("cpu_s")
         with open(where, "a") as fh:
-            fh.write(f"{report.when} {report.duration:.1f} {report.outcome} {report.nodeid}\n")
+            fh.write(f"{report.when} {report.duration:.1f} {report.outcome} {report.nodeid}"
+                     f"{'' if cpu is None else f' cpu={cpu:.1f}'}\n")

@@ -6,10 +6,16 @@ tests/multiproc/joint_launch.py under tests.distributed.run.
 """
 
 import json
+import os
 import runpy
 import sys
+import time
 
 if __name__ == "__main__":
     for worker, args in json.loads(sys.argv[1]):
         sys.argv = [worker, *args]
+        t0 = time.monotonic()
         runpy.run_path(worker, run_name="__main__")
+        # each worker's share of the launch, in the rank logs (what to cut when the joint launch grows)
+        print(f"joint_worker: {os.path.basename(worker)} {args[0][:80]}... took {time.monotonic() - t0:.1f} s",
+              file=sys.stderr, flush=True)
