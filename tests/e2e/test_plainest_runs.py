@@ -1,7 +1,8 @@
 """Every user-facing tool run the plainest way a user would, no optional flag (issue 47): so that an addition to one
 path cannot break the default again. train.py with nothing but an output folder (the built-in model and corpus, 100
-steps at 2048 tokens, one process, ~45 s), then scripts/export_hf.py RUN and scripts/eval_summary.py RUN on that run;
-scripts/prepare_data.py and scripts/plan.py with their required arguments only. scripts/evaluate.py's plainest run:
+steps at 2048 tokens, one process, ~45 s), then scripts/export_hf.py RUN, scripts/eval_summary.py RUN and
+scripts/plot_metrics.py RUN/metrics.jsonl on that run; scripts/prepare_data.py and scripts/plan.py with their
+required arguments only. scripts/evaluate.py's plainest run:
 tests/e2e/test_evaluate.py::test_the_plainest_run."""
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ def test_train_then_export_then_eval_summary(tmp_path):
     assert (run / "hf_model" / "config.json").is_file()
     out = tool("scripts/eval_summary.py", str(run)).stdout
     assert f"Evaluation of {run}" in out and "passkey" in out
+    tool("scripts/plot_metrics.py", str(run / "metrics.jsonl"))  # the PNG next to the metrics (its default)
+    assert (run / "metrics.png").stat().st_size > 0
 
 
 def test_prepare_data(tmp_path):
