@@ -58,8 +58,9 @@ def main(argv: list[str] | None = None) -> int:
         dry_run(cfg, model)
         return EXIT_OK
 
-    # --- distributed init (device first, then the process group), the layout of every stage, start-up checks ---
-    dims, stages = start_distributed(cfg, model)
+    # --- distributed init (device first, then the process group), the layout of every stage, the attention kernel,
+    # start-up checks ---
+    dims, stages, model = start_distributed(cfg, model)
 
     # --- data: one token stream, its held-out documents fixed for the whole run, each stage packs its length ---
     data = open_run_data(cfg.dataset_path, cfg.tokenizer_name_or_path, model.arch.vocab_size, stages,

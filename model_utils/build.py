@@ -37,8 +37,10 @@ def load_hf_config(name_or_path: str):
 
 
 def pick_attn_implementation(requested: str, planning: bool = False) -> str:
-    """The attention backend to run: auto picks flash_attention_2 on GPU when installed, else sdpa.
-    `planning` (dry run) accepts a GPU backend on a machine without one."""
+    """The attention backend to run, as far as the config tells: auto is flash_attention_2 on a GPU where flash-attn
+    is installed (provisional: training/startup.settle_attention then times it against SDPA on this GPU and keeps the
+    faster, model_utils/attention_pick.py), else sdpa. `planning` (dry run) accepts a GPU backend on a machine
+    without one."""
     if requested != "auto":
         if requested.startswith("flash_attention") and not torch.cuda.is_available() and not planning:
             raise ValueError(f"--attn_implementation {requested} needs a CUDA GPU: use sdpa on CPU")

@@ -6,7 +6,8 @@
 tensors on the GPU), bf16, ZeRO-3 + CPU offload, evaluation and export; for each attention backend present
 (sdpa, flash_attention_2 when flash-attn is installed) the step-1 loss equals the plain Hugging Face model's on
 the same sample within bf16 tolerance; and once more with checkpointing that keeps the attention output
-(`--keep_attention`), which must find that backend's kernel.
+(`--keep_attention`), which must find that backend's kernel. `--attn_implementation auto`'s probe times each
+backend's real call (model_utils/attention_pick.py, whose CPU tests use a stand-in timer).
 """
 
 from __future__ import annotations
@@ -77,6 +78,18 @@ def test_two_steps_on_one_gpu_match_the_plain_model(tmp_path, attn, keep):
         logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits.float()  # HF masks by positions
     ref = torch.nn.functional.cross_entropy(logits[0], labels[0], ignore_index=-100).item()
     assert abs(steps[0]["loss"] - ref) / ref < 2e-2, (steps[0]["loss"], ref)
+
+
+def test_auto_probe_times_each_backend_on_this_gpu():
+    """The probe `auto` runs at start-up (model_utils/attention_pick.time_call), at a GQA call of 4 query heads on 1
+    KV head: a time per backend present, the pick one of them."""
+    from model_utils import attention_pick as ap
+
+    shape = {"heads": 4, "kv_heads": 1, "head_dim": 128, "tokens": 4096}
+    choice, times = ap.pick(backends(), shape, torch.bfloat16)
+    assert set(times) == set(backends()) if len(backends()) > 1 else times == {}
+    assert all(t > 0 for t in times.values()) and choice in backends()
+    assert ap.time_call("sdpa", shape, torch.bfloat16) > 0
 
 
 @pytest.mark.parametrize("window", [None, 7])

@@ -51,7 +51,7 @@ class Config:
     # --- model ---
     model_name_or_path: str = "tiny-llama"  # local HF folder (config.json + safetensors) or a preset name
     tokenizer_name_or_path: str | None = None  # sentencepiece .model or HF tokenizer folder; None: demo tokenizer
-    attn_implementation: str = "auto"  # auto | sdpa | flash_attention_2 (auto: FA2 on GPU when installed)
+    attn_implementation: str = "auto"  # auto | sdpa | flash_attention_2 (auto: the faster of SDPA and FA2 measured on the GPU)
     rope: dict | None = None  # rope_parameters override for a single-stage run
     # --- data ---
     dataset_path: str | None = None  # JSONL file or folder of them; None: the built-in demo corpus

@@ -82,9 +82,31 @@ def dry_run(cfg: Config, model: Model) -> None:
               "max_tokens (counted when the run opens its data; steps= above stands in until then)")
 
 
-def start_distributed(cfg: Config, model: Model) -> tuple[ParallelDims, list[Stage]]:
-    """The process group (device first), every rank's log, every stage's layout, the shared-folder and start-up
-    checks (one decision for all ranks), and the plan printed once."""
+def settle_attention(cfg: Config, model: Model, stages: list[Stage]) -> Model:
+    """`--attn_implementation auto` on a GPU with flash-attn installed: the backend measured fastest on rank 0's GPU
+    at the first stage's call shape, every rank taking rank 0's pick (model_utils/attention_pick.py); FA2 where a
+    stage runs the ring. Anything else: `model` as load_run_config chose it."""
+    if cfg.attn_implementation != "auto" or not torch.cuda.is_available() or model.attn != "flash_attention_2":
+        return model
+    from model_utils import attention_pick
+
+    first = stages[0]
+    options = attention_pick.candidates(model.config, first.attention_head_chunks or 1,
+                                        any(s.ring_attention for s in stages), True, check_config)
+    shape = attention_pick.call_shape(model.arch, first.sp, int(first.cp or 1), int(first.attention_head_chunks or 1),
+                                      first.max_seq_length)
+    dtype = torch.bfloat16 if model.bf16 else torch.float16
+    if len(options) <= 1:  # nothing to measure (the ring, a window, a family with one of them): no probe
+        return dataclasses.replace(model, attn=options[0]) if options else model
+    choice, times = comm.run_on_main(lambda: attention_pick.pick(options, shape, dtype))
+    print0(attention_pick.line(choice, times, shape))
+    return dataclasses.replace(model, attn=choice)
+
+
+def start_distributed(cfg: Config, model: Model) -> tuple[ParallelDims, list[Stage], Model]:
+    """The process group (device first), every rank's log, every stage's layout, the attention kernel (auto: the
+    fastest measured here), the shared-folder and start-up checks (one decision for all ranks), and the plan printed
+    once. Returns the model too: its attention backend is settled here."""
     check_network()  # gloo can bind this host's interface (GLOO_SOCKET_IFNAME), before it tries
     dims = init_distributed(cfg.sequence_parallel_size, cfg.dist_timeout_s)
     set_main(dims.is_main)
@@ -96,6 +118,7 @@ def start_distributed(cfg: Config, model: Model) -> tuple[ParallelDims, list[Sta
         print0(line if not cfg.gpus_per_node else
                f"node size: {cfg.gpus_per_node} (gpus_per_node of the recipe; the launchers': {line[len('node size: '):]})")
     stages = _stages(cfg, model, dims.world)
+    model = settle_attention(cfg, model, stages)  # auto on a GPU: the kernel measured fastest here (one decision)
     check_shared_output(cfg.output_dir)  # every rank sees every other rank's files, or one line naming the hosts
     preflight(cfg, stages, dims, model.arch, model.bf16)  # build locks, host memory per node, DeepSpeed configs
     print0(check_cpu_placement(torch.cuda.is_available()))  # each node's ranks have cores (one verdict)
@@ -104,7 +127,7 @@ def start_distributed(cfg: Config, model: Model) -> tuple[ParallelDims, list[Sta
     print0(f"world={dims.world} model={cfg.model_name_or_path} attn={model.attn} precision={_precision(cfg, model)} "
            f"mb={cfg.per_device_train_batch_size} ga={cfg.gradient_accumulation_steps} deepspeed={cfg.deepspeed}")
     print0("\n".join(plan_lines(cfg, stages, dims.world, gpus_per_node(cfg) or dims.world, model.bf16)))
-    return dims, stages
+    return dims, stages, model
 
 
 def stop_flag(cfg: Config, dims: ParallelDims, started: float) -> PreemptionFlag:

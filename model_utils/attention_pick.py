@@ -1,0 +1,137 @@
+"""`--attn_implementation auto` on a GPU: the attention kernel measured fastest on this GPU, not the package that
+happens to be installed (issue 49).
+
+Before, `auto` took FlashAttention-2 whenever flash-attn imported. On the H200 (bench/results/gpu.json,
+docs/results/gpu.md) SDPA's own dispatch went to cuDNN at 456-500 / 545-578 TFLOP/s forward / backward at the
+headline's call, and torch's port of FlashAttention-2's kernels to 302 / 328: installing flash-attn (an optional
+package the user is told about) would have made the step ~1.4x slower without a word. On an A100, where SDPA has no
+cuDNN kernel this fast, FA2 may win. So it is measured where the run is:
+
+- no GPU, flash-attn not importable, or a family FA2 cannot run (attention sinks): sdpa, as before;
+- a stage runs the context-parallel ring (asked, or the plan needs it to fit): flash_attention_2, the GPU ring's
+  kernel (model_utils/context_parallel.register refuses the ring otherwise); a layer with a sliding window too
+  (`candidates`: SDPA would run it as masked chunks on its slowest kernel);
+- otherwise rank 0 times one causal call, forward and backward, per candidate (SDPA's own dispatch; FA2) at the
+  run's per-call shape (the query heads a rank attends per head chunk of the first stage, their KV heads, the head
+  dim, bf16 / fp16, min(the first stage's length, PROBE_TOKENS) tokens), the median of 3 after a warm-up, and every
+  rank takes rank 0's pick (comm.run_on_main: one decision; the others wait on the host group for its ~1-2 s).
+
+Cost: once per start, on rank 0's GPU before any model is built: ~1-2 s (cuDNN's graph build included) and q, k, v,
+out and their gradients at PROBE_TOKENS (32 MiB a tensor at 4 heads of 128). The pick is printed with both timings.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+PROBE_TOKENS = 32768
+FA2 = "flash_attention_2"
+
+
+def windowed(arch) -> bool:
+    """Whether some layer attends within a sliding window (Mistral v0.1, Gemma-2/3's local layers, Qwen2 with
+    use_sliding_window, gpt-oss): `layer_types` where the config lists them, else `sliding_window` unless
+    `use_sliding_window` is off."""
+    types = getattr(arch, "layer_types", None)
+    if types:
+        return any("sliding" in str(t) for t in types)
+    return bool(getattr(arch, "sliding_window", None)) and getattr(arch, "use_sliding_window", True) is not False
+
+
+def candidates(config, chunks: int | str, needs_ring: bool, flash_importable: bool, check) -> list[str]:
+    """The backends `auto` may run: sdpa and, where flash-attn imports and the family allows it (`check(config,
+    backend, chunks)` raises ValueError otherwise), FA2; FA2 alone where a stage runs the ring (its GPU kernel) or a
+    layer has a sliding window (the sdpa path runs a window as masked query chunks, which SDPA's dispatch sends to
+    its memory-efficient kernel, the slowest the H200 measured: FA2 applies the window itself). Packed short
+    documents also reach SDPA as masked blocks (<= 512 tokens), but their attention is ~1% of a Llama-3-8B step's
+    FLOPs at 512 tokens, so the probe's plain causal call stands for where attention's time goes."""
+    ok = []
+    for backend in ("sdpa", FA2):
+        if backend == FA2 and not flash_importable:
+            continue
+        try:
+            check(config, backend, chunks)
+        except ValueError:
+            continue
+        ok.append(backend)
+    arch = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if needs_ring or windowed(arch):
+        return [FA2] if FA2 in ok else ok
+    return ok
+
+
+def call_shape(arch, sp: int, cp: int, chunks: int, seq_len: int) -> dict:
+    """One attention call of the run: the query heads a rank attends per head chunk (after the Ulysses all-to-all),
+    their KV heads, the head dim and the probe's length."""
+    nh, nkv = arch.num_attention_heads, arch.num_key_value_heads
+    hd = getattr(arch, "head_dim", None) or arch.hidden_size // nh
+    q = max(1, nh // max(1, sp // max(1, cp)) // max(1, chunks))
+    return {"heads": q, "kv_heads": max(1, q * nkv // nh), "head_dim": hd, "tokens": min(seq_len, PROBE_TOKENS)}
+
+
+def time_call(backend: str, shape: dict, dtype, rounds: int = 3) -> float:
+    """Median seconds of one causal call's forward + backward through `backend` on this GPU (after a warm-up)."""
+    import torch
+
+    b, s, h, kv, d = 1, shape["tokens"], shape["heads"], shape["kv_heads"], shape["head_dim"]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(b, s, n, d, device="cuda", dtype=dtype, generator=g).requires_grad_() for n in (h, kv, kv))
+    grad = torch.randn(b, s, h, d, device="cuda", dtype=dtype, generator=g)
+    if backend == FA2:
+        from flash_attn import flash_attn_func
+
+        def call(q, k, v):
+            return flash_attn_func(q, k, v, causal=True)
+    else:
+        import torch.nn.functional as F
+
+        def call(q, k, v):  # SDPA's own dispatch, as transformers calls it: [b, h, s, d]
+            return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                  is_causal=True, enable_gqa=kv != h).transpose(1, 2)
+    times = []
+    for i in range(rounds + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call(q, k, v).backward(grad)
+        end.record()
+        torch.cuda.synchronize()
+        if i:  # the first: the warm-up (cuDNN builds its graph)
+            times.append(start.elapsed_time(end) / 1e3)
+        q.grad = k.grad = v.grad = None
+    return statistics.median(times)
+
+
+def pick(options: list[str], shape: dict, dtype, timer: Callable[[str, dict, object], float] | None = None
+         ) -> tuple[str, dict[str, float]]:
+    """The fastest of `options` by `timer` (default time_call; one option: itself, untimed); a backend whose call
+    fails is left out."""
+    timer = timer or time_call
+    if len(options) == 1:
+        return options[0], {}
+    times = {}
+    for backend in options:
+        try:
+            times[backend] = timer(backend, shape, dtype)
+        except Exception:  # noqa: BLE001 -- a kernel that cannot run this call is not a candidate
+            continue
+        finally:
+            _release()
+    if not times:
+        return options[0], {}
+    return min(times, key=times.get), times
+
+
+def _release() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the probe's tensors, before the model is built
+
+
+def line(choice: str, times: dict[str, float], shape: dict) -> str:
+    if not times:
+        return f"attention: auto runs {choice}"
+    timed = ", ".join(f"{b} {t * 1e3:.1f} ms" for b, t in sorted(times.items(), key=lambda x: x[1]))
+    return (f"attention: auto runs {choice}, the fastest on this GPU (one causal call forward + backward at "
+            f"{shape['tokens']} tokens, {shape['heads']} head(s) of {shape['head_dim']}: {timed})")

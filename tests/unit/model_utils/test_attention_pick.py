@@ -1,0 +1,118 @@
+"""`--attn_implementation auto` on a GPU picks the attention kernel measured fastest there, not the package that is
+installed (issue 49; model_utils/attention_pick.py, training/startup.settle_attention). No GPU here: the probe's
+timer is a stand-in, the decision logic and its route through rank 0 are the real ones."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from model_utils import attention_pick as ap
+from model_utils.build import preset_config
+from model_utils.families import check_config
+
+LLAMA = preset_config("llama3-8b")
+
+
+def test_the_candidates():
+    """sdpa alone without flash-attn; both where it imports; FA2 alone for the ring or a sliding window; a family
+    FA2 cannot run (its check raises) keeps sdpa."""
+    from transformers import MistralConfig
+
+    assert ap.candidates(LLAMA, 1, False, False, check_config) == ["sdpa"]
+    assert ap.candidates(LLAMA, 1, False, True, check_config) == ["sdpa", ap.FA2]
+    assert ap.candidates(LLAMA, 1, True, True, check_config) == [ap.FA2]
+    windowed = MistralConfig(sliding_window=4096, num_hidden_layers=2)
+    assert ap.windowed(windowed) and not ap.windowed(LLAMA)
+    assert ap.candidates(windowed, 1, False, True, check_config) == [ap.FA2]
+
+    def no_flash(config, attn, chunks):
+        if attn == ap.FA2:
+            raise ValueError("attention sinks: flash-attention refused")
+
+    assert ap.candidates(LLAMA, 1, False, True, no_flash) == ["sdpa"]
+
+
+def test_the_probe_shape_is_one_call_of_the_run():
+    """Llama-3-8B (32 query heads, 8 KV, head dim 128): SP 8 in 4 head chunks is one query head a call, SP 4 with
+    cp 2 (ulysses 2) in 2 chunks is 8; the length capped at PROBE_TOKENS."""
+    a = LLAMA
+    assert ap.call_shape(a, 8, 1, 4, 1 << 20) == {"heads": 1, "kv_heads": 1, "head_dim": 128,
+                                                  "tokens": ap.PROBE_TOKENS}
+    assert ap.call_shape(a, 4, 2, 2, 4096) == {"heads": 8, "kv_heads": 2, "head_dim": 128, "tokens": 4096}
+
+
+def test_the_fastest_measured_kernel_wins():
+    times = {"sdpa": 0.010, ap.FA2: 0.016}
+    calls = []
+
+    def timer(backend, shape, dtype):
+        calls.append(backend)
+        return times[backend]
+
+    assert ap.pick(["sdpa", ap.FA2], {}, None, timer) == ("sdpa", times) and calls == ["sdpa", ap.FA2]
+    times[ap.FA2] = 0.004
+    assert ap.pick(["sdpa", ap.FA2], {}, None, timer)[0] == ap.FA2
+    assert ap.pick([ap.FA2], {}, None, timer) == (ap.FA2, {})  # one option: no probe
+
+    def fa2_fails(backend, shape, dtype):
+        if backend == ap.FA2:
+            raise RuntimeError("FlashAttention only supports Ampere GPUs or newer")
+        return 1.0
+
+    assert ap.pick(["sdpa", ap.FA2], {}, None, fa2_fails) == ("sdpa", {"sdpa": 1.0})
+
+
+class _Stage:
+    def __init__(self, ring=False, sp=8, cp=1, chunks=4, length=1 << 20):
+        self.ring_attention, self.sp, self.cp, self.attention_head_chunks, self.max_seq_length = ring, sp, cp, chunks, length
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """A GPU run with flash-attn importable, as load_run_config sees it (auto -> flash_attention_2, provisional),
+    rank 0's probe a stand-in, and comm.run_on_main recorded: rank 0 runs the probe, every rank takes its result."""
+    from training import startup
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    on_main = []
+
+    def run_on_main(fn):
+        on_main.append(fn)
+        return fn()
+
+    monkeypatch.setattr(startup.comm, "run_on_main", run_on_main)
+    monkeypatch.setattr(startup, "print0", lambda line: on_main.append(line))
+    times = {"sdpa": 0.010, ap.FA2: 0.016}  # the H200's order: cuDNN through SDPA ahead of FlashAttention-2
+    monkeypatch.setattr(ap, "time_call", lambda backend, shape, dtype, rounds=3: times[backend])
+    from training.config import parse_config
+
+    model = startup.Model(LLAMA, ap.FA2, True)
+    return startup, parse_config(["--model_name_or_path", "llama3-8b"]), model, on_main, times
+
+
+def test_auto_runs_the_faster_kernel_and_every_rank_takes_rank_0s_pick(gpu):
+    """Before, auto ran FA2 whenever flash-attn imported (settle_attention did not exist: this is the line that
+    failed); now the faster measured call, decided inside comm.run_on_main (rank 0's probe, one decision)."""
+    startup, cfg, model, on_main, times = gpu
+    settled = startup.settle_attention(cfg, model, [_Stage()])
+    assert settled.attn == "sdpa" and dataclasses.replace(settled, attn=ap.FA2) == model
+    assert callable(on_main[0]) and on_main[1].startswith("attention: auto runs sdpa, the fastest on this GPU")
+    assert "sdpa 10.0 ms, flash_attention_2 16.0 ms" in on_main[1] and "1 head(s) of 128" in on_main[1]
+    times[ap.FA2] = 0.004
+    assert startup.settle_attention(cfg, model, [_Stage()]).attn == ap.FA2
+
+
+def test_no_probe_where_the_choice_is_made_already(gpu):
+    """An explicit backend stays; a stage with the ring keeps FA2, unprobed; no GPU: unchanged."""
+    startup, cfg, model, on_main, _ = gpu
+    from training.config import parse_config
+
+    explicit = parse_config(["--model_name_or_path", "llama3-8b", "--attn_implementation", ap.FA2])
+    assert startup.settle_attention(explicit, model, [_Stage()]) is model
+    assert startup.settle_attention(cfg, model, [_Stage(), _Stage(ring=True, cp=2)]).attn == ap.FA2
+    assert on_main == []
+    sdpa_model = dataclasses.replace(model, attn="sdpa")  # flash-attn not installed: load_run_config chose sdpa
+    assert startup.settle_attention(cfg, sdpa_model, [_Stage()]) is sdpa_model
