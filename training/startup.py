@@ -83,24 +83,36 @@ def dry_run(cfg: Config, model: Model) -> None:
 
 
 def settle_attention(cfg: Config, model: Model, stages: list[Stage]) -> Model:
-    """`--attn_implementation auto` on a GPU with flash-attn installed: the backend measured fastest on rank 0's GPU
-    at the first stage's call shape, every rank taking rank 0's pick (model_utils/attention_pick.py); FA2 where a
-    stage runs the ring. Anything else: `model` as load_run_config chose it."""
-    if cfg.attn_implementation != "auto" or not torch.cuda.is_available() or model.attn != "flash_attention_2":
+    """`--attn_implementation auto` on a GPU: rank 0 decides for every rank (comm.run_on_main, on every GPU rank alike,
+    whatever its own node has): with flash-attn importable there, the backend measured fastest on its GPU at the first
+    stage's call shape, FA2 unprobed where a stage runs the ring or a layer has a window (model_utils/
+    attention_pick.py); else sdpa. A rank told FA2 whose own node cannot import flash-attn stops in one line. Anything
+    else: `model` as load_run_config chose it."""
+    if cfg.attn_implementation != "auto" or not torch.cuda.is_available():
         return model
-    from model_utils import attention_pick
+    from model_utils import attention_pick as ap
 
-    first = stages[0]
-    options = attention_pick.candidates(model.config, first.attention_head_chunks or 1,
-                                        any(s.ring_attention for s in stages), True, check_config)
-    shape = attention_pick.call_shape(model.arch, first.sp, int(first.cp or 1), int(first.attention_head_chunks or 1),
-                                      first.max_seq_length)
-    dtype = torch.bfloat16 if model.bf16 else torch.float16
-    if len(options) <= 1:  # nothing to measure (the ring, a window, a family with one of them): no probe
-        return dataclasses.replace(model, attn=options[0]) if options else model
-    choice, times = comm.run_on_main(lambda: attention_pick.pick(options, shape, dtype))
-    print0(attention_pick.line(choice, times, shape))
-    return dataclasses.replace(model, attn=choice)
+    def decide():  # rank 0: its flash-attn, its stages, its GPU
+        if model.attn != ap.FA2:  # flash-attn does not import here: nothing to choose from
+            return model.attn, {}, {}
+        first = stages[0]
+        options = ap.candidates(model.config, first.attention_head_chunks or 1, any(s.ring_attention for s in stages),
+                                True, check_config)
+        if len(options) <= 1:  # nothing to measure (the ring, a window, a family with one of them): no probe
+            return (options[0] if options else model.attn), {}, {}
+        shape = ap.call_shape(model.arch, first.sp, int(first.cp or 1), int(first.attention_head_chunks or 1),
+                              first.max_seq_length)
+        return (*ap.pick(options, shape, torch.bfloat16 if model.bf16 else torch.float16), shape)
+
+    choice, times, shape = comm.run_on_main(decide)
+    if times:
+        print0(ap.line(choice, times, shape))
+    if choice == ap.FA2 and model.attn != ap.FA2:
+        import socket
+
+        raise ValueError(f"--attn_implementation auto: rank 0 runs {ap.FA2}, but flash-attn does not import on "
+                         f"{socket.gethostname()}: install it on every node, or pass --attn_implementation sdpa")
+    return model if choice == model.attn else dataclasses.replace(model, attn=choice)
 
 
 def start_distributed(cfg: Config, model: Model) -> tuple[ParallelDims, list[Stage], Model]:

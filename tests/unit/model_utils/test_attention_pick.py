@@ -73,46 +73,64 @@ class _Stage:
 @pytest.fixture
 def gpu(monkeypatch):
     """A GPU run with flash-attn importable, as load_run_config sees it (auto -> flash_attention_2, provisional),
-    rank 0's probe a stand-in, and comm.run_on_main recorded: rank 0 runs the probe, every rank takes its result."""
+    rank 0's probe a stand-in, and comm.run_on_main a stand-in for the broadcast: it runs `fn` as rank 0 would, or
+    hands back `rank0[0]` (what rank 0 decided on its node) when a test sets it."""
     from training import startup
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    on_main = []
+    said, rank0 = [], []
 
     def run_on_main(fn):
-        on_main.append(fn)
-        return fn()
+        said.append(fn)
+        return rank0[0] if rank0 else fn()
 
     monkeypatch.setattr(startup.comm, "run_on_main", run_on_main)
-    monkeypatch.setattr(startup, "print0", lambda line: on_main.append(line))
+    monkeypatch.setattr(startup, "print0", lambda line: said.append(line))
     times = {"sdpa": 0.010, ap.FA2: 0.016}  # the H200's order: cuDNN through SDPA ahead of FlashAttention-2
     monkeypatch.setattr(ap, "time_call", lambda backend, shape, dtype, rounds=3: times[backend])
     from training.config import parse_config
 
     model = startup.Model(LLAMA, ap.FA2, True)
-    return startup, parse_config(["--model_name_or_path", "llama3-8b"]), model, on_main, times
+    return startup, parse_config(["--model_name_or_path", "llama3-8b"]), model, said, times, rank0
 
 
 def test_auto_runs_the_faster_kernel_and_every_rank_takes_rank_0s_pick(gpu):
     """Before, auto ran FA2 whenever flash-attn imported (settle_attention did not exist: this is the line that
     failed); now the faster measured call, decided inside comm.run_on_main (rank 0's probe, one decision)."""
-    startup, cfg, model, on_main, times = gpu
+    startup, cfg, model, said, times, rank0 = gpu
     settled = startup.settle_attention(cfg, model, [_Stage()])
     assert settled.attn == "sdpa" and dataclasses.replace(settled, attn=ap.FA2) == model
-    assert callable(on_main[0]) and on_main[1].startswith("attention: auto runs sdpa, the fastest on this GPU")
-    assert "sdpa 10.0 ms, flash_attention_2 16.0 ms" in on_main[1] and "1 head(s) of 128" in on_main[1]
+    assert callable(said[0]) and said[1].startswith("attention: auto runs sdpa, the fastest on this GPU")
+    assert "sdpa 10.0 ms, flash_attention_2 16.0 ms" in said[1] and "1 head(s) of 128" in said[1]
     times[ap.FA2] = 0.004
     assert startup.settle_attention(cfg, model, [_Stage()]).attn == ap.FA2
+    # a rank whose own probe would say otherwise takes rank 0's pick (the broadcast's result, not its own clock)
+    rank0.append(("sdpa", {"sdpa": 0.01, ap.FA2: 0.02}, ap.call_shape(LLAMA, 8, 1, 4, 1 << 20)))
+    assert startup.settle_attention(cfg, model, [_Stage()]).attn == "sdpa"
 
 
-def test_no_probe_where_the_choice_is_made_already(gpu):
-    """An explicit backend stays; a stage with the ring keeps FA2, unprobed; no GPU: unchanged."""
-    startup, cfg, model, on_main, _ = gpu
+def test_every_gpu_rank_joins_the_decision_and_a_node_without_flash_attn_is_one_line(gpu):
+    """Control flow is the same on every GPU rank: a rank whose node lacks flash-attn (load_run_config chose sdpa
+    there) still joins rank 0's broadcast (else rank 0 would wait in it), and takes sdpa when rank 0 does; told FA2, it
+    stops in one line naming its host."""
+    startup, cfg, model, said, _, rank0 = gpu
+    no_flash = dataclasses.replace(model, attn="sdpa")
+    assert startup.settle_attention(cfg, no_flash, [_Stage()]) == no_flash and callable(said[0])
+    rank0.append((ap.FA2, {"sdpa": 0.02, ap.FA2: 0.01}, ap.call_shape(LLAMA, 8, 1, 4, 1 << 20)))
+    with pytest.raises(ValueError, match=r"rank 0 runs flash_attention_2, but flash-attn does not import on .*: "
+                                         r"install it on every node, or pass --attn_implementation sdpa"):
+        startup.settle_attention(cfg, no_flash, [_Stage()])
+
+
+def test_no_probe_where_the_choice_is_made_already(gpu, monkeypatch):
+    """An explicit backend stays (no broadcast); a stage with the ring keeps FA2, unprobed; no GPU: unchanged."""
+    startup, cfg, model, said, _, _ = gpu
     from training.config import parse_config
 
     explicit = parse_config(["--model_name_or_path", "llama3-8b", "--attn_implementation", ap.FA2])
-    assert startup.settle_attention(explicit, model, [_Stage()]) is model
+    assert startup.settle_attention(explicit, model, [_Stage()]) is model and said == []
     assert startup.settle_attention(cfg, model, [_Stage(), _Stage(ring=True, cp=2)]).attn == ap.FA2
-    assert on_main == []
-    sdpa_model = dataclasses.replace(model, attn="sdpa")  # flash-attn not installed: load_run_config chose sdpa
-    assert startup.settle_attention(cfg, sdpa_model, [_Stage()]) is sdpa_model
+    assert [x for x in said if isinstance(x, str)] == []  # decided, not probed: no timing line
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    n = len(said)
+    assert startup.settle_attention(cfg, model, [_Stage()]) is model and len(said) == n  # CPU: no broadcast
