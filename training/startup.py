@@ -95,6 +95,8 @@ def settle_attention(cfg: Config, model: Model, stages: list[Stage]) -> Model:
     def decide():  # rank 0: its flash-attn, its stages, its GPU
         if model.attn != ap.FA2:  # flash-attn does not import here: nothing to choose from
             return model.attn, {}, {}
+        if not (model.bf16 or cfg.fp16):  # an fp32 run: flash-attn has no fp32 kernel
+            return "sdpa", {}, {}
         first = stages[0]
         options = ap.candidates(model.config, first.attention_head_chunks or 1, any(s.ring_attention for s in stages),
                                 True, check_config)

@@ -130,6 +130,8 @@ def test_no_probe_where_the_choice_is_made_already(gpu, monkeypatch):
     explicit = parse_config(["--model_name_or_path", "llama3-8b", "--attn_implementation", ap.FA2])
     assert startup.settle_attention(explicit, model, [_Stage()]) is model and said == []
     assert startup.settle_attention(cfg, model, [_Stage(), _Stage(ring=True, cp=2)]).attn == ap.FA2
+    fp32 = dataclasses.replace(model, bf16=False)  # flash-attn has no fp32 kernel (the old auto ran FA2 there too)
+    assert startup.settle_attention(cfg, fp32, [_Stage()]).attn == "sdpa"
     assert [x for x in said if isinstance(x, str)] == []  # decided, not probed: no timing line
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     n = len(said)
