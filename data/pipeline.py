@@ -205,6 +205,24 @@ class RunData:
             raise ValueError(f"{where}: conversations are packed with document masking, which restarts positions: "
                              "drop --reset_position_ids no")
 
+    def short_chat_heldout(self, stage) -> str:
+        """A warning when an SFT stage's held-out conversation loss has fewer samples than its eval asks: the held-out
+        documents are spread over the whole stream, so in a folder of mostly text its conversations get their share of
+        them, few or none (the loss is then reported as none, never 0.0). '' when it has them all."""
+        asked = heldout_samples(getattr(stage, "eval", None) or {})
+        if getattr(stage, "kind", "text") != "sft" or self.mask is None or not asked:
+            return ""
+        got = len(self.heldout(stage.max_seq_length, asked, sft=True))
+        if got >= asked:
+            return ""
+        p, held = self.prepared, self.held
+        convs = len(chat_documents(self.mask, p.starts[held] + self.cut[held], p.lens[held] - self.cut[held]))
+        return (f"warning: stage {stage.index} ({stage.name}) kind sft: {got} of the {asked} held-out conversation "
+                f"samples its eval asks at {stage.max_seq_length} (the {len(held)} held-out documents, spread over the "
+                f"whole folder, hold {convs} conversation(s)): its held-out conversation loss is "
+                + ("none" if not got else f"over {got} sample(s)")
+                + "; score held-out chats with scripts/evaluate.py RUN --heldout CHATS.jsonl")
+
     def mixture(self, stage) -> MixtureDataset | None:
         comps = parse_mixture(getattr(stage, "data", None), f"stage {stage.index} ({stage.name}) data")
         if comps is None:
@@ -331,6 +349,9 @@ def open_run_data(dataset_path: str | None, tokenizer_path: str | None, model_vo
     data = RunData(prepared, cut, held, tokenizer, reset_position_ids, mask_cross_document_labels)
     for s in stages:
         data.check_sft(s)  # an SFT stage on a folder without chat documents
+        short = data.short_chat_heldout(s)
+        if short:
+            print0(short)
         data.mixture(s)  # a bad or empty mixture component stops the run here, before the model is built
         check_tasks(s, tokenizer)  # so does a bad `tasks:` (unknown task, fractions, too short a length)
         for n in parse_replay(getattr(s, "replay", None), s.max_seq_length, f"stage {s.index} ({s.name}) replay"):
