@@ -204,6 +204,26 @@ def test_a_node_slow_to_start_is_excluded_only_on_evidence(tmp_path, start):
         assert starts.read_text() == "localhost 2\n" and node_lines(tmp_path, 1) == [], texts
 
 
+def test_a_node_whose_container_fails_to_start_is_requeued_then_excluded(tmp_path):
+    """Issue 48's residual: node 1's task never begins because slurmstepd cannot start it (the srun stand-in's
+    SRUN_FAIL_1: pyxis' "couldn't start container", srun's "task 1: Exited with exit code 1", as NVIDIA/pyxis#61
+    shows), so --kill-on-bad-exit ends node 0 (SIGTERM, 143) before node 0 could call node 1 absent. Two attempts in
+    a row: the first is requeued as it is (a registry's hiccup passes), the second without node 1. Before, the job
+    failed with 143 at the first attempt ("failed with 143: not requeueing"): neither a retry nor an exclusion."""
+    env = dict(TWO_NODES, SRUN_FAIL_1="1", FAKE_EXIT_0="wait", FAKE_EXIT_AFTER="143")
+    texts = []
+    for restart in (0, 1):
+        job = sbatch(tmp_path, "0", ["--output_dir", str(tmp_path / "out")], SLURM_RESTART_COUNT=str(restart), **env)
+        texts.append(job.communicate(timeout=60)[0])
+        assert job.returncode == 0, texts[-1]
+        assert requeues(tmp_path) == ["requeue 4242"] * (restart + 1) + (
+            ["update JobId=4242 ExcNodeList=localhost"] if restart == 1 else []), texts
+    assert "couldn't start container" in texts[0] and "task 1: Exited with exit code 1" in texts[0], texts[0]
+    assert "node(s) 1 (localhost) never started" in texts[0] and "not excluded for a first time" in texts[0], texts[0]
+    assert "in 2 attempts in a row: excluded" in texts[1], texts[1]
+    assert "got SIGTERM" in node_lines(tmp_path, 0) and node_lines(tmp_path, 1) == [], texts
+
+
 def test_a_start_clears_a_nodes_start_miss(tmp_path):
     """Misses count in a row: node 1 (localhost) missed the start once in an earlier attempt; this attempt it starts
     (both nodes save and exit 75): its miss is forgotten, so a later miss is a first one again, not an exclusion."""
