@@ -10,7 +10,7 @@ this checkout's planner predicts for that configuration and length, recomputed h
 arithmetic as bench/gpu_compare.planner_phases, which tests/unit/planner/test_plan_vs_run.py holds it to), the
 ratio, the planner's figure as recorded with the run, and whether the planner's figure is FITTED to this run or
 predicted OUT OF SAMPLE; then the host (pinned blocks, arena, peak RSS) and the step time the same way.
-docs/memory_model.md's out-of-sample table is this output (scripts/doc_figures.py regenerates it). A file without
+docs/memory_model_checks.md's out-of-sample table is this output (scripts/doc_figures.py regenerates it). A file without
 the section, or a section with nothing measured, is refused in one line.
 """
 
@@ -39,7 +39,7 @@ from planner.step_time import MEASURED, measured_mfu, step_time
 
 GiB = 2**30
 # The run the planner's per-phase GPU terms (and ZeRO-3's pinned requests) were fitted to: the H200 run of
-# 2026-11-27 (docs/memory_model.md: 1,048,576 tokens, 2 layers, one checkpointed, 16 head chunks, only the optimizer
+# 2026-11-27 (docs/memory_model_checks.md: 1,048,576 tokens, 2 layers, one checkpointed, 16 head chunks, only the optimizer
 # offloaded). A memory row is "fitted" only against that configuration; any other run tests them out of sample.
 MEMORY_FIT = {"length": 1_048_576, "checkpoint_every": 2, "attention_head_chunks": 16, "offload_params": False}
 # bench/gpu.py's saved model (save_model: Llama-3-8B's width and vocabulary, N decoder layers); the JSON names the

@@ -1,6 +1,6 @@
 """The docs quote only current figures (issue 49): every block a command generates (scripts/doc_figures.py's
 markers: plan.py --compare's tables in docs/results/memory.md, the measured headline run against the planner
-now in docs/memory_model.md) equals the command's output now, and no length is
+now in docs/memory_model_checks.md) equals the command's output now, and no length is
 claimed in bold prose that no generated block holds. A planner change that moves a figure fails here until
 `python scripts/doc_figures.py` is run."""
 
@@ -24,8 +24,8 @@ def test_every_generated_block_is_current_and_no_bold_length_is_stale():
     # the tables issue 49 made generated: plan.py --compare's, the ALST cross-check and the measured headline run
     # against the planner now (scripts/plan_vs_run.py), none of them empty
     assert {("docs/results/memory.md", "python scripts/plan.py --compare"),
-            ("docs/memory_model.md", "python scripts/plan.py --alst_check"),
-            ("docs/memory_model.md", "python scripts/plan_vs_run.py bench/results/gpu.json")} <= set(blocks)
+            ("docs/memory_model_checks.md", "python scripts/plan.py --alst_check"),
+            ("docs/memory_model_checks.md", "python scripts/plan_vs_run.py bench/results/gpu.json")} <= set(blocks)
     assert all("|---|" in out for out in blocks.values())
 
 
