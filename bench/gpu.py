@@ -13,7 +13,8 @@ GPU), and caps the allocator at an H100's memory (`--cap_gib`, default 78.5 GiB 
 its CUDA context), so an H200 answers as an H100 would.
 - kernels, arena (bench/gpu_kernels.py, issue 49, ~40 s, after the headline): the headline's attention call (one head chunk, bf16, at
   its length) timed through SDPA's default, forced flash / cuDNN / memory-efficient backends and FA2 where
-  installed, with the kernels' names; the host arena's registration time per GiB and copy rate.
+  installed, with the kernels' names; then `--attn_implementation auto`'s own probe (model_utils/attention_pick.py,
+  `auto_attention`: what auto would run here, ~2 s); the host arena's registration time per GiB and copy rate.
 - headline (issue 49, first): the 1-GPU headline's configuration itself, pinned: every layer
   checkpointed with its checkpoint offloaded, tiled MLP and logits, parameters and optimizer offloaded, the
   largest head-chunk count (32), at the planner's longest length under `--gpu_mem_gb 80` (the run's own start-up
@@ -305,6 +306,31 @@ def main(argv: list[str] | None = None) -> int:
             return rows
 
         rec.put("kernels", guarded(rec, "kernels", run_kernels))
+
+        def run_auto_pick():  # what `--attn_implementation auto` would run at the headline's call, by its own probe
+            from model_utils import attention_pick as ap
+            from planner.attention_sp import chunk_heads
+            from planner.memory_model import load_shape
+
+            if device != "cuda":
+                return {"skipped": "no CUDA: the probe times GPU kernels"}
+            shape = load_shape(model())
+            hq, hkv = chunk_heads(shape.num_heads, shape.num_kv_heads, chunks())
+            call = {"heads": hq, "kv_heads": hkv, "head_dim": shape.head_dim, "tokens": ap.PROBE_TOKENS}
+            try:
+                import flash_attn  # noqa: F401
+
+                options = ["sdpa", ap.FA2]
+            except ImportError:
+                options = ["sdpa"]
+            import torch
+
+            times = {b: ap.time_call(b, call, torch.bfloat16) for b in options}  # timed even alone: the probe runs
+            choice = min(times, key=times.get)
+            rec.say(ap.line(choice, times, call))
+            return {"choice": choice, "seconds": times, "call": call}
+
+        rec.put("auto_attention", guarded(rec, "auto_attention", run_auto_pick))
         page_now()
     elif "kernels" in sections:
         skipped.append("kernels")

@@ -142,6 +142,13 @@ def _kernels(data: dict) -> list[str]:
             else:
                 lines.append(f"| {r['backend']} | - | failed: {r['error']} | | | | | |")
         lines.append("")
+    auto = data.get("auto_attention")
+    if auto and auto.get("choice"):
+        c = auto["call"]
+        lines += [f"`--attn_implementation auto`'s own probe (model_utils/attention_pick.py: one causal call forward + "
+                  f"backward at {c['tokens']:,} tokens, {c['heads']} head(s), median of 3): "
+                  + ", ".join(f"{b} {t * 1e3:.1f} ms" for b, t in sorted(auto["seconds"].items(), key=lambda x: x[1]))
+                  + f"; it runs **{auto['choice']}**.", ""]
     ar = data.get("arena")
     if ar:
         lines += ["## Host arena on this machine (base/host_arena.py)", "",

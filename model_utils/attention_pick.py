@@ -86,9 +86,10 @@ def time_call(backend: str, shape: dict, dtype, rounds: int = 3) -> float:
     else:
         import torch.nn.functional as F
 
-        def call(q, k, v):  # SDPA's own dispatch, as transformers calls it: [b, h, s, d]
-            return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                  is_causal=True, enable_gqa=kv != h).transpose(1, 2)
+        def call(q, k, v):  # SDPA's own dispatch, as transformers' sdpa path hands it: [b, h, s, d], KV heads repeated
+            k, v = (x.transpose(1, 2).repeat_interleave(h // kv, dim=1) if kv != h else x.transpose(1, 2)
+                    for x in (k, v))
+            return F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True).transpose(1, 2)
     times = []
     for i in range(rounds + 1):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -62,6 +62,7 @@ def test_gpu_check_dry_run(tmp_path):
     (k,) = data["kernels"]
     assert k["ok"] and k["backend"] == "sdpa default" and k["dispatch_at_length"] and k["length"] == 1536
     assert data["arena"]["path"] == "pageable" and "register_s" in data["arena"]["rows"][0]
+    assert data["auto_attention"] == {"skipped": "no CUDA: the probe times GPU kernels"}  # a GPU times auto's probe
     assert [r["backend"] for r in data["parity"]] == ["sdpa"] and data["parity"][0]["ok"]
     # the check can see a bug: attention across documents is far outside the tolerance
     assert data["parity"][0]["wrong_rel_err"] > 100 * data["parity"][0]["loss_tol"]
@@ -158,6 +159,20 @@ def test_gpu_check_flags_and_host_figures():
     assert "| **1.2** (the planner's next fix) |" in text and "| 1.05 |" in text
     assert "tiled_mlp 2 / 2," in text and "norm_recompute 1 / 3 **NOT ENGAGED**" in text
     assert "_gib(" not in text and "num_host_alloc 3" in text
+
+
+def test_the_page_says_what_auto_attention_runs():
+    """The GPU check times `--attn_implementation auto`'s own probe (model_utils/attention_pick.py) at the headline's
+    call; the page names each backend's time and the pick."""
+    from bench.gpu_page import render
+
+    row = {"backend": "sdpa default", "length": 1048576, "heads": 1, "head_dim": 128, "dtype": "bfloat16", "ok": True,
+           "forward_s": 0.6, "forward_tflops": 455.8, "backward_s": 1.3, "backward_tflops": 545.2, "kernels": []}
+    auto = {"choice": "sdpa", "seconds": {"sdpa": 0.0021, "flash_attention_2": 0.0034},
+            "call": {"heads": 1, "kv_heads": 1, "head_dim": 128, "tokens": 32768}}
+    text = render({"environment": {"device": "NVIDIA H200"}, "kernels": [row], "auto_attention": auto})
+    assert ("own probe (model_utils/attention_pick.py: one causal call forward + backward at 32,768 tokens, 1 head(s), "
+            "median of 3): sdpa 2.1 ms, flash_attention_2 3.4 ms; it runs **sdpa**.") in text, text
 
 
 def test_gpu_check_compares_the_host_arena_and_flags_its_fallback():
