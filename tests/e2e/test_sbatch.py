@@ -182,7 +182,7 @@ def test_a_node_slow_to_start_is_excluded_only_on_evidence(tmp_path, start):
     task starts 1 s late and its launcher runs (its ranks still importing from a cold file system): never excluded.
     `never`: node 1's task never begins (the srun stand-in holds it 60 s, an image pull; the step ends first): a
     first time is not excluded, the second attempt in a row is. Both used to exclude node 1 at the first attempt."""
-    env = dict(TWO_NODES, FAKE_EXIT_0="69", FAKE_ABSENT="1")
+    env = dict(TWO_NODES, FAKE_EXIT_0="69", FAKE_ABSENT="1", STATE_SETTLE_S="2")  # node 1's start looked for 2 s
     if start == "late":
         env.update(SRUN_DELAY_1="1", FAKE_EXIT_1="wait", FAKE_EXIT_AFTER="69", FAKE_AFTER_READY="1")
     else:
@@ -210,7 +210,7 @@ def test_a_node_whose_container_fails_to_start_is_requeued_then_excluded(tmp_pat
     shows), so --kill-on-bad-exit ends node 0 (SIGTERM, 143) before node 0 could call node 1 absent. Two attempts in
     a row: the first is requeued as it is (a registry's hiccup passes), the second without node 1. Before, the job
     failed with 143 at the first attempt ("failed with 143: not requeueing"): neither a retry nor an exclusion."""
-    env = dict(TWO_NODES, SRUN_FAIL_1="1", FAKE_EXIT_0="wait", FAKE_EXIT_AFTER="143")
+    env = dict(TWO_NODES, SRUN_FAIL_1="1", FAKE_EXIT_0="wait", FAKE_EXIT_AFTER="143", STATE_SETTLE_S="2")
     texts = []
     for restart in (0, 1):
         job = sbatch(tmp_path, "0", ["--output_dir", str(tmp_path / "out")], SLURM_RESTART_COUNT=str(restart), **env)
