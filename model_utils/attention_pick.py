@@ -22,8 +22,12 @@ out and their gradients at PROBE_TOKENS (32 MiB a tensor at 4 heads of 128). The
 
 from __future__ import annotations
 
+import socket
 import statistics
 from collections.abc import Callable
+
+from base import comm
+from base.log import print0
 
 PROBE_TOKENS = 32768
 FA2 = "flash_attention_2"
@@ -136,3 +140,34 @@ def line(choice: str, times: dict[str, float], shape: dict) -> str:
     timed = ", ".join(f"{b} {t * 1e3:.1f} ms" for b, t in sorted(times.items(), key=lambda x: x[1]))
     return (f"attention: auto runs {choice}, the fastest on this GPU (one causal call forward + backward at "
             f"{shape['tokens']} tokens, {shape['heads']} head(s) of {shape['head_dim']}: {timed})")
+
+
+def settle(provisional: str, config, *, chunks: int, ring: bool, sp: int, cp: int, seq_len: int, half: str | None,
+           check) -> str:
+    """`--attn_implementation auto` on a GPU, once process groups exist: rank 0 decides for every rank
+    (comm.run_on_main, joined by every GPU rank whatever its own node has). `provisional`: what pick_attn_implementation
+    gave on this rank (FA2 where flash-attn imports); `half`: "bf16" / "fp16", None for an fp32 run (flash-attn has no
+    fp32 kernel); `chunks`, `sp`, `cp`, `seq_len`: the call the probe times (the first stage's, train.py); `ring`: some
+    stage runs the ring. Rank 0 without flash-attn: sdpa, untimed; with it: candidates() timed by pick(). A rank told
+    FA2 whose node cannot import flash-attn: one-line ValueError naming its host. Returns the backend to run."""
+    import torch
+
+    def decide():  # rank 0: its flash-attn, its layout, its GPU
+        if provisional != FA2:  # flash-attn does not import here: nothing to choose from
+            return provisional, {}, {}
+        if half is None:
+            return "sdpa", {}, {}
+        options = candidates(config, chunks, ring, True, check)
+        if len(options) <= 1:  # nothing to measure (the ring, a window, a family with one of them): no probe
+            return (options[0] if options else provisional), {}, {}
+        arch = config.get_text_config() if hasattr(config, "get_text_config") else config
+        shape = call_shape(arch, sp, cp, chunks, seq_len)
+        return (*pick(options, shape, torch.bfloat16 if half == "bf16" else torch.float16), shape)
+
+    choice, times, shape = comm.run_on_main(decide)
+    if times:
+        print0(line(choice, times, shape))
+    if choice == FA2 and provisional != FA2:
+        raise ValueError(f"--attn_implementation auto: rank 0 runs {FA2}, but flash-attn does not import on "
+                         f"{socket.gethostname()}: install it on every node, or pass --attn_implementation sdpa")
+    return choice

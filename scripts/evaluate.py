@@ -392,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     dims = init_distributed(a.sequence_parallel_size, a.dist_timeout_s)
     set_main(dims.is_main)
     open_rank_log(a.output_dir, dims.rank)
+    settle = a.attn_implementation == "auto" and torch.cuda.is_available()  # the kernel measured fastest here
     sources = []
     for path, rope in zip(filter(None, (a.model, a.compare)), s["ropes"]):
         src = comm.run_on_main(lambda p=path: describe(p, a.tokenizer))  # rank 0 reads; every rank the same answer
@@ -407,6 +408,13 @@ def main(argv: list[str] | None = None) -> int:
         else:
             config = load_hf_config(src["path"])
         apply_rope(config, rope, max(s["lengths"]))  # and the position table holds the longest length
+        if settle:  # once, at the first model's call (train.py's start-up does the same: model_utils/attention_pick)
+            from model_utils import attention_pick
+            from model_utils.families import check_config
+
+            attn = attention_pick.settle(attn, config, chunks=1, ring=False, sp=dims.sp, cp=1, seq_len=max(s["lengths"]),
+                                         half="bf16" if bf16 else None, check=check_config)
+            settle = False
         src.update(hf_config=config, attn=attn, bf16=bf16)
         check_source(src, a, s, world, rope)
         sources.append(src)

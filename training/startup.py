@@ -83,37 +83,18 @@ def dry_run(cfg: Config, model: Model) -> None:
 
 
 def settle_attention(cfg: Config, model: Model, stages: list[Stage]) -> Model:
-    """`--attn_implementation auto` on a GPU: rank 0 decides for every rank (comm.run_on_main, on every GPU rank alike,
-    whatever its own node has): with flash-attn importable there, the backend measured fastest on its GPU at the first
-    stage's call shape, FA2 unprobed where a stage runs the ring or a layer has a window (model_utils/
-    attention_pick.py); else sdpa. A rank told FA2 whose own node cannot import flash-attn stops in one line. Anything
-    else: `model` as load_run_config chose it."""
+    """`--attn_implementation auto` on a GPU: the backend rank 0 measures fastest at the first stage's call, FA2 where a
+    stage runs the ring or a layer has a window, one decision for every rank (model_utils/attention_pick.settle).
+    Anything else: `model` as load_run_config chose it."""
     if cfg.attn_implementation != "auto" or not torch.cuda.is_available():
         return model
     from model_utils import attention_pick as ap
 
-    def decide():  # rank 0: its flash-attn, its stages, its GPU
-        if model.attn != ap.FA2:  # flash-attn does not import here: nothing to choose from
-            return model.attn, {}, {}
-        if not (model.bf16 or cfg.fp16):  # an fp32 run: flash-attn has no fp32 kernel
-            return "sdpa", {}, {}
-        first = stages[0]
-        options = ap.candidates(model.config, first.attention_head_chunks or 1, any(s.ring_attention for s in stages),
-                                True, check_config)
-        if len(options) <= 1:  # nothing to measure (the ring, a window, a family with one of them): no probe
-            return (options[0] if options else model.attn), {}, {}
-        shape = ap.call_shape(model.arch, first.sp, int(first.cp or 1), int(first.attention_head_chunks or 1),
-                              first.max_seq_length)
-        return (*ap.pick(options, shape, torch.bfloat16 if model.bf16 else torch.float16), shape)
-
-    choice, times, shape = comm.run_on_main(decide)
-    if times:
-        print0(ap.line(choice, times, shape))
-    if choice == ap.FA2 and model.attn != ap.FA2:
-        import socket
-
-        raise ValueError(f"--attn_implementation auto: rank 0 runs {ap.FA2}, but flash-attn does not import on "
-                         f"{socket.gethostname()}: install it on every node, or pass --attn_implementation sdpa")
+    first = stages[0]
+    chunks = int(first.attention_head_chunks or 1)
+    choice = ap.settle(model.attn, model.config, chunks=chunks, ring=any(s.ring_attention for s in stages),
+                       sp=first.sp, cp=int(first.cp or 1), seq_len=first.max_seq_length, check=check_config,
+                       half="fp16" if cfg.fp16 else "bf16" if model.bf16 else None)
     return model if choice == model.attn else dataclasses.replace(model, attn=choice)
 
 

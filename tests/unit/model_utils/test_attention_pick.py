@@ -84,8 +84,8 @@ def gpu(monkeypatch):
         said.append(fn)
         return rank0[0] if rank0 else fn()
 
-    monkeypatch.setattr(startup.comm, "run_on_main", run_on_main)
-    monkeypatch.setattr(startup, "print0", lambda line: said.append(line))
+    monkeypatch.setattr(ap.comm, "run_on_main", run_on_main)
+    monkeypatch.setattr(ap, "print0", lambda line: said.append(line))
     times = {"sdpa": 0.010, ap.FA2: 0.016}  # the H200's order: cuDNN through SDPA ahead of FlashAttention-2
     monkeypatch.setattr(ap, "time_call", lambda backend, shape, dtype, rounds=3: times[backend])
     from training.config import parse_config
