@@ -155,3 +155,23 @@ def test_a_launcher_whose_ranks_read_the_reason_does_not_wait_for_a_store_that_h
     t0 = time.monotonic()
     assert node_store.main(args) == 1 and 1.0 <= time.monotonic() - t0 < 3
     assert "could not post the failure (nothing answers on 127.0.0.1:" in capsys.readouterr().err
+
+
+def test_a_store_that_starts_late_is_still_reached():
+    """Why a launcher that knows nothing of the store still waits CONNECT_S: node 0's store may start after another
+    node's ranks died at their import (a cold file system on node 0). A listener that appears 1 s into the wait is
+    reached; the wait ends when it answers, not at its bound."""
+    import threading
+    import time
+
+    from base.comm import TCPStore
+    from tests.distributed import free_port
+
+    port, servers = free_port(), []
+    late = threading.Timer(1.0, lambda: servers.append(TCPStore("127.0.0.1", port, is_master=True,
+                                                                wait_for_workers=False)))
+    late.start()
+    t0 = time.monotonic()
+    assert node_store.reachable("127.0.0.1", port, 10.0) and 0.9 <= time.monotonic() - t0 < 5
+    late.join(10)  # (the store listens inside its constructor: reached before the constructor returns)
+    assert servers
