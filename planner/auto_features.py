@@ -179,6 +179,24 @@ def head_chunk_seconds(shape: ModelShape, seq_len: int, sp: int, f: Features, pr
     return t
 
 
+def recompute_flops(shape: ModelShape, seq_len: int, f: Features, layer_params: int) -> tuple[float, float]:
+    """FLOPs the memory features of `f` add to one sequence's step: (matmuls, causal attention forward). A
+    checkpointed layer's forward again (`layer_params` weights a token multiplies by; its attention too unless
+    `keep_attention`), a tiled MLP's forward in its backward, tiled logits' forward. step_seconds passes
+    layer_params() (every expert of an MoE layer), planner/mfu_bound active_layer_params() (the routed ones)."""
+    s, L = seq_len, shape.num_layers
+    matmul = attention = 0.0
+    if f.every:
+        recomputed = math.ceil(L / f.every)
+        matmul += recomputed * 2.0 * layer_params * s
+        attention += 0.0 if f.keep_attention else recomputed * 2.0 * shape.num_heads * shape.head_dim * s * s
+    if f.tiled_mlp:
+        matmul += L * 2.0 * 3 * shape.hidden_size * shape.intermediate_size * s
+    if f.tiled_logits:
+        matmul += 2.0 * shape.vocab_size * shape.hidden_size * s
+    return matmul, attention
+
+
 def step_seconds(shape: ModelShape, seq_len: int, sp: int, f: Features, device: str = "cuda",
                  precision: str = "bf16", mfu: float = MFU, peak_tflops: float = PEAK_TFLOPS, *,
                  world: int | None = None, ranks_per_node: int = 8, accum: int = 1, cp: int = 1) -> dict[str, float]:
@@ -188,15 +206,7 @@ def step_seconds(shape: ModelShape, seq_len: int, sp: int, f: Features, device: 
     "offload": the ZeRO-3 offloads (offload_seconds; world defaults to sp); "total"}."""
     s, h, L = seq_len, shape.hidden_size, shape.num_layers
     base = flops_per_sequence(shape, s)  # 3 x forward FLOPs
-    attn_fwd = 2.0 * shape.num_heads * shape.head_dim * s * s  # causal QK^T and AV
-    layer_fwd = 2.0 * shape.layer_params() * s + (0.0 if f.keep_attention else attn_fwd)
-    extra = 0.0
-    if f.every:
-        extra += math.ceil(L / f.every) * layer_fwd
-    if f.tiled_mlp:
-        extra += L * 2.0 * 3 * h * shape.intermediate_size * s
-    if f.tiled_logits:
-        extra += 2.0 * shape.vocab_size * h * s
+    extra = sum(recompute_flops(shape, s, f, shape.layer_params()))
     rate = sp * mfu * peak_tflops * 1e12  # per step, the SP group shares the sequence
     copy_s = 0.0
     if f.offload_activations and f.every and device == "cuda":

@@ -24,8 +24,7 @@ matmuls at peak; None when even instantaneous attention would not do (the matmul
 
 from __future__ import annotations
 
-import math
-
+from planner.auto_features import recompute_flops
 from planner.memory_model import Features, ModelShape, flops_per_sequence
 
 FLASH_BACKWARD = 2.5  # a flash-attention backward's FLOPs over its forward's (5 vs 2 products of s^2 x d)
@@ -36,17 +35,9 @@ def hardware_work(shape: ModelShape, seq_len: int, f: Features) -> dict[str, flo
     "attention_backward"} (causal attention: half of the s x s products)."""
     s, L = seq_len, shape.num_layers
     att = 2.0 * shape.num_heads * shape.head_dim * s * s  # one layer's causal QK^T and AV, forward
-    matmul = 3 * 2.0 * shape.matmul_params() * s  # forward and backward (twice) of every weight
-    att_fwd, att_bwd = L * att, L * FLASH_BACKWARD * att
-    if f.every:
-        recomputed = math.ceil(L / f.every)
-        matmul += recomputed * 2.0 * shape.active_layer_params() * s
-        att_fwd += 0.0 if f.keep_attention else recomputed * att
-    if f.tiled_mlp:  # its forward again in the backward, layer by layer
-        matmul += L * 2.0 * 3 * shape.hidden_size * shape.intermediate_size * s
-    if f.tiled_logits:
-        matmul += 2.0 * shape.vocab_size * shape.hidden_size * s
-    return {"matmul": matmul, "attention_forward": att_fwd, "attention_backward": att_bwd}
+    extra_matmul, extra_att = recompute_flops(shape, s, f, shape.active_layer_params())  # the features' recompute
+    return {"matmul": 3 * 2.0 * shape.matmul_params() * s + extra_matmul,  # forward and backward (twice) of every weight
+            "attention_forward": L * att + extra_att, "attention_backward": L * FLASH_BACKWARD * att}
 
 
 def mfu_bound(shape: ModelShape, seq_len: int, f: Features, attention_tflops: tuple[float, float],
