@@ -212,16 +212,22 @@ class RunData:
         asked = heldout_samples(getattr(stage, "eval", None) or {})
         if getattr(stage, "kind", "text") != "sft" or self.mask is None or not asked:
             return ""
-        got = len(self.heldout(stage.max_seq_length, asked, sft=True))
+        pack, convs = self._heldout_conversations(stage.max_seq_length)
+        got = min(asked, len(pack))  # counted, not built (a sample at 1M is tens of MB; the evaluation builds its own)
         if got >= asked:
             return ""
-        p, held = self.prepared, self.held
-        convs = len(chat_documents(self.mask, p.starts[held] + self.cut[held], p.lens[held] - self.cut[held]))
         return (f"warning: stage {stage.index} ({stage.name}) kind sft: {got} of the {asked} held-out conversation "
-                f"samples its eval asks at {stage.max_seq_length} (the {len(held)} held-out documents, spread over the "
+                f"samples its eval asks at {stage.max_seq_length} (the {len(self.held)} held-out documents, spread over the "
                 f"whole folder, hold {convs} conversation(s)): its held-out conversation loss is "
                 + ("none" if not got else f"over {got} sample(s)")
                 + "; score held-out chats with scripts/evaluate.py RUN --heldout CHATS.jsonl")
+
+    def _heldout_conversations(self, seq_len: int) -> tuple[ConvPack, int]:
+        """The held-out conversations packed whole at `seq_len` (ConvPack, as an SFT stage packs), and how many."""
+        p, held = self.prepared, self.held
+        starts, lens = p.starts[held] + self.cut[held], p.lens[held] - self.cut[held]
+        keep = chat_documents(self.mask, starts, lens)
+        return ConvPack(p.tokens, self.mask, starts[keep], lens[keep], seq_len, self.pad_id), len(keep)
 
     def mixture(self, stage) -> MixtureDataset | None:
         comps = parse_mixture(getattr(stage, "data", None), f"stage {stage.index} ({stage.name}) data")
@@ -288,12 +294,11 @@ class RunData:
         measure growing context. With `sft` (an SFT stage's evaluation, the held-out conversation loss) the held-out
         conversations packed whole, as the stage trains (ConvPack): chat documents only (data/packing.py
         `chat_documents`), none when no conversation was held out."""
+        if sft:  # the conversations only: a mixed folder's held-out text documents would outweigh them (issue 47)
+            pack = self._heldout_conversations(seq_len)[0]
+            return [pack[i] for i in range(min(n, len(pack)))]
         p, held = self.prepared, self.held
         starts, lens = p.starts[held] + self.cut[held], p.lens[held] - self.cut[held]
-        if sft:  # the conversations only: a mixed folder's held-out text documents would outweigh them (issue 47)
-            keep = chat_documents(self.mask, starts, lens)
-            pack = ConvPack(p.tokens, self.mask, starts[keep], lens[keep], seq_len, self.pad_id)
-            return [pack[i] for i in range(min(n, len(pack)))]
         at = np.concatenate([[0], np.cumsum(lens)])  # where each held-out document begins, laid end to end
         out = []
         for o in sample_starts(lens, seq_len, n):
