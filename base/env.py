@@ -13,6 +13,13 @@ two record a build differently, so each rebuilds what the other built: ~1.5-3 mi
 `lock` held, whenever an activated shell and a plain `.venv/bin/python` take turns. Seen here 2026-11-28: the 2-task
 srun test waited 91 s in a rebuild, and cpu_adam was rebuilt three times in an hour).
 
+py-cpuinfo (`ask_cpu_once`): DeepSpeed asks `cpuinfo.get_cpu_info()` for the CPU at every CPU Adam it builds (the
+vendor, for an fp16 warning) and at the first load of each op (-march and the SIMD flag). Each ask starts a new
+Python process, which starts another to run CPUID and times the clock: ~1.1 s of CPU, 3 asks per rank's first
+engine and one more per engine after it (a curriculum builds one per stage). The CPU does not change under a running
+process, so it is asked once per process: on a node of 8 ranks that is 8 processes less per engine, and it was a
+fifth of a 2-rank CPU test run's CPU (measured with py-spy: 3.2 of 13.5 CPU-s a rank).
+
 TORCH_CUDA_ARCH_LIST with arch-specific entries ("9.0a", "10.0f": what Hopper and Blackwell builds of
 FlashAttention-3 and friends ask for) is rewritten to the plain ones DeepSpeed's JIT op builder can read: it
 sorts the entries with int() on the minor part and fails on "0a" with a ValueError before the first step
@@ -22,6 +29,7 @@ TORCH_CUDA_ARCH_LIST=9.0a. The ops DeepSpeed builds use no arch-specific instruc
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import sys
@@ -45,3 +53,22 @@ def configure() -> str:
     if os.environ.get("TORCH_CUDA_ARCH_LIST"):
         os.environ["TORCH_CUDA_ARCH_LIST"] = deepspeed_arch_list(os.environ["TORCH_CUDA_ARCH_LIST"])
     return os.environ["TORCH_EXTENSIONS_DIR"]
+
+
+def ask_cpu_once() -> None:
+    """Make `cpuinfo.get_cpu_info()` (how DeepSpeed asks for the CPU: `from cpuinfo import get_cpu_info` at each
+    use) ask py-cpuinfo once in this process and answer every later call from that (a copy: callers may edit it).
+    Call it before DeepSpeed builds its optimizer or loads an op; calling it again changes nothing."""
+    import cpuinfo
+
+    if getattr(cpuinfo.get_cpu_info, "asked_once", False):
+        return
+    ask, answer = cpuinfo.get_cpu_info, []
+
+    def get_cpu_info() -> dict:
+        if not answer:
+            answer.append(ask())
+        return copy.deepcopy(answer[0])
+
+    get_cpu_info.asked_once = True
+    cpuinfo.get_cpu_info = get_cpu_info

@@ -9,6 +9,7 @@ import deepspeed
 import torch
 
 from base import progress
+from base.env import ask_cpu_once
 from base.parallel import ParallelDims
 from model_utils import engagement, ulysses
 from model_utils.build import build_model
@@ -44,6 +45,7 @@ def build_engine(cfg: Config, dims: ParallelDims, hf_config, attn: str, bf16: bo
                  ds_overrides: dict | None = None, pretrained: bool = True):
     """A DeepSpeed engine over the HF model (ZeRO-3, Ulysses x context-parallel SP when dims.sp > 1, our LR schedule).
     `pretrained=False`: a checkpoint is loaded next and replaces every weight; the HF weights are not read."""
+    ask_cpu_once()  # DeepSpeed's CPU Adam and op loads ask py-cpuinfo: ~1.1 CPU-s each, once per process (base/env.py)
     text_cfg = hf_config.get_text_config()
     ds_config = build_ds_config(cfg, dims, bf16, text_cfg.hidden_size, ds_overrides)
     torch.manual_seed(seed)  # same init on every rank (and the same as a plain from_config with this seed)

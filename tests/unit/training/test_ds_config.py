@@ -246,6 +246,37 @@ def test_one_ninja_builds_every_op():
     assert out == [here, "/usr/bin", "/bin"], out
 
 
+def test_deepspeed_asks_for_the_cpu_once_per_process(monkeypatch):
+    """DeepSpeed's CPU Adam (at each build) and its op builder (-march, SIMD flag) each call py-cpuinfo, which starts
+    two processes per call (~1.1 CPU-s): 3 per rank at its first engine, one more per later engine. After
+    base.env.ask_cpu_once (build_engine's first step) py-cpuinfo is asked once and each caller gets its own copy of
+    the answer. Before: every call below asked again (3 asks)."""
+    import cpuinfo
+    import torch
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+
+    from base.env import ask_cpu_once
+
+    asks = []
+
+    def counted():
+        asks.append(1)
+        return real()
+
+    real = cpuinfo.get_cpu_info
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", counted)
+    ask_cpu_once()
+    ask_cpu_once()  # again: still one ask
+    first = cpuinfo.get_cpu_info()
+    first["flags"] = []  # a caller editing its answer does not edit the next caller's
+    builder = CPUAdamBuilder()
+    assert builder.cpu_arch() and builder.simd_width()
+    DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(4))])
+    assert len(asks) == 1, len(asks)
+    assert cpuinfo.get_cpu_info()["arch"] == first["arch"] and cpuinfo.get_cpu_info()["flags"] != []
+
+
 def test_gradients_are_reduced_in_fp32_under_bf16():
     """DeepSpeed reduces gradients in seq_parallel_communication_data_type when SP > 1 and in
     communication_data_type otherwise: both fp32 under bf16 training unless the JSON names one."""
