@@ -15,10 +15,17 @@ srun test waited 91 s in a rebuild, and cpu_adam was rebuilt three times in an h
 
 py-cpuinfo (`ask_cpu_once`): DeepSpeed asks `cpuinfo.get_cpu_info()` for the CPU at every CPU Adam it builds (the
 vendor, for an fp16 warning) and at the first load of each op (-march and the SIMD flag). Each ask starts a new
-Python process, which starts another to run CPUID and times the clock: ~1.1 s of CPU, 3 asks per rank's first
-engine and one more per engine after it (a curriculum builds one per stage). The CPU does not change under a running
-process, so it is asked once per process: on a node of 8 ranks that is 8 processes less per engine, and it was a
-fifth of a 2-rank CPU test run's CPU (measured with py-spy: 3.2 of 13.5 CPU-s a rank).
+Python process, which starts another to run CPUID and time the clock: ~1.1 s of CPU, 1 s of it the CPUID probe; 3
+asks per rank's first engine and one more per engine after it (a curriculum builds one per stage). Measured with
+py-spy on a 2-rank CPU test run: 3.2 of a rank's 13.5 CPU-s. The CPU does not change under a running process, so it
+is asked once per process, and without the probe where the kernel answers (the probe's second is the parent
+polling a child that sleeps 1 s to time the clock). py-cpuinfo reads /proc/cpuinfo first and takes from CPUID only
+what is still missing, except the flags, where it adds CPUID's spellings of what the kernel also names (avx512vnni
+beside the kernel's avx512_vnni). What DeepSpeed reads is the same either way: arch, vendor, and the avx512f / avx2 /
+sve flags behind -march and the SIMD flag (tests/unit/training/test_ds_config.py compares the two answers through
+DeepSpeed's own op builder). A changed answer would change the ops' build flags and with them the hash under which
+torch finds a built op: a rebuild at every rank's start. Elsewhere than Linux, or when /proc/cpuinfo lacks them, the
+full ask runs.
 
 TORCH_CUDA_ARCH_LIST with arch-specific entries ("9.0a", "10.0f": what Hopper and Blackwell builds of
 FlashAttention-3 and friends ask for) is rewritten to the plain ones DeepSpeed's JIT op builder can read: it
@@ -55,10 +62,28 @@ def configure() -> str:
     return os.environ["TORCH_EXTENSIONS_DIR"]
 
 
+def cpu_info_without_cpuid() -> dict:
+    """py-cpuinfo's answer from what the kernel and the OS report, its CPUID probe left out (in this process, ~30 ms
+    against ~1.1 CPU-s); {} when that lacks arch, flags or vendor (not Linux, a bare /proc/cpuinfo) or when this
+    py-cpuinfo has other internals: the caller then asks in full."""
+    try:
+        from cpuinfo import cpuinfo as impl
+
+        impl.DataSource.can_cpuid, before = False, impl.DataSource.can_cpuid
+        try:
+            info = impl._get_cpu_info_internal()
+        finally:
+            impl.DataSource.can_cpuid = before
+    except Exception:  # another py-cpuinfo, or a source failing in this process: the full ask decides
+        return {}
+    return info if info.get("arch") and info.get("flags") and info.get("vendor_id_raw") else {}
+
+
 def ask_cpu_once() -> None:
     """Make `cpuinfo.get_cpu_info()` (how DeepSpeed asks for the CPU: `from cpuinfo import get_cpu_info` at each
-    use) ask py-cpuinfo once in this process and answer every later call from that (a copy: callers may edit it).
-    Call it before DeepSpeed builds its optimizer or loads an op; calling it again changes nothing."""
+    use) ask once in this process, without the CPUID probe where the kernel answers, and answer every later call from
+    that (a copy: callers may edit it). Call it before DeepSpeed builds its optimizer or loads an op; calling it
+    again changes nothing."""
     import cpuinfo
 
     if getattr(cpuinfo.get_cpu_info, "asked_once", False):
@@ -67,7 +92,7 @@ def ask_cpu_once() -> None:
 
     def get_cpu_info() -> dict:
         if not answer:
-            answer.append(ask())
+            answer.append(cpu_info_without_cpuid() or ask())
         return copy.deepcopy(answer[0])
 
     get_cpu_info.asked_once = True

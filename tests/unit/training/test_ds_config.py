@@ -250,13 +250,14 @@ def test_deepspeed_asks_for_the_cpu_once_per_process(monkeypatch):
     """DeepSpeed's CPU Adam (at each build) and its op builder (-march, SIMD flag) each call py-cpuinfo, which starts
     two processes per call (~1.1 CPU-s): 3 per rank at its first engine, one more per later engine. After
     base.env.ask_cpu_once (build_engine's first step) py-cpuinfo is asked once and each caller gets its own copy of
-    the answer. Before: every call below asked again (3 asks)."""
+    the answer; on Linux without py-cpuinfo's CPUID probe (0 full asks). Before: every call below asked in full (6
+    asks)."""
     import cpuinfo
     import torch
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     from deepspeed.ops.op_builder import CPUAdamBuilder
 
-    from base.env import ask_cpu_once
+    from base.env import ask_cpu_once, cpu_info_without_cpuid
 
     asks = []
 
@@ -273,8 +274,28 @@ def test_deepspeed_asks_for_the_cpu_once_per_process(monkeypatch):
     builder = CPUAdamBuilder()
     assert builder.cpu_arch() and builder.simd_width()
     DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(4))])
-    assert len(asks) == 1, len(asks)
+    assert len(asks) == (0 if cpu_info_without_cpuid() else 1), len(asks)
     assert cpuinfo.get_cpu_info()["arch"] == first["arch"] and cpuinfo.get_cpu_info()["flags"] != []
+
+
+def test_the_cpu_without_cpuid_builds_deepspeeds_ops_with_the_same_flags(monkeypatch):
+    """ask_cpu_once's answer leaves out py-cpuinfo's CPUID probe (1 of its 1.1 CPU-s). DeepSpeed's op builder derives
+    the same -march and SIMD flag from it as from the full answer, and the vendor and arch are the same: a
+    different one would change the build flags' hash, and torch would rebuild the op at every rank's start."""
+    import cpuinfo
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+
+    from base.env import cpu_info_without_cpuid
+
+    full, fast = cpuinfo.get_cpu_info(), cpu_info_without_cpuid()
+    if not fast:  # not Linux: the full ask runs, nothing to compare
+        pytest.skip("no /proc/cpuinfo answer here")
+    assert (fast["arch"], fast["vendor_id_raw"]) == (full["arch"], full["vendor_id_raw"])
+    builder, derived = CPUAdamBuilder(), []
+    for answer in (full, fast):
+        monkeypatch.setattr(cpuinfo, "get_cpu_info", lambda answer=answer: answer)
+        derived.append((builder.cpu_arch(), builder.simd_width()))
+    assert derived[0] == derived[1], derived
 
 
 def test_gradients_are_reduced_in_fp32_under_bf16():
