@@ -182,8 +182,9 @@ def head_chunk_seconds(shape: ModelShape, seq_len: int, sp: int, f: Features, pr
 def recompute_flops(shape: ModelShape, seq_len: int, f: Features, layer_params: int) -> tuple[float, float]:
     """FLOPs the memory features of `f` add to one sequence's step: (matmuls, causal attention forward). A
     checkpointed layer's forward again (`layer_params` weights a token multiplies by; its attention too unless
-    `keep_attention`), a tiled MLP's forward in its backward, tiled logits' forward. step_seconds passes
-    layer_params() (every expert of an MoE layer), planner/mfu_bound active_layer_params() (the routed ones)."""
+    `keep_attention`), a tiled MLP's forward in its backward, tiled logits' forward. Both callers (step_seconds,
+    planner/mfu_bound) pass active_layer_params(): a recomputed MoE layer runs each token through its routed
+    experts only, as its first forward did (flops_per_sequence's matmul_params counts the same)."""
     s, L = seq_len, shape.num_layers
     matmul = attention = 0.0
     if f.every:
@@ -206,7 +207,7 @@ def step_seconds(shape: ModelShape, seq_len: int, sp: int, f: Features, device: 
     "offload": the ZeRO-3 offloads (offload_seconds; world defaults to sp); "total"}."""
     s, h, L = seq_len, shape.hidden_size, shape.num_layers
     base = flops_per_sequence(shape, s)  # 3 x forward FLOPs
-    extra = sum(recompute_flops(shape, s, f, shape.layer_params()))
+    extra = sum(recompute_flops(shape, s, f, shape.active_layer_params()))
     rate = sp * mfu * peak_tflops * 1e12  # per step, the SP group shares the sequence
     copy_s = 0.0
     if f.offload_activations and f.every and device == "cuda":
