@@ -25,7 +25,7 @@ demo-machinery:
 demo-long:
 	OMP_NUM_THREADS=1 .venv/bin/deepspeed --num_gpus 2 train.py --config recipes/tiny_cpu_long.yaml
 
-# ~3 min on 2 cores: supervised fine-tuning of the same base on the demo's chat set (loss on the assistant's replies,
+# ~1 min on 2 idle cores (45 s, 2026-11-29; ~3 min on shared ones): supervised fine-tuning of the same base on the demo's chat set (loss on the assistant's replies,
 # conversations packed with document masking, 40% passkey steps and 30% replay at 256 to keep it); prints its evaluation summary (docs/sft.md)
 demo-sft:
 	$(PY) -m data.chat .cache/demo/chat_demo.jsonl
