@@ -22,8 +22,6 @@ import multiprocessing as mp
 import os
 import sys
 import time
-import zlib
-from array import array
 from collections import deque
 
 import numpy as np
@@ -107,84 +105,6 @@ def _tokenize_batch(items: list[tuple[int, int, object]]) -> dict:
 
 
 # ------------------------------------------------------------------ the reading/writing process
-
-
-class ChunkWriter:
-    """Appends batch results to chunk files of one shard; `commit()` makes a chunk durable and visible."""
-
-    def __init__(self, out: str, shard: int, chunk: int, dtype: np.dtype, sources: list[str]):
-        self.out, self.shard, self.chunk, self.dtype = out, shard, chunk, dtype
-        self.sources = list(sources)
-        self.index = {s: i for i, s in enumerate(self.sources)}
-        self.records: list[dict] = []
-        self._open()
-
-    def _open(self):
-        name = store.chunk_name(self.shard, self.chunk)
-        self.files = {"tokens": f"tokens-{name}.bin", "lens": f"docs-{name}.lens.npy", "src": f"docs-{name}.src.npy"}
-        self.fh = open(os.path.join(self.out, self.files["tokens"]), "wb")
-        self.mask_fh, self.mask_crc = None, 0  # opened at the chunk's first chat document (data/store.py: mask)
-        self.lens, self.src, self.n_tokens, self.crc, self.max_id = array("q"), array("i"), 0, 0, -1
-        self.per_source: dict[str, list[int]] = {}
-
-    def _write_mask(self, m: np.ndarray) -> None:
-        b = np.ascontiguousarray(m, dtype=np.uint8).tobytes()
-        self.mask_fh.write(b)
-        self.mask_crc = zlib.crc32(b, self.mask_crc)
-
-    def add(self, res: dict, unit_names: list[str]) -> None:
-        if res.get("mask") is not None and self.mask_fh is None:  # the chunk's text so far: every token a target
-            self.mask_fh = open(os.path.join(self.out, self.files["tokens"].replace("tokens-", "mask-")), "wb")
-            self._write_mask(np.ones(self.n_tokens, np.uint8))
-        if self.mask_fh is not None:
-            self._write_mask(res["mask"] if res.get("mask") is not None else np.ones(len(res["tokens"]), np.uint8))
-        b = res["tokens"].tobytes()
-        self.fh.write(b)
-        self.crc = zlib.crc32(b, self.crc)
-        self.n_tokens += len(res["tokens"])
-        self.max_id = max(self.max_id, res["max_id"])
-        for n, (u, src) in zip(res["lens"], res["srcs"]):
-            name = src if src is not None else unit_names[u]
-            if name not in self.index:
-                self.index[name] = len(self.sources)
-                self.sources.append(name)
-            self.lens.append(n)
-            self.src.append(self.index[name])
-            c = self.per_source.setdefault(name, [0, 0])
-            c[0], c[1] = c[0] + 1, c[1] + n
-
-    def commit(self, next_pos: tuple[int, int], stats: dict) -> dict:
-        """fsync this chunk's files, then write its record (the commit point); open the next chunk."""
-        self.fh.flush()
-        os.fsync(self.fh.fileno())
-        self.fh.close()
-        mask = None
-        if self.mask_fh is not None:
-            self.mask_fh.flush()
-            os.fsync(self.mask_fh.fileno())
-            self.mask_fh.close()
-            mask = os.path.basename(self.mask_fh.name)
-        lens, src = np.frombuffer(self.lens, dtype=np.int64), np.frombuffer(self.src, dtype=np.int32)
-        for key, arr in (("lens", lens), ("src", src)):
-            store.save_npy_atomic(os.path.join(self.out, self.files[key]), arr)
-        rec = {**self.files, "n_tokens": self.n_tokens, "n_docs": len(lens), "crc32_tokens": self.crc,
-               "crc32_lens": store.file_crc32(os.path.join(self.out, self.files["lens"])),
-               "crc32_src": store.file_crc32(os.path.join(self.out, self.files["src"])),
-               "sources": list(self.sources), "per_source": self.per_source, "max_token_id": self.max_id,
-               "mask": mask, "crc32_mask": self.mask_crc if mask else None,
-               "next": list(next_pos), **stats}
-        store.write_json_atomic(os.path.join(self.out, f"chunk-{store.chunk_name(self.shard, self.chunk)}.json"), rec)
-        self.records.append(rec)
-        self.chunk += 1
-        self._open()
-        return rec
-
-    def abandon(self) -> None:
-        self.fh.close()
-        os.remove(os.path.join(self.out, self.files["tokens"]))
-        if self.mask_fh is not None:
-            self.mask_fh.close()
-            os.remove(self.mask_fh.name)
 
 
 def shard_units(units: list[Unit], shard: int, n_shards: int) -> list[Unit]:
@@ -325,7 +245,7 @@ def _run_shard(units, out, i_shard, done, tokenizer, fields, bound, eos, dtype, 
     stats = {"bad_rows": done[-1]["bad_rows"] if done else 0, "empty_docs": done[-1]["empty_docs"] if done else 0,
              "bad_examples": done[-1]["bad_examples"] if done else []}
     stats.update({k: done[-1].get(k, 0) if done else 0 for k in CHAT_STATS})
-    writer = ChunkWriter(out, i_shard, len(done), dtype, done[-1]["sources"] if done else [])
+    writer = store.ChunkWriter(out, i_shard, len(done), dtype, done[-1]["sources"] if done else [])
     writer.records = list(done)
     names = [u.name for u in units]
     init = (tokenizer, fields, bound, eos, dtype.name, loss_on, chat_template)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from data import prepare_data as pd_mod
+from data import store
 from data.packing import build_token_stream
 from data.prepare_data import main, merge, prepare
 from data.readers import Fields
@@ -83,7 +84,7 @@ def test_text_with_tokenizer_workers_and_chunks_match_in_process(tmp_path):
 def test_killed_run_leaves_no_manifest_and_resumes(tmp_path, monkeypatch):
     src = _write_jsonl(tmp_path / "d.jsonl", DOCS * 5)
     out = str(tmp_path / "out")
-    real, calls = pd_mod.ChunkWriter.commit, []
+    real, calls = store.ChunkWriter.commit, []
 
     def dying_commit(self, *a, **k):
         calls.append(1)
@@ -91,11 +92,11 @@ def test_killed_run_leaves_no_manifest_and_resumes(tmp_path, monkeypatch):
             raise KeyboardInterrupt  # killed while the third chunk is being committed
         return real(self, *a, **k)
 
-    monkeypatch.setattr(pd_mod.ChunkWriter, "commit", dying_commit)
+    monkeypatch.setattr(store.ChunkWriter, "commit", dying_commit)
     with pytest.raises(KeyboardInterrupt):
         prepare([src], out, vocab_size=100, workers=0, chunk_tokens=300, batch_docs=2, log=lambda _: None)
     assert not is_prepared(out) and os.path.exists(os.path.join(out, "tokens-s00000-c000002.bin"))
-    monkeypatch.setattr(pd_mod.ChunkWriter, "commit", real)
+    monkeypatch.setattr(store.ChunkWriter, "commit", real)
     logs = []
     m = prepare([src], out, vocab_size=100, workers=0, chunk_tokens=300, batch_docs=2, log=logs.append)
     assert logs[0].startswith("resuming shard 0/1 after 2 committed chunk(s)")
