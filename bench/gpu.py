@@ -38,7 +38,7 @@ its CUDA context), so an H200 answers as an H100 would.
   Face model on each document alone.
 - ladder (bench/gpu_ladder.py): length and tokens/s at SP=1 in one launch whose stages are the rungs.
 
-MFU = tokens/s x flops_per_sequence(L) / L / peak bf16 FLOP/s: planner.memory_model.flops_per_sequence counts
+MFU = tokens/s x flops_per_sequence(L) / L / peak bf16 FLOP/s: planner.flops.flops_per_sequence counts
 6 FLOPs per matmul weight per token and causal attention once (6 x layers x heads x head_dim x L^2), activation
 recompute excluded (so checkpointing lowers the MFU reached). Peak: 989 TFLOP/s dense bf16 (H100 SXM and H200).
 """

@@ -106,7 +106,8 @@ def _step(name: str) -> int | None:
 
 
 def flops(model: str, length: int) -> float:
-    from planner.memory_model import flops_per_sequence, load_shape
+    from planner.flops import flops_per_sequence
+    from planner.memory_model import load_shape
 
     return flops_per_sequence(load_shape(model), length)
 

@@ -21,7 +21,7 @@ rank and optimizer step: optimizer offload runs Adam on the host, N/W parameters
 touched at CPU_ADAM_BYTES_PER_S shared by the node's ranks, and copies the gradient partition device->host (every
 micro-step) and the updated parameters host->device at PCIE_BYTES_PER_S; parameter offload copies the rank's
 partition host->device for every forward, backward and recompute pass. The compute time of a step comes from the
-FLOP model (planner.memory_model.flops_per_sequence at MFU x PEAK_TFLOPS). An offload is chosen when nothing
+FLOP model (planner.flops.flops_per_sequence at MFU x PEAK_TFLOPS). An offload is chosen when nothing
 fits without it (needed), or where it pays: the fastest fitting set carries it, because the recompute it lets
 auto drop costs more than the offload (free, net of what it saves). The ranking counts the offloads' cost twice,
 since CPU_ADAM_BYTES_PER_S is an estimate: an offload wins on speed only if it would still win were CPU Adam half
@@ -42,6 +42,7 @@ from dataclasses import dataclass, replace
 from base.parallel import check_layout, split_sp
 from planner.attention_sp import check_head_chunks, chunk_heads, head_chunk_choices
 from planner.comm_model import all_to_all_seconds, members_per_node
+from planner.flops import flops_per_sequence
 from planner.memory_model import (
     DTYPE_BYTES,
     LOGITS_TILE_BYTES,
@@ -49,7 +50,6 @@ from planner.memory_model import (
     GiB,
     ModelShape,
     estimate,
-    flops_per_sequence,
     logits_tile_bytes,
 )
 

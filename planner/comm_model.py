@@ -13,7 +13,7 @@ Times are bytes / the link's per-GPU bandwidth in one direction (NVLINK_BYTES_PE
 figures, no latency or protocol overhead, so a lower bound (NCCL reaches roughly 70-90% of them on large
 messages). An all-to-all whose group spans nodes sends part of its bytes over each link; both run at once, the
 slower sets the time. A ring collective that crosses nodes runs at the InfiniBand hop's speed. Compute comes
-from the FLOP model (planner.memory_model.flops_per_sequence: attention 6*nh*d*s^2 per layer and step, causal,
+from the FLOP model (planner.flops.flops_per_sequence: attention 6*nh*d*s^2 per layer and step, causal,
 forward : backward = 1 : 2; the zigzag layout gives every rank 1/sp of it) at MFU x peak.
 
     from planner.comm_model import layer_comm

@@ -1,4 +1,5 @@
-"""Memory and FLOPs of one ZeRO-3 + Ulysses training step, per GPU and per node: pure arithmetic on shapes.
+"""Memory of one ZeRO-3 + Ulysses training step, per GPU and per node: pure arithmetic on shapes (its FLOPs:
+planner/flops.py).
 
 Shared by `scripts/plan.py` (the planner) and the tests; no torch or transformers import. Every term is
 derived in docs/memory_model.md, whose notation the code follows:
@@ -481,19 +482,3 @@ def predict_peak_bytes(shape: ModelShape | Mapping | str, seq_len: int, sp: int,
         feats = replace(feats, offload_activations=False)
     est = estimate(shape, seq_len, sp, world or sp, feats, precision, cp=cp, device=device)
     return est.gpu_peak + (sum(est.cpu_per_rank.values()) if device == "cpu" else 0)
-
-
-def flops_per_sequence(shape: ModelShape, seq_len: int) -> float:
-    """Model FLOPs of forward+backward of one sequence: 6*N_matmul*s + 6*L*nh*d*s^2 (causal attention).
-
-    Dense: 2 FLOPs per weight per token forward, twice that backward. Attention: QK^T and AV are
-    2*s^2*nh*d each forward (4), x3 for forward+backward (12), halved by the causal mask (6).
-    Activation recompute is not counted (MFU convention), so checkpointing lowers the MFU actually reached.
-    """
-    s = seq_len
-    return 6.0 * shape.matmul_params() * s + 6.0 * shape.num_layers * shape.num_heads * shape.head_dim * s * s
-
-
-def tokens_per_sec_per_gpu(shape: ModelShape, seq_len: int, mfu: float, peak_tflops: float) -> float:
-    """Throughput at a given MFU: an SP group of sp GPUs shares one sequence, so sp cancels out."""
-    return seq_len * mfu * peak_tflops * 1e12 / flops_per_sequence(shape, seq_len)

@@ -1,7 +1,7 @@
 """The highest MFU a step can reach with the attention kernels a GPU run measured (issue 49's MFU goals checked
 against the kernels, not hoped for).
 
-MFU counts model FLOPs (planner.memory_model.flops_per_sequence: the forward's matmuls and its causal attention,
+MFU counts model FLOPs (planner.flops.flops_per_sequence: the forward's matmuls and its causal attention,
 backward twice the forward, no recompute) over the peak rate. The hardware does more: a flash-attention backward
 computes five s^2 x d products to the forward's two (2.5 x the forward's FLOPs, of which MFU counts 2), and the
 memory features recompute (a checkpointed layer's forward again, the attention's too unless `keep_attention`; a tiled
@@ -25,7 +25,8 @@ matmuls at peak; None when even instantaneous attention would not do (the matmul
 from __future__ import annotations
 
 from planner.auto_features import recompute_flops
-from planner.memory_model import Features, ModelShape, flops_per_sequence
+from planner.flops import flops_per_sequence
+from planner.memory_model import Features, ModelShape
 
 FLASH_BACKWARD = 2.5  # a flash-attention backward's FLOPs over its forward's (5 vs 2 products of s^2 x d)
 

@@ -34,15 +34,14 @@ import yaml
 from base.parallel import split_sp
 from planner.auto_features import GPU_RESERVED, HEADROOM, gpu_budget
 from planner.cluster import RUNTIME_HOST_GIB, Planner, _int_or_auto, _valid_splits, split_label
+from planner.flops import flops_per_sequence, tokens_per_sec_per_gpu
 from planner.memory_model import (
     Estimate,
     Features,
     GiB,
     ModelShape,
-    flops_per_sequence,
     load_shape,
     parse_seq_len,
-    tokens_per_sec_per_gpu,
 )
 from planner.step_time import HOUR_S, TRAINABLE_S, duration, longest_within, measured_mfu, step_time
 

@@ -12,15 +12,14 @@ import math
 
 from data.pipeline import heldout_samples
 from planner.auto_features import ALL_FEATURES, describe, describe_offloads, relative_speed
+from planner.flops import flops_per_sequence, tokens_per_sec_per_gpu
 from planner.memory_model import (
     Features,
     GiB,
     estimate,
-    flops_per_sequence,
     lean_mlp_applies,
     lean_norm_applies,
     load_shape,
-    tokens_per_sec_per_gpu,
 )
 from training.config import Config, _merge, no_gpu
 from training.curriculum import Stage

@@ -10,7 +10,8 @@ import re
 
 import pytest
 
-from planner.memory_model import Features, ModelShape, flops_per_sequence
+from planner.flops import flops_per_sequence
+from planner.memory_model import Features, ModelShape
 from planner.mfu_bound import FLASH_BACKWARD, attention_rate_for, hardware_work, mfu_bound
 from planner.presets import PRESETS
 from tests.distributed import ROOT

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from planner.flops import flops_per_sequence, tokens_per_sec_per_gpu
 from planner.memory_model import (
     Features,
     ModelShape,
@@ -17,12 +18,10 @@ from planner.memory_model import (
     eval_phase_bytes,
     eval_phases,
     eval_tile_rows,
-    flops_per_sequence,
     layer_activations,
     load_shape,
     parse_seq_len,
     predict_peak_bytes,
-    tokens_per_sec_per_gpu,
 )
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.pardir] * 3))
