@@ -52,7 +52,8 @@ def deepspeed_arch_list(value: str) -> str:
 
 def configure() -> str:
     """Point TORCH_EXTENSIONS_DIR at this checkout's cache (unless set), put the interpreter's folder first on PATH
-    (one ninja for every build) and make TORCH_CUDA_ARCH_LIST readable for DeepSpeed; returns the extensions folder. Call it before the first DeepSpeed op is loaded."""
+    (one ninja for every build) and make TORCH_CUDA_ARCH_LIST readable for DeepSpeed; returns the extensions folder.
+    Call it before the first DeepSpeed op is loaded."""
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", EXTENSIONS_DIR)
     here = os.path.dirname(sys.executable)
     rest = [p for p in os.environ.get("PATH", "").split(os.pathsep) if p and p != here]
