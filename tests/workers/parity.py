@@ -48,6 +48,8 @@ def run_case(case: dict, dims_sp: int) -> dict:
         next_batch = ResumableSampler(len(ds), dims.dp, dims.dp_rank, cfg.per_device_train_batch_size,
                                       cfg.seed).next_batch
     engine = build_engine(cfg, dims, hf, "sdpa", bf16=False, seed=cfg.seed)
+    import cpuinfo  # build_engine made DeepSpeed's CPU asks one per process (base/env.ask_cpu_once: ~1.1 CPU-s each)
+    assert getattr(cpuinfo.get_cpu_info, "asked_once", False), "build_engine did not install base/env.ask_cpu_once"
     indices, grads, losses, leftover = [], {}, [], []
 
     def batches():
