@@ -222,12 +222,16 @@ class RunData:
                 + ("none" if not got else f"over {got} sample(s)")
                 + "; score held-out chats with scripts/evaluate.py RUN --heldout CHATS.jsonl")
 
+    def _held_spans(self) -> tuple[np.ndarray, np.ndarray]:
+        """(start, length) of each held-out document in the token stream, past its cut."""
+        p, held = self.prepared, self.held
+        return p.starts[held] + self.cut[held], p.lens[held] - self.cut[held]
+
     def _heldout_conversations(self, seq_len: int) -> tuple[ConvPack, int]:
         """The held-out conversations packed whole at `seq_len` (ConvPack, as an SFT stage packs), and how many."""
-        p, held = self.prepared, self.held
-        starts, lens = p.starts[held] + self.cut[held], p.lens[held] - self.cut[held]
+        starts, lens = self._held_spans()
         keep = chat_documents(self.mask, starts, lens)
-        return ConvPack(p.tokens, self.mask, starts[keep], lens[keep], seq_len, self.pad_id), len(keep)
+        return ConvPack(self.prepared.tokens, self.mask, starts[keep], lens[keep], seq_len, self.pad_id), len(keep)
 
     def mixture(self, stage) -> MixtureDataset | None:
         comps = parse_mixture(getattr(stage, "data", None), f"stage {stage.index} ({stage.name}) data")
@@ -297,16 +301,15 @@ class RunData:
         if sft:  # the conversations only: a mixed folder's held-out text documents would outweigh them (issue 47)
             pack = self._heldout_conversations(seq_len)[0]
             return [pack[i] for i in range(min(n, len(pack)))]
-        p, held = self.prepared, self.held
-        starts, lens = p.starts[held] + self.cut[held], p.lens[held] - self.cut[held]
+        starts, lens = self._held_spans()
         at = np.concatenate([[0], np.cumsum(lens)])  # where each held-out document begins, laid end to end
         out = []
         for o in sample_starts(lens, seq_len, n):
             j = int(np.searchsorted(at, o, side="right")) - 1  # the document the sample begins in
             st, ln = starts[j:].copy(), lens[j:].copy()
             st[0], ln[0] = st[0] + o - at[j], ln[0] - (o - at[j])
-            out.append(DocPack(p.tokens, st, ln, seq_len, self.reset_position_ids, self.mask_cross_document_labels,
-                               self.mask)[0])  # with chat documents: the loss on their targets only
+            out.append(DocPack(self.prepared.tokens, st, ln, seq_len, self.reset_position_ids,
+                               self.mask_cross_document_labels, self.mask)[0])  # chat documents: their targets only
         return out
 
 

@@ -18,7 +18,7 @@ import sys
 
 from planner.auto_features import PEAK_TFLOPS
 from planner.memory_model import Features, ModelShape
-from planner.mfu_bound import attention_rate_for, mfu_bound
+from planner.mfu_bound import FLASH_BACKWARD, attention_rate_for, mfu_bound
 from planner.presets import PRESETS
 
 LENGTHS = (131_072, 262_144, 524_288, 1_048_576)
@@ -34,7 +34,7 @@ def fastest_kernel(data: dict) -> dict:
     if not rows:
         raise ValueError("it has no kernel probe with timings (python -m bench.gpu --sections kernels): nothing to "
                          "bound the MFU with")
-    return min(rows, key=lambda k: 1 / k["forward_tflops"] + 2.5 / k["backward_tflops"])  # time per forward FLOP
+    return min(rows, key=lambda k: 1 / k["forward_tflops"] + FLASH_BACKWARD / k["backward_tflops"])  # per forward FLOP
 
 
 def features(d: dict) -> Features:
