@@ -2,7 +2,8 @@
 
 Rows (OpenAI `messages`, ShareGPT `conversations`, `prompt` / `completion`) are read by data/chat_rows.py; a row's
 top-level `tools` (tool definitions) is passed to every render of it as `tools=`, and what a template drops (tools,
-tool turns) refuses the row: data/chat_tools.py.
+tool turns) refuses the row: data/chat_tools.py. A tool call's `arguments` (OpenAI's JSON text or an object) are given
+to the template in the form it writes once (chat_tools.fit_arguments: `tojson` templates get the object).
 
 What gets loss (`loss_on`, the mask: 1 = the token is a target, predicted from the token before it):
 - `assistant` (default for chat rows): each assistant reply's tokens and its end-of-turn token, nothing of the
@@ -61,7 +62,7 @@ import numpy as np
 from data.chat_demo import build_demo_chats, demo_conversation  # noqa: F401  (python -m data.chat OUT.jsonl)
 from data.chat_rows import ROLES, SHAREGPT_ROLES, RowError, normalize, row_format  # noqa: F401
 from data.chat_rows import message as _message
-from data.chat_tools import call_name, refuse_unrendered, row_tools, tool_names
+from data.chat_tools import call_name, fit_arguments, refuse_unrendered, row_tools, tool_names
 from data.chat_views import Renders, View
 
 LOSS_ON = ("auto", "assistant", "completion", "all")
@@ -198,6 +199,7 @@ class ChatEncoder:
         loss_on = "assistant" if self.loss_on == "auto" and first == 0 else "completion" if self.loss_on == "auto" \
             else self.loss_on
         wanted = [k for k, m in enumerate(conv) if m["role"] == "assistant" and (loss_on != "completion" or k >= first)]
+        conv, rewritten = fit_arguments(self, conv, tools)  # tool-call arguments as this template writes them
         refuse_unrendered(self, conv, tools)  # tool definitions, environment turns the template drops
         if self.kind == "chatml" and any(conv[k].get("tool_calls") for k in wanted):
             k = next(k for k in wanted if conv[k].get("tool_calls"))
@@ -208,7 +210,8 @@ class ChatEncoder:
             end = len(ids)
             while end and self.kind != "chatml" and not self.tok.hf.decode(ids[end - 1:end]).strip():
                 end -= 1  # a template's blank after its end-of-turn (ChatML templates' "\n"; the token-built default has none)
-            return ids, np.ones(len(ids), np.uint8), {"untrained_turns": 0, "no_stop_rows": self._no_stop(ids, conv, end)}
+            return ids, np.ones(len(ids), np.uint8), {"untrained_turns": 0, "no_stop_rows": self._no_stop(ids, conv, end),
+                                                      "rewritten_arguments": rewritten}
         why = {}
         if self.kind == "chatml":
             ids, spans = self._chatml(conv)
@@ -237,7 +240,8 @@ class ChatEncoder:
         last = spans.get(len(conv) - 1)
         return ids, mask, {"untrained_turns": untrained, "why": [why.get(k, f"message {k}: its span does not show "
                                                                    "its text") for k in wanted if k not in spans],
-                           "no_stop_rows": self._no_stop(ids, conv, last[1] if last else None)}
+                           "no_stop_rows": self._no_stop(ids, conv, last[1] if last else None),
+                           "rewritten_arguments": rewritten}
 
     def _no_stop(self, ids: list[int], conv: list[dict], end: int | None) -> int:
         """1 where the conversation ends with a reply trained up to `end` and no control token ends it: the template
@@ -373,16 +377,19 @@ class ChatEncoder:
         (`untrained_turns`, `no_stop_rows`: a last reply the template ends with no end-of-turn token, Qwen1.5's, so
         the model is never shown where to stop), for the caller to count as the preparation does."""
         conv = [_message(m, i) for i, m in enumerate(messages)]
+        conv, rewritten = (conv, 0) if self.refusal else fit_arguments(self, conv, None)  # as the template writes them
         content = conv[at]["content"]
         parts = None if self.kind == "chatml" or self.refusal else self._splice_parts(conv, at, content)
         if parts is None:  # the ChatML default is built token by token (the content tokenized once already); or
             ids, mask, st = self.encode({"messages": conv})  # splicing would not give encode's tokens
+            st = {**st, "rewritten_arguments": rewritten}
             return (ids, mask, st) if stats else (ids, mask)
         (pre_ids, pre_mask), (soft_pre, soft_post, value), (post_ids, post_mask), st = parts
         mid = self.tok.encode_batch([soft_pre + content + soft_post])[0]  # the Rust tokenizer without offsets
         ids, mask = pre_ids + mid + post_ids, np.concatenate([pre_mask, np.full(len(mid), value, np.uint8), post_mask])
         # the placeholder render's stats hold for the spliced tokens: the spans are the same, and the token ending the
         # last one is the same (or, the long message being the last reply, a text token either way)
+        st = {**st, "rewritten_arguments": rewritten}
         return (ids, mask, st) if stats else (ids, mask)
 
     PLACEHOLDER = "SPLICEDCONTENT"

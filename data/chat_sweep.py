@@ -76,6 +76,11 @@ CASES = {  # name -> a conversation (every assistant message is a turn to train)
                   {"role": "assistant", "content": "", "tool_calls": [_CALL]},
                   {"role": "tool", "tool_call_id": "call00001", "content": "2"},
                   {"role": "assistant", "content": "2 words"}],
+    "arguments as JSON text": [{"role": "user", "content": "How many words in apple river?"},  # OpenAI's form
+                               {"role": "assistant", "content": "", "tool_calls": [
+                                   {**_CALL, "function": {**_CALL["function"], "arguments": '{"text": "apple river"}'}}]},
+                               {"role": "tool", "tool_call_id": "call00001", "content": "2"},
+                               {"role": "assistant", "content": "2 words"}],
     "end-of-turn text in a reply": [_ASK, {"role": "assistant", "content": "apple river"},
                                     {"role": "user", "content": "What ends your turn?"},
                                     {"role": "assistant", "content": "The token {eot} ends it."}],
@@ -143,9 +148,22 @@ def _runs(m: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(edges[::2].tolist(), edges[1::2].tolist()))
 
 
-def check(enc: ChatEncoder, oracle_template: str, conv: list[dict], tools: list | None = None) -> str:
+def native(conv: list[dict], fam: dict) -> list[dict]:
+    """conv with its tool calls' arguments in the form the family's template writes (`arguments` in families.json:
+    "json string" for the templates that concatenate them, an object for the rest): what the oracle renders, whatever
+    form the row brought."""
+    def fix(a):
+        if fam.get("arguments") == "json string":
+            return json.dumps(a) if isinstance(a, dict) else a
+        return json.loads(a) if isinstance(a, str) else a
+    return [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": fix(c["function"]["arguments"])}}
+                                 for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in conv]
+
+
+def check(enc: ChatEncoder, oracle_template: str, conv: list[dict], tools: list | None = None,
+          oracle_conv: list[dict] | None = None) -> str:
     """One family x one conversation (with the row's `tools`): `trains`, `trains k of n: why`, `refused: why` or
-    `WRONG: what`."""
+    `WRONG: what`. The oracle renders `oracle_conv` (conv with its tool-call arguments in the template's form)."""
     hf = enc.tok.hf
     try:
         ids, mask, stats = enc.encode({"messages": conv} if tools is None else {"messages": conv, "tools": tools})
@@ -153,8 +171,8 @@ def check(enc: ChatEncoder, oracle_template: str, conv: list[dict], tools: list 
         msg = str(e)
         return f"WRONG: a refusal of {len(msg.splitlines())} lines" if "\n" in msg else f"refused: {msg}"
     try:
-        out = hf.apply_chat_template(conv, tools=tools, chat_template=oracle_template, tokenize=True, return_dict=True,
-                                     return_assistant_tokens_mask=True)
+        out = hf.apply_chat_template(oracle_conv or conv, tools=tools, chat_template=oracle_template, tokenize=True,
+                                     return_dict=True, return_assistant_tokens_mask=True)
     except Exception as e:  # noqa: BLE001 (the template's own refusal, which the encoder should have passed on)
         return f"WRONG: trained a conversation the template refuses ({str(e).splitlines()[0][:80]})"
     if list(out["input_ids"]) != list(ids):
@@ -207,10 +225,7 @@ def sweep(root: str | None = None, only: list[str] | None = None) -> dict[str, d
                 row[case] = f"not checked: {fam['unchecked'][case]}"
                 continue
             conv = [{**m, "content": m["content"].replace("{eot}", fam["eot"])} for m in conv]
-            if fam.get("arguments") == "json string":  # a template that writes tool-call arguments as given
-                conv = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.dumps(
-                    c["function"]["arguments"])}} for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in conv]
-            row[case] = check(enc, oracle, conv, TOOLS.get(case)).replace(os.path.join(root, ""), "")
+            row[case] = check(enc, oracle, conv, TOOLS.get(case), native(conv, fam)).replace(os.path.join(root, ""), "")
         table[key] = row
     return table
 

@@ -101,3 +101,86 @@ def refuse_unrendered(enc, conv: list[dict], tools: list | None) -> None:
             if enc._text(conv[:k] + [{x: v for x, v in m.items() if x != key}] + conv[k + 1:], tools=tools) == text:
                 raise RowError(f"message {k} ({m['role']}): {enc.name} does not render a message's `{key}` "
                                "(tool definitions): give them as this template takes them, or drop them")
+
+
+# ---- tool-call arguments: JSON text (OpenAI's API, most exported datasets) or an object (HF's docs, TRL)
+def _arguments(call) -> object:
+    fn = call.get("function", call) if isinstance(call, dict) else None
+    return fn.get("arguments") if isinstance(fn, dict) else None
+
+
+def _as_object(value) -> dict | None:
+    """A JSON-text argument's object, None for anything else (a free-text argument stays as given)."""
+    if isinstance(value, str) and value.lstrip().startswith("{"):
+        try:
+            out = json.loads(value)
+        except ValueError:
+            return None
+        return out if isinstance(out, dict) else None
+    return None
+
+
+def _with_arguments(conv: list[dict], form: str) -> tuple[list[dict], bool]:
+    """(conv with every call's arguments as an object (`object`) or as JSON text (`text`), whether any changed). Only
+    what converts without loss: JSON text of an object <-> a dict (json.dumps as transformers' `tojson` writes)."""
+    out, changed = [], False
+    for m in conv:
+        calls = m.get("tool_calls")
+        if not isinstance(calls, list) or not calls:
+            out.append(m)
+            continue
+        new = []
+        for c in calls:
+            a = _arguments(c)
+            b = _as_object(a) if form == "object" else json.dumps(a, ensure_ascii=False) if isinstance(a, dict) else None
+            if b is None:
+                new.append(c)
+                continue
+            changed = True
+            new.append({**c, "function": {**c["function"], "arguments": b}} if isinstance(c.get("function"), dict)
+                       else {**c, "arguments": b})
+        out.append({**m, "tool_calls": new})
+    return out, changed
+
+
+def _garbled(text: str, conv: list[dict]) -> bool:
+    """Whether `text` (a render of conv) shows a call's arguments encoded twice (JSON text through `tojson`: a quoted
+    string of escaped JSON) or as a Python dict (an object concatenated or printed: {'k': 'v'})."""
+    for m in conv:
+        for c in m.get("tool_calls") or []:
+            a = _arguments(c)
+            if _as_object(a) is not None and (json.dumps(a, ensure_ascii=False) in text or json.dumps(a) in text):
+                return True
+            if isinstance(a, dict) and a and str(a) != json.dumps(a) and str(a) in text:
+                return True
+    return False
+
+
+def fit_arguments(enc, conv: list[dict], tools: list | None) -> tuple[list[dict], int]:
+    """(conv with its tool calls' arguments in the form `enc`'s template writes, 1 where that rewrote them else 0).
+
+    Templates disagree: Llama 3.1, Qwen2.5, Mistral v0.3 and gpt-oss apply `tojson` to the arguments unguarded, so
+    OpenAI's JSON text renders encoded twice ("{\\"text\\": ...}", a string the model would learn to write instead of
+    an object); DeepSeek's and functionary's concatenate them, so an object fails (or prints as a Python dict);
+    Seed-OSS iterates an object; Qwen3 and Hermes take both. Whichever form a row brings, the row is
+    rendered as given, and only where that render fails or garbles the arguments is the other form tried, kept if
+    it renders clean (else the row goes on as given, and a template that fails is a refused row). Lossless: JSON
+    text of an object <-> that object; free text stays as given. Cost: one more text render of a row with calls
+    (two where it is rewritten); rows without tool calls pay nothing."""
+    if enc.kind == "chatml" or not any(m.get("tool_calls") for m in conv):
+        return conv, 0
+    try:
+        if not _garbled(enc._text(conv, tools=tools), conv):
+            return conv, 0
+    except RowError:
+        pass
+    for form in ("object", "text"):
+        alt, changed = _with_arguments(conv, form)
+        if not changed:
+            continue
+        try:
+            if not _garbled(enc._text(alt, tools=tools), alt):
+                return alt, 1
+        except RowError:
+            continue
+    return conv, 0

@@ -31,7 +31,8 @@ from data.readers import Fields, Unit, discover, iter_rows, parse_item
 
 DEFAULT_CHUNK_TOKENS = 1 << 28  # 1 GiB of uint32 per chunk file: the resume granularity
 DEFAULT_BATCH_DOCS = 256
-CHAT_STATS = ("chat_docs", "supervised_tokens", "untrained_turns", "no_stop_rows")  # per shard, summed in the manifest
+CHAT_STATS = ("chat_docs", "supervised_tokens", "untrained_turns", "no_stop_rows",  # per shard, summed in the manifest
+              "rewritten_arguments")
 BATCH_BYTES = 1 << 20  # a batch closes at this much raw text too (long documents): bounds memory in flight
 
 # ------------------------------------------------------------------ workers: parse, tokenize, check
@@ -70,6 +71,7 @@ def _tokenize_batch(items: list[tuple[int, int, object]]) -> dict:
                 chat["chat_docs"] += 1
                 chat["untrained_turns"] += st["untrained_turns"]
                 chat["no_stop_rows"] += st.get("no_stop_rows", 0)
+                chat["rewritten_arguments"] += st.get("rewritten_arguments", 0)
         if err:
             bad.append((u, row, err))
         else:
@@ -343,7 +345,9 @@ def merge(output: str, log=print) -> dict:
         f"{manifest['bad_rows']} bad row(s) skipped"
         + (f"; {manifest['chat_docs']} conversations, {manifest['supervised_tokens']} supervised tokens, "
            f"{manifest['untrained_turns']} assistant turn(s) not located, {manifest['no_stop_rows']} ending with no "
-           "end-of-turn token" if manifest["chat_docs"] else ""))
+           "end-of-turn token" if manifest["chat_docs"] else "")
+        + (f", {manifest['rewritten_arguments']} with tool-call arguments rewritten to the form the template writes "
+           "(JSON text <-> object, docs/sft.md)" if manifest.get("rewritten_arguments") else ""))
     if manifest.get("no_stop_rows"):
         log(f"warning: {manifest['no_stop_rows']} conversation(s) end with a reply trained with no end-of-turn token "
             "after it (the template writes its end-of-turn only when another message follows, as Qwen1.5's "

@@ -126,3 +126,53 @@ def test_mistral_v03_trains_only_the_replies_after_its_tool_list(root):
     assert stats["untrained_turns"] == 1 and "message 1" in stats["why"][0]
     assert " apple river</s>[AVAILABLE_TOOLS] [{" in enc.tok.hf.decode(ids)  # after the first exchange
     assert trained_text(enc, ids, mask).strip() == "2 words</s>"
+
+
+# ---- tool-call arguments: OpenAI's JSON text or an object, rendered once whichever the row brings
+def _call_row(arguments) -> dict:
+    call = {"id": "call00001", "type": "function", "function": {"name": "count_words", "arguments": arguments}}
+    return {"messages": [{"role": "user", "content": "How many words in apple river?"},
+                         {"role": "assistant", "content": "", "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": "call00001", "content": "2"},
+                         {"role": "assistant", "content": "2 words"}]}
+
+
+@pytest.mark.parametrize("key,native", [("llama31", "object"), ("llama32", "object"), ("qwen25", "object"),
+                                        ("mistral_v03", "object"), ("gpt_oss", "object"), ("qwen3", "both"),
+                                        ("deepseek_r1", "text")])
+def test_tool_call_arguments_are_written_once_whichever_form_the_row_brings(root, key, native):
+    """Llama 3.1 / 3.2, Qwen2.5, Mistral v0.3 and gpt-oss apply `tojson` to the arguments: OpenAI's JSON text was
+    written encoded twice ("{\\"text\\": ...}") and trained so, without a word. DeepSeek concatenates them: an object
+    was a refused row. Both forms now give the same ids, the arguments written once as the template writes them."""
+    enc = encoder(root, key)
+    got = {}
+    for form, arguments in (("object", {"text": "apple river"}), ("text", '{"text": "apple river"}')):
+        ids, mask, stats = enc.encode(_call_row(arguments))
+        trained = trained_text(enc, ids, mask)
+        assert '{"text": "apple river"}' in trained and '\\"' not in enc.tok.hf.decode(ids), (form, trained)
+        assert stats["rewritten_arguments"] == int(native not in (form, "both")), form
+        got[form] = (ids, mask.tolist())
+    assert got["object"] == got["text"]
+
+
+_OWN = ("{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+        "{%- for c in m.tool_calls or [] %}<tool_call>{{ c.function.name }} {CALL}</tool_call>{%- endfor %}"
+        "<|im_end|>\n{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+
+
+@pytest.mark.parametrize("call,given,want", [
+    # printed as given: an object would be a Python dict in the ids ({'text': ...}); JSON text is kept
+    ("{{ c.function.arguments }}", {"text": "apple river"}, '<tool_call>count_words {"text": "apple river"}</tool_call>'),
+    # iterated as an object (Seed-OSS): JSON text fails to render; it is read as its object
+    ("{% for k, v in c.function.arguments.items() %}<{{ k }}>{{ v }}</{{ k }}>{% endfor %}", '{"text": "apple river"}',
+     "<tool_call>count_words <text>apple river</text></tool_call>"),
+    # free text is no JSON object: left as given, whatever the template makes of it
+    ("{{ c.function.arguments | tojson }}", "apple river", '<tool_call>count_words "apple river"</tool_call>'),
+])
+def test_a_template_that_prints_or_iterates_arguments_gets_the_form_it_renders_clean(root, call, given, want):
+    tok = Tokenizer(sweep_tokenizer(root, "qwen25", families()["qwen25"]))
+    tok.hf.chat_template = _OWN.replace("{CALL}", call)
+    enc = ChatEncoder(tok)
+    ids, mask, stats = enc.encode(_call_row(given))
+    assert want in enc.tok.hf.decode(ids) and want.split("<tool_call>")[1] in trained_text(enc, ids, mask)
+    assert stats["rewritten_arguments"] == int(given != "apple river")
