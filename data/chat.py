@@ -23,7 +23,10 @@ repeated in a user turn would be found in the wrong place):
    add_generation_prompt=True)` ends with the assistant's header; the reply starts where the whole conversation's
    tokens stop following it (the first differing token, in case the tokenizer merged across the header's end). A
    generation prompt longer than the header inside the conversation (DeepSeek-R1's `<｜Assistant｜><think>\n`)
-   counts as far as the conversation follows it past the earlier messages. The reply ends at its template's
+   counts as far as the conversation follows it past the earlier messages. Earlier messages that close differently
+   when last (Hermes' `tool_use`: `</tool_response><|im_end|>`, inside `</tool_response>\n<|im_end|>`): the header
+   is the generation prompt's tokens, found past that difference where only blanks and control tokens lie between
+   (`_header_after`). The reply ends at its template's
    end-of-turn token: the control token(s) the template writes right after a reply's text, read once from a
    probe conversation (mid-conversation and last: Phi-3 `<|end|>`, gpt-oss `<|end|>` and `<|return|>`), the first
    one after the reply's text, within the turn rendered alone. Never "the last control token of the turn rendered
@@ -61,7 +64,7 @@ import numpy as np
 
 from data.chat_demo import build_demo_chats, demo_conversation  # noqa: F401  (python -m data.chat OUT.jsonl)
 from data.chat_rows import ROLES, SHAREGPT_ROLES, RowError, normalize, row_format  # noqa: F401
-from data.chat_rows import message as _message
+from data.chat_splice import encode_long
 from data.chat_tools import call_name, fit_arguments, refuse_unrendered, row_tools, tool_names
 from data.chat_views import Renders, View
 
@@ -138,7 +141,19 @@ class ChatEncoder:
             return self.hf.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=gen,
                                                chat_template=self.template)
         except Exception as e:  # jinja's raise_exception (roles must alternate, no system role, ...)
-            raise RowError(f"{self.name} refuses this conversation: {str(e).splitlines()[0][:160]}") from None
+            why = str(e).splitlines()[0][:160]
+            if tools is None and self._needs_tools(msgs, gen):  # Hermes' and Command-R's `tool_use` iterate `tools`
+                why += (" (it renders only with a tool list: give the row's `tools`, or name another of the "
+                        "tokenizer's templates with --chat_template)")
+            raise RowError(f"{self.name} refuses this conversation: {why}") from None
+
+    def _needs_tools(self, msgs: list[dict], gen: bool) -> bool:
+        try:
+            self.hf.apply_chat_template(msgs, tools=[], tokenize=False, add_generation_prompt=gen,
+                                        chat_template=self.template)
+        except Exception:  # noqa: BLE001 (it fails for another reason)
+            return False
+        return True
 
     def _render(self, msgs: list[dict], gen: bool = False, tools: list | None = None) -> list[int]:
         return self.tok.encode(self._text(msgs, gen, tools))
@@ -295,7 +310,10 @@ class ChatEncoder:
             shared = r.prefix(k).lcp(r.arr) if k else 0
         except RowError:
             shared = 0
-        if not shared < a < len(full):
+        if a <= shared and k:  # the messages before close differently when last: find the generation prompt
+            a = self._header_after(conv, k, min(a, shared), full, r.tools)
+            shared = -1 if a is not None else shared
+        if a is None or not shared < a < len(full):
             return None
         want = _reply(conv[k])[:16]  # and the reply's text starts there: nothing but blanks between them
         if not want:
@@ -304,6 +322,28 @@ class ChatEncoder:
         shown = self.tok.hf.decode(full[max(a - 1, 0):a + len(self.tok.encode(want)) + 4])
         i = shown.find(want)
         return a if i >= 0 and (i < len(pre) or not shown[len(pre):i].strip()) else None
+
+    def _header_after(self, conv: list[dict], k: int, d: int, full: list[int], tools: list | None = None) -> int | None:
+        """Where turn k's reply starts when the messages before it render differently with a reply after them (Hermes'
+        `tool_use` closes a last tool result `</tool_response><|im_end|>`, one followed by a reply
+        `</tool_response>\n<|im_end|>`): the end of the generation prompt's tokens (the text `add_generation_prompt`
+        adds, starting with a control token), found in the conversation past the divergence `d` with nothing but
+        blanks and control tokens between (a template writing other text there, a system prompt moved, stays a turn
+        not located). None where that does not hold."""
+        try:
+            before, head = self._text(conv[:k], tools=tools), self._text(conv[:k], True, tools)
+        except RowError:
+            return None
+        if not head.startswith(before) or len(head) == len(before):
+            return None
+        gen = self.tok.encode(head[len(before):])
+        if not gen or gen[0] not in self.special:
+            return None
+        for p in range(d, min(d + 16, len(full) - len(gen))):
+            if full[p:p + len(gen)] == gen:
+                between = self.tok.hf.decode(full[d:p], skip_special_tokens=True)
+                return p + len(gen) if not between.strip() else None
+        return None
 
     def _prefix(self, conv: list[dict], wanted: list[int], tools: list | None = None) -> tuple[list[int], dict, dict]:
         r = Renders(self, conv, self.linear, tools)  # rendered and tokenized once; each prefix a view on it
@@ -365,72 +405,8 @@ class ChatEncoder:
 
     def encode_long(self, messages: list[dict], at: int, stats: bool = False):
         """(ids, mask) of `messages` (OpenAI form) whose message `at` is long (a haystack): what `encode` gives, with
-        that message's content tokenized once instead of once per render. The template is rendered around a short
-        placeholder; its text is cut at the special tokens on either side of the placeholder (HF tokenizers split
-        special tokens out before anything else, so tokenization never crosses them), the outer parts are the
-        placeholder render's tokens and mask, the text between (e.g. "user\n" + content) is tokenized once. Used
-        where it is checked to hold: the placeholder render splits that way, the template inserts the content
-        verbatim (a render of the content's head and tail, cheap), the placeholder's span has one mask value;
-        otherwise `encode` (exact either way; tests/unit/data/test_chat_splice.py compares both on the golden
-        families). `encode` also tokenizes the haystack once now (data/chat_views.py): the two cost about the same
-        (docs/sft.md's cost paragraph; `--chat`, `chat: true`). `stats=True`: (ids, mask, stats), `encode`'s stats
-        (`untrained_turns`, `no_stop_rows`: a last reply the template ends with no end-of-turn token, Qwen1.5's, so
-        the model is never shown where to stop), for the caller to count as the preparation does."""
-        conv = [_message(m, i) for i, m in enumerate(messages)]
-        conv, rewritten = (conv, 0) if self.refusal else fit_arguments(self, conv, None)  # as the template writes them
-        content = conv[at]["content"]
-        parts = None if self.kind == "chatml" or self.refusal else self._splice_parts(conv, at, content)
-        if parts is None:  # the ChatML default is built token by token (the content tokenized once already); or
-            ids, mask, st = self.encode({"messages": conv})  # splicing would not give encode's tokens
-            st = {**st, "rewritten_arguments": rewritten}
-            return (ids, mask, st) if stats else (ids, mask)
-        (pre_ids, pre_mask), (soft_pre, soft_post, value), (post_ids, post_mask), st = parts
-        mid = self.tok.encode_batch([soft_pre + content + soft_post])[0]  # the Rust tokenizer without offsets
-        ids, mask = pre_ids + mid + post_ids, np.concatenate([pre_mask, np.full(len(mid), value, np.uint8), post_mask])
-        # the placeholder render's stats hold for the spliced tokens: the spans are the same, and the token ending the
-        # last one is the same (or, the long message being the last reply, a text token either way)
-        st = {**st, "rewritten_arguments": rewritten}
-        return (ids, mask, st) if stats else (ids, mask)
-
-    PLACEHOLDER = "SPLICEDCONTENT"
-
-    def _hard_cuts(self, text: str) -> tuple[int, int]:
-        """(end of the last special token before the placeholder, start of the first one after it) in `text`."""
-        at = text.index(self.PLACEHOLDER)
-        end = at + len(self.PLACEHOLDER)
-        names = {self.hf.convert_ids_to_tokens(i) for i in self.special} - {None}
-        a = max((text.rfind(n, 0, at) + len(n) for n in names if text.rfind(n, 0, at) >= 0), default=0)
-        b = min((text.find(n, end) for n in names if text.find(n, end) >= 0), default=len(text))
-        return a, b
-
-    def _splice_parts(self, conv: list[dict], at: int, content: str):
-        """((pre ids, pre mask), (text before the content, text after it, the content's mask value), (post ids,
-        post mask), the placeholder render's stats) of the placeholder render, or None where splicing would not give
-        `encode`'s tokens."""
-        ph = self.PLACEHOLDER
-        try:
-            text = self._text([{**m, "content": ph} if k == at else m for k, m in enumerate(conv)])
-        except RowError:
-            return None  # encode says why, in its own words
-        if text.count(ph) != 1 or content.count(ph):
-            return None
-        probe = content if len(content) <= 512 else content[:256] + content[-256:]
-        shown = self._text([{**m, "content": probe} if k == at else m for k, m in enumerate(conv)])
-        if shown != text.replace(ph, probe):  # the template changes the content (trims it, ...): render it whole
-            return None
-        a, b = self._hard_cuts(text)
-        pre, soft_pre = text[:a], text[a:text.index(ph)]
-        soft_post, post = text[text.index(ph) + len(ph):b], text[b:]
-        ids, mask, st = self.encode({"messages": [{**m, "content": ph} if k == at else m for k, m in enumerate(conv)]})
-        pre_ids, mid, post_ids = self.tok.encode(pre), self.tok.encode(soft_pre + ph + soft_post), self.tok.encode(post)
-        if ids != pre_ids + mid + post_ids:
-            return None
-        span = mask[len(pre_ids):len(pre_ids) + len(mid)]
-        if len(span) and span.min() != span.max():
-            return None
-        value = int(span[0]) if len(span) else 0
-        return ((pre_ids, mask[:len(pre_ids)]), (soft_pre, soft_post, value), (post_ids, mask[len(ids) - len(post_ids):]),
-                st)
+        that message's content tokenized once (data/chat_splice.py). `stats=True`: (ids, mask, stats)."""
+        return encode_long(self, messages, at, stats)
 
     def _chatml(self, conv: list[dict]) -> tuple[list[int], dict]:
         """The documented default, token by token: the spans are known as they are written."""

@@ -225,7 +225,8 @@ def sweep(root: str | None = None, only: list[str] | None = None) -> dict[str, d
                 row[case] = f"not checked: {fam['unchecked'][case]}"
                 continue
             conv = [{**m, "content": m["content"].replace("{eot}", fam["eot"])} for m in conv]
-            row[case] = check(enc, oracle, conv, TOOLS.get(case), native(conv, fam)).replace(os.path.join(root, ""), "")
+            tools = TOOLS.get(case) or (TOOLS["tool list"] if fam.get("tools") == "always" else None)
+            row[case] = check(enc, oracle, conv, tools, native(conv, fam)).replace(os.path.join(root, ""), "")
         table[key] = row
     return table
 

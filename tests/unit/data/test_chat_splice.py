@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from data.chat import ChatEncoder
+from data.chat_splice import splice_parts
 from data.tasks import TASKS, make_sample
 from data.tokenizer import Tokenizer
 from tests.unit.data.chat_fixtures import FAMILIES, QWEN15_SHAPE, build_tokenizer
@@ -52,11 +53,11 @@ def test_spliced_equals_the_whole_render(toks, family):
             assert ids == want_ids, (task, n)
             assert np.array_equal(mask, want_mask), (task, n)
             if family in SPLICED:  # spliced, not the fallback
-                assert enc._splice_parts(enc_conv(msgs), at, user) is not None, (family, task)
+                assert splice_parts(enc, enc_conv(msgs), at, user) is not None, (family, task)
 
 
 def enc_conv(msgs):
-    from data.chat import _message
+    from data.chat_rows import message as _message
 
     return [_message(m, i) for i, m in enumerate(msgs)]
 
@@ -66,7 +67,7 @@ def test_a_template_that_alters_the_content_falls_back_to_the_whole_render(toks)
     is used (same ids as encode)."""
     enc = ChatEncoder(toks["llama3"], "assistant", "none")
     msgs = [{"role": "user", "content": "  What is the pass key?  "}, {"role": "assistant", "content": "12345"}]
-    assert enc._splice_parts(enc_conv(msgs), 0, msgs[0]["content"]) is None
+    assert splice_parts(enc, enc_conv(msgs), 0, msgs[0]["content"]) is None
     ids, mask = enc.encode_long(msgs, 0)
     want_ids, want_mask, _ = enc.encode({"messages": msgs})
     assert ids == want_ids and np.array_equal(mask, want_mask)
@@ -87,7 +88,7 @@ def test_a_last_reply_with_no_end_of_turn_is_counted_spliced_too(tmp_path):
         whole_ids, whole_mask, whole = enc.encode({"messages": msgs})
         assert (ids, stats["no_stop_rows"]) == (whole_ids, whole["no_stop_rows"]) and np.array_equal(mask, whole_mask)
         assert stats["no_stop_rows"] == want, (at, want)
-    assert enc._splice_parts(enc_conv(pair), 0, user) is not None  # the first case was spliced
+    assert splice_parts(enc, enc_conv(pair), 0, user) is not None  # the first case was spliced
 
 
 @pytest.mark.parametrize("task", TASKS)
