@@ -74,7 +74,8 @@ def refuse_unrendered(enc, conv: list[dict], tools: list | None) -> None:
                            "ChatML default (the tokenizer has no template) renders none: give a tokenizer whose "
                            "template renders them, or drop them")
         return
-    if not tools and not any(m["role"] == "environment" or defs(m) for m in conv):
+    calls = [k for k, m in enumerate(conv) if m["role"] == "assistant" and m.get("tool_calls")]
+    if not tools and not calls and not any(m["role"] == "environment" or defs(m) for m in conv):
         return
     text = enc._text(conv, tools=tools)
     if tools:
@@ -86,6 +87,16 @@ def refuse_unrendered(enc, conv: list[dict], tools: list | None) -> None:
             raise RowError(f"tools {tool_names(tools)}: {enc.name} does not render a row's `tools` (tool definitions),"
                            " so the replies would be trained as if no tool had been offered: use a template that "
                            "takes tools= (Llama 3.1, Qwen2.5 / 3, Mistral v0.3, ...), or drop them")
+    if calls:
+        try:  # no call is rendered (GLM-4 skips a message whose content is empty, calls and all): each reply after
+            same = enc._text([{x: v for x, v in m.items() if x != "tool_calls"} for m in conv], tools=tools) == text
+        except RowError:  # one renders only with its calls (roles must alternate, a tool turn needs a call): read
+            same = False
+        if same:  # one would be trained on the result of a call the model never made
+            k = calls[0]
+            raise RowError(f"message {k} (assistant): {enc.name} does not render its tool call(s) "
+                           f"{[call_name(c) for c in conv[k]['tool_calls']]}, so an empty reply would be trained: use "
+                           "a template that renders tool_calls, or drop the calls")
     for k, m in enumerate(conv):
         if m["role"] != "environment":
             continue

@@ -176,3 +176,19 @@ def test_a_template_that_prints_or_iterates_arguments_gets_the_form_it_renders_c
     ids, mask, stats = enc.encode(_call_row(given))
     assert want in enc.tok.hf.decode(ids) and want.split("<tool_call>")[1] in trained_text(enc, ids, mask)
     assert stats["rewritten_arguments"] == int(given != "apple river")
+
+
+def test_a_template_that_skips_a_call_with_no_content_refuses_the_row(root):
+    """GLM-4's template renders a message only when its content is not empty: a tool call (content "") vanishes, calls
+    and all, so its turn is never located, and the reply after its result was trained on a call the model never made
+    (the call's turn counted, the row kept). Such a row is refused in one line, as a template that drops the calls is."""
+    tok = Tokenizer(sweep_tokenizer(root, "qwen25", families()["qwen25"]))
+    # GLM-4's shape: one control token opens each role's turn (here the fixture's three), nothing closes one
+    tok.hf.chat_template = ("{%- set mark = {'user': '<|im_start|>', 'assistant': '<|im_end|>', 'tool': '<|endoftext|>'}"
+                            " %}{%- for m in messages %}{%- if m.content %}{{ mark[m.role] }}\n{{ m.content }}{%- endif %}"
+                            "{%- endfor %}{%- if add_generation_prompt %}<|im_end|>{%- endif %}")
+    enc = ChatEncoder(tok)
+    enc.encode({"messages": CASES["multi-turn"]})
+    with pytest.raises(RowError, match=r"^message 1 \(assistant\): .* does not render its tool call\(s\) "
+                                       r"\['count_words'\], so an empty reply would be trained"):
+        enc.encode({"messages": CASES["tool call"]})
