@@ -173,7 +173,7 @@ def fit_arguments(enc, conv: list[dict], tools: list | None) -> tuple[list[dict]
     Templates disagree: Llama 3.1, Qwen2.5, Mistral v0.3 and gpt-oss apply `tojson` to the arguments unguarded, so
     OpenAI's JSON text renders encoded twice ("{\\"text\\": ...}", a string the model would learn to write instead of
     an object); DeepSeek's and functionary's concatenate them, so an object fails (or prints as a Python dict);
-    Seed-OSS iterates an object; Qwen3 and Hermes take both. Whichever form a row brings, the row is
+    Seed-OSS and Qwen3-Coder iterate an object; Qwen3 and Hermes take both. Whichever form a row brings, the row is
     rendered as given, and only where that render fails or garbles the arguments is the other form tried, kept if
     it renders clean (else the row goes on as given, and a template that fails is a refused row). Lossless: JSON
     text of an object <-> that object; free text stays as given. Cost: one more text render of a row with calls
