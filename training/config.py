@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import yaml
 
 from training import hf_args
+from training.config_types import typed_fields
 
 
 @dataclass
@@ -174,13 +175,13 @@ def _check_keys(d: dict, cls, where: str) -> None:
 
 def config_from_dict(d: dict, where: str = "config") -> Config:
     _check_keys(d, Config, where)
-    d = dict(d)
+    d = typed_fields(d, Config, where)  # YAML's "1e-4" is a string: each value as its field declares (or one line)
     stages = []
     for i, s in enumerate(d.pop("stages", None) or []):
         if not isinstance(s, dict):
             raise ValueError(f"stage {i} in {where} must be a mapping, got {s!r}")
         _check_keys(s, StageConfig, f"{where} stages[{i}]")
-        stages.append(StageConfig(**s))
+        stages.append(StageConfig(**typed_fields(s, StageConfig, f"{where} stages[{i}]")))
     return Config(**d, stages=stages)
 
 
@@ -201,6 +202,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
             merged = yaml.safe_load(fh) or {}
         if not isinstance(merged, dict):
             raise ValueError(f"--config {recipe}: expected a mapping of keys at the top level")
+        typed_fields({"stages": merged.get("stages")}, Config, recipe)  # a list, or one line
     given_eval = sorted(k for k in args if k in EVAL_KEYS)
     if args.get("eval") is False and given_eval:
         raise ValueError(f"--no-eval turns evaluation off and --{given_eval[0]} sets it: drop one of them")
@@ -272,9 +274,6 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"--deepspeed {cfg.deepspeed}: file not found (see ds_configs/)")
     if cfg.dataset_path is not None and not os.path.exists(cfg.dataset_path):
         raise ValueError(f"--dataset_path {cfg.dataset_path}: no such file or folder")
-    if not isinstance(cfg.eval, bool):
-        raise ValueError(f"eval: {cfg.eval!r}: use true or false at the top level (a stage's settings go in its "
-                         "eval: block, the run's in eval_heldout_samples, eval_tasks, eval_depths, ...)")
     run_eval(cfg)  # a bad eval_* value: one line now
 
 

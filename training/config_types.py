@@ -1,0 +1,68 @@
+"""A recipe's values typed as the config's fields declare them (training/config.py), before anything compares them.
+
+YAML reads `learning_rate: 1e-4` as the string "1e-4" (YAML 1.1 wants a dot: 1.0e-4), `max_tokens: 2e9` likewise,
+and a key left empty as null. Each value of a recipe (top level and each stage) is checked against its field's
+declared type: a number written as text becomes the number (an integer field takes 2e9 or 1000.0, not 2.5); a number
+given where a string is declared (`context_parallel_size: 2`, `resume: 5`) becomes its text; anything else (a list
+for a number, "yes" for a boolean, null for a field that has no None) is refused in one line naming the key, the value
+and what it takes. Before, such a value reached the checks as it came and failed there with a TypeError traceback.
+Command-line values are typed by argparse already and pass unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+HINTS = {"eval": "use true or false at the top level (a stage's settings go in its eval: block, the run's in "
+                 "eval_heldout_samples, eval_tasks, eval_depths, ...)"}  # a key whose usual mistake has a fix to name
+_WANT = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string", "dict": "a mapping",
+         "list": "a list"}
+
+
+def _number(value) -> float | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value.strip().replace("_", ""))
+        except ValueError:
+            return None
+    return None
+
+
+def typed(key: str, value, tp: str, where: str):
+    """`value` as field `key` of declared type `tp` ("int", "float | None", "bool | str", ...) takes it; ValueError,
+    one line, for a value it cannot take."""
+    kinds = {t.strip().split("[")[0] for t in tp.split("|")}
+    if value is None:
+        if "None" in kinds:
+            return None
+    elif isinstance(value, bool):
+        if "bool" in kinds:
+            return value
+    elif isinstance(value, dict | list):
+        if type(value).__name__ in kinds:
+            return value
+    else:  # a number or a string
+        num = _number(value)
+        if "int" in kinds and "float" not in kinds and num is not None and num.is_integer():
+            return int(num)
+        if "float" in kinds and num is not None:
+            return value if isinstance(value, int | float) else num
+        if "str" in kinds:
+            return value if isinstance(value, str) else str(value)
+    if key in HINTS:
+        raise ValueError(f"{key}: {value!r:.60}: {HINTS[key]}")
+    want = " or ".join(_WANT[k] for k in _WANT if k in kinds) or "a list of stage mappings"
+    raise ValueError(f"{key}: {value!r:.60} in {where} is not {want}")
+
+
+def typed_fields(d: dict, cls, where: str) -> dict:
+    """d's values typed by `cls`'s fields (keys `cls` lacks are left to the caller's unknown-key check)."""
+    types = {f.name: f.type for f in dataclasses.fields(cls)}
+    out = {k: typed(k, v, types[k], where) if k in types and k != "stages" else v for k, v in d.items()}
+    if not isinstance(out.get("stages") or [], list):
+        raise ValueError(f"stages: {out['stages']!r:.60} in {where} is not a list of stage mappings")
+    return out
