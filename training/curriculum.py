@@ -16,6 +16,7 @@ from base.parallel import check_layout, split_sp
 from data.replay import parse_replay
 from model_utils.rope import check_rope
 from training.config import Config, StageConfig, stage_eval
+from training.config_types import typed
 
 
 @dataclass(frozen=True)
@@ -68,12 +69,16 @@ def _memory_mode(cfg: Config, s: StageConfig, i: int) -> tuple[str, dict]:
         unknown = sorted(set(s.memory_features) - set(MEMORY_KEYS))
         if unknown:
             raise ValueError(f"stage {i}: memory_features {unknown}: use {list(MEMORY_KEYS)}")
-        own = dict(s.memory_features)
+        own = {k: typed(k, v, "int" if k == "checkpoint_every" else "bool", f"stage {i}'s memory_features")
+               for k, v in s.memory_features.items()}  # "false" is not true, 2.5 layers not 2
+        if own.get("checkpoint_every", 0) < 0:
+            raise ValueError(f"stage {i}: memory_features checkpoint_every {own['checkpoint_every']}: use 0 (off) or K "
+                             ">= 1 (layers 0, K, 2K, ... checkpointed)")
         if "gradient_checkpointing" in own:
             own.setdefault("checkpoint_every", 1 if own.pop("gradient_checkpointing") else 0)
         if own.get("offload_activations") and not own.get("checkpoint_every", pinned.get("checkpoint_every")):
             own["checkpoint_every"] = 1  # offloading the checkpoints turns checkpointing on
-        pinned.update({k: int(v) if k == "checkpoint_every" else bool(v) for k, v in own.items()})
+        pinned.update(own)
     if mode == "manual" and pinned.get("keep_attention") and not pinned.get("checkpoint_every"):
         raise ValueError(f"stage {i}: keep_attention changes what checkpointed layers recompute, and no layer is "
                          "checkpointed: add --gradient_checkpointing or --checkpoint_every K, or drop keep_attention")

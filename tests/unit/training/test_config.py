@@ -128,3 +128,34 @@ def test_every_recipe_key_takes_a_sensible_value_or_refuses_it_in_one_line(tmp_p
         except Exception as e:  # noqa: BLE001 (what the sweep looks for)
             bad.append((doc, f"{type(e).__name__}: {e}"))
     assert not bad, bad[:5]
+
+
+_NESTED = {"tasks": ["passkey", "bogus"], "replay": ["share", "lengths", 256], "data": ["*"],
+           "memory_features": ["tiled_mlp", "checkpoint_every", "bogus"], "eval": ["passkey_trials", "depths", "tasks"],
+           "rope": ["rope_type", "factor"]}
+
+
+def test_every_stage_mapping_takes_a_sensible_value_or_refuses_it_in_one_line(tmp_path):
+    """The same sweep one level down, through the stages' resolution: a stage's tasks, replay, data, memory_features,
+    eval and rope mappings. Before, memory_features' checkpoint_every given null, a list or a mapping was a TypeError
+    traceback, and tiled_mlp: "false" turned tiled MLP on (bool of a string)."""
+    import yaml
+
+    from training.curriculum import resolve_stages
+
+    recipe, bad = tmp_path / "r.yaml", []
+    for key, subs in _NESTED.items():
+        for value in ["ten", 2.5, None, [1, 2], {"a": 1}, "false"]:
+            for block in [{sub: value} for sub in subs] + [value]:
+                recipe.write_text(yaml.safe_dump({"stages": [{"max_seq_length": 4096, "max_steps": 2, key: block}]}))
+                try:
+                    stages = resolve_stages(parse_config(["--config", str(recipe)]), dp_of_sp=lambda sp: 1)
+                except ValueError as e:
+                    if "\n" in str(e):
+                        bad.append((key, block, str(e)))
+                except Exception as e:  # noqa: BLE001 (what the sweep looks for)
+                    bad.append((key, block, f"{type(e).__name__}: {e}"))
+                else:
+                    if block == {"tiled_mlp": "false"}:
+                        bad.append((key, block, f"taken: tiled_mlp={stages[0].tiled_mlp}"))
+    assert not bad, bad[:5]
