@@ -145,6 +145,17 @@ def _resume_point(out: str, shard: int) -> list[dict]:
     return recs
 
 
+def _check_numbers(output: str, vocab_size, workers: int, chunk_tokens: int, batch_docs: int) -> None:
+    """The command's numbers and --output, one line each, before anything is read."""
+    for name, value, low in (("--vocab_size", vocab_size, 1), ("--workers", workers, 0),
+                             ("--chunk_tokens", chunk_tokens, 1), ("--batch_docs", batch_docs, 1)):
+        if value is not None and value < low:
+            raise ValueError(f"{name} {value}: use an integer >= {low}")
+    if not output or (os.path.exists(output) and not os.path.isdir(output)):
+        raise ValueError(f"--output {output!r}: give a folder (it is created, or resumed when it holds this "
+                         "preparation)")
+
+
 def prepare(inputs: list[str], output: str, tokenizer: str | None = None, vocab_size: int | None = None,
             workers: int = 1, shard: tuple[int, int] = (0, 1), fields: Fields | None = None, skip_bad_rows: bool = False,
             chunk_tokens: int = DEFAULT_CHUNK_TOKENS, batch_docs: int = DEFAULT_BATCH_DOCS, loader: str | None = None,
@@ -156,13 +167,19 @@ def prepare(inputs: list[str], output: str, tokenizer: str | None = None, vocab_
 
     fields = fields or Fields()
     i_shard, n_shards = shard
+    _check_numbers(output, vocab_size, workers, chunk_tokens, batch_docs)
     units = [u for spec in inputs for u in discover(spec, loader)]
     mine = shard_units(units, i_shard, n_shards)
     tok = Tokenizer(tokenizer) if tokenizer else None
     bound = vocab_size or (tok.vocab_size if tok else None)
     if bound is None:
         raise ValueError("give --tokenizer_name_or_path or --vocab_size (the bound every token id is checked against)")
+    if tok and eos_id is not None and eos_id != tok.eos_id:
+        raise ValueError(f"--eos_id {eos_id} with --tokenizer_name_or_path: the tokenizer's EOS ({tok.eos_id}) is "
+                         "appended; drop --eos_id (it is for pre-tokenized documents with no tokenizer)")
     eos = tok.eos_id if tok else eos_id
+    if eos is not None and not 0 <= eos < bound:
+        raise ValueError(f"--eos_id {eos}: not a token id below the vocabulary size {bound}: give the model's EOS id")
     tok_info = ({"path": os.path.abspath(tokenizer), "kind": tok.kind, "sha256": store.tokenizer_identity(tokenizer),
                  "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "pad_id": tok.pad_id} if tok else None)
     dtype = store.token_dtype(bound)
@@ -395,6 +412,9 @@ def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     try:
         if a.verify:
+            if not os.path.isfile(os.path.join(a.output, store.MANIFEST)):
+                raise ValueError(f"--output {a.output}: not a prepared folder (no {store.MANIFEST}; a preparation "
+                                 "not finished has none: run it again to resume)")
             bad = store.Prepared(a.output).verify()
             print(f"{a.output}: " + ("intact" if not bad else f"checksum mismatch in {bad}"))
             return 1 if bad else 0

@@ -140,8 +140,14 @@ def iter_rows(unit: Unit, fields: Fields, start: int = 0, batch_rows: int = 1024
             ds = ds.select(range(start, len(ds)))
     else:
         builder = unit.kind.split(":", 1)[1]
-        ds = datasets.load_dataset(builder, data_files=[unit.path], split="train", streaming=True)
-        cols = _columns(unit, list(ds.column_names or []) or list(next(iter(ds)).keys()), fields)
+        try:  # an unknown builder is a hub lookup offline (ConnectionError), a file it cannot parse its own error
+            ds = datasets.load_dataset(builder, data_files=[unit.path], split="train", streaming=True)
+            names = list(ds.column_names or []) or list(next(iter(ds)).keys())
+        except Exception as e:  # noqa: BLE001 (a user's --loader / file: one line, not datasets' traceback)
+            raise ValueError(f"--loader {builder}: datasets.load_dataset could not read {unit.path} "
+                             f"({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}): use a builder "
+                             "it has (csv, json, text, parquet, arrow, ...)") from None
+        cols = _columns(unit, names, fields)
         if start:
             ds = ds.skip(start)
     row = start

@@ -21,7 +21,11 @@ class Tokenizer:
         if os.path.isfile(path):
             import sentencepiece as spm
 
-            self._sp = spm.SentencePieceProcessor(model_file=path)
+            try:
+                self._sp = spm.SentencePieceProcessor(model_file=path)
+            except Exception as e:  # noqa: BLE001 (sentencepiece's RuntimeError on a file that is no model)
+                raise ValueError(f"--tokenizer_name_or_path {path}: not a sentencepiece .model file ({e}); give one, or "
+                                 "a Hugging Face tokenizer folder") from None
             self.vocab_size = self._sp.get_piece_size()
             self.eos_id = self._sp.eos_id()
             pad = self._sp.pad_id()
@@ -35,7 +39,12 @@ class Tokenizer:
         else:
             from transformers import AutoTokenizer
 
-            tok = AutoTokenizer.from_pretrained(path)
+            try:
+                tok = AutoTokenizer.from_pretrained(path)
+            except Exception as e:  # noqa: BLE001 (no tokenizer files, a broken tokenizer.json, ...)
+                raise ValueError(f"--tokenizer_name_or_path {path}: not a Hugging Face tokenizer folder "
+                                 f"({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}); give one "
+                                 "(tokenizer.json / tokenizer_config.json), or a sentencepiece .model file") from None
             self.vocab_size = len(tok)
             self.eos_id = tok.eos_token_id
             self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else self.eos_id

@@ -301,3 +301,34 @@ def test_rows_whose_tool_call_arguments_were_rewritten_are_counted(tmp_path):
     m = prepare([src], str(tmp_path / "out"), path, workers=0, log=lines.append)
     assert (m["chat_docs"], m["rewritten_arguments"]) == (3, 1)
     assert any("1 with tool-call arguments rewritten" in x for x in lines)
+
+
+_SP = "recipes/base/tiny_passkey256/tokenizer.model"
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--tokenizer_name_or_path", "README.md"], r"--tokenizer_name_or_path README.md: not a sentencepiece \.model"),
+    (["--tokenizer_name_or_path", "docs"], r"--tokenizer_name_or_path docs: not a Hugging Face tokenizer folder"),
+    (["--tokenizer_name_or_path", _SP, "--workers", "-1"], r"--workers -1: use an integer >= 0"),
+    (["--tokenizer_name_or_path", _SP, "--chunk_tokens", "0"], r"--chunk_tokens 0: use an integer >= 1"),
+    (["--tokenizer_name_or_path", _SP, "--batch_docs", "0"], r"--batch_docs 0: use an integer >= 1"),
+    (["--tokenizer_name_or_path", _SP, "--eos_id", "99999"], r"--eos_id 99999 with --tokenizer_name_or_path: the "),
+    (["--vocab_size", "100", "--eos_id", "100"], r"--eos_id 100: not a token id below the vocabulary size 100"),
+    (["--tokenizer_name_or_path", _SP, "--output", "README.md"], r"--output 'README.md': give a folder"),
+    (["--tokenizer_name_or_path", _SP, "--output", ""], r"--output '': give a folder"),
+    (["--verify"], r"--output .*: not a prepared folder \(no manifest.json"),
+])
+def test_the_commands_own_values_are_refused_in_one_line(tmp_path, capsys, args, match):
+    """prepare_data's flags as users mistype them: one line and exit 2 before anything is read. Before: a
+    sentencepiece RuntimeError or a FileNotFoundError / FileExistsError traceback; --workers -1, --chunk_tokens 0 and
+    --batch_docs 0 went on; an --eos_id past the vocabulary was written into every document (a GPU's index assert at
+    the first step) or silently replaced by the tokenizer's."""
+    import re
+
+    from data.prepare_data import main
+
+    src = _write_jsonl(tmp_path / "a.jsonl", [[5, 6, 7]], "input_ids")
+    out = [] if "--output" in args else ["--output", str(tmp_path / "out")]
+    assert main(["--input", src, *out, *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(match, err[0]), err
