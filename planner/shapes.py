@@ -164,7 +164,14 @@ def load_shape(model: str) -> ModelShape:
     if not os.path.isfile(path):
         raise ValueError(f"model {model!r}: not a preset ({', '.join(sorted(PRESETS))}) nor a config.json path")
     with open(path) as fh:
-        return ModelShape.from_config(json.load(fh))
+        try:
+            config = json.load(fh)
+        except ValueError as e:  # a file that is not a model's config.json (JSONDecodeError: no file named)
+            raise ValueError(f"model {model!r}: {path} is not JSON ({e}): give a model's config.json or its folder") \
+                from None
+    if not isinstance(config, dict):
+        raise ValueError(f"model {model!r}: {path} is not a model's config.json (a JSON object)")
+    return ModelShape.from_config(config)
 
 
 INT_FEATURES = ("checkpoint_every", "logits_tile_mb", "attention_head_chunks")  # the others are on / off

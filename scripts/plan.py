@@ -176,6 +176,17 @@ def make_plan(args: argparse.Namespace) -> dict:
             raise ValueError(f"--{name} must be positive, got {getattr(args, name)}")
     if not 0 <= args.margin < 1:
         raise ValueError(f"--margin {args.margin}: use a fraction in [0, 1)")
+    if args.mfu > 1 or args.cpu_overhead_gb < 0:
+        bad = f"--mfu {args.mfu}: use a fraction in (0, 1]" if args.mfu > 1 else \
+            f"--cpu_overhead_gb {args.cpu_overhead_gb}: use a size >= 0"
+        raise ValueError(bad)
+    if args.sp != "auto" and (not str(args.sp).isdigit() or int(args.sp) < 1):
+        raise ValueError(f"--sp {args.sp!r}: use an integer >= 1 or auto")
+    chunks = str(args.attention_head_chunks)
+    if chunks != "max" and (not chunks.isdigit() or int(chunks) < 1):
+        raise ValueError(f"--attention_head_chunks {chunks!r}: use an integer >= 1 or max")
+    if not any(s.strip() for s in args.seq_len.split(",")):
+        raise ValueError(f"--seq_len {args.seq_len!r}: give a length (131072, 128k, 1M) or a comma list")
     if gpu_budget(args.gpu_mem_gb) <= 0:
         raise ValueError(f"--gpu_mem_gb {args.gpu_mem_gb}: at least {GPU_RESERVED / GiB:g} GiB are the runtime's")
     shape = load_shape(args.model)

@@ -190,6 +190,15 @@ def test_monotonic_in_seq_len():
     (["--seq_len", "lots"], "sequence length"),
     (["--model", "no-such-model"], "not a preset"),
     (["--offload_activations"], "needs gradient_checkpointing"),
+    # before: an IndexError traceback, max() of an empty sequence, int()'s own words, a JSON error naming no file,
+    # and an empty --seq_len, a negative runtime overhead and an MFU above 1 planned as given
+    (["--sp", "0"], "--sp '0': use an integer >= 1 or auto"),
+    (["--attention_head_chunks", "0"], "--attention_head_chunks '0': use an integer >= 1 or max"),
+    (["--attention_head_chunks", "x"], "--attention_head_chunks 'x': use an integer >= 1 or max"),
+    (["--model", "README.md"], "README.md is not JSON"),
+    (["--seq_len", ""], "--seq_len '': give a length"),
+    (["--cpu_overhead_gb", "-1"], "--cpu_overhead_gb -1.0: use a size >= 0"),
+    (["--mfu", "1.5"], "--mfu 1.5: use a fraction in (0, 1]"),
 ])
 def test_invalid_input_is_a_one_line_value_error(argv, needle):
     args = ["--model", "llama3-8b", "--seq_len", "128k"] + argv
