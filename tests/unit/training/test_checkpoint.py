@@ -306,3 +306,18 @@ def test_a_file_the_loading_rank_cannot_see_yet_is_looked_for_again(tmp_path):
     with pytest.raises(RuntimeError, match="state/rank00000.pt"):
         ck.load(LoadEngine(), path)
 
+
+
+@pytest.mark.parametrize("given, why", [("no_such", "no such folder"), ("docs", "no readable manifest")])
+def test_export_names_the_checkpoint_it_was_given(tmp_path, capsys, given, why):
+    """scripts/export_hf.py RUN --checkpoint X, X not a checkpoint: one line naming X and why (before: 'no complete
+    checkpoint under RUN/checkpoints', about a folder the user did not name)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("export_hf", os.path.join(os.getcwd(), "scripts", "export_hf.py"))
+    export = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(export)
+    path = given if given == "docs" else str(tmp_path / given)
+    assert export.main([str(tmp_path), "--checkpoint", path]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: --checkpoint {path}: not a complete checkpoint") and why in err[0]
