@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 
 PANELS = (("loss", "loss"), ("tokens_per_s", "tokens/s"), ("peak_mem_gb", "peak memory (GB)"))
@@ -181,9 +182,17 @@ def plot_eval(evals: list[dict], out: str, title: str = "") -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("metrics", help="OUTPUT_DIR/metrics.jsonl")
+    p.add_argument("metrics", help="OUTPUT_DIR/metrics.jsonl (or the run's OUTPUT_DIR)")
     p.add_argument("-o", "--out", help="PNG to write (default: next to the metrics file, .png)")
     args = p.parse_args(argv)
+    if os.path.isdir(args.metrics):  # the run folder, as eval_summary.py takes it
+        args.metrics = os.path.join(args.metrics, "metrics.jsonl")
+    if not os.path.isfile(args.metrics):
+        print(f"error: {args.metrics}: no such file (give a run's OUTPUT_DIR/metrics.jsonl)", file=sys.stderr)
+        return 2
+    if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
+        print(f"error: --out {args.out}: its folder does not exist", file=sys.stderr)
+        return 2
     steps = read_steps(args.metrics)
     if not steps:
         print(f"error: {args.metrics} has no step records (lines with 'step' and 'loss')", file=sys.stderr)

@@ -53,3 +53,17 @@ def test_stage_boundaries_edge_cases(tmp_path):
     assert [r["step"] for r in steps] == [1, 2, 3, 4] and mod.stage_boundaries(steps) == []
     m.write_text(json.dumps({"event": "eval", "step": 1}) + "\n")
     assert mod.main([str(m), "-o", str(tmp_path / "x.png")]) == 2
+
+
+def test_a_run_folder_is_read_and_a_missing_file_is_one_line(tmp_path, capsys):
+    """`plot_metrics.py RUN` (eval_summary.py's form) plots RUN/metrics.jsonl; a missing file or --out folder is one
+    line (before: a run folder or a missing file was an IsADirectoryError / FileNotFoundError traceback)."""
+    mod = load_plot_metrics()
+    write_metrics(tmp_path / "metrics.jsonl", lambda s: 0)
+    assert mod.main([str(tmp_path)]) == 0 and (tmp_path / "metrics.png").stat().st_size > 0
+    for argv, line in (([str(tmp_path / "nope.jsonl")], "nope.jsonl: no such file"),
+                       ([str(tmp_path), "-o", str(tmp_path / "no" / "m.png")], "its folder does not exist")):
+        capsys.readouterr()
+        assert mod.main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and line in err[0], err
