@@ -142,9 +142,14 @@ def _flag_type(tp):
     return base
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line (train.py's input-error path), not argparse's usage block of every flag
+        raise ValueError(f"{message}: see `python train.py --help`")
+
+
 def _build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="ulysses-longtrain: long-context training on DeepSpeed + Ulysses SP",
-                                allow_abbrev=False)  # a typo must not silently set another key
+    p = _Parser(description="ulysses-longtrain: long-context training on DeepSpeed + Ulysses SP",
+                allow_abbrev=False)  # a typo must not silently set another key
     p.add_argument("--config", default=None, help="YAML recipe; command-line flags override its keys")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the deepspeed launcher
     hf_args.add_arguments(p)  # the HF Trainer's names users carry over: mapped, or refused in one line

@@ -23,6 +23,9 @@ def test_precedence_cli_over_yaml_over_defaults(tmp_path):
     (["--attn_implementation", "eager"], "eager cannot run under Ulysses"),
     (["--deepspeed", "nope.json"], "nope.json: file not found"),
     (["--dataset_path", "/no/such/data.jsonl"], "no such file or folder"),
+    # argparse's own type errors: one line, not its usage block of every flag (before: SystemExit after ~60 lines)
+    (["--max_steps", "abc"], r"argument --max_steps: invalid int value: 'abc': see `python train.py --help`"),
+    (["--gpus_per_node", "1e-4"], r"argument --gpus_per_node: invalid int value"),
 ])
 def test_bad_values_one_line(argv, match):
     with pytest.raises(ValueError, match=match) as e:
