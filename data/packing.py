@@ -22,7 +22,7 @@ from data.tokenizer import Tokenizer
 def _cache_key(dataset_path: str, tokenizer_path: str | None, model_vocab: int) -> str:
     """What the token stream is derived from: each input file (path, size, mtime), the tokenizer's content (a HF
     folder rewritten in place keeps its own size and mtime) and the vocabulary its token ids were checked against."""
-    h = hashlib.sha256(str(model_vocab).encode())
+    h = hashlib.sha256(f"{model_vocab}:bos".encode())  # :bos: text documents start with the tokenizer's BOS
     for f in list_files(dataset_path):
         st = os.stat(f)
         h.update(f"{os.path.abspath(f)}:{st.st_size}:{st.st_mtime_ns}".encode())
@@ -52,6 +52,7 @@ def build_token_stream(dataset_path: str, tokenizer: Tokenizer | None, model_voc
             if tokenizer is None:
                 raise ValueError(f"{file}:{line}: a \"text\" document needs --tokenizer_name_or_path")
             ids = tokenizer.encode(doc)
+            ids = [tokenizer.bos_id] + ids if ids and tokenizer.bos_id is not None else ids  # as prepare_data writes
         else:
             ids = doc
             bad = [t for t in ids if t >= model_vocab]

@@ -37,7 +37,7 @@ def resolve_sources(dataset_path: str | None, tokenizer_path: str | None) -> tup
 def _cache_key(files: list[str], tokenizer_path: str | None, model_vocab: int) -> str:
     """What the prepared folder is derived from: each input file (path, size, mtime) and the tokenizer's content
     (its files' SHA-256: a HF folder rewritten in place keeps its own size and mtime), with the model's vocab."""
-    h = hashlib.sha256(str(model_vocab).encode())
+    h = hashlib.sha256(f"{model_vocab}:bos".encode())  # :bos: text documents start with the tokenizer's BOS
     for f in files:
         st = os.stat(f)
         h.update(f"{os.path.abspath(f)}:{st.st_size}:{st.st_mtime_ns}".encode())

@@ -52,7 +52,8 @@ def _init_worker(tokenizer_path: str | None, fields: Fields, vocab_bound: int, e
 
 
 def _tokenize_batch(items: list[tuple[int, int, object]]) -> dict:
-    """items: (unit index, row, raw item) -> tokens of the kept documents (EOS appended to text documents; a chat
+    """items: (unit index, row, raw item) -> tokens of the kept documents (a text document as BOS + text + EOS, the
+    BOS where the tokenizer puts one before a text, data/tokenizer.py; EOS appended to pre-tokenized ones; a chat
     row's tokens and loss mask as its template renders them, data/chat.py) and what was dropped."""
     from data.chat import RowError
 
@@ -78,8 +79,9 @@ def _tokenize_batch(items: list[tuple[int, int, object]]) -> dict:
             docs.append((u, row, value, src))
     texts = [i for i, d in enumerate(docs) if isinstance(d[2], str)]
     if texts:
+        bos = [tok.bos_id] if tok.bos_id is not None else []  # BOS + text + EOS, as the tokenizer writes a text
         for i, ids in zip(texts, tok.encode_batch([docs[i][2] for i in texts])):
-            docs[i] = (*docs[i][:2], ids, docs[i][3])
+            docs[i] = (*docs[i][:2], bos + list(ids) if len(ids) else ids, docs[i][3])
     arrays, lens, srcs, empty, max_id, mask_parts = [], [], [], 0, -1, []
     for d, (u, row, ids, src) in enumerate(docs):
         if not len(ids):
@@ -184,7 +186,8 @@ def prepare(inputs: list[str], output: str, tokenizer: str | None = None, vocab_
                  "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "pad_id": tok.pad_id} if tok else None)
     dtype = store.token_dtype(bound)
     plan = {"units": [u.identity() for u in mine], "tokenizer": tok_info and tok_info["sha256"], "vocab_bound": bound,
-            "eos_id": eos, "dtype": dtype.name, "fields": [fields.text, fields.ids, fields.source],
+            "eos_id": eos, "bos_id": tok.bos_id if tok else None, "dtype": dtype.name,
+            "fields": [fields.text, fields.ids, fields.source],
             "shard": [i_shard, n_shards], "chunk_tokens": chunk_tokens, "skip_bad_rows": skip_bad_rows,
             "loss_on": loss_on, "chat_template": chat_template}
     if tok is not None:
@@ -326,10 +329,11 @@ def merge(output: str, log=print) -> dict:
     missing = [i for i in range(n) if i not in recs]
     if missing:
         raise ValueError(f"{output}: shard(s) {missing} of {n} are not finished; run them (--shard i/{n}), then merge")
-    keys = ("tokenizer", "vocab_bound", "eos_id", "dtype", "fields", "chunk_tokens", "loss_on", "chat_template")
+    keys = ("tokenizer", "vocab_bound", "eos_id", "bos_id", "dtype", "fields", "chunk_tokens", "loss_on",
+            "chat_template")
     first = recs[0]["plan"]
     for i in range(n):
-        differs = [k for k in keys if recs[i]["plan"][k] != first[k]]
+        differs = [k for k in keys if recs[i]["plan"].get(k) != first.get(k)]
         if differs:
             raise ValueError(f"{output}: shard {i} was prepared differently from shard 0 ({differs}); redo it")
     chunks, sources, per_source = [], [], {}
@@ -349,7 +353,7 @@ def merge(output: str, log=print) -> dict:
         raise ValueError(f"{output}: no documents (every row blank, empty or skipped)")
     manifest = {
         "format": store.FORMAT, "tokenizer": recs[0]["tokenizer"], "vocab_size": first["vocab_bound"],
-        "eos_id": first["eos_id"], "dtype": first["dtype"], "n_tokens": n_tokens,
+        "eos_id": first["eos_id"], "bos_id": first.get("bos_id"), "dtype": first["dtype"], "n_tokens": n_tokens,
         "n_docs": sum(c["n_docs"] for c in chunks), "max_token_id": max(c["max_token_id"] for c in chunks),
         "sources": sources, "per_source": per_source, "chunks": chunks,
         "bad_rows": sum(recs[i]["bad_rows"] for i in range(n)), "empty_docs": sum(recs[i]["empty_docs"] for i in range(n)),

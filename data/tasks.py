@@ -73,7 +73,8 @@ def _assemble(tokenizer, seq_len: int, inserts: list[tuple[float, list[int]]], q
               answer: list[int], task: str, answer_text: str) -> dict:
     """Filler with each (depth, tokens) inserted at that fraction of the haystack, then question + answer;
     labels on the answer only. ValueError when `seq_len` cannot hold it with one filler sentence."""
-    need = sum(len(t) for _, t in inserts) + len(question) + len(answer)
+    bos = [tokenizer.bos_id] if getattr(tokenizer, "bos_id", None) is not None else []  # as a document starts
+    need = sum(len(t) for _, t in inserts) + len(question) + len(answer) + len(bos)
     n_fill = seq_len - need
     if n_fill < len(_encode(tokenizer, FILLER)):
         raise ValueError(f"max_seq_length={seq_len} is too short for a {task} trial (needs "
@@ -83,7 +84,7 @@ def _assemble(tokenizer, seq_len: int, inserts: list[tuple[float, list[int]]], q
     for _, (depth, toks) in sorted(enumerate(inserts), key=lambda x: (x[1][0], x[0]), reverse=True):
         at = int(depth * n_fill)
         body[at:at] = toks
-    ids = np.asarray(body + question + answer, dtype=np.int64)
+    ids = np.asarray(bos + body + question + answer, dtype=np.int64)
     labels = np.full_like(ids, -100)
     first = len(ids) - len(answer)
     labels[first - 1: len(ids) - 1] = ids[first:]  # each answer token predicted from the position before it
@@ -206,7 +207,8 @@ def chat_sample(task: str, tokenizer, chat, seq_len: int, depth: float, rng: ran
     for _ in range(4):
         plain = make_sample(task, tokenizer, inner, depth, random.Random(rng.random()))
         first = int(np.flatnonzero(plain["shift_labels"] != -100)[0]) + 1  # the answer's first token
-        msgs = [{"role": "user", "content": tokenizer.decode(plain["input_ids"][:first]).strip()},
+        lead = int(getattr(tokenizer, "bos_id", None) is not None)  # the template writes its own BOS
+        msgs = [{"role": "user", "content": tokenizer.decode(plain["input_ids"][lead:first]).strip()},
                 {"role": "assistant", "content": plain["answer"]}]
         ids, mask = chat.encode_long(msgs, 0)  # the haystack tokenized once, spliced into the template's rendering
         if len(ids) <= seq_len:

@@ -9,7 +9,14 @@ _PROBE = ["  Hello world!\n\tdef f(x):  return x**2  # café 東京 1234567 ", "
 
 
 class Tokenizer:
-    """`encode(text) -> list[int]`, `encode_batch(texts)`, `vocab_size`, `eos_id`, `pad_id`, `decode(ids)`."""
+    """`encode(text) -> list[int]`, `encode_batch(texts)`, `vocab_size`, `eos_id`, `pad_id`, `bos_id`, `decode(ids)`.
+
+    `bos_id`: the token the tokenizer itself puts before a text (`tokenizer(text)` as Hugging Face calls it: Llama 3's
+    <|begin_of_text|>, Mistral's <s>, Gemma's <bos>), None where it adds none (Qwen, OLMo, a sentencepiece model
+    called plainly). A text document is written BOS + text + EOS (data/prepare_data.py), as the model was pretrained
+    and as transformers, TRL and torchtitan tokenize; encode() itself adds nothing (chat templates write their own)."""
+
+    bos_id: int | None = None
 
     direct = False  # a Hugging Face fast tokenizer called through its Rust encode_batch_fast
 
@@ -57,6 +64,9 @@ class Tokenizer:
                     self._encode_batch, self.direct = direct, True
             self.kind = "hf"
             self.hf = tok  # its chat template renders conversations (data/chat.py)
+            plain, full = tok("a", add_special_tokens=False)["input_ids"], tok("a")["input_ids"]
+            if len(full) > len(plain) and full[1:1 + len(plain)] == plain:  # a token put before the text: its BOS
+                self.bos_id = full[0]
             self._decode = lambda ids: tok.decode(ids)
         if self.eos_id is None or self.eos_id < 0:
             raise ValueError(f"tokenizer {path} has no end-of-sequence token; documents cannot be separated")

@@ -332,3 +332,43 @@ def test_the_commands_own_values_are_refused_in_one_line(tmp_path, capsys, args,
     assert main(["--input", src, *out, *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and re.search(match, err[0]), err
+
+
+def _bos_tokenizer(root) -> str:
+    """A Hugging Face tokenizer folder that puts <s> before a text, as Llama 3's, Mistral's and Gemma's do."""
+    from tokenizers import Tokenizer as Bpe
+    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    t = Bpe(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    t.train_from_iterator(["a quick brown fox jumps over the lazy dog"] * 10, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<s>", "</s>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    t.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", t.token_to_id("<s>"))])
+    tok = PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>")
+    tok.save_pretrained(str(root))
+    return str(root)
+
+
+def test_a_text_document_starts_with_the_tokenizers_bos(tmp_path):
+    """A tokenizer that puts a BOS before a text (`tokenizer(text)`: Llama 3's <|begin_of_text|>, Gemma's <bos>, which
+    Gemma needs) gets each text document written BOS + text + EOS, as the model was pretrained and as transformers,
+    TRL and torchtitan tokenize; before, every document started without it. The in-job reference stream agrees; a
+    tokenizer that adds none (the demo's sentencepiece model) is unchanged."""
+    from data.tokenizer import Tokenizer
+
+    path = _bos_tokenizer(tmp_path / "tok")
+    tok = Tokenizer(path)
+    bos, eos = tok.bos_id, tok.eos_id
+    assert bos == tok.hf.convert_tokens_to_ids("<s>") and Tokenizer(_SP).bos_id is None
+    texts = ["a quick brown fox", "the lazy dog"]
+    src = _write_jsonl(tmp_path / "t.jsonl", texts, "text")
+    m = prepare([src], str(tmp_path / "out"), path, workers=0, log=lambda _: None)
+    p = Prepared(str(tmp_path / "out"))
+    docs = [p.tokens.read(int(s), int(s) + int(n)).tolist() for s, n in zip(p.starts, p.lens)]
+    assert [d[0] for d in docs] == [bos, bos] and [d[-1] for d in docs] == [eos, eos] and m["bos_id"] == bos
+    assert [tok.decode(d[1:-1]) for d in docs] == texts
+    ref = build_token_stream(src, tok, tok.vocab_size, str(tmp_path / "refcache"))[0]
+    assert np.load(ref).tolist() == [t for d in docs for t in d]

@@ -331,3 +331,20 @@ def test_extension_demo_extends_passkey_retrieval(tmp_path):
     _, ev = run_recipe(tmp_path / "run", "tiny_cpu_extend.yaml", 29735, 4, timeout=1800)
     got = criteria(ev, final_len=2048, short_len=256)
     assert got["ok"], got
+
+
+def test_a_trial_starts_with_the_tokenizers_bos_as_documents_do(tmp_path):
+    """With a tokenizer that puts a BOS before a text, a synthetic trial starts with it (as every prepared text
+    document does, data/prepare_data.py) and still fits its length; rendered as chat, the BOS is the template's, not
+    a token's text inside the user turn."""
+    from data.chat import ChatEncoder
+    from data.tasks import chat_sample
+    from data.tokenizer import Tokenizer
+    from tests.unit.data.test_prepare_data import _bos_tokenizer
+
+    tok = Tokenizer(_bos_tokenizer(tmp_path / "tok"))
+    s = make_sample("passkey", tok, 256, 0.5, random.Random(0))
+    assert s["input_ids"][0] == tok.bos_id and len(s["input_ids"]) == 256
+    assert "<s>" not in tok.decode(s["input_ids"][1:])
+    c = chat_sample("passkey", tok, ChatEncoder(tok), 512, 0.5, random.Random(0))
+    assert tok.decode(c["input_ids"]).count("<s>") == 0  # the ChatML default writes no BOS; no BOS text in the turn
