@@ -5,7 +5,8 @@ Row formats (one JSON object / table row; `row_format` tells them apart by their
   `content` a string or a list of text parts (`[{"type": "text", "text": ...}]`, what most exporters write: the
   parts joined by a newline, as vLLM does for a string-content template; a non-text part is refused); `developer`
   (OpenAI's newer name for the system prompt) is read as `system`; an assistant message may carry `tool_calls`
-  (passed on to the template) with an empty content; `environment` (OLMo 3's tool results: its template renders
+  (passed on to the template) with an empty content; a tool result given as data (an object, a list, a number: xLAM /
+  APIGen rows) is its JSON text, as an OpenAI client sends it; `environment` (OLMo 3's tool results: its template renders
   them as a turn of that role, and a `tool` message not at all) is passed on as given; a system message's `tools` (Phi-4-mini's template renders
   the tool list from it, as a JSON string) is passed on as given, and so are OLMo 3's function-calling keys (its
   template, open-instruct's `olmo`: a system or user message's `functions`, an assistant reply's `function_calls`,
@@ -73,6 +74,15 @@ def _text(content, i: int, role: str) -> str:
                    f"{type(content).__name__}")
 
 
+def _data(content) -> bool:
+    """A JSON value that is not text: an object, a number, a boolean, a list that is not text parts."""
+    if isinstance(content, dict | int | float | bool):
+        return True
+    return isinstance(content, list) and not all(
+        isinstance(p, str) or isinstance(p, dict) and p.get("type", "text") == "text" and isinstance(p.get("text"), str)
+        for p in content)
+
+
 def message(m, i: int) -> dict:
     """One OpenAI-style message, checked: {role, content: str} and the optional keys templates read (KEYS, and
     ROLE_KEYS for its role), as given."""
@@ -84,6 +94,8 @@ def message(m, i: int) -> dict:
     content = m.get("content")
     if content is None and role == "assistant" and (m.get("tool_calls") or m.get("function_calls")):
         content = ""
+    if role in ("tool", "environment") and _data(content):  # a tool's result as data (xLAM, APIGen rows): the JSON
+        content = json.dumps(content, ensure_ascii=False)  # text an OpenAI client sends for it
     out = {"role": role, "content": _text(content, i, role)}
     for k in KEYS + ROLE_KEYS.get(role, ()):
         if m.get(k) is not None:

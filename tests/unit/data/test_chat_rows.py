@@ -118,3 +118,16 @@ def test_a_tables_tools_column_travels_with_its_chat_rows(tmp_path):
     assert rows[1]["tools"] is None
     (_, (row, _)), = iter_rows(Unit("j", "parquet", str(tmp_path / "j.parquet")), Fields())
     assert json.loads(row["tools"]) == tools
+
+
+def test_a_tool_result_given_as_data_is_its_json_text():
+    """xLAM / APIGen rows give a tool's result as an object or a list: it is the JSON text an OpenAI client sends for
+    it (before: a refused row); a user's or assistant's non-text content is still refused in one line."""
+    from data.chat_rows import RowError, message
+
+    assert message({"role": "tool", "content": {"count": 2, "unit": "mot"}}, 2)["content"] == '{"count": 2, "unit": "mot"}'
+    assert message({"role": "tool", "content": [{"n": 1}, {"n": 2}]}, 2)["content"] == '[{"n": 1}, {"n": 2}]'
+    assert message({"role": "tool", "content": 2}, 2)["content"] == "2"
+    assert message({"role": "tool", "content": [{"type": "text", "text": "2"}]}, 2)["content"] == "2"  # text parts
+    with pytest.raises(RowError, match=r"^message 0 \(user\): content must be a string"):
+        message({"role": "user", "content": {"count": 2}}, 0)
