@@ -14,6 +14,7 @@ import pytest
 
 from tests.e2e.launchers import (
     INTERFACES,
+    ROOT,
     SBATCH_SCRIPT,
     STUBS,
     clean_env,
@@ -25,7 +26,7 @@ from tests.e2e.launchers import (
 
 
 def sbatch(tmp_path, fake_exit: str, args: list[str], **env: str) -> subprocess.Popen:
-    e = clean_env(PATH=f"{STUBS}:{os.environ['PATH']}", SLURM_SUBMIT_DIR=str(tmp_path),
+    e = clean_env(PATH=f"{STUBS}:{os.environ['PATH']}", SLURM_SUBMIT_DIR=str(tmp_path), PYTHONPATH=ROOT,
                   SCONTROL_LOG=str(tmp_path / "scontrol.log"), FAKE_LOG=str(tmp_path / "fake.log"),
                   FAKE_EXIT=fake_exit, LAUNCH_CMD=os.path.join(STUBS, "fake_launch"), **env)
     return subprocess.Popen(["sbatch", SBATCH_SCRIPT, *args], cwd=tmp_path, env=e, stdout=subprocess.PIPE,

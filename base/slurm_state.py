@@ -1,0 +1,83 @@
+"""A SLURM job's base state (RUNNING, CANCELLED, TIMEOUT, PREEMPTED, PENDING, ...) while it ends, for
+scripts/slurm.sbatch's decision to requeue or not (`python -m base.slurm_state JOB` prints "STATE REASON").
+
+`scontrol show job` prints no base state while a job ends: slurmctld sets a cancelled job CANCELLED|COMPLETING (a
+timed-out one TIMEOUT|COMPLETING, one it requeued itself PENDING|COMPLETING) before slurmd signals its processes
+(src/slurmctld/job_mgr.c job_signal, _job_timed_out), and `job_state_string` prints the COMPLETING flag over the
+base (src/common/slurm_protocol_defs.c; src/scontrol/info_job.c). So the batch shell, which asks from inside its own
+SIGTERM, read JobState=COMPLETING for every end, never CANCELLED, and a scancel was requeued. The base state comes
+from, in order:
+1. `scontrol --json show job J` (Slurm >= 23.02): `job_state` lists the base state and its flags;
+2. `scontrol show job J`'s JobState when it is not COMPLETING (a running job, a pending one);
+3. `sacct -X -n -P -j J -o State` (accounting: "CANCELLED by 1000", written when slurmctld ends the job);
+4. TIMEOUT when the job's end time (SLURM_JOB_END_TIME) has come;
+else COMPLETING: unknown, which the batch shell takes as a cancel (never requeued: undoing a user's scancel is the
+worse mistake; a preemption is then not requeued, and the next submission resumes). Each call is retried (a busy
+controller answers with an error); torch-free, standard library only, ~50 ms.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+# job_state flags as the JSON lists them beside the base state (src/common/slurm_protocol_defs.c job_state_string)
+FLAGS = {"COMPLETING", "STAGE_OUT", "CONFIGURING", "EXPEDITING", "RESIZING", "REQUEUED", "REQUEUE_FED",
+         "REQUEUE_HOLD", "SPECIAL_EXIT", "STOPPED", "REVOKED", "RESV_DEL_HOLD", "SIGNALING", "UPDATE_DB",
+         "POWER_UP_NODE", "LAUNCH_FAILED", "RECONFIG_FAIL"}
+
+
+def _ask(cmd: list[str], tries: int = 3) -> str | None:
+    for i in range(tries):
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+        except (OSError, subprocess.TimeoutExpired):
+            return None  # no such command (no accounting client), or a controller that does not answer
+        if out.returncode == 0:
+            return out.stdout
+        if "unrecognized option" in out.stderr or "invalid option" in out.stderr:
+            return None  # a Slurm before --json: asking again will not help
+        if i < tries - 1:
+            time.sleep(1)
+    return None
+
+
+def _from_json(text: str | None) -> tuple[str, str] | None:
+    try:
+        job = json.loads(text or "")["jobs"][0]
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
+    states = job.get("job_state")
+    states = states if isinstance(states, list) else [states]
+    base = [s for s in states if isinstance(s, str) and s not in FLAGS]
+    reason = job.get("state_reason") or "None"
+    return (base[0], str(reason)) if base else None
+
+
+def base_state(job: str, ask=_ask, env=None, now=None) -> tuple[str, str]:
+    """(base state, reason) of job `job` (module docstring); ("", "") when slurmctld cannot be asked at all."""
+    env = os.environ if env is None else env
+    got = _from_json(ask(["scontrol", "--json", "show", "job", job]))
+    if got:
+        return got
+    text = ask(["scontrol", "show", "job", job])
+    state = re.search(r"JobState=([A-Z_]+)", text or "")
+    reason = re.search(r"Reason=(\S+)", text or "")
+    reason = reason.group(1) if reason else "None"
+    if state and state.group(1) != "COMPLETING":
+        return state.group(1), reason
+    acct = (ask(["sacct", "-X", "-n", "-P", "-j", job, "-o", "State"], tries=2) or "").split()
+    if acct and acct[0] not in FLAGS | {"RUNNING"}:  # accounting can lag behind the end: RUNNING says nothing
+        return acct[0], reason
+    end = env.get("SLURM_JOB_END_TIME", "")
+    if state and end.isdigit() and (time.time() if now is None else now) >= int(end) - 1:
+        return "TIMEOUT", reason
+    return ("COMPLETING", reason) if state else ("", "")
+
+
+if __name__ == "__main__":  # python -m base.slurm_state JOB
+    print(" ".join(base_state(sys.argv[1])))
