@@ -48,10 +48,19 @@ def _status_bytes(field: str) -> int | None:
         return None
 
 
-def _first_count(value: str) -> int:
-    """SLURM's per-node lists ("8(x4)", "8,4" or "8"): the first node's number."""
-    m = re.match(r"\s*(\d+)", value or "")
-    return int(m.group(1)) if m else 0
+def _node_count(value: str, node: str | None) -> int:
+    """SLURM's per-node list ("8(x4)", "8,4(x2)" or "8": node i's count is the i-th once expanded) at this node
+    (SLURM_NODEID); 0 when the list or the index does not parse. Uneven nodes (8,4,4) each report their own size, so
+    the job's agreement (node_size_agreement: their gcd) sees them (every rank read the first node's 8 before)."""
+    counts = []
+    for item in (value or "").split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", item)
+        if not m:
+            return 0
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    node = node or "0"  # no SLURM_NODEID: the first node's
+    i = int(node) if node.isdigit() else -1
+    return counts[i] if 0 <= i < len(counts) else 0
 
 
 def ranks_per_node(env: Mapping[str, str] | None = None) -> int:
@@ -69,8 +78,8 @@ def ranks_per_node(env: Mapping[str, str] | None = None) -> int:
             return int(env[key])
     step_tasks = env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS")
     if step_tasks and env.get("WORLD_SIZE") == step_tasks:  # ranks started (WORLD_SIZE), one per srun task
-        return _first_count(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
-                            or env.get("SLURM_NTASKS_PER_NODE", ""))
+        return _node_count(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+                           or env.get("SLURM_NTASKS_PER_NODE", ""), env.get("SLURM_NODEID"))
     return 0
 
 

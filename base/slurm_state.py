@@ -39,8 +39,8 @@ def _ask(cmd: list[str], tries: int = 3) -> str | None:
             return None  # no such command (no accounting client), or a controller that does not answer
         if out.returncode == 0:
             return out.stdout
-        if "unrecognized option" in out.stderr or "invalid option" in out.stderr:
-            return None  # a Slurm before --json: asking again will not help
+        if any(w in out.stderr for w in ("unrecognized option", "invalid option", "plugin", "Plugin")):
+            return None  # a Slurm before --json, or one without its data_parser: asking again will not help
         if i < tries - 1:
             time.sleep(1)
     return None
@@ -61,7 +61,7 @@ def _from_json(text: str | None) -> tuple[str, str] | None:
 def base_state(job: str, ask=_ask, env=None, now=None) -> tuple[str, str]:
     """(base state, reason) of job `job` (module docstring); ("", "") when slurmctld cannot be asked at all."""
     env = os.environ if env is None else env
-    got = _from_json(ask(["scontrol", "--json", "show", "job", job]))
+    got = _from_json(ask(["scontrol", "--json", "show", "job", job], tries=2))
     if got:
         return got
     text = ask(["scontrol", "show", "job", job])

@@ -14,7 +14,7 @@ GiB = 2**30
 
 LAUNCHER_VARS = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "WORLD_SIZE", "SLURM_NTASKS",
                  "SLURM_STEP_NUM_TASKS", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE",
-                 "SLURM_GPUS_ON_NODE")
+                 "SLURM_GPUS_ON_NODE", "SLURM_NODEID")
 
 
 @pytest.mark.parametrize("env, expect", [
@@ -22,6 +22,13 @@ LAUNCHER_VARS = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
     ({"LOCAL_SIZE": "8", "CROSS_SIZE": "4", "WORLD_SIZE": "32"}, 8),  # the deepspeed launcher (launch.py)
     ({"OMPI_COMM_WORLD_LOCAL_SIZE": "4", "WORLD_SIZE": "8"}, 4),  # deepspeed --launcher openmpi
     ({"SLURM_STEP_NUM_TASKS": "32", "SLURM_STEP_TASKS_PER_NODE": "8(x4)", "WORLD_SIZE": "32"}, 8),  # srun, a rank/task
+    # uneven nodes under srun: each node its own count (every rank read the first node's 8 before, so the job agreed
+    # on 8 and Ulysses groups straddled the two 4-rank nodes); the job then agrees on their gcd, 4
+    ({"SLURM_STEP_NUM_TASKS": "16", "SLURM_STEP_TASKS_PER_NODE": "8,4(x2)", "WORLD_SIZE": "16", "SLURM_NODEID": "2"},
+     4),
+    ({"SLURM_STEP_NUM_TASKS": "16", "SLURM_STEP_TASKS_PER_NODE": "8,4(x2)", "WORLD_SIZE": "16", "SLURM_NODEID": "0"},
+     8),
+    ({"SLURM_STEP_NUM_TASKS": "16", "SLURM_STEP_TASKS_PER_NODE": "8,x", "WORLD_SIZE": "16", "SLURM_NODEID": "0"}, 0),
     # slurm.sbatch: srun starts one launch.sh per node (1 task per node) and the deepspeed launcher the ranks
     ({"SLURM_STEP_NUM_TASKS": "4", "SLURM_NTASKS_PER_NODE": "1", "SLURM_GPUS_ON_NODE": "8", "LOCAL_SIZE": "8",
       "WORLD_SIZE": "32"}, 8),
