@@ -3,7 +3,8 @@
 YAML reads `learning_rate: 1e-4` as the string "1e-4" (YAML 1.1 wants a dot: 1.0e-4), `max_tokens: 2e9` likewise,
 and a key left empty as null. Each value of a recipe (top level and each stage) is checked against its field's
 declared type: a number written as text becomes the number (an integer field takes 2e9 or 1000.0, not 2.5); a number
-given where a string is declared (`context_parallel_size: 2`, `resume: 5`) becomes its text; anything else (a list
+given where a string is declared (`resume: 5`) becomes its text, except for the keys that take `auto` or N
+(`context_parallel_size: 2` stays the integer their readers check for); anything else (a list
 for a number, "yes" for a boolean, null for a field that has no None) is refused in one line naming the key, the value
 and what it takes. Before, such a value reached the checks as it came and failed there with a TypeError traceback.
 Command-line values are typed by argparse already and pass unchanged.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
+AUTO_OR_INT = ("context_parallel_size", "attention_head_chunks")  # declared str ("auto"), an int from a recipe
 HINTS = {"eval": "use true or false at the top level (a stage's settings go in its eval: block, the run's in "
                  "eval_heldout_samples, eval_tasks, eval_depths, ...)"}  # a key whose usual mistake has a fix to name
 _WANT = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string", "dict": "a mapping",
@@ -51,8 +53,8 @@ def typed(key: str, value, tp: str, where: str):
             return int(num)
         if "float" in kinds and num is not None:
             return value if isinstance(value, int | float) else num
-        if "str" in kinds:
-            return value if isinstance(value, str) else str(value)
+        if "str" in kinds:  # a number kept where the field takes `auto` or N (its readers check for an int)
+            return value if isinstance(value, str) or key in AUTO_OR_INT else str(value)
     if key in HINTS:
         raise ValueError(f"{key}: {value!r:.60}: {HINTS[key]}")
     want = " or ".join(_WANT[k] for k in _WANT if k in kinds) or "a list of stage mappings"

@@ -96,12 +96,15 @@ def test_recipe_numbers_are_read_as_their_fields_declare(tmp_path):
     """YAML 1.1 reads `1e-4` (no dot) as a string: the learning rate every recipe writes so was a TypeError traceback
     in the checks. A number written as text is the number; an integer field takes 2e9 and 1000.0."""
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("learning_rate: 1e-4\nmin_lr: 1e-6\nmax_steps: 1e3\ncontext_parallel_size: 1\nstages:\n"
+    recipe.write_text("learning_rate: 1e-4\nmin_lr: 1e-6\nmax_steps: 1e3\ncontext_parallel_size: 1\n"
+                      "attention_head_chunks: 4\nstages:\n"
                       "  - max_seq_length: 64\n    max_tokens: 2e9\n    learning_rate: 3e-5\n")
     cfg = parse_config(["--config", str(recipe)])
     assert (cfg.learning_rate, cfg.min_lr, cfg.max_steps) == (1e-4, 1e-6, 1000)
     assert (cfg.stages[0].max_tokens, cfg.stages[0].learning_rate) == (2_000_000_000, 3e-5)
     assert isinstance(cfg.max_steps, int) and isinstance(cfg.stages[0].max_tokens, int)
+    # keys declared str ("auto") that take N: the integer stays one (training/summary.py, the test workers check it)
+    assert (cfg.context_parallel_size, cfg.attention_head_chunks) == (1, 4)
 
 
 _WRONG = ["1e-4", "ten", 2.5, True, None, [1, 2], {"a": 1}]
