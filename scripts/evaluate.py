@@ -105,7 +105,7 @@ def settings(a: argparse.Namespace) -> dict:
     import yaml
 
     from model_utils.rope import check_rope
-    from training.config import eval_value
+    from training.eval_settings import eval_value
 
     lengths = eval_value("lengths", a.lengths, "--lengths")
     if not isinstance(lengths, list):

@@ -19,6 +19,7 @@ import yaml
 
 from training import hf_args
 from training.config_types import typed_fields
+from training.eval_settings import EVAL_KEYS, run_eval
 
 
 @dataclass
@@ -403,81 +404,3 @@ def check_precision(cfg: Config, bf16: bool, planning: bool = False) -> None:
         raise ValueError("--fp16 and --bf16 are both on: pick one (--no-bf16 for fp16)")
     if cfg.fp16 and not planning and no_gpu():
         raise ValueError("fp16 needs a GPU with loss scaling: use --bf16 or fp32 on CPU")
-
-
-# --- evaluation settings: the run's eval_* keys and flags, merged into every stage's `eval:` block ---
-
-EVAL_KEYS = {"eval_heldout_samples": "heldout_samples", "eval_tasks": "tasks", "eval_passkey_trials": "passkey_trials",
-             "eval_depths": "depths", "eval_lengths": "lengths"}  # run key / flag -> a stage's eval block key
-
-
-def _listed(value) -> list:
-    """A flag's "a,b" or "a b" (or YAML's list) as a list."""
-    return value.replace(",", " ").split() if isinstance(value, str) else list(value)
-
-
-def eval_value(key: str, value, where: str):
-    """A stage eval block's `key` checked and in its block form (a flag's text parsed); one-line ValueError."""
-    if key in ("heldout_samples", "passkey_trials"):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{where} {value!r}: use an integer >= 0 (0: none)")
-        return value
-    if key == "tasks":
-        from data.tasks import TASKS
-
-        if isinstance(value, str):
-            items = _listed(":".join(p.strip() for p in value.split(":")))  # "passkey: 5" too
-            if items == ["none"]:
-                return []
-            counted = [":" in t for t in items]
-            if any(counted) and not all(counted):
-                raise ValueError(f"{where} {value!r}: give every task a count (passkey:5,niah_multikey:2) or none "
-                                 "(passkey,niah_multikey: each with eval passkey_trials)")
-            try:
-                value = {t.split(":")[0].strip(): int(t.split(":")[1]) for t in items} if any(counted) else items
-            except ValueError:
-                raise ValueError(f"{where} {value!r}: a count is an integer, as in passkey:5") from None
-        if not isinstance(value, (list, dict)):
-            raise ValueError(f"{where} {value!r}: use a list of tasks or {{task: trials per depth}}")
-        unknown = [t for t in value if t not in TASKS]
-        if unknown:
-            raise ValueError(f"{where}: unknown task(s) {unknown}; valid: {list(TASKS)} (or none)")
-        if isinstance(value, dict) and any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in value.values()):
-            raise ValueError(f"{where} {value!r}: trials per depth are integers >= 0")
-        return value
-    if key == "depths":
-        try:
-            depths = [float(d) for d in _listed(value)]
-        except (TypeError, ValueError):
-            depths = []
-        if not depths or not all(0.0 <= d <= 1.0 for d in depths):
-            raise ValueError(f"{where} {value!r}: use depths between 0 (the start) and 1 (the end), as in 0.1,0.5,0.9")
-        return depths
-    if key == "lengths":
-        if value in ("earlier", "all"):
-            return value
-        from planner.memory_model import parse_seq_len
-
-        try:
-            lengths = [parse_seq_len(n) for n in _listed(value)] if isinstance(value, (str, list)) else []
-        except ValueError:
-            lengths = []
-        if not lengths:
-            raise ValueError(f"{where} {value!r}: use earlier, all or a list of lengths such as 4096,8k")
-        return lengths
-    return value
-
-
-def run_eval(cfg: Config) -> dict:
-    """The eval block the run's eval_* settings give every stage (parsed and checked)."""
-    return {key: eval_value(key, getattr(cfg, name), f"--{name}") for name, key in EVAL_KEYS.items()
-            if getattr(cfg, name) is not None}
-
-
-def stage_eval(cfg: Config, own: dict | None, where: str) -> dict:
-    """A stage's evaluation settings: the run's eval_* under the stage's own `eval:` block (both checked); with
-    --no-eval neither held-out loss nor tasks."""
-    if not isinstance(own or {}, dict):
-        raise ValueError(f"{where}: eval must be a mapping like {{heldout_samples: 2, depths: [0.1, 0.5, 0.9]}}")
-    block = {**run_eval(cfg), **{k: eval_value(k, v, f"{where}.{k}") for k, v in (own or {}).items()}}
-    return {**block, "heldout_samples": 0, "tasks": []} if cfg.eval is False else block

@@ -15,8 +15,9 @@ from base.host import job_ranks_per_node
 from base.parallel import check_layout, split_sp
 from data.replay import parse_replay
 from model_utils.rope import check_rope
-from training.config import Config, StageConfig, stage_eval
+from training.config import Config, StageConfig
 from training.config_types import typed
+from training.eval_settings import stage_eval
 
 
 @dataclass(frozen=True)
