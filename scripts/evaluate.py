@@ -102,9 +102,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def settings(a: argparse.Namespace) -> dict:
     """The flags checked and parsed (lengths, tasks, depths, RoPE); one-line ValueError."""
-    import yaml
 
     from model_utils.rope import check_rope
+    from training.config_types import yaml_text
     from training.eval_settings import eval_value
 
     lengths = eval_value("lengths", a.lengths, "--lengths")
@@ -112,7 +112,7 @@ def settings(a: argparse.Namespace) -> dict:
         raise ValueError(f"--lengths {a.lengths}: give the lengths, e.g. 256,512,2k (earlier/all mean a run's stages)")
     ropes = []
     for flag, text in (("--rope", a.rope), ("--compare_rope", a.compare_rope)):
-        rope = yaml.safe_load(text) if text else None
+        rope = yaml_text(text, f"{flag} {text!r}") if text else None
         if text and not isinstance(rope, dict):
             raise ValueError(f"{flag} {text!r}: use a mapping such as '{{rope_type: yarn, factor: 4.0}}'")
         if rope:

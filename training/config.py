@@ -15,10 +15,8 @@ import os
 import typing
 from dataclasses import dataclass, field
 
-import yaml
-
 from training import hf_args
-from training.config_types import typed_fields
+from training.config_types import typed_fields, yaml_flag, yaml_text
 from training.eval_settings import EVAL_KEYS, run_eval
 
 
@@ -139,7 +137,7 @@ def _flag_type(tp):
     args = [a for a in typing.get_args(tp) if a is not type(None)]
     base = args[0] if args else tp
     if base is dict:
-        return lambda s: yaml.safe_load(s)
+        return yaml_flag
     return base
 
 
@@ -205,7 +203,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
         if not os.path.isfile(recipe):
             raise ValueError(f"--config {recipe}: file not found")
         with open(recipe) as fh:
-            merged = yaml.safe_load(fh) or {}
+            merged = yaml_text(fh.read(), f"--config {recipe}") or {}
         if not isinstance(merged, dict):
             raise ValueError(f"--config {recipe}: expected a mapping of keys at the top level")
         typed_fields({"stages": merged.get("stages")}, Config, recipe)  # a list, or one line

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import yaml
+
 AUTO_OR_INT = ("context_parallel_size", "attention_head_chunks")  # declared str ("auto"), an int from a recipe
 HINTS = {"eval": "use true or false at the top level (a stage's settings go in its eval: block, the run's in "
                  "eval_heldout_samples, eval_tasks, eval_depths, ...)"}  # a key whose usual mistake has a fix to name
@@ -68,3 +70,21 @@ def typed_fields(d: dict, cls, where: str) -> dict:
     if not isinstance(out.get("stages") or [], list):
         raise ValueError(f"stages: {out['stages']!r:.60} in {where} is not a list of stage mappings")
     return out
+
+
+def yaml_text(text: str, where: str):
+    """A YAML text (a recipe file's, a flag's mapping) read, or ValueError in one line naming where and the line."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:  # ParserError, ScannerError: a traceback of the parser's own state otherwise
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ValueError(f"{where}: not valid YAML{at} ({getattr(e, 'problem', None) or 'unreadable'})") from None
+
+
+def yaml_flag(text: str):
+    """argparse's converter for a mapping flag (--rope '{rope_type: yarn, factor: 4.0}')."""
+    return yaml_text(text, "the value")
+
+
+yaml_flag.__name__ = "YAML"  # argparse says "invalid YAML value: '...'"

@@ -26,6 +26,7 @@ def test_precedence_cli_over_yaml_over_defaults(tmp_path):
     # argparse's own type errors: one line, not its usage block of every flag (before: SystemExit after ~60 lines)
     (["--max_steps", "abc"], r"argument --max_steps: invalid int value: 'abc': see `python train.py --help`"),
     (["--gpus_per_node", "1e-4"], r"argument --gpus_per_node: invalid int value"),
+    (["--rope", "{rope_type: yarn, factor: 4"], r"argument --rope: invalid YAML value"),  # was a ParserError traceback
 ])
 def test_bad_values_one_line(argv, match):
     with pytest.raises(ValueError, match=match) as e:
@@ -165,3 +166,16 @@ def test_every_stage_mapping_takes_a_sensible_value_or_refuses_it_in_one_line(tm
                     if block == {"tiled_mlp": "false"}:
                         bad.append((key, block, f"taken: tiled_mlp={stages[0].tiled_mlp}"))
     assert not bad, bad[:5]
+
+
+def test_a_recipe_that_is_not_valid_yaml_is_one_line_naming_the_line(tmp_path):
+    """A recipe with a YAML syntax error (an unclosed flow mapping, a tab) was yaml's ParserError / ScannerError
+    traceback; now one line naming the file and where."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("max_steps: 3\nstages:\n  - {max_seq_length: 64\n")
+    with pytest.raises(ValueError, match=r"^--config .*r\.yaml: not valid YAML at line 4, column 1") as e:
+        parse_config(["--config", str(recipe)])
+    assert "\n" not in str(e.value)
+    recipe.write_text("max_steps: 3\n\tlearning_rate: 1.0e-4\n")
+    with pytest.raises(ValueError, match=r"not valid YAML at line 2"):
+        parse_config(["--config", str(recipe)])
