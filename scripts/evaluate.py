@@ -122,6 +122,8 @@ def settings(a: argparse.Namespace) -> dict:
         raise ValueError("--compare_rope without --compare: name the second model")
     if a.trials < 1 or a.micro_batch < 1 or a.sequence_parallel_size < 1:
         raise ValueError("--trials, --micro_batch and --sequence_parallel_size must be >= 1")
+    if a.dist_timeout_s <= 0:  # the collectives' timeout: 0 or less and the first one times out
+        raise ValueError(f"--dist_timeout_s {a.dist_timeout_s}: use seconds > 0 (default 1800)")
     if a.heldout_conversations < 0:
         raise ValueError(f"--heldout_conversations {a.heldout_conversations}: use N >= 1 (the first N), or 0 for all")
     from training.config import cp_setting

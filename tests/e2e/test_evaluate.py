@@ -123,7 +123,11 @@ def test_refusals_before_any_model_is_built(tmp_path):
                            "--compare_rope without --compare"),
                           (["--lengths", "256", "--chat", "on"],  # the demo's sentencepiece tokenizer has no template
                            "--chat on: tokenizer " + os.path.join(base, "tokenizer.model") + " has no chat template: "
-                           "pass --chat chatml")]:
+                           "pass --chat chatml"),
+                          # a mapping flag's bad YAML (was yaml's ParserError traceback) and a timeout <= 0 (was taken)
+                          (["--lengths", "256", "--rope", "{rope_type: yarn, factor: 4"], "--rope '{rope_type: yarn, "
+                           "factor: 4': not valid YAML at line 1"),
+                          (["--lengths", "256", "--dist_timeout_s", "0"], "--dist_timeout_s 0.0: use seconds > 0")]:
         with pytest.raises(ValueError, match=re.escape(message)):
             refused(*args, world=8 if "8" in args else 2)
     refused("--lengths", "256,512", "--tasks", "passkey:2,common_words:1")  # a valid request passes
