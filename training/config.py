@@ -339,8 +339,19 @@ def _merge(base: dict, over: dict) -> dict:
 
 
 def _load(path: str) -> dict:
+    """A DeepSpeed JSON (--deepspeed): an object of sections, or one line naming the file and what is wrong."""
     with open(path) as fh:
-        return json.load(fh)
+        try:
+            ds = json.load(fh)
+        except ValueError as e:  # JSONDecodeError: its words name no file
+            raise ValueError(f"--deepspeed {path}: not valid JSON ({e})") from None
+    bad = "" if isinstance(ds, dict) else f"a {type(ds).__name__}, not an object of sections"
+    bad = bad or next((f"{k} is a {type(v).__name__}, not an object" for k, v in ds.items()
+                       if k in ("zero_optimization", "bf16", "fp16", "optimizer", "scheduler") and
+                       not isinstance(v, dict)), "")
+    if bad:
+        raise ValueError(f"--deepspeed {path}: {bad} (ds_configs/ holds examples)")
+    return ds
 
 
 def no_gpu() -> bool:

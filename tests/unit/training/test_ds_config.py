@@ -313,3 +313,18 @@ def test_gradients_are_reduced_in_fp32_under_bf16():
     ds = build_ds_config(cfg, ParallelDims(world=2, sp=2, rank=0, local_rank=0), True, 64, planning=True,
                          overrides={"communication_data_type": "bf16"})
     assert ds["communication_data_type"] == "bf16"  # the user's choice stands
+
+
+@pytest.mark.parametrize("text, line", [
+    ("{bad json", "not valid JSON (Expecting property name"),  # json's words named no file
+    ("[]", "a list, not an object of sections"),  # was an AttributeError traceback
+    ('{"zero_optimization": []}', "zero_optimization is a list, not an object"),  # the same, later
+])
+def test_a_deepspeed_json_that_is_not_an_object_of_sections_is_one_line(tmp_path, text, line):
+    from training.config import parse_config
+
+    path = tmp_path / "ds.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=rf"^--deepspeed {path}: ") as e:
+        parse_config(["--deepspeed", str(path)])
+    assert line in str(e.value) and "\n" not in str(e.value)
