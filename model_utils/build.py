@@ -29,7 +29,12 @@ def load_hf_config(name_or_path: str):
         if not os.path.isfile(os.path.join(name_or_path, "config.json")):
             raise ValueError(f"--model_name_or_path {name_or_path}: folder has no config.json "
                              "(expected a save_pretrained folder)")
-        return AutoConfig.from_pretrained(name_or_path)
+        try:
+            return AutoConfig.from_pretrained(name_or_path)
+        except (OSError, ValueError, KeyError) as e:  # not JSON, no model_type, a type this transformers lacks
+            first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+            raise ValueError(f"--model_name_or_path {name_or_path}: its config.json does not load ({first[:160]}): "
+                             "give a save_pretrained folder of a model this transformers knows") from None
     if name_or_path in PRESETS:
         return preset_config(name_or_path)
     raise ValueError(f"--model_name_or_path {name_or_path!r}: not a local folder, a preset "

@@ -106,3 +106,16 @@ def test_every_rank_must_read_the_same_commit(monkeypatch):
     monkeypatch.setattr(comm, "all_gather_object", lambda mine: [hub.commit_of(a), "org/m@bbb"])
     with pytest.raises(ValueError, match=r"rank 0 reads org/m@aaa .* rank 1 reads org/m@bbb"):
         hub.check_same_snapshot(a)
+
+
+@pytest.mark.parametrize("text, shown", [
+    ("{bad", "is not a valid JSON file"),  # transformers' OSError traceback before
+    ('{"model_type": "foo_bar_lm", "hidden_size": 8}', "model type `foo_bar_lm`"),  # its multi-line ValueError before
+])
+def test_a_model_folder_whose_config_does_not_load_is_one_line(tmp_path, text, shown):
+    from model_utils.build import load_hf_config
+
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=rf"^--model_name_or_path {tmp_path}: its config.json does not load") as e:
+        load_hf_config(str(tmp_path))
+    assert shown in str(e.value) and "\n" not in str(e.value)
