@@ -15,6 +15,7 @@ Row formats (one JSON object / table row; `row_format` tells them apart by their
   str}, ...]; `function_call` (LLaMA-Factory's tool call: a JSON object, or a list of them, with `name` and
   `arguments`) becomes an assistant message with `tool_calls`, `observation` a tool message;
 - `prompt` / `completion`: two strings, or two message lists (TRL's conversational form).
+`messages` / `conversations` stored as JSON text (a CSV or table export) are read as the list they hold.
 Beside any of them, a top-level `tools` (a list of OpenAI function definitions, or that list as a JSON string) is
 read by data/chat_tools.py and passed to the template as `tools=`.
 A row with both a text field and a chat field is ambiguous (which one was meant?) and refused in one line
@@ -151,12 +152,24 @@ def normalize(obj: dict) -> tuple[str, list[dict] | tuple[str, str], int]:
         raise RowError("prompt/completion: expected two strings or two lists of messages, got "
                        f"{type(p).__name__} and {type(c).__name__}")
     if fmt == "messages":
-        if not isinstance(obj["messages"], list):
+        msgs = _listed(obj["messages"], "messages")
+        if not isinstance(msgs, list):
             raise RowError(f"messages: expected a list, got {type(obj['messages']).__name__}")
-        return "chat", _checked([message(m, i) for i, m in enumerate(obj["messages"])]), 0
+        return "chat", _checked([message(m, i) for i, m in enumerate(msgs)]), 0
     if fmt == "conversations":
-        return "chat", _checked(_sharegpt(obj["conversations"])), 0
+        return "chat", _checked(_sharegpt(_listed(obj["conversations"], "conversations"))), 0
     raise RowError(f"not a chat row: expected one of {list(CHAT_KEYS)} (prompt with completion), got keys {sorted(obj)}")
+
+
+def _listed(value, key: str):
+    """A column of messages stored as JSON text (a CSV or table export) as the list it holds; anything else as given.
+    Parquet / Arrow list columns read as arrays are lists already (readers.py)."""
+    if isinstance(value, str) and value.lstrip().startswith("["):
+        try:
+            return json.loads(value)
+        except ValueError:
+            raise RowError(f"{key}: a text that is not a JSON list of messages ({value[:60]!r}...)") from None
+    return value.tolist() if hasattr(value, "tolist") and not isinstance(value, list) else value
 
 
 def _checked(msgs: list[dict]) -> list[dict]:

@@ -131,3 +131,18 @@ def test_a_tool_result_given_as_data_is_its_json_text():
     assert message({"role": "tool", "content": [{"type": "text", "text": "2"}]}, 2)["content"] == "2"  # text parts
     with pytest.raises(RowError, match=r"^message 0 \(user\): content must be a string"):
         message({"role": "user", "content": {"count": 2}}, 0)
+
+
+def test_messages_stored_as_json_text_are_the_list_they_hold():
+    """A CSV or table export stores `messages` / `conversations` as JSON text: read as the list (before: a refused
+    row, 'expected a list, got str'); a text that is not a JSON list is refused in one line."""
+    import json
+
+    from data.chat_rows import RowError, normalize
+
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    assert normalize({"messages": json.dumps(msgs)}) == normalize({"messages": msgs})
+    turns = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]
+    assert normalize({"conversations": json.dumps(turns)}) == normalize({"conversations": turns})
+    with pytest.raises(RowError, match=r"^messages: a text that is not a JSON list of messages"):
+        normalize({"messages": "[{'role': 'user'}]"})
