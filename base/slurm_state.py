@@ -7,7 +7,8 @@ timed-out one TIMEOUT|COMPLETING, one it requeued itself PENDING|COMPLETING) bef
 base (src/common/slurm_protocol_defs.c; src/scontrol/info_job.c). So the batch shell, which asks from inside its own
 SIGTERM, read JobState=COMPLETING for every end, never CANCELLED, and a scancel was requeued. The base state comes
 from, in order:
-1. `scontrol --json show job J` (Slurm >= 23.02): `job_state` lists the base state and its flags;
+1. `scontrol --json show job J` (Slurm >= 23.11, data_parser v0.0.40: `job_state` lists the base state and its
+   flags; 23.02's v0.0.39 writes the printed string, COMPLETING);
 2. `scontrol show job J`'s JobState when it is not COMPLETING (a running job, a pending one);
 3. `sacct -X -n -P -j J -o State` (accounting: "CANCELLED by 1000", written when slurmctld ends the job);
 4. TIMEOUT when the job's end time (SLURM_JOB_END_TIME) has come;

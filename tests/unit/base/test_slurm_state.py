@@ -25,14 +25,14 @@ def asker(json_state=None, text_state=None, reason="None", sacct=None):
 
 
 @pytest.mark.parametrize("ask, want", [
-    # Slurm >= 23.02: the JSON lists the base state and its flags
+    # Slurm >= 23.11 (data_parser v0.0.40): the JSON lists the base state and its flags
     (asker(["CANCELLED", "COMPLETING"], "COMPLETING"), ("CANCELLED", "None")),
     (asker(["TIMEOUT", "COMPLETING"], "COMPLETING", "TimeLimit"), ("TIMEOUT", "TimeLimit")),
     (asker(["PENDING", "COMPLETING", "REQUEUED"], "COMPLETING", "BeginTime"), ("PENDING", "BeginTime")),
     (asker(["RUNNING"], "RUNNING"), ("RUNNING", "None")),
-    # an older data_parser writes the printed string: the text and accounting decide
+    # 23.02's data_parser (v0.0.39) writes the printed string (job_state_string): the text and accounting decide
     (asker("COMPLETING", "COMPLETING", sacct="CANCELLED by 1000\n"), ("CANCELLED", "None")),
-    # no --json (Slurm before 23.02): the text when it shows a base state, else accounting
+    # no --json (an older Slurm, or one without its data_parser plugin): the text when it shows a base state, else accounting
     (asker(None, "RUNNING"), ("RUNNING", "None")),
     (asker(None, "COMPLETING", sacct="PREEMPTED\n"), ("PREEMPTED", "None")),
     (asker(None, "COMPLETING", sacct="RUNNING\n"), ("COMPLETING", "None")),  # accounting behind: unknown
