@@ -40,3 +40,19 @@ def test_the_jobs_port_is_never_in_the_ephemeral_range():
     ports = {job_port(j, s) for j in range(0, 200000, 7) for s in (0, 1, 5)}
     assert min(ports) >= 1024 and max(ports) < 32768
     assert job_port(123, 0) != job_port(123, 1)  # two steps of one job
+
+
+@pytest.mark.parametrize("nodes", ["gpu[01-03,07],login", "rack[1-2]-n[08-10]", "a,b", "node[8-10]x", "n[1-2],m[3]"])
+def test_the_scontrol_stand_in_expands_hostlists_as_slurm_does(tmp_path, nodes):
+    """tests/stubs/scontrol `show hostnames` (what slurm.sbatch's tests read) expands as expand_hostlist, which follows
+    hostlist.c: several bracket groups in one name each expand, the first outermost (the stand-in's greedy match
+    turned rack[1-2]-n[08-10] into rack[1-2]-n08, ...)."""
+    import os
+    import subprocess
+
+    from base.slurm_env import expand_hostlist
+    from tests.e2e.launchers import STUBS
+
+    out = subprocess.run([os.path.join(STUBS, "scontrol"), "show", "hostnames", nodes], capture_output=True, text=True,
+                         check=True, env=dict(os.environ, SCONTROL_LOG=str(tmp_path / "scontrol.log")), timeout=30)
+    assert out.stdout.split() == expand_hostlist(nodes)
