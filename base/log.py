@@ -13,6 +13,12 @@ _IS_MAIN = os.environ.get("RANK", "0") == "0"
 _RANK_LOG = logging.getLogger("ulysses_longtrain.rank")
 
 
+def cause(e: BaseException, width: int = 120) -> str:
+    """A library's exception as one line for a user's refusal: its type and its first non-empty line."""
+    first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
+    return f"{type(e).__name__}: {first[:width]}" if first else type(e).__name__
+
+
 def set_main(is_main: bool) -> None:
     global _IS_MAIN
     _IS_MAIN = is_main

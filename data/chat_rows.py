@@ -55,6 +55,12 @@ def row_format(obj: dict) -> str | None:
     return None
 
 
+def _text_part(part) -> bool:
+    """A content part that is text: a string, or {"type": "text", "text": str} (the type may be left out)."""
+    return isinstance(part, str) or isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(
+        part.get("text"), str)
+
+
 def _text(content, i: int, role: str) -> str:
     """A message's content as one string: a string as is, a list of text parts joined by a newline."""
     if isinstance(content, str):
@@ -62,10 +68,8 @@ def _text(content, i: int, role: str) -> str:
     if isinstance(content, list):
         out = []
         for j, part in enumerate(content):
-            if isinstance(part, str):
-                out.append(part)
-            elif isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
-                out.append(part["text"])
+            if _text_part(part):
+                out.append(part if isinstance(part, str) else part["text"])
             else:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise RowError(f"message {i} ({role}): content part {j} is {kind!r}, not text: only text is trained "
@@ -79,9 +83,7 @@ def _data(content) -> bool:
     """A JSON value that is not text: an object, a number, a boolean, a list that is not text parts."""
     if isinstance(content, dict | int | float | bool):
         return True
-    return isinstance(content, list) and not all(
-        isinstance(p, str) or isinstance(p, dict) and p.get("type", "text") == "text" and isinstance(p.get("text"), str)
-        for p in content)
+    return isinstance(content, list) and not all(_text_part(p) for p in content)
 
 
 def message(m, i: int) -> dict:

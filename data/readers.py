@@ -19,6 +19,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from base.log import cause
 from data.chat import row_format
 
 JSONL_EXT = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst")
@@ -145,7 +146,7 @@ def iter_rows(unit: Unit, fields: Fields, start: int = 0, batch_rows: int = 1024
             names = list(ds.column_names or []) or list(next(iter(ds)).keys())
         except Exception as e:  # noqa: BLE001 (a user's --loader / file: one line, not datasets' traceback)
             raise ValueError(f"--loader {builder}: datasets.load_dataset could not read {unit.path} "
-                             f"({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}): use a builder "
+                             f"({cause(e)}): use a builder "
                              "it has (csv, json, text, parquet, arrow, ...)") from None
         cols = _columns(unit, names, fields)
         if start:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from base.log import cause
+
 # Text that exercises whitespace, digits, unicode and code: the direct fast path must give the same ids on it.
 _PROBE = ["  Hello world!\n\tdef f(x):  return x**2  # café 東京 1234567 ", "", "a\r\nb   c\u00a0d 🙂"]
 
@@ -50,7 +52,7 @@ class Tokenizer:
                 tok = AutoTokenizer.from_pretrained(path)
             except Exception as e:  # noqa: BLE001 (no tokenizer files, a broken tokenizer.json, ...)
                 raise ValueError(f"--tokenizer_name_or_path {path}: not a Hugging Face tokenizer folder "
-                                 f"({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}); give one "
+                                 f"({cause(e)}); give one "
                                  "(tokenizer.json / tokenizer_config.json), or a sentencepiece .model file") from None
             self.vocab_size = len(tok)
             self.eos_id = tok.eos_token_id

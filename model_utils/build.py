@@ -11,6 +11,7 @@ import os
 
 import torch
 
+from base.log import cause
 from model_utils.hub import resolve
 from planner.presets import PRESETS
 
@@ -32,8 +33,7 @@ def load_hf_config(name_or_path: str):
         try:
             return AutoConfig.from_pretrained(name_or_path)
         except (OSError, ValueError, KeyError) as e:  # not JSON, no model_type, a type this transformers lacks
-            first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
-            raise ValueError(f"--model_name_or_path {name_or_path}: its config.json does not load ({first[:160]}): "
+            raise ValueError(f"--model_name_or_path {name_or_path}: its config.json does not load ({cause(e, 160)}): "
                              "give a save_pretrained folder of a model this transformers knows") from None
     if name_or_path in PRESETS:
         return preset_config(name_or_path)

@@ -41,9 +41,12 @@ def _int_or_auto(flag: str, value: str) -> int | str:
     if value == "auto":
         return value
     try:
-        return int(value)
+        n = int(value)
     except ValueError:
-        raise ValueError(f"--{flag} {value!r}: use an integer or auto") from None
+        n = 0
+    if n < 1:  # 0 reached the split's list as an IndexError
+        raise ValueError(f"--{flag} {value!r}: use an integer >= 1 or auto")
+    return n
 
 
 def _valid_splits(shape: ModelShape, world: int, seq_len: int, args: argparse.Namespace) -> list[tuple[int, int]]:

@@ -176,12 +176,10 @@ def make_plan(args: argparse.Namespace) -> dict:
             raise ValueError(f"--{name} must be positive, got {getattr(args, name)}")
     if not 0 <= args.margin < 1:
         raise ValueError(f"--margin {args.margin}: use a fraction in [0, 1)")
-    if args.mfu > 1 or args.cpu_overhead_gb < 0:
-        bad = f"--mfu {args.mfu}: use a fraction in (0, 1]" if args.mfu > 1 else \
-            f"--cpu_overhead_gb {args.cpu_overhead_gb}: use a size >= 0"
-        raise ValueError(bad)
-    if args.sp != "auto" and (not str(args.sp).isdigit() or int(args.sp) < 1):
-        raise ValueError(f"--sp {args.sp!r}: use an integer >= 1 or auto")
+    if args.mfu > 1:
+        raise ValueError(f"--mfu {args.mfu}: use a fraction in (0, 1]")
+    if args.cpu_overhead_gb < 0:
+        raise ValueError(f"--cpu_overhead_gb {args.cpu_overhead_gb}: use a size >= 0")
     chunks = str(args.attention_head_chunks)
     if chunks != "max" and (not chunks.isdigit() or int(chunks) < 1):
         raise ValueError(f"--attention_head_chunks {chunks!r}: use an integer >= 1 or max")

@@ -16,7 +16,7 @@ import typing
 from dataclasses import dataclass, field
 
 from training import hf_args
-from training.config_types import typed_fields, yaml_flag, yaml_text
+from training.config_types import check_stages, typed_fields, yaml_flag, yaml_text
 from training.eval_settings import EVAL_KEYS, run_eval
 
 
@@ -206,7 +206,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
             merged = yaml_text(fh.read(), f"--config {recipe}") or {}
         if not isinstance(merged, dict):
             raise ValueError(f"--config {recipe}: expected a mapping of keys at the top level")
-        typed_fields({"stages": merged.get("stages")}, Config, recipe)  # a list, or one line
+        check_stages(merged.get("stages"), recipe)  # before the eval flags walk the stages
     given_eval = sorted(k for k in args if k in EVAL_KEYS)
     if args.get("eval") is False and given_eval:
         raise ValueError(f"--no-eval turns evaluation off and --{given_eval[0]} sets it: drop one of them")

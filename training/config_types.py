@@ -59,17 +59,21 @@ def typed(key: str, value, tp: str, where: str):
             return value if isinstance(value, str) or key in AUTO_OR_INT else str(value)
     if key in HINTS:
         raise ValueError(f"{key}: {value!r:.60}: {HINTS[key]}")
-    want = " or ".join(_WANT[k] for k in _WANT if k in kinds) or "a list of stage mappings"
+    want = " or ".join(_WANT[k] for k in _WANT if k in kinds)
     raise ValueError(f"{key}: {value!r:.60} in {where} is not {want}")
 
 
 def typed_fields(d: dict, cls, where: str) -> dict:
     """d's values typed by `cls`'s fields (keys `cls` lacks are left to the caller's unknown-key check)."""
     types = {f.name: f.type for f in dataclasses.fields(cls)}
-    out = {k: typed(k, v, types[k], where) if k in types and k != "stages" else v for k, v in d.items()}
-    if not isinstance(out.get("stages") or [], list):
-        raise ValueError(f"stages: {out['stages']!r:.60} in {where} is not a list of stage mappings")
-    return out
+    check_stages(d.get("stages"), where)
+    return {k: typed(k, v, types[k], where) if k in types and k != "stages" else v for k, v in d.items()}
+
+
+def check_stages(value, where: str) -> None:
+    """A recipe's `stages`: a list (or absent), else one line."""
+    if not isinstance(value or [], list):
+        raise ValueError(f"stages: {value!r:.60} in {where} is not a list of stage mappings")
 
 
 def yaml_text(text: str, where: str):
