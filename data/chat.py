@@ -213,7 +213,7 @@ class ChatEncoder:
             raise RowError(self.refusal)
         loss_on = "assistant" if self.loss_on == "auto" and first == 0 else "completion" if self.loss_on == "auto" \
             else self.loss_on
-        wanted = [k for k, m in enumerate(conv) if m["role"] == "assistant" and (loss_on != "completion" or k >= first)]
+        wanted, flagged = self._wanted(conv, first, loss_on)
         conv, rewritten = fit_arguments(self, conv, tools)  # tool-call arguments as this template writes them
         refuse_unrendered(self, conv, tools)  # tool definitions, environment turns the template drops
         if self.kind == "chatml" and any(conv[k].get("tool_calls") for k in wanted):
@@ -226,7 +226,7 @@ class ChatEncoder:
             while end and self.kind != "chatml" and not self.tok.hf.decode(ids[end - 1:end]).strip():
                 end -= 1  # a template's blank after its end-of-turn (ChatML templates' "\n"; the token-built default has none)
             return ids, np.ones(len(ids), np.uint8), {"untrained_turns": 0, "no_stop_rows": self._no_stop(ids, conv, end),
-                                                      "rewritten_arguments": rewritten}
+                                                      "rewritten_arguments": rewritten, "flagged_turns": 0}
         why = {}
         if self.kind == "chatml":
             ids, spans = self._chatml(conv)
@@ -256,7 +256,29 @@ class ChatEncoder:
         return ids, mask, {"untrained_turns": untrained, "why": [why.get(k, f"message {k}: its span does not show "
                                                                    "its text") for k in wanted if k not in spans],
                            "no_stop_rows": self._no_stop(ids, conv, last[1] if last else None),
-                           "rewritten_arguments": rewritten}
+                           "rewritten_arguments": rewritten, "flagged_turns": flagged}
+
+    @staticmethod
+    def _wanted(conv: list[dict], first: int, loss_on: str) -> tuple[list[int], int]:
+        """The assistant turns to train and how many the row flags not to (a reply's `weight` 0 / `training` false,
+        data/chat_rows.py: it stays in the context, gets no loss). The flags are taken out of the messages here, before
+        any render. A RowError where a flag cannot be honoured: a weight-0 reply under `--loss_on all`, a flagged
+        reply in a prompt that `completion` never trains, every reply flagged."""
+        flags = {k: m.pop("train") for k, m in enumerate(conv) if "train" in m}
+        if loss_on == "all" and not all(flags.values()):
+            k = next(k for k, v in flags.items() if not v)
+            raise RowError(f"message {k} (assistant) is flagged not to train (weight 0 / training false), and "
+                           "--loss_on all trains every token: use --loss_on assistant to honour the flag, or drop it")
+        if loss_on == "completion" and any(v and k < first for k, v in flags.items()):
+            k = next(k for k, v in flags.items() if v and k < first)
+            raise RowError(f"message {k} (assistant) is flagged to train, and it is in the prompt, which --loss_on "
+                           "completion never trains: move it to the completion, or drop the flag")
+        turns = [k for k, m in enumerate(conv) if m["role"] == "assistant" and (loss_on != "completion" or k >= first)]
+        wanted = [k for k in turns if flags.get(k, True)]
+        if not wanted and turns:
+            raise RowError(f"every assistant turn ({len(turns)}) is flagged not to train (weight 0 / training false): "
+                           "nothing to train on")
+        return wanted, len(turns) - len(wanted)
 
     def _no_stop(self, ids: list[int], conv: list[dict], end: int | None) -> int:
         """1 where the conversation ends with a reply trained up to `end` and no control token ends it: the template

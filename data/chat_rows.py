@@ -10,7 +10,12 @@ Row formats (one JSON object / table row; `row_format` tells them apart by their
   them as a turn of that role, and a `tool` message not at all) is passed on as given; a system message's `tools` (Phi-4-mini's template renders
   the tool list from it, as a JSON string) is passed on as given, and so are OLMo 3's function-calling keys (its
   template, open-instruct's `olmo`: a system or user message's `functions`, an assistant reply's `function_calls`,
-  both strings; a reply with `function_calls` may have an empty content);
+  both strings; a reply with `function_calls` may have an empty content); a message's training flag (OpenAI's
+  fine-tuning `weight`: 0 or 1 on an assistant message; Axolotl's `training`, `train`: true / false; null is no flag)
+  is read, never passed on: a reply flagged 0 / false stays in the context and gets no loss (data/chat.py counts it,
+  `flagged_turns`); a true flag on a message that is not an assistant reply (Axolotl would train a user turn), a
+  weight other than 0 or 1 (no per-token or fractional weights here), flags that disagree, or Axolotl's
+  `train_detail` (character ranges) are refused in one line;
 - ShareGPT `conversations`: [{"from": "human" | "gpt" | "system" | "function_call" | "observation" | ..., "value":
   str}, ...]; `function_call` (LLaMA-Factory's tool call: a JSON object, or a list of them, with `name` and
   `arguments`) becomes an assistant message with `tool_calls`, `observation` a tool message;
@@ -35,6 +40,8 @@ SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "a
                   "tool": "tool", "observation": "tool", "function_response": "tool", "ipython": "tool",
                   "function_call": "assistant", "developer": "system"}
 CHAT_KEYS = ("messages", "conversations", "prompt")
+FLAGS = ("weight", "training", "train")  # a message's training flag: OpenAI's fine-tuning `weight`, Axolotl's
+# `message_field_training` (`training` by default; `train` in its docs' examples and Nemotron exports)
 KEYS = ("tool_calls", "name", "tool_call_id", "reasoning_content", "thinking")  # a message's keys templates read
 ROLE_KEYS = {"system": ("tools", "functions"), "user": ("functions",), "assistant": ("function_calls",)}  # Phi-4-mini's
 # tool list rides on the system message; OLMo 3's function list on a system (or user) message, its calls on a reply
@@ -103,7 +110,37 @@ def message(m, i: int) -> dict:
     for k in KEYS + ROLE_KEYS.get(role, ()):
         if m.get(k) is not None:
             out[k] = m[k]
+    train = _flag(m, i, role)
+    if train is not None and role == "assistant":  # a false flag elsewhere says what is so already
+        out["train"] = train  # data/chat.py takes it out before any render
     return out
+
+
+def _flag(m: dict, i: int, role: str) -> bool | None:
+    """The message's training flag (FLAGS) as a bool, None where it has none; a RowError for what is not read here."""
+    if m.get("train_detail") is not None:
+        raise RowError(f"message {i} ({role}): train_detail (Axolotl's character ranges to train) is not read here: "
+                       "drop it, or flag whole turns with weight 0 / 1")
+    got = {}
+    for k in FLAGS:
+        v = m.get(k)
+        if v is None:
+            continue
+        if isinstance(v, str) and v.strip().lower() in ("true", "false", "0", "1"):  # a CSV / table export's text
+            v = v.strip().lower() in ("true", "1")
+        if isinstance(v, bool) or isinstance(v, int | float) and v in (0, 1):
+            got[k] = bool(v)
+        else:
+            raise RowError(f"message {i} ({role}): {k} {v!r}: a turn's training flag is 0 / false (no loss) or 1 / "
+                           "true; fractional or per-token weights are not read here")
+    if len(set(got.values())) > 1:
+        raise RowError(f"message {i} ({role}): training flags that disagree ({got}): give one")
+    train = next(iter(got.values()), None)
+    if train and role != "assistant":
+        k = next(iter(got))
+        raise RowError(f"message {i} ({role}): {k} {m[k]!r} asks to train a {role} turn, and only assistant replies "
+                       "are trained here (--loss_on all trains every token): drop the flag")
+    return train
 
 
 def _function_call(value, i: int) -> dict:
@@ -132,10 +169,11 @@ def _sharegpt(turns) -> list[dict]:
         role = SHAREGPT_ROLES.get(who)
         if role is None:
             raise RowError(f"conversations[{i}]: from {t['from']!r}; expected one of {sorted(SHAREGPT_ROLES)}")
+        flags = {k: t[k] for k in FLAGS + ("train_detail",) if k in t}  # OpenHermes-2.5 has `weight` on every turn
         if who == "function_call":
-            out.append(message(_function_call(t.get("value"), i), i))
+            out.append(message({**_function_call(t.get("value"), i), **flags}, i))
         else:
-            out.append(message({"role": role, "content": t.get("value")}, i))
+            out.append(message({"role": role, "content": t.get("value"), **flags}, i))
     return out
 
 

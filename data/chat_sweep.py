@@ -13,7 +13,8 @@ shipped template, and Hugging Face's own assistant mask of the marked template i
 - the ids are the template's rendering, tokenized;
 - every supervised token lies in an assistant message's marked region, and every region is supervised whole or
   not at all (no token of a header, a system, user or tool message is ever supervised; no reply cut short);
-- the regions not supervised are exactly the turns the encoder counts (`untrained_turns`);
+- the regions not supervised are exactly the turns the encoder counts (`untrained_turns`) and the replies the row
+  flags not to train (`weight` 0: never supervised, counted as `flagged_turns`);
 - every supervised span decodes to text holding its reply (past a `</think>`) and its tool calls' names.
 A row the encoder refuses (RowError, one line, naming the template and the fix) passes as a refusal; a branch of
 a family's template not written here (`unchecked` in families.json) is `not checked`; a WRONG cell stays WRONG in
@@ -81,6 +82,8 @@ CASES = {  # name -> a conversation (every assistant message is a turn to train)
                                    {**_CALL, "function": {**_CALL["function"], "arguments": '{"text": "apple river"}'}}]},
                                {"role": "tool", "tool_call_id": "call00001", "content": "2"},
                                {"role": "assistant", "content": "2 words"}],
+    "a reply weighted 0": [_ASK, {"role": "assistant", "content": "apple river", "weight": 0},  # OpenAI's flag
+                           {"role": "user", "content": "Count them."}, {"role": "assistant", "content": "2 words"}],
     "end-of-turn text in a reply": [_ASK, {"role": "assistant", "content": "apple river"},
                                     {"role": "user", "content": "What ends your turn?"},
                                     {"role": "assistant", "content": "The token {eot} ends it."}],
@@ -185,10 +188,13 @@ def check(enc: ChatEncoder, oracle_template: str, conv: list[dict], tools: list 
     if (mask.astype(bool) & ~oracle.astype(bool))[1:].any():
         bad = int(np.flatnonzero(mask.astype(bool) & ~oracle.astype(bool))[-1])
         return f"WRONG: supervises a token outside every reply ({hf.decode(ids[max(bad - 3, 0):bad + 1])!r})"
-    untrained = 0
+    untrained, flagged = 0, [k for k in turns if conv[k].get("weight") == 0]
     for k, (a, b) in zip(turns, runs):
         got = mask[a:b]
-        if got.all():
+        if k in flagged:
+            if got.any():
+                return f"WRONG: message {k}, weighted 0, is supervised"
+        elif got.all():
             text = hf.decode(ids[a:b])
             want = conv[k]["content"].split("</think>")[-1].strip()
             names = [c["function"]["name"] for c in conv[k].get("tool_calls") or []]
@@ -198,6 +204,8 @@ def check(enc: ChatEncoder, oracle_template: str, conv: list[dict], tools: list 
             untrained += 1
         else:
             return f"WRONG: message {k} is supervised in part ({int(got.sum())} of {b - a} tokens)"
+    if len(flagged) != stats.get("flagged_turns", 0):
+        return f"WRONG: {len(flagged)} turns weighted 0, {stats['flagged_turns']} counted"
     if untrained != stats["untrained_turns"]:
         return f"WRONG: {untrained} turns untrained, {stats['untrained_turns']} counted"
     if untrained:

@@ -32,7 +32,7 @@ from data.readers import Fields, Unit, discover, iter_rows, parse_item
 DEFAULT_CHUNK_TOKENS = 1 << 28  # 1 GiB of uint32 per chunk file: the resume granularity
 DEFAULT_BATCH_DOCS = 256
 CHAT_STATS = ("chat_docs", "supervised_tokens", "untrained_turns", "no_stop_rows",  # per shard, summed in the manifest
-              "rewritten_arguments")
+              "rewritten_arguments", "flagged_turns")
 BATCH_BYTES = 1 << 20  # a batch closes at this much raw text too (long documents): bounds memory in flight
 
 # ------------------------------------------------------------------ workers: parse, tokenize, check
@@ -73,6 +73,7 @@ def _tokenize_batch(items: list[tuple[int, int, object]]) -> dict:
                 chat["untrained_turns"] += st["untrained_turns"]
                 chat["no_stop_rows"] += st.get("no_stop_rows", 0)
                 chat["rewritten_arguments"] += st.get("rewritten_arguments", 0)
+                chat["flagged_turns"] += st.get("flagged_turns", 0)
         if err:
             bad.append((u, row, err))
         else:
@@ -367,6 +368,8 @@ def merge(output: str, log=print) -> dict:
         + (f"; {manifest['chat_docs']} conversations, {manifest['supervised_tokens']} supervised tokens, "
            f"{manifest['untrained_turns']} assistant turn(s) not located, {manifest['no_stop_rows']} ending with no "
            "end-of-turn token" if manifest["chat_docs"] else "")
+        + (f", {manifest['flagged_turns']} assistant turn(s) in context with no loss, as their rows flag them (weight 0 "
+           "/ training false)" if manifest.get("flagged_turns") else "")
         + (f", {manifest['rewritten_arguments']} with tool-call arguments rewritten to the form the template writes "
            "(JSON text <-> object, docs/sft.md)" if manifest.get("rewritten_arguments") else ""))
     if manifest.get("no_stop_rows"):

@@ -293,3 +293,22 @@ def test_a_last_reply_with_no_end_of_turn_is_counted(tok_root, loss_on):
     thanks = TURNS + [{"role": "user", "content": "Thanks."}]
     assert [e.encode({"messages": c})[2]["no_stop_rows"] for e in (enc, own) for c in (TURNS[:2], thanks)] == [1, 0,
                                                                                                                0, 0]
+
+
+def test_a_reply_flagged_not_to_train_is_context_only(tok_root):
+    """OpenAI's fine-tuning `weight: 0` (Axolotl's `training: false`): the reply stays in the ids, gets no loss, and
+    is counted; the refusals where the flag cannot be honoured are one line. Before: trained, without a word."""
+    enc = encoder(tok_root, "qwen25")
+    conv = [TURNS[0], {**TURNS[1], "weight": 0}, *TURNS[2:]]
+    ids, mask, stats = enc.encode({"messages": conv})
+    assert ids == enc.encode({"messages": TURNS})[0]
+    assert spans(enc, ids, mask) == ["2 words<|im_end|>"] and stats["flagged_turns"] == 1
+    assert stats["untrained_turns"] == 0
+    for row, match, kw in [
+        ({"messages": conv}, "--loss_on all trains every token", {"loss_on": "all"}),
+        ({"messages": [*conv[:3], {**TURNS[3], "training": False}]}, "every assistant turn .2. is flagged", {}),
+        ({"prompt": [TURNS[0], {**TURNS[1], "weight": 1}, TURNS[2]], "completion": TURNS[3:]}, "in the prompt", {}),
+    ]:
+        with pytest.raises(RowError, match=match) as e:
+            encoder(tok_root, "qwen25", **kw).encode(row)
+        assert "\n" not in str(e.value)

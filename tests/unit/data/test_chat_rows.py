@@ -146,3 +146,46 @@ def test_messages_stored_as_json_text_are_the_list_they_hold():
     assert normalize({"conversations": json.dumps(turns)}) == normalize({"conversations": turns})
     with pytest.raises(RowError, match=r"^messages: a text that is not a JSON list of messages"):
         normalize({"messages": "[{'role': 'user'}]"})
+
+
+def _flagged(flags: dict, role: str = "assistant") -> dict:
+    ask = {"role": "user", "content": "hi"}
+    msgs = [ask, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "again"},
+            {"role": "assistant", "content": "bye"}]
+    k = 1 if role == "assistant" else 0
+    msgs[k] = {**msgs[k], **flags}
+    return {"messages": msgs}
+
+
+@pytest.mark.parametrize("flags,want", [
+    ({"weight": 0}, False), ({"weight": 1}, True), ({"weight": 0.0}, False),  # OpenAI's fine-tuning weight
+    ({"training": False}, False), ({"train": True}, True),  # Axolotl's message_field_training
+    ({"weight": "0"}, False), ({"training": "false"}, False),  # a CSV export's text
+    ({"weight": None}, None),  # OpenHermes-2.5 writes `weight: null` on every turn: no flag
+])
+def test_a_replys_training_flag_is_read_and_not_passed_to_the_template(flags, want):
+    _, conv, _ = normalize(_flagged(flags))
+    assert conv[1].get("train") == want and not set(conv[1]) & {"weight", "training"}
+
+
+def test_sharegpt_turns_carry_their_weight():
+    row = {"conversations": [{"from": "human", "value": "hi", "weight": None},
+                             {"from": "gpt", "value": "hello", "weight": 0.0}]}
+    assert normalize(row)[1][1]["train"] is False
+
+
+@pytest.mark.parametrize("flags,role,match", [
+    ({"weight": 0.5}, "assistant", r"weight 0\.5: a turn's training flag is 0 / false"),
+    ({"weight": 0, "training": True}, "assistant", "training flags that disagree"),
+    ({"train_detail": [{"begin_offset": 0, "end_offset": 3, "train": True}]}, "assistant", "train_detail"),
+    ({"training": True}, "user", r"asks to train a user turn"),
+])
+def test_a_flag_that_cannot_be_honoured_is_refused_in_one_line(flags, role, match):
+    with pytest.raises(RowError, match=match) as e:
+        normalize(_flagged(flags, role))
+    assert "\n" not in str(e.value)
+
+
+def test_a_false_flag_on_a_user_turn_is_what_it_says():
+    _, conv, _ = normalize(_flagged({"weight": 0}, "user"))
+    assert "train" not in conv[0]

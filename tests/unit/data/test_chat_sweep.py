@@ -97,7 +97,7 @@ def test_the_docs_table_is_the_sweeps(table):
     """docs/sft.md holds `python -m data.chat_sweep --markdown` as it prints now."""
     with open("docs/sft.md") as fh:
         assert markdown(table) in fh.read(), "regenerate: python -m data.chat_sweep --markdown"
-    assert len(CASES) == 11
+    assert len(CASES) == 12
 
 
 # Facts read in the families' own templates as stored in public repositories (families.json `checked`), each one a

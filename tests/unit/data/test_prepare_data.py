@@ -289,18 +289,20 @@ def test_conversations_ending_with_no_end_of_turn_are_counted_and_warned(tmp_pat
     assert len(warn) == 1 and "2 conversation(s)" in warn[0] and "or append it" in warn[0]
 
 
-def test_rows_whose_tool_call_arguments_were_rewritten_are_counted(tmp_path):
+def test_rows_whose_tool_call_arguments_were_rewritten_or_turns_flagged_are_counted(tmp_path):
     """OpenAI's JSON-text arguments through a template that `tojson`s them (Qwen2.5's) are given to it as the object
-    (data/chat_tools.fit_arguments): the manifest counts those rows and the summary names them."""
+    (data/chat_tools.fit_arguments), and a reply weighted 0 (OpenAI's fine-tuning flag) is context only: the manifest
+    counts both and the summary names them."""
     from data.chat_sweep import CASES, build_tokenizer, families
 
     path = build_tokenizer(str(tmp_path), "qwen25", families()["qwen25"])
     src = _write_jsonl(tmp_path / "c.jsonl", [CASES["arguments as JSON text"], CASES["tool call"],
-                                              CASES["multi-turn"]], "messages")
+                                              CASES["multi-turn"], CASES["a reply weighted 0"]], "messages")
     lines = []
     m = prepare([src], str(tmp_path / "out"), path, workers=0, log=lines.append)
-    assert (m["chat_docs"], m["rewritten_arguments"]) == (3, 1)
+    assert (m["chat_docs"], m["rewritten_arguments"], m["flagged_turns"]) == (4, 1, 1)
     assert any("1 with tool-call arguments rewritten" in x for x in lines)
+    assert any("1 assistant turn(s) in context with no loss" in x for x in lines)
 
 
 _SP = "recipes/base/tiny_passkey256/tokenizer.model"
