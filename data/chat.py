@@ -39,7 +39,9 @@ repeated in a user turn would be found in the wrong place):
    Phi-3's trailing EOS) gets no loss: the model stops at the end-of-turn.
    Every span is checked: its text holds the reply's text (past a `</think>`, which R1 / Qwen3 templates drop)
    and each tool call's name; a template that does not render tool calls (Llama 3.0, SmolLM2) is a refused row,
-   never an empty reply trained. A reply holding the text of its end-of-turn token (`<|im_end|>` quoted in prose)
+   never an empty reply trained. A reply's reasoning (a `reasoning_content` / `thinking` field, a think block) that
+   the template never renders refuses the row; one it drops from the history (Qwen3, gpt-oss) is counted
+   (`dropped_reasoning`): data/chat_reasoning.py. A reply holding the text of its end-of-turn token (`<|im_end|>` quoted in prose)
    gets no loss: it is tokenized as the control token (as TRL and inference servers do) and the model would learn to
    stop inside it. A turn not located (also: one the template refuses to render up to, like an assistant turn
    first) gets no loss and is counted (`untrained_turns`); a row with none located is a bad row, with the reason.
@@ -63,6 +65,7 @@ from __future__ import annotations
 import numpy as np
 
 from data.chat_demo import build_demo_chats, demo_conversation  # noqa: F401  (python -m data.chat OUT.jsonl)
+from data.chat_reasoning import dropped, refuse_dropped
 from data.chat_rows import ROLES, SHAREGPT_ROLES, RowError, normalize, row_format  # noqa: F401
 from data.chat_splice import encode_long
 from data.chat_tools import call_name, fit_arguments, refuse_unrendered, row_tools, tool_names
@@ -134,6 +137,7 @@ class ChatEncoder:
         self.default_eot = im_end if isinstance(im_end, int) and im_end >= 0 and im_end != unk else tokenizer.eos_id
         self.kind = "markers" if self.markers else "prefix" if self.hf is not None else "chatml"
         self._eot, self._name_ids, self._added_ids = None, None, None
+        self.reasoning_renders = {}  # form -> whether the template renders a reply's reasoning (data/chat_reasoning.py)
 
     # ---- rendering
     def _text(self, msgs: list[dict], gen: bool = False, tools: list | None = None) -> str:
@@ -216,6 +220,7 @@ class ChatEncoder:
         wanted, flagged = self._wanted(conv, first, loss_on)
         conv, rewritten = fit_arguments(self, conv, tools)  # tool-call arguments as this template writes them
         refuse_unrendered(self, conv, tools)  # tool definitions, environment turns the template drops
+        refuse_dropped(self, conv, wanted)  # reasoning the template never renders
         if self.kind == "chatml" and any(conv[k].get("tool_calls") for k in wanted):
             k = next(k for k in wanted if conv[k].get("tool_calls"))
             raise RowError(f"message {k} (assistant): tool calls, and the ChatML default (the tokenizer has no "
@@ -226,7 +231,8 @@ class ChatEncoder:
             while end and self.kind != "chatml" and not self.tok.hf.decode(ids[end - 1:end]).strip():
                 end -= 1  # a template's blank after its end-of-turn (ChatML templates' "\n"; the token-built default has none)
             return ids, np.ones(len(ids), np.uint8), {"untrained_turns": 0, "no_stop_rows": self._no_stop(ids, conv, end),
-                                                      "rewritten_arguments": rewritten, "flagged_turns": 0}
+                                                      "rewritten_arguments": rewritten, "flagged_turns": 0,
+                                                      "dropped_reasoning": 0}
         why = {}
         if self.kind == "chatml":
             ids, spans = self._chatml(conv)
@@ -256,7 +262,8 @@ class ChatEncoder:
         return ids, mask, {"untrained_turns": untrained, "why": [why.get(k, f"message {k}: its span does not show "
                                                                    "its text") for k in wanted if k not in spans],
                            "no_stop_rows": self._no_stop(ids, conv, last[1] if last else None),
-                           "rewritten_arguments": rewritten, "flagged_turns": flagged}
+                           "rewritten_arguments": rewritten, "flagged_turns": flagged,
+                           "dropped_reasoning": dropped(self, ids, spans, conv)}
 
     @staticmethod
     def _wanted(conv: list[dict], first: int, loss_on: str) -> tuple[list[int], int]:

@@ -34,6 +34,7 @@ import tempfile
 import numpy as np
 
 from data.chat import ChatEncoder, RowError
+from data.chat_reasoning import reasoning
 from data.tokenizer import Tokenizer
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_templates")
@@ -188,7 +189,7 @@ def check(enc: ChatEncoder, oracle_template: str, conv: list[dict], tools: list 
     if (mask.astype(bool) & ~oracle.astype(bool))[1:].any():
         bad = int(np.flatnonzero(mask.astype(bool) & ~oracle.astype(bool))[-1])
         return f"WRONG: supervises a token outside every reply ({hf.decode(ids[max(bad - 3, 0):bad + 1])!r})"
-    untrained, flagged = 0, [k for k in turns if conv[k].get("weight") == 0]
+    untrained, flagged, dropped = 0, [k for k in turns if conv[k].get("weight") == 0], 0
     for k, (a, b) in zip(turns, runs):
         got = mask[a:b]
         if k in flagged:
@@ -200,16 +201,21 @@ def check(enc: ChatEncoder, oracle_template: str, conv: list[dict], tools: list 
             names = [c["function"]["name"] for c in conv[k].get("tool_calls") or []]
             if want not in text or not all(n in text for n in names):
                 return f"WRONG: the span of message {k} does not show its reply ({text!r})"
+            dropped += bool((why := reasoning(conv[k])) and why[1] not in text)
         elif not got.any():
             untrained += 1
         else:
             return f"WRONG: message {k} is supervised in part ({int(got.sum())} of {b - a} tokens)"
     if len(flagged) != stats.get("flagged_turns", 0):
         return f"WRONG: {len(flagged)} turns weighted 0, {stats['flagged_turns']} counted"
+    if dropped != stats.get("dropped_reasoning", 0):
+        return f"WRONG: {dropped} replies trained without their reasoning, {stats.get('dropped_reasoning', 0)} counted"
     if untrained != stats["untrained_turns"]:
         return f"WRONG: {untrained} turns untrained, {stats['untrained_turns']} counted"
     if untrained:
         return f"trains {len(turns) - untrained} of {len(turns)}: " + "; ".join(stats["why"]) + " (counted)"
+    if dropped:
+        return f"trains: {dropped} earlier reply's reasoning not rendered by the template (as at inference; counted)"
     return "trains"
 
 

@@ -30,7 +30,7 @@ def test_every_family_trains_exactly_its_replies_or_is_refused_in_one_line(table
     # item 1: a template whose last message renders differently (Phi's EOS after it, OLMo 3's EOS instead of
     # <|im_end|>, gpt-oss's <|return|>): each reply ends at its own end-of-turn token, never the conversation's end
     ("phi3", "multi-turn", "trains"), ("phi4_mini", "system", "trains"), ("olmo3", "multi-turn", "trains"),
-    ("gpt_oss", "multi-turn", "trains"), ("gpt_oss", "reasoning", "trains"), ("gpt_oss", "tool call", "trains"),
+    ("gpt_oss", "multi-turn", "trains"), ("gpt_oss", "reasoning", "trains: 1 earlier reply's"), ("gpt_oss", "tool call", "trains"),
     # item 2: a tool call the template does not render is a refused row, never an empty reply trained
     ("llama3", "tool call", "refused: message 1 (assistant): llama3's template does not render its tool call(s)"),
     ("smollm2", "tool call", "refused: message 1 (assistant): smollm2's template does not render its tool call(s)"),
@@ -49,8 +49,17 @@ def test_every_family_trains_exactly_its_replies_or_is_refused_in_one_line(table
     # (Command-R's own `tool_use` iterates `tools`: rows here carry none, so it raises and the row is refused)
     ("command_r_tool_use", "multi-turn", "refused: command_r_tool_use's `tool_use` template refuses this conversation"),
     # item 4: a generation prompt longer than the header inside the conversation (<｜Assistant｜><think>\n)
-    ("deepseek_r1", "multi-turn", "trains"), ("deepseek_r1", "reasoning", "trains"),
-    ("deepseek_r1", "reasoning in the content", "trains"), ("qwen3", "reasoning in the content", "trains"),
+    ("deepseek_r1", "multi-turn", "trains"),
+    # a reply's reasoning: a template that never renders it (R1's cuts the content at </think>; Llama's, Qwen2.5's have
+    # no reasoning branch) refuses the row; one that renders only the replies' after the last user turn (Qwen3,
+    # gpt-oss) trains them, the earlier ones counted. Before, every one trained with its reasoning gone, without a word
+    ("deepseek_r1", "reasoning", "refused: message 1 (assistant): deepseek_r1's template never renders its reasoning"),
+    ("deepseek_r1", "reasoning in the content", "refused: message 1 (assistant): deepseek_r1's template never renders "
+                                                "the think block of its content"),
+    ("llama31", "reasoning", "refused: message 1 (assistant): llama31's template never renders its reasoning field"),
+    ("llama31", "reasoning in the content", "trains"), ("qwen25", "reasoning in the content", "trains"),
+    ("qwen3", "reasoning in the content", "trains: 1 earlier reply's reasoning not rendered"),
+    ("qwen3", "reasoning", "trains: 1 earlier reply's reasoning not rendered"),
     # item 5: an assistant turn first: the later turns train, the first is counted
     ("llama3", "assistant first", "trains 1 of 2: message 0: an assistant turn first"),
     # item 6: a reply holding its end-of-turn token's text is not trained (it would teach a stop inside it), counted

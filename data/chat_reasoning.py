@@ -1,0 +1,84 @@
+"""A reply's reasoning, and the templates that drop it (data/chat.py).
+
+Reasoning reaches a template two ways: a reply's `reasoning_content` / `thinking` field (vLLM's and Qwen3's name,
+gpt-oss's; transformers gives a template both), or the content's `<think>...</think>` block (OpenThoughts, s1K,
+Mixture-of-Thoughts rows). Templates treat them three ways, read in their stored copies:
+- they render it (Qwen3, gpt-oss; any template that prints the content verbatim renders a think block as text);
+- they render it only for the replies after the last user turn, as at inference (Qwen3, gpt-oss: the history's
+  reasoning dropped): those replies train without it, counted (`dropped_reasoning`) and warned in the summary;
+- they never render it (every template with no reasoning branch drops the field; DeepSeek-R1's cuts the content at
+  `</think>` in every reply): the row would train its answers with the reasoning gone, a model that stops thinking,
+  without a word. Refused in one line with the fix (the reasoning in the content for a template that prints it, a
+  template that renders it), as a template that drops a row's tools is (data/chat_tools.py).
+Which way is read once per template and form, from a probe conversation whose last reply carries reasoning (the
+way every template renders it, if it renders it at all). The count reads each trained span's own tokens, never the
+conversation's text. Cost: two probe renders per encoder; a row without reasoning pays nothing.
+"""
+
+from __future__ import annotations
+
+from data.chat_rows import RowError
+
+FIELDS = ("reasoning_content", "thinking")
+_ASK = {"role": "user", "content": "Probe question?"}
+_WHY = "Probe reasoning, step by step."
+
+
+def reasoning(msg: dict) -> tuple[str, str] | None:
+    """(form, text) of a reply's reasoning: `field` (reasoning_content / thinking) or `content` (a think block);
+    None where it has none."""
+    for f in FIELDS:
+        if isinstance(msg.get(f), str) and msg[f].strip():
+            return "field", msg[f].strip()
+    content = msg.get("content") or ""
+    if "</think>" in content:
+        text = content.split("</think>")[0].split("<think>")[-1].strip()
+        if text:
+            return "content", text
+    return None
+
+
+def _renders(enc, form: str) -> bool | None:
+    """Whether `enc`'s template renders a last reply's reasoning given as `form`; None where the probe does not
+    render (the template refuses it: nothing is known)."""
+    cache = enc.reasoning_renders
+    if form not in cache:
+        if enc.kind == "chatml":  # the token-built default: the content verbatim, no field
+            cache[form] = form == "content"
+        else:
+            reply = ({"role": "assistant", "content": "Probe answer.", FIELDS[0]: _WHY} if form == "field" else
+                     {"role": "assistant", "content": f"<think>\n{_WHY}\n</think>\n\nProbe answer."})
+            cache[form] = None
+            for msgs, tools in (([_ASK, reply], None), ([{"role": "system", "content": "Probe system."}, _ASK, reply],
+                                                         None), ([_ASK, reply], [])):  # Hermes' tool_use: a tool list
+                try:
+                    cache[form] = _WHY in enc._text(msgs, tools=tools)
+                    break
+                except RowError:
+                    continue
+    return cache[form]
+
+
+def refuse_dropped(enc, conv: list[dict], turns: list[int]) -> None:
+    """A RowError, one line, where a reply to train carries reasoning in a form `enc`'s template never renders."""
+    for k in turns:
+        got = reasoning(conv[k])
+        if got and _renders(enc, got[0]) is False:
+            given = "its reasoning field (reasoning_content / thinking)" if got[0] == "field" else (
+                "the think block of its content (cut at </think>, as DeepSeek-R1's template does)")
+            fix = ("put the reasoning in the content as <think>...</think> where the template prints the content, "
+                   if got[0] == "field" else "")
+            raise RowError(f"message {k} (assistant): {enc.name} never renders {given}, so the reply would be trained "
+                           f"with its reasoning gone: {fix}use a template that renders it (Qwen3, gpt-oss, ...), or "
+                           "drop the reasoning")
+
+
+def dropped(enc, ids: list[int], spans: dict[int, tuple[int, int]], conv: list[dict]) -> int:
+    """How many trained replies carry reasoning their span does not show (the template drops the history's, as
+    Qwen3's and gpt-oss's do before the last user turn)."""
+    n = 0
+    for k, (a, b) in spans.items() if enc.kind != "chatml" else ():  # the default prints the content, no field
+        got = reasoning(conv[k])
+        if got and got[1] not in enc.tok.hf.decode(ids[max(a - 1, 0):b], clean_up_tokenization_spaces=False):
+            n += 1
+    return n

@@ -1,0 +1,73 @@
+"""A reply's reasoning (data/chat_reasoning.py): a template that never renders it refuses the row in one line; one
+that renders only the replies' after the last user turn (Qwen3, gpt-oss) trains the rest, counted in the manifest
+and warned. Before, every such reply trained with its reasoning gone, without a word (the sweep's `reasoning`
+column: WRONG on 24 families on the old encoder). Fixture tokenizers of the sweep's families, no network: ~2 s."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from data.chat import ChatEncoder, RowError
+from data.chat_sweep import CASES, build_tokenizer, families
+from data.prepare_data import prepare
+from data.tokenizer import Tokenizer
+
+WHY = "Two words: apple, river."
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("reasoning_tokenizers"))
+
+
+def encoder(root: str, key: str, loss_on: str = "auto") -> ChatEncoder:
+    return ChatEncoder(Tokenizer(build_tokenizer(root, key, families()[key])), loss_on)
+
+
+def trained(enc: ChatEncoder, ids: list[int], mask: np.ndarray) -> str:
+    return enc.tok.hf.decode([i for i, m in zip(ids, mask) if m])
+
+
+@pytest.mark.parametrize("key,case,match", [
+    ("llama31", "reasoning", "never renders its reasoning field"),  # no reasoning branch: the field is dropped
+    ("qwen25", "reasoning", "never renders its reasoning field"),
+    ("deepseek_r1", "reasoning in the content", "never renders the think block of its content"),  # cut at </think>
+])
+@pytest.mark.parametrize("loss_on", ["auto", "all"])
+def test_reasoning_a_template_never_renders_refuses_the_row_in_one_line(root, key, case, match, loss_on):
+    with pytest.raises(RowError, match=match) as e:
+        encoder(root, key, loss_on).encode({"messages": CASES[case]})
+    assert "\n" not in str(e.value) and "message 1 (assistant)" in str(e.value)
+
+
+@pytest.mark.parametrize("key", ["llama31", "qwen25", "deepseek_v3"])
+def test_reasoning_in_the_content_of_a_template_that_prints_it_trains_whole(root, key):
+    enc = encoder(root, key)
+    ids, mask, stats = enc.encode({"messages": CASES["reasoning in the content"]})
+    assert trained(enc, ids, mask).count(WHY) == 2 and stats["dropped_reasoning"] == 0
+
+
+@pytest.mark.parametrize("key,case", [("qwen3", "reasoning"), ("qwen3", "reasoning in the content"),
+                                      ("gpt_oss", "reasoning")])
+def test_the_historys_reasoning_a_template_drops_is_counted(root, key, case):
+    """Qwen3 and gpt-oss render the reasoning of the replies after the last user turn only (as at inference): the
+    last reply trains with it, the first without it, counted."""
+    enc = encoder(root, key)
+    ids, mask, stats = enc.encode({"messages": CASES[case]})
+    assert trained(enc, ids, mask).count(WHY) == 1 and stats["dropped_reasoning"] == 1
+    one = enc.encode({"messages": CASES[case][:2]})  # one row per reply keeps each reasoning
+    assert trained(enc, one[0], one[1]).count(WHY) == 1 and one[2]["dropped_reasoning"] == 0
+
+
+def test_the_preparation_counts_and_warns(tmp_path):
+    path = build_tokenizer(str(tmp_path), "qwen3", families()["qwen3"])
+    src = tmp_path / "c.jsonl"
+    src.write_text("".join(json.dumps({"messages": CASES[c]}) + "\n" for c in ("reasoning", "multi-turn")))
+    lines = []
+    m = prepare([str(src)], str(tmp_path / "out"), path, workers=0, log=lines.append)
+    assert (m["chat_docs"], m["dropped_reasoning"]) == (2, 1)
+    warn = [x for x in lines if x.startswith("warning:") and "reasoning" in x]
+    assert len(warn) == 1 and "1 trained repl(ies)" in warn[0] and "one row per reply" in warn[0]
