@@ -23,6 +23,8 @@ Row formats (one JSON object / table row; `row_format` tells them apart by their
 `messages` / `conversations` stored as JSON text (a CSV or table export) are read as the list they hold.
 Beside any of them, a top-level `tools` (a list of OpenAI function definitions, or that list as a JSON string) is
 read by data/chat_tools.py and passed to the template as `tools=`.
+A top-level `system` (LLaMA-Factory's ShareGPT column: the system prompt beside the turns) is the conversation's first
+message (before, it was dropped without a word); one beside a system message of another text is refused.
 A row with both a text field and a chat field is ambiguous (which one was meant?) and refused in one line
 (data/readers.py); so is every malformed row, with the message and what was expected.
 """
@@ -182,23 +184,50 @@ def normalize(obj: dict) -> tuple[str, list[dict] | tuple[str, str], int]:
     index of the first message a `completion` loss covers: 0, or the prompt's length for conversational pairs)
     or `text_pair` with (prompt, completion). RowError on a malformed row."""
     fmt = row_format(obj)
+    system = _system(obj)
     if fmt == "pair":
         p, c = obj["prompt"], obj["completion"]
         if isinstance(p, str) and isinstance(c, str):
+            if system:
+                raise RowError("system beside a text prompt / completion, which no template renders: put it in the "
+                               "prompt, or give prompt and completion as message lists")
             return "text_pair", (p, c), 0
         if isinstance(p, list) and isinstance(c, list):
-            msgs = [message(m, i) for i, m in enumerate(p + c)]
-            return "chat", _checked(msgs), len(p)
+            msgs = _with_system([message(m, i) for i, m in enumerate(p + c)], system)
+            return "chat", _checked(msgs), len(msgs) - len(c)
         raise RowError("prompt/completion: expected two strings or two lists of messages, got "
                        f"{type(p).__name__} and {type(c).__name__}")
     if fmt == "messages":
         msgs = _listed(obj["messages"], "messages")
         if not isinstance(msgs, list):
             raise RowError(f"messages: expected a list, got {type(obj['messages']).__name__}")
-        return "chat", _checked([message(m, i) for i, m in enumerate(msgs)]), 0
+        return "chat", _checked(_with_system([message(m, i) for i, m in enumerate(msgs)], system)), 0
     if fmt == "conversations":
-        return "chat", _checked(_sharegpt(_listed(obj["conversations"], "conversations"))), 0
+        return "chat", _checked(_with_system(_sharegpt(_listed(obj["conversations"], "conversations")), system)), 0
     raise RowError(f"not a chat row: expected one of {list(CHAT_KEYS)} (prompt with completion), got keys {sorted(obj)}")
+
+
+def _system(obj: dict) -> str | None:
+    """A row's top-level `system` (LLaMA-Factory's ShareGPT and Alpaca column: the system prompt beside the turns);
+    None where it has none (null or empty)."""
+    v = obj.get("system")
+    if v is None or isinstance(v, str) and not v.strip():
+        return None
+    if not isinstance(v, str):
+        raise RowError(f"system: expected the system prompt as a string, got {type(v).__name__}")
+    return v
+
+
+def _with_system(msgs: list[dict], system: str | None) -> list[dict]:
+    """The conversation with the row's top-level system prompt as its first message; the same text given twice is
+    one; a system message with another text is ambiguous (which one was meant?) and refused."""
+    if system is None:
+        return msgs
+    if msgs and msgs[0]["role"] == "system":
+        if msgs[0]["content"].strip() == system.strip():
+            return msgs
+        raise RowError("a top-level system and a system message with another text: which is meant? Keep one")
+    return [{"role": "system", "content": system}, *msgs]
 
 
 def _listed(value, key: str):

@@ -189,3 +189,29 @@ def test_a_flag_that_cannot_be_honoured_is_refused_in_one_line(flags, role, matc
 def test_a_false_flag_on_a_user_turn_is_what_it_says():
     _, conv, _ = normalize(_flagged({"weight": 0}, "user"))
     assert "train" not in conv[0]
+
+
+_SHARE = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]
+
+
+def test_a_top_level_system_is_the_first_message():
+    """LLaMA-Factory's ShareGPT rows carry the system prompt beside the turns; before, it was dropped, unsaid."""
+    _, conv, _ = normalize({"conversations": _SHARE, "system": "Be brief.", "tools": None})
+    assert conv[0] == {"role": "system", "content": "Be brief."} and len(conv) == 3
+    same = [{"from": "system", "value": "Be brief."}, *_SHARE]  # given twice, the same: one
+    assert normalize({"conversations": same, "system": "Be brief."})[1] == conv
+    assert normalize({"conversations": _SHARE, "system": ""})[1][0]["role"] == "user"
+    kind, conv, first = normalize({"prompt": [{"role": "user", "content": "hi"}],
+                                   "completion": [{"role": "assistant", "content": "hello"}], "system": "Be brief."})
+    assert conv[0]["role"] == "system" and first == 2  # the completion still starts at the reply
+
+
+@pytest.mark.parametrize("row,match", [
+    ({"conversations": [{"from": "system", "value": "Be long."}, *_SHARE], "system": "Be brief."}, "which is meant"),
+    ({"conversations": _SHARE, "system": ["Be brief."]}, "system: expected the system prompt as a string"),
+    ({"prompt": "hi", "completion": "hello", "system": "Be brief."}, "system beside a text prompt"),
+])
+def test_a_top_level_system_that_cannot_be_placed_is_refused_in_one_line(row, match):
+    with pytest.raises(RowError, match=match) as e:
+        normalize(row)
+    assert "\n" not in str(e.value)
