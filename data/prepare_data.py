@@ -32,7 +32,7 @@ from data.readers import Fields, Unit, discover, iter_rows, parse_item
 DEFAULT_CHUNK_TOKENS = 1 << 28  # 1 GiB of uint32 per chunk file: the resume granularity
 DEFAULT_BATCH_DOCS = 256
 CHAT_STATS = ("chat_docs", "supervised_tokens", "untrained_turns", "no_stop_rows",  # per shard, summed in the manifest
-              "rewritten_arguments", "flagged_turns", "dropped_reasoning")
+              "rewritten_arguments", "flagged_turns", "dropped_reasoning", "chatml_rows")
 BATCH_BYTES = 1 << 20  # a batch closes at this much raw text too (long documents): bounds memory in flight
 
 # ------------------------------------------------------------------ workers: parse, tokenize, check
@@ -75,6 +75,7 @@ def _tokenize_batch(items: list[tuple[int, int, object]]) -> dict:
                 chat["rewritten_arguments"] += st.get("rewritten_arguments", 0)
                 chat["flagged_turns"] += st.get("flagged_turns", 0)
                 chat["dropped_reasoning"] += st.get("dropped_reasoning", 0)
+                chat["chatml_rows"] += _W["chat"].kind == "chatml"
         if err:
             bad.append((u, row, err))
         else:
@@ -373,6 +374,10 @@ def merge(output: str, log=print) -> dict:
            "/ training false)" if manifest.get("flagged_turns") else "")
         + (f", {manifest['rewritten_arguments']} with tool-call arguments rewritten to the form the template writes "
            "(JSON text <-> object, docs/sft.md)" if manifest.get("rewritten_arguments") else ""))
+    if manifest.get("chatml_rows"):
+        log(f"note: {manifest['chatml_rows']} conversation(s) rendered with the ChatML default: the tokenizer has no chat "
+            "template (nor a chat_template.json beside it). Right for a base model taught ChatML; for an instruct "
+            "model, give the folder that ships its template; --chat_template none refuses such rows (docs/sft.md)")
     if manifest.get("dropped_reasoning"):
         log(f"warning: {manifest['dropped_reasoning']} trained repl(ies) carry reasoning the template does not render "
             "(it keeps only the replies' after the last user turn, as Qwen3's and gpt-oss's do at inference): those "

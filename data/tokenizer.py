@@ -66,6 +66,8 @@ class Tokenizer:
                     self._encode_batch, self.direct = direct, True
             self.kind = "hf"
             self.hf = tok  # its chat template renders conversations (data/chat.py)
+            if not tok.chat_template:
+                tok.chat_template = _processor_template(path)
             plain, full = tok("a", add_special_tokens=False)["input_ids"], tok("a")["input_ids"]
             if len(full) > len(plain) and full[1:1 + len(plain)] == plain:  # a token put before the text: its BOS
                 self.bos_id = full[0]
@@ -82,3 +84,27 @@ class Tokenizer:
 
     def decode(self, ids) -> str:
         return self._decode(list(ids))
+
+
+def _processor_template(path: str):
+    """The chat template a model folder ships beside its tokenizer in `chat_template.json` (a multimodal model's
+    processor file; Mistral-Small-3.1-24B-Instruct-2503 has its only template there: llama.cpp PR 12460), which
+    AutoTokenizer (transformers 5.23 here) does not read: without it a chat row would be rendered with the ChatML
+    default, a format the model never saw. None where there is none."""
+    f = os.path.join(path, "chat_template.json")
+    if not os.path.isfile(f):
+        return None
+    import json
+
+    try:
+        with open(f) as fh:
+            value = json.load(fh).get("chat_template")
+    except (ValueError, AttributeError) as e:
+        raise ValueError(f"{f}: not a JSON object with a chat_template ({cause(e)}): fix it, or delete it") from None
+    if isinstance(value, list):  # named templates, as tokenizer_config.json lists them
+        value = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+    if not (isinstance(value, str) and value.strip() or isinstance(value, dict) and value
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())):
+        raise ValueError(f"{f}: chat_template is {type(value).__name__}, not a template (a string, or named ones): "
+                         "fix it, or delete it")
+    return value

@@ -312,3 +312,27 @@ def test_a_reply_flagged_not_to_train_is_context_only(tok_root):
         with pytest.raises(RowError, match=match) as e:
             encoder(tok_root, "qwen25", **kw).encode(row)
         assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("form", ["string", "named"])
+def test_a_template_shipped_in_chat_template_json_is_the_tokenizers(tmp_path, form):
+    """Mistral Small 3.1 ships its only template in the processor's chat_template.json, which AutoTokenizer does not
+    read: before, such a model's chat rows were rendered with the ChatML default, unsaid."""
+    import json
+    import shutil
+
+    from tests.unit.data.chat_fixtures import FAMILIES
+
+    path = str(tmp_path / "gemma")
+    shutil.copytree(build_tokenizer(str(tmp_path / "src"), "none"), path)
+    template = FAMILIES["gemma"][0]
+    value = template if form == "string" else [{"name": "default", "template": template}]
+    (tmp_path / "gemma" / "chat_template.json").write_text(json.dumps({"chat_template": value}))
+    enc = ChatEncoder(Tokenizer(path))
+    assert enc.kind == "prefix"
+    ids, mask, _ = enc.encode({"messages": TURNS})
+    assert spans(enc, ids, mask) == ["apple river<end_of_turn>", "2 words<end_of_turn>"]
+    (tmp_path / "gemma" / "chat_template.json").write_text(json.dumps({"chat_template": 3}))
+    with pytest.raises(ValueError, match=r"chat_template.json: chat_template is int, not a template") as e:
+        Tokenizer(path)
+    assert "\n" not in str(e.value)

@@ -374,3 +374,18 @@ def test_a_text_document_starts_with_the_tokenizers_bos(tmp_path):
     assert [tok.decode(d[1:-1]) for d in docs] == texts
     ref = build_token_stream(src, tok, tok.vocab_size, str(tmp_path / "refcache"))[0]
     assert np.load(ref).tolist() == [t for d in docs for t in d]
+
+
+def test_conversations_rendered_with_the_chatml_default_are_said(tmp_path):
+    """A tokenizer with no chat template renders chat rows with the ChatML default: right for a base model, a format
+    an instruct model never saw. The summary says it once; before, nothing did."""
+    from tests.unit.data.chat_fixtures import build_tokenizer
+
+    path = build_tokenizer(str(tmp_path / "tok"), "none")
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    src = _write_jsonl(tmp_path / "c.jsonl", [turns, turns], "messages")
+    lines = []
+    m = prepare([src], str(tmp_path / "out"), path, workers=0, log=lines.append)
+    assert (m["chat_docs"], m["chatml_rows"]) == (2, 2)
+    note = [x for x in lines if "ChatML default" in x]
+    assert len(note) == 1 and note[0].startswith("note: 2 conversation(s)")
