@@ -65,7 +65,7 @@ from __future__ import annotations
 import numpy as np
 
 from data.chat_demo import build_demo_chats, demo_conversation  # noqa: F401  (python -m data.chat OUT.jsonl)
-from data.chat_reasoning import dropped, refuse_dropped
+from data.chat_reasoning import as_rendered, dropped, refuse_dropped
 from data.chat_rows import ROLES, SHAREGPT_ROLES, RowError, normalize, row_format  # noqa: F401
 from data.chat_splice import encode_long
 from data.chat_tools import call_name, fit_arguments, refuse_unrendered, row_tools, tool_names
@@ -239,13 +239,13 @@ class ChatEncoder:
         elif self.kind == "markers":
             ids, spans = self._markers(conv, tools)
             if spans is None:  # the markers do not give one run per assistant turn: find the turns by prefixes
-                ids, spans, why = self._prefix(conv, wanted, tools)
+                ids, spans, why = self._prefix(as_rendered(self, conv, tools), wanted, tools)
             else:
                 self._tool_calls_shown(conv, wanted, {k: ids[a:b] for k, (a, b) in spans.items()})
                 why = {k: w for k in wanted if (w := self._eot_text(conv, k))}
                 spans = {k: s for k, s in spans.items() if k not in why and self._shows(ids, s[0], s[1], conv[k])}
-        else:
-            ids, spans, why = self._prefix(conv, wanted, tools)
+        else:  # the history's reasoning as the whole conversation renders it (gpt-oss drops a call's once a final follows)
+            ids, spans, why = self._prefix(as_rendered(self, conv, tools), wanted, tools)
         mask = np.zeros(len(ids), np.uint8)
         untrained = 0
         for k in wanted:

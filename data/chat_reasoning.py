@@ -73,6 +73,29 @@ def refuse_dropped(enc, conv: list[dict], turns: list[int]) -> None:
                            "drop the reasoning")
 
 
+def as_rendered(enc, conv: list[dict], tools: list | None) -> list[dict]:
+    """The conversation with the reasoning its full render drops taken out of those replies, where the render stays
+    the same: what the prefix renders (data/chat.py `_prefix`) must show of the history. A template that renders a
+    reply's reasoning only while no later message overrides it (gpt-oss writes a tool call's analysis until a final
+    answer follows) otherwise renders each prefix with it and the whole conversation without it, and no later turn
+    is found. Cost: a text search per reply with reasoning, one render more where some is taken out."""
+    if enc.kind == "chatml" or not any(reasoning(m) for m in conv):
+        return conv
+    text = enc._text(conv, tools=tools)
+    out = list(conv)
+    for k, m in enumerate(conv):
+        got = reasoning(m) if m["role"] == "assistant" else None
+        if got and got[1] not in text:
+            out[k] = ({x: v for x, v in m.items() if x not in FIELDS} if got[0] == "field" else
+                      {**m, "content": m["content"].split("</think>")[-1].lstrip("\n")})
+    if out == conv:
+        return conv
+    try:
+        return out if enc._text(out, tools=tools) == text else conv
+    except RowError:
+        return conv
+
+
 def dropped(enc, ids: list[int], spans: dict[int, tuple[int, int]], conv: list[dict]) -> int:
     """How many trained replies carry reasoning their span does not show (the template drops the history's, as
     Qwen3's and gpt-oss's do before the last user turn)."""

@@ -85,6 +85,15 @@ CASES = {  # name -> a conversation (every assistant message is a turn to train)
                                {"role": "assistant", "content": "2 words"}],
     "a reply weighted 0": [_ASK, {"role": "assistant", "content": "apple river", "weight": 0},  # OpenAI's flag
                            {"role": "user", "content": "Count them."}, {"role": "assistant", "content": "2 words"}],
+    "tool call with reasoning": [{"role": "user", "content": "How many words in apple river?"},  # gpt-oss's agents
+                                 {"role": "assistant", "content": "", "tool_calls": [_CALL], "reasoning_content": _THINK,
+                                  "thinking": _THINK},
+                                 {"role": "tool", "tool_call_id": "call00001", "content": "2"},
+                                 {"role": "assistant", "content": "2 words"}],
+    "tool call with text": [{"role": "user", "content": "How many words in apple river?"},
+                            {"role": "assistant", "content": "Counting them.", "tool_calls": [_CALL]},
+                            {"role": "tool", "tool_call_id": "call00001", "content": "2"},
+                            {"role": "assistant", "content": "2 words"}],
     "end-of-turn text in a reply": [_ASK, {"role": "assistant", "content": "apple river"},
                                     {"role": "user", "content": "What ends your turn?"},
                                     {"role": "assistant", "content": "The token {eot} ends it."}],

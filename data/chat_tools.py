@@ -97,6 +97,12 @@ def refuse_unrendered(enc, conv: list[dict], tools: list | None) -> None:
             raise RowError(f"message {k} (assistant): {enc.name} does not render its tool call(s) "
                            f"{[call_name(c) for c in conv[k]['tool_calls']]}, so an empty reply would be trained: use "
                            "a template that renders tool_calls, or drop the calls")
+        for k in calls:  # a reply's text beside its calls: Llama 3.1 / 3.2 and Mistral v0.3 write the call alone
+            if conv[k]["content"].split("</think>")[-1].strip() and _same_without(enc, conv, k, text, tools):
+                raise RowError(f"message {k} (assistant): {enc.name} does not render a reply's text beside its tool "
+                               "calls (it writes the call alone, or drops the text once a final answer follows, as "
+                               "gpt-oss does), so the text would be lost: give it as a reply of its own before the "
+                               "call, or drop it")
     for k, m in enumerate(conv):
         if m["role"] != "environment":
             continue
@@ -112,6 +118,16 @@ def refuse_unrendered(enc, conv: list[dict], tools: list | None) -> None:
             if enc._text(conv[:k] + [{x: v for x, v in m.items() if x != key}] + conv[k + 1:], tools=tools) == text:
                 raise RowError(f"message {k} ({m['role']}): {enc.name} does not render a message's `{key}` "
                                "(tool definitions): give them as this template takes them, or drop them")
+
+
+def _same_without(enc, conv: list[dict], k: int, text: str, tools: list | None) -> bool:
+    """Whether the conversation renders the same with message k's text emptied (its think block kept)."""
+    m = conv[k]
+    think = m["content"].split("</think>")[0] + "</think>" if "</think>" in m["content"] else ""
+    try:
+        return enc._text(conv[:k] + [{**m, "content": think}] + conv[k + 1:], tools=tools) == text
+    except RowError:  # it renders only with the text: it reads it
+        return False
 
 
 # ---- tool-call arguments: JSON text (OpenAI's API, most exported datasets) or an object (HF's docs, TRL)

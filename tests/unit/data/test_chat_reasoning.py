@@ -71,3 +71,15 @@ def test_the_preparation_counts_and_warns(tmp_path):
     assert (m["chat_docs"], m["dropped_reasoning"]) == (2, 1)
     warn = [x for x in lines if x.startswith("warning:") and "reasoning" in x]
     assert len(warn) == 1 and "1 trained repl(ies)" in warn[0] and "one row per reply" in warn[0]
+
+
+def test_gpt_oss_agent_rows_train_the_call_and_the_answer(root):
+    """gpt-oss writes a tool call's analysis until a final answer follows: the prefixes showed it, the conversation
+    did not, and the row was refused ("none of the 2 assistant turn(s) could be located"). The history is now read as
+    the conversation renders it."""
+    enc = encoder(root, "gpt_oss")
+    ids, mask, stats = enc.encode({"messages": CASES["tool call with reasoning"]})
+    text = trained(enc, ids, mask)
+    assert "count_words" in text and "2 words" in text and WHY not in text, text
+    assert (stats["untrained_turns"], stats["dropped_reasoning"]) == (0, 1)
+    assert ids == enc.tok.encode(enc._text(CASES["tool call with reasoning"]))

@@ -60,6 +60,16 @@ def test_every_family_trains_exactly_its_replies_or_is_refused_in_one_line(table
     ("llama31", "reasoning in the content", "trains"), ("qwen25", "reasoning in the content", "trains"),
     ("qwen3", "reasoning in the content", "trains: 1 earlier reply's reasoning not rendered"),
     ("qwen3", "reasoning", "trains: 1 earlier reply's reasoning not rendered"),
+    # gpt-oss writes a tool call's analysis until a final answer follows: the prefixes rendered it, the conversation
+    # did not, and no turn was found (the row refused, its reason "no end-of-turn token"); now the history is read as
+    # the conversation renders it: the call and the answer train, the analysis dropped is counted
+    ("gpt_oss", "tool call with reasoning", "trains: 1 earlier reply's reasoning not rendered"),
+    ("qwen3", "tool call with reasoning", "trains"),
+    # a reply's text beside its calls, which Llama 3.1 / Mistral v0.3 drop (the call written alone): refused in one
+    # line (it was a turn not located, counted, its reason "no end-of-turn token")
+    ("llama31", "tool call with text", "refused: message 1 (assistant): llama31's template does not render a reply's "
+                                       "text beside its tool calls"),
+    ("qwen25", "tool call with text", "trains"),
     # item 5: an assistant turn first: the later turns train, the first is counted
     ("llama3", "assistant first", "trains 1 of 2: message 0: an assistant turn first"),
     # item 6: a reply holding its end-of-turn token's text is not trained (it would teach a stop inside it), counted
@@ -106,7 +116,7 @@ def test_the_docs_table_is_the_sweeps(table):
     """docs/sft.md holds `python -m data.chat_sweep --markdown` as it prints now."""
     with open("docs/sft.md") as fh:
         assert markdown(table) in fh.read(), "regenerate: python -m data.chat_sweep --markdown"
-    assert len(CASES) == 12
+    assert len(CASES) == 14
 
 
 # Facts read in the families' own templates as stored in public repositories (families.json `checked`), each one a
