@@ -12,10 +12,11 @@
 #   scripts/launch.sh --torchrun [--nnodes N --node_rank R --master_addr A] [--num_gpus G] -- ...
 #   --print-only (or --dry-run): print the command, write .deepspeed_env, start nothing.
 #
-# Signals: the first SIGTERM/SIGUSR1/SIGINT is passed to the training ranks as SIGUSR1 (save at the next
+# Signals: the first SIGTERM/SIGUSR1/SIGUSR2/SIGINT is passed to the training ranks as SIGUSR1 (save at the next
 # step boundary, exit 75); a second SIGINT stops the launcher the hard way. The launchers themselves run
-# in their own process group with SIGUSR1 ignored, because the deepspeed launcher has no SIGUSR1 handler
-# (it would die of it and lose the exit code) and answers SIGTERM/SIGINT by killing its children.
+# in their own process group with SIGUSR1 and SIGUSR2 ignored, because the deepspeed launcher has no handler for
+# them (it would die of one and lose the exit code: `scancel --signal=USR2` without --batch sends it to every process
+# of the job's steps) and answers SIGTERM/SIGINT by killing its children.
 # Threads and cores: each rank gets OMP_NUM_THREADS = this node's CPUs / its ranks (a value you set wins; pdsh
 # nodes get node 0's number); on one node and with --no_ssh, where numactl is installed, the deepspeed launcher also
 # binds each rank to its own cores (--bind_cores_to_rank; it then sets OMP_NUM_THREADS per rank itself).
@@ -249,17 +250,18 @@ on_signal() {
 trap 'on_signal TERM' TERM
 trap 'on_signal INT' INT
 trap 'on_signal USR1' USR1
+trap 'on_signal USR2' USR2
 
 tee_pid=""
 if [ "$mode" = torchrun ]; then  # torchrun reports every failing worker as 1: keep its summary to read the codes
   stderr_copy=$(mktemp "${TMPDIR:-/tmp}/launch_torchrun.XXXXXX")
-  exec 3> >(trap '' INT TERM USR1; exec tee -a "$stderr_copy" >&2)
+  exec 3> >(trap '' INT TERM USR1 USR2; exec tee -a "$stderr_copy" >&2)
   tee_pid=$!
 else
   exec 3>&2
 fi
 # The launcher gets its own process group (a terminal's Ctrl-C reaches only this script) and ignores
-# SIGUSR1; the ranks inherit the "ignore" until train.py installs its handler, so an early signal is
+# SIGUSR1 and SIGUSR2; the ranks inherit the "ignore" until train.py installs its handler, so an early signal is
 # harmless (it stays pending here until they listen).
 # several nodes started one by one (--no_ssh, as slurm.sbatch does): node 0's launcher hosts the job's store, so a
 # node whose ranks die before they can speak (an import error) still ends every node: base/node_store.py
@@ -273,7 +275,7 @@ if [ "$no_ssh" = 1 ] && [ "$nnodes" -gt 1 ]; then
     # comes (or joined to a stranger's). Cost: node 0's ranks start after one torch import (seconds); every other
     # node's ranks wait for the store anyway.
     ready=$(mktemp -u "${TMPDIR:-/tmp}/launch_store.XXXXXX")
-    ( trap '' INT TERM USR1; exec "$(bin python)" -m base.node_store serve "$master_addr" "$master_port" --ready "$ready" ) &
+    ( trap '' INT TERM USR1 USR2; exec "$(bin python)" -m base.node_store serve "$master_addr" "$master_port" --ready "$ready" ) &
     store_pid=$!
     for ((i = 0; i < ${STORE_START_S:-60} * 5; i++)); do
       [ -f "$ready" ] && break
@@ -302,7 +304,7 @@ export LAUNCH_EXIT_DIR=$exit_dir
 # torchrun started another way, but only once it has arrived).
 ulimit -Sn "$(ulimit -Hn)" 2>/dev/null || true
 set -m
-( trap - TERM INT; trap '' USR1; exec "${cmd[@]}" 2>&3 ) &
+( trap - TERM INT; trap '' USR1 USR2; exec "${cmd[@]}" 2>&3 ) &
 launcher_pid=$!
 set +m
 

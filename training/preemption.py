@@ -1,6 +1,7 @@
 """Preemption: a signal only sets a flag; at a boundary every rank agrees through one all-reduce.
 
-SIGTERM (schedulers, the deepspeed launcher), SIGUSR1 (SLURM `--signal`) and SIGINT (Ctrl-C). A rank
+SIGTERM (schedulers, the deepspeed launcher), SIGUSR1 (SLURM `--signal`), SIGUSR2 (a user's `scancel --signal=USR2`:
+slurm.sbatch then stops instead of requeueing; a rank saves the same) and SIGINT (Ctrl-C). A rank
 that got no signal still stops with the others, so all ranks save the same step and exit together with
 EXIT_PREEMPTED, which launch scripts read as "requeue me".
 
@@ -59,7 +60,7 @@ import time
 
 from base import comm
 
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
 WINDOWED = (signal.SIGTERM, signal.SIGINT)  # the launchers get these too and SIGKILL the ranks KILL_WINDOW_S later
 KILL_WINDOW_S = 30.0  # deepspeed launch.py's wait_procs(timeout=30) and torchrun's default shutdown timeout
 EXIT_MARGIN_S = 5.0  # from the window stop's last decision to the process's end (commit, engine release, exit)

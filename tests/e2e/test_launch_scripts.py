@@ -241,9 +241,12 @@ def test_node_0_ends_at_once_when_its_store_cannot_start(tmp_path):
 
 
 @pytest.mark.dist
-def test_sbatch_chain_with_real_launcher(tmp_path):
+@pytest.mark.parametrize("how", ["warning", "scancel --full --signal=USR2"])
+def test_sbatch_chain_with_real_launcher(tmp_path, how):
     """sbatch -> srun -> launch.sh -> deepspeed -> 2 ranks: SLURM's USR1 to the batch shell reaches the
-    ranks, 75 comes back up and the job is requeued."""
+    ranks, 75 comes back up and the job is requeued. A user's USR2 to every process of the job (`--full`: the batch
+    shell, launch.sh, the deepspeed launcher, the ranks) is a save and a stop: no process dies of it (the launcher
+    and its ranks start with USR2 ignored, as with USR1), the job ends 0, never requeued."""
     e = clean_env(PATH=f"{STUBS}:{os.environ['PATH']}", SLURM_SUBMIT_DIR=str(tmp_path), GPUS_PER_NODE="2",
                   SCONTROL_LOG=str(tmp_path / "scontrol.log"), LAUNCH_CMD=LAUNCH, MASTER_PORT="29633",
                   **fake_train_env(tmp_path, "wait"))
@@ -251,13 +254,18 @@ def test_sbatch_chain_with_real_launcher(tmp_path):
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_for(lambda: ready(tmp_path, 2), 240, "both ranks")
-        job.send_signal(signal.SIGUSR1)
+        if how == "warning":
+            job.send_signal(signal.SIGUSR1)
+        else:
+            subprocess.run([*how.split(), "4242"], env=e, check=True, timeout=30)
         text = job.communicate(timeout=120)[0]
     finally:
         job.kill()
     assert job.returncode == 0, text
-    assert [(tmp_path / f"got{r}").read_text() for r in (0, 1)] == ["SIGUSR1", "SIGUSR1"], text
-    assert "training exited with 75" in text and requeues(tmp_path) == ["requeue 4242"], text
+    got = {(tmp_path / f"got{r}").read_text() for r in (0, 1)}
+    assert got == {"SIGUSR1"} if how == "warning" else got <= {"SIGUSR1", "SIGUSR2"}, text
+    assert "training exited with 75" in text, text
+    assert requeues(tmp_path) == (["requeue 4242"] if how == "warning" else []), text
 
 
 @pytest.mark.dist

@@ -83,6 +83,26 @@ def test_sbatch_forwards_the_warning_signal_and_requeues(tmp_path, sig):
     assert requeues(tmp_path) == ["requeue 4242"], text
 
 
+@pytest.mark.parametrize("sig, requeued", [("USR1", True), ("USR2", False)])
+def test_a_users_scancel_signal_saves_then_requeues_or_stops(tmp_path, sig, requeued):
+    """`scancel --batch --signal=USR1 JOB` is the time-limit warning asked by hand: save, requeue now. `--signal=USR2`:
+    the same save, then the job ends, never requeued (resubmitting resumes). Before, the batch shell had no USR2 trap
+    and died of it: no save, the job failed (140)."""
+    job = sbatch(tmp_path, "wait", ["--output_dir", str(tmp_path / "out")])
+    try:
+        wait_for(lambda: "ready" in (tmp_path / "fake.log").read_text() if (tmp_path / "fake.log").exists()
+                 else False, 30, "the stand-in launcher")
+        subprocess.run(["scancel", "--batch", f"--signal={sig}", "4242"], check=True, timeout=30,
+                       env=clean_env(PATH=f"{STUBS}:{os.environ['PATH']}", SCONTROL_LOG=str(tmp_path / "scontrol.log")))
+        text = job.communicate(timeout=30)[0]
+    finally:
+        job.kill()
+    assert job.returncode == 0, text
+    assert "got SIGUSR1" in (tmp_path / "fake.log").read_text(), text  # the ranks asked to save
+    assert requeues(tmp_path) == (["requeue 4242"] if requeued else []), text
+    assert ("saved and stopped, as asked (SIGUSR2): not requeueing" in text) == (not requeued), text
+
+
 @pytest.mark.parametrize("after, requeued", [("1", True), ("137", True), ("2", False)])
 def test_sbatch_requeues_a_run_cut_by_the_time_limit(tmp_path, after, requeued):
     """After SLURM's warning, a run that ends without a preemption save and without COMPLETE (the time limit

@@ -1,7 +1,7 @@
 """Stand-in for train.py in launcher tests: no model, just train.py's signal and exit-code contract.
 
 Each rank writes FAKE_DIR/ready<RANK> once its handlers are installed. FAKE_EXIT=N: exit N at once.
-FAKE_EXIT=wait: wait for SIGUSR1/SIGTERM/SIGINT (at most 120 s), write FAKE_DIR/got<RANK> with the
+FAKE_EXIT=wait: wait for SIGUSR1/SIGUSR2/SIGTERM/SIGINT (at most 120 s), write FAKE_DIR/got<RANK> with the
 signal's name, "save" for a moment and exit 75, like a preempted run. Like train.py (training/job._record), each rank
 records its exit code in LAUNCH_EXIT_DIR before it exits.
 """
@@ -12,7 +12,7 @@ import sys
 import time
 
 got: list[int] = []
-for s in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+for s in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):  # training/preemption.SIGNALS
     signal.signal(s, lambda signum, frame: got.append(signum))
 rank = os.environ.get("RANK", "0")
 out = os.environ["FAKE_DIR"]

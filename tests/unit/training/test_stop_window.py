@@ -239,3 +239,20 @@ def test_the_wait_for_the_previous_write_counts_as_blocked_time(monkeypatch):
                                            ckpt_kw={"write_s": 100.0})
     assert [(s, kind) for s, _, kind in ckpt.started] == [(2, "background"), (4, "background"), (6, "sync")]
     assert flag.save_every_s == pytest.approx(100 * (60 + COMMIT_S + SNAPSHOT_S))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGUSR2])
+def test_a_users_signal_is_a_save_request_never_a_kill(sig):
+    """SIGUSR2 reaches a rank directly when a user runs `scancel --signal=USR2` without --batch (slurm.sbatch reads
+    the same signal to its shell as a stop after the save): a rank takes it as SIGUSR1, a full save with no kill
+    window. Before, it was not caught and killed the rank (Python's default)."""
+    import os
+
+    from training.preemption import PreemptionFlag
+
+    flag = PreemptionFlag().install()
+    try:
+        os.kill(os.getpid(), sig)
+        assert flag.received == sig and flag.term_at is None
+    finally:
+        flag.uninstall()
