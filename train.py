@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # --- data: one token stream, its held-out documents fixed for the whole run, each stage packs its length ---
     data = open_run_data(cfg.dataset_path, cfg.tokenizer_name_or_path, model.arch.vocab_size, stages,
-                         resets_positions(cfg.reset_position_ids, model.attn), cfg.mask_cross_document_labels)
+                         resets_positions(cfg.reset_position_ids, model.attn), cfg.mask_cross_document_labels,
+                         cfg.model_name_or_path)
     check_passkey_fits(stages, data.tokenizer)
     stages = epoch_stages(cfg, stages, data, dims.world)  # --num_train_epochs / --warmup_ratio: steps from the data
 

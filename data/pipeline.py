@@ -313,8 +313,37 @@ class RunData:
         return out
 
 
+def check_model_tokenizer(folder: str, m: dict, model_path: str | None) -> None:
+    """A ValueError (one line) where the model folder ships a tokenizer whose vocabulary is not the one `folder` was
+    prepared with (its manifest `m`), and no --tokenizer_name_or_path says which is meant: the ids would be read as
+    other tokens, every step trained on garbage, without a word (Mistral's and Llama 2's tokenizers both have 32000
+    tokens). Compared by the tokens of every id (the prepared one's size alone where it is not on this machine);
+    the same files skip it. Cost: two tokenizers loaded on rank 0, once (~1 s)."""
+    files = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+    prepared = m.get("tokenizer") or {}
+    if not (model_path and prepared and os.path.isdir(model_path)
+            and any(os.path.isfile(os.path.join(model_path, f)) for f in files)):
+        return
+    if tokenizer_identity(model_path) == prepared.get("sha256"):
+        return
+    try:
+        own = Tokenizer(model_path)
+    except ValueError:  # the model folder's tokenizer does not load: nothing to compare
+        return
+    if os.path.exists(prepared.get("path", "")):
+        other = Tokenizer(prepared["path"])
+        same, what = own.pieces() == other.pieces(), f"{other.vocab_size} tokens"
+    else:
+        same, what = own.vocab_size == prepared.get("vocab_size"), f"{prepared.get('vocab_size')} tokens, not here"
+    if not same:
+        raise ValueError(f"--dataset_path {folder} was prepared with tokenizer {prepared.get('path')} ({what}), and the "
+                         f"model {model_path} ships another one ({own.vocab_size} tokens, other ids): prepare the data "
+                         "again with the model's tokenizer, or pass --tokenizer_name_or_path to say which is meant")
+
+
 def open_run_data(dataset_path: str | None, tokenizer_path: str | None, model_vocab: int, stages,
-                  reset_position_ids: bool, mask_cross_document_labels: bool = False) -> RunData:
+                  reset_position_ids: bool, mask_cross_document_labels: bool = False,
+                  model_path: str | None = None) -> RunData:
     """A small JSONL is prepared first (rank 0). Rank 0 then reads the folder's manifest and picks the tokenizer,
     every rank opens the folder with that manifest, and a folder one rank cannot open stops every rank with the
     same line (collectives). Checks the data against the model (token ids < model_vocab) and every stage's
@@ -326,6 +355,8 @@ def open_run_data(dataset_path: str | None, tokenizer_path: str | None, model_vo
             m = read_json(os.path.join(folder, MANIFEST))
         except OSError as e:
             raise ValueError(f"--dataset_path {folder}: no readable {MANIFEST} ({e}): prepare the data again") from None
+        if tokenizer_path is None:
+            check_model_tokenizer(folder, m, model_path)
         if tokenizer_path is None and m.get("tokenizer") and os.path.exists(m["tokenizer"]["path"]):
             return m, m["tokenizer"]["path"]  # the one it was prepared with (passkey evaluation decodes text)
         return m, tokenizer_path

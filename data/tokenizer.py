@@ -85,6 +85,13 @@ class Tokenizer:
     def decode(self, ids) -> str:
         return self._decode(list(ids))
 
+    def pieces(self) -> list[str]:
+        """Every id's token string, in id order: two tokenizers with the same pieces give the same ids (Llama 3.1's
+        base and Instruct tokenizers do, their EOS aside; Mistral's and Llama 2's, both 32000 tokens, do not)."""
+        if self.kind == "sentencepiece":
+            return [self._sp.id_to_piece(i) for i in range(self.vocab_size)]
+        return self.hf.convert_ids_to_tokens(list(range(self.vocab_size)))
+
 
 def _processor_template(path: str):
     """The chat template a model folder ships beside its tokenizer in `chat_template.json` (a multimodal model's

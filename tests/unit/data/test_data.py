@@ -249,3 +249,43 @@ class _CountingUfunc:
     def __call__(self, *a, **kw):
         self.calls.append(self.f.__name__)
         return self.f(*a, **kw)
+
+
+def _word_tokenizer(path, words: list[str]) -> str:
+    from tokenizers import Tokenizer as Raw
+    from tokenizers import models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Raw(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="</s>", unk_token="<unk>").save_pretrained(str(path))
+    return str(path)
+
+
+def test_a_model_whose_tokenizer_is_not_the_datas_is_refused_in_one_line(tmp_path):
+    """Data prepared with one tokenizer, a model folder shipping another of the same size (Mistral's and Llama 2's
+    both have 32000 tokens), no --tokenizer_name_or_path: the ids would be read as other tokens, every step trained
+    on garbage, without a word. Refused in one line naming both; the same vocabulary saved again passes; a model
+    folder without a tokenizer is not compared."""
+    from data.pipeline import check_model_tokenizer
+    from data.store import tokenizer_identity
+
+    words = ["<unk>", "</s>", "apple", "river", "stone"]
+    data_tok = _word_tokenizer(tmp_path / "data_tok", words)
+    m = {"tokenizer": {"path": data_tok, "sha256": tokenizer_identity(data_tok), "vocab_size": 5}}
+    other = _word_tokenizer(tmp_path / "model", ["<unk>", "</s>", "river", "apple", "stone"])
+    with pytest.raises(ValueError, match=r"was prepared with tokenizer .*data_tok \(5 tokens\), and the model .*model "
+                                         r"ships another one \(5 tokens, other ids\)") as e:
+        check_model_tokenizer("prepared", m, other)
+    assert "\n" not in str(e.value)
+    same = _word_tokenizer(tmp_path / "resaved", words)
+    cfg = tmp_path / "resaved" / "tokenizer_config.json"  # its own files (another template, say), the same vocabulary
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "chat_template": "{{ messages }}"}))
+    assert tokenizer_identity(same) != m["tokenizer"]["sha256"]
+    check_model_tokenizer("prepared", m, same)
+    (tmp_path / "bare").mkdir()
+    check_model_tokenizer("prepared", m, str(tmp_path / "bare"))
+    moved = {"tokenizer": {**m["tokenizer"], "path": str(tmp_path / "gone")}}  # not on this machine: its size
+    check_model_tokenizer("prepared", moved, same)
+    with pytest.raises(ValueError, match=r"\(6 tokens, not here\)"):
+        check_model_tokenizer("prepared", {"tokenizer": {**moved["tokenizer"], "vocab_size": 6}}, other)
