@@ -31,7 +31,7 @@ from base import comm
 from base.log import print0
 from data.mixture import MixtureDataset, MixtureSampler, parse_mixture, select_documents
 from data.packing import ConvPack, DocPack, chat_documents
-from data.prepare import prepare_in_job
+from data.prepare import model_tokenizer, prepare_in_job
 from data.replay import ReplayDataset, ReplaySampler, parse_replay
 from data.sampler import ResumableSampler
 from data.store import MANIFEST, Prepared, read_json, tokenizer_identity
@@ -319,10 +319,8 @@ def check_model_tokenizer(folder: str, m: dict, model_path: str | None) -> None:
     other tokens, every step trained on garbage, without a word (Mistral's and Llama 2's tokenizers both have 32000
     tokens). Compared by the tokens of every id (the prepared one's size alone where it is not on this machine);
     the same files skip it. Cost: two tokenizers loaded on rank 0, once (~1 s)."""
-    files = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
     prepared = m.get("tokenizer") or {}
-    if not (model_path and prepared and os.path.isdir(model_path)
-            and any(os.path.isfile(os.path.join(model_path, f)) for f in files)):
+    if not (prepared and model_tokenizer(model_path)):
         return
     if tokenizer_identity(model_path) == prepared.get("sha256"):
         return
@@ -348,7 +346,7 @@ def open_run_data(dataset_path: str | None, tokenizer_path: str | None, model_vo
     every rank opens the folder with that manifest, and a folder one rank cannot open stops every rank with the
     same line (collectives). Checks the data against the model (token ids < model_vocab) and every stage's
     mixture, before any model."""
-    folder, tokenizer_path = prepare_in_job(dataset_path, tokenizer_path, model_vocab)
+    folder, tokenizer_path = prepare_in_job(dataset_path, tokenizer_path, model_vocab, model_path)
 
     def choose() -> tuple[dict, str | None]:
         try:

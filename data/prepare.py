@@ -46,9 +46,21 @@ def _cache_key(files: list[str], tokenizer_path: str | None, model_vocab: int) -
     return h.hexdigest()[:16]
 
 
-def prepare_in_job(dataset_path: str | None, tokenizer_path: str | None, model_vocab: int) -> tuple[str, str | None]:
+def model_tokenizer(model_path: str | None) -> str | None:
+    """The model folder itself where it ships a tokenizer (a HF model repo's tokenizer.json / tokenizer.model), else
+    None."""
+    if model_path and os.path.isdir(model_path) and any(
+            os.path.isfile(os.path.join(model_path, f)) for f in ("tokenizer.json", "tokenizer.model")):
+        return model_path
+    return None
+
+
+def prepare_in_job(dataset_path: str | None, tokenizer_path: str | None, model_vocab: int,
+                   model_path: str | None = None) -> tuple[str, str | None]:
     """(prepared folder, tokenizer path), decided by rank 0 (collective: every rank calls it): a prepared folder
-    as it is, else the small JSONL input prepared by rank 0 into the cache."""
+    as it is, else the small JSONL input prepared by rank 0 into the cache, with --tokenizer_name_or_path, else the
+    model folder's own tokenizer (as transformers and TRL default to it; before, text rows were refused as needing
+    a tokenizer)."""
 
     def work() -> tuple[str, str | None]:
         from data.prepare_data import prepare
@@ -56,7 +68,8 @@ def prepare_in_job(dataset_path: str | None, tokenizer_path: str | None, model_v
         if is_prepared(dataset_path):
             return dataset_path, tokenizer_path
 
-        data, tok_path = resolve_sources(dataset_path, tokenizer_path)
+        data, tok_path = resolve_sources(dataset_path, tokenizer_path or (
+            model_tokenizer(model_path) if dataset_path is not None else None))
         files = list_files(data)
         size = sum(os.path.getsize(f) for f in files)
         if size > MAX_IN_JOB_BYTES:

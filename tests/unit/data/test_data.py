@@ -289,3 +289,19 @@ def test_a_model_whose_tokenizer_is_not_the_datas_is_refused_in_one_line(tmp_pat
     check_model_tokenizer("prepared", moved, same)
     with pytest.raises(ValueError, match=r"\(6 tokens, not here\)"):
         check_model_tokenizer("prepared", {"tokenizer": {**moved["tokenizer"], "vocab_size": 6}}, other)
+
+
+def test_a_jsonl_without_a_tokenizer_flag_is_tokenized_with_the_models_own(tmp_path, monkeypatch):
+    """`--model_name_or_path MODEL --dataset_path d.jsonl`, no --tokenizer_name_or_path: the model folder's own
+    tokenizer, as transformers and TRL default to it. Before, every text row was refused as needing a tokenizer."""
+    from data import prepare as in_job
+    from data.store import Prepared
+
+    monkeypatch.setattr(in_job, "CACHE", str(tmp_path / "cache"))
+    model = _word_tokenizer(tmp_path / "model", ["<unk>", "</s>", "apple", "river", "stone"])
+    src = tmp_path / "d.jsonl"
+    src.write_text(json.dumps({"text": "river apple stone"}) + "\n")
+    folder, tok = in_job.prepare_in_job(str(src), None, 5, model)
+    assert tok == model
+    p = Prepared(folder)
+    assert p.tokens.read(0, len(p.tokens)).tolist() == [3, 2, 4, 1]  # the words' ids, then EOS
