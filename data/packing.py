@@ -19,11 +19,12 @@ from data.store import tokenizer_identity
 from data.tokenizer import Tokenizer
 
 
-def _cache_key(dataset_path: str, tokenizer_path: str | None, model_vocab: int) -> str:
-    """What the token stream is derived from: each input file (path, size, mtime), the tokenizer's content (a HF
-    folder rewritten in place keeps its own size and mtime) and the vocabulary its token ids were checked against."""
+def cache_key(files: list[str], tokenizer_path: str | None, model_vocab: int) -> str:
+    """What a cached token stream or in-job prepared folder (data/prepare.py) is derived from: each input file
+    (path, size, mtime), the tokenizer's content (a HF folder rewritten in place keeps its own size and mtime) and
+    the vocabulary its token ids were checked against."""
     h = hashlib.sha256(f"{model_vocab}:bos".encode())  # :bos: text documents start with the tokenizer's BOS
-    for f in list_files(dataset_path):
+    for f in files:
         st = os.stat(f)
         h.update(f"{os.path.abspath(f)}:{st.st_size}:{st.st_mtime_ns}".encode())
     if tokenizer_path:
@@ -37,7 +38,7 @@ def build_token_stream(dataset_path: str, tokenizer: Tokenizer | None, model_voc
 
     Validates as it goes: bad lines, token ids outside the model's vocabulary, an empty dataset.
     """
-    key = _cache_key(dataset_path, tokenizer.path if tokenizer else None, model_vocab)
+    key = cache_key(list_files(dataset_path), tokenizer.path if tokenizer else None, model_vocab)
     out = os.path.join(cache_dir, f"tokens-{key}")
     tok_path, starts_path = out + ".npy", out + ".starts.npy"
     if os.path.exists(tok_path) and os.path.exists(starts_path):

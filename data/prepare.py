@@ -12,15 +12,14 @@ prepared once, before the job, with `scripts/prepare_data.py --workers N`, and p
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 
 from base import comm
 from data.corpus import CACHE, build_demo_corpus
 from data.jsonl import list_files
-from data.packing import build_token_stream
-from data.store import is_prepared, tokenizer_identity
+from data.packing import build_token_stream, cache_key
+from data.store import is_prepared
 from data.tokenizer import Tokenizer
 
 MAX_IN_JOB_BYTES = 200 * 1024 * 1024
@@ -32,18 +31,6 @@ def resolve_sources(dataset_path: str | None, tokenizer_path: str | None) -> tup
         jsonl, model = build_demo_corpus()
         return jsonl, tokenizer_path or model
     return dataset_path, tokenizer_path
-
-
-def _cache_key(files: list[str], tokenizer_path: str | None, model_vocab: int) -> str:
-    """What the prepared folder is derived from: each input file (path, size, mtime) and the tokenizer's content
-    (its files' SHA-256: a HF folder rewritten in place keeps its own size and mtime), with the model's vocab."""
-    h = hashlib.sha256(f"{model_vocab}:bos".encode())  # :bos: text documents start with the tokenizer's BOS
-    for f in files:
-        st = os.stat(f)
-        h.update(f"{os.path.abspath(f)}:{st.st_size}:{st.st_mtime_ns}".encode())
-    if tokenizer_path:
-        h.update(tokenizer_identity(tokenizer_path).encode())
-    return h.hexdigest()[:16]
 
 
 def model_tokenizer(model_path: str | None) -> str | None:
@@ -76,7 +63,7 @@ def prepare_in_job(dataset_path: str | None, tokenizer_path: str | None, model_v
             raise ValueError(f"--dataset_path {data}: {size / 2**20:.0f} MB of input is too much to tokenize inside "
                              f"the job (limit {MAX_IN_JOB_BYTES >> 20} MB): run `python scripts/prepare_data.py "
                              f"--input {data} --output DIR --workers N` once and pass --dataset_path DIR")
-        out = os.path.join(CACHE, "prepared", _cache_key(files, tok_path, model_vocab))
+        out = os.path.join(CACHE, "prepared", cache_key(files, tok_path, model_vocab))
         if not is_prepared(out):  # into a private folder renamed into place: concurrent jobs never share one
             tmp = f"{out}.tmp{os.getpid()}"
             shutil.rmtree(tmp, ignore_errors=True)

@@ -229,19 +229,18 @@ def test_token_caches_follow_the_tokenizers_content(tmp_path, monkeypatch):
     tokenizer.json is rewritten in place keeps the folder's size and mtime: the old key reused the old tokens, and
     the run was then refused as prepared with another tokenizer, with no way to prepare again."""
     from data import packing
-    from data import prepare as in_job
 
     src = _write_jsonl(tmp_path / "d.jsonl", DOCS)
     tok = tmp_path / "tok"
     tok.mkdir()
     (tok / "tokenizer.json").write_text('{"version": "a"}')
-    keys = [in_job._cache_key([src], str(tok), 100), packing._cache_key(src, str(tok), 100)]
+    keys = [packing.cache_key([src], str(tok), 100), packing.cache_key([src], str(tok), 64)]
     st = os.stat(tok)
     (tok / "tokenizer.json").write_text('{"version": "b"}')  # in place: the folder's entry is unchanged
     assert os.stat(tok).st_mtime_ns == st.st_mtime_ns
-    assert in_job._cache_key([src], str(tok), 100) != keys[0], "the in-job prepared folder of the old tokenizer"
-    assert packing._cache_key(src, str(tok), 100) != keys[1], "the token stream of the old tokenizer"
-    assert packing._cache_key(src, str(tok), 100) != packing._cache_key(src, str(tok), 64)  # validated per vocab
+    # the in-job prepared folder (data/prepare.py) and the token stream (data/packing.py) share the key
+    assert packing.cache_key([src], str(tok), 100) != keys[0], "the cache of the old tokenizer"
+    assert keys[0] != keys[1]  # validated per vocab
 
 
 def test_long_multi_turn_chats_are_spread_over_worker_tasks(tmp_path):
