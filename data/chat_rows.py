@@ -4,7 +4,8 @@ Row formats (one JSON object / table row; `row_format` tells them apart by their
 - OpenAI `messages`: [{"role": "system" | "developer" | "user" | "assistant" | "tool", "content": ...}, ...];
   `content` a string or a list of text parts (`[{"type": "text", "text": ...}]`, what most exporters write: the
   parts joined by a newline, as vLLM does for a string-content template; a non-text part is refused); `developer`
-  (OpenAI's newer name for the system prompt) is read as `system`; an assistant message may carry `tool_calls`
+  (OpenAI's newer name for the system prompt) is read as `system`, `model` (Gemma's and the Gemini API's role name)
+  as `assistant`, ShareGPT's `human` / `gpt` in a `role` as `user` / `assistant`; an assistant message may carry `tool_calls`
   (passed on to the template) with an empty content; a tool result given as data (an object, a list, a number: xLAM /
   APIGen rows) is its JSON text, as an OpenAI client sends it; `environment` (OLMo 3's tool results: its template renders
   them as a turn of that role, and a `tool` message not at all) is passed on as given; a system message's `tools` (Phi-4-mini's template renders
@@ -36,7 +37,8 @@ import json
 ROLES = ("system", "user", "assistant", "tool", "environment")  # environment: OLMo 3's tool results, a role of its
 # own in its template (open-instruct's `olmo`); passed on as given, never supervised; a template that does not render
 # it refuses the row (data/chat.py)
-ALIASES = {"developer": "system"}
+ALIASES = {"developer": "system", "model": "assistant", "human": "user", "gpt": "assistant"}  # OpenAI's newer system
+# role; Gemma's and the Gemini API's name for the reply's role; ShareGPT's names, as some exports write them in `role`
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant",
                   "tool": "tool", "observation": "tool", "function_response": "tool", "ipython": "tool",

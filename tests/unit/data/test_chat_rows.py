@@ -215,3 +215,10 @@ def test_a_top_level_system_that_cannot_be_placed_is_refused_in_one_line(row, ma
     with pytest.raises(RowError, match=match) as e:
         normalize(row)
     assert "\n" not in str(e.value)
+
+
+def test_the_reply_roles_exports_write_are_read():
+    """Gemma's and the Gemini API's `model`, ShareGPT's `human` / `gpt` written in `role`: before, refused."""
+    _, conv, _ = normalize({"messages": [{"role": "human", "content": "hi"}, {"role": "model", "content": "hello"},
+                                         {"role": "human", "content": "again"}, {"role": "gpt", "content": "bye"}]})
+    assert [m["role"] for m in conv] == ["user", "assistant", "user", "assistant"]
