@@ -138,6 +138,18 @@ class ChatEncoder:
         self.kind = "markers" if self.markers else "prefix" if self.hf is not None else "chatml"
         self._eot, self._name_ids, self._added_ids = None, None, None
         self.reasoning_renders = {}  # form -> whether the template renders a reply's reasoning (data/chat_reasoning.py)
+        if self.hf is not None and not self._renders_text():
+            self.refusal = (f"{self.name} renders no message text given as a string (it reads content parts, as a "
+                            "multimodal processor's template does): give a tokenizer with a text chat template, or "
+                            "--chat_template chatml")
+
+    def _renders_text(self) -> bool:
+        """Whether the template writes a probe reply's text (LLaVA's processor template writes only content parts'
+        text: a string's would vanish, every row trained as headers alone); True where the probe does not render."""
+        try:
+            return "Probe answer two." in self._text(_PROBE)
+        except RowError:
+            return True
 
     # ---- rendering
     def _text(self, msgs: list[dict], gen: bool = False, tools: list | None = None) -> str:
@@ -219,7 +231,7 @@ class ChatEncoder:
             else self.loss_on
         wanted, flagged = self._wanted(conv, first, loss_on)
         conv, rewritten = fit_arguments(self, conv, tools)  # tool-call arguments as this template writes them
-        refuse_unrendered(self, conv, tools)  # tool definitions, environment turns the template drops
+        refuse_unrendered(self, conv, tools, wanted)  # tool definitions, environment turns the template drops
         refuse_dropped(self, conv, wanted)  # reasoning the template never renders
         if self.kind == "chatml" and any(conv[k].get("tool_calls") for k in wanted):
             k = next(k for k in wanted if conv[k].get("tool_calls"))
@@ -232,7 +244,7 @@ class ChatEncoder:
                 end -= 1  # a template's blank after its end-of-turn (ChatML templates' "\n"; the token-built default has none)
             return ids, np.ones(len(ids), np.uint8), {"untrained_turns": 0, "no_stop_rows": self._no_stop(ids, conv, end),
                                                       "rewritten_arguments": rewritten, "flagged_turns": 0,
-                                                      "dropped_reasoning": 0}
+                                                      "dropped_reasoning": 0, "chatml_rows": int(self.kind == "chatml")}
         why = {}
         if self.kind == "chatml":
             ids, spans = self._chatml(conv)
@@ -243,7 +255,8 @@ class ChatEncoder:
             else:
                 self._tool_calls_shown(conv, wanted, {k: ids[a:b] for k, (a, b) in spans.items()})
                 why = {k: w for k in wanted if (w := self._eot_text(conv, k))}
-                spans = {k: s for k, s in spans.items() if k not in why and self._shows(ids, s[0], s[1], conv[k])}
+                spans = {k: s for k, s in spans.items()
+                         if k in wanted and k not in why and self._shows(ids, s[0], s[1], conv[k])}
         else:  # the history's reasoning as the whole conversation renders it (gpt-oss drops a call's once a final follows)
             ids, spans, why = self._prefix(as_rendered(self, conv, tools), wanted, tools)
         mask = np.zeros(len(ids), np.uint8)
@@ -263,7 +276,8 @@ class ChatEncoder:
                                                                    "its text") for k in wanted if k not in spans],
                            "no_stop_rows": self._no_stop(ids, conv, last[1] if last else None),
                            "rewritten_arguments": rewritten, "flagged_turns": flagged,
-                           "dropped_reasoning": dropped(self, ids, spans, conv)}
+                           "dropped_reasoning": dropped(self, ids, spans, conv),
+                           "chatml_rows": int(self.kind == "chatml")}
 
     @staticmethod
     def _wanted(conv: list[dict], first: int, loss_on: str) -> tuple[list[int], int]:

@@ -59,7 +59,7 @@ def call_name(call: dict) -> str:
     return str(fn.get("name", "")) if isinstance(fn, dict) else ""
 
 
-def refuse_unrendered(enc, conv: list[dict], tools: list | None) -> None:
+def refuse_unrendered(enc, conv: list[dict], tools: list | None, turns: list[int] | None = None) -> None:
     """A RowError, one line, where `enc`'s template drops what the replies depend on: the row's `tools`, an
     `environment` message (OLMo 3's tool results; Qwen2.5's template, for one, renders `tool` and skips other
     roles) or a message's `tools` / `functions` (only Phi-4-mini's and OLMo 3's templates read them there).
@@ -97,7 +97,9 @@ def refuse_unrendered(enc, conv: list[dict], tools: list | None) -> None:
             raise RowError(f"message {k} (assistant): {enc.name} does not render its tool call(s) "
                            f"{[call_name(c) for c in conv[k]['tool_calls']]}, so an empty reply would be trained: use "
                            "a template that renders tool_calls, or drop the calls")
-        for k in calls:  # a reply's text beside its calls: Llama 3.1 / 3.2 and Mistral v0.3 write the call alone
+        # a trained reply's text beside its calls (`turns`: the replies trained, None: all), which Llama 3.1 / 3.2
+        # and Mistral v0.3 drop, writing the call alone
+        for k in calls if turns is None else [k for k in calls if k in turns]:
             if conv[k]["content"].split("</think>")[-1].strip() and _same_without(enc, conv, k, text, tools):
                 raise RowError(f"message {k} (assistant): {enc.name} does not render a reply's text beside its tool "
                                "calls (it writes the call alone, or drops the text once a final answer follows, as "

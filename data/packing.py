@@ -23,7 +23,8 @@ def cache_key(files: list[str], tokenizer_path: str | None, model_vocab: int) ->
     """What a cached token stream or in-job prepared folder (data/prepare.py) is derived from: each input file
     (path, size, mtime), the tokenizer's content (a HF folder rewritten in place keeps its own size and mtime) and
     the vocabulary its token ids were checked against."""
-    h = hashlib.sha256(f"{model_vocab}:bos".encode())  # :bos: text documents start with the tokenizer's BOS
+    h = hashlib.sha256(f"{model_vocab}:bos:chat2".encode())  # :bos: text documents start with the tokenizer's BOS;
+    # :chat2: chat rows encoded by today's rules (a reply's weight, reasoning a template drops, a top-level system)
     for f in files:
         st = os.stat(f)
         h.update(f"{os.path.abspath(f)}:{st.st_size}:{st.st_mtime_ns}".encode())

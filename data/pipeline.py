@@ -317,8 +317,9 @@ def check_model_tokenizer(folder: str, m: dict, model_path: str | None) -> None:
     """A ValueError (one line) where the model folder ships a tokenizer whose vocabulary is not the one `folder` was
     prepared with (its manifest `m`), and no --tokenizer_name_or_path says which is meant: the ids would be read as
     other tokens, every step trained on garbage, without a word (Mistral's and Llama 2's tokenizers both have 32000
-    tokens). Compared by the tokens of every id (the prepared one's size alone where it is not on this machine);
-    the same files skip it. Cost: two tokenizers loaded on rank 0, once (~1 s)."""
+    tokens). Compared by the token of every id both have (OpenHermes-2.5-Mistral's 32002 tokens are Mistral's 32000
+    and two added ones: the same ids); not compared where the prepared one is not on this machine (its size alone
+    says nothing of its ids) or the files are the same. Cost: two tokenizers loaded on rank 0, once (~1 s)."""
     prepared = m.get("tokenizer") or {}
     if not (prepared and model_tokenizer(model_path)):
         return
@@ -328,15 +329,16 @@ def check_model_tokenizer(folder: str, m: dict, model_path: str | None) -> None:
         own = Tokenizer(model_path)
     except ValueError:  # the model folder's tokenizer does not load: nothing to compare
         return
-    if os.path.exists(prepared.get("path", "")):
-        other = Tokenizer(prepared["path"])
-        same, what = own.pieces() == other.pieces(), f"{other.vocab_size} tokens"
-    else:
-        same, what = own.vocab_size == prepared.get("vocab_size"), f"{prepared.get('vocab_size')} tokens, not here"
-    if not same:
-        raise ValueError(f"--dataset_path {folder} was prepared with tokenizer {prepared.get('path')} ({what}), and the "
-                         f"model {model_path} ships another one ({own.vocab_size} tokens, other ids): prepare the data "
-                         "again with the model's tokenizer, or pass --tokenizer_name_or_path to say which is meant")
+    if not os.path.exists(prepared.get("path", "")):
+        return
+    other = Tokenizer(prepared["path"])
+    mine, theirs = own.pieces(), other.pieces()
+    n = min(len(mine), len(theirs))
+    if mine[:n] != theirs[:n]:
+        raise ValueError(f"--dataset_path {folder} was prepared with tokenizer {prepared['path']} ({len(theirs)} "
+                         f"tokens), and the model {model_path} ships another one ({len(mine)} tokens, other ids): "
+                         "prepare the data again with the model's tokenizer, or pass --tokenizer_name_or_path to say "
+                         "which is meant")
 
 
 def open_run_data(dataset_path: str | None, tokenizer_path: str | None, model_vocab: int, stages,

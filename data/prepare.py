@@ -34,10 +34,14 @@ def resolve_sources(dataset_path: str | None, tokenizer_path: str | None) -> tup
 
 
 def model_tokenizer(model_path: str | None) -> str | None:
-    """The model folder itself where it ships a tokenizer (a HF model repo's tokenizer.json / tokenizer.model), else
-    None."""
+    """The model folder itself where it ships a tokenizer that loads (a HF model repo's tokenizer.json /
+    tokenizer.model), else None (a tiktoken-format tokenizer.model, say: nothing is read from it)."""
     if model_path and os.path.isdir(model_path) and any(
             os.path.isfile(os.path.join(model_path, f)) for f in ("tokenizer.json", "tokenizer.model")):
+        try:
+            Tokenizer(model_path)
+        except ValueError:
+            return None
         return model_path
     return None
 
@@ -55,8 +59,8 @@ def prepare_in_job(dataset_path: str | None, tokenizer_path: str | None, model_v
         if is_prepared(dataset_path):
             return dataset_path, tokenizer_path
 
-        data, tok_path = resolve_sources(dataset_path, tokenizer_path or (
-            model_tokenizer(model_path) if dataset_path is not None else None))
+        fallback = model_tokenizer(model_path) if dataset_path is not None and tokenizer_path is None else None
+        data, tok_path = resolve_sources(dataset_path, tokenizer_path or fallback)
         files = list_files(data)
         size = sum(os.path.getsize(f) for f in files)
         if size > MAX_IN_JOB_BYTES:
@@ -67,7 +71,10 @@ def prepare_in_job(dataset_path: str | None, tokenizer_path: str | None, model_v
         if not is_prepared(out):  # into a private folder renamed into place: concurrent jobs never share one
             tmp = f"{out}.tmp{os.getpid()}"
             shutil.rmtree(tmp, ignore_errors=True)
-            prepare(files, tmp, tok_path, vocab_size=None if tok_path else model_vocab, workers=0, log=lambda _: None)
+            # ids bound by the tokenizer named (or the demo's), else by the model: the model's own tokenizer taken by
+            # default does not narrow what pre-tokenized rows may hold
+            prepare(files, tmp, tok_path, vocab_size=model_vocab if tok_path in (None, fallback) else None,
+                    workers=0, log=lambda _: None)
             try:
                 os.rename(tmp, out)
             except OSError:  # another job finished first

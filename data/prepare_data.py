@@ -75,7 +75,7 @@ def _tokenize_batch(items: list[tuple[int, int, object]]) -> dict:
                 chat["rewritten_arguments"] += st.get("rewritten_arguments", 0)
                 chat["flagged_turns"] += st.get("flagged_turns", 0)
                 chat["dropped_reasoning"] += st.get("dropped_reasoning", 0)
-                chat["chatml_rows"] += _W["chat"].kind == "chatml"
+                chat["chatml_rows"] += st.get("chatml_rows", 0)
         if err:
             bad.append((u, row, err))
         else:
@@ -374,7 +374,7 @@ def merge(output: str, log=print) -> dict:
            "/ training false)" if manifest.get("flagged_turns") else "")
         + (f", {manifest['rewritten_arguments']} with tool-call arguments rewritten to the form the template writes "
            "(JSON text <-> object, docs/sft.md)" if manifest.get("rewritten_arguments") else ""))
-    if manifest.get("chatml_rows"):
+    if manifest.get("chatml_rows") and manifest.get("chat_template", "auto") != "chatml":  # not asked for
         log(f"note: {manifest['chatml_rows']} conversation(s) rendered with the ChatML default: the tokenizer has no chat "
             "template (nor a chat_template.json beside it). Right for a base model taught ChatML; for an instruct "
             "model, give the folder that ships its template; --chat_template none refuses such rows (docs/sft.md)")

@@ -158,7 +158,8 @@ def iter_rows(unit: Unit, fields: Fields, start: int = 0, batch_rows: int = 1024
 
 
 CHAT_COLUMNS = (("messages",), ("conversations",), ("prompt", "completion"))  # data/chat.py's row formats
-CHAT_EXTRAS = ("tools",)  # carried with a chat row when the table has them (data/chat_tools.py reads them)
+CHAT_EXTRAS = ("tools", "system")  # carried with a chat row when the table has them (data/chat_tools.py reads the
+# tools, data/chat_rows.py the system prompt)
 
 
 def _columns(unit: Unit, names: list[str], fields: Fields) -> tuple[str | tuple[str, ...], str | None]:

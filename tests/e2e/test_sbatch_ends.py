@@ -71,6 +71,25 @@ def test_the_time_limit_and_a_preemption_requeue_inside_killwait(tmp_path, end, 
     assert state(tmp_path)["state"] == "PENDING"
 
 
+def test_a_stop_asked_then_the_time_limit_waits_for_the_save_and_is_not_requeued(tmp_path):
+    """`scancel --batch --signal=USR2`, then the time limit's SIGTERM while the ranks save: the batch shell keeps
+    waiting for them (it used to exit 0 inside its TERM trap, before the save's end, whatever the save did), ends
+    the job after their 75, never requeued."""
+    job = sbatch(tmp_path, "wait", ["--output_dir", str(tmp_path / "out")], FAKE_EXIT_AFTER="75", FAKE_SAVE_S="3",
+                 SCONTROL_KILL_WAIT="10")
+    try:
+        wait_for(lambda: ready(tmp_path), 90, "the stand-in launcher")
+        slurm(tmp_path, "scancel", "--batch", "--signal=USR2", "4242")
+        wait_for(lambda: "got SIG" in (tmp_path / "fake.log").read_text(), 30, "the save request")
+        slurm(tmp_path, "scontrol", "_end", "4242", "TIMEOUT")
+        text = job.communicate(timeout=30)[0]
+    finally:
+        job.kill()
+    assert "a stop was asked (SIGUSR2): not requeueing" in text, text
+    assert "training exited with 75" in text and "saved and stopped, as asked (SIGUSR2)" in text, text
+    assert requeues(tmp_path) == [], text
+
+
 def test_a_job_slurm_requeued_itself_is_left_to_slurm(tmp_path):
     """PreemptMode=REQUEUE: slurmctld requeues the job (PENDING) and ends it; the batch shell says so and calls no
     requeue of its own (one would be refused: the job is pending)."""

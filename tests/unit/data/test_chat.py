@@ -336,3 +336,22 @@ def test_a_template_shipped_in_chat_template_json_is_the_tokenizers(tmp_path, fo
     with pytest.raises(ValueError, match=r"chat_template.json: chat_template is int, not a template") as e:
         Tokenizer(path)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("loss_on", ["auto", "all"])
+def test_a_template_that_renders_no_string_content_refuses_chat_rows(tmp_path, loss_on):
+    """LLaVA's processor template (a chat_template.json) writes only content parts' text: a string's vanishes, and
+    `--loss_on all` trained 'USER: ASSISTANT: ' for every row, without a word. Refused in one line."""
+    import json
+    import shutil
+
+    path = str(tmp_path / "llava")
+    shutil.copytree(build_tokenizer(str(tmp_path / "src"), "none"), path)
+    llava = ("{% for message in messages %}{% if message['role'] == 'user' %}USER: {% else %}ASSISTANT: {% endif %}"
+             "{% for item in message['content'] | selectattr('type', 'equalto', 'text') %}{{ item['text'] }}{% endfor %}"
+             "{% if message['role'] == 'user' %} {% else %}{{ eos_token }}{% endif %}{% endfor %}"
+             "{% if add_generation_prompt %}ASSISTANT: {% endif %}")
+    (tmp_path / "llava" / "chat_template.json").write_text(json.dumps({"chat_template": llava}))
+    with pytest.raises(RowError, match="renders no message text given as a string") as e:
+        ChatEncoder(Tokenizer(path), loss_on).encode({"messages": TURNS})
+    assert "\n" not in str(e.value)

@@ -83,3 +83,19 @@ def test_gpt_oss_agent_rows_train_the_call_and_the_answer(root):
     assert "count_words" in text and "2 words" in text and WHY not in text, text
     assert (stats["untrained_turns"], stats["dropped_reasoning"]) == (0, 1)
     assert ids == enc.tok.encode(enc._text(CASES["tool call with reasoning"]))
+
+
+def test_only_the_trained_replies_are_checked_and_counted(root):
+    """A reply not trained (in a prompt, or weighted 0) is never refused for what the template drops of it, nor
+    counted: a call with text in a prompt through Llama 3.1 (which writes the call alone) left the completion
+    trainable before the text check came, and must again; a weight-0 reply with reasoning on the marker path was
+    counted as a trained reply without its reasoning."""
+    call = CASES["tool call with text"]
+    enc = encoder(root, "llama31")
+    ids, mask, stats = enc.encode({"prompt": call[:3], "completion": call[3:]})
+    assert trained(enc, ids, mask).strip().startswith("2 words") and stats["untrained_turns"] == 0
+    markers = encoder(root, "chatml_generation")
+    conv = [CASES["reasoning"][0], {**CASES["reasoning"][1], "weight": 0}, *CASES["multi-turn"][2:]]
+    conv[1] = {k: v for k, v in conv[1].items() if k != "thinking"}
+    ids, mask, stats = markers.encode({"messages": conv})
+    assert (stats["flagged_turns"], stats["dropped_reasoning"]) == (1, 0) and trained(markers, ids, mask).count("2 words")

@@ -222,3 +222,17 @@ def test_the_reply_roles_exports_write_are_read():
     _, conv, _ = normalize({"messages": [{"role": "human", "content": "hi"}, {"role": "model", "content": "hello"},
                                          {"role": "human", "content": "again"}, {"role": "gpt", "content": "bye"}]})
     assert [m["role"] for m in conv] == ["user", "assistant", "user", "assistant"]
+
+
+def test_a_tables_system_column_travels_with_its_chat_columns(tmp_path):
+    """LLaMA-Factory's ShareGPT as a Parquet table: `conversations` beside `system`. Before, the reader dropped the
+    column, so the system prompt was lost for tables while JSONL rows kept it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from data.readers import Fields, Unit, iter_rows
+
+    turns = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]
+    pq.write_table(pa.table({"conversations": [turns], "system": ["Be brief."]}), tmp_path / "s.parquet")
+    (_, (row, _)), = iter_rows(Unit("s", "parquet", str(tmp_path / "s.parquet")), Fields())
+    assert normalize(row)[1][0] == {"role": "system", "content": "Be brief."}

@@ -265,8 +265,9 @@ def _word_tokenizer(path, words: list[str]) -> str:
 def test_a_model_whose_tokenizer_is_not_the_datas_is_refused_in_one_line(tmp_path):
     """Data prepared with one tokenizer, a model folder shipping another of the same size (Mistral's and Llama 2's
     both have 32000 tokens), no --tokenizer_name_or_path: the ids would be read as other tokens, every step trained
-    on garbage, without a word. Refused in one line naming both; the same vocabulary saved again passes; a model
-    folder without a tokenizer is not compared."""
+    on garbage, without a word. Refused in one line naming both; the same vocabulary saved again passes, and so do
+    added tokens (OpenHermes-2.5-Mistral's 32002 over Mistral's 32000); a model folder without a tokenizer, or data
+    whose tokenizer is not here, is not compared."""
     from data.pipeline import check_model_tokenizer
     from data.store import tokenizer_identity
 
@@ -285,10 +286,10 @@ def test_a_model_whose_tokenizer_is_not_the_datas_is_refused_in_one_line(tmp_pat
     check_model_tokenizer("prepared", m, same)
     (tmp_path / "bare").mkdir()
     check_model_tokenizer("prepared", m, str(tmp_path / "bare"))
-    moved = {"tokenizer": {**m["tokenizer"], "path": str(tmp_path / "gone")}}  # not on this machine: its size
-    check_model_tokenizer("prepared", moved, same)
-    with pytest.raises(ValueError, match=r"\(6 tokens, not here\)"):
-        check_model_tokenizer("prepared", {"tokenizer": {**moved["tokenizer"], "vocab_size": 6}}, other)
+    added = _word_tokenizer(tmp_path / "added", [*words, "<|im_start|>"])  # the same ids and one added token
+    check_model_tokenizer("prepared", m, added)
+    moved = {"tokenizer": {**m["tokenizer"], "path": str(tmp_path / "gone")}}  # not here: nothing to compare
+    check_model_tokenizer("prepared", moved, other)
 
 
 def test_a_jsonl_without_a_tokenizer_flag_is_tokenized_with_the_models_own(tmp_path, monkeypatch):
@@ -305,3 +306,19 @@ def test_a_jsonl_without_a_tokenizer_flag_is_tokenized_with_the_models_own(tmp_p
     assert tok == model
     p = Prepared(folder)
     assert p.tokens.read(0, len(p.tokens)).tolist() == [3, 2, 4, 1]  # the words' ids, then EOS
+
+
+def test_a_model_tokenizer_that_does_not_load_is_not_taken(tmp_path, monkeypatch):
+    """A model folder whose tokenizer.model is not one this code reads (a tiktoken-format file, say): pre-tokenized
+    rows train as before, bound by the model's vocab_size, not refused for a tokenizer nobody named."""
+    from data import prepare as in_job
+    from data.store import Prepared
+
+    monkeypatch.setattr(in_job, "CACHE", str(tmp_path / "cache"))
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "tokenizer.model").write_text("Y2F0 0\n")  # tiktoken's base64 ranks
+    assert in_job.model_tokenizer(str(tmp_path / "model")) is None
+    src = tmp_path / "d.jsonl"
+    src.write_text(json.dumps({"input_ids": [7, 8, 9]}) + "\n")
+    folder, tok = in_job.prepare_in_job(str(src), None, 10, str(tmp_path / "model"))
+    assert tok is None and Prepared(folder).tokens.read(0, 3).tolist() == [7, 8, 9]

@@ -383,8 +383,13 @@ def test_conversations_rendered_with_the_chatml_default_are_said(tmp_path):
     path = build_tokenizer(str(tmp_path / "tok"), "none")
     turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     src = _write_jsonl(tmp_path / "c.jsonl", [turns, turns], "messages")
+    with open(src, "a") as fh:  # a prompt / completion of strings: no template renders it, none is counted
+        fh.write(json.dumps({"prompt": "hi", "completion": " hello"}) + "\n")
     lines = []
     m = prepare([src], str(tmp_path / "out"), path, workers=0, log=lines.append)
-    assert (m["chat_docs"], m["chatml_rows"]) == (2, 2)
+    assert (m["chat_docs"], m["chatml_rows"]) == (3, 2)
     note = [x for x in lines if "ChatML default" in x]
     assert len(note) == 1 and note[0].startswith("note: 2 conversation(s)")
+    lines = []  # asked for (--chat_template chatml): counted, no note
+    m = prepare([src], str(tmp_path / "out2"), path, workers=0, log=lines.append, chat_template="chatml")
+    assert m["chatml_rows"] == 2 and not [x for x in lines if "ChatML default" in x]
