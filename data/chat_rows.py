@@ -20,7 +20,12 @@ Row formats (one JSON object / table row; `row_format` tells them apart by their
 - ShareGPT `conversations`: [{"from": "human" | "gpt" | "system" | "function_call" | "observation" | ..., "value":
   str}, ...]; `function_call` (LLaMA-Factory's tool call: a JSON object, or a list of them, with `name` and
   `arguments`) becomes an assistant message with `tool_calls`, `observation` a tool message;
-- `prompt` / `completion`: two strings, or two message lists (TRL's conversational form).
+- `prompt` / `completion`: two strings, or two message lists (TRL's conversational form);
+- Alpaca `instruction` / `output` (with `input`, and LLaMA-Factory's `history` of [query, response] pairs): the
+  conversation LLaMA-Factory builds from it: the history's turns, then a user turn (the instruction, and the input
+  after a newline) and the output as the reply, rendered by the tokenizer's template like any conversation (not
+  Stanford Alpaca's fixed "Below is an instruction..." prompt, which Axolotl's `type: alpaca` writes: give such rows
+  as text, or as a prompt / completion of strings).
 `messages` / `conversations` stored as JSON text (a CSV or table export) are read as the list they hold.
 Beside any of them, a top-level `tools` (a list of OpenAI function definitions, or that list as a JSON string) is
 read by data/chat_tools.py and passed to the template as `tools=`.
@@ -43,7 +48,7 @@ SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "a
                   "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant",
                   "tool": "tool", "observation": "tool", "function_response": "tool", "ipython": "tool",
                   "function_call": "assistant", "developer": "system"}
-CHAT_KEYS = ("messages", "conversations", "prompt")
+CHAT_KEYS = ("messages", "conversations", "prompt", "instruction")
 FLAGS = ("weight", "training", "train")  # a message's training flag: OpenAI's fine-tuning `weight`, Axolotl's
 # `message_field_training` (`training` by default; `train` in its docs' examples and Nemotron exports)
 KEYS = ("tool_calls", "name", "tool_call_id", "reasoning_content", "thinking")  # a message's keys templates read
@@ -56,13 +61,15 @@ class RowError(ValueError):
 
 
 def row_format(obj: dict) -> str | None:
-    """`messages` | `conversations` | `pair` for a chat row, None for anything else (text, input_ids)."""
+    """`messages` | `conversations` | `pair` | `alpaca` for a chat row, None for anything else (text, input_ids)."""
     if "messages" in obj:
         return "messages"
     if "conversations" in obj:
         return "conversations"
     if "prompt" in obj and "completion" in obj:
         return "pair"
+    if "instruction" in obj and "output" in obj:
+        return "alpaca"
     return None
 
 
@@ -206,7 +213,29 @@ def normalize(obj: dict) -> tuple[str, list[dict] | tuple[str, str], int]:
         return "chat", _checked(_with_system([message(m, i) for i, m in enumerate(msgs)], system)), 0
     if fmt == "conversations":
         return "chat", _checked(_with_system(_sharegpt(_listed(obj["conversations"], "conversations")), system)), 0
-    raise RowError(f"not a chat row: expected one of {list(CHAT_KEYS)} (prompt with completion), got keys {sorted(obj)}")
+    if fmt == "alpaca":
+        return "chat", _checked(_with_system(_alpaca(obj), system)), 0
+    raise RowError(f"not a chat row: expected one of {list(CHAT_KEYS)} (prompt with completion, instruction with "
+                   f"output), got keys {sorted(obj)}")
+
+
+def _alpaca(obj: dict) -> list[dict]:
+    """An Alpaca row as LLaMA-Factory's converter reads it: `history` [[query, response], ...] as earlier turns, then
+    the instruction and the input joined by a newline as the user turn, the output as the reply."""
+    parts = {k: obj.get(k) for k in ("instruction", "input", "output")}
+    for k, v in parts.items():
+        if v is not None and not isinstance(v, str):
+            raise RowError(f"{k}: expected a string, got {type(v).__name__}")
+    history = obj.get("history") or []
+    history = history.tolist() if hasattr(history, "tolist") else history  # a table's list column
+    msgs = []
+    for i, pair in enumerate(history):
+        pair = pair.tolist() if hasattr(pair, "tolist") else pair
+        if not (isinstance(pair, list | tuple) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
+            raise RowError(f"history[{i}]: expected [query, response] (two strings), got {pair!r:.60}")
+        msgs += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
+    query = "\n".join(x for x in (parts["instruction"], parts["input"]) if x)
+    return msgs + [{"role": "user", "content": query}, {"role": "assistant", "content": parts["output"] or ""}]
 
 
 def _system(obj: dict) -> str | None:

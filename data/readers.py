@@ -157,9 +157,10 @@ def iter_rows(unit: Unit, fields: Fields, start: int = 0, batch_rows: int = 1024
         row += len(next(iter(batch.values())))
 
 
-CHAT_COLUMNS = (("messages",), ("conversations",), ("prompt", "completion"))  # data/chat.py's row formats
-CHAT_EXTRAS = ("tools", "system")  # carried with a chat row when the table has them (data/chat_tools.py reads the
-# tools, data/chat_rows.py the system prompt)
+CHAT_COLUMNS = (("messages",), ("conversations",), ("prompt", "completion"), ("instruction", "output"))  # data/chat.py's
+# row formats
+CHAT_EXTRAS = ("tools", "system", "input", "history")  # carried with a chat row when the table has them
+# (data/chat_tools.py reads the tools, data/chat_rows.py the system prompt and an Alpaca row's input and history)
 
 
 def _columns(unit: Unit, names: list[str], fields: Fields) -> tuple[str | tuple[str, ...], str | None]:
@@ -173,7 +174,7 @@ def _columns(unit: Unit, names: list[str], fields: Fields) -> tuple[str | tuple[
         value = chat + tuple(c for c in CHAT_EXTRAS if c in names)
     if value is None:
         raise ValueError(f"{unit.path}: no column {fields.text!r} (--text_field), {fields.ids!r} (--ids_field), "
-                         f"messages, conversations or prompt + completion (chat); columns are {names}")
+                         f"messages, conversations, prompt + completion or instruction + output (chat); columns are {names}")
     return value, (fields.source if fields.source in names else None)
 
 
@@ -226,7 +227,7 @@ def parse_item(item: object, fields: Fields) -> tuple[str | list | dict | None, 
         item = (value, None if src is None else str(src))
         if value is None:
             return None, None, (f"expected {{\"{fields.text}\": str}}, {{\"{fields.ids}\": [int, ...]}} or a chat row "
-                                f"(messages, conversations, prompt + completion), got keys {sorted(obj)}")
+                                f"(messages, conversations, prompt + completion, instruction + output), got keys {sorted(obj)}")
     value, src = item
     if isinstance(value, str | dict):
         return value, src, None

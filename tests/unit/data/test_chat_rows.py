@@ -236,3 +236,36 @@ def test_a_tables_system_column_travels_with_its_chat_columns(tmp_path):
     pq.write_table(pa.table({"conversations": [turns], "system": ["Be brief."]}), tmp_path / "s.parquet")
     (_, (row, _)), = iter_rows(Unit("s", "parquet", str(tmp_path / "s.parquet")), Fields())
     assert normalize(row)[1][0] == {"role": "system", "content": "Be brief."}
+
+
+def test_alpaca_rows_are_the_conversation_llama_factory_builds():
+    """Alpaca's instruction / input / output (LLaMA-Factory's `history` and `system` too): the history's turns, then
+    the instruction and the input joined by a newline, the output as the reply. Before, every such row was refused."""
+    _, conv, first = normalize({"instruction": "Count the words.", "input": "apple river", "output": "2",
+                                "system": "Be brief.", "history": [["Hi", "Hello"]]})
+    assert conv == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Count the words.\napple river"},
+                    {"role": "assistant", "content": "2"}] and first == 0
+    assert normalize({"instruction": "Say hi.", "input": "", "output": "hi"})[1][0]["content"] == "Say hi."
+
+
+@pytest.mark.parametrize("row,match", [
+    ({"instruction": "x", "output": ["a", "b"]}, "output: expected a string, got list"),  # a ranking row
+    ({"instruction": "x", "output": "y", "history": [["only a query"]]}, r"history\[0\]: expected \[query, response\]"),
+])
+def test_a_malformed_alpaca_row_is_refused_in_one_line(row, match):
+    with pytest.raises(RowError, match=match) as e:
+        normalize(row)
+    assert "\n" not in str(e.value)
+
+
+def test_an_alpaca_table_carries_its_input_and_history(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from data.readers import Fields, Unit, iter_rows
+
+    pq.write_table(pa.table({"instruction": ["Count."], "input": ["a b"], "output": ["2"], "history": [[["Hi", "Yo"]]]}),
+                   tmp_path / "a.parquet")
+    (_, (row, _)), = iter_rows(Unit("a", "parquet", str(tmp_path / "a.parquet")), Fields())
+    assert [m["content"] for m in normalize(row)[1]] == ["Hi", "Yo", "Count.\na b", "2"]
