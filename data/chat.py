@@ -66,7 +66,7 @@ import numpy as np
 
 from data.chat_demo import build_demo_chats, demo_conversation  # noqa: F401  (python -m data.chat OUT.jsonl)
 from data.chat_reasoning import as_rendered, dropped, refuse_dropped
-from data.chat_rows import ROLES, SHAREGPT_ROLES, RowError, normalize, row_format  # noqa: F401
+from data.chat_rows import ROLES, SHAREGPT_ROLES, RowError, normalize, row_format, turns_to_train  # noqa: F401
 from data.chat_splice import encode_long
 from data.chat_tools import call_name, fit_arguments, refuse_unrendered, row_tools, tool_names
 from data.chat_views import Renders, View
@@ -229,7 +229,7 @@ class ChatEncoder:
             raise RowError(self.refusal)
         loss_on = "assistant" if self.loss_on == "auto" and first == 0 else "completion" if self.loss_on == "auto" \
             else self.loss_on
-        wanted, flagged = self._wanted(conv, first, loss_on)
+        wanted, flagged = turns_to_train(conv, first, loss_on)
         conv, rewritten = fit_arguments(self, conv, tools)  # tool-call arguments as this template writes them
         refuse_unrendered(self, conv, tools, wanted)  # tool definitions, environment turns the template drops
         refuse_dropped(self, conv, wanted)  # reasoning the template never renders
@@ -278,28 +278,6 @@ class ChatEncoder:
                            "rewritten_arguments": rewritten, "flagged_turns": flagged,
                            "dropped_reasoning": dropped(self, ids, spans, conv),
                            "chatml_rows": int(self.kind == "chatml")}
-
-    @staticmethod
-    def _wanted(conv: list[dict], first: int, loss_on: str) -> tuple[list[int], int]:
-        """The assistant turns to train and how many the row flags not to (a reply's `weight` 0 / `training` false,
-        data/chat_rows.py: it stays in the context, gets no loss). The flags are taken out of the messages here, before
-        any render. A RowError where a flag cannot be honoured: a weight-0 reply under `--loss_on all`, a flagged
-        reply in a prompt that `completion` never trains, every reply flagged."""
-        flags = {k: m.pop("train") for k, m in enumerate(conv) if "train" in m}
-        if loss_on == "all" and not all(flags.values()):
-            k = next(k for k, v in flags.items() if not v)
-            raise RowError(f"message {k} (assistant) is flagged not to train (weight 0 / training false), and "
-                           "--loss_on all trains every token: use --loss_on assistant to honour the flag, or drop it")
-        if loss_on == "completion" and any(v and k < first for k, v in flags.items()):
-            k = next(k for k, v in flags.items() if v and k < first)
-            raise RowError(f"message {k} (assistant) is flagged to train, and it is in the prompt, which --loss_on "
-                           "completion never trains: move it to the completion, or drop the flag")
-        turns = [k for k, m in enumerate(conv) if m["role"] == "assistant" and (loss_on != "completion" or k >= first)]
-        wanted = [k for k in turns if flags.get(k, True)]
-        if not wanted and turns:
-            raise RowError(f"every assistant turn ({len(turns)}) is flagged not to train (weight 0 / training false): "
-                           "nothing to train on")
-        return wanted, len(turns) - len(wanted)
 
     def _no_stop(self, ids: list[int], conv: list[dict], end: int | None) -> int:
         """1 where the conversation ends with a reply trained up to `end` and no control token ends it: the template

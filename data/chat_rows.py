@@ -276,3 +276,25 @@ def _checked(msgs: list[dict]) -> list[dict]:
     if not any(m["role"] == "assistant" for m in msgs):
         raise RowError("no assistant turn: nothing to train on")
     return msgs
+
+
+def turns_to_train(conv: list[dict], first: int, loss_on: str) -> tuple[list[int], int]:
+    """The assistant turns to train and how many the row flags not to (a reply's `weight` 0 / `training` false, read
+    by `message`: it stays in the context, gets no loss). The flags are taken out of the messages here, before any
+    render (data/chat.py calls it first). A RowError where a flag cannot be honoured: a weight-0 reply under `--loss_on all`, a flagged
+    reply in a prompt that `completion` never trains, every reply flagged."""
+    flags = {k: m.pop("train") for k, m in enumerate(conv) if "train" in m}
+    if loss_on == "all" and not all(flags.values()):
+        k = next(k for k, v in flags.items() if not v)
+        raise RowError(f"message {k} (assistant) is flagged not to train (weight 0 / training false), and "
+                       "--loss_on all trains every token: use --loss_on assistant to honour the flag, or drop it")
+    if loss_on == "completion" and any(v and k < first for k, v in flags.items()):
+        k = next(k for k, v in flags.items() if v and k < first)
+        raise RowError(f"message {k} (assistant) is flagged to train, and it is in the prompt, which --loss_on "
+                       "completion never trains: move it to the completion, or drop the flag")
+    turns = [k for k, m in enumerate(conv) if m["role"] == "assistant" and (loss_on != "completion" or k >= first)]
+    wanted = [k for k in turns if flags.get(k, True)]
+    if not wanted and turns:
+        raise RowError(f"every assistant turn ({len(turns)}) is flagged not to train (weight 0 / training false): "
+                       "nothing to train on")
+    return wanted, len(turns) - len(wanted)
