@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from base.log import cause
 from data.chat import row_format
+from data.jsonl import matching, one_split
 
 JSONL_EXT = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst")
 PARQUET_EXT = (".parquet",)
@@ -64,6 +65,9 @@ def is_hf_folder(path: str) -> bool:
 def discover(spec: str, loader: str | None = None) -> list[Unit]:
     """Units of one `--input` value: `[name=]PATH`, PATH a file, a folder of files or a datasets folder."""
     name, _, path = spec.rpartition("=") if "=" in spec and not os.path.exists(spec) else ("", "", spec)
+    pattern = matching(path, "--input")  # `DIR/data/train_sft-*.parquet`: one split's files
+    if pattern is not None:
+        return [u for f in pattern for u in discover(f"{name or _stem(path.split('*')[0].rstrip('-_.'))}={f}", loader)]
     if not os.path.exists(path):
         raise ValueError(f"--input {spec}: no such file or folder")
     if loader:
@@ -80,6 +84,7 @@ def discover(spec: str, loader: str | None = None) -> list[Unit]:
         if not files:
             raise ValueError(f"--input {spec}: folder has no {', '.join(JSONL_EXT + PARQUET_EXT)} files "
                              "(or use --loader for other formats datasets.load_dataset reads)")
+        files = one_split(path, files, "--input")
     units = []
     for f in files:
         if f.endswith(PARQUET_EXT):

@@ -393,3 +393,33 @@ def test_conversations_rendered_with_the_chatml_default_are_said(tmp_path):
     lines = []  # asked for (--chat_template chatml): counted, no note
     m = prepare([src], str(tmp_path / "out2"), path, workers=0, log=lines.append, chat_template="chatml")
     assert m["chatml_rows"] == 2 and not [x for x in lines if "ChatML default" in x]
+
+
+def test_a_dataset_snapshot_with_several_splits_is_refused_and_one_split_is_read(tmp_path):
+    """A Hugging Face dataset repo's snapshot (`data/train_sft-00000-of-00002.parquet`, `data/test_sft-...`): read
+    whole, its test split was trained on, without a word. Refused in one line naming the splits and a pattern for
+    one; the pattern reads that split alone (prepare_data's --input and train.py's --dataset_path alike); files
+    naming no split beside one that does are one corpus, as before."""
+    from data.jsonl import list_files
+    from data.readers import discover
+
+    snap = tmp_path / "ultrachat" / "data"
+    snap.mkdir(parents=True)
+    for f in ("train_sft-00000-of-00002", "train_sft-00001-of-00002", "test_sft-00000-of-00001"):
+        _write_jsonl(snap / f"{f}.jsonl", DOCS[:1], "text")
+    root = str(tmp_path / "ultrachat")
+    for call, flag in ((lambda p: discover(p), "--input"), (list_files, "--dataset_path")):
+        with pytest.raises(ValueError, match=rf"{flag} .*ultrachat: its files belong to several splits \(test_sft, "
+                                             rf"train_sft, .*\), so the evaluation splits would be trained on: give one split's files, e.g. {flag} "
+                                             r"'.*data/train_sft-\*\.jsonl'") as e:
+            call(root)
+        assert "\n" not in str(e.value)
+    pattern = f"{root}/data/train_sft-*.jsonl"
+    assert [os.path.basename(u.path) for u in discover(pattern)] == ["train_sft-00000-of-00002.jsonl",
+                                                                     "train_sft-00001-of-00002.jsonl"]
+    assert {u.name for u in discover(pattern)} == {"train_sft"} and len(list_files(pattern)) == 2
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for f in ("train", "more"):
+        _write_jsonl(corpus / f"{f}.jsonl", DOCS[:1], "text")
+    assert len(discover(str(corpus))) == 2 and len(list_files(str(corpus))) == 2
