@@ -66,7 +66,7 @@ import numpy as np
 
 from data.chat_demo import build_demo_chats, demo_conversation  # noqa: F401  (python -m data.chat OUT.jsonl)
 from data.chat_reasoning import as_rendered, dropped, refuse_dropped
-from data.chat_rows import ROLES, SHAREGPT_ROLES, RowError, normalize, row_format, turns_to_train  # noqa: F401
+from data.chat_rows import ROLES, SHAREGPT_ROLES, RowError, empty_reply, normalize, row_format, turns_to_train  # noqa: F401
 from data.chat_splice import encode_long
 from data.chat_tools import call_name, fit_arguments, refuse_unrendered, row_tools, tool_names
 from data.chat_views import Renders, View
@@ -259,6 +259,9 @@ class ChatEncoder:
                          if k in wanted and k not in why and self._shows(ids, s[0], s[1], conv[k])}
         else:  # the history's reasoning as the whole conversation renders it (gpt-oss drops a call's once a final follows)
             ids, spans, why = self._prefix(as_rendered(self, conv, tools), wanted, tools)
+        for k in [k for k in wanted if k in spans and empty_reply(conv[k])]:  # raw ShareGPT dumps hold such turns
+            del spans[k]
+            why[k] = f"message {k}: an empty reply (no text, call or reasoning), which would teach the model to stop at once"
         mask = np.zeros(len(ids), np.uint8)
         untrained = 0
         for k in wanted:

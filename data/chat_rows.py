@@ -278,6 +278,13 @@ def _checked(msgs: list[dict]) -> list[dict]:
     return msgs
 
 
+def empty_reply(msg: dict) -> bool:
+    """A reply with no text, no tool call and no reasoning: trained, it teaches the model to stop at once (raw
+    ShareGPT dumps hold such turns); data/chat.py leaves it untrained and counts it."""
+    return not (msg["content"].strip() or msg.get("tool_calls") or msg.get("function_calls")
+                or any(isinstance(msg.get(f), str) and msg[f].strip() for f in ("reasoning_content", "thinking")))
+
+
 def turns_to_train(conv: list[dict], first: int, loss_on: str) -> tuple[list[int], int]:
     """The assistant turns to train and how many the row flags not to (a reply's `weight` 0 / `training` false, read
     by `message`: it stays in the context, gets no loss). The flags are taken out of the messages here, before any

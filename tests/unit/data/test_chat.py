@@ -355,3 +355,16 @@ def test_a_template_that_renders_no_string_content_refuses_chat_rows(tmp_path, l
     with pytest.raises(RowError, match="renders no message text given as a string") as e:
         ChatEncoder(Tokenizer(path), loss_on).encode({"messages": TURNS})
     assert "\n" not in str(e.value)
+
+
+def test_an_empty_reply_is_not_trained_and_is_counted(tok_root):
+    """A reply with no text, call or reasoning (raw ShareGPT dumps hold such turns): trained, it taught the model to
+    stop at once, without a word. Now it is left untrained and counted; a row with nothing else is a bad row."""
+    enc = encoder(tok_root, "qwen25")
+    conv = [TURNS[0], {**TURNS[1], "content": " "}, *TURNS[2:]]
+    ids, mask, stats = enc.encode({"messages": conv})
+    assert spans(enc, ids, mask) == ["2 words<|im_end|>"] and stats["untrained_turns"] == 1
+    assert "an empty reply" in stats["why"][0]
+    with pytest.raises(RowError, match="an empty reply") as e:
+        enc.encode({"messages": conv[:2]})
+    assert "\n" not in str(e.value)
