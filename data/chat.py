@@ -305,10 +305,15 @@ class ChatEncoder:
             calls = conv[k].get("tool_calls") or []
             if k in rendered and calls:
                 text = self.tok.hf.decode(rendered[k])
-                if not all(call_name(c) in text for c in calls):
+                missing = [call_name(c) for c in calls if call_name(c) not in text]
+                if len(missing) == len(calls):
                     raise RowError(f"message {k} (assistant): {self.name} does not render its tool call(s) "
-                                   f"{[call_name(c) for c in calls]}, so an empty reply would be trained: use a "
-                                   "template that renders tool_calls, or drop the calls")
+                                   f"{missing}, so an empty reply would be trained: use a template that renders "
+                                   "tool_calls, or drop the calls")
+                if missing:  # gpt-oss writes a reply's first call alone
+                    raise RowError(f"message {k} (assistant): {self.name} renders only some of its tool calls, not "
+                                   f"{missing}, so the reply would be trained without them: give one call per reply, "
+                                   "or drop them")
 
     def _eot_text(self, conv: list[dict], k: int) -> str | None:
         """Why turn k gets no loss when its text holds the text of an end-of-turn token (tokenized as that token,

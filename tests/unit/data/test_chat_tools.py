@@ -192,3 +192,14 @@ def test_a_template_that_skips_a_call_with_no_content_refuses_the_row(root):
     with pytest.raises(RowError, match=r"^message 1 \(assistant\): .* does not render its tool call\(s\) "
                                        r"\['count_words'\], so an empty reply would be trained"):
         enc.encode({"messages": CASES["tool call"]})
+
+
+def test_calls_a_template_drops_in_part_are_named(root):
+    """gpt-oss writes a reply's first tool call alone: two parallel calls were refused as "does not render its tool
+    call(s) [both]", naming a call it renders. Now the refusal names the one dropped."""
+    call = CASES["tool call"][1]["tool_calls"][0]
+    second = {**call, "id": "call00002", "function": {**call["function"], "name": "count_chars"}}
+    conv = [CASES["tool call"][0], {**CASES["tool call"][1], "tool_calls": [call, second]}, *CASES["tool call"][2:]]
+    with pytest.raises(RowError, match=r"renders only some of its tool calls, not \['count_chars'\]") as e:
+        encoder(root, "gpt_oss").encode({"messages": conv})
+    assert "\n" not in str(e.value)
