@@ -226,8 +226,9 @@ def _alpaca(obj: dict) -> list[dict]:
     for k, v in parts.items():
         if v is not None and not isinstance(v, str):
             raise RowError(f"{k}: expected a string, got {type(v).__name__}")
-    history = obj.get("history") or []
-    history = history.tolist() if hasattr(history, "tolist") else history  # a table's list column
+    history = [] if obj.get("history") is None else _listed(obj["history"], "history")  # a table's list column too
+    if not isinstance(history, list):
+        raise RowError(f"history: expected a list of [query, response], got {type(history).__name__}")
     msgs = []
     for i, pair in enumerate(history):
         pair = pair.tolist() if hasattr(pair, "tolist") else pair

@@ -269,3 +269,17 @@ def test_an_alpaca_table_carries_its_input_and_history(tmp_path):
                    tmp_path / "a.parquet")
     (_, (row, _)), = iter_rows(Unit("a", "parquet", str(tmp_path / "a.parquet")), Fields())
     assert [m["content"] for m in normalize(row)[1]] == ["Hi", "Yo", "Count.\na b", "2"]
+
+
+def test_an_alpaca_history_read_as_an_array_or_json_text_is_a_list():
+    """A table's history column read as an array of arrays (two pairs or more): `history or []` asked an array for its
+    truth value, a ValueError traceback, not a one-line refusal; a CSV export's JSON text reads as the list it holds."""
+    import json
+
+    import numpy as np
+
+    pairs = np.array([np.array(["a", "b"], dtype=object), np.array(["c", "d"], dtype=object)], dtype=object)
+    want = ["a", "b", "c", "d", "x", "y"]
+    assert [m["content"] for m in normalize({"instruction": "x", "output": "y", "history": pairs})[1]] == want
+    text = json.dumps([["a", "b"], ["c", "d"]])
+    assert [m["content"] for m in normalize({"instruction": "x", "output": "y", "history": text})[1]] == want
