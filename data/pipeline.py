@@ -31,7 +31,7 @@ from base import comm
 from base.log import print0
 from data.mixture import MixtureDataset, MixtureSampler, parse_mixture, select_documents
 from data.packing import ConvPack, DocPack, chat_documents
-from data.prepare import model_tokenizer, prepare_in_job
+from data.prepare import prepare_in_job, ships_tokenizer
 from data.replay import ReplayDataset, ReplaySampler, parse_replay
 from data.sampler import ResumableSampler
 from data.store import MANIFEST, Prepared, read_json, tokenizer_identity
@@ -321,15 +321,12 @@ def check_model_tokenizer(folder: str, m: dict, model_path: str | None) -> None:
     and two added ones: the same ids); not compared where the prepared one is not on this machine (its size alone
     says nothing of its ids) or the files are the same. Cost: two tokenizers loaded on rank 0, once (~1 s)."""
     prepared = m.get("tokenizer") or {}
-    if not (prepared and model_tokenizer(model_path)):
-        return
-    if tokenizer_identity(model_path) == prepared.get("sha256"):
+    if not (prepared and ships_tokenizer(model_path) and os.path.exists(prepared.get("path", ""))
+            and tokenizer_identity(model_path) != prepared.get("sha256")):
         return
     try:
         own = Tokenizer(model_path)
     except ValueError:  # the model folder's tokenizer does not load: nothing to compare
-        return
-    if not os.path.exists(prepared.get("path", "")):
         return
     other = Tokenizer(prepared["path"])
     mine, theirs = own.pieces(), other.pieces()

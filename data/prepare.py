@@ -33,17 +33,22 @@ def resolve_sources(dataset_path: str | None, tokenizer_path: str | None) -> tup
     return dataset_path, tokenizer_path
 
 
+def ships_tokenizer(model_path: str | None) -> bool:
+    """Whether the model folder holds a tokenizer's files (a HF model repo's tokenizer.json / tokenizer.model)."""
+    return bool(model_path and os.path.isdir(model_path) and any(
+        os.path.isfile(os.path.join(model_path, f)) for f in ("tokenizer.json", "tokenizer.model")))
+
+
 def model_tokenizer(model_path: str | None) -> str | None:
-    """The model folder itself where it ships a tokenizer that loads (a HF model repo's tokenizer.json /
-    tokenizer.model), else None (a tiktoken-format tokenizer.model, say: nothing is read from it)."""
-    if model_path and os.path.isdir(model_path) and any(
-            os.path.isfile(os.path.join(model_path, f)) for f in ("tokenizer.json", "tokenizer.model")):
-        try:
-            Tokenizer(model_path)
-        except ValueError:
-            return None
-        return model_path
-    return None
+    """The model folder itself where it ships a tokenizer that loads, else None (a tiktoken-format tokenizer.model,
+    say: nothing is read from it)."""
+    if not ships_tokenizer(model_path):
+        return None
+    try:
+        Tokenizer(model_path)
+    except ValueError:
+        return None
+    return model_path
 
 
 def prepare_in_job(dataset_path: str | None, tokenizer_path: str | None, model_vocab: int,

@@ -70,12 +70,8 @@ def _tokenize_batch(items: list[tuple[int, int, object]]) -> dict:
                 err = f"chat row: {e}"
             else:
                 chat["chat_docs"] += 1
-                chat["untrained_turns"] += st["untrained_turns"]
-                chat["no_stop_rows"] += st.get("no_stop_rows", 0)
-                chat["rewritten_arguments"] += st.get("rewritten_arguments", 0)
-                chat["flagged_turns"] += st.get("flagged_turns", 0)
-                chat["dropped_reasoning"] += st.get("dropped_reasoning", 0)
-                chat["chatml_rows"] += st.get("chatml_rows", 0)
+                for k in CHAT_STATS[2:]:  # the encoder's counts (chat_docs above, supervised_tokens below)
+                    chat[k] += st.get(k, 0)
         if err:
             bad.append((u, row, err))
         else:

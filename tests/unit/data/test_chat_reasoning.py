@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
-from data.chat import ChatEncoder, RowError
+from data.chat import RowError
 from data.chat_sweep import CASES, build_tokenizer, families
 from data.prepare_data import prepare
-from data.tokenizer import Tokenizer
+from tests.unit.data.test_chat_tools import encoder
+from tests.unit.data.test_chat_tools import trained_text as trained
 
 WHY = "Two words: apple, river."
 
@@ -21,14 +21,6 @@ WHY = "Two words: apple, river."
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     return str(tmp_path_factory.mktemp("reasoning_tokenizers"))
-
-
-def encoder(root: str, key: str, loss_on: str = "auto") -> ChatEncoder:
-    return ChatEncoder(Tokenizer(build_tokenizer(root, key, families()[key])), loss_on)
-
-
-def trained(enc: ChatEncoder, ids: list[int], mask: np.ndarray) -> str:
-    return enc.tok.hf.decode([i for i, m in zip(ids, mask) if m])
 
 
 @pytest.mark.parametrize("key,case,match", [
