@@ -39,7 +39,10 @@ def test_gpu_check_dry_run(tmp_path):
         probed = [(r["phase"], r["layer"]) for r in run["rows"] if r["phase"] not in ("between", "norm_backward")]
         # every segment of the step is a row: each layer's two norm backwards (after its MLP's and its attention's)
         norms = [(r["layer"], r["norm"]) for r in run["rows"] if r["phase"] == "norm_backward"]
-        assert {(1, "post-attention"), (1, "input"), (0, "post-attention"), (0, "input")} <= set(norms), norms
+        # (CI once saw no norm row at all, never reproduced here: the message says which stage and what it had)
+        seen = (name, run.get("probe_records"), run.get("probe_errors"),
+                [(r["phase"], r["layer"], r.get("segment")) for r in run["rows"]])
+        assert {(1, "post-attention"), (1, "input"), (0, "post-attention"), (0, "input")} <= set(norms), seen
         assert all(r["planner_gib"] and r["ratio"] for r in run["rows"] if r["phase"] not in ("forward", "between"))
         assert run["usable_gib"] and not run["over_usable"]  # 8 GiB budget: nothing near it
         assert any(k.startswith("sdpa:") and v["calls"] > 0 for k, v in run["attention_kernels"].items())
