@@ -1,10 +1,12 @@
-"""Reading JSONL documents: `{"text": ...}` (tokenized by us) or `{"input_ids": [...]}` (pre-tokenized).
+"""Reading JSONL documents: `{"text": ...}` (tokenized by us) or `{"input_ids": [...]}` (pre-tokenized); a file
+holding one JSON array of rows instead (`array_elements`); which files of a folder are data.
 
 Errors name the file and line and stop before any heavy work.
 """
 
 from __future__ import annotations
 
+import codecs
 import glob
 import json
 import os
@@ -15,6 +17,10 @@ GLOB = "*?["  # a path holding one of these that names nothing is a pattern (`DI
 _SPLIT_WORDS = {"train": "train", "training": "train", "validation": "validation", "valid": "validation",
                 "val": "validation", "dev": "validation", "test": "test", "testing": "test", "eval": "test",
                 "evaluation": "test"}  # datasets' SPLIT_KEYWORDS (data_files.py)
+NOT_DATA = ("README.md", "config.json", "dataset_info.json", "dataset_infos.json", "dataset_dict.json")  # a dataset
+# snapshot's metadata beside its data files (datasets' FILES_TO_IGNORE, data_files.py): never read as rows
+_WS = re.compile(r"[ \t\r\n]*")
+ARRAY_CHUNK = 1 << 20
 _SHARD = re.compile(r"(?:^|/)([a-z0-9_]+?)-\d{5}-of-\d{5}")  # the hub's `{split}-00000-of-00003.parquet`
 
 
@@ -56,12 +62,76 @@ def matching(path: str, flag: str) -> list[str] | None:
     return files
 
 
+def starts_array(fh) -> bool:
+    """Whether a JSON file (binary, at its start) holds one array (its first character, after a BOM and blanks, is
+    `[`), not a row per line."""
+    return fh.read(1 << 16).removeprefix(codecs.BOM_UTF8).lstrip(b" \t\r\n").startswith(b"[")
+
+
+def array_elements(fh, chunk: int = ARRAY_CHUNK):
+    """The elements of a file holding one JSON array of rows (Stanford Alpaca's alpaca_data.json, LLaMA-Factory's
+    data files, OpenHermes-2.5's 1.9 GB openhermes2_5.json), each as its JSON text in bytes, one at a time, as a JSONL
+    reader yields lines: memory is the largest element plus a chunk, never the whole file (datasets' json builder
+    loads it whole). Each element is scanned here to find its end (json's C scanner) and parsed again by the worker
+    that reads it: a second parse, ~10 s a GB on one core. ValueError naming the element where the array is
+    malformed (nothing after it can be told apart: no skipping)."""
+    decoder = json.JSONDecoder()
+    text = codecs.getincrementaldecoder("utf-8-sig")()  # a leading BOM is dropped
+    state = {"buf": "", "pos": 0, "eof": False}
+
+    def fill(size: int) -> None:
+        data = fh.read(size)
+        state["eof"] = not data
+        state["buf"] = state["buf"][state["pos"]:] + text.decode(data, final=not data)
+        state["pos"] = 0
+
+    def peek() -> str:  # the next character after blanks, "" at the end of the file
+        while True:
+            state["pos"] = _WS.match(state["buf"], state["pos"]).end()
+            if state["pos"] < len(state["buf"]) or state["eof"]:
+                return state["buf"][state["pos"]:state["pos"] + 1]
+            fill(chunk)
+
+    if peek() != "[":
+        raise ValueError("not a JSON array")
+    state["pos"] += 1
+    n, closed = 0, peek() == "]"
+    state["pos"] += closed
+    while not closed:
+        want = chunk
+        peek()
+        while True:
+            buf, pos = state["buf"], state["pos"]
+            try:
+                end = decoder.raw_decode(buf, pos)[1]
+                if end < len(buf) or state["eof"]:  # an element ending at the buffer's end may go on (a number)
+                    break
+            except json.JSONDecodeError as e:
+                at_end = e.pos >= len(buf) or e.msg.startswith("Unterminated string")  # the text ended inside it
+                if state["eof"] and at_end:
+                    raise ValueError(f"element {n}: the file ends inside it (cut short?)") from None
+                if state["eof"] or not (at_end or e.pos >= len(buf) - 8):  # (an escape the buffer's end cut)
+                    raise ValueError(f"element {n}: not valid JSON ({e.msg})") from None
+            fill(want)
+            want *= 2  # a long element: reads double, so it is scanned O(log) times, not once per chunk
+        yield buf[pos:end].encode("utf-8")
+        n, state["pos"] = n + 1, end
+        c = peek()
+        if c not in (",", "]"):
+            raise ValueError(f"after element {n - 1}: " + (f"expected ',' or ']', got {c!r}" if c else
+                                                           "the file ends inside the array (cut short?)"))
+        state["pos"] += 1
+        closed = c == "]"
+    if peek() != "":
+        raise ValueError("text after the array's closing ']'")
+
+
 def list_files(path: str) -> list[str]:
     if (files := matching(path, "--dataset_path")) is not None:
         return files
     if os.path.isdir(path):
         files = sorted(os.path.join(dp, f) for dp, _, fs in os.walk(path) for f in fs
-                       if f.endswith((".jsonl", ".json")))
+                       if f.endswith((".jsonl", ".json")) and f not in NOT_DATA)
         if not files:
             raise ValueError(f"--dataset_path {path}: folder has no .jsonl files")
         return one_split(path, files, "--dataset_path")

@@ -122,10 +122,6 @@ def shard_units(units: list[Unit], shard: int, n_shards: int) -> list[Unit]:
     return [u for i, u in enumerate(units) if owner[i] == shard]
 
 
-def _where(unit: Unit, row: int) -> str:
-    return f"{unit.path}:{row + 1}" if unit.kind == "jsonl" else f"{unit.path}: row {row}"
-
-
 def _clear_shard(out: str, shard: int) -> None:
     for f in glob.glob(os.path.join(out, f"*-s{shard:05d}-c*")) + glob.glob(os.path.join(out, f"plan-s{shard:05d}.json")) \
             + glob.glob(os.path.join(out, f"shard-{shard:05d}-of-*.json")) + [os.path.join(out, store.MANIFEST)]:
@@ -279,10 +275,10 @@ def _run_shard(units, out, i_shard, done, tokenizer, fields, bound, eos, dtype, 
         nonlocal last_log, tokens_here
         for u, row, err in res["bad"]:
             if not skip_bad_rows:
-                raise ValueError(f"{_where(units[u], row)}: {err} (--skip_bad_rows skips and counts such rows)")
+                raise ValueError(f"{units[u].where(row)}: {err} (--skip_bad_rows skips and counts such rows)")
             stats["bad_rows"] += 1
             if len(stats["bad_examples"]) < 20:
-                stats["bad_examples"].append(f"{_where(units[u], row)}: {err}")
+                stats["bad_examples"].append(f"{units[u].where(row)}: {err}")
         stats["empty_docs"] += res["empty"]
         for k in CHAT_STATS:
             stats[k] += res["chat"][k]

@@ -1,11 +1,12 @@
-"""Corpus inputs for `prepare_data`: JSONL (plain, .gz, .zst), Parquet, Hugging Face `datasets` folders
+"""Corpus inputs for `prepare_data`: JSONL (plain, .gz, .zst; a `.json` holding one array of rows too), Parquet, Hugging Face `datasets` folders
 (`save_to_disk`) and local data files through `datasets.load_dataset(builder, data_files=...)`. A row is a
 text, pre-tokenized ids, or a chat row (`messages`, `conversations`, `prompt` + `completion`: data/chat.py),
 in any of these containers.
 
 An input is a list of `Unit`s (one file, or one datasets folder); a unit yields `(row, item)` pairs from a
 given row on (resume). JSONL lines are passed on undecoded (`bytes`): the worker processes parse them, so
-the reading process only moves bytes. Columnar inputs hand over `(value, source)` already extracted.
+the reading process only moves bytes; an array's elements too, one at a time (data/jsonl.array_elements). A folder's
+metadata files (README.md, dataset_info.json, ...: jsonl.NOT_DATA) are not data. Columnar inputs hand over `(value, source)` already extracted.
 Every document has a source name: the unit's (`name=PATH` on the command line, else the file or folder
 name without extensions), or the row's `--source_field` when given.
 """
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 from base.log import cause
 from data.chat import row_format
-from data.jsonl import matching, one_split
+from data.jsonl import NOT_DATA, array_elements, matching, one_split, starts_array
 
 JSONL_EXT = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst")
 PARQUET_EXT = (".parquet",)
@@ -37,7 +38,7 @@ class Fields:
 @dataclass(frozen=True)
 class Unit:
     name: str  # source name of its documents (unless a row names its own)
-    kind: str  # jsonl | parquet | hf_disk | hf_load:<builder>
+    kind: str  # jsonl | json_array | parquet | hf_disk | hf_load:<builder>
     path: str
 
     def size(self) -> int:
@@ -47,6 +48,11 @@ class Unit:
 
     def identity(self) -> str:
         return f"{self.kind}:{os.path.abspath(self.path)}:{self.size()}"
+
+    def where(self, row: int) -> str:
+        """Row `row` as a message names it: a JSONL line (from 1), an array's element (its index), a table's row."""
+        return f"{self.path}:{row + 1}" if self.kind == "jsonl" else f"{self.path}[{row}]" \
+            if self.kind == "json_array" else f"{self.path}: row {row}"
 
 
 def _stem(path: str) -> str:
@@ -80,7 +86,7 @@ def discover(spec: str, loader: str | None = None) -> list[Unit]:
         files = [path]
     else:
         files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs
-                       if f.endswith(JSONL_EXT + PARQUET_EXT))
+                       if f.endswith(JSONL_EXT + PARQUET_EXT) and f not in NOT_DATA)
         if not files:
             raise ValueError(f"--input {spec}: folder has no {', '.join(JSONL_EXT + PARQUET_EXT)} files "
                              "(or use --loader for other formats datasets.load_dataset reads)")
@@ -90,7 +96,8 @@ def discover(spec: str, loader: str | None = None) -> list[Unit]:
         if f.endswith(PARQUET_EXT):
             kind = "parquet"
         elif f.endswith(JSONL_EXT):
-            kind = "jsonl"
+            with _open_text(f) as fh:  # one array of rows (Alpaca's, LLaMA-Factory's files), or a row per line
+                kind = "json_array" if starts_array(fh) else "jsonl"
         else:
             raise ValueError(f"--input {f}: unknown format; expected {', '.join(JSONL_EXT + PARQUET_EXT)}, a "
                              "datasets save_to_disk folder, or --loader BUILDER for datasets.load_dataset")
@@ -116,6 +123,15 @@ def iter_rows(unit: Unit, fields: Fields, start: int = 0, batch_rows: int = 1024
             for row, line in enumerate(fh):
                 if row >= start and line.strip():
                     yield row, line
+        return
+    if unit.kind == "json_array":
+        with _open_text(unit.path) as fh:
+            try:
+                for row, element in enumerate(array_elements(fh)):
+                    if row >= start:
+                        yield row, element
+            except ValueError as e:  # a malformed array: nothing after it can be read (no line to skip to)
+                raise ValueError(f"{unit.path}: {e}") from None
         return
     if unit.kind == "parquet":
         import pyarrow.parquet as pq

@@ -48,7 +48,7 @@ def heldout_set(path: str, tok, template: str, limit: int = 0) -> dict:
             if limit and len(ids) == limit:
                 break
             value, _, err = parse_item(item, fields)
-            where = f"{unit.path}:{row + 1}" if unit.kind == "jsonl" else f"{unit.path}: row {row}"
+            where = unit.where(row)
             if err is None and not isinstance(value, dict):
                 err = "not a chat row: expected messages, conversations or prompt + completion"
             try:

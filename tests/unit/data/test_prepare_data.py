@@ -39,10 +39,14 @@ def _reference(tmp_path, docs, tok=None, vocab=100):
     return np.load(t), np.load(s)
 
 
-@pytest.mark.parametrize("fmt", ["jsonl", "gz", "zst", "parquet"])
+@pytest.mark.parametrize("fmt", ["jsonl", "gz", "zst", "parquet", "array", "array_gz"])
 def test_formats_give_the_in_job_stream(tmp_path, fmt):
     if fmt == "jsonl":
         src = _write_jsonl(tmp_path / "d.jsonl", DOCS)
+    elif fmt.startswith("array"):  # one JSON array (Alpaca's alpaca_data.json: indented; a BOM as Windows tools write)
+        src = str(tmp_path / ("d.json" if fmt == "array" else "d.json.gz"))
+        with (open if fmt == "array" else gzip.open)(src, "wb") as fh:
+            fh.write(b"\xef\xbb\xbf" + json.dumps([{"input_ids": d} for d in DOCS], indent=4).encode())
     elif fmt == "gz":
         src = _write_jsonl(tmp_path / "d.jsonl.gz", DOCS, opener=gzip.open)
     elif fmt == "zst":
@@ -140,6 +144,35 @@ def test_bad_rows_named_or_skipped_and_counted(tmp_path, capsys):
     src.write_text('{"input_ids": [1, 2]}\n\n{"input_ids": [3, 500]}\n')
     with pytest.raises(ValueError, match=r"d.jsonl:3: token id 500 >= the vocabulary size 100"):
         prepare([str(src)], str(tmp_path / "o2"), vocab_size=100, workers=0, log=lambda _: None)
+
+
+def test_a_json_array_is_read_element_by_element_and_a_broken_one_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    """A file holding one array of rows (Stanford Alpaca's and LLaMA-Factory's `.json` files) was read as JSONL: its
+    first line `[` refused the whole file as "not valid JSON". Elements stream through a small buffer (the chunk
+    shrunk here so every element crosses a read); a bad element is named by its index; a cut or malformed array is
+    one line; a snapshot's dataset_info.json beside the data is not a row."""
+    from data import jsonl
+
+    monkeypatch.setattr(jsonl, "ARRAY_CHUNK", 16)
+    folder = tmp_path / "snap"
+    folder.mkdir()
+    rows = [{"input_ids": d} for d in DOCS]
+    (folder / "data.json").write_text(json.dumps(rows, indent=2))
+    (folder / "dataset_info.json").write_text(json.dumps({"description": "x", "features": {}}, indent=2))
+    m = prepare([str(folder)], str(tmp_path / "out"), vocab_size=100, workers=0, log=lambda _: None)
+    ref, _ = _reference(tmp_path, DOCS)
+    assert m["n_docs"] == len(DOCS) and np.array_equal(_all(tmp_path / "out"), ref)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([rows[0], {"other": 1}, rows[1]]))
+    assert main(["--input", str(bad), "--output", str(tmp_path / "o2"), "--vocab_size", "100", "--workers", "0"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {bad}[1]: expected")
+    for text, why in ((json.dumps(rows)[:-40], "the file ends inside it"), (json.dumps(rows)[:-1], "ends inside the array"), ('[{"input_ids": [1]} {}]', "expected ','"),
+                      ('[{"input_ids": [1]}, {"input_ids": [2, }]', "element 1: not valid JSON")):
+        bad.write_text(text)
+        assert main(["--input", str(bad), "--output", str(tmp_path / "o3"), "--vocab_size", "100", "--workers", "0",
+                     "--overwrite"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"error: {bad}: ") and why in err and "\n" not in err, err
 
 
 def test_datasets_folder_and_loader(tmp_path):
