@@ -5,7 +5,7 @@ gloo (the CPU tests' backend) forgives:
 - a CPU tensor in a collective ("No backend type associated with device type cpu"): every tensor below is
   moved to `device()` (the accelerator's current device) before the collective and returned on the host;
 - an object collective before `set_device`: every local rank would pick GPU 0; `init` sets the device
-  from LOCAL_RANK *before* the process group exists;
+  from LOCAL_RANK (or the one GPU an srun task sees: base/devices.py) *before* the process group exists;
 - one rank doing long work while the others sit in a collective: NCCL's watchdog kills the job after the
   collective timeout. Waits that are expected to be long (rank 0 converting a checkpoint or tokenizing a
   small corpus) go through `run_on_main`, which waits in a separate gloo group on the host with
@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from base import connect, watcher
+from base import connect, devices, watcher
 from base.exits import EXIT_PEER_LOST
 
 LONG_WAIT_S = 6 * 3600  # rank-0-only work others may wait for: universal conversion of 8B on 32 ranks, prep
@@ -85,8 +85,13 @@ def init(timeout_s: float) -> tuple[int, int, int]:
     if initialized() and _HOST_GROUP is not None:  # already set up in this process (tests run several cases)
         return dist.get_rank(), dist.get_world_size(), local_rank
     acc = _accelerator()
-    if acc.device_name() != "cpu":
-        acc.set_device(local_rank)  # before any collective, object collectives included
+    gpu = acc.device_name() != "cpu"
+    if gpu:  # LOCAL_RANK of the node's devices, or the one device an srun task sees (base/devices.py)
+        index = devices.device_index(local_rank, acc.device_count())
+        # DeepSpeed takes LOCAL_RANK as the device's index (the engine's device, zero.Init's local_device): a task
+        # that sees one GPU says 0 (nothing here reads LOCAL_RANK as the node-local rank)
+        os.environ["LOCAL_RANK"] = str(index)
+        acc.set_device(index)  # before any collective, object collectives included
     deepspeed.init_distributed(dist_backend=None, auto_mpi_discovery=False,
                                timeout=datetime.timedelta(seconds=timeout_s))
     _HOST_GROUP = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=LONG_WAIT_S))
@@ -95,7 +100,25 @@ def init(timeout_s: float) -> tuple[int, int, int]:
     # after its work is done, and turn a clean exit code into a crash.
     atexit.register(shutdown)
     _start_watcher()
+    if gpu:
+        _check_devices(index, acc.device_count())
     return dist.get_rank(), dist.get_world_size(), local_rank
+
+
+def _check_devices(index: int, visible: int) -> None:
+    """Every rank's (host, devices it sees, its device's UUID) over the host group, before NCCL's first collective:
+    two ranks on one GPU are one line on every rank (NCCL would abort there); tasks that each see one GPU, a line
+    from rank 0. One gather of ~100 bytes a rank at start-up (50 KB at 512 ranks)."""
+    import socket
+
+    readings: list = [None] * dist.get_world_size()
+    dist.all_gather_object(readings, (socket.gethostname(), visible, devices.uuid_of(index)), group=_HOST_GROUP)
+    line = devices.duplicates(readings)
+    if line:
+        raise ValueError(line)
+    note = devices.one_each_line(readings)
+    if note and dist.get_rank() == 0:
+        print(f"warning: {note}", flush=True)
 
 
 def shutdown() -> None:

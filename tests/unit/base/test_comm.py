@@ -49,11 +49,14 @@ def test_the_scan_sees_a_direct_collective(tmp_path):
 class FakeAccelerator:
     """An accelerator whose current device is `meta` (a real torch device on any build, like cuda:N would be)."""
 
-    def __init__(self, log: list):
-        self.log = log
+    def __init__(self, log: list, visible: int = 8):
+        self.log, self.visible = log, visible
 
     def device_name(self, index=None):
         return "cuda"
+
+    def device_count(self):
+        return self.visible
 
     def current_device_name(self):
         return "meta"
@@ -92,20 +95,72 @@ def test_a_host_tensor_in_an_in_place_collective_is_refused(fake_world):
     assert fake_world == [("all_reduce", "meta")]
 
 
-def test_init_sets_the_device_before_the_process_group(monkeypatch):
+@pytest.mark.parametrize("visible,device", [(8, 3), (1, 0), (2, None)], ids=["node", "srun_gpus_per_task", "too_few"])
+def test_init_sets_the_device_before_the_process_group(monkeypatch, visible, device):
+    """LOCAL_RANK of the node's GPUs (a launcher; srun --gpus-per-node); the one GPU an srun task sees
+    (--gpus-per-task=1: it was set_device(3), `invalid device ordinal`), which DeepSpeed then reads from LOCAL_RANK
+    too; fewer GPUs than the local rank needs: one line before anything starts."""
     import deepspeed
 
     log: list = []
-    monkeypatch.setattr(comm, "_accelerator", lambda: FakeAccelerator(log))
+    monkeypatch.setattr(comm, "_accelerator", lambda: FakeAccelerator(log, visible))
     monkeypatch.setattr(comm, "_HOST_GROUP", None)
     monkeypatch.setattr(comm, "initialized", lambda: False)
     monkeypatch.setenv("LOCAL_RANK", "3")
     monkeypatch.setattr(deepspeed, "init_distributed", lambda **kw: log.append(("init", kw["timeout"].total_seconds())))
     monkeypatch.setattr(comm.dist, "new_group", lambda **kw: log.append(("host_group", kw["backend"])))
+    monkeypatch.setattr(comm, "_check_devices", lambda index, n: log.append(("check", index, n)))
     monkeypatch.setattr(comm.dist, "get_rank", lambda: 11)
     monkeypatch.setattr(comm.dist, "get_world_size", lambda: 32)
+    if device is None:
+        with pytest.raises(ValueError, match=r"^LOCAL_RANK 3, but this process sees 2 GPU\(s\) .*--gpus-per-node"):
+            comm.init(timeout_s=90)
+        assert log == []
+        return
     assert comm.init(timeout_s=90) == (11, 32, 3)
-    assert log == [("set_device", 3), ("init", 90.0), ("host_group", "gloo")]
+    assert log == [("set_device", device), ("init", 90.0), ("host_group", "gloo"), ("check", device, visible)]
+    assert os.environ["LOCAL_RANK"] == str(device)
+
+
+def test_ranks_on_one_gpu_are_named_and_one_gpu_a_task_is_said():
+    """base/devices.py over every rank's (host, GPUs it sees, its GPU's UUID): two ranks of a node on one GPU (NCCL's
+    "Duplicate GPU detected" at the first collective) are one line naming them; tasks that each see one GPU work,
+    with a line; the same UUID on two hosts is two GPUs."""
+    from base import devices
+
+    node = [("a", 8, f"GPU-{i}") for i in range(4)] + [("b", 8, f"GPU-{i}") for i in range(4)]
+    assert devices.duplicates(node) is None and devices.one_each_line(node) is None
+    shared = [("a", 1, "GPU-0"), ("a", 1, "GPU-0"), ("b", 1, "GPU-0")]
+    assert devices.duplicates(shared).startswith("gpus: ranks 0 and 1 on a would drive the same GPU (GPU-0)")
+    per_task = [("a", 1, "GPU-0"), ("a", 1, "GPU-1"), ("b", 1, "GPU-0"), ("b", 1, "GPU-1")]
+    assert devices.duplicates(per_task) is None and "--gpus-per-task=1" in devices.one_each_line(per_task)
+    assert devices.one_each_line([("a", 1, "GPU-0"), ("b", 1, "GPU-0")]) is None  # one rank a node: nothing to say
+    assert devices.duplicates([("a", 1, None), ("a", 1, None)]) is None  # no UUID known: NCCL says it
+
+
+def test_the_device_check_gathers_every_rank_on_the_host_group(monkeypatch, capsys):
+    """comm._check_devices: the readings gathered on the host group, a duplicate refused on every rank alike, rank 0's
+    line where each task sees one GPU."""
+    import socket
+
+    from base import devices
+
+    other = [("h", 1, "GPU-0")]
+
+    def gather(out, obj, group=None):
+        assert group is comm._HOST_GROUP
+        out[:] = [obj, other[0]]
+
+    monkeypatch.setattr(comm.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(comm.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(comm.dist, "all_gather_object", gather)
+    monkeypatch.setattr(devices, "uuid_of", lambda index: f"GPU-{index}")
+    monkeypatch.setattr(socket, "gethostname", lambda: "h")
+    with pytest.raises(ValueError, match=r"^gpus: ranks 0 and 1 on h would drive the same GPU \(GPU-0\)"):
+        comm._check_devices(0, 1)
+    other[0] = ("h", 1, "GPU-1")
+    comm._check_devices(0, 1)
+    assert capsys.readouterr().out.startswith("warning: gpus: each rank sees one GPU")
 
 
 def test_single_process_needs_no_group():
