@@ -18,7 +18,8 @@ Row formats (one JSON object / table row; `row_format` tells them apart by their
   weight other than 0 or 1 (no per-token or fractional weights here), flags that disagree, or Axolotl's
   `train_detail` (character ranges) are refused in one line;
 - ShareGPT `conversations`: [{"from": "human" | "gpt" | "system" | "function_call" | "observation" | ..., "value":
-  str}, ...]; `function_call` (LLaMA-Factory's tool call: a JSON object, or a list of them, with `name` and
+  str}, ...] (a turn's text in `content` read too, and a turn written as an OpenAI message, `role` / `content`, as
+  one: Agent-FLAN's rows, LLaMA-Factory's role_tag / content_tag; before, refused); `function_call` (LLaMA-Factory's tool call: a JSON object, or a list of them, with `name` and
   `arguments`) becomes an assistant message with `tool_calls`, `observation` a tool message;
 - `prompt` / `completion`: two strings, or two message lists (TRL's conversational form);
 - Alpaca `instruction` / `output` (with `input`, and LLaMA-Factory's `history` of [query, response] pairs): the
@@ -174,8 +175,12 @@ def _sharegpt(turns) -> list[dict]:
         raise RowError(f"conversations: expected a list of {{from, value}}, got {type(turns).__name__}")
     out = []
     for i, t in enumerate(turns):
+        if isinstance(t, dict) and "from" not in t and "role" in t:  # an OpenAI message in `conversations` (Agent-FLAN;
+            out.append(message(t, i))  # LLaMA-Factory's role_tag / content_tag): read as one
+            continue
         if not isinstance(t, dict) or "from" not in t:
-            raise RowError(f"conversations[{i}]: expected {{\"from\": ..., \"value\": ...}}, got {t!r:.60}")
+            raise RowError(f"conversations[{i}]: expected {{\"from\": ..., \"value\": ...}} or {{\"role\": ..., "
+                           f"\"content\": ...}}, got {t!r:.60}")
         who = str(t["from"]).lower()
         role = SHAREGPT_ROLES.get(who)
         if role is None:
@@ -184,7 +189,7 @@ def _sharegpt(turns) -> list[dict]:
         if who == "function_call":
             out.append(message({**_function_call(t.get("value"), i), **flags}, i))
         else:
-            out.append(message({"role": role, "content": t.get("value"), **flags}, i))
+            out.append(message({"role": role, "content": t.get("value", t.get("content")), **flags}, i))
     return out
 
 

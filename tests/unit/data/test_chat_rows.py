@@ -224,6 +224,19 @@ def test_the_reply_roles_exports_write_are_read():
     assert [m["role"] for m in conv] == ["user", "assistant", "user", "assistant"]
 
 
+def test_conversations_written_as_openai_messages_are_read_as_messages():
+    """A `conversations` column of {role, content} turns (Agent-FLAN; LLaMA-Factory's role_tag / content_tag), and a
+    ShareGPT turn whose text is in `content`: before, refused ("expected {from, value}")."""
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+             {"role": "assistant", "content": "hello", "weight": 0}, {"role": "user", "content": "again"},
+             {"role": "assistant", "content": "bye"}]
+    assert normalize({"conversations": turns}) == normalize({"messages": turns})
+    mixed = [{"from": "human", "content": "hi"}, {"from": "gpt", "value": "hello"}]
+    assert [m["content"] for m in normalize({"conversations": mixed})[1]] == ["hi", "hello"]
+    with pytest.raises(RowError, match=r"conversations\[0\]: expected .*\{\"role\""):
+        normalize({"conversations": [{"speaker": "user", "text": "hi"}]})
+
+
 def test_a_tables_system_column_travels_with_its_chat_columns(tmp_path):
     """LLaMA-Factory's ShareGPT as a Parquet table: `conversations` beside `system`. Before, the reader dropped the
     column, so the system prompt was lost for tables while JSONL rows kept it."""
