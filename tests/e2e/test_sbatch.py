@@ -185,6 +185,19 @@ def test_sbatch_requeues_a_lost_node_without_it(tmp_path, how):
     assert "got SIGTERM" in node_lines(tmp_path, 1 if how == "stalled" else 0), text  # srun ended the step
 
 
+def test_an_array_task_requeues_itself_and_srun_starts_one_launcher_a_node(tmp_path):
+    """Submitted as `sbatch --array=0-3 --ntasks-per-node=4 ...`, the last task: its SLURM_JOB_ID is the array's own
+    id, which `scontrol requeue` reads as every task of the array (the running siblings killed unsaved, the finished
+    ones run again): it now requeues 4242_3. The batch shell's SLURM_NTASKS=8 was srun's -n, which dropped the
+    script's --ntasks-per-node=1: 4 launchers a node racing for one store; it is one a node."""
+    job = sbatch(tmp_path, "75", ["--output_dir", str(tmp_path / "out")], SLURM_ARRAY_JOB_ID="4242",
+                 SLURM_ARRAY_TASK_ID="3", SLURM_NTASKS="8", **TWO_NODES)
+    text = job.communicate(timeout=60)[0]
+    assert job.returncode == 0 and requeues(tmp_path) == ["requeue 4242_3"], text
+    starts = [ln for ln in (tmp_path / "fake.log").read_text().splitlines() if "args: " in ln]
+    assert sorted(ln.split(":")[0] for ln in starts) == ["node 0", "node 1"], starts
+
+
 def test_a_nodes_exit_record_seen_late_does_not_exclude_it(tmp_path):
     """Both nodes saved and exited 75, but node 1's record reaches the batch host's view of the shared file system 3 s
     late: slurm.sbatch looks for it again by name (STATE_SETTLE_S) and requeues plainly; it used to declare node 1
