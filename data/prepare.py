@@ -1,4 +1,5 @@
-"""The in-job path: a small JSONL `--dataset_path` (the demo, tests) prepared inside the training job.
+"""The in-job path: a small `--dataset_path` (the demo, tests; any input scripts/prepare_data.py reads: JSONL, a JSON
+array, Parquet, a `save_to_disk` folder, a folder of them) prepared inside the training job.
 
 Rank 0 runs the same preparation as `scripts/prepare_data.py` (one process, no workers) into the data cache
 while the others wait on the host (`base.comm.run_on_main`: a gloo group with a long timeout, never an
@@ -17,8 +18,8 @@ import shutil
 
 from base import comm
 from data.corpus import CACHE, build_demo_corpus
-from data.jsonl import list_files
 from data.packing import build_token_stream, cache_key
+from data.readers import discover
 from data.store import is_prepared
 from data.tokenizer import Tokenizer
 
@@ -66,8 +67,11 @@ def prepare_in_job(dataset_path: str | None, tokenizer_path: str | None, model_v
 
         fallback = model_tokenizer(model_path) if dataset_path is not None and tokenizer_path is None else None
         data, tok_path = resolve_sources(dataset_path, tokenizer_path or fallback)
-        files = list_files(data)
-        size = sum(os.path.getsize(f) for f in files)
+        units = discover(data, flag="--dataset_path")  # what prepare_data reads there: .jsonl[.gz|.zst], .json
+        # arrays, Parquet, a save_to_disk folder (only .jsonl / .json were read: the rest dropped without a word)
+        files = [f for u in units for f in ([u.path] if os.path.isfile(u.path) else sorted(
+            os.path.join(d, n) for d, _, ns in os.walk(u.path) for n in ns))]  # the cache key's: every file read
+        size = sum(u.size() for u in units)
         if size > MAX_IN_JOB_BYTES:
             raise ValueError(f"--dataset_path {data}: {size / 2**20:.0f} MB of input is too much to tokenize inside "
                              f"the job (limit {MAX_IN_JOB_BYTES >> 20} MB): run `python scripts/prepare_data.py "
@@ -78,7 +82,7 @@ def prepare_in_job(dataset_path: str | None, tokenizer_path: str | None, model_v
             shutil.rmtree(tmp, ignore_errors=True)
             # ids bound by the tokenizer named (or the demo's), else by the model: the model's own tokenizer taken by
             # default does not narrow what pre-tokenized rows may hold
-            prepare(files, tmp, tok_path, vocab_size=model_vocab if tok_path in (None, fallback) else None,
+            prepare([u.path for u in units], tmp, tok_path, vocab_size=model_vocab if tok_path in (None, fallback) else None,
                     workers=0, log=lambda _: None)
             try:
                 os.rename(tmp, out)

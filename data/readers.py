@@ -68,18 +68,31 @@ def is_hf_folder(path: str) -> bool:
                                        for f in ("state.json", "dataset_dict.json"))
 
 
-def discover(spec: str, loader: str | None = None) -> list[Unit]:
-    """Units of one `--input` value: `[name=]PATH`, PATH a file, a folder of files or a datasets folder."""
-    name, _, path = spec.rpartition("=") if "=" in spec and not os.path.exists(spec) else ("", "", spec)
-    pattern = matching(path, "--input")  # `DIR/data/train_sft-*.parquet`: one split's files
+def discover(spec: str, loader: str | None = None, flag: str = "--input") -> list[Unit]:
+    """Units of one `--input` value (train.py's `--dataset_path`: `flag` names it in messages): `[name=]PATH`, PATH a
+    file, a folder of files or a datasets folder."""
+    name, eq, path = spec.partition("=")  # `name=PATH`: a name holds no `/` (`/data/lang=en` is a path, hive-style)
+    if not eq or "/" in name or os.path.exists(spec):
+        name, path = "", spec
+    return _units(name, path, loader, flag)
+
+
+def _units(name: str, path: str, loader: str | None, flag: str) -> list[Unit]:
+    spec = f"{name}={path}" if name else path
+    pattern = matching(path, flag)  # `DIR/data/train_sft-*.parquet`: one split's files
     if pattern is not None:
-        return [u for f in pattern for u in discover(f"{name or _stem(path.split('*')[0].rstrip('-_.'))}={f}", loader)]
+        name = name or _stem(path.split("*")[0].rstrip("-_."))
+        return [u for f in pattern for u in _units(name, f, loader, flag)]
     if not os.path.exists(path):
-        raise ValueError(f"--input {spec}: no such file or folder")
-    if loader:
-        files = [path] if os.path.isfile(path) else sorted(
-            os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs)
-        return [Unit(name or _stem(f), f"hf_load:{loader}", f) for f in files]
+        raise ValueError(f"{flag} {spec}: no such file or folder")
+    if loader:  # a folder's files as the other formats' (no metadata, one split), one source named after it
+        if os.path.isfile(path):
+            return [Unit(name or _stem(path), f"hf_load:{loader}", path)]
+        files = one_split(path, sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs
+                                       if f not in NOT_DATA and not f.startswith(".")
+                                       and not any(p.startswith(".") for p in os.path.relpath(d, path).split(os.sep)
+                                                   if p != ".")), flag)  # a snapshot's .cache/huggingface/ too
+        return [Unit(name or _stem(path), f"hf_load:{loader}", f) for f in files]
     if is_hf_folder(path):
         return [Unit(name or _stem(path), "hf_disk", path)]
     if os.path.isfile(path):
@@ -88,9 +101,9 @@ def discover(spec: str, loader: str | None = None) -> list[Unit]:
         files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs
                        if f.endswith(JSONL_EXT + PARQUET_EXT) and f not in NOT_DATA)
         if not files:
-            raise ValueError(f"--input {spec}: folder has no {', '.join(JSONL_EXT + PARQUET_EXT)} files "
-                             "(or use --loader for other formats datasets.load_dataset reads)")
-        files = one_split(path, files, "--input")
+            raise ValueError(f"{flag} {spec}: folder has no {', '.join(JSONL_EXT + PARQUET_EXT)} files" + (
+                " (or use --loader for other formats datasets.load_dataset reads)" if flag == "--input" else ""))
+        files = one_split(path, files, flag)
     units = []
     for f in files:
         if f.endswith(PARQUET_EXT):
@@ -99,7 +112,7 @@ def discover(spec: str, loader: str | None = None) -> list[Unit]:
             with _open_text(f) as fh:  # one array of rows (Alpaca's, LLaMA-Factory's files), or a row per line
                 kind = "json_array" if starts_array(fh) else "jsonl"
         else:
-            raise ValueError(f"--input {f}: unknown format; expected {', '.join(JSONL_EXT + PARQUET_EXT)}, a "
+            raise ValueError(f"{flag} {f}: unknown format; expected {', '.join(JSONL_EXT + PARQUET_EXT)}, a "
                              "datasets save_to_disk folder, or --loader BUILDER for datasets.load_dataset")
         units.append(Unit(name or _stem(path), kind, f))  # a folder's files are one source: the folder's name
     return units

@@ -194,6 +194,28 @@ def test_datasets_folder_and_loader(tmp_path):
     assert m["n_docs"] == 2 and m["sources"] == ["web"]
 
 
+def test_a_loader_folder_and_a_hive_path_are_read_as_the_other_inputs_are(tmp_path):
+    """--loader over a folder read every file: a README (refused: "no column 'text'"), a snapshot's .cache, and the
+    test split beside the train split (trained on). It now skips metadata and hidden files, refuses several splits,
+    and names the source after the folder. A hive-style folder (`lang=en`) was split at its last `=` as `name=PATH`."""
+    from data.readers import discover
+
+    folder = tmp_path / "csvs"
+    (folder / ".cache" / "huggingface").mkdir(parents=True)
+    (folder / ".cache" / "huggingface" / "x.lock").write_text("")
+    (folder / "README.md").write_text("---\nlicense: mit\n---\n")
+    (folder / "train.csv").write_text("text\nhello\n")
+    assert [(u.name, os.path.basename(u.path)) for u in discover(str(folder), "csv")] == [("csvs", "train.csv")]
+    (folder / "test.csv").write_text("text\nheld out\n")
+    with pytest.raises(ValueError, match="several splits"):
+        discover(str(folder), "csv")
+    hive = tmp_path / "lang=en"
+    hive.mkdir()
+    _write_jsonl(hive / "part-0.jsonl", DOCS[:2])
+    assert [u.name for u in discover(f"web={hive}")] == ["web"]
+    assert [os.path.basename(u.path) for u in discover(f"{hive}/*.jsonl")] == ["part-0.jsonl"]
+
+
 def _stages(*lens, data=None):
     return [types.SimpleNamespace(index=i, name=f"s{i}", max_seq_length=n, eval={"heldout_samples": 1}, data=data)
             for i, n in enumerate(lens)]
@@ -233,6 +255,27 @@ def test_in_job_path_has_a_size_limit(tmp_path, monkeypatch):
     monkeypatch.setattr(in_job, "MAX_IN_JOB_BYTES", 1000)
     with pytest.raises(ValueError, match=r"too much to tokenize inside the job .* run `python scripts/prepare_data.py"):
         pipeline.open_run_data(src, None, 100, _stages(32), reset_position_ids=False)
+
+
+def test_a_dataset_path_folder_reads_what_prepare_data_reads(tmp_path, monkeypatch):
+    """train.py --dataset_path FOLDER (the in-job path) read only its .jsonl / .json files: a .jsonl.gz or a Parquet
+    file beside them was dropped without a word. It now reads what prepare_data reads there, one source a file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from data import prepare as in_job
+
+    monkeypatch.setattr(in_job, "CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    _write_jsonl(folder / "a.jsonl", DOCS[:4])
+    _write_jsonl(folder / "b.jsonl.gz", DOCS[4:8], opener=gzip.open)
+    pq.write_table(pa.table({"input_ids": DOCS[8:]}), str(folder / "c.parquet"))
+    out, _ = in_job.prepare_in_job(str(folder), None, 100)
+    m = Prepared(out).manifest
+    assert m["n_docs"] == len(DOCS) and sorted(m["sources"]) == ["a", "b", "c"], m
+    with pytest.raises(ValueError, match=r"^--dataset_path \S+: no such file or folder$"):
+        in_job.prepare_in_job(str(tmp_path / "none"), None, 100)
 
 
 def test_hf_fast_tokenizer_direct_path_gives_the_transformers_ids(tmp_path):
