@@ -120,6 +120,27 @@ def test_a_tables_tools_column_travels_with_its_chat_rows(tmp_path):
     assert json.loads(row["tools"]) == tools
 
 
+def test_a_tables_tool_call_arguments_come_back_without_the_other_rows_keys(tmp_path):
+    """Arrow merges every row's call arguments into one struct: each call came back with the other calls' arguments
+    as null (`{"city": "Paris", "query": None, "limit": None}`), which the template wrote into the trained reply."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from data.readers import Fields, Unit, iter_rows
+
+    def row(name, args):
+        return [{"role": "user", "content": "?"},
+                {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+                    "name": name, "arguments": args}}]}]
+
+    pq.write_table(pa.Table.from_pylist([{"messages": row("get_weather", {"city": "Paris"})},
+                                         {"messages": row("search", {"query": "cats", "limit": 3})}]),
+                   tmp_path / "calls.parquet")
+    got = [v["messages"][1]["tool_calls"][0]["function"]["arguments"]
+           for _, (v, _) in iter_rows(Unit("c", "parquet", str(tmp_path / "calls.parquet")), Fields())]
+    assert got == [{"city": "Paris"}, {"query": "cats", "limit": 3}]
+
+
 def test_a_tool_result_given_as_data_is_its_json_text():
     """xLAM / APIGen rows give a tool's result as an object or a list: it is the JSON text an OpenAI client sends for
     it (before: a refused row); a user's or assistant's non-text content is still refused in one line."""
