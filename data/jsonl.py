@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import codecs
 import glob
+import gzip
+import io
 import json
 import os
 import re
@@ -60,6 +62,53 @@ def matching(path: str, flag: str) -> list[str] | None:
     if not files:
         raise ValueError(f"{flag} {path}: the pattern names no file")
     return files
+
+
+class _Zstd(io.RawIOBase):
+    """A .zst file's bytes, frame after frame; a file that ends inside a frame is an error (zstandard's stream_reader
+    ends early without a word: a download cut short lost its tail, 12,703 of 20,000 rows in the audit's case, seen as
+    one bad row at most)."""
+
+    def __init__(self, path: str):
+        import zstandard
+
+        self.fh, self.zstd = open(path, "rb"), zstandard.ZstdDecompressor()
+        self.obj, self.out, self.at, self.done = None, b"", 0, False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        while self.at == len(self.out) and not self.done:
+            chunk = self.fh.read(1 << 18)
+            if not chunk:
+                if self.obj is not None and not self.obj.eof:  # gzip's own EOFError says the same
+                    raise EOFError("the file ends inside a zstd frame (cut short?)")
+                self.done = True
+            parts = []
+            while chunk:
+                if self.obj is None or self.obj.eof:  # the next frame (zstd -T, pzstd and cat'ed files hold several)
+                    self.obj = self.zstd.decompressobj()
+                parts.append(self.obj.decompress(chunk))
+                chunk = self.obj.unused_data if self.obj.eof else b""
+            self.out, self.at = b"".join(parts), 0
+        n = min(len(b), len(self.out) - self.at)
+        b[:n] = self.out[self.at:self.at + n]
+        self.at += n
+        return n
+
+    def close(self) -> None:
+        self.fh.close()
+        super().close()
+
+
+def open_file(path: str):
+    """A data file's bytes, decompressed (.gz, .zst), as a binary file (lines, or read())."""
+    if path.endswith(".gz"):
+        return gzip.open(path, "rb")
+    if path.endswith(".zst"):
+        return io.BufferedReader(_Zstd(path), 1 << 16)
+    return open(path, "rb")
 
 
 def starts_array(fh) -> bool:

@@ -13,8 +13,6 @@ name without extensions), or the row's `--source_field` when given.
 
 from __future__ import annotations
 
-import gzip
-import io
 import json
 import os
 from collections.abc import Iterator
@@ -22,7 +20,7 @@ from dataclasses import dataclass
 
 from base.log import cause
 from data.chat import row_format
-from data.jsonl import NOT_DATA, array_elements, matching, one_split, starts_array
+from data.jsonl import NOT_DATA, array_elements, matching, one_split, open_file, starts_array
 
 JSONL_EXT = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst")
 PARQUET_EXT = (".parquet",)
@@ -109,8 +107,11 @@ def _units(name: str, path: str, loader: str | None, flag: str) -> list[Unit]:
         if f.endswith(PARQUET_EXT):
             kind = "parquet"
         elif f.endswith(JSONL_EXT):
-            with _open_text(f) as fh:  # one array of rows (Alpaca's, LLaMA-Factory's files), or a row per line
-                kind = "json_array" if starts_array(fh) else "jsonl"
+            try:
+                with open_file(f) as fh:  # one array of rows (Alpaca's, LLaMA-Factory's files), or a row per line
+                    kind = "json_array" if starts_array(fh) else "jsonl"
+            except _unreadable() as e:
+                raise damaged(f, e) from None
         else:
             raise ValueError(f"{flag} {f}: unknown format; expected {', '.join(JSONL_EXT + PARQUET_EXT)}, a "
                              "datasets save_to_disk folder, or --loader BUILDER for datasets.load_dataset")
@@ -118,27 +119,38 @@ def _units(name: str, path: str, loader: str | None, flag: str) -> list[Unit]:
     return units
 
 
-def _open_text(path: str):
-    if path.endswith(".gz"):
-        return gzip.open(path, "rb")
-    if path.endswith(".zst"):
-        import zstandard
+def damaged(path: str, e: BaseException) -> ValueError:
+    """One line for a file that cannot be read to its end: a truncated .gz / .zst (a download cut short), a file named
+    .gz that is not gzip, a datasets folder missing its .arrow files."""
+    return ValueError(f"{path}: cannot be read ({cause(e)}): a truncated or damaged file? Fetch it again")
 
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True))
-    return open(path, "rb")
+
+def _unreadable() -> tuple[type, ...]:
+    try:
+        from zstandard import ZstdError
+    except ImportError:
+        return OSError, EOFError
+    return OSError, EOFError, ZstdError
 
 
 def iter_rows(unit: Unit, fields: Fields, start: int = 0, batch_rows: int = 1024) -> Iterator[tuple[int, object]]:
     """`(row, item)` from row `start` on; item: raw JSON bytes, or `(value, source)` with value a str, a
-    list of ints, or None (a bad row: missing/null field)."""
+    list of ints, or None (a bad row: missing/null field). A file that cannot be read to its end: one line."""
+    try:
+        yield from _rows(unit, fields, start, batch_rows)
+    except _unreadable() as e:
+        raise damaged(unit.path, e) from None
+
+
+def _rows(unit: Unit, fields: Fields, start: int, batch_rows: int) -> Iterator[tuple[int, object]]:
     if unit.kind == "jsonl":
-        with _open_text(unit.path) as fh:
+        with open_file(unit.path) as fh:
             for row, line in enumerate(fh):
                 if row >= start and line.strip():
                     yield row, line
         return
     if unit.kind == "json_array":
-        with _open_text(unit.path) as fh:
+        with open_file(unit.path) as fh:
             try:
                 for row, element in enumerate(array_elements(fh)):
                     if row >= start:

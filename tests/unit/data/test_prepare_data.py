@@ -175,6 +175,27 @@ def test_a_json_array_is_read_element_by_element_and_a_broken_one_refused_in_one
         assert err.startswith(f"error: {bad}: ") and why in err and "\n" not in err, err
 
 
+def test_a_truncated_or_damaged_compressed_file_is_one_line_and_never_a_short_corpus(tmp_path, capsys):
+    """A .jsonl.zst cut short (a download interrupted) ended early without a word (the half of it lost; with
+    --skip_bad_rows one "bad row"); a cut .gz, a file named .gz that is not gzip and a damaged .zst were tracebacks.
+    Several zstd frames (pzstd, cat'ed files) are one file."""
+    import zstandard
+
+    text = "".join(json.dumps({"input_ids": d}) + "\n" for d in DOCS * 50).encode()
+    z, g = zstandard.ZstdCompressor().compress(text), gzip.compress(text)
+    cases = {"cut.jsonl.zst": z[: len(z) // 2], "cut.jsonl.gz": g[: len(g) // 2], "notgz.jsonl.gz": b"hello\n",
+             "bad.jsonl.zst": z[:8] + b"garbage" * 20}
+    for name, data in cases.items():
+        (tmp_path / name).write_bytes(data)
+        code = main(["--input", str(tmp_path / name), "--output", str(tmp_path / "o"), "--vocab_size", "100",
+                     "--workers", "0", "--skip_bad_rows", "--overwrite"])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and err.startswith(f"error: {tmp_path / name}: cannot be read (") and "\n" not in err, err
+    (tmp_path / "two.jsonl.zst").write_bytes(z + z)
+    m = prepare([str(tmp_path / "two.jsonl.zst")], str(tmp_path / "o2"), vocab_size=100, workers=0, log=lambda _: None)
+    assert m["n_docs"] == 2 * 50 * len(DOCS)
+
+
 def test_datasets_folder_and_loader(tmp_path):
     import datasets
 
