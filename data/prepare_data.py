@@ -273,6 +273,9 @@ def _run_shard(units, out, i_shard, done, tokenizer, fields, bound, eos, dtype, 
 
     def consume(res):
         nonlocal last_log, tokens_here
+        if fields.source and not done and not writer.lens and res["srcs"] and all(s is None for _, s in res["srcs"]):
+            raise ValueError(f"--source_field {fields.source!r}: none of the first {len(res['srcs'])} rows has it (a "
+                             f"typo?); every document would take its file's name")
         for u, row, err in res["bad"]:
             if not skip_bad_rows:
                 raise ValueError(f"{units[u].where(row)}: {err} (--skip_bad_rows skips and counts such rows)")

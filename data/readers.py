@@ -188,7 +188,10 @@ def _rows(unit: Unit, fields: Fields, start: int, batch_rows: int) -> Iterator[t
     else:
         builder = unit.kind.split(":", 1)[1]
         try:  # an unknown builder is a hub lookup offline (ConnectionError), a file it cannot parse its own error
-            ds = datasets.load_dataset(builder, data_files=[unit.path], split="train", streaming=True)
+            # `text`: a file is one document (a book, a source file), as a long-context corpus means it; datasets'
+            # default, a document a line, cut a book into line-long documents, each with its BOS and EOS
+            extra = {"sample_by": "document"} if builder == "text" else {}
+            ds = datasets.load_dataset(builder, data_files=[unit.path], split="train", streaming=True, **extra)
             names = list(ds.column_names or []) or list(next(iter(ds)).keys())
         except Exception as e:  # noqa: BLE001 (a user's --loader / file: one line, not datasets' traceback)
             raise ValueError(f"--loader {builder}: datasets.load_dataset could not read {unit.path} "

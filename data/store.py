@@ -30,6 +30,8 @@ from base.atomic import atomic_write, fsync_path
 
 MANIFEST = "manifest.json"
 FORMAT = "ulysses-longtrain/prepared-v1"
+MAX_SOURCES = 1000  # a mixture's corpora, not a row's id: each chunk's record lists them all (a 1M-row id column as
+# sources made the merge quadratic, hours)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "vocab.txt",
                    "chat_template.jinja", "chat_template.json")  # the template renders chat rows (data/chat.py)
@@ -226,6 +228,10 @@ class ChunkWriter:
         for n, (u, src) in zip(res["lens"], res["srcs"]):
             name = src if src is not None else unit_names[u]
             if name not in self.index:
+                if len(self.sources) >= MAX_SOURCES:  # every chunk's record lists them: O(chunks x sources)
+                    raise ValueError(f"more than {MAX_SOURCES} sources ({name!r} and the others --source_field gives): "
+                                     "a source is a corpus a mixture weighs (web, code, books), not a row's id; "
+                                     "drop --source_field or name a field of few values")
                 self.index[name] = len(self.sources)
                 self.sources.append(name)
             self.lens.append(n)

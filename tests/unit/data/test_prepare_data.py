@@ -196,6 +196,23 @@ def test_a_truncated_or_damaged_compressed_file_is_one_line_and_never_a_short_co
     assert m["n_docs"] == 2 * 50 * len(DOCS)
 
 
+def test_a_source_field_no_row_has_or_one_per_row_is_refused_in_one_line(tmp_path, monkeypatch):
+    """--source_field with a typo gave every document its file's name without a word; a per-row id as the source made
+    the merge quadratic (40,000 rows: 20 s; 1M: hours) and the manifest list every id in every chunk."""
+    src = tmp_path / "d.jsonl"
+    src.write_text("".join(json.dumps({"input_ids": d, "subset": "a", "id": i}) + "\n" for i, d in enumerate(DOCS)))
+    with pytest.raises(ValueError, match=r"^--source_field 'subsett': none of the first 12 rows has it"):
+        prepare([str(src)], str(tmp_path / "o1"), vocab_size=100, workers=0, fields=Fields(source="subsett"),
+                log=lambda _: None)
+    monkeypatch.setattr(store, "MAX_SOURCES", 5)
+    with pytest.raises(ValueError, match=r"^more than 5 sources \('5' and the others"):
+        prepare([str(src)], str(tmp_path / "o2"), vocab_size=100, workers=0, fields=Fields(source="id"),
+                log=lambda _: None)
+    m = prepare([str(src)], str(tmp_path / "o3"), vocab_size=100, workers=0, fields=Fields(source="subset"),
+                log=lambda _: None)
+    assert m["sources"] == ["a"]
+
+
 def test_datasets_folder_and_loader(tmp_path):
     import datasets
 
@@ -213,6 +230,10 @@ def test_datasets_folder_and_loader(tmp_path):
     m = prepare([f"web={csv}"], str(tmp_path / "o2"), model, workers=0, loader="csv", fields=Fields(text="body"),
                 log=lambda _: None)
     assert m["n_docs"] == 2 and m["sources"] == ["web"]
+    book = tmp_path / "book.txt"  # --loader text: a file is one document (it was one a line, blank lines dropped)
+    book.write_text("Chapter 1\n\nIt was a dark night.\nThe end.\n")
+    m = prepare([str(book)], str(tmp_path / "o3"), model, workers=0, loader="text", log=lambda _: None)
+    assert m["n_docs"] == 1 and m["empty_docs"] == 0
 
 
 def test_a_loader_folder_and_a_hive_path_are_read_as_the_other_inputs_are(tmp_path):
