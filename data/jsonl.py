@@ -153,7 +153,8 @@ def array_elements(fh, chunk: int = ARRAY_CHUNK):
             buf, pos = state["buf"], state["pos"]
             try:
                 end = decoder.raw_decode(buf, pos)[1]
-                if end < len(buf) or state["eof"]:  # an element ending at the buffer's end may go on (a number)
+                # a number the buffer cut (`12.` of `12.5`) decodes short: its end must be followed by something else
+                if state["eof"] or end < len(buf) and buf[end] not in "0123456789.eE+-":
                     break
             except json.JSONDecodeError as e:
                 at_end = e.pos >= len(buf) or e.msg.startswith("Unterminated string")  # the text ended inside it

@@ -4,6 +4,7 @@ training side reading a prepared folder by path (vocabulary check, in-job size l
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import os
 import types
@@ -154,6 +155,10 @@ def test_a_json_array_is_read_element_by_element_and_a_broken_one_refused_in_one
     from data import jsonl
 
     monkeypatch.setattr(jsonl, "ARRAY_CHUNK", 16)
+    # a number the buffer cuts (`12.` of `12.5`) is read whole, whatever the chunk
+    numbers = b'[12.5e3, -7, 0.25, {"a": 1}, "s"]'
+    for chunk in (1, 2, 3, 5):
+        assert [json.loads(x) for x in jsonl.array_elements(io.BytesIO(numbers), chunk)] == [12500.0, -7, 0.25, {"a": 1}, "s"]
     folder = tmp_path / "snap"
     folder.mkdir()
     rows = [{"input_ids": d} for d in DOCS]
