@@ -222,6 +222,8 @@ class ChatEncoder:
         if kind == "text_pair":
             p, c = conv
             pi, ci = self.tok.encode(p), self.tok.encode(c) + [self.tok.eos_id]
+            bos = self.tok.bos_id  # the prompt as the tokenizer writes a text, BOS first (TRL tokenizes it so)
+            pi = [bos] + pi if bos is not None and (not pi or pi[0] != bos) else pi
             mask = np.zeros(len(pi) + len(ci), np.uint8)
             mask[0 if self.loss_on == "all" else len(pi):] = 1
             return pi + ci, mask, {"untrained_turns": 0}

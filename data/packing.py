@@ -23,8 +23,9 @@ def cache_key(files: list[str], tokenizer_path: str | None, model_vocab: int) ->
     """What a cached token stream or in-job prepared folder (data/prepare.py) is derived from: each input file
     (path, size, mtime), the tokenizer's content (a HF folder rewritten in place keeps its own size and mtime) and
     the vocabulary its token ids were checked against."""
-    h = hashlib.sha256(f"{model_vocab}:bos:chat2".encode())  # :bos: text documents start with the tokenizer's BOS;
-    # :chat2: chat rows encoded by today's rules (a reply's weight, reasoning a template drops, a top-level system)
+    h = hashlib.sha256(f"{model_vocab}:bos2:chat3".encode())  # :bos2: text documents start with the tokenizer's BOS,
+    # once where the text writes its own; :chat3: chat rows encoded by today's rules (a reply's weight, reasoning a
+    # template drops, a top-level system, a prompt / completion of strings with the BOS)
     for f in files:
         st = os.stat(f)
         h.update(f"{os.path.abspath(f)}:{st.st_size}:{st.st_mtime_ns}".encode())
@@ -54,7 +55,8 @@ def build_token_stream(dataset_path: str, tokenizer: Tokenizer | None, model_voc
             if tokenizer is None:
                 raise ValueError(f"{file}:{line}: a \"text\" document needs --tokenizer_name_or_path")
             ids = tokenizer.encode(doc)
-            ids = [tokenizer.bos_id] + ids if ids and tokenizer.bos_id is not None else ids  # as prepare_data writes
+            bos = tokenizer.bos_id  # as prepare_data writes: one BOS, the text's own where it has one
+            ids = [bos] + ids if ids and bos is not None and ids[0] != bos else ids
         else:
             ids = doc
             bad = [t for t in ids if t >= model_vocab]

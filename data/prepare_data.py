@@ -78,9 +78,10 @@ def _tokenize_batch(items: list[tuple[int, int, object]]) -> dict:
             docs.append((u, row, value, src))
     texts = [i for i, d in enumerate(docs) if isinstance(d[2], str)]
     if texts:
-        bos = [tok.bos_id] if tok.bos_id is not None else []  # BOS + text + EOS, as the tokenizer writes a text
-        for i, ids in zip(texts, tok.encode_batch([docs[i][2] for i in texts])):
-            docs[i] = (*docs[i][:2], bos + list(ids) if len(ids) else ids, docs[i][3])
+        bos = [tok.bos_id] if tok.bos_id is not None else []  # BOS + text + EOS, as the tokenizer writes a text;
+        for i, ids in zip(texts, tok.encode_batch([docs[i][2] for i in texts])):  # one BOS where the text has its own
+            own = len(ids) and bos and ids[0] == bos[0]  # (chat text rendered with its template, saved as text)
+            docs[i] = (*docs[i][:2], bos + list(ids) if len(ids) and not own else ids, docs[i][3])
     arrays, lens, srcs, empty, max_id, mask_parts = [], [], [], 0, -1, []
     for d, (u, row, ids, src) in enumerate(docs):
         if not len(ids):

@@ -496,6 +496,19 @@ def test_a_text_document_starts_with_the_tokenizers_bos(tmp_path):
     assert [tok.decode(d[1:-1]) for d in docs] == texts
     ref = build_token_stream(src, tok, tok.vocab_size, str(tmp_path / "refcache"))[0]
     assert np.load(ref).tolist() == [t for d in docs for t in d]
+    # a text that writes its own BOS (a conversation rendered with its template, saved as text) keeps one; a prompt /
+    # completion of strings starts with the BOS too, untrained, as TRL tokenizes it (it had none)
+    src2 = _write_jsonl(tmp_path / "own.jsonl", ["<s> a quick brown fox"], "text")
+    with open(src2, "a") as fh:
+        fh.write(json.dumps({"prompt": "the lazy", "completion": " dog"}) + "\n")
+    prepare([src2], str(tmp_path / "out2"), path, workers=0, log=lambda _: None)
+    p2 = Prepared(str(tmp_path / "out2"))
+    own, pair = [p2.tokens.read(int(s), int(s) + int(n)).tolist() for s, n in zip(p2.starts, p2.lens)]
+    assert own.count(bos) == 1 and own[0] == bos
+    assert pair[0] == bos and pair.count(bos) == 1 and p2.mask.read(int(p2.starts[1]), int(p2.starts[1]) + 1)[0] == 0
+    ref2 = build_token_stream(_write_jsonl(tmp_path / "own_only.jsonl", ["<s> a quick brown fox"], "text"), tok,
+                              tok.vocab_size, str(tmp_path / "refcache2"))[0]
+    assert np.load(ref2).tolist() == own
 
 
 def test_conversations_rendered_with_the_chatml_default_are_said(tmp_path):
