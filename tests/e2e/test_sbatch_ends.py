@@ -71,6 +71,23 @@ def test_the_time_limit_and_a_preemption_requeue_inside_killwait(tmp_path, end, 
     assert state(tmp_path)["state"] == "PENDING"
 
 
+def test_a_preemptions_grace_time_is_requeued_whatever_the_ranks_exit_with(tmp_path):
+    """A preemption with GraceTime: slurmctld sets PreemptTime and sends SIGTERM to the steps only, never to the batch
+    shell, and requeues the job itself at the grace's end, unless it has ended. The deepspeed launcher SIGKILLs its
+    ranks 30 s after its TERM (exit 1 here): the batch shell took that for a crash, 'failed with 1: not requeueing',
+    and the job ended FAILED before Slurm's requeue. It now reads PreemptTime and requeues."""
+    job = sbatch(tmp_path, "wait", ["--output_dir", str(tmp_path / "out")], FAKE_EXIT_AFTER="1", STATE_SETTLE_S="2")
+    try:
+        wait_for(lambda: ready(tmp_path), 90, "the stand-in launcher")
+        slurm(tmp_path, "scontrol", "_grace", "4242")
+        text = job.communicate(timeout=30)[0]
+    finally:
+        job.kill()
+    assert "got SIGTERM" in (tmp_path / "fake.log").read_text(), text  # the step's TERM, not the batch shell's
+    assert "a preemption (GraceTime), exit 1: scontrol requeue 4242" in text, text
+    assert requeues(tmp_path) == ["requeue 4242"] and job.returncode == 0, text
+
+
 def test_a_stop_asked_then_the_time_limit_waits_for_the_save_and_is_not_requeued(tmp_path):
     """`scancel --batch --signal=USR2`, then the time limit's SIGTERM while the ranks save: the batch shell keeps
     waiting for them (it used to exit 0 inside its TERM trap, before the save's end, whatever the save did), ends
