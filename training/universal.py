@@ -79,6 +79,12 @@ HEARTBEAT_S = 30.0  # the lock's owner touches it this often while it converts
 STALE_S = 600.0  # a lock untouched this long is taken over: 20 missed heartbeats, far above NFS's 60 s attribute
 # cache and clock skew between nodes; a suspended job (scontrol suspend) past it loses the lock, not its files
 WAIT_EVERY_S = 5.0  # how often a job waiting for another's conversion looks for its DONE (by name)
+CONVERTER = "deepspeed.checkpoint.ds_to_universal"
+# The converter runs with SIGUSR1 / SIGUSR2 ignored (its worker pool inherits that): a save request sent to every
+# process of a Slurm step (`--signal=USR1@T` without B:, `scancel --signal=USR2` without --batch) killed it, a
+# traceback and exit 1 (a crash requeue that excluded a healthy node). The rank takes the request itself, after.
+_CHILD = ("import runpy, signal, sys; [signal.signal(s, signal.SIG_IGN) for s in (signal.SIGUSR1, signal.SIGUSR2)]; "
+          "m = sys.argv.pop(1); sys.argv[0] = m; runpy.run_module(m, run_name='__main__', alter_sys=True)")
 KEY = re.compile(r"^[0-9a-f]{24}$")
 
 
@@ -323,6 +329,13 @@ def prepare(ckpt: str, saved_world: int, world: int | None, output_dir: str, dea
     except subprocess.TimeoutExpired as e:
         return {"requeue": f"the universal conversion of {ckpt} was stopped after {e.timeout / 60:.0f} min, before the "
                            "job's end (its time is recorded for the next estimate): exiting 75 to be requeued"}
+    except subprocess.CalledProcessError as e:  # killed by a signal: Slurm ending the job's steps (the time
+        if e.returncode >= 0:  # limit, a preemption, srun's --kill-on-bad-exit), a stop, not a crash
+            raise
+        import signal
+
+        return {"requeue": f"the universal conversion of {ckpt} was ended by {signal.Signals(-e.returncode).name} "
+                           "(the job's processes are being stopped): exiting 75 to be requeued"}
     finally:
         lock.release()
 
@@ -338,7 +351,7 @@ def convert(ckpt: str, out: str, sid: str | None, nbytes: int, timeout: float | 
     os.makedirs(tmp)
     t0 = time.time()
     try:
-        subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", ckpt,
+        subprocess.run([sys.executable, "-c", _CHILD, CONVERTER, "--input_folder", ckpt,
                         "--output_folder", os.path.join(tmp, tag), "--num_extract_workers", "2",
                         "--num_merge_workers", "1", "--inject_missing_state"],
                        check=True, stdout=subprocess.DEVNULL, timeout=timeout)

@@ -198,6 +198,23 @@ def test_an_array_task_requeues_itself_and_srun_starts_one_launcher_a_node(tmp_p
     assert sorted(ln.split(":")[0] for ln in starts) == ["node 0", "node 1"], starts
 
 
+def test_a_wrapper_that_slurm_would_signal_instead_is_refused_in_one_line(tmp_path):
+    """`sbatch --wrap "bash scripts/slurm.sbatch ..."` or a script that runs it without exec: Slurm signals the process
+    it started (SLURM_TASK_PID), the wrapper, which dies of the warning or the TERM and takes this shell with it (no
+    save, no requeue; slurmstepd SIGKILLs what is left), and the #SBATCH lines (--requeue, the warning) are not these.
+    It used to run; it is refused in one line. `exec` from a wrapper keeps the pid and runs."""
+    for how, code in (("bash", 2), ("exec bash", 0)):
+        wrapper = tmp_path / "wrap.sh"
+        wrapper.write_text(f'#!/bin/sh\n{how} {SBATCH_SCRIPT} "$@"\n')
+        e = clean_env(PATH=f"{STUBS}:{os.environ['PATH']}", SLURM_SUBMIT_DIR=str(tmp_path), PYTHONPATH=ROOT,
+                      SCONTROL_LOG=str(tmp_path / "scontrol.log"), FAKE_LOG=str(tmp_path / "fake.log"), FAKE_EXIT="0",
+                      FAKE_COMPLETE=str(tmp_path / "out" / "COMPLETE"), LAUNCH_CMD=os.path.join(STUBS, "fake_launch"))
+        p = subprocess.run(["sbatch", str(wrapper), "--output_dir", str(tmp_path / "out")], cwd=tmp_path, env=e,
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == code, p.stdout + p.stderr
+        assert ("not by Slurm (sbatch --wrap, or a script without exec)" in p.stdout) == (code == 2), p.stdout
+
+
 def test_a_nodes_exit_record_seen_late_does_not_exclude_it(tmp_path):
     """Both nodes saved and exited 75, but node 1's record reaches the batch host's view of the shared file system 3 s
     late: slurm.sbatch looks for it again by name (STATE_SETTLE_S) and requeues plainly; it used to declare node 1

@@ -15,6 +15,7 @@ import types
 
 import pytest
 
+from tests.conftest import ROOT
 from training.checkpoint import MANIFEST, POINTER, Checkpointer, tag_for
 
 
@@ -284,6 +285,23 @@ def test_conversion_that_overruns_its_estimate_is_stopped_before_the_job_ends(tm
     assert len(seen) == 1 and 200 < seen[0] < 600 - 300  # ends before the job does, with a save's time to spare
     rate = json.loads((tmp_path / "universal" / universal.RATE).read_text())
     assert rate["finished"] is False and "was stopped after" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("signals, code", [("USR1 USR2", 0), ("TERM", 75)])
+def test_a_step_wide_signal_does_not_crash_the_conversion(tmp_path, monkeypatch, capsys, signals, code):
+    """Slurm signals every process of a step (`--signal=USR1@T` without B:, `scancel --signal=USR2`, the time limit's
+    or a preemption's TERM): the converter, a child of the rank, died of a save request (a traceback, exit 1, a crash
+    requeue). It now ignores USR1 / USR2 (the rank takes the request itself), and a TERM that kills it is a stop:
+    exit 75, requeued. A real child process (tests/workers/fake_ds_to_universal.py signals itself)."""
+    from training import universal
+
+    monkeypatch.setattr(universal, "CONVERTER", "tests.workers.fake_ds_to_universal")
+    monkeypatch.setenv("FAKE_SIGNALS", signals)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    ck = Checkpointer(str(tmp_path), keep=3)
+    path = save_from_world(ck, 4, world=2)
+    assert _exit_code(monkeypatch, lambda: ck.load(LoadEngine(), path) and 0) == code
+    assert code == 0 or "was ended by SIGTERM" in capsys.readouterr().err
 
 
 def test_a_file_the_loading_rank_cannot_see_yet_is_looked_for_again(tmp_path):
