@@ -215,6 +215,19 @@ def test_a_wrapper_that_slurm_would_signal_instead_is_refused_in_one_line(tmp_pa
         assert ("not by Slurm (sbatch --wrap, or a script without exec)" in p.stdout) == (code == 2), p.stdout
 
 
+@pytest.mark.parametrize("narrow", ["features=h100", "req_nodes=127.0.0.1,localhost"])
+def test_a_job_asking_for_its_nodes_is_requeued_without_an_exclusion(tmp_path, narrow):
+    """A lost node of a job submitted with -C h100 (Features) or -w (ReqNodeList): the partition's node count says
+    nothing of the nodes such a job may run on, and the exclusion left it pending forever (BadConstraints,
+    ReqNodeNotAvail), unsaid. It is now requeued with them, and says so."""
+    (tmp_path / "scontrol.log.state").write_text(narrow + "\n")
+    job = sbatch(tmp_path, "0", ["--output_dir", str(tmp_path / "out")],
+                 **dict(TWO_NODES, FAKE_EXIT_1="kill", FAKE_EXIT_0="wait", FAKE_EXIT_AFTER="143", FAKE_AFTER_READY="0"))
+    text = job.communicate(timeout=60)[0]
+    assert job.returncode == 0 and requeues(tmp_path) == ["requeue 4242"], text
+    assert "not excluding localhost: the job asks for its nodes" in text, text
+
+
 def test_a_nodes_exit_record_seen_late_does_not_exclude_it(tmp_path):
     """Both nodes saved and exited 75, but node 1's record reaches the batch host's view of the shared file system 3 s
     late: slurm.sbatch looks for it again by name (STATE_SETTLE_S) and requeues plainly; it used to declare node 1
