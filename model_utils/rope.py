@@ -1,12 +1,25 @@
 """RoPE settings per stage, applied through transformers' own `rope_parameters` (transformers 5), so the
 rotary embedding is computed by transformers' implementations and an exported model carries them.
 
-Supported `rope_type`s: default (with a raised `rope_theta`: ABF), linear (position interpolation),
-dynamic (NTK), yarn, llama3. Formulas: transformers.modeling_rope_utils.
-
-`dynamic` is refused under sequence parallelism: transformers rescales its frequencies from the largest
-position id in the forward, and under Ulysses each rank computes RoPE on its own shard of the sequence
-(before the all-to-all), so the ranks would rotate one sequence with different frequencies.
+Supported stage `rope_type`s: default (with a raised `rope_theta`: ABF), linear (position interpolation),
+dynamic (NTK), yarn, llama3. Formulas: transformers.modeling_rope_utils. `stage_rope` computes what a stage runs with
+from the model's own settings (its text config's, for a composite config: Qwen3.5, Gemma 3, Llama 4):
+- the legacy key `type` (Qwen2.5's own YaRN block writes it) is read as `rope_type` (it was ignored: no scaling);
+- the same type: the model's fields merged with the stage's (gpt-oss keeps beta_fast / beta_slow, llama3 its
+  factors); another type keeps `rope_theta`, `partial_rotary_factor` (Phi-4-mini, Qwen3-Next, GLM-4 rotate part of a
+  head: dropped, every dimension rotated from the first step) and the model's `original_max_position_embeddings`
+  (its pretraining length), and says once what scaling of the model's it replaces;
+- yarn needs `original_max_position_embeddings` from the stage or the model: `max_position_embeddings` is often a
+  length the model was already extended to (Qwen2.5 base 131072 for a native 32768, Mistral Nemo 1024000), and
+  yarn over it stretched some frequencies too little (up to 3.9x too fast a rotation);
+- a model with RoPE per layer type (Gemma 3, OLMo 3: `{full_attention: {...}, sliding_attention: {...}}`) takes the
+  stage's per type too (`rope: {full_attention: {...}}`); a flat one was merged where no layer reads it (no scaling,
+  while hf_config.json showed the stage's theta) or, for another type, crashed at the stage's engine build;
+- `dynamic` and `longrope` (Phi-3 / 3.5 / 4-mini) choose their frequencies from the largest position in each
+  forward: under sequence parallelism each rank computes RoPE on its own shard (before the all-to-all), so the ranks
+  would rotate one sequence differently: refused at SP > 1. `dynamic` keeps the model's max_position_embeddings (its
+  threshold: raised to the stage's length, it never scaled), longrope its `factor` (raising max_position_embeddings
+  changed its attention scaling at every position).
 """
 
 from __future__ import annotations
@@ -21,17 +34,34 @@ ROPE_TYPES = {
     "yarn": {"factor"},
     "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
 }
+KEEP = ("rope_theta", "partial_rotary_factor", "original_max_position_embeddings")  # what a change of type keeps
+PER_SHARD = ("dynamic", "longrope")  # frequencies from each forward's largest position
+
+
+def normalized(rope: dict, where: str) -> dict:
+    """`rope` with the legacy `type` read as `rope_type` (one-line ValueError when both are given and disagree)."""
+    rope = dict(rope)
+    if "type" in rope:
+        legacy = rope.pop("type")
+        if rope.setdefault("rope_type", legacy) != legacy:
+            raise ValueError(f"{where}: type {legacy!r} and rope_type {rope['rope_type']!r} disagree: give rope_type")
+    return rope
+
+
+def _per_shard(kind: str, where: str, sp: int) -> None:
+    if kind in PER_SHARD and sp > 1:
+        raise ValueError(f"{where}: rope_type {kind} scales each rank's frequencies from the positions of its own "
+                         f"sequence shard, so under sequence_parallel_size {sp} the ranks would disagree: use yarn "
+                         "or linear, or sequence_parallel_size 1")
 
 
 def check_rope(rope: dict, where: str, sp: int = 1) -> None:
-    """One-line ValueError for a RoPE setting that cannot work (at SP degree `sp`)."""
+    """One-line ValueError for a stage's RoPE setting that cannot work (at SP degree `sp`)."""
+    rope = normalized(rope, where)
     kind = rope.get("rope_type", "default")
     if kind not in ROPE_TYPES:
         raise ValueError(f"{where}: rope_type {kind!r} is not supported: use one of {sorted(ROPE_TYPES)}")
-    if kind == "dynamic" and sp > 1:
-        raise ValueError(f"{where}: rope_type dynamic scales each rank's frequencies from the positions of its own "
-                         f"sequence shard, so under sequence_parallel_size {sp} the ranks would disagree: use yarn "
-                         "or linear, or sequence_parallel_size 1")
+    _per_shard(kind, where, sp)
     missing = ROPE_TYPES[kind] - set(rope)
     if missing:
         raise ValueError(f"{where}: rope_type {kind} needs {sorted(missing)}")
@@ -41,17 +71,79 @@ def check_rope(rope: dict, where: str, sp: int = 1) -> None:
         raise ValueError(f"{where}: rope factor must be >= 1 (it stretches the context), got {rope['factor']}")
 
 
+def nested(params) -> bool:
+    """RoPE per layer type (Gemma 3, OLMo 3): {layer type: its parameters}."""
+    return bool(params) and all(isinstance(v, dict) for v in params.values())
+
+
+def text_config(hf_config):
+    """The config that holds the decoder's RoPE (a composite config's text config)."""
+    return hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+
+
+def stage_rope(config, rope: dict | None, where: str = "rope", sp: int = 1) -> tuple[dict, list[str]]:
+    """(the rope_parameters a stage runs with, the notes to say once) from the model's text config `config` and the
+    stage's `rope` (None: the model's own); one-line ValueError for what cannot work at SP degree `sp`."""
+    base = dict(getattr(config, "rope_parameters", None) or {})
+    if not nested(base):
+        if rope is not None and nested(rope):
+            raise ValueError(f"{where}: a rope per layer type ({', '.join(rope)}), and the model has one RoPE for "
+                             "every layer: give it flat")
+        return _one(config, base, rope, where, sp)
+    if rope is not None and not (nested(rope) and set(rope) <= set(base)):
+        first = next(iter(base))
+        raise ValueError(f"{where}: the model sets RoPE per layer type ({', '.join(base)}): give the stage's per type, "
+                         f"e.g. rope: {{{first}: {{rope_type: default, rope_theta: ...}}}} (a flat one reaches no layer)")
+    out, notes = {}, []
+    for kind, params in base.items():
+        out[kind], said = _one(config, dict(params), (rope or {}).get(kind), f"{where} ({kind})", sp)
+        notes += said
+    return out, notes
+
+
+def _one(config, base: dict, rope: dict | None, where: str, sp: int) -> tuple[dict, list[str]]:
+    base, notes = normalized(base, where), []
+    if rope is None:
+        out = base
+        _per_shard(out.get("rope_type", "default"), where.replace("rope", "the model's rope_parameters", 1), sp)
+    else:
+        rope = normalized(rope, where)
+        check_rope(rope, where, sp)
+        kind, had = rope.get("rope_type", "default"), base.get("rope_type", "default")
+        out = base if kind == had else {k: base[k] for k in KEEP if k in base}
+        out = {**out, **rope}
+        if kind != had and had != "default":
+            notes.append(f"{where}: the model's rope_type {had} ({_fields(base)}) is replaced by {kind} "
+                         f"({_fields(rope)}): its own scaling is not kept")
+    kind = out.get("rope_type", "default")
+    top = getattr(config, "original_max_position_embeddings", None)  # Phi-3 keeps it at the top level
+    if kind == "yarn" and "original_max_position_embeddings" not in out and rope is not None:
+        if not top:
+            raise ValueError(f"{where}: rope_type yarn needs original_max_position_embeddings, the length the model "
+                             f"was pretrained at (max_position_embeddings, {config.max_position_embeddings}, is "
+                             "often one it was already extended to: Qwen2.5's 131072 for a native 32768)")
+        out["original_max_position_embeddings"] = top
+    if kind in ("llama3", "linear", "dynamic"):
+        out.setdefault("original_max_position_embeddings", top or config.max_position_embeddings)
+    if kind == "longrope" and "factor" not in out:  # its attention scaling, fixed before the table grows
+        orig = out.get("original_max_position_embeddings") or top or config.max_position_embeddings
+        out["factor"] = config.max_position_embeddings / orig
+    return out, notes
+
+
+def _fields(params: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in params.items() if k != "rope_type" and not isinstance(v, list)) or "-"
+
+
 def apply_rope(hf_config, rope: dict | None, max_seq_length: int) -> None:
-    """Merge a stage's RoPE settings into the model config (in place) and size the position table."""
-    if rope:
-        base = dict(hf_config.rope_parameters or {})
-        if rope.get("rope_type", "default") != base.get("rope_type", "default"):
-            base = {"rope_theta": base.get("rope_theta", 10000.0)}  # drop the old type's own fields
-        hf_config.rope_parameters = {**base, **rope}
-        if rope.get("rope_type") in ("yarn", "llama3", "linear", "dynamic"):
-            hf_config.rope_parameters.setdefault("original_max_position_embeddings",
-                                                 hf_config.max_position_embeddings)
-    hf_config.max_position_embeddings = max(hf_config.max_position_embeddings, max_seq_length)
+    """Set a stage's RoPE on the model config (in place, its text config's for a composite one: checked at start-up
+    by stage_rope with the stage's SP degree) and size the position table (not past a dynamic model's threshold)."""
+    config = text_config(hf_config)
+    params, _ = stage_rope(config, rope)
+    config.rope_parameters = params
+    kinds = {p.get("rope_type") for p in (params.values() if nested(params) else [params])}
+    if "dynamic" not in kinds:
+        config.max_position_embeddings = max(config.max_position_embeddings, max_seq_length)
 
 
 ARCH_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",

@@ -103,7 +103,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def settings(a: argparse.Namespace) -> dict:
     """The flags checked and parsed (lengths, tasks, depths, RoPE); one-line ValueError."""
 
-    from model_utils.rope import check_rope
+    from model_utils.rope import check_rope, nested
     from training.config_types import yaml_text
     from training.eval_settings import eval_value
 
@@ -115,7 +115,7 @@ def settings(a: argparse.Namespace) -> dict:
         rope = yaml_text(text, f"{flag} {text!r}") if text else None
         if text and not isinstance(rope, dict):
             raise ValueError(f"{flag} {text!r}: use a mapping such as '{{rope_type: yarn, factor: 4.0}}'")
-        if rope:
+        if rope and not nested(rope):  # per layer type: checked against the model (stage_rope)
             check_rope(rope, flag, a.sequence_parallel_size)
         ropes.append(rope)
     if a.compare_rope and not a.compare:
@@ -197,7 +197,7 @@ def check_source(src: dict, a: argparse.Namespace, s: dict, world: int, rope: di
     from base.parallel import check_layout, split_sp
     from data.tokenizer import Tokenizer
     from model_utils.families import check_config
-    from model_utils.rope import check_rope
+    from model_utils.rope import stage_rope
     from training.evaluation import task_trials, trial
 
     where = f"{src['path']}"
@@ -213,8 +213,7 @@ def check_source(src: dict, a: argparse.Namespace, s: dict, world: int, rope: di
         check_layout(world, a.sequence_parallel_size, arch.num_attention_heads, arch.num_key_value_heads,
                      min(s["lengths"]), src["cp"], node)
         check_config(config, src["attn"])
-        if not rope and (config.rope_parameters or {}).get("rope_type") == "dynamic":
-            check_rope(config.rope_parameters, "the model's rope_parameters", a.sequence_parallel_size)
+        stage_rope(arch, rope or None, "--rope" if rope else "rope", a.sequence_parallel_size)  # as it will run
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     if tok.vocab_size > arch.vocab_size:

@@ -9,12 +9,14 @@ left unset inherit the run's. `locate(stages, global_step)` is a pure function o
 from __future__ import annotations
 
 import dataclasses
+import types
 from dataclasses import dataclass, field
 
 from base.host import job_ranks_per_node
+from base.log import print0
 from base.parallel import check_layout, split_sp
 from data.replay import parse_replay
-from model_utils.rope import check_rope
+from model_utils.rope import stage_rope
 from training.config import Config, StageConfig
 from training.config_types import typed
 from training.eval_settings import stage_eval
@@ -264,24 +266,26 @@ def resolve_stages(cfg: Config, dp_of_sp, budget=None) -> list[Stage]:
 
 
 def check_stages(stages: list[Stage], world: int, num_heads: int, num_kv_heads: int,
-                 model_rope: dict | None = None, ranks_per_node: int = 0) -> list[Stage]:
+                 model=None, ranks_per_node: int = 0) -> list[Stage]:
     """Every stage's layout and RoPE are possible on `world` ranks (one-line ValueError otherwise); returns the
     stages with their SP split into ulysses x cp (`cp: auto`: Ulysses as large as the heads and a node of
-    `ranks_per_node` allow, base.parallel.split_sp). A stage without its own `rope` keeps the model's
-    (`model_rope`, the config's rope_parameters), which must suit its SP degree."""
-    out = []
+    `ranks_per_node` allow, base.parallel.split_sp). Each stage's RoPE is computed from the model's (`model`: its
+    text config, or its rope_parameters as a dict) as the stage will run it (model_utils/rope.stage_rope: a stage
+    without its own `rope` keeps the model's, which must suit its SP degree); what it replaces is said once."""
+    if model is None or isinstance(model, dict):
+        model = types.SimpleNamespace(rope_parameters=model or {}, max_position_embeddings=0)
+    out, notes = [], []
     for s in stages:
         try:
             _, cp = split_sp(s.sp, num_heads, num_kv_heads, ranks_per_node or None, s.cp)
             s = dataclasses.replace(s, cp=cp)
             check_layout(world, s.sp, num_heads, num_kv_heads, s.max_seq_length, s.cp, ranks_per_node or None)
-            if s.rope:
-                check_rope(s.rope, "rope", s.sp)
-            elif (model_rope or {}).get("rope_type") == "dynamic":
-                check_rope(model_rope, "the model's rope_parameters", s.sp)
+            notes += [f"stage {s.index} ({s.name}): {n}" for n in stage_rope(model, s.rope or None, "rope", s.sp)[1]]
         except ValueError as e:
             raise ValueError(f"stage {s.index} ({s.name}): {e}") from None
         out.append(s)
+    for line in dict.fromkeys(notes):
+        print0(f"note: {line}")
     return out
 
 

@@ -65,8 +65,7 @@ def _stages(cfg: Config, model: Model, world: int) -> list[Stage]:
         stages = [dataclasses.replace(s, cp=1) if s.cp in ("auto", None) else s for s in stages]
         for s in stages:
             linear_attention.check_layout(a, s.sp, int(s.cp))
-    return check_stages(stages, world, a.num_attention_heads, a.num_key_value_heads, a.rope_parameters,
-                        gpus_per_node(cfg))
+    return check_stages(stages, world, a.num_attention_heads, a.num_key_value_heads, a, gpus_per_node(cfg))
 
 
 def dry_run(cfg: Config, model: Model) -> None:

@@ -143,6 +143,6 @@ def test_a_dynamic_model_without_stage_rope_is_refused_under_sp():
 
     cfg = Config(stages=[StageConfig(name="s", max_seq_length=128, sequence_parallel_size=2)])
     stages = resolve_stages(cfg, dp_of_sp=lambda sp: 2 // sp)
-    check_stages(stages, world=2, num_heads=4, num_kv_heads=2, model_rope={"rope_type": "default", "rope_theta": 1e4})
+    check_stages(stages, world=2, num_heads=4, num_kv_heads=2, model={"rope_type": "default", "rope_theta": 1e4})
     with pytest.raises(ValueError, match=r"^stage 0 \(s\): the model's rope_parameters: rope_type dynamic"):
-        check_stages(stages, world=2, num_heads=4, num_kv_heads=2, model_rope={"rope_type": "dynamic", "factor": 2.0})
+        check_stages(stages, world=2, num_heads=4, num_kv_heads=2, model={"rope_type": "dynamic", "factor": 2.0})

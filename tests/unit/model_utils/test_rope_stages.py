@@ -1,0 +1,113 @@
+"""A stage's RoPE as the model's config brings it (model_utils/rope.stage_rope / apply_rope), checked through
+transformers' own rotary computation on tiny configs of the real families, no launch: the legacy `type` key, a
+partial rotary share kept across a change of type, RoPE per layer type (Gemma 3), a composite config's text config,
+yarn's pretraining length, longrope's and dynamic's per-forward frequencies. Each case was wrong or a crash before
+(a helper's audit, reproduced): the comment names what the old code did."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from model_utils.rope import apply_rope, stage_rope
+from training.config import Config, StageConfig
+from training.curriculum import check_stages, resolve_stages
+
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+            vocab_size=128, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+
+
+def inv_freq(config, layer_type=None) -> torch.Tensor:
+    """What the model's rotary embedding computes from the config (transformers' init functions)."""
+    params = config.rope_parameters if layer_type is None else config.rope_parameters[layer_type]
+    kind = params.get("rope_type", "default")
+    if kind == "default":
+        head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        base, dim = params["rope_theta"], int(head * params.get("partial_rotary_factor", 1.0))
+        return 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    return ROPE_INIT_FUNCTIONS[kind](config, "cpu", layer_type=layer_type)[0].double()
+
+
+def qwen25(**kw):
+    return AutoConfig.for_model("qwen2", **TINY, rope_theta=1e6, max_position_embeddings=131072, **kw)
+
+
+def test_the_legacy_type_key_is_read():
+    """{type: yarn} (Qwen2.5's own YaRN block): merged as an unknown key, no scaling at all."""
+    c = qwen25()
+    apply_rope(c, {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}, 131072)
+    ref = qwen25()
+    apply_rope(ref, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}, 131072)
+    assert c.rope_parameters == ref.rope_parameters and "type" not in c.rope_parameters
+    assert not torch.allclose(inv_freq(c), inv_freq(qwen25()))
+    with pytest.raises(ValueError, match="type 'yarn' and rope_type 'linear' disagree"):
+        apply_rope(qwen25(), {"type": "yarn", "rope_type": "linear", "factor": 4.0}, 131072)
+
+
+def test_a_change_of_type_keeps_the_share_of_the_head_that_rotates():
+    """Phi-4-mini rotates 3/4 of each head (partial_rotary_factor 0.75): an ABF stage dropped it, every dimension
+    rotated from the first step."""
+    c = AutoConfig.for_model("phi3", **TINY, partial_rotary_factor=0.75, max_position_embeddings=131072,
+                             original_max_position_embeddings=4096,
+                             rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 6, "long_factor": [4.0] * 6})
+    rotated = len(inv_freq(c))
+    apply_rope(c, {"rope_type": "default", "rope_theta": 8e6}, 262144)
+    assert c.rope_parameters["partial_rotary_factor"] == 0.75 and len(inv_freq(c)) == rotated == 6
+
+
+def test_rope_per_layer_type_takes_the_stage_per_type():
+    """Gemma 3: {full_attention, sliding_attention}. A flat stage was merged where no layer reads it (the full layers
+    kept 1e6 while hf_config.json said 8e6); now refused in one line, and a stage per type reaches its layers."""
+    c = AutoConfig.for_model("gemma3_text", **TINY, head_dim=16)
+    local = inv_freq(c, "sliding_attention")
+    with pytest.raises(ValueError, match=r"^rope: the model sets RoPE per layer type .*give the stage's per type"):
+        apply_rope(c, {"rope_type": "default", "rope_theta": 8e6}, 4096)
+    apply_rope(c, {"full_attention": {"rope_type": "default", "rope_theta": 8e6}}, 4096)
+    assert c.rope_parameters["full_attention"]["rope_theta"] == 8e6
+    assert torch.equal(inv_freq(c, "sliding_attention"), local)
+    assert torch.allclose(inv_freq(c, "full_attention")[-1], torch.tensor(8e6 ** (-14 / 16), dtype=torch.float64))
+
+
+def test_a_composite_config_sets_its_text_configs_rope():
+    """Gemma 3 (4B+) and Qwen3.5 are composite: apply_rope read rope_parameters on the outer config, an
+    AttributeError at the first stage's engine build (after --dry_run passed)."""
+    c = AutoConfig.for_model("gemma3", text_config=dict(TINY, head_dim=16))
+    apply_rope(c, {"full_attention": {"rope_type": "linear", "factor": 8.0}}, 8192)
+    text = c.get_text_config()
+    assert text.rope_parameters["full_attention"]["rope_type"] == "linear" and text.max_position_embeddings >= 8192
+
+
+def test_yarn_needs_the_length_the_model_was_pretrained_at():
+    """Qwen2.5 base says max_position_embeddings 131072 for a native 32768: yarn over it rotated 23 of 64 frequencies
+    up to 3.9x too fast. Without the model's own original length the stage must give it; Llama 3.1's 8192 is kept
+    across a change of type, and the replaced llama3 scaling is said."""
+    with pytest.raises(ValueError, match="rope_type yarn needs original_max_position_embeddings"):
+        stage_rope(qwen25(), {"rope_type": "yarn", "factor": 8.0})
+    llama31 = AutoConfig.for_model("llama", **TINY, max_position_embeddings=131072, rope_theta=5e5, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192})
+    params, notes = stage_rope(llama31, {"rope_type": "yarn", "factor": 32.0})
+    assert params["original_max_position_embeddings"] == 8192 and params["rope_theta"] == 5e5
+    assert len(notes) == 1 and "rope_type llama3" in notes[0] and "replaced by yarn" in notes[0]
+
+
+def test_per_forward_frequencies_are_refused_under_sp_and_keep_their_own_scale():
+    """longrope (Phi-3 / 4-mini) picks short or long factors from each forward's largest position: under Ulysses each
+    rank decides on its own shard (was accepted at SP 2). Its attention scaling followed the raised
+    max_position_embeddings (1.19 at 128k, 1.29 at 1M), now its factor is pinned; dynamic's threshold is not raised
+    (it never scaled)."""
+    phi3 = AutoConfig.for_model("phi3", **TINY, max_position_embeddings=131072, original_max_position_embeddings=4096,
+                                rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [4.0] * 8})
+    stages = resolve_stages(Config(stages=[StageConfig(name="s", max_seq_length=262144, sequence_parallel_size=2)]),
+                            dp_of_sp=lambda sp: 2 // sp)
+    with pytest.raises(ValueError, match=r"^stage 0 \(s\): the model's rope_parameters: rope_type longrope"):
+        check_stages(stages, world=2, num_heads=4, num_kv_heads=2, model=phi3)
+    scale = ROPE_INIT_FUNCTIONS["longrope"](phi3, "cpu")[1]
+    apply_rope(phi3, None, 1 << 20)
+    assert phi3.max_position_embeddings == 1 << 20 and ROPE_INIT_FUNCTIONS["longrope"](phi3, "cpu")[1] == scale
+    dyn = qwen25()
+    dyn.max_position_embeddings = 32768
+    apply_rope(dyn, {"rope_type": "dynamic", "factor": 4.0}, 131072)
+    assert dyn.max_position_embeddings == 32768  # its threshold: raised to the stage's length, it never scaled
