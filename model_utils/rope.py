@@ -24,6 +24,7 @@ from the model's own settings (its text config's, for a composite config: Qwen3.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 
@@ -34,6 +35,15 @@ ROPE_TYPES = {
     "yarn": {"factor"},
     "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
 }
+OPTIONAL = {  # the other keys transformers reads for each type (modeling_rope_utils' _validate_*_rope_parameters)
+    "default": set(),
+    "linear": {"original_max_position_embeddings"},
+    "dynamic": {"original_max_position_embeddings"},
+    "yarn": {"original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
+             "mscale_all_dim", "truncate"},
+    "llama3": set(),
+}
+COMMON = {"rope_type", "rope_theta", "partial_rotary_factor"}
 KEEP = ("rope_theta", "partial_rotary_factor", "original_max_position_embeddings")  # what a change of type keeps
 PER_SHARD = ("dynamic", "longrope")  # frequencies from each forward's largest position
 
@@ -65,6 +75,11 @@ def check_rope(rope: dict, where: str, sp: int = 1) -> None:
     missing = ROPE_TYPES[kind] - set(rope)
     if missing:
         raise ValueError(f"{where}: rope_type {kind} needs {sorted(missing)}")
+    known = COMMON | ROPE_TYPES[kind] | OPTIONAL[kind]
+    for key in sorted(set(rope) - known):  # a typo (`theta`) was carried along unused: the model's frequencies
+        near = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.5)
+        raise ValueError(f"{where}: {key!r} is no setting of rope_type {kind}" + (f" (did you mean {near[0]!r}?)"
+                         if near else "") + f": it takes {sorted(known - {'rope_type'})}")
     if "rope_theta" in rope and not rope["rope_theta"] > 0:
         raise ValueError(f"{where}: rope_theta must be > 0, got {rope['rope_theta']}")
     if "factor" in rope and not rope["factor"] >= 1:

@@ -46,6 +46,16 @@ def test_the_legacy_type_key_is_read():
         apply_rope(qwen25(), {"type": "yarn", "rope_type": "linear", "factor": 4.0}, 131072)
 
 
+def test_a_key_no_rope_type_reads_is_refused_naming_the_nearest():
+    """`theta` for rope_theta (or `factr`, `betafast`) was carried along unused: the stage trained at the model's own
+    frequencies, the dry run showing the typo as if it applied (a helper's audit, reproduced)."""
+    with pytest.raises(ValueError, match=r"^rope: 'theta' is no setting of rope_type default \(did you mean 'rope_theta'"):
+        apply_rope(qwen25(), {"rope_type": "default", "theta": 1e6}, 131072)
+    with pytest.raises(ValueError, match=r"'betafast' is no setting of rope_type yarn \(did you mean 'beta_fast'"):
+        stage_rope(qwen25(), {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768,
+                              "betafast": 16})
+
+
 def test_a_change_of_type_keeps_the_share_of_the_head_that_rotates():
     """Phi-4-mini rotates 3/4 of each head (partial_rotary_factor 0.75): an ABF stage dropped it, every dimension
     rotated from the first step."""
