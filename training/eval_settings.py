@@ -5,6 +5,8 @@ runs them at each stage's end).
 
 from __future__ import annotations
 
+import difflib
+
 EVAL_KEYS = {"eval_heldout_samples": "heldout_samples", "eval_tasks": "tasks", "eval_passkey_trials": "passkey_trials",
              "eval_depths": "depths", "eval_lengths": "lengths"}  # run key / flag -> a stage's eval block key
 
@@ -77,5 +79,10 @@ def stage_eval(cfg, own: dict | None, where: str) -> dict:
     --no-eval neither held-out loss nor tasks."""
     if not isinstance(own or {}, dict):
         raise ValueError(f"{where}: eval must be a mapping like {{heldout_samples: 2, depths: [0.1, 0.5, 0.9]}}")
+    for k in own or {}:  # a typo (passkey_trial, depth) was kept unread: the stage evaluated with the defaults
+        if k not in EVAL_KEYS.values():
+            near = difflib.get_close_matches(k, list(EVAL_KEYS.values()), n=1)
+            raise ValueError(f"{where}.{k}: no such eval setting" + (f" (did you mean {near[0]}?)" if near else "")
+                             + f"; the keys are {list(EVAL_KEYS.values())}")
     block = {**run_eval(cfg), **{k: eval_value(k, v, f"{where}.{k}") for k, v in (own or {}).items()}}
     return {**block, "heldout_samples": 0, "tasks": []} if cfg.eval is False else block

@@ -74,3 +74,8 @@ def test_bad_stage_eval_block_fails_in_one_line(tmp_path):
     recipe.write_text("eval: {heldout_samples: 2}\n")
     with pytest.raises(ValueError, match=r"eval: \{'heldout_samples': 2\}: use true or false at the top level"):
         parse_config(["--config", str(recipe)])
+    # a misspelt key was kept unread and the stage evaluated with the defaults (a helper's audit)
+    recipe.write_text("stages:\n  - {name: a, eval: {passkey_trial: 9}}\n")
+    with pytest.raises(ValueError, match=r"stages\[0\]\.eval\.passkey_trial: no such eval setting \(did you mean "
+                                         r"passkey_trials\?\)"):
+        resolve_stages(parse_config(["--config", str(recipe)]), dp_of_sp=lambda sp: 1)
