@@ -26,7 +26,8 @@ class StageConfig:
 
     name: str = ""
     max_seq_length: int | None = None  # tokens per sample in this stage
-    sequence_parallel_size: int | None = None  # SP degree of this stage (may grow stage to stage)
+    sequence_parallel_size: int | str | None = None  # SP degree of this stage (may grow stage to stage); auto: the
+    # smallest that fits (memory_features auto)
     context_parallel_size: int | str | None = None  # cp factor of this stage's SP (ulysses = sp / cp); None: the run's
     rope: dict | None = None  # transformers `rope_parameters` for this stage (rope_type, rope_theta, factor, ...)
     learning_rate: float | None = None  # peak LR, re-warmed at the start of the stage

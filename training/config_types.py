@@ -16,7 +16,8 @@ import dataclasses
 
 import yaml
 
-AUTO_OR_INT = ("context_parallel_size", "attention_head_chunks")  # declared str ("auto"), an int from a recipe
+AUTO_OR_INT = ("context_parallel_size", "attention_head_chunks", "sequence_parallel_size")  # declared str ("auto"), an int from a recipe
+YES_NO = ("reset_position_ids",)  # auto | yes | no: YAML 1.1 reads a bare yes / no as a boolean
 HINTS = {"eval": "use true or false at the top level (a stage's settings go in its eval: block, the run's in "
                  "eval_heldout_samples, eval_tasks, eval_depths, ...)"}  # a key whose usual mistake has a fix to name
 _WANT = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string", "dict": "a mapping",
@@ -46,6 +47,8 @@ def typed(key: str, value, tp: str, where: str):
     elif isinstance(value, bool):
         if "bool" in kinds:
             return value
+        if key in YES_NO:  # `reset_position_ids: no` in a recipe (documented), read by YAML as false
+            return "yes" if value else "no"
     elif isinstance(value, dict | list):
         if type(value).__name__ in kinds:
             return value

@@ -100,14 +100,14 @@ def _resolve_memory(cfg: Config, s: StageConfig, i: int, sl: int, sp, world: int
         pinned["attention_head_chunks"] = 1 if chunks == "auto" else chunks
     if cfg.ring_attention or mode == "manual":  # auto: the ring only where the gathered K/V would not fit
         pinned["ring_attention"] = bool(cfg.ring_attention)
+    if sp != "auto" and (isinstance(sp, bool) or not isinstance(sp, int) or sp < 1):
+        raise ValueError(f"stage {i}: sequence_parallel_size {sp!r}: use an integer >= 1 or auto")
     if mode == "manual" and sp != "auto":
         return sp, {**pinned, "memory_choice": None}
     from planner import auto_features as af
     from planner.memory_model import Features, lean_mlp_applies, lean_norm_applies, load_shape
     from training.config import _load, _merge
 
-    if sp != "auto" and (not isinstance(sp, int) or sp < 1):
-        raise ValueError(f"stage {i}: sequence_parallel_size {sp!r}: use an integer >= 1 or auto")
     device, usable = budget()
     if device == "cuda" and "ring_attention" not in pinned and _gpu_without_flash(cfg):
         pinned["ring_attention"] = False  # auto never picks the ring that context_parallel.register would refuse

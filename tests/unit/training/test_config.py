@@ -108,6 +108,23 @@ def test_recipe_numbers_are_read_as_their_fields_declare(tmp_path):
     assert (cfg.context_parallel_size, cfg.attention_head_chunks) == (1, 4)
 
 
+def test_the_documented_auto_and_yes_no_values_are_read_from_a_recipe(tmp_path):
+    """A stage's `sequence_parallel_size: auto` (docs/memory.md) was refused as "not an integer", and
+    `reset_position_ids: no` as "not a string" (YAML 1.1 reads a bare no as false). A helper's audit, reproduced."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("reset_position_ids: no\nstages:\n  - {max_seq_length: 64, sequence_parallel_size: auto}\n"
+                      "  - {max_seq_length: 128, sequence_parallel_size: 2}\n")
+    cfg = parse_config(["--config", str(recipe)])
+    assert cfg.reset_position_ids == "no" and [s.sequence_parallel_size for s in cfg.stages] == ["auto", 2]
+    recipe.write_text("reset_position_ids: yes\n")
+    assert parse_config(["--config", str(recipe)]).reset_position_ids == "yes"
+    recipe.write_text("stages:\n  - {max_seq_length: 64, sequence_parallel_size: ten}\n")
+    from training.curriculum import resolve_stages
+
+    with pytest.raises(ValueError, match=r"^stage 0: sequence_parallel_size 'ten': use an integer >= 1 or auto$"):
+        resolve_stages(parse_config(["--config", str(recipe)]), dp_of_sp=lambda sp: 1)
+
+
 _WRONG = ["1e-4", "ten", 2.5, True, None, [1, 2], {"a": 1}]
 
 
