@@ -346,13 +346,27 @@ def _load(path: str) -> dict:
             ds = json.load(fh)
         except ValueError as e:  # JSONDecodeError: its words name no file
             raise ValueError(f"--deepspeed {path}: not valid JSON ({e})") from None
-    bad = "" if isinstance(ds, dict) else f"a {type(ds).__name__}, not an object of sections"
-    bad = bad or next((f"{k} is a {type(v).__name__}, not an object" for k, v in ds.items()
-                       if k in ("zero_optimization", "bf16", "fp16", "optimizer", "scheduler") and
-                       not isinstance(v, dict)), "")
-    if bad:
-        raise ValueError(f"--deepspeed {path}: {bad} (ds_configs/ holds examples)")
+    check_sections(ds, f"--deepspeed {path}")
     return ds
+
+
+SECTIONS = {"zero_optimization": ("offload_param", "offload_optimizer"), "bf16": (), "fp16": (),
+            "optimizer": ("params",), "scheduler": ("params",)}  # the objects (and objects in them) the code reads
+
+
+def check_sections(ds, where: str) -> None:
+    """A DeepSpeed config (a file, or one merged with a stage's deepspeed_overrides) is an object of sections, each an
+    object: one line naming the value, not an AttributeError inside the fill (`bf16: true` in an override was one)."""
+    bad = "" if isinstance(ds, dict) else f"a {type(ds).__name__}, not an object of sections"
+    for k, inner in SECTIONS.items():
+        if bad or k not in ds:
+            continue
+        v = ds[k]
+        bad = f"{k} is a {type(v).__name__}, not an object" if not isinstance(v, dict) else next(
+            (f"{k}.{i} is a {type(v[i]).__name__}, not an object" for i in inner if i in v and not isinstance(v[i], dict)),
+            "")
+    if bad:
+        raise ValueError(f"{where}: {bad} (ds_configs/ holds examples)")
 
 
 def no_gpu() -> bool:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from base.log import print0
 from base.parallel import ParallelDims
-from training.config import Config, _load, _merge, check_precision, no_gpu
+from training.config import Config, _load, _merge, check_precision, check_sections, no_gpu
 
 ADAM_BETAS = [0.9, 0.95]  # as ds_configs/*.json; no flag owns them
 ADAM_EPS = 1e-8
@@ -54,7 +54,11 @@ def build_ds_config(cfg: Config, dims: ParallelDims, bf16: bool, hidden_size: in
     `quiet`: no warnings (the start-up check of every stage, training/preflight.py, builds them all once)."""
     ds = _load(cfg.deepspeed)
     if overrides:
+        if "sequence_parallelism" in overrides:  # read from the file alone (settle_from_file): dropped, unsaid
+            raise ValueError(f"deepspeed_overrides: sequence_parallelism {overrides['sequence_parallelism']}: a stage's "
+                             "SP degree is its sequence_parallel_size")
         ds = _merge(ds, overrides)
+        check_sections(ds, f"--deepspeed {cfg.deepspeed} with the stage's deepspeed_overrides")
     check_precision(cfg, bf16, planning)
     ds.pop("sequence_parallelism", None)  # ours, read by settle_from_file; not a DeepSpeed key
     if ds.pop("scheduler", None) is not None and not quiet:
@@ -129,6 +133,11 @@ def validate(ds: dict, where: str) -> None:
         DeepSpeedConfig(probe, mpu=_OneReplica())
     except (ValueError, AssertionError, TypeError, KeyError) as e:
         raise ValueError(f"{where}: DeepSpeed rejects the config: {_one_line(e)}") from None
+    zero = ds.get("zero_optimization", {})
+    for part in ("offload_param", "offload_optimizer"):  # DeepSpeed's model takes nvme_path None, then zero.Init
+        if (zero.get(part) or {}).get("device") == "nvme" and not zero[part].get("nvme_path"):  # asserts on it
+            raise ValueError(f"{where}: zero_optimization.{part}.device nvme needs its nvme_path (a local NVMe "
+                             "folder on every node), or device cpu")
     name = ds.get("optimizer", {}).get("type")
     if name is not None:
         import torch

@@ -141,6 +141,26 @@ def test_sp_block_from_recipe_and_contradictions(tmp_path):
 
 # --- precision ---
 
+def test_a_stages_overrides_are_checked_as_the_file_is(tmp_path):
+    """A stage's deepspeed_overrides `bf16: true` (not an object) was an AttributeError traceback in the fill; its
+    `sequence_parallelism` block was dropped without a word (the stage ran at SP 1); an NVMe offload without its
+    nvme_path passed the start-up checks and failed at the model build (DeepSpeed's assertion). One line each now
+    (a helper's audit, reproduced)."""
+    from training.ds_config import validate
+
+    cfg = parse_config(["--deepspeed", OURS])
+    with pytest.raises(ValueError, match=r"with the stage's deepspeed_overrides: bf16 is a bool, not an object"):
+        build_ds_config(cfg, DIMS, bf16=False, hidden_size=64, overrides={"bf16": True})
+    with pytest.raises(ValueError, match=r"^deepspeed_overrides: sequence_parallelism .*its sequence_parallel_size"):
+        build_ds_config(cfg, DIMS, bf16=False, hidden_size=64, overrides={"sequence_parallelism": {"degree": 2}})
+    with pytest.raises(ValueError, match=r"offload_param.device nvme needs its nvme_path"):
+        build_ds_config(cfg, DIMS, bf16=False, hidden_size=64,
+                        overrides={"zero_optimization": {"offload_param": {"device": "nvme"}}})
+    ds = build_ds_config(cfg, DIMS, bf16=False, hidden_size=64, overrides={"zero_optimization": {
+        "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}})
+    validate(ds, "stage 0")  # with its folder: DeepSpeed's own checks pass
+
+
 def test_fp16_auto_is_off_and_fp16_is_refused_on_cpu(tmp_path):
     _, ds = resolve(["--deepspeed", HF])
     assert ds["fp16"]["enabled"] is False
