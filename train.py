@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # --- resume: the newest complete checkpoint (rank 0's listing, verified together) decides where we are ---
     ckpt = Checkpointer(cfg.output_dir, cfg.save_total_limit, deadline=Deadline(cfg.time_limit_s, now=started))
-    state = ckpt.resume(cfg.resume, model_hash(model.config), cfg.model_name_or_path)
+    state = ckpt.resume(cfg.resume, model_hash(model.config), cfg.model_name_or_path, to_dict(cfg))
     metrics = MetricsLogger(cfg.output_dir, dims.is_main, cfg.report_to, cfg.wandb_project, state.wandb_id,
                             to_dict(cfg), total_steps(stages), cfg.progress_bar, resume_step=state.step)
     preempt = stop_flag(cfg, dims, started)

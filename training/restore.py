@@ -26,6 +26,7 @@ source, and started only if it can finish before the job's end (else exit 75 to 
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import time
@@ -251,9 +252,10 @@ class Restorer:
                              "checkpoint")
         return path
 
-    def resume(self, resume: str, model_hash: str, model_name: str) -> TrainState:
+    def resume(self, resume: str, model_hash: str, model_name: str, config: dict | None = None) -> TrainState:
         """The run's state at start: fresh, or restored from the checkpoint `resume` picks (find_resume), refused
-        in one line when that checkpoint was written for another architecture. Collective."""
+        in one line when that checkpoint was written for another architecture; a note names the run's settings
+        (`config`, training/config.to_dict) that differ from the ones that wrote it. Collective."""
         state = TrainState()
         path = self.find_resume(resume)
         if path is None:
@@ -267,6 +269,10 @@ class Restorer:
         state.load_state_dict(trainer)
         state.checkpoint = path
         print0(f"resuming from {path} (step {state.step}, stage {state.stage})")
+        changed = changed_settings(trainer.get("config") or {}, config or {})
+        if changed:  # continuing with new settings is allowed (an LR, more steps); a new run in an old folder is not
+            print0(f"note: {path} was written by a run whose {', '.join(changed)} differed: this run continues it from"
+                   " its step with today's (a new run: another --output_dir, or --resume none)")
         return state
 
     def restore_stage(self, engine, state: TrainState, stage: int, sampler, reset_optimizer: bool) -> bool:
@@ -348,3 +354,14 @@ class Restorer:
         if "refuse" in got:
             raise ValueError(got["refuse"])
         return got["dir"], got["files"]
+
+
+RUN_KEYS = ("dataset_path", "stages", "max_seq_length", "max_steps", "num_train_epochs", "data_kind", "learning_rate",
+            "per_device_train_batch_size", "gradient_accumulation_steps", "sequence_parallel_size")  # what a run is
+
+
+def changed_settings(saved: dict, now: dict) -> list[str]:
+    """The RUN_KEYS whose values differ between the settings that wrote a checkpoint and this run's (both as
+    training/config.to_dict writes them); a key either lacks is not compared."""
+    return [k for k in RUN_KEYS if k in saved and k in now
+            and json.dumps(saved[k], sort_keys=True, default=str) != json.dumps(now[k], sort_keys=True, default=str)]

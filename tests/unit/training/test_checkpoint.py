@@ -304,6 +304,20 @@ def test_a_step_wide_signal_does_not_crash_the_conversion(tmp_path, monkeypatch,
     assert code == 0 or "was ended by SIGTERM" in capsys.readouterr().err
 
 
+def test_a_resume_says_which_of_the_runs_settings_changed(tmp_path, capsys):
+    """A new run in an old run's folder (checkpoints/run is every run's default) resumed it without a word, with
+    another dataset or curriculum: a finished one trained nothing. The resume now names the settings that differ."""
+    ck = Checkpointer(str(tmp_path), keep=2)
+    old = {"dataset_path": "old.jsonl", "max_seq_length": 1024, "learning_rate": 1e-5, "stages": []}
+    ck.save(FakeEngine(), 150, {"step": 150, "tokens": 0, "stage": 0, "model_hash": "h", "config": old},
+            {"sampler": {}}, FakeConfig())
+    state = ck.resume("auto", "h", "m", {**old, "dataset_path": "new.jsonl", "max_seq_length": 4096})
+    out = capsys.readouterr().out
+    assert state.step == 150 and "whose dataset_path, max_seq_length differed" in out, out
+    ck.resume("auto", "h", "m", dict(old))
+    assert "differed" not in capsys.readouterr().out
+
+
 def test_a_file_the_loading_rank_cannot_see_yet_is_looked_for_again(tmp_path):
     """The rank that loads a file looks it up again by name (a stale view of its node) as the verifying rank does:
     files that appear 1.5 s late are loaded; a file that never appears fails in one line naming it."""
