@@ -79,8 +79,11 @@ def build_ds_config(cfg: Config, dims: ParallelDims, bf16: bool, hidden_size: in
         _fill(ds, "optimizer.params.lr", cfg.learning_rate, "--learning_rate")
         _fill(ds, "optimizer.params.weight_decay", cfg.weight_decay, "--weight_decay")
         params = ds["optimizer"]["params"]
-        if params.get("betas") == "auto":
-            params["betas"] = list(ADAM_BETAS)
+        if params.get("betas") == "auto":  # HF's Trainer fills its adam_beta1/2 there: (0.9, 0.999); ours is
+            params["betas"] = list(ADAM_BETAS)  # the pretraining convention, said once
+            if not quiet:
+                print0(f"note: {cfg.deepspeed}: optimizer.params.betas \"auto\" is {ADAM_BETAS} here (the Hugging Face "
+                       "Trainer fills [0.9, 0.999]): write the betas in the JSON to choose")
         if params.get("eps") == "auto":
             params["eps"] = ADAM_EPS
     # Gradients are reduced in fp32 unless the JSON names a dtype. With SP > 1 DeepSpeed reduces them in
