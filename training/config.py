@@ -248,6 +248,9 @@ def validate(cfg: Config) -> None:
     cfg.attention_head_chunks = cp_setting(cfg.attention_head_chunks, "--attention_head_chunks")
     if cfg.reset_position_ids not in ("auto", "yes", "no"):
         raise ValueError(f"--reset_position_ids {cfg.reset_position_ids!r}: use auto, yes or no")
+    if str(cfg.resume).lower() in ("true", "false", "yes", "no", "latest", "last") and not os.path.exists(cfg.resume):
+        raise ValueError(f"--resume {cfg.resume}: use auto (the newest complete checkpoint), none (start fresh) or a "
+                         "checkpoint's path")  # HF's resume_from_checkpoint true / latest, taken as a path later
     for where, kind in [("--data_kind", cfg.data_kind)] + [(f"stages[{i}].kind", st.kind) for i, st in enumerate(cfg.stages)]:
         if kind not in (None, "text", "sft") or (kind == "sft" and cfg.reset_position_ids == "no"):
             raise ValueError(f"{where} {kind!r}: use text or sft (sft packs conversations with document masking: "

@@ -226,6 +226,9 @@ def resolve_stages(cfg: Config, dp_of_sp, budget=None) -> list[Stage]:
         budget = agreed_budget(cfg)
     stages = []
     for i, s in enumerate(raw):
+        zero = [k for k in ("max_seq_length", "sequence_parallel_size", "max_steps", "max_tokens") if getattr(s, k) == 0]
+        if zero:  # `x or cfg.x` took 0 for unset: the stage silently ran the run's value
+            raise ValueError(f"stage {i}: {zero[0]} 0: give a positive value, or leave it out for the run's")
         sl = s.max_seq_length or cfg.max_seq_length
         sp, memory = _resolve_memory(cfg, s, i, sl, s.sequence_parallel_size or cfg.sequence_parallel_size,
                                      dp_of_sp(1), budget)

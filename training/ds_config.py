@@ -106,7 +106,8 @@ def build_ds_config(cfg: Config, dims: ParallelDims, bf16: bool, hidden_size: in
         if zero.get(key) == "auto":
             zero[key] = value
     if zero.get("stage") != 3:
-        raise ValueError(f"{cfg.deepspeed}: zero_optimization.stage is {zero.get('stage')}; this project needs ZeRO-3")
+        raise ValueError(f"{cfg.deepspeed}: zero_optimization.stage is {zero.get('stage')!r}; this project needs ZeRO-3 "
+                         "(the number 3)")
     leftover = [k for k, v in _walk(ds) if v == "auto"]
     if leftover:
         raise ValueError(f"{cfg.deepspeed}: no value derived for {leftover}; set them explicitly")

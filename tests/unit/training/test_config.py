@@ -123,6 +123,13 @@ def test_the_documented_auto_and_yes_no_values_are_read_from_a_recipe(tmp_path):
 
     with pytest.raises(ValueError, match=r"^stage 0: sequence_parallel_size 'ten': use an integer >= 1 or auto$"):
         resolve_stages(parse_config(["--config", str(recipe)]), dp_of_sp=lambda sp: 1)
+    # a stage's 0 was read as unset (`x or run's x`): the stage ran the run's value without a word
+    recipe.write_text("max_steps: 100\nstages:\n  - {max_seq_length: 64, max_steps: 0}\n")
+    with pytest.raises(ValueError, match=r"^stage 0: max_steps 0: give a positive value, or leave it out"):
+        resolve_stages(parse_config(["--config", str(recipe)]), dp_of_sp=lambda sp: 1)
+    # HF's resume_from_checkpoint values were taken as a path, refused only after the process group started
+    with pytest.raises(ValueError, match=r"^--resume latest: use auto .*, none .* or a checkpoint's path"):
+        parse_config(["--resume", "latest"])
 
 
 _WRONG = ["1e-4", "ten", 2.5, True, None, [1, 2], {"a": 1}]
