@@ -10,7 +10,7 @@ import re
 import shutil
 
 from bench import harness as bm
-from bench.gpu_compare import compare, engagement, planner_phases, read_probe
+from bench.gpu_compare import compare, engagement, planner_phases, read_probe, split_by_steps
 from bench.gpu_ladder import OFFLOADS, flops, load_layers
 
 GiB = 2**30
@@ -92,8 +92,9 @@ def long_run(rec, name: str, model: str, device: str, dry: bool, cap_gib: float,
     kernel_errors = sorted({ln.strip()[:300] for ln in text.splitlines()
                             if re.search(INDEX_ERRORS, ln) and re.search(r"Error|error|assert|failed", ln)
                             and "Warning" not in ln})[:10]
-    parts, start = [], 0.0
-    for i in range(len(stages)):
+    per_stage = [len(bm.read_steps(out, [r for r in records if r.get("stage") == i])) for i in range(len(stages))]
+    parts, start = split_by_steps(probe, per_stage) or [], 0.0
+    for i in range(len(stages)) if not parts else ():  # by the step records' times where the structure is not plain
         steps = bm.read_steps(out, [r for r in records if r.get("stage") == i])
         end = steps[-1]["time"] if steps and i + 1 < len(stages) else float("inf")
         part = [r for r in probe if start < r.get("time", 0) <= end]
