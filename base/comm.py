@@ -89,8 +89,9 @@ def init(timeout_s: float) -> tuple[int, int, int]:
     if gpu:  # LOCAL_RANK of the node's devices, or the one device an srun task sees (base/devices.py)
         index = devices.device_index(local_rank, acc.device_count())
         # DeepSpeed takes LOCAL_RANK as the device's index (the engine's device, zero.Init's local_device): a task
-        # that sees one GPU says 0 (nothing here reads LOCAL_RANK as the node-local rank)
-        os.environ["LOCAL_RANK"] = str(index)
+        # that sees one GPU says 0; its node-local rank stays in ULYSSES_LOCAL_RANK (training/job.py's once-a-node)
+        if index != local_rank:
+            os.environ["ULYSSES_LOCAL_RANK"], os.environ["LOCAL_RANK"] = str(local_rank), str(index)
         acc.set_device(index)  # before any collective, object collectives included
     deepspeed.init_distributed(dist_backend=None, auto_mpi_discovery=False,
                                timeout=datetime.timedelta(seconds=timeout_s))

@@ -271,12 +271,11 @@ def _run_shard(units, out, i_shard, done, tokenizer, fields, bound, eos, dtype, 
     if pool is None:
         _init_worker(*init)
     t0, last_log, tokens_here = time.time(), time.time(), 0
+    sourced = [0]  # rows whose --source_field named their source (none at all: a typo? said at the end)
 
     def consume(res):
         nonlocal last_log, tokens_here
-        if fields.source and not done and not writer.lens and res["srcs"] and all(s is None for _, s in res["srcs"]):
-            raise ValueError(f"--source_field {fields.source!r}: none of the first {len(res['srcs'])} rows has it (a "
-                             f"typo?); every document would take its file's name")
+        sourced[0] += sum(s is not None for _, s in res["srcs"])
         for u, row, err in res["bad"]:
             if not skip_bad_rows:
                 raise ValueError(f"{units[u].where(row)}: {err} (--skip_bad_rows skips and counts such rows)")
@@ -312,6 +311,9 @@ def _run_shard(units, out, i_shard, done, tokenizer, fields, bound, eos, dtype, 
         if pool is not None:
             pool.terminate()
     recs = writer.records
+    if fields.source and not sourced[0] and not done:  # a typo gave every document its file's name, unsaid
+        log(f"note: --source_field {fields.source!r}: no row of shard {i_shard} has it (a typo?): every document took "
+            "its file's name as its source")
     if stats["bad_rows"]:
         log(f"shard {i_shard}: skipped {stats['bad_rows']} bad row(s), e.g. {stats['bad_examples'][0]}")
     return {"chunks": recs, "n_tokens": sum(r["n_tokens"] for r in recs), "n_docs": sum(r["n_docs"] for r in recs),

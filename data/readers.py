@@ -24,6 +24,7 @@ from data.jsonl import NOT_DATA, array_elements, matching, one_split, open_file,
 
 JSONL_EXT = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst")
 PARQUET_EXT = (".parquet",)
+TEXT_DOC_MAX = 2**30  # --loader text: a file is one document, read whole (1M tokens are ~4 MB of text)
 
 
 @dataclass(frozen=True)
@@ -187,10 +188,14 @@ def _rows(unit: Unit, fields: Fields, start: int, batch_rows: int) -> Iterator[t
             ds = ds.select(range(start, len(ds)))
     else:
         builder = unit.kind.split(":", 1)[1]
+        # `text`: a file is one document (a book, a source file), as a long-context corpus means it; datasets'
+        # default, a document a line, cut a book into line-long documents, each with its BOS and EOS
+        extra = {"sample_by": "document"} if builder == "text" else {}
+        if extra and os.path.getsize(unit.path) > TEXT_DOC_MAX:  # read whole by datasets: one file, one document
+            raise ValueError(f"{unit.path}: {os.path.getsize(unit.path) / 2**30:.1f} GiB read as one document "
+                             "(--loader text: a file is a document): split it into documents, or give JSONL with "
+                             "one document a row")
         try:  # an unknown builder is a hub lookup offline (ConnectionError), a file it cannot parse its own error
-            # `text`: a file is one document (a book, a source file), as a long-context corpus means it; datasets'
-            # default, a document a line, cut a book into line-long documents, each with its BOS and EOS
-            extra = {"sample_by": "document"} if builder == "text" else {}
             ds = datasets.load_dataset(builder, data_files=[unit.path], split="train", streaming=True, **extra)
             names = list(ds.column_names or []) or list(next(iter(ds)).keys())
         except Exception as e:  # noqa: BLE001 (a user's --loader / file: one line, not datasets' traceback)

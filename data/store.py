@@ -228,7 +228,8 @@ class ChunkWriter:
         for n, (u, src) in zip(res["lens"], res["srcs"]):
             name = src if src is not None else unit_names[u]
             if name not in self.index:
-                if len(self.sources) >= MAX_SOURCES:  # every chunk's record lists them: O(chunks x sources)
+                if src is not None and len(self.sources) >= MAX_SOURCES:  # a row's --source_field value: every
+                    # chunk's record lists the sources, O(chunks x sources) (a folder's many files stay allowed)
                     raise ValueError(f"more than {MAX_SOURCES} sources ({name!r} and the others --source_field gives): "
                                      "a source is a corpus a mixture weighs (web, code, books), not a row's id; "
                                      "drop --source_field or name a field of few values")

@@ -6,9 +6,10 @@ dynamic (NTK), yarn, llama3. Formulas: transformers.modeling_rope_utils. `stage_
 from the model's own settings (its text config's, for a composite config: Qwen3.5, Gemma 3, Llama 4):
 - the legacy key `type` (Qwen2.5's own YaRN block writes it) is read as `rope_type` (it was ignored: no scaling);
 - the same type: the model's fields merged with the stage's (gpt-oss keeps beta_fast / beta_slow, llama3 its
-  factors); another type keeps `rope_theta`, `partial_rotary_factor` (Phi-4-mini, Qwen3-Next, GLM-4 rotate part of a
-  head: dropped, every dimension rotated from the first step) and the model's `original_max_position_embeddings`
-  (its pretraining length), and says once what scaling of the model's it replaces;
+  factors, so a stage may give its factor alone); another type keeps `rope_theta`, `partial_rotary_factor`
+  (Phi-4-mini, Qwen3-Next, GLM-4 rotate part of a head: dropped, every dimension rotated from the first step) and, for
+  a type that reads it, the model's `original_max_position_embeddings` (its pretraining length), and says once what
+  scaling of the model's it replaces; a stage without `rope_type` is `default`;
 - yarn needs `original_max_position_embeddings` from the stage or the model: `max_position_embeddings` is often a
   length the model was already extended to (Qwen2.5 base 131072 for a native 32768, Mistral Nemo 1024000), and
   yarn over it stretched some frequencies too little (up to 3.9x too fast a rotation);
@@ -65,14 +66,15 @@ def _per_shard(kind: str, where: str, sp: int) -> None:
                          "or linear, or sequence_parallel_size 1")
 
 
-def check_rope(rope: dict, where: str, sp: int = 1) -> None:
-    """One-line ValueError for a stage's RoPE setting that cannot work (at SP degree `sp`)."""
+def check_rope(rope: dict, where: str, sp: int = 1, inherited: dict | None = None) -> None:
+    """One-line ValueError for a stage's RoPE setting that cannot work (at SP degree `sp`); `inherited`: the model's
+    own fields of the same type, which supply what the stage leaves out (a llama3 stage giving its factor alone)."""
     rope = normalized(rope, where)
     kind = rope.get("rope_type", "default")
     if kind not in ROPE_TYPES:
         raise ValueError(f"{where}: rope_type {kind!r} is not supported: use one of {sorted(ROPE_TYPES)}")
     _per_shard(kind, where, sp)
-    missing = ROPE_TYPES[kind] - set(rope)
+    missing = ROPE_TYPES[kind] - set(rope) - set(inherited or {})
     if missing:
         raise ValueError(f"{where}: rope_type {kind} needs {sorted(missing)}")
     known = COMMON | ROPE_TYPES[kind] | OPTIONAL[kind]
@@ -123,10 +125,11 @@ def _one(config, base: dict, rope: dict | None, where: str, sp: int) -> tuple[di
         _per_shard(out.get("rope_type", "default"), where.replace("rope", "the model's rope_parameters", 1), sp)
     else:
         rope = normalized(rope, where)
-        check_rope(rope, where, sp)
         kind, had = rope.get("rope_type", "default"), base.get("rope_type", "default")
-        out = base if kind == had else {k: base[k] for k in KEEP if k in base}
-        out = {**out, **rope}
+        check_rope(rope, where, sp, base if kind == had else None)
+        keep = KEEP if kind in ("yarn", "llama3", "linear", "dynamic") else KEEP[:2]  # default reads no length
+        out = base if kind == had else {k: base[k] for k in keep if k in base}
+        out = {**out, **rope, "rope_type": kind}  # a stage without rope_type is default (transformers needs it said)
         if kind != had and had != "default":
             notes.append(f"{where}: the model's rope_type {had} ({_fields(base)}) is replaced by {kind} "
                          f"({_fields(rope)}): its own scaling is not kept")

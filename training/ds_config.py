@@ -32,6 +32,7 @@ from training.config import Config, _load, _merge, check_precision, check_sectio
 
 ADAM_BETAS = [0.9, 0.95]  # as ds_configs/*.json; no flag owns them
 ADAM_EPS = 1e-8
+_SAID: set = set()  # the configs whose "auto" betas were said
 
 
 def _fill(d: dict, path: str, value, source: str) -> None:
@@ -81,7 +82,8 @@ def build_ds_config(cfg: Config, dims: ParallelDims, bf16: bool, hidden_size: in
         params = ds["optimizer"]["params"]
         if params.get("betas") == "auto":  # HF's Trainer fills its adam_beta1/2 there: (0.9, 0.999); ours is
             params["betas"] = list(ADAM_BETAS)  # the pretraining convention, said once
-            if not quiet:
+            if not quiet and cfg.deepspeed not in _SAID:  # once a run, not at every stage's build
+                _SAID.add(cfg.deepspeed)
                 print0(f"note: {cfg.deepspeed}: optimizer.params.betas \"auto\" is {ADAM_BETAS} here (the Hugging Face "
                        "Trainer fills [0.9, 0.999]): write the betas in the JSON to choose")
         if params.get("eps") == "auto":

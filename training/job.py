@@ -98,7 +98,8 @@ def _fail(e: BaseException) -> int:
         # is not on rank 0's output. Printed once per node (its local rank 0), by rank 0, and by the rank on record
         own = f"rank {rank} stopped on an input error: {e}"
         first = comm.abort(own, EXIT_USAGE) if comm is not None else own
-        if "0" in (rank, os.environ.get("LOCAL_RANK", "0")) or first.startswith(f"rank {rank} "):
+        local = os.environ.get("ULYSSES_LOCAL_RANK") or os.environ.get("LOCAL_RANK", "0")  # base/comm.init
+        if "0" in (rank, local) or first.startswith(f"rank {rank} "):
             print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_USAGE
     # anything else is a failure: the traceback in this rank's log (and stderr), one summary line

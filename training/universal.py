@@ -329,11 +329,12 @@ def prepare(ckpt: str, saved_world: int, world: int | None, output_dir: str, dea
     except subprocess.TimeoutExpired as e:
         return {"requeue": f"the universal conversion of {ckpt} was stopped after {e.timeout / 60:.0f} min, before the "
                            "job's end (its time is recorded for the next estimate): exiting 75 to be requeued"}
-    except subprocess.CalledProcessError as e:  # killed by a signal: Slurm ending the job's steps (the time
-        if e.returncode >= 0:  # limit, a preemption, srun's --kill-on-bad-exit), a stop, not a crash
+    except subprocess.CalledProcessError as e:  # killed by Slurm ending the job's steps (the time limit, a
+        import signal  # preemption, srun's --kill-on-bad-exit: TERM, INT, HUP): a stop; any other death (an OOM
+        # kill, a segfault) is the converter's failure, said as it is
+        stops = {-signal.SIGTERM, -signal.SIGINT, -signal.SIGHUP}
+        if e.returncode not in stops:
             raise
-        import signal
-
         return {"requeue": f"the universal conversion of {ckpt} was ended by {signal.Signals(-e.returncode).name} "
                            "(the job's processes are being stopped): exiting 75 to be requeued"}
     finally:

@@ -107,6 +107,8 @@ def test_init_sets_the_device_before_the_process_group(monkeypatch, visible, dev
     monkeypatch.setattr(comm, "_HOST_GROUP", None)
     monkeypatch.setattr(comm, "initialized", lambda: False)
     monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("ULYSSES_LOCAL_RANK", "")  # recorded, so what init sets is undone after the test
+    monkeypatch.delenv("ULYSSES_LOCAL_RANK")
     monkeypatch.setattr(deepspeed, "init_distributed", lambda **kw: log.append(("init", kw["timeout"].total_seconds())))
     monkeypatch.setattr(comm.dist, "new_group", lambda **kw: log.append(("host_group", kw["backend"])))
     monkeypatch.setattr(comm, "_check_devices", lambda index, n: log.append(("check", index, n)))
@@ -119,7 +121,8 @@ def test_init_sets_the_device_before_the_process_group(monkeypatch, visible, dev
         return
     assert comm.init(timeout_s=90) == (11, 32, 3)
     assert log == [("set_device", device), ("init", 90.0), ("host_group", "gloo"), ("check", device, visible)]
-    assert os.environ["LOCAL_RANK"] == str(device)
+    assert os.environ["LOCAL_RANK"] == str(device)  # the node-local rank kept for the once-a-node messages
+    assert os.environ.get("ULYSSES_LOCAL_RANK") == ("3" if device == 0 else None)
 
 
 def test_ranks_on_one_gpu_are_named_and_one_gpu_a_task_is_said():

@@ -72,24 +72,31 @@ def test_a_truncated_or_damaged_compressed_file_is_one_line_and_never_a_short_co
     assert m["n_docs"] == 2 * 50 * len(DOCS)
 
 
-def test_a_source_field_no_row_has_or_one_per_row_is_refused_in_one_line(tmp_path, monkeypatch):
-    """--source_field with a typo gave every document its file's name without a word; a per-row id as the source made
-    the merge quadratic (40,000 rows: 20 s; 1M: hours) and the manifest list every id in every chunk."""
+def test_a_source_field_no_row_has_is_said_and_one_per_row_is_refused(tmp_path, monkeypatch):
+    """--source_field with a typo gave every document its file's name without a word (now a note at the end: a
+    mixture whose first file lacks the field is fine); a per-row id as the source made the merge quadratic (40,000
+    rows: 20 s; 1M: hours): refused past MAX_SOURCES. A folder of many files, each its own source, is not."""
     src = tmp_path / "d.jsonl"
     src.write_text("".join(json.dumps({"input_ids": d, "subset": "a", "id": i}) + "\n" for i, d in enumerate(DOCS)))
-    with pytest.raises(ValueError, match=r"^--source_field 'subsett': none of the first 12 rows has it"):
-        prepare([str(src)], str(tmp_path / "o1"), vocab_size=100, workers=0, fields=Fields(source="subsett"),
+    said = []
+    prepare([str(src)], str(tmp_path / "o1"), vocab_size=100, workers=0, fields=Fields(source="subsett"),
+            log=said.append)
+    assert any("--source_field 'subsett': no row of shard 0 has it" in x for x in said), said
+    web = tmp_path / "web.jsonl"  # no `subset`: its documents take its name, the others theirs
+    web.write_text("".join(json.dumps({"input_ids": d}) + "\n" for d in DOCS[:3]))
+    m = prepare([str(web), str(src)], str(tmp_path / "o4"), vocab_size=100, workers=0, fields=Fields(source="subset"),
                 log=lambda _: None)
+    assert sorted(m["sources"]) == ["a", "web"]
     monkeypatch.setattr(store, "MAX_SOURCES", 5)
     with pytest.raises(ValueError, match=r"^more than 5 sources \('5' and the others"):
         prepare([str(src)], str(tmp_path / "o2"), vocab_size=100, workers=0, fields=Fields(source="id"),
                 log=lambda _: None)
-    m = prepare([str(src)], str(tmp_path / "o3"), vocab_size=100, workers=0, fields=Fields(source="subset"),
-                log=lambda _: None)
-    assert m["sources"] == ["a"]
+    files = []
+    for i in range(7):  # seven files, seven sources (each file its own, as the in-job path names them)
+        files.append(_write_jsonl(tmp_path / f"f{i}.jsonl", DOCS[i:i + 1]))
+    assert len(prepare(files, str(tmp_path / "o3"), vocab_size=100, workers=0, log=lambda _: None)["sources"]) == 7
 
-
-def test_datasets_folder_and_loader(tmp_path):
+def test_datasets_folder_and_loader(tmp_path, monkeypatch):
     import datasets
 
     datasets.Dataset.from_dict({"input_ids": DOCS, "src": ["a", "b"] * 6}).save_to_disk(str(tmp_path / "hf"))
@@ -110,6 +117,11 @@ def test_datasets_folder_and_loader(tmp_path):
     book.write_text("Chapter 1\n\nIt was a dark night.\nThe end.\n")
     m = prepare([str(book)], str(tmp_path / "o3"), model, workers=0, loader="text", log=lambda _: None)
     assert m["n_docs"] == 1 and m["empty_docs"] == 0
+    from data import readers
+
+    monkeypatch.setattr(readers, "TEXT_DOC_MAX", 10)  # a file too large to read whole as one document: one line
+    with pytest.raises(ValueError, match=r"book.txt: 0.0 GiB read as one document .*give JSONL"):
+        prepare([str(book)], str(tmp_path / "o4"), model, workers=0, loader="text", log=lambda _: None)
 
 
 def test_a_loader_folder_and_a_hive_path_are_read_as_the_other_inputs_are(tmp_path):

@@ -101,6 +101,12 @@ def test_yarn_needs_the_length_the_model_was_pretrained_at():
     params, notes = stage_rope(llama31, {"rope_type": "yarn", "factor": 32.0})
     assert params["original_max_position_embeddings"] == 8192 and params["rope_theta"] == 5e5
     assert len(notes) == 1 and "rope_type llama3" in notes[0] and "replaced by yarn" in notes[0]
+    # the same type takes the model's other fields (a llama3 stage giving its factor alone was refused: "needs ...")
+    params, notes = stage_rope(llama31, {"rope_type": "llama3", "factor": 16.0})
+    assert params["factor"] == 16.0 and params["low_freq_factor"] == 1.0 and not notes
+    # a stage without rope_type is default, said so (transformers' rotary raised KeyError 'rope_type' at the build)
+    params, _ = stage_rope(llama31, {"rope_theta": 8e6})
+    assert params == {"rope_type": "default", "rope_theta": 8e6}
 
 
 def test_per_forward_frequencies_are_refused_under_sp_and_keep_their_own_scale():
