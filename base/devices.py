@@ -63,5 +63,7 @@ def uuid_of(index: int) -> str | None:
     """The UUID of CUDA device `index` (None where torch does not say)."""
     import torch
 
+    if not torch.cuda.is_available():  # another accelerator: NCCL's own check stands
+        return None
     u = getattr(torch.cuda.get_device_properties(index), "uuid", None)
     return str(u) if u is not None else None
