@@ -137,8 +137,13 @@ def apply(d: dict, where: str) -> dict:
     if d.get("num_train_epochs") is not None and d.get("max_steps") is not None:
         if isinstance(d["max_steps"], int) and d["max_steps"] <= 0:
             d.pop("max_steps")  # the Trainer's default -1: not set, the epochs count
-        else:
-            d["num_train_epochs"] = None  # the Trainer's rule: max_steps wins
+        else:  # the Trainer's rule: max_steps wins (from a recipe, it beat a flag's epochs without a word)
+            from base.log import print0
+
+            n = d["num_train_epochs"]
+            print0(f"note: --num_train_epochs {f'{n:g}' if isinstance(n, int | float) else n} is not used: max_steps "
+                   f"{d['max_steps']} is set in {where} (max_steps wins, as in the Hugging Face Trainer)")
+            d["num_train_epochs"] = None
     return d
 
 
@@ -193,6 +198,9 @@ def epoch_stages(cfg, stages: list, data, world: int) -> list:
         return [out, lines]
 
     out, lines = comm.run_on_main(decide)
+    if cfg.num_train_epochs is not None and not any("epoch(s) of" in line for line in lines):
+        lines.insert(0, f"note: --num_train_epochs {cfg.num_train_epochs:g} applies to no stage: each sets its own "
+                        "max_steps or max_tokens")
     for line in lines:
         print0(line)
     return out

@@ -119,9 +119,16 @@ def test_each_stage_trains_its_epochs_unless_it_sets_its_own_length(tmp_path):
     assert [s.warmup_steps for s in stages] == [2, 2, 1]  # ceil(0.1 x steps), each stage's own
 
 
-def test_max_steps_wins_over_epochs(tmp_path):
+def test_max_steps_wins_over_epochs(tmp_path, capsys):
     cfg = parse_config(["--num_train_epochs", "3", "--max_steps", "7"])
     assert cfg.num_train_epochs is None and cfg.max_steps == 7
+    # said (a recipe's max_steps beat a flag's epochs without a word), and so are epochs no stage uses
+    assert "--num_train_epochs 3 is not used: max_steps 7 is set" in capsys.readouterr().out
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("stages:\n  - {name: a, max_seq_length: 64, max_steps: 4}\n")
+    own = parse_config(["--config", str(recipe), "--num_train_epochs", "2"])
+    epoch_stages(own, resolve_stages(own, dp_of_sp=lambda sp: 1), Data({64: 100}), 1)
+    assert "--num_train_epochs 2 applies to no stage" in capsys.readouterr().out
     assert parse_config(["--num_train_epochs", "3", "--max_steps", "-1"]).num_train_epochs == 3  # HF's "not set"
     stages = epoch_stages(cfg, resolve_stages(cfg, dp_of_sp=lambda sp: 1), Data({2048: 1000}), 1)
     assert stages[0].max_steps == 7
