@@ -132,6 +132,21 @@ def split_by_steps(probe: list[dict], steps: list[int]) -> list[list[dict]] | No
     return parts
 
 
+def split_by_time(probe: list[dict], stage_steps: list[list[dict]]) -> list[list[dict]]:
+    """The probe's records split at each stage's last step record's time (split_by_steps' fallback); the segment
+    after a stage's last backward (its input norm, the optimizer step) closes at the next stage's first event: it
+    belongs to the stage it started in."""
+    parts, start = [], 0.0
+    for i, steps in enumerate(stage_steps):
+        end = steps[-1]["time"] if steps and i + 1 < len(stage_steps) else float("inf")
+        part = [r for r in probe if start < r.get("time", 0) <= end]
+        while parts and part and part[0]["phase"] == "between" and "backward" in part[0].get("after", ""):
+            parts[-1].append(part.pop(0))
+        parts.append(part)
+        start = end
+    return parts
+
+
 def segment_phase(rec: dict, n_layers: int) -> tuple[str, int]:
     """(phase, layer) of a `between` record (a segment while no probed phase was open), from the events around it:
     after a layer's MLP backward closes, its post-attention norm's backward (and the residual add) runs until its

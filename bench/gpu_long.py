@@ -10,7 +10,7 @@ import re
 import shutil
 
 from bench import harness as bm
-from bench.gpu_compare import compare, engagement, planner_phases, read_probe, split_by_steps
+from bench.gpu_compare import compare, engagement, planner_phases, read_probe, split_by_steps, split_by_time
 from bench.gpu_ladder import OFFLOADS, flops, load_layers
 
 GiB = 2**30
@@ -92,23 +92,11 @@ def long_run(rec, name: str, model: str, device: str, dry: bool, cap_gib: float,
     kernel_errors = sorted({ln.strip()[:300] for ln in text.splitlines()
                             if re.search(INDEX_ERRORS, ln) and re.search(r"Error|error|assert|failed", ln)
                             and "Warning" not in ln})[:10]
-    per_stage = [len(bm.read_steps(out, [r for r in records if r.get("stage") == i])) for i in range(len(stages))]
-    parts, start = split_by_steps(probe, per_stage) or [], 0.0
-    for i in range(len(stages)) if not parts else ():  # by the step records' times where the structure is not plain
-        steps = bm.read_steps(out, [r for r in records if r.get("stage") == i])
-        end = steps[-1]["time"] if steps and i + 1 < len(stages) else float("inf")
-        part = [r for r in probe if start < r.get("time", 0) <= end]
-        # the segment after a stage's last backward (its input norm, the optimizer step) closes at the next
-        # stage's first event: it belongs to the stage it started in
-        while parts and part and part[0]["phase"] == "between" and "backward" in part[0].get("after", ""):
-            parts[-1].append(part.pop(0))
-        parts.append(part)
-        start = end
+    stage_steps = [bm.read_steps(out, [r for r in records if r.get("stage") == i]) for i in range(len(stages))]
+    parts = split_by_steps(probe, [len(s) for s in stage_steps]) or split_by_time(probe, stage_steps)
     results = {}
     for i, (stage, length) in enumerate(stages):
-        mine = [r for r in records if r.get("stage") == i]
-        steps = bm.read_steps(out, mine)
-        part = parts[i]
+        mine, steps, part = [r for r in records if r.get("stage") == i], stage_steps[i], parts[i]
         choice = next((r for r in mine if r.get("event") == "memory_choice"), None)
         result = {"model": os.path.basename(model), "length": length, "cap_gib": cap_gib, "gpu_mem_gb": gpu_mem_gb,
                   "budget_args": " ".join(budget), "pinned": stage_pins(stage, dry), "exit_code": code, "wall_s": round(wall, 1),

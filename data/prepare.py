@@ -69,9 +69,8 @@ def prepare_in_job(dataset_path: str | None, tokenizer_path: str | None, model_v
         data, tok_path = resolve_sources(dataset_path, tokenizer_path or fallback)
         units = discover(data, flag="--dataset_path")  # what prepare_data reads there: .jsonl[.gz|.zst], .json
         # arrays, Parquet, a save_to_disk folder (only .jsonl / .json were read: the rest dropped without a word)
-        files = [f for u in units for f in ([u.path] if os.path.isfile(u.path) else sorted(
-            os.path.join(d, n) for d, _, ns in os.walk(u.path) for n in ns))]  # the cache key's: every file read
-        size = sum(u.size() for u in units)
+        files = [f for u in units for f in u.files()]  # the cache key's: every file read
+        size = sum(os.path.getsize(f) for f in files)
         if size > MAX_IN_JOB_BYTES:
             raise ValueError(f"--dataset_path {data}: {size / 2**20:.0f} MB of input is too much to tokenize inside "
                              f"the job (limit {MAX_IN_JOB_BYTES >> 20} MB): run `python scripts/prepare_data.py "

@@ -271,11 +271,11 @@ def _run_shard(units, out, i_shard, done, tokenizer, fields, bound, eos, dtype, 
     if pool is None:
         _init_worker(*init)
     t0, last_log, tokens_here = time.time(), time.time(), 0
-    sourced = [0]  # rows whose --source_field named their source (none at all: a typo? said at the end)
+    sourced = 0  # rows whose --source_field named their source (none at all: a typo? said at the end)
 
     def consume(res):
-        nonlocal last_log, tokens_here
-        sourced[0] += sum(s is not None for _, s in res["srcs"])
+        nonlocal last_log, tokens_here, sourced
+        sourced += sum(s is not None for _, s in res["srcs"])
         for u, row, err in res["bad"]:
             if not skip_bad_rows:
                 raise ValueError(f"{units[u].where(row)}: {err} (--skip_bad_rows skips and counts such rows)")
@@ -311,7 +311,7 @@ def _run_shard(units, out, i_shard, done, tokenizer, fields, bound, eos, dtype, 
         if pool is not None:
             pool.terminate()
     recs = writer.records
-    if fields.source and not sourced[0] and not done:  # a typo gave every document its file's name, unsaid
+    if fields.source and not sourced and not done:  # a typo gave every document its file's name, unsaid
         log(f"note: --source_field {fields.source!r}: no row of shard {i_shard} has it (a typo?): every document took "
             "its file's name as its source")
     if stats["bad_rows"]:

@@ -40,10 +40,14 @@ class Unit:
     kind: str  # jsonl | json_array | parquet | hf_disk | hf_load:<builder>
     path: str
 
-    def size(self) -> int:
+    def files(self) -> list[str]:
+        """The files it reads: itself, or every file of its folder."""
         if os.path.isfile(self.path):
-            return os.path.getsize(self.path)
-        return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(self.path) for f in fs)
+            return [self.path]
+        return sorted(os.path.join(d, f) for d, _, fs in os.walk(self.path) for f in fs)
+
+    def size(self) -> int:
+        return sum(os.path.getsize(f) for f in self.files())
 
     def identity(self) -> str:
         return f"{self.kind}:{os.path.abspath(self.path)}:{self.size()}"
