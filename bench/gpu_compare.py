@@ -114,26 +114,8 @@ def _ratio(measured, predicted) -> dict:
             "flag": abs(r - 1) > FLAG}
 
 
-def split_by_steps(probe: list[dict], steps: list[int]) -> list[list[dict]] | None:
-    """One launch's probe records split per stage by the step structure, in file order: a step's first layer opens
-    its forward once per micro-batch, and the segment before that (`between ... -> open forward L0`) ends the step
-    before it (its last input norm, the optimizer step, the stage's end) or the start-up. `steps`: the micro-steps
-    each stage ran. None where the records hold another count of forwards (the caller splits by time instead). Not by
-    wall-clock time: a clock step on the machine (a VM's) would move records across a stage's end."""
-    starts = [k for k, r in enumerate(probe) if r.get("phase") == "between" and r.get("before") == "open forward L0"]
-    if len(starts) != sum(steps) or not starts:
-        return None
-    parts, done = [], 0
-    for i, n in enumerate(steps):
-        first = 0 if i == 0 else starts[done] + 1
-        done += n
-        last = starts[done] + 1 if done < len(starts) else len(probe)
-        parts.append(probe[first:last])
-    return parts
-
-
 def split_by_time(probe: list[dict], stage_steps: list[list[dict]]) -> list[list[dict]]:
-    """The probe's records split at each stage's last step record's time (split_by_steps' fallback); the segment
+    """One launch's probe records split per stage at each stage's last step record's time; the segment
     after a stage's last backward (its input norm, the optimizer step) closes at the next stage's first event: it
     belongs to the stage it started in."""
     parts, start = [], 0.0

@@ -10,7 +10,7 @@ import re
 import shutil
 
 from bench import harness as bm
-from bench.gpu_compare import compare, engagement, planner_phases, read_probe, split_by_steps, split_by_time
+from bench.gpu_compare import compare, engagement, planner_phases, read_probe, split_by_time
 from bench.gpu_ladder import OFFLOADS, flops, load_layers
 
 GiB = 2**30
@@ -93,7 +93,7 @@ def long_run(rec, name: str, model: str, device: str, dry: bool, cap_gib: float,
                             if re.search(INDEX_ERRORS, ln) and re.search(r"Error|error|assert|failed", ln)
                             and "Warning" not in ln})[:10]
     stage_steps = [bm.read_steps(out, [r for r in records if r.get("stage") == i]) for i in range(len(stages))]
-    parts = split_by_steps(probe, [len(s) for s in stage_steps]) or split_by_time(probe, stage_steps)
+    parts = split_by_time(probe, stage_steps)
     results = {}
     for i, (stage, length) in enumerate(stages):
         mine, steps, part = [r for r in records if r.get("stage") == i], stage_steps[i], parts[i]

@@ -133,28 +133,3 @@ def test_a_bad_file_is_refused_in_one_line(tmp_path):
                            str(tmp_path / "no_headline.json")], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 1 and proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr
-
-
-def test_one_launchs_probe_splits_per_stage_by_its_steps_not_by_the_clock():
-    """bench.gpu's dry run puts its stages in one launch and split the probe's records at each stage's step record by
-    wall-clock time; a clock step on a VM (CI saw a stage with no norm row once, unexplained) would move records across
-    a stage's end. The split follows the step structure (each step opens its first layer's forward once); another
-    count of forwards falls back to the times."""
-    from bench.gpu_compare import split_by_steps
-
-    def step(t0):  # a step's records as the probe writes them, `t0` its clock (stepped back by the VM mid-run)
-        return [{"phase": "between", "after": "x", "before": "open forward L0", "time": t0},
-                {"phase": "forward", "layer": 0, "time": t0 + 1},
-                {"phase": "mlp_backward", "layer": 0, "time": t0 + 2},
-                {"phase": "between", "after": "close mlp_backward L0", "before": "open attention_backward L0",
-                 "time": t0 + 3}]
-
-    a, b, c = step(100), step(50), step(200)  # the clock went back 50 s during stage 1
-    a[0]["after"] = "start"
-    probe = a + b + c + [{"phase": "between", "after": "close attention_backward L0", "before": "close exit L-1",
-                          "time": 205}]
-    parts = split_by_steps(probe, [1, 1, 1])
-    assert [len(p) for p in parts] == [5, 4, 4] and parts[0][0]["after"] == "start" and parts[2][-1]["time"] == 205
-    assert [r["time"] for r in parts[1]] == [51, 52, 53, 200]  # stage 1's own, whatever its clock said
-    assert split_by_steps(probe, [1, 1]) is None and split_by_steps(probe, [2, 1, 1]) is None
-
