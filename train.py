@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     if dims.is_main:
         if cfg.export_hf:
             out = export_hf(state.checkpoint, os.path.join(cfg.output_dir, "hf_model"),
-                            data.tokenizer and data.tokenizer.path)
+                            data.tokenizer and data.tokenizer.path, source=cfg.model_name_or_path, owned=True)
             print0(f"exported {out}")
         with open(os.path.join(cfg.output_dir, "COMPLETE"), "w") as fh:
             fh.write(f"{state.step}\n")

@@ -1,6 +1,10 @@
 """Convert a saved run (or one checkpoint) to a Hugging Face folder loadable by AutoModelForCausalLM.
 
-    python scripts/export_hf.py checkpoints/RUN [--checkpoint checkpoints/RUN/checkpoints/step_000300] [--out DIR]
+    python scripts/export_hf.py checkpoints/RUN [--checkpoint CKPT] [--out DIR]
+
+CKPT: a checkpoint folder (checkpoints/RUN/checkpoints/step_000300) or a stage's marker
+(checkpoints/RUN/checkpoints/STAGE_1_s512: the model as that stage ended). --out defaults to RUN/hf_model; another
+folder that exists is replaced only when it is a previous export (model_utils/export.check_out).
 """
 
 from __future__ import annotations
@@ -13,14 +17,22 @@ from model_utils.export import export_hf
 from training.checkpoint import Checkpointer
 
 
+def named(path: str) -> str:
+    """A stage marker (STAGE_<i>_<name>, a file naming its checkpoint) -> that checkpoint's folder; else `path`."""
+    if os.path.isfile(path) and os.path.basename(path).startswith("STAGE_"):
+        with open(path) as fh:
+            return os.path.join(os.path.dirname(path), fh.read().strip())
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir")
-    p.add_argument("--checkpoint", default=None, help="a given checkpoint (default: newest valid)")
+    p.add_argument("--checkpoint", default=None, help="a checkpoint folder or a STAGE_* marker (default: newest valid)")
     p.add_argument("--out", default=None, help="output folder (default: RUN/hf_model)")
     a = p.parse_args(argv)
     ckpt = Checkpointer(a.run_dir, keep=2)
-    path = a.checkpoint or ckpt.find_resume("auto")
+    path = named(a.checkpoint) if a.checkpoint else ckpt.find_resume("auto")
     why = "no such folder" if path and not os.path.isdir(path) else ckpt.verify(path) if path else None
     if a.checkpoint and why:  # the checkpoint named, and why it is not one (not a message about the run folder)
         print(f"error: --checkpoint {a.checkpoint}: not a complete checkpoint ({why})", file=sys.stderr)
@@ -28,8 +40,15 @@ def main(argv: list[str] | None = None) -> int:
     if path is None or why:
         print(f"error: no complete checkpoint under {a.run_dir}/checkpoints", file=sys.stderr)
         return 2
-    tok = Checkpointer.read_trainer(path).get("tokenizer")
-    out = export_hf(path, a.out or os.path.join(a.run_dir, "hf_model"), tok)
+    trainer = Checkpointer.read_trainer(path)
+    default = os.path.join(a.run_dir, "hf_model")
+    try:
+        out = export_hf(path, a.out or default, trainer.get("tokenizer"),
+                        source=(trainer.get("config") or {}).get("model_name_or_path"),
+                        owned=os.path.realpath(a.out or default) == os.path.realpath(default))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(out)
     return 0
 

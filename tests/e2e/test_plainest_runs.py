@@ -35,7 +35,13 @@ def test_train_then_export_then_eval_summary(tmp_path):
     assert steps[-1] == 100 and (run / "COMPLETE").exists() and (run / "eval" / "stage0.json").is_file()
     os.rename(run / "hf_model", tmp_path / "hf_by_train")
     assert tool("scripts/export_hf.py", str(run)).stdout.strip().endswith("hf_model")
-    assert (run / "hf_model" / "config.json").is_file()
+    cfg = json.loads((run / "hf_model" / "config.json").read_text())
+    assert cfg["use_cache"] is True and (run / "hf_model" / "export.json").is_file()  # training's off is not exported
+    # an --out that holds the run (a typo) is refused in one line before any work; the run is untouched
+    bad = subprocess.run([sys.executable, os.path.join(ROOT, "scripts/export_hf.py"), str(run), "--out", str(run)],
+                         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "holds the checkpoint" in bad.stderr
+    assert (run / "checkpoints").is_dir() and (run / "metrics.jsonl").is_file()
     out = tool("scripts/eval_summary.py", str(run)).stdout
     assert f"Evaluation of {run}" in out and "passkey" in out
     tool("scripts/plot_metrics.py", str(run / "metrics.jsonl"))  # the PNG next to the metrics (its default)

@@ -1,0 +1,45 @@
+"""model_utils/export.py's guards and what it carries, without a checkpoint to consolidate: the folder it would
+replace is checked before any work (a typo in --out deleted the run folder, its checkpoints with it), and the base
+model's generation_config.json is found where the run's --model_name_or_path has one. The export itself (use_cache
+on, the marker): tests/e2e/test_plainest_runs.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from model_utils.export import MARKER, check_out, generation_config
+
+
+def test_out_refused_where_it_would_destroy_what_is_not_an_export(tmp_path):
+    run = tmp_path / "run"
+    ck = run / "checkpoints" / "step_000010"
+    ck.mkdir(parents=True)
+    base = tmp_path / "Meta-Llama-3-8B"  # a base model's folder: the names an export writes, not an export
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    (base / "model.safetensors").write_text("")
+    for out, what in ((run, "holds the checkpoint"), (run / "checkpoints", "holds the checkpoint"), (ck, "holds the "
+                      "checkpoint"), (base, "not a previous export"), (base / "config.json", "a file")):
+        with pytest.raises(ValueError) as e:
+            check_out(str(out), str(ck))
+        assert len(str(e.value).splitlines()) == 1 and what in str(e.value) and str(out) in str(e.value)
+    assert (base / "model.safetensors").exists() and ck.is_dir()
+    check_out(str(tmp_path / "new"), str(ck))  # a new folder
+    check_out(str(run / "hf_model"), str(ck), owned=True)  # the run's own, whatever it holds
+    (base / MARKER).write_text("{}")
+    check_out(str(base), str(ck))  # a previous export
+    with pytest.raises(ValueError, match="holds the checkpoint"):
+        check_out(str(run), str(ck), owned=True)
+
+
+def test_generation_config_from_the_model_the_run_started_from(tmp_path):
+    model = tmp_path / "instruct"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert generation_config(str(model)) is None  # none there
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [128001, 128009]}))
+    assert generation_config(str(model)) == str(model / "generation_config.json")
+    assert generation_config("tiny-llama") is None and generation_config(None) is None  # a preset; not recorded
+    assert generation_config(str(tmp_path / "gone")) is None  # the model folder no longer there
