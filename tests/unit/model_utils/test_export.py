@@ -43,3 +43,18 @@ def test_generation_config_from_the_model_the_run_started_from(tmp_path):
     assert generation_config(str(model)) == str(model / "generation_config.json")
     assert generation_config("tiny-llama") is None and generation_config(None) is None  # a preset; not recorded
     assert generation_config(str(tmp_path / "gone")) is None  # the model folder no longer there
+
+
+def test_a_stage_marker_names_its_checkpoint(tmp_path):
+    """export_hf.py --checkpoint RUN/checkpoints/STAGE_1_s512 (a file naming the checkpoint that ended the stage)
+    exports that checkpoint (before: 'not a complete checkpoint (no such folder)')."""
+    import importlib.util
+    import os
+
+    spec = importlib.util.spec_from_file_location("export_hf", os.path.join(os.getcwd(), "scripts", "export_hf.py"))
+    export = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(export)
+    (tmp_path / "step_000060").mkdir()
+    (tmp_path / "STAGE_1_s512").write_text("step_000060\n")
+    assert export.named(str(tmp_path / "STAGE_1_s512")) == str(tmp_path / "step_000060")
+    assert export.named(str(tmp_path / "step_000060")) == str(tmp_path / "step_000060")
