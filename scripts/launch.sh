@@ -39,6 +39,7 @@ die() { echo "launch.sh: error: $*" >&2; exit "$EXIT_USAGE"; }
 num_gpus="" hostfile="" include="" exclude="" num_nodes="" launcher="" no_ssh=0 torchrun=0
 nnodes="" node_rank=0 master_addr="" master_port=29500 print_only=0
 while [ $# -gt 0 ]; do
+  case "$1" in --*=*) set -- "${1%%=*}" "${1#*=}" "${@:2}" ;; esac  # --num_gpus=2 as deepspeed takes it
   case "$1" in
     --num_gpus|--nproc_per_node) num_gpus=${2:?}; shift 2 ;;
     -H|--hostfile) hostfile=${2:?}; shift 2 ;;
@@ -60,21 +61,32 @@ while [ $# -gt 0 ]; do
 done
 [ $# -gt 0 ] || die "no train.py arguments: scripts/launch.sh [OPTIONS] -- TRAIN_ARGS (see --help)"
 [ -n "$include" ] && [ -n "$exclude" ] && die "--include and --exclude are mutually exclusive"
-{ [ -n "$include" ] || [ -n "$exclude" ]; } && [ -n "$num_gpus$num_nodes" ] &&
-  die "--num_gpus/--num_nodes cannot be combined with --include/--exclude (the deepspeed launcher refuses)"
 [ "$no_ssh" = 1 ] && [ "$torchrun" = 1 ] && die "--no_ssh is a deepspeed launcher mode; --torchrun is the other launcher"
 [ -n "$hostfile" ] && [ ! -f "$hostfile" ] && die "hostfile $hostfile not found"
 [ "$torchrun" = 1 ] && [ -n "$hostfile$include$exclude$num_nodes" ] &&
   die "torchrun takes no hostfile: use --nnodes/--node_rank/--master_addr on every node"
+host_lines() { grep -v '^\s*#' "$hostfile" | sed 's/#.*//' | awk 'NF'; }  # as deepspeed reads a hostfile
 if [ -n "$hostfile" ] && [ "$no_ssh" = 0 ]; then  # pdsh: --nnodes means deepspeed's --num_nodes
   [ -n "$nnodes" ] && [ -z "$num_nodes" ] && num_nodes=$nnodes
+elif [ -n "$hostfile" ] && [ "$no_ssh" = 1 ]; then  # --no_ssh with your hostfile: its lines are the nodes
+  lines=$(host_lines | wc -l)
+  if [ -z "$include$exclude$num_nodes" ]; then
+    [ -n "$nnodes" ] && [ "$nnodes" != "$lines" ] &&
+      die "--nnodes $nnodes but hostfile $hostfile has $lines hosts (deepspeed starts one node per line): drop --nnodes"
+    nnodes=$lines
+  else  # deepspeed filters the lines and checks --node_rank against what is left
+    nnodes=${num_nodes:-${nnodes:-$lines}}
+  fi
 elif [ "$no_ssh" = 0 ] && [ "$torchrun" = 0 ] && [ "${nnodes:-1}" != 1 ]; then
   die "--nnodes $nnodes needs -H HOSTFILE, --no_ssh or --torchrun"
 fi
+{ [ -n "$include" ] || [ -n "$exclude" ]; } && [ -n "$num_gpus$num_nodes" ] &&
+  die "--num_gpus/--num_nodes cannot be combined with --include/--exclude (the deepspeed launcher refuses)"
 nnodes=${nnodes:-1}
 if [ "$no_ssh" = 1 ] || [ "$torchrun" = 1 ]; then
   [ "$node_rank" -ge 0 ] && [ "$node_rank" -lt "$nnodes" ] || die "--node_rank $node_rank is not in [0, $nnodes)"
   [ "$nnodes" = 1 ] || [ -n "$master_addr" ] || die "--nnodes $nnodes needs --master_addr (node 0's address)"
+  master_addr=${master_addr:-127.0.0.1}  # one node (deepspeed would ssh to the hostfile's first host to find it)
 fi
 
 # --- environment: the accelerator, and what every node must see ---
@@ -98,9 +110,12 @@ fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 # --- threads and cores per rank ---
-# Ranks on this node: --num_gpus, else the hostfile's first slots= (pdsh nodes are alike), else 1.
-ranks_here=${num_gpus:-$( { [ -n "$hostfile" ] && grep -v '^\s*#' "$hostfile" | grep -oE 'slots=[0-9]+' | head -n 1 |
-                            cut -d= -f2; } || true)}
+# Ranks on this node: --num_gpus, else its hostfile line's slots= (--no_ssh: line node_rank; pdsh nodes are alike:
+# the first), else 1.
+here=1
+[ "$no_ssh" = 1 ] && here=$((node_rank + 1))
+ranks_here=${num_gpus:-$( { [ -n "$hostfile" ] && host_lines | sed -n "${here}p" | grep -oE 'slots=[0-9]+' | cut -d= -f2; } ||
+                          true)}
 ranks_here=${ranks_here:-1}
 cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # the CPUs this process may run on (cgroup/cpuset aware)
 [ -n "${OMP_NUM_THREADS:-}" ] || export OMP_NUM_THREADS=$(( cores / ranks_here > 0 ? cores / ranks_here : 1 ))
@@ -139,7 +154,19 @@ env_file=${DS_ENV_FILE:-.deepspeed_env}
 tmp=$(mktemp "$env_file.XXXXXX")
 # The interface variables ride along (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME, NCCL_IB_HCA, the FI_* of libfabric/EFA,
 # the UCX_* of UCX): without them a remote node's gloo group binds whatever its hostname resolves to.
-names=$(compgen -e | grep -E '^(NCCL_|GLOO_|FI_|UCX_|WANDB_|HF_|TRANSFORMERS_|TORCH_NCCL_)|^(PYTHONPATH|DS_ACCELERATOR|OMP_NUM_THREADS|PYTORCH_CUDA_ALLOC_CONF|CUDA_HOME|SLURM_JOB_END_TIME|SLURM_JOB_START_TIME|TORCH_EXTENSIONS_DIR)$' || true)
+ours='^(NCCL_|GLOO_|FI_|UCX_|WANDB_|HF_|TRANSFORMERS_|TORCH_NCCL_)|^(PYTHONPATH|DS_ACCELERATOR|OMP_NUM_THREADS|PYTORCH_CUDA_ALLOC_CONF|CUDA_HOME|SLURM_JOB_END_TIME|SLURM_JOB_START_TIME|TORCH_EXTENSIONS_DIR)$'
+names=$(compgen -e | grep -E "$ours" || true)
+# A file of your own keeps its other lines (LD_LIBRARY_PATH=...): the names above (and LAUNCH_EXPORT's) are this
+# environment's, set or unset; deepspeed reads every line as KEY=VALUE, so lines without one are dropped
+if [ -f "$env_file" ]; then
+  while IFS= read -r line || [ -n "$line" ]; do
+    key=${line%%=*}
+    [ "$key" != "$line" ] && [ -n "$key" ] || continue
+    grep -qE "$ours" <<< "$key" && continue
+    case " ${LAUNCH_EXPORT:-} " in *" $key "*) continue ;; esac
+    printf '%s\n' "$line" >> "$tmp"
+  done < "$env_file"
+fi
 for v in $names ${LAUNCH_EXPORT:-}; do
   val=${!v-}
   case "$val" in *$'\n'*) echo "launch.sh: not exporting $v (multi-line value)" >&2; continue ;; esac
@@ -163,7 +190,13 @@ elif [ "$no_ssh" = 1 ]; then
     mv -f "$tmp" "$hostfile"
   fi
   cmd=("$DEEPSPEED" --hostfile "$hostfile" --no_ssh --node_rank "$node_rank" --master_addr "$master_addr"
-       --master_port "$master_port" ${bind_args[@]+"${bind_args[@]}"} "$TRAIN_SCRIPT" "$@")
+       --master_port "$master_port")
+  # your hostfile's filters, which deepspeed applies before it takes this node's line
+  [ -n "$include" ] && cmd+=(--include "$include")
+  [ -n "$exclude" ] && cmd+=(--exclude "$exclude")
+  [ -n "$num_nodes" ] && cmd+=(--num_nodes "$num_nodes")
+  [ -n "$num_gpus_given" ] && cmd+=(--num_gpus "$num_gpus")
+  cmd+=(${bind_args[@]+"${bind_args[@]}"} "$TRAIN_SCRIPT" "$@")
 elif [ -n "$hostfile" ]; then
   mode=pdsh
   cmd=("$DEEPSPEED" --hostfile "$hostfile")

@@ -42,12 +42,21 @@ from tests.e2e.launchers import (
      f"{DS} --hostfile hosts --num_nodes 1 --launcher openmpi --master_port 29500 {TRAIN} --max_steps 3"),
     (["--no_ssh", "--nnodes", "2", "--node_rank", "1", "--master_addr", "10.0.0.1", "--num_gpus", "8"],
      f"{DS} --hostfile TMP/ulysses_hostfile.{os.getuid()}.2x8 --no_ssh --node_rank 1 --master_addr 10.0.0.1 "
-     f"--master_port 29500 {TRAIN} --max_steps 3"),
+     f"--master_port 29500 --num_gpus 8 {TRAIN} --max_steps 3"),
+    # one node: node 0's address is this one (deepspeed would ssh to the hostfile's made-up first host to find it)
+    (["--no_ssh", "--num_gpus", "2"], f"{DS} --hostfile TMP/ulysses_hostfile.{os.getuid()}.1x2 --no_ssh --node_rank 0 "
+     f"--master_addr 127.0.0.1 --master_port 29500 --num_gpus 2 {TRAIN} --max_steps 3"),
+    # your hostfile: its lines are the nodes (node 1 of 2 accepted), its filters passed on
+    (["-H", "hosts", "--no_ssh", "--node_rank", "1", "--master_addr", "10.0.0.1", "--num_gpus", "1"],
+     f"{DS} --hostfile hosts --no_ssh --node_rank 1 --master_addr 10.0.0.1 --master_port 29500 --num_gpus 1 {TRAIN} "
+     "--max_steps 3"),
+    (["--num_gpus=4", "--master_port=29500"], f"{DS} --num_gpus 4 --master_port 29500 {TRAIN} --max_steps 3"),
     (["--torchrun", "--nnodes", "2", "--node_rank", "0", "--master_addr", "10.0.0.1", "--num_gpus", "8",
       "--master_port", "29555"],
      f"{ROOT}/.venv/bin/torchrun --nnodes 2 --nproc_per_node 8 --node_rank 0 --master_addr 10.0.0.1 "
      f"--master_port 29555 {TRAIN} --max_steps 3"),
-], ids=["single-node", "hostfile-include", "hostfile-exclude", "hostfile-nnodes", "no-ssh", "torchrun"])
+], ids=["single-node", "hostfile-include", "hostfile-exclude", "hostfile-nnodes", "no-ssh", "no-ssh-one-node",
+        "no-ssh-hostfile", "equals", "torchrun"])
 def test_print_only_prints_the_command_and_writes_deepspeed_env(tmp_path, opts, expect):
     (tmp_path / "hosts").write_text("w0 slots=2\nw1 slots=2\n")
     p = launch(["--print-only", *opts, "--", "--max_steps", "3"], tmp_path, TMPDIR=str(tmp_path),
@@ -59,7 +68,7 @@ def test_print_only_prints_the_command_and_writes_deepspeed_env(tmp_path, opts, 
     assert {"WANDB_MODE=offline", "NCCL_DEBUG=WARN", "HF_HOME=/data/hf", "DS_ACCELERATOR=cpu",
             f"PYTHONPATH={ROOT}", "OMP_NUM_THREADS=1", *(f"{k}={v}" for k, v in INTERFACES.items())
             } == set(exported)  # nothing else, no blank lines
-    if "--no_ssh" in opts:
+    if "--no_ssh" in opts and "--nnodes" in opts:
         assert (tmp_path / f"ulysses_hostfile.{os.getuid()}.2x8").read_text() == "node0 slots=8\nnode1 slots=8\n"
 
 
@@ -139,6 +148,18 @@ def test_cuda_visible_devices_are_respected(tmp_path):
     assert " --nproc_per_node 2 " in p.stdout, p.stdout + p.stderr
 
 
+def test_your_own_deepspeed_env_keeps_its_other_lines(tmp_path):
+    """./.deepspeed_env is the file deepspeed users keep for what remote nodes need (LD_LIBRARY_PATH=...): the launch
+    writes its own names (from this environment: a stale NCCL_ value not set now goes) and keeps the others (before:
+    the file was replaced, the user's lines lost on every node)."""
+    (tmp_path / ".deepspeed_env").write_text("LD_LIBRARY_PATH=/opt/mylibs\nNCCL_IB_HCA=stale\n# a comment\nMY_FLAG=a=b")
+    p = launch(["--print-only", "--num_gpus", "1", "--", "--x"], tmp_path, DS_ACCELERATOR="cpu")
+    assert p.returncode == 0, p.stderr
+    lines = (tmp_path / ".deepspeed_env").read_text().splitlines()
+    assert lines[:2] == ["LD_LIBRARY_PATH=/opt/mylibs", "MY_FLAG=a=b"] and "DS_ACCELERATOR=cpu" in lines
+    assert not any(x.startswith("NCCL_IB_HCA") or x.startswith("#") for x in lines), lines
+
+
 def test_train_args_are_printed_so_a_shell_reads_them_back(tmp_path):
     args = ["--run_name", "it's a run", "--note", "$HOME", ""]
     p = launch(["--print-only", "--num_gpus", "1", "--", *args], tmp_path, DS_ACCELERATOR="cpu")
@@ -155,6 +176,9 @@ def test_train_args_are_printed_so_a_shell_reads_them_back(tmp_path):
     (["-H", "missing", "--", "--x"], "hostfile missing not found"),
     (["--nnodes", "2", "--", "--x"], "needs -H HOSTFILE, --no_ssh or --torchrun"),
     (["--torchrun", "-H", "hosts", "--", "--x"], "torchrun takes no hostfile"),
+    (["-H", "hosts", "--no_ssh", "--nnodes", "2", "--master_addr", "a", "--", "--x"], "--nnodes 2 but hostfile hosts "
+     "has 1 hosts"),
+    (["-H", "hosts", "--include", "w0", "--nnodes", "2", "--", "--x"], "cannot be combined"),  # not deepspeed's traceback
 ])
 def test_bad_options_exit_2(tmp_path, args, message):
     (tmp_path / "hosts").write_text("w0 slots=2\n")
