@@ -62,6 +62,9 @@ offsets takes the exact path (every prefix tokenized whole). Preparation is offl
 
 from __future__ import annotations
 
+import json
+import os
+
 import numpy as np
 
 from data.chat_demo import build_demo_chats, demo_conversation  # noqa: F401  (python -m data.chat OUT.jsonl)
@@ -136,7 +139,7 @@ class ChatEncoder:
         unk = getattr(hf, "unk_token_id", None) if hf is not None else None
         self.default_eot = im_end if isinstance(im_end, int) and im_end >= 0 and im_end != unk else tokenizer.eos_id
         self.kind = "markers" if self.markers else "prefix" if self.hf is not None else "chatml"
-        self._eot, self._name_ids, self._added_ids = None, None, None
+        self._eot, self._name_ids, self._added_ids, self._ends = None, None, None, {}
         self.reasoning_renders = {}  # form -> whether the template renders a reply's reasoning (data/chat_reasoning.py)
         if self.hf is not None and not self._renders_text():
             self.refusal = (f"{self.name} renders no message text given as a string (it reads content parts, as a "
@@ -192,7 +195,7 @@ class ChatEncoder:
         """The ids that end an assistant reply in this template: the control token written right after a probe
         reply's text (the reply mid-conversation and last), read once; the EOS when the probe shows none."""
         if self._eot is None:
-            names, found = self._names(), set()
+            names, found, self._ends = self._names(), set(), {}
             for msgs in (_PROBE, [{"role": "system", "content": "Probe system."}] + _PROBE):
                 try:
                     text = self._text(msgs)
@@ -208,10 +211,40 @@ class ChatEncoder:
                     hit = max((n for n in names if text.startswith(n, j)), key=len, default=None)
                     if hit:
                         found.add(names[hit])
+                        self._ends.setdefault(reply, names[hit])
                 if found:
                     break
             self._eot = np.array(sorted(found or {self.tok.eos_id}), dtype=np.int64)
         return self._eot
+
+    @property
+    def history_end(self) -> int | None:
+        """The end-of-turn token the template writes after a reply only in the history, where the last reply ends
+        with another, and which the model's generation config does not stop on (gpt-oss: `<|end|>` after a final
+        answer followed by more, `<|return|>` after the last; it stops on `<|return|>`, `<|call|>`, `<|endoftext|>`):
+        a generating model never writes it there. None where the two are the same, or the token is a stop (OLMo 3:
+        `<|im_end|>` mid-conversation, its EOS last, both stops), or no generation_config.json lies beside the
+        tokenizer (then it is trained, as the template writes it)."""
+        _ = self.eot
+        mid, last = self._ends.get("Probe answer one."), self._ends.get("Probe answer two.")
+        if mid is None or last is None or mid == last:
+            return None
+        stops = self.stops()
+        return mid if stops is not None and mid not in stops else None
+
+    def stops(self) -> set[int] | None:
+        """The ids the model's generation config stops on (generation_config.json's eos_token_id beside the
+        tokenizer), None where there is none."""
+        path = os.path.join(self.tok.path, "generation_config.json")
+        if not os.path.isfile(path):
+            return None
+        try:
+            with open(path) as fh:
+                eos = json.load(fh).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            return None
+        eos = eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else []
+        return {int(i) for i in eos if isinstance(i, int)} or None
 
     def encode(self, obj: dict) -> tuple[list[int], np.ndarray, dict]:
         kind, conv, first = normalize(obj)
@@ -265,13 +298,19 @@ class ChatEncoder:
             del spans[k]
             why[k] = f"message {k}: an empty reply (no text, call or reasoning), which would teach the model to stop at once"
         mask = np.zeros(len(ids), np.uint8)
-        untrained = 0
+        untrained = history_ends = 0
+        hist = self.history_end if self.kind == "prefix" else None
         for k in wanted:
             span = spans.get(k)
             if span is None:
                 untrained += 1
                 continue
             mask[span[0]:span[1]] = 1
+            if hist is not None and span[1] - span[0] > 1 and ids[span[1] - 1] == hist:
+                # the model never generates it: it ends that answer with the last reply's token. Trained, earlier
+                # answers would teach a stop the inference stack does not stop on (the model runs on into a turn)
+                mask[span[1] - 1] = 0
+                history_ends += 1
         if not mask[1:].any():
             reason = next(iter(why.values()), "its span does not show its text")
             raise RowError(f"none of the {untrained} assistant turn(s) could be located in {self.name}: {reason}; "
@@ -281,7 +320,7 @@ class ChatEncoder:
                                                                    "its text") for k in wanted if k not in spans],
                            "no_stop_rows": self._no_stop(ids, conv, last[1] if last else None),
                            "rewritten_arguments": rewritten, "flagged_turns": flagged,
-                           "dropped_reasoning": dropped(self, ids, spans, conv),
+                           "dropped_reasoning": dropped(self, ids, spans, conv), "history_ends": history_ends,
                            "chatml_rows": int(self.kind == "chatml")}
 
     def _no_stop(self, ids: list[int], conv: list[dict], end: int | None) -> int:

@@ -6,10 +6,11 @@ column: WRONG on 24 families on the old encoder). Fixture tokenizers of the swee
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
-from data.chat import RowError
+from data.chat import ChatEncoder, RowError
 from data.chat_sweep import CASES, build_tokenizer, families
 from data.prepare_data import prepare
 from tests.unit.data.test_chat_tools import encoder
@@ -91,3 +92,30 @@ def test_only_the_trained_replies_are_checked_and_counted(root):
     conv[1] = {k: v for k, v in conv[1].items() if k != "thinking"}
     ids, mask, stats = markers.encode({"messages": conv})
     assert (stats["flagged_turns"], stats["dropped_reasoning"]) == (1, 0) and trained(markers, ids, mask).count("2 words")
+
+
+def test_an_end_of_turn_only_the_history_writes_is_not_trained_where_generation_does_not_stop_on_it(root, tmp_path):
+    """gpt-oss ends an answer followed by more with <|end|>, the last with <|return|>; generation stops on <|return|>,
+    <|call|>, <|endoftext|> (its generation_config.json). Every earlier answer's <|end|> was trained, teaching a stop
+    generation does not stop on (the tuned model ran on into another turn): now not trained, counted. OLMo 3's
+    <|im_end|> (its EOS last) is one of its stops: trained. Without a generation config: trained, as written."""
+    import shutil
+
+    from data.tokenizer import Tokenizer
+
+    conv = CASES["multi-turn"]
+    enc = encoder(root, "gpt_oss")
+    ids, mask, stats = enc.encode({"messages": conv})
+    end, ret = enc.tok.hf.convert_tokens_to_ids(["<|end|>", "<|return|>"])
+    trained_ids = [i for i, m in zip(ids, mask) if m]
+    assert end not in trained_ids and trained_ids[-1] == ret and stats["history_ends"] == 1
+    assert "apple river" in trained(enc, ids, mask) and "2 words" in trained(enc, ids, mask)
+    bare = tmp_path / "gpt_oss_no_generation_config"
+    shutil.copytree(enc.tok.path, bare)
+    os.remove(bare / "generation_config.json")
+    ids2, mask2, stats2 = ChatEncoder(Tokenizer(str(bare))).encode({"messages": conv})
+    assert ids2 == ids and end in [i for i, m in zip(ids2, mask2) if m] and stats2["history_ends"] == 0
+    olmo = encoder(root, "olmo3")
+    ids, mask, stats = olmo.encode({"messages": conv})
+    assert olmo.tok.hf.convert_tokens_to_ids("<|im_end|>") in [i for i, m in zip(ids, mask) if m]
+    assert stats["history_ends"] == 0
