@@ -62,14 +62,13 @@ offsets takes the exact path (every prefix tokenized whole). Preparation is offl
 
 from __future__ import annotations
 
-import json
-import os
-
 import numpy as np
 
 from data.chat_demo import build_demo_chats, demo_conversation  # noqa: F401  (python -m data.chat OUT.jsonl)
+from data.chat_ends import history_end, probe_ends
 from data.chat_reasoning import as_rendered, dropped, refuse_dropped
 from data.chat_rows import ROLES, SHAREGPT_ROLES, RowError, empty_reply, normalize, row_format, turns_to_train  # noqa: F401
+from data.chat_rows import unicode_form as _nf
 from data.chat_splice import encode_long
 from data.chat_tools import call_name, fit_arguments, refuse_unrendered, row_tools, tool_names
 from data.chat_views import Renders, View
@@ -192,59 +191,15 @@ class ChatEncoder:
 
     @property
     def eot(self) -> np.ndarray:
-        """The ids that end an assistant reply in this template: the control token written right after a probe
-        reply's text (the reply mid-conversation and last), read once; the EOS when the probe shows none."""
+        """The ids that end an assistant reply in this template (data/chat_ends.py), read once."""
         if self._eot is None:
-            names, found, self._ends = self._names(), set(), {}
-            for msgs in (_PROBE, [{"role": "system", "content": "Probe system."}] + _PROBE):
-                try:
-                    text = self._text(msgs)
-                except RowError:
-                    continue
-                for reply in ("Probe answer one.", "Probe answer two."):
-                    at = text.find(reply)
-                    if at < 0:
-                        continue
-                    j = at + len(reply)
-                    while j < len(text) and text[j].isspace():
-                        j += 1
-                    hit = max((n for n in names if text.startswith(n, j)), key=len, default=None)
-                    if hit:
-                        found.add(names[hit])
-                        self._ends.setdefault(reply, names[hit])
-                if found:
-                    break
-            self._eot = np.array(sorted(found or {self.tok.eos_id}), dtype=np.int64)
+            self._eot, self._ends = probe_ends(self, _PROBE)
         return self._eot
 
     @property
     def history_end(self) -> int | None:
-        """The end-of-turn token the template writes after a reply only in the history, where the last reply ends
-        with another, and which the model's generation config does not stop on (gpt-oss: `<|end|>` after a final
-        answer followed by more, `<|return|>` after the last; it stops on `<|return|>`, `<|call|>`, `<|endoftext|>`):
-        a generating model never writes it there. None where the two are the same, or the token is a stop (OLMo 3:
-        `<|im_end|>` mid-conversation, its EOS last, both stops), or no generation_config.json lies beside the
-        tokenizer (then it is trained, as the template writes it)."""
-        _ = self.eot
-        mid, last = self._ends.get("Probe answer one."), self._ends.get("Probe answer two.")
-        if mid is None or last is None or mid == last:
-            return None
-        stops = self.stops()
-        return mid if stops is not None and mid not in stops else None
-
-    def stops(self) -> set[int] | None:
-        """The ids the model's generation config stops on (generation_config.json's eos_token_id beside the
-        tokenizer), None where there is none."""
-        path = os.path.join(self.tok.path, "generation_config.json")
-        if not os.path.isfile(path):
-            return None
-        try:
-            with open(path) as fh:
-                eos = json.load(fh).get("eos_token_id")
-        except (OSError, ValueError, AttributeError):
-            return None
-        eos = eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else []
-        return {int(i) for i in eos if isinstance(i, int)} or None
+        """The end-of-turn only the history writes, which generation never does (data/chat_ends.py); None mostly."""
+        return history_end(self, self.eot, self._ends)
 
     def encode(self, obj: dict) -> tuple[list[int], np.ndarray, dict]:
         kind, conv, first = normalize(obj)
@@ -333,8 +288,8 @@ class ChatEncoder:
     def _shows(self, ids: list[int], a: int, e: int, msg: dict) -> bool:
         """Whether ids[a:e] shows the reply: its text (past a `</think>`, which R1 / Qwen3 templates drop from the
         content) and each tool call's name. One token before `a` too: a reply merged into the header's last token."""
-        text = self.tok.hf.decode(np.asarray(ids[max(a - 1, 0):e]), clean_up_tokenization_spaces=False)  # fast
-        want = _reply(msg)
+        text = _nf(self.tok.hf.decode(np.asarray(ids[max(a - 1, 0):e]), clean_up_tokenization_spaces=False))  # fast
+        want = _nf(_reply(msg))
         if want and want not in text:
             return False
         return all(call_name(c) in text for c in msg.get("tool_calls") or [])
@@ -385,11 +340,11 @@ class ChatEncoder:
             shared = -1 if a is not None else shared
         if a is None or not shared < a < len(full):
             return None
-        want = _reply(conv[k])[:16]  # and the reply's text starts there: nothing but blanks between them
+        want = _nf(_reply(conv[k])[:16])  # and the reply's text starts there: nothing but blanks between them
         if not want:
             return a
-        pre = self.tok.hf.decode(full[max(a - 1, 0):a])
-        shown = self.tok.hf.decode(full[max(a - 1, 0):a + len(self.tok.encode(want)) + 4])
+        pre = _nf(self.tok.hf.decode(full[max(a - 1, 0):a]))
+        shown = _nf(self.tok.hf.decode(full[max(a - 1, 0):a + len(self.tok.encode(want)) + 4]))
         i = shown.find(want)
         return a if i >= 0 and (i < len(pre) or not shown[len(pre):i].strip()) else None
 

@@ -17,7 +17,7 @@ conversation's text. Cost: two probe renders per encoder; a row without reasonin
 
 from __future__ import annotations
 
-from data.chat_rows import RowError
+from data.chat_rows import RowError, unicode_form
 
 FIELDS = ("reasoning_content", "thinking")
 _ASK = {"role": "user", "content": "Probe question?"}
@@ -102,6 +102,7 @@ def dropped(enc, ids: list[int], spans: dict[int, tuple[int, int]], conv: list[d
     n = 0
     for k, (a, b) in spans.items() if enc.kind != "chatml" else ():  # the default prints the content, no field
         got = reasoning(conv[k])
-        if got and got[1] not in enc.tok.hf.decode(ids[max(a - 1, 0):b], clean_up_tokenization_spaces=False):
+        if got and unicode_form(got[1]) not in unicode_form(enc.tok.hf.decode(ids[max(a - 1, 0):b],
+                                                                             clean_up_tokenization_spaces=False)):
             n += 1
     return n

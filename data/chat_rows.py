@@ -39,6 +39,7 @@ A row with both a text field and a chat field is ambiguous (which one was meant?
 from __future__ import annotations
 
 import json
+import unicodedata
 
 ROLES = ("system", "user", "assistant", "tool", "environment")  # environment: OLMo 3's tool results, a role of its
 # own in its template (open-instruct's `olmo`); passed on as given, never supervised; a template that does not render
@@ -311,3 +312,10 @@ def turns_to_train(conv: list[dict], first: int, loss_on: str) -> tuple[list[int
         raise RowError(f"every assistant turn ({len(turns)}) is flagged not to train (weight 0 / training false): "
                        "nothing to train on")
     return wanted, len(turns) - len(wanted)
+
+
+def unicode_form(text: str) -> str:
+    """`text` in Unicode's NFKC form, for finding a message's text in a decoded rendering: a tokenizer that
+    normalizes (Qwen2's NFC) decodes text written in another form (macOS's decomposed accents, the OHM SIGN) as its
+    normal form, and the text, compared as given, was not found (the turn untrained, a one-turn row refused)."""
+    return text if text.isascii() else unicodedata.normalize("NFKC", text)

@@ -119,3 +119,24 @@ def test_an_end_of_turn_only_the_history_writes_is_not_trained_where_generation_
     ids, mask, stats = olmo.encode({"messages": conv})
     assert olmo.tok.hf.convert_tokens_to_ids("<|im_end|>") in [i for i, m in zip(ids, mask) if m]
     assert stats["history_ends"] == 0
+
+
+def test_a_reply_in_another_unicode_form_than_the_tokenizer_normalizes_to_trains(root, tmp_path):
+    """Qwen2's tokenizer normalizes to NFC: a reply in decomposed form (macOS text) or with the OHM SIGN decodes in
+    its normal form, and the reply, compared as given, was not found: the turn untrained ('no end-of-turn token'),
+    a one-turn row refused. Its reasoning likewise was counted as dropped."""
+    import shutil
+
+    from data.tokenizer import Tokenizer
+
+    nfc = tmp_path / "qwen3_nfc"
+    shutil.copytree(encoder(root, "qwen3").tok.path, nfc)
+    spec = json.loads((nfc / "tokenizer.json").read_text())
+    spec["normalizer"] = {"type": "NFC"}
+    (nfc / "tokenizer.json").write_text(json.dumps(spec))
+    enc = ChatEncoder(Tokenizer(str(nfc)))
+    reply, why = "Cafe\u0301 au lait, 10 k\u2126", "Cafe\u0301: two words"
+    ids, mask, stats = enc.encode({"messages": [CASES["multi-turn"][0], {"role": "assistant", "content": reply,
+                                                                         "reasoning_content": why}]})
+    assert stats["untrained_turns"] == 0 and stats["dropped_reasoning"] == 0, stats
+    assert "Café au lait, 10 kΩ" in trained(enc, ids, mask)

@@ -1,0 +1,73 @@
+"""Where a template ends an assistant reply (data/chat.py's ChatEncoder): its end-of-turn tokens, read once from a
+probe conversation, and the one only the history writes.
+
+- `probe_ends`: the control token written right after a probe reply's text, the reply mid-conversation and last
+  (Phi-3 `<|end|>`; gpt-oss `<|end|>` and `<|return|>`; OLMo 3 `<|im_end|>` and its EOS); the EOS where the probe
+  shows none.
+- `history_end`: the end-of-turn the template writes after a reply only in the history, where the last reply ends
+  with another, and which the model's generation config does not stop on (gpt-oss: `<|end|>` after a final answer
+  followed by more, `<|return|>` after the last; generation stops on `<|return|>`, `<|call|>`, `<|endoftext|>`): a
+  generating model never writes it there, so it gets no loss. None where the two are the same, where the token is a
+  stop (OLMo 3: `<|im_end|>` mid-conversation, its EOS last, both stops), or where no generation_config.json lies
+  beside the tokenizer (then it is trained, as the template writes it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from data.chat_rows import RowError
+
+REPLIES = ("Probe answer one.", "Probe answer two.")  # the probe's replies: mid-conversation, last
+
+
+def probe_ends(enc, probe: list[dict]) -> tuple[np.ndarray, dict[str, int]]:
+    """(the end-of-turn ids, {probe reply: the id after it}) of `enc`'s template, from `probe` (two exchanges)
+    rendered alone and after a system message."""
+    names, found, ends = enc._names(), set(), {}
+    for msgs in (probe, [{"role": "system", "content": "Probe system."}] + probe):
+        try:
+            text = enc._text(msgs)
+        except RowError:
+            continue
+        for reply in REPLIES:
+            at = text.find(reply)
+            if at < 0:
+                continue
+            j = at + len(reply)
+            while j < len(text) and text[j].isspace():
+                j += 1
+            hit = max((n for n in names if text.startswith(n, j)), key=len, default=None)
+            if hit:
+                found.add(names[hit])
+                ends.setdefault(reply, names[hit])
+        if found:
+            break
+    return np.array(sorted(found or {enc.tok.eos_id}), dtype=np.int64), ends
+
+
+def history_end(enc, eot: np.ndarray, ends: dict[str, int]) -> int | None:
+    """The end-of-turn only the history writes that generation does not stop on (module doc), else None."""
+    mid, last = ends.get(REPLIES[0]), ends.get(REPLIES[1])
+    if mid is None or last is None or mid == last:
+        return None
+    got = stops(enc.tok.path)
+    return mid if got is not None and mid not in got else None
+
+
+def stops(tokenizer_path: str) -> set[int] | None:
+    """The ids the model's generation config stops on (generation_config.json's eos_token_id beside the tokenizer),
+    None where there is none."""
+    path = os.path.join(tokenizer_path, "generation_config.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as fh:
+            eos = json.load(fh).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    eos = eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else []
+    return {int(i) for i in eos if isinstance(i, int)} or None
