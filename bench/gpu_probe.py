@@ -114,6 +114,12 @@ class Probe:
             self.events += 1
             self.step_alloc, self.step_reserved = max(self.step_alloc, a), max(self.step_reserved, r)
             label = f"{kind} {phase} L{layer}"
+            if kind == "open" and phase == "forward" and layer == 0 and self.stack:
+                # a step's first layer opens with nothing open: a phase still open here lost its closing event (and
+                # with it every `between` record since): named, and closed so the next step is measured whole
+                self.errors.append("left open at a step's start: " + ", ".join(
+                    f"{p['phase']} L{p['layer']} (opened at {p['t_open']} s)" for p in self.stack))
+                self.stack.clear()
             if not self.stack:  # outside every phase: the embedding, the logits and loss, the optimizer step
                 self.write({"phase": "between", "layer": -1, "after": self.last, "before": label, "peak": a,
                             "reserved": r, "peak_incl": a, "reserved_incl": r})
@@ -135,6 +141,7 @@ class Probe:
 
     def write(self, rec: dict) -> None:
         rec.update(pid=os.getpid(), time=time.time(), t_close=round(time.time() - self.t0, 3), rss=_rss(),
+                   open=[f"{p['phase']} L{p['layer']}" for p in self.stack],  # the phases still open (diagnosis)
                    pinned=pinned_stats(), arena=arena_stats(),
                    rss_hwm=_hwm() if self.cuda else None,  # the process' peak RSS (the CPU stand-in resets it)
                    attention_kernels=dict(KERNELS), step_peak=self.step_alloc, step_reserved=self.step_reserved, events=self.events,
