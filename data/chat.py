@@ -138,7 +138,7 @@ class ChatEncoder:
         unk = getattr(hf, "unk_token_id", None) if hf is not None else None
         self.default_eot = im_end if isinstance(im_end, int) and im_end >= 0 and im_end != unk else tokenizer.eos_id
         self.kind = "markers" if self.markers else "prefix" if self.hf is not None else "chatml"
-        self._eot, self._name_ids, self._added_ids, self._ends = None, None, None, {}
+        self._eot, self._name_ids, self._added_ids, self._ends, self._thinking = None, None, None, {}, None
         self.reasoning_renders = {}  # form -> whether the template renders a reply's reasoning (data/chat_reasoning.py)
         if self.hf is not None and not self._renders_text():
             self.refusal = (f"{self.name} renders no message text given as a string (it reads content parts, as a "
@@ -154,10 +154,10 @@ class ChatEncoder:
             return True
 
     # ---- rendering
-    def _text(self, msgs: list[dict], gen: bool = False, tools: list | None = None) -> str:
+    def _text(self, msgs: list[dict], gen: bool = False, tools: list | None = None, **kw) -> str:
         try:  # a row's `tools` as apply_chat_template and TRL pass them (data/chat_tools.py)
             return self.hf.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=gen,
-                                               chat_template=self.template)
+                                               chat_template=self.template, **kw)
         except Exception as e:  # jinja's raise_exception (roles must alternate, no system role, ...)
             why = str(e).splitlines()[0][:160]
             if tools is None and self._needs_tools(msgs, gen):  # Hermes' and Command-R's `tool_use` iterate `tools`
@@ -329,26 +329,44 @@ class ChatEncoder:
         dec = self.tok.hf.decode
         if a == len(head) - 1 < len(full) and dec(full[a:a + 1]).startswith(dec(head.slice(a, len(head)))):
             return a  # the header's last token merged with the reply's start into one token
-        # a generation prompt longer than the header inside the conversation (DeepSeek-R1's `<｜Assistant｜><think>\n`):
-        # the header is what the conversation follows of it past the earlier messages
         try:
             shared = r.prefix(k).lcp(r.arr) if k else 0
         except RowError:
             shared = 0
+        d = min(a, shared)
+        if k and self._thinks():  # the history writes a reply as the generation prompt without thinking gives it:
+            # GLM-4.7's `<|assistant|></think>` where its prompt is `<|assistant|><think>`
+            b = self._header_after(conv, k, d, full, r.tools, enable_thinking=False)
+            if b is not None and d < b < len(full) and self._starts(full, b, conv[k]):
+                return b
+        # a generation prompt longer than the header inside the conversation (DeepSeek-R1's `<｜Assistant｜><think>\n`):
+        # the header is what the conversation follows of it past the earlier messages
         if a <= shared and k:  # the messages before close differently when last: find the generation prompt
-            a = self._header_after(conv, k, min(a, shared), full, r.tools)
+            a = self._header_after(conv, k, d, full, r.tools)
             shared = -1 if a is not None else shared
-        if a is None or not shared < a < len(full):
-            return None
-        want = _nf(_reply(conv[k])[:16])  # and the reply's text starts there: nothing but blanks between them
+        return a if a is not None and shared < a < len(full) and self._starts(full, a, conv[k]) else None
+
+    def _thinks(self) -> bool:
+        """Whether the template's generation prompt changes with enable_thinking=False (GLM-4.7, Qwen3), read once."""
+        if self._thinking is None:
+            try:
+                self._thinking = self._text(_PROBE[:1], True) != self._text(_PROBE[:1], True, enable_thinking=False)
+            except RowError:
+                self._thinking = False
+        return self._thinking
+
+    def _starts(self, full: list[int], a: int, msg: dict) -> bool:
+        """Whether the reply's text starts at `a`: nothing but blanks between."""
+        want = _nf(_reply(msg)[:16])
         if not want:
-            return a
+            return True
         pre = _nf(self.tok.hf.decode(full[max(a - 1, 0):a]))
         shown = _nf(self.tok.hf.decode(full[max(a - 1, 0):a + len(self.tok.encode(want)) + 4]))
         i = shown.find(want)
-        return a if i >= 0 and (i < len(pre) or not shown[len(pre):i].strip()) else None
+        return i >= 0 and (i < len(pre) or not shown[len(pre):i].strip())
 
-    def _header_after(self, conv: list[dict], k: int, d: int, full: list[int], tools: list | None = None) -> int | None:
+    def _header_after(self, conv: list[dict], k: int, d: int, full: list[int], tools: list | None = None,
+                      **kw) -> int | None:
         """Where turn k's reply starts when the messages before it render differently with a reply after them (Hermes'
         `tool_use` closes a last tool result `</tool_response><|im_end|>`, one followed by a reply
         `</tool_response>\n<|im_end|>`): the end of the generation prompt's tokens (the text `add_generation_prompt`
@@ -356,7 +374,7 @@ class ChatEncoder:
         blanks and control tokens between (a template writing other text there, a system prompt moved, stays a turn
         not located). None where that does not hold."""
         try:
-            before, head = self._text(conv[:k], tools=tools), self._text(conv[:k], True, tools)
+            before, head = self._text(conv[:k], tools=tools, **kw), self._text(conv[:k], True, tools, **kw)
         except RowError:
             return None
         if not head.startswith(before) or len(head) == len(before):
@@ -402,9 +420,10 @@ class ChatEncoder:
                 # the turn alone ends in its text, the conversation goes on with an end-of-turn token: written only
                 # when a message follows (Qwen1.5), it is this reply's end
                 end = self._end(full, arr, a, len(turn) + 1, msg)
-            if end is None and prefix:  # a turn ended by another control token (gpt-oss's <|call|>)
-                end = self._trim(tail, a, len(turn))
-                end = end if self._shows(full, a, end, msg) else None
+            if end is None and prefix:  # a turn ended by another control token (gpt-oss's <|call|>); else, a last
+                # reply the template ends with nothing (GLM's: a control token of its reasoning is no end)
+                end = next((e for e in (self._trim(tail, a, len(turn)), len(turn)) if self._shows(full, a, e, msg)),
+                           None)
             if end is None:
                 eot = self.tok.hf.convert_ids_to_tokens(self.eot.tolist())
                 why[k] = f"message {k}: no end-of-turn token {eot} after its text"

@@ -2,8 +2,9 @@
 probe conversation, and the one only the history writes.
 
 - `probe_ends`: the control token written right after a probe reply's text, the reply mid-conversation and last
-  (Phi-3 `<|end|>`; gpt-oss `<|end|>` and `<|return|>`; OLMo 3 `<|im_end|>` and its EOS); the EOS where the probe
-  shows none.
+  (Phi-3 `<|end|>`; gpt-oss `<|end|>` and `<|return|>`; OLMo 3 `<|im_end|>` and its EOS), and the control tokens the
+  model's generation config stops on (GLM ends a reply with the next message's token: `<|user|>` after an answer,
+  `<|observation|>` after a tool call); the EOS where neither shows one.
 - `history_end`: the end-of-turn the template writes after a reply only in the history, where the last reply ends
   with another, and which the model's generation config does not stop on (gpt-oss: `<|end|>` after a final answer
   followed by more, `<|return|>` after the last; generation stops on `<|return|>`, `<|call|>`, `<|endoftext|>`): a
@@ -46,6 +47,7 @@ def probe_ends(enc, probe: list[dict]) -> tuple[np.ndarray, dict[str, int]]:
                 ends.setdefault(reply, names[hit])
         if found:
             break
+    found |= (stops(enc.tok.path) or set()) & enc.special  # a reply the next message's token ends (GLM's <|observation|>)
     return np.array(sorted(found or {enc.tok.eos_id}), dtype=np.int64), ends
 
 

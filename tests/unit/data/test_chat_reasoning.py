@@ -13,6 +13,7 @@ import pytest
 from data.chat import ChatEncoder, RowError
 from data.chat_sweep import CASES, build_tokenizer, families
 from data.prepare_data import prepare
+from data.tokenizer import Tokenizer
 from tests.unit.data.test_chat_tools import encoder
 from tests.unit.data.test_chat_tools import trained_text as trained
 
@@ -101,8 +102,6 @@ def test_an_end_of_turn_only_the_history_writes_is_not_trained_where_generation_
     <|im_end|> (its EOS last) is one of its stops: trained. Without a generation config: trained, as written."""
     import shutil
 
-    from data.tokenizer import Tokenizer
-
     conv = CASES["multi-turn"]
     enc = encoder(root, "gpt_oss")
     ids, mask, stats = enc.encode({"messages": conv})
@@ -127,8 +126,6 @@ def test_a_reply_in_another_unicode_form_than_the_tokenizer_normalizes_to_trains
     a one-turn row refused. Its reasoning likewise was counted as dropped."""
     import shutil
 
-    from data.tokenizer import Tokenizer
-
     nfc = tmp_path / "qwen3_nfc"
     shutil.copytree(encoder(root, "qwen3").tok.path, nfc)
     spec = json.loads((nfc / "tokenizer.json").read_text())
@@ -140,3 +137,17 @@ def test_a_reply_in_another_unicode_form_than_the_tokenizer_normalizes_to_trains
                                                                          "reasoning_content": why}]})
     assert stats["untrained_turns"] == 0 and stats["dropped_reasoning"] == 0, stats
     assert "Café au lait, 10 kΩ" in trained(enc, ids, mask)
+
+
+def test_glm_with_its_think_tokens_special_trains_too(tmp_path):
+    """GLM-4.7's <think> / </think> are plain added tokens (the sweep's family); with them special (a converted or
+    older vocabulary) a last reply with reasoning ended at its `</think>` (the last control token of the turn) and
+    the row was refused ('no end-of-turn token')."""
+    fam = {**families()["glm47"], "special": families()["glm47"]["special"] + ["<think>", "</think>"]}
+    fam["added"] = [t for t in fam["added"] if t not in ("<think>", "</think>")]
+    enc = ChatEncoder(Tokenizer(build_tokenizer(str(tmp_path), "glm47_special_think", fam)))
+    for case in ("multi-turn", "reasoning", "reasoning in the content"):
+        ids, mask, stats = enc.encode({"messages": CASES[case]})
+        text = trained(enc, ids, mask)
+        assert stats["untrained_turns"] == 0 and "apple river" in text and "2 words" in text, (case, text)
+        assert text.count("<|user|>") == 1 and "Count them" not in text  # the first reply's stop, no user text

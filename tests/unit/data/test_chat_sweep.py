@@ -31,6 +31,11 @@ def test_every_family_trains_exactly_its_replies_or_is_refused_in_one_line(table
     # <|im_end|>, gpt-oss's <|return|>): each reply ends at its own end-of-turn token, never the conversation's end
     ("phi3", "multi-turn", "trains"), ("phi4_mini", "system", "trains"), ("olmo3", "multi-turn", "trains"),
     ("gpt_oss", "multi-turn", "trains"), ("gpt_oss", "reasoning", "trains: 1 earlier reply's"), ("gpt_oss", "tool call", "trains"),
+    # GLM-4.7 writes an earlier reply as its prompt without thinking gives it (`<|assistant|></think>`, the prompt
+    # `<|assistant|><think>`): every row without reasoning was refused; a reply ends with the next message's token
+    # (<|user|>, <|observation|> after a call), its stops
+    ("glm47", "multi-turn", "trains"), ("glm47", "system", "trains"), ("glm47", "tool call", "trains"),
+    ("glm47", "reasoning", "trains: 1 earlier reply's"), ("glm47", "tool call with text", "trains"),
     # item 2: a tool call the template does not render is a refused row, never an empty reply trained
     ("llama3", "tool call", "refused: message 1 (assistant): llama3's template does not render its tool call(s)"),
     ("smollm2", "tool call", "refused: message 1 (assistant): smollm2's template does not render its tool call(s)"),
