@@ -129,6 +129,11 @@ def settings(a: argparse.Namespace) -> dict:
     from training.config import cp_setting
 
     a.context_parallel_size = cp_setting(a.context_parallel_size, "--context_parallel_size")
+    from model_utils.hub import resolve
+
+    # a hub id (org/name) as train.py takes it: its snapshot in the local cache (one line naming the download if not)
+    a.model = resolve(a.model, flag="MODEL")
+    a.compare = a.compare and resolve(a.compare, flag="--compare")
     for path in (a.model, a.compare, a.tokenizer, a.heldout):
         if path is not None and not os.path.exists(path):
             raise ValueError(f"{path}: no such file or folder")
@@ -156,8 +161,11 @@ def describe(path: str, tokenizer: str | None) -> dict:
                          "folder (no checkpoints/LATEST)")
     with open(os.path.join(path, "config.json")) as fh:
         config = json.load(fh)
-    own = [os.path.join(path, "tokenizer.model")] + [path] * any(
-        os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
+    # the folder's Hugging Face tokenizer (its added tokens, its chat template) before a sentencepiece file beside it
+    # (Mistral, Llama 2 and Gemma snapshots ship both: the .model alone refused --chat on, tokenized without the
+    # control tokens); a .model alone (the demo's export) as it is
+    own = [path] * any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")) + [
+        os.path.join(path, "tokenizer.model")]
     tok = tokenizer or next((t for t in own if os.path.exists(t)), None)
     return {"kind": "hf", "path": path, "config": config, "tokenizer": tok}
 
