@@ -88,7 +88,8 @@ def test_the_plainest_run(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["missing_model", "--lengths", "256"], "missing_model: no such file or folder"),
+    (["missing_model", "--lengths", "256"], "MODEL missing_model: not a local folder, a preset, nor in the local "
+                                            "Hugging Face cache"),  # as train.py says it: a name may be a hub id
     (["recipes/base/tiny_passkey256", "--lengths", "256,huge"], "--lengths '256,huge': use"),
 ])
 def test_user_errors_are_one_line(tmp_path, args, message):
