@@ -314,6 +314,9 @@ class Restorer:
             load_dir, files = self._universal(path)
             self._await_files(os.path.join(load_dir, tag), files, f"the universal conversion of {path}")
             engine._config.load_universal_checkpoint = True
+        # today's peak LR: the schedule's state brings the saved run's (LambdaLR's base_lrs) back
+        sched = engine.lr_scheduler if load_scheduler else None
+        today = list(sched.base_lrs) if hasattr(sched, "base_lrs") else None
         # Always the whole ZeRO state: under ZeRO-3 the weights live in the optimizer's fp32 partitions
         # (`load_module_only` would restore them from the empty module placeholders); moments reset after.
         loaded, _ = engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=True,
@@ -322,6 +325,8 @@ class Restorer:
             raise RuntimeError(f"DeepSpeed could not load {path}")
         if not load_optimizer:
             reset_adam_moments(engine.optimizer)
+        if today is not None:
+            keep_todays_peak(engine.optimizer, sched, today)
         if not load_scheduler and engine.lr_scheduler is not None:
             # the loaded optimizer state carries the old stage's LR; start the new schedule from its step 0
             for group, lr in zip(engine.optimizer.param_groups, engine.lr_scheduler.get_last_lr()):
@@ -365,3 +370,17 @@ def changed_settings(saved: dict, now: dict) -> list[str]:
     training/config.to_dict writes them); a key either lacks is not compared."""
     return [k for k in RUN_KEYS if k in saved and k in now
             and json.dumps(saved[k], sort_keys=True, default=str) != json.dumps(now[k], sort_keys=True, default=str)]
+
+
+def keep_todays_peak(optimizer, sched, today: list[float]) -> None:
+    """After a mid-stage load: the schedule at its saved step with today's peak LR (a resume with a lower
+    --learning_rate, after a loss spike, kept the saved run's: LambdaLR's state carries its base_lrs). The step
+    count is the checkpoint's; each group's LR is today's schedule there."""
+    lams = getattr(sched, "lr_lambdas", None)
+    if not lams or len(lams) != len(today):
+        return
+    sched.base_lrs = list(today)
+    lrs = [base * lam(sched.last_epoch) for base, lam in zip(today, lams)]
+    for group, lr, base in zip(getattr(sched, "optimizer", optimizer).param_groups, lrs, today):
+        group["lr"], group["initial_lr"] = lr, base
+    sched._last_lr = lrs

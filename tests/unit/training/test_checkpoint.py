@@ -355,3 +355,42 @@ def test_export_names_the_checkpoint_it_was_given(tmp_path, capsys, given, why):
     assert export.main([str(tmp_path), "--checkpoint", path]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: --checkpoint {path}: not a complete checkpoint") and why in err[0]
+
+
+def test_a_resume_with_a_new_learning_rate_takes_it(tmp_path):
+    """train.py resumed with --learning_rate 1e-4 after a run at 1e-3 (lowering it after a loss spike): the saved
+    schedule's state (LambdaLR's base_lrs) brought 1e-3 back, and the note said today's settings apply. Now the
+    schedule goes on from its saved step with today's peak."""
+    import torch
+
+    from training.schedule import lambda_scheduler
+
+    def engine_at(peak):
+        opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=peak)
+        e = LoadEngine()
+        e.optimizer, e.lr_scheduler = opt, lambda_scheduler(peak, 0.0, 2, 10, "cosine")(opt)
+        return e
+
+    old = engine_at(1e-3)
+    for _ in range(5):
+        old.optimizer.step()
+        old.lr_scheduler.step()
+    saved_sched, saved_opt = old.lr_scheduler.state_dict(), old.optimizer.state_dict()
+    new = engine_at(1e-4)
+
+    def load_checkpoint(load_dir, tag, load_optimizer_states, load_lr_scheduler_states):  # as DeepSpeed's does
+        new.optimizer.load_state_dict(saved_opt)
+        if load_lr_scheduler_states:
+            new.lr_scheduler.load_state_dict(saved_sched)
+        return os.path.join(load_dir, tag), {}
+
+    new.load_checkpoint = load_checkpoint
+    ck = Checkpointer(str(tmp_path), keep=3)
+    ck.load(new, save(ck, 5))
+    from training.schedule import lr_at
+
+    want = lr_at(5, 1e-4, 0.0, 2, 10, "cosine")
+    assert new.lr_scheduler.last_epoch == 5 and new.optimizer.param_groups[0]["lr"] == pytest.approx(want)
+    new.optimizer.step()
+    new.lr_scheduler.step()
+    assert new.optimizer.param_groups[0]["lr"] == pytest.approx(lr_at(6, 1e-4, 0.0, 2, 10, "cosine"))
