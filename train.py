@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     from model_utils.rope import model_hash
     from training.checkpoint import Checkpointer
     from training.config import to_dict
-    from training.curriculum import stage_start, total_steps
+    from training.curriculum import keep_stage_steps, stage_start, total_steps
     from training.evaluation import check_passkey_fits
     from training.hf_args import epoch_stages
     from training.metrics import MetricsLogger
@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     # --- resume: the newest complete checkpoint (rank 0's listing, verified together) decides where we are ---
     ckpt = Checkpointer(cfg.output_dir, cfg.save_total_limit, deadline=Deadline(cfg.time_limit_s, now=started))
     state = ckpt.resume(cfg.resume, model_hash(model.config), cfg.model_name_or_path, to_dict(cfg))
+    stages = keep_stage_steps(stages, state)  # the stages it ran keep their lengths, whatever today's world or batch
     metrics = MetricsLogger(cfg.output_dir, dims.is_main, cfg.report_to, cfg.wandb_project, state.wandb_id,
                             to_dict(cfg), total_steps(stages), cfg.progress_bar, resume_step=state.step)
     preempt = stop_flag(cfg, dims, started)

@@ -176,8 +176,9 @@ def epoch_stages(cfg, stages: list, data, world: int) -> list:
         out, lines = [], []
         for st in stages:
             own = cfg.stages[st.index] if cfg.stages else None
-            steps = st.max_steps
+            steps, source = st.max_steps, st.steps_from
             if cfg.num_train_epochs is not None and not (own and (own.max_steps or own.max_tokens)):
+                source = "epochs"
                 mixed = [k for k in ("data", "tasks", "replay") if getattr(st, k, None)]
                 if mixed:
                     raise ValueError(f"stage {st.index} ({st.name}): --num_train_epochs counts epochs over the whole "
@@ -194,7 +195,7 @@ def epoch_stages(cfg, stages: list, data, world: int) -> list:
             if cfg.warmup_ratio and not (own and own.warmup_steps is not None):
                 warm = math.ceil(cfg.warmup_ratio * steps)
                 lines.append(f"stage {st.index} ({st.name}): warmup {warm} steps (--warmup_ratio {cfg.warmup_ratio:g})")
-            out.append(dataclasses.replace(st, max_steps=steps, warmup_steps=warm))
+            out.append(dataclasses.replace(st, max_steps=steps, warmup_steps=warm, steps_from=source))
         return [out, lines]
 
     out, lines = comm.run_on_main(decide)

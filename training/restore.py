@@ -70,6 +70,7 @@ class TrainState:
     stage: int = 0
     wandb_id: str | None = None
     checkpoint: str | None = None
+    stage_steps: list | None = None  # the checkpoint's stages' step counts as they ran (written with its metadata)
 
     def state_dict(self) -> dict:
         return {"step": self.step, "tokens": self.tokens, "stage": self.stage, "wandb_id": self.wandb_id}
@@ -77,6 +78,7 @@ class TrainState:
     def load_state_dict(self, d: dict) -> None:
         self.step, self.tokens, self.stage = int(d["step"]), int(d["tokens"]), int(d["stage"])
         self.wandb_id = d.get("wandb_id")
+        self.stage_steps = d.get("stage_steps")
 
 
 def reset_adam_moments(optimizer) -> int:

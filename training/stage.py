@@ -105,12 +105,12 @@ def train_stage(run: Run, stage, stages, state: TrainState) -> None:
         in_window = stopping and preempt.window_left_s is not None  # SIGTERM: the launcher SIGKILLs every rank soon
         due = at_end or (cfg.save_steps and state.step % cfg.save_steps == 0) or preempt.save_due
         if (stopping or due) and not in_window:
-            _save(run, engine, stage, hf_config, state, sampler, at_end)
+            _save(run, engine, stages, stage, hf_config, state, sampler, at_end)
             # after a background snapshot the write it started is ahead too: the next step runs only if that
             # write, the stop's save and the step fit before the job's end (it used to reserve nothing for it)
             stopping = stopping or _agree(run, at_end)
         if stopping and preempt.window_left_s is not None:
-            _stop_in_window(run, engine, stage, hf_config, state, sampler, at_end)
+            _stop_in_window(run, engine, stages, stage, hf_config, state, sampler, at_end)
         elif stopping:
             _committed(run, state, run.ckpt.finish())  # a background save of this step: durable before exit 75
         if stopping:
@@ -167,7 +167,7 @@ def _agree(run: Run, stage_ends: bool) -> bool:
     return preempt.agreed(ahead_s=preempt.deadline.ahead_s(stage_ends, run.ckpt.pending is not None))
 
 
-def _stop_in_window(run: Run, engine, stage, hf_config, state: TrainState, sampler, at_end: bool) -> None:
+def _stop_in_window(run: Run, engine, stages, stage, hf_config, state: TrainState, sampler, at_end: bool) -> None:
     """A SIGTERM stop (every rank agreed, `window_left_s` seconds before the launcher's SIGKILL): commit what can be
     committed in the window, never start what cannot finish in it. The background write in flight is waited for
     (at most the window less EXIT_MARGIN_S; one all-reduce then says whether every rank's is durable) and committed;
@@ -196,7 +196,7 @@ def _stop_in_window(run: Run, engine, stage, hf_config, state: TrainState, sampl
         print0(f"SIGTERM: a save of step {state.step} takes ~{preempt.save_need_s:.0f} s, {max(left, 0):.0f} s are left "
                f"before the launcher's SIGKILL: not started; the newest committed checkpoint is {state.checkpoint}")
         return
-    _save(run, engine, stage, hf_config, state, sampler, at_end)
+    _save(run, engine, stages, stage, hf_config, state, sampler, at_end)
 
 
 def _rank_bytes(engine, world: int) -> float:
@@ -255,7 +255,7 @@ def _host_fields() -> dict:
             "host_fallback_pinned_gb": round(s["fallback_pinned_bytes"] / 2**30, 3), "host_fallbacks": s["fallbacks"]}
 
 
-def _save(run: Run, engine, stage, hf_config, state: TrainState, sampler, at_end: bool) -> None:
+def _save(run: Run, engine, stages, stage, hf_config, state: TrainState, sampler, at_end: bool) -> None:
     """A checkpoint of `state` (collective); the stage's last one is kept for good. With `async_save` only the
     snapshot blocks here and the commit comes at a later step boundary (`_committed`); a stage's end and an agreed
     stop save synchronously (the next stage loads it; the job exits after it), after the write in flight."""
@@ -267,6 +267,7 @@ def _save(run: Run, engine, stage, hf_config, state: TrainState, sampler, at_end
     t0, taken = time.perf_counter(), time.monotonic()  # the state saved is this moment's
     state.stage, state.wandb_id = stage.index, run.metrics.run_id
     meta = {"stage_name": stage.name, "model_hash": model_hash(hf_config), "world": run.dims.world, "sp": stage.sp,
+            "stage_steps": [s.max_steps for s in stages[:stage.index + 1]],  # as they began (curriculum.keep_stage_steps)
             "tokenizer": run.data.tokenizer.path if run.data.tokenizer else None, "config": to_dict(run.cfg)}
     background = run.cfg.async_save and not (at_end or run.preempt.stopping)
     path = run.ckpt.save(engine, state.step, {**state.state_dict(), **meta},

@@ -203,3 +203,30 @@ def test_a_recipe_that_is_not_valid_yaml_is_one_line_naming_the_line(tmp_path):
     recipe.write_text("max_steps: 3\n\tlearning_rate: 1.0e-4\n")
     with pytest.raises(ValueError, match=r"not valid YAML at line 2"):
         parse_config(["--config", str(recipe)])
+
+
+def test_a_resume_keeps_the_step_counts_its_stages_ran_with(tmp_path, capsys):
+    """Stages sized by max_tokens, resumed with another accumulation (or world, or batch): their step counts
+    recomputed moved every stage boundary, and the run went back into a finished stage (stage 0 trained again at its
+    length on stage 1's weights, LR re-warmed) or cut the current one short. The checkpoint's counts win for the
+    stages it ran and, sized by tokens, the one it is in; a stage's own max_steps still counts for the current one."""
+    import types
+
+    from training.config import parse_config
+    from training.curriculum import keep_stage_steps, resolve_stages, stage_start
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("stages:\n  - {name: a, max_seq_length: 256, max_tokens: 1024}\n"
+                      "  - {name: b, max_seq_length: 512, max_tokens: 1024}\n"
+                      "  - {name: c, max_seq_length: 512, max_steps: 9}\n"
+                      "  - {name: d, max_seq_length: 1024, max_tokens: 4096}\n")
+    today = resolve_stages(parse_config(["--config", str(recipe), "--gradient_accumulation_steps", "1"]),
+                           dp_of_sp=lambda sp: 1)
+    assert [s.max_steps for s in today] == [4, 2, 9, 4]
+    ran = types.SimpleNamespace(stage=1, stage_steps=[2, 1])  # written at accumulation 2, in stage b
+    kept = keep_stage_steps(today, ran)
+    assert [s.max_steps for s in kept] == [2, 1, 9, 4] and stage_start(kept, 1) == 2
+    assert "stage 0 (a) keeps the 2 steps it ran with" in capsys.readouterr().out
+    in_c = types.SimpleNamespace(stage=2, stage_steps=[2, 1, 5])  # c's own max_steps raised from 5 to 9: taken
+    assert [s.max_steps for s in keep_stage_steps(today, in_c)] == [2, 1, 9, 4]
+    assert keep_stage_steps(today, types.SimpleNamespace(stage=0, stage_steps=None)) == today  # older checkpoints
