@@ -7,7 +7,7 @@ Rank 0 decides (base.comm.run_on_main: every rank raises the same line) right af
 before anything is written in the folder; rank 0 keeps the lock fresh (its mtime, every HEARTBEAT_S, from a daemon
 thread) and removes it when the run ends (training/job.py). A lock whose owner is dead is taken over:
 - the same SLURM job: an earlier run of this job (another restart: a requeue; Slurm never runs two of one job at
-  once), unless it is another step of the same run (two `srun` steps of one allocation), judged as below;
+  once); the same restart (two `srun` steps of one allocation, two tasks of one step) is judged as below;
 - on this host: its pid is gone, or is another process now (the start time in /proc differs);
 - on another host: its job's state (`scontrol show job`) is not a live one (RUNNING, SUSPENDED, COMPLETING, ...;
   an unknown job id is gone); where no job or no scontrol says, its heartbeat is older than STALE_S. The age is
@@ -78,9 +78,11 @@ def job_state(job: str) -> str | None:
 def verdict(lock: dict, mine: dict, age_s: float | None, alive=pid_alive, state=job_state) -> tuple[bool, str]:
     """(whether the lock's owner is alive, why). Pure given its readers: tests give it any cluster."""
     same_job = bool(lock.get("job")) and lock["job"] == mine.get("job")
-    if same_job and (lock.get("restart") != mine.get("restart") or lock.get("step") == mine.get("step")):
-        return False, f"an earlier run of this job ({lock['job']})"  # a requeue, or this step's earlier start
-    # (the same job's other step, running now, is judged as any other run: by its process or its heartbeat)
+    if same_job and lock.get("restart") != mine.get("restart"):
+        return False, f"an earlier run of this job ({lock['job']})"  # a requeue: Slurm runs one restart at a time
+    # the same restart: another step of this allocation, or another task of this very step (`srun -N2 launch.sh`
+    # without --no_ssh: two one-node worlds), running now, or this step's earlier start: judged as any other run,
+    # by its process or its heartbeat (the job's state says nothing: it is this one's)
     if lock.get("host") == mine["host"]:
         if int(lock.get("pid", 0)) == mine["pid"]:
             return False, "this process' own (an earlier run in it)"

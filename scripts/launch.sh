@@ -83,6 +83,12 @@ fi
 { [ -n "$include" ] || [ -n "$exclude" ]; } && [ -n "$num_gpus$num_nodes" ] &&
   die "--num_gpus/--num_nodes cannot be combined with --include/--exclude (the deepspeed launcher refuses)"
 nnodes=${nnodes:-1}
+# under an srun step of several tasks every task runs this script: one launcher per node, one world of them
+# (--no_ssh or --torchrun with --nnodes the step's tasks), else N separate runs would write one output folder
+tasks=${SLURM_STEP_NUM_TASKS:-1}
+if [ "$tasks" -gt 1 ] 2>/dev/null && { [ "$no_ssh$torchrun" = 00 ] || [ "$nnodes" != "$tasks" ]; }; then
+  die "this srun step runs $tasks copies of launch.sh: each would start a run of its own into one output folder; run one per node as one world (srun --ntasks-per-node=1 scripts/launch.sh --no_ssh --nnodes $tasks --node_rank \$SLURM_NODEID --master_addr NODE0 ...), or use scripts/slurm.sbatch"
+fi
 if [ "$no_ssh" = 1 ] || [ "$torchrun" = 1 ]; then
   [ "$node_rank" -ge 0 ] && [ "$node_rank" -lt "$nnodes" ] || die "--node_rank $node_rank is not in [0, $nnodes)"
   [ "$nnodes" = 1 ] || [ -n "$master_addr" ] || die "--nnodes $nnodes needs --master_addr (node 0's address)"

@@ -148,6 +148,19 @@ def test_cuda_visible_devices_are_respected(tmp_path):
     assert " --nproc_per_node 2 " in p.stdout, p.stdout + p.stderr
 
 
+def test_several_copies_under_one_srun_step_are_one_world_or_refused(tmp_path):
+    """`srun -N2 scripts/launch.sh -- ARGS` ran two one-node worlds into one output folder (and the run lock took the
+    live first run's lock over as 'an earlier run of this job'): refused in one line naming the per-node form; that
+    form (what slurm.sbatch runs) passes."""
+    p = launch(["--print-only", "--num_gpus", "2", "--", "--x"], tmp_path, DS_ACCELERATOR="cpu", SLURM_STEP_NUM_TASKS="2")
+    assert p.returncode == 2 and "runs 2 copies of launch.sh" in p.stderr and "--no_ssh --nnodes 2" in p.stderr
+    p = launch(["--print-only", "--no_ssh", "--nnodes", "2", "--node_rank", "1", "--master_addr", "a", "--num_gpus", "2",
+                "--", "--x"], tmp_path, DS_ACCELERATOR="cpu", SLURM_STEP_NUM_TASKS="2", TMPDIR=str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    p = launch(["--print-only", "--num_gpus", "2", "--", "--x"], tmp_path, DS_ACCELERATOR="cpu", SLURM_STEP_NUM_TASKS="1")
+    assert p.returncode == 0, p.stderr  # one task: a plain launch
+
+
 def test_your_own_deepspeed_env_keeps_its_other_lines(tmp_path):
     """./.deepspeed_env is the file deepspeed users keep for what remote nodes need (LD_LIBRARY_PATH=...): the launch
     writes its own names (from this environment: a stale NCCL_ value not set now goes) and keeps the others (before:

@@ -29,6 +29,12 @@ MINE = {"host": "gpu001", "pid": 4242, "start": "100", "job": "900", "restart": 
     ({"host": "gpu002", "pid": 7, "job": "900", "restart": "0", "step": "1"}, 1.0, True, "RUNNING", True),  # another
     # step of this same run, running now on another host (two srun steps of one allocation): its fresh heartbeat
     ({"host": "gpu002", "pid": 7, "job": "900", "restart": "0", "step": "1"}, STALE_S + 1, True, "RUNNING", False),
+    # another task of this very step (`srun -N2 scripts/launch.sh` without --no_ssh: two one-node worlds, one folder):
+    # was taken over as "an earlier run of this job"; judged by its heartbeat, or its pid on this host
+    ({"host": "gpu002", "pid": 7, "job": "900", "restart": "0", "step": "0"}, 1.0, True, "RUNNING", True),
+    ({"host": "gpu002", "pid": 7, "job": "900", "restart": "0", "step": "0"}, STALE_S + 1, True, "RUNNING", False),
+    ({"host": "gpu001", "pid": 7, "job": "900", "restart": "0", "step": "0"}, 1.0, True, "RUNNING", True),
+    ({"host": "gpu001", "pid": 7, "job": "900", "restart": "0", "step": "0"}, 1.0, False, "RUNNING", False),
 ])
 def test_the_owner_is_alive_or_dead_as_its_host_job_or_heartbeat_says(lock, age, alive, state, live):
     assert verdict(lock, MINE, age, alive=lambda pid, start: alive, state=lambda job: state)[0] is live
