@@ -392,6 +392,17 @@ def test_sbatch_requeues_a_crash_on_one_node_without_it(tmp_path, earlier):
     assert "got SIGTERM" in node_lines(tmp_path, 1), text  # srun ended it: node 0's 1 came first
 
 
+def test_a_crash_after_a_gang_suspension_is_a_crash_not_a_preemption(tmp_path):
+    """Gang scheduling suspended the job once (slurmctld set PreemptTime; nothing clears it before a requeue), then
+    node 1's ranks crash and srun TERMs the other node (--kill-on-bad-exit): the batch shell read 'TERM records,
+    PreemptTime set' as a GraceTime preemption and requeued without excluding the node (a bug crashing every node
+    looped the same way). The crash records decide: a crash requeue without node 1."""
+    (tmp_path / "scontrol.log.state").write_text("preempt_time=2026-11-29T10:00:00\n")
+    code, text = crash_run(tmp_path, 20, 25, [])
+    assert code == 0 and "a preemption (GraceTime)" not in text, text
+    assert requeues(tmp_path) == ["requeue 4242", "update JobId=4242 ExcNodeList=localhost"], text
+
+
 @pytest.mark.parametrize("case, line", [
     ("every node", "crashed on node(s) 1 0 (exit 1), each on its own, 2 node(s) in the job: not a node's fault"),
     ("same failure", "the same failure twice: a crash after step 25 from the checkpoint of step 20 again (node 0 at "
