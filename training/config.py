@@ -214,6 +214,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
     for st in merged.get("stages") or []:  # the command line's eval_X wins over a stage's own eval.X as well
         if isinstance(st, dict) and isinstance(st.get("eval"), dict):
             st["eval"] = {k: v for k, v in st["eval"].items() if k not in {EVAL_KEYS[g] for g in given_eval}}
+    flags_over_stages(merged.get("stages"), args)
     merged.update(args)
     merged = hf_args.apply(merged, where=recipe or "the command line")
     cfg = config_from_dict(merged, where=recipe or "command line")
@@ -221,6 +222,38 @@ def parse_config(argv: list[str] | None = None) -> Config:
     hf_args.resolve_hub_ids(cfg)  # a hub id: its snapshot in the local Hugging Face cache, offline
     settle_from_file(cfg, given=set(merged))  # SP degree / fp16 the DeepSpeed JSON sets; precision checks
     return cfg
+
+
+# a run-level flag and the stage keys it sets for every stage when given on the command line (a stage's max_tokens
+# sizes it as max_steps does); HF's alias too
+STAGE_FLAGS = {"max_steps": ("max_steps", "max_tokens"), "max_seq_length": ("max_seq_length",),
+               "learning_rate": ("learning_rate",), "min_lr": ("min_lr",), "warmup_steps": ("warmup_steps",),
+               "lr_scheduler": ("lr_scheduler",), "lr_scheduler_type": ("lr_scheduler",), "rope": ("rope",),
+               "sequence_parallel_size": ("sequence_parallel_size",), "context_parallel_size": ("context_parallel_size",)}
+# (--memory_features and --loss_weighting stay the default of the stages without their own: a stage's own is its
+# feature, data/sharding.py and planner/auto_features.py)
+
+
+def flags_over_stages(stages, args: dict) -> None:
+    """Defaults < recipe < flags, for the recipe's stages too: a flag given on the command line replaces every
+    stage's own value of it (`--config recipe.yaml --max_steps 2`, a smoke test, ran the whole curriculum; a stage's
+    learning_rate beat --learning_rate), in place, with one note naming the stages."""
+    from base.log import print0
+
+    said = []
+    for flag, keys in STAGE_FLAGS.items():
+        if flag not in args:
+            continue
+        names = [str(st.get("name") or f"stage {i}") for i, st in enumerate(stages or [])
+                 if isinstance(st, dict) and any(k in st for k in keys)]
+        for st in stages or []:
+            for k in keys:
+                if isinstance(st, dict):
+                    st.pop(k, None)
+        if names:
+            said.append(f"--{flag} replaces the {'/'.join(k for k in keys)} of stage(s) {', '.join(names)}")
+    if said:
+        print0("note: the command line wins over the recipe's stages: " + "; ".join(said))
 
 
 def validate(cfg: Config) -> None:

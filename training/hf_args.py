@@ -29,7 +29,8 @@ import os
 
 ALIASES = {"lr_scheduler_type": "lr_scheduler", "resume_from_checkpoint": "resume", "ddp_timeout": "dist_timeout_s"}
 # HF lr_scheduler_type -> ours (HF's "constant" has no warmup: the same only without warmup, checked in `apply`)
-SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant_with_warmup": "constant", "constant": "constant"}
+SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant_with_warmup": "constant", "constant": "constant",
+              "cosine_with_min_lr": "cosine"}  # its floor: --min_lr (lr_scheduler_kwargs are not read)
 NO_OPS = ("do_train", "do_eval")  # train.py trains, and evaluates at each stage's end (--no-eval: not)
 ONLY_ONE = {  # accepted at 1, what this project does; another value is refused with the reason
     "logging_steps": "every optimizer step's loss is written to OUTPUT_DIR/metrics.jsonl (and wandb): drop it",

@@ -230,3 +230,25 @@ def test_a_resume_keeps_the_step_counts_its_stages_ran_with(tmp_path, capsys):
     in_c = types.SimpleNamespace(stage=2, stage_steps=[2, 1, 5])  # c's own max_steps raised from 5 to 9: taken
     assert [s.max_steps for s in keep_stage_steps(today, in_c)] == [2, 1, 9, 4]
     assert keep_stage_steps(today, types.SimpleNamespace(stage=0, stage_steps=None)) == today  # older checkpoints
+
+
+def test_flags_win_over_the_recipes_stages(tmp_path, capsys):
+    """Defaults < recipe < flags, the stages included: `--config recipe --max_steps 2` (a smoke test) ran every
+    stage's own max_steps / max_tokens, and --learning_rate changed only the stages without their own, without a word.
+    Now the flag replaces the stages' values, with one note naming them; a flag not given leaves them."""
+    from training.config import parse_config
+    from training.curriculum import resolve_stages
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("stages:\n  - {name: a, max_seq_length: 256, max_tokens: 4096, learning_rate: 1.0e-4}\n"
+                      "  - {name: b, max_seq_length: 512, max_steps: 40}\n")
+    cfg = parse_config(["--config", str(recipe), "--max_steps", "2", "--learning_rate", "3e-4"])
+    stages = resolve_stages(cfg, dp_of_sp=lambda sp: 1)
+    assert [(s.max_steps, s.learning_rate, s.max_seq_length) for s in stages] == [(2, 3e-4, 256), (2, 3e-4, 512)]
+    out = capsys.readouterr().out
+    assert "--max_steps replaces the max_steps/max_tokens of stage(s) a, b" in out
+    assert "--learning_rate replaces the learning_rate of stage(s) a" in out
+    plain = resolve_stages(parse_config(["--config", str(recipe)]), dp_of_sp=lambda sp: 1)
+    assert [(s.max_steps, s.learning_rate) for s in plain][1] == (40, plain[1].learning_rate) and plain[0].max_steps == 16
+    cfg = parse_config(["--config", str(recipe), "--lr_scheduler_type", "cosine_with_min_lr", "--min_lr", "1e-6"])
+    assert cfg.lr_scheduler == "cosine" and cfg.min_lr == 1e-6  # HF's name, its floor from --min_lr
