@@ -66,8 +66,9 @@ def refuse_dropped(enc, conv: list[dict], turns: list[int]) -> None:
         if got and _renders(enc, got[0]) is False:
             given = "its reasoning field (reasoning_content / thinking)" if got[0] == "field" else (
                 "the think block of its content (cut at </think>, as DeepSeek-R1's template does)")
-            fix = ("put the reasoning in the content as <think>...</think> where the template prints the content, "
-                   if got[0] == "field" else "")
+            tags = ("[THINK]", "[/THINK]") if "[THINK]" in (enc.template or "") else ("<think>", "</think>")
+            fix = (f"put the reasoning in the content as {tags[0]}...{tags[1]} where the template prints the content, "
+                   if got[0] == "field" else "")  # Magistral's own tags (its template writes thinking parts so)
             raise RowError(f"message {k} (assistant): {enc.name} never renders {given}, so the reply would be trained "
                            f"with its reasoning gone: {fix}use a template that renders it (Qwen3, gpt-oss, ...), or "
                            "drop the reasoning")

@@ -92,6 +92,10 @@ def _text(content, i: int, role: str) -> str:
                 out.append(part if isinstance(part, str) else part["text"])
             else:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                if kind == "thinking":  # Magistral's native reasoning form
+                    raise RowError(f"message {i} ({role}): content part {j} is a 'thinking' part: give the reasoning "
+                                   "in the content as the template writes it ([THINK]...[/THINK] for Magistral / "
+                                   "Ministral, <think>...</think> for Qwen3), or as the reply's reasoning_content")
                 raise RowError(f"message {i} ({role}): content part {j} is {kind!r}, not text: only text is trained "
                                "here (drop the part, or give its text as a {\"type\": \"text\"} part)")
         return "\n".join(out)

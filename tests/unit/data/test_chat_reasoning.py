@@ -151,3 +151,36 @@ def test_glm_with_its_think_tokens_special_trains_too(tmp_path):
         text = trained(enc, ids, mask)
         assert stats["untrained_turns"] == 0 and "apple river" in text and "2 words" in text, (case, text)
         assert text.count("<|user|>") == 1 and "Count them" not in text  # the first reply's stop, no user text
+
+
+def test_the_fix_a_refusal_names_is_the_templates_own_reasoning_form(tmp_path):
+    """Magistral / Ministral Reasoning render a reply's reasoning as [THINK]...[/THINK] (from `thinking` content
+    parts) and never read reasoning_content: the refusal told the user to write <think>...</think>, which such a
+    template prints as plain text, training the wrong tags without a word. It names the template's own tags now; a
+    thinking part is refused with the same advice."""
+    template = ("{%- for m in messages -%}{%- if m.role == 'user' -%}[INST]{{ m.content }}[/INST]{%- else -%}"
+                "{%- if m.content is not string -%}{%- for p in m.content -%}{%- if p.type == 'thinking' -%}[THINK]"
+                "{{ p.thinking }}[/THINK]{%- else -%}{{ p.text }}{%- endif -%}{%- endfor -%}{%- else -%}{{ m.content }}"
+                "{%- endif -%}</s>{%- endif -%}{%- endfor -%}")
+    fam = {"eos": "</s>", "special": ["[INST]", "[/INST]", "[THINK]", "[/THINK]", "</s>"], "bos": None}
+    import data.chat_sweep as sweep
+
+    orig = sweep.marked
+    sweep.marked = lambda fam, name=None: template
+    try:
+        enc = ChatEncoder(Tokenizer(build_tokenizer(str(tmp_path), "magistral_like", {**fam, "file": "x"})))
+    finally:
+        sweep.marked = orig
+    row = [_ASK_ROW, {"role": "assistant", "content": "apple river", "reasoning_content": WHY}]
+    with pytest.raises(RowError, match=r"as \[THINK\]\.\.\.\[/THINK\] where the template prints the content"):
+        enc.encode({"messages": row})
+    part = [_ASK_ROW, {"role": "assistant", "content": [{"type": "thinking", "thinking": WHY},
+                                                        {"type": "text", "text": "apple river"}]}]
+    with pytest.raises(RowError, match=r"a 'thinking' part: give the reasoning in the content as the template"):
+        enc.encode({"messages": part})
+    ids, mask, _ = enc.encode({"messages": [_ASK_ROW, {"role": "assistant",
+                                                       "content": f"[THINK]{WHY}[/THINK]apple river"}]})
+    assert "[THINK]" + WHY + "[/THINK]apple river" in trained(enc, ids, mask)
+
+
+_ASK_ROW = {"role": "user", "content": "Say exactly: apple river"}
