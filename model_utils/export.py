@@ -56,6 +56,15 @@ def generation_config(source: str | None) -> str | None:
     return path if os.path.isfile(path) else None
 
 
+def sentencepiece_ids(path: str) -> tuple[int | None, int | None, int | None]:
+    """(bos, eos, pad) of a sentencepiece model file, None where it has none: what the run's documents were ended
+    with (data/tokenizer.py), so what generation must stop on (the preset's 1 / 2 named <unk> / <s> in the demo's)."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=path)
+    return tuple(i if i >= 0 else None for i in (sp.bos_id(), sp.eos_id(), sp.pad_id()))
+
+
 def export_hf(checkpoint: str, out_dir: str, tokenizer_path: str | None = None, source: str | None = None,
               owned: bool = False) -> str:
     """Write `checkpoint` (its fp32 master weights, its last stage's RoPE) to `out_dir`; `source` is the run's
@@ -69,6 +78,13 @@ def export_hf(checkpoint: str, out_dir: str, tokenizer_path: str | None = None, 
         fields = json.load(fh)
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)  # carries the last stage's RoPE
     config.use_cache = True  # training runs without the KV cache (model_utils/build.py); generation wants it
+    if not getattr(config, "architectures", None):  # a preset-built model has none (vLLM, pipeline() read it)
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+        config.architectures = [name] if isinstance(name, str) else None
+    if tokenizer_path and os.path.isfile(tokenizer_path):  # a sentencepiece file: its ids, not the preset's
+        config.bos_token_id, config.eos_token_id, config.pad_token_id = sentencepiece_ids(tokenizer_path)
     root, tag = os.path.split(checkpoint.rstrip("/"))
     state = get_fp32_state_dict_from_zero_checkpoint(root, tag=tag)
     if config.tie_word_embeddings:

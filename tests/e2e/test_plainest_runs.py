@@ -37,6 +37,12 @@ def test_train_then_export_then_eval_summary(tmp_path):
     assert tool("scripts/export_hf.py", str(run)).stdout.strip().endswith("hf_model")
     cfg = json.loads((run / "hf_model" / "config.json").read_text())
     assert cfg["use_cache"] is True and (run / "hf_model" / "export.json").is_file()  # training's off is not exported
+    assert cfg["architectures"] == ["LlamaForCausalLM"]  # a preset-built model had none
+    if (run / "hf_model" / "tokenizer.model").is_file():  # the run's sentencepiece ids, not the preset's (1, 2)
+        import sentencepiece as spm
+
+        sp = spm.SentencePieceProcessor(model_file=str(run / "hf_model" / "tokenizer.model"))
+        assert (cfg["eos_token_id"], cfg.get("bos_token_id")) == (sp.eos_id(), sp.bos_id() if sp.bos_id() >= 0 else None)
     # an --out that holds the run (a typo) is refused in one line before any work; the run is untouched
     bad = subprocess.run([sys.executable, os.path.join(ROOT, "scripts/export_hf.py"), str(run), "--out", str(run)],
                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
