@@ -221,7 +221,9 @@ def _table(head: list, rows: list[list]) -> list[str]:
 
 def eval_tables(rows: list[dict]) -> list[str]:
     """The Markdown of eval/summary.md from the stages' eval/stage{N}.json results, in stage order."""
-    nan = float("nan")
+    def acc(x) -> str:  # a cell never evaluated (a depth or a length another stage tried): `-`, never `nan`
+        return "-" if x is None else f"{x:.2f}"
+
     depths = sorted({d for r in rows for d in r.get("passkey_accuracy", {})}, key=float)
     first = next((r["first_len"] for r in rows if "first_len" in r), None)
     chat = next((r["heldout_chat_len"] for r in rows if "heldout_chat_len" in r  # a curriculum with SFT: the column
@@ -233,19 +235,19 @@ def eval_tables(rows: list[dict]) -> list[str]:
 
     out = _table(head, [[r["stage"], r["stage_name"], r["step"], r["seq_len"], loss(r, "heldout_loss"),
                          loss(r, "heldout_loss_first_len"), *[loss(r, "heldout_chat_loss")] * (chat is not None),
-                         *[f"{r.get('passkey_accuracy', {}).get(d, nan):.2f}" for d in depths]] for r in rows])
+                         *[acc(r.get('passkey_accuracy', {}).get(d)) for d in depths]] for r in rows])
     tasks = list(dict.fromkeys(t for r in rows for t in r.get("task_mean", {})))
     for task in tasks:
         lengths = sorted({int(n) for r in rows for n in r.get("task_mean", {}).get(task, {})})
         out += ["", f"**{task}** accuracy (mean over depths) by evaluated length, after each stage:", ""]
         out += _table(["stage", "trained at", *lengths],
-                      [[r["stage"], r["seq_len"], *[f"{r['task_mean'][task].get(str(n), nan):.2f}" for n in lengths]]
+                      [[r["stage"], r["seq_len"], *[acc(r['task_mean'][task].get(str(n))) for n in lengths]]
                        for r in rows if task in r.get("task_mean", {})])
     with_pos = [r for r in rows if r.get("heldout_loss_by_position")]
     if with_pos:
         nb = max(len(r["heldout_loss_by_position"]) for r in with_pos)
         out += ["", "held-out loss by position (equal slices of the stage's length, first to last):", ""]
         out += _table(["stage", "seq_len", *[f"{i + 1}/{nb}" for i in range(nb)]],
-                      [[r["stage"], r["seq_len"], *[f"{x:.3f}" for x in r["heldout_loss_by_position"]]] for r in with_pos])
+                      [[r["stage"], r["seq_len"], *["-" if x != x else f"{x:.3f}" for x in r["heldout_loss_by_position"]]] for r in with_pos])
     return out
 

@@ -237,3 +237,8 @@ def test_no_held_out_conversation_is_none_never_zero(chats):
     rows = [{"stage": 0, "stage_name": "s0", "step": 1, "seq_len": 8, "heldout_loss": 2.0, "heldout_chat_loss": 1.5,
              "heldout_chat_len": 8}, {"stage": 1, "stage_name": "s1", "step": 2, "seq_len": 8, "heldout_loss": 1.0}]
     assert "| 1 | s1 | 2 | 8 | 1.0000 | none | none |" in "\n".join(eval_tables(rows))  # was nan
+    # a depth or a length only another stage was evaluated at: `-` (was `nan`, which reads as a diverged run)
+    rows = [{**rows[0], "passkey_accuracy": {"0.5": 1.0}, "task_mean": {"niah": {"256": 0.5}}},
+            {**rows[1], "passkey_accuracy": {"0.25": 0.0}, "task_mean": {"niah": {"512": 1.0}}}]
+    text = "\n".join(eval_tables(rows))
+    assert "nan" not in text and "| 0 | 8 | 0.50 | - |" in text and "| 1 | s1 | 2 | 8 | 1.0000 | none | none | 0.00 | - |" in text
