@@ -99,12 +99,13 @@ def refuse_unrendered(enc, conv: list[dict], tools: list | None, turns: list[int
                            "a template that renders tool_calls, or drop the calls")
         # a trained reply's text beside its calls (`turns`: the replies trained, None: all), which Llama 3.1 / 3.2
         # and Mistral v0.3 drop, writing the call alone
-        for k in calls if turns is None else [k for k in calls if k in turns]:
-            if conv[k]["content"].split("</think>")[-1].strip() and _same_without(enc, conv, k, text, tools):
-                raise RowError(f"message {k} (assistant): {enc.name} does not render a reply's text beside its tool "
-                               "calls (it writes the call alone, or drops the text once a final answer follows, as "
-                               "gpt-oss does), so the text would be lost: give it as a reply of its own before the "
-                               "call, or drop it")
+        said = [k for k in (calls if turns is None else [k for k in calls if k in turns])
+                if conv[k]["content"].split("</think>")[-1].strip()]
+        for k in _dropped_texts(enc, conv, said, text, tools)[:1]:
+            raise RowError(f"message {k} (assistant): {enc.name} does not render a reply's text beside its tool "
+                           "calls (it writes the call alone, or drops the text once a final answer follows, as "
+                           "gpt-oss does), so the text would be lost: give it as a reply of its own before the "
+                           "call, or drop it")
     for k, m in enumerate(conv):
         if m["role"] != "environment":
             continue
@@ -122,12 +123,30 @@ def refuse_unrendered(enc, conv: list[dict], tools: list | None, turns: list[int
                                "(tool definitions): give them as this template takes them, or drop them")
 
 
+def _dropped_texts(enc, conv: list[dict], ks: list[int], text: str, tools: list | None) -> list[int]:
+    """The turns of `ks` whose text (past a think block) the template does not render: one render with each turn's
+    text replaced by a mark of its own, the marks it lacks (was one render per turn, `_same_without`: a 1,000-step
+    agent trajectory spent half its minute there). A template that refuses the marks: per turn."""
+    if not ks:
+        return []
+    marks = {k: f"Qz{k}MarkOfTurnText" for k in ks}
+    alt = [{**m, "content": _think(m) + marks[k]} if k in marks else m for k, m in enumerate(conv)]
+    try:
+        out = enc._text(alt, tools=tools)
+    except RowError:
+        return [k for k in ks if _same_without(enc, conv, k, text, tools)]
+    return [k for k in ks if marks[k] not in out]
+
+
+def _think(m: dict) -> str:
+    return m["content"].split("</think>")[0] + "</think>" if "</think>" in m["content"] else ""
+
+
 def _same_without(enc, conv: list[dict], k: int, text: str, tools: list | None) -> bool:
     """Whether the conversation renders the same with message k's text emptied (its think block kept)."""
     m = conv[k]
-    think = m["content"].split("</think>")[0] + "</think>" if "</think>" in m["content"] else ""
     try:
-        return enc._text(conv[:k] + [{**m, "content": think}] + conv[k + 1:], tools=tools) == text
+        return enc._text(conv[:k] + [{**m, "content": _think(m)}] + conv[k + 1:], tools=tools) == text
     except RowError:  # it renders only with the text: it reads it
         return False
 
