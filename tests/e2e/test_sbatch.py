@@ -405,8 +405,12 @@ def test_a_crash_after_a_gang_suspension_is_a_crash_not_a_preemption(tmp_path):
 
 @pytest.mark.parametrize("case, line", [
     ("every node", "crashed on node(s) 1 0 (exit 1), each on its own, 2 node(s) in the job: not a node's fault"),
-    ("same failure", "the same failure twice: a crash after step 25 from the checkpoint of step 20 again (node 0 at "
-                     "restart 0, now node 1): a bug, not a node: not requeueing"),
+    ("same failure", "the same failure twice: a crash after step 25 again, now from the checkpoint of step 20 (node 0 "
+                     "at restart 0, now node 1): a bug, not a node: not requeueing"),
+    # the same step from a newer checkpoint (a timed save came between): still the same failure, not a node's (a
+    # data-dependent exception, one long sample's OOM on one node, excluded a healthy node per requeue)
+    ("same step", "the same failure twice: a crash after step 25 again, now from the checkpoint of step 20 (node 0 at "
+                  "restart 0, now node 1): a bug, not a node: not requeueing"),
     ("cap", "node 1 (localhost) crashed (exit 1), but this job was already requeued 2 time(s) for a crash "
             "(ULYSSES_MAX_CRASH_REQUEUES=2): not requeueing"),
 ])
@@ -414,7 +418,8 @@ def test_sbatch_does_not_requeue_a_crash_that_is_not_one_nodes(tmp_path, case, l
     """Not requeued (FAILED, 1, one line saying why): both nodes crashed on their own (node 0's ranks raised too);
     the same failure again after a crash requeue (the same checkpoint, the same last step: deterministic, a bug);
     ULYSSES_MAX_CRASH_REQUEUES (2) crash requeues already spent by this job."""
-    earlier = {"every node": [], "same failure": ["0 0 gpu3 20 25"], "cap": ["0 0 gpu3 10 12", "1 0 gpu4 15 17"]}
+    earlier = {"every node": [], "same failure": ["0 0 gpu3 20 25"], "same step": ["0 0 gpu3 15 25"],
+               "cap": ["0 0 gpu3 10 12", "1 0 gpu4 15 17"]}
     code, text = crash_run(tmp_path, 20, 25, earlier[case], **({"FAKE_CRASH_0": "own"} if case == "every node" else {}))
     assert code == 1 and requeues(tmp_path) == [], text
     assert line in text and "failed with 1: not requeueing" in text, text
