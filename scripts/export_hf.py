@@ -1,6 +1,7 @@
 """Convert a saved run (or one checkpoint) to a Hugging Face folder loadable by AutoModelForCausalLM.
 
     python scripts/export_hf.py checkpoints/RUN [--checkpoint CKPT] [--out DIR]
+    python scripts/export_hf.py checkpoints/RUN/checkpoints/step_000300     # one checkpoint, as evaluate.py takes it
 
 CKPT: a checkpoint folder (checkpoints/RUN/checkpoints/step_000300) or a stage's marker
 (checkpoints/RUN/checkpoints/STAGE_1_s512: the model as that stage ended). --out defaults to RUN/hf_model; another
@@ -14,7 +15,7 @@ import os
 import sys
 
 from model_utils.export import export_hf
-from training.checkpoint import Checkpointer
+from training.checkpoint import MANIFEST, Checkpointer
 
 
 def named(path: str) -> str:
@@ -31,6 +32,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint", default=None, help="a checkpoint folder or a STAGE_* marker (default: newest valid)")
     p.add_argument("--out", default=None, help="output folder (default: RUN/hf_model)")
     a = p.parse_args(argv)
+    if os.path.isfile(os.path.join(a.run_dir, MANIFEST)) or os.path.basename(a.run_dir.rstrip("/")).startswith("STAGE_"):
+        if a.checkpoint:  # a checkpoint (or a stage's marker) named first: its run is two folders up
+            print(f"error: {a.run_dir} is a checkpoint and --checkpoint names another: give one", file=sys.stderr)
+            return 2
+        a.checkpoint, a.run_dir = a.run_dir, os.path.dirname(os.path.dirname(os.path.abspath(a.run_dir.rstrip("/"))))
     ckpt = Checkpointer(a.run_dir, keep=2)
     path = named(a.checkpoint) if a.checkpoint else ckpt.find_resume("auto")
     why = "no such folder" if path and not os.path.isdir(path) else ckpt.verify(path) if path else None

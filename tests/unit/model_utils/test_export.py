@@ -58,3 +58,25 @@ def test_a_stage_marker_names_its_checkpoint(tmp_path):
     (tmp_path / "STAGE_1_s512").write_text("step_000060\n")
     assert export.named(str(tmp_path / "STAGE_1_s512")) == str(tmp_path / "step_000060")
     assert export.named(str(tmp_path / "step_000060")) == str(tmp_path / "step_000060")
+
+
+def test_a_checkpoint_named_first_is_exported_from_its_run(tmp_path, monkeypatch):
+    """export_hf.py RUN/checkpoints/step_000175 (as evaluate.py takes it) was 'no complete checkpoint under
+    .../step_000175/checkpoints': the checkpoint is exported, into its run's hf_model."""
+    import importlib.util
+    import os
+
+    spec = importlib.util.spec_from_file_location("export_hf", os.path.join(os.getcwd(), "scripts", "export_hf.py"))
+    export = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(export)
+    ck = tmp_path / "run" / "checkpoints" / "step_000175"
+    ck.mkdir(parents=True)
+    (ck / "MANIFEST.json").write_text("{}")
+    seen = {}
+    monkeypatch.setattr(export.Checkpointer, "verify", lambda self, path: None)
+    monkeypatch.setattr(export.Checkpointer, "read_trainer", staticmethod(lambda path: {"tokenizer": None}))
+    monkeypatch.setattr(export, "export_hf", lambda path, out, tok, source=None, owned=False: seen.update(
+        path=path, out=out, owned=owned) or out)
+    assert export.main([str(ck)]) == 0
+    assert seen == {"path": str(ck), "out": str(tmp_path / "run" / "hf_model"), "owned": True}
+    assert export.main([str(ck), "--checkpoint", str(ck)]) == 2
