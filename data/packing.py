@@ -249,8 +249,10 @@ class ConvPack:
 
     Packed best-fit decreasing within a bounded window of the stream (`best_fit_bins`): next-fit in stream order
     filled 0.75 of 64k samples for LongAlign-like lengths and 0.77 of 128k samples for 90% short / 10% 30k-100k
-    chats; best-fit 0.96-0.99 (bench/packing.py, docs/data.md). A conversation longer than `seq_len` is cut to its
-    first `seq_len` tokens, alone in its sample; one whose targets (mask 1 at positions 1..seq_len-1) were all cut is
+    chats; best-fit 0.96-0.99 (bench/packing.py, docs/data.md). A text document longer than `seq_len` (its every
+    token a target: an SFT stage's pretraining replay, a `long*` component kept for retention) is split into pieces
+    of `seq_len`, as a text stage splits it (`split`; it was cut to its head, the same head every epoch). A
+    conversation longer than `seq_len` is cut to its first `seq_len` tokens, alone in its sample; one whose targets (mask 1 at positions 1..seq_len-1) were all cut is
     dropped (`dropped`), the others cut are counted (`truncated`). The tail of a sample is padding (`pad_id`, no
     label) cut into documents of at most PAD_PIECE tokens, so under document masking it costs tail x PAD_PIECE, not
     tail^2. Positions restart at every conversation and no conversation's last token predicts the next one's first
@@ -262,8 +264,25 @@ class ConvPack:
 
     def __init__(self, tokens, mask, doc_starts, doc_lens, seq_len: int, pad_id: int, window: int = PACK_WINDOW):
         self.tokens, self.mask, self.seq_len, self.pad_id, self.window = tokens, mask, seq_len, pad_id, window
-        self.starts = np.asarray(doc_starts, dtype=np.int64)
+        starts = np.asarray(doc_starts, dtype=np.int64)
         lens = np.asarray(doc_lens, dtype=np.int64).copy()
+        text = [k for k in np.flatnonzero(lens > seq_len).tolist()  # read once, the long documents only
+                if mask is None or np.asarray(_read(mask, int(starts[k]), int(starts[k] + lens[k])), bool)[1:].all()]
+        self.split = len(text)
+        if text:  # each piece a document of its own (its first token then predicted by nothing, as in a text stage)
+            pieces = {k: np.arange(0, int(lens[k]), seq_len) for k in text}
+            reps = np.ones(len(lens), np.int64)
+            for k, at in pieces.items():
+                reps[k] = len(at)
+            first = np.repeat(starts, reps)
+            offs = np.zeros(len(first), np.int64)
+            plen = np.repeat(lens, reps)
+            for k, at in pieces.items():
+                j = int(reps[:k].sum())
+                offs[j:j + len(at)] = at
+                plen[j:j + len(at)] = np.minimum(seq_len, lens[k] - at)
+            starts, lens = first + offs, plen
+        self.starts = starts
         keep = np.ones(len(lens), bool)
         for k in np.flatnonzero(lens > seq_len).tolist():
             st = int(self.starts[k])
@@ -286,7 +305,8 @@ class ConvPack:
         return self.n_tokens / max(1, len(self) * self.seq_len)
 
     def state_dict(self) -> dict:
-        return {"packing": "best-fit-decreasing", "window": self.window, "samples": len(self), "tokens": self.n_tokens}
+        return {"packing": "best-fit-decreasing", "window": self.window, "samples": len(self), "tokens": self.n_tokens,
+                "text_split": self.split}
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
         L = self.seq_len

@@ -276,11 +276,11 @@ class RunData:
             dataset = self.train_set(stage.max_seq_length, sft=getattr(stage, "kind", "text") == "sft")
             sampler = ResumableSampler(len(dataset), dp, dp_rank, micro_batch, seed=seed + stage.index)
         packs = mix.parts if mix is not None and hasattr(mix, "parts") else [dataset]
-        cut = [p for p in packs if isinstance(p, ConvPack) and (p.truncated or p.dropped)]
+        cut = [p for p in packs if isinstance(p, ConvPack) and (p.truncated or p.dropped or p.split)]
         if cut:
             print0(f"stage {stage.index} ({stage.name}) at {stage.max_seq_length}: {sum(p.truncated for p in cut)} "
                    f"conversation(s) cut to the length, {sum(p.dropped for p in cut)} dropped (every supervised token "
-                   "was past the cut)")
+                   f"was past the cut), {sum(p.split for p in cut)} longer text document(s) split into pieces")
         tasks = check_tasks(stage, self.tokenizer)
         if not tasks:
             return dataset, sampler

@@ -320,3 +320,20 @@ def test_chat_template_is_part_of_the_tokenizer_identity(tmp_path):
     assert tokenizer_identity(tok) != before
     with pytest.raises(ValueError, match="is not the tokenizer"):
         open_run_data(out, tok, 1000, [_stage(0, 64, "sft")], reset_position_ids=True)
+
+
+def test_convpack_splits_a_long_text_document_as_a_text_stage_does():
+    """An SFT stage's text documents (pretraining replay, a `long*` component kept for retention: every token a
+    target) longer than the length were cut to their head, the same head every epoch, the rest never trained. They
+    are split into pieces of the length now; a conversation longer than it is still cut (its end-of-turn kept)."""
+    text = (list(range(100, 114)), [1] * 14)  # 14 tokens, every one a target
+    chat = ([9] * 8, [0, 0] + [1] * 6)  # a conversation: cut at 6
+    toks, mask, starts, lens = _store([text, chat])
+    pack = ConvPack(toks, mask, starts, lens, 6, pad_id=0)
+    assert (pack.split, pack.truncated, pack.dropped) == (1, 1, 0)
+    seen = sorted(int(t) for i in range(len(pack)) for t, p in zip(pack[i]["input_ids"], pack[i]["position_ids"])
+                  if t >= 100)
+    assert seen == list(range(100, 114))  # every token of the text, once
+    firsts = [pack[i]["input_ids"].tolist()[0] for i in range(len(pack))]
+    assert {100, 106} <= set(firsts)  # pieces of 6 from the document's start
+    assert pack.state_dict()["text_split"] == 1
