@@ -62,16 +62,17 @@ def main(argv: list[str] | None = None) -> int:
     # start-up checks ---
     dims, stages, model = start_distributed(cfg, model)
 
-    # --- data: one token stream, its held-out documents fixed for the whole run, each stage packs its length ---
-    data = open_run_data(cfg.dataset_path, cfg.tokenizer_name_or_path, model.arch.vocab_size, stages,
-                         resets_positions(cfg.reset_position_ids, model.attn), cfg.mask_cross_document_labels,
-                         cfg.model_name_or_path)
-    check_passkey_fits(stages, data.tokenizer)
-    stages = epoch_stages(cfg, stages, data, dims.world)  # --num_train_epochs / --warmup_ratio: steps from the data
-
     # --- resume: the newest complete checkpoint (rank 0's listing, verified together) decides where we are ---
     ckpt = Checkpointer(cfg.output_dir, cfg.save_total_limit, deadline=Deadline(cfg.time_limit_s, now=started))
     state = ckpt.resume(cfg.resume, model_hash(model.config), cfg.model_name_or_path, to_dict(cfg))
+
+    # --- data: one token stream, its held-out documents fixed for the whole run (a resume keeps its first start's),
+    # each stage packs its length ---
+    data = open_run_data(cfg.dataset_path, cfg.tokenizer_name_or_path, model.arch.vocab_size, stages,
+                         resets_positions(cfg.reset_position_ids, model.attn), cfg.mask_cross_document_labels,
+                         cfg.model_name_or_path, heldout=state.heldout)
+    check_passkey_fits(stages, data.tokenizer)
+    stages = epoch_stages(cfg, stages, data, dims.world)  # --num_train_epochs / --warmup_ratio: steps from the data
     stages = keep_stage_steps(stages, state)  # the stages it ran keep their lengths, whatever today's world or batch
     metrics = MetricsLogger(cfg.output_dir, dims.is_main, cfg.report_to, cfg.wandb_project, state.wandb_id,
                             to_dict(cfg), total_steps(stages), cfg.progress_bar, resume_step=state.step)

@@ -357,7 +357,7 @@ class ChatEncoder:
 
     def _starts(self, full: list[int], a: int, msg: dict) -> bool:
         """Whether the reply's text starts at `a`: nothing but blanks between."""
-        want = _nf(_reply(msg)[:16])
+        want = _nf(_reply(msg))[:16]  # cut after the normal form: a cut between a letter and its mark never matches
         if not want:
             return True
         pre = _nf(self.tok.hf.decode(full[max(a - 1, 0):a]))

@@ -277,8 +277,9 @@ class ConvPack:
             first = np.repeat(starts, reps)
             offs = np.zeros(len(first), np.int64)
             plen = np.repeat(lens, reps)
+            at_k = np.cumsum(reps) - reps  # where document k's pieces begin (linear: millions of documents)
             for k, at in pieces.items():
-                j = int(reps[:k].sum())
+                j = int(at_k[k])
                 offs[j:j + len(at)] = at
                 plen[j:j + len(at)] = np.minimum(seq_len, lens[k] - at)
             starts, lens = first + offs, plen

@@ -157,6 +157,7 @@ class RunData:
     tokenizer: Tokenizer | None
     reset_position_ids: bool
     mask_cross_document_labels: bool = False
+    heldout_split: dict | None = None  # {"wants", "min_train"} it was made from: recorded in every checkpoint
 
     @property
     def pad_id(self) -> int:
@@ -340,7 +341,7 @@ def check_model_tokenizer(folder: str, m: dict, model_path: str | None) -> None:
 
 def open_run_data(dataset_path: str | None, tokenizer_path: str | None, model_vocab: int, stages,
                   reset_position_ids: bool, mask_cross_document_labels: bool = False,
-                  model_path: str | None = None) -> RunData:
+                  model_path: str | None = None, heldout: dict | None = None) -> RunData:
     """A small JSONL is prepared first (rank 0). Rank 0 then reads the folder's manifest and picks the tokenizer,
     every rank opens the folder with that manifest, and a folder one rank cannot open stops every rank with the
     same line (collectives). Checks the data against the model (token ids < model_vocab) and every stage's
@@ -378,11 +379,17 @@ def open_run_data(dataset_path: str | None, tokenizer_path: str | None, model_vo
                          f"{model_vocab}: the data was prepared for another vocabulary")
     longest = max(s.max_seq_length for s in stages)
     first = stages[0].max_seq_length  # every stage also evaluates its held-out samples at the first stage's length
-    wants = [(n, heldout_samples(s.eval)) for s in stages for n in {s.max_seq_length, first}]
-    cut, held, warning = heldout_split(prepared.lens, wants, min_train=longest)
+    wants = [(n, heldout_samples(s.eval)) for s in stages for n in sorted({s.max_seq_length, first})]
+    split = {"wants": [list(w) for w in wants], "min_train": longest}
+    if heldout and heldout != split:  # a resume: the run's first start's split, whatever today's stages ask
+        print0(f"note: the held-out documents stay those of this run's first start (its stages asked {heldout['wants']}"
+               f", today's {split['wants']}): a new length evaluates what they hold; the training samples stay the "
+               "same, so the data position resumes where it was")
+        split = heldout
+    cut, held, warning = heldout_split(prepared.lens, [tuple(w) for w in split["wants"]], min_train=split["min_train"])
     if warning:
         print0(warning)
-    data = RunData(prepared, cut, held, tokenizer, reset_position_ids, mask_cross_document_labels)
+    data = RunData(prepared, cut, held, tokenizer, reset_position_ids, mask_cross_document_labels, split)
     for s in stages:
         data.check_sft(s)  # an SFT stage on a folder without chat documents
         short = data.short_chat_heldout(s)

@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = export_hf(path, a.out or default, trainer.get("tokenizer"),
                         source=(trainer.get("config") or {}).get("model_name_or_path"),
-                        owned=os.path.realpath(a.out or default) == os.path.realpath(default))
+                        owned=os.path.realpath(a.out or default) == os.path.realpath(default) and os.path.realpath(
+                            os.path.dirname(path.rstrip("/"))) == os.path.realpath(os.path.join(a.run_dir, "checkpoints")))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

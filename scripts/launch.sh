@@ -65,11 +65,12 @@ done
 [ -n "$hostfile" ] && [ ! -f "$hostfile" ] && die "hostfile $hostfile not found"
 [ "$torchrun" = 1 ] && [ -n "$hostfile$include$exclude$num_nodes" ] &&
   die "torchrun takes no hostfile: use --nnodes/--node_rank/--master_addr on every node"
-host_lines() { grep -v '^\s*#' "$hostfile" | sed 's/#.*//' | awk 'NF'; }  # as deepspeed reads a hostfile
+host_lines() { { grep -v '^\s*#' "$hostfile" || true; } | sed 's/#.*//' | awk 'NF'; }  # as deepspeed reads a hostfile
 if [ -n "$hostfile" ] && [ "$no_ssh" = 0 ]; then  # pdsh: --nnodes means deepspeed's --num_nodes
   [ -n "$nnodes" ] && [ -z "$num_nodes" ] && num_nodes=$nnodes
 elif [ -n "$hostfile" ] && [ "$no_ssh" = 1 ]; then  # --no_ssh with your hostfile: its lines are the nodes
   lines=$(host_lines | wc -l)
+  [ "$lines" -gt 0 ] || die "hostfile $hostfile names no host (a line 'HOST slots=N' per node)"
   if [ -z "$include$exclude$num_nodes" ]; then
     [ -n "$nnodes" ] && [ "$nnodes" != "$lines" ] &&
       die "--nnodes $nnodes but hostfile $hostfile has $lines hosts (deepspeed starts one node per line): drop --nnodes"

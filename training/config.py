@@ -242,8 +242,8 @@ def flags_over_stages(stages, args: dict) -> None:
 
     said = []
     for flag, keys in STAGE_FLAGS.items():
-        if flag not in args:
-            continue
+        if flag not in args or flag == "max_steps" and str(args[flag]).strip() in ("-1", "0"):
+            continue  # HF's unset --max_steps -1 (hf_args: epochs size the run) sets nothing
         names = [str(st.get("name") or f"stage {i}") for i, st in enumerate(stages or [])
                  if isinstance(st, dict) and any(k in st for k in keys)]
         for st in stages or []:

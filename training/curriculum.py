@@ -53,7 +53,7 @@ class Stage:
     cp: int | str = 1  # context-parallel factor of sp ("auto" until check_stages splits it for the model)
     kind: str = "text"  # text | sft: how the stage packs its documents (data/pipeline.py, docs/sft.md)
     loss_weighting: str = "token"  # token | conversation: the stage's own, else the run's (data/sharding.py collate)
-    steps_from: str = "steps"  # steps (max_steps given) | tokens (max_tokens) | epochs: how max_steps was found
+    steps_from: str = "steps"  # steps (max_steps given) | tokens:N (max_tokens N) | epochs:E: how max_steps was found
 
 
 MEMORY_KEYS = ("tiled_mlp", "tiled_logits", "checkpoint_every", "gradient_checkpointing", "offload_activations",
@@ -247,7 +247,7 @@ def resolve_stages(cfg: Config, dp_of_sp, budget=None) -> list[Stage]:
                    rope=s.rope if s.rope is not None else cfg.rope, learning_rate=lr, min_lr=min_lr,
                    warmup_steps=s.warmup_steps if s.warmup_steps is not None else cfg.warmup_steps,
                    lr_scheduler=s.lr_scheduler or cfg.lr_scheduler, max_steps=steps,
-                   steps_from="tokens" if s.max_tokens else "steps",
+                   steps_from=f"tokens:{s.max_tokens}" if s.max_tokens else "steps",
                    reset_optimizer=s.reset_optimizer, deepspeed_overrides=overrides,
                    eval=stage_eval(cfg, s.eval, f"stages[{i}].eval"), data=s.data, tasks=s.tasks or {}, replay=s.replay,
                    kind=s.kind or getattr(cfg, "data_kind", "text"),
@@ -299,17 +299,18 @@ def keep_stage_steps(stages: list[Stage], state) -> list[Stage]:
     epochs, keep the step counts they ran with (`state.stage_steps`). Recomputed from today's world, batch or
     accumulation, a finished stage grew or shrank: with fewer nodes the run went back into a finished stage
     (trained again at its short length on later weights, LR re-warmed), with more it cut the current one short.
-    A stage's own max_steps, raised or lowered, still counts for the stage the run is in; stages after it take
-    today's settings. Prints what it keeps."""
-    ran = state.stage_steps or []
+    A stage's own max_steps, raised or lowered, or its max_tokens / epochs changed, still counts for the stage the
+    run is in (a deliberate change, not another world); stages after it take today's settings. Prints what it keeps."""
+    ran, sized = state.stage_steps or [], getattr(state, "stage_sizes", None) or []
     out = []
     for s in stages:
+        same_size = s.index < len(sized) and sized[s.index] == s.steps_from != "steps"  # its max_tokens / epochs as then
         keep = s.index < len(ran) and ran[s.index] != s.max_steps and (
-            s.index < state.stage or (s.index == state.stage and s.steps_from != "steps"))
+            s.index < state.stage or (s.index == state.stage and same_size))
         if keep:
             print0(f"note: stage {s.index} ({s.name}) keeps the {ran[s.index]} steps it "
                    f"{'ran' if s.index < state.stage else 'began'} with (today's settings give {s.max_steps}: "
-                   f"its {s.steps_from} over another world, batch or accumulation)")
+                   f"its {s.steps_from.split(':')[0]} over another world, batch or accumulation)")
             s = dataclasses.replace(s, max_steps=ran[s.index])
         out.append(s)
     return out

@@ -179,7 +179,7 @@ def epoch_stages(cfg, stages: list, data, world: int) -> list:
             own = cfg.stages[st.index] if cfg.stages else None
             steps, source = st.max_steps, st.steps_from
             if cfg.num_train_epochs is not None and not (own and (own.max_steps or own.max_tokens)):
-                source = "epochs"
+                source = f"epochs:{cfg.num_train_epochs:g}"
                 mixed = [k for k in ("data", "tasks", "replay") if getattr(st, k, None)]
                 if mixed:
                     raise ValueError(f"stage {st.index} ({st.name}): --num_train_epochs counts epochs over the whole "

@@ -71,6 +71,8 @@ class TrainState:
     wandb_id: str | None = None
     checkpoint: str | None = None
     stage_steps: list | None = None  # the checkpoint's stages' step counts as they ran (written with its metadata)
+    heldout: dict | None = None  # the held-out split the run made at its first start (data/pipeline.open_run_data)
+    stage_sizes: list | None = None  # what sized each stage then: steps, tokens:N, epochs:E (curriculum.Stage)
 
     def state_dict(self) -> dict:
         return {"step": self.step, "tokens": self.tokens, "stage": self.stage, "wandb_id": self.wandb_id}
@@ -79,6 +81,8 @@ class TrainState:
         self.step, self.tokens, self.stage = int(d["step"]), int(d["tokens"]), int(d["stage"])
         self.wandb_id = d.get("wandb_id")
         self.stage_steps = d.get("stage_steps")
+        self.heldout = d.get("heldout")
+        self.stage_sizes = d.get("stage_sizes")
 
 
 def reset_adam_moments(optimizer) -> int:

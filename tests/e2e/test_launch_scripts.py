@@ -192,9 +192,11 @@ def test_train_args_are_printed_so_a_shell_reads_them_back(tmp_path):
     (["-H", "hosts", "--no_ssh", "--nnodes", "2", "--master_addr", "a", "--", "--x"], "--nnodes 2 but hostfile hosts "
      "has 1 hosts"),
     (["-H", "hosts", "--include", "w0", "--nnodes", "2", "--", "--x"], "cannot be combined"),  # not deepspeed's traceback
+    (["-H", "empty", "--no_ssh", "--", "--x"], "hostfile empty names no host"),  # was exit 1, no word (set -e)
 ])
 def test_bad_options_exit_2(tmp_path, args, message):
     (tmp_path / "hosts").write_text("w0 slots=2\n")
+    (tmp_path / "empty").write_text("# no host yet\n")
     p = launch(["--print-only", *args], tmp_path)
     assert p.returncode == 2 and message in p.stderr, p.stderr
 

@@ -184,3 +184,15 @@ def test_the_fix_a_refusal_names_is_the_templates_own_reasoning_form(tmp_path):
 
 
 _ASK_ROW = {"role": "user", "content": "Say exactly: apple river"}
+
+
+def test_a_reply_cut_between_a_letter_and_its_mark_is_still_found(root):
+    """A GLM-4.7 turn's start is checked on the reply's first 16 characters: cut before its normal form, the cut fell
+    between a letter and its combining mark (decomposed Vietnamese), which no normalized text holds: the turn was
+    not located (a one-turn row refused)."""
+    enc = encoder(root, "glm47")
+    reply = "a" * 15 + "e\u0302\u0301 river"  # the 16th character is an e followed by two combining marks
+    conv = [CASES["multi-turn"][0], {"role": "assistant", "content": "apple river"},
+            {"role": "user", "content": "Count them."}, {"role": "assistant", "content": reply}]
+    ids, mask, stats = enc.encode({"messages": conv})
+    assert stats["untrained_turns"] == 0, stats

@@ -136,6 +136,18 @@ def test_heldout_documents_are_spread_fixed_for_the_run_and_never_trained_on(tmp
     stages[0].eval, stages[2].eval = {"heldout_samples": 1}, {"heldout_samples": 5}
     data = open_run_data(str(p), None, 2048, stages, reset_position_ids=False)
     assert len(data.heldout(256, 5)) == len(data.heldout(64, 5)) == 5
+    # a resume keeps its first start's split (recorded in its checkpoints): a stage appended, or more held-out samples
+    # asked, chose other documents (some the run had trained on; the training samples shifted under the data
+    # position); the note says so
+    first = data.heldout_split
+    stages.append(types.SimpleNamespace(index=3, name="s3", max_seq_length=256, eval={"heldout_samples": 9}, data=None,
+                                        tasks={}))
+    capsys.readouterr()
+    moved = open_run_data(str(p), None, 2048, stages, reset_position_ids=False)
+    kept = open_run_data(str(p), None, 2048, stages, reset_position_ids=False, heldout=first)
+    assert not (np.array_equal(moved.held, data.held) and np.array_equal(moved.cut, data.cut))  # another split
+    assert np.array_equal(kept.held, data.held) and np.array_equal(kept.cut, data.cut) and kept.heldout_split == first
+    assert "the held-out documents stay those of this run's first start" in capsys.readouterr().out
 
 
 def test_heldout_split_of_a_small_dataset_warns_and_shrinks(tmp_path, capsys):

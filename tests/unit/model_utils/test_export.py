@@ -80,3 +80,10 @@ def test_a_checkpoint_named_first_is_exported_from_its_run(tmp_path, monkeypatch
     assert export.main([str(ck)]) == 0
     assert seen == {"path": str(ck), "out": str(tmp_path / "run" / "hf_model"), "owned": True}
     assert export.main([str(ck), "--checkpoint", str(ck)]) == 2
+    # a checkpoint outside a run's checkpoints/ folder: its parent's parent's hf_model is not the run's own (an
+    # unrelated folder of that name would have been replaced): it must be new or a previous export
+    loose = tmp_path / "scratch" / "ckpts" / "step_000005"
+    loose.mkdir(parents=True)
+    (loose / "MANIFEST.json").write_text("{}")
+    seen.clear()
+    assert export.main([str(loose)]) == 0 and seen["owned"] is False

@@ -223,12 +223,15 @@ def test_a_resume_keeps_the_step_counts_its_stages_ran_with(tmp_path, capsys):
     today = resolve_stages(parse_config(["--config", str(recipe), "--gradient_accumulation_steps", "1"]),
                            dp_of_sp=lambda sp: 1)
     assert [s.max_steps for s in today] == [4, 2, 9, 4]
-    ran = types.SimpleNamespace(stage=1, stage_steps=[2, 1])  # written at accumulation 2, in stage b
+    sizes = ["tokens:1024", "tokens:1024", "steps"]
+    ran = types.SimpleNamespace(stage=1, stage_steps=[2, 1], stage_sizes=sizes[:2])  # at accumulation 2, in stage b
     kept = keep_stage_steps(today, ran)
     assert [s.max_steps for s in kept] == [2, 1, 9, 4] and stage_start(kept, 1) == 2
     assert "stage 0 (a) keeps the 2 steps it ran with" in capsys.readouterr().out
-    in_c = types.SimpleNamespace(stage=2, stage_steps=[2, 1, 5])  # c's own max_steps raised from 5 to 9: taken
+    in_c = types.SimpleNamespace(stage=2, stage_steps=[2, 1, 5], stage_sizes=sizes)  # c's max_steps 5 -> 9: taken
     assert [s.max_steps for s in keep_stage_steps(today, in_c)] == [2, 1, 9, 4]
+    raised = types.SimpleNamespace(stage=1, stage_steps=[2, 1], stage_sizes=["tokens:1024", "tokens:512"])
+    assert [s.max_steps for s in keep_stage_steps(today, raised)] == [2, 2, 9, 4]  # b's max_tokens raised: today's
     assert keep_stage_steps(today, types.SimpleNamespace(stage=0, stage_steps=None)) == today  # older checkpoints
 
 
@@ -250,5 +253,7 @@ def test_flags_win_over_the_recipes_stages(tmp_path, capsys):
     assert "--learning_rate replaces the learning_rate of stage(s) a" in out
     plain = resolve_stages(parse_config(["--config", str(recipe)]), dp_of_sp=lambda sp: 1)
     assert [(s.max_steps, s.learning_rate) for s in plain][1] == (40, plain[1].learning_rate) and plain[0].max_steps == 16
+    unset = parse_config(["--config", str(recipe), "--max_steps", "-1", "--num_train_epochs", "1"])  # HF: unset
+    assert [s.max_steps for s in resolve_stages(unset, dp_of_sp=lambda sp: 1)] == [16, 40]
     cfg = parse_config(["--config", str(recipe), "--lr_scheduler_type", "cosine_with_min_lr", "--min_lr", "1e-6"])
     assert cfg.lr_scheduler == "cosine" and cfg.min_lr == 1e-6  # HF's name, its floor from --min_lr

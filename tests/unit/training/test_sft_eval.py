@@ -244,7 +244,8 @@ def test_the_stage_loop_evaluates_an_sft_stage_on_conversations(monkeypatch, kin
                         PreemptionFlag(None, Deadline(0.0, now=clock.t), save_every_s=0), types.SimpleNamespace(),
                         "sdpa", False)
     st = types.SimpleNamespace(index=0, name="s", max_steps=2, sp=1, cp=1, max_seq_length=64, rope=None, kind=kind,
-                               deepspeed_overrides=None, reset_optimizer=False, eval=None, memory_choice=None)
+                               deepspeed_overrides=None, reset_optimizer=False, eval=None, memory_choice=None,
+                               steps_from="steps")
     stage_mod.train_stage(run, st, [st], TrainState())
     assert given == [["held"]] and asked == [((64, 3), {"sft": True} if kind == "sft" else {})]
 

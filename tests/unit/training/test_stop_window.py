@@ -115,7 +115,8 @@ def stub_stage(monkeypatch, module, **overrides) -> None:
 def stub_data(heldout):
     """The run's data as the stage loop reads it: one sample per batch, `heldout` for the stage's evaluation."""
     sampler = types.SimpleNamespace(next_batch=lambda: [0], state_dict=lambda: {}, source_shares=lambda: {})
-    return types.SimpleNamespace(stage_view=lambda *a: ([0], sampler), pad_id=0, tokenizer=None, heldout=heldout)
+    return types.SimpleNamespace(stage_view=lambda *a: ([0], sampler), pad_id=0, tokenizer=None, heldout=heldout,
+                                 heldout_split=None)
 
 
 def simulate(monkeypatch, steps=40, time_limit_s=0.0, save_every_s=600.0, signal_at=None, sig=signal.SIGTERM,
@@ -153,7 +154,8 @@ def simulate(monkeypatch, steps=40, time_limit_s=0.0, save_every_s=600.0, signal
                         types.SimpleNamespace(log=lambda r: None, run_id=None), flag, types.SimpleNamespace(), "sdpa",
                         False)
     st = types.SimpleNamespace(index=0, name="s", max_steps=steps, sp=1, cp=1, max_seq_length=64, rope=None,
-                               deepspeed_overrides=None, reset_optimizer=False, eval=None, memory_choice=None)
+                               deepspeed_overrides=None, reset_optimizer=False, eval=None, memory_choice=None,
+                               steps_from="steps")
     state = TrainState()
     stage_mod.train_stage(run, st, [st], state)
     return clock, ckpt, flag, state, got["signal"]
