@@ -71,7 +71,10 @@ def srun_world(env: Mapping[str, str] | None = None) -> dict[str, str] | None:
     nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
     if not tasks or rank is None or not nodes:
         return None
-    hosts = expand_hostlist(nodes)
+    # a heterogeneous step (srun --het-group=0,1): SLURM_STEP_NODELIST is every component's nodes sorted together,
+    # and task 0 runs on component 0's first node (srun.c _reorder_het_job_recs, env.c)
+    hosts = expand_hostlist(env.get("SLURM_JOB_NODELIST_HET_GROUP_0") if env.get("SLURM_HET_SIZE") and env.get(
+        "SLURM_JOB_NODELIST_HET_GROUP_0") else nodes)
     port = env.get("MASTER_PORT") or str(job_port(env.get("SLURM_JOB_ID", "0"),
                                                   env.get("SLURM_STEP_ID", env.get("SLURM_STEPID", "0"))))
     return {"RANK": rank, "LOCAL_RANK": env.get("SLURM_LOCALID", "0"), "WORLD_SIZE": tasks,

@@ -25,6 +25,11 @@ def test_srun_tasks_are_one_world_with_the_steps_first_host_as_master():
     assert srun_world(env) == {"RANK": "9", "LOCAL_RANK": "1", "WORLD_SIZE": "512", "MASTER_ADDR": "gpu017",
                                "MASTER_PORT": str(job_port(123, 0))}
     assert srun_world({**env, "MASTER_PORT": "29999"})["MASTER_PORT"] == "29999"
+    # a heterogeneous step: the step's list is both components sorted together; task 0 runs on component 0's first
+    # node (gpu05), not the list's first (gpu02): every rank waited for a store that was not there
+    het = {**env, "SLURM_STEP_NODELIST": "gpu[02,05]", "SLURM_HET_SIZE": "2",
+           "SLURM_JOB_NODELIST_HET_GROUP_0": "gpu05", "SLURM_JOB_NODELIST_HET_GROUP_1": "gpu02"}
+    assert srun_world(het)["MASTER_ADDR"] == "gpu05"
 
 
 @pytest.mark.parametrize("env", [
