@@ -65,7 +65,7 @@ from __future__ import annotations
 import numpy as np
 
 from data.chat_demo import build_demo_chats, demo_conversation  # noqa: F401  (python -m data.chat OUT.jsonl)
-from data.chat_ends import history_end, probe_ends
+from data.chat_ends import history_end, history_ends, probe_ends
 from data.chat_reasoning import as_rendered, dropped, refuse_dropped
 from data.chat_rows import ROLES, SHAREGPT_ROLES, RowError, empty_reply, normalize, row_format, turns_to_train  # noqa: F401
 from data.chat_rows import unicode_form as _nf
@@ -253,19 +253,14 @@ class ChatEncoder:
             del spans[k]
             why[k] = f"message {k}: an empty reply (no text, call or reasoning), which would teach the model to stop at once"
         mask = np.zeros(len(ids), np.uint8)
-        untrained = history_ends = 0
-        hist = self.history_end if self.kind == "prefix" else None
+        untrained = 0
         for k in wanted:
             span = spans.get(k)
             if span is None:
                 untrained += 1
                 continue
             mask[span[0]:span[1]] = 1
-            if hist is not None and span[1] - span[0] > 1 and ids[span[1] - 1] == hist:
-                # the model never generates it: it ends that answer with the last reply's token. Trained, earlier
-                # answers would teach a stop the inference stack does not stop on (the model runs on into a turn)
-                mask[span[1] - 1] = 0
-                history_ends += 1
+        history = history_ends(self, ids, spans, mask) if self.kind == "prefix" else {}  # gpt-oss's <|end|>
         if not mask[1:].any():
             reason = next(iter(why.values()), "its span does not show its text")
             raise RowError(f"none of the {untrained} assistant turn(s) could be located in {self.name}: {reason}; "
@@ -275,7 +270,7 @@ class ChatEncoder:
                                                                    "its text") for k in wanted if k not in spans],
                            "no_stop_rows": self._no_stop(ids, conv, last[1] if last else None),
                            "rewritten_arguments": rewritten, "flagged_turns": flagged,
-                           "dropped_reasoning": dropped(self, ids, spans, conv), "history_ends": history_ends,
+                           "dropped_reasoning": dropped(self, ids, spans, conv), **history,
                            "chatml_rows": int(self.kind == "chatml")}
 
     def _no_stop(self, ids: list[int], conv: list[dict], end: int | None) -> int:

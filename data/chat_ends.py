@@ -60,6 +60,25 @@ def history_end(enc, eot: np.ndarray, ends: dict[str, int]) -> int | None:
     return mid if got is not None and mid not in got else None
 
 
+def history_ends(enc, ids: list[int], spans: dict[int, tuple[int, int]], mask: np.ndarray) -> dict[str, int]:
+    """Takes the loss off each span's last token where it is the end-of-turn only the history writes and generation
+    never does (`history_end`: a model trained on it learns a stop its inference stack does not stop on, and runs on
+    into another turn); {"history_ends": how many, "history_ends_unknown": how many such tokens were trained because
+    no generation_config.json beside the tokenizer says whether generation stops on them}."""
+    eot = enc.eot
+    mid, last = enc._ends.get(REPLIES[0]), enc._ends.get(REPLIES[1])
+    if mid is None or last is None or mid == last:
+        return {"history_ends": 0, "history_ends_unknown": 0}
+    cut = history_end(enc, eot, enc._ends) is not None
+    n = 0
+    for a, e in spans.values():
+        if e - a > 1 and ids[e - 1] == mid:
+            n += 1
+            if cut:
+                mask[e - 1] = 0
+    return {"history_ends": n if cut else 0, "history_ends_unknown": 0 if cut or stops(enc.tok.path) else n}
+
+
 def stops(tokenizer_path: str) -> set[int] | None:
     """The ids the model's generation config stops on (generation_config.json's eos_token_id beside the tokenizer),
     None where there is none."""

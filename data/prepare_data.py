@@ -32,7 +32,8 @@ from data.readers import Fields, Unit, discover, iter_rows, parse_item
 DEFAULT_CHUNK_TOKENS = 1 << 28  # 1 GiB of uint32 per chunk file: the resume granularity
 DEFAULT_BATCH_DOCS = 256
 CHAT_STATS = ("chat_docs", "supervised_tokens", "untrained_turns", "no_stop_rows",  # per shard, summed in the manifest
-              "rewritten_arguments", "flagged_turns", "dropped_reasoning", "chatml_rows", "history_ends")
+              "rewritten_arguments", "flagged_turns", "dropped_reasoning", "chatml_rows", "history_ends",
+              "history_ends_unknown")
 BATCH_BYTES = 1 << 20  # a batch closes at this much raw text too (long documents): bounds memory in flight
 
 # ------------------------------------------------------------------ workers: parse, tokenize, check
@@ -384,6 +385,10 @@ def merge(output: str, log=print) -> dict:
         log(f"note: {manifest['history_ends']} end-of-turn token(s) after earlier answers not trained: the template "
             "writes them only in the history (gpt-oss's <|end|>); a generating model ends an answer with the last "
             "reply's (<|return|>, its stop), which is trained (docs/sft.md)")
+    if manifest.get("history_ends_unknown"):
+        log(f"warning: {manifest['history_ends_unknown']} earlier answer(s) end with a token the template writes only "
+            "in the history (gpt-oss's <|end|>), trained: no generation_config.json beside the tokenizer says whether "
+            "generation stops on it (gpt-oss does not): give the model's folder as the tokenizer (docs/sft.md)")
     if manifest.get("no_stop_rows"):
         log(f"warning: {manifest['no_stop_rows']} conversation(s) end with a reply trained with no end-of-turn token "
             "after it (the template writes its end-of-turn only when another message follows, as Qwen1.5's "

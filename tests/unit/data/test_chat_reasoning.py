@@ -114,6 +114,14 @@ def test_an_end_of_turn_only_the_history_writes_is_not_trained_where_generation_
     os.remove(bare / "generation_config.json")
     ids2, mask2, stats2 = ChatEncoder(Tokenizer(str(bare))).encode({"messages": conv})
     assert ids2 == ids and end in [i for i, m in zip(ids2, mask2) if m] and stats2["history_ends"] == 0
+    assert stats2["history_ends_unknown"] == 1 and stats["history_ends_unknown"] == 0  # said in the summary:
+    src = tmp_path / "c.jsonl"
+    src.write_text(json.dumps({"messages": conv}) + "\n")
+    for folder, counted in ((enc.tok.path, "1 end-of-turn token(s) after earlier answers not trained"),
+                            (str(bare), "1 earlier answer(s) end with a token the template writes only in the history")):
+        lines = []
+        prepare([str(src)], str(tmp_path / f"out{len(counted)}"), folder, workers=0, log=lines.append)
+        assert sum(counted in x for x in lines) == 1, lines
     olmo = encoder(root, "olmo3")
     ids, mask, stats = olmo.encode({"messages": conv})
     assert olmo.tok.hf.convert_tokens_to_ids("<|im_end|>") in [i for i, m in zip(ids, mask) if m]
