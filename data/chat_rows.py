@@ -125,8 +125,8 @@ def message(m, i: int) -> dict:
         content = json.dumps(content, ensure_ascii=False)  # text an OpenAI client sends for it
     out = {"role": role, "content": _text(content, i, role)}
     for k in KEYS + ROLE_KEYS.get(role, ()):
-        if m.get(k) is not None:
-            out[k] = m[k]
+        if m.get(k) is not None and not (k in ("tool_calls", "function_calls") and m[k] == []):
+            out[k] = m[k]  # an empty call list (OpenAI exports write one) is no call: Llama 4's template skipped the reply
     train = _flag(m, i, role)
     if train is not None and role == "assistant":  # a false flag elsewhere says what is so already
         out["train"] = train  # data/chat.py takes it out before any render

@@ -75,7 +75,7 @@ def refuse_unrendered(enc, conv: list[dict], tools: list | None, turns: list[int
                            "template renders them, or drop them")
         return
     calls = [k for k, m in enumerate(conv) if m["role"] == "assistant" and m.get("tool_calls")]
-    if not tools and not calls and not any(m["role"] == "environment" or defs(m) for m in conv):
+    if not tools and not calls and not any(m["role"] in ("environment", "tool") or defs(m) for m in conv):
         return
     text = enc._text(conv, tools=tools)
     if tools:
@@ -106,16 +106,14 @@ def refuse_unrendered(enc, conv: list[dict], tools: list | None, turns: list[int
                            "calls (it writes the call alone, or drops the text once a final answer follows, as "
                            "gpt-oss does), so the text would be lost: give it as a reply of its own before the "
                            "call, or drop it")
-    for k, m in enumerate(conv):
-        if m["role"] != "environment":
-            continue
-        try:  # dropped: the conversation renders the same without it (a search for its text could find a reply)
-            same = enc._text(conv[:k] + conv[k + 1:], tools=tools) == text
-        except RowError:  # the template needs it there (roles must alternate): it reads it
-            same = False
-        if same:
+    results = [k for k, m in enumerate(conv) if m["role"] in ("environment", "tool") and m["content"].strip()]
+    for k in _dropped_results(enc, conv, results, text, tools)[:1]:
+        if conv[k]["role"] == "environment":
             raise RowError(f"message {k} (environment): {enc.name} does not render the environment role (OLMo "
                            "3's tool results): give tool results as the role this template renders (tool)")
+        raise RowError(f"message {k} (tool): {enc.name} does not render tool results (Phi-4's has no tool role), so "
+                       "the replies after it would be trained on a result the model never sees: use a template that "
+                       "renders them, or give the result as a user turn")
     for k, m in enumerate(conv):  # tool definitions on a message (Phi-4-mini's `tools`, OLMo 3's `functions`)
         for key in defs(m):  # dropped, the replies would be trained as if no tool had been offered
             if enc._text(conv[:k] + [{x: v for x, v in m.items() if x != key}] + conv[k + 1:], tools=tools) == text:
@@ -136,6 +134,28 @@ def _dropped_texts(enc, conv: list[dict], ks: list[int], text: str, tools: list 
     except RowError:
         return [k for k in ks if _same_without(enc, conv, k, text, tools)]
     return [k for k in ks if marks[k] not in out]
+
+
+def _dropped_results(enc, conv: list[dict], ks: list[int], text: str, tools: list | None) -> list[int]:
+    """The tool / environment messages of `ks` the template does not render: one render with each one's content
+    replaced by a mark of its own, the marks it lacks; where a template refuses the marks, per message (dropped:
+    the conversation renders the same without it)."""
+    if not ks:
+        return []
+    marks = {k: f"Qz{k}MarkOfResult" for k in ks}
+    try:
+        out = enc._text([{**m, "content": marks[k]} if k in marks else m for k, m in enumerate(conv)], tools=tools)
+        return [k for k in ks if marks[k] not in out]
+    except RowError:
+        pass
+    dropped = []
+    for k in ks:
+        try:
+            if enc._text(conv[:k] + conv[k + 1:], tools=tools) == text:
+                dropped.append(k)
+        except RowError:  # the template needs it there (roles must alternate): it reads it
+            pass
+    return dropped
 
 
 def _think(m: dict) -> str:

@@ -203,3 +203,32 @@ def test_calls_a_template_drops_in_part_are_named(root):
     with pytest.raises(RowError, match=r"renders only some of its tool calls, not \['count_chars'\]") as e:
         encoder(root, "gpt_oss").encode({"messages": conv})
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("key, trains", [("phi3", False), ("olmo3", False), ("zephyr", False), ("qwen25", True),
+                                         ("llama31", True)])
+def test_a_tool_result_the_template_drops_refuses_the_row(root, key, trains):
+    """A tool result after a reply without a call (the call given as text): Phi-3 / Phi-4, OLMo, Zephyr and Vicuna
+    templates have no tool role and dropped it, and the reply after it trained on a result the model never saw,
+    without a word. Refused in one line now; a template that renders the role trains it."""
+    row = {"messages": [{"role": "user", "content": "How many words in apple river?"},
+                        {"role": "assistant", "content": "Counting them."},
+                        {"role": "tool", "content": "count is 2"}, {"role": "assistant", "content": "2 words"}]}
+    enc = encoder(root, key)
+    if trains:
+        ids, mask, stats = enc.encode(row)
+        assert stats["untrained_turns"] == 0 and "count is 2" in enc.tok.hf.decode(ids)
+        return
+    with pytest.raises(RowError, match=r"message 2 \(tool\): .* does not render tool results") as e:
+        enc.encode(row)
+    assert "\n" not in str(e.value)
+
+
+def test_an_empty_call_list_is_no_call():
+    """OpenAI exports write `tool_calls: []` on plain replies; Llama 4's template tests `'tool_calls' in message` and
+    skipped the reply, and the row was refused for another reason. An empty list is dropped as null is."""
+    from data.chat_rows import normalize
+
+    _, conv, _ = normalize({"messages": [{"role": "user", "content": "q"},
+                                         {"role": "assistant", "content": "a", "tool_calls": []}]})
+    assert "tool_calls" not in conv[1]
