@@ -8,8 +8,9 @@ process group and without a second copy of the weights:
 
 What a user loads afterwards is what they would generate with: `use_cache` on (training turns the KV cache off in
 the model's config; an export carrying that off made `generate()` recompute the whole prompt per token: 23 s
-against 3 s for 40 new tokens after a 2,000-token prompt on the demo's export, an audit measured), and the base model's `generation_config.json` (an Instruct model's list of end-of-turn ids, its
-sampling defaults) copied from the folder the run started from, where it has one.
+against 3 s for 40 new tokens after a 2,000-token prompt on the demo's export, an audit measured), and the base
+model's `generation_config.json` (an Instruct model's list of end-of-turn ids, its sampling defaults) copied from
+the folder the run started from, where it has one.
 
 The folder written is replaced whole (a new one built beside it, then swapped in). So that a typo cannot delete a
 user's folder, an existing `out_dir` is replaced only where it is the run's own (`owned`: RUN/hf_model) or a
