@@ -65,7 +65,7 @@ from __future__ import annotations
 import numpy as np
 
 from data.chat_demo import build_demo_chats, demo_conversation  # noqa: F401  (python -m data.chat OUT.jsonl)
-from data.chat_ends import history_end, history_ends, probe_ends
+from data.chat_ends import history_ends, probe_ends
 from data.chat_reasoning import as_rendered, dropped, refuse_dropped
 from data.chat_rows import ROLES, SHAREGPT_ROLES, RowError, empty_reply, normalize, row_format, turns_to_train  # noqa: F401
 from data.chat_rows import unicode_form as _nf
@@ -138,7 +138,7 @@ class ChatEncoder:
         unk = getattr(hf, "unk_token_id", None) if hf is not None else None
         self.default_eot = im_end if isinstance(im_end, int) and im_end >= 0 and im_end != unk else tokenizer.eos_id
         self.kind = "markers" if self.markers else "prefix" if self.hf is not None else "chatml"
-        self._eot, self._name_ids, self._added_ids, self._ends, self._thinking = None, None, None, {}, None
+        self._eot, self._name_ids, self._added_ids, self._ends, self._stops, self._thinking = None, None, None, {}, None, None
         self.reasoning_renders = {}  # form -> whether the template renders a reply's reasoning (data/chat_reasoning.py)
         if self.hf is not None and not self._renders_text():
             self.refusal = (f"{self.name} renders no message text given as a string (it reads content parts, as a "
@@ -193,13 +193,8 @@ class ChatEncoder:
     def eot(self) -> np.ndarray:
         """The ids that end an assistant reply in this template (data/chat_ends.py), read once."""
         if self._eot is None:
-            self._eot, self._ends = probe_ends(self, _PROBE)
+            self._eot, self._ends, self._stops = probe_ends(self, _PROBE)
         return self._eot
-
-    @property
-    def history_end(self) -> int | None:
-        """The end-of-turn only the history writes, which generation never does (data/chat_ends.py); None mostly."""
-        return history_end(self, self.eot, self._ends)
 
     def encode(self, obj: dict) -> tuple[list[int], np.ndarray, dict]:
         kind, conv, first = normalize(obj)

@@ -5,7 +5,7 @@ probe conversation, and the one only the history writes.
   (Phi-3 `<|end|>`; gpt-oss `<|end|>` and `<|return|>`; OLMo 3 `<|im_end|>` and its EOS), and the control tokens the
   model's generation config stops on (GLM ends a reply with the next message's token: `<|user|>` after an answer,
   `<|observation|>` after a tool call); the EOS where neither shows one.
-- `history_end`: the end-of-turn the template writes after a reply only in the history, where the last reply ends
+- `history_ends`: the end-of-turn the template writes after a reply only in the history, where the last reply ends
   with another, and which the model's generation config does not stop on (gpt-oss: `<|end|>` after a final answer
   followed by more, `<|return|>` after the last; generation stops on `<|return|>`, `<|call|>`, `<|endoftext|>`): a
   generating model never writes it there, so it gets no loss. None where the two are the same, where the token is a
@@ -25,9 +25,9 @@ from data.chat_rows import RowError
 REPLIES = ("Probe answer one.", "Probe answer two.")  # the probe's replies: mid-conversation, last
 
 
-def probe_ends(enc, probe: list[dict]) -> tuple[np.ndarray, dict[str, int]]:
-    """(the end-of-turn ids, {probe reply: the id after it}) of `enc`'s template, from `probe` (two exchanges)
-    rendered alone and after a system message."""
+def probe_ends(enc, probe: list[dict]) -> tuple[np.ndarray, dict[str, int], set[int] | None]:
+    """(the end-of-turn ids, {probe reply: the id after it}, the generation config's stops or None) of `enc`'s
+    template, from `probe` (two exchanges) rendered alone and after a system message; read once per encoder."""
     names, found, ends = enc._names(), set(), {}
     for msgs in (probe, [{"role": "system", "content": "Probe system."}] + probe):
         try:
@@ -47,36 +47,29 @@ def probe_ends(enc, probe: list[dict]) -> tuple[np.ndarray, dict[str, int]]:
                 ends.setdefault(reply, names[hit])
         if found:
             break
-    found |= (stops(enc.tok.path) or set()) & enc.special  # a reply the next message's token ends (GLM's <|observation|>)
-    return np.array(sorted(found or {enc.tok.eos_id}), dtype=np.int64), ends
-
-
-def history_end(enc, eot: np.ndarray, ends: dict[str, int]) -> int | None:
-    """The end-of-turn only the history writes that generation does not stop on (module doc), else None."""
-    mid, last = ends.get(REPLIES[0]), ends.get(REPLIES[1])
-    if mid is None or last is None or mid == last:
-        return None
     got = stops(enc.tok.path)
-    return mid if got is not None and mid not in got else None
+    found |= (got or set()) & enc.special  # a reply the next message's token ends (GLM's <|observation|>)
+    return np.array(sorted(found or {enc.tok.eos_id}), dtype=np.int64), ends, got
 
 
 def history_ends(enc, ids: list[int], spans: dict[int, tuple[int, int]], mask: np.ndarray) -> dict[str, int]:
     """Takes the loss off each span's last token where it is the end-of-turn only the history writes and generation
-    never does (`history_end`: a model trained on it learns a stop its inference stack does not stop on, and runs on
+    never does (module doc: a model trained on it learns a stop its inference stack does not stop on, and runs on
     into another turn); {"history_ends": how many, "history_ends_unknown": how many such tokens were trained because
     no generation_config.json beside the tokenizer says whether generation stops on them}."""
-    eot = enc.eot
+    _ = enc.eot  # the probe, read once: enc._ends, enc._stops
     mid, last = enc._ends.get(REPLIES[0]), enc._ends.get(REPLIES[1])
     if mid is None or last is None or mid == last:
         return {"history_ends": 0, "history_ends_unknown": 0}
-    cut = history_end(enc, eot, enc._ends) is not None
+    known = enc._stops is not None
+    cut = known and mid not in enc._stops  # generation does not stop on it
     n = 0
     for a, e in spans.values():
         if e - a > 1 and ids[e - 1] == mid:
             n += 1
             if cut:
                 mask[e - 1] = 0
-    return {"history_ends": n if cut else 0, "history_ends_unknown": 0 if cut or stops(enc.tok.path) else n}
+    return {"history_ends": n if cut else 0, "history_ends_unknown": 0 if known else n}
 
 
 def stops(tokenizer_path: str) -> set[int] | None:

@@ -153,7 +153,7 @@ def build_tokenizer(root: str, key: str, fam: dict) -> str:
         text = marked(fam)
         tok.chat_template = text if fam.get("markers") else shipped(text)
     tok.save_pretrained(out)
-    if fam.get("stops"):  # the model's generation config: the ids generation stops on (data/chat.py's history_end)
+    if fam.get("stops"):  # the model's generation config: the ids generation stops on (data/chat_ends.py's history_ends)
         with open(os.path.join(out, "generation_config.json"), "w") as fh:
             json.dump({"eos_token_id": tok.convert_tokens_to_ids(fam["stops"])}, fh)
     return out
