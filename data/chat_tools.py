@@ -121,33 +121,34 @@ def refuse_unrendered(enc, conv: list[dict], tools: list | None, turns: list[int
                                "(tool definitions): give them as this template takes them, or drop them")
 
 
-def _dropped_texts(enc, conv: list[dict], ks: list[int], text: str, tools: list | None) -> list[int]:
-    """The turns of `ks` whose text (past a think block) the template does not render: one render with each turn's
-    text replaced by a mark of its own, the marks it lacks (was one render per turn, `_same_without`: a 1,000-step
-    agent trajectory spent half its minute there). A template that refuses the marks: per turn."""
+def _unmarked(enc, conv: list[dict], ks: list[int], tools: list | None, keep=lambda m: "") -> list[int] | None:
+    """The messages of `ks` whose content the template does not render: one render with each one's content replaced
+    by `keep(message)` and a mark of its own, the marks it lacks (was one render per message: quadratic, half the
+    minute of a 1,000-step agent trajectory); None where the template refuses the marks."""
     if not ks:
         return []
-    marks = {k: f"Qz{k}MarkOfTurnText" for k in ks}
-    alt = [{**m, "content": _think(m) + marks[k]} if k in marks else m for k, m in enumerate(conv)]
+    marks = {k: f"Qz{k}MarkOfMessage" for k in ks}
     try:
-        out = enc._text(alt, tools=tools)
+        out = enc._text([{**m, "content": keep(m) + marks[k]} if k in marks else m for k, m in enumerate(conv)],
+                        tools=tools)
     except RowError:
-        return [k for k in ks if _same_without(enc, conv, k, text, tools)]
+        return None
     return [k for k in ks if marks[k] not in out]
 
 
+def _dropped_texts(enc, conv: list[dict], ks: list[int], text: str, tools: list | None) -> list[int]:
+    """The turns of `ks` whose text (past a think block) the template does not render (`_unmarked`; per turn where
+    the template refuses the marks)."""
+    got = _unmarked(enc, conv, ks, tools, keep=_think)
+    return got if got is not None else [k for k in ks if _same_without(enc, conv, k, text, tools)]
+
+
 def _dropped_results(enc, conv: list[dict], ks: list[int], text: str, tools: list | None) -> list[int]:
-    """The tool / environment messages of `ks` the template does not render: one render with each one's content
-    replaced by a mark of its own, the marks it lacks; where a template refuses the marks, per message (dropped:
-    the conversation renders the same without it)."""
-    if not ks:
-        return []
-    marks = {k: f"Qz{k}MarkOfResult" for k in ks}
-    try:
-        out = enc._text([{**m, "content": marks[k]} if k in marks else m for k, m in enumerate(conv)], tools=tools)
-        return [k for k in ks if marks[k] not in out]
-    except RowError:
-        pass
+    """The tool / environment messages of `ks` the template does not render (`_unmarked`; where the template refuses
+    the marks, per message: the conversation renders the same without it)."""
+    got = _unmarked(enc, conv, ks, tools)
+    if got is not None:
+        return got
     dropped = []
     for k in ks:
         try:
