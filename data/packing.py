@@ -252,8 +252,8 @@ class ConvPack:
     chats; best-fit 0.96-0.99 (bench/packing.py, docs/data.md). A text document longer than `seq_len` (its every
     token a target: an SFT stage's pretraining replay, a `long*` component kept for retention) is split into pieces
     of `seq_len`, as a text stage splits it (`split`; it was cut to its head, the same head every epoch). A
-    conversation longer than `seq_len` is cut to its first `seq_len` tokens, alone in its sample; one whose targets (mask 1 at positions 1..seq_len-1) were all cut is
-    dropped (`dropped`), the others cut are counted (`truncated`). The tail of a sample is padding (`pad_id`, no
+    conversation longer than `seq_len` is cut to its first `seq_len` tokens, alone in its sample; one whose targets
+    (mask 1 at positions 1..seq_len-1) were all cut is dropped (`dropped`), the others cut are counted (`truncated`). The tail of a sample is padding (`pad_id`, no
     label) cut into documents of at most PAD_PIECE tokens, so under document masking it costs tail x PAD_PIECE, not
     tail^2. Positions restart at every conversation and no conversation's last token predicts the next one's first
     (labels -100 there), whatever the run's flags: one conversation never sees another.

@@ -32,11 +32,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint", default=None, help="a checkpoint folder or a STAGE_* marker (default: newest valid)")
     p.add_argument("--out", default=None, help="output folder (default: RUN/hf_model)")
     a = p.parse_args(argv)
-    if os.path.isfile(os.path.join(a.run_dir, MANIFEST)) or os.path.basename(a.run_dir.rstrip("/")).startswith("STAGE_"):
+    first = a.run_dir.rstrip("/")
+    if os.path.isfile(os.path.join(first, MANIFEST)) or os.path.basename(first).startswith("STAGE_"):
         if a.checkpoint:  # a checkpoint (or a stage's marker) named first: its run is two folders up
             print(f"error: {a.run_dir} is a checkpoint and --checkpoint names another: give one", file=sys.stderr)
             return 2
-        a.checkpoint, a.run_dir = a.run_dir, os.path.dirname(os.path.dirname(os.path.abspath(a.run_dir.rstrip("/"))))
+        a.checkpoint, a.run_dir = a.run_dir, os.path.dirname(os.path.dirname(os.path.abspath(first)))
     ckpt = Checkpointer(a.run_dir, keep=2)
     path = named(a.checkpoint) if a.checkpoint else ckpt.find_resume("auto")
     why = "no such folder" if path and not os.path.isdir(path) else ckpt.verify(path) if path else None
@@ -48,11 +49,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     trainer = Checkpointer.read_trainer(path)
     default = os.path.join(a.run_dir, "hf_model")
+    same = lambda x, y: os.path.realpath(x) == os.path.realpath(y)  # noqa: E731
+    # the run's own hf_model: the default out of a checkpoint in the run's checkpoints/ folder
+    owned = same(a.out or default, default) and same(os.path.dirname(path.rstrip("/")),
+                                                     os.path.join(a.run_dir, "checkpoints"))
     try:
         out = export_hf(path, a.out or default, trainer.get("tokenizer"),
-                        source=(trainer.get("config") or {}).get("model_name_or_path"),
-                        owned=os.path.realpath(a.out or default) == os.path.realpath(default) and os.path.realpath(
-                            os.path.dirname(path.rstrip("/"))) == os.path.realpath(os.path.join(a.run_dir, "checkpoints")))
+                        source=(trainer.get("config") or {}).get("model_name_or_path"), owned=owned)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
