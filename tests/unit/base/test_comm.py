@@ -248,4 +248,5 @@ def test_a_store_that_starts_late_is_joined(monkeypatch):
     timer.start()
     store = comm._connect("127.0.0.1", port, time.monotonic() + 10)
     store.set("k", "v")
+    timer.join(10)  # the store listens before its constructor returns: the client can be served before `held` is set
     assert held[0].get("k") == b"v" and connect.rank_age_s() > 0
