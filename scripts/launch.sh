@@ -98,7 +98,7 @@ fi
 
 # --- environment: the accelerator, and what every node must see ---
 if [ -z "${DS_ACCELERATOR:-}" ]; then  # a value the user set wins
-  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
+  if command -v nvidia-smi >/dev/null 2>&1 && [[ $(nvidia-smi -L 2>/dev/null) == GPU* ]]; then
     export DS_ACCELERATOR=cuda
   else
     export DS_ACCELERATOR=cpu

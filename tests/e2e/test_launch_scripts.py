@@ -314,8 +314,9 @@ def test_sbatch_ranks_spread_over_the_nodes_cpus(tmp_path):
     taskset) -> 2 ranks: each rank runs on its own share of the job's CPUs and together they cover them, with
     OMP_NUM_THREADS = CPUs / ranks. (With no --cpus-per-task both ranks ran on one CPU, OMP_NUM_THREADS=1.)"""
     cores = sorted(os.sched_getaffinity(0))
+    # submitted from a run folder, not the repository: launch.sh is the submitted file's (the job's Command=)
     e = clean_env(PATH=f"{STUBS}:{NUMA_STUB}:{os.environ['PATH']}", SLURM_SUBMIT_DIR=str(tmp_path), GPUS_PER_NODE="2",
-                  SCONTROL_LOG=str(tmp_path / "scontrol.log"), LAUNCH_CMD=LAUNCH, MASTER_PORT="29636",
+                  SCONTROL_LOG=str(tmp_path / "scontrol.log"), MASTER_PORT="29636",
                   TRAIN_SCRIPT=os.path.join(STUBS, "env_train.py"), FAKE_DIR=str(tmp_path), DS_ACCELERATOR="cpu",
                   TMPDIR=str(tmp_path), BIND_CORES="auto", OMP_NUM_THREADS=None)
     job = subprocess.run(["sbatch", SBATCH_SCRIPT, "--output_dir", str(tmp_path / "out"), "--dry_run"], cwd=tmp_path,

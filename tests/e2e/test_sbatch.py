@@ -215,6 +215,22 @@ def test_a_wrapper_that_slurm_would_signal_instead_is_refused_in_one_line(tmp_pa
         assert ("not by Slurm (sbatch --wrap, or a script without exec)" in p.stdout) == (code == 2), p.stdout
 
 
+def test_a_batch_script_away_from_its_repository_is_refused_in_one_line(tmp_path):
+    """Slurm runs a copy of the submitted file from its spool (the stub sbatch too), so the repository is the submit
+    dir or the submitted file's (the job's Command=): a copy of slurm.sbatch kept elsewhere, submitted from a run
+    folder, finds neither and is refused in one line before any srun. (Submitting the repository's own file from a run
+    folder runs: test_launch_scripts.py::test_sbatch_ranks_spread_over_the_nodes_cpus.)"""
+    mine = tmp_path / "mine" / "slurm.sbatch"
+    mine.parent.mkdir()
+    mine.write_text(open(SBATCH_SCRIPT).read())
+    e = clean_env(PATH=f"{STUBS}:{os.environ['PATH']}", SLURM_SUBMIT_DIR=str(tmp_path), SCONTROL_LOG=str(tmp_path / "s.log"),
+                  FAKE_LOG=str(tmp_path / "fake.log"), FAKE_EXIT="0", LAUNCH_CMD=os.path.join(STUBS, "fake_launch"))
+    p = subprocess.run(["sbatch", str(mine), "--output_dir", str(tmp_path / "out")], cwd=tmp_path, env=e,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and p.stdout.count("\n") == 1, p.stdout + p.stderr
+    assert "cannot find the repository" in p.stdout and not (tmp_path / "fake.log").exists(), p.stdout
+
+
 @pytest.mark.parametrize("narrow", ["req_nodes=127.0.0.1,localhost", "features=gpu&hbm80g"])
 def test_a_job_asking_for_its_nodes_is_requeued_without_an_exclusion(tmp_path, narrow):
     """A lost node of a job submitted with -w (ReqNodeList): the exclusion left it pending forever (ReqNodeNotAvail),

@@ -1,0 +1,149 @@
+#!/usr/bin/env bash
+# Sourced by scripts/slurm.sbatch (found in the repository, not beside the copy Slurm runs): how the job requeues
+# itself. Reads the batch shell's variables (ref, out_dir, nnodes, hosts, the flags its traps set, the book's files:
+# progress, intent, crashes) and exits the shell where a decision ends the job.
+# shellcheck shell=bash disable=SC2154  # every variable named above is the batch shell's
+# Every requeue goes through here. Never after a cancel: the batch shell's `scontrol requeue` of a CANCELLED job
+# (still COMPLETING) is accepted by slurmctld (_job_requeue_op) and would undo the user's scancel; the state is read
+# again (its base state, base/slurm_state.py), as a TERM's reading can have failed. Bounded by progress: a requeue
+# that brings no newer checkpoint than the last one counts, ULYSSES_MAX_STALLED_REQUEUES in a row end the job
+# (.cache/slurm/<job>.progress: "count checkpoint").
+latest_step() {  # the run's newest committed checkpoint's step, "-" when none
+  local c=""
+  [ -n "$out_dir" ] && c=$(grep -oE '[0-9]+$' "$out_dir/checkpoints/LATEST" 2>/dev/null | sed 's/^0*\(.\)/\1/')
+  echo "${c:--}"
+}
+may_requeue() {  # $1: the code to exit with when not; returns when a requeue may go ahead (records its progress)
+  local st count=0 last=- now max=${ULYSSES_MAX_STALLED_REQUEUES:-${MAX_REQUEUES:-3}}
+  [ "$stopped" = 1 ] && { log "stopped as asked (SIGUSR2), exit $1: not requeueing"; exit "$1"; }
+  st=$(job_state)
+  if [ "$cancelled" = 1 ] || [ "${st%% *}" = CANCELLED ] || [ "${st%% *}" = COMPLETING ]; then
+    log "the job was cancelled (JobState=${st%% *}): not requeueing"
+    exit "$1"
+  fi
+  [ -n "$out_dir" ] || return 0  # no output dir known: progress cannot be read, nothing to bound by
+  [ -f "$progress" ] && read -r count last < "$progress"
+  [[ $count =~ ^[0-9]+$ ]] || count=0
+  now=$(latest_step)
+  if [ "$now" != - ] && { [ "$last" = - ] || [ "$now" -gt "$last" ]; }; then count=0; else count=$((count + 1)); fi
+  if [ "$count" -gt "$max" ]; then
+    log "$count requeues in a row without a newer checkpoint (newest: step $now) > ULYSSES_MAX_STALLED_REQUEUES=$max:" \
+      "not requeueing (a failure that repeats, not progress)"
+    exit "$1"
+  fi
+  mkdir -p "$(dirname "$progress")" && echo "$count $now" > "$progress"
+}
+requeue_cmd() {  # `scontrol requeue`, retried (a busy controller answers with an error), immune to its own SIGTERM
+  local i
+  requeued=1
+  for i in 1 2 3; do
+    ( trap '' TERM INT; exec scontrol requeue "$ref" ) && return 0
+    [ "$i" = 3 ] || sleep 2
+  done
+  requeued=0
+  return 1
+}
+requeue_now() {  # from the TERM trap (time limit, preemption): plain requeue while this shell still runs
+  [ "$stopped" = 1 ] && { log "a stop was asked (SIGUSR2): not requeueing"; return 0; }  # the ranks' end decides
+  may_requeue 0
+  requeue_cmd || log "requeue failed (JobState=$1)"
+}
+job_state() {  # "STATE REASON": the job's base state (scontrol prints COMPLETING over it while the job ends; retried)
+  local py=$repo/.venv/bin/python out
+  [ -x "$py" ] || py=python3
+  out=$("$py" -m base.slurm_state "$ref" 2>/dev/null) && [ -n "${out// /}" ] && { echo "$out"; return 0; }
+  out=$(scontrol show job "$ref" 2>/dev/null) && [[ $out =~ JobState=([A-Z_]+) ]] &&  # no Python: as printed
+    echo "${BASH_REMATCH[1]} $(grep -oE 'Reason=[^ ]+' <<< "$out" | head -n 1 | cut -d= -f2)"
+}
+pool_size() {  # the nodes this job can run on (its reservation's or partition's), less $1's hosts; empty: unknown
+  local what=partition name=${SLURM_JOB_PARTITION:-} nodes
+  [ -n "${SLURM_JOB_RESERVATION:-}" ] && what=reservation name=$SLURM_JOB_RESERVATION
+  [ -n "$name" ] || return 0
+  nodes=$(scontrol show "$what" "$name" 2>/dev/null | grep -oE '(^| )Nodes=[^ ]+' | head -n 1 | cut -d= -f2)
+  [ -n "$nodes" ] || return 0
+  comm -23 <(scontrol show hostnames "$nodes" | sort -u) <(scontrol show hostnames "$1" | sort -u) | grep -c .
+}
+requeue_without() {  # $1: hosts to exclude (none: plain requeue), $2: the code to exit with if the requeue fails
+  local old exclude="" left pool narrow
+  [ "$requeued" = 1 ] && { log "already requeued"; exit 0; }
+  may_requeue "$2"
+  if [ -n "$1" ]; then
+    old=$(scontrol show job "$ref" 2>/dev/null | grep -oE 'ExcNodeList=[^ ]+' | head -n 1 | cut -d= -f2)
+    case "$old" in ""|"(null)") exclude=$1 ;; *) exclude=$old,$1 ;; esac
+    [ -f "$intent" ] && exclude=$exclude,$(cat "$intent")  # an earlier exclusion whose update did not land
+    exclude=$(scontrol show hostnames "$exclude" | awk 'NF && !seen[$0]++' | paste -sd,)
+    left=$(pool_size "$exclude")
+    # nodes asked by name (sbatch -w: ReqNodeList): an exclusion of one leaves the job pending forever (ReqNodeNotAvail)
+    narrow=$(scontrol show job "$ref" 2>/dev/null | grep -oE '(^| )ReqNodeList=[^ ]+' | grep -v '(null)' | tr -d ' ')
+    if [ -n "$narrow" ]; then
+      log "not excluding $1: the job asks for its nodes ($narrow), which an exclusion could leave too few of (it" \
+        "would pend forever): requeued with them"
+      exclude="" && rm -f "$intent"
+    elif [ -n "$left" ] && [ "$left" -lt "$nnodes" ]; then
+      pool="partition ${SLURM_JOB_PARTITION:-}"
+      [ -n "${SLURM_JOB_RESERVATION:-}" ] && pool="reservation $SLURM_JOB_RESERVATION"
+      log "not excluding $1: ExcNodeList=$exclude would leave $left node(s) of $pool for a job of $nnodes (it would" \
+        "pend forever): requeued with them"
+      exclude="" && rm -f "$intent"
+    fi
+  fi
+  # ExcNodeList can only be set on a pending job (slurmctld _update_job: "Job is no longer pending execution"). After
+  # `scontrol requeue` the job is PENDING (COMPLETING while its processes end, then held back by BeginTime, the
+  # requeue delay: ~2 min), so the update that follows is accepted and nothing starts the job before it. The requeue
+  # also ends this shell (SIGTERM, SIGKILL KillWait later): the update runs with SIGTERM ignored and takes
+  # milliseconds. No requeuehold: a hold whose `release` a SIGKILL cut would leave the job held forever.
+  # the exclusion is recorded first (.cache/slurm/<job>.exclude): should its update not land before the SIGKILL (a busy
+  # controller: each try can take MessageTimeout), the next run finds itself on an excluded node and requeues again
+  [ -n "$exclude" ] && { mkdir -p "$(dirname "$intent")" && echo "$exclude" > "$intent"; }
+  requeue_cmd || { log "requeue failed"; exit "$2"; }
+  [ -n "$exclude" ] || exit 0
+  log "scontrol requeue $ref, then update ExcNodeList=$exclude"
+  for _ in 1 2 3; do
+    ( trap '' TERM INT; exec scontrol update JobId="$ref" ExcNodeList="$exclude" ) && { rm -f "$intent"; exit 0; }
+    sleep 1
+  done
+  log "could not exclude $1: requeued with them"
+  exit 0
+}
+
+# A crash confined to one node (a GPU Xid, an ECC error: that node's ranks fail, the others are stopped by the abort
+# channel or srun) is requeued without that node, as a lost node is, but bounded so that a bug never loops: not when
+# more than one node crashed on its own (or the job has one node: nothing tells a bad node from a bug), not past
+# ULYSSES_MAX_CRASH_REQUEUES (default 2) per job, and not when the same failure comes back: each crash requeue records
+# (in .cache/slurm/<job>.crashes, kept across restarts) the step of the newest committed checkpoint (OUTPUT_DIR/
+# checkpoints/LATEST) and the last step the run logged (metrics.jsonl); a crash after the same step from the same
+# checkpoint again is deterministic, a bug. docs/launch.md says why these rules. Decided once, here, from the records.
+run_steps() {  # "CHECKPOINT STEP" of the run now ("-" where unknown)
+  local c="" s=""
+  if [ -n "$out_dir" ]; then
+    c=$(grep -oE '[0-9]+$' "$out_dir/checkpoints/LATEST" 2>/dev/null | sed 's/^0*\(.\)/\1/')
+    s=$(tail -n 64 "$out_dir/metrics.jsonl" 2>/dev/null | grep -oE '"step": ?[0-9]+' | tail -n 1 | grep -oE '[0-9]+$')
+  fi
+  echo "${c:--} ${s:--}"
+}
+crash_requeue() {  # $1: the job's code; requeues (and exits) when the rules above allow it, else returns
+  local crashed=(${crash_first[@]+"${crash_first[@]}"} ${crash_own[@]+"${crash_own[@]}"}) n host steps count same
+  [ "${#crashed[@]}" -gt 0 ] || return 0
+  if [ "${#crash_first[@]}" != 1 ] || [ "${#crashed[@]}" != 1 ] || [ "$nnodes" -lt 2 ]; then
+    log "crashed on node(s) ${crashed[*]} (exit $1), each on its own, $nnodes node(s) in the job: not a node's fault, not requeueing"
+    return 0
+  fi
+  n=${crash_first[0]} host=${hosts[$n]:-}
+  steps=$(run_steps)
+  count=$(cat "$crashes" 2>/dev/null | grep -c .)
+  same=$(awk -v s="${steps#* }" 's != "-" && $5 == s' "$crashes" 2>/dev/null | tail -n 1)  # at the same step, a save
+  if [ -n "$same" ]; then  # between or not (a timed save moves the checkpoint, not a data-dependent crash's step)
+    log "the same failure twice: a crash after step ${steps#* } again, now from the checkpoint of step ${steps% *} (node" \
+      "$(cut -d' ' -f2 <<< "$same") at restart $(cut -d' ' -f1 <<< "$same"), now node $n): a bug, not a node: not requeueing"
+    return 0
+  fi
+  if [ "$count" -ge "${ULYSSES_MAX_CRASH_REQUEUES:-2}" ]; then
+    log "node $n (${host:-?}) crashed (exit $1), but this job was already requeued $count time(s) for a crash" \
+      "(ULYSSES_MAX_CRASH_REQUEUES=${ULYSSES_MAX_CRASH_REQUEUES:-2}): not requeueing"
+    return 0
+  fi
+  echo "${SLURM_RESTART_COUNT:-0} $n ${host:-?} $steps" >> "$crashes"
+  log "node $n (${host:-?}) crashed (exit $1), no other node on its own (checkpoint step ${steps% *}, last step" \
+    "${steps#* }): crash requeue $((count + 1)) of ${ULYSSES_MAX_CRASH_REQUEUES:-2}, without that node"
+  requeue_without "$host" "$1"
+}
