@@ -225,6 +225,41 @@ def _garbled(text: str, conv: list[dict]) -> bool:
     return False
 
 
+def _lost(enc, conv: list[dict], tools: list | None) -> bool:
+    """Whether the template drops a call's arguments in the form the row gives them (MiniMax-M2's template as Unsloth
+    and llama.cpp ship it writes them only when they are an object: JSON text vanishes, the call trained without
+    them). One render with each argument's value replaced by a mark of its own, in the same form (keys kept: a
+    template may read them); False where the template refuses the marked row (the plain render decides). A message
+    some of whose calls show their arguments drops the others whole (gpt-oss writes the first call alone): that is
+    the calls' refusal (data/chat.py), not this."""
+    marks, out = {}, []
+    for k, m in enumerate(conv):
+        calls = m.get("tool_calls") if m["role"] == "assistant" else None
+        if not isinstance(calls, list) or not calls:
+            out.append(m)
+            continue
+        new = []
+        for i, c in enumerate(calls):
+            a = _arguments(c)
+            obj = a if isinstance(a, dict) else _as_object(a)
+            if not obj:
+                new.append(c)
+                continue
+            marked = {key: f"Qz{k}x{i}x{j}ArgMark" for j, key in enumerate(obj)}
+            marks.setdefault(k, []).append(list(marked.values()))
+            b = marked if isinstance(a, dict) else json.dumps(marked)
+            new.append({**c, "function": {**c["function"], "arguments": b}} if isinstance(c.get("function"), dict)
+                       else {**c, "arguments": b})
+        out.append({**m, "tool_calls": new})
+    if not marks:
+        return False
+    try:
+        text = enc._text(out, tools=tools)
+    except RowError:
+        return False
+    return any(all(any(x not in text for x in call) for call in calls) for calls in marks.values())
+
+
 def fit_arguments(enc, conv: list[dict], tools: list | None) -> tuple[list[dict], int]:
     """(conv with its tool calls' arguments in the form `enc`'s template writes, 1 where that rewrote them else 0).
 
@@ -232,15 +267,19 @@ def fit_arguments(enc, conv: list[dict], tools: list | None) -> tuple[list[dict]
     OpenAI's JSON text renders encoded twice ("{\\"text\\": ...}", a string the model would learn to write instead of
     an object); DeepSeek's and functionary's concatenate them, so an object fails (or prints as a Python dict);
     Seed-OSS and Qwen3-Coder iterate an object; Qwen3 and Hermes take both. Whichever form a row brings, the row is
-    rendered as given, and only where that render fails or garbles the arguments is the other form tried, kept if
-    it renders clean (else the row goes on as given, and a template that fails is a refused row). Lossless: JSON
-    text of an object <-> that object; free text stays as given. Cost: one more text render of a row with calls
-    (two where it is rewritten); rows without tool calls pay nothing."""
+    rendered as given, and only where that render fails, garbles the arguments or drops them (`_lost`) is the other
+    form tried, kept if it renders clean (else the row goes on as given, and a template that fails is a refused row;
+    one that drops the arguments in every form is refused in one line: the calls would train without them).
+    Lossless: JSON text of an object <-> that object; free text stays as given. Cost: two more text renders of a
+    row with calls (four where it is rewritten); rows without tool calls pay nothing."""
     if enc.kind == "chatml" or not any(m.get("tool_calls") for m in conv):
         return conv, 0
+    lost = False
     try:
         if not _garbled(enc._text(conv, tools=tools), conv):
-            return conv, 0
+            lost = _lost(enc, conv, tools)
+            if not lost:
+                return conv, 0
     except RowError:
         pass
     for form in ("object", "text"):
@@ -248,8 +287,14 @@ def fit_arguments(enc, conv: list[dict], tools: list | None) -> tuple[list[dict]
         if not changed:
             continue
         try:
-            if not _garbled(enc._text(alt, tools=tools), alt):
+            if not _garbled(enc._text(alt, tools=tools), alt) and not _lost(enc, alt, tools):
                 return alt, 1
         except RowError:
             continue
+    if lost:
+        refuse_unrendered(enc, conv, tools)  # a template that drops the calls whole says so first
+        k = next(k for k, m in enumerate(conv) if m["role"] == "assistant" and m.get("tool_calls"))
+        raise RowError(f"message {k} (assistant): {enc.name} does not render its tool calls' arguments (as JSON text "
+                       "or as an object), so the calls would be trained without them: use a template that renders "
+                       "them, or drop the calls")
     return conv, 0

@@ -6,6 +6,13 @@ import os
 
 from base.log import cause
 
+# How a Hugging Face tokenizer folder is loaded, here and by the export (model_utils/export.py). mistral_format=False:
+# with mistral-common installed (vLLM brings it) and a tekken.json in the folder (Mistral Nemo, Small 3.x, Devstral,
+# Magistral), transformers 5 picks MistralCommonBackend whatever else is there: no jinja chat template (rows would get
+# the ChatML default) and another API (a traceback). The Hugging Face tokenizer gives the same ids, renders the folder's
+# template, and is converted from tekken.json where the folder has no tokenizer.json.
+HF_TOKENIZER = {"mistral_format": False}
+
 # Text that exercises whitespace, digits, unicode and code: the direct fast path must give the same ids on it.
 _PROBE = ["  Hello world!\n\tdef f(x):  return x**2  # café 東京 1234567 ", "", "a\r\nb   c\u00a0d 🙂"]
 
@@ -49,7 +56,7 @@ class Tokenizer:
             from transformers import AutoTokenizer
 
             try:
-                tok = AutoTokenizer.from_pretrained(path)
+                tok = AutoTokenizer.from_pretrained(path, **HF_TOKENIZER)
             except Exception as e:  # noqa: BLE001 (no tokenizer files, a broken tokenizer.json, ...)
                 raise ValueError(f"--tokenizer_name_or_path {path}: not a Hugging Face tokenizer folder "
                                  f"({cause(e)}); give one "

@@ -103,7 +103,7 @@ def export_hf(checkpoint: str, out_dir: str, tokenizer_path: str | None = None, 
     elif tokenizer_path and os.path.isdir(tokenizer_path):
         from transformers import AutoTokenizer
 
-        AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(tokenizer_path, mistral_format=False).save_pretrained(tmp)  # as training read it
     with open(os.path.join(tmp, MARKER), "w") as fh:
         json.dump({"checkpoint": os.path.abspath(checkpoint), "source": source,
                    "generation_config": gen}, fh, indent=1)

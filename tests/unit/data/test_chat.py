@@ -89,6 +89,30 @@ def test_mistral_system_prompt_is_refused_not_guessed(tok_root):
         enc.encode({"messages": [SYSTEM] + TURNS})
 
 
+def test_a_mistral_folder_with_tekken_json_renders_its_own_template(tok_root, tmp_path, monkeypatch):
+    """Mistral's repos (Nemo, Small 3.x, Devstral, Magistral) ship tekken.json beside tokenizer.json and the template.
+    With mistral-common installed (vLLM brings it), transformers 5 loads such a folder as MistralCommonBackend: no
+    jinja template, another API (a traceback in ChatEncoder, text preparation included). Stand-in for mistral-common
+    being installed: transformers' own probe answering that it is. The folder loads as the Hugging Face tokenizer
+    with its template, and the replies train as for any Mistral folder."""
+    import shutil
+
+    import transformers.integrations.mistral.tokenizer as mt
+    import transformers.models.auto.tokenization_auto as ta
+
+    folder = tmp_path / "mistral_small"
+    shutil.copytree(build_tokenizer(tok_root, "mistral"), folder)
+    (folder / "tekken.json").write_text("{}")  # never read: the Hugging Face files are loaded
+    (folder / "config.json").write_text('{"model_type": "mistral"}')
+    monkeypatch.setattr(mt, "is_mistral_common_available", lambda: True)
+    monkeypatch.setitem(ta.TOKENIZER_MAPPING_NAMES, "mistral", "MistralCommonBackend")  # set at import when installed
+    assert mt.resolve_mistral_format(str(folder))[0]  # what transformers decides without mistral_format=False
+    enc = ChatEncoder(Tokenizer(str(folder)))
+    assert enc.kind == "prefix" and "[INST]" in enc.template
+    ids, mask, _ = enc.encode({"messages": TURNS})
+    assert spans(enc, ids, mask) == [" apple river</s>", " 2 words</s>"]
+
+
 def test_template_refusal_is_a_bad_row(tok_root):
     enc = encoder(tok_root, "gemma")
     with pytest.raises(RowError, match="refuses"):

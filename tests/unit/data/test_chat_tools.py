@@ -168,6 +168,11 @@ _OWN = ("{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
      "<tool_call>count_words <text>apple river</text></tool_call>"),
     # free text is no JSON object: left as given, whatever the template makes of it
     ("{{ c.function.arguments | tojson }}", "apple river", '<tool_call>count_words "apple river"</tool_call>'),
+    # written only when an object (MiniMax-M2's template as Unsloth and llama.cpp ship it: `arguments is mapping`):
+    # JSON text rendered no argument, and the call trained without them; it is read as its object
+    ("{% if c.function.arguments is mapping %}{% for k, v in c.function.arguments.items() %}<p name=\"{{ k }}\">{{ v }}"
+     "</p>{% endfor %}{% endif %}", '{"text": "apple river"}', '<tool_call>count_words <p name="text">apple river</p>'
+     "</tool_call>"),
 ])
 def test_a_template_that_prints_or_iterates_arguments_gets_the_form_it_renders_clean(root, call, given, want):
     tok = Tokenizer(sweep_tokenizer(root, "qwen25", families()["qwen25"]))
@@ -176,6 +181,18 @@ def test_a_template_that_prints_or_iterates_arguments_gets_the_form_it_renders_c
     ids, mask, stats = enc.encode(_call_row(given))
     assert want in enc.tok.hf.decode(ids) and want.split("<tool_call>")[1] in trained_text(enc, ids, mask)
     assert stats["rewritten_arguments"] == int(given != "apple river")
+
+
+def test_a_template_that_renders_no_arguments_refuses_the_row(root):
+    """A template that writes a call's name and never its arguments, in either form: the call was trained as a bare
+    name. Refused in one line."""
+    tok = Tokenizer(sweep_tokenizer(root, "qwen25", families()["qwen25"]))
+    tok.hf.chat_template = _OWN.replace("{CALL}", "")
+    enc = ChatEncoder(tok)
+    for given in ({"text": "apple river"}, '{"text": "apple river"}'):
+        with pytest.raises(RowError, match=r"^message 1 \(assistant\): .* does not render its tool calls' arguments"):
+            enc.encode(_call_row(given))
+    enc.encode(_call_row({}))  # a call without arguments has none to render
 
 
 def test_a_template_that_skips_a_call_with_no_content_refuses_the_row(root):
