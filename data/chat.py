@@ -351,7 +351,9 @@ class ChatEncoder:
         if not want:
             return True
         pre = _nf(self.tok.hf.decode(full[max(a - 1, 0):a]))
-        shown = _nf(self.tok.hf.decode(full[max(a - 1, 0):a + len(self.tok.encode(want)) + 4]))
+        # the window in tokens of the text as given too: a decomposed (NFD) reply takes more than its normal form
+        n = max(len(self.tok.encode(want)), len(self.tok.encode(_reply(msg)[:64])))
+        shown = _nf(self.tok.hf.decode(full[max(a - 1, 0):a + n + 4]))
         i = shown.find(want)
         return i >= 0 and (i < len(pre) or not shown[len(pre):i].strip())
 

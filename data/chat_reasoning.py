@@ -52,10 +52,14 @@ def _renders(enc, form: str) -> bool | None:
             for msgs, tools in (([_ASK, reply], None), ([{"role": "system", "content": "Probe system."}, _ASK, reply],
                                                          None), ([_ASK, reply], [])):  # Hermes' tool_use: a tool list
                 try:
-                    cache[form] = _WHY in enc._text(msgs, tools=tools)
-                    break
+                    text = enc._text(msgs, tools=tools)
                 except RowError:
                     continue
+                cache[form] = _WHY in text
+                if form == "content":  # the template's own <think> before the content's (Nemotron-Nano-v2's last
+                    # reply, Kimi-K2-Thinking's <think></think>): a block nested in a second opening
+                    cache["nests"] = text[text.index(_ASK["content"]):].count("<think>") > 1
+                break
     return cache[form]
 
 
@@ -63,6 +67,17 @@ def refuse_dropped(enc, conv: list[dict], turns: list[int]) -> None:
     """A RowError, one line, where a reply to train carries reasoning in a form `enc`'s template never renders."""
     for k in turns:
         got = reasoning(conv[k])
+        if got and got[0] == "content" and _renders(enc, "content") and enc.reasoning_renders.get("nests"):
+            try:  # the block opened by the generation prompt (Nemotron-Nano-v2's): reasoning</think>answer completes it
+                opens = enc._text([_ASK], gen=True).rstrip().endswith("<think>")
+            except RowError:
+                opens = False
+            if opens and "<think>" not in conv[k]["content"]:
+                continue
+            fix = "give the content as reasoning</think>answer (the template opens the block), " if opens else ""
+            raise RowError(f"message {k} (assistant): {enc.name} writes its own <think> before a reply, so the "
+                           f"content's think block would be trained nested in a second one: {fix}use a template "
+                           "that renders it, or drop the reasoning")
         if got and _renders(enc, got[0]) is False:
             given = "its reasoning field (reasoning_content / thinking)" if got[0] == "field" else (
                 "the think block of its content (cut at </think>, as DeepSeek-R1's template does)")

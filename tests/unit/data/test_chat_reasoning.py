@@ -204,3 +204,46 @@ def test_a_reply_cut_between_a_letter_and_its_mark_is_still_found(root):
             {"role": "user", "content": "Count them."}, {"role": "assistant", "content": reply}]
     ids, mask, stats = enc.encode({"messages": conv})
     assert stats["untrained_turns"] == 0, stats
+
+
+# a template that writes its own <think> before a reply's content: Nemotron-Nano-v2's opens the block in its
+# generation prompt and writes the content after it; Kimi-K2-Thinking's writes an empty block before every content
+_NESTS = ("{%- for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' %}{OWN}{% endif %}"
+          "{{ m.content }}<|im_end|>\n{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{GEN}{%- endif %}")
+
+
+@pytest.mark.parametrize("own,gen,trains", [("<think>\n", "<think>\n", "Two words.\n</think>\n\napple river"),
+                                            ("<think></think>", "", None)])
+def test_reasoning_a_template_would_nest_in_its_own_think_block_is_refused(root, own, gen, trains):
+    """<think>reasoning</think>answer (OpenThoughts, Llama-Nemotron rows) through a template that writes its own
+    <think> first was trained as a block nested in a second opening (`<think>\\n<think>...`), without a word. Refused
+    in one line; where the generation prompt opens the block, reasoning</think>answer is the fix and trains whole."""
+    tok = Tokenizer(build_tokenizer(root, "qwen25", families()["qwen25"]))
+    tok.hf.chat_template = _NESTS.replace("{OWN}", own).replace("{GEN}", gen)
+    enc = ChatEncoder(tok)
+    ask = {"role": "user", "content": "Say apple river"}
+    with pytest.raises(RowError, match=r"^message 1 \(assistant\): .* writes its own <think> before a reply") as e:
+        enc.encode({"messages": [ask, {"role": "assistant", "content": "<think>\nTwo words.\n</think>\n\napple river"}]})
+    assert ("reasoning</think>answer" in str(e.value)) == (trains is not None)
+    row = {"messages": [ask, {"role": "assistant", "content": "Two words.\n</think>\n\napple river"}]}
+    if trains is None:
+        with pytest.raises(RowError, match="writes its own <think>"):
+            enc.encode(row)
+    else:
+        ids, mask, _ = enc.encode(row)
+        assert trained(enc, ids, mask).lstrip("\n") == trains + "<|im_end|>"  # "\n" + text: one token here
+    enc.encode({"messages": [ask, {"role": "assistant", "content": "apple river"}]})  # no reasoning: trains
+
+
+@pytest.mark.parametrize("key", ["deepseek_r1", "glm47"])
+def test_a_decomposed_reply_is_found_where_the_reply_start_is_searched(root, key):
+    """A reply in decomposed form (NFD Hangul: three jamo a syllable, macOS text) on the templates whose reply start
+    is searched token by token (DeepSeek-R1, GLM-4.7): the window was sized by the normal form's tokens, too short
+    to reach the text, and the one-turn row was refused ("does not go on from the messages before it")."""
+    import unicodedata
+
+    reply = unicodedata.normalize("NFD", "안녕하세요, 반갑습니다")
+    enc = encoder(root, key)
+    ids, mask, stats = enc.encode({"messages": [CASES["multi-turn"][0], {"role": "assistant", "content": reply}]})
+    assert stats["untrained_turns"] == 0
+    assert unicodedata.normalize("NFC", reply) in unicodedata.normalize("NFC", trained(enc, ids, mask))
