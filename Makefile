@@ -40,8 +40,9 @@ test:
 calibrate:
 	$(PY) -m bench.calibration
 
-# On a GPU machine (<= 9 min on one H100/H200): one 1M-token step per phase against the planner, the gap near the cap,
-# then document-masking parity, smoke test, length/speed ladder as time allows;
+# On a GPU machine (<= 8 min on one H100/H200, docs/benchmarks.md): the 1-GPU headline's configuration at its planned
+# longest, every phase against the planner; the attention-kernel probe, the host arena, document-masking parity; then
+# as time allows auto's run at 1M, the gap near the cap, the smoke test, the length/speed ladder;
 # bench/results/gpu.json and docs/results/gpu.md (bench/gpu.py)
 gpu-check:
 	DS_ACCELERATOR=cuda $(PY) -m bench.gpu

@@ -1,8 +1,9 @@
-"""The GPU check in one command, sized for one H100 or H200 and at most 9 minutes (issue 33):
+"""The GPU check in one command, sized for one H100 or H200 and at most 8 minutes (--budget_s 500, docs/benchmarks.md):
 
     python -m bench.gpu                        # a GPU machine: bench/results/gpu.json, docs/results/gpu.md
     python -m bench.gpu --out $OUT/gpu.json    # the device tool's machine: the JSON comes back in $OUT
     python -m bench.gpu --render               # the page again from bench/results/gpu.json
+    python -m bench.gpu --merge NEW.json       # a device run's sections into bench/results/gpu.json (a note), the page
     DS_ACCELERATOR=cpu python -m bench.gpu --dry   # the same script on this CPU with tiny shapes (the suite runs it)
 
 Sections (run in the order headline, kernels, arena, parity, long, gap, smoke, ladder: `--sections`), each written
@@ -50,6 +51,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -219,6 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry", action="store_true", help="CPU, tiny shapes: the script's own test")
     p.add_argument("--render", action="store_true", help="only regenerate the page from --out")
+    p.add_argument("--merge", default=None, help="a run's JSON: its sections replace --out's (the others kept, a note "
+                   "says which and when), then the page as --render")
     p.add_argument("--out", default=bm.result_path("gpu.json"))
     p.add_argument("--page", default=None, help="the results page (default docs/results/gpu.md; none in --dry)")
     p.add_argument("--budget_s", type=float, default=500.0, help="wall-clock seconds for all sections")
@@ -231,10 +235,37 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+RUN_KEYS = ("started", "budget_s", "environment", "elapsed_s", "notes", "skipped_for_time")  # a run's, not a section
+
+
+def merge(new_path: str, out: str) -> list[str]:
+    """Write into `out` the sections of the run in `new_path` (each replacing the one there), keeping the others,
+    with a note naming what came from which run; a missing `out` is the new run itself. The merged section names."""
+    with open(new_path) as fh:
+        new = json.load(fh)
+    if not os.path.exists(out):
+        shutil.copy(new_path, out)
+        return [k for k in new if k not in RUN_KEYS]
+    with open(out) as fh:
+        data = json.load(fh)
+    sections = [k for k in new if k not in RUN_KEYS]
+    data.update({k: new[k] for k in sections})
+    data["notes"] = list(data.get("notes") or []) + [
+        f"Merged from a later run (started {new.get('started')}, --budget_s {new.get('budget_s')}, {new.get('elapsed_s')}"
+        f" s; skipped for time: {new.get('skipped_for_time') or 'none'}; environment {json.dumps(new.get('environment'))}"
+        f"): {', '.join(sections)}, replacing those of the run above."]
+    with open(out + ".tmp", "w") as fh:
+        json.dump(data, fh, indent=1)
+    os.replace(out + ".tmp", out)
+    return sections
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     page = args.page if args.page is not None else (None if args.dry else PAGE)
-    if args.render:
+    if args.merge:
+        merge(args.merge, args.out)
+    if args.render or args.merge:
         with open(args.out) as fh:
             text = render(json.load(fh))
         with open(page or PAGE, "w") as fh:

@@ -105,6 +105,15 @@ def _step(name: str) -> int | None:
     return int(num) if head == "step" and num.isdigit() else None
 
 
+def _read_json(path: str) -> dict | None:
+    """A rank's kernel counts (None where its exit did not write them: a killed launch)."""
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None
+
+
 def flops(model: str, length: int) -> float:
     from planner.flops import flops_per_sequence
     from planner.memory_model import load_shape
@@ -150,9 +159,11 @@ def ladder(rec, model: str, device: str, dry: bool, cap_gib: float, work: str, p
                                                    "auto" if r["kind"] == "throughput" else r["features"])
                                        for r in rungs))
     env = bm.bench_env(device)
+    kernels = os.path.join(work, "ladder_kernels")  # the attention kernels the rungs ran (bench/gpu_site)
+    env.update(BENCH_GPU_KERNELS=kernels,
+               PYTHONPATH=os.pathsep.join([os.path.join(bm.ROOT, "bench", "gpu_site"), env["PYTHONPATH"]]))
     if not dry:  # the allocator cap (bench/gpu_site/sitecustomize.py) in the ranks
-        env.update(BENCH_GPU_CAP_GIB=str(cap_gib),
-                   PYTHONPATH=os.pathsep.join([os.path.join(bm.ROOT, "bench", "gpu_site"), env["PYTHONPATH"]]))
+        env.update(BENCH_GPU_CAP_GIB=str(cap_gib))
     cmd = [*bm.launcher(), "--num_gpus", "1", "--master_port", str(bm.free_port()), "train.py", "--config", cfg,
            "--model_name_or_path", model, "--sequence_parallel_size", "1", "--output_dir", out,
            "--report_to", "none", "--no-export_hf", "--save_steps", "0", "--resume", "none", "--no-progress_bar",
@@ -179,7 +190,7 @@ def ladder(rec, model: str, device: str, dry: bool, cap_gib: float, work: str, p
     oom = bool(re.search(r"OutOfMemoryError|CUDA out of memory|out of memory", text))
     result = {"model": os.path.basename(model), "layers": load_layers(model), "cap_gib": cap_gib, "planner_longest_leanest": longest,
               "exit_code": code, "wall_s": round(wall, 1), "dropped_for_time": dropped, "pruned_checkpoints": pruned,
-              "rungs": [],
+              "rungs": [], "attention_kernels": _read_json(kernels + ".rank0.json"),
               # each stage end's release (training/stage.py): `alive` 0 = no engine left behind for the next rung
               "engine_released": [{k: e.get(k) for k in ("stage", "alive", "host_rss_gb")}
                                   for e in records if e.get("event") == "engine_released"]}
@@ -202,6 +213,7 @@ def ladder(rec, model: str, device: str, dry: bool, cap_gib: float, work: str, p
         result["rungs"].append(row)
     if code != 0 and not oom:
         result["log_tail"] = bm.launch_failure(log)["log_tail"]
+    rec.say(f"  attention kernels: {result['attention_kernels']}")
     for e in result["engine_released"]:
         rec.say(f"  stage {e['stage']} released: engines alive {e['alive']}, host RSS {e['host_rss_gb']} GiB")
     for row in result["rungs"]:

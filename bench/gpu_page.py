@@ -238,6 +238,11 @@ def _ladder(lad: dict | None) -> list[str]:
                      f"{r.get('predicted_gib') or '-'} | {r.get('measured_over_predicted', '-')} |")
     if lad.get("dropped_for_time"):
         lines += ["", f"Rungs dropped for time: {lad['dropped_for_time']}."]
+    if "attention_kernels" in lad:  # (ladders before 2026-11-29 did not record them)
+        k = lad["attention_kernels"]
+        lines += ["", "Attention kernels of the launch (rank 0, every rung; SDPA's dispatch on each call's arguments): "
+                  + ("; ".join(f"`{n}` {v['calls']} calls" for n, v in k.items()) if k else "not recorded (no exit "
+                                                                                           "of its own)") + "."]
     if "engine_released" in lad:
         lines += ["", "Stage ends (training/stage.py's `engine_released` record: engines left alive, 0 expected; the "
                   "largest host RSS after the release): " + ("; ".join(

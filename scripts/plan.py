@@ -43,7 +43,7 @@ from planner.memory_model import (
     load_shape,
     parse_seq_len,
 )
-from planner.step_time import HOUR_S, TRAINABLE_S, duration, longest_within, measured_mfu, step_time
+from planner.step_time import HOUR_S, MEASURED, TRAINABLE_S, duration, longest_within, measured_mfu, step_time
 
 FEATURES = ("offload_params", "offload_optimizer", "tiled_mlp", "tiled_logits", "gradient_checkpointing",
             "offload_activations", "lean_rmsnorm", "lean_mlp", "keep_attention", "ring_attention")
@@ -58,7 +58,9 @@ def page_locked_gib(est: Estimate, ranks_per_node: int) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="plan.py --compare [options]: the longest "
+                                "Llama-3-8B length on 1 / 8 / 32 GPUs with its step time, and per GPU count the "
+                                "longest whose step stays within 15 min; plan.py --alst_check: ALST's published runs")
     p.add_argument("--model", required=True, help="preset name (planner/presets.py) or config.json path")
     p.add_argument("--seq_len", required=True, help="tokens per sample: 131072, 128k, 1M; a comma list plans each")
     p.add_argument("--gpus_per_node", type=int, default=8)
@@ -132,11 +134,15 @@ def plan_one(pl: Planner, seq_len: int) -> dict:
         rows.append(dict(sp=sp, ulysses=sp // cp, cp=cp, fits_gpu=g, fits_cpu=c, fits=g and c,
                          longest_fitting_seq_len=pl.longest(sp, cp=cp), estimate=est.to_dict(),
                          comm_per_layer=pl.comm(seq_len, sp, cp), step_s=step_s,
+                         measured_tokens_per_sec_per_gpu=seq_len / step_s / sp,
                          page_locked_gib_per_node=page_locked_gib(est, args.gpus_per_node)))
     fitting = list(dict.fromkeys(r["sp"] for r in rows if r["fits"]))
     roomy = [r for r in rows if r["fits"] and r["estimate"]["gpu_peak"] <= (1 - args.margin) * pl.gpu_limit]
     best = (roomy or [r for r in rows if r["fits"]] or [min(rows, key=lambda r: r["estimate"]["gpu_peak"])])[0]
     ds_file, overrides = ds_recommendation(feats)
+    timing = dict(world=pl.world, ranks_per_node=args.gpus_per_node, cp=best["cp"])
+    within = longest_within(TRAINABLE_S, shape, best["sp"], replace(feats, attention_head_chunks=pl.chunks(
+        best["sp"], best["cp"])), **timing)  # what a user would train at, with these features and this split
     stage = dict(name=f"seq{seq_len}", max_seq_length=seq_len, sequence_parallel_size=best["sp"])
     if best["cp"] > 1 or split_sp(best["sp"], shape.num_heads, shape.num_kv_heads, args.gpus_per_node)[1] > 1:
         stage["context_parallel_size"] = best["cp"]  # explicit where it is not pure Ulysses or differs from auto
@@ -154,7 +160,8 @@ def plan_one(pl: Planner, seq_len: int) -> dict:
                throughput=dict(formula="6*N_matmul*s + 6*L*nh*d*s^2 (causal) FLOPs per sequence",
                                flops_per_sequence=flops, attention_share=attn / flops, mfu=args.mfu,
                                gpu_tflops=args.gpu_tflops, tokens_per_sec_per_gpu=tps,
-                               seconds_per_sequence=seq_len / (tps * best["sp"]), at_sp=best["sp"]))
+                               seconds_per_sequence=seq_len / (tps * best["sp"]), at_sp=best["sp"]),
+               within_15_min=within)
     if not fitting:
         everything = Features(offload_params=True, offload_optimizer=True, lean_rmsnorm=feats.lean_rmsnorm,
                               lean_mlp=feats.lean_mlp,
@@ -255,7 +262,8 @@ def render(rep: dict) -> str:
     for p in rep["plans"]:
         lines += ["", f"== seq_len {p['seq_len']:,} ==",
                   f"{'sp=uxcp':>9} {'tokens/rank':>12} {'GPU peak GiB':>13} {'GPU':>4} {'CPU/node GiB':>13} {'CPU':>4}"
-                  f" {'longest that fits':>18} {'comm/layer fwd+bwd':>19} {'step':>10} {'page-locked/node':>17}"]
+                  f" {'longest that fits':>18} {'comm/layer fwd+bwd':>19} {'step':>10} {'tok/s/GPU':>10}"
+                  f" {'page-locked/node':>17}"]
         for r in p["candidates"]:
             e, m = r["estimate"], r["comm_per_layer"]
             lines.append(f"{split_label(r['sp'], r['cp']):>9} {e['tokens_per_rank']:>12,} {_gib(e['gpu_peak']):>13} "
@@ -263,9 +271,12 @@ def render(rep: dict) -> str:
                          f"{'yes' if r['fits_cpu'] else 'NO':>4} {r['longest_fitting_seq_len']:>18,} "
                          f"{(m['fwd_s'] + m['bwd_s']) * 1e3:>10.1f} ms {m['exposed_share']:>5.1%} "
                          f"{duration(r['step_s']) + ('!' if r['step_s'] > HOUR_S else ''):>10} "
+                         f"{r['measured_tokens_per_sec_per_gpu']:>10,.0f} "
                          f"{r['page_locked_gib_per_node']:>13,.0f} GiB")
-        lines.append(f"step: at the measured FLOP rate (MFU {measured_mfu()}, fitted to the one GPU run: "
+        lines.append(f"step, tok/s/GPU: at the measured FLOP rate (MFU {measured_mfu()}, fitted to the one GPU run: "
                      "planner/step_time.py), one sequence per SP group; ! marks a step over an hour")
+        lines.append(f"longest length whose step takes at most {duration(TRAINABLE_S)} at the recommended split and "
+                     f"these features: {p['within_15_min']:,} (what a run would train at; --compare: per GPU count)")
         lines.append(f"SP degrees that fit: {p['fitting_sp'] or 'none'}; recommended: {p['recommended_sp']} (smallest "
                      f"that fits with {rep['margin']:.0%} of usable GPU memory to spare, else smallest that fits)")
         if "fits_with_all_features_at_sp" in p:
@@ -290,8 +301,9 @@ def render(rep: dict) -> str:
         lines += _comm_lines(row)
         t = p["throughput"]
         lines.append(f"throughput: {t['formula']} = {t['flops_per_sequence']:.3g} ({t['attention_share']:.0%} "
-                     f"attention); at MFU {t['mfu']} of {t['gpu_tflops']:g} TFLOPs: "
-                     f"{t['tokens_per_sec_per_gpu']:,.0f} tokens/s/GPU, {t['seconds_per_sequence']:.1f} s/sequence")
+                     f"attention); these FLOPs alone at --mfu {t['mfu']} of {t['gpu_tflops']:g} TFLOPs: "
+                     f"{t['tokens_per_sec_per_gpu']:,.0f} tokens/s/GPU, {t['seconds_per_sequence']:.1f} s/sequence (an "
+                     "assumption without the recompute and offloads; the step column is the estimate)")
         lines.append(f"DeepSpeed config: {p['deepspeed_config']}"
                      + (f" with overrides {json.dumps(p['deepspeed_overrides'])}" if p["deepspeed_overrides"] else ""))
         lines.append("recipe:" if p["recommended_sp"] else "recipe (does NOT fit; for reference):")
@@ -393,8 +405,8 @@ def render_compare(rows: list[dict]) -> str:
               "|---|---|---|"]
     lines += [f"| {r['gpus']} | {r['split']} | {r['within_15_min']:,} |" for r in rows]
     lines += ["", f"Step times: the cost model (planner.auto_features.step_seconds) at MFU {rows[0]['mfu']}, the "
-              "rate that reproduces the measured 1,109,646-token step of the 1-GPU configuration (224.6 s for 2 "
-              "layers on an H200 capped at 78.5 GiB, docs/results/gpu.md): fitted to that one run, extrapolated "
+              f"rate that reproduces the measured {MEASURED['seq_len']:,}-token step ({MEASURED['step_s']:.1f} s for "
+              f"{MEASURED['model']['num_hidden_layers']} layers, {MEASURED['run']}): fitted to that one run, extrapolated "
               "to the other lengths and splits. One sequence per SP group per step. The second table keeps each row's features "
               "and split: a lower bound (a shorter length may fit with fewer features, which run faster)."]
     return "\n".join(lines)

@@ -20,3 +20,15 @@ if os.environ.get("BENCH_GPU_PHASES") and "LOCAL_RANK" in os.environ:
     from bench.gpu_probe import install
 
     install(f"{os.environ['BENCH_GPU_PHASES']}.rank{os.environ['LOCAL_RANK']}")
+
+if os.environ.get("BENCH_GPU_KERNELS") and "LOCAL_RANK" in os.environ and not os.environ.get("BENCH_GPU_PHASES"):
+    # bench.gpu's ladder: which attention kernels its steps dispatched to (SDPA's backend, flash-attn's function),
+    # written at exit; no phase hooks (they would cost the rungs' timing)
+    import atexit
+    import json
+
+    from bench.gpu_probe import KERNELS, wrap_sdpa
+
+    wrap_sdpa()
+    _out = f"{os.environ['BENCH_GPU_KERNELS']}.rank{os.environ['LOCAL_RANK']}.json"
+    atexit.register(lambda: open(_out, "w").write(json.dumps(KERNELS)))

@@ -79,6 +79,8 @@ def test_gpu_check_dry_run(tmp_path):
     assert [r["kind"] for r in rungs] == ["throughput"] + ["ladder"] * 2
     assert all(r["fits"] and r["tokens_per_s"] > 0 and r["predicted_gib"] > 0 for r in rungs)
     assert rungs[1]["length"] == data["ladder"]["planner_longest_leanest"] // 512 * 512
+    # which attention kernel the rungs ran (their MFU depends on it): recorded by the ranks themselves
+    assert any(n.startswith("sdpa:") and v["calls"] > 0 for n, v in data["ladder"]["attention_kernels"].items())
     # every stage's final checkpoint but the newest was deleted while the launch ran (the device's disk holds ~3)
     assert len(data["ladder"]["pruned_checkpoints"]) == 2, data["ladder"]["pruned_checkpoints"]
     # the throughput rung ran train.py's own auto (head chunks included) and reports the choice the run recorded
@@ -271,3 +273,25 @@ def test_the_fitted_constants_are_the_committed_gpu_run():
     assert run["memory_choice"]["attention_head_chunks"] == MEASURED["features"]["attention_head_chunks"]
     runtime = run["host"]["rss"]["measured_gib"] - sum(run["planner"]["host_terms_gib"].values())
     assert abs(runtime - RUNTIME_HOST_GIB) < 0.01, runtime
+
+
+def test_a_later_runs_sections_are_merged_not_pasted_over(tmp_path):
+    """`python -m bench.gpu --merge NEW.json`: a device session that runs some sections (the headline alone, say) used
+    to be copied over bench/results/gpu.json, losing the ladder, the recheck and the notes the page cites. Its
+    sections replace those there, the others stay, a note says which came from which run, and the page renders."""
+    import json
+
+    from bench import gpu
+
+    old = json.loads(open(os.path.join(ROOT, "bench", "results", "gpu.json")).read())
+    out, new = tmp_path / "gpu.json", tmp_path / "new.json"
+    out.write_text(json.dumps(old))
+    headline = {**old["headline"], "length": 1_240_480}
+    new.write_text(json.dumps({"started": "2026-12-01 10:00:00 UTC", "budget_s": 500, "environment": {"gpu": "H200"},
+                               "elapsed_s": 420.0, "skipped_for_time": [], "headline": headline}))
+    assert gpu.main(["--merge", str(new), "--out", str(out), "--page", str(tmp_path / "gpu.md")]) == 0
+    got = json.loads(out.read_text())
+    assert got["headline"]["length"] == 1_240_480 and got["ladder"] == old["ladder"] and got["kernels"] == old["kernels"]
+    assert got["notes"][:-1] == old["notes"] and "2026-12-01 10:00:00 UTC" in got["notes"][-1]
+    assert got["notes"][-1].endswith("headline, replacing those of the run above.") and got["started"] == old["started"]
+    assert "1,240,480" in (tmp_path / "gpu.md").read_text()

@@ -371,9 +371,17 @@ def test_every_length_comes_with_its_step_time():
     assert rows[1]["over_an_hour"] and rows[2]["over_an_hour"]  # (the 1-GPU row: 70.5 min since its length is 1,240,480)
     out = plan.render_compare(rows)
     assert "(**over an hour**)" in out and f"MFU {measured_mfu()}" in out and "at most 15.0 min" in out
-    text = "\n".join(plan.render(plan.plan(["--model", "llama3-8b", "--seq_len", "1M", "--alst", "--gpus_per_node", "1",
-                                              "--nodes", "1", "--cpu_mem_gb", "1024"])).splitlines()[:9])
+    rep = plan.plan(["--model", "llama3-8b", "--seq_len", "1M", "--alst", "--gpus_per_node", "1", "--nodes", "1",
+                     "--cpu_mem_gb", "1024"])
+    text = "\n".join(plan.render(rep).splitlines()[:10])
     assert "page-locked/node" in text and " min " in text and "MFU 0.412" in text
+    # the plain run too: tokens/s per GPU beside each row's step (the same rate), the 15-minute length at its split
+    (row,), p = rep["plans"][0]["candidates"], rep["plans"][0]
+    assert abs(row["measured_tokens_per_sec_per_gpu"] * row["step_s"] - 1_048_576) < 1
+    assert "tok/s/GPU" in text and f"{row['measured_tokens_per_sec_per_gpu']:,.0f}" in text
+    assert 0 < p["within_15_min"] < 1_048_576 and f"at most 15.0 min at the recommended split and these features: " \
+        f"{p['within_15_min']:,}" in text
+    assert "--compare" in plan.build_parser().format_help()
 
 
 def test_compare_table_has_one_row_per_setup_and_the_published_figures():
