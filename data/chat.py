@@ -139,7 +139,7 @@ class ChatEncoder:
         self.default_eot = im_end if isinstance(im_end, int) and im_end >= 0 and im_end != unk else tokenizer.eos_id
         self.kind = "markers" if self.markers else "prefix" if self.hf is not None else "chatml"
         self._eot, self._name_ids, self._added_ids, self._ends, self._stops, self._thinking = None, None, None, {}, None, None
-        self.reasoning_renders = {}  # form -> whether the template renders a reply's reasoning (data/chat_reasoning.py)
+        self.reasoning_renders = {}  # form -> whether the template renders a reply's reasoning; "nests" (data/chat_reasoning.py)
         if self.hf is not None and not self._renders_text():
             self.refusal = (f"{self.name} renders no message text given as a string (it reads content parts, as a "
                             "multimodal processor's template does): give a tokenizer with a text chat template, or "
