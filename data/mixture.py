@@ -160,3 +160,4 @@ class MixtureSampler:
             raise ValueError(f"the checkpoint's data position is for mixture components {state.get('names')}, this "
                              f"stage has {self.names}: resume with the same recipe (or --resume none)")
         self.drawn, self.counts, self._perm = int(state["drawn"]), np.asarray(state["counts"], dtype=np.int64), {}
+        self.seed = int(state.get("seed", self.seed))  # the run's order, whatever today's --seed

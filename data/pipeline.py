@@ -341,11 +341,12 @@ def check_model_tokenizer(folder: str, m: dict, model_path: str | None) -> None:
 
 def open_run_data(dataset_path: str | None, tokenizer_path: str | None, model_vocab: int, stages,
                   reset_position_ids: bool, mask_cross_document_labels: bool = False,
-                  model_path: str | None = None, heldout: dict | None = None) -> RunData:
+                  model_path: str | None = None, heldout: dict | None = None, trained_on: str | None = None) -> RunData:
     """A small JSONL is prepared first (rank 0). Rank 0 then reads the folder's manifest and picks the tokenizer,
     every rank opens the folder with that manifest, and a folder one rank cannot open stops every rank with the
-    same line (collectives). Checks the data against the model (token ids < model_vocab) and every stage's
-    mixture, before any model."""
+    same line (collectives). Checks the data against the model (token ids < model_vocab), against the tokenizer
+    whose ids the resumed checkpoint was trained on (`trained_on`, its SHA-256) and every stage's mixture, before
+    any model."""
     folder, tokenizer_path = prepare_in_job(dataset_path, tokenizer_path, model_vocab, model_path)
 
     def choose() -> tuple[dict, str | None]:
@@ -360,6 +361,11 @@ def open_run_data(dataset_path: str | None, tokenizer_path: str | None, model_vo
         return m, tokenizer_path
 
     m, tokenizer_path = comm.run_on_main(choose)
+    ids_of = (m.get("tokenizer") or {}).get("sha256")  # None: ids given as such ({"input_ids": ...})
+    if trained_on and ids_of and ids_of != trained_on:  # another tokenizer's ids would train under the same weights
+        raise ValueError(f"--dataset_path {folder}: tokenized with {m['tokenizer']['path']}, not the tokenizer the "
+                         "resumed checkpoint trained on: resume with that tokenizer's data, or start a new run (another "
+                         "--output_dir, or --resume none)")
     try:
         prepared, why = Prepared(folder, m), None
     except (OSError, ValueError) as e:

@@ -46,8 +46,9 @@ class ResumableSampler:
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from `state`; under another DP degree or batch size, at the same fraction of the epoch
-        (exact when the layout is unchanged)."""
-        self.epoch, self._order = state["epoch"], None
+        (exact when the layout is unchanged). The saved seed is kept: the run's order (a resume with another --seed
+        repeated some samples of the epoch and skipped others)."""
+        self.epoch, self._order, self.seed = state["epoch"], None, int(state.get("seed", self.seed))
         if state["dp"] == self.dp and state["micro_batch"] == self.mb and state["num_samples"] == self.num_samples:
             self.taken = state["taken"]
         else:

@@ -73,6 +73,7 @@ class TrainState:
     stage_steps: list | None = None  # the checkpoint's stages' step counts as they ran (written with its metadata)
     heldout: dict | None = None  # the held-out split the run made at its first start (data/pipeline.open_run_data)
     stage_sizes: list | None = None  # what sized each stage then: steps, tokens:N, epochs:E (curriculum.Stage)
+    tokenizer_sha256: str | None = None  # whose ids it trained on (the prepared data's tokenizer; data/store.py)
 
     def state_dict(self) -> dict:
         return {"step": self.step, "tokens": self.tokens, "stage": self.stage, "wandb_id": self.wandb_id}
@@ -83,6 +84,7 @@ class TrainState:
         self.stage_steps = d.get("stage_steps")
         self.heldout = d.get("heldout")
         self.stage_sizes = d.get("stage_sizes")
+        self.tokenizer_sha256 = d.get("tokenizer_sha256")
 
 
 def reset_adam_moments(optimizer) -> int:
@@ -279,6 +281,9 @@ class Restorer:
         if changed:  # continuing with new settings is allowed (an LR, more steps); a new run in an old folder is not
             print0(f"note: {path} was written by a run whose {', '.join(changed)} differed: this run continues it from"
                    " its step with today's (a new run: another --output_dir, or --resume none)")
+        for k in changed_settings(trainer.get("config") or {}, config or {}, KEPT_KEYS):
+            print0(f"note: {path} was written with {k} {trainer['config'][k]}, kept for the run's data order (today's "
+                   f"{config[k]} would repeat some samples of the epoch and skip others; it applies to a new run)")
         return state
 
     def restore_stage(self, engine, state: TrainState, stage: int, sampler, reset_optimizer: bool) -> bool:
@@ -290,6 +295,10 @@ class Restorer:
             return False
         if state.stage == stage:
             saved = self.load(engine, state.checkpoint)
+            moved = data_moved(saved["sampler"], sampler.state_dict())
+            if moved:  # appended documents, another packing: the position is a fraction of another order now
+                print0(f"note: the data changed since {state.checkpoint} ({'; '.join(moved)}): this epoch goes on at "
+                       "the same fraction of a new order (some of its samples repeat, others wait for the next epoch)")
             sampler.load_state_dict(saved["sampler"])
             if "rng" in saved:
                 set_rng_state(saved["rng"])
@@ -323,6 +332,9 @@ class Restorer:
         # today's peak LR: the schedule's state brings the saved run's (LambdaLR's base_lrs) back
         sched = engine.lr_scheduler if load_scheduler else None
         today = list(sched.base_lrs) if hasattr(sched, "base_lrs") else None
+        # today's decay, betas and eps: the optimizer's saved param_groups bring the saved run's back (DeepSpeed's
+        # load_state_dict copies every key of them; a resume with --weight_decay 0.1 after 0.0 trained on at 0.0)
+        hyper = [{k: g[k] for k in ("weight_decay", "betas", "eps") if k in g} for g in engine.optimizer.param_groups]
         # Always the whole ZeRO state: under ZeRO-3 the weights live in the optimizer's fp32 partitions
         # (`load_module_only` would restore them from the empty module placeholders); moments reset after.
         loaded, _ = engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=True,
@@ -331,6 +343,8 @@ class Restorer:
             raise RuntimeError(f"DeepSpeed could not load {path}")
         if not load_optimizer:
             reset_adam_moments(engine.optimizer)
+        for group, h in zip(engine.optimizer.param_groups, hyper):
+            group.update(h)
         if today is not None:
             keep_todays_peak(engine.optimizer, sched, today)
         if not load_scheduler and engine.lr_scheduler is not None:
@@ -368,14 +382,27 @@ class Restorer:
 
 
 RUN_KEYS = ("dataset_path", "stages", "max_seq_length", "max_steps", "num_train_epochs", "data_kind", "learning_rate",
-            "per_device_train_batch_size", "gradient_accumulation_steps", "sequence_parallel_size")  # what a run is
+            "per_device_train_batch_size", "gradient_accumulation_steps", "sequence_parallel_size", "weight_decay",
+            "model_name_or_path", "tokenizer_name_or_path")  # what a run is (the weights are the checkpoint's)
+KEPT_KEYS = ("seed",)  # the saved run's wins: its data order (data/sampler.py)
 
 
-def changed_settings(saved: dict, now: dict) -> list[str]:
-    """The RUN_KEYS whose values differ between the settings that wrote a checkpoint and this run's (both as
+def changed_settings(saved: dict, now: dict, keys: tuple = RUN_KEYS) -> list[str]:
+    """The `keys` whose values differ between the settings that wrote a checkpoint and this run's (both as
     training/config.to_dict writes them); a key either lacks is not compared."""
-    return [k for k in RUN_KEYS if k in saved and k in now
+    return [k for k in keys if k in saved and k in now
             and json.dumps(saved[k], sort_keys=True, default=str) != json.dumps(now[k], sort_keys=True, default=str)]
+
+
+def data_moved(saved: dict, now: dict, where: str = "") -> list[str]:
+    """What differs between a saved data position and today's sampler in the data it draws from: the packed sample
+    count (data/sampler.py) or the mixture's component sizes (data/mixture.py), at any depth (replay, tasks)."""
+    out = [f"{where}{k} {saved[k]} -> {now[k]}" for k in ("num_samples", "sizes")
+           if k in saved and k in now and saved[k] != now[k]]
+    for k, v in saved.items():
+        if isinstance(v, dict) and isinstance(now.get(k), dict):
+            out += data_moved(v, now[k], f"{where}{k}.")
+    return out
 
 
 def keep_todays_peak(optimizer, sched, today: list[float]) -> None:

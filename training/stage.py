@@ -270,7 +270,8 @@ def _save(run: Run, engine, stages, stage, hf_config, state: TrainState, sampler
             "stage_steps": [s.max_steps for s in stages[:stage.index + 1]],  # as they began (curriculum.keep_stage_steps)
             "stage_sizes": [s.steps_from for s in stages[:stage.index + 1]],  # what sized them (max_tokens, epochs)
             "heldout": run.data.heldout_split,  # a resume keeps these held-out documents
-            "tokenizer": run.data.tokenizer.path if run.data.tokenizer else None, "config": to_dict(run.cfg)}
+            "tokenizer": run.data.tokenizer.path if run.data.tokenizer else None, "config": to_dict(run.cfg),
+            "tokenizer_sha256": (run.data.prepared.manifest.get("tokenizer") or {}).get("sha256")}  # its ids' tokenizer
     background = run.cfg.async_save and not (at_end or run.preempt.stopping)
     path = run.ckpt.save(engine, state.step, {**state.state_dict(), **meta},
                          {"sampler": sampler.state_dict(), "rng": rng_state()}, hf_config,

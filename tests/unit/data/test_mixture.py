@@ -128,3 +128,24 @@ def test_stage_view_mixes_sources_with_length_filter(tmp_path):
     assert sampler.source_shares() == {"long": 0.6, "short": 0.4}
     with pytest.raises(ValueError, match=r"component 'x' .* less than one sample"):
         open_run_data(out, None, 10, [_stage(0, 16, [{"name": "x", "source": "nothing", "weight": 1}])], False)
+
+
+def test_a_resume_under_another_seed_keeps_the_runs_order():
+    """A resume with another --seed (a launch script passing --seed $RANDOM at every requeue) drew the rest of the
+    epoch from another permutation at the same offset: samples of the epoch trained twice, others never. The saved
+    seed is kept, for the plain sampler and the mixture alike."""
+    from data.sampler import ResumableSampler
+
+    def plain(seed):
+        return ResumableSampler(20, 1, 0, 1, seed=seed)
+
+    def mixed(seed):
+        return MixtureSampler([11, 5], [0.7, 0.3], ["a", "b"], dp=1, dp_rank=0, micro_batch=1, seed=seed)
+
+    for make, n in ((plain, 20), (mixed, 16)):
+        ref = _run(make(0), n)
+        first = make(0)
+        got = _run(first, n // 2)
+        resumed = make(1)
+        resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+        assert got + _run(resumed, n - n // 2) == ref, make.__name__

@@ -318,6 +318,19 @@ def test_a_resume_says_which_of_the_runs_settings_changed(tmp_path, capsys):
     assert state.step == 150 and "whose dataset_path, max_seq_length differed" in out, out
     ck.resume("auto", "h", "m", dict(old))
     assert "differed" not in capsys.readouterr().out
+    # another base model of the same shapes, another tokenizer path, a weight decay: noted too (they resumed
+    # unsaid); another seed is the saved run's for its data order (data/sampler.py), said so
+    ck.resume("auto", "h", "m", {**old, "model_name_or_path": "b", "tokenizer_name_or_path": "t2", "weight_decay": 0.1,
+                                 "seed": 7})
+    assert "differed" not in capsys.readouterr().out  # the old run's config lacks them: nothing to compare
+    ck.save(FakeEngine(), 160, {"step": 160, "tokens": 0, "stage": 0, "model_hash": "h", "config": {
+        **old, "model_name_or_path": "a", "tokenizer_name_or_path": "t1", "weight_decay": 0.0, "seed": 0}},
+            {"sampler": {}}, FakeConfig())
+    ck.resume("auto", "h", "m", {**old, "model_name_or_path": "b", "tokenizer_name_or_path": "t2", "weight_decay": 0.1,
+                                 "seed": 7})
+    out = capsys.readouterr().out
+    assert "whose weight_decay, model_name_or_path, tokenizer_name_or_path differed" in out, out
+    assert "written with seed 0, kept for the run's data order (today's 7" in out, out
 
 
 def test_a_file_the_loading_rank_cannot_see_yet_is_looked_for_again(tmp_path):
@@ -365,8 +378,8 @@ def test_a_resume_with_a_new_learning_rate_takes_it(tmp_path):
 
     from training.schedule import lambda_scheduler
 
-    def engine_at(peak):
-        opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=peak)
+    def engine_at(peak, decay=0.0):
+        opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=peak, weight_decay=decay)
         e = LoadEngine()
         e.optimizer, e.lr_scheduler = opt, lambda_scheduler(peak, 0.0, 2, 10, "cosine")(opt)
         return e
@@ -376,7 +389,7 @@ def test_a_resume_with_a_new_learning_rate_takes_it(tmp_path):
         old.optimizer.step()
         old.lr_scheduler.step()
     saved_sched, saved_opt = old.lr_scheduler.state_dict(), old.optimizer.state_dict()
-    new = engine_at(1e-4)
+    new = engine_at(1e-4, decay=0.1)  # and a weight decay now: the saved param_groups brought 0.0 back, unsaid
 
     def load_checkpoint(load_dir, tag, load_optimizer_states, load_lr_scheduler_states):  # as DeepSpeed's does
         new.optimizer.load_state_dict(saved_opt)
@@ -391,6 +404,21 @@ def test_a_resume_with_a_new_learning_rate_takes_it(tmp_path):
 
     want = lr_at(5, 1e-4, 0.0, 2, 10, "cosine")
     assert new.lr_scheduler.last_epoch == 5 and new.optimizer.param_groups[0]["lr"] == pytest.approx(want)
+    assert new.optimizer.param_groups[0]["weight_decay"] == 0.1
     new.optimizer.step()
     new.lr_scheduler.step()
     assert new.optimizer.param_groups[0]["lr"] == pytest.approx(lr_at(6, 1e-4, 0.0, 2, 10, "cosine"))
+
+
+def test_a_resume_on_changed_data_says_so():
+    """Documents appended to the same dataset path (or another packing): the saved position was taken over as a
+    fraction of a new order without a word. data_moved names what changed, at any depth of the sampler's state."""
+    from data.mixture import MixtureSampler
+    from data.sampler import ResumableSampler
+    from training.restore import data_moved
+
+    assert data_moved(ResumableSampler(20, 1, 0, 1, 0).state_dict(), ResumableSampler(20, 1, 0, 1, 0).state_dict()) == []
+    assert data_moved(ResumableSampler(20, 1, 0, 1, 0).state_dict(),
+                      ResumableSampler(24, 1, 0, 1, 0).state_dict()) == ["num_samples 20 -> 24"]
+    mix = [MixtureSampler([11, n], [0.7, 0.3], ["a", "b"], 1, 0, 1, 0).state_dict() for n in (5, 6)]
+    assert data_moved({"main": mix[0]}, {"main": mix[1]}) == ["main.sizes [11, 5] -> [11, 6]"]

@@ -275,3 +275,21 @@ def test_a_folder_of_mostly_text_says_its_sft_stage_has_few_held_out_conversatio
     many = build_demo_chats(str(tmp_path / "many.jsonl"), 200, seed=2)
     open_run_data(many, SP, Tokenizer(SP).vocab_size, stages, reset_position_ids=True)
     assert "held-out conversation samples" not in capsys.readouterr().out
+
+
+def test_a_resume_on_another_tokenizers_ids_is_refused(tmp_path):
+    """A resume whose data is tokenized by another tokenizer than the one the checkpoint trained on (a second
+    sentencepiece model, a new --tokenizer_name_or_path on the same JSONL) trained on the new ids under the old
+    weights without a word. Checkpoints record their ids' tokenizer (its SHA-256); open_run_data refuses another in
+    one line, and takes the same one or pre-tokenized ids (no tokenizer to compare)."""
+    from data.pipeline import open_run_data
+    from data.store import tokenizer_identity
+
+    chats = build_demo_chats(str(tmp_path / "chats.jsonl"), 60, seed=2)
+    stages = [_stage(0, 256, "text")]
+    data = open_run_data(chats, SP, Tokenizer(SP).vocab_size, stages, reset_position_ids=True,
+                         trained_on=tokenizer_identity(SP))
+    assert data.prepared.manifest["tokenizer"]["sha256"] == tokenizer_identity(SP)
+    with pytest.raises(ValueError, match=r"--dataset_path .*: tokenized with .*tokenizer.model, not the tokenizer the "
+                                         r"resumed checkpoint trained on"):
+        open_run_data(chats, SP, Tokenizer(SP).vocab_size, stages, reset_position_ids=True, trained_on="0" * 64)
