@@ -52,6 +52,7 @@ def test_commit_writes_manifest_and_pointer(tmp_path):
     (lambda p: os.truncate(p / "zero_pp_rank_0_mp_rank_00_model_states.pt", 100), "has 100 bytes"),
     (lambda p: _flip_byte(p / "zero_pp_rank_0_mp_rank_00_model_states.pt"), "checksum differs"),
     (lambda p: (p / "extra.pt").write_bytes(b"x"), "files not in the manifest"),
+    (lambda p: (p / "state" / "rank00001.pt").write_bytes(b"x"), "files not in the manifest"),
     (lambda p: os.remove(p / MANIFEST), "no readable manifest"),
     (lambda p: (p / MANIFEST).write_text("{not json"), "no readable manifest"),
 ])
@@ -422,3 +423,20 @@ def test_a_resume_on_changed_data_says_so():
                       ResumableSampler(24, 1, 0, 1, 0).state_dict()) == ["num_samples 20 -> 24"]
     mix = [MixtureSampler([11, n], [0.7, 0.3], ["a", "b"], 1, 0, 1, 0).state_dict() for n in (5, 6)]
     assert data_moved({"main": mix[0]}, {"main": mix[1]}) == ["main.sizes [11, 5] -> [11, 6]"]
+
+
+def test_a_file_the_run_did_not_write_beside_its_state_keeps_the_checkpoint(tmp_path, capsys):
+    """A user's zero_to_fp32 output in the checkpoint folder (or NFS's .nfs* of a file deleted while open): the
+    complete checkpoint was skipped as damaged, the run resumed from the one before and retrained its steps, and
+    the rotation then deleted the folder with the user's file. Only a state file the loaders would read (a *.pt
+    beside the manifest's) makes it incomplete; anything else is noted and left."""
+    ck = Checkpointer(str(tmp_path), keep=3, settle_s=0)
+    save(ck, 1)
+    newest = save(ck, 2)
+    folder = tmp_path / "checkpoints" / tag_for(2)
+    (folder / "fp32").mkdir()
+    (folder / "fp32" / "pytorch_model.bin").write_bytes(b"weights")
+    (folder / ".nfs000000000123").write_bytes(b"")
+    assert ck.verify(newest) is None and ck.find_resume("auto") == newest
+    assert "holds files the run did not write" in capsys.readouterr().out
+    assert (folder / "fp32" / "pytorch_model.bin").exists()
