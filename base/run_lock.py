@@ -99,7 +99,7 @@ def verdict(lock: dict, mine: dict, age_s: float | None, alive=pid_alive, state=
         f" (at most {STALE_S:.0f} s for a live run on another host)"
 
 
-def _age(path: str, folder: str) -> float | None:
+def file_age(path: str, folder: str) -> float | None:
     """Seconds since `path` was touched, on the file server's clock: its mtime against a probe file written now."""
     probe = os.path.join(folder, f".{LOCK}.probe.{socket.gethostname()}.{os.getpid()}")
     try:
@@ -137,7 +137,7 @@ def acquire(folder: str, mine: dict | None = None, alive=pid_alive, state=job_st
                     lock = json.load(fh)
             except (OSError, ValueError):
                 lock = {}  # torn or vanished: a writer died mid-write (or just released it)
-            live, why = verdict(lock, mine, _age(path, folder), alive, state) if lock else (False, "unreadable")
+            live, why = verdict(lock, mine, file_age(path, folder), alive, state) if lock else (False, "unreadable")
             if live:
                 job = f", job {lock['job']}" if lock.get("job") else ""
                 raise ValueError(f"output folder {folder} is held by a live run: host {lock.get('host')} pid "

@@ -160,6 +160,11 @@ class RunData:
     heldout_split: dict | None = None  # {"wants", "min_train"} it was made from: recorded in every checkpoint
 
     @property
+    def tokenizer_sha256(self) -> str | None:
+        """The tokenizer whose ids the stream holds (the prepared manifest's), None for ids given as such."""
+        return (self.prepared.manifest.get("tokenizer") or {}).get("sha256")
+
+    @property
     def pad_id(self) -> int:
         return self.tokenizer.pad_id if self.tokenizer else 0
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 
 import torch
 
@@ -14,7 +15,7 @@ from base import comm
 from base.host import check_cpu_placement, job_node_line
 from base.log import open_rank_log, print0, set_main
 from base.parallel import ParallelDims, check_shared_output, init_distributed
-from base.run_lock import hold
+from base.run_lock import file_age, hold
 from model_utils import linear_attention
 from model_utils.build import load_hf_config, pick_attn_implementation
 from model_utils.families import check_config
@@ -128,10 +129,25 @@ def stop_flag(cfg: Config, dims: ParallelDims, started: float) -> PreemptionFlag
     """The preemption flag, installed: signals, OUTPUT_DIR/PREEMPT (rank 0 removes the one that stopped the
     previous job), the time limit counted from `started`, and saves every `save_interval_minutes`."""
     stop_file = os.path.join(cfg.output_dir, "PREEMPT")
-    if dims.is_main and os.path.exists(stop_file):
-        os.remove(stop_file)  # the request that stopped the previous job has been honoured
+    if dims.is_main:
+        clear_honoured_stop(stop_file, started)
     comm.barrier()
     return PreemptionFlag(stop_file, Deadline(cfg.time_limit_s, now=started), save_every_s(cfg)).install()
+
+
+def clear_honoured_stop(stop_file: str, started: float) -> bool:
+    """Remove `stop_file` when it is the request that stopped the previous job (honoured: that job saved); one made
+    since this process started (during the resume, a universal conversion: minutes) is this job's and stays for the
+    flag (it was deleted unseen, and the job trained on to its time limit). Its age on the file server's clock
+    against this process' time since start: two durations, no clock skew. Returns whether it was removed."""
+    if not os.path.exists(stop_file):
+        return False
+    age = file_age(stop_file, os.path.dirname(stop_file))
+    if age is not None and age <= time.time() - started + 1.0:
+        print0(f"{stop_file}: asked while this job started: it stops at its first step boundary")
+        return False
+    os.remove(stop_file)
+    return True
 
 
 def save_every_s(cfg: Config) -> float | str:

@@ -116,7 +116,7 @@ def stub_data(heldout):
     """The run's data as the stage loop reads it: one sample per batch, `heldout` for the stage's evaluation."""
     sampler = types.SimpleNamespace(next_batch=lambda: [0], state_dict=lambda: {}, source_shares=lambda: {})
     return types.SimpleNamespace(stage_view=lambda *a: ([0], sampler), pad_id=0, tokenizer=None, heldout=heldout,
-                                 heldout_split=None)
+                                 heldout_split=None, tokenizer_sha256=None)
 
 
 def simulate(monkeypatch, steps=40, time_limit_s=0.0, save_every_s=600.0, signal_at=None, sig=signal.SIGTERM,
@@ -258,3 +258,22 @@ def test_a_users_signal_is_a_save_request_never_a_kill(sig):
         assert flag.received == sig and flag.term_at is None
     finally:
         flag.uninstall()
+
+
+def test_a_stop_asked_while_the_job_starts_is_kept(tmp_path):
+    """OUTPUT_DIR/PREEMPT written during a job's start (`touch PREEMPT` or scancel --signal=USR2 while the resume or a
+    universal conversion runs: minutes) was deleted as the previous job's request, unseen, and the job trained on to
+    its time limit. Only a request older than this process' start is removed."""
+    import os
+    import time
+
+    from training.startup import clear_honoured_stop
+
+    stop = tmp_path / "PREEMPT"
+    stop.write_text("")
+    old = time.time() - 300
+    os.utime(stop, (old, old))  # the previous job's: written before this process started
+    assert clear_honoured_stop(str(stop), started=time.time() - 5) and not stop.exists()
+    stop.write_text("")  # asked 60 s into this job's start
+    assert not clear_honoured_stop(str(stop), started=time.time() - 60) and stop.exists()
+    assert not clear_honoured_stop(str(tmp_path / "none"), started=time.time())
