@@ -34,10 +34,16 @@ may_requeue() {  # $1: the code to exit with when not; returns when a requeue ma
   mkdir -p "$(dirname "$progress")" && echo "$count $now" > "$progress"
 }
 requeue_cmd() {  # `scontrol requeue`, retried (a busy controller answers with an error), immune to its own SIGTERM
-  local i
+  local i err
   requeued=1
   for i in 1 2 3; do
-    ( trap '' TERM INT; exec scontrol requeue "$ref" ) && return 0
+    err=$( ( trap '' TERM INT; exec scontrol requeue "$ref" ) 2>&1 ) && return 0
+    echo "$err" >&2
+    if [[ $err == *"presently disabled"* ]]; then  # ESLURM_DISABLED: --no-requeue, or the site's job_submit policy
+      log "requeue is disabled for this job (sbatch --no-requeue, or the cluster's policy): resubmit the same command" \
+        "to resume from the run's newest checkpoint"
+      break
+    fi
     [ "$i" = 3 ] || sleep 2
   done
   requeued=0

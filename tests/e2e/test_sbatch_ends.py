@@ -7,6 +7,7 @@ few nodes is not applied, and requeues are bounded by progress (newer checkpoint
 
 from __future__ import annotations
 
+import json
 import subprocess
 
 import pytest
@@ -50,6 +51,25 @@ def test_scancel_ends_the_job_and_is_never_requeued(tmp_path):
     assert requeues(tmp_path) == [] and state(tmp_path)["state"] == "CANCELLED", text
     assert "JobState=CANCELLED (scancel)" in text and "the job was cancelled (JobState=CANCELLED): not requeueing" \
         in text, text
+
+
+@pytest.mark.parametrize("owner", ["4242", "999"])
+def test_cancelling_a_second_job_on_a_live_runs_folder_leaves_that_run_alone(tmp_path, owner):
+    """A second job started on a folder another job's run holds (refused by its ranks at the run lock), cancelled
+    while it starts: its batch shell touched OUTPUT_DIR/PREEMPT, and the live run saved and stopped. PREEMPT is now
+    touched only where the folder's RUN_LOCK is this job's (or there is none)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "RUN_LOCK").write_text(json.dumps({"host": "n1", "pid": 1, "job": owner, "restart": "0"}))
+    job = sbatch(tmp_path, "wait", ["--output_dir", str(out)], FAKE_EXIT_AFTER="1", SCONTROL_KILL_WAIT="5")
+    try:
+        wait_for(lambda: ready(tmp_path), 90, "the stand-in launcher")
+        slurm(tmp_path, "scancel", "4242")
+        text = job.communicate(timeout=30)[0]
+    finally:
+        job.kill()
+    assert (out / "PREEMPT").exists() == (owner == "4242"), text
+    assert (f"is the run of job {owner}" in text) == (owner != "4242"), text
 
 
 @pytest.mark.parametrize("end, save_s", [("TIMEOUT", 0), ("TIMEOUT", 6), ("PREEMPTED", 6)])
