@@ -311,6 +311,9 @@ def validate(cfg: Config) -> None:
                          f"{cfg.dist_timeout_s} > 0")
     if cfg.report_to not in ("auto", "wandb", "none"):
         raise ValueError(f"--report_to {cfg.report_to!r}: use auto, wandb or none")
+    shipped = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), cfg.deepspeed)
+    if not os.path.isfile(cfg.deepspeed) and not os.path.isabs(cfg.deepspeed) and os.path.isfile(shipped):
+        cfg.deepspeed = shipped  # the repository's ds_configs/, from a run folder (a recipe copied there names them so)
     if not os.path.isfile(cfg.deepspeed):
         raise ValueError(f"--deepspeed {cfg.deepspeed}: file not found (see ds_configs/)")
     if cfg.dataset_path is not None and not os.path.exists(cfg.dataset_path):

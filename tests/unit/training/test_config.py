@@ -257,3 +257,20 @@ def test_flags_win_over_the_recipes_stages(tmp_path, capsys):
     assert [s.max_steps for s in resolve_stages(unset, dp_of_sp=lambda sp: 1)] == [16, 40]
     cfg = parse_config(["--config", str(recipe), "--lr_scheduler_type", "cosine_with_min_lr", "--min_lr", "1e-6"])
     assert cfg.lr_scheduler == "cosine" and cfg.min_lr == 1e-6  # HF's name, its floor from --min_lr
+
+
+def test_a_recipe_copied_to_a_run_folder_finds_the_shipped_deepspeed_config(tmp_path, monkeypatch):
+    """A shipped recipe copied into a run folder (the sbatch-from-a-run-folder path) names
+    `deepspeed: ds_configs/zero3_offload.json`, relative to the repository: it was refused there ("file not found").
+    The repository's file is taken; a file of that name in the run folder still wins."""
+    import os
+    import shutil
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    shutil.copy(os.path.join(root, "recipes", "tiny_cpu.yaml"), tmp_path / "my.yaml")
+    monkeypatch.chdir(tmp_path)
+    cfg = parse_config(["--config", "my.yaml"])
+    assert os.path.samefile(cfg.deepspeed, os.path.join(root, "ds_configs", os.path.basename(cfg.deepspeed)))
+    (tmp_path / "ds_configs").mkdir()
+    shutil.copy(cfg.deepspeed, tmp_path / "ds_configs")
+    assert not os.path.isabs(parse_config(["--config", "my.yaml"]).deepspeed)  # the run folder's own
