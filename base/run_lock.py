@@ -48,6 +48,7 @@ def me(env=None) -> dict:
     env = os.environ if env is None else env
     return {"host": socket.gethostname(), "pid": os.getpid(), "start": _start_time(os.getpid()),
             "job": env.get("SLURM_JOB_ID", ""), "restart": env.get("SLURM_RESTART_COUNT", "0"),
+            "cluster": env.get("SLURM_CLUSTER_NAME", ""),
             "step": env.get("SLURM_STEP_ID", env.get("SLURM_STEPID", "")),
             "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
@@ -77,7 +78,10 @@ def job_state(job: str) -> str | None:
 
 def verdict(lock: dict, mine: dict, age_s: float | None, alive=pid_alive, state=job_state) -> tuple[bool, str]:
     """(whether the lock's owner is alive, why). Pure given its readers: tests give it any cluster."""
-    same_job = bool(lock.get("job")) and lock["job"] == mine.get("job")
+    # a job id names a job of one cluster: another cluster sharing the file system answers "Invalid job id" (GONE)
+    # for a live run there, or its own job of the same id (taken for an earlier run of this job)
+    same_cluster = lock.get("cluster", "") == mine.get("cluster", "")
+    same_job = same_cluster and bool(lock.get("job")) and lock["job"] == mine.get("job")
     if same_job and lock.get("restart") != mine.get("restart"):
         return False, f"an earlier run of this job ({lock['job']})"  # a requeue: Slurm runs one restart at a time
     # the same restart: another step of this allocation, or another task of this very step (`srun -N2 launch.sh`
@@ -89,7 +93,7 @@ def verdict(lock: dict, mine: dict, age_s: float | None, alive=pid_alive, state=
         if alive(int(lock.get("pid", 0)), lock.get("start")):
             return True, "its process is alive on this host"
         return False, "its process is gone"
-    if lock.get("job") and not same_job:
+    if lock.get("job") and not same_job and same_cluster:
         s = state(lock["job"])
         if s is not None:
             return s in LIVE_STATES, f"its job {lock['job']} is {s}"

@@ -35,6 +35,11 @@ MINE = {"host": "gpu001", "pid": 4242, "start": "100", "job": "900", "restart": 
     ({"host": "gpu002", "pid": 7, "job": "900", "restart": "0", "step": "0"}, STALE_S + 1, True, "RUNNING", False),
     ({"host": "gpu001", "pid": 7, "job": "900", "restart": "0", "step": "0"}, 1.0, True, "RUNNING", True),
     ({"host": "gpu001", "pid": 7, "job": "900", "restart": "0", "step": "0"}, 1.0, False, "RUNNING", False),
+    # a run of another cluster sharing the file system: this cluster's scontrol knows its job id not (GONE) or as
+    # another job of the same id; it was taken over. Judged by its heartbeat alone
+    ({"host": "b03", "pid": 7, "job": "800", "cluster": "b"}, 1.0, True, "GONE", True),
+    ({"host": "b03", "pid": 7, "job": "900", "restart": "1", "cluster": "b"}, 1.0, True, "RUNNING", True),
+    ({"host": "b03", "pid": 7, "job": "800", "cluster": "b"}, STALE_S + 1, True, "RUNNING", False),
 ])
 def test_the_owner_is_alive_or_dead_as_its_host_job_or_heartbeat_says(lock, age, alive, state, live):
     assert verdict(lock, MINE, age, alive=lambda pid, start: alive, state=lambda job: state)[0] is live
