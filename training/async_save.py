@@ -25,9 +25,9 @@ import zlib
 
 import torch
 
-from base import host_arena
+from base import host_arena, progress
 from base.atomic import fsync_path
-from training.checkpoint_files import save_torch
+from training.checkpoint_files import WRITTEN, save_torch
 
 _HOST = ("cpu",)  # device types whose states are host memory already: a pageable copy (a test empties it)
 CHUNK = 1 << 26  # 64 MiB per write and CRC32 update: both release the GIL, so the step loop runs meanwhile
@@ -187,9 +187,19 @@ class Snapshot:
         return self.done() and self._error is not None
 
     def wait(self, timeout_s: float | None = None) -> bool:
-        """Wait for the write (at most `timeout_s`, None: to its end); True if it is done."""
+        """Wait for the write (at most `timeout_s`, None: to its end); True if it is done. A tick of this rank's
+        progress each time the write has moved (checkpoint_files.WRITTEN): a long wait is no hang, a stuck write is."""
         if self._thread is not None:
-            self._thread.join(timeout_s)
+            end = None if timeout_s is None else time.monotonic() + timeout_s
+            seen = WRITTEN[0]
+            while self._thread.is_alive():
+                left = 5.0 if end is None else min(5.0, end - time.monotonic())
+                if left <= 0:
+                    break
+                self._thread.join(left)
+                if WRITTEN[0] != seen:
+                    seen = WRITTEN[0]
+                    progress.tick()
         return self.done()
 
     def result(self) -> dict[str, dict]:
@@ -213,6 +223,7 @@ def write_durable(path: str, data) -> dict:
                 piece = view[i:i + CHUNK]
                 crc = zlib.crc32(piece, crc)
                 fh.write(piece)
+                WRITTEN[0] += len(piece)
             fh.flush()
             os.fsync(fh.fileno())
         return {"size": len(view), "crc32": f"{crc:08x}"}

@@ -261,3 +261,38 @@ def test_a_partial_leftover_at_the_same_step_is_moved_aside_not_loaded(tmp_path)
     assert not (partial / "state" / "rank00007.pt").exists() and ck.verify(path) is None
     ck.close(timeout_s=30)
     assert list((tmp_path / "checkpoints" / ".trash").iterdir()) == []
+
+
+def test_a_save_is_progress_while_its_bytes_move(tmp_path, monkeypatch):
+    """The hang detector's `save` phase was bounded by the async snapshots it measured (~1 s: the 300-s floor), and a
+    stage end's wait for the background write plus its own synchronous save (Llama-3-8B on 32 ranks at 150 MB/s a
+    node: ~322 s) was declared a hang (exit 69). A synchronous write ticks this rank's progress as it writes; a wait
+    for the background write ticks while its bytes move, and not while it is stuck."""
+    import threading
+
+    import torch
+
+    from base import progress
+    from training import async_save
+    from training.checkpoint_files import save_torch
+
+    ticks = []
+    monkeypatch.setattr(progress, "tick", lambda: ticks.append(threading.current_thread().name))
+    save_torch({"w": torch.zeros(1000)}, str(tmp_path / "sync.pt"))
+    assert ticks and set(ticks) == {threading.main_thread().name}
+    ticks.clear()
+    real = async_save.write_durable
+    monkeypatch.setattr(async_save, "write_durable", lambda path, data: (time.sleep(0.3), real(path, data))[1])
+    snap = async_save.Snapshot(str(tmp_path))  # a write that outlasts the wait's start
+    snap.add_torch(str(tmp_path / "bg.pt"), {"w": torch.zeros(1000)})
+    snap.start()
+    assert snap.wait() and ticks and set(ticks) == {threading.main_thread().name}  # the writer thread never ticks
+    ticks.clear()
+    stuck = threading.Event()
+    monkeypatch.setattr(async_save, "write_durable", lambda path, data: stuck.wait())
+    snap = async_save.Snapshot(str(tmp_path))
+    snap.add_bytes(str(tmp_path / "stuck.bin"), b"x" * 100)
+    snap.start()
+    assert not snap.wait(timeout_s=0.3) and ticks == []
+    stuck.set()
+    snap.wait()
