@@ -107,6 +107,12 @@ def _recording(engine, root: str, written: dict, snapshot: Snapshot | None = Non
         del ce.save
 
 
+def _tree_bytes(folder: str) -> int:
+    """Bytes of the files under `folder` (0 when there is none)."""
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(folder) for f in fs
+               if os.path.isfile(os.path.join(d, f)))
+
+
 def async_capable(engine) -> bool:
     """Whether DeepSpeed writes through the torch checkpoint engine (the one `_recording` can snapshot)."""
     from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
@@ -218,12 +224,16 @@ class Checkpointer(Restorer):
         is written (a short write surfaced as torch.save's 'unexpected pos' after a ~21 GB file; Llama-3-8B's
         checkpoint is ~100 GB, and every stage's final one is kept). Need: the newest committed checkpoint's size
         (its manifest, rank 0), else each rank's parameters x CKPT_BYTES_PER_PARAM summed; room: the least free space
-        any rank sees there (the folder is shared: train.py refuses one that is not). One all-reduce of two numbers
-        (two before the first checkpoint). Collective."""
+        any rank sees there (the folder is shared: train.py refuses one that is not), plus the trash rank 0 is deleting
+        (a job killed during its deletion left a checkpoint there, which only a commit emptied: the first save of the
+        next job was refused for the room it held). One all-reduce of three numbers (two before the first checkpoint).
+        Collective."""
         os.makedirs(self.root, exist_ok=True)
-        last = (self._newest_size() or 0) if comm.rank() == 0 else 0
-        top = comm.all_reduce([float(last), -float(shutil.disk_usage(self.root).free)], op="max")
-        free = -top[1].item()
+        last, trash = ((self._newest_size() or 0), _tree_bytes(self.trash.folder)) if comm.rank() == 0 else (0, 0)
+        if trash:
+            self.trash.empty()  # deleted while this save writes
+        top = comm.all_reduce([float(last), -float(shutil.disk_usage(self.root).free), float(trash)], op="max")
+        free = -top[1].item() + top[2].item()
         need_all = top[0].item() or comm.all_reduce([float(_own_params(engine) * CKPT_BYTES_PER_PARAM)])[0].item()
         if need_all * DISK_MARGIN > free:
             raise ValueError(f"checkpoint {tag} needs ~{need_all / 1e9:.1f} GB in {self.root}, {free / 1e9:.1f} GB free "

@@ -58,3 +58,19 @@ def test_later_saves_need_what_the_newest_checkpoint_took(tmp_path, monkeypatch)
     free(monkeypatch, 106_000)
     with pytest.raises(RuntimeError, match="stop here"):
         c.save(engine, 6, {}, {}, None)
+
+
+def test_the_trash_a_killed_job_left_counts_as_room(tmp_path, monkeypatch):
+    """A job killed while its background deletion ran leaves a rotated checkpoint in checkpoints/.trash/, which only a
+    commit emptied: the next job's first save was refused for the room it held (exit 2, never requeued). The trash's
+    bytes count as free, and its deletion starts at once."""
+    trash = tmp_path / "checkpoints" / ".trash" / "step_000001.123"
+    trash.mkdir(parents=True)
+    (trash / "optim.pt").write_bytes(b"x" * 30_000)
+    c = ck.Checkpointer(str(tmp_path), keep=2)
+    engine = Engine(1000)  # 14 kB needed, 10 kB free, 30 kB in the trash
+    free(monkeypatch, 10_000)
+    with pytest.raises(RuntimeError, match="stop here"):
+        c.save(engine, 5, {}, {}, None)
+    c.trash.wait()
+    assert engine.saved == 1 and not trash.exists()
