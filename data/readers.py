@@ -88,14 +88,18 @@ def _units(name: str, path: str, loader: str | None, flag: str) -> list[Unit]:
         return [u for f in pattern for u in _units(name, f, loader, flag)]
     if not os.path.exists(path):
         raise ValueError(f"{flag} {spec}: no such file or folder")
-    if loader:  # a folder's files as the other formats' (no metadata, one split), one source named after it
+    native = JSONL_EXT + PARQUET_EXT  # read as such whatever --loader says (`--loader text` made a chat JSONL given
+    # beside a .txt folder one raw-text document of JSON syntax, every token trained)
+    if loader and not is_hf_folder(path) and not (os.path.isfile(path) and path.endswith(native)):
         if os.path.isfile(path):
             return [Unit(name or _stem(path), f"hf_load:{loader}", path)]
+        # a folder's files as the other formats' (no metadata, one split), one source named after it
         files = one_split(path, sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs
                                        if f not in NOT_DATA and not f.startswith(".")
                                        and not any(p.startswith(".") for p in os.path.relpath(d, path).split(os.sep)
                                                    if p != ".")), flag)  # a snapshot's .cache/huggingface/ too
-        return [Unit(name or _stem(path), f"hf_load:{loader}", f) for f in files]
+        return [u for f in files for u in (_units(name or _stem(path), f, None, flag) if f.endswith(native)
+                                           else [Unit(name or _stem(path), f"hf_load:{loader}", f)])]
     if is_hf_folder(path):
         return [Unit(name or _stem(path), "hf_disk", path)]
     if os.path.isfile(path):

@@ -124,6 +124,24 @@ def test_datasets_folder_and_loader(tmp_path, monkeypatch):
         prepare([str(book)], str(tmp_path / "o4"), model, workers=0, loader="text", log=lambda _: None)
 
 
+def test_a_loader_leaves_the_inputs_it_is_not_for_as_they_are(tmp_path):
+    """`--input books=DIR_OF_TXT --loader text --input chat.jsonl` (docs/data.md's mix): the loader read every input,
+    the chat JSONL too, as one raw-text document of JSON syntax, every token trained, without a word. A JSONL, JSON,
+    Parquet file or a datasets folder is read as such whatever --loader says; the loader takes the rest."""
+    from data.readers import discover
+
+    books = tmp_path / "books"
+    books.mkdir()
+    (books / "a.txt").write_text("Chapter 1\n")
+    _write_jsonl(books / "extra.jsonl", DOCS[:2])  # a JSONL inside the loader's folder: native too
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
+                    + "\n")
+    units = [u for spec in (f"books={books}", str(chat)) for u in discover(spec, "text")]
+    assert [(u.name, os.path.basename(u.path), u.kind) for u in units] == [
+        ("books", "a.txt", "hf_load:text"), ("books", "extra.jsonl", "jsonl"), ("chat", "chat.jsonl", "jsonl")]
+
+
 def test_a_loader_folder_and_a_hive_path_are_read_as_the_other_inputs_are(tmp_path):
     """--loader over a folder read every file: a README (refused: "no column 'text'"), a snapshot's .cache, and the
     test split beside the train split (trained on). It now skips metadata and hidden files, refuses several splits,
