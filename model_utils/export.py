@@ -79,6 +79,12 @@ def export_hf(checkpoint: str, out_dir: str, tokenizer_path: str | None = None, 
         fields = json.load(fh)
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)  # carries the last stage's RoPE
     config.use_cache = True  # training runs without the KV cache (model_utils/build.py); generation wants it
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    rope = dict(getattr(text, "rope_parameters", None) or {})
+    if rope.get("rope_type") == "yarn" and rope.get("factor") and rope.get("original_max_position_embeddings"):
+        # the length YaRN extends to: transformers before 4.56 (and copies of its code) derive the factor as
+        # max_position_embeddings / original, so a base's 131072 over 256 loaded as factor 512 (now: a warning)
+        text.max_position_embeddings = int(rope["original_max_position_embeddings"] * rope["factor"])
     if not getattr(config, "architectures", None):  # a preset-built model has none (vLLM, pipeline() read it)
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 

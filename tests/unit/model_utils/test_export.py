@@ -87,3 +87,30 @@ def test_a_checkpoint_named_first_is_exported_from_its_run(tmp_path, monkeypatch
     (loose / "MANIFEST.json").write_text("{}")
     seen.clear()
     assert export.main([str(loose)]) == 0 and seen["owned"] is False
+
+
+def test_a_yarn_export_says_the_length_it_extends_to(tmp_path, monkeypatch):
+    """A YaRN stage's export kept the base's max_position_embeddings (the demo's 131072 over an original 256):
+    transformers before 4.56 (and copies of its code) derive YaRN's factor as max_position_embeddings / original, so
+    it loaded as factor 512 (Qwen2.5-7B-Instruct's recipe: factor 1, no YaRN at 128k); transformers 5 warns at each
+    load. The export writes original x factor, which every reading agrees with."""
+    import deepspeed.utils.zero_to_fp32 as z
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from model_utils.export import export_hf
+
+    config = LlamaConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=2, vocab_size=16, max_position_embeddings=131072,
+                         rope_parameters={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 256,
+                                          "rope_theta": 10000.0})
+    ck = tmp_path / "run" / "checkpoints" / "step_000004"
+    ck.mkdir(parents=True)
+    (ck / "hf_config.json").write_text(config.to_json_string())
+    torch.manual_seed(0)
+    state = LlamaForCausalLM(config).state_dict()
+    monkeypatch.setattr(z, "get_fp32_state_dict_from_zero_checkpoint", lambda root, tag: dict(state))
+    out = export_hf(str(ck), str(tmp_path / "run" / "hf_model"), owned=True)
+    got = json.loads((tmp_path / "run" / "hf_model" / "config.json").read_text())
+    assert got["max_position_embeddings"] == 2048 and out.endswith("hf_model")
+    assert (got.get("rope_parameters") or got.get("rope_scaling"))["factor"] == 8.0
