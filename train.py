@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     if dims.is_main:
         if cfg.export_hf:
             out = export_hf(state.checkpoint, os.path.join(cfg.output_dir, "hf_model"),
-                            data.tokenizer and data.tokenizer.path, source=cfg.model_name_or_path, owned=True)
+                            data.tokenizer and data.tokenizer.path, source=cfg.model_name_or_path, owned=True,
+                            stops=data.reply_stops())  # a chat SFT's end-of-turn: generation stops on it
             print0(f"exported {out}")
         with open(os.path.join(cfg.output_dir, "COMPLETE"), "w") as fh:
             fh.write(f"{state.step}\n")

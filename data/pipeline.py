@@ -159,6 +159,14 @@ class RunData:
     mask_cross_document_labels: bool = False
     heldout_split: dict | None = None  # {"wants", "min_train"} it was made from: recorded in every checkpoint
 
+    def reply_stops(self) -> list[int]:
+        """The end-of-turn ids the run's chat documents trained (data/chat_stops.py); [] for text-only data."""
+        if self.mask is None or self.tokenizer is None:
+            return []
+        from data.chat_stops import reply_stops
+
+        return reply_stops(self.tokenizer.path, self.prepared.manifest.get("chat_template") or "auto")
+
     @property
     def tokenizer_sha256(self) -> str | None:
         """The tokenizer whose ids the stream holds (the prepared manifest's), None for ids given as such."""

@@ -57,6 +57,26 @@ def generation_config(source: str | None) -> str | None:
     return path if os.path.isfile(path) else None
 
 
+def add_stops(path: str, config, stops: list[int]) -> list[int]:
+    """Add `stops` to the eos_token_id of the generation config at `path` (written from `config`'s ids where there is
+    none); returns the ids added."""
+    if not stops:
+        return []
+    if os.path.isfile(path):
+        with open(path) as fh:
+            gen = json.load(fh)
+    else:
+        gen = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}
+    have = gen.get("eos_token_id")
+    have = [] if have is None else [have] if isinstance(have, int) else list(have)
+    added = [s for s in stops if s not in have]
+    if added:
+        gen["eos_token_id"] = have + added
+        with open(path, "w") as fh:
+            json.dump(gen, fh, indent=2)
+    return added
+
+
 def sentencepiece_ids(path: str) -> tuple[int | None, int | None, int | None]:
     """(bos, eos, pad) of a sentencepiece model file, None where it has none: what the run's documents were ended
     with (data/tokenizer.py), so what generation must stop on (the preset's 1 / 2 named <unk> / <s> in the demo's)."""
@@ -67,9 +87,11 @@ def sentencepiece_ids(path: str) -> tuple[int | None, int | None, int | None]:
 
 
 def export_hf(checkpoint: str, out_dir: str, tokenizer_path: str | None = None, source: str | None = None,
-              owned: bool = False) -> str:
+              owned: bool = False, stops: list[int] | None = None) -> str:
     """Write `checkpoint` (its fp32 master weights, its last stage's RoPE) to `out_dir`; `source` is the run's
-    --model_name_or_path (its generation_config.json is copied). Checks `out_dir` first (check_out)."""
+    --model_name_or_path (its generation_config.json is copied); `stops`: ids generation must also stop on (the
+    end-of-turn a chat SFT trained: data/chat_stops.py), added to generation_config.json's eos_token_id. Checks
+    `out_dir` first (check_out)."""
     check_out(out_dir, checkpoint, owned)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from huggingface_hub import save_torch_state_dict
@@ -104,6 +126,7 @@ def export_hf(checkpoint: str, out_dir: str, tokenizer_path: str | None = None, 
                           safe_serialization=True)
     if gen := generation_config(source):
         shutil.copy(gen, os.path.join(tmp, "generation_config.json"))
+    added = add_stops(os.path.join(tmp, "generation_config.json"), config, stops or [])
     if tokenizer_path and os.path.isfile(tokenizer_path):
         shutil.copy(tokenizer_path, os.path.join(tmp, "tokenizer.model"))
     elif tokenizer_path and os.path.isdir(tokenizer_path):
@@ -112,7 +135,7 @@ def export_hf(checkpoint: str, out_dir: str, tokenizer_path: str | None = None, 
         AutoTokenizer.from_pretrained(tokenizer_path, mistral_format=False).save_pretrained(tmp)  # as training read it
     with open(os.path.join(tmp, MARKER), "w") as fh:
         json.dump({"checkpoint": os.path.abspath(checkpoint), "source": source,
-                   "generation_config": gen}, fh, indent=1)
+                   "generation_config": gen, "added_stops": added}, fh, indent=1)
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
     return out_dir

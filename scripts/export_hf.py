@@ -14,6 +14,7 @@ import argparse
 import os
 import sys
 
+from data.chat_stops import reply_stops
 from model_utils.export import export_hf
 from training.checkpoint import MANIFEST, Checkpointer
 
@@ -53,9 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     # the run's own hf_model: the default out of a checkpoint in the run's checkpoints/ folder
     owned = same(a.out or default, default) and same(os.path.dirname(path.rstrip("/")),
                                                      os.path.join(a.run_dir, "checkpoints"))
-    try:
-        out = export_hf(path, a.out or default, trainer.get("tokenizer"),
-                        source=(trainer.get("config") or {}).get("model_name_or_path"), owned=owned)
+    cfg = trainer.get("config") or {}
+    sft = cfg.get("data_kind") == "sft" or any((s or {}).get("kind") == "sft" for s in cfg.get("stages") or [])
+    try:  # a chat SFT's end-of-turn among the stops (data/chat_stops.py), as train.py's own export adds it
+        out = export_hf(path, a.out or default, trainer.get("tokenizer"), source=cfg.get("model_name_or_path"),
+                        owned=owned, stops=reply_stops(trainer.get("tokenizer")) if sft else None)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

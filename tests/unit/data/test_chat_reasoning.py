@@ -247,3 +247,20 @@ def test_a_decomposed_reply_is_found_where_the_reply_start_is_searched(root, key
     ids, mask, stats = enc.encode({"messages": [CASES["multi-turn"][0], {"role": "assistant", "content": reply}]})
     assert stats["untrained_turns"] == 0
     assert unicodedata.normalize("NFC", reply) in unicodedata.normalize("NFC", trained(enc, ids, mask))
+
+
+def test_the_stop_a_chat_sft_trains_is_the_last_replys_end(root):
+    """A base model's generation config stops on its pretraining EOS (Qwen2.5-7B's <|endoftext|>), not on the
+    template's end-of-turn the SFT trained: its export ran on past every reply. data/chat_stops.reply_stops gives the
+    token that ends a last reply: Qwen's <|im_end|>, Llama 3's <|eot_id|>, gpt-oss's <|return|> (not <|end|>, which
+    only the history writes), none for GLM-4.7 (no token after a last reply)."""
+    from data.chat_stops import reply_stops
+
+    def ids(key, names):
+        hf = encoder(root, key).tok.hf
+        return [hf.convert_tokens_to_ids(n) for n in names]
+
+    for key, want in (("qwen25", ["<|im_end|>"]), ("llama31", ["<|eot_id|>"]), ("gpt_oss", ["<|return|>"]),
+                      ("glm47", [])):
+        assert reply_stops(encoder(root, key).tok.path) == ids(key, want), key
+    assert reply_stops(None) == [] and reply_stops("recipes/base/tiny_passkey256/tokenizer.model") == []

@@ -75,7 +75,7 @@ def test_a_checkpoint_named_first_is_exported_from_its_run(tmp_path, monkeypatch
     seen = {}
     monkeypatch.setattr(export.Checkpointer, "verify", lambda self, path: None)
     monkeypatch.setattr(export.Checkpointer, "read_trainer", staticmethod(lambda path: {"tokenizer": None}))
-    monkeypatch.setattr(export, "export_hf", lambda path, out, tok, source=None, owned=False: seen.update(
+    monkeypatch.setattr(export, "export_hf", lambda path, out, tok, source=None, owned=False, stops=None: seen.update(
         path=path, out=out, owned=owned) or out)
     assert export.main([str(ck)]) == 0
     assert seen == {"path": str(ck), "out": str(tmp_path / "run" / "hf_model"), "owned": True}
@@ -114,3 +114,22 @@ def test_a_yarn_export_says_the_length_it_extends_to(tmp_path, monkeypatch):
     got = json.loads((tmp_path / "run" / "hf_model" / "config.json").read_text())
     assert got["max_position_embeddings"] == 2048 and out.endswith("hf_model")
     assert (got.get("rope_parameters") or got.get("rope_scaling"))["factor"] == 8.0
+
+
+def test_a_chat_sfts_end_of_turn_is_added_to_the_stops(tmp_path):
+    """add_stops: Qwen2.5-7B base's generation_config.json (eos 151643, <|endoftext|>) gets the <|im_end|> its SFT
+    trained (151645), as Qwen's Instruct release lists both; a config without one is written from the model's ids;
+    a stop already there is not repeated."""
+    import types
+
+    from model_utils.export import add_stops
+
+    gen = tmp_path / "generation_config.json"
+    gen.write_text(json.dumps({"bos_token_id": 151643, "eos_token_id": 151643, "do_sample": False}))
+    assert add_stops(str(gen), None, [151645]) == [151645]
+    assert json.loads(gen.read_text()) == {"bos_token_id": 151643, "eos_token_id": [151643, 151645], "do_sample": False}
+    assert add_stops(str(gen), None, [151645]) == []
+    fresh = tmp_path / "new" / "generation_config.json"
+    fresh.parent.mkdir()
+    assert add_stops(str(fresh), types.SimpleNamespace(bos_token_id=1, eos_token_id=2), [7]) == [7]
+    assert json.loads(fresh.read_text())["eos_token_id"] == [2, 7]

@@ -293,3 +293,17 @@ def test_a_resume_on_another_tokenizers_ids_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"--dataset_path .*: tokenized with .*tokenizer.model, not the tokenizer the "
                                          r"resumed checkpoint trained on"):
         open_run_data(chats, SP, Tokenizer(SP).vocab_size, stages, reset_position_ids=True, trained_on="0" * 64)
+
+
+def test_a_chat_runs_data_names_the_stop_its_export_adds(tmp_path):
+    """train.py's export takes the end-of-turn the run's chat documents trained (RunData.reply_stops): the template's
+    <|im_end|> for a Qwen-shaped tokenizer whose EOS is another token; nothing for text-only data."""
+    from data.pipeline import open_run_data
+
+    path = build_tokenizer(str(tmp_path), "qwen25")
+    tok = Tokenizer(path)
+    chats = build_demo_chats(str(tmp_path / "chats.jsonl"), 60, seed=2)
+    data = open_run_data(chats, path, tok.vocab_size, [_stage(0, 256, "sft")], reset_position_ids=True)
+    assert data.reply_stops() == [tok.hf.convert_tokens_to_ids("<|im_end|>")]
+    text = open_run_data(None, None, 2048, [_stage(0, 256, "text")], reset_position_ids=True)
+    assert text.reply_stops() == []

@@ -1,0 +1,36 @@
+"""What generation must stop on after chat SFT: the control token the template writes after a last reply, which the
+loss trained the model to write (<|im_end|>, <|eot_id|>, <|end_of_turn|>, gpt-oss's <|return|>).
+
+A base model's generation_config.json stops on its pretraining EOS (Qwen2.5-7B: <|endoftext|>; Llama-3-8B:
+<|end_of_text|>), not on the chat template's end-of-turn: its SFT export ran on past every reply in `generate()` and
+vLLM. The export adds this token to the stops (as Instruct releases list theirs); nothing where the template writes
+no token after a last reply (GLM-4.7's: counted `no_stop_rows` at preparation) or the tokenizer has no template
+(the ChatML default ends a reply with <|im_end|> where the vocabulary has it, else its EOS). An end-of-turn the
+template writes only in the history (gpt-oss's <|end|>) is not one: the last reply's is read.
+"""
+
+from __future__ import annotations
+
+
+def reply_stops(tokenizer_path: str | None, chat_template: str = "auto") -> list[int]:
+    """The ids that end a last reply in `tokenizer_path`'s template (`chat_template` as the preparation took it);
+    [] for a sentencepiece file (its EOS: the export writes it) or where none is known."""
+    import os
+
+    if not tokenizer_path or not os.path.isdir(tokenizer_path):
+        return []
+    from data.chat import ChatEncoder
+    from data.chat_ends import REPLIES
+    from data.tokenizer import Tokenizer
+
+    try:
+        enc = ChatEncoder(Tokenizer(tokenizer_path), template=chat_template)
+    except ValueError:
+        return []
+    if enc.refusal:
+        return []
+    if enc.kind == "chatml":
+        return [int(enc.default_eot)]
+    _ = enc.eot  # the probe: enc._ends, the id after each probe reply
+    last = enc._ends.get(REPLIES[-1])
+    return [int(last)] if last is not None else []
