@@ -4,8 +4,9 @@
     python scripts/export_hf.py checkpoints/RUN/checkpoints/step_000300     # one checkpoint, as evaluate.py takes it
 
 CKPT: a checkpoint folder (checkpoints/RUN/checkpoints/step_000300) or a stage's marker
-(checkpoints/RUN/checkpoints/STAGE_1_s512: the model as that stage ended). --out defaults to RUN/hf_model; another
-folder that exists is replaced only when it is a previous export (model_utils/export.check_out).
+(checkpoints/RUN/checkpoints/STAGE_1_s512: the model as that stage ended). --out defaults to RUN/hf_model
+(RUN/hf_model_<step> for a checkpoint older than the run's newest); another folder that exists is replaced only when
+it is a previous export (model_utils/export.check_out).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 
 from data.chat_stops import reply_stops
 from model_utils.export import export_hf
-from training.checkpoint import MANIFEST, Checkpointer
+from training.checkpoint import MANIFEST, POINTER, Checkpointer
 
 
 def named(path: str) -> str:
@@ -31,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir")
     p.add_argument("--checkpoint", default=None, help="a checkpoint folder or a STAGE_* marker (default: newest valid)")
-    p.add_argument("--out", default=None, help="output folder (default: RUN/hf_model)")
+    p.add_argument("--out", default=None, help="output folder (default: RUN/hf_model for the run's newest checkpoint, "
+                   "RUN/hf_model_<step> for an older one)")
     a = p.parse_args(argv)
     first = a.run_dir.rstrip("/")
     if os.path.isfile(os.path.join(first, MANIFEST)) or os.path.basename(first).startswith("STAGE_"):
@@ -49,8 +51,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no complete checkpoint under {a.run_dir}/checkpoints", file=sys.stderr)
         return 2
     trainer = Checkpointer.read_trainer(path)
-    default = os.path.join(a.run_dir, "hf_model")
+    # the run's hf_model is its newest checkpoint's export (evaluate.py, a user, train.py's own end read it so): an
+    # older one goes to hf_model_<tag> unless --out says (it replaced hf_model, evaluations then scored the old model)
+    tag = os.path.basename(os.path.realpath(path.rstrip("/")))
+    try:  # the run's pointer (no verification: the checkpoint to export was verified above)
+        with open(os.path.join(a.run_dir, "checkpoints", POINTER)) as fh:
+            newest = fh.read().strip()
+    except OSError:
+        newest = tag
     same = lambda x, y: os.path.realpath(x) == os.path.realpath(y)  # noqa: E731
+    default = os.path.join(a.run_dir, "hf_model" if newest == tag else f"hf_model_{tag}")
     # the run's own hf_model: the default out of a checkpoint in the run's checkpoints/ folder
     owned = same(a.out or default, default) and same(os.path.dirname(path.rstrip("/")),
                                                      os.path.join(a.run_dir, "checkpoints"))

@@ -221,3 +221,9 @@ def resolve_hub_ids(cfg) -> None:
         print(f"model {given}: {cfg.model_name_or_path} (the local Hugging Face cache)", flush=True)
     if cfg.tokenizer_name_or_path:
         cfg.tokenizer_name_or_path = resolve(cfg.tokenizer_name_or_path, weights=False, flag="--tokenizer_name_or_path")
+    # a local path as an absolute one: checkpoints record it, and a later export from another folder read the
+    # relative one against its own working directory (the base's generation_config.json silently not found)
+    for key in ("model_name_or_path", "tokenizer_name_or_path"):
+        value = getattr(cfg, key)
+        if value and not os.path.isabs(value) and os.path.exists(value):
+            setattr(cfg, key, os.path.abspath(value))

@@ -133,3 +133,28 @@ def test_a_chat_sfts_end_of_turn_is_added_to_the_stops(tmp_path):
     fresh.parent.mkdir()
     assert add_stops(str(fresh), types.SimpleNamespace(bos_token_id=1, eos_token_id=2), [7]) == [7]
     assert json.loads(fresh.read_text())["eos_token_id"] == [2, 7]
+
+
+def test_an_older_checkpoint_is_exported_beside_the_runs_hf_model(tmp_path, monkeypatch):
+    """export_hf.py RUN/checkpoints/step_000175 when the run's newest is step_000200: it replaced RUN/hf_model (the
+    run's final export), and evaluate.py RUN/hf_model then scored the older model. It goes to hf_model_step_000175;
+    --out still says where."""
+    import importlib.util
+    import os
+
+    spec = importlib.util.spec_from_file_location("export_hf", os.path.join(os.getcwd(), "scripts", "export_hf.py"))
+    export = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(export)
+    run = tmp_path / "run"
+    for tag in ("step_000175", "step_000200"):
+        (run / "checkpoints" / tag).mkdir(parents=True)
+        (run / "checkpoints" / tag / "MANIFEST.json").write_text("{}")
+    (run / "checkpoints" / "LATEST").write_text("step_000200\n")
+    seen = {}
+    monkeypatch.setattr(export.Checkpointer, "verify", lambda self, path: None)
+    monkeypatch.setattr(export.Checkpointer, "read_trainer", staticmethod(lambda path: {"tokenizer": None}))
+    monkeypatch.setattr(export, "export_hf", lambda path, out, tok, source=None, owned=False, stops=None: seen.update(
+        out=out) or out)
+    assert export.main([str(run / "checkpoints" / "step_000175")]) == 0
+    assert seen["out"] == str(run / "hf_model_step_000175")
+    assert export.main([str(run / "checkpoints" / "step_000200")]) == 0 and seen["out"] == str(run / "hf_model")

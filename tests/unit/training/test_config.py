@@ -274,3 +274,18 @@ def test_a_recipe_copied_to_a_run_folder_finds_the_shipped_deepspeed_config(tmp_
     (tmp_path / "ds_configs").mkdir()
     shutil.copy(cfg.deepspeed, tmp_path / "ds_configs")
     assert not os.path.isabs(parse_config(["--config", "my.yaml"]).deepspeed)  # the run folder's own
+
+
+def test_a_local_model_and_tokenizer_are_recorded_as_absolute_paths(monkeypatch):
+    """--model_name_or_path qwenbase (a folder, relative): checkpoints recorded it so, and an export run from another
+    folder read it against its own working directory: the base's generation_config.json (an Instruct model's stops)
+    was silently not found. Local paths are made absolute at start; a preset name stays a name."""
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    monkeypatch.chdir(root)
+    cfg = parse_config(["--model_name_or_path", "recipes/base/tiny_passkey256",
+                        "--tokenizer_name_or_path", "recipes/base/tiny_passkey256/tokenizer.model"])
+    assert cfg.model_name_or_path == os.path.join(root, "recipes/base/tiny_passkey256")
+    assert cfg.tokenizer_name_or_path == os.path.join(root, "recipes/base/tiny_passkey256/tokenizer.model")
+    assert parse_config(["--model_name_or_path", "llama3-8b", "--dry_run"]).model_name_or_path == "llama3-8b"
