@@ -251,5 +251,5 @@ def evaluate_stage(engine, stage, dims, heldout: list[dict], tokenizer, metrics,
     metrics.log_eval(stage.index, result)
     metrics.log_table(f"eval/stage{stage.index}", ["task", "length", "depth", "accuracy"],
                       [[t, int(n), float(d), a] for t, lens in result.get("tasks", {}).items()
-                       for n, acc in lens.items() for d, a in acc.items()])
+                       for n, acc in lens.items() for d, a in acc.items()], step=result.get("step"))
     return result

@@ -72,8 +72,8 @@ def _is_input_error(e: BaseException) -> bool:
     tb = e.__traceback__
     while tb.tb_next is not None:
         tb = tb.tb_next
-    where = os.path.abspath(tb.tb_frame.f_code.co_filename)
-    if not where.startswith(ROOT + os.sep) or f"{os.sep}site-packages{os.sep}" in where:
+    where = os.path.realpath(tb.tb_frame.f_code.co_filename)  # a checkout reached through a symlink (a linked home)
+    if not where.startswith(os.path.realpath(ROOT) + os.sep) or f"{os.sep}site-packages{os.sep}" in where:
         return False
     import linecache
 

@@ -101,7 +101,9 @@ class MetricsLogger:
             import wandb
 
             if not (os.environ.get("WANDB_MODE") or os.environ.get("WANDB_API_KEY")):
-                os.environ["WANDB_MODE"] = "offline"
+                os.environ["WANDB_MODE"] = "offline"  # `wandb login`'s netrc alone does not sync: said once
+                print(f"W&B offline (runs under {output_dir}/wandb; `wandb sync` them): set WANDB_MODE=online or "
+                      "WANDB_API_KEY to sync as the run goes", flush=True)
             self.run_id = run_id or uuid.uuid4().hex[:8]
             self.wandb = wandb.init(project=project, id=self.run_id, resume="allow", config=config,
                                     dir=output_dir, settings=wandb.Settings(console="off", silent=True))
@@ -189,11 +191,13 @@ class MetricsLogger:
             else:
                 print(line, flush=True)
 
-    def log_table(self, name: str, columns: list[str], rows: list[list]) -> None:
+    def log_table(self, name: str, columns: list[str], rows: list[list], step: int | None = None) -> None:
+        """A table on W&B at `step` (the evaluation's: without it W&B's own counter moved on, and the next event
+        logged at the run's step, the stage end's release, the next stage's memory choice, was dropped)."""
         if self.is_main and self.wandb is not None:
             import wandb
 
-            self.wandb.log({name: wandb.Table(columns=columns, data=rows)})
+            self.wandb.log({name: wandb.Table(columns=columns, data=rows)}, **({} if step is None else {"step": step}))
 
     def close(self) -> None:
         if self.bar is not None:

@@ -122,6 +122,16 @@ def test_library_error_is_a_failure_not_bad_input(tmp_path):
         parse_config(["--learning_rate", "-1"])
     except ValueError as e:
         assert job._is_input_error(e)
+    # the same refusal through a checkout reached by a symlink (a linked home, an absolute script path): it was a
+    # traceback with exit 1, the path compared as text with the real one
+    link = tmp_path / "link"
+    link.symlink_to(job.ROOT)
+    src = os.path.join(job.ROOT, "training", "config.py")
+    line = next(i for i, t in enumerate(open(src), 1) if t.lstrip().startswith("raise ValueError("))
+    try:
+        exec(compile("\n" * (line - 1) + "raise ValueError('x')", str(link / "training" / "config.py"), "exec"))
+    except ValueError as e:
+        assert job._is_input_error(e)
 
 
 def test_architecture_without_the_attention_backend_is_one_line(tmp_path):
