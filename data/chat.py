@@ -224,9 +224,9 @@ class ChatEncoder:
                            "template) renders none: give a tokenizer whose template renders tool_calls")
         if loss_on == "all":  # no span to find: the rendering alone
             ids = self._chatml(conv)[0] if self.kind == "chatml" else self._render(conv, tools=tools)
-            end = len(ids)
-            while end and self.kind != "chatml" and not self.tok.hf.decode(ids[end - 1:end]).strip():
-                end -= 1  # a template's blank after its end-of-turn (ChatML templates' "\n"; the token-built default has none)
+            end = len(ids) - (len(self.tok.encode("\n")) if self.kind == "chatml" else 0)  # the default's "\n" after
+            while end and self.kind != "chatml" and not self.tok.hf.decode(ids[end - 1:end]).strip():  # its eot
+                end -= 1  # a template's blank after its end-of-turn (ChatML templates' "\n")
             return ids, np.ones(len(ids), np.uint8), {"untrained_turns": 0, "no_stop_rows": self._no_stop(ids, conv, end),
                                                       "rewritten_arguments": rewritten, "flagged_turns": 0,
                                                       "dropped_reasoning": 0, "chatml_rows": int(self.kind == "chatml")}

@@ -132,6 +132,10 @@ def test_default_chatml_and_refusal(tok_root):
     refuse = encoder(tok_root, "none", template="none")
     with pytest.raises(RowError, match="has no chat template"):
         refuse.encode({"messages": TURNS})
+    # --loss_on all: the default's "\n" after its end-of-turn was taken for a reply that ends with none (a false
+    # "no end-of-turn token" warning on every row)
+    _, _, st = encoder(tok_root, "none", loss_on="all").encode({"messages": TURNS})
+    assert st["no_stop_rows"] == 0
 
 
 def test_sentencepiece_default():
