@@ -58,9 +58,10 @@ def headline(rows: list[dict]) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python scripts/eval_summary.py OUTPUT_DIR", file=sys.stderr)
-        return 2
+    if len(argv) != 1 or argv[0] in ("-h", "--help"):
+        print("usage: python scripts/eval_summary.py OUTPUT_DIR  (a run's evaluations: eval/*.json, as tables)",
+              file=sys.stderr if len(argv) != 1 else sys.stdout)
+        return 2 if len(argv) != 1 else 0
     try:
         rows = records(argv[0])
     except ValueError as e:

@@ -19,9 +19,13 @@ from data.chat_stops import reply_stops
 from model_utils.export import export_hf
 from training.checkpoint import MANIFEST, POINTER, Checkpointer
 
+RUN: list[str] = []  # the run folder main() was given: a relative --checkpoint is found there too
+
 
 def named(path: str) -> str:
     """A stage marker (STAGE_<i>_<name>, a file naming its checkpoint) -> that checkpoint's folder; else `path`."""
+    if not os.path.exists(path) and not os.path.isabs(path) and RUN and os.path.exists(os.path.join(RUN[0], path)):
+        path = os.path.join(RUN[0], path)  # `--checkpoint checkpoints/STAGE_1_s512`, as docs/checkpoints.md writes it
     if os.path.isfile(path) and os.path.basename(path).startswith("STAGE_"):
         with open(path) as fh:
             return os.path.join(os.path.dirname(path), fh.read().strip())
@@ -41,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {a.run_dir} is a checkpoint and --checkpoint names another: give one", file=sys.stderr)
             return 2
         a.checkpoint, a.run_dir = a.run_dir, os.path.dirname(os.path.dirname(os.path.abspath(first)))
+    RUN[:] = [a.run_dir]
     ckpt = Checkpointer(a.run_dir, keep=2)
     path = named(a.checkpoint) if a.checkpoint else ckpt.find_resume("auto")
     why = "no such folder" if path and not os.path.isdir(path) else ckpt.verify(path) if path else None

@@ -463,5 +463,6 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except ValueError as err:
-        sys.exit(f"error: {err}")
+    except ValueError as err:  # a user's input: one line, exit 2 (the project's convention)
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)

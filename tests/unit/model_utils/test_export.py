@@ -158,3 +158,9 @@ def test_an_older_checkpoint_is_exported_beside_the_runs_hf_model(tmp_path, monk
     assert export.main([str(run / "checkpoints" / "step_000175")]) == 0
     assert seen["out"] == str(run / "hf_model_step_000175")
     assert export.main([str(run / "checkpoints" / "step_000200")]) == 0 and seen["out"] == str(run / "hf_model")
+    # `--checkpoint checkpoints/STAGE_0_s512` as docs/checkpoints.md writes it: the run's, from any folder (it was
+    # read against the working directory: "not a complete checkpoint (no such folder)")
+    (run / "checkpoints" / "STAGE_0_s512").write_text("step_000175\n")
+    monkeypatch.chdir(tmp_path)
+    assert export.main([str(run), "--checkpoint", "checkpoints/STAGE_0_s512"]) == 0
+    assert seen["out"] == str(run / "hf_model_step_000175")

@@ -210,7 +210,7 @@ def test_invalid_input_is_a_one_line_value_error(argv, needle):
 def test_cli_error_is_one_line_on_stderr():
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plan.py"), "--model", "llama3-8b",
                            "--seq_len", "128k", "--sp", "3"], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.returncode == 2 and proc.stdout == ""  # a user's input: 2, as every script
     assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1
 
 

@@ -158,7 +158,7 @@ def test_every_stage_of_a_curriculum_with_sft_reports_it_and_eval_summary_shows_
         calls.append((seq_len, kw))
         return [conv if kw.get("sft") else text] * n
 
-    metrics = types.SimpleNamespace(log_eval=lambda *a: None, log_table=lambda *a: None)
+    metrics = types.SimpleNamespace(log_eval=lambda *a: None, log_table=lambda *a, **k: None)
     stages = [_stage(0, 8, "text"), _stage(1, 16, "text"), _stage(2, 8, "sft")]
     ce = F.cross_entropy(engine.table[torch.arange(7, 12)], torch.arange(8, 13)).item()
     rows = []
@@ -176,6 +176,7 @@ def test_every_stage_of_a_curriculum_with_sft_reports_it_and_eval_summary_shows_
         (out / "eval" / f"stage{r['stage']}.json").write_text(json.dumps(r))
     assert _script("eval_summary").main([str(out)]) == 0
     got = capsys.readouterr().out
+    assert _script("eval_summary").main(["--help"]) == 0 and "usage:" in capsys.readouterr().out  # not a run path
     assert f"held-out conversation loss (assistant tokens) at 8: {ce:.4f} -> {ce:.4f}" in got
     assert "chat_loss@8" in got and f"| 2 | s2 | 2 | 8 | {rows[2]['heldout_loss']:.4f} |" in got
 
@@ -218,7 +219,7 @@ def test_no_held_out_conversation_is_none_never_zero(chats):
     tok = Tokenizer(SP)
     engine = TokenEngine(tok.vocab_size)
     text = {"input_ids": np.arange(8) + 5, "shift_labels": np.r_[np.arange(6, 13), -100], "position_ids": np.arange(8)}
-    metrics = types.SimpleNamespace(log_eval=lambda *a: None, log_table=lambda *a: None)
+    metrics = types.SimpleNamespace(log_eval=lambda *a: None, log_table=lambda *a, **k: None)
     stages = [_stage(0, 8, "text"), _stage(1, 8, "sft")]
     r = evaluate_stage(engine, stages[0], DIMS1, [text] * 2, None, metrics, 0, 1, 0, stages,
                        lambda seq_len, n, sft=False: [] if sft else [text] * n)

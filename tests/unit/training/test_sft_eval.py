@@ -156,7 +156,7 @@ def test_retention_is_measured_as_the_first_stage_measured(tmp_path):
         return [{"input_ids": np.arange(8), "shift_labels": np.r_[np.arange(1, 8), -100],
                  "position_ids": np.arange(8)}] * n
 
-    metrics = types.SimpleNamespace(log_eval=lambda *a: None, log_table=lambda *a: None)
+    metrics = types.SimpleNamespace(log_eval=lambda *a: None, log_table=lambda *a, **k: None)
     held = heldout_at(8, 2)
     calls.clear()
     engine = LabelEngine()
