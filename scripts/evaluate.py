@@ -137,8 +137,12 @@ def settings(a: argparse.Namespace) -> dict:
     for path in (a.model, a.compare, a.tokenizer, a.heldout):
         if path is not None and not os.path.exists(path):
             raise ValueError(f"{path}: no such file or folder")
+    tasks = eval_value("tasks", a.tasks, "--tasks")
+    if isinstance(tasks, dict) and tasks and not any(int(v) > 0 for v in tasks.values()) and not a.heldout:
+        raise ValueError(f"--tasks {a.tasks}: no task has a trial (it evaluated nothing and exited 0): give a count "
+                         "of at least 1, e.g. passkey:4, or --heldout")
     return {"lengths": sorted(set(lengths)), "depths": eval_value("depths", a.depths, "--depths"), "ropes": ropes,
-            "eval": {"tasks": eval_value("tasks", a.tasks, "--tasks"), "passkey_trials": a.trials}}
+            "eval": {"tasks": tasks, "passkey_trials": a.trials}}
 
 
 def describe(path: str, tokenizer: str | None) -> dict:

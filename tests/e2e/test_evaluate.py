@@ -91,6 +91,8 @@ def test_the_plainest_run(tmp_path):
     (["missing_model", "--lengths", "256"], "MODEL missing_model: not a local folder, a preset, nor in the local "
                                             "Hugging Face cache"),  # as train.py says it: a name may be a hub id
     (["recipes/base/tiny_passkey256", "--lengths", "256,huge"], "--lengths '256,huge': use"),
+    (["recipes/base/tiny_passkey256", "--lengths", "256", "--tasks", "passkey:0"], "--tasks passkey:0: no task has a "
+                                                                                  "trial"),  # it evaluated nothing, 0
 ])
 def test_user_errors_are_one_line(tmp_path, args, message):
     p = subprocess.run([sys.executable, EVALUATE, *args, "--output_dir", str(tmp_path)], cwd=ROOT, capture_output=True,
