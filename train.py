@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     # each stage packs its length ---
     data = open_run_data(cfg.dataset_path, cfg.tokenizer_name_or_path, model.arch.vocab_size, stages,
                          resets_positions(cfg.reset_position_ids, model.attn), cfg.mask_cross_document_labels,
-                         cfg.model_name_or_path, heldout=state.heldout, trained_on=state.tokenizer_sha256)
+                         cfg.model_name_or_path, heldout=state.heldout, trained_on=state.tokenizer_vocab)
     check_passkey_fits(stages, data.tokenizer)
     stages = epoch_stages(cfg, stages, data, dims.world)  # --num_train_epochs / --warmup_ratio: steps from the data
     stages = keep_stage_steps(stages, state)  # the stages it ran keep their lengths, whatever today's world or batch

@@ -80,7 +80,7 @@ def verdict(lock: dict, mine: dict, age_s: float | None, alive=pid_alive, state=
     """(whether the lock's owner is alive, why). Pure given its readers: tests give it any cluster."""
     # a job id names a job of one cluster: another cluster sharing the file system answers "Invalid job id" (GONE)
     # for a live run there, or its own job of the same id (taken for an earlier run of this job)
-    same_cluster = lock.get("cluster", "") == mine.get("cluster", "")
+    same_cluster = lock.get("cluster", mine.get("cluster", "")) == mine.get("cluster", "")  # a lock from before: ours
     same_job = same_cluster and bool(lock.get("job")) and lock["job"] == mine.get("job")
     if same_job and lock.get("restart") != mine.get("restart"):
         return False, f"an earlier run of this job ({lock['job']})"  # a requeue: Slurm runs one restart at a time

@@ -74,7 +74,8 @@ def refuse_dropped(enc, conv: list[dict], turns: list[int]) -> None:
                 opens = False
             if opens and "<think>" not in conv[k]["content"]:
                 continue
-            fix = "give the content as reasoning</think>answer (the template opens the block), " if opens else ""
+            fix = ("give the content as reasoning</think>answer (the template opens the block), " if opens else
+                   "give it as reasoning_content where the template renders that field, ")
             raise RowError(f"message {k} (assistant): {enc.name} writes its own <think> before a reply, so the "
                            f"content's think block would be trained nested in a second one: {fix}use a template "
                            "that renders it, or drop the reasoning")

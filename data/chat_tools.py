@@ -225,13 +225,13 @@ def _garbled(text: str, conv: list[dict]) -> bool:
     return False
 
 
-def _lost(enc, conv: list[dict], tools: list | None) -> bool:
+def _lost(enc, conv: list[dict], tools: list | None) -> int | None:
     """Whether the template drops a call's arguments in the form the row gives them (MiniMax-M2's template as Unsloth
     and llama.cpp ship it writes them only when they are an object: JSON text vanishes, the call trained without
     them). One render with each argument's value replaced by a mark of its own, in the same form (keys kept: a
     template may read them); False where the template refuses the marked row (the plain render decides). A message
     some of whose calls show their arguments drops the others whole (gpt-oss writes the first call alone): that is
-    the calls' refusal (data/chat.py), not this."""
+    the calls' refusal (data/chat.py), not this. Returns the first message that lost them, None where none did."""
     marks, out = {}, []
     for k, m in enumerate(conv):
         calls = m.get("tool_calls") if m["role"] == "assistant" else None
@@ -252,12 +252,12 @@ def _lost(enc, conv: list[dict], tools: list | None) -> bool:
                        else {**c, "arguments": b})
         out.append({**m, "tool_calls": new})
     if not marks:
-        return False
+        return None
     try:
         text = enc._text(out, tools=tools)
     except RowError:
-        return False
-    return any(all(any(x not in text for x in call) for call in calls) for calls in marks.values())
+        return None
+    return next((k for k, calls in marks.items() if all(any(x not in text for x in call) for call in calls)), None)
 
 
 def fit_arguments(enc, conv: list[dict], tools: list | None) -> tuple[list[dict], int]:
@@ -274,11 +274,11 @@ def fit_arguments(enc, conv: list[dict], tools: list | None) -> tuple[list[dict]
     row with calls (four where it is rewritten); rows without tool calls pay nothing."""
     if enc.kind == "chatml" or not any(m.get("tool_calls") for m in conv):
         return conv, 0
-    lost = False
+    lost = None
     try:
         if not _garbled(enc._text(conv, tools=tools), conv):
             lost = _lost(enc, conv, tools)
-            if not lost:
+            if lost is None:
                 return conv, 0
     except RowError:
         pass
@@ -287,14 +287,13 @@ def fit_arguments(enc, conv: list[dict], tools: list | None) -> tuple[list[dict]
         if not changed:
             continue
         try:
-            if not _garbled(enc._text(alt, tools=tools), alt) and not _lost(enc, alt, tools):
+            if not _garbled(enc._text(alt, tools=tools), alt) and _lost(enc, alt, tools) is None:
                 return alt, 1
         except RowError:
             continue
-    if lost:
+    if lost is not None:
         refuse_unrendered(enc, conv, tools)  # a template that drops the calls whole says so first
-        k = next(k for k, m in enumerate(conv) if m["role"] == "assistant" and m.get("tool_calls"))
-        raise RowError(f"message {k} (assistant): {enc.name} does not render its tool calls' arguments (as JSON text "
+        raise RowError(f"message {lost} (assistant): {enc.name} does not render its tool calls' arguments (as JSON text "
                        "or as an object), so the calls would be trained without them: use a template that renders "
                        "them, or drop the calls")
     return conv, 0

@@ -34,7 +34,7 @@ from data.packing import ConvPack, DocPack, chat_documents
 from data.prepare import prepare_in_job, ships_tokenizer
 from data.replay import ReplayDataset, ReplaySampler, parse_replay
 from data.sampler import ResumableSampler
-from data.store import MANIFEST, Prepared, read_json, tokenizer_identity
+from data.store import MANIFEST, Prepared, read_json, tokenizer_identity, vocab_identity
 from data.tasks import TaskMixDataset, TaskMixSampler, check_tasks, tasks_as_chat
 from data.tokenizer import Tokenizer
 
@@ -168,9 +168,13 @@ class RunData:
         return reply_stops(self.tokenizer.path, self.prepared.manifest.get("chat_template") or "auto")
 
     @property
-    def tokenizer_sha256(self) -> str | None:
-        """The tokenizer whose ids the stream holds (the prepared manifest's), None for ids given as such."""
-        return (self.prepared.manifest.get("tokenizer") or {}).get("sha256")
+    def tokenizer_vocab(self) -> str | None:
+        """The vocabulary of the run's tokenizer (data/store.vocab_identity; None without one), read once."""
+        if self.tokenizer is None:
+            return None
+        if not hasattr(self, "_vocab"):
+            self._vocab = vocab_identity(self.tokenizer.path)
+        return self._vocab
 
     @property
     def pad_id(self) -> int:
@@ -374,9 +378,9 @@ def open_run_data(dataset_path: str | None, tokenizer_path: str | None, model_vo
         return m, tokenizer_path
 
     m, tokenizer_path = comm.run_on_main(choose)
-    ids_of = (m.get("tokenizer") or {}).get("sha256")  # None: ids given as such ({"input_ids": ...})
-    if trained_on and ids_of and ids_of != trained_on:  # another tokenizer's ids would train under the same weights
-        raise ValueError(f"--dataset_path {folder}: tokenized with {m['tokenizer']['path']}, not the tokenizer the "
+    # another vocabulary's ids would train under the same weights (a template fixed since is the same tokenizer)
+    if trained_on and tokenizer_path and comm.run_on_main(lambda: vocab_identity(tokenizer_path)) != trained_on:
+        raise ValueError(f"--dataset_path {folder}: tokenized with {tokenizer_path}, whose vocabulary is not the one the "
                          "resumed checkpoint trained on: resume with that tokenizer's data, or start a new run (another "
                          "--output_dir, or --resume none)")
     try:

@@ -98,7 +98,10 @@ def _units(name: str, path: str, loader: str | None, flag: str) -> list[Unit]:
                                        if f not in NOT_DATA and not f.startswith(".")
                                        and not any(p.startswith(".") for p in os.path.relpath(d, path).split(os.sep)
                                                    if p != ".")), flag)  # a snapshot's .cache/huggingface/ too
-        return [u for f in files for u in (_units(name or _stem(path), f, None, flag) if f.endswith(native)
+        # inside the folder the loader's files stay its own (a source tree's package.json is code, not rows): only
+        # JSONL and Parquet files are read as such
+        rows = tuple(e for e in native if ".jsonl" in e) + PARQUET_EXT
+        return [u for f in files for u in (_units(name or _stem(path), f, None, flag) if f.endswith(rows)
                                            else [Unit(name or _stem(path), f"hf_load:{loader}", f)])]
     if is_hf_folder(path):
         return [Unit(name or _stem(path), "hf_disk", path)]

@@ -62,6 +62,22 @@ def tokenizer_identity(path: str) -> str:
     return h.hexdigest()
 
 
+VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "tekken.json")
+
+
+def vocab_identity(path: str) -> str:
+    """SHA-256 over what fixes a text's ids (a sentencepiece .model; a HF folder's vocabulary, merges and
+    tokenizer.json), not its chat template or config: a resume checks it (a fixed template is no other tokenizer)."""
+    h = hashlib.sha256()
+    files = [path] if os.path.isfile(path) else [os.path.join(path, f) for f in VOCAB_FILES
+                                                 if os.path.isfile(os.path.join(path, f))]
+    for f in files:
+        h.update(os.path.basename(f).encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read())
+    return h.hexdigest()
+
+
 def file_crc32(path: str, block: int = 1 << 24) -> int:
     crc = 0
     with open(path, "rb") as fh:

@@ -65,8 +65,9 @@ def add_stops(path: str, config, stops: list[int]) -> list[int]:
     if os.path.isfile(path):
         with open(path) as fh:
             gen = json.load(fh)
-    else:
-        gen = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}
+    else:  # a composite config (Gemma 3, Mistral 3) keeps them on its text config
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        gen = {"bos_token_id": getattr(text, "bos_token_id", None), "eos_token_id": getattr(text, "eos_token_id", None)}
     have = gen.get("eos_token_id")
     have = [] if have is None else [have] if isinstance(have, int) else list(have)
     added = [s for s in stops if s not in have]

@@ -141,8 +141,9 @@ def plan_one(pl: Planner, seq_len: int) -> dict:
     best = (roomy or [r for r in rows if r["fits"]] or [min(rows, key=lambda r: r["estimate"]["gpu_peak"])])[0]
     ds_file, overrides = ds_recommendation(feats)
     timing = dict(world=pl.world, ranks_per_node=args.gpus_per_node, cp=best["cp"])
-    within = longest_within(TRAINABLE_S, shape, best["sp"], replace(feats, attention_head_chunks=pl.chunks(
-        best["sp"], best["cp"])), **timing)  # what a user would train at, with these features and this split
+    within = min(best["longest_fitting_seq_len"], longest_within(TRAINABLE_S, shape, best["sp"], replace(
+        feats, attention_head_chunks=pl.chunks(best["sp"], best["cp"])), **timing)) if fitting else None
+    # what a user would train at, with these features and this split: within the time and the memory
     stage = dict(name=f"seq{seq_len}", max_seq_length=seq_len, sequence_parallel_size=best["sp"])
     if best["cp"] > 1 or split_sp(best["sp"], shape.num_heads, shape.num_kv_heads, args.gpus_per_node)[1] > 1:
         stage["context_parallel_size"] = best["cp"]  # explicit where it is not pure Ulysses or differs from auto
@@ -275,8 +276,9 @@ def render(rep: dict) -> str:
                          f"{r['page_locked_gib_per_node']:>13,.0f} GiB")
         lines.append(f"step, tok/s/GPU: at the measured FLOP rate (MFU {measured_mfu()}, fitted to the one GPU run: "
                      "planner/step_time.py), one sequence per SP group; ! marks a step over an hour")
-        lines.append(f"longest length whose step takes at most {duration(TRAINABLE_S)} at the recommended split and "
-                     f"these features: {p['within_15_min']:,} (what a run would train at; --compare: per GPU count)")
+        lines.append(f"longest length that fits and whose step takes at most {duration(TRAINABLE_S)} at the recommended "
+                     f"split and these features: {p['within_15_min']:,} (what a run would train at; --compare: per GPU "
+                     "count)" if p["within_15_min"] else "longest length within 15 min: none (nothing fits)")
         lines.append(f"SP degrees that fit: {p['fitting_sp'] or 'none'}; recommended: {p['recommended_sp']} (smallest "
                      f"that fits with {rep['margin']:.0%} of usable GPU memory to spare, else smallest that fits)")
         if "fits_with_all_features_at_sp" in p:

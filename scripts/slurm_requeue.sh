@@ -37,7 +37,9 @@ requeue_cmd() {  # `scontrol requeue`, retried (a busy controller answers with a
   local i err
   requeued=1
   for i in 1 2 3; do
-    err=$( ( trap '' TERM INT; exec scontrol requeue "$ref" ) 2>&1 ) && return 0
+    # scontrol itself in the substitution, TERM ignored: a shell between them died of the requeue's own TERM (143)
+    # after a requeue that worked, which then counted as failed and lost the job's records
+    err=$(trap '' TERM INT; exec scontrol requeue "$ref" 2>&1) && return 0
     echo "$err" >&2
     if [[ $err == *"presently disabled"* ]]; then  # ESLURM_DISABLED: --no-requeue, or the site's job_submit policy
       log "requeue is disabled for this job (sbatch --no-requeue, or the cluster's policy): resubmit the same command" \

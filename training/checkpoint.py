@@ -108,9 +108,16 @@ def _recording(engine, root: str, written: dict, snapshot: Snapshot | None = Non
 
 
 def _tree_bytes(folder: str) -> int:
-    """Bytes of the files under `folder` (0 when there is none)."""
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(folder) for f in fs
-               if os.path.isfile(os.path.join(d, f)))
+    """Bytes of the files under `folder` (0 when there is none). The trash thread deletes them meanwhile: a file gone
+    between the listing and its stat counts 0 (it was a FileNotFoundError on rank 0, a clean clone's test caught it)."""
+    total = 0
+    for d, _, fs in os.walk(folder):
+        for f in fs:
+            try:
+                total += os.lstat(os.path.join(d, f)).st_size
+            except OSError:
+                pass
+    return total
 
 
 def async_capable(engine) -> bool:

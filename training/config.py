@@ -215,7 +215,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
         if isinstance(st, dict) and isinstance(st.get("eval"), dict):
             st["eval"] = {k: v for k, v in st["eval"].items() if k not in {EVAL_KEYS[g] for g in given_eval}}
     flags_over_stages(merged.get("stages"), args)
-    if str(args.get("max_steps", "")).strip() == "-1" and args.get("num_train_epochs") is None:
+    if str(args.get("max_steps", "")).strip() == "-1" and args.get("num_train_epochs", merged.get("num_train_epochs")) is None:
         args = {k: v for k, v in args.items() if k != "max_steps"}  # HF's unset -1 sets nothing (no epochs given)
     merged.update(args)
     merged = hf_args.apply(merged, where=recipe or "the command line")

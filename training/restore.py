@@ -73,7 +73,7 @@ class TrainState:
     stage_steps: list | None = None  # the checkpoint's stages' step counts as they ran (written with its metadata)
     heldout: dict | None = None  # the held-out split the run made at its first start (data/pipeline.open_run_data)
     stage_sizes: list | None = None  # what sized each stage then: steps, tokens:N, epochs:E (curriculum.Stage)
-    tokenizer_sha256: str | None = None  # whose ids it trained on (the prepared data's tokenizer; data/store.py)
+    tokenizer_vocab: str | None = None  # whose ids it trained on (data/store.vocab_identity)
 
     def state_dict(self) -> dict:
         return {"step": self.step, "tokens": self.tokens, "stage": self.stage, "wandb_id": self.wandb_id}
@@ -84,7 +84,7 @@ class TrainState:
         self.stage_steps = d.get("stage_steps")
         self.heldout = d.get("heldout")
         self.stage_sizes = d.get("stage_sizes")
-        self.tokenizer_sha256 = d.get("tokenizer_sha256")
+        self.tokenizer_vocab = d.get("tokenizer_vocab")
 
 
 def reset_adam_moments(optimizer) -> int:

@@ -142,6 +142,9 @@ def clear_honoured_stop(stop_file: str, started: float) -> bool:
     against this process' time since start: two durations, no clock skew. Returns whether it was removed."""
     if not os.path.exists(stop_file):
         return False
+    if os.environ.get("ULYSSES_STOP_CLEARED") == "1":  # slurm.sbatch removed the previous job's before its traps:
+        print0(f"{stop_file}: asked during this job: it stops at its first step boundary")  # this one is this job's
+        return False
     age = file_age(stop_file, os.path.dirname(stop_file))
     if age is not None and age <= time.time() - started + 1.0:
         print0(f"{stop_file}: asked while this job started: it stops at its first step boundary")

@@ -72,6 +72,22 @@ def test_cancelling_a_second_job_on_a_live_runs_folder_leaves_that_run_alone(tmp
     assert (f"is the run of job {owner}" in text) == (owner != "4242"), text
 
 
+@pytest.mark.parametrize("owner", [None, "999"])
+def test_the_previous_jobs_stop_request_is_cleared_before_this_jobs_traps(tmp_path, owner):
+    """The previous job's PREEMPT (honoured by its save) is removed by the batch shell before its traps, so the ranks
+    keep any they find (a USR2 to the batch shell before they existed wrote it, and train.py deleted it as old): not
+    in another job's folder (its RUN_LOCK names it)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "PREEMPT").write_text("")
+    if owner:
+        (out / "RUN_LOCK").write_text(json.dumps({"host": "n1", "pid": 1, "job": owner, "restart": "0"}))
+    job = sbatch(tmp_path, "0", ["--output_dir", str(out)], FAKE_COMPLETE=str(out / "COMPLETE"))
+    text = job.communicate(timeout=60)[0]
+    assert job.returncode == 0, text
+    assert (out / "PREEMPT").exists() == bool(owner), text
+
+
 @pytest.mark.parametrize("end, save_s", [("TIMEOUT", 0), ("TIMEOUT", 6), ("PREEMPTED", 6)])
 def test_the_time_limit_and_a_preemption_requeue_inside_killwait(tmp_path, end, save_s):
     """The time limit (TIMEOUT) or a preemption in cancel mode (PREEMPTED): every process gets SIGTERM, SIGKILL

@@ -134,12 +134,14 @@ def test_a_loader_leaves_the_inputs_it_is_not_for_as_they_are(tmp_path):
     books.mkdir()
     (books / "a.txt").write_text("Chapter 1\n")
     _write_jsonl(books / "extra.jsonl", DOCS[:2])  # a JSONL inside the loader's folder: native too
+    (books / "package.json").write_text('{\n  "name": "x"\n}\n')  # a source tree's .json: the loader's (code)
     chat = tmp_path / "chat.jsonl"
     chat.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
                     + "\n")
     units = [u for spec in (f"books={books}", str(chat)) for u in discover(spec, "text")]
     assert [(u.name, os.path.basename(u.path), u.kind) for u in units] == [
-        ("books", "a.txt", "hf_load:text"), ("books", "extra.jsonl", "jsonl"), ("chat", "chat.jsonl", "jsonl")]
+        ("books", "a.txt", "hf_load:text"), ("books", "extra.jsonl", "jsonl"), ("books", "package.json", "hf_load:text"),
+        ("chat", "chat.jsonl", "jsonl")]
 
 
 def test_a_loader_folder_and_a_hive_path_are_read_as_the_other_inputs_are(tmp_path):

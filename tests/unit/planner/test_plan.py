@@ -372,7 +372,7 @@ def test_every_length_comes_with_its_step_time():
     out = plan.render_compare(rows)
     assert "(**over an hour**)" in out and f"MFU {measured_mfu()}" in out and "at most 15.0 min" in out
     rep = plan.plan(["--model", "llama3-8b", "--seq_len", "1M", "--alst", "--gpus_per_node", "1", "--nodes", "1",
-                     "--cpu_mem_gb", "1024"])
+                     "--cpu_mem_gb", "1024", "--attention_head_chunks", "max"])  # the headline's: 1M fits
     text = "\n".join(plan.render(rep).splitlines()[:10])
     assert "page-locked/node" in text and " min " in text and "MFU 0.412" in text
     # the plain run too: tokens/s per GPU beside each row's step (the same rate), the 15-minute length at its split
@@ -382,6 +382,10 @@ def test_every_length_comes_with_its_step_time():
     assert 0 < p["within_15_min"] < 1_048_576 and f"at most 15.0 min at the recommended split and these features: " \
         f"{p['within_15_min']:,}" in text
     assert "--compare" in plan.build_parser().format_help()
+    # within the memory too: at 128k on 8 GPUs without the ALST features nothing fits, and the line said 1.9M
+    short = plan.plan(["--model", "llama3-8b", "--seq_len", "128k"])
+    assert short["plans"][0]["recommended_sp"] is None and short["plans"][0]["within_15_min"] is None
+    assert "longest length within 15 min: none (nothing fits)" in plan.render(short)
 
 
 def test_compare_table_has_one_row_per_setup_and_the_published_figures():

@@ -282,17 +282,27 @@ def test_a_resume_on_another_tokenizers_ids_is_refused(tmp_path):
     sentencepiece model, a new --tokenizer_name_or_path on the same JSONL) trained on the new ids under the old
     weights without a word. Checkpoints record their ids' tokenizer (its SHA-256); open_run_data refuses another in
     one line, and takes the same one or pre-tokenized ids (no tokenizer to compare)."""
+    import shutil
+
     from data.pipeline import open_run_data
-    from data.store import tokenizer_identity
+    from data.store import vocab_identity
 
     chats = build_demo_chats(str(tmp_path / "chats.jsonl"), 60, seed=2)
     stages = [_stage(0, 256, "text")]
     data = open_run_data(chats, SP, Tokenizer(SP).vocab_size, stages, reset_position_ids=True,
-                         trained_on=tokenizer_identity(SP))
-    assert data.prepared.manifest["tokenizer"]["sha256"] == tokenizer_identity(SP)
-    with pytest.raises(ValueError, match=r"--dataset_path .*: tokenized with .*tokenizer.model, not the tokenizer the "
-                                         r"resumed checkpoint trained on"):
+                         trained_on=vocab_identity(SP))
+    assert data.tokenizer_vocab == vocab_identity(SP)
+    with pytest.raises(ValueError, match=r"--dataset_path .*: tokenized with .*tokenizer.model, whose vocabulary is not "
+                                         r"the one the resumed checkpoint trained on"):
         open_run_data(chats, SP, Tokenizer(SP).vocab_size, stages, reset_position_ids=True, trained_on="0" * 64)
+    # a HF folder whose chat template was fixed since is the same vocabulary: no refusal
+    hf = build_tokenizer(str(tmp_path / "t"), "qwen25")
+    before = vocab_identity(hf)
+    cfg = os.path.join(hf, "tokenizer_config.json")
+    shutil.copy(cfg, cfg + ".bak")
+    with open(cfg, "a") as fh:
+        fh.write("\n")
+    assert vocab_identity(hf) == before
 
 
 def test_a_chat_runs_data_names_the_stop_its_export_adds(tmp_path):

@@ -116,7 +116,7 @@ def stub_data(heldout):
     """The run's data as the stage loop reads it: one sample per batch, `heldout` for the stage's evaluation."""
     sampler = types.SimpleNamespace(next_batch=lambda: [0], state_dict=lambda: {}, source_shares=lambda: {})
     return types.SimpleNamespace(stage_view=lambda *a: ([0], sampler), pad_id=0, tokenizer=None, heldout=heldout,
-                                 heldout_split=None, tokenizer_sha256=None)
+                                 heldout_split=None, tokenizer_vocab=None)
 
 
 def simulate(monkeypatch, steps=40, time_limit_s=0.0, save_every_s=600.0, signal_at=None, sig=signal.SIGTERM,
@@ -277,3 +277,11 @@ def test_a_stop_asked_while_the_job_starts_is_kept(tmp_path):
     stop.write_text("")  # asked 60 s into this job's start
     assert not clear_honoured_stop(str(stop), started=time.time() - 60) and stop.exists()
     assert not clear_honoured_stop(str(tmp_path / "none"), started=time.time())
+    # under slurm.sbatch, which removed the previous job's before its traps: any one found is this job's (a USR2 to
+    # the batch shell before the ranks existed wrote it)
+    os.utime(stop, (old, old))
+    os.environ["ULYSSES_STOP_CLEARED"] = "1"
+    try:
+        assert not clear_honoured_stop(str(stop), started=time.time()) and stop.exists()
+    finally:
+        del os.environ["ULYSSES_STOP_CLEARED"]
