@@ -253,6 +253,17 @@ def test_a_batch_script_submitted_from_a_run_folder_runs_there(tmp_path, how):
     assert "args: --no_ssh" in (tmp_path / "fake.log").read_text()
 
 
+def test_a_requeue_that_ends_the_batch_shell_before_scontrol_returns_still_counts(tmp_path):
+    """A requeue makes Slurm TERM every process of the job, which can land before `scontrol requeue` has returned.
+    A shell between the command substitution and scontrol (this stop's own first form) died of it: the requeue that
+    worked counted as failed ("requeue failed"), its retries met "pending execution", and the job's records were
+    deleted. scontrol itself ignores the TERM and its answer is read."""
+    job = sbatch(tmp_path, "75", ["--output_dir", str(tmp_path / "out")], SCONTROL_TERM_FIRST="1")
+    text = job.communicate(timeout=60)[0]
+    assert job.returncode == 0 and "requeue failed" not in text, text
+    assert requeues(tmp_path) == ["requeue 4242"], text
+
+
 def test_a_job_whose_requeue_is_disabled_says_to_resubmit(tmp_path):
     """sbatch --no-requeue (or a site's job_submit policy): `scontrol requeue` answers "presently disabled" and the
     job ended after three tries with "requeue failed", the user never told what to do. Said now, once, no retries."""
