@@ -160,12 +160,15 @@ class RunData:
     heldout_split: dict | None = None  # {"wants", "min_train"} it was made from: recorded in every checkpoint
 
     def reply_stops(self) -> list[int]:
-        """The end-of-turn ids the run's chat documents trained (data/chat_stops.py); [] for text-only data."""
+        """The end-of-turn ids the run's chat documents trained (data/chat_stops.py); [] for text-only data. Read
+        once; every checkpoint records them, so an export of it adds the same stops (scripts/export_hf.py)."""
         if self.mask is None or self.tokenizer is None:
             return []
-        from data.chat_stops import reply_stops
+        if not hasattr(self, "_stops"):
+            from data.chat_stops import reply_stops
 
-        return reply_stops(self.tokenizer.path, self.prepared.manifest.get("chat_template") or "auto")
+            self._stops = reply_stops(self.tokenizer.path, self.prepared.manifest.get("chat_template") or "auto")
+        return self._stops
 
     @property
     def tokenizer_vocab(self) -> str | None:

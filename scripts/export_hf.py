@@ -70,10 +70,14 @@ def main(argv: list[str] | None = None) -> int:
     owned = same(a.out or default, default) and same(os.path.dirname(path.rstrip("/")),
                                                      os.path.join(a.run_dir, "checkpoints"))
     cfg = trainer.get("config") or {}
-    sft = cfg.get("data_kind") == "sft" or any((s or {}).get("kind") == "sft" for s in cfg.get("stages") or [])
-    try:  # a chat SFT's end-of-turn among the stops (data/chat_stops.py), as train.py's own export adds it
+    if "reply_stops" in trainer:  # a chat SFT's end-of-turn, as the run read it (train.py's own export adds the same)
+        stops = trainer["reply_stops"]
+    else:  # a checkpoint from before they were recorded: an SFT run's, through the template's default
+        sft = cfg.get("data_kind") == "sft" or any((s or {}).get("kind") == "sft" for s in cfg.get("stages") or [])
+        stops = reply_stops(trainer.get("tokenizer")) if sft else None
+    try:
         out = export_hf(path, a.out or default, trainer.get("tokenizer"), source=cfg.get("model_name_or_path"),
-                        owned=owned, stops=reply_stops(trainer.get("tokenizer")) if sft else None)
+                        owned=owned, stops=stops)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -152,11 +152,13 @@ def test_an_older_checkpoint_is_exported_beside_the_runs_hf_model(tmp_path, monk
     (run / "checkpoints" / "LATEST").write_text("step_000200\n")
     seen = {}
     monkeypatch.setattr(export.Checkpointer, "verify", lambda self, path: None)
-    monkeypatch.setattr(export.Checkpointer, "read_trainer", staticmethod(lambda path: {"tokenizer": None}))
+    monkeypatch.setattr(export.Checkpointer, "read_trainer", staticmethod(lambda path: {"tokenizer": None,
+                                                                                         "reply_stops": [5]}))
     monkeypatch.setattr(export, "export_hf", lambda path, out, tok, source=None, owned=False, stops=None: seen.update(
-        out=out) or out)
+        out=out, stops=stops) or out)
     assert export.main([str(run / "checkpoints" / "step_000175")]) == 0
     assert seen["out"] == str(run / "hf_model_step_000175")
+    assert seen["stops"] == [5]  # the stops the run recorded in its checkpoint, as train.py's own export adds them
     assert export.main([str(run / "checkpoints" / "step_000200")]) == 0 and seen["out"] == str(run / "hf_model")
     # `--checkpoint checkpoints/STAGE_0_s512` as docs/checkpoints.md writes it: the run's, from any folder (it was
     # read against the working directory: "not a complete checkpoint (no such folder)")

@@ -116,7 +116,8 @@ def stub_data(heldout):
     """The run's data as the stage loop reads it: one sample per batch, `heldout` for the stage's evaluation."""
     sampler = types.SimpleNamespace(next_batch=lambda: [0], state_dict=lambda: {}, source_shares=lambda: {})
     return types.SimpleNamespace(stage_view=lambda *a: ([0], sampler), pad_id=0, tokenizer=None, heldout=heldout,
-                                 heldout_split=None, tokenizer_vocab=None)
+                                 heldout_split=None, tokenizer_vocab=None,
+                                 reply_stops=lambda: [])
 
 
 def simulate(monkeypatch, steps=40, time_limit_s=0.0, save_every_s=600.0, signal_at=None, sig=signal.SIGTERM,
