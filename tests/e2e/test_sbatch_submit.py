@@ -1,0 +1,109 @@
+"""scripts/slurm.sbatch as users submit it (stub sbatch, srun, scontrol from tests/stubs; a stand-in launch.sh): a
+wrapper Slurm would signal instead, a copy away from the repository, submitted from a run folder (a relative path,
+a busy controller, sbatch -D), a requeue whose TERM lands before scontrol returns, a disabled requeue, a requeue that
+cannot see its job's checkpoints (a node-local --output_dir)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from tests.e2e.launchers import ROOT, SBATCH_SCRIPT, STUBS, clean_env, requeues
+from tests.e2e.test_sbatch import sbatch
+
+
+def test_a_wrapper_that_slurm_would_signal_instead_is_refused_in_one_line(tmp_path):
+    """`sbatch --wrap "bash scripts/slurm.sbatch ..."` or a script that runs it without exec: Slurm signals the process
+    it started (SLURM_TASK_PID), the wrapper, which dies of the warning or the TERM and takes this shell with it (no
+    save, no requeue; slurmstepd SIGKILLs what is left), and the #SBATCH lines (--requeue, the warning) are not these.
+    It used to run; it is refused in one line. `exec` from a wrapper keeps the pid and runs."""
+    for how, code in (("bash", 2), ("exec bash", 0)):
+        wrapper = tmp_path / "wrap.sh"
+        wrapper.write_text(f'#!/bin/sh\n{how} {SBATCH_SCRIPT} "$@"\n')
+        e = clean_env(PATH=f"{STUBS}:{os.environ['PATH']}", SLURM_SUBMIT_DIR=str(tmp_path), PYTHONPATH=ROOT,
+                      SCONTROL_LOG=str(tmp_path / "scontrol.log"), FAKE_LOG=str(tmp_path / "fake.log"), FAKE_EXIT="0",
+                      FAKE_COMPLETE=str(tmp_path / "out" / "COMPLETE"), LAUNCH_CMD=os.path.join(STUBS, "fake_launch"))
+        p = subprocess.run(["sbatch", str(wrapper), "--output_dir", str(tmp_path / "out")], cwd=tmp_path, env=e,
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == code, p.stdout + p.stderr
+        assert ("not by Slurm (sbatch --wrap, or a script without exec)" in p.stdout) == (code == 2), p.stdout
+
+
+def test_a_batch_script_away_from_its_repository_is_refused_in_one_line(tmp_path):
+    """Slurm runs a copy of the submitted file from its spool (the stub sbatch too), so the repository is the submit
+    dir or the submitted file's (the job's Command=): a copy of slurm.sbatch kept elsewhere, submitted from a run
+    folder, finds neither and is refused in one line before any srun. (Submitting the repository's own file from a run
+    folder runs: test_launch_scripts.py::test_sbatch_ranks_spread_over_the_nodes_cpus.)"""
+    mine = tmp_path / "mine" / "slurm.sbatch"
+    mine.parent.mkdir()
+    mine.write_text(open(SBATCH_SCRIPT).read())
+    e = clean_env(PATH=f"{STUBS}:{os.environ['PATH']}", SLURM_SUBMIT_DIR=str(tmp_path), SCONTROL_LOG=str(tmp_path / "s.log"),
+                  FAKE_LOG=str(tmp_path / "fake.log"), FAKE_EXIT="0", LAUNCH_CMD=os.path.join(STUBS, "fake_launch"))
+    p = subprocess.run(["sbatch", str(mine), "--output_dir", str(tmp_path / "out")], cwd=tmp_path, env=e,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and p.stdout.count("\n") == 1, p.stdout + p.stderr
+    assert "cannot find the repository" in p.stdout and not (tmp_path / "fake.log").exists(), p.stdout
+
+
+@pytest.mark.parametrize("how", ["relative path", "busy controller", "chdir"])
+def test_a_batch_script_submitted_from_a_run_folder_runs_there(tmp_path, how):
+    """`cd runs/exp1 && sbatch ../../scripts/slurm.sbatch`: sbatch keeps a path starting with . as typed in the job's
+    Command= (sbatch/opt.c search_path), relative to the submit dir: it was refused ("cannot find the repository"),
+    after the queue wait. So was any start whose one `scontrol show job` met a busy controller (retried now). And
+    `sbatch -D DIR` (slurmstepd starts the script there) was undone by a cd to the submit dir: a relative --output_dir
+    went to the wrong folder (here: its COMPLETE unseen, the job failed)."""
+    run = tmp_path / "runs" / "exp1"
+    run.mkdir(parents=True)
+    work = tmp_path / "work" if how == "chdir" else run
+    work.mkdir(exist_ok=True)
+    script = os.path.relpath(SBATCH_SCRIPT, run) if how == "relative path" else SBATCH_SCRIPT
+    e = clean_env(PATH=f"{STUBS}:{os.environ['PATH']}", SLURM_SUBMIT_DIR=str(run), SCONTROL_LOG=str(tmp_path / "s.log"),
+                  FAKE_LOG=str(tmp_path / "fake.log"), FAKE_EXIT="0", FAKE_COMPLETE=str(work / "out" / "COMPLETE"),
+                  LAUNCH_CMD=os.path.join(STUBS, "fake_launch"), SCONTROL_FAIL_SHOWS="2" if how == "busy controller" else "0")
+    opts = [f"--chdir={work}"] if how == "chdir" else []
+    p = subprocess.run(["sbatch", *opts, script, "--output_dir", "out"], cwd=run, env=e, capture_output=True,
+                       text=True, timeout=90)
+    assert p.returncode == 0 and "done" in p.stdout, p.stdout + p.stderr
+    assert "args: --no_ssh" in (tmp_path / "fake.log").read_text()
+
+
+def test_a_requeue_that_ends_the_batch_shell_before_scontrol_returns_still_counts(tmp_path):
+    """A requeue makes Slurm TERM every process of the job, which can land before `scontrol requeue` has returned.
+    A shell between the command substitution and scontrol (this stop's own first form) died of it: the requeue that
+    worked counted as failed ("requeue failed"), its retries met "pending execution", and the job's records were
+    deleted. scontrol itself ignores the TERM and its answer is read."""
+    job = sbatch(tmp_path, "75", ["--output_dir", str(tmp_path / "out")], SCONTROL_TERM_FIRST="1")
+    text = job.communicate(timeout=60)[0]
+    assert job.returncode == 0 and "requeue failed" not in text, text
+    assert requeues(tmp_path) == ["requeue 4242"], text
+
+
+def test_a_job_whose_requeue_is_disabled_says_to_resubmit(tmp_path):
+    """sbatch --no-requeue (or a site's job_submit policy): `scontrol requeue` answers "presently disabled" and the
+    job ended after three tries with "requeue failed", the user never told what to do. Said now, once, no retries."""
+    job = sbatch(tmp_path, "75", ["--output_dir", str(tmp_path / "out")], SCONTROL_NO_REQUEUE="1")
+    text = job.communicate(timeout=60)[0]
+    assert job.returncode == 75 and text.count("presently disabled") == 1, text
+    assert "requeue is disabled for this job" in text and "resubmit the same command" in text, text
+
+
+@pytest.mark.parametrize("latest", [None, "step_000500"])
+def test_a_requeue_that_cannot_see_the_jobs_checkpoints_is_refused(tmp_path, latest):
+    """--output_dir on a node's own disk (/tmp, local NVMe): a one-node job requeued onto another node found no
+    checkpoint and started fresh, at every requeue (four of them, then "a failure that repeats"). A restart that
+    cannot see the checkpoint its last requeue recorded is refused in one line; one that sees it runs."""
+    (tmp_path / ".cache" / "slurm").mkdir(parents=True)
+    (tmp_path / ".cache" / "slurm" / "4242.progress").write_text("0 500\n")
+    out = tmp_path / "out"
+    if latest:
+        (out / "checkpoints").mkdir(parents=True)
+        (out / "checkpoints" / "LATEST").write_text(latest + "\n")
+    job = sbatch(tmp_path, "75", ["--output_dir", str(out)], SLURM_RESTART_COUNT="1", STATE_SETTLE_S="2")
+    text = job.communicate(timeout=60)[0]
+    if latest:
+        assert job.returncode == 0 and requeues(tmp_path) == ["requeue 4242"], text
+    else:
+        assert job.returncode == 2 and "holds none of this job's checkpoints (step 500" in text, text
+        assert not (tmp_path / "fake.log").exists()
