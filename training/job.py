@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable
 
 from base.exits import EXIT_FAILED, EXIT_OK, EXIT_PEER_LOST, EXIT_PREEMPTED, EXIT_USAGE  # noqa: F401 -- the table: base/exits.py
@@ -81,6 +82,17 @@ def _is_input_error(e: BaseException) -> bool:
     return linecache.getline(where, tb.tb_lineno).lstrip().startswith("raise ")
 
 
+def _await_monitor_exit() -> None:
+    """After a hang this rank's monitor declared: its thread ends the process (os._exit 69) once the others have read
+    why. Returning instead raced it into the interpreter's shutdown with the process group's threads alive ("terminate
+    called without an active exception", SIGABRT: exit -6 in a clean clone of 32b1b03). Waits for it, bounded as
+    comm.abort bounds itself, then exits the same way."""
+    from base import watcher
+
+    time.sleep(watcher.ABORT_WAIT_S + watcher.EXIT_GRACE_S)
+    os._exit(EXIT_PEER_LOST)
+
+
 def _fail(e: BaseException) -> int:
     """This rank's exception ends the job: post it on the abort channel first (every other rank stops within
     seconds instead of waiting in a collective for dist_timeout_s), then report it here. Returns the exit code."""
@@ -92,6 +104,7 @@ def _fail(e: BaseException) -> int:
     if progress is not None and progress.DECLARED:  # this rank's monitor ended the job as a hang (it exits 69 itself
         # once the others have read it); what the main thread raised since is the hung rank leaving its collective
         print(f"error: the first failure of the job: {progress.DECLARED}", file=sys.stderr, flush=True)
+        _await_monitor_exit()
         return EXIT_PEER_LOST
     if _is_input_error(e):  # our validation of the user's input: one line, no traceback, nothing saved touched
         # the line itself goes to every rank: a check one node fails alone (its network interface, a path it lacks)

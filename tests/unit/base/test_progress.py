@@ -116,8 +116,10 @@ def test_the_main_threads_error_after_a_declared_hang_exits_with_the_hangs_code(
     from training import job
 
     monkeypatch.setattr(progress, "DECLARED", "rank 1 (vm) hung: no progress for 60 s in data of step 3")
+    waited = []  # it then waits for the monitor's own exit (a return raced it into the interpreter's shutdown: -6)
+    monkeypatch.setattr(job, "_await_monitor_exit", lambda: waited.append(True))
     code = job._fail(RuntimeError("Connection closed by peer [127.0.0.1]:29384"))
-    assert code == job.EXIT_PEER_LOST == 69
+    assert code == job.EXIT_PEER_LOST == 69 and waited == [True]
     assert "the first failure of the job: rank 1 (vm) hung" in capsys.readouterr().err
 
 
