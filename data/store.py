@@ -52,8 +52,13 @@ def chunk_name(shard: int, chunk: int) -> str:
 def tokenizer_identity(path: str) -> str:
     """SHA-256 over the tokenizer's files (a sentencepiece .model, or a HF folder's tokenizer files), so a
     moved copy of the same tokenizer is recognised and another one is not."""
+    return _files_sha256(path, TOKENIZER_FILES)
+
+
+def _files_sha256(path: str, names: tuple[str, ...]) -> str:
+    """SHA-256 over `path` (a file) or the files of `names` that folder `path` has, each by its name and bytes."""
     h = hashlib.sha256()
-    files = [path] if os.path.isfile(path) else [os.path.join(path, f) for f in TOKENIZER_FILES
+    files = [path] if os.path.isfile(path) else [os.path.join(path, f) for f in names
                                                  if os.path.isfile(os.path.join(path, f))]
     for f in files:
         h.update(os.path.basename(f).encode())
@@ -68,14 +73,7 @@ VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", 
 def vocab_identity(path: str) -> str:
     """SHA-256 over what fixes a text's ids (a sentencepiece .model; a HF folder's vocabulary, merges and
     tokenizer.json), not its chat template or config: a resume checks it (a fixed template is no other tokenizer)."""
-    h = hashlib.sha256()
-    files = [path] if os.path.isfile(path) else [os.path.join(path, f) for f in VOCAB_FILES
-                                                 if os.path.isfile(os.path.join(path, f))]
-    for f in files:
-        h.update(os.path.basename(f).encode())
-        with open(f, "rb") as fh:
-            h.update(fh.read())
-    return h.hexdigest()
+    return _files_sha256(path, VOCAB_FILES)
 
 
 def file_crc32(path: str, block: int = 1 << 24) -> int:

@@ -35,18 +35,22 @@ def state(tmp_path) -> dict:
     return dict(line.split("=", 1) for line in (tmp_path / "scontrol.log.state").read_text().splitlines())
 
 
+def cancelled_while_running(tmp_path, out, **env: str) -> str:
+    """The batch shell's output of a job `scancel`led once its stand-in launcher runs."""
+    job = sbatch(tmp_path, "wait", ["--output_dir", str(out)], **env)
+    try:
+        wait_for(lambda: ready(tmp_path), 90, "the stand-in launcher")
+        slurm(tmp_path, "scancel", "4242")
+        return job.communicate(timeout=30)[0]
+    finally:
+        job.kill()
+
+
 def test_scancel_ends_the_job_and_is_never_requeued(tmp_path):
     """scancel: slurmctld sets CANCELLED, then every process gets SIGTERM; the ranks save (75) within KillWait. The
     batch shell reads CANCELLED and does not requeue (it used to take the TERM for the time-limit warning and
     `scontrol requeue`, which slurmctld accepts for a CANCELLED, COMPLETING job: the cancel undone)."""
-    job = sbatch(tmp_path, "wait", ["--output_dir", str(tmp_path / "out")], FAKE_EXIT_AFTER="75",
-                 SCONTROL_KILL_WAIT="10")
-    try:
-        wait_for(lambda: ready(tmp_path), 90, "the stand-in launcher")
-        slurm(tmp_path, "scancel", "4242")
-        text = job.communicate(timeout=30)[0]
-    finally:
-        job.kill()
+    text = cancelled_while_running(tmp_path, tmp_path / "out", FAKE_EXIT_AFTER="75", SCONTROL_KILL_WAIT="10")
     assert "got SIGTERM" in (tmp_path / "fake.log").read_text(), text  # Slurm's own TERM reached the launcher
     assert requeues(tmp_path) == [] and state(tmp_path)["state"] == "CANCELLED", text
     assert "JobState=CANCELLED (scancel)" in text and "the job was cancelled (JobState=CANCELLED): not requeueing" \
@@ -61,13 +65,7 @@ def test_cancelling_a_second_job_on_a_live_runs_folder_leaves_that_run_alone(tmp
     out = tmp_path / "out"
     out.mkdir()
     (out / "RUN_LOCK").write_text(json.dumps({"host": "n1", "pid": 1, "job": owner, "restart": "0"}))
-    job = sbatch(tmp_path, "wait", ["--output_dir", str(out)], FAKE_EXIT_AFTER="1", SCONTROL_KILL_WAIT="5")
-    try:
-        wait_for(lambda: ready(tmp_path), 90, "the stand-in launcher")
-        slurm(tmp_path, "scancel", "4242")
-        text = job.communicate(timeout=30)[0]
-    finally:
-        job.kill()
+    text = cancelled_while_running(tmp_path, out, FAKE_EXIT_AFTER="1", SCONTROL_KILL_WAIT="5")
     assert (out / "PREEMPT").exists() == (owner == "4242"), text
     assert (f"is the run of job {owner}" in text) == (owner != "4242"), text
 
