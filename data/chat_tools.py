@@ -178,6 +178,13 @@ def _arguments(call) -> object:
     return fn.get("arguments") if isinstance(fn, dict) else None
 
 
+def _with_call_arguments(call: dict, arguments) -> dict:
+    """`call` with its arguments replaced (OpenAI's `function` form or a bare call), the rest as given."""
+    if isinstance(call.get("function"), dict):
+        return {**call, "function": {**call["function"], "arguments": arguments}}
+    return {**call, "arguments": arguments}
+
+
 def _as_object(value) -> dict | None:
     """A JSON-text argument's object, None for anything else (a free-text argument stays as given)."""
     if isinstance(value, str) and value.lstrip().startswith("{"):
@@ -206,8 +213,7 @@ def _with_arguments(conv: list[dict], form: str) -> tuple[list[dict], bool]:
                 new.append(c)
                 continue
             changed = True
-            new.append({**c, "function": {**c["function"], "arguments": b}} if isinstance(c.get("function"), dict)
-                       else {**c, "arguments": b})
+            new.append(_with_call_arguments(c, b))
         out.append({**m, "tool_calls": new})
     return out, changed
 
@@ -248,8 +254,7 @@ def _lost(enc, conv: list[dict], tools: list | None) -> int | None:
             marked = {key: f"Qz{k}x{i}x{j}ArgMark" for j, key in enumerate(obj)}
             marks.setdefault(k, []).append(list(marked.values()))
             b = marked if isinstance(a, dict) else json.dumps(marked)
-            new.append({**c, "function": {**c["function"], "arguments": b}} if isinstance(c.get("function"), dict)
-                       else {**c, "arguments": b})
+            new.append(_with_call_arguments(c, b))
         out.append({**m, "tool_calls": new})
     if not marks:
         return None

@@ -382,7 +382,8 @@ def open_run_data(dataset_path: str | None, tokenizer_path: str | None, model_vo
 
     m, tokenizer_path = comm.run_on_main(choose)
     # another vocabulary's ids would train under the same weights (a template fixed since is the same tokenizer)
-    if trained_on and tokenizer_path and comm.run_on_main(lambda: vocab_identity(tokenizer_path)) != trained_on:
+    vocab = comm.run_on_main(lambda: vocab_identity(tokenizer_path)) if trained_on and tokenizer_path else None
+    if vocab and vocab != trained_on:
         raise ValueError(f"--dataset_path {folder}: tokenized with {tokenizer_path}, whose vocabulary is not the one the "
                          "resumed checkpoint trained on: resume with that tokenizer's data, or start a new run (another "
                          "--output_dir, or --resume none)")
@@ -416,6 +417,8 @@ def open_run_data(dataset_path: str | None, tokenizer_path: str | None, model_vo
     if warning:
         print0(warning)
     data = RunData(prepared, cut, held, tokenizer, reset_position_ids, mask_cross_document_labels, split)
+    if vocab and tokenizer is not None:
+        data._vocab = vocab  # read once: every checkpoint records it (tokenizer_vocab)
     for s in stages:
         data.check_sft(s)  # an SFT stage on a folder without chat documents
         short = data.short_chat_heldout(s)
