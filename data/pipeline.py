@@ -22,6 +22,7 @@ the only arrays loaded whole (a few hundred MB for tens of millions of documents
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 from dataclasses import dataclass
 
@@ -75,6 +76,21 @@ def _spread(lens: np.ndarray, want: int, room: int):
         if want >= room or len(pool) == len(lens):
             return
         want = min(room, 2 * want)
+
+
+def held_identity(prepared: Prepared, cut: np.ndarray, held: np.ndarray) -> list[str]:
+    """What the held-out documents are, whatever their index: per document a hash of its held-out part's length and
+    first and last 32 tokens (16 hex digits). Held-out documents are chosen by index (`spread_order`), and a folder
+    prepared again (another shard count, a file added) orders its documents otherwise: a resume compares these with
+    its first start's (recorded in every checkpoint) to say when the held-out set now holds trained documents. Cost:
+    the held-out documents only (a few thousand at 1M-token evaluations), 64 tokens each, on every rank."""
+    out = []
+    for d in held.tolist():
+        lo, hi = int(prepared.starts[d] + cut[d]), int(prepared.starts[d] + prepared.lens[d])
+        ends = np.concatenate([np.asarray(prepared.tokens[lo: min(hi, lo + 32)]),
+                               np.asarray(prepared.tokens[max(lo, hi - 32): hi])]).astype(np.int64)
+        out.append(hashlib.blake2b(np.int64(hi - lo).tobytes() + ends.tobytes(), digest_size=8).hexdigest())
+    return out
 
 
 def sample_starts(lens: np.ndarray, seq_len: int, n: int, inside: bool = True) -> list[int]:
@@ -408,6 +424,8 @@ def open_run_data(dataset_path: str | None, tokenizer_path: str | None, model_vo
     first = stages[0].max_seq_length  # every stage also evaluates its held-out samples at the first stage's length
     wants = [(n, heldout_samples(s.eval)) for s in stages for n in sorted({s.max_seq_length, first})]
     split = {"wants": [list(w) for w in wants], "min_train": longest}
+    first_docs = (heldout or {}).get("docs")
+    heldout = {k: v for k, v in heldout.items() if k != "docs"} if heldout else heldout
     if heldout and heldout != split:  # a resume: the run's first start's split, whatever today's stages ask
         print0(f"note: the held-out documents stay those of this run's first start (its stages asked {heldout['wants']}"
                f", today's {split['wants']}): a new length evaluates what they hold; the training samples stay the "
@@ -416,6 +434,14 @@ def open_run_data(dataset_path: str | None, tokenizer_path: str | None, model_vo
     cut, held, warning = heldout_split(prepared.lens, [tuple(w) for w in split["wants"]], min_train=split["min_train"])
     if warning:
         print0(warning)
+    docs = held_identity(prepared, cut, held)
+    moved = len(set(docs) - set(first_docs)) if first_docs is not None else 0
+    if moved:
+        print0(f"note: {moved} of the {len(docs)} held-out documents were not held out at this run's first start (the "
+               f"folder at --dataset_path was prepared again: its documents are in another order): they may have "
+               "trained, so the held-out loss from here is not comparable with the one before; a clean one needs a "
+               "new run (another --output_dir)")
+    split = {**split, "docs": first_docs if first_docs is not None else docs}  # the first start's, kept: said again
     data = RunData(prepared, cut, held, tokenizer, reset_position_ids, mask_cross_document_labels, split)
     if vocab and tokenizer is not None:
         data._vocab = vocab  # read once: every checkpoint records it (tokenizer_vocab)

@@ -148,6 +148,17 @@ def test_heldout_documents_are_spread_fixed_for_the_run_and_never_trained_on(tmp
     assert not (np.array_equal(moved.held, data.held) and np.array_equal(moved.cut, data.cut))  # another split
     assert np.array_equal(kept.held, data.held) and np.array_equal(kept.cut, data.cut) and kept.heldout_split == first
     assert "the held-out documents stay those of this run's first start" in capsys.readouterr().out
+    # the same documents prepared again in another order (another shard count, a file added): the resume's held-out
+    # documents are chosen by index, so some trained before: said, with how many (the first start's kept on record)
+    again = tmp_path / "again.jsonl"
+    again.write_text("".join(json.dumps({"input_ids": d}) + "\n" for d in docs[::-1]))
+    reordered = open_run_data(str(again), None, 2048, stages, reset_position_ids=False, heldout=first)
+    moved = {int(reordered.tokens[int(reordered.starts[d]):][0]) // 100 for d in reordered.held} - set(data.held.tolist())
+    out = capsys.readouterr().out
+    assert moved and f"note: {len(moved)} of the {len(reordered.held)} held-out documents were not held out" in out
+    assert reordered.heldout_split["docs"] == first["docs"]
+    assert "were not held out" not in (open_run_data(str(p), None, 2048, stages, reset_position_ids=False,
+                                                     heldout=first), capsys.readouterr().out)[1]
 
 
 def test_heldout_split_of_a_small_dataset_warns_and_shrinks(tmp_path, capsys):
