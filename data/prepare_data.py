@@ -359,6 +359,7 @@ def merge(output: str, log=print) -> dict:
         "n_docs": sum(c["n_docs"] for c in chunks), "max_token_id": max(c["max_token_id"] for c in chunks),
         "sources": sources, "per_source": per_source, "chunks": chunks,
         "bad_rows": sum(recs[i]["bad_rows"] for i in range(n)), "empty_docs": sum(recs[i]["empty_docs"] for i in range(n)),
+        "bad_examples": [e for i in range(n) for e in recs[i].get("bad_examples", [])][:20],
         **{k: sum(recs[i].get(k, 0) for i in range(n)) for k in CHAT_STATS},
         "loss_on": first.get("loss_on", "auto"), "chat_template": first.get("chat_template", "auto"),
         "shards": n, "commands": [recs[i]["command"] for i in range(n)], "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -366,6 +367,7 @@ def merge(output: str, log=print) -> dict:
     store.write_json_atomic(os.path.join(output, store.MANIFEST), manifest)
     log(f"{output}: {manifest['n_docs']} documents, {n_tokens} tokens ({first['dtype']}), {len(sources)} source(s), "
         f"{manifest['bad_rows']} bad row(s) skipped"
+        + (f", {manifest['empty_docs']} empty document(s) skipped" if manifest["empty_docs"] else "")
         + (f"; {manifest['chat_docs']} conversations, {manifest['supervised_tokens']} supervised tokens, "
            f"{manifest['untrained_turns']} assistant turn(s) not located, {manifest['no_stop_rows']} ending with no "
            "end-of-turn token" if manifest["chat_docs"] else "")

@@ -7,6 +7,7 @@ position `(epoch, micro_batches_taken)` is all a checkpoint needs to continue ex
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -21,10 +22,12 @@ class ResumableSampler:
         self.epoch, self.taken = 0, 0
         self._order = None
 
-    def _epoch_order(self) -> list[int]:
+    def _epoch_order(self) -> np.ndarray:
+        """This rank's samples of the epoch, kept as an int64 array (a Python list of them was ~5x the bytes: a 1M
+        stage replaying 256-token samples over 25B tokens draws ~98M samples, ~0.9 GB of ints a rank at dp 4)."""
         g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
         perm = torch.randperm(self.num_samples, generator=g)[: self.batches_per_epoch * self.mb * self.dp]
-        return perm[self.dp_rank:: self.dp].tolist()
+        return perm[self.dp_rank:: self.dp].clone().numpy()
 
     def next_batch(self) -> list[int]:
         """Indices of the next micro-batch for this rank (wraps into the next epoch)."""
@@ -34,7 +37,7 @@ class ResumableSampler:
             self._order = self._epoch_order()
         lo = self.taken * self.mb
         self.taken += 1
-        return self._order[lo: lo + self.mb]
+        return self._order[lo: lo + self.mb].tolist()
 
     def source_shares(self) -> dict[str, float]:
         """Per-component token shares (MixtureSampler's interface); empty: no mixture, one stream."""

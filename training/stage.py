@@ -20,6 +20,7 @@ import torch
 
 from base import comm, host, host_arena, progress
 from base.log import print0, rank_log
+from data.coverage import draw_notes
 from data.pipeline import heldout_samples
 from data.sharding import collate, shard
 from model_utils import engagement
@@ -73,6 +74,10 @@ def train_stage(run: Run, stage, stages, state: TrainState) -> None:
                           ds_overrides=stage.deepspeed_overrides, pretrained=state.checkpoint is None)
     _record_ds_config(run, stage, engine, state.step)
     dataset, sampler = run.data.stage_view(stage, sdims.dp, sdims.dp_rank, cfg.per_device_train_batch_size, cfg.seed)
+    if dims.rank == 0:  # repeats and unread sources, said (data/coverage.py): printing only
+        for line in draw_notes(run.data, stages, stage, dims.world, cfg.per_device_train_batch_size,
+                               cfg.gradient_accumulation_steps):
+            print0(line)
     if not run.ckpt.restore_stage(engine, state, stage.index, sampler, stage.reset_optimizer):
         torch.manual_seed(cfg.seed + 1000 * stage.index + dims.rank)  # a stage's start: a seed per stage and rank
     preempt.deadline.record_build(time.perf_counter() - t_build)

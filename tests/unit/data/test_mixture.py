@@ -128,6 +128,24 @@ def test_stage_view_mixes_sources_with_length_filter(tmp_path):
     assert sampler.source_shares() == {"long": 0.6, "short": 0.4}
     with pytest.raises(ValueError, match=r"component 'x' .* less than one sample"):
         open_run_data(out, None, 10, [_stage(0, 16, [{"name": "x", "source": "nothing", "weight": 1}])], False)
+    # what a stage's steps draw, said at its start (data/coverage.py): 10 steps x 5 samples x 16 tokens = 800 tokens,
+    # 40% of them (320) from 'short', whose 12 samples hold 192: drawn 1.7 times over; a stage of books alone leaves
+    # web (its 197 training tokens of 897) unread; the whole stream drawn by a stage after another one repeats tokens
+    from data.coverage import draw_notes
+
+    for st in stages + (more := [_stage(1, 16, {"books": 1}), _stage(2, 16, None), _stage(3, 16, None)]):
+        st.max_steps, st.sp, st.cp = 10, 1, 1
+    notes = draw_notes(data, stages, stages[0], world=1, micro_batch=5, grad_accum=1)
+    assert notes == ["note: stage 0 (s0) draws 800 tokens: its mixture component(s) 'short' 1.7x (12 samples) repeat "
+                     "their samples that many times over: add documents to them or lower their weight"]
+    only_books = draw_notes(data, stages + more, more[0], world=1, micro_batch=1, grad_accum=1)
+    assert only_books == ["note: stage 1 (s1): source(s) ['web'] (22% of the training tokens) are in no component of "
+                          "its data: this stage does not train on them"]
+    assert draw_notes(data, stages + more, more[1], world=1, micro_batch=1, grad_accum=1) == []  # the first on it
+    repeat = draw_notes(data, stages + more, more[2], world=2, micro_batch=1, grad_accum=2)  # 640 of 897 tokens each
+    assert repeat == ["note: stage 3 (s3) draws its samples from the whole stream again, independently of stage(s) "
+                      "[2]: about 71% of its tokens were trained by them, and after it about 8% of the stream's 897 "
+                      "tokens by no stage: more data than the curriculum's tokens keeps repeats rare"]
 
 
 def test_a_resume_under_another_seed_keeps_the_runs_order():

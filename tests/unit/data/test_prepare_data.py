@@ -140,6 +140,9 @@ def test_bad_rows_named_or_skipped_and_counted(tmp_path, capsys):
                  "--overwrite"]) == 0
     m = Prepared(out).manifest
     assert m["bad_rows"] == 3 and m["n_docs"] == 2 and "skipped 3 bad row(s)" in capsys.readouterr().out
+    assert [e.split(":")[1] for e in m["bad_examples"]] == ["2", "3", "4"]  # kept in the manifest, as docs/data.md says
+    with pytest.raises(ValueError, match="not visible on this node"):  # a node-local cache, as another node sees it
+        Prepared(str(tmp_path / "elsewhere"), m)
     src.write_text('{"input_ids": [1, 2]}\n\n{"input_ids": [3, 500]}\n')
     with pytest.raises(ValueError, match=r"d.jsonl:3: token id 500 >= the vocabulary size 100"):
         prepare([str(src)], str(tmp_path / "o2"), vocab_size=100, workers=0, log=lambda _: None)
