@@ -196,6 +196,17 @@ class ChatEncoder:
             self._eot, self._ends, self._stops = probe_ends(self, _PROBE)
         return self._eot
 
+    def _text_pair(self, p: str, c: str) -> tuple[list[int], list[int]]:
+        """(prompt ids, completion ids) of a prompt / completion of strings, tokenized as one text (TRL's way): the
+        completion alone would start a new text (sentencepiece writes its leading space, '▁The' after
+        'Response:\n'; two spaces before ' 42'), a form inference never sees. Split where the prompt's own ids end;
+        where a token spans the two (a BPE merge across the boundary), it is the completion's first."""
+        whole, pi = self.tok.encode(p + c), self.tok.encode(p)
+        k = 0
+        while k < min(len(pi), len(whole)) and pi[k] == whole[k]:
+            k += 1
+        return whole[:k], whole[k:]
+
     def encode(self, obj: dict) -> tuple[list[int], np.ndarray, dict]:
         kind, conv, first = normalize(obj)
         tools = row_tools(obj)  # the row's top-level tool definitions, passed to every render of it
@@ -204,7 +215,8 @@ class ChatEncoder:
                            "renders: give them as message lists (TRL's conversational form), or drop the tools")
         if kind == "text_pair":
             p, c = conv
-            pi, ci = self.tok.encode(p), self.tok.encode(c) + [self.tok.eos_id]
+            pi, ci = self._text_pair(p, c)
+            ci = ci + [self.tok.eos_id]
             bos = self.tok.bos_id  # the prompt as the tokenizer writes a text, BOS first (TRL tokenizes it so)
             pi = [bos] + pi if bos is not None and (not pi or pi[0] != bos) else pi
             mask = np.zeros(len(pi) + len(ci), np.uint8)

@@ -158,6 +158,15 @@ def test_formats_and_loss_on(tok_root):
     # text prompt/completion: the completion and the EOS appended
     ids, mask, _ = enc.encode({"prompt": "Count: apple river.", "completion": " 2 words"})
     assert spans(enc, ids, mask) == [" 2 words<|im_end|>"]
+    # tokenized as one text, split where the prompt's ids end (TRL's way): a sentencepiece tokenizer given the
+    # completion alone starts a new text with its space ('▁The' after 'Response:\n'; two before ' 42')
+    from data.tokenizer import Tokenizer
+
+    sp = ChatEncoder(Tokenizer("recipes/base/tiny_passkey256/tokenizer.model"))
+    for p, c in (("Question: the key?\nAnswer:", " 42"), ("### Response:\n", "The key is 42")):
+        ids, mask, _ = sp.encode({"prompt": p, "completion": c})
+        assert ids[:-1] == sp.tok.encode(p + c) and sp.tok.decode(ids[:-1]) == p + c
+        assert sp.tok.decode(ids[: int(mask.argmax())]) == p and mask[int(mask.argmax()):].all()  # the prompt's ids
     everything = encoder(tok_root, "qwen25", loss_on="all")
     ids, mask, _ = everything.encode({"messages": TURNS})
     assert mask.all()
