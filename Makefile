@@ -28,7 +28,7 @@ demo-long:
 # ~1 min on 2 idle cores (45 s, 2026-11-29; ~3 min on shared ones): supervised fine-tuning of the same base on the demo's chat set (loss on the assistant's replies,
 # conversations packed with document masking, 40% passkey steps and 30% replay at 256 to keep it); prints its evaluation summary (docs/sft.md)
 demo-sft:
-	$(PY) -m data.chat .cache/demo/chat_demo.jsonl
+	$(PY) -m data.chat_demo .cache/demo/chat_demo.jsonl
 	OMP_NUM_THREADS=1 .venv/bin/deepspeed --num_gpus 2 train.py --config recipes/tiny_cpu_sft.yaml
 	@$(PY) scripts/eval_summary.py checkpoints/tiny_cpu_sft
 

@@ -62,14 +62,18 @@ offsets takes the exact path (every prefix tokenized whole). Preparation is offl
 
 from __future__ import annotations
 
+import copy
+import json
+
 import numpy as np
 
-from data.chat_demo import build_demo_chats, demo_conversation  # noqa: F401  (python -m data.chat OUT.jsonl)
+from data.chat_demo import build_demo_chats, demo_conversation  # noqa: F401  (python -m data.chat_demo OUT.jsonl)
 from data.chat_ends import history_ends, probe_ends
 from data.chat_reasoning import as_rendered, dropped, refuse_dropped
 from data.chat_rows import ROLES, SHAREGPT_ROLES, RowError, empty_reply, normalize, row_format, turns_to_train  # noqa: F401
 from data.chat_rows import unicode_form as _nf
 from data.chat_splice import encode_long
+from data.chat_template import pick_template, row_kwargs, text_pair_kwargs
 from data.chat_tools import call_name, fit_arguments, refuse_unrendered, row_tools, tool_names
 from data.chat_views import Renders, View
 
@@ -83,24 +87,6 @@ def _lcp(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
     return int(diff[0]) if len(diff) else n
-
-
-def pick_template(own, template: str, path: str) -> str | None:
-    """The template text a ChatEncoder renders with: None for the ChatML default. `own` is the tokenizer's
-    `chat_template` (a string, a dict of named templates, or None); `template` is auto | chatml | none | a name."""
-    if template == "chatml":
-        return None
-    if isinstance(own, dict):
-        name = "default" if template in ("auto", "none") else template
-        if name not in own:
-            lack = "none is named `default`" if name == "default" else f"none is named {name!r}"
-            raise ValueError(f"tokenizer {path} ships named chat templates {sorted(own)} and {lack}: name one with "
-                             "--chat_template NAME")
-        return own[name]
-    if template not in ("auto", "none"):
-        raise ValueError(f"--chat_template {template!r}: tokenizer {path} has no named templates; use auto, chatml "
-                         "or none")
-    return own or None
 
 
 class ChatEncoder:
@@ -138,12 +124,30 @@ class ChatEncoder:
         unk = getattr(hf, "unk_token_id", None) if hf is not None else None
         self.default_eot = im_end if isinstance(im_end, int) and im_end >= 0 and im_end != unk else tokenizer.eos_id
         self.kind = "markers" if self.markers else "prefix" if self.hf is not None else "chatml"
-        self._eot, self._name_ids, self._added_ids, self._ends, self._stops, self._thinking = None, None, None, {}, None, None
-        self.reasoning_renders = {}  # form -> whether the template renders a reply's reasoning; "nests" (data/chat_reasoning.py)
+        self._row_kw, self._bound = {}, {}  # the row's chat_template_kwargs (data/chat_template.py); encoders per set
+        self._fresh()
         if self.hf is not None and not self._renders_text():
             self.refusal = (f"{self.name} renders no message text given as a string (it reads content parts, as a "
                             "multimodal processor's template does): give a tokenizer with a text chat template, or "
                             "--chat_template chatml")
+
+    def _fresh(self) -> None:
+        """What is read from the template once (end-of-turn tokens, thinking, reasoning forms): under its arguments."""
+        self._eot, self._name_ids, self._added_ids, self._ends, self._stops, self._thinking = None, None, None, {}, None, None
+        self.reasoning_renders = {}  # form -> whether the template renders a reply's reasoning; "nests" (data/chat_reasoning.py)
+
+    def bound(self, kw: dict) -> ChatEncoder:
+        """This encoder rendering every time with the template arguments `kw` (a row's chat_template_kwargs), its
+        probes read under them; kept for the next row with the same ones (32 sets at most)."""
+        key = json.dumps(kw, sort_keys=True, default=str)
+        if key not in self._bound:
+            if len(self._bound) >= 32:
+                self._bound.pop(next(iter(self._bound)))
+            enc = copy.copy(self)
+            enc._row_kw, enc._bound = kw, {}
+            enc._fresh()
+            self._bound[key] = enc
+        return self._bound[key]
 
     def _renders_text(self) -> bool:
         """Whether the template writes a probe reply's text (LLaVA's processor template writes only content parts'
@@ -157,7 +161,7 @@ class ChatEncoder:
     def _text(self, msgs: list[dict], gen: bool = False, tools: list | None = None, **kw) -> str:
         try:  # a row's `tools` as apply_chat_template and TRL pass them (data/chat_tools.py)
             return self.hf.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=gen,
-                                               chat_template=self.template, **kw)
+                                               chat_template=self.template, **{**self._row_kw, **kw})
         except Exception as e:  # jinja's raise_exception (roles must alternate, no system role, ...)
             why = str(e).splitlines()[0][:160]
             if tools is None and self._needs_tools(msgs, gen):  # Hermes' and Command-R's `tool_use` iterate `tools`
@@ -167,7 +171,7 @@ class ChatEncoder:
 
     def _needs_tools(self, msgs: list[dict], gen: bool) -> bool:
         try:
-            self.hf.apply_chat_template(msgs, tools=[], tokenize=False, add_generation_prompt=gen,
+            self.hf.apply_chat_template(msgs, tools=[], tokenize=False, add_generation_prompt=gen, **self._row_kw,
                                         chat_template=self.template)
         except Exception:  # noqa: BLE001 (it fails for another reason)
             return False
@@ -210,6 +214,10 @@ class ChatEncoder:
     def encode(self, obj: dict) -> tuple[list[int], np.ndarray, dict]:
         kind, conv, first = normalize(obj)
         tools = row_tools(obj)  # the row's top-level tool definitions, passed to every render of it
+        if kind == "text_pair":
+            text_pair_kwargs(obj)
+        elif (kw := row_kwargs(obj, self.template, self.name)) != self._row_kw:
+            return self.bound(kw).encode(obj)  # the row's template arguments, in every render of it
         if kind == "text_pair" and tools:
             raise RowError(f"tools {tool_names(tools)} with a prompt / completion of strings, which no template "
                            "renders: give them as message lists (TRL's conversational form), or drop the tools")
@@ -470,7 +478,8 @@ class ChatEncoder:
     def _markers(self, conv: list[dict], tools: list | None = None) -> tuple[list[int], dict | None]:
         try:
             out = self.hf.apply_chat_template(conv, tools=tools, tokenize=True, return_dict=True,
-                                              return_assistant_tokens_mask=True, chat_template=self.template)
+                                              return_assistant_tokens_mask=True, chat_template=self.template,
+                                              **self._row_kw)
         except Exception as e:
             raise RowError(f"{self.name} refuses this conversation: {str(e).splitlines()[0][:160]}") from None
         ids, m = list(out["input_ids"]), np.asarray(out["assistant_masks"], dtype=np.uint8)
@@ -487,8 +496,3 @@ def _reply(msg: dict) -> str:
     """The text a reply's span must show: its content past a `</think>` (R1 / Qwen3 templates cut the reasoning)."""
     return msg["content"].split("</think>")[-1].strip()
 
-
-if __name__ == "__main__":  # python -m data.chat OUT.jsonl [N]: the demo's chat set
-    import sys
-
-    print(build_demo_chats(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 4000))

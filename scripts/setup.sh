@@ -47,5 +47,5 @@ for name in names:
 print(f"DeepSpeed ops ready ({acc.device_name()}, {os.environ['TORCH_EXTENSIONS_DIR']})")
 PY
 .venv/bin/python -m data.corpus >/dev/null && echo "demo corpus and tokenizer ready (.cache/demo)"
-.venv/bin/python -m data.chat .cache/demo/chat_demo.jsonl >/dev/null && echo "demo chat set ready (.cache/demo/chat_demo.jsonl, recipes/tiny_cpu_sft.yaml)"
+.venv/bin/python -m data.chat_demo .cache/demo/chat_demo.jsonl >/dev/null && echo "demo chat set ready (.cache/demo/chat_demo.jsonl, recipes/tiny_cpu_sft.yaml)"
 echo "setup done: .venv ($(.venv/bin/python -c 'import torch, deepspeed, transformers as t; print(f"torch {torch.__version__}, deepspeed {deepspeed.__version__}, transformers {t.__version__}")'))"

@@ -1,0 +1,93 @@
+"""Which template a ChatEncoder renders with (`pick_template`) and with which arguments (`row_kwargs`).
+
+A row may carry `chat_template_kwargs` (SmolTalk2's column; TRL's SFTTrainer passes `**example["chat_template_kwargs"]`
+to every apply_chat_template call): SmolLM3 reads `enable_thinking` (a no-think row's replies open with an empty
+`<think>` block) and `xml_tools` (the tool list, in its system prompt); gpt-oss reads `reasoning_effort`, Granite
+`thinking`, DeepSeek-V3.1 `thinking`. Dropped, a no-think row trained as a thinking one without reasoning and a tool
+trace as calls to tools never offered. They are passed to every render of the row (`ChatEncoder.bound`: an encoder of
+the same template whose probes are read under those arguments, since they may change what the template writes). A
+value the template does not read (its name absent from the template's text) would vanish from the trained tokens:
+refused in one line, as a tool list the template drops is (data/chat_tools.py); nulls are dropped (Arrow writes one
+for every key another row has), as is `false` for an argument the template never reads.
+"""
+
+from __future__ import annotations
+
+import json
+
+from data.chat_rows import RowError
+
+# apply_chat_template's own parameters: a row setting one would change what is rendered, not what the template reads
+RESERVED = {"conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+            "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+            "return_assistant_tokens_mask", "tokenizer_kwargs", "messages"}
+
+
+def pick_template(own, template: str, path: str) -> str | None:
+    """The template text a ChatEncoder renders with: None for the ChatML default. `own` is the tokenizer's
+    `chat_template` (a string, a dict of named templates, or None); `template` is auto | chatml | none | a name."""
+    if template == "chatml":
+        return None
+    if isinstance(own, dict):
+        name = "default" if template in ("auto", "none") else template
+        if name not in own:
+            lack = "none is named `default`" if name == "default" else f"none is named {name!r}"
+            raise ValueError(f"tokenizer {path} ships named chat templates {sorted(own)} and {lack}: name one with "
+                             "--chat_template NAME")
+        return own[name]
+    if template not in ("auto", "none"):
+        raise ValueError(f"--chat_template {template!r}: tokenizer {path} has no named templates; use auto, chatml "
+                         "or none")
+    return own or None
+
+
+def _empty(v) -> bool:
+    return v is None or v is False or (isinstance(v, str | list | dict | tuple) and not v) or (
+        hasattr(v, "__len__") and hasattr(v, "tolist") and not len(v))
+
+
+def _plain(v):
+    """An Arrow / numpy value as JSON-like Python, without the nulls a struct column adds."""
+    v = v.tolist() if hasattr(v, "tolist") and not isinstance(v, list | str) else v
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items() if x is not None}
+    if isinstance(v, list):
+        return [_plain(x) for x in v]
+    return v
+
+
+def row_kwargs(obj: dict, template: str | None, name: str) -> dict:
+    """The row's `chat_template_kwargs` (an object, or JSON text of one) that `template` (None: the ChatML default)
+    renders with; empty values dropped. RowError, one line, for another form, a reserved or unread key."""
+    value = obj.get("chat_template_kwargs") if isinstance(obj, dict) else None
+    if value is None or isinstance(value, str) and not value.strip():
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise RowError(f"chat_template_kwargs: {value!r:.80} is not JSON: give an object of the template's "
+                           "arguments, e.g. {\"enable_thinking\": false}") from None
+    if not isinstance(value, dict):
+        raise RowError(f"chat_template_kwargs: a {type(value).__name__}, not an object of the template's arguments")
+    out = {}
+    for k, v in value.items():
+        if not (isinstance(k, str) and k.isidentifier()) or k in RESERVED:
+            raise RowError(f"chat_template_kwargs: {k!r} is not a template argument a row can set "
+                           f"({'apply_chat_template sets it' if k in RESERVED else 'not a name'}): drop it")
+        if v is None or v is False and (template is None or k not in template):
+            continue  # Arrow's null for a key another row has; a flag off that the template never reads
+        if template is None or k not in template:
+            raise RowError(f"chat_template_kwargs: {k}={v!r:.60} and {name if template else 'the ChatML default'} "
+                           "never reads it: the row would train as if it were not set; drop it, or use the tokenizer "
+                           "whose template reads it")
+        out[k] = _plain(v)
+    return out
+
+
+def text_pair_kwargs(obj: dict) -> None:
+    """A RowError where a prompt / completion of strings (no template renders it) carries template arguments."""
+    value = obj.get("chat_template_kwargs")
+    if not _empty(value) and not (isinstance(value, dict) and all(v is None or v is False for v in value.values())):
+        raise RowError("chat_template_kwargs with a prompt / completion of strings, which no template renders: give "
+                       "them as message lists (TRL's conversational form), or drop the arguments")
