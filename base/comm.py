@@ -95,6 +95,11 @@ def init(timeout_s: float) -> tuple[int, int, int]:
         acc.set_device(index)  # before any collective, object collectives included
     deepspeed.init_distributed(dist_backend=None, auto_mpi_discovery=False,
                                timeout=datetime.timedelta(seconds=timeout_s))
+    # every later group without its own timeout (ours in `subgroups`, DeepSpeed's SP and SP-DP groups, which carry
+    # ZeRO-3's reduce-scatter and every Ulysses all-to-all) takes the run's, not the backend's default: NCCL's 10
+    # minutes would end a first step's hang (bounded at 20 min, base/progress.py) before the monitor names the rank
+    c10d = dist.distributed_c10d
+    c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = datetime.timedelta(seconds=timeout_s)
     _HOST_GROUP = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=LONG_WAIT_S))
     # Leave the groups on every way out (exit 75 after a preemption save included): a process group still alive
     # at interpreter teardown can abort the process ("terminate called without an active exception", -6)

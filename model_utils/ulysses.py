@@ -135,7 +135,10 @@ def unregister() -> int:
                              parallel_state_sp._SEQUENCE_DATA_PARALLEL_GROUP, *_GROUPS])
     _GROUPS.clear()
     parallel_state_sp._release_sequence_parallel_groups()
-    return n
+    from deepspeed.utils import groups
+
+    groups.mpu = None  # deepspeed.initialize keeps the last mpu in this global: an SP-1 stage after an SP stage
+    return n  # asked the released groups for its data-parallel group ("sequence data parallel group is not initialized")
 
 
 def check_routed(model) -> None:

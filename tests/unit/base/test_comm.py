@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from base import comm
-from tests.distributed import ROOT, run
+from tests.distributed import DIST_TIMEOUT_S, ROOT, run
 
 COLLECTIVE = re.compile(r"\b(all_reduce|all_gather|all_gather_object|all_to_all|all_to_all_single|broadcast|"
                         r"broadcast_object_list|reduce|reduce_scatter|gather|gather_object|scatter|scatter_object_list|"
@@ -181,6 +181,7 @@ def test_sp_groups_are_destroyed_between_stages(tmp_path):
         got = json.loads((tmp_path / f"result{r}.json").read_text())
         assert got["during"] > got["before"] and got["after"] == got["before"], got
         assert got["destroyed"] == 2 and got["ok"], got
+        assert got["timeouts"] == [DIST_TIMEOUT_S] and got["sdp_size"] == 2, got  # the run's timeout; SP 1 after SP 2
 
 
 @pytest.mark.parametrize("agent", [False, True], ids=["rank0_hosts", "launcher_hosts"])
