@@ -380,11 +380,19 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
+def _no_repeats(pairs: list) -> dict:
+    keys = [k for k, _ in pairs]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:  # json.load kept the last silently ("gradient_accumulation_steps": "auto", then 4 further down)
+        raise ValueError(f"key(s) {twice} given twice in one object: keep one")
+    return dict(pairs)
+
+
 def _load(path: str) -> dict:
     """A DeepSpeed JSON (--deepspeed): an object of sections, or one line naming the file and what is wrong."""
     with open(path) as fh:
         try:
-            ds = json.load(fh)
+            ds = json.load(fh, object_pairs_hook=_no_repeats)  # DeepSpeed's own loader refuses a key given twice
         except ValueError as e:  # JSONDecodeError: its words name no file
             raise ValueError(f"--deepspeed {path}: not valid JSON ({e})") from None
     check_sections(ds, f"--deepspeed {path}")

@@ -10,7 +10,11 @@ Configs as users have them (e.g. Hugging Face's ZeRO-3 example, `ds_configs/hf_z
   `deepspeed.initialize(optimizer=...)`): DeepSpeed's CPU Adam when the optimizer is offloaded, FusedAdam on
   GPU otherwise (what DeepSpeed itself builds for an AdamW block), torch AdamW on CPU. Betas (0.9, 0.95) and
   eps 1e-8 as in ds_configs/*.json, also what `"betas"`/`"eps": "auto"` become (no flag owns them).
-- a `scheduler` block is dropped with one warning: the per-stage schedule of training/schedule.py is used.
+- a `scheduler` block is dropped with one warning: the per-stage schedule of training/schedule.py is used; its
+  concrete peak LR or warmup steps that differ from the run's are refused in one line.
+- an `activation_checkpointing` block is refused (it acts only through deepspeed.checkpointing, not called here).
+- `communication_data_type` also becomes the SP stages' `seq_parallel_communication_data_type` unless that is set
+  (DeepSpeed replaces the one by the other, fp32 by default, when SP > 1).
 - `fp16.enabled: "auto"` follows `--fp16` (off by default; GPU only, DeepSpeed's dynamic loss scaling).
 - a top-level `sequence_parallelism` block (`{"enabled": true, "degree": N, "sequence_parallel_type":
   "ulysses"}`) sets the SP degree when flags and recipe left it unset and must agree with them otherwise
@@ -62,9 +66,19 @@ def build_ds_config(cfg: Config, dims: ParallelDims, bf16: bool, hidden_size: in
         check_sections(ds, f"--deepspeed {cfg.deepspeed} with the stage's deepspeed_overrides")
     check_precision(cfg, bf16, planning)
     ds.pop("sequence_parallelism", None)  # ours, read by settle_from_file; not a DeepSpeed key
-    if ds.pop("scheduler", None) is not None and not quiet:
+    scheduler = ds.pop("scheduler", None)
+    _check_scheduler(scheduler, cfg)
+    if scheduler is not None and not quiet:
         print0(f"warning: {cfg.deepspeed}: its \"scheduler\" block is ignored; this run uses its own per-stage "
                f"schedule ({cfg.lr_scheduler}, warmup {cfg.warmup_steps}, --learning_rate/--min_lr)")
+    if ds.get("activation_checkpointing"):  # DeepSpeed reads it only in deepspeed.checkpointing.checkpoint
+        raise ValueError(f"{cfg.deepspeed}: its activation_checkpointing block acts only through "
+                         "deepspeed.checkpointing, which this project does not call: checkpoint layers with "
+                         "--gradient_checkpointing / --checkpoint_every K, offload them with --offload_activations, "
+                         "or let --memory_features auto choose (docs/memory.md); drop the block")
+    if dims.sp > 1 and ds.get("communication_data_type") not in (None, "auto") \
+            and ds.get("seq_parallel_communication_data_type", "auto") == "auto":  # DeepSpeed swaps in the SP key's fp32 default
+        ds["seq_parallel_communication_data_type"] = ds["communication_data_type"]
     mb, ga = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps
     _fill(ds, "train_micro_batch_size_per_gpu", mb, "--per_device_train_batch_size")
     _fill(ds, "gradient_accumulation_steps", ga, "--gradient_accumulation_steps")
@@ -117,6 +131,24 @@ def build_ds_config(cfg: Config, dims: ParallelDims, bf16: bool, hidden_size: in
     return ds
 
 
+_SCHEDULER_KEYS = {"warmup_max_lr": ("learning_rate", "--learning_rate"), "warmup_num_steps": ("warmup_steps",
+                                                                                                "--warmup_steps")}
+
+
+def _check_scheduler(block, cfg: Config) -> None:
+    """A `scheduler` block's concrete peak LR or warmup that is not the run's: refused in one line (dropped, the run
+    trained at another LR than the JSON says: WarmupDecayLR's 3e-4 peak at the default 2e-5, without warmup). "auto"
+    or the run's own values pass; the block is dropped either way (training/schedule.py schedules per stage)."""
+    params = (block or {}).get("params") or {}
+    for key, (field, flag) in _SCHEDULER_KEYS.items():
+        value = params.get(key, "auto")
+        if value != "auto" and value != getattr(cfg, field):
+            raise ValueError(f"{cfg.deepspeed}: its scheduler block's {key}={value} is not what this run trains with "
+                             f"({flag} {getattr(cfg, field)}): this run schedules per stage (--learning_rate, "
+                             f"--warmup_steps, --lr_scheduler, --min_lr, or a recipe's stage values): pass {flag} "
+                             f"{value} and drop the block, or set its values to \"auto\"")
+
+
 class _OneReplica:
     """The `mpu` DeepSpeedConfig asks for the data-parallel size: 1, matching `validate`'s probe batch."""
 
@@ -130,15 +162,15 @@ def validate(ds: dict, where: str) -> None:
     unknown zero_optimization key or an offload device it lacks, precision, batch arithmetic) and the optimizer
     type the engine accepts, here, without a process group: at start for every stage (training/preflight.py),
     not when `deepspeed.initialize` reaches a stage days into the run. One-line ValueError naming the setting."""
-    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS, DeepSpeedConfig
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS, DeepSpeedConfig, DeepSpeedConfigError
 
     # the batch arithmetic (train = micro x accumulation x dp) is derived and checked by _fill above; the probe
     # restates it for one replica, which is what DeepSpeedConfig sees with or without a process group
     probe = {**ds, "train_batch_size": ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]}
     try:
         DeepSpeedConfig(probe, mpu=_OneReplica())
-    except (ValueError, AssertionError, TypeError, KeyError) as e:
-        raise ValueError(f"{where}: DeepSpeed rejects the config: {_one_line(e)}") from None
+    except (ValueError, AssertionError, TypeError, KeyError, DeepSpeedConfigError) as e:  # the last: removed blocks
+        raise ValueError(f"{where}: DeepSpeed rejects the config: {_one_line(e)}") from None  # (sparse_attention)
     zero = ds.get("zero_optimization", {})
     for part in ("offload_param", "offload_optimizer"):  # DeepSpeed's model takes nvme_path None, then zero.Init
         if (zero.get(part) or {}).get("device") == "nvme" and not zero[part].get("nvme_path"):  # asserts on it

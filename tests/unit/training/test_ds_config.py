@@ -334,13 +334,37 @@ def test_gradients_are_reduced_in_fp32_under_bf16():
         assert parsed.seq_parallel_communication_data_type == torch.float32
     ds = build_ds_config(cfg, ParallelDims(world=2, sp=2, rank=0, local_rank=0), True, 64, planning=True,
                          overrides={"communication_data_type": "bf16"})
-    assert ds["communication_data_type"] == "bf16"  # the user's choice stands
+    assert ds["communication_data_type"] == "bf16"  # the user's choice stands, at SP > 1 too (DeepSpeed reduces in
+    assert DeepSpeedConfig({**ds, "train_batch_size": 1}).seq_parallel_communication_data_type == torch.bfloat16  # it)
+
+
+def test_blocks_this_run_would_not_honour_are_one_line(tmp_path):
+    """A scheduler block's concrete peak LR / warmup (it was dropped with a warning: WarmupDecayLR's 3e-4 trained at
+    the default 2e-5), an activation_checkpointing block (nothing calls deepspeed.checkpointing), a block DeepSpeed
+    removed (its own error escaped as a traceback): one line each; the run's own values pass."""
+    with open(OURS) as fh:
+        base = json.load(fh)
+    sched = {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 3e-4, "warmup_num_steps": 2000,
+                                                 "total_num_steps": 100000}}
+    path = write(tmp_path, {**base, "scheduler": sched})
+    with pytest.raises(ValueError, match=r"warmup_max_lr=0.0003 is not what this run trains with \(--learning_rate "
+                                         r"2e-05\).* pass --learning_rate 0.0003 and drop the block"):
+        resolve(["--deepspeed", path])
+    assert "scheduler" not in resolve(["--deepspeed", path, "--learning_rate", "3e-4", "--warmup_steps", "2000"])[1]
+    ckpt = write(tmp_path, {**base, "activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True}})
+    with pytest.raises(ValueError, match="activation_checkpointing block acts only through deepspeed.checkpointing"):
+        resolve(["--deepspeed", ckpt])
+    removed = write(tmp_path, {**base, "sparse_attention": {"mode": "fixed", "block": 16}})
+    with pytest.raises(ValueError, match="DeepSpeed rejects the config: .*Sparse Attention has been removed"):
+        resolve(["--deepspeed", removed])
 
 
 @pytest.mark.parametrize("text, line", [
     ("{bad json", "not valid JSON (Expecting property name"),  # json's words named no file
     ("[]", "a list, not an object of sections"),  # was an AttributeError traceback
     ('{"zero_optimization": []}', "zero_optimization is a list, not an object"),  # the same, later
+    ('{"gradient_accumulation_steps": "auto", "gradient_accumulation_steps": 4}',  # json kept the last: DeepSpeed's
+     "key(s) ['gradient_accumulation_steps'] given twice in one object"),  # own loader refuses it
 ])
 def test_a_deepspeed_json_that_is_not_an_object_of_sections_is_one_line(tmp_path, text, line):
     from training.config import parse_config
