@@ -64,13 +64,16 @@ class RowError(ValueError):
 
 def row_format(obj: dict) -> str | None:
     """`messages` | `conversations` | `pair` | `alpaca` for a chat row, None for anything else (text, input_ids)."""
-    if "messages" in obj:
+    def has(k: str) -> bool:  # a null is no field: pandas / datasets exports of mixed rows write one for each absent key
+        return obj.get(k) is not None
+
+    if has("messages"):
         return "messages"
-    if "conversations" in obj:
+    if has("conversations"):
         return "conversations"
-    if "prompt" in obj and "completion" in obj:
+    if has("prompt") and has("completion"):
         return "pair"
-    if "instruction" in obj and "output" in obj:
+    if has("instruction") and has("output"):
         return "alpaca"
     return None
 
@@ -118,6 +121,9 @@ def message(m, i: int) -> dict:
     role = ALIASES.get(m.get("role"), m.get("role"))
     if role not in ROLES:
         raise RowError(f"message {i}: role {m.get('role')!r}; expected one of {list(ROLES) + list(ALIASES)}")
+    if m.get("function_call") is not None:  # OpenAI's legacy form: dropped, the reply trained without its call
+        raise RowError(f"message {i} ({role}): function_call (OpenAI's legacy form), which templates do not read: give "
+                       'it as tool_calls [{"type": "function", "function": {"name": ..., "arguments": ...}}]')
     content = m.get("content")
     if content is None and role == "assistant" and (m.get("tool_calls") or m.get("function_calls")):
         content = ""
@@ -204,6 +210,13 @@ def normalize(obj: dict) -> tuple[str, list[dict] | tuple[str, str], int]:
     or `text_pair` with (prompt, completion). RowError on a malformed row."""
     fmt = row_format(obj)
     system = _system(obj)
+    if obj.get("functions") is not None:  # OpenAI's legacy function calling, beside the messages
+        raise RowError("functions (OpenAI's legacy tool list), which no template reads: give it as tools "
+                       '[{"type": "function", "function": {"name": ..., "parameters": {...}}}]')
+    if fmt == "pair" and isinstance(obj.get("label"), bool):  # trl-lib/kto-mix-14k's shape
+        raise RowError(f"prompt / completion with a boolean label ({obj['label']}): an unpaired preference (KTO) row, "
+                       "whose label-false completions would be trained as wanted replies: keep the label-true rows and "
+                       "drop the column, or train them with a preference trainer")
     if fmt == "pair":
         p, c = obj["prompt"], obj["completion"]
         if isinstance(p, str) and isinstance(c, str):
@@ -280,7 +293,11 @@ def _listed(value, key: str):
             return json.loads(value)
         except ValueError:
             raise RowError(f"{key}: a text that is not a JSON list of messages ({value[:60]!r}...)") from None
-    return value.tolist() if hasattr(value, "tolist") and not isinstance(value, list) else value
+    value = value.tolist() if hasattr(value, "tolist") and not isinstance(value, list) else value
+    if isinstance(value, dict) and value and all(isinstance(v, list) for v in value.values()) \
+            and len({len(v) for v in value.values()}) == 1:  # datasets' Sequence({role, content}): a dict of lists
+        value = [dict(zip(value, row)) for row in zip(*value.values())]
+    return value
 
 
 def _checked(msgs: list[dict]) -> list[dict]:

@@ -25,7 +25,7 @@ def row_tools(obj: dict) -> list | None:
     """The row's top-level `tools` as the template gets them (a list, as given; a JSON string of one parsed), None
     where absent or null. RowError, one line naming the value and the form expected, for anything else."""
     value = obj.get("tools") if isinstance(obj, dict) else None
-    if value is None:
+    if value is None or isinstance(value, str) and not value.strip():  # a JSON-text column's blank: no tools
         return None
     if isinstance(value, str):
         try:

@@ -298,7 +298,9 @@ def parse_item(item: object, fields: Fields) -> tuple[str | list | dict | None, 
         item = (value, None if src is None else str(src))
         if value is None:
             return None, None, (f"expected {{\"{fields.text}\": str}}, {{\"{fields.ids}\": [int, ...]}} or a chat row "
-                                f"(messages, conversations, prompt + completion, instruction + output), got keys {sorted(obj)}")
+                                f"(messages, conversations, prompt + completion, instruction + output), got keys {sorted(obj)}"
+                                + (": a preference row; for SFT give the chosen conversation as messages"
+                                   if "chosen" in obj else ""))
     value, src = item
     if isinstance(value, str | dict):
         return value, src, None

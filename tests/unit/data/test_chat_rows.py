@@ -317,3 +317,44 @@ def test_an_alpaca_history_read_as_an_array_or_json_text_is_a_list():
     assert [m["content"] for m in normalize({"instruction": "x", "output": "y", "history": pairs})[1]] == want
     text = json.dumps([["a", "b"], ["c", "d"]])
     assert [m["content"] for m in normalize({"instruction": "x", "output": "y", "history": text})[1]] == want
+
+
+def test_a_null_field_is_no_field():
+    """pandas' / datasets' to_json of mixed text and chat rows writes a null for each absent key: the text row was
+    refused as 'both', and with --skip_bad_rows every text document dropped."""
+    import json
+
+    from data.readers import Fields, parse_item
+
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    assert parse_item(json.dumps({"text": "a document", "messages": None}).encode(), Fields())[::2] == ("a document", None)
+    value, _, err = parse_item(json.dumps({"text": None, "messages": msgs}).encode(), Fields())
+    assert err is None and value["messages"] == msgs
+
+
+def test_shapes_exports_write_are_read():
+    """datasets' Sequence({role, content}) feature comes back as a dict of lists (every row was refused); a blank
+    JSON-text tools cell of a tool-less row is no tools (it was refused as 'not JSON')."""
+    from data.chat_tools import row_tools
+
+    columns = {"role": ["user", "assistant"], "content": ["hi", "hello"]}
+    assert normalize({"messages": columns})[1] == [{"role": "user", "content": "hi"},
+                                                   {"role": "assistant", "content": "hello"}]
+    assert row_tools({"tools": ""}) is None and row_tools({"tools": "  "}) is None
+
+
+@pytest.mark.parametrize("row,match", [
+    ({"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "assistant", "content": "no"}],
+      "label": False}, r"boolean label \(False\): an unpaired preference \(KTO\) row"),
+    ({"messages": [{"role": "user", "content": "weather?"},
+                   {"role": "assistant", "content": None, "function_call": {"name": "w", "arguments": "{}"}}]},
+     r"message 1 \(assistant\): function_call \(OpenAI's legacy form\).*give it as tool_calls"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
+      "functions": [{"name": "w", "parameters": {}}]}, r"functions \(OpenAI's legacy tool list\).*give it as tools"),
+])
+def test_rows_of_other_trainings_and_legacy_forms_are_refused_in_one_line(row, match):
+    """A KTO row trained its label-false completions as wanted replies; a legacy function_call was dropped (the reply
+    trained without its call), a top-level functions list ignored."""
+    with pytest.raises(RowError, match=match) as e:
+        normalize(row)
+    assert "\n" not in str(e.value)
