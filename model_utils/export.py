@@ -87,6 +87,33 @@ def sentencepiece_ids(path: str) -> tuple[int | None, int | None, int | None]:
     return tuple(i if i >= 0 else None for i in (sp.bos_id(), sp.eos_id(), sp.pad_id()))
 
 
+def legacy_rope(path: str) -> None:
+    """config.json at `path` also in the RoPE layout of transformers before 5 (rope_theta, rope_scaling; Gemma 3's
+    rope_local_base_freq), beside transformers 5's rope_parameters: a loader on 4.x (vLLM and converters pinned to
+    it) read no rope_theta (10000) and no scaling from rope_parameters alone, and served a model trained at theta 8e6
+    at 10000. transformers 5 reads both, the same values."""
+    with open(path) as fh:
+        d = json.load(fh)
+    text = d.get("text_config") if isinstance(d.get("text_config"), dict) else None
+    target = text if text is not None and "rope_parameters" in text else d
+    params = target.get("rope_parameters")
+    if not isinstance(params, dict) or not params:
+        return
+    if all(isinstance(v, dict) for v in params.values()):  # per layer type: 4.x reads the global layers' RoPE
+        local = params.get("sliding_attention") or {}
+        if "rope_theta" in local:
+            target["rope_local_base_freq"] = local["rope_theta"]
+        params = params.get("full_attention") or next(iter(params.values()))
+    if "rope_theta" in params:
+        target["rope_theta"] = params["rope_theta"]
+    if "partial_rotary_factor" in params:
+        target["partial_rotary_factor"] = params["partial_rotary_factor"]
+    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    target["rope_scaling"] = scaling if scaling.get("rope_type", "default") != "default" else None
+    with open(path, "w") as fh:
+        json.dump(d, fh, indent=2, sort_keys=True)
+
+
 def export_hf(checkpoint: str, out_dir: str, tokenizer_path: str | None = None, source: str | None = None,
               owned: bool = False, stops: list[int] | None = None) -> str:
     """Write `checkpoint` (its fp32 master weights, its last stage's RoPE) to `out_dir`; `source` is the run's
@@ -104,7 +131,7 @@ def export_hf(checkpoint: str, out_dir: str, tokenizer_path: str | None = None, 
     config.use_cache = True  # training runs without the KV cache (model_utils/build.py); generation wants it
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     rope = dict(getattr(text, "rope_parameters", None) or {})
-    if rope.get("rope_type") == "yarn" and rope.get("factor") and rope.get("original_max_position_embeddings"):
+    if rope.get("rope_type") in ("yarn", "longrope") and rope.get("factor") and rope.get("original_max_position_embeddings"):
         # the length YaRN extends to: transformers before 4.56 (and copies of its code) derive the factor as
         # max_position_embeddings / original, so a base's 131072 over 256 loaded as factor 512 (now: a warning)
         text.max_position_embeddings = int(rope["original_max_position_embeddings"] * rope["factor"])
@@ -123,6 +150,7 @@ def export_hf(checkpoint: str, out_dir: str, tokenizer_path: str | None = None, 
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     config.save_pretrained(tmp)
+    legacy_rope(os.path.join(tmp, "config.json"))
     save_torch_state_dict({k: v.contiguous() for k, v in state.items()}, tmp, max_shard_size="5GB",
                           safe_serialization=True)
     if gen := generation_config(source):

@@ -106,7 +106,10 @@ def stage_rope(config, rope: dict | None, where: str = "rope", sp: int = 1) -> t
         if rope is not None and nested(rope):
             raise ValueError(f"{where}: a rope per layer type ({', '.join(rope)}), and the model has one RoPE for "
                              "every layer: give it flat")
-        return _one(config, base, rope, where, sp)
+        out, notes = _one(config, base, rope, where, sp)
+        if rope is not None:
+            _accepted(config, out, where)
+        return out, notes
     if rope is not None and not (nested(rope) and set(rope) <= set(base)):
         first = next(iter(base))
         raise ValueError(f"{where}: the model sets RoPE per layer type ({', '.join(base)}): give the stage's per type, "
@@ -115,7 +118,34 @@ def stage_rope(config, rope: dict | None, where: str = "rope", sp: int = 1) -> t
     for kind, params in base.items():
         out[kind], said = _one(config, dict(params), (rope or {}).get(kind), f"{where} ({kind})", sp)
         notes += said
+    if rope is not None:
+        _accepted(config, out, where)
     return out, notes
+
+
+def _types(params: dict) -> list:
+    return sorted(str(p.get("rope_type")) for p in (params.values() if nested(params) else [params]))
+
+
+def _accepted(config, params: dict, where: str) -> None:
+    """A one-line ValueError where the model's config class refuses or rewrites the stage's RoPE: the training build
+    sets it without the class (it trained), and the export, every `from_pretrained` of it, failed after the run
+    (Phi3Config turns yarn into longrope and then wants its short / long factors; it refuses linear)."""
+    import copy
+
+    if not hasattr(config, "to_dict"):  # a recipe check without the model's config: nothing to build
+        return
+    try:
+        made = type(config)(**{**config.to_dict(), "rope_parameters": copy.deepcopy(params)})
+    except Exception as e:  # noqa: BLE001 (each family's validation raises its own kind)
+        raise ValueError(f"{where}: {type(config).__name__} refuses rope_type {'/'.join(_types(params))} "
+                         f"({str(e).splitlines()[0][:120]}): a model of it could not be loaded after the run; use "
+                         "rope_type default (rope_theta) or the model's own type") from None
+    got = dict(getattr(made, "rope_parameters", None) or {})
+    if _types(got) != _types(params):
+        raise ValueError(f"{where}: {type(config).__name__} turns rope_type {'/'.join(_types(params))} into "
+                         f"{'/'.join(_types(got))}: the exported model would not compute what trained; use rope_type "
+                         "default (rope_theta) or the model's own type")
 
 
 def _one(config, base: dict, rope: dict | None, where: str, sp: int) -> tuple[dict, list[str]]:
@@ -129,6 +159,9 @@ def _one(config, base: dict, rope: dict | None, where: str, sp: int) -> tuple[di
         check_rope(rope, where, sp, base if kind == had else None)
         keep = KEEP if kind in ("yarn", "llama3", "linear", "dynamic") else KEEP[:2]  # default reads no length
         out = base if kind == had else {k: base[k] for k in keep if k in base}
+        if kind == had == "yarn" and rope.get("factor", base.get("factor")) != base.get("factor") \
+                and "attention_factor" not in rope and "attention_factor" in base:  # OLMo 3's 0.1 ln 8 + 1 for
+            out = {k: v for k, v in out.items() if k != "attention_factor"}  # factor 8: derived again from the new one
         out = {**out, **rope, "rope_type": kind}  # a stage without rope_type is default (transformers needs it said)
         if kind != had and had != "default":
             notes.append(f"{where}: the model's rope_type {had} ({_fields(base)}) is replaced by {kind} "
@@ -147,6 +180,19 @@ def _one(config, base: dict, rope: dict | None, where: str, sp: int) -> tuple[di
         orig = out.get("original_max_position_embeddings") or top or config.max_position_embeddings
         out["factor"] = config.max_position_embeddings / orig
     return out, notes
+
+
+def short_scaling(params: dict, length: int) -> list[str]:
+    """Notes where a stage's yarn / linear scaling reaches fewer positions (factor x original length) than the stage
+    trains at: "factor 2" written to double a model already x32 cut its scaling 16x, unsaid."""
+    out = []
+    for p in (params.values() if nested(params) else [params]):
+        kind, f, orig = p.get("rope_type"), p.get("factor"), p.get("original_max_position_embeddings")
+        if kind in ("yarn", "linear") and f and orig and f * orig < length:
+            out.append(f"rope_type {kind} factor {f} over {orig} reaches {int(f * orig)} positions, fewer than its "
+                       f"max_seq_length {length}: the positions past them train beyond the scaling (factor "
+                       f"{length / orig:g} reaches it)")
+    return out
 
 
 def _fields(params: dict) -> str:

@@ -16,7 +16,7 @@ from base.host import job_ranks_per_node
 from base.log import print0
 from base.parallel import check_layout, split_sp
 from data.replay import parse_replay
-from model_utils.rope import stage_rope
+from model_utils.rope import short_scaling, stage_rope
 from training.config import Config, StageConfig
 from training.config_types import typed
 from training.eval_settings import stage_eval
@@ -285,7 +285,8 @@ def check_stages(stages: list[Stage], world: int, num_heads: int, num_kv_heads: 
             _, cp = split_sp(s.sp, num_heads, num_kv_heads, ranks_per_node or None, s.cp)
             s = dataclasses.replace(s, cp=cp)
             check_layout(world, s.sp, num_heads, num_kv_heads, s.max_seq_length, s.cp, ranks_per_node or None)
-            notes += [f"stage {s.index} ({s.name}): {n}" for n in stage_rope(model, s.rope or None, "rope", s.sp)[1]]
+            params, said = stage_rope(model, s.rope or None, "rope", s.sp)
+            notes += [f"stage {s.index} ({s.name}): {n}" for n in said + short_scaling(params, s.max_seq_length)]
         except ValueError as e:
             raise ValueError(f"stage {s.index} ({s.name}): {e}") from None
         out.append(s)

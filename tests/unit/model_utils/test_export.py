@@ -166,3 +166,30 @@ def test_an_older_checkpoint_is_exported_beside_the_runs_hf_model(tmp_path, monk
     monkeypatch.chdir(tmp_path)
     assert export.main([str(run), "--checkpoint", "checkpoints/STAGE_0_s512"]) == 0
     assert seen["out"] == str(run / "hf_model_step_000175")
+
+
+def test_the_export_writes_rope_also_as_transformers_4_reads_it(tmp_path):
+    """transformers 5 writes rope_parameters only: a loader on 4.x (vLLM releases pinned to it) read rope_theta 10000
+    and no scaling, serving an ABF stage's theta 8e6 model at 10000. The export adds rope_theta / rope_scaling (Gemma
+    3: rope_local_base_freq and the global layers' scaling); transformers 5 reads the same RoPE back."""
+    from transformers import AutoConfig
+
+    from model_utils.export import legacy_rope
+
+    tiny = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=64, vocab_size=128, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    cases = [(AutoConfig.for_model("llama", **tiny, rope_parameters={"rope_type": "default", "rope_theta": 8e6}),
+              8e6, None, None),
+             (AutoConfig.for_model("qwen2", **tiny, rope_parameters={**yarn, "rope_theta": 1e6}), 1e6, yarn, None),
+             (AutoConfig.for_model("gemma3_text", **tiny, head_dim=16, rope_parameters={
+                 "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+              1e6, {"rope_type": "linear", "factor": 8.0}, 1e4)]
+    for i, (config, theta, scaling, local) in enumerate(cases):
+        out = tmp_path / str(i)
+        config.save_pretrained(out)
+        legacy_rope(str(out / "config.json"))
+        raw = json.loads((out / "config.json").read_text())
+        assert (raw["rope_theta"], raw["rope_scaling"], raw.get("rope_local_base_freq")) == (theta, scaling, local)
+        assert AutoConfig.from_pretrained(out).rope_parameters == config.rope_parameters

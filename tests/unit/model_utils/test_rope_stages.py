@@ -127,3 +127,41 @@ def test_per_forward_frequencies_are_refused_under_sp_and_keep_their_own_scale()
     dyn.max_position_embeddings = 32768
     apply_rope(dyn, {"rope_type": "dynamic", "factor": 4.0}, 131072)
     assert dyn.max_position_embeddings == 32768  # its threshold: raised to the stage's length, it never scaled
+
+
+def test_a_rope_the_models_config_class_refuses_or_rewrites_is_refused_at_start():
+    """Phi-3 / 3.5 / 4-mini with a yarn or linear stage trained the whole curriculum (the build sets the RoPE without
+    the class), then the export failed: Phi3Config turns yarn into longrope and wants its factors, refuses linear.
+    An ABF stage (default, rope_theta) builds."""
+    phi3 = AutoConfig.for_model("phi3", **TINY, max_position_embeddings=131072, original_max_position_embeddings=4096,
+                                rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [4.0] * 8})
+    for kind in ("yarn", "linear"):
+        with pytest.raises(ValueError, match=rf"^rope: Phi3Config (refuses|turns) rope_type {kind}"):
+            stage_rope(phi3, {"rope_type": kind, "factor": 64.0})
+    params, _ = stage_rope(phi3, {"rope_type": "default", "rope_theta": 1e6})
+    assert params["rope_type"] == "default"
+
+
+def test_a_yarn_stage_of_another_factor_derives_its_attention_scaling_again():
+    """OLMo 3 ships yarn factor 8 with attention_factor 1.2079 (0.1 ln 8 + 1): a factor-32 stage kept it, YaRN's own
+    for 32 is 1.3466. A stage giving its attention_factor keeps it."""
+    olmo = AutoConfig.for_model("llama", **TINY, max_position_embeddings=65536, rope_theta=5e5, rope_scaling={
+        "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192,
+        "attention_factor": 1.2079441541679836})
+    apply_rope(olmo, {"rope_type": "yarn", "factor": 32.0}, 262144)
+    assert ROPE_INIT_FUNCTIONS["yarn"](olmo, "cpu")[1] == pytest.approx(0.1 * torch.log(torch.tensor(32.0)).item() + 1)
+    params, _ = stage_rope(olmo, {"rope_type": "yarn", "factor": 32.0, "attention_factor": 1.5})
+    assert params["attention_factor"] == 1.5
+
+
+def test_a_scaling_that_reaches_fewer_positions_than_the_stage_is_said(capsys):
+    """gpt-oss's yarn x32 over 4096 with a stage of 'factor 2' (to double it) reached 8192 positions at 262144."""
+    gpt = AutoConfig.for_model("llama", **TINY, max_position_embeddings=131072, rope_theta=15e4, rope_scaling={
+        "rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096})
+    for rope, said in (({"rope_type": "yarn", "factor": 2.0}, True), ({"rope_type": "yarn", "factor": 64.0}, False)):
+        stages = resolve_stages(Config(stages=[StageConfig(name="s", max_seq_length=262144, rope=rope)]),
+                                dp_of_sp=lambda sp: 1)
+        check_stages(stages, world=1, num_heads=4, num_kv_heads=2, model=gpt)
+        out = capsys.readouterr().out
+        assert ("rope_type yarn factor 2.0 over 4096 reaches 8192 positions, fewer than its max_seq_length 262144"
+                in out) is said and ("factor 64 reaches it" in out) is said
