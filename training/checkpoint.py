@@ -295,6 +295,14 @@ class Checkpointer(Restorer):
         raise RuntimeError(f"checkpoint {p.path}: another rank's background write failed (see its log); "
                            "not committed")
 
+    def mark_stage_end(self, checkpoint: str, stage_end: str) -> None:
+        """`checkpoint` (a committed one of this run) ends its stage: the marker a save at the stage's end writes, for
+        a stage whose steps were lowered to where it already was (training/curriculum.keep_stage_steps). Rank 0."""
+        tag = os.path.basename(checkpoint.rstrip("/"))
+        if comm.rank() == 0 and os.path.dirname(os.path.abspath(checkpoint.rstrip("/"))) == os.path.abspath(self.root) \
+                and not os.path.exists(os.path.join(self.root, stage_end)):
+            atomic_write(os.path.join(self.root, stage_end), tag + "\n")
+
     def _commit(self, path: str, tag: str, step: int, written: dict, stage_end: str | None, trainer: dict) -> None:
         """Every rank's files are on disk, fsynced, with their checksums: rank 0 writes the manifest (the commit),
         then the pointers, then rotates. Collective."""

@@ -313,6 +313,11 @@ def keep_stage_steps(stages: list[Stage], state) -> list[Stage]:
                    f"{'ran' if s.index < state.stage else 'began'} with (today's settings give {s.max_steps}: "
                    f"its {s.steps_from.split(':')[0]} over another world, batch or accumulation)")
             s = dataclasses.replace(s, max_steps=ran[s.index])
+        done = getattr(state, "step", 0) - sum(x.max_steps for x in out)  # the steps past this stage's start
+        if s.index == state.stage and done > s.max_steps:  # lowered below where the run is: it ends here (its end
+            print0(f"note: stage {s.index} ({s.name}) has run {done} steps and today's settings give it "  # saved and
+                   f"{s.max_steps}: it ends at the {done} it has run (evaluated now; the next stage gets all its steps)")
+            s = dataclasses.replace(s, max_steps=done)  # evaluated); the next stage began at its old end, cut short
         out.append(s)
     return out
 

@@ -82,6 +82,8 @@ def train_stage(run: Run, stage, stages, state: TrainState) -> None:
         torch.manual_seed(cfg.seed + 1000 * stage.index + dims.rank)  # a stage's start: a seed per stage and rank
     preempt.deadline.record_build(time.perf_counter() - t_build)
     preempt.deadline.record_rank_bytes(_rank_bytes(engine, dims.world))  # a save's guessed time before one is measured
+    if state.step == end and state.checkpoint:  # its steps lowered to where the run was: that checkpoint is its end
+        run.ckpt.mark_stage_end(state.checkpoint, f"STAGE_{stage.index}_{stage.name}")
 
     # --- the steps; the stop (and a save by time) is agreed after every step and after every save ---
     features = features_of(scfg)

@@ -233,6 +233,28 @@ def test_a_resume_keeps_the_step_counts_its_stages_ran_with(tmp_path, capsys):
     raised = types.SimpleNamespace(stage=1, stage_steps=[2, 1], stage_sizes=["tokens:1024", "tokens:512"])
     assert [s.max_steps for s in keep_stage_steps(today, raised)] == [2, 2, 9, 4]  # b's max_tokens raised: today's
     assert keep_stage_steps(today, types.SimpleNamespace(stage=0, stage_steps=None)) == today  # older checkpoints
+    # the current stage's steps lowered below where the run is (killed at step 7 of c's 9, c set to 5: "good
+    # enough"): c ends at the 7 it ran, evaluated; d begins there with all its steps (it began at c's old end,
+    # cut short, never annealed; c had no end checkpoint); train_stage marks that checkpoint as c's end
+    import dataclasses
+
+    lowered = [*today[:2], dataclasses.replace(today[2], max_steps=5), today[3]]
+    at = types.SimpleNamespace(stage=2, step=2 + 1 + 7, stage_steps=[2, 1, 9], stage_sizes=sizes)
+    capsys.readouterr()
+    kept = keep_stage_steps(lowered, at)
+    assert [s.max_steps for s in kept] == [2, 1, 7, 4] and stage_start(kept, 3) == 10
+    assert "stage 2 (c) has run 7 steps and today's settings give it 5: it ends at the 7" in capsys.readouterr().out
+    import os
+
+    from training.checkpoint import Checkpointer
+
+    ck = Checkpointer(str(tmp_path / "run"), keep=2)
+    os.makedirs(ck.root)
+    ck.mark_stage_end(str(tmp_path / "elsewhere" / "step_000010"), "STAGE_2_c")  # another run's: not this one's end
+    assert not os.path.exists(os.path.join(ck.root, "STAGE_2_c"))
+    ck.mark_stage_end(os.path.join(ck.root, "step_000010"), "STAGE_2_c")
+    ck.mark_stage_end(os.path.join(ck.root, "step_000012"), "STAGE_2_c")  # a marker there stays
+    assert open(os.path.join(ck.root, "STAGE_2_c")).read() == "step_000010\n"
 
 
 def test_flags_win_over_the_recipes_stages(tmp_path, capsys):
