@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     stages = epoch_stages(cfg, stages, data, dims.world)  # --num_train_epochs / --warmup_ratio: steps from the data
     stages = keep_stage_steps(stages, state)  # the stages it ran keep their lengths, whatever today's world or batch
     metrics = MetricsLogger(cfg.output_dir, dims.is_main, cfg.report_to, cfg.wandb_project, state.wandb_id,
-                            to_dict(cfg), total_steps(stages), cfg.progress_bar, resume_step=state.step)
+                            to_dict(cfg), total_steps(stages), cfg.progress_bar, resume_step=state.step,
+                            branch=ckpt.branched)
     preempt = stop_flag(cfg, dims, started)
     run = Run(cfg, dims, data, ckpt, metrics, preempt, model.config, model.attn, model.bf16)
 

@@ -68,7 +68,7 @@ import json
 import numpy as np
 
 from data.chat_demo import build_demo_chats, demo_conversation  # noqa: F401  (python -m data.chat_demo OUT.jsonl)
-from data.chat_ends import history_ends, probe_ends
+from data.chat_ends import history_ends, marked_header, probe_ends
 from data.chat_reasoning import as_rendered, dropped, refuse_dropped
 from data.chat_rows import ROLES, SHAREGPT_ROLES, RowError, empty_reply, normalize, row_format, turns_to_train  # noqa: F401
 from data.chat_rows import unicode_form as _nf
@@ -487,7 +487,8 @@ class ChatEncoder:
         edges = np.flatnonzero(np.diff(np.concatenate([[0], m, [0]])))
         runs = list(zip(edges[::2].tolist(), edges[1::2].tolist()))
         turns = [k for k, msg in enumerate(conv) if msg["role"] == "assistant"]
-        if len(runs) != len(turns) or ids != self._render(conv, tools=tools):  # merged or missing runs; another tokenization
+        if len(runs) != len(turns) or ids != self._render(conv, tools=tools) or (  # merged or missing runs, another
+                turns and marked_header(self, conv, ids, runs[0], turns[0])):  # tokenization, the header marked too
             return ids, None
         return ids, dict(zip(turns, runs))
 

@@ -85,3 +85,16 @@ def stops(tokenizer_path: str) -> set[int] | None:
         return None
     eos = eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else []
     return {int(i) for i in eos if isinstance(i, int)} or None
+
+
+def marked_header(enc, conv: list[dict], ids: list[int], run: tuple[int, int], k: int) -> bool:
+    """Whether a `{% generation %}` run (assistant turn `k`'s, from `return_assistant_tokens_mask`) starts with the
+    assistant's header, the generation prompt's text (SmolLM3 wraps `<|im_start|>assistant\\n` + reply +
+    `<|im_end|>\\n` whole): trained, the header and the newline after the end-of-turn would be learned, every row
+    counted as ending without an end-of-turn. data/chat.py then finds the turns by prefixes, as any template."""
+    try:
+        before, head = enc._text(conv[:k]), enc._text(conv[:k], True)
+    except RowError:
+        return False
+    header = head[len(before):].strip() if head.startswith(before) else ""
+    return bool(header) and enc.tok.hf.decode(ids[run[0]:run[1]]).lstrip().startswith(header)

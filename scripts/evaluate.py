@@ -159,7 +159,9 @@ def describe(path: str, tokenizer: str | None) -> dict:
             trainer = json.load(fh)
         tok = tokenizer or trainer.get("tokenizer")
         return {"kind": "checkpoint", "path": path, "step": trainer.get("step"), "stage": trainer.get("stage_name"),
-                "config": config, "tokenizer": tok, "sft_run": sft_run(trainer.get("config") or {})}
+                "config": config, "tokenizer": tok, "sft_run": sft_run(trainer.get("config") or {}),
+                "run_config": trainer.get("config") or {},  # its forward's settings (lean_rmsnorm, lean_mlp)
+                "optimizer_groups": trainer.get("optimizer_groups")}  # its optimizer's shape: the state loads so
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"{path}: not a Hugging Face folder (no config.json), a checkpoint (no {MANIFEST}) nor a run "
                          "folder (no checkpoints/LATEST)")
@@ -265,7 +267,7 @@ def evaluate_model(src: dict, a: argparse.Namespace, s: dict, dims) -> dict:
                             "output_dir": a.output_dir,
                             **{k: run[k] for k in ("lean_rmsnorm", "lean_mlp") if k in run}})  # the run's forward
     engine = build_engine(cfg, dims, src["hf_config"], src["attn"], src["bf16"], seed=0,
-                          pretrained=src["kind"] == "hf")
+                          pretrained=src["kind"] == "hf", split_decay=src.get("optimizer_groups") == 2)
     if src["kind"] == "checkpoint":
         # this evaluation's own folder: a conversion at another world size goes under --output_dir/universal/, never
         # into the run that wrote the checkpoint (another team's, or read-only: training/universal.py)

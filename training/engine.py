@@ -41,8 +41,28 @@ def features_of(cfg: Config) -> Features:
     return Features(**{n: getattr(cfg, n) for n in names})
 
 
+# the Hugging Face Trainer's (Trainer.get_decay_parameter_names): no weight decay on biases and norm gains
+NO_DECAY = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
+
+
+def param_groups(model, split: bool) -> list:
+    """The optimizer's parameters: with `split`, two groups as the Hugging Face Trainer builds them (the decayed ones,
+    then biases and norm gains with weight_decay 0; --weight_decay 0.1 pulled every RMSNorm gain toward 0 and decayed
+    Qwen's q/k/v biases), always both whatever --weight_decay (a resume that changes it keeps the optimizer's shape);
+    without, one group of all (what checkpoints written before the split hold: their state loads only so)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not split:
+        return [p for _, p in named]
+    from transformers.trainer_pt_utils import get_parameter_names
+
+    decay = set(get_parameter_names(model, [torch.nn.LayerNorm], NO_DECAY))
+    groups = [{"params": [p for n, p in named if n in decay]},
+              {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
 def build_engine(cfg: Config, dims: ParallelDims, hf_config, attn: str, bf16: bool, seed: int,
-                 ds_overrides: dict | None = None, pretrained: bool = True):
+                 ds_overrides: dict | None = None, pretrained: bool = True, split_decay: bool = True):
     """A DeepSpeed engine over the HF model (ZeRO-3, Ulysses x context-parallel SP when dims.sp > 1, our LR schedule).
     `pretrained=False`: a checkpoint is loaded next and replaces every weight; the HF weights are not read."""
     ask_cpu_once()  # DeepSpeed's CPU Adam and op loads ask py-cpuinfo: ~1.1 CPU-s each, once per process (base/env.py)
@@ -58,7 +78,7 @@ def build_engine(cfg: Config, dims: ParallelDims, hf_config, attn: str, bf16: bo
                            ring=features.ring_attention)
     engagement.arm(model, features)  # what each step's counters must reach (model_utils/engagement.py)
     progress.watch_layers(getattr(model.get_decoder(), "layers", None) or [])  # a hang judged per layer, not per phase
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = param_groups(model, split_decay)
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=params, config=ds_config, mpu=mpu,
         optimizer=make_optimizer(ds_config, cfg, params),  # AdamW from the flags when the JSON names none

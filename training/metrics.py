@@ -86,7 +86,7 @@ class MetricsLogger:
     """Rank 0 appends one JSON line per event to OUTPUT_DIR/metrics.jsonl and mirrors it to W&B."""
 
     def __init__(self, output_dir: str, is_main: bool, report_to: str, project: str, run_id: str | None,
-                 config: dict, total_steps: int, progress_bar: bool, resume_step: int = 0):
+                 config: dict, total_steps: int, progress_bar: bool, resume_step: int = 0, branch: bool = False):
         self.is_main = is_main
         self.path = os.path.join(output_dir, "metrics.jsonl")
         self.wandb = None
@@ -96,7 +96,7 @@ class MetricsLogger:
         if not is_main:
             return
         os.makedirs(self.eval_dir, exist_ok=True)
-        self._truncate(resume_step)
+        logged = self._truncate(resume_step)
         if wandb_enabled(report_to):
             import wandb
 
@@ -104,21 +104,25 @@ class MetricsLogger:
                 os.environ["WANDB_MODE"] = "offline"  # `wandb login`'s netrc alone does not sync: said once
                 print(f"W&B offline (runs under {output_dir}/wandb; `wandb sync` them): set WANDB_MODE=online or "
                       "WANDB_API_KEY to sync as the run goes", flush=True)
-            self.run_id = run_id or uuid.uuid4().hex[:8]
-            self.wandb = wandb.init(project=project, id=self.run_id, resume="allow", config=config,
+            self.run_id, group = run_id or uuid.uuid4().hex[:8], None
+            if run_id and branch and logged > resume_step:  # W&B keeps a run's steps increasing: the branch's steps
+                group, self.run_id = run_id, f"{run_id}-from{resume_step}"  # up to the old run's last would be dropped
+                print(f"W&B: this branch from step {resume_step} logs to run {self.run_id} (group {group}): run {run_id} "
+                      f"logged steps up to {logged}, which W&B would keep in place of the branch's", flush=True)
+            self.wandb = wandb.init(project=project, id=self.run_id, resume="allow", config=config, group=group,
                                     dir=output_dir, settings=wandb.Settings(console="off", silent=True))
         if progress_bar and sys.stderr.isatty():
             from tqdm import tqdm
 
             self.bar = tqdm(total=total_steps, dynamic_ncols=True, desc="train")
 
-    def _truncate(self, step: int) -> None:
+    def _truncate(self, step: int) -> int:
         """Drop lines of steps after the checkpoint we resume from: they will be trained again. A line that does
         not parse (a job killed mid-write leaves its last line torn) is dropped with one warning line: it would
-        otherwise stop rank 0 here at every requeue."""
+        otherwise stop rank 0 here at every requeue. Returns the last step on record before (0: none)."""
         if not os.path.exists(self.path):
-            return
-        keep, torn = [], 0
+            return 0
+        keep, torn, last = [], 0, 0
         with open(self.path, errors="replace") as fh:
             for ln in fh:
                 if not ln.strip():
@@ -129,7 +133,9 @@ class MetricsLogger:
                     rec = None
                 if not isinstance(rec, dict):
                     torn += 1
-                elif rec.get("step", 0) <= step:
+                    continue
+                last = max(last, rec.get("step", 0) if isinstance(rec.get("step", 0), int) else 0)
+                if rec.get("step", 0) <= step:
                     keep.append(ln if ln.endswith("\n") else ln + "\n")
         if torn:
             print0(f"warning: {self.path}: dropped {torn} unreadable line(s) (a job killed while writing); "
@@ -138,6 +144,7 @@ class MetricsLogger:
         with open(tmp, "w") as fh:
             fh.writelines(keep)
         os.replace(tmp, self.path)
+        return last
 
     def has_eval(self, stage: int) -> bool:
         return os.path.exists(os.path.join(self.eval_dir, f"stage{stage}.json"))

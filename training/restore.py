@@ -74,9 +74,11 @@ class TrainState:
     heldout: dict | None = None  # the held-out split the run made at its first start (data/pipeline.open_run_data)
     stage_sizes: list | None = None  # what sized each stage then: steps, tokens:N, epochs:E (curriculum.Stage)
     tokenizer_vocab: str | None = None  # whose ids it trained on (data/store.vocab_identity)
+    optimizer_groups: int | None = None  # 2: norms and biases in a group of their own (no decay); None / 1: one group
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "tokens": self.tokens, "stage": self.stage, "wandb_id": self.wandb_id}
+        return {"step": self.step, "tokens": self.tokens, "stage": self.stage, "wandb_id": self.wandb_id,
+                "optimizer_groups": self.optimizer_groups}
 
     def load_state_dict(self, d: dict) -> None:
         self.step, self.tokens, self.stage = int(d["step"]), int(d["tokens"]), int(d["stage"])
@@ -85,6 +87,7 @@ class TrainState:
         self.heldout = d.get("heldout")
         self.stage_sizes = d.get("stage_sizes")
         self.tokenizer_vocab = d.get("tokenizer_vocab")
+        self.optimizer_groups = d.get("optimizer_groups")
 
 
 def reset_adam_moments(optimizer) -> int:
@@ -108,6 +111,7 @@ class Restorer:
     """Find, verify and load checkpoints under `root` (Checkpointer's restore half: it sets these fields)."""
 
     root: str  # OUTPUT_DIR/checkpoints
+    branched: bool = False  # this start took a branch (--resume PATH / none, the first time)
     output_dir: str  # conversions go under OUTPUT_DIR/universal/
     settle_s: float  # how long a file this node cannot see yet is looked for again
     deadline: Deadline  # the job's end: bounds a universal conversion
@@ -186,6 +190,7 @@ class Restorer:
             if taken is None:
                 path = None if resume == "none" else self._checked(resume)
                 comm.run_on_main(lambda: branches.start(self.root, path, resume, self._listed()))
+                self.branched = True  # this start took it (its W&B steps restart below the run's: training/metrics.py)
                 return path
             print0(f"--resume {resume}: this branch was taken on {taken}: continuing from this run's newest complete "
                    f"checkpoint (docs/checkpoints.md)")

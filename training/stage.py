@@ -70,8 +70,13 @@ def train_stage(run: Run, stage, stages, state: TrainState) -> None:
     hf_config = copy.deepcopy(run.base_config)
     apply_rope(hf_config, stage.rope, stage.max_seq_length)
     scfg = stage_config(cfg, stage)
+    split = state.checkpoint is None or state.optimizer_groups == 2  # an older run's checkpoints hold one group
+    if not split and cfg.weight_decay and stage.index == state.stage:
+        print0("note: this run's checkpoints (written before optimizer groups) decay norm gains and biases too: kept "
+               "so that they load; a new run leaves them undecayed, as the Hugging Face Trainer does")
     engine = build_engine(scfg, sdims, hf_config, run.attn, run.bf16, seed=cfg.seed,
-                          ds_overrides=stage.deepspeed_overrides, pretrained=state.checkpoint is None)
+                          ds_overrides=stage.deepspeed_overrides, pretrained=state.checkpoint is None, split_decay=split)
+    state.optimizer_groups = 2 if split else 1
     _record_ds_config(run, stage, engine, state.step)
     dataset, sampler = run.data.stage_view(stage, sdims.dp, sdims.dp_rank, cfg.per_device_train_batch_size, cfg.seed)
     if dims.rank == 0:  # repeats and unread sources, said (data/coverage.py): printing only
@@ -243,6 +248,7 @@ def _log_step(run: Run, stage, sdims, state: TrainState, out: dict, lr: float, s
                      "label_tokens": out["label_tokens"],  # supervised tokens of the step (global; the loss's count)
                      **({"label_weight": out["label_weight"]} if "label_weight" in out else {}),
                      **({"optimizer_skipped": True} if out.get("skipped") else {}),  # no supervised token: no step
+                     **({"optimizer_skipped": "overflow"} if out.get("overflow") else {}),  # fp16: DeepSpeed's skip
                      "tokens_per_s": n / out["step_time"], "seq_len": stage.max_seq_length, "sp": sdims.sp,
                      "cp": sdims.cp,
                      "dp": sdims.dp, "peak_mem_gb": peak, "total_tokens": state.tokens,

@@ -74,4 +74,7 @@ def train_step(engine, micro_batches: list[dict[str, torch.Tensor]], world: int,
            "step_time": time.perf_counter() - t0}
     if any("loss_weights" in mb for mb in micro_batches):
         out["label_weight"] = n_weight
+    applied = getattr(engine, "was_step_applied", None)
+    if applied is not None and not applied():  # fp16's overflow: DeepSpeed skipped the update and the LR schedule
+        out["overflow"] = True  # (logged: the step counts, its update did not happen)
     return out

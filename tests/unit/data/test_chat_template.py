@@ -95,3 +95,23 @@ def test_a_parquet_struct_column_arrives_without_arrows_nulls(tmp_path, enc):
         ids, mask, _ = enc.encode({"messages": MSGS, "chat_template_kwargs": kw})
         s, n = int(p.starts[d]), int(p.lens[d])
         assert p.tokens.read(s, s + n).tolist() == ids and np.array_equal(p.mask.read(s, s + n), mask)
+
+
+def test_generation_markers_around_the_header_train_the_reply_alone(tmp_path, enc):
+    """SmolLM3 ships `{% generation %}` around `<|im_start|>assistant\\n` + reply + `<|im_end|>\\n`: the marked runs
+    trained the header and the newline after the end-of-turn, and every row was counted as ending without one."""
+    marked = SMOL_LIKE.replace("{%- for m in messages %}{% if m.role == 'assistant' %}<|im_start|>assistant\n",
+                               "{%- for m in messages %}{% if m.role == 'assistant' %}{% generation %}"
+                               "<|im_start|>assistant\n").replace("{{ m.content }}<|im_end|>\n{% else %}",
+                                                                  "{{ m.content }}<|im_end|>\n{% endgeneration %}{% else %}")
+    assert marked.count("generation %}") == 2
+    tok = AutoTokenizer.from_pretrained(enc.tok.path)
+    tok.chat_template = marked
+    tok.save_pretrained(str(tmp_path / "marked"))
+    marked_enc = ChatEncoder(Tokenizer(str(tmp_path / "marked")))
+    assert marked_enc.kind == "markers"
+    ids, mask, stats = marked_enc.encode({"messages": MSGS + [{"role": "user", "content": "And Rome?"},
+                                                              {"role": "assistant", "content": "Rainy."}]})
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])))
+    spans = [marked_enc.tok.hf.decode(ids[a:b]) for a, b in zip(edges[::2], edges[1::2])]
+    assert spans == ["It is sunny.<|im_end|>", "Rainy.<|im_end|>"] and stats.get("no_stop_rows", 0) == 0

@@ -287,6 +287,10 @@ def test_a_batch_without_supervised_token_does_not_step_the_optimizer():
         assert (e.sched.last_epoch, e.opt.param_groups[0]["lr"], e.steps) == (epoch, lr, 2)
     again, _, _ = run_ranks(engines[0].module, [[[PACKED]], [[LONG]]], 2, engines=engines)  # a supervised batch steps again
     assert not again.get("skipped") and all(e.steps == 3 for e in engines)
+    for e in engines:  # fp16's overflow: DeepSpeed skipped the update; the step says so (it was logged as trained)
+        e.was_step_applied = lambda: False
+    over, _, _ = run_ranks(engines[0].module, [[[PACKED]], [[LONG]]], 2, engines=engines)
+    assert over.get("overflow") and not again.get("overflow")
 
 
 @pytest.mark.parametrize("sp, cp, batches", [

@@ -374,3 +374,24 @@ def test_a_deepspeed_json_that_is_not_an_object_of_sections_is_one_line(tmp_path
     with pytest.raises(ValueError, match=rf"^--deepspeed {path}: ") as e:
         parse_config(["--deepspeed", str(path)])
     assert line in str(e.value) and "\n" not in str(e.value)
+
+
+def test_norm_gains_and_biases_are_not_decayed_as_the_hf_trainer_decides():
+    """--weight_decay 0.1 decayed every parameter: RMSNorm gains pulled toward 0, Qwen's q/k/v biases decayed. Two
+    groups now, the Trainer's own rule (names it decays, the rest at 0); one group for checkpoints written before."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, Trainer
+
+    from training.engine import param_groups
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "qwen2", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=64))
+    groups = param_groups(model, split=True)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = sorted(names[id(p)] for p in groups[0]["params"])
+    assert decayed == sorted(Trainer.get_decay_parameter_names(None, model))
+    assert groups[1]["weight_decay"] == 0.0 and {"model.norm.weight", "model.layers.0.self_attn.q_proj.bias"} <= {
+        names[id(p)] for p in groups[1]["params"]}
+    assert [g["weight_decay"] for g in torch.optim.AdamW(groups, weight_decay=0.1).param_groups] == [0.1, 0.0]
+    assert len(param_groups(model, split=False)) == len(list(model.parameters()))  # the older checkpoints' one group

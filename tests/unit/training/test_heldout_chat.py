@@ -61,8 +61,8 @@ def by_hand(tok: Tokenizer, row: dict) -> tuple[list[int], list[int]]:
     """(ids, target) of one row in the ChatML default written out without data/chat.py: `<|im_start|>{role}\n` +
     content + EOS + `\n`, the reply and its EOS the targets; a text pair: the completion and its EOS."""
     if isinstance(row.get("prompt"), str):
-        p, c = tok.encode(row["prompt"]), tok.encode(row["completion"]) + [tok.eos_id]
-        return p + c, [0] * len(p) + [1] * len(c)
+        p, whole = tok.encode(row["prompt"]), tok.encode(row["prompt"] + row["completion"]) + [tok.eos_id]
+        return whole, [0] * len(p) + [1] * (len(whole) - len(p))  # TRL's: one text, the prompt's ids not trained
     msgs = row.get("messages") or (row.get("prompt", []) + row.get("completion", [])) or [
         {"role": {"human": "user", "gpt": "assistant"}[t["from"]], "content": t["value"]} for t in row["conversations"]]
     ids, target = [], []

@@ -52,3 +52,26 @@ def test_wandb_gets_the_eval_table_at_its_step_and_says_it_is_offline(tmp_path, 
     m.log_table("eval/stage0", ["task"], [["passkey"]], step=2)
     assert logged[-1] == (["eval/stage0"], 2)
     m.close()
+
+
+def test_a_branch_from_an_earlier_step_logs_to_a_new_wandb_run(tmp_path, monkeypatch, capsys):
+    """W&B keeps a run's steps increasing: a branch (--resume PATH taken, after a loss spike) re-logging steps 5..10 of a run
+    that logged up to 10 had them dropped, the abandoned curve shown in their place. Such a branch logs to a run of
+    its own in the first run's group, said; a requeue (the same steps again, identical) keeps the run."""
+    import json
+    import types
+
+    from training.metrics import MetricsLogger
+
+    inits = []
+    run = types.SimpleNamespace(log=lambda *a, **kw: None, finish=lambda: None)
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(
+        init=lambda **kw: inits.append((kw["id"], kw.get("group"))) or run, Settings=lambda **kw: None))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    path = tmp_path / "metrics.jsonl"
+    for branch, want in ((False, ("ab12", None)), (True, ("ab12-from4", "ab12"))):
+        path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 11)))
+        m = MetricsLogger(str(tmp_path), True, "wandb", "p", "ab12", {}, 10, False, resume_step=4, branch=branch)
+        assert inits[-1] == want and m.run_id == want[0]  # the id every later checkpoint records
+        m.close()
+    assert "this branch from step 4 logs to run ab12-from4 (group ab12)" in capsys.readouterr().out

@@ -12,6 +12,7 @@ import dataclasses
 import signal
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -116,7 +117,7 @@ def stub_data(heldout):
     """The run's data as the stage loop reads it: one sample per batch, `heldout` for the stage's evaluation."""
     sampler = types.SimpleNamespace(next_batch=lambda: [0], state_dict=lambda: {}, source_shares=lambda: {})
     return types.SimpleNamespace(stage_view=lambda *a: ([0], sampler), pad_id=0, tokenizer=None, heldout=heldout,
-                                 heldout_split=None, tokenizer_vocab=None,
+                                 heldout_split=None, tokenizer_vocab=None, cut=np.array([1 << 40]),  # tokens
                                  reply_stops=lambda: [])
 
 
