@@ -135,6 +135,7 @@ class ChatEncoder:
         """What is read from the template once (end-of-turn tokens, thinking, reasoning forms): under its arguments."""
         self._eot, self._name_ids, self._added_ids, self._ends, self._stops, self._thinking = None, None, None, {}, None, None
         self.reasoning_renders = {}  # form -> whether the template renders a reply's reasoning; "nests" (data/chat_reasoning.py)
+        self._header = None  # the generation prompt's header text (data/chat_ends.marked_header)
 
     def bound(self, kw: dict) -> ChatEncoder:
         """This encoder rendering every time with the template arguments `kw` (a row's chat_template_kwargs), its
@@ -488,7 +489,7 @@ class ChatEncoder:
         runs = list(zip(edges[::2].tolist(), edges[1::2].tolist()))
         turns = [k for k, msg in enumerate(conv) if msg["role"] == "assistant"]
         if len(runs) != len(turns) or ids != self._render(conv, tools=tools) or (  # merged or missing runs, another
-                turns and marked_header(self, conv, ids, runs[0], turns[0])):  # tokenization, the header marked too
+                runs and marked_header(self, ids, runs[0])):  # tokenization, the header marked too
             return ids, None
         return ids, dict(zip(turns, runs))
 

@@ -87,14 +87,16 @@ def stops(tokenizer_path: str) -> set[int] | None:
     return {int(i) for i in eos if isinstance(i, int)} or None
 
 
-def marked_header(enc, conv: list[dict], ids: list[int], run: tuple[int, int], k: int) -> bool:
-    """Whether a `{% generation %}` run (assistant turn `k`'s, from `return_assistant_tokens_mask`) starts with the
-    assistant's header, the generation prompt's text (SmolLM3 wraps `<|im_start|>assistant\\n` + reply +
-    `<|im_end|>\\n` whole): trained, the header and the newline after the end-of-turn would be learned, every row
-    counted as ending without an end-of-turn. data/chat.py then finds the turns by prefixes, as any template."""
-    try:
-        before, head = enc._text(conv[:k]), enc._text(conv[:k], True)
-    except RowError:
-        return False
-    header = head[len(before):].strip() if head.startswith(before) else ""
-    return bool(header) and enc.tok.hf.decode(ids[run[0]:run[1]]).lstrip().startswith(header)
+def marked_header(enc, ids: list[int], run: tuple[int, int]) -> bool:
+    """Whether a `{% generation %}` run (from `return_assistant_tokens_mask`) starts with the assistant's header, the
+    generation prompt's text after a probe user turn, read once per encoder (SmolLM3 wraps `<|im_start|>assistant\n`
+    + reply + `<|im_end|>\n` whole): trained, the header and the newline after the end-of-turn would be learned, every
+    row counted as ending without an end-of-turn. data/chat.py then finds the turns by prefixes, as any template."""
+    if enc._header is None:
+        probe = [{"role": "user", "content": "Probe question one?"}]
+        try:
+            before, head = enc._text(probe), enc._text(probe, True)
+        except RowError:
+            before, head = "", ""
+        enc._header = head[len(before):].strip() if head.startswith(before) else ""
+    return bool(enc._header) and enc.tok.hf.decode(ids[run[0]:run[1]]).lstrip().startswith(enc._header)

@@ -8,11 +8,14 @@ trace as calls to tools never offered. They are passed to every render of the ro
 the same template whose probes are read under those arguments, since they may change what the template writes). A
 value the template does not read (its name absent from the template's text) would vanish from the trained tokens:
 refused in one line, as a tool list the template drops is (data/chat_tools.py); nulls are dropped (Arrow writes one
-for every key another row has), as is `false` for an argument the template never reads.
+for every key another row has), as are an empty value and a flag for an argument the template never reads (SmolTalk2's
+rows carry `custom_instructions: ""`, `python_tools: []`: nothing of them is lost on Qwen3's template). What a template
+reads is jinja's own list of the names it takes (`reads`).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 
 from data.chat_rows import RowError
@@ -39,6 +42,21 @@ def pick_template(own, template: str, path: str) -> str | None:
         raise ValueError(f"--chat_template {template!r}: tokenizer {path} has no named templates; use auto, chatml "
                          "or none")
     return own or None
+
+
+@functools.lru_cache(maxsize=16)
+def reads(template: str) -> frozenset | None:
+    """The names `template` reads from its context (jinja's undeclared variables, parsed by the environment transformers
+    renders with, its `{% generation %}` tag included); None where it does not parse (the name is then looked for in the
+    text: `thinking` inside `enable_thinking` passed, which Qwen3's template never reads)."""
+    try:
+        from jinja2 import meta
+        from transformers.utils.chat_template_utils import _cached_compile_jinja_template
+
+        env = _cached_compile_jinja_template(template).environment
+        return frozenset(meta.find_undeclared_variables(env.parse(template)))
+    except Exception:  # noqa: BLE001 (a template transformers itself could not compile refuses every row anyway)
+        return None
 
 
 def _empty(v) -> bool:
@@ -75,10 +93,12 @@ def row_kwargs(obj: dict, template: str | None, name: str) -> dict:
         if not (isinstance(k, str) and k.isidentifier()) or k in RESERVED:
             raise RowError(f"chat_template_kwargs: {k!r} is not a template argument a row can set "
                            f"({'apply_chat_template sets it' if k in RESERVED else 'not a name'}): drop it")
-        if v is None or v is False and (template is None or k not in template):
-            continue  # Arrow's null for a key another row has; a flag off that the template never reads
-        if template is None or k not in template:
-            raise RowError(f"chat_template_kwargs: {k}={v!r:.60} and {name if template else 'the ChatML default'} "
+        unread = template is None or k not in (reads(template) or template)
+        if v is None or unread and (_empty(v) or isinstance(v, bool)):
+            continue  # Arrow's null for a key another row has; an empty value or a flag the template never reads
+        if unread:
+            raise RowError(f"chat_template_kwargs: {k}={_plain(v)!r:.60} and "
+                           f"{name if template else 'the ChatML default'} "
                            "never reads it: the row would train as if it were not set; drop it, or use the tokenizer "
                            "whose template reads it")
         out[k] = _plain(v)
@@ -88,6 +108,7 @@ def row_kwargs(obj: dict, template: str | None, name: str) -> dict:
 def text_pair_kwargs(obj: dict) -> None:
     """A RowError where a prompt / completion of strings (no template renders it) carries template arguments."""
     value = obj.get("chat_template_kwargs")
-    if not _empty(value) and not (isinstance(value, dict) and all(v is None or v is False for v in value.values())):
+    if not _empty(value) and not (isinstance(value, dict) and all(
+            v is None or isinstance(v, bool) or _empty(v) for v in value.values())):  # what row_kwargs passes over
         raise RowError("chat_template_kwargs with a prompt / completion of strings, which no template renders: give "
                        "them as message lists (TRL's conversational form), or drop the arguments")

@@ -21,7 +21,7 @@ REPEAT_NOTE = 0.05  # a stage whose samples are at least this share trained befo
 
 def stage_tokens(stage, world: int, micro_batch: int, grad_accum: int) -> int:
     """The tokens a stage's steps draw (samples x length, padding included), all data-parallel ranks together."""
-    dp = max(1, world // (stage.sp * max(1, getattr(stage, "cp", 1) or 1)))
+    dp = max(1, world // stage.sp)  # the SP degree is Ulysses x context parallelism already (base/parallel.py)
     return stage.max_steps * stage.max_seq_length * micro_batch * grad_accum * dp
 
 

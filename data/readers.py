@@ -224,9 +224,10 @@ def _rows(unit: Unit, fields: Fields, start: int, batch_rows: int) -> Iterator[t
 
 CHAT_COLUMNS = (("messages",), ("conversations",), ("prompt", "completion"), ("instruction", "output"))  # data/chat.py's
 # row formats
-CHAT_EXTRAS = ("tools", "system", "input", "history", "chat_template_kwargs")  # carried with a chat row when the
-# table has them (data/chat_tools.py reads the tools, data/chat_rows.py the system prompt and an Alpaca row's input and
-# history, data/chat_template.py the template's arguments)
+CHAT_EXTRAS = ("tools", "system", "input", "history", "chat_template_kwargs", "label", "functions")  # carried with a
+# chat row when the table has them (data/chat_tools.py reads the tools, data/chat_rows.py the system prompt, an Alpaca
+# row's input and history, and refuses a KTO row's label and a legacy functions list; data/chat_template.py the
+# template's arguments)
 
 
 def _columns(unit: Unit, names: list[str], fields: Fields) -> tuple[str | tuple[str, ...], str | None]:

@@ -109,7 +109,9 @@ def legacy_rope(path: str) -> None:
     if "partial_rotary_factor" in params:
         target["partial_rotary_factor"] = params["partial_rotary_factor"]
     scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")}
-    target["rope_scaling"] = scaling if scaling.get("rope_type", "default") != "default" else None
+    if scaling.get("rope_type") == "longrope":  # 4.x's Phi3Config takes exactly these three (more: it refuses to load)
+        scaling = {"type": "longrope", "short_factor": scaling["short_factor"], "long_factor": scaling["long_factor"]}
+    target["rope_scaling"] = scaling if scaling.get("rope_type", scaling.get("type", "default")) != "default" else None
     with open(path, "w") as fh:
         json.dump(d, fh, indent=2, sort_keys=True)
 

@@ -71,7 +71,7 @@ def build_ds_config(cfg: Config, dims: ParallelDims, bf16: bool, hidden_size: in
     if scheduler is not None and not quiet:
         print0(f"warning: {cfg.deepspeed}: its \"scheduler\" block is ignored; this run uses its own per-stage "
                f"schedule ({cfg.lr_scheduler}, warmup {cfg.warmup_steps}, --learning_rate/--min_lr)")
-    if ds.get("activation_checkpointing"):  # DeepSpeed reads it only in deepspeed.checkpointing.checkpoint
+    if any((ds.get("activation_checkpointing") or {}).values()):  # read only by deepspeed.checkpointing.checkpoint
         raise ValueError(f"{cfg.deepspeed}: its activation_checkpointing block acts only through "
                          "deepspeed.checkpointing, which this project does not call: checkpoint layers with "
                          "--gradient_checkpointing / --checkpoint_every K, offload them with --offload_activations, "

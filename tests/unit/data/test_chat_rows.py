@@ -358,3 +358,18 @@ def test_rows_of_other_trainings_and_legacy_forms_are_refused_in_one_line(row, m
     with pytest.raises(RowError, match=match) as e:
         normalize(row)
     assert "\n" not in str(e.value)
+
+
+def test_a_kto_table_is_refused_as_its_jsonl_is(tmp_path):
+    """trl-lib/kto-mix-14k ships as Parquet: its `label` column did not travel with the chat columns, so the
+    label-false completions trained as wanted replies (the JSONL form was refused)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from data.readers import Fields, Unit, iter_rows
+
+    p, c = [{"role": "user", "content": "Is it safe?"}], [{"role": "assistant", "content": "Yes, always."}]
+    pq.write_table(pa.table({"prompt": [p], "completion": [c], "label": [False]}), tmp_path / "k.parquet")
+    (_, (row, _)), = iter_rows(Unit("k", "parquet", str(tmp_path / "k.parquet")), Fields())
+    with pytest.raises(RowError, match="unpaired preference"):
+        normalize(row)

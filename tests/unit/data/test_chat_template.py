@@ -57,12 +57,16 @@ def test_a_rows_template_arguments_are_in_every_render_of_it(enc):
     assert ids == enc.tok.encode(hf.apply_chat_template(MSGS, tokenize=False))
     assert "/think" in hf.decode(ids) and "<tools>" not in hf.decode(ids) and "<think>" not in hf.decode(ids)
     assert _trained(enc, ids, mask) == "It is sunny.<|im_end|>"
-    # a flag off that the template never reads changes nothing: passed over, as a null is
-    assert enc.encode({"messages": MSGS, "chat_template_kwargs": {"thinking": False}})[0] == ids
+    # a flag, or an empty value, that the template never reads changes nothing: passed over, as a null is
+    # (SmolTalk2's rows on another model's template: custom_instructions "", python_tools [])
+    for kw in ({"thinking": False}, {"thinking": True, "custom_instructions": "", "python_tools": np.array([])}):
+        assert enc.encode({"messages": MSGS, "chat_template_kwargs": kw})[0] == ids
 
 
 @pytest.mark.parametrize("kw, match", [
     ({"reasoning_effort": "high"}, r"reasoning_effort='high' and .* never reads it"),
+    ({"thinking": "on"}, r"thinking='on' and .* never reads it"),  # a substring of enable_thinking, which it reads
+    ({"custom_instructions": "Be brief."}, r"custom_instructions='Be brief.' and .* never reads it"),
     ({"add_generation_prompt": True}, "apply_chat_template sets it"),
     ("[1]", "a list, not an object"),
     ("{oops", "is not JSON"),
@@ -74,10 +78,10 @@ def test_template_arguments_it_cannot_honour_refuse_the_row(enc, kw, match):
 
 def test_a_text_pair_or_the_chatml_default_refuse_them(enc):
     with pytest.raises(RowError, match="prompt / completion of strings"):
-        enc.encode({"prompt": "a", "completion": "b", "chat_template_kwargs": {"enable_thinking": True}})
+        enc.encode({"prompt": "a", "completion": "b", "chat_template_kwargs": {"xml_tools": [TOOL]}})
     plain = ChatEncoder(enc.tok, template="chatml")
     with pytest.raises(RowError, match="the ChatML default never reads it"):
-        plain.encode({"messages": MSGS, "chat_template_kwargs": {"enable_thinking": True}})
+        plain.encode({"messages": MSGS, "chat_template_kwargs": {"xml_tools": [TOOL]}})
 
 
 def test_a_parquet_struct_column_arrives_without_arrows_nulls(tmp_path, enc):
@@ -110,8 +114,11 @@ def test_generation_markers_around_the_header_train_the_reply_alone(tmp_path, en
     tok.save_pretrained(str(tmp_path / "marked"))
     marked_enc = ChatEncoder(Tokenizer(str(tmp_path / "marked")))
     assert marked_enc.kind == "markers"
-    ids, mask, stats = marked_enc.encode({"messages": MSGS + [{"role": "user", "content": "And Rome?"},
-                                                              {"role": "assistant", "content": "Rainy."}]})
-    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])))
-    spans = [marked_enc.tok.hf.decode(ids[a:b]) for a, b in zip(edges[::2], edges[1::2])]
-    assert spans == ["It is sunny.<|im_end|>", "Rainy.<|im_end|>"] and stats.get("no_stop_rows", 0) == 0
+    for head in ([], [{"role": "assistant", "content": "Hello there."}]):  # an assistant turn first too: it was
+        # trained with its header; on the prefix path it is a turn with nothing before it, untrained and counted
+        ids, mask, stats = marked_enc.encode({"messages": head + MSGS + [{"role": "user", "content": "And Rome?"},
+                                                                         {"role": "assistant", "content": "Rainy."}]})
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])))
+        spans = [marked_enc.tok.hf.decode(ids[a:b]) for a, b in zip(edges[::2], edges[1::2])]
+        assert spans == ["It is sunny.<|im_end|>", "Rainy.<|im_end|>"] and stats.get("no_stop_rows", 0) == 0
+        assert stats["untrained_turns"] == len(head)

@@ -131,7 +131,7 @@ def test_stage_view_mixes_sources_with_length_filter(tmp_path):
     # what a stage's steps draw, said at its start (data/coverage.py): 10 steps x 5 samples x 16 tokens = 800 tokens,
     # 40% of them (320) from 'short', whose 12 samples hold 192: drawn 1.7 times over; a stage of books alone leaves
     # web (its 197 training tokens of 897) unread; the whole stream drawn by a stage after another one repeats tokens
-    from data.coverage import draw_notes
+    from data.coverage import draw_notes, stage_tokens
 
     for st in stages + (more := [_stage(1, 16, {"books": 1}), _stage(2, 16, None), _stage(3, 16, None)]):
         st.max_steps, st.sp, st.cp = 10, 1, 1
@@ -142,6 +142,8 @@ def test_stage_view_mixes_sources_with_length_filter(tmp_path):
     assert only_books == ["note: stage 1 (s1): source(s) ['web'] (22% of the training tokens) are in no component of "
                           "its data: this stage does not train on them"]
     assert draw_notes(data, stages + more, more[1], world=1, micro_batch=1, grad_accum=1) == []  # the first on it
+    # SP 4 as Ulysses 2 x context parallel 2 on 8 ranks: 2 data-parallel groups
+    assert stage_tokens(types.SimpleNamespace(max_steps=10, max_seq_length=16, sp=4, cp=2), 8, 1, 1) == 10 * 16 * 2
     repeat = draw_notes(data, stages + more, more[2], world=2, micro_batch=1, grad_accum=2)  # 640 of 897 tokens each
     assert repeat == ["note: stage 3 (s3) draws its samples from the whole stream again, independently of stage(s) "
                       "[2]: about 71% of its tokens were trained by them, and after it about 8% of the stream's 897 "

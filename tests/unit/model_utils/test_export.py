@@ -185,11 +185,16 @@ def test_the_export_writes_rope_also_as_transformers_4_reads_it(tmp_path):
              (AutoConfig.for_model("gemma3_text", **tiny, head_dim=16, rope_parameters={
                  "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
                  "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
-              1e6, {"rope_type": "linear", "factor": 8.0}, 1e4)]
+              1e6, {"rope_type": "linear", "factor": 8.0}, 1e4),
+             (AutoConfig.for_model("phi3", **tiny, max_position_embeddings=131072, original_max_position_embeddings=4096,
+                                   rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8,
+                                                 "long_factor": [4.0] * 8}),  # 4.x's Phi3Config takes these three only
+              1e4, {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [4.0] * 8}, None)]
     for i, (config, theta, scaling, local) in enumerate(cases):
         out = tmp_path / str(i)
         config.save_pretrained(out)
         legacy_rope(str(out / "config.json"))
         raw = json.loads((out / "config.json").read_text())
         assert (raw["rope_theta"], raw["rope_scaling"], raw.get("rope_local_base_freq")) == (theta, scaling, local)
-        assert AutoConfig.from_pretrained(out).rope_parameters == config.rope_parameters
+        back = AutoConfig.from_pretrained(out).rope_parameters  # (4.x's `type` key kept beside rope_type: unread)
+        assert {k: v for k, v in back.items() if k != "type"} == config.rope_parameters
