@@ -47,10 +47,35 @@ def _ask(cmd: list[str], tries: int = 3) -> str | None:
     return None
 
 
-def _from_json(text: str | None) -> tuple[str, str] | None:
+def _number(v):
+    """A JSON id as an int: a plain number, or data_parser v0.0.40's {"set": true, "number": N}."""
+    if isinstance(v, dict):
+        v = v.get("number") if v.get("set", True) else None
     try:
-        job = json.loads(text or "")["jobs"][0]
-    except (ValueError, KeyError, IndexError, TypeError):
+        return int(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def _record(jobs: list, job: str):
+    """The record of `job` among what `scontrol --json show job` gives: for an array task (A_T), scontrol loads
+    array A whole and dumps every record, the array's head (PENDING while tasks wait, else the last task to start)
+    first (src/scontrol/info_job.c scontrol_print_job; src/slurmctld/job_mgr.c pack_one_job): jobs[0] read the head's
+    state for the task's (a scancel of the task requeued, a time limit taken as requeued by Slurm). None: not there."""
+    if "_" in job:
+        a, t = (_number(x) for x in job.split("_", 1))
+        return next((j for j in jobs if _number(j.get("array_job_id")) == a
+                     and _number(j.get("array_task_id")) == t), None)
+    ids = [_number(j.get("job_id")) for j in jobs]
+    return jobs[ids.index(_number(job))] if _number(job) in ids else (jobs[0] if jobs else None)
+
+
+def _from_json(text: str | None, job: str = "") -> tuple[str, str] | None:
+    try:
+        job = _record(json.loads(text or "")["jobs"], job)
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return None
+    if not isinstance(job, dict):
         return None
     states = job.get("job_state")
     states = states if isinstance(states, list) else [states]
@@ -62,7 +87,7 @@ def _from_json(text: str | None) -> tuple[str, str] | None:
 def base_state(job: str, ask=_ask, env=None, now=None) -> tuple[str, str]:
     """(base state, reason) of job `job` (module docstring); ("", "") when slurmctld cannot be asked at all."""
     env = os.environ if env is None else env
-    got = _from_json(ask(["scontrol", "--json", "show", "job", job], tries=2))
+    got = _from_json(ask(["scontrol", "--json", "show", "job", job], tries=2), job)
     if got:
         return got
     text = ask(["scontrol", "show", "job", job])

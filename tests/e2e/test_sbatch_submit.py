@@ -107,3 +107,17 @@ def test_a_requeue_that_cannot_see_the_jobs_checkpoints_is_refused(tmp_path, lat
     else:
         assert job.returncode == 2 and "holds none of this job's checkpoints (step 500" in text, text
         assert not (tmp_path / "fake.log").exists()
+
+
+def test_a_heterogeneous_job_is_refused_and_the_step_waits_for_every_node(tmp_path):
+    """`#SBATCH hetjob`: srun without --het-group starts on component 0 alone, the others idle the whole run: refused
+    in one line. The step runs with --wait=0: a site's WaitTime ended it that long after the first launcher's exit,
+    while node 0 still exported the model (no COMPLETE; the same at every resubmission)."""
+    het = sbatch(tmp_path, "0", ["--output_dir", str(tmp_path / "out")], SLURM_HET_SIZE="2")
+    out = het.communicate(timeout=60)[0]
+    assert het.returncode == 2 and "a heterogeneous job (2 components)" in out, out
+    job = sbatch(tmp_path, "0", ["--output_dir", str(tmp_path / "out")], SRUN_LOG=str(tmp_path / "srun.log"),
+                 FAKE_COMPLETE=str(tmp_path / "out" / "COMPLETE"))
+    out = job.communicate(timeout=60)[0]
+    assert job.returncode == 0, out
+    assert "--wait=0" in (tmp_path / "srun.log").read_text().split()

@@ -47,3 +47,23 @@ def test_the_end_time_reached_is_a_timeout_when_nothing_else_says():
     ask = asker(None, "COMPLETING")
     assert base_state("7", ask=ask, env={"SLURM_JOB_END_TIME": "1000"}, now=1000.5) == ("TIMEOUT", "None")
     assert base_state("7", ask=ask, env={"SLURM_JOB_END_TIME": "1000"}, now=900) == ("COMPLETING", "None")
+
+
+def test_an_array_tasks_state_is_its_own_record():
+    """`scontrol --json show job 1234_3` dumps array 1234 whole, its head first (PENDING while tasks wait, else the
+    last task to start): jobs[0] read the head's state for the task's, so a scancel of task 3 while the head ran was
+    requeued, and a time limit while it waited was taken as requeued by Slurm. The task's own record is read (the
+    ids as data_parser v0.0.40 writes them, {"set", "number"}); a JSON without it falls back to the text."""
+    def rec(job_id, task, state):
+        return {"job_id": job_id, "array_job_id": {"set": True, "number": 1234},
+                "array_task_id": {"set": True, "number": task}, "job_state": [state], "state_reason": "None"}
+
+    dump = json.dumps({"jobs": [rec(1234, 9, "RUNNING"), rec(1236, 2, "RUNNING"), rec(1237, 3, "CANCELLED")]})
+
+    def ask(cmd, tries=3):
+        return dump if cmd[:2] == ["scontrol", "--json"] else TEXT.format("COMPLETING", "None") \
+            if cmd[0] == "scontrol" else None
+
+    assert base_state("1234_3", ask=ask, env={}) == ("CANCELLED", "None")
+    assert base_state("1237", ask=ask, env={}) == ("CANCELLED", "None")  # by its own job id too
+    assert base_state("1234_5", ask=ask, env={}) == ("COMPLETING", "None")  # not in the dump: the text's
