@@ -122,9 +122,9 @@ def _check_devices(index: int, visible: int) -> None:
     line = devices.duplicates(readings)
     if line:
         raise ValueError(line)
-    note = devices.one_each_line(readings)
-    if note and dist.get_rank() == 0:
-        print(f"warning: {note}", flush=True)
+    for note in (devices.one_each_line(readings), devices.idle_line(readings)):
+        if note and dist.get_rank() == 0:
+            print(f"warning: {note}", flush=True)
 
 
 def shutdown() -> None:

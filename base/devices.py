@@ -45,6 +45,17 @@ def one_each_line(readings: list[tuple[str, int, str | None]]) -> str | None:
     return None
 
 
+def idle_line(readings: list[tuple[str, int, str | None]]) -> str | None:
+    """Rank 0's line where a node's ranks are fewer than the GPUs each of them sees (`srun python train.py` under
+    --gpus-per-node=8 without --ntasks-per-node=8: one task a node, 7 GPUs idle the whole run); None otherwise."""
+    for host in dict.fromkeys(h for h, _, _ in readings):
+        seen = [n for h, n, _ in readings if h == host]
+        if min(seen) > len(seen):
+            return (f"gpus: {host} runs {len(seen)} rank(s), each seeing {min(seen)} GPUs: {min(seen) - len(seen)} "
+                    f"idle; srun --ntasks-per-node={min(seen)} (or the launcher's --num_gpus) uses them all")
+    return None
+
+
 def duplicates(readings: list[tuple[str, int, str | None]]) -> str | None:
     """One line naming ranks that would drive the same GPU (same host, same device UUID), None when each has its
     own (or no UUID is known)."""

@@ -139,6 +139,10 @@ def test_ranks_on_one_gpu_are_named_and_one_gpu_a_task_is_said():
     assert devices.duplicates(per_task) is None and "--gpus-per-task=1" in devices.one_each_line(per_task)
     assert devices.one_each_line([("a", 1, "GPU-0"), ("b", 1, "GPU-0")]) is None  # one rank a node: nothing to say
     assert devices.duplicates([("a", 1, None), ("a", 1, None)]) is None  # no UUID known: NCCL says it
+    # fewer ranks on a node than the GPUs each sees (srun python train.py under --gpus-per-node=8 alone): said
+    assert devices.idle_line(node) == ("gpus: a runs 4 rank(s), each seeing 8 GPUs: 4 idle; srun --ntasks-per-node=8 "
+                                       "(or the launcher's --num_gpus) uses them all")
+    assert devices.idle_line(per_task) is None and devices.idle_line([("a", 2, "x"), ("a", 2, "y")]) is None
 
 
 def test_the_device_check_gathers_every_rank_on_the_host_group(monkeypatch, capsys):
