@@ -217,7 +217,7 @@ class ChatEncoder:
         tools = row_tools(obj)  # the row's top-level tool definitions, passed to every render of it
         if kind == "text_pair":
             text_pair_kwargs(obj)
-        elif (kw := row_kwargs(obj, self.template, self.name)) != self._row_kw:
+        elif (kw := row_kwargs(obj, self.template, self.name, conv)) != self._row_kw:
             return self.bound(kw).encode(obj)  # the row's template arguments, in every render of it
         if kind == "text_pair" and tools:
             raise RowError(f"tools {tool_names(tools)} with a prompt / completion of strings, which no template "

@@ -4,6 +4,8 @@ Reasoning reaches a template two ways: a reply's `reasoning_content` / `thinking
 gpt-oss's; transformers gives a template both), or the content's `<think>...</think>` block (OpenThoughts, s1K,
 Mixture-of-Thoughts rows). Templates treat them three ways, read in their stored copies:
 - they render it (Qwen3, gpt-oss; any template that prints the content verbatim renders a think block as text);
+  a template with a place of its own for the field that prints a content think block as answer text (gpt-oss: the
+  field in its analysis channel, the block inside the final one) refuses the content form in one line (`as_text`);
 - they render it only for the replies after the last user turn, as at inference (Qwen3, gpt-oss: the history's
   reasoning dropped): those replies train without it, counted (`dropped_reasoning`) and warned in the summary;
 - they never render it (every template with no reasoning branch drops the field; DeepSeek-R1's cuts the content at
@@ -56,6 +58,7 @@ def _renders(enc, form: str) -> bool | None:
                 except RowError:
                     continue
                 cache[form] = _WHY in text
+                cache[f"{form} tag"] = "<think>" in text[text.index(_ASK["content"]):]  # the tag written as text
                 if form == "content":  # the template's own <think> before the content's (Nemotron-Nano-v2's last
                     # reply, Kimi-K2-Thinking's <think></think>): a block nested in a second opening
                     cache["nests"] = text[text.index(_ASK["content"]):].count("<think>") > 1
@@ -63,10 +66,23 @@ def _renders(enc, form: str) -> bool | None:
     return cache[form]
 
 
+def as_text(enc) -> bool:
+    """Whether the template renders a reasoning field in a place of its own (gpt-oss's analysis channel: no <think> tag
+    written) and prints a content think block as answer text (inside its final channel): OpenThoughts-shaped rows
+    would teach it to write its reasoning to the user and never use the channel."""
+    return bool(_renders(enc, "content") and _renders(enc, "field") and enc.reasoning_renders.get("content tag")
+                and not enc.reasoning_renders.get("field tag"))
+
+
 def refuse_dropped(enc, conv: list[dict], turns: list[int]) -> None:
-    """A RowError, one line, where a reply to train carries reasoning in a form `enc`'s template never renders."""
+    """A RowError, one line, where a reply to train carries reasoning in a form `enc`'s template never renders, or
+    renders as answer text beside a place of its own for it (`as_text`)."""
     for k in turns:
         got = reasoning(conv[k])
+        if got and got[0] == "content" and as_text(enc):
+            raise RowError(f"message {k} (assistant): {enc.name} renders reasoning given as thinking / "
+                           "reasoning_content in a place of its own, and the content's think block as answer text: "
+                           "give the reasoning as the reply's thinking (or reasoning_content) field")
         if got and got[0] == "content" and _renders(enc, "content") and enc.reasoning_renders.get("nests"):
             try:  # the block opened by the generation prompt (Nemotron-Nano-v2's): reasoning</think>answer completes it
                 opens = enc._text([_ASK], gen=True).rstrip().endswith("<think>")

@@ -74,9 +74,12 @@ def _plain(v):
     return v
 
 
-def row_kwargs(obj: dict, template: str | None, name: str) -> dict:
+def row_kwargs(obj: dict, template: str | None, name: str, conv: list | None = None) -> dict:
     """The row's `chat_template_kwargs` (an object, or JSON text of one) that `template` (None: the ChatML default)
-    renders with; empty values dropped. RowError, one line, for another form, a reserved or unread key."""
+    renders with; empty values dropped. RowError, one line, for another form, a reserved or unread key, and thinking
+    turned off (enable_thinking / thinking false) in a row whose replies (`conv`) carry reasoning: the generation
+    prompt then closes an empty thinking block, so no reply with reasoning can follow it (each was left untrained,
+    with another turn's reason)."""
     value = obj.get("chat_template_kwargs") if isinstance(obj, dict) else None
     if value is None or isinstance(value, str) and not value.strip():
         return {}
@@ -102,6 +105,12 @@ def row_kwargs(obj: dict, template: str | None, name: str) -> dict:
                            "never reads it: the row would train as if it were not set; drop it, or use the tokenizer "
                            "whose template reads it")
         out[k] = _plain(v)
+    off = [k for k in ("enable_thinking", "thinking") if out.get(k) is False]
+    why = next((i for i, m in enumerate(conv or []) if m.get("role") == "assistant" and (
+        m.get("reasoning_content") or m.get("thinking") or "</think>" in m.get("content", ""))), None)
+    if off and why is not None:
+        raise RowError(f"chat_template_kwargs: {off[0]}=false and message {why} (assistant) carries reasoning, which "
+                       "the template's prompt without thinking leaves no place for: drop the reasoning, or the argument")
     return out
 
 

@@ -79,10 +79,13 @@ def train_stage(run: Run, stage, stages, state: TrainState) -> None:
     state.optimizer_groups = 2 if split else 1
     _record_ds_config(run, stage, engine, state.step)
     dataset, sampler = run.data.stage_view(stage, sdims.dp, sdims.dp_rank, cfg.per_device_train_batch_size, cfg.seed)
-    if dims.rank == 0:  # repeats and unread sources, said (data/coverage.py): printing only
-        for line in draw_notes(run.data, stages, stage, dims.world, cfg.per_device_train_batch_size,
-                               cfg.gradient_accumulation_steps):
-            print0(line)
+    if dims.rank == 0:  # repeats and unread sources, said (data/coverage.py): printing only, and never a stop (the
+        try:  # others wait for rank 0 in the restore's collectives)
+            for line in draw_notes(run.data, stages, stage, dims.world, cfg.per_device_train_batch_size,
+                                   cfg.gradient_accumulation_steps):
+                print0(line)
+        except Exception as e:  # noqa: BLE001
+            print0(f"warning: stage {stage.index}'s data notes failed ({type(e).__name__}: {e}); training goes on")
     if not run.ckpt.restore_stage(engine, state, stage.index, sampler, stage.reset_optimizer):
         torch.manual_seed(cfg.seed + 1000 * stage.index + dims.rank)  # a stage's start: a seed per stage and rank
     preempt.deadline.record_build(time.perf_counter() - t_build)

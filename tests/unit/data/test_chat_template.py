@@ -70,10 +70,16 @@ def test_a_rows_template_arguments_are_in_every_render_of_it(enc):
     ({"add_generation_prompt": True}, "apply_chat_template sets it"),
     ("[1]", "a list, not an object"),
     ("{oops", "is not JSON"),
+    ({"enable_thinking": False, "reasoning": True}, r"enable_thinking=false and message 1 \(assistant\) carries "
+                                                     "reasoning"),
 ])
 def test_template_arguments_it_cannot_honour_refuse_the_row(enc, kw, match):
+    """(Thinking off with a reply carrying reasoning: each such reply was left untrained, with another turn's reason.)"""
+    msgs = MSGS
+    if isinstance(kw, dict) and kw.pop("reasoning", False):
+        msgs = [MSGS[0], {"role": "assistant", "content": "<think>\nSun.\n</think>\n\nIt is sunny."}]
     with pytest.raises(RowError, match=match):
-        enc.encode({"messages": MSGS, "chat_template_kwargs": kw})
+        enc.encode({"messages": msgs, "chat_template_kwargs": kw})
 
 
 def test_a_text_pair_or_the_chatml_default_refuse_them(enc):
