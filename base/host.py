@@ -99,7 +99,20 @@ def node_size_agreement(readings: list[tuple[str, int]]) -> tuple[int, str]:
     consecutive ranks, no Ulysses group (consecutive ranks too) straddles two nodes (the smallest node would not
     do: nodes of 8 and 6 take 2, not 6). Where no launcher says, the ranks' hosts do when there are several (the
     gcd of the runs of consecutive ranks on one host); one host and no launcher: 0 (unknown, no node limit)."""
+    runs, last = [], None  # the runs of consecutive ranks on one host
+    for host, _ in readings:
+        if host == last:
+            runs[-1] += 1
+        else:
+            runs.append(1)
+            last = host
+    several = len({h for h, _ in readings}) > 1
     known = [n for _, n in readings if n > 0]
+    if known and several and math.gcd(*runs) < math.gcd(*known):  # srun -m cyclic (or a hostfile's order): a node's
+        size = math.gcd(*runs)  # ranks are not consecutive, every Ulysses group of the launchers' size spanned nodes
+        return size, (f"node size: the launchers say {math.gcd(*known)} ranks per node, but a node's ranks are not "
+                      f"consecutive (srun -m cyclic?): every rank takes {size}, so no Ulysses group straddles a node; "
+                      "srun -m block keeps a node's ranks together")
     if known:
         size = math.gcd(*known)
         hosts: dict[int, list[str]] = {}
@@ -113,14 +126,7 @@ def node_size_agreement(readings: list[tuple[str, int]]) -> tuple[int, str]:
         return size, (f"node size: the launchers report different node sizes ({said}): every rank takes {size}, their "
                       "greatest common divisor, so no Ulysses group straddles a node; gpus_per_node in the recipe "
                       "overrides it")
-    runs, last = [], None
-    for host, _ in readings:
-        if host == last:
-            runs[-1] += 1
-        else:
-            runs.append(1)
-            last = host
-    if len({h for h, _ in readings}) > 1:
+    if several:
         size = math.gcd(*runs)
         return size, f"node size: no launcher says; {size} ranks per node from the ranks' hosts (consecutive ranks on one host)"
     return 0, "node size: no launcher says and every rank is on one host: no node limit on the Ulysses groups"

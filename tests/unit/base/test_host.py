@@ -68,6 +68,9 @@ def test_deepspeed_launcher_keeps_ulysses_inside_a_node(monkeypatch):
     ([("n0", 8)] * 8 + [("n1", 0)] * 8, 8, "8 ranks per node"),  # a rank whose launcher says nothing: the others do
     ([("n0", 0)] * 8 + [("n1", 0)] * 4, 4, "4 ranks per node from the ranks' hosts"),  # no launcher, several hosts
     ([("n0", 0)] * 4, 0, "no node limit"),  # no launcher, one host: unknown (split_sp gets None)
+    # srun -m cyclic: rank r on node r mod 2, the launchers saying 8: every Ulysses group of 8 spanned both nodes
+    ([(f"n{r % 2}", 8) for r in range(16)], 1, "a node's ranks are not consecutive (srun -m cyclic?): every rank "
+                                               "takes 1"),
 ])
 def test_uneven_nodes_agree_on_one_node_size(readings, size, words):
     got, line = host.node_size_agreement(readings)
