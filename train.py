@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     from base.log import print0
     from data.pipeline import open_run_data
     from model_utils.attention import resets_positions
-    from model_utils.export import export_hf
+    from model_utils.export import export_hf, exported_from
     from model_utils.memory import configure_allocator
     from model_utils.rope import model_hash
     from training.checkpoint import Checkpointer
@@ -97,9 +97,12 @@ def main(argv: list[str] | None = None) -> int:
     comm.barrier()
     comm.shutdown()
     if dims.is_main:
-        if cfg.export_hf:
-            out = export_hf(state.checkpoint, os.path.join(cfg.output_dir, "hf_model"),
-                            data.tokenizer and data.tokenizer.path, source=cfg.model_name_or_path, owned=True,
+        out = os.path.join(cfg.output_dir, "hf_model")
+        if cfg.export_hf and state.checkpoint and exported_from(out) == os.path.abspath(state.checkpoint):  # again
+            print0(f"{out} is already the export of {state.checkpoint}")  # (a dependency chain's next link)
+        elif cfg.export_hf:
+            out = export_hf(state.checkpoint, out, data.tokenizer and data.tokenizer.path,
+                            source=cfg.model_name_or_path, owned=True,
                             stops=data.reply_stops())  # a chat SFT's end-of-turn: generation stops on it
             print0(f"exported {out}")
         with open(os.path.join(cfg.output_dir, "COMPLETE"), "w") as fh:

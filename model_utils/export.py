@@ -87,6 +87,15 @@ def sentencepiece_ids(path: str) -> tuple[int | None, int | None, int | None]:
     return tuple(i if i >= 0 else None for i in (sp.bos_id(), sp.eos_id(), sp.pad_id()))
 
 
+def exported_from(out_dir: str) -> str | None:
+    """The checkpoint a finished export in `out_dir` was written from (its MARKER), None where there is none."""
+    try:
+        with open(os.path.join(out_dir, MARKER)) as fh:
+            return json.load(fh).get("checkpoint")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def legacy_rope(path: str) -> None:
     """config.json at `path` also in the RoPE layout of transformers before 5 (rope_theta, rope_scaling; Gemma 3's
     rope_local_base_freq), beside transformers 5's rope_parameters: a loader on 4.x (vLLM and converters pinned to

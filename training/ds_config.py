@@ -144,9 +144,9 @@ def _check_scheduler(block, cfg: Config) -> None:
         value = params.get(key, "auto")
         if value != "auto" and value != getattr(cfg, field):
             raise ValueError(f"{cfg.deepspeed}: its scheduler block's {key}={value} is not what this run trains with "
-                             f"({flag} {getattr(cfg, field)}): this run schedules per stage (--learning_rate, "
-                             f"--warmup_steps, --lr_scheduler, --min_lr, or a recipe's stage values): pass {flag} "
-                             f"{value} and drop the block, or set its values to \"auto\"")
+                             f"({flag} {getattr(cfg, field)}, or the stage's own in a recipe): this run schedules per "
+                             f"stage (--learning_rate, --warmup_steps, --lr_scheduler, --min_lr, a recipe's stage "
+                             f"values): give {value} there ({flag}) and drop the block, or set its values to \"auto\"")
 
 
 class _OneReplica:

@@ -52,6 +52,10 @@ def test_train_then_export_then_eval_summary(tmp_path):
     assert f"Evaluation of {run}" in out and "passkey" in out
     tool("scripts/plot_metrics.py", str(run / "metrics.jsonl"))  # the PNG next to the metrics (its default)
     assert (run / "metrics.png").stat().st_size > 0
+    # the finished run started again (a dependency chain's next link): nothing trained, the export it has is kept
+    # (it was written again: minutes and 32 GB of host memory at 8B, on the whole allocation, at every link)
+    again = tool("train.py", "--output_dir", str(run)).stdout
+    assert f"{run / 'hf_model'} is already the export of" in again and "exported" not in again
 
 
 def test_prepare_data(tmp_path):

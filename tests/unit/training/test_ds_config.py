@@ -348,7 +348,8 @@ def test_blocks_this_run_would_not_honour_are_one_line(tmp_path):
                                                  "total_num_steps": 100000}}
     path = write(tmp_path, {**base, "scheduler": sched})
     with pytest.raises(ValueError, match=r"warmup_max_lr=0.0003 is not what this run trains with \(--learning_rate "
-                                         r"2e-05\).* pass --learning_rate 0.0003 and drop the block"):
+                                         r"2e-05, or the stage's own in a recipe\).* give 0.0003 there "
+                                         r"\(--learning_rate\) and drop the block"):
         resolve(["--deepspeed", path])
     assert "scheduler" not in resolve(["--deepspeed", path, "--learning_rate", "3e-4", "--warmup_steps", "2000"])[1]
     ckpt = write(tmp_path, {**base, "activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True}})
