@@ -38,7 +38,7 @@ def draw_notes(data, stages, stage, world: int, micro_batch: int, grad_accum: in
     notes = []
     if not _whole_stream(stage):
         comps = parse_mixture(stage.data)
-        mix = data.mixture(stage)
+        mix = data.viewed_mixture(stage)  # the one the stage trains from: not built twice (O(documents) on rank 0)
         weights = np.asarray([c.weight for c in comps]) / sum(c.weight for c in comps)
         over = [f"{n!r} {tokens * w / (size * stage.max_seq_length):.1f}x ({size} samples)"
                 for n, w, size in zip(mix.names, weights, mix.sizes) if tokens * w > size * stage.max_seq_length]

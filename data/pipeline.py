@@ -305,8 +305,17 @@ class RunData:
         return (ReplayDataset(dataset, {n: v[0] for n, v in short.items()}),
                 ReplaySampler(sampler, {n: v[1] for n, v in short.items()}, replay, stage.max_seq_length, micro_batch))
 
+    def viewed_mixture(self, stage) -> MixtureDataset | None:
+        """The mixture the stage's view trains from (built by `stage_view`), else a new one (data/coverage.py)."""
+        key = (stage.index, stage.max_seq_length, getattr(stage, "kind", "text"))
+        got = getattr(self, "_viewed", {})
+        return got[key] if key in got else self.mixture(stage)
+
     def _view(self, stage, dp: int, dp_rank: int, micro_batch: int, seed: int):
         mix = self.mixture(stage)
+        if not hasattr(self, "_viewed") or stage.index not in {k[0] for k in self._viewed}:
+            self._viewed = {}  # the current stage's only: a later stage's view drops the earlier's
+        self._viewed[(stage.index, stage.max_seq_length, getattr(stage, "kind", "text"))] = mix
         if mix is not None:
             weights = [c.weight for c in parse_mixture(stage.data)]
             dataset, sampler = mix, MixtureSampler(mix.sizes, weights, mix.names, dp, dp_rank, micro_batch,
