@@ -66,6 +66,14 @@ def _renders(enc, form: str) -> bool | None:
     return cache[form]
 
 
+def _opens(enc) -> bool:
+    """Whether the template's generation prompt opens a think block (the reply then completes it)."""
+    try:
+        return enc._text([_ASK], gen=True).rstrip().endswith("<think>")
+    except RowError:
+        return False
+
+
 def as_text(enc) -> bool:
     """Whether the template renders a reasoning field in a place of its own (gpt-oss's analysis channel: no <think> tag
     written) and prints a content think block as answer text (inside its final channel): OpenThoughts-shaped rows
@@ -84,10 +92,7 @@ def refuse_dropped(enc, conv: list[dict], turns: list[int]) -> None:
                            "reasoning_content in a place of its own, and the content's think block as answer text: "
                            "give the reasoning as the reply's thinking (or reasoning_content) field")
         if got and got[0] == "content" and _renders(enc, "content") and enc.reasoning_renders.get("nests"):
-            try:  # the block opened by the generation prompt (Nemotron-Nano-v2's): reasoning</think>answer completes it
-                opens = enc._text([_ASK], gen=True).rstrip().endswith("<think>")
-            except RowError:
-                opens = False
+            opens = _opens(enc)  # the block opened by the generation prompt (Nemotron-Nano-v2's): reasoning</think>answer
             if opens and "<think>" not in conv[k]["content"]:
                 continue
             fix = ("give the content as reasoning</think>answer (the template opens the block), " if opens else
@@ -101,6 +106,8 @@ def refuse_dropped(enc, conv: list[dict], turns: list[int]) -> None:
             tags = ("[THINK]", "[/THINK]") if "[THINK]" in (enc.template or "") else ("<think>", "</think>")
             fix = (f"put the reasoning in the content as {tags[0]}...{tags[1]} where the template prints the content, "
                    if got[0] == "field" else "")  # Magistral's own tags (its template writes thinking parts so)
+            if fix and _renders(enc, "content") and enc.reasoning_renders.get("nests") and _opens(enc):
+                fix = "give the content as reasoning</think>answer (the template opens the block), "  # Nemotron-Nano-v2
             raise RowError(f"message {k} (assistant): {enc.name} never renders {given}, so the reply would be trained "
                            f"with its reasoning gone: {fix}use a template that renders it (Qwen3, gpt-oss, ...), or "
                            "drop the reasoning")

@@ -233,6 +233,11 @@ def test_reasoning_a_template_would_nest_in_its_own_think_block_is_refused(root,
         ids, mask, _ = enc.encode(row)
         assert trained(enc, ids, mask).lstrip("\n") == trains + "<|im_end|>"  # "\n" + text: one token here
     enc.encode({"messages": [ask, {"role": "assistant", "content": "apple river"}]})  # no reasoning: trains
+    # a reasoning field it never renders: the fix named is the one that trains (the think block was, then refused)
+    field = {"messages": [ask, {"role": "assistant", "content": "apple river", "reasoning_content": "Two words."}]}
+    with pytest.raises(RowError, match="never renders its reasoning field") as e:
+        enc.encode(field)
+    assert ("reasoning</think>answer" in str(e.value)) == (trains is not None)
 
 
 @pytest.mark.parametrize("key", ["deepseek_r1", "glm47"])
