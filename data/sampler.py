@@ -2,7 +2,10 @@
 
 Every rank of one SP group reads the same samples (each then keeps its own slice of the sequence);
 different DP ranks read disjoint samples. The order is a seeded permutation per epoch, so the
-position `(epoch, micro_batches_taken)` is all a checkpoint needs to continue exactly.
+position `(epoch, micro_batches_taken)` is all a checkpoint needs to continue exactly. An epoch reaches every
+sample: its last global batch is filled from the permutation's start, as torch's DistributedSampler pads (it
+was cut off: at 1M tokens a 1B-token set is ~1,000 packed samples, and dp 32 x micro-batch 1 left up to 31 of them,
+~11k conversations, untrained every epoch).
 """
 
 from __future__ import annotations
@@ -13,12 +16,11 @@ import torch
 
 class ResumableSampler:
     def __init__(self, num_samples: int, dp: int, dp_rank: int, micro_batch: int, seed: int):
-        per_rank = num_samples // dp // micro_batch
-        if per_rank < 1:
+        if num_samples // dp // micro_batch < 1:
             raise ValueError(f"{num_samples} packed samples cannot give each of dp={dp} ranks one micro-batch of "
                              f"{micro_batch}: add data, shorten max_seq_length or lower the batch size")
         self.num_samples, self.dp, self.dp_rank, self.mb, self.seed = num_samples, dp, dp_rank, micro_batch, seed
-        self.batches_per_epoch = per_rank
+        self.batches_per_epoch = -(-num_samples // (dp * micro_batch))  # the last one padded (module docstring)
         self.epoch, self.taken = 0, 0
         self._order = None
 
@@ -26,7 +28,9 @@ class ResumableSampler:
         """This rank's samples of the epoch, kept as an int64 array (a Python list of them was ~5x the bytes: a 1M
         stage replaying 256-token samples over 25B tokens draws ~98M samples, ~0.9 GB of ints a rank at dp 4)."""
         g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
-        perm = torch.randperm(self.num_samples, generator=g)[: self.batches_per_epoch * self.mb * self.dp]
+        perm = torch.randperm(self.num_samples, generator=g)
+        pad = self.batches_per_epoch * self.mb * self.dp - self.num_samples  # < dp x micro-batch <= num_samples
+        perm = torch.cat([perm, perm[:pad]])
         return perm[self.dp_rank:: self.dp].clone().numpy()
 
     def next_batch(self) -> list[int]:

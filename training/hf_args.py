@@ -160,9 +160,12 @@ def check(cfg) -> None:
 
 
 def epoch_steps(epochs: float, samples: int, dp: int, micro_batch: int, accum: int) -> int:
-    """Optimizer steps of `epochs` epochs over `samples` packed samples, as the HF Trainer counts them."""
-    batches = samples // dp // micro_batch  # data/sampler.py's batches_per_epoch
-    return math.ceil(epochs * max(batches // accum, 1))
+    """Optimizer steps of `epochs` epochs over `samples` packed samples, as the HF Trainer counts them: every sample
+    (its sampler pads the last batch, data/sampler.py too) and a last step for the accumulation's remainder (here a
+    whole one, its micro-batches from the next epoch's order). The floors before left up to 10% of an epoch's samples
+    untrained at long context (1,000 samples at dp 32 x accumulation 4: 896 trained)."""
+    batches = -(-samples // (dp * micro_batch))  # data/sampler.py's batches_per_epoch
+    return math.ceil(epochs * max(-(-batches // accum), 1))
 
 
 def epoch_stages(cfg, stages: list, data, world: int) -> list:

@@ -86,15 +86,19 @@ def test_the_seed_json_as_written_is_refused_in_one_line(seed, tmp_path):
 
 
 @pytest.mark.parametrize("samples, dp, mb, ga, epochs, steps", [
-    (100, 4, 1, 4, 1, 6),  # 25 micro-batches per rank // 4 = 6 (the Trainer's floor), x 1
-    (100, 4, 1, 4, 2.5, 15),  # ceil(2.5 x 6)
+    (100, 4, 1, 4, 1, 7),  # 25 micro-batches per rank, ceil(25 / 4) = 7 (the Trainer's count: the remainder a step)
+    (100, 4, 1, 4, 2.5, 18),  # ceil(2.5 x 7)
     (10, 2, 1, 8, 1, 1),  # fewer micro-batches than one accumulation: at least one step
     (1000, 1, 2, 1, 0.5, 250),
+    (1000, 32, 1, 4, 1, 8),  # 1M tokens, 1B-token set: 32 batches (the last padded), 8 steps (7 left 104 untrained)
 ])
 def test_epochs_count_as_the_trainer_counts_them(samples, dp, mb, ga, epochs, steps):
     assert epoch_steps(epochs, samples, dp, mb, ga) == steps
-    per_rank = ResumableSampler(samples, dp, 0, mb, seed=0).batches_per_epoch  # the sampler's own epoch
-    assert steps == max(1, int(-(-epochs * max(per_rank // ga, 1) // 1)))
+    samplers = [ResumableSampler(samples, dp, r, mb, seed=0) for r in range(dp)]  # the sampler's own epoch
+    per_rank = samplers[0].batches_per_epoch
+    assert steps == max(1, int(-(-epochs * max(-(-per_rank // ga), 1) // 1)))
+    seen = {i for s in samplers for _ in range(per_rank) for i in s.next_batch()}
+    assert seen == set(range(samples))  # an epoch trains every sample (its last global batch filled from the start)
 
 
 class Data:
