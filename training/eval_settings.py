@@ -11,6 +11,9 @@ EVAL_KEYS = {"eval_heldout_samples": "heldout_samples", "eval_tasks": "tasks", "
              "eval_depths": "depths", "eval_lengths": "lengths"}  # run key / flag -> a stage's eval block key
 
 
+STAGE_ONLY = ("position_buckets",)  # a stage's eval block only (no run flag): the held-out loss by context position
+
+
 def _listed(value) -> list:
     """A flag's "a,b" or "a b" (or YAML's list) as a list."""
     return value.replace(",", " ").split() if isinstance(value, str) else list(value)
@@ -18,7 +21,7 @@ def _listed(value) -> list:
 
 def eval_value(key: str, value, where: str):
     """A stage eval block's `key` checked and in its block form (a flag's text parsed); one-line ValueError."""
-    if key in ("heldout_samples", "passkey_trials"):
+    if key in ("heldout_samples", "passkey_trials", "position_buckets"):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{where} {value!r}: use an integer >= 0 (0: none)")
         return value
@@ -79,10 +82,11 @@ def stage_eval(cfg, own: dict | None, where: str) -> dict:
     --no-eval neither held-out loss nor tasks."""
     if not isinstance(own or {}, dict):
         raise ValueError(f"{where}: eval must be a mapping like {{heldout_samples: 2, depths: [0.1, 0.5, 0.9]}}")
+    keys = [*EVAL_KEYS.values(), *STAGE_ONLY]
     for k in own or {}:  # a typo (passkey_trial, depth) was kept unread: the stage evaluated with the defaults
-        if k not in EVAL_KEYS.values():
-            near = difflib.get_close_matches(k, list(EVAL_KEYS.values()), n=1)
+        if k not in keys:
+            near = difflib.get_close_matches(k, keys, n=1)
             raise ValueError(f"{where}.{k}: no such eval setting" + (f" (did you mean {near[0]}?)" if near else "")
-                             + f"; the keys are {list(EVAL_KEYS.values())}")
+                             + f"; the keys are {keys}")
     block = {**run_eval(cfg), **{k: eval_value(k, v, f"{where}.{k}") for k, v in (own or {}).items()}}
     return {**block, "heldout_samples": 0, "tasks": []} if cfg.eval is False else block

@@ -48,7 +48,8 @@ DEFAULT_BUCKETS = 8
 def sample_stats(engine, samples: list[dict], dims, micro_batch: int, pad_id: int, buckets: int = 0) -> torch.Tensor:
     """[len(samples), 3] on every rank: per sample [sum CE, labelled tokens, wrong argmax] over the whole
     sequence, each sample evaluated by one DP group (its SP ranks each take their shard). With `buckets` = n,
-    n CE sums and n labelled-token counts by position (the n equal slices of the sample) follow: [.., 3 + 2n]."""
+    n CE sums and n labelled-token counts by context position (a token's position in its document, in n equal
+    slices of the sample's length) follow: [.., 3 + 2n]."""
     out = torch.zeros(len(samples), 3 + 2 * buckets, dtype=torch.float64)
     if not samples:
         return out
@@ -58,9 +59,11 @@ def sample_stats(engine, samples: list[dict], dims, micro_batch: int, pad_id: in
     for lo in range(0, len(samples), per_round):
         mine = list(range(lo + dims.dp_rank * micro_batch, lo + (dims.dp_rank + 1) * micro_batch))
         batch = collate([samples[i] if i < len(samples) else filler for i in mine], dims.seq_multiple, pad_id)
-        if buckets:
-            pos = torch.arange(batch["input_ids"].shape[1])
-            batch["bucket_ids"] = torch.where(pos < sl, pos * buckets // sl, -1).expand_as(batch["input_ids"])
+        if buckets:  # by a token's context: its position in its document (held-out samples pack many at 1M, their
+            # positions restarted; by offset in the sample every slice held ~1-3k tokens of context, the last too)
+            at = torch.arange(batch["input_ids"].shape[1]).expand_as(batch["input_ids"])
+            pos = batch["position_ids"].to(at.dtype) if "position_ids" in batch else at
+            batch["bucket_ids"] = torch.where(at < sl, pos * buckets // sl, -1)
         mb = {k: v.to(engine.device) for k, v in shard(batch, dims.sp, dims.sp_rank, dims.cp).items()}
         stats = eval_stats(engine, mb, buckets).cpu()
         for row, i in zip(stats, mine):

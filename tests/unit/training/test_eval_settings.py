@@ -79,3 +79,9 @@ def test_bad_stage_eval_block_fails_in_one_line(tmp_path):
     with pytest.raises(ValueError, match=r"stages\[0\]\.eval\.passkey_trial: no such eval setting \(did you mean "
                                          r"passkey_trials\?\)"):
         resolve_stages(parse_config(["--config", str(recipe)]), dp_of_sp=lambda sp: 1)
+    # position_buckets, which docs/curriculum.md documents and the evaluation reads, was refused as "no such setting"
+    recipe.write_text("stages:\n  - {name: a, eval: {position_buckets: 4}}\n")
+    assert resolve_stages(parse_config(["--config", str(recipe)]), dp_of_sp=lambda sp: 1)[0].eval["position_buckets"] == 4
+    recipe.write_text("stages:\n  - {name: a, eval: {position_buckets: -1}}\n")
+    with pytest.raises(ValueError, match=r"position_buckets -1: use an integer >= 0"):
+        resolve_stages(parse_config(["--config", str(recipe)]), dp_of_sp=lambda sp: 1)

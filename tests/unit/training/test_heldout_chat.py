@@ -243,3 +243,16 @@ def test_no_held_out_conversation_is_none_never_zero(chats):
             {**rows[1], "passkey_accuracy": {"0.25": 0.0}, "task_mean": {"niah": {"512": 1.0}}}]
     text = "\n".join(eval_tables(rows))
     assert "nan" not in text and "| 0 | 8 | 0.50 | - |" in text and "| 1 | s1 | 2 | 8 | 1.0000 | none | none | 0.00 | - |" in text
+
+
+def test_the_loss_by_position_is_by_a_tokens_context():
+    """Held-out samples pack many documents at long lengths, their positions restarted: bucketed by offset in the
+    sample, every slice held tokens of little context (the last too), not the curve docs/curriculum.md describes. By
+    a token's position in its document: two documents of 4 in a sample of 8 fill the first half's bucket only."""
+    from training.evaluation import sample_stats
+
+    sample = {"input_ids": np.arange(8) + 5, "shift_labels": np.r_[np.arange(6, 13), -100],
+              "position_ids": np.r_[np.arange(4), np.arange(4)]}
+    stats = sample_stats(TokenEngine(32), [sample], ParallelDims(world=1, sp=1, rank=0, local_rank=0), 1, 0, buckets=2)
+    counts = stats[0, 3 + 2:].tolist()  # [sums of bucket 0, 1, counts of bucket 0, 1]
+    assert counts == [7.0, 0.0] and stats[0, 1].item() == 7
