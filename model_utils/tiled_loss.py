@@ -145,6 +145,9 @@ def _forward_with_tiled_loss(self, *args, tiled_loss_labels: torch.Tensor | None
     if tiled_loss_labels is None:
         return self._untiled_forward(*args, **kwargs)
     hidden = self.get_decoder()(*args, **kwargs).last_hidden_state  # [bs, sl_local, hidden]
+    scale = logit_scale(self.config)
+    if scale != 1.0:  # the model's own forward scales its logits (a copy of the shard's hidden states: 1 GiB at 128k
+        hidden = hidden * scale  # tokens x 4096 in bf16; these families only); its LM head has no bias: the same
     lm_head = self.get_output_embeddings()
     tile_bytes = getattr(self, "_logits_tile_bytes", 0)  # --logits_tile_mb (auto: from the budget), set at build
     tiles = agreed_tiles(logits_tiles(*tiled_loss_labels.shape, lm_head.out_features, tile_bytes), hidden.device)
@@ -154,6 +157,29 @@ def _forward_with_tiled_loss(self, *args, tiled_loss_labels: torch.Tensor | None
     weights = () if tiled_loss_weights is None else (tiled_loss_weights,)  # unweighted: the 5-argument call as before
     engaged("tiled_logits")  # per training micro-batch (model_utils/engagement.py)
     return TiledCrossEntropySum.apply(hidden, tiled_loss_labels, lm_head, tiles, tied, *weights)
+
+
+# the families whose CausalLM forward scales the logits (transformers 5.23's modeling files; MPT's config has a
+# logit_scale its forward never reads): logits x logit_scale; logits x logits_scaling (HyperCLOVA X's muP); / it
+LOGIT_SCALE = {"cohere", "cohere2", "cohere2_moe", "cohere_compass"}
+LOGITS_SCALING_MULTIPLIES = {"hyperclovax"}
+LOGITS_SCALING_DIVIDES = {"granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoehybrid",
+                          "granitemoeshared", "minicpm3"}
+
+
+def logit_scale(config) -> float:
+    """The factor a family's forward puts on its logits after the LM head (Cohere's `logit_scale`: 0.0625 for
+    Command-R; Granite's and MiniCPM3's `logits_scaling`, divided: 16 for Granite 8B). Without it the tiled loss, which
+    evaluation always uses and `--tiled_logits` trains with, scored logits 16x too sharp: held-out losses ~9x HF's."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    kind = getattr(cfg, "model_type", "")
+    if kind in LOGIT_SCALE:
+        return float(getattr(cfg, "logit_scale", None) or 1.0)
+    if kind in LOGITS_SCALING_MULTIPLIES:
+        return float(getattr(cfg, "logits_scaling", None) or 1.0)
+    if kind in LOGITS_SCALING_DIVIDES:
+        return 1.0 / float(getattr(cfg, "logits_scaling", None) or 1.0)
+    return 1.0
 
 
 def install_loss_forward(model) -> None:

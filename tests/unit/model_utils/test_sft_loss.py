@@ -376,3 +376,30 @@ def test_bad_loss_weighting_is_one_line(argv, match):
         parse_config(argv)
     assert "\n" not in str(e.value)
     assert parse_config(["--loss_weighting", "conversation"]).loss_weighting == "conversation"
+
+
+@pytest.mark.parametrize("model_type, scaled", [
+    ("cohere", {"logit_scale": 0.25}), ("granite", {"logits_scaling": 4.0}), ("minicpm3", {"dim_model_base": 8}),
+    ("hyperclovax", {"logits_scaling": 4.0}), ("llama", {}),
+])
+def test_the_tiled_loss_scales_logits_as_the_models_forward_does(model_type, scaled):
+    """Cohere multiplies its logits by logit_scale (0.0625 for Command-R), Granite and MiniCPM3 divide by
+    logits_scaling (16 for Granite 8B; MiniCPM3's is hidden_size / dim_model_base), HyperCLOVA X multiplies by it:
+    the tiled loss (every evaluation; training with --tiled_logits) scored the LM head's logits unscaled, held-out
+    losses ~9x HF's. Its loss and evaluation statistics equal the model's own loss now."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(model_type, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                               num_attention_heads=2, num_key_value_heads=2, vocab_size=64, pad_token_id=0,
+                               bos_token_id=1, eos_token_id=2, **scaled)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)  # peaked logits: a missing scale is far from the oracle
+        ids = torch.randint(3, 64, (1, 24))
+        want = model(input_ids=ids, labels=ids).loss.item()
+        tiled_loss.install_loss_forward(model)
+        labels, pos = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], 1), torch.arange(24)[None]
+        summed = model(input_ids=ids, position_ids=pos, use_cache=False, tiled_loss_labels=labels).item()
+        stats = model(input_ids=ids, position_ids=pos, use_cache=False, tiled_loss_labels=labels, eval_stats=True)
+    assert summed / 23 == pytest.approx(want, rel=1e-4) and stats[0, 0].item() / 23 == pytest.approx(want, rel=1e-4)
