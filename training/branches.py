@@ -40,6 +40,20 @@ def taken(root: str, resume: str) -> str | None:
     return None
 
 
+def _evaluations_aside(root: str, aside: str) -> None:
+    """A stage's evaluation (OUTPUT_DIR/eval/stage{N}.json) is the branch's only while its end checkpoint is on it (its
+    STAGE_N pointer still in `root`): the others (and the summary of them) move to abandoned/eval/. Left, a stage the
+    branch ended but had not evaluated when killed was taken as evaluated: the abandoned line's numbers reported as
+    the branch's, its own model never evaluated."""
+    kept = {n.split("_")[1] for n in os.listdir(root) if n.startswith("STAGE_")} if os.path.isdir(root) else set()
+    evals = os.path.join(os.path.dirname(root), "eval")
+    gone = [n for n in (os.listdir(evals) if os.path.isdir(evals) else [])
+            if n.startswith("stage") and n.endswith(".json") and n[5:-5] not in kept]
+    for name in gone + (["summary.md"] if gone and os.path.exists(os.path.join(evals, "summary.md")) else []):
+        os.makedirs(os.path.join(aside, "eval"), exist_ok=True)
+        os.replace(os.path.join(evals, name), os.path.join(aside, "eval", name))
+
+
 def start(root: str, path: str | None, resume: str, tags: list[str]) -> None:
     """Rank 0: start a branch from `path` (None: fresh); `tags` are this run's checkpoints, oldest first. Those not
     on the branch (newer than `path` when it is one of this run's, all of them otherwise), the stage pointers to
@@ -69,6 +83,7 @@ def start(root: str, path: str | None, resume: str, tags: list[str]) -> None:
         os.replace(os.path.join(root, t), os.path.join(aside, t))
     if os.path.exists(complete):  # it described the line left behind; this branch writes its own at its end
         os.replace(complete, os.path.join(aside, "COMPLETE"))
+    _evaluations_aside(root, aside)
     os.makedirs(root, exist_ok=True)
     pointer = os.path.join(root, POINTER)
     if own:

@@ -33,14 +33,20 @@ def test_a_requeued_branch_continues_after_its_branch_point_rotated_away(tmp_pat
         save(ck, s)
     save(ck, 6, stage_end="STAGE_0_main")
     (tmp_path / "COMPLETE").write_text("6\n")  # the original line finished
+    (tmp_path / "eval").mkdir()
+    for name in ("stage0.json", "summary.md"):  # its evaluation of stage 0 (the branch's stage 0 is not evaluated yet)
+        (tmp_path / "eval" / name).write_text("{}")
     point = str(tmp_path / "checkpoints" / tag_for(4))
     assert ck.find_resume(point) == point  # first start: the branch
     aside = tmp_path / "checkpoints" / "abandoned"
-    assert sorted(os.listdir(aside)) == ["COMPLETE", "STAGE_0_main", tag_for(6)]
+    assert sorted(os.listdir(aside)) == ["COMPLETE", "STAGE_0_main", "eval", tag_for(6)]
+    # left in eval/, a kill between the branch's stage end and its evaluation took the old line's numbers as the
+    # branch's (its stage was skipped as evaluated)
+    assert os.listdir(tmp_path / "eval") == [] and sorted(os.listdir(aside / "eval")) == ["stage0.json", "summary.md"]
     assert not (tmp_path / "COMPLETE").exists()  # a preempted branch is requeued, not taken for finished
     assert (tmp_path / "checkpoints" / POINTER).read_text().strip() == tag_for(4)
     assert ck.find_resume(point) == point  # requeued before its first save: the branch point is its newest
-    assert sorted(os.listdir(aside)) == ["COMPLETE", "STAGE_0_main", tag_for(6)]  # nothing moved twice
+    assert sorted(os.listdir(aside)) == ["COMPLETE", "STAGE_0_main", "eval", tag_for(6)]  # nothing moved twice
     save(ck, 6)
     save(ck, 8)  # rotation (keep 2) removes the branch point
     assert not os.path.exists(point)
