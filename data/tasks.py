@@ -46,12 +46,24 @@ NIAH_VALUES = 4  # RULER's multivalue: 4 values for the one key
 CWE_COMMON, CWE_FREQ_COMMON, CWE_FREQ_RARE = 3, 5, 2  # 3 words 5 times each among words seen twice
 
 
+def _spaced(tokenizer) -> bool:
+    """Whether the tokenizer separates encoded segments itself (a sentencepiece dummy prefix), read once."""
+    got = getattr(tokenizer, "_segments_spaced", None)
+    if got is None:
+        got = " " in tokenizer.decode(tokenizer.encode("alpha") + tokenizer.encode("beta")).strip()
+        tokenizer._segments_spaced = got
+    return got
+
+
 def _encode(tokenizer, text: str) -> list[int]:
-    """Tokens of one segment. Segments are written without outer spaces: a sentencepiece tokenizer's dummy
+    """Tokens of one segment. Segments are written without outer spaces where a sentencepiece tokenizer's dummy
     prefix is the space between them, so concatenated segments are the tokens the text would have whole
     (with " The pass key..." the leading space became a lone "▁" token, different from the key's tokens
-    inside the needle, which no copying model can match)."""
-    return tokenizer.encode(text.strip())
+    inside the needle, which no copying model can match); a byte-level BPE (Llama 3, Qwen: no such prefix) gets
+    the space written (its common_words list ran together as one string of letters, `danodipunosegupelu`, which no
+    model can count)."""
+    text = text.strip()
+    return tokenizer.encode(text if _spaced(tokenizer) else f" {text}")
 
 
 def _answer(tokenizer, question: str, answer: str) -> tuple[list[int], list[int]]:

@@ -348,3 +348,19 @@ def test_a_trial_starts_with_the_tokenizers_bos_as_documents_do(tmp_path):
     assert "<s>" not in tok.decode(s["input_ids"][1:])
     c = chat_sample("passkey", tok, ChatEncoder(tok), 512, 0.5, random.Random(0))
     assert tok.decode(c["input_ids"]).count("<s>") == 0  # the ChatML default writes no BOS; no BOS text in the turn
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_a_byte_level_bpe_gets_its_segments_spaced(tmp_path, task):
+    """Segments rely on sentencepiece's dummy prefix for the space between them: a byte-level BPE without one
+    (Llama 3, Qwen) ran them together (`again.The grass`), and common_words' list was one string of letters
+    (`danodipunosegupelu...`) no model can count. The words of the answer are whole words in the context now, and the
+    answer's tokens are the context's tokens of them."""
+    from data.tokenizer import Tokenizer
+    from tests.unit.data.chat_fixtures import build_tokenizer
+
+    bpe = Tokenizer(build_tokenizer(str(tmp_path), "qwen25"))
+    s = make_sample(task, bpe, 1024, 0.5, random.Random(1))
+    first = int(np.flatnonzero(s["shift_labels"] != -100)[0]) + 1
+    context = bpe.decode(s["input_ids"][:first].tolist())
+    assert all(re.search(rf"(^|\s){re.escape(w)}\b", context) for w in s["answer"].split()), (context[:300], s["answer"])
