@@ -375,6 +375,9 @@ def open_channel() -> None:
             store = _connect(addr, int(port), deadline)
     except BaseException as e:
         watcher.stop_heartbeat(heart)
+        if hosting and isinstance(e, Exception) and "EADDRINUSE" in str(e) + repr(getattr(e, "__cause__", "")):
+            raise ValueError(f"MASTER_PORT {port} on {addr} is taken (another run on this node, or a port in use): "
+                             "give this run its own with --master_port (deepspeed, launch.sh, torchrun)") from None
         if hosting or not isinstance(e, Exception):
             raise
         agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"

@@ -63,6 +63,9 @@ done
 [ -n "$include" ] && [ -n "$exclude" ] && die "--include and --exclude are mutually exclusive"
 [ "$no_ssh" = 1 ] && [ "$torchrun" = 1 ] && die "--no_ssh is a deepspeed launcher mode; --torchrun is the other launcher"
 [ -n "$hostfile" ] && [ ! -f "$hostfile" ] && die "hostfile $hostfile not found"
+[ -n "$launcher" ] && { [ -z "$hostfile" ] || [ "$no_ssh" = 1 ] || [ "$torchrun" = 1 ]; } &&
+  die "--launcher $launcher is deepspeed's multi-node runner, used with --hostfile only (it was dropped here: one" \
+    "node, --no_ssh and --torchrun start the ranks themselves)"
 [ "$torchrun" = 1 ] && [ -n "$hostfile$include$exclude$num_nodes" ] &&
   die "torchrun takes no hostfile: use --nnodes/--node_rank/--master_addr on every node"
 host_lines() { { grep -v '^\s*#' "$hostfile" || true; } | sed 's/#.*//' | awk 'NF'; }  # as deepspeed reads a hostfile

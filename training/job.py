@@ -35,6 +35,10 @@ def run_job(main: Callable[[], int]) -> int:
     # shared-memory comm op from ~/.cache/torch_extensions, which every checkout shares and rebuilds with its own
     # include paths (90 s of compiling inside test_srun_python_starts_one_world after another clone had run it)
     configure()
+    why = launcher_refusal(os.environ)
+    if why:  # every rank has the same environment: the same line, before any process group
+        print(f"error: {why}", file=sys.stderr, flush=True)
+        return _record(EXIT_USAGE)
     _single_process_defaults()
     try:
         code = main()
@@ -46,6 +50,32 @@ def run_job(main: Callable[[], int]) -> int:
         return _record(_fail(e))
     _leave()
     return _record(code)
+
+
+MPI_SIZES = ("OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "PMI_SIZE")  # Open MPI's, MVAPICH's, MPICH / Intel MPI's
+
+
+def launcher_refusal(env) -> str | None:
+    """One line where the launcher would run this job otherwise than it says, None where it runs as launched:
+    - accelerate's DeepSpeed plugin (`accelerate launch --use_deepspeed`): its settings come to the ranks as
+      ACCELERATE_* variables, which nothing here reads (its config file, accumulation and precision were ignored);
+    - torchrun's in-place restarts (`--max_restarts N`): a stop's exit 75 is restarted (the requested stop undone,
+      its PREEMPT deleted as honoured) and the store the last attempt left breaks the abort channel's first beat;
+    - MPI (`mpirun -np N python train.py`, `deepspeed --launcher openmpi`) without RANK / MASTER_ADDR: N worlds of
+      one on one output folder (the second refused as 'held by a live run'), every rank on device 0."""
+    if str(env.get("ACCELERATE_USE_DEEPSPEED", "")).lower() == "true":
+        return ("accelerate launch --use_deepspeed: its DeepSpeed plugin settings (ACCELERATE_DEEPSPEED_*) are not "
+                "read here: launch without --use_deepspeed (or with deepspeed / torchrun / scripts/launch.sh) and give "
+                "--deepspeed FILE, --gradient_accumulation_steps, --bf16 to train.py")
+    if int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0:
+        return (f"torchrun --max_restarts {env['TORCHELASTIC_MAX_RESTARTS']}: it restarts the workers in place, which "
+                "undoes a preemption's save-and-exit (75) and reuses the last attempt's store: use --max_restarts 0 "
+                "and requeue the job (scripts/launch.sh --torchrun, slurm.sbatch), which resumes from the checkpoint")
+    mpi = next((k for k in MPI_SIZES if (env.get(k) or "1").isdigit() and int(env.get(k) or 1) > 1), None)
+    if mpi and "RANK" not in env and not env.get("SLURM_STEP_NUM_TASKS"):
+        return (f"started by MPI ({mpi}={env[mpi]}) without RANK / MASTER_ADDR: each process would be a world of one "
+                "on one GPU; launch with deepspeed (--launcher pdsh / mpich / impi), torchrun, srun or scripts/launch.sh")
+    return None
 
 
 def _single_process_defaults() -> None:

@@ -400,3 +400,13 @@ def test_srun_python_starts_one_world(tmp_path):
     assert sorted(re.findall(r"world \d+ rank \d+ local \d+ sum \d+ master [\d.]+", job.stdout)) == [
         f"world 2 rank {r} local 0 sum 2 master 127.0.0.1" for r in range(2)], job.stdout
     assert re.findall(r"ops (\S+)", job.stdout) == [os.path.join(ROOT, ".cache", "torch_extensions")] * 2, job.stdout
+
+
+@pytest.mark.parametrize("opts", [["--num_gpus", "2"], ["--torchrun", "--num_gpus", "2"],
+                                  ["--no_ssh", "--nnodes", "2", "--node_rank", "0", "--master_addr", "127.0.0.1"]])
+def test_a_launcher_option_it_would_drop_is_one_line(tmp_path, opts):
+    """`--launcher openmpi` was passed on only with a hostfile (deepspeed's pdsh runner): elsewhere it was dropped,
+    the job launched otherwise than asked, exit 0."""
+    p = launch(["--print-only", *opts, "--launcher", "openmpi", "--", "--x"], tmp_path, DS_ACCELERATOR="cpu")
+    assert p.returncode == 2 and "--launcher openmpi is deepspeed's multi-node runner" in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1

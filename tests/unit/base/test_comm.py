@@ -255,3 +255,25 @@ def test_a_store_that_starts_late_is_joined(monkeypatch):
     store.set("k", "v")
     timer.join(10)  # the store listens before its constructor returns: the client can be served before `held` is set
     assert held[0].get("k") == b"v" and connect.rank_age_s() > 0
+
+
+def test_a_master_port_another_run_holds_is_one_line(monkeypatch):
+    """Two runs on one node with the default --master_port: the second's rank 0 could not host the store (a
+    DistNetworkError traceback, EADDRINUSE) while its other ranks joined the first run's store. One line now."""
+    import socket
+
+    from tests.distributed import free_port
+
+    port = free_port()
+    held = socket.socket()
+    held.bind(("127.0.0.1", port))
+    held.listen()
+    monkeypatch.setattr(comm, "_WATCHER", None)
+    for k, v in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    try:
+        with pytest.raises(ValueError, match=rf"^MASTER_PORT {port} on 127.0.0.1 is taken .* --master_port"):
+            comm.open_channel()
+    finally:
+        held.close()
