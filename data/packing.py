@@ -285,10 +285,12 @@ class ConvPack:
             starts, lens = first + offs, plen
         self.starts = starts
         keep = np.ones(len(lens), bool)
+        self.lost_targets = 0  # supervised tokens past the cuts (a long-document QA set's answers sit at the end)
         for k in np.flatnonzero(lens > seq_len).tolist():
             st = int(self.starts[k])
-            m = np.ones(seq_len, bool) if mask is None else np.asarray(_read(mask, st, st + seq_len), bool)
-            keep[k] = bool(m[1:].any())  # every target past the cut: nothing of it would train
+            m = np.ones(int(lens[k]), bool) if mask is None else np.asarray(_read(mask, st, st + int(lens[k])), bool)
+            keep[k] = bool(m[1:seq_len].any())  # every target past the cut: nothing of it would train
+            self.lost_targets += int(m[seq_len:].sum() if keep[k] else m[1:].sum())
         long = lens > seq_len
         self.dropped = int((long & ~keep).sum())
         self.truncated = int((long & keep).sum())

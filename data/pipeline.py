@@ -328,7 +328,8 @@ class RunData:
         if cut:
             print0(f"stage {stage.index} ({stage.name}) at {stage.max_seq_length}: {sum(p.truncated for p in cut)} "
                    f"conversation(s) cut to the length, {sum(p.dropped for p in cut)} dropped (every supervised token "
-                   f"was past the cut), {sum(p.split for p in cut)} longer text document(s) split into pieces")
+                   f"was past the cut), {sum(p.lost_targets for p in cut)} supervised token(s) past the cuts not "
+                   f"trained, {sum(p.split for p in cut)} longer text document(s) split into pieces")
         tasks = check_tasks(stage, self.tokenizer)
         if not tasks:
             return dataset, sampler

@@ -144,6 +144,7 @@ def test_convpack_truncation_drops_and_counts():
     toks, mask, starts, lens = _store([long_late, long_early, short])
     pack = ConvPack(toks, mask, starts, lens, 6, pad_id=0)
     assert (pack.truncated, pack.dropped, len(pack)) == (1, 1, 2)
+    assert pack.lost_targets == 2 + 4  # long_late's reply (dropped), long_early's targets at 6..9 (said at the stage)
     s = pack[0]
     assert s["input_ids"].tolist() == [2] * 6 and s["shift_labels"].tolist() == [-100, 2, 2, 2, 2, -100]
     assert pack[1]["input_ids"].tolist()[:3] == [3, 4, 5]
