@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     from model_utils.memory import configure_allocator
     from model_utils.rope import model_hash
     from training.checkpoint import Checkpointer
+    from training.checkpoint_files import manifest_sha256
     from training.config import to_dict
     from training.curriculum import keep_stage_steps, stage_start, total_steps
     from training.evaluation import check_passkey_fits
@@ -98,11 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     comm.shutdown()
     if dims.is_main:
         out = os.path.join(cfg.output_dir, "hf_model")
-        if cfg.export_hf and state.checkpoint and exported_from(out) == os.path.abspath(state.checkpoint):  # again
-            print0(f"{out} is already the export of {state.checkpoint}")  # (a dependency chain's next link)
-        elif cfg.export_hf:
+        made = state.checkpoint and (os.path.abspath(state.checkpoint), manifest_sha256(state.checkpoint))
+        if cfg.export_hf and made and made[1] and exported_from(out) == made:  # a finished run started again (a
+            print0(f"{out} is already the export of {state.checkpoint}")  # dependency chain's next link)
+        elif cfg.export_hf:  # (a branch's new step_N under an old name has another content hash: exported again)
             out = export_hf(state.checkpoint, out, data.tokenizer and data.tokenizer.path,
-                            source=cfg.model_name_or_path, owned=True,
+                            source=cfg.model_name_or_path, owned=True, identity=manifest_sha256(state.checkpoint),
                             stops=data.reply_stops())  # a chat SFT's end-of-turn: generation stops on it
             print0(f"exported {out}")
         with open(os.path.join(cfg.output_dir, "COMPLETE"), "w") as fh:

@@ -87,13 +87,15 @@ def sentencepiece_ids(path: str) -> tuple[int | None, int | None, int | None]:
     return tuple(i if i >= 0 else None for i in (sp.bos_id(), sp.eos_id(), sp.pad_id()))
 
 
-def exported_from(out_dir: str) -> str | None:
-    """The checkpoint a finished export in `out_dir` was written from (its MARKER), None where there is none."""
+def exported_from(out_dir: str) -> tuple[str | None, str | None]:
+    """(path, content hash) of the checkpoint a finished export in `out_dir` was written from (its MARKER); Nones
+    where there is none."""
     try:
         with open(os.path.join(out_dir, MARKER)) as fh:
-            return json.load(fh).get("checkpoint")
+            got = json.load(fh)
+        return got.get("checkpoint"), got.get("manifest_sha256")
     except (OSError, ValueError, AttributeError):
-        return None
+        return None, None
 
 
 def legacy_rope(path: str) -> None:
@@ -126,9 +128,11 @@ def legacy_rope(path: str) -> None:
 
 
 def export_hf(checkpoint: str, out_dir: str, tokenizer_path: str | None = None, source: str | None = None,
-              owned: bool = False, stops: list[int] | None = None) -> str:
+              owned: bool = False, stops: list[int] | None = None, identity: str | None = None) -> str:
     """Write `checkpoint` (its fp32 master weights, its last stage's RoPE) to `out_dir`; `source` is the run's
-    --model_name_or_path (its generation_config.json is copied); `stops`: ids generation must also stop on (the
+    --model_name_or_path (its generation_config.json is copied); `identity`: the checkpoint's content hash (its
+    manifest's SHA-256), recorded beside its path (a branch writes a new step_N under the old name); `stops`: ids
+    generation must also stop on (the
     end-of-turn a chat SFT trained: data/chat_stops.py), added to generation_config.json's eos_token_id. Checks
     `out_dir` first (check_out)."""
     check_out(out_dir, checkpoint, owned)
@@ -174,7 +178,7 @@ def export_hf(checkpoint: str, out_dir: str, tokenizer_path: str | None = None, 
 
         AutoTokenizer.from_pretrained(tokenizer_path, mistral_format=False).save_pretrained(tmp)  # as training read it
     with open(os.path.join(tmp, MARKER), "w") as fh:
-        json.dump({"checkpoint": os.path.abspath(checkpoint), "source": source,
+        json.dump({"checkpoint": os.path.abspath(checkpoint), "manifest_sha256": identity, "source": source,
                    "generation_config": gen, "added_stops": added}, fh, indent=1)
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)

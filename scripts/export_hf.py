@@ -18,6 +18,7 @@ import sys
 from data.chat_stops import reply_stops
 from model_utils.export import export_hf
 from training.checkpoint import MANIFEST, POINTER, Checkpointer
+from training.checkpoint_files import manifest_sha256
 
 RUN: list[str] = []  # the run folder main() was given: a relative --checkpoint is found there too
 
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         stops = reply_stops(trainer.get("tokenizer")) if sft else None
     try:
         out = export_hf(path, a.out or default, trainer.get("tokenizer"), source=cfg.get("model_name_or_path"),
-                        owned=owned, stops=stops)
+                        owned=owned, stops=stops, identity=manifest_sha256(path))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -63,6 +63,8 @@ done
 [ -n "$include" ] && [ -n "$exclude" ] && die "--include and --exclude are mutually exclusive"
 [ "$no_ssh" = 1 ] && [ "$torchrun" = 1 ] && die "--no_ssh is a deepspeed launcher mode; --torchrun is the other launcher"
 [ -n "$hostfile" ] && [ ! -f "$hostfile" ] && die "hostfile $hostfile not found"
+case "$launcher" in openmpi|mvapich) die "--launcher $launcher starts the ranks without RANK (deepspeed's runner" \
+  "sets none there), which train.py refuses: use pdsh (the default), mpich, impi or slurm" ;; esac
 [ -n "$launcher" ] && { [ -z "$hostfile" ] || [ "$no_ssh" = 1 ] || [ "$torchrun" = 1 ]; } &&
   die "--launcher $launcher is deepspeed's multi-node runner, used with --hostfile only (it was dropped here: one" \
     "node, --no_ssh and --torchrun start the ranks themselves)"

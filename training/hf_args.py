@@ -10,9 +10,9 @@ A command written for the HF Trainer (the seed guide's `deepspeed --num_gpus=32 
 naming this project's flag where they do not (REFUSED). Never silently ignored.
 
 `num_train_epochs` as the Trainer means it: a stage without its own `max_steps`/`max_tokens` trains that many epochs
-over its packed training samples, `ceil(epochs x max(batches_per_epoch // gradient_accumulation_steps, 1))` optimizer
-steps where `batches_per_epoch = samples // dp // per_device_train_batch_size` (the sampler's own epoch,
-data/sampler.py); `max_steps` wins when both are set (recipe or flag). The data's size is known only once the run
+over its packed training samples, `max(1, ceil(epochs x batches_per_epoch / gradient_accumulation_steps))` optimizer
+steps where `batches_per_epoch = ceil(samples / (dp x per_device_train_batch_size))` (the sampler's own epoch, its last
+batch padded: data/sampler.py); `max_steps` wins when both are set (recipe or flag). The data's size is known only once the run
 has opened its data: `epoch_stages` fixes the steps then (rank 0 counts, every rank receives the same numbers).
 `warmup_ratio` (HF: `ceil(ratio x steps)` warmup steps) is applied there too, per stage, from its final steps.
 
@@ -160,12 +160,13 @@ def check(cfg) -> None:
 
 
 def epoch_steps(epochs: float, samples: int, dp: int, micro_batch: int, accum: int) -> int:
-    """Optimizer steps of `epochs` epochs over `samples` packed samples, as the HF Trainer counts them: every sample
-    (its sampler pads the last batch, data/sampler.py too) and a last step for the accumulation's remainder (here a
-    whole one, its micro-batches from the next epoch's order). The floors before left up to 10% of an epoch's samples
-    untrained at long context (1,000 samples at dp 32 x accumulation 4: 896 trained)."""
+    """Optimizer steps of `epochs` epochs over `samples` packed samples: every sample of every epoch (the sampler pads
+    an epoch's last batch, data/sampler.py, as the Trainer's does) in whole steps of `accum` micro-batches, counted over
+    the run (the Trainer's last step of an epoch is partial; here a step takes the next epoch's first micro-batches,
+    so a per-epoch ceil would compound: 4.8 epochs for 3). The floors before left up to 10% of an epoch untrained at
+    long context (1,000 samples at dp 32 x accumulation 4: 896 trained). At most one step's micro-batches over."""
     batches = -(-samples // (dp * micro_batch))  # data/sampler.py's batches_per_epoch
-    return math.ceil(epochs * max(-(-batches // accum), 1))
+    return max(1, math.ceil(epochs * batches / accum))
 
 
 def epoch_stages(cfg, stages: list, data, world: int) -> list:

@@ -72,7 +72,8 @@ def launcher_refusal(env) -> str | None:
                 "undoes a preemption's save-and-exit (75) and reuses the last attempt's store: use --max_restarts 0 "
                 "and requeue the job (scripts/launch.sh --torchrun, slurm.sbatch), which resumes from the checkpoint")
     mpi = next((k for k in MPI_SIZES if (env.get(k) or "1").isdigit() and int(env.get(k) or 1) > 1), None)
-    if mpi and "RANK" not in env and not env.get("SLURM_STEP_NUM_TASKS"):
+    if mpi and "RANK" not in env and env.get("SLURM_STEP_NUM_TASKS") != env[mpi]:  # srun --mpi=pmi2 is one task a
+        # rank (the sizes agree); mpirun under Slurm starts one daemon a node (the step's tasks: the node count)
         return (f"started by MPI ({mpi}={env[mpi]}) without RANK / MASTER_ADDR: each process would be a world of one "
                 "on one GPU; launch with deepspeed (--launcher pdsh / mpich / impi), torchrun, srun or scripts/launch.sh")
     return None

@@ -86,19 +86,24 @@ def test_the_seed_json_as_written_is_refused_in_one_line(seed, tmp_path):
 
 
 @pytest.mark.parametrize("samples, dp, mb, ga, epochs, steps", [
-    (100, 4, 1, 4, 1, 7),  # 25 micro-batches per rank, ceil(25 / 4) = 7 (the Trainer's count: the remainder a step)
-    (100, 4, 1, 4, 2.5, 18),  # ceil(2.5 x 7)
+    (100, 4, 1, 4, 1, 7),  # 25 micro-batches per rank: ceil(25 / 4) = 7 steps (the floor, 6, left 4 untrained)
+    (100, 4, 1, 4, 2.5, 16),  # ceil(2.5 x 25 / 4): counted over the run (a ceil per epoch, 18, trained 2.88)
     (10, 2, 1, 8, 1, 1),  # fewer micro-batches than one accumulation: at least one step
     (1000, 1, 2, 1, 0.5, 250),
     (1000, 32, 1, 4, 1, 8),  # 1M tokens, 1B-token set: 32 batches (the last padded), 8 steps (7 left 104 untrained)
+    (160, 32, 1, 4, 3, 4),  # 3 epochs of 5 batches: 15 micro-batches, 4 steps (a ceil per epoch: 6, 4.8 epochs)
 ])
-def test_epochs_count_as_the_trainer_counts_them(samples, dp, mb, ga, epochs, steps):
+def test_epochs_train_every_sample_and_about_that_many_epochs(samples, dp, mb, ga, epochs, steps):
+    """Every sample of each epoch trains (the sampler pads an epoch's last batch); the run draws `epochs` epochs of
+    samples, over by less than one step's micro-batches (whole steps of `ga` micro-batches, counted over the run)."""
     assert epoch_steps(epochs, samples, dp, mb, ga) == steps
     samplers = [ResumableSampler(samples, dp, r, mb, seed=0) for r in range(dp)]  # the sampler's own epoch
     per_rank = samplers[0].batches_per_epoch
-    assert steps == max(1, int(-(-epochs * max(-(-per_rank // ga), 1) // 1)))
-    seen = {i for s in samplers for _ in range(per_rank) for i in s.next_batch()}
-    assert seen == set(range(samples))  # an epoch trains every sample (its last global batch filled from the start)
+    drawn = [[i for _ in range(steps * ga) for i in s.next_batch()] for s in samplers]
+    first = {i for d in drawn for i in d[: per_rank * mb]}
+    assert first == set(range(samples)) or epochs < 1  # an epoch trains every sample (its last batch padded)
+    total = sum(len(d) for d in drawn)
+    assert epochs * samples <= total < epochs * samples + dp * mb * ga + dp * mb  # over by < one step (+ the padding)
 
 
 class Data:

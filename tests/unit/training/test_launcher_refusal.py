@@ -23,6 +23,8 @@ from training.job import launcher_refusal
      "torchrun --max_restarts 3"),
     ({"OMPI_COMM_WORLD_SIZE": "16", "OMPI_COMM_WORLD_RANK": "3"}, "started by MPI (OMPI_COMM_WORLD_SIZE=16)"),
     ({"PMI_SIZE": "8"}, "started by MPI (PMI_SIZE=8)"),
+    # mpirun / hydra under Slurm start one daemon a node with srun: the ranks inherit that step (2 tasks, 16 ranks)
+    ({"PMI_SIZE": "16", "SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "0"}, "started by MPI (PMI_SIZE=16)"),
 ])
 def test_a_launch_that_would_not_run_as_said_is_one_line(env, words):
     assert words in launcher_refusal(env)
