@@ -217,6 +217,7 @@ def evaluate_stage(engine, stage, dims, heldout: list[dict], tokenizer, metrics,
             if buckets:
                 ce, n = stats[3:3 + buckets], stats[3 + buckets:]
                 result["heldout_loss_by_position"] = [(c / k).item() if k > 0 else float("nan") for c, k in zip(ce, n)]
+                result["position_by"] = "document"  # a token's context (evaluations before 2026-11-29: the sample's)
     first = stages[0].max_seq_length if stages else stage.max_seq_length
     sft = getattr(stage, "kind", None) == "sft"
     first_sft = getattr(stages[0] if stages else stage, "kind", None) == "sft"  # retention: as the first stage measured

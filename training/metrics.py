@@ -257,8 +257,10 @@ def eval_tables(rows: list[dict]) -> list[str]:
     with_pos = [r for r in rows if r.get("heldout_loss_by_position")]
     if with_pos:
         nb = max(len(r["heldout_loss_by_position"]) for r in with_pos)
-        out += ["", "held-out loss by position (equal slices of the stage's length, first to last):", ""]
+        out += ["", "held-out loss by context position (a token's position in its document, in equal slices of the "
+                "stage's length, first to last; * a stage evaluated before 2026-11-29: by offset in the sample):", ""]
         out += _table(["stage", "seq_len", *[f"{i + 1}/{nb}" for i in range(nb)]],
-                      [[r["stage"], r["seq_len"], *["-" if x != x else f"{x:.3f}" for x in r["heldout_loss_by_position"]]] for r in with_pos])
+                      [[f"{r['stage']}{'' if r.get('position_by') == 'document' else '*'}", r["seq_len"],
+                        *["-" if x != x else f"{x:.3f}" for x in r["heldout_loss_by_position"]]] for r in with_pos])
     return out
 
