@@ -230,15 +230,17 @@ CHAT_EXTRAS = ("tools", "system", "input", "history", "chat_template_kwargs", "l
 # template's arguments)
 
 
+TEXT_BESIDE = "text\x00"  # marks a table's text column carried beside its chat columns (not a column name)
+
+
 def _columns(unit: Unit, names: list[str], fields: Fields) -> tuple[str | tuple[str, ...], str | None]:
-    """(the value column, or a chat format's columns; the source column or None)."""
+    """(the value column, or a chat format's columns; the source column or None). A table with both a text column and
+    chat columns (pandas' to_parquet of mixed text and chat rows: each row fills one, the other null) carries both:
+    each row is the one it fills; a row filling both is a bad row (which is meant?)."""
     value = fields.text if fields.text in names else fields.ids if fields.ids in names else None
     chat = next((c for c in CHAT_COLUMNS if all(n in names for n in c)), None)
-    if value is not None and chat is not None:
-        raise ValueError(f"{unit.path}: both a text column ({value!r}) and chat columns {list(chat)}: which is meant? "
-                         "Keep one (a text column would train every token of the row)")
-    if value is None and chat is not None:
-        value = chat + tuple(c for c in CHAT_EXTRAS if c in names)
+    if chat is not None:
+        value = chat + tuple(c for c in CHAT_EXTRAS if c in names) + ((TEXT_BESIDE + value,) if value else ())
     if value is None:
         raise ValueError(f"{unit.path}: no column {fields.text!r} (--text_field), {fields.ids!r} (--ids_field), "
                          f"messages, conversations, prompt + completion or instruction + output (chat); columns are {names}")
@@ -246,7 +248,8 @@ def _columns(unit: Unit, names: list[str], fields: Fields) -> tuple[str | tuple[
 
 
 def _flat(cols: tuple[str | tuple[str, ...], str | None]) -> list[str]:
-    return [c for c in ((*cols[0],) if isinstance(cols[0], tuple) else (cols[0],)) + (cols[1],) if c]
+    return [c.removeprefix(TEXT_BESIDE) for c in ((*cols[0],) if isinstance(cols[0], tuple) else (cols[0],))
+            + (cols[1],) if c]
 
 
 def _columnar(batch: dict, cols: tuple[str | tuple[str, ...], str | None], row: int,
@@ -257,7 +260,13 @@ def _columnar(batch: dict, cols: tuple[str | tuple[str, ...], str | None], row: 
     for i, v in enumerate(values):
         if row + i >= start:
             if chat:  # a chat row travels as the dict data/chat.py reads
-                v = {c: batch[c][i] for c in cols[0]}
+                v = {c.removeprefix(TEXT_BESIDE): batch[c.removeprefix(TEXT_BESIDE)][i] for c in cols[0]}
+                text = next((v.pop(c.removeprefix(TEXT_BESIDE)) for c in cols[0] if c.startswith(TEXT_BESIDE)), None)
+                if text is not None:  # the row's text, beside chat columns: a text row, unless it fills those too
+                    v = {**v, TEXT_BESIDE: True} if row_format(v) else text
+                    if not isinstance(v, dict):
+                        yield row + i, (v, str(sources[i]) if sources is not None and sources[i] is not None else None)
+                        continue
                 if v.get("tools") is not None and not isinstance(v["tools"], str):
                     v["tools"] = _without_nulls(v["tools"])
                 for key in ("messages", "conversations", "prompt", "completion"):  # each call's arguments too: a
@@ -303,6 +312,9 @@ def parse_item(item: object, fields: Fields) -> tuple[str | list | dict | None, 
                                 + (": a preference row; for SFT give the chosen conversation as messages"
                                    if "chosen" in obj else ""))
     value, src = item
+    if isinstance(value, dict) and value.get(TEXT_BESIDE):
+        return None, None, (f"both {fields.text!r} / {fields.ids!r} and a chat field ({row_format(value)}): which is "
+                            "meant? Keep one (read as text, every token of the row would be trained)")
     if isinstance(value, str | dict):
         return value, src, None
     if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):

@@ -64,11 +64,19 @@ def test_a_row_with_both_text_and_a_chat_field_is_refused(row):
     assert value is None and "both" in err and "\n" not in err
 
 
-def test_a_table_with_both_a_text_and_a_chat_column_is_refused():
-    from data.readers import Fields, Unit, _columns
+def test_a_table_with_both_a_text_and_a_chat_column_reads_each_row_as_the_one_it_fills(tmp_path):
+    """pandas' to_parquet of mixed text and chat rows (each row fills one column, the other null): the table was
+    refused whole. Each row is the one it fills; a row filling both is a bad row in one line (which is meant?)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
-    with pytest.raises(ValueError, match="both a text column .* and chat columns"):
-        _columns(Unit("x", "parquet", "x.parquet"), ["text", "messages"], Fields())
+    from data.readers import Fields, Unit, iter_rows, parse_item
+
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    pq.write_table(pa.table({"text": ["a document", None, "both"], "messages": [None, msgs, msgs]}), tmp_path / "m.parquet")
+    got = [parse_item(item, Fields()) for _, item in iter_rows(Unit("m", "parquet", str(tmp_path / "m.parquet")), Fields())]
+    assert got[0] == ("a document", None, None) and got[1][0]["messages"] == msgs and got[1][2] is None
+    assert got[2][0] is None and got[2][2].startswith("both 'text'") and "\n" not in got[2][2]
 
 
 def test_a_system_messages_tools_are_passed_on():
