@@ -224,10 +224,12 @@ def test_eval_tables_and_plot(tmp_path):
                       "heldout_loss": 3.0 - s, "heldout_loss_first_len": 3.1, "first_len": 1024,
                       "heldout_loss_by_position": [3.5, 3.0, 2.8, 2.7], "tasks": {"passkey": acc},
                       "task_mean": {"passkey": {m: sum(a.values()) / 2 for m, a in acc.items()}},
-                      "passkey_accuracy": acc[str(n)], "passkey_mean": 0.75})
+                      "passkey_accuracy": acc[str(n)], "passkey_mean": 0.75,
+                      **({"position_by": "document"} if s else {})})  # stage 0: an evaluation from before today
     md = "\n".join(eval_tables(evals))
     assert "| 0 | 1024 | 0.75 | 0.25 |" in md and "| 1 | 2048 | 0.75 | 0.75 |" in md, md
     assert "heldout_loss@1024" in md and "| 1 | 2048 | 3.500 | 3.000 | 2.800 | 2.700 |" in md
+    assert "| 0* | 1024 | 3.500 |" in md  # bucketed by offset in the sample then: marked
     plot_eval(evals, str(tmp_path / "e.png"))
     assert (tmp_path / "e.png").stat().st_size > 10_000
 
