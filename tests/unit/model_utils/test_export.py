@@ -75,7 +75,7 @@ def test_a_checkpoint_named_first_is_exported_from_its_run(tmp_path, monkeypatch
     seen = {}
     monkeypatch.setattr(export.Checkpointer, "verify", lambda self, path: None)
     monkeypatch.setattr(export.Checkpointer, "read_trainer", staticmethod(lambda path: {"tokenizer": None}))
-    monkeypatch.setattr(export, "export_hf", lambda path, out, tok, source=None, owned=False, stops=None: seen.update(
+    monkeypatch.setattr(export, "export_hf", lambda path, out, tok, source=None, owned=False, stops=None, identity=None: seen.update(
         path=path, out=out, owned=owned) or out)
     assert export.main([str(ck)]) == 0
     assert seen == {"path": str(ck), "out": str(tmp_path / "run" / "hf_model"), "owned": True}
@@ -154,7 +154,7 @@ def test_an_older_checkpoint_is_exported_beside_the_runs_hf_model(tmp_path, monk
     monkeypatch.setattr(export.Checkpointer, "verify", lambda self, path: None)
     monkeypatch.setattr(export.Checkpointer, "read_trainer", staticmethod(lambda path: {"tokenizer": None,
                                                                                          "reply_stops": [5]}))
-    monkeypatch.setattr(export, "export_hf", lambda path, out, tok, source=None, owned=False, stops=None: seen.update(
+    monkeypatch.setattr(export, "export_hf", lambda path, out, tok, source=None, owned=False, stops=None, identity=None: seen.update(
         out=out, stops=stops) or out)
     assert export.main([str(run / "checkpoints" / "step_000175")]) == 0
     assert seen["out"] == str(run / "hf_model_step_000175")
