@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             print0(f"{out} is already the export of {state.checkpoint}")  # dependency chain's next link)
         elif cfg.export_hf:  # (a branch's new step_N under an old name has another content hash: exported again)
             out = export_hf(state.checkpoint, out, data.tokenizer and data.tokenizer.path,
-                            source=cfg.model_name_or_path, owned=True, identity=manifest_sha256(state.checkpoint),
+                            source=cfg.model_name_or_path, owned=True, identity=made and made[1],
                             stops=data.reply_stops())  # a chat SFT's end-of-turn: generation stops on it
             print0(f"exported {out}")
         with open(os.path.join(cfg.output_dir, "COMPLETE"), "w") as fh:

@@ -206,10 +206,8 @@ class ChatEncoder:
         completion alone would start a new text (sentencepiece writes its leading space, '▁The' after
         'Response:\n'; two spaces before ' 42'), a form inference never sees. Split where the prompt's own ids end;
         where a token spans the two (a BPE merge across the boundary), it is the completion's first."""
-        whole, pi = self.tok.encode(p + c), self.tok.encode(p)
-        k = 0
-        while k < min(len(pi), len(whole)) and pi[k] == whole[k]:
-            k += 1
+        whole = self.tok.encode(p + c)
+        k = _lcp(self.tok.encode(p), whole)
         return whole[:k], whole[k:]
 
     def encode(self, obj: dict) -> tuple[list[int], np.ndarray, dict]:

@@ -59,6 +59,11 @@ def reads(template: str) -> frozenset | None:
         return None
 
 
+def _passed_over(v) -> bool:
+    """An argument value that changes nothing where the template does not read it: null, empty, a flag."""
+    return v is None or isinstance(v, bool) or _empty(v)
+
+
 def _empty(v) -> bool:
     return v is None or v is False or (isinstance(v, str | list | dict | tuple) and not v) or (
         hasattr(v, "__len__") and hasattr(v, "tolist") and not len(v))
@@ -97,7 +102,7 @@ def row_kwargs(obj: dict, template: str | None, name: str, conv: list | None = N
             raise RowError(f"chat_template_kwargs: {k!r} is not a template argument a row can set "
                            f"({'apply_chat_template sets it' if k in RESERVED else 'not a name'}): drop it")
         unread = template is None or k not in (reads(template) or template)
-        if v is None or unread and (_empty(v) or isinstance(v, bool)):
+        if v is None or unread and _passed_over(v):
             continue  # Arrow's null for a key another row has; an empty value or a flag the template never reads
         if unread:
             raise RowError(f"chat_template_kwargs: {k}={_plain(v)!r:.60} and "
@@ -117,7 +122,6 @@ def row_kwargs(obj: dict, template: str | None, name: str, conv: list | None = N
 def text_pair_kwargs(obj: dict) -> None:
     """A RowError where a prompt / completion of strings (no template renders it) carries template arguments."""
     value = obj.get("chat_template_kwargs")
-    if not _empty(value) and not (isinstance(value, dict) and all(
-            v is None or isinstance(v, bool) or _empty(v) for v in value.values())):  # what row_kwargs passes over
+    if not _empty(value) and not (isinstance(value, dict) and all(map(_passed_over, value.values()))):
         raise RowError("chat_template_kwargs with a prompt / completion of strings, which no template renders: give "
                        "them as message lists (TRL's conversational form), or drop the arguments")

@@ -289,6 +289,11 @@ def _without_nulls(value: object) -> object:
     return value
 
 
+def _both(fields: Fields, row: dict) -> str:
+    return (f"both {fields.text!r} / {fields.ids!r} and a chat field ({row_format(row)}): which is meant? Keep one "
+            "(read as text, every token of the row would be trained)")
+
+
 def parse_item(item: object, fields: Fields) -> tuple[str | list | dict | None, str | None, str | None]:
     """(text, ids or a chat row (dict), source or None, error or None) for one row; runs in the worker processes."""
     if isinstance(item, bytes):
@@ -300,8 +305,7 @@ def parse_item(item: object, fields: Fields) -> tuple[str | list | dict | None, 
             return None, None, f"expected a JSON object, got {type(obj).__name__}"
         value = obj.get(fields.text, obj.get(fields.ids))
         if value is not None and row_format(obj):
-            return None, None, (f"both {fields.text!r} / {fields.ids!r} and a chat field ({row_format(obj)}): which is "
-                                "meant? Keep one (read as text, every token of the row would be trained)")
+            return None, None, _both(fields, obj)
         if value is None and row_format(obj):
             value = obj  # a chat row: data/chat.py reads it
         src = obj.get(fields.source) if fields.source else None
@@ -313,8 +317,7 @@ def parse_item(item: object, fields: Fields) -> tuple[str | list | dict | None, 
                                    if "chosen" in obj else ""))
     value, src = item
     if isinstance(value, dict) and value.get(TEXT_BESIDE):
-        return None, None, (f"both {fields.text!r} / {fields.ids!r} and a chat field ({row_format(value)}): which is "
-                            "meant? Keep one (read as text, every token of the row would be trained)")
+        return None, None, _both(fields, value)  # a table's row filling its text and chat columns
     if isinstance(value, str | dict):
         return value, src, None
     if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
