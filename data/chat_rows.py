@@ -335,6 +335,22 @@ def turns_to_train(conv: list[dict], first: int, loss_on: str) -> tuple[list[int
     return wanted, len(turns) - len(wanted)
 
 
+def without_nulls(value: object) -> object:
+    """A struct column's value as JSON-like Python (an Arrow / numpy value through `tolist`), without the nulls Arrow
+    adds: a table holds one struct type per column, the union of every row's keys, so each tool comes back with every
+    other tool's parameters as null (`"query": None`), which the template would render into the tool's schema, and
+    each tool call with every other call's arguments (`{"city": "Paris", "query": null, "limit": null}`), which a
+    trained reply would teach; a row's `chat_template_kwargs` likewise. A null written on purpose in a tool definition
+    cannot be told apart in such a column: a JSON-string column (json.dumps of the list) is read exactly
+    (docs/sft.md)."""
+    value = value.tolist() if hasattr(value, "tolist") and not isinstance(value, list | str) else value
+    if isinstance(value, dict):
+        return {k: without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [without_nulls(v) for v in value]
+    return value
+
+
 def unicode_form(text: str) -> str:
     """`text` in Unicode's NFKC form, for finding a message's text in a decoded rendering: a tokenizer that
     normalizes (Qwen2's NFC) decodes text written in another form (macOS's decomposed accents, the OHM SIGN) as its

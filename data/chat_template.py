@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import json
 
-from data.chat_rows import RowError
+from data.chat_rows import RowError, without_nulls
 
 # apply_chat_template's own parameters: a row setting one would change what is rendered, not what the template reads
 RESERVED = {"conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
@@ -69,16 +69,6 @@ def _empty(v) -> bool:
         hasattr(v, "__len__") and hasattr(v, "tolist") and not len(v))
 
 
-def _plain(v):
-    """An Arrow / numpy value as JSON-like Python, without the nulls a struct column adds."""
-    v = v.tolist() if hasattr(v, "tolist") and not isinstance(v, list | str) else v
-    if isinstance(v, dict):
-        return {k: _plain(x) for k, x in v.items() if x is not None}
-    if isinstance(v, list):
-        return [_plain(x) for x in v]
-    return v
-
-
 def row_kwargs(obj: dict, template: str | None, name: str, conv: list | None = None) -> dict:
     """The row's `chat_template_kwargs` (an object, or JSON text of one) that `template` (None: the ChatML default)
     renders with; empty values dropped. RowError, one line, for another form, a reserved or unread key, and thinking
@@ -105,11 +95,11 @@ def row_kwargs(obj: dict, template: str | None, name: str, conv: list | None = N
         if v is None or unread and _passed_over(v):
             continue  # Arrow's null for a key another row has; an empty value or a flag the template never reads
         if unread:
-            raise RowError(f"chat_template_kwargs: {k}={_plain(v)!r:.60} and "
+            raise RowError(f"chat_template_kwargs: {k}={without_nulls(v)!r:.60} and "
                            f"{name if template else 'the ChatML default'} "
                            "never reads it: the row would train as if it were not set; drop it, or use the tokenizer "
                            "whose template reads it")
-        out[k] = _plain(v)
+        out[k] = without_nulls(v)
     off = [k for k in ("enable_thinking", "thinking") if out.get(k) is False]
     why = next((i for i, m in enumerate(conv or []) if m.get("role") == "assistant" and (
         m.get("reasoning_content") or m.get("thinking") or "</think>" in m.get("content", ""))), None)

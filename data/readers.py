@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from base.log import cause
 from data.chat import row_format
+from data.chat_rows import without_nulls
 from data.jsonl import NOT_DATA, array_elements, matching, one_split, open_file, starts_array
 
 JSONL_EXT = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst")
@@ -268,25 +269,12 @@ def _columnar(batch: dict, cols: tuple[str | tuple[str, ...], str | None], row: 
                         yield row + i, (v, str(sources[i]) if sources is not None and sources[i] is not None else None)
                         continue
                 if v.get("tools") is not None and not isinstance(v["tools"], str):
-                    v["tools"] = _without_nulls(v["tools"])
+                    v["tools"] = without_nulls(v["tools"])
                 for key in ("messages", "conversations", "prompt", "completion"):  # each call's arguments too: a
                     for m in v.get(key) if isinstance(v.get(key), list) else ():  # reply's trained text
                         if isinstance(m, dict) and m.get("tool_calls") is not None and not isinstance(m["tool_calls"], str):
-                            m["tool_calls"] = _without_nulls(m["tool_calls"])
+                            m["tool_calls"] = without_nulls(m["tool_calls"])
             yield row + i, (v, str(sources[i]) if sources is not None and sources[i] is not None else None)
-
-
-def _without_nulls(value: object) -> object:
-    """A struct column's value without the nulls Arrow adds: a table holds one struct type per column, the union of
-    every row's keys, so each tool comes back with every other tool's parameters as null (`"query": None`), which the
-    template would render into the tool's schema, and each tool call with every other call's arguments (`{"city":
-    "Paris", "query": null, "limit": null}`), which a trained reply would teach. A null written on purpose in a tool definition cannot be told apart
-    in such a column: a JSON-string column (json.dumps of the list) is read exactly (docs/sft.md)."""
-    if isinstance(value, dict):
-        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list):
-        return [_without_nulls(v) for v in value]
-    return value
 
 
 def _both(fields: Fields, row: dict) -> str:

@@ -171,7 +171,7 @@ def plot_eval(evals: list[dict], out: str, title: str = "") -> None:
         if pos:
             x = [(i + 0.5) / len(pos) for i in range(len(pos))]
             ax.plot(x, pos, marker=".", lw=1.2, label=f"stage {r['stage']} ({r['seq_len']} tok)")
-    ax.set_xlabel("position in the sample (fraction of the stage's length)", fontsize=8)
+    ax.set_xlabel("position in the document (fraction of the stage's length)", fontsize=8)
     ax.set_ylabel("held-out loss", fontsize=8)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
