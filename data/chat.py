@@ -39,7 +39,7 @@ repeated in a user turn would be found in the wrong place):
    Phi-3's trailing EOS) gets no loss: the model stops at the end-of-turn.
    Every span is checked: its text holds the reply's text (past a `</think>`, which R1 / Qwen3 templates drop)
    and each tool call's name; a template that does not render tool calls (Llama 3.0, SmolLM2) is a refused row,
-   never an empty reply trained. A reply's reasoning (a `reasoning_content` / `thinking` field, a think block) that
+   never an empty reply trained. A reply's reasoning (a `reasoning_content` / `thinking` / `reasoning` field, a think block) that
    the template never renders refuses the row; one it drops from the history (Qwen3, gpt-oss) is counted
    (`dropped_reasoning`): data/chat_reasoning.py. A reply holding the text of its end-of-turn token (`<|im_end|>` quoted in prose)
    gets no loss: it is tokenized as the control token (as TRL and inference servers do) and the model would learn to

@@ -1,7 +1,7 @@
 """A reply's reasoning, and the templates that drop it (data/chat.py).
 
-Reasoning reaches a template two ways: a reply's `reasoning_content` / `thinking` field (vLLM's and Qwen3's name,
-gpt-oss's; transformers gives a template both), or the content's `<think>...</think>` block (OpenThoughts, s1K,
+Reasoning reaches a template two ways: a reply's `reasoning_content` / `thinking` / `reasoning` field (vLLM's and
+Qwen3's name, gpt-oss's, OpenRouter's; data/chat_rows.py gives the template the text under all three), or the content's `<think>...</think>` block (OpenThoughts, s1K,
 Mixture-of-Thoughts rows). Templates treat them three ways, read in their stored copies:
 - they render it (Qwen3, gpt-oss; any template that prints the content verbatim renders a think block as text);
   a template with a place of its own for the field that prints a content think block as answer text (gpt-oss: the
@@ -19,9 +19,9 @@ conversation's text. Cost: two probe renders per encoder; a row without reasonin
 
 from __future__ import annotations
 
-from data.chat_rows import RowError, unicode_form
+from data.chat_rows import REASONING, RowError, unicode_form
 
-FIELDS = ("reasoning_content", "thinking")
+FIELDS = REASONING  # a row gives one name; data/chat_rows.py sets each
 _ASK = {"role": "user", "content": "Probe question?"}
 _WHY = "Probe reasoning, step by step."
 
@@ -48,7 +48,7 @@ def _renders(enc, form: str) -> bool | None:
         if enc.kind == "chatml":  # the token-built default: the content verbatim, no field
             cache[form] = form == "content"
         else:
-            reply = ({"role": "assistant", "content": "Probe answer.", FIELDS[0]: _WHY} if form == "field" else
+            reply = ({"role": "assistant", "content": "Probe answer.", **dict.fromkeys(REASONING, _WHY)} if form == "field" else
                      {"role": "assistant", "content": f"<think>\n{_WHY}\n</think>\n\nProbe answer."})
             cache[form] = None
             for msgs, tools in (([_ASK, reply], None), ([{"role": "system", "content": "Probe system."}, _ASK, reply],

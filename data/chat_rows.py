@@ -53,7 +53,8 @@ SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "a
 CHAT_KEYS = ("messages", "conversations", "prompt", "instruction")
 FLAGS = ("weight", "training", "train")  # a message's training flag: OpenAI's fine-tuning `weight`, Axolotl's
 # `message_field_training` (`training` by default; `train` in its docs' examples and Nemotron exports)
-KEYS = ("tool_calls", "name", "tool_call_id", "reasoning_content", "thinking")  # a message's keys templates read
+KEYS = ("tool_calls", "name", "tool_call_id")  # a message's keys templates read (and a reply's REASONING)
+REASONING = ("reasoning_content", "thinking", "reasoning")  # a reply's reasoning field: one text under every name
 ROLE_KEYS = {"system": ("tools", "functions"), "user": ("functions",), "assistant": ("function_calls",)}  # Phi-4-mini's
 # tool list rides on the system message; OLMo 3's function list on a system (or user) message, its calls on a reply
 
@@ -130,6 +131,8 @@ def message(m, i: int) -> dict:
     if role in ("tool", "environment") and _data(content):  # a tool's result as data (xLAM, APIGen rows): the JSON
         content = json.dumps(content, ensure_ascii=False)  # text an OpenAI client sends for it
     out = {"role": role, "content": _text(content, i, role)}
+    if role == "assistant":
+        out.update(_reasoning(m, i))
     for k in KEYS + ROLE_KEYS.get(role, ()):
         if m.get(k) is not None and not (k in ("tool_calls", "function_calls") and m[k] == []):
             out[k] = m[k]  # an empty call list (OpenAI exports write one) is no call: Llama 4's template skipped the reply
@@ -137,6 +140,22 @@ def message(m, i: int) -> dict:
     if train is not None and role == "assistant":  # a false flag elsewhere says what is so already
         out["train"] = train  # data/chat.py takes it out before any render
     return out
+
+
+def _reasoning(m: dict, i: int) -> dict:
+    """A reply's reasoning field under every name a template reads: `reasoning_content` (vLLM, Qwen3, DeepSeek),
+    `thinking` (gpt-oss, Magistral's exports) and `reasoning` (OpenRouter's and newer vLLM's name; Gemma 4's template
+    reads it first). A row gives one of them; each template reads its own: before, a `reasoning` field was dropped
+    without a word (Qwen3 trained an empty think block before each answer). Two names with two texts are refused."""
+    given = {k: m[k] for k in REASONING if m.get(k) is not None}
+    if any(not isinstance(v, str) for v in given.values()):
+        k = next(k for k, v in given.items() if not isinstance(v, str))
+        raise RowError(f"message {i} (assistant): {k} is {type(given[k]).__name__}, not text: give the reasoning as a "
+                       "string")
+    texts = [v for v in given.values() if v.strip()]
+    if len({v.strip() for v in texts}) > 1:
+        raise RowError(f"message {i} (assistant): {' and '.join(given)} hold different texts: give the reasoning once")
+    return {k: texts[0] for k in REASONING} if texts else {}
 
 
 def _flag(m: dict, i: int, role: str) -> bool | None:
@@ -310,7 +329,7 @@ def empty_reply(msg: dict) -> bool:
     """A reply with no text, no tool call and no reasoning: trained, it teaches the model to stop at once (raw
     ShareGPT dumps hold such turns); data/chat.py leaves it untrained and counts it."""
     return not (msg["content"].strip() or msg.get("tool_calls") or msg.get("function_calls")
-                or any(isinstance(msg.get(f), str) and msg[f].strip() for f in ("reasoning_content", "thinking")))
+                or any(isinstance(msg.get(f), str) and msg[f].strip() for f in REASONING))
 
 
 def turns_to_train(conv: list[dict], first: int, loss_on: str) -> tuple[list[int], int]:

@@ -269,3 +269,24 @@ def test_the_stop_a_chat_sft_trains_is_the_last_replys_end(root):
                       ("glm47", [])):
         assert reply_stops(encoder(root, key).tok.path) == ids(key, want), key
     assert reply_stops(None) == [] and reply_stops("recipes/base/tiny_passkey256/tokenizer.model") == []
+
+
+@pytest.mark.parametrize("key", ["qwen3", "gpt_oss"])
+@pytest.mark.parametrize("name", ["reasoning", "reasoning_content", "thinking"])
+def test_a_reasoning_field_under_any_name_reaches_the_template(root, key, name):
+    """A reply's reasoning under any of its names (OpenRouter's and newer vLLM's `reasoning`; Qwen3's template reads
+    `reasoning_content`, gpt-oss's `thinking`) trains with it. Before, `reasoning` was dropped without a word: Qwen3
+    trained an empty think block before the answer (a model taught to skip thinking), gpt-oss refused the others."""
+    enc = encoder(root, key)
+    row = {"messages": [{"role": "user", "content": "Say exactly: apple river"},
+                        {"role": "assistant", "content": "apple river", name: WHY}]}
+    ids, mask, stats = enc.encode(row)
+    assert trained(enc, ids, mask).count(WHY) == 1 and stats["dropped_reasoning"] == 0
+
+
+def test_two_reasoning_fields_with_two_texts_are_refused_in_one_line(root):
+    row = {"messages": [{"role": "user", "content": "Q?"},
+                        {"role": "assistant", "content": "A.", "reasoning": WHY, "thinking": "Another thought."}]}
+    with pytest.raises(RowError, match="thinking and reasoning hold different texts") as e:
+        encoder(root, "qwen3").encode(row)
+    assert "\n" not in str(e.value)
