@@ -105,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         elif cfg.export_hf:  # (a branch's new step_N under an old name has another content hash: exported again)
             out = export_hf(state.checkpoint, out, data.tokenizer and data.tokenizer.path,
                             source=cfg.model_name_or_path, owned=True, identity=made and made[1],
-                            stops=data.reply_stops())  # a chat SFT's end-of-turn: generation stops on it
+                            stops=data.reply_stops(),  # a chat SFT's end-of-turn: generation stops on it
+                            template=data.trained_template())  # the chat template its rows were rendered with
             print0(f"exported {out}")
         with open(os.path.join(cfg.output_dir, "COMPLETE"), "w") as fh:
             fh.write(f"{state.step}\n")

@@ -73,7 +73,7 @@ from data.chat_reasoning import as_rendered, dropped, refuse_dropped
 from data.chat_rows import ROLES, SHAREGPT_ROLES, RowError, empty_reply, normalize, row_format, turns_to_train  # noqa: F401
 from data.chat_rows import unicode_form as _nf
 from data.chat_splice import encode_long
-from data.chat_template import pick_template, row_kwargs, text_pair_kwargs
+from data.chat_template import pick_template, resolve_template, row_kwargs, text_pair_kwargs  # noqa: F401
 from data.chat_tools import call_name, fit_arguments, refuse_unrendered, row_tools, tool_names
 from data.chat_views import Renders, View
 
@@ -106,9 +106,8 @@ class ChatEncoder:
         own = getattr(hf, "chat_template", None) if hf is not None else None
         if not isinstance(template, str) or not template:
             raise ValueError(f"--chat_template {template!r}: use auto, chatml, none or a named template's name")
-        self.template = pick_template(own, template, tokenizer.path)
-        self.name = (f"{tokenizer.path}'s `{'default' if template in ('auto', 'none') else template}` template"
-                     if isinstance(own, dict) else f"{tokenizer.path}'s template")
+        # the template's text and name; the ChatML default's where it has none; the template an export must carry
+        self.template, self.name, self.default, self.serves = resolve_template(hf, own, template, tokenizer.path)
         self.hf = hf if self.template else None
         self.markers = bool(self.hf is not None and "{% generation %}" in self.template.replace("{%- generation",
                                                                                               "{% generation"))
@@ -248,7 +247,7 @@ class ChatEncoder:
                 end -= 1  # a template's blank after its end-of-turn (ChatML templates' "\n")
             return ids, np.ones(len(ids), np.uint8), {"untrained_turns": 0, "no_stop_rows": self._no_stop(ids, conv, end),
                                                       "rewritten_arguments": rewritten, "flagged_turns": 0,
-                                                      "dropped_reasoning": 0, "chatml_rows": int(self.kind == "chatml")}
+                                                      "dropped_reasoning": 0, "chatml_rows": int(self.default or self.kind == "chatml")}
         why = {}
         if self.kind == "chatml":
             ids, spans = self._chatml(conv)
@@ -285,7 +284,7 @@ class ChatEncoder:
                            "no_stop_rows": self._no_stop(ids, conv, last[1] if last else None),
                            "rewritten_arguments": rewritten, "flagged_turns": flagged,
                            "dropped_reasoning": dropped(self, ids, spans, conv), **history,
-                           "chatml_rows": int(self.kind == "chatml")}
+                           "chatml_rows": int(self.default or self.kind == "chatml")}
 
     def _no_stop(self, ids: list[int], conv: list[dict], end: int | None) -> int:
         """1 where the conversation ends with a reply trained up to `end` and no control token ends it: the template
@@ -464,7 +463,7 @@ class ChatEncoder:
         return encode_long(self, messages, at, stats)
 
     def _chatml(self, conv: list[dict]) -> tuple[list[int], dict]:
-        """The documented default, token by token: the spans are known as they are written."""
+        """The documented default for a sentencepiece file (no Hugging Face tokenizer renders it), token by token."""
         ids, spans = [], {}
         for k, m in enumerate(conv):
             ids += self.tok.encode(f"<|im_start|>{m['role']}\n")

@@ -12,25 +12,39 @@ template writes only in the history (gpt-oss's <|end|>) is not one: the last rep
 from __future__ import annotations
 
 
-def reply_stops(tokenizer_path: str | None, chat_template: str = "auto") -> list[int]:
-    """The ids that end a last reply in `tokenizer_path`'s template (`chat_template` as the preparation took it);
-    [] for a sentencepiece file (its EOS: the export writes it) or where none is known."""
+def _encoder(tokenizer_path: str | None, chat_template: str):
+    """The run's chat encoder as the preparation built it; None for a sentencepiece file, a refusal, or none."""
     import os
 
     if not tokenizer_path or not os.path.isdir(tokenizer_path):
-        return []
+        return None
     from data.chat import ChatEncoder
-    from data.chat_ends import REPLIES
     from data.tokenizer import Tokenizer
 
     try:
         enc = ChatEncoder(Tokenizer(tokenizer_path), template=chat_template)
     except ValueError:
-        return []
-    if enc.refusal:
+        return None
+    return None if enc.refusal else enc
+
+
+def reply_stops(tokenizer_path: str | None, chat_template: str = "auto") -> list[int]:
+    """The ids that end a last reply in `tokenizer_path`'s template (`chat_template` as the preparation took it);
+    [] for a sentencepiece file (its EOS: the export writes it) or where none is known."""
+    from data.chat_ends import REPLIES
+
+    enc = _encoder(tokenizer_path, chat_template)
+    if enc is None:
         return []
     if enc.kind == "chatml":
         return [int(enc.default_eot)]
     _ = enc.eot  # the probe: enc._ends, the id after each probe reply
     last = enc._ends.get(REPLIES[-1])
     return [int(last)] if last is not None else []
+
+
+def trained_template(tokenizer_path: str | None, chat_template: str = "auto") -> str | None:
+    """The chat template an export must carry (the one the rows were rendered with) where the tokenizer's own default
+    is another (the ChatML default, `--chat_template chatml`, a named template): None where it is the same."""
+    enc = _encoder(tokenizer_path, chat_template)
+    return enc.serves if enc is not None else None

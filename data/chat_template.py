@@ -44,6 +44,44 @@ def pick_template(own, template: str, path: str) -> str | None:
     return own or None
 
 
+def resolve_template(hf, own, template: str, path: str) -> tuple[str | None, str, bool, str | None]:
+    """(text, name, default, serves) of the template a ChatEncoder renders with: `default` where it is the ChatML
+    default (a Hugging Face tokenizer without a template, or `--chat_template chatml`), rendered and tokenized as one
+    text, as served; `serves`, what an export must carry (served_template)."""
+    text = pick_template(own, template, path)
+    name = (f"{path}'s `{'default' if template in ('auto', 'none') else template}` template" if isinstance(own, dict)
+            else f"{path}'s template")
+    default = text is None and hf is not None and template != "none"
+    if default:
+        text, name = chatml_template(hf), "the ChatML default"
+    return text, name, default, served_template(own, template, text, default)
+
+
+def chatml_template(hf) -> str:
+    """The documented ChatML default for a Hugging Face tokenizer without a template (Llama 2 / Mistral v0.1 bases,
+    any base model): each message `<|im_start|>role\n` + content + end-of-turn + `\n`, the end-of-turn `<|im_end|>`
+    where it is a token, else the tokenizer's EOS. Rendered and tokenized as one text, as a server renders it:
+    built token by token, a sentencepiece tokenizer's dummy prefix put a `▁` before every header and reply (each
+    reply trained to open with a space inference never writes). Generation markers around each reply and its end."""
+    im_end = hf.convert_tokens_to_ids("<|im_end|>")
+    eot = "<|im_end|>" if isinstance(im_end, int) and im_end >= 0 and im_end != hf.unk_token_id else hf.eos_token
+    return ("{%- for message in messages -%}{{- '<|im_start|>' + message['role'] + '\n' -}}"
+            "{%- if message['role'] == 'assistant' -%}{% generation %}{{- message['content'] + " + repr(eot) +
+            " -}}{% endgeneration %}{%- else -%}{{- message['content'] + " + repr(eot) + " -}}{%- endif -%}"
+            "{{- '\n' -}}{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}")
+
+
+def served_template(own, template: str, text: str | None, default: bool) -> str | None:
+    """The template an export of a model trained on `text` must carry where the tokenizer's own default differs (the
+    ChatML default on a tokenizer without one, `--chat_template chatml` over its own, a named template that is not its
+    `default`): a server renders the tokenizer's default, another format than the one trained. None: the same."""
+    if text is None:
+        return None
+    if default or template == "chatml":
+        return text.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    return None if text == (own.get("default") if isinstance(own, dict) else own) else text
+
+
 @functools.lru_cache(maxsize=16)
 def reads(template: str) -> frozenset | None:
     """The names `template` reads from its context (jinja's undeclared variables, parsed by the environment transformers

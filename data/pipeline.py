@@ -188,6 +188,17 @@ class RunData:
             self._stops = reply_stops(self.tokenizer.path, self.prepared.manifest.get("chat_template") or "auto")
         return self._stops
 
+    def trained_template(self) -> str | None:
+        """The chat template the run's conversations were rendered with, where the tokenizer's own default is another
+        (data/chat_stops.trained_template): its export carries it. None for text-only data or the same template."""
+        if self.mask is None or self.tokenizer is None:
+            return None
+        if not hasattr(self, "_template"):
+            from data.chat_stops import trained_template
+
+            self._template = trained_template(self.tokenizer.path, self.prepared.manifest.get("chat_template") or "auto")
+        return self._template
+
     @property
     def tokenizer_vocab(self) -> str | None:
         """The vocabulary of the run's tokenizer (data/store.vocab_identity; None without one), read once."""

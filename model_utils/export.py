@@ -128,13 +128,16 @@ def legacy_rope(path: str) -> None:
 
 
 def export_hf(checkpoint: str, out_dir: str, tokenizer_path: str | None = None, source: str | None = None,
-              owned: bool = False, stops: list[int] | None = None, identity: str | None = None) -> str:
+              owned: bool = False, stops: list[int] | None = None, identity: str | None = None,
+              template: str | None = None) -> str:
     """Write `checkpoint` (its fp32 master weights, its last stage's RoPE) to `out_dir`; `source` is the run's
     --model_name_or_path (its generation_config.json is copied); `identity`: the checkpoint's content hash (its
     manifest's SHA-256), recorded beside its path (a branch writes a new step_N under the old name); `stops`: ids
     generation must also stop on (the
     end-of-turn a chat SFT trained: data/chat_stops.py), added to generation_config.json's eos_token_id. Checks
-    `out_dir` first (check_out)."""
+    `out_dir` first (check_out). `template`: the chat template a chat SFT's rows were rendered with where the
+    tokenizer's own default is another (the ChatML default of a base tokenizer, a forced or named template): the
+    exported tokenizer carries it, or a server renders prompts in a format the model was never tuned on."""
     check_out(out_dir, checkpoint, owned)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from huggingface_hub import save_torch_state_dict
@@ -176,10 +179,13 @@ def export_hf(checkpoint: str, out_dir: str, tokenizer_path: str | None = None, 
     elif tokenizer_path and os.path.isdir(tokenizer_path):
         from transformers import AutoTokenizer
 
-        AutoTokenizer.from_pretrained(tokenizer_path, mistral_format=False).save_pretrained(tmp)  # as training read it
+        tok = AutoTokenizer.from_pretrained(tokenizer_path, mistral_format=False)  # as training read it
+        if template:
+            tok.chat_template = template
+        tok.save_pretrained(tmp)
     with open(os.path.join(tmp, MARKER), "w") as fh:
         json.dump({"checkpoint": os.path.abspath(checkpoint), "manifest_sha256": identity, "source": source,
-                   "generation_config": gen, "added_stops": added}, fh, indent=1)
+                   "generation_config": gen, "added_stops": added, "trained_template": bool(template)}, fh, indent=1)
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
     return out_dir

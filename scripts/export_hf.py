@@ -76,9 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     else:  # a checkpoint from before they were recorded: an SFT run's, through the template's default
         sft = cfg.get("data_kind") == "sft" or any((s or {}).get("kind") == "sft" for s in cfg.get("stages") or [])
         stops = reply_stops(trainer.get("tokenizer")) if sft else None
+    # the chat template the rows were rendered with (a checkpoint before 2026-11-30: the tokenizer's own is written)
+    template = trainer.get("trained_template")
     try:
         out = export_hf(path, a.out or default, trainer.get("tokenizer"), source=cfg.get("model_name_or_path"),
-                        owned=owned, stops=stops, identity=manifest_sha256(path))
+                        owned=owned, stops=stops, identity=manifest_sha256(path), template=template)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

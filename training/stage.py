@@ -288,7 +288,8 @@ def _save(run: Run, engine, stages, stage, hf_config, state: TrainState, sampler
             "heldout": run.data.heldout_split,  # a resume keeps these held-out documents
             "tokenizer": run.data.tokenizer.path if run.data.tokenizer else None, "config": to_dict(run.cfg),
             "tokenizer_vocab": run.data.tokenizer_vocab,  # whose ids it trained on
-            "reply_stops": run.data.reply_stops()}  # what its export stops on (a chat SFT's end-of-turn)
+            "reply_stops": run.data.reply_stops(),  # what its export stops on (a chat SFT's end-of-turn)
+            "trained_template": run.data.trained_template()}  # the chat template its export carries
     background = run.cfg.async_save and not (at_end or run.preempt.stopping)
     path = run.ckpt.save(engine, state.step, {**state.state_dict(), **meta},
                          {"sampler": sampler.state_dict(), "rng": rng_state()}, hf_config,

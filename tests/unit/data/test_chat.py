@@ -121,7 +121,7 @@ def test_template_refusal_is_a_bad_row(tok_root):
 
 def test_default_chatml_and_refusal(tok_root):
     enc = encoder(tok_root, "none")  # an HF tokenizer without a template
-    assert enc.kind == "chatml"
+    assert enc.default and enc.serves and "{% generation %}" not in enc.serves
     ids, mask, _ = enc.encode({"messages": TURNS})
     # its vocabulary has <|im_end|> (the default's end-of-turn when present; else EOS: test_sentencepiece_default)
     assert spans(enc, ids, mask) == ["apple river<|im_end|>", "2 words<|im_end|>"]
@@ -136,6 +136,37 @@ def test_default_chatml_and_refusal(tok_root):
     # "no end-of-turn token" warning on every row)
     _, _, st = encoder(tok_root, "none", loss_on="all").encode({"messages": TURNS})
     assert st["no_stop_rows"] == 0
+
+
+def _metaspace_tokenizer(folder) -> str:
+    """A sentencepiece-style Hugging Face tokenizer without a chat template (Llama 2 / Mistral v0.1 bases): every
+    encode call opens with the dummy prefix `▁`."""
+    from tokenizers import Tokenizer as Rust
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    t = Rust(models.BPE(unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    t.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
+    t.train_from_iterator([m["content"] for m in TURNS] * 20 + ["<|im_start|>user\n"] * 5,
+                          trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"]))
+    PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>", unk_token="<unk>").save_pretrained(folder)
+    return str(folder)
+
+
+def test_the_chatml_default_trains_what_a_server_tokenizes(tmp_path):
+    """The ChatML default on a sentencepiece-style tokenizer without a template: the rows are the text a server
+    renders with the template the export writes (`serves`), tokenized as one. Built token by token, every header and
+    reply opened with the dummy prefix: each reply was trained to start with a space (`▁ap` where the served prompt
+    has `ap`), after headers the served prompt never shows."""
+    enc = ChatEncoder(Tokenizer(_metaspace_tokenizer(tmp_path / "sp_hf")))
+    ids, mask, _ = enc.encode({"messages": TURNS})
+    hf = enc.tok.hf
+    served = hf.apply_chat_template(TURNS, chat_template=enc.serves, tokenize=False)
+    assert ids == hf(served, add_special_tokens=False)["input_ids"]
+    assert spans(enc, ids, mask) == ["apple river</s>", "2 words</s>"]
+    starts = np.flatnonzero(np.diff(np.concatenate([[0], mask])) == 1)
+    assert [hf.convert_ids_to_tokens(ids[a])[0] for a in starts] == ["a", "2"]  # no dummy prefix before a reply
 
 
 def test_sentencepiece_default():
@@ -228,7 +259,7 @@ def test_the_chatml_default_refuses_tool_calls(tok_root):
     """The default renders no tool calls: a tool-call turn would train an empty reply; the row is refused."""
     enc = encoder(tok_root, "none")
     call = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "count", "arguments": {}}}]}
-    with pytest.raises(RowError, match="ChatML default .* renders none"):
+    with pytest.raises(RowError, match="the ChatML default does not render its tool call"):
         enc.encode({"messages": TURNS[:1] + [call]})
 
 

@@ -115,7 +115,7 @@ def test_chat_mode_decision_and_refusal(tmp_path):
                                          r"--chat chatml .* or --chat off$"):
         ev.chat_mode("on", bare, True, "m")
     assert ev.chat_encoder(own, "plain") is None
-    assert ev.chat_encoder(own, "template").kind == "prefix" and ev.chat_encoder(own, "chatml").kind == "chatml"
+    assert ev.chat_encoder(own, "template").kind == "prefix" and ev.chat_encoder(own, "chatml").default
     with pytest.raises(ValueError, match=r"argument --chat: invalid choice: 'yes'"):
         ev.parse_args(["m", "--lengths", "256", "--output_dir", "o", "--chat", "yes"])
 
@@ -315,5 +315,6 @@ def test_a_chat_runs_data_names_the_stop_its_export_adds(tmp_path):
     chats = build_demo_chats(str(tmp_path / "chats.jsonl"), 60, seed=2)
     data = open_run_data(chats, path, tok.vocab_size, [_stage(0, 256, "sft")], reset_position_ids=True)
     assert data.reply_stops() == [tok.hf.convert_tokens_to_ids("<|im_end|>")]
+    assert data.trained_template() is None  # its own template: the export's tokenizer carries it already
     text = open_run_data(None, None, 2048, [_stage(0, 256, "text")], reset_position_ids=True)
-    assert text.reply_stops() == []
+    assert text.reply_stops() == [] and text.trained_template() is None
