@@ -1,4 +1,6 @@
-"""The GPU check in one command, sized for one H100 or H200 and at most 8 minutes (--budget_s 500, docs/benchmarks.md):
+"""The GPU check, sized for one H100 or H200: the headline alone first (--budget_s 450, ~427 s estimated: within 8
+minutes of device time with the machine's start), then kernels, arena and parity (~50 s) on the warm machine
+(docs/benchmarks.md gives both commands and the estimate):
 
     python -m bench.gpu                        # a GPU machine: bench/results/gpu.json, docs/results/gpu.md
     python -m bench.gpu --out $OUT/gpu.json    # the device tool's machine: the JSON comes back in $OUT
@@ -14,8 +16,9 @@ GPU), and caps the allocator at an H100's memory (`--cap_gib`, default 78.5 GiB 
 its CUDA context), so an H200 answers as an H100 would.
 - kernels, arena (bench/gpu_kernels.py, issue 49, ~40 s, after the headline): the headline's attention call (one head chunk, bf16, at
   its length) timed through SDPA's default, forced flash / cuDNN / memory-efficient backends and FA2 where
-  installed, with the kernels' names; then `--attn_implementation auto`'s own probe (model_utils/attention_pick.py,
-  `auto_attention`: what auto would run here, ~2 s); the host arena's registration time per GiB and copy rate.
+  installed, with the kernels' names; then `--attn_implementation auto`'s own decision (model_utils/attention_pick.py
+  measure, as settle runs it: SDPA's dispatch, SDPA forced to cuDNN, FA2 where installed; `auto_attention`: what auto
+  would run here, ~2 s); the host arena's registration time per GiB and copy rate.
 - headline (issue 49, first): the 1-GPU headline's configuration itself, pinned: every layer
   checkpointed with its checkpoint offloaded, tiled MLP and logits, parameters and optimizer offloaded, the
   largest head-chunk count (32), at the planner's longest length under `--gpu_mem_gb 80` (the run's own start-up
@@ -338,26 +341,16 @@ def main(argv: list[str] | None = None) -> int:
 
         rec.put("kernels", guarded(rec, "kernels", run_kernels))
 
-        def run_auto_pick():  # what `--attn_implementation auto` would run at the headline's call, by its own probe
+        def run_auto_pick():  # what `--attn_implementation auto` would run at the headline's call: its own decision
             from model_utils import attention_pick as ap
-            from planner.attention_sp import chunk_heads
-            from planner.memory_model import load_shape
+            from model_utils.build import load_hf_config, pick_attn_implementation
+            from model_utils.families import check_config
 
             if device != "cuda":
                 return {"skipped": "no CUDA: the probe times GPU kernels"}
-            shape = load_shape(model())
-            hq, hkv = chunk_heads(shape.num_heads, shape.num_kv_heads, chunks())
-            call = {"heads": hq, "kv_heads": hkv, "head_dim": shape.head_dim, "tokens": ap.PROBE_TOKENS}
-            try:
-                import flash_attn  # noqa: F401
-
-                options = ["sdpa", ap.FA2]
-            except ImportError:
-                options = ["sdpa"]
-            import torch
-
-            times = {b: ap.time_call(b, call, torch.bfloat16) for b in options}  # timed even alone: the probe runs
-            choice = min(times, key=times.get)
+            n = (rec.data.get("headline") or {}).get("length") or LONG[kind]
+            choice, times, call = ap.measure(pick_attn_implementation("auto"), load_hf_config(model()), chunks=chunks(),
+                                             ring=False, sp=1, cp=1, seq_len=n, half="bf16", check=check_config)
             rec.say(ap.line(choice, times, call))
             return {"choice": choice, "seconds": times, "call": call}
 

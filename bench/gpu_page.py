@@ -83,7 +83,8 @@ def _long(r: dict, title: str, what: str) -> list[str]:
                   "GiB "
                   f"against the planner's {_gib(h['pinned']['planner_gib'])} (x{h['pinned']['ratio']}"
                   f"{', **the planner' + chr(39) + 's next fix**' if h['pinned']['flag'] else ''}); "
-                  f"{h['rss']['note']}: {_gib(h['rss']['measured_gib'])} GiB against {_gib(h['rss']['planner_gib'])} "
+                  f"{_rss_note(h['rss']['note'])}: {_gib(h['rss']['measured_gib'])} GiB against "
+                  f"{_gib(h['rss']['planner_gib'])} "
                   f"(x{h['rss']['ratio']})."
                   + (f" Pinned stats: {', '.join(f'{k} {v:,}' for k, v in stats.items())}." if stats else ""), ""]
         if h.get("arena"):  # the offloaded checkpoints' exact-size registered slots (base/host_arena.py)
@@ -162,6 +163,19 @@ def _kernels(data: dict) -> list[str]:
                          f"{r.get('unregister_s')} | {r.get('torch_pinned_s', '-')} |"))
         lines.append("")
     return lines
+
+
+# the RSS note of a run recorded before plan.py took its runtime host memory from the measurement (2 GiB assumed)
+_OLD_RSS_NOTE = "the 2 GiB runtime plan.py assumes (--cpu_overhead_gb)"
+
+
+def _rss_note(note: str) -> str:
+    """A run's RSS note as the page says it now: an older run's "the 2 GiB plan.py assumes" is what plan.py assumed
+    then; it has since used the runtime this run measured (planner/cluster.RUNTIME_HOST_GIB)."""
+    from planner.cluster import RUNTIME_HOST_GIB
+
+    return note.replace(_OLD_RSS_NOTE, "the 2 GiB of runtime plan.py assumed at the run (--cpu_overhead_gb; since "
+                        f"then the {RUNTIME_HOST_GIB} GiB this run measured, planner/cluster.RUNTIME_HOST_GIB)")
 
 
 def render(data: dict) -> str:

@@ -5,23 +5,29 @@ Before, `auto` took FlashAttention-2 whenever flash-attn imported. On the H200 (
 docs/results/gpu.md) SDPA's own dispatch went to cuDNN at 456-500 / 545-578 TFLOP/s forward / backward at the
 headline's call, and torch's port of FlashAttention-2's kernels to 302 / 328: installing flash-attn (an optional
 package the user is told about) would have made the step ~1.4x slower without a word. On an A100, where SDPA has no
-cuDNN kernel this fast, FA2 may win. So it is measured where the run is:
+cuDNN kernel this fast, FA2 may win; and a torch build whose SDPA dispatch prefers its flash kernel runs ~1.7x
+slower than SDPA forced to cuDNN on the same GPU. So it is measured where the run is:
 
-- no GPU, flash-attn not importable, or a family FA2 cannot run (attention sinks): sdpa, as before;
+- no GPU, an fp32 run, or a family FA2 cannot run (attention sinks): sdpa, as before (a GPU run: timed against SDPA
+  forced to cuDNN, CUDNN below);
 - a stage runs the context-parallel ring (asked, or the plan needs it to fit): flash_attention_2, the GPU ring's
   kernel (model_utils/context_parallel.register refuses the ring otherwise); a layer with a sliding window too
   (`candidates`: SDPA would run it as masked chunks on its slowest kernel);
-- otherwise rank 0 times one causal call, forward and backward, per candidate (SDPA's own dispatch; FA2) at the
+- otherwise rank 0 times one causal call, forward and backward, per candidate (SDPA's own dispatch; SDPA forced to
+  cuDNN; FA2 where flash-attn imports) at the
   run's per-call shape (the query heads a rank attends per head chunk of the first stage, their KV heads, the head
   dim, bf16 / fp16, min(the first stage's length, PROBE_TOKENS) tokens), the median of 3 after a warm-up, and every
   rank takes rank 0's pick (comm.run_on_main: one decision; the others wait on the host group for its ~1-2 s).
 
 Cost: once per start, on rank 0's GPU before any model is built: ~1-2 s (cuDNN's graph build included) and q, k, v,
-out and their gradients at PROBE_TOKENS (32 MiB a tensor at 4 heads of 128). The pick is printed with both timings.
+out and their gradients at PROBE_TOKENS (32 MiB a tensor at 4 heads of 128). The pick is printed with the timings.
+A CUDNN pick runs as attn_implementation sdpa with cuDNN first in SDPA's priority order for the process (`prefer`:
+every rank, the probe's kernel; a call cuDNN cannot take falls to the next backend as SDPA's own dispatch would).
 """
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import statistics
 from collections.abc import Callable
@@ -31,6 +37,8 @@ from base.log import print0
 
 PROBE_TOKENS = 32768
 FA2 = "flash_attention_2"
+CUDNN = "sdpa_cudnn"  # a probe candidate, not a transformers backend: the run is sdpa with cuDNN preferred (prefer)
+_PREFERRED = contextlib.ExitStack()  # holds SDPA's priority order while a CUDNN pick stands (prefer)
 
 
 def windowed(arch) -> bool:
@@ -43,9 +51,11 @@ def windowed(arch) -> bool:
     return bool(getattr(arch, "sliding_window", None)) and getattr(arch, "use_sliding_window", True) is not False
 
 
-def candidates(config, chunks: int | str, needs_ring: bool, flash_importable: bool, check) -> list[str]:
-    """The backends `auto` may run: sdpa and, where flash-attn imports and the family allows it (`check(config,
-    backend, chunks)` raises ValueError otherwise), FA2; FA2 alone where a stage runs the ring (its GPU kernel) or a
+def candidates(config, chunks: int | str, needs_ring: bool, flash_importable: bool, check, cudnn: bool = False
+               ) -> list[str]:
+    """The backends `auto` may run: sdpa, SDPA forced to cuDNN (CUDNN, where `cudnn`: a GPU in bf16 / fp16) and, where
+    flash-attn imports and the family allows it (`check(config, backend, chunks)` raises ValueError otherwise; CUDNN is
+    sdpa to the family), FA2; FA2 alone where a stage runs the ring (its GPU kernel) or a
     layer has a sliding window (the sdpa path runs a window as masked query chunks, which SDPA's dispatch sends to
     its memory-efficient kernel, the slowest the H200 measured: FA2 applies the window itself). Packed short
     documents also reach SDPA as masked blocks (<= 512 tokens), but their attention is ~1% of a Llama-3-8B step's
@@ -62,7 +72,7 @@ def candidates(config, chunks: int | str, needs_ring: bool, flash_importable: bo
     arch = config.get_text_config() if hasattr(config, "get_text_config") else config
     if needs_ring or windowed(arch):
         return [FA2] if FA2 in ok else ok
-    return ok
+    return ok[:1] + [CUDNN] + ok[1:] if cudnn and ok[:1] == ["sdpa"] else ok
 
 
 def call_shape(arch, sp: int, cp: int, chunks: int, seq_len: int) -> dict:
@@ -75,7 +85,8 @@ def call_shape(arch, sp: int, cp: int, chunks: int, seq_len: int) -> dict:
 
 
 def time_call(backend: str, shape: dict, dtype, rounds: int = 3) -> float:
-    """Median seconds of one causal call's forward + backward through `backend` on this GPU (after a warm-up)."""
+    """Median seconds of one causal call's forward + backward through `backend` on this GPU (after a warm-up); CUDNN:
+    SDPA forced to cuDNN (a call it cannot take raises, and pick leaves it out)."""
     import torch
 
     b, s, h, kv, d = 1, shape["tokens"], shape["heads"], shape["kv_heads"], shape["head_dim"]
@@ -94,11 +105,18 @@ def time_call(backend: str, shape: dict, dtype, rounds: int = 3) -> float:
             k, v = (x.transpose(1, 2).repeat_interleave(h // kv, dim=1) if kv != h else x.transpose(1, 2)
                     for x in (k, v))
             return F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True).transpose(1, 2)
+    if backend == CUDNN:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        forced = lambda: sdpa_kernel([SDPBackend.CUDNN_ATTENTION])  # noqa: E731
+    else:
+        forced = contextlib.nullcontext
     times = []
     for i in range(rounds + 1):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        call(q, k, v).backward(grad)
+        with forced():
+            call(q, k, v).backward(grad)
         end.record()
         torch.cuda.synchronize()
         if i:  # the first: the warm-up (cuDNN builds its graph)
@@ -138,8 +156,39 @@ def line(choice: str, times: dict[str, float], shape: dict) -> str:
     if not times:
         return f"attention: auto runs {choice}"
     timed = ", ".join(f"{b} {t * 1e3:.1f} ms" for b, t in sorted(times.items(), key=lambda x: x[1]))
+    choice = "sdpa with cuDNN preferred (sdpa_cudnn)" if choice == CUDNN else choice
     return (f"attention: auto runs {choice}, the fastest on this GPU (one causal call forward + backward at "
             f"{shape['tokens']} tokens, {shape['heads']} head(s) of {shape['head_dim']}: {timed})")
+
+
+def prefer(choice: str) -> str:
+    """Make the process run `choice` (settle's pick, on every rank): CUDNN puts cuDNN first in SDPA's priority order
+    (torch.nn.attention.sdpa_kernel with set_priority, held open; the other backends stay enabled behind it) and
+    returns "sdpa", the transformers backend that runs it; anything else: SDPA's order as it was, `choice`."""
+    _PREFERRED.close()  # a pick before it (tests settle more than once in one process)
+    if choice != CUDNN:
+        return choice
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    _PREFERRED.enter_context(sdpa_kernel(order, set_priority=True))
+    return "sdpa"
+
+
+def measure(provisional: str, config, *, chunks: int, ring: bool, sp: int, cp: int, seq_len: int,
+            half: str | None, check) -> tuple[str, dict[str, float], dict]:
+    """Rank 0's decision for settle (and the GPU check's auto_attention section, bench/gpu.py): (the pick, the seconds
+    of each candidate timed, the call timed); untimed where there is nothing to choose from."""
+    import torch
+
+    if half is None:  # fp32: flash-attn and cuDNN have no fp32 kernel
+        return ("sdpa" if provisional == FA2 else provisional), {}, {}
+    options = candidates(config, chunks, ring, provisional == FA2, check, cudnn=True)
+    if len(options) <= 1:  # nothing to measure (the ring, a window, a family with one of them): no probe
+        return (options[0] if options else provisional), {}, {}
+    arch = config.get_text_config() if hasattr(config, "get_text_config") else config
+    shape = call_shape(arch, sp, cp, chunks, seq_len)
+    return (*pick(options, shape, torch.bfloat16 if half == "bf16" else torch.float16), shape)
 
 
 def settle(provisional: str, config, *, chunks: int, ring: bool, sp: int, cp: int, seq_len: int, half: str | None,
@@ -148,21 +197,12 @@ def settle(provisional: str, config, *, chunks: int, ring: bool, sp: int, cp: in
     (comm.run_on_main, joined by every GPU rank whatever its own node has). `provisional`: what pick_attn_implementation
     gave on this rank (FA2 where flash-attn imports); `half`: "bf16" / "fp16", None for an fp32 run (flash-attn has no
     fp32 kernel); `chunks`, `sp`, `cp`, `seq_len`: the call the probe times (the first stage's, train.py); `ring`: some
-    stage runs the ring. Rank 0 without flash-attn: sdpa, untimed; with it: candidates() timed by pick(). A rank told
-    FA2 whose node cannot import flash-attn: one-line ValueError naming its host. Returns the backend to run."""
-    import torch
-
+    stage runs the ring. Rank 0: candidates() (FA2 where its flash-attn imports, SDPA forced to cuDNN in bf16 / fp16)
+    timed by pick(). A rank told FA2 whose node cannot import flash-attn: one-line ValueError naming its host. Returns
+    the transformers backend to run (prefer: a CUDNN pick runs as sdpa with cuDNN first)."""
     def decide():  # rank 0: its flash-attn, its layout, its GPU
-        if provisional != FA2:  # flash-attn does not import here: nothing to choose from
-            return provisional, {}, {}
-        if half is None:
-            return "sdpa", {}, {}
-        options = candidates(config, chunks, ring, True, check)
-        if len(options) <= 1:  # nothing to measure (the ring, a window, a family with one of them): no probe
-            return (options[0] if options else provisional), {}, {}
-        arch = config.get_text_config() if hasattr(config, "get_text_config") else config
-        shape = call_shape(arch, sp, cp, chunks, seq_len)
-        return (*pick(options, shape, torch.bfloat16 if half == "bf16" else torch.float16), shape)
+        return measure(provisional, config, chunks=chunks, ring=ring, sp=sp, cp=cp, seq_len=seq_len, half=half,
+                       check=check)
 
     choice, times, shape = comm.run_on_main(decide)
     if times:
@@ -170,4 +210,4 @@ def settle(provisional: str, config, *, chunks: int, ring: bool, sp: int, cp: in
     if choice == FA2 and provisional != FA2:
         raise ValueError(f"--attn_implementation auto: rank 0 runs {FA2}, but flash-attn does not import on "
                          f"{socket.gethostname()}: install it on every node, or pass --attn_implementation sdpa")
-    return choice
+    return prefer(choice)

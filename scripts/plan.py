@@ -43,7 +43,16 @@ from planner.memory_model import (
     load_shape,
     parse_seq_len,
 )
-from planner.step_time import HOUR_S, MEASURED, TRAINABLE_S, duration, longest_within, measured_mfu, step_time
+from planner.step_time import (
+    HOUR_S,
+    KERNEL_TFLOPS,
+    MEASURED,
+    TRAINABLE_S,
+    duration,
+    longest_within,
+    measured_mfu,
+    step_time,
+)
 
 FEATURES = ("offload_params", "offload_optimizer", "tiled_mlp", "tiled_logits", "gradient_checkpointing",
             "offload_activations", "lean_rmsnorm", "lean_mlp", "keep_attention", "ring_attention")
@@ -96,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "--no-keep_attention keeps auto from choosing it")
     p.add_argument("--ring_attention", action=argparse.BooleanOptionalAction, default=False,
                    help="train.py --ring_attention: under cp > 1 K/V pass around the cp group block by block instead "
-                        "of being gathered whole (model_utils/ring_attention.py; the sdpa backend so far)")
+                        "of being gathered whole (model_utils/ring_attention.py; on a GPU flash-attn's FA2, sdpa on CPU)")
     p.add_argument("--attention_head_chunks", default="1",
                    help="attention N chunks of heads at a time (model_utils/head_chunks.py); per SP split the largest "
                         "valid count <= N; max: every head per rank alone")
@@ -130,7 +139,8 @@ def plan_one(pl: Planner, seq_len: int) -> dict:
     for sp, cp in splits:
         est, g, c = pl.evaluate(seq_len, sp, cp=cp)
         f = replace(feats, attention_head_chunks=pl.chunks(sp, cp))
-        step_s = step_time(shape, seq_len, sp, f, world=pl.world, ranks_per_node=args.gpus_per_node, cp=cp)
+        step_s = step_time(shape, seq_len, sp, f, world=pl.world, ranks_per_node=args.gpus_per_node, cp=cp,
+                           peak_tflops=args.gpu_tflops)
         rows.append(dict(sp=sp, ulysses=sp // cp, cp=cp, fits_gpu=g, fits_cpu=c, fits=g and c,
                          longest_fitting_seq_len=pl.longest(sp, cp=cp), estimate=est.to_dict(),
                          comm_per_layer=pl.comm(seq_len, sp, cp), step_s=step_s,
@@ -140,7 +150,7 @@ def plan_one(pl: Planner, seq_len: int) -> dict:
     roomy = [r for r in rows if r["fits"] and r["estimate"]["gpu_peak"] <= (1 - args.margin) * pl.gpu_limit]
     best = (roomy or [r for r in rows if r["fits"]] or [min(rows, key=lambda r: r["estimate"]["gpu_peak"])])[0]
     ds_file, overrides = ds_recommendation(feats)
-    timing = dict(world=pl.world, ranks_per_node=args.gpus_per_node, cp=best["cp"])
+    timing = dict(world=pl.world, ranks_per_node=args.gpus_per_node, cp=best["cp"], peak_tflops=args.gpu_tflops)
     within = min(best["longest_fitting_seq_len"], longest_within(TRAINABLE_S, shape, best["sp"], replace(
         feats, attention_head_chunks=pl.chunks(best["sp"], best["cp"])), **timing)) if fitting else None
     # what a user would train at, with these features and this split: within the time and the memory
@@ -207,7 +217,7 @@ def make_plan(args: argparse.Namespace) -> dict:
                 cluster=dict(nodes=args.nodes, gpus_per_node=args.gpus_per_node, world=pl.world,
                              gpu_mem_gib=args.gpu_mem_gb, gpu_usable_gib=pl.gpu_limit / GiB,
                              gpu_budget_gib=gpu_budget(args.gpu_mem_gb) / GiB, headroom=HEADROOM,
-                             cpu_mem_gib_per_node=args.cpu_mem_gb),
+                             cpu_mem_gib_per_node=args.cpu_mem_gb, gpu_tflops=args.gpu_tflops),
                 features=vars(feats), margin=args.margin, plans=plans)
 
 
@@ -275,7 +285,9 @@ def render(rep: dict) -> str:
                          f"{r['measured_tokens_per_sec_per_gpu']:>10,.0f} "
                          f"{r['page_locked_gib_per_node']:>13,.0f} GiB")
         lines.append(f"step, tok/s/GPU: at the measured FLOP rate (MFU {measured_mfu()}, fitted to the one GPU run: "
-                     "planner/step_time.py), one sequence per SP group; ! marks a step over an hour")
+                     f"planner/step_time.py, reused at --gpu_tflops {c['gpu_tflops']:g}; the ring's attention at "
+                     "FlashAttention-2's rate, the rest's at cuDNN's), one sequence per SP group; ! marks a step over "
+                     "an hour")
         lines.append(f"longest length that fits and whose step takes at most {duration(TRAINABLE_S)} at the recommended "
                      f"split and these features: {p['within_15_min']:,} (what a run would train at; --compare: per GPU "
                      "count)" if p["within_15_min"] else "longest length within 15 min: none (nothing fits)")
@@ -370,7 +382,7 @@ def compare(model: str = "llama3-8b", extra: list[str] | None = None) -> list[di
                                world=gpus, ranks_per_node=gpus // nodes, cp=cp)
         tps = tokens_per_sec_per_gpu(shape, longest, args.mfu, args.gpu_tflops) * speed
         est = pl.evaluate(longest, sp, feats, cp)[0]
-        timing = dict(world=gpus, ranks_per_node=gpus // nodes, cp=cp)
+        timing = dict(world=gpus, ranks_per_node=gpus // nodes, cp=cp, peak_tflops=args.gpu_tflops)
         step_s = step_time(shape, longest, sp, feats, **timing)
         rows.append(dict(gpus=gpus, nodes=nodes, host_gib_per_node=host, longest=longest, split=split_label(sp, cp),
                          head_chunks=feats.attention_head_chunks, relative_speed=speed, tokens_per_sec_per_gpu=tps,
@@ -388,6 +400,11 @@ def margins(pl: Planner, est: Estimate) -> dict:
     budget = gpu_budget(pl.args.gpu_mem_gb)
     return dict(gpu_peak_gib=est.gpu_peak / GiB, gpu_budget_gib=budget / GiB, gpu_room_gib=(budget - est.gpu_peak) / GiB,
                 host_used_gib=est.cpu_per_node / GiB, host_room_gib=(pl.cpu_limit - est.cpu_per_node) / GiB)
+
+
+def _rates(kernel: str) -> str:
+    fwd, bwd = KERNEL_TFLOPS[kernel]
+    return f"{fwd:g} / {bwd:g} TFLOP/s forward / backward"
 
 
 def render_compare(rows: list[dict]) -> str:
@@ -409,7 +426,10 @@ def render_compare(rows: list[dict]) -> str:
     lines += ["", f"Step times: the cost model (planner.auto_features.step_seconds) at MFU {rows[0]['mfu']}, the "
               f"rate that reproduces the measured {MEASURED['seq_len']:,}-token step ({MEASURED['step_s']:.1f} s for "
               f"{MEASURED['model']['num_hidden_layers']} layers, {MEASURED['run']}): fitted to that one run, extrapolated "
-              "to the other lengths and splits. One sequence per SP group per step. The second table keeps each row's features "
+              "to the other lengths and splits. Each row's attention at the rate of the kernel it runs (the measured run's "
+              f"was cuDNN's, {_rates('cudnn')}); the ring (cp > 1) runs flash-attn's FlashAttention-2, charged at the "
+              f"kernel probe's SDPA-flash rate ({_rates('flash')}: planner/step_time.KERNEL_TFLOPS) until FA2 itself is "
+              "measured. One sequence per SP group per step. The second table keeps each row's features "
               "and split: a lower bound (a shorter length may fit with fewer features, which run faster)."]
     return "\n".join(lines)
 

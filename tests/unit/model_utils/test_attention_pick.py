@@ -136,3 +136,34 @@ def test_no_probe_where_the_choice_is_made_already(gpu, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     n = len(said)
     assert startup.settle_attention(cfg, model, [_Stage()]) is model and len(said) == n  # CPU: no broadcast
+
+
+def test_sdpa_forced_to_cudnn_is_a_candidate_and_its_pick_runs_cudnn_first(gpu):
+    """A build whose SDPA dispatch prefers its flash kernel runs ~1.7x slower than SDPA forced to cuDNN (the H200's
+    kernel probe: 302 / 328 against 500 / 578 TFLOP/s); before, auto timed only SDPA's dispatch and FA2. Now SDPA
+    forced to cuDNN is timed too (not for the ring or a window, whose kernel is FA2), the fastest measured wins, and a
+    cuDNN pick runs as sdpa with cuDNN first in SDPA's priority order (every rank: the broadcast's result)."""
+    from torch.nn.attention import SDPBackend
+
+    startup, cfg, model, said, times, rank0 = gpu
+    assert ap.candidates(LLAMA, 1, False, True, check_config, cudnn=True) == ["sdpa", ap.CUDNN, ap.FA2]
+    assert ap.candidates(LLAMA, 1, False, False, check_config, cudnn=True) == ["sdpa", ap.CUDNN]
+    assert ap.candidates(LLAMA, 1, True, True, check_config, cudnn=True) == [ap.FA2]
+    before = torch._C._get_sdp_priority_order()
+    times[ap.CUDNN] = 0.006  # sdpa 10 ms, FA2 16 ms
+    try:
+        settled = startup.settle_attention(cfg, model, [_Stage()])
+        assert settled.attn == "sdpa" and torch._C._get_sdp_priority_order()[0] == int(SDPBackend.CUDNN_ATTENTION)
+        assert "auto runs sdpa with cuDNN preferred (sdpa_cudnn)" in said[-1] and "sdpa_cudnn 6.0 ms" in said[-1]
+        # without flash-attn on rank 0 too (sdpa's dispatch against SDPA forced to cuDNN)
+        assert startup.settle_attention(cfg, dataclasses.replace(model, attn="sdpa"), [_Stage()]).attn == "sdpa"
+        assert torch._C._get_sdp_priority_order()[0] == int(SDPBackend.CUDNN_ATTENTION)
+        times[ap.CUDNN] = 0.030  # slower than both: FA2 loses to sdpa's own dispatch, the order is torch's again
+        assert startup.settle_attention(cfg, model, [_Stage()]).attn == "sdpa" and "sdpa 10.0 ms" in said[-1]
+        assert torch._C._get_sdp_priority_order() == before
+        rank0.append((ap.CUDNN, {}, {}))  # a rank takes rank 0's cuDNN pick, not its own clock's
+        assert startup.settle_attention(cfg, model, [_Stage()]).attn == "sdpa"
+        assert torch._C._get_sdp_priority_order()[0] == int(SDPBackend.CUDNN_ATTENTION)
+    finally:
+        ap.prefer("sdpa")
+    assert torch._C._get_sdp_priority_order() == before

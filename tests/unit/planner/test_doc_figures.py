@@ -40,6 +40,24 @@ def test_a_stale_block_and_a_stale_bold_length_are_caught(tmp_path, monkeypatch)
     assert "| old table |" not in page.read_text()
 
 
+def test_the_forms_a_stale_figure_took_are_caught(tmp_path, monkeypatch):
+    """The check matched only `**N,NNN,NNN tokens on one GPU**`; stale figures sat in the docs in other forms: the
+    bold ending before "on one GPU", an "N.NM" figure, a copied table row, a kernel rate in prose. Each is caught
+    now; the current figures, a generated block's, a history paragraph's and a non-claim (a configuration in bold
+    without a GPU count) are not."""
+    page = tmp_path / "page.md"
+    block = "<!-- generated: python scripts/plan.py --compare -->\n| 32 | 17,580,160 |\n<!-- end generated -->\n"
+    page.write_text("Old: **1,198,361 tokens** on one GPU and **19.4M on 32**.\n\n| GPUs | longest |\n|---|---|\n"
+                    "| 8 | 6,076,328 |\n\nSDPA's cuDNN ran 485 / 562 TFLOP/s forward / backward.\n\n"
+                    "Now: **17,580,160 tokens** on 32, **17.6M on 32**, 500.5 / 577.7 TFLOP/s and 500 / 578 TFLOP/s.\n"
+                    "\n| 32 | 17,580,160 |\n\n**173 MiB for 9.3M tokens**.\n\n"
+                    "History: **16,987,072 on 32** and 304 / 326 TFLOP/s on an older planner.\n\n" + block)
+    monkeypatch.setattr(doc_figures, "pages", lambda: [str(page)])
+    name = os.path.relpath(page, ROOT)
+    assert doc_figures.stale_bold() == [f"{name}: 1,198,361", f"{name}: 19.4M", f"{name}: 6,076,328",
+                                        f"{name}: 485 / 562 TFLOP/s"]
+
+
 def test_the_measured_run_against_the_planner_goes_stale_with_its_json(tmp_path, monkeypatch):
     """The out-of-sample table is a function of the run's JSON and the planner: a changed measurement (here the
     step's recompute, in a copy) makes the block stale until it is regenerated."""
@@ -70,3 +88,27 @@ def test_a_failing_command_is_one_line(tmp_path, monkeypatch, capsys):
     assert doc_figures.main(["--check"]) == 2
     out = capsys.readouterr().out
     assert out.count("\n") == 1 and "not a readable JSON file" in out and "Traceback" not in out
+
+
+def test_prose_the_check_cannot_see_quotes_the_measurements():
+    """Figures written before a GPU measured them, which no pattern marks: the arena's registration cost per GiB
+    (docs/memory_model.md said "~0.1-0.5 s ... not yet measured on a GPU node"), the GPU page's RSS note (it said
+    plan.py "assumes" 2 GiB of runtime; it uses the 1.98 measured), plan.py's --ring_attention help (it said the ring
+    ran "the sdpa backend so far"; on a GPU it runs FA2)."""
+    import importlib.util as iu
+
+    from bench.gpu_page import render
+    from planner.cluster import RUNTIME_HOST_GIB
+
+    data = json.load(open(os.path.join(ROOT, "bench", "results", "gpu.json")))
+    text = " ".join(open(os.path.join(ROOT, "docs", "memory_model.md")).read().split())
+    assert "not yet measured on a GPU node" not in text
+    assert all(f"{r['register_s_per_gib']:.3f} s per GiB at {r['gib']:.0f} GiB" in text for r in data["arena"]["rows"])
+    page = render(data)
+    assert "plan.py assumes" not in page and f"the {RUNTIME_HOST_GIB} GiB this run measured" in page
+    assert page == open(os.path.join(ROOT, "docs", "results", "gpu.md")).read()  # the page is the renderer's
+    spec = iu.spec_from_file_location("plan_help", os.path.join(ROOT, "scripts", "plan.py"))
+    plan = iu.module_from_spec(spec)
+    spec.loader.exec_module(plan)
+    helps = " ".join(plan.build_parser().format_help().split())
+    assert "sdpa backend so far" not in helps and "on a GPU flash-attn's FA2" in helps
