@@ -24,6 +24,13 @@ NOT_DATA = ("README.md", "config.json", "dataset_info.json", "dataset_infos.json
 _WS = re.compile(r"[ \t\r\n]*")
 ARRAY_CHUNK = 1 << 20
 _SHARD = re.compile(r"(?:^|/)([a-z0-9_]+?)-\d{5}-of-\d{5}")  # the hub's `{split}-00000-of-00003.parquet`
+COMPRESSED = ("", ".gz", ".gzip", ".zst", ".zstd", ".bz2", ".xz")  # what open_file decompresses
+
+
+def hidden(rel: str) -> bool:
+    """Whether a relative path lies in a hidden folder or is a hidden file (`.ipynb_checkpoints/a-checkpoint.jsonl`, a
+    snapshot's `.cache/huggingface/`): never data."""
+    return any(p.startswith(".") and p not in (".", "..") for p in rel.split(os.sep))
 
 
 def split_of(rel: str) -> str | None:
@@ -103,11 +110,20 @@ class _Zstd(io.RawIOBase):
 
 
 def open_file(path: str):
-    """A data file's bytes, decompressed (.gz, .zst), as a binary file (lines, or read())."""
-    if path.endswith(".gz"):
+    """A data file's bytes, decompressed (.gz, .zst, .bz2, .xz), as a binary file (lines, or read())."""
+    low = path.lower()
+    if low.endswith((".gz", ".gzip")):
         return gzip.open(path, "rb")
-    if path.endswith(".zst"):
+    if low.endswith((".zst", ".zstd")):
         return io.BufferedReader(_Zstd(path), 1 << 16)
+    if low.endswith(".bz2"):
+        import bz2
+
+        return bz2.open(path, "rb")
+    if low.endswith(".xz"):
+        import lzma
+
+        return lzma.open(path, "rb")
     return open(path, "rb")
 
 
@@ -181,7 +197,8 @@ def list_files(path: str) -> list[str]:
         return files
     if os.path.isdir(path):
         files = sorted(os.path.join(dp, f) for dp, _, fs in os.walk(path) for f in fs
-                       if f.endswith((".jsonl", ".json")) and f not in NOT_DATA)
+                       if f.endswith((".jsonl", ".json")) and f not in NOT_DATA
+                       and not hidden(os.path.relpath(os.path.join(dp, f), path)))
         if not files:
             raise ValueError(f"--dataset_path {path}: folder has no .jsonl files")
         return one_split(path, files, "--dataset_path")

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import argparse
 import glob
+import hashlib
 import multiprocessing as mp
 import os
 import sys
 import time
-from collections import deque
+from collections import Counter, deque
 
 import numpy as np
 
@@ -95,7 +96,9 @@ def _tokenize_batch(items: list[tuple[int, int, object]]) -> dict:
             continue
         max_id = max(max_id, top)
         arrays.append(a)
-        add_eos = eos is not None and d not in masks  # a conversation ends with its own end-of-turn token
+        # a conversation ends with its own end-of-turn token; a document whose ids end with the EOS (`...</s>` in the
+        # text, pre-tokenized ids with theirs) gets no second one
+        add_eos = eos is not None and d not in masks and int(a[-1]) != eos
         if add_eos:
             arrays.append(np.asarray([eos], dtype=np.int64))
             max_id = max(max_id, eos)
@@ -182,7 +185,11 @@ def prepare(inputs: list[str], output: str, tokenizer: str | None = None, vocab_
     tok_info = ({"path": os.path.abspath(tokenizer), "kind": tok.kind, "sha256": store.tokenizer_identity(tokenizer),
                  "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "pad_id": tok.pad_id} if tok else None)
     dtype = store.token_dtype(bound)
-    plan = {"units": [u.identity() for u in mine], "tokenizer": tok_info and tok_info["sha256"], "vocab_bound": bound,
+    # the view of the inputs every shard's assignment is made from (order, names, sizes: not mount points nor mtimes,
+    # which differ between machines): one stat per file, a second or so per 100k files
+    view = "\n".join(f"{u.kind}:{u.name}:{os.path.basename(u.path)}:{u.size()}" for u in units)
+    plan = {"units": [u.identity() for u in mine], "inputs": hashlib.sha256(view.encode()).hexdigest()[:16],
+            "tokenizer": tok_info and tok_info["sha256"], "vocab_bound": bound,
             "eos_id": eos, "bos_id": tok.bos_id if tok else None, "dtype": dtype.name,
             "fields": [fields.text, fields.ids, fields.source],
             "shard": [i_shard, n_shards], "chunk_tokens": chunk_tokens, "skip_bad_rows": skip_bad_rows,
@@ -191,6 +198,9 @@ def prepare(inputs: list[str], output: str, tokenizer: str | None = None, vocab_
         from data.chat import ChatEncoder
 
         ChatEncoder(tok, loss_on, chat_template)  # a bad --loss_on / --chat_template: one line, before any work
+    if tok is not None and tok.file_bos is not None:
+        log(f"note: {tokenizer} is a sentencepiece .model: text is written without its BOS (id {tok.file_bos}), which "
+            "Llama 2 / Mistral v0.x / Gemma were trained with; give the model's Hugging Face tokenizer folder to write it")
     os.makedirs(output, exist_ok=True)
     plan_path = os.path.join(output, f"plan-s{i_shard:05d}.json")
     if overwrite:
@@ -321,6 +331,20 @@ def _run_shard(units, out, i_shard, done, tokenizer, fields, bound, eos, dtype, 
             **stats}
 
 
+def _same_inputs(output: str, plans: list[dict]) -> None:
+    """Every shard assigned files from the same view of the inputs (its `inputs` hash): a file still downloading when
+    one shard started and complete when another did moves files between shards, read twice or never."""
+    views = sorted({p.get("inputs") for p in plans}, key=str)
+    if len(views) < 2:
+        return
+    paths = [i.split(":", 1)[1].rsplit(":", 2)[0] for p in plans for i in p["units"]]  # kind:path:size:mtime_ns
+    twice = sorted(f for f, k in Counter(paths).items() if k > 1)
+    groups = " vs ".join(str([i for i, p in enumerate(plans) if p.get("inputs") == v]) for v in views)
+    raise ValueError(f"{output}: shards {groups} saw different inputs (a file changed or appeared between their runs: "
+                     "files read twice or never" + (f"; read by several: {twice[:5]}" if twice else "")
+                     + "): once the inputs are final, run every shard again with --overwrite, then merge")
+
+
 def merge(output: str, log=print) -> dict:
     """Write `manifest.json` from the finished shards' records (no token is read or copied)."""
     shards = sorted(glob.glob(os.path.join(output, "shard-*-of-*.json")))
@@ -334,6 +358,7 @@ def merge(output: str, log=print) -> dict:
     keys = ("tokenizer", "vocab_bound", "eos_id", "bos_id", "dtype", "fields", "chunk_tokens", "loss_on",
             "chat_template")
     first = recs[0]["plan"]
+    _same_inputs(output, [recs[i]["plan"] for i in range(n)])
     for i in range(n):
         differs = [k for k in keys if recs[i]["plan"].get(k) != first.get(k)]
         if differs:
@@ -365,6 +390,10 @@ def merge(output: str, log=print) -> dict:
         "shards": n, "commands": [recs[i]["command"] for i in range(n)], "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     store.write_json_atomic(os.path.join(output, store.MANIFEST), manifest)
+    if first["eos_id"] is None and manifest["n_docs"] > 1:
+        log(f"note: no EOS appended between the {manifest['n_docs']} pre-tokenized documents (no tokenizer, no --eos_id): "
+            "they run into each other unless their ids end with one; give --eos_id ID (the model's EOS) to separate "
+            "them")
     log(f"{output}: {manifest['n_docs']} documents, {n_tokens} tokens ({first['dtype']}), {len(sources)} source(s), "
         f"{manifest['bad_rows']} bad row(s) skipped"
         + (f", {manifest['empty_docs']} empty document(s) skipped" if manifest["empty_docs"] else "")
@@ -401,8 +430,9 @@ def merge(output: str, log=print) -> dict:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
-    p.add_argument("--input", action="append", default=[], help="[name=]PATH: a file (.jsonl[.gz|.zst], .parquet), a "
-                   "folder of them (one source, the folder's name) or a datasets save_to_disk folder; repeatable")
+    p.add_argument("--input", action="append", default=[], help="[name=]PATH: a file (.jsonl/.ndjson/.json, plain or "
+                   ".gz/.zst/.bz2/.xz; .parquet), a folder of them (one source, the folder's name) or a datasets "
+                   "save_to_disk folder; repeatable")
     p.add_argument("--output", required=True, help="the prepared folder")
     p.add_argument("--tokenizer_name_or_path", default=None, help="sentencepiece .model or HF tokenizer folder")
     p.add_argument("--vocab_size", type=int, default=None, help="every token id must be below this (default: the "

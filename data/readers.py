@@ -1,5 +1,6 @@
-"""Corpus inputs for `prepare_data`: JSONL (plain, .gz, .zst; a `.json` holding one array of rows too), Parquet, Hugging Face `datasets` folders
-(`save_to_disk`) and local data files through `datasets.load_dataset(builder, data_files=...)`. A row is a
+"""Corpus inputs for `prepare_data`: JSONL (`.jsonl`/`.ndjson`/`.json`, plain or .gz/.zst/.bz2/.xz; a `.json` holding one
+array of rows too), Parquet, Hugging Face `datasets` folders (`save_to_disk`) and local data files through
+`datasets.load_dataset(builder, data_files=...)`. A row is a
 text, pre-tokenized ids, or a chat row (`messages`, `conversations`, `prompt` + `completion`: data/chat.py),
 in any of these containers.
 
@@ -15,16 +16,30 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from base.log import cause
 from data.chat import row_format
 from data.chat_rows import without_nulls
-from data.jsonl import NOT_DATA, array_elements, matching, one_split, open_file, starts_array
+from data.jsonl import (
+    COMPRESSED,
+    NOT_DATA,
+    array_elements,
+    hidden,
+    matching,
+    one_split,
+    open_file,
+    starts_array,
+)
 
-JSONL_EXT = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst")
+JSONL_EXT = tuple(b + c for b in (".jsonl", ".json", ".ndjson") for c in COMPRESSED)  # matched in lower case
 PARQUET_EXT = (".parquet",)
+# a folder's files that look like data but that nothing here reads: refused by name, never dropped without a word
+# (a .jsonl.lz4 or .zip of a corpus, datasets' cache-*.arrow files, a .csv beside the JSONL)
+OTHER_DATA = (".arrow", ".zip", ".tar", ".tgz", ".7z", ".rar", ".lz4", ".gz", ".zst", ".bz2", ".xz", ".csv", ".tsv",
+              ".feather", ".avro", ".orc")
 TEXT_DOC_MAX = 2**30  # --loader text: a file is one document, read whole (1M tokens are ~4 MB of text)
 
 
@@ -51,7 +66,11 @@ class Unit:
         return sum(os.path.getsize(f) for f in self.files())
 
     def identity(self) -> str:
-        return f"{self.kind}:{os.path.abspath(self.path)}:{self.size()}"
+        """kind:path:size:mtime_ns (a folder's: its files' sum and latest), as the in-job cache key: a file rewritten at
+        the same size is another input (its old tokens were kept, the log read as prepared). One stat per file."""
+        st = [os.stat(f) for f in self.files()]
+        return (f"{self.kind}:{os.path.abspath(self.path)}:{sum(s.st_size for s in st)}:"
+                f"{max((s.st_mtime_ns for s in st), default=0)}")
 
     def where(self, row: int) -> str:
         """Row `row` as a message names it: a JSONL line (from 1), an array's element (its index), a table's row."""
@@ -62,9 +81,41 @@ class Unit:
 def _stem(path: str) -> str:
     base = os.path.basename(os.path.normpath(path))
     for ext in sorted(JSONL_EXT + PARQUET_EXT, key=len, reverse=True):
-        if base.endswith(ext):
+        if base.lower().endswith(ext):
             return base[: -len(ext)]
     return base
+
+
+def native(path: str) -> bool:
+    """A file read as JSONL / JSON / Parquet whatever --loader says (`.JSONL`, `.ndjson`, `.jsonl.bz2` too)."""
+    return path.lower().endswith(JSONL_EXT + PARQUET_EXT)
+
+
+def _folder(path: str, flag: str) -> list[str]:
+    """A folder's inputs in order: its JSONL / JSON / Parquet files and the `save_to_disk` folders inside it (each its
+    own unit, never read as rows of its state.json), not its hidden files or folders (`.ipynb_checkpoints/`' copies
+    were read: a file trained twice) nor its metadata; ValueError naming the files that look like data but that nothing
+    here reads (`.jsonl.lz4`, `.arrow`, `.zip`, ...: they were dropped without a word)."""
+    files, other = [], []
+    for d, dirs, fs in os.walk(path):
+        dirs[:] = sorted(x for x in dirs if not x.startswith("."))
+        if d != path and is_hf_folder(d):
+            files.append(d)
+            dirs[:] = []
+            continue
+        for f in fs:
+            p = os.path.join(d, f)
+            if f.startswith(".") or f in NOT_DATA:
+                continue
+            if native(f):
+                files.append(p)
+            elif f.lower().endswith(OTHER_DATA) or any(e in f.lower() for e in (".jsonl", ".ndjson", ".parquet")):
+                other.append(os.path.relpath(p, path))
+    if other:
+        raise ValueError(f"{flag} {path}: cannot read {sorted(other)[:5]}" + (f" and {len(other) - 5} more" if len(
+            other) > 5 else "") + ": not .jsonl / .ndjson / .json (plain, .gz, .zst, .bz2, .xz), .parquet nor a "
+            "save_to_disk folder; convert them, give them with --loader BUILDER, or move them out of the folder")
+    return sorted(files)
 
 
 def is_hf_folder(path: str) -> bool:
@@ -89,45 +140,46 @@ def _units(name: str, path: str, loader: str | None, flag: str) -> list[Unit]:
         return [u for f in pattern for u in _units(name, f, loader, flag)]
     if not os.path.exists(path):
         raise ValueError(f"{flag} {spec}: no such file or folder")
-    native = JSONL_EXT + PARQUET_EXT  # read as such whatever --loader says (`--loader text` made a chat JSONL given
-    # beside a .txt folder one raw-text document of JSON syntax, every token trained)
-    if loader and not is_hf_folder(path) and not (os.path.isfile(path) and path.endswith(native)):
+    # JSONL / Parquet read as such whatever --loader says (`--loader text` made a chat JSONL given beside a .txt folder
+    # one raw-text document of JSON syntax, every token trained)
+    if loader and not is_hf_folder(path) and not (os.path.isfile(path) and native(path)):
         if os.path.isfile(path):
             return [Unit(name or _stem(path), f"hf_load:{loader}", path)]
         # a folder's files as the other formats' (no metadata, one split), one source named after it
         files = one_split(path, sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs
                                        if f not in NOT_DATA and not f.startswith(".")
-                                       and not any(p.startswith(".") for p in os.path.relpath(d, path).split(os.sep)
-                                                   if p != ".")), flag)  # a snapshot's .cache/huggingface/ too
+                                       and not hidden(os.path.relpath(d, path))), flag)  # a snapshot's .cache/ too
         # inside the folder the loader's files stay its own (a source tree's package.json is code, not rows): only
         # JSONL and Parquet files are read as such
-        rows = tuple(e for e in native if ".jsonl" in e) + PARQUET_EXT
-        return [u for f in files for u in (_units(name or _stem(path), f, None, flag) if f.endswith(rows)
+        rows = tuple(e for e in JSONL_EXT if e != ".json" and not e.startswith(".json.")) + PARQUET_EXT
+        return [u for f in files for u in (_units(name or _stem(path), f, None, flag) if f.lower().endswith(rows)
                                            else [Unit(name or _stem(path), f"hf_load:{loader}", f)])]
     if is_hf_folder(path):
         return [Unit(name or _stem(path), "hf_disk", path)]
     if os.path.isfile(path):
         files = [path]
     else:
-        files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs
-                       if f.endswith(JSONL_EXT + PARQUET_EXT) and f not in NOT_DATA)
+        files = _folder(path, flag)
         if not files:
-            raise ValueError(f"{flag} {spec}: folder has no {', '.join(JSONL_EXT + PARQUET_EXT)} files" + (
+            raise ValueError(f"{flag} {spec}: folder has no .jsonl, .ndjson, .json or .parquet files" + (
                 " (or use --loader for other formats datasets.load_dataset reads)" if flag == "--input" else ""))
         files = one_split(path, files, flag)
     units = []
     for f in files:
-        if f.endswith(PARQUET_EXT):
+        if os.path.isdir(f):  # a save_to_disk folder inside the folder: a unit of the folder's source
+            kind = "hf_disk"
+        elif f.lower().endswith(PARQUET_EXT):
             kind = "parquet"
-        elif f.endswith(JSONL_EXT):
+        elif f.lower().endswith(JSONL_EXT):
             try:
                 with open_file(f) as fh:  # one array of rows (Alpaca's, LLaMA-Factory's files), or a row per line
                     kind = "json_array" if starts_array(fh) else "jsonl"
             except _unreadable() as e:
                 raise damaged(f, e) from None
         else:
-            raise ValueError(f"{flag} {f}: unknown format; expected {', '.join(JSONL_EXT + PARQUET_EXT)}, a "
-                             "datasets save_to_disk folder, or --loader BUILDER for datasets.load_dataset")
+            raise ValueError(f"{flag} {f}: unknown format; expected .jsonl / .ndjson / .json (plain, .gz, .zst, .bz2, "
+                             ".xz), .parquet, a datasets save_to_disk folder, or --loader BUILDER for "
+                             "datasets.load_dataset")
         units.append(Unit(name or _stem(path), kind, f))  # a folder's files are one source: the folder's name
     return units
 
@@ -139,11 +191,13 @@ def damaged(path: str, e: BaseException) -> ValueError:
 
 
 def _unreadable() -> tuple[type, ...]:
+    from lzma import LZMAError
+
     try:
         from zstandard import ZstdError
     except ImportError:
-        return OSError, EOFError
-    return OSError, EOFError, ZstdError
+        return OSError, EOFError, LZMAError
+    return OSError, EOFError, LZMAError, ZstdError
 
 
 def iter_rows(unit: Unit, fields: Fields, start: int = 0, batch_rows: int = 1024) -> Iterator[tuple[int, object]]:
@@ -242,6 +296,8 @@ def _columns(unit: Unit, names: list[str], fields: Fields) -> tuple[str | tuple[
     chat = next((c for c in CHAT_COLUMNS if all(n in names for n in c)), None)
     if chat is not None:
         value = chat + tuple(c for c in CHAT_EXTRAS if c in names) + ((TEXT_BESIDE + value,) if value else ())
+    if value == fields.ids and chat is None and "labels" in names:
+        raise ValueError(f"{unit.path}: {_labelled(fields)}")
     if value is None:
         raise ValueError(f"{unit.path}: no column {fields.text!r} (--text_field), {fields.ids!r} (--ids_field), "
                          f"messages, conversations, prompt + completion or instruction + output (chat); columns are {names}")
@@ -277,6 +333,27 @@ def _columnar(batch: dict, cols: tuple[str | tuple[str, ...], str | None], row: 
             yield row + i, (v, str(sources[i]) if sources is not None and sources[i] is not None else None)
 
 
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # a surrogate's escape on the raw line: only then is the row walked
+
+
+def _lone_surrogate(value) -> bool:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(_lone_surrogate(k) or _lone_surrogate(v) for k, v in value.items())
+    return isinstance(value, list) and any(_lone_surrogate(v) for v in value)
+
+
+def _labelled(fields: Fields) -> str:
+    return (f"pre-tokenized {fields.ids!r} with a 'labels' column (axolotl's / LLaMA-Factory's preprocessed output, "
+            "-100 over the prompt): its loss mask would be ignored and the prompt trained; prepare from the chat rows it "
+            "was made from (messages, ...: docs/sft.md), or drop 'labels' to train every token")
+
+
 def _both(fields: Fields, row: dict) -> str:
     return (f"both {fields.text!r} / {fields.ids!r} and a chat field ({row_format(row)}): which is meant? Keep one "
             "(read as text, every token of the row would be trained)")
@@ -294,6 +371,11 @@ def parse_item(item: object, fields: Fields) -> tuple[str | list | dict | None, 
         value = obj.get(fields.text, obj.get(fields.ids))
         if value is not None and row_format(obj):
             return None, None, _both(fields, obj)
+        if fields.text not in obj and value is not None and obj.get("labels") is not None:
+            return None, None, _labelled(fields)
+        if _SURROGATE.search(item) and _lone_surrogate(obj):  # a web crawl's cut emoji: the tokenizer's TypeError
+            return None, None, ("a lone UTF-16 surrogate (\\ud800-\\udfff not in a pair) in a string: not valid "
+                                "Unicode (a cut emoji?); fix or drop the row")
         if value is None and row_format(obj):
             value = obj  # a chat row: data/chat.py reads it
         src = obj.get(fields.source) if fields.source else None
@@ -306,7 +388,9 @@ def parse_item(item: object, fields: Fields) -> tuple[str | list | dict | None, 
     value, src = item
     if isinstance(value, dict) and value.get(TEXT_BESIDE):
         return None, None, _both(fields, value)  # a table's row filling its text and chat columns
-    if isinstance(value, str | dict):
+    if isinstance(value, str):  # a UTF-8 BOM a Windows tool wrote at a file's start is no character of the text
+        return value.removeprefix("\ufeff"), src, None
+    if isinstance(value, dict):
         return value, src, None
     if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
         return value, src, None

@@ -26,6 +26,9 @@ class Tokenizer:
     and as transformers, TRL and torchtitan tokenize; encode() itself adds nothing (chat templates write their own)."""
 
     bos_id: int | None = None
+    # a sentencepiece .model's own BOS, which encode() never adds and bos_id leaves None (the demo's model, trained with
+    # bos_id=2, writes none: its data, tasks and caches are built so); prepare_data says so in a note
+    file_bos: int | None = None
 
     direct = False  # a Hugging Face fast tokenizer called through its Rust encode_batch_fast
 
@@ -44,6 +47,7 @@ class Tokenizer:
                                  "a Hugging Face tokenizer folder") from None
             self.vocab_size = self._sp.get_piece_size()
             self.eos_id = self._sp.eos_id()
+            self.file_bos = self._sp.bos_id() if self._sp.bos_id() >= 0 else None
             pad = self._sp.pad_id()
             self.pad_id = pad if pad >= 0 else self.eos_id
             self._encode = lambda t: self._sp.encode(t)
