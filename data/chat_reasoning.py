@@ -13,8 +13,11 @@ Mixture-of-Thoughts rows). Templates treat them three ways, read in their stored
   without a word. Refused in one line with the fix (the reasoning in the content for a template that prints it, a
   template that renders it), as a template that drops a row's tools is (data/chat_tools.py).
 Which way is read once per template and form, from a probe conversation whose last reply carries reasoning (the
-way every template renders it, if it renders it at all). The count reads each trained span's own tokens, never the
-conversation's text. Cost: two probe renders per encoder; a row without reasoning pays nothing.
+way every template renders it, if it renders it at all); where a plain reply's does not render, a second probe gives
+the reply a tool call and a tool list (Gemma 4 renders its thought channel only there: a reply with calls trains
+with it, one without is refused with no content fix). The count reads each trained span's own tokens, never the
+conversation's text. Cost: two probe renders per encoder (two more where a plain reply drops it); a row without
+reasoning pays nothing.
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ from data.chat_rows import REASONING, RowError, unicode_form
 FIELDS = REASONING  # a row gives one name; data/chat_rows.py sets each
 _ASK = {"role": "user", "content": "Probe question?"}
 _WHY = "Probe reasoning, step by step."
+_PROBE_CALL = {"id": "call00001", "type": "function", "function": {"name": "probe", "arguments": {"q": "x"}}}
+_PROBE_TOOLS = [{"type": "function", "function": {"name": "probe", "description": "Probe", "parameters": {
+    "type": "object", "properties": {"q": {"type": "string", "description": "q"}}, "required": ["q"]}}}]
 
 
 def reasoning(msg: dict) -> tuple[str, str] | None:
@@ -40,10 +46,22 @@ def reasoning(msg: dict) -> tuple[str, str] | None:
     return None
 
 
-def _renders(enc, form: str) -> bool | None:
-    """Whether `enc`'s template renders a last reply's reasoning given as `form`; None where the probe does not
-    render (the template refuses it: nothing is known)."""
+def _renders(enc, form: str, calls: bool = False) -> bool | None:
+    """Whether `enc`'s template renders a last reply's reasoning given as `form` (on a reply with a tool call, with a
+    tool list, where `calls`: Gemma 4 renders its thought channel only there); None where the probe does not render
+    (the template refuses it: nothing is known)."""
     cache = enc.reasoning_renders
+    if calls:
+        key = f"{form} calls"
+        if key not in cache:
+            cache[key] = None
+            reply = {"role": "assistant", "content": "", "tool_calls": [_PROBE_CALL],
+                     **(dict.fromkeys(REASONING, _WHY) if form == "field" else {"content": f"<think>\n{_WHY}\n</think>\n\n"})}
+            try:
+                cache[key] = _WHY in enc._text([_ASK, reply], tools=_PROBE_TOOLS)
+            except RowError:
+                pass
+        return cache[key]
     if form not in cache:
         if enc.kind == "chatml":  # the token-built default: the content verbatim, no field
             cache[form] = form == "content"
@@ -101,6 +119,13 @@ def refuse_dropped(enc, conv: list[dict], turns: list[int]) -> None:
                            f"content's think block would be trained nested in a second one: {fix}use a template "
                            "that renders it, or drop the reasoning")
         if got and _renders(enc, got[0]) is False:
+            on_calls = enc.kind != "chatml" and _renders(enc, got[0], calls=True)
+            if on_calls and conv[k].get("tool_calls"):
+                continue  # rendered on a reply with calls (Gemma 4's thought channel): trained with it, or counted
+            if on_calls:  # its content form, if printed, would be answer text beside that channel
+                raise RowError(f"message {k} (assistant): {enc.name} renders a reply's reasoning only on a reply with "
+                               "tool calls, so this reply would be trained with its reasoning gone: drop the reasoning "
+                               "of replies without calls, or use a template that renders it (Qwen3, gpt-oss, ...)")
             given = "its reasoning field (reasoning_content / thinking)" if got[0] == "field" else (
                 "the think block of its content (cut at </think>, as DeepSeek-R1's template does)")
             tags = ("[THINK]", "[/THINK]") if "[THINK]" in (enc.template or "") else ("<think>", "</think>")

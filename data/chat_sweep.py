@@ -5,7 +5,9 @@
 Each family (data/chat_templates/families.json) has a template written here that renders what the family's own
 renders, with `{% generation %}` around what the model writes after its generation prompt (the reply, its
 reasoning and tool calls where the family renders them, and its end-of-turn token). The template as the family
-ships it is that text without the markers (the generation-marker family keeps them). A small byte-level BPE
+ships it is that text without the markers (the generation-marker family keeps them); the families added in 2026
+(Phi-4, LFM2, GLM-4.6, DeepSeek-V3.1, Llama 4, Qwen3-Coder, Gemma 4) keep the template byte for byte and a marked
+copy beside it (`oracle`), held to the same render by the ids check below. A small byte-level BPE
 tokenizer gets the family's control tokens (as single special tokens) and its plain added tokens.
 
 For each family and each kind of conversation (CASES) data/chat.py's ChatEncoder encodes the row through the
@@ -35,6 +37,7 @@ import numpy as np
 
 from data.chat import ChatEncoder, RowError
 from data.chat_reasoning import reasoning
+from data.chat_rows import REASONING
 from data.tokenizer import Tokenizer
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_templates")
@@ -94,6 +97,9 @@ CASES = {  # name -> a conversation (every assistant message is a turn to train)
                             {"role": "assistant", "content": "Counting them.", "tool_calls": [_CALL]},
                             {"role": "tool", "tool_call_id": "call00001", "content": "2"},
                             {"role": "assistant", "content": "2 words"}],
+    "reasoning as `reasoning`": [_ASK, {"role": "assistant", "content": "apple river", "reasoning": _THINK},  # OpenRouter's
+                                 {"role": "user", "content": "Count them."},  # name (data/chat_rows.py gives every name)
+                                 {"role": "assistant", "content": "2 words", "reasoning": _THINK}],
     "end-of-turn text in a reply": [_ASK, {"role": "assistant", "content": "apple river"},
                                     {"role": "user", "content": "What ends your turn?"},
                                     {"role": "assistant", "content": "The token {eot} ends it."}],
@@ -112,15 +118,27 @@ def families() -> dict[str, dict]:
 
 
 def marked(fam: dict, name: str | None = None) -> str:
-    """The family's template with its generation markers (the oracle): its file, after the family's `prelude` (a line
-    setting what tells two families of one file apart: Llama 3.2's date from the clock, DeepSeek-R1's think rules)."""
-    with open(os.path.join(HERE, (fam.get("named") or {}).get(name, fam["file"]) if name else fam["file"])) as fh:
+    """The family's template with its generation markers (the oracle): its file (its `oracle`, the marked copy, where
+    the file is the template verbatim), after the family's `prelude` (a line setting what tells two families of one
+    file apart: Llama 3.2's date from the clock, DeepSeek-R1's think rules)."""
+    path = (fam.get("named") or {}).get(name, fam["file"]) if name else fam.get("oracle", fam["file"])
+    with open(os.path.join(HERE, path)) as fh:
         return fam.get("prelude", "") + fh.read()
 
 
 def shipped(text: str) -> str:
     """The template as the family ships it: the markers taken out (they render nothing)."""
     return MARKER.sub("", text)
+
+
+def as_shipped(fam: dict) -> str:
+    """The family's template as it ships: its file verbatim where an `oracle` holds the marked copy (the templates
+    added in 2026, kept byte for byte; the sweep's ids check holds the two equal on every conversation), else its
+    marked file without the markers."""
+    if not fam.get("oracle"):
+        return shipped(marked(fam))
+    with open(os.path.join(HERE, fam["file"])) as fh:
+        return fh.read()
 
 
 def build_tokenizer(root: str, key: str, fam: dict) -> str:
@@ -150,8 +168,7 @@ def build_tokenizer(root: str, key: str, fam: dict) -> str:
     if fam.get("named"):
         tok.chat_template = {n: shipped(marked(fam, n)) for n in fam["named"]}
     else:
-        text = marked(fam)
-        tok.chat_template = text if fam.get("markers") else shipped(text)
+        tok.chat_template = marked(fam) if fam.get("markers") else as_shipped(fam)
     tok.save_pretrained(out)
     if fam.get("stops"):  # the model's generation config: the ids generation stops on (data/chat_ends.py's history_ends)
         with open(os.path.join(out, "generation_config.json"), "w") as fh:
@@ -166,8 +183,11 @@ def _runs(m: np.ndarray) -> list[tuple[int, int]]:
 
 def native(conv: list[dict], fam: dict) -> list[dict]:
     """conv with its tool calls' arguments in the form the family's template writes (`arguments` in families.json:
-    "json string" for the templates that concatenate them, an object for the rest): what the oracle renders, whatever
-    form the row brought."""
+    "json string" for the templates that concatenate them, an object for the rest) and its reasoning under each name
+    templates read: what the oracle renders, whatever form the row brought."""
+    conv = [{**m, **dict.fromkeys(REASONING, why[1])} if m["role"] == "assistant" and (why := reasoning(m))
+            and why[0] == "field" else m for m in conv]  # a reply's reasoning under every name, as data/chat_rows.py gives it
+
     def fix(a):
         if fam.get("arguments") == "json string":
             return json.dumps(a) if isinstance(a, dict) else a

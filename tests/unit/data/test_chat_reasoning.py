@@ -290,3 +290,27 @@ def test_two_reasoning_fields_with_two_texts_are_refused_in_one_line(root):
     with pytest.raises(RowError, match="thinking and reasoning hold different texts") as e:
         encoder(root, "qwen3").encode(row)
     assert "\n" not in str(e.value)
+
+
+def test_gemma4_renders_reasoning_only_on_a_reply_with_tool_calls(root):
+    """Gemma 4's own template (data/chat_templates/gemma4.jinja, byte for byte) writes a reply's reasoning as its
+    thought channel only for a reply with tool calls after the last user turn. The probe gives the reply a call and a
+    tool list where a plain reply drops it: a reply with calls trains with its reasoning; a plain one is refused in one
+    line naming no content fix (a think block in the content is answer text there). Before, both were refused as
+    'never renders its reasoning field', with a '<think>' fix that cannot work on Gemma 4."""
+    from data.chat_sweep import TOOLS
+
+    enc = encoder(root, "gemma4")
+    call = {"id": "call00001", "type": "function", "function": {"name": "count_words", "arguments": {"text": "a b"}}}
+    row = {"messages": [{"role": "user", "content": "How many words in a b?"},
+                        {"role": "assistant", "content": "", "tool_calls": [call], "reasoning": WHY},
+                        {"role": "tool", "tool_call_id": "call00001", "content": "2"},
+                        {"role": "assistant", "content": "2 words"}], "tools": TOOLS["tool list"]}
+    ids, mask, stats = enc.encode(row)
+    assert WHY in trained(enc, ids, mask) and "<|tool_call>call:count_words" in trained(enc, ids, mask)
+    assert stats["dropped_reasoning"] == 0
+    plain = {"messages": [{"role": "user", "content": "Say exactly: apple river"},
+                          {"role": "assistant", "content": "apple river", "reasoning": WHY}]}
+    with pytest.raises(RowError, match="renders a reply's reasoning only on a reply with tool calls") as e:
+        enc.encode(plain)
+    assert "\n" not in str(e.value) and "<think>" not in str(e.value)

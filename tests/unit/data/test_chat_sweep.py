@@ -1,13 +1,13 @@
 """The chat-template sweep (data/chat_sweep.py): every family users fine-tune, through a template written here that
 renders what the family's own renders, either trains exactly each reply and its end-of-turn token (checked against
 Hugging Face's assistant mask of the same template with generation markers) or is refused in one line; the table
-in docs/sft.md is what the sweep prints now. Issue 47 items 1-6 as cells of that table. ~4 s, no network."""
+in docs/sft.md is what the sweep prints now. Issue 47 items 1-6 as cells of that table. ~6 s, no network."""
 
 from __future__ import annotations
 
 import pytest
 
-from data.chat_sweep import CASES, families, markdown, marked, shipped, sweep
+from data.chat_sweep import CASES, as_shipped, families, markdown, sweep
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +112,25 @@ def test_every_family_trains_exactly_its_replies_or_is_refused_in_one_line(table
     ("command_r_tool_use", "multi-turn", "refused: command_r_tool_use's `tool_use` template refuses this conversation: "
                                          "'NoneType' object is not iterable (it renders only with a tool list: give "
                                          "the row's `tools`"),
+    # 2025-26 templates byte for byte as shipped (`oracle`: their marked copies): <|im_sep|>, no tool role (Phi-4);
+    # BOS then ChatML, calls written in the content (LFM2); the prompt <|assistant|>, the history's \n<think></think>
+    # (GLM-4.6); no header after tool outputs (DeepSeek-V3.1); <|python_start|> calls (Llama 4); XML calls (Qwen3-Coder)
+    ("phi4", "multi-turn", "trains"), ("phi4", "tool call", "refused: message 1 (assistant): phi4's template does not"),
+    ("lfm2", "system", "trains"), ("lfm2", "tool list", "refused: message 1 (assistant): lfm2's template does not"),
+    ("glm46", "tool call", "trains"), ("glm46", "reasoning", "trains: 1 earlier reply's"),
+    ("deepseek_v31", "tool call", "trains"), ("deepseek_v31", "tool call with text", "trains"),
+    ("deepseek_v31", "reasoning", "refused: message 1 (assistant): deepseek_v31's template never renders its reasoning"),
+    ("llama4", "tool call", "trains"), ("llama4", "tool list", "trains"), ("llama4", "tool call with text", "trains"),
+    ("qwen3_coder", "tool call", "trains"), ("qwen3_coder", "tool list", "trains"),
+    # Gemma 4 renders a reply's thought channel only with tool calls after the last user turn: there it trains with
+    # it; a plain reply's is refused with no content fix (data/chat_reasoning.py's second probe)
+    ("gemma4", "tool call", "trains"), ("gemma4", "tool call with reasoning", "trains"),
+    ("gemma4", "reasoning", "refused: message 1 (assistant): gemma4's template renders a reply's reasoning only on a "
+                            "reply with tool calls"),
+    # a reply's reasoning under OpenRouter's name `reasoning` reaches every template (data/chat_rows.py)
+    ("qwen3", "reasoning as `reasoning`", "trains: 1 earlier reply's"), ("gpt_oss", "reasoning as `reasoning`", "trains: 1"),
+    ("glm46", "reasoning as `reasoning`", "trains: 1 earlier reply's"),
+    ("llama31", "reasoning as `reasoning`", "refused: message 1 (assistant): llama31's template never renders its"),
 ])
 def test_issue_47_cases(table, family, case, want):
     assert table[family][case].startswith(want), table[family][case]
@@ -121,7 +140,7 @@ def test_the_docs_table_is_the_sweeps(table):
     """docs/sft.md holds `python -m data.chat_sweep --markdown` as it prints now."""
     with open("docs/sft.md") as fh:
         assert markdown(table) in fh.read(), "regenerate: python -m data.chat_sweep --markdown"
-    assert len(CASES) == 14
+    assert len(CASES) == 15
 
 
 # Facts read in the families' own templates as stored in public repositories (families.json `checked`), each one a
@@ -138,7 +157,7 @@ def _render(key: str, conv: list[dict], **kw) -> str:
     from transformers.utils.chat_template_utils import render_jinja_template
 
     fam = families()[key]
-    out, _ = render_jinja_template(conversations=[conv], chat_template=shipped(marked(fam)),
+    out, _ = render_jinja_template(conversations=[conv], chat_template=as_shipped(fam),
                                    bos_token=fam.get("bos") or "", eos_token=fam["eos"], **kw)
     return out[0]
 
@@ -247,5 +266,17 @@ def test_tool_definitions_are_never_supervised_and_never_dropped(tmp_path):
     text, trained = tok.hf.decode(ids), tok.hf.decode([i for i, m in zip(ids, mask) if m])
     assert "<|tool|>" + conv[0]["tools"] + "<|/tool|>" in text and "count_words" not in trained
     default = ChatEncoder(Tokenizer(fixture_tokenizer(str(tmp_path / "fx"), "none")))
-    with pytest.raises(RowError, match="message 0: tool definitions, and the ChatML default"):
+    with pytest.raises(RowError, match=r"message 0 \(system\): the ChatML default does not render a message's `tools`"):
         default.encode({"messages": conv})
+
+
+def test_the_templates_kept_as_shipped_are_the_shipped_text():
+    """The 2026 additions are their templates byte for byte (families.json `oracle` beside each): Llama 4's is
+    transformers' processor template; the rest as the stored llama.cpp fork holds them (their lengths, read there)."""
+    from transformers.models.llama4 import processing_llama4
+
+    fams = families()
+    assert as_shipped(fams["llama4"]) == processing_llama4.chat_template
+    sizes = {"lfm2": 1349, "glm46": 3374, "deepseek_v31": 3357, "qwen3_coder": 6148, "gemma4": 16448}
+    assert {k: len(as_shipped(fams[k]).encode()) for k in sizes} == sizes
+    assert "{{'<|im_start|>assistant<|im_sep|>' + message['content'] + '<|im_end|>'}}" in as_shipped(fams["phi4"])
