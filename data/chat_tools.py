@@ -218,6 +218,13 @@ def _with_arguments(conv: list[dict], form: str) -> tuple[list[dict], bool]:
     return out, changed
 
 
+def _render_or_none(enc, conv: list[dict], tools: list | None) -> str | None:
+    try:
+        return enc._text(conv, tools=tools)
+    except RowError:
+        return None
+
+
 def _garbled(text: str, conv: list[dict]) -> bool:
     """Whether `text` (a render of conv) shows a call's arguments encoded twice (JSON text through `tojson`: a quoted
     string of escaped JSON) or as a Python dict (an object concatenated or printed: {'k': 'v'})."""
@@ -271,7 +278,9 @@ def fit_arguments(enc, conv: list[dict], tools: list | None) -> tuple[list[dict]
     Templates disagree: Llama 3.1, Qwen2.5, Mistral v0.3 and gpt-oss apply `tojson` to the arguments unguarded, so
     OpenAI's JSON text renders encoded twice ("{\\"text\\": ...}", a string the model would learn to write instead of
     an object); DeepSeek's and functionary's concatenate them, so an object fails (or prints as a Python dict);
-    Seed-OSS and Qwen3-Coder iterate an object; Qwen3 and Hermes take both. Whichever form a row brings, the row is
+    Seed-OSS and Qwen3-Coder iterate an object; Qwen3 and Hermes take both; Gemma 4 prints text verbatim in braces
+    of its own (`call:f{{"k": "v"}}`; the model writes `call:f{k:<|"|>v<|"|>}`). JSON text of an object is rendered
+    as the object wherever that renders clean (templates are written for transformers' object form); else the row is
     rendered as given, and only where that render fails, garbles the arguments or drops them (`_lost`) is the other
     form tried, kept if it renders clean (else the row goes on as given, and a template that fails is a refused row;
     one that drops the arguments in every form is refused in one line: the calls would train without them).
@@ -279,6 +288,14 @@ def fit_arguments(enc, conv: list[dict], tools: list | None) -> tuple[list[dict]
     row with calls (four where it is rewritten); rows without tool calls pay nothing."""
     if enc.kind == "chatml" or not any(m.get("tool_calls") for m in conv):
         return conv, 0
+    as_object, changed = _with_arguments(conv, "object")
+    if changed:  # JSON text of an object: the object's render where it is clean. Templates are written for an object
+        try:  # (transformers' form); one may print text verbatim in a syntax of its own (Gemma 4's
+            alt = enc._text(as_object, tools=tools)  # call:f{{"k": "v"}}, the model writing call:f{k:<|"|>v<|"|>})
+            if not _garbled(alt, as_object) and _lost(enc, as_object, tools) is None:
+                return as_object, int(alt != _render_or_none(enc, conv, tools))
+        except RowError:
+            pass
     lost = None
     try:
         if not _garbled(enc._text(conv, tools=tools), conv):
