@@ -14,9 +14,15 @@ the step's path. Rank 0's monitor reads every rank's value every POLL_S and keep
 changed (one decider, one clock; the ranks' clocks never meet).
 
 The bound of a phase: FACTOR (2) x the longest that phase has lasted on any rank so far, at least MIN_S (300 s); a
-phase not yet measured (the first step's compile and warm-up): FIRST_S (1200 s). `build` and `idle` (building an
-engine, restoring, converting a checkpoint, evaluating: rank 0's solo work may hold the others for hours) are never
-judged. When ranks stall, the rank that is behind (the smallest step and mark counter: the others went on into a
+phase not yet measured (the first step's compile and warm-up): FIRST_S (1200 s). A stage's evaluation (`eval`) runs
+forwards whose layers tick as training's do (`watch_layers`): its bound is 2 x the longer of its own and the
+forward's longest stretch, at least MIN_S (FIRST_S when neither is measured), so a rank stuck in an evaluation's
+kernel is named after ~5 min, not after `dist_timeout_s` (30 min) in the others' collective. A restore (`restore`:
+every rank reads its part of a checkpoint at once, no tick) is judged at RESTORE_S (1500 s, under `dist_timeout_s`'s
+default 1800 s, so a rank stuck on a hung mount is named before NCCL's watchdog blames a waiting one), or 2 x the
+longest restore measured; a restore that reads longer on every rank needs ULYSSES_HANG_RESTORE_S raised. `build` and
+`idle` (building an engine, converting a checkpoint: rank 0's solo work may hold the others for hours; a stop's
+teardown) are never judged. When ranks stall, the rank that is behind (the smallest step and mark counter: the others went on into a
 collective that waits for it) is named; where none is behind (every rank in the same collective), the line says so
 and names the ranks. The job ends with EXIT_PEER_LOST (69: a requeue, bounded by progress under slurm.sbatch): `rank R
 (HOST) hung: no progress for S s in PHASE of step N (bound B s: 2 x the longest PHASE measured, M s)`.
@@ -28,7 +34,8 @@ move the counter, the phase kept), so a phase's bound is 2 x its longest stretch
 1M tokens, where one backward takes ~13 min on 32 ranks (~24 s a layer of Llama-3-8B's 32) and ~48 min on one GPU
 (~90 s a layer), a hang is judged after the 5-min floor, not after 2 x 13 = 26 min (nearly NCCL's 30). A tick costs a
 dict update and, per layer and micro-batch, one forward pre-hook and one gradient hook on the layer's output.
-Environment: ULYSSES_HANG_MIN_S, ULYSSES_HANG_FIRST_S, ULYSSES_HANG_POLL_S, ULYSSES_HANG=0 (off).
+Environment: ULYSSES_HANG_MIN_S, ULYSSES_HANG_FIRST_S, ULYSSES_HANG_RESTORE_S, ULYSSES_HANG_POLL_S, ULYSSES_HANG=0
+(off).
 """
 
 from __future__ import annotations
@@ -43,28 +50,41 @@ from base.host import cpu_ranges
 FACTOR = 2.0
 MIN_S = float(os.environ.get("ULYSSES_HANG_MIN_S", "300"))
 FIRST_S = float(os.environ.get("ULYSSES_HANG_FIRST_S", "1200"))
+RESTORE_S = float(os.environ.get("ULYSSES_HANG_RESTORE_S", "1500"))
 POLL_S = float(os.environ.get("ULYSSES_HANG_POLL_S", "10"))
 PUBLISH_S = POLL_S / 2
 SUSPENDED_S = 3 * POLL_S  # a monitor that wakes this late was stopped with the job (scontrol suspend): clocks restart
 # the hang this process's monitor declared (its line), set before it tells the others: the main thread, whose collective
 # then fails as the named rank leaves, ends with the hang's code, not its own error's (training/job._fail)
 DECLARED: str | None = None
-UNJUDGED = ("build", "idle")  # a stage's build, restore, conversion, evaluation: solo work may hold the others for hours
+UNJUDGED = ("build", "idle")  # an engine's build, a conversion (rank 0's solo work may hold the others for hours), a stop
+TICKS_LIKE = {"eval": "forward"}  # a phase whose ticks come from the same layers' forwards as this measured one's
 
 
 class Tracker:
     """Rank 0's view of every rank's progress, on its clock. Pure: `observe(now, values)` -> the hang's line or None."""
 
-    def __init__(self, world: int, factor: float = FACTOR, min_s: float = MIN_S, first_s: float = FIRST_S):
-        self.world, self.factor, self.min_s, self.first_s = world, factor, min_s, first_s
+    def __init__(self, world: int, factor: float = FACTOR, min_s: float = MIN_S, first_s: float = FIRST_S,
+                 restore_s: float = RESTORE_S):
+        self.world, self.factor, self.min_s, self.first_s, self.restore_s = world, factor, min_s, first_s, restore_s
         self.last: dict[int, tuple[str, float]] = {}  # rank -> (its value, when it last changed)
         self.longest: dict[str, float] = {}  # phase -> the longest it lasted on any rank
         self.polled: float | None = None
         self.named: int | None = None  # the rank the last hang line named alone (None: none behind the others)
 
+    def measured(self, phase: str) -> tuple[float, str] | None:
+        """(seconds, phase): the longest stretch `phase`'s bound is FACTOR x, its own or its TICKS_LIKE phase's."""
+        got = [(self.longest[p], p) for p in (phase, TICKS_LIKE.get(phase)) if p in self.longest]
+        return max(got) if got else None
+
+    def floor(self, phase: str) -> float:
+        return self.restore_s if phase == "restore" else self.min_s
+
     def bound(self, phase: str) -> float:
-        done = self.longest.get(phase)
-        return self.first_s if done is None else max(self.min_s, self.factor * done)
+        done = self.measured(phase)
+        if done is None:
+            return self.restore_s if phase == "restore" else self.first_s
+        return max(self.floor(phase), self.factor * done[0])
 
     def observe(self, now: float, values: list[str], hosts: list[str] | None = None) -> str | None:
         if self.polled is not None and now - self.polled > SUSPENDED_S:  # stopped with the job: nothing measured
@@ -103,8 +123,9 @@ class Tracker:
         first = [x for x in quiet if (int(x[2]), int(x[3])) == behind]
         t, r, step, _, phase = min(first)
         t0, _, _, _, p0 = min(stalled)  # the stop that passed its bound first
-        how = (f"{self.factor:g} x the longest {p0} measured, {self.longest[p0]:.0f} s, at least {self.min_s:.0f} s"
-               if p0 in self.longest else f"{p0} not measured yet")
+        done = self.measured(p0)
+        how = (f"{self.factor:g} x the longest {done[1]} measured, {done[0]:.0f} s, at least {self.floor(p0):.0f} s"
+               if done else f"{p0} not measured yet")
         bound = f"{p0}'s bound {self.bound(p0):.0f} s passed after {now - t0:.0f} s: {how}"
         if len(first) < len(quiet) or len(quiet) < len(values):
             self.named = r

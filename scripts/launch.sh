@@ -24,7 +24,8 @@
 # Environment overrides: DEEPSPEED, TORCHRUN (launcher executables), TRAIN_SCRIPT (default train.py),
 # LAUNCH_EXPORT (extra variable names to write to .deepspeed_env), BIND_CORES (auto | 0 | 1), STORE_START_S (node 0's
 # store must answer within this, default 60), LAUNCH_LOST_FILE (node 0, after a lost node: its index is written here),
-# LAUNCH_CRASH_FILE (after a crash: `first` if it began on this node, `own` if this node's ranks raised too).
+# LAUNCH_CRASH_FILE (after a crash: `first` if it began on this node, `own` if this node's ranks raised too, `died` if a
+# rank here died of a signal without an exit of its own).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -281,8 +282,9 @@ forward() {  # SIGUSR1 to every local rank that listens for it; stays pending un
   if [ "$mode" = pdsh ] || { [ -n "$ranks" ] && [ "$waiting" = 0 ]; }; then pending=0; fi
 }
 set +e  # from here on the exit code is train.py's, not the first failing helper's
-launcher_pid="" pending=0 interrupts=0
+launcher_pid="" pending=0 interrupts=0 signalled=0
 on_signal() {
+  signalled=1
   if [ "$1" = INT ] && [ $((interrupts += 1)) -ge 2 ]; then
     echo "launch.sh: second SIGINT: stopping the launcher (SIGTERM to every rank, SIGKILL after 30 s)" >&2
     kill -TERM "$launcher_pid" 2>/dev/null || true
@@ -297,7 +299,7 @@ trap 'on_signal INT' INT
 trap 'on_signal USR1' USR1
 trap 'on_signal USR2' USR2
 
-tee_pid=""
+tee_pid="" death=""
 if [ "$mode" = torchrun ]; then  # torchrun reports every failing worker as 1: keep its summary to read the codes
   stderr_copy=$(mktemp "${TMPDIR:-/tmp}/launch_torchrun.XXXXXX")
   exec 3> >(trap '' INT TERM USR1 USR2; exec tee -a "$stderr_copy" >&2)
@@ -378,6 +380,8 @@ if [ -n "$tee_pid" ]; then
     # starting, seen under load), or Slurm's TERM at its start; it failed on nobody's account: the others' code stands
     codes=$(grep -oE 'exitcode +: -?[0-9]+' "$stderr_copy" | grep -oE -- '-?[0-9]+$' | grep -vx -- -15 | sort -u |
             paste -sd' ')
+    # a rank dead of a signal (torchrun's "exitcode : -N"): its N, for the crash verdict below
+    death=$(grep -oE 'exitcode +: -[0-9]+' "$stderr_copy" | grep -oE '[0-9]+$' | grep -vx 15 | head -n 1)
     if [ "$codes" = "$EXIT_PREEMPTED" ] || [ "$codes" = "$EXIT_PEER_LOST" ]; then
       echo "launch.sh: torchrun exited 1 but every failed rank exited $codes (or died of SIGTERM): passing on $codes" >&2
       rc=$codes
@@ -386,6 +390,7 @@ if [ -n "$tee_pid" ]; then
   rm -f "$stderr_copy"
 fi
 recorded=$(cat "$exit_dir"/rank* 2>/dev/null | sort -u | paste -sd' ')
+records=$(find "$exit_dir" -maxdepth 1 -name 'rank*' 2>/dev/null | grep -c .)
 # what the ranks here learned of the job's store as they left (base/watcher.py tell_launcher): the reason on record
 # (node 0 may have ended since, once every rank had read it), or that it was unreachable
 known=$(sed -n 's/^abort //p' "$exit_dir"/store* 2>/dev/null | head -n 1)
@@ -434,16 +439,31 @@ if [ "$node_store" = 1 ]; then
   if [ -n "$store_pid" ]; then kill -9 "$store_pid" 2>/dev/null; wait "$store_pid" 2>/dev/null; fi
 fi
 # Whether this node crashed on its own, for slurm.sbatch (LAUNCH_CRASH_FILE; a crash confined to one node is requeued
-# without it): `first` when the job's first failure on record is this node's (a rank here raised first, or its ranks
-# died without a word and this launcher's post came first; with one node or no job store: a rank here raised), `own`
-# when a rank here raised too (its record a failure code) after another node's first failure, nothing when the ranks
-# here were stopped by it (the abort channel: a watcher's exit records nothing) or by Slurm.
+# without it): `died` when a rank here died of a signal without an exit of its own (below), `first` when the job's first
+# failure on record is this node's (a rank here raised first, or this launcher's post came first; with one node or no
+# job store: a rank here raised), `own` when a rank here raised too (its record a failure code) after another node's
+# first failure, nothing when the ranks here were stopped by it (the abort channel: a watcher's exit records nothing)
+# or by Slurm. A silent death (the host's OOM killer, a segfault) posts nothing in time: a healthy node's rank, its
+# peer gone ("Connection reset by peer"), raises and posts first, and that node would be the one excluded.
+# The signal, from the launcher's code: deepspeed's launch.py exits with its first failed rank's -N (256 - N), a
+# launcher killed itself 128 + N, torchrun's summary (above). Counted: ILL, BUS, FPE, KILL, SEGV, never when this
+# script was signalled (Slurm ending the step), never when every rank here recorded its own exit; not ABRT (NCCL's
+# watchdog tears down a healthy rank whose peer vanished with it, and so does a shutdown after a monitor's exit).
+if [ -z "$death" ] && [ "$rc" -ge 129 ] 2>/dev/null && [ "$rc" -le 255 ]; then
+  if [ "$rc" -ge 193 ]; then death=$((256 - rc)); else death=$((rc - 128)); fi
+fi
+died=0
+case " 4 7 8 9 11 " in *" ${death:-x} "*) [ "$signalled" = 0 ] && [ "$records" -lt "$ranks_here" ] && died=1 ;; esac
 if [ -n "${LAUNCH_CRASH_FILE:-}" ]; then
   case "$rc" in
     0|"$EXIT_USAGE"|"$EXIT_PEER_LOST"|"$EXIT_PREEMPTED") ;;
     *) raised=0
        for c in $recorded; do case "$c" in 0|"$EXIT_USAGE"|"$EXIT_PEER_LOST"|"$EXIT_PREEMPTED") ;; *) raised=1 ;; esac; done
-       if [ "$origin" = "$node_rank" ] || { [ "$node_store" = 0 ] && [ "$raised" = 1 ]; }; then
+       if [ "$died" = 1 ]; then  # over a `first` a rank here wrote: its failure was this death's consequence
+         echo "launch.sh: a rank here died of signal $death without an exit of its own (the host's OOM killer, a" \
+           "segfault): this node's crash verdict is 'died'" >&2
+         echo died > "$LAUNCH_CRASH_FILE"
+       elif [ "$origin" = "$node_rank" ] || { [ "$node_store" = 0 ] && [ "$raised" = 1 ]; }; then
          echo first > "$LAUNCH_CRASH_FILE"
        elif [ "$raised" = 1 ] && [ "$(cat "$LAUNCH_CRASH_FILE" 2>/dev/null)" != first ]; then
          echo own > "$LAUNCH_CRASH_FILE"  # never over `first`, which a failing rank here wrote itself (training/job.py)

@@ -120,7 +120,8 @@ requeue_without() {  # $1: hosts to exclude (none: plain requeue), $2: the code 
 # ULYSSES_MAX_CRASH_REQUEUES (default 2) per job, and not when the same failure comes back: each crash requeue records
 # (in .cache/slurm/<job>.crashes, kept across restarts) the step of the newest committed checkpoint (OUTPUT_DIR/
 # checkpoints/LATEST) and the last step the run logged (metrics.jsonl); a crash after the same step from the same
-# checkpoint again is deterministic, a bug. docs/launch.md says why these rules. Decided once, here, from the records.
+# checkpoint again is deterministic, a bug. docs/launch.md says why these rules. Decided once, here, from the records:
+# crash_first is the node(s) where the crash began (a `died` node, a rank dead of a signal, ahead of any `first`).
 run_steps() {  # "CHECKPOINT STEP" of the run now ("-" where unknown)
   local c="" s=""
   if [ -n "$out_dir" ]; then

@@ -33,9 +33,13 @@ the next save is due one measured write (snapshot to commit, rank 0's) before th
 previous save's snapshot. A kill at any moment then loses at most the interval plus one step (docs/checkpoints.md
 states the argument); the write's time no longer adds to it.
 
-SIGTERM (and SIGINT) is a stop with a kill window: SLURM signals every process of the step, the deepspeed launcher
-(`launch.py`: `terminate_process_tree`, `wait_procs(timeout=30)`, then SIGKILL) and torchrun (`_close(timeout=30)`)
-included, so the ranks are SIGKILLed `KILL_WINDOW_S` (30 s; env KILL_WINDOW_S) after it, whatever GraceTime says.
+SIGTERM (and SIGINT under a launcher) is a stop with a kill window: SLURM signals every process of the step, the
+deepspeed launcher (`launch.py`: `terminate_process_tree`, `wait_procs(timeout=30)`, then SIGKILL) and torchrun
+(`_close(timeout=30)`) included, so the ranks are SIGKILLed `KILL_WINDOW_S` (30 s; env KILL_WINDOW_S) after it,
+whatever GraceTime says. A SIGINT without a launcher (`python train.py`, `srun python train.py` under salloc: no
+LOCAL_SIZE, LOCAL_WORLD_SIZE or LAUNCH_EXIT_DIR, what the deepspeed launcher, torchrun and scripts/launch.sh set) is
+a Ctrl-C nothing kills after: a stop without a window, with its full save (it skipped a save longer than ~25 s and
+lost up to a save interval); srun's SIGTERM after a second Ctrl-C opens the window then.
 Such a stop commits what can be committed in the window and exits (training/stage.py `_stop_in_window`): the
 background write in flight if every rank's finishes in time, and the stop's own save only if the measured save
 time (before one is measured: `guess_save_s`, from the rank's checkpoint bytes) fits what is left. At Llama-3-8B on
@@ -62,6 +66,7 @@ from base import comm
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
 WINDOWED = (signal.SIGTERM, signal.SIGINT)  # the launchers get these too and SIGKILL the ranks KILL_WINDOW_S later
+LAUNCHED = ("LOCAL_SIZE", "LOCAL_WORLD_SIZE", "LAUNCH_EXIT_DIR")  # deepspeed's launch.py, torchrun, scripts/launch.sh
 KILL_WINDOW_S = 30.0  # deepspeed launch.py's wait_procs(timeout=30) and torchrun's default shutdown timeout
 EXIT_MARGIN_S = 5.0  # from the window stop's last decision to the process's end (commit, engine release, exit)
 # a save's time before one is measured, for the window stop only (the time-limit stop keeps SAVE_GUESS_S): the rank's
@@ -186,6 +191,8 @@ class PreemptionFlag:
         self._last_save = time.monotonic()  # when the last save's snapshot was taken
         self.window_s = float(os.environ.get("KILL_WINDOW_S") or KILL_WINDOW_S)
         self.term_at: float | None = None  # this rank's first SIGTERM/SIGINT (monotonic)
+        # a launcher that kills its ranks after a SIGINT too (a terminal's Ctrl-C reaches it as well); none: no window
+        self.windowed = WINDOWED if any(os.environ.get(k) for k in LAUNCHED) else (signal.SIGTERM,)
         self.window_left_s: float | None = None  # agreed at the last check: seconds to the kill (None: no SIGTERM)
         self.save_need_s = 0.0  # ... and the save time to count (MAX over ranks of guess_save_s)
         self._previous = {}
@@ -196,7 +203,7 @@ class PreemptionFlag:
         return self
 
     def _handler(self, signum, frame) -> None:  # no I/O, no collectives: just remember it
-        if signum in WINDOWED and self.term_at is None:
+        if signum in self.windowed and self.term_at is None:
             self.term_at = time.monotonic()  # the launcher's kill comes window_s after this, a later SIGUSR1 or not
         self.received = signum
 

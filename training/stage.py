@@ -86,6 +86,8 @@ def train_stage(run: Run, stage, stages, state: TrainState) -> None:
                 print0(line)
         except Exception as e:  # noqa: BLE001
             print0(f"warning: stage {stage.index}'s data notes failed ({type(e).__name__}: {e}); training goes on")
+    progress.mark(None, "restore")  # judged at RESTORE_S (base/progress.py): a rank stuck reading is named before
+    # dist_timeout_s ends the others' collectives
     if not run.ckpt.restore_stage(engine, state, stage.index, sampler, stage.reset_optimizer):
         torch.manual_seed(cfg.seed + 1000 * stage.index + dims.rank)  # a stage's start: a seed per stage and rank
     preempt.deadline.record_build(time.perf_counter() - t_build)
@@ -136,7 +138,7 @@ def train_stage(run: Run, stage, stages, state: TrainState) -> None:
             return
 
     # --- stage end: checkpoint written above; evaluate at this stage's length, then agree on a stop again ---
-    progress.mark(None, "idle")  # evaluation: not judged
+    progress.mark(None, "eval")  # judged by its forwards' layer ticks (base/progress.py)
     t_eval = time.perf_counter()
     # an SFT stage's held-out: whole conversations, loss on the assistant's tokens (training/evaluation.py)
     evaluate_stage(engine, stage, sdims, stage_heldout(run.data, stage, heldout_samples(stage.eval)),

@@ -83,22 +83,24 @@ def test_sbatch_forwards_the_warning_signal_and_requeues(tmp_path, sig):
     assert requeues(tmp_path) == ["requeue 4242"], text
 
 
-@pytest.mark.parametrize("sig, requeued", [("USR1", True), ("USR2", False)])
-def test_a_users_scancel_signal_saves_then_requeues_or_stops(tmp_path, sig, requeued):
+@pytest.mark.parametrize("sig, batch, requeued", [("USR1", True, True), ("USR2", True, False), ("USR2", False, False)])
+def test_a_users_scancel_signal_saves_then_requeues_or_stops(tmp_path, sig, batch, requeued):
     """`scancel --batch --signal=USR1 JOB` is the time-limit warning asked by hand: save, requeue now. `--signal=USR2`:
     the same save, then the job ends, never requeued (resubmitting resumes). Before, the batch shell had no USR2 trap
-    and died of it: no save, the job failed (140)."""
+    and died of it: no save, the job failed (140). Without --batch scancel signals the steps' processes only, never the
+    batch shell: the node's task records the USR2 (stop.N), and the save's 75 is no longer requeued as a preemption."""
     job = sbatch(tmp_path, "wait", ["--output_dir", str(tmp_path / "out")])
     try:
         wait_for(lambda: "ready" in (tmp_path / "fake.log").read_text() if (tmp_path / "fake.log").exists()
                  else False, 30, "the stand-in launcher")
-        subprocess.run(["scancel", "--batch", f"--signal={sig}", "4242"], check=True, timeout=30,
+        subprocess.run(["scancel", *(["--batch"] if batch else []), f"--signal={sig}", "4242"], check=True, timeout=30,
                        env=clean_env(PATH=f"{STUBS}:{os.environ['PATH']}", SCONTROL_LOG=str(tmp_path / "scontrol.log")))
         text = job.communicate(timeout=30)[0]
     finally:
         job.kill()
     assert job.returncode == 0, text
-    assert "got SIGUSR1" in (tmp_path / "fake.log").read_text(), text  # the ranks asked to save
+    # the ranks asked to save: by the batch shell (SIGUSR1), or by the step's own signal (launch.sh takes USR2 as one)
+    assert f"got SIG{'USR1' if batch else sig}" in (tmp_path / "fake.log").read_text(), text
     assert requeues(tmp_path) == (["requeue 4242"] if requeued else []), text
     assert ("saved and stopped, as asked (SIGUSR2): not requeueing" in text) == (not requeued), text
 
@@ -351,8 +353,8 @@ def crash_run(tmp_path, checkpoint: int, last_step: int, earlier: list[str] = ()
     if earlier:
         (tmp_path / ".cache" / "slurm").mkdir(parents=True)
         (tmp_path / ".cache" / "slurm" / "4242.crashes").write_text("".join(f"{x}\n" for x in earlier))
-    env = dict(TWO_NODES, FAKE_EXIT_1="sleep:2:1", FAKE_CRASH_1="first", FAKE_EXIT_0="1", FAKE_AFTER_READY="1",
-               SLURM_RESTART_COUNT=str(len(earlier)), **env)
+    env = {**TWO_NODES, "FAKE_EXIT_1": "sleep:2:1", "FAKE_CRASH_1": "first", "FAKE_EXIT_0": "1", "FAKE_AFTER_READY": "1",
+           "SLURM_RESTART_COUNT": str(len(earlier)), **env}
     job = sbatch(tmp_path, "0", ["--output_dir", str(out)], **env)
     text = job.communicate(timeout=60)[0]
     return job.returncode, text
@@ -384,6 +386,20 @@ def test_a_crash_after_a_gang_suspension_is_a_crash_not_a_preemption(tmp_path):
     code, text = crash_run(tmp_path, 20, 25, [])
     assert code == 0 and "a preemption (GraceTime)" not in text, text
     assert requeues(tmp_path) == ["requeue 4242", "update JobId=4242 ExcNodeList=localhost"], text
+
+
+def test_a_node_whose_rank_died_silently_is_the_crashs_origin_not_the_node_that_raised(tmp_path):
+    """Node 1's rank dies of SIGKILL (the host's OOM killer; a segfault the same), saying nothing: node 0's rank, its
+    peer gone ("Connection reset by peer"), raises and posts the job's first failure (`first` on node 0), and node
+    1's launch.sh finds rank 0's reason on record. Node 1's launch.sh now writes `died` (its deepspeed launcher's 247:
+    256 - 9, no exit record of that rank), which the batch shell takes as the origin ahead of any `first`: the crash
+    requeue excludes node 1. Before, node 0 (healthy) was excluded."""
+    code, text = crash_run(tmp_path, 20, 25, FAKE_EXIT_1="247", FAKE_CRASH_1="died", FAKE_EXIT_0="sleep:2:1",
+                           FAKE_CRASH_0="first", FAKE_AFTER_READY="0")
+    assert code == 0, text
+    assert requeues(tmp_path) == ["requeue 4242", "update JobId=4242 ExcNodeList=localhost"], text  # node 1's host
+    assert "node 1 (localhost) crashed (exit 247), no other node on its own" in text, text
+    assert "the failures of node(s) 0 followed it" in text, text
 
 
 @pytest.mark.parametrize("case, line", [

@@ -1,7 +1,8 @@
 """base/progress.py: a hang found from progress on rank 0's clock. A rank whose marks stop for longer than its
 phase's bound (2 x the longest that phase lasted, at least MIN_S; FIRST_S before it was measured) is named with its
-host, the rank that is behind when the others wait for it in a collective; build and evaluation are never judged; a
-suspended job's late poll restarts the clocks."""
+host, the rank that is behind when the others wait for it in a collective; an evaluation is judged by its forwards'
+layer ticks, a restore at its own large floor; an engine's build (a conversion) and a stop's teardown are never judged;
+a suspended job's late poll restarts the clocks."""
 
 from __future__ import annotations
 
@@ -78,9 +79,53 @@ def test_the_rank_behind_is_named_when_its_mark_arrived_a_poll_after_the_waiting
     assert tracker.named == 1
 
 
-def test_build_and_evaluation_are_never_judged():
+def test_a_build_and_a_stops_teardown_are_never_judged():
     tracker = Tracker(4, min_s=10.0, first_s=20.0)
     assert run(tracker, 10000, lambda t: ["5 3 idle", "5 3 idle", "4 3 build", "4 3 build"]) is None
+
+
+def test_a_rank_stuck_in_the_stages_evaluation_is_named_at_the_forwards_floor():
+    """Steps trained (a forward's longest stretch 20 s), then the stage's evaluation: rank 1 stuck in a kernel, the
+    others tick through their eval forwards' layers and block in its collective. Judged at 2 x the forward's longest,
+    at least MIN_S (300 s), and rank 1 named; evaluation used to be `idle`, never judged: every rank waited for
+    dist_timeout_s (1800 s), then NCCL raised on a waiting rank (as an unmeasured phase: FIRST_S, 1200 s)."""
+    tracker = Tracker(4, min_s=300.0, first_s=1200.0)
+
+    def values(t: float) -> list[str]:
+        if t < 600:
+            return steps(t, step_s=60.0)
+        if t < 650:  # every rank enters the evaluation; the others tick their layers' forwards until t = 650
+            return ["41 10 eval"] * 4
+        return ["41 10 eval" if r == 1 else f"{41 + int(min(t, 700.0) - 640) // 10} 10 eval" for r in range(4)]
+
+    got = run(tracker, 3000, values)
+    assert got is not None, got
+    t, line = got
+    assert line.startswith("rank 1 (n0) hung: no progress for ") and "in eval of step 10" in line, line
+    assert "eval's bound 300 s passed" in line and "at least 300 s" in line, line
+    assert 600 + 300 < t <= 600 + 300 + 20, (t, line)
+
+
+def test_an_evaluation_stuck_before_any_layer_ticks_is_judged_by_the_forwards_measure():
+    """Every rank blocked in the evaluation's first collective (ZeRO-3's gather of the embedding, before any decoder
+    layer ticks) while one is stuck: `eval` not measured yet, its forwards' ticks are the training forward's, so its
+    bound is that one's (2 x 20 s, at least MIN_S), not FIRST_S; a hang none is behind in names no rank."""
+    tracker = Tracker(4, min_s=300.0, first_s=1200.0)
+    got = run(tracker, 3000, lambda t: steps(t, step_s=60.0) if t < 600 else ["41 10 eval"] * 4)
+    assert got is not None and 600 + 300 < got[0] <= 600 + 300 + 20, got
+    assert "hung together" in got[1] and "2 x the longest forward measured, 20 s, at least 300 s" in got[1], got
+    assert tracker.named is None
+
+
+def test_a_restore_is_judged_at_its_own_large_floor():
+    """Every rank reads its part of the checkpoint at once, without a tick: a restore slower than MIN_S is no hang,
+    one past RESTORE_S is (a rank stuck on a hung mount, the others in the restore's collective), before
+    dist_timeout_s. It used to be `build`, never judged."""
+    tracker = Tracker(2, min_s=300.0, first_s=1200.0, restore_s=1500.0)
+    assert run(tracker, 1490, lambda t: ["1 0 restore", "1 0 restore"]) is None
+    got = run(Tracker(2, min_s=300.0, first_s=1200.0, restore_s=1500.0), 3000, lambda t: ["1 0 restore", "2 0 restore"])
+    assert got is not None and 1500 < got[0] <= 1520, got
+    assert "restore's bound 1500 s passed" in got[1], got
 
 
 def test_a_suspended_job_is_not_a_hang():

@@ -1,0 +1,53 @@
+"""A Ctrl-C (SIGINT) is a stop with a kill window only where a launcher kills the ranks after it (the deepspeed launcher:
+LOCAL_SIZE, torchrun: LOCAL_WORLD_SIZE, scripts/launch.sh: LAUNCH_EXIT_DIR). Under `python train.py` or `salloc` +
+`srun python train.py` nothing kills after it: the stop keeps its full save. training/stage.py's real loop on the
+simulated clock of test_stop_window.py (Llama-3-8B on 32 ranks: a 95 s save, which a 30 s window never fits)."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from tests.unit.training.test_stop_window import simulate
+from training.checkpoint import tag_for
+from training.preemption import PreemptionFlag
+
+LAUNCHED = ("LOCAL_SIZE", "LOCAL_WORLD_SIZE", "LAUNCH_EXIT_DIR")  # what each launcher sets in its ranks' environment
+
+
+def no_launcher(monkeypatch) -> None:
+    for k in LAUNCHED:
+        monkeypatch.delenv(k, raising=False)
+
+
+def test_ctrl_c_without_a_launcher_keeps_the_full_save(monkeypatch):
+    """It was taken for a launcher's SIGINT (SIGKILL 30 s later): the stop's own 95 s save skipped, exit 75 with up to
+    a save interval lost, though no kill ever came."""
+    no_launcher(monkeypatch)
+    clock, ckpt, flag, state, _ = simulate(monkeypatch, save_every_s=600, signal_at=(8, 50.0), sig=signal.SIGINT)
+    assert flag.stopping and flag.window_left_s is None
+    assert [(s, kind) for s, _, kind in ckpt.started] == [(7, "background"), (8, "sync")]
+    assert [c[0] for c in ckpt.commits] == [7, 8] and state.checkpoint.endswith(tag_for(8))
+
+
+@pytest.mark.parametrize("launcher", LAUNCHED)
+def test_ctrl_c_under_a_launcher_stops_in_its_kill_window(monkeypatch, launcher):
+    """The launcher got the terminal's SIGINT too and SIGKILLs the ranks 30 s later: no save started that cannot
+    finish there, as for a SIGTERM."""
+    no_launcher(monkeypatch)
+    monkeypatch.setenv(launcher, "/tmp/x" if launcher == "LAUNCH_EXIT_DIR" else "8")
+    clock, ckpt, flag, state, term = simulate(monkeypatch, save_every_s=600, signal_at=(8, 50.0), sig=signal.SIGINT)
+    assert flag.window_left_s is not None and clock.t <= term + 30.0
+    assert [kind for _, _, kind in ckpt.started] == ["background"]
+
+
+def test_sigterm_has_its_window_without_a_launcher_too(monkeypatch):
+    """srun's termination sequence (a second Ctrl-C within a second) and Slurm's own end send SIGTERM, then SIGKILL:
+    the window starts at the SIGTERM, not at the Ctrl-C before it."""
+    no_launcher(monkeypatch)
+    flag = PreemptionFlag()
+    flag._handler(signal.SIGINT, None)
+    assert flag.term_at is None and flag.received == signal.SIGINT
+    flag._handler(signal.SIGTERM, None)
+    assert flag.term_at is not None
