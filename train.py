@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     from training.checkpoint import Checkpointer
     from training.checkpoint_files import manifest_sha256
     from training.config import to_dict
-    from training.curriculum import keep_stage_steps, stage_start, total_steps
+    from training.curriculum import check_resumed_stages, keep_stage_steps, stage_start, total_steps
     from training.evaluation import check_passkey_fits
     from training.hf_args import epoch_stages
     from training.metrics import MetricsLogger
@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     # --- resume: the newest complete checkpoint (rank 0's listing, verified together) decides where we are ---
     ckpt = Checkpointer(cfg.output_dir, cfg.save_total_limit, deadline=Deadline(cfg.time_limit_s, now=started))
     state = ckpt.resume(cfg.resume, model_hash(model.config), cfg.model_name_or_path, to_dict(cfg))
+    check_resumed_stages(stages, state)  # its stage, and those before it, are today's at the same positions (by name)
 
     # --- data: one token stream, its held-out documents fixed for the whole run (a resume keeps its first start's),
     # each stage packs its length ---

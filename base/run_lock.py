@@ -122,12 +122,16 @@ def file_age(path: str, folder: str) -> float | None:
 def acquire(folder: str, mine: dict | None = None, alive=pid_alive, state=job_state) -> str:
     """Take `folder`'s lock for this process (one line saying so), or raise ValueError naming the live owner."""
     mine = me() if mine is None else mine
-    os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, LOCK)
     token = f"{mine['host']}:{mine['pid']}:{time.time_ns()}"
     tmp = f"{path}.{mine['host']}.{mine['pid']}"
-    with open(tmp, "w") as fh:
-        json.dump({**mine, "token": token}, fh)
+    try:  # the first write in the folder: a read-only or foreign one is the user's to fix, in one line
+        os.makedirs(folder, exist_ok=True)
+        with open(tmp, "w") as fh:
+            json.dump({**mine, "token": token}, fh)
+    except OSError as e:
+        raise ValueError(f"--output_dir {folder}: cannot write there ({e.strerror or e}): use a folder this user can "
+                         "write") from None
     took_over = ""
     try:
         for _ in range(3):

@@ -156,8 +156,8 @@ class MixtureSampler:
     def load_state_dict(self, state: dict) -> None:
         """Continue exactly after the saved draws (also under another DP degree or micro-batch: the global
         sequence of draws does not depend on them)."""
-        if state.get("names") != self.names:
-            raise ValueError(f"the checkpoint's data position is for mixture components {state.get('names')}, this "
-                             f"stage has {self.names}: resume with the same recipe (or --resume none)")
+        from data.sampler import check_position  # (torch: imported with the sampler, not with this module)
+
+        check_position(state, "names", self.names)  # one line where the recipe changed (data/sampler.py)
         self.drawn, self.counts, self._perm = int(state["drawn"]), np.asarray(state["counts"], dtype=np.int64), {}
         self.seed = int(state.get("seed", self.seed))  # the run's order, whatever today's --seed

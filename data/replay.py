@@ -107,9 +107,9 @@ class ReplaySampler:
                 "base": self.base.state_dict(), "short": {str(n): s.state_dict() for n, s in self.short.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("replay") != self.lengths:
-            raise ValueError(f"the checkpoint's data position is for replay lengths {state.get('replay')}, this stage "
-                             f"has {self.lengths}: resume with the same recipe (or --resume none)")
+        from data.sampler import check_position  # (torch: imported with the sampler, not with this module)
+
+        check_position(state, "replay", self.lengths)  # one line where the recipe changed (data/sampler.py)
         self.drawn, self.counts = int(state["drawn"]), np.asarray(state["counts"], dtype=np.int64)
         self.base.load_state_dict(state["base"])
         for n, s in self.short.items():

@@ -13,6 +13,28 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+WRAPPERS = {"replay": "replay lengths", "tasks": "synthetic tasks", "names": "mixture components"}  # outermost first
+# (data/pipeline.stage_view: replay wraps tasks, which wrap a mixture or the one stream: ResumableSampler, key None)
+
+
+def check_position(state: dict, key: str | None, mine=None) -> None:
+    """A saved data position is loaded by the sampler of the same kind (`key`: its state's marking key, None for
+    ResumableSampler) over the same components (`mine`), else a one-line ValueError naming the wrapper that saved it
+    and this stage's: a stage's `replay:`, `tasks:` or `data:` removed since the checkpoint raised KeyError 'epoch'
+    from the innermost sampler."""
+    saved = next((k for k in WRAPPERS if k in state), None)
+    if saved == key and (key is None or state[key] == mine):
+        return
+    order = [*WRAPPERS, None]
+    if saved == key:
+        what = f"{WRAPPERS[key]} {state[key]}; this stage has {mine}"
+    elif order.index(saved) < order.index(key):  # a wrapper this stage no longer has
+        what = f"{WRAPPERS[saved]} {state[saved]}; this stage has no {WRAPPERS[saved]}"
+    else:  # a wrapper the stage has now and the checkpoint's did not
+        what = f"no {WRAPPERS[key]}; this stage has {WRAPPERS[key]} {mine}"
+    raise ValueError(f"the checkpoint's data position is for a stage with {what}: resume with the same recipe (or "
+                     "--resume none)")
+
 
 class ResumableSampler:
     def __init__(self, num_samples: int, dp: int, dp_rank: int, micro_batch: int, seed: int):
@@ -55,6 +77,7 @@ class ResumableSampler:
         """Continue from `state`; under another DP degree or batch size, at the same fraction of the epoch
         (exact when the layout is unchanged). The saved seed is kept: the run's order (a resume with another --seed
         repeated some samples of the epoch and skipped others)."""
+        check_position(state, None)
         self.epoch, self._order, self.seed = state["epoch"], None, int(state.get("seed", self.seed))
         if state["dp"] == self.dp and state["micro_batch"] == self.mb and state["num_samples"] == self.num_samples:
             self.taken = state["taken"]

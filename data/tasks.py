@@ -343,8 +343,8 @@ class TaskMixSampler:
                 "base": self.base.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("tasks") != self.names:
-            raise ValueError(f"the checkpoint's data position is for synthetic tasks {state.get('tasks')}, this stage "
-                             f"has {self.names}: resume with the same recipe (or --resume none)")
+        from data.sampler import check_position  # (torch: imported with the sampler, not with this module)
+
+        check_position(state, "tasks", self.names)  # one line where the recipe changed (data/sampler.py)
         self.drawn, self.counts = int(state["drawn"]), np.asarray(state["counts"], dtype=np.int64)
         self.base.load_state_dict(state["base"])

@@ -9,6 +9,7 @@ left unset inherit the run's. `locate(stages, global_step)` is a pure function o
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 from dataclasses import dataclass, field
 
@@ -309,9 +310,10 @@ def keep_stage_steps(stages: list[Stage], state) -> list[Stage]:
         keep = s.index < len(ran) and ran[s.index] != s.max_steps and (
             s.index < state.stage or (s.index == state.stage and same_size))
         if keep:
+            why = (f"its {s.steps_from.split(':')[0]} over another world, batch or accumulation"
+                   if s.steps_from != "steps" else "a finished stage keeps what it ran")
             print0(f"note: stage {s.index} ({s.name}) keeps the {ran[s.index]} steps it "
-                   f"{'ran' if s.index < state.stage else 'began'} with (today's settings give {s.max_steps}: "
-                   f"its {s.steps_from.split(':')[0]} over another world, batch or accumulation)")
+                   f"{'ran' if s.index < state.stage else 'began'} with (today's settings give {s.max_steps}: {why})")
             s = dataclasses.replace(s, max_steps=ran[s.index])
         done = getattr(state, "step", 0) - sum(x.max_steps for x in out)  # the steps past this stage's start
         if s.index == state.stage and done > s.max_steps:  # lowered below where the run is: it ends here (its end
@@ -320,6 +322,36 @@ def keep_stage_steps(stages: list[Stage], state) -> list[Stage]:
             s = dataclasses.replace(s, max_steps=done)  # evaluated); the next stage began at its old end, cut short
         out.append(s)
     return out
+
+
+def check_resumed_stages(stages: list[Stage], state) -> None:
+    """On resume, today's curriculum holds the checkpoint's stage and every stage before it at the same positions, by
+    name (`state.stage_names`, None where the checkpoint did not record one); a one-line ValueError otherwise. The
+    resume picks a stage by its index: with a stage removed before it, the stage now at that index loaded another
+    stage's mid-stage engine, LR and data position (its own first steps and the removed stage's rest never trained);
+    with the checkpoint's stage removed from the end, the run trained nothing and exported that unfinished stage.
+    A later stage changed or appended, and the current stage's steps raised or lowered, pass."""
+    if getattr(state, "checkpoint", None) is None:
+        return
+    k, names = state.stage, list(getattr(state, "stage_names", None) or [])
+    names += [None] * (k + 1 - len(names))
+    today = [s.name for s in stages]
+    wrong = next((i for i, n in enumerate(names[:k + 1]) if n is not None and (i >= len(today) or today[i] != n)),
+                 None)
+    if k < len(today) and wrong is None:
+        return
+    what = (f"today's recipe has {len(today)} stage(s) {today}" if wrong is None or wrong >= len(today)
+            else f"today's stage {wrong} is {today[wrong]}, the checkpoint's was {names[wrong]}")
+    ran = getattr(state, "stage_steps", None) or []
+    done = k if len(ran) > k and sum(ran[:k + 1]) <= state.step else k - 1  # the last stage it finished
+    export = ""
+    if done >= 0 and names[done] is not None:  # its marker beside the checkpoint (training/checkpoint.py)
+        marker = os.path.join(os.path.dirname(state.checkpoint.rstrip("/")), f"STAGE_{done}_{names[done]}")
+        export = f", or export the model as stage {done} ({names[done]}) ended: python scripts/export_hf.py {marker}"
+    into = f", {state.step - sum(ran[:k])} of its {ran[k]} steps" if len(ran) > k else ""
+    raise ValueError(f"{state.checkpoint} is at step {state.step}, stage {k} ({names[k]}){into}, and {what}: put "
+                     f"the checkpoint's stages {names[:k + 1]} back at the start of the recipe (a resume finds its "
+                     f"stage by position){export}")
 
 
 def stage_start(stages: list[Stage], index: int) -> int:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from base import comm
+from base import comm, progress
 from base.log import print0, rank_log
 from training import branches, rotation, universal
 from training.checkpoint_files import (
@@ -75,6 +75,7 @@ class TrainState:
     stage_sizes: list | None = None  # what sized each stage then: steps, tokens:N, epochs:E (curriculum.Stage)
     tokenizer_vocab: str | None = None  # whose ids it trained on (data/store.vocab_identity)
     optimizer_groups: int | None = None  # 2: norms and biases in a group of their own (no decay); None / 1: one group
+    stage_names: list | None = None  # the checkpoint's stages up to its own, by name (None: one not recorded)
 
     def state_dict(self) -> dict:
         return {"step": self.step, "tokens": self.tokens, "stage": self.stage, "wandb_id": self.wandb_id,
@@ -88,6 +89,34 @@ class TrainState:
         self.stage_sizes = d.get("stage_sizes")
         self.tokenizer_vocab = d.get("tokenizer_vocab")
         self.optimizer_groups = d.get("optimizer_groups")
+        self.stage_names = recorded_stage_names(d)
+
+
+def recorded_stage_names(d: dict) -> list:
+    """The names of a checkpoint's stages up to its own (trainer.json): its `stage_names`, else (older checkpoints)
+    the stages of the config it was saved with (training/curriculum.resolve_stages' names: `name` or stage<i>, `main`
+    without stages) ending with its `stage_name`; None where neither says."""
+    k = int(d["stage"])
+    if isinstance(d.get("stage_names"), list):
+        return d["stage_names"]
+    raw = (d.get("config") or {}).get("stages")
+    names = [s.get("name") or f"stage{i}" for i, s in enumerate(raw or [{"name": "main"}])] if isinstance(
+        raw, list) else []
+    names = (names + [None] * (k + 1))[:k + 1]
+    names[k] = d.get("stage_name", names[k])
+    return names
+
+
+def named_checkpoint(path: str, output_dir: str) -> str:
+    """Rank 0: the checkpoint `--resume PATH` names. A stage's marker (checkpoints/STAGE_<i>_<name>, a file holding
+    its end checkpoint's name, as scripts/export_hf.py takes) -> that checkpoint's folder; a relative PATH not found
+    here is looked for under OUTPUT_DIR too (`--resume checkpoints/STAGE_1_s512`, as docs/checkpoints.md writes it)."""
+    if not os.path.exists(path) and not os.path.isabs(path) and os.path.exists(os.path.join(output_dir, path)):
+        path = os.path.join(output_dir, path)
+    if os.path.isfile(path) and os.path.basename(path).startswith("STAGE_"):
+        with open(path) as fh:
+            return os.path.join(os.path.dirname(path), fh.read().strip())
+    return path
 
 
 def reset_adam_moments(optimizer) -> int:
@@ -185,6 +214,8 @@ class Restorer:
         run continues like `auto`, from PATH again only while the branch has no complete checkpoint of its own. A
         branch is known by its source's content (the sha256 of its MANIFEST.json), not by its name: a new `step_N`
         written under an old name (after another branch) is a new branch point."""
+        if resume not in ("auto", "none"):  # a stage's marker: its checkpoint
+            resume = comm.run_on_main(lambda: named_checkpoint(resume, self.output_dir))
         if resume != "auto":
             taken = comm.run_on_main(lambda: branches.taken(self.root, resume))
             if taken is None:
@@ -335,10 +366,12 @@ class Restorer:
         manifest = comm.run_on_main(lambda: read_json(os.path.join(path, MANIFEST)))["json"]
         saved_world = manifest["world"]
         self._await_files(path, {f: int(e["size"]) for f, e in manifest["files"].items()}, f"checkpoint {path}")
-        if saved_world != world:
+        if saved_world != world:  # rank 0 converts for up to ~45 min at 8B (training/universal.py): never judged
+            progress.mark(None, "build")
             load_dir, files = self._universal(path)
             self._await_files(os.path.join(load_dir, tag), files, f"the universal conversion of {path}")
             engine._config.load_universal_checkpoint = True
+            progress.mark(None, "restore")  # the shards' reads, judged at RESTORE_S (base/progress.py)
         # today's peak LR: the schedule's state brings the saved run's (LambdaLR's base_lrs) back
         sched = engine.lr_scheduler if load_scheduler else None
         today = list(sched.base_lrs) if hasattr(sched, "base_lrs") else None
@@ -392,8 +425,9 @@ class Restorer:
 
 
 RUN_KEYS = ("dataset_path", "stages", "max_seq_length", "max_steps", "num_train_epochs", "data_kind", "learning_rate",
-            "per_device_train_batch_size", "gradient_accumulation_steps", "sequence_parallel_size", "weight_decay",
-            "model_name_or_path", "tokenizer_name_or_path")  # what a run is (the weights are the checkpoint's)
+            "lr_scheduler", "warmup_steps", "warmup_ratio", "min_lr", "per_device_train_batch_size",
+            "gradient_accumulation_steps", "sequence_parallel_size", "weight_decay", "model_name_or_path",
+            "tokenizer_name_or_path")  # what a run is (the weights are the checkpoint's)
 KEPT_KEYS = ("seed",)  # the saved run's wins: its data order (data/sampler.py)
 
 

@@ -145,6 +145,7 @@ def train_stage(run: Run, stage, stages, state: TrainState) -> None:
                    run.data.tokenizer, run.metrics, state.step, cfg.per_device_train_batch_size, run.data.pad_id,
                    stages, run.data.heldout)
     preempt.deadline.record_eval(time.perf_counter() - t_eval)
+    progress.mark(None, "idle")  # the release, the stop's agreement and a run's teardown: not judged
     watch = release_engine(engine)
     del engine
     _released(run, stage, watch, state.step)  # before the next stage builds its engine: this one's memory goes back
@@ -285,6 +286,7 @@ def _save(run: Run, engine, stages, stage, hf_config, state: TrainState, sampler
     t0, taken = time.perf_counter(), time.monotonic()  # the state saved is this moment's
     state.stage, state.wandb_id = stage.index, run.metrics.run_id
     meta = {"stage_name": stage.name, "model_hash": model_hash(hf_config), "world": run.dims.world, "sp": stage.sp,
+            "stage_names": [s.name for s in stages[:stage.index + 1]],  # a resume checks its stages by name
             "stage_steps": [s.max_steps for s in stages[:stage.index + 1]],  # as they began (curriculum.keep_stage_steps)
             "stage_sizes": [s.steps_from for s in stages[:stage.index + 1]],  # what sized them (max_tokens, epochs)
             "heldout": run.data.heldout_split,  # a resume keeps these held-out documents

@@ -73,3 +73,21 @@ def test_a_stale_heartbeat_from_another_host_is_taken_over(tmp_path):
     (tmp_path / LOCK).write_text(json.dumps({"host": "elsewhere", "pid": 1, "job": "", "since": "then"}))
     with pytest.raises(ValueError, match="held by a live run: host elsewhere pid 1, since then"):
         acquire(str(tmp_path), run_lock.me())  # fresh: refused
+
+
+def test_an_output_dir_that_cannot_be_written_is_refused_in_one_line(tmp_path):
+    """A read-only --output_dir (or one under a file) ended in os.makedirs' traceback; now one line naming it."""
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match=r"--output_dir .*file/run: cannot write there \(Not a directory\)") as e:
+        acquire(str(tmp_path / "file" / "run"), run_lock.me())
+    assert "\n" not in str(e.value)
+    if os.geteuid() == 0:  # root writes through a mode of 0500
+        return
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o500)
+    try:
+        for folder in (ro, ro / "run"):  # the lock's temp file, the folder itself
+            with pytest.raises(ValueError, match=r"cannot write there \(Permission denied\)"):
+                acquire(str(folder), run_lock.me())
+    finally:
+        ro.chmod(0o700)

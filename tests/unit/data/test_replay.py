@@ -89,3 +89,30 @@ def test_stage_view_packs_short_task_samples_with_restarted_positions():
         stages({100: 0.2})
     with pytest.raises(ValueError, match="too short for a passkey trial"):
         open_run_data(None, None, 2048, stages({16: 0.2}), False)
+
+
+def test_a_stage_whose_replay_tasks_or_mixture_was_removed_is_refused_in_one_line():
+    """A stage's `replay:`, `tasks:` or `data:` removed since the checkpoint: the innermost sampler indexed keys the
+    wrapper's state lacks (KeyError 'epoch'). Now one line naming what the checkpoint's position was saved by; one
+    added says so too."""
+    from data.mixture import MixtureSampler
+
+    plain = ResumableSampler(100, 2, 0, 2, seed=0)
+    replay = ReplaySampler(ResumableSampler(100, 2, 0, 2, seed=0), {16: ResumableSampler(400, 2, 0, 8, seed=1)},
+                           {16: 0.3}, 64, 2).state_dict()
+    mixture = MixtureSampler([11, 5], [0.7, 0.3], ["a", "b"], 2, 0, 2, 4).state_dict()
+    tasks = {"tasks": ["passkey"], "drawn": 3, "counts": [2, 1], "base": plain.state_dict()}
+    mixed_replay = {**replay, "base": mixture}  # replay kept, the mixture under it removed
+    for state, sampler, said in [
+            (replay, plain, r"replay lengths \[16\]; this stage has no replay lengths"),
+            (mixture, plain, r"mixture components \['a', 'b'\]; this stage has no mixture components"),
+            (tasks, plain, r"synthetic tasks \['passkey'\]; this stage has no synthetic tasks"),
+            (tasks, MixtureSampler([11], [1.0], ["x"], 2, 0, 2, 4), "this stage has no synthetic tasks"),
+            (mixed_replay, ReplaySampler(ResumableSampler(100, 2, 0, 2, seed=0),
+                                         {16: ResumableSampler(400, 2, 0, 8, seed=1)}, {16: 0.3}, 64, 2),
+             "this stage has no mixture components"),
+            (plain.state_dict(), MixtureSampler([11], [1.0], ["x"], 2, 0, 2, 4),  # added: said as before
+             r"a stage with no mixture components; this stage has mixture components \['x'\]")]:
+        with pytest.raises(ValueError, match=said) as e:
+            sampler.load_state_dict(json.loads(json.dumps(state)))
+        assert "\n" not in str(e.value) and str(e.value).endswith("resume with the same recipe (or --resume none)")

@@ -287,3 +287,15 @@ def test_a_stop_asked_while_the_job_starts_is_kept(tmp_path):
         assert not clear_honoured_stop(str(stop), started=time.time()) and stop.exists()
     finally:
         del os.environ["ULYSSES_STOP_CLEARED"]
+
+
+def test_the_stages_evaluation_is_judged_and_what_follows_is_not(monkeypatch):
+    """The stage's evaluation is judged a hang (`eval`: a rank stuck in its collectives is named at its forwards'
+    floor, not at dist_timeout_s), the release, the stop's agreement and the run's teardown after it are not (`idle`:
+    rank 0 waits there for the rotation's deletions with no tick; judged as `eval`, a finished run was declared hung)."""
+    from base import progress
+
+    marks = []
+    monkeypatch.setattr(progress, "mark", lambda step, phase: marks.append(phase))
+    simulate(monkeypatch, steps=3)  # (its evaluate_stage: a stand-in between the two marks)
+    assert marks[:2] == ["build", "restore"] and marks[-3:] == ["save", "eval", "idle"], marks

@@ -294,3 +294,20 @@ def test_rank0_falls_back_with_a_warning_when_latest_stays_unseen(tmp_path, monk
     assert ck.find_resume("auto") == older
     warned = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("warning")]
     assert len(warned) == 1 and "LATEST names step_000004" in warned[0], warned
+
+
+def test_the_conversion_is_never_judged_a_hang_and_the_load_is(tmp_path, monkeypatch):
+    """A resume on another world size: rank 0 converts for up to ~45 min at 8B while the others wait, with no tick.
+    The restore phase (judged at RESTORE_S, base/progress.py) is left for the conversion (`build`, never judged)
+    and taken again for the shards' reads: judged through it, a requeue on fewer nodes was declared hung at 1500 s
+    and requeued again, forever (the review of the restore phase)."""
+    from base import progress
+
+    marks = []
+    monkeypatch.setattr(progress, "mark", lambda step, phase: marks.append(phase))
+    calls = fake_converter(monkeypatch)
+    source = save_from_world(Checkpointer(str(tmp_path / "theirs"), keep=3), 4, world=2)
+    real = universal.prepare
+    monkeypatch.setattr(universal, "prepare", lambda *a, **k: (marks.append("converting"), real(*a, **k))[1])
+    Checkpointer(str(tmp_path / "mine"), keep=3).load(LoadEngine(), source)
+    assert len(calls) == 1 and marks == ["build", "converting", "restore"], marks
