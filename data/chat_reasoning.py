@@ -33,7 +33,7 @@ _PROBE_TOOLS = [{"type": "function", "function": {"name": "probe", "description"
 
 
 def reasoning(msg: dict) -> tuple[str, str] | None:
-    """(form, text) of a reply's reasoning: `field` (reasoning_content / thinking) or `content` (a think block);
+    """(form, text) of a reply's reasoning: `field` (reasoning_content / thinking / reasoning) or `content` (a think block);
     None where it has none."""
     for f in FIELDS:
         if isinstance(msg.get(f), str) and msg[f].strip():
@@ -126,7 +126,7 @@ def refuse_dropped(enc, conv: list[dict], turns: list[int]) -> None:
                 raise RowError(f"message {k} (assistant): {enc.name} renders a reply's reasoning only on a reply with "
                                "tool calls, so this reply would be trained with its reasoning gone: drop the reasoning "
                                "of replies without calls, or use a template that renders it (Qwen3, gpt-oss, ...)")
-            given = "its reasoning field (reasoning_content / thinking)" if got[0] == "field" else (
+            given = "its reasoning field (reasoning_content / thinking / reasoning)" if got[0] == "field" else (
                 "the think block of its content (cut at </think>, as DeepSeek-R1's template does)")
             tags = ("[THINK]", "[/THINK]") if "[THINK]" in (enc.template or "") else ("<think>", "</think>")
             fix = (f"put the reasoning in the content as {tags[0]}...{tags[1]} where the template prints the content, "

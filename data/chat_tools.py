@@ -284,7 +284,8 @@ def fit_arguments(enc, conv: list[dict], tools: list | None) -> tuple[list[dict]
     rendered as given, and only where that render fails, garbles the arguments or drops them (`_lost`) is the other
     form tried, kept if it renders clean (else the row goes on as given, and a template that fails is a refused row;
     one that drops the arguments in every form is refused in one line: the calls would train without them).
-    Lossless: JSON text of an object <-> that object; free text stays as given. Cost: two more text renders of a
+    JSON text of an object <-> that object (its spelling as `tojson` writes it: `1e5` becomes `100000.0`, spaces
+    canonical); free text stays as given. Cost: two more text renders of a
     row with calls (four where it is rewritten); rows without tool calls pay nothing."""
     if enc.kind == "chatml" or not any(m.get("tool_calls") for m in conv):
         return conv, 0

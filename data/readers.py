@@ -14,6 +14,7 @@ name without extensions), or the row's `--source_field` when given.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -66,11 +67,19 @@ class Unit:
         return sum(os.path.getsize(f) for f in self.files())
 
     def identity(self) -> str:
-        """kind:path:size:mtime_ns (a folder's: its files' sum and latest), as the in-job cache key: a file rewritten at
-        the same size is another input (its old tokens were kept, the log read as prepared). One stat per file."""
-        st = [os.stat(f) for f in self.files()]
-        return (f"{self.kind}:{os.path.abspath(self.path)}:{sum(s.st_size for s in st)}:"
-                f"{max((s.st_mtime_ns for s in st), default=0)}")
+        """kind:path:size:sample (a folder's: its files' sum, and a hash of each file's first and last 64 KiB): a file
+        rewritten at the same size is another input (its old tokens were kept, the log read as prepared). Its content,
+        not its mtime: a copy without -p, a re-download or a re-staging to node-local scratch at each requeue is the
+        same input (by mtime, a half-done preparation lost its committed chunks). Two 64 KiB reads per file."""
+        digest, size = hashlib.sha256(), 0
+        for f in self.files():
+            with open(f, "rb") as fh:
+                n = os.fstat(fh.fileno()).st_size
+                digest.update(fh.read(1 << 16))
+                fh.seek(max(n - (1 << 16), 0))
+                digest.update(fh.read(1 << 16))
+            size += n
+        return f"{self.kind}:{os.path.abspath(self.path)}:{size}:{digest.hexdigest()[:16]}"
 
     def where(self, row: int) -> str:
         """Row `row` as a message names it: a JSONL line (from 1), an array's element (its index), a table's row."""
@@ -114,7 +123,8 @@ def _folder(path: str, flag: str) -> list[str]:
     if other:
         raise ValueError(f"{flag} {path}: cannot read {sorted(other)[:5]}" + (f" and {len(other) - 5} more" if len(
             other) > 5 else "") + ": not .jsonl / .ndjson / .json (plain, .gz, .zst, .bz2, .xz), .parquet nor a "
-            "save_to_disk folder; convert them, give them with --loader BUILDER, or move them out of the folder")
+            "save_to_disk folder; give the files to read as a glob (--input 'DIR/*.jsonl'), convert them, give them with "
+            "--loader BUILDER, or move them out of the folder")
     return sorted(files)
 
 
@@ -237,7 +247,7 @@ def _rows(unit: Unit, fields: Fields, start: int, batch_rows: int) -> Iterator[t
                 row += n
                 continue
             for batch in pf.iter_batches(batch_size=batch_rows, row_groups=[rg], columns=_flat(cols)):
-                yield from _columnar(batch.to_pydict(), cols, row, start)
+                yield from _columnar(batch.to_pydict(), cols, row, start, unit.path)
                 row += batch.num_rows
         return
     import datasets
@@ -273,7 +283,7 @@ def _rows(unit: Unit, fields: Fields, start: int, batch_rows: int) -> Iterator[t
             ds = ds.skip(start)
     row = start
     for batch in ds.iter(batch_size=batch_rows):
-        yield from _columnar(batch, cols, row, start)
+        yield from _columnar(batch, cols, row, start, unit.path)
         row += len(next(iter(batch.values())))
 
 
@@ -288,7 +298,7 @@ CHAT_EXTRAS = ("tools", "system", "input", "history", "chat_template_kwargs", "l
 TEXT_BESIDE = "text\x00"  # marks a table's text column carried beside its chat columns (not a column name)
 
 
-def _columns(unit: Unit, names: list[str], fields: Fields) -> tuple[str | tuple[str, ...], str | None]:
+def _columns(unit: Unit, names: list[str], fields: Fields) -> tuple[str | tuple[str, ...], str | None, str | None]:
     """(the value column, or a chat format's columns; the source column or None). A table with both a text column and
     chat columns (pandas' to_parquet of mixed text and chat rows: each row fills one, the other null) carries both:
     each row is the one it fills; a row filling both is a bad row (which is meant?)."""
@@ -296,25 +306,26 @@ def _columns(unit: Unit, names: list[str], fields: Fields) -> tuple[str | tuple[
     chat = next((c for c in CHAT_COLUMNS if all(n in names for n in c)), None)
     if chat is not None:
         value = chat + tuple(c for c in CHAT_EXTRAS if c in names) + ((TEXT_BESIDE + value,) if value else ())
-    if value == fields.ids and chat is None and "labels" in names:
-        raise ValueError(f"{unit.path}: {_labelled(fields)}")
+    labels = "labels" if value == fields.ids and chat is None and "labels" in names else None  # checked row by row
     if value is None:
         raise ValueError(f"{unit.path}: no column {fields.text!r} (--text_field), {fields.ids!r} (--ids_field), "
                          f"messages, conversations, prompt + completion or instruction + output (chat); columns are {names}")
-    return value, (fields.source if fields.source in names else None)
+    return value, (fields.source if fields.source in names else None), labels
 
 
-def _flat(cols: tuple[str | tuple[str, ...], str | None]) -> list[str]:
+def _flat(cols: tuple) -> list[str]:
     return [c.removeprefix(TEXT_BESIDE) for c in ((*cols[0],) if isinstance(cols[0], tuple) else (cols[0],))
-            + (cols[1],) if c]
+            + cols[1:] if c]
 
 
-def _columnar(batch: dict, cols: tuple[str | tuple[str, ...], str | None], row: int,
-              start: int) -> Iterator[tuple[int, object]]:
+def _columnar(batch: dict, cols: tuple, row: int, start: int, path: str) -> Iterator[tuple[int, object]]:
     chat = isinstance(cols[0], tuple)
     values = batch[cols[0][0] if chat else cols[0]]
     sources = batch[cols[1]] if cols[1] else None
+    labels = batch[cols[2]] if cols[2] else None
     for i, v in enumerate(values):
+        if labels is not None and labels[i] is not None and list(labels[i]) != list(v):
+            raise ValueError(f"{path}: row {row + i}: {_labelled(cols[0])}")
         if row + i >= start:
             if chat:  # a chat row travels as the dict data/chat.py reads
                 v = {c.removeprefix(TEXT_BESIDE): batch[c.removeprefix(TEXT_BESIDE)][i] for c in cols[0]}
@@ -348,10 +359,11 @@ def _lone_surrogate(value) -> bool:
     return isinstance(value, list) and any(_lone_surrogate(v) for v in value)
 
 
-def _labelled(fields: Fields) -> str:
-    return (f"pre-tokenized {fields.ids!r} with a 'labels' column (axolotl's / LLaMA-Factory's preprocessed output, "
-            "-100 over the prompt): its loss mask would be ignored and the prompt trained; prepare from the chat rows it "
-            "was made from (messages, ...: docs/sft.md), or drop 'labels' to train every token")
+def _labelled(ids: str) -> str:
+    return (f"pre-tokenized {ids!r} with 'labels' that differ from them (axolotl's / LLaMA-Factory's preprocessed "
+            "output, -100 over the prompt): its loss mask would be ignored and the prompt trained; prepare from the "
+            "chat rows it was made from (messages, ...: docs/sft.md), or drop 'labels' to train every token (labels "
+            "equal to the ids, as run_clm's group_texts writes them, train every token: read)")
 
 
 def _both(fields: Fields, row: dict) -> str:
@@ -371,8 +383,8 @@ def parse_item(item: object, fields: Fields) -> tuple[str | list | dict | None, 
         value = obj.get(fields.text, obj.get(fields.ids))
         if value is not None and row_format(obj):
             return None, None, _both(fields, obj)
-        if fields.text not in obj and value is not None and obj.get("labels") is not None:
-            return None, None, _labelled(fields)
+        if fields.text not in obj and value is not None and obj.get("labels") not in (None, value):
+            return None, None, _labelled(fields.ids)
         if _SURROGATE.search(item) and _lone_surrogate(obj):  # a web crawl's cut emoji: the tokenizer's TypeError
             return None, None, ("a lone UTF-16 surrogate (\\ud800-\\udfff not in a pair) in a string: not valid "
                                 "Unicode (a cut emoji?); fix or drop the row")

@@ -39,7 +39,8 @@ deepspeed launcher (`launch.py`: `terminate_process_tree`, `wait_procs(timeout=3
 whatever GraceTime says. A SIGINT without a launcher (`python train.py`, `srun python train.py` under salloc: no
 LOCAL_SIZE, LOCAL_WORLD_SIZE or LAUNCH_EXIT_DIR, what the deepspeed launcher, torchrun and scripts/launch.sh set) is
 a Ctrl-C nothing kills after: a stop without a window, with its full save (it skipped a save longer than ~25 s and
-lost up to a save interval); srun's SIGTERM after a second Ctrl-C opens the window then.
+lost up to a save interval); (under srun one Ctrl-C only prints the status; a second sends SIGINT and SIGKILL at
+once, srun/signals.c: no window to fit there; scancel --signal=USR1 saves.)
 Such a stop commits what can be committed in the window and exits (training/stage.py `_stop_in_window`): the
 background write in flight if every rank's finishes in time, and the stop's own save only if the measured save
 time (before one is measured: `guess_save_s`, from the rank's checkpoint bytes) fits what is left. At Llama-3-8B on

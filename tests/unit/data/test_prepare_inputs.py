@@ -79,12 +79,20 @@ def test_a_pretokenized_table_with_labels_is_refused_in_one_line(tmp_path, capsy
         str(tmp_path / "axo"))
     (tmp_path / "axo.jsonl").write_text(json.dumps({"input_ids": ids[0], "labels": labels[0]}) + "\n")
     capsys.readouterr()  # datasets' progress bars
-    for src, where in ((tmp_path / "axo", f"{tmp_path / 'axo'}: "), (tmp_path / "axo.jsonl", f"{tmp_path}/axo.jsonl:1: ")):
+    for src, where in ((tmp_path / "axo", f"{tmp_path / 'axo'}: row 0: "), (tmp_path / "axo.jsonl", f"{tmp_path}/axo.jsonl:1: ")):
         assert main(["--input", str(src), "--output", str(tmp_path / f"o_{src.name}"), "--vocab_size", "100",
                      "--workers", "0"]) == 2
         err = capsys.readouterr().err.strip()
-        assert err.startswith(f"error: {where}pre-tokenized 'input_ids' with a 'labels' column") and "\n" not in err
+        assert err.startswith(f"error: {where}pre-tokenized 'input_ids' with 'labels' that differ") and "\n" not in err
         assert "prepare from the chat rows" in err
+    # labels equal to the ids (run_clm's group_texts: result["labels"] = result["input_ids"].copy()) hide nothing:
+    # every token trains, as before the refusal (the review: such a table was refused whole)
+    datasets.Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * 5], "labels": ids}).save_to_disk(
+        str(tmp_path / "clm"))
+    (tmp_path / "clm.jsonl").write_text(json.dumps({"input_ids": ids[0], "labels": ids[0]}) + "\n")
+    for src in (tmp_path / "clm", tmp_path / "clm.jsonl"):
+        prepare([str(src)], str(tmp_path / f"o_{src.name}"), vocab_size=100, eos_id=3, **QUIET)
+        assert _docs(tmp_path / f"o_{src.name}") == ids
 
 
 def test_a_document_ending_with_its_eos_gets_no_second_one(tmp_path):
@@ -126,6 +134,11 @@ def test_a_file_rewritten_at_its_size_is_not_taken_as_prepared(tmp_path):
     with pytest.raises(ValueError, match=r"holds shard 0 of another preparation \(differs in \['units'\]\)"):
         prepare([src], out, vocab_size=100, **QUIET)
     prepare([src], out, vocab_size=100, overwrite=True, **QUIET)
+    assert _all(out).tolist() == [4, 5, 6]
+    # the same bytes with a new mtime (cp without -p, a re-staging to node-local scratch at a requeue) is the same
+    # input: prepared, kept (by mtime, the review found, a half-done preparation was refused and started over)
+    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 5 * 10**9))
+    prepare([src], out, vocab_size=100, **QUIET)
     assert _all(out).tolist() == [4, 5, 6]
 
 
