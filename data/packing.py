@@ -23,9 +23,10 @@ def cache_key(files: list[str], tokenizer_path: str | None, model_vocab: int) ->
     """What a cached token stream or in-job prepared folder (data/prepare.py) is derived from: each input file
     (path, size, mtime), the tokenizer's content (a HF folder rewritten in place keeps its own size and mtime) and
     the vocabulary its token ids were checked against."""
-    h = hashlib.sha256(f"{model_vocab}:bos2:chat3".encode())  # :bos2: text documents start with the tokenizer's BOS,
-    # once where the text writes its own; :chat3: chat rows encoded by today's rules (a reply's weight, reasoning a
-    # template drops, a top-level system, a prompt / completion of strings with the BOS)
+    h = hashlib.sha256(f"{model_vocab}:bos2:chat3:eos2".encode())  # :bos2: text documents start with the tokenizer's
+    # BOS, once where the text writes its own; :chat3: chat rows encoded by today's rules (a reply's weight, reasoning a
+    # template drops, a top-level system, a prompt / completion of strings with the BOS); :eos2: no second EOS after a
+    # document that ends with its own (a stream or prepared folder cached before had two)
     for f in files:
         st = os.stat(f)
         h.update(f"{os.path.abspath(f)}:{st.st_size}:{st.st_mtime_ns}".encode())
@@ -64,8 +65,8 @@ def build_token_stream(dataset_path: str, tokenizer: Tokenizer | None, model_voc
                 raise ValueError(f"{file}:{line}: token id {bad[0]} >= the model's vocab_size {model_vocab}")
         if not ids:
             continue
-        if eos is not None:
-            ids = list(ids) + [eos]
+        if eos is not None and int(ids[-1]) != eos:  # as prepare_data: a document ending with the EOS (`...</s>` in
+            ids = list(ids) + [eos]  # the text, pre-tokenized ids with theirs) gets no second one
         starts.append(n)
         chunks.append(np.asarray(ids, dtype=np.uint32))
         n += len(ids)

@@ -10,6 +10,8 @@ settings through pinned_round_limit. Derivation: docs/memory_model.md, "Host mem
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from planner.shapes import Features, ModelShape
 
 ZERO_SUBGROUP = 10**9  # DeepSpeed sub_group_size (its default; the optimizer step upcasts one sub-group at a time)
@@ -104,7 +106,18 @@ def zero3_state_terms(shape: ModelShape, world: int, b: int, f: Features, gpu_ru
     included), for memory_model.estimate (whose arguments these are). On a GPU run a pinned request is held as
     pinned_block_bytes(bytes, pinned_limit); `pinned_offloads`: ZeRO-3's offload buffers are pinned (DeepSpeed's
     `pin_memory`); `host_arena`: the async save's copy of GPU-resident states is page-locked at its exact size
-    (memory_model.HOST_ARENA)."""
+    (memory_model.HOST_ARENA). They depend on `f` only through its two offloads: cached on those (a search calling
+    estimate for ~500 feature sets per length spent ~80% of its time here, rebuilding the same request lists)."""
+    gpu, cpu = _state_terms(shape, world, b, f.offload_params, f.offload_optimizer, gpu_run, pinned_offloads,
+                            pinned_limit, async_save, host_arena)
+    return dict(gpu), dict(cpu)
+
+
+@lru_cache(maxsize=256)
+def _state_terms(shape: ModelShape, world: int, b: int, offload_params: bool, offload_optimizer: bool, gpu_run: bool,
+                 pinned_offloads: bool, pinned_limit: int, async_save: bool,
+                 host_arena: bool) -> tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...]]:
+    f = Features(offload_params=offload_params, offload_optimizer=offload_optimizer)
     n = shape.num_params()
     gpu: dict[str, int] = {}
     cpu: dict[str, int] = {}
@@ -134,4 +147,4 @@ def zero3_state_terms(shape: ModelShape, world: int, b: int, f: Features, gpu_ru
         groups = zero3_subgroups(zero3_partitions(shape, world))
         snap = pin if not (f.offload_optimizer or host_arena) else (lambda nbytes: nbytes)  # arena: exact bytes
         cpu["async save: host copy of the rank's checkpoint"] = 3 * sum(snap(4 * g) for g in groups)
-    return gpu, cpu
+    return tuple(gpu.items()), tuple(cpu.items())

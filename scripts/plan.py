@@ -43,20 +43,11 @@ from planner.memory_model import (
     load_shape,
     parse_seq_len,
 )
-from planner.step_time import (
-    HOUR_S,
-    KERNEL_TFLOPS,
-    MEASURED,
-    TRAINABLE_S,
-    duration,
-    longest_within,
-    measured_mfu,
-    step_time,
-)
+from planner.step_time import HOUR_S, KERNEL_TFLOPS, MEASURED, TRAINABLE_S, duration, measured_mfu, step_time
+from planner.trainable import ALST, AutoRun, longest_trainable
 
 FEATURES = ("offload_params", "offload_optimizer", "tiled_mlp", "tiled_logits", "gradient_checkpointing",
             "offload_activations", "lean_rmsnorm", "lean_mlp", "keep_attention", "ring_attention")
-ALST = ("tiled_mlp", "tiled_logits", "gradient_checkpointing", "offload_activations")
 # host terms held page-locked (ZeRO-3's pinned offload buffers, the arena's checkpoint slots: base/host_arena.py)
 PAGE_LOCKED = ("params (partition)", "grads fp32 (partition)", "activation checkpoints")
 
@@ -150,10 +141,10 @@ def plan_one(pl: Planner, seq_len: int) -> dict:
     roomy = [r for r in rows if r["fits"] and r["estimate"]["gpu_peak"] <= (1 - args.margin) * pl.gpu_limit]
     best = (roomy or [r for r in rows if r["fits"]] or [min(rows, key=lambda r: r["estimate"]["gpu_peak"])])[0]
     ds_file, overrides = ds_recommendation(feats)
-    timing = dict(world=pl.world, ranks_per_node=args.gpus_per_node, cp=best["cp"], peak_tflops=args.gpu_tflops)
-    within = min(best["longest_fitting_seq_len"], longest_within(TRAINABLE_S, shape, best["sp"], replace(
-        feats, attention_head_chunks=pl.chunks(best["sp"], best["cp"])), **timing)) if fitting else None
-    # what a user would train at, with these features and this split: within the time and the memory
+    # what a run would train at: memory_features auto's choice at each length (the command's features pinned), at
+    # the recommended split, or where the asked length fits none, at the largest (a shorter length may fit there)
+    at = best if fitting else max(rows, key=lambda r: r["sp"])
+    within = longest_trainable(TRAINABLE_S, shape, at["sp"], at["cp"], AutoRun.of_args(args))
     stage = dict(name=f"seq{seq_len}", max_seq_length=seq_len, sequence_parallel_size=best["sp"])
     if best["cp"] > 1 or split_sp(best["sp"], shape.num_heads, shape.num_kv_heads, args.gpus_per_node)[1] > 1:
         stage["context_parallel_size"] = best["cp"]  # explicit where it is not pure Ulysses or differs from auto
@@ -172,7 +163,7 @@ def plan_one(pl: Planner, seq_len: int) -> dict:
                                flops_per_sequence=flops, attention_share=attn / flops, mfu=args.mfu,
                                gpu_tflops=args.gpu_tflops, tokens_per_sec_per_gpu=tps,
                                seconds_per_sequence=seq_len / (tps * best["sp"]), at_sp=best["sp"]),
-               within_15_min=within)
+               within_15_min=within and within["seq_len"], within_15_min_at=within)
     if not fitting:
         everything = Features(offload_params=True, offload_optimizer=True, lean_rmsnorm=feats.lean_rmsnorm,
                               lean_mlp=feats.lean_mlp,
@@ -226,21 +217,10 @@ def auto_plan(args: argparse.Namespace, shape: ModelShape, world: int, seq_len: 
     `train.py --memory_features auto --gpu_mem_gb G --dry_run`), and tokens/s/GPU of it and of all features."""
     from planner import auto_features as af
 
-    pinned = {k: True for k in ALST if getattr(args, k) or args.alst}
-    if pinned.pop("gradient_checkpointing", False):
-        pinned["checkpoint_every"] = 1
-    if args.keep_attention is not None:
-        pinned["keep_attention"] = args.keep_attention
-    budget = af.gpu_budget(args.gpu_mem_gb)
-    offloads = Features(offload_params=args.offload_params, offload_optimizer=args.offload_optimizer,
-                        lean_rmsnorm=args.lean_rmsnorm, lean_mlp=args.lean_mlp)
     try:
         sp = None if args.sp == "auto" else int(args.sp)
         cp = args.cp if args.ulysses is None else sp // args.ulysses
-        c = af.choose(shape, seq_len, world, budget, sp=sp, cp=_int_or_auto("cp", str(cp)),
-                      sp_max=args.gpus_per_node, pinned=pinned, offloads=offloads, precision=args.precision,
-                      host_bytes_per_rank=int((args.cpu_mem_gb / args.gpus_per_node - args.cpu_overhead_gb) * GiB),
-                      ranks_per_node=args.gpus_per_node)
+        c = AutoRun.of_args(args).choose(shape, seq_len, sp, _int_or_auto("cp", str(cp)), sp_max=args.gpus_per_node)
     except ValueError as e:
         return {"error": str(e)}
     tps = tokens_per_sec_per_gpu(shape, seq_len, args.mfu, args.gpu_tflops)
@@ -288,9 +268,7 @@ def render(rep: dict) -> str:
                      f"planner/step_time.py, reused at --gpu_tflops {c['gpu_tflops']:g}; the ring's attention at "
                      "FlashAttention-2's rate, the rest's at cuDNN's), one sequence per SP group; ! marks a step over "
                      "an hour")
-        lines.append(f"longest length that fits and whose step takes at most {duration(TRAINABLE_S)} at the recommended "
-                     f"split and these features: {p['within_15_min']:,} (what a run would train at; --compare: per GPU "
-                     "count)" if p["within_15_min"] else "longest length within 15 min: none (nothing fits)")
+        lines.append(_within_line(p))
         lines.append(f"SP degrees that fit: {p['fitting_sp'] or 'none'}; recommended: {p['recommended_sp']} (smallest "
                      f"that fits with {rep['margin']:.0%} of usable GPU memory to spare, else smallest that fits)")
         if "fits_with_all_features_at_sp" in p:
@@ -325,6 +303,17 @@ def render(rep: dict) -> str:
         if "auto" in p:
             lines.append(_auto_line(p["auto"]))
     return "\n".join(lines)
+
+
+def _within_line(p: dict) -> str:
+    """The longest length a run would train at: its step within TRAINABLE_S (planner/trainable.py)."""
+    w, where = p["within_15_min_at"], "the recommended split" if p["recommended_sp"] else "the largest split"
+    if not w:
+        return f"longest length whose step takes at most {duration(TRAINABLE_S)}: none (nothing fits at {where})"
+    return (f"longest length whose step takes at most {duration(TRAINABLE_S)} (what a run would train at; --compare: per "
+            f"GPU count): {w['seq_len']:,} at {where}, sp={split_label(w['sp'], w['cp'])}, {duration(w['step_s'])} a "
+            f"step, with memory_features auto's choice there (the features on the command line pinned): {w['features']}"
+            + ("" if p["recommended_sp"] else f"; at {p['seq_len']:,} these features fit no split"))
 
 
 def _comm_lines(row: dict) -> list[str]:
@@ -364,7 +353,8 @@ def compare(model: str = "llama3-8b", extra: list[str] | None = None) -> list[di
     its own chunk, context-parallel K/V in a ring where cp > 1 as memory_features auto takes it where the gather
     does not fit, the host budget of COMPARE_SETUPS), with the cost model's throughput there and its step time at
     the measured FLOP rate (planner/step_time.py: fitted to the one GPU run), next to the PUBLISHED figures; and
-    the longest length whose step takes at most TRAINABLE_S with the same features and split. One row per setup."""
+    the longest length whose step takes at most TRAINABLE_S at the same split with memory_features auto's choice at
+    that length (planner/trainable.py; --alst's features pinned). One row per setup."""
     from planner.auto_features import relative_speed
 
     rows = []
@@ -384,11 +374,12 @@ def compare(model: str = "llama3-8b", extra: list[str] | None = None) -> list[di
         est = pl.evaluate(longest, sp, feats, cp)[0]
         timing = dict(world=gpus, ranks_per_node=gpus // nodes, cp=cp, peak_tflops=args.gpu_tflops)
         step_s = step_time(shape, longest, sp, feats, **timing)
+        within = longest_trainable(TRAINABLE_S, shape, sp, cp, AutoRun.of_args(args)) or {}
         rows.append(dict(gpus=gpus, nodes=nodes, host_gib_per_node=host, longest=longest, split=split_label(sp, cp),
                          head_chunks=feats.attention_head_chunks, relative_speed=speed, tokens_per_sec_per_gpu=tps,
                          features=vars(feats), cp=cp, sp=sp, step_s=step_s, measured_tokens_per_sec_per_gpu=longest / step_s / sp,
                          over_an_hour=step_s > HOUR_S, mfu=measured_mfu(),
-                         within_15_min=longest_within(TRAINABLE_S, shape, sp, feats, **timing),
+                         within_15_min=within.get("seq_len", 0), within_15_min_at=within,
                          page_locked_gib_per_node=page_locked_gib(est, gpus // nodes),
                          published=PUBLISHED.get(gpus, {}), **margins(pl, est)))
     return rows
@@ -420,17 +411,20 @@ def render_compare(rows: list[dict]) -> str:
                      f"{r['head_chunks']} | {r['gpu_peak_gib']:.2f} / {r['gpu_budget_gib']:.0f}, "
                      f"{r['gpu_room_gib']:.2f} | {r['host_used_gib']:,.0f} | {r['page_locked_gib_per_node']:,.0f} | "
                      f"{step} | {r['measured_tokens_per_sec_per_gpu']:.0f} | {pub[0]} | {pub[1]} |")
-    lines += ["", f"| GPUs (80 GiB) | split | longest length whose step takes at most {duration(TRAINABLE_S)} |",
-              "|---|---|---|"]
-    lines += [f"| {r['gpus']} | {r['split']} | {r['within_15_min']:,} |" for r in rows]
+    lines += ["", f"| GPUs (80 GiB) | split | longest length whose step takes at most {duration(TRAINABLE_S)} | step | "
+              "memory_features auto's choice there |", "|---|---|---|---|---|"]
+    lines += [f"| {r['gpus']} | {r['split']} | {r['within_15_min']:,} | {duration(w['step_s'])} | {w['features']} |"
+              if (w := r["within_15_min_at"]) else f"| {r['gpus']} | {r['split']} | none | - | - |" for r in rows]
     lines += ["", f"Step times: the cost model (planner.auto_features.step_seconds) at MFU {rows[0]['mfu']}, the "
               f"rate that reproduces the measured {MEASURED['seq_len']:,}-token step ({MEASURED['step_s']:.1f} s for "
               f"{MEASURED['model']['num_hidden_layers']} layers, {MEASURED['run']}): fitted to that one run, extrapolated "
               "to the other lengths and splits. Each row's attention at the rate of the kernel it runs (the measured run's "
               f"was cuDNN's, {_rates('cudnn')}); the ring (cp > 1) runs flash-attn's FlashAttention-2, charged at the "
               f"kernel probe's SDPA-flash rate ({_rates('flash')}: planner/step_time.KERNEL_TFLOPS) until FA2 itself is "
-              "measured. One sequence per SP group per step. The second table keeps each row's features "
-              "and split: a lower bound (a shorter length may fit with fewer features, which run faster)."]
+              "measured. One sequence per SP group per step. The second table keeps each row's split and "
+              "times, at each length, the features memory_features auto chooses there (planner/trainable.py; the "
+              "ALST features pinned, as `plan.py --auto --alst`): it keeps the attention where that fits and gathers "
+              "K/V where the gather fits, faster than the longest length's features."]
     return "\n".join(lines)
 
 

@@ -352,8 +352,10 @@ def test_auto_shows_the_dry_runs_choice(capsys):
 def test_every_length_comes_with_its_step_time():
     """Issue 49: plan.py's rows and --compare carry the step time at the measured FLOP rate (planner/step_time.py:
     the MFU that reproduces the GPU run's measured step), mark a step over an hour, and give per setup the longest
-    length whose step stays within 15 minutes (its step is within, one more unit is not)."""
+    length whose step stays within 15 minutes with memory_features auto's choice at that length (its step is
+    within, one more unit's is not or nothing fits it: tests/unit/planner/test_trainable.py)."""
     from planner.step_time import MEASURED, TRAINABLE_S, measured_mfu, step_time
+    from planner.trainable import auto_step
 
     shape = ModelShape.from_config(MEASURED["model"])
     f = Features.of(MEASURED["features"])
@@ -362,12 +364,13 @@ def test_every_length_comes_with_its_step_time():
     rows = plan.compare()
     for r in rows:
         assert r["step_s"] > 0 and r["over_an_hour"] == (r["step_s"] > 3600)
-        n, sp, cp, feats = r["within_15_min"], r["sp"], r["cp"], Features(**r["features"])
-        assert 0 < n < r["longest"]
-        step = sp * (2 if cp > 1 else 1)
-        t = [step_time(load_shape("llama3-8b"), m, sp, feats, world=r["gpus"], ranks_per_node=r["gpus"] // r["nodes"],
-                       cp=cp) for m in (n, n + step)]
-        assert t[0] <= TRAINABLE_S < t[1], (r["gpus"], n, t)
+        n, sp, cp = r["within_15_min"], r["sp"], r["cp"]
+        assert 0 < n < r["longest"] and r["within_15_min_at"]["seq_len"] == n
+        run = plan.AutoRun.of_args(plan.build_parser().parse_args(
+            ["--model", "llama3-8b", "--seq_len", "1M", "--alst", "--gpus_per_node", str(r["gpus"] // r["nodes"]),
+             "--nodes", str(r["nodes"]), "--cpu_mem_gb", str(r["host_gib_per_node"])]))
+        at, beyond = (auto_step(load_shape("llama3-8b"), m, sp, cp, run) for m in (n, n + sp * (2 if cp > 1 else 1)))
+        assert at[1] <= TRAINABLE_S and (beyond is None or beyond[1] > TRAINABLE_S), (r["gpus"], n)
     assert rows[1]["over_an_hour"] and rows[2]["over_an_hour"]  # (the 1-GPU row: 70.5 min since its length is 1,240,480)
     out = plan.render_compare(rows)
     assert "(**over an hour**)" in out and f"MFU {measured_mfu()}" in out and "at most 15.0 min" in out
@@ -379,13 +382,14 @@ def test_every_length_comes_with_its_step_time():
     (row,), p = rep["plans"][0]["candidates"], rep["plans"][0]
     assert abs(row["measured_tokens_per_sec_per_gpu"] * row["step_s"] - 1_048_576) < 1
     assert "tok/s/GPU" in text and f"{row['measured_tokens_per_sec_per_gpu']:,.0f}" in text
-    assert 0 < p["within_15_min"] < 1_048_576 and f"at most 15.0 min at the recommended split and these features: " \
-        f"{p['within_15_min']:,}" in text
+    assert 0 < p["within_15_min"] < 1_048_576 and f"at most 15.0 min (what a run would train at; --compare: per GPU " \
+        f"count): {p['within_15_min']:,} at the recommended split, sp=1" in text
     assert "--compare" in plan.build_parser().format_help()
-    # within the memory too: at 128k on 8 GPUs without the ALST features nothing fits, and the line said 1.9M
-    short = plan.plan(["--model", "llama3-8b", "--seq_len", "128k"])
-    assert short["plans"][0]["recommended_sp"] is None and short["plans"][0]["within_15_min"] is None
-    assert "longest length within 15 min: none (nothing fits)" in plan.render(short)
+    # at 128k on 8 GPUs without the ALST features nothing fits: the length is auto's at the largest split (it said
+    # "none (nothing fits)", though auto fits 128k and more there)
+    short = plan.plan(["--model", "llama3-8b", "--seq_len", "128k"])["plans"][0]
+    assert short["recommended_sp"] is None and short["within_15_min_at"]["sp"] == 8 and short["within_15_min"] > 131072
+    assert "at the largest split, sp=8" in plan.render(plan.plan(["--model", "llama3-8b", "--seq_len", "128k"]))
 
 
 def test_compare_table_has_one_row_per_setup_and_the_published_figures():

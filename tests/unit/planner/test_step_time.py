@@ -34,7 +34,7 @@ def test_kernel_rates_are_the_probes():
 def test_the_ring_is_charged_at_flash_attentions_rate():
     """The ring (cp > 1) runs FA2 (the ring refuses sdpa on a GPU): its attention FLOPs cost cuDNN / flash times their
     time at the fitted MFU. Before, every row was charged at the cuDNN run's rate: the 32-GPU row's step was 6.9 h
-    at 17.6M and its 15-minute length 3.3M; now ~11.8 h and ~2.5M."""
+    at 17.6M and its 15-minute length at the ring's features 3.3M; now ~11.8 h and ~2.5M."""
     n, sp, cp = 8_000_000, 32, 4
     timing = dict(world=32, ranks_per_node=8, cp=cp)
     gather = replace(RING, ring_attention=False)
@@ -51,7 +51,10 @@ def test_the_ring_is_charged_at_flash_attentions_rate():
     rows = plan.compare()
     ring_row = rows[-1]
     assert ring_row["cp"] > 1 and ring_row["features"]["ring_attention"]
-    assert ring_row["step_s"] > 10 * st.HOUR_S and ring_row["within_15_min"] < 3_000_000
+    assert ring_row["step_s"] > 10 * st.HOUR_S
+    # at the ring's features a 15-minute step is under 3M; at ~3.8M auto gathers K/V instead (cuDNN's rate)
+    ring_15 = st.longest_within(st.TRAINABLE_S, LLAMA, sp, Features(**ring_row["features"]), **timing)
+    assert ring_15 < 3_000_000 < ring_row["within_15_min"] and "ring" not in ring_row["within_15_min_at"]["features"]
     assert rows[0]["cp"] == 1  # the 1-GPU row runs cuDNN as measured: its time is the fit's
     assert "FlashAttention-2" in plan.render_compare(rows)
 
