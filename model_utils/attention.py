@@ -206,6 +206,21 @@ def _piece_mask(doc: torch.Tensor, bounds: list[int], piece, window: int | None)
     return mask[None, None]
 
 
+def masked_sdpa(orig, module, query, key, value, mask, kwargs) -> torch.Tensor:
+    """One piece through transformers' sdpa (`orig`); with an explicit mask, on SDPA's backends but cuDNN: torch
+    2.11-2.13's cuDNN backward returns NaN grad_q with a mask tensor where the length is 64 mod 128 and a row's
+    logsumexp is below ln(FLT_MAX) ~ -88.7 (pytorch#196678; TRL#7181 hit it through a Qwen2.5 head), and SDPA's
+    default on H100 / H200 is cuDNN (the GPU run's calls: sdpa:cudnn). A causal piece without a mask keeps SDPA's
+    choice (clean there). Backward runs the kernel the forward picked; a recompute enters this again. Cost: a
+    context per masked piece, microseconds."""
+    if mask is None:
+        return orig(module, query, key, value, None, **kwargs)[0]
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        return orig(module, query, key, value, mask, **kwargs)[0]
+
+
 def _sdpa_docs(orig, module, query, key, value, docs: Documents, window, kwargs):
     # query [bs, hq, sl, hd], key/value [bs, hkv, sl, hd] (hq, hkv: this rank's heads after the all-to-all)
     bs, _, sl, _ = query.shape
@@ -215,8 +230,8 @@ def _sdpa_docs(orig, module, query, key, value, docs: Documents, window, kwargs)
         outs = []
         for piece in docs.pieces(r, window):
             q_lo, q_hi, k_lo, k_hi = piece
-            out, _ = orig(module, query[r:r + 1, :, q_lo:q_hi], key[r:r + 1, :, k_lo:k_hi],
-                          value[r:r + 1, :, k_lo:k_hi], _piece_mask(docs.doc[r], b, piece, window), **kwargs)
+            out = masked_sdpa(orig, module, query[r:r + 1, :, q_lo:q_hi], key[r:r + 1, :, k_lo:k_hi],
+                              value[r:r + 1, :, k_lo:k_hi], _piece_mask(docs.doc[r], b, piece, window), kwargs)
             outs.append(out)  # [1, q_hi - q_lo, hq, hd]
         rows.append(torch.cat(outs, dim=1))
     return torch.cat(rows, dim=0), None  # [bs, sl, hq, hd]

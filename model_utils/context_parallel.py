@@ -68,8 +68,9 @@ def _sdpa_chunk(orig, module, q, key, value, docs, a: int, b: int, window, kwarg
             if lo >= hi:
                 continue
             piece = (lo, hi, k_lo, hi)  # causal: no key after the piece's last query
-            out, _ = orig(module, q[r:r + 1, :, lo - a:hi - a], key[r:r + 1, :, k_lo:hi], value[r:r + 1, :, k_lo:hi],
-                          attention._piece_mask(docs.doc[r], bounds, piece, window), **kwargs)
+            out = attention.masked_sdpa(orig, module, q[r:r + 1, :, lo - a:hi - a], key[r:r + 1, :, k_lo:hi],
+                                        value[r:r + 1, :, k_lo:hi], attention._piece_mask(docs.doc[r], bounds, piece,
+                                                                                          window), kwargs)
             outs.append(out)  # [1, hi - lo, hq, hd]
         rows.append(torch.cat(outs, dim=1))
     return torch.cat(rows, dim=0)  # [bs, b - a, hq, hd]

@@ -112,3 +112,21 @@ def test_sink_and_latent_rules_at_start_up():
             model = AutoModelForCausalLM.from_config(cfg)
         with pytest.raises(ValueError, match=refusal):  # and again where a stage registers its attention
             ulysses.register(model, dims, "sdpa", 1, head_chunks=2)
+
+
+def test_a_masked_document_piece_never_runs_cudnn(monkeypatch):
+    """A piece with an explicit mask runs with cuDNN's SDPA off: torch 2.11-2.13's cuDNN backward returns NaN grad_q
+    with a mask tensor at lengths 64 mod 128 (pytorch#196678), and SDPA's default on H100 / H200 is cuDNN; a causal
+    piece without a mask keeps SDPA's choice. Read on CPU through the backend flags each call sees."""
+    monkeypatch.setattr(attention, "BLOCK", 64)  # [0, 3), [3, 40), [40, 41) grouped: a mask; the long ones alone
+    q, k, v, _, pos = _inputs()
+    seen = []
+
+    def orig(module, q_, k_, v_, mask, **kw):
+        seen.append((mask is not None, torch.backends.cuda.cudnn_sdp_enabled()))
+        return q_.transpose(1, 2), None
+
+    attention._sdpa_docs(orig, types.SimpleNamespace(), q, k, v, attention.Documents(pos, 2), None, {})
+    assert {m for m, _ in seen} == {True, False}  # both kinds of piece in these bounds
+    assert all(not on for masked, on in seen if masked) and all(on for masked, on in seen if not masked), seen
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # restored after
