@@ -65,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # --- resume: the newest complete checkpoint (rank 0's listing, verified together) decides where we are ---
     ckpt = Checkpointer(cfg.output_dir, cfg.save_total_limit, deadline=Deadline(cfg.time_limit_s, now=started))
-    state = ckpt.resume(cfg.resume, model_hash(model.config), cfg.model_name_or_path, to_dict(cfg))
-    check_resumed_stages(stages, state)  # its stage, and those before it, are today's at the same positions (by name)
+    state = ckpt.resume(cfg.resume, model_hash(model.config), cfg.model_name_or_path, to_dict(cfg),
+                        check=lambda st: check_resumed_stages(stages, st))  # its stage and those before: today's
 
     # --- data: one token stream, its held-out documents fixed for the whole run (a resume keeps its first start's),
     # each stage packs its length ---

@@ -19,6 +19,7 @@ check); every other case is decided by an atomic link.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -129,9 +130,14 @@ def acquire(folder: str, mine: dict | None = None, alive=pid_alive, state=job_st
         os.makedirs(folder, exist_ok=True)
         with open(tmp, "w") as fh:
             json.dump({**mine, "token": token}, fh)
-    except OSError as e:
-        raise ValueError(f"--output_dir {folder}: cannot write there ({e.strerror or e}): use a folder this user can "
-                         "write") from None
+    except OSError as e:  # another error (ESTALE, EIO: a node's mount) is a crash of that node, requeued without it
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise ValueError(f"--output_dir {folder}: no room ({e.strerror}): free space or quota there, or use "
+                             "another folder") from None
+        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST):
+            raise ValueError(f"--output_dir {folder}: cannot write there ({e.strerror}): use a folder this user can "
+                             "write") from None
+        raise
     took_over = ""
     try:
         for _ in range(3):

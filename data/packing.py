@@ -23,10 +23,11 @@ def cache_key(files: list[str], tokenizer_path: str | None, model_vocab: int) ->
     """What a cached token stream or in-job prepared folder (data/prepare.py) is derived from: each input file
     (path, size, mtime), the tokenizer's content (a HF folder rewritten in place keeps its own size and mtime) and
     the vocabulary its token ids were checked against."""
-    h = hashlib.sha256(f"{model_vocab}:bos2:chat3:eos2".encode())  # :bos2: text documents start with the tokenizer's
-    # BOS, once where the text writes its own; :chat3: chat rows encoded by today's rules (a reply's weight, reasoning a
-    # template drops, a top-level system, a prompt / completion of strings with the BOS); :eos2: no second EOS after a
-    # document that ends with its own (a stream or prepared folder cached before had two)
+    h = hashlib.sha256(f"{model_vocab}:bos2:chat4:eos2".encode())  # :bos2: text documents start with the tokenizer's
+    # BOS, once where the text writes its own; :chat4: chat rows encoded by today's rules (a reply's weight, reasoning a
+    # template drops, a top-level system, a prompt / completion of strings with the BOS; the ChatML default rendered
+    # as served, a `reasoning` field, JSON-text arguments as the object); :eos2: no second EOS after a document that
+    # ends with its own (a stream, or a folder prepare_data wrote before 2026-11-30, had two)
     for f in files:
         st = os.stat(f)
         h.update(f"{os.path.abspath(f)}:{st.st_size}:{st.st_mtime_ns}".encode())

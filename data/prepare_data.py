@@ -337,7 +337,7 @@ def _same_inputs(output: str, plans: list[dict]) -> None:
     views = sorted({p.get("inputs") for p in plans}, key=str)
     if len(views) < 2:
         return
-    paths = [i.split(":", 1)[1].rsplit(":", 2)[0] for p in plans for i in p["units"]]  # kind:path:size:mtime_ns
+    paths = [i.split(":", 1)[1].rsplit(":", 2)[0] for p in plans for i in p["units"]]  # kind:name/file:size:sample
     twice = sorted(f for f, k in Counter(paths).items() if k > 1)
     groups = " vs ".join(str([i for i, p in enumerate(plans) if p.get("inputs") == v]) for v in views)
     raise ValueError(f"{output}: shards {groups} saw different inputs (a file changed or appeared between their runs: "

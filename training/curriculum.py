@@ -336,9 +336,15 @@ def check_resumed_stages(stages: list[Stage], state) -> None:
     k, names = state.stage, list(getattr(state, "stage_names", None) or [])
     names += [None] * (k + 1 - len(names))
     today = [s.name for s in stages]
-    wrong = next((i for i, n in enumerate(names[:k + 1]) if n is not None and (i >= len(today) or today[i] != n)),
-                 None)
+    # a name the run never gave (a plain run's `main`, an unnamed stage's stage<i>) may be named now, where neither
+    # name stands at another position (a plain run extended by a recipe): noted; a named stage replaced is refused
+    wrong = next((i for i, n in enumerate(names[:k + 1]) if n is not None and (i >= len(today) or today[i] != n) and (
+        i >= len(today) or not _unnamed(n, i) or n in today or today[i] in names[:k + 1])), None)
     if k < len(today) and wrong is None:
+        renamed = [(n, today[i]) for i, n in enumerate(names[:k + 1]) if n is not None and today[i] != n]
+        if renamed:
+            print0(f"note: {state.checkpoint}'s stage(s) {', '.join(f'{a} -> {b}' for a, b in renamed)} renamed in "
+                   "today's recipe: resumed by position")
         return
     what = (f"today's recipe has {len(today)} stage(s) {today}" if wrong is None or wrong >= len(today)
             else f"today's stage {wrong} is {today[wrong]}, the checkpoint's was {names[wrong]}")
@@ -352,6 +358,11 @@ def check_resumed_stages(stages: list[Stage], state) -> None:
     raise ValueError(f"{state.checkpoint} is at step {state.step}, stage {k} ({names[k]}){into}, and {what}: put "
                      f"the checkpoint's stages {names[:k + 1]} back at the start of the recipe (a resume finds its "
                      f"stage by position){export}")
+
+
+def _unnamed(name: str, i: int) -> bool:
+    """A stage name the run never gave: `main` (no stages) or resolve_stages' default stage<i>."""
+    return name in ("main", f"stage{i}")
 
 
 def stage_start(stages: list[Stage], index: int) -> int:

@@ -301,10 +301,13 @@ class Restorer:
                              "checkpoint")
         return path
 
-    def resume(self, resume: str, model_hash: str, model_name: str, config: dict | None = None) -> TrainState:
+    def resume(self, resume: str, model_hash: str, model_name: str, config: dict | None = None,
+               check=None) -> TrainState:
         """The run's state at start: fresh, or restored from the checkpoint `resume` picks (find_resume), refused
-        in one line when that checkpoint was written for another architecture; a note names the run's settings
-        (`config`, training/config.to_dict) that differ from the ones that wrote it. Collective."""
+        in one line when that checkpoint was written for another architecture or `check(state)` refuses it (today's
+        stages: training/curriculum.check_resumed_stages), both before a universal conversion (up to ~45 min at 8B);
+        a note names the run's settings (`config`, training/config.to_dict) that differ from the ones that wrote it.
+        Collective."""
         state = TrainState()
         path = self.find_resume(resume)
         if path is None:
@@ -314,9 +317,11 @@ class Restorer:
         if trainer.get("model_hash") != model_hash:
             raise ValueError(f"checkpoint {path} was written for a different model architecture than {model_name}: "
                              "use the same model, another --output_dir, or --resume none")
-        self._universal(path)  # another world size: converted now, before any engine holds memory (or exit 75/2)
         state.load_state_dict(trainer)
         state.checkpoint = path
+        if check is not None:
+            check(state)
+        self._universal(path)  # another world size: converted now, before any engine holds memory (or exit 75/2)
         print0(f"resuming from {path} (step {state.step}, stage {state.stage})")
         changed = changed_settings(trainer.get("config") or {}, config or {})
         if changed:  # continuing with new settings is allowed (an LR, more steps); a new run in an old folder is not

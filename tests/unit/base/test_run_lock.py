@@ -75,12 +75,23 @@ def test_a_stale_heartbeat_from_another_host_is_taken_over(tmp_path):
         acquire(str(tmp_path), run_lock.me())  # fresh: refused
 
 
-def test_an_output_dir_that_cannot_be_written_is_refused_in_one_line(tmp_path):
+def test_an_output_dir_that_cannot_be_written_is_refused_in_one_line(tmp_path, monkeypatch):
     """A read-only --output_dir (or one under a file) ended in os.makedirs' traceback; now one line naming it."""
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match=r"--output_dir .*file/run: cannot write there \(Not a directory\)") as e:
         acquire(str(tmp_path / "file" / "run"), run_lock.me())
     assert "\n" not in str(e.value)
+    # a node's mount failing (ESTALE, EIO) is no user error: raised as it is, a crash of that node (requeued without
+    # it), never exit 2 ending the job chain (the second review)
+    import errno
+
+    def stale(*a, **k):
+        raise OSError(errno.ESTALE, "Stale file handle")
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "makedirs", stale)
+        with pytest.raises(OSError, match="Stale file handle"):
+            acquire(str(tmp_path / "nfs"), run_lock.me())
     if os.geteuid() == 0:  # root writes through a mode of 0500
         return
     ro = tmp_path / "ro"

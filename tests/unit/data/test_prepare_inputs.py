@@ -9,6 +9,7 @@ import gzip
 import json
 import lzma
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -139,6 +140,10 @@ def test_a_file_rewritten_at_its_size_is_not_taken_as_prepared(tmp_path):
     # input: prepared, kept (by mtime, the review found, a half-done preparation was refused and started over)
     os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 5 * 10**9))
     prepare([src], out, vocab_size=100, **QUIET)
+    assert _all(out).tolist() == [4, 5, 6]
+    (tmp_path / "job2").mkdir()  # and staged again to another job's scratch folder (the second review)
+    moved = shutil.copy(src, tmp_path / "job2" / "a.jsonl")
+    prepare([str(moved)], out, vocab_size=100, **QUIET)
     assert _all(out).tolist() == [4, 5, 6]
 
 

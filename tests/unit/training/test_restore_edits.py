@@ -55,6 +55,27 @@ def test_a_stage_removed_at_or_before_the_checkpoints_is_refused_in_one_line(tmp
     check_resumed_stages(_stages("B256"), types.SimpleNamespace(checkpoint=None, stage=0))  # a fresh start
 
 
+def test_a_plain_run_extended_by_a_named_recipe_resumes(capsys):
+    """A finished run without stages (its one stage is `main`) extended by a recipe naming its stages, or a recipe
+    that ran unnamed (stage<i>) named now: the same stages at the same positions, resumed with a note (the review:
+    refused, "put ['main'] back", a name the user never wrote). A default name found at another position, or a
+    named stage replaced, still refused."""
+    plain = types.SimpleNamespace(checkpoint="/o/checkpoints/step_5", stage=0, step=5, stage_names=["main"],
+                                  stage_steps=[5])
+    check_resumed_stages(_stages("s32k", "s128k"), plain)
+    unnamed = types.SimpleNamespace(checkpoint="/o/checkpoints/step_9", stage=1, step=9,
+                                    stage_names=["stage0", "stage1"], stage_steps=[4, 6])
+    check_resumed_stages(_stages("s8k", "s16k", "s32k"), unnamed)
+    assert "stage(s) main -> s32k renamed" in capsys.readouterr().out
+    for today in (("s8k", "stage0", "s32k"), ("s8k",)):
+        with pytest.raises(ValueError):
+            check_resumed_stages(_stages(*today), unnamed)
+    named = types.SimpleNamespace(checkpoint="/o/checkpoints/step_9", stage=1, step=9, stage_names=["a", "b"],
+                                  stage_steps=[4, 6])
+    with pytest.raises(ValueError, match="today's stage 1 is b2, the checkpoint's was b"):
+        check_resumed_stages(_stages("a", "b2"), named)
+
+
 def test_the_names_a_checkpoint_recorded(tmp_path):
     """stage_names when written (training/stage.py), else the config's stages (a name, or stage<i>; `main` for a run
     without stages) up to the checkpoint's, its stage_name last; unknown (None, not compared) where neither says."""
@@ -119,3 +140,14 @@ def test_a_finished_stage_lowered_keeps_its_steps_and_says_why(tmp_path, capsys)
     assert [s.max_steps for s in kept] == [4, 9]
     assert "stage 0 (a) keeps the 4 steps it ran with (today's settings give 3: a finished stage keeps what it ran)" \
         in capsys.readouterr().out
+
+
+def test_the_stage_check_comes_before_a_universal_conversion(tmp_path, monkeypatch):
+    """A resume on another world size with an edited recipe was converted first (up to ~45 min at 8B), then refused."""
+    _saved_in_b(tmp_path)
+    converted = []
+    monkeypatch.setattr(Checkpointer, "_universal", lambda self, path: converted.append(path))
+    with pytest.raises(ValueError, match="today's stage 0 is B256"):
+        Checkpointer(str(tmp_path), keep=3).resume("auto", "h", "m", check=lambda st: check_resumed_stages(
+            _stages("B256", "C256"), st))
+    assert converted == []
