@@ -341,6 +341,14 @@ class RunData:
                    f"conversation(s) cut to the length, {sum(p.dropped for p in cut)} dropped (every supervised token "
                    f"was past the cut), {sum(p.lost_targets for p in cut)} supervised token(s) past the cuts not "
                    f"trained, {sum(p.split for p in cut)} longer text document(s) split into pieces")
+        if mix is not None and all(isinstance(p, ConvPack) for p in packs):  # each component packed alone: its
+            fills = [p.fill() for p in packs]  # weight is a share of samples, padding included (said, not changed)
+            real = [w * f for w, f in zip(weights, fills)]
+            if min(fills) < 0.9:
+                print0(f"stage {stage.index} ({stage.name}): each mixture component is packed alone; "
+                       + ", ".join(f"{n} fills {f:.2f} of its samples (weight {w:g}: {r / sum(real):.3f} of the "
+                                   "conversation tokens)" for n, f, w, r in zip(mix.names, fills, weights, real))
+                       + ": a weight counts its padding; raise it, or put the sources in one component")
         tasks = check_tasks(stage, self.tokenizer)
         if not tasks:
             return dataset, sampler

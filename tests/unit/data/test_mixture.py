@@ -169,3 +169,27 @@ def test_a_resume_under_another_seed_keeps_the_runs_order():
         resumed = make(1)
         resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
         assert got + _run(resumed, n - n // 2) == ref, make.__name__
+
+
+def test_an_sft_component_that_fills_its_samples_badly_is_said(capsys):
+    """Each SFT mixture component is packed alone: one of long conversations only (64k-128k into 128k samples) fills
+    ~0.75 of its samples, so its weight, a share of samples, trains fewer conversation tokens than it says (the
+    packing audit: 0.077 for a weight of 0.1). Said at the stage's start with the share it trains."""
+    from data.mixture import MixtureDataset
+    from data.packing import ConvPack
+    from data.pipeline import RunData
+
+    rng = np.random.default_rng(0)
+    L = 128 << 10
+    chats = rng.integers(500, 4000, 4000)
+    long = rng.integers(64 << 10, L + 1, 200)
+    parts = [ConvPack(None, None, np.concatenate([[0], np.cumsum(x)[:-1]]), x, L, pad_id=0) for x in (chats, long)]
+    mix = MixtureDataset(parts, ["chat", "long"])
+    stage = types.SimpleNamespace(index=0, name="sft", max_seq_length=L, kind="sft", tasks=None,
+                                  data=[{"name": "chat", "weight": 0.9}, {"name": "long", "weight": 0.1}])
+    fake = types.SimpleNamespace(mixture=lambda st: mix, tokenizer=None)
+    RunData._view(fake, stage, 1, 0, 1, 0)
+    out = capsys.readouterr().out
+    assert "each mixture component is packed alone" in out and "long fills 0.7" in out, out
+    share = float(out.split("long fills")[1].split(" of the conversation tokens")[0].split(": ")[-1])
+    assert 0.06 < share < 0.09, out
