@@ -9,7 +9,8 @@ records OUTPUT_DIR/eval/stage{N}.json (each stage's latest evaluation, the same 
 "after": the held-out loss at the first stage's length, the same samples both times, and at the last stage's own
 length; in a curriculum with an SFT stage the held-out conversation loss on the assistant's tokens, `chat_loss` in
 the table; each task's accuracy at each length both tried). Reads a few small JSON files
-(one per stage): nothing at any scale. A folder without records is refused in one line (exit 2).
+(one per stage): nothing at any scale. A folder without records, or a record that is not JSON, is refused in one
+line naming it (exit 2).
 """
 
 from __future__ import annotations
@@ -29,8 +30,15 @@ def records(output_dir: str) -> list[dict]:
                          "whose stages have ended")
     out = []
     for n in names:
-        with open(os.path.join(folder, n)) as fh:
-            out.append(json.load(fh))
+        path = os.path.join(folder, n)
+        try:
+            with open(path) as fh:
+                rec = json.load(fh)
+        except (OSError, ValueError) as e:  # a torn or hand-edited record: name the file, not only the JSON error
+            raise ValueError(f"{path}: not a readable evaluation record ({e}): restore it or remove it") from None
+        if not isinstance(rec, dict):
+            raise ValueError(f"{path}: not an evaluation record (a JSON object): restore it or remove it")
+        out.append(rec)
     return out
 
 

@@ -45,8 +45,8 @@ base model tried with the scaling its extension uses), `--compare_rope` the othe
 Writes OUTPUT_DIR/eval.json (each model's result in the in-run JSON's shape, `tasks`: {task: {length: {depth:
 accuracy}}} and `task_mean`, then `difference` = compare - model), OUTPUT_DIR/summary.md (tables) and
 OUTPUT_DIR/heatmaps.png (per task: each model's depth x length heat map, and their difference). User errors
-(a missing path, a bad length, an SP degree that does not divide the heads, a task that does not fit a length)
-are refused in one line before any model is built (exit code 2).
+(a missing path, a bad length, an SP degree that does not divide the heads, a task that does not fit a length,
+a file as --output_dir) are refused in one line before any model is built (exit code 2).
 """
 
 from __future__ import annotations
@@ -100,6 +100,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def check_output_dir(path: str) -> None:
+    """--output_dir must be a folder or become one: a file there (or above it) is refused in one line before any
+    work, as train.py's run lock does (base/run_lock.acquire), not NotADirectoryError from the rank logs."""
+    here = os.path.abspath(path)
+    while not os.path.exists(here):  # the nearest part that exists: the folder itself or the one it goes under
+        here = os.path.dirname(here)
+    if not os.path.isdir(here):
+        where = "" if here == os.path.abspath(path) else f" ({here} is)"
+        raise ValueError(f"--output_dir {path}: a file, not a folder{where}: name a folder (new or existing)")
+
+
 def settings(a: argparse.Namespace) -> dict:
     """The flags checked and parsed (lengths, tasks, depths, RoPE); one-line ValueError."""
 
@@ -126,6 +137,7 @@ def settings(a: argparse.Namespace) -> dict:
         raise ValueError(f"--dist_timeout_s {a.dist_timeout_s}: use seconds > 0 (default 1800)")
     if a.heldout_conversations < 0:
         raise ValueError(f"--heldout_conversations {a.heldout_conversations}: use N >= 1 (the first N), or 0 for all")
+    check_output_dir(a.output_dir)
     from training.config import cp_setting
 
     a.context_parallel_size = cp_setting(a.context_parallel_size, "--context_parallel_size")

@@ -127,6 +127,11 @@ def plan_one(pl: Planner, seq_len: int) -> dict:
     args, shape, feats = pl.args, pl.shape, pl.feats
     rows = []
     splits = _valid_splits(shape, pl.world, seq_len, args)
+    if not splits:  # --sp auto with a --cp no SP degree takes (was min()'s "empty sequence")
+        ok = [c for c in range(1, pl.world + 1) if pl.world % c == 0
+              and _valid_splits(shape, pl.world, seq_len, argparse.Namespace(**{**vars(args), "cp": str(c)}))]
+        raise ValueError(f"--cp {args.cp}: no SP degree on {pl.world} ranks takes it at {seq_len} tokens (cp divides sp, "
+                         f"sp divides the world, sp / cp suits the heads): use --cp {', '.join(map(str, ok))} or auto")
     for sp, cp in splits:
         est, g, c = pl.evaluate(seq_len, sp, cp=cp)
         f = replace(feats, attention_head_chunks=pl.chunks(sp, cp))

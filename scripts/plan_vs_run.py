@@ -11,7 +11,7 @@ arithmetic as bench/gpu_compare.planner_phases, which tests/unit/planner/test_pl
 ratio, the planner's figure as recorded with the run, and whether the planner's figure is FITTED to this run or
 predicted OUT OF SAMPLE; then the host (pinned blocks, arena, peak RSS) and the step time the same way.
 docs/memory_model_checks.md's out-of-sample table is this output (scripts/doc_figures.py regenerates it). A file without
-the section, or a section with nothing measured, is refused in one line.
+the section, or a section with nothing measured, is refused in one line (exit 2).
 """
 
 from __future__ import annotations
@@ -224,7 +224,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from base.exits import EXIT_USAGE
+
     try:
         sys.exit(main())
-    except ValueError as err:
-        sys.exit(f"error: {err}")
+    except ValueError as err:  # the user's input: one line, exit 2 as every script (base/exits.py)
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)

@@ -6,7 +6,8 @@ evaluations between stages.
 One PNG with three panels sharing the step axis; a dashed vertical line marks each curriculum stage
 boundary (the first step of a new stage), labelled with the stage and its sequence length. Anything
 without "step" and "loss" is skipped there; files written before stages existed have no "stage" key and
-count as stage 0.
+count as stage 0. `-o` names the image (.png, or another extension matplotlib writes: .svg, .pdf ...); a
+folder, a name without an extension or another extension is refused in one line (exit 2).
 
 When the file has evaluation lines ("event": "eval", training/evaluation.py), a second PNG next to it
 (`metrics_eval.png` for `-o metrics.png`): per task, one depth x length accuracy heat map per stage (the
@@ -180,18 +181,36 @@ def plot_eval(evals: list[dict], out: str, title: str = "") -> None:
     plt.close(fig)
 
 
+def out_problem(out: str) -> str | None:
+    """Why -o cannot be the plot's file (a folder, a missing folder, an extension matplotlib does not write: it
+    appends .png to a name without one and prints nothing of it), or None."""
+    if os.path.isdir(out):
+        return f"a folder: name the image file, e.g. {os.path.join(out, 'metrics.png')}"
+    if not os.path.isdir(os.path.dirname(os.path.abspath(out))):
+        return "its folder does not exist"
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    kinds = FigureCanvasAgg.get_supported_filetypes()
+    ext = os.path.splitext(out)[1].lstrip(".").lower()
+    if ext not in kinds:
+        return f"{'no extension' if not ext else f'.{ext} is not an image format'}: end it in .png (or .svg, .pdf)"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("metrics", help="OUTPUT_DIR/metrics.jsonl (or the run's OUTPUT_DIR)")
-    p.add_argument("-o", "--out", help="PNG to write (default: next to the metrics file, .png)")
+    p.add_argument("-o", "--out", help="image to write, .png (or .svg, .pdf ...; default: next to the metrics file, "
+                                       ".png); a folder or another extension is refused")
     args = p.parse_args(argv)
     if os.path.isdir(args.metrics):  # the run folder, as eval_summary.py takes it
         args.metrics = os.path.join(args.metrics, "metrics.jsonl")
     if not os.path.isfile(args.metrics):
         print(f"error: {args.metrics}: no such file (give a run's OUTPUT_DIR/metrics.jsonl)", file=sys.stderr)
         return 2
-    if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
-        print(f"error: --out {args.out}: its folder does not exist", file=sys.stderr)
+    why = args.out and out_problem(args.out)
+    if why:
+        print(f"error: --out {args.out}: {why}", file=sys.stderr)
         return 2
     steps = read_steps(args.metrics)
     if not steps:

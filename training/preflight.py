@@ -14,7 +14,8 @@ What a 32-rank job would otherwise find out late, or never:
   over the reports (`run_on_main`), so every rank raises the same line or none does (DESIGN: one decider,
   never a rank's own reading):
   - a `lock` under TORCH_EXTENSIONS_DIR/<op>/: torch waits for it with no time limit before loading the op
-    (a build killed mid-way leaves it); scripts/setup.sh builds the ops ahead of time and clears them;
+    (a build killed mid-way leaves it); one older than STALE_LOCK_S (30 min) stops the run, a younger one (a build
+    in progress, maybe another job's) is a warning line; scripts/setup.sh builds the ops ahead of time and clears them;
   - host memory per node: what the planner (planner/memory_model.estimate: ZeRO-3 CPU offload of params,
     fp32 grads, master weights and Adam moments, offloaded checkpoints; on a CPU run everything) puts in host
     memory per rank, times the node's ranks, at the stage that needs most, against what the job may still use
@@ -159,12 +160,32 @@ def report() -> dict:
 
 # --- the decisions (pure: rank 0 takes them over every rank's report) ---
 
-def lock_problem(reports: list[dict]) -> str | None:
+# torch's FileBaton writes the lock when a build starts and never touches it again, and records no holder (no pid,
+# no host), so its age is the only evidence: our ops (cpu_adam, fused_adam, the shm comm op) build in 1-5 minutes
+# each, so a lock older than this outlived any build and is taken for one killed mid-way. A younger one is another
+# job (or a rank of this one) compiling right now: torch waits for it, so the run goes on after a warning line.
+STALE_LOCK_S = 30 * 60
+
+
+def lock_problem(reports: list[dict], stale_s: float = STALE_LOCK_S) -> str | None:
+    """The first build lock older than `stale_s` (a build killed mid-way: torch would wait for it forever)."""
     for r in reports:
         for path, age in r["locks"]:
-            return (f"stale torch-extensions build lock {path} on {r['host']} ({age / 60:.0f} min old): loading that "
-                    f"op would wait for it forever; remove it (rm {path}) or rerun scripts/setup.sh, with nothing of "
-                    "this checkout running (if another job is building it right now, wait for it to finish)")
+            if age >= stale_s:
+                return (f"stale torch-extensions build lock {path} on {r['host']} ({age / 60:.0f} min old, older than "
+                        f"any build of an op, {stale_s / 60:.0f} min): loading that op would wait for it forever; "
+                        f"remove it (rm {path}) or rerun scripts/setup.sh, once no build of that op runs anywhere")
+    return None
+
+
+def lock_warning(reports: list[dict], stale_s: float = STALE_LOCK_S) -> str | None:
+    """A build lock younger than `stale_s`: a build in progress, which torch waits for when it loads that op."""
+    for r in reports:
+        for path, age in r["locks"]:
+            if age < stale_s:
+                return (f"warning: torch-extensions build lock {path} on {r['host']} ({age / 60:.0f} min old): "
+                        f"another process is building that op; loading it waits for that build (a start after "
+                        f"{stale_s / 60:.0f} min with the lock still there stops as stale)")
     return None
 
 
@@ -322,7 +343,7 @@ def preflight(cfg: Config, stages: list[Stage], dims: ParallelDims, arch, bf16: 
         problem = lock_problem(reports) or host_memory_problem(reports, need)
         if problem:
             raise ValueError(problem)
-        for line in (memlock_warning(reports, need), why):
+        for line in (lock_warning(reports), memlock_warning(reports, need), why):
             if line:
                 print0(line)
         return on

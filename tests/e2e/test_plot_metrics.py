@@ -56,14 +56,21 @@ def test_stage_boundaries_edge_cases(tmp_path):
 
 
 def test_a_run_folder_is_read_and_a_missing_file_is_one_line(tmp_path, capsys):
-    """`plot_metrics.py RUN` (eval_summary.py's form) plots RUN/metrics.jsonl; a missing file or --out folder is one
-    line (before: a run folder or a missing file was an IsADirectoryError / FileNotFoundError traceback)."""
+    """`plot_metrics.py RUN` (eval_summary.py's form) plots RUN/metrics.jsonl; a missing file, or an --out in a
+    missing folder, a folder or not an image's name, is one line (before: a run folder or a missing file was an
+    IsADirectoryError / FileNotFoundError traceback)."""
     mod = load_plot_metrics()
     write_metrics(tmp_path / "metrics.jsonl", lambda s: 0)
     assert mod.main([str(tmp_path)]) == 0 and (tmp_path / "metrics.png").stat().st_size > 0
     for argv, line in (([str(tmp_path / "nope.jsonl")], "nope.jsonl: no such file"),
-                       ([str(tmp_path), "-o", str(tmp_path / "no" / "m.png")], "its folder does not exist")):
+                       ([str(tmp_path), "-o", str(tmp_path / "no" / "m.png")], "its folder does not exist"),
+                       # were matplotlib's ValueError traceback, and a folder.png written while the folder was printed
+                       ([str(tmp_path), "-o", str(tmp_path / "x.txt")], ".txt is not an image format: end it in .png"),
+                       ([str(tmp_path), "-o", str(tmp_path / "x")], "no extension: end it in .png"),
+                       ([str(tmp_path), "-o", str(tmp_path)], f"a folder: name the image file, e.g. {tmp_path}/metrics")):
         capsys.readouterr()
         assert mod.main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and line in err[0], err
+    assert not (tmp_path / "x.txt").exists() and not (tmp_path / "x.png").exists()
+    assert not any(tmp_path.parent.glob(f"{tmp_path.name}.png"))

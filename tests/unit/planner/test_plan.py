@@ -199,6 +199,9 @@ def test_monotonic_in_seq_len():
     (["--seq_len", ""], "--seq_len '': give a length"),
     (["--cpu_overhead_gb", "-1"], "--cpu_overhead_gb -1.0: use a size >= 0"),
     (["--mfu", "1.5"], "--mfu 1.5: use a fraction in (0, 1]"),
+    # --sp auto with a cp no SP degree of 8 ranks takes (was "min() arg is an empty sequence")
+    (["--cp", "3"], "--cp 3: no SP degree on 8 ranks takes it at 131072 tokens (cp divides sp, sp divides the world, "
+                    "sp / cp suits the heads): use --cp 1, 2, 4, 8 or auto"),
 ])
 def test_invalid_input_is_a_one_line_value_error(argv, needle):
     args = ["--model", "llama3-8b", "--seq_len", "128k"] + argv

@@ -131,5 +131,5 @@ def test_a_bad_file_is_refused_in_one_line(tmp_path):
         assert "\n" not in str(err.value)
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plan_vs_run.py"),
                            str(tmp_path / "no_headline.json")], capture_output=True, text=True, cwd=ROOT)
-    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.returncode == 2 and proc.stdout == ""  # the user's input: 2, as every script (base/exits.py)
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr

@@ -1,5 +1,5 @@
 """Start-up checks (training/preflight.py), one line each, before any heavy work: the gloo interface of this host,
-a stale torch-extensions build lock, host memory per node (MemAvailable, and the job's cgroup limit) and the
+a stale torch-extensions build lock (a fresh one is a warning), host memory per node (MemAvailable, and the job's cgroup limit) and the
 memlock limit against the plan, every stage's DeepSpeed config (also in --dry_run). Unit tests of each reading and
 decision with the machine faked (/proc/meminfo, a /proc/self/cgroup + /sys/fs/cgroup tree, RLIMIT_MEMLOCK,
 /sys/class/net, a lock file); a 2-rank world where only rank 1 sees the
@@ -108,9 +108,27 @@ def test_stale_build_lock_is_found_and_named(tmp_path):
     assert [p for p, _ in found] == [str(lock), str(tmp_path / "py311_cu124" / "fused_adam" / "lock")]
     assert 7100 < found[0][1] < 7400
     msg = preflight.lock_problem([{"host": "a", "locks": []}, {"host": "b", "locks": found}])
-    assert msg.startswith(f"stale torch-extensions build lock {lock} on b (120 min old)") and "\n" not in msg
+    assert msg.startswith(f"stale torch-extensions build lock {lock} on b (120 min old, ") and "\n" not in msg
     assert f"rm {lock}" in msg and "scripts/setup.sh" in msg
     assert preflight.lock_problem([{"host": "a", "locks": []}]) is None
+
+
+def test_a_fresh_build_lock_is_a_build_in_progress_not_stale(tmp_path):
+    """A lock a minute old is another job compiling that op right now (the audit saw cc1plus running): the run goes
+    on with a warning line (torch waits for that build); only one older than STALE_LOCK_S stops it."""
+    lock = tmp_path / "cpu_adam" / "lock"
+    lock.parent.mkdir()
+    lock.write_text("")
+    os.utime(lock, (1, os.path.getmtime(lock) - 60))
+    fresh = [{"host": "b", "locks": preflight.build_locks(str(tmp_path))}]
+    assert preflight.lock_problem(fresh) is None
+    warn = preflight.lock_warning(fresh)
+    assert warn.startswith(f"warning: torch-extensions build lock {lock} on b (1 min old): another process is building")
+    assert "rm " not in warn and "\n" not in warn
+    os.utime(lock, (1, os.path.getmtime(lock) - preflight.STALE_LOCK_S))  # now past the bound: a killed build
+    old = [{"host": "b", "locks": preflight.build_locks(str(tmp_path))}]
+    assert preflight.lock_problem(old).startswith(f"stale torch-extensions build lock {lock} on b (31 min old")
+    assert preflight.lock_warning(old) is None
 
 
 # --- host memory per node against the plan ---
@@ -330,6 +348,7 @@ def test_train_stops_on_a_stale_lock_in_one_line(tmp_path):
     ext = tmp_path / "ext"
     (ext / "cpu_adam").mkdir(parents=True)
     (ext / "cpu_adam" / "lock").write_text("")
+    os.utime(ext / "cpu_adam" / "lock", (1, os.path.getmtime(ext / "cpu_adam" / "lock") - 7200))  # a killed build
     # the other ops this checkout built already (a fresh folder would JIT-build the shm comm op first: ~50 s)
     built = os.environ.get("TORCH_EXTENSIONS_DIR", EXTENSIONS_DIR)  # where this checkout's runs load them from
     if os.path.isdir(built):
