@@ -60,7 +60,7 @@ def prepare_in_job(dataset_path: str | None, tokenizer_path: str | None, model_v
     a tokenizer)."""
 
     def work() -> tuple[str, str | None]:
-        from data.prepare_data import prepare
+        from data.prepare_data import SKIP_FIX, prepare
 
         if is_prepared(dataset_path):
             return dataset_path, tokenizer_path
@@ -81,8 +81,16 @@ def prepare_in_job(dataset_path: str | None, tokenizer_path: str | None, model_v
             shutil.rmtree(tmp, ignore_errors=True)
             # ids bound by the tokenizer named (or the demo's), else by the model: the model's own tokenizer taken by
             # default does not narrow what pre-tokenized rows may hold
-            prepare([u.path for u in units], tmp, tok_path, vocab_size=model_vocab if tok_path in (None, fallback) else None,
-                    workers=0, log=lambda _: None)
+            try:
+                prepare([u.path for u in units], tmp, tok_path, workers=0, log=lambda _: None,
+                        vocab_size=model_vocab if tok_path in (None, fallback) else None)
+            except ValueError as e:  # a bad row: prepare_data's fix (--skip_bad_rows) is no flag of train.py's
+                if not str(e).endswith(SKIP_FIX):
+                    raise
+                how = f"--tokenizer_name_or_path {tok_path}" if tok_path else f"--vocab_size {model_vocab}"
+                raise ValueError(f"{str(e).removesuffix(SKIP_FIX)}(to skip and count such rows: python "
+                                 f"scripts/prepare_data.py --input {data} --output DIR {how} --skip_bad_rows, then "
+                                 "pass --dataset_path DIR)") from None
             try:
                 os.rename(tmp, out)
             except OSError:  # another job finished first

@@ -36,6 +36,7 @@ CHAT_STATS = ("chat_docs", "supervised_tokens", "untrained_turns", "no_stop_rows
               "rewritten_arguments", "flagged_turns", "dropped_reasoning", "chatml_rows", "history_ends",
               "history_ends_unknown")
 BATCH_BYTES = 1 << 20  # a batch closes at this much raw text too (long documents): bounds memory in flight
+SKIP_FIX = "(--skip_bad_rows skips and counts such rows)"  # ends a bad row's refusal: data/prepare.py names train.py's
 
 # ------------------------------------------------------------------ workers: parse, tokenize, check
 
@@ -114,7 +115,6 @@ def _tokenize_batch(items: list[tuple[int, int, object]]) -> dict:
 
 # ------------------------------------------------------------------ the reading/writing process
 
-
 def shard_units(units: list[Unit], shard: int, n_shards: int) -> list[Unit]:
     """This shard's input units: largest first to the least loaded shard, then in input order."""
     if n_shards > len(units):
@@ -147,15 +147,19 @@ def _resume_point(out: str, shard: int) -> list[dict]:
     return recs
 
 
-def _check_numbers(output: str, vocab_size, workers: int, chunk_tokens: int, batch_docs: int) -> None:
+def _check_numbers(output: str, vocab_size, workers: int, chunk_tokens: int, batch_docs: int, inputs=()) -> None:
     """The command's numbers and --output, one line each, before anything is read."""
     for name, value, low in (("--vocab_size", vocab_size, 1), ("--workers", workers, 0),
                              ("--chunk_tokens", chunk_tokens, 1), ("--batch_docs", batch_docs, 1)):
         if value is not None and value < low:
             raise ValueError(f"{name} {value}: use an integer >= {low}")
     if not output or (os.path.exists(output) and not os.path.isdir(output)):
-        raise ValueError(f"--output {output!r}: give a folder (it is created, or resumed when it holds this "
-                         "preparation)")
+        raise ValueError(f"--output {output!r}: give a folder (it is created, or resumed when it holds this preparation)")
+    for spec in inputs:  # `--input pd/sub --output pd/sub/prepared`: its second run read the first one's JSON as rows
+        path = spec if os.path.exists(spec) or "/" in spec.partition("=")[0] else spec.partition("=")[2] or spec
+        if os.path.isdir(path) and os.path.commonpath([os.path.realpath(output), real := os.path.realpath(path)]) == real:
+            raise ValueError(f"--output {output} is inside --input {spec} (a later run would read this one's files as "
+                             "rows): give an --output outside the input folder")
 
 
 def prepare(inputs: list[str], output: str, tokenizer: str | None = None, vocab_size: int | None = None,
@@ -169,7 +173,7 @@ def prepare(inputs: list[str], output: str, tokenizer: str | None = None, vocab_
 
     fields = fields or Fields()
     i_shard, n_shards = shard
-    _check_numbers(output, vocab_size, workers, chunk_tokens, batch_docs)
+    _check_numbers(output, vocab_size, workers, chunk_tokens, batch_docs, inputs)
     units = [u for spec in inputs for u in discover(spec, loader)]
     mine = shard_units(units, i_shard, n_shards)
     tok = Tokenizer(tokenizer) if tokenizer else None
@@ -289,7 +293,7 @@ def _run_shard(units, out, i_shard, done, tokenizer, fields, bound, eos, dtype, 
         sourced += sum(s is not None for _, s in res["srcs"])
         for u, row, err in res["bad"]:
             if not skip_bad_rows:
-                raise ValueError(f"{units[u].where(row)}: {err} (--skip_bad_rows skips and counts such rows)")
+                raise ValueError(f"{units[u].where(row)}: {err} {SKIP_FIX}")
             stats["bad_rows"] += 1
             if len(stats["bad_examples"]) < 20:
                 stats["bad_examples"].append(f"{units[u].where(row)}: {err}")
@@ -355,8 +359,7 @@ def merge(output: str, log=print) -> dict:
     missing = [i for i in range(n) if i not in recs]
     if missing:
         raise ValueError(f"{output}: shard(s) {missing} of {n} are not finished; run them (--shard i/{n}), then merge")
-    keys = ("tokenizer", "vocab_bound", "eos_id", "bos_id", "dtype", "fields", "chunk_tokens", "loss_on",
-            "chat_template")
+    keys = ("tokenizer", "vocab_bound", "eos_id", "bos_id", "dtype", "fields", "chunk_tokens", "loss_on", "chat_template")
     first = recs[0]["plan"]
     _same_inputs(output, [recs[i]["plan"] for i in range(n)])
     for i in range(n):
@@ -367,8 +370,7 @@ def merge(output: str, log=print) -> dict:
     for i in range(n):
         for c in recs[i]["chunks"]:
             chunks.append({k: c.get(k) for k in ("tokens", "lens", "src", "n_tokens", "n_docs", "crc32_tokens",
-                                                 "crc32_lens", "crc32_src", "sources", "max_token_id", "mask",
-                                                 "crc32_mask")})
+                                                 "crc32_lens", "crc32_src", "sources", "max_token_id", "mask", "crc32_mask")})
             for s in c["sources"]:
                 if s not in sources:
                     sources.append(s)
@@ -392,8 +394,7 @@ def merge(output: str, log=print) -> dict:
     store.write_json_atomic(os.path.join(output, store.MANIFEST), manifest)
     if first["eos_id"] is None and manifest["n_docs"] > 1:
         log(f"note: no EOS appended between the {manifest['n_docs']} pre-tokenized documents (no tokenizer, no --eos_id): "
-            "they run into each other unless their ids end with one; give --eos_id ID (the model's EOS) to separate "
-            "them")
+            "they run into each other unless their ids end with one; give --eos_id ID (the model's EOS) to separate them")
     log(f"{output}: {manifest['n_docs']} documents, {n_tokens} tokens ({first['dtype']}), {len(sources)} source(s), "
         f"{manifest['bad_rows']} bad row(s) skipped"
         + (f", {manifest['empty_docs']} empty document(s) skipped" if manifest["empty_docs"] else "")

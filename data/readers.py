@@ -14,6 +14,7 @@ name without extensions), or the row's `--source_field` when given.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import os
@@ -21,7 +22,8 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from base.log import cause
+from base.log import cause, print0
+from base.run_lock import LOCK
 from data.chat import row_format
 from data.chat_rows import without_nulls
 from data.jsonl import (
@@ -34,6 +36,7 @@ from data.jsonl import (
     open_file,
     starts_array,
 )
+from data.store import MANIFEST
 
 JSONL_EXT = tuple(b + c for b in (".jsonl", ".json", ".ndjson") for c in COMPRESSED)  # matched in lower case
 PARQUET_EXT = (".parquet",)
@@ -102,14 +105,45 @@ def native(path: str) -> bool:
     return path.lower().endswith(JSONL_EXT + PARQUET_EXT)
 
 
+# a subfolder holding one of these is a run's output folder (its RUN_LOCK; training/checkpoint_files.POINTER under
+# checkpoints/: named here, training is a layer above) or a prepared folder (its manifest, prepare_data's shard records
+# and plans): its JSON is no training data. Cost: three stats per subfolder walked.
+_OUTPUT_MARKS = (LOCK, os.path.join("checkpoints", "LATEST"), MANIFEST)
+_OUTPUT_GLOBS = ("shard-*-of-*.json", "plan-*.json")
+_SKIPPED: set[str] = set()  # subfolders already said skipped (once per process: discover runs once per shard)
+
+
+def _output_folder(d: str, names: list[str]) -> bool:
+    """Whether folder `d` (its file names `names`) is a run's or a preparation's output folder."""
+    return any(os.path.isfile(os.path.join(d, m)) for m in _OUTPUT_MARKS) or any(
+        fnmatch.fnmatch(f, g) for f in names for g in _OUTPUT_GLOBS)
+
+
+def _walk(root: str) -> Iterator[tuple[str, list[str]]]:
+    """(folder, its file names) below `root`, a run's or a preparation's output folder and what lies in it left out
+    (--loader's walk, as `_folder`'s)."""
+    for d, dirs, fs in os.walk(root):
+        dirs[:] = [x for x in dirs if not _output_folder(os.path.join(d, x), os.listdir(os.path.join(d, x)))]
+        yield d, fs
+
+
 def _folder(path: str, flag: str) -> list[str]:
     """A folder's inputs in order: its JSONL / JSON / Parquet files and the `save_to_disk` folders inside it (each its
     own unit, never read as rows of its state.json), not its hidden files or folders (`.ipynb_checkpoints/`' copies
     were read: a file trained twice) nor its metadata; ValueError naming the files that look like data but that nothing
-    here reads (`.jsonl.lz4`, `.arrow`, `.zip`, ...: they were dropped without a word)."""
+    here reads (`.jsonl.lz4`, `.arrow`, `.zip`, ...: they were dropped without a word). A subfolder that is a run's
+    output folder or a prepared folder is skipped, said once (`--output_dir D/run` with `--dataset_path D` read the
+    run's metrics.jsonl, MANIFEST.json and eval/*.json as rows at its requeue: refused as not valid JSON)."""
     files, other = [], []
     for d, dirs, fs in os.walk(path):
         dirs[:] = sorted(x for x in dirs if not x.startswith("."))
+        if d != path and _output_folder(d, fs):
+            dirs[:] = []
+            if d not in _SKIPPED:
+                _SKIPPED.add(d)
+                print0(f"{flag} {path}: skipping {os.path.relpath(d, path)}/, a run's output folder or a prepared "
+                       "folder, not data")
+            continue
         if d != path and is_hf_folder(d):
             files.append(d)
             dirs[:] = []
@@ -158,7 +192,7 @@ def _units(name: str, path: str, loader: str | None, flag: str) -> list[Unit]:
         if os.path.isfile(path):
             return [Unit(name or _stem(path), f"hf_load:{loader}", path)]
         # a folder's files as the other formats' (no metadata, one split), one source named after it
-        files = one_split(path, sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs
+        files = one_split(path, sorted(os.path.join(d, f) for d, fs in _walk(path) for f in fs
                                        if f not in NOT_DATA and not f.startswith(".")
                                        and not hidden(os.path.relpath(d, path))), flag)  # a snapshot's .cache/ too
         # inside the folder the loader's files stay its own (a source tree's package.json is code, not rows): only

@@ -268,6 +268,10 @@ def validate(cfg: Config) -> None:
     for name in ("max_seq_length", "sequence_parallel_size", "per_device_train_batch_size",
                  "gradient_accumulation_steps", "max_steps"):
         positive(name, getattr(cfg, name))
+    for where, w in [("--warmup_steps", cfg.warmup_steps)] + [(f"stages[{i}].warmup_steps", st.warmup_steps)
+                                                              for i, st in enumerate(cfg.stages)]:
+        if w is not None and w < 0:  # -3 gave a schedule with no warmup, without a word
+            raise ValueError(f"{where} {w}: use 0 (no warmup) or a number of steps >= 1")
     hf_args.check(cfg)
     if cfg.learning_rate <= 0 or cfg.min_lr < 0 or cfg.min_lr > cfg.learning_rate:
         raise ValueError(f"need 0 <= --min_lr ({cfg.min_lr}) <= --learning_rate ({cfg.learning_rate}), lr > 0")

@@ -79,10 +79,39 @@ def check_stages(value, where: str) -> None:
         raise ValueError(f"stages: {value!r:.60} in {where} is not a list of stage mappings")
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+class _UniqueKeys(yaml.SafeLoader):
+    """safe_load's loader that refuses a key given twice in one mapping, at any depth: PyYAML keeps the last without a
+    word (`stages:` twice dropped the first list's stages, `max_steps` twice took the last). Merge keys (`<<: *base`)
+    still merge: the keys written beside one override the merged ones, as YAML says."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
+                try:
+                    first = seen.get(key)
+                    seen[key] = line
+                except TypeError:  # an unhashable key: the parent's own error names it
+                    continue
+                if first is not None:
+                    raise _DuplicateKey(f"key {key!r} given twice (lines {first} and {line}): YAML keeps only the "
+                                        "last; keep one")
+        return super().construct_mapping(node, deep)
+
+
 def yaml_text(text: str, where: str):
     """A YAML text (a recipe file's, a flag's mapping) read, or ValueError in one line naming where and the line."""
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_UniqueKeys)  # a SafeLoader's: no Python objects
+    except _DuplicateKey as e:
+        raise ValueError(f"{where}: {e}") from None
     except yaml.YAMLError as e:  # ParserError, ScannerError: a traceback of the parser's own state otherwise
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""

@@ -74,12 +74,25 @@ def dry_run(cfg: Config, model: Model) -> None:
     world = cfg.nodes * cfg.gpus_per_node or int(os.environ.get("WORLD_SIZE", "1"))
     stages = _stages(cfg, model, world)
     check_stage_configs(cfg, stages, world, model.bf16, model.arch.hidden_size, planning=True)
+    check_stage_data(stages)
     print(f"dry run: world={world} ({cfg.nodes or 1} node(s)) model={cfg.model_name_or_path} attn={model.attn} "
           f"precision={_precision(cfg, model)} deepspeed={cfg.deepspeed}")
     print("\n".join(plan_lines(cfg, stages, world, cfg.gpus_per_node or world, model.bf16)))
     if cfg.num_train_epochs is not None:  # counted from the data when a run opens it (training/hf_args.py)
         print(f"steps: {cfg.num_train_epochs:g} epoch(s) of the data in each stage without its own max_steps or "
               "max_tokens (counted when the run opens its data; steps= above stands in until then)")
+
+
+def check_stage_data(stages: list[Stage]) -> None:
+    """What a real start refuses of each stage's `data:` and `tasks:` when it opens the data (data/pipeline.py), checked
+    without it: a mixture component's keys and weights, the tasks' names and fractions. Whether a component matches
+    any document and a task fits the stage's length need the data and the tokenizer: the real start checks those."""
+    from data.mixture import parse_mixture
+    from data.tasks import parse_tasks
+
+    for s in stages:
+        parse_mixture(s.data, f"stage {s.index} ({s.name}) data")
+        parse_tasks(s.tasks, f"stage {s.index} ({s.name}) tasks")
 
 
 def settle_attention(cfg: Config, model: Model, stages: list[Stage]) -> Model:

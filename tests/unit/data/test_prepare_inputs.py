@@ -174,3 +174,68 @@ def test_loader_text_drops_a_utf8_bom(tmp_path):
     prepare([str(tmp_path / "a.txt")], str(tmp_path / "out"), _SP, loader="text", **QUIET)
     tok = Tokenizer(_SP)
     assert np.array_equal(_all(tmp_path / "out"), tok.encode("def f(x):\n    return x") + [tok.eos_id])
+
+
+@pytest.mark.parametrize("mark", ["RUN_LOCK", "checkpoints/LATEST", "manifest.json", "shard-00000-of-00001.json",
+                                  "plan-s00000.json"])
+def test_a_run_or_prepared_folder_inside_the_data_folder_is_skipped_and_said_once(tmp_path, monkeypatch, capsys, mark):
+    """`train.py --dataset_path D --output_dir D/run` worked once; every later start (a requeue) read the run's own
+    metrics.jsonl, checkpoints/*/MANIFEST.json and eval/*.json as rows and exited 2 (not valid JSON). A subfolder
+    that is a run's output folder or a prepared folder is skipped, said once."""
+    from data import prepare as in_job
+
+    monkeypatch.setattr(in_job, "CACHE", str(tmp_path / "cache"))
+    data = tmp_path / "D"
+    (data / "run" / "checkpoints" / "step_3").mkdir(parents=True)
+    (data / "run" / "eval").mkdir()
+    _write_jsonl(data / "a.jsonl", [[1, 2], [3]])
+    (data / "run" / mark).write_text("step_3")
+    (data / "run" / "checkpoints" / "step_3" / "MANIFEST.json").write_text('{"files": {}}')
+    (data / "run" / "eval" / "stage0.json").write_text('{"loss": 1.0}')
+    (data / "run" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.5}\n')
+    for _ in range(2):
+        assert [u.path for u in discover(str(data), flag="--dataset_path")] == [str(data / "a.jsonl")]
+    out, _ = in_job.prepare_in_job(str(data), None, 100)
+    assert Prepared(out).manifest["n_docs"] == 2
+    said = [ln for ln in capsys.readouterr().out.splitlines() if "skipping run/" in ln]
+    assert len(said) == 1 and said[0].startswith(f"--dataset_path {data}: skipping run/"), said
+    # --loader's own walk (a folder of .txt books with the run inside) leaves it out too
+    (data / "book.txt").write_text("a book")
+    assert sorted(u.path for u in discover(str(data), loader="text")) == [str(data / "a.jsonl"), str(data / "book.txt")]
+
+
+def test_an_output_inside_an_input_folder_is_refused(tmp_path, capsys):
+    """`--input pd/sub --output pd/sub/prepared`: the second run read the first one's files as rows and was refused;
+    --overwrite then deleted the finished preparation and failed. Refused in one line, before anything is written."""
+    sub = tmp_path / "pd" / "sub"
+    sub.mkdir(parents=True)
+    _write_jsonl(sub / "a.jsonl", [[1, 2], [3]])
+    for inp, out in ((sub, sub / "prepared"), (f"docs={sub}", sub / "prepared"), (sub, sub), (tmp_path, sub / "o")):
+        assert main(["--input", str(inp), "--output", str(out), "--vocab_size", "100", "--workers", "0"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (f"error: --output {out} is inside --input {inp} (a later run would read this one's files as "
+                       "rows): give an --output outside the input folder"), err
+        assert not os.path.exists(sub / "prepared")
+    assert main(["--input", str(sub), "--output", str(tmp_path / "pd" / "p"), "--vocab_size", "100", "--workers",
+                 "0"]) == 0
+
+
+def test_a_bad_row_in_job_names_a_fix_train_py_takes(tmp_path, monkeypatch, capsys):
+    """train.py's in-job preparation refused a bad row with "(--skip_bad_rows skips and counts such rows)", a flag
+    train.py rejects. It names prepare_data's command and --dataset_path instead; prepare_data keeps its wording."""
+    from data import prepare as in_job
+
+    monkeypatch.setattr(in_job, "CACHE", str(tmp_path / "cache"))
+    src = tmp_path / "d.jsonl"
+    src.write_text('{"input_ids": [1, 2]}\n{"input_ids": [3\n')
+    with pytest.raises(ValueError) as e:
+        in_job.prepare_in_job(str(src), None, 100)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{src}:2: ") and "(--skip_bad_rows skips" not in msg, msg
+    assert msg.endswith(f"(to skip and count such rows: python scripts/prepare_data.py --input {src} --output DIR "
+                        "--vocab_size 100 --skip_bad_rows, then pass --dataset_path DIR)"), msg
+    assert main(["--input", str(src), "--output", str(tmp_path / "o"), "--vocab_size", "100", "--workers", "0"]) == 2
+    reason = msg.split(" (to skip")[0]
+    assert capsys.readouterr().err.strip() == f"error: {reason} (--skip_bad_rows skips and counts such rows)"
+    assert main(["--input", str(src), "--output", str(tmp_path / "o2"), "--vocab_size", "100", "--workers", "0",
+                 "--skip_bad_rows"]) == 0

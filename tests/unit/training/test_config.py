@@ -313,3 +313,43 @@ def test_a_local_model_and_tokenizer_are_recorded_as_absolute_paths(monkeypatch)
     assert cfg.model_name_or_path == os.path.join(root, "recipes/base/tiny_passkey256")
     assert cfg.tokenizer_name_or_path == os.path.join(root, "recipes/base/tiny_passkey256/tokenizer.model")
     assert parse_config(["--model_name_or_path", "llama3-8b", "--dry_run"]).model_name_or_path == "llama3-8b"
+
+
+@pytest.mark.parametrize("text, key, lines", [
+    ("max_steps: 3\nlearning_rate: 1.0e-4\nmax_steps: 50\n", "max_steps", (1, 3)),
+    ("stages:\n  - name: short\n    max_seq_length: 64\nlearning_rate: 1.0e-5\nstages:\n  - name: long\n"
+     "    max_seq_length: 128\n", "stages", (1, 5)),
+    ("stages:\n  - name: short\n    max_seq_length: 64\n    name: again\n", "name", (2, 4)),
+    ("stages:\n  - {name: s, rope: {rope_type: yarn, factor: 2.0, factor: 4.0}, max_seq_length: 64}\n", "factor", (2, 2)),
+], ids=["top-level", "stages-twice", "in-a-stage", "nested-flow"])
+def test_a_recipe_key_given_twice_is_refused_naming_both_lines(tmp_path, text, key, lines):
+    """YAML keeps the last of a key given twice without a word: `stages:` twice dropped the first list's stages,
+    `max_steps` twice took the last. Refused in one line naming the key and both lines, at every depth."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(text)
+    with pytest.raises(ValueError) as e:
+        parse_config(["--config", str(recipe)])
+    assert str(e.value) == (f"--config {recipe}: key {key!r} given twice (lines {lines[0]} and {lines[1]}): YAML keeps "
+                            "only the last; keep one")
+
+
+def test_a_yaml_merge_key_still_overrides(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("stages:\n  - &base {name: a, max_seq_length: 64}\n  - <<: *base\n    name: b\n")
+    assert [s.name for s in parse_config(["--config", str(recipe)]).stages] == ["a", "b"]
+
+
+@pytest.mark.parametrize("argv, text, where", [
+    (["--warmup_steps", "-3"], "", "--warmup_steps -3"),
+    ([], "warmup_steps: -3\n", "--warmup_steps -3"),
+    ([], "stages:\n  - {name: a, max_seq_length: 64}\n  - {name: b, max_seq_length: 128, warmup_steps: -2}\n",
+     "stages[1].warmup_steps -2"),
+])
+def test_a_negative_warmup_is_refused(tmp_path, argv, text, where):
+    """--warmup_steps -3 (a flag, a recipe's, a stage's) was accepted: only warmup_ratio was checked."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(text or "max_steps: 3\n")
+    with pytest.raises(ValueError) as e:
+        parse_config(["--config", str(recipe), *argv])
+    assert str(e.value) == f"{where}: use 0 (no warmup) or a number of steps >= 1"
+    assert parse_config(["--warmup_steps", "0"]).warmup_steps == 0
