@@ -16,6 +16,7 @@ import json
 import os
 
 from bench.harness import ROOT
+from planner.shapes import HEAD_CHUNK_MODEL_TYPES
 
 # the sizes every tiny config gets, where the config has the field (hidden 128, 2 layers, 4 heads, 2 KV heads)
 SMALL = dict(vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -35,8 +36,11 @@ MAX_PARAMS = 20_000_000  # a config that ignores the small sizes (fixed vocabula
 
 
 def classify(model_type: str) -> str | None:
-    """Why `model_type` is not swept (multimodal, encoder-decoder, BERT-style encoder), or None."""
+    """Why `model_type` is not swept (multimodal, encoder-decoder, BERT-style encoder), or None. BERT-style: the
+    type has a masked-LM head in transformers (it used to be any config declaring add_cross_attention / is_decoder,
+    which skipped decoders such as gpt2, gpt_neox and gpt_bigcode as "encoders": they are swept, and refused)."""
     from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
     cfg = AutoConfig.for_model(model_type)
     if getattr(cfg, "is_encoder_decoder", False):
@@ -44,7 +48,7 @@ def classify(model_type: str) -> str | None:
     subs = [k for k in ("vision_config", "audio_config", "text_config", "decoder") if getattr(cfg, k, None) is not None]
     if subs:
         return f"multimodal or composite ({', '.join(subs)}); its text model type is swept where registered"
-    if "add_cross_attention" in type(cfg).__dict__.get("__annotations__", {}) or hasattr(type(cfg), "is_decoder"):
+    if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
         return "encoder (bidirectional, BERT-style; causal only as a decoder head)"
     return None
 
@@ -111,7 +115,16 @@ def render(results: dict) -> str:
              f"- **refused** ({count['refused']}): the start-up stops it with one line (exit 2) naming why;",
              f"- **skipped** ({count['skipped']}): not a decoder-only text model, or no tiny config could be built.",
              "", "A real checkpoint of a listed type can still differ from its tiny config (other options of the same "
-             "config class); the start-up checks read the real config.", "",
+             "config class); the start-up checks read the real config. Options refused there whatever the type: "
+             "`output_router_logits: true` (the router's load-balancing loss is not trained here: set it false), "
+             "`use_bidirectional_attention: true` or `is_causal: false` (documents are masked causally).", "",
+             "`attention_head_chunks` > 1 (docs/attention.md) runs only for the types checked chunked against the "
+             "unchunked model (2 chunks, loss and gradients; `planner.shapes.HEAD_CHUNK_MODEL_TYPES`): "
+             f"{', '.join(f'`{t}`' for t in sorted(HEAD_CHUNK_MODEL_TYPES))}. For any other type `auto` keeps 1 and "
+             "an explicit count is refused at start-up with the reason (q/k norms over all heads: OLMo-2/3, OLMoE, "
+             "FlexOlmo, MiniMax-M2; output gates or norms over all heads: AFMoE, Laguna, BitNet; fused qkv: Phi, "
+             "Phi-3; linear-attention layers: Qwen3-Next / Qwen3.5; latent attention; sinks; Cohere's "
+             "`use_qk_norm`).", "",
              "| model type | status | attention | detail |", "|---|---|---|---|"]
     for mt, r in rows:
         detail = str(r.get("detail", "")).replace("|", "\\|").replace("\n", " ")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from model_utils.attention import LAYER_TYPES, SUPPORTED
 from model_utils.sinks import SINKS_COVERED, has_sinks
+from planner.shapes import head_chunks_refusal
 
 # gated delta-net hybrids whose "linear_attention" layers model_utils/linear_attention.py runs under Ulysses by heads
 # (defined here, imported there: attention.py never imports linear_attention.py, so the two form no cycle)
@@ -23,6 +24,9 @@ SP_UNSUPPORTED = {
     "moshi": "its attention receives no position_ids (Ulysses and document masking need them)",
     "persimmon": "its attention receives no position_ids (Ulysses and document masking need them)",
     "doge": "its attention does not call transformers' ALL_ATTENTION_FUNCTIONS (check_routed found 0 of 2 layers)",
+    # GPTBigCodeBlock calls its attention without position_ids: DeepSpeed's Ulysses asserts "requires position_ids"
+    # in the first SP step (StarCoder 1, SantaCoder, Granite-20B/34B-Code)
+    "gpt_bigcode": "its attention receives no position_ids (Ulysses and document masking need them)",
     "youtu": "loading under ZeRO-3 crashes: its _init_weights indexes the embedding's padding row, which ZeRO-3 has "
              "partitioned (IndexError before the first step)",
 }
@@ -66,6 +70,14 @@ def check_supported(model_or_config, attn: str, name: str | None = None, head_ch
     if attn not in SUPPORTED:
         raise ValueError(f"{name}: attention {attn!r} cannot be document-masked; use one of {', '.join(SUPPORTED)}")
     linear = ("linear_attention",) if cfg.model_type in LINEAR_MODEL_TYPES else ()  # Ulysses by heads there
+    if any(getattr(c, "use_bidirectional_attention", None) in (True, "all") or getattr(c, "is_causal", True) is False
+           for c in (config, cfg)):  # Gemma / Gemma-3 / EmbeddingGemma's encoder mode; "vision" (Gemma-4) is causal on text
+        raise ValueError(f"{name} ({cfg.model_type}): bidirectional attention (use_bidirectional_attention / is_causal "
+                         "false) is not supported: documents are masked causally here; use a causal (decoder) config")
+    if any(getattr(c, "output_router_logits", False) for c in (config, cfg)):
+        raise ValueError(f"{name} ({cfg.model_type}): output_router_logits is true, but the router's load-balancing "
+                         "loss is not trained here (the tiled loss uses the logits only): set output_router_logits "
+                         "false in the model config")
     bad = sorted(set(getattr(cfg, "layer_types", None) or []) - set(LAYER_TYPES) - set(linear))
     if bad:
         raise ValueError(f"{name}: layer types {bad} are not supported (only {' / '.join(LAYER_TYPES)} layers are "
@@ -104,3 +116,7 @@ def check_supported(model_or_config, attn: str, name: str | None = None, head_ch
     if n > 1 and has_sinks(model_or_config):
         raise ValueError(f"attention_head_chunks {n}: {cfg.model_type}'s learned attention sinks are not split by head "
                          "chunks; use attention_head_chunks 1")
+    why = head_chunks_refusal(cfg) if n > 1 else ""
+    if why:  # OLMo-2/3's q/k norms over all heads, Phi-3's fused qkv_proj, ...: the first chunked forward crashed
+        raise ValueError(f"attention_head_chunks {n}: {name} ({cfg.model_type}) {why}; use attention_head_chunks 1 "
+                         "(or auto)")

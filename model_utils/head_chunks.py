@@ -46,6 +46,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 from model_utils.engagement import engaged, missing_norm_source
 from model_utils.rmsnorm import norm_source, renorm
 from planner.attention_sp import check_head_chunks, chunk_heads
+from planner.shapes import head_chunks_refusal
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -291,12 +292,17 @@ def attention_modules(model) -> list:
 
 def install(model, chunks: int, ulysses: int = 1) -> int:
     """Run every decoder layer's attention in `chunks` chunks of heads (1: leave it). Returns the chunks; a
-    one-line ValueError for a count that does not split the heads per rank, or an attention module this cannot
-    slice (it needs q/k/v/o_proj Linear layers and head_dim, as Llama, Mistral, Qwen2/3, Gemma-3 have)."""
+    one-line ValueError for a count that does not split the heads per rank, a family not checked chunked
+    (planner.shapes.head_chunks_refusal), or an attention module this cannot slice (it needs q/k/v/o_proj Linear
+    layers and head_dim, as Llama, Mistral, Qwen2/3, Gemma-3 have)."""
     cfg = model.config.get_text_config()
     check_head_chunks(chunks, cfg.num_attention_heads, cfg.num_key_value_heads, ulysses)
     if chunks == 1:
         return 1
+    why = head_chunks_refusal(cfg)  # families.check_supported refuses it at start-up already; install is reachable alone
+    if why:
+        raise ValueError(f"attention_head_chunks={chunks}: {type(model).__name__} ({cfg.model_type}) {why}; use "
+                         "attention_head_chunks 1")
     from deepspeed.utils.z3_leaf_module import set_z3_leaf_module
 
     mods = attention_modules(model)

@@ -301,13 +301,16 @@ def head_chunk_options(shape: ModelShape, ulysses: int, pinned: int | str = "aut
                        explicit_sp: bool = False) -> list[int]:
     """The attention_head_chunks counts auto tries at Ulysses factor `ulysses`: a pinned count (an int) alone, [] where
     it does not split the heads per rank (a one-line ValueError instead when the SP degree is the user's); "auto":
-    every valid count (planner.attention_sp.head_chunk_choices), or [1] for latent attention (MLA: no per-head
-    q/k/v projections to chunk) and for GPT-OSS's learned sinks (not split by chunks): model_utils/ulysses.register
-    refuses both."""
+    every valid count (planner.attention_sp.head_chunk_choices), or [1] for a family model_utils/head_chunks.py
+    cannot chunk (ModelShape.head_chunks_ok: latent attention, GPT-OSS's sinks, OLMo-2/3's q/k norms over all heads,
+    Phi-3's fused qkv_proj, ...; it used to offer them chunks, and the first chunked forward crashed). A pinned
+    count > 1 for such a family: a one-line ValueError (model_utils/families.check_supported refuses it too)."""
+    unchunkable = getattr(shape, "kv_lora_rank", 0) or shape.model_type == "gpt_oss" or not shape.head_chunks_ok
     if pinned in ("auto", None, 0):
-        if getattr(shape, "kv_lora_rank", 0) or shape.model_type == "gpt_oss":
-            return [1]
-        return head_chunk_choices(shape.num_heads, shape.num_kv_heads, ulysses)
+        return [1] if unchunkable else head_chunk_choices(shape.num_heads, shape.num_kv_heads, ulysses)
+    if int(pinned) > 1 and unchunkable:
+        raise ValueError(f"attention_head_chunks {int(pinned)}: {shape.model_type} "
+                         f"{shape.no_head_chunks or 'cannot run in head chunks'}; use attention_head_chunks 1 (or auto)")
     ok = head_chunk_choices(shape.num_heads, shape.num_kv_heads, ulysses)
     if int(pinned) not in ok:
         if explicit_sp:

@@ -21,6 +21,57 @@ LEAN_RMSNORM_MODEL_TYPES = frozenset({"llama", "mistral", "mixtral", "qwen2", "q
                                       "granite"})
 # Families whose gated MLP is Llama's formula, which model_utils/mlp.py's lean MLP replaces (--lean_mlp)
 LEAN_MLP_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "granite", "gemma", "gemma2", "olmo2"})
+# Families whose attention model_utils/head_chunks.py runs in chunks of heads exactly (each family built tiny and run
+# in 2 chunks against the unchunked model, loss and gradients, transformers 5.23): q/k/v/o_proj Linear layers, RoPE
+# the Llama way, q/k norms (where any) over head_dim only. Any other family gets attention_head_chunks 1: auto never
+# offers it more, an explicit N > 1 is refused at start-up (model_utils/families.check_supported)
+HEAD_CHUNK_MODEL_TYPES = frozenset({
+    "apertus", "arcee", "aria_text", "cohere", "cohere2", "cohere2_moe", "cwm", "ernie4_5", "ernie4_5_moe", "exaone4",
+    "exaone_moe", "gemma", "gemma3_text", "glm", "glm4", "glm4_moe", "granite", "granitemoe", "granitemoeshared",
+    "helium", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "hyperclovax", "internlm3", "iquestcoder", "jais2",
+    "kolibri1", "llama", "mellum", "minimax_m3_vl_text", "ministral", "ministral3", "mistral", "mixtral", "nemotron",
+    "olmo", "phimoe", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "seed_oss", "smollm3", "solar_open", "starcoder2"})
+_ALL_HEADS_NORM = "normalizes q and k over all heads at once (a q/k norm of num_heads x head_dim), which a chunk cannot"
+# why the families the same check found unchunkable are (the first chunked forward crashed, or install refused late)
+NO_HEAD_CHUNKS = {
+    **dict.fromkeys(("olmo2", "olmo3", "olmoe", "flex_olmo", "minimax_m2"), _ALL_HEADS_NORM),
+    "stablelm": "reshapes q/k/v by the module's own head counts (and its optional q/k LayerNorm is per head over all)",
+    "afmoe": "gates its output by a projection over all heads (gate_proj), which a chunk does not slice",
+    "laguna": "gates its output per head by a projection over all heads (g_proj), which a chunk does not slice",
+    "bitnet": "normalizes its output over all heads (attn_sub_norm) before o_proj, which a chunk cannot",
+    **dict.fromkeys(("phi", "phi3", "lfm2"), "has no separate q/k/v/o_proj linear layers to slice"),
+    **dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"), "has linear-attention layers, with no "
+                    "self_attn module to chunk"),
+    "gpt_oss": "has learned attention sinks, which head chunks do not split",
+}
+
+
+def head_chunks_refusal(cfg) -> str:
+    """Why a model (an HF config, its text part, or a config.json dict) cannot run attention_head_chunks > 1; "" where
+    it can. Config-level and torch-free: the planner offers chunks only where this is "" (ModelShape.head_chunks_ok),
+    and the start-up refuses an explicit count where it is not (the first chunked forward used to crash on OLMo-2's
+    norms over all heads)."""
+    get = cfg.get if isinstance(cfg, Mapping) else (lambda k, d=None: getattr(cfg, k, d))
+    linear = "linear_attention" in (get("layer_types") or ())
+    return family_head_chunks_refusal(str(get("model_type", "") or ""), bool(get("kv_lora_rank")), linear) or \
+        _option_head_chunks_refusal(get)
+
+
+def family_head_chunks_refusal(model_type: str, latent: bool = False, linear: bool = False) -> str:
+    """head_chunks_refusal from the family alone (and whether it has latent attention or linear-attention layers)."""
+    if latent:
+        return "has latent attention (MLA): no per-head q/k/v projections to chunk"
+    if model_type not in HEAD_CHUNK_MODEL_TYPES:
+        return NO_HEAD_CHUNKS.get(model_type, "has an attention not checked in head chunks against the unchunked "
+                                              "model (planner.shapes.HEAD_CHUNK_MODEL_TYPES lists the families that were)")
+    return NO_HEAD_CHUNKS["qwen3_next"] if linear else ""
+
+
+def _option_head_chunks_refusal(get) -> str:
+    """The config options of a chunkable family that make it unchunkable."""
+    if get("model_type") == "cohere" and get("use_qk_norm"):  # Command R+: CohereLayerNorm over [num_heads, head_dim]
+        return "normalizes q and k by a per-head weight over all heads (use_qk_norm), which a chunk cannot slice"
+    return ""
 
 
 @dataclass(frozen=True)
@@ -59,6 +110,19 @@ class ModelShape:
     linear_v_heads: int = 0
     linear_k_dim: int = 0
     linear_v_dim: int = 0
+    # a config option that makes a chunkable family unchunkable (Cohere's use_qk_norm): why; "": none
+    head_chunks_option: str = ""
+
+    @property
+    def no_head_chunks(self) -> str:
+        """Why attention_head_chunks > 1 cannot run this model (planner.shapes.head_chunks_refusal); "": it can."""
+        return family_head_chunks_refusal(self.model_type, bool(self.kv_lora_rank), bool(self.linear_layers)) or \
+            self.head_chunks_option
+
+    @property
+    def head_chunks_ok(self) -> bool:
+        """Whether model_utils/head_chunks.py can run this model's attention in chunks of heads."""
+        return not self.no_head_chunks
 
     @classmethod
     def from_config(cls, cfg: Mapping) -> ModelShape:
@@ -85,6 +149,7 @@ class ModelShape:
                        moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
                        if experts else 0,
                        dense_layers=int(cfg.get("first_k_dense_replace") or 0) if experts else 0,
+                       head_chunks_option=_option_head_chunks_refusal(cfg.get),
                        **({"linear_layers": linear, **{f"linear_{k}": int(cfg[f"linear_{n}"]) for k, n in (
                            ("k_heads", "num_key_heads"), ("v_heads", "num_value_heads"), ("k_dim", "key_head_dim"),
                            ("v_dim", "value_head_dim"))}} if linear else {}))

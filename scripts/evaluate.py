@@ -238,6 +238,8 @@ def check_source(src: dict, a: argparse.Namespace, s: dict, world: int, rope: di
                              a.context_parallel_size)[1]
         check_layout(world, a.sequence_parallel_size, arch.num_attention_heads, arch.num_key_value_heads,
                      min(s["lengths"]), src["cp"], node)
+        for c in {id(x): x for x in (config, arch)}.values():  # the router's load-balancing loss: training's, not a
+            c.output_router_logits = False  # held-out cross-entropy's (training refuses it; evaluation drops it)
         check_config(config, src["attn"])
         stage_rope(arch, rope or None, "--rope" if rope else "rope", a.sequence_parallel_size)  # as it will run
     except ValueError as e:

@@ -365,3 +365,39 @@ def test_the_model_runs_the_configured_logits_tile():
         from training.config import validate
 
         validate(Config(logits_tile_mb=-1))
+
+
+# OLMo-3-7B's config.json, the fields the planner reads: q/k norms over all 32 heads at once (Olmo3RMSNorm(nh * d))
+OLMO3_7B = {"model_type": "olmo3", "vocab_size": 100278, "hidden_size": 4096, "intermediate_size": 11008,
+            "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32, "sliding_window": 4096,
+            "layer_types": (["sliding_attention"] * 3 + ["full_attention"]) * 8}
+
+
+def test_auto_never_chunks_a_family_head_chunks_cannot_run():
+    """Auto offered head chunks to every family but MLA and GPT-OSS: OLMo-3-7B at 1M tokens on 8 GPUs got "attention
+    in 2 head chunks" and its first chunked forward crashed (its q/k norms span all heads). Now only the families
+    model_utils/head_chunks.py runs exactly get chunks (ModelShape.head_chunks_ok); a pinned count is refused."""
+    from planner.shapes import ModelShape
+
+    olmo = ModelShape.from_config(OLMO3_7B)
+    same_as_llama = replace(olmo, model_type="llama")  # identical sizes, a chunkable family
+    assert not olmo.head_chunks_ok and "all heads" in olmo.no_head_chunks and same_as_llama.head_chunks_ok
+    assert af.head_chunk_options(olmo, 8) == [1] and len(af.head_chunk_options(same_as_llama, 8)) > 1
+    with pytest.raises(ValueError, match="attention_head_chunks 2: olmo3 normalizes q and k over all heads"):
+        af.head_chunk_options(olmo, 8, pinned=2)
+    assert af.head_chunk_options(olmo, 8, pinned=1) == [1]
+    command_r_plus = ModelShape.from_config(dict(OLMO3_7B, model_type="cohere", use_qk_norm=True))  # per-head LayerNorm
+    assert "use_qk_norm" in command_r_plus.no_head_chunks and replace(command_r_plus, head_chunks_option="").head_chunks_ok
+    ck = Features(checkpoint_every=1, tiled_mlp=True, tiled_logits=True, offload_activations=True)
+    lean = {n: af.peak_bytes(same_as_llama, 2**20, 8, 8, replace(ck, attention_head_chunks=n), OFF, "bf16", "cuda")
+            for n in (1, 2)}
+    budget = budget_for(lean[2])  # fits in 2 chunks only
+    assert lean[1] > lean[2]
+    kw = dict(sp=8, offloads=OFF, ranks_per_node=8)
+    assert af.choose(same_as_llama, 2**20, 8, budget, **kw).features.attention_head_chunks > 1
+    try:
+        got = af.choose(olmo, 2**20, 8, budget, **kw).features.attention_head_chunks
+    except ValueError as e:  # nothing else fits: the one-line refusal, not a plan that crashes
+        assert "nothing fits" in str(e)
+    else:
+        assert got == 1
