@@ -345,7 +345,7 @@ class RunData:
             fills = [p.fill() for p in packs]  # weight is a share of samples, padding included (said, not changed)
             real = [w * f for w, f in zip(weights, fills)]
             if min(fills) < 0.9:
-                print0(f"stage {stage.index} ({stage.name}): each mixture component is packed alone; "
+                print0(f"stage {stage.index} ({stage.name}) at {stage.max_seq_length}: each mixture component is packed alone; "
                        + ", ".join(f"{n} fills {f:.2f} of its samples (weight {w:g}: {r / sum(real):.3f} of the "
                                    "conversation tokens)" for n, f, w, r in zip(mix.names, fills, weights, real))
                        + ": a weight counts its padding; raise it, or put the sources in one component")

@@ -36,7 +36,7 @@ from data.jsonl import (
     open_file,
     starts_array,
 )
-from data.store import MANIFEST
+from data.store import FORMAT, MANIFEST
 
 JSONL_EXT = tuple(b + c for b in (".jsonl", ".json", ".ndjson") for c in COMPRESSED)  # matched in lower case
 PARQUET_EXT = (".parquet",)
@@ -105,25 +105,50 @@ def native(path: str) -> bool:
     return path.lower().endswith(JSONL_EXT + PARQUET_EXT)
 
 
-# a subfolder holding one of these is a run's output folder (its RUN_LOCK; training/checkpoint_files.POINTER under
-# checkpoints/: named here, training is a layer above) or a prepared folder (its manifest, prepare_data's shard records
-# and plans): its JSON is no training data. Cost: three stats per subfolder walked.
-_OUTPUT_MARKS = (LOCK, os.path.join("checkpoints", "LATEST"), MANIFEST)
-_OUTPUT_GLOBS = ("shard-*-of-*.json", "plan-*.json")
+# a run's output folder (its RUN_LOCK; training/checkpoint_files.POINTER under checkpoints/, named here: training is a
+# layer above; a finished run's metrics.jsonl beside its checkpoints/ or eval/) or a prepared folder (its manifest,
+# prepare_data's plans and shard records, known by their first bytes: Beam's `shard-00000-of-00002.json` rows and an
+# export's own manifest.json are data): its JSON is no training data. Cost: a few stats and <= 3 reads of 256 bytes a
+# subfolder walked.
+_OUTPUT_MARKS = (LOCK, os.path.join("checkpoints", "LATEST"))
+_OURS = ((MANIFEST, re.compile(r'^\s*\{\s*"format"\s*:\s*"' + re.escape(FORMAT) + '"')),
+         ("plan-s[0-9][0-9][0-9][0-9][0-9].json", re.compile(r'^\s*\{\s*"units"\s*:')),
+         ("shard-[0-9][0-9][0-9][0-9][0-9]-of-[0-9][0-9][0-9][0-9][0-9].json", re.compile(r'^\s*\{\s*"chunks"\s*:')))
 _SKIPPED: set[str] = set()  # subfolders already said skipped (once per process: discover runs once per shard)
+
+
+def _head(path: str) -> str:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(256).decode("utf-8", "replace")
+    except OSError:
+        return ""
 
 
 def _output_folder(d: str, names: list[str]) -> bool:
     """Whether folder `d` (its file names `names`) is a run's or a preparation's output folder."""
-    return any(os.path.isfile(os.path.join(d, m)) for m in _OUTPUT_MARKS) or any(
-        fnmatch.fnmatch(f, g) for f in names for g in _OUTPUT_GLOBS)
+    if any(os.path.isfile(os.path.join(d, m)) for m in _OUTPUT_MARKS) or ("metrics.jsonl" in names and any(
+            os.path.isdir(os.path.join(d, x)) for x in ("checkpoints", "eval"))):
+        return True
+    for pattern, first in _OURS:
+        f = next((f for f in names if fnmatch.fnmatch(f, pattern)), None)
+        if f is not None and first.match(_head(os.path.join(d, f))):
+            return True
+    return False
+
+
+def _listed(d: str) -> list[str]:
+    try:
+        return os.listdir(d)
+    except OSError:  # unreadable: os.walk passes it over as before
+        return []
 
 
 def _walk(root: str) -> Iterator[tuple[str, list[str]]]:
     """(folder, its file names) below `root`, a run's or a preparation's output folder and what lies in it left out
     (--loader's walk, as `_folder`'s)."""
     for d, dirs, fs in os.walk(root):
-        dirs[:] = [x for x in dirs if not _output_folder(os.path.join(d, x), os.listdir(os.path.join(d, x)))]
+        dirs[:] = [x for x in dirs if not _output_folder(os.path.join(d, x), _listed(os.path.join(d, x)))]
         yield d, fs
 
 

@@ -36,6 +36,20 @@ _BACKEND_FLAG = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_att
                  "flash_attention_2": "_supports_flash_attn", "flash_attention_3": "_supports_flash_attn"}
 
 
+def drop_router_logits(hf_config) -> bool:
+    """Turn an MoE config's `output_router_logits` off (config and text config); True where it was on. The router's
+    load-balancing loss is not trained here (the tiled loss uses the logits only, and a true changed nothing in what
+    trained), and the router logits cost memory: every layer's [tokens, experts], ~7.8 GB a rank for Hy3 at 1M
+    tokens, SP 8. Some configs ship it on (tencent/Hy3; TRL / Axolotl MoE fine-tunes save theirs): said, not refused."""
+    cfgs = {id(c): c for c in (hf_config, hf_config.get_text_config() if hasattr(hf_config, "get_text_config")
+                               else hf_config)}.values()
+    on = any(getattr(c, "output_router_logits", False) for c in cfgs)
+    for c in cfgs:
+        if getattr(c, "output_router_logits", False):
+            c.output_router_logits = False
+    return on
+
+
 def check_config(hf_config, attn: str, head_chunks: int | str = 1) -> None:
     """`check_supported` from the config alone, plus whether transformers has `attn` for this architecture
     (Gemma-2 has no sdpa path): train.py calls it before any heavy work, so a refusal is one line."""
@@ -74,10 +88,6 @@ def check_supported(model_or_config, attn: str, name: str | None = None, head_ch
            for c in (config, cfg)):  # Gemma / Gemma-3 / EmbeddingGemma's encoder mode; "vision" (Gemma-4) is causal on text
         raise ValueError(f"{name} ({cfg.model_type}): bidirectional attention (use_bidirectional_attention / is_causal "
                          "false) is not supported: documents are masked causally here; use a causal (decoder) config")
-    if any(getattr(c, "output_router_logits", False) for c in (config, cfg)):
-        raise ValueError(f"{name} ({cfg.model_type}): output_router_logits is true, but the router's load-balancing "
-                         "loss is not trained here (the tiled loss uses the logits only): set output_router_logits "
-                         "false in the model config")
     bad = sorted(set(getattr(cfg, "layer_types", None) or []) - set(LAYER_TYPES) - set(linear))
     if bad:
         raise ValueError(f"{name}: layer types {bad} are not supported (only {' / '.join(LAYER_TYPES)} layers are "

@@ -87,6 +87,11 @@ class Planner:
     def chunks(self, sp: int, cp: int) -> int:
         """--attention_head_chunks at this split: the largest valid count <= N (max: the largest)."""
         want = self.args.attention_head_chunks
+        if not self.shape.head_chunks_ok:  # a family chunks cannot run (planner/shapes.py): train.py refuses N > 1
+            if want not in ("max", 1, "1"):
+                raise ValueError(f"--attention_head_chunks {want}: {self.shape.model_type} cannot run its attention in "
+                                 "head chunks (planner/shapes.head_chunks_refusal): use 1, max or leave it")
+            return 1
         ok = head_chunk_choices(self.shape.num_heads, self.shape.num_kv_heads, sp // cp)
         return max(ok) if want == "max" else max(c for c in ok if c <= int(want))
 

@@ -238,8 +238,6 @@ def check_source(src: dict, a: argparse.Namespace, s: dict, world: int, rope: di
                              a.context_parallel_size)[1]
         check_layout(world, a.sequence_parallel_size, arch.num_attention_heads, arch.num_key_value_heads,
                      min(s["lengths"]), src["cp"], node)
-        for c in {id(x): x for x in (config, arch)}.values():  # the router's load-balancing loss: training's, not a
-            c.output_router_logits = False  # held-out cross-entropy's (training refuses it; evaluation drops it)
         check_config(config, src["attn"])
         stage_rope(arch, rope or None, "--rope" if rope else "rope", a.sequence_parallel_size)  # as it will run
     except ValueError as e:
@@ -409,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     from base.log import open_rank_log, print0, set_main
     from base.parallel import init_distributed
     from model_utils.build import load_hf_config, pick_attn_implementation
+    from model_utils.families import drop_router_logits
     from model_utils.rope import apply_rope
     from training.checkpoint import Checkpointer
     from training.preflight import check_network
@@ -436,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
             src["run_config"] = Checkpointer.read_trainer(src["path"]).get("config")
         else:
             config = load_hf_config(src["path"])
+        drop_router_logits(config)  # the load-balancing loss is training's; router logits only cost memory here
         apply_rope(config, rope, max(s["lengths"]))  # and the position table holds the longest length
         if settle:  # once, at the first model's call (train.py's start-up does the same: model_utils/attention_pick)
             from model_utils import attention_pick

@@ -189,6 +189,28 @@ def lock_warning(reports: list[dict], stale_s: float = STALE_LOCK_S) -> str | No
     return None
 
 
+def bound_build_waits(stale_s: float = STALE_LOCK_S) -> None:
+    """torch's wait for another process's op build (FileBaton.wait, cpp_extension.load) ends once the lock is older
+    than `stale_s`, with one line: it looped while the lock existed, so a build killed by a preemption and requeued
+    within `stale_s` (a warning at the start, not a refusal) hung the job to its time limit. Every rank, once; the
+    error is a crash (requeued), the next start refuses the lock as stale."""
+    from torch.utils import file_baton
+
+    def wait(self) -> None:
+        while os.path.exists(self.lock_file_path):
+            try:
+                age = time.time() - os.path.getmtime(self.lock_file_path)
+            except OSError:  # released meanwhile
+                break
+            if age > stale_s:
+                raise RuntimeError(f"torch-extensions build lock {self.lock_file_path} is {age / 60:.0f} min old: the "
+                                   "build holding it is gone; remove it (once no build of that op runs) or rerun "
+                                   "scripts/setup.sh")
+            time.sleep(self.wait_seconds)
+
+    file_baton.FileBaton.wait = wait
+
+
 def _memory_shortfall(reports: list[dict], need: dict | None) -> tuple[str, str] | None:
     """(what does not fit, the fix) for the first node whose ranks x need["bytes"] exceed the least memory its
     ranks may still use (report's mem_available: MemAvailable, or the job's cgroup headroom where that is less)."""
@@ -349,3 +371,4 @@ def preflight(cfg: Config, stages: list[Stage], dims: ParallelDims, arch, bf16: 
         return on
 
     cfg.async_save = comm.run_on_main(decide)  # rank 0's decision on every rank (`auto` resolved)
+    bound_build_waits()  # a young lock let through above: its wait ends when it turns stale

@@ -18,7 +18,7 @@ from base.parallel import ParallelDims, check_shared_output, init_distributed
 from base.run_lock import file_age, hold
 from model_utils import linear_attention
 from model_utils.build import load_hf_config, pick_attn_implementation
-from model_utils.families import check_config
+from model_utils.families import check_config, drop_router_logits
 from model_utils.hub import check_same_snapshot
 from training.config import Config, parse_config
 from training.curriculum import Stage, check_stages, gpus_per_node, resolve_stages
@@ -49,6 +49,9 @@ def load_run_config(argv: list[str] | None) -> tuple[Config, Model]:
     cfg = parse_config(argv)
     config = load_hf_config(cfg.model_name_or_path)
     attn = pick_attn_implementation(cfg.attn_implementation, planning=cfg.dry_run)
+    if drop_router_logits(config):
+        print0(f"note: {cfg.model_name_or_path}'s config asks for output_router_logits: the router's load-balancing loss "
+               "is not trained here (the loss is the logits' cross-entropy); turned off")
     # the architecture has this attention, it can be document-masked, and in this many head chunks
     check_config(config, attn, cfg.attention_head_chunks)
     bf16 = (torch.cuda.is_available() and not cfg.fp16) if cfg.bf16 is None else cfg.bf16

@@ -176,12 +176,17 @@ def test_loader_text_drops_a_utf8_bom(tmp_path):
     assert np.array_equal(_all(tmp_path / "out"), tok.encode("def f(x):\n    return x") + [tok.eos_id])
 
 
-@pytest.mark.parametrize("mark", ["RUN_LOCK", "checkpoints/LATEST", "manifest.json", "shard-00000-of-00001.json",
-                                  "plan-s00000.json"])
-def test_a_run_or_prepared_folder_inside_the_data_folder_is_skipped_and_said_once(tmp_path, monkeypatch, capsys, mark):
+@pytest.mark.parametrize("mark,text", [("RUN_LOCK", "host"), ("checkpoints/LATEST", "step_3"),
+                                       ("metrics.jsonl", '{"step": 1, "loss": 2.5}\n'),  # a finished run: lock gone
+                                       ("manifest.json", '{"format": "ulysses-longtrain/prepared-v1", "n_docs": 2}'),
+                                       ("shard-00000-of-00001.json", '{"chunks": [], "n_docs": 0}'),
+                                       ("plan-s00000.json", '{"units": [], "inputs": "x"}')])
+def test_a_run_or_prepared_folder_inside_the_data_folder_is_skipped_and_said_once(tmp_path, monkeypatch, capsys, mark,
+                                                                                  text):
     """`train.py --dataset_path D --output_dir D/run` worked once; every later start (a requeue) read the run's own
     metrics.jsonl, checkpoints/*/MANIFEST.json and eval/*.json as rows and exited 2 (not valid JSON). A subfolder
-    that is a run's output folder or a prepared folder is skipped, said once."""
+    that is a run's output folder or a prepared folder is skipped, said once; one that merely holds files of those
+    names (Beam's shard-00000-of-00001.json rows, an export's manifest.json) is data (the third review)."""
     from data import prepare as in_job
 
     monkeypatch.setattr(in_job, "CACHE", str(tmp_path / "cache"))
@@ -189,10 +194,17 @@ def test_a_run_or_prepared_folder_inside_the_data_folder_is_skipped_and_said_onc
     (data / "run" / "checkpoints" / "step_3").mkdir(parents=True)
     (data / "run" / "eval").mkdir()
     _write_jsonl(data / "a.jsonl", [[1, 2], [3]])
-    (data / "run" / mark).write_text("step_3")
+    (data / "run" / mark).write_text(text)
     (data / "run" / "checkpoints" / "step_3" / "MANIFEST.json").write_text('{"files": {}}')
     (data / "run" / "eval" / "stage0.json").write_text('{"loss": 1.0}')
-    (data / "run" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.5}\n')
+    if mark != "metrics.jsonl":
+        (data / "run" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.5}\n')
+        (data / "run" / "eval" / "stage0.json").unlink()
+        (data / "run" / "eval").rmdir()
+        (data / "run" / "checkpoints" / "step_3" / "MANIFEST.json").unlink()
+        (data / "run" / "checkpoints" / "step_3").rmdir()
+        if mark != "checkpoints/LATEST":
+            (data / "run" / "checkpoints").rmdir()
     for _ in range(2):
         assert [u.path for u in discover(str(data), flag="--dataset_path")] == [str(data / "a.jsonl")]
     out, _ = in_job.prepare_in_job(str(data), None, 100)
@@ -202,6 +214,18 @@ def test_a_run_or_prepared_folder_inside_the_data_folder_is_skipped_and_said_onc
     # --loader's own walk (a folder of .txt books with the run inside) leaves it out too
     (data / "book.txt").write_text("a book")
     assert sorted(u.path for u in discover(str(data), loader="text")) == [str(data / "a.jsonl"), str(data / "book.txt")]
+
+
+def test_files_named_as_ours_in_a_data_folder_are_data(tmp_path):
+    """Beam / TF write `shard-00000-of-00002.json` rows, export tools a manifest.json beside their data: read."""
+    data = tmp_path / "D"
+    for sub in ("ocr", "chat"):
+        (data / sub).mkdir(parents=True)
+    _write_jsonl(data / "ocr" / "shard-00000-of-00002.json", [[1, 2]])
+    _write_jsonl(data / "chat" / "train.jsonl", [[3]])
+    (data / "chat" / "manifest.json").write_text('{"files": ["train.jsonl"]}')
+    got = [u.path for u in discover(str(data), flag="--dataset_path")]
+    assert {str(data / "chat" / "train.jsonl"), str(data / "ocr" / "shard-00000-of-00002.json")} <= set(got), got
 
 
 def test_an_output_inside_an_input_folder_is_refused(tmp_path, capsys):

@@ -76,12 +76,23 @@ def test_gpt_bigcode_refused_under_sequence_parallelism():
 
 
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
-def test_router_logits_refused(model_type):
-    """output_router_logits: true asks for the load-balancing loss, which the tiled loss (logits only) never adds."""
+def test_router_logits_turned_off_and_said(model_type, tmp_path, capsys):
+    """output_router_logits: true asks for the load-balancing loss, which the tiled loss (logits only) never adds: it
+    trained nothing, cost every layer's router logits in memory, and was never said. Some configs ship it on
+    (tencent/Hy3): turned off at start-up with a note (refused, it would stop plain fine-tuning of such a model)."""
+    from model_utils.families import drop_router_logits
+    from training.startup import load_run_config
+
     moe = dict(num_local_experts=4, num_experts=4, num_experts_per_tok=2)
-    msg = one_line_refusal(tiny(model_type, **moe, output_router_logits=True), match="output_router_logits")
-    assert "set output_router_logits false" in msg
-    check_config(tiny(model_type, **moe, output_router_logits=False), "sdpa")
+    config = tiny(model_type, **moe, output_router_logits=True)
+    assert drop_router_logits(config) and not config.get_text_config().output_router_logits
+    assert not drop_router_logits(config)
+    config.output_router_logits = True
+    config.save_pretrained(tmp_path / "m")
+    _, model = load_run_config(["--model_name_or_path", str(tmp_path / "m"), "--output_dir", str(tmp_path / "o"),
+                                "--dataset_path", str(tmp_path), "--dry_run"])
+    assert not model.config.output_router_logits
+    assert "asks for output_router_logits" in capsys.readouterr().out
 
 
 def test_bidirectional_attention_refused():

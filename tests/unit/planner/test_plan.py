@@ -408,3 +408,21 @@ def test_compare_table_has_one_row_per_setup_and_the_published_figures():
     out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plan.py"), "--compare"], capture_output=True,
                          text=True, check=True).stdout.splitlines()
     assert out == table
+
+
+def test_a_family_head_chunks_cannot_run_is_planned_without_them(tmp_path, capsys):
+    """OLMo-2's q/k norm spans all heads: train.py refuses chunks for it, and `--attention_head_chunks max` planned 4
+    chunks and an SP degree that fit only with them (the third review). Planned with 1; an explicit N > 1 refused."""
+    from planner.presets import PRESETS
+
+    cfg = dict(PRESETS["llama3-8b"], model_type="olmo2", architectures=["Olmo2ForCausalLM"])
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    from planner.cluster import Planner
+    from planner.memory_model import Features
+
+    args = plan.build_parser().parse_args(["--model", str(tmp_path), "--seq_len", "1M", "--gpus_per_node", "8",
+                                           "--attention_head_chunks", "max"])
+    assert [Planner(args, load_shape(str(tmp_path)), Features()).chunks(sp, 1) for sp in (2, 4, 8)] == [1, 1, 1]
+    assert Planner(args, load_shape("llama3-8b"), Features()).chunks(4, 1) > 1  # a family that runs them
+    with pytest.raises(ValueError, match="--attention_head_chunks 4: olmo2 cannot run its attention in head chunks"):
+        plan.plan(["--model", str(tmp_path), "--seq_len", "1M", "--gpus_per_node", "8", "--attention_head_chunks", "4"])

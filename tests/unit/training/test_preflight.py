@@ -12,6 +12,8 @@ import os
 import resource
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -364,3 +366,25 @@ def test_train_stops_on_a_stale_lock_in_one_line(tmp_path):
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: stale torch-extensions build lock {ext}/cpu_adam/lock on "), last
     assert "Traceback" not in p.stderr
+
+
+def test_the_wait_for_a_young_lock_ends_when_it_turns_stale(tmp_path, monkeypatch):
+    """A build killed by a preemption and requeued within 30 min: the young lock is a warning, and torch's wait for it
+    looped while it existed: the job hung to its time limit (the third review). The wait now ends with one line once
+    the lock is older than the bound; a lock released meanwhile ends it quietly."""
+    from torch.utils.file_baton import FileBaton
+
+    from training import preflight
+
+    monkeypatch.setattr(FileBaton, "wait", FileBaton.wait)  # restored after the test
+    preflight.bound_build_waits(stale_s=60)
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    old = time.time() - 120
+    os.utime(lock, (old, old))
+    with pytest.raises(RuntimeError, match=r"build lock .*lock is 2 min old: the build holding it is gone"):
+        FileBaton(str(lock), wait_seconds=0.01).wait()
+    os.utime(lock, None)  # young: waited for until released
+    threading.Timer(0.1, lock.unlink).start()
+    FileBaton(str(lock), wait_seconds=0.01).wait()
+    assert not lock.exists()
