@@ -116,8 +116,9 @@ def render(results: dict) -> str:
              f"- **skipped** ({count['skipped']}): not a decoder-only text model, or no tiny config could be built.",
              "", "A real checkpoint of a listed type can still differ from its tiny config (other options of the same "
              "config class); the start-up checks read the real config. Options refused there whatever the type: "
-             "`output_router_logits: true` (the router's load-balancing loss is not trained here: set it false), "
-             "`use_bidirectional_attention: true` or `is_causal: false` (documents are masked causally).", "",
+             "`use_bidirectional_attention: true` or `is_causal: false` (documents are masked causally). "
+             "`output_router_logits: true` (tencent/Hy3 ships it) is turned off with a note: the router's "
+             "load-balancing loss is not trained here.", "",
              "`attention_head_chunks` > 1 (docs/attention.md) runs only for the types checked chunked against the "
              "unchunked model (2 chunks, loss and gradients; `planner.shapes.HEAD_CHUNK_MODEL_TYPES`): "
              f"{', '.join(f'`{t}`' for t in sorted(HEAD_CHUNK_MODEL_TYPES))}. For any other type `auto` keeps 1 and "
