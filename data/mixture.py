@@ -149,9 +149,12 @@ class MixtureSampler:
         """Realised token share of each component since the stage started (all DP ranks together)."""
         return {n: float(c) / max(1, self.drawn) for n, c in zip(self.names, self.counts)}
 
+    packing: str | None = None  # as data/sampler.ResumableSampler's
+
     def state_dict(self) -> dict:
         return {"drawn": self.drawn, "counts": self.counts.tolist(), "names": self.names, "sizes": self.sizes,
-                "seed": self.seed, "dp": self.dp, "micro_batch": self.mb}
+                "seed": self.seed, "dp": self.dp, "micro_batch": self.mb,
+                **({"packing": self.packing} if self.packing else {})}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue exactly after the saved draws (also under another DP degree or micro-batch: the global

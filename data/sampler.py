@@ -69,9 +69,12 @@ class ResumableSampler:
         """Per-component token shares (MixtureSampler's interface); empty: no mixture, one stream."""
         return {}
 
+    packing: str | None = None  # how an SFT stage's samples were packed (data/packing.ConvPack; a resume compares it)
+
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "taken": self.taken, "seed": self.seed, "dp": self.dp,
-                "micro_batch": self.mb, "num_samples": self.num_samples}
+                "micro_batch": self.mb, "num_samples": self.num_samples,
+                **({"packing": self.packing} if self.packing else {})}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from `state`; under another DP degree or batch size, at the same fraction of the epoch

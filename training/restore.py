@@ -448,6 +448,9 @@ def data_moved(saved: dict, now: dict, where: str = "") -> list[str]:
     count (data/sampler.py) or the mixture's component sizes (data/mixture.py), at any depth (replay, tasks)."""
     out = [f"{where}{k} {saved[k]} -> {now[k]}" for k in ("num_samples", "sizes")
            if k in saved and k in now and saved[k] != now[k]]
+    if "packing" in now and saved.get("packing") != now["packing"] and ("num_samples" in saved or "sizes" in saved):
+        out.append(f"{where}packing {saved.get('packing', 'best-fit-decreasing in stream order')} -> {now['packing']} "
+                   "(the same indices name other samples)")
     for k, v in saved.items():
         if isinstance(v, dict) and isinstance(now.get(k), dict):
             out += data_moved(v, now[k], f"{where}{k}.")

@@ -237,6 +237,7 @@ def test_sft_stage_resumes_exactly(tmp_path):
     for _ in range(3):
         sampler.next_batch()
     state = sampler.state_dict()
+    assert state["packing"] == "best-fit-decreasing, permuted"  # a resume across a packing change says it
     want = [ds[i] for _ in range(len(ds) // 4 + 2) for i in sampler.next_batch()]  # past the epoch's end
     ds2, resumed = view()
     resumed.load_state_dict(state)

@@ -151,3 +151,24 @@ def test_the_stage_check_comes_before_a_universal_conversion(tmp_path, monkeypat
         Checkpointer(str(tmp_path), keep=3).resume("auto", "h", "m", check=lambda st: check_resumed_stages(
             _stages("B256", "C256"), st))
     assert converted == []
+
+
+def test_a_resume_across_a_packing_change_says_so():
+    """An SFT stage's samples packed another way (the permuted packing of 2026-11-30): the same count, so nothing was
+    said, while the sampler's saved indices named other conversations (the third review: 574 of ~1,500 the same)."""
+    import numpy as np
+
+    from data.packing import ConvPack
+    from data.sampler import ResumableSampler
+    from training.restore import data_moved
+
+    lens = np.random.default_rng(0).integers(100, 4000, 400)
+    pack = ConvPack(None, None, np.concatenate([[0], np.cumsum(lens)[:-1]]), lens, 16 << 10, pad_id=0)
+    now = ResumableSampler(len(pack), 1, 0, 1, seed=0)
+    now.packing = pack.state_dict()["packing"]
+    before = {k: v for k, v in now.state_dict().items() if k != "packing"}  # a checkpoint of the code before
+    assert data_moved(before, now.state_dict()) == [
+        "packing best-fit-decreasing in stream order -> best-fit-decreasing, permuted (the same indices name other "
+        "samples)"]
+    assert data_moved(now.state_dict(), now.state_dict()) == []
+    assert data_moved({"num_samples": 5}, {"num_samples": 5}) == []  # text stages carry no packing
