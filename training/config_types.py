@@ -88,8 +88,20 @@ class _UniqueKeys(yaml.SafeLoader):
     word (`stages:` twice dropped the first list's stages, `max_steps` twice took the last). Merge keys (`<<: *base`)
     still merge: the keys written beside one override the merged ones, as YAML says."""
 
+    def flatten_mapping(self, node):  # before PyYAML merges an anchor's pairs into its node (a shallower merge of
+        self._unique(node)  # an anchor that holds a merge itself flattened it first: its merged key read as twice)
+        super().flatten_mapping(node)
+
     def construct_mapping(self, node, deep=False):
         if isinstance(node, yaml.MappingNode):
+            self._unique(node)
+        return super().construct_mapping(node, deep)
+
+    def _unique(self, node) -> None:
+        """Each mapping node checked once, as written (before any merge changed it)."""
+        checked = self.__dict__.setdefault("_checked", set())
+        if id(node) not in checked:
+            checked.add(id(node))
             seen: dict = {}
             for key_node, _ in node.value:
                 if key_node.tag == "tag:yaml.org,2002:merge":
@@ -103,7 +115,6 @@ class _UniqueKeys(yaml.SafeLoader):
                 if first is not None:
                     raise _DuplicateKey(f"key {key!r} given twice (lines {first} and {line}): YAML keeps only the "
                                         "last; keep one")
-        return super().construct_mapping(node, deep)
 
 
 def yaml_text(text: str, where: str):

@@ -337,6 +337,14 @@ def test_a_yaml_merge_key_still_overrides(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("stages:\n  - &base {name: a, max_seq_length: 64}\n  - <<: *base\n    name: b\n")
     assert [s.name for s in parse_config(["--config", str(recipe)]).stages] == ["a", "b"]
+    # an anchor that holds a merge itself, merged from a shallower node: PyYAML flattened it before its own check,
+    # its merged key read as given twice (the third review)
+    from training.config_types import yaml_text
+
+    got = yaml_text("common: &common {learning_rate: 1.0e-5, warmup_steps: 10}\n"
+                    "templates: {sft: {base: &base {<<: *common, warmup_steps: 20}}}\n"
+                    "stages: [{<<: *base, name: short}]\n", "r.yaml")
+    assert got["stages"] == [{"learning_rate": 1e-05, "warmup_steps": 20, "name": "short"}]
 
 
 @pytest.mark.parametrize("argv, text, where", [
