@@ -137,19 +137,20 @@ def _output_folder(d: str, names: list[str]) -> bool:
     return False
 
 
-def _listed(d: str) -> list[str]:
-    try:
-        return os.listdir(d)
-    except OSError:  # unreadable: os.walk passes it over as before
-        return []
-
-
-def _walk(root: str) -> Iterator[tuple[str, list[str]]]:
-    """(folder, its file names) below `root`, a run's or a preparation's output folder and what lies in it left out
-    (--loader's walk, as `_folder`'s)."""
+def _walk(root: str, flag: str | None = None) -> Iterator[tuple[str, list[str], list[str]]]:
+    """os.walk of `root` (folder, its subfolders, its file names), subfolders in order, its hidden subfolders and a
+    run's or a preparation's output folder (and what lies in it) left out; the latter said once where `flag` names
+    the input (`_folder`'s walk; --loader's too)."""
     for d, dirs, fs in os.walk(root):
-        dirs[:] = [x for x in dirs if not _output_folder(os.path.join(d, x), _listed(os.path.join(d, x)))]
-        yield d, fs
+        dirs[:] = sorted(x for x in dirs if not x.startswith("."))
+        if d != root and _output_folder(d, fs):
+            dirs[:] = []
+            if flag and d not in _SKIPPED:
+                _SKIPPED.add(d)
+                print0(f"{flag} {root}: skipping {os.path.relpath(d, root)}/, a run's output folder or a prepared "
+                       "folder, not data")
+            continue
+        yield d, dirs, fs
 
 
 def _folder(path: str, flag: str) -> list[str]:
@@ -160,15 +161,7 @@ def _folder(path: str, flag: str) -> list[str]:
     output folder or a prepared folder is skipped, said once (`--output_dir D/run` with `--dataset_path D` read the
     run's metrics.jsonl, MANIFEST.json and eval/*.json as rows at its requeue: refused as not valid JSON)."""
     files, other = [], []
-    for d, dirs, fs in os.walk(path):
-        dirs[:] = sorted(x for x in dirs if not x.startswith("."))
-        if d != path and _output_folder(d, fs):
-            dirs[:] = []
-            if d not in _SKIPPED:
-                _SKIPPED.add(d)
-                print0(f"{flag} {path}: skipping {os.path.relpath(d, path)}/, a run's output folder or a prepared "
-                       "folder, not data")
-            continue
+    for d, dirs, fs in _walk(path, flag):
         if d != path and is_hf_folder(d):
             files.append(d)
             dirs[:] = []
@@ -217,7 +210,7 @@ def _units(name: str, path: str, loader: str | None, flag: str) -> list[Unit]:
         if os.path.isfile(path):
             return [Unit(name or _stem(path), f"hf_load:{loader}", path)]
         # a folder's files as the other formats' (no metadata, one split), one source named after it
-        files = one_split(path, sorted(os.path.join(d, f) for d, fs in _walk(path) for f in fs
+        files = one_split(path, sorted(os.path.join(d, f) for d, _, fs in _walk(path) for f in fs
                                        if f not in NOT_DATA and not f.startswith(".")
                                        and not hidden(os.path.relpath(d, path))), flag)  # a snapshot's .cache/ too
         # inside the folder the loader's files stay its own (a source tree's package.json is code, not rows): only
