@@ -11,9 +11,13 @@ template writes only in the history (gpt-oss's <|end|>) is not one: the last rep
 
 from __future__ import annotations
 
+import functools
 
+
+@functools.lru_cache(maxsize=4)
 def _encoder(tokenizer_path: str | None, chat_template: str):
-    """The run's chat encoder as the preparation built it; None for a sentencepiece file, a refusal, or none."""
+    """The run's chat encoder as the preparation built it; None for a sentencepiece file, a refusal, or none. Built
+    once for the stops and the template both (a tokenizer load and the template's probes)."""
     import os
 
     if not tokenizer_path or not os.path.isdir(tokenizer_path):
