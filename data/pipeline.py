@@ -336,7 +336,7 @@ class RunData:
             sampler = ResumableSampler(len(dataset), dp, dp_rank, micro_batch, seed=seed + stage.index)
         packs = mix.parts if mix is not None and hasattr(mix, "parts") else [dataset]
         if any(isinstance(p, ConvPack) for p in packs):  # which packing the samples' indices name (a resume says a change)
-            sampler.packing = packs[0].state_dict()["packing"] if isinstance(packs[0], ConvPack) else "conversations"
+            sampler.packing = next(p for p in packs if isinstance(p, ConvPack)).state_dict()["packing"]
         cut = [p for p in packs if isinstance(p, ConvPack) and (p.truncated or p.dropped or p.split)]
         if cut:
             print0(f"stage {stage.index} ({stage.name}) at {stage.max_seq_length}: {sum(p.truncated for p in cut)} "
