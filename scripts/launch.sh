@@ -355,15 +355,50 @@ set -m
 launcher_pid=$!
 set +m
 
-known_ranks=""
+# A rank here dead of a signal without an exit of its own (the host's OOM killer, a segfault): this node's crash verdict
+# is `died` (LAUNCH_CRASH_FILE, read by slurm.sbatch; the others are written at the end). The signal, from the
+# launcher's code: deepspeed's launch.py exits with its first failed rank's -N (256 - N), a launcher killed itself
+# 128 + N, torchrun's summary (read from its output once the ranks are gone: a second call). Counted: ILL, BUS, FPE,
+# KILL, SEGV, never when this script was signalled (Slurm ending the step) before a rank here was gone (`early`,
+# below), never when every rank here recorded its own exit; not ABRT (NCCL's watchdog tears down a healthy rank whose
+# peer vanished with it, and so does a shutdown after a monitor's exit). Written at once: a node TERMed by srun (the
+# race below) has KillWait (30 s by default) before Slurm's SIGKILL, while its ranks may take minutes to leave.
+died=0
+died_verdict() {
+  local d=$death n
+  [ "$died" = 0 ] || return 0
+  case "$rc" in 0|"$EXIT_USAGE"|"$EXIT_PEER_LOST"|"$EXIT_PREEMPTED") return 0 ;; esac
+  if [ -z "$d" ] && [ "$rc" -ge 129 ] 2>/dev/null && [ "$rc" -le 255 ]; then
+    if [ "$rc" -ge 193 ]; then d=$((256 - rc)); else d=$((rc - 128)); fi
+  fi
+  n=$(find "$exit_dir" -maxdepth 1 -name 'rank*' 2>/dev/null | grep -c .)
+  case " 4 7 8 9 11 " in *" ${d:-x} "*) [ "$signalled$early" != 10 ] && [ "$n" -lt "$ranks_here" ] && died=1 ;; esac
+  [ "$died" = 1 ] || return 0
+  echo "launch.sh: a rank here died of signal $d without an exit of its own (the host's OOM killer, a segfault):" \
+    "this node's crash verdict is 'died'" >&2
+  [ -z "${LAUNCH_CRASH_FILE:-}" ] || echo died > "$LAUNCH_CRASH_FILE"
+}
+# early: a rank here was gone (reaped by its launcher) before any signal reached this script, for the crash verdict
+# below. A node whose rank the OOM killer took is usually TERMed by srun before its launcher returns: the launcher
+# waits for the other ranks there (deepspeed's launch.py gives them 30 s), while a healthy node's rank, its peer gone,
+# raises and its node exits first. Slurm's own SIGKILL comes KillWait after its TERM, never before. One `kill -0` a
+# rank a second; the process table is read only until every rank here has been seen.
+known_ranks="" early=0
 while kill -0 "$launcher_pid" 2>/dev/null; do
   [ "$pending" = 1 ] && forward
-  [ -n "$known_ranks" ] || known_ranks=$(rank_pids | paste -sd' ')
+  if [ "$signalled" = 0 ]; then
+    gone=0
+    for p in $known_ranks; do kill -0 "$p" 2>/dev/null || gone=1; done
+    [ "$signalled$gone" = 01 ] && early=1  # a signal that came meanwhile may have ended it: not counted
+    [ "$(wc -w <<< "$known_ranks")" -ge "$ranks_here" ] ||
+      known_ranks=$(printf '%s\n' $known_ranks $(rank_pids) | sort -un | paste -sd' ')
+  fi
   sleep 1 &
   wait $!  # a trapped signal interrupts this; the loop then checks again
 done
 wait "$launcher_pid"  # bash kept the status of the reaped launcher
 rc=$?
+died_verdict  # before this node waits for its ranks: Slurm's SIGKILL, KillWait after its TERM, may end this script
 case "$rc" in
   0|"$EXIT_USAGE"|"$EXIT_PREEMPTED") ;;
   *) # the launcher died of a signal before its ranks (SLURM signals every process): let them finish their save
@@ -388,9 +423,9 @@ if [ -n "$tee_pid" ]; then
     fi
   fi
   rm -f "$stderr_copy"
+  died_verdict  # torchrun's summary named the signal
 fi
 recorded=$(cat "$exit_dir"/rank* 2>/dev/null | sort -u | paste -sd' ')
-records=$(find "$exit_dir" -maxdepth 1 -name 'rank*' 2>/dev/null | grep -c .)
 # what the ranks here learned of the job's store as they left (base/watcher.py tell_launcher): the reason on record
 # (node 0 may have ended since, once every rank had read it), or that it was unreachable
 known=$(sed -n 's/^abort //p' "$exit_dir"/store* 2>/dev/null | head -n 1)
@@ -439,30 +474,19 @@ if [ "$node_store" = 1 ]; then
   if [ -n "$store_pid" ]; then kill -9 "$store_pid" 2>/dev/null; wait "$store_pid" 2>/dev/null; fi
 fi
 # Whether this node crashed on its own, for slurm.sbatch (LAUNCH_CRASH_FILE; a crash confined to one node is requeued
-# without it): `died` when a rank here died of a signal without an exit of its own (below), `first` when the job's first
+# without it): `died` when a rank here died of a signal without an exit of its own (died_verdict), `first` when the job's first
 # failure on record is this node's (a rank here raised first, or this launcher's post came first; with one node or no
 # job store: a rank here raised), `own` when a rank here raised too (its record a failure code) after another node's
 # first failure, nothing when the ranks here were stopped by it (the abort channel: a watcher's exit records nothing)
 # or by Slurm. A silent death (the host's OOM killer, a segfault) posts nothing in time: a healthy node's rank, its
 # peer gone ("Connection reset by peer"), raises and posts first, and that node would be the one excluded.
-# The signal, from the launcher's code: deepspeed's launch.py exits with its first failed rank's -N (256 - N), a
-# launcher killed itself 128 + N, torchrun's summary (above). Counted: ILL, BUS, FPE, KILL, SEGV, never when this
-# script was signalled (Slurm ending the step), never when every rank here recorded its own exit; not ABRT (NCCL's
-# watchdog tears down a healthy rank whose peer vanished with it, and so does a shutdown after a monitor's exit).
-if [ -z "$death" ] && [ "$rc" -ge 129 ] 2>/dev/null && [ "$rc" -le 255 ]; then
-  if [ "$rc" -ge 193 ]; then death=$((256 - rc)); else death=$((rc - 128)); fi
-fi
-died=0
-case " 4 7 8 9 11 " in *" ${death:-x} "*) [ "$signalled" = 0 ] && [ "$records" -lt "$ranks_here" ] && died=1 ;; esac
 if [ -n "${LAUNCH_CRASH_FILE:-}" ]; then
   case "$rc" in
     0|"$EXIT_USAGE"|"$EXIT_PEER_LOST"|"$EXIT_PREEMPTED") ;;
     *) raised=0
        for c in $recorded; do case "$c" in 0|"$EXIT_USAGE"|"$EXIT_PEER_LOST"|"$EXIT_PREEMPTED") ;; *) raised=1 ;; esac; done
-       if [ "$died" = 1 ]; then  # over a `first` a rank here wrote: its failure was this death's consequence
-         echo "launch.sh: a rank here died of signal $death without an exit of its own (the host's OOM killer, a" \
-           "segfault): this node's crash verdict is 'died'" >&2
-         echo died > "$LAUNCH_CRASH_FILE"
+       if [ "$died" = 1 ]; then  # written already, over a `first` a rank here wrote (this death's consequence)
+         :
        elif [ "$origin" = "$node_rank" ] || { [ "$node_store" = 0 ] && [ "$raised" = 1 ]; }; then
          echo first > "$LAUNCH_CRASH_FILE"
        elif [ "$raised" = 1 ] && [ "$(cat "$LAUNCH_CRASH_FILE" 2>/dev/null)" != first ]; then
