@@ -352,6 +352,9 @@ class ChatEncoder:
         if a <= shared and k:  # the messages before close differently when last: find the generation prompt
             a = self._header_after(conv, k, d, full, r.tools)
             shared = -1 if a is not None else shared
+        elif a < len(full) and full[a] in head.slice(a, len(head)) and int(full[a]) in self._added():
+            return None  # the history writes an added token the prompt has past `a` (DeepSeek-V3.2: `</think>`, the
+            # prompt `<think></think>`): a reply of calls alone (no text for _starts) was trained from that token
         return a if a is not None and shared < a < len(full) and self._starts(full, a, conv[k]) else None
 
     def _thinks(self) -> bool:

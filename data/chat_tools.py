@@ -75,6 +75,16 @@ def refuse_unrendered(enc, conv: list[dict], tools: list | None, turns: list[int
                            "template renders them, or drop them")
         return
     calls = [k for k, m in enumerate(conv) if m["role"] == "assistant" and m.get("tool_calls")]
+    systems = [k for k, m in enumerate(conv) if m["role"] == "system" and isinstance(m.get("content"), str)
+               and m["content"].strip()]
+    lost = _unmarked(enc, conv, systems, tools) or []  # one render of a row with a system message; a second where
+    if lost:  # one is lost: Mistral v0.3 writes it in the last user turn only when that turn is last (said later)
+        users = [k for k, m in enumerate(conv) if m["role"] == "user"]
+        lost = [k for k in _unmarked(enc, conv[:users[-1] + 1], lost, tools) or [] if k < users[-1]] if users else lost
+    for k in lost[:1]:
+        raise RowError(f"message {k} (system): {enc.name} does not render a system message (Phi-4-reasoning writes "
+                       "its own system prompt in its place), so the replies would be trained without the "
+                       "instructions they answer: drop the system message, or use a template that renders it")
     if not tools and not calls and not any(m["role"] in ("environment", "tool") or defs(m) for m in conv):
         return
     text = enc._text(conv, tools=tools)

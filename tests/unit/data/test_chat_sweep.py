@@ -131,6 +131,15 @@ def test_every_family_trains_exactly_its_replies_or_is_refused_in_one_line(table
     ("qwen3", "reasoning as `reasoning`", "trains: 1 earlier reply's"), ("gpt_oss", "reasoning as `reasoning`", "trains: 1"),
     ("glm46", "reasoning as `reasoning`", "trains: 1 earlier reply's"),
     ("llama31", "reasoning as `reasoning`", "refused: message 1 (assistant): llama31's template never renders its"),
+    # Seed-OSS: the history's header `<seed:bos>assistant` with no newline, the prompt's with one; <seed:think> on
+    # every reply; XML calls. Phi-4-reasoning ships its own markers and its own system prompt: a row's system
+    # message is never rendered, so its replies would train without the instructions they answer (they trained)
+    ("seed_oss", "multi-turn", "trains"), ("seed_oss", "reasoning", "trains"), ("seed_oss", "tool call", "trains"),
+    ("seed_oss", "tool call with text", "trains"), ("seed_oss", "tool list", "trains"),
+    ("phi4_reasoning", "multi-turn", "trains"), ("phi4_reasoning", "reasoning in the content", "trains"),
+    ("phi4_reasoning", "system", "refused: message 0 (system): phi4_reasoning's template does not render a system "
+                                 "message"),
+    ("mistral_v03", "system", "refused: none of the 2 assistant turn(s)"),  # rendered in the last user turn: not lost
 ])
 def test_issue_47_cases(table, family, case, want):
     assert table[family][case].startswith(want), table[family][case]
@@ -277,6 +286,35 @@ def test_the_templates_kept_as_shipped_are_the_shipped_text():
 
     fams = families()
     assert as_shipped(fams["llama4"]) == processing_llama4.chat_template
-    sizes = {"lfm2": 1349, "glm46": 3374, "deepseek_v31": 3357, "qwen3_coder": 6148, "gemma4": 16448}
+    sizes = {"lfm2": 1349, "glm46": 3374, "deepseek_v31": 3357, "qwen3_coder": 6148, "gemma4": 16448,
+             "seed_oss": 7705, "phi4_reasoning": 1658}
     assert {k: len(as_shipped(fams[k]).encode()) for k in sizes} == sizes
     assert "{{'<|im_start|>assistant<|im_sep|>' + message['content'] + '<|im_end|>'}}" in as_shipped(fams["phi4"])
+
+
+# DeepSeek-V3.2's way (llama.cpp's models/templates/deepseek-ai-DeepSeek-V3.2.jinja, thinking off): the history writes
+# `<｜Assistant｜></think>` before a reply, the generation prompt `<｜Assistant｜><think></think>`
+_V32 = ("{% for m in messages %}{% if m.role == 'user' %}<｜User｜>{{ m.content }}{% else %}<｜Assistant｜></think>"
+        "{{ m.content }}{% for c in m.tool_calls or [] %}<｜tool▁calls▁begin｜>{{ c.function.name }}"
+        "{{ c.function.arguments | tojson }}<｜tool▁calls▁end｜>"
+        "{% endfor %}<｜end▁of▁sentence｜>{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<｜Assistant｜><think></think>{% endif %}")
+
+
+def test_a_reply_of_calls_alone_is_not_trained_from_a_token_the_prompt_holds(tmp_path):
+    """A reply with text is not located there (its text does not follow the header); one of tool calls alone has no
+    text to check, and was trained from the history's `</think>`, a token the model never writes after its prompt."""
+    from transformers import AutoTokenizer
+
+    from data.chat import ChatEncoder, RowError
+    from data.chat_sweep import build_tokenizer
+    from data.tokenizer import Tokenizer
+
+    path = build_tokenizer(str(tmp_path), "deepseek_v31", families()["deepseek_v31"])
+    hf = AutoTokenizer.from_pretrained(path)
+    hf.chat_template = _V32
+    hf.save_pretrained(path)
+    enc = ChatEncoder(Tokenizer(path))
+    for conv in (CASES["multi-turn"][:2], CASES["tool call"][:2]):
+        with pytest.raises(RowError, match="could be located"):
+            enc.encode({"messages": conv})
