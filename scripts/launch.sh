@@ -4,7 +4,7 @@
 # 69 a peer was lost (a node, a rank, the job's store: requeue, without the lost node), 2 bad input, anything else
 # failed. docs/launch.md has the details.
 #
-#   scripts/launch.sh [--num_gpus N] -- TRAIN_ARGS...                            one node
+#   scripts/launch.sh [--num_gpus N | --include/--exclude localhost:IDS] -- TRAIN_ARGS...          one node
 #   scripts/launch.sh -H HOSTFILE [--include S | --exclude S] [--num_nodes N] -- TRAIN_ARGS...
 #                                                                  several nodes over pdsh (ssh), from node 0
 #   scripts/launch.sh --no_ssh --nnodes N --node_rank R --master_addr A [--master_port P] [--num_gpus G] -- ...
@@ -38,7 +38,7 @@ die() { echo "launch.sh: error: $*" >&2; exit "$EXIT_USAGE"; }
 
 # --- options ---
 num_gpus="" hostfile="" include="" exclude="" num_nodes="" launcher="" no_ssh=0 torchrun=0
-nnodes="" node_rank=0 master_addr="" master_port=29500 print_only=0
+nnodes="" node_rank=0 master_addr="" master_port=29500 print_only=0 act=""  # act: the hosts that run ranks, below
 while [ $# -gt 0 ]; do
   case "$1" in --*=*) set -- "${1%%=*}" "${1#*=}" "${@:2}" ;; esac  # --num_gpus=2 as deepspeed takes it
   case "$1" in
@@ -64,32 +64,57 @@ done
 [ -n "$include" ] && [ -n "$exclude" ] && die "--include and --exclude are mutually exclusive"
 [ "$no_ssh" = 1 ] && [ "$torchrun" = 1 ] && die "--no_ssh is a deepspeed launcher mode; --torchrun is the other launcher"
 [ -n "$hostfile" ] && [ ! -f "$hostfile" ] && die "hostfile $hostfile not found"
-case "$launcher" in openmpi|mvapich) die "--launcher $launcher starts the ranks without RANK (deepspeed's runner" \
-  "sets none there), which train.py refuses: use pdsh (the default), mpich, impi or slurm" ;; esac
+fix="use pdsh (the default), launch.sh --no_ssh on every node, or scripts/slurm.sbatch under SLURM"
+case "${launcher,,}" in ""|pdsh) ;;
+  mpich) die "--launcher mpich: deepspeed's launcher_helper.py drops each rank's exit code (75, 1, 2 all become 0): $fix" ;;
+  impi|slurm) die "--launcher $launcher starts the ranks without --local_rank= on their command line, so a save" \
+    "request (launch.sh's pkill -USR1 over pdsh) never reaches them: $fix" ;;
+  openmpi|mvapich) die "--launcher $launcher starts the ranks without RANK, which train.py refuses: $fix" ;;
+  *) die "--launcher $launcher is not a deepspeed launcher: $fix" ;;
+esac
 [ -n "$launcher" ] && { [ -z "$hostfile" ] || [ "$no_ssh" = 1 ] || [ "$torchrun" = 1 ]; } &&
   die "--launcher $launcher is deepspeed's multi-node runner, used with --hostfile only (it was dropped here: one" \
     "node, --no_ssh and --torchrun start the ranks themselves)"
-[ "$torchrun" = 1 ] && [ -n "$hostfile$include$exclude$num_nodes" ] &&
-  die "torchrun takes no hostfile: use --nnodes/--node_rank/--master_addr on every node"
+[ "$torchrun" = 1 ] && [ -n "$hostfile$include$exclude$num_nodes" ] && die "torchrun takes no hostfile, --include," \
+  "--exclude or --num_nodes: pick GPUs with CUDA_VISIBLE_DEVICES, nodes with --nnodes/--node_rank/--master_addr on each"
+[ -n "$hostfile" ] && [ "$no_ssh" = 0 ] && [ -n "$nnodes" ] && [ -z "$num_nodes" ] && num_nodes=$nnodes  # pdsh's word
+{ [ -n "$include" ] || [ -n "$exclude" ]; } && [ -n "$num_gpus$num_nodes" ] &&
+  die "--num_gpus/--num_nodes cannot be combined with --include/--exclude (the deepspeed launcher refuses)"
 host_lines() { { grep -v '^\s*#' "$hostfile" || true; } | sed 's/#.*//' | awk 'NF'; }  # as deepspeed reads a hostfile
-if [ -n "$hostfile" ] && [ "$no_ssh" = 0 ]; then  # pdsh: --nnodes means deepspeed's --num_nodes
-  [ -n "$nnodes" ] && [ -z "$num_nodes" ] && num_nodes=$nnodes
-elif [ -n "$hostfile" ] && [ "$no_ssh" = 1 ]; then  # --no_ssh with your hostfile: its lines are the nodes
-  lines=$(host_lines | wc -l)
-  [ "$lines" -gt 0 ] || die "hostfile $hostfile names no host (a line 'HOST slots=N' per node)"
-  if [ -z "$include$exclude$num_nodes" ]; then
-    [ -n "$nnodes" ] && [ "$nnodes" != "$lines" ] &&
-      die "--nnodes $nnodes but hostfile $hostfile has $lines hosts (deepspeed starts one node per line): drop --nnodes"
-    nnodes=$lines
-  else  # deepspeed filters the lines and checks --node_rank against what is left
-    nnodes=${num_nodes:-${nnodes:-$lines}}
-  fi
+# What deepspeed's runner runs on: its pool ("HOST slots=N" lines on stdin; $1 says whose) after --include/--exclude
+# (NAME[:SLOT[,SLOT]][@...]) and --num_nodes, "HOST RANKS" a line in the pool's order. A name or slot not in the pool,
+# or nothing left, is one line here (the runner: a traceback, or with --no_ssh an AssertionError after 20 s).
+active() {
+  awk -v inc="$include" -v exc="$exclude" -v top="${num_nodes:-0}" -v where="$1" '
+    function no(why) { print (inc exc == "" ? "" : inc == "" ? "--exclude " exc ": " : "--include " inc ": ") why; exit 1 }
+    { h[NR] = $1; n[$1] = match($0, /slots=[0-9]+/) ? substr($0, RSTART + 6, RLENGTH - 6) + 0 : 0; all = all " " $1 }
+    END { if (!NR) no(where " names no host (a line \047HOST slots=N\047 per node)")
+      k = split(inc exc, spec, "@")
+      for (i = 1; i <= k; i++) { name = spec[i]; sub(/:.*/, "", name); m = split(substr(spec[i], length(name) + 2), s, ",")
+        if (!(name in n)) no(name " is not a host of " where ": its hosts are" all)
+        for (j = 0; j < n[name] && !m; j++) pick[name, j] = 1
+        for (j = 1; j <= m; j++) if (s[j] !~ /^[0-9]+$/ || s[j] + 0 >= n[name])
+          no(name " has no slot " s[j] " in " where ": its slots are 0-" n[name] - 1); else pick[name, s[j] + 0] = 1 }
+      for (r = 1; r <= NR && (!top || left < top); r++) { c = 0
+        for (j = 0; j < n[h[r]]; j++) c += (inc exc == "") || ((inc != "") == ((h[r], j) in pick))
+        if (c) { out = out h[r] " " c "\n"; left++ } }
+      if (!left) no("nothing left to run on in " where)
+      if (top > left) no("--num_nodes " top " but " where " has " left " hosts"); printf "%s", out }'
+}
+if [ -n "$hostfile" ]; then
+  act=$(host_lines | active "hostfile $hostfile") || die "$act"
+  lines=$(wc -l <<< "$act")
+  [ "$no_ssh" = 0 ] || [ -z "$nnodes" ] || [ "$nnodes" = "$lines" ] || die "--nnodes $nnodes but hostfile $hostfile has" \
+    "$lines hosts${include:+ after --include}${exclude:+ after --exclude} (deepspeed starts one node per line): drop --nnodes"
+  [ "$no_ssh" = 0 ] || nnodes=$lines  # --no_ssh with your hostfile: the lines left are the nodes
+elif [ -n "$include$exclude" ] && [ "$no_ssh" = 1 ]; then
+  die "--include/--exclude with --no_ssh name the hosts of your hostfile: give -H HOSTFILE"
+elif [ "${num_nodes:-1}" != 1 ]; then
+  die "--num_nodes $num_nodes needs -H HOSTFILE (its first N hosts; --no_ssh and --torchrun take --nnodes)"
 elif [ "$no_ssh" = 0 ] && [ "$torchrun" = 0 ] && [ "${nnodes:-1}" != 1 ]; then
   die "--nnodes $nnodes needs -H HOSTFILE, --no_ssh or --torchrun"
 fi
-{ [ -n "$include" ] || [ -n "$exclude" ]; } && [ -n "$num_gpus$num_nodes" ] &&
-  die "--num_gpus/--num_nodes cannot be combined with --include/--exclude (the deepspeed launcher refuses)"
-nnodes=${nnodes:-1}
+nnodes=${nnodes:-1}; [ -n "$hostfile" ] || num_nodes=""  # --num_nodes 1 on one node: what it runs anyway
 # under an srun step of several tasks every task runs this script: one launcher per node, one world of them
 # (--no_ssh or --torchrun with --nnodes the step's tasks), else N separate runs would write one output folder
 tasks=${SLURM_STEP_NUM_TASKS:-1}
@@ -97,19 +122,14 @@ if [ "$tasks" -gt 1 ] 2>/dev/null && { [ "$no_ssh$torchrun" = 00 ] || [ "$nnodes
   die "this srun step runs $tasks copies of launch.sh: each would start a run of its own into one output folder; run one per node as one world (srun --ntasks-per-node=1 scripts/launch.sh --no_ssh --nnodes $tasks --node_rank \$SLURM_NODEID --master_addr NODE0 ...), or use scripts/slurm.sbatch"
 fi
 if [ "$no_ssh" = 1 ] || [ "$torchrun" = 1 ]; then
-  [ "$node_rank" -ge 0 ] && [ "$node_rank" -lt "$nnodes" ] || die "--node_rank $node_rank is not in [0, $nnodes)"
+  [ "$node_rank" -ge 0 ] && [ "$node_rank" -lt "$nnodes" ] || die "--node_rank $node_rank is not in [0, $nnodes)${act:+ (the nodes: $(cut -d' ' -f1 <<< "$act" | paste -sd' '))}"
   [ "$nnodes" = 1 ] || [ -n "$master_addr" ] || die "--nnodes $nnodes needs --master_addr (node 0's address)"
   master_addr=${master_addr:-127.0.0.1}  # one node (deepspeed would ssh to the hostfile's first host to find it)
 fi
 
 # --- environment: the accelerator, and what every node must see ---
-if [ -z "${DS_ACCELERATOR:-}" ]; then  # a value the user set wins
-  if command -v nvidia-smi >/dev/null 2>&1 && [[ $(nvidia-smi -L 2>/dev/null) == GPU* ]]; then
-    export DS_ACCELERATOR=cuda
-  else
-    export DS_ACCELERATOR=cpu
-  fi
-fi
+[ -n "${DS_ACCELERATOR:-}" ] || if command -v nvidia-smi >/dev/null 2>&1 && [[ $(nvidia-smi -L 2>/dev/null) == GPU* ]]
+  then export DS_ACCELERATOR=cuda; else export DS_ACCELERATOR=cpu; fi  # a value the user set wins
 num_gpus_given=${num_gpus:+1}
 if [ -z "$num_gpus" ] && [ -z "$hostfile" ]; then
   if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
@@ -120,15 +140,19 @@ if [ -z "$num_gpus" ] && [ -z "$hostfile" ]; then
     num_gpus=2  # on CPU each "GPU" is a process; the CPU recipes use SP=2
   fi
 fi
+if [ -z "$hostfile" ] && [ "$no_ssh$torchrun" = 00 ] && [ -n "$include$exclude" ]; then  # GPUs picked by id, one node
+  [ "$DS_ACCELERATOR" = cuda ] || die "--include/--exclude pick GPUs (localhost:ID,...); on CPU a rank is a process: give --num_gpus N"
+  [ -z "${CUDA_VISIBLE_DEVICES:-}" ] || die "CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES and --include/--exclude: the" \
+    "deepspeed runner then drops CUDA_VISIBLE_DEVICES (the ids are the machine's): use one of the two"
+  act=$(echo "localhost slots=$num_gpus" | active "this node (no -H)") || die "$act"
+  num_gpus=""  # the runner gets the filter instead, and applies it to its pool: this node's devices
+fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 # --- threads and cores per rank ---
-# Ranks on this node: --num_gpus, else its hostfile line's slots= (--no_ssh: line node_rank; pdsh nodes are alike:
-# the first), else 1.
-here=1
-[ "$no_ssh" = 1 ] && here=$((node_rank + 1))
-ranks_here=${num_gpus:-$( { [ -n "$hostfile" ] && host_lines | sed -n "${here}p" | grep -oE 'slots=[0-9]+' | cut -d= -f2; } ||
-                          true)}
+# Ranks on this node: --num_gpus, else its ranks after your filters (--no_ssh: host node_rank of those left; pdsh
+# nodes are alike: the first; one node: the GPUs picked), else 1.
+ranks_here=${num_gpus:-$(sed -n "$((no_ssh ? node_rank + 1 : 1))p" <<< "$act" | cut -d' ' -f2)}
 ranks_here=${ranks_here:-1}
 cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # the CPUs this process may run on (cgroup/cpuset aware)
 [ -n "${OMP_NUM_THREADS:-}" ] || export OMP_NUM_THREADS=$(( cores / ranks_here > 0 ? cores / ranks_here : 1 ))
@@ -154,8 +178,7 @@ esac
 bind_args=()
 if [ "$bind" = 1 ]; then
   bind_args=(--bind_cores_to_rank)
-  # the CPUs this process may use (SLURM's cgroup, taskset), the ones `cores` counted: without a list the launcher
-  # deals out physical cores 0..N-1 of the whole machine, outside a cpuset too
+  # the CPUs `cores` counted (SLURM's cgroup, taskset): without a list the launcher deals out the machine's cores 0..N-1
   allowed=$(awk '/^Cpus_allowed_list:/ {print $2}' /proc/self/status 2>/dev/null || true)
   [ -n "$allowed" ] && bind_args+=(--bind_core_list "$allowed")
 fi
@@ -202,28 +225,20 @@ elif [ "$no_ssh" = 1 ]; then
     for ((i = 0; i < nnodes; i++)); do echo "node$i slots=$num_gpus" >> "$tmp"; done
     mv -f "$tmp" "$hostfile"
   fi
+  # with your hostfile's filters, which deepspeed applies before it takes this node's line
   cmd=("$DEEPSPEED" --hostfile "$hostfile" --no_ssh --node_rank "$node_rank" --master_addr "$master_addr"
-       --master_port "$master_port")
-  # your hostfile's filters, which deepspeed applies before it takes this node's line
-  [ -n "$include" ] && cmd+=(--include "$include")
-  [ -n "$exclude" ] && cmd+=(--exclude "$exclude")
-  [ -n "$num_nodes" ] && cmd+=(--num_nodes "$num_nodes")
-  [ -n "$num_gpus_given" ] && cmd+=(--num_gpus "$num_gpus")
-  cmd+=(${bind_args[@]+"${bind_args[@]}"} "$TRAIN_SCRIPT" "$@")
+       --master_port "$master_port" ${include:+--include "$include"} ${exclude:+--exclude "$exclude"}
+       ${num_nodes:+--num_nodes "$num_nodes"} ${num_gpus_given:+--num_gpus "$num_gpus"} ${bind_args[@]+"${bind_args[@]}"} "$TRAIN_SCRIPT" "$@")
 elif [ -n "$hostfile" ]; then
   mode=pdsh
-  cmd=("$DEEPSPEED" --hostfile "$hostfile")
-  [ -n "$include" ] && cmd+=(--include "$include")
-  [ -n "$exclude" ] && cmd+=(--exclude "$exclude")
-  [ -n "$num_nodes" ] && cmd+=(--num_nodes "$num_nodes")
-  [ -n "$num_gpus" ] && cmd+=(--num_gpus "$num_gpus")
-  [ -n "$launcher" ] && cmd+=(--launcher "$launcher")
-  [ -n "$master_addr" ] && cmd+=(--master_addr "$master_addr")
-  cmd+=(--master_port "$master_port" "$TRAIN_SCRIPT" "$@")
-elif [ -n "${CUDA_VISIBLE_DEVICES:-}" ] && [ -z "$num_gpus_given" ]; then
-  # without --num_gpus the runner turns CUDA_VISIBLE_DEVICES into --include localhost:<those ids>;
-  # with it, it would use devices 0..N-1 whatever was selected
-  cmd=("$DEEPSPEED" --master_port "$master_port" ${bind_args[@]+"${bind_args[@]}"} "$TRAIN_SCRIPT" "$@")
+  cmd=("$DEEPSPEED" --hostfile "$hostfile" ${include:+--include "$include"} ${exclude:+--exclude "$exclude"}
+       ${num_nodes:+--num_nodes "$num_nodes"} ${num_gpus:+--num_gpus "$num_gpus"} ${launcher:+--launcher "$launcher"}
+       ${master_addr:+--master_addr "$master_addr"} --master_port "$master_port" "$TRAIN_SCRIPT" "$@")
+elif [ -z "$num_gpus_given" ] && [ -n "${CUDA_VISIBLE_DEVICES:-}$include$exclude" ]; then
+  # your GPUs: --include/--exclude as given; without --num_gpus the runner turns CUDA_VISIBLE_DEVICES into --include
+  # localhost:<those ids> (with it, it would use devices 0..N-1 whatever was selected)
+  cmd=("$DEEPSPEED" ${include:+--include "$include"} ${exclude:+--exclude "$exclude"} --master_port "$master_port"
+       ${bind_args[@]+"${bind_args[@]}"} "$TRAIN_SCRIPT" "$@")
 else
   cmd=("$DEEPSPEED" --num_gpus "$num_gpus" --master_port "$master_port" ${bind_args[@]+"${bind_args[@]}"} "$TRAIN_SCRIPT" "$@")
 fi
@@ -258,16 +273,6 @@ catches_usr1() {  # has the rank installed its SIGUSR1 handler yet? (bit 10-1 of
   local mask
   mask=$(awk '/^SigCgt:/ {print $2}' "/proc/$1/status" 2>/dev/null) && [ -n "$mask" ] && (( 0x$mask & 0x200 ))
 }
-remote_hosts() {  # pdsh mode: the hosts the job runs on (enough precision to send a signal)
-  local hosts
-  hosts=$(grep -v '^\s*#' "$hostfile" | awk 'NF {print $1}')
-  if [ -n "$include" ]; then hosts=$(tr '@' '\n' <<< "$include" | cut -d: -f1); fi
-  if [ -n "$exclude" ]; then
-    hosts=$(grep -vxF -f <(tr '@' '\n' <<< "$exclude" | grep -v :) <<< "$hosts" || true)
-  fi
-  [ -n "$num_nodes" ] && hosts=$(head -n "$num_nodes" <<< "$hosts")
-  paste -sd, <<< "$hosts"
-}
 forward() {  # SIGUSR1 to every local rank that listens for it; stays pending until all of them do
   local p ranks="" waiting=0
   for p in $(rank_pids); do
@@ -277,7 +282,7 @@ forward() {  # SIGUSR1 to every local rank that listens for it; stays pending un
   [ -n "$ranks" ] && kill -USR1 $ranks 2>/dev/null && echo "launch.sh: SIGUSR1 sent to ranks$ranks" >&2
   if [ "$mode" = pdsh ] && [ "$pending" = 1 ]; then
     # '[0-9]' keeps the remote shell that runs pkill from matching its own command line
-    pdsh -w "$(remote_hosts)" "pkill -USR1 -f '$TRAIN_SCRIPT --local_rank=[0-9]'" >&2 || true
+    pdsh -w "$(cut -d' ' -f1 <<< "$act" | paste -sd,)" "pkill -USR1 -f '$TRAIN_SCRIPT --local_rank=[0-9]'" >&2 || true
   fi
   if [ "$mode" = pdsh ] || { [ -n "$ranks" ] && [ "$waiting" = 0 ]; }; then pending=0; fi
 }
@@ -294,10 +299,7 @@ on_signal() {
   pending=1
   forward
 }
-trap 'on_signal TERM' TERM
-trap 'on_signal INT' INT
-trap 'on_signal USR1' USR1
-trap 'on_signal USR2' USR2
+for s in TERM INT USR1 USR2; do trap "on_signal $s" "$s"; done
 
 tee_pid="" death=""
 if [ "$mode" = torchrun ]; then  # torchrun reports every failing worker as 1: keep its summary to read the codes
@@ -307,9 +309,9 @@ if [ "$mode" = torchrun ]; then  # torchrun reports every failing worker as 1: k
 else
   exec 3>&2
 fi
-# The launcher gets its own process group (a terminal's Ctrl-C reaches only this script) and ignores
-# SIGUSR1 and SIGUSR2; the ranks inherit the "ignore" until train.py installs its handler, so an early signal is
-# harmless (it stays pending here until they listen).
+# The launcher gets its own process group (a terminal's Ctrl-C reaches only this script) and ignores SIGUSR1 and
+# SIGUSR2; the ranks inherit the "ignore" until train.py's first line records them (training/job.py; it stays pending
+# here until then), and ranks started without it (ssh, slurmstepd) record them from that line too.
 # several nodes started one by one (--no_ssh, as slurm.sbatch does): node 0's launcher hosts the job's store, so a
 # node whose ranks die before they can speak (an import error) still ends every node: base/node_store.py
 store_pid="" node_store=0

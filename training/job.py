@@ -6,6 +6,13 @@ Exit codes (base/exits.py has the table): 0 done, 1 failure (traceback in OUTPUT
 (requeue and `--resume auto`). A failing rank posts its
 failure on the abort channel (base/comm.py) first, so every other rank stops within seconds instead of waiting in
 a collective; every rank records its code where scripts/launch.sh reads it.
+
+From its first line a rank records SIGUSR1/SIGUSR2 (a save request) instead of dying of them: ssh (pdsh mode) and
+slurmstepd (`srun python train.py`, `scancel --signal=USR1` without --batch) start it with their default action,
+terminate, and training/preemption.PreemptionFlag.install() comes only after the process group, the resume lookup and
+the data (minutes at scale). install() takes a recorded one as received. SIGTERM is not recorded: before the flag a
+rank has nothing to save, and the launchers that send it (deepspeed's launch.py and torchrun tearing down after a
+rank's exit) SIGKILL 30 s later; dying of it at once keeps the -15 launch.sh reads as "failed on nobody's account".
 """
 
 from __future__ import annotations
@@ -20,6 +27,27 @@ from base.exits import EXIT_FAILED, EXIT_OK, EXIT_PEER_LOST, EXIT_PREEMPTED, EXI
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout: "our own code" lives below it
 
 
+_EARLY: list[int] = []  # save requests received before PreemptionFlag.install(), in order
+
+
+def record_early_signals() -> None:
+    """SIGUSR1/SIGUSR2 are recorded from here on until PreemptionFlag.install() (training/preemption.py) takes them
+    (main thread only: elsewhere Python installs no handler)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(s, lambda signum, frame: _EARLY.append(signum))  # no I/O in a handler
+
+
+def early_signals() -> list[int]:
+    """The save requests recorded since record_early_signals(), oldest first; each is handed out once."""
+    got = list(_EARLY)
+    del _EARLY[: len(got)]
+    return got
+
+
 class Requeue(Exception):
     """Stop before doing work and be requeued (exit 75), raised on every rank from one decision (rank 0's, broadcast):
     e.g. a universal conversion that cannot finish before the job's end (training/universal.py)."""
@@ -28,6 +56,7 @@ class Requeue(Exception):
 def run_job(main: Callable[[], int]) -> int:
     """Run `main` as one rank of a job; returns its exit code after leaving the abort channel and recording the
     code (an exception becomes 1, or 2 for the user's input, after the others were told; Requeue 75)."""
+    record_early_signals()  # first: a save request during start-up must not kill the rank (module docstring)
     from base.env import configure
 
     # DeepSpeed's JIT ops from this checkout's cache, which scripts/setup.sh built, for every entry through here (not
@@ -75,7 +104,7 @@ def launcher_refusal(env) -> str | None:
     if mpi and "RANK" not in env and env.get("SLURM_STEP_NUM_TASKS") != env[mpi]:  # srun --mpi=pmi2 is one task a
         # rank (the sizes agree); mpirun under Slurm starts one daemon a node (the step's tasks: the node count)
         return (f"started by MPI ({mpi}={env[mpi]}) without RANK / MASTER_ADDR: each process would be a world of one "
-                "on one GPU; launch with deepspeed (--launcher pdsh / mpich / impi), torchrun, srun or scripts/launch.sh")
+                "on one GPU; launch with deepspeed (its pdsh launcher), torchrun, srun or scripts/launch.sh")
     return None
 
 

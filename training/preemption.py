@@ -5,6 +5,10 @@ slurm.sbatch then stops instead of requeueing; a rank saves the same) and SIGINT
 that got no signal still stops with the others, so all ranks save the same step and exit together with
 EXIT_PREEMPTED, which launch scripts read as "requeue me".
 
+A save request (SIGUSR1/SIGUSR2) that comes before the flag is installed (during the start-up: the process group, the
+resume lookup, the data; minutes at scale) is recorded from the rank's first line (training/job.py) and taken at
+install(), the same as one received after it: ssh and slurmstepd start the ranks with its default action, terminate.
+
 A file works as a signal too (OUTPUT_DIR/PREEMPT): launchers do not forward SIGUSR1 to their children,
 so scripts/slurm.sbatch traps SLURM's warning in the batch shell and touches this file on the shared
 file system. Rank 0 alone looks for it (and alone removes it when a run starts): another node may still see
@@ -199,8 +203,14 @@ class PreemptionFlag:
         self._previous = {}
 
     def install(self) -> PreemptionFlag:
+        """Handle the signals from now on, and take those a rank recorded since its first line (training/job.py
+        record_early_signals: a save request during start-up) as received, in the order they came."""
+        from training.job import early_signals
+
         for s in SIGNALS:
             self._previous[s] = signal.signal(s, self._handler)
+        for signum in early_signals():  # after the handlers: one that comes between is this flag's own
+            self._handler(signum, None)
         return self
 
     def _handler(self, signum, frame) -> None:  # no I/O, no collectives: just remember it

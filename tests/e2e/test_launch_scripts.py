@@ -38,8 +38,8 @@ from tests.e2e.launchers import (
      f"{DS} --hostfile hosts --include w0@w1:0,1 --master_port 29400 {TRAIN} --max_steps 3"),
     (["-H", "hosts", "--exclude", "w1", "--master_addr", "10.0.0.1"],
      f"{DS} --hostfile hosts --exclude w1 --master_addr 10.0.0.1 --master_port 29500 {TRAIN} --max_steps 3"),
-    (["-H", "hosts", "--nnodes", "1", "--launcher", "mpich"],
-     f"{DS} --hostfile hosts --num_nodes 1 --launcher mpich --master_port 29500 {TRAIN} --max_steps 3"),
+    (["-H", "hosts", "--nnodes", "1", "--launcher", "pdsh"],
+     f"{DS} --hostfile hosts --num_nodes 1 --launcher pdsh --master_port 29500 {TRAIN} --max_steps 3"),
     (["--no_ssh", "--nnodes", "2", "--node_rank", "1", "--master_addr", "10.0.0.1", "--num_gpus", "8"],
      f"{DS} --hostfile TMP/ulysses_hostfile.{os.getuid()}.2x8 --no_ssh --node_rank 1 --master_addr 10.0.0.1 "
      f"--master_port 29500 --num_gpus 8 {TRAIN} --max_steps 3"),
@@ -407,8 +407,8 @@ def test_srun_python_starts_one_world(tmp_path):
 def test_a_launcher_option_it_would_drop_is_one_line(tmp_path, opts):
     """`--launcher X` was passed on only with a hostfile (deepspeed's pdsh runner): elsewhere it was dropped,
     the job launched otherwise than asked, exit 0."""
-    p = launch(["--print-only", *opts, "--launcher", "mpich", "--", "--x"], tmp_path, DS_ACCELERATOR="cpu")
-    assert p.returncode == 2 and "--launcher mpich is deepspeed's multi-node runner" in p.stderr, p.stderr
+    p = launch(["--print-only", *opts, "--launcher", "pdsh", "--", "--x"], tmp_path, DS_ACCELERATOR="cpu")
+    assert p.returncode == 2 and "--launcher pdsh is deepspeed's multi-node runner" in p.stderr, p.stderr
     assert len(p.stderr.strip().splitlines()) == 1
     # openmpi / mvapich: deepspeed's runner sets no RANK there, which train.py refuses: said before pdsh or mpirun
     hosts = tmp_path / "hosts"

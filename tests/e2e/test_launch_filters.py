@@ -1,0 +1,151 @@
+"""scripts/launch.sh's --include/--exclude/--num_nodes and --launcher, checked before anything starts (`--print-only`,
+stand-ins; no rank is started). `deepspeed --include localhost:4,5,6,7` is how users pick GPUs on a shared box: on one
+node launch.sh dropped the filter and ran on every GPU. A host or slot the hostfile lacks was the runner's traceback (or
+with --no_ssh an AssertionError after 20 s). --launcher mpich lost every exit code (75, 1, 2 became 0) and impi/slurm
+ranks never got a save request."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from tests.e2e.launchers import DS, LAUNCH, STUBS, TRAIN, clean_env, launch, needs_2_cpus, wait_for
+from training.job import launcher_refusal
+
+CORES = len(os.sched_getaffinity(0))
+
+
+def eight_gpus(tmp_path) -> str:
+    """PATH with an nvidia-smi that lists 8 GPUs (DS_ACCELERATOR left to launch.sh: cuda)."""
+    (tmp_path / "bin").mkdir(exist_ok=True)
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nfor i in 0 1 2 3 4 5 6 7; do echo \"GPU $i: NVIDIA H100 (UUID: x)\"; done\n")
+    smi.chmod(0o755)
+    return f"{tmp_path / 'bin'}:{os.environ['PATH']}"
+
+
+def refused(p: subprocess.CompletedProcess, *words: str) -> bool:
+    return p.returncode == 2 and p.stdout == "" and len(p.stderr.splitlines()) == 1 and all(w in p.stderr for w in words)
+
+
+@pytest.mark.parametrize("opts, ranks", [
+    (["--include", "localhost:1"], 1), (["--include", "localhost:4,5,6,7"], 4), (["--exclude", "localhost:0"], 7)])
+def test_one_node_runs_on_the_gpus_picked(tmp_path, opts, ranks):
+    p = launch(["--print-only", *opts, "--", "--x"], tmp_path, PATH=eight_gpus(tmp_path), OMP_NUM_THREADS=None)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.endswith(f" {DS} {' '.join(opts)} --master_port 29500 {TRAIN} --x\n"), p.stdout
+    assert f" OMP_NUM_THREADS={max(1, CORES // ranks)} " in p.stdout, p.stdout  # this node's ranks: the GPUs picked
+
+
+@pytest.mark.parametrize("opts, env, words", [
+    (["--include", "localhost:8"], {}, ["localhost has no slot 8", "0-7"]),
+    (["--include", "gpu1"], {}, ["gpu1 is not a host of this node", "localhost"]),
+    (["--exclude", "localhost"], {}, ["nothing left to run on"]),
+    (["--include", "localhost:1"], {"CUDA_VISIBLE_DEVICES": "4,5"}, ["CUDA_VISIBLE_DEVICES=4,5 and --include"]),
+    (["--include", "localhost:1"], {"DS_ACCELERATOR": "cpu"}, ["on CPU a rank is a process: give --num_gpus N"]),
+    (["--torchrun", "--include", "localhost:1"], {}, ["torchrun takes no", "CUDA_VISIBLE_DEVICES"]),
+    (["--no_ssh", "--include", "localhost:1"], {}, ["with --no_ssh name the hosts of your hostfile"]),
+    (["--num_nodes", "2"], {}, ["--num_nodes 2 needs -H HOSTFILE"]),
+])
+def test_one_node_filters_it_cannot_honour_are_one_line(tmp_path, opts, env, words):
+    p = launch(["--print-only", *opts, "--", "--x"], tmp_path, PATH=eight_gpus(tmp_path), **env)
+    assert refused(p, *words), p.stdout + p.stderr
+
+
+def test_num_nodes_1_on_one_node_is_what_it_runs_anyway(tmp_path):
+    p = launch(["--print-only", "--num_nodes", "1", "--", "--x"], tmp_path, PATH=eight_gpus(tmp_path))
+    assert p.returncode == 0 and p.stdout.endswith(f" {DS} --num_gpus 8 --master_port 29500 {TRAIN} --x\n"), p.stderr
+
+
+@pytest.mark.parametrize("opts, words", [
+    (["-H", "hf2", "--include", "hC"], ["--include hC: hC is not a host of hostfile hf2: its hosts are hA hB"]),
+    (["-H", "hf2", "--include", "hA:3"], ["--include hA:3: hA has no slot 3 in hostfile hf2: its slots are 0-0"]),
+    (["-H", "hf2", "--exclude", "hA@hB"], ["nothing left to run on"]),
+    (["-H", "hf2", "--num_nodes", "3"], ["--num_nodes 3 but hostfile hf2 has 2 hosts"]),
+    (["--no_ssh", "-H", "hf2", "--include", "hA", "--node_rank", "1", "--master_addr", "a"],
+     ["--node_rank 1 is not in [0, 1) (the nodes: hA)"]),  # deepspeed: an AssertionError after 20 s
+    (["--no_ssh", "-H", "hf2", "--exclude", "hB", "--nnodes", "2", "--master_addr", "a"],
+     ["--nnodes 2 but hostfile hf2 has 1 hosts after --exclude"]),
+])
+def test_a_host_or_slot_the_hostfile_lacks_is_one_line(tmp_path, opts, words):
+    (tmp_path / "hf2").write_text("hA slots=1\nhB slots=1\n")
+    p = launch(["--print-only", *opts, "--", "--x"], tmp_path, DS_ACCELERATOR="cpu")
+    assert refused(p, *words), p.stdout + p.stderr
+
+
+@needs_2_cpus
+@pytest.mark.parametrize("opts", [["--include", "hB"], ["--no_ssh", "--exclude", "hA", "--node_rank", "0"]])
+def test_this_nodes_ranks_are_counted_after_the_filter(tmp_path, opts):
+    """OMP_NUM_THREADS = CPUs / the ranks here: hB's slots, not the hostfile's first line's."""
+    (tmp_path / "hf").write_text(f"hA slots=1\nhB slots={2 * CORES}\n")
+    p = launch(["--print-only", "-H", "hf", *opts, "--", "--x"], tmp_path, DS_ACCELERATOR="cpu", OMP_NUM_THREADS=None)
+    assert p.returncode == 0 and " OMP_NUM_THREADS=1 " in p.stdout, p.stdout + p.stderr
+
+
+FILTERS = [("", ""), ("w1", ""), ("w1:0,3@w0", ""), ("w0:1@w0:0", ""), ("", "w1"), ("", "w1:0,1,2,3"), ("", "w0:1@w2"),
+           ("w2:0@w1:2", ""), ("w3", ""), ("w1:4", ""), ("", "w2:1"), ("", "w0@w1@w2")]
+
+
+@pytest.mark.parametrize("include, exclude", FILTERS)
+def test_the_hosts_and_ranks_are_deepspeeds(include, exclude):
+    """launch.sh's reading of a filter (its `active`) against the runner's own (parse_inclusion_exclusion)."""
+    import collections
+
+    from deepspeed.launcher.runner import parse_inclusion_exclusion
+
+    pool = collections.OrderedDict(w0=2, w1=4, w2=1)
+    try:
+        theirs = [f"{h} {len(s)}" for h, s in parse_inclusion_exclusion(pool, include, exclude).items()] or None
+    except ValueError:
+        theirs = None
+    with open(LAUNCH) as fh:
+        text = fh.read()
+    fn = text[text.index("\nactive() {") + 1:text.index("\n}\n", text.index("\nactive() {")) + 2]
+    p = subprocess.run(["bash", "-c", f'{fn}\ninclude="$1" exclude="$2" num_nodes=""; printf "%s slots=%s\\n" w0 2 w1 4 '
+                        f'w2 1 | active "hostfile X"', "-", include, exclude], capture_output=True, text=True)
+    assert (p.stdout.splitlines() if p.returncode == 0 else None) == theirs, p.stdout
+
+
+@pytest.mark.parametrize("launcher, why", [
+    ("mpich", "drops each rank's exit code (75, 1, 2 all become 0)"),
+    ("impi", "without --local_rank= on their command line, so a save request"),
+    ("slurm", "without --local_rank= on their command line, so a save request"),
+    ("openmpi", "without RANK"),
+])
+def test_deepspeed_launchers_that_lose_the_code_or_the_signal_are_refused(tmp_path, launcher, why):
+    (tmp_path / "hosts").write_text("n0 slots=2\nn1 slots=2\n")
+    p = launch(["--print-only", "-H", "hosts", "--launcher", launcher, "--", "--x"], tmp_path, DS_ACCELERATOR="cpu")
+    assert refused(p, f"--launcher {launcher}", why, "use pdsh (the default)", "scripts/slurm.sbatch"), p.stderr
+    assert "mpich" not in p.stderr.replace("--launcher mpich", "") and "impi" not in p.stderr.replace("launcher impi", "")
+    assert "mpich" not in launcher_refusal({"PMI_SIZE": "4"})  # train.py's own refusal recommends none of them
+
+
+def test_a_save_request_goes_over_pdsh_to_the_hosts_left_after_the_filter(tmp_path):
+    """pdsh mode: launch.sh's first SIGTERM becomes `pdsh -w <the filter's hosts> pkill -USR1 ...` (a pdsh stand-in
+    logs it; the deepspeed runner is tests/stubs/fake_launch); hB, whose one slot is excluded, runs nothing."""
+    (tmp_path / "hf").write_text("hA slots=2\nhB slots=1\nhC slots=1\n")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "pdsh").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/pdsh.log\n')
+    (tmp_path / "bin" / "pdsh").chmod(0o755)
+    log = tmp_path / "fake.log"
+    p = subprocess.Popen([LAUNCH, "-H", "hf", "--exclude", "hB:0", "--", "--x"], cwd=tmp_path, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         env=clean_env(PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}", DS_ACCELERATOR="cpu",
+                                       DEEPSPEED=os.path.join(STUBS, "fake_launch"), FAKE_LOG=str(log),
+                                       FAKE_EXIT="wait"))
+    try:
+        wait_for(lambda: log.exists() and "ready" in log.read_text(), 30, "the launcher stand-in")
+        p.send_signal(signal.SIGTERM)
+        wait_for(lambda: (tmp_path / "pdsh.log").exists(), 30, "the pdsh stand-in")
+        for _ in range(2):  # the second SIGINT: SIGTERM to the launcher, which then exits 75
+            p.send_signal(signal.SIGINT)
+            time.sleep(1.0)  # apart: two at once are one pending signal
+        out = p.communicate(timeout=30)[0]
+    finally:
+        p.kill()
+    sent = (tmp_path / "pdsh.log").read_text().splitlines()  # one a signal: the SIGTERM's, the first SIGINT's
+    assert sent and set(sent) == {f"-w hA,hC pkill -USR1 -f '{TRAIN} --local_rank=[0-9]'"}, out

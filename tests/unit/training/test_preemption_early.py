@@ -1,0 +1,65 @@
+"""A save request (SIGUSR1/SIGUSR2) during a rank's start-up is kept, in every launch mode. ssh (launch.sh -H: pdsh)
+and slurmstepd (`srun python train.py`, `scancel --signal=USR1` without --batch) start each rank with SIGUSR1's
+default action, terminate, and train.py installed its handler only after the process group, the resume lookup and the
+data (minutes at scale): a request then killed every rank (exit 246, no save, no 75). Now run_job records it from its
+first line and PreemptionFlag.install() takes it as received: the same flag, the same agreed stop at the first check.
+One process; a sentinel handler stands in for the default action (which would end pytest)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from training import job, preemption
+from training.preemption import PreemptionFlag
+
+USR = (signal.SIGUSR1, signal.SIGUSR2)
+
+
+@pytest.fixture
+def handlers():
+    """The sentinel in place of the default action; this process' own handlers back afterwards."""
+    before = {s: signal.getsignal(s) for s in USR}
+    died: list[int] = []
+    for s in USR:
+        signal.signal(s, lambda signum, frame: died.append(signum))
+    getattr(job, "early_signals", list)()  # nothing left over from another test
+    yield died
+    for s, h in before.items():
+        signal.signal(s, h)
+    getattr(job, "early_signals", list)()
+
+
+@pytest.mark.parametrize("sig", USR, ids=["USR1", "USR2"])
+def test_a_save_request_during_start_up_is_a_stop_at_the_first_check(monkeypatch, handlers, sig):
+    monkeypatch.setenv("RANK", "0")  # a world of one: run_job leaves the environment alone
+    monkeypatch.delenv("LAUNCH_EXIT_DIR", raising=False)
+    monkeypatch.setattr(preemption.comm, "rank", lambda group=None: 0)
+    monkeypatch.setattr(preemption.comm, "all_reduce", lambda values, op="sum", group=None: torch.tensor(values))
+    seen = {}
+
+    def main() -> int:
+        os.kill(os.getpid(), sig)  # while the rank starts: before the flag exists
+        flag = PreemptionFlag().install()  # train.py's stop_flag, minutes later
+        try:
+            seen.update(received=flag.received, stopping=flag.agreed(), window=flag.window_left_s)
+        finally:
+            flag.uninstall()
+        return job.EXIT_PREEMPTED if flag.stopping else job.EXIT_OK
+
+    assert job.run_job(main) == job.EXIT_PREEMPTED
+    assert handlers == []  # the default action's stand-in never ran: the rank would have died of it
+    assert seen == {"received": sig, "stopping": True, "window": None}  # a full save: no kill window
+
+
+def test_a_recorded_request_is_taken_once(handlers):
+    job.record_early_signals()
+    os.kill(os.getpid(), signal.SIGUSR1)
+    first = PreemptionFlag().install()
+    first.uninstall()
+    second = PreemptionFlag().install()  # a flag of a later stage or test: nothing left to take
+    second.uninstall()
+    assert (first.received, second.received, handlers) == (signal.SIGUSR1, None, [])
