@@ -1,8 +1,8 @@
 """Export a committed checkpoint to a Hugging Face folder (config.json + sharded safetensors).
 
 The fp32 master weights are consolidated from the ZeRO-3 shards on disk (DeepSpeed's zero_to_fp32) and
-written straight to safetensors, without building the model, so this runs in one process without a
-process group and without a second copy of the weights:
+written to safetensors with the model built on the meta device only (no weights: hub_layout), so this runs in one
+process without a process group and without a second copy of the weights:
 
     python scripts/export_hf.py checkpoints/RUN            # newest valid checkpoint -> checkpoints/RUN/hf_model
 
@@ -10,7 +10,15 @@ What a user loads afterwards is what they would generate with: `use_cache` on (t
 the model's config; an export carrying that off made `generate()` recompute the whole prompt per token: 23 s
 against 3 s for 40 new tokens after a 2,000-token prompt on the demo's export, an audit measured), and the base
 model's `generation_config.json` (an Instruct model's list of end-of-turn ids, its sampling defaults) copied from
-the folder the run started from, where it has one.
+the folder the run started from, where it has one; its `output_router_logits` too (training turns it off:
+model_utils/families.drop_router_logits).
+
+The weights are written in the layout transformers' own save_pretrained writes (hub_layout): transformers 5 fuses an
+MoE's experts in memory (Qwen3-MoE's `mlp.experts.gate_up_proj`, one 3-D tensor) and reverts that on save
+(`mlp.experts.N.gate_proj.weight` ...), which is what transformers 4.x, vLLM's per-expert loaders and converters read.
+They are written in the run's training precision by default (`dtype="auto"`: bf16 for a bf16 run, as save_pretrained
+of a bf16 model writes; half the fp32 size, 16 GB for 8B) or as asked (fp32 keeps the master weights exactly), and
+config.json says so in `dtype` and in `torch_dtype` (what transformers before 4.56 reads).
 
 The folder written is replaced whole (a new one built beside it, then swapped in). So that a typo cannot delete a
 user's folder, an existing `out_dir` is replaced only where it is the run's own (`owned`: RUN/hf_model) or a
@@ -22,9 +30,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 MARKER = "export.json"  # written into every export: which checkpoint it came from
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype (besides auto) -> torch's name
 
 
 def check_out(out_dir: str, checkpoint: str, owned: bool = False) -> None:
@@ -78,6 +88,102 @@ def add_stops(path: str, config, stops: list[int]) -> list[int]:
     return added
 
 
+def base_config(source: str | None) -> dict:
+    """The raw config.json of the folder the run started from (its --model_name_or_path: a folder, or a hub id in
+    the local cache); {} where there is none (a preset, a model no longer there)."""
+    if not source:
+        return {}
+    from model_utils.build import resolve_model
+
+    try:
+        with open(os.path.join(resolve_model(source, weights=False), "config.json")) as fh:
+            got = json.load(fh)
+    except (ValueError, OSError):
+        return {}
+    return got if isinstance(got, dict) else {}
+
+
+def restore_router_logits(config, base: dict) -> None:
+    """`output_router_logits` back on (config and text config) where the base's config.json had it on: training
+    turns it off (model_utils/families.drop_router_logits: the load-balancing loss is not trained here), and an
+    export carrying that off changed what a user fine-tuning it further trains."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    base_text = base.get("text_config") if isinstance(base.get("text_config"), dict) else base
+    for c, raw in ((config, base), (text, base_text)):
+        if raw.get("output_router_logits") is True and hasattr(c, "output_router_logits"):
+            c.output_router_logits = True
+
+
+def trained_in(checkpoint: str) -> str | None:
+    """torch's name of the precision the run trained in, from the DeepSpeed config its engine saved in the
+    checkpoint (rank 0's model-states file: small under ZeRO-3, the weights are in the optimizer states); None where
+    it has none. Not hf_config.json's dtype: a run's first stage loads the base with from_pretrained, which copies
+    the config, so that records the base's dtype (a bf16 base trained in fp32 on CPU said bfloat16)."""
+    import glob
+
+    import torch
+
+    files = sorted(glob.glob(os.path.join(checkpoint, "*_model_states.pt")))
+    if not files:
+        return None
+    ds = torch.load(files[0], map_location="cpu", weights_only=False).get("ds_config") or {}
+    half = [name for key, name in (("bf16", "bfloat16"), ("bfloat16", "bfloat16"), ("fp16", "float16")) if (ds.get(key) or {}).get("enabled")]
+    return half[0] if half else "float32"
+
+
+def export_dtype(config, dtype: str, checkpoint: str | None = None) -> str:
+    """torch's name of the dtype to write: `dtype` (bf16, fp16, fp32) or, for auto, the run's training precision
+    (trained_in; where the checkpoint does not say, hf_config.json's dtype)."""
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype}: not one of auto, {', '.join(DTYPES)}")
+    if dtype != "auto":
+        return DTYPES[dtype]
+    ran = (checkpoint and trained_in(checkpoint)) or str(getattr(config, "dtype", None) or "").removeprefix("torch.")
+    return ran if ran in ("bfloat16", "float16") else "float32"
+
+
+def hub_layout(config, state: dict) -> dict:
+    """`state` (the parameters as transformers 5 holds them in memory) in the layout its save_pretrained writes:
+    transformers' own revert_weight_conversion, on the model built on the meta device (no weights) from `config`
+    (the conversions are looked up by its class and model type). A family without conversions (the dense ones) is
+    returned as given, same keys, same order, same tensors. Cost at scale: the experts split off a fused tensor are
+    copies (safetensors saves no part of a storage), so it runs one layer at a time, popping that layer's tensors from
+    `state`: the extra memory is one layer's experts (Qwen3-30B-A3B: 128 x 3 x 768 x 2048 x 4 B = 2.4 GB fp32, half
+    that in bf16), not a second copy of the model; the export runs on one rank only."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers before 5: what it holds in memory is what it saves
+        return state
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):  # the class model_utils/build.py trains
+        model = AutoModelForCausalLM.from_config(config)
+    order = list(state)
+    layers: dict[str, list[str]] = {}
+    for k in order:  # no conversion spans layers (experts are merged within one)
+        m = re.match(r"(.*?\.layers\.\d+)\.", k)
+        layers.setdefault(m.group(1) if m else "", []).append(k)
+    out: dict = {}
+    for keys in layers.values():
+        for k, v in revert_weight_conversion(model, {k: state.pop(k) for k in keys}).items():
+            # an expert split off a fused tensor is a view of it: safetensors refuses to save part of a storage
+            out[k] = v if v.untyped_storage().nbytes() == v.numel() * v.element_size() else v.clone()
+    return {k: out[k] for k in order} if set(out) == set(order) else out
+
+
+def legacy_dtype(path: str) -> None:
+    """config.json at `path` also with `torch_dtype` beside transformers 5's `dtype` (top level and text config):
+    transformers before 4.56 reads only torch_dtype, and loaded a bf16 export as fp32 (twice the memory)."""
+    with open(path) as fh:
+        d = json.load(fh)
+    for c in (d, d.get("text_config")):
+        if isinstance(c, dict) and c.get("dtype"):
+            c["torch_dtype"] = c["dtype"]
+    with open(path, "w") as fh:
+        json.dump(d, fh, indent=2, sort_keys=True)
+
+
 def sentencepiece_ids(path: str) -> tuple[int | None, int | None, int | None]:
     """(bos, eos, pad) of a sentencepiece model file, None where it has none: what the run's documents were ended
     with (data/tokenizer.py), so what generation must stop on (the preset's 1 / 2 named <unk> / <s> in the demo's)."""
@@ -129,7 +235,7 @@ def legacy_rope(path: str) -> None:
 
 def export_hf(checkpoint: str, out_dir: str, tokenizer_path: str | None = None, source: str | None = None,
               owned: bool = False, stops: list[int] | None = None, identity: str | None = None,
-              template: str | None = None) -> str:
+              template: str | None = None, dtype: str = "auto") -> str:
     """Write `checkpoint` (its fp32 master weights, its last stage's RoPE) to `out_dir`; `source` is the run's
     --model_name_or_path (its generation_config.json is copied); `identity`: the checkpoint's content hash (its
     manifest's SHA-256), recorded beside its path (a branch writes a new step_N under the old name); `stops`: ids
@@ -137,8 +243,13 @@ def export_hf(checkpoint: str, out_dir: str, tokenizer_path: str | None = None, 
     end-of-turn a chat SFT trained: data/chat_stops.py), added to generation_config.json's eos_token_id. Checks
     `out_dir` first (check_out). `template`: the chat template a chat SFT's rows were rendered with where the
     tokenizer's own default is another (the ChatML default of a base tokenizer, a forced or named template): the
-    exported tokenizer carries it, or a server renders prompts in a format the model was never tuned on."""
+    exported tokenizer carries it, or a server renders prompts in a format the model was never tuned on. `dtype`: the
+    weights' dtype on disk (export_dtype: auto is the run's training precision). A symlinked `out_dir` is written
+    where it points (the link kept)."""
     check_out(out_dir, checkpoint, owned)
+    if dtype != "auto":
+        export_dtype(None, dtype)  # the one-line refusal of an unknown one, before any work
+    import torch
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from huggingface_hub import save_torch_state_dict
     from transformers import AutoConfig
@@ -147,6 +258,9 @@ def export_hf(checkpoint: str, out_dir: str, tokenizer_path: str | None = None, 
         fields = json.load(fh)
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)  # carries the last stage's RoPE
     config.use_cache = True  # training runs without the KV cache (model_utils/build.py); generation wants it
+    restore_router_logits(config, base_config(source))
+    written = export_dtype(config, dtype, checkpoint)
+    config.dtype = getattr(torch, written)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     rope = dict(getattr(text, "rope_parameters", None) or {})
     if rope.get("rope_type") in ("yarn", "longrope") and rope.get("factor") and rope.get("original_max_position_embeddings"):
@@ -164,11 +278,19 @@ def export_hf(checkpoint: str, out_dir: str, tokenizer_path: str | None = None, 
     state = get_fp32_state_dict_from_zero_checkpoint(root, tag=tag)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # tied to the input embeddings; transformers re-ties on load
-    tmp = out_dir.rstrip("/") + ".export-tmp"
+    for k in list(state):  # one tensor at a time: each fp32 one is freed as its cast replaces it (no second copy)
+        if state[k].is_floating_point():
+            state[k] = state[k].to(config.dtype)
+    state = hub_layout(config, state)
+    # a symlinked hf_model (or --out): written where it points; rmtree leaves a link in place, and replacing it with
+    # the new folder failed (ENOTDIR) after the whole run, and at every restart
+    out = os.path.realpath(out_dir)
+    tmp = out + ".export-tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     config.save_pretrained(tmp)
     legacy_rope(os.path.join(tmp, "config.json"))
+    legacy_dtype(os.path.join(tmp, "config.json"))
     save_torch_state_dict({k: v.contiguous() for k, v in state.items()}, tmp, max_shard_size="5GB",
                           safe_serialization=True)
     if gen := generation_config(source):
@@ -183,9 +305,16 @@ def export_hf(checkpoint: str, out_dir: str, tokenizer_path: str | None = None, 
         if template:
             tok.chat_template = template
         tok.save_pretrained(tmp)
+        # a sentencepiece folder's own files, verbatim: a fast tokenizer writes tokenizer.json only, and a loader
+        # without the conversion (sentencepiece, llama.cpp's converter, a slow tokenizer) needs tokenizer.model
+        for name, always in (("tokenizer.model", True), ("special_tokens_map.json", False)):
+            src = os.path.join(tokenizer_path, name)
+            if os.path.isfile(src) and (always or not os.path.exists(os.path.join(tmp, name))):
+                shutil.copy(src, os.path.join(tmp, name))
     with open(os.path.join(tmp, MARKER), "w") as fh:
         json.dump({"checkpoint": os.path.abspath(checkpoint), "manifest_sha256": identity, "source": source,
-                   "generation_config": gen, "added_stops": added, "trained_template": bool(template)}, fh, indent=1)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
+                   "generation_config": gen, "added_stops": added, "trained_template": bool(template),
+                   "dtype": written}, fh, indent=1)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
     return out_dir

@@ -1,12 +1,14 @@
 """Convert a saved run (or one checkpoint) to a Hugging Face folder loadable by AutoModelForCausalLM.
 
-    python scripts/export_hf.py checkpoints/RUN [--checkpoint CKPT] [--out DIR]
+    python scripts/export_hf.py checkpoints/RUN [--checkpoint CKPT] [--out DIR] [--dtype auto|bf16|fp32]
     python scripts/export_hf.py checkpoints/RUN/checkpoints/step_000300     # one checkpoint, as evaluate.py takes it
 
 CKPT: a checkpoint folder (checkpoints/RUN/checkpoints/step_000300) or a stage's marker
 (checkpoints/RUN/checkpoints/STAGE_1_s512: the model as that stage ended). --out defaults to RUN/hf_model
 (RUN/hf_model_<step> for a checkpoint older than the run's newest); another folder that exists is replaced only when
-it is a previous export (model_utils/export.check_out).
+it is a previous export (model_utils/export.check_out). --dtype: the weights on disk; auto (the default, as train.py's
+own export) is the run's training precision: bf16 for a bf16 run (as save_pretrained of a bf16 model writes; half the
+size), fp32 to keep the fp32 master weights exactly.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint", default=None, help="a checkpoint folder or a STAGE_* marker (default: newest valid)")
     p.add_argument("--out", default=None, help="output folder (default: RUN/hf_model for the run's newest checkpoint, "
                    "RUN/hf_model_<step> for an older one)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
+                   help="the weights' dtype on disk (default auto: the run's training precision, bf16 for a bf16 run; "
+                   "fp32: the fp32 master weights, twice the size)")
     a = p.parse_args(argv)
     first = a.run_dir.rstrip("/")
     if os.path.isfile(os.path.join(first, MANIFEST)) or os.path.basename(first).startswith("STAGE_"):
@@ -80,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     template = trainer.get("trained_template")
     try:
         out = export_hf(path, a.out or default, trainer.get("tokenizer"), source=cfg.get("model_name_or_path"),
-                        owned=owned, stops=stops, identity=manifest_sha256(path), template=template)
+                        owned=owned, stops=stops, identity=manifest_sha256(path), template=template, dtype=a.dtype)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

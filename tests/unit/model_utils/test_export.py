@@ -75,7 +75,7 @@ def test_a_checkpoint_named_first_is_exported_from_its_run(tmp_path, monkeypatch
     seen = {}
     monkeypatch.setattr(export.Checkpointer, "verify", lambda self, path: None)
     monkeypatch.setattr(export.Checkpointer, "read_trainer", staticmethod(lambda path: {"tokenizer": None}))
-    monkeypatch.setattr(export, "export_hf", lambda path, out, tok, source=None, owned=False, stops=None, identity=None, template=None: seen.update(
+    monkeypatch.setattr(export, "export_hf", lambda path, out, tok, source=None, owned=False, stops=None, identity=None, template=None, dtype="auto": seen.update(
         path=path, out=out, owned=owned) or out)
     assert export.main([str(ck)]) == 0
     assert seen == {"path": str(ck), "out": str(tmp_path / "run" / "hf_model"), "owned": True}
@@ -154,12 +154,14 @@ def test_an_older_checkpoint_is_exported_beside_the_runs_hf_model(tmp_path, monk
     monkeypatch.setattr(export.Checkpointer, "verify", lambda self, path: None)
     monkeypatch.setattr(export.Checkpointer, "read_trainer", staticmethod(lambda path: {
         "tokenizer": None, "reply_stops": [5], "trained_template": "{{ 'ChatML' }}"}))
-    monkeypatch.setattr(export, "export_hf", lambda path, out, tok, source=None, owned=False, stops=None, identity=None, template=None: seen.update(
-        out=out, stops=stops, template=template) or out)
+    monkeypatch.setattr(export, "export_hf", lambda path, out, tok, source=None, owned=False, stops=None, identity=None, template=None, dtype="auto": seen.update(
+        out=out, stops=stops, template=template, dtype=dtype) or out)
     assert export.main([str(run / "checkpoints" / "step_000175")]) == 0
     assert seen["out"] == str(run / "hf_model_step_000175")
     assert seen["stops"] == [5]  # the stops the run recorded in its checkpoint, as train.py's own export adds them
     assert seen["template"] == "{{ 'ChatML' }}"  # the template its rows were rendered with (the ChatML default)
+    assert seen["dtype"] == "auto"  # the run's training precision, as train.py's own export writes
+    assert export.main([str(run / "checkpoints" / "step_000175"), "--dtype", "fp32"]) == 0 and seen["dtype"] == "fp32"
     assert export.main([str(run / "checkpoints" / "step_000200")]) == 0 and seen["out"] == str(run / "hf_model")
     # `--checkpoint checkpoints/STAGE_0_s512` as docs/checkpoints.md writes it: the run's, from any folder (it was
     # read against the working directory: "not a complete checkpoint (no such folder)")
