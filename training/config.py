@@ -115,7 +115,8 @@ class Config:
     time_limit_s: float = 0.0  # stop, save, exit 75 before this many seconds from train.py's start (SLURM_JOB_END_TIME wins)
     dist_timeout_s: float = 1800.0  # collective timeout of the training process group (NCCL watchdog)
     report_to: str = "auto"  # auto (wandb if installed) | wandb | none
-    wandb_project: str = "ulysses-longtrain"
+    wandb_project: str | None = None  # None: WANDB_PROJECT, else ulysses-longtrain (a flag or recipe key wins)
+    run_name: str | None = None  # the W&B run's name; None: WANDB_NAME, else the output dir's basename
     progress_bar: bool = True
     export_hf: bool = True  # write OUTPUT_DIR/hf_model at the end
     dry_run: bool = False  # validate and print the plan (stages, memory per rank), no training

@@ -5,9 +5,10 @@ A command written for the HF Trainer (the seed guide's `deepspeed --num_gpus=32 
 --learning_rate 2e-5 --num_train_epochs 1`) runs here as written. Most names are this project's own already
 (`per_device_train_batch_size`, `gradient_accumulation_steps`, `learning_rate`, `weight_decay`, `max_grad_norm`,
 `max_steps`, `warmup_steps`, `save_steps`, `save_total_limit`, `output_dir`, `seed`, `bf16`, `fp16`, `deepspeed`,
-`gradient_checkpointing`, `report_to`); the others are mapped where they mean the same (ALIASES, `num_train_epochs`,
-`warmup_ratio`, `do_train`/`do_eval`, `logging_steps 1`, `per_device_eval_batch_size 1`) and refused in one line
-naming this project's flag where they do not (REFUSED). Never silently ignored.
+`gradient_checkpointing`, `report_to`, `run_name`: the W&B run's name); the others are mapped where they mean the
+same (ALIASES, `num_train_epochs`, `warmup_ratio`, `do_train`/`do_eval`, `logging_steps 1`,
+`per_device_eval_batch_size 1`) and refused in one line naming this project's flag where they do not (REFUSED).
+Never silently ignored.
 
 `num_train_epochs` as the Trainer means it: a stage without its own `max_steps`/`max_tokens` trains that many epochs
 over its packed training samples, `max(1, ceil(epochs x batches_per_epoch / gradient_accumulation_steps))` optimizer
@@ -55,7 +56,6 @@ REFUSED = {
     "adam_epsilon": "set eps in the DeepSpeed JSON's optimizer block (--deepspeed)",
     "lr_scheduler_kwargs": "use --lr_scheduler cosine|linear|constant, --warmup_steps and --min_lr",
     "dataloader_num_workers": "samples are read from the memory-mapped prepared folder in the training process",
-    "run_name": "the wandb run is named by --output_dir (--wandb_project sets the project)",
     "push_to_hub": "the run exports OUTPUT_DIR/hf_model (--export_hf); push that folder yourself",
     "hub_model_id": "the run exports OUTPUT_DIR/hf_model (--export_hf); push that folder yourself",
     "torch_compile": "not supported under Ulysses SP here",

@@ -1,15 +1,19 @@
 """Metrics and console output: one rank-0 print helper, metrics.jsonl, Weights & Biases, progress bar.
 
 W&B runs offline unless the user configured it (WANDB_MODE or WANDB_API_KEY set): there is no network
-on the machines this was built on. The run id comes from the checkpoint so a resumed job continues the
-same W&B run.
+on the machines this was built on. An online start that cannot reach the server (a compute node without
+network, WANDB_API_KEY exported in ~/.bashrc) gives up after INIT_TIMEOUT_S and logs offline, said in one line.
+The run id comes from the checkpoint so a resumed job continues the same W&B run; WANDB_RUN_ID, WANDB_PROJECT,
+WANDB_NAME and WANDB_DIR are honoured where no checkpoint or flag says otherwise.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import sys
+import time
 import uuid
 
 import torch
@@ -82,39 +86,81 @@ def wandb_enabled(report_to: str) -> bool:
     return True
 
 
+DEFAULT_PROJECT = "ulysses-longtrain"  # --wandb_project left unset and no WANDB_PROJECT
+INIT_TIMEOUT_S = 30  # an online W&B start that has not reached the server by then logs offline: every rank waits for
+# rank 0 meanwhile (each start, each requeue), so short; W&B's own default, 90 s, with its retries, took ~2 min.
+# WANDB_INIT_TIMEOUT set: W&B's reading of it wins
+ETA_WINDOW = 20  # steps whose mean wall-clock time (saves included) gives the log line's ETA
+
+
 class MetricsLogger:
     """Rank 0 appends one JSON line per event to OUTPUT_DIR/metrics.jsonl and mirrors it to W&B."""
 
-    def __init__(self, output_dir: str, is_main: bool, report_to: str, project: str, run_id: str | None,
+    def __init__(self, output_dir: str, is_main: bool, report_to: str, project: str | None, run_id: str | None,
                  config: dict, total_steps: int, progress_bar: bool, resume_step: int = 0, branch: bool = False):
         self.is_main = is_main
         self.path = os.path.join(output_dir, "metrics.jsonl")
         self.wandb = None
         self.run_id = run_id
         self.bar = None
+        self.total_steps = total_steps
+        self._ticks: collections.deque = collections.deque(maxlen=ETA_WINDOW + 1)  # (stage, monotonic time) per step
         self.eval_dir = os.path.join(output_dir, "eval")
         if not is_main:
             return
         os.makedirs(self.eval_dir, exist_ok=True)
         logged = self._truncate(resume_step)
         if wandb_enabled(report_to):
-            import wandb
-
-            if not (os.environ.get("WANDB_MODE") or os.environ.get("WANDB_API_KEY")):
-                os.environ["WANDB_MODE"] = "offline"  # `wandb login`'s netrc alone does not sync: said once
-                print(f"W&B offline (runs under {output_dir}/wandb; `wandb sync` them): set WANDB_MODE=online or "
-                      "WANDB_API_KEY to sync as the run goes", flush=True)
-            self.run_id, group = run_id or uuid.uuid4().hex[:8], None
-            if run_id and branch and logged > resume_step:  # W&B keeps a run's steps increasing: the branch's steps
-                group, self.run_id = run_id, f"{run_id}-from{resume_step}"  # up to the old run's last would be dropped
-                print(f"W&B: this branch from step {resume_step} logs to run {self.run_id} (group {group}): run {run_id} "
-                      f"logged steps up to {logged}, which W&B would keep in place of the branch's", flush=True)
-            self.wandb = wandb.init(project=project, id=self.run_id, resume="allow", config=config, group=group,
-                                    dir=output_dir, settings=wandb.Settings(console="off", silent=True))
+            self.wandb = self._start_wandb(output_dir, project, run_id, config, logged, resume_step, branch)
         if progress_bar and sys.stderr.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_steps, dynamic_ncols=True, desc="train")
+            # initial: the resumed steps are not counted as done in this start's time (rate and ETA were 100x off)
+            self.bar = tqdm(total=total_steps, initial=resume_step, dynamic_ncols=True, desc="train")
+
+    def _start_wandb(self, output_dir: str, project: str | None, run_id: str | None, config: dict, logged: int,
+                     resume_step: int, branch: bool):
+        """wandb.init with the environment's WANDB_PROJECT / WANDB_RUN_ID / WANDB_NAME / WANDB_DIR where this run's
+        flags and checkpoint leave them open; an online start that fails (no network: CommError after the timeout)
+        goes offline, said in one line, instead of ending the run."""
+        import wandb
+
+        env = os.environ
+        where = env.get("WANDB_DIR") or output_dir
+        if not (env.get("WANDB_MODE") or env.get("WANDB_API_KEY")):
+            env["WANDB_MODE"] = "offline"  # `wandb login`'s netrc alone does not sync: said once
+            print(f"W&B offline (runs under {where}/wandb; `wandb sync` them): set WANDB_MODE=online or "
+                  "WANDB_API_KEY to sync as the run goes", flush=True)
+        for flag, value, var in (("--wandb_project", project, "WANDB_PROJECT"),
+                                 ("--run_name", config.get("run_name"), "WANDB_NAME")):
+            if value and env.get(var) and env[var] != value:
+                print(f"W&B: {flag} {value} wins over {var}={env[var]}", flush=True)
+        asked = env.get("WANDB_RUN_ID")
+        if run_id and asked and asked != run_id:
+            print(f"W&B: WANDB_RUN_ID={asked} not used: this run's checkpoint logs to run {run_id} (a new "
+                  "--output_dir starts a new run)", flush=True)
+        self.run_id, group = run_id or asked or uuid.uuid4().hex[:8], None
+        if run_id and branch and logged > resume_step:  # W&B keeps a run's steps increasing: the branch's steps
+            group, self.run_id = run_id, f"{run_id}-from{resume_step}"  # up to the old run's last would be dropped
+            print(f"W&B: this branch from step {resume_step} logs to run {self.run_id} (group {group}): run {run_id} "
+                  f"logged steps up to {logged}, which W&B would keep in place of the branch's", flush=True)
+        name = (config.get("run_name") or env.get("WANDB_NAME")
+                or os.path.basename(os.path.normpath(os.path.abspath(output_dir))))
+        args = dict(project=project or env.get("WANDB_PROJECT") or DEFAULT_PROJECT, id=self.run_id, name=name,
+                    resume="allow", config=config, group=group, dir=where)
+        timeout = {} if env.get("WANDB_INIT_TIMEOUT") else {"init_timeout": INIT_TIMEOUT_S}
+        try:
+            return wandb.init(**args, settings=wandb.Settings(console="off", silent=True, **timeout))
+        except Exception as e:  # noqa: BLE001  CommError, a timeout, an auth error: any of them, the run goes on
+            if env.get("WANDB_MODE") in ("offline", "disabled", "dryrun"):
+                raise  # offline already: nothing to fall back to
+            why = (str(e).strip().splitlines() or [""])[0][:200]
+            print(f"W&B: online start failed ({type(e).__name__}: {why}): logging offline to {where}/wandb/offline-run-*"
+                  f"; `wandb sync` them from a machine with network (WANDB_MODE=offline skips the "
+                  f"{env.get('WANDB_INIT_TIMEOUT') or INIT_TIMEOUT_S} s wait)", flush=True)
+            env["WANDB_MODE"] = "offline"
+            wandb.teardown()  # W&B's service still holds the failed run's id ("run ID ... is in use")
+            return wandb.init(**args, mode="offline", settings=wandb.Settings(console="off", silent=True))
 
     def _truncate(self, step: int) -> int:
         """Drop lines of steps after the checkpoint we resume from: they will be trained again. A line that does
@@ -185,18 +231,41 @@ class MetricsLogger:
         with open(self.path, "a") as fh:
             fh.write(json.dumps(record) + "\n")
         if self.wandb is not None:
-            step = record.get("step")
-            self.wandb.log({k: v for k, v in record.items() if isinstance(v, int | float)}, step=step)
+            self.wandb.log(_wandb_fields(record), step=record.get("step"))
         if "loss" in record and "step" in record:
-            line = (f"step {record['step']} stage {record.get('stage', 0)} loss {record['loss']:.4f} "
+            step = record["step"]
+            line = (f"step {step} stage {record.get('stage', 0)} loss {record['loss']:.4f} "
                     f"lr {record['lr']:.2e} tok/s {record['tokens_per_s']:.0f} mem {record['peak_mem_gb']:.2f}GB"
                     + " (no supervised token: optimizer step skipped)" * bool(record.get("optimizer_skipped")))
             if self.bar is not None:
-                self.bar.n = record["step"]
+                self.bar.update(step - self.bar.n)  # counted, not set: tqdm's rate and ETA follow
                 self.bar.set_postfix_str(line)
                 self.bar.refresh()
-            else:
+            else:  # a log file (every SLURM job's): the total and an ETA, as the bar would show them
+                line = line.replace(f"step {step} ", f"step {step}/{self.total_steps} ", 1) + self._eta(step, record)
                 print(line, flush=True)
+
+    def _eta(self, step: int, record: dict) -> str:
+        """' eta 1h02m': the remaining steps at the mean wall-clock time of this stage's last ETA_WINDOW steps (saves
+        included; the first steps of a stage, its engine build in between, are not counted); '' before two steps."""
+        stage, now = record.get("stage", 0), time.monotonic()
+        if self._ticks and self._ticks[-1][0] != stage:
+            self._ticks.clear()  # another length: the previous stage's step time says nothing of this one's
+        self._ticks.append((stage, now))
+        if len(self._ticks) < 2:
+            return ""
+        left = round(max(self.total_steps - step, 0) * (now - self._ticks[0][1]) / (len(self._ticks) - 1))
+        h, m, sec = left // 3600, left // 60 % 60, left % 60
+        return f" eta {h}h{m:02d}m" if h else f" eta {m}m{sec:02d}s"
+
+    def record_stage(self, stage, world: int) -> None:
+        """The W&B config's resolved layout of `stage` (steps, seq_len, sp, cp, dp, warmup, lr) and the world size, at
+        the stage's start (the flags alone, `config`, do not say what each stage ran with)."""
+        if self.is_main and self.wandb is not None:
+            self.wandb.config.update({"world": world, f"stage{stage.index}": {
+                "name": stage.name, "steps": stage.max_steps, "seq_len": stage.max_seq_length, "sp": stage.sp,
+                "cp": stage.cp, "dp": world // stage.sp, "warmup": stage.warmup_steps, "lr": stage.learning_rate}},
+                allow_val_change=True)  # a resume on another world size
 
     def log_table(self, name: str, columns: list[str], rows: list[list], step: int | None = None) -> None:
         """A table on W&B at `step` (the evaluation's: without it W&B's own counter moved on, and the next event
@@ -211,6 +280,17 @@ class MetricsLogger:
             self.bar.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def _wandb_fields(record: dict) -> dict:
+    """A metrics record's numbers for W&B. An event's (memory_choice, engine_released, eval) under its name:
+    "memory_choice/sp". W&B merges the logs of one step, and an event is logged at the step before it (a stage's
+    memory choice at the previous stage's last step): its stage/sp/cp/dp replaced that step's own on the charts."""
+    nums = {k: v for k, v in record.items() if isinstance(v, int | float)}
+    event = record.get("event")
+    if not event:
+        return nums
+    return {f"{event}/{k}": v for k, v in nums.items() if k != "step"}
 
 
 def _flatten(d, prefix: str) -> dict:

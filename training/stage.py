@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import gc
 import json
+import math
 import os
 import time
 
@@ -114,7 +115,7 @@ def train_stage(run: Run, stage, stages, state: TrainState) -> None:
             _after_first_step(run, engine, features)
             first = False
         state.step += 1
-        _log_step(run, stage, sdims, state, out, lr, sampler)
+        _log_step(run, stage, sdims, state, out, lr, sampler, engine)
         _committed(run, state, run.ckpt.poll())  # a background save whose writes are durable on every rank
         progress.mark(None, "sync")
         stopping = _agree(run, state.step + 1 >= end)
@@ -230,6 +231,7 @@ def _record_ds_config(run: Run, stage, engine, step: int) -> None:
         with open(used, "w") as fh:
             json.dump(engine.ds_config_used, fh, indent=1)
         print0(f"stage {stage.index} ({stage.name}): DeepSpeed config used -> {used}")
+    run.metrics.record_stage(stage, run.dims.world)  # the W&B config's resolved layout of the stage
     if stage.memory_choice:
         run.metrics.log({"event": "memory_choice", "stage": stage.index, "step": step, **stage.memory_choice})
 
@@ -241,7 +243,20 @@ def _after_first_step(run: Run, engine, features) -> None:
         print0(kept)
 
 
-def _log_step(run: Run, stage, sdims, state: TrainState, out: dict, lr: float, sampler) -> None:
+def _grad_norm(engine, out: dict) -> float | None:
+    """The step's global gradient norm before clipping: DeepSpeed's, computed (all-reduced) in its optimizer step and
+    cached there, the same on every rank; reading it is no collective (one device-to-host copy of a scalar, after the
+    loss's all-reduce has synchronized). None where no update happened (no supervised token; fp16's overflow, where
+    DeepSpeed leaves inf) or the engine keeps none (ZeRO-1/2 with its norm computation off)."""
+    get = getattr(engine, "get_global_grad_norm", None)
+    if get is None or out.get("skipped") or out.get("overflow"):
+        return None
+    norm = get()
+    norm = None if norm is None else float(norm)
+    return norm if norm is not None and math.isfinite(norm) else None
+
+
+def _log_step(run: Run, stage, sdims, state: TrainState, out: dict, lr: float, sampler, engine=None) -> None:
     cfg = run.cfg
     eng = out.get("engagement")  # minimum over ranks after the peak's all-reduce (one collective for both)
     peak = peak_memory_gb(eng) if eng else peak_memory_gb()
@@ -251,6 +266,7 @@ def _log_step(run: Run, stage, sdims, state: TrainState, out: dict, lr: float, s
     n = sdims.dp * cfg.gradient_accumulation_steps * cfg.per_device_train_batch_size * stage.max_seq_length
     state.tokens += n
     run.metrics.log({"step": state.step, "stage": stage.index, "loss": out["loss"], "lr": lr, "tokens": n,
+                     "grad_norm": _grad_norm(engine, out),  # pre-clip global norm; null: no update this step
                      "label_tokens": out["label_tokens"],  # supervised tokens of the step (global; the loss's count)
                      **({"label_weight": out["label_weight"]} if "label_weight" in out else {}),
                      **({"optimizer_skipped": True} if out.get("skipped") else {}),  # no supervised token: no step

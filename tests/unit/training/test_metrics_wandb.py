@@ -1,0 +1,211 @@
+"""What users read while a run trains, on a stand-in `wandb` module (W&B's one-step merge modelled): an online start
+without network goes offline instead of ending the run; WANDB_PROJECT / WANDB_RUN_ID / WANDB_NAME / WANDB_DIR and
+--run_name reach wandb.init; an event logged at a step keeps that step's stage/sp on the charts; the step's grad norm;
+each stage's resolved layout in the W&B config; the progress bar and the log-file line after a resume. < 1 s."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+import types
+
+import pytest
+
+from training import metrics as metrics_mod
+from training.metrics import MetricsLogger
+
+WANDB_VARS = ("WANDB_MODE", "WANDB_API_KEY", "WANDB_PROJECT", "WANDB_RUN_ID", "WANDB_NAME", "WANDB_DIR",
+              "WANDB_INIT_TIMEOUT")
+STEP = {"loss": 1.0, "lr": 1e-3, "tokens_per_s": 10.0, "peak_mem_gb": 0.1}
+
+
+class CommError(Exception):
+    pass
+
+
+class FakeRun:
+    def __init__(self, kw: dict):
+        self.kw, self.history, self.config = kw, {}, types.SimpleNamespace(values={})
+        self.config.update = lambda d, allow_val_change=False: self.config.values.update(d)
+
+    def log(self, data: dict, step=None) -> None:
+        self.history.setdefault(step, {}).update(data)  # W&B merges the logs of one step: the last value wins
+
+    def finish(self) -> None:
+        pass
+
+
+@pytest.fixture
+def wandb_env(monkeypatch):
+    """No WANDB_* variable set (and whatever the code under test sets is undone after the test)."""
+    for var in WANDB_VARS:
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
+    return monkeypatch
+
+
+def fake_wandb(monkeypatch, online_fails: bool = False) -> list[dict]:
+    """A `wandb` module whose init records its arguments; `online_fails`: an online init raises CommError, as W&B
+    does on a node without network after its timeout."""
+    inits = []
+
+    def init(**kw):
+        inits.append(kw)
+        if online_fails and kw.get("mode") != "offline":
+            raise CommError("Failed to get resume status for run ab12: context deadline exceeded\nwhile retrying")
+        return FakeRun(kw)
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(
+        init=init, Settings=lambda **kw: kw, teardown=lambda: None, Table=lambda columns, data: None))
+    return inits
+
+
+def test_an_online_start_without_network_logs_offline(tmp_path, wandb_env, capsys):
+    """WANDB_API_KEY exported in ~/.bashrc, a compute node without network: wandb.init retried ~2 min and raised
+    CommError, a traceback and exit 1 at every requeue. It waits INIT_TIMEOUT_S at most and starts offline, said in
+    one line naming WANDB_MODE=offline and `wandb sync`."""
+    wandb_env.setenv("WANDB_API_KEY", "k" * 40)
+    inits = fake_wandb(wandb_env, online_fails=True)
+    m = MetricsLogger(str(tmp_path), True, "wandb", None, None, {}, 10, False)
+    assert inits[0]["settings"].get("init_timeout", 90) <= 60  # W&B's default: 90 s, then retries
+    assert inits[1]["mode"] == "offline" and inits[1]["id"] == inits[0]["id"] and m.wandb is not None
+    out = [ln for ln in capsys.readouterr().out.splitlines() if "online start failed" in ln]
+    assert len(out) == 1 and "CommError" in out[0] and "WANDB_MODE=offline" in out[0] and "`wandb sync`" in out[0]
+    m.log({"step": 1, **STEP})
+    assert m.wandb.history[1]["loss"] == 1.0
+    m.close()
+
+
+def test_the_environments_project_run_id_name_and_dir_reach_wandb(tmp_path, wandb_env, capsys):
+    """WANDB_PROJECT, WANDB_RUN_ID and WANDB_DIR were overridden by our own arguments and no name was passed (W&B
+    named the run at random). Now: the flag, else the environment, else ours; a checkpoint's run id wins over
+    WANDB_RUN_ID (said); the name is --run_name, else WANDB_NAME, else the output dir's basename."""
+    inits = fake_wandb(wandb_env)
+    wandb_env.setenv("WANDB_MODE", "offline")
+    out = tmp_path / "my-run"
+    MetricsLogger(str(out), True, "wandb", None, None, {}, 10, False).close()
+    assert {k: inits[-1][k] for k in ("project", "name", "dir")} == {
+        "project": "ulysses-longtrain", "name": "my-run", "dir": str(out)}
+    for var, value in (("WANDB_PROJECT", "proj"), ("WANDB_RUN_ID", "envid"), ("WANDB_NAME", "nm"),
+                       ("WANDB_DIR", str(tmp_path / "wb"))):
+        wandb_env.setenv(var, value)
+    m = MetricsLogger(str(out), True, "wandb", None, None, {}, 10, False)
+    assert {k: inits[-1][k] for k in ("project", "id", "name", "dir")} == {
+        "project": "proj", "id": "envid", "name": "nm", "dir": str(tmp_path / "wb")} and m.run_id == "envid"
+    m.close()
+    m = MetricsLogger(str(out), True, "wandb", "flagproj", "ck12", {"run_name": "flagname"}, 10, False)
+    assert {k: inits[-1][k] for k in ("project", "id", "name")} == {"project": "flagproj", "id": "ck12",
+                                                                      "name": "flagname"}
+    said = capsys.readouterr().out
+    assert "WANDB_RUN_ID=envid not used: this run's checkpoint logs to run ck12" in said
+    assert "--wandb_project flagproj wins over WANDB_PROJECT=proj" in said and "--run_name flagname wins" in said
+    m.close()
+
+
+def test_run_name_is_taken_and_the_project_is_left_to_the_environment():
+    """--run_name (an HF Trainer argument) was refused, saying the run is named by --output_dir, which it was not."""
+    from training.config import parse_config
+
+    cfg = parse_config(["--run_name", "long 8k"])
+    assert cfg.run_name == "long 8k" and cfg.wandb_project is None  # None: WANDB_PROJECT, else ulysses-longtrain
+    assert parse_config(["--wandb_project", "p"]).wandb_project == "p"
+
+
+def test_an_event_keeps_the_steps_own_stage_and_layout_on_wandb(tmp_path, wandb_env):
+    """The next stage's memory choice is logged at the previous stage's last step: W&B merged it into that step and
+    its stage/sp/dp replaced the step's own on the charts. Events go under their name; metrics.jsonl is unchanged."""
+    fake_wandb(wandb_env)
+    wandb_env.setenv("WANDB_MODE", "offline")
+    m = MetricsLogger(str(tmp_path), True, "wandb", None, None, {}, 10, False)
+    m.log({"step": 3, "stage": 0, "sp": 1, "dp": 2, **STEP})
+    m.log({"event": "engine_released", "stage": 0, "step": 3, "alive": 0, "host_rss_gb": 1.5})
+    m.log({"event": "memory_choice", "stage": 1, "step": 3, "sp": 2, "dp": 1, "predicted_gb": 3.0})
+    got = m.wandb.history[3]
+    assert (got["stage"], got["sp"], got["dp"]) == (0, 1, 2)
+    assert (got["memory_choice/stage"], got["memory_choice/sp"], got["engine_released/alive"]) == (1, 2, 0)
+    assert "memory_choice/step" not in got
+    lines = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lines[2] == {"event": "memory_choice", "stage": 1, "step": 3, "sp": 2, "dp": 1, "predicted_gb": 3.0}
+    m.close()
+
+
+def test_each_stages_resolved_layout_is_in_the_wandb_config(tmp_path, wandb_env):
+    """The W&B config held the flags only: not what each stage ran with (auto SP, a stage's own lr and warmup)."""
+    from training import stage as stage_mod
+
+    fake_wandb(wandb_env)
+    wandb_env.setenv("WANDB_MODE", "offline")
+    m = MetricsLogger(str(tmp_path), True, "wandb", None, None, {}, 10, False)
+    st = types.SimpleNamespace(index=1, name="s256", max_steps=5, max_seq_length=256, sp=2, cp=1, warmup_steps=2,
+                               learning_rate=5e-4, memory_choice=None)
+    run = types.SimpleNamespace(metrics=m, dims=types.SimpleNamespace(is_main=False, world=4))
+    stage_mod._record_ds_config(run, st, None, 3)
+    assert m.wandb.config.values == {"world": 4, "stage1": {"name": "s256", "steps": 5, "seq_len": 256, "sp": 2,
+                                                             "cp": 1, "dp": 2, "warmup": 2, "lr": 5e-4}}
+    m.close()
+
+
+class Engine:
+    def __init__(self, norm):
+        self.norm = norm
+
+    def get_global_grad_norm(self):
+        return self.norm
+
+
+@pytest.mark.parametrize("norm, out, want", [
+    (2.5, {}, 2.5),
+    (__import__("torch").tensor(0.75), {}, 0.75),  # stage 3 keeps a tensor
+    (float("inf"), {"overflow": True}, None),  # fp16 overflow: DeepSpeed's inf, the update skipped
+    (1.0, {"skipped": True}, None),  # no supervised token: no step ran, the norm is the previous step's
+    (None, {}, None),  # an engine that keeps none
+])
+def test_the_steps_grad_norm_is_logged(tmp_path, wandb_env, norm, out, want):
+    """The pre-clip global grad norm was never logged; it is DeepSpeed's cached one (no collective of its own)."""
+    from training import stage as stage_mod
+
+    fake_wandb(wandb_env)
+    wandb_env.setenv("WANDB_MODE", "offline")
+    m = MetricsLogger(str(tmp_path), True, "wandb", None, None, {}, 10, False)
+    run = types.SimpleNamespace(cfg=types.SimpleNamespace(gradient_accumulation_steps=1, per_device_train_batch_size=1),
+                                preempt=types.SimpleNamespace(deadline=types.SimpleNamespace(record_step=lambda s: None)),
+                                metrics=m)
+    stage_mod._log_step(run, types.SimpleNamespace(index=0, max_seq_length=8), types.SimpleNamespace(dp=1, sp=1, cp=1),
+                        types.SimpleNamespace(step=3, tokens=0), {"loss": 1.0, "label_tokens": 8, "step_time": 0.5, **out},
+                        1e-3, types.SimpleNamespace(source_shares=lambda: {}), Engine(norm))
+    rec = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert rec["grad_norm"] == want and m.wandb.history[3].get("grad_norm") == want
+    m.close()
+
+
+class Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_bar_after_a_resume_counts_this_starts_steps(tmp_path, monkeypatch):
+    """The bar began at 0 and was set to the step: 500 resumed steps in this start's first second read as 500 it/s,
+    and the ETA was off by as much."""
+    monkeypatch.setattr(sys, "stderr", Tty())
+    m = MetricsLogger(str(tmp_path), True, "none", None, None, {}, 1000, True, resume_step=500)
+    for s in (501, 502):
+        m.log({"step": s, **STEP})
+    assert m.bar.n == 502 and m.bar.format_dict["initial"] == 500
+    m.close()
+
+
+def test_a_log_file_line_has_the_total_and_an_eta(tmp_path, monkeypatch, capsys):
+    """Without a TTY (every SLURM log) the line was `step N stage S loss ...`: no total, no ETA."""
+    clock = [100.0]
+    monkeypatch.setattr(metrics_mod, "time", types.SimpleNamespace(monotonic=lambda: clock[0]), raising=False)
+    m = MetricsLogger(str(tmp_path), True, "none", None, None, {}, 1000, False, resume_step=500)
+    for s in range(501, 505):
+        clock[0] += 2.0  # 2 s per step
+        m.log({"step": s, "stage": 1, **STEP})
+    m.log({"step": 505, "stage": 2, **STEP})  # a new stage: its own step time, from its second step on
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("step 501/1000 stage 1 loss") and " eta " not in lines[0]
+    assert lines[3].startswith("step 504/1000 ") and lines[3].endswith(" eta 16m32s")  # 496 steps x 2 s
+    assert " eta " not in lines[4]
+    m.close()
