@@ -95,9 +95,10 @@ def main(argv: list[str] | None = None) -> int:
 
     # --- export: rank 0 alone, after every rank has left the process group (nobody waits in a collective
     # while 8B parameters are consolidated in fp32: 32 GB of host memory and minutes of I/O on Llama-3-8B) ---
-    ckpt.close()  # rank 0's background deletion of rotated checkpoints (training/rotation.py) ends with the run
     comm.barrier()
     comm.shutdown()
+    ckpt.close()  # rank 0's background deletion of rotated checkpoints (training/rotation.py) ends with the run:
+    # after the process group, where nobody waits on it (a slow metadata server's minutes past NCCL's timeout)
     if dims.is_main:
         out = os.path.join(cfg.output_dir, "hf_model")
         made = state.checkpoint and (os.path.abspath(state.checkpoint), manifest_sha256(state.checkpoint))

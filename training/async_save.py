@@ -21,13 +21,12 @@ import copy
 import os
 import threading
 import time
-import zlib
 
 import torch
 
 from base import host_arena, progress
 from base.atomic import fsync_path
-from training.checkpoint_files import WRITTEN, save_torch
+from training.checkpoint_files import WRITTEN, CrcWriter, save_torch
 
 _HOST = ("cpu",)  # device types whose states are host memory already: a pageable copy (a test empties it)
 CHUNK = 1 << 26  # 64 MiB per write and CRC32 update: both release the GIL, so the step loop runs meanwhile
@@ -216,16 +215,13 @@ def write_durable(path: str, data) -> dict:
     if isinstance(data, Staged):
         return save_torch(data.obj, path, data.zipfile)
     view = memoryview(data)
-    crc = 0
     try:
         with open(path, "wb") as fh:
+            w = CrcWriter(fh)  # its dirty bytes flushed every SYNC_EVERY: the wait's ticks follow WRITTEN
             for i in range(0, len(view), CHUNK):
-                piece = view[i:i + CHUNK]
-                crc = zlib.crc32(piece, crc)
-                fh.write(piece)
-                WRITTEN[0] += len(piece)
+                w.write(view[i:i + CHUNK])
             fh.flush()
             os.fsync(fh.fileno())
-        return {"size": len(view), "crc32": f"{crc:08x}"}
+        return w.entry()
     finally:
         view.release()

@@ -13,6 +13,7 @@ import collections
 import json
 import os
 import sys
+import threading
 import time
 import uuid
 
@@ -102,6 +103,7 @@ class MetricsLogger:
         self.path = os.path.join(output_dir, "metrics.jsonl")
         self.wandb = None
         self.run_id = run_id
+        self.wandb_dir = os.environ.get("WANDB_DIR") or output_dir
         self.bar = None
         self.total_steps = total_steps
         self._ticks: collections.deque = collections.deque(maxlen=ETA_WINDOW + 1)  # (stage, monotonic time) per step
@@ -275,11 +277,22 @@ class MetricsLogger:
 
             self.wandb.log({name: wandb.Table(columns=columns, data=rows)}, **({} if step is None else {"step": step}))
 
-    def close(self) -> None:
+    def close(self, timeout_s: float | None = None) -> None:
+        """End the bar and the W&B run; its finish (an online run's last upload) waited for at most `timeout_s`
+        (a SIGTERM window's stop: the launcher's SIGKILL must not come before the rank records its 75)."""
         if self.bar is not None:
             self.bar.close()
-        if self.wandb is not None:
+        if self.wandb is None:
+            return
+        if timeout_s is None:
             self.wandb.finish()
+            return
+        t = threading.Thread(target=self.wandb.finish, name="wandb-finish", daemon=True)
+        t.start()
+        t.join(timeout_s)
+        if t.is_alive():
+            print(f"W&B: the run's finish did not end within {timeout_s:.0f} s of the stop's window: what it had not "
+                  f"uploaded is in {self.wandb_dir}/wandb (`wandb sync` it)", flush=True)
 
 
 def _wandb_fields(record: dict) -> dict:

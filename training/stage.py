@@ -55,7 +55,8 @@ class Run:
 
     def exit_preempted(self) -> int:
         print0(f"preempted ({self.preempt.received or 'on another rank'}): exiting with {EXIT_PREEMPTED}")
-        self.metrics.close()
+        # in a SIGTERM window the exit has EXIT_MARGIN_S: W&B's finish gets part of it, never the rank's 75
+        self.metrics.close(None if self.preempt.window_left_s is None else EXIT_MARGIN_S / 2)
         return EXIT_PREEMPTED
 
 

@@ -209,3 +209,24 @@ def test_a_log_file_line_has_the_total_and_an_eta(tmp_path, monkeypatch, capsys)
     assert lines[3].startswith("step 504/1000 ") and lines[3].endswith(" eta 16m32s")  # 496 steps x 2 s
     assert " eta " not in lines[4]
     m.close()
+
+
+def test_a_window_stops_wandb_finish_is_bounded(tmp_path, wandb_env, capsys):
+    """A SIGTERM window's stop has EXIT_MARGIN_S from its last decision to the exit; exit_preempted waited for
+    wandb.finish (an online run's last upload) without a bound, before the rank recorded its 75: the launcher's
+    SIGKILL could come first. close(timeout_s) waits that long at most and says where the rest is."""
+    import threading
+
+    fake_wandb(wandb_env)
+    wandb_env.setenv("WANDB_MODE", "offline")
+    m = MetricsLogger(str(tmp_path), True, "wandb", None, None, {}, 10, False)
+    release = threading.Event()
+    m.wandb.finish = lambda: release.wait(30)  # an upload that does not end
+    import time
+
+    t0 = time.monotonic()
+    m.close(0.2)
+    assert time.monotonic() - t0 < 5
+    release.set()
+    out = capsys.readouterr().out
+    assert "did not end within" in out and f"{tmp_path}/wandb" in out and "`wandb sync`" in out
