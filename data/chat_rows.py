@@ -2,8 +2,9 @@
 
 Row formats (one JSON object / table row; `row_format` tells them apart by their keys):
 - OpenAI `messages`: [{"role": "system" | "developer" | "user" | "assistant" | "tool", "content": ...}, ...];
-  `content` a string or a list of text parts (`[{"type": "text", "text": ...}]`, what most exporters write: the
-  parts joined by a newline, as vLLM does for a string-content template; a non-text part is refused); `developer`
+  `content` a string or a list of text parts (`[{"type": "text", "text": ...}]`, what most exporters write, or
+  LLaMA-Factory v1's `{"type": "text", "value": ...}`: the parts joined by a newline, as vLLM does for a
+  string-content template; a non-text part is refused, v1's `reasoning` / `tool_call` parts naming the fields to use); `developer`
   (OpenAI's newer name for the system prompt) is read as `system`, `model` (Gemma's and the Gemini API's role name)
   as `assistant`, ShareGPT's `human` / `gpt` in a `role` as `user` / `assistant`; an assistant message may carry `tool_calls`
   (passed on to the template) with an empty content; a tool result given as data (an object, a list, a number: xLAM /
@@ -12,7 +13,8 @@ Row formats (one JSON object / table row; `row_format` tells them apart by their
   the tool list from it, as a JSON string) is passed on as given, and so are OLMo 3's function-calling keys (its
   template, open-instruct's `olmo`: a system or user message's `functions`, an assistant reply's `function_calls`,
   both strings; a reply with `function_calls` may have an empty content); a message's training flag (OpenAI's
-  fine-tuning `weight`: 0 or 1 on an assistant message; Axolotl's `training`, `train`: true / false; null is no flag)
+  fine-tuning `weight`: 0 or 1 on an assistant message; Axolotl's `training`, `train`: true / false; LLaMA-Factory
+  v1's `loss_weight`: 0.0 / 1.0; null is no flag)
   is read, never passed on: a reply flagged 0 / false stays in the context and gets no loss (data/chat.py counts it,
   `flagged_turns`); a true flag on a message that is not an assistant reply (Axolotl would train a user turn), a
   weight other than 0 or 1 (no per-token or fractional weights here), flags that disagree, or Axolotl's
@@ -32,6 +34,8 @@ Beside any of them, a top-level `tools` (a list of OpenAI function definitions, 
 read by data/chat_tools.py and passed to the template as `tools=`.
 A top-level `system` (LLaMA-Factory's ShareGPT column: the system prompt beside the turns) is the conversation's first
 message (before, it was dropped without a word); one beside a system message of another text is refused.
+A filled `images` / `image` / `videos` / `audios` column (LLaMA-Factory's mllm rows, LLaVA-Instruct) is refused in one
+line: this trainer is text-only (before, dropped: the replies trained without what they describe, `<image>` as text).
 A row with both a text field and a chat field is ambiguous (which one was meant?) and refused in one line
 (data/readers.py); so is every malformed row, with the message and what was expected.
 """
@@ -51,8 +55,12 @@ SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "a
                   "tool": "tool", "observation": "tool", "function_response": "tool", "ipython": "tool",
                   "function_call": "assistant", "developer": "system"}
 CHAT_KEYS = ("messages", "conversations", "prompt", "instruction")
-FLAGS = ("weight", "training", "train")  # a message's training flag: OpenAI's fine-tuning `weight`, Axolotl's
-# `message_field_training` (`training` by default; `train` in its docs' examples and Nemotron exports)
+FLAGS = ("weight", "training", "train", "loss_weight")  # a message's training flag: OpenAI's fine-tuning `weight`,
+# Axolotl's `message_field_training` (`training` by default; `train` in its docs' examples and Nemotron exports),
+# LLaMA-Factory v1's `loss_weight` (0.0 on a user turn, 1.0 on a reply in its v1_sft_demo; before, ignored: a reply
+# weighted 0.0 was trained)
+MEDIA = ("images", "image", "videos", "audios")  # a multimodal row's media columns (LLaMA-Factory's mllm_demo,
+# LLaVA-Instruct's `image`): refused where filled (text-only trainer)
 KEYS = ("tool_calls", "name", "tool_call_id")  # a message's keys templates read (and a reply's REASONING)
 REASONING = ("reasoning_content", "thinking", "reasoning")  # a reply's reasoning field: one text under every name
 ROLE_KEYS = {"system": ("tools", "functions"), "user": ("functions",), "assistant": ("function_calls",)}  # Phi-4-mini's
@@ -80,9 +88,19 @@ def row_format(obj: dict) -> str | None:
 
 
 def _text_part(part) -> bool:
-    """A content part that is text: a string, or {"type": "text", "text": str} (the type may be left out)."""
-    return isinstance(part, str) or isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(
-        part.get("text"), str)
+    """A content part that is text: a string, {"type": "text", "text": str} (the type may be left out), or LLaMA-Factory
+    v1's {"type": "text", "value": str} (its text under `value`, the type given)."""
+    return isinstance(part, str) or isinstance(part, dict) and part.get("type", "text") == "text" and (
+        isinstance(part.get("text"), str) or part.get("text") is None and part.get("type") == "text"
+        and isinstance(part.get("value"), str))
+
+
+def _part_text(part) -> str:
+    return part if isinstance(part, str) else part["text"] if isinstance(part.get("text"), str) else part["value"]
+
+
+_V1_PARTS = {"reasoning": "the reply's reasoning_content (a string)",  # LLaMA-Factory v1's other part types
+             "tool_call": 'the reply\'s tool_calls [{"type": "function", "function": {"name": ..., "arguments": ...}}]'}
 
 
 def _text(content, i: int, role: str) -> str:
@@ -93,13 +111,23 @@ def _text(content, i: int, role: str) -> str:
         out = []
         for j, part in enumerate(content):
             if _text_part(part):
-                out.append(part if isinstance(part, str) else part["text"])
+                if isinstance(part, dict) and isinstance(part.get("value"), str) and part.get("text") not in (
+                        None, part["value"]):
+                    raise RowError(f"message {i} ({role}): content part {j} holds a `text` and a `value` of another "
+                                   "text: which is meant? Keep one")
+                out.append(_part_text(part))
             else:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                if kind in _V1_PARTS and isinstance(part.get("value"), str):
+                    raise RowError(f"message {i} ({role}): content part {j} is a {kind!r} part (LLaMA-Factory v1's), "
+                                   f"not read here: give its value as {_V1_PARTS[kind]}")
                 if kind == "thinking":  # Magistral's native reasoning form
                     raise RowError(f"message {i} ({role}): content part {j} is a 'thinking' part: give the reasoning "
                                    "in the content as the template writes it ([THINK]...[/THINK] for Magistral / "
                                    "Ministral, <think>...</think> for Qwen3), or as the reply's reasoning_content")
+                if kind == "text":
+                    raise RowError(f"message {i} ({role}): content part {j} is a text part without its text as a "
+                                   f"string (keys {sorted(part)}): give it under `text`")
                 raise RowError(f"message {i} ({role}): content part {j} is {kind!r}, not text: only text is trained "
                                "here (drop the part, or give its text as a {\"type\": \"text\"} part)")
         return "\n".join(out)
@@ -229,6 +257,11 @@ def normalize(obj: dict) -> tuple[str, list[dict] | tuple[str, str], int]:
     or `text_pair` with (prompt, completion). RowError on a malformed row."""
     fmt = row_format(obj)
     system = _system(obj)
+    for k in MEDIA:  # dropped, the replies describing them were trained text-only, the `<image>` placeholder as text
+        if _filled(obj.get(k)):
+            raise RowError(f"{k}: {_count(obj[k])} beside the conversation, and this trainer is text-only (the replies "
+                           "would be trained without them, a placeholder such as <image> as text): drop the column "
+                           "and the placeholders, or use a multimodal trainer")
     if obj.get("functions") is not None:  # OpenAI's legacy function calling, beside the messages
         raise RowError("functions (OpenAI's legacy tool list), which no template reads: give it as tools "
                        '[{"type": "function", "function": {"name": ..., "parameters": {...}}}]')
@@ -259,6 +292,24 @@ def normalize(obj: dict) -> tuple[str, list[dict] | tuple[str, str], int]:
         return "chat", _checked(_with_system(_alpaca(obj), system)), 0
     raise RowError(f"not a chat row: expected one of {list(CHAT_KEYS)} (prompt with completion, instruction with "
                    f"output), got keys {sorted(obj)}")
+
+
+def _filled(v) -> bool:
+    """Whether a media column's value holds anything: null, a blank, an empty list / array or a struct of nulls (a
+    table's row without media: Arrow's {"bytes": None, "path": None}) does not."""
+    v = v.tolist() if hasattr(v, "tolist") and not isinstance(v, list | str) else v
+    if v is None or isinstance(v, str | bytes) and not v.strip():
+        return False
+    if isinstance(v, dict | list | tuple):
+        return any(_filled(x) for x in (v.values() if isinstance(v, dict) else v))
+    return True
+
+
+def _count(v) -> str:
+    v = v.tolist() if hasattr(v, "tolist") and not isinstance(v, list | str) else v
+    if isinstance(v, str) or isinstance(v, list | tuple) and all(isinstance(x, str) for x in v):
+        return f"{v!r:.60}"  # paths or URLs: named
+    return f"{len(v)} item(s)" if isinstance(v, list | tuple) else "one item"  # bytes, structs: counted
 
 
 def _alpaca(obj: dict) -> list[dict]:

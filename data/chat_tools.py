@@ -2,13 +2,17 @@
 
 A row's top-level `tools` (OpenAI / TRL: `{"messages": [...], "tools": [{"type": "function", "function": {"name":
 ..., "parameters": {...}}}]}`; LLaMA-Factory's ShareGPT writes the list as a JSON string, of bare `{"name": ...}`
-definitions) is passed to the chat template as `tools=`, as given, exactly as transformers' apply_chat_template
-and TRL do, in every render of the conversation (its prefixes included): the definitions are then in the ids, in a
-system or user turn (never supervised: only assistant replies are). A template that renders the same with and
-without them (Llama 3.0, Qwen2, Phi-3, ... take no tool list) would train each reply as if no tool had been
-offered, a call to a function the model never saw defined: such a row is refused in one line, as the same is for a
-message's `tools` / `functions` (Phi-4-mini's, OLMo 3's) and for an `environment` turn (OLMo 3's tool results) the
-template drops.
+definitions) is passed to the chat template as `tools=`, as transformers' apply_chat_template and TRL do, in every
+render of the conversation (its prefixes included). An empty list ("[]": LLaMA-Factory's "no tools") is no tools
+(None: Llama 3.x / 4 test `tools is not none` and wrote an empty tool offer; Mistral v0.3 an empty
+[AVAILABLE_TOOLS]); a bare definition `{"name": ..., "parameters": ...}` is wrapped as OpenAI's
+`{"type": "function", "function": {...}}`, the form inference servers, transformers' get_json_schema and
+LLaMA-Factory give the template (Cohere's `parameter_definitions` form stays as given: Command-R's template reads
+it). The definitions are then in the ids, in a system or user turn (never supervised: only assistant replies are).
+A template that renders the same with and without them (Llama 3.0, Qwen2, Phi-3, ... take no tool list) would train
+each reply as if no tool had been offered, a call to a function the model never saw defined: such a row is refused
+in one line, as the same is for a message's `tools` / `functions` (Phi-4-mini's, OLMo 3's) and for an `environment`
+turn (OLMo 3's tool results) the template drops.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ _FORM = ('a list of function definitions [{"type": "function", "function": {"nam
 
 
 def row_tools(obj: dict) -> list | None:
-    """The row's top-level `tools` as the template gets them (a list, as given; a JSON string of one parsed), None
-    where absent or null. RowError, one line naming the value and the form expected, for anything else."""
+    """The row's top-level `tools` as the template gets them (a list, each bare definition wrapped as OpenAI's; a JSON
+    string of one parsed), None where absent, null or empty. RowError, one line naming the value and the form
+    expected, for anything else."""
     value = obj.get("tools") if isinstance(obj, dict) else None
     if value is None or isinstance(value, str) and not value.strip():  # a JSON-text column's blank: no tools
         return None
@@ -40,7 +45,19 @@ def row_tools(obj: dict) -> list | None:
         fn = t.get("function", t) if isinstance(t, dict) else None
         if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and fn["name"]):
             raise RowError(f"tools[{i}]: {t!r:.80} is not a function definition with a name: give {_FORM}")
-    return value
+    return [_wrapped(t) for t in value] or None  # an empty list (LLaMA-Factory's "[]", 109 of the 300 rows of its
+    # glaive_toolcall demo) is no tools: passed as [], Llama 3.1 wrote "Environment: ipython" and an empty function
+    # list into every such row, Mistral v0.3 an empty [AVAILABLE_TOOLS] (4 of 5 replies then untrained)
+
+
+def _wrapped(t: dict) -> dict:
+    """A bare definition (`name` and neither `type` nor `function`: LLaMA-Factory's, glaive's) as OpenAI's
+    `{"type": "function", "function": t}`, what a server gives the template for the same tools (before, the tool
+    list trained differed from the one served, and Mistral v0.3 / gpt-oss / Gemma 4, reading `tool.function`,
+    failed); Cohere's `parameter_definitions` form, which Command-R's template reads as given, stays."""
+    if "type" in t or "function" in t or "parameter_definitions" in t:
+        return t
+    return {"type": "function", "function": t}
 
 
 def tool_names(tools: list) -> list[str]:

@@ -343,10 +343,11 @@ def _rows(unit: Unit, fields: Fields, start: int, batch_rows: int) -> Iterator[t
 
 CHAT_COLUMNS = (("messages",), ("conversations",), ("prompt", "completion"), ("instruction", "output"))  # data/chat.py's
 # row formats
-CHAT_EXTRAS = ("tools", "system", "input", "history", "chat_template_kwargs", "label", "functions")  # carried with a
-# chat row when the table has them (data/chat_tools.py reads the tools, data/chat_rows.py the system prompt, an Alpaca
-# row's input and history, and refuses a KTO row's label and a legacy functions list; data/chat_template.py the
-# template's arguments)
+CHAT_EXTRAS = ("tools", "system", "input", "history", "chat_template_kwargs", "label", "functions", "images", "image",
+               "videos", "audios")  # carried with a chat row when the table has them (data/chat_tools.py reads the
+# tools, data/chat_rows.py the system prompt, an Alpaca row's input and history, and refuses a KTO row's label, a legacy
+# functions list and a filled media column (chat_rows.MEDIA: a text-only trainer; a media column's bytes are read only
+# as far as the first filled row, which refuses the preparation); data/chat_template.py the template's arguments)
 
 
 TEXT_BESIDE = "text\x00"  # marks a table's text column carried beside its chat columns (not a column name)

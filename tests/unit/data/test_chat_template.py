@@ -128,3 +128,20 @@ def test_generation_markers_around_the_header_train_the_reply_alone(tmp_path, en
         spans = [marked_enc.tok.hf.decode(ids[a:b]) for a, b in zip(edges[::2], edges[1::2])]
         assert spans == ["It is sunny.<|im_end|>", "Rainy.<|im_end|>"] and stats.get("no_stop_rows", 0) == 0
         assert stats["untrained_turns"] == len(head)
+
+
+def test_a_tables_filled_media_column_is_refused_as_a_json_rows_is(tmp_path, enc):
+    """A Parquet / datasets table's `images` column never reached the row (only CHAT_EXTRAS' columns are carried):
+    LLaVA-style rows were trained text-only, their replies describing images the model never saw, where the same
+    rows as JSONL are refused (data/chat_rows.MEDIA). An empty column is no media."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from data.prepare_data import prepare
+
+    pq.write_table(pa.table({"messages": [MSGS, MSGS], "images": [[], []]}), tmp_path / "empty.parquet")
+    prepare([str(tmp_path / "empty.parquet")], str(tmp_path / "ok"), enc.tok.path, workers=0, log=lambda _: None)
+    pq.write_table(pa.table({"messages": [MSGS, MSGS], "images": [[], ["cat.jpg"]]}), tmp_path / "filled.parquet")
+    with pytest.raises(Exception, match="images"):
+        prepare([str(tmp_path / "filled.parquet")], str(tmp_path / "no"), enc.tok.path, workers=0,
+                log=lambda _: None)
