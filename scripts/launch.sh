@@ -128,8 +128,8 @@ if [ "$no_ssh" = 1 ] || [ "$torchrun" = 1 ]; then
 fi
 
 # --- environment: the accelerator, and what every node must see ---
-[ -n "${DS_ACCELERATOR:-}" ] || if command -v nvidia-smi >/dev/null 2>&1 && [[ $(nvidia-smi -L 2>/dev/null) == GPU* ]]
-  then export DS_ACCELERATOR=cuda; else export DS_ACCELERATOR=cpu; fi  # a value the user set wins
+acc_given=${DS_ACCELERATOR:+1}; [ -n "$acc_given" ] || if command -v nvidia-smi >/dev/null 2>&1 && [[ $(nvidia-smi -L 2>/dev/null) == GPU* ]]
+  then export DS_ACCELERATOR=cuda; else export DS_ACCELERATOR=cpu; fi  # a value the user set wins (pdsh: only it goes)
 num_gpus_given=${num_gpus:+1}
 if [ -z "$num_gpus" ] && [ -z "$hostfile" ]; then
   if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
@@ -183,15 +183,13 @@ if [ "$bind" = 1 ]; then
   [ -n "$allowed" ] && bind_args+=(--bind_core_list "$allowed")
 fi
 
-# The deepspeed launcher reads ./.deepspeed_env (and ~/.deepspeed_env; the name can be changed with
-# DS_ENV_FILE) and exports every KEY=VALUE line on each node it starts over pdsh/mpi. Written atomically:
-# with --no_ssh several launchers may share this directory.
+# The deepspeed launcher reads ./.deepspeed_env (and ~/.deepspeed_env; DS_ENV_FILE renames it) and exports every
+# KEY=VALUE line on each node it starts over pdsh. Written atomically: --no_ssh launchers may share this directory.
 env_file=${DS_ENV_FILE:-.deepspeed_env}
 tmp=$(mktemp "$env_file.XXXXXX")
-# The interface variables ride along (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME, NCCL_IB_HCA, the FI_* of libfabric/EFA,
-# the UCX_* of UCX): without them a remote node's gloo group binds whatever its hostname resolves to.
+# The interface variables ride along (GLOO_/NCCL_SOCKET_IFNAME, NCCL_IB_HCA, FI_* of libfabric/EFA, UCX_*): without
 ours='^(NCCL_|GLOO_|FI_|UCX_|WANDB_|HF_|TRANSFORMERS_|TORCH_NCCL_)|^(PYTHONPATH|DS_ACCELERATOR|OMP_NUM_THREADS|PYTORCH_CUDA_ALLOC_CONF|CUDA_HOME|SLURM_JOB_END_TIME|SLURM_JOB_START_TIME|TORCH_EXTENSIONS_DIR)$'
-names=$(compgen -e | grep -E "$ours" || true)
+names=$(compgen -e | grep -E "$ours" || true)  # them a remote node's gloo group binds what its hostname resolves to
 # A file of your own keeps its other lines (LD_LIBRARY_PATH=...): the names above (and LAUNCH_EXPORT's) are this
 # environment's, set or unset; deepspeed reads every line as KEY=VALUE, so lines without one are dropped
 if [ -f "$env_file" ]; then
@@ -204,6 +202,8 @@ if [ -f "$env_file" ]; then
   done < "$env_file"
 fi
 for v in $names ${LAUNCH_EXPORT:-}; do
+  # deepspeed over pdsh from a login node without GPUs: its `cpu` would make every GPU node train on CPU
+  [ "$v" = DS_ACCELERATOR ] && [ -z "$acc_given" ] && [ -n "$hostfile" ] && [ "$no_ssh$torchrun" = 00 ] && continue
   val=${!v-}
   case "$val" in *$'\n'*) echo "launch.sh: not exporting $v (multi-line value)" >&2; continue ;; esac
   printf '%s=%s\n' "$v" "$val" >> "$tmp"

@@ -137,6 +137,14 @@ def test_accelerator_choice(tmp_path):
     p = launch(["--print-only", "--num_gpus", "1", "--", "--x"], tmp_path, PATH=path, DS_ACCELERATOR="cpu")
     assert p.stdout.startswith("DS_ACCELERATOR=cpu "), p.stderr
     assert "DS_ACCELERATOR=cpu" in (tmp_path / ".deepspeed_env").read_text()
+    # deepspeed over pdsh (-H) from a login node without GPUs: what was detected here is not sent to the nodes (its
+    # `cpu` made every GPU node train on CPU); each node's deepspeed detects its own. A value the user set goes.
+    (tmp_path / "hosts").write_text("gpu0 slots=8\ngpu1 slots=8\n")
+    smi.write_text("#!/bin/sh\necho 'No devices were found'\nexit 6\n")
+    p = launch(["--print-only", "-H", "hosts", "--", "--x"], tmp_path, PATH=path)
+    assert p.returncode == 0 and "DS_ACCELERATOR" not in (tmp_path / ".deepspeed_env").read_text(), p.stderr
+    p = launch(["--print-only", "-H", "hosts", "--", "--x"], tmp_path, PATH=path, DS_ACCELERATOR="cuda")
+    assert "DS_ACCELERATOR=cuda" in (tmp_path / ".deepspeed_env").read_text().splitlines(), p.stderr
 
 
 def test_cuda_visible_devices_are_respected(tmp_path):
