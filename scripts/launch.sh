@@ -3,7 +3,6 @@
 # code (base/exits.py): 0 done, 75 preempted after a save (requeue the same command; it resumes with --resume auto),
 # 69 a peer was lost (a node, a rank, the job's store: requeue, without the lost node), 2 bad input, anything else
 # failed. docs/launch.md has the details.
-#
 #   scripts/launch.sh [--num_gpus N | --include/--exclude localhost:IDS] -- TRAIN_ARGS...          one node
 #   scripts/launch.sh -H HOSTFILE [--include S | --exclude S] [--num_nodes N] -- TRAIN_ARGS...
 #                                                                  several nodes over pdsh (ssh), from node 0
@@ -17,10 +16,9 @@
 # in their own process group with SIGUSR1 and SIGUSR2 ignored, because the deepspeed launcher has no handler for
 # them (it would die of one and lose the exit code: `scancel --signal=USR2` without --batch sends it to every process
 # of the job's steps) and answers SIGTERM/SIGINT by killing its children.
-# Threads and cores: each rank gets OMP_NUM_THREADS = this node's CPUs / its ranks (a value you set wins; pdsh
-# nodes get node 0's number); on one node and with --no_ssh, where numactl is installed, the deepspeed launcher also
-# binds each rank to its own cores (--bind_cores_to_rank; it then sets OMP_NUM_THREADS per rank itself).
-# BIND_CORES=0 turns binding off, 1 insists on it.
+# Threads and cores: each rank gets OMP_NUM_THREADS = this node's CPUs / its ranks (a value you set wins; pdsh nodes
+# get node 0's number); on one node and with --no_ssh, where numactl is installed, the deepspeed launcher also binds
+# each rank to its own cores (--bind_cores_to_rank; it then sets OMP_NUM_THREADS per rank). BIND_CORES=0: off, 1: must.
 # Environment overrides: DEEPSPEED, TORCHRUN (launcher executables), TRAIN_SCRIPT (default train.py),
 # LAUNCH_EXPORT (extra variable names to write to .deepspeed_env), BIND_CORES (auto | 0 | 1), STORE_START_S (node 0's
 # store must answer within this, default 60), LAUNCH_LOST_FILE (node 0, after a lost node: its index is written here),
@@ -35,10 +33,11 @@ bin() { if [ -x "$ROOT/.venv/bin/$1" ]; then echo "$ROOT/.venv/bin/$1"; else ech
 DEEPSPEED=${DEEPSPEED:-$(bin deepspeed)}
 TORCHRUN=${TORCHRUN:-$(bin torchrun)}
 die() { echo "launch.sh: error: $*" >&2; exit "$EXIT_USAGE"; }
+. "$ROOT/scripts/launch_crash.sh"  # this node's crash verdict (died_verdict, crash_verdict)
 
 # --- options ---
 num_gpus="" hostfile="" include="" exclude="" num_nodes="" launcher="" no_ssh=0 torchrun=0
-nnodes="" node_rank=0 master_addr="" master_port=29500 print_only=0 act=""  # act: the hosts that run ranks, below
+nnodes="" node_rank=0 master_addr="" master_port=29500 print_only=0 act="" force=""  # act: the hosts that run ranks
 while [ $# -gt 0 ]; do
   case "$1" in --*=*) set -- "${1%%=*}" "${1#*=}" "${@:2}" ;; esac  # --num_gpus=2 as deepspeed takes it
   case "$1" in
@@ -107,6 +106,8 @@ if [ -n "$hostfile" ]; then
   [ "$no_ssh" = 0 ] || [ -z "$nnodes" ] || [ "$nnodes" = "$lines" ] || die "--nnodes $nnodes but hostfile $hostfile has" \
     "$lines hosts${include:+ after --include}${exclude:+ after --exclude} (deepspeed starts one node per line): drop --nnodes"
   [ "$no_ssh" = 0 ] || nnodes=$lines  # --no_ssh with your hostfile: the lines left are the nodes
+  # deepspeed runs ONE host's ranks on this machine whatever its name (a login node): one other host goes over pdsh
+  [ "$lines" != 1 ] || grep -qixF -e localhost -e 127.0.0.1 -e "$(hostname)" -e "$(hostname -s)" <<< "${act%% *}" || force=1
 elif [ -n "$include$exclude" ] && [ "$no_ssh" = 1 ]; then
   die "--include/--exclude with --no_ssh name the hosts of your hostfile: give -H HOSTFILE"
 elif [ "${num_nodes:-1}" != 1 ]; then
@@ -233,7 +234,7 @@ elif [ -n "$hostfile" ]; then
   mode=pdsh
   cmd=("$DEEPSPEED" --hostfile "$hostfile" ${include:+--include "$include"} ${exclude:+--exclude "$exclude"}
        ${num_nodes:+--num_nodes "$num_nodes"} ${num_gpus:+--num_gpus "$num_gpus"} ${launcher:+--launcher "$launcher"}
-       ${master_addr:+--master_addr "$master_addr"} --master_port "$master_port" "$TRAIN_SCRIPT" "$@")
+       ${force:+--force_multi} ${master_addr:+--master_addr "$master_addr"} --master_port "$master_port" "$TRAIN_SCRIPT" "$@")
 elif [ -z "$num_gpus_given" ] && [ -n "${CUDA_VISIBLE_DEVICES:-}$include$exclude" ]; then
   # your GPUs: --include/--exclude as given; without --num_gpus the runner turns CUDA_VISIBLE_DEVICES into --include
   # localhost:<those ids> (with it, it would use devices 0..N-1 whatever was selected)
@@ -352,36 +353,14 @@ export LAUNCH_EXIT_DIR=$exit_dir
 # gets the hard limit as its soft one before any rank connects (rank 0 also raises the agent's, base/comm.py, for a
 # torchrun started another way, but only once it has arrived).
 ulimit -Sn "$(ulimit -Hn)" 2>/dev/null || true
+ooms=$(oom_kills)  # died_verdict's baseline
 set -m
 ( trap - TERM INT; trap '' USR1 USR2; exec "${cmd[@]}" 2>&3 ) &
 launcher_pid=$!
 set +m
 
-# A rank here dead of a signal without an exit of its own (the host's OOM killer, a segfault): this node's crash verdict
-# is `died` (LAUNCH_CRASH_FILE, read by slurm.sbatch; the others are written at the end). The signal, from the
-# launcher's code: deepspeed's launch.py exits with its first failed rank's -N (256 - N), a launcher killed itself
-# 128 + N, torchrun's summary (read from its output once the ranks are gone: a second call). Counted: ILL, BUS, FPE,
-# KILL, SEGV, never when this script was signalled (Slurm ending the step) before a rank here was gone (`early`,
-# below), never when every rank here recorded its own exit; not ABRT (NCCL's watchdog tears down a healthy rank whose
-# peer vanished with it, and so does a shutdown after a monitor's exit). Written at once: a node TERMed by srun (the
-# race below) has KillWait (30 s by default) before Slurm's SIGKILL, while its ranks may take minutes to leave.
-died=0
-died_verdict() {
-  local d=$death n
-  [ "$died" = 0 ] || return 0
-  case "$rc" in 0|"$EXIT_USAGE"|"$EXIT_PEER_LOST"|"$EXIT_PREEMPTED") return 0 ;; esac
-  if [ -z "$d" ] && [ "$rc" -ge 129 ] 2>/dev/null && [ "$rc" -le 255 ]; then
-    if [ "$rc" -ge 193 ]; then d=$((256 - rc)); else d=$((rc - 128)); fi
-  fi
-  n=$(find "$exit_dir" -maxdepth 1 -name 'rank*' 2>/dev/null | grep -c .)
-  case " 4 7 8 9 11 " in *" ${d:-x} "*) [ "$signalled$early" != 10 ] && [ "$n" -lt "$ranks_here" ] && died=1 ;; esac
-  [ "$died" = 1 ] || return 0
-  echo "launch.sh: a rank here died of signal $d without an exit of its own (the host's OOM killer, a segfault):" \
-    "this node's crash verdict is 'died'" >&2
-  [ -z "${LAUNCH_CRASH_FILE:-}" ] || echo died > "$LAUNCH_CRASH_FILE"
-}
 # early: a rank here was gone (reaped by its launcher) before any signal reached this script, for the crash verdict
-# below. A node whose rank the OOM killer took is usually TERMed by srun before its launcher returns: the launcher
+# (scripts/launch_crash.sh). A node whose rank the OOM killer took is usually TERMed by srun before its launcher returns: the launcher
 # waits for the other ranks there (deepspeed's launch.py gives them 30 s), while a healthy node's rank, its peer gone,
 # raises and its node exits first. Slurm's own SIGKILL comes KillWait after its TERM, never before. One `kill -0` a
 # rank a second; the process table is read only until every rank here has been seen.
@@ -475,26 +454,6 @@ if [ "$node_store" = 1 ]; then
   esac
   if [ -n "$store_pid" ]; then kill -9 "$store_pid" 2>/dev/null; wait "$store_pid" 2>/dev/null; fi
 fi
-# Whether this node crashed on its own, for slurm.sbatch (LAUNCH_CRASH_FILE; a crash confined to one node is requeued
-# without it): `died` when a rank here died of a signal without an exit of its own (died_verdict), `first` when the job's first
-# failure on record is this node's (a rank here raised first, or this launcher's post came first; with one node or no
-# job store: a rank here raised), `own` when a rank here raised too (its record a failure code) after another node's
-# first failure, nothing when the ranks here were stopped by it (the abort channel: a watcher's exit records nothing)
-# or by Slurm. A silent death (the host's OOM killer, a segfault) posts nothing in time: a healthy node's rank, its
-# peer gone ("Connection reset by peer"), raises and posts first, and that node would be the one excluded.
-if [ -n "${LAUNCH_CRASH_FILE:-}" ]; then
-  case "$rc" in
-    0|"$EXIT_USAGE"|"$EXIT_PEER_LOST"|"$EXIT_PREEMPTED") ;;
-    *) raised=0
-       for c in $recorded; do case "$c" in 0|"$EXIT_USAGE"|"$EXIT_PEER_LOST"|"$EXIT_PREEMPTED") ;; *) raised=1 ;; esac; done
-       if [ "$died" = 1 ]; then  # written already, over a `first` a rank here wrote (this death's consequence)
-         :
-       elif [ "$origin" = "$node_rank" ] || { [ "$node_store" = 0 ] && [ "$raised" = 1 ]; }; then
-         echo first > "$LAUNCH_CRASH_FILE"
-       elif [ "$raised" = 1 ] && [ "$(cat "$LAUNCH_CRASH_FILE" 2>/dev/null)" != first ]; then
-         echo own > "$LAUNCH_CRASH_FILE"  # never over `first`, which a failing rank here wrote itself (training/job.py)
-       fi ;;
-  esac
-fi
+crash_verdict  # scripts/launch_crash.sh
 echo "launch.sh: training exited with $rc" >&2
 exit "$rc"

@@ -41,6 +41,22 @@ def record_early_signals() -> None:
             signal.signal(s, lambda signum, frame: _EARLY.append(signum))  # no I/O in a handler
 
 
+_FAULTS: list = []  # the open fault record (faulthandler writes to it from a signal handler: it must stay open)
+
+
+def record_faults() -> None:
+    """A fatal signal's traceback (Python's faulthandler: SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT) is written to
+    LAUNCH_EXIT_DIR/fault<RANK>, where scripts/launch_crash.sh reads which signal ended a rank that left without an
+    exit of its own (a segfault is this node's `died`, the crash's origin; its traceback goes to the job's log)."""
+    where = os.environ.get("LAUNCH_EXIT_DIR")
+    if _FAULTS or not where or not os.path.isdir(where):
+        return
+    import faulthandler
+
+    _FAULTS.append(open(os.path.join(where, f"fault{os.environ.get('RANK', '0')}"), "w"))  # noqa: SIM115
+    faulthandler.enable(file=_FAULTS[0], all_threads=True)
+
+
 def early_signals() -> list[int]:
     """The save requests recorded since record_early_signals(), oldest first; each is handed out once."""
     got = list(_EARLY)
@@ -57,6 +73,7 @@ def run_job(main: Callable[[], int]) -> int:
     """Run `main` as one rank of a job; returns its exit code after leaving the abort channel and recording the
     code (an exception becomes 1, or 2 for the user's input, after the others were told; Requeue 75)."""
     record_early_signals()  # first: a save request during start-up must not kill the rank (module docstring)
+    record_faults()
     from base.env import configure
 
     # DeepSpeed's JIT ops from this checkout's cache, which scripts/setup.sh built, for every entry through here (not

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 
 import pytest
@@ -36,10 +37,12 @@ from tests.e2e.launchers import (
     (["--num_gpus", "4"], f"{DS} --num_gpus 4 --master_port 29500 {TRAIN} --max_steps 3"),
     (["-H", "hosts", "--include", "w0@w1:0,1", "--master_port", "29400"],
      f"{DS} --hostfile hosts --include w0@w1:0,1 --master_port 29400 {TRAIN} --max_steps 3"),
+    # one host left, not this one: --force_multi (deepspeed would run its ranks here, on this machine)
     (["-H", "hosts", "--exclude", "w1", "--master_addr", "10.0.0.1"],
-     f"{DS} --hostfile hosts --exclude w1 --master_addr 10.0.0.1 --master_port 29500 {TRAIN} --max_steps 3"),
+     f"{DS} --hostfile hosts --exclude w1 --force_multi --master_addr 10.0.0.1 --master_port 29500 {TRAIN} "
+     "--max_steps 3"),
     (["-H", "hosts", "--nnodes", "1", "--launcher", "pdsh"],
-     f"{DS} --hostfile hosts --num_nodes 1 --launcher pdsh --master_port 29500 {TRAIN} --max_steps 3"),
+     f"{DS} --hostfile hosts --num_nodes 1 --launcher pdsh --force_multi --master_port 29500 {TRAIN} --max_steps 3"),
     (["--no_ssh", "--nnodes", "2", "--node_rank", "1", "--master_addr", "10.0.0.1", "--num_gpus", "8"],
      f"{DS} --hostfile TMP/ulysses_hostfile.{os.getuid()}.2x8 --no_ssh --node_rank 1 --master_addr 10.0.0.1 "
      f"--master_port 29500 --num_gpus 8 {TRAIN} --max_steps 3"),
@@ -145,6 +148,16 @@ def test_accelerator_choice(tmp_path):
     assert p.returncode == 0 and "DS_ACCELERATOR" not in (tmp_path / ".deepspeed_env").read_text(), p.stderr
     p = launch(["--print-only", "-H", "hosts", "--", "--x"], tmp_path, PATH=path, DS_ACCELERATOR="cuda")
     assert "DS_ACCELERATOR=cuda" in (tmp_path / ".deepspeed_env").read_text().splitlines(), p.stderr
+
+
+@pytest.mark.parametrize("host, force", [("gpu7", True), ("localhost", False), (socket.gethostname(), False)])
+def test_one_host_left_in_a_hostfile_runs_there_not_here(tmp_path, host, force):
+    """deepspeed's runner runs a single active host's ranks on the machine it runs on, whatever the host's name
+    (runner.py: multi_node_exec only for more than one host): `-H hosts` naming one GPU node, started from a login
+    node, trained on the login node. Now --force_multi goes over pdsh to it; a hostfile of this machine stays local."""
+    (tmp_path / "hosts").write_text(f"{host} slots=2\n")
+    p = launch(["--print-only", "-H", "hosts", "--", "--x"], tmp_path, DS_ACCELERATOR="cpu")
+    assert p.returncode == 0 and (" --force_multi " in p.stdout) == force, p.stdout + p.stderr
 
 
 def test_cuda_visible_devices_are_respected(tmp_path):

@@ -47,10 +47,11 @@ def test_a_rank_dead_of_a_signal_without_an_exit_of_its_own_is_died(tmp_path, co
     assert (crash.read_text().strip() if crash.exists() else None) == verdict, p.stderr
 
 
-# deepspeed's runner -> launch.py -> two ranks, as launch.sh's rank_pids finds them. Rank 1 dies of SIGKILL (the OOM
-# killer) once launch.sh has had time to see both ranks, or only after the go file (Slurm's KillWait SIGKILL); the
-# launcher waits for the go file (launch.py giving the other rank 30 s), then exits 256 - 9 as launch.py does. In the
-# race, rank 0 (TERMed: saving) outlives it, and launch.sh waits for it until Slurm's SIGKILL.
+# deepspeed's runner -> launch.py -> two ranks, as launch.sh's rank_pids finds them. Rank 1 dies (the OOM killer's
+# SIGKILL, its task cgroup's oom_kill counted, or a segfault that faulthandler records in LAUNCH_EXIT_DIR/fault1) once
+# launch.sh has had time to see both ranks, or only after the go file (Slurm's KillWait SIGKILL). The launcher waits
+# for the go file, then exits RACE_CODE: launch.py's 256 - 9, or 143 (the runner dead of srun's TERM: it has no handler
+# under --no_ssh). Rank 0 (TERMed: saving) outlives it, and launch.sh waits for it until Slurm's SIGKILL.
 RACE = """#!/usr/bin/env bash
 mkfifo "$VERDICT_GO.fifo"
 bash -c '
@@ -58,52 +59,71 @@ bash -c '
   sleep 300 & r0=$!
   sleep 300 & r1=$!
   echo $r0 > "$VERDICT_GO.r0"
-  read -t 3 -u 9
-  if [ "$RACE_ORDER" = dead_first ]; then kill -9 $r1; wait $r1; fi
+  die() {
+    case $RACE_EVIDENCE in
+      oom) echo "oom_kill 1" > "$LAUNCH_CGROUP/memory.events"; kill -9 $r1 ;;
+      fault) echo "Fatal Python error: Segmentation fault" > "$LAUNCH_EXIT_DIR/fault1"; kill -11 $r1 ;;
+      *) kill -9 $r1 ;;
+    esac
+    wait $r1
+  }
+  read -t 1.5 -u 9
+  [ "$RACE_ORDER" = dead_first ] && die
   : > "$VERDICT_GO.ready"
   while [ ! -f "$VERDICT_GO" ]; do read -t 0.05 -u 9; done
-  [ "$RACE_ORDER" = dead_first ] && exit 247
-  kill -9 $r1 $r0 2>/dev/null; wait
-  exit 247' &
+  [ "$RACE_ORDER" = dead_first ] || die
+  exit $RACE_CODE' &
 wait $!
 """
 
 
-@pytest.mark.parametrize("order, verdict", [
-    ("dead_first", "died"),   # the OOM kill, then srun's TERM after the healthy node exited first: the real race
-    ("term_first", None),     # Slurm's TERM ending the step, then its SIGKILL: no death of this node's own
+@pytest.mark.parametrize("order, code, evidence, verdict", [
+    ("dead_first", 247, "", "died"),  # launch.py's own code came before Slurm's SIGKILL
+    ("dead_first", 143, "oom", "died"),  # the real race: the runner dead of srun's TERM, the cgroup's OOM count
+    ("dead_first", 143, "fault", "died"),  # a segfault's faulthandler record
+    ("dead_first", 143, "", None),  # nothing tells how it ended
+    ("term_first", 143, "oom", None),  # Slurm's TERM first: an OOM on the way out is no death of this node's own
 ])
-def test_a_rank_gone_before_the_steps_sigterm_is_died_one_killed_after_it_is_not(tmp_path, order, verdict):
+def test_a_rank_gone_before_the_steps_sigterm_is_died_one_killed_after_it_is_not(tmp_path, order, code, evidence,
+                                                                                verdict):
     """A rank OOM-killed on node B: a healthy node A's rank, its peer gone, raises and A's launcher exits first; srun
-    then TERMs every task, B's launch.sh included, while B's launcher still waits for its other ranks. B's verdict was
-    dropped for being signalled (the crash was then A's, a healthy node excluded, or none requeued), and was written
-    only after B's other ranks had left (they save on TERM), past Slurm's SIGKILL: a rank here gone before the signal
-    reached this script is B's own death, written as the launcher returns. A rank killed after the signal is not."""
-    crash, go = tmp_path / "crash.0", tmp_path / "go"
+    then TERMs every process of B's task, while B's launch.py still waits for its other ranks: B's runner dies of that
+    TERM (143), the rank's signal never reported. B's verdict was dropped for being signalled (the crash was then A's,
+    a healthy node excluded, or none requeued): a rank here gone before the signal, with the task cgroup's OOM count
+    grown or a fault record (or the launcher's code), is B's own death, written as the launcher returns (before the
+    ranks' saves, which Slurm's SIGKILL cuts). A rank killed after the signal is not."""
+    crash, go, cg = tmp_path / "crash.0", tmp_path / "go", tmp_path / "cg"
+    cg.mkdir()
+    (cg / "memory.events").write_text("low 0\nhigh 0\nmax 0\noom 0\noom_kill 0\n")
     race = tmp_path / "deepspeed"
     race.write_text(RACE)
     race.chmod(0o755)
     p = subprocess.Popen([LAUNCH, "--num_gpus", "2", "--", "--x"], cwd=tmp_path, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True,
                          env=clean_env(DEEPSPEED=str(race), LAUNCH_CRASH_FILE=str(crash), VERDICT_GO=str(go),
-                                       RACE_ORDER=order))
+                                       RACE_ORDER=order, RACE_CODE=str(code), RACE_EVIDENCE=evidence,
+                                       LAUNCH_CGROUP=str(cg)))
     try:
         wait_for(lambda: (tmp_path / "go.ready").exists(), 60, "the stand-in launcher")
-        time.sleep(2.5)  # launch.sh's one-second poll has looked at the ranks since
+        time.sleep(1.5)  # launch.sh's one-second poll has looked at the ranks since
         p.send_signal(signal.SIGTERM)
         time.sleep(0.5)  # its trap has run
         go.write_text("")
-        if verdict:  # launch.sh now waits for rank 0; Slurm's SIGKILL ends it KillWait after the TERM
+        # launch.sh now waits for rank 0 (saving) until Slurm's SIGKILL, KillWait after the TERM
+        if verdict:
             wait_for(crash.exists, 15, "the crash verdict while the ranks here are still leaving")
-            p.kill()
-            os.kill(int((tmp_path / "go.r0").read_text()), signal.SIGKILL)  # it holds launch.sh's output open
+        else:
+            time.sleep(2.5)  # the launcher has returned and launch.sh has judged (a verdict would be there)
+        p.kill()
+        os.kill(int((tmp_path / "go.r0").read_text()), signal.SIGKILL)  # it holds launch.sh's output open
         text = p.communicate(timeout=60)[0]
     finally:
         p.kill()
-        if verdict and (tmp_path / "go.r0").exists():
+        if (tmp_path / "go.r0").exists():
             subprocess.run(["kill", "-9", (tmp_path / "go.r0").read_text().strip()], stderr=subprocess.DEVNULL)
-    assert "got SIGTERM" in text and (verdict or p.returncode == 247), text
+    assert "got SIGTERM" in text, text
     assert (crash.read_text().strip() if crash.exists() else None) == verdict, text
+
 
 
 def test_a_launcher_stopped_by_a_signal_is_not_died(tmp_path):

@@ -63,3 +63,16 @@ def test_a_recorded_request_is_taken_once(handlers):
     second = PreemptionFlag().install()  # a flag of a later stage or test: nothing left to take
     second.uninstall()
     assert (first.received, second.received, handlers) == (signal.SIGUSR1, None, [])
+
+
+def test_a_segfaults_traceback_is_recorded_where_launch_sh_reads_how_a_rank_ended(tmp_path):
+    """A rank dead of SIGSEGV left no trace launch.sh could read once srun's TERM had killed the deepspeed runner
+    (143: launch.py's 256 - 11 never came): its fault record now says how it ended (scripts/launch_crash.sh: `died`)."""
+    import subprocess
+    import sys
+
+    code = "from training.job import record_faults; record_faults(); import ctypes; ctypes.string_at(0)"
+    env = {**os.environ, "LAUNCH_EXIT_DIR": str(tmp_path), "RANK": "5"}
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == -11, p.stderr
+    assert (tmp_path / "fault5").read_text().startswith("Fatal Python error: Segmentation fault")

@@ -1,0 +1,77 @@
+# Sourced by scripts/launch.sh: this node's crash verdict for scripts/slurm.sbatch (LAUNCH_CRASH_FILE; a crash
+# confined to one node is requeued without it, scripts/slurm_requeue.sh crash_requeue). Reads launch.sh's state: rc,
+# death, exit_dir, signalled, early, ranks_here, recorded, origin, node_rank, node_store.
+#
+# `died`: a rank here dead without an exit of its own (the host's OOM killer, a segfault), decided by died_verdict as
+# soon as the launcher returns: a node TERMed by srun has KillWait (30 s by default) before Slurm's SIGKILL, while its
+# ranks may take minutes to leave. The evidence, any of:
+# - the OOM killer took a process of this task since launch.sh started: its cgroup's `oom_kill` count grew (cgroup v2
+#   memory.events, v1 memory.oom_control: any OOM killer, the host's or the cgroup's). Read at the start and here.
+#   The only evidence that survives the usual race: a healthy node's rank, its peer gone, raises at once and its node
+#   exits first; srun then TERMs this node's task, and the deepspeed runner, which has no TERM handler under --no_ssh,
+#   dies of it (143) while launch.py still gives the other ranks 30 s: the dead rank's signal is never reported.
+# - a rank's fault record (LAUNCH_EXIT_DIR/fault<R>, Python's faulthandler: training/job.py) says SIGSEGV, SIGBUS,
+#   SIGILL or SIGFPE, which Slurm never sends. Not SIGABRT: NCCL's watchdog tears down a healthy rank whose peer
+#   vanished with it, and so does a shutdown after a monitor's exit.
+# - the launcher's code: deepspeed's launch.py exits with its first failed rank's -N (256 - N), a launcher killed
+#   itself 128 + N, torchrun's summary (read from its output once the ranks are gone: a second call); counted ILL, BUS,
+#   FPE, KILL, SEGV.
+# Never when this script was signalled (Slurm ending the step) before a rank here was gone (`early`: a rank killed on
+# its way out after the step's TERM is no death of this node's own), never when every rank here recorded its own exit.
+
+oom_kills() {  # this task's cgroup's OOM kills so far (nothing where it cannot be read). LAUNCH_CGROUP: a folder
+  # standing in for the cgroup (a test's; `%n` is this node's rank)
+  local g=${LAUNCH_CGROUP:-} p
+  if [ -z "$g" ]; then
+    p=$(sed -n 's/^0:://p' /proc/self/cgroup 2>/dev/null)
+    g=/sys/fs/cgroup$p
+    [ -r "$g/memory.events" ] || g=/sys/fs/cgroup/memory$(sed -n 's/^[0-9]*:[^:]*memory[^:]*://p' /proc/self/cgroup 2>/dev/null)
+  fi
+  g=${g//%n/$node_rank}
+  awk '$1 == "oom_kill" {print $2; exit}' "$g/memory.events" "$g/memory.oom_control" 2>/dev/null || true
+}
+ooms=""  # launch.sh reads the count before it starts the launcher
+died=0
+died_verdict() {
+  local d=$death n why="" now f
+  [ "$died" = 0 ] || return 0
+  case "$rc" in 0|"$EXIT_USAGE"|"$EXIT_PEER_LOST"|"$EXIT_PREEMPTED") return 0 ;; esac
+  [ "$signalled$early" != 10 ] || return 0
+  n=$(find "$exit_dir" -maxdepth 1 -name 'rank*' 2>/dev/null | grep -c .)
+  [ "$n" -lt "$ranks_here" ] || return 0
+  now=$(oom_kills)
+  if [ -n "$ooms" ] && [ -n "$now" ] && [ "$now" -gt "$ooms" ]; then
+    why="the OOM killer took a process here (its cgroup's oom_kill: $ooms -> $now)"
+  elif f=$(grep -lsE '^Fatal Python error: (Segmentation fault|Bus error|Illegal instruction|Floating.point exception)' \
+      "$exit_dir"/fault* | head -n 1) && [ -n "$f" ]; then
+    why="a rank here died of $(grep -m1 -oE 'Segmentation fault|Bus error|Illegal instruction|Floating.point exception' "$f")"
+    head -n 60 "$f" >&2  # its traceback (faulthandler's), for the job's log
+  else
+    if [ -z "$d" ] && [ "$rc" -ge 129 ] 2>/dev/null && [ "$rc" -le 255 ]; then
+      if [ "$rc" -ge 193 ]; then d=$((256 - rc)); else d=$((rc - 128)); fi
+    fi
+    case " 4 7 8 9 11 " in *" ${d:-x} "*) why="a rank here died of signal $d" ;; *) return 0 ;; esac
+  fi
+  died=1
+  echo "launch.sh: $why without an exit of its own (the host's OOM killer, a segfault): this node's crash verdict" \
+    "is 'died'" >&2
+  [ -z "${LAUNCH_CRASH_FILE:-}" ] || echo died > "$LAUNCH_CRASH_FILE"
+}
+
+# The others, at the end: `first` when the job's first failure on record is this node's (a rank here raised first, or
+# this launcher's post came first; with one node or no job store: a rank here raised), `own` when a rank here raised
+# too (its record a failure code) after another node's first failure, nothing when the ranks here were stopped by it
+# (the abort channel: a watcher's exit records nothing) or by Slurm. A silent death (the host's OOM killer, a
+# segfault) posts nothing in time: a healthy node's rank, its peer gone ("Connection reset by peer"), raises and posts
+# first, and that node would be the one excluded: `died` stands over a `first` (this death's consequence).
+crash_verdict() {
+  local raised=0 c
+  [ -n "${LAUNCH_CRASH_FILE:-}" ] && [ "$died" = 0 ] || return 0
+  case "$rc" in 0|"$EXIT_USAGE"|"$EXIT_PEER_LOST"|"$EXIT_PREEMPTED") return 0 ;; esac
+  for c in $recorded; do case "$c" in 0|"$EXIT_USAGE"|"$EXIT_PEER_LOST"|"$EXIT_PREEMPTED") ;; *) raised=1 ;; esac; done
+  if [ "$origin" = "$node_rank" ] || { [ "$node_store" = 0 ] && [ "$raised" = 1 ]; }; then
+    echo first > "$LAUNCH_CRASH_FILE"
+  elif [ "$raised" = 1 ] && [ "$(cat "$LAUNCH_CRASH_FILE" 2>/dev/null)" != first ]; then
+    echo own > "$LAUNCH_CRASH_FILE"  # never over `first`, which a failing rank here wrote itself (training/job.py)
+  fi
+}
