@@ -6,8 +6,8 @@ Each family (data/chat_templates/families.json) has a template written here that
 renders, with `{% generation %}` around what the model writes after its generation prompt (the reply, its
 reasoning and tool calls where the family renders them, and its end-of-turn token). The template as the family
 ships it is that text without the markers (the generation-marker family keeps them); the families added in 2026
-(Phi-4, LFM2, GLM-4.6, DeepSeek-V3.1, Llama 4, Qwen3-Coder, Gemma 4, Seed-OSS, Phi-4-reasoning) keep the template
-byte for byte and a marked copy beside it (`oracle`; Phi-4-reasoning ships its markers, its own), held to the same render by the ids check below. A small byte-level BPE
+(Phi-4, LFM2, GLM-4.6, DeepSeek-V3.1, Llama 4, Qwen3-Coder, Gemma 4, Seed-OSS, Phi-4-reasoning, Mistral Small 3.2,
+Granite 4.0) keep the template byte for byte and a marked copy beside it (`oracle`; Phi-4-reasoning ships its markers, its own), held to the same render by the ids check below. A small byte-level BPE
 tokenizer gets the family's control tokens (as single special tokens) and its plain added tokens.
 
 For each family and each kind of conversation (CASES) data/chat.py's ChatEncoder encodes the row through the

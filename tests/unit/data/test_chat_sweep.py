@@ -140,6 +140,14 @@ def test_every_family_trains_exactly_its_replies_or_is_refused_in_one_line(table
     ("phi4_reasoning", "system", "refused: message 0 (system): phi4_reasoning's template does not render a system "
                                  "message"),
     ("mistral_v03", "system", "refused: none of the 2 assistant turn(s)"),  # rendered in the last user turn: not lost
+    # Mistral Small 3.2 (tekken v11): [SYSTEM_PROMPT], no generation prompt, [TOOL_CALLS]NAME[CALL_ID]ID[ARGS] calls
+    # written alone; Granite 4.0: Hermes-style <tool_call> JSON after the reply's text, results in a user turn
+    ("mistral_small32", "system", "trains"), ("mistral_small32", "tool call", "trains"),
+    ("mistral_small32", "tool list", "trains"), ("mistral_small32", "arguments as JSON text", "trains"),
+    ("mistral_small32", "tool call with text", "refused: message 1 (assistant): mistral_small32's template does not "
+                                               "render a reply's text beside its tool calls"),
+    ("granite4", "system", "trains"), ("granite4", "tool call", "trains"), ("granite4", "tool list", "trains"),
+    ("granite4", "tool call with text", "trains"), ("granite4", "arguments as JSON text", "trains"),
 ])
 def test_issue_47_cases(table, family, case, want):
     assert table[family][case].startswith(want), table[family][case]
@@ -238,6 +246,18 @@ def _render(key: str, conv: list[dict], **kw) -> str:
     ("gpt_oss", _TOOL[:1], "Calls to these tools must go to the commentary channel: 'functions'.<|end|><|start|>"
      "developer<|message|># Tools\n\n## functions\n\nnamespace functions {\n\n// Count the words.\ntype count_words ="
      " (_: {\n// The text\ntext: string,\n}) => any;\n\n} // namespace functions<|end|><|start|>user", {"tools": [_DEF]}),
+    # Raudbjorn/ggml-llama.cpp's Mistral-Small-3.2-24B-Instruct-2506: a call as [TOOL_CALLS]NAME[CALL_ID]ID[ARGS], the
+    # EOS after it; a result [TOOL_RESULTS]ID[TOOL_CONTENT]; its own system prompt where none is given
+    ("mistral_small32", [_TOOL[0], {**_DICT_ARGS, "tool_calls": [{**_DICT_ARGS["tool_calls"][0], "id": "call00001"}]},
+                         {**_TOOL[2], "tool_call_id": "call00001"}],
+     '[/INST][TOOL_CALLS]count_words[CALL_ID]call00001[ARGS]{"text": "apple river"}</s>[TOOL_RESULTS]call00001'
+     '[TOOL_CONTENT]2[/TOOL_RESULTS]', {}),
+    ("mistral_small32", _TOOL[:1], "<s>[SYSTEM_PROMPT]You are Mistral Small 3, a Large Language Model", {}),
+    # its ibm-granite-granite-4.0: Hermes-style calls after the text, a result in a user turn, a default system prompt
+    ("granite4", [_TOOL[0], _DICT_ARGS, _TOOL[2]], '<|start_of_role|>assistant<|end_of_role|><tool_call>\n{"name": '
+     '"count_words", "arguments": {"text": "apple river"}}\n</tool_call><|end_of_text|>\n<|start_of_role|>user<|end_of'
+     '_role|>\n<tool_response>\n2\n</tool_response><|end_of_text|>', {}),
+    ("granite4", _TOOL[:1], "<|start_of_role|>system<|end_of_role|>You are a helpful assistant. Please ensure", {}),
 ])
 def test_what_the_families_own_templates_render(family, conv, want, kw):
     assert want in _render(family, conv, **kw)
@@ -287,7 +307,7 @@ def test_the_templates_kept_as_shipped_are_the_shipped_text():
     fams = families()
     assert as_shipped(fams["llama4"]) == processing_llama4.chat_template
     sizes = {"lfm2": 1349, "glm46": 3374, "deepseek_v31": 3357, "qwen3_coder": 6148, "gemma4": 16448,
-             "seed_oss": 7705, "phi4_reasoning": 1658}
+             "seed_oss": 7705, "phi4_reasoning": 1658, "mistral_small32": 6704, "granite4": 6418}
     assert {k: len(as_shipped(fams[k]).encode()) for k in sizes} == sizes
     assert "{{'<|im_start|>assistant<|im_sep|>' + message['content'] + '<|im_end|>'}}" in as_shipped(fams["phi4"])
 
