@@ -167,7 +167,7 @@ def ladder(rec, model: str, device: str, dry: bool, cap_gib: float, work: str, p
     cmd = [*bm.launcher(), "--num_gpus", "1", "--master_port", str(bm.free_port()), "train.py", "--config", cfg,
            "--model_name_or_path", model, "--sequence_parallel_size", "1", "--output_dir", out,
            "--report_to", "none", "--no-export_hf", "--save_steps", "0", "--resume", "none", "--no-progress_bar",
-           "--learning_rate", "1e-5", "--warmup_steps", "0", "--reset_position_ids", "no", "--memory_features",
+           "--learning_rate", "1e-5", "--warmup_steps", "0", "--reset_position_ids", "no", "--from_scratch", "--memory_features",
            "manual", "--dist_timeout_s", "600"] + (["--mem_cap_gb", "8"] if dry else ["--gpu_mem_gb", str(gpu_mem_gb)])
     log = os.path.join(work, "ladder.log")
     stop, pruned = threading.Event(), []

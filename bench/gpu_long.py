@@ -78,7 +78,7 @@ def long_run(rec, name: str, model: str, device: str, dry: bool, cap_gib: float,
     cmd = [*bm.launcher(), "--num_gpus", "1", "--master_port", str(bm.free_port()), "train.py", "--config", cfg,
            "--model_name_or_path", model, "--sequence_parallel_size", "1", "--output_dir", out,
            "--report_to", "none", "--no-export_hf", "--save_steps", "0", "--resume", "none", "--no-progress_bar",
-           "--learning_rate", "1e-5", "--warmup_steps", "0", "--reset_position_ids", "no",
+           "--learning_rate", "1e-5", "--warmup_steps", "0", "--reset_position_ids", "no", "--from_scratch",
            "--memory_features", "auto", *budget, "--dist_timeout_s", "600"]
     log = os.path.join(work, f"{name}.log")
     rec.say(f"{name}: {', '.join(f'{s} {n:,} tokens' for s, n in stages)}, {os.path.basename(model)}, launch "

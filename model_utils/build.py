@@ -41,6 +41,36 @@ def load_hf_config(name_or_path: str):
                      f"({', '.join(sorted(PRESETS))}) nor a Hugging Face hub id (org/name) in the local cache")
 
 
+TINY_PRESETS = tuple(n for n in PRESETS if n.startswith("tiny-"))  # the demo's and the tests' models, random on purpose
+# Below this a model is a demo's or a test's (tiny-llama: 0.8M parameters; the smallest released LMs, GPT-2 and
+# SmolLM, have 124M and 135M): trained on the built-in demo corpus without a word (training/startup.check_sources)
+TINY_PARAMS = 100_000_000
+
+
+def is_tiny(name_or_path: str, hf_config) -> bool:
+    """A tiny preset, or a model of fewer than TINY_PARAMS parameters (the planner's count; a family it cannot
+    read: its embeddings and 12 h^2 per layer)."""
+    if name_or_path in PRESETS:
+        return name_or_path in TINY_PRESETS
+    from planner.shapes import ModelShape
+
+    text = hf_config.get_text_config()
+    try:
+        n = ModelShape.from_config(text.to_dict()).num_params()
+    except (ValueError, KeyError, TypeError):
+        h = text.hidden_size
+        n = text.vocab_size * h + 12 * h * h * text.num_hidden_layers
+    return n < TINY_PARAMS
+
+
+def weights_source(name_or_path: str) -> str:
+    """Where a run's starting weights come from, in words (the dry run's `weights:` line)."""
+    if name_or_path in PRESETS:
+        return f"random init (preset {name_or_path}: its shape only, no weights are read)"
+    folder = resolve_model(name_or_path, weights=False)
+    return name_or_path if folder == name_or_path else f"{name_or_path} (the local Hugging Face cache: {folder})"
+
+
 def pick_attn_implementation(requested: str, planning: bool = False) -> str:
     """The attention backend to run, as far as the config tells: auto is flash_attention_2 on a GPU where flash-attn
     is installed (provisional: training/startup.settle_attention then times it against SDPA on this GPU and keeps the

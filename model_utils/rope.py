@@ -136,7 +136,9 @@ def _accepted(config, params: dict, where: str) -> None:
     if not hasattr(config, "to_dict"):  # a recipe check without the model's config: nothing to build
         return
     try:
-        made = type(config)(**{**config.to_dict(), "rope_parameters": copy.deepcopy(params)})
+        length = yarn_length(params)  # as apply_rope sizes it (the base's own beside a yarn: transformers warns)
+        made = type(config)(**{**config.to_dict(), "rope_parameters": copy.deepcopy(params),
+                               **({"max_position_embeddings": length} if length else {})})
     except Exception as e:  # noqa: BLE001 (each family's validation raises its own kind)
         raise ValueError(f"{where}: {type(config).__name__} refuses rope_type {'/'.join(_types(params))} "
                          f"({str(e).splitlines()[0][:120]}): a model of it could not be loaded after the run; use "
@@ -201,13 +203,26 @@ def _fields(params: dict) -> str:
 
 def apply_rope(hf_config, rope: dict | None, max_seq_length: int) -> None:
     """Set a stage's RoPE on the model config (in place, its text config's for a composite one: checked at start-up
-    by stage_rope with the stage's SP degree) and size the position table (not past a dynamic model's threshold)."""
+    by stage_rope with the stage's SP degree) and size the position table (not past a dynamic model's threshold).
+    A flat yarn with its factor and pretraining length extends to factor x original positions, as the export writes
+    it (model_utils/export.py): the base's own max_position_embeddings beside them (a tiny base's 131072 over 256)
+    made transformers warn at every config built from it, the run's and its checkpoints' hf_config.json, that the
+    factor disagrees with their ratio. The explicit factor is what YaRN reads, so the frequencies and the attention
+    scaling are the same either way (tests/unit/model_utils/test_rope_stages.py)."""
     config = text_config(hf_config)
     params, _ = stage_rope(config, rope)
     config.rope_parameters = params
     kinds = {p.get("rope_type") for p in (params.values() if nested(params) else [params])}
     if "dynamic" not in kinds:
-        config.max_position_embeddings = max(config.max_position_embeddings, max_seq_length)
+        config.max_position_embeddings = max(yarn_length(params) or config.max_position_embeddings, max_seq_length)
+
+
+def yarn_length(params: dict) -> int | None:
+    """factor x original_max_position_embeddings of a flat yarn setting (the length it extends to), else None."""
+    if nested(params) or params.get("rope_type") != "yarn":
+        return None
+    factor, orig = params.get("factor"), params.get("original_max_position_embeddings")
+    return int(orig * factor) if factor and orig else None
 
 
 ARCH_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",

@@ -51,6 +51,7 @@ class StageConfig:
 class Config:
     # --- model ---
     model_name_or_path: str = "tiny-llama"  # local HF folder (config.json + safetensors) or a preset name
+    from_scratch: bool = False  # random weights meant: a preset past the tiny ones (its shape, no weights), and the demo corpus with a model past tiny; refused without it (training/startup.py)
     tokenizer_name_or_path: str | None = None  # sentencepiece .model or HF tokenizer folder; None: demo tokenizer
     attn_implementation: str = "auto"  # auto | sdpa | flash_attention_2 (auto: the faster of SDPA and FA2 measured on the GPU)
     rope: dict | None = None  # rope_parameters override for a single-stage run

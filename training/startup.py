@@ -17,13 +17,14 @@ from base.log import open_rank_log, print0, set_main
 from base.parallel import ParallelDims, check_shared_output, init_distributed
 from base.run_lock import file_age, hold
 from model_utils import linear_attention
-from model_utils.build import load_hf_config, pick_attn_implementation
+from model_utils.build import TINY_PRESETS, is_tiny, load_hf_config, pick_attn_implementation, weights_source
 from model_utils.families import check_config, drop_router_logits
 from model_utils.hub import check_same_snapshot
+from planner.presets import PRESETS
 from training.config import Config, parse_config
 from training.curriculum import Stage, check_stages, gpus_per_node, resolve_stages
 from training.preemption import Deadline, PreemptionFlag
-from training.preflight import check_network, check_stage_configs, preflight
+from training.preflight import check_device_fit, check_network, check_stage_configs, gpu_fit_budget, preflight
 from training.summary import plan_lines
 
 
@@ -48,14 +49,99 @@ def load_run_config(argv: list[str] | None) -> tuple[Config, Model]:
     """The validated config and the model's shape, attention and precision; one-line ValueError on bad input."""
     cfg = parse_config(argv)
     config = load_hf_config(cfg.model_name_or_path)
+    if not cfg.dry_run:  # (the dry run says where weights and data come from instead: source_lines)
+        check_sources(cfg, config)  # before any weight is read: random weights or the demo corpus only when meant
     attn = pick_attn_implementation(cfg.attn_implementation, planning=cfg.dry_run)
     if drop_router_logits(config):
         print0(f"note: {cfg.model_name_or_path}'s config asks for output_router_logits: the router's load-balancing loss "
                "is not trained here (the loss is the logits' cross-entropy); turned off")
     # the architecture has this attention, it can be document-masked, and in this many head chunks
     check_config(config, attn, cfg.attention_head_chunks)
+    check_chat_data(cfg)  # an SFT stage on a prepared folder without chats (a run: on the demo corpus too)
     bf16 = (torch.cuda.is_available() and not cfg.fp16) if cfg.bf16 is None else cfg.bf16
     return cfg, Model(config, attn, bf16)
+
+
+DEMO = "the built-in demo corpus (the Python standard library's sources, its 2000-token tokenizer)"
+# An embedding this small was made for a small tokenizer like the demo's 2000 tokens (the benchmarks' random models
+# of 200M parameters have 2048): the demo corpus trains it as meant. Released models have 32000 tokens and more.
+SMALL_VOCAB = 4096
+
+
+def check_sources(cfg: Config, config) -> None:
+    """One line before the model loads where the run would train what no one asked for: a preset past the tiny ones
+    (model_utils/build.py: its shape with random weights, never a released model's), or the demo corpus (dataset_path
+    null: its tokenizer's ids are not a pretrained model's tokens) with a model past tiny (model_utils/build.is_tiny)
+    and a vocabulary past SMALL_VOCAB. `from_scratch: true` says random weights are meant (the GPU benchmarks' saved
+    random Llama-3-8B-shaped models train on the demo corpus). The recipes for 7-20B models name presets so that they
+    plan anywhere: launched as shipped, one trained a random 8B on the demo corpus for hours, silently. The same
+    inputs on every rank: every rank refuses alike."""
+    if cfg.from_scratch:
+        return
+    name, wrong = cfg.model_name_or_path, []
+    if name in PRESETS and name not in TINY_PRESETS:
+        wrong.append(f"model_name_or_path {name} is a preset: its shape with random weights, not the trained model "
+                     "(point model_name_or_path at its save_pretrained folder or hub id)")
+    if cfg.dataset_path is None and not is_tiny(name, config) and config.get_text_config().vocab_size > SMALL_VOCAB:
+        wrong.append(f"dataset_path null is {DEMO}, not data for {name} (set dataset_path to your JSONL or "
+                     "prepared folder)")
+    if wrong:
+        raise ValueError("; ".join(wrong) + ": or set from_scratch: true (--from_scratch) to train random weights "
+                         "on purpose")
+
+
+def _sft_stages(cfg: Config) -> list[str]:
+    return [st.name or f"stage{i}" for i, st in enumerate(cfg.stages) if (st.kind or cfg.data_kind) == "sft"] \
+        if cfg.stages else (["main"] if cfg.data_kind == "sft" else [])
+
+
+def check_chat_data(cfg: Config) -> None:
+    """An SFT stage needs chat documents (a loss mask): the demo corpus has none, nor has a prepared folder whose
+    manifest lists no mask. Refused at once (the run found it only at the stage's start, its engine built); a JSONL
+    to prepare is known when the run prepares it (data/pipeline.py RunData.check_sft). A dry run of a recipe whose
+    dataset_path is still null (a placeholder: the shipped SFT recipe plans anywhere) says so (source_lines)."""
+    sft = _sft_stages(cfg)
+    if not sft:
+        return
+    if cfg.dataset_path is None and not cfg.dry_run:
+        raise ValueError(f"stage(s) {sft} kind sft train on chat documents, and dataset_path null is {DEMO}, which has "
+                         "none: set dataset_path to chat rows (messages, conversations, prompt/completion) or a folder "
+                         "scripts/prepare_data.py made from them")
+    if _chat_folder(cfg.dataset_path) is False:
+        raise ValueError(f"stage(s) {sft} kind sft: the dataset has no chat documents (no loss mask in "
+                         f"{cfg.dataset_path}): prepare chat rows (messages, conversations, prompt/completion) with "
+                         "scripts/prepare_data.py, or make it a text stage")
+
+
+def _chat_folder(path: str) -> bool | None:
+    """Whether a prepared folder holds chat documents (a chunk with a loss mask); None: not a prepared folder (the
+    run prepares it) or a manifest that does not read (the run's own check says why)."""
+    import json
+
+    from data.store import MANIFEST, is_prepared
+
+    if not is_prepared(path):
+        return None
+    try:
+        with open(os.path.join(path, MANIFEST)) as fh:
+            return any(c.get("mask") for c in json.load(fh).get("chunks", []))
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def source_lines(cfg: Config) -> list[str]:
+    """The dry run's `weights:` and `data:` lines: where the run's starting weights and its documents come from."""
+    sft = _sft_stages(cfg)
+    if cfg.dataset_path is None:
+        data = DEMO + (f": it has no chat documents for stage(s) {sft} kind sft, a run refuses it (set dataset_path)"
+                       if sft else "")
+    else:
+        chat = _chat_folder(cfg.dataset_path)
+        data = cfg.dataset_path + (
+            " (a prepared folder: " + ("chat documents with a loss mask" if chat else "text only") + ")"
+            if chat is not None else ", prepared when the run starts" + (
+                " (whether it holds the chat documents kind sft needs is known then)" if sft else ""))
+    return [f"weights: {weights_source(cfg.model_name_or_path)}", f"data: {data}"]
 
 
 def _precision(cfg: Config, model: Model) -> str:
@@ -76,11 +162,18 @@ def dry_run(cfg: Config, model: Model) -> None:
     """Validate the whole recipe for the cluster it names (every stage's DeepSpeed config too) and print the plan."""
     world = cfg.nodes * cfg.gpus_per_node or int(os.environ.get("WORLD_SIZE", "1"))
     stages = _stages(cfg, model, world)
-    check_stage_configs(cfg, stages, world, model.bf16, model.arch.hidden_size, planning=True)
+    configs = check_stage_configs(cfg, stages, world, model.bf16, model.arch.hidden_size, planning=True)
     check_stage_data(stages)
     print(f"dry run: world={world} ({cfg.nodes or 1} node(s)) model={cfg.model_name_or_path} attn={model.attn} "
           f"precision={_precision(cfg, model)} deepspeed={cfg.deepspeed}")
+    print("\n".join(source_lines(cfg)))
     print("\n".join(plan_lines(cfg, stages, world, cfg.gpus_per_node or world, model.bf16)))
+    # after the plan, so a refusal comes with it: what a launched run refuses (or warns of) before its model loads
+    check_device_fit(cfg, stages, world, model.bf16, configs, model.arch, cfg.gpus_per_node or world)
+    manual = any(not s.memory_choice for s in stages)
+    if manual and cfg.nodes and gpu_fit_budget(cfg) is None and not is_tiny(cfg.model_name_or_path, model.config):
+        print("note: the memory plan of the stages under memory_features manual is not checked against a GPU: give "
+              "--gpu_mem_gb N (a launched run checks it against its GPUs)")
     if cfg.num_train_epochs is not None:  # counted from the data when a run opens it (training/hf_args.py)
         print(f"steps: {cfg.num_train_epochs:g} epoch(s) of the data in each stage without its own max_steps or "
               "max_tokens (counted when the run opens its data; steps= above stands in until then)")
