@@ -7,7 +7,7 @@ renders, with `{% generation %}` around what the model writes after its generati
 reasoning and tool calls where the family renders them, and its end-of-turn token). The template as the family
 ships it is that text without the markers (the generation-marker family keeps them); the families added in 2026
 (Phi-4, LFM2, GLM-4.6, DeepSeek-V3.1, Llama 4, Qwen3-Coder, Gemma 4, Seed-OSS, Phi-4-reasoning, Mistral Small 3.2,
-Granite 4.0) keep the template byte for byte and a marked copy beside it (`oracle`; Phi-4-reasoning ships its markers, its own), held to the same render by the ids check below. A small byte-level BPE
+Granite 4.0, MiniMax-M2, Nemotron Nano v2, Apertus, Command R7B's two named templates, `files`) keep the template byte for byte and a marked copy beside it (`oracle`; Phi-4-reasoning ships its markers, its own), held to the same render by the ids check below. A small byte-level BPE
 tokenizer gets the family's control tokens (as single special tokens) and its plain added tokens.
 
 For each family and each kind of conversation (CASES) data/chat.py's ChatEncoder encodes the row through the
@@ -137,7 +137,11 @@ def as_shipped(fam: dict) -> str:
     marked file without the markers."""
     if not fam.get("oracle"):
         return shipped(marked(fam))
-    with open(os.path.join(HERE, fam["file"])) as fh:
+    return _read(fam["file"])
+
+
+def _read(name: str) -> str:
+    with open(os.path.join(HERE, name)) as fh:
         return fh.read()
 
 
@@ -165,8 +169,9 @@ def build_tokenizer(root: str, key: str, fam: dict) -> str:
         special["bos_token"] = fam["bos"]
     tok.add_special_tokens(special)
     tok.add_tokens(list(fam.get("added", [])))
-    if fam.get("named"):
-        tok.chat_template = {n: shipped(marked(fam, n)) for n in fam["named"]}
+    if fam.get("named"):  # `files`: a named template kept verbatim (its marked copy in `named`)
+        tok.chat_template = {n: _read(fam["files"][n]) if n in fam.get("files", {}) else shipped(marked(fam, n))
+                             for n in fam["named"]}
     else:
         tok.chat_template = marked(fam) if fam.get("markers") else as_shipped(fam)
     tok.save_pretrained(out)

@@ -148,6 +148,19 @@ def test_every_family_trains_exactly_its_replies_or_is_refused_in_one_line(table
                                                "render a reply's text beside its tool calls"),
     ("granite4", "system", "trains"), ("granite4", "tool call", "trains"), ("granite4", "tool list", "trains"),
     ("granite4", "tool call with text", "trains"), ("granite4", "arguments as JSON text", "trains"),
+    # MiniMax-M2: the prompt's <think>\n is not in the history (a reply after ]~b]ai\n); Nemotron Nano v2: the last
+    # reply after the prompt's <think>\n, whole; Apertus: the answer after a tool result has no header; Command R7B
+    # (WRONG, families.json `wrong`): <|END_OF_TURN_TOKEN|> after <|END_RESPONSE|> is not trained
+    ("minimax_m2", "multi-turn", "trains"), ("minimax_m2", "tool call", "trains"),
+    ("minimax_m2", "reasoning", "trains: 1 earlier reply's"), ("minimax_m2", "tool call with text", "trains"),
+    ("nemotron_nano2", "multi-turn", "trains"), ("nemotron_nano2", "tool call with text", "trains"),
+    ("nemotron_nano2", "reasoning in the content", "refused: message 1 (assistant): nemotron_nano2's template writes "
+                                                   "its own <think>"),
+    ("nemotron_nano2", "tool call", "WRONG: message 1 is supervised in part"),
+    ("apertus", "multi-turn", "trains"), ("apertus", "tool call", "trains 1 of 2: message 3: the conversation does not"),
+    ("apertus", "tool list", "refused: apertus's template refuses this conversation: 'dict object' has no attribute"),
+    ("command_r7b", "multi-turn", "WRONG: message 1 is supervised in part"),
+    ("command_r7b_tool_use", "tool call", "WRONG: message 3 is supervised in part"),
 ])
 def test_issue_47_cases(table, family, case, want):
     assert table[family][case].startswith(want), table[family][case]
@@ -307,7 +320,8 @@ def test_the_templates_kept_as_shipped_are_the_shipped_text():
     fams = families()
     assert as_shipped(fams["llama4"]) == processing_llama4.chat_template
     sizes = {"lfm2": 1349, "glm46": 3374, "deepseek_v31": 3357, "qwen3_coder": 6148, "gemma4": 16448,
-             "seed_oss": 7705, "phi4_reasoning": 1658, "mistral_small32": 6704, "granite4": 6418}
+             "seed_oss": 7705, "phi4_reasoning": 1658, "mistral_small32": 6704, "granite4": 6418, "minimax_m2": 6482,
+             "nemotron_nano2": 5496, "apertus": 14120, "command_r7b": 12784, "command_r7b_tool_use": 11420}
     assert {k: len(as_shipped(fams[k]).encode()) for k in sizes} == sizes
     assert "{{'<|im_start|>assistant<|im_sep|>' + message['content'] + '<|im_end|>'}}" in as_shipped(fams["phi4"])
 
@@ -338,3 +352,18 @@ def test_a_reply_of_calls_alone_is_not_trained_from_a_token_the_prompt_holds(tmp
     for conv in (CASES["multi-turn"][:2], CASES["tool call"][:2]):
         with pytest.raises(RowError, match="could be located"):
             enc.encode({"messages": conv})
+
+
+
+def test_named_templates_kept_as_shipped_reach_the_tokenizer_verbatim(tmp_path):
+    """Command R7B's two named templates (`files`): the tokenizer carries each file byte for byte, not its marked copy
+    with the markers taken out."""
+    from transformers import AutoTokenizer
+
+    from data.chat_sweep import HERE, build_tokenizer
+
+    fam = families()["command_r7b"]
+    got = AutoTokenizer.from_pretrained(build_tokenizer(str(tmp_path), "command_r7b", fam)).chat_template
+    for name, path in fam["files"].items():
+        with open(f"{HERE}/{path}") as fh:
+            assert got[name] == fh.read()
