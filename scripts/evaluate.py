@@ -467,4 +467,4 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     from training.job import run_job
 
-    sys.exit(run_job(main))
+    sys.exit(run_job(main, saves=False))  # nothing to save: a USR1/USR2 ends it (was recorded, never taken)

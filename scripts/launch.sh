@@ -107,7 +107,8 @@ if [ -n "$hostfile" ]; then
     "$lines hosts${include:+ after --include}${exclude:+ after --exclude} (deepspeed starts one node per line): drop --nnodes"
   [ "$no_ssh" = 0 ] || nnodes=$lines  # --no_ssh with your hostfile: the lines left are the nodes
   # deepspeed runs ONE host's ranks on this machine whatever its name (a login node): one other host goes over pdsh
-  [ "$lines" != 1 ] || grep -qixF -e localhost -e 127.0.0.1 -e "$(hostname)" -e "$(hostname -s)" <<< "${act%% *}" || force=1
+  [ "$lines" != 1 ] || { hostname; hostname -s; hostname -f; hostname -I | tr ' ' '\n'; echo localhost; echo 127.0.0.1; } \
+    2>/dev/null | grep -qixF -f - <(echo "${act%% *}") || force=1  # by any of its names or addresses: this one
 elif [ -n "$include$exclude" ] && [ "$no_ssh" = 1 ]; then
   die "--include/--exclude with --no_ssh name the hosts of your hostfile: give -H HOSTFILE"
 elif [ "${num_nodes:-1}" != 1 ]; then
@@ -369,8 +370,9 @@ while kill -0 "$launcher_pid" 2>/dev/null; do
   [ "$pending" = 1 ] && forward
   if [ "$signalled" = 0 ]; then
     gone=0
-    for p in $known_ranks; do kill -0 "$p" 2>/dev/null || gone=1; done
+    for p in $known_ranks; do alive "$p" || gone=1; done
     [ "$signalled$gone" = 01 ] && early=1  # a signal that came meanwhile may have ended it: not counted
+    [ "$early" = 1 ] || ooms=$(oom_kills)  # died_verdict's OOM baseline, every rank here alive
     [ "$(wc -w <<< "$known_ranks")" -ge "$ranks_here" ] ||
       known_ranks=$(printf '%s\n' $known_ranks $(rank_pids) | sort -un | paste -sd' ')
   fi

@@ -5,8 +5,9 @@
 # `died`: a rank here dead without an exit of its own (the host's OOM killer, a segfault), decided by died_verdict as
 # soon as the launcher returns: a node TERMed by srun has KillWait (30 s by default) before Slurm's SIGKILL, while its
 # ranks may take minutes to leave. The evidence, any of:
-# - the OOM killer took a process of this task since launch.sh started: its cgroup's `oom_kill` count grew (cgroup v2
-#   memory.events, v1 memory.oom_control: any OOM killer, the host's or the cgroup's). Read at the start and here.
+# - the OOM killer took a process of this task as a rank here went: its cgroup's `oom_kill` count grew (cgroup v2
+#   memory.events, v1 memory.oom_control: any OOM killer, the host's or the cgroup's) past its count at launch.sh's
+#   last poll with every rank here alive (an earlier OOM kill a rank survived, a compiler's, is not this death's).
 #   The only evidence that survives the usual race: a healthy node's rank, its peer gone, raises at once and its node
 #   exits first; srun then TERMs this node's task, and the deepspeed runner, which has no TERM handler under --no_ssh,
 #   dies of it (143) while launch.py still gives the other ranks 30 s: the dead rank's signal is never reported.
@@ -17,7 +18,8 @@
 #   itself 128 + N, torchrun's summary (read from its output once the ranks are gone: a second call); counted ILL, BUS,
 #   FPE, KILL, SEGV.
 # Never when this script was signalled (Slurm ending the step) before a rank here was gone (`early`: a rank killed on
-# its way out after the step's TERM is no death of this node's own), never when every rank here recorded its own exit.
+# its way out after the step's TERM is no death of this node's own), never when every rank here recorded its own exit
+# or a note of the job's abort.
 
 oom_kills() {  # this task's cgroup's OOM kills so far (nothing where it cannot be read). LAUNCH_CGROUP: a folder
   # standing in for the cgroup (a test's; `%n` is this node's rank)
@@ -30,14 +32,23 @@ oom_kills() {  # this task's cgroup's OOM kills so far (nothing where it cannot 
   g=${g//%n/$node_rank}
   awk '$1 == "oom_kill" {print $2; exit}' "$g/memory.events" "$g/memory.oom_control" 2>/dev/null || true
 }
-ooms=""  # launch.sh reads the count before it starts the launcher
+ooms=""  # the count while every rank here was alive: read before the launcher starts and at each poll until one goes
+alive() {  # a process that has not exited (a zombie its launcher has not reaped yet has)
+  local s
+  { read -r s < "/proc/$1/stat"; } 2>/dev/null || return 1
+  s=${s##*) }
+  [ "${s%% *}" != Z ]
+}
 died=0
 died_verdict() {
   local d=$death n why="" now f
   [ "$died" = 0 ] || return 0
   case "$rc" in 0|"$EXIT_USAGE"|"$EXIT_PEER_LOST"|"$EXIT_PREEMPTED") return 0 ;; esac
   [ "$signalled$early" != 10 ] || return 0
-  n=$(find "$exit_dir" -maxdepth 1 -name 'rank*' 2>/dev/null | grep -c .)
+  # the ranks here that said how they left: an exit record (rank<R>: their own exit) or a note of the job's abort
+  # (store<R>: stopped by another rank's failure, base/watcher.py, with that failure's code, 247 where a launcher's
+  # signal code was posted); a node all of whose ranks did is no origin, whatever its code
+  n=$(ls "$exit_dir" 2>/dev/null | sed -n 's/^\(rank\|store\)\([0-9][0-9]*\)$/\2/p' | sort -u | grep -c .)
   [ "$n" -lt "$ranks_here" ] || return 0
   now=$(oom_kills)
   if [ -n "$ooms" ] && [ -n "$now" ] && [ "$now" -gt "$ooms" ]; then

@@ -69,10 +69,13 @@ class Requeue(Exception):
     e.g. a universal conversion that cannot finish before the job's end (training/universal.py)."""
 
 
-def run_job(main: Callable[[], int]) -> int:
+def run_job(main: Callable[[], int], saves: bool = True) -> int:
     """Run `main` as one rank of a job; returns its exit code after leaving the abort channel and recording the
-    code (an exception becomes 1, or 2 for the user's input, after the others were told; Requeue 75)."""
-    record_early_signals()  # first: a save request during start-up must not kill the rank (module docstring)
+    code (an exception becomes 1, or 2 for the user's input, after the others were told; Requeue 75). `saves`: main
+    installs a PreemptionFlag that takes the save requests recorded meanwhile (train.py); without one (evaluate.py:
+    nothing to save) SIGUSR1/SIGUSR2 keep their default, the job's end, as `scancel --signal=USR2` means it."""
+    if saves:
+        record_early_signals()  # first: a save request during start-up must not kill the rank (module docstring)
     record_faults()
     from base.env import configure
 

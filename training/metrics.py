@@ -106,6 +106,7 @@ class MetricsLogger:
         self.wandb_dir = os.environ.get("WANDB_DIR") or output_dir
         self.bar = None
         self.total_steps = total_steps
+        self.stage_end: int | None = None  # begin_stage
         self._ticks: collections.deque = collections.deque(maxlen=ETA_WINDOW + 1)  # (stage, monotonic time) per step
         self.eval_dir = os.path.join(output_dir, "eval")
         if not is_main:
@@ -247,18 +248,25 @@ class MetricsLogger:
                 line = line.replace(f"step {step} ", f"step {step}/{self.total_steps} ", 1) + self._eta(step, record)
                 print(line, flush=True)
 
+    def begin_stage(self, end: int) -> None:
+        """The step the stage now training ends at: the log line's ETA is to it (a later stage's longer steps are
+        not this one's: an ETA of the whole curriculum at stage 0's rate was several times too short)."""
+        self.stage_end = end
+
     def _eta(self, step: int, record: dict) -> str:
-        """' eta 1h02m': the remaining steps at the mean wall-clock time of this stage's last ETA_WINDOW steps (saves
-        included; the first steps of a stage, its engine build in between, are not counted); '' before two steps."""
+        """' stage eta 1h02m': the stage's remaining steps (the run's, where no stage was begun) at the mean
+        wall-clock time of its last ETA_WINDOW steps (saves included; the first steps of a stage, its engine build in
+        between, are not counted); '' before two steps."""
         stage, now = record.get("stage", 0), time.monotonic()
         if self._ticks and self._ticks[-1][0] != stage:
             self._ticks.clear()  # another length: the previous stage's step time says nothing of this one's
         self._ticks.append((stage, now))
         if len(self._ticks) < 2:
             return ""
-        left = round(max(self.total_steps - step, 0) * (now - self._ticks[0][1]) / (len(self._ticks) - 1))
+        end, what = (self.stage_end, "stage eta") if self.stage_end is not None else (self.total_steps, "eta")
+        left = round(max(end - step, 0) * (now - self._ticks[0][1]) / (len(self._ticks) - 1))
         h, m, sec = left // 3600, left // 60 % 60, left % 60
-        return f" eta {h}h{m:02d}m" if h else f" eta {m}m{sec:02d}s"
+        return f" {what} {h}h{m:02d}m" if h else f" {what} {m}m{sec:02d}s"
 
     def record_stage(self, stage, world: int) -> None:
         """The W&B config's resolved layout of `stage` (steps, seq_len, sp, cp, dp, warmup, lr) and the world size, at

@@ -65,6 +65,7 @@ def train_stage(run: Run, stage, stages, state: TrainState) -> None:
     agreed stop it returns right after the save, with `run.preempt.stopping` set."""
     cfg, dims, preempt = run.cfg, run.dims, run.preempt
     end = stage_start(stages, stage.index) + stage.max_steps
+    run.metrics.begin_stage(end)
     t_build = time.perf_counter()
     progress.mark(state.step, "build")  # never judged a hang: a restore or a conversion may hold the ranks for hours
     reset_peak_memory()  # peak_mem_gb is this stage's own

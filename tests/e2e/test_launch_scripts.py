@@ -150,7 +150,11 @@ def test_accelerator_choice(tmp_path):
     assert "DS_ACCELERATOR=cuda" in (tmp_path / ".deepspeed_env").read_text().splitlines(), p.stderr
 
 
-@pytest.mark.parametrize("host, force", [("gpu7", True), ("localhost", False), (socket.gethostname(), False)])
+ADDRESS = (subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split() or ["127.0.0.1"])[0]
+
+
+@pytest.mark.parametrize("host, force", [("gpu7", True), ("localhost", False), (socket.gethostname(), False),
+                                         (ADDRESS, False)])  # this machine by its address (cloud hostfiles)
 def test_one_host_left_in_a_hostfile_runs_there_not_here(tmp_path, host, force):
     """deepspeed's runner runs a single active host's ranks on the machine it runs on, whatever the host's name
     (runner.py: multi_node_exec only for more than one host): `-H hosts` naming one GPU node, started from a login

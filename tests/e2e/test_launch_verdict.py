@@ -16,6 +16,7 @@ from tests.e2e.launchers import LAUNCH, clean_env, launch, wait_for
 
 STAND_IN = """#!/usr/bin/env bash
 for r in ${VERDICT_RECORDS:-}; do echo "${r#*:}" > "$LAUNCH_EXIT_DIR/rank${r%%:*}"; done
+for r in ${VERDICT_NOTES:-}; do echo "abort node 0: its ranks exited 247" > "$LAUNCH_EXIT_DIR/store$r"; done
 [ -n "${VERDICT_GO:-}" ] && { : > "$VERDICT_GO.ready"; while [ ! -f "$VERDICT_GO" ]; do sleep 0.05; done; }
 exit "$VERDICT_EXIT"
 """
@@ -28,21 +29,24 @@ def stand_in(tmp_path) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("code, records, verdict", [
-    ("247", "", "died"),         # SIGKILL (256 - 9): the host's OOM killer, no record of that rank
-    ("245", "0:1", "died"),      # SIGSEGV (256 - 11) of rank 1; rank 0 raised after it ("connection reset")
-    ("137", "", "died"),         # the launcher itself SIGKILLed (128 + 9)
-    ("250", "", None),           # SIGABRT: NCCL's watchdog tears a healthy rank down when its peer vanished
-    ("247", "0:1 1:1", "first"),  # every rank recorded its own exit: a rank raised (one node: `first`)
-    ("1", "0:1", "first"),       # a plain crash, as before
+@pytest.mark.parametrize("code, records, notes, verdict", [
+    ("247", "", "", "died"),         # SIGKILL (256 - 9): the host's OOM killer, no record of that rank
+    ("245", "0:1", "", "died"),      # SIGSEGV (256 - 11) of rank 1; rank 0 raised after it ("connection reset")
+    ("137", "", "", "died"),         # the launcher itself SIGKILLed (128 + 9)
+    ("250", "", "", None),           # SIGABRT: NCCL's watchdog tears a healthy rank down when its peer vanished
+    ("247", "0:1 1:1", "", "first"),  # every rank recorded its own exit: a rank raised (one node: `first`)
+    ("1", "0:1", "", "first"),       # a plain crash, as before
+    # every rank here stopped by the job's abort (base/watcher.py's note), whose code was a launcher's 247 (an OOM on
+    # another node, posted by its launch.sh): that node's consequence, not a death here (it was `died`)
+    ("247", "", "0 1", None),
 ])
-def test_a_rank_dead_of_a_signal_without_an_exit_of_its_own_is_died(tmp_path, code, records, verdict):
+def test_a_rank_dead_of_a_signal_without_an_exit_of_its_own_is_died(tmp_path, code, records, notes, verdict):
     """A rank SIGKILLed by the host's OOM killer or a segfault records nothing; on several nodes a healthy node's rank
     raised first (its peer gone) and was taken for the crash's origin. The dead rank's node now says `died`, which the
     batch shell puts ahead of any `first`. Before, nothing was written there (no rank raised)."""
     crash = tmp_path / "crash.0"
     p = launch(["--num_gpus", "2", "--", "--x"], tmp_path, DEEPSPEED=stand_in(tmp_path), LAUNCH_CRASH_FILE=str(crash),
-               VERDICT_EXIT=code, VERDICT_RECORDS=records)
+               VERDICT_EXIT=code, VERDICT_RECORDS=records, VERDICT_NOTES=notes)
     assert p.returncode == int(code), p.stderr
     assert (crash.read_text().strip() if crash.exists() else None) == verdict, p.stderr
 
@@ -62,12 +66,14 @@ bash -c '
   die() {
     case $RACE_EVIDENCE in
       oom) echo "oom_kill 1" > "$LAUNCH_CGROUP/memory.events"; kill -9 $r1 ;;
+      early_oom) kill -9 $r1 ;;  # the count grew long before (below): a compiler'"'"'s OOM, not this death
       fault) echo "Fatal Python error: Segmentation fault" > "$LAUNCH_EXIT_DIR/fault1"; kill -11 $r1 ;;
       *) kill -9 $r1 ;;
     esac
     wait $r1
   }
-  read -t 1.5 -u 9
+  [ "$RACE_EVIDENCE" = early_oom ] && echo "oom_kill 1" > "$LAUNCH_CGROUP/memory.events"
+  read -t ${RACE_WAIT:-1.5} -u 9
   [ "$RACE_ORDER" = dead_first ] && die
   : > "$VERDICT_GO.ready"
   while [ ! -f "$VERDICT_GO" ]; do read -t 0.05 -u 9; done
@@ -83,6 +89,7 @@ wait $!
     ("dead_first", 143, "fault", "died"),  # a segfault's faulthandler record
     ("dead_first", 143, "", None),  # nothing tells how it ended
     ("term_first", 143, "oom", None),  # Slurm's TERM first: an OOM on the way out is no death of this node's own
+    ("dead_first", 143, "early_oom", None),  # an OOM kill seconds before, which the ranks survived: not this death
 ])
 def test_a_rank_gone_before_the_steps_sigterm_is_died_one_killed_after_it_is_not(tmp_path, order, code, evidence,
                                                                                 verdict):
@@ -102,6 +109,7 @@ def test_a_rank_gone_before_the_steps_sigterm_is_died_one_killed_after_it_is_not
                          stderr=subprocess.STDOUT, text=True,
                          env=clean_env(DEEPSPEED=str(race), LAUNCH_CRASH_FILE=str(crash), VERDICT_GO=str(go),
                                        RACE_ORDER=order, RACE_CODE=str(code), RACE_EVIDENCE=evidence,
+                                       RACE_WAIT="3" if evidence == "early_oom" else "1.5",
                                        LAUNCH_CGROUP=str(cg)))
     try:
         wait_for(lambda: (tmp_path / "go.ready").exists(), 60, "the stand-in launcher")

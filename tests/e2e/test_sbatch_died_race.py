@@ -14,8 +14,6 @@ import os
 import socket
 import subprocess
 
-import pytest
-
 from tests.e2e.launchers import LAUNCH, SBATCH_SCRIPT, STUBS, clean_env, requeues
 
 # The launch.sh under test (RACE_LAUNCH_SH: another copy, e.g. an older one beside a checkout's .venv)

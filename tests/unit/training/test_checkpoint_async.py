@@ -306,7 +306,8 @@ def test_a_files_dirty_bytes_are_flushed_as_it_is_written_so_no_flush_goes_witho
     flushes, the last fsync's included, holds more than two SYNC_EVERY (a write handed over whole is split). Before,
     no flush until the end: the whole file."""
     from base import progress
-    from training import async_save, checkpoint_files as cf
+    from training import async_save
+    from training import checkpoint_files as cf
 
     every = 1 << 20
     monkeypatch.setattr(cf, "SYNC_EVERY", every, raising=False)  # (raising=False: the old code shows its failure)

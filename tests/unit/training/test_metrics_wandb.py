@@ -230,3 +230,15 @@ def test_a_window_stops_wandb_finish_is_bounded(tmp_path, wandb_env, capsys):
     release.set()
     out = capsys.readouterr().out
     assert "did not end within" in out and f"{tmp_path}/wandb" in out and "`wandb sync`" in out
+
+
+def test_a_curriculums_eta_is_the_stages(tmp_path, capsys):
+    """The ETA was the whole curriculum's remaining steps at this stage's step time: during a 128k stage, the 1M
+    stage's steps (several times longer) counted at 128k's rate. It is now to the stage's end, said so."""
+    m = MetricsLogger(str(tmp_path), True, "none", None, None, {}, 1000, False)
+    m.begin_stage(100)
+    for s in range(1, 4):
+        m.log({"step": s, "stage": 0, **STEP})
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert " stage eta " in line and line.startswith("step 3/1000 "), line
+    m.close()

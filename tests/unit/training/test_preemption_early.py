@@ -76,3 +76,15 @@ def test_a_segfaults_traceback_is_recorded_where_launch_sh_reads_how_a_rank_ende
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode == -11, p.stderr
     assert (tmp_path / "fault5").read_text().startswith("Fatal Python error: Segmentation fault")
+
+
+def test_a_job_without_saves_keeps_the_signals_default(monkeypatch):
+    """scripts/evaluate.py goes through run_job too but installs no PreemptionFlag: its USR1/USR2 were recorded and
+    never taken (a `scancel --signal=USR2` ignored for the whole evaluation). Now they keep their default there."""
+    seen = {}
+    monkeypatch.setattr(job, "record_early_signals", lambda: seen.setdefault("recorded", True))
+    monkeypatch.setattr(job, "record_faults", lambda: None)
+    job.run_job(lambda: 0, saves=False)
+    assert "recorded" not in seen
+    job.run_job(lambda: 0)
+    assert seen.get("recorded")
