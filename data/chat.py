@@ -26,7 +26,8 @@ repeated in a user turn would be found in the wrong place):
    counts as far as the conversation follows it past the earlier messages. Earlier messages that close differently
    when last (Hermes' `tool_use`: `</tool_response><|im_end|>`, inside `</tool_response>\n<|im_end|>`): the header
    is the generation prompt's tokens, found past that difference where only blanks and control tokens lie between
-   (`_header_after`). The reply ends at its template's
+   (data/chat_locate.header_after). Never inside a word of the prompt the reply shares a token with (Nemotron Nano
+   v2's `<think>` and a call's `<TOOLCALL>` as plain text, both `<`...): the word's start. The reply ends at its template's
    end-of-turn token: the control token(s) the template writes right after a reply's text, read once from a
    probe conversation (mid-conversation and last: Phi-3 `<|end|>`, gpt-oss `<|end|>` and `<|return|>`), the first
    one after the reply's text, within the turn rendered alone. Never "the last control token of the turn rendered
@@ -36,7 +37,10 @@ repeated in a user turn would be found in the wrong place):
    last reply has none to train: such a row is counted, `no_stop_rows`, and the preparation warns). A turn the
    template ends with another control token (gpt-oss's `<|call|>` after a tool call) ends at the turn's own last one,
    where the turn is a prefix of the conversation. Template text after the end-of-turn token (ChatML's "\n",
-   Phi-3's trailing EOS) gets no loss: the model stops at the end-of-turn.
+   Phi-3's trailing EOS) gets no loss: the model stops at the end-of-turn. An end-of-turn generation does not stop
+   on, followed by control tokens up to one it does (Command R7B's `<|END_RESPONSE|><|END_OF_TURN_TOKEN|>`), is
+   trained through that stop (data/chat_locate.through_stop; the stops: generation_config.json beside the tokenizer,
+   else its EOS where the template writes it after every reply; neither known: the span ends at the first).
    Every span is checked: its text holds the reply's text (past a `</think>`, which R1 / Qwen3 templates drop)
    and each tool call's name; a template that does not render tool calls (Llama 3.0, SmolLM2) is a refused row,
    never an empty reply trained. A reply's reasoning (a `reasoning_content` / `thinking` / `reasoning` field, a think block) that
@@ -69,24 +73,16 @@ import numpy as np
 
 from data.chat_demo import build_demo_chats, demo_conversation  # noqa: F401  (python -m data.chat_demo OUT.jsonl)
 from data.chat_ends import history_ends, marked_header, probe_ends
+from data.chat_locate import lcp, locate, shows
 from data.chat_reasoning import as_rendered, dropped, refuse_dropped
 from data.chat_rows import ROLES, SHAREGPT_ROLES, RowError, empty_reply, normalize, row_format, turns_to_train  # noqa: F401
-from data.chat_rows import unicode_form as _nf
 from data.chat_splice import encode_long
 from data.chat_template import pick_template, resolve_template, row_kwargs, text_pair_kwargs  # noqa: F401
 from data.chat_tools import call_name, fit_arguments, refuse_unrendered, row_tools, tool_names
-from data.chat_views import Renders, View
 
 LOSS_ON = ("auto", "assistant", "completion", "all")
 _PROBE = [{"role": "user", "content": "Probe question one?"}, {"role": "assistant", "content": "Probe answer one."},
           {"role": "user", "content": "Probe question two?"}, {"role": "assistant", "content": "Probe answer two."}]
-
-
-def _lcp(a: list[int], b: list[int]) -> int:
-    """Length of the common prefix of two token lists (vectorised: a 128k-token render is compared in ~0.1 ms)."""
-    n = min(len(a), len(b))
-    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-    return int(diff[0]) if len(diff) else n
 
 
 class ChatEncoder:
@@ -135,6 +131,7 @@ class ChatEncoder:
         self._eot, self._name_ids, self._added_ids, self._ends, self._stops, self._thinking = None, None, None, {}, None, None
         self.reasoning_renders = {}  # form -> whether the template renders a reply's reasoning; "nests" (data/chat_reasoning.py)
         self._header = None  # the generation prompt's header text (data/chat_ends.marked_header)
+        self._carry = None  # the stops an end-of-turn that is none is carried on to (data/chat_locate.through_stop)
 
     def bound(self, kw: dict) -> ChatEncoder:
         """This encoder rendering every time with the template arguments `kw` (a row's chat_template_kwargs), its
@@ -197,7 +194,7 @@ class ChatEncoder:
     def eot(self) -> np.ndarray:
         """The ids that end an assistant reply in this template (data/chat_ends.py), read once."""
         if self._eot is None:
-            self._eot, self._ends, self._stops = probe_ends(self, _PROBE)
+            self._eot, self._ends, self._stops, self._carry = probe_ends(self, _PROBE)
         return self._eot
 
     def _text_pair(self, p: str, c: str) -> tuple[list[int], list[int]]:
@@ -206,7 +203,7 @@ class ChatEncoder:
         'Response:\n'; two spaces before ' 42'), a form inference never sees. Split where the prompt's own ids end;
         where a token spans the two (a BPE merge across the boundary), it is the completion's first."""
         whole = self.tok.encode(p + c)
-        k = _lcp(self.tok.encode(p), whole)
+        k = lcp(self.tok.encode(p), whole)
         return whole[:k], whole[k:]
 
     def encode(self, obj: dict) -> tuple[list[int], np.ndarray, dict]:
@@ -254,14 +251,14 @@ class ChatEncoder:
         elif self.kind == "markers":
             ids, spans = self._markers(conv, tools)
             if spans is None:  # the markers do not give one run per assistant turn: find the turns by prefixes
-                ids, spans, why = self._prefix(as_rendered(self, conv, tools), wanted, tools)
+                ids, spans, why = locate(self, as_rendered(self, conv, tools), wanted, tools)
             else:
                 self._tool_calls_shown(conv, wanted, {k: ids[a:b] for k, (a, b) in spans.items()})
                 why = {k: w for k in wanted if (w := self._eot_text(conv, k))}
                 spans = {k: s for k, s in spans.items()
-                         if k in wanted and k not in why and self._shows(ids, s[0], s[1], conv[k])}
+                         if k in wanted and k not in why and shows(self, ids, s[0], s[1], conv[k])}
         else:  # the history's reasoning as the whole conversation renders it (gpt-oss drops a call's once a final follows)
-            ids, spans, why = self._prefix(as_rendered(self, conv, tools), wanted, tools)
+            ids, spans, why = locate(self, as_rendered(self, conv, tools), wanted, tools)
         for k in [k for k in wanted if k in spans and empty_reply(conv[k])]:  # raw ShareGPT dumps hold such turns
             del spans[k]
             why[k] = f"message {k}: an empty reply (no text, call or reasoning), which would teach the model to stop at once"
@@ -293,15 +290,6 @@ class ChatEncoder:
         return int(conv[-1]["role"] == "assistant" and bool(end) and ids[end - 1] not in self.special)
 
     # ---- where a reply is
-    def _shows(self, ids: list[int], a: int, e: int, msg: dict) -> bool:
-        """Whether ids[a:e] shows the reply: its text (past a `</think>`, which R1 / Qwen3 templates drop from the
-        content) and each tool call's name. One token before `a` too: a reply merged into the header's last token."""
-        text = _nf(self.tok.hf.decode(np.asarray(ids[max(a - 1, 0):e]), clean_up_tokenization_spaces=False))  # fast
-        want = _nf(_reply(msg))
-        if want and want not in text:
-            return False
-        return all(call_name(c) in text for c in msg.get("tool_calls") or [])
-
     def _tool_calls_shown(self, conv: list[dict], turns: list[int], rendered: dict[int, list[int]]) -> None:
         """A RowError where the template does not render a turn's tool calls (Llama 3.0, SmolLM2): the turn would
         train an empty reply, the model learning to stop where it should call a tool."""
@@ -326,139 +314,6 @@ class ChatEncoder:
         names = [n for n, i in self._names().items() if i in eot and n in conv[k]["content"]]
         return (f"message {k}: its text holds the end-of-turn token's text {names}, which is tokenized as that "
                 "token") if names else None
-
-    def _header_end(self, conv: list[dict], k: int, head: View, r: Renders) -> int | None:
-        """Where turn k's reply starts in the conversation's tokens: the end of its header, None where the header is
-        not there."""
-        full = r.full
-        a = head.lcp(r.arr)
-        if a == len(head) < len(full):
-            return a
-        dec = self.tok.hf.decode
-        if a == len(head) - 1 < len(full) and dec(full[a:a + 1]).startswith(dec(head.slice(a, len(head)))):
-            return a  # the header's last token merged with the reply's start into one token
-        try:
-            shared = r.prefix(k).lcp(r.arr) if k else 0
-        except RowError:
-            shared = 0
-        d = min(a, shared)
-        if k and self._thinks():  # the history writes a reply as the generation prompt without thinking gives it:
-            # GLM-4.7's `<|assistant|></think>` where its prompt is `<|assistant|><think>`
-            b = self._header_after(conv, k, d, full, r.tools, enable_thinking=False)
-            if b is not None and d < b < len(full) and self._starts(full, b, conv[k]):
-                return b
-        # a generation prompt longer than the header inside the conversation (DeepSeek-R1's `<｜Assistant｜><think>\n`):
-        # the header is what the conversation follows of it past the earlier messages
-        if a <= shared and k:  # the messages before close differently when last: find the generation prompt
-            a = self._header_after(conv, k, d, full, r.tools)
-            shared = -1 if a is not None else shared
-        elif a < len(full) and full[a] in head.slice(a, len(head)) and int(full[a]) in self._added():
-            return None  # the history writes an added token the prompt has past `a` (DeepSeek-V3.2: `</think>`, the
-            # prompt `<think></think>`): a reply of calls alone (no text for _starts) was trained from that token
-        return a if a is not None and shared < a < len(full) and self._starts(full, a, conv[k]) else None
-
-    def _thinks(self) -> bool:
-        """Whether the template's generation prompt changes with enable_thinking=False (GLM-4.7, Qwen3), read once."""
-        if self._thinking is None:
-            try:
-                self._thinking = self._text(_PROBE[:1], True) != self._text(_PROBE[:1], True, enable_thinking=False)
-            except RowError:
-                self._thinking = False
-        return self._thinking
-
-    def _starts(self, full: list[int], a: int, msg: dict) -> bool:
-        """Whether the reply's text starts at `a`: nothing but blanks between."""
-        want = _nf(_reply(msg))[:16]  # cut after the normal form: a cut between a letter and its mark never matches
-        if not want:
-            return True
-        pre = _nf(self.tok.hf.decode(full[max(a - 1, 0):a]))
-        # the window in tokens of the text as given too: a decomposed (NFD) reply takes more than its normal form
-        n = max(len(self.tok.encode(want)), len(self.tok.encode(_reply(msg)[:64])))
-        shown = _nf(self.tok.hf.decode(full[max(a - 1, 0):a + n + 4]))
-        i = shown.find(want)
-        return i >= 0 and (i < len(pre) or not shown[len(pre):i].strip())
-
-    def _header_after(self, conv: list[dict], k: int, d: int, full: list[int], tools: list | None = None,
-                      **kw) -> int | None:
-        """Where turn k's reply starts when the messages before it render differently with a reply after them (Hermes'
-        `tool_use` closes a last tool result `</tool_response><|im_end|>`, one followed by a reply
-        `</tool_response>\n<|im_end|>`): the end of the generation prompt's tokens (the text `add_generation_prompt`
-        adds, starting with a control token), found in the conversation past the divergence `d` with nothing but
-        blanks and control tokens between (a template writing other text there, a system prompt moved, stays a turn
-        not located). None where that does not hold."""
-        try:
-            before, head = self._text(conv[:k], tools=tools, **kw), self._text(conv[:k], True, tools, **kw)
-        except RowError:
-            return None
-        if not head.startswith(before) or len(head) == len(before):
-            return None
-        gen = self.tok.encode(head[len(before):])
-        if not gen or gen[0] not in self.special:
-            return None
-        for p in range(d, min(d + 16, len(full) - len(gen))):
-            if full[p:p + len(gen)] == gen:
-                between = self.tok.hf.decode(full[d:p], skip_special_tokens=True)
-                return p + len(gen) if not between.strip() else None
-        return None
-
-    def _prefix(self, conv: list[dict], wanted: list[int], tools: list | None = None) -> tuple[list[int], dict, dict]:
-        r = Renders(self, conv, self.linear, tools)  # rendered and tokenized once; each prefix a view on it
-        full, arr = r.full, r.arr
-        spans, why = {}, {}
-        for k in wanted:
-            msg = conv[k]
-            try:
-                head = r.prefix(k, gen=True)
-                turn = r.prefix(k + 1)
-            except RowError as e:  # e.g. an assistant turn first: there is nothing before it to render
-                why[k] = f"message {k}: " + ("an assistant turn first (no messages before it to find its header by)"
-                                             if k == 0 else str(e))
-                continue
-            a = self._header_end(conv, k, head, r)
-            if a is None:
-                why[k] = (f"message {k}: the conversation does not go on from the messages before it with the "
-                          "template's assistant header: the template renders earlier messages differently once a "
-                          "reply follows (Mistral v0.3 drops a system prompt unless a user turn is last: put it in "
-                          "the first user turn) or writes text after the last message (Command-R's tool_use: use "
-                          "its `default`)")
-                continue
-            prefix = turn.lcp(arr) == len(turn)
-            tail = turn.slice(a, len(turn))
-            self._tool_calls_shown(conv, [k], {k: tail})
-            if w := self._eot_text(conv, k):
-                why[k] = w
-                continue
-            end = self._end(full, arr, a, len(turn) + (0 if prefix else 1), msg)
-            if end is None and prefix and len(turn) < len(full) and tail and tail[-1] not in self.special:
-                # the turn alone ends in its text, the conversation goes on with an end-of-turn token: written only
-                # when a message follows (Qwen1.5), it is this reply's end
-                end = self._end(full, arr, a, len(turn) + 1, msg)
-            if end is None and prefix:  # a turn ended by another control token (gpt-oss's <|call|>); else, a last
-                # reply the template ends with nothing (GLM's: a control token of its reasoning is no end)
-                end = next((e for e in (self._trim(tail, a, len(turn)), len(turn)) if self._shows(full, a, e, msg)),
-                           None)
-            if end is None:
-                eot = self.tok.hf.convert_ids_to_tokens(self.eot.tolist())
-                why[k] = f"message {k}: no end-of-turn token {eot} after its text"
-                continue
-            spans[k] = (a, end)
-        return full, spans, why
-
-    def _end(self, full: list[int], arr: np.ndarray, a: int, bound: int, msg: dict) -> int | None:
-        """One past the first end-of-turn token at or after `a` (before `bound`) whose span shows the reply (gpt-oss
-        writes a last reply's reasoning as its own message, ended by <|end|>, before the answer)."""
-        for i in (np.flatnonzero(np.isin(arr[a:bound], self.eot)) + a)[:16].tolist():
-            if self._shows(full, a, i + 1, msg):
-                return i + 1
-        return None
-
-    def _trim(self, tail: list[int], a: int, b: int) -> int:
-        """End of the reply: after the last special token of turn[a:b] (`tail`, from a) (its end-of-turn); b when
-        there is none."""
-        for i in range(b - 1, a - 1, -1):
-            if tail[i - a] in self.special:
-                return i + 1
-        return b
 
     def encode_long(self, messages: list[dict], at: int, stats: bool = False):
         """(ids, mask) of `messages` (OpenAI form) whose message `at` is long (a haystack): what `encode` gives, with
@@ -492,9 +347,3 @@ class ChatEncoder:
                 runs and marked_header(self, ids, runs[0])):  # tokenization, the header marked too
             return ids, None
         return ids, dict(zip(turns, runs))
-
-
-def _reply(msg: dict) -> str:
-    """The text a reply's span must show: its content past a `</think>` (R1 / Qwen3 templates cut the reasoning)."""
-    return msg["content"].split("</think>")[-1].strip()
-

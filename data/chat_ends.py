@@ -4,7 +4,9 @@ probe conversation, and the one only the history writes.
 - `probe_ends`: the control token written right after a probe reply's text, the reply mid-conversation and last
   (Phi-3 `<|end|>`; gpt-oss `<|end|>` and `<|return|>`; OLMo 3 `<|im_end|>` and its EOS), and the control tokens the
   model's generation config stops on (GLM ends a reply with the next message's token: `<|user|>` after an answer,
-  `<|observation|>` after a tool call); the EOS where neither shows one.
+  `<|observation|>` after a tool call); the EOS where neither shows one. And the stops a reply's span is carried on
+  to (data/chat_locate.through_stop): the generation config's, or without one the EOS where the template writes it
+  in the control tokens right after a reply mid-conversation (Command R7B's tokenizer alone).
 - `history_ends`: the end-of-turn the template writes after a reply only in the history, where the last reply ends
   with another, and which the model's generation config does not stop on (gpt-oss: `<|end|>` after a final answer
   followed by more, `<|return|>` after the last; generation stops on `<|return|>`, `<|call|>`, `<|endoftext|>`): a
@@ -25,10 +27,11 @@ from data.chat_rows import RowError
 REPLIES = ("Probe answer one.", "Probe answer two.")  # the probe's replies: mid-conversation, last
 
 
-def probe_ends(enc, probe: list[dict]) -> tuple[np.ndarray, dict[str, int], set[int] | None]:
-    """(the end-of-turn ids, {probe reply: the id after it}, the generation config's stops or None) of `enc`'s
-    template, from `probe` (two exchanges) rendered alone and after a system message; read once per encoder."""
-    names, found, ends = enc._names(), set(), {}
+def probe_ends(enc, probe: list[dict]) -> tuple[np.ndarray, dict[str, int], set[int] | None, set[int]]:
+    """(the end-of-turn ids, {probe reply: the id after it}, the generation config's stops or None, the stops a
+    reply's span is carried on to: data/chat_locate.through_stop) of `enc`'s template, from `probe` (two exchanges)
+    rendered alone and after a system message; read once per encoder."""
+    names, found, ends, run = enc._names(), set(), {}, set()
     for msgs in (probe, [{"role": "system", "content": "Probe system."}] + probe):
         try:
             text = enc._text(msgs)
@@ -45,11 +48,18 @@ def probe_ends(enc, probe: list[dict]) -> tuple[np.ndarray, dict[str, int], set[
             if hit:
                 found.add(names[hit])
                 ends.setdefault(reply, names[hit])
+            while hit and reply == REPLIES[0] and len(run) < 4:  # the control tokens after a reply mid-conversation
+                run.add(names[hit])
+                j += len(hit)
+                hit = max((n for n in names if text.startswith(n, j)), key=len, default=None)
         if found:
             break
     got = stops(enc.tok.path)
-    found |= (got or set()) & enc.special  # a reply the next message's token ends (GLM's <|observation|>)
-    return np.array(sorted(found or {enc.tok.eos_id}), dtype=np.int64), ends, got
+    # without a generation config: the EOS, where the template writes it after every reply (R7B's tokenizer alone),
+    # not only at the conversation's end (Phi-4-mini's `<|end|><|endoftext|>`: there it stays untrained)
+    carry = got if got is not None else {enc.tok.eos_id} & run
+    found |= carry & enc.special  # a reply the next message's token ends (GLM's <|observation|>)
+    return np.array(sorted(found or {enc.tok.eos_id}), dtype=np.int64), ends, got, carry
 
 
 def history_ends(enc, ids: list[int], spans: dict[int, tuple[int, int]], mask: np.ndarray) -> dict[str, int]:

@@ -6,7 +6,8 @@ A base model's generation_config.json stops on its pretraining EOS (Qwen2.5-7B: 
 vLLM. The export adds this token to the stops (as Instruct releases list theirs); nothing where the template writes
 no token after a last reply (GLM-4.7's: counted `no_stop_rows` at preparation) or the tokenizer has no template
 (the ChatML default ends a reply with <|im_end|> where the vocabulary has it, else its EOS). An end-of-turn the
-template writes only in the history (gpt-oss's <|end|>) is not one: the last reply's is read.
+template writes only in the history (gpt-oss's <|end|>) is not one: the last reply's is read. One that is no stop,
+followed by one (Command R7B's <|END_RESPONSE|><|END_OF_TURN_TOKEN|>): that stop, which the loss trains last.
 """
 
 from __future__ import annotations
@@ -44,7 +45,16 @@ def reply_stops(tokenizer_path: str | None, chat_template: str = "auto") -> list
         return [int(enc.default_eot)]
     _ = enc.eot  # the probe: enc._ends, the id after each probe reply
     last = enc._ends.get(REPLIES[-1])
-    return [int(last)] if last is not None else []
+    if last is None:
+        return []
+    if enc._carry and last not in enc._carry:  # trained on to a stop after it (R7B's <|END_OF_TURN_TOKEN|>)
+        from data.chat import _PROBE
+        from data.chat_locate import through_stop
+
+        ids = enc.tok.encode(enc._text(_PROBE))
+        at = max((i for i, t in enumerate(ids) if t == last), default=None)
+        last = ids[through_stop(enc, ids, at + 1) - 1] if at is not None else last
+    return [int(last)]
 
 
 def trained_template(tokenizer_path: str | None, chat_template: str = "auto") -> str | None:

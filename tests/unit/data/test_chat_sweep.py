@@ -149,18 +149,18 @@ def test_every_family_trains_exactly_its_replies_or_is_refused_in_one_line(table
     ("granite4", "system", "trains"), ("granite4", "tool call", "trains"), ("granite4", "tool list", "trains"),
     ("granite4", "tool call with text", "trains"), ("granite4", "arguments as JSON text", "trains"),
     # MiniMax-M2: the prompt's <think>\n is not in the history (a reply after ]~b]ai\n); Nemotron Nano v2: the last
-    # reply after the prompt's <think>\n, whole; Apertus: the answer after a tool result has no header; Command R7B
-    # (WRONG, families.json `wrong`): <|END_OF_TURN_TOKEN|> after <|END_RESPONSE|> is not trained
+    # reply after the prompt's <think>\n, whole, a reply of calls alone from its <TOOLCALL>'s `<`; Apertus: the answer
+    # after a tool result has no header; Command R7B: <|END_OF_TURN_TOKEN|> after <|END_RESPONSE|> trained (its stop)
     ("minimax_m2", "multi-turn", "trains"), ("minimax_m2", "tool call", "trains"),
     ("minimax_m2", "reasoning", "trains: 1 earlier reply's"), ("minimax_m2", "tool call with text", "trains"),
     ("nemotron_nano2", "multi-turn", "trains"), ("nemotron_nano2", "tool call with text", "trains"),
     ("nemotron_nano2", "reasoning in the content", "refused: message 1 (assistant): nemotron_nano2's template writes "
                                                    "its own <think>"),
-    ("nemotron_nano2", "tool call", "WRONG: message 1 is supervised in part"),
+    ("nemotron_nano2", "tool call", "trains"), ("nemotron_nano2", "tool list", "trains"),
     ("apertus", "multi-turn", "trains"), ("apertus", "tool call", "trains 1 of 2: message 3: the conversation does not"),
     ("apertus", "tool list", "refused: apertus's template refuses this conversation: 'dict object' has no attribute"),
-    ("command_r7b", "multi-turn", "WRONG: message 1 is supervised in part"),
-    ("command_r7b_tool_use", "tool call", "WRONG: message 3 is supervised in part"),
+    ("command_r7b", "multi-turn", "trains"), ("command_r7b", "system", "trains"),
+    ("command_r7b_tool_use", "tool call", "trains"), ("command_r7b_tool_use", "tool list", "trains"),
 ])
 def test_issue_47_cases(table, family, case, want):
     assert table[family][case].startswith(want), table[family][case]

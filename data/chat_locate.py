@@ -1,0 +1,223 @@
+"""Where an assistant reply is in a conversation's tokens, for data/chat.py's prefix path (any template without
+`{% generation %}` markers): `locate(enc, conv, wanted, tools)` -> (ids, {turn: (start, end)}, {turn: why not}).
+
+The start: `header_end`, where the conversation stops following the generation prompt rendered after the messages
+before the turn (module doc of data/chat.py, point 2). Where it leaves the prompt inside a word the two share the
+first bytes of (Nemotron Nano v2's prompt `Assistant\n<think>\n`, a reply of calls alone `Assistant\n<TOOLCALL>[`,
+`<think>` and `<TOOLCALL>` plain text: both start with the token `<`), the start is that word's start (`word_start`):
+the end of the last control token or blank before it. A reply of calls alone has no text `starts` could check, and
+was trained without its first token.
+
+The end: `reply_end`, the first end-of-turn token after the reply's text (data/chat_ends.probe_ends), carried on over
+the control tokens right after it up to one generation stops on (`through_stop`): Command R7B ends a reply
+`<|END_RESPONSE|><|END_OF_TURN_TOKEN|>` and stops only on the second, its EOS, which was never trained (the model
+never learned to stop). The stops are the model's generation_config.json `eos_token_id` beside the tokenizer; without
+one, the tokenizer's EOS (what `generate()` falls back on through the model's config; R7B's tokenizer alone: its
+`<|END_OF_TURN_TOKEN|>`). An end-of-turn that is a stop, or followed by text or by control tokens reaching none
+(gpt-oss's history `<|end|><|start|>assistant`), ends the reply as before. Cost: a few token comparisons per turn.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from data.chat_rows import RowError
+from data.chat_rows import unicode_form as _nf
+from data.chat_tools import call_name
+from data.chat_views import Renders, View
+
+_ASK = [{"role": "user", "content": "Probe question one?"}]  # data/chat.py's probe, its first message
+
+
+def lcp(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of two token lists (vectorised: a 128k-token render is compared in ~0.1 ms)."""
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if len(diff) else n
+
+
+def reply(msg: dict) -> str:
+    """The text a reply's span must show: its content past a `</think>` (R1 / Qwen3 templates cut the reasoning)."""
+    return msg["content"].split("</think>")[-1].strip()
+
+
+def shows(enc, ids: list[int], a: int, e: int, msg: dict) -> bool:
+    """Whether ids[a:e] shows the reply: its text (past a `</think>`, which R1 / Qwen3 templates drop from the
+    content) and each tool call's name. One token before `a` too: a reply merged into the header's last token."""
+    text = _nf(enc.tok.hf.decode(np.asarray(ids[max(a - 1, 0):e]), clean_up_tokenization_spaces=False))  # fast
+    want = _nf(reply(msg))
+    if want and want not in text:
+        return False
+    return all(call_name(c) in text for c in msg.get("tool_calls") or [])
+
+
+def header_end(enc, conv: list[dict], k: int, head: View, r: Renders) -> int | None:
+    """Where turn k's reply starts in the conversation's tokens: the end of its header, None where the header is
+    not there."""
+    full = r.full
+    a = head.lcp(r.arr)
+    if a == len(head) < len(full):
+        return a
+    dec = enc.tok.hf.decode
+    if a == len(head) - 1 < len(full) and dec(full[a:a + 1]).startswith(dec(head.slice(a, len(head)))):
+        return a  # the header's last token merged with the reply's start into one token
+    try:
+        shared = r.prefix(k).lcp(r.arr) if k else 0
+    except RowError:
+        shared = 0
+    d = min(a, shared)
+    if k and thinks(enc):  # the history writes a reply as the generation prompt without thinking gives it:
+        # GLM-4.7's `<|assistant|></think>` where its prompt is `<|assistant|><think>`
+        b = header_after(enc, conv, k, d, full, r.tools, enable_thinking=False)
+        if b is not None and d < b < len(full) and starts(enc, full, b, conv[k]):
+            return b
+    # a generation prompt longer than the header inside the conversation (DeepSeek-R1's `<｜Assistant｜><think>\n`):
+    # the header is what the conversation follows of it past the earlier messages
+    if a <= shared and k:  # the messages before close differently when last: find the generation prompt
+        a = header_after(enc, conv, k, d, full, r.tools)
+        shared = -1 if a is not None else shared
+    elif a < len(full) and full[a] in head.slice(a, len(head)) and int(full[a]) in enc._added():
+        return None  # the history writes an added token the prompt has past `a` (DeepSeek-V3.2: `</think>`, the
+        # prompt `<think></think>`): a reply of calls alone (no text for _starts) was trained from that token
+    elif a < len(head):  # the conversation leaves the prompt partway: never inside a word of it
+        a = word_start(enc, head.slice(0, len(head)), a, shared)
+    return a if a is not None and shared < a < len(full) and starts(enc, full, a, conv[k]) else None
+
+
+def word_start(enc, head: list[int], a: int, low: int) -> int:
+    """`a`, or the start of the word of the generation prompt `head` that `a` cuts (`<` | `think>` where the
+    conversation writes `<TOOLCALL>`; module doc): the last position in (low, a) after a control token or a blank, or
+    before one. `a` where there is none."""
+    def edge(p: int) -> bool:
+        left, right = head[p - 1], head[p]
+        return (left in enc.special or right in enc.special or enc.tok.hf.decode([left])[-1:].isspace()
+                or enc.tok.hf.decode([right])[:1].isspace())
+    for p in range(a, low, -1):
+        if edge(p):
+            return p
+    return a
+
+
+def thinks(enc) -> bool:
+    """Whether the template's generation prompt changes with enable_thinking=False (GLM-4.7, Qwen3), read once."""
+    if enc._thinking is None:
+        try:
+            enc._thinking = enc._text(_ASK, True) != enc._text(_ASK, True, enable_thinking=False)
+        except RowError:
+            enc._thinking = False
+    return enc._thinking
+
+
+def starts(enc, full: list[int], a: int, msg: dict) -> bool:
+    """Whether the reply's text starts at `a`: nothing but blanks between."""
+    want = _nf(reply(msg))[:16]  # cut after the normal form: a cut between a letter and its mark never matches
+    if not want:
+        return True
+    pre = _nf(enc.tok.hf.decode(full[max(a - 1, 0):a]))
+    # the window in tokens of the text as given too: a decomposed (NFD) reply takes more than its normal form
+    n = max(len(enc.tok.encode(want)), len(enc.tok.encode(reply(msg)[:64])))
+    shown = _nf(enc.tok.hf.decode(full[max(a - 1, 0):a + n + 4]))
+    i = shown.find(want)
+    return i >= 0 and (i < len(pre) or not shown[len(pre):i].strip())
+
+
+def header_after(enc, conv: list[dict], k: int, d: int, full: list[int], tools: list | None = None,
+                  **kw) -> int | None:
+    """Where turn k's reply starts when the messages before it render differently with a reply after them (Hermes'
+    `tool_use` closes a last tool result `</tool_response><|im_end|>`, one followed by a reply
+    `</tool_response>\n<|im_end|>`): the end of the generation prompt's tokens (the text `add_generation_prompt`
+    adds, starting with a control token), found in the conversation past the divergence `d` with nothing but
+    blanks and control tokens between (a template writing other text there, a system prompt moved, stays a turn
+    not located). None where that does not hold."""
+    try:
+        before, head = enc._text(conv[:k], tools=tools, **kw), enc._text(conv[:k], True, tools, **kw)
+    except RowError:
+        return None
+    if not head.startswith(before) or len(head) == len(before):
+        return None
+    gen = enc.tok.encode(head[len(before):])
+    if not gen or gen[0] not in enc.special:
+        return None
+    for p in range(d, min(d + 16, len(full) - len(gen))):
+        if full[p:p + len(gen)] == gen:
+            between = enc.tok.hf.decode(full[d:p], skip_special_tokens=True)
+            return p + len(gen) if not between.strip() else None
+    return None
+
+
+def locate(enc, conv: list[dict], wanted: list[int], tools: list | None = None) -> tuple[list[int], dict, dict]:
+    r = Renders(enc, conv, enc.linear, tools)  # rendered and tokenized once; each prefix a view on it
+    full, arr = r.full, r.arr
+    spans, why = {}, {}
+    for k in wanted:
+        msg = conv[k]
+        try:
+            head = r.prefix(k, gen=True)
+            turn = r.prefix(k + 1)
+        except RowError as e:  # e.g. an assistant turn first: there is nothing before it to render
+            why[k] = f"message {k}: " + ("an assistant turn first (no messages before it to find its header by)"
+                                         if k == 0 else str(e))
+            continue
+        a = header_end(enc, conv, k, head, r)
+        if a is None:
+            why[k] = (f"message {k}: the conversation does not go on from the messages before it with the "
+                      "template's assistant header: the template renders earlier messages differently once a "
+                      "reply follows (Mistral v0.3 drops a system prompt unless a user turn is last: put it in "
+                      "the first user turn) or writes text after the last message (Command-R's tool_use: use "
+                      "its `default`)")
+            continue
+        prefix = turn.lcp(arr) == len(turn)
+        tail = turn.slice(a, len(turn))
+        enc._tool_calls_shown(conv, [k], {k: tail})
+        if w := enc._eot_text(conv, k):
+            why[k] = w
+            continue
+        end = reply_end(enc, full, arr, a, len(turn) + (0 if prefix else 1), msg)
+        if end is None and prefix and len(turn) < len(full) and tail and tail[-1] not in enc.special:
+            # the turn alone ends in its text, the conversation goes on with an end-of-turn token: written only
+            # when a message follows (Qwen1.5), it is this reply's end
+            end = reply_end(enc, full, arr, a, len(turn) + 1, msg)
+        if end is None and prefix:  # a turn ended by another control token (gpt-oss's <|call|>); else, a last
+            # reply the template ends with nothing (GLM's: a control token of its reasoning is no end)
+            end = next((e for e in (trim(enc, tail, a, len(turn)), len(turn)) if shows(enc, full, a, e, msg)),
+                       None)
+        if end is None:
+            eot = enc.tok.hf.convert_ids_to_tokens(enc.eot.tolist())
+            why[k] = f"message {k}: no end-of-turn token {eot} after its text"
+            continue
+        spans[k] = (a, end)
+    return full, spans, why
+
+
+def reply_end(enc, full: list[int], arr: np.ndarray, a: int, bound: int, msg: dict) -> int | None:
+    """One past the first end-of-turn token at or after `a` (before `bound`) whose span shows the reply (gpt-oss
+    writes a last reply's reasoning as its own message, ended by <|end|>, before the answer)."""
+    for i in (np.flatnonzero(np.isin(arr[a:bound], enc.eot)) + a)[:16].tolist():
+        if shows(enc, full, a, i + 1, msg):
+            return through_stop(enc, full, i + 1)
+    return None
+
+
+def through_stop(enc, ids: list[int], e: int) -> int:
+    """`e`, or one past the stop that ends the run of control tokens right after an end-of-turn `ids[e - 1]` that
+    is no stop (R7B's `<|END_RESPONSE|><|END_OF_TURN_TOKEN|>`; module doc). At most 4 tokens further."""
+    _ = enc.eot  # the probe, read once: enc._carry
+    stops = enc._carry
+    if not stops or ids[e - 1] in stops:
+        return e
+    for j in range(e, min(e + 4, len(ids))):
+        if ids[j] in stops:
+            return j + 1
+        if ids[j] not in enc.special:
+            return e
+    return e
+
+
+def trim(enc, tail: list[int], a: int, b: int) -> int:
+    """End of the reply: after the last special token of turn[a:b] (`tail`, from a) (its end-of-turn); b when
+    there is none."""
+    for i in range(b - 1, a - 1, -1):
+        if tail[i - a] in enc.special:
+            return i + 1
+    return b
+
