@@ -208,7 +208,7 @@ class ChatEncoder:
 
     def encode(self, obj: dict) -> tuple[list[int], np.ndarray, dict]:
         kind, conv, first = normalize(obj)
-        tools = row_tools(obj)  # the row's top-level tool definitions, passed to every render of it
+        tools = row_tools(obj, self, conv)  # the row's top-level tool definitions, passed to every render of it
         if kind == "text_pair":
             text_pair_kwargs(obj)
         elif (kw := row_kwargs(obj, self.template, self.name, conv)) != self._row_kw:

@@ -5,14 +5,18 @@ A row's top-level `tools` (OpenAI / TRL: `{"messages": [...], "tools": [{"type":
 definitions) is passed to the chat template as `tools=`, as transformers' apply_chat_template and TRL do, in every
 render of the conversation (its prefixes included). An empty list ("[]": LLaMA-Factory's "no tools") is no tools
 (None: Llama 3.x / 4 test `tools is not none` and wrote an empty tool offer; Mistral v0.3 an empty
-[AVAILABLE_TOOLS]); a bare definition `{"name": ..., "parameters": ...}` is wrapped as OpenAI's
+[AVAILABLE_TOOLS]), except for a template that renders the row only with a tool list (Hermes' and Command-R's
+`tool_use` iterate `tools`): it gets [] as given. A definition reaches the template as OpenAI's
 `{"type": "function", "function": {...}}`, the form inference servers, transformers' get_json_schema and
-LLaMA-Factory give the template (Cohere's `parameter_definitions` form stays as given: Command-R's template reads
-it). The definitions are then in the ids, in a system or user turn (never supervised: only assistant replies are).
-A template that renders the same with and without them (Llama 3.0, Qwen2, Phi-3, ... take no tool list) would train
-each reply as if no tool had been offered, a call to a function the model never saw defined: such a row is refused
-in one line, as the same is for a message's `tools` / `functions` (Phi-4-mini's, OLMo 3's) and for an `environment`
-turn (OLMo 3's tool results) the template drops.
+LLaMA-Factory give it: a bare one (`name`, `description`, `parameters`, `strict`: LLaMA-Factory's, glaive's) is
+wrapped, the Responses API's flat `{"type": "function", "name": ...}` nested, Anthropic's / MCP's `input_schema` /
+`inputSchema` (the same JSON Schema) named `parameters`; a bare one with other keys is refused in one line. Cohere's
+`parameter_definitions` form (Command-R's template reads it) and other `type`s stay as given. The definitions are
+then in the ids, in a system or user turn (never supervised: only assistant replies are). A template that renders
+the same with and without them (Llama 3.0, Qwen2, Phi-3, ... take no tool list) would train each reply as if no tool
+had been offered, a call to a function the model never saw defined: such a row is refused in one line, as the same
+is for a message's `tools` / `functions` (Phi-4-mini's, OLMo 3's) and for an `environment` turn (OLMo 3's tool
+results) the template drops.
 """
 
 from __future__ import annotations
@@ -25,9 +29,10 @@ _FORM = ('a list of function definitions [{"type": "function", "function": {"nam
          '"parameters": {...}}}] (or that list as a JSON string)')
 
 
-def row_tools(obj: dict) -> list | None:
-    """The row's top-level `tools` as the template gets them (a list, each bare definition wrapped as OpenAI's; a JSON
-    string of one parsed), None where absent, null or empty. RowError, one line naming the value and the form
+def row_tools(obj: dict, enc=None, conv: list[dict] | None = None) -> list | None:
+    """The row's top-level `tools` as the template gets them (a list, each definition in OpenAI's form: `_wrapped`; a
+    JSON string of one parsed), None where absent, null or empty. An empty list stays [] where `enc`'s template
+    renders `conv` (the row's messages) only with a tool list. RowError, one line naming the value and the form
     expected, for anything else."""
     value = obj.get("tools") if isinstance(obj, dict) else None
     if value is None or isinstance(value, str) and not value.strip():  # a JSON-text column's blank: no tools
@@ -45,19 +50,64 @@ def row_tools(obj: dict) -> list | None:
         fn = t.get("function", t) if isinstance(t, dict) else None
         if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and fn["name"]):
             raise RowError(f"tools[{i}]: {t!r:.80} is not a function definition with a name: give {_FORM}")
-    return [_wrapped(t) for t in value] or None  # an empty list (LLaMA-Factory's "[]", 109 of the 300 rows of its
-    # glaive_toolcall demo) is no tools: passed as [], Llama 3.1 wrote "Environment: ipython" and an empty function
-    # list into every such row, Mistral v0.3 an empty [AVAILABLE_TOOLS] (4 of 5 replies then untrained)
+    if value:
+        return [_wrapped(t, i) for i, t in enumerate(value)]
+    # an empty list (LLaMA-Factory's "[]", 109 of the 300 rows of its glaive_toolcall demo) is no tools: passed as [],
+    # Llama 3.1 wrote "Environment: ipython" and an empty function list into every such row, Mistral v0.3 an empty
+    # [AVAILABLE_TOOLS] (4 of 5 replies then untrained). Hermes' and Command-R's `tool_use` iterate `tools` and fail
+    # on None: they get the [] given, as before (the row was refused, and skip_bad_rows is off by default)
+    return [] if enc is not None and _needs_list(enc, conv) else None
 
 
-def _wrapped(t: dict) -> dict:
-    """A bare definition (`name` and neither `type` nor `function`: LLaMA-Factory's, glaive's) as OpenAI's
-    `{"type": "function", "function": t}`, what a server gives the template for the same tools (before, the tool
-    list trained differed from the one served, and Mistral v0.3 / gpt-oss / Gemma 4, reading `tool.function`,
-    failed); Cohere's `parameter_definitions` form, which Command-R's template reads as given, stays."""
-    if "type" in t or "function" in t or "parameter_definitions" in t:
+def _needs_list(enc, conv) -> bool:
+    """Whether `enc`'s template renders `conv` only with a tool list (it refuses it with none, renders it with []).
+    Cost: one render of a row whose tool list is empty (a third of Glaive's rows), two more where the template
+    refuses it without a list."""
+    if enc.kind == "chatml" or not isinstance(conv, list):
+        return False
+    try:
+        enc._text(conv)
+        return False
+    except RowError:
+        return enc._needs_tools(conv, False)
+
+
+# OpenAI's function object (Chat Completions' `function`, the Responses API's flat tool less its `type`)
+_OPENAI_KEYS = ("name", "description", "parameters", "strict")
+# Anthropic's (and Claude traces') `input_schema`, MCP's `inputSchema`: the JSON Schema of the arguments, the object
+# OpenAI's `parameters` holds. Mapped, not refused: the rename is exact (what an OpenAI-compatible server, LiteLLM or
+# an MCP client's OpenAI adapter sends the model for these tools), where the template given the key it does not read
+# rendered the function with no parameters (gpt-oss `() => any`, Gemma 4) or printed the key (Mistral v0.3)
+_SCHEMA_KEYS = ("input_schema", "inputSchema")
+
+
+def _wrapped(t: dict, i: int = 0) -> dict:
+    """A definition as OpenAI's `{"type": "function", "function": {...}}`, what a server gives the template for the
+    same tools (before, the tool list trained differed from the one served, and Mistral v0.3 / gpt-oss / Gemma 4,
+    reading `tool.function`, failed): a bare one (`name` and neither `type` nor `function`: LLaMA-Factory's,
+    glaive's, Anthropic's, MCP's) wrapped, the Responses API's flat `{"type": "function", "name": ...}` (Anthropic's
+    `"type": "custom"` with its `input_schema`) nested. OpenAI's nested form, Cohere's `parameter_definitions` form
+    (Command-R's template reads it as given) and other types (a provider's hosted tools; OpenAI's free-text
+    `"custom"` tools, which take no JSON arguments) stay as given."""
+    kind = t.get("type", "function")  # a bare definition: a function
+    if "function" in t or "parameter_definitions" in t or not (kind == "function" or kind == "custom"
+                                                                 and "input_schema" in t):
         return t
-    return {"type": "function", "function": t}
+    return {"type": "function", "function": _function({k: v for k, v in t.items() if k != "type"}, i)}
+
+
+def _function(fn: dict, i: int) -> dict:
+    """`fn` as OpenAI's function object: as given where its keys are OpenAI's, `input_schema` / `inputSchema` named
+    `parameters` where that is the only other key (in its place: `tojson` keeps the order); RowError naming the keys
+    for anything else (a template reads only the keys it knows: the others were dropped or printed verbatim)."""
+    other = [k for k in fn if k not in _OPENAI_KEYS]
+    if not other:
+        return fn
+    if len(other) == 1 and other[0] in _SCHEMA_KEYS and "parameters" not in fn:
+        return {("parameters" if k == other[0] else k): v for k, v in fn.items()}
+    raise RowError(f"tools[{i}]: a definition with keys {list(fn)}, of which {other} are not OpenAI's (name, "
+                   "description, parameters, strict; an input_schema / inputSchema alone is read as parameters): "
+                   f"give {_FORM}, which reaches the template as given")
 
 
 def tool_names(tools: list) -> list[str]:

@@ -23,11 +23,12 @@ def cache_key(files: list[str], tokenizer_path: str | None, model_vocab: int) ->
     """What a cached token stream or in-job prepared folder (data/prepare.py) is derived from: each input file
     (path, size, mtime), the tokenizer's content (a HF folder rewritten in place keeps its own size and mtime) and
     the vocabulary its token ids were checked against."""
-    h = hashlib.sha256(f"{model_vocab}:bos2:chat5:eos2".encode())  # :bos2: text documents start with the tokenizer's
-    # BOS, once where the text writes its own; :chat5: chat rows encoded by today's rules (a reply's weight, reasoning a
+    h = hashlib.sha256(f"{model_vocab}:bos2:chat6:eos2".encode())  # :bos2: text documents start with the tokenizer's
+    # BOS, once where the text writes its own; :chat6: chat rows encoded by today's rules (a reply's weight, reasoning a
     # template drops, a top-level system, a prompt / completion of strings with the BOS; the ChatML default rendered
     # as served, a `reasoning` field, JSON-text arguments as the object; chat5: an empty tool list as none, bare tool
-    # definitions wrapped as OpenAI's, LLaMA-Factory v1's loss_weight and `value` text parts); :eos2: no second EOS
+    # definitions wrapped as OpenAI's, LLaMA-Factory v1's loss_weight and `value` text parts; chat6: a reply trained
+    # through its stop (Command R7B), Anthropic / MCP / flat tool definitions in OpenAI's form); :eos2: no second EOS
     # after a document that ends with its own (a stream, or a folder prepare_data wrote before 2026-11-30, had two)
     for f in files:
         st = os.stat(f)
