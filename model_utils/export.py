@@ -18,12 +18,15 @@ MoE's experts in memory (Qwen3-MoE's `mlp.experts.gate_up_proj`, one 3-D tensor)
 (`mlp.experts.N.gate_proj.weight` ...), which is what transformers 4.x, vLLM's per-expert loaders and converters read.
 They are written in the run's training precision by default (`dtype="auto"`: bf16 for a bf16 run, as save_pretrained
 of a bf16 model writes; half the fp32 size, 16 GB for 8B) or as asked (fp32 keeps the master weights exactly), and
-config.json says so in `dtype` and in `torch_dtype` (what transformers before 4.56 reads).
+config.json says so in `dtype` and in `torch_dtype` (what transformers before 4.56 reads). What the model class keeps
+in fp32 in a bf16 / fp16 model (its `_keep_in_fp32_modules_strict`: an MoE router's `e_score_correction_bias`) stays
+fp32, as save_pretrained writes it (kept_in_fp32).
 
 The folder written is replaced whole (a new one built beside it, then swapped in). So that a typo cannot delete a
 user's folder, an existing `out_dir` is replaced only where it is the run's own (`owned`: RUN/hf_model) or a
 previous export (it holds MARKER); a folder holding the checkpoint, or any other existing folder, is refused in one
-line before any work.
+line before any work. A symlinked `out_dir` is written where it points, so its target must be missing, empty or a
+previous export, owned or not (a run's hf_model linked to a scratch folder of other work wiped it).
 """
 
 from __future__ import annotations
@@ -37,19 +40,42 @@ MARKER = "export.json"  # written into every export: which checkpoint it came fr
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype (besides auto) -> torch's name
 
 
-def check_out(out_dir: str, checkpoint: str, owned: bool = False) -> None:
+def check_out(out_dir: str, checkpoint: str | None, owned: bool = False) -> None:
     """A one-line ValueError where writing `out_dir` would destroy something not an export: the folder holding the
-    checkpoint (the run folder, its checkpoints), or an existing file or folder that is neither the run's own
-    export folder (`owned`) nor a previous export."""
-    out, ck = os.path.realpath(out_dir), os.path.realpath(checkpoint)
-    if ck == out or ck.startswith(out.rstrip(os.sep) + os.sep):
+    checkpoint (the run folder, its checkpoints), an existing file or folder that is neither the run's own export
+    folder (`owned`) nor a previous export, or, where `out_dir` is a link, a target that is not missing, empty or a
+    previous export (`owned` or not: the export replaces the folder the link points to, and a link to a scratch folder
+    holding other work wiped it); also where the folder it is built in beside the target is not writable (that failed
+    after the consolidation: minutes and 32 GB of host memory for 8B). `checkpoint` None: train.py's start-up check
+    of its RUN/hf_model, before the run trains."""
+    out = os.path.realpath(out_dir)
+    ck = checkpoint and os.path.realpath(checkpoint)
+    if ck and (ck == out or ck.startswith(out.rstrip(os.sep) + os.sep)):
         raise ValueError(f"--out {out_dir}: it holds the checkpoint {checkpoint}, which the export would replace: "
                          "give a new folder")
-    if not os.path.lexists(out_dir) or owned or os.path.isfile(os.path.join(out_dir, MARKER)):
-        return
-    what = "a folder that is not a previous export" if os.path.isdir(out_dir) else "a file"
-    raise ValueError(f"--out {out_dir}: {what} (no {MARKER}), which the export would replace: give a new folder, "
-                     "or remove it yourself")
+    link = os.path.islink(out_dir.rstrip(os.sep) or out_dir)
+    if link:
+        if not _replaceable(out):
+            what = "a file" if os.path.isfile(out) else "a folder holding other files (no export.json)"
+            raise ValueError(f"{out_dir}: a link to {out}, {what}, which the export would replace: point the link "
+                             "at a new or empty folder (or a previous export), or remove the link")
+    elif os.path.lexists(out_dir) and not owned and not os.path.isfile(os.path.join(out_dir, MARKER)):
+        what = "a folder that is not a previous export" if os.path.isdir(out_dir) else "a file"
+        raise ValueError(f"--out {out_dir}: {what} (no {MARKER}), which the export would replace: give a new "
+                         "folder, or remove it yourself")
+    parent = os.path.dirname(out)  # the export is built in OUT.export-tmp beside it, then swapped in (os.replace:
+    while not os.path.isdir(parent) and parent != os.path.dirname(parent):  # atomic only within one file system)
+        parent = os.path.dirname(parent)
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{out_dir}: the export is built beside {out}, in {parent}, which is not writable: "
+                         f"{'point the link at' if link else 'give'} a folder inside a writable one")
+
+
+def _replaceable(path: str) -> bool:
+    """Whether `path` may be replaced by an export: missing, an empty folder or a previous export."""
+    if not os.path.lexists(path):
+        return True
+    return os.path.isdir(path) and (not os.listdir(path) or os.path.isfile(os.path.join(path, MARKER)))
 
 
 def generation_config(source: str | None) -> str | None:
@@ -142,23 +168,42 @@ def export_dtype(config, dtype: str, checkpoint: str | None = None) -> str:
     return ran if ran in ("bfloat16", "float16") else "float32"
 
 
-def hub_layout(config, state: dict) -> dict:
+def meta_model(config):
+    """The model class model_utils/build.py trains, built from `config` on the meta device (no weights)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def kept_in_fp32(model, dtype: str) -> re.Pattern | None:
+    """The parameters (a pattern searched in each in-memory name) a `dtype` export keeps in fp32, as transformers
+    keeps them in a model loaded in that dtype, which its save_pretrained then writes: the class's
+    `_keep_in_fp32_modules_strict` in bf16 and fp16 (GLM-4.5's and DeepSeek-V3's router `e_score_correction_bias`,
+    which picks the experts: bf16 rounds 1.0 + 0.01 x noise to steps of 2^-7), its `_keep_in_fp32_modules` in fp16
+    only (gpt-oss's norms); their globs as transformers matches them (`*` any text, searched). None where none."""
+    names = set()
+    if dtype in ("bfloat16", "float16"):
+        names |= set(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    if dtype == "float16":
+        names |= set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    return re.compile("|".join(n.replace("*", ".*") for n in sorted(names))) if names else None
+
+
+def hub_layout(config, state: dict, model=None) -> dict:
     """`state` (the parameters as transformers 5 holds them in memory) in the layout its save_pretrained writes:
-    transformers' own revert_weight_conversion, on the model built on the meta device (no weights) from `config`
-    (the conversions are looked up by its class and model type). A family without conversions (the dense ones) is
-    returned as given, same keys, same order, same tensors. Cost at scale: the experts split off a fused tensor are
-    copies (safetensors saves no part of a storage), so it runs one layer at a time, popping that layer's tensors from
-    `state`: the extra memory is one layer's experts (Qwen3-30B-A3B: 128 x 3 x 768 x 2048 x 4 B = 2.4 GB fp32, half
-    that in bf16), not a second copy of the model; the export runs on one rank only."""
+    transformers' own revert_weight_conversion, on the model built on the meta device (no weights) from `config` (the
+    conversions are looked up by its class and model type; `model`: that one, built already). A family without
+    conversions (the dense ones) is returned as given, same keys, same order, same tensors. Cost at scale: the experts
+    split off a fused tensor are copies (safetensors saves no part of a storage), so it runs one layer at a time,
+    popping that layer's tensors from `state`: the extra memory is one layer's experts (Qwen3-30B-A3B: 128 x 3 x 768 x
+    2048 x 4 B = 2.4 GB fp32, half that in bf16), not a second copy of the model; the export runs on one rank only."""
     try:
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:  # transformers before 5: what it holds in memory is what it saves
         return state
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):  # the class model_utils/build.py trains
-        model = AutoModelForCausalLM.from_config(config)
+    model = model if model is not None else meta_model(config)
     order = list(state)
     layers: dict[str, list[str]] = {}
     for k in order:  # no conversion spans layers (experts are merged within one)
@@ -245,7 +290,7 @@ def export_hf(checkpoint: str, out_dir: str, tokenizer_path: str | None = None, 
     tokenizer's own default is another (the ChatML default of a base tokenizer, a forced or named template): the
     exported tokenizer carries it, or a server renders prompts in a format the model was never tuned on. `dtype`: the
     weights' dtype on disk (export_dtype: auto is the run's training precision). A symlinked `out_dir` is written
-    where it points (the link kept)."""
+    where it points (the link kept; check_out: the target missing, empty or a previous export)."""
     check_out(out_dir, checkpoint, owned)
     if dtype != "auto":
         export_dtype(None, dtype)  # the one-line refusal of an unknown one, before any work
@@ -274,16 +319,19 @@ def export_hf(checkpoint: str, out_dir: str, tokenizer_path: str | None = None, 
         config.architectures = [name] if isinstance(name, str) else None
     if tokenizer_path and os.path.isfile(tokenizer_path):  # a sentencepiece file: its ids, not the preset's
         config.bos_token_id, config.eos_token_id, config.pad_token_id = sentencepiece_ids(tokenizer_path)
+    model = meta_model(config)  # before the consolidation: a config no class builds fails in seconds
+    fp32 = kept_in_fp32(model, written)
     root, tag = os.path.split(checkpoint.rstrip("/"))
     state = get_fp32_state_dict_from_zero_checkpoint(root, tag=tag)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # tied to the input embeddings; transformers re-ties on load
     for k in list(state):  # one tensor at a time: each fp32 one is freed as its cast replaces it (no second copy)
-        if state[k].is_floating_point():
+        if state[k].is_floating_point() and not (fp32 and fp32.search(k)):
             state[k] = state[k].to(config.dtype)
-    state = hub_layout(config, state)
-    # a symlinked hf_model (or --out): written where it points; rmtree leaves a link in place, and replacing it with
-    # the new folder failed (ENOTDIR) after the whole run, and at every restart
+    state = hub_layout(config, state, model)
+    # a symlinked hf_model (or --out): written where it points (a target check_out let through: missing, empty or a
+    # previous export); rmtree leaves a link in place, and replacing it with the new folder failed (ENOTDIR) after the
+    # whole run, and at every restart. Built beside the target: os.replace is atomic on that file system only
     out = os.path.realpath(out_dir)
     tmp = out + ".export-tmp"
     shutil.rmtree(tmp, ignore_errors=True)

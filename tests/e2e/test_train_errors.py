@@ -158,3 +158,24 @@ def test_architecture_without_the_attention_backend_is_one_line(tmp_path):
                                    "flash_attention_2 or flash_attention_3")
     check_config(AutoConfig.from_pretrained(folder), "flex_attention")  # the backend it has passes
     check_config(AutoConfig.for_model("llama"), "sdpa")
+
+
+@pytest.mark.slow  # fast sibling: tests/unit/model_utils/test_export_targets.py (check_out's rule, the start-up form)
+def test_a_linked_export_folder_holding_other_work_is_refused_before_training(tmp_path):
+    """RUN/hf_model a link to a folder of other work: the final export replaced that folder after the whole run (or
+    failed there). train.py refuses it at start-up, in one line, on rank 0's reading."""
+    other = tmp_path / "scratch"
+    other.mkdir()
+    (other / "results.csv").write_text("mine")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "hf_model").symlink_to(other)
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"input_ids": [5, 6, 7]}\n')
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
+    env.pop("RANK", None)
+    p = subprocess.run([sys.executable, "train.py", "--output_dir", str(out), "--report_to", "none", "--dataset_path",
+                        str(data)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and "which the export would replace" in p.stderr.strip().splitlines()[-1], p.stderr[-2000:]
+    assert (other / "results.csv").read_text() == "mine" and "Traceback" not in p.stderr
+    assert not (out / "checkpoints").exists()  # before any training (the export's own check comes after it)

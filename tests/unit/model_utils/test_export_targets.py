@@ -1,0 +1,151 @@
+"""Where model_utils/export.export_hf may write, and what it keeps in fp32, from a fake ZeRO checkpoint (the
+consolidation patched to return a tiny model's state dict): a symlinked RUN/hf_model (or --out) pointing at a folder of
+other work is refused in one line before any work, train.py's own export included (it wiped the folder); a link to a
+missing or empty folder is written there; an unwritable folder beside the target is refused before the consolidation;
+the model class's `_keep_in_fp32_modules_strict` (GLM-4.5's router bias) stays fp32 in a bf16 export, as
+save_pretrained writes it. ~5 s."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
+
+
+def _checkpoint(tmp_path, monkeypatch, config, model=None) -> str:
+    """A checkpoint folder whose consolidation returns `model`'s state dict (None: fails the test if called)."""
+    import deepspeed.utils.zero_to_fp32 as z
+
+    ck = tmp_path / "run" / "checkpoints" / "step_000002"
+    ck.mkdir(parents=True)
+    (ck / "hf_config.json").write_text(config.to_json_string())
+    state = model and {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    def consolidate(root, tag):
+        assert state is not None, "the consolidation ran"
+        return dict(state)
+
+    monkeypatch.setattr(z, "get_fp32_state_dict_from_zero_checkpoint", consolidate)
+    return str(ck)
+
+
+def _llama():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("llama", **TINY)
+    return config, AutoModelForCausalLM.from_config(config)
+
+
+def test_a_link_to_a_folder_of_other_work_is_refused_before_any_work(tmp_path, monkeypatch):
+    """RUN/hf_model linked to a scratch folder holding other projects: train.py's export (owned) resolved the link and
+    rmtree'd the target, the other projects with it."""
+    from model_utils.export import check_out, export_hf
+
+    config, _ = _llama()
+    ck = _checkpoint(tmp_path, monkeypatch, config)  # no state: the consolidation must not run
+    scratch = tmp_path / "scratch"
+    (scratch / "other_project").mkdir(parents=True)
+    (scratch / "other_project" / "results.csv").write_text("precious")
+    link = tmp_path / "run" / "hf_model"
+    link.symlink_to(scratch)
+    for call in (lambda: export_hf(ck, str(link), owned=True), lambda: export_hf(ck, str(link)),
+                 lambda: check_out(str(link), None, owned=True)):  # the last: train.py's start-up form
+        with pytest.raises(ValueError) as e:
+            call()
+        msg = str(e.value)
+        assert len(msg.splitlines()) == 1 and str(link) in msg and str(scratch) in msg and "point the link" in msg
+    assert (scratch / "other_project" / "results.csv").read_text() == "precious"
+    (tmp_path / "a_file").write_text("notes")
+    link.unlink()
+    link.symlink_to(tmp_path / "a_file")
+    with pytest.raises(ValueError, match="a file"):
+        check_out(str(link), ck, owned=True)
+    assert (tmp_path / "a_file").read_text() == "notes"
+
+
+@pytest.mark.parametrize("target", ["missing", "empty"])
+def test_a_link_to_a_missing_or_empty_folder_is_written_there(tmp_path, monkeypatch, target):
+    from model_utils.export import MARKER, export_hf
+
+    config, model = _llama()
+    ck = _checkpoint(tmp_path, monkeypatch, config, model)
+    dest = tmp_path / "scratch" / "hf_model"
+    dest.parent.mkdir()
+    if target == "empty":
+        dest.mkdir()
+    link = tmp_path / "run" / "hf_model"
+    link.symlink_to(dest)
+    assert export_hf(ck, str(link), owned=True) == str(link)
+    assert link.is_symlink() and (dest / "model.safetensors").is_file() and (dest / MARKER).is_file()
+    export_hf(ck, str(link), owned=True)  # again: now a previous export
+    assert sorted(os.listdir(dest.parent)) == ["hf_model"]
+
+
+def test_an_unwritable_folder_beside_the_target_is_refused_before_the_consolidation(tmp_path, monkeypatch):
+    """The export is built in TARGET.export-tmp and swapped in (os.replace: one file system): a link to a folder whose
+    parent the user cannot write (a mount point) failed after the consolidation."""
+    from model_utils import export
+
+    config, _ = _llama()
+    ck = _checkpoint(tmp_path, monkeypatch, config)
+    dest = tmp_path / "mnt" / "disk"
+    dest.mkdir(parents=True)
+    link = tmp_path / "run" / "hf_model"
+    link.symlink_to(dest)
+    access = os.access
+    monkeypatch.setattr(export.os, "access", lambda p, mode: access(p, mode) and p != str(dest.parent))  # root
+    with pytest.raises(ValueError) as e:  # writes anywhere: chmod would not show it
+        export.export_hf(ck, str(link), owned=True)
+    assert len(str(e.value).splitlines()) == 1 and f"in {dest.parent}, which is not writable" in str(e.value)
+
+
+def test_a_bf16_export_keeps_what_the_class_keeps_in_fp32(tmp_path, monkeypatch):
+    """GLM-4.5 (glm4_moe): `e_score_correction_bias` is `_keep_in_fp32_modules_strict`; save_pretrained of a bf16
+    model writes it fp32, the export wrote it bf16 (1.0 + 0.01 x noise rounded to steps of 2^-7: the routing bias
+    flattened)."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from model_utils.export import export_hf
+
+    config = AutoConfig.for_model("glm4_moe", **TINY, moe_intermediate_size=32, n_routed_experts=4,
+                                  num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+                                  topk_group=1)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    for n, b in model.named_buffers():
+        if "e_score_correction_bias" in n:
+            b.copy_(torch.randn_like(b) * 0.01 + 1.0)
+    base = tmp_path / "base"
+    model.save_pretrained(base)
+    AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16).save_pretrained(tmp_path / "base_bf16")
+    ck = _checkpoint(tmp_path, monkeypatch, config, model)
+    out = tmp_path / "run" / "hf_model"
+    export_hf(ck, str(out), source=str(base), owned=True, dtype="bf16")
+
+    def dtypes(folder):
+        with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
+            return {k: f.get_slice(k).get_dtype() for k in f.keys()}
+
+    got, want = dtypes(out), dtypes(tmp_path / "base_bf16")
+    assert got == want and got["model.layers.1.mlp.gate.e_score_correction_bias"] == "F32"
+    with safe_open(os.path.join(out, "model.safetensors"), "pt") as f:
+        kept = f.get_tensor("model.layers.1.mlp.gate.e_score_correction_bias")
+    assert torch.equal(kept, model.state_dict()["model.layers.1.mlp.gate.e_score_correction_bias"])
+
+
+def test_fp16_also_keeps_the_classs_fp16_only_modules():
+    """gpt-oss keeps its norms in fp32 when loaded in fp16 (`_keep_in_fp32_modules`), not in bf16."""
+    from transformers import AutoConfig
+
+    from model_utils.export import kept_in_fp32, meta_model
+
+    model = meta_model(AutoConfig.for_model("gpt_oss", **TINY, num_local_experts=4, num_experts_per_tok=2,
+                                            layer_types=["sliding_attention", "full_attention"]))
+    name = "model.layers.0.input_layernorm.weight"
+    assert kept_in_fp32(model, "float16").search(name) and not (kept_in_fp32(model, "bfloat16") or
+                                                                 kept_in_fp32(model, "float32"))
