@@ -78,6 +78,9 @@ died_verdict() {
 crash_verdict() {
   local raised=0 c
   [ -n "${LAUNCH_CRASH_FILE:-}" ] && [ "$died" = 0 ] || return 0
+  # signalled before any rank here was gone (a GraceTime preemption, the step's end): what the ranks raised since is
+  # the stop's teardown (launch.py SIGKILLs a rank still in a long step, its peers' collective breaks), no crash
+  [ "$signalled$early" != 10 ] || return 0
   case "$rc" in 0|"$EXIT_USAGE"|"$EXIT_PEER_LOST"|"$EXIT_PREEMPTED") return 0 ;; esac
   for c in $recorded; do case "$c" in 0|"$EXIT_USAGE"|"$EXIT_PEER_LOST"|"$EXIT_PREEMPTED") ;; *) raised=1 ;; esac; done
   if [ "$origin" = "$node_rank" ] || { [ "$node_store" = 0 ] && [ "$raised" = 1 ]; }; then

@@ -200,7 +200,10 @@ def _fail(e: BaseException) -> int:
 
     own = f"rank {rank} failed: {type(e).__name__}: {e}"
     watching = getattr(comm, "_WATCHER", None) if comm is not None else None
-    _crash_record(rank, watching.post(own, EXIT_FAILED) if watching is not None else own)  # posted: first wins
+    posted = watching.post(own, EXIT_FAILED) if watching is not None else own  # posted: first wins
+    stopping = getattr(sys.modules.get("training.preemption"), "WINDOWED_AT", None)
+    if not stopping:  # after this rank's SIGTERM: the stop's teardown, no crash of this node's own (preemption.py)
+        _crash_record(rank, posted)
     first = comm.abort(own, EXIT_FAILED) if comm is not None else own
     text = traceback.format_exc()
     try:

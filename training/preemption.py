@@ -85,6 +85,10 @@ AUTO_SAVE_EVERY_S = 540.0  # save_interval_minutes auto: lost work <= 9 min + on
 MAX_SAVE_OVERHEAD = 0.01  # ... unless the saves would then block the steps > 1% of the time
 MARGIN_S = 30.0
 END_REFRESH_S = 300.0  # rank 0 reads the job's end time from slurmctld again this often (a time-limit update, a suspend)
+WINDOWED_AT: list[float] = []  # this process's first SIGTERM/SIGINT under a launcher (its kill follows): a failure
+# raised after it is the teardown of that stop (a peer SIGKILLed by its launch.py mid-step, its collective broken),
+# not a crash of this node's own: training/job.py writes no crash verdict for it (a GraceTime preemption during a
+# long step was failed, or requeued without a healthy node)
 
 
 def slurm_end_time(job: str) -> float | None:
@@ -216,7 +220,9 @@ class PreemptionFlag:
     def _handler(self, signum, frame) -> None:  # no I/O, no collectives: just remember it
         if signum in self.windowed and self.term_at is None:
             self.term_at = time.monotonic()  # the launcher's kill comes window_s after this, a later SIGUSR1 or not
+            WINDOWED_AT.append(self.term_at)
         self.received = signum
+
 
     def agreed(self, ahead_s: float = 0.0) -> bool:
         """True on every rank when any rank got a signal, rank 0 saw the stop file, or a rank is near the time

@@ -134,14 +134,17 @@ def test_a_rank_gone_before_the_steps_sigterm_is_died_one_killed_after_it_is_not
 
 
 
-def test_a_launcher_stopped_by_a_signal_is_not_died(tmp_path):
-    """Slurm's SIGTERM to the step (srun ending it after another node's failure) reaches launch.sh too: a rank then
-    killed on its way out is no death of this node's own."""
+@pytest.mark.parametrize("code, records", [("247", ""), ("1", "0:1")])
+def test_a_launcher_stopped_by_a_signal_is_not_died(tmp_path, code, records):
+    """Slurm's SIGTERM to the step (srun ending it after another node's failure, a GraceTime preemption) reaches
+    launch.sh too: a rank then killed on its way out is no death of this node's own, and a rank that raised since (its
+    peer SIGKILLed by launch.py mid-step: a broken collective) no crash of its own (it was `first`: a preemption
+    failed, or requeued without a healthy node)."""
     crash, go = tmp_path / "crash.0", tmp_path / "go"
     p = subprocess.Popen([LAUNCH, "--num_gpus", "2", "--", "--x"], cwd=tmp_path, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True,
-                         env=clean_env(DEEPSPEED=stand_in(tmp_path), LAUNCH_CRASH_FILE=str(crash), VERDICT_EXIT="247",
-                                       VERDICT_GO=str(go)))
+                         env=clean_env(DEEPSPEED=stand_in(tmp_path), LAUNCH_CRASH_FILE=str(crash), VERDICT_EXIT=code,
+                                       VERDICT_RECORDS=records, VERDICT_GO=str(go)))
     try:
         wait_for(lambda: (tmp_path / "go.ready").exists(), 30, "the stand-in launcher")
         p.send_signal(signal.SIGTERM)
@@ -150,5 +153,5 @@ def test_a_launcher_stopped_by_a_signal_is_not_died(tmp_path):
         text = p.communicate(timeout=30)[0]
     finally:
         p.kill()
-    assert p.returncode == 247 and "got SIGTERM" in text, text
+    assert p.returncode == int(code) and "got SIGTERM" in text, text
     assert not crash.exists(), text

@@ -88,3 +88,21 @@ def test_a_job_without_saves_keeps_the_signals_default(monkeypatch):
     assert "recorded" not in seen
     job.run_job(lambda: 0)
     assert seen.get("recorded")
+
+
+def test_a_failure_after_the_ranks_sigterm_is_no_crash_of_its_node(tmp_path, monkeypatch, capsys):
+    """A GraceTime preemption during a long step: launch.py SIGKILLs a rank still in its step 30 s after the TERM, its
+    peers' collective breaks and they raise: each wrote `first` / `own`, which the batch shell takes over PreemptTime
+    (the job failed, or was requeued without a healthy node). A failure after this rank's SIGTERM writes none; one
+    before it still does."""
+    crash = tmp_path / "crash.0"
+    monkeypatch.setenv("LAUNCH_CRASH_FILE", str(crash))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(preemption, "WINDOWED_AT", [])
+    assert job._fail(RuntimeError("Connection closed by peer")) == 1
+    assert crash.read_text().strip() == "first"
+    crash.unlink()
+    monkeypatch.setattr(preemption, "WINDOWED_AT", [123.0])
+    assert job._fail(RuntimeError("Connection closed by peer")) == 1
+    assert not crash.exists()
+    capsys.readouterr()
