@@ -21,16 +21,25 @@
 # its way out after the step's TERM is no death of this node's own), never when every rank here recorded its own exit
 # or a note of the job's abort.
 
-oom_kills() {  # this task's cgroup's OOM kills so far (nothing where it cannot be read). LAUNCH_CGROUP: a folder
-  # standing in for the cgroup (a test's; `%n` is this node's rank)
-  local g=${LAUNCH_CGROUP:-} p
-  if [ -z "$g" ]; then
-    p=$(sed -n 's/^0:://p' /proc/self/cgroup 2>/dev/null)
-    g=/sys/fs/cgroup$p
-    [ -r "$g/memory.events" ] || g=/sys/fs/cgroup/memory$(sed -n 's/^[0-9]*:[^:]*memory[^:]*://p' /proc/self/cgroup 2>/dev/null)
-  fi
-  g=${g//%n/$node_rank}
-  awk '$1 == "oom_kill" {print $2; exit}' "$g/memory.events" "$g/memory.oom_control" 2>/dev/null || true
+cgroup_dir() {  # this task's cgroup folder (its memory controller's under v1). LAUNCH_CGROUP: a folder standing in for
+  # it (a test's; `%n` is this node's rank)
+  local line v2="" v1=""
+  if [ -n "${LAUNCH_CGROUP:-}" ]; then echo "${LAUNCH_CGROUP//%n/$node_rank}"; return 0; fi
+  { while IFS= read -r line; do
+      case $line in 0::*) v2=${line#0::} ;; *:*memory*:*) v1=${line#*:*:} ;; esac
+    done < /proc/self/cgroup; } 2>/dev/null
+  if [ -r "/sys/fs/cgroup$v2/memory.events" ]; then echo "/sys/fs/cgroup$v2"; else echo "/sys/fs/cgroup/memory$v1"; fi
+}
+cg=""  # cgroup_dir, once (launch.sh, before the launcher starts)
+read_ooms() {  # OOMS: this task's cgroup's OOM kills so far ('' where unreadable). Builtins only, no fork: launch.sh
+  # reads it every poll, and a forked command there defers its traps (two SIGINTs 1 s apart became one under load)
+  local k v f
+  OOMS=""
+  for f in "$cg/memory.events" "$cg/memory.oom_control"; do
+    [ -n "$cg" ] && [ -r "$f" ] || continue
+    while read -r k v; do [ "$k" = oom_kill ] && { OOMS=$v; return 0; }; done < "$f"
+  done
+  return 0
 }
 ooms=""  # the count while every rank here was alive: read before the launcher starts and at each poll until one goes
 alive() {  # a process that has not exited (a zombie its launcher has not reaped yet has)
@@ -50,7 +59,8 @@ died_verdict() {
   # signal code was posted); a node all of whose ranks did is no origin, whatever its code
   n=$(ls "$exit_dir" 2>/dev/null | sed -n 's/^\(rank\|store\)\([0-9][0-9]*\)$/\2/p' | sort -u | grep -c .)
   [ "$n" -lt "$ranks_here" ] || return 0
-  now=$(oom_kills)
+  read_ooms
+  now=$OOMS
   if [ -n "$ooms" ] && [ -n "$now" ] && [ "$now" -gt "$ooms" ]; then
     why="the OOM killer took a process here (its cgroup's oom_kill: $ooms -> $now)"
   elif f=$(grep -lsE '^Fatal Python error: (Segmentation fault|Bus error|Illegal instruction|Floating.point exception)' \

@@ -141,9 +141,11 @@ def test_a_save_request_goes_over_pdsh_to_the_hosts_left_after_the_filter(tmp_pa
         wait_for(lambda: log.exists() and "ready" in log.read_text(), 30, "the launcher stand-in")
         p.send_signal(signal.SIGTERM)
         wait_for(lambda: (tmp_path / "pdsh.log").exists(), 30, "the pdsh stand-in")
-        for _ in range(2):  # the second SIGINT: SIGTERM to the launcher, which then exits 75
-            p.send_signal(signal.SIGINT)
-            time.sleep(1.0)  # apart: two at once are one pending signal
+        for _ in range(10):  # the second SIGINT: SIGTERM to the launcher, which then exits 75 (two that come while
+            p.send_signal(signal.SIGINT)  # a command runs are one pending signal: sent until it is gone, 1 s apart)
+            time.sleep(1.0)
+            if p.poll() is not None:
+                break
         out = p.communicate(timeout=30)[0]
     finally:
         p.kill()
