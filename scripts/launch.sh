@@ -91,6 +91,9 @@ active() {
       k = split(inc exc, spec, "@")
       for (i = 1; i <= k; i++) { name = spec[i]; sub(/:.*/, "", name); m = split(substr(spec[i], length(name) + 2), s, ",")
         if (!(name in n)) no(name " is not a host of " where ": its hosts are" all)
+        if ((name in seen && (!m || seen[name] == "all")) || (index(spec[i], ":") && !m)) no(name (name in seen ? \
+          " is named whole and again" : " has an empty slot list") ": name it once whole, or by its slots (HOST:SLOT," \
+          "SLOT; deepspeed reads this form otherwise)"); seen[name] = m ? "slots" : "all"
         for (j = 0; j < n[name] && !m; j++) pick[name, j] = 1
         for (j = 1; j <= m; j++) if (s[j] !~ /^[0-9]+$/ || s[j] + 0 >= n[name])
           no(name " has no slot " s[j] " in " where ": its slots are 0-" n[name] - 1); else pick[name, s[j] + 0] = 1 }

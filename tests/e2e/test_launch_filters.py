@@ -65,6 +65,9 @@ def test_num_nodes_1_on_one_node_is_what_it_runs_anyway(tmp_path):
     (["-H", "hf2", "--include", "hC"], ["--include hC: hC is not a host of hostfile hf2: its hosts are hA hB"]),
     (["-H", "hf2", "--include", "hA:3"], ["--include hA:3: hA has no slot 3 in hostfile hf2: its slots are 0-0"]),
     (["-H", "hf2", "--exclude", "hA@hB"], ["nothing left to run on"]),
+    # forms deepspeed reads otherwise (hA@hA:0: hA:0 alone; hA:: a traceback) than a whole host (launch.sh's count)
+    (["-H", "hf2", "--include", "hA@hA:0"], ["hA is named whole and again: name it once whole, or by its slots"]),
+    (["-H", "hf2", "--include", "hA:"], ["hA has an empty slot list: name it once whole, or by its slots"]),
     (["-H", "hf2", "--num_nodes", "3"], ["--num_nodes 3 but hostfile hf2 has 2 hosts"]),
     (["--no_ssh", "-H", "hf2", "--include", "hA", "--node_rank", "1", "--master_addr", "a"],
      ["--node_rank 1 is not in [0, 1) (the nodes: hA)"]),  # deepspeed: an AssertionError after 20 s
