@@ -78,19 +78,23 @@ def _replaceable(path: str) -> bool:
     return os.path.isdir(path) and (not os.listdir(path) or os.path.isfile(os.path.join(path, MARKER)))
 
 
-def generation_config(source: str | None) -> str | None:
-    """The base model's generation_config.json, where the run's --model_name_or_path (a folder, or a hub id in
-    the local cache) has one; None otherwise (a preset, a folder without it, a model no longer there)."""
+def base_file(source: str | None, name: str) -> str | None:
+    """The file `name` of the folder the run started from (its --model_name_or_path: a folder, or a hub id in the
+    local cache); None where there is none (a preset, a folder without it, a model no longer there)."""
     if not source:
         return None
     from model_utils.build import resolve_model
 
     try:
-        folder = resolve_model(source, weights=False)
+        path = os.path.join(resolve_model(source, weights=False), name)
     except ValueError:
         return None
-    path = os.path.join(folder, "generation_config.json")
     return path if os.path.isfile(path) else None
+
+
+def generation_config(source: str | None) -> str | None:
+    """The base model's generation_config.json (base_file)."""
+    return base_file(source, "generation_config.json")
 
 
 def add_stops(path: str, config, stops: list[int]) -> list[int]:
@@ -115,14 +119,12 @@ def add_stops(path: str, config, stops: list[int]) -> list[int]:
 
 
 def base_config(source: str | None) -> dict:
-    """The raw config.json of the folder the run started from (its --model_name_or_path: a folder, or a hub id in
-    the local cache); {} where there is none (a preset, a model no longer there)."""
-    if not source:
+    """The raw config.json of the folder the run started from (base_file); {} where there is none."""
+    path = base_file(source, "config.json")
+    if path is None:
         return {}
-    from model_utils.build import resolve_model
-
     try:
-        with open(os.path.join(resolve_model(source, weights=False), "config.json")) as fh:
+        with open(path) as fh:
             got = json.load(fh)
     except (ValueError, OSError):
         return {}

@@ -44,16 +44,22 @@ def record_early_signals() -> None:
 _FAULTS: list = []  # the open fault record (faulthandler writes to it from a signal handler: it must stay open)
 
 
+def _launch_file(kind: str) -> str | None:
+    """This rank's note `kind`<RANK> in the folder scripts/launch.sh reads (LAUNCH_EXIT_DIR); None without one."""
+    where = os.environ.get("LAUNCH_EXIT_DIR")
+    return os.path.join(where, f"{kind}{os.environ.get('RANK', '0')}") if where and os.path.isdir(where) else None
+
+
 def record_faults() -> None:
     """A fatal signal's traceback (Python's faulthandler: SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT) is written to
     LAUNCH_EXIT_DIR/fault<RANK>, where scripts/launch_crash.sh reads which signal ended a rank that left without an
     exit of its own (a segfault is this node's `died`, the crash's origin; its traceback goes to the job's log)."""
-    where = os.environ.get("LAUNCH_EXIT_DIR")
-    if _FAULTS or not where or not os.path.isdir(where):
+    path = _launch_file("fault")
+    if _FAULTS or path is None:
         return
     import faulthandler
 
-    _FAULTS.append(open(os.path.join(where, f"fault{os.environ.get('RANK', '0')}"), "w"))  # noqa: SIM115
+    _FAULTS.append(open(path, "w"))  # noqa: SIM115
     faulthandler.enable(file=_FAULTS[0], all_threads=True)
 
 
@@ -257,8 +263,8 @@ def _record(code: int) -> int:
     signals every process of a job) reports its own code, not the ranks'. Returns `code`."""
     if "base.run_lock" in sys.modules:  # rank 0's hold on the output folder ends with the run, whatever its end
         sys.modules["base.run_lock"].release()
-    where = os.environ.get("LAUNCH_EXIT_DIR")
-    if where and os.path.isdir(where):
-        with open(os.path.join(where, f"rank{os.environ.get('RANK', '0')}"), "w") as fh:
+    path = _launch_file("rank")
+    if path is not None:
+        with open(path, "w") as fh:
             fh.write(f"{code}\n")
     return code
