@@ -40,8 +40,7 @@ import sys
 import types
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from model_utils.engagement import engaged, missing_norm_source
 from model_utils.rmsnorm import norm_source, renorm
@@ -70,30 +69,6 @@ class _View:
                 return y
             return keep
         return getattr(self._chunk_of, name)
-
-
-class _KeepKernel(TorchDispatchMode):
-    """Forward: cache the outputs of the attention kernels (model_utils.memory.attention_ops) in call order.
-    Recompute: answer those calls from the cache and run every other op."""
-
-    def __init__(self, ops: frozenset, cache: collections.deque, recompute: bool):
-        super().__init__()
-        self.ops, self.cache, self.recompute = ops, cache, recompute
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func not in self.ops:
-            return func(*args, **(kwargs or {}))
-        if self.recompute:
-            if not self.cache:
-                raise RuntimeError(f"head chunks: backward called {func} more often than the forward did")
-            # a fresh alias, not the cached tensor: autograd sets the recomputed call's history (its grad_fn, which
-            # holds the chunk's q, k, v) on what this returns, and the cached tensor is also one of _Chunked's saved
-            # tensors, kept until its backward returns: handing it back tied every chunk's graph to that ctx (16 GiB
-            # of projections at 1M tokens, 16 chunks, in a layer that kept its activations)
-            return tree_map_only(torch.Tensor, torch.Tensor.detach, self.cache.popleft())
-        out = func(*args, **(kwargs or {}))
-        self.cache.append(tree_map_only(torch.Tensor, torch.Tensor.detach, out))
-        return out
 
 
 def _pack(t):
@@ -155,7 +130,7 @@ def _local_graph():
 class _Chunked(torch.autograd.Function):
     @staticmethod
     def forward(ctx, plan: _Plan, x, *params):
-        from model_utils.memory import attention_ops
+        from model_utils.memory import KeepKernels, attention_ops
 
         W = dict(zip(plan.names, params))
         ops = attention_ops()
@@ -167,7 +142,7 @@ class _Chunked(torch.autograd.Function):
             cache: collections.deque = collections.deque()
             # grad on, as in backward's recompute: SDPA picks its kernel (and whether it returns the log-sum-exp)
             # from requires_grad, so the cached outputs are what the recompute's call would have returned
-            with torch.enable_grad(), _local_graph(), _KeepKernel(ops, cache, recompute=False):
+            with torch.enable_grad(), _local_graph(), KeepKernels(ops, cache, False, who="head chunks"):
                 y = plan.run(q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), x)
             qr, _ = plan.rows(c)
             flat_out.addmm_(y.detach().reshape(-1, y.shape[-1]), W["o_proj.weight"][:, qr].t())
@@ -187,7 +162,7 @@ class _Chunked(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        from model_utils.memory import attention_ops
+        from model_utils.memory import KeepKernels, attention_ops
 
         plan = ctx.plan
         if ctx.renorm:  # the layer input's norm output, recomputed (bitwise equal): one [T, h] while backward runs
@@ -212,7 +187,7 @@ class _Chunked(torch.autograd.Function):
             del leaves
             qr, kr = plan.rows(c)
             q, k, v = (t.requires_grad_() for t in plan.project(x, W, c))
-            with torch.enable_grad(), _local_graph(), _KeepKernel(ops, cache, recompute=True):
+            with torch.enable_grad(), _local_graph(), KeepKernels(ops, cache, True, who="head chunks"):
                 y = plan.run(q, k, v, x)
             del cache
             y2 = y.detach().reshape(-1, y.shape[-1])

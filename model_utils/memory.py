@@ -136,28 +136,36 @@ def attention_ops() -> frozenset:
 KEPT = {"saved": 0, "reused": 0}
 
 
-class _KeepAttention(TorchDispatchMode):
+class KeepKernels(TorchDispatchMode):
     """Below autograd, so the attention op's autograd node is built as usual and saves whatever the kernel call
-    returns. Forward: run every op, cache the outputs of the attention kernels in call order. Recompute: answer
-    the kernels from the cache, in the same order, and run every other op. Only the kernels are matched: torch's
-    own selective checkpointing (create_selective_checkpoint_contexts) indexes every op of the region and fails
-    when the recompute issues one the forward did not, which ZeRO-3's parameter gathers and prefetches inside a
-    layer are free to do."""
+    returns. Forward: run every op, cache the outputs of the attention kernels (`ops`: attention_ops) in call order.
+    Recompute: answer the kernels from the cache, in the same order, and run every other op. Only the kernels are
+    matched: torch's own selective checkpointing (create_selective_checkpoint_contexts) indexes every op of the
+    region and fails when the recompute issues one the forward did not, which ZeRO-3's parameter gathers and
+    prefetches inside a layer are free to do. Used by --keep_attention (keep_attention_contexts, counted in KEPT)
+    and by head chunks (model_utils/head_chunks._Chunked, per chunk). `who` names the user in the one error."""
 
-    def __init__(self, ops: frozenset, cache: collections.deque, recompute: bool):
+    def __init__(self, ops: frozenset, cache: collections.deque, recompute: bool, counts: dict | None = None,
+                 who: str = "keep_attention"):
         super().__init__()
-        self.ops, self.cache, self.recompute = ops, cache, recompute
+        self.ops, self.cache, self.recompute, self.counts, self.who = ops, cache, recompute, counts, who
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func not in self.ops:
             return func(*args, **(kwargs or {}))
         if self.recompute:
             if not self.cache:
-                raise RuntimeError(f"keep_attention: the recompute called {func} more often than the forward did")
-            KEPT["reused"] += 1
-            return self.cache.popleft()
+                raise RuntimeError(f"{self.who}: the recompute called {func} more often than the forward did")
+            if self.counts is not None:
+                self.counts["reused"] += 1
+            # a fresh alias, not the cached tensor: autograd sets the recomputed call's history (its grad_fn, which
+            # holds q, k, v) on what this returns, and head chunks also keep the cached tensor among _Chunked's
+            # saved tensors until its backward returns: handing it back tied every chunk's graph to that ctx
+            # (16 GiB of projections at 1M tokens, 16 chunks, in a layer that kept its activations)
+            return tree_map_only(torch.Tensor, torch.Tensor.detach, self.cache.popleft())
         out = func(*args, **(kwargs or {}))
-        KEPT["saved"] += 1
+        if self.counts is not None:
+            self.counts["saved"] += 1
         self.cache.append(tree_map_only(torch.Tensor, torch.Tensor.detach, out))
         return out
 
@@ -168,7 +176,7 @@ def keep_attention_contexts():
     layer's backward). The op set is read per call (a few attribute reads per layer), so flash-attn's ops count
     whenever the package was imported, which transformers does when it builds a flash_attention_2 model."""
     ops, cache = attention_ops(), collections.deque()
-    return _KeepAttention(ops, cache, recompute=False), _KeepAttention(ops, cache, recompute=True)
+    return KeepKernels(ops, cache, False, KEPT), KeepKernels(ops, cache, True, KEPT)
 
 
 def kept_attention_line(features, attn: str) -> str | None:

@@ -263,7 +263,8 @@ def layer_phase_terms(shape: ModelShape, tokens: int, sp: int, b: int, tiled_mlp
         # 48.89 GiB measured where 3 [T, h] gave 59.92 (x0.816)
         # The current chunk's projections are in the chunk's term; a finished chunk's are freed before the next
         # chunk's backward, in a layer that kept its activations as in a checkpointed one. (Until 2026-11-27 they
-        # were not: head_chunks._KeepKernel answered the recomputed kernel call with the cached tensor itself, one
+        # were not: head chunks' kernel cache (now memory.KeepKernels) answered the recomputed kernel call with the
+        # cached tensor itself, one
         # of _Chunked's saved tensors, and autograd tied each chunk's graph and q, k, v to it until the backward
         # returned: the H200's 72.14 GiB in layer 1 at 1M tokens, 16 chunks x 4 heads x [T, d] = 16 GiB above this
         # term. Fixed; CPU exact live bytes: tests/unit/planner/test_phase_bytes.py.)

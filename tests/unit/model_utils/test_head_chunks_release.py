@@ -1,7 +1,8 @@
 """Chunked attention frees each finished chunk's q, k, v before the next chunk runs, in the backward of a layer that
 keeps its activations (model_utils/head_chunks.py).
 
-Until 2026-11-27 it did not: `_KeepKernel` answered the recomputed kernel call with the cached kernel output itself,
+Until 2026-11-27 it did not: the kernel cache (`_KeepKernel`, now `memory.KeepKernels`) answered the recomputed
+kernel call with the cached kernel output itself,
 which is also one of `_Chunked`'s saved tensors; autograd set that call's history on it, so ctx -> cached output ->
 the kernel's backward node -> the chunk's q, k, v stayed alive until `_Chunked.backward` returned: every chunk's
 projections at once (Llama-3-8B at 1M tokens, 16 chunks: 16 GiB at the step's peak on the H200,

@@ -48,14 +48,14 @@ def test_the_ring_on_packed_documents_with_a_window_equals_one_dense_mask(monkey
 
 
 def test_keep_attention_and_head_chunks_keep_the_rings_merged_output_once(monkeypatch):
-    """flash-attn >= 2.7's varlen forward is a torch op that attention_ops lists: --keep_attention's _KeepAttention
-    and head chunks' _KeepKernel kept each of the ring's 2cp+1 block calls (3 here at cp 1; 18.3 GiB a layer at 16M
+    """flash-attn >= 2.7's varlen forward is a torch op that attention_ops lists: --keep_attention's and head chunks'
+    kernel cache (memory.KeepKernels) kept each of the ring's 2cp+1 block calls (3 here at cp 1; 18.3 GiB a layer at 16M
     on 8 x 4 in 4 chunks). Now they keep the ring's one op: its merged output and lse; the recompute runs no kernel."""
-    from model_utils import head_chunks, memory
+    from model_utils import memory
 
     flash_rules.install(monkeypatch)
     q, k, v, _, spec = _case([[0, 10, 48]], 8)
-    for mode in (memory._KeepAttention, head_chunks._KeepKernel):
+    for mode in (memory.KeepKernels,):
         cache = collections.deque()
         with mode(memory.attention_ops(), cache, recompute=False):
             out = ra.ring_attention(q, k, v, spec)

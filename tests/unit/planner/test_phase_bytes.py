@@ -9,7 +9,7 @@ bench/gpu_probe.py's phase hooks, and bench.gpu_compare.planner_phases' figure f
 (less the model states, which the tracker does not see). In [T, h] units the CPU phases agree with the H200's.
 The planner before this change failed it: measured / planned 3.14 for the recompute and 0.86 for layer 0's attention
 backward (seen 2026-11-27 on a copy of the old tree).
-Layer 1 (activations kept) also checks chunked attention's leak fix (model_utils/head_chunks._KeepKernel hands back
+Layer 1 (activations kept) also checks chunked attention's leak fix (model_utils/memory.KeepKernels hands back
 an alias of the cached kernel output, so a finished chunk's q, k, v are freed before the next chunk's): measured
 10.22u -> 8.60u ([T, h] fp32 units), the planner's leak term (3 chunks' projections, 1.5u) removed, 8.79u; the old
 head_chunks.py against this planner fails it at 1.163 (seen 2026-11-27 on a copy of the old tree). The direct check:
