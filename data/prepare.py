@@ -7,13 +7,15 @@ NCCL collective whose watchdog would kill the job); an error found on rank 0 rea
 one-line message before the model is built. Every rank then memory-maps the prepared folder itself (the
 cache must be on a file system all nodes see). Whether `--dataset_path` is already prepared is rank 0's
 answer too: a node with a stale view of the folder would otherwise take the other branch and its own
-collectives. Inputs above `MAX_IN_JOB_BYTES` are refused: a real corpus is
-prepared once, before the job, with `scripts/prepare_data.py --workers N`, and passed by its folder.
+collectives. Inputs above `MAX_IN_JOB_BYTES` decompressed (`input_bytes`) are refused: a real corpus
+is prepared once, before the job, with `scripts/prepare_data.py`, and passed by its folder.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import shutil
 
 from base import comm
@@ -23,7 +25,15 @@ from data.readers import discover
 from data.store import is_prepared
 from data.tokenizer import Tokenizer
 
-MAX_IN_JOB_BYTES = 200 * 1024 * 1024
+MAX_IN_JOB_BYTES = 200 * 1024 * 1024  # of decompressed input (estimated: input_bytes)
+# A compressed file's stored bytes understate what rank 0 tokenizes while every GPU waits (a 200 MB .jsonl.gz holds
+# ~700 MB of JSONL). Where a file states its decompressed size it is read from a few bytes: gzip's ISIZE trailer (exact
+# for one member under 4 GiB, what gzip writes), a zstd frame's content size (zstd's CLI writes it). Else (.bz2, .xz, a
+# zstd stream of unknown size, a gzip trailer below the stored size: bgzip's members, past 4 GiB) and for Parquet (its
+# footer's "uncompressed" bytes are after dictionary encoding: repeated rows count once; taken where larger) RATIO times
+# the stored bytes: text compresses ~2-7x (Parquet's snappy ~2x, gzip ~3-4x, zstd / xz ~4-7x), so 10x overstates rather
+# than understates, and an overstatement only sends a corpus to scripts/prepare_data.py sooner.
+RATIO = 10
 
 
 def resolve_sources(dataset_path: str | None, tokenizer_path: str | None) -> tuple[str, str | None]:
@@ -52,6 +62,33 @@ def model_tokenizer(model_path: str | None) -> str | None:
     return model_path
 
 
+def input_bytes(path: str) -> int:
+    """The decompressed size of one input file, or an upper estimate of it (RATIO)."""
+    stored, low = os.path.getsize(path), path.lower()
+    try:
+        if low.endswith(".parquet"):
+            import pyarrow.parquet as pq
+
+            meta = pq.ParquetFile(path).metadata
+            return max(stored * RATIO, sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)))
+        if low.endswith((".gz", ".gzip")):
+            with open(path, "rb") as fh:
+                fh.seek(-4, os.SEEK_END)
+                size = int.from_bytes(fh.read(4), "little")
+        elif low.endswith((".zst", ".zstd")):
+            import zstandard
+
+            with open(path, "rb") as fh:
+                size = zstandard.frame_content_size(fh.read(18))  # -1: not stated
+        elif not low.endswith((".bz2", ".xz")):
+            return stored
+        else:
+            size = -1
+    except Exception:  # noqa: BLE001 (a damaged file: estimated here, refused in one line when read)
+        size = -1
+    return size if size >= stored else stored * RATIO
+
+
 def prepare_in_job(dataset_path: str | None, tokenizer_path: str | None, model_vocab: int,
                    model_path: str | None = None) -> tuple[str, str | None]:
     """(prepared folder, tokenizer path), decided by rank 0 (collective: every rank calls it): a prepared folder
@@ -70,11 +107,14 @@ def prepare_in_job(dataset_path: str | None, tokenizer_path: str | None, model_v
         units = discover(data, flag="--dataset_path")  # what prepare_data reads there: .jsonl[.gz|.zst], .json
         # arrays, Parquet, a save_to_disk folder (only .jsonl / .json were read: the rest dropped without a word)
         files = [f for u in units for f in u.files()]  # the cache key's: every file read
-        size = sum(os.path.getsize(f) for f in files)
+        # the tokenizer this run would use (scripts/prepare_data.py takes none by default: its command names it)
+        how = f"--tokenizer_name_or_path {shlex.quote(tok_path)}" if tok_path else f"--vocab_size {model_vocab}"
+        size = sum(input_bytes(f) for f in files)  # a stat a file, and <= 18 bytes or a Parquet footer read
         if size > MAX_IN_JOB_BYTES:
-            raise ValueError(f"--dataset_path {data}: {size / 2**20:.0f} MB of input is too much to tokenize inside "
-                             f"the job (limit {MAX_IN_JOB_BYTES >> 20} MB): run `python scripts/prepare_data.py "
-                             f"--input {data} --output DIR --workers N` once and pass --dataset_path DIR")
+            raise ValueError(f"--dataset_path {data}: {size / 2**20:.0f} MB of input (decompressed) is too much to "
+                             f"tokenize inside the job (limit {MAX_IN_JOB_BYTES >> 20} MB): run `python "
+                             f"scripts/prepare_data.py --input {shlex.quote(data)} --output DIR {how}` once and pass "
+                             "--dataset_path DIR")
         out = os.path.join(CACHE, "prepared", cache_key(files, tok_path, model_vocab))
         if not is_prepared(out):  # into a private folder renamed into place: concurrent jobs never share one
             tmp = f"{out}.tmp{os.getpid()}"
@@ -87,10 +127,14 @@ def prepare_in_job(dataset_path: str | None, tokenizer_path: str | None, model_v
             except ValueError as e:  # a bad row: prepare_data's fix (--skip_bad_rows) is no flag of train.py's
                 if not str(e).endswith(SKIP_FIX):
                     raise
-                how = f"--tokenizer_name_or_path {tok_path}" if tok_path else f"--vocab_size {model_vocab}"
-                raise ValueError(f"{str(e).removesuffix(SKIP_FIX)}(to skip and count such rows: python "
-                                 f"scripts/prepare_data.py --input {data} --output DIR {how} --skip_bad_rows, then "
-                                 "pass --dataset_path DIR)") from None
+                msg = str(e).removesuffix(SKIP_FIX)
+                field = re.search(r"--text_field (\S+)$", msg.rstrip())  # the text under another name (The Stack's
+                if field or "nested fields are not read" in msg:  # `content`): skipping would drop every row
+                    raise ValueError(msg.rstrip() + (f" (python scripts/prepare_data.py --input {shlex.quote(data)} "
+                                     f"--output DIR {how} {field[0]}, then pass --dataset_path DIR)" if field else "")) from None
+                raise ValueError(f"{msg}(to skip and count such rows: python scripts/prepare_data.py --input "
+                                 f"{shlex.quote(data)} --output DIR {how} --skip_bad_rows, then pass --dataset_path DIR)"
+                                 ) from None
             try:
                 os.rename(tmp, out)
             except OSError:  # another job finished first

@@ -44,6 +44,10 @@ PARQUET_EXT = (".parquet",)
 # (a .jsonl.lz4 or .zip of a corpus, datasets' cache-*.arrow files, a .csv beside the JSONL)
 OTHER_DATA = (".arrow", ".zip", ".tar", ".tgz", ".7z", ".rar", ".lz4", ".gz", ".zst", ".bz2", ".xz", ".csv", ".tsv",
               ".feather", ".avro", ".orc")
+# raw text documents (`.txt.gz`: OTHER_DATA's) beside JSONL / Parquet, refused by name (they were dropped without a word;
+# a folder of only these: "no .jsonl ... (or use --loader)"); a snapshot's LICENSE.txt, CITATION.md, ... are no documents
+TEXT_DOCS = (".txt", ".md", ".tex", ".html", ".htm")
+DOC_META = {"readme", "license", "licence", "copying", "notice", "citation", "changelog", "authors", "requirements"}
 TEXT_DOC_MAX = 2**30  # --loader text: a file is one document, read whole (1M tokens are ~4 MB of text)
 
 
@@ -160,7 +164,7 @@ def _folder(path: str, flag: str) -> list[str]:
     here reads (`.jsonl.lz4`, `.arrow`, `.zip`, ...: they were dropped without a word). A subfolder that is a run's
     output folder or a prepared folder is skipped, said once (`--output_dir D/run` with `--dataset_path D` read the
     run's metrics.jsonl, MANIFEST.json and eval/*.json as rows at its requeue: refused as not valid JSON)."""
-    files, other = [], []
+    files, other, texts = [], [], []
     for d, dirs, fs in _walk(path, flag):
         if d != path and is_hf_folder(d):
             files.append(d)
@@ -174,12 +178,29 @@ def _folder(path: str, flag: str) -> list[str]:
                 files.append(p)
             elif f.lower().endswith(OTHER_DATA) or any(e in f.lower() for e in (".jsonl", ".ndjson", ".parquet")):
                 other.append(os.path.relpath(p, path))
+            elif f.lower().endswith(TEXT_DOCS) and f.split(".")[0].lower() not in DOC_META:
+                texts.append(os.path.relpath(p, path))
+    other += texts if files or other else []
     if other:
         raise ValueError(f"{flag} {path}: cannot read {sorted(other)[:5]}" + (f" and {len(other) - 5} more" if len(
             other) > 5 else "") + ": not .jsonl / .ndjson / .json (plain, .gz, .zst, .bz2, .xz), .parquet nor a "
             "save_to_disk folder; give the files to read as a glob (--input 'DIR/*.jsonl'), convert them, give them with "
-            "--loader BUILDER, or move them out of the folder")
+            "--loader BUILDER (text: a .txt / .md file is one document), or move them out of the folder")
+    _no_copies(path, files, flag)
     return sorted(files)
+
+
+def _no_copies(path: str, files: list[str], flag: str) -> None:
+    """ValueError naming a file beside its compressed copy (`web.jsonl`, `web.jsonl.gz`: gunzip -k): both were read."""
+    seen: dict[str, str] = {}
+    for f in sorted(files):
+        low = f.lower()
+        key = next((low[: -len(c)] for c in COMPRESSED if c and low.endswith(c)), low)
+        if key in seen:
+            raise ValueError(f"{flag} {path}: {os.path.relpath(seen[key], path)} and {os.path.relpath(f, path)} are "
+                             "copies of one file (by name, compressed or not): both would be read, every row twice; move "
+                             "one out of the folder (to repeat a source on purpose, weight it in the mixture: docs/data.md)")
+        seen[key] = f
 
 
 def is_hf_folder(path: str) -> bool:
@@ -426,6 +447,16 @@ def _both(fields: Fields, row: dict) -> str:
             "(read as text, every token of the row would be trained)")
 
 
+def _elsewhere(fields: Fields, obj: dict) -> str:
+    """Where a row with no text field may hold it: a string field (The Stack's `content`), or nested (not read)."""
+    nested = [k for k, v in obj.items() if isinstance(v, dict) and (k in (fields.text.split(".")[0], fields.ids) or fields.text in v)]
+    if nested:
+        return f": nested fields are not read ({nested[0]!r} holds an object, keys {sorted(obj[nested[0]])[:8]}); flatten " \
+            "the rows (the text a top-level string field)"
+    names = sorted((k for k, v in obj.items() if isinstance(v, str) and k != fields.source), key=lambda k: -len(obj[k]))
+    return f": string fields here: {names[:5]}; name the one with the text: --text_field {names[0]}" if names else ""
+
+
 def parse_item(item: object, fields: Fields) -> tuple[str | list | dict | None, str | None, str | None]:
     """(text, ids or a chat row (dict), source or None, error or None) for one row; runs in the worker processes."""
     if isinstance(item, bytes):
@@ -436,6 +467,8 @@ def parse_item(item: object, fields: Fields) -> tuple[str | list | dict | None, 
         if not isinstance(obj, dict):
             return None, None, f"expected a JSON object, got {type(obj).__name__}"
         value = obj.get(fields.text, obj.get(fields.ids))
+        if isinstance(value, dict) and not row_format(value):  # was read as a chat row: "chat row: not a chat row"
+            return None, None, f"expected a string in {fields.text!r}{_elsewhere(fields, obj)}"
         if value is not None and row_format(obj):
             return None, None, _both(fields, obj)
         if fields.text not in obj and value is not None and obj.get("labels") not in (None, value):
@@ -451,7 +484,7 @@ def parse_item(item: object, fields: Fields) -> tuple[str | list | dict | None, 
             return None, None, (f"expected {{\"{fields.text}\": str}}, {{\"{fields.ids}\": [int, ...]}} or a chat row "
                                 f"(messages, conversations, prompt + completion, instruction + output), got keys {sorted(obj)}"
                                 + (": a preference row; for SFT give the chosen conversation as messages"
-                                   if "chosen" in obj else ""))
+                                   if "chosen" in obj else _elsewhere(fields, obj)))
     value, src = item
     if isinstance(value, dict) and value.get(TEXT_BESIDE):
         return None, None, _both(fields, value)  # a table's row filling its text and chat columns
