@@ -23,19 +23,30 @@ def cache_key(files: list[str], tokenizer_path: str | None, model_vocab: int) ->
     """What a cached token stream or in-job prepared folder (data/prepare.py) is derived from: each input file
     (path, size, mtime), the tokenizer's content (a HF folder rewritten in place keeps its own size and mtime) and
     the vocabulary its token ids were checked against."""
-    h = hashlib.sha256(f"{model_vocab}:bos2:chat6:eos2".encode())  # :bos2: text documents start with the tokenizer's
-    # BOS, once where the text writes its own; :chat6: chat rows encoded by today's rules (a reply's weight, reasoning a
-    # template drops, a top-level system, a prompt / completion of strings with the BOS; the ChatML default rendered
+    h = hashlib.sha256(f"{model_vocab}:bos2:chat6:eos2:doc3".encode())
+    # :bos2: text documents start with the tokenizer's BOS, once where the text writes its own; :chat6: chat rows
+    # encoded by today's rules (a reply's weight, reasoning a template drops, a top-level system, a prompt / completion of strings with the BOS; the ChatML default rendered
     # as served, a `reasoning` field, JSON-text arguments as the object; chat5: an empty tool list as none, bare tool
     # definitions wrapped as OpenAI's, LLaMA-Factory v1's loss_weight and `value` text parts; chat6: a reply trained
     # through its stop (Command R7B), Anthropic / MCP / flat tool definitions in OpenAI's form); :eos2: no second EOS
-    # after a document that ends with its own (a stream, or a folder prepare_data wrote before 2026-11-30, had two)
+    # after a document that ends with its own (a stream, or a folder prepare_data wrote before 2026-11-30, had two);
+    # :doc3: a text document ends with its family's end-of-text token where the EOS is a chat end-of-turn, special-token
+    # strings in a text are text, a blank text is dropped, pre-tokenized ids get the BOS a text gets
     for f in files:
         st = os.stat(f)
         h.update(f"{os.path.abspath(f)}:{st.st_size}:{st.st_mtime_ns}".encode())
     if tokenizer_path:
         h.update(tokenizer_identity(tokenizer_path).encode())
     return h.hexdigest()[:16]
+
+
+def vocab_refusal(tokenizer: Tokenizer, model_vocab: int) -> str:
+    """A tokenizer with more tokens than the model's embedding rows (its ids past them would index nothing): there is
+    no resize option here, and the tokenizer may be the model folder's own (tokens added to it after the save)."""
+    return (f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens but the model's vocab_size is {model_vocab}: "
+            "use the tokenizer the model was saved with, or resize the embeddings and save the model with transformers "
+            "first (model.resize_token_embeddings(len(tokenizer)); model.save_pretrained(DIR); "
+            "tokenizer.save_pretrained(DIR)) and train from DIR")
 
 
 def build_token_stream(dataset_path: str, tokenizer: Tokenizer | None, model_vocab: int,
@@ -50,19 +61,18 @@ def build_token_stream(dataset_path: str, tokenizer: Tokenizer | None, model_voc
     if os.path.exists(tok_path) and os.path.exists(starts_path):
         return tok_path, starts_path
     if tokenizer is not None and tokenizer.vocab_size > model_vocab:
-        raise ValueError(f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens but the model's vocab_size is "
-                         f"{model_vocab}: use the model's own tokenizer or resize the model's embeddings")
+        raise ValueError(vocab_refusal(tokenizer, model_vocab))
     chunks, starts, n = [], [], 0
-    eos = tokenizer.eos_id if tokenizer is not None else None
+    eos = tokenizer.sep_id if tokenizer is not None else None  # a text document's separator (data/tokenizer.py)
     for file, line, doc in read_documents(dataset_path):
         if isinstance(doc, str):
             if tokenizer is None:
                 raise ValueError(f"{file}:{line}: a \"text\" document needs --tokenizer_name_or_path")
-            ids = tokenizer.encode(doc)
-            bos = tokenizer.bos_id  # as prepare_data writes: one BOS, the text's own where it has one
-            ids = [bos] + ids if ids and bos is not None and ids[0] != bos else ids
+            # as prepare_data writes: one BOS (the text's own where it has one), special-token strings as text, a
+            # blank text dropped
+            ids = tokenizer.frame_texts([doc], eos)[0][0]
         else:
-            ids = doc
+            ids = tokenizer.with_bos(doc)[0] if tokenizer is not None else doc  # as prepare_data: ids get the BOS
             bad = [t for t in ids if t >= model_vocab]
             if bad:
                 raise ValueError(f"{file}:{line}: token id {bad[0]} >= the model's vocab_size {model_vocab}")

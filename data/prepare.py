@@ -124,17 +124,17 @@ def prepare_in_job(dataset_path: str | None, tokenizer_path: str | None, model_v
             try:
                 prepare([u.path for u in units], tmp, tok_path, workers=0, log=lambda _: None,
                         vocab_size=model_vocab if tok_path in (None, fallback) else None)
-            except ValueError as e:  # a bad row: prepare_data's fix (--skip_bad_rows) is no flag of train.py's
-                if not str(e).endswith(SKIP_FIX):
-                    raise
-                msg = str(e).removesuffix(SKIP_FIX)
+            except ValueError as e:  # a bad row: prepare_data's fixes (--skip_bad_rows, --text_field) are not train.py's
+                msg = str(e)
                 field = re.search(r"--text_field (\S+)$", msg.rstrip())  # the text under another name (The Stack's
-                if field or "nested fields are not read" in msg:  # `content`): skipping would drop every row
-                    raise ValueError(msg.rstrip() + (f" (python scripts/prepare_data.py --input {shlex.quote(data)} "
-                                     f"--output DIR {how} {field[0]}, then pass --dataset_path DIR)" if field else "")) from None
-                raise ValueError(f"{msg}(to skip and count such rows: python scripts/prepare_data.py --input "
-                                 f"{shlex.quote(data)} --output DIR {how} --skip_bad_rows, then pass --dataset_path DIR)"
-                                 ) from None
+                if field:  # `content`): prepare_data names the field and no skip (skipping would drop every row)
+                    raise ValueError(f"{msg.rstrip()} (python scripts/prepare_data.py --input {shlex.quote(data)} "
+                                     f"--output DIR {how} {field[0]}, then pass --dataset_path DIR)") from None
+                if not msg.endswith(SKIP_FIX):
+                    raise
+                raise ValueError(f"{msg.removesuffix(SKIP_FIX)}(to skip and count such rows: python "
+                                 f"scripts/prepare_data.py --input {shlex.quote(data)} --output DIR {how} "
+                                 "--skip_bad_rows, then pass --dataset_path DIR)") from None
             try:
                 os.rename(tmp, out)
             except OSError:  # another job finished first

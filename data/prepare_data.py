@@ -16,7 +16,6 @@ committed chunk (same command), and `manifest.json` is written last, so a folder
 
 from __future__ import annotations
 
-import argparse
 import glob
 import hashlib
 import multiprocessing as mp
@@ -28,13 +27,13 @@ from collections import Counter, deque
 import numpy as np
 
 from data import store
+from data.prepare_args import DEFAULT_BATCH_DOCS, DEFAULT_CHUNK_TOKENS, parser
 from data.readers import Fields, Unit, discover, iter_rows, parse_item
 
-DEFAULT_CHUNK_TOKENS = 1 << 28  # 1 GiB of uint32 per chunk file: the resume granularity
-DEFAULT_BATCH_DOCS = 256
 CHAT_STATS = ("chat_docs", "supervised_tokens", "untrained_turns", "no_stop_rows",  # per shard, summed in the manifest
               "rewritten_arguments", "flagged_turns", "dropped_reasoning", "chatml_rows", "history_ends",
               "history_ends_unknown")
+STATS = CHAT_STATS + ("special_text_docs", "ids_given_bos")  # texts holding a special-token string, ids given the BOS
 BATCH_BYTES = 1 << 20  # a batch closes at this much raw text too (long documents): bounds memory in flight
 SKIP_FIX = "(--skip_bad_rows skips and counts such rows)"  # ends a bad row's refusal: data/prepare.py names train.py's
 
@@ -55,13 +54,13 @@ def _init_worker(tokenizer_path: str | None, fields: Fields, vocab_bound: int, e
 
 
 def _tokenize_batch(items: list[tuple[int, int, object]]) -> dict:
-    """items: (unit index, row, raw item) -> tokens of the kept documents (a text document as BOS + text + EOS, the
-    BOS where the tokenizer puts one before a text, data/tokenizer.py; EOS appended to pre-tokenized ones; a chat
-    row's tokens and loss mask as its template renders them, data/chat.py) and what was dropped."""
+    """items: (unit index, row, raw item) -> tokens of the kept documents (a text document as BOS + text + separator,
+    pre-tokenized ids with the BOS and the separator: Tokenizer.frame_texts / with_bos; a chat row's tokens and loss
+    mask as its template renders them, data/chat.py) and what was dropped."""
     from data.chat import RowError
 
     fields, tok, eos, bound = _W["fields"], _W["tok"], _W["eos"], _W["bound"]
-    docs, bad, masks, chat = [], [], {}, dict.fromkeys(CHAT_STATS, 0)
+    docs, bad, masks, chat = [], [], {}, dict.fromkeys(STATS, 0)
     for u, row, item in items:
         value, src, err = parse_item(item, fields)
         if err is None and isinstance(value, str | dict) and tok is None:
@@ -79,12 +78,15 @@ def _tokenize_batch(items: list[tuple[int, int, object]]) -> dict:
             bad.append((u, row, err))
         else:
             docs.append((u, row, value, src))
+    for i, d in enumerate(docs):
+        if tok is not None and i not in masks and not isinstance(d[2], str):  # pre-tokenized: the BOS a text gets
+            ids, added = tok.with_bos(d[2])
+            docs[i], chat["ids_given_bos"] = (*d[:2], ids, d[3]), chat["ids_given_bos"] + added
     texts = [i for i, d in enumerate(docs) if isinstance(d[2], str)]
     if texts:
-        bos = [tok.bos_id] if tok.bos_id is not None else []  # BOS + text + EOS, as the tokenizer writes a text;
-        for i, ids in zip(texts, tok.encode_batch([docs[i][2] for i in texts])):  # one BOS where the text has its own
-            own = len(ids) and bos and ids[0] == bos[0]  # (chat text rendered with its template, saved as text)
-            docs[i] = (*docs[i][:2], bos + list(ids) if len(ids) and not own else ids, docs[i][3])
+        framed, chat["special_text_docs"] = tok.frame_texts([docs[i][2] for i in texts], eos)
+        for i, ids in zip(texts, framed):
+            docs[i] = (*docs[i][:2], ids, docs[i][3])
     arrays, lens, srcs, empty, max_id, mask_parts = [], [], [], 0, -1, []
     for d, (u, row, ids, src) in enumerate(docs):
         if not len(ids):
@@ -97,8 +99,8 @@ def _tokenize_batch(items: list[tuple[int, int, object]]) -> dict:
             continue
         max_id = max(max_id, top)
         arrays.append(a)
-        # a conversation ends with its own end-of-turn token; a document whose ids end with the EOS (`...</s>` in the
-        # text, pre-tokenized ids with theirs) gets no second one
+        # a conversation ends with its own end-of-turn token; a document whose ids end with the separator (`...</s>`
+        # in the text, pre-tokenized ids with theirs) gets no second one
         add_eos = eos is not None and d not in masks and int(a[-1]) != eos
         if add_eos:
             arrays.append(np.asarray([eos], dtype=np.int64))
@@ -162,6 +164,18 @@ def _check_numbers(output: str, vocab_size, workers: int, chunk_tokens: int, bat
                              "rows): give an --output outside the input folder")
 
 
+def _no_file_twice(per_spec: list[tuple[str, list[Unit]]]) -> None:
+    """A file that two --input's read (the same path twice, a folder and a file in it, a link): its documents were
+    prepared twice without a word. By real path, after folder expansion: one realpath per file."""
+    seen: dict[str, int] = {}
+    for k, (spec, units) in enumerate(per_spec):
+        for f in (os.path.realpath(f) for u in units for f in u.files()):
+            if (first := seen.setdefault(f, k)) != k:
+                raise ValueError(f"--input {per_spec[first][0]} and --input {spec} both read {f}: give each file "
+                                 "once (to repeat a source on purpose, weight or upsample it in the stage's data:, "
+                                 "docs/data.md)")
+
+
 def prepare(inputs: list[str], output: str, tokenizer: str | None = None, vocab_size: int | None = None,
             workers: int = 1, shard: tuple[int, int] = (0, 1), fields: Fields | None = None, skip_bad_rows: bool = False,
             chunk_tokens: int = DEFAULT_CHUNK_TOKENS, batch_docs: int = DEFAULT_BATCH_DOCS, loader: str | None = None,
@@ -174,18 +188,19 @@ def prepare(inputs: list[str], output: str, tokenizer: str | None = None, vocab_
     fields = fields or Fields()
     i_shard, n_shards = shard
     _check_numbers(output, vocab_size, workers, chunk_tokens, batch_docs, inputs)
-    units = [u for spec in inputs for u in discover(spec, loader)]
+    per_spec = [(spec, discover(spec, loader)) for spec in inputs]
+    _no_file_twice(per_spec)
+    units = [u for _, us in per_spec for u in us]
     mine = shard_units(units, i_shard, n_shards)
     tok = Tokenizer(tokenizer) if tokenizer else None
     bound = vocab_size or (tok.vocab_size if tok else None)
     if bound is None:
         raise ValueError("give --tokenizer_name_or_path or --vocab_size (the bound every token id is checked against)")
-    if tok and eos_id is not None and eos_id != tok.eos_id:
-        raise ValueError(f"--eos_id {eos_id} with --tokenizer_name_or_path: the tokenizer's EOS ({tok.eos_id}) is "
-                         "appended; drop --eos_id (it is for pre-tokenized documents with no tokenizer)")
-    eos = tok.eos_id if tok else eos_id
-    if eos is not None and not 0 <= eos < bound:
-        raise ValueError(f"--eos_id {eos}: not a token id below the vocabulary size {bound}: give the model's EOS id")
+    # the separator after each text and pre-tokenized document (a conversation ends with its template's end-of-turn):
+    # --eos_id where given, else the tokenizer's (data/tokenizer.py `sep_id`)
+    eos = eos_id if eos_id is not None or tok is None else tok.sep_id
+    if eos is not None and not 0 <= eos < (top := min(bound, tok.vocab_size) if tok else bound):
+        raise ValueError(f"--eos_id {eos}: not a token id below the vocabulary size {top}: give the model's EOS id")
     tok_info = ({"path": os.path.abspath(tokenizer), "kind": tok.kind, "sha256": store.tokenizer_identity(tokenizer),
                  "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "pad_id": tok.pad_id} if tok else None)
     dtype = store.token_dtype(bound)
@@ -194,7 +209,7 @@ def prepare(inputs: list[str], output: str, tokenizer: str | None = None, vocab_
     view = "\n".join(f"{u.kind}:{u.name}:{os.path.basename(u.path)}:{u.size()}" for u in units)
     plan = {"units": [u.identity() for u in mine], "inputs": hashlib.sha256(view.encode()).hexdigest()[:16],
             "tokenizer": tok_info and tok_info["sha256"], "vocab_bound": bound,
-            "eos_id": eos, "bos_id": tok.bos_id if tok else None, "dtype": dtype.name,
+            "eos_id": eos, "bos_id": tok.bos_id if tok else None, "dtype": dtype.name, "text_specials": "as text",
             "fields": [fields.text, fields.ids, fields.source],
             "shard": [i_shard, n_shards], "chunk_tokens": chunk_tokens, "skip_bad_rows": skip_bad_rows,
             "loss_on": loss_on, "chat_template": chat_template}
@@ -202,6 +217,8 @@ def prepare(inputs: list[str], output: str, tokenizer: str | None = None, vocab_
         from data.chat import ChatEncoder
 
         ChatEncoder(tok, loss_on, chat_template)  # a bad --loss_on / --chat_template: one line, before any work
+    if tok is not None and eos_id is None and tok.sep_note:
+        log(f"note: {tok.sep_note}")
     if tok is not None and tok.file_bos is not None:
         log(f"note: {tokenizer} is a sentencepiece .model: text is written without its BOS (id {tok.file_bos}), which "
             "Llama 2 / Mistral v0.x / Gemma were trained with; give the model's Hugging Face tokenizer folder to write it")
@@ -277,7 +294,7 @@ def _run_shard(units, out, i_shard, done, tokenizer, fields, bound, eos, dtype, 
     start = tuple(done[-1]["next"]) if done else (0, 0)
     stats = {"bad_rows": done[-1]["bad_rows"] if done else 0, "empty_docs": done[-1]["empty_docs"] if done else 0,
              "bad_examples": done[-1]["bad_examples"] if done else []}
-    stats.update({k: done[-1].get(k, 0) if done else 0 for k in CHAT_STATS})
+    stats.update({k: done[-1].get(k, 0) if done else 0 for k in STATS})
     writer = store.ChunkWriter(out, i_shard, len(done), dtype, done[-1]["sources"] if done else [])
     writer.records = list(done)
     names = [u.name for u in units]
@@ -293,12 +310,14 @@ def _run_shard(units, out, i_shard, done, tokenizer, fields, bound, eos, dtype, 
         sourced += sum(s is not None for _, s in res["srcs"])
         for u, row, err in res["bad"]:
             if not skip_bad_rows:
-                raise ValueError(f"{units[u].where(row)}: {err} {SKIP_FIX}")
+                # a text under another field or nested (data/readers.py names the fix): skipping would drop every row
+                fix = "" if "--text_field" in err or "nested fields are not read" in err else f" {SKIP_FIX}"
+                raise ValueError(f"{units[u].where(row)}: {err}{fix}")
             stats["bad_rows"] += 1
             if len(stats["bad_examples"]) < 20:
                 stats["bad_examples"].append(f"{units[u].where(row)}: {err}")
         stats["empty_docs"] += res["empty"]
-        for k in CHAT_STATS:
+        for k in STATS:
             stats[k] += res["chat"][k]
         writer.add(res, names)
         tokens_here += len(res["tokens"])
@@ -359,7 +378,8 @@ def merge(output: str, log=print) -> dict:
     missing = [i for i in range(n) if i not in recs]
     if missing:
         raise ValueError(f"{output}: shard(s) {missing} of {n} are not finished; run them (--shard i/{n}), then merge")
-    keys = ("tokenizer", "vocab_bound", "eos_id", "bos_id", "dtype", "fields", "chunk_tokens", "loss_on", "chat_template")
+    keys = ("tokenizer", "vocab_bound", "eos_id", "bos_id", "dtype", "fields", "chunk_tokens", "loss_on",
+            "chat_template", "text_specials")
     first = recs[0]["plan"]
     _same_inputs(output, [recs[i]["plan"] for i in range(n)])
     for i in range(n):
@@ -387,7 +407,7 @@ def merge(output: str, log=print) -> dict:
         "sources": sources, "per_source": per_source, "chunks": chunks,
         "bad_rows": sum(recs[i]["bad_rows"] for i in range(n)), "empty_docs": sum(recs[i]["empty_docs"] for i in range(n)),
         "bad_examples": [e for i in range(n) for e in recs[i].get("bad_examples", [])][:20],
-        **{k: sum(recs[i].get(k, 0) for i in range(n)) for k in CHAT_STATS},
+        **{k: sum(recs[i].get(k, 0) for i in range(n)) for k in STATS},
         "loss_on": first.get("loss_on", "auto"), "chat_template": first.get("chat_template", "auto"),
         "shards": n, "commands": [recs[i]["command"] for i in range(n)], "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
@@ -397,7 +417,7 @@ def merge(output: str, log=print) -> dict:
             "they run into each other unless their ids end with one; give --eos_id ID (the model's EOS) to separate them")
     log(f"{output}: {manifest['n_docs']} documents, {n_tokens} tokens ({first['dtype']}), {len(sources)} source(s), "
         f"{manifest['bad_rows']} bad row(s) skipped"
-        + (f", {manifest['empty_docs']} empty document(s) skipped" if manifest["empty_docs"] else "")
+        + (f", {manifest['empty_docs']} empty or blank document(s) skipped" if manifest["empty_docs"] else "")
         + (f"; {manifest['chat_docs']} conversations, {manifest['supervised_tokens']} supervised tokens, "
            f"{manifest['untrained_turns']} assistant turn(s) not located, {manifest['no_stop_rows']} ending with no "
            "end-of-turn token" if manifest["chat_docs"] else "")
@@ -405,6 +425,13 @@ def merge(output: str, log=print) -> dict:
            "/ training false)" if manifest.get("flagged_turns") else "")
         + (f", {manifest['rewritten_arguments']} with tool-call arguments rewritten to the form the template writes "
            "(JSON text <-> object, docs/sft.md)" if manifest.get("rewritten_arguments") else ""))
+    if manifest.get("special_text_docs"):
+        log(f"note: {manifest['special_text_docs']} text document(s) hold a special-token string (<s>, <|endoftext|>, "
+            "...): encoded as text, not as control tokens; a conversation saved as rendered text loses its template's "
+            "tokens so: give it as a messages row (docs/data.md)")
+    if manifest.get("ids_given_bos"):
+        log(f"note: {manifest['ids_given_bos']} pre-tokenized document(s) given the tokenizer's BOS (id "
+            f"{manifest['bos_id']}) in front, as a text document gets it")
     if manifest.get("chatml_rows") and manifest.get("chat_template", "auto") != "chatml":  # not asked for
         log(f"note: {manifest['chatml_rows']} conversation(s) rendered with the ChatML default: the tokenizer has no chat "
             "template (nor a chat_template.json beside it). Right for a base model taught ChatML; for an instruct "
@@ -429,44 +456,9 @@ def merge(output: str, log=print) -> dict:
     return manifest
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
-    p.add_argument("--input", action="append", default=[], help="[name=]PATH: a file (.jsonl/.ndjson/.json, plain or "
-                   ".gz/.zst/.bz2/.xz; .parquet), a folder of them (one source, the folder's name) or a datasets "
-                   "save_to_disk folder; repeatable")
-    p.add_argument("--output", required=True, help="the prepared folder")
-    p.add_argument("--tokenizer_name_or_path", default=None, help="sentencepiece .model or HF tokenizer folder")
-    p.add_argument("--vocab_size", type=int, default=None, help="every token id must be below this (default: the "
-                   "tokenizer's); give the model's vocab_size to check pre-tokenized data")
-    p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
-                   help="tokenizer processes (0: tokenize in this process)")
-    p.add_argument("--text_field", default="text")
-    p.add_argument("--ids_field", default="input_ids", help="pre-tokenized documents (used when no text field)")
-    p.add_argument("--source_field", default=None, help="take each document's source name from this field")
-    p.add_argument("--loader", default=None, help="read inputs with datasets.load_dataset(LOADER, data_files=...), "
-                   "e.g. csv, text, arrow")
-    p.add_argument("--eos_id", type=int, default=None, help="append this id to pre-tokenized documents when no "
-                   "tokenizer is given")
-    p.add_argument("--skip_bad_rows", action="store_true", help="skip rows that cannot be read, count and report them")
-    p.add_argument("--loss_on", default="auto", choices=["auto", "assistant", "completion", "all"],
-                   help="chat rows: which tokens get loss (auto: the assistant's replies, the completion of a "
-                   "prompt/completion pair; docs/sft.md)")
-    p.add_argument("--chat_template", default="auto",
-                   help="chat rows: the tokenizer's own template (auto: its `default` of named ones; ChatML when it has "
-                   "none), always the ChatML default (chatml), none (refuse chat rows when the tokenizer has no "
-                   "template), or the name of one of the tokenizer's named templates (tool_use, ...)")
-    p.add_argument("--shard", default="0/1", help="i/N: prepare this machine's share of the input files")
-    p.add_argument("--merge", action="store_true", help="write the manifest from finished shards and stop")
-    p.add_argument("--chunk_tokens", type=int, default=DEFAULT_CHUNK_TOKENS, help="tokens per chunk file (resume unit)")
-    p.add_argument("--batch_docs", type=int, default=DEFAULT_BATCH_DOCS, help="documents per worker task")
-    p.add_argument("--overwrite", action="store_true", help="start this shard again instead of resuming")
-    p.add_argument("--verify", action="store_true", help="re-read a prepared folder and check its checksums")
-    return p
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    a = _parser().parse_args(argv)
+    a = parser(__doc__.split("\n")[0]).parse_args(argv)
     try:
         if a.verify:
             if not os.path.isfile(os.path.join(a.output, store.MANIFEST)):

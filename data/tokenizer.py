@@ -16,14 +16,35 @@ HF_TOKENIZER = {"mistral_format": False}
 # Text that exercises whitespace, digits, unicode and code: the direct fast path must give the same ids on it.
 _PROBE = ["  Hello world!\n\tdef f(x):  return x**2  # café 東京 1234567 ", "", "a\r\nb   c\u00a0d 🙂"]
 
+# A text document's separator where the tokenizer's EOS is a chat end-of-turn token: the family's end-of-text token,
+# which pretraining put between documents (ProLong, trained from Llama-3-8B-Instruct, packs with <|end_of_text|>).
+# Read in shipped configs (copies in public repositories, not guessed): Meta-Llama-3-8B-Instruct's tokenizer_config
+# has eos_token <|eot_id|> and bos <|begin_of_text|> (openvino.genai's tokenizer_configs.py; vLLM's
+# test_get_llama3_eos_token: eos_token_id 128009, generation_config [128001, 128009]; Llama-3.1-Instruct's stop ids
+# [128001, 128008, 128009], chujiezheng/chat_templates), the base model's (llama-3-70b-instruct-awq lists it too)
+# <|end_of_text|>, 128001; Qwen2-7B-Instruct: eos <|im_end|>, pad <|endoftext|> (Qwen1.5 base: eos <|endoftext|>;
+# stop ids [151643, 151645]); Phi-3-mini-4k-instruct ends turns with <|end|> and its end-of-text is <|endoftext|>
+# (its tokenizer_config's eos; code setting eos_token "<|end|>" by hand for Phi-3); gemma-2-*-it ships eos <eos> and
+# code sets <end_of_turn> by hand (gemma-2-2b-it, id 107). Qwen2.5/Qwen3/SmolLM2 (ChatML), Phi-4-mini and OLMo-2/3
+# were not read here: the table maps by token, so a folder whose EOS is one of these and whose vocabulary holds the
+# end-of-text token gets it; any other keeps its EOS. <|end_of_text|> second for <|im_end|>: ChatML over Llama 3's
+# vocabulary (SmolLM3's layout, not checked).
+END_OF_TEXT = {"<|eot_id|>": ("<|end_of_text|>",), "<|im_end|>": ("<|endoftext|>", "<|end_of_text|>"),
+               "<|end|>": ("<|endoftext|>",), "<end_of_turn>": ("<eos>",)}
+
 
 class Tokenizer:
     """`encode(text) -> list[int]`, `encode_batch(texts)`, `vocab_size`, `eos_id`, `pad_id`, `bos_id`, `decode(ids)`.
 
     `bos_id`: the token the tokenizer itself puts before a text (`tokenizer(text)` as Hugging Face calls it: Llama 3's
     <|begin_of_text|>, Mistral's <s>, Gemma's <bos>), None where it adds none (Qwen, OLMo, a sentencepiece model
-    called plainly). A text document is written BOS + text + EOS (data/prepare_data.py), as the model was pretrained
-    and as transformers, TRL and torchtitan tokenize; encode() itself adds nothing (chat templates write their own)."""
+    called plainly). A text document is written BOS + text + `sep_id` (frame_texts), as the model was pretrained
+    and as transformers, TRL and torchtitan tokenize; encode() itself adds nothing (chat templates write their own).
+
+    `sep_id`: what ends a text document: `eos_id`, or the family's end-of-text token where `eos_id` is a chat
+    end-of-turn (END_OF_TEXT; `sep_note` says so). `eos_id` stays the tokenizer's (chat templates whose stop is the EOS
+    use it). `encode_text_batch`: special-token strings in the text are text (`<s>` in HTML, `<|endoftext|>` in code),
+    as Meta's Llama 3 reference tokenizer encodes (allowed_special=set()); encode() parses them (rendered templates)."""
 
     bos_id: int | None = None
     # a sentencepiece .model's own BOS, which encode() never adds and bos_id leaves None (the demo's model, trained with
@@ -31,6 +52,8 @@ class Tokenizer:
     file_bos: int | None = None
 
     direct = False  # a Hugging Face fast tokenizer called through its Rust encode_batch_fast
+    sep_note: str | None = None
+    specials: tuple[str, ...] = ()  # special-token strings a text may hold (counted; encoded as text)
 
     def __init__(self, path: str):
         if not os.path.exists(path):
@@ -53,6 +76,8 @@ class Tokenizer:
             self._encode = lambda t: self._sp.encode(t)
             # one thread: parallelism comes from prepare_data's worker processes, one core each
             self._encode_batch = lambda ts: self._sp.encode(ts, num_threads=1)
+            # control symbols (<s>, </s>) are never read from text: already plain (user-defined ones are: no switch)
+            self._plain_batch = self._encode_batch
             self.kind = "sentencepiece"
             self.hf = None  # no chat template: chat rows get the documented ChatML default (data/chat.py)
             self._decode = lambda ids: self._sp.decode(ids)
@@ -70,11 +95,19 @@ class Tokenizer:
             self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else self.eos_id
             self._encode = lambda t: tok(t, add_special_tokens=False)["input_ids"]
             self._encode_batch = lambda ts: tok(ts, add_special_tokens=False)["input_ids"]
-            fast = getattr(getattr(tok, "backend_tokenizer", None), "encode_batch_fast", None)
+            self._plain_batch = lambda ts: tok(ts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+            backend = getattr(tok, "backend_tokenizer", None)
+            fast = getattr(backend, "encode_batch_fast", None)
             if fast is not None:  # the Rust tokenizer without offsets: 1.5x faster here (same ids, checked below)
                 direct = lambda ts: [e.ids for e in fast(ts, add_special_tokens=False)]  # noqa: E731
                 if direct(_PROBE) == self._encode_batch(_PROBE):
                     self._encode_batch, self.direct = direct, True
+            self.specials = tuple(t.content for t in getattr(tok, "added_tokens_decoder", {}).values() if t.special)
+            if self.direct:  # the same switch on the Rust path, checked on the probe with every special string in it
+                split = lambda ts: _split_specials(backend, self._encode_batch, ts)  # noqa: E731
+                probe = _PROBE + [" ".join(self.specials[:64])]
+                if split(probe) == self._plain_batch(probe):
+                    self._plain_batch = split
             self.kind = "hf"
             self.hf = tok  # its chat template renders conversations (data/chat.py)
             if not tok.chat_template:
@@ -85,6 +118,64 @@ class Tokenizer:
             self._decode = lambda ids: tok.decode(ids)
         if self.eos_id is None or self.eos_id < 0:
             raise ValueError(f"tokenizer {path} has no end-of-sequence token; documents cannot be separated")
+        self.sep_id = self.eos_id
+        if self.hf is not None:
+            for name in END_OF_TEXT.get(self.hf.eos_token, ()):
+                i = self.hf.convert_tokens_to_ids(name)
+                if isinstance(i, int) and 0 <= i < self.vocab_size and self.hf.convert_ids_to_tokens(i) == name:
+                    self.sep_id = i
+                    self.sep_note = (f"the tokenizer's EOS {self.hf.eos_token} ends a chat turn: text documents end "
+                                     f"with {name} (id {i}), the end-of-text token its family was pretrained with; "
+                                     "--eos_id ID chooses another")
+                    break
+
+    def piece(self, i: int) -> str:
+        """Token `i`'s string (`<|end_of_text|>`, `</s>`)."""
+        return self._sp.id_to_piece(i) if self.kind == "sentencepiece" else self.hf.convert_ids_to_tokens(i)
+
+    def encode_text_batch(self, texts: list[str]) -> list[list[int]]:
+        """Encode documents with special-token strings read as text (no control token from a document's content);
+        nothing added."""
+        return self._plain_batch(texts)
+
+    def frame_texts(self, texts: list[str], sep: int | None) -> tuple[list[list[int]], int]:
+        """Text documents as written between documents (data/prepare_data.py; the caller appends `sep` after ids that
+        do not end with it): (ids of each, how many hold a special-token string). Ids: the BOS where the tokenizer
+        puts one, then the text with any special-token string in it encoded as text (`<s>` in an HTML page,
+        `<|endoftext|>` in tokenizer code: they were control tokens). A text starting with the BOS string gets that one
+        real BOS (a text that writes its own), one ending with `sep`'s string that real one (`...</s>`: no second one
+        after it). An empty or whitespace-only text gives [] (dropped and counted as empty; it was trained as BOS +
+        whitespace + EOS)."""
+        bos = self.bos_id
+        bos_s = self.piece(bos) if bos is not None else None
+        sep_s = self.piece(sep) if sep is not None and 0 <= sep < self.vocab_size else None
+        sep_s = sep_s if sep_s in self.specials else None  # a sentencepiece model never read </s> from text: unchanged
+        bodies, ends = [], []
+        for t in texts:
+            if not t or t.isspace():  # isspace(): a C scan, no copy
+                continue
+            head = bos_s is not None and t.startswith(bos_s)
+            tail = sep_s is not None and t.endswith(sep_s) and len(t) >= (len(bos_s) if head else 0) + len(sep_s)
+            bodies.append(t[len(bos_s) if head else 0:len(t) - len(sep_s) if tail else len(t)])
+            ends.append(tail)
+        firsts = {s[:2] for s in self.specials}  # a prefilter: one C scan per distinct two-character start (<|, </, [I)
+        n_special = sum(any(f in b for f in firsts) and any(s in b for s in self.specials) for b in bodies)
+        enc = iter(zip(self.encode_text_batch(bodies) if bodies else [], ends))
+        out = []
+        for t in texts:
+            if not t or t.isspace():
+                out.append([])
+                continue
+            ids, tail = next(enc)
+            out.append(([bos] if bos is not None else []) + list(ids) + ([sep] if tail else []))
+        return out, n_special
+
+    def with_bos(self, ids) -> tuple[list[int], bool]:
+        """Pre-tokenized ids with the BOS in front where the tokenizer puts one and the ids do not start with it (a text
+        gets it: the two were framed differently); whether it was added."""
+        if self.bos_id is None or not len(ids) or int(ids[0]) == self.bos_id:
+            return ids, False
+        return [self.bos_id, *ids], True
 
     def encode(self, text: str) -> list[int]:
         return self._encode(text)
@@ -102,6 +193,16 @@ class Tokenizer:
         if self.kind == "sentencepiece":
             return [self._sp.id_to_piece(i) for i in range(self.vocab_size)]
         return self.hf.convert_ids_to_tokens(list(range(self.vocab_size)))
+
+
+def _split_specials(backend, direct, texts: list[str]) -> list[list[int]]:
+    """The Rust path with special-token strings read as text; the switch is the tokenizer's own state, put back at once
+    (chat rows in the same worker parse theirs)."""
+    was, backend.encode_special_tokens = backend.encode_special_tokens, True
+    try:
+        return direct(texts)
+    finally:
+        backend.encode_special_tokens = was
 
 
 def _processor_template(path: str):

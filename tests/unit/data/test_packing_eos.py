@@ -30,4 +30,9 @@ def test_a_document_ending_with_its_eos_gets_no_second_one_in_the_stream(tmp_pat
     p = Prepared(str(tmp_path / "out"))
     assert p.tokens.read(0, len(p.tokens)).tolist() == own + plain  # the prepared folder and the stream agree
     ids = _write_jsonl(tmp_path / "ids.jsonl", [[5, 6, eos], [7, 8]])
-    assert _docs(*build_token_stream(ids, tok, tok.vocab_size, str(tmp_path / "c2"))) == [[5, 6, eos], [7, 8, eos]]
+    bos = tok.bos_id  # pre-tokenized ids get the BOS a text gets (prepare_data likewise)
+    stream = _docs(*build_token_stream(ids, tok, tok.vocab_size, str(tmp_path / "c2")))
+    assert stream == [[bos, 5, 6, eos], [bos, 7, 8, eos]]
+    prepare([ids], str(tmp_path / "out2"), path, workers=0, log=lambda _: None)
+    p = Prepared(str(tmp_path / "out2"))
+    assert p.tokens.read(0, len(p.tokens)).tolist() == stream[0] + stream[1]

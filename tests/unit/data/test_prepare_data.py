@@ -300,7 +300,7 @@ _SP = "recipes/base/tiny_passkey256/tokenizer.model"
     (["--tokenizer_name_or_path", _SP, "--workers", "-1"], r"--workers -1: use an integer >= 0"),
     (["--tokenizer_name_or_path", _SP, "--chunk_tokens", "0"], r"--chunk_tokens 0: use an integer >= 1"),
     (["--tokenizer_name_or_path", _SP, "--batch_docs", "0"], r"--batch_docs 0: use an integer >= 1"),
-    (["--tokenizer_name_or_path", _SP, "--eos_id", "99999"], r"--eos_id 99999 with --tokenizer_name_or_path: the "),
+    (["--tokenizer_name_or_path", _SP, "--eos_id", "99999"], r"--eos_id 99999: not a token id below the vocabulary size 2000"),
     (["--vocab_size", "100", "--eos_id", "100"], r"--eos_id 100: not a token id below the vocabulary size 100"),
     (["--tokenizer_name_or_path", _SP, "--output", "README.md"], r"--output 'README.md': give a folder"),
     (["--tokenizer_name_or_path", _SP, "--output", ""], r"--output '': give a folder"),

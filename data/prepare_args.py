@@ -1,0 +1,58 @@
+"""scripts/prepare_data.py's command line (data/prepare_data.py runs it): the flags, their defaults."""
+
+from __future__ import annotations
+
+import argparse
+
+from base.host import usable_cpus
+
+DEFAULT_CHUNK_TOKENS = 1 << 28  # 1 GiB of uint32 per chunk file: the resume granularity
+DEFAULT_BATCH_DOCS = 256
+# each worker holds its own tokenizer and the transformers import: ~0.5 GB with a 131k vocabulary (462 MB RSS
+# measured); past 32, memory, not CPUs, bounds a job (a 128-CPU node's 127 workers were ~58 GB under srun -c 8
+# --mem=32G): give --workers to go further
+MAX_WORKERS = 32
+
+
+def default_workers() -> int:
+    """This process's CPUs (its affinity: SLURM's cgroup, taskset; not the node's) minus the reading one, 1 to
+    MAX_WORKERS."""
+    return max(1, min(MAX_WORKERS, len(usable_cpus()) - 1))
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    """scripts/prepare_data.py's flags (data/prepare_data.py main)."""
+    p = argparse.ArgumentParser(description=description, allow_abbrev=False)
+    p.add_argument("--input", action="append", default=[], help="[name=]PATH: a file (.jsonl/.ndjson/.json, plain or "
+                   ".gz/.zst/.bz2/.xz; .parquet), a folder of them (one source, the folder's name) or a datasets "
+                   "save_to_disk folder; repeatable")
+    p.add_argument("--output", required=True, help="the prepared folder")
+    p.add_argument("--tokenizer_name_or_path", default=None, help="sentencepiece .model or HF tokenizer folder")
+    p.add_argument("--vocab_size", type=int, default=None, help="every token id must be below this (default: the "
+                   "tokenizer's); give the model's vocab_size to check pre-tokenized data")
+    p.add_argument("--workers", type=int, default=default_workers(),
+                   help=f"tokenizer processes (0: tokenize in this process; default: this process's CPUs - 1, at most "
+                   f"{MAX_WORKERS})")
+    p.add_argument("--text_field", default="text")
+    p.add_argument("--ids_field", default="input_ids", help="pre-tokenized documents (used when no text field)")
+    p.add_argument("--source_field", default=None, help="take each document's source name from this field")
+    p.add_argument("--loader", default=None, help="read inputs with datasets.load_dataset(LOADER, data_files=...), "
+                   "e.g. csv, text, arrow")
+    p.add_argument("--eos_id", type=int, default=None, help="the separator appended after each text and pre-tokenized "
+                   "document (default: the tokenizer's EOS, or its family's end-of-text token where the EOS ends a "
+                   "chat turn: <|eot_id|> -> <|end_of_text|>, <|im_end|> -> <|endoftext|>; none without a tokenizer)")
+    p.add_argument("--skip_bad_rows", action="store_true", help="skip rows that cannot be read, count and report them")
+    p.add_argument("--loss_on", default="auto", choices=["auto", "assistant", "completion", "all"],
+                   help="chat rows: which tokens get loss (auto: the assistant's replies, the completion of a "
+                   "prompt/completion pair; docs/sft.md)")
+    p.add_argument("--chat_template", default="auto",
+                   help="chat rows: the tokenizer's own template (auto: its `default` of named ones; ChatML when it has "
+                   "none), always the ChatML default (chatml), none (refuse chat rows when the tokenizer has no "
+                   "template), or the name of one of the tokenizer's named templates (tool_use, ...)")
+    p.add_argument("--shard", default="0/1", help="i/N: prepare this machine's share of the input files")
+    p.add_argument("--merge", action="store_true", help="write the manifest from finished shards and stop")
+    p.add_argument("--chunk_tokens", type=int, default=DEFAULT_CHUNK_TOKENS, help="tokens per chunk file (resume unit)")
+    p.add_argument("--batch_docs", type=int, default=DEFAULT_BATCH_DOCS, help="documents per worker task")
+    p.add_argument("--overwrite", action="store_true", help="start this shard again instead of resuming")
+    p.add_argument("--verify", action="store_true", help="re-read a prepared folder and check its checksums")
+    return p
