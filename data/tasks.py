@@ -25,7 +25,9 @@ modelling signal, and the task samples' loss is exactly what the evaluation scor
 
 In training (`TaskMixSampler`), a stage key `tasks: {passkey: 0.2, niah_multikey: 0.1}` makes that fraction
 of the stage's micro-steps synthetic. A synthetic sample is a pure function of (seed, task, serial number),
-so the sampler's state (two counters plus the wrapped sampler's own state) is the whole data position.
+so the sampler's state (its counters, each task's next serial, the wrapped sampler's own state) is the whole data
+position; the serials are global (all DP ranks' micro-batches together), so a resume on fewer or more ranks, or
+another micro-batch, continues after every sample already trained.
 """
 
 from __future__ import annotations
@@ -320,14 +322,20 @@ class TaskMixSampler:
         self.weights = np.asarray([1.0 - sum(fractions.values()), *fractions.values()], dtype=np.float64)
         self.dp, self.dp_rank, self.mb = dp, dp_rank, micro_batch
         self.drawn, self.counts = 0, np.zeros(len(self.weights), dtype=np.int64)
+        # each task's first serial not yet trained, over all DP ranks: the same on every rank (rank r of a synthetic
+        # micro-step takes serials[t] + r * mb ...). Derived from counts x dp x mb, a resume on fewer ranks or a
+        # smaller micro-batch restarted inside the serials already trained: a 4-rank run resumed on 2 drew only
+        # samples it had trained (exact repeats) for as many synthetic micro-steps as it had run
+        self.serials = np.zeros(len(self.names), dtype=np.int64)
 
     def next_batch(self) -> list[int]:
         c = int(np.argmax(self.weights * (self.drawn + 1) - self.counts))
-        serial0 = int(self.counts[c]) * self.dp * self.mb + self.dp_rank * self.mb
         self.counts[c] += 1
         self.drawn += 1
         if c == 0:
             return self.base.next_batch()
+        serial0 = int(self.serials[c - 1]) + self.dp_rank * self.mb
+        self.serials[c - 1] += self.dp * self.mb
         return [self.dataset.index(c - 1, serial0 + j) for j in range(self.mb)]
 
     def source_shares(self) -> dict[str, float]:
@@ -340,11 +348,20 @@ class TaskMixSampler:
 
     def state_dict(self) -> dict:
         return {"tasks": self.names, "drawn": self.drawn, "counts": self.counts.tolist(),
-                "base": self.base.state_dict()}
+                "serials": self.serials.tolist(), "base": self.base.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         from data.sampler import check_position  # (torch: imported with the sampler, not with this module)
 
         check_position(state, "tasks", self.names)  # one line where the recipe changed (data/sampler.py)
         self.drawn, self.counts = int(state["drawn"]), np.asarray(state["counts"], dtype=np.int64)
+        if "serials" in state:
+            self.serials = np.asarray(state["serials"], dtype=np.int64)
+        else:  # a state saved before the serials: its counts under the layout that saved it (the wrapped sampler's dp
+            # and micro-batch): exact where that run never changed layout (the same as the old rule at the same
+            # layout); one that had already been resumed on fewer ranks may go on inside serials its larger first
+            # layout trained (repeats of at most those, once)
+            base = state["base"]
+            per_step = int(base.get("dp", self.dp)) * int(base.get("micro_batch", self.mb))
+            self.serials = self.counts[1:] * per_step
         self.base.load_state_dict(state["base"])

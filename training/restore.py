@@ -26,7 +26,6 @@ source, and started only if it can finish before the job's end (else exit 75 to 
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import time
@@ -50,6 +49,7 @@ from training.checkpoint_files import (
 )
 from training.job import Requeue
 from training.preemption import Deadline
+from training.resume_notes import check_other_run, data_moved, resume_notes
 
 
 def set_rng_state(s: dict) -> None:
@@ -305,9 +305,10 @@ class Restorer:
                check=None) -> TrainState:
         """The run's state at start: fresh, or restored from the checkpoint `resume` picks (find_resume), refused
         in one line when that checkpoint was written for another architecture or `check(state)` refuses it (today's
-        stages: training/curriculum.check_resumed_stages), both before a universal conversion (up to ~45 min at 8B);
-        a note names the run's settings (`config`, training/config.to_dict) that differ from the ones that wrote it.
-        Collective."""
+        stages: training/curriculum.check_resumed_stages) or when it ends a finished run whose dataset or base model
+        differ from today's (training/resume_notes.check_other_run), all before a universal conversion (up to ~45 min
+        at 8B); a note names the run's settings (`config`, training/config.to_dict) that differ from the ones that wrote
+        it. Collective: every rank decides on rank 0's copy of trainer.json."""
         state = TrainState()
         path = self.find_resume(resume)
         if path is None:
@@ -321,15 +322,11 @@ class Restorer:
         state.checkpoint = path
         if check is not None:
             check(state)
+        check_other_run(path, self.output_dir, trainer, config or {}, resume)
         self._universal(path)  # another world size: converted now, before any engine holds memory (or exit 75/2)
         print0(f"resuming from {path} (step {state.step}, stage {state.stage})")
-        changed = changed_settings(trainer.get("config") or {}, config or {})
-        if changed:  # continuing with new settings is allowed (an LR, more steps); a new run in an old folder is not
-            print0(f"note: {path} was written by a run whose {', '.join(changed)} differed: this run continues it from"
-                   " its step with today's (a new run: another --output_dir, or --resume none)")
-        for k in changed_settings(trainer.get("config") or {}, config or {}, KEPT_KEYS):
-            print0(f"note: {path} was written with {k} {trainer['config'][k]}, kept for the run's data order (today's "
-                   f"{config[k]} would repeat some samples of the epoch and skip others; it applies to a new run)")
+        for note in resume_notes(path, trainer.get("config") or {}, config or {}):
+            print0(note)
         return state
 
     def restore_stage(self, engine, state: TrainState, stage: int, sampler, reset_optimizer: bool) -> bool:
@@ -427,34 +424,6 @@ class Restorer:
         if "refuse" in got:
             raise ValueError(got["refuse"])
         return got["dir"], got["files"]
-
-
-RUN_KEYS = ("dataset_path", "stages", "max_seq_length", "max_steps", "num_train_epochs", "data_kind", "learning_rate",
-            "lr_scheduler", "warmup_steps", "warmup_ratio", "min_lr", "per_device_train_batch_size",
-            "gradient_accumulation_steps", "sequence_parallel_size", "weight_decay", "model_name_or_path",
-            "tokenizer_name_or_path")  # what a run is (the weights are the checkpoint's)
-KEPT_KEYS = ("seed",)  # the saved run's wins: its data order (data/sampler.py)
-
-
-def changed_settings(saved: dict, now: dict, keys: tuple = RUN_KEYS) -> list[str]:
-    """The `keys` whose values differ between the settings that wrote a checkpoint and this run's (both as
-    training/config.to_dict writes them); a key either lacks is not compared."""
-    return [k for k in keys if k in saved and k in now
-            and json.dumps(saved[k], sort_keys=True, default=str) != json.dumps(now[k], sort_keys=True, default=str)]
-
-
-def data_moved(saved: dict, now: dict, where: str = "") -> list[str]:
-    """What differs between a saved data position and today's sampler in the data it draws from: the packed sample
-    count (data/sampler.py) or the mixture's component sizes (data/mixture.py), at any depth (replay, tasks)."""
-    out = [f"{where}{k} {saved[k]} -> {now[k]}" for k in ("num_samples", "sizes")
-           if k in saved and k in now and saved[k] != now[k]]
-    if "packing" in now and saved.get("packing") != now["packing"] and ("num_samples" in saved or "sizes" in saved):
-        out.append(f"{where}packing {saved.get('packing', 'best-fit-decreasing in stream order')} -> {now['packing']} "
-                   "(the same indices name other samples)")
-    for k, v in saved.items():
-        if isinstance(v, dict) and isinstance(now.get(k), dict):
-            out += data_moved(v, now[k], f"{where}{k}.")
-    return out
 
 
 def keep_todays_peak(optimizer, sched, today: list[float]) -> None:

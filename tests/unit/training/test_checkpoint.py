@@ -331,7 +331,7 @@ def test_a_resume_says_which_of_the_runs_settings_changed(tmp_path, capsys):
                                  "seed": 7})
     out = capsys.readouterr().out
     assert "whose weight_decay, model_name_or_path, tokenizer_name_or_path differed" in out, out
-    assert "written with seed 0, kept for the run's data order (today's 7" in out, out
+    assert "written with seed 0: the stage it resumes in keeps it for its data order (today's 7" in out, out
 
 
 def test_a_file_the_loading_rank_cannot_see_yet_is_looked_for_again(tmp_path):

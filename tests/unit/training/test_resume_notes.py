@@ -1,0 +1,109 @@
+"""What a resume says about the run that wrote its checkpoint (training/resume_notes.py through Checkpointer.resume):
+a finished run's folder reused with another dataset or base model is refused in one line; every setting a resume
+applies from today's config is named when it changed; the --seed note says what keeps the saved seed and what takes
+today's. One process, fake engine files (as tests/unit/training/test_checkpoint.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from training.checkpoint import Checkpointer
+from training.resume_notes import check_other_run
+
+OLD = {"dataset_path": "d1.jsonl", "model_name_or_path": "m1", "max_steps": 6, "num_train_epochs": None, "stages": [],
+       "learning_rate": 1e-3, "seed": 0}
+
+
+class FakeConfig:
+    def to_json_string(self):
+        return json.dumps({"model_type": "llama"})
+
+
+class FakeEngine:
+    def save_checkpoint(self, root, tag, save_latest):
+        with open(os.path.join(root, tag, "zero_pp_rank_0_mp_rank_00_model_states.pt"), "wb") as fh:
+            fh.write(os.urandom(256))
+
+
+def saved_run(tmp_path, step=6, stage=0, stage_steps=(6,), config=OLD) -> Checkpointer:
+    ck = Checkpointer(str(tmp_path), keep=2)
+    ck.save(FakeEngine(), step, {"step": step, "tokens": 0, "stage": stage, "model_hash": "h", "config": config,
+                                 "stage_steps": list(stage_steps)}, {"sampler": {}}, FakeConfig())
+    return ck
+
+
+def test_a_new_run_in_a_finished_folder_with_other_data_is_refused(tmp_path, capsys):
+    """Before: a 6-step run finished on d1; the same folder started with d2 (and another LR) noted the change, trained
+    0 steps and exited 0 with the old model exported."""
+    ck = saved_run(tmp_path)
+    with pytest.raises(ValueError) as e:
+        ck.resume("auto", "h", "m1", {**OLD, "dataset_path": "d2.jsonl", "learning_rate": 5e-4})
+    msg = str(e.value)
+    assert "\n" not in msg and str(tmp_path) in msg and "dataset_path d1.jsonl -> d2.jsonl" in msg, msg
+    assert "another --output_dir" in msg and "--resume none" in msg, msg
+    with pytest.raises(ValueError, match="model_name_or_path m1 -> m2"):
+        ck.resume("auto", "h", "m2", {**OLD, "model_name_or_path": "m2"})
+    assert ck.resume("auto", "h", "m1", dict(OLD)).step == 6  # the same command again: exit 0, as before
+    assert ck.resume("auto", "h", "m1", {**OLD, "learning_rate": 5e-4}).step == 6  # only an LR: noted, not refused
+    # more steps on new data trains on: a continuation, noted as before
+    assert ck.resume("auto", "h", "m1", {**OLD, "dataset_path": "d2.jsonl", "max_steps": 10}).step == 6
+    assert "whose dataset_path, max_steps differed" in capsys.readouterr().out
+
+
+def test_an_unfinished_run_on_other_data_continues_with_a_note(tmp_path, capsys):
+    ck = saved_run(tmp_path, stage_steps=(10,), config={**OLD, "max_steps": 10})
+    assert ck.resume("auto", "h", "m1", {**OLD, "max_steps": 10, "dataset_path": "d2.jsonl"}).step == 6
+    assert "whose dataset_path differed" in capsys.readouterr().out
+
+
+def test_a_curriculum_is_finished_at_its_last_stage_end(tmp_path):
+    stages = [{"name": "a", "max_steps": 4}, {"name": "b", "max_tokens": 1000}]
+    cfg = {**OLD, "stages": stages}
+    ck = saved_run(tmp_path, step=4, stage=0, stage_steps=(4,), config=cfg)  # stage a's end: b is still to train
+    assert ck.resume("auto", "h", "m1", {**cfg, "dataset_path": "d2.jsonl"}).step == 4
+    ck = saved_run(tmp_path / "b", step=6, stage=1, stage_steps=(4, 2), config=cfg)
+    with pytest.raises(ValueError, match="finished run"):
+        ck.resume("auto", "h", "m1", {**cfg, "dataset_path": "d2.jsonl"})
+    longer = [stages[0], {**stages[1], "max_tokens": 2000}]  # stage b made longer: it trains on
+    assert ck.resume("auto", "h", "m1", {**cfg, "stages": longer, "dataset_path": "d2.jsonl"}).step == 6
+
+
+def test_after_a_resume_none_branch_the_refusal_names_only_another_folder():
+    trainer = {"step": 6, "stage": 0, "stage_steps": [6], "config": OLD}
+    with pytest.raises(ValueError) as e:
+        check_other_run("ck/step_6", "out", trainer, {**OLD, "dataset_path": "d2.jsonl"}, "none")
+    assert "--resume none" not in str(e.value) and "another --output_dir" in str(e.value)
+
+
+@pytest.mark.parametrize("key, old, new", [
+    ("rope", None, {"rope_type": "yarn", "factor": 4.0}), ("max_grad_norm", 1.0, 0.5),
+    ("loss_weighting", "token", "conversation"), ("mask_cross_document_labels", False, True),
+    ("reset_position_ids", False, True), ("bf16", True, False), ("fp16", False, True),
+    ("deepspeed", "ds_configs/zero3.json", "ds_configs/zero3_offload.json")])
+def test_every_setting_a_resume_applies_is_named_when_it_changed(tmp_path, capsys, key, old, new):
+    """These are built from today's config at every stage's start (rope, precision, DeepSpeed JSON, clipping, the
+    loss and the packing's positions): a resume took the changes without a note."""
+    ck = saved_run(tmp_path, stage_steps=(10,), config={**OLD, key: old})
+    ck.resume("auto", "h", "m1", {**OLD, key: new})
+    assert f"whose {key} differed" in capsys.readouterr().out
+
+
+def test_the_same_deepspeed_file_named_from_another_folder_is_no_change(tmp_path, capsys):
+    from tests.conftest import ROOT
+
+    ck = saved_run(tmp_path, stage_steps=(10,), config={**OLD, "deepspeed": "ds_configs/zero3.json"})
+    ck.resume("auto", "h", "m1", {**OLD, "deepspeed": os.path.join(ROOT, "ds_configs", "zero3.json")})
+    assert "differed" not in capsys.readouterr().out
+
+
+def test_the_seed_note_says_what_keeps_the_saved_seed(tmp_path, capsys):
+    """The note said today's seed "applies to a new run", but later stages (samplers, stage seeding) of this run
+    take it too (training/stage.py): it now says what keeps the saved seed and what does not."""
+    ck = saved_run(tmp_path, stage_steps=(10,))
+    ck.resume("auto", "h", "m1", {**OLD, "seed": 7})
+    out = capsys.readouterr().out
+    assert "written with seed 0: the stage it resumes in keeps it for its data order" in out, out
+    assert "every later stage use today's 7" in out and "applies to a new run" not in out, out
