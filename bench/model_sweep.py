@@ -119,6 +119,18 @@ def render(results: dict) -> str:
              "`use_bidirectional_attention: true` or `is_causal: false` (documents are masked causally). "
              "`output_router_logits: true` (tencent/Hy3 ships it) is turned off with a note: the router's "
              "load-balancing loss is not trained here.", "",
+             'Model folders refused at start-up whatever the type, in one line before any data or weight is read: '
+             "quantized weights (`quantization_config` in config.json: they would load outside ZeRO-3's partitioning, "
+             'FP8 layers give no weight gradient): fine-grained FP8 (Qwen3-*-FP8, DeepSeek-V3/R1) and MXFP4 (gpt-oss '
+             'as OpenAI ships it) become a dense bf16 folder once with `python scripts/dequantize.py --model <folder '
+             'or hub id> --output <dir>` (one CPU process holding the whole model in bf16: gpt-oss-20b ~42 GB of host '
+             'memory, gpt-oss-120b ~234 GB), other methods (bitsandbytes, GPTQ, AWQ, compressed-tensors) need the '
+             "model's unquantized release; a local folder whose weight file or an index's shard is missing; custom "
+             'code (`auto_map` with a model_type transformers lacks: trust_remote_code is never on); a PEFT adapter '
+             '(merge it first: `merge_and_unload()`, `save_pretrained`). When the weights load, any tensor the model '
+             'needs that the files lack (a `tie_word_embeddings` changed to false, names saved with a `_orig_mod.` / '
+             '`module.` prefix, `num_hidden_layers` above the saved layers) is refused instead of training from random '
+             'init; extra tensors the class does not use (multi-token-prediction layers) are accepted.', "",
              "`attention_head_chunks` > 1 (docs/attention.md) runs only for the types checked chunked against the "
              "unchunked model (2 chunks, loss and gradients; `planner.shapes.HEAD_CHUNK_MODEL_TYPES`): "
              f"{', '.join(f'`{t}`' for t in sorted(HEAD_CHUNK_MODEL_TYPES))}. For any other type `auto` keeps 1 and "

@@ -33,7 +33,7 @@ import numpy as np
 from base import comm
 from base.log import print0
 from data.mixture import MixtureDataset, MixtureSampler, parse_mixture, select_documents
-from data.packing import ConvPack, DocPack, chat_documents
+from data.packing import ConvPack, DocPack, chat_documents, vocab_refusal
 from data.prepare import prepare_in_job, ships_tokenizer
 from data.replay import ReplayDataset, ReplaySampler, parse_replay
 from data.sampler import ResumableSampler
@@ -448,8 +448,7 @@ def open_run_data(dataset_path: str | None, tokenizer_path: str | None, model_vo
         raise ValueError(f"--tokenizer_name_or_path {tokenizer_path} is not the tokenizer {folder} was prepared with "
                          f"({m['tokenizer']['path']}): pass that one, or prepare the data again")
     if tokenizer is not None and tokenizer.vocab_size > model_vocab:
-        raise ValueError(f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens but the model's vocab_size is "
-                         f"{model_vocab}: use the model's own tokenizer or resize the model's embeddings")
+        raise ValueError(vocab_refusal(tokenizer, model_vocab))
     if prepared.max_token_id >= model_vocab:
         raise ValueError(f"--dataset_path {folder}: token id {prepared.max_token_id} >= the model's vocab_size "
                          f"{model_vocab}: the data was prepared for another vocabulary")

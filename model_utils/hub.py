@@ -47,7 +47,8 @@ def _download_hint(hub_id: str, where: str) -> str:
 
 
 def missing_weights(folder: str) -> list[str]:
-    """The weight files a snapshot lacks (a link into blobs/ whose blob is gone counts as missing); [] when whole."""
+    """The weight files a snapshot (or a local model folder) lacks (a link into blobs/ whose blob is gone counts as
+    missing); [] when whole."""
     have = [w for w in WEIGHTS if os.path.isfile(os.path.join(folder, w))]
     if not have:
         return ["model.safetensors (or pytorch_model.bin)"]
@@ -94,7 +95,16 @@ def snapshot(hub_id: str, weights: bool = True, cache: str | None = None, flag: 
 
 
 def resolve(name: str, presets=(), weights: bool = True, flag: str = "--model_name_or_path") -> str:
-    """A local path as given, a preset name as given, a hub id as its cached snapshot folder (`snapshot`)."""
+    """A local path as given, a preset name as given, a hub id as its cached snapshot folder (`snapshot`). With
+    `weights`, a local model folder (one with config.json) lacking a weight file is refused in one line too (was a
+    FileNotFoundError / OSError traceback at the first stage's engine, after the data was prepared)."""
+    if os.path.isdir(name) and weights and os.path.isfile(os.path.join(name, "config.json")):
+        lacking = missing_weights(name)
+        if lacking:
+            raise ValueError(f"{flag} {name}: the folder lacks {', '.join(lacking[:3])}"
+                             f"{' ...' if len(lacking) > 3 else ''} (a copy or download that stopped part way?): "
+                             "copy the model's weight files there, or name its complete save_pretrained folder")
+        return name
     if os.path.exists(name) or name in presets or not looks_like_hub_id(name):
         return name
     return snapshot(name, weights=weights, flag=flag)

@@ -145,6 +145,7 @@ def test_architecture_without_the_attention_backend_is_one_line(tmp_path):
     AutoConfig.for_model("gemma2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                          final_logit_softcapping=None).save_pretrained(folder)
+    (folder / "model.safetensors").touch()  # a weight file (a folder without one is refused first)
     # train.py's config step in this process (training.startup.load_run_config, the first thing train.py does after
     # opening its channel; a start of its own was ~20 s): how train.py makes a refusal exit 2 with it as its last line
     # is test_one_line_errors' fast case

@@ -64,6 +64,7 @@ def test_the_demo_corpus_needs_a_tiny_model_or_from_scratch(tmp_path, text):
 
     big = tmp_path / "qwen7b"
     preset_config("qwen2.5-7b").save_pretrained(big)  # a folder (its config: the run reads no weight here)
+    (big / "model.safetensors").touch()  # a weight file is there (a folder without one is refused at start-up)
     with pytest.raises(ValueError, match=r"^dataset_path null is the built-in demo corpus .* not data for "):
         start(tmp_path, "--model_name_or_path", str(big))
     start(tmp_path, "--model_name_or_path", str(big), "--dataset_path", text)
@@ -73,6 +74,7 @@ def test_the_demo_corpus_needs_a_tiny_model_or_from_scratch(tmp_path, text):
     bench = tmp_path / "bench"
     preset_config("tiny-llama", hidden_size=1024, intermediate_size=2752, num_hidden_layers=16, num_attention_heads=8,
                   num_key_value_heads=8, vocab_size=2048).save_pretrained(bench)
+    (bench / "model.safetensors").touch()
     for model in ("tiny-llama", "tiny-qwen2", f"{ROOT}/recipes/base/tiny_passkey256", str(bench)):
         start(tmp_path, "--model_name_or_path", model)
 
