@@ -6,9 +6,11 @@ without going to find it.
 The tables are those of OUTPUT_DIR/eval/summary.md (training/metrics.py `eval_tables`), rebuilt from the stages'
 records OUTPUT_DIR/eval/stage{N}.json (each stage's latest evaluation, the same record metrics.jsonl holds as an
 `"event": "eval"` line), preceded by one line from the first evaluated stage to the last (the "before" and the
-"after": the held-out loss at the first stage's length, the same samples both times, and at the last stage's own
-length; in a curriculum with an SFT stage the held-out conversation loss on the assistant's tokens, `chat_loss` in
-the table; each task's accuracy at each length both tried). Reads a few small JSON files
+"after": the held-out loss at the first stage's length and at the last stage's own length; in a curriculum with an
+SFT stage the held-out conversation loss on the assistant's tokens, `chat_loss` in the table; each task's accuracy
+at each length both tried). A before -> after of held-out losses is over the same samples only where both records
+were scored on the same sample count (training/evaluation.py retention_samples): records that differ are printed
+side by side and said not to compare; records from before the count was written are said to be unknown. Reads a few small JSON files
 (one per stage): nothing at any scale. A folder without records, or a record that is not JSON, is refused in one
 line naming it (exit 2).
 """
@@ -45,19 +47,28 @@ def records(output_dir: str) -> list[dict]:
 def headline(rows: list[dict]) -> list[str]:
     """First evaluated stage -> last: the held-out loss and each task's accuracy (mean over depths) at each length
     both stages tried."""
+    from training.metrics import counts_differ
+
     a, b = rows[0], rows[-1]
+
+    def moved(key: str) -> str:  # before -> after where both scored the same samples, else both numbers and why not
+        why = counts_differ([a, b], key)
+        if why and "not recorded" not in why:
+            return f"{a[key]:.4f} and {b[key]:.4f} {why}"
+        return f"{a[key]:.4f} -> {b[key]:.4f}" + (f" ({why})" if why else "")
+
     where = f"stage {a['stage']} ({a['stage_name']}) -> stage {b['stage']} ({b['stage_name']})"
     out = []
     first = a.get("first_len")
     if first is not None and b.get("first_len") == first and "heldout_loss_first_len" in a and \
-            "heldout_loss_first_len" in b:  # the same held-out samples before and after: retention
-        out.append(f"held-out loss at {first}: {a['heldout_loss_first_len']:.4f} -> {b['heldout_loss_first_len']:.4f}")
+            "heldout_loss_first_len" in b:  # retention: the same samples where both counts agree
+        out.append(f"held-out loss at {first}: {moved('heldout_loss_first_len')}")
     if "heldout_loss" in b and b["seq_len"] != first:
         out.append(f"held-out loss at {b['seq_len']} (the last stage's length): {b['heldout_loss']:.4f}")
     same = all(r.get("heldout_chat_loss") == r.get("heldout_loss_first_len") for r in (a, b))  # said just above
     if "heldout_chat_loss" in a and "heldout_chat_loss" in b and not same:  # the same conversations before and after
         out.append(f"held-out conversation loss (assistant tokens) at {b['heldout_chat_len']}: "
-                   f"{a['heldout_chat_loss']:.4f} -> {b['heldout_chat_loss']:.4f}")
+                   f"{moved('heldout_chat_loss')}")
     for task, lens in b.get("task_mean", {}).items():
         before = a.get("task_mean", {}).get(task, {})
         for n in sorted((n for n in lens if n in before), key=int):

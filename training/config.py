@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 from training import hf_args
 from training.config_types import check_stages, typed_fields, yaml_flag, yaml_text
-from training.eval_settings import EVAL_KEYS, run_eval
+from training.eval_flags import eval_flags_over_recipe
+from training.eval_settings import run_eval
 
 
 @dataclass
@@ -210,12 +211,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
         if not isinstance(merged, dict):
             raise ValueError(f"--config {recipe}: expected a mapping of keys at the top level")
         check_stages(merged.get("stages"), recipe)  # before the eval flags walk the stages
-    given_eval = sorted(k for k in args if k in EVAL_KEYS)
-    if args.get("eval") is False and given_eval:
-        raise ValueError(f"--no-eval turns evaluation off and --{given_eval[0]} sets it: drop one of them")
-    for st in merged.get("stages") or []:  # the command line's eval_X wins over a stage's own eval.X as well
-        if isinstance(st, dict) and isinstance(st.get("eval"), dict):
-            st["eval"] = {k: v for k, v in st["eval"].items() if k not in {EVAL_KEYS[g] for g in given_eval}}
+    eval_flags_over_recipe(merged, args)  # an eval flag wins over the recipe's eval_* and its stages' eval blocks
     flags_over_stages(merged.get("stages"), args)
     if str(args.get("max_steps", "")).strip() == "-1" and args.get("num_train_epochs", merged.get("num_train_epochs")) is None:
         args = {k: v for k, v in args.items() if k != "max_steps"}  # HF's unset -1 sets nothing (no epochs given)

@@ -1,7 +1,8 @@
 """Stages of a context-extension curriculum as data, resolved and validated before any work.
 
 A run without `stages:` is a one-stage curriculum made of the top-level settings. Each stage's fields
-left unset inherit the run's. `locate(stages, global_step)` is a pure function of the step.
+left unset inherit the run's, except `rope`: a stage without one keeps the previous stage's (the first stage: the
+run's `rope`, else the model's own; `rope: {}` goes back to the model's own). `locate(stages, global_step)` is a pure function of the step.
 `memory_features: auto` and a stage's `sequence_parallel_size: auto` are resolved here, once, by the planner
 (planner/auto_features.py): every stage leaves with its memory features and SP degree fixed.
 """
@@ -9,6 +10,7 @@ left unset inherit the run's. `locate(stages, global_step)` is a pure function o
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import types
 from dataclasses import dataclass, field
@@ -17,10 +19,11 @@ from base.host import job_ranks_per_node
 from base.log import print0
 from base.parallel import check_layout, split_sp
 from data.replay import parse_replay
-from model_utils.rope import short_scaling, stage_rope
+from model_utils.rope import nested, normalized, short_scaling, stage_rope
 from training.config import Config, StageConfig
 from training.config_types import typed
 from training.eval_settings import stage_eval
+from training.hf_args import ratio_steps
 
 
 @dataclass(frozen=True)
@@ -29,7 +32,7 @@ class Stage:
     name: str
     max_seq_length: int
     sp: int
-    rope: dict | None
+    rope: dict | None  # None: the model's own
     learning_rate: float
     min_lr: float
     warmup_steps: int
@@ -55,6 +58,9 @@ class Stage:
     kind: str = "text"  # text | sft: how the stage packs its documents (data/pipeline.py, docs/sft.md)
     loss_weighting: str = "token"  # token | conversation: the stage's own, else the run's (data/sharding.py collate)
     steps_from: str = "steps"  # steps (max_steps given) | tokens:N (max_tokens N) | epochs:E: how max_steps was found
+    rope_from: int | None = None  # the earlier stage whose own `rope` this one keeps (None: its own, the run's, the model's)
+    warmup_ratio: float | None = None  # warmup_steps is this share of max_steps (--warmup_ratio: training/hf_args.py)
+    full_steps: int | None = None  # the whole stage's count at today's samples per step, where a resume set max_steps
 
 
 MEMORY_KEYS = ("tiled_mlp", "tiled_logits", "checkpoint_every", "gradient_checkpointing", "offload_activations",
@@ -227,7 +233,10 @@ def resolve_stages(cfg: Config, dp_of_sp, budget=None) -> list[Stage]:
     if budget is None:
         budget = agreed_budget(cfg)
     stages = []
+    rope, rope_from = cfg.rope or None, None  # what a stage without `rope:` runs: the last one given ({}: the model's)
     for i, s in enumerate(raw):
+        if s.rope is not None:
+            rope, rope_from = s.rope or None, i
         zero = [k for k in ("max_seq_length", "sequence_parallel_size", "max_steps", "max_tokens") if getattr(s, k) == 0]
         if zero:  # `x or cfg.x` took 0 for unset: the stage silently ran the run's value
             raise ValueError(f"stage {i}: {zero[0]} 0: give a positive value, or leave it out for the run's")
@@ -245,7 +254,7 @@ def resolve_stages(cfg: Config, dp_of_sp, budget=None) -> list[Stage]:
         lr = s.learning_rate if s.learning_rate is not None else cfg.learning_rate
         min_lr = s.min_lr if s.min_lr is not None else cfg.min_lr
         st = Stage(index=i, name=s.name or f"stage{i}", max_seq_length=sl, sp=sp,
-                   rope=s.rope if s.rope is not None else cfg.rope, learning_rate=lr, min_lr=min_lr,
+                   rope=rope, rope_from=None if s.rope is not None else rope_from, learning_rate=lr, min_lr=min_lr,
                    warmup_steps=s.warmup_steps if s.warmup_steps is not None else cfg.warmup_steps,
                    lr_scheduler=s.lr_scheduler or cfg.lr_scheduler, max_steps=steps,
                    steps_from=f"tokens:{s.max_tokens}" if s.max_tokens else "steps",
@@ -267,8 +276,17 @@ def resolve_stages(cfg: Config, dp_of_sp, budget=None) -> list[Stage]:
         if stages and st.max_seq_length < stages[-1].max_seq_length:
             raise ValueError(f"stage {i} ({st.name}): max_seq_length {st.max_seq_length} is shorter than the "
                              f"previous stage's {stages[-1].max_seq_length}; lengths must not decrease")
+        if st.warmup_steps >= st.max_steps and not _steps_from_epochs(cfg, s):  # epochs: sized later (hf_args)
+            print0(f"note: stage {i} ({st.name}): warmup_steps {st.warmup_steps} >= its {st.max_steps} steps: its LR "
+                   f"rises to {min(1.0, st.max_steps / max(1, st.warmup_steps)):.0%} of {st.learning_rate:g} and never "
+                   "decays (give the stage its own warmup_steps, or more steps)")
         stages.append(st)
     return stages
+
+
+def _steps_from_epochs(cfg: Config, s: StageConfig) -> bool:
+    """The stage's steps (and a --warmup_ratio warmup) come from --num_train_epochs, counted once the data is open."""
+    return getattr(cfg, "num_train_epochs", None) is not None and not (s.max_steps or s.max_tokens)
 
 
 def check_stages(stages: list[Stage], world: int, num_heads: int, num_kv_heads: int,
@@ -276,8 +294,9 @@ def check_stages(stages: list[Stage], world: int, num_heads: int, num_kv_heads: 
     """Every stage's layout and RoPE are possible on `world` ranks (one-line ValueError otherwise); returns the
     stages with their SP split into ulysses x cp (`cp: auto`: Ulysses as large as the heads and a node of
     `ranks_per_node` allow, base.parallel.split_sp). Each stage's RoPE is computed from the model's (`model`: its
-    text config, or its rope_parameters as a dict) as the stage will run it (model_utils/rope.stage_rope: a stage
-    without its own `rope` keeps the model's, which must suit its SP degree); what it replaces is said once."""
+    text config, or its rope_parameters as a dict) as the stage will run it (model_utils/rope.stage_rope: a stage whose
+    `rope` resolved to None runs the model's, which must suit its SP degree); what it replaces is said once, and a
+    stage that keeps an earlier stage's `rope` (resolve_stages) says whose."""
     if model is None or isinstance(model, dict):
         model = types.SimpleNamespace(rope_parameters=model or {}, max_position_embeddings=0)
     out, notes = [], []
@@ -288,6 +307,9 @@ def check_stages(stages: list[Stage], world: int, num_heads: int, num_kv_heads: 
             check_layout(world, s.sp, num_heads, num_kv_heads, s.max_seq_length, s.cp, ranks_per_node or None)
             params, said = stage_rope(model, s.rope or None, "rope", s.sp)
             notes += [f"stage {s.index} ({s.name}): {n}" for n in said + short_scaling(params, s.max_seq_length)]
+            if s.rope_from is not None:
+                notes.append(f"stage {s.index} ({s.name}) has no rope of its own: it keeps stage {s.rope_from} "
+                             f"({stages[s.rope_from].name})'s {s.rope} (rope: {{}} for the model's own)")
         except ValueError as e:
             raise ValueError(f"stage {s.index} ({s.name}): {e}") from None
         out.append(s)
@@ -297,29 +319,47 @@ def check_stages(stages: list[Stage], world: int, num_heads: int, num_kv_heads: 
 
 
 def keep_stage_steps(stages: list[Stage], state) -> list[Stage]:
-    """On resume, the stages the checkpoint finished, and the one it is in where its steps came from tokens or
-    epochs, keep the step counts they ran with (`state.stage_steps`). Recomputed from today's world, batch or
-    accumulation, a finished stage grew or shrank: with fewer nodes the run went back into a finished stage
-    (trained again at its short length on later weights, LR re-warmed), with more it cut the current one short.
+    """On resume, the stages the checkpoint finished keep the step counts they ran with (`state.stage_steps`):
+    recomputed from today's world, batch or accumulation, a finished stage grew or shrank, and with fewer nodes the run
+    went back into a finished stage (trained again at its short length on later weights, LR re-warmed). The stage the
+    run is in, where its steps came from tokens or epochs, keeps the steps it has done and trains the rest of its
+    tokens / epochs at today's samples per step: done + (planned - done) x today's whole-stage count / the whole-stage
+    count its rest was planned with (`state.stage_full`, written as `full_steps`; the count it began with in a
+    checkpoint before it). Keeping the count it began with trained half of an epoch's remaining samples after a
+    resume on half the nodes, and exited 0; twice them on twice the nodes. A --warmup_ratio warmup follows the stage's final count (it took today's whole-stage count).
     A stage's own max_steps, raised or lowered, or its max_tokens / epochs changed, still counts for the stage the
     run is in (a deliberate change, not another world); stages after it take today's settings. Prints what it keeps."""
     ran, sized = state.stage_steps or [], getattr(state, "stage_sizes", None) or []
+    full = getattr(state, "stage_full", None) or ran
     out = []
     for s in stages:
         same_size = s.index < len(sized) and sized[s.index] == s.steps_from != "steps"  # its max_tokens / epochs as then
         keep = s.index < len(ran) and ran[s.index] != s.max_steps and (
             s.index < state.stage or (s.index == state.stage and same_size))
-        if keep:
+        done = getattr(state, "step", 0) - sum(x.max_steps for x in out)  # the steps past this stage's start
+        if keep and s.index == state.stage and 0 <= done < ran[s.index]:  # the rest at today's samples per step
+            was = full[s.index] if s.index < len(full) else ran[s.index]
+            rest = -(-(ran[s.index] - done) * s.max_steps // max(1, was))
+            print0(f"note: stage {s.index} ({s.name}) planned {ran[s.index]} steps and has run {done}; its "
+                   f"{s.steps_from.split(':')[0]} over another world, batch or accumulation (today's settings give "
+                   f"{s.max_steps} for the whole stage): the rest of its data in {rest} more steps, {done + rest} in all")
+            s = dataclasses.replace(s, max_steps=done + rest, full_steps=s.max_steps)
+        elif keep:
             why = (f"its {s.steps_from.split(':')[0]} over another world, batch or accumulation"
                    if s.steps_from != "steps" else "a finished stage keeps what it ran")
             print0(f"note: stage {s.index} ({s.name}) keeps the {ran[s.index]} steps it "
                    f"{'ran' if s.index < state.stage else 'began'} with (today's settings give {s.max_steps}: {why})")
             s = dataclasses.replace(s, max_steps=ran[s.index])
-        done = getattr(state, "step", 0) - sum(x.max_steps for x in out)  # the steps past this stage's start
         if s.index == state.stage and done > s.max_steps:  # lowered below where the run is: it ends here (its end
             print0(f"note: stage {s.index} ({s.name}) has run {done} steps and today's settings give it "  # saved and
                    f"{s.max_steps}: it ends at the {done} it has run (evaluated now; the next stage gets all its steps)")
             s = dataclasses.replace(s, max_steps=done)  # evaluated); the next stage began at its old end, cut short
+        if s.warmup_ratio and keep:
+            warm = ratio_steps(s.warmup_ratio, s.max_steps)
+            if warm != s.warmup_steps:
+                print0(f"note: stage {s.index} ({s.name}): warmup {warm} steps (--warmup_ratio {s.warmup_ratio:g} of "
+                       f"its {s.max_steps}; today's settings gave {s.warmup_steps})")
+                s = dataclasses.replace(s, warmup_steps=warm)
         out.append(s)
     return out
 
@@ -345,6 +385,7 @@ def check_resumed_stages(stages: list[Stage], state) -> None:
         if renamed:
             print0(f"note: {state.checkpoint}'s stage(s) {', '.join(f'{a} -> {b}' for a, b in renamed)} renamed in "
                    "today's recipe: resumed by position")
+        _rope_rule_note(stages, state)
         return
     what = (f"today's recipe has {len(today)} stage(s) {today}" if wrong is None or wrong >= len(today)
             else f"today's stage {wrong} is {today[wrong]}, the checkpoint's was {names[wrong]}")
@@ -358,6 +399,32 @@ def check_resumed_stages(stages: list[Stage], state) -> None:
     raise ValueError(f"{state.checkpoint} is at step {state.step}, stage {k} ({names[k]}){into}, and {what}: put "
                      f"the checkpoint's stages {names[:k + 1]} back at the start of the recipe (a resume finds its "
                      f"stage by position){export}")
+
+
+def _rope_rule_note(stages: list[Stage], state) -> None:
+    """One line where the checkpoint is in a stage that keeps an earlier stage's `rope` and its hf_config.json shows
+    it trained with another (a checkpoint of the code before that rule: a stage without `rope:` ran the run's or the
+    model's RoPE). The run continues with today's rule; the note says what changed mid-stage and how to keep the old."""
+    k = state.stage
+    s = stages[k] if k < len(stages) else None
+    ran = getattr(state, "stage_steps", None) or []
+    if s is None or getattr(s, "rope_from", None) is None or len(ran) > k and state.step >= sum(ran[:k + 1]):
+        return  # its own rope, or the checkpoint is the stage's end: the next stage starts as today's recipe says
+    try:
+        with open(os.path.join(state.checkpoint, "hf_config.json")) as fh:
+            saved = json.load(fh)
+        saved = saved.get("rope_parameters") or (saved.get("text_config") or {}).get("rope_parameters")
+        if not isinstance(saved, dict):
+            return
+        flat = [(saved, normalized(s.rope, "rope"))] if not nested(s.rope) else [
+            (saved.get(t), normalized(p, "rope")) for t, p in s.rope.items()]
+    except (OSError, ValueError, AttributeError):
+        return  # nothing readable to compare: the resume is not judged on a note
+    if all(isinstance(got, dict) and all(got.get(key) == v for key, v in own.items()) for got, own in flat):
+        return
+    print0(f"note: {state.checkpoint} trained stage {k} ({s.name}) with RoPE {saved} (a stage without rope: ran the "
+           f"run's or the model's then); it goes on with stage {s.rope_from} ({stages[s.rope_from].name})'s {s.rope}, "
+           f"which such a stage keeps now: give stage {s.name} rope: {saved} to keep what it trained with")
 
 
 def _unnamed(name: str, i: int) -> bool:

@@ -4,14 +4,17 @@
 - held-out loss at the stage's length over the run's held-out documents (data/pipeline.py: the same
   documents at every stage, never trained on), overall and by position bucket (`eval.position_buckets`,
   default 8 equal slices of the sequence: with useful context, later slices have lower loss);
-- retention: the held-out loss at the first stage's length after every stage (`heldout_loss_first_len`);
+- retention: the held-out loss at the first stage's length after every stage (`heldout_loss_first_len`), on the
+  same samples every time: the first `retention_samples` held-out samples (the smallest heldout_samples of the run's
+  stages that ask for some), their count in the record (`heldout_first_len_samples`);
 - synthetic retrieval tasks (data/tasks.py, needs a text tokenizer): `eval.tasks` (a list, or {task: trials};
   default [passkey]) x `eval.depths` (default 0.1, 0.5, 0.9) x `eval.passkey_trials` trials (default 2) at each
   length of `eval.lengths`: `earlier` (default: this stage's and every earlier stage's length, short-context
   retention), `all` (every stage's length: an early stage is also tried beyond its training length) or a list.
   A trial counts when every answer token is the model's argmax given the prompt and the previous answer
-  tokens (teacher-forced greedy decoding, exact match). The trials of a (task, length) are seeded by the
-  task and length only, so every stage answers the very same questions.
+  tokens (teacher-forced greedy decoding, exact match). Each trial is seeded by its (task, length, depth, trial
+  index) only, so every stage asks the same question at a (length, depth, trial) it shares with another, whatever
+  its other depths and trial counts (a stage with more trials adds questions; the first ones are the same).
 
 Samples are split across DP groups (group g takes samples g*mb .. g*mb+mb-1 of each round of dp*mb); every
 rank runs the same number of forwards (ZeRO-3 gathers weights with collectives), a group short of samples
@@ -22,8 +25,9 @@ Results go to metrics.jsonl, W&B, OUTPUT_DIR/eval/stage{N}.json and eval/summary
 An SFT stage (`kind: sft`) is evaluated on what it trains: its held-out samples are whole held-out conversations
 packed as the stage packs them, the loss on the assistant's tokens only (`stage_heldout`, RunData.heldout with
 `sft`). In a curriculum with an SFT stage every stage also reports that loss as `heldout_chat_loss` (the held-out
-conversations packed at the first SFT stage's length, the same samples after every stage: the text stages' value is
-the "before"; it costs `heldout_samples` forwards at that length per stage, none where the stage measured just that). The tasks can be asked through a chat template (`chat`: a data/chat.py ChatEncoder; scripts/evaluate.py
+conversations packed at the first SFT stage's length, the same `retention_samples` after every stage, their count in
+`heldout_chat_samples`: the text stages' value is the "before"; it costs that many forwards at that length per stage,
+none where the stage measured just that). The tasks can be asked through a chat template (`chat`: a data/chat.py ChatEncoder; scripts/evaluate.py
 `--chat`): each trial is one user turn (the haystack and the question) rendered with the template and its
 generation prompt, and the trial counts when the assistant's reply, the answer and its end-of-turn token, is the
 model's argmax token by token (data/tasks.py `chat_sample`, the rendering an SFT stage trains with `chat: true`).
@@ -37,6 +41,7 @@ import numpy as np
 import torch
 
 from base import comm
+from data.pipeline import heldout_samples
 from data.sharding import collate, shard
 from data.tasks import FILLER, TASKS, chat_sample, make_sample, passkey  # noqa: F401  (FILLER: re-exported, older imports)
 from model_utils.tiled_loss import eval_stats
@@ -159,9 +164,9 @@ def task_scores(engine, dims, micro_batch: int, pad_id: int, tokenizer, trials: 
     one loaded core (tests/unit/data/chat_render_bench.py; a whole render was ~3x that), small next to the trial's forward."""
     samples, where = [], []
     for task, n in trials.items():
-        rng = random.Random(f"eval:{task}:{length}")
-        for d in depths:
-            samples += [trial(task, tokenizer, length, d, rng, chat) for _ in range(n)]
+        for d in depths:  # one seed per question: a stage with other depths or trial counts asks the same ones
+            samples += [trial(task, tokenizer, length, d, random.Random(f"eval:{task}:{length}:{d:g}:{i}"), chat)
+                        for i in range(n)]
             where += [(task, d)] * n
     stats = sample_stats(engine, samples, dims, micro_batch, pad_id).tolist()
     acc: dict[str, dict[str, float]] = {t: {} for t in trials}
@@ -185,6 +190,15 @@ def evaluate_tasks(engine, dims, micro_batch: int, pad_id: int, tokenizer, trial
     return {"tasks": tasks, "task_mean": {t: {n: sum(a.values()) / len(a) for n, a in lens.items()}
                                           for t, lens in tasks.items()},
             "task_loss": {t: {str(n): by_len[n][1][t] for n in by_len} for t in trials}}
+
+
+def retention_samples(stages, own: int) -> int:
+    """How many held-out samples the retention loss and the held-out conversation loss are scored on after every
+    stage: the smallest `heldout_samples` of the run's stages that ask for some (known at start-up), so that a stage
+    asking for more (or fewer: a costly 1M stage) scores the same samples as the others; `own` without stages. A stage
+    asking for more than that at the first length scores those samples again (that many forwards at that length)."""
+    asked = [k for k in (heldout_samples(getattr(s, "eval", None) or {}) for s in stages or []) if k > 0]
+    return min(asked) if asked else own
 
 
 def _put(result: dict, key: str, stats: torch.Tensor) -> bool:
@@ -221,28 +235,37 @@ def evaluate_stage(engine, stage, dims, heldout: list[dict], tokenizer, metrics,
     first = stages[0].max_seq_length if stages else stage.max_seq_length
     sft = getattr(stage, "kind", None) == "sft"
     first_sft = getattr(stages[0] if stages else stage, "kind", None) == "sft"  # retention: as the first stage measured
-    if heldout and first == stage.max_seq_length and first_sft == sft:
+    keep = retention_samples(stages, heldout_samples(cfg))  # the same count (so the same samples) after every stage
+    mine = heldout_samples(cfg) == keep or heldout_at is None  # this stage's own held-out samples are those
+    counts = {"heldout_loss_first_len": len(heldout)}
+    if heldout and first == stage.max_seq_length and first_sft == sft and mine:
         _copy(result, "heldout_loss_first_len", "heldout_loss")
     elif heldout and heldout_at is not None:
-        again = heldout_at(first, len(heldout), sft=True) if first_sft else heldout_at(first, len(heldout))
+        again = heldout_at(first, keep, sft=True) if first_sft else heldout_at(first, keep)
         _put(result, "heldout_loss_first_len", sample_stats(engine, again, dims, micro_batch, pad_id).sum(0))
+        counts["heldout_loss_first_len"] = len(again)
     if heldout:
         result["first_len"] = first
+    if "heldout_loss_first_len" in result:
+        result["heldout_first_len_samples"] = counts["heldout_loss_first_len"]
     # the held-out conversation loss after every stage of a curriculum with an SFT stage (the text stages before it
     # too: the "before" of the fine-tuning): the held-out conversations packed whole at the first SFT stage's length,
     # loss on the assistant's tokens, the same samples at every stage (reused where this stage measured just that:
     # its own held-out loss, or the retention number of a curriculum that starts with the SFT stage). Conversations
     # only (RunData.heldout with `sft`: a mixed folder's text documents are not); none held out: absent, never 0.0.
     chat_len = next((s.max_seq_length for s in stages or [] if getattr(s, "kind", None) == "sft"), None)
-    if heldout and chat_len is not None and sft and chat_len == stage.max_seq_length:
+    if heldout and chat_len is not None and sft and chat_len == stage.max_seq_length and mine:
         _copy(result, "heldout_chat_loss", "heldout_loss")
+        counts["heldout_chat_loss"] = len(heldout)
     elif heldout and chat_len is not None and first_sft and first == chat_len:
         _copy(result, "heldout_chat_loss", "heldout_loss_first_len")
+        counts["heldout_chat_loss"] = counts["heldout_loss_first_len"]
     elif heldout and chat_len is not None and heldout_at is not None:
-        _put(result, "heldout_chat_loss", sample_stats(engine, heldout_at(chat_len, len(heldout), sft=True), dims,
-                                                       micro_batch, pad_id).sum(0))
+        chats = heldout_at(chat_len, keep, sft=True)
+        _put(result, "heldout_chat_loss", sample_stats(engine, chats, dims, micro_batch, pad_id).sum(0))
+        counts["heldout_chat_loss"] = len(chats)
     if "heldout_chat_loss" in result:
-        result["heldout_chat_len"] = chat_len
+        result["heldout_chat_len"], result["heldout_chat_samples"] = chat_len, counts["heldout_chat_loss"]
     trials = task_trials(cfg, tokenizer)
     if trials:
         depths = [float(d) for d in cfg.get("depths", DEFAULT_DEPTHS)]

@@ -169,6 +169,11 @@ def epoch_steps(epochs: float, samples: int, dp: int, micro_batch: int, accum: i
     return max(1, math.ceil(epochs * batches / accum))
 
 
+def ratio_steps(ratio: float, steps: int) -> int:
+    """ceil(ratio x steps) without float noise (0.1 x 30 is 3.0000000000000004 in floats: 4 steps, not 3)."""
+    return math.ceil(round(ratio * steps, 9))
+
+
 def epoch_stages(cfg, stages: list, data, world: int) -> list:
     """`stages` with the steps of --num_train_epochs and the warmup of --warmup_ratio fixed, from the run's data (rank 0
     counts its samples, every rank receives the same stages); unchanged when neither is set."""
@@ -196,11 +201,15 @@ def epoch_stages(cfg, stages: list, data, world: int) -> list:
                 lines.append(f"stage {st.index} ({st.name}): {cfg.num_train_epochs:g} epoch(s) of {samples} packed "
                              f"samples at {st.max_seq_length} = {steps} steps (dp {dp} x micro-batch "
                              f"{cfg.per_device_train_batch_size} x accumulation {cfg.gradient_accumulation_steps})")
-            warm = st.warmup_steps
+            warm, ratio = st.warmup_steps, None
             if cfg.warmup_ratio and not (own and own.warmup_steps is not None):
-                warm = math.ceil(cfg.warmup_ratio * steps)
+                warm, ratio = ratio_steps(cfg.warmup_ratio, steps), cfg.warmup_ratio  # again if a resume keeps other
                 lines.append(f"stage {st.index} ({st.name}): warmup {warm} steps (--warmup_ratio {cfg.warmup_ratio:g})")
-            out.append(dataclasses.replace(st, max_steps=steps, warmup_steps=warm, steps_from=source))
+            if warm >= steps and source.startswith("epochs"):  # (training/curriculum.keep_stage_steps) steps
+                lines.append(f"note: stage {st.index} ({st.name}): warmup {warm} steps >= its {steps} steps: its LR "
+                             f"never reaches its peak nor decays (give it its own warmup_steps, or more epochs)")
+            out.append(dataclasses.replace(st, max_steps=steps, warmup_steps=warm, steps_from=source,
+                                           warmup_ratio=ratio))
         return [out, lines]
 
     out, lines = comm.run_on_main(decide)

@@ -73,6 +73,7 @@ class TrainState:
     stage_steps: list | None = None  # the checkpoint's stages' step counts as they ran (written with its metadata)
     heldout: dict | None = None  # the held-out split the run made at its first start (data/pipeline.open_run_data)
     stage_sizes: list | None = None  # what sized each stage then: steps, tokens:N, epochs:E (curriculum.Stage)
+    stage_full: list | None = None  # each stage's whole-stage count at the rate its rest was planned at (keep_stage_steps)
     tokenizer_vocab: str | None = None  # whose ids it trained on (data/store.vocab_identity)
     optimizer_groups: int | None = None  # 2: norms and biases in a group of their own (no decay); None / 1: one group
     stage_names: list | None = None  # the checkpoint's stages up to its own, by name (None: one not recorded)
@@ -87,6 +88,7 @@ class TrainState:
         self.stage_steps = d.get("stage_steps")
         self.heldout = d.get("heldout")
         self.stage_sizes = d.get("stage_sizes")
+        self.stage_full = d.get("stage_full")
         self.tokenizer_vocab = d.get("tokenizer_vocab")
         self.optimizer_groups = d.get("optimizer_groups")
         self.stage_names = recorded_stage_names(d)

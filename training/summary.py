@@ -24,7 +24,7 @@ from planner.memory_model import (
 from training.config import Config, _merge, no_gpu
 from training.curriculum import Stage
 from training.engine import stage_config
-from training.evaluation import DEFAULT_DEPTHS, eval_lengths, task_trials
+from training.evaluation import DEFAULT_DEPTHS, eval_lengths, retention_samples, task_trials
 
 PLAN_MFU, H100_TFLOPS = 0.4, 989.0  # the plan's throughput: 40% MFU of an H100's dense bf16 peak
 
@@ -89,9 +89,11 @@ def eval_line(shape, s: Stage, stages: list[Stage], world: int, micro_batch: int
     trials = task_trials(s.eval, tokenizer=True)  # counted as a run with a text tokenizer would run them
     depths, lengths = len(s.eval.get("depths", DEFAULT_DEPTHS)), eval_lengths(s, stages)
     held, first = heldout_samples(s.eval), stages[0].max_seq_length
+    keep = retention_samples(stages, held)  # retention's count: one for the whole run (training/evaluation.py)
+    again = held and (first != s.max_seq_length or keep != held)  # retention scored apart from the stage's own samples
     calls = [(n, sum(trials.values()) * depths) for n in lengths]  # (length, forwards) of each evaluation call
     if held:
-        calls += [(s.max_seq_length, held)] + ([(first, held)] if first != s.max_seq_length else [])  # + retention
+        calls += [(s.max_seq_length, held)] + ([(first, keep)] if again else [])  # + retention
     calls = [(n, k) for n, k in calls if k]
     total = sum(k for _, k in calls)
     if not total:
@@ -102,7 +104,7 @@ def eval_line(shape, s: Stage, stages: list[Stage], world: int, micro_batch: int
                else "(" + " + ".join(f"{k} {t}" for t, k in trials.items()) + ") trials")
         parts.append(f"{per} x {_count(depths, 'depth')} x {_count(len(lengths), 'length')}")
     if held:
-        parts.append(f"{held} held-out" + (f" + {held} held-out at {first}" if first != s.max_seq_length else ""))
+        parts.append(f"{held} held-out" + (f" + {keep} held-out at {first}" if again else ""))
     sizes = sorted({n for n, _ in calls})
     line = (f"eval: {' + '.join(parts)} = {total} forward passes of "
             + (f"{sizes[0]} tokens" if len(sizes) == 1 else f"{sizes[0]}-{sizes[-1]} tokens"))

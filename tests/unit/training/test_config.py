@@ -361,3 +361,31 @@ def test_a_negative_warmup_is_refused(tmp_path, argv, text, where):
         parse_config(["--config", str(recipe), *argv])
     assert str(e.value) == f"{where}: use 0 (no warmup) or a number of steps >= 1"
     assert parse_config(["--warmup_steps", "0"]).warmup_steps == 0
+
+
+def test_a_resume_on_fewer_ranks_trains_the_rest_of_the_stages_epochs(capsys):
+    """An epoch-sized stage began with 39 steps at dp 2 (78 samples), ran 4, resumed at dp 1 (today: 78 steps for the
+    whole stage). It kept 39 and trained 43 of its 78 samples, then exited 0; now the 4 done stay and the 70 samples
+    left take 70 steps. A --warmup_ratio warmup follows the final count (it took today's 78: 16, not 0.2 x 74)."""
+    import dataclasses
+    import types
+
+    from training.curriculum import Stage, keep_stage_steps
+
+    st = Stage(index=0, name="main", max_seq_length=128, sp=1, rope=None, learning_rate=1e-3, min_lr=0.0,
+               warmup_steps=16, lr_scheduler="cosine", max_steps=78, reset_optimizer=False, steps_from="epochs:1",
+               warmup_ratio=0.2)
+    at = types.SimpleNamespace(stage=0, step=4, stage_steps=[39], stage_sizes=["epochs:1"])
+    (kept,) = keep_stage_steps([st], at)
+    assert (kept.max_steps, kept.warmup_steps) == (4 + 70, 15)
+    out = capsys.readouterr().out
+    assert "has run 4" in out and "70 more steps, 74 in all" in out and "warmup 15 steps" in out, out
+    grown = types.SimpleNamespace(stage=0, step=4, stage_steps=[78], stage_sizes=["epochs:1"])  # dp 1 -> dp 2
+    (kept,) = keep_stage_steps([dataclasses.replace(st, max_steps=39, warmup_steps=8)], grown)
+    assert kept.max_steps == 4 + 37  # 74 samples left, 2 a step (it trained 78 - 4 steps: 152 samples of 78)
+    same = types.SimpleNamespace(stage=0, step=4, stage_steps=[78], stage_sizes=["epochs:1"])  # same world: as it was
+    assert keep_stage_steps([st], same) == [st]
+    # resumed again at dp 1 after step 10 of the 74 planned (4 at dp 2 + 70 at dp 1): the 64 left stay 64 (the rate
+    # its rest was planned at is recorded: stage_full 78; from the 74 alone it read as 67.5 -> 68 more)
+    again = types.SimpleNamespace(stage=0, step=10, stage_steps=[74], stage_sizes=["epochs:1"], stage_full=[78])
+    assert keep_stage_steps([st], again)[0].max_steps == 74

@@ -194,7 +194,7 @@ def test_eval_summary_prints_before_and_after(tmp_path, capsys):
     out = tmp_path / "run"
     mean = [{"passkey": {"256": 1.0}}, {"passkey": {"256": 0.7333}}]
     _records(out, [{"stage": i, "stage_name": n, "step": s, "seq_len": 512, "heldout_loss": h,
-                    "heldout_loss_first_len": h, "first_len": 512, "task_mean": m,
+                    "heldout_loss_first_len": h, "heldout_first_len_samples": 2, "first_len": 512, "task_mean": m,
                     "tasks": {"passkey": {"256": {"0.5": m["passkey"]["256"]}}}}
                    for i, (n, s, h, m) in enumerate([("before", 1, 7.4737, mean[0]), ("sft", 101, 1.7419, mean[1])])])
     assert script.main([str(out)]) == 0

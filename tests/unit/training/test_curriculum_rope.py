@@ -1,0 +1,79 @@
+"""What a stage without `rope:` runs (training/curriculum.resolve_stages): the previous stage's RoPE, the first stage
+the run's `rope`, else the model's; `rope: {}` the model's own. Said at plan time, and on a resume whose checkpoint
+trained such a stage under the older rule (the model's RoPE). A warmup as long as the stage is noted. No launch:
+tiny transformers configs, the rotary frequencies transformers computes from them (auditE3 findings 1 and 6)."""
+
+from __future__ import annotations
+
+import json
+import types
+
+from transformers import AutoConfig
+
+from model_utils.rope import apply_rope
+from training.config import Config, StageConfig
+from training.curriculum import check_resumed_stages, check_stages, resolve_stages
+
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+            vocab_size=128, pad_token_id=0, eos_token_id=1, bos_token_id=2, rope_theta=10000.0)
+ABF = {"rope_type": "default", "rope_theta": 40000.0}
+
+
+def _llama():
+    return AutoConfig.for_model("llama", **TINY, max_position_embeddings=1024)
+
+
+def _stages(*stages, **run):
+    return resolve_stages(Config(max_steps=4, **run, stages=list(stages)), dp_of_sp=lambda sp: 1)
+
+
+def _theta(stage) -> float:
+    c = _llama()
+    apply_rope(c, stage.rope, stage.max_seq_length)  # what training/stage.py builds each stage's engine with
+    return c.rope_parameters["rope_theta"]
+
+
+def test_a_stage_without_rope_keeps_the_previous_stages(capsys):
+    """The audit's r3.yaml: a 1000 (none), b 2000 (ABF 40000), c 4000 (none): c trained and exported with the base
+    theta 10000 again (the SFT stage after a recipe's ABF stages fine-tuned with the base RoPE); now c keeps 40000,
+    the plan says whose it is, and `rope: {}` goes back to the model's own."""
+    a, b, c, d = _stages(StageConfig(name="a", max_seq_length=1000), StageConfig(name="b", max_seq_length=2000, rope=ABF),
+                         StageConfig(name="c", max_seq_length=4000), StageConfig(name="d", max_seq_length=4000, rope={}))
+    assert [_theta(s) for s in (a, b, c, d)] == [10000.0, 40000.0, 40000.0, 10000.0]
+    assert (a.rope, c.rope, c.rope_from, d.rope) == (None, ABF, 1, None)
+    check_stages([a, b, c, d], world=1, num_heads=4, num_kv_heads=2, model=_llama())
+    out = capsys.readouterr().out
+    assert "note: stage 2 (c) has no rope of its own: it keeps stage 1 (b)'s" in out and "stage 3 (d) has no" not in out
+    # the first stage: the run's rope, which the later ones keep until a stage gives its own
+    x, y = _stages(StageConfig(name="x", max_seq_length=1000), StageConfig(name="y", max_seq_length=2000),
+                   rope={"rope_type": "default", "rope_theta": 20000.0})
+    assert [_theta(s) for s in (x, y)] == [20000.0, 20000.0] and x.rope_from is None is y.rope_from
+
+
+def test_a_resume_mid_stage_says_the_stage_trained_with_another_rope(tmp_path, capsys):
+    """A checkpoint written inside c by the code before this rule holds the base theta in its hf_config.json: the run
+    resumed today trains c's rest with b's 40000; one note says so and how to keep the old."""
+    stages = _stages(StageConfig(name="a", max_seq_length=1000, max_steps=3),
+                     StageConfig(name="b", max_seq_length=2000, max_steps=2, rope=ABF),
+                     StageConfig(name="c", max_seq_length=4000, max_steps=4))
+    ck = tmp_path / "step_6"
+    ck.mkdir()
+    (ck / "hf_config.json").write_text(json.dumps({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}))
+    state = types.SimpleNamespace(checkpoint=str(ck), stage=2, step=6, stage_names=["a", "b", "c"], stage_steps=[3, 2, 4])
+    check_resumed_stages(stages, state)
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "trained stage 2 (c) with RoPE" in out and "rope_theta': 40000.0" in out, out
+    (ck / "hf_config.json").write_text(json.dumps({"rope_parameters": {"rope_type": "default", "rope_theta": 40000.0}}))
+    check_resumed_stages(stages, state)  # trained under today's rule: nothing to say
+    state.step = 9  # c's end: nothing of c trains again
+    (ck / "hf_config.json").write_text(json.dumps({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}))
+    check_resumed_stages(stages, state)
+    assert capsys.readouterr().out == ""
+
+
+def test_a_warmup_as_long_as_the_stage_is_noted(capsys):
+    """r1.yaml: max_steps 3, warmup_steps 10: the stage ended at 30% of its peak LR, never decayed, unsaid."""
+    _stages(StageConfig(name="short", max_steps=3), StageConfig(name="long", max_steps=40), warmup_steps=10)
+    out = capsys.readouterr().out
+    assert "note: stage 0 (short): warmup_steps 10 >= its 3 steps: its LR rises to 30% of" in out, out
+    assert "stage 1" not in out
