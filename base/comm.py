@@ -42,8 +42,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from base import connect, devices, watcher
+from base import connect, devices, run_identity, watcher
 from base.exits import EXIT_PEER_LOST
+from base.store_limits import fd_refusal, publish_agent_fd_limit, publish_fd_limit  # noqa: F401  (re-exported)
 
 LONG_WAIT_S = 6 * 3600  # rank-0-only work others may wait for: universal conversion of 8B on 32 ranks, prep
 _HOST_GROUP = None  # gloo group over the same ranks, for the long waits above
@@ -112,13 +113,15 @@ def init(timeout_s: float) -> tuple[int, int, int]:
 
 
 def _check_devices(index: int, visible: int) -> None:
-    """Every rank's (host, devices it sees, its device's UUID) over the host group, before NCCL's first collective:
-    two ranks on one GPU are one line on every rank (NCCL would abort there); tasks that each see one GPU, a line
-    from rank 0. One gather of ~100 bytes a rank at start-up (50 KB at 512 ranks)."""
+    """Every rank's (host, devices it sees, its device's UUID, the UUIDs it sees) over the host group, before NCCL's
+    first collective: two ranks on one GPU are one line on every rank (NCCL would abort there); tasks that each see one
+    GPU, or GPUs left idle, a line from rank 0. One gather of ~100-400 bytes a rank at start-up (200 KB at 512 ranks
+    that each see 8 GPUs)."""
     import socket
 
     readings: list = [None] * dist.get_world_size()
-    dist.all_gather_object(readings, (socket.gethostname(), visible, devices.uuid_of(index)), group=_HOST_GROUP)
+    dist.all_gather_object(readings, (socket.gethostname(), visible, devices.uuid_of(index),
+                                      devices.uuids_seen(visible) if visible > 1 else ()), group=_HOST_GROUP)
     line = devices.duplicates(readings)
     if line:
         raise ValueError(line)
@@ -353,26 +356,43 @@ def open_channel() -> None:
     rank waits for that word and refuses the job (ValueError: one line, exit 2 on every rank, before any work) when
     it cannot hold 3 connections per rank of this world, or the rank's own limit its peers: the same published
     number and WORLD_SIZE on every rank, so every rank takes the same decision. Cost at 512 ranks: one getrlimit and
-    setrlimit per rank, one `check` + `get` on the store per rank at start (1024 requests, once)."""
+    setrlimit per rank, one `check` + `get` on the store per rank at start (1024 requests, once). Another run's store
+    (two runs on one port): refused in one line (exit 2) before this rank writes anything into it, from the identity
+    its host published (base/run_identity.py; one more `get` per rank)."""
     global _WATCHER
     env = os.environ
     world_size, rank_ = int(env.get("WORLD_SIZE", "1")), int(env.get("RANK", "0"))
     addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
     if _WATCHER is not None or world_size <= 1 or not addr or not port:
         return
+    from base.slurm_env import master_refusal
+
+    wrong_host = master_refusal(env)  # srun's ranks pointed at a node outside their step (a batch shell's export)
+    if wrong_host:
+        raise ValueError(wrong_host)
     soft, _ = watcher.raise_fd_limit()  # every rank; on rank 0 before its store server accepts anyone
     hosting = rank_ == 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-    deadline = connect.deadline(watcher.START_WAIT_S)  # one bounded wait, from this rank's start, for both below
+    deadline = connect.deadline(watcher.START_WAIT_S)  # one bounded wait, from this rank's start, for all below
+    mine = run_identity.identity()  # whose store this is: read before anything is written (base/run_identity.py)
+    watcher.use_run(mine.digest)
+
+    def ours(st) -> bool:
+        return run_identity.refusal(run_identity.read(st, deadline) or "", mine, addr, port, rank_) is None
+
     # first: a fork, before any thread or server exists
-    heart = watcher.start_heartbeat(lambda: _connect(addr, int(port), deadline), rank_)
+    heart = watcher.start_heartbeat(lambda: _connect(addr, int(port), deadline), rank_, verify=ours)
     try:
         if hosting:
             # the rendezvous store itself: torch's env:// init (multi_tenant too) reuses this server
             store = dist.TCPStore(addr, int(port), is_master=True, wait_for_workers=False, multi_tenant=True,
                                   timeout=datetime.timedelta(seconds=watcher.STORE_OP_TIMEOUT_S))
+            run_identity.publish(store, mine)  # before any rank can read anything else
             publish_fd_limit(store, soft)
         else:
             store = _connect(addr, int(port), deadline)
+        # rank 0 under an agent's store (torchrun's, which publishes nothing) says whose it is; the others wait for
+        # the host's word (rank 0's arrival under torchrun, START_WAIT_S at most), writing nothing meanwhile
+        on_record = run_identity.publish(store, mine) if rank_ == 0 else run_identity.read(store, deadline)
     except BaseException as e:
         watcher.stop_heartbeat(heart)
         if hosting and isinstance(e, Exception) and "EADDRINUSE" in str(e) + repr(getattr(e, "__cause__", "")):
@@ -388,6 +408,17 @@ def open_channel() -> None:
                          "MASTER_ADDR/MASTER_PORT wrong; counted from this rank's start, ULYSSES_START_WAIT_S sets it) "
                          f"({watcher.one_line(e)})", watcher.SAY_S)
         raise SystemExit(EXIT_PEER_LOST) from None
+    refusal = run_identity.refusal(on_record or "", mine, addr, port, rank_)
+    if refusal and on_record is None:  # rank 0 never arrived (torchrun), or a store of a program that never says
+        watcher.stop_heartbeat(heart)
+        watcher._bounded(watcher._say, f"error: rank {rank_}: the job's store at {addr}:{port} never said which run it "
+                         f"belongs to within {watcher.START_WAIT_S:.0f} s: rank 0 never arrived, or the port is another "
+                         "program's (give this run its own --master_port; ULYSSES_START_WAIT_S sets this wait)",
+                         watcher.SAY_S)
+        raise SystemExit(EXIT_PEER_LOST)
+    if refusal:
+        watcher.stop_heartbeat(heart)
+        raise ValueError(refusal)
     _WATCHER = watcher.Watcher(store, rank_, world_size, heart=heart).start()
     _WATCHER.poll()
     if rank_ == 0 and not hosting:
@@ -395,49 +426,6 @@ def open_channel() -> None:
     refusal = fd_refusal(store, world_size, rank_, soft, wait_s=watcher.START_WAIT_S)
     if refusal:
         raise ValueError(refusal)
-
-
-def publish_fd_limit(store, soft: int, who: str = "") -> None:
-    """The store's host records the descriptors it may hold (its raised soft limit), and who it is: rank 0 here, node
-    0's launcher in base/node_store.py, torchrun's agent through rank 0 (publish_agent_fd_limit)."""
-    store.set(watcher.key("store_fds"), f"{soft} {who}".strip())
-
-
-def publish_agent_fd_limit(store, port: int) -> None:
-    """Rank 0 under an agent's store: torchrun's agent hosts the job's store and publishes nothing, so rank 0, its
-    child, finds it (the ancestor listening on MASTER_PORT, base.watcher.store_host_pid), raises its soft limit to the
-    hard one (prlimit: torch never does, and past it the agent's store stops accepting ranks, a start-up hang near
-    330 ranks at 1024) and publishes that limit for every rank to check against this world. Nothing when the store's
-    host published already (node 0's launcher, several `launch.sh --no_ssh` nodes); -1 (every rank checks only its
-    own limit) when no ancestor holds the port. Cost: once, on rank 0, before any work."""
-    if store.check([watcher.key("store_fds")]):
-        return
-    pid = watcher.store_host_pid(port)
-    have = watcher.raise_fd_limit_of(pid) if pid else None
-    publish_fd_limit(store, -1 if have is None else have, f"torchrun's agent on {watcher._hostname()}, pid {pid}")
-
-
-def fd_refusal(store, world_size: int, rank_: int, soft: int, wait_s: float = 0.0) -> str | None:
-    """The one-line refusal when the store's host (its published limit) cannot hold this world's connections, or
-    this rank's own limit its sockets; None when both can. Waits up to `wait_s` for the host's word, which always
-    comes (rank 0 publishes it right after starting the store, node 0's launcher before any rank starts, rank 0 under
-    torchrun once it has arrived; the watcher ends this rank meanwhile if rank 0 never does): every rank then decides
-    from the same number. Cost at 512 ranks: one `check` per rank every 0.5 s until rank 0 has arrived, then a `get`."""
-    import time
-
-    name = watcher.key("store_fds")
-    end = time.monotonic() + wait_s
-    while not store.check([name]) and time.monotonic() < end:
-        time.sleep(0.5)
-    if store.check([name]):
-        got = store.get(name)
-        have, _, who = (got.decode() if isinstance(got, bytes) else str(got)).partition(" ")
-        if int(have) >= 0:
-            host = who or "rank 0, or node 0's launcher"
-            server = watcher.fd_refusal(int(have), watcher.store_fds(world_size), f"the job's store (hosted by {host})")
-            if server:
-                return server
-    return watcher.fd_refusal(soft, watcher.rank_fds(world_size), f"rank {rank_} ({watcher._hostname()})")
 
 
 def _start_watcher() -> None:

@@ -36,20 +36,31 @@ def device_index(local_rank: int, visible: int, env=None) -> int:
 def one_each_line(readings: list[tuple[str, int, str | None]]) -> str | None:
     """Rank 0's line where ranks of a node each see a single GPU (srun --gpus-per-task=1): it works, slower; None
     otherwise. `readings`: every rank's (host, devices it sees, its device's UUID)."""
-    hosts = [h for h, _, _ in readings]
+    hosts = [r[0] for r in readings]
     shared = [h for h in set(hosts) if hosts.count(h) > 1]
-    if shared and all(n == 1 for h, n, _ in readings if h in shared):
+    if shared and all(r[1] == 1 for r in readings if r[0] in shared):
         return ("gpus: each rank sees one GPU (srun --gpus-per-task=1?): NCCL cannot use NVLink/P2P between GPUs a "
                 "task's device cgroup hides from the others; srun --gpus-per-node=G (every task sees the node's "
                 "GPUs) is faster")
     return None
 
 
-def idle_line(readings: list[tuple[str, int, str | None]]) -> str | None:
+def idle_line(readings: list[tuple]) -> str | None:
     """Rank 0's line where a node's ranks are fewer than the GPUs each of them sees (`srun python train.py` under
-    --gpus-per-node=8 without --ntasks-per-node=8: one task a node, 7 GPUs idle the whole run); None otherwise."""
-    for host in dict.fromkeys(h for h, _, _ in readings):
-        seen = [n for h, n, _ in readings if h == host]
+    --gpus-per-node=8 without --ntasks-per-node=8: one task a node, 7 GPUs idle the whole run), or where ranks that
+    see several GPUs each see different ones (--gpus-per-task=2 --ntasks-per-node=2: GPUs {a,b} and {c,d}, the ranks
+    drive a and d, b and c idle); None otherwise. `readings`: (host, devices seen, its device's UUID[, the UUIDs it
+    sees]); without the last, only the first case is told."""
+    for host in dict.fromkeys(r[0] for r in readings):
+        mine = [r for r in readings if r[0] == host]
+        seen = [r[1] for r in mine]
+        sets = [frozenset(r[3]) for r in mine if len(r) > 3 and r[3]]
+        if max(seen) > 1 and len(sets) == len(mine) and len(set(sets)) > 1:
+            idle = len(frozenset().union(*sets) - {r[2] for r in mine})
+            if idle:
+                return (f"gpus: {host}'s {len(mine)} ranks each see other GPUs ({max(seen)} at most, "
+                        f"{len(frozenset().union(*sets))} in all; srun --gpus-per-task={max(seen)}?): {idle} idle; "
+                        f"{FIX} uses them all")
         if min(seen) > len(seen):
             return (f"gpus: {host} runs {len(seen)} rank(s), each seeing {min(seen)} GPUs: {min(seen) - len(seen)} "
                     f"idle; srun --ntasks-per-node={min(seen)} (or the launcher's --num_gpus) uses them all")
@@ -60,7 +71,7 @@ def duplicates(readings: list[tuple[str, int, str | None]]) -> str | None:
     """One line naming ranks that would drive the same GPU (same host, same device UUID), None when each has its
     own (or no UUID is known)."""
     seen: dict[tuple[str, str], int] = {}
-    for rank, (host, _, uuid) in enumerate(readings):
+    for rank, (host, _, uuid, *_) in enumerate(readings):
         if uuid is None:
             continue
         if (host, uuid) in seen:
@@ -68,6 +79,12 @@ def duplicates(readings: list[tuple[str, int, str | None]]) -> str | None:
                     f"which NCCL refuses: {FIX}")
         seen[(host, uuid)] = rank
     return None
+
+
+def uuids_seen(visible: int) -> tuple[str, ...]:
+    """The UUIDs of every device this process sees (empty where torch does not say)."""
+    got = tuple(uuid_of(i) for i in range(visible))
+    return () if None in got else got  # type: ignore[return-value]
 
 
 def uuid_of(index: int) -> str | None:

@@ -36,9 +36,10 @@ as a broken node. slurm.sbatch excludes such a node only on evidence (docs/launc
 
 What stays uncovered: node 0 lost (its launcher and the store with it: the others stop after LOST_STORE_S, and Slurm
 itself requeues a job whose batch host failed); `deepspeed --hostfile` over pdsh (one launcher for all nodes: its
-own exit ends the others). Cost: one Python process on node 0 (torch imported, ~300 MB RSS, idle), no extra request
-on the training's path; node 0's `post --wait` reads every rank's heartbeat key every POLL_S/2 (512 small keys at
-512 ranks, for STALE_S at most once the job has failed).
+own exit ends the others). The store is the run's (base/run_identity.py): `serve` publishes the identity launch.sh
+exported (ULYSSES_LAUNCH_ID) before any rank starts, and every key here is under it. Cost: one Python process on
+node 0 (torch imported, ~300 MB RSS, idle), no extra request on the training's path; node 0's `post --wait` reads
+every rank's heartbeat key every POLL_S/2 (512 small keys at 512 ranks, for STALE_S at most once the job has failed).
 
     python -m base.node_store serve ADDR PORT [--ready FILE]   # node 0's launch.sh, in the background
     python -m base.node_store post ADDR PORT CODE REASON --node K --nnodes N --ranks-per-node R [--wait]
@@ -55,9 +56,10 @@ import socket
 import sys
 import time
 
+from base import run_identity
 from base.comm import TCPStore
 from base.exits import EXIT_PEER_LOST
-from base.watcher import DONE, POLL_S, START_WAIT_S, STORE_OP_TIMEOUT_S, key, one_line
+from base.watcher import DONE, POLL_S, START_WAIT_S, STORE_OP_TIMEOUT_S, key, one_line, use_run
 
 LATE_JOIN_S = START_WAIT_S  # after a failure, node 0's launcher keeps the store this long for ranks still on their way
 STALE_S = 5 * POLL_S  # a rank's heartbeat unchanged this long after a failure: the rank is gone (it beats every POLL_S)
@@ -75,6 +77,7 @@ def serve(addr: str, port: int, ready: str | None = None) -> None:
     soft, _ = raise_fd_limit()  # 3 connections per rank: 1664 descriptors at 512 ranks, past a soft limit of 1024
     store = TCPStore(addr, port, is_master=True, wait_for_workers=False, multi_tenant=True,
                           timeout=datetime.timedelta(seconds=STORE_OP_TIMEOUT_S))
+    run_identity.publish(store, run_identity.identity())  # whose store: every rank reads it before it writes
     store.compare_set(key("abort"), "", "")  # the watchers' multi_get never blocks on a missing key
     publish_fd_limit(store, soft)  # every rank refuses a world this process cannot hold (base/comm.py open_channel)
     # Slurm signals every process of the step (preemption, time limit): the ranks then save and need the store until
@@ -195,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--lost-file", help="with --wait: write the lost nodes' indices here, one a line, and `K absent` "
                    "for a node none of whose ranks arrived (none: no file)")
     a = p.parse_args(argv)
+    use_run(run_identity.identity().digest)  # ULYSSES_LAUNCH_ID, which launch.sh exports to its ranks and to this
     if a.cmd == "serve":
         serve(a.addr, a.port, a.ready)
         return 0

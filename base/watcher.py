@@ -101,8 +101,15 @@ LOG_WRITE_S = 2.0  # the watcher's rank-log line before its hard exit (the log i
 SAY_S = 2.0  # the watcher's stderr line before its hard exit (a full pipe into slurm-%j.out on a hung file system)
 LEAVE_WAIT_S = 600.0  # rank 0, leaving cleanly, waits at most this long for live ranks still on their way out
 DONE = b"done"  # a rank's heartbeat value once it has left (cleanly, failed, or stopped by an abort)
-_PREFIX = "ulysses_watch/"
-LOG = logging.getLogger("ulysses_longtrain.rank")  # training.metrics' rank log (same logger, no import)
+_PREFIX = "ulysses_watch/"  # + the run's identity once `use_run` (base/run_identity.py): another run's ranks on this
+LOG = logging.getLogger("ulysses_longtrain.rank")  # store (a shared port) then never write this run's keys
+
+
+def use_run(digest: str) -> None:
+    """Put this process's keys under the run `digest` (base/comm.py open_channel, base/node_store.py): before the
+    heartbeat's fork, which inherits it."""
+    global _PREFIX
+    _PREFIX = f"ulysses_watch/{digest}/"
 
 
 def key(name: str) -> str:
@@ -405,10 +412,11 @@ def _bounded(fn, arg, timeout_s: float) -> None:
 
 # --- the heartbeat process (see the module docstring: why not a thread) ---
 
-def start_heartbeat(connect, rank: int) -> int | None:
+def start_heartbeat(connect, rank: int, verify=None) -> int | None:
     """Fork this rank's heartbeat process; its pid (None if fork failed: the watcher thread's beat remains). Call
     before this process starts a thread or a store server: the child must not inherit a listening socket (rank 0's
-    port would outlive rank 0) nor a lock held by a thread it does not have."""
+    port would outlive rank 0) nor a lock held by a thread it does not have. `verify(store)`: whether the store is
+    this run's (base/run_identity.py); the child writes nothing into one that is not."""
     parent = os.getpid()
     try:
         pid = os.fork()
@@ -418,14 +426,14 @@ def start_heartbeat(connect, rank: int) -> int | None:
         return pid
     code = 0
     try:
-        _heartbeat(connect, rank, parent)
+        _heartbeat(connect, rank, parent, verify)
     except BaseException:  # noqa: BLE001 -- never back into the parent's code
         code = 1
     finally:
         os._exit(code)
 
 
-def _heartbeat(connect, rank: int, parent: int) -> None:
+def _heartbeat(connect, rank: int, parent: int, verify=None) -> None:
     """The child: `add hb/RANK 1` every POLL_S on its own `connect()`ion while `parent` exists and is not stopped;
     dies with it. Signals a
     launcher or SLURM send the whole job are ignored (the rank may be saving: its beat must go on)."""
@@ -442,6 +450,8 @@ def _heartbeat(connect, rank: int, parent: int) -> None:
     if os.getppid() != parent:
         return
     store = connect()
+    if verify is not None and not verify(store):  # another run's store: its rank says so (base/comm.py)
+        return
     beat = key(f"hb/{rank}")
     while os.getppid() == parent:
         if not _stopped(parent):

@@ -34,10 +34,11 @@ DEEPSPEED=${DEEPSPEED:-$(bin deepspeed)}
 TORCHRUN=${TORCHRUN:-$(bin torchrun)}
 die() { echo "launch.sh: error: $*" >&2; exit "$EXIT_USAGE"; }
 . "$ROOT/scripts/launch_crash.sh"  # this node's crash verdict (died_verdict, crash_verdict)
+. "$ROOT/scripts/launch_env.sh"  # launch_id, default_port, visible_refusal
 
 # --- options ---
 num_gpus="" hostfile="" include="" exclude="" num_nodes="" launcher="" no_ssh=0 torchrun=0
-nnodes="" node_rank=0 master_addr="" master_port=29500 print_only=0 act="" force=""  # act: the hosts that run ranks
+nnodes="" node_rank=0 master_addr="" master_port="" print_only=0 act="" force=""  # act: the hosts that run ranks
 while [ $# -gt 0 ]; do
   case "$1" in --*=*) set -- "${1%%=*}" "${1#*=}" "${@:2}" ;; esac  # --num_gpus=2 as deepspeed takes it
   case "$1" in
@@ -131,6 +132,10 @@ if [ "$no_ssh" = 1 ] || [ "$torchrun" = 1 ]; then
   [ "$nnodes" = 1 ] || [ -n "$master_addr" ] || die "--nnodes $nnodes needs --master_addr (node 0's address)"
   master_addr=${master_addr:-127.0.0.1}  # one node (deepspeed would ssh to the hostfile's first host to find it)
 fi
+one_node=0; [ -z "$hostfile" ] && [ "$nnodes" = 1 ] && one_node=1
+[ -n "$master_port" ] || master_port=$(default_port "$one_node" "$(bin python)")  # scripts/launch_env.sh
+separate=0; [ "$one_node$no_ssh$torchrun" != 000 ] && [ "$nnodes" -gt 1 ] && separate=1  # a launch.sh on every node
+ULYSSES_LAUNCH_ID=$(launch_id "$separate"); export ULYSSES_LAUNCH_ID  # whose store (base/run_identity.py)
 
 # --- environment: the accelerator, and what every node must see ---
 acc_given=${DS_ACCELERATOR:+1}; [ -n "$acc_given" ] || if command -v nvidia-smi >/dev/null 2>&1 && [[ $(nvidia-smi -L 2>/dev/null) == GPU* ]]
@@ -159,6 +164,10 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 # nodes are alike: the first; one node: the GPUs picked), else 1.
 ranks_here=${num_gpus:-$(sed -n "$((no_ssh ? node_rank + 1 : 1))p" <<< "$act" | cut -d' ' -f2)}
 ranks_here=${ranks_here:-1}
+if [ "$torchrun" = 0 ] && { [ -z "$hostfile" ] || [ "$no_ssh" = 1 ]; }; then  # pdsh nodes: their own variables
+  fixed=0; [ "$DS_ACCELERATOR" = cuda ] && { [ -n "$num_gpus_given" ] || [ "$no_ssh" = 1 ]; } && fixed=1
+  why=$(visible_refusal "$fixed" "$ranks_here" "$([ "$no_ssh" = 1 ] && echo --no_ssh || echo --num_gpus)") || die "$why"
+fi
 cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # the CPUs this process may run on (cgroup/cpuset aware)
 [ -n "${OMP_NUM_THREADS:-}" ] || export OMP_NUM_THREADS=$(( cores / ranks_here > 0 ? cores / ranks_here : 1 ))
 bind=0
@@ -193,7 +202,7 @@ fi
 env_file=${DS_ENV_FILE:-.deepspeed_env}
 tmp=$(mktemp "$env_file.XXXXXX")
 # The interface variables ride along (GLOO_/NCCL_SOCKET_IFNAME, NCCL_IB_HCA, FI_* of libfabric/EFA, UCX_*): without
-ours='^(NCCL_|GLOO_|FI_|UCX_|WANDB_|HF_|TRANSFORMERS_|TORCH_NCCL_)|^(PYTHONPATH|DS_ACCELERATOR|OMP_NUM_THREADS|PYTORCH_CUDA_ALLOC_CONF|CUDA_HOME|SLURM_JOB_END_TIME|SLURM_JOB_START_TIME|TORCH_EXTENSIONS_DIR)$'
+ours='^(NCCL_|GLOO_|FI_|UCX_|WANDB_|HF_|TRANSFORMERS_|TORCH_NCCL_)|^(PYTHONPATH|DS_ACCELERATOR|OMP_NUM_THREADS|PYTORCH_CUDA_ALLOC_CONF|CUDA_HOME|SLURM_JOB_END_TIME|SLURM_JOB_START_TIME|TORCH_EXTENSIONS_DIR|ULYSSES_LAUNCH_ID)$'
 names=$(compgen -e | grep -E "$ours" || true)  # them a remote node's gloo group binds what its hostname resolves to
 # A file of your own keeps its other lines (LD_LIBRARY_PATH=...): the names above (and LAUNCH_EXPORT's) are this
 # environment's, set or unset; deepspeed reads every line as KEY=VALUE, so lines without one are dropped
@@ -209,6 +218,7 @@ fi
 for v in $names ${LAUNCH_EXPORT:-}; do
   # deepspeed over pdsh from a login node without GPUs: its `cpu` would make every GPU node train on CPU
   [ "$v" = DS_ACCELERATOR ] && [ -z "$acc_given" ] && [ -n "$hostfile" ] && [ "$no_ssh$torchrun" = 00 ] && continue
+  [ "$v" = ULYSSES_LAUNCH_ID ] && { [ -z "$hostfile" ] || [ "$no_ssh$torchrun" != 00 ]; } && continue  # pdsh's only
   val=${!v-}
   case "$val" in *$'\n'*) echo "launch.sh: not exporting $v (multi-line value)" >&2; continue ;; esac
   printf '%s=%s\n' "$v" "$val" >> "$tmp"

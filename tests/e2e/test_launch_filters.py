@@ -7,13 +7,14 @@ ranks never got a save request."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
 
 import pytest
 
-from tests.e2e.launchers import DS, LAUNCH, STUBS, TRAIN, clean_env, launch, needs_2_cpus, wait_for
+from tests.e2e.launchers import DS, LAUNCH, ROOT, STUBS, TRAIN, clean_env, launch, needs_2_cpus, wait_for
 from training.job import launcher_refusal
 
 CORES = len(os.sched_getaffinity(0))
@@ -28,6 +29,13 @@ def eight_gpus(tmp_path) -> str:
     return f"{tmp_path / 'bin'}:{os.environ['PATH']}"
 
 
+def one_port(out: str) -> str:
+    """A one-node launch's port: free when launch.sh looked (scripts/launch_env.sh default_port), not 29500."""
+    port = int(re.search(r"--master_port (\d+)", out).group(1))
+    assert port != 29500, out
+    return re.sub(r"--master_port \d+", "--master_port PORT", out)
+
+
 def refused(p: subprocess.CompletedProcess, *words: str) -> bool:
     return p.returncode == 2 and p.stdout == "" and len(p.stderr.splitlines()) == 1 and all(w in p.stderr for w in words)
 
@@ -37,7 +45,7 @@ def refused(p: subprocess.CompletedProcess, *words: str) -> bool:
 def test_one_node_runs_on_the_gpus_picked(tmp_path, opts, ranks):
     p = launch(["--print-only", *opts, "--", "--x"], tmp_path, PATH=eight_gpus(tmp_path), OMP_NUM_THREADS=None)
     assert p.returncode == 0, p.stderr
-    assert p.stdout.endswith(f" {DS} {' '.join(opts)} --master_port 29500 {TRAIN} --x\n"), p.stdout
+    assert one_port(p.stdout).endswith(f" {DS} {' '.join(opts)} --master_port PORT {TRAIN} --x\n"), p.stdout
     assert f" OMP_NUM_THREADS={max(1, CORES // ranks)} " in p.stdout, p.stdout  # this node's ranks: the GPUs picked
 
 
@@ -47,6 +55,8 @@ def test_one_node_runs_on_the_gpus_picked(tmp_path, opts, ranks):
     (["--exclude", "localhost"], {}, ["nothing left to run on"]),
     (["--include", "localhost:1"], {"CUDA_VISIBLE_DEVICES": "4,5"}, ["CUDA_VISIBLE_DEVICES=4,5 and --include"]),
     (["--include", "localhost:1"], {"DS_ACCELERATOR": "cpu"}, ["on CPU a rank is a process: give --num_gpus N"]),
+    # the runner drops the selection under --num_gpus: 0-1, another job's GPUs (scripts/launch_env.sh, more cases below)
+    (["--num_gpus", "2"], {"CUDA_VISIBLE_DEVICES": "4,5"}, ["CUDA_VISIBLE_DEVICES=4,5 but --num_gpus", "devices 0-1"]),
     (["--torchrun", "--include", "localhost:1"], {}, ["torchrun takes no", "CUDA_VISIBLE_DEVICES"]),
     (["--no_ssh", "--include", "localhost:1"], {}, ["with --no_ssh name the hosts of your hostfile"]),
     (["--num_nodes", "2"], {}, ["--num_nodes 2 needs -H HOSTFILE"]),
@@ -58,7 +68,8 @@ def test_one_node_filters_it_cannot_honour_are_one_line(tmp_path, opts, env, wor
 
 def test_num_nodes_1_on_one_node_is_what_it_runs_anyway(tmp_path):
     p = launch(["--print-only", "--num_nodes", "1", "--", "--x"], tmp_path, PATH=eight_gpus(tmp_path))
-    assert p.returncode == 0 and p.stdout.endswith(f" {DS} --num_gpus 8 --master_port 29500 {TRAIN} --x\n"), p.stderr
+    assert p.returncode == 0 and one_port(p.stdout).endswith(f" {DS} --num_gpus 8 --master_port PORT {TRAIN} --x\n"), \
+        p.stderr
 
 
 @pytest.mark.parametrize("opts, words", [
@@ -157,3 +168,47 @@ def test_a_save_request_goes_over_pdsh_to_the_hosts_left_after_the_filter(tmp_pa
         p.kill()
     sent = (tmp_path / "pdsh.log").read_text().splitlines()  # one a signal: the SIGTERM's, the first SIGINT's
     assert sent and set(sent) == {f"-w hA,hC pkill -USR1 -f '{TRAIN} --local_rank=[0-9]'"}, out
+
+
+def helper(call: str, **env: str) -> subprocess.CompletedProcess:
+    """A function of scripts/launch_env.sh (sourced by launch.sh) in a bare bash, with `env`."""
+    return subprocess.run(["bash", "-c", f'. "$0"; {call}', os.path.join(ROOT, "scripts", "launch_env.sh")],
+                          env={"PATH": os.environ["PATH"], **env}, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("cvd, fixed, ranks, words", [
+    ("4,5", 1, 2, ["CUDA_VISIBLE_DEVICES=4,5 but --no_ssh runs this node's 2 ranks on devices 0-1", "--torchrun"]),
+    ("1,0", 1, 2, ["CUDA_VISIBLE_DEVICES=1,0 but --no_ssh"]),
+    ("0", 1, 2, ["CUDA_VISIBLE_DEVICES=0 but --no_ssh runs this node's 2 ranks"]),
+    ("GPU-8932f937-d72c,GPU-1c2d", 0, 2, ["names a device by UUID (GPU-8932f937-d72c)", "--torchrun or srun"]),
+    ("MIG-1a2b", 1, 1, ["names a device by UUID (MIG-1a2b)"]),
+    ("0,1", 1, 2, []), ("0,1,2,3", 1, 2, []), ("4,5", 0, 2, []), ("", 1, 8, []),
+])
+def test_visible_devices_a_deepspeed_launch_would_not_use_are_one_line(cvd, fixed, ranks, words):
+    """--num_gpus and --no_ssh run on 0..N-1 whatever CUDA_VISIBLE_DEVICES selects (a --gres job given GPUs 4-7
+    trained on another job's 0-3); UUIDs (Slurm's MIG devices) were the runner's traceback."""
+    p = helper(f"visible_refusal {fixed} {ranks} --no_ssh", CUDA_VISIBLE_DEVICES=cvd)
+    assert p.returncode == (1 if words else 0) and all(w in p.stdout for w in words), p.stdout + p.stderr
+    assert len(p.stdout.splitlines()) == (1 if words else 0)
+
+
+def test_default_port_is_free_on_one_node_and_agreed_on_several():
+    """One node: a port free when launch.sh looked, not deepspeed's 29500 (two runs on one node joined one store).
+    Several nodes must agree without talking: the srun step's port (base/slurm_env.job_port), else 29500."""
+    from base.slurm_env import job_port
+
+    python = os.path.join(ROOT, ".venv", "bin", "python")
+    ports = {int(helper(f"default_port 1 {python}").stdout) for _ in range(2)}
+    assert 29500 not in ports and all(1024 < p < 65536 for p in ports)
+    assert helper(f"default_port 0 {python}", SLURM_JOB_ID="1234567", SLURM_STEP_ID="3").stdout.strip() == \
+        str(job_port(1234567, 3))
+    assert helper(f"default_port 0 {python}", SLURM_JOB_ID="1234567").stdout.strip() == "29500"  # batch shell: no step
+
+
+def test_launch_id_is_shared_by_the_nodes_of_one_launch_only():
+    """--no_ssh / --torchrun nodes each derive it alike (base/run_identity.py compares it); one launcher makes its own."""
+    one = helper("nnodes=2 launch_id 1", SLURM_JOB_ID="7", SLURM_STEP_ID="0", SLURM_NODEID="1", SLURM_PROCID="1").stdout
+    assert one == helper("nnodes=2 launch_id 1", SLURM_JOB_ID="7", SLURM_STEP_ID="0").stdout != ""
+    assert one != helper("nnodes=2 launch_id 1", SLURM_JOB_ID="7", SLURM_STEP_ID="1").stdout
+    assert one != helper("nnodes=3 launch_id 1", SLURM_JOB_ID="7", SLURM_STEP_ID="0").stdout
+    assert helper("nnodes=1 launch_id 0").stdout != helper("nnodes=1 launch_id 0").stdout

@@ -29,12 +29,13 @@ from tests.e2e.launchers import (
     requeues,
     wait_for,
 )
+from tests.e2e.test_launch_filters import one_port
 
 # --- scripts/launch.sh: commands ---
 
 # what a cluster sets so that gloo, NCCL, libfabric (EFA) and UCX pick the nodes' fabric; every node needs them
 @pytest.mark.parametrize("opts, expect", [
-    (["--num_gpus", "4"], f"{DS} --num_gpus 4 --master_port 29500 {TRAIN} --max_steps 3"),
+    (["--num_gpus", "4"], f"{DS} --num_gpus 4 --master_port PORT {TRAIN} --max_steps 3"),
     (["-H", "hosts", "--include", "w0@w1:0,1", "--master_port", "29400"],
      f"{DS} --hostfile hosts --include w0@w1:0,1 --master_port 29400 {TRAIN} --max_steps 3"),
     # one host left, not this one: --force_multi (deepspeed would run its ranks here, on this machine)
@@ -48,7 +49,7 @@ from tests.e2e.launchers import (
      f"--master_port 29500 --num_gpus 8 {TRAIN} --max_steps 3"),
     # one node: node 0's address is this one (deepspeed would ssh to the hostfile's made-up first host to find it)
     (["--no_ssh", "--num_gpus", "2"], f"{DS} --hostfile TMP/ulysses_hostfile.{os.getuid()}.1x2 --no_ssh --node_rank 0 "
-     f"--master_addr 127.0.0.1 --master_port 29500 --num_gpus 2 {TRAIN} --max_steps 3"),
+     f"--master_addr 127.0.0.1 --master_port PORT --num_gpus 2 {TRAIN} --max_steps 3"),
     # your hostfile: its lines are the nodes (node 1 of 2 accepted), its filters passed on
     (["-H", "hosts", "--no_ssh", "--node_rank", "1", "--master_addr", "10.0.0.1", "--num_gpus", "1"],
      f"{DS} --hostfile hosts --no_ssh --node_rank 1 --master_addr 10.0.0.1 --master_port 29500 --num_gpus 1 {TRAIN} "
@@ -65,9 +66,12 @@ def test_print_only_prints_the_command_and_writes_deepspeed_env(tmp_path, opts, 
     p = launch(["--print-only", *opts, "--", "--max_steps", "3"], tmp_path, TMPDIR=str(tmp_path),
                WANDB_MODE="offline", NCCL_DEBUG="WARN", HF_HOME="/data/hf", DS_ACCELERATOR="cpu", **INTERFACES)
     assert p.returncode == 0, p.stderr
-    assert p.stdout == (f"DS_ACCELERATOR=cpu PYTHONPATH={ROOT} OMP_NUM_THREADS=1 "
-                        f"{expect.replace('TMP', str(tmp_path))}\n")
+    out = one_port(p.stdout) if "PORT" in expect else p.stdout  # one node: a free port (scripts/launch_env.sh)
+    assert out == f"DS_ACCELERATOR=cpu PYTHONPATH={ROOT} OMP_NUM_THREADS=1 {expect.replace('TMP', str(tmp_path))}\n"
     exported = (tmp_path / ".deepspeed_env").read_text().splitlines()
+    pdsh = "hosts" in opts and "--no_ssh" not in opts  # one launcher for every node: its id goes with the variables
+    assert len([e for e in exported if e.startswith("ULYSSES_LAUNCH_ID=")]) == pdsh, exported
+    exported = [e for e in exported if not e.startswith("ULYSSES_LAUNCH_ID=")]
     assert {"WANDB_MODE=offline", "NCCL_DEBUG=WARN", "HF_HOME=/data/hf", "DS_ACCELERATOR=cpu",
             f"PYTHONPATH={ROOT}", "OMP_NUM_THREADS=1", *(f"{k}={v}" for k, v in INTERFACES.items())
             } == set(exported)  # nothing else, no blank lines
@@ -167,7 +171,7 @@ def test_one_host_left_in_a_hostfile_runs_there_not_here(tmp_path, host, force):
 def test_cuda_visible_devices_are_respected(tmp_path):
     # deepspeed: no --num_gpus, so the runner turns the selection into --include localhost:2,3
     p = launch(["--print-only", "--", "--x"], tmp_path, CUDA_VISIBLE_DEVICES="2,3", DS_ACCELERATOR="cuda")
-    assert p.stdout.endswith(f" {DS} --master_port 29500 {TRAIN} --x\n"), p.stdout + p.stderr
+    assert one_port(p.stdout).endswith(f" {DS} --master_port PORT {TRAIN} --x\n"), p.stdout + p.stderr
     p = launch(["--print-only", "--torchrun", "--", "--x"], tmp_path, CUDA_VISIBLE_DEVICES="2,3",
                DS_ACCELERATOR="cuda")
     assert " --nproc_per_node 2 " in p.stdout, p.stdout + p.stderr
@@ -232,7 +236,7 @@ def test_exit_code_of_the_launcher_is_passed_on(tmp_path, code):
     p = launch(["--num_gpus", "1", "--", "--max_steps", "1"], tmp_path, DEEPSPEED=os.path.join(STUBS, "fake_launch"),
                FAKE_LOG=str(log), FAKE_EXIT=str(code))
     assert p.returncode == code, p.stderr
-    assert log.read_text().splitlines()[0] == f"args: --num_gpus 1 --master_port 29500 {TRAIN} --max_steps 1"
+    assert one_port(log.read_text().splitlines()[0]) == f"args: --num_gpus 1 --master_port PORT {TRAIN} --max_steps 1"
 
 
 # --- the real launchers with stand-ins for train.py ---

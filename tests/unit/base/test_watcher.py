@@ -34,7 +34,7 @@ def test_a_posted_failure_stops_every_other_rank_with_its_line(channel):
     w0.poll()
     w1.poll()
     assert ex0 == ex1 == ["stopping: rank 2 failed: RuntimeError: boom", 1]
-    assert w0.store.get("ulysses_watch/hb/1") == watcher.DONE  # rank 1 marked itself done before exiting
+    assert w0.store.get(watcher.key("hb/1")) == watcher.DONE  # rank 1 marked itself done before exiting
 
 
 def test_an_input_error_stops_the_others_with_its_exit_code(channel):
@@ -129,7 +129,7 @@ def test_rank0_waits_for_ranks_still_leaving_before_its_store_goes(channel):
     def sleep(s):  # rank 2 still heartbeats for 3 ticks, then leaves
         ticks.append(s)
         clock.t += 1
-        w2.store.add("ulysses_watch/hb/2", 1)
+        w2.store.add(watcher.key("hb/2"), 1)
         if len(ticks) == 3:
             w2._mark_done()
 
