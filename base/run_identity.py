@@ -14,7 +14,9 @@ two runs' ranks can never write each other's keys, even on a store that publishe
 The identity is what every rank of one launch shares and two launches do not:
 - ULYSSES_LAUNCH_ID, when set (scripts/launch.sh sets it for every launch: one launcher's own id on one node and
   over pdsh, where .deepspeed_env carries it to every node; with --no_ssh / --torchrun on several nodes, each node's
-  launch.sh derives it alike from the node count, the Slurm step and the train.py arguments); else
+  launch.sh derives it alike from the node count and the Slurm step, not the train.py arguments (nodes may be given
+  differing ones: a node refusing them must end the others, scripts/launch_env.sh), so outside Slurm two such runs
+  with the same node count on one port look alike: give each its own --master_port or ULYSSES_LAUNCH_ID); else
 - SLURM_JOB_ID + SLURM_STEP_ID (both set only inside an srun step, the same on every task of it; the batch shell has
   no step id, and nodes reached over ssh have no Slurm variables at all, so a job id alone is not used),
   TORCHELASTIC_RUN_ID (torchrun's --rdzv_id, the same on every node), WORLD_SIZE, and the command line's arguments

@@ -131,7 +131,12 @@ def stale_bold() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    check = "--check" in (argv if argv is not None else sys.argv[1:])
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Rerun the command of every generated block in docs/ and rewrite the "
+                                 "blocks whose output changed (--check: list them, write nothing; exit 1 if any)")
+    ap.add_argument("--check", action="store_true", help="only say which blocks are stale")
+    check = ap.parse_args(argv if argv is not None else sys.argv[1:]).check
     try:
         stale = refresh(check)
     except subprocess.CalledProcessError as err:  # a block's command refused (its own one line) or failed

@@ -112,3 +112,15 @@ def test_prose_the_check_cannot_see_quotes_the_measurements():
     spec.loader.exec_module(plan)
     helps = " ".join(plan.build_parser().format_help().split())
     assert "sdpa backend so far" not in helps and "on a GPU flash-attn's FA2" in helps
+
+
+def test_help_and_a_typo_rewrite_nothing(monkeypatch, capsys):
+    """`--help` (or any other word) ran the whole regeneration and rewrote stale blocks in the checkout."""
+    import pytest
+
+    monkeypatch.setattr(doc_figures, "refresh", lambda check: pytest.fail("regenerated on --help"))
+    for argv, code in ((["--help"], 0), (["--chek"], 2)):
+        with pytest.raises(SystemExit) as e:
+            doc_figures.main(argv)
+        assert e.value.code == code
+    assert "--check" in capsys.readouterr().out
