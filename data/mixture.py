@@ -22,6 +22,7 @@ every rank; `source_shares()` gives the realised token share per component since
 from __future__ import annotations
 
 import fnmatch
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +41,22 @@ class Component:
     max_doc_tokens: int | None = None
     upsample_min_tokens: int = 0
     upsample_factor: int = 1
+
+
+def _number(value, what: str, whole: bool = True) -> int | float:
+    """A recipe's number (YAML gives text for `64k`, `60%`, `4x`, and None for an empty value), else one line: these
+    raised int()'s or float()'s own error, or (max_doc_tokens, never converted) numpy's UFuncTypeError when the
+    documents were selected."""
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        x = float(value)
+        if not math.isfinite(x) or (whole and x != int(x)):
+            raise ValueError
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} is {value!r}: give a number" + (" of tokens (65536, not 64k)" if "tokens" in what
+                         else " (a whole number: 4, not 4x)" if whole else " (0.6 or 60: weights are normalised)")) from None
+    return int(x) if whole else x
 
 
 def parse_mixture(spec, where: str = "data") -> list[Component] | None:
@@ -64,8 +81,12 @@ def parse_mixture(spec, where: str = "data") -> list[Component] | None:
             raise ValueError(f"{where}[{i}]: upsample is {{min_doc_tokens: N, factor: F}}, got {up!r}")
         name = c.get("name") or ",".join(sources) + (f">={c['min_doc_tokens']}" if c.get("min_doc_tokens") else "") + (
             f"<={c['max_doc_tokens']}" if c.get("max_doc_tokens") else "")
-        comp = Component(name, sources, float(c["weight"]), int(c.get("min_doc_tokens") or 0),
-                         c.get("max_doc_tokens"), int(up.get("min_doc_tokens", 0)), int(up.get("factor", 1)))
+        at, maxd = f"{where}[{i}] ({name})", c.get("max_doc_tokens")
+        comp = Component(name, sources, _number(c["weight"], f"{at}: weight", whole=False),
+                         _number(c.get("min_doc_tokens") or 0, f"{at}: min_doc_tokens"),
+                         None if maxd is None else _number(maxd, f"{at}: max_doc_tokens"),
+                         _number(up.get("min_doc_tokens", 0), f"{at}: upsample.min_doc_tokens"),
+                         _number(up.get("factor", 1), f"{at}: upsample.factor"))
         if not comp.weight > 0 or comp.upsample_factor < 1:
             raise ValueError(f"{where}[{i}] ({name}): weight must be > 0 and upsample factor >= 1")
         comps.append(comp)

@@ -5,14 +5,12 @@ one is memory-mapped by every rank itself (nothing tokenized, no collective); a 
 inside the job first (data/prepare.py, rank 0, size-limited). A stage with a `data:` mixture trains on
 its components (data/mixture.py); a stage without one packs the whole stream in order.
 
-Held-out documents are chosen once per run, not per stage: enough whole documents to fill the largest
-evaluation any stage asks for (max over stages of heldout_samples x max_seq_length tokens), spread over the
-whole stream (`heldout_split`: documents in the order of a fixed hash of their index, so every prefix of that
-order is spread evenly; a pure function of the prepared folder, the same on every rank and every restart).
-No stage trains on them, and every stage evaluates on these same documents packed to its own length (in
-that order: a short stage's few samples still come from several documents and parts of the stream), so a
-later stage never evaluates on tokens an earlier one trained on. A dataset too small for that share keeps a
-smaller held-out set (a one-line warning) as long as one training sample of the longest stage remains.
+Held-out documents are chosen once per run, not per stage (data/heldout.py: enough whole documents for the largest
+evaluation, spread over the stream). No stage trains on them, and every stage evaluates on these same documents
+packed to its own length (in that order: a short stage's few samples still come from several documents and parts of
+the stream), so a later stage never evaluates on tokens an earlier one trained on. A dataset too small for that share
+keeps a smaller held-out set (a one-line warning) as long as one training sample of the longest stage remains; the
+start says how many documents and tokens are held out (`heldout_note`).
 
 Cost at scale: the stream is memory-mapped (a 20B-token uint32 stream is 80 GB on the shared file
 system, nothing of it in RAM until read); the per-document arrays are loaded whole by every rank: start,
@@ -24,7 +22,6 @@ a node of 8 ranks, ~3 GB a rank at a stage's start.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 from dataclasses import dataclass
 
@@ -32,6 +29,7 @@ import numpy as np
 
 from base import comm
 from base.log import print0
+from data.heldout import held_identity, heldout_note, heldout_samples, heldout_split, sample_starts
 from data.mixture import MixtureDataset, MixtureSampler, parse_mixture, select_documents
 from data.packing import ConvPack, DocPack, chat_documents, vocab_refusal
 from data.prepare import prepare_in_job, ships_tokenizer
@@ -40,131 +38,6 @@ from data.sampler import ResumableSampler
 from data.store import MANIFEST, Prepared, read_json, tokenizer_identity, vocab_identity
 from data.tasks import TaskMixDataset, TaskMixSampler, check_tasks, tasks_as_chat
 from data.tokenizer import Tokenizer
-
-DEFAULT_HELDOUT_SAMPLES = 2
-
-
-def heldout_samples(eval_cfg: dict) -> int:
-    return int(eval_cfg.get("heldout_samples", DEFAULT_HELDOUT_SAMPLES))
-
-
-_PHI64 = np.uint64(0x9E3779B97F4A7C15)  # 2^64 / golden ratio (Fibonacci hashing)
-
-
-def spread_order(lens: np.ndarray, need: int) -> np.ndarray:
-    """Documents holding at least `need` tokens (or all), in held-out order: by i * 2^64/phi mod 2^64, a
-    low-discrepancy sequence, so the first k of the order are spread evenly over the stream, whatever k.
-    O(documents) passes; only the candidates are sorted (tens of millions of documents cost no full sort)."""
-    key = np.arange(len(lens), dtype=np.uint64) * _PHI64  # wraps mod 2^64: numpy arrays do not raise
-    share = 1.5 * need / max(1, int(lens.sum()))
-    while True:
-        cand = np.flatnonzero(key <= np.uint64(min(int(share * 2.0**64), 2**64 - 1))) if share < 1 else np.arange(len(lens))
-        if share >= 1 or int(lens[cand].sum()) >= need:
-            return cand[np.argsort(key[cand], kind="stable")]
-        share *= 2
-
-
-def _spread(lens: np.ndarray, want: int, room: int):
-    """`spread_order`'s documents one by one, each once, the candidates doubled while more are asked for (a larger
-    pool continues after the largest key given so far: pools are sorted by the same key)."""
-    last = None
-    while True:
-        pool = spread_order(lens, want)
-        keys = pool.astype(np.uint64) * _PHI64
-        new = pool if last is None else pool[keys > last]
-        yield from new.tolist()
-        if len(new):
-            last = keys[-1]
-        if want >= room or len(pool) == len(lens):
-            return
-        want = min(room, 2 * want)
-
-
-def held_identity(prepared: Prepared, cut: np.ndarray, held: np.ndarray) -> list[str]:
-    """What the held-out documents are, whatever their index: per document a hash of its held-out part's length and
-    first and last 32 tokens (16 hex digits). Held-out documents are chosen by index (`spread_order`), and a folder
-    prepared again (another shard count, a file added) orders its documents otherwise: a resume compares these with
-    its first start's (recorded in every checkpoint) to say when the held-out set now holds trained documents. Cost:
-    the held-out documents only (a few thousand at 1M-token evaluations), 64 tokens each, on every rank."""
-    out = []
-    for d in held.tolist():
-        lo, hi = int(prepared.starts[d] + cut[d]), int(prepared.starts[d] + prepared.lens[d])
-        ends = np.concatenate([np.asarray(prepared.tokens[lo: min(hi, lo + 32)]),
-                               np.asarray(prepared.tokens[max(lo, hi - 32): hi])]).astype(np.int64)
-        out.append(hashlib.blake2b(np.int64(hi - lo).tobytes() + ends.tobytes(), digest_size=8).hexdigest())
-    return out
-
-
-def sample_starts(lens: np.ndarray, seq_len: int, n: int, inside: bool = True) -> list[int]:
-    """Where the held-out samples at `seq_len` begin, as offsets into the held-out documents (lengths `lens`, in
-    order) laid end to end: each at the start of the first document at or after the previous sample's end, so
-    even a short stage's few samples come from different documents; where that would leave no room for the
-    samples still to come, right at that end, inside a document (with `inside`; else as many as start at a
-    document's start). At most `n`, each one whole: `n` when the documents hold n x seq_len tokens."""
-    v = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-    out, pos = [], 0
-    while len(out) < n and v[-1] - pos >= seq_len:
-        j = int(np.searchsorted(v[:-1], pos))
-        if j < len(lens) and v[-1] - v[j] >= seq_len * (1 if not inside else n - len(out)):
-            pos = int(v[j])
-        elif not inside:
-            break
-        out.append(pos)
-        pos += seq_len
-    return out
-
-
-def heldout_split(lens: np.ndarray, wants: list[tuple[int, int]], min_train: int) -> tuple[np.ndarray, np.ndarray, str]:
-    """(cut, held, warning) for `wants` = [(seq_len, held-out samples)] per stage: document i trains on its tokens
-    [start, start + cut[i]) and the rest is held out (cut = its length: all training); `held` are the held-out
-    documents in evaluation order. Whole documents in `spread_order` until every stage's samples fit, each from
-    a document's start (`sample_starts`; at most twice the tokens asked); a document longer than twice the
-    largest evaluation is passed over (it would take from training what no sample reads) unless only such are
-    left, then its tail is held out, as the last one's is where taking it whole would leave fewer than
-    `min_train` tokens (one sample of the longest stage) to train on. A stream too small for the largest
-    evaluation holds out what leaves `min_train` (none if that is shorter than the shortest stage) and says so
-    in `warning`; ValueError when not even `min_train` tokens exist."""
-    n_tok = int(lens.sum())
-    cut = lens.astype(np.int64).copy()
-    wants = [(sl, k) for sl, k in wants if k > 0]
-    need = max((sl * k for sl, k in wants), default=0)
-    if need == 0:
-        return cut, np.zeros(0, np.int64), ""
-    if n_tok < min_train:
-        raise ValueError(f"the dataset has {n_tok} tokens, fewer than one training sample of the longest stage "
-                         f"({min_train} tokens): add data or shorten max_seq_length")
-    room, warning = n_tok - min_train, ""
-    if need > room:
-        room = room if room >= min(sl for sl, _ in wants) else 0
-        warning = (f"warning: the dataset has {n_tok} tokens, too few for {need} held-out tokens (the largest stage's "
-                   f"eval heldout_samples x max_seq_length) and {min_train} to train on: "
-                   + (f"holding out {room} tokens instead" if room else "no held-out evaluation")
-                   + " (add data, or set --eval_heldout_samples / eval.heldout_samples)")
-        if not room:
-            return cut, np.zeros(0, np.int64), warning
-    budget, held, big = min(need, room), [], []
-
-    def fits() -> bool:  # every stage's samples start at a document's start
-        return all(len(sample_starts(lens[held] - cut[held], sl, k, inside=False)) == k for sl, k in wants)
-
-    def hold(d: int, take: int) -> int:  # document d's last `take` tokens held out
-        held.append(d)
-        cut[d] -= take
-        return take
-
-    total = 0
-    for d in _spread(lens, min(room, 2 * budget), room):
-        if total >= min(2 * budget, room) or (total >= budget and fits()):
-            break  # enough, or as much as spreading the sample starts may cost (the rest start inside documents)
-        if lens[d] > 2 * need:
-            big.append(d)  # longer than any evaluation reads: it trains, unless nothing else is left
-            continue
-        total += hold(d, min(int(lens[d]), room - total))  # its tail only where the whole would starve training
-    for d in big:  # a stream of a few huge documents: their tails
-        if total >= budget:
-            break
-        total += hold(d, min(int(lens[d]), budget - total))
-    return cut, np.asarray(held, dtype=np.int64), warning
 
 
 @dataclass
@@ -283,21 +156,56 @@ class RunData:
         keep = chat_documents(self.mask, starts, lens)
         return ConvPack(self.prepared.tokens, self.mask, starts[keep], lens[keep], seq_len, self.pad_id), len(keep)
 
-    def mixture(self, stage) -> MixtureDataset | None:
+    def mixture(self, stage, replay_of: int | None = None) -> MixtureDataset | None:
+        """The stage's `data:` components packed to its length (None without one); `replay_of`: the length of the stage
+        whose replay length this is (its refusals name the replay length)."""
         comps = parse_mixture(getattr(stage, "data", None), f"stage {stage.index} ({stage.name}) data")
         if comps is None:
             return None
         p = self.prepared
+        where = f"stage {stage.index} ({stage.name})" + (f" replay length {stage.max_seq_length}" if replay_of else "")
         parts = []
         for c in comps:
             idx = select_documents(c, p.sources, p.source, p.lens)
             pack = self._pack(idx, stage.max_seq_length, sft=getattr(stage, "kind", "text") == "sft")
+            if len(pack) < 1 and getattr(pack, "dropped", 0):  # (an SFT replay length cutting a long-document QA set)
+                raise ValueError(f"{where}: mixture component {c.name!r}: {dropped_line(pack, stage.max_seq_length)}: "
+                                 + (REPLAY_FIX if replay_of else "lengthen max_seq_length, or give the stage other data"))
             if len(pack) < 1:
-                raise ValueError(f"stage {stage.index} ({stage.name}): mixture component {c.name!r} (sources "
+                raise ValueError(f"{where}: mixture component {c.name!r} (sources "
                                  f"{list(c.sources)}) has {pack.n_tokens} training tokens, less than one sample of "
                                  f"{stage.max_seq_length}; the dataset's sources are {p.sources}")
             parts.append(pack)
         return MixtureDataset(parts, [c.name for c in comps])
+
+    def check_batches(self, stages, world: int, micro_batch: int, done: int = 0) -> None:
+        """One line (ValueError, on every rank) at the start, before any model, where a stage still to train (its steps
+        end past `done`, the step resumed from) has fewer packed samples of the whole stream than one step gives its
+        data-parallel ranks (dp x micro-batch; a replay length: dp x micro-batch x L/l of its samples): its sampler
+        refused it only at the stage's start, after the stages before it trained, and again at every requeue. A stage
+        with `data:` is not refused (its sampler repeats a small component's samples: data/coverage.py says so). Rank 0
+        counts: one packing per stage and replay length, O(documents) each (a second or two at tens of millions; an SFT
+        stage's ~2 s per million conversations)."""
+        comm.run_on_main(lambda: self._check_batches(stages, world, micro_batch, done))
+
+    def _check_batches(self, stages, world: int, micro_batch: int, done: int) -> None:
+        end = 0
+        for s in stages:
+            end += s.max_steps  # training/curriculum.stage_start
+            if end <= done or getattr(s, "data", None) is not None:
+                continue
+            dp, sft, L = max(1, world // s.sp), getattr(s, "kind", "text") == "sft", s.max_seq_length
+            where = f"stage {s.index} ({s.name})"
+            for n in [L, *parse_replay(getattr(s, "replay", None), L, f"{where} replay")]:
+                pack, per = self.train_set(n, sft), L // n  # a replay sample packs L / n samples of length n
+                if len(pack) >= dp * micro_batch * per:
+                    continue
+                need = f"dp {dp} x per_device_train_batch_size {micro_batch}" + (f" x {L}/{n}" if per > 1 else "")
+                why = f" ({dropped_line(pack, n)})" if getattr(pack, "dropped", 0) else ""
+                raise ValueError(f"{where}{f' replay length {n}' if per > 1 else ''}: {len(pack)} packed samples of {n} "
+                                 f"tokens, fewer than the {need} = {dp * micro_batch * per} one step reads{why}: "
+                                 + (REPLAY_FIX if per > 1 else "add data, shorten max_seq_length")
+                                 + ", or lower the batch size or the data-parallel degree (world / sp)")
 
     def stage_view(self, stage, dp: int, dp_rank: int, micro_batch: int, seed: int):
         """(dataset, sampler) a stage trains from: `dataset[i]` is a sample dict, `sampler.next_batch()` gives
@@ -383,6 +291,15 @@ class RunData:
         return out
 
 
+def dropped_line(pack: ConvPack, n: int) -> str:
+    """Why an SFT pack at `n` tokens is empty or short: conversations whose supervised tokens all lie past the cut."""
+    what = f"all {pack.dropped} of its conversations were" if not pack.n_tokens else f"{pack.dropped} conversation(s) were"
+    return f"{what} dropped: their supervised tokens lie past the cut at {n} tokens"
+
+
+REPLAY_FIX = "use a longer replay length, or drop the replay (it packs the stage's own data at each length)"
+
+
 def check_model_tokenizer(folder: str, m: dict, model_path: str | None) -> None:
     """A ValueError (one line) where the model folder ships a tokenizer whose vocabulary is not the one `folder` was
     prepared with (its manifest `m`), and no --tokenizer_name_or_path says which is meant: the ids would be read as
@@ -464,8 +381,8 @@ def open_run_data(dataset_path: str | None, tokenizer_path: str | None, model_vo
                "same, so the data position resumes where it was")
         split = heldout
     cut, held, warning = heldout_split(prepared.lens, [tuple(w) for w in split["wants"]], min_train=split["min_train"])
-    if warning:
-        print0(warning)
+    for line in [warning] * bool(warning) + heldout_note(prepared.lens, cut, held):
+        print0(line)
     docs = held_identity(prepared, cut, held)
     moved = len(set(docs) - set(first_docs)) if first_docs is not None else 0
     if moved:
@@ -486,6 +403,6 @@ def open_run_data(dataset_path: str | None, tokenizer_path: str | None, model_vo
         check_tasks(s, tokenizer)  # so does a bad `tasks:` (unknown task, fractions, too short a length)
         for n in parse_replay(getattr(s, "replay", None), s.max_seq_length, f"stage {s.index} ({s.name}) replay"):
             short = dataclasses.replace(s, max_seq_length=n)  # and a replay length its mixture or tasks cannot fill
-            data.mixture(short)
+            data.mixture(short, replay_of=s.max_seq_length)
             check_tasks(short, tokenizer)
     return data
