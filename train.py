@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     from training.metrics import MetricsLogger
     from training.preemption import Deadline
     from training.stage import Run, train_stage
-    from training.startup import dry_run, load_run_config, start_distributed, stop_flag
+    from training.startup import check_room, dry_run, load_run_config, start_distributed, stop_flag
 
     started = time.time()  # --time_limit_s counts from here
     configure()  # DeepSpeed's JIT ops in this checkout's cache, TORCH_CUDA_ARCH_LIST as DeepSpeed reads it
@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = Checkpointer(cfg.output_dir, cfg.save_total_limit, deadline=Deadline(cfg.time_limit_s, now=started))
     state = ckpt.resume(cfg.resume, model_hash(model.config), cfg.model_name_or_path, to_dict(cfg),
                         check=lambda st: check_resumed_stages(stages, st))  # its stage and those before: today's
+    check_room(ckpt, state, stages, model)  # the first save's room, before any engine (rotated to today's limit first)
 
     # --- data: one token stream, its held-out documents fixed for the whole run (a resume keeps its first start's),
     # each stage packs its length ---

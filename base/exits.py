@@ -4,7 +4,7 @@
 |---|---|---|---|
 | 0 | EXIT_OK | run complete (`OUTPUT_DIR/COMPLETE` written) | done |
 | 1 | EXIT_FAILED | a crash: this rank's own exception (traceback in its rank log) | confined to one node of several (the job's first failure on record began there, no other node crashed on its own): requeue without that node, at most ULYSSES_MAX_CRASH_REQUEUES (2) per job, never for the same failure (checkpoint step, last step) twice; otherwise fail, no requeue |
-| 2 | EXIT_USAGE | bad input: one line, before any work, nothing saved touched | fail, no requeue |
+| 2 | EXIT_USAGE | bad input: one line, before any work, nothing saved touched; or a full disk / quota (one line) | fail, no requeue |
 | 69 | EXIT_PEER_LOST | a peer was lost: a rank's heartbeat stalled, the job's store vanished, a node's launcher died or a rank never arrived at start-up (EX_UNAVAILABLE) | requeue, excluding the lost node where known; resume from the newest complete checkpoint |
 | 75 | EXIT_PREEMPTED | stopped after an agreed save: a signal, the stop file or the time limit (EX_TEMPFAIL) | requeue; resume from that save |
 

@@ -124,7 +124,13 @@ def prepare_in_job(dataset_path: str | None, tokenizer_path: str | None, model_v
             try:
                 prepare([u.path for u in units], tmp, tok_path, workers=0, log=lambda _: None,
                         vocab_size=model_vocab if tok_path in (None, fallback) else None)
-            except ValueError as e:  # a bad row: prepare_data's fixes (--skip_bad_rows, --text_field) are not train.py's
+            except BaseException as e:  # a full disk, a bad row, an interrupt: no <key>.tmp<pid> left for good (a
+                shutil.rmtree(tmp, ignore_errors=True)  # requeue has another pid: nothing removed it)
+                if isinstance(e, OSError) and not e.filename:  # a full disk's write names no file: name the folder
+                    e.filename = tmp
+                if not isinstance(e, ValueError):
+                    raise
+                # a bad row: prepare_data's fixes (--skip_bad_rows, --text_field) are not train.py's
                 msg = str(e)
                 field = re.search(r"--text_field (\S+)$", msg.rstrip())  # the text under another name (The Stack's
                 if field:  # `content`): prepare_data names the field and no skip (skipping would drop every row)

@@ -36,6 +36,8 @@ import os
 import re
 import shutil
 
+from base.atomic import fsync_path
+
 MARKER = "export.json"  # written into every export: which checkpoint it came from
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype (besides auto) -> torch's name
 
@@ -365,6 +367,18 @@ def export_hf(checkpoint: str, out_dir: str, tokenizer_path: str | None = None, 
         json.dump({"checkpoint": os.path.abspath(checkpoint), "manifest_sha256": identity, "source": source,
                    "generation_config": gen, "added_stops": added, "trained_template": bool(template),
                    "dtype": written}, fh, indent=1)
+    durable(tmp)
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
+    fsync_path(os.path.dirname(out))  # the rename itself, before train.py writes COMPLETE
     return out_dir
+
+
+def durable(folder: str) -> None:
+    """fsync every file under `folder`, then the folder: the export is whole on disk before it replaces the old one
+    (without it, a node lost after the rename could leave an hf_model of short shards, COMPLETE beside it). At 8B: ~16 GB of
+    shards already written, the fsyncs wait for what the page cache still holds (seconds to a minute on NFS)."""
+    for d, _, fs in os.walk(folder):
+        for f in fs:
+            fsync_path(os.path.join(d, f))
+        fsync_path(d)

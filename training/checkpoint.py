@@ -46,8 +46,9 @@ import numpy as np
 import torch
 
 from base import comm
+from base.log import print0
 from base.parallel import FS_SETTLE_S
-from training import rotation
+from training import job, rotation, universal
 from training.async_save import Snapshot, Staging
 from training.branches import BRANCHES  # noqa: F401  (part of this module's interface)
 from training.checkpoint_files import (  # noqa: F401  (MANIFEST, POINTER, deal_by_bytes: this module's interface)
@@ -62,6 +63,7 @@ from training.checkpoint_files import (  # noqa: F401  (MANIFEST, POINTER, deal_
 )
 from training.preemption import Deadline
 from training.restore import Restorer, TrainState  # noqa: F401  (TrainState: part of this module's interface)
+from training.universal import tree_bytes as _tree_bytes
 
 
 def tag_for(step: int) -> str:
@@ -107,19 +109,6 @@ def _recording(engine, root: str, written: dict, snapshot: Snapshot | None = Non
         del ce.save
 
 
-def _tree_bytes(folder: str) -> int:
-    """Bytes of the files under `folder` (0 when there is none). The trash thread deletes them meanwhile: a file gone
-    between the listing and its stat counts 0 (it was a FileNotFoundError on rank 0, a clean clone's test caught it)."""
-    total = 0
-    for d, _, fs in os.walk(folder):
-        for f in fs:
-            try:
-                total += os.lstat(os.path.join(d, f)).st_size
-            except OSError:
-                pass
-    return total
-
-
 def async_capable(engine) -> bool:
     """Whether DeepSpeed writes through the torch checkpoint engine (the one `_recording` can snapshot)."""
     from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
@@ -146,7 +135,7 @@ class Pending:
 # Bytes per parameter of a first checkpoint, before any was written to measure: ZeRO-3's fp32 master, Adam's m and v
 # (12) and the model-dtype partition (2). Later saves take the newest committed one's size from its manifest.
 CKPT_BYTES_PER_PARAM = 14
-DISK_MARGIN = 1.05
+DISK_MARGIN = universal.DISK_MARGIN
 
 
 def _own_params(engine) -> int:
@@ -189,13 +178,20 @@ class Checkpointer(Restorer):
         None, and `poll()` / `finish()` commit it once every rank's write is durable. One save in flight at most:
         the caller finishes the pending one first (`pending`)."""
         assert self.pending is None, "finish() the background save before starting another"
+        path = os.path.join(self.root, tag_for(step))
+        try:
+            return self._save(engine, step, trainer, rank_state, hf_config, stage_end, background)
+        except BaseException as e:
+            job.naming(e, path)  # a full disk's write names no file itself: the refusal names this folder
+            raise
+
+    def _save(self, engine, step: int, trainer: dict, rank_state: dict, hf_config, stage_end: str | None,
+              background: bool) -> str | None:
         rank, world = _world()
         t0 = time.perf_counter()
         tag = tag_for(step)
         path = os.path.join(self.root, tag)
-        self._room(engine, tag)
-        if rank == 0 and os.path.exists(path):  # a partial leftover of a killed run at this same step
-            self.trash.discard(path)  # out of the way at once; deleted in the background
+        self._room(engine, tag)  # (rank 0 moved any leftover at this step, or a failed save's, to the trash first)
         comm.barrier()
         os.makedirs(os.path.join(path, "state"), exist_ok=True)  # every rank: no rank relies on another's mkdir
         written: dict[str, dict] = {}
@@ -230,32 +226,110 @@ class Checkpointer(Restorer):
         """Refuse, on every rank and in one line, a save the output folder's file system cannot hold, before any byte
         is written (a short write surfaced as torch.save's 'unexpected pos' after a ~21 GB file; Llama-3-8B's
         checkpoint is ~100 GB, and every stage's final one is kept). Need: the newest committed checkpoint's size
-        (its manifest, rank 0), else each rank's parameters x CKPT_BYTES_PER_PARAM summed; room: the least free space
-        any rank sees there (the folder is shared: train.py refuses one that is not), plus the trash rank 0 is deleting
-        (a job killed during its deletion left a checkpoint there, which only a commit emptied: the first save of the
-        next job was refused for the room it held). One all-reduce of three numbers (two before the first checkpoint).
-        Collective."""
+        (its manifest, rank 0), else each rank's parameters x CKPT_BYTES_PER_PARAM summed; room: `_space`. A quota
+        (EDQUOT) is not seen by statvfs: a write it refuses ends the job in one line too (training/job.py). Collective."""
+        last, room = self._space(lambda: self._leftovers(tag))
+        need = last or comm.all_reduce([float(_own_params(engine) * CKPT_BYTES_PER_PARAM)])[0].item()
+        if need * DISK_MARGIN > room:
+            raise ValueError(self._refusal(f"checkpoint {tag}", need, room))
+
+    def _space(self, tidy) -> tuple[float, float]:
+        """(bytes of the newest committed checkpoint or 0, room for the next one), the same on every rank. Rank 0 first
+        runs `tidy` (moves what goes into the trash), then counts the trash, whose deletion starts only once counted (a
+        file deleted between the count and the free space would count twice); room: the least free space any rank sees
+        there (the folder is shared: train.py refuses one that is not) plus the trash rank 0 is deleting (a job killed
+        during its deletion left a checkpoint there, which only a commit emptied: the first save of the next job was
+        refused for the room it held). One all-reduce of three numbers. Collective."""
         os.makedirs(self.root, exist_ok=True)
-        last, trash = ((self._newest_size() or 0), _tree_bytes(self.trash.folder)) if comm.rank() == 0 else (0, 0)
-        if trash:
-            self.trash.empty()  # deleted while this save writes
+        last = trash = 0
+        if comm.rank() == 0:
+            self.trash.paused = True
+            try:
+                tidy()
+                last, trash = (self._newest_size() or 0), _tree_bytes(self.trash.folder)
+            finally:
+                self.trash.paused = False
+            if trash:
+                self.trash.empty()  # deleted while this save writes
         top = comm.all_reduce([float(last), -float(shutil.disk_usage(self.root).free), float(trash)], op="max")
-        free = -top[1].item() + top[2].item()
-        need_all = top[0].item() or comm.all_reduce([float(_own_params(engine) * CKPT_BYTES_PER_PARAM)])[0].item()
-        if need_all * DISK_MARGIN > free:
-            raise ValueError(f"checkpoint {tag} needs ~{need_all / 1e9:.1f} GB in {self.root}, {free / 1e9:.1f} GB free "
-                             "there: free space (every stage's final checkpoint is kept), lower --save_total_limit, "
-                             "or give --output_dir a larger file system")
+        return top[0].item(), -top[1].item() + top[2].item()
+
+    def _leftovers(self, tag: str | None) -> None:
+        """Rank 0: move into the trash every step_N without a manifest (a failed or killed save's partial folder, at
+        any step: it held its bytes until a save at that very step) but the one LATEST names (its manifest may not be
+        visible on this node yet: training/restore.py _listed), and whatever is at `tag` (replaced by this save)."""
+        latest = self._pointer()
+        for t in rotation.tags(self.root):
+            if t == tag or t != latest and not os.path.exists(os.path.join(self.root, t, MANIFEST)):
+                self.trash.discard(os.path.join(self.root, t))
+
+    def _pointer(self) -> str | None:
+        try:
+            with open(os.path.join(self.root, POINTER)) as fh:
+                return fh.read().strip()
+        except OSError:
+            return None
+
+    def _refusal(self, what: str, need: float, room: float) -> str:
+        """The one line for `what` the folder cannot hold. A lower --save_total_limit helps only at a start (rotated
+        there, before the first save: `check_room`); at the minimum (2) the checkpoints to delete by hand are named
+        instead, oldest first, with their sizes (a stage's final one is kept for good: only a user removes it).
+        Collective (rank 0 lists them)."""
+        line = f"{what} needs ~{need / 1e9:.1f} GB in {self.root}, {room / 1e9:.1f} GB free there: "
+        if self.keep > 2:
+            return line + (f"free space, lower --save_total_limit (now {self.keep}; a start rotates to it before its "
+                           "first save), or give --output_dir a larger file system")
+        old = comm.run_on_main(self._spare)
+        return line + (f"free space (the oldest checkpoints: {old}; each stage's final one is kept for good, the newest "
+                       "is the one to resume from) or give --output_dir a larger file system" if old else
+                       "free space or give --output_dir a larger file system")
+
+    def _spare(self) -> str:
+        """Rank 0: the committed checkpoints but the newest, oldest first (3 at most), with their sizes."""
+        out = []
+        for t in [t for t in rotation.tags(self.root) if os.path.exists(os.path.join(self.root, t, MANIFEST))][:-1][:3]:
+            m, gb = rotation._manifest(self.root, t), self._size(t) / 1e9
+            out.append(f"{os.path.join(self.root, t)} {gb:.1f} GB" + (f" ({m['stage_end']})" if m.get("stage_end") else ""))
+        return ", ".join(out)
+
+    def check_room(self, resumed: str | None, params: int, stages: int) -> None:
+        """At start, after the resume decision and before any engine is built: refuse in one line a first save the
+        folder cannot hold (it came after a whole save interval of training before: ~9 min at auto, lost), and print
+        what the curriculum will hold. Rank 0 first moves a failed save's partial folders to the trash and rotates to
+        today's --save_total_limit (a lower one applied only after a commit, which needed the room first), never the
+        resumed checkpoint nor a stage's final one. Need: the newest committed checkpoint's size, else `params` x
+        CKPT_BYTES_PER_PARAM. Every rank takes rank 0's decision (`_space`'s all-reduce). Collective."""
+        root = os.path.abspath(self.root)
+        tag = os.path.basename(resumed.rstrip("/")) if resumed else None
+        tag = tag if tag and os.path.dirname(os.path.abspath(resumed.rstrip("/"))) == root else None
+
+        def tidy() -> None:
+            self._leftovers(None)
+            if tag is not None and rotation.TAG.match(tag):
+                rotation.rotate(self.root, self.keep, keep_tag=tag, trash=self.trash)  # renames only
+
+        last, room = self._space(tidy)
+        need = last or float(params * CKPT_BYTES_PER_PARAM)
+        if need * DISK_MARGIN > room:
+            raise ValueError(self._refusal("the first checkpoint of this start", need, room))
+        held = comm.run_on_main(lambda: sum(self._size(t) for t in rotation.tags(self.root)))
+        count = self.keep + 1 + max(stages - 1, 0)  # rolling (+1 being written) and the earlier stages' final ones
+        total = need * count
+        line = (f"checkpoint room: this curriculum keeps up to {self.keep + 1} rolling (--save_total_limit {self.keep}, "
+                f"+1 being written) + {max(stages - 1, 0)} stage-end checkpoints of ~{need / 1e9:.1f} GB: "
+                f"~{total / 1e9:.1f} GB; {room / 1e9:.1f} GB free in {self.root} (its trash included) + "
+                f"{held / 1e9:.1f} GB its checkpoints hold now")
+        print0(("warning: " + line + ": it may fill before the run ends (a quota is not seen here)")
+               if total > room + held else line)
+
+    def _size(self, tag: str) -> int:
+        """Bytes of committed checkpoint `tag` (its manifest's files; 0 without one)."""
+        return sum(int(f.get("size", 0)) for f in rotation._manifest(self.root, tag).get("files", {}).values())
 
     def _newest_size(self) -> int | None:
         """Bytes of the newest committed checkpoint (its manifest's files), None when there is none."""
-        try:
-            with open(os.path.join(self.root, POINTER)) as fh:
-                tag = fh.read().strip()
-            with open(os.path.join(self.root, tag, MANIFEST)) as fh:
-                return sum(int(f.get("size", 0)) for f in json.load(fh)["files"].values()) or None
-        except (OSError, ValueError, KeyError):
-            return None
+        tag = self._pointer()
+        return (self._size(tag) or None) if tag else None
 
     def poll(self) -> tuple[str, float] | None:
         """At a step boundary: commit the background save if every rank's write is durable (one all-reduce of two
@@ -277,6 +351,13 @@ class Checkpointer(Restorer):
         durable by then, nothing is committed, the save stays pending and None is returned."""
         if self.pending is None:
             return None
+        try:
+            return self._finish(timeout_s)
+        except BaseException as e:
+            job.naming(e, self.root)  # a full disk's write names no file itself: the refusal names the folder
+            raise
+
+    def _finish(self, timeout_s: float | None) -> tuple[str, float] | None:
         p = self.pending
         p.snapshot.wait(None if timeout_s is None else max(0.0, timeout_s))
         votes = comm.all_reduce([0.0 if p.snapshot.done() else 1.0, 1.0 if p.snapshot.failed() else 0.0], op="max")
@@ -289,9 +370,25 @@ class Checkpointer(Restorer):
         return p.path, time.perf_counter() - p.started
 
     def _failed(self) -> None:
+        """Some rank's background write failed (every rank is here, after the same vote): each raises its own error;
+        where one is a full disk or quota, every rank raises that rank's one line instead (exit 2 everywhere, no node
+        blamed: training/job.py), never the others' 'another rank failed' (exit 1, first on record: a crash requeue
+        without a healthy node). One all-gather of a short line per rank. Collective."""
         p, self.pending = self.pending, None
         p.snapshot.wait()
-        p.snapshot.result()  # raises this rank's own error
+        mine, err = None, None
+        try:
+            p.snapshot.result()  # raises this rank's own error
+        except Exception as e:  # noqa: BLE001 -- raised below, after the others heard of it
+            job.naming(e, p.path)
+            full = job.disk_full(e)
+            mine, err = (job.disk_full_line(full) if full is not None else None), e
+        lines = comm.all_gather_object(mine)
+        first = next((f"rank {r}: {line}" for r, line in enumerate(lines) if line), None)
+        if first is not None:
+            raise ValueError(f"checkpoint {p.tag} not committed: {first}")
+        if err is not None:
+            raise err
         raise RuntimeError(f"checkpoint {p.path}: another rank's background write failed (see its log); "
                            "not committed")
 

@@ -2,8 +2,9 @@
 does when it ends, well or not (train.py's last lines: `sys.exit(run_job(main))`).
 
 Exit codes (base/exits.py has the table): 0 done, 1 failure (traceback in OUTPUT_DIR/logs/rankN.log), 2 bad input
-(one line, before any work), 69 a peer lost (requeue), 75 saved after a preemption signal or near the time limit
-(requeue and `--resume auto`). A failing rank posts its
+(one line, before any work) or a full disk / quota (ENOSPC, EDQUOT: one line naming the path, any time), 69 a peer
+lost (requeue), 75 saved after a preemption signal or near the time limit (requeue and `--resume auto`). A failing
+rank posts its
 failure on the abort channel (base/comm.py) first, so every other rank stops within seconds instead of waiting in
 a collective; every rank records its code where scripts/launch.sh reads it.
 
@@ -17,6 +18,7 @@ rank's exit) SIGKILL 30 s later; dying of it at once keeps the -15 launch.sh rea
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import time
@@ -77,8 +79,8 @@ class Requeue(Exception):
 
 def run_job(main: Callable[[], int], saves: bool = True) -> int:
     """Run `main` as one rank of a job; returns its exit code after leaving the abort channel and recording the
-    code (an exception becomes 1, or 2 for the user's input, after the others were told; Requeue 75). `saves`: main
-    installs a PreemptionFlag that takes the save requests recorded meanwhile (train.py); without one (evaluate.py:
+    code (an exception becomes 1, or 2 for the user's input or a full disk, after the others were told; Requeue 75).
+    `saves`: main installs a PreemptionFlag that takes the save requests recorded meanwhile (train.py); without one (evaluate.py:
     nothing to save) SIGUSR1/SIGUSR2 keep their default, the job's end, as `scancel --signal=USR2` means it."""
     if saves:
         record_early_signals()  # first: a save request during start-up must not kill the rank (module docstring)
@@ -168,6 +170,44 @@ def _is_input_error(e: BaseException) -> bool:
     return linecache.getline(where, tb.tb_lineno).lstrip().startswith("raise ")
 
 
+FULL = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded"}
+
+
+def disk_full(e: BaseException | None) -> OSError | None:
+    """The OSError ENOSPC / EDQUOT anywhere in `e`'s chain (its __cause__ / __context__), else None: torch's zip writer
+    turns a short write into `RuntimeError [enforce fail at inline_container.cc] unexpected pos` with the OSError only
+    as its context, a background save's error comes wrapped (training/async_save.py)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in FULL:
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def naming(e: BaseException, path: str) -> None:
+    """Name `path` (a file or the folder being written) as where `e`'s disk-full OSError happened, when the OSError
+    names none itself (a write() into an open file never does): the refusal says where to free space."""
+    full = disk_full(e)
+    if full is not None and not full.filename:
+        full.filename = path
+
+
+def disk_full_line(full: OSError) -> str:
+    """The one line for a write the file system refused for room (a user's disk or quota, not a crash): which path,
+    the errno's text, what to run to see it."""
+    where = str(full.filename or "")
+    what = f"{FULL[full.errno]} ({errno.errorcode[full.errno]}) writing " + (
+        where or "a file the error does not name (under --output_dir, WANDB_DIR or the data cache ULYSSES_CACHE)")
+    folder = (where if os.path.isdir(where) else os.path.dirname(where)) or "DIR"
+    if full.errno == errno.EDQUOT:  # user/group/project quotas: statvfs (shutil.disk_usage) never sees them
+        return (f"{what}: a quota is full; see it with `lfs quota -hu $USER {folder}` (Lustre) or `quota -s`, free "
+                "space within it or give --output_dir a file system with room, then start the run again (--resume auto)")
+    return (f"{what}: free space there (`df -h {folder}`) or give --output_dir a larger file system, then start the "
+            "run again (--resume auto continues from the newest complete checkpoint)")
+
+
 def _await_monitor_exit() -> None:
     """After a hang this rank's monitor declared: its thread ends the process (os._exit 69) once the others have read
     why. Returning instead raced it into the interpreter's shutdown with the process group's threads alive ("terminate
@@ -192,10 +232,15 @@ def _fail(e: BaseException) -> int:
         print(f"error: the first failure of the job: {progress.DECLARED}", file=sys.stderr, flush=True)
         _await_monitor_exit()
         return EXIT_PEER_LOST
-    if _is_input_error(e):  # our validation of the user's input: one line, no traceback, nothing saved touched
-        # the line itself goes to every rank: a check one node fails alone (its network interface, a path it lacks)
+    full = disk_full(e)
+    if full is not None or _is_input_error(e):  # our validation of the user's input: one line, no traceback, nothing
+        # saved touched; or a full disk / quota (any write: a checkpoint, trainer.json, metrics, the export), the
+        # user's to fix, not a node's fault: exit 2 everywhere, never a crash record (a failure only rank 0 hits made
+        # node 0 the only node that crashed on its own: requeued without a healthy node, and full again).
+        # The line itself goes to every rank: a check one node fails alone (its network interface, a path it lacks)
         # is not on rank 0's output. Printed once per node (its local rank 0), by rank 0, and by the rank on record
-        own = f"rank {rank} stopped on an input error: {e}"
+        e = ValueError(disk_full_line(full)) if full is not None else e
+        own = f"rank {rank} stopped on {'a full disk' if full is not None else 'an input error'}: {e}"
         first = comm.abort(own, EXIT_USAGE) if comm is not None else own
         local = os.environ.get("ULYSSES_LOCAL_RANK") or os.environ.get("LOCAL_RANK", "0")  # base/comm.init
         if "0" in (rank, local) or first.startswith(f"rank {rank} "):

@@ -20,6 +20,7 @@ import uuid
 import torch
 
 from base import comm
+from base.atomic import atomic_write
 from base.host import peak_rss_bytes
 from base.log import print0
 
@@ -112,6 +113,8 @@ class MetricsLogger:
         if not is_main:
             return
         os.makedirs(self.eval_dir, exist_ok=True)
+        if self._table_stale():
+            self._write_eval_table()
         logged = self._truncate(resume_step)
         if wandb_enabled(report_to):
             self.wandb = self._start_wandb(output_dir, project, run_id, config, logged, resume_step, branch)
@@ -210,10 +213,7 @@ class MetricsLogger:
         self.log({"event": "eval", **result})
         if self.wandb is not None:  # the nested results (task -> length -> depth) as scalars: eval/tasks/passkey/8192/0.5
             self.wandb.log({k: v for k, v in _flatten(result, "eval").items() if "/" in k[5:]}, step=result.get("step"))
-        tmp = os.path.join(self.eval_dir, f"stage{stage}.json.tmp")
-        with open(tmp, "w") as fh:
-            json.dump(result, fh, indent=1)
-        os.replace(tmp, os.path.join(self.eval_dir, f"stage{stage}.json"))
+        atomic_write(os.path.join(self.eval_dir, f"stage{stage}.json"), json.dumps(result, indent=1).encode())
         self._write_eval_table()
 
     def _write_eval_table(self) -> None:
@@ -225,8 +225,21 @@ class MetricsLogger:
             if name.startswith("stage") and name.endswith(".json"):
                 with open(os.path.join(self.eval_dir, name)) as fh:
                     rows.append(json.load(fh))
-        with open(os.path.join(self.eval_dir, "summary.md"), "w") as fh:
-            fh.write("\n".join(eval_tables(rows)) + "\n")
+        # whole or not at all (a full disk left it empty, and nothing wrote it again): the one before stays
+        atomic_write(os.path.join(self.eval_dir, "summary.md"), ("\n".join(eval_tables(rows)) + "\n").encode())
+
+    def _table_stale(self) -> bool:
+        """Whether summary.md misses a stage's evaluation on record (older than a stageN.json, or absent): its write
+        failed after the stage's record (a full disk), and a resume skips that stage's evaluation."""
+        try:
+            made = os.path.getmtime(os.path.join(self.eval_dir, "summary.md"))
+        except OSError:
+            made = None
+        for name in os.listdir(self.eval_dir):
+            if name.startswith("stage") and name.endswith(".json") and (
+                    made is None or os.path.getmtime(os.path.join(self.eval_dir, name)) > made):
+                return True
+        return False
 
     def log(self, record: dict) -> None:
         if not self.is_main:

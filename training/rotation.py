@@ -51,6 +51,7 @@ class Trash:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._again = False
+        self.paused = False  # while set, `empty` only records the request: the room check counts the trash first
 
     def discard(self, path: str) -> None:
         """Move `path` out of every listing now; its deletion follows in the background."""
@@ -65,7 +66,8 @@ class Trash:
         """Start (or re-arm) the thread that deletes the trash's contents."""
         with self._lock:
             self._again = True
-            if self._thread is None:  # (the thread clears it under the lock as it ends: no request is missed)
+            if self._thread is None and not self.paused:  # (the thread clears it under the lock as it ends: no
+                # request is missed)
                 self._thread = threading.Thread(target=self._run, name="checkpoint-trash", daemon=True)
                 self._thread.start()
 

@@ -238,6 +238,20 @@ def start_distributed(cfg: Config, model: Model) -> tuple[ParallelDims, list[Sta
     return dims, stages, model
 
 
+def check_room(ckpt, state, stages: list[Stage], model: Model) -> None:
+    """After the resume decision, before any engine: the first save's room on the output folder's file system, and
+    what the curriculum will hold (training/checkpoint.Checkpointer.check_room). Before this the first check came at
+    the first save, after a whole save interval of training. Collective."""
+    from planner.shapes import ModelShape
+
+    arch = model.arch
+    try:
+        n = ModelShape.from_config(arch.to_dict()).num_params()
+    except (ValueError, KeyError, TypeError):  # a shape the planner cannot read: its embeddings and 12 h^2 per layer
+        n = arch.vocab_size * arch.hidden_size + 12 * arch.hidden_size ** 2 * arch.num_hidden_layers
+    ckpt.check_room(state.checkpoint, n, len(stages))
+
+
 def stop_flag(cfg: Config, dims: ParallelDims, started: float) -> PreemptionFlag:
     """The preemption flag, installed: signals, OUTPUT_DIR/PREEMPT (rank 0 removes the one that stopped the
     previous job), the time limit counted from `started`, and saves every `save_interval_minutes`."""

@@ -253,6 +253,22 @@ def bound(where: str, keep: set[str], remove=None) -> None:
 # ---------------------------------------------------------------- conversion
 
 
+DISK_MARGIN = 1.05  # as a save's room check (training/checkpoint.py)
+
+
+def tree_bytes(folder: str) -> int:
+    """Bytes of the files under `folder` (0 when there is none). The trash thread deletes them meanwhile: a file gone
+    between the listing and its stat counts 0 (it was a FileNotFoundError on rank 0, a clean clone's test caught it)."""
+    total = 0
+    for d, _, fs in os.walk(folder):
+        for f in fs:
+            try:
+                total += os.lstat(os.path.join(d, f)).st_size
+            except OSError:
+                pass
+    return total
+
+
 def _writable(where: str) -> str | None:
     """None if this process can create folders in `where` (made if missing), else why not."""
     try:
@@ -284,6 +300,12 @@ def prepare(ckpt: str, saved_world: int, world: int | None, output_dir: str, dea
                           "--output_dir a folder this job may write, or resume with the saved world size"}
     manifest = read_json(os.path.join(ckpt, MANIFEST)).get("json") or {}
     nbytes = sum(int(e["size"]) for e in manifest.get("files", {}).values())
+    room = shutil.disk_usage(where).free + tree_bytes(os.path.join(output_dir, "checkpoints", ".trash"))
+    if nbytes * DISK_MARGIN > room:  # its output is about the source's size: a full disk half-way lost the hour
+        return {"refuse": f"checkpoint {ckpt} (written by {saved_world} ranks) needs a universal conversion for "
+                          f"{world} ranks of ~{nbytes * DISK_MARGIN / 1e9:.1f} GB under {where}, {room / 1e9:.1f} GB "
+                          "free there: free space, give --output_dir a larger file system, or resume with "
+                          f"{saved_world} ranks"}
     est = estimate_s(nbytes, _measured(where))
     timeout = None
     end = getattr(deadline, "end", None)

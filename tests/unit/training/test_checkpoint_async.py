@@ -95,8 +95,8 @@ def test_poll_commits_when_the_write_is_done(tmp_path):
 def test_failed_background_write_is_never_committed(tmp_path, monkeypatch):
     import training.async_save as a
 
-    def full(path, data):
-        raise OSError(28, "No space left on device")
+    def full(path, data):  # (a full disk is a one-line refusal instead: test_disk_full.py)
+        raise OSError(5, "Input/output error")
 
     monkeypatch.setattr(a, "write_durable", full)
     ck = Checkpointer(str(tmp_path), keep=2)
