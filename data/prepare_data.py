@@ -27,7 +27,7 @@ from collections import Counter, deque
 import numpy as np
 
 from data import store
-from data.prepare_args import DEFAULT_BATCH_DOCS, DEFAULT_CHUNK_TOKENS, parser
+from data.prepare_args import DEFAULT_BATCH_DOCS, DEFAULT_CHUNK_TOKENS, RENDERED_FIX, TEXT_SPECIALS, parser
 from data.readers import Fields, Unit, discover, iter_rows, parse_item
 
 CHAT_STATS = ("chat_docs", "supervised_tokens", "untrained_turns", "no_stop_rows",  # per shard, summed in the manifest
@@ -43,13 +43,13 @@ _W: dict = {}
 
 
 def _init_worker(tokenizer_path: str | None, fields: Fields, vocab_bound: int, eos_id: int | None, dtype: str,
-                 loss_on: str = "auto", chat_template: str = "auto"):
+                 loss_on: str = "auto", chat_template: str = "auto", text_specials: str = "text"):
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one core per worker
     from data.chat import ChatEncoder
     from data.tokenizer import Tokenizer
 
     tok = Tokenizer(tokenizer_path) if tokenizer_path else None
-    _W.update(tok=tok, fields=fields, bound=vocab_bound, eos=eos_id, dtype=np.dtype(dtype),
+    _W.update(tok=tok, fields=fields, bound=vocab_bound, eos=eos_id, dtype=np.dtype(dtype), specials=text_specials,
               chat=ChatEncoder(tok, loss_on, chat_template) if tok else None)
 
 
@@ -58,6 +58,7 @@ def _tokenize_batch(items: list[tuple[int, int, object]]) -> dict:
     pre-tokenized ids with the BOS and the separator: Tokenizer.frame_texts / with_bos; a chat row's tokens and loss
     mask as its template renders them, data/chat.py) and what was dropped."""
     from data.chat import RowError
+    from data.tokenizer import RenderedText
 
     fields, tok, eos, bound = _W["fields"], _W["tok"], _W["eos"], _W["bound"]
     docs, bad, masks, chat = [], [], {}, dict.fromkeys(STATS, 0)
@@ -84,7 +85,11 @@ def _tokenize_batch(items: list[tuple[int, int, object]]) -> dict:
             docs[i], chat["ids_given_bos"] = (*d[:2], ids, d[3]), chat["ids_given_bos"] + added
     texts = [i for i, d in enumerate(docs) if isinstance(d[2], str)]
     if texts:
-        framed, chat["special_text_docs"] = tok.frame_texts([docs[i][2] for i in texts], eos)
+        try:
+            framed, chat["special_text_docs"] = tok.frame_texts([docs[i][2] for i in texts], eos, _W["specials"])
+        except RenderedText as e:  # the preparation ends there (consume): this batch's texts are not written
+            bad.append((*docs[texts[e.index]][:2], f"{e}{RENDERED_FIX}"))
+            framed = [[] for _ in texts]
         for i, ids in zip(texts, framed):
             docs[i] = (*docs[i][:2], ids, docs[i][3])
     arrays, lens, srcs, empty, max_id, mask_parts = [], [], [], 0, -1, []
@@ -180,11 +185,13 @@ def prepare(inputs: list[str], output: str, tokenizer: str | None = None, vocab_
             workers: int = 1, shard: tuple[int, int] = (0, 1), fields: Fields | None = None, skip_bad_rows: bool = False,
             chunk_tokens: int = DEFAULT_CHUNK_TOKENS, batch_docs: int = DEFAULT_BATCH_DOCS, loader: str | None = None,
             eos_id: int | None = None, overwrite: bool = False, command: list[str] | None = None,
-            log=print, loss_on: str = "auto", chat_template: str = "auto") -> dict:
+            log=print, loss_on: str = "auto", chat_template: str = "auto", text_specials: str = "text") -> dict:
     """Prepare this shard of `inputs` into `output`; with one shard, also write the manifest. Returns the
-    manifest (one shard) or the shard record. ValueError (one line) on bad input."""
+    manifest (one shard) or the shard record. ValueError (one line) on bad input. `text_specials`: TEXT_SPECIALS."""
     from data.tokenizer import Tokenizer
 
+    if text_specials not in TEXT_SPECIALS:
+        raise ValueError(f"--text_specials {text_specials!r}: use text or parse")
     fields = fields or Fields()
     i_shard, n_shards = shard
     _check_numbers(output, vocab_size, workers, chunk_tokens, batch_docs, inputs)
@@ -209,8 +216,8 @@ def prepare(inputs: list[str], output: str, tokenizer: str | None = None, vocab_
     view = "\n".join(f"{u.kind}:{u.name}:{os.path.basename(u.path)}:{u.size()}" for u in units)
     plan = {"units": [u.identity() for u in mine], "inputs": hashlib.sha256(view.encode()).hexdigest()[:16],
             "tokenizer": tok_info and tok_info["sha256"], "vocab_bound": bound,
-            "eos_id": eos, "bos_id": tok.bos_id if tok else None, "dtype": dtype.name, "text_specials": "as text",
-            "fields": [fields.text, fields.ids, fields.source],
+            "eos_id": eos, "bos_id": tok.bos_id if tok else None, "dtype": dtype.name,
+            "text_specials": TEXT_SPECIALS[text_specials], "fields": [fields.text, fields.ids, fields.source],
             "shard": [i_shard, n_shards], "chunk_tokens": chunk_tokens, "skip_bad_rows": skip_bad_rows,
             "loss_on": loss_on, "chat_template": chat_template}
     if tok is not None:
@@ -241,7 +248,7 @@ def prepare(inputs: list[str], output: str, tokenizer: str | None = None, vocab_
             log(f"resuming shard {i_shard}/{n_shards} after {len(done)} committed chunk(s), "
                 f"{sum(r['n_tokens'] for r in done)} tokens")
         record = _run_shard(mine, output, i_shard, done, tokenizer, fields, bound, eos, dtype, workers, skip_bad_rows,
-                            chunk_tokens, batch_docs, log, loss_on, chat_template)
+                            chunk_tokens, batch_docs, log, loss_on, chat_template, text_specials)
         record.update(plan=plan, tokenizer=tok_info, command=command or [])
         store.write_json_atomic(shard_path, record)
     if n_shards == 1:
@@ -290,7 +297,7 @@ def _batches(units: list[Unit], fields: Fields, start: tuple[int, int], batch_do
 
 
 def _run_shard(units, out, i_shard, done, tokenizer, fields, bound, eos, dtype, workers, skip_bad_rows,
-               chunk_tokens, batch_docs, log, loss_on="auto", chat_template="auto") -> dict:
+               chunk_tokens, batch_docs, log, loss_on="auto", chat_template="auto", text_specials="text") -> dict:
     start = tuple(done[-1]["next"]) if done else (0, 0)
     stats = {"bad_rows": done[-1]["bad_rows"] if done else 0, "empty_docs": done[-1]["empty_docs"] if done else 0,
              "bad_examples": done[-1]["bad_examples"] if done else []}
@@ -298,7 +305,7 @@ def _run_shard(units, out, i_shard, done, tokenizer, fields, bound, eos, dtype, 
     writer = store.ChunkWriter(out, i_shard, len(done), dtype, done[-1]["sources"] if done else [])
     writer.records = list(done)
     names = [u.name for u in units]
-    init = (tokenizer, fields, bound, eos, dtype.name, loss_on, chat_template)
+    init = (tokenizer, fields, bound, eos, dtype.name, loss_on, chat_template, text_specials)
     pool = mp.get_context("fork").Pool(workers, _init_worker, init) if workers > 0 else None
     if pool is None:
         _init_worker(*init)
@@ -309,9 +316,10 @@ def _run_shard(units, out, i_shard, done, tokenizer, fields, bound, eos, dtype, 
         nonlocal last_log, tokens_here, sourced
         sourced += sum(s is not None for _, s in res["srcs"])
         for u, row, err in res["bad"]:
-            if not skip_bad_rows:
+            if not skip_bad_rows or err.endswith(RENDERED_FIX):
                 # a text under another field or nested (data/readers.py names the fix): skipping would drop every row
-                fix = "" if "--text_field" in err or "nested fields are not read" in err else f" {SKIP_FIX}"
+                fix = "" if "--text_field" in err or "nested fields are not read" in err \
+                    or err.endswith(RENDERED_FIX) else f" {SKIP_FIX}"
                 raise ValueError(f"{units[u].where(row)}: {err}{fix}")
             stats["bad_rows"] += 1
             if len(stats["bad_examples"]) < 20:
@@ -409,6 +417,7 @@ def merge(output: str, log=print) -> dict:
         "bad_examples": [e for i in range(n) for e in recs[i].get("bad_examples", [])][:20],
         **{k: sum(recs[i].get(k, 0) for i in range(n)) for k in STATS},
         "loss_on": first.get("loss_on", "auto"), "chat_template": first.get("chat_template", "auto"),
+        "text_specials": "parse" if first.get("text_specials") == TEXT_SPECIALS["parse"] else "text",
         "shards": n, "commands": [recs[i]["command"] for i in range(n)], "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     store.write_json_atomic(os.path.join(output, store.MANIFEST), manifest)
@@ -427,8 +436,8 @@ def merge(output: str, log=print) -> dict:
            "(JSON text <-> object, docs/sft.md)" if manifest.get("rewritten_arguments") else ""))
     if manifest.get("special_text_docs"):
         log(f"note: {manifest['special_text_docs']} text document(s) hold a special-token string (<s>, <|endoftext|>, "
-            "...): encoded as text, not as control tokens; a conversation saved as rendered text loses its template's "
-            "tokens so: give it as a messages row (docs/data.md)")
+            "...): " + ("read as control tokens (--text_specials parse)" if manifest["text_specials"] == "parse" else
+                        "after their start, encoded as text, not as control tokens") + " (docs/data.md)")
     if manifest.get("ids_given_bos"):
         log(f"note: {manifest['ids_given_bos']} pre-tokenized document(s) given the tokenizer's BOS (id "
             f"{manifest['bos_id']}) in front, as a text document gets it")
@@ -480,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
         prepare(a.input, a.output, a.tokenizer_name_or_path, a.vocab_size, a.workers, (i, n),
                 Fields(a.text_field, a.ids_field, a.source_field), a.skip_bad_rows, a.chunk_tokens, a.batch_docs,
                 a.loader, a.eos_id, a.overwrite, command=["prepare_data.py", *argv], loss_on=a.loss_on,
-                chat_template=a.chat_template)
+                chat_template=a.chat_template, text_specials=a.text_specials)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -33,6 +33,18 @@ END_OF_TEXT = {"<|eot_id|>": ("<|end_of_text|>",), "<|im_end|>": ("<|endoftext|>
                "<|end|>": ("<|endoftext|>",), "<end_of_turn>": ("<eos>",)}
 
 
+class RenderedText(ValueError):
+    """A text document that starts as a rendered conversation does (`Tokenizer.rendered_start`), under --text_specials
+    text: `index` in the texts framed, `token` the special-token string it starts with. Its callers add where (file:row)
+    and the fixes."""
+
+    def __init__(self, index: int, token: str):
+        self.index, self.token = index, token
+        super().__init__(f"a text that starts with the special-token string {token}, as a conversation rendered with its "
+                         "chat template does (special-token strings in text are read as text: its template's tokens "
+                         "would be trained spelled out)")
+
+
 class Tokenizer:
     """`encode(text) -> list[int]`, `encode_batch(texts)`, `vocab_size`, `eos_id`, `pad_id`, `bos_id`, `decode(ids)`.
 
@@ -44,7 +56,9 @@ class Tokenizer:
     `sep_id`: what ends a text document: `eos_id`, or the family's end-of-text token where `eos_id` is a chat
     end-of-turn (END_OF_TEXT; `sep_note` says so). `eos_id` stays the tokenizer's (chat templates whose stop is the EOS
     use it). `encode_text_batch`: special-token strings in the text are text (`<s>` in HTML, `<|endoftext|>` in code),
-    as Meta's Llama 3 reference tokenizer encodes (allowed_special=set()); encode() parses them (rendered templates)."""
+    as Meta's Llama 3 reference tokenizer encodes (allowed_special=set()); encode() parses them (rendered templates).
+    A text that starts as a rendered conversation (`rendered_start`) is refused there (RenderedText), or framed with
+    its special-token strings parsed (`frame_texts(..., "parse")`, --text_specials parse)."""
 
     bos_id: int | None = None
     # a sentencepiece .model's own BOS, which encode() never adds and bos_id leaves None (the demo's model, trained with
@@ -54,6 +68,7 @@ class Tokenizer:
     direct = False  # a Hugging Face fast tokenizer called through its Rust encode_batch_fast
     sep_note: str | None = None
     specials: tuple[str, ...] = ()  # special-token strings a text may hold (counted; encoded as text)
+    _starts: tuple | None = None  # rendered_start's strings, built on first use
 
     def __init__(self, path: str):
         if not os.path.exists(path):
@@ -138,15 +153,67 @@ class Tokenizer:
         nothing added."""
         return self._plain_batch(texts)
 
-    def frame_texts(self, texts: list[str], sep: int | None) -> tuple[list[list[int]], int]:
+    def rendered_start(self, text: str) -> str | None:
+        """The special-token string `text` starts with, after any whitespace, the BOS string and whitespace, where it
+        is not the BOS string: such a text is a conversation rendered with a chat template (TRL's and `tokenizer(text)`
+        read its tokens as control tokens), not web text or code; None for any other text.
+
+        Why the start: every shipped template whose format has control tokens writes one first, after the BOS
+        (data/chat_templates/: ChatML's <|im_start|> (Qwen, SmolLM2, OLMo 3, Phi-4), Llama 3's
+        <|begin_of_text|><|start_header_id|>, Gemma's <bos><start_of_turn>, Phi-3's <|user|>, DeepSeek's <｜User｜>,
+        Mistral v0.3's <s>[INST], Command-R's, Granite's, gpt-oss's <|start|>, GLM's [gMASK]), while a page or a
+        source file essentially never starts with one; in the middle of a text they are what the text is about (`<s>` in
+        HTML, `<|endoftext|>` in tokenizer code) and stay text. Not caught, because they start with the BOS and plain
+        text: Llama 2 / Mistral v0.1-v0.2 / Vicuna / Zephyr (their turns are plain text; only <s> / </s> are special),
+        DeepSeek's and Seed-OSS's renders with a system prompt first; their special-token strings stay text and are
+        counted. Only the special strings the tokenizer's chat template itself writes count (a text starting with
+        <unk>, as WikiText's do, is text). Cost: one bounded slice and one C `startswith` over them per document."""
+        if self._starts is None:  # once: the BOS string, the other special strings longest first (the whole token named)
+            bos_s = self.piece(self.bos_id) if self.bos_id is not None else None
+            # only those the tokenizer's own chat template writes: <unk>, <pad>, <mask> are special too, and a text may
+            # start with them (WikiText's <unk>) without being a conversation; no template, no render to tell
+            tpl = getattr(self.hf, "chat_template", None) if self.hf is not None else None
+            tpl = "\n".join(tpl.values()) if isinstance(tpl, dict) else (tpl or "")
+            self._starts = bos_s, tuple(sorted({s for s in self.specials if s and s != bos_s and s in tpl}, key=len,
+                                               reverse=True))
+        bos_s, starts = self._starts
+        if not starts:  # a sentencepiece model: none
+            return None
+        head = text[:256].lstrip()  # a bounded slice: a long document is not copied
+        if bos_s and head.startswith(bos_s):
+            head = head[len(bos_s):].lstrip()
+        return next((s for s in starts if head.startswith(s)), None) if head.startswith(starts) else None
+
+    def _holding_specials(self, texts) -> int:
+        """How many of `texts` hold a special-token string."""
+        firsts = {s[:2] for s in self.specials}  # a prefilter: one C scan per distinct two-character start (<|, </, [I)
+        return sum(any(f in t for f in firsts) and any(s in t for s in self.specials) for t in texts)
+
+    def frame_texts(self, texts: list[str], sep: int | None, specials: str = "text") -> tuple[list[list[int]], int]:
         """Text documents as written between documents (data/prepare_data.py; the caller appends `sep` after ids that
         do not end with it): (ids of each, how many hold a special-token string). Ids: the BOS where the tokenizer
         puts one, then the text with any special-token string in it encoded as text (`<s>` in an HTML page,
         `<|endoftext|>` in tokenizer code: they were control tokens). A text starting with the BOS string gets that one
         real BOS (a text that writes its own), one ending with `sep`'s string that real one (`...</s>`: no second one
         after it). An empty or whitespace-only text gives [] (dropped and counted as empty; it was trained as BOS +
-        whitespace + EOS)."""
+        whitespace + EOS). A text that starts as a rendered conversation (`rendered_start`) raises RenderedText, checked
+        before any text is encoded. `specials="parse"` (--text_specials parse): every special-token string is read as
+        its control token (`tokenizer(text)`'s reading, for data written so), the BOS put first where the ids do not
+        start with it; nothing refused."""
+        if specials not in ("text", "parse"):
+            raise ValueError(f"--text_specials {specials!r}: use text or parse")
         bos = self.bos_id
+        if specials == "parse":
+            kept = [t for t in texts if t and not t.isspace()]
+            enc = iter(self.encode_batch(kept) if kept else [])
+            out = []
+            for t in texts:
+                ids = [] if not t or t.isspace() else list(next(enc))
+                out.append(ids if bos is None or not ids or ids[0] == bos else [bos, *ids])
+            return out, self._holding_specials(kept)
+        for k, t in enumerate(texts):  # refused before any encoding: the first such text ends the preparation
+            if t and (tok := self.rendered_start(t)) is not None:
+                raise RenderedText(k, tok)
         bos_s = self.piece(bos) if bos is not None else None
         sep_s = self.piece(sep) if sep is not None and 0 <= sep < self.vocab_size else None
         sep_s = sep_s if sep_s in self.specials else None  # a sentencepiece model never read </s> from text: unchanged
@@ -158,8 +225,7 @@ class Tokenizer:
             tail = sep_s is not None and t.endswith(sep_s) and len(t) >= (len(bos_s) if head else 0) + len(sep_s)
             bodies.append(t[len(bos_s) if head else 0:len(t) - len(sep_s) if tail else len(t)])
             ends.append(tail)
-        firsts = {s[:2] for s in self.specials}  # a prefilter: one C scan per distinct two-character start (<|, </, [I)
-        n_special = sum(any(f in b for f in firsts) and any(s in b for s in self.specials) for b in bodies)
+        n_special = self._holding_specials(bodies)
         enc = iter(zip(self.encode_text_batch(bodies) if bodies else [], ends))
         out = []
         for t in texts:
