@@ -132,9 +132,11 @@ class Pending:
 
 
 
-# Bytes per parameter of a first checkpoint, before any was written to measure: ZeRO-3's fp32 master, Adam's m and v
-# (12) and the model-dtype partition (2). Later saves take the newest committed one's size from its manifest.
-CKPT_BYTES_PER_PARAM = 14
+# Bytes per parameter of a first checkpoint, before any was written to measure: ZeRO-3's fp32 master and Adam's m and
+# v (12; its model-states files hold no weights under ZeRO-3), as bench/checkpoint.py measures (bench/results:
+# bytes_per_param 12.0). 14 counted a bf16 copy that is not saved, and refused a fresh 8B run at start-up with room
+# for its first checkpoint. Later saves take the newest committed one's size from its manifest.
+CKPT_BYTES_PER_PARAM = 12
 DISK_MARGIN = universal.DISK_MARGIN
 
 
@@ -381,7 +383,7 @@ class Checkpointer(Restorer):
             p.snapshot.result()  # raises this rank's own error
         except Exception as e:  # noqa: BLE001 -- raised below, after the others heard of it
             job.naming(e, p.path)
-            full = job.disk_full(e)
+            full = job.users_disk(e)
             mine, err = (job.disk_full_line(full) if full is not None else None), e
         lines = comm.all_gather_object(mine)
         first = next((f"rank {r}: {line}" for r, line in enumerate(lines) if line), None)

@@ -334,15 +334,21 @@ def keep_stage_steps(stages: list[Stage], state) -> list[Stage]:
     out = []
     for s in stages:
         same_size = s.index < len(sized) and sized[s.index] == s.steps_from != "steps"  # its max_tokens / epochs as then
+        done = getattr(state, "step", 0) - sum(x.max_steps for x in out)  # the steps past this stage's start
+        was = (full[s.index] if s.index < len(full) else ran[s.index]) if s.index < len(ran) else None
+        # the current stage is rescaled whenever today's whole-stage count differs from the one its rest was planned
+        # with (`was`), compared to that, not to the planned count: after a rescale the two differ at the same rate
+        rescale = s.index == state.stage and same_size and was is not None and 0 <= done < ran[s.index] and (
+            was != s.max_steps or ran[s.index] != s.max_steps)
         keep = s.index < len(ran) and ran[s.index] != s.max_steps and (
             s.index < state.stage or (s.index == state.stage and same_size))
-        done = getattr(state, "step", 0) - sum(x.max_steps for x in out)  # the steps past this stage's start
-        if keep and s.index == state.stage and 0 <= done < ran[s.index]:  # the rest at today's samples per step
-            was = full[s.index] if s.index < len(full) else ran[s.index]
+        if rescale:  # the rest at today's samples per step
             rest = -(-(ran[s.index] - done) * s.max_steps // max(1, was))
-            print0(f"note: stage {s.index} ({s.name}) planned {ran[s.index]} steps and has run {done}; its "
-                   f"{s.steps_from.split(':')[0]} over another world, batch or accumulation (today's settings give "
-                   f"{s.max_steps} for the whole stage): the rest of its data in {rest} more steps, {done + rest} in all")
+            keep = keep or done + rest != ran[s.index]
+            if was != s.max_steps:  # (at the rate its rest was planned at: as planned, nothing to say)
+                print0(f"note: stage {s.index} ({s.name}) planned {ran[s.index]} steps and has run {done}; its "
+                       f"{s.steps_from.split(':')[0]} over another world, batch or accumulation (today's settings give "
+                       f"{s.max_steps} for the whole stage): the rest of its data in {rest} more steps, {done + rest} in all")
             s = dataclasses.replace(s, max_steps=done + rest, full_steps=s.max_steps)
         elif keep:
             why = (f"its {s.steps_from.split(':')[0]} over another world, batch or accumulation"

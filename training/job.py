@@ -173,6 +173,9 @@ def _is_input_error(e: BaseException) -> bool:
 FULL = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded"}
 
 
+NODE_LOCAL = ("/dev/shm", "/run")  # a node's own memory-backed folders: full there is the node's state, not the user's
+
+
 def disk_full(e: BaseException | None) -> OSError | None:
     """The OSError ENOSPC / EDQUOT anywhere in `e`'s chain (its __cause__ / __context__), else None: torch's zip writer
     turns a short write into `RuntimeError [enforce fail at inline_container.cc] unexpected pos` with the OSError only
@@ -184,6 +187,18 @@ def disk_full(e: BaseException | None) -> OSError | None:
             return e
         e = e.__cause__ or e.__context__
     return None
+
+
+def users_disk(e: BaseException | None) -> OSError | None:
+    """disk_full's OSError where it names the file or folder written (a checkpoint's step folder: `naming`; an open()
+    names its own) and that is not a node's memory-backed folder: the user's disk or quota (exit 2, no requeue). A
+    full /dev/shm (multiprocessing's semaphores, NCCL's segments) or a write that names nothing stays a crash of
+    this node (a requeue without it), as before: a node-local problem must not end the job for good."""
+    full = disk_full(e)
+    if full is None or not full.filename:
+        return None
+    where = os.path.realpath(str(full.filename))
+    return None if any(where == d or where.startswith(d + os.sep) for d in NODE_LOCAL) else full
 
 
 def naming(e: BaseException, path: str) -> None:
@@ -232,7 +247,7 @@ def _fail(e: BaseException) -> int:
         print(f"error: the first failure of the job: {progress.DECLARED}", file=sys.stderr, flush=True)
         _await_monitor_exit()
         return EXIT_PEER_LOST
-    full = disk_full(e)
+    full = users_disk(e)
     if full is not None or _is_input_error(e):  # our validation of the user's input: one line, no traceback, nothing
         # saved touched; or a full disk / quota (any write: a checkpoint, trainer.json, metrics, the export), the
         # user's to fix, not a node's fault: exit 2 everywhere, never a crash record (a failure only rank 0 hits made

@@ -389,3 +389,8 @@ def test_a_resume_on_fewer_ranks_trains_the_rest_of_the_stages_epochs(capsys):
     # its rest was planned at is recorded: stage_full 78; from the 74 alone it read as 67.5 -> 68 more)
     again = types.SimpleNamespace(stage=0, step=10, stage_steps=[74], stage_sizes=["epochs:1"], stage_full=[78])
     assert keep_stage_steps([st], again)[0].max_steps == 74
+    # a review's case: planned 150 after one rescale (50 done at the first rate, the rest planned at a whole-stage 200),
+    # resumed at 100 done where today's whole-stage count, 150, happens to equal the planned count: still rescaled
+    # from the rate its rest was planned at (50 left x 150 / 200 = 38 more: it trained 50)
+    odd = types.SimpleNamespace(stage=0, step=100, stage_steps=[150], stage_sizes=["epochs:1"], stage_full=[200])
+    assert keep_stage_steps([dataclasses.replace(st, max_steps=150)], odd)[0].max_steps == 138

@@ -113,6 +113,21 @@ def test_other_errors_stay_failures(capsys):
     assert "Traceback" in capsys.readouterr().err
 
 
+def test_a_full_node_local_folder_or_an_unnamed_write_stays_a_crash(capsys):
+    """A full /dev/shm (multiprocessing's semaphores, NCCL's segments) is the node's state, and a write that names no
+    file cannot be told from one: a crash of this node (requeued without it), not a user's disk (exit 2, the job ended
+    for good: a review of the day's change)."""
+    for err in (OSError(errno.ENOSPC, "No space left on device", "/dev/shm/sem.mp-1234"),
+                OSError(errno.ENOSPC, "No space left on device")):
+        try:
+            raise err
+        except OSError as e:
+            assert job.disk_full(e) is e and job.users_disk(e) is None and job._fail(e) == job.EXIT_FAILED
+    named = OSError(errno.EDQUOT, "Disk quota exceeded", "/scratch/me/run/step_000010/model.pt")
+    assert job.users_disk(named) is named
+    capsys.readouterr()
+
+
 def test_a_background_write_that_runs_out_of_room_is_one_line_on_every_rank(tmp_path, monkeypatch):
     """Every rank leaves through `_failed` after the same vote: the ranks whose own write succeeded raised 'another
     rank's background write failed' (exit 1, a crash record if first on record); now each raises the full disk's
