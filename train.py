@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = Checkpointer(cfg.output_dir, cfg.save_total_limit, deadline=Deadline(cfg.time_limit_s, now=started))
     state = ckpt.resume(cfg.resume, model_hash(model.config), cfg.model_name_or_path, to_dict(cfg),
                         check=lambda st: check_resumed_stages(stages, st))  # its stage and those before: today's
-    check_room(ckpt, state, stages, model)  # the first save's room, before any engine (rotated to today's limit first)
+    check_room(ckpt, state, stages, model, cfg)  # a fresh start's base weights there; the first save's room (rotated
+    # to today's limit first): before the data and any engine
 
     # --- data: one token stream, its held-out documents fixed for the whole run (a resume keeps its first start's),
     # each stage packs its length ---

@@ -23,7 +23,7 @@ def cache_key(files: list[str], tokenizer_path: str | None, model_vocab: int) ->
     """What a cached token stream or in-job prepared folder (data/prepare.py) is derived from: each input file
     (path, size, mtime), the tokenizer's content (a HF folder rewritten in place keeps its own size and mtime) and
     the vocabulary its token ids were checked against."""
-    h = hashlib.sha256(f"{model_vocab}:bos2:chat6:eos2:doc4".encode())
+    h = hashlib.sha256(f"{model_vocab}:bos2:chat6:eos2:doc5".encode())
     # :bos2: text documents start with the tokenizer's BOS, once where the text writes its own; :chat6: chat rows
     # encoded by today's rules (a reply's weight, reasoning a template drops, a top-level system, a prompt / completion of strings with the BOS; the ChatML default rendered
     # as served, a `reasoning` field, JSON-text arguments as the object; chat5: an empty tool list as none, bare tool
@@ -32,7 +32,8 @@ def cache_key(files: list[str], tokenizer_path: str | None, model_vocab: int) ->
     # after a document that ends with its own (a stream, or a folder prepare_data wrote before 2026-11-30, had two);
     # :doc3: a text document ends with its family's end-of-text token where the EOS is a chat end-of-turn, special-token
     # strings in a text are text, a blank text is dropped, pre-tokenized ids get the BOS a text gets; :doc4: a text that
-    # starts as a rendered conversation is refused (a cache built from one under doc3 trained its tokens spelled out)
+    # starts as a rendered conversation is refused (a cache built from one under doc3 trained its tokens spelled out);
+    # :doc5: ids ending with the tokenizer's own EOS get no separator after it, gpt-oss's <|return|> maps to <|endoftext|>
     for f in files:
         st = os.stat(f)
         h.update(f"{os.path.abspath(f)}:{st.st_size}:{st.st_mtime_ns}".encode())
@@ -84,8 +85,10 @@ def build_token_stream(dataset_path: str, tokenizer: Tokenizer | None, model_voc
                 raise ValueError(f"{file}:{line}: token id {bad[0]} >= the model's vocab_size {model_vocab}")
         if not ids:
             continue
-        if eos is not None and int(ids[-1]) != eos:  # as prepare_data: a document ending with the EOS (`...</s>` in
-            ids = list(ids) + [eos]  # the text, pre-tokenized ids with theirs) gets no second one
+        # as prepare_data: a document ending with the separator (`...</s>` in the text, pre-tokenized ids with theirs)
+        # or the tokenizer's own EOS gets no other
+        if eos is not None and int(ids[-1]) not in (eos, tokenizer.eos_id):
+            ids = list(ids) + [eos]
         starts.append(n)
         chunks.append(np.asarray(ids, dtype=np.uint32))
         n += len(ids)

@@ -34,6 +34,7 @@ MAX_IN_JOB_BYTES = 200 * 1024 * 1024  # of decompressed input (estimated: input_
 # the stored bytes: text compresses ~2-7x (Parquet's snappy ~2x, gzip ~3-4x, zstd / xz ~4-7x), so 10x overstates rather
 # than understates, and an overstatement only sends a corpus to scripts/prepare_data.py sooner.
 RATIO = 10
+PARQUET_RATIO = 2  # Parquet states its own sizes: at least snappy's ~2x (tatsu-lab/alpaca: 24.5 MB stored, ~48 MB)
 
 
 def resolve_sources(dataset_path: str | None, tokenizer_path: str | None) -> tuple[str, str | None]:
@@ -69,8 +70,9 @@ def input_bytes(path: str) -> int:
         if low.endswith(".parquet"):
             import pyarrow.parquet as pq
 
-            meta = pq.ParquetFile(path).metadata
-            return max(stored * RATIO, sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)))
+            meta = pq.ParquetFile(path).metadata  # its columns' uncompressed bytes, at least PARQUET_RATIO x stored
+            # (dictionary pages count repeated values once); RATIO over it refused an Alpaca-sized set (a review)
+            return max(stored * PARQUET_RATIO, sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)))
         if low.endswith((".gz", ".gzip")):
             with open(path, "rb") as fh:
                 fh.seek(-4, os.SEEK_END)
@@ -109,13 +111,13 @@ def prepare_in_job(dataset_path: str | None, tokenizer_path: str | None, model_v
         files = [f for u in units for f in u.files()]  # the cache key's: every file read
         # the tokenizer this run would use (scripts/prepare_data.py takes none by default: its command names it)
         how = f"--tokenizer_name_or_path {shlex.quote(tok_path)}" if tok_path else f"--vocab_size {model_vocab}"
+        out = os.path.join(CACHE, "prepared", cache_key(files, tok_path, model_vocab))
         size = sum(input_bytes(f) for f in files)  # a stat a file, and <= 18 bytes or a Parquet footer read
-        if size > MAX_IN_JOB_BYTES:
+        if size > MAX_IN_JOB_BYTES and not is_prepared(out):  # (one prepared already is used, whatever the limit)
             raise ValueError(f"--dataset_path {data}: {size / 2**20:.0f} MB of input (decompressed) is too much to "
                              f"tokenize inside the job (limit {MAX_IN_JOB_BYTES >> 20} MB): run `python "
                              f"scripts/prepare_data.py --input {shlex.quote(data)} --output DIR {how}` once and pass "
                              "--dataset_path DIR")
-        out = os.path.join(CACHE, "prepared", cache_key(files, tok_path, model_vocab))
         if not is_prepared(out):  # into a private folder renamed into place: concurrent jobs never share one
             tmp = f"{out}.tmp{os.getpid()}"
             shutil.rmtree(tmp, ignore_errors=True)

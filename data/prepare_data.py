@@ -105,8 +105,8 @@ def _tokenize_batch(items: list[tuple[int, int, object]]) -> dict:
         max_id = max(max_id, top)
         arrays.append(a)
         # a conversation ends with its own end-of-turn token; a document whose ids end with the separator (`...</s>`
-        # in the text, pre-tokenized ids with theirs) gets no second one
-        add_eos = eos is not None and d not in masks and int(a[-1]) != eos
+        # in the text, pre-tokenized ids with theirs) or the tokenizer's own EOS (ids + [eos_token_id]) gets no other
+        add_eos = eos is not None and d not in masks and int(a[-1]) not in (eos, tok.eos_id if tok else eos)
         if add_eos:
             arrays.append(np.asarray([eos], dtype=np.int64))
             max_id = max(max_id, eos)

@@ -36,6 +36,7 @@ from data.jsonl import (
     open_file,
     starts_array,
 )
+from data.row_errors import SURROGATE, both, elsewhere, labelled, lone_surrogate
 from data.store import FORMAT, MANIFEST
 
 JSONL_EXT = tuple(b + c for b in (".jsonl", ".json", ".ndjson") for c in COMPRESSED)  # matched in lower case
@@ -47,7 +48,9 @@ OTHER_DATA = (".arrow", ".zip", ".tar", ".tgz", ".7z", ".rar", ".lz4", ".gz", ".
 # raw text documents (`.txt.gz`: OTHER_DATA's) beside JSONL / Parquet, refused by name (they were dropped without a word;
 # a folder of only these: "no .jsonl ... (or use --loader)"); a snapshot's LICENSE.txt, CITATION.md, ... are no documents
 TEXT_DOCS = (".txt", ".md", ".tex", ".html", ".htm")
-DOC_META = {"readme", "license", "licence", "copying", "notice", "citation", "changelog", "authors", "requirements"}
+DOC_META = ("readme", "license", "licence", "copying", "notice", "citation", "change", "authors", "requirements",
+            "contributing", "code_of_conduct", "datasheet", "dataset_card", "terms", "security", "acknowledg",
+            "sha256sums", "sha1sums", "md5sums", "checksums", "urls")  # a snapshot's papers: by its name's start
 TEXT_DOC_MAX = 2**30  # --loader text: a file is one document, read whole (1M tokens are ~4 MB of text)
 
 
@@ -178,9 +181,12 @@ def _folder(path: str, flag: str) -> list[str]:
                 files.append(p)
             elif f.lower().endswith(OTHER_DATA) or any(e in f.lower() for e in (".jsonl", ".ndjson", ".parquet")):
                 other.append(os.path.relpath(p, path))
-            elif f.lower().endswith(TEXT_DOCS) and f.split(".")[0].lower() not in DOC_META:
+            elif f.lower().endswith(TEXT_DOCS) and not f.lower().startswith(DOC_META):
                 texts.append(os.path.relpath(p, path))
-    other += texts if files or other else []
+    # text files beside data files are documents dropped without a word (book0.txt beside a JSONL); elsewhere
+    # (docs/usage.md in a snapshot) the dataset's papers, passed over as before
+    beside = {os.path.dirname(f) for f in files} | {os.path.dirname(os.path.join(path, o)) for o in other}
+    other += [t for t in texts if os.path.dirname(os.path.join(path, t)) in beside]
     if other:
         raise ValueError(f"{flag} {path}: cannot read {sorted(other)[:5]}" + (f" and {len(other) - 5} more" if len(
             other) > 5 else "") + ": not .jsonl / .ndjson / .json (plain, .gz, .zst, .bz2, .xz), .parquet nor a "
@@ -401,7 +407,7 @@ def _columnar(batch: dict, cols: tuple, row: int, start: int, path: str) -> Iter
     labels = batch[cols[2]] if cols[2] else None
     for i, v in enumerate(values):
         if labels is not None and labels[i] is not None and list(labels[i]) != list(v):
-            raise ValueError(f"{path}: row {row + i}: {_labelled(cols[0])}")
+            raise ValueError(f"{path}: row {row + i}: {labelled(cols[0])}")
         if row + i >= start:
             if chat:  # a chat row travels as the dict data/chat.py reads
                 v = {c.removeprefix(TEXT_BESIDE): batch[c.removeprefix(TEXT_BESIDE)][i] for c in cols[0]}
@@ -420,43 +426,6 @@ def _columnar(batch: dict, cols: tuple, row: int, start: int, path: str) -> Iter
             yield row + i, (v, str(sources[i]) if sources is not None and sources[i] is not None else None)
 
 
-_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # a surrogate's escape on the raw line: only then is the row walked
-
-
-def _lone_surrogate(value) -> bool:
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return True
-        return False
-    if isinstance(value, dict):
-        return any(_lone_surrogate(k) or _lone_surrogate(v) for k, v in value.items())
-    return isinstance(value, list) and any(_lone_surrogate(v) for v in value)
-
-
-def _labelled(ids: str) -> str:
-    return (f"pre-tokenized {ids!r} with 'labels' that differ from them (axolotl's / LLaMA-Factory's preprocessed "
-            "output, -100 over the prompt): its loss mask would be ignored and the prompt trained; prepare from the "
-            "chat rows it was made from (messages, ...: docs/sft.md), or drop 'labels' to train every token (labels "
-            "equal to the ids, as run_clm's group_texts writes them, train every token: read)")
-
-
-def _both(fields: Fields, row: dict) -> str:
-    return (f"both {fields.text!r} / {fields.ids!r} and a chat field ({row_format(row)}): which is meant? Keep one "
-            "(read as text, every token of the row would be trained)")
-
-
-def _elsewhere(fields: Fields, obj: dict) -> str:
-    """Where a row with no text field may hold it: a string field (The Stack's `content`), or nested (not read)."""
-    nested = [k for k, v in obj.items() if isinstance(v, dict) and (k in (fields.text.split(".")[0], fields.ids) or fields.text in v)]
-    if nested:
-        return f": nested fields are not read ({nested[0]!r} holds an object, keys {sorted(obj[nested[0]])[:8]}); flatten " \
-            "the rows (the text a top-level string field)"
-    names = sorted((k for k, v in obj.items() if isinstance(v, str) and k != fields.source), key=lambda k: -len(obj[k]))
-    return f": string fields here: {names[:5]}; name the one with the text: --text_field {names[0]}" if names else ""
-
-
 def parse_item(item: object, fields: Fields) -> tuple[str | list | dict | None, str | None, str | None]:
     """(text, ids or a chat row (dict), source or None, error or None) for one row; runs in the worker processes."""
     if isinstance(item, bytes):
@@ -468,12 +437,12 @@ def parse_item(item: object, fields: Fields) -> tuple[str | list | dict | None, 
             return None, None, f"expected a JSON object, got {type(obj).__name__}"
         value = obj.get(fields.text, obj.get(fields.ids))
         if isinstance(value, dict) and not row_format(value):  # was read as a chat row: "chat row: not a chat row"
-            return None, None, f"expected a string in {fields.text!r}{_elsewhere(fields, obj)}"
+            return None, None, f"expected a string in {fields.text!r}{elsewhere(fields, obj)}"
         if value is not None and row_format(obj):
-            return None, None, _both(fields, obj)
+            return None, None, both(fields, obj)
         if fields.text not in obj and value is not None and obj.get("labels") not in (None, value):
-            return None, None, _labelled(fields.ids)
-        if _SURROGATE.search(item) and _lone_surrogate(obj):  # a web crawl's cut emoji: the tokenizer's TypeError
+            return None, None, labelled(fields.ids)
+        if SURROGATE.search(item) and lone_surrogate(obj):  # a web crawl's cut emoji: the tokenizer's TypeError
             return None, None, ("a lone UTF-16 surrogate (\\ud800-\\udfff not in a pair) in a string: not valid "
                                 "Unicode (a cut emoji?); fix or drop the row")
         if value is None and row_format(obj):
@@ -484,10 +453,10 @@ def parse_item(item: object, fields: Fields) -> tuple[str | list | dict | None, 
             return None, None, (f"expected {{\"{fields.text}\": str}}, {{\"{fields.ids}\": [int, ...]}} or a chat row "
                                 f"(messages, conversations, prompt + completion, instruction + output), got keys {sorted(obj)}"
                                 + (": a preference row; for SFT give the chosen conversation as messages"
-                                   if "chosen" in obj else _elsewhere(fields, obj)))
+                                   if "chosen" in obj else elsewhere(fields, obj)))
     value, src = item
     if isinstance(value, dict) and value.get(TEXT_BESIDE):
-        return None, None, _both(fields, value)  # a table's row filling its text and chat columns
+        return None, None, both(fields, value)  # a table's row filling its text and chat columns
     if isinstance(value, str):  # a UTF-8 BOM a Windows tool wrote at a file's start is no character of the text
         return value.removeprefix("\ufeff"), src, None
     if isinstance(value, dict):

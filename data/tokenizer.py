@@ -30,7 +30,9 @@ _PROBE = ["  Hello world!\n\tdef f(x):  return x**2  # café 東京 1234567 ", "
 # end-of-text token gets it; any other keeps its EOS. <|end_of_text|> second for <|im_end|>: ChatML over Llama 3's
 # vocabulary (SmolLM3's layout, not checked).
 END_OF_TEXT = {"<|eot_id|>": ("<|end_of_text|>",), "<|im_end|>": ("<|endoftext|>", "<|end_of_text|>"),
-               "<|end|>": ("<|endoftext|>",), "<end_of_turn>": ("<eos>",)}
+               "<|end|>": ("<|endoftext|>",), "<end_of_turn>": ("<eos>",),
+               "<|return|>": ("<|endoftext|>",)}  # gpt-oss: eos <|return|> (Harmony's end of a final message), pad
+# <|endoftext|> (its shipped tokenizer_config.json, read in a review)
 
 
 class RenderedText(ValueError):
@@ -110,8 +112,12 @@ class Tokenizer:
             self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else self.eos_id
             self._encode = lambda t: tok(t, add_special_tokens=False)["input_ids"]
             self._encode_batch = lambda ts: tok(ts, add_special_tokens=False)["input_ids"]
-            self._plain_batch = lambda ts: tok(ts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
             backend = getattr(tok, "backend_tokenizer", None)
+            # transformers sets the backend's encode_special_tokens to the call's split_special_tokens and leaves it
+            # so: put back after each text batch, or a later direct (Rust) call of a chat row read its special tokens
+            # as text (a review of the day's change)
+            self._plain_batch = lambda ts: _restoring(backend, lambda: tok(ts, add_special_tokens=False,
+                                                                           split_special_tokens=True)["input_ids"])
             fast = getattr(backend, "encode_batch_fast", None)
             if fast is not None:  # the Rust tokenizer without offsets: 1.5x faster here (same ids, checked below)
                 direct = lambda ts: [e.ids for e in fast(ts, add_special_tokens=False)]  # noqa: E731
@@ -259,6 +265,16 @@ class Tokenizer:
         if self.kind == "sentencepiece":
             return [self._sp.id_to_piece(i) for i in range(self.vocab_size)]
         return self.hf.convert_ids_to_tokens(list(range(self.vocab_size)))
+
+
+def _restoring(backend, call):
+    """`call()` with the backend's encode_special_tokens put back as it was afterwards (None: no backend)."""
+    was = getattr(backend, "encode_special_tokens", None)
+    try:
+        return call()
+    finally:
+        if was is not None:
+            backend.encode_special_tokens = was
 
 
 def _split_specials(backend, direct, texts: list[str]) -> list[list[int]]:

@@ -52,7 +52,9 @@ def missing_weights(folder: str) -> list[str]:
     have = [w for w in WEIGHTS if os.path.isfile(os.path.join(folder, w))]
     if not have:
         return ["model.safetensors (or pytorch_model.bin)"]
-    index = next((w for w in have if w.endswith(".index.json")), None)
+    # the file transformers loads, in its order (WEIGHTS): a model.safetensors beside an index from an earlier sharded
+    # save (save_pretrained keeps the index, removes the shards) is what loads, not the stale index
+    index = have[0] if have[0].endswith(".index.json") else None
     if index is None:
         return []
     try:

@@ -229,7 +229,9 @@ def resolve_hub_ids(cfg) -> None:
     from model_utils.hub import resolve
 
     given = cfg.model_name_or_path
-    cfg.model_name_or_path = resolve_model(given, weights=not cfg.dry_run)
+    # a hub id's snapshot must hold its weights; a local folder's are looked for when they are read (build_model with
+    # pretrained weights: a resume or a later stage builds from the config, whose folder may hold no weights now)
+    cfg.model_name_or_path = resolve_model(given, weights=not cfg.dry_run and not os.path.isdir(given))
     if cfg.model_name_or_path != given and os.environ.get("RANK", "0") == "0":
         print(f"model {given}: {cfg.model_name_or_path} (the local Hugging Face cache)", flush=True)
     if cfg.tokenizer_name_or_path:

@@ -238,10 +238,24 @@ def start_distributed(cfg: Config, model: Model) -> tuple[ParallelDims, list[Sta
     return dims, stages, model
 
 
-def check_room(ckpt, state, stages: list[Stage], model: Model) -> None:
-    """After the resume decision, before any engine: the first save's room on the output folder's file system, and
-    what the curriculum will hold (training/checkpoint.Checkpointer.check_room). Before this the first check came at
-    the first save, after a whole save interval of training. Collective."""
+def check_base_weights(cfg: Config, state) -> None:
+    """A fresh start (no checkpoint to load) reads the base folder's weights at its first stage's build: a missing
+    shard or weight file is one line here, before the data is prepared (model_utils/hub.py; a resume reads none, so
+    a base folder whose weights were deleted since resumes). Rank 0 looks (a node's cached view must not decide
+    alone); every rank raises its line. Collective."""
+    from model_utils.build import resolve_model
+
+    if state.checkpoint is None and not cfg.from_scratch and os.path.isdir(cfg.model_name_or_path or ""):
+        comm.run_on_main(lambda: resolve_model(cfg.model_name_or_path, weights=True))
+
+
+def check_room(ckpt, state, stages: list[Stage], model: Model, cfg: Config | None = None) -> None:
+    """After the resume decision, before any engine: a fresh start's base weights (check_base_weights), the first
+    save's room on the output folder's file system, and what the curriculum will hold
+    (training/checkpoint.Checkpointer.check_room). Before this the first check came at the first save, after a whole
+    save interval of training. Collective."""
+    if cfg is not None:
+        check_base_weights(cfg, state)
     from planner.shapes import ModelShape
 
     arch = model.arch

@@ -185,8 +185,11 @@ def test_in_job_path_has_a_size_limit(tmp_path, monkeypatch):
     data = pipeline.open_run_data(src, None, 100, _stages(32), reset_position_ids=False)
     assert data.prepared.path.startswith(str(tmp_path / "cache"))
     monkeypatch.setattr(in_job, "MAX_IN_JOB_BYTES", 1000)
+    again = pipeline.open_run_data(src, None, 100, _stages(32), reset_position_ids=False)  # prepared: used as it is
+    assert again.prepared.path == data.prepared.path
+    other = _write_jsonl(tmp_path / "e.jsonl", DOCS * 5)
     with pytest.raises(ValueError, match=r"too much to tokenize inside the job .* run `python scripts/prepare_data.py"):
-        pipeline.open_run_data(src, None, 100, _stages(32), reset_position_ids=False)
+        pipeline.open_run_data(other, None, 100, _stages(32), reset_position_ids=False)
 
 
 def test_hf_fast_tokenizer_direct_path_gives_the_transformers_ids(tmp_path):

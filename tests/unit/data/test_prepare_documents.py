@@ -157,3 +157,22 @@ def test_default_workers_follow_this_process_cpus_not_the_node(monkeypatch, tmp_
     for cpus, want in ((8, 7), (128, 32), (1, 1)):
         monkeypatch.setattr(os, "sched_getaffinity", lambda _, n=cpus: set(range(n)), raising=False)
         assert main(["--input", src, "--output", str(tmp_path / "o")]) == 0 and got.pop() == want
+
+
+def test_ids_ending_with_the_tokenizers_own_eos_get_no_separator_after_it(tmp_path):
+    """Pre-tokenized ids made as tokenizer(text) + [eos_token_id] with an instruct tokenizer end with <|eot_id|>: since
+    the separator became <|end_of_text|> they got a second terminator (a review of the day's change); the in-job stream
+    the same."""
+    from data.packing import build_token_stream
+
+    path = _llama3_instruct(tmp_path / "tok")
+    tok = Tokenizer(path)
+    eot, bos = tok.eos_id, tok.bos_id
+    src = tmp_path / "ids.jsonl"
+    src.write_text(json.dumps({"input_ids": [bos, 5, 6, eot]}) + "\n" + json.dumps({"input_ids": [bos, 7]}) + "\n")
+    prepare([str(src)], str(tmp_path / "out"), path, **QUIET)
+    assert _docs(tmp_path / "out") == [[bos, 5, 6, eot], [bos, 7, tok.sep_id]]
+    t, s = build_token_stream(str(src), tok, tok.vocab_size, str(tmp_path / "c"))
+    import numpy as np
+
+    assert np.load(t).tolist() == [bos, 5, 6, eot, bos, 7, tok.sep_id]

@@ -36,10 +36,15 @@ def test_a_folders_text_files_beside_jsonl_are_refused_by_name(tmp_path, capsys)
     for name in ("book0.txt", "notes.md", "sub/page.html", "LICENSE.txt", "README.md", "CITATION.md"):
         (corpus / name).write_text("The quick brown fox. " * 20)
     _write_jsonl(corpus / "extra.jsonl", [[1, 2]])
+    for name in ("README_zh.md", "LICENSE-CODE.md", "SHA256SUMS.txt", "CONTRIBUTING.md", "docs/usage.md"):
+        (corpus / name).parent.mkdir(exist_ok=True)  # a snapshot's papers (a review: each refused the folder)
+        (corpus / name).write_text("# about\n")
     err = _err(capsys, ["--input", str(corpus), "--output", str(tmp_path / "o"), *ARGS])
-    assert "cannot read ['book0.txt', 'notes.md', 'sub/page.html']: " in err and "--loader BUILDER (text:" in err, err
-    assert sorted(u.path.split("/")[-1] for u in discover(str(corpus), loader="text")) == [
-        "CITATION.md", "LICENSE.txt", "book0.txt", "extra.jsonl", "notes.md", "page.html"]
+    # sub/page.html holds no data beside it: passed over as before, as a snapshot's docs/ are
+    assert "cannot read ['book0.txt', 'notes.md']: " in err and "--loader BUILDER (text:" in err, err
+    assert sorted(u.path.split("/")[-1] for u in discover(str(corpus), loader="text")) == sorted([
+        "CITATION.md", "LICENSE.txt", "book0.txt", "extra.jsonl", "notes.md", "page.html", "README_zh.md",
+        "LICENSE-CODE.md", "SHA256SUMS.txt", "CONTRIBUTING.md", "usage.md"])
     (corpus / "extra.jsonl").unlink()  # only text files: as before, no file named
     err = _err(capsys, ["--input", str(corpus), "--output", str(tmp_path / "o"), *ARGS])
     assert err.endswith("folder has no .jsonl, .ndjson, .json or .parquet files (or use --loader for other formats "
@@ -61,7 +66,7 @@ def test_a_file_beside_its_compressed_copy_is_refused_naming_both(tmp_path, caps
 
 def test_the_in_job_limit_counts_decompressed_bytes_and_its_command_runs(tmp_path, monkeypatch, capsys):
     """A .jsonl.gz was measured by its compressed bytes: 7x the limit's JSONL tokenized on rank 0. The size is read
-    from gzip's trailer and zstd's frame header, else (Parquet too) estimated at RATIO times the stored bytes. The
+    from gzip's trailer and zstd's frame header, Parquet's footer (at least 2x stored), else RATIO x stored. The
     refusal's command lacked the tokenizer the run would use (the model folder's own): run as written, it failed."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -84,7 +89,12 @@ def test_the_in_job_limit_counts_decompressed_bytes_and_its_command_runs(tmp_pat
     stored = {n: (tmp_path / n).stat().st_size for n in sizes}
     assert sizes["c.jsonl.xz"] == in_job.RATIO * stored["c.jsonl.xz"], sizes
     assert sizes["d.jsonl.zst"] == in_job.RATIO * stored["d.jsonl.zst"], sizes
-    assert sizes["e.parquet"] == in_job.RATIO * stored["e.parquet"], sizes  # its footer: the repeated row once
+    # its footer counts the repeated row once: PARQUET_RATIO x stored (RATIO refused an Alpaca-sized set: a review)
+    assert sizes["e.parquet"] == in_job.PARQUET_RATIO * stored["e.parquet"], sizes
+    uniq = pa.table({"text": [f"river {i} apple stone " * 40 for i in range(200)]})
+    pq.write_table(uniq, tmp_path / "f.parquet")  # unique rows: the footer's uncompressed bytes, above 2x stored
+    footer = pq.ParquetFile(tmp_path / "f.parquet").metadata.row_group(0).total_byte_size
+    assert in_job.input_bytes(str(tmp_path / "f.parquet")) == max(footer, 2 * (tmp_path / "f.parquet").stat().st_size)
 
     model = _word_tokenizer(tmp_path / "model", ["<unk>", "</s>", "apple", "river", "stone"])
     monkeypatch.setattr(in_job, "MAX_IN_JOB_BYTES", len(text) // 2)  # above the .gz's bytes, below its JSONL's
@@ -95,6 +105,11 @@ def test_the_in_job_limit_counts_decompressed_bytes_and_its_command_runs(tmp_pat
     assert f"--tokenizer_name_or_path {model}" in command, command
     assert shlex.split(command)[:2] == ["python", "scripts/prepare_data.py"]
     assert main([*shlex.split(command)[2:], "--workers", "0"]) == 0, capsys.readouterr().err
+    # a set prepared in the job before (another limit, an earlier version) is used, not refused by today's estimate
+    monkeypatch.setattr(in_job, "MAX_IN_JOB_BYTES", len(text) * 10)
+    done, _ = in_job.prepare_in_job(str(tmp_path / "a.jsonl.gz"), None, 5, model)
+    monkeypatch.setattr(in_job, "MAX_IN_JOB_BYTES", len(text) // 2)
+    assert in_job.prepare_in_job(str(tmp_path / "a.jsonl.gz"), None, 5, model)[0] == done
 
 
 def test_a_row_with_its_text_under_another_field_names_that_field(tmp_path, capsys, monkeypatch):

@@ -120,3 +120,18 @@ def test_the_in_job_paths_refuse_it_naming_prepare_data_and_the_flag(tmp_path, m
            "--text_specials parse" in msg and msg.endswith("then pass --dataset_path DIR"), msg
     with pytest.raises(ValueError, match=rf"^{src}:1: a text that starts with .*--text_specials parse"):
         build_token_stream(src, Tokenizer(path), 1000, str(tmp_path / "stream"))
+
+
+def test_the_text_path_leaves_the_tokenizers_special_switch_as_it_was(tmp_path, monkeypatch):
+    """transformers leaves its backend's encode_special_tokens at the last call's split_special_tokens: the fallback
+    text path (taken where the Rust path's probe disagrees) left it on, and a later direct (Rust) batch of a chat row
+    read <|im_start|> as text (a review of the day's change)."""
+    from data import tokenizer as tk
+
+    monkeypatch.setattr(tk, "_split_specials", lambda backend, direct, texts: [[-1]] * len(texts))  # the probe fails
+    tok = Tokenizer(build_tokenizer(str(tmp_path / "qwen"), "qwen25"))
+    start = tok.hf.convert_tokens_to_ids("<|im_start|>")
+    assert tok.direct and tok.hf.backend_tokenizer.encode_special_tokens is False
+    tok.frame_texts(["a page that mentions <|im_start|> in its text"], tok.sep_id)
+    assert tok.hf.backend_tokenizer.encode_special_tokens is False
+    assert tok._encode_batch(["<|im_start|>user"])[0][0] == start

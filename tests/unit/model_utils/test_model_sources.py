@@ -159,13 +159,44 @@ def test_a_local_folder_missing_a_shard_or_its_weights_is_one_line(tmp_path):
         json.dump({"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}, fh)
     with pytest.raises(ValueError, match=f"^--model_name_or_path {folder}: the folder lacks "
                                          "model-00002-of-00002.safetensors \\(a copy or download that stopped"):
-        resolve_model(folder)  # training/hf_args.resolve_hub_ids at the config's parse; build_model again
+        resolve_model(folder)  # training/startup.check_base_weights at a fresh start; build_model again
     os.remove(os.path.join(folder, "model.safetensors.index.json"))
     os.remove(os.path.join(folder, "model-00001-of-00002.safetensors"))
     with pytest.raises(ValueError, match=r"the folder lacks model.safetensors \(or pytorch_model.bin\)"):
         resolve_model(folder)
     assert resolve_model(folder, weights=False) == folder  # a dry run reads the config only
     load_hf_config(folder)
+
+
+def test_a_stale_index_beside_the_whole_file_is_what_transformers_ignores(tmp_path):
+    """save_pretrained keeps model.safetensors.index.json when a sharded folder is saved again whole: transformers
+    loads model.safetensors; the index's missing shards were refused (a review of the day's check)."""
+    folder = tiny_folder(tmp_path / "resaved")
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as fh:
+        json.dump({"weight_map": {"a": "model-00001-of-00012.safetensors"}}, fh)
+    assert resolve_model(folder) == folder
+
+
+def test_a_resume_reads_no_weights_of_the_base_folder(tmp_path):
+    """The config's parse no longer asks a local folder for weights (a resume, a later stage build from config only:
+    a base folder whose weights were deleted to save room ran yesterday); build_model asks when it reads them."""
+    import types
+
+    from training.hf_args import resolve_hub_ids
+
+    folder = tiny_folder(tmp_path / "config_only")
+    os.remove(os.path.join(folder, "model.safetensors"))
+    cfg = types.SimpleNamespace(model_name_or_path=folder, tokenizer_name_or_path=None, dry_run=False)
+    resolve_hub_ids(cfg)
+    assert cfg.model_name_or_path == os.path.abspath(folder)
+    with pytest.raises(ValueError, match="the folder lacks model.safetensors"):
+        resolve_model(folder, weights=True)  # build_model(pretrained=True)'s call
+    from training.startup import check_base_weights
+
+    run = types.SimpleNamespace(model_name_or_path=folder, from_scratch=False)
+    check_base_weights(run, types.SimpleNamespace(checkpoint=str(tmp_path / "step_000010")))  # a resume: none read
+    with pytest.raises(ValueError, match="the folder lacks model.safetensors"):  # a fresh start: before the data
+        check_base_weights(run, types.SimpleNamespace(checkpoint=None))
 
 
 def test_custom_code_is_never_run_nor_asked_about(tmp_path, monkeypatch):
