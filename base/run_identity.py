@@ -14,13 +14,20 @@ two runs' ranks can never write each other's keys, even on a store that publishe
 The identity is what every rank of one launch shares and two launches do not:
 - ULYSSES_LAUNCH_ID, when set (scripts/launch.sh sets it for every launch: one launcher's own id on one node and
   over pdsh, where .deepspeed_env carries it to every node; with --no_ssh / --torchrun on several nodes, each node's
-  launch.sh derives it alike from the node count and the Slurm step, not the train.py arguments (nodes may be given
-  differing ones: a node refusing them must end the others, scripts/launch_env.sh), so outside Slurm two such runs
-  with the same node count on one port look alike: give each its own --master_port or ULYSSES_LAUNCH_ID); else
-- SLURM_JOB_ID + SLURM_STEP_ID (both set only inside an srun step, the same on every task of it; the batch shell has
-  no step id, and nodes reached over ssh have no Slurm variables at all, so a job id alone is not used),
-  TORCHELASTIC_RUN_ID (torchrun's --rdzv_id, the same on every node), WORLD_SIZE, and the command line's arguments
-  without the rank-specific `--local_rank=N` that deepspeed's launch.py appends (launch.py sets LOCAL_RANK too).
+  launch.sh derives it alike from the node count and either the srun step, when one step is the whole launch, or the
+  store's port (scripts/launch_env.sh launch_id), not the train.py arguments: nodes may be given differing ones, and
+  a node refusing them must end the others), so two such launches with one node count on one port, not each one
+  srun step, look alike: give each its own ULYSSES_LAUNCH_ID; else
+- SLURM_JOB_ID + SLURM_STEP_ID only when srun started every rank (`srun python train.py`: the step's tasks are the
+  world, SLURM_STEP_NUM_TASKS == WORLD_SIZE, and every rank sees the same step). Not otherwise, nor the job id
+  alone: torchrun / deepspeed --no_ssh started by one srun per node see one step each ("123.0", "123.1"), node 0 in
+  the batch shell sees the batch step's id (slurmstepd sets SLURM_STEP_ID for the batch script's task too, but no
+  SLURM_STEP_NUM_TASKS: src/slurmd/slurmstepd/task.c exec_task, src/common/env.c setup_env), and nodes reached over
+  ssh / pdsh have no Slurm variables at all: a part only some nodes have would make them refuse each other.
+  Then TORCHELASTIC_RUN_ID (torchrun's --rdzv_id, the same on every node), WORLD_SIZE, and the command line's
+  arguments without the rank-specific `--local_rank=N` that deepspeed's launch.py appends (launch.py sets LOCAL_RANK
+  too). So two plain torchrun / deepspeed launches with one world and the same arguments on one port (the rendezvous
+  id left at its default) look alike.
 What differs per node or rank (RANK, LOCAL_RANK, SLURM_PROCID/NODEID/LOCALID, the host, CUDA_VISIBLE_DEVICES,
 OMP_NUM_THREADS) is never part of it. Cost: one hash per process; one `get` per rank (one `compare_set` by the host).
 """
@@ -61,6 +68,14 @@ def shared_args(argv: list[str]) -> list[str]:
     return out
 
 
+def srun_started_every_rank(env) -> bool:
+    """True when this rank is a task of an srun step whose tasks are the whole world (one task per rank): then every
+    rank has the same SLURM_JOB_ID and SLURM_STEP_ID. False under a launcher started per node, in the batch shell, and
+    outside Slurm."""
+    return bool(env.get("SLURM_JOB_ID") and env.get("SLURM_STEP_ID") and env.get("SLURM_STEP_NUM_TASKS")) and \
+        env.get("SLURM_STEP_NUM_TASKS") == env.get("WORLD_SIZE", "1")
+
+
 def identity(env=None, argv: list[str] | None = None) -> Identity:
     """This process's run identity, from `env` (os.environ) and `argv` (sys.argv[1:]): see the module docstring."""
     env = os.environ if env is None else env
@@ -69,8 +84,7 @@ def identity(env=None, argv: list[str] | None = None) -> Identity:
         parts = [f"launch {env['ULYSSES_LAUNCH_ID']}"]
         said = parts[0]
     else:
-        step = f"Slurm step {env['SLURM_JOB_ID']}.{env['SLURM_STEP_ID']}" if env.get("SLURM_JOB_ID") and \
-            env.get("SLURM_STEP_ID") else ""
+        step = f"Slurm step {env['SLURM_JOB_ID']}.{env['SLURM_STEP_ID']}" if srun_started_every_rank(env) else ""
         rdzv = f"torchrun run {env['TORCHELASTIC_RUN_ID']}" if env.get("TORCHELASTIC_RUN_ID") else ""
         args = "\0".join(shared_args(list(argv)))
         args_hash = hashlib.sha256(args.encode()).hexdigest()[:8]

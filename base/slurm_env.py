@@ -83,29 +83,23 @@ def srun_world(env: Mapping[str, str] | None = None) -> dict[str, str] | None:
 
 def master_refusal(env: Mapping[str, str] | None = None) -> str | None:
     """One line when srun started every rank (one task per rank: RANK is SLURM_PROCID, WORLD_SIZE the step's tasks) and
-    MASTER_ADDR names a host outside the step: a batch template's `export MASTER_ADDR=<the job's first node>` with a
-    step on other nodes (`srun -N2 -r2 python train.py`) pointed every rank at a node where rank 0 does not run (300 s,
-    then exit 69; with an exported port too, another step's store). Host names compare by their short form (node01 and
-    node01.cluster are one host; node01-ib / node01_ib, an interface's own name, count as node01). An IP address is kept as given: telling whether it is one of the step's hosts would
-    take a resolver lookup per host (a slow or stale DNS on 512 ranks at start-up), and srun_world never writes one."""
-    import ipaddress
-    import socket
-
+    MASTER_ADDR is a node of the job (SLURM_JOB_NODELIST) outside the step: a batch template's `export
+    MASTER_ADDR=<the job's first node>` with a step on other nodes (`srun -N2 -r2 python train.py`) pointed every rank
+    at a node where rank 0 does not run (300 s, then exit 69; with an exported port too, another step's store). Names
+    compare by their short form, case aside (node01 and node01.cluster are one host). Anything else is taken as given,
+    and every rank decides alike (nothing of its own host): a name that is not one of the job's node names may be one
+    of the step's hosts under another name (the node's NodeHostname, which differs from its Slurm NodeName on AWS
+    ParallelCluster; an interface's name: node01-ib, ib-node01, node01ib) or an IP address, and telling would take a
+    resolver lookup per host (a slow or stale DNS on 512 ranks at start-up)."""
     env = os.environ if env is None else env
-    addr, nodes = env.get("MASTER_ADDR", ""), env.get("SLURM_STEP_NODELIST")
-    if not addr or not nodes or env.get("RANK") != env.get("SLURM_PROCID") or \
+    addr, nodes, job = env.get("MASTER_ADDR", ""), env.get("SLURM_STEP_NODELIST"), env.get("SLURM_JOB_NODELIST")
+    if not addr or not nodes or not job or env.get("RANK") != env.get("SLURM_PROCID") or \
             env.get("WORLD_SIZE") != env.get("SLURM_STEP_NUM_TASKS"):
         return None
-    try:
-        ipaddress.ip_address(addr)
-        return None
-    except ValueError:
-        pass
     hosts = expand_hostlist(nodes)
-    short = {h.split(".")[0].lower() for h in [*hosts, "localhost", socket.gethostname()]}
-    a = addr.split(".")[0].lower()
-    if any(a == h or a.startswith((h + "-", h + "_")) for h in short):  # node01-ib: an interface's name of node01
+    a = addr.split(".")[0].lower() if not re.fullmatch(r"[0-9.]+", addr) else ""  # 10.1.2.3 is no node "10"
+    if a in {h.split(".")[0].lower() for h in hosts} or a not in {h.split(".")[0].lower() for h in expand_hostlist(job)}:
         return None
     shown = ",".join(hosts[:4]) + (",..." if len(hosts) > 4 else "")
-    return (f"MASTER_ADDR={addr} is not a host of this srun step ({shown}): rank 0 runs on {hosts[0]}; unset "
-            "MASTER_ADDR (the step's first host is then used), or set it to a host of the step (an IP is taken as given)")
+    return (f"MASTER_ADDR={addr} is a node of this job but not of this srun step ({shown}): rank 0 runs on {hosts[0]}; "
+            "unset MASTER_ADDR (the step's first host is then used), or set it to a host of the step")

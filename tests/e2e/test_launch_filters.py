@@ -183,6 +183,7 @@ def helper(call: str, **env: str) -> subprocess.CompletedProcess:
     ("GPU-8932f937-d72c,GPU-1c2d", 0, 2, ["names a device by UUID (GPU-8932f937-d72c)", "--torchrun or srun"]),
     ("MIG-1a2b", 1, 1, ["names a device by UUID (MIG-1a2b)"]),
     ("0,1", 1, 2, []), ("0,1,2,3", 1, 2, []), ("4,5", 0, 2, []), ("", 1, 8, []),
+    ("-1", 1, 2, []), ("-1", 0, 2, []),  # "no device": what unset is (it was refused as a UUID)
 ])
 def test_visible_devices_a_deepspeed_launch_would_not_use_are_one_line(cvd, fixed, ranks, words):
     """--num_gpus and --no_ssh run on 0..N-1 whatever CUDA_VISIBLE_DEVICES selects (a --gres job given GPUs 4-7
@@ -192,23 +193,69 @@ def test_visible_devices_a_deepspeed_launch_would_not_use_are_one_line(cvd, fixe
     assert len(p.stdout.splitlines()) == (1 if words else 0)
 
 
+@pytest.mark.parametrize("cvd", ["-1", "4,5", "GPU-8932f937-d72c"])
+def test_visible_devices_are_not_judged_on_cpu(cvd):
+    """`CUDA_VISIBLE_DEVICES=-1 DS_ACCELERATOR=cpu launch.sh --num_gpus 2` (a CPU run hiding the GPUs) was refused as a
+    UUID; on CPU (launch.sh's DS_ACCELERATOR: yours, or cpu when nvidia-smi lists none) no device is selected."""
+    for fixed in (0, 1):
+        p = helper(f"visible_refusal {fixed} 2 --num_gpus", CUDA_VISIBLE_DEVICES=cvd, DS_ACCELERATOR="cpu")
+        assert p.returncode == 0 and p.stdout == "", p.stdout + p.stderr
+
+
+def ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except OSError:
+        return 32768
+
+
 def test_default_port_is_free_on_one_node_and_agreed_on_several():
-    """One node: a port free when launch.sh looked, not deepspeed's 29500 (two runs on one node joined one store).
-    Several nodes must agree without talking: the srun step's port (base/slurm_env.job_port), else 29500."""
+    """One node: a port free when launch.sh looked, not deepspeed's 29500 (two runs on one node joined one store), and
+    below the ephemeral range (bind(("", 0)) gave one there: an outgoing connection could take it before rank 0's bind).
+    Several nodes must agree without talking: the srun step's port (base/slurm_env.job_port) when one step is the whole
+    launch, else the job's, else 29500."""
     from base.slurm_env import job_port
 
     python = os.path.join(ROOT, ".venv", "bin", "python")
-    ports = {int(helper(f"default_port 1 {python}").stdout) for _ in range(2)}
-    assert 29500 not in ports and all(1024 < p < 65536 for p in ports)
-    assert helper(f"default_port 0 {python}", SLURM_JOB_ID="1234567", SLURM_STEP_ID="3").stdout.strip() == \
-        str(job_port(1234567, 3))
-    assert helper(f"default_port 0 {python}", SLURM_JOB_ID="1234567").stdout.strip() == "29500"  # batch shell: no step
+    ports = {int(helper(f"default_port 1 {python}").stdout) for _ in range(3)}
+    low = ephemeral_low()
+    assert 29500 not in ports and all(20000 <= p < low for p in ports), (ports, low)
+    step = dict(SLURM_JOB_ID="1234567", SLURM_STEP_ID="3", SLURM_STEP_NUM_NODES="2", SLURM_STEP_NUM_TASKS="2")
+    assert helper(f"nnodes=2 default_port 0 {python}", **step).stdout.strip() == str(job_port(1234567, 3))
+    assert helper(f"nnodes=2 default_port 0 {python}", SLURM_JOB_ID="1234567").stdout.strip() == str(job_port(1234567))
+    assert helper(f"nnodes=2 default_port 0 {python}").stdout.strip() == "29500"  # outside Slurm, or over ssh
+
+
+def per_node_steps(call: str) -> set[str]:
+    """`call`'s output on each node of a 3-node launch started one srun step per node (`srun -N1 -w nodeK
+    scripts/launch.sh --no_ssh --node_rank K ...`), plus node 0 started from the batch shell (Slurm's batch step: its
+    SLURM_STEP_ID, no step counts) and a launch whose steps cover 2 nodes of 3."""
+    runs = [dict(SLURM_STEP_ID=str(k), SLURM_STEP_NUM_NODES="1", SLURM_STEP_NUM_TASKS="1", SLURM_NODEID="0")
+            for k in range(3)]
+    runs += [dict(SLURM_STEP_ID="-5"), dict(SLURM_STEP_ID="4294967291"),
+             dict(SLURM_STEP_ID="4", SLURM_STEP_NUM_NODES="2", SLURM_STEP_NUM_TASKS="2", SLURM_NODEID="1")]
+    return {helper(f"nnodes=3 master_port=29611 {call}", SLURM_JOB_ID="7", **e).stdout for e in runs}
+
+
+def test_nodes_started_by_one_srun_each_agree():
+    """The reviewer's case: each node its own srun step (or node 0 the batch shell) derived its own id ("3 nodes step
+    7.0" / "7.1": every other node refused as "another run", exit 2) and its own default port (300 s, then 69)."""
+    python = os.path.join(ROOT, ".venv", "bin", "python")
+    ids, ports = per_node_steps("launch_id 1"), per_node_steps(f"default_port 0 {python}")
+    assert len(ids) == 1 and ids != {""} and "step" not in ids.pop(), ids
+    assert len(ports) == 1 and ports != {""}, ports
 
 
 def test_launch_id_is_shared_by_the_nodes_of_one_launch_only():
     """--no_ssh / --torchrun nodes each derive it alike (base/run_identity.py compares it); one launcher makes its own."""
-    one = helper("nnodes=2 launch_id 1", SLURM_JOB_ID="7", SLURM_STEP_ID="0", SLURM_NODEID="1", SLURM_PROCID="1").stdout
-    assert one == helper("nnodes=2 launch_id 1", SLURM_JOB_ID="7", SLURM_STEP_ID="0").stdout != ""
-    assert one != helper("nnodes=2 launch_id 1", SLURM_JOB_ID="7", SLURM_STEP_ID="1").stdout
-    assert one != helper("nnodes=3 launch_id 1", SLURM_JOB_ID="7", SLURM_STEP_ID="0").stdout
+    step = dict(SLURM_JOB_ID="7", SLURM_STEP_ID="0", SLURM_STEP_NUM_NODES="2", SLURM_STEP_NUM_TASKS="2")
+    one = helper("nnodes=2 launch_id 1", **step, SLURM_NODEID="1", SLURM_PROCID="1").stdout
+    assert one == helper("nnodes=2 launch_id 1", **step).stdout != "" and "step 7.0" in one
+    assert one != helper("nnodes=2 launch_id 1", **{**step, "SLURM_STEP_ID": "1"}).stdout
+    assert helper("nnodes=3 launch_id 1", **step).stdout not in ("", one)
+    # an interactive `srun -N2 --pty bash` (one task) is no launch's step: its shell's node 0 and an srun'd node 1 agree
+    assert helper("nnodes=2 master_port=1 launch_id 1", **{**step, "SLURM_STEP_NUM_TASKS": "1"}).stdout == \
+        helper("nnodes=2 master_port=1 launch_id 1", SLURM_JOB_ID="7").stdout
+    assert helper("nnodes=2 master_port=1 launch_id 1").stdout != helper("nnodes=2 master_port=2 launch_id 1").stdout
     assert helper("nnodes=1 launch_id 0").stdout != helper("nnodes=1 launch_id 0").stdout

@@ -21,14 +21,40 @@ def world(**env: str) -> dict:
 def test_a_master_outside_the_step_is_one_line():
     line = master_refusal(world(MASTER_ADDR="node01"))
     assert line is not None and len(line.splitlines()) == 1
-    assert line.startswith("MASTER_ADDR=node01 is not a host of this srun step (node03,node04): rank 0 runs on node03")
-    assert master_refusal(world(MASTER_ADDR="node0-ib")) is not None  # node0 is no step host's name (node03's prefix)
+    assert line.startswith("MASTER_ADDR=node01 is a node of this job but not of this srun step (node03,node04): rank 0 "
+                           "runs on node03")
+    assert master_refusal(world(MASTER_ADDR="Node02.cluster.local")) is not None  # the job's node02, short form
 
 
 @pytest.mark.parametrize("addr", ["node03", "NODE04.cluster.local", "node03-ib", "10.1.2.3", "::1", None])
 def test_a_master_of_the_step_an_ip_or_none_is_kept(addr):
     env = world(**({"MASTER_ADDR": addr} if addr else {}))
     assert master_refusal(env) is None and env["MASTER_ADDR"] == (addr or "node03")
+
+
+@pytest.mark.parametrize("addr", ["node0-ib", "node01-ib0", "node01ib", "ib-node01", "node01.ib.cluster", "[fe80::1]",
+                                  "fe80::1%ib0", "dgx-a-001", "localhost", "10"])
+def test_a_name_that_is_no_node_of_the_job_is_taken_as_given(addr):
+    """The reviewer's cases (mr.py): a name outside the job's node names may be a step host under another name (AWS
+    ParallelCluster's NodeHostname dgx-a-001 for NodeName gpu001; an interface's name in any spelling) or an address;
+    ib-node01, node01ib and [fe80::1] were refused. node01.ib.cluster is node01 by its short form: refused."""
+    env = world(MASTER_ADDR=addr)
+    assert (master_refusal(env) is None) == (addr != "node01.ib.cluster"), addr
+
+
+def test_every_rank_decides_alike(monkeypatch):
+    """The batch template's `export MASTER_ADDR=$(hostname)` on a cluster whose hosts are not named as Slurm's nodes
+    (dgx-a-001 for gpu001): rank 0 on dgx-a-001 accepted it and rank 8 on dgx-a-002 refused it (its own host name was
+    part of the accepted set), so rank 0 waited 300 s for rank 8, then exit 69."""
+    import socket
+
+    step = dict(SLURM_STEP_NODELIST="gpu[001-002]", SLURM_JOB_NODELIST="gpu[001-002]", SLURM_STEP_NUM_TASKS="16",
+                WORLD_SIZE="16", MASTER_ADDR="dgx-a-001")
+    said = set()
+    for host, rank in (("dgx-a-001", "0"), ("dgx-a-002", "8")):
+        monkeypatch.setattr(socket, "gethostname", lambda h=host: h)
+        said.add(master_refusal({**step, "RANK": rank, "SLURM_PROCID": rank}))
+    assert said == {None}
 
 
 def test_other_launchers_are_not_judged():
@@ -42,5 +68,5 @@ def test_open_channel_refuses_it_before_waiting(monkeypatch):
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(watcher, "START_WAIT_S", 2.0)  # the old code: waited this, then SystemExit 69
     monkeypatch.setattr(comm, "_WATCHER", None)
-    with pytest.raises(ValueError, match=r"^MASTER_ADDR=node01 is not a host of this srun step"):
+    with pytest.raises(ValueError, match=r"^MASTER_ADDR=node01 is a node of this job but not of this srun step"):
         comm.open_channel()

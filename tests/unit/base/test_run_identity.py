@@ -31,7 +31,7 @@ def test_a_rank_of_another_run_refuses_the_store_and_writes_nothing(tmp_path):
     """The auditor's xjob: job A's rank 0 hosts the store on port P; job B's rank 1 (B's rank 0 could not bind P)
     joins it. It used to write hb/1, host/1 and then its own failure as A's abort (A's ranks exited with B's message)."""
     port = free_port()
-    env_a = {"WORLD_SIZE": "2", "SLURM_JOB_ID": "100", "SLURM_STEP_ID": "0"}
+    env_a = {"WORLD_SIZE": "2", "SLURM_JOB_ID": "100", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2"}
     mine = run_identity.identity(env_a, ["--output_dir", "a"])
     store = comm.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, multi_tenant=True,
                           timeout=datetime.timedelta(seconds=10))
@@ -42,7 +42,7 @@ def test_a_rank_of_another_run_refuses_the_store_and_writes_nothing(tmp_path):
     script.write_text(RANK)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "ULYSSES_LAUNCH", "TORCHELASTIC"))}
     env.update(RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), SLURM_JOB_ID="101",
-               SLURM_STEP_ID="0", ULYSSES_START_WAIT_S="20", TORCH_CPP_LOG_LEVEL="FATAL")
+               SLURM_STEP_ID="0", SLURM_STEP_NUM_TASKS="2", ULYSSES_START_WAIT_S="20", TORCH_CPP_LOG_LEVEL="FATAL")
     p = subprocess.run([sys.executable, str(script), "--output_dir", "b"], env=env, capture_output=True, text=True,
                        timeout=60)
     out = p.stdout.splitlines()
@@ -56,7 +56,7 @@ def test_a_rank_of_another_run_refuses_the_store_and_writes_nothing(tmp_path):
 def test_the_ranks_of_one_run_agree_and_two_runs_differ():
     """What differs per rank or node (its rank, node, host, devices, threads, deepspeed's --local_rank=N) is never part
     of it; the Slurm step, the world, the arguments and launch.sh's id are."""
-    base = {"WORLD_SIZE": "16", "SLURM_JOB_ID": "7", "SLURM_STEP_ID": "3"}
+    base = {"WORLD_SIZE": "16", "SLURM_JOB_ID": "7", "SLURM_STEP_ID": "3", "SLURM_STEP_NUM_TASKS": "16"}
     args = ["--config", "r.yaml", "--output_dir", "out"]
     ranks = [run_identity.identity({**base, "RANK": str(r), "LOCAL_RANK": str(r % 8), "SLURM_PROCID": str(r),
                                     "SLURM_NODEID": str(r // 8), "SLURM_LOCALID": str(r % 8),
@@ -74,3 +74,20 @@ def test_the_ranks_of_one_run_agree_and_two_runs_differ():
     launch = {"ULYSSES_LAUNCH_ID": "h 1 2"}
     assert run_identity.identity({**launch, "WORLD_SIZE": "16"}, args) == run_identity.identity(launch, ["serve"])
     assert run_identity.identity(launch, args) != run_identity.identity({"ULYSSES_LAUNCH_ID": "h 1 3"}, args)
+
+
+def test_nodes_started_by_one_srun_each_agree():
+    """torchrun / deepspeed --no_ssh on 2 nodes, each started by its own srun (`srun -N1 -w nodeK torchrun ...`), or
+    node 0 from the batch shell (Slurm's batch step sets SLURM_STEP_ID, not SLURM_STEP_NUM_TASKS), or node 1 over ssh
+    (no Slurm variables): the step was part of the identity ("Slurm step 7.0" / "7.1"), so node 1's ranks refused node
+    0's store as another run's (exit 2). A step is the identity's only when srun started every rank."""
+    args = ["--config", "r.yaml"]
+    nodes = [{"SLURM_JOB_ID": "7", "SLURM_STEP_ID": str(k), "SLURM_STEP_NUM_TASKS": "1", "SLURM_STEP_NUM_NODES": "1"}
+             for k in range(2)]
+    nodes += [{"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "-5"}, {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "4294967291"}, {}]
+    ids = {run_identity.identity({**n, "WORLD_SIZE": "16", "TORCHELASTIC_RUN_ID": "none"}, args) for n in nodes}
+    assert len(ids) == 1 and "Slurm" not in ids.pop().said
+    # srun started every rank (one task per rank): the step is the identity's, and it tells two steps apart
+    step = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "16", "WORLD_SIZE": "16"}
+    assert run_identity.identity(step, args).said.startswith("Slurm step 7.0, world 16")
+    assert run_identity.identity(step, args) != run_identity.identity({**step, "SLURM_STEP_ID": "1"}, args)
