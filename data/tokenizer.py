@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 from base.log import cause
 
@@ -71,6 +72,7 @@ class Tokenizer:
     sep_note: str | None = None
     specials: tuple[str, ...] = ()  # special-token strings a text may hold (counted; encoded as text)
     _starts: tuple | None = None  # rendered_start's strings, built on first use
+    _special_rx = None  # _holding_specials' pattern, built on first use (False: no special strings)
 
     def __init__(self, path: str):
         if not os.path.exists(path):
@@ -191,9 +193,13 @@ class Tokenizer:
         return next((s for s in starts if head.startswith(s)), None) if head.startswith(starts) else None
 
     def _holding_specials(self, texts) -> int:
-        """How many of `texts` hold a special-token string."""
-        firsts = {s[:2] for s in self.specials}  # a prefilter: one C scan per distinct two-character start (<|, </, [I)
-        return sum(any(f in t for f in firsts) and any(s in t for s in self.specials) for t in texts)
+        """How many of `texts` hold a special-token string: one regex scan a text (an alternation of them all, built
+        once). A substring test per special string cost 14 ms for a 10 KB HTML page under a Gemma-like set of 6,000
+        (<unusedN>: every "<u" of "<ul>" matched the prefilter), 6x its tokenization; the regex 0.45 ms."""
+        if self._special_rx is None:
+            alts = sorted((s for s in self.specials if s), key=len, reverse=True)
+            self._special_rx = re.compile("|".join(map(re.escape, alts))) if alts else False
+        return sum(self._special_rx.search(t) is not None for t in texts) if self._special_rx else 0
 
     def frame_texts(self, texts: list[str], sep: int | None, specials: str = "text") -> tuple[list[list[int]], int]:
         """Text documents as written between documents (data/prepare_data.py; the caller appends `sep` after ids that
