@@ -235,16 +235,20 @@ class Checkpointer(Restorer):
         if need * DISK_MARGIN > room:
             raise ValueError(self._refusal(f"checkpoint {tag}", need, room))
 
-    def _space(self, tidy) -> tuple[float, float]:
+    def _space(self, tidy, create: bool = True) -> tuple[float, float]:
         """(bytes of the newest committed checkpoint or 0, room for the next one), the same on every rank. Rank 0 first
         runs `tidy` (moves what goes into the trash), then counts the trash, whose deletion starts only once counted (a
         file deleted between the count and the free space would count twice); room: the least free space any rank sees
         there (the folder is shared: train.py refuses one that is not) plus the trash rank 0 is deleting (a job killed
         during its deletion left a checkpoint there, which only a commit emptied: the first save of the next job was
         refused for the room it held). One all-reduce of three numbers. Collective."""
-        os.makedirs(self.root, exist_ok=True)
-        last = trash = 0
-        if comm.rank() == 0:
+        if create:
+            os.makedirs(self.root, exist_ok=True)
+        last = trash = 0  # (not created at start-up: a refusal after it must leave the output folder as it was)
+        here = self.root
+        while not os.path.isdir(here) and os.path.dirname(here) != here:
+            here = os.path.dirname(here)  # the folder's file system, from its nearest existing parent
+        if comm.rank() == 0 and os.path.isdir(self.root):
             self.trash.paused = True
             try:
                 tidy()
@@ -253,7 +257,7 @@ class Checkpointer(Restorer):
                 self.trash.paused = False
             if trash:
                 self.trash.empty()  # deleted while this save writes
-        top = comm.all_reduce([float(last), -float(shutil.disk_usage(self.root).free), float(trash)], op="max")
+        top = comm.all_reduce([float(last), -float(shutil.disk_usage(here).free), float(trash)], op="max")
         return top[0].item(), -top[1].item() + top[2].item()
 
     def _leftovers(self, tag: str | None) -> None:
@@ -310,11 +314,12 @@ class Checkpointer(Restorer):
             if tag is not None and rotation.TAG.match(tag):
                 rotation.rotate(self.root, self.keep, keep_tag=tag, trash=self.trash)  # renames only
 
-        last, room = self._space(tidy)
+        last, room = self._space(tidy, create=False)
         need = last or float(params * CKPT_BYTES_PER_PARAM)
         if need * DISK_MARGIN > room:
             raise ValueError(self._refusal("the first checkpoint of this start", need, room))
-        held = comm.run_on_main(lambda: sum(self._size(t) for t in rotation.tags(self.root)))
+        held = comm.run_on_main(lambda: sum(self._size(t) for t in rotation.tags(self.root)) if os.path.isdir(
+            self.root) else 0)
         count = self.keep + 1 + max(stages - 1, 0)  # rolling (+1 being written) and the earlier stages' final ones
         total = need * count
         line = (f"checkpoint room: this curriculum keeps up to {self.keep + 1} rolling (--save_total_limit {self.keep}, "

@@ -113,8 +113,12 @@ class MetricsLogger:
         if not is_main:
             return
         os.makedirs(self.eval_dir, exist_ok=True)
-        if self._table_stale():
-            self._write_eval_table()
+        if self._table_stale():  # a rebuild never stops a start: a record another version wrote may lack a field
+            try:
+                self._write_eval_table()
+            except (KeyError, TypeError, ValueError, OSError) as e:
+                print0(f"warning: {self.eval_dir}/summary.md not rebuilt from its stage records ({type(e).__name__}: "
+                       f"{e}); the records themselves are kept")
         logged = self._truncate(resume_step)
         if wandb_enabled(report_to):
             self.wandb = self._start_wandb(output_dir, project, run_id, config, logged, resume_step, branch)

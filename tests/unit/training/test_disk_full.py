@@ -261,6 +261,12 @@ def test_a_failed_summary_write_keeps_the_old_table_and_a_start_rebuilds_it(tmp_
     M.MetricsLogger(str(tmp_path), True, "none", None, None, {}, 10, False, resume_step=2)
     assert summary.read_text() == "| 2 rows |\n"  # the resume skips stage 1's evaluation: rebuilt at the start
 
+    # a record the table cannot read (another version's: no "stage") never stops a start: said, the table kept
+    monkeypatch.undo()
+    (tmp_path / "eval" / "stage2.json").write_text('{"step": 3}')
+    M.MetricsLogger(str(tmp_path), True, "none", None, None, {}, 10, False, resume_step=3)
+    assert summary.read_text() == "| 2 rows |\n"
+
 
 # ---------------------------------------------------------------- item 10: an export is durable before it replaces
 
