@@ -16,14 +16,14 @@ import numpy as np
 
 from data.jsonl import list_files, read_documents
 from data.store import tokenizer_identity
-from data.tokenizer import RenderedText, Tokenizer
+from data.tokenizer import Tokenizer
 
 
 def cache_key(files: list[str], tokenizer_path: str | None, model_vocab: int) -> str:
     """What a cached token stream or in-job prepared folder (data/prepare.py) is derived from: each input file
     (path, size, mtime), the tokenizer's content (a HF folder rewritten in place keeps its own size and mtime) and
     the vocabulary its token ids were checked against."""
-    h = hashlib.sha256(f"{model_vocab}:bos2:chat6:eos2:doc5".encode())
+    h = hashlib.sha256(f"{model_vocab}:bos2:chat6:eos2:doc6".encode())
     # :bos2: text documents start with the tokenizer's BOS, once where the text writes its own; :chat6: chat rows
     # encoded by today's rules (a reply's weight, reasoning a template drops, a top-level system, a prompt / completion of strings with the BOS; the ChatML default rendered
     # as served, a `reasoning` field, JSON-text arguments as the object; chat5: an empty tool list as none, bare tool
@@ -33,7 +33,10 @@ def cache_key(files: list[str], tokenizer_path: str | None, model_vocab: int) ->
     # :doc3: a text document ends with its family's end-of-text token where the EOS is a chat end-of-turn, special-token
     # strings in a text are text, a blank text is dropped, pre-tokenized ids get the BOS a text gets; :doc4: a text that
     # starts as a rendered conversation is refused (a cache built from one under doc3 trained its tokens spelled out);
-    # :doc5: ids ending with the tokenizer's own EOS get no separator after it, gpt-oss's <|return|> maps to <|endoftext|>
+    # :doc5: ids ending with the tokenizer's own EOS get no separator after it, gpt-oss's <|return|> maps to <|endoftext|>;
+    # :doc6: a text that starts as a rendered conversation is read with its control tokens, not refused (--text_specials
+    # auto), also for a tokenizer without a chat template (a doc5 cache from a Llama-3 base tokenizer trained one spelled
+    # out)
     for f in files:
         st = os.stat(f)
         h.update(f"{os.path.abspath(f)}:{st.st_size}:{st.st_mtime_ns}".encode())
@@ -70,14 +73,10 @@ def build_token_stream(dataset_path: str, tokenizer: Tokenizer | None, model_voc
         if isinstance(doc, str):
             if tokenizer is None:
                 raise ValueError(f"{file}:{line}: a \"text\" document needs --tokenizer_name_or_path")
-            # as prepare_data writes: one BOS (the text's own where it has one), special-token strings as text, a
-            # blank text dropped
-            try:  # a text that starts as a rendered conversation refused, as prepare_data's default refuses it
-                ids = tokenizer.frame_texts([doc], eos)[0][0]
-            except RenderedText as e:
-                raise ValueError(f"{file}:{line}: {e}; give it as a `messages` row (docs/sft.md), or prepare the data "
-                                 "with python scripts/prepare_data.py --text_specials parse (special-token strings in "
-                                 "text read as control tokens) and pass its folder") from None
+            # as prepare_data's default (--text_specials auto) writes: one BOS (the text's own where it has one),
+            # special-token strings as text, those of a text that starts as a rendered conversation as control tokens,
+            # a blank text dropped
+            ids = tokenizer.frame_texts([doc], eos)[0][0]
         else:
             ids = tokenizer.with_bos(doc)[0] if tokenizer is not None else doc  # as prepare_data: ids get the BOS
             bad = [t for t in ids if t >= model_vocab]

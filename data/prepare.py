@@ -99,7 +99,7 @@ def prepare_in_job(dataset_path: str | None, tokenizer_path: str | None, model_v
     a tokenizer)."""
 
     def work() -> tuple[str, str | None]:
-        from data.prepare_data import RENDERED_FIX, SKIP_FIX, prepare
+        from data.prepare_data import SKIP_FIX, prepare
 
         if is_prepared(dataset_path):
             return dataset_path, tokenizer_path
@@ -138,11 +138,6 @@ def prepare_in_job(dataset_path: str | None, tokenizer_path: str | None, model_v
                 if field:  # `content`): prepare_data names the field and no skip (skipping would drop every row)
                     raise ValueError(f"{msg.rstrip()} (python scripts/prepare_data.py --input {shlex.quote(data)} "
                                      f"--output DIR {how} {field[0]}, then pass --dataset_path DIR)") from None
-                if msg.endswith(RENDERED_FIX):  # a rendered conversation as text: train.py has no --text_specials
-                    raise ValueError(f"{msg.removesuffix(RENDERED_FIX)}; give it as a `messages` row (docs/sft.md), or "
-                                     f"python scripts/prepare_data.py --input {shlex.quote(data)} --output DIR {how} "
-                                     "--text_specials parse (special-token strings in text read as control tokens), "
-                                     "then pass --dataset_path DIR") from None
                 if not msg.endswith(SKIP_FIX):
                     raise
                 raise ValueError(f"{msg.removesuffix(SKIP_FIX)}(to skip and count such rows: python "

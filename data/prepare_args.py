@@ -13,13 +13,28 @@ DEFAULT_BATCH_DOCS = 256
 # --mem=32G): give --workers to go further
 MAX_WORKERS = 32
 # --text_specials: how special-token strings in a text document are read (data/tokenizer.py frame_texts), as the plan
-# records it (a resume compares it: a preparation stopped under another rule, the one before the rendered-conversation
-# refusal included, starts again only with --overwrite)
-TEXT_SPECIALS = {"text": "as text, a rendered conversation refused", "parse": "as control tokens"}
-# ends the refusal of a text that starts as a rendered conversation (data/tokenizer.py RenderedText); never skipped by
-# --skip_bad_rows (the input's format, not a damaged row); data/prepare.py names prepare_data.py's command for it
-RENDERED_FIX = ("; give it as a `messages` row (the loss then lands on the replies only: docs/sft.md), or "
-                "--text_specials parse to read special-token strings in text as control tokens")
+# records it (a resume compares it: a preparation stopped under another reading, or under yesterday's refusal of a
+# rendered conversation, "as text, a rendered conversation refused", starts again only with --overwrite). `text` is the
+# reading before that refusal ("as text": same value, same ids), `parse` unchanged.
+TEXT_SPECIALS = {"auto": "as text, a rendered conversation's as control tokens", "text": "as text",
+                 "parse": "as control tokens"}
+
+
+def specials_note(manifest: dict) -> list[str]:
+    """The end-of-preparation notes on text documents holding special-token strings (data/prepare_data.py merge)."""
+    notes, parsed = [], manifest.get("parsed_text_docs", 0)
+    if parsed and manifest["text_specials"] == "auto":
+        notes.append(f"note: {parsed} text document(s) start as a rendered conversation (<|im_start|>, "
+                     "<|start_header_id|>, ...): read with their special-token strings as control tokens, as TRL and "
+                     "tokenizer(text) read them; their loss is on every token: give `messages` rows to train only the "
+                     "replies (docs/sft.md); --text_specials text keeps them as text")
+    elif parsed:
+        notes.append(f"note: {parsed} text document(s) hold a special-token string: read as control tokens "
+                     "(--text_specials parse)")
+    if manifest.get("special_text_docs"):
+        notes.append(f"note: {manifest['special_text_docs']} text document(s) hold a special-token string (<s>, "
+                     "<|endoftext|>, ...) kept as text, not as control tokens (docs/data.md)")
+    return notes
 
 
 def default_workers() -> int:
@@ -57,11 +72,11 @@ def parser(description: str) -> argparse.ArgumentParser:
                    help="chat rows: the tokenizer's own template (auto: its `default` of named ones; ChatML when it has "
                    "none), always the ChatML default (chatml), none (refuse chat rows when the tokenizer has no "
                    "template), or the name of one of the tokenizer's named templates (tool_use, ...)")
-    p.add_argument("--text_specials", default="text", choices=list(TEXT_SPECIALS),
-                   help="special-token strings in a text document (<s>, <|im_start|>): read as text (text: `<s>` in "
-                   "HTML, `<|endoftext|>` in code; a text that starts as a conversation rendered with its chat template "
-                   "is refused: give it as a messages row) or as control tokens (parse, as tokenizer(text) reads them: "
-                   "for text written with them on purpose); docs/data.md")
+    p.add_argument("--text_specials", default="auto", choices=list(TEXT_SPECIALS),
+                   help="special-token strings in a text document (<s>, <|im_start|>): auto reads them as control tokens "
+                   "in a text that starts as a rendered conversation (<|im_start|>user..., as TRL and tokenizer(text) "
+                   "read it) and as text in any other (`<s>` in HTML, `<|endoftext|>` in code); text: always as text; "
+                   "parse: always as control tokens; docs/data.md")
     p.add_argument("--shard", default="0/1", help="i/N: prepare this machine's share of the input files")
     p.add_argument("--merge", action="store_true", help="write the manifest from finished shards and stop")
     p.add_argument("--chunk_tokens", type=int, default=DEFAULT_CHUNK_TOKENS, help="tokens per chunk file (resume unit)")

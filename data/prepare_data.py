@@ -27,13 +27,14 @@ from collections import Counter, deque
 import numpy as np
 
 from data import store
-from data.prepare_args import DEFAULT_BATCH_DOCS, DEFAULT_CHUNK_TOKENS, RENDERED_FIX, TEXT_SPECIALS, parser
+from data.prepare_args import DEFAULT_BATCH_DOCS, DEFAULT_CHUNK_TOKENS, TEXT_SPECIALS, parser, specials_note
 from data.readers import Fields, Unit, discover, iter_rows, parse_item
 
 CHAT_STATS = ("chat_docs", "supervised_tokens", "untrained_turns", "no_stop_rows",  # per shard, summed in the manifest
               "rewritten_arguments", "flagged_turns", "dropped_reasoning", "chatml_rows", "history_ends",
               "history_ends_unknown")
-STATS = CHAT_STATS + ("special_text_docs", "ids_given_bos")  # texts holding a special-token string, ids given the BOS
+# texts holding a special-token string kept as text, texts read with theirs as control tokens, ids given the BOS
+STATS = CHAT_STATS + ("special_text_docs", "parsed_text_docs", "ids_given_bos")
 BATCH_BYTES = 1 << 20  # a batch closes at this much raw text too (long documents): bounds memory in flight
 SKIP_FIX = "(--skip_bad_rows skips and counts such rows)"  # ends a bad row's refusal: data/prepare.py names train.py's
 
@@ -43,7 +44,7 @@ _W: dict = {}
 
 
 def _init_worker(tokenizer_path: str | None, fields: Fields, vocab_bound: int, eos_id: int | None, dtype: str,
-                 loss_on: str = "auto", chat_template: str = "auto", text_specials: str = "text"):
+                 loss_on: str = "auto", chat_template: str = "auto", text_specials: str = "auto"):
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one core per worker
     from data.chat import ChatEncoder
     from data.tokenizer import Tokenizer
@@ -58,7 +59,6 @@ def _tokenize_batch(items: list[tuple[int, int, object]]) -> dict:
     pre-tokenized ids with the BOS and the separator: Tokenizer.frame_texts / with_bos; a chat row's tokens and loss
     mask as its template renders them, data/chat.py) and what was dropped."""
     from data.chat import RowError
-    from data.tokenizer import RenderedText
 
     fields, tok, eos, bound = _W["fields"], _W["tok"], _W["eos"], _W["bound"]
     docs, bad, masks, chat = [], [], {}, dict.fromkeys(STATS, 0)
@@ -85,11 +85,8 @@ def _tokenize_batch(items: list[tuple[int, int, object]]) -> dict:
             docs[i], chat["ids_given_bos"] = (*d[:2], ids, d[3]), chat["ids_given_bos"] + added
     texts = [i for i, d in enumerate(docs) if isinstance(d[2], str)]
     if texts:
-        try:
-            framed, chat["special_text_docs"] = tok.frame_texts([docs[i][2] for i in texts], eos, _W["specials"])
-        except RenderedText as e:  # the preparation ends there (consume): this batch's texts are not written
-            bad.append((*docs[texts[e.index]][:2], f"{e}{RENDERED_FIX}"))
-            framed = [[] for _ in texts]
+        framed, chat["special_text_docs"], chat["parsed_text_docs"] = tok.frame_texts([docs[i][2] for i in texts], eos,
+                                                                                      _W["specials"])
         for i, ids in zip(texts, framed):
             docs[i] = (*docs[i][:2], ids, docs[i][3])
     arrays, lens, srcs, empty, max_id, mask_parts = [], [], [], 0, -1, []
@@ -185,13 +182,13 @@ def prepare(inputs: list[str], output: str, tokenizer: str | None = None, vocab_
             workers: int = 1, shard: tuple[int, int] = (0, 1), fields: Fields | None = None, skip_bad_rows: bool = False,
             chunk_tokens: int = DEFAULT_CHUNK_TOKENS, batch_docs: int = DEFAULT_BATCH_DOCS, loader: str | None = None,
             eos_id: int | None = None, overwrite: bool = False, command: list[str] | None = None,
-            log=print, loss_on: str = "auto", chat_template: str = "auto", text_specials: str = "text") -> dict:
+            log=print, loss_on: str = "auto", chat_template: str = "auto", text_specials: str = "auto") -> dict:
     """Prepare this shard of `inputs` into `output`; with one shard, also write the manifest. Returns the
     manifest (one shard) or the shard record. ValueError (one line) on bad input. `text_specials`: TEXT_SPECIALS."""
     from data.tokenizer import Tokenizer
 
     if text_specials not in TEXT_SPECIALS:
-        raise ValueError(f"--text_specials {text_specials!r}: use text or parse")
+        raise ValueError(f"--text_specials {text_specials!r}: use auto, text or parse")
     fields = fields or Fields()
     i_shard, n_shards = shard
     _check_numbers(output, vocab_size, workers, chunk_tokens, batch_docs, inputs)
@@ -297,7 +294,7 @@ def _batches(units: list[Unit], fields: Fields, start: tuple[int, int], batch_do
 
 
 def _run_shard(units, out, i_shard, done, tokenizer, fields, bound, eos, dtype, workers, skip_bad_rows,
-               chunk_tokens, batch_docs, log, loss_on="auto", chat_template="auto", text_specials="text") -> dict:
+               chunk_tokens, batch_docs, log, loss_on="auto", chat_template="auto", text_specials="auto") -> dict:
     start = tuple(done[-1]["next"]) if done else (0, 0)
     stats = {"bad_rows": done[-1]["bad_rows"] if done else 0, "empty_docs": done[-1]["empty_docs"] if done else 0,
              "bad_examples": done[-1]["bad_examples"] if done else []}
@@ -316,10 +313,9 @@ def _run_shard(units, out, i_shard, done, tokenizer, fields, bound, eos, dtype, 
         nonlocal last_log, tokens_here, sourced
         sourced += sum(s is not None for _, s in res["srcs"])
         for u, row, err in res["bad"]:
-            if not skip_bad_rows or err.endswith(RENDERED_FIX):
+            if not skip_bad_rows:
                 # a text under another field or nested (data/readers.py names the fix): skipping would drop every row
-                fix = "" if "--text_field" in err or "nested fields are not read" in err \
-                    or err.endswith(RENDERED_FIX) else f" {SKIP_FIX}"
+                fix = "" if "--text_field" in err or "nested fields are not read" in err else f" {SKIP_FIX}"
                 raise ValueError(f"{units[u].where(row)}: {err}{fix}")
             stats["bad_rows"] += 1
             if len(stats["bad_examples"]) < 20:
@@ -417,7 +413,7 @@ def merge(output: str, log=print) -> dict:
         "bad_examples": [e for i in range(n) for e in recs[i].get("bad_examples", [])][:20],
         **{k: sum(recs[i].get(k, 0) for i in range(n)) for k in STATS},
         "loss_on": first.get("loss_on", "auto"), "chat_template": first.get("chat_template", "auto"),
-        "text_specials": "parse" if first.get("text_specials") == TEXT_SPECIALS["parse"] else "text",
+        "text_specials": {v: k for k, v in TEXT_SPECIALS.items()}.get(first.get("text_specials"), "text"),
         "shards": n, "commands": [recs[i]["command"] for i in range(n)], "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     store.write_json_atomic(os.path.join(output, store.MANIFEST), manifest)
@@ -434,10 +430,8 @@ def merge(output: str, log=print) -> dict:
            "/ training false)" if manifest.get("flagged_turns") else "")
         + (f", {manifest['rewritten_arguments']} with tool-call arguments rewritten to the form the template writes "
            "(JSON text <-> object, docs/sft.md)" if manifest.get("rewritten_arguments") else ""))
-    if manifest.get("special_text_docs"):
-        log(f"note: {manifest['special_text_docs']} text document(s) hold a special-token string (<s>, <|endoftext|>, "
-            "...): " + ("read as control tokens (--text_specials parse)" if manifest["text_specials"] == "parse" else
-                        "after their start, encoded as text, not as control tokens") + " (docs/data.md)")
+    for note in specials_note(manifest):
+        log(note)
     if manifest.get("ids_given_bos"):
         log(f"note: {manifest['ids_given_bos']} pre-tokenized document(s) given the tokenizer's BOS (id "
             f"{manifest['bos_id']}) in front, as a text document gets it")

@@ -36,16 +36,24 @@ END_OF_TEXT = {"<|eot_id|>": ("<|end_of_text|>",), "<|im_end|>": ("<|endoftext|>
 # <|endoftext|> (its shipped tokenizer_config.json, read in a review)
 
 
-class RenderedText(ValueError):
-    """A text document that starts as a rendered conversation does (`Tokenizer.rendered_start`), under --text_specials
-    text: `index` in the texts framed, `token` the special-token string it starts with. Its callers add where (file:row)
-    and the fixes."""
-
-    def __init__(self, index: int, token: str):
-        self.index, self.token = index, token
-        super().__init__(f"a text that starts with the special-token string {token}, as a conversation rendered with its "
-                         "chat template does (special-token strings in text are read as text: its template's tokens "
-                         "would be trained spelled out)")
+# The strings a conversation rendered with a shipped chat template starts with (after its BOS): how rendered_start
+# tells a render from web text or code for a tokenizer without a chat template (a base model's: Llama-3.2-1B/3B and
+# Meta-Llama-3-8B base ship none, their vocabulary still has <|start_header_id|> / <|eot_id|> as special tokens),
+# counted only where the string is a special token of that vocabulary. Read by rendering every family of
+# data/chat_templates/families.json (user-first, system-first, with and without a tool list; the test
+# test_turn_starts_cover_every_shipped_template renders them again): <|im_start|> (qwen2/15/25/3/3_coder, smollm2,
+# olmo3, phi4(_reasoning), lfm2, hermes_tool_use, chatml_generation), <|start_header_id|> (llama3/31: Llama 3.x),
+# <|header_start|> (llama4), <start_of_turn> (gemma2/3), <|turn> (gemma4), <|system|> / <|user|> (phi3, phi4_mini),
+# [INST] / [AVAILABLE_TOOLS] (mistral_v03), [SYSTEM_PROMPT] (mistral_small32), <|start|> (gpt_oss),
+# <|START_OF_TURN_TOKEN|> (command_r, command_r7b), <|start_of_role|> (granite3/4), <｜User｜> (deepseek_v3/v31),
+# [gMASK] (glm46/47), ]~b] (minimax_m2), <SPECIAL_10> (nemotron_nano2), <|system_start|> (apertus). Not here: Llama 2 /
+# Mistral v0.1-v0.2 / Vicuna / Zephyr / OLMo 2 (turns in plain text: [INST], <|user|> are not special there),
+# Seed-OSS (<seed:bos> is its BOS, then `user`), DeepSeek with a system prompt first (plain text after the BOS).
+TURN_STARTS = ("<|im_start|>", "<|start_header_id|>", "<|header_start|>", "<start_of_turn>", "<|turn>", "<|system|>",
+               "<|user|>", "[INST]", "[AVAILABLE_TOOLS]", "[SYSTEM_PROMPT]", "<|start|>", "<|START_OF_TURN_TOKEN|>",
+               "<|start_of_role|>", "<｜User｜>", "[gMASK]", "]~b]", "<SPECIAL_10>", "<|system_start|>")
+# --text_specials (data/prepare_args.py): how special-token strings in a text document are read (frame_texts)
+SPECIALS_MODES = ("auto", "text", "parse")
 
 
 class Tokenizer:
@@ -60,8 +68,8 @@ class Tokenizer:
     end-of-turn (END_OF_TEXT; `sep_note` says so). `eos_id` stays the tokenizer's (chat templates whose stop is the EOS
     use it). `encode_text_batch`: special-token strings in the text are text (`<s>` in HTML, `<|endoftext|>` in code),
     as Meta's Llama 3 reference tokenizer encodes (allowed_special=set()); encode() parses them (rendered templates).
-    A text that starts as a rendered conversation (`rendered_start`) is refused there (RenderedText), or framed with
-    its special-token strings parsed (`frame_texts(..., "parse")`, --text_specials parse)."""
+    frame_texts reads a text that starts as a rendered conversation (`rendered_start`) with them parsed (--text_specials
+    auto, the default), every text so (parse) or none (text)."""
 
     bos_id: int | None = None
     # a sentencepiece .model's own BOS, which encode() never adds and bos_id leaves None (the demo's model, trained with
@@ -163,33 +171,36 @@ class Tokenizer:
 
     def rendered_start(self, text: str) -> str | None:
         """The special-token string `text` starts with, after any whitespace, the BOS string and whitespace, where it
-        is not the BOS string: such a text is a conversation rendered with a chat template (TRL's and `tokenizer(text)`
-        read its tokens as control tokens), not web text or code; None for any other text.
+        is one a conversation rendered with a chat template starts with: such a text is a render (TRL's and
+        `tokenizer(text)` read its tokens as control tokens), not web text or code; None for any other text.
 
-        Why the start: every shipped template whose format has control tokens writes one first, after the BOS
-        (data/chat_templates/: ChatML's <|im_start|> (Qwen, SmolLM2, OLMo 3, Phi-4), Llama 3's
-        <|begin_of_text|><|start_header_id|>, Gemma's <bos><start_of_turn>, Phi-3's <|user|>, DeepSeek's <｜User｜>,
-        Mistral v0.3's <s>[INST], Command-R's, Granite's, gpt-oss's <|start|>, GLM's [gMASK]), while a page or a
-        source file essentially never starts with one; in the middle of a text they are what the text is about (`<s>` in
-        HTML, `<|endoftext|>` in tokenizer code) and stay text. Not caught, because they start with the BOS and plain
-        text: Llama 2 / Mistral v0.1-v0.2 / Vicuna / Zephyr (their turns are plain text; only <s> / </s> are special),
-        DeepSeek's and Seed-OSS's renders with a system prompt first; their special-token strings stay text and are
-        counted. Only the special strings the tokenizer's chat template itself writes count (a text starting with
-        <unk>, as WikiText's do, is text). Cost: one bounded slice and one C `startswith` over them per document."""
-        if self._starts is None:  # once: the BOS string, the other special strings longest first (the whole token named)
-            bos_s = self.piece(self.bos_id) if self.bos_id is not None else None
-            # only those the tokenizer's own chat template writes: <unk>, <pad>, <mask> are special too, and a text may
-            # start with them (WikiText's <unk>) without being a conversation; no template, no render to tell
+        The strings: the special tokens the tokenizer's chat template writes, or, for a tokenizer without one (a base
+        model's: Llama-3.2-1B base has <|start_header_id|> special and no template), the TURN_STARTS that are special
+        tokens of its vocabulary; never the BOS, unk, pad or mask token (WikiText's lines start with <unk>). Why the
+        start: every shipped template with control tokens writes one first, after the BOS, while a page or a source
+        file rarely starts with one (a template's own test file does: ollama's template/testdata/chatml.gotmpl/user
+        is a render, and is read as one); in the middle of a text they are what the text is about (`<s>` in HTML,
+        `<|endoftext|>` in tokenizer code) and stay text. Not caught (their turns start in plain text after the BOS):
+        Llama 2 / Mistral v0.1-v0.2 / Vicuna / Zephyr, DeepSeek's and Seed-OSS's renders with a system prompt first.
+        Decided per document, never by a share of a corpus: every shard and the in-job path decide alike. Cost: one
+        bounded slice and one C `startswith` over the strings per document."""
+        if self._starts is None:  # once: the BOS strings, the others longest first (the whole token named)
+            named = self.hf.special_tokens_map if self.hf is not None else {}
+            # the BOS tokenizer(text) puts, and the bos_token of a folder whose tokenizer(text) puts none (a template
+            # writes it: a Llama 3 folder without its post-processor)
+            bos = tuple(sorted({self.piece(self.bos_id) if self.bos_id is not None else None, named.get("bos_token")}
+                               - {None}, key=len, reverse=True))
             tpl = getattr(self.hf, "chat_template", None) if self.hf is not None else None
             tpl = "\n".join(tpl.values()) if isinstance(tpl, dict) else (tpl or "")
-            self._starts = bos_s, tuple(sorted({s for s in self.specials if s and s != bos_s and s in tpl}, key=len,
-                                               reverse=True))
-        bos_s, starts = self._starts
+            never = {*bos, *(named.get(k) for k in ("unk_token", "pad_token", "mask_token"))}
+            pool = [s for s in self.specials if s in tpl] if tpl else [s for s in TURN_STARTS if s in self.specials]
+            self._starts = bos, tuple(sorted({s for s in pool if s and s not in never}, key=len, reverse=True))
+        bos, starts = self._starts
         if not starts:  # a sentencepiece model: none
             return None
         head = text[:256].lstrip()  # a bounded slice: a long document is not copied
-        if bos_s and head.startswith(bos_s):
-            head = head[len(bos_s):].lstrip()
+        if bos and head.startswith(bos):
+            head = head[len(next(b for b in bos if head.startswith(b))):].lstrip()
         return next((s for s in starts if head.startswith(s)), None) if head.startswith(starts) else None
 
     def _holding_specials(self, texts) -> int:
@@ -201,52 +212,46 @@ class Tokenizer:
             self._special_rx = re.compile("|".join(map(re.escape, alts))) if alts else False
         return sum(self._special_rx.search(t) is not None for t in texts) if self._special_rx else 0
 
-    def frame_texts(self, texts: list[str], sep: int | None, specials: str = "text") -> tuple[list[list[int]], int]:
+    def frame_texts(self, texts: list[str], sep: int | None,
+                    specials: str = "auto") -> tuple[list[list[int]], int, int]:
         """Text documents as written between documents (data/prepare_data.py; the caller appends `sep` after ids that
-        do not end with it): (ids of each, how many hold a special-token string). Ids: the BOS where the tokenizer
-        puts one, then the text with any special-token string in it encoded as text (`<s>` in an HTML page,
-        `<|endoftext|>` in tokenizer code: they were control tokens). A text starting with the BOS string gets that one
-        real BOS (a text that writes its own), one ending with `sep`'s string that real one (`...</s>`: no second one
-        after it). An empty or whitespace-only text gives [] (dropped and counted as empty; it was trained as BOS +
-        whitespace + EOS). A text that starts as a rendered conversation (`rendered_start`) raises RenderedText, checked
-        before any text is encoded. `specials="parse"` (--text_specials parse): every special-token string is read as
-        its control token (`tokenizer(text)`'s reading, for data written so), the BOS put first where the ids do not
-        start with it; nothing refused."""
-        if specials not in ("text", "parse"):
-            raise ValueError(f"--text_specials {specials!r}: use text or parse")
+        do not end with it): (ids of each, how many hold a special-token string kept as text, how many were read with
+        theirs as control tokens). `specials` (--text_specials): `auto` reads a text that starts as a rendered
+        conversation (`rendered_start`) as `tokenizer(text)` and TRL read it, every other text as text; `text` every
+        text as text; `parse` every text as control tokens.
+
+        As text: the BOS where the tokenizer puts one, then the text with any special-token string in it encoded as
+        text (`<s>` in an HTML page, `<|endoftext|>` in tokenizer code: they were control tokens); a text starting
+        with the BOS string gets that one real BOS (a text that writes its own), one ending with `sep`'s string that
+        real one (`...</s>`: no second one after it). Parsed: every special-token string its control token, the BOS
+        put first where the ids do not start with it. An empty or whitespace-only text gives [] (dropped and counted
+        as empty; it was trained as BOS + whitespace + EOS)."""
+        if specials not in SPECIALS_MODES:
+            raise ValueError(f"--text_specials {specials!r}: use auto, text or parse")
+        kept = [k for k, t in enumerate(texts) if t and not t.isspace()]  # isspace(): a C scan, no copy
+        if specials == "auto":
+            parsed = [k for k in kept if self.rendered_start(texts[k]) is not None]
+        else:
+            parsed = kept if specials == "parse" else []
+        read = set(parsed)
+        as_text = [k for k in kept if k not in read] if parsed else kept
+        out: list[list[int]] = [[] for _ in texts]
         bos = self.bos_id
-        if specials == "parse":
-            kept = [t for t in texts if t and not t.isspace()]
-            enc = iter(self.encode_batch(kept) if kept else [])
-            out = []
-            for t in texts:
-                ids = [] if not t or t.isspace() else list(next(enc))
-                out.append(ids if bos is None or not ids or ids[0] == bos else [bos, *ids])
-            return out, self._holding_specials(kept)
-        for k, t in enumerate(texts):  # refused before any encoding: the first such text ends the preparation
-            if t and (tok := self.rendered_start(t)) is not None:
-                raise RenderedText(k, tok)
+        for k, ids in zip(parsed, self.encode_batch([texts[k] for k in parsed]) if parsed else []):
+            out[k] = list(ids) if bos is None or not ids or ids[0] == bos else [bos, *ids]
         bos_s = self.piece(bos) if bos is not None else None
         sep_s = self.piece(sep) if sep is not None and 0 <= sep < self.vocab_size else None
         sep_s = sep_s if sep_s in self.specials else None  # a sentencepiece model never read </s> from text: unchanged
         bodies, ends = [], []
-        for t in texts:
-            if not t or t.isspace():  # isspace(): a C scan, no copy
-                continue
+        for k in as_text:
+            t = texts[k]
             head = bos_s is not None and t.startswith(bos_s)
             tail = sep_s is not None and t.endswith(sep_s) and len(t) >= (len(bos_s) if head else 0) + len(sep_s)
             bodies.append(t[len(bos_s) if head else 0:len(t) - len(sep_s) if tail else len(t)])
             ends.append(tail)
-        n_special = self._holding_specials(bodies)
-        enc = iter(zip(self.encode_text_batch(bodies) if bodies else [], ends))
-        out = []
-        for t in texts:
-            if not t or t.isspace():
-                out.append([])
-                continue
-            ids, tail = next(enc)
-            out.append(([bos] if bos is not None else []) + list(ids) + ([sep] if tail else []))
-        return out, n_special
+        for k, ids, tail in zip(as_text, self.encode_text_batch(bodies) if bodies else [], ends):
+            out[k] = ([bos] if bos is not None else []) + list(ids) + ([sep] if tail else [])
+        return out, self._holding_specials(bodies), self._holding_specials([texts[k] for k in parsed])
 
     def with_bos(self, ids) -> tuple[list[int], bool]:
         """Pre-tokenized ids with the BOS in front where the tokenizer puts one and the ids do not start with it (a text

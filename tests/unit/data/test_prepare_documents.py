@@ -23,9 +23,10 @@ def _docs(folder) -> list[list[int]]:
     return [p.tokens.read(int(s), int(s) + int(n)).tolist() for s, n in zip(p.starts, p.lens)]
 
 
-def _llama3_instruct(root) -> str:
+def _llama3_instruct(root, base: bool = False) -> str:
     """Llama-3-Instruct's layout: BOS <|begin_of_text|> put before a text, EOS <|eot_id|> (its tokenizer_config), and
-    <|end_of_text|> (128001, the base model's EOS) in the vocabulary."""
+    <|end_of_text|> (128001, the base model's EOS) in the vocabulary. `base`: the base model's (Llama-3.2-1B,
+    Meta-Llama-3-8B): EOS <|end_of_text|>, no chat template, the same special tokens."""
     from tokenizers import Tokenizer as Bpe
     from tokenizers import decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
@@ -39,8 +40,10 @@ def _llama3_instruct(root) -> str:
     t.train_from_iterator(["a quick brown fox jumps over the lazy dog user assistant"] * 10, trainer)
     t.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
                                                      special_tokens=[("<|begin_of_text|>", 0)])
-    tok = PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
-    tok.chat_template = LLAMA3
+    tok = PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<|begin_of_text|>",
+                                  eos_token="<|end_of_text|>" if base else "<|eot_id|>")
+    if not base:
+        tok.chat_template = LLAMA3
     tok.save_pretrained(str(root))
     return str(root)
 
