@@ -48,9 +48,9 @@ OTHER_DATA = (".arrow", ".zip", ".tar", ".tgz", ".7z", ".rar", ".lz4", ".gz", ".
 # raw text documents (`.txt.gz`: OTHER_DATA's) beside JSONL / Parquet, refused by name (they were dropped without a word;
 # a folder of only these: "no .jsonl ... (or use --loader)"); a snapshot's LICENSE.txt, CITATION.md, ... are no documents
 TEXT_DOCS = (".txt", ".md", ".tex", ".html", ".htm")
-DOC_META = ("readme", "license", "licence", "copying", "notice", "citation", "change", "authors", "requirements",
-            "contributing", "code_of_conduct", "datasheet", "dataset_card", "terms", "security", "acknowledg",
-            "sha256sums", "sha1sums", "md5sums", "checksums", "urls")  # a snapshot's papers: by its name's start
+DOC_META = {"readme", "license", "licence", "copying", "notice", "citation", "changelog", "changes", "authors",
+            "requirements", "contributing", "code_of_conduct", "datasheet", "dataset_card", "terms", "terms_of_use",
+            "security", "acknowledgements", "acknowledgments", "sha256sums", "sha1sums", "md5sums", "checksums"}
 TEXT_DOC_MAX = 2**30  # --loader text: a file is one document, read whole (1M tokens are ~4 MB of text)
 
 
@@ -181,12 +181,9 @@ def _folder(path: str, flag: str) -> list[str]:
                 files.append(p)
             elif f.lower().endswith(OTHER_DATA) or any(e in f.lower() for e in (".jsonl", ".ndjson", ".parquet")):
                 other.append(os.path.relpath(p, path))
-            elif f.lower().endswith(TEXT_DOCS) and not f.lower().startswith(DOC_META):
+            elif f.lower().endswith(TEXT_DOCS) and not _paper(os.path.relpath(p, path)):
                 texts.append(os.path.relpath(p, path))
-    # text files beside data files are documents dropped without a word (book0.txt beside a JSONL); elsewhere
-    # (docs/usage.md in a snapshot) the dataset's papers, passed over as before
-    beside = {os.path.dirname(f) for f in files} | {os.path.dirname(os.path.join(path, o)) for o in other}
-    other += [t for t in texts if os.path.dirname(os.path.join(path, t)) in beside]
+    other += texts if files or other else []
     if other:
         raise ValueError(f"{flag} {path}: cannot read {sorted(other)[:5]}" + (f" and {len(other) - 5} more" if len(
             other) > 5 else "") + ": not .jsonl / .ndjson / .json (plain, .gz, .zst, .bz2, .xz), .parquet nor a "
@@ -194,6 +191,15 @@ def _folder(path: str, flag: str) -> list[str]:
             "--loader BUILDER (text: a .txt / .md file is one document), or move them out of the folder")
     _no_copies(path, files, flag)
     return sorted(files)
+
+
+def _paper(rel: str) -> bool:
+    """A dataset snapshot's own papers, not documents: README.md, README_zh.md, LICENSE-CODE.md, SHA256SUMS.txt (a
+    DOC_META name, alone or before `_` / `-`), anything under a docs/ folder."""
+    parts = rel.lower().split(os.sep)
+    stem = parts[-1].split(".")[0]
+    return bool({"docs", "doc"} & set(parts[:-1])) or any(stem == m or stem.startswith((m + "_", m + "-"))
+                                                           for m in DOC_META)
 
 
 def _no_copies(path: str, files: list[str], flag: str) -> None:

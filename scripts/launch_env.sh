@@ -36,9 +36,10 @@ launch_id() {
 
 # default_port ONE_NODE PYTHON: --master_port when none is given. One node (the store is here): a port free now,
 # found by binding (deepspeed's 29500 had two runs on a shared node join one store), from a random start in
-# 30000 up to the node's ephemeral range (ip_local_port_range, 32768-60999 by default; 20000 up when that starts
-# lower; the kernel's pick when below 20000): an outgoing connection can take a port there between this probe and
-# rank 0's bind, and 20000-29999 are srun steps' ports (base/slurm_env.job_port). Several nodes must agree without
+# 10000-19999: below the node's ephemeral range (ip_local_port_range, 32768-60999 by default: an outgoing connection
+# can take a port there between this probe and rank 0's bind; the kernel's pick when the range starts below 10000),
+# below srun steps' ports (20000-29999, base/slurm_env.job_port) and Kubernetes' NodePorts (30000-32767: kube-proxy
+# redirects a local connection to one, hostNetwork pods). Several nodes must agree without
 # talking: the srun step's port (base/slurm_env.job_port) when one step is the whole launch (whole_step), else the
 # job's (step 0's formula, slurm.sbatch's too), else deepspeed's 29500 (outside Slurm, or nodes started over ssh).
 default_port() {
@@ -50,8 +51,7 @@ try:
         low = int(f.read().split()[0])
 except (OSError, ValueError, IndexError):
     low = 32768
-first = 30000 if low > 31000 else 20000
-ports = list(range(first, low))
+ports = list(range(10000, min(20000, low)))
 start = random.randrange(len(ports)) if ports else 0
 for p in ports[start:] + ports[:start] + [0]:  # 0: the kernel's pick, when none is free below the range
     with socket.socket() as s:

@@ -173,7 +173,8 @@ def _is_input_error(e: BaseException) -> bool:
 FULL = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded"}
 
 
-NODE_LOCAL = ("/dev/shm", "/run")  # a node's own memory-backed folders: full there is the node's state, not the user's
+NODE_LOCAL = ("/dev/shm", "/run/shm", "/run/user")  # a node's memory-backed folders: full there is the node's state
+USER_DIRS: list[str] = []  # the run's own folders (--output_dir, the data cache, WANDB_DIR): set at its config's parse
 
 
 def disk_full(e: BaseException | None) -> OSError | None:
@@ -191,14 +192,18 @@ def disk_full(e: BaseException | None) -> OSError | None:
 
 def users_disk(e: BaseException | None) -> OSError | None:
     """disk_full's OSError where it names the file or folder written (a checkpoint's step folder: `naming`; an open()
-    names its own) and that is not a node's memory-backed folder: the user's disk or quota (exit 2, no requeue). A
-    full /dev/shm (multiprocessing's semaphores, NCCL's segments) or a write that names nothing stays a crash of
-    this node (a requeue without it), as before: a node-local problem must not end the job for good."""
+    names its own) under one of the run's own folders (USER_DIRS; before they are known, anywhere but a node's
+    memory-backed folders): the user's disk or quota (exit 2, no requeue). A full /dev/shm (multiprocessing's
+    semaphores, NCCL's segments), a node's /tmp (torch's compile caches), or a write that names nothing stays a crash
+    of this node (a requeue without it), as before: a node-local problem must not end the job for good."""
     full = disk_full(e)
     if full is None or not full.filename:
         return None
     where = os.path.realpath(str(full.filename))
-    return None if any(where == d or where.startswith(d + os.sep) for d in NODE_LOCAL) else full
+    under = lambda dirs: any(where == d or where.startswith(d.rstrip(os.sep) + os.sep) for d in dirs)  # noqa: E731
+    if USER_DIRS:
+        return full if under([os.path.realpath(d) for d in USER_DIRS if d]) else None
+    return None if under(NODE_LOCAL) else full
 
 
 def naming(e: BaseException, path: str) -> None:
@@ -249,9 +254,9 @@ def _fail(e: BaseException) -> int:
         return EXIT_PEER_LOST
     full = users_disk(e)
     if full is not None or _is_input_error(e):  # our validation of the user's input: one line, no traceback, nothing
-        # saved touched; or a full disk / quota (any write: a checkpoint, trainer.json, metrics, the export), the
-        # user's to fix, not a node's fault: exit 2 everywhere, never a crash record (a failure only rank 0 hits made
-        # node 0 the only node that crashed on its own: requeued without a healthy node, and full again).
+        # saved touched; or a full disk / quota under the run's folders (a write naming its file: a checkpoint's, an
+        # open(); users_disk), the user's to fix, not a node's fault: exit 2 everywhere, never a crash record (a
+        # failure only rank 0 hits made node 0 the only node that crashed on its own: requeued without a healthy node).
         # The line itself goes to every rank: a check one node fails alone (its network interface, a path it lacks)
         # is not on rank 0's output. Printed once per node (its local rank 0), by rank 0, and by the rank on record
         e = ValueError(disk_full_line(full)) if full is not None else e

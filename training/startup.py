@@ -59,6 +59,10 @@ def load_run_config(argv: list[str] | None) -> tuple[Config, Model]:
     check_config(config, attn, cfg.attention_head_chunks)
     check_chat_data(cfg)  # an SFT stage on a prepared folder without chats (a run: on the demo corpus too)
     bf16 = (torch.cuda.is_available() and not cfg.fp16) if cfg.bf16 is None else cfg.bf16
+    from data.corpus import CACHE
+    from training import job
+
+    job.USER_DIRS[:] = [cfg.output_dir, CACHE, os.environ.get("WANDB_DIR", "")]  # whose full disk is the user's
     return cfg, Model(config, attn, bf16)
 
 

@@ -40,8 +40,12 @@ def test_a_folders_text_files_beside_jsonl_are_refused_by_name(tmp_path, capsys)
         (corpus / name).parent.mkdir(exist_ok=True)  # a snapshot's papers (a review: each refused the folder)
         (corpus / name).write_text("# about\n")
     err = _err(capsys, ["--input", str(corpus), "--output", str(tmp_path / "o"), *ARGS])
-    # sub/page.html holds no data beside it: passed over as before, as a snapshot's docs/ are
-    assert "cannot read ['book0.txt', 'notes.md']: " in err and "--loader BUILDER (text:" in err, err
+    # a snapshot's papers pass (docs/, README_zh.md, ...); a document in a sibling folder is named (a review: it was
+    # passed over after this morning's first fix), as changelings.txt is (no paper's name, only its start)
+    assert "cannot read ['book0.txt', 'notes.md', 'sub/page.html']: " in err and "--loader BUILDER (text:" in err, err
+    (corpus / "changelings.txt").write_text("a story")
+    assert "changelings.txt" in _err(capsys, ["--input", str(corpus), "--output", str(tmp_path / "o"), *ARGS])
+    (corpus / "changelings.txt").unlink()
     assert sorted(u.path.split("/")[-1] for u in discover(str(corpus), loader="text")) == sorted([
         "CITATION.md", "LICENSE.txt", "book0.txt", "extra.jsonl", "notes.md", "page.html", "README_zh.md",
         "LICENSE-CODE.md", "SHA256SUMS.txt", "CONTRIBUTING.md", "usage.md"])

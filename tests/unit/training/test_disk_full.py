@@ -22,6 +22,12 @@ from training import checkpoint as ck
 from training import checkpoint_files as cf
 from training import job
 
+
+@pytest.fixture(autouse=True)
+def _no_run_folders(monkeypatch):
+    """Each test starts with the run's folders unknown (another file's load_run_config in this worker set them)."""
+    monkeypatch.setattr(job, "USER_DIRS", [])
+
 Usage = namedtuple("Usage", "total used free")
 H = type("H", (), {"to_json_string": lambda self: "{}"})()
 
@@ -125,6 +131,11 @@ def test_a_full_node_local_folder_or_an_unnamed_write_stays_a_crash(capsys):
             assert job.disk_full(e) is e and job.users_disk(e) is None and job._fail(e) == job.EXIT_FAILED
     named = OSError(errno.EDQUOT, "Disk quota exceeded", "/scratch/me/run/step_000010/model.pt")
     assert job.users_disk(named) is named
+    # once the run's folders are known: full under them is the user's, elsewhere (a node's /tmp) the node's
+    job.USER_DIRS[:] = ["/scratch/me/run", "/scratch/me/cache"]
+    assert job.users_disk(named) is named
+    assert job.users_disk(OSError(errno.ENOSPC, "No space", "/tmp/torchinductor_me/x.py")) is None
+    assert job.users_disk(OSError(errno.ENOSPC, "No space", "/scratch/me/runs/other")) is None  # not a prefix
     capsys.readouterr()
 
 
