@@ -248,8 +248,12 @@ class MetricsLogger:
     def log(self, record: dict) -> None:
         if not self.is_main:
             return
-        with open(self.path, "a") as fh:
-            fh.write(json.dumps(record) + "\n")
+        try:
+            with open(self.path, "a") as fh:
+                fh.write(json.dumps(record) + "\n")
+        except OSError as e:  # a write into the open file names none: a full disk here is the user's (training/job.py
+            e.filename = e.filename or self.path  # users_disk), one line and exit 2, not node 0's crash
+            raise
         if self.wandb is not None:
             self.wandb.log(_wandb_fields(record), step=record.get("step"))
         if "loss" in record and "step" in record:

@@ -321,3 +321,23 @@ def test_the_start_checks_with_the_models_parameter_count():
     from transformers import LlamaForCausalLM
 
     assert got == [(None, sum(p.numel() for p in LlamaForCausalLM(cfg).parameters()), 2)]
+
+
+def test_a_metrics_line_the_disk_refuses_is_the_users_disk(tmp_path, monkeypatch):
+    """metrics.jsonl is written through an open file, whose failed write names no file: a full output disk hit there
+    first was node 0's crash (requeued without it), not the user's one line (a review)."""
+    from training import metrics as M
+
+    m = M.MetricsLogger(str(tmp_path), True, "none", None, None, {}, 10, False)
+    real = builtins.open
+
+    class Full(io.StringIO):
+        def write(self, _):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(builtins, "open", lambda p, mode="r", *a, **k: Full() if str(p) == m.path else real(p, mode, *a, **k))
+    with pytest.raises(OSError) as e:
+        m.log({"step": 1, "event": "x"})
+    monkeypatch.setattr(builtins, "open", real)
+    job.USER_DIRS[:] = [str(tmp_path)]
+    assert job.users_disk(e.value) is e.value and job._fail(e.value) == job.EXIT_USAGE
