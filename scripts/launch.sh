@@ -138,12 +138,15 @@ separate=0; [ "$one_node$no_ssh$torchrun" != 000 ] && [ "$nnodes" -gt 1 ] && sep
 ULYSSES_LAUNCH_ID=$(launch_id "$separate"); export ULYSSES_LAUNCH_ID  # whose store (base/run_identity.py)
 
 # --- environment: the accelerator, and what every node must see ---
-acc_given=${DS_ACCELERATOR:+1}; [ -n "$acc_given" ] || if command -v nvidia-smi >/dev/null 2>&1 && [[ $(nvidia-smi -L 2>/dev/null) == GPU* ]]
-  then export DS_ACCELERATOR=cuda; else export DS_ACCELERATOR=cpu; fi  # a value the user set wins (pdsh: only it goes)
+# CUDA_VISIBLE_DEVICES hiding every GPU (-1, empty, Slurm's NoDevFiles): a CPU run whatever nvidia-smi lists, no ids
+hidden=""; [ -n "${CUDA_VISIBLE_DEVICES+x}" ] && [[ $CUDA_VISIBLE_DEVICES =~ ^(-1|NoDevFiles)?$ ]] && hidden=1
+visible=${CUDA_VISIBLE_DEVICES:-}; [ -z "$hidden" ] || visible=""
+acc_given=${DS_ACCELERATOR:+1}; [ -n "$acc_given" ] || if [ -z "$hidden" ] && command -v nvidia-smi >/dev/null 2>&1 &&
+  [[ $(nvidia-smi -L 2>/dev/null) == GPU* ]]; then export DS_ACCELERATOR=cuda; else export DS_ACCELERATOR=cpu; fi  # yours wins
 num_gpus_given=${num_gpus:+1}
 if [ -z "$num_gpus" ] && [ -z "$hostfile" ]; then
-  if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
-    num_gpus=$(tr ',' '\n' <<< "$CUDA_VISIBLE_DEVICES" | grep -c .)
+  if [ -n "$visible" ]; then
+    num_gpus=$(tr ',' '\n' <<< "$visible" | grep -c .)
   elif [ "$DS_ACCELERATOR" = cuda ]; then
     num_gpus=$(nvidia-smi -L | grep -c '^GPU')
   else
@@ -249,7 +252,7 @@ elif [ -n "$hostfile" ]; then
   cmd=("$DEEPSPEED" --hostfile "$hostfile" ${include:+--include "$include"} ${exclude:+--exclude "$exclude"}
        ${num_nodes:+--num_nodes "$num_nodes"} ${num_gpus:+--num_gpus "$num_gpus"} ${launcher:+--launcher "$launcher"}
        ${force:+--force_multi} ${master_addr:+--master_addr "$master_addr"} --master_port "$master_port" "$TRAIN_SCRIPT" "$@")
-elif [ -z "$num_gpus_given" ] && [ -n "${CUDA_VISIBLE_DEVICES:-}$include$exclude" ]; then
+elif [ -z "$num_gpus_given" ] && [ -n "$visible$include$exclude" ]; then
   # your GPUs: --include/--exclude as given; without --num_gpus the runner turns CUDA_VISIBLE_DEVICES into --include
   # localhost:<those ids> (with it, it would use devices 0..N-1 whatever was selected)
   cmd=("$DEEPSPEED" ${include:+--include "$include"} ${exclude:+--exclude "$exclude"} --master_port "$master_port"

@@ -261,3 +261,11 @@ def test_launch_id_is_shared_by_the_nodes_of_one_launch_only():
         helper("nnodes=2 master_port=1 launch_id 1", SLURM_JOB_ID="7").stdout
     assert helper("nnodes=2 master_port=1 launch_id 1").stdout != helper("nnodes=2 master_port=2 launch_id 1").stdout
     assert helper("nnodes=1 launch_id 0").stdout != helper("nnodes=1 launch_id 0").stdout
+
+
+@pytest.mark.parametrize("cvd", ["-1", "", "NoDevFiles"])
+def test_gpus_hidden_by_cuda_visible_devices_make_a_cpu_launch(tmp_path, cvd):
+    """CUDA_VISIBLE_DEVICES=-1 (or empty, or Slurm's NoDevFiles) hides every GPU: launch.sh counted "-1" as one GPU
+    and took cuda from nvidia-smi, which ignores the variable (a review)."""
+    p = launch(["--print-only", "--", "--x"], tmp_path, PATH=eight_gpus(tmp_path), CUDA_VISIBLE_DEVICES=cvd)
+    assert p.returncode == 0 and "DS_ACCELERATOR=cpu " in p.stdout and " --num_gpus 2 " in p.stdout, p.stdout + p.stderr
