@@ -333,7 +333,9 @@ def open_run_data(dataset_path: str | None, tokenizer_path: str | None, model_vo
     same line (collectives). Checks the data against the model (token ids < model_vocab), against the tokenizer
     whose ids the resumed checkpoint was trained on (`trained_on`, its SHA-256) and every stage's mixture, before
     any model."""
-    folder, tokenizer_path = prepare_in_job(dataset_path, tokenizer_path, model_vocab, model_path)
+    # a resumed run (its first start's split recorded) is prepared again whatever the in-job limit says today
+    folder, tokenizer_path = prepare_in_job(dataset_path, tokenizer_path, model_vocab, model_path,
+                                            resumed=heldout is not None)
 
     def choose() -> tuple[dict, str | None]:
         try:
@@ -373,8 +375,9 @@ def open_run_data(dataset_path: str | None, tokenizer_path: str | None, model_vo
     first = stages[0].max_seq_length  # every stage also evaluates its held-out samples at the first stage's length
     wants = [(n, heldout_samples(s.eval)) for s in stages for n in sorted({s.max_seq_length, first})]
     split = {"wants": [list(w) for w in wants], "min_train": longest}
-    first_docs = (heldout or {}).get("docs")
-    heldout = {k: v for k, v in heldout.items() if k != "docs"} if heldout else heldout
+    first_docs, first_folder = (heldout or {}).get("docs"), (heldout or {}).get("prepared")
+    same_input = (heldout or {}).get("input") == dataset_path
+    heldout = {k: v for k, v in heldout.items() if k not in ("docs", "prepared", "input")} if heldout else heldout
     if heldout and heldout != split:  # a resume: the run's first start's split, whatever today's stages ask
         print0(f"note: the held-out documents stay those of this run's first start (its stages asked {heldout['wants']}"
                f", today's {split['wants']}): a new length evaluates what they hold; the training samples stay the "
@@ -385,12 +388,22 @@ def open_run_data(dataset_path: str | None, tokenizer_path: str | None, model_vo
         print0(line)
     docs = held_identity(prepared, cut, held)
     moved = len(set(docs) - set(first_docs)) if first_docs is not None else 0
-    if moved:
+    if same_input and first_folder and os.path.realpath(first_folder) != os.path.realpath(folder) and \
+            dataset_path != folder:
+        # prepared in the job again under another cache key (today's tokenization rules: data/packing.cache_key)
+        kept = os.path.isdir(first_folder)
+        print0(f"note: --dataset_path {dataset_path} was prepared again in this job ({folder}; this run trained on "
+               f"{first_folder}{'' if kept else ', since removed'}): today's rules may tokenize its documents "
+               "otherwise (a text document's separator, special-token strings), so the tokens trained from this step "
+               "may differ from those before" + (f"; to keep them pass --dataset_path {first_folder}" if kept else ""))
+    elif moved:
         print0(f"note: {moved} of the {len(docs)} held-out documents were not held out at this run's first start (the "
-               f"folder at --dataset_path was prepared again: its documents are in another order): they may have "
-               "trained, so the held-out loss from here is not comparable with the one before; a clean one needs a "
-               "new run (another --output_dir)")
-    split = {**split, "docs": first_docs if first_docs is not None else docs}  # the first start's, kept: said again
+               f"folder at --dataset_path was prepared again: its documents re-tokenized or in another order): they "
+               "may have trained, so the held-out loss from here is not comparable with the one before; a clean one "
+               "needs a new run (another --output_dir)")
+    split = {**split, "docs": first_docs if first_docs is not None else docs,  # the first start's, kept: said again
+             "prepared": first_folder or folder, "input": (heldout or {}).get("input", dataset_path)}  # what it
+    # first trained on: the folder, and the --dataset_path it was prepared from
     data = RunData(prepared, cut, held, tokenizer, reset_position_ids, mask_cross_document_labels, split)
     if vocab and tokenizer is not None:
         data._vocab = vocab  # read once: every checkpoint records it (tokenizer_vocab)

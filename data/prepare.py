@@ -92,7 +92,7 @@ def input_bytes(path: str) -> int:
 
 
 def prepare_in_job(dataset_path: str | None, tokenizer_path: str | None, model_vocab: int,
-                   model_path: str | None = None) -> tuple[str, str | None]:
+                   model_path: str | None = None, resumed: bool = False) -> tuple[str, str | None]:
     """(prepared folder, tokenizer path), decided by rank 0 (collective: every rank calls it): a prepared folder
     as it is, else the small JSONL input prepared by rank 0 into the cache, with --tokenizer_name_or_path, else the
     model folder's own tokenizer (as transformers and TRL default to it; before, text rows were refused as needing
@@ -113,8 +113,11 @@ def prepare_in_job(dataset_path: str | None, tokenizer_path: str | None, model_v
         how = f"--tokenizer_name_or_path {shlex.quote(tok_path)}" if tok_path else f"--vocab_size {model_vocab}"
         out = os.path.join(CACHE, "prepared", cache_key(files, tok_path, model_vocab))
         size = sum(input_bytes(f) for f in files)  # a stat a file, and <= 18 bytes or a Parquet footer read
-        if size > MAX_IN_JOB_BYTES and not is_prepared(out):  # (one prepared already is used, whatever the limit)
-            raise ValueError(f"--dataset_path {data}: {size / 2**20:.0f} MB of input (decompressed) is too much to "
+        # one prepared already is used, and a resumed run's input is prepared again, whatever the limit (a run that
+        # started under an earlier estimate, or cache key, must not end at its requeue on today's)
+        if size > MAX_IN_JOB_BYTES and not resumed and not is_prepared(out):
+            raise ValueError(f"--dataset_path {data}: {size / 2**20:.0f} MB of input (decompressed, or estimated at "
+                             f"{RATIO}x a compressed file of unstated size) is too much to "
                              f"tokenize inside the job (limit {MAX_IN_JOB_BYTES >> 20} MB): run `python "
                              f"scripts/prepare_data.py --input {shlex.quote(data)} --output DIR {how}` once and pass "
                              "--dataset_path DIR")

@@ -413,7 +413,8 @@ def merge(output: str, log=print) -> dict:
         "bad_examples": [e for i in range(n) for e in recs[i].get("bad_examples", [])][:20],
         **{k: sum(recs[i].get(k, 0) for i in range(n)) for k in STATS},
         "loss_on": first.get("loss_on", "auto"), "chat_template": first.get("chat_template", "auto"),
-        "text_specials": {v: k for k, v in TEXT_SPECIALS.items()}.get(first.get("text_specials"), "text"),
+        "text_specials": {v: k for k, v in TEXT_SPECIALS.items()}.get(  # a shard without one: before 2026-11-30,
+            first.get("text_specials"), "parse" if first.get("text_specials") is None else "text"),  # all parsed
         "shards": n, "commands": [recs[i]["command"] for i in range(n)], "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     store.write_json_atomic(os.path.join(output, store.MANIFEST), manifest)

@@ -69,10 +69,13 @@ def headline(rows: list[dict]) -> list[str]:
     if "heldout_chat_loss" in a and "heldout_chat_loss" in b and not same:  # the same conversations before and after
         out.append(f"held-out conversation loss (assistant tokens) at {b['heldout_chat_len']}: "
                    f"{moved('heldout_chat_loss')}")
+    other = a.get("task_seeds") != b.get("task_seeds")  # trials seeded another way (before 2026-11-30): other questions
     for task, lens in b.get("task_mean", {}).items():
         before = a.get("task_mean", {}).get(task, {})
         for n in sorted((n for n in lens if n in before), key=int):
-            out.append(f"{task} at {n}: {before[n]:.2f} -> {lens[n]:.2f}")
+            out.append(f"{task} at {n}: " + (f"{before[n]:.2f} and {lens[n]:.2f} (other questions: one record's trials "
+                                              "were seeded another way, not compared)" if other else
+                                              f"{before[n]:.2f} -> {lens[n]:.2f}"))
     return [f"{where}: " + "; ".join(out)] if out and len(rows) > 1 else []
 
 

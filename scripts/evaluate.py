@@ -1,8 +1,8 @@
 """Evaluate a model at long lengths outside a training run, optionally side by side with a second one.
 
 The same tasks, depths, seeds and scoring as the evaluation at a stage's end (training/evaluation.py
-`evaluate_tasks`: the trials of a (task, length) are seeded by the task and the length only, so a model scores
-here what the run scored), through the training path: the model under ZeRO-3, each sample sharded over a Ulysses
+`evaluate_tasks`: each trial is seeded by its task, length, depth and index (since 2026-11-30: a record from before
+asked other questions), so a model scores here what the run scored), through the training path: the model under ZeRO-3, each sample sharded over a Ulysses
 sequence-parallel group, the tiled loss (one logits tile at a time), so a 128k-1M evaluation needs what a
 training step of that length needs. Launch it like train.py:
 

@@ -179,6 +179,11 @@ def task_scores(engine, dims, micro_batch: int, pad_id: int, tokenizer, trials: 
     return acc, loss
 
 
+# how trials are seeded, in every record: one seed per (task, length, depth, trial) since 2026-11-30 (before, per
+# (task, length): another record's trials asked other questions; scripts/eval_summary.py says so)
+TASK_SEEDS = "task:length:depth:trial"
+
+
 def evaluate_tasks(engine, dims, micro_batch: int, pad_id: int, tokenizer, trials: dict[str, int],
                    depths: list[float], lengths: list[int], chat=None) -> dict:
     """The tasks' part of an evaluation, the same for a stage's end (evaluate_stage) and scripts/evaluate.py:
@@ -189,7 +194,8 @@ def evaluate_tasks(engine, dims, micro_batch: int, pad_id: int, tokenizer, trial
     tasks = {t: {str(n): by_len[n][0][t] for n in by_len} for t in trials}
     return {"tasks": tasks, "task_mean": {t: {n: sum(a.values()) / len(a) for n, a in lens.items()}
                                           for t, lens in tasks.items()},
-            "task_loss": {t: {str(n): by_len[n][1][t] for n in by_len} for t in trials}}
+            "task_loss": {t: {str(n): by_len[n][1][t] for n in by_len} for t in trials},
+            "task_seeds": TASK_SEEDS}
 
 
 def retention_samples(stages, own: int) -> int:

@@ -90,7 +90,7 @@ def _parts(data, docs, heldout: bool):
     return np.concatenate([tokens[st[i]: st[i] + data.cut[i]] for i in docs])
 
 
-def test_heldout_documents_are_spread_fixed_for_the_run_and_never_trained_on(tmp_path, capsys):
+def test_heldout_documents_are_spread_fixed_for_the_run_and_never_trained_on(tmp_path, capsys, monkeypatch):
     """The held-out documents are chosen once for the whole curriculum (enough for its largest evaluation), drawn
     from several documents all over the stream: every stage evaluates on the same whole documents, packed to its
     own length, its first samples span several documents, and no stage's training samples touch them."""
@@ -159,6 +159,16 @@ def test_heldout_documents_are_spread_fixed_for_the_run_and_never_trained_on(tmp
     assert reordered.heldout_split["docs"] == first["docs"]
     assert "were not held out" not in (open_run_data(str(p), None, 2048, stages, reset_position_ids=False,
                                                      heldout=first), capsys.readouterr().out)[1]
+
+    # the same input prepared again in the job under today's rules (another cache key: an upgrade's tokenization, as
+    # on 2026-11-30): said as that, naming the folder it trained on (the note blamed another order, and "a new run")
+    import data.prepare as in_job
+
+    monkeypatch.setattr(in_job, "cache_key", lambda *a: "0123456789abcdef")
+    again = open_run_data(str(p), None, 2048, stages, reset_position_ids=False, heldout=first)
+    out = capsys.readouterr().out
+    assert "was prepared again in this job" in out and f"to keep them pass --dataset_path {first['prepared']}" in out
+    assert "were not held out" not in out and again.heldout_split["prepared"] == first["prepared"]
 
 
 def test_heldout_split_of_a_small_dataset_warns_and_shrinks(tmp_path, capsys):

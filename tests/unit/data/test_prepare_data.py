@@ -127,6 +127,14 @@ def test_shards_then_merge(tmp_path):
     assert docs == sorted(tuple(d) for d in DOCS)
     by_src = {p.sources[k]: int(p.lens[p.source == k].sum()) for k in range(3)}
     assert by_src == {f"p{i}": sum(len(d) for d in DOCS[i::3]) for i in range(3)}
+    assert p.manifest["text_specials"] == "auto"
+    # shards finished by the code before 2026-11-30 (no text_specials in their plan): it read every text's special
+    # strings as control tokens, recorded as parse (an upgrade audit: "text", the opposite)
+    for i in range(2):
+        rec = json.load(open(f"{out}/shard-{i:05d}-of-00002.json"))
+        rec["plan"].pop("text_specials")
+        json.dump(rec, open(f"{out}/shard-{i:05d}-of-00002.json", "w"))
+    assert merge(out, log=lambda _: None)["text_specials"] == "parse"
 
 
 def test_bad_rows_named_or_skipped_and_counted(tmp_path, capsys):

@@ -114,6 +114,12 @@ def test_the_in_job_limit_counts_decompressed_bytes_and_its_command_runs(tmp_pat
     done, _ = in_job.prepare_in_job(str(tmp_path / "a.jsonl.gz"), None, 5, model)
     monkeypatch.setattr(in_job, "MAX_IN_JOB_BYTES", len(text) // 2)
     assert in_job.prepare_in_job(str(tmp_path / "a.jsonl.gz"), None, 5, model)[0] == done
+    # a resumed run whose input passed yesterday's estimate (its cache key since changed): prepared again, not refused
+    # at its requeue (an upgrade audit: a .jsonl.xz run exited 2 for good)
+    monkeypatch.setattr(in_job, "MAX_IN_JOB_BYTES", 5 * stored["c.jsonl.xz"])  # below its 10x estimate
+    with pytest.raises(ValueError, match="or estimated at 10x a compressed file of unstated size"):
+        in_job.prepare_in_job(str(tmp_path / "c.jsonl.xz"), None, 5, model)
+    assert in_job.is_prepared(in_job.prepare_in_job(str(tmp_path / "c.jsonl.xz"), None, 5, model, resumed=True)[0])
 
 
 def test_a_row_with_its_text_under_another_field_names_that_field(tmp_path, capsys, monkeypatch):

@@ -202,6 +202,12 @@ def test_eval_summary_prints_before_and_after(tmp_path, capsys):
     assert ("stage 0 (before) -> stage 1 (sft): held-out loss at 512: 7.4737 -> 1.7419; passkey at 256: "
             "1.00 -> 0.73") in got
     assert "| 1 | sft | 101 | 512 | 1.7419 | 1.7419 |" in got and "| 1 | 512 | 0.73 |" in got
+    # a record from before 2026-11-30 (its trials seeded per task and length: other questions) beside today's
+    (out / "eval" / "stage1.json").write_text(json.dumps({**json.loads((out / "eval" / "stage1.json").read_text()),
+                                                          "task_seeds": "task:length:depth:trial"}))
+    assert script.main([str(out)]) == 0
+    assert "passkey at 256: 1.00 and 0.73 (other questions: one record's trials were seeded another way" in \
+        capsys.readouterr().out
     assert script.main([str(tmp_path / "empty")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and "no evaluation records" in err
