@@ -313,8 +313,10 @@ class MetricsLogger:
             self.bar.close()
         if self.wandb is None:
             return
+        run_dir = os.path.dirname(str(getattr(self.wandb, "dir", "") or "")) or None  # .../offline-run-*/ (files/)
         if timeout_s is None:
             self.wandb.finish()
+            _said_lost_records(run_dir)
             return
         t = threading.Thread(target=self.wandb.finish, name="wandb-finish", daemon=True)
         t.start()
@@ -322,6 +324,24 @@ class MetricsLogger:
         if t.is_alive():
             print(f"W&B: the run's finish did not end within {timeout_s:.0f} s of the stop's window: what it had not "
                   f"uploaded is in {self.wandb_dir}/wandb (`wandb sync` it)", flush=True)
+        else:
+            _said_lost_records(run_dir)
+
+
+def _said_lost_records(run_dir: str | None) -> None:
+    """W&B's writer drops records it cannot save (a full WANDB_DIR, a quota) and says so only in its own
+    logs/debug-internal.log, while wandb.log returns as usual: a later `wandb sync` uploads a curve that stops early.
+    Said in one line at the run's end (metrics.jsonl holds every record). One read of that log, once."""
+    log = os.path.join(run_dir, "logs", "debug-internal.log") if run_dir else ""
+    try:
+        with open(log, "rb") as fh:
+            lost = b"failed to save record" in fh.read()
+    except OSError:
+        return
+    if lost:
+        print(f"warning: W&B could not save some records of this run ({log}: 'failed to save record': a full or "
+              "quota-limited WANDB_DIR?): its curves stop early; metrics.jsonl in the output folder holds them all",
+              flush=True)
 
 
 def _wandb_fields(record: dict) -> dict:

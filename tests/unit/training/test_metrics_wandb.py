@@ -242,3 +242,22 @@ def test_a_curriculums_eta_is_the_stages(tmp_path, capsys):
     line = capsys.readouterr().out.splitlines()[-1]
     assert " stage eta " in line and line.startswith("step 3/1000 "), line
     m.close()
+
+
+def test_records_wandb_could_not_save_are_said_at_the_end(tmp_path, wandb_env, capsys):
+    """W&B's writer drops what it cannot save (a full or quota-limited WANDB_DIR) and says so only in its
+    debug-internal.log, while wandb.log returns as usual: the run ended with a curve cut short and nothing said (an
+    audit, RLIMIT_FSIZE on wandb-core). Said in one line at close; nothing when the log has no such line."""
+    fake_wandb(wandb_env)
+    wandb_env.setenv("WANDB_MODE", "offline")
+    for lost in (False, True):
+        m = MetricsLogger(str(tmp_path), True, "wandb", None, None, {}, 10, False)
+        run = tmp_path / f"offline-run-{int(lost)}"
+        (run / "logs").mkdir(parents=True)
+        (run / "logs" / "debug-internal.log").write_text(
+            "writer: ok\n" + "writer: failed to save record: write: file too large\n" * lost)
+        m.wandb.dir = str(run / "files")
+        m.wandb.finish = lambda: None
+        m.close()
+        out = capsys.readouterr().out
+        assert ("could not save some records" in out and "metrics.jsonl" in out) == lost, out
