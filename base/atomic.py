@@ -8,6 +8,14 @@ import os
 from collections.abc import Callable
 
 
+def nearest_folder(path: str) -> str:
+    """`path` itself if it is a folder, else its nearest parent that is (the file system something made there lands
+    on, before it is made)."""
+    while not os.path.isdir(path) and path != os.path.dirname(path):
+        path = os.path.dirname(path)
+    return path
+
+
 def fsync_path(path: str) -> None:
     """fsync a file or a folder (a folder's fsync makes a rename or a new entry in it durable)."""
     fd = os.open(path, os.O_RDONLY)

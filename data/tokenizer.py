@@ -278,9 +278,13 @@ class Tokenizer:
         return self.hf.convert_ids_to_tokens(list(range(self.vocab_size)))
 
 
-def _restoring(backend, call):
-    """`call()` with the backend's encode_special_tokens put back as it was afterwards (None: no backend)."""
+def _restoring(backend, call, split: bool | None = None):
+    """`call()` (with the backend's encode_special_tokens set to `split` first, unless None) and that switch put back
+    as it was afterwards: it is the tokenizer's own state (chat rows in the same worker parse their special tokens;
+    transformers leaves it at its last call's split_special_tokens)."""
     was = getattr(backend, "encode_special_tokens", None)
+    if split is not None:
+        backend.encode_special_tokens = split
     try:
         return call()
     finally:
@@ -289,13 +293,8 @@ def _restoring(backend, call):
 
 
 def _split_specials(backend, direct, texts: list[str]) -> list[list[int]]:
-    """The Rust path with special-token strings read as text; the switch is the tokenizer's own state, put back at once
-    (chat rows in the same worker parse theirs)."""
-    was, backend.encode_special_tokens = backend.encode_special_tokens, True
-    try:
-        return direct(texts)
-    finally:
-        backend.encode_special_tokens = was
+    """The Rust path with special-token strings read as text, the switch put back at once."""
+    return _restoring(backend, lambda: direct(texts), split=True)
 
 
 def _processor_template(path: str):

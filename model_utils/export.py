@@ -36,7 +36,7 @@ import os
 import re
 import shutil
 
-from base.atomic import fsync_path
+from base.atomic import fsync_path, nearest_folder
 
 MARKER = "export.json"  # written into every export: which checkpoint it came from
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype (besides auto) -> torch's name
@@ -65,9 +65,8 @@ def check_out(out_dir: str, checkpoint: str | None, owned: bool = False) -> None
         what = "a folder that is not a previous export" if os.path.isdir(out_dir) else "a file"
         raise ValueError(f"--out {out_dir}: {what} (no {MARKER}), which the export would replace: give a new "
                          "folder, or remove it yourself")
-    parent = os.path.dirname(out)  # the export is built in OUT.export-tmp beside it, then swapped in (os.replace:
-    while not os.path.isdir(parent) and parent != os.path.dirname(parent):  # atomic only within one file system)
-        parent = os.path.dirname(parent)
+    # the export is built in OUT.export-tmp beside it, then swapped in (os.replace: atomic only within one file system)
+    parent = nearest_folder(os.path.dirname(out))
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ValueError(f"{out_dir}: the export is built beside {out}, in {parent}, which is not writable: "
                          f"{'point the link at' if link else 'give'} a folder inside a writable one")

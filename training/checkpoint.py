@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from base import comm
+from base.atomic import nearest_folder
 from base.log import print0
 from base.parallel import FS_SETTLE_S
 from training import job, rotation, universal
@@ -245,9 +246,7 @@ class Checkpointer(Restorer):
         if create:
             os.makedirs(self.root, exist_ok=True)
         last = trash = 0  # (not created at start-up: a refusal after it must leave the output folder as it was)
-        here = self.root
-        while not os.path.isdir(here) and os.path.dirname(here) != here:
-            here = os.path.dirname(here)  # the folder's file system, from its nearest existing parent
+        here = nearest_folder(self.root)  # the folder's file system, from its nearest existing parent
         if comm.rank() == 0 and os.path.isdir(self.root):
             self.trash.paused = True
             try:

@@ -23,6 +23,15 @@ def _docs(folder) -> list[list[int]]:
     return [p.tokens.read(int(s), int(s) + int(n)).tolist() for s, n in zip(p.starts, p.lens)]
 
 
+def _texts_and_a_chat(path, texts: list[str]) -> str:
+    """A JSONL of text rows and one conversation after them."""
+    src = _write_jsonl(path, texts, "text")
+    with open(src, "a") as fh:
+        fh.write(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}]})
+                 + "\n")
+    return src
+
+
 def _llama3_instruct(root, base: bool = False) -> str:
     """Llama-3-Instruct's layout: BOS <|begin_of_text|> put before a text, EOS <|eot_id|> (its tokenizer_config), and
     <|end_of_text|> (128001, the base model's EOS) in the vocabulary. `base`: the base model's (Llama-3.2-1B,
@@ -58,10 +67,7 @@ def test_text_documents_of_an_instruct_tokenizer_end_with_the_end_of_text_token(
     tok = Tokenizer(path)
     eot, eod = tok.eos_id, tok.hf.convert_tokens_to_ids("<|end_of_text|>" if family == "llama3" else "<|endoftext|>")
     assert tok.sep_id == eod != eot and tok.eos_id == tok.hf.eos_token_id  # eos_id itself unchanged (chat stops)
-    src = _write_jsonl(tmp_path / "t.jsonl", ["a quick brown fox", "the lazy dog"], "text")
-    with open(src, "a") as fh:
-        fh.write(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}]})
-                 + "\n")
+    src = _texts_and_a_chat(tmp_path / "t.jsonl", ["a quick brown fox", "the lazy dog"])
     lines = []
     m = prepare([src], str(tmp_path / "out"), path, workers=0, log=lines.append)
     a, b, chat = _docs(tmp_path / "out")
@@ -91,10 +97,7 @@ def test_special_token_strings_in_a_text_are_text_and_chat_rows_keep_theirs(tmp_
     tok = Tokenizer(path)
     ids = {t: tok.hf.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>", "<|endoftext|>")}
     texts = ["joined with <|endoftext|> and chats use <|im_start|>user", "a plain one"]
-    src = _write_jsonl(tmp_path / "t.jsonl", texts, "text")
-    with open(src, "a") as fh:
-        fh.write(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}]})
-                 + "\n")
+    src = _texts_and_a_chat(tmp_path / "t.jsonl", texts)
     lines = []
     m = prepare([src], str(tmp_path / "out"), path, workers=0, log=lines.append)
     special, plain, chat = _docs(tmp_path / "out")

@@ -5,27 +5,16 @@ today's. One process, fake engine files (as tests/unit/training/test_checkpoint.
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 
+from tests.unit.training.test_resume_branch import FakeConfig, FakeEngine
 from training.checkpoint import Checkpointer
 from training.resume_notes import check_other_run
 
 OLD = {"dataset_path": "d1.jsonl", "model_name_or_path": "m1", "max_steps": 6, "num_train_epochs": None, "stages": [],
        "learning_rate": 1e-3, "seed": 0}
-
-
-class FakeConfig:
-    def to_json_string(self):
-        return json.dumps({"model_type": "llama"})
-
-
-class FakeEngine:
-    def save_checkpoint(self, root, tag, save_latest):
-        with open(os.path.join(root, tag, "zero_pp_rank_0_mp_rank_00_model_states.pt"), "wb") as fh:
-            fh.write(os.urandom(256))
 
 
 def saved_run(tmp_path, step=6, stage=0, stage_steps=(6,), config=OLD) -> Checkpointer:
