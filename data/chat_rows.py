@@ -32,8 +32,12 @@ Row formats (one JSON object / table row; `row_format` tells them apart by their
 `messages` / `conversations` stored as JSON text (a CSV or table export) are read as the list they hold.
 Beside any of them, a top-level `tools` (a list of OpenAI function definitions, or that list as a JSON string) is
 read by data/chat_tools.py and passed to the template as `tools=`.
-A top-level `system` (LLaMA-Factory's ShareGPT column: the system prompt beside the turns) is the conversation's first
-message (before, it was dropped without a word); one beside a system message of another text is refused.
+A top-level `system` (LLaMA-Factory's ShareGPT column: the system prompt beside the turns) or `system_prompt`
+(OpenHermes', ultrachat_de's) is the conversation's first message (before, it was dropped without a word); one beside a
+system message of another text, or both of two texts, is refused.
+A context or reply beside the chat field that is not read (`document`, `context`, `ctxs`, `answers`, `answer`,
+`response`, `output`, `completion` where not the format's own: ChatQA's rows) is refused in one line, unless the
+conversation holds its text (a copy of the last reply, ultrachat_de's `response`); before, dropped without a word.
 A filled `images` / `image` / `videos` / `audios` column (LLaMA-Factory's mllm rows, LLaVA-Instruct) is refused in one
 line: this trainer is text-only (before, dropped: the replies trained without what they describe, `<image>` as text).
 A row with both a text field and a chat field is ambiguous (which one was meant?) and refused in one line
@@ -65,6 +69,12 @@ KEYS = ("tool_calls", "name", "tool_call_id")  # a message's keys templates read
 REASONING = ("reasoning_content", "thinking", "reasoning")  # a reply's reasoning field: one text under every name
 ROLE_KEYS = {"system": ("tools", "functions"), "user": ("functions",), "assistant": ("function_calls",)}  # Phi-4-mini's
 # tool list rides on the system message; OLMo 3's function list on a system (or user) message, its calls on a reply
+SYSTEM_KEYS = ("system", "system_prompt")  # a row's top-level system prompt: LLaMA-Factory's name; OpenHermes',
+# ultrachat_de's, Nemotron's
+CONTEXT = ("document", "context", "ctxs")  # a row's context beside its chat field (ChatQA's document, ChatRAG's ctxs)
+UNREAD = CONTEXT + ("answers", "answer", "response", "output", "completion")  # and its reply (ChatQA's answers):
+# refused beside a chat field unless the conversation holds their text (chat_rows._checked)
+OWN = {"pair": ("completion",), "alpaca": ("output",)}  # an UNREAD key that is the row format's own field
 
 
 class RowError(ValueError):
@@ -256,7 +266,7 @@ def normalize(obj: dict) -> tuple[str, list[dict] | tuple[str, str], int]:
     index of the first message a `completion` loss covers: 0, or the prompt's length for conversational pairs)
     or `text_pair` with (prompt, completion). RowError on a malformed row."""
     fmt = row_format(obj)
-    system = _system(obj)
+    system, system_key = _system(obj)
     for k in MEDIA:  # dropped, the replies describing them were trained text-only, the `<image>` placeholder as text
         if _filled(obj.get(k)):
             raise RowError(f"{k}: {_count(obj[k])} beside the conversation, and this trainer is text-only (the replies "
@@ -273,23 +283,25 @@ def normalize(obj: dict) -> tuple[str, list[dict] | tuple[str, str], int]:
         p, c = obj["prompt"], obj["completion"]
         if isinstance(p, str) and isinstance(c, str):
             if system:
-                raise RowError("system beside a text prompt / completion, which no template renders: put it in the "
-                               "prompt, or give prompt and completion as message lists")
+                raise RowError(f"{system_key} beside a text prompt / completion, which no template renders: put it in "
+                               "the prompt, or give prompt and completion as message lists")
+            _checked([{"role": "user", "content": p}, {"role": "assistant", "content": c}], obj, fmt)
             return "text_pair", (p, c), 0
         if isinstance(p, list) and isinstance(c, list):
             msgs = _with_system([message(m, i) for i, m in enumerate(p + c)], system)
-            return "chat", _checked(msgs), len(msgs) - len(c)
+            return "chat", _checked(msgs, obj, fmt), len(msgs) - len(c)
         raise RowError("prompt/completion: expected two strings or two lists of messages, got "
                        f"{type(p).__name__} and {type(c).__name__}")
     if fmt == "messages":
         msgs = _listed(obj["messages"], "messages")
         if not isinstance(msgs, list):
             raise RowError(f"messages: expected a list, got {type(obj['messages']).__name__}")
-        return "chat", _checked(_with_system([message(m, i) for i, m in enumerate(msgs)], system)), 0
+        return "chat", _checked(_with_system([message(m, i) for i, m in enumerate(msgs)], system), obj, fmt), 0
     if fmt == "conversations":
-        return "chat", _checked(_with_system(_sharegpt(_listed(obj["conversations"], "conversations")), system)), 0
+        conv = _sharegpt(_listed(obj["conversations"], "conversations"))
+        return "chat", _checked(_with_system(conv, system), obj, fmt), 0
     if fmt == "alpaca":
-        return "chat", _checked(_with_system(_alpaca(obj), system)), 0
+        return "chat", _checked(_with_system(_alpaca(obj), system), obj, fmt), 0
     raise RowError(f"not a chat row: expected one of {list(CHAT_KEYS)} (prompt with completion, instruction with "
                    f"output), got keys {sorted(obj)}")
 
@@ -332,15 +344,21 @@ def _alpaca(obj: dict) -> list[dict]:
     return msgs + [{"role": "user", "content": query}, {"role": "assistant", "content": parts["output"] or ""}]
 
 
-def _system(obj: dict) -> str | None:
-    """A row's top-level `system` (LLaMA-Factory's ShareGPT and Alpaca column: the system prompt beside the turns);
-    None where it has none (null or empty)."""
-    v = obj.get("system")
-    if v is None or isinstance(v, str) and not v.strip():
-        return None
-    if not isinstance(v, str):
-        raise RowError(f"system: expected the system prompt as a string, got {type(v).__name__}")
-    return v
+def _system(obj: dict) -> tuple[str | None, str]:
+    """A row's top-level system prompt and the key it came from: `system` (LLaMA-Factory's ShareGPT and Alpaca column)
+    or `system_prompt` (OpenHermes', ultrachat_de's, Nemotron's name: before, dropped without a word); None where it
+    has none (null or empty). Both given with two texts: refused (which is meant?)."""
+    given = {}
+    for k in SYSTEM_KEYS:
+        v = obj.get(k)
+        if v is None or isinstance(v, str) and not v.strip():
+            continue
+        if not isinstance(v, str):
+            raise RowError(f"{k}: expected the system prompt as a string, got {type(v).__name__}")
+        given[k] = v
+    if len({v.strip() for v in given.values()}) > 1:
+        raise RowError("a top-level system and system_prompt of two texts: which is meant? Keep one")
+    return next(iter(given.values()), None), next(iter(given), "system")
 
 
 def _with_system(msgs: list[dict], system: str | None) -> list[dict]:
@@ -370,10 +388,34 @@ def _listed(value, key: str):
     return value
 
 
-def _checked(msgs: list[dict]) -> list[dict]:
+def _checked(msgs: list[dict], obj: dict, fmt: str) -> list[dict]:
+    """The conversation, if it has a reply to train and the row holds no context or reply beside it that is not read
+    (UNREAD: ChatQA's `document` and `answers` beside a history ending with the user's question trained only the
+    history's reply, without a word); a key whose text the conversation holds (ultrachat_de's and Magpie's `response`,
+    the last reply's copy) is no loss. Cost: a string comparison per key and message, a row's own size."""
+    unread = [k for k in UNREAD if k not in OWN.get(fmt, ()) and not _carried(obj.get(k), k in CONTEXT, msgs)]
+    beside = f"{', '.join(map(repr, unread))} beside the {fmt} {'is' if len(unread) == 1 else 'are'} not read here"
+    fix = "put the document in the user turn and the answer as the last assistant turn (docs/sft.md)"
     if not any(m["role"] == "assistant" for m in msgs):
-        raise RowError("no assistant turn: nothing to train on")
+        raise RowError("no assistant turn: nothing to train on" + (f" ({beside}: {fix})" if unread else ""))
+    if unread:
+        raise RowError(f"{beside} (a context or reply the conversation does not hold: it would be dropped, the row "
+                       f"trained without it): {fix}")
     return msgs
+
+
+def _carried(value, context: bool, msgs: list[dict]) -> bool:
+    """Whether an UNREAD key's value is nothing (null, empty, not text) or text the conversation holds: a context
+    inside a message, a reply as an assistant message (a message list's contents, a passage list's texts, each)."""
+    value = value.tolist() if hasattr(value, "tolist") and not isinstance(value, list | str) else value
+    texts = [value] if isinstance(value, str) else value if isinstance(value, list) else []
+    texts = [t.get("content", t.get("text")) if isinstance(t, dict) else t for t in texts]
+    if any(not isinstance(t, str) for t in texts):
+        return False
+    texts = [t.strip() for t in texts if t.strip()]
+    if context:
+        return all(any(t in m["content"] for m in msgs) for t in texts)
+    return all(any(t == m["content"].strip() for m in msgs if m["role"] == "assistant") for t in texts)
 
 
 def empty_reply(msg: dict) -> bool:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from base.log import cause, print0
 from base.run_lock import LOCK
 from data.chat import row_format
-from data.chat_rows import without_nulls
+from data.chat_rows import UNREAD, without_nulls
 from data.jsonl import (
     COMPRESSED,
     NOT_DATA,
@@ -376,11 +376,12 @@ def _rows(unit: Unit, fields: Fields, start: int, batch_rows: int) -> Iterator[t
 
 CHAT_COLUMNS = (("messages",), ("conversations",), ("prompt", "completion"), ("instruction", "output"))  # data/chat.py's
 # row formats
-CHAT_EXTRAS = ("tools", "system", "input", "history", "chat_template_kwargs", "label", "functions", "images", "image",
-               "videos", "audios")  # carried with a chat row when the table has them (data/chat_tools.py reads the
-# tools, data/chat_rows.py the system prompt, an Alpaca row's input and history, and refuses a KTO row's label, a legacy
-# functions list and a filled media column (chat_rows.MEDIA: a text-only trainer; a media column's bytes are read only
-# as far as the first filled row, which refuses the preparation); data/chat_template.py the template's arguments)
+CHAT_EXTRAS = ("tools", "system", "system_prompt", "input", "history", "chat_template_kwargs", "label", "functions",
+               "images", "image", "videos", "audios") + UNREAD  # carried with a chat row when the table has them
+# (data/chat_tools.py reads the tools, data/chat_rows.py the system prompt, an Alpaca row's input and history, and
+# refuses a KTO row's label, a legacy functions list, a filled media column (chat_rows.MEDIA: a text-only trainer; a
+# media column's bytes are read only as far as the first filled row, which refuses the preparation) and a context or
+# reply it does not read (chat_rows.UNREAD: ChatQA's document, answers); data/chat_template.py the template's arguments)
 
 
 TEXT_BESIDE = "text\x00"  # marks a table's text column carried beside its chat columns (not a column name)
@@ -391,9 +392,13 @@ def _columns(unit: Unit, names: list[str], fields: Fields) -> tuple[str | tuple[
     chat columns (pandas' to_parquet of mixed text and chat rows: each row fills one, the other null) carries both:
     each row is the one it fills; a row filling both is a bad row (which is meant?)."""
     value = fields.text if fields.text in names else fields.ids if fields.ids in names else None
-    chat = next((c for c in CHAT_COLUMNS if all(n in names for n in c)), None)
+    # every chat format's columns the table has, each row read as the one it fills (row_format), as JSONL's rows are: a
+    # table mixing formats (pandas' to_parquet of tulu, Alpaca and ShareGPT rows) had only the first format's read, the
+    # other rows refused as "not a chat row"
+    chat = tuple(dict.fromkeys(n for c in CHAT_COLUMNS if all(n in names for n in c) for n in c)) or None
     if chat is not None:
-        value = chat + tuple(c for c in CHAT_EXTRAS if c in names) + ((TEXT_BESIDE + value,) if value else ())
+        value = chat + tuple(c for c in CHAT_EXTRAS if c in names and c not in chat) + (
+            (TEXT_BESIDE + value,) if value else ())
     labels = "labels" if value == fields.ids and chat is None and "labels" in names else None  # checked row by row
     if value is None:
         raise ValueError(f"{unit.path}: no column {fields.text!r} (--text_field), {fields.ids!r} (--ids_field), "
@@ -417,9 +422,10 @@ def _columnar(batch: dict, cols: tuple, row: int, start: int, path: str) -> Iter
         if row + i >= start:
             if chat:  # a chat row travels as the dict data/chat.py reads
                 v = {c.removeprefix(TEXT_BESIDE): batch[c.removeprefix(TEXT_BESIDE)][i] for c in cols[0]}
-                text = next((v.pop(c.removeprefix(TEXT_BESIDE)) for c in cols[0] if c.startswith(TEXT_BESIDE)), None)
+                name = next((c.removeprefix(TEXT_BESIDE) for c in cols[0] if c.startswith(TEXT_BESIDE)), None)
+                text = v.pop(name) if name else None
                 if text is not None:  # the row's text, beside chat columns: a text row, unless it fills those too
-                    v = {**v, TEXT_BESIDE: True} if row_format(v) else text
+                    v = {**v, name: text, TEXT_BESIDE: True} if row_format(v) else text
                     if not isinstance(v, dict):
                         yield row + i, (v, str(sources[i]) if sources is not None and sources[i] is not None else None)
                         continue

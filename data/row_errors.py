@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 from data.chat import row_format
@@ -29,8 +30,13 @@ def labelled(ids: str) -> str:
 
 
 def both(fields, row: dict) -> str:
+    """A row with a text (or ids) field and a chat field: the way out named (tatsu-lab/alpaca ships a pre-rendered
+    `text` beside instruction / output: every row was refused and no flag named). A field name the rows lack reads
+    none: `--text_field none` reads every row's chat fields."""
+    flag = "--text_field" if fields.text in row else "--ids_field"
     return (f"both {fields.text!r} / {fields.ids!r} and a chat field ({row_format(row)}): which is meant? Keep one "
-            "(read as text, every token of the row would be trained)")
+            f"(read as text, every token of the row would be trained); to read every row's chat fields and not its "
+            f"text: {flag} none")
 
 
 def elsewhere(fields, obj: dict) -> str:
@@ -39,5 +45,33 @@ def elsewhere(fields, obj: dict) -> str:
     if nested:
         return f": nested fields are not read ({nested[0]!r} holds an object, keys {sorted(obj[nested[0]])[:8]}); flatten " \
             "the rows (the text a top-level string field)"
+    chat = chat_like(obj)
+    if chat:  # its longest string named as the text trained garbage: lmsys' conversation_id, OpenOrca's system_prompt
+        return f": a chat dataset in a format not read here ({chat}): convert its rows to `messages` (docs/sft.md)"
     names = sorted((k for k, v in obj.items() if isinstance(v, str) and k != fields.source), key=lambda k: -len(obj[k]))
     return f": string fields here: {names[:5]}; name the one with the text: --text_field {names[0]}" if names else ""
+
+
+PROMPTS = ("question", "query", "prompt", "instruction", "problem")  # a question / answer layout's names: a row
+REPLIES = ("response", "answer", "answers", "output", "chat", "completion", "solution")  # holding one of them (a
+BESIDE = ("system", "system_prompt", "input", "context", "document")  # reply's with one more) is no corpus row
+
+
+def chat_like(obj: dict) -> str | None:
+    """Where a row of no format read here holds a conversation (None for a corpus row: The Stack's `content`): a
+    field of {role, content} / {from, value} turns (lmsys-chat-1m's `conversation`, Nemotron's `input`), or a
+    question / answer layout (OpenOrca's question / response, xLAM's query / answers, glaive's system / chat)."""
+    for k, v in obj.items():
+        if isinstance(v, str) and v.lstrip().startswith("[{"):
+            try:
+                v = json.loads(v)
+            except ValueError:
+                continue
+        if isinstance(v, list) and v and all(isinstance(t, dict) for t in v) and any(
+                {"role", "content"} <= set(t) or {"from", "value"} <= set(t) for t in v):
+            return f"its turns in {k!r}"
+    filled = [k for k in PROMPTS + REPLIES + BESIDE if isinstance(obj.get(k), str | list) and obj[k]]
+    asks = [k for k in filled if k in PROMPTS]
+    if asks or len(filled) > 1 and any(k in REPLIES for k in filled):
+        return f"fields {filled}"
+    return None
