@@ -14,19 +14,27 @@ the control tokens right after it up to one generation stops on (`through_stop`)
 never learned to stop). The stops are the model's generation_config.json `eos_token_id` beside the tokenizer; without
 one, the tokenizer's EOS (what `generate()` falls back on through the model's config; R7B's tokenizer alone: its
 `<|END_OF_TURN_TOKEN|>`). An end-of-turn that is a stop, or followed by text or by control tokens reaching none
-(gpt-oss's history `<|end|><|start|>assistant`), ends the reply as before. Cost: a few token comparisons per turn.
+(gpt-oss's history `<|end|><|start|>assistant`), ends the reply as before. A reply whose end-of-turn the template
+writes only when a message follows ends at the one the conversation goes on with past blanks (Apriel-1.6's
+`reply\n<|end|>\n`: it was trained as `reply`, no stop, uncounted); none there, it is a turn not trained, counted.
+Cost: a few token comparisons per turn.
 """
 
 from __future__ import annotations
+
+import json
+import re
 
 import numpy as np
 
 from data.chat_rows import RowError
 from data.chat_rows import unicode_form as _nf
+from data.chat_template import reads
 from data.chat_tools import call_name
 from data.chat_views import Renders, View
 
 _ASK = [{"role": "user", "content": "Probe question one?"}]  # data/chat.py's probe, its first message
+SWITCHES = ("enable_thinking", "thinking", "reasoning")  # the names templates read their thinking switch by
 
 
 def lcp(a: list[int], b: list[int]) -> int:
@@ -108,6 +116,54 @@ def thinks(enc) -> bool:
     return enc._thinking
 
 
+def opens_thinking(enc, conv: list[dict], k: int, tools: list | None = None) -> str | None:
+    """Why turn k is not found where the generation prompt opens a thinking block (a tag holding `think`) that the
+    history does not write before this reply: Cohere2MoE's prompt `<|START_THINKING|>` (`<|START_THINKING|><|END_THINKING|>`
+    with reasoning false), the history nothing for a reply without reasoning; DeepSeek-V3.2's `<think></think>`, the
+    history `</think>`. None where that is not so. Read only for a turn not found: three renders up to it."""
+    try:
+        tag = _unwritten(*(enc._text(conv[:n], g, tools) for n, g in ((k, False), (k, True), (k + 1, False))))
+    except RowError:
+        return None
+    if tag is None:
+        return None
+    hint, off = switch(enc), [n for n in SWITCHES if enc._row_kw.get(n) is False]
+    hint = f", or set chat_template_kwargs {hint}, with which its prompt is what the history writes" if hint else ""
+    off = f" and drop chat_template_kwargs {off[0]}: false (with it the prompt closes the block empty)" if off else ""
+    return (f"message {k}: the template's generation prompt opens a thinking block ({tag}) that the history does not "
+            f"write before this reply: give the reply's reasoning (reasoning_content){off}{hint}")
+
+
+def _unwritten(before: str, head: str, turn: str) -> str | None:
+    """The thinking tag the generation prompt (`head` past `before`) writes and the turn (`turn` past `before`) does not."""
+    tag = re.search(r"<[^<>]*think[^<>]*>", head[len(before):] if head.startswith(before) else head, re.IGNORECASE)
+    if tag is None or tag.group(0) in (turn[len(before):] if turn.startswith(before) else turn):
+        return None
+    return tag.group(0)
+
+
+def switch(enc) -> str:
+    """`{"name": value}`: the template's thinking switch (SWITCHES, where it reads one) set so that its prompt opens no
+    thinking block a reply without reasoning does not write (DeepSeek-V3.2's `thinking: true`: `<think>` in both); ""
+    where none does (Cohere2MoE's `reasoning` either way writes `<|START_THINKING|>`, its history nothing) or the row
+    sets it already. Read once per encoder, on a probe."""
+    if (hit := getattr(enc, "_switch", None)) is None:
+        hit, conv = "", [*_ASK, {"role": "assistant", "content": "Probe answer."}]
+        for name in [n for n in SWITCHES if n in (reads(enc.template or "") or ())]:
+            for v in (True, False):
+                try:
+                    texts = [enc._text(conv[:n], g, **{name: v}) for n, g in ((1, False), (1, True), (2, False))]
+                except RowError:
+                    continue
+                if texts[1] != texts[0] and _unwritten(*texts) is None:
+                    hit = json.dumps({name: v})
+                    break
+            if hit:
+                break
+        enc._switch = hit
+    return "" if hit and json.loads(hit).items() <= enc._row_kw.items() else hit
+
+
 def starts(enc, full: list[int], a: int, msg: dict) -> bool:
     """Whether the reply's text starts at `a`: nothing but blanks between."""
     want = _nf(reply(msg))[:16]  # cut after the normal form: a cut between a letter and its mark never matches
@@ -160,11 +216,11 @@ def locate(enc, conv: list[dict], wanted: list[int], tools: list | None = None) 
             continue
         a = header_end(enc, conv, k, head, r)
         if a is None:
-            why[k] = (f"message {k}: the conversation does not go on from the messages before it with the "
-                      "template's assistant header: the template renders earlier messages differently once a "
-                      "reply follows (Mistral v0.3 drops a system prompt unless a user turn is last: put it in "
-                      "the first user turn) or writes text after the last message (Command-R's tool_use: use "
-                      "its `default`)")
+            why[k] = opens_thinking(enc, conv, k, tools) or (
+                f"message {k}: the conversation does not go on from the messages before it with the template's "
+                "assistant header: the template renders earlier messages differently once a reply follows (Mistral "
+                "v0.3 drops a system prompt unless a user turn is last: put it in the first user turn) or writes text "
+                "after the last message (Command-R's tool_use: use its `default`)")
             continue
         prefix = turn.lcp(arr) == len(turn)
         tail = turn.slice(a, len(turn))
@@ -174,9 +230,16 @@ def locate(enc, conv: list[dict], wanted: list[int], tools: list | None = None) 
             continue
         end = reply_end(enc, full, arr, a, len(turn) + (0 if prefix else 1), msg)
         if end is None and prefix and len(turn) < len(full) and tail and tail[-1] not in enc.special:
-            # the turn alone ends in its text, the conversation goes on with an end-of-turn token: written only
-            # when a message follows (Qwen1.5), it is this reply's end
-            end = reply_end(enc, full, arr, a, len(turn) + 1, msg)
+            # the turn alone ends in its text, the conversation goes on with an end-of-turn token, maybe behind
+            # blanks (Apriel-1.6's `\n<|end|>\n`): written only when a message follows (Qwen1.5), it is this
+            # reply's end. None there: the reply would train with no stop (the model never learns to end a turn)
+            end = reply_end(enc, full, arr, a, past_blanks(enc, full, len(turn)) + 1, msg)
+            if end is None:
+                eot = enc.tok.hf.convert_ids_to_tokens(enc.eot.tolist())
+                why[k] = (f"message {k}: the template writes no end-of-turn token {eot} after it (it goes on "
+                          f"{enc.tok.hf.decode(full[len(turn):len(turn) + 4])!r:.40}), so it would train with no "
+                          "stop: use a template that ends every reply")
+                continue
         if end is None and prefix:  # a turn ended by another control token (gpt-oss's <|call|>); else, a last
             # reply the template ends with nothing (GLM's: a control token of its reasoning is no end)
             end = next((e for e in (trim(enc, tail, a, len(turn)), len(turn)) if shows(enc, full, a, e, msg)),
@@ -196,6 +259,15 @@ def reply_end(enc, full: list[int], arr: np.ndarray, a: int, bound: int, msg: di
         if shows(enc, full, a, i + 1, msg):
             return through_stop(enc, full, i + 1)
     return None
+
+
+def past_blanks(enc, ids: list[int], e: int, most: int = 4) -> int:
+    """The first position at or after `e` whose token is not blanks alone (at most `most` further): where an
+    end-of-turn written after a newline (Apriel-1.6's `reply\n<|end|>`) is, as data/chat_ends.probe_ends reads it."""
+    j = e
+    while j < min(e + most, len(ids)) and ids[j] not in enc.special and enc.tok.hf.decode(ids[j:j + 1]).isspace():
+        j += 1
+    return j
 
 
 def through_stop(enc, ids: list[int], e: int) -> int:

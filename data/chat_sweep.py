@@ -7,8 +7,11 @@ renders, with `{% generation %}` around what the model writes after its generati
 reasoning and tool calls where the family renders them, and its end-of-turn token). The template as the family
 ships it is that text without the markers (the generation-marker family keeps them); the families added in 2026
 (Phi-4, LFM2, GLM-4.6, DeepSeek-V3.1, Llama 4, Qwen3-Coder, Gemma 4, Seed-OSS, Phi-4-reasoning, Mistral Small 3.2,
-Granite 4.0, MiniMax-M2, Nemotron Nano v2, Apertus, Command R7B's two named templates, `files`) keep the template byte for byte and a marked copy beside it (`oracle`; Phi-4-reasoning ships its markers, its own), held to the same render by the ids check below. A small byte-level BPE
-tokenizer gets the family's control tokens (as single special tokens) and its plain added tokens.
+Granite 4.0, MiniMax-M2, Nemotron Nano v2, Apertus, Command R7B's two named templates, `files`; Apriel-1.6, rendered
+with and without its `training_prompt` switch, `kwargs`: the row's chat_template_kwargs) keep the template byte for byte
+and a marked copy beside it (`oracle`; Phi-4-reasoning ships its markers, its own), held to the same render by the
+ids check below. A small byte-level BPE tokenizer gets the family's control tokens (as single special tokens) and its
+plain added tokens.
 
 For each family and each kind of conversation (CASES) data/chat.py's ChatEncoder encodes the row through the
 shipped template, and Hugging Face's own assistant mask of the marked template is the oracle. The property:
@@ -202,18 +205,21 @@ def native(conv: list[dict], fam: dict) -> list[dict]:
 
 
 def check(enc: ChatEncoder, oracle_template: str, conv: list[dict], tools: list | None = None,
-          oracle_conv: list[dict] | None = None) -> str:
-    """One family x one conversation (with the row's `tools`): `trains`, `trains k of n: why`, `refused: why` or
-    `WRONG: what`. The oracle renders `oracle_conv` (conv with its tool-call arguments in the template's form)."""
+          oracle_conv: list[dict] | None = None, kwargs: dict | None = None) -> str:
+    """One family x one conversation (with the row's `tools` and `chat_template_kwargs`): `trains`, `trains k of n:
+    why`, `refused: why` or `WRONG: what`. The oracle renders `oracle_conv` (conv with its tool-call arguments in the
+    template's form)."""
     hf = enc.tok.hf
+    row = {"messages": conv, **({"tools": tools} if tools is not None else {}),
+           **({"chat_template_kwargs": kwargs} if kwargs else {})}
     try:
-        ids, mask, stats = enc.encode({"messages": conv} if tools is None else {"messages": conv, "tools": tools})
+        ids, mask, stats = enc.encode(row)
     except RowError as e:
         msg = str(e)
         return f"WRONG: a refusal of {len(msg.splitlines())} lines" if "\n" in msg else f"refused: {msg}"
     try:
         out = hf.apply_chat_template(oracle_conv or conv, tools=tools, chat_template=oracle_template, tokenize=True,
-                                     return_dict=True, return_assistant_tokens_mask=True)
+                                     return_dict=True, return_assistant_tokens_mask=True, **(kwargs or {}))
     except Exception as e:  # noqa: BLE001 (the template's own refusal, which the encoder should have passed on)
         return f"WRONG: trained a conversation the template refuses ({str(e).splitlines()[0][:80]})"
     if list(out["input_ids"]) != list(ids):
@@ -277,7 +283,8 @@ def sweep(root: str | None = None, only: list[str] | None = None) -> dict[str, d
                 continue
             conv = [{**m, "content": m["content"].replace("{eot}", fam["eot"])} for m in conv]
             tools = TOOLS.get(case) or (TOOLS["tool list"] if fam.get("tools") == "always" else None)
-            row[case] = check(enc, oracle, conv, tools, native(conv, fam)).replace(os.path.join(root, ""), "")
+            row[case] = check(enc, oracle, conv, tools, native(conv, fam), fam.get("kwargs")).replace(
+                os.path.join(root, ""), "")
         table[key] = row
     return table
 

@@ -23,13 +23,14 @@ def cache_key(files: list[str], tokenizer_path: str | None, model_vocab: int) ->
     """What a cached token stream or in-job prepared folder (data/prepare.py) is derived from: each input file
     (path, size, mtime), the tokenizer's content (a HF folder rewritten in place keeps its own size and mtime) and
     the vocabulary its token ids were checked against."""
-    h = hashlib.sha256(f"{model_vocab}:bos2:chat7:eos2:doc6".encode())
-    # :bos2: text documents start with the tokenizer's BOS, once where the text writes its own; :chat7: chat rows
+    h = hashlib.sha256(f"{model_vocab}:bos2:chat8:eos2:doc6".encode())
+    # :bos2: text documents start with the tokenizer's BOS, once where the text writes its own; :chat8: chat rows
     # encoded by today's rules (a reply's weight, reasoning a template drops, a top-level system, a prompt / completion of strings with the BOS; the ChatML default rendered
     # as served, a `reasoning` field, JSON-text arguments as the object; chat5: an empty tool list as none, bare tool
     # definitions wrapped as OpenAI's, LLaMA-Factory v1's loss_weight and `value` text parts; chat6: a reply trained
     # through its stop (Command R7B), Anthropic / MCP / flat tool definitions in OpenAI's form; chat7: a top-level
-    # `system_prompt` (OpenHermes', ultrachat_de's) is the system turn, a chat6 cache dropped it); :eos2: no second EOS
+    # `system_prompt` (OpenHermes', ultrachat_de's) is the system turn, a chat6 cache dropped it; chat8: an earlier
+    # reply's end-of-turn behind a newline is trained with it (Apriel-1.6), one with no end-of-turn is not trained); :eos2: no second EOS
     # after a document that ends with its own (a stream, or a folder prepare_data wrote before 2026-11-30, had two);
     # :doc3: a text document ends with its family's end-of-text token where the EOS is a chat end-of-turn, special-token
     # strings in a text are text, a blank text is dropped, pre-tokenized ids get the BOS a text gets; :doc4: a text that

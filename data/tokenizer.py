@@ -46,12 +46,14 @@ END_OF_TEXT = {"<|eot_id|>": ("<|end_of_text|>",), "<|im_end|>": ("<|endoftext|>
 # <|header_start|> (llama4), <start_of_turn> (gemma2/3), <|turn> (gemma4), <|system|> / <|user|> (phi3, phi4_mini),
 # [INST] / [AVAILABLE_TOOLS] (mistral_v03), [SYSTEM_PROMPT] (mistral_small32), <|start|> (gpt_oss),
 # <|START_OF_TURN_TOKEN|> (command_r, command_r7b), <|start_of_role|> (granite3/4), <｜User｜> (deepseek_v3/v31),
-# [gMASK] (glm46/47), ]~b] (minimax_m2), <SPECIAL_10> (nemotron_nano2), <|system_start|> (apertus). Not here: Llama 2 /
+# [gMASK] (glm46/47), ]~b] (minimax_m2), <SPECIAL_10> (nemotron_nano2), <|system_start|> (apertus), <|begin_system|>
+# (apriel16: it always writes a system turn first). Not here: Llama 2 /
 # Mistral v0.1-v0.2 / Vicuna / Zephyr / OLMo 2 (turns in plain text: [INST], <|user|> are not special there),
 # Seed-OSS (<seed:bos> is its BOS, then `user`), DeepSeek with a system prompt first (plain text after the BOS).
 TURN_STARTS = ("<|im_start|>", "<|start_header_id|>", "<|header_start|>", "<start_of_turn>", "<|turn>", "<|system|>",
                "<|user|>", "[INST]", "[AVAILABLE_TOOLS]", "[SYSTEM_PROMPT]", "<|start|>", "<|START_OF_TURN_TOKEN|>",
-               "<|start_of_role|>", "<｜User｜>", "[gMASK]", "]~b]", "<SPECIAL_10>", "<|system_start|>")
+               "<|start_of_role|>", "<｜User｜>", "[gMASK]", "]~b]", "<SPECIAL_10>", "<|system_start|>",
+               "<|begin_system|>")
 # --text_specials (data/prepare_args.py): how special-token strings in a text document are read (frame_texts)
 SPECIALS_MODES = ("auto", "text", "parse")
 

@@ -69,3 +69,90 @@ def test_nemotron_nano2_reply_of_calls_alone_is_trained_from_its_first_token(roo
     call, answer = spans("nemotron_nano2", root, CASES[case])
     assert call.startswith('<TOOLCALL>[{"name": "count_words"') and call.endswith("</TOOLCALL>\n<SPECIAL_12>")
     assert answer == "2 words\n<SPECIAL_12>"
+
+
+def _encode(key: str, root: str, conv: list[dict], **kw) -> tuple[list[str], dict]:
+    """The trained spans' texts and the stats of `conv` through family `key` (or a family dict), the row's
+    chat_template_kwargs `kw`."""
+    fam = families()[key] if isinstance(key, str) else key
+    tok = Tokenizer(build_tokenizer(root, key if isinstance(key, str) else fam["key"], fam))
+    ids, mask, stats = ChatEncoder(tok, "assistant").encode({"messages": conv, "chat_template_kwargs": kw})
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])))
+    return [tok.hf.decode(ids[a:b]) for a, b in zip(edges[::2], edges[1::2])], stats
+
+
+def test_an_end_of_turn_behind_a_newline_is_trained_with_its_reply(root):
+    """Apriel-1.6 writes `reply\\n<|end|>\\n` only when a message follows (or with training_prompt): the turn rendered
+    alone ends in its text, and the end-of-turn was looked for one token on, where the `\\n` is: the earlier reply
+    trained as `apple river`, no stop, uncounted. The last reply has none unless the row sets training_prompt:
+    counted (no_stop_rows), as Qwen1.5's."""
+    got, stats = _encode("apriel16", root, CASES["multi-turn"])
+    assert got == ["apple river\n<|end|>", "2 words"] and stats["no_stop_rows"] == 1 and not stats["untrained_turns"]
+    got, stats = _encode("apriel16", root, CASES["multi-turn"], training_prompt=True)
+    assert got == ["apple river\n<|end|>", "2 words\n<|end|>"] and stats["no_stop_rows"] == 0
+
+
+def test_an_earlier_reply_the_template_ends_with_no_end_of_turn_is_counted_not_trained(root, tmp_path):
+    """A template writing its end-of-turn after a reply a user turn follows, and none before a tool result: the reply
+    before the result ends in its text, `\\n<|begin_tool|>` after it; it was trained so (no stop), uncounted."""
+    path = tmp_path / "no_eot_before_tool.jinja"
+    path.write_text("{% for m in messages %}{{ '<|begin_' + m.role + '|>\\n' + m.content }}"
+                    "{% if m.role == 'assistant' and not loop.last and messages[loop.index0 + 1].role == 'user' %}"
+                    "{{ '\\n<|end|>\\n' }}{% else %}{{ '\\n' }}{% endif %}{% endfor %}"
+                    "{% if add_generation_prompt %}{{ '<|begin_assistant|>\\n' }}{% endif %}")
+    fam = {"key": "no_eot_before_tool", "file": str(path), "oracle": str(path), "eos": "<|end|>",
+           "special": ["<|begin_user|>", "<|begin_assistant|>", "<|begin_tool|>", "<|end|>"]}
+    conv = [{"role": "user", "content": "How many words in apple river?"},
+            {"role": "assistant", "content": "Counting them."}, {"role": "tool", "content": "2"},
+            {"role": "assistant", "content": "2 words"}, {"role": "user", "content": "Thanks."},
+            {"role": "assistant", "content": "apple river"}]
+    got, stats = _encode(fam, root, conv)
+    assert got == ["2 words\n<|end|>", "apple river\n"] and stats["untrained_turns"] == 1
+    assert stats["why"] == ["message 1: the template writes no end-of-turn token ['<|end|>'] after it (it goes on "
+                            "'<|begin_tool|>\\n2\\n'), so it would train with no stop: use a template that ends "
+                            "every reply"]
+
+
+def _thinking_family(tmp_path, name: str, text: str) -> dict:
+    path = tmp_path / f"{name}.jinja"
+    path.write_text(text)
+    return {"key": name, "file": str(path), "oracle": str(path), "eos": "<|end|>", "added": ["<think>", "</think>"],
+            "special": ["<|User|>", "<|Assistant|>", "<|end|>", "<|START_THINKING|>", "<|END_THINKING|>",
+                        "<|START_TEXT|>", "<|END_TEXT|>"]}
+
+
+# Cohere2MoE's way (llama.cpp's models/templates/Cohere2MoE.jinja): the prompt opens a thinking block, with `reasoning`
+# false an empty one, and the history writes one only for a reply with reasoning, a reply's text in <|START_TEXT|>
+_COHERE2MOE = ("{% for m in messages %}{% if m.role == 'user' %}<|User|>{{ m.content }}<|end|>{% else %}<|Assistant|>"
+               "{% if m.reasoning_content %}<|START_THINKING|>{{ m.reasoning_content }}<|END_THINKING|>{% endif %}"
+               "<|START_TEXT|>{{ m.content }}<|END_TEXT|><|end|>{% endif %}{% endfor %}{% if add_generation_prompt %}"
+               "<|Assistant|>"
+               "{% if reasoning is not defined or reasoning %}<|START_THINKING|>{% else %}<|START_THINKING|>"
+               "<|END_THINKING|>{% endif %}{% endif %}")
+# DeepSeek-V3.2's way: `thinking` off, the prompt `<think></think>`, the history `</think>`; on, `<think>` in both
+_V32 = ("{% for m in messages %}{% if m.role == 'user' %}<|User|>{{ m.content }}{% else %}<|Assistant|>"
+        "{% if thinking %}<think></think>{% else %}</think>{% endif %}{{ m.content }}<|end|>{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|Assistant|>{% if thinking %}<think>{% else %}<think></think>{% endif %}"
+        "{% endif %}")
+
+
+def test_a_prompt_opening_a_thinking_block_the_history_does_not_write_is_named(root, tmp_path):
+    """The refusal spoke of earlier messages rendered differently (Mistral v0.3's system prompt); it names the
+    thinking block, and the switch with which the prompt is what the history writes, where one is."""
+    from data.chat import RowError
+
+    conv = CASES["multi-turn"][:2]
+    fam = _thinking_family(tmp_path, "cohere2moe_like", _COHERE2MOE)
+    with pytest.raises(RowError, match=r"message 1: the template's generation prompt opens a thinking block "
+                                       r"\(<\|START_THINKING\|>\) that the history does not write before this reply: "
+                                       r"give the reply's reasoning \(reasoning_content\); docs"):
+        _encode(fam, root, conv)
+    with pytest.raises(RowError, match=r"\(reasoning_content\) and drop chat_template_kwargs reasoning: false"):
+        _encode(fam, root, conv, reasoning=False)
+    assert _encode(fam, root, CASES["reasoning"][:2])[0] == [
+        "Two words: apple, river.<|END_THINKING|><|START_TEXT|>apple river<|END_TEXT|><|end|>"]
+    fam = _thinking_family(tmp_path, "v32_like", _V32)
+    with pytest.raises(RowError, match=r"opens a thinking block \(<think>\) .* or set chat_template_kwargs "
+                                       r"\{\"thinking\": true\}, with which its prompt is what the history writes"):
+        _encode(fam, root, conv)
+    assert _encode(fam, root, conv, thinking=True)[0] == ["</think>apple river<|end|>"]

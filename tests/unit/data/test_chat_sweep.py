@@ -161,6 +161,11 @@ def test_every_family_trains_exactly_its_replies_or_is_refused_in_one_line(table
     ("apertus", "tool list", "refused: apertus's template refuses this conversation: 'dict object' has no attribute"),
     ("command_r7b", "multi-turn", "trains"), ("command_r7b", "system", "trains"),
     ("command_r7b_tool_use", "tool call", "trains"), ("command_r7b_tool_use", "tool list", "trains"),
+    # Apriel-1.6 writes `reply\n<|end|>\n` only when a message follows (or with training_prompt true): the earlier reply
+    # was trained without its `\n<|end|>` (WRONG: supervised in part), uncounted; the last one has no stop unless the row
+    # sets training_prompt (counted, no_stop_rows: tests/unit/data/test_chat_locate.py)
+    ("apriel16", "multi-turn", "trains"), ("apriel16", "system", "trains"), ("apriel16_training", "multi-turn", "trains"),
+    ("apriel16", "end-of-turn text in a reply", "trains 1 of 2: message 3: its text holds"),
 ])
 def test_issue_47_cases(table, family, case, want):
     assert table[family][case].startswith(want), table[family][case]
@@ -321,7 +326,8 @@ def test_the_templates_kept_as_shipped_are_the_shipped_text():
     assert as_shipped(fams["llama4"]) == processing_llama4.chat_template
     sizes = {"lfm2": 1349, "glm46": 3374, "deepseek_v31": 3357, "qwen3_coder": 6148, "gemma4": 16448,
              "seed_oss": 7705, "phi4_reasoning": 1658, "mistral_small32": 6704, "granite4": 6418, "minimax_m2": 6482,
-             "nemotron_nano2": 5496, "apertus": 14120, "command_r7b": 12784, "command_r7b_tool_use": 11420}
+             "nemotron_nano2": 5496, "apertus": 14120, "command_r7b": 12784, "command_r7b_tool_use": 11420,
+             "apriel16": 8091}
     assert {k: len(as_shipped(fams[k]).encode()) for k in sizes} == sizes
     assert "{{'<|im_start|>assistant<|im_sep|>' + message['content'] + '<|im_end|>'}}" in as_shipped(fams["phi4"])
 
