@@ -165,16 +165,73 @@ def niah_multivalue(tokenizer, seq_len: int, depth: float, rng: random.Random) -
     return _assemble(tokenizer, seq_len, inserts, question, answer, "niah_multivalue", " ".join(shown))
 
 
+CONSONANTS, VOWELS = "bdfgklmnprstvz", "aeiou"  # a made-up word's syllable: one of each
+
+
+class TooLong(ValueError):
+    """A length past what a task can fill (common_words past its made-up words, ~100M tokens): lower it."""
+
+
 def _made_up_word(rng: random.Random, taken: set) -> str:
-    """A pronounceable word of 3 syllables no other word of the sample has (14 x 5 syllables: 343,000 words)."""
-    while True:
-        word = "".join(rng.choice("bdfgklmnprstvz") + rng.choice("aeiou") for _ in range(3))
+    """A pronounceable word no other word of the sample has: 3 syllables (14 x 5 each: 343,000 words) while that pool
+    has a free one, drawn until an untaken one comes as before (so every sample that finished before is unchanged:
+    ~1.55M tokens with a 128k vocabulary), then 4 syllables (24,010,000 more; the 3-syllable pool ran out at ~1.6M
+    tokens and the loop never ended, silently, on every rank at start-up). `taken` holds only this function's words
+    (its size says which pool is being drawn). TooLong where both are full, or after 64x the draws a free word takes
+    on average (a chance of e^-64 where one is free)."""
+    pool = (len(CONSONANTS) * len(VOWELS)) ** 3
+    syllables, n = (3, len(taken)) if len(taken) < pool else (4, len(taken) - pool)
+    if syllables == 4:
+        pool = (len(CONSONANTS) * len(VOWELS)) ** 4
+    if n >= pool:
+        raise TooLong(f"all {len(taken)} made-up words of 3 and 4 syllables are taken")
+    for _ in range(64 * pool // (pool - n) + 64):
+        word = "".join(rng.choice(CONSONANTS) + rng.choice(VOWELS) for _ in range(syllables))
         if word not in taken:
             taken.add(word)
             return word
+    raise TooLong(f"no free made-up word of {syllables} syllables after {64 * pool // (pool - n) + 64} draws "
+                  f"({n} of {pool} taken)")
+
+
+def _encode_words(tokenizer, words: list[str]) -> list[list[int]]:
+    """`_encode(tokenizer, w)` of each word (no spaces inside) in one encode_batch call where the tokenizer has one:
+    the same ids (Tokenizer.encode_batch is the same encoder, checked on a probe for the Rust path)."""
+    texts = words if _spaced(tokenizer) else [f" {w}" for w in words]
+    batch = getattr(tokenizer, "encode_batch", None)
+    return [list(t) for t in batch(texts)] if batch is not None else [tokenizer.encode(t) for t in texts]
+
+
+def _rare_words(tokenizer, rng: random.Random, taken: set, room: int, ids: dict) -> list[str]:
+    """Rare words, each to be listed CWE_FREQ_RARE times, drawn until the next one would pass `room` tokens (that
+    one drawn too, unlisted), their ids put in `ids`; the rng and `taken` left as drawing them one at a time leaves
+    them. Drawn and encoded in chunks (one encode_batch each: 221,544 words at 1M took 664,661 encode calls, ~17 s of
+    a sample's Python), each chunk ~90% of what the room still holds; the chunk where the room ends is redrawn from
+    its start up to that word (the draws are the rng's, the same again)."""
+    out: list[str] = []
+    per = sum(len(t) for t in ids.values()) / max(1, len(ids))  # tokens per word, from the common words
+    while True:
+        state = rng.getstate()
+        chunk = [_made_up_word(rng, taken) for _ in range(max(16, int(0.9 * room / (CWE_FREQ_RARE * per))))]
+        for i, (word, toks) in enumerate(zip(chunk, _encode_words(tokenizer, chunk))):
+            cost = len(toks) * CWE_FREQ_RARE
+            if cost > room:
+                rng.setstate(state)
+                taken.difference_update(chunk)
+                again = [_made_up_word(rng, taken) for _ in range(i + 1)]
+                assert again == chunk[: i + 1]
+                return out
+            ids[word] = toks
+            out.append(word)
+            room -= cost
+        per = sum(len(ids[w]) for w in chunk) / len(chunk)
 
 
 def common_words(tokenizer, seq_len: int, depth: float, rng: random.Random) -> dict:
+    """The made-up words are 3 syllables up to ~1.55M tokens (128k vocabulary), 4 beyond (`_made_up_word`): every
+    sample that could be built before is the same, ids and rng. Cost of a sample with a 131k-vocabulary tokenizer on
+    a loaded core: 5.5 s at 1M (39 s before: an encode per word and per occurrence), 14 s at 1.6M, 33 s at 2M (most of
+    it drawing the last free 3-syllable words: ~4.4M draws, the price of leaving the shorter samples unchanged)."""
     taken: set = set()
     common = [_made_up_word(rng, taken) for _ in range(CWE_COMMON)]
     intro = _encode(tokenizer, "Below is a list of words. Memorize the ones that appear most often.")
@@ -183,18 +240,17 @@ def common_words(tokenizer, seq_len: int, depth: float, rng: random.Random) -> d
     # the answer's tokens in another order may differ at the joins: 4 tokens of slack (the filler takes them)
     question, answer = _answer(tokenizer, question_text, " ".join(common))
     budget = seq_len - len(question) - len(answer) - 4 - len(_encode(tokenizer, FILLER)) - len(intro)
+    ids = dict(zip(common, _encode_words(tokenizer, common)))
     words = common * CWE_FREQ_COMMON
-    used = sum(len(_encode(tokenizer, w)) for w in words)
-    while True:  # rare words, each CWE_FREQ_RARE times, as many as the length holds
-        word = _made_up_word(rng, taken)
-        cost = len(_encode(tokenizer, word)) * CWE_FREQ_RARE
-        if used + cost > budget:
-            break
-        words += [word] * CWE_FREQ_RARE
-        used += cost
+    used = sum(len(ids[w]) for w in words)
+    try:  # rare words, each CWE_FREQ_RARE times, as many as the length holds
+        rare = _rare_words(tokenizer, rng, taken, budget - used, ids)
+    except TooLong as e:
+        raise TooLong(f"max_seq_length={seq_len} is too long for a common_words trial ({e})") from None
+    words += [w for w in rare for _ in range(CWE_FREQ_RARE)]
     rng.shuffle(words)
     order = sorted(common, key=words.index)
-    listed = intro + [t for w in words for t in _encode(tokenizer, w)]
+    listed = intro + [t for w in words for t in ids[w]]
     question, answer = _answer(tokenizer, question_text, " ".join(order))
     return _assemble(tokenizer, seq_len, [(depth, listed)], question, answer, "common_words", " ".join(order))
 
@@ -277,7 +333,8 @@ def check_tasks(stage, tokenizer) -> dict[str, float]:
         try:
             make_sample(t, tokenizer, stage.max_seq_length, 0.5, random.Random(0))
         except ValueError as e:
-            raise ValueError(f"stage {stage.index} ({stage.name}): {e}: raise max_seq_length or drop {t}") from None
+            fix = "lower" if isinstance(e, TooLong) else "raise"
+            raise ValueError(f"stage {stage.index} ({stage.name}): {e}: {fix} max_seq_length or drop {t}") from None
     return tasks
 
 

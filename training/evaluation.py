@@ -40,10 +40,10 @@ import random
 import numpy as np
 import torch
 
-from base import comm
+from base import comm, progress
 from data.pipeline import heldout_samples
 from data.sharding import collate, shard
-from data.tasks import FILLER, TASKS, chat_sample, make_sample, passkey  # noqa: F401  (FILLER: re-exported, older imports)
+from data.tasks import FILLER, TASKS, TooLong, chat_sample, make_sample, passkey  # noqa: F401  (FILLER: re-exported, older imports)
 from model_utils.tiled_loss import eval_stats
 
 DEFAULT_DEPTHS = [0.1, 0.5, 0.9]
@@ -121,6 +121,9 @@ def check_passkey_fits(stages, tokenizer) -> None:
             for length in lengths:
                 try:
                     make_sample(task, tokenizer, length, 0.5, random.Random(0))
+                except TooLong as err:  # common_words past its made-up words (~100M tokens)
+                    raise ValueError(f"stage {stage.name!r}: {err}: lower eval.lengths or drop {task} from eval.tasks "
+                                     "for this stage") from None
                 except ValueError as err:
                     raise ValueError(f"stage {stage.name!r}: {err}: raise max_seq_length or set eval.passkey_trials: "
                                      "0 (or drop the task from eval.tasks) for this stage") from None
@@ -165,8 +168,13 @@ def task_scores(engine, dims, micro_batch: int, pad_id: int, tokenizer, trials: 
     samples, where = [], []
     for task, n in trials.items():
         for d in depths:  # one seed per question: a stage with other depths or trial counts asks the same ones
-            samples += [trial(task, tokenizer, length, d, random.Random(f"eval:{task}:{length}:{d:g}:{i}"), chat)
-                        for i in range(n)]
+            for i in range(n):
+                samples.append(trial(task, tokenizer, length, d, random.Random(f"eval:{task}:{length}:{d:g}:{i}"), chat))
+                # every trial is built before the first forward (at 1M, common_words' took ~17 s, now a few): the
+                # progress monitor (base/progress.py) saw no tick for all of them, and 25 such trials passed the eval
+                # bound (300 s): a healthy evaluation was aborted as "hung together" and requeued. A tick per trial
+                # (a dict update; nothing outside a run's marks) keeps the bound on the longest single trial
+                progress.tick()
             where += [(task, d)] * n
     stats = sample_stats(engine, samples, dims, micro_batch, pad_id).tolist()
     acc: dict[str, dict[str, float]] = {t: {} for t in trials}
