@@ -8,15 +8,14 @@ The validated tree is saved with every checkpoint (`asdict`).
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
-import json
 import os
 import typing
 from dataclasses import dataclass, field
 
 from training import hf_args
 from training.config_types import check_stages, typed_fields, yaml_flag, yaml_text
+from training.ds_json import _load, _merge, check_sections, sp_sizes  # noqa: F401 (_merge, check_sections: re-exported)
 from training.eval_flags import eval_flags_over_recipe
 from training.eval_settings import run_eval
 
@@ -370,54 +369,7 @@ def to_dict(cfg: Config) -> dict:
 
 
 # --- what the DeepSpeed JSON decides before the process group exists (read here, so config and the DeepSpeed
-# config assembly do not import each other) ---
-
-SP_BLOCK_KEYS = ("enabled", "degree", "size", "sequence_parallel_type")
-
-
-def _merge(base: dict, over: dict) -> dict:
-    out = copy.deepcopy(base)
-    for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
-    return out
-
-
-def _no_repeats(pairs: list) -> dict:
-    keys = [k for k, _ in pairs]
-    twice = sorted({k for k in keys if keys.count(k) > 1})
-    if twice:  # json.load kept the last silently ("gradient_accumulation_steps": "auto", then 4 further down)
-        raise ValueError(f"key(s) {twice} given twice in one object: keep one")
-    return dict(pairs)
-
-
-def _load(path: str) -> dict:
-    """A DeepSpeed JSON (--deepspeed): an object of sections, or one line naming the file and what is wrong."""
-    with open(path) as fh:
-        try:
-            ds = json.load(fh, object_pairs_hook=_no_repeats)  # DeepSpeed's own loader refuses a key given twice
-        except ValueError as e:  # JSONDecodeError: its words name no file
-            raise ValueError(f"--deepspeed {path}: not valid JSON ({e})") from None
-    check_sections(ds, f"--deepspeed {path}")
-    return ds
-
-
-SECTIONS = {"zero_optimization": ("offload_param", "offload_optimizer"), "bf16": (), "fp16": (),
-            "optimizer": ("params",), "scheduler": ("params",)}  # the objects (and objects in them) the code reads
-
-
-def check_sections(ds, where: str) -> None:
-    """A DeepSpeed config (a file, or one merged with a stage's deepspeed_overrides) is an object of sections, each an
-    object: one line naming the value, not an AttributeError inside the fill (`bf16: true` in an override was one)."""
-    bad = "" if isinstance(ds, dict) else f"a {type(ds).__name__}, not an object of sections"
-    for k, inner in SECTIONS.items():
-        if bad or k not in ds:
-            continue
-        v = ds[k]
-        bad = f"{k} is a {type(v).__name__}, not an object" if not isinstance(v, dict) else next(
-            (f"{k}.{i} is a {type(v[i]).__name__}, not an object" for i in inner if i in v and not isinstance(v[i], dict)),
-            "")
-    if bad:
-        raise ValueError(f"{where}: {bad} (ds_configs/ holds examples)")
+# config assembly do not import each other; the file itself is read by training/ds_json.py) ---
 
 
 def no_gpu() -> bool:
@@ -426,49 +378,30 @@ def no_gpu() -> bool:
     return not torch.cuda.is_available() or os.environ.get("DS_ACCELERATOR") == "cpu"
 
 
-def sp_from_block(block, where: str) -> int:
-    """The SP degree a `sequence_parallelism` block asks for (1 when `"enabled": false`)."""
-    if not isinstance(block, dict):
-        raise ValueError(f"{where}: sequence_parallelism must be a mapping like {{\"enabled\": true, \"degree\": 2}}")
-    unknown = sorted(set(block) - set(SP_BLOCK_KEYS))
-    if unknown:
-        raise ValueError(f"{where}: unknown key(s) {unknown} in sequence_parallelism: valid keys are {list(SP_BLOCK_KEYS)}")
-    kind = block.get("sequence_parallel_type", "ulysses")
-    if kind != "ulysses":
-        raise ValueError(f"{where}: sequence_parallelism.sequence_parallel_type {kind!r}: only \"ulysses\" is implemented")
-    if block.get("enabled", True) is False:
-        return 1
-    sizes = {block[k] for k in ("degree", "size") if k in block}
-    if len(sizes) != 1:
-        raise ValueError(f"{where}: sequence_parallelism needs one \"degree\" (got {sorted(map(str, sizes)) or 'none'})")
-    n = sizes.pop()
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"{where}: sequence_parallelism.degree must be an integer >= 1, got {n!r}")
-    return n
-
-
 def settle_from_file(cfg: Config, given: set[str]) -> None:
     """Settings the DeepSpeed JSON decides before the process group exists; `given` are the keys the flags or the
-    recipe set. Fills cfg in place (SP degree, fp16) and checks precision; one-line ValueError otherwise."""
+    recipe set. Fills cfg in place (SP degree, micro batch, accumulation, fp16, bf16) where no flag or recipe key
+    set them and checks precision; one-line ValueError otherwise."""
     ds = _load(cfg.deepspeed)
-    if "sequence_parallelism" in ds:
-        n = sp_from_block(ds["sequence_parallelism"], cfg.deepspeed)
+    for n, what in sp_sizes(ds, cfg.deepspeed):  # the seed guide's block, DeepSpeed's own key (ALST tutorial)
         if "sequence_parallel_size" not in given:
             cfg.sequence_parallel_size = n
         elif cfg.sequence_parallel_size != n:
             raise ValueError(f"--sequence_parallel_size {cfg.sequence_parallel_size} contradicts {cfg.deepspeed} "
-                             f"sequence_parallelism degree {n}: drop one of them or make them agree")
+                             f"{what} {n}: drop one of them or make them agree")
         for i, s in enumerate(cfg.stages):
             if s.sequence_parallel_size not in (None, n):
                 raise ValueError(f"stages[{i}] sets sequence_parallel_size {s.sequence_parallel_size} but "
-                                 f"{cfg.deepspeed} sequence_parallelism degree is {n}: remove the block (stages set "
-                                 "their own SP) or make them agree")
+                                 f"{cfg.deepspeed} {what} is {n}: remove it from the JSON (stages set their own SP) "
+                                 "or make them agree")
     for key, name in (("gradient_accumulation_steps", "gradient_accumulation_steps"),
                       ("train_micro_batch_size_per_gpu", "per_device_train_batch_size")):
         if isinstance(ds.get(key), int) and not isinstance(ds[key], bool) and name not in given:
             setattr(cfg, name, ds[key])  # the JSON's own value where no flag set it (a contradiction: ds_config.py)
     if ds.get("fp16", {}).get("enabled") is True and "fp16" not in given:
         cfg.fp16 = True  # the JSON asks for fp16 and no flag said otherwise
+    if ds.get("bf16", {}).get("enabled") is True and "bf16" not in given and not cfg.fp16:
+        cfg.bf16 = True  # likewise bf16 (a CPU --dry_run planning a GPU run defaulted to fp32 and refused it)
     if cfg.fp16 and cfg.bf16 is None:
         cfg.bf16 = False
     check_precision(cfg, bf16=bool(cfg.bf16), planning=cfg.dry_run)

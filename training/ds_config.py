@@ -19,13 +19,25 @@ Configs as users have them (e.g. Hugging Face's ZeRO-3 example, `ds_configs/hf_z
 - a top-level `sequence_parallelism` block (`{"enabled": true, "degree": N, "sequence_parallel_type":
   "ulysses"}`) sets the SP degree when flags and recipe left it unset and must agree with them otherwise
   (`settle_from_file`, called by config.parse_config before any process group); it never reaches DeepSpeed.
+  DeepSpeed's own top-level `sequence_parallel_size` (the ALST tutorial's) is taken the same way, as are the JSON's
+  concrete micro batch, accumulation and `fp16`/`bf16` `"enabled": true` where no flag set them.
+- the legacy `"bfloat16"` section is read as `"bf16"` (training/ds_json.py; both, differing: one line).
+- refused in one line at start (`validate`): a `wandb` or `comet` monitor block (DeepSpeed's monitor logs beside the
+  run's own W&B at the sample count: `--report_to wandb --wandb_project NAME`; tensorboard and csv_monitor stay);
+  ZeRO++ `zero_hpz_partition_size` > 1 (a process-wide group DeepSpeed makes once: the second stage's engine fails;
+  the memory plan has no secondary partition). `zero_quantized_weights`/`_gradients` pass to DeepSpeed.
+- `checkpoint.load_universal` is dropped with one note: training/restore.py loads as universal exactly when the
+  checkpoint's world differs.
+- under bf16/fp16, `data_types.grad_accum_dtype` is fp32 unless the JSON names one (see build_ds_config).
 
 Settings per accelerator (decided in `build_ds_config`, nowhere else): `zero_optimization.overlap_comm: "auto"`
 (ds_configs/zero3*.json) is true on a GPU, where ZeRO-3's gradient reduce-scatter and parameter all-gathers run
 on their own CUDA streams behind the compute (DeepSpeed's own ZeRO-3 default), and false on the CPU accelerator,
 which has no side streams to overlap on. The buckets follow DeepSpeed's / Hugging Face's ZeRO-3 recommendations
-for both: reduce_bucket_size h^2, stage3_prefetch_bucket_size 0.9 h^2, stage3_param_persistence_threshold 10 h.
-A concrete value in the JSON is kept.
+for both: reduce_bucket_size h^2, stage3_prefetch_bucket_size 0.9 h^2, stage3_param_persistence_threshold 10 h (also
+under DeepSpeed's field names prefetch_bucket_size / param_persistence_threshold). A concrete value in the JSON is
+kept. ("auto" for other keys, e.g. stage3_max_live_parameters, is refused as not derived: nothing here, nor in the
+Hugging Face Trainer, derives them.)
 """
 
 from __future__ import annotations
@@ -33,10 +45,17 @@ from __future__ import annotations
 from base.log import print0
 from base.parallel import ParallelDims
 from training.config import Config, _load, _merge, check_precision, check_sections, no_gpu
+from training.ds_json import renamed
 
 ADAM_BETAS = [0.9, 0.95]  # as ds_configs/*.json; no flag owns them
 ADAM_EPS = 1e-8
 _SAID: set = set()  # the configs whose "auto" betas were said
+
+
+# DeepSpeed's ZeRO-3 settings under both their names (the JSON spelling, and the pydantic field name it aliases in
+# deepspeed/runtime/zero/config.py: Axolotl's zero3_bf16.json writes the latter), filled alike from "auto"
+BUCKET_KEYS = (("stage3_prefetch_bucket_size", "prefetch_bucket_size"),
+               ("stage3_param_persistence_threshold", "param_persistence_threshold"))
 
 
 def _fill(d: dict, path: str, value, source: str) -> None:
@@ -62,7 +81,7 @@ def build_ds_config(cfg: Config, dims: ParallelDims, bf16: bool, hidden_size: in
         if "sequence_parallelism" in overrides:  # read from the file alone (settle_from_file): dropped, unsaid
             raise ValueError(f"deepspeed_overrides: sequence_parallelism {overrides['sequence_parallelism']}: a stage's "
                              "SP degree is its sequence_parallel_size")
-        ds = _merge(ds, overrides)
+        ds = _merge(ds, renamed(dict(overrides), "deepspeed_overrides"))  # the stage's own "bfloat16" is its bf16
         check_sections(ds, f"--deepspeed {cfg.deepspeed} with the stage's deepspeed_overrides")
     check_precision(cfg, bf16, planning)
     ds.pop("sequence_parallelism", None)  # ours, read by settle_from_file; not a DeepSpeed key
@@ -71,6 +90,7 @@ def build_ds_config(cfg: Config, dims: ParallelDims, bf16: bool, hidden_size: in
     if scheduler is not None and not quiet:
         print0(f"warning: {cfg.deepspeed}: its \"scheduler\" block is ignored; this run uses its own per-stage "
                f"schedule ({cfg.lr_scheduler}, warmup {cfg.warmup_steps}, --learning_rate/--min_lr)")
+    _drop_load_universal(ds, cfg.deepspeed, quiet)
     if any((ds.get("activation_checkpointing") or {}).values()):  # read only by deepspeed.checkpointing.checkpoint
         raise ValueError(f"{cfg.deepspeed}: its activation_checkpointing block acts only through "
                          "deepspeed.checkpointing, which this project does not call: checkpoint layers with "
@@ -113,14 +133,22 @@ def build_ds_config(cfg: Config, dims: ParallelDims, bf16: bool, hidden_size: in
         ds["seq_parallel_communication_data_type"] = "fp32"
     if (bf16 or cfg.fp16) and "communication_data_type" not in ds:
         ds["communication_data_type"] = "fp32"
+    # Micro-steps' gradients are summed in grad_accum_dtype, which DeepSpeed takes from the model (bf16) unless
+    # named: ZeRO-3 casts each fp32-reduced bucket back to bf16 and adds the micro-steps in a bf16 buffer (relative
+    # error 4-5e-3 at accumulation 16, 8-9e-3 at 64; ~1e-7 in fp32, measured on DeepSpeed 0.19.8). fp32 costs
+    # +2 B/param/world where the flat gradient buffer lives (the device; the host with the optimizer offloaded):
+    # Llama-3-8B on 32 ranks, +0.5 GB per rank. A JSON that names a dtype keeps it.
+    if (bf16 or cfg.fp16) and (ds.get("data_types") or {}).get("grad_accum_dtype", "auto") == "auto":
+        ds.setdefault("data_types", {})["grad_accum_dtype"] = "fp32"
     zero = ds.get("zero_optimization", {})
     if zero.get("overlap_comm") == "auto":
         zero["overlap_comm"] = not no_gpu()  # see the module docstring: side streams exist on a GPU only
-    for key, value in (("reduce_bucket_size", hidden_size * hidden_size),
-                       ("stage3_prefetch_bucket_size", int(0.9 * hidden_size * hidden_size)),
-                       ("stage3_param_persistence_threshold", 10 * hidden_size)):
-        if zero.get(key) == "auto":
-            zero[key] = value
+    for keys, value in ((("reduce_bucket_size",), hidden_size * hidden_size),
+                        (BUCKET_KEYS[0], int(0.9 * hidden_size * hidden_size)),
+                        (BUCKET_KEYS[1], 10 * hidden_size)):
+        for key in keys:
+            if zero.get(key) == "auto":
+                zero[key] = value
     if zero.get("stage") != 3:
         raise ValueError(f"{cfg.deepspeed}: zero_optimization.stage is {zero.get('stage')!r}; this project needs ZeRO-3 "
                          "(the number 3)")
@@ -129,6 +157,19 @@ def build_ds_config(cfg: Config, dims: ParallelDims, bf16: bool, hidden_size: in
         raise ValueError(f"{cfg.deepspeed}: no value derived for {leftover}; set them explicitly")
     validate(ds, cfg.deepspeed)
     return ds
+
+
+def _drop_load_universal(ds: dict, where: str, quiet: bool) -> None:
+    """`checkpoint.load_universal`: dropped, said once a run. It made every load universal: DeepSpeed then looked for
+    a conversion in a same-world checkpoint and crashed at the first stage change and at every resume. Here a
+    checkpoint of another world size is converted and loaded as universal on its own (training/restore.py)."""
+    block = ds.get("checkpoint")
+    if not isinstance(block, dict) or "load_universal" not in block:
+        return
+    if block.pop("load_universal") and not quiet and ("universal", where) not in _SAID:
+        _SAID.add(("universal", where))
+        print0(f"note: {where}: checkpoint.load_universal is dropped: a checkpoint of another world size is converted "
+               "to DeepSpeed's universal format and loaded as one without it (docs/checkpoints.md)")
 
 
 _SCHEDULER_KEYS = {"warmup_max_lr": ("learning_rate", "--learning_rate"), "warmup_num_steps": ("warmup_steps",
@@ -168,9 +209,10 @@ def validate(ds: dict, where: str) -> None:
     # restates it for one replica, which is what DeepSpeedConfig sees with or without a process group
     probe = {**ds, "train_batch_size": ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]}
     try:
-        DeepSpeedConfig(probe, mpu=_OneReplica())
+        parsed = DeepSpeedConfig(probe, mpu=_OneReplica())
     except (ValueError, AssertionError, TypeError, KeyError, DeepSpeedConfigError) as e:  # the last: removed blocks
         raise ValueError(f"{where}: DeepSpeed rejects the config: {_one_line(e)}") from None  # (sparse_attention)
+    _check_not_per_process(parsed, where)
     zero = ds.get("zero_optimization", {})
     for part in ("offload_param", "offload_optimizer"):  # DeepSpeed's model takes nvme_path None, then zero.Init
         if (zero.get(part) or {}).get("device") == "nvme" and not zero[part].get("nvme_path"):  # asserts on it
@@ -184,6 +226,28 @@ def validate(ds: dict, where: str) -> None:
             raise ValueError(f"{where}: optimizer.type {name!r} is neither a DeepSpeed optimizer "
                              f"({', '.join(DEEPSPEED_OPTIMIZERS)}) nor a torch.optim class: fix the name or drop the "
                              "block (AdamW from the flags)")
+
+
+def _check_not_per_process(parsed, where: str) -> None:
+    """What DeepSpeed sets up once per process, or beside this run's own logging: refused in one line at start
+    (each passed the start-up checks and failed or misled later). This run builds one engine per stage in one
+    process."""
+    monitors = parsed.monitor_config
+    if monitors.wandb.enabled:  # DeepSpeed's WandbMonitor: wandb.init at every engine build, wandb.log(step=samples)
+        raise ValueError(f"{where}: its \"wandb\" monitor block logs DeepSpeed's numbers into this run's W&B run at "
+                         "the sample count (this run's records, at the optimizer step, then fall behind it and W&B "
+                         "drops them) and starts W&B without this run's offline fallback: drop the block and use "
+                         "--report_to wandb --wandb_project NAME (tensorboard and csv_monitor blocks may stay)")
+    if monitors.comet.enabled:  # CometMonitor: comet_ml.start at every engine build, one experiment per stage
+        raise ValueError(f"{where}: its \"comet\" monitor block starts a Comet experiment at every stage's engine "
+                         "build, stepped by samples: drop the block; this run logs to W&B itself: --report_to wandb "
+                         "--wandb_project NAME (tensorboard and csv_monitor blocks may stay)")
+    hpz = parsed.zero_config.zero_hpz_partition_size
+    if hpz > 1:  # groups._create_zero_param_parallel_group asserts it runs once per process
+        raise ValueError(f"{where}: zero_optimization.zero_hpz_partition_size {hpz} (ZeRO++ hpZ) cannot run here: "
+                         "DeepSpeed makes its secondary-partition group once per process and this run builds one "
+                         "engine per stage (the second fails), and the memory plan does not count the secondary "
+                         "copy of the weights: drop it (or 1)")
 
 
 def _one_line(e: Exception) -> str:

@@ -374,8 +374,10 @@ class Restorer:
             progress.mark(None, "build")
             load_dir, files = self._universal(path)
             self._await_files(os.path.join(load_dir, tag), files, f"the universal conversion of {path}")
-            engine._config.load_universal_checkpoint = True
             progress.mark(None, "restore")  # the shards' reads, judged at RESTORE_S (base/progress.py)
+        # universal exactly when converted: set for every load (a JSON's checkpoint.load_universal, now dropped by
+        # training/ds_config.py, was in force for the first, which then crashed on a same-world checkpoint)
+        engine._config.load_universal_checkpoint = saved_world != world
         # today's peak LR: the schedule's state brings the saved run's (LambdaLR's base_lrs) back
         sched = engine.lr_scheduler if load_scheduler else None
         today = list(sched.base_lrs) if hasattr(sched, "base_lrs") else None
@@ -418,7 +420,7 @@ class Restorer:
             saved = read_json(os.path.join(path, MANIFEST))["json"]["world"]
             return None if saved == world else universal.prepare(path, saved, world, self.output_dir, self.deadline)
 
-        got = comm.run_on_main(decide)
+        got = comm.run_on_main(decide, long=True)  # a universal conversion: minutes to hours
         if got is None:
             return None
         if "requeue" in got:

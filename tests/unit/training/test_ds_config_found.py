@@ -1,0 +1,181 @@
+"""DeepSpeed JSONs as found in other projects (Axolotl's deepspeed_configs, transformers' tests, DeepSpeedExamples,
+the ALST tutorial), through the project's own config path (parse_config / load_run_config, build_ds_config) in one
+process: what each did before (a late crash, a silent change, a false refusal) is now taken, or refused in one line
+at start (an audit of 16 such files, reproduced here in their relevant keys)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from base.parallel import ParallelDims
+from training.config import parse_config
+from training.ds_config import build_ds_config
+
+DIMS = ParallelDims(world=2, sp=1, rank=0, local_rank=0)
+BASE = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+        "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                              "stage3_param_persistence_threshold": "auto"}}
+
+
+def write(tmp_path, ds: dict, name: str = "ds.json") -> str:
+    p = tmp_path / name
+    p.write_text(json.dumps(ds))
+    return str(p)
+
+
+def build(tmp_path, ds: dict, flags=(), bf16: bool = True, **kw) -> dict:
+    cfg = parse_config(["--deepspeed", write(tmp_path, ds), *flags])
+    return build_ds_config(cfg, DIMS, bf16=bf16, hidden_size=64, planning=True, **kw)
+
+
+# --- 1: monitors that log beside the run's own W&B ---
+
+def test_wandb_and_comet_monitor_blocks_are_refused_in_one_line(tmp_path):
+    """DeepSpeed's WandbMonitor logged into this run's W&B run at step = samples seen: every record of the run (at
+    the optimizer step, a lower number) was dropped by W&B; with --report_to none it called wandb.init itself."""
+    for name in ("wandb", "comet"):
+        with pytest.raises(ValueError, match=rf'"{name}" monitor block .*--report_to wandb --wandb_project') as e:
+            build(tmp_path, {**BASE, name: {"enabled": True, "project": "ds-monitor"}})
+        assert "\n" not in str(e.value)
+        with pytest.raises(ValueError, match=f'"{name}" monitor block'):  # a stage's override alike
+            build(tmp_path, BASE, overrides={name: {"enabled": True}})
+    kept = {"enabled": True, "output_path": str(tmp_path), "job_name": "x"}
+    ds = build(tmp_path, {**BASE, "tensorboard": kept, "csv_monitor": kept, "wandb": {"enabled": False}})
+    assert ds["tensorboard"] == kept and ds["csv_monitor"] == kept
+
+
+# --- 2: ZeRO++ hpZ ---
+
+def test_zeropp_hpz_is_refused_at_start(tmp_path):
+    """zero_hpz_partition_size > 1 trained stage 0 and crashed building stage 1's engine ("ZeRO parameter intra
+    parallel group is already initialized": once per process in DeepSpeed)."""
+    tutorial = {"reduce_scatter": True, "zero_quantized_weights": True, "zero_hpz_partition_size": 16,
+                "zero_quantized_gradients": True}  # the ZeRO++ tutorial's block
+    with pytest.raises(ValueError, match=r"zero_hpz_partition_size 16 \(ZeRO\+\+ hpZ\) cannot run here: .*one engine "
+                                         r"per stage.*does not count the secondary") as e:
+        build(tmp_path, {**BASE, "zero_optimization": {**BASE["zero_optimization"], **tutorial}})
+    assert "\n" not in str(e.value)
+    quantized = {k: v for k, v in tutorial.items() if k != "zero_hpz_partition_size"}
+    ds = build(tmp_path, {**BASE, "zero_optimization": {**BASE["zero_optimization"], **quantized,
+                                                        "zero_hpz_partition_size": 1}})
+    assert ds["zero_optimization"]["zero_quantized_weights"] is True  # left to DeepSpeed
+
+
+# --- 3: checkpoint.load_universal ---
+
+def test_load_universal_key_is_dropped_with_one_note(tmp_path, capsys):
+    """The JSON's load_universal made the first load universal: a same-world resume or stage change crashed."""
+    ds = {**BASE, "checkpoint": {"load_universal": True, "use_node_local_storage": False}}
+    path = write(tmp_path, ds)
+    cfg = parse_config(["--deepspeed", path])
+    for _ in range(2):  # one note a run, not one per stage
+        built = build_ds_config(cfg, DIMS, bf16=True, hidden_size=64, planning=True)
+        assert built["checkpoint"] == {"use_node_local_storage": False}
+    out = capsys.readouterr().out
+    assert out.count("checkpoint.load_universal is dropped") == 1
+
+
+def test_a_same_world_load_is_never_universal(tmp_path):
+    """restore.load set load_universal_checkpoint only when the world changed: an engine whose config said True
+    (the JSON's key) loaded a same-world checkpoint as universal. Now set for every load, from the world sizes."""
+    from tests.unit.training.test_checkpoint import LoadEngine, model_bytes, save
+    from training.checkpoint import Checkpointer
+
+    ck = Checkpointer(str(tmp_path), keep=3)
+    path = save(ck, 2)  # written by this world (one rank)
+    engine = LoadEngine()
+    engine._config.load_universal_checkpoint = True
+    ck.load(engine, path)
+    assert engine.loaded == [(False, model_bytes(path))]
+
+
+# --- 4: the legacy "bfloat16" section ---
+
+def test_legacy_bfloat16_section_is_bf16(tmp_path):
+    """DeepSpeed reads bf16 and falls back to bfloat16: `{"enabled": false}` there trained bf16 unseen (the fill set
+    bf16), `"auto"` there (transformers' ds_config_zero3_bf16.json) was refused as not derived."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    legacy = {k: v for k, v in BASE.items() if k != "bf16"}
+    ds = build(tmp_path, {**legacy, "bfloat16": {"enabled": "auto"}})
+    assert "bfloat16" not in ds and ds["bf16"] == {"enabled": True}
+    ds = build(tmp_path, {**legacy, "bfloat16": {"enabled": False}}, bf16=False)
+    assert "bfloat16" not in ds and DeepSpeedConfig({**ds, "train_batch_size": 1}).bfloat16_config.enabled is False
+    with pytest.raises(ValueError, match=r"bf16.enabled=False but --bf16 gives True"):  # as bf16 false is
+        build(tmp_path, {**legacy, "bfloat16": {"enabled": False}})
+    with pytest.raises(ValueError, match=r'both bf16 \{"enabled": "auto"\} and its older name bfloat16'):
+        parse_config(["--deepspeed", write(tmp_path, {**BASE, "bfloat16": {"enabled": False}})])
+    ds = build(tmp_path, BASE, bf16=False, overrides={"bfloat16": {"enabled": False}})  # a stage's override too
+    assert "bfloat16" not in ds and ds["bf16"] == {"enabled": False}
+
+
+# --- 5: DeepSpeed's field names for the ZeRO-3 buckets ---
+
+def test_zero3_bucket_autos_under_either_name_are_filled(tmp_path):
+    """Axolotl's zero3_bf16.json writes prefetch_bucket_size / param_persistence_threshold (the pydantic names of
+    stage3_*): "auto" there was refused as not derived."""
+    zero = {"stage": 3, "reduce_bucket_size": "auto", "prefetch_bucket_size": "auto",
+            "param_persistence_threshold": "auto", "max_live_parameters": 0, "max_reuse_distance": 0,
+            "gather_16bit_weights_on_model_save": True}
+    ds = build(tmp_path, {**BASE, "zero_optimization": zero})
+    assert (ds["zero_optimization"]["prefetch_bucket_size"], ds["zero_optimization"]["param_persistence_threshold"]) \
+        == (int(0.9 * 64 * 64), 10 * 64)
+    ours = build(tmp_path, BASE)["zero_optimization"]
+    assert (ours["stage3_prefetch_bucket_size"], ours["stage3_param_persistence_threshold"]) == (3686, 640)
+
+
+# --- 6, 7: what the JSON decides where no flag did ---
+
+def test_json_bf16_true_is_taken_by_a_cpu_dry_run(tmp_path):
+    """`bf16.enabled: true` (Axolotl's zero3_bf16.json) was refused by a CPU --dry_run, whose default is fp32,
+    though no flag asked for it; fp16: true was taken already. A flag still wins, and is then a contradiction."""
+    from training.startup import load_run_config
+
+    path = write(tmp_path, {**BASE, "bf16": {"enabled": True}})
+    cfg, model = load_run_config(["--deepspeed", path, "--dry_run", "--nodes", "1", "--gpus_per_node", "2"])
+    assert model.bf16 is True
+    assert build_ds_config(cfg, DIMS, model.bf16, 64, planning=True)["bf16"] == {"enabled": True}
+    cfg = parse_config(["--deepspeed", path, "--dry_run", "--no-bf16"])
+    with pytest.raises(ValueError, match="bf16.enabled=True but --bf16 gives False"):
+        build_ds_config(cfg, DIMS, False, 64, planning=True)
+    assert parse_config(["--deepspeed", write(tmp_path, BASE), "--dry_run"]).bf16 is None  # "auto": the default
+
+
+def test_deepspeeds_own_sequence_parallel_size_sets_the_degree(tmp_path):
+    """The ALST tutorial's top-level sequence_parallel_size was refused against the flag's default 1, while the
+    project's sequence_parallelism block and the JSON's micro batch were taken."""
+    alst = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, "sequence_parallel_size": 2}
+    path = write(tmp_path, alst)
+    cfg = parse_config(["--deepspeed", path])
+    assert cfg.sequence_parallel_size == 2
+    ds = build_ds_config(cfg, ParallelDims(world=2, sp=2, rank=0, local_rank=0), bf16=False, hidden_size=64)
+    assert ds["sequence_parallel_size"] == 2
+    with pytest.raises(ValueError, match=r"--sequence_parallel_size 4 contradicts .* sequence_parallel_size 2: "):
+        parse_config(["--deepspeed", path, "--sequence_parallel_size", "4"])
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"deepspeed: {path}\nstages:\n  - sequence_parallel_size: 4\n")
+    with pytest.raises(ValueError, match=r"stages\[0\] sets sequence_parallel_size 4 but .* sequence_parallel_size "
+                                         r"is 2"):
+        parse_config(["--config", str(recipe)])
+    assert parse_config(["--deepspeed", write(tmp_path, {**alst, "sequence_parallel_size": "auto"})]) \
+        .sequence_parallel_size == 1
+
+
+# --- 8: gradient accumulation dtype ---
+
+def test_gradients_accumulate_in_fp32_under_bf16_and_fp16(tmp_path):
+    """DeepSpeed sums the micro-steps' gradients in the model's dtype unless data_types.grad_accum_dtype names one:
+    bf16 summed 16-64 micro-steps with 4e-3..9e-3 relative error (an audit's measurement, ~1e-7 in fp32)."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    for flags, bf16 in (((), True), (("--fp16", "--no-bf16", "--dry_run"), False)):
+        ds = build(tmp_path, BASE, flags=("--gradient_accumulation_steps", "16", *flags), bf16=bf16)
+        assert ds["data_types"] == {"grad_accum_dtype": "fp32"}
+        assert DeepSpeedConfig({**ds, "train_batch_size": 16}).grad_accum_dtype == "fp32"
+    assert "data_types" not in build(tmp_path, BASE, bf16=False)  # fp32 training: already fp32
+    named = build(tmp_path, {**BASE, "data_types": {"grad_accum_dtype": "bf16"}})
+    assert named["data_types"] == {"grad_accum_dtype": "bf16"}  # the JSON's choice stands
