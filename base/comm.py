@@ -6,11 +6,12 @@ gloo (the CPU tests' backend) forgives:
   moved to `device()` (the accelerator's current device) before the collective and returned on the host;
 - an object collective before `set_device`: every local rank would pick GPU 0; `init` sets the device
   from LOCAL_RANK (or the one GPU an srun task sees: base/devices.py) *before* the process group exists;
-- one rank doing long work while the others sit in a collective: NCCL's watchdog kills the job after the
-  collective timeout. Waits that are expected to be long (rank 0 converting a checkpoint or tokenizing a
-  small corpus) go through `run_on_main`, which waits in a separate gloo group on the host with
-  `LONG_WAIT_S`: no GPU stream, no NCCL watchdog. The training group itself runs with `dist_timeout_s`
-  (config key), which the multi-process tests lower so any unplanned wait fails a test, not a cluster job.
+- one rank doing solo work while the others sit in a collective: NCCL's watchdog kills the job after the
+  collective timeout. Rank 0's solo work goes through `run_on_main`, whose others wait in a gloo group on the host
+  (no GPU stream, no NCCL watchdog) at most `dist_timeout_s` (LONG_WAIT_S for known-long work: base/host_wait.py).
+  The training group runs with `dist_timeout_s` (config key), which the multi-process tests lower;
+- two ranks on one GPU: NCCL aborts inside `deepspeed.init_distributed` (device_id: an eager communicator); `init`
+  names them first, through the rendezvous store (base/devices.py `claim`).
 
 `tests/unit/base/test_comm.py` fails if another module calls torch.distributed collectives directly.
 
@@ -34,6 +35,8 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import pickle
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -42,12 +45,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from base import connect, devices, run_identity, watcher
+from base import connect, devices, host_wait, run_identity, watcher
 from base.exits import EXIT_PEER_LOST
+from base.host_wait import LONG_WAIT_S
 from base.store_limits import fd_refusal, publish_agent_fd_limit, publish_fd_limit  # noqa: F401  (re-exported)
 
-LONG_WAIT_S = 6 * 3600  # rank-0-only work others may wait for: universal conversion of 8B on 32 ranks, prep
-_HOST_GROUP = None  # gloo group over the same ranks, for the long waits above
+_HOST_GROUP = None  # gloo group over the same ranks (timeout LONG_WAIT_S), for the waits on rank 0 (run_on_main)
+_WAIT_S: float | None = None  # the run's dist_timeout_s (init): how long `run_on_main`'s short calls wait
 
 
 def _accelerator():
@@ -76,12 +80,11 @@ def world(group=None) -> int:
 
 
 def init(timeout_s: float) -> tuple[int, int, int]:
-    """Set this process's device from LOCAL_RANK, then create the process group (nccl on GPU, gloo on CPU)
-    with a `timeout_s` collective timeout, and the host-side gloo group for long waits.
-    Returns (rank, world, local_rank)."""
+    """Set this process's device from LOCAL_RANK, then create the process group (nccl on GPU, gloo on CPU) with a
+    `timeout_s` collective timeout, and the host-side gloo group (run_on_main). Returns (rank, world, local_rank)."""
     import deepspeed
 
-    global _HOST_GROUP
+    global _HOST_GROUP, _WAIT_S
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if initialized() and _HOST_GROUP is not None:  # already set up in this process (tests run several cases)
         return dist.get_rank(), dist.get_world_size(), local_rank
@@ -94,17 +97,17 @@ def init(timeout_s: float) -> tuple[int, int, int]:
         if index != local_rank:
             os.environ["ULYSSES_LOCAL_RANK"], os.environ["LOCAL_RANK"] = str(local_rank), str(index)
         acc.set_device(index)  # before any collective, object collectives included
+        _claim_device(index, timeout_s)  # before init_distributed, where NCCL forms its communicator (device_id)
     deepspeed.init_distributed(dist_backend=None, auto_mpi_discovery=False,
                                timeout=datetime.timedelta(seconds=timeout_s))
-    # every later group without its own timeout (ours in `subgroups`, DeepSpeed's SP and SP-DP groups, which carry
-    # ZeRO-3's reduce-scatter and every Ulysses all-to-all) takes the run's, not the backend's default: NCCL's 10
-    # minutes would end a first step's hang (bounded at 20 min, base/progress.py) before the monitor names the rank
+    # every later group without its own timeout (`subgroups`, DeepSpeed's SP and SP-DP groups: ZeRO-3, Ulysses) takes
+    # the run's: NCCL's default 10 min would end a first step's hang (20 min, base/progress.py) before it is named
     c10d = dist.distributed_c10d
     c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = datetime.timedelta(seconds=timeout_s)
     _HOST_GROUP = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=LONG_WAIT_S))
-    # Leave the groups on every way out (exit 75 after a preemption save included): a process group still alive
-    # at interpreter teardown can abort the process ("terminate called without an active exception", -6)
-    # after its work is done, and turn a clean exit code into a crash.
+    _WAIT_S = timeout_s
+    # Leave the groups on every way out (exit 75 included): a process group alive at interpreter teardown can abort
+    # the process ("terminate called without an active exception", -6), a clean exit code turned into a crash
     atexit.register(shutdown)
     _start_watcher()
     if gpu:
@@ -112,13 +115,18 @@ def init(timeout_s: float) -> tuple[int, int, int]:
     return dist.get_rank(), dist.get_world_size(), local_rank
 
 
-def _check_devices(index: int, visible: int) -> None:
-    """Every rank's (host, devices it sees, its device's UUID, the UUIDs it sees) over the host group, before NCCL's
-    first collective: two ranks on one GPU are one line on every rank (NCCL would abort there); tasks that each see one
-    GPU, or GPUs left idle, a line from rank 0. One gather of ~100-400 bytes a rank at start-up (200 KB at 512 ranks
-    that each see 8 GPUs)."""
-    import socket
+def _claim_device(index: int, timeout_s: float) -> None:
+    """Two ranks of a node on one GPU: one line on every rank, before `deepspeed.init_distributed` (NCCL aborts
+    there), through the abort channel's store (base/devices.py `claim`); nothing without it or a CUDA UUID."""
+    w, uuid = _WATCHER, devices.uuid_of(index)
+    line = w and uuid and devices.claim(w.ask, w.rank, w.world, socket.gethostname(), uuid, timeout_s)
+    if line:
+        raise ValueError(line)
 
+
+def _check_devices(index: int, visible: int) -> None:
+    """Every rank's (host, GPUs it sees, its GPU's UUID, the UUIDs it sees) over the host group: rank 0's line where each
+    task sees one GPU or GPUs idle; duplicates (`_claim_device` names them first). ~100-400 bytes a rank, once."""
     readings: list = [None] * dist.get_world_size()
     dist.all_gather_object(readings, (socket.gethostname(), visible, devices.uuid_of(index),
                                       devices.uuids_seen(visible) if visible > 1 else ()), group=_HOST_GROUP)
@@ -216,10 +224,13 @@ class _GatherStack(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous()
-        out = grad.new_empty(grad.shape[1:])
-        dist.reduce_scatter_tensor(out, grad.view(-1, *grad.shape[2:]), group=ctx.group)
-        return out, None, None
+        # summed in fp32, as the ring path accumulates (model_utils/ring_attention.py): NCCL's ring rounds a bf16 sum at
+        # every hop (1.55x fp32's error at cp 4, 2.2x at cp 8). Costs, for bf16 / fp16: twice this collective's bytes,
+        # and an fp32 copy of the gathered gradient [cp, ...] (2x its bytes) while it runs
+        wide = grad.contiguous() if grad.dtype in (torch.float32, torch.float64) else grad.float().contiguous()
+        out = wide.new_empty(wide.shape[1:])
+        dist.reduce_scatter_tensor(out, wide.view(-1, *wide.shape[2:]), group=ctx.group)
+        return out.to(grad.dtype), None, None
 
 
 def gather_stack(t: torch.Tensor, group, n: int) -> torch.Tensor:
@@ -286,19 +297,29 @@ def all_to_all(x: torch.Tensor, group) -> torch.Tensor:
 TCPStore = dist.TCPStore  # the job's store, for base/node_store.py (no other module imports torch.distributed)
 
 
-def run_on_main(fn: Callable[[], Any]) -> Any:
-    """Rank 0 runs `fn` while the others wait on the host (gloo group, LONG_WAIT_S); every rank returns its
-    result. A ValueError raised by `fn` (bad user input) is raised on every rank with the same message; any
+def run_on_main(fn: Callable[[], Any], long: bool = False) -> Any:
+    """Rank 0 runs `fn` while the others wait on the host gloo group: at most the run's dist_timeout_s, or LONG_WAIT_S
+    with `long` (known-long work); then one line naming rank 0's host and `fn` (base/host_wait.py). Every rank returns
+    `fn`'s result. A ValueError raised by `fn` (bad user input) is raised on every rank with the same message; any
     other exception stops rank 0, and the abort channel stops the others within POLL_S (train.py posts it)."""
     if not initialized() or world() == 1:
         return fn()
-    box: list = [None, None]
+    size = torch.zeros(1, dtype=torch.int64)
     if rank() == 0:
         try:
             box = [None, fn()]
         except ValueError as e:
             box = [str(e), None]
-    dist.broadcast_object_list(box, src=0, group=_HOST_GROUP)
+        data = torch.frombuffer(bytearray(pickle.dumps(box)), dtype=torch.uint8)
+        size[0] = data.numel()
+        dist.broadcast(size, src=0, group=_HOST_GROUP)
+        dist.broadcast(data, src=0, group=_HOST_GROUP)
+    else:
+        work = dist.broadcast(size, src=0, group=_HOST_GROUP, async_op=True)
+        host_wait.wait(work, LONG_WAIT_S if long or _WAIT_S is None else _WAIT_S, fn, rank(), long, _WATCHER, abort)
+        data = torch.empty(int(size[0]), dtype=torch.uint8)
+        dist.broadcast(data, src=0, group=_HOST_GROUP)  # sent right after the size: no wait
+        box = pickle.loads(data.numpy().tobytes())
     if box[0] is not None:
         raise ValueError(box[0])
     return box[1]
@@ -350,28 +371,28 @@ def open_channel() -> None:
 
     Start-up is bounded: a rank waits START_WAIT_S (5 min) for the store's first answer, then exits EXIT_PEER_LOST
     naming who hosts it (rank 0, or node 0's launcher); once connected, its watcher ends the job the same way when a
-    peer never arrives (base/watcher.py). Descriptors: every rank raises its soft RLIMIT_NOFILE to the hard limit
-    (at 512 ranks the host gloo group alone holds 511 sockets per rank); the store's host publishes the limit it
-    runs under (under torchrun rank 0 does it for the agent, after raising it: publish_agent_fd_limit), and every
-    rank waits for that word and refuses the job (ValueError: one line, exit 2 on every rank, before any work) when
-    it cannot hold 3 connections per rank of this world, or the rank's own limit its peers: the same published
-    number and WORLD_SIZE on every rank, so every rank takes the same decision. Cost at 512 ranks: one getrlimit and
-    setrlimit per rank, one `check` + `get` on the store per rank at start (1024 requests, once). Another run's store
-    (two runs on one port): refused in one line (exit 2) before this rank writes anything into it, from the identity
-    its host published (base/run_identity.py; one more `get` per rank)."""
+    peer never arrives (base/watcher.py). A MASTER_ADDR the store's host cannot resolve: one line there (exit 2).
+    Descriptors: every rank raises its soft RLIMIT_NOFILE to the hard limit (at 512 ranks the host gloo group alone
+    holds 511 sockets per rank); the store's host publishes the limit it runs under (under torchrun rank 0 does it for
+    the agent: publish_agent_fd_limit), and every rank refuses the job (one line, exit 2 on every rank, before any
+    work) when it cannot hold 3 connections per rank of this world, or the rank's own limit its peers: the same
+    number and WORLD_SIZE on every rank, one decision. Cost at 512 ranks: one getrlimit and setrlimit per rank, one
+    `check` + `get` per rank at start. Another run's store (two runs on one port): refused in one line (exit 2)
+    before this rank writes into it, from the identity its host published (base/run_identity.py; one `get`)."""
     global _WATCHER
     env = os.environ
     world_size, rank_ = int(env.get("WORLD_SIZE", "1")), int(env.get("RANK", "0"))
     addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
     if _WATCHER is not None or world_size <= 1 or not addr or not port:
         return
-    from base.slurm_env import master_refusal
+    from base.slurm_env import master_refusal, unresolved
 
-    wrong_host = master_refusal(env)  # srun's ranks pointed at a node outside their step (a batch shell's export)
+    hosting = rank_ == 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    # srun's ranks sent to a node outside their step (a batch export); the store's host: a name it cannot resolve
+    wrong_host = master_refusal(env) or (unresolved(addr, port) if hosting else None)
     if wrong_host:
         raise ValueError(wrong_host)
     soft, _ = watcher.raise_fd_limit()  # every rank; on rank 0 before its store server accepts anyone
-    hosting = rank_ == 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     deadline = connect.deadline(watcher.START_WAIT_S)  # one bounded wait, from this rank's start, for all below
     mine = run_identity.identity()  # whose store this is: read before anything is written (base/run_identity.py)
     watcher.use_run(mine.digest)
@@ -406,7 +427,7 @@ def open_channel() -> None:
                          f"{watcher.START_WAIT_S:.0f} s: {host}, which hosts it, never arrived: node 0 or its store did "
                          f"not start ({'launch.sh' if agent else 'train.py'} on {addr} broken, stuck or lost, or "
                          "MASTER_ADDR/MASTER_PORT wrong; counted from this rank's start, ULYSSES_START_WAIT_S sets it) "
-                         f"({watcher.one_line(e)})", watcher.SAY_S)
+                         f"({unresolved(addr, port) or watcher.one_line(e)})", watcher.SAY_S)
         raise SystemExit(EXIT_PEER_LOST) from None
     refusal = run_identity.refusal(on_record or "", mine, addr, port, rank_)
     if refusal and on_record is None:  # rank 0 never arrived (torchrun), or a store of a program that never says

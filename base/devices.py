@@ -7,17 +7,25 @@ LOCAL_RANK. `srun python train.py` shows what srun's options give each task:
   device, renumbered 0; LOCAL_RANK 3 on it was `invalid device ordinal` on every rank but the first. It now drives
   device 0, with one line from rank 0: NCCL cannot use NVLink / P2P between GPUs a task's device cgroup hides from
   the others (NERSC's `--gpu-bind=none` advice), so `--gpus-per-node` is faster;
-- fewer devices than the local rank needs (`--gpus-per-task=2` with 4 tasks): refused in one line naming the fix.
-Two ranks of a node on one device (several tasks given the same GPU): NCCL aborts at its first collective ("Duplicate
-GPU detected"); `duplicates` names them first, from every rank's (host, device UUID), gathered on the host group.
+- fewer devices than the local rank needs (`--gpus-per-task=2` with 4 tasks): refused in one line naming the fix;
+  under a launcher (LOCAL_SIZE / LOCAL_WORLD_SIZE / LAUNCH_EXIT_DIR: deepspeed, torchrun, scripts/launch.sh) the fix is
+  its GPU count (scripts/slurm.sbatch takes GPUS_PER_NODE, else SLURM_GPUS_ON_NODE, else 8); under `srun
+  --gpu-bind=closest` (SLURMD_TRES_BIND / SLURM_TRES_BIND `gres/gpu:closest`) a task sees only its socket's GPUs.
+Two ranks of a node on one device (several tasks given the same GPU): NCCL aborts inside deepspeed.init_distributed
+(DeepSpeed passes device_id: the communicator is formed there) with "Duplicate GPU detected"; `claim` names them first,
+through the rendezvous store, before the process group (base/comm.py `init`).
 """
 
 from __future__ import annotations
 
 import os
+import re
+import time
 
 FIX = ("one task per GPU: srun --ntasks-per-node=G --gpus-per-node=G (every task sees the node's GPUs), or "
        "--gpus-per-task=1")
+LAUNCHED = ("LOCAL_SIZE", "LOCAL_WORLD_SIZE", "LAUNCH_EXIT_DIR")  # deepspeed's launch.py, torchrun, scripts/launch.sh
+CLAIM_POLL_S = 0.5  # `claim`'s look at the arrivals: 1k small requests/s on rank 0's store at 512 ranks, while they come
 
 
 def device_index(local_rank: int, visible: int, env=None) -> int:
@@ -30,7 +38,23 @@ def device_index(local_rank: int, visible: int, env=None) -> int:
         return local_rank
     shown = env.get("CUDA_VISIBLE_DEVICES", "unset")
     raise ValueError(f"LOCAL_RANK {local_rank}, but this process sees {visible} GPU(s) (CUDA_VISIBLE_DEVICES="
-                     f"{shown}): {FIX}")
+                     f"{shown}): {fix_for(env, visible)}")
+
+
+def fix_for(env, visible: int) -> str:
+    """The fix for a rank that sees too few GPUs, for what started it (a launcher's GPU count, or srun's options)."""
+    if any(env.get(k) for k in LAUNCHED):
+        ranks = env.get("LOCAL_SIZE") or env.get("LOCAL_WORLD_SIZE") or "more"
+        fix = (f"the launcher started {ranks} ranks on this node: give it the node's GPU count ("
+               + (f"scripts/slurm.sbatch: export GPUS_PER_NODE={visible}, else it takes SLURM_GPUS_ON_NODE or 8; "
+                  if env.get("SLURM_JOB_ID") else "")
+               + f"launch.sh / deepspeed: --num_gpus {visible}; torchrun: --nproc_per_node {visible})")
+    else:
+        fix = FIX
+    bind = " ".join(env.get(k, "") for k in ("SLURMD_TRES_BIND", "SLURM_TRES_BIND"))
+    if re.search(r"gpu:[^+]*closest", bind, re.I) or "closest" in env.get("SLURM_GPU_BIND", "").lower():
+        fix += "; --gpu-bind=closest shows a task only its socket's GPUs: drop it (or --gpu-bind=none)"
+    return fix
 
 
 def one_each_line(readings: list[tuple[str, int, str | None]]) -> str | None:
@@ -75,10 +99,38 @@ def duplicates(readings: list[tuple[str, int, str | None]]) -> str | None:
         if uuid is None:
             continue
         if (host, uuid) in seen:
-            return (f"gpus: ranks {seen[(host, uuid)]} and {rank} on {host} would drive the same GPU ({uuid}), "
-                    f"which NCCL refuses: {FIX}")
+            return duplicate_line(seen[(host, uuid)], rank, host, uuid)
         seen[(host, uuid)] = rank
     return None
+
+
+def duplicate_line(first: int, rank: int, host: str, uuid: str) -> str:
+    return f"gpus: ranks {first} and {rank} on {host} would drive the same GPU ({uuid}), which NCCL refuses: {FIX}"
+
+
+def claim(ask, rank: int, world: int, host: str, uuid: str, wait_s: float, poll_s: float = CLAIM_POLL_S) -> str | None:
+    """The duplicate line (the first one posted) or None, the same on every rank, from the job's store before any
+    process group: each rank claims (host, uuid) with one compare_set (the first rank's number stays: a later rank
+    finds it, and posts its line), then counts itself in and waits until all `world` have; `ask(fn)` runs fn(store)
+    (the abort channel's connection, base/watcher.py). Cost: 4 requests a rank, plus one per CLAIM_POLL_S while ranks
+    arrive (imports finishing at different times). TimeoutError after `wait_s` (the run's dist_timeout_s: what
+    torch's own rendezvous would have waited) when some rank never comes."""
+    from base.watcher import key
+
+    got = ask(lambda st: st.compare_set(key(f"gpu/{host}/{uuid}"), "", str(rank)))
+    first = int(got.decode() if isinstance(got, bytes) else got)
+    if first != rank:
+        ask(lambda st: st.compare_set(key("gpu/duplicate"), "", duplicate_line(first, rank, host, uuid)))
+    ask(lambda st: st.add(key("gpu/in"), 1))
+    end = time.monotonic() + wait_s
+    while (came := ask(lambda st: st.add(key("gpu/in"), 0))) < world:
+        if time.monotonic() > end:
+            raise TimeoutError(f"only {came} of {world} ranks reached the process group's start in {wait_s:.0f} s "
+                               "(--dist_timeout_s): the others are stuck after train.py's first line")
+        time.sleep(poll_s)
+    line = ask(lambda st: st.compare_set(key("gpu/duplicate"), "", ""))  # "" when none was posted
+    line = line.decode() if isinstance(line, bytes) else str(line)
+    return line or None
 
 
 def uuids_seen(visible: int) -> tuple[str, ...]:

@@ -8,12 +8,17 @@ step's tasks, not SLURM_NTASKS, which a batch shell's `--ntasks` also sets), SLU
 and SLURM_STEP_NODELIST (the step's hosts, compressed: `gpu[01-04,07]`). The master is the step's first host (where
 task 0 runs under srun's default block distribution), the port MASTER_PORT if set, else job_port(). The batch shell
 itself has no SLURM_STEP_NUM_TASKS: a `python train.py` there stays a world of one.
+
+The step's first NodeName need not resolve (cloud nodes without cloud_dns): `unresolved` is the store host's one
+line for that (base/comm.py open_channel asks it before hosting the store; torch's own answer was a DistNetworkError
+traceback after 10 s).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import socket
 from collections.abc import Mapping
 
 PORT_BASE = 20000  # the job's store port: PORT_BASE + (job, step) % PORT_SPAN, below Linux's ephemeral range
@@ -103,3 +108,14 @@ def master_refusal(env: Mapping[str, str] | None = None) -> str | None:
     shown = ",".join(hosts[:4]) + (",..." if len(hosts) > 4 else "")
     return (f"MASTER_ADDR={addr} is a node of this job but not of this srun step ({shown}): rank 0 runs on {hosts[0]}; "
             "unset MASTER_ADDR (the step's first host is then used), or set it to a host of the step")
+
+
+def unresolved(addr: str, port: str | int) -> str | None:
+    """One line when `addr` (MASTER_ADDR) does not resolve on this host, None when it does. One resolver lookup (the
+    system's own timeouts bound it: a few seconds on a slow DNS)."""
+    try:
+        socket.getaddrinfo(addr, int(port), type=socket.SOCK_STREAM)
+        return None
+    except (socket.gaierror, UnicodeError, ValueError):
+        return (f"MASTER_ADDR {addr} does not resolve on {socket.gethostname()}: set MASTER_ADDR to an address the "
+                "nodes reach (e.g. `scontrol getaddrs`)")

@@ -186,7 +186,7 @@ class RunData:
         with `data:` is not refused (its sampler repeats a small component's samples: data/coverage.py says so). Rank 0
         counts: one packing per stage and replay length, O(documents) each (a second or two at tens of millions; an SFT
         stage's ~2 s per million conversations)."""
-        comm.run_on_main(lambda: self._check_batches(stages, world, micro_batch, done))
+        comm.run_on_main(lambda: self._check_batches(stages, world, micro_batch, done), long=True)
 
     def _check_batches(self, stages, world: int, micro_batch: int, done: int) -> None:
         end = 0

@@ -152,7 +152,7 @@ def prepare_in_job(dataset_path: str | None, tokenizer_path: str | None, model_v
                 shutil.rmtree(tmp, ignore_errors=True)
         return out, tok_path
 
-    return comm.run_on_main(work)
+    return comm.run_on_main(work, long=True)  # an in-job preparation: hours at scale
 
 
 def prepare_token_stream(dataset_path: str | None, tokenizer_path: str | None, model_vocab: int,
@@ -165,5 +165,5 @@ def prepare_token_stream(dataset_path: str | None, tokenizer_path: str | None, m
         tok = Tokenizer(tok_path) if tok_path else None
         return (tok_path, *build_token_stream(data, tok, model_vocab, os.path.join(CACHE, "tokens")))
 
-    tok_path, tokens, starts = comm.run_on_main(tokenize)
+    tok_path, tokens, starts = comm.run_on_main(tokenize, long=True)
     return tokens, starts, (Tokenizer(tok_path) if tok_path else None)

@@ -204,7 +204,7 @@ def settle(provisional: str, config, *, chunks: int, ring: bool, sp: int, cp: in
         return measure(provisional, config, chunks=chunks, ring=ring, sp=sp, cp=cp, seq_len=seq_len, half=half,
                        check=check)
 
-    choice, times, shape = comm.run_on_main(decide)
+    choice, times, shape = comm.run_on_main(decide, long=True)  # times kernels at the stage's length
     if times:
         print0(line(choice, times, shape))
     if choice == FA2 and provisional != FA2:

@@ -212,7 +212,7 @@ def epoch_stages(cfg, stages: list, data, world: int) -> list:
                                            warmup_ratio=ratio))
         return [out, lines]
 
-    out, lines = comm.run_on_main(decide)
+    out, lines = comm.run_on_main(decide, long=True)  # packs every stage's data on rank 0
     if cfg.num_train_epochs is not None and not any("epoch(s) of" in line for line in lines):
         lines.insert(0, f"note: --num_train_epochs {cfg.num_train_epochs:g} applies to no stage: each sets its own "
                         "max_steps or max_tokens")

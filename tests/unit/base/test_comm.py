@@ -99,7 +99,9 @@ def test_a_host_tensor_in_an_in_place_collective_is_refused(fake_world):
 def test_init_sets_the_device_before_the_process_group(monkeypatch, visible, device):
     """LOCAL_RANK of the node's GPUs (a launcher; srun --gpus-per-node); the one GPU an srun task sees
     (--gpus-per-task=1: it was set_device(3), `invalid device ordinal`), which DeepSpeed then reads from LOCAL_RANK
-    too; fewer GPUs than the local rank needs: one line before anything starts."""
+    too; fewer GPUs than the local rank needs: one line before anything starts. The duplicate-GPU claim comes before
+    deepspeed.init_distributed: DeepSpeed passes device_id, so NCCL's "Duplicate GPU detected" fires inside it (the
+    old check ran after it, unreachable)."""
     import deepspeed
 
     log: list = []
@@ -112,6 +114,7 @@ def test_init_sets_the_device_before_the_process_group(monkeypatch, visible, dev
     monkeypatch.setattr(deepspeed, "init_distributed", lambda **kw: log.append(("init", kw["timeout"].total_seconds())))
     monkeypatch.setattr(comm.dist, "new_group", lambda **kw: log.append(("host_group", kw["backend"])))
     monkeypatch.setattr(comm, "_check_devices", lambda index, n: log.append(("check", index, n)))
+    monkeypatch.setattr(comm, "_claim_device", lambda index, timeout_s: log.append(("claim", index, timeout_s)))
     monkeypatch.setattr(comm.dist, "get_rank", lambda: 11)
     monkeypatch.setattr(comm.dist, "get_world_size", lambda: 32)
     if device is None:
@@ -120,7 +123,8 @@ def test_init_sets_the_device_before_the_process_group(monkeypatch, visible, dev
         assert log == []
         return
     assert comm.init(timeout_s=90) == (11, 32, 3)
-    assert log == [("set_device", device), ("init", 90.0), ("host_group", "gloo"), ("check", device, visible)]
+    assert log == [("set_device", device), ("claim", device, 90), ("init", 90.0), ("host_group", "gloo"),
+                   ("check", device, visible)]
     assert os.environ["LOCAL_RANK"] == str(device)  # the node-local rank kept for the once-a-node messages
     assert os.environ.get("ULYSSES_LOCAL_RANK") == ("3" if device == 0 else None)
 
@@ -168,6 +172,29 @@ def test_the_device_check_gathers_every_rank_on_the_host_group(monkeypatch, caps
     other[0] = ("h", 1, "GPU-1")
     comm._check_devices(0, 1)
     assert capsys.readouterr().out.startswith("warning: gpus: each rank sees one GPU")
+
+
+def test_k_v_gradients_are_summed_in_fp32(monkeypatch):
+    """context parallelism's K/V gather: its backward reduce-scatter summed bf16 gradients (NCCL rounds at every hop of
+    its ring: 1.55x the fp32 error at cp 4); now in fp32, as the ring path accumulates, the result back in bf16."""
+    seen = []
+
+    def gather(out, t, group=None):
+        out.copy_(torch.cat([t, t]))
+
+    def reduce_scatter(out, t, group=None):
+        seen.append(t.dtype)
+        out.copy_(t.view(2, *out.shape).sum(0))
+
+    monkeypatch.setattr(comm.dist, "all_gather_into_tensor", gather)
+    monkeypatch.setattr(comm.dist, "reduce_scatter_tensor", reduce_scatter)
+    k = torch.full((3, 4), 1.0, dtype=torch.bfloat16, requires_grad=True)
+    stacked = comm._GatherStack.apply(k, None, 2)  # [2, 3, 4]
+    (stacked * torch.tensor([1.0, 2.0]).view(2, 1, 1)).sum().backward()
+    assert seen == [torch.float32] and k.grad.dtype == torch.bfloat16
+    assert torch.equal(k.grad, torch.full((3, 4), 3.0, dtype=torch.bfloat16))
+    comm._GatherStack.apply(torch.ones(2, requires_grad=True), None, 2).sum().backward()
+    assert seen == [torch.float32, torch.float32]
 
 
 def test_single_process_needs_no_group():

@@ -70,3 +70,53 @@ def test_open_channel_refuses_it_before_waiting(monkeypatch):
     monkeypatch.setattr(comm, "_WATCHER", None)
     with pytest.raises(ValueError, match=r"^MASTER_ADDR=node01 is a node of this job but not of this srun step"):
         comm.open_channel()
+
+
+@pytest.fixture
+def cloud_dns(monkeypatch):
+    """A cluster whose NodeNames do not resolve (cloud nodes without cloud_dns): cloud-dy-1 has no address."""
+    import socket
+
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host, *a, **kw):
+        if str(host).startswith("cloud-dy-"):
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return real(host, *a, **kw)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(socket, "gethostname", lambda: "cloud-dy-1")
+    monkeypatch.setattr(comm, "_WATCHER", None)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    for k, v in {"WORLD_SIZE": "2", "MASTER_ADDR": "cloud-dy-1", "MASTER_PORT": "29511"}.items():
+        monkeypatch.setenv(k, v)
+
+
+def test_an_unresolvable_master_is_one_line_on_the_stores_host(cloud_dns, monkeypatch):
+    """`srun python train.py` with the step's first NodeName as MASTER_ADDR that does not resolve: rank 0 died with a
+    c10d DistNetworkError traceback after 10 s+ (torch's own connect to its store). Now one line (exit 2), at once."""
+    from base.slurm_env import unresolved
+
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ValueError, match=r"^MASTER_ADDR cloud-dy-1 does not resolve on cloud-dy-1: set MASTER_ADDR to "
+                                         r"an address the nodes reach \(e\.g\. `scontrol getaddrs`\)$"):
+        comm.open_channel()
+    assert unresolved("127.0.0.1", 29511) is None and unresolved("localhost", "29511") is None
+
+
+def test_the_other_ranks_say_it_when_they_give_up(cloud_dns, monkeypatch, capfd):
+    """Every other rank decides nothing of its own (the store's host alone refuses); it fails to connect, after
+    START_WAIT_S, and its line says the name does not resolve there either."""
+    from base import connect
+    from base.exits import EXIT_PEER_LOST
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(watcher, "START_WAIT_S", 1.0)
+    monkeypatch.setattr(connect, "rank_age_s", lambda: 0.0)
+    with pytest.raises(SystemExit) as stop:
+        comm.open_channel()
+    assert stop.value.code == EXIT_PEER_LOST
+    lines = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and lines[0].endswith("(MASTER_ADDR cloud-dy-1 does not resolve on cloud-dy-1: set "
+                                                 "MASTER_ADDR to an address the nodes reach (e.g. `scontrol "
+                                                 "getaddrs`))"), lines

@@ -80,7 +80,7 @@ def gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     said, rank0 = [], []
 
-    def run_on_main(fn):
+    def run_on_main(fn, long=False):
         said.append(fn)
         return rank0[0] if rank0 else fn()
 

@@ -1,0 +1,96 @@
+"""base/devices.py: two ranks on one GPU named through the job's store before any process group (`claim`: threads as
+ranks over one in-process store, fake UUIDs), and the refusal of a rank that sees too few GPUs naming the fix for what
+started it (a launcher's GPU count; srun's --gpu-bind=closest)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from base import comm, devices
+from base.watcher import key
+
+
+def claims(readings, world=None, wait_s=5.0, late=()):
+    """Every rank's `claim` over one store: rank r at readings[r] = (host, uuid), ranks in `late` 0.3 s after."""
+    store = comm.dist.HashStore()
+    out: dict = {}
+
+    def run(r, host, uuid):
+        if r in late:
+            time.sleep(0.3)
+        try:
+            out[r] = devices.claim(lambda fn, timeout=None: fn(store), r, world or len(readings), host, uuid, wait_s,
+                                   poll_s=0.05)
+        except Exception as e:  # noqa: BLE001 -- handed to the test
+            out[r] = e
+
+    threads = [threading.Thread(target=run, args=(r, *x)) for r, x in enumerate(readings)]
+    [t.start() for t in threads]
+    [t.join(10) for t in threads]
+    return [out[r] for r in range(len(readings))]
+
+
+def test_two_ranks_on_one_gpu_are_one_line_on_every_rank():
+    """Node a's ranks 0 and 1 were given the same GPU; b's each their own (the same UUID on two hosts is two GPUs). A
+    rank arriving late is waited for, so every rank takes the same decision."""
+    got = claims([("a", "GPU-0"), ("a", "GPU-0"), ("b", "GPU-0"), ("b", "GPU-1")], late=(1,))
+    assert len(set(got)) == 1, got
+    assert got[0].startswith("gpus: ranks 0 and 1 on a would drive the same GPU (GPU-0), which NCCL refuses: one task "
+                             "per GPU"), got
+    assert claims([("a", "GPU-0"), ("a", "GPU-1"), ("b", "GPU-0")], late=(2,)) == [None, None, None]
+
+
+def test_a_rank_that_never_comes_is_a_bounded_wait():
+    got = claims([("a", "GPU-0"), ("a", "GPU-1")], world=3, wait_s=0.3)
+    assert all(isinstance(e, TimeoutError) and str(e).startswith("only 2 of 3 ranks reached") for e in got), got
+
+
+def test_init_refuses_a_duplicate_before_the_process_group(monkeypatch):
+    """comm._claim_device over the abort channel's connection: the line raised (ValueError: one line, exit 2 on every
+    rank); nothing without the channel or a CUDA UUID."""
+
+    class W:
+        rank, world, store = 1, 2, comm.dist.HashStore()
+
+        def ask(self, fn, timeout=None):
+            return fn(self.store)
+
+    w = W()
+    w.store.compare_set(key("gpu/h/GPU-3"), "", "0")  # rank 0 claimed GPU-3 on h
+    w.store.add(key("gpu/in"), 1)
+    monkeypatch.setattr(comm, "_WATCHER", w)
+    monkeypatch.setattr(devices, "uuid_of", lambda index: f"GPU-{index}")
+    monkeypatch.setattr(comm.socket, "gethostname", lambda: "h")
+    with pytest.raises(ValueError, match=r"^gpus: ranks 0 and 1 on h would drive the same GPU \(GPU-3\)"):
+        comm._claim_device(3, 5.0)
+    monkeypatch.setattr(comm, "_WATCHER", None)
+    comm._claim_device(3, 5.0)
+
+
+def test_a_launchers_rank_past_the_nodes_gpus_names_its_gpu_count():
+    """slurm.sbatch on a 4-GPU node with GPUS_PER_NODE unset and no SLURM_GPUS_ON_NODE: 8 ranks, LOCAL_RANK 4 sees 4
+    GPUs. The line advised srun flags, which slurm.sbatch does not take."""
+    env = {"LOCAL_SIZE": "8", "LAUNCH_EXIT_DIR": "/tmp/x", "SLURM_JOB_ID": "12"}
+    with pytest.raises(ValueError) as e:
+        devices.device_index(4, 4, env)
+    line = str(e.value)
+    assert line.startswith("LOCAL_RANK 4, but this process sees 4 GPU(s) (CUDA_VISIBLE_DEVICES=unset): the launcher "
+                           "started 8 ranks on this node: give it the node's GPU count (scripts/slurm.sbatch: export "
+                           "GPUS_PER_NODE=4"), line
+    assert "--num_gpus 4" in line and "srun --ntasks-per-node" not in line and len(line.splitlines()) == 1
+    outside = devices.fix_for({"LOCAL_WORLD_SIZE": "8"}, 4)  # torchrun on a machine of its own: no sbatch advice
+    assert "GPUS_PER_NODE" not in outside and "--nproc_per_node 4" in outside
+
+
+@pytest.mark.parametrize("env", [{"SLURMD_TRES_BIND": "gres/gpu:closest"}, {"SLURM_TRES_BIND": "gres/gpu:verbose,closest"},
+                                 {"SLURM_GPU_BIND": "closest"}], ids=["step", "srun_env", "input"])
+def test_srun_gpu_bind_closest_is_named(env):
+    """srun --gpu-bind=closest shows a task only its socket's GPUs (Slurm's _get_closest_usable_gres): slurmstepd
+    gives the task SLURMD_TRES_BIND=gres/gpu:closest (srun's own env SLURM_TRES_BIND; SLURM_GPU_BIND is its input)."""
+    with pytest.raises(ValueError, match=r"srun --ntasks-per-node=G --gpus-per-node=G .*; --gpu-bind=closest shows a "
+                                         r"task only its socket's GPUs: drop it \(or --gpu-bind=none\)$"):
+        devices.device_index(5, 4, env)
+    assert "closest" not in devices.fix_for({"SLURMD_TRES_BIND": "gres/gpu:single:1"}, 4)

@@ -1,0 +1,159 @@
+"""comm.run_on_main's wait on rank 0 (base/host_wait.py), with two threads as ranks over a real gloo pair (the host
+group is gloo on every backend, GPU runs included): a short call whose rank 0 hangs (a hung NFS read of the data
+manifest at start-up) ends the waiting rank within the run's dist_timeout_s in one line naming rank 0's host and what
+it runs, not after the host group's 6 h; known-long work (`long=True`) waits past that bound."""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+import threading
+import time
+
+import pytest
+import torch
+
+from base import comm, host_wait, watcher
+
+
+class FakeWatcher:
+    """The abort channel's side that host_wait uses: the store (rank 0's host under `host/0`) and `post`."""
+
+    def __init__(self):
+        self.store = comm.dist.HashStore()
+        self.store.set(watcher.key("host/0"), "node07")
+        self.posted: list = []
+
+    def ask(self, fn, timeout=None):
+        return fn(self.store)
+
+    def post(self, reason, code=1):
+        self.posted.append((reason, code))
+        return self.posted[0][0]
+
+
+@pytest.fixture
+def ranks(monkeypatch):
+    """`start(rank, fn)`: run `fn` as `rank` of a 2-rank world in its own thread; returns the thread's result box."""
+    store = comm.dist.HashStore()
+    pgs: list = [None, None]
+
+    def make(r):
+        pgs[r] = comm.dist.ProcessGroupGloo(comm.dist.PrefixStore("hw", store), r, 2, datetime.timedelta(seconds=2))
+
+    made = [threading.Thread(target=make, args=(r,)) for r in range(2)]
+    [t.start() for t in made]
+    [t.join(30) for t in made]
+    me = threading.local()
+
+    def broadcast(t, src, group=None, async_op=False):
+        opts = comm.dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = src, 0
+        work = pgs[me.rank].broadcast([t], opts)
+        return work if async_op else work.wait()
+
+    def broadcast_object_list(box, src=0, group=None):  # the old run_on_main's collective, on the same gloo pair
+        size = torch.zeros(1, dtype=torch.int64)
+        data = torch.frombuffer(bytearray(pickle.dumps(box)), dtype=torch.uint8) if me.rank == src else None
+        if data is not None:
+            size[0] = data.numel()
+        broadcast(size, src)
+        data = data if data is not None else torch.empty(int(size[0]), dtype=torch.uint8)
+        broadcast(data, src)
+        box[:] = pickle.loads(data.numpy().tobytes())
+
+    monkeypatch.setattr(comm, "initialized", lambda: True)
+    monkeypatch.setattr(comm, "world", lambda group=None: 2)
+    monkeypatch.setattr(comm, "rank", lambda group=None: me.rank)
+    monkeypatch.setattr(comm.dist, "broadcast", broadcast)
+    monkeypatch.setattr(comm.dist, "broadcast_object_list", broadcast_object_list)
+    monkeypatch.setattr(comm, "_WAIT_S", 1.0, raising=False)  # the run's --dist_timeout_s
+    monkeypatch.setattr(comm, "_WATCHER", None)
+    threads = []
+
+    def start(rank, fn):
+        box: list = []
+
+        def run():
+            me.rank = rank
+            try:
+                box.append(("ok", fn()))
+            except BaseException as e:  # noqa: BLE001 -- handed to the test
+                box.append(("raised", e))
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        threads.append(t)
+        return box, t
+
+    yield start
+    for t in threads:
+        t.join(10)
+
+
+def test_a_hung_rank_0_ends_a_short_wait_in_one_line(ranks, monkeypatch, capfd, tmp_path):
+    """The audit's reproduction (a FIFO as manifest.json, --dist_timeout_s 30: both ranks alive at 170 s, rank 1 in
+    broadcast_object_list for the host group's 6 h), with a 1 s bound: rank 1 stops at 1 s with one line naming rank
+    0's host and the read, posted on the abort channel, node 0 named as lost (a requeue without it), exit 69. The
+    old code waited the group's own timeout (2 s here), then a RuntimeError traceback."""
+    hung = threading.Event()
+    w = FakeWatcher()
+    aborted: list = []
+    monkeypatch.setattr(comm, "_WATCHER", w)
+    monkeypatch.setattr(comm, "abort", lambda reason, code=1: aborted.append((reason, code)) or reason)
+    monkeypatch.setattr(host_wait, "hard_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+    monkeypatch.setenv("LAUNCH_LOST_FILE", str(tmp_path / "lost"))
+
+    def read_manifest():  # rank 0's open() of a path whose read never returns
+        hung.wait(20)
+        return {"json": {}}
+
+    ranks(0, lambda: comm.run_on_main(read_manifest))
+    t0 = time.monotonic()
+    box, t = ranks(1, lambda: comm.run_on_main(read_manifest))
+    t.join(10)
+    took = time.monotonic() - t0
+    hung.set()
+    assert box and box[0][0] == "raised" and isinstance(box[0][1], SystemExit), box
+    assert box[0][1].code == 69 and 0.9 <= took <= 2.5, (box, took)
+    lines = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("error: rank 0 (node07) hung: no answer for 1 s (--dist_timeout_s) from "
+                               "tests/unit/base/test_host_wait.py:"), lines
+    assert "(test_a_hung_rank_0_ends_a_short_wait_in_one_line.<locals>.read_manifest)" in lines[0]
+    assert w.posted == [(lines[0][len("error: "):], 69)] and aborted == [(lines[0][len("error: "):], 69)]
+    assert (tmp_path / "lost").read_text() == "0\n"
+
+
+def test_known_long_work_waits_past_the_short_bound(ranks, monkeypatch):
+    """`long=True` (a universal conversion, tokenizing in the job): rank 0's 1 s of work past the 0.5 s bound is waited
+    for, and every rank returns its result; a ValueError of rank 0 is raised on every rank alike."""
+    monkeypatch.setattr(comm, "_WAIT_S", 0.5)
+
+    def convert():
+        time.sleep(1.0)
+        return {"dir": "u", "files": {"a": 1}}
+
+    got = [ranks(r, lambda: comm.run_on_main(convert, long=True)) for r in range(2)]
+    for box, t in got:
+        t.join(10)
+        assert box == [("ok", {"dir": "u", "files": {"a": 1}})], box
+
+    def refuse():
+        raise ValueError("--dataset_path x: no readable manifest.json")
+
+    got = [ranks(r, lambda: comm.run_on_main(refuse)) for r in range(2)]
+    for box, t in got:
+        t.join(10)
+        assert box[0][0] == "raised" and isinstance(box[0][1], ValueError), box
+        assert str(box[0][1]) == "--dataset_path x: no readable manifest.json"
+
+
+def test_what_rank_0_runs_is_named():
+    class Restore:
+        def listed(self):
+            return []
+
+    assert host_wait.describe(Restore().listed).startswith("tests/unit/base/test_host_wait.py:")
+    assert host_wait.describe(Restore().listed).endswith("(test_what_rank_0_runs_is_named.<locals>.Restore.listed)")
+    assert host_wait.main_host(None) == "host unknown"
