@@ -7,7 +7,8 @@
 #   scripts/launch.sh -H HOSTFILE [--include S | --exclude S] [--num_nodes N] -- TRAIN_ARGS...
 #                                                                  several nodes over pdsh (ssh), from node 0
 #   scripts/launch.sh --no_ssh --nnodes N --node_rank R --master_addr A [--master_port P] [--num_gpus G] -- ...
-#                                                                  run once on every node (SLURM, containers)
+#                                                                  run once on every node (SLURM, containers;
+#                                                                  under srun R may be the word '$SLURM_NODEID')
 #   scripts/launch.sh --torchrun [--nnodes N --node_rank R --master_addr A] [--num_gpus G] -- ...
 #   --print-only (or --dry-run): print the command, write .deepspeed_env, start nothing.
 #
@@ -34,7 +35,7 @@ DEEPSPEED=${DEEPSPEED:-$(bin deepspeed)}
 TORCHRUN=${TORCHRUN:-$(bin torchrun)}
 die() { echo "launch.sh: error: $*" >&2; exit "$EXIT_USAGE"; }
 . "$ROOT/scripts/launch_crash.sh"  # this node's crash verdict (died_verdict, crash_verdict)
-. "$ROOT/scripts/launch_env.sh"  # launch_id, default_port, visible_refusal
+. "$ROOT/scripts/launch_env.sh"  # launch_id, default_port, visible_refusal, step_refusal
 
 # --- options ---
 num_gpus="" hostfile="" include="" exclude="" num_nodes="" launcher="" no_ssh=0 torchrun=0
@@ -61,6 +62,9 @@ while [ $# -gt 0 ]; do
   esac
 done
 [ $# -gt 0 ] || die "no train.py arguments: scripts/launch.sh [OPTIONS] -- TRAIN_ARGS (see --help)"
+# shellcheck disable=SC2016  # the word itself: `srun launch.sh --node_rank '$SLURM_NODEID'` (srun runs no shell)
+[ "$node_rank" = '$SLURM_NODEID' ] && { node_rank=${SLURM_NODEID:-}; [ -n "$node_rank" ] ||
+  die "--node_rank \$SLURM_NODEID outside an srun task (no SLURM_NODEID here): give this node's number"; }
 [ -n "$include" ] && [ -n "$exclude" ] && die "--include and --exclude are mutually exclusive"
 [ "$no_ssh" = 1 ] && [ "$torchrun" = 1 ] && die "--no_ssh is a deepspeed launcher mode; --torchrun is the other launcher"
 [ -n "$hostfile" ] && [ ! -f "$hostfile" ] && die "hostfile $hostfile not found"
@@ -124,6 +128,7 @@ nnodes=${nnodes:-1}; [ -n "$hostfile" ] || num_nodes=""  # --num_nodes 1 on one 
 # under an srun step of several tasks every task runs this script: one launcher per node, one world of them
 # (--no_ssh or --torchrun with --nnodes the step's tasks), else N separate runs would write one output folder
 tasks=${SLURM_STEP_NUM_TASKS:-1}
+why=$(step_refusal) || die "$why"  # scripts/launch_env.sh: --nnodes and --node_rank against the srun step's
 if [ "$tasks" -gt 1 ] 2>/dev/null && { [ "$no_ssh$torchrun" = 00 ] || [ "$nnodes" != "$tasks" ]; }; then
   die "this srun step runs $tasks copies of launch.sh: each would start a run of its own into one output folder; run one per node as one world (srun --ntasks-per-node=1 scripts/launch.sh --no_ssh --nnodes $tasks --node_rank \$SLURM_NODEID --master_addr NODE0 ...), or use scripts/slurm.sbatch"
 fi

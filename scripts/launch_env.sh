@@ -1,6 +1,6 @@
 # shellcheck shell=bash
 # Sourced by scripts/launch.sh: the run's id, its default port, and the GPUs a deepspeed launch would really use.
-# launch_id and default_port read launch.sh's nnodes (and launch_id its master_port).
+# launch_id and default_port read launch.sh's nnodes (and launch_id its master_port), step_refusal its options.
 
 # whole_step: true when this launch.sh is one task of an srun step that is the whole launch: the step spans the
 # launch's nodes with one task each (SLURM_STEP_NUM_NODES = SLURM_STEP_NUM_TASKS = nnodes), so every node sees the same
@@ -11,6 +11,27 @@
 whole_step() {
   [[ ${SLURM_JOB_ID:-} =~ ^[0-9]+$ && ${SLURM_STEP_ID:-} =~ ^[0-9]+$ ]] && [ -n "${nnodes:-}" ] &&
     [ "${SLURM_STEP_NUM_NODES:-}" = "$nnodes" ] && [ "${SLURM_STEP_NUM_TASKS:-}" = "$nnodes" ]
+}
+
+# step_refusal: one line when this launch.sh is one task a node of an srun step (--no_ssh, --torchrun; the step's tasks
+# = its nodes > 1) and --nnodes or --node_rank is not the step's. `srun scripts/launch.sh --no_ssh --nnodes N
+# --node_rank $SLURM_NODEID ...` in a batch script expands $SLURM_NODEID in the batch shell (0): every node ran node 0's
+# ranks, RANK 0..G-1 claimed N times on node 0's store, a 300 s wait, then every rank's 69 naming the other nodes lost
+# (a requeue without a healthy node). Not one srun per node (`srun -N1 -w nodeK ... --node_rank K`: one task, one node).
+step_refusal() {
+  local nodes=${SLURM_STEP_NUM_NODES:-} also="(or use scripts/slurm.sbatch)"
+  [ "$no_ssh$torchrun" != 00 ] && [[ ${SLURM_STEP_ID:-} =~ ^[0-9]+$ && $nodes =~ ^[0-9]+$ ]] && [ "$nodes" -gt 1 ] &&
+    [ "${SLURM_STEP_NUM_TASKS:-}" = "$nodes" ] || return 0
+  if [ "$nnodes" != "$nodes" ]; then
+    echo "--nnodes $nnodes but this srun step runs on $nodes nodes, one launch.sh each (SLURM_STEP_NUM_NODES): give" \
+      "--nnodes $nodes, or srun --nodes $nnodes $also"
+    return 1
+  fi
+  if [[ ${SLURM_NODEID:-} =~ ^[0-9]+$ ]] && [ "$node_rank" != "$SLURM_NODEID" ]; then
+    echo "--node_rank $node_rank but this is node $SLURM_NODEID of the srun step (SLURM_NODEID): the batch shell" \
+      "expanded \$SLURM_NODEID; write \\\$SLURM_NODEID or single-quote it $also"
+    return 1
+  fi
 }
 
 # launch_id SEPARATE: ULYSSES_LAUNCH_ID, which every rank of this launch shares and no other launch has

@@ -56,11 +56,76 @@ requeue_now() {  # from the TERM trap (time limit, preemption): plain requeue wh
   may_requeue 0
   requeue_cmd || log "requeue failed (JobState=$1)"
 }
+# The job's base state is read by base/slurm_state.py (`python -m base.slurm_state`); the Python that can run it is
+# found once, now: the venv's, else python3 (a venv built in a container is a dangling link on the host; python3 3.6
+# cannot parse the module). Without one this shell reads `scontrol --json show job` itself (json_state), else the text
+# as printed: COMPLETING while the job ends, which the TERM trap takes as a cancel (a time limit or preemption is then
+# never requeued). state_how says which, for that log line. The probe: ~50 ms a Python, once per job start.
+state_python() {  # sets state_py (empty: none runs) and state_how; logs one line when no Python runs
+  local p why tried=""
+  state_py=""
+  for p in "$repo/.venv/bin/python" python3; do
+    why=$(PYTHONPATH=$repo${PYTHONPATH:+:$PYTHONPATH} "$p" -c 'import base.slurm_state' 2>&1 >/dev/null) &&
+      { state_py=$p; state_how="$p -m base.slurm_state: no scontrol --json, no sacct"; return 0; }
+    tried+="${tried:+; }$p: $(tail -n 1 <<< "${why:-failed}" | sed 's/^.*: line [0-9]*: [^:]*: //')"
+  done
+  state_how="no Python runs base/slurm_state.py ($tried); scontrol --json, read by this shell, gave none"
+  log "no Python runs base/slurm_state.py ($tried): the job's state at a SIGTERM is read from scontrol --json by" \
+    "this shell (without it a time limit or preemption is taken as a cancel, not requeued)"
+}
+state_python
+# job_state flags listed beside the base state (base/slurm_state.py FLAGS; tests/e2e/test_sbatch_state.py: the same)
+STATE_FLAGS="COMPLETING STAGE_OUT CONFIGURING EXPEDITING RESIZING REQUEUED REQUEUE_FED REQUEUE_HOLD SPECIAL_EXIT STOPPED
+  REVOKED RESV_DEL_HOLD SIGNALING UPDATE_DB POWER_UP_NODE LAUNCH_FAILED RECONFIG_FAIL"
+json_state() {  # stdin: `scontrol --json show job $ref`; "STATE REASON" of $ref's record as base/slurm_state.py
+  # reads it (an array task A_T: the record with those array ids; else job_id's, else the first), nothing when none.
+  # grep cuts the JSON into tokens, one a line (any layout); awk follows the nesting: ~1 s for a 1000-task array's 4 MB.
+  LC_ALL=C grep -oE '"([^"\\]|\\.)*"|[][{}:,]|[^][{}:,[:space:]"]+' |
+    LC_ALL=C awk -v ref="$ref" -v flags="$STATE_FLAGS" '
+    BEGIN { split(flags, f, /[ \t\n]+/); for (k in f) flag[f[k]] = 1; at = index(ref, "_") }
+    function bare(t) { return substr(t, 1, 1) == "\"" ? substr(t, 2, length(t) - 2) : t }
+    function base(s,   k, n, w) {  # the first word of s that is no flag
+      n = split(s, w, " "); for (k = 1; k <= n; k++) if (!(w[k] in flag)) return w[k]; return "" }
+    $0 == "{" || $0 == "[" { open[++d] = $0; key[d] = ""; want[d] = ($0 == "{")
+      if (d == 2 && $0 == "[" && key[1] == "jobs") jobs = 1
+      if (jobs && d == 3) { id = ""; aid = ""; tid = ""; st = ""; rs = "" }
+      next }
+    $0 == "}" || $0 == "]" {
+      if (jobs && d == 3) {  # a record ends
+        hit = at ? aid == substr(ref, 1, at - 1) && tid == substr(ref, at + 1) : id == ref
+        if (hit && !found) { found = 1; out = base(st); why = rs }
+        if (++n == 1) { first = base(st); why1 = rs }
+      }
+      if (--d < 2) jobs = 0
+      next }
+    $0 == ":" { want[d] = 0; next }
+    $0 == "," { want[d] = (open[d] == "{"); next }
+    want[d] { key[d] = bare($0); next }
+    jobs && d == 3 && key[3] == "job_id" { id = $0 }
+    jobs && d == 3 && key[3] == "array_job_id" { aid = $0 }
+    jobs && d == 3 && key[3] == "array_task_id" { tid = $0 }
+    jobs && d == 4 && key[4] == "number" && open[4] == "{" {  # data_parser v0.0.40: {"set": true, "number": N}
+      if (key[3] == "job_id") id = $0; else if (key[3] == "array_job_id") aid = $0
+      else if (key[3] == "array_task_id") tid = $0 }
+    jobs && key[3] == "job_state" && (d == 3 || (d == 4 && open[4] == "[")) { st = st " " bare($0) }
+    jobs && d == 3 && key[3] == "state_reason" { rs = bare($0) }
+    END {
+      if (!found && !at && n) { found = 1; out = first; why = why1 }
+      if (found && out != "") print out, (why == "" ? "None" : why)
+    }'
+}
 job_state() {  # "STATE REASON": the job's base state (scontrol prints COMPLETING over it while the job ends; retried)
-  local py=$repo/.venv/bin/python out
-  [ -x "$py" ] || py=python3
-  out=$("$py" -m base.slurm_state "$ref" 2>/dev/null) && [ -n "${out// /}" ] && { echo "$out"; return 0; }
-  out=$(scontrol show job "$ref" 2>/dev/null) && [[ $out =~ JobState=([A-Z_]+) ]] &&  # no Python: as printed
+  local out i
+  if [ -n "$state_py" ]; then
+    out=$("$state_py" -m base.slurm_state "$ref" 2>/dev/null) && [ -n "${out// /}" ] && { echo "$out"; return 0; }
+  else  # no Python: the JSON's base state (Slurm >= 23.11), else the text below
+    for i in 1 2; do  # retried once (a busy controller)
+      out=$(scontrol --json show job "$ref" 2>/dev/null) && break
+      [ "$i" = 2 ] || sleep 1
+    done
+    out=$(json_state <<< "$out") && [ -n "$out" ] && { echo "$out"; return 0; }
+  fi
+  out=$(scontrol show job "$ref" 2>/dev/null) && [[ $out =~ JobState=([A-Z_]+) ]] &&  # as printed
     echo "${BASH_REMATCH[1]} $(grep -oE 'Reason=[^ ]+' <<< "$out" | head -n 1 | cut -d= -f2)"
 }
 pool_size() {  # the nodes this job can run on (its reservation's or partition's), less $1's hosts; empty: unknown

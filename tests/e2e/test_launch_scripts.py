@@ -190,6 +190,35 @@ def test_several_copies_under_one_srun_step_are_one_world_or_refused(tmp_path):
     assert p.returncode == 0, p.stderr  # one task: a plain launch
 
 
+STEP = {"SLURM_JOB_ID": "5", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "2",
+        "SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_STEP_NODELIST": "gpu[01-02]", "SLURM_NODEID": "1", "SLURM_PROCID": "1"}
+
+
+@pytest.mark.parametrize("opts, words", [
+    (["--no_ssh", "--nnodes", "2", "--node_rank", "0"], "--node_rank 0 but this is node 1 of the srun step (SLURM_NODEID):"
+     " the batch shell expanded $SLURM_NODEID; write \\$SLURM_NODEID or single-quote it"),
+    (["--torchrun", "--nnodes", "2", "--node_rank", "0"], "--node_rank 0 but this is node 1 of the srun step"),
+    (["--no_ssh", "--nnodes", "4", "--node_rank", "1"], "--nnodes 4 but this srun step runs on 2 nodes, one launch.sh "
+     "each (SLURM_STEP_NUM_NODES): give --nnodes 2, or srun --nodes 4"),
+    (["--no_ssh", "--nnodes", "2", "--node_rank", "1"], None),
+    (["--no_ssh", "--nnodes", "2", "--node_rank", "$SLURM_NODEID"], None),  # srun runs no shell: the word itself
+])
+def test_each_node_of_an_srun_step_is_its_own_node_rank(tmp_path, opts, words):
+    """`srun scripts/launch.sh --no_ssh --nnodes 2 --node_rank $SLURM_NODEID ...` in a batch script: the batch shell
+    expands $SLURM_NODEID (0) for every node, whose ranks all claimed RANK 0..G-1 on node 0's store; after 300 s every
+    rank exited 69 naming node 1 lost (a requeue without a healthy node). Refused in one line on node 1."""
+    p = launch(["--print-only", *opts, "--master_addr", "gpu01", "--num_gpus", "2", "--", "--x"], tmp_path,
+               DS_ACCELERATOR="cpu", TMPDIR=str(tmp_path), **STEP)
+    if words:
+        assert p.returncode == 2 and p.stderr.startswith(f"launch.sh: error: {words}"), p.stderr
+        assert p.stderr.rstrip().endswith("(or use scripts/slurm.sbatch)") and p.stderr.count("\n") == 1, p.stderr
+    else:
+        assert p.returncode == 0 and " --node_rank 1 " in p.stdout, p.stdout + p.stderr
+    if "$SLURM_NODEID" in opts:  # outside srun: no SLURM_NODEID to read
+        p = launch(["--print-only", *opts, "--master_addr", "a", "--", "--x"], tmp_path, DS_ACCELERATOR="cpu")
+        assert p.returncode == 2 and "--node_rank $SLURM_NODEID outside an srun task" in p.stderr, p.stderr
+
+
 def test_your_own_deepspeed_env_keeps_its_other_lines(tmp_path):
     """./.deepspeed_env is the file deepspeed users keep for what remote nodes need (LD_LIBRARY_PATH=...): the launch
     writes its own names (from this environment: a stale NCCL_ value not set now goes) and keeps the others (before:

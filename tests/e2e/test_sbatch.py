@@ -28,7 +28,7 @@ from tests.e2e.launchers import (
 def sbatch(tmp_path, fake_exit: str, args: list[str], **env: str) -> subprocess.Popen:
     e = clean_env(PATH=f"{STUBS}:{os.environ['PATH']}", SLURM_SUBMIT_DIR=str(tmp_path), PYTHONPATH=ROOT,
                   SCONTROL_LOG=str(tmp_path / "scontrol.log"), FAKE_LOG=str(tmp_path / "fake.log"),
-                  FAKE_EXIT=fake_exit, LAUNCH_CMD=os.path.join(STUBS, "fake_launch"), **env)
+                  FAKE_EXIT=fake_exit, **{"LAUNCH_CMD": os.path.join(STUBS, "fake_launch"), **env})
     return subprocess.Popen(["sbatch", SBATCH_SCRIPT, *args], cwd=tmp_path, env=e, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
@@ -133,6 +133,38 @@ def test_sbatch_carries_the_interface_variables_to_every_node(tmp_path, export):
     assert job.returncode == 0, text
     assert (tmp_path / "fake.log").read_text().splitlines()[1] == (
         "env: GLOO_SOCKET_IFNAME=eth1 NCCL_SOCKET_IFNAME=eth1 FI_PROVIDER=efa UCX_TLS=rc,sm")
+
+
+@pytest.mark.parametrize("env, gpus", [({}, None), ({"SLURM_GPUS_ON_NODE": "4"}, "4"),
+                                       ({"GPUS_PER_NODE": "2", "SLURM_GPUS_ON_NODE": "4"}, "2")])
+def test_sbatch_leaves_the_gpu_count_to_launch_sh_without_gres(tmp_path, env, gpus):
+    """A cluster without GPU GRES (#SBATCH --gpus-per-node deleted: sbatch refused it) sets no SLURM_GPUS_ON_NODE: the
+    launcher was given --num_gpus 8 and never counted, so ranks 4-7 of a 4-GPU node refused. Now it gets none and
+    counts its own (launch.sh: CUDA_VISIBLE_DEVICES, nvidia-smi; 2 CPU ranks on CPU)."""
+    job = sbatch(tmp_path, "0", ["--output_dir", str(tmp_path / "out"), "--dry_run"], **env)
+    text = job.communicate(timeout=60)[0]
+    assert job.returncode == 0, text
+    args = (tmp_path / "fake.log").read_text().splitlines()[0]
+    assert args.endswith(f"--master_port 29694{f' --num_gpus {gpus}' if gpus else ''} -- --resume auto --output_dir "
+                         f"{tmp_path}/out --dry_run"), args
+
+
+def test_launch_cmd_is_words_a_container_runtime_can_lead(tmp_path):
+    """LAUNCH_CMD='apptainer exec --nv img.sif scripts/launch.sh' (a container per node) ran as one word: 'No such
+    file or directory', every node. Now split into words (no quotes, no expansion): `env VAR=x LAUNCH` here stands in
+    for the runtime, and the real launch.sh under it counts this node's ranks (CPU: 2) with no --num_gpus given."""
+    job = sbatch(tmp_path, "0", ["--output_dir", str(tmp_path / "out"), "--dry_run"],
+                 LAUNCH_CMD=f"env  GLOO_SOCKET_IFNAME=wrapped {os.path.join(STUBS, 'fake_launch')}")
+    text = job.communicate(timeout=60)[0]
+    assert job.returncode == 0, text
+    log = (tmp_path / "fake.log").read_text().splitlines()
+    assert log[0].startswith("args: --no_ssh --nnodes 1 --node_rank 0 ") and log[1].startswith(
+        "env: GLOO_SOCKET_IFNAME=wrapped "), log
+    job = sbatch(tmp_path, "0", ["--output_dir", str(tmp_path / "out"), "--dry_run"], DS_ACCELERATOR="cpu",
+                 TMPDIR=str(tmp_path), LAUNCH_CMD=f"{os.path.join(ROOT, 'scripts', 'launch.sh')} --print-only")
+    text = job.communicate(timeout=60)[0]
+    assert job.returncode == 0 and f"/ulysses_hostfile.{os.getuid()}.1x2 --no_ssh --node_rank 0 --master_addr " \
+        "127.0.0.1 --master_port 29694 " in text, text  # 1 node x 2 ranks
 
 
 

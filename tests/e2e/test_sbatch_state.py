@@ -1,0 +1,131 @@
+"""How scripts/slurm_requeue.sh reads a job's base state (its job_state, which slurm.sbatch's TERM trap decides on)
+when no Python can run base/slurm_state.py: a venv built in a container (a dangling link on the host), a host python3
+too old for the module (3.6: `from __future__ import annotations` is a SyntaxError), a venv python that fails. It used
+to read `scontrol show job` as printed, COMPLETING while a job ends, which the trap takes as a cancel: a time limit or
+a preemption was never requeued. The stand-in scontrol (tests/stubs) shows the job TIMEOUT|COMPLETING here."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from base.slurm_state import FLAGS, _from_json
+from tests.e2e.launchers import ROOT, STUBS, clean_env, wait_for
+from tests.e2e.test_sbatch import sbatch
+from tests.e2e.test_sbatch_ends import ready, slurm
+
+REQUEUE_SH = os.path.join(ROOT, "scripts", "slurm_requeue.sh")
+
+
+def sourced(tmp_path, call: str, venv: str = "runs", python3: str = "runs", ref: str = "4242",
+            **env: str) -> subprocess.CompletedProcess:
+    """`call` in a bash that sourced slurm_requeue.sh as slurm.sbatch does, for a repository whose .venv python is
+    `venv` (runs, dangling, fails) and a PATH whose python3 is `python3` (runs, 3.6); the job TIMEOUT|COMPLETING."""
+    repo, bin_dir = tmp_path / "repo", tmp_path / "bin"
+    (repo / ".venv" / "bin").mkdir(parents=True, exist_ok=True)
+    bin_dir.mkdir(exist_ok=True)
+    if not (repo / "base").exists():
+        (repo / "base").symlink_to(os.path.join(ROOT, "base"))
+    py = repo / ".venv" / "bin" / "python"
+    if venv == "dangling":
+        py.symlink_to("/usr/bin/python3.99")  # the container's interpreter, absent on the host
+    elif venv == "fails":  # executable, cannot start (a venv moved or built for another libc)
+        py.write_text("#!/bin/sh\necho 'python: error while loading shared libraries: libpython3.11.so.1.0' >&2\n"
+                      "exit 127\n")
+    else:
+        py.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    (bin_dir / "python3").write_text(
+        f'#!/bin/sh\nexec {sys.executable} "$@"\n' if python3 == "runs" else
+        "#!/bin/sh\necho '  File \"base/slurm_state.py\", line 20' >&2\n"
+        "echo 'SyntaxError: future feature annotations is not defined' >&2\nexit 1\n")
+    for f in (py, bin_dir / "python3"):
+        if not f.is_symlink():
+            f.chmod(0o755)
+    (tmp_path / "scontrol.log.state").write_text(
+        "state=TIMEOUT\nreason=TimeLimit\ncompleting=1\njob_processes=state-test\n")
+    script = f'ref={ref} repo={repo} out_dir=""; log() {{ echo "log: $*"; }}; . {REQUEUE_SH}; {call}'
+    e = clean_env(PATH=f"{bin_dir}:{STUBS}:/usr/bin:/bin", PYTHONPATH=str(repo), SBATCH_STUB_JOB="state-test",
+                  SCONTROL_LOG=str(tmp_path / "scontrol.log"), **env)
+    return subprocess.run(["bash", "-c", script], env=e, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("venv, python3, json_ok, want", [
+    ("dangling", "3.6", True, "TIMEOUT TimeLimit"),   # read by the shell from scontrol --json
+    ("fails", "runs", True, "TIMEOUT TimeLimit"),     # python3 after a venv python that fails, not only one not -x
+    ("fails", "3.6", True, "TIMEOUT TimeLimit"),
+    ("dangling", "3.6", False, "COMPLETING TimeLimit"),  # a Slurm before --json, no Python: as printed (a cancel)
+])
+def test_the_base_state_is_read_when_the_venvs_python_cannot_run(tmp_path, venv, python3, json_ok, want):
+    p = sourced(tmp_path, 'echo "state: $(job_state)"; echo "how: $state_how"', venv, python3,
+                SCONTROL_JSON="1" if json_ok else "0")
+    assert f"state: {want}\n" in p.stdout, p.stdout + p.stderr
+    logged = [ln for ln in p.stdout.splitlines() if ln.startswith("log: ")]
+    if python3 == "runs":  # found at start-up: nothing to say, and the COMPLETING line would name it
+        assert logged == [] and "how: python3 -m base.slurm_state" in p.stdout, p.stdout
+    else:  # one line at start-up, naming each Python and why it did not run
+        assert len(logged) == 1 and "no Python runs base/slurm_state.py" in logged[0], p.stdout
+        assert "python3: SyntaxError: future feature annotations is not defined" in logged[0], logged
+        assert ("No such file or directory" if venv == "dangling" else "libpython3.11.so") in logged[0], logged
+
+
+def test_the_shells_flags_are_base_slurm_states():
+    p = subprocess.run(["bash", "-c", f'ref=1 repo={ROOT}; log() {{ :; }}; . {REQUEUE_SH}; echo $STATE_FLAGS'],
+                       capture_output=True, text=True, timeout=30, env=clean_env(PYTHONPATH=ROOT))
+    assert set(p.stdout.split()) == FLAGS, p.stdout + p.stderr
+
+
+def job(job_id, states, reason="TimeLimit", array=None, **more) -> dict:
+    rec = {"account": "a", "command": 'echo "{[\\"job_state\\": [\\"RUNNING\\"]]}"', "job_id": job_id}
+    if array:
+        rec.update(array_job_id={"set": True, "infinite": False, "number": array[0]},
+                   array_task_id={"set": True, "infinite": False, "number": array[1]})
+    rec.update(job_resources={"nodes": {"allocation": [{"name": "n1", "sockets": []}, {"name": "n2"}]}},
+               job_state=states, **more)
+    if reason is not None:
+        rec["state_reason"] = reason
+    return rec
+
+
+ARRAY = [job(100, ["PENDING"], "JobArrayTaskLimit", (100, 7)), job(103, ["CANCELLED", "COMPLETING"], "None", (100, 3))]
+
+
+@pytest.mark.parametrize("jobs, ref", [
+    ([job(4242, ["TIMEOUT", "COMPLETING"])], "4242"),
+    ([job(4242, ["COMPLETING", "PREEMPTED"])], "4242"),   # the flag first
+    ([job(4242, ["COMPLETING", "REQUEUED"])], "4242"),    # flags only: no base state
+    ([job(4242, "COMPLETING")], "4242"),                  # 23.02's data_parser writes the printed string
+    ([job(4242, "RUNNING", None)], "4242"),               # no reason: None
+    ([job(4242, ["CANCELLED"], "")], "4242"),
+    (ARRAY, "100_3"), (ARRAY, "100_7"), (ARRAY, "100_5"), (ARRAY, "103"), (ARRAY, "999"),
+    ([], "4242"),
+])
+@pytest.mark.parametrize("indent", [None, 2])
+def test_the_shells_json_reading_agrees_with_base_slurm_state(tmp_path, jobs, ref, indent):
+    """json_state (no Python) against base/slurm_state.py on the same text: each record split by nesting depth (an
+    array task's among the array's records, the head's first), ids as numbers or v0.0.40's {"number": N}, pretty or
+    compact."""
+    text = json.dumps({"meta": {"plugin": {"type": "x"}}, "jobs": jobs, "errors": []}, indent=indent)
+    (tmp_path / "job.json").write_text(text)
+    p = subprocess.run(["bash", "-c", f'ref={ref} repo={ROOT}; log() {{ :; }}; . {REQUEUE_SH}; json_state < {tmp_path}/job.json'],
+                       capture_output=True, text=True, timeout=30, env=clean_env(PYTHONPATH=ROOT))
+    got = _from_json(text, ref)
+    assert p.stdout == (" ".join(got) + "\n" if got else ""), (p.stdout, p.stderr, got)
+
+
+def test_an_unreadable_state_names_the_python_it_tried(tmp_path):
+    """A Slurm before --json and no sacct: the time limit's TERM leaves only COMPLETING, taken as a cancel; the log line
+    names the Python that read it (it said "no scontrol --json, no sacct" whatever ran)."""
+    job_ = sbatch(tmp_path, "wait", ["--output_dir", str(tmp_path / "out")], FAKE_EXIT_AFTER="75", SCONTROL_JSON="0",
+                  SCONTROL_KILL_WAIT="4")
+    try:
+        wait_for(lambda: ready(tmp_path), 90, "the stand-in launcher")
+        slurm(tmp_path, "scontrol", "_end", "4242", "TIMEOUT")
+        text = job_.communicate(timeout=30)[0]
+    finally:
+        job_.kill()
+    assert f"its base state unreadable ({ROOT}/.venv/bin/python -m base.slurm_state: no scontrol --json, no sacct)" \
+        in text, text
