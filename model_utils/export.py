@@ -11,7 +11,9 @@ the model's config; an export carrying that off made `generate()` recompute the 
 against 3 s for 40 new tokens after a 2,000-token prompt on the demo's export, an audit measured), and the base
 model's `generation_config.json` (an Instruct model's list of end-of-turn ids, its sampling defaults) copied from
 the folder the run started from, where it has one; its `output_router_logits` too (training turns it off:
-model_utils/families.drop_router_logits).
+model_utils/families.drop_router_logits). The run's tokenizer too, as transformers 4.x reads it as well as 5
+(export_tokenizer, legacy_tokenizer: vLLM and llama.cpp's converter pin < 5); a recorded tokenizer or base model that
+is gone is refused (check_recorded), not silently left out.
 
 The weights are written in the layout transformers' own save_pretrained writes (hub_layout): transformers 5 fuses an
 MoE's experts in memory (Qwen3-MoE's `mlp.experts.gate_up_proj`, one 3-D tensor) and reverts that on save
@@ -122,14 +124,7 @@ def add_stops(path: str, config, stops: list[int]) -> list[int]:
 def base_config(source: str | None) -> dict:
     """The raw config.json of the folder the run started from (base_file); {} where there is none."""
     path = base_file(source, "config.json")
-    if path is None:
-        return {}
-    try:
-        with open(path) as fh:
-            got = json.load(fh)
-    except (ValueError, OSError):
-        return {}
-    return got if isinstance(got, dict) else {}
+    return _json(path) if path else {}
 
 
 def restore_router_logits(config, base: dict) -> None:
@@ -281,6 +276,128 @@ def legacy_rope(path: str) -> None:
         json.dump(d, fh, indent=2, sort_keys=True)
 
 
+def check_recorded(tokenizer_path: str | None, source: str | None) -> None:
+    """A one-line ValueError where the run's tokenizer (a file or folder when it trained: data/tokenizer.py refuses
+    any other) or the model it started from (a folder, a cached hub id or a preset) is no longer there: the export
+    went on without the tokenizer, or without the base's generation_config.json (an Instruct model's end-of-turn ids),
+    and said nothing."""
+    if tokenizer_path and not os.path.exists(tokenizer_path):
+        raise ValueError(f"the run's tokenizer {tokenizer_path} no longer exists (moved, deleted, or relative to another "
+                         "working directory): give scripts/export_hf.py --tokenizer PATH (where it is now), or "
+                         "--tokenizer none to export without one")
+    if not source:
+        return
+    from model_utils.build import PRESETS, resolve_model
+
+    try:
+        found = resolve_model(source, weights=False)
+    except ValueError as e:
+        found, why = None, str(e)
+    else:
+        why = f"{source}: no such folder"
+    if found is None or not (found in PRESETS or os.path.isdir(found)):
+        raise ValueError(f"the run's base model is not there ({why}; the export copies its generation_config.json): "
+                         "give scripts/export_hf.py --source PATH (where it is now), or --source none to export "
+                         "without it")
+
+
+def recorded_or_none(tokenizer_path: str | None, source: str | None) -> tuple[str | None, str | None]:
+    """train.py's end-of-run export: a tokenizer or base model gone since the run started (a node-local cache cleaned
+    during a week of training) is left out with one note naming the re-export, not a refusal after the training
+    (the run would end without COMPLETE)."""
+    for i, pair in enumerate(((tokenizer_path, None), (None, source))):
+        try:
+            check_recorded(*pair)
+        except ValueError as e:
+            print(f"note: exporting without it: {e}", flush=True)
+            tokenizer_path, source = (None, source) if i == 0 else (tokenizer_path, None)
+    return tokenizer_path, source
+
+
+VERY_LARGE = 1e20  # a model_max_length above it is transformers' "no limit" (int(1e30)), not a length
+
+
+def export_tokenizer(tokenizer_path: str, out: str, template: str | None, positions: int | None) -> None:
+    """The run's Hugging Face tokenizer folder written to `out` (transformers' save_pretrained, then legacy_tokenizer:
+    read alike by 4.x and 5), with the chat template the rows were rendered with (`template`; else the folder's own,
+    or the one it ships only in chat_template.json, which AutoTokenizer does not read and data/tokenizer.py trains on:
+    Mistral-Small-3.1-2503), and a model_max_length of at least `positions` (the model's max_position_embeddings: a
+    base's 131072 kept after a 1M extension cut a truncation=True input at 128k, with false length warnings)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_path, mistral_format=False)  # as training read it
+    shipped = os.path.join(tokenizer_path, "chat_template.json")
+    if template:
+        tok.chat_template = template
+    elif not tok.chat_template and (value := _json(shipped).get("chat_template")):
+        # named templates are listed as tokenizer_config.json lists them ([{name, template}]): a dict in memory
+        tok.chat_template = {t.get("name"): t.get("template") for t in value} if isinstance(value, list) else value
+    length = tok.model_max_length
+    if positions and isinstance(length, (int, float)) and length < VERY_LARGE:
+        tok.model_max_length = max(int(length), int(positions))
+    tok.save_pretrained(out)
+    # a sentencepiece folder's own files, verbatim: a fast tokenizer writes tokenizer.json only, and a loader
+    # without the conversion (sentencepiece, llama.cpp's converter, a slow tokenizer) needs tokenizer.model; a
+    # processor's chat_template.json (AutoProcessor, vLLM's multimodal path read it), its template the trained one
+    for name, always in (("tokenizer.model", True), ("special_tokens_map.json", False), ("chat_template.json", True)):
+        src = os.path.join(tokenizer_path, name)
+        if os.path.isfile(src) and (always or not os.path.exists(os.path.join(out, name))):
+            shutil.copy(src, os.path.join(out, name))
+    got = _json(os.path.join(out, "chat_template.json"))
+    if template and got.get("chat_template") not in (None, template):  # another format than the rows': replaced
+        with open(os.path.join(out, "chat_template.json"), "w") as fh:
+            json.dump({**got, "chat_template": template}, fh, indent=2)
+    legacy_tokenizer(out, tokenizer_path)
+
+
+def _json(path: str) -> dict:
+    """The JSON object in `path`; {} where there is none (no file, not JSON, not an object)."""
+    try:
+        with open(path) as fh:
+            got = json.load(fh)
+    except (OSError, ValueError):
+        return {}
+    return got if isinstance(got, dict) else {}
+
+
+def legacy_tokenizer(out: str, source: str) -> None:
+    """tokenizer_config.json at `out` also as transformers 4.x reads it (vLLM and llama.cpp's converter pin < 5, TGI
+    4.51): 5 writes `tokenizer_class: TokenizersBackend` (for PreTrainedTokenizerFast, the Llama 3 family; no such
+    class in 4.x), its extra special tokens as a list in `extra_special_tokens` (4.57: "'list' object has no attribute
+    'keys'"), `backend` / `is_local` / `local_files_only` (passed on to the class), and the chat template only in
+    chat_template.jinja (4.46 and TGI read it inline). Rewritten: the class of the `source` folder's
+    tokenizer_config.json (else PreTrainedTokenizerFast), the list as `additional_special_tokens`, the template inline
+    too (the .jinja files kept: 5 reads them first), the three keys dropped. 5 reads it back alike (same ids,
+    special tokens, template). Written in the folder the export builds and swaps in whole, as config.json is."""
+    path = os.path.join(out, "tokenizer_config.json")
+    c = _json(path)
+    if not c:
+        return
+    cls = _json(os.path.join(source, "tokenizer_config.json")).get("tokenizer_class")
+    c["tokenizer_class"] = cls if isinstance(cls, str) and cls != "TokenizersBackend" else "PreTrainedTokenizerFast"
+    extra = c.get("extra_special_tokens")
+    if isinstance(extra, list):  # (a dict of named ones is 4.x's own form: kept)
+        have = list(c.get("additional_special_tokens") or [])
+        c["additional_special_tokens"] = have + [t for t in c.pop("extra_special_tokens") if t not in have]
+    for key in ("backend", "is_local", "local_files_only"):
+        c.pop(key, None)
+    named = {}
+    if os.path.isfile(os.path.join(out, "chat_template.jinja")):
+        with open(os.path.join(out, "chat_template.jinja"), encoding="utf-8") as fh:
+            named["default"] = fh.read()
+    more = os.path.join(out, "additional_chat_templates")
+    for f in sorted(os.listdir(more)) if os.path.isdir(more) else ():
+        if f.endswith(".jinja"):
+            with open(os.path.join(more, f), encoding="utf-8") as fh:
+                named[f.removesuffix(".jinja")] = fh.read()
+    if list(named) == ["default"]:
+        c["chat_template"] = named["default"]
+    elif named:  # 4.x's inline form of named templates
+        c["chat_template"] = [{"name": k, "template": v} for k, v in named.items()]
+    with open(path, "w") as fh:
+        json.dump(c, fh, indent=2, ensure_ascii=False)
+
+
 def export_hf(checkpoint: str, out_dir: str, tokenizer_path: str | None = None, source: str | None = None,
               owned: bool = False, stops: list[int] | None = None, identity: str | None = None,
               template: str | None = None, dtype: str = "auto") -> str:
@@ -295,6 +412,7 @@ def export_hf(checkpoint: str, out_dir: str, tokenizer_path: str | None = None, 
     weights' dtype on disk (export_dtype: auto is the run's training precision). A symlinked `out_dir` is written
     where it points (the link kept; check_out: the target missing, empty or a previous export)."""
     check_out(out_dir, checkpoint, owned)
+    check_recorded(tokenizer_path, source)
     if dtype != "auto":
         export_dtype(None, dtype)  # the one-line refusal of an unknown one, before any work
     import torch
@@ -350,20 +468,10 @@ def export_hf(checkpoint: str, out_dir: str, tokenizer_path: str | None = None, 
     if tokenizer_path and os.path.isfile(tokenizer_path):
         shutil.copy(tokenizer_path, os.path.join(tmp, "tokenizer.model"))
     elif tokenizer_path and os.path.isdir(tokenizer_path):
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(tokenizer_path, mistral_format=False)  # as training read it
-        if template:
-            tok.chat_template = template
-        tok.save_pretrained(tmp)
-        # a sentencepiece folder's own files, verbatim: a fast tokenizer writes tokenizer.json only, and a loader
-        # without the conversion (sentencepiece, llama.cpp's converter, a slow tokenizer) needs tokenizer.model
-        for name, always in (("tokenizer.model", True), ("special_tokens_map.json", False)):
-            src = os.path.join(tokenizer_path, name)
-            if os.path.isfile(src) and (always or not os.path.exists(os.path.join(tmp, name))):
-                shutil.copy(src, os.path.join(tmp, name))
+        export_tokenizer(tokenizer_path, tmp, template, getattr(text, "max_position_embeddings", None))
     with open(os.path.join(tmp, MARKER), "w") as fh:
         json.dump({"checkpoint": os.path.abspath(checkpoint), "manifest_sha256": identity, "source": source,
+                   "tokenizer": tokenizer_path and os.path.abspath(tokenizer_path),
                    "generation_config": gen, "added_stops": added, "trained_template": bool(template),
                    "dtype": written}, fh, indent=1)
     durable(tmp)

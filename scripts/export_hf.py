@@ -1,6 +1,7 @@
 """Convert a saved run (or one checkpoint) to a Hugging Face folder loadable by AutoModelForCausalLM.
 
     python scripts/export_hf.py checkpoints/RUN [--checkpoint CKPT] [--out DIR] [--dtype auto|bf16|fp32]
+                                [--tokenizer PATH|none] [--source PATH|none]
     python scripts/export_hf.py checkpoints/RUN/checkpoints/step_000300     # one checkpoint, as evaluate.py takes it
 
 CKPT: a checkpoint folder (checkpoints/RUN/checkpoints/step_000300) or a stage's marker
@@ -8,7 +9,9 @@ CKPT: a checkpoint folder (checkpoints/RUN/checkpoints/step_000300) or a stage's
 (RUN/hf_model_<step> for a checkpoint older than the run's newest); another folder that exists is replaced only when
 it is a previous export (model_utils/export.check_out). --dtype: the weights on disk; auto (the default, as train.py's
 own export) is the run's training precision: bf16 for a bf16 run (as save_pretrained of a bf16 model writes; half the
-size), fp32 to keep the fp32 master weights exactly.
+size), fp32 to keep the fp32 master weights exactly. --tokenizer / --source: where the run's tokenizer / the model it
+started from (its generation_config.json is copied) are now, when the paths the checkpoint recorded no longer exist
+(refused in one line otherwise); `none` exports without it.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import os
 import sys
 
 from data.chat_stops import reply_stops
-from model_utils.export import export_hf
+from model_utils.export import check_recorded, export_hf
 from training.checkpoint import MANIFEST, POINTER, Checkpointer
 from training.checkpoint_files import manifest_sha256
 
@@ -44,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
                    help="the weights' dtype on disk (default auto: the run's training precision, bf16 for a bf16 run; "
                    "fp32: the fp32 master weights, twice the size)")
+    p.add_argument("--tokenizer", default=None, help="the run's tokenizer folder or .model file where it is now "
+                   "(default: the path the checkpoint recorded); none: export without a tokenizer")
+    p.add_argument("--source", default=None, help="the model the run started from, where it is now (default: its "
+                   "--model_name_or_path); none: export without its generation_config.json")
     a = p.parse_args(argv)
     first = a.run_dir.rstrip("/")
     if os.path.isfile(os.path.join(first, MANIFEST)) or os.path.basename(first).startswith("STAGE_"):
@@ -76,15 +83,18 @@ def main(argv: list[str] | None = None) -> int:
     owned = same(a.out or default, default) and same(os.path.dirname(path.rstrip("/")),
                                                      os.path.join(a.run_dir, "checkpoints"))
     cfg = trainer.get("config") or {}
-    if "reply_stops" in trainer:  # a chat SFT's end-of-turn, as the run read it (train.py's own export adds the same)
-        stops = trainer["reply_stops"]
-    else:  # a checkpoint from before they were recorded: an SFT run's, through the template's default
-        sft = cfg.get("data_kind") == "sft" or any((s or {}).get("kind") == "sft" for s in cfg.get("stages") or [])
-        stops = reply_stops(trainer.get("tokenizer")) if sft else None
+    given = lambda flag, recorded: recorded if flag is None else None if flag == "none" else flag  # noqa: E731
+    tok, source = given(a.tokenizer, trainer.get("tokenizer")), given(a.source, cfg.get("model_name_or_path"))
     # the chat template the rows were rendered with (a checkpoint before 2026-11-30: the tokenizer's own is written)
     template = trainer.get("trained_template")
     try:
-        out = export_hf(path, a.out or default, trainer.get("tokenizer"), source=cfg.get("model_name_or_path"),
+        check_recorded(tok, source)  # before reply_stops reads the tokenizer
+        if "reply_stops" in trainer:  # a chat SFT's end-of-turn, as the run read it (train.py's export adds the same)
+            stops = trainer["reply_stops"]
+        else:  # a checkpoint from before they were recorded: an SFT run's, through the template's default
+            sft = cfg.get("data_kind") == "sft" or any((s or {}).get("kind") == "sft" for s in cfg.get("stages") or [])
+            stops = reply_stops(tok) if sft else None
+        out = export_hf(path, a.out or default, tok, source=source,
                         owned=owned, stops=stops, identity=manifest_sha256(path), template=template, dtype=a.dtype)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -93,7 +93,9 @@ def test_a_yarn_export_says_the_length_it_extends_to(tmp_path, monkeypatch):
     """A YaRN stage's export kept the base's max_position_embeddings (the demo's 131072 over an original 256):
     transformers before 4.56 (and copies of its code) derive YaRN's factor as max_position_embeddings / original, so
     it loaded as factor 512 (Qwen2.5-7B-Instruct's recipe: factor 1, no YaRN at 128k); transformers 5 warns at each
-    load. The export writes original x factor, which every reading agrees with."""
+    load. The export writes original x factor, which transformers 4.51 and later read as trained; 4.46-4.50 compute
+    YaRN's correction range from max_position_embeddings, not original_max_position_embeddings, so a YaRN export
+    needs 4.51 or later there (docs/checkpoints.md)."""
     import deepspeed.utils.zero_to_fp32 as z
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
