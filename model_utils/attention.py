@@ -34,6 +34,7 @@ bypasses it: under SP such a model would silently attend only within its own sha
 from __future__ import annotations
 
 import bisect
+import math
 
 import torch
 
@@ -45,6 +46,14 @@ from model_utils import sinks
 # what the plain call saves (bench/attention.py's notes in docs/results/attention.md).
 BLOCK = 512
 FLEX_BLOCK = 128  # flex_attention's sparse block size
+# flex_attention's document BlockMask grows with (sl / FLEX_BLOCK)^2 per sample of a micro-batch: measured (CPU,
+# 2k-token documents) 41-48 B per block pair while doc_block_mask builds it ([bs, nb, nb] bools, an int64 argsort)
+# and 16 B kept (four int32 index tables): at 1M tokens 2.8 GB built + 1.07 GB kept, at 4M ~44 GB; under context
+# parallelism each rank builds its 1/cp of it (rect_block_mask). The planner does not count it, so a mask past
+# FLEX_MASK_MAX_BYTES a rank is refused at start-up (check_flex_length: 1,048,576 tokens a sample without cp, the
+# gpt-oss recipe's 1M stage at cp 2 builds 2 GiB; 4M needs cp 16).
+FLEX_MASK_BYTES_PER_PAIR = 64
+FLEX_MASK_MAX_BYTES = 4 * 2**30
 SUPPORTED = ("sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 _ORIGINAL: dict = {}  # (interface, name) -> the function we replaced
@@ -120,9 +129,16 @@ class Documents:
             self._cache[key] = doc_block_mask(self.doc, window)
         return self._cache[key]
 
+    def drop_block_masks(self) -> None:
+        """Forget the BlockMasks (16 B per block pair each: 1.07 GB a mask at 1M tokens), context_parallel's rectangular
+        ones ("cp_flex") too; rebuilt if asked again."""
+        for key in [k for k in self._cache if isinstance(k, tuple) and k[0] in ("flex", "cp_flex")]:
+            del self._cache[key]
+
 
 _DOCS: list = []  # [(key tensor, its version, bs, sl, Documents)], newest last
-_KEEP = 4  # micro-batches remembered: a recompute may come after another forward (evaluation, a probe)
+_KEEP = 4  # micro-batches remembered: a recompute may come after another forward (evaluation, a probe); only the
+# newest keeps its flex BlockMasks (an older one's recompute rebuilds them: time, not memory held for 4)
 _OUTER: list = []  # the position ids of the outermost attention call in progress (this rank's shard under SP)
 
 
@@ -148,6 +164,8 @@ def documents_for(position_ids: torch.Tensor, bs: int) -> Documents:
         if k is key and v == ver and b == bs and s == sl:
             return docs
     docs = Documents(position_ids, bs)
+    for *_, older in _DOCS:
+        older.drop_block_masks()
     _DOCS.append((key, ver, bs, sl, docs))
     del _DOCS[:max(len(_DOCS) - _KEEP, 0)]
     return docs
@@ -282,6 +300,27 @@ def doc_block_mask(doc: torch.Tensor, window: int | None, block: int = FLEX_BLOC
 
     return BlockMask.from_kv_blocks(*blocks(partial), *blocks(full), BLOCK_SIZE=block, mask_mod=mask_mod,
                                     seq_lengths=(sl, sl))
+
+
+def flex_mask_bytes(seq_len: int, micro_batch: int = 1) -> int:
+    """Peak bytes of building one flex_attention document BlockMask for `micro_batch` samples of `seq_len` tokens."""
+    nb = -(-seq_len // FLEX_BLOCK)
+    return FLEX_MASK_BYTES_PER_PAIR * micro_batch * nb * nb
+
+
+def check_flex_length(attn: str, seq_len: int, micro_batch: int = 1, where: str = "", cp: int | str = 1) -> None:
+    """One-line ValueError where --attn_implementation flex_attention's BlockMask would pass FLEX_MASK_MAX_BYTES on
+    a rank: the whole sample's, over the context-parallel factor (rect_block_mask builds each rank's rows; an `auto`
+    cp not yet split counts as 1)."""
+    cp = cp if isinstance(cp, int) and cp > 0 else 1
+    need = flex_mask_bytes(seq_len, micro_batch) // cp
+    if attn == "flex_attention" and need > FLEX_MASK_MAX_BYTES:
+        longest = math.isqrt(FLEX_MASK_MAX_BYTES * cp // (FLEX_MASK_BYTES_PER_PAIR * micro_batch)) * FLEX_BLOCK
+        raise ValueError(f"{where}{': ' if where else ''}--attn_implementation flex_attention at max_seq_length "
+                         f"{seq_len:,} (micro-batch {micro_batch}, cp {cp}): its "
+                         f"document BlockMask takes {need / 2**30:.1f} GiB a rank, growing with (length / 128)^2, "
+                         f"which the memory plan does not count; it takes at most {longest:,} tokens: use "
+                         "flash_attention_2 or sdpa, or a larger context_parallel_size")
 
 
 def _flex_docs(orig, module, query, key, value, docs: Documents, window, kwargs):

@@ -53,7 +53,7 @@ from model_utils import ring_attention
 from model_utils.engagement import engaged, missing_norm_source
 from model_utils.mlp import use_lean_mlp
 from model_utils.rmsnorm import norm_source, renorm, use_lean_rmsnorm
-from model_utils.tiled_loss import agreed_tiles, install_loss_forward, loss_sum, tiled_loss_sum
+from model_utils.tiled_loss import TileGradSum, agreed_tiles, install_loss_forward, loss_sum, tiled_loss_sum
 from planner.memory_model import mlp_tiles
 
 # Tile sizes. Module-level so the tests can force several tiles on tiny models.
@@ -231,16 +231,19 @@ class NormTiledMLP(torch.autograd.Function):
         x_grad = torch.zeros((rows, h), dtype=incoming.dtype, device=incoming.device)
         step = -(-rows // ctx.shards)  # torch.chunk's split, as the forward's tiles
         starts = list(range(0, rows, step))
+        sums = TileGradSum(ctx.compute_params, len(starts))  # gate / up / down's gradients summed in fp32
         for i, s in enumerate(starts):
-            e = min(s + step, rows)
+            e, last = min(s + step, rows), i + 1 == len(starts)
             for p in ctx.compute_params:  # ZeRO-3: reduce the weights' gradients after the last tile only
-                p.ds_grad_is_ready = i + 1 == len(starts)
+                p.ds_grad_is_ready = last
             tile = renorm(xr, weight, rstd, s, e).requires_grad_(ctx.x_requires_grad)
             if ctx.x_requires_grad:
                 tile.grad = x_grad[s:e]
             with torch.enable_grad():
                 out = ctx.fn(ctx.self, tile)
+            sums.before(last)
             torch.autograd.backward(out, incoming[s:e])
+            sums.after(last)
         return None, None, x_grad.view(ctx.shape), None, None, None
 
 

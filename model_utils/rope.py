@@ -29,6 +29,8 @@ import difflib
 import hashlib
 import json
 
+from planner.shapes import ROPE_MAX_POSITIONS
+
 ROPE_TYPES = {
     "default": set(),
     "linear": {"factor"},
@@ -184,9 +186,20 @@ def _one(config, base: dict, rope: dict | None, where: str, sp: int) -> tuple[di
     return out, notes
 
 
+def check_positions(params: dict, length: int) -> None:
+    """One-line ValueError for a RoPE model's (`params` non-empty) sample longer than ROPE_MAX_POSITIONS (2**24):
+    float32 position * inv_freq (transformers, vLLM, Meta's reference) stops telling positions apart past it
+    (planner/shapes.ROPE_MAX_POSITIONS: the measured errors), and a float64 one would train what no server runs."""
+    if params and length > ROPE_MAX_POSITIONS:
+        raise ValueError(f"max_seq_length {length:,}: positions >= {ROPE_MAX_POSITIONS:,} collapse in float32 RoPE (HF, "
+                         f"vLLM, Meta's reference): at most {ROPE_MAX_POSITIONS:,} tokens a sample")
+
+
 def short_scaling(params: dict, length: int) -> list[str]:
     """Notes where a stage's yarn / linear scaling reaches fewer positions (factor x original length) than the stage
-    trains at: "factor 2" written to double a model already x32 cut its scaling 16x, unsaid."""
+    trains at: "factor 2" written to double a model already x32 cut its scaling 16x, unsaid. Refuses (check_positions)
+    a length past what float32 RoPE positions (training/curriculum.check_stages calls it for every stage at start-up)."""
+    check_positions(params, length)
     out = []
     for p in (params.values() if nested(params) else [params]):
         kind, f, orig = p.get("rope_type"), p.get("factor"), p.get("original_max_position_embeddings")
@@ -211,6 +224,7 @@ def apply_rope(hf_config, rope: dict | None, max_seq_length: int) -> None:
     scaling are the same either way (tests/unit/model_utils/test_rope_stages.py)."""
     config = text_config(hf_config)
     params, _ = stage_rope(config, rope)
+    check_positions(params, max_seq_length)
     config.rope_parameters = params
     kinds = {p.get("rope_type") for p in (params.values() if nested(params) else [params])}
     if "dynamic" not in kinds:

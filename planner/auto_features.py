@@ -45,6 +45,7 @@ from planner.comm_model import all_to_all_seconds, members_per_node
 from planner.flops import flops_per_sequence
 from planner.memory_model import (
     DTYPE_BYTES,
+    GRAD_ACCUM_DEFAULT,
     LOGITS_TILE_BYTES,
     Features,
     GiB,
@@ -241,7 +242,7 @@ def _peaks(shape, seq_len, sp, world, f, offloads, precision, device, cp=1) -> t
     `offloads` carries the run's settings auto does not choose: the ZeRO-3 offloads, the lean RMSNorm and MLP."""
     feats = replace(f, offload_params=offloads.offload_params, offload_optimizer=offloads.offload_optimizer,
                     lean_rmsnorm=offloads.lean_rmsnorm, lean_mlp=offloads.lean_mlp)
-    est = estimate(shape, seq_len, sp, world, feats, precision, cp=cp, device=device)
+    est = estimate(shape, seq_len, sp, world, feats, precision, cp=cp, device=device, grad_accum=GRAD_ACCUM_DEFAULT)
     host = sum(est.cpu_per_rank.values())
     return est.gpu_peak + (host if device == "cpu" else 0), host
 

@@ -17,7 +17,16 @@ from base.parallel import check_layout, split_sp
 from planner.attention_sp import head_chunk_choices
 from planner.auto_features import gpu_budget, sp_splits, usable_bytes
 from planner.comm_model import layer_comm
-from planner.memory_model import Estimate, Features, GiB, ModelShape, estimate, pinned_round_limit
+from planner.memory_model import (
+    GRAD_ACCUM_DEFAULT,
+    Estimate,
+    Features,
+    GiB,
+    ModelShape,
+    estimate,
+    pinned_round_limit,
+)
+from planner.shapes import ROPE_MAX_POSITIONS
 
 # What a rank's process holds on the host beyond the planner's host terms (the CUDA runtime and its host allocations,
 # the interpreter, torch, DeepSpeed and the other libraries, the model file's pages while it loads): MEASURED on the
@@ -100,13 +109,15 @@ class Planner:
         # ds_recommendation's JSON (ds_configs/zero3_offload.json) pins the offloaded buffers: counted as pinned
         est = estimate(self.shape, seq_len, sp, self.world, feats, self.args.precision,
                        self.args.gpus_per_node, cp=cp, async_save=self.args.async_save, pinned_offloads=True,
-                       pinned_limit=pinned_round_limit(self.args.alloc_conf))
+                       pinned_limit=pinned_round_limit(self.args.alloc_conf), grad_accum=GRAD_ACCUM_DEFAULT)
         est.cpu_per_rank["process runtime (measured)"] = int(self.args.cpu_overhead_gb * GiB)
         return est, est.gpu_peak <= self.gpu_limit, est.cpu_per_node <= self.cpu_limit
 
     def longest(self, sp: int, feats: Features | None = None, cp: int = 1) -> int:
-        """Longest multiple of sp (of 2*sp under cp > 1: zigzag) that fits (peak memory grows with length)."""
-        return longest_multiple(lambda n: all(self.evaluate(n, sp, feats, cp)[1:]), sp * (2 if cp > 1 else 1), 2**36)
+        """Longest multiple of sp (of 2*sp under cp > 1: zigzag) that fits (peak memory grows with length), at most
+        ROPE_MAX_POSITIONS (2**24: float32 RoPE positions collapse past it; a run refuses a longer stage)."""
+        return longest_multiple(lambda n: all(self.evaluate(n, sp, feats, cp)[1:]), sp * (2 if cp > 1 else 1),
+                                ROPE_MAX_POSITIONS)
 
     def comm(self, seq_len: int, sp: int, cp: int) -> dict:
         a = self.args

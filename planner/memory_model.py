@@ -42,6 +42,7 @@ from planner.shapes import (  # noqa: F401  (re-exported: callers import them fr
 from planner.zero3_host import (  # noqa: F401  (re-exported: ZeRO-3's host terms live there)
     PINNED_NO_LIMIT,
     ZERO_SUBGROUP,
+    grad_accum_dtype,
     pinned_block_bytes,
     pinned_round_limit,
     zero3_partitions,
@@ -51,6 +52,8 @@ from planner.zero3_host import (  # noqa: F401  (re-exported: ZeRO-3's host term
 )
 
 GiB = 2**30
+GRAD_ACCUM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # data_types.grad_accum_dtype -> bytes per gradient element
+GRAD_ACCUM_DEFAULT = "fp32"  # what training/ds_config.build_ds_config sets when the config leaves it out (bf16 too)
 # Each tile re-enters ZeRO-3's fetch/release hooks of the MLP's three projections, in the forward and again in
 # the recomputing backward: a fixed cost per tile. ALST's tile of `hidden` tokens is large on real models (4096+
 # tokens, unchanged by this floor) but 128-256 tokens on tiny ones, where measured at 8192 tokens, h256, 2 ranks
@@ -254,6 +257,8 @@ def layer_phase_terms(shape: ModelShape, tokens: int, sp: int, b: int, tiled_mlp
         # in the top layer's MLP backward where 2 [rows, h] gave 13.90u)
         tile_tensors = 8 if lean_mlp else mlp_kept + 2
         terms["mlp"] = hid + hid + tile_tensors * rows * inter * b + (4 if renorm_mlp else 1) * rows * h * b
+        if renorm_mlp and b < 4 and rows < tokens:  # model_utils.memory.NormTiledMLP sums gate / up / down's per-tile
+            terms["mlp"] += 4 * 3 * h * inter  # gradients in fp32 (tiled_loss.TileGradSum): Llama-3-8B 0.7 GB
     if chunks > 1:  # one chunk's q, k, v projections before the all-to-all (KV replicated to u heads before sending)
         _, hkv_c, _, _ = chunk_split(shape, sp, cp, chunks)
         u_ = sp // cp
@@ -330,7 +335,10 @@ def logits_bytes(shape: ModelShape, tokens: int, b: int, tiled: bool, lean_norm:
     # the forward's lm_head output + fp32 upcast + log-softmax (b + 4 + 4, or 4 + 4 in fp32) is smaller, and the
     # forward's logits are dropped before backward (training.step.loss_sum returns only the loss)
     per_elem = 12
-    return rows * shape.vocab_size * per_elem + norm_saved(tokens, shape.hidden_size, b, lean_norm) + tokens * shape.hidden_size * b
+    # the tiled loss sums the head's per-tile gradients in fp32 (model_utils/tiled_loss.TileGradSum): Llama-3 2 GiB
+    grad_sum = 4 * shape.vocab_size * shape.hidden_size if tiled and b < 4 and rows < tokens else 0
+    return rows * shape.vocab_size * per_elem + norm_saved(tokens, shape.hidden_size, b, lean_norm) + \
+        tokens * shape.hidden_size * b + grad_sum
 
 
 def eval_tile_rows(tokens: int, vocab: int, tile_bytes: int = LOGITS_TILE_BYTES) -> int:
@@ -377,7 +385,7 @@ def estimate(shape: ModelShape, seq_len: int, sp: int, world: int,
              features: Features | Mapping[str, bool] | Iterable[str] | None,
              precision: str = "bf16", gpus_per_node: int | None = None, cp: int = 1,
              async_save: bool = False, device: str = "cuda", pinned_offloads: bool = True,
-             pinned_limit: int = PINNED_NO_LIMIT) -> Estimate:
+             pinned_limit: int = PINNED_NO_LIMIT, grad_accum: str | None = None) -> Estimate:
     """Per-rank memory of one training step for seq_len tokens per sample, micro-batch 1 per SP group; sp = u x cp
     (cp = 1: pure Ulysses). gpus_per_node only sizes the per-node CPU total: a split whose Ulysses groups straddle
     nodes is slow, not impossible (planner.comm_model prices it). `async_save`: the run keeps a host copy of the
@@ -388,7 +396,10 @@ def estimate(shape: ModelShape, seq_len: int, sp: int, world: int,
     `pinned_offloads` (default True): ZeRO-3's offloaded parameter and gradient buffers are pinned too (DeepSpeed's
     offload `pin_memory`, on in ds_configs/zero3_offload.json), block by block as zero3_pinned_requests lists them;
     `pinned_limit`: pinned_round_limit of the
-    run's allocator settings (default: torch's, every block rounded). "cpu": SDPA on the host, nothing pinned."""
+    run's allocator settings (default: torch's, every block rounded). "cpu": SDPA on the host, nothing pinned.
+    `grad_accum`: the DeepSpeed config's data_types.grad_accum_dtype, the dtype of ZeRO-3's gradient partitions
+    (fp32 under bf16: +2 B per parameter / world); None: the model's dtype (DeepSpeed's when the key is absent: the
+    runs measured so far). What plans a run (Planner, auto's choice) passes GRAD_ACCUM_DEFAULT."""
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device {device!r}: use cpu or cuda")
     gpu_run = device == "cuda"
@@ -404,7 +415,11 @@ def estimate(shape: ModelShape, seq_len: int, sp: int, world: int,
     hid = tokens * h * b
 
     # ZeRO-3 model states, partitioned over the whole world (SP ranks included); on the host as the allocator holds them
-    gpu, cpu = zero3_state_terms(shape, world, b, f, gpu_run, pinned_offloads, pinned_limit, async_save, HOST_ARENA)
+    if grad_accum is not None and grad_accum not in GRAD_ACCUM_BYTES:
+        raise ValueError(f"grad_accum_dtype {grad_accum!r}: use one of {sorted(GRAD_ACCUM_BYTES)}")
+    accum = GRAD_ACCUM_BYTES[grad_accum] if grad_accum else b
+    gpu, cpu = zero3_state_terms(shape, world, b, f, gpu_run, pinned_offloads, pinned_limit, async_save, HOST_ARENA,
+                                 accum)
     # communication: the largest gathered module (a layer or the embedding/LM head) with its unreduced
     # grads, plus the prefetch (0.9 h^2) and reduce (h^2) buckets
     gpu["zero3 gathered params+grads, buckets"] = b * (2 * max(shape.layer_params(), shape.vocab_size * h)

@@ -16,6 +16,12 @@ from planner.presets import PRESETS
 
 LOGITS_TILE_BYTES = 2**30  # tiled logits: shards of ~1 GiB of fp32 logits (ArcticTraining's rule)
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
+# The longest sample RoPE can position: transformers' rotary embedding (as Meta's reference and vLLM) computes
+# position.float() * inv_freq in float32, exact only up to 2**24. Measured (Llama-3.1-8B's frequencies against float64):
+# the relative angle of the highest-frequency dims is off by 0.06 rad at 1M, ~0.6-0.9 rad near 16M; at 19M half of
+# adjacent positions share dim 0's angle. A run refuses a longer stage (model_utils/rope.check_positions), the planner
+# plans none (planner/cluster.Planner.longest, planner/trainable.longest_trainable).
+ROPE_MAX_POSITIONS = 2**24
 # Families whose RMSNorm is Llama's formula, which model_utils/rmsnorm.py's lean RMSNorm replaces (--lean_rmsnorm)
 LEAN_RMSNORM_MODEL_TYPES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3",
                                       "granite"})

@@ -27,6 +27,7 @@ from planner.auto_features import PEAK_TFLOPS, recompute_flops, step_seconds
 from planner.cluster import longest_multiple
 from planner.memory_model import Features, ModelShape
 from planner.presets import PRESETS
+from planner.shapes import ROPE_MAX_POSITIONS
 
 MEASURED = {
     "run": "docs/results/gpu.md (one H200 capped at 78.5 GiB, 2026-11-28)",
@@ -90,10 +91,10 @@ def step_time(shape: ModelShape, seq_len: int, sp: int, f: Features, *, world: i
 
 
 def longest_within(seconds: float, shape: ModelShape, sp: int, f: Features, *, world: int, ranks_per_node: int,
-                   cp: int = 1, upper: int = 1 << 27, peak_tflops: float = PEAK_TFLOPS) -> int:
-    """The longest length (a multiple of sp, of 2 sp under cp > 1) whose step at these FIXED features takes at most
-    `seconds` (the time grows with the length); 0 where none does. What a run trains at takes auto's features at
-    each length instead: planner/trainable.longest_trainable."""
+                   cp: int = 1, upper: int = ROPE_MAX_POSITIONS, peak_tflops: float = PEAK_TFLOPS) -> int:
+    """The longest length (a multiple of sp, of 2 sp under cp > 1; at most 2**24: planner/shapes.ROPE_MAX_POSITIONS)
+    whose step at these FIXED features takes at most `seconds` (the time grows with the length); 0 where none does.
+    What a run trains at takes auto's features at each length instead: planner/trainable.longest_trainable."""
     return longest_multiple(lambda n: step_time(shape, n, sp, f, world=world, ranks_per_node=ranks_per_node,
                                                 cp=cp, peak_tflops=peak_tflops) <= seconds,
                             sp * (2 if cp > 1 else 1), upper)

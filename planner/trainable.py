@@ -30,6 +30,7 @@ from functools import lru_cache
 from planner.auto_features import PEAK_TFLOPS, Choice, choose, describe, gpu_budget
 from planner.cluster import longest_multiple
 from planner.memory_model import Features, GiB, ModelShape
+from planner.shapes import ROPE_MAX_POSITIONS
 from planner.step_time import step_time
 
 ALST = ("tiled_mlp", "tiled_logits", "gradient_checkpointing", "offload_activations")  # plan.py's --alst
@@ -89,9 +90,9 @@ def auto_step(shape: ModelShape, seq_len: int, sp: int, cp: int, run: AutoRun) -
 
 
 def longest_trainable(seconds: float, shape: ModelShape, sp: int, cp: int, run: AutoRun,
-                      upper: int = 1 << 27) -> dict | None:
-    """The longest length (a multiple of sp, of 2 sp under cp > 1) that auto fits at this split and whose step with
-    auto's choice there takes at most `seconds`: {seq_len, step_s, features (describe), sp, cp}; None where no length
+                      upper: int = ROPE_MAX_POSITIONS) -> dict | None:
+    """The longest length (a multiple of sp, of 2 sp under cp > 1; at most `upper`, 2**24: float32 RoPE positions
+    collapse past it) that auto fits at this split and whose step with auto's choice there takes at most `seconds`: {seq_len, step_s, features (describe), sp, cp}; None where no length
     does. Cost: the module docstring."""
     unit = sp * (2 if cp > 1 else 1)
     bare = replace(run.offloads, lean_rmsnorm=False, lean_mlp=False)  # no feature: no set auto may pick is faster

@@ -100,23 +100,32 @@ def zero3_pinned_requests(shape: ModelShape, world: int, b: int, offload_params:
     return out
 
 
+def grad_accum_dtype(ds_config: dict) -> str | None:
+    """A DeepSpeed config's data_types.grad_accum_dtype (None: absent, DeepSpeed then takes the model's dtype)."""
+    return (ds_config.get("data_types") or {}).get("grad_accum_dtype")
+
+
 def zero3_state_terms(shape: ModelShape, world: int, b: int, f: Features, gpu_run: bool, pinned_offloads: bool,
-                      pinned_limit: int, async_save: bool, host_arena: bool) -> tuple[dict[str, int], dict[str, int]]:
+                      pinned_limit: int, async_save: bool, host_arena: bool,
+                      accum: int | None = None) -> tuple[dict[str, int], dict[str, int]]:
     """(GPU terms, host terms) of one rank's ZeRO-3 model states, partitioned over the whole world (SP ranks
     included), for memory_model.estimate (whose arguments these are). On a GPU run a pinned request is held as
     pinned_block_bytes(bytes, pinned_limit); `pinned_offloads`: ZeRO-3's offload buffers are pinned (DeepSpeed's
     `pin_memory`); `host_arena`: the async save's copy of GPU-resident states is page-locked at its exact size
     (memory_model.HOST_ARENA). They depend on `f` only through its two offloads: cached on those (a search calling
-    estimate for ~500 feature sets per length spent ~80% of its time here, rebuilding the same request lists)."""
+    estimate for ~500 feature sets per length spent ~80% of its time here, rebuilding the same request lists).
+    `accum`: bytes per element of ZeRO-3's gradient partition buffer (data_types.grad_accum_dtype; None: `b`), on
+    the GPU or, with the optimizer offloaded, pinned on the host: fp32 under bf16 is +2 B per parameter / world
+    (Llama-3-8B on 32 ranks: +0.5 GB a rank)."""
     gpu, cpu = _state_terms(shape, world, b, f.offload_params, f.offload_optimizer, gpu_run, pinned_offloads,
-                            pinned_limit, async_save, host_arena)
+                            pinned_limit, async_save, host_arena, accum or b)
     return dict(gpu), dict(cpu)
 
 
 @lru_cache(maxsize=256)
 def _state_terms(shape: ModelShape, world: int, b: int, offload_params: bool, offload_optimizer: bool, gpu_run: bool,
                  pinned_offloads: bool, pinned_limit: int, async_save: bool,
-                 host_arena: bool) -> tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...]]:
+                 host_arena: bool, accum: int) -> tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...]]:
     f = Features(offload_params=offload_params, offload_optimizer=offload_optimizer)
     n = shape.num_params()
     gpu: dict[str, int] = {}
@@ -127,18 +136,19 @@ def _state_terms(shape: ModelShape, world: int, b: int, offload_params: bool, of
     # ZeRO-3's host buffers with pin_memory, request by request as DeepSpeed makes them (zero3_pinned_requests), each
     # block as the caching host allocator holds it; pageable (pinned_offloads False, or a CPU run): their bytes
     n_param = len(zero3_pinned_requests(shape, world, b, True, False)) if f.offload_params else 0
-    zero_pins = [pin_state(x) for x in zero3_pinned_requests(shape, world, b, f.offload_params, f.offload_optimizer)]
+    zero_pins = [pin_state(x) for x in zero3_pinned_requests(shape, world, b, f.offload_params, f.offload_optimizer,
+                                                             accum)]
     if f.offload_params:  # every partition pinned at zero.Init (cached once moved) + the param group's flat block
         cpu["params (partition)"] = sum(zero_pins[:n_param]) if pinned else n * b // world
     else:
         gpu["params (partition)"] = n * b // world
-    if f.offload_optimizer:  # fp32 gradients per optimizer sub-group + the flat gradient-accumulation buffer (the
-        # model's dtype): measured on the H200, 2026-11-27, 12 GiB (8 + 4) held where one fp32 buffer (8) was counted
+    if f.offload_optimizer:  # fp32 gradients per optimizer sub-group + the flat gradient-accumulation buffer (`accum`
+        # bytes): measured on the H200, 2026-11-27 (bf16), 12 GiB (8 + 4) held where one fp32 buffer (8) was counted
         cpu["grads fp32 (partition)"] = sum(zero_pins[n_param:]) if pinned else \
-            sum(zero3_pinned_requests(shape, world, b, False, True))
+            sum(zero3_pinned_requests(shape, world, b, False, True, accum))
         cpu["optimizer fp32 master+Adam m,v"] = 12 * n // world  # pageable: CPU Adam's own tensors
-    else:
-        gpu["grads (partition)"] = n * b // world
+    else:  # the gradient partition buffer (stage3's grad_partitions_flat_buffer) in the accumulation dtype
+        gpu["grads (partition)"] = n * accum // world
         gpu["optimizer fp32 master+Adam m,v"] = 12 * n // world
     if async_save:  # what ZeRO-3 saves per rank: fp32 master + Adam m, v (Llama-3-8B on 32 ranks: 3.0 GB, 24 GB/node).
         # Staging page-locks a buffer per storage copied from the GPU (the optimizer there): per sub-group, master, m

@@ -43,6 +43,7 @@ from planner.memory_model import (
     load_shape,
     parse_seq_len,
 )
+from planner.shapes import ROPE_MAX_POSITIONS
 from planner.step_time import HOUR_S, KERNEL_TFLOPS, MEASURED, TRAINABLE_S, duration, measured_mfu, step_time
 from planner.trainable import ALST, AutoRun, longest_trainable
 
@@ -269,6 +270,8 @@ def render(rep: dict) -> str:
                          f"{duration(r['step_s']) + ('!' if r['step_s'] > HOUR_S else ''):>10} "
                          f"{r['measured_tokens_per_sec_per_gpu']:>10,.0f} "
                          f"{r['page_locked_gib_per_node']:>13,.0f} GiB")
+        if any(r["longest_fitting_seq_len"] == ROPE_MAX_POSITIONS for r in p["candidates"]):
+            lines.append(_CAP)
         lines.append(f"step, tok/s/GPU: at the measured FLOP rate (MFU {measured_mfu()}, fitted to the one GPU run: "
                      f"planner/step_time.py, reused at --gpu_tflops {c['gpu_tflops']:g}; the ring's attention at "
                      "FlashAttention-2's rate, the rest's at cuDNN's), one sequence per SP group; ! marks a step over "
@@ -308,6 +311,10 @@ def render(rep: dict) -> str:
         if "auto" in p:
             lines.append(_auto_line(p["auto"]))
     return "\n".join(lines)
+
+
+_CAP = (f"longest lengths stop at {ROPE_MAX_POSITIONS:,} (2**24): float32 RoPE positions collapse past it (HF, vLLM, "
+        "Meta's reference), and a run refuses a longer stage (planner/shapes.ROPE_MAX_POSITIONS)")
 
 
 def _within_line(p: dict) -> str:
@@ -412,7 +419,8 @@ def render_compare(rows: list[dict]) -> str:
     for r in rows:
         pub = [f"{r['published'][k]:,}" if k in r["published"] else "-" for k in ("ALST", "UPipe")]
         step = duration(r["step_s"]) + (" (**over an hour**)" if r["over_an_hour"] else "")
-        lines.append(f"| {r['gpus']} | {r['host_gib_per_node']:.0f} GiB | {r['longest']:,} | {r['split']}, "
+        cap = " (RoPE cap)" if r["longest"] == ROPE_MAX_POSITIONS else ""
+        lines.append(f"| {r['gpus']} | {r['host_gib_per_node']:.0f} GiB | {r['longest']:,}{cap} | {r['split']}, "
                      f"{r['head_chunks']} | {r['gpu_peak_gib']:.2f} / {r['gpu_budget_gib']:.0f}, "
                      f"{r['gpu_room_gib']:.2f} | {r['host_used_gib']:,.0f} | {r['page_locked_gib_per_node']:,.0f} | "
                      f"{step} | {r['measured_tokens_per_sec_per_gpu']:.0f} | {pub[0]} | {pub[1]} |")
@@ -429,7 +437,7 @@ def render_compare(rows: list[dict]) -> str:
               "measured. One sequence per SP group per step. The second table keeps each row's split and "
               "times, at each length, the features memory_features auto chooses there (planner/trainable.py; the "
               "ALST features pinned, as `plan.py --auto --alst`): it keeps the attention where that fits and gathers "
-              "K/V where the gather fits, faster than the longest length's features."]
+              "K/V where the gather fits, faster than the longest length's features. RoPE cap: " + _CAP + "."]
     return "\n".join(lines)
 
 

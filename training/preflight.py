@@ -292,7 +292,7 @@ def host_need(cfg: Config, stages: list[Stage], world: int, bf16: bool, configs:
     `arch`: the model's (text) config; `configs`: each stage's DeepSpeed config (check_stage_configs);
     `async_save`: count the background saves' host copy (None: as `cfg.async_save` is set to true)."""
     async_save = cfg.async_save is True if async_save is None else async_save
-    from planner.memory_model import ModelShape, estimate
+    from planner.memory_model import ModelShape, estimate, grad_accum_dtype
     from training.summary import run_features
 
     best = None
@@ -300,7 +300,7 @@ def host_need(cfg: Config, stages: list[Stage], world: int, bf16: bool, configs:
         try:
             shape = ModelShape.from_config(arch.to_dict())
             est = estimate(shape, s.max_seq_length, s.sp, world, run_features(cfg, ds, s), "bf16" if bf16 else "fp32",
-                           cp=s.cp if isinstance(s.cp, int) else 1, async_save=async_save,
+                           cp=s.cp if isinstance(s.cp, int) else 1, async_save=async_save, grad_accum=grad_accum_dtype(ds),
                            device="cpu" if cpu_run else "cuda")  # cuda: pinned host blocks as the allocator holds them
         except ValueError:  # a shape the planner cannot read: no plan to check against (the plan lines say so)
             return None
@@ -358,7 +358,7 @@ def device_fit(cfg: Config, stages: list[Stage], world: int, bf16: bool, configs
     Each line names the peak, the budget and what fits: memory_features auto's choice at the stage's SP, else at the
     smallest SP that fits. Pure given its inputs: a launched run decides it on rank 0 (preflight)."""
     from planner import auto_features as af
-    from planner.memory_model import ModelShape, estimate
+    from planner.memory_model import ModelShape, estimate, grad_accum_dtype
     from training.summary import run_features
 
     usable, warnings = af.usable_bytes(budget_bytes), []
@@ -370,7 +370,7 @@ def device_fit(cfg: Config, stages: list[Stage], world: int, bf16: bool, configs
         try:
             shape = ModelShape.from_config(arch.to_dict())
             peak = estimate(shape, s.max_seq_length, s.sp, world, feats, prec, gpus_per_node=ranks_per_node,
-                            cp=s.cp if isinstance(s.cp, int) else 1).gpu_peak
+                            cp=s.cp if isinstance(s.cp, int) else 1, grad_accum=grad_accum_dtype(ds)).gpu_peak
         except ValueError:  # a shape the planner cannot read: no plan to check against (the plan lines say so)
             continue
         if peak <= usable:
@@ -448,11 +448,15 @@ def check_device_fit(cfg: Config, stages: list[Stage], world: int, bf16: bool, c
 def check_stage_configs(cfg: Config, stages: list[Stage], world: int, bf16: bool, hidden_size: int,
                         planning: bool = False) -> list[dict]:
     """Every stage's DeepSpeed config, assembled and validated as training/engine.build_engine does when the stage
-    starts (build_ds_config: our checks and DeepSpeed's parser). One line naming the stage otherwise."""
+    starts (build_ds_config: our checks and DeepSpeed's parser), and flex_attention's BlockMask within its bound
+    (model_utils/attention.check_flex_length: (length / 128)^2, not in the plan). One line naming the stage otherwise."""
+    from model_utils.attention import check_flex_length
     from training.engine import stage_config
 
     out = []
     for s in stages:
+        check_flex_length(cfg.attn_implementation, s.max_seq_length, cfg.per_device_train_batch_size,
+                          f"stage {s.index} ({s.name})", s.cp)
         dims = ParallelDims(world=world, sp=s.sp, rank=0, local_rank=0)
         try:
             out.append(build_ds_config(stage_config(cfg, s), dims, bf16, hidden_size, s.deepspeed_overrides,

@@ -14,9 +14,11 @@ from data.pipeline import heldout_samples
 from planner.auto_features import ALL_FEATURES, describe, describe_offloads, relative_speed
 from planner.flops import flops_per_sequence, tokens_per_sec_per_gpu
 from planner.memory_model import (
+    GRAD_ACCUM_DEFAULT,
     Features,
     GiB,
     estimate,
+    grad_accum_dtype,
     lean_mlp_applies,
     lean_norm_applies,
     load_shape,
@@ -122,11 +124,14 @@ def plan_lines(cfg: Config, stages: list[Stage], world: int, gpus_per_node: int,
     lines = []
     gpu_plan = cfg.nodes > 0 or not no_gpu()  # a GPU run, or a dry run for the cluster the recipe names
     for s in stages:
-        feats = run_features(cfg, _merge(ds, s.deepspeed_overrides), s)
+        merged = _merge(ds, s.deepspeed_overrides)
+        feats = run_features(cfg, merged, s)
+        accum = grad_accum_dtype(merged)  # build_ds_config's default under bf16: fp32 accumulation
+        accum = GRAD_ACCUM_DEFAULT if bf16 and accum in (None, "auto") else accum
         try:
             shape = load_shape(cfg.model_name_or_path)
             est = estimate(shape, s.max_seq_length, s.sp, world, feats, "bf16" if bf16 else "fp32",
-                           gpus_per_node=gpus_per_node, cp=s.cp if isinstance(s.cp, int) else 1)
+                           gpus_per_node=gpus_per_node, cp=s.cp if isinstance(s.cp, int) else 1, grad_accum=accum)
             tps = tokens_per_sec_per_gpu(shape, s.max_seq_length, mfu=PLAN_MFU, peak_tflops=H100_TFLOPS)
             split = f" (ulysses {s.sp // s.cp} x cp {s.cp})" if isinstance(s.cp, int) and s.cp > 1 else ""
             lines.append(f"  stage {s.index} {s.name}: seq_len={s.max_seq_length} sp={s.sp}{split} dp={world // s.sp} "

@@ -48,9 +48,11 @@ ALL = {"tiled_mlp", "tiled_logits", "gradient_checkpointing", "offload_activatio
     # (gpu_peak, eval_gpu_peak, sum of the phases) of the planner before hybrid SP (commit 55b6348), bf16, 8/node
     ("llama3-8b", 131072, 8, 32, {}, 141860931584, 10330703872, 28233204224),
     # -T*h*b (256 MiB at 32k tokens per rank): the tiled MLP recomputes its lean norm's output (issue 33, 2026-11-27)
-    ("llama3-8b", 2**20, 32, 32, dict.fromkeys(ALL, True), 8311947520, 7689879808, 8256880640),
+    # +4 V h in the logits phase (the head's fp32 gradient sum over the tiles, model_utils/tiled_loss.TileGradSum;
+    # it sets Llama's peak here, +1.76e9) and +12 h I in the tiled lean MLP's backward (2026-11-30)
+    ("llama3-8b", 2**20, 32, 32, dict.fromkeys(ALL, True), 10071326976, 7689879808, 10358226944),
     ("qwen2.5-7b", 262144, 4, 32, {"gradient_checkpointing": True, "keep_attention": True, "tiled_logits": True},
-     53824883456, 15031765760, 27118017216),
+     53824883456, 15031765760, 29298006720),
     # +T*h*b: TiledMLP x_grad (issue 33); its backward holds 1 [T, h] of incoming gradient, not 3 (issue 43, the H200)
     ("tiny-llama", 4096, 4, 4, {"tiled_mlp": True}, 38775296, 35334656, 32377472),
     # +16 MiB of phases: FlashAttention-2's GQA backward writes dk, dv for each of the rank's 4 query heads (issue 43);

@@ -161,5 +161,5 @@ def test_chooser_counts_the_pinned_blocks_the_plan_table_counts():
     _, host = _peaks(shape, 1 << 20, 8, 8, f, off, "bf16", "cuda")
     both = Features(tiled_mlp=True, tiled_logits=True, checkpoint_every=1, offload_activations=True,
                     offload_params=True, offload_optimizer=True, lean_rmsnorm=True, lean_mlp=True)
-    table = estimate(shape, 1 << 20, 8, 8, both, "bf16", pinned_offloads=True)
+    table = estimate(shape, 1 << 20, 8, 8, both, "bf16", pinned_offloads=True, grad_accum="fp32")  # the Planner's
     assert host == sum(table.cpu_per_rank.values())

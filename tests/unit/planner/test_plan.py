@@ -165,7 +165,8 @@ def test_tiled_features_reduce_their_terms():
     plain = estimate(shape, 262144, 8, 8, Features())
     ws = "layer working set (recompute+backward)"
     assert mlp.gpu_phases[ws] < ref.gpu_phases[ws]
-    assert logits.gpu_phases["logits + loss"] < ref.gpu_phases["logits + loss"] / 10
+    head_sum = 4 * shape.vocab_size * shape.hidden_size  # the tiled loss's fp32 sum of the head's gradient (TileGradSum)
+    assert logits.gpu_phases["logits + loss"] - head_sum < ref.gpu_phases["logits + loss"] / 10
     assert act.gpu["activation checkpoints"] == ref.gpu["activation checkpoints"] * 2 // shape.num_layers
     assert act.cpu_per_rank["activation checkpoints"] == ref.gpu["activation checkpoints"]
     assert plain.gpu["saved activations (all layers)"] > 10 * ref.gpu["activation checkpoints"]

@@ -101,12 +101,13 @@ def test_a_launched_run_decides_over_the_smallest_gpu_of_the_job():
     said: list[str] = []
     check_device_fit(cfg, stages, 8, True, configs, model.arch, 8, [{"gpu_bytes": 80 * GiB}] * 8, said.append)
     assert not said
-    # 9.6 GiB planned: a rank of 10 GB (8 GiB budget) may hold it (warned), one of 8 GB (6 GiB) cannot (refused)
+    # 11.5 GiB planned (the head's fp32 gradient sum, 2 GiB): a rank of 12 GB (10 GiB budget) may hold it (warned), one
+    # of 10 GB (8 GiB) cannot (refused)
     check_device_fit(cfg, stages, 8, True, configs, model.arch, 8, [{"gpu_bytes": 80 * GiB}] * 7 +
-                     [{"gpu_bytes": 10 * GiB}], said.append)
-    assert len(said) == 1 and "the GPU has 8.0 GiB (10.0 GiB detected less 2 GiB reserved; 7.2 usable)" in said[0]
-    small = [{"gpu_bytes": 80 * GiB}] * 7 + [{"gpu_bytes": 8 * GiB}]
-    with pytest.raises(ValueError, match=r"the GPU has 6\.0 GiB \(8\.0 GiB detected less 2 GiB reserved; 5\.4 "):
+                     [{"gpu_bytes": 12 * GiB}], said.append)
+    assert len(said) == 1 and "the GPU has 10.0 GiB (12.0 GiB detected less 2 GiB reserved; 9.0 usable)" in said[0]
+    small = [{"gpu_bytes": 80 * GiB}] * 7 + [{"gpu_bytes": 10 * GiB}]
+    with pytest.raises(ValueError, match=r"the GPU has 8\.0 GiB \(10\.0 GiB detected less 2 GiB reserved; 7\.2 "):
         check_device_fit(cfg, stages, 8, True, configs, model.arch, 8, small, said.append)
 
 

@@ -210,7 +210,7 @@ def test_memlock_below_pinned_bytes_is_one_warning_line():
 
 def test_host_need_is_the_planners_offloaded_states():
     """GPU run with optimizer and parameter offload: CPU Adam's fp32 master weights and moments (12 B/param, pageable)
-    and ZeRO-3's pinned requests (the bf16 parameters, the fp32 gradients per sub-group and the bf16 accumulation
+    and ZeRO-3's pinned requests (the bf16 parameters, the fp32 gradients per sub-group and the fp32 accumulation
     buffer: planner.memory_model.zero3_pinned_requests, each block as the caching host allocator rounds it),
     partitioned over the world: what planner.memory_model.estimate says."""
     cfg = parse_config(["--output_dir", "/tmp/unused", "--max_seq_length", "256"])
@@ -224,7 +224,7 @@ def test_host_need_is_the_planners_offloaded_states():
     from planner.memory_model import pinned_block_bytes, zero3_pinned_requests
 
     pins = sum(pinned_block_bytes(x) for x in zero3_pinned_requests(ModelShape.from_config(arch.to_dict()), 4, 2,
-                                                                    True, True))
+                                                                    True, True, 4))  # fp32 accumulation buffer
     assert pins > 2 * n // 4 + 4 * n // 4  # the rounding and the accumulation buffer, beyond bytes per parameter
     load = 4 * n // 4  # a checkpoint load's transient fp32 master copy (pageable), beside CPU Adam's own
     assert need["bytes"] == pins + 12 * n // 4 + load
