@@ -73,7 +73,7 @@ SYSTEM_KEYS = ("system", "system_prompt")  # a row's top-level system prompt: LL
 # ultrachat_de's, Nemotron's
 CONTEXT = ("document", "context", "ctxs")  # a row's context beside its chat field (ChatQA's document, ChatRAG's ctxs)
 UNREAD = CONTEXT + ("answers", "answer", "response", "output", "completion")  # and its reply (ChatQA's answers):
-# refused beside a chat field unless the conversation holds their text (chat_rows._checked)
+# refused beside a chat field unless the conversation holds their text (a reply key: or ends in a reply; _checked)
 OWN = {"pair": ("completion",), "alpaca": ("output",)}  # an UNREAD key that is the row format's own field
 
 
@@ -392,8 +392,12 @@ def _checked(msgs: list[dict], obj: dict, fmt: str) -> list[dict]:
     """The conversation, if it has a reply to train and the row holds no context or reply beside it that is not read
     (UNREAD: ChatQA's `document` and `answers` beside a history ending with the user's question trained only the
     history's reply, without a word); a key whose text the conversation holds (ultrachat_de's and Magpie's `response`,
-    the last reply's copy) is no loss. Cost: a string comparison per key and message, a row's own size."""
-    unread = [k for k in UNREAD if k not in OWN.get(fmt, ()) and not _carried(obj.get(k), k in CONTEXT, msgs)]
+    the last reply's copy) is no loss, nor a reply key beside a conversation that ends in a reply (OpenR1-Math's
+    ground-truth `answer` beside its solution, xLAM's `answers` beside its calls: a dataset's own label). Cost: a string comparison per key and message, a row's own size."""
+    roles = [m["role"] for m in msgs]
+    answered = "assistant" in roles and ("user" not in roles or roles[::-1].index("assistant") < roles[::-1].index("user"))
+    unread = [k for k in UNREAD if k not in OWN.get(fmt, ()) and not (answered and k not in CONTEXT)
+              and not _carried(obj.get(k), k in CONTEXT, msgs)]
     beside = f"{', '.join(map(repr, unread))} beside the {fmt} {'is' if len(unread) == 1 else 'are'} not read here"
     fix = "put the document in the user turn and the answer as the last assistant turn (docs/sft.md)"
     if not any(m["role"] == "assistant" for m in msgs):

@@ -36,9 +36,10 @@ def test_a_context_or_reply_beside_the_chat_field_that_is_not_read_is_refused_by
     err = _refused({"document": "Paris.", "messages": _ASK[:1], "answers": ["Paris."]})
     assert err.startswith("no assistant turn: nothing to train on (") and "'answers'" in err, err
     assert "'ctxs'" in _refused({"messages": _ASK[:2], "ctxs": [{"title": "Italy", "text": "Rome is its capital."}]})
-    for key in ("context", "ctxs", "answer", "response", "output", "completion"):
+    for key in ("context", "ctxs"):
         assert f"'{key}'" in _refused({"conversations": _SHARE, key: ["another text"]})
-    assert "'response'" in _refused({"instruction": "Count them.", "output": "12345", "response": "54321"})
+    for key in ("answer", "response", "output", "completion"):  # a reply key: where no reply answers the last question
+        assert f"'{key}'" in _refused({"messages": _ASK, key: ["another text"]})
 
 
 @pytest.mark.parametrize("row", [
@@ -51,6 +52,12 @@ def test_a_context_or_reply_beside_the_chat_field_that_is_not_read_is_refused_by
     {"instruction": "Count them.", "input": "", "output": "12345"},  # the format's own field
     {"prompt": "Count", "completion": "12345"},
     {"messages": _PAIR, "prompt": _PAIR[:1], "completion": _PAIR[1:]},  # both forms exported: the same reply
+    # a dataset's own label beside a conversation that ends in its reply (a review found these refused the same day):
+    {"problem": "2+3?", "solution": "5", "answer": "5", "uuid": "u", "messages": _PAIR},  # open-r1/OpenR1-Math-220k
+    {"messages": [_PAIR[0], {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+        "name": "count", "arguments": {"n": 5}}}]}], "answers": '[{"name": "count", "arguments": {"n": 5}}]'},  # xLAM
+    {"messages": _PAIR, "instruction": "Count them.", "output": "an earlier reply"},  # converted, the original kept
+    {"instruction": "Count them.", "output": "12345", "response": "54321"},  # alpaca with a second generation
 ])
 def test_rows_real_formats_carry_beside_their_chat_field_still_pass(row):
     assert normalize(row)[0] in ("chat", "text_pair")
