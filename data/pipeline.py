@@ -300,29 +300,94 @@ def dropped_line(pack: ConvPack, n: int) -> str:
 REPLAY_FIX = "use a longer replay length, or drop the replay (it packs the stage's own data at each length)"
 
 
-def check_model_tokenizer(folder: str, m: dict, model_path: str | None) -> None:
-    """A ValueError (one line) where the model folder ships a tokenizer whose vocabulary is not the one `folder` was
-    prepared with (its manifest `m`), and no --tokenizer_name_or_path says which is meant: the ids would be read as
-    other tokens, every step trained on garbage, without a word (Mistral's and Llama 2's tokenizers both have 32000
-    tokens). Compared by the token of every id both have (OpenHermes-2.5-Mistral's 32002 tokens are Mistral's 32000
-    and two added ones: the same ids); not compared where the prepared one is not on this machine (its size alone
-    says nothing of its ids) or the files are the same. Cost: two tokenizers loaded on rank 0, once (~1 s)."""
+def check_model_tokenizer(folder: str, m: dict, model_path: str | None, tokenizer_path: str | None = None) -> None:
+    """A ValueError (one line) where the model folder ships a tokenizer whose vocabulary is not the run's: the one
+    `folder` was prepared with (its manifest `m`), or `tokenizer_path` (--tokenizer_name_or_path: it was trusted, and
+    A's ids trained on B's embeddings): the ids would be read as other tokens, every step trained on garbage, without
+    a word (Mistral's and Llama 2's tokenizers both have 32000 tokens). Compared by the token of every id both have
+    (OpenHermes-2.5-Mistral's 32002 tokens are Mistral's 32000 and two added ones: the same ids); not compared where
+    the model folder ships none, the run's is not on this machine (its size alone says nothing of its ids) or the
+    files are the same. Cost: two tokenizers loaded on rank 0, once (~1 s)."""
     prepared = m.get("tokenizer") or {}
-    if not (prepared and ships_tokenizer(model_path) and os.path.exists(prepared.get("path", ""))
-            and tokenizer_identity(model_path) != prepared.get("sha256")):
+    ours = tokenizer_path or prepared.get("path", "")
+    if not (ours and ships_tokenizer(model_path) and os.path.exists(ours) and tokenizer_identity(model_path)
+            != (tokenizer_identity(ours) if tokenizer_path else prepared.get("sha256"))):
         return
     try:
         own = Tokenizer(model_path)
     except ValueError:  # the model folder's tokenizer does not load: nothing to compare
         return
-    other = Tokenizer(prepared["path"])
-    mine, theirs = own.pieces(), other.pieces()
+    mine, theirs = own.pieces(), Tokenizer(ours).pieces()
     n = min(len(mine), len(theirs))
     if mine[:n] != theirs[:n]:
-        raise ValueError(f"--dataset_path {folder} was prepared with tokenizer {prepared['path']} ({len(theirs)} "
-                         f"tokens), and the model {model_path} ships another one ({len(mine)} tokens, other ids): "
-                         "prepare the data again with the model's tokenizer, or pass --tokenizer_name_or_path to say "
-                         "which is meant")
+        what = f"--tokenizer_name_or_path {ours}" if tokenizer_path else \
+            f"--dataset_path {folder} was prepared with tokenizer {ours}"
+        raise ValueError(f"{what} ({len(theirs)} tokens), and the model {model_path} ships another one ({len(mine)} "
+                         "tokens, other ids): its embeddings would read these ids as other tokens, and no flag "
+                         f"overrides this: prepare the data again with the model's tokenizer (--tokenizer_name_or_path "
+                         f"{model_path}), or, where the model folder's tokenizer files are not the ones its weights "
+                         "were trained with, replace them")
+
+
+def same_tokenizer(m: dict, path: str) -> str | None:
+    """How the tokenizer at `path` is the one the data of manifest `m` was prepared with: "files" (tokenizer_identity,
+    what the manifest records: every file, the chat template and special tokens too, which a chat row was rendered
+    and ended with and the export carries), "vocab" for text-only data (the vocabulary files, vocab_identity as a
+    resume compares, and the EOS / BOS ids are the recorded ones: an edited model_max_length changes no id of its
+    documents nor of a passkey sample), else None. Cost: a hash of the tokenizer files; one load for "vocab"."""
+    rec = m["tokenizer"]
+    if tokenizer_identity(path) == rec.get("sha256"):
+        return "files"
+    if any(c.get("mask") for c in m.get("chunks", ())) or not rec.get("vocab") or vocab_identity(path) != rec["vocab"]:
+        return None  # (a folder prepared before its vocabulary was recorded: the files only)
+    try:
+        tok = Tokenizer(path)
+    except ValueError:
+        return None
+    return "vocab" if (tok.eos_id, tok.bos_id) == (rec.get("eos_id"), m.get("bos_id", tok.bos_id)) else None
+
+
+def pick_tokenizer(folder: str, m: dict, given: str | None, model_path: str | None, stages) -> str | None:
+    """The run's tokenizer (rank 0): `given` (--tokenizer_name_or_path) or the one `folder` was prepared with, checked
+    against the model's (check_model_tokenizer) and the manifest `m`. A recorded one that is not on this machine
+    (prepared on a login node under /home, trained from /scratch) is the model folder's where that is the same
+    (same_tokenizer: its files, or for text its vocabulary), with a note; else chat data or a stage's `tasks` are
+    refused (the reply stops, template and padding, the synthetic samples need it), and text trains without one, with
+    a note (no passkey or task evaluation, an export without tokenizer files; padding is never used there)."""
+    if given and not os.path.exists(given):
+        Tokenizer(given)  # its one line: no such file or folder
+    check_model_tokenizer(folder, m, model_path, given)
+    rec = m.get("tokenizer")
+    path = given or (rec and rec["path"])
+    if not rec or not path:
+        return path or None
+    if os.path.exists(path):
+        how = same_tokenizer(m, path)
+        if how is None and given and os.path.realpath(given) != os.path.realpath(rec["path"]):
+            raise ValueError(f"--tokenizer_name_or_path {given} is not the tokenizer {folder} was prepared with "
+                             f"({rec['path']}): pass that one, or prepare the data again")
+        if how is None:
+            raise ValueError(f"--dataset_path {folder} was prepared with tokenizer {path}, whose files changed since "
+                             "(their SHA-256 is another): put them back, or prepare the data again with it")
+        if how == "vocab":
+            print0(f"note: tokenizer {path}'s files are not those --dataset_path {folder} was prepared with (changed "
+                   "since?); its vocabulary and EOS / BOS are, so its text's ids are the same: using it")
+        return path
+    here = f"the tokenizer {path} --dataset_path {folder} was prepared with is not on this machine"
+    if ships_tokenizer(model_path) and same_tokenizer(m, model_path):
+        print0(f"note: {here}; the model {model_path} ships the same one: using it")
+        return model_path
+    model = (f"the model {model_path} ships " + ("another" if ships_tokenizer(model_path) else "none")) if model_path \
+        else "no model folder ships one"
+    tasks = [f"stage {s.index} ({s.name})'s tasks" for s in stages if getattr(s, "tasks", None)]
+    need = (["its chat documents (reply stops, template, padding)"] if any(c.get("mask") for c in m.get("chunks", ()))
+            else []) + tasks
+    if need:
+        raise ValueError(f"{here} and {model}: {', '.join(need)} need it: pass --tokenizer_name_or_path with a copy "
+                         "of it (the same files)")
+    print0(f"note: {here} and {model}: this run has none (no passkey or task evaluation, an export without tokenizer "
+           "files); pass --tokenizer_name_or_path with a copy of it (the same files) to have them")
+    return None
 
 
 def open_run_data(dataset_path: str | None, tokenizer_path: str | None, model_vocab: int, stages,
@@ -342,11 +407,7 @@ def open_run_data(dataset_path: str | None, tokenizer_path: str | None, model_vo
             m = read_json(os.path.join(folder, MANIFEST))
         except OSError as e:
             raise ValueError(f"--dataset_path {folder}: no readable {MANIFEST} ({e}): prepare the data again") from None
-        if tokenizer_path is None:
-            check_model_tokenizer(folder, m, model_path)
-        if tokenizer_path is None and m.get("tokenizer") and os.path.exists(m["tokenizer"]["path"]):
-            return m, m["tokenizer"]["path"]  # the one it was prepared with (passkey evaluation decodes text)
-        return m, tokenizer_path
+        return m, pick_tokenizer(folder, m, tokenizer_path, model_path, stages)  # passkey evaluation decodes text
 
     m, tokenizer_path = comm.run_on_main(choose)
     # another vocabulary's ids would train under the same weights (a template fixed since is the same tokenizer)
@@ -363,9 +424,6 @@ def open_run_data(dataset_path: str | None, tokenizer_path: str | None, model_vo
     if why:
         raise ValueError(why)
     tokenizer = Tokenizer(tokenizer_path) if tokenizer_path else None
-    if tokenizer is not None and m.get("tokenizer") and tokenizer_identity(tokenizer_path) != m["tokenizer"]["sha256"]:
-        raise ValueError(f"--tokenizer_name_or_path {tokenizer_path} is not the tokenizer {folder} was prepared with "
-                         f"({m['tokenizer']['path']}): pass that one, or prepare the data again")
     if tokenizer is not None and tokenizer.vocab_size > model_vocab:
         raise ValueError(vocab_refusal(tokenizer, model_vocab))
     if prepared.max_token_id >= model_vocab:

@@ -11,8 +11,10 @@ from base.log import cause
 # with mistral-common installed (vLLM brings it) and a tekken.json in the folder (Mistral Nemo, Small 3.x, Devstral,
 # Magistral), transformers 5 picks MistralCommonBackend whatever else is there: no jinja chat template (rows would get
 # the ChatML default) and another API (a traceback). The Hugging Face tokenizer gives the same ids, renders the folder's
-# template, and is converted from tekken.json where the folder has no tokenizer.json.
-HF_TOKENIZER = {"mistral_format": False}
+# template, and is converted from tekken.json where the folder has no tokenizer.json. trust_remote_code=False: a folder's
+# own Python (auto_map: Kimi-K2, Qwen-1, GLM-4, InternLM2) is never run; without it transformers 5 asked on stdin (a
+# job hung on it), and run, that code looped in prepare_data's forked workers (its refusal names the auto_map)
+HF_TOKENIZER = {"mistral_format": False, "trust_remote_code": False}
 
 # Text that exercises whitespace, digits, unicode and code: the direct fast path must give the same ids on it.
 _PROBE = ["  Hello world!\n\tdef f(x):  return x**2  # café 東京 1234567 ", "", "a\r\nb   c\u00a0d 🙂"]
@@ -86,8 +88,11 @@ class Tokenizer:
 
     def __init__(self, path: str):
         if not os.path.exists(path):
+            hub = re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*", path)  # org/name: not read from the hub
             raise ValueError(f"--tokenizer_name_or_path {path}: no such file or folder "
-                             "(a sentencepiece .model file or a Hugging Face tokenizer folder)")
+                             "(a sentencepiece .model file or a Hugging Face tokenizer folder)" + (
+                                 f"; a hub id is read here from a local folder only: `hf download {path}` prints its "
+                                 "snapshot folder in the local cache, pass that" if hub else ""))
         self.path = path
         if os.path.isfile(path):
             import sentencepiece as spm
@@ -116,6 +121,10 @@ class Tokenizer:
             try:
                 tok = AutoTokenizer.from_pretrained(path, **HF_TOKENIZER)
             except Exception as e:  # noqa: BLE001 (no tokenizer files, a broken tokenizer.json, ...)
+                if custom_code(path):  # (a model type transformers 5 reads natively loads: Qwen2's, InternLM2's)
+                    raise ValueError(f"--tokenizer_name_or_path {path}: custom tokenizer code is not run here "
+                                     f"({custom_code(path)}): give a folder with a tokenizer.json and no auto_map "
+                                     "(the model's -hf / transformers-native release)") from None
                 raise ValueError(f"--tokenizer_name_or_path {path}: not a Hugging Face tokenizer folder "
                                  f"({cause(e)}); give one "
                                  "(tokenizer.json / tokenizer_config.json), or a sentencepiece .model file") from None
@@ -297,6 +306,22 @@ def _restoring(backend, call, split: bool | None = None):
 def _split_specials(backend, direct, texts: list[str]) -> list[list[int]]:
     """The Rust path with special-token strings read as text, the switch put back at once."""
     return _restoring(backend, lambda: direct(texts), split=True)
+
+
+def custom_code(path: str) -> str | None:
+    """What names a folder's own tokenizer class (`auto_map AutoTokenizer tokenization_kimi.TikTokenTokenizer in
+    tokenizer_config.json`), which transformers loads only by running the folder's Python (trust_remote_code); None
+    where nothing does. Read where transformers 5.23 reads it (its config.json's auto_map is not)."""
+    import json
+
+    try:
+        with open(os.path.join(path, "tokenizer_config.json")) as fh:
+            amap = json.load(fh).get("auto_map")
+    except (OSError, ValueError, AttributeError):  # no file, not JSON, not an object: AutoTokenizer said so
+        return None
+    pair = amap.get("AutoTokenizer") if isinstance(amap, dict) else amap  # [slow, fast], or the older form: the pair
+    named = [pair] if isinstance(pair, str) else [x for x in pair if x] if isinstance(pair, (list, tuple)) else []
+    return f"auto_map AutoTokenizer {named[-1]} in tokenizer_config.json" if named else None
 
 
 def _processor_template(path: str):

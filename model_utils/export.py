@@ -325,7 +325,8 @@ def export_tokenizer(tokenizer_path: str, out: str, template: str | None, positi
     base's 131072 kept after a 1M extension cut a truncation=True input at 128k, with false length warnings)."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(tokenizer_path, mistral_format=False)  # as training read it
+    # as training read it (data/tokenizer.HF_TOKENIZER): a folder's own Python never run
+    tok = AutoTokenizer.from_pretrained(tokenizer_path, mistral_format=False, trust_remote_code=False)
     shipped = os.path.join(tokenizer_path, "chat_template.json")
     if template:
         tok.chat_template = template
@@ -360,6 +361,9 @@ def _json(path: str) -> dict:
     return got if isinstance(got, dict) else {}
 
 
+KEPT = ("legacy", "add_bos_token", "add_eos_token", "add_prefix_space")  # how a sentencepiece text is cut and framed
+
+
 def legacy_tokenizer(out: str, source: str) -> None:
     """tokenizer_config.json at `out` also as transformers 4.x reads it (vLLM and llama.cpp's converter pin < 5, TGI
     4.51): 5 writes `tokenizer_class: TokenizersBackend` (for PreTrainedTokenizerFast, the Llama 3 family; no such
@@ -367,13 +371,17 @@ def legacy_tokenizer(out: str, source: str) -> None:
     'keys'"), `backend` / `is_local` / `local_files_only` (passed on to the class), and the chat template only in
     chat_template.jinja (4.46 and TGI read it inline). Rewritten: the class of the `source` folder's
     tokenizer_config.json (else PreTrainedTokenizerFast), the list as `additional_special_tokens`, the template inline
-    too (the .jinja files kept: 5 reads them first), the three keys dropped. 5 reads it back alike (same ids,
-    special tokens, template). Written in the folder the export builds and swaps in whole, as config.json is."""
+    too (the .jinja files kept: 5 reads them first), the three keys dropped, and the source's KEPT keys where it has
+    them (5's save_pretrained omits `legacy`, and 5 reads a missing one as False: a Mistral v0.1 `legacy: true`
+    folder's exported `[INST]` after <s> was `[` where training had `▁[`). 5 reads it back alike (same ids, special
+    tokens, template). Written in the folder the export builds and swaps in whole, as config.json is."""
     path = os.path.join(out, "tokenizer_config.json")
     c = _json(path)
     if not c:
         return
-    cls = _json(os.path.join(source, "tokenizer_config.json")).get("tokenizer_class")
+    own = _json(os.path.join(source, "tokenizer_config.json"))
+    c.update({k: own[k] for k in KEPT if k in own})
+    cls = own.get("tokenizer_class")
     c["tokenizer_class"] = cls if isinstance(cls, str) and cls != "TokenizersBackend" else "PreTrainedTokenizerFast"
     extra = c.get("extra_special_tokens")
     if isinstance(extra, list):  # (a dict of named ones is 4.x's own form: kept)

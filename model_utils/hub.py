@@ -87,6 +87,9 @@ def snapshot(hub_id: str, weights: bool = True, cache: str | None = None, flag: 
         commit = found[0]
     folder = os.path.join(repo, "snapshots", commit)
     if not os.path.isfile(os.path.join(folder, "config.json")):
+        if not weights and any(os.path.isfile(os.path.join(folder, f)) for f in ("tokenizer.json", "tokenizer.model")):
+            raise ValueError(f"{flag} {hub_id}: snapshot {commit} has tokenizer files and no config.json (a "
+                             f"tokenizer-only repository): pass the folder itself, {folder}")
         raise ValueError(f"{flag} {hub_id}: snapshot {commit} has no config.json (an interrupted "
                          f"download?): {hint}")
     lacking = missing_weights(folder) if weights else []

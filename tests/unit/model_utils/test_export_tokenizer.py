@@ -170,3 +170,36 @@ def test_the_runs_own_export_leaves_out_what_is_gone_with_a_note(tmp_path, capsy
     assert recorded_or_none(gone, gone) == (None, None)
     notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: exporting without it")]
     assert len(notes) == 4 and all(gone in n for n in notes)
+
+
+def test_a_legacy_sentencepiece_tokenizer_is_exported_as_it_trained(tmp_path):
+    """A Llama / Mistral v0.1 style folder (tokenizer.model, `legacy: true`): transformers 5's save_pretrained wrote
+    no `legacy`, and 5 reads a missing one as False, so the export cut `[INST]` after <s> as `[` where training had
+    `▁[` (every served turn start another token). The source's legacy / add_bos_token / add_eos_token / add_prefix_space
+    are kept, and 5 reads the export with the source's ids, text and chat alike."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from model_utils.export import export_tokenizer
+
+    src, out = tmp_path / "mistral", tmp_path / "out"
+    src.mkdir()
+    out.mkdir()
+    shutil.copy(os.path.join(os.getcwd(), "recipes", "base", "tiny_passkey256", "tokenizer.model"), src)
+    tpl = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+           "{% else %} {{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
+    kept = {"legacy": True, "add_bos_token": True, "add_eos_token": False}
+    (src / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "chat_template": tpl, **kept}))
+    export_tokenizer(str(src), str(out), None, 4096)
+    raw = json.loads((out / "tokenizer_config.json").read_text())
+    assert {k: raw.get(k) for k in kept} == kept
+    a, b = AutoTokenizer.from_pretrained(str(src)), AutoTokenizer.from_pretrained(str(out))
+    conv = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "the quick fox"},
+            {"role": "user", "content": "how are you"}]
+    x, y = (t.apply_chat_template(conv, tokenize=True, return_dict=False) for t in (a, b))
+    assert a.convert_ids_to_tokens(x)[1] == "▁["  # (the case: legacy True puts ▁ before the turn's first piece)
+    assert x == y
+    assert a("hello there  how\nare you")["input_ids"] == b("hello there  how\nare you")["input_ids"]

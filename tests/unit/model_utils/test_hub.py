@@ -81,6 +81,21 @@ def test_an_interrupted_download_is_refused(clean_env, tmp_path):
     assert resolve_model(HUB_ID, weights=False) == snap
 
 
+def test_a_tokenizer_only_repository_is_refused_naming_its_folder(clean_env, tmp_path):
+    """`--tokenizer_name_or_path org/tokenizer` whose cached snapshot holds a tokenizer and no config.json was refused
+    as "an interrupted download?" with the download command (it was whole). The line names the folder to pass."""
+    clean_env.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    snap = fill_cache(tmp_path / "hub", weights=("tokenizer.json",))
+    os.remove(os.path.join(snap, "config.json"))
+    with pytest.raises(ValueError) as e:
+        hub.resolve(HUB_ID, weights=False, flag="--tokenizer_name_or_path")
+    assert "\n" not in str(e.value) and "tokenizer-only" in str(e.value) and str(e.value).endswith(snap)
+    assert hub.resolve(snap, weights=False, flag="--tokenizer_name_or_path") == snap  # as it says
+    os.remove(os.path.join(snap, "tokenizer.json"))
+    with pytest.raises(ValueError, match="no config.json .*interrupted download"):
+        hub.resolve(HUB_ID, weights=False, flag="--tokenizer_name_or_path")
+
+
 def test_without_refs_main_one_snapshot_is_taken_several_are_refused(clean_env, tmp_path):
     clean_env.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     snap = fill_cache(tmp_path / "hub", commit="aaa", main=False)
