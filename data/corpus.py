@@ -6,9 +6,12 @@ plus a sentencepiece tokenizer trained on them. Exists on every machine; built o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sysconfig
+
+from base.atomic import tmp_name
 
 CACHE = os.environ.get("ULYSSES_CACHE", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                                      ".cache"))
@@ -32,8 +35,8 @@ def build_demo_corpus(max_bytes: int = DEMO_MAX_BYTES) -> tuple[str, str]:
             dirnames[:] = sorted(d for d in dirnames if d not in ("test", "tests", "idlelib", "site-packages",
                                                                   "__pycache__", "lib2to3"))
             files += [os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py")]
-        total, tmp = 0, jsonl + ".tmp"
-        with open(tmp, "w") as out:
+        total, tmp = 0, tmp_name(jsonl)  # this process' own: two jobs starting on a fresh cache build it at once
+        with _built([(tmp, jsonl)]), open(tmp, "w") as out:
             for path in files:
                 with open(path, encoding="utf-8", errors="replace") as fh:
                     text = fh.read()
@@ -43,7 +46,6 @@ def build_demo_corpus(max_bytes: int = DEMO_MAX_BYTES) -> tuple[str, str]:
                 total += len(text)
                 if total >= max_bytes:
                     break
-        os.replace(tmp, jsonl)
     if not os.path.exists(model):
         import sentencepiece as spm
 
@@ -52,17 +54,40 @@ def build_demo_corpus(max_bytes: int = DEMO_MAX_BYTES) -> tuple[str, str]:
                 for line in fh:
                     yield from (x for x in json.loads(line)["text"].splitlines() if x.strip())
 
-        prefix = model[: -len(".model")] + ".tmp"
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=lines(), model_prefix=prefix, vocab_size=DEMO_VOCAB, model_type="bpe",
-            byte_fallback=True, split_digits=True, remove_extra_whitespaces=False,
-            input_sentence_size=300_000, shuffle_input_sentence=False, num_threads=2,
-            pad_id=0, unk_id=1, bos_id=2, eos_id=3, user_defined_symbols=["\n", "    "],
-            minloglevel=2,
-        )
-        os.replace(prefix + ".vocab", model[: -len(".model")] + ".vocab")
-        os.replace(prefix + ".model", model)
+        prefix = tmp_name(model[: -len(".model")])  # sentencepiece appends .model / .vocab
+        with _built([(prefix + ".vocab", model[: -len(".model")] + ".vocab"), (prefix + ".model", model)]):
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=lines(), model_prefix=prefix, vocab_size=DEMO_VOCAB, model_type="bpe",
+                byte_fallback=True, split_digits=True, remove_extra_whitespaces=False,
+                input_sentence_size=300_000, shuffle_input_sentence=False, num_threads=2,
+                pad_id=0, unk_id=1, bos_id=2, eos_id=3, user_defined_symbols=["\n", "    "],
+                minloglevel=2,
+            )
     return jsonl, model
+
+
+@contextlib.contextmanager
+def _built(moves: list[tuple[str, str]]):
+    """Around building tmps: then move each onto its target, the last one (what build_demo_corpus looks for) never
+    over another's: where another job put it there meanwhile, theirs is kept and taken as done (it may have been read
+    already). The tmps never stay, also when the build fails or is interrupted."""
+    try:
+        yield
+        if os.path.exists(moves[-1][1]):
+            return
+        for tmp, target in moves[:-1]:
+            os.replace(tmp, target)
+        tmp, target = moves[-1]
+        try:
+            os.link(tmp, target)  # atomic, also on NFS: fails where the target exists
+        except FileExistsError:
+            pass
+        except OSError:  # a file system without hard links: a replace (the same build's content either way)
+            os.replace(tmp, target)
+    finally:
+        for tmp, _ in moves:
+            if os.path.exists(tmp):
+                os.remove(tmp)
 
 
 if __name__ == "__main__":

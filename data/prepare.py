@@ -13,12 +13,16 @@ is prepared once, before the job, with `scripts/prepare_data.py`, and passed by 
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import shlex
 import shutil
+import time
 
 from base import comm
+from base.atomic import tmp_name
+from data import output_lock
 from data.corpus import CACHE, build_demo_corpus
 from data.packing import build_token_stream, cache_key
 from data.readers import discover
@@ -35,6 +39,11 @@ MAX_IN_JOB_BYTES = 200 * 1024 * 1024  # of decompressed input (estimated: input_
 # than understates, and an overstatement only sends a corpus to scripts/prepare_data.py sooner.
 RATIO = 10
 PARQUET_RATIO = 2  # Parquet states its own sizes: at least snappy's ~2x (tatsu-lab/alpaca: 24.5 MB stored, ~48 MB)
+# A private folder left by a job killed mid-preparation (SIGKILL, a node lost: a failure removes its own) is removed by
+# a later job once no process holds its lock (data/output_lock.py) and nothing in it changed for STALE_S; where the
+# file system cannot lock, by age alone (a live preparation appends to its chunk file every batch, ~1 s of work).
+# Never "every folder but mine": another job preparing the same input now keeps its own.
+STALE_S = 3600.0
 
 
 def resolve_sources(dataset_path: str | None, tokenizer_path: str | None) -> tuple[str, str | None]:
@@ -122,15 +131,20 @@ def prepare_in_job(dataset_path: str | None, tokenizer_path: str | None, model_v
                              f"scripts/prepare_data.py --input {shlex.quote(data)} --output DIR {how}` once and pass "
                              "--dataset_path DIR")
         if not is_prepared(out):  # into a private folder renamed into place: concurrent jobs never share one
-            tmp = f"{out}.tmp{os.getpid()}"
-            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(os.path.dirname(out), exist_ok=True)
+            remove_stale(out)
+            # host, pid and random (a pid alone: two jobs' rank 0s in containers on one cache volume share it, and
+            # removed and wrote each other's folder); a plain mkdir, as mkdtemp's mode 0700 would keep the cache's
+            # other users out of the folder once renamed into place
+            tmp = tmp_name(out)
+            os.mkdir(tmp)
             # ids bound by the tokenizer named (or the demo's), else by the model: the model's own tokenizer taken by
             # default does not narrow what pre-tokenized rows may hold
             try:
                 prepare([u.path for u in units], tmp, tok_path, workers=0, log=lambda _: None,
                         vocab_size=model_vocab if tok_path in (None, fallback) else None)
-            except BaseException as e:  # a full disk, a bad row, an interrupt: no <key>.tmp<pid> left for good (a
-                shutil.rmtree(tmp, ignore_errors=True)  # requeue has another pid: nothing removed it)
+            except BaseException as e:  # a full disk, a bad row, an interrupt: no <key>.tmp.* of ours left for good
+                shutil.rmtree(tmp, ignore_errors=True)  # (a requeue's is another name: only remove_stale would)
                 if isinstance(e, OSError) and not e.filename:  # a full disk's write names no file: name the folder
                     e.filename = tmp
                 if not isinstance(e, ValueError):
@@ -153,6 +167,17 @@ def prepare_in_job(dataset_path: str | None, tokenizer_path: str | None, model_v
         return out, tok_path
 
     return comm.run_on_main(work, long=True)  # an in-job preparation: hours at scale
+
+
+def remove_stale(out: str) -> None:
+    """Remove the `<out>.tmp*` folders of killed preparations (STALE_S): one stat per entry of each such folder."""
+    for p in glob.glob(glob.escape(out) + ".tmp*"):
+        try:
+            newest = max([os.stat(p).st_mtime] + [e.stat().st_mtime for e in os.scandir(p)])
+        except OSError:  # gone meanwhile (another job removed it, or it was renamed into place)
+            continue
+        if time.time() - newest > STALE_S and not output_lock.is_held(p):
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def prepare_token_stream(dataset_path: str | None, tokenizer_path: str | None, model_vocab: int,

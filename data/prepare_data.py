@@ -26,7 +26,7 @@ from collections import Counter, deque
 
 import numpy as np
 
-from data import store
+from data import output_lock, store
 from data.prepare_args import DEFAULT_BATCH_DOCS, DEFAULT_CHUNK_TOKENS, TEXT_SPECIALS, parser, specials_note
 from data.readers import Fields, Unit, discover, iter_rows, parse_item
 
@@ -145,6 +145,8 @@ def _resume_point(out: str, shard: int) -> list[dict]:
         recs.append(store.read_json(p))
         k += 1
     for f in glob.glob(os.path.join(out, f"*-s{shard:05d}-c*")):
+        if ".tmp" in os.path.basename(f):  # an atomic write's tmp (its host name may hold "-c"): not a chunk's
+            continue
         c = int(f.rsplit("-c", 1)[1][:6])
         if c >= k:
             os.remove(f)
@@ -206,6 +208,7 @@ def prepare(inputs: list[str], output: str, tokenizer: str | None = None, vocab_
     if eos is not None and not 0 <= eos < (top := min(bound, tok.vocab_size) if tok else bound):
         raise ValueError(f"--eos_id {eos}: not a token id below the vocabulary size {top}: give the model's EOS id")
     tok_info = ({"path": os.path.abspath(tokenizer), "kind": tok.kind, "sha256": store.tokenizer_identity(tokenizer),
+                 "vocab": store.vocab_identity(tokenizer),  # a text's ids: an edited config keeps them (data/pipeline.py)
                  "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "pad_id": tok.pad_id} if tok else None)
     dtype = store.token_dtype(bound)
     # the view of the inputs every shard's assignment is made from (order, names, sizes: not mount points nor mtimes,
@@ -226,7 +229,7 @@ def prepare(inputs: list[str], output: str, tokenizer: str | None = None, vocab_
     if tok is not None and tok.file_bos is not None:
         log(f"note: {tokenizer} is a sentencepiece .model: text is written without its BOS (id {tok.file_bos}), which "
             "Llama 2 / Mistral v0.x / Gemma were trained with; give the model's Hugging Face tokenizer folder to write it")
-    os.makedirs(output, exist_ok=True)
+    _lock = output_lock.hold(output, i_shard, n_shards, log)  # mkdir + one writer per shard (output_lock.py)
     plan_path = os.path.join(output, f"plan-s{i_shard:05d}.json")
     if overwrite:
         _clear_shard(output, i_shard)

@@ -61,7 +61,22 @@ def main(argv: list[str] | None = None) -> int:
     RUN[:] = [a.run_dir]
     ckpt = Checkpointer(a.run_dir, keep=2)
     path = named(a.checkpoint) if a.checkpoint else ckpt.find_resume("auto")
-    why = "no such folder" if path and not os.path.isdir(path) else ckpt.verify(path) if path else None
+    try:
+        return _export(a, ckpt, path)
+    except OSError:  # its folder gone while it was read: the running job's rotation moved it into checkpoints/.trash
+        if not path or os.path.isdir(path):
+            raise
+        print(f"error: {os.path.basename(path.rstrip('/'))} was rotated away by the running job while it was read "
+              "(--save_total_limit): export a newer one, or copy it first", file=sys.stderr)
+        return 2
+
+
+def _export(a: argparse.Namespace, ckpt: Checkpointer, path: str | None) -> int:
+    """Verify and export the checkpoint at `path` (None: the run has none); OSError where its folder went meanwhile."""
+    gone = "no such folder" if path and not os.path.isdir(path) else None
+    why = gone or (ckpt.verify(path) if path else None)
+    if why and not gone and not os.path.isdir(path):  # there when verification started ("missing FILE"), gone now
+        raise FileNotFoundError(path)
     if a.checkpoint and why:  # the checkpoint named, and why it is not one (not a message about the run folder)
         print(f"error: --checkpoint {a.checkpoint}: not a complete checkpoint ({why})", file=sys.stderr)
         return 2

@@ -203,3 +203,50 @@ def test_the_export_writes_rope_also_as_transformers_4_reads_it(tmp_path):
         assert (raw["rope_theta"], raw["rope_scaling"], raw.get("rope_local_base_freq")) == (theta, scaling, local)
         back = AutoConfig.from_pretrained(out).rope_parameters  # (4.x's `type` key kept beside rope_type: unread)
         assert {k: v for k, v in back.items() if k != "type"} == config.rope_parameters
+
+
+def test_a_checkpoint_rotated_away_while_it_is_exported_is_said_in_one_line(tmp_path, monkeypatch, capsys):
+    """export_hf.py of the second-newest checkpoint of a running job: its rotation (--save_total_limit 2) moved
+    step_N into checkpoints/.trash between the verification and DeepSpeed's consolidation: a FileNotFoundError
+    traceback. One line now; an OSError while the checkpoint is still there is not hidden."""
+    import importlib.util
+    import os
+
+    spec = importlib.util.spec_from_file_location("export_hf", os.path.join(os.getcwd(), "scripts", "export_hf.py"))
+    export = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(export)
+    run = tmp_path / "run"
+    ck = run / "checkpoints" / "step_000010"
+    ck.mkdir(parents=True)
+    (ck / "MANIFEST.json").write_text("{}")
+    monkeypatch.setattr(export.Checkpointer, "verify", lambda self, path: None)
+    monkeypatch.setattr(export.Checkpointer, "read_trainer", staticmethod(lambda path: {"tokenizer": None}))
+
+    def full_disk(path, out, *args, **kw):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(export, "export_hf", full_disk)
+    with pytest.raises(OSError):
+        export.main([str(ck)])
+
+    def rotated(path, out, *args, **kw):  # what training/rotation.Trash.discard does, then zero_to_fp32 reads
+        (run / "checkpoints" / ".trash").mkdir()
+        os.replace(ck, run / "checkpoints" / ".trash" / "step_000010.1")
+        raise FileNotFoundError(2, "No such file or directory", str(ck / "global_step10"))
+
+    monkeypatch.setattr(export, "export_hf", rotated)
+    assert export.main([str(ck)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: step_000010 was rotated away by the running job while it was read "
+                          "(--save_total_limit)") and err.count("\n") == 1
+    # gone during the verification (verify read "missing FILE"): the same line, not "not a complete checkpoint"
+    os.replace(run / "checkpoints" / ".trash" / "step_000010.1", ck)
+
+    def verify_then_rotated(self, path):
+        os.replace(ck, run / "checkpoints" / ".trash" / "step_000010.2")
+        return "missing zero_pp_rank_0_mp_rank_00_optim_states.pt"
+
+    monkeypatch.setattr(export.Checkpointer, "verify", verify_then_rotated)
+    assert export.main([str(ck)]) == 2 and "was rotated away" in capsys.readouterr().err
+    assert export.main([str(run), "--checkpoint", str(ck)]) == 2  # gone before it started: as before
+    assert "not a complete checkpoint (no such folder)" in capsys.readouterr().err

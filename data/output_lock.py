@@ -1,0 +1,115 @@
+"""One writer per shard of a prepared folder: `scripts/prepare_data.py` holds an exclusive lock on
+`--output/.prepare.lock-s<i>` while it writes shard i (the whole folder is shard 0 of 1), so a second run into the same
+folder and shard (`srun` of one command on N tasks without --shard, a second terminal, an array job) is refused in one
+line instead of "resuming" the first one's unfinished chunk: it deleted the open chunk and its tmp files, then both
+wrote the same names. Shards of one preparation (--shard i/N) take different locks and run at once.
+
+The lock is flock(2) (Python's fcntl.flock calls it) on an open file: the kernel drops it when the process dies, however
+it dies (no stale lock to remove; a pid reused in another container does not hold it). Shared file systems:
+- NFS: Linux emulates flock with a whole-file byte-range lock (NLM on v3, the protocol's own locks on v4): it holds
+  across clients; a crashed client's lock lasts until its v4 lease expires (~90 s) or, on v3, until it reboots. Mounted
+  with `nolock` / `local_lock=flock`: a lock of this node only.
+- Lustre: across clients with `-o flock` (a crashed client's lock goes with its eviction), this node only with
+  `-o localflock`; under `noflock` (the default of older releases) flock fails with ENOSYS.
+- where a file system cannot lock at all (ENOLCK, EOPNOTSUPP, ENOSYS: FUSE mounts, NFS without a lock daemon) the run
+  goes on after one note, unguarded as before, and is never refused for that.
+Cost: one small file per shard, one open + flock at start (a round trip to the server on NFS / Lustre)."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import time
+import weakref
+
+LOCK = ".prepare.lock"
+UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS}
+# locks this process holds, by lock file: a second prepare() of the same shard in this process (a test, a retry after
+# a refusal) takes the one it holds instead of refusing itself (flock conflicts between two opens of one process)
+_HELD: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+class Held:
+    """An open lock file holding its flock; closed (the lock released) when dropped, or by the kernel at exit."""
+
+    def __init__(self, fd: int | None, path: str):
+        self.fd, self.path = fd, path
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    __del__ = release
+
+
+def lock_path(output: str, shard: int) -> str:
+    return os.path.join(output, f"{LOCK}-s{shard:05d}")
+
+
+def holder(path: str) -> str:
+    """Who holds the lock at `path`, as its holder wrote it ("host:pid, started ..."), or "unknown"."""
+    try:
+        with open(path) as fh:
+            h = json.load(fh)
+        return f"{h['host']}:{h['pid']}, started {h['started']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "unknown"
+
+
+def try_lock(path: str) -> int | None:
+    """An fd of `path` holding an exclusive flock; None where the file system cannot lock. BlockingIOError where
+    another open file (another process) holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in UNSUPPORTED:
+            return None
+        raise
+    return fd
+
+
+def hold(output: str, shard: int, n_shards: int, log=print) -> Held:
+    """Take shard `shard`'s lock of `output` (made if missing) for as long as the returned object lives (prepare()
+    keeps it until it returns; the kernel releases it if the process dies). ValueError (one line) where another process
+    holds it; where the file system cannot lock, one note and an unguarded run."""
+    os.makedirs(output, exist_ok=True)
+    path = lock_path(output, shard)
+    key = os.path.realpath(path)
+    if (held := _HELD.get(key)) is not None:
+        return held
+    try:
+        fd = try_lock(path)
+    except BlockingIOError:
+        which = f" (shard {shard})" if n_shards > 1 else ""
+        raise ValueError(f"--output {output}{which} is being written by another process ({holder(path)}): wait for it, "
+                         "or give each task --shard i/N") from None
+    if fd is None:
+        log(f"note: {output}: this file system cannot lock files: nothing stops a second run from writing this shard "
+            "at the same time (give each task --shard i/N)")
+    else:  # who holds it, for the refusal of another run (written after the lock is ours: never torn by a second one)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                  "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}).encode(), 0)
+    _HELD[key] = held = Held(fd, path)
+    return held
+
+
+def is_held(folder: str) -> bool:
+    """Whether a live process holds a lock of `folder` now (False where none is held or locks are unsupported)."""
+    for name in os.listdir(folder) if os.path.isdir(folder) else []:
+        if name.startswith(LOCK):
+            try:
+                fd = try_lock(os.path.join(folder, name))
+            except BlockingIOError:
+                return True
+            except OSError:
+                continue
+            if fd is not None:
+                os.close(fd)
+    return False

@@ -1,0 +1,78 @@
+"""Two prepare_data.py runs into one --output (srun of one command on N tasks without --shard, a second terminal):
+the second one "resumed" the first one's unfinished shard, deleted its open chunk and in-flight tmp files, and both
+wrote the same chunk names (FileNotFoundError tracebacks, a manifest over a partial chunk). One writer per shard now
+(data/output_lock.py), released by the kernel when its process dies."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from data import output_lock
+from data.prepare_data import _resume_point, prepare
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def _rows(tmp_path) -> str:
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"input_ids": list(range(1, 20 + i))}) + "\n" for i in range(10)))
+    return str(path)
+
+
+def test_a_second_writer_of_the_same_shard_is_refused_until_the_first_one_dies(tmp_path):
+    rows, out = _rows(tmp_path), tmp_path / "prep"
+    out.mkdir()
+    open_chunk = out / "tokens-s00000-c000000.bin"  # the first writer's chunk, not committed yet
+    open_chunk.write_bytes(b"\1" * 64)
+    first = subprocess.Popen(  # another process writing shard 0 of the folder
+        [sys.executable, "-c", "import sys; from data import output_lock; h = output_lock.hold(sys.argv[1], 0, 1); "
+         "print('held', flush=True); sys.stdin.read()", str(out)],
+        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout.readline().strip() == "held"
+        with pytest.raises(ValueError) as e:
+            prepare([rows], str(out), vocab_size=100, workers=0, eos_id=0, log=lambda _: None)
+        msg = str(e.value)
+        assert f"--output {out} is being written by another process" in msg and f":{first.pid}, started" in msg
+        assert "--shard i/N" in msg and "\n" not in msg
+        assert open_chunk.read_bytes() == b"\1" * 64  # its files untouched
+        # another shard of the same folder is not that writer's: shards of one preparation run at once
+        out2 = tmp_path / "prep2"
+        held = output_lock.hold(str(out2), 0, 2)
+        assert output_lock.hold(str(out2), 1, 2) is not held
+        assert output_lock.hold(str(out2), 0, 2) is held  # this process' own: taken again, not refused
+    finally:
+        first.stdin.close()
+        first.wait(timeout=10)
+    # its process gone (however it ended), the lock is gone with it: the same command resumes and finishes
+    m = prepare([rows], str(out), vocab_size=100, workers=0, eos_id=0, log=lambda _: None)
+    assert m["n_docs"] == 10
+    assert prepare([rows], str(out), vocab_size=100, workers=0, eos_id=0, log=lambda _: None)["n_docs"] == 10
+
+
+def test_where_files_cannot_be_locked_the_run_goes_on_with_one_note(tmp_path, monkeypatch):
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(output_lock.fcntl, "flock", no_locks)
+    notes = []
+    m = prepare([_rows(tmp_path)], str(tmp_path / "prep"), vocab_size=100, workers=0, eos_id=0, log=notes.append)
+    assert m["n_docs"] == 10
+    assert [n for n in notes if "cannot lock" in n] and len([n for n in notes if "cannot lock" in n]) == 1
+
+
+def test_a_resume_leaves_tmp_files_alone(tmp_path):
+    """An atomic write's tmp of another writer (where locks are unsupported) is not an uncommitted chunk to delete,
+    and its name (host gpu-c01) is not parsed for a chunk number (int('01.77.') crashed)."""
+    tmp = tmp_path / "tokens-s00000-c000000.npy.tmp.gpu-c01.77.5a1f.npy"
+    tmp.write_bytes(b"x")
+    stale = tmp_path / "tokens-s00000-c000000.bin"  # an uncommitted chunk: removed, as before
+    stale.write_bytes(b"x")
+    assert _resume_point(str(tmp_path), 0) == []
+    assert tmp.exists() and not stale.exists()
