@@ -100,9 +100,16 @@ def zero3_pinned_requests(shape: ModelShape, world: int, b: int, offload_params:
     return out
 
 
+ACCUM_NAMES = {"torch.float32": "fp32", "float32": "fp32", "float": "fp32", "torch.float16": "fp16", "float16": "fp16",
+               "half": "fp16", "torch.bfloat16": "bf16", "bfloat16": "bf16"}  # DeepSpeed's DtypeEnum spellings
+
+
 def grad_accum_dtype(ds_config: dict) -> str | None:
-    """A DeepSpeed config's data_types.grad_accum_dtype (None: absent, DeepSpeed then takes the model's dtype)."""
-    return (ds_config.get("data_types") or {}).get("grad_accum_dtype")
+    """A DeepSpeed config's data_types.grad_accum_dtype as the planner names it (fp32 / bf16 / fp16; DeepSpeed's
+    DtypeEnum also takes "float32", "bfloat16", "torch.float32"...: the start-up memory checks skipped such a config as
+    unreadable); None: absent, DeepSpeed then takes the model's dtype."""
+    got = (ds_config.get("data_types") or {}).get("grad_accum_dtype")
+    return ACCUM_NAMES.get(got, got) if isinstance(got, str) else got
 
 
 def zero3_state_terms(shape: ModelShape, world: int, b: int, f: Features, gpu_run: bool, pinned_offloads: bool,

@@ -203,3 +203,25 @@ def test_a_legacy_sentencepiece_tokenizer_is_exported_as_it_trained(tmp_path):
     assert a.convert_ids_to_tokens(x)[1] == "▁["  # (the case: legacy True puts ▁ before the turn's first piece)
     assert x == y
     assert a("hello there  how\nare you")["input_ids"] == b("hello there  how\nare you")["input_ids"]
+
+
+def test_the_4x_rewrite_moves_only_special_tokens_and_keeps_named_ones(tmp_path):
+    """transformers 5 lists sentencepiece's user-defined pieces ([INST], not special) in `extra_special_tokens` and
+    writes Gemma 3's named tokens as `model_specific_special_tokens`: the rewrite made the pieces special for 4.x (vLLM's
+    decode with skip_special_tokens dropped them) and lost the named ones (a review found both)."""
+    import json
+
+    from model_utils.export_tokenizer import legacy_tokenizer
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir(), out.mkdir()
+    (src / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GemmaTokenizer"}))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "TokenizersBackend", "extra_special_tokens": ["[INST]", "<start_of_image>"],
+        "model_specific_special_tokens": {"boi_token": "<start_of_image>"},
+        "added_tokens_decoder": {"5": {"content": "[INST]", "special": False},
+                                 "6": {"content": "<start_of_image>", "special": True}}}))
+    legacy_tokenizer(str(out), str(src))
+    c = json.loads((out / "tokenizer_config.json").read_text())
+    assert c["additional_special_tokens"] == ["<start_of_image>"] and c["tokenizer_class"] == "GemmaTokenizer"
+    assert c["extra_special_tokens"] == {"boi_token": "<start_of_image>"} and "model_specific_special_tokens" not in c

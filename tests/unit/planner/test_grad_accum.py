@@ -67,3 +67,14 @@ def test_the_tiled_backwards_fp32_gradient_sums_are_counted_where_they_live():
     hf_norm = layer_phase_terms(LLAMA, tokens, 1, 2, True, lean_norm=False, lean_mlp=True)["mlp"]  # DeepSpeed's TiledMLP
     rows_mlp = math.ceil(tokens / math.ceil(tokens / max(h, 1024)))  # one tile of planner.memory_model.mlp_tiles
     assert lean - hf_norm == 3 * rows_mlp * h * 2 + 4 * 3 * h * inter
+
+
+def test_deepspeeds_other_spellings_of_the_dtype_are_planned():
+    """DeepSpeed's DtypeEnum takes "float32", "bfloat16", "torch.float32": the planner refused them as unreadable, and
+    the start-up device-fit and host checks were skipped for such a config (a review found it)."""
+    from planner.zero3_host import grad_accum_dtype
+
+    for name, want in (("float32", "fp32"), ("torch.float32", "fp32"), ("float", "fp32"), ("bfloat16", "bf16"),
+                       ("half", "fp16"), ("fp32", "fp32")):
+        assert grad_accum_dtype({"data_types": {"grad_accum_dtype": name}}) == want
+    assert grad_accum_dtype({}) is None
