@@ -11,7 +11,7 @@ gloo (the CPU tests' backend) forgives:
   (no GPU stream, no NCCL watchdog) at most `dist_timeout_s` (LONG_WAIT_S for known-long work: base/host_wait.py).
   The training group runs with `dist_timeout_s` (config key), which the multi-process tests lower;
 - two ranks on one GPU: NCCL aborts inside `deepspeed.init_distributed` (device_id: an eager communicator); `init`
-  names them first, through the rendezvous store (base/devices.py `claim`).
+  names them first, and ranks that disagree on WORLD_SIZE, through the rendezvous store (base/devices.py).
 
 `tests/unit/base/test_comm.py` fails if another module calls torch.distributed collectives directly.
 
@@ -97,7 +97,7 @@ def init(timeout_s: float) -> tuple[int, int, int]:
         if index != local_rank:
             os.environ["ULYSSES_LOCAL_RANK"], os.environ["LOCAL_RANK"] = str(local_rank), str(index)
         acc.set_device(index)  # before any collective, object collectives included
-        _claim_device(index, timeout_s)  # before init_distributed, where NCCL forms its communicator (device_id)
+    _claim_device(index if gpu else None, timeout_s)  # before init_distributed (NCCL's communicator: device_id)
     deepspeed.init_distributed(dist_backend=None, auto_mpi_discovery=False,
                                timeout=datetime.timedelta(seconds=timeout_s))
     # every later group without its own timeout (`subgroups`, DeepSpeed's SP and SP-DP groups: ZeRO-3, Ulysses) takes
@@ -115,11 +115,11 @@ def init(timeout_s: float) -> tuple[int, int, int]:
     return dist.get_rank(), dist.get_world_size(), local_rank
 
 
-def _claim_device(index: int, timeout_s: float) -> None:
-    """Two ranks of a node on one GPU: one line on every rank, before `deepspeed.init_distributed` (NCCL aborts
-    there), through the abort channel's store (base/devices.py `claim`); nothing without it or a CUDA UUID."""
-    w, uuid = _WATCHER, devices.uuid_of(index)
-    line = w and uuid and devices.claim(w.ask, w.rank, w.world, socket.gethostname(), uuid, timeout_s)
+def _claim_device(index: int | None, timeout_s: float) -> None:
+    """Ranks that disagree on WORLD_SIZE (any backend), then two ranks of a node on one GPU: one line, before NCCL
+    aborts in `deepspeed.init_distributed`, through the abort channel's store (base/devices.py `start_refusal`)."""
+    w, uuid = _WATCHER, None if index is None else devices.uuid_of(index)
+    line = w and devices.start_refusal(w.ask, w.rank, w.world, socket.gethostname(), uuid, timeout_s)
     if line:
         raise ValueError(line)
 
@@ -463,8 +463,8 @@ def _start_watcher() -> None:
 
 def abort(reason: str, code: int = 1) -> str:
     """This rank failed: tell every rank (they exit within POLL_S), stop watching, wait (ABORT_WAIT_S at most) until
-    the others have read it, and bound this process's own teardown to EXIT_GRACE_S (base/watcher.py's timings). Returns the first failure on
-    record (the cause, when this rank failed because another one did)."""
+    the others have read it, and bound this process's own teardown to EXIT_GRACE_S (base/watcher.py's timings).
+    Returns the first failure on record (the cause, when this rank failed because another one did)."""
     global _WATCHER
     w = _WATCHER
     if w is None:

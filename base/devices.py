@@ -9,11 +9,16 @@ LOCAL_RANK. `srun python train.py` shows what srun's options give each task:
   the others (NERSC's `--gpu-bind=none` advice), so `--gpus-per-node` is faster;
 - fewer devices than the local rank needs (`--gpus-per-task=2` with 4 tasks): refused in one line naming the fix;
   under a launcher (LOCAL_SIZE / LOCAL_WORLD_SIZE / LAUNCH_EXIT_DIR: deepspeed, torchrun, scripts/launch.sh) the fix is
-  its GPU count (scripts/slurm.sbatch takes GPUS_PER_NODE, else SLURM_GPUS_ON_NODE, else 8); under `srun
-  --gpu-bind=closest` (SLURMD_TRES_BIND / SLURM_TRES_BIND `gres/gpu:closest`) a task sees only its socket's GPUs.
+  its GPU count (scripts/slurm.sbatch takes GPUS_PER_NODE, else SLURM_GPUS_ON_NODE, else each node's launch.sh counts
+  its own GPUs); under `srun --gpu-bind=closest` (SLURMD_TRES_BIND / SLURM_TRES_BIND `gres/gpu:closest`) a task sees
+  only its socket's GPUs.
 Two ranks of a node on one device (several tasks given the same GPU): NCCL aborts inside deepspeed.init_distributed
 (DeepSpeed passes device_id: the communicator is formed there) with "Duplicate GPU detected"; `claim` names them first,
 through the rendezvous store, before the process group (base/comm.py `init`).
+Ranks that disagree on WORLD_SIZE (scripts/slurm.sbatch without GPUS_PER_NODE or SLURM_GPUS_ON_NODE: each node's
+`launch.sh --no_ssh` counts its own GPUs and writes N nodes of that count; a node of 4 beside nodes of 8, or one GPU
+fallen off the bus): colliding rank numbers, a 300 s wait, then exit 69 naming a healthy node as lost. `same_world`
+refuses them first, on every backend (`start_refusal`), in one line naming both counts.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import time
 FIX = ("one task per GPU: srun --ntasks-per-node=G --gpus-per-node=G (every task sees the node's GPUs), or "
        "--gpus-per-task=1")
 LAUNCHED = ("LOCAL_SIZE", "LOCAL_WORLD_SIZE", "LAUNCH_EXIT_DIR")  # deepspeed's launch.py, torchrun, scripts/launch.sh
+WORLD_FIX = "export GPUS_PER_NODE=N (scripts/slurm.sbatch) or give every node the same --num_gpus"
+REFUSED = 1 << 40  # what a refusing rank adds to `gpu/in`: every rank waiting in `claim` stops at its next look
 CLAIM_POLL_S = 0.5  # `claim`'s look at the arrivals: 1k small requests/s on rank 0's store at 512 ranks, while they come
 
 
@@ -46,8 +53,8 @@ def fix_for(env, visible: int) -> str:
     if any(env.get(k) for k in LAUNCHED):
         ranks = env.get("LOCAL_SIZE") or env.get("LOCAL_WORLD_SIZE") or "more"
         fix = (f"the launcher started {ranks} ranks on this node: give it the node's GPU count ("
-               + (f"scripts/slurm.sbatch: export GPUS_PER_NODE={visible}, else it takes SLURM_GPUS_ON_NODE or 8; "
-                  if env.get("SLURM_JOB_ID") else "")
+               + (f"scripts/slurm.sbatch: export GPUS_PER_NODE={visible}, else it takes SLURM_GPUS_ON_NODE, else "
+                  "each node's launch.sh counts its own GPUs; " if env.get("SLURM_JOB_ID") else "")
                + f"launch.sh / deepspeed: --num_gpus {visible}; torchrun: --nproc_per_node {visible})")
     else:
         fix = FIX
@@ -108,6 +115,45 @@ def duplicate_line(first: int, rank: int, host: str, uuid: str) -> str:
     return f"gpus: ranks {first} and {rank} on {host} would drive the same GPU ({uuid}), which NCCL refuses: {FIX}"
 
 
+def _text(got) -> str:
+    return got.decode() if isinstance(got, bytes) else str(got)
+
+
+def local_world(env=None) -> str:
+    """The ranks on this node as its launcher says (LOCAL_WORLD_SIZE: torchrun; LOCAL_SIZE: deepspeed), else "?"."""
+    env = os.environ if env is None else env
+    return env.get("LOCAL_WORLD_SIZE") or env.get("LOCAL_SIZE") or "?"
+
+
+def same_world(ask, rank: int, world: int, host: str, local: str = "?") -> str | None:
+    """The refusal (the first line posted: the same on every rank that refuses) when this rank's WORLD_SIZE is not
+    the first rank's, else None: one compare_set of `world` (the first writer's "WORLD LOCAL RANK HOST" stays). The
+    line is posted where `claim` reads it and `gpu/in` jumps by REFUSED,
+    so the ranks that agree, waiting in `claim`, stop with it too (without `claim`, on CPU, the refusing rank's
+    ValueError reaches them on the abort channel). Only WORLD_SIZE is compared: uneven nodes (hostfile slots 8/4/4)
+    agree on it and are a job (base/host.py node_size_agreement). Cost: one request a rank, three when refused."""
+    from base.watcher import key
+
+    first = _text(ask(lambda st: st.compare_set(key("world"), "", f"{world} {local} {rank} {host}"))).split(" ", 3)
+    if int(first[0]) == world:
+        return None
+    on = [f"rank {r} ({h}" + (f", {n} ranks on its node)" if n != "?" else ")") for n, r, h in
+          ((local, rank, host), tuple(first[1:]))]
+    line = (f"gpus: WORLD_SIZE {world} on {on[0]}, but {first[0]} on {on[1]}: the nodes' launchers counted different "
+            f"GPUs (a node with fewer, or one fallen off the bus); {WORLD_FIX}")
+    line = _text(ask(lambda st: st.compare_set(key("gpu/duplicate"), "", line)))  # the first posted: one line for all
+    ask(lambda st: st.add(key("gpu/in"), REFUSED))
+    return line
+
+
+def start_refusal(ask, rank: int, world: int, host: str, uuid: str | None, wait_s: float,
+                  poll_s: float = CLAIM_POLL_S) -> str | None:
+    """The one line every rank refuses the start with (`same_world`, then `claim` where the GPU's UUID is known), or
+    None; base/comm.py `init` raises it before the process group, on every backend."""
+    line = same_world(ask, rank, world, host, local_world())
+    return line or (claim(ask, rank, world, host, uuid, wait_s, poll_s) if uuid else None)
+
+
 def claim(ask, rank: int, world: int, host: str, uuid: str, wait_s: float, poll_s: float = CLAIM_POLL_S) -> str | None:
     """The duplicate line (the first one posted) or None, the same on every rank, from the job's store before any
     process group: each rank claims (host, uuid) with one compare_set (the first rank's number stays: a later rank
@@ -117,8 +163,7 @@ def claim(ask, rank: int, world: int, host: str, uuid: str, wait_s: float, poll_
     torch's own rendezvous would have waited) when some rank never comes."""
     from base.watcher import key
 
-    got = ask(lambda st: st.compare_set(key(f"gpu/{host}/{uuid}"), "", str(rank)))
-    first = int(got.decode() if isinstance(got, bytes) else got)
+    first = int(_text(ask(lambda st: st.compare_set(key(f"gpu/{host}/{uuid}"), "", str(rank)))))
     if first != rank:
         ask(lambda st: st.compare_set(key("gpu/duplicate"), "", duplicate_line(first, rank, host, uuid)))
     ask(lambda st: st.add(key("gpu/in"), 1))
@@ -128,9 +173,7 @@ def claim(ask, rank: int, world: int, host: str, uuid: str, wait_s: float, poll_
             raise TimeoutError(f"only {came} of {world} ranks reached the process group's start in {wait_s:.0f} s "
                                "(--dist_timeout_s): the others are stuck after train.py's first line")
         time.sleep(poll_s)
-    line = ask(lambda st: st.compare_set(key("gpu/duplicate"), "", ""))  # "" when none was posted
-    line = line.decode() if isinstance(line, bytes) else str(line)
-    return line or None
+    return _text(ask(lambda st: st.compare_set(key("gpu/duplicate"), "", ""))) or None  # "": none was posted
 
 
 def uuids_seen(visible: int) -> tuple[str, ...]:

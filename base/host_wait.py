@@ -7,6 +7,9 @@ watchdog), whose own timeout is LONG_WAIT_S (6 h) for the few known-long callers
 a small corpus in the job, counting an epoch's samples, the attention probe: they pass `long=True`). A short call
 waits at most the run's `--dist_timeout_s` instead: the broadcast is posted asynchronously and gloo's
 `Work.wait(timeout)` gives up then ("Operation timed out!", measured with torch 2.13; the work itself stays posted).
+A `--dist_timeout_s` above LONG_WAIT_S (HF's `--ddp_timeout 180000`) waits LONG_WAIT_S: the group's own timeout
+would end the wait first, and that error ("Timed out waiting ...ms for recv") is taken as the same stall, not
+re-raised as a gloo traceback after 6 h.
 Before, a hung NFS read on rank 0 at start-up (before the first progress mark starts the hang monitor,
 base/progress.py) held every GPU for 6 h with no line.
 
@@ -31,15 +34,25 @@ hard_exit = os._exit  # the tests replace it
 
 
 def wait(work, wait_s: float, fn: Callable, rank: int, long: bool, w, abort: Callable) -> None:
-    """Wait for `work` (the host group's broadcast of rank 0's answer to `fn`) at most `wait_s`, else `stalled`. `w`:
-    this rank's watcher (None: no abort channel); `abort`: base/comm.py's."""
+    """Wait for `work` (the host group's broadcast of rank 0's answer to `fn`) at most `wait_s`, capped at the group's
+    own timeout (LONG_WAIT_S: a --dist_timeout_s above 6 h, HF's --ddp_timeout 180000), else `stalled`. `w`: this
+    rank's watcher (None: no abort channel); `abort`: base/comm.py's."""
+    if wait_s >= LONG_WAIT_S:
+        wait_s, long = LONG_WAIT_S, True
     t0 = time.monotonic()
     try:
         work.wait(timeout=datetime.timedelta(seconds=wait_s))
-    except RuntimeError:  # gloo's "Operation timed out!"; anything sooner (rank 0 gone) is the abort channel's
-        if time.monotonic() - t0 < wait_s * 0.99:
+    except RuntimeError as e:  # gloo's "Operation timed out!"; anything sooner (rank 0 gone) is the abort channel's
+        waited = time.monotonic() - t0
+        if waited < wait_s * 0.99 and not timed_out(e):
             raise
-        stalled(fn, wait_s, rank, long, w, abort)
+        # the group's own timeout ("Timed out waiting Nms for recv"), which may come first: a stall alike
+        stalled(fn, wait_s if waited >= wait_s * 0.99 else waited, rank, long or waited < wait_s * 0.99, w, abort)
+
+
+def timed_out(e: BaseException) -> bool:
+    """gloo's words for a timeout (the host group's own, or Work.wait's), not a peer gone ("Connection closed")."""
+    return "timed out" in str(e).lower()
 
 
 def describe(fn: Callable) -> str:

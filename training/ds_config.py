@@ -22,10 +22,11 @@ Configs as users have them (e.g. Hugging Face's ZeRO-3 example, `ds_configs/hf_z
   DeepSpeed's own top-level `sequence_parallel_size` (the ALST tutorial's) is taken the same way, as are the JSON's
   concrete micro batch, accumulation and `fp16`/`bf16` `"enabled": true` where no flag set them.
 - the legacy `"bfloat16"` section is read as `"bf16"` (training/ds_json.py; both, differing: one line).
-- refused in one line at start (`validate`): a `wandb` or `comet` monitor block (DeepSpeed's monitor logs beside the
-  run's own W&B at the sample count: `--report_to wandb --wandb_project NAME`; tensorboard and csv_monitor stay);
-  ZeRO++ `zero_hpz_partition_size` > 1 (a process-wide group DeepSpeed makes once: the second stage's engine fails;
-  the memory plan has no secondary partition). `zero_quantized_weights`/`_gradients` pass to DeepSpeed.
+- refused in one line at start (`validate`): a `wandb` monitor block when the run reports to W&B itself (DeepSpeed's
+  monitor logs beside it at the sample count; with `--report_to none` it passes with one note: it is then the
+  run's only W&B logging; `comet`, tensorboard and csv_monitor pass); ZeRO++ `zero_hpz_partition_size` > 1 in a
+  curriculum of several stages (a process-wide group DeepSpeed makes once: the second stage's engine fails; one stage
+  passes with one note: the memory plan has no secondary partition). `zero_quantized_weights`/`_gradients` pass.
 - `checkpoint.load_universal` is dropped with one note: training/restore.py loads as universal exactly when the
   checkpoint's world differs.
 - under bf16/fp16, `data_types.grad_accum_dtype` is fp32 unless the JSON names one (see build_ds_config).
@@ -155,7 +156,7 @@ def build_ds_config(cfg: Config, dims: ParallelDims, bf16: bool, hidden_size: in
     leftover = [k for k, v in _walk(ds) if v == "auto"]
     if leftover:
         raise ValueError(f"{cfg.deepspeed}: no value derived for {leftover}; set them explicitly")
-    validate(ds, cfg.deepspeed)
+    validate(ds, cfg.deepspeed, cfg)
     return ds
 
 
@@ -198,11 +199,13 @@ class _OneReplica:
         return 1
 
 
-def validate(ds: dict, where: str) -> None:
+def validate(ds: dict, where: str, cfg: Config | None = None) -> None:
     """What DeepSpeed checks when it parses a config (`DeepSpeedConfig`: the pydantic models of every block, e.g. an
     unknown zero_optimization key or an offload device it lacks, precision, batch arithmetic) and the optimizer
     type the engine accepts, here, without a process group: at start for every stage (training/preflight.py),
-    not when `deepspeed.initialize` reaches a stage days into the run. One-line ValueError naming the setting."""
+    not when `deepspeed.initialize` reaches a stage days into the run. One-line ValueError naming the setting.
+    `cfg`: the run's (its stages and --report_to decide `_check_not_per_process`; None: refused as for several
+    stages reporting to W&B)."""
     from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS, DeepSpeedConfig, DeepSpeedConfigError
 
     # the batch arithmetic (train = micro x accumulation x dp) is derived and checked by _fill above; the probe
@@ -212,7 +215,7 @@ def validate(ds: dict, where: str) -> None:
         parsed = DeepSpeedConfig(probe, mpu=_OneReplica())
     except (ValueError, AssertionError, TypeError, KeyError, DeepSpeedConfigError) as e:  # the last: removed blocks
         raise ValueError(f"{where}: DeepSpeed rejects the config: {_one_line(e)}") from None  # (sparse_attention)
-    _check_not_per_process(parsed, where)
+    _check_not_per_process(parsed, where, cfg)
     zero = ds.get("zero_optimization", {})
     for part in ("offload_param", "offload_optimizer"):  # DeepSpeed's model takes nvme_path None, then zero.Init
         if (zero.get(part) or {}).get("device") == "nvme" and not zero[part].get("nvme_path"):  # asserts on it
@@ -228,26 +231,43 @@ def validate(ds: dict, where: str) -> None:
                              "block (AdamW from the flags)")
 
 
-def _check_not_per_process(parsed, where: str) -> None:
-    """What DeepSpeed sets up once per process, or beside this run's own logging: refused in one line at start
-    (each passed the start-up checks and failed or misled later). This run builds one engine per stage in one
-    process."""
-    monitors = parsed.monitor_config
-    if monitors.wandb.enabled:  # DeepSpeed's WandbMonitor: wandb.init at every engine build, wandb.log(step=samples)
-        raise ValueError(f"{where}: its \"wandb\" monitor block logs DeepSpeed's numbers into this run's W&B run at "
-                         "the sample count (this run's records, at the optimizer step, then fall behind it and W&B "
-                         "drops them) and starts W&B without this run's offline fallback: drop the block and use "
-                         "--report_to wandb --wandb_project NAME (tensorboard and csv_monitor blocks may stay)")
-    if monitors.comet.enabled:  # CometMonitor: comet_ml.start at every engine build, one experiment per stage
-        raise ValueError(f"{where}: its \"comet\" monitor block starts a Comet experiment at every stage's engine "
-                         "build, stepped by samples: drop the block; this run logs to W&B itself: --report_to wandb "
-                         "--wandb_project NAME (tensorboard and csv_monitor blocks may stay)")
+def _check_not_per_process(parsed, where: str, cfg: Config | None) -> None:
+    """What DeepSpeed sets up once per process, or beside this run's own logging: refused in one line at start where it
+    fails or misleads (each passed the start-up checks and failed later), else one note a run (the first build says
+    it, the start-up check's or a dry run's quiet one too: it is about the plan).
+    train.py builds one engine per stage in one process; scripts/evaluate.py one per source, from its own JSON."""
+    if parsed.monitor_config.wandb.enabled:  # WandbMonitor: wandb.init at every engine build, wandb.log(step=samples)
+        if cfg is None or reports_to_wandb(cfg.report_to):
+            raise ValueError(f"{where}: its \"wandb\" monitor block logs DeepSpeed's numbers into this run's W&B run at "
+                             "the sample count (this run's records, at the optimizer step, then fall behind it and "
+                             "W&B drops them): drop the block (this run logs to W&B: --wandb_project NAME), or keep "
+                             "it with --report_to none (tensorboard and csv_monitor blocks may stay)")
+        _note_once(("wandb", where), f"note: {where}: its \"wandb\" monitor block is this run's only W&B "
+                   "logging (--report_to none): DeepSpeed logs its own lr and loss there, stepped by global samples, "
+                   "not optimizer steps")
     hpz = parsed.zero_config.zero_hpz_partition_size
-    if hpz > 1:  # groups._create_zero_param_parallel_group asserts it runs once per process
-        raise ValueError(f"{where}: zero_optimization.zero_hpz_partition_size {hpz} (ZeRO++ hpZ) cannot run here: "
+    if hpz > 1 and (cfg is None or len(cfg.stages) > 1):  # _create_zero_param_parallel_group: once per process
+        stages = f"{len(cfg.stages)} stages" if cfg is not None else "several stages"
+        raise ValueError(f"{where}: zero_optimization.zero_hpz_partition_size {hpz} (ZeRO++ hpZ) cannot run {stages}: "
                          "DeepSpeed makes its secondary-partition group once per process and this run builds one "
-                         "engine per stage (the second fails), and the memory plan does not count the secondary "
-                         "copy of the weights: drop it (or 1)")
+                         "engine per stage (the second fails): drop it (or 1), or keep it for a one-stage run")
+    if hpz > 1:  # the weights once more, partitioned over each hpz ranks (a node's, for its all-gathers)
+        _note_once(("hpz", where), f"note: {where}: zero_optimization.zero_hpz_partition_size {hpz} (ZeRO++ "
+                   f"hpZ): the memory plan does not count its secondary partition (a copy of the weights over each {hpz} "
+                   f"ranks: parameters x 2 bytes in bf16 / {hpz} more a rank; 8B at hpZ 8: 2 GB); leave that headroom")
+
+
+def reports_to_wandb(report_to: str) -> bool:
+    """Whether this run logs to W&B itself (training/metrics.py wandb_enabled; "auto": wandb installed), unimported."""
+    import importlib.util
+
+    return report_to == "wandb" or (report_to == "auto" and importlib.util.find_spec("wandb") is not None)
+
+
+def _note_once(what: tuple, line: str) -> None:
+    if what not in _SAID:
+        _SAID.add(what)
+        print0(line)
 
 
 def _one_line(e: Exception) -> str:

@@ -95,7 +95,8 @@ def sp_from_block(block, where: str) -> int:
 
 def sp_sizes(ds: dict, where: str) -> list[tuple[int, str]]:
     """The SP degrees the JSON names, each with the words that name its key: the project's `sequence_parallelism`
-    block and DeepSpeed's own top-level `sequence_parallel_size` (the ALST tutorial's; "auto" names none)."""
+    block and DeepSpeed's own top-level `sequence_parallel_size` (the ALST tutorial's; "auto" names none); both,
+    differing: one line."""
     out = []
     if "sequence_parallelism" in ds:
         out.append((sp_from_block(ds["sequence_parallelism"], where), "sequence_parallelism degree"))
@@ -104,4 +105,7 @@ def sp_sizes(ds: dict, where: str) -> list[tuple[int, str]]:
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"{where}: sequence_parallel_size must be an integer >= 1 or \"auto\", got {n!r}")
         out.append((n, "sequence_parallel_size"))
+    if len({n for n, _ in out}) > 1:  # settle_from_file took the first one silently
+        raise ValueError(f"{where}: sequence_parallelism degree {out[0][0]} and sequence_parallel_size {out[1][0]} name "
+                         "two SP degrees: keep one of the keys (or make them agree)")
     return out

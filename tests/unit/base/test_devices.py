@@ -4,6 +4,7 @@ started it (a launcher's GPU count; srun's --gpu-bind=closest)."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -81,6 +82,8 @@ def test_a_launchers_rank_past_the_nodes_gpus_names_its_gpu_count():
                            "started 8 ranks on this node: give it the node's GPU count (scripts/slurm.sbatch: export "
                            "GPUS_PER_NODE=4"), line
     assert "--num_gpus 4" in line and "srun --ntasks-per-node" not in line and len(line.splitlines()) == 1
+    # since slurm.sbatch passes no --num_gpus without GPUS_PER_NODE / SLURM_GPUS_ON_NODE, launch.sh counts (not 8)
+    assert "else it takes SLURM_GPUS_ON_NODE, else each node's launch.sh counts its own GPUs; " in line, line
     outside = devices.fix_for({"LOCAL_WORLD_SIZE": "8"}, 4)  # torchrun on a machine of its own: no sbatch advice
     assert "GPUS_PER_NODE" not in outside and "--nproc_per_node 4" in outside
 
@@ -94,3 +97,73 @@ def test_srun_gpu_bind_closest_is_named(env):
                                          r"task only its socket's GPUs: drop it \(or --gpu-bind=none\)$"):
         devices.device_index(5, 4, env)
     assert "closest" not in devices.fix_for({"SLURMD_TRES_BIND": "gres/gpu:single:1"}, 4)
+
+
+
+def starts(monkeypatch, rows, gpu=True, first=None, wait_s=2.0):
+    """comm._claim_device on threads as ranks over one store (the abort channel's connection, as in `init`): rows of
+    (RANK, WORLD_SIZE, host); `first` (a row's position) starts 0.3 s before the others. Each rank's ValueError text,
+    None, or other exception, and the longest any rank took."""
+    store, me, out = comm.dist.HashStore(), threading.local(), {}
+
+    class Channel:  # each thread sees its own rank and world
+        rank = property(lambda self: me.rank)
+        world = property(lambda self: me.world)
+
+        def ask(self, fn, timeout=None):
+            return fn(store)
+
+    monkeypatch.setattr(comm, "_WATCHER", Channel())
+    monkeypatch.setattr(comm.socket, "gethostname", lambda: me.host)
+    monkeypatch.setattr(devices, "uuid_of", lambda index: f"GPU-{index}")
+    monkeypatch.setattr(devices, "CLAIM_POLL_S", 0.05)
+
+    def run(i, rank, world, host):
+        me.rank, me.world, me.host = rank, world, host
+        if first is not None and i != first:
+            time.sleep(0.3)
+        try:
+            comm._claim_device(rank % 8 if gpu else None, wait_s)
+            out[i] = None
+        except ValueError as e:
+            out[i] = str(e)
+        except Exception as e:  # noqa: BLE001 -- handed to the test
+            out[i] = e
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=run, args=(i, *r)) for i, r in enumerate(rows)]
+    [t.start() for t in threads]
+    [t.join(10) for t in threads]
+    return [out[i] for i in range(len(rows))], time.monotonic() - t0
+
+
+# node A counted 2 GPUs (hostfile of 2 nodes x 2: world 4, its ranks 0 and 1); node B counted 1 (2 x 1: world 2, its
+# rank 1 collides with A's): the ranks of world 4 timed out ("only 3 of 4 ranks reached"), B's returned at once
+UNEVEN = [(0, 4, "nodeA"), (1, 4, "nodeA"), (1, 2, "nodeB")]
+
+
+@pytest.mark.parametrize("first", [0, 2, None], ids=["world_4_first", "world_2_first", "together"])
+def test_ranks_that_disagree_on_world_size_are_one_line_on_every_rank(monkeypatch, first):
+    """slurm.sbatch without GPUS_PER_NODE: each node's launch.sh --no_ssh counted its own GPUs. Every rank stops at
+    once with the same line naming both counts and the fix, whichever node's rank wrote the store's `world` first."""
+    for k in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    got, took = starts(monkeypatch, UNEVEN, first=first)
+    assert took < 1.5 and all(isinstance(g, str) for g in got) and len(set(got)) == 1, (got, took)
+    line = got[0]
+    said = re.match(r"gpus: WORLD_SIZE (\d) on rank \d \((node[AB])\), but (\d) on rank \d \((node[AB])\): ", line)
+    assert said and {said[1], said[3]} == {"4", "2"} and {said[2], said[4]} == {"nodeA", "nodeB"}, line
+    assert "\n" not in line and line.endswith("export GPUS_PER_NODE=N (scripts/slurm.sbatch) or give every node the same --num_gpus")
+
+
+def test_world_size_is_compared_where_no_gpu_is_claimed(monkeypatch):
+    """On CPU (no CUDA UUID: no claim) the check still runs, one request a rank: the rank whose WORLD_SIZE differs
+    from the first writer's refuses (its ValueError reaches the others on the abort channel); agreeing ranks go on."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    got, _ = starts(monkeypatch, UNEVEN, gpu=False, first=0)
+    assert got[:2] == [None, None], got
+    assert got[2] == ("gpus: WORLD_SIZE 2 on rank 1 (nodeB, 2 ranks on its node), but 4 on rank 0 (nodeA, 2 ranks on "
+                      "its node): the nodes' launchers counted different GPUs (a node with fewer, or one fallen off "
+                      "the bus); export GPUS_PER_NODE=N (scripts/slurm.sbatch) or give every node the same "
+                      "--num_gpus"), got
+    assert starts(monkeypatch, [(0, 2, "a"), (1, 2, "b")], gpu=False)[0] == [None, None]

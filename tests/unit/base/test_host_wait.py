@@ -157,3 +157,46 @@ def test_what_rank_0_runs_is_named():
     assert host_wait.describe(Restore().listed).startswith("tests/unit/base/test_host_wait.py:")
     assert host_wait.describe(Restore().listed).endswith("(test_what_rank_0_runs_is_named.<locals>.Restore.listed)")
     assert host_wait.main_host(None) == "host unknown"
+
+
+def stall(ranks, monkeypatch, work_s: float):
+    """Rank 0 runs `work_s` of work while rank 1 waits in run_on_main: rank 1's box, time taken, error lines, posts."""
+    w = FakeWatcher()
+    monkeypatch.setattr(comm, "_WATCHER", w)
+    monkeypatch.setattr(comm, "abort", lambda reason, code=1: reason)
+    monkeypatch.setattr(host_wait, "hard_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+    monkeypatch.delenv("LAUNCH_LOST_FILE", raising=False)
+
+    def work():
+        time.sleep(work_s)
+        return 42
+
+    ranks(0, lambda: comm.run_on_main(work))
+    t0 = time.monotonic()
+    box, t = ranks(1, lambda: comm.run_on_main(work))
+    t.join(10)
+    return box, time.monotonic() - t0, w.posted
+
+
+def test_a_dist_timeout_past_the_host_groups_own_is_still_one_line(ranks, monkeypatch, capfd):
+    """--dist_timeout_s above the host group's timeout (HF's --ddp_timeout 180000 > LONG_WAIT_S, 6 h; here 5 s over a
+    2 s group): the group's own error came first and was re-raised, a gloo traceback ("Timed out waiting 2000ms for
+    recv") after 6 h. Now the same one-line stop, exit 69."""
+    monkeypatch.setattr(comm, "_WAIT_S", 5.0)
+    box, took, posted = stall(ranks, monkeypatch, 2.5)
+    assert box and box[0][0] == "raised" and isinstance(box[0][1], SystemExit) and box[0][1].code == 69, box
+    assert 1.8 <= took <= 3.0, took
+    lines = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and lines[0].startswith("error: rank 0 (node07) hung: no answer for 2 s (LONG_WAIT_S) from "
+                                                   "tests/unit/base/test_host_wait.py:"), lines
+    assert [p[1] for p in posted] == [69]
+
+
+def test_a_short_call_waits_at_most_long_wait_s(ranks, monkeypatch, capfd):
+    """The short bound is min(--dist_timeout_s, LONG_WAIT_S): with LONG_WAIT_S scaled to 1 s, a 5 s --dist_timeout_s
+    stops rank 1 at 1 s (it waited the group's 2 s and raised its error)."""
+    monkeypatch.setattr(comm, "_WAIT_S", 5.0)
+    monkeypatch.setattr(host_wait, "LONG_WAIT_S", 1.0)
+    box, took, _ = stall(ranks, monkeypatch, 2.5)
+    assert box and isinstance(box[0][1], SystemExit) and box[0][1].code == 69 and 0.9 <= took <= 1.8, (box, took)
+    assert "no answer for 1 s (LONG_WAIT_S)" in capfd.readouterr().err

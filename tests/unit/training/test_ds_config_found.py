@@ -34,15 +34,25 @@ def build(tmp_path, ds: dict, flags=(), bf16: bool = True, **kw) -> dict:
 
 # --- 1: monitors that log beside the run's own W&B ---
 
-def test_wandb_and_comet_monitor_blocks_are_refused_in_one_line(tmp_path):
+def test_a_wandb_monitor_block_is_refused_only_beside_the_runs_own_wandb(tmp_path, capsys):
     """DeepSpeed's WandbMonitor logged into this run's W&B run at step = samples seen: every record of the run (at
-    the optimizer step, a lower number) was dropped by W&B; with --report_to none it called wandb.init itself."""
-    for name in ("wandb", "comet"):
-        with pytest.raises(ValueError, match=rf'"{name}" monitor block .*--report_to wandb --wandb_project') as e:
-            build(tmp_path, {**BASE, name: {"enabled": True, "project": "ds-monitor"}})
-        assert "\n" not in str(e.value)
-        with pytest.raises(ValueError, match=f'"{name}" monitor block'):  # a stage's override alike
-            build(tmp_path, BASE, overrides={name: {"enabled": True}})
+    the optimizer step, a lower number) was dropped by W&B. With --report_to none it is the user's only W&B logging
+    (no clash): it passes with one note a run; comet (no Comet reporter here) passes with none."""
+    block = {"enabled": True, "project": "ds-monitor"}
+    with pytest.raises(ValueError, match=r'"wandb" monitor block .*drop the block .*or keep it with --report_to none') \
+            as e:
+        build(tmp_path, {**BASE, "wandb": block}, flags=("--report_to", "wandb"))
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match='"wandb" monitor block'):  # a stage's override alike
+        build(tmp_path, BASE, flags=("--report_to", "wandb"), overrides={"wandb": {"enabled": True}})
+    capsys.readouterr()
+    for _ in range(2):  # one note a run, not one per stage
+        assert build(tmp_path, {**BASE, "wandb": block}, flags=("--report_to", "none"))["wandb"] == block
+    out = capsys.readouterr().out
+    assert out.count('"wandb" monitor block is this run\'s only W&B logging (--report_to none)') == 1, out
+    for report in ("wandb", "none"):
+        assert build(tmp_path, {**BASE, "comet": block}, flags=("--report_to", report))["comet"] == block
+    assert "comet" not in capsys.readouterr().out
     kept = {"enabled": True, "output_path": str(tmp_path), "job_name": "x"}
     ds = build(tmp_path, {**BASE, "tensorboard": kept, "csv_monitor": kept, "wandb": {"enabled": False}})
     assert ds["tensorboard"] == kept and ds["csv_monitor"] == kept
@@ -50,15 +60,25 @@ def test_wandb_and_comet_monitor_blocks_are_refused_in_one_line(tmp_path):
 
 # --- 2: ZeRO++ hpZ ---
 
-def test_zeropp_hpz_is_refused_at_start(tmp_path):
+def test_zeropp_hpz_is_refused_for_a_curriculum_only(tmp_path, capsys):
     """zero_hpz_partition_size > 1 trained stage 0 and crashed building stage 1's engine ("ZeRO parameter intra
-    parallel group is already initialized": once per process in DeepSpeed)."""
+    parallel group is already initialized": once per process in DeepSpeed). A one-stage run builds one engine: it
+    passes, with one note that the memory plan does not count the secondary partition (it was refused too)."""
     tutorial = {"reduce_scatter": True, "zero_quantized_weights": True, "zero_hpz_partition_size": 16,
                 "zero_quantized_gradients": True}  # the ZeRO++ tutorial's block
-    with pytest.raises(ValueError, match=r"zero_hpz_partition_size 16 \(ZeRO\+\+ hpZ\) cannot run here: .*one engine "
-                                         r"per stage.*does not count the secondary") as e:
-        build(tmp_path, {**BASE, "zero_optimization": {**BASE["zero_optimization"], **tutorial}})
+    hpz = {**BASE, "zero_optimization": {**BASE["zero_optimization"], **tutorial}}
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"deepspeed: {write(tmp_path, hpz, 'hpz.json')}\nstages:\n  - name: a\n  - name: b\n")
+    with pytest.raises(ValueError, match=r"zero_hpz_partition_size 16 \(ZeRO\+\+ hpZ\) cannot run 2 stages: .*one "
+                                         r"engine per stage.*keep it for a one-stage run$") as e:
+        build_ds_config(parse_config(["--config", str(recipe)]), DIMS, bf16=True, hidden_size=64, planning=True)
     assert "\n" not in str(e.value)
+    capsys.readouterr()
+    for _ in range(2):
+        assert build(tmp_path, hpz)["zero_optimization"]["zero_hpz_partition_size"] == 16
+    out = capsys.readouterr().out
+    assert out.count("zero_hpz_partition_size 16 (ZeRO++ hpZ): the memory plan does not count its secondary "
+                     "partition") == 1, out
     quantized = {k: v for k, v in tutorial.items() if k != "zero_hpz_partition_size"}
     ds = build(tmp_path, {**BASE, "zero_optimization": {**BASE["zero_optimization"], **quantized,
                                                         "zero_hpz_partition_size": 1}})
@@ -163,6 +183,17 @@ def test_deepspeeds_own_sequence_parallel_size_sets_the_degree(tmp_path):
         parse_config(["--config", str(recipe)])
     assert parse_config(["--deepspeed", write(tmp_path, {**alst, "sequence_parallel_size": "auto"})]) \
         .sequence_parallel_size == 1
+
+
+def test_two_sp_keys_that_disagree_are_refused(tmp_path):
+    """The project's sequence_parallelism block (degree 2) beside DeepSpeed's sequence_parallel_size 1: the first one
+    was taken silently (settle_from_file's `given` is not updated after the first). Agreeing keys pass."""
+    both = {**BASE, "sequence_parallelism": {"enabled": True, "degree": 2}, "sequence_parallel_size": 1}
+    with pytest.raises(ValueError, match=r"ds.json: sequence_parallelism degree 2 and sequence_parallel_size 1 name "
+                                         r"two SP degrees: keep one of the keys \(or make them agree\)$"):
+        parse_config(["--deepspeed", write(tmp_path, both)])
+    assert parse_config(["--deepspeed", write(tmp_path, {**both, "sequence_parallel_size": 2})]) \
+        .sequence_parallel_size == 2
 
 
 # --- 8: gradient accumulation dtype ---
