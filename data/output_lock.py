@@ -11,8 +11,10 @@ it dies (no stale lock to remove; a pid reused in another container does not hol
   with `nolock` / `local_lock=flock`: a lock of this node only.
 - Lustre: across clients with `-o flock` (a crashed client's lock goes with its eviction), this node only with
   `-o localflock`; under `noflock` (the default of older releases) flock fails with ENOSYS.
-- where a file system cannot lock at all (ENOLCK, EOPNOTSUPP, ENOSYS: FUSE mounts, NFS without a lock daemon) the run
-  goes on after one note, unguarded as before, and is never refused for that.
+- where a file system cannot lock at all (ENOLCK, EOPNOTSUPP, ENOSYS, EINVAL: FUSE mounts, NFS without a lock daemon),
+  or this user may not (EACCES / EPERM: another user's lock file), the run goes on after one note, unguarded as
+  before, and is never refused for that. A lost node's lock (NFS v3, Lustre) stays until the server lets it go: the
+  refusal names the file to delete.
 Cost: one small file per shard, one open + flock at start (a round trip to the server on NFS / Lustre)."""
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ import time
 import weakref
 
 LOCK = ".prepare.lock"
-UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS}
+UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL, errno.EACCES, errno.EPERM}
+# (EACCES / EPERM: another user's lock file in a group folder, or an NFS lock it may not take: a note, not a refusal)
 # locks this process holds, by lock file: a second prepare() of the same shard in this process (a test, a retry after
 # a refusal) takes the one it holds instead of refusing itself (flock conflicts between two opens of one process)
 _HELD: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -63,7 +66,17 @@ def holder(path: str) -> str:
 def try_lock(path: str) -> int | None:
     """An fd of `path` holding an exclusive flock; None where the file system cannot lock. BlockingIOError where
     another open file (another process) holds it."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as e:  # another user's lock file (0644 under the usual umask), a read-only folder
+        if e.errno in UNSUPPORTED:
+            return None
+        raise
+    try:
+        if os.fstat(fd).st_uid == os.getuid():
+            os.fchmod(fd, 0o666)  # the next user of a group folder may lock it too
+    except OSError:
+        pass
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
@@ -88,7 +101,8 @@ def hold(output: str, shard: int, n_shards: int, log=print) -> Held:
     except BlockingIOError:
         which = f" (shard {shard})" if n_shards > 1 else ""
         raise ValueError(f"--output {output}{which} is being written by another process ({holder(path)}): wait for it, "
-                         "or give each task --shard i/N") from None
+                         f"or give each task --shard i/N (if that process is gone with a lost node, whose lock an NFS v3 "
+                         f"or Lustre server keeps until the node is back or evicted, delete {path})") from None
     if fd is None:
         log(f"note: {output}: this file system cannot lock files: nothing stops a second run from writing this shard "
             "at the same time (give each task --shard i/N)")

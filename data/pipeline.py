@@ -307,7 +307,8 @@ def check_model_tokenizer(folder: str, m: dict, model_path: str | None, tokenize
     a word (Mistral's and Llama 2's tokenizers both have 32000 tokens). Compared by the token of every id both have
     (OpenHermes-2.5-Mistral's 32002 tokens are Mistral's 32000 and two added ones: the same ids); not compared where
     the model folder ships none, the run's is not on this machine (its size alone says nothing of its ids) or the
-    files are the same. Cost: two tokenizers loaded on rank 0, once (~1 s)."""
+    files are the same; ids that are added or special tokens on either side are not compared (renamed reserved slots).
+    Cost: two tokenizers loaded on rank 0, once (~1 s)."""
     prepared = m.get("tokenizer") or {}
     ours = tokenizer_path or prepared.get("path", "")
     if not (ours and ships_tokenizer(model_path) and os.path.exists(ours) and tokenizer_identity(model_path)
@@ -317,9 +318,10 @@ def check_model_tokenizer(folder: str, m: dict, model_path: str | None, tokenize
         own = Tokenizer(model_path)
     except ValueError:  # the model folder's tokenizer does not load: nothing to compare
         return
-    mine, theirs = own.pieces(), Tokenizer(ours).pieces()
-    n = min(len(mine), len(theirs))
-    if mine[:n] != theirs[:n]:
+    other = Tokenizer(ours)
+    mine, theirs = own.pieces(), other.pieces()
+    skip = _added_ids(own) | _added_ids(other)  # renamed reserved slots (Llama 3's, a distill's <think>): not the vocabulary
+    if any(a != b for i, (a, b) in enumerate(zip(mine, theirs)) if i not in skip):
         what = f"--tokenizer_name_or_path {ours}" if tokenizer_path else \
             f"--dataset_path {folder} was prepared with tokenizer {ours}"
         raise ValueError(f"{what} ({len(theirs)} tokens), and the model {model_path} ships another one ({len(mine)} "
@@ -327,6 +329,15 @@ def check_model_tokenizer(folder: str, m: dict, model_path: str | None, tokenize
                          f"overrides this: prepare the data again with the model's tokenizer (--tokenizer_name_or_path "
                          f"{model_path}), or, where the model folder's tokenizer files are not the ones its weights "
                          "were trained with, replace them")
+
+
+def _added_ids(tok: Tokenizer) -> set[int]:
+    """Ids of added / special / control tokens: a fine-tune renames such slots while every regular id stays (Llama 3's
+    reserved tokens as <|im_start|>, Qwen2.5 as DeepSeek-R1-Distill-Qwen's <think>, Gemma's <unusedN>)."""
+    if tok.kind == "sentencepiece":
+        sp = tok._sp
+        return {i for i in range(tok.vocab_size) if sp.is_control(i) or sp.is_unknown(i) or sp.is_unused(i)}
+    return set(getattr(tok.hf, "added_tokens_decoder", {}) or {})
 
 
 def same_tokenizer(m: dict, path: str) -> str | None:
@@ -347,16 +358,18 @@ def same_tokenizer(m: dict, path: str) -> str | None:
     return "vocab" if (tok.eos_id, tok.bos_id) == (rec.get("eos_id"), m.get("bos_id", tok.bos_id)) else None
 
 
-def pick_tokenizer(folder: str, m: dict, given: str | None, model_path: str | None, stages) -> str | None:
+def pick_tokenizer(folder: str, m: dict, given: str | None, model_path: str | None, stages,
+                   user: bool = True) -> str | None:
     """The run's tokenizer (rank 0): `given` (--tokenizer_name_or_path) or the one `folder` was prepared with, checked
     against the model's (check_model_tokenizer) and the manifest `m`. A recorded one that is not on this machine
     (prepared on a login node under /home, trained from /scratch) is the model folder's where that is the same
     (same_tokenizer: its files, or for text its vocabulary), with a note; else chat data or a stage's `tasks` are
     refused (the reply stops, template and padding, the synthetic samples need it), and text trains without one, with
-    a note (no passkey or task evaluation, an export without tokenizer files; padding is never used there)."""
+    a note (no passkey or task evaluation, an export without tokenizer files; padding is never used there). `user`:
+    `given` is the user's flag (else the in-job preparation's choice, checked as the one the data was prepared with)."""
     if given and not os.path.exists(given):
         Tokenizer(given)  # its one line: no such file or folder
-    check_model_tokenizer(folder, m, model_path, given)
+    check_model_tokenizer(folder, m, model_path, given if user else None)
     rec = m.get("tokenizer")
     path = given or (rec and rec["path"])
     if not rec or not path:
@@ -399,6 +412,7 @@ def open_run_data(dataset_path: str | None, tokenizer_path: str | None, model_vo
     whose ids the resumed checkpoint was trained on (`trained_on`, its SHA-256) and every stage's mixture, before
     any model."""
     # a resumed run (its first start's split recorded) is prepared again whatever the in-job limit says today
+    user = tokenizer_path is not None
     folder, tokenizer_path = prepare_in_job(dataset_path, tokenizer_path, model_vocab, model_path,
                                             resumed=heldout is not None)
 
@@ -407,7 +421,7 @@ def open_run_data(dataset_path: str | None, tokenizer_path: str | None, model_vo
             m = read_json(os.path.join(folder, MANIFEST))
         except OSError as e:
             raise ValueError(f"--dataset_path {folder}: no readable {MANIFEST} ({e}): prepare the data again") from None
-        return m, pick_tokenizer(folder, m, tokenizer_path, model_path, stages)  # passkey evaluation decodes text
+        return m, pick_tokenizer(folder, m, tokenizer_path, model_path, stages, user)  # passkey evaluation decodes text
 
     m, tokenizer_path = comm.run_on_main(choose)
     # another vocabulary's ids would train under the same weights (a template fixed since is the same tokenizer)

@@ -138,3 +138,27 @@ def test_a_hub_id_given_to_prepare_data_names_what_to_pass(tmp_path, monkeypatch
     with pytest.raises(ValueError) as e:
         Tokenizer(str(tmp_path / "nothing"))
     assert "hf download" not in str(e.value)
+
+
+def test_renamed_reserved_slots_are_the_same_vocabulary(tmp_path):
+    """An SFT tokenizer that renames the model's reserved special slots (Llama 3's <|reserved_special_token_N|> as
+    <|im_start|>, Qwen2.5 as DeepSeek-R1-Distill-Qwen's <think>) keeps every regular id: a review found it refused
+    the same day, with no override left. Added / special ids are not compared; a regular id that differs still is."""
+    from transformers import AutoTokenizer
+
+    from data.pipeline import open_run_data
+
+    def with_specials(path, words, specials):
+        tok = AutoTokenizer.from_pretrained(_word_tokenizer(path, words))
+        tok.add_special_tokens({"additional_special_tokens": specials})
+        tok.save_pretrained(str(path))
+        return str(path)
+
+    sft = with_specials(tmp_path / "sft", WORDS, ["<|im_start|>", "<|im_end|>"])
+    folder = _prepared(tmp_path, sft)
+    model = with_specials(tmp_path / "model", WORDS, ["<|reserved_0|>", "<|reserved_1|>"])
+    assert open_run_data(folder, sft, 64, STAGES, reset_position_ids=True, model_path=model).tokenizer.path == sft
+    swapped = with_specials(tmp_path / "swapped", ["<unk>", "</s>", "river", "apple", "stone", "cloud"],
+                            ["<|reserved_0|>", "<|reserved_1|>"])
+    with pytest.raises(ValueError, match="other ids"):
+        open_run_data(folder, sft, 64, STAGES, reset_position_ids=True, model_path=swapped)
