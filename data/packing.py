@@ -18,12 +18,15 @@ from data.jsonl import list_files, read_documents
 from data.store import tokenizer_identity
 from data.tokenizer import Tokenizer
 
+RULES = "bos2:chat8:eos2:doc6"  # the tokenization rules' version (cache_key below says what each part means); recorded
+# in a prepare_data plan too: a shard continued or merged under other rules is refused (its chunks would mix them)
+
 
 def cache_key(files: list[str], tokenizer_path: str | None, model_vocab: int) -> str:
     """What a cached token stream or in-job prepared folder (data/prepare.py) is derived from: each input file
     (path, size, mtime), the tokenizer's content (a HF folder rewritten in place keeps its own size and mtime) and
     the vocabulary its token ids were checked against."""
-    h = hashlib.sha256(f"{model_vocab}:bos2:chat8:eos2:doc6".encode())
+    h = hashlib.sha256(f"{model_vocab}:{RULES}".encode())
     # :bos2: text documents start with the tokenizer's BOS, once where the text writes its own; :chat8: chat rows
     # encoded by today's rules (a reply's weight, reasoning a template drops, a top-level system, a prompt / completion of strings with the BOS; the ChatML default rendered
     # as served, a `reasoning` field, JSON-text arguments as the object; chat5: an empty tool list as none, bare tool

@@ -26,7 +26,7 @@ from collections import Counter, deque
 
 import numpy as np
 
-from data import output_lock, store
+from data import output_lock, packing, store
 from data.prepare_args import DEFAULT_BATCH_DOCS, DEFAULT_CHUNK_TOKENS, TEXT_SPECIALS, parser, specials_note
 from data.readers import Fields, Unit, discover, iter_rows, parse_item
 
@@ -144,11 +144,8 @@ def _resume_point(out: str, shard: int) -> list[dict]:
     while os.path.exists(p := os.path.join(out, f"chunk-{store.chunk_name(shard, k)}.json")):
         recs.append(store.read_json(p))
         k += 1
-    for f in glob.glob(os.path.join(out, f"*-s{shard:05d}-c*")):
-        if ".tmp" in os.path.basename(f):  # an atomic write's tmp (its host name may hold "-c"): not a chunk's
-            continue
-        c = int(f.rsplit("-c", 1)[1][:6])
-        if c >= k:
+    for f in glob.glob(os.path.join(out, f"*-s{shard:05d}-c*")):  # (an atomic write's tmp, whose host may hold "-c",
+        if ".tmp" not in os.path.basename(f) and int(f.rsplit("-c", 1)[1][:6]) >= k:  # is not a chunk's)
             os.remove(f)
     return recs
 
@@ -219,7 +216,7 @@ def prepare(inputs: list[str], output: str, tokenizer: str | None = None, vocab_
             "eos_id": eos, "bos_id": tok.bos_id if tok else None, "dtype": dtype.name,
             "text_specials": TEXT_SPECIALS[text_specials], "fields": [fields.text, fields.ids, fields.source],
             "shard": [i_shard, n_shards], "chunk_tokens": chunk_tokens, "skip_bad_rows": skip_bad_rows,
-            "loss_on": loss_on, "chat_template": chat_template}
+            "loss_on": loss_on, "chat_template": chat_template, "rules": packing.RULES}
     if tok is not None:
         from data.chat import ChatEncoder
 
@@ -235,7 +232,10 @@ def prepare(inputs: list[str], output: str, tokenizer: str | None = None, vocab_
         _clear_shard(output, i_shard)
     if os.path.exists(plan_path):
         old = store.read_json(plan_path)
-        differs = sorted(k for k in plan if old.get(k) != plan[k])
+        differs = sorted(k for k in plan if old.get(k) != plan[k] and (k != "rules" or "rules" in old))
+        if "rules" not in old:  # begun before 2026-11-30: rows read differently since may differ between its chunks
+            log(f"note: {output}: shard {i_shard} was begun by an older version (rows read differently since, e.g. a "
+                "top-level system_prompt, may differ between its chunks): --overwrite redoes it")
         if differs:
             raise ValueError(f"--output {output} holds shard {i_shard} of another preparation (differs in {differs}): "
                              "use another --output, or --overwrite to start this shard again")
@@ -386,7 +386,7 @@ def merge(output: str, log=print) -> dict:
     if missing:
         raise ValueError(f"{output}: shard(s) {missing} of {n} are not finished; run them (--shard i/{n}), then merge")
     keys = ("tokenizer", "vocab_bound", "eos_id", "bos_id", "dtype", "fields", "chunk_tokens", "loss_on",
-            "chat_template", "text_specials")
+            "chat_template", "text_specials", "rules")
     first = recs[0]["plan"]
     _same_inputs(output, [recs[i]["plan"] for i in range(n)])
     for i in range(n):

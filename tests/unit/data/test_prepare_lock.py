@@ -77,3 +77,22 @@ def test_a_resume_leaves_tmp_files_alone(tmp_path):
     stale.write_bytes(b"x")
     assert _resume_point(str(tmp_path), 0) == []
     assert tmp.exists() and not stale.exists()
+
+
+def test_a_shard_begun_under_other_rules_is_not_continued_silently(tmp_path):
+    """A preparation killed on yesterday's code and continued on today's mixed both days' tokenization rules in one
+    shard (a chat row's system_prompt dropped in its first chunks, kept in the rest: an upgrade audit), and so did a
+    merge of shards from two checkouts. The rules' version is in the plan: another one is refused, an unknown one
+    (a shard begun before it was recorded) is said."""
+    out = tmp_path / "prep"
+    prepare([_rows(tmp_path)], str(out), vocab_size=100, workers=0, eos_id=0, log=lambda _: None)
+    plan = out / "plan-s00000.json"
+    p = json.loads(plan.read_text())
+    assert p["rules"]
+    plan.write_text(json.dumps({**p, "rules": "bos2:chat6:eos2:doc6"}))
+    with pytest.raises(ValueError, match=r"differs in \['rules'\]"):
+        prepare([_rows(tmp_path)], str(out), vocab_size=100, workers=0, eos_id=0, log=lambda _: None)
+    plan.write_text(json.dumps({k: v for k, v in p.items() if k != "rules"}))
+    notes = []
+    prepare([_rows(tmp_path)], str(out), vocab_size=100, workers=0, eos_id=0, log=notes.append)
+    assert any("begun by an older version" in n and "--overwrite" in n for n in notes), notes
