@@ -35,6 +35,7 @@ from data.packing import ConvPack, DocPack, chat_documents, vocab_refusal
 from data.prepare import prepare_in_job, ships_tokenizer
 from data.replay import ReplayDataset, ReplaySampler, parse_replay
 from data.sampler import ResumableSampler
+from data.sft_notes import sft_notes
 from data.store import MANIFEST, Prepared, read_json, tokenizer_identity, vocab_identity
 from data.tasks import TaskMixDataset, TaskMixSampler, check_tasks, tasks_as_chat
 from data.tokenizer import Tokenizer
@@ -484,7 +485,8 @@ def open_run_data(dataset_path: str | None, tokenizer_path: str | None, model_vo
         short = data.short_chat_heldout(s)
         if short:
             print0(short)
-        data.mixture(s)  # a bad or empty mixture component stops the run here, before the model is built
+        for line in sft_notes(s, data.mixture(s), prepared, model_path):  # a bad or empty mixture component stops
+            print0(line)  # the run here, before the model is built; an SFT stage's long data, loss shares: said
         check_tasks(s, tokenizer)  # so does a bad `tasks:` (unknown task, fractions, too short a length)
         for n in parse_replay(getattr(s, "replay", None), s.max_seq_length, f"stage {s.index} ({s.name}) replay"):
             short = dataclasses.replace(s, max_seq_length=n)  # and a replay length its mixture or tasks cannot fill

@@ -21,6 +21,8 @@ from the model's own settings (its text config's, for a composite config: Qwen3.
   would rotate one sequence differently: refused at SP > 1. `dynamic` keeps the model's max_position_embeddings (its
   threshold: raised to the stage's length, it never scaled), longrope its `factor` (raising max_position_embeddings
   changed its attention scaling at every position).
+- a stage's RoPE that lowers the model's rope_theta, or reaches (factor x original length) fewer positions than its
+  max_position_embeddings, is said once (`_cut_back`): a 128k recipe's yarn copied after one's own 1M extension.
 """
 
 from __future__ import annotations
@@ -183,7 +185,29 @@ def _one(config, base: dict, rope: dict | None, where: str, sp: int) -> tuple[di
     if kind == "longrope" and "factor" not in out:  # its attention scaling, fixed before the table grows
         orig = out.get("original_max_position_embeddings") or top or config.max_position_embeddings
         out["factor"] = config.max_position_embeddings / orig
+    if rope is not None:  # with its yarn / llama3 / linear length filled in
+        notes += _cut_back(config, base, out, where)
     return out, notes
+
+
+def _cut_back(config, base: dict, out: dict, where: str) -> list[str]:
+    """A note where a stage's RoPE lowers the model's rope_theta or reaches (factor x original length) fewer positions
+    than its max_position_embeddings: the 128k SFT recipe's yarn x4 over 32768 at theta 1e6, copied after one's own
+    ABF extension to 1M (default type, theta 1.6e8), trained and shipped a 128k model without a word."""
+    said = []
+    theta, had = out.get("rope_theta"), base.get("rope_theta")
+    if theta is not None and had is not None and theta < had:
+        said.append(f"rope_theta {theta} is below the model's {had}")
+    f, orig, most = out.get("factor"), out.get("original_max_position_embeddings"), \
+        getattr(config, "max_position_embeddings", None) or 0
+    scaled = base.get("rope_type", "default") not in (None, "default") or said  # a default-type model's
+    # max_position_embeddings is often only declared (the demo's tiny base: 131072, trained at 256): its reach counts
+    # where the stage also lowers its theta (an ABF extension undone)
+    if out.get("rope_type") in ("yarn", "linear", "llama3", "dynamic") and f and orig and f * orig < most and scaled:
+        said.append(f"{out['rope_type']} factor {f} over {orig} reaches {int(f * orig)} positions, fewer than the "
+                    f"model's max_position_embeddings {most}")
+    return [f"{where}: {' and '.join(said)}: after your own extension this stage cuts the model back (drop `rope:`: a "
+            "stage without rope keeps the model's)"] if said else []
 
 
 def check_positions(params: dict, length: int) -> None:

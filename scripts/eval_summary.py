@@ -8,7 +8,8 @@ records OUTPUT_DIR/eval/stage{N}.json (each stage's latest evaluation, the same 
 `"event": "eval"` line), preceded by one line from the first evaluated stage to the last (the "before" and the
 "after": the held-out loss at the first stage's length and at the last stage's own length; in a curriculum with an
 SFT stage the held-out conversation loss on the assistant's tokens, `chat_loss` in the table; each task's accuracy
-at each length both tried). A before -> after of held-out losses is over the same samples only where both records
+at each length the last stage tried, against the latest earlier stage that tried that length, a fall of 0.2 or more
+flagged DROPPED). A before -> after of held-out losses is over the same samples only where both records
 were scored on the same sample count (training/evaluation.py retention_samples): records that differ are printed
 side by side and said not to compare; records from before the count was written are said to be unknown. Reads a few small JSON files
 (one per stage): nothing at any scale. A folder without records, or a record that is not JSON, is refused in one
@@ -69,14 +70,33 @@ def headline(rows: list[dict]) -> list[str]:
     if "heldout_chat_loss" in a and "heldout_chat_loss" in b and not same:  # the same conversations before and after
         out.append(f"held-out conversation loss (assistant tokens) at {b['heldout_chat_len']}: "
                    f"{moved('heldout_chat_loss')}")
-    other = a.get("task_seeds") != b.get("task_seeds")  # trials seeded another way (before 2026-11-30): other questions
-    for task, lens in b.get("task_mean", {}).items():
-        before = a.get("task_mean", {}).get(task, {})
-        for n in sorted((n for n in lens if n in before), key=int):
-            out.append(f"{task} at {n}: " + (f"{before[n]:.2f} and {lens[n]:.2f} (other questions: one record's trials "
-                                              "were seeded another way, not compared)" if other else
-                                              f"{before[n]:.2f} -> {lens[n]:.2f}"))
+    out += task_moves(rows)
     return [f"{where}: " + "; ".join(out)] if out and len(rows) > 1 else []
+
+
+DROP = 0.2  # a fall of this much accuracy (mean over depths) at one length is flagged DROPPED
+
+
+def task_moves(rows: list[dict]) -> list[str]:
+    """Each task at each length the last record tried, against the latest earlier record that tried that length (not
+    only the first stage's lengths: a curriculum 128k -> 1M -> SFT at 128k loses 1M in its last stage, which the first
+    record never tried); a fall of DROP or more is flagged DROPPED. The "before" is named when it is not the first
+    record."""
+    b, out = rows[-1], []
+    for task, lens in b.get("task_mean", {}).items():
+        for n in sorted(lens, key=int):
+            a = next((r for r in reversed(rows[:-1]) if n in r.get("task_mean", {}).get(task, {})), None)
+            if a is None:
+                continue
+            before, after = a["task_mean"][task][n], lens[n]
+            since = "" if a is rows[0] else f" (after stage {a['stage']} {a['stage_name']})"
+            if a.get("task_seeds") != b.get("task_seeds"):  # trials seeded another way (before 2026-11-30)
+                out.append(f"{task} at {n}: {before:.2f}{since} and {after:.2f} (other questions: one record's "
+                           "trials were seeded another way, not compared)")
+                continue
+            fell = before - after >= DROP - 1e-9
+            out.append(f"{task} at {n}: {before:.2f}{since} -> {after:.2f}" + (" DROPPED" if fell else ""))
+    return out
 
 
 def main(argv: list[str]) -> int:

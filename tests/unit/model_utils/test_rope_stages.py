@@ -165,3 +165,22 @@ def test_a_scaling_that_reaches_fewer_positions_than_the_stage_is_said(capsys):
         out = capsys.readouterr().out
         assert ("rope_type yarn factor 2.0 over 4096 reaches 8192 positions, fewer than its max_seq_length 262144"
                 in out) is said and ("factor 64 reaches it" in out) is said
+
+
+def test_a_stage_rope_that_cuts_an_extended_model_back_is_said():
+    """The 128k SFT recipe's rope (yarn x4 over 32768, theta 1e6) copied after one's own ABF extension to 1M (default
+    type, theta 1.6e8, max_position_embeddings 1M) trained and shipped a 128k model without a word (the note fired only
+    for a model whose own type was not default): now the lowered theta and the shorter reach are named, once."""
+    ext = AutoConfig.for_model("qwen2", **TINY, max_position_embeddings=1048576,
+                               rope_parameters={"rope_type": "default", "rope_theta": 1.6e8})
+    sft = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, "rope_theta": 1e6}
+    _, notes = stage_rope(ext, sft, "rope")
+    assert len(notes) == 1 and "rope_theta 1000000.0 is below the model's 160000000.0" in notes[0], notes
+    assert "reaches 131072 positions, fewer than the model's max_position_embeddings 1048576" in notes[0]
+    assert "a stage without rope keeps the model's" in notes[0]
+    _, notes = stage_rope(ext, {"rope_type": "default", "rope_theta": 1e7})  # theta alone, lowered
+    assert len(notes) == 1 and "rope_theta 10000000.0 is below the model's 160000000.0" in notes[0], notes
+    # what extends says nothing: a raised theta, a yarn reaching the model's length, no rope at all
+    assert stage_rope(ext, {"rope_type": "default", "rope_theta": 5e8})[1] == []
+    assert stage_rope(qwen25(), {**sft, "rope_theta": 1e6})[1] == []  # Qwen2.5: x4 over 32768 = its 131072
+    assert stage_rope(ext, None)[1] == []

@@ -22,3 +22,23 @@ def test_a_corrupt_record_is_named_in_one_line(tmp_path, capsys):
         assert eval_summary.main([str(tmp_path)]) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"error: {record}: {says}") and err.count("\n") == 1, err
+
+
+def test_a_length_the_first_stage_never_tried_is_compared_and_a_drop_flagged():
+    """128k -> 256k -> 1M -> SFT at 128k: the SFT stage's passkey at 1M falls 1.00 -> 0.08. The headline compared only
+    the lengths the first stage tried (1.00 -> 1.00 at 128k, the drop in the table alone); now each length the last
+    stage tried is compared with the latest earlier stage that tried it, and a fall of 0.2 or more says DROPPED."""
+    lengths = {"s128k": ["131072"], "s256k": ["131072", "262144"], "s1m": ["131072", "262144", "1048576"],
+               "sft": ["131072", "262144", "1048576"]}
+    rows = [{"stage": i, "stage_name": name, "step": i + 1, "seq_len": int(ns[-1]) if name != "sft" else 131072,
+             "task_mean": {"passkey": {n: 0.08 if name == "sft" and n == "1048576" else
+                                       0.85 if name == "sft" and n == "262144" else 1.0 for n in ns}}}
+            for i, (name, ns) in enumerate(lengths.items())]
+    line = eval_summary.headline(rows)[0]
+    assert line.startswith("stage 0 (s128k) -> stage 3 (sft): ")
+    assert "passkey at 131072: 1.00 (after stage 2 s1m) -> 1.00;" in line
+    assert "passkey at 262144: 1.00 (after stage 2 s1m) -> 0.85;" in line  # a fall under 0.2: not flagged
+    assert line.endswith("passkey at 1048576: 1.00 (after stage 2 s1m) -> 0.08 DROPPED"), line
+    assert line.count("DROPPED") == 1
+    # two stages: the before is the first record, not named
+    assert eval_summary.headline(rows[:1] + rows[3:])[0].endswith("passkey at 131072: 1.00 -> 1.00")

@@ -1,0 +1,103 @@
+"""What an SFT stage's data says about long context, printed once at start-up (data/pipeline.open_run_data):
+
+- `retention_note`: an SFT stage shorter than the model's positions (max_position_embeddings: the model was extended
+  past what this stage trains) that mixes no long data, neither `tasks`, `replay`, nor a component whose tokens lie
+  mostly in documents of at least a quarter of the stage's length: short SFT alone loses retrieval past its length
+  (docs/sft.md#retention-after-sft), and nothing said so;
+- `loss_share_note`: under `loss_weighting: conversation` with more than one component, each component's expected
+  share of the loss. Every conversation weighs alike, and so does every piece of a long text document: a books
+  component at 5% of the samples (one ~1-piece unit a 128k sample, against ~94 UltraChat-like chats in a chat sample)
+  carries ~0.06% of the loss, not 5% (docs/sft.md#loss-shares-under-conversation-weighting). Said, not changed: a
+  resumed run would change its loss.
+
+Cost: the counts of the component packs open_run_data builds anyway (documents per sample: no extra pass; packing
+200k UltraChat-like conversations into 1M-token samples took 0.18 s here) and, for the retention note, one
+O(documents) selection per component over the lengths already loaded (milliseconds at millions of documents).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from data.mixture import parse_mixture, select_documents
+from data.replay import parse_replay
+from data.tasks import parse_tasks
+
+LONG_DOC = 4  # a document of at least 1/LONG_DOC of the stage's length counts as long data for retention
+
+
+def model_positions(model_path: str | None) -> int | None:
+    """The model's max_position_embeddings (its text config's for a composite one) from a preset name or a model
+    folder's config.json (the run resolves a hub id to its folder first); None where it cannot be read."""
+    from planner.presets import PRESETS
+
+    if not model_path:
+        return None
+    config = PRESETS.get(model_path)
+    if config is None:
+        try:
+            with open(os.path.join(model_path, "config.json")) as fh:
+                config = json.load(fh)
+        except (OSError, ValueError):
+            return None
+    if not isinstance(config, dict):
+        return None
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    n = text.get("max_position_embeddings", config.get("max_position_embeddings"))
+    return n if isinstance(n, int) else None
+
+
+def _long(lens: np.ndarray, length: int) -> bool:
+    """Half or more of the tokens are in documents of at least length / LONG_DOC (a long-text or long-QA component)."""
+    lens = np.asarray(lens, np.int64)
+    return bool(len(lens)) and lens[lens >= length // LONG_DOC].sum() * 2 >= lens.sum()
+
+
+def retention_note(stage, prepared, positions: int | None) -> str:
+    """One line where an SFT stage of a model with more positions than its length mixes no long data; '' otherwise.
+    `prepared`: the run's data/store.Prepared (its sources, documents' sources and lengths)."""
+    L = stage.max_seq_length
+    if getattr(stage, "kind", "text") != "sft" or not positions or positions <= L:
+        return ""
+    where = f"stage {stage.index} ({stage.name})"
+    if parse_tasks(getattr(stage, "tasks", None), f"{where} tasks") or parse_replay(getattr(stage, "replay", None), L, f"{where} replay"):
+        return ""
+    comps = parse_mixture(getattr(stage, "data", None)) or []
+    lens = [prepared.lens[select_documents(c, prepared.sources, prepared.source, prepared.lens)] for c in comps] \
+        or [prepared.lens]  # no `data:`: the whole stream
+    if any(_long(x, L) for x in lens):
+        return ""
+    return (f"note: {where}: SFT at {L} tokens mixes no long data (no tasks / replay / component with most tokens in "
+            f"documents of {L // LONG_DOC}+) on a model of {positions} positions: short SFT alone loses retrieval past "
+            f"{L} (docs/sft.md#retention-after-sft: add `tasks: {{passkey: 0.02}}`, a long component or `replay`)")
+
+
+def loss_share_note(stage, mix) -> str:
+    """Under conversation weighting, each component's (and task's) expected share of the loss: its share of the samples
+    x its units (conversations, text pieces: documents with a target) per packed sample, normalised; '' otherwise.
+    `mix`: the stage's data/mixture.MixtureDataset (None without `data:`). Tasks count one unit a sample; replay's
+    shorter samples are left out (said)."""
+    parts = getattr(mix, "parts", None) or []
+    if getattr(stage, "loss_weighting", "token") != "conversation" or len(parts) < 2:
+        return ""
+    where = f"stage {stage.index} ({stage.name})"
+    tasks = parse_tasks(getattr(stage, "tasks", None), f"{where} tasks")
+    weights = [c.weight for c in parse_mixture(stage.data, f"{where} data")]
+    rest = 1.0 - sum(tasks.values())
+    rows = [(n, rest * w / sum(weights), len(getattr(p, "order", ())) / max(1, len(p)))  # documents per sample
+            for n, w, p in zip(mix.names, weights, parts)] + [(t, f, 1.0) for t, f in tasks.items()]
+    total = sum(s * u for _, s, u in rows) or 1.0
+    said = ", ".join(f"{n} {s * u / total:.4f} ({s:.3f} of the samples x {u:.1f} a sample)" for n, s, u in rows)
+    return (f"note: {where} at {stage.max_seq_length}, loss_weighting conversation: every "
+            "conversation and every piece of a text document weighs alike, so the expected share of the loss is "
+            f"{said}" + ("; replay's shorter samples not counted" if getattr(stage, "replay", None) else "")
+            + ": a long-text component weighs one unit a piece; `loss_weighting: token` weighs by supervised tokens "
+            "(docs/sft.md#loss-shares-under-conversation-weighting)")
+
+
+def sft_notes(stage, mix, prepared, model_path: str | None) -> list[str]:
+    """The notes above for one stage (open_run_data prints them)."""
+    return [n for n in (retention_note(stage, prepared, model_positions(model_path)), loss_share_note(stage, mix)) if n]

@@ -1,0 +1,91 @@
+"""What an SFT stage's data says about long context at start-up (data/sft_notes.py, printed by
+data/pipeline.open_run_data): a plain SFT stage shorter than the model's positions that mixes no long data (no tasks,
+replay or long component) is said once (short SFT alone loses retrieval past its length: it was silent); under
+`loss_weighting: conversation` with several components each one's expected share of the loss is said (a long-text
+component's piece counts as one conversation: a books component at 5% of the samples carried ~0.06% of the loss at
+128k, unsaid). Small prepared folders, no launch: ~3 s."""
+
+from __future__ import annotations
+
+import json
+import re
+import types
+
+import numpy as np
+
+from data.chat import build_demo_chats
+from data.packing import ConvPack
+from data.sft_notes import loss_share_note, model_positions, retention_note
+from data.tokenizer import Tokenizer
+
+SP = ".cache/demo/stdlib_sp.model"
+
+
+def _stage(i, n, data, **kw):
+    return types.SimpleNamespace(**{"index": i, "name": f"s{i}", "max_seq_length": n, "eval": {}, "data": data,
+                                    "tasks": {}, "replay": None, "kind": "sft", "loss_weighting": "token", **kw})
+
+
+def test_open_run_data_says_a_plain_sft_stage_and_the_loss_shares(tmp_path, capsys):
+    from data.pipeline import open_run_data
+    from data.prepare_data import prepare
+
+    chats = build_demo_chats(str(tmp_path / "chat.jsonl"), 200, seed=3)
+    (tmp_path / "books.jsonl").write_text("".join(json.dumps({"text": f"page {i} " + "the river runs on " * 300})
+                                                  + "\n" for i in range(6)))
+    out = str(tmp_path / "prep")
+    prepare([f"chat={chats}", f"books={tmp_path / 'books.jsonl'}"], out, SP, workers=0, log=lambda _: None)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 8192}))
+    both = [{"name": "chat", "source": "chat", "weight": 0.95}, {"name": "books", "source": "books", "weight": 0.05}]
+    stages = [_stage(0, 2048, [{"name": "chat", "source": "chat", "weight": 1.0}]),  # chats alone: said
+              _stage(1, 2048, both, loss_weighting="conversation"),  # a long component: its share said
+              _stage(2, 2048, [{"name": "chat", "source": "chat", "weight": 1.0}], tasks={"passkey": 0.05})]
+    open_run_data(out, SP, Tokenizer(SP).vocab_size, stages, reset_position_ids=True, model_path=str(model))
+    got = [line for line in capsys.readouterr().out.splitlines() if "loss_weighting" in line or "long data" in line]
+    assert len(got) == 2, got
+    assert got[0].startswith("note: stage 0 (s0): SFT at 2048 tokens mixes no long data (no tasks / replay / component ")
+    assert "on a model of 8192 positions: short SFT alone loses retrieval past 2048 (docs/sft.md#retention-after-sft" \
+        in got[0]
+    share = re.search(r"books (0\.\d+) \(0\.050 of the samples x (\d+\.\d) a sample\)", got[1])
+    assert got[1].startswith("note: stage 1 (s1) at 2048, loss_weighting conversation: ") and share, got[1]
+    assert float(share[1]) < 0.01 and float(share[2]) < 2 and "`loss_weighting: token`" in got[1]  # 5% of the samples
+    # the same model at 2048 positions has nothing past the stage to lose
+    (model / "config.json").write_text(json.dumps({"max_position_embeddings": 2048}))
+    open_run_data(out, SP, Tokenizer(SP).vocab_size, stages[:1], reset_position_ids=True, model_path=str(model))
+    assert "long data" not in capsys.readouterr().out
+
+
+def test_the_loss_share_is_the_sample_share_times_the_units_a_sample():
+    """A chat pack of 100 conversations a sample against a text pack of one piece a sample, 0.9 / 0.1 of the samples,
+    2% tasks: shares 0.9*0.98*100 : 0.1*0.98*1 : 0.02*1 of the conversations, as /tmp's weights.py measured them."""
+    chat = ConvPack(None, None, np.arange(0, 10_000, 10), np.full(1000, 10), 1000, 0)  # 100 a sample
+    text = ConvPack(None, None, [0], [10_000], 1000, 0)  # one 10k document: 10 pieces of 1000, one a sample
+    mix = types.SimpleNamespace(parts=[chat, text], names=["chat", "books"])
+    stage = _stage(0, 1000, {"chat": 0.9, "books": 0.1}, loss_weighting="conversation", tasks={"passkey": 0.02})
+    note = loss_share_note(stage, mix)
+    total = 0.9 * 0.98 * 100 + 0.1 * 0.98 + 0.02
+    assert f"chat {0.9 * 0.98 * 100 / total:.4f} (0.882 of the samples x 100.0 a sample)" in note
+    assert f"books {0.1 * 0.98 / total:.4f} (0.098 of the samples x 1.0 a sample)" in note
+    assert f"passkey {0.02 / total:.4f}" in note
+    assert loss_share_note(_stage(0, 1000, {"chat": 0.9, "books": 0.1}), mix) == ""  # token weighting: nothing
+    assert loss_share_note(stage, types.SimpleNamespace(parts=[chat], names=["chat"])) == ""  # one component
+
+
+def test_what_counts_as_long_data_and_the_model_positions(tmp_path):
+    prepared = types.SimpleNamespace(sources=["chat", "long"], source=np.array([0] * 50 + [1] * 5),
+                                     lens=np.array([300] * 50 + [20_000] * 5))
+    stage = _stage(0, 65536, {"chat": 0.9, "long": 0.1})
+    assert retention_note(stage, prepared, 131072) == ""  # 20k documents: a quarter of 64k and more
+    assert "mixes no long data" in retention_note(_stage(0, 65536, {"chat": 1.0}), prepared, 131072)
+    assert retention_note(_stage(0, 65536, None), prepared, 131072) == ""  # the stream: mostly long tokens
+    assert retention_note(_stage(0, 65536, {"chat": 1.0}), prepared, 65536) == ""  # nothing past it to lose
+    assert retention_note(_stage(0, 65536, {"chat": 1.0}, kind="text"), prepared, 131072) == ""
+    assert retention_note(_stage(0, 65536, {"chat": 1.0}, replay={8192: 0.2}), prepared, 131072) == ""
+    assert retention_note(_stage(0, 65536, {"chat": 1.0}, tasks={"chat": True}), prepared, 131072) != ""  # no task
+    assert retention_note(_stage(0, 65536, {"chat": 1.0}), prepared, None) == ""
+    assert model_positions("tiny-llama") == 131072 and model_positions(str(tmp_path)) is None
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"max_position_embeddings": 262144},
+                                                      "max_position_embeddings": 8192}))
+    assert model_positions(str(tmp_path)) == 262144
