@@ -117,9 +117,9 @@ def init(timeout_s: float) -> tuple[int, int, int]:
 
 def _claim_device(index: int | None, timeout_s: float) -> None:
     """Ranks that disagree on WORLD_SIZE (any backend), then two ranks of a node on one GPU: one line, before NCCL
-    aborts in `deepspeed.init_distributed`, through the abort channel's store (base/devices.py `start_refusal`)."""
+    aborts in `deepspeed.init_distributed`, through the abort channel's store (base/devices.py `refusal_or_end`)."""
     w, uuid = _WATCHER, None if index is None else devices.uuid_of(index)
-    line = w and devices.start_refusal(w.ask, w.rank, w.world, socket.gethostname(), uuid, timeout_s)
+    line = w and devices.refusal_or_end(w, socket.gethostname(), uuid, timeout_s, abort)
     if line:
         raise ValueError(line)
 

@@ -154,26 +154,81 @@ def start_refusal(ask, rank: int, world: int, host: str, uuid: str | None, wait_
     return line or (claim(ask, rank, world, host, uuid, wait_s, poll_s) if uuid else None)
 
 
+def refusal_or_end(w, host: str, uuid: str | None, wait_s: float, abort) -> str | None:
+    """`start_refusal` over the abort channel `w` (base/comm.py `init`). Where its wait cannot end well, the job ends
+    as a peer loss (exit 69, one line, no crash record: never an exception into training/job.py's _fail): ranks that
+    never came to `claim` (`never_came`), or the job's store gone under the wait (rank 0's process, which hosts it,
+    killed: "Broken pipe"; base/host_wait.py `gone` lets the watcher decide)."""
+    from base import host_wait
+
+    try:
+        return start_refusal(w.ask, w.rank, w.world, host, uuid, wait_s, CLAIM_POLL_S)
+    except NeverCame as e:
+        never_came(e, w, abort)
+    except (RuntimeError, OSError, TimeoutError) as e:  # torch's DistNetworkError / DistStoreError, the ask's bound
+        host_wait.gone("the GPU claim before the process group", w.rank, e, w, abort)
+    return None
+
+
+class NeverCame(TimeoutError):
+    """`claim` waited `wait_s` and ranks `missing` never counted themselves in."""
+
+    def __init__(self, came: int, world: int, wait_s: float, missing: list[int]):
+        super().__init__(f"only {came} of {world} ranks reached the process group's start in {wait_s:.0f} s "
+                         "(--dist_timeout_s): the others are stuck after train.py's first line")
+        self.came, self.world, self.wait_s, self.missing = came, world, wait_s, missing
+
+
 def claim(ask, rank: int, world: int, host: str, uuid: str, wait_s: float, poll_s: float = CLAIM_POLL_S) -> str | None:
     """The duplicate line (the first one posted) or None, the same on every rank, from the job's store before any
     process group: each rank claims (host, uuid) with one compare_set (the first rank's number stays: a later rank
-    finds it, and posts its line), then counts itself in and waits until all `world` have; `ask(fn)` runs fn(store)
-    (the abort channel's connection, base/watcher.py). Cost: 4 requests a rank, plus one per CLAIM_POLL_S while ranks
-    arrive (imports finishing at different times). TimeoutError after `wait_s` (the run's dist_timeout_s: what
-    torch's own rendezvous would have waited) when some rank never comes."""
+    finds it, and posts its line), then counts itself in (its rank appended to `gpu/who`, `gpu/in` + 1) and waits
+    until all `world` have; `ask(fn)` runs fn(store) (the abort channel's connection, base/watcher.py). Cost: 5
+    requests a rank, plus one per CLAIM_POLL_S while ranks arrive (imports finishing at different times). NeverCame
+    (a TimeoutError naming the missing ranks, read from `gpu/who`: one `get`) after `wait_s` (the run's
+    dist_timeout_s: what torch's own rendezvous would have waited) when some rank never comes."""
     from base.watcher import key
 
     first = int(_text(ask(lambda st: st.compare_set(key(f"gpu/{host}/{uuid}"), "", str(rank)))))
     if first != rank:
         ask(lambda st: st.compare_set(key("gpu/duplicate"), "", duplicate_line(first, rank, host, uuid)))
-    ask(lambda st: st.add(key("gpu/in"), 1))
+    ask(lambda st: (st.append(key("gpu/who"), f"{rank} "), st.add(key("gpu/in"), 1)))
     end = time.monotonic() + wait_s
     while (came := ask(lambda st: st.add(key("gpu/in"), 0))) < world:
         if time.monotonic() > end:
-            raise TimeoutError(f"only {came} of {world} ranks reached the process group's start in {wait_s:.0f} s "
-                               "(--dist_timeout_s): the others are stuck after train.py's first line")
+            here = {int(r) for r in _text(ask(lambda st: st.get(key("gpu/who")))).split()}
+            raise NeverCame(came, world, wait_s, [r for r in range(world) if r not in here])
         time.sleep(poll_s)
     return _text(ask(lambda st: st.compare_set(key("gpu/duplicate"), "", ""))) or None  # "": none was posted
+
+
+def never_came(e: NeverCame, w, abort) -> None:
+    """Ranks that reached the job's store (train.py's first line: their watcher published `host/R`) but never the
+    claim in --dist_timeout_s (stuck after it: a hung import, GPU driver or mount on their node): one line naming them
+    and their hosts, their nodes (ranks by node from LOCAL_SIZE / LOCAL_WORLD_SIZE, contiguous as every launcher here
+    places them) named lost in LAUNCH_LOST_FILE, exit 69 (base/host_wait.py `end_job`: the first rank to give up
+    prints; nothing on the healthy waiting ranks' nodes, which the old TimeoutError gave a crash record). A missing
+    rank without `host/R` never reached the store: the watcher's START_WAIT_S rule (and node 0's `absent`) decide
+    its node, not this. Cost: one `check` per missing rank and a `get` per named one (8 at most), once."""
+    from base import host_wait
+    from base.watcher import key
+
+    per_node = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 0)
+
+    def hosts(st) -> dict[int, str | None]:
+        return {r: _text(st.get(key(f"host/{r}"))) if st.check([key(f"host/{r}")]) else None for r in e.missing}
+
+    try:
+        where = w.ask(hosts)
+    except Exception:  # noqa: BLE001 -- named without their hosts, no node named
+        where = {}
+    named = ", ".join(f"rank {r} ({where.get(r) or 'host unknown'})" for r in e.missing[:8])
+    more = f" and {len(e.missing) - 8} more" if len(e.missing) > 8 else ""
+    nodes = sorted({r // per_node for r in e.missing if where.get(r)}) if per_node > 0 else []
+    told = f"; node(s) {' '.join(map(str, nodes))} named lost" if nodes else ""
+    host_wait.end_job(f"only {e.came} of {e.world} ranks reached the process group's start in {e.wait_s:.0f} s "
+                      f"(--dist_timeout_s): {named}{more} stuck after train.py's first line (a hung import, mount or "
+                      f"GPU driver there?){told} (rank {w.rank} waited)", w, abort, nodes)
 
 
 def uuids_seen(visible: int) -> tuple[str, ...]:

@@ -39,10 +39,13 @@ MAX_IN_JOB_BYTES = 200 * 1024 * 1024  # of decompressed input (estimated: input_
 # than understates, and an overstatement only sends a corpus to scripts/prepare_data.py sooner.
 RATIO = 10
 PARQUET_RATIO = 2  # Parquet states its own sizes: at least snappy's ~2x (tatsu-lab/alpaca: 24.5 MB stored, ~48 MB)
-# A private folder left by a job killed mid-preparation (SIGKILL, a node lost: a failure removes its own) is removed by
-# a later job once no process holds its lock (data/output_lock.py) and nothing in it changed for STALE_S; where the
-# file system cannot lock, by age alone (a live preparation appends to its chunk file every batch, ~1 s of work).
-# Never "every folder but mine": another job preparing the same input now keeps its own.
+# A private folder left by a job killed mid-preparation (SIGKILL, a SIGTERM before the preemption handler, a node lost:
+# a failure removes its own) is removed by a later job using the same input, prepared or not by then, once no process
+# holds its lock (data/output_lock.py) and nothing in it changed for STALE_S; where the file system cannot lock, by
+# age alone (a live preparation appends to its chunk file every batch, ~1 s of work). Never "every folder but mine":
+# another job preparing the same input now keeps its own. Not adopted and resumed: two requeued jobs could pick one
+# folder (the second refused as "being written by another process"), and a lock only this node sees (NFS
+# local_lock, Lustre localflock) cannot tell a live one on another node.
 STALE_S = 3600.0
 
 
@@ -130,9 +133,12 @@ def prepare_in_job(dataset_path: str | None, tokenizer_path: str | None, model_v
                              f"tokenize inside the job (limit {MAX_IN_JOB_BYTES >> 20} MB): run `python "
                              f"scripts/prepare_data.py --input {shlex.quote(data)} --output DIR {how}` once and pass "
                              "--dataset_path DIR")
+        # a killed preparation's folder goes once STALE_S old, whether or not `out` is prepared since: a SIGTERM before
+        # the preemption handler leaves one, and its requeue ~2 min later (still young) prepares `out` itself, after
+        # which this line was never reached again and the folder stayed for good. Cost: one listing of the cache
+        remove_stale(out)
         if not is_prepared(out):  # into a private folder renamed into place: concurrent jobs never share one
             os.makedirs(os.path.dirname(out), exist_ok=True)
-            remove_stale(out)
             # host, pid and random (a pid alone: two jobs' rank 0s in containers on one cache volume share it, and
             # removed and wrote each other's folder); a plain mkdir, as mkdtemp's mode 0700 would keep the cache's
             # other users out of the folder once renamed into place

@@ -167,3 +167,88 @@ def test_world_size_is_compared_where_no_gpu_is_claimed(monkeypatch):
                       "the bus); export GPUS_PER_NODE=N (scripts/slurm.sbatch) or give every node the same "
                       "--num_gpus"), got
     assert starts(monkeypatch, [(0, 2, "a"), (1, 2, "b")], gpu=False)[0] == [None, None]
+
+
+class Channel:
+    """The abort channel's side `refusal_or_end` uses, for one thread-rank over one store: `ask` (DistNetworkError once
+    `broken`: the store's host gone), `post` (the first reason wins, as base/watcher.py's)."""
+
+    stopped = False
+
+    def __init__(self, store, rank: int, world: int):
+        self.store, self.rank, self.world, self.broken = store, rank, world, False
+        self.seen, self.clock = {}, time.monotonic
+
+    def ask(self, fn, timeout=None):
+        if self.broken:
+            raise comm.dist.DistNetworkError("Broken pipe")
+        return fn(self.store)
+
+    def post(self, reason, code=1):
+        try:
+            return self.ask(lambda st: st.compare_set(key("abort"), "", f"{code} {reason}")).decode().partition(" ")[2]
+        except Exception:  # noqa: BLE001 -- as the watcher's: the store gone, this reason
+            return reason
+
+
+@pytest.fixture
+def ending(monkeypatch, tmp_path):
+    """host_wait's exit as SystemExit, comm.abort recorded, LAUNCH_LOST_FILE under tmp_path, the claim's look 0.05 s."""
+    from base import host_wait
+
+    aborted: list = []
+    monkeypatch.setattr(host_wait, "hard_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+    monkeypatch.setattr(devices, "CLAIM_POLL_S", 0.05)
+    monkeypatch.setenv("LAUNCH_LOST_FILE", str(tmp_path / "lost"))
+    return lambda reason, code=1: aborted.append((reason, code)) or reason, aborted
+
+
+def test_a_rank_stuck_before_the_claim_is_named_not_the_waiting_ones(monkeypatch, capfd, tmp_path, ending):
+    """One rank slow after train.py's first line (its watcher published `host/2`), one never at the store (no
+    `host/3`): the waiting ranks raised TimeoutError "only 2 of 4 ranks reached ..." into _fail (a traceback, exit 1,
+    a crash record on their healthy nodes; the stuck one wrote nothing). Now one line from the first rank to give up
+    naming the missing ranks and hosts, the stuck rank's node (one rank a node here) named lost, exit 69 everywhere."""
+    abort, aborted = ending
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    store, out = comm.dist.HashStore(), {}
+    store.set(key("host/2"), "nodeC")
+
+    def run(r):
+        try:
+            out[r] = devices.refusal_or_end(Channel(store, r, 4), f"node{'AB'[r]}", f"GPU-{r}", 1.0, abort)
+        except BaseException as e:  # noqa: BLE001 -- handed to the test
+            out[r] = e
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    [t.start() for t in threads]
+    [t.join(10) for t in threads]
+    assert all(isinstance(out[r], SystemExit) and out[r].code == 69 for r in range(2)), out
+    lines = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and re.fullmatch(
+        r"error: only 2 of 4 ranks reached the process group's start in 1 s \(--dist_timeout_s\): rank 2 \(nodeC\), "
+        r"rank 3 \(host unknown\) stuck after train.py's first line \(a hung import, mount or GPU driver there\?\); "
+        r"node\(s\) 2 named lost \(rank [01] waited\)", lines[0]), lines
+    assert (tmp_path / "lost").read_text() == "2\n"
+    assert sorted(c for _, c in aborted) == [69, 69] and store.get(key("abort")).decode() == f"69 {lines[0][7:]}"
+
+
+def test_the_store_gone_during_the_claim_is_a_peer_loss_not_a_crash(monkeypatch, capfd, tmp_path, ending):
+    """Rank 0, whose process hosts the store, killed while rank 1 waits in the claim (a preemption's SIGTERM before
+    the handler): DistNetworkError "Broken pipe" raised into _fail (a traceback, exit 1, a crash record `first`). Now
+    the watcher's verdict time is left to it (scaled here), then exit 69 in one line, no node named lost."""
+    from base import host_wait, watcher
+
+    abort, aborted = ending
+    monkeypatch.setattr(watcher, "LOST_STORE_S", 0.2)
+    monkeypatch.setattr(watcher, "STALL_S", 0.2)
+    monkeypatch.setattr(host_wait, "VERDICT_TICK_S", 0.05)
+    ch = Channel(comm.dist.HashStore(), 1, 2)
+    threading.Timer(0.3, lambda: setattr(ch, "broken", True)).start()
+    t0 = time.monotonic()
+    with pytest.raises(SystemExit) as e:
+        devices.refusal_or_end(ch, "nodeB", "GPU-1", 30.0, abort)
+    assert e.value.code == 69 and 0.7 <= time.monotonic() - t0 < 3, time.monotonic() - t0
+    lines = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert lines == ["error: rank 0 (host unknown) went away while rank 1 waited for it in the GPU claim before the "
+                     "process group (Broken pipe): killed, or its node lost; not a crash of this rank"], lines
+    assert [c for _, c in aborted] == [69] and not (tmp_path / "lost").exists()

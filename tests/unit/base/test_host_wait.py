@@ -1,12 +1,15 @@
 """comm.run_on_main's wait on rank 0 (base/host_wait.py), with two threads as ranks over a real gloo pair (the host
 group is gloo on every backend, GPU runs included): a short call whose rank 0 hangs (a hung NFS read of the data
 manifest at start-up) ends the waiting rank within the run's dist_timeout_s in one line naming rank 0's host and what
-it runs, not after the host group's 6 h; known-long work (`long=True`) waits past that bound."""
+it runs, not after the host group's 6 h, node 0 named lost only when its heartbeat stalled too; known-long work
+(`long=True`) waits past that bound; rank 0 gone mid-wait is the abort channel's to decide, never a crash."""
 
 from __future__ import annotations
 
 import datetime
+import gc
 import pickle
+import re
 import threading
 import time
 
@@ -19,10 +22,15 @@ from base import comm, host_wait, watcher
 class FakeWatcher:
     """The abort channel's side that host_wait uses: the store (rank 0's host under `host/0`) and `post`."""
 
-    def __init__(self):
+    stopped = False
+
+    def __init__(self, beat_age=None):
         self.store = comm.dist.HashStore()
         self.store.set(watcher.key("host/0"), "node07")
         self.posted: list = []
+        self.clock = time.monotonic
+        # rank 0's heartbeat as the watcher last saw it move (value, when): `beat_age` s ago; None: never polled
+        self.seen = {} if beat_age is None else {0: (b"17", time.monotonic() - beat_age)}
 
     def ask(self, fn, timeout=None):
         return fn(self.store)
@@ -86,25 +94,23 @@ def ranks(monkeypatch):
         threads.append(t)
         return box, t
 
+    start.pgs = pgs  # each rank's gloo group (a test drops rank 0's: its connections close, as at its death)
     yield start
     for t in threads:
         t.join(10)
 
 
-def test_a_hung_rank_0_ends_a_short_wait_in_one_line(ranks, monkeypatch, capfd, tmp_path):
-    """The audit's reproduction (a FIFO as manifest.json, --dist_timeout_s 30: both ranks alive at 170 s, rank 1 in
-    broadcast_object_list for the host group's 6 h), with a 1 s bound: rank 1 stops at 1 s with one line naming rank
-    0's host and the read, posted on the abort channel, node 0 named as lost (a requeue without it), exit 69. The
-    old code waited the group's own timeout (2 s here), then a RuntimeError traceback."""
+def hang(ranks, monkeypatch, tmp_path, w):
+    """Rank 0 hangs in a short call (its open() of a path whose read never returns) while rank 1 waits (bound 1 s):
+    rank 1's box, the time it took, its error lines, what it aborted with."""
     hung = threading.Event()
-    w = FakeWatcher()
     aborted: list = []
     monkeypatch.setattr(comm, "_WATCHER", w)
     monkeypatch.setattr(comm, "abort", lambda reason, code=1: aborted.append((reason, code)) or reason)
     monkeypatch.setattr(host_wait, "hard_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
     monkeypatch.setenv("LAUNCH_LOST_FILE", str(tmp_path / "lost"))
 
-    def read_manifest():  # rank 0's open() of a path whose read never returns
+    def read_manifest():
         hung.wait(20)
         return {"json": {}}
 
@@ -114,15 +120,83 @@ def test_a_hung_rank_0_ends_a_short_wait_in_one_line(ranks, monkeypatch, capfd, 
     t.join(10)
     took = time.monotonic() - t0
     hung.set()
+    return box, took, aborted
+
+
+def test_a_hung_rank_0_ends_a_short_wait_in_one_line(ranks, monkeypatch, capfd, tmp_path):
+    """The audit's reproduction (a FIFO as manifest.json, --dist_timeout_s 30: both ranks alive at 170 s, rank 1 in
+    broadcast_object_list for the host group's 6 h), with a 1 s bound and rank 0's heartbeat stalled (100 s, past
+    STALL_S): rank 1 stops at 1 s with one line naming rank 0's host and the read, posted on the abort channel, node 0
+    named as lost (a requeue without it), exit 69. The old code waited the group's own timeout (2 s here), then a
+    RuntimeError traceback."""
+    w = FakeWatcher(beat_age=100)
+    box, took, aborted = hang(ranks, monkeypatch, tmp_path, w)
     assert box and box[0][0] == "raised" and isinstance(box[0][1], SystemExit), box
     assert box[0][1].code == 69 and 0.9 <= took <= 2.5, (box, took)
     lines = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("error:")]
     assert len(lines) == 1, lines
     assert lines[0].startswith("error: rank 0 (node07) hung: no answer for 1 s (--dist_timeout_s) from "
                                "tests/unit/base/test_host_wait.py:"), lines
-    assert "(test_a_hung_rank_0_ends_a_short_wait_in_one_line.<locals>.read_manifest)" in lines[0]
+    assert "(hang.<locals>.read_manifest)" in lines[0] and "no heartbeat for 10" in lines[0]
     assert w.posted == [(lines[0][len("error: "):], 69)] and aborted == [(lines[0][len("error: "):], 69)]
     assert (tmp_path / "lost").read_text() == "0\n"
+
+
+@pytest.mark.parametrize("beat_age", [2.0, None], ids=["beating", "unknown"])
+def test_a_slow_but_alive_rank_0_is_not_named_lost(ranks, monkeypatch, capfd, tmp_path, beat_age):
+    """Rank 0's heartbeat moved 2 s ago (its process alive, its read stuck: a shared file system stalled for every
+    node, the usual cause): exit 69 with one line saying so and what slurm.sbatch does with it (a requeue on the same
+    nodes), node 0 NOT named lost: the old code wrote it to LAUNCH_LOST_FILE, a requeue that shrank the pool for
+    nothing. Without a reading of the heartbeat (no poll yet) no node is named either: only a stalled one is evidence."""
+    w = FakeWatcher(beat_age=beat_age)
+    box, took, _ = hang(ranks, monkeypatch, tmp_path, w)
+    assert box and isinstance(box[0][1], SystemExit) and box[0][1].code == 69 and 0.9 <= took <= 2.5, (box, took)
+    lines = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and w.posted == [(lines[0][len("error: "):], 69)], lines
+    if beat_age is not None:
+        assert re.match(r"error: rank 0 \(node07\) is alive \(heartbeat [23] s ago\) but its "
+                        r"tests/unit/base/test_host_wait.py:\d+ \(hang.<locals>.read_manifest\) ", lines[0]), lines
+        assert lines[0].endswith("has not answered in 1 s (--dist_timeout_s; rank 1 waited): a stalled shared file "
+                                 "system? exit 69, requeued on the same nodes (slurm.sbatch; "
+                                 "ULYSSES_MAX_STALLED_REQUEUES)"), lines
+    assert not (tmp_path / "lost").exists()
+
+
+def test_rank_0_gone_mid_wait_is_a_peer_loss_not_a_crash(ranks, monkeypatch, capfd, tmp_path):
+    """Rank 0 killed during the wait (a preemption's SIGTERM before the handler is installed, a SIGKILL): rank 1's
+    wait failed at once with gloo's "Connection closed by peer", re-raised into training/job.py's _fail: a traceback,
+    exit 1, a crash record `first` on this healthy node (slurm.sbatch then skipped the GraceTime requeue and excluded
+    it, or failed the job). Now it leaves the watcher its verdict time (LOST_STORE_S + STALL_S, scaled here), then
+    exits 69 with one line, posted, naming no node lost."""
+    w = FakeWatcher(beat_age=1.0)
+    monkeypatch.setattr(comm, "_WAIT_S", 5.0)
+    monkeypatch.setattr(comm, "_WATCHER", w)
+    monkeypatch.setattr(comm, "abort", lambda reason, code=1: reason)
+    monkeypatch.setattr(host_wait, "hard_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+    monkeypatch.setattr(host_wait, "VERDICT_TICK_S", 0.05)
+    monkeypatch.setattr(watcher, "LOST_STORE_S", 0.4)
+    monkeypatch.setattr(watcher, "STALL_S", 0.4)
+    monkeypatch.setenv("LAUNCH_LOST_FILE", str(tmp_path / "lost"))
+
+    def listing():  # rank 0 dies in it: its group dropped, its connections close
+        time.sleep(0.2)
+        ranks.pgs[0] = None
+        gc.collect()
+        raise SystemExit(143)
+
+    ranks(0, lambda: comm.run_on_main(listing))
+    t0 = time.monotonic()
+    box, t = ranks(1, lambda: comm.run_on_main(listing))
+    t.join(10)
+    took = time.monotonic() - t0
+    assert box and box[0][0] == "raised" and isinstance(box[0][1], SystemExit) and box[0][1].code == 69, box
+    assert 0.2 + 0.8 <= took <= 3.0, took  # the watcher's time to decide was left to it
+    lines = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and re.match(
+        r"error: rank 0 \(node07\) went away while rank 1 waited for it in tests/unit/base/test_host_wait.py:\d+ "
+        r"\(test_rank_0_gone_mid_wait_is_a_peer_loss_not_a_crash.<locals>.listing\) \(Connection closed by peer "
+        r"\[127.0.0.1\]:\d+\): killed, or its node lost; not a crash of this rank$", lines[0]), lines
+    assert w.posted == [(lines[0][len("error: "):], 69)] and not (tmp_path / "lost").exists()
 
 
 def test_known_long_work_waits_past_the_short_bound(ranks, monkeypatch):

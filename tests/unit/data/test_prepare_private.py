@@ -67,3 +67,22 @@ def test_a_killed_jobs_folder_is_removed_by_a_later_job_but_not_a_live_ones(tmp_
         assert os.path.isdir(live) and os.path.isdir(fresh)
     finally:
         os.close(fd)
+
+
+def test_a_killed_jobs_folder_goes_once_the_input_is_prepared(tmp_path, monkeypatch):
+    """A preparation SIGTERMed before the handler is installed leaves its folder; the requeue ~2 min later finds it
+    young, prepares the input itself, and every later start found `out` prepared and never looked again: the folder
+    stayed in the cache for good. A later start now removes it once it is STALE_S old; a young one stays."""
+    monkeypatch.setattr(in_job, "CACHE", str(tmp_path / "cache"))
+    rows = _rows(tmp_path)
+    out, _ = in_job.prepare_in_job(rows, None, 1000)
+    old = time.time() - 2 * in_job.STALE_S
+    for name, when in (("tmp.node-3.4242.5a1f", old), ("tmp.node-4.77.9c0d", time.time())):
+        os.makedirs(p := f"{out}.{name}")
+        with open(os.path.join(p, "tokens-s00000-c000000.bin"), "wb") as fh:
+            fh.write(b"\0" * 8)
+        for f in (os.path.join(p, "tokens-s00000-c000000.bin"), p):
+            os.utime(f, (when, when))
+    assert in_job.prepare_in_job(rows, None, 1000)[0] == out
+    assert sorted(os.listdir(tmp_path / "cache" / "prepared")) == sorted([os.path.basename(out),
+                                                                          os.path.basename(out) + ".tmp.node-4.77.9c0d"])
