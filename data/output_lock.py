@@ -27,6 +27,8 @@ import socket
 import time
 import weakref
 
+from data import packing, store
+
 LOCK = ".prepare.lock"
 UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL, errno.EACCES, errno.EPERM}
 # (EACCES / EPERM: another user's lock file in a group folder, or an NFS lock it may not take: a note, not a refusal)
@@ -74,7 +76,7 @@ def try_lock(path: str) -> int | None:
         raise
     try:
         if os.fstat(fd).st_uid == os.getuid():
-            os.fchmod(fd, 0o666)  # the next user of a group folder may lock it too
+            os.fchmod(fd, 0o664)  # the group's next user of a shared folder may lock it too
     except OSError:
         pass
     try:
@@ -104,8 +106,8 @@ def hold(output: str, shard: int, n_shards: int, log=print) -> Held:
                          f"or give each task --shard i/N (if that process is gone with a lost node, whose lock an NFS v3 "
                          f"or Lustre server keeps until the node is back or evicted, delete {path})") from None
     if fd is None:
-        log(f"note: {output}: this file system cannot lock files: nothing stops a second run from writing this shard "
-            "at the same time (give each task --shard i/N)")
+        log(f"note: {output}: its lock file cannot be locked here (the file system, or another user's file): "
+            "nothing stops a second run from writing this shard at the same time (give each task --shard i/N)")
     else:  # who holds it, for the refusal of another run (written after the lock is ours: never torn by a second one)
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
@@ -127,3 +129,42 @@ def is_held(folder: str) -> bool:
             if fd is not None:
                 os.close(fd)
     return False
+
+
+def check_plan(output: str, shard: int, plan_path: str, plan: dict, finished: bool, log=print) -> None:
+    """The shard's recorded plan against this command's `plan`: another preparation refused (one line); the
+    tokenization rules' version (packing.RULES) compared only for an unfinished shard, whose chunks a continuation
+    would write under other rules (a shard killed on one checkout and continued on another mixed both); a finished
+    shard under older rules is said, and `plan["rules"]` takes the shard's own (None: begun before it was recorded),
+    so its record and a merge see what it holds. A new shard's plan is written."""
+    if not os.path.exists(plan_path):
+        store.write_json_atomic(plan_path, plan)
+        return
+    old = store.read_json(plan_path)
+    differs = sorted(k for k in plan if k != "rules" and old.get(k) != plan[k])
+    if differs:
+        raise ValueError(f"--output {output} holds shard {shard} of another preparation (differs in {differs}): "
+                         "use another --output, or --overwrite to start this shard again")
+    had = old.get("rules")
+    if had == plan["rules"]:
+        return
+    plan["rules"] = had
+    if had is not None and not finished:
+        raise ValueError(f"--output {output}: shard {shard} was begun under other tokenization rules ({had}, today "
+                         f"{packing.RULES}): continuing would mix them in one shard: --overwrite to start it again")
+    log(f"note: {output}: shard {shard} was " + ("prepared" if finished else "begun") + " by an older version "
+        + ("" if finished else "(rows read differently since, e.g. a top-level system_prompt, may differ between its "
+           "chunks) ") + "; today's rules read some rows differently: --overwrite redoes it")
+
+
+def check_rules(output: str, rules: list, log=print) -> None:
+    """A merge's shards under one tokenization rules' version: known versions that differ refused, naming the shards
+    not under today's; a shard begun before versions were recorded (None) said."""
+    known = {r for r in rules if r is not None}
+    if len(known) > 1:
+        old = [i for i, r in enumerate(rules) if r is not None and r != packing.RULES]
+        raise ValueError(f"{output}: shards were prepared under different tokenization rules ({sorted(known)}): redo "
+                         f"shard(s) {old} with --overwrite (today's rules: {packing.RULES})")
+    if None in rules:
+        log(f"note: {output}: shard(s) {[i for i, r in enumerate(rules) if r is None]} were prepared before the rules' "
+            "version was recorded: a row read differently since may differ between shards")

@@ -230,18 +230,8 @@ def prepare(inputs: list[str], output: str, tokenizer: str | None = None, vocab_
     plan_path = os.path.join(output, f"plan-s{i_shard:05d}.json")
     if overwrite:
         _clear_shard(output, i_shard)
-    if os.path.exists(plan_path):
-        old = store.read_json(plan_path)
-        differs = sorted(k for k in plan if old.get(k) != plan[k] and (k != "rules" or "rules" in old))
-        if "rules" not in old:  # begun before 2026-11-30: rows read differently since may differ between its chunks
-            log(f"note: {output}: shard {i_shard} was begun by an older version (rows read differently since, e.g. a "
-                "top-level system_prompt, may differ between its chunks): --overwrite redoes it")
-        if differs:
-            raise ValueError(f"--output {output} holds shard {i_shard} of another preparation (differs in {differs}): "
-                             "use another --output, or --overwrite to start this shard again")
-    else:
-        store.write_json_atomic(plan_path, plan)
     shard_path = os.path.join(output, f"shard-{i_shard:05d}-of-{n_shards:05d}.json")
+    output_lock.check_plan(output, i_shard, plan_path, plan, os.path.exists(shard_path), log)
     if not os.path.exists(shard_path):
         done = _resume_point(output, i_shard)
         if done:
@@ -386,9 +376,10 @@ def merge(output: str, log=print) -> dict:
     if missing:
         raise ValueError(f"{output}: shard(s) {missing} of {n} are not finished; run them (--shard i/{n}), then merge")
     keys = ("tokenizer", "vocab_bound", "eos_id", "bos_id", "dtype", "fields", "chunk_tokens", "loss_on",
-            "chat_template", "text_specials", "rules")
+            "chat_template", "text_specials")
     first = recs[0]["plan"]
     _same_inputs(output, [recs[i]["plan"] for i in range(n)])
+    output_lock.check_rules(output, [recs[i]["plan"].get("rules") for i in range(n)], log)
     for i in range(n):
         differs = [k for k in keys if recs[i]["plan"].get(k) != first.get(k)]
         if differs:

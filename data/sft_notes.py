@@ -81,7 +81,8 @@ def loss_share_note(stage, mix) -> str:
     `mix`: the stage's data/mixture.MixtureDataset (None without `data:`). Tasks count one unit a sample; replay's
     shorter samples are left out (said)."""
     parts = getattr(mix, "parts", None) or []
-    if getattr(stage, "loss_weighting", "token") != "conversation" or len(parts) < 2:
+    if getattr(stage, "loss_weighting", "token") != "conversation" or len(parts) < 2 \
+            or not all(hasattr(p, "order") for p in parts):  # a text stage's DocPacks: no conversations to weigh
         return ""
     where = f"stage {stage.index} ({stage.name})"
     tasks = parse_tasks(getattr(stage, "tasks", None), f"{where} tasks")

@@ -200,6 +200,8 @@ def _cut_back(config, base: dict, out: dict, where: str) -> list[str]:
         said.append(f"rope_theta {theta} is below the model's {had}")
     f, orig, most = out.get("factor"), out.get("original_max_position_embeddings"), \
         getattr(config, "max_position_embeddings", None) or 0
+    if base.get("factor") and base.get("original_max_position_embeddings"):  # a scaled model's own reach (Llama 3.1:
+        most = int(base["factor"] * base["original_max_position_embeddings"])  # x8 over 8192, declared 131072)
     scaled = base.get("rope_type", "default") not in (None, "default") or said  # a default-type model's
     # max_position_embeddings is often only declared (the demo's tiny base: 131072, trained at 256): its reach counts
     # where the stage also lowers its theta (an ABF extension undone)
@@ -207,7 +209,7 @@ def _cut_back(config, base: dict, out: dict, where: str) -> list[str]:
         said.append(f"{out['rope_type']} factor {f} over {orig} reaches {int(f * orig)} positions, fewer than the "
                     f"model's max_position_embeddings {most}")
     return [f"{where}: {' and '.join(said)}: after your own extension this stage cuts the model back (drop `rope:`: a "
-            "stage without rope keeps the model's)"] if said else []
+            "stage without rope keeps the previous stage's, the first one the model's)"] if said else []
 
 
 def check_positions(params: dict, length: int) -> None:

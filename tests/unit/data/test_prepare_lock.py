@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from data import output_lock
+from data import output_lock, packing
 from data.prepare_data import _resume_point, prepare
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -65,7 +65,7 @@ def test_where_files_cannot_be_locked_the_run_goes_on_with_one_note(tmp_path, mo
     notes = []
     m = prepare([_rows(tmp_path)], str(tmp_path / "prep"), vocab_size=100, workers=0, eos_id=0, log=notes.append)
     assert m["n_docs"] == 10
-    assert [n for n in notes if "cannot lock" in n] and len([n for n in notes if "cannot lock" in n]) == 1
+    assert [n for n in notes if "cannot be locked" in n] and len([n for n in notes if "cannot be locked" in n]) == 1
 
 
 def test_a_resume_leaves_tmp_files_alone(tmp_path):
@@ -82,17 +82,29 @@ def test_a_resume_leaves_tmp_files_alone(tmp_path):
 def test_a_shard_begun_under_other_rules_is_not_continued_silently(tmp_path):
     """A preparation killed on yesterday's code and continued on today's mixed both days' tokenization rules in one
     shard (a chat row's system_prompt dropped in its first chunks, kept in the rest: an upgrade audit), and so did a
-    merge of shards from two checkouts. The rules' version is in the plan: another one is refused, an unknown one
-    (a shard begun before it was recorded) is said."""
+    merge of shards from two checkouts. The rules' version is in the plan: an unfinished shard under another one is
+    refused, one begun before it was recorded is said; a finished shard is said, never refused (a review: the same
+    command re-run after a rules change was refused); a merge refuses known versions that differ, naming the shard."""
     out = tmp_path / "prep"
-    prepare([_rows(tmp_path)], str(out), vocab_size=100, workers=0, eos_id=0, log=lambda _: None)
+    run = lambda log=lambda _: None: prepare([_rows(tmp_path)], str(out), vocab_size=100, workers=0, eos_id=0, log=log)  # noqa: E731
+    run()
     plan = out / "plan-s00000.json"
     p = json.loads(plan.read_text())
-    assert p["rules"]
+    assert p["rules"] == packing.RULES
     plan.write_text(json.dumps({**p, "rules": "bos2:chat6:eos2:doc6"}))
-    with pytest.raises(ValueError, match=r"differs in \['rules'\]"):
-        prepare([_rows(tmp_path)], str(out), vocab_size=100, workers=0, eos_id=0, log=lambda _: None)
+    notes = []
+    run(notes.append)  # finished: said
+    assert any("was prepared by an older version" in n for n in notes), notes
+    for f in ("shard-00000-of-00001.json", "manifest.json"):
+        (out / f).unlink()
+    with pytest.raises(ValueError, match=r"begun under other tokenization rules \(bos2:chat6"):
+        run()
     plan.write_text(json.dumps({k: v for k, v in p.items() if k != "rules"}))
     notes = []
-    prepare([_rows(tmp_path)], str(out), vocab_size=100, workers=0, eos_id=0, log=notes.append)
-    assert any("begun by an older version" in n and "--overwrite" in n for n in notes), notes
+    run(notes.append)  # unfinished, begun before the version was recorded: said
+    assert any("was begun by an older version" in n and "--overwrite" in n for n in notes), notes
+    notes = []
+    output_lock.check_rules("o", [None, packing.RULES], notes.append)
+    assert notes and "shard(s) [0]" in notes[0]
+    with pytest.raises(ValueError, match=r"redo shard\(s\) \[1\]"):
+        output_lock.check_rules("o", [packing.RULES, "bos2:chat6:eos2:doc6"])

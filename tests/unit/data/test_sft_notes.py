@@ -50,7 +50,7 @@ def test_open_run_data_says_a_plain_sft_stage_and_the_loss_shares(tmp_path, caps
         in got[0]
     share = re.search(r"books (0\.\d+) \(0\.050 of the samples x (\d+\.\d) a sample\)", got[1])
     assert got[1].startswith("note: stage 1 (s1) at 2048, loss_weighting conversation: ") and share, got[1]
-    assert float(share[1]) < 0.01 and float(share[2]) < 2 and "`loss_weighting: token`" in got[1]  # 5% of the samples
+    assert float(share[1]) < 0.01 and 0 < float(share[2]) < 2 and "`loss_weighting: token`" in got[1]  # 5% of the samples
     # the same model at 2048 positions has nothing past the stage to lose
     (model / "config.json").write_text(json.dumps({"max_position_embeddings": 2048}))
     open_run_data(out, SP, Tokenizer(SP).vocab_size, stages[:1], reset_position_ids=True, model_path=str(model))
@@ -89,3 +89,16 @@ def test_what_counts_as_long_data_and_the_model_positions(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"text_config": {"max_position_embeddings": 262144},
                                                       "max_position_embeddings": 8192}))
     assert model_positions(str(tmp_path)) == 262144
+
+
+def test_a_text_stage_gets_no_loss_share_note():
+    """A text stage under conversation weighting (DocPack parts: no conversations) printed every share as 0.0000
+    (a review): no note there."""
+    import types
+
+    from data.sft_notes import loss_share_note
+
+    stage = types.SimpleNamespace(loss_weighting="conversation", index=0, name="s", tasks=None,
+                                  data={"web": 0.5, "books": 0.5}, max_seq_length=1024)
+    mix = types.SimpleNamespace(parts=[types.SimpleNamespace(), types.SimpleNamespace()], names=["web", "books"])
+    assert loss_share_note(stage, mix) == ""

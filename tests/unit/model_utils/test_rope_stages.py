@@ -177,10 +177,14 @@ def test_a_stage_rope_that_cuts_an_extended_model_back_is_said():
     _, notes = stage_rope(ext, sft, "rope")
     assert len(notes) == 1 and "rope_theta 1000000.0 is below the model's 160000000.0" in notes[0], notes
     assert "reaches 131072 positions, fewer than the model's max_position_embeddings 1048576" in notes[0]
-    assert "a stage without rope keeps the model's" in notes[0]
+    assert "a stage without rope keeps the previous stage's" in notes[0]
     _, notes = stage_rope(ext, {"rope_type": "default", "rope_theta": 1e7})  # theta alone, lowered
     assert len(notes) == 1 and "rope_theta 10000000.0 is below the model's 160000000.0" in notes[0], notes
     # what extends says nothing: a raised theta, a yarn reaching the model's length, no rope at all
     assert stage_rope(ext, {"rope_type": "default", "rope_theta": 5e8})[1] == []
     assert stage_rope(qwen25(), {**sft, "rope_theta": 1e6})[1] == []  # Qwen2.5: x4 over 32768 = its 131072
+    llama31 = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192, "rope_theta": 5e5,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0}  # x8 over 8192 = 65536 < its declared 131072 (a review)
+    meta = AutoConfig.for_model("llama", **TINY, max_position_embeddings=131072, rope_parameters=llama31)
+    assert stage_rope(meta, llama31)[1] == [] and stage_rope(meta, {**llama31, "rope_theta": 4e6})[1] == []
     assert stage_rope(ext, None)[1] == []
