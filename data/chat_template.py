@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 
 from data.chat_rows import RowError, without_nulls
 
@@ -153,3 +154,17 @@ def text_pair_kwargs(obj: dict) -> None:
     if not _empty(value) and not (isinstance(value, dict) and all(map(_passed_over, value.values()))):
         raise RowError("chat_template_kwargs with a prompt / completion of strings, which no template renders: give "
                        "them as message lists (TRL's conversational form), or drop the arguments")
+
+
+def training_switch(chat_template: str | None, tokenizer_path: str | None) -> str:
+    """Where the rows' template reads `training_prompt` (Apriel-1.6 writes the last reply's end-of-turn only with it):
+    the per-row switch that trains it, for prepare_data's no-stop warning. Looked for as text in the --chat_template
+    file or the tokenizer folder's template files (one read of each, only when that warning is given)."""
+    tok = tokenizer_path or ""
+    files = [chat_template or ""] + [os.path.join(tok, f) for f in ("chat_template.jinja", "tokenizer_config.json")]
+    for f in (f for f in files if os.path.isfile(f)):
+        with open(f, encoding="utf-8", errors="replace") as fh:
+            if "training_prompt" in fh.read():
+                return '; this template writes it with chat_template_kwargs {"training_prompt": true} in each row'
+    return ""
+

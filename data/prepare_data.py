@@ -27,6 +27,7 @@ from collections import Counter, deque
 import numpy as np
 
 from data import output_lock, packing, store
+from data.chat_template import training_switch
 from data.prepare_args import DEFAULT_BATCH_DOCS, DEFAULT_CHUNK_TOKENS, TEXT_SPECIALS, parser, specials_note
 from data.readers import Fields, Unit, discover, iter_rows, parse_item
 
@@ -450,7 +451,8 @@ def merge(output: str, log=print) -> dict:
         log(f"warning: {manifest['no_stop_rows']} conversation(s) end with a reply trained with no end-of-turn token "
             "after it (the template writes its end-of-turn only when another message follows, as Qwen1.5's "
             "<|im_end|>): the model is never shown where to stop; end each conversation with the template's "
-            "end-of-turn (a template that writes <|im_end|> after the last message), or append it (docs/sft.md)")
+            "end-of-turn (a template that writes <|im_end|> after the last message), or append it (docs/sft.md)"
+            + training_switch(manifest.get("chat_template"), (manifest.get("tokenizer") or {}).get("path")))
     return manifest
 
 

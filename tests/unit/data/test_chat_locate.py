@@ -156,3 +156,14 @@ def test_a_prompt_opening_a_thinking_block_the_history_does_not_write_is_named(r
                                        r"\{\"thinking\": true\}, with which its prompt is what the history writes"):
         _encode(fam, root, conv)
     assert _encode(fam, root, conv, thinking=True)[0] == ["</think>apple river<|end|>"]
+
+
+def test_the_no_stop_warning_names_the_templates_training_switch(tmp_path):
+    """Apriel-1.6 writes the last reply's end-of-turn only with `training_prompt`: prepare_data's warning about
+    conversations ending with no stop named no way out; it names the switch where the template reads it."""
+    from data.chat_template import training_switch
+
+    (tmp_path / "chat_template.jinja").write_text("{% if not loop.last or training_prompt %}<|end|>{% endif %}")
+    assert '"training_prompt": true' in training_switch(None, str(tmp_path))
+    (tmp_path / "chat_template.jinja").write_text("{{ '<|im_end|>' }}")
+    assert training_switch(None, str(tmp_path)) == "" and training_switch(None, None) == ""
