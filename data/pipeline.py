@@ -467,9 +467,10 @@ def open_run_data(dataset_path: str | None, tokenizer_path: str | None, model_vo
         kept = os.path.isdir(first_folder)
         print0(f"note: --dataset_path {dataset_path} was prepared again in this job ({folder}; this run trained on "
                f"{first_folder}{'' if kept else ', since removed'}): today's rules may tokenize its documents "
-               "otherwise (a text document's separator, special-token strings), so the tokens trained from this step "
+               "otherwise (a text's separator or special-token strings, a chat row's system_prompt or end-of-turn: "
+               "data/packing.cache_key), so the tokens trained from this step "
                "may differ from those before" + (f"; to keep them pass --dataset_path {first_folder}" if kept else ""))
-    elif moved:
+    if moved:  # (said beside the note above too: a re-tokenized chat set moves its held-out documents)
         print0(f"note: {moved} of the {len(docs)} held-out documents were not held out at this run's first start (the "
                f"folder at --dataset_path was prepared again: its documents re-tokenized or in another order): they "
                "may have trained, so the held-out loss from here is not comparable with the one before; a clean one "

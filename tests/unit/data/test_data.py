@@ -169,6 +169,15 @@ def test_heldout_documents_are_spread_fixed_for_the_run_and_never_trained_on(tmp
     out = capsys.readouterr().out
     assert "was prepared again in this job" in out and f"to keep them pass --dataset_path {first['prepared']}" in out
     assert "were not held out" not in out and again.heldout_split["prepared"] == first["prepared"]
+    assert "a chat row's system_prompt or end-of-turn" in out  # today's rules name chat rows too (an upgrade audit)
+    # prepared again under new rules AND its documents moved (a chat set re-tokenized: other lengths, another split):
+    # both said (the held-out note was never reached after the first)
+    p.write_text("".join(json.dumps({"input_ids": d}) + "\n" for d in docs[::-1]))
+    monkeypatch.setattr(in_job, "cache_key", lambda *a: "fedcba9876543210")
+    capsys.readouterr()
+    open_run_data(str(p), None, 2048, stages, reset_position_ids=False, heldout=first)
+    out = capsys.readouterr().out
+    assert "was prepared again in this job" in out and "were not held out at this run's first start" in out, out
 
 
 def test_heldout_split_of_a_small_dataset_warns_and_shrinks(tmp_path, capsys):
