@@ -17,9 +17,6 @@ O(documents) selection per component over the lengths already loaded (millisecon
 
 from __future__ import annotations
 
-import json
-import os
-
 import numpy as np
 
 from data.mixture import parse_mixture, select_documents
@@ -32,18 +29,13 @@ LONG_DOC = 4  # a document of at least 1/LONG_DOC of the stage's length counts a
 def model_positions(model_path: str | None) -> int | None:
     """The model's max_position_embeddings (its text config's for a composite one) from a preset name or a model
     folder's config.json (the run resolves a hub id to its folder first); None where it cannot be read."""
-    from planner.presets import PRESETS
+    from planner.shapes import load_config
 
     if not model_path:
         return None
-    config = PRESETS.get(model_path)
-    if config is None:
-        try:
-            with open(os.path.join(model_path, "config.json")) as fh:
-                config = json.load(fh)
-        except (OSError, ValueError):
-            return None
-    if not isinstance(config, dict):
+    try:
+        config = load_config(model_path)
+    except ValueError:
         return None
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     n = text.get("max_position_embeddings", config.get("max_position_embeddings"))

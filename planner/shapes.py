@@ -229,8 +229,13 @@ class ModelShape:
 
 def load_shape(model: str) -> ModelShape:
     """A preset name from planner/presets.py, a config.json path, or a folder holding one."""
+    return ModelShape.from_config(load_config(model))
+
+
+def load_config(model: str) -> dict:
+    """The config dict of a preset name, a config.json path or a folder holding one; a one-line ValueError otherwise."""
     if model in PRESETS:
-        return ModelShape.from_config(PRESETS[model])
+        return PRESETS[model]
     path = os.path.join(model, "config.json") if os.path.isdir(model) else model
     if not os.path.isfile(path):
         raise ValueError(f"model {model!r}: not a preset ({', '.join(sorted(PRESETS))}) nor a config.json path")
@@ -242,7 +247,7 @@ def load_shape(model: str) -> ModelShape:
                 from None
     if not isinstance(config, dict):
         raise ValueError(f"model {model!r}: {path} is not a model's config.json (a JSON object)")
-    return ModelShape.from_config(config)
+    return config
 
 
 INT_FEATURES = ("checkpoint_every", "logits_tile_mb", "attention_head_chunks")  # the others are on / off
