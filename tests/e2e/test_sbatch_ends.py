@@ -35,6 +35,18 @@ def state(tmp_path) -> dict:
     return dict(line.split("=", 1) for line in (tmp_path / "scontrol.log.state").read_text().splitlines())
 
 
+def ended_as(tmp_path, end: str, **env: str) -> str:
+    """slurm.sbatch under the stand-ins until its launcher runs, then slurmctld's end of the job as `end` (TIMEOUT,
+    PREEMPTED, REQUEUED...): the batch shell's output."""
+    job = sbatch(tmp_path, "wait", ["--output_dir", str(tmp_path / "out")], FAKE_EXIT_AFTER="75", **env)
+    try:
+        wait_for(lambda: ready(tmp_path), 90, "the stand-in launcher")
+        slurm(tmp_path, "scontrol", "_end", "4242", end)
+        return job.communicate(timeout=30)[0]
+    finally:
+        job.kill()
+
+
 def cancelled_while_running(tmp_path, out, **env: str) -> str:
     """The batch shell's output of a job `scancel`led once its stand-in launcher runs."""
     job = sbatch(tmp_path, "wait", ["--output_dir", str(out)], **env)
@@ -92,14 +104,7 @@ def test_the_time_limit_and_a_preemption_requeue_inside_killwait(tmp_path, end, 
     KillWait (4 s here) later. The batch shell reads the state and requeues at once, so a save that outlasts KillWait
     (6 s) still leaves the job requeued (it used to requeue only after the ranks' exit: SIGKILLed first, the job
     ended TIMEOUT and the chain stopped)."""
-    job = sbatch(tmp_path, "wait", ["--output_dir", str(tmp_path / "out")], FAKE_EXIT_AFTER="75",
-                 FAKE_SAVE_S=str(save_s), SCONTROL_KILL_WAIT="4")
-    try:
-        wait_for(lambda: ready(tmp_path), 90, "the stand-in launcher")
-        slurm(tmp_path, "scontrol", "_end", "4242", end)
-        text = job.communicate(timeout=30)[0]
-    finally:
-        job.kill()
+    text = ended_as(tmp_path, end, FAKE_SAVE_S=str(save_s), SCONTROL_KILL_WAIT="4")
     assert requeues(tmp_path) == ["requeue 4242"], text
     assert f"JobState={end}: requeueing now, inside KillWait" in text, text
     assert state(tmp_path)["state"] == "PENDING"
@@ -144,13 +149,7 @@ def test_a_stop_asked_then_the_time_limit_waits_for_the_save_and_is_not_requeued
 def test_a_job_slurm_requeued_itself_is_left_to_slurm(tmp_path):
     """PreemptMode=REQUEUE: slurmctld requeues the job (PENDING) and ends it; the batch shell says so and calls no
     requeue of its own (one would be refused: the job is pending)."""
-    job = sbatch(tmp_path, "wait", ["--output_dir", str(tmp_path / "out")], FAKE_EXIT_AFTER="75")
-    try:
-        wait_for(lambda: ready(tmp_path), 90, "the stand-in launcher")
-        slurm(tmp_path, "scontrol", "_end", "4242", "REQUEUED")
-        text = job.communicate(timeout=30)[0]
-    finally:
-        job.kill()
+    text = ended_as(tmp_path, "REQUEUED")
     assert requeues(tmp_path) == [] and "Slurm requeued the job itself" in text and "requeue failed" not in text, text
 
 

@@ -14,9 +14,8 @@ import sys
 import pytest
 
 from base.slurm_state import FLAGS, _from_json
-from tests.e2e.launchers import ROOT, STUBS, clean_env, wait_for
-from tests.e2e.test_sbatch import sbatch
-from tests.e2e.test_sbatch_ends import ready, slurm
+from tests.e2e.launchers import ROOT, STUBS, clean_env
+from tests.e2e.test_sbatch_ends import ended_as
 
 REQUEUE_SH = os.path.join(ROOT, "scripts", "slurm_requeue.sh")
 
@@ -119,13 +118,6 @@ def test_the_shells_json_reading_agrees_with_base_slurm_state(tmp_path, jobs, re
 def test_an_unreadable_state_names_the_python_it_tried(tmp_path):
     """A Slurm before --json and no sacct: the time limit's TERM leaves only COMPLETING, taken as a cancel; the log line
     names the Python that read it (it said "no scontrol --json, no sacct" whatever ran)."""
-    job_ = sbatch(tmp_path, "wait", ["--output_dir", str(tmp_path / "out")], FAKE_EXIT_AFTER="75", SCONTROL_JSON="0",
-                  SCONTROL_KILL_WAIT="4")
-    try:
-        wait_for(lambda: ready(tmp_path), 90, "the stand-in launcher")
-        slurm(tmp_path, "scontrol", "_end", "4242", "TIMEOUT")
-        text = job_.communicate(timeout=30)[0]
-    finally:
-        job_.kill()
+    text = ended_as(tmp_path, "TIMEOUT", SCONTROL_JSON="0", SCONTROL_KILL_WAIT="4")
     assert f"its base state unreadable ({ROOT}/.venv/bin/python -m base.slurm_state: no scontrol --json, no sacct)" \
         in text, text
