@@ -169,13 +169,15 @@ def end_job(line: str, w, abort: Callable, nodes: list[int]) -> None:
     hard_exit(EXIT_PEER_LOST)
 
 
-def name_nodes(path: str | None, nodes: list[int]) -> None:
-    """`nodes` (indices) where scripts/slurm.sbatch reads the lost nodes, one a line, as base/progress.py record_node
-    writes a hung rank's (not imported: progress imports comm, which imports this). Nothing for none."""
-    if path and nodes:
-        try:
-            with open(f"{path}.wait.{os.getpid()}", "w") as fh:
-                fh.write("".join(f"{k}\n" for k in sorted(set(nodes))))
-            os.replace(f"{path}.wait.{os.getpid()}", path)
-        except OSError:
-            pass
+def name_nodes(path: str | None, nodes: list[int]) -> bool:
+    """`nodes` (indices) where scripts/slurm.sbatch reads the lost nodes (LAUNCH_LOST_FILE, node 0's), one a line,
+    written whole (base/progress.py record_node names a hung rank's through it). Nothing for none; whether it wrote."""
+    if not (path and nodes):
+        return False
+    try:
+        with open(f"{path}.wait.{os.getpid()}", "w") as fh:
+            fh.write("".join(f"{k}\n" for k in sorted(set(nodes))))
+        os.replace(f"{path}.wait.{os.getpid()}", path)
+        return True
+    except OSError:
+        return False

@@ -141,16 +141,9 @@ def record_node(rank: int, per_node: int, path: str | None) -> bool:
     """Name the hung rank's node where scripts/slurm.sbatch reads the lost nodes (LAUNCH_LOST_FILE, node 0's): the job
     is requeued without it, as a lost node is (bounded by progress; not when too few nodes would be left). A hang
     that every rank shares names no node. Returns whether it wrote."""
-    if not path or per_node <= 0:
-        return False
-    try:
-        tmp = f"{path}.progress.{os.getpid()}"
-        with open(tmp, "w") as fh:
-            fh.write(f"{rank // per_node}\n")
-        os.replace(tmp, path)
-        return True
-    except OSError:
-        return False
+    from base.host_wait import name_nodes
+
+    return per_node > 0 and name_nodes(path, [rank // per_node])
 
 
 _MINE: dict = {}  # this rank's publisher: value, counter
