@@ -2,7 +2,8 @@
 `--output/.prepare.lock-s<i>` while it writes shard i (the whole folder is shard 0 of 1), so a second run into the same
 folder and shard (`srun` of one command on N tasks without --shard, a second terminal, an array job) is refused in one
 line instead of "resuming" the first one's unfinished chunk: it deleted the open chunk and its tmp files, then both
-wrote the same names. Shards of one preparation (--shard i/N) take different locks and run at once.
+wrote the same names. Shards of one preparation (--shard i/N) take different locks and run at once. The plan a shard is written under is
+checked here too (check_plan; a merge's shards by check_rules), the tokenization rules' version included.
 
 The lock is flock(2) (Python's fcntl.flock calls it) on an open file: the kernel drops it when the process dies, however
 it dies (no stale lock to remove; a pid reused in another container does not hold it). Shared file systems:
