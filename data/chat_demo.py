@@ -15,6 +15,8 @@ import os
 import random
 import sys
 
+from base.atomic import atomic_write
+
 _WORDS = ("apple", "river", "candle", "forest", "mirror", "silver", "garden", "planet", "window", "tiger", "bottle",
           "castle", "dragon", "engine", "feather", "guitar", "harbor", "island", "jacket", "lemon", "marble", "needle",
           "orange", "pencil", "rocket", "saddle", "tunnel", "violin", "wallet", "yellow")
@@ -46,11 +48,9 @@ def build_demo_chats(path: str, n: int = 4000, seed: int = 0) -> str:
         return path
     rng = random.Random(seed)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as fh:
-        for _ in range(n):
-            fh.write(json.dumps(demo_conversation(rng)) + "\n")
-    os.replace(tmp, path)
+    # its own tmp (base/atomic.tmp_name): two jobs' rank 0s with one pid in their containers build it at once
+    text = "".join(json.dumps(demo_conversation(rng)) + "\n" for _ in range(n))
+    atomic_write(path, text.encode())
     return path
 
 

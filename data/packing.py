@@ -14,6 +14,7 @@ import os
 
 import numpy as np
 
+from base.atomic import atomic_write
 from data.jsonl import list_files, read_documents
 from data.store import tokenizer_identity
 from data.tokenizer import Tokenizer
@@ -100,9 +101,9 @@ def build_token_stream(dataset_path: str, tokenizer: Tokenizer | None, model_voc
         raise ValueError(f"--dataset_path {dataset_path}: no documents (every line blank or empty)")
     os.makedirs(cache_dir, exist_ok=True)
     for path, arr in ((tok_path, np.concatenate(chunks)), (starts_path, np.asarray(starts, dtype=np.int64))):
-        tmp = path + f".tmp{os.getpid()}.npy"
-        np.save(tmp, arr)
-        os.replace(tmp, path)
+        # its own tmp name (base/atomic.tmp_name: host, pid, random), not the pid alone that a second job's rank 0
+        # in its own container shares
+        atomic_write(path, lambda fh, a=arr: np.save(fh, a))
     return tok_path, starts_path
 
 

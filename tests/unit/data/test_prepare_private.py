@@ -86,3 +86,28 @@ def test_a_killed_jobs_folder_goes_once_the_input_is_prepared(tmp_path, monkeypa
     assert in_job.prepare_in_job(rows, None, 1000)[0] == out
     assert sorted(os.listdir(tmp_path / "cache" / "prepared")) == sorted([os.path.basename(out),
                                                                           os.path.basename(out) + ".tmp.node-4.77.9c0d"])
+
+
+def test_demo_chats_and_token_stream_leave_another_writers_tmp_alone(tmp_path, monkeypatch):
+    """The demo chats (data/chat_demo.py) and the packed-stream cache (data/packing.py) wrote `<file>.tmp<pid>`:
+    a second job's rank 0 with the same pid (its own container) truncated and renamed away the first's half-written
+    file. Each write's tmp is now its own (base/atomic.tmp_name)."""
+    from data import packing
+    from data.chat import build_demo_chats
+
+    monkeypatch.setattr(os, "getpid", lambda: 7)
+    chats = tmp_path / "chats.jsonl"
+    other = tmp_path / "chats.jsonl.tmp7"  # job B's rank 0 (pid 7 too) is half-way through its own write
+    other.write_text("half of job B's file")
+    build_demo_chats(str(chats), 5, seed=1)
+    assert other.read_text() == "half of job B's file" and len(chats.read_text().splitlines()) == 5
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"input_ids": [1, 2, 3 + i]}) + "\n" for i in range(4)))
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    key = packing.cache_key(packing.list_files(str(docs)), None, 100)
+    theirs = cache / f"tokens-{key}.npy.tmp7.npy"
+    theirs.write_bytes(b"job B's")
+    tok, starts = packing.build_token_stream(str(docs), None, 100, str(cache))
+    assert theirs.read_bytes() == b"job B's"
+    assert len(packing.np.load(tok)) == 12 and list(packing.np.load(starts)) == [0, 3, 6, 9]
