@@ -2,8 +2,9 @@
 
 The stream is a prepared folder (`scripts/prepare_data.py`, data/store.py): `--dataset_path` pointing at
 one is memory-mapped by every rank itself (nothing tokenized, no collective); a small JSONL is prepared
-inside the job first (data/prepare.py, rank 0, size-limited). A stage with a `data:` mixture trains on
-its components (data/mixture.py); a stage without one packs the whole stream in order.
+inside the job first (data/prepare.py, rank 0, size-limited). Rank 0 picks the tokenizer (data/run_tokenizer.py).
+A stage with a `data:` mixture trains on its components (data/mixture.py); a stage without one packs the whole
+stream in order.
 
 Held-out documents are chosen once per run, not per stage (data/heldout.py: enough whole documents for the largest
 evaluation, spread over the stream). No stage trains on them, and every stage evaluates on these same documents
@@ -32,11 +33,12 @@ from base.log import print0
 from data.heldout import held_identity, heldout_note, heldout_samples, heldout_split, sample_starts
 from data.mixture import MixtureDataset, MixtureSampler, parse_mixture, select_documents
 from data.packing import ConvPack, DocPack, chat_documents, vocab_refusal
-from data.prepare import prepare_in_job, ships_tokenizer
+from data.prepare import prepare_in_job
 from data.replay import ReplayDataset, ReplaySampler, parse_replay
+from data.run_tokenizer import pick_tokenizer
 from data.sampler import ResumableSampler
 from data.sft_notes import sft_notes
-from data.store import MANIFEST, Prepared, read_json, tokenizer_identity, vocab_identity
+from data.store import MANIFEST, Prepared, read_json, vocab_identity
 from data.tasks import TaskMixDataset, TaskMixSampler, check_tasks, tasks_as_chat
 from data.tokenizer import Tokenizer
 
@@ -299,109 +301,6 @@ def dropped_line(pack: ConvPack, n: int) -> str:
 
 
 REPLAY_FIX = "use a longer replay length, or drop the replay (it packs the stage's own data at each length)"
-
-
-def check_model_tokenizer(folder: str, m: dict, model_path: str | None, tokenizer_path: str | None = None) -> None:
-    """A ValueError (one line) where the model folder ships a tokenizer whose vocabulary is not the run's: the one
-    `folder` was prepared with (its manifest `m`), or `tokenizer_path` (--tokenizer_name_or_path: it was trusted, and
-    A's ids trained on B's embeddings): the ids would be read as other tokens, every step trained on garbage, without
-    a word (Mistral's and Llama 2's tokenizers both have 32000 tokens). Compared by the token of every id both have
-    (OpenHermes-2.5-Mistral's 32002 tokens are Mistral's 32000 and two added ones: the same ids); not compared where
-    the model folder ships none, the run's is not on this machine (its size alone says nothing of its ids) or the
-    files are the same; ids that are added or special tokens on either side are not compared (renamed reserved slots).
-    Cost: two tokenizers loaded on rank 0, once (~1 s)."""
-    prepared = m.get("tokenizer") or {}
-    ours = tokenizer_path or prepared.get("path", "")
-    if not (ours and ships_tokenizer(model_path) and os.path.exists(ours) and tokenizer_identity(model_path)
-            != (tokenizer_identity(ours) if tokenizer_path else prepared.get("sha256"))):
-        return
-    try:
-        own = Tokenizer(model_path)
-    except ValueError:  # the model folder's tokenizer does not load: nothing to compare
-        return
-    other = Tokenizer(ours)
-    mine, theirs = own.pieces(), other.pieces()
-    skip = _added_ids(own) | _added_ids(other)  # renamed reserved slots (Llama 3's, a distill's <think>): not the vocabulary
-    if any(a != b for i, (a, b) in enumerate(zip(mine, theirs)) if i not in skip):
-        what = f"--tokenizer_name_or_path {ours}" if tokenizer_path else \
-            f"--dataset_path {folder} was prepared with tokenizer {ours}"
-        raise ValueError(f"{what} ({len(theirs)} tokens), and the model {model_path} ships another one ({len(mine)} "
-                         "tokens, other ids): its embeddings would read these ids as other tokens, and no flag "
-                         f"overrides this: prepare the data again with the model's tokenizer (--tokenizer_name_or_path "
-                         f"{model_path}), or, where the model folder's tokenizer files are not the ones its weights "
-                         "were trained with, replace them")
-
-
-def _added_ids(tok: Tokenizer) -> set[int]:
-    """Ids of added / special / control tokens: a fine-tune renames such slots while every regular id stays (Llama 3's
-    reserved tokens as <|im_start|>, Qwen2.5 as DeepSeek-R1-Distill-Qwen's <think>, Gemma's <unusedN>)."""
-    if tok.kind == "sentencepiece":
-        sp = tok._sp
-        return {i for i in range(tok.vocab_size) if sp.is_control(i) or sp.is_unknown(i) or sp.is_unused(i)}
-    return set(getattr(tok.hf, "added_tokens_decoder", {}) or {})
-
-
-def same_tokenizer(m: dict, path: str) -> str | None:
-    """How the tokenizer at `path` is the one the data of manifest `m` was prepared with: "files" (tokenizer_identity,
-    what the manifest records: every file, the chat template and special tokens too, which a chat row was rendered
-    and ended with and the export carries), "vocab" for text-only data (the vocabulary files, vocab_identity as a
-    resume compares, and the EOS / BOS ids are the recorded ones: an edited model_max_length changes no id of its
-    documents nor of a passkey sample), else None. Cost: a hash of the tokenizer files; one load for "vocab"."""
-    rec = m["tokenizer"]
-    if tokenizer_identity(path) == rec.get("sha256"):
-        return "files"
-    if any(c.get("mask") for c in m.get("chunks", ())) or not rec.get("vocab") or vocab_identity(path) != rec["vocab"]:
-        return None  # (a folder prepared before its vocabulary was recorded: the files only)
-    try:
-        tok = Tokenizer(path)
-    except ValueError:
-        return None
-    return "vocab" if (tok.eos_id, tok.bos_id) == (rec.get("eos_id"), m.get("bos_id", tok.bos_id)) else None
-
-
-def pick_tokenizer(folder: str, m: dict, given: str | None, model_path: str | None, stages,
-                   user: bool = True) -> str | None:
-    """The run's tokenizer (rank 0): `given` (--tokenizer_name_or_path) or the one `folder` was prepared with, checked
-    against the model's (check_model_tokenizer) and the manifest `m`. A recorded one that is not on this machine
-    (prepared on a login node under /home, trained from /scratch) is the model folder's where that is the same
-    (same_tokenizer: its files, or for text its vocabulary), with a note; else chat data or a stage's `tasks` are
-    refused (the reply stops, template and padding, the synthetic samples need it), and text trains without one, with
-    a note (no passkey or task evaluation, an export without tokenizer files; padding is never used there). `user`:
-    `given` is the user's flag (else the in-job preparation's choice, checked as the one the data was prepared with)."""
-    if given and not os.path.exists(given):
-        Tokenizer(given)  # its one line: no such file or folder
-    check_model_tokenizer(folder, m, model_path, given if user else None)
-    rec = m.get("tokenizer")
-    path = given or (rec and rec["path"])
-    if not rec or not path:
-        return path or None
-    if os.path.exists(path):
-        how = same_tokenizer(m, path)
-        if how is None and given and os.path.realpath(given) != os.path.realpath(rec["path"]):
-            raise ValueError(f"--tokenizer_name_or_path {given} is not the tokenizer {folder} was prepared with "
-                             f"({rec['path']}): pass that one, or prepare the data again")
-        if how is None:
-            raise ValueError(f"--dataset_path {folder} was prepared with tokenizer {path}, whose files changed since "
-                             "(their SHA-256 is another): put them back, or prepare the data again with it")
-        if how == "vocab":
-            print0(f"note: tokenizer {path}'s files are not those --dataset_path {folder} was prepared with (changed "
-                   "since?); its vocabulary and EOS / BOS are, so its text's ids are the same: using it")
-        return path
-    here = f"the tokenizer {path} --dataset_path {folder} was prepared with is not on this machine"
-    if ships_tokenizer(model_path) and same_tokenizer(m, model_path):
-        print0(f"note: {here}; the model {model_path} ships the same one: using it")
-        return model_path
-    model = (f"the model {model_path} ships " + ("another" if ships_tokenizer(model_path) else "none")) if model_path \
-        else "no model folder ships one"
-    tasks = [f"stage {s.index} ({s.name})'s tasks" for s in stages if getattr(s, "tasks", None)]
-    need = (["its chat documents (reply stops, template, padding)"] if any(c.get("mask") for c in m.get("chunks", ()))
-            else []) + tasks
-    if need:
-        raise ValueError(f"{here} and {model}: {', '.join(need)} need it: pass --tokenizer_name_or_path with a copy "
-                         "of it (the same files)")
-    print0(f"note: {here} and {model}: this run has none (no passkey or task evaluation, an export without tokenizer "
-           "files); pass --tokenizer_name_or_path with a copy of it (the same files) to have them")
-    return None
 
 
 def open_run_data(dataset_path: str | None, tokenizer_path: str | None, model_vocab: int, stages,

@@ -24,8 +24,8 @@ What a 32-rank job would otherwise find out late, or never:
     again) where the check read only /proc/meminfo; the refusal names the cgroup's limit and how to raise it;
     and, where offload pins it (`pin_memory`, GPU runs), each rank's pinned bytes against RLIMIT_MEMLOCK (a
     warning line only: see `memlock_warning`);
-  - the GPU memory of each stage under memory_features manual (`device_fit`: the plan's peak against the smallest GPU
-    of the job or --gpu_mem_gb): a warning past the usable limit, a refusal past the planner's largest error;
+  - the GPU memory of each stage under memory_features manual (training/device_fit.py: the plan's peak against the
+    smallest GPU of the job or --gpu_mem_gb): a warning past the usable limit, a refusal past the planner's largest error;
   - every stage's DeepSpeed config (`check_stage_configs`: the assembly and validation `build_engine` runs),
     so a bad stage `deepspeed_overrides` stops the run at start, not when its stage starts days in.
     `--dry_run` runs it too (train.py).
@@ -44,9 +44,9 @@ from base.host import cgroup_memory, meminfo_available, memory_available, ranks_
 from base.parallel import ParallelDims
 from training.config import Config, no_gpu
 from training.curriculum import Stage, gpus_per_node
+from training.device_fit import GiB, check_device_fit, gpu_bytes
 from training.ds_config import build_ds_config
 
-GiB = 2**30
 MEMINFO = "/proc/meminfo"
 NET_DIR = "/sys/class/net"
 
@@ -158,15 +158,6 @@ def report() -> dict:
     node, limit = mem_available_bytes(), memory_limit()
     return {"host": socket.gethostname(), "mem_available": memory_available(node, limit), "mem_node": node,
             "mem_limit": limit, "memlock": memlock_limit(), "locks": build_locks(), "gpu_bytes": gpu_bytes()}
-
-
-def gpu_bytes() -> int | None:
-    """This rank's GPU memory (bytes), None on a CPU run."""
-    import torch
-
-    if no_gpu() or not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
 
 
 # --- the decisions (pure: rank 0 takes them over every rank's report) ---
@@ -333,114 +324,6 @@ def auto_async(reports: list[dict], need: dict | None, cpu_run: bool) -> tuple[b
         return False, f"async_save auto: off, the host copy would not fit: {short[0]}; {force}"
     return True, (f"async_save auto: on ({need['stage']} holds {need['bytes'] / GiB:.2f} GiB of host memory per rank "
                   f"with the snapshot, and every node has it); --async_save false turns it off")
-
-
-# --- device memory of the manual stages ---
-
-# How far the planner's peak may sit above what a step holds (docs/memory_model.md): predicted / measured tensor
-# bytes 0.978-1.11 over 11 exact cases, 1.25 for a Qwen3 whose q/k norms are checkpointed (its largest documented
-# over-prediction); 0.979-0.997 of 7 H200 peaks. A manual stage predicted above the GPU's whole budget by more than
-# that runs out of memory even where the planner errs most: refused before the model loads (Llama-3-8B: minutes of
-# loading on every rank, then an out-of-memory error at the first step). Above the usable limit only (the budget
-# less the 10% headroom kept for fragmentation and the planner's error) it may fit: said, not refused.
-OVER_PREDICTION = 1.25
-# refused only for the dense decoders whose blocks the planner models as they are (GQA attention, a gated MLP, RMSNorm:
-# the checks in docs/memory_model_checks.md ran Llama shapes): a family it reads less exactly (MoE experts, hybrid or
-# linear-attention layers) may be over-predicted by more, and a run that fits must not be refused on that; it warns
-PLANNED_EXACTLY = ("llama", "mistral", "qwen2", "qwen3")
-
-
-def device_fit(cfg: Config, stages: list[Stage], world: int, bf16: bool, configs: list[dict], arch,
-               budget_bytes: int, source: str, ranks_per_node: int) -> tuple[str | None, list[str]]:
-    """(the refusal or None, warning lines) for the stages whose memory features the flags set (memory_features
-    manual; auto chose against this budget already): each one's predicted peak per rank (planner/memory_model.estimate,
-    the plan's figure) against `budget_bytes` (a GPU's memory less GPU_RESERVED; `source` says where it came from).
-    Each line names the peak, the budget and what fits: memory_features auto's choice at the stage's SP, else at the
-    smallest SP that fits. Pure given its inputs: a launched run decides it on rank 0 (preflight)."""
-    from planner import auto_features as af
-    from planner.memory_model import ModelShape, estimate, grad_accum_dtype
-    from training.summary import run_features
-
-    usable, warnings = af.usable_bytes(budget_bytes), []
-    for s, ds in zip(stages, configs):
-        if s.memory_choice:
-            continue
-        feats = run_features(cfg, ds, s)
-        prec = "bf16" if bf16 else "fp32"
-        try:
-            shape = ModelShape.from_config(arch.to_dict())
-            peak = estimate(shape, s.max_seq_length, s.sp, world, feats, prec, gpus_per_node=ranks_per_node,
-                            cp=s.cp if isinstance(s.cp, int) else 1, grad_accum=grad_accum_dtype(ds)).gpu_peak
-        except ValueError:  # a shape the planner cannot read: no plan to check against (the plan lines say so)
-            continue
-        if peak <= usable:
-            continue
-        line = (f"stage {s.index} ({s.name}): memory_features manual (features: {af.describe(feats)}) needs "
-                f"{peak / GiB:.1f} GiB per rank by the plan, and the GPU has {budget_bytes / GiB:.1f} GiB ({source}; "
-                f"{usable / GiB:.1f} usable)")
-        fix = _what_fits(shape, s, world, budget_bytes, feats, prec, ranks_per_node)
-        if peak > OVER_PREDICTION * budget_bytes and getattr(arch, "model_type", None) in PLANNED_EXACTLY:
-            return f"{line}: its first step runs out of memory; {fix}", warnings
-        warnings.append(f"warning: {line}: it may run out of memory; {fix}")
-    return None, warnings
-
-
-def _what_fits(shape, s: Stage, world: int, budget_bytes: int, feats, prec: str, ranks_per_node: int) -> str:
-    """The fix a memory refusal names: what memory_features auto picks at the stage's SP degree, else the smallest
-    degree a node allows where anything fits, else that nothing does."""
-    from planner import auto_features as af
-    from planner.memory_model import Features
-
-    offloads = Features(offload_params=feats.offload_params, offload_optimizer=feats.offload_optimizer,
-                        lean_rmsnorm=feats.lean_rmsnorm, lean_mlp=feats.lean_mlp)
-    for sp in (s.sp, None):
-        try:
-            c = af.choose(shape, s.max_seq_length, world, budget_bytes, sp=sp, sp_max=ranks_per_node or world,
-                          offloads=offloads, precision=prec, ranks_per_node=ranks_per_node or world,
-                          cp=s.cp if sp == s.sp and isinstance(s.cp, int) else "auto")
-        except ValueError:
-            continue
-        at = "" if sp else f" at sequence_parallel_size {c.sp}"
-        return (f"--memory_features auto fits it{at} (with these offloads, {_flags(c.features)} does: "
-                f"{c.peak_bytes / GiB:.1f} GiB)")
-    return (f"nothing fits {s.max_seq_length} tokens on {world} GPU(s) of this size: more GPUs (a larger "
-            "sequence_parallel_size) or a shorter max_seq_length")
-
-
-def _flags(f) -> str:
-    """The flags that set memory features `f` (planner Features) in manual mode."""
-    on = [f"--{n}" for n in ("tiled_logits", "tiled_mlp") if getattr(f, n)]
-    on += [f"--checkpoint_every {f.every}"] if f.every else []
-    on += [f"--{n}" for n in ("keep_attention", "offload_activations", "ring_attention") if f.every and getattr(f, n)]
-    on += [f"--attention_head_chunks {f.attention_head_chunks}"] if f.attention_head_chunks > 1 else []
-    return " ".join(on) or "no feature"
-
-
-def gpu_fit_budget(cfg: Config, reports: list[dict] | None = None) -> tuple[int, str] | None:
-    """(bytes, where from) the manual stages are checked against: --gpu_mem_gb, else the smallest GPU among the
-    ranks' reports (a launched run) or this machine's (a dry run on a GPU); None without either (a CPU run, or a
-    dry run on a machine without a GPU and no --gpu_mem_gb)."""
-    from planner.auto_features import gpu_budget
-
-    if cfg.gpu_mem_gb > 0:
-        return gpu_budget(cfg.gpu_mem_gb), f"--gpu_mem_gb {cfg.gpu_mem_gb:g} less 2 GiB reserved"
-    got = [r.get("gpu_bytes") for r in reports] if reports is not None else [gpu_bytes()]
-    if not got or any(g is None for g in got):
-        return None
-    return gpu_budget(min(got) / GiB), f"{min(got) / GiB:.1f} GiB detected less 2 GiB reserved"
-
-
-def check_device_fit(cfg: Config, stages: list[Stage], world: int, bf16: bool, configs: list[dict], arch,
-                     ranks_per_node: int, reports: list[dict] | None = None, say=print) -> None:
-    """device_fit against gpu_fit_budget: says the warnings, raises the refusal (one-line ValueError)."""
-    got = gpu_fit_budget(cfg, reports)
-    if got is None:
-        return
-    problem, warnings = device_fit(cfg, stages, world, bf16, configs, arch, got[0], got[1], ranks_per_node)
-    for line in warnings:
-        say(line)
-    if problem:
-        raise ValueError(problem)
 
 
 # --- the checks ---

@@ -23,8 +23,9 @@ from model_utils.hub import check_same_snapshot
 from planner.presets import PRESETS
 from training.config import Config, parse_config
 from training.curriculum import Stage, check_stages, gpus_per_node, resolve_stages
+from training.device_fit import check_device_fit, gpu_fit_budget
 from training.preemption import Deadline, PreemptionFlag
-from training.preflight import check_device_fit, check_network, check_stage_configs, gpu_fit_budget, preflight
+from training.preflight import check_network, check_stage_configs, preflight
 from training.summary import plan_lines
 
 

@@ -310,7 +310,7 @@ def test_a_model_whose_tokenizer_is_not_the_datas_is_refused_in_one_line(tmp_pat
     on garbage, without a word. Refused in one line naming both; the same vocabulary saved again passes, and so do
     added tokens (OpenHermes-2.5-Mistral's 32002 over Mistral's 32000); a model folder without a tokenizer, or data
     whose tokenizer is not here, is not compared."""
-    from data.pipeline import check_model_tokenizer
+    from data.run_tokenizer import check_model_tokenizer
     from data.store import tokenizer_identity
 
     words = ["<unk>", "</s>", "apple", "river", "stone"]

@@ -1,6 +1,6 @@
-"""Which tokenizer a run uses (data/pipeline.py pick_tokenizer): an explicit --tokenizer_name_or_path checked against
-the model's, a recorded one gone from this machine, a recorded folder edited since the preparation, and a tokenizer
-folder with custom code (data/tokenizer.py)."""
+"""Which tokenizer a run uses (data/run_tokenizer.py pick_tokenizer): an explicit --tokenizer_name_or_path checked
+against the model's, a recorded one gone from this machine, a recorded folder edited since the preparation, and a
+tokenizer folder with custom code (data/tokenizer.py)."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def test_a_recorded_tokenizer_gone_from_this_machine_is_the_models_where_the_sam
     other = _word_tokenizer(tmp_path / "other", ["<unk>", "</s>", "river", "apple", "stone", "cloud"])
     data = open_run_data(folder, None, 64, STAGES, reset_position_ids=True, model_path=other)
     assert data.tokenizer is None and "this run has none" in capsys.readouterr().out
-    from data.pipeline import pick_tokenizer  # chat data and tasks, decided from the manifest and stages
+    from data.run_tokenizer import pick_tokenizer  # chat data and tasks, decided from the manifest and stages
 
     m = json.loads((tmp_path / "prepared" / "manifest.json").read_text())
     chat = {**m, "chunks": [{**m["chunks"][0], "mask": "mask-s00000-c000000.bin"}]}
@@ -97,7 +97,7 @@ def test_a_recorded_tokenizer_edited_since_says_so(tmp_path, capsys):
     cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "model_max_length": 131072}))
     assert open_run_data(folder, None, 64, STAGES, reset_position_ids=True).tokenizer.path == tok
     assert "files are not those --dataset_path" in capsys.readouterr().out
-    from data.pipeline import pick_tokenizer
+    from data.run_tokenizer import pick_tokenizer
 
     m = json.loads((tmp_path / "prepared" / "manifest.json").read_text())
     chat = {**m, "chunks": [{**m["chunks"][0], "mask": "mask-s00000-c000000.bin"}]}

@@ -1,4 +1,4 @@
-"""A manual stage's memory plan against the GPU (training/preflight.device_fit), in the dry run and at start-up.
+"""A manual stage's memory plan against the GPU (training/device_fit.py), in the dry run and at start-up.
 
 Before, `memory_features: manual` (the default) printed its plan (98.1 GiB per rank for the README's Llama-3-8B at
 128k on 8 GPUs of 80 GB) and went on: the first step ran out of memory after the model had loaded. Now a plan past
@@ -14,7 +14,7 @@ import pytest
 
 from tests.distributed import ROOT
 from training.config import parse_config
-from training.preflight import GiB, gpu_fit_budget
+from training.device_fit import GiB, gpu_fit_budget
 
 GPU8 = ["--nodes", "1", "--gpus_per_node", "8", "--bf16", "--gpu_mem_gb", "80"]
 LLAMA_128K = ["--model_name_or_path", "llama3-8b", "--max_seq_length", "131072", "--sequence_parallel_size", "8",
@@ -92,7 +92,8 @@ def test_the_readme_example_fits(capsys):
 def test_a_launched_run_decides_over_the_smallest_gpu_of_the_job():
     """preflight's decision (rank 0's, over every rank's report): one rank's smaller GPU decides for all."""
     from training import startup
-    from training.preflight import check_device_fit, check_stage_configs
+    from training.device_fit import check_device_fit
+    from training.preflight import check_stage_configs
 
     cfg, model = startup.load_run_config([*LLAMA_128K, "--bf16", "--from_scratch", "--dataset_path", ROOT,
                                           "--tiled_logits", "--gradient_checkpointing"])
