@@ -3,8 +3,8 @@ does when it ends, well or not (train.py's last lines: `sys.exit(run_job(main))`
 
 Exit codes (base/exits.py has the table): 0 done, 1 failure (traceback in OUTPUT_DIR/logs/rankN.log), 2 bad input
 (one line, before any work) or a full disk / quota (ENOSPC, EDQUOT: one line naming the path, any time), 69 a peer
-lost (requeue), 75 saved after a preemption signal or near the time limit (requeue and `--resume auto`). A failing
-rank posts its
+lost (requeue), 75 saved after a preemption signal or near the time limit (requeue and `--resume auto`), 130 a
+Ctrl-C before train.py's stop flag handles it (the start-up: one line, no crash record). A failing rank posts its
 failure on the abort channel (base/comm.py) first, so every other rank stops within seconds instead of waiting in
 a collective; every rank records its code where scripts/launch.sh reads it.
 
@@ -79,7 +79,8 @@ class Requeue(Exception):
 
 def run_job(main: Callable[[], int], saves: bool = True) -> int:
     """Run `main` as one rank of a job; returns its exit code after leaving the abort channel and recording the
-    code (an exception becomes 1, or 2 for the user's input or a full disk, after the others were told; Requeue 75).
+    code (an exception becomes 1, or 2 for the user's input or a full disk, after the others were told; Requeue 75;
+    a Ctrl-C 130).
     `saves`: main installs a PreemptionFlag that takes the save requests recorded meanwhile (train.py); without one (evaluate.py:
     nothing to save) SIGUSR1/SIGUSR2 keep their default, the job's end, as `scancel --signal=USR2` means it."""
     if saves:
@@ -103,7 +104,9 @@ def run_job(main: Callable[[], int], saves: bool = True) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(f"requeue: {e}", file=sys.stderr, flush=True)
         code = EXIT_PREEMPTED
-    except (Exception, KeyboardInterrupt) as e:
+    except KeyboardInterrupt:  # a Ctrl-C no PreemptionFlag handles (train.py's start-up): the user's stop
+        return _record(_interrupted())
+    except Exception as e:
         return _record(_fail(e))
     _leave()
     return _record(code)
@@ -237,6 +240,25 @@ def _await_monitor_exit() -> None:
 
     time.sleep(watcher.ABORT_WAIT_S + watcher.EXIT_GRACE_S)
     os._exit(EXIT_PEER_LOST)
+
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a program a Ctrl-C ended
+
+
+def _interrupted() -> int:
+    """A Ctrl-C (SIGINT: Python's KeyboardInterrupt) where no PreemptionFlag handles it: train.py's start-up (the
+    process group, the resume lookup, the model and the data: minutes at 8B / 1M) or evaluate.py, nothing to save.
+    The user's stop, not a failure: one line, no traceback, no crash record (it had a node requeued without it), exit
+    130. A rank the signal did not reach is told through the abort channel where it is up (base/comm.py: seconds),
+    instead of waiting in a collective."""
+    rank = os.environ.get("RANK", "0")
+    line = f"rank {rank} stopped by Ctrl-C (SIGINT) with nothing to save yet: exiting {EXIT_INTERRUPTED}"
+    comm = sys.modules.get("base.comm")  # not imported yet: no process group to tell (and no torch import for it)
+    if comm is not None:
+        comm.abort(line, EXIT_INTERRUPTED)
+    if rank == "0":
+        print(f"stopped: {line}", file=sys.stderr, flush=True)
+    return EXIT_INTERRUPTED
 
 
 def _fail(e: BaseException) -> int:

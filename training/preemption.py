@@ -16,13 +16,19 @@ a removed file for up to a minute, and its vote would stop the requeued job at i
 
 The time limit is a stop reason too: a 1M-token step on 8 GPUs takes minutes, longer than SLURM's 120 s
 warning, and a job killed at its limit ends TIMEOUT and is never requeued. With SLURM_JOB_END_TIME (epoch
-seconds, set by SLURM) or `--time_limit_s`, a rank votes to stop when less than one measured step plus one
-measured save (and a margin) remains; until a save has been measured, `SAVE_GUESS_S` stands in for it.
+seconds, set by SLURM >= 23.02; before 23.02 rank 0 reads EndTime from `scontrol show job` at its first check, and
+scripts/slurm.sbatch exports what it read at the job's start) or `--time_limit_s`, rank 0 votes to stop when less than
+one measured step plus one measured save (and a margin) remains; until a save has been measured, `SAVE_GUESS_S`
+stands in for it. A SLURM job whose end nothing gives says so in one line.
 
 The time ahead of a check counts all the work before the next one: after the step that ends a stage, the
 save *and the stage's evaluation*; before a stage builds its engine, the build (ZeRO-3 init, restore) and its
 first step. Each is measured the first time it runs; until then an evaluation counts as one step and a build
-as nothing (the first build is at the job's start).
+as nothing (the first build is at the job's start). At a stage change the step and the evaluation measured so far
+are scaled to the next stage's length (`Deadline.next_stage`, training/stage.py `step_cost_ratio`: the planner's
+predicted step times under `auto`, else the model's FLOPs per sequence at each length over each SP degree), and
+the next stage's first measurement replaces the estimate; the build is not scaled (ZeRO-3 init and the restore
+move the same bytes at any length).
 
 Saves bounded by time (`save_interval_minutes`): rank 0's clock alone says when the interval has passed, and
 its vote travels in the same all-reduce, so every rank saves the same step. `auto` (the default) is every 9 minutes
@@ -85,6 +91,7 @@ AUTO_SAVE_EVERY_S = 540.0  # save_interval_minutes auto: lost work <= 9 min + on
 MAX_SAVE_OVERHEAD = 0.01  # ... unless the saves would then block the steps > 1% of the time
 MARGIN_S = 30.0
 END_REFRESH_S = 300.0  # rank 0 reads the job's end time from slurmctld again this often (a time-limit update, a suspend)
+_UNKNOWN_SAID: set[str] = set()  # the SLURM jobs whose unknown time limit was said (once per process)
 WINDOWED_AT: list[float] = []  # this process's first SIGTERM/SIGINT under a launcher (its kill follows): a failure
 # raised after it is the teardown of that stop (a peer SIGKILLed by its launch.py mid-step, its collective broken),
 # not a crash of this node's own: training/job.py writes no crash verdict for it (a GraceTime preemption during a
@@ -103,7 +110,9 @@ def slurm_end_time(job: str) -> float | None:
 
 
 class Deadline:
-    """When the job must be out: SLURM_JOB_END_TIME, else start + time_limit_s, else never."""
+    """When the job must be out: SLURM_JOB_END_TIME, else (a SLURM job on Slurm < 23.02, which sets no such variable)
+    the EndTime of `scontrol show job`, read by rank 0 at its first check (`known`), else start + time_limit_s, else
+    never."""
 
     def __init__(self, time_limit_s: float = 0.0, now: float | None = None):
         now = time.time() if now is None else now
@@ -115,13 +124,41 @@ class Deadline:
         self.eval_s: float | None = None  # longest stage evaluation measured
         self.rank_bytes: float | None = None  # this rank's checkpoint bytes (engine state), for guess_save_s
         self._refreshing = False
+        self._from_slurm = bool(end)  # self.end is slurmctld's: refresh_from_slurm keeps it current
+        # Slurm < 23.02 sets no SLURM_JOB_END_TIME (it came with SLURM_JOB_START_TIME in 23.02): scontrol's EndTime,
+        # asked by rank 0 alone at its first reading (one `scontrol show job`, ~50 ms; 32 ranks asking would be 32)
+        self._ask_slurm = bool(os.environ.get("SLURM_JOB_ID")) and not end
+        # step_s / eval_s scaled from the previous stage's (next_stage): this stage's first measurement replaces it
+        self._estimated = self._estimated_eval = False
+
+    def known(self) -> float | None:
+        """The job's end (epoch seconds; None: no limit known). In a SLURM job without SLURM_JOB_END_TIME (Slurm <
+        23.02) it is read once, here, from `scontrol show job` (it wins over --time_limit_s, as SLURM_JOB_END_TIME
+        does; synchronous, ~50 ms, at most scontrol's 20 s timeout, at the first check: before the first engine is
+        built); where none can be read and no --time_limit_s was given, one line says the limit is unknown. Rank
+        0's call (agreed(), a universal conversion's bound): its reading is the job's; the others' vote is not asked."""
+        if self._ask_slurm:
+            self._ask_slurm = False
+            job = os.environ.get("SLURM_JOB_ID", "")
+            end = slurm_end_time(job)
+            if end is not None:
+                self.end, self._from_slurm = end, True
+            elif self.end is None and job not in _UNKNOWN_SAID:
+                _UNKNOWN_SAID.add(job)
+                from base.log import print0
+
+                print0(f"warning: SLURM job {job}: the time limit is unknown (no SLURM_JOB_END_TIME: Slurm before "
+                       f"23.02; no EndTime from `scontrol show job {job}`): no stop and save before it; give "
+                       "--time_limit_s SECONDS (from train.py's start) to have one")
+        return self.end
 
     def refresh_from_slurm(self, every_s: float = END_REFRESH_S) -> None:
         """Read the job's end time from slurmctld again every `every_s`, in a daemon thread (never on the step's
-        path): SLURM_JOB_END_TIME is read once at start and goes stale after `scontrol update TimeLimit=` or a
-        suspend. Rank 0 only (its reading is the job's: agreed() takes the time-limit vote from rank 0 alone)."""
+        path): SLURM_JOB_END_TIME (or the EndTime `known` read) is read once at start and goes stale after `scontrol
+        update TimeLimit=` or a suspend. Rank 0 only (its reading is the job's: agreed() takes the time-limit vote from
+        rank 0 alone). An end from --time_limit_s alone is kept as given."""
         job = os.environ.get("SLURM_JOB_ID")
-        if self._refreshing or self.end is None or not job or not os.environ.get("SLURM_JOB_END_TIME"):
+        if self._refreshing or not job or self.known() is None or not self._from_slurm:
             return
         self._refreshing = True
 
@@ -135,7 +172,8 @@ class Deadline:
         threading.Thread(target=run, name="slurm-end-time", daemon=True).start()
 
     def record_step(self, seconds: float) -> None:
-        self.step_s = max(self.step_s, seconds)
+        self.step_s = seconds if self._estimated else max(self.step_s, seconds)
+        self._estimated = False
 
     def record_save(self, seconds: float) -> None:
         self.save_s = max(self.save_s or 0.0, seconds)
@@ -144,7 +182,18 @@ class Deadline:
         self.build_s = max(self.build_s, seconds)
 
     def record_eval(self, seconds: float) -> None:
-        self.eval_s = max(self.eval_s or 0.0, seconds)
+        self.eval_s = seconds if self._estimated_eval else max(self.eval_s or 0.0, seconds)
+        self._estimated_eval = False
+
+    def next_stage(self, cost: float) -> None:
+        """A stage change: a step and an evaluation of the next stage cost `cost` times this one's (training/stage.py
+        step_cost_ratio). The measured times are scaled by it until the next stage measures its own: its first step
+        (evaluation) then replaces the estimate, longer or shorter. Without it the check before a longer stage's build
+        counted the shorter stage's step: 512k -> 1M on Llama-3-8B, 32 ranks, 102 s for a ~387 s step, so the job
+        built, restored and stepped into its time limit (TIMEOUT, never requeued)."""
+        self.step_s *= cost
+        self.eval_s = None if self.eval_s is None else self.eval_s * cost
+        self._estimated = self._estimated_eval = True
 
     def record_rank_bytes(self, nbytes: float) -> None:
         self.rank_bytes = nbytes

@@ -148,6 +148,8 @@ def train_stage(run: Run, stage, stages, state: TrainState) -> None:
                    run.data.tokenizer, run.metrics, state.step, cfg.per_device_train_batch_size, run.data.pad_id,
                    stages, run.data.heldout)
     preempt.deadline.record_eval(time.perf_counter() - t_eval)
+    if stage.index + 1 < len(stages):  # the checks up to the next stage's first step count its step, not this one's
+        preempt.deadline.next_stage(step_cost_ratio(run.base_config, stage, stages[stage.index + 1]))
     progress.mark(None, "idle")  # the release, the stop's agreement and a run's teardown: not judged
     watch = release_engine(engine)
     del engine
@@ -179,6 +181,31 @@ def _released(run: Run, stage, watch, step: int) -> None:
                "logs): the next stage holds its host memory on top of its own engine's")
     run.metrics.log({"event": "engine_released", "stage": stage.index, "step": step, "alive": int(top[0].item()),
                      "host_rss_gb": round(top[1].item(), 3)})
+
+
+def step_cost_ratio(base_config, old, new) -> float:
+    """How many times one step (and one evaluation) of stage `new` costs one of stage `old` on the same ranks, for the
+    time-limit checks before `new` has measured its own (training/preemption.py Deadline.next_stage): the planner's
+    predicted step seconds where auto planned both stages (memory_choice: planner/auto_features.step_seconds, with its
+    recompute, head chunks and offloads); else the model's FLOPs of one sequence at each length over each stage's SP
+    degree (planner/flops.py: 6*N*s + 6*L*nh*d*s^2, attention's quadratic share from the model's own shape), which
+    assumes the same MFU and the same recompute at both lengths. Llama-3-8B at sp 8, 512k -> 1M: x3.8 either way
+    (102 s -> ~387 s). A config the planner cannot read: the length ratio squared (all attention) for a longer stage,
+    the length ratio for a shorter one, each over the SP degrees: never less than the FLOPs say."""
+    predicted = [(s.memory_choice or {}).get("predicted_step_s") for s in (old, new)]
+    if all(predicted):
+        return predicted[1] / predicted[0]
+    from planner.flops import flops_per_sequence
+    from planner.shapes import ModelShape
+
+    try:
+        shape = ModelShape.from_config(base_config.to_dict())
+    except (AttributeError, ValueError, TypeError):  # no HF config (a stand-in), or one without the planner's keys
+        r = new.max_seq_length / old.max_seq_length
+        return max(r, r * r) * old.sp / new.sp
+    # a rank's share: its SP group splits each sequence sp ways (the micro-batch per group is the same in every stage)
+    per_rank = [flops_per_sequence(shape, s.max_seq_length) / s.sp for s in (old, new)]
+    return per_rank[1] / per_rank[0]
 
 
 def _agree(run: Run, stage_ends: bool) -> bool:

@@ -29,11 +29,12 @@ after its lock was taken over) never delete or overwrite each other's files.
 cannot resume: killed at the time limit, it started again from nothing on every requeue. Before starting it, rank 0
 estimates its time from the checkpoint's bytes and the last measured rate (RATE.json; `RATE_GUESS_BPS` until a
 conversion of at least `TRUST_BYTES` was measured) and starts it only if it, a step and a save fit before the job's
-end (`Deadline`: SLURM_JOB_END_TIME or --time_limit_s). Otherwise the job exits 75 (requeue) without starting it,
-or, when it cannot fit even a whole allocation (SLURM_JOB_END_TIME - SLURM_JOB_START_TIME), 2 with the fix: convert
-in a longer job (`python -m training.universal CHECKPOINT OUTPUT_DIR`) or resume at the saved world size. A
-conversion that runs past its estimate (or a wait for another job's that does) is stopped before the end, its time
-recorded (so the next estimate is at least that), exit 75. An output dir this job cannot write: exit 2, one line.
+end (`Deadline`: SLURM_JOB_END_TIME, before Slurm 23.02 scontrol's EndTime, or --time_limit_s). Otherwise the job
+exits 75 (requeue) without starting it, or, when it cannot fit even a whole allocation (SLURM_JOB_END_TIME -
+SLURM_JOB_START_TIME; before 23.02 as scripts/slurm.sbatch exports them), 2 with the fix: convert in a longer job
+(`python -m training.universal CHECKPOINT OUTPUT_DIR`) or resume at the saved world size. A conversion that runs
+past its estimate (or a wait for another job's that does) is stopped before the end, its time recorded (so the next
+estimate is at least that), exit 75. An output dir this job cannot write: exit 2, one line.
 
 Cost at target scale (Llama-3-8B, 32 ranks, ZeRO-3): the checkpoint is ~100 GB, of which 96 GB are fp32 master
 weights and Adam moments in 32 partitions. ds_to_universal reads them (96 GB), writes one fragment per parameter, state
@@ -308,7 +309,7 @@ def prepare(ckpt: str, saved_world: int, world: int | None, output_dir: str, dea
                           f"{saved_world} ranks"}
     est = estimate_s(nbytes, _measured(where))
     timeout = None
-    end = getattr(deadline, "end", None)
+    end = deadline.known() if deadline is not None else None  # Slurm < 23.02: scontrol's EndTime (preemption.py)
     if end is not None:
         needed = deadline.needed_s(ahead_s=est)  # the conversion, then a step, a save and the margin
         start = os.environ.get("SLURM_JOB_START_TIME")

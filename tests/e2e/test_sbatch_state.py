@@ -10,12 +10,13 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
 from base.slurm_state import FLAGS, _from_json
-from tests.e2e.launchers import ROOT, STUBS, clean_env
-from tests.e2e.test_sbatch_ends import ended_as
+from tests.e2e.launchers import ROOT, SBATCH_SCRIPT, STUBS, clean_env, requeues, wait_for
+from tests.e2e.test_sbatch_ends import ended_as, ready, slurm
 
 REQUEUE_SH = os.path.join(ROOT, "scripts", "slurm_requeue.sh")
 
@@ -121,3 +122,35 @@ def test_an_unreadable_state_names_the_python_it_tried(tmp_path):
     text = ended_as(tmp_path, "TIMEOUT", SCONTROL_JSON="0", SCONTROL_KILL_WAIT="4")
     assert f"its base state unreadable ({ROOT}/.venv/bin/python -m base.slurm_state: no scontrol --json, no sacct)" \
         in text, text
+
+
+def test_a_time_limit_before_slurm_23_02_is_requeued(tmp_path):
+    """Slurm < 23.02 sets no SLURM_JOB_END_TIME (the stand-in sbatch sets none either), and without scontrol --json or
+    sacct a time limit's TERM read COMPLETING: taken as a cancel, never requeued, and the ranks had no end to stop
+    before. slurm.sbatch now reads the planned EndTime from `scontrol show job` at its start (here a wrapper adds the
+    line the stand-in lacks) and exports it: launch.sh gets it, base/slurm_state.py reads TIMEOUT once it has come."""
+    end = int(time.time()) + 3
+    shown = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(end))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(  # the stand-in's output, plus the times Slurm 22.05 prints under `show job`
+        f'#!/usr/bin/env bash\n{STUBS}/scontrol "$@"; rc=$?\n[ "$1 $2 $rc" = "show job 0" ] && '
+        f'echo "   StartTime=2026-01-01T00:00:00 EndTime={shown} Deadline=N/A"\nexit $rc\n')
+    (bin_dir / "launch").write_text(f'#!/bin/sh\necho "end=$SLURM_JOB_END_TIME" > {tmp_path}/end\n'
+                                    f'exec {STUBS}/fake_launch "$@"\n')
+    for f in ("scontrol", "launch"):
+        (bin_dir / f).chmod(0o755)
+    e = clean_env(PATH=f"{bin_dir}:{STUBS}:{os.environ['PATH']}", SLURM_SUBMIT_DIR=str(tmp_path), PYTHONPATH=ROOT,
+                  SCONTROL_LOG=str(tmp_path / "scontrol.log"), FAKE_LOG=str(tmp_path / "fake.log"), FAKE_EXIT="wait",
+                  FAKE_EXIT_AFTER="75", LAUNCH_CMD=str(bin_dir / "launch"), SCONTROL_JSON="0", SCONTROL_KILL_WAIT="4")
+    job = subprocess.Popen(["sbatch", SBATCH_SCRIPT, "--output_dir", str(tmp_path / "out")], cwd=tmp_path, env=e,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: ready(tmp_path), 90, "the stand-in launcher")
+        time.sleep(max(0.0, end - time.time()))  # the limit comes: slurmctld sets TIMEOUT, then signals
+        slurm(tmp_path, "scontrol", "_end", "4242", "TIMEOUT")
+        text = job.communicate(timeout=30)[0]
+    finally:
+        job.kill()
+    assert (tmp_path / "end").read_text() == f"end={end}\n", text
+    assert "JobState=TIMEOUT: requeueing now" in text and requeues(tmp_path) == ["requeue 4242"], text

@@ -1,6 +1,7 @@
 """training/preemption.py: the time limit is decided on one clock, rank 0's (a node whose clock runs ahead used to
 stop every run at start, never named), and rank 0 reads the job's end time from slurmctld again (a time-limit update
-or a suspend moves it; SLURM_JOB_END_TIME is read once)."""
+or a suspend moves it; SLURM_JOB_END_TIME is read once). Slurm < 23.02 sets no SLURM_JOB_END_TIME: rank 0 reads the end
+from `scontrol show job`, for the stop and for a universal conversion's bound, and says so when there is none."""
 
 from __future__ import annotations
 
@@ -45,3 +46,63 @@ def test_rank_0_reads_the_jobs_end_time_again(tmp_path, monkeypatch):
     while d.end < time.time() + 3600 and time.time() < deadline:
         time.sleep(0.05)
     assert abs(d.end - time.mktime(later)) < 1 and not d.near()  # `scontrol update TimeLimit=` gave it 2 h
+
+
+def fake_scontrol(tmp_path, monkeypatch, end: float | None) -> str:
+    """A `scontrol show job` as Slurm 22.05 prints it (EndTime=Unknown where `end` is None), each call logged; the job
+    under Slurm < 23.02: SLURM_JOB_ID set, no SLURM_JOB_END_TIME. Returns the call log's path."""
+    shown = "Unknown" if end is None else time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(end))
+    calls = tmp_path / "calls"
+    fake = tmp_path / "scontrol"
+    fake.write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\necho 'JobId=9 JobState=RUNNING'\n"
+                    f"echo '   StartTime=2026-01-01T00:00:00 EndTime={shown} Deadline=N/A'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "9")
+    monkeypatch.delenv("SLURM_JOB_END_TIME", raising=False)
+    return str(calls)
+
+
+def test_before_slurm_23_02_rank_0_reads_the_end_from_scontrol(tmp_path, monkeypatch):
+    """Slurm < 23.02 sets no SLURM_JOB_END_TIME: the deadline was None, so a 387 s step ran into the limit 60 s away
+    (TIMEOUT, never requeued) and nothing said so. Rank 0 now reads EndTime from scontrol at its first check and keeps
+    it current; another rank never asks (its vote is not the time limit's)."""
+    end = time.time() + 60
+    calls = fake_scontrol(tmp_path, monkeypatch, end)
+    monkeypatch.setattr(preemption.comm, "all_reduce", lambda v, op="sum", group=None: torch.tensor(v))
+    monkeypatch.setattr(preemption.comm, "rank", lambda group=None: 3)
+    other = PreemptionFlag(deadline=Deadline())
+    assert not other.agreed() and not os.path.exists(calls) and other.deadline.end is None
+    monkeypatch.setattr(preemption.comm, "rank", lambda group=None: 0)
+    flag = PreemptionFlag(deadline=Deadline())
+    flag.deadline.record_step(387.0)
+    assert flag.agreed() and flag.received == "time limit"
+    assert abs(flag.deadline.end - int(end)) < 1 and flag.deadline._refreshing
+
+
+def test_an_unknown_time_limit_is_said_in_one_line(tmp_path, monkeypatch, capsys):
+    """A SLURM job whose end neither SLURM_JOB_END_TIME nor scontrol gives (EndTime=Unknown, no --time_limit_s): one
+    line says no stop will come before the limit, once; with --time_limit_s that limit stands, nothing said."""
+    fake_scontrol(tmp_path, monkeypatch, None)
+    monkeypatch.setattr(preemption, "_UNKNOWN_SAID", set())
+    for _ in range(2):
+        assert Deadline().known() is None
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "SLURM job 9: the time limit is unknown" in out and "--time_limit_s" in out, out
+    d = Deadline(time_limit_s=600.0, now=1000.0)
+    assert d.known() == 1600.0 and capsys.readouterr().out == ""
+
+
+def test_a_universal_conversion_is_bounded_before_slurm_23_02(tmp_path, monkeypatch, capsys):
+    """The conversion's bound (training/universal.py) read Deadline.end, None without SLURM_JOB_END_TIME: a conversion
+    was started 60 s before the job's end, killed there, redone on every requeue. It now takes scontrol's EndTime."""
+    from tests.unit.training.test_checkpoint import LoadEngine, _exit_code, fake_converter, save_from_world
+    from training.checkpoint import Checkpointer
+
+    calls = fake_converter(monkeypatch)
+    ck = Checkpointer(str(tmp_path / "run"), keep=3)
+    path = save_from_world(ck, 4, world=2)
+    fake_scontrol(tmp_path, monkeypatch, time.time() + 60)
+    ck.deadline = Deadline()
+    assert _exit_code(monkeypatch, lambda: ck.load(LoadEngine(), path)) == 75 and calls == []
+    assert "requeue" in capsys.readouterr().err

@@ -1,10 +1,12 @@
 """A Ctrl-C (SIGINT) is a stop with a kill window only where a launcher kills the ranks after it (the deepspeed launcher:
 LOCAL_SIZE, torchrun: LOCAL_WORLD_SIZE, scripts/launch.sh: LAUNCH_EXIT_DIR). Under `python train.py` or `salloc` +
 `srun python train.py` nothing kills after it: the stop keeps its full save. training/stage.py's real loop on the
-simulated clock of test_stop_window.py (Llama-3-8B on 32 ranks: a 95 s save, which a 30 s window never fits)."""
+simulated clock of test_stop_window.py (Llama-3-8B on 32 ranks: a 95 s save, which a 30 s window never fits). Before
+the flag is installed (the start-up) a Ctrl-C is the user's stop: one line, exit 130 (training/job.py)."""
 
 from __future__ import annotations
 
+import os
 import signal
 
 import pytest
@@ -51,3 +53,24 @@ def test_sigterm_has_its_window_without_a_launcher_too(monkeypatch):
     assert flag.term_at is None and flag.received == signal.SIGINT
     flag._handler(signal.SIGTERM, None)
     assert flag.term_at is not None
+
+
+def test_ctrl_c_during_the_start_up_is_a_users_stop(tmp_path, monkeypatch, capsys):
+    """A Ctrl-C before PreemptionFlag.install() (the model and data loading: minutes at 8B / 1M) was a
+    KeyboardInterrupt traceback, "rank 0 failed", exit 1 and a crash record (under srun/launch.sh: a node requeued
+    without it). Now one line, exit 130, recorded as 130 where launch.sh reads it, no crash record."""
+    from training.job import run_job
+
+    (tmp_path / "exits").mkdir()
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LAUNCH_EXIT_DIR", str(tmp_path / "exits"))
+    monkeypatch.setenv("LAUNCH_CRASH_FILE", str(tmp_path / "crash.0"))
+
+    def main() -> int:
+        os.kill(os.getpid(), signal.SIGINT)  # the terminal's Ctrl-C while rank 0 loads
+        return 0
+
+    assert run_job(main) == 130
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Ctrl-C" in err and "Traceback" not in err and "failed" not in err, err
+    assert (tmp_path / "exits" / "rank0").read_text() == "130\n" and not (tmp_path / "crash.0").exists()
