@@ -10,6 +10,8 @@ What gets loss (`loss_on`, the mask: 1 = the token is a target, predicted from t
   role headers, system, user or tool turns (TRL's `assistant_only_loss`);
 - `completion` (default for prompt/completion): the completion only (with messages: its assistant turns);
 - `all`: every token.
+Pre-tokenized ids with TRL's `assistant_masks` / `completion_mask` come as `{MASKED: (ids, mask)}` (data/ids_rows.py):
+that mask (`all`: every token), the ids as given.
 
 Which template: the tokenizer's own (`auto`); of named templates (Command-R, Hermes-2-Pro ship `default`,
 `tool_use`, `rag`) the `default`, or the one named (`--chat_template tool_use`); `chatml` forces the documented
@@ -18,7 +20,8 @@ default below; `none` refuses chat rows when the tokenizer has no template. A se
 
 How an assistant reply is found, by tokens, never by searching the conversation's text for the reply (a reply
 repeated in a user turn would be found in the wrong place):
-1. a template with `{% generation %}` markers: Hugging Face's own `return_assistant_tokens_mask`;
+1. a template with `{% generation %}` markers: Hugging Face's own `return_assistant_tokens_mask` (the markers decide:
+   TRL's training templates mark `<|im_end|>\n`, trained whole);
 2. any other template: incremental prefix renders. For assistant turn k, `head = render(messages[:k],
    add_generation_prompt=True)` ends with the assistant's header; the reply starts where the whole conversation's
    tokens stop following it (the first differing token, in case the tokenizer merged across the header's end). A
@@ -79,6 +82,7 @@ from data.chat_rows import ROLES, SHAREGPT_ROLES, RowError, empty_reply, normali
 from data.chat_splice import encode_long
 from data.chat_template import pick_template, resolve_template, row_kwargs, text_pair_kwargs  # noqa: F401
 from data.chat_tools import call_name, fit_arguments, refuse_unrendered, row_tools, tool_names
+from data.ids_rows import MASKED
 
 LOSS_ON = ("auto", "assistant", "completion", "all")
 _PROBE = [{"role": "user", "content": "Probe question one?"}, {"role": "assistant", "content": "Probe answer one."},
@@ -207,6 +211,9 @@ class ChatEncoder:
         return whole[:k], whole[k:]
 
     def encode(self, obj: dict) -> tuple[list[int], np.ndarray, dict]:
+        if MASKED in obj:  # pre-tokenized ids with TRL's loss mask (data/ids_rows.py): its mask, as a chat row's
+            ids, mask = obj[MASKED]
+            return list(ids), np.ones(len(ids), np.uint8) if self.loss_on == "all" else mask, {"untrained_turns": 0}
         kind, conv, first = normalize(obj)
         tools = row_tools(obj, self, conv)  # the row's top-level tool definitions, passed to every render of it
         if kind == "text_pair":
@@ -219,7 +226,9 @@ class ChatEncoder:
         if kind == "text_pair":
             p, c = conv
             pi, ci = self._text_pair(p, c)
-            ci = ci + [self.tok.eos_id]
+            ci = ci if ci and ci[-1] == self.tok.eos_id else ci + [self.tok.eos_id]  # one EOS (TRL: its text's)
+            if self.loss_on != "all" and not self.tok.decode(ci[:-1]).strip():  # as a chat row's empty reply
+                raise RowError("completion: an empty reply (no text), which would teach the model to stop at once")
             bos = self.tok.bos_id  # the prompt as the tokenizer writes a text, BOS first (TRL tokenizes it so)
             pi = [bos] + pi if bos is not None and (not pi or pi[0] != bos) else pi
             mask = np.zeros(len(pi) + len(ci), np.uint8)
@@ -240,8 +249,6 @@ class ChatEncoder:
         if loss_on == "all":  # no span to find: the rendering alone
             ids = self._chatml(conv)[0] if self.kind == "chatml" else self._render(conv, tools=tools)
             end = len(ids) - (len(self.tok.encode("\n")) if self.kind == "chatml" else 0)  # the default's "\n" after
-            while end and self.kind != "chatml" and not self.tok.hf.decode(ids[end - 1:end]).strip():  # its eot
-                end -= 1  # a template's blank after its end-of-turn (ChatML templates' "\n")
             return ids, np.ones(len(ids), np.uint8), {"untrained_turns": 0, "no_stop_rows": self._no_stop(ids, conv, end),
                                                       "rewritten_arguments": rewritten, "flagged_turns": 0,
                                                       "dropped_reasoning": 0, "chatml_rows": int(self.default or self.kind == "chatml")}
@@ -286,7 +293,10 @@ class ChatEncoder:
     def _no_stop(self, ids: list[int], conv: list[dict], end: int | None) -> int:
         """1 where the conversation ends with a reply trained up to `end` and no control token ends it: the template
         writes its end-of-turn only when a message follows (Qwen1.5), so the model is never shown where to stop
-        (counted in the preparation summary, data/prepare_data.py); else 0."""
+        (counted in the preparation summary, data/prepare_data.py); else 0. Blanks trained after it (`--loss_on all`;
+        TRL's training templates mark `<|im_end|>\n` inside `{% generation %}`) are stepped back over first."""
+        while end and self.hf is not None and not self.tok.hf.decode(ids[end - 1:end]).strip():
+            end -= 1  # a template's blank after its end-of-turn (ChatML templates' "\n")
         return int(conv[-1]["role"] == "assistant" and bool(end) and ids[end - 1] not in self.special)
 
     # ---- where a reply is

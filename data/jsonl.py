@@ -1,4 +1,5 @@
-"""Reading JSONL documents: `{"text": ...}` (tokenized by us) or `{"input_ids": [...]}` (pre-tokenized); a file
+"""Reading JSONL documents: `{"text": ...}` (tokenized by us) or `{"input_ids": [...]}` (pre-tokenized: one with a loss
+mask or packing columns beside it is refused by `read_documents`, which has no mask to carry; data/ids_rows.py); a file
 holding one JSON array of rows instead (`array_elements`); which files of a folder are data.
 
 Errors name the file and line and stop before any heavy work.
@@ -14,6 +15,8 @@ import json
 import os
 import re
 from collections.abc import Iterator
+
+from data.ids_rows import BESIDE_IDS, MASKS, beside_ids, no_mask_here
 
 GLOB = "*?["  # a path holding one of these that names nothing is a pattern (`DIR/data/train_sft-*.parquet`)
 _SPLIT_WORDS = {"train": "train", "training": "train", "validation": "validation", "valid": "validation",
@@ -222,6 +225,11 @@ def read_documents(path: str) -> Iterator[tuple[str, int, str | list[int]]]:
                     yield file, n, obj["text"]
                 elif isinstance(obj, dict) and isinstance(obj.get("input_ids"), list) and all(
                         isinstance(t, int) and t >= 0 for t in obj["input_ids"]):
+                    if any(obj.get(c) is not None for c in BESIDE_IDS):  # labels, TRL's loss masks, a packed row
+                        value, why = beside_ids(obj["input_ids"], obj, "input_ids")
+                        if why or isinstance(value, dict):  # refused, or a loss mask the stream cannot carry
+                            raise ValueError(f"{file}:{n}: " + (why or no_mask_here([c for c in MASKS if obj.get(c)
+                                                                                     is not None])))
                     yield file, n, obj["input_ids"]
                 else:
                     raise ValueError(f"{file}:{n}: expected {{\"text\": str}} or {{\"input_ids\": [int, ...]}}, "

@@ -19,7 +19,7 @@ from data.jsonl import list_files, read_documents
 from data.store import tokenizer_identity
 from data.tokenizer import Tokenizer
 
-RULES = "bos2:chat8:eos2:doc6"  # the tokenization rules' version (cache_key below says what each part means); recorded
+RULES = "bos2:chat9:eos2:doc7"  # the tokenization rules' version (cache_key below says what each part means); recorded
 # in a prepare_data plan too: a shard continued or merged under other rules is refused (its chunks would mix them)
 
 
@@ -34,7 +34,8 @@ def cache_key(files: list[str], tokenizer_path: str | None, model_vocab: int) ->
     # definitions wrapped as OpenAI's, LLaMA-Factory v1's loss_weight and `value` text parts; chat6: a reply trained
     # through its stop (Command R7B), Anthropic / MCP / flat tool definitions in OpenAI's form; chat7: a top-level
     # `system_prompt` (OpenHermes', ultrachat_de's) is the system turn, a chat6 cache dropped it; chat8: an earlier
-    # reply's end-of-turn behind a newline is trained with it (Apriel-1.6), one with no end-of-turn is not trained); :eos2: no second EOS
+    # reply's end-of-turn behind a newline is trained with it (Apriel-1.6), one with no end-of-turn is not trained; chat9: a
+    # string completion ending with the EOS gets no second one, an empty one is refused); :eos2: no second EOS
     # after a document that ends with its own (a stream, or a folder prepare_data wrote before 2026-11-30, had two);
     # :doc3: a text document ends with its family's end-of-text token where the EOS is a chat end-of-turn, special-token
     # strings in a text are text, a blank text is dropped, pre-tokenized ids get the BOS a text gets; :doc4: a text that
@@ -42,7 +43,8 @@ def cache_key(files: list[str], tokenizer_path: str | None, model_vocab: int) ->
     # :doc5: ids ending with the tokenizer's own EOS get no separator after it, gpt-oss's <|return|> maps to <|endoftext|>;
     # :doc6: a text that starts as a rendered conversation is read with its control tokens, not refused (--text_specials
     # auto), also for a tokenizer without a chat template (a doc5 cache from a Llama-3 base tokenizer trained one spelled
-    # out)
+    # out); :doc7: pre-tokenized ids with TRL's assistant_masks / completion_mask are trained on their mask (a doc6
+    # folder trained every token), a packed row (seq_lengths, restarting position_ids) is refused (data/ids_rows.py)
     for f in files:
         st = os.stat(f)
         h.update(f"{os.path.abspath(f)}:{st.st_size}:{st.st_mtime_ns}".encode())

@@ -26,6 +26,7 @@ from base.log import cause, print0
 from base.run_lock import LOCK
 from data.chat import row_format
 from data.chat_rows import UNREAD, without_nulls
+from data.ids_rows import BESIDE, BESIDE_IDS, beside_ids, only_same_labels
 from data.jsonl import (
     COMPRESSED,
     NOT_DATA,
@@ -36,7 +37,7 @@ from data.jsonl import (
     open_file,
     starts_array,
 )
-from data.row_errors import SURROGATE, both, elsewhere, labelled, lone_surrogate
+from data.row_errors import SURROGATE, both, elsewhere, lone_surrogate
 from data.store import FORMAT, MANIFEST
 
 JSONL_EXT = tuple(b + c for b in (".jsonl", ".json", ".ndjson") for c in COMPRESSED)  # matched in lower case
@@ -334,7 +335,7 @@ def _rows(unit: Unit, fields: Fields, start: int, batch_rows: int) -> Iterator[t
                 row += n
                 continue
             for batch in pf.iter_batches(batch_size=batch_rows, row_groups=[rg], columns=_flat(cols)):
-                yield from _columnar(batch.to_pydict(), cols, row, start, unit.path)
+                yield from _columnar(batch.to_pydict(), cols, row, start)
                 row += batch.num_rows
         return
     import datasets
@@ -370,7 +371,7 @@ def _rows(unit: Unit, fields: Fields, start: int, batch_rows: int) -> Iterator[t
             ds = ds.skip(start)
     row = start
     for batch in ds.iter(batch_size=batch_rows):
-        yield from _columnar(batch, cols, row, start, unit.path)
+        yield from _columnar(batch, cols, row, start)
         row += len(next(iter(batch.values())))
 
 
@@ -387,8 +388,9 @@ CHAT_EXTRAS = ("tools", "system", "system_prompt", "input", "history", "chat_tem
 TEXT_BESIDE = "text\x00"  # marks a table's text column carried beside its chat columns (not a column name)
 
 
-def _columns(unit: Unit, names: list[str], fields: Fields) -> tuple[str | tuple[str, ...], str | None, str | None]:
-    """(the value column, or a chat format's columns; the source column or None). A table with both a text column and
+def _columns(unit: Unit, names: list[str], fields: Fields) -> tuple[str | tuple[str, ...], str | None, tuple[str, ...]]:
+    """(the value column, or a chat format's columns; the source column or None; the columns read beside its ids:
+    data/ids_rows.py). A table with both a text column and
     chat columns (pandas' to_parquet of mixed text and chat rows: each row fills one, the other null) carries both:
     each row is the one it fills; a row filling both is a bad row (which is meant?)."""
     value = fields.text if fields.text in names else fields.ids if fields.ids in names else None
@@ -399,27 +401,29 @@ def _columns(unit: Unit, names: list[str], fields: Fields) -> tuple[str | tuple[
     if chat is not None:
         value = chat + tuple(c for c in CHAT_EXTRAS if c in names and c not in chat) + (
             (TEXT_BESIDE + value,) if value else ())
-    labels = "labels" if value == fields.ids and chat is None and "labels" in names else None  # checked row by row
+    # labels, TRL's loss masks and packing columns beside the ids: carried with each row, checked in the workers
+    beside = tuple(c for c in BESIDE_IDS if c in names) if value == fields.ids and chat is None else ()
     if value is None:
         raise ValueError(f"{unit.path}: no column {fields.text!r} (--text_field), {fields.ids!r} (--ids_field), "
                          f"messages, conversations, prompt + completion or instruction + output (chat); columns are {names}")
-    return value, (fields.source if fields.source in names else None), labels
+    return value, (fields.source if fields.source in names else None), beside
 
 
 def _flat(cols: tuple) -> list[str]:
     return [c.removeprefix(TEXT_BESIDE) for c in ((*cols[0],) if isinstance(cols[0], tuple) else (cols[0],))
-            + cols[1:] if c]
+            + (cols[1],) + cols[2] if c]
 
 
-def _columnar(batch: dict, cols: tuple, row: int, start: int, path: str) -> Iterator[tuple[int, object]]:
+def _columnar(batch: dict, cols: tuple, row: int, start: int) -> Iterator[tuple[int, object]]:
     chat = isinstance(cols[0], tuple)
     values = batch[cols[0][0] if chat else cols[0]]
     sources = batch[cols[1]] if cols[1] else None
-    labels = batch[cols[2]] if cols[2] else None
+    beside = {c: batch[c] for c in cols[2]}
     for i, v in enumerate(values):
-        if labels is not None and labels[i] is not None and list(labels[i]) != list(v):
-            raise ValueError(f"{path}: row {row + i}: {labelled(cols[0])}")
         if row + i >= start:
+            extra = {c: b[i] for c, b in beside.items() if b[i] is not None}
+            if extra and not only_same_labels(extra, v):  # read by parse_item (data/ids_rows.py)
+                v = {BESIDE: (v, extra)}
             if chat:  # a chat row travels as the dict data/chat.py reads
                 v = {c.removeprefix(TEXT_BESIDE): batch[c.removeprefix(TEXT_BESIDE)][i] for c in cols[0]}
                 name = next((c.removeprefix(TEXT_BESIDE) for c in cols[0] if c.startswith(TEXT_BESIDE)), None)
@@ -452,8 +456,11 @@ def parse_item(item: object, fields: Fields) -> tuple[str | list | dict | None, 
             return None, None, f"expected a string in {fields.text!r}{elsewhere(fields, obj)}"
         if value is not None and row_format(obj):
             return None, None, both(fields, obj)
-        if fields.text not in obj and value is not None and obj.get("labels") not in (None, value):
-            return None, None, labelled(fields.ids)
+        extra = {c: obj[c] for c in BESIDE_IDS if obj.get(c) is not None} if fields.text not in obj else None
+        if extra and value is not None and not only_same_labels(extra, value):
+            value, why = beside_ids(value, extra, fields.ids)  # labels, TRL's loss masks, a packed row's lengths
+            if why:
+                return None, None, why
         if SURROGATE.search(item) and lone_surrogate(obj):  # a web crawl's cut emoji: the tokenizer's TypeError
             return None, None, ("a lone UTF-16 surrogate (\\ud800-\\udfff not in a pair) in a string: not valid "
                                 "Unicode (a cut emoji?); fix or drop the row")
@@ -469,6 +476,10 @@ def parse_item(item: object, fields: Fields) -> tuple[str | list | dict | None, 
     value, src = item
     if isinstance(value, dict) and value.get(TEXT_BESIDE):
         return None, None, both(fields, value)  # a table's row filling its text and chat columns
+    if isinstance(value, dict) and BESIDE in value:  # a table's ids with labels, a loss mask or packing columns
+        value, why = beside_ids(*value[BESIDE], fields.ids)
+        if why:
+            return None, None, why
     if isinstance(value, str):  # a UTF-8 BOM a Windows tool wrote at a file's start is no character of the text
         return value.removeprefix("\ufeff"), src, None
     if isinstance(value, dict):

@@ -1,4 +1,5 @@
-"""The one-line reasons a corpus row is refused, for data/readers.parse_item (split out of readers.py)."""
+"""The one-line reasons a corpus row is refused, for data/readers.parse_item (split out of readers.py); a pre-tokenized
+row's labels, loss masks and packing columns: data/ids_rows.py."""
 
 from __future__ import annotations
 
@@ -20,13 +21,6 @@ def lone_surrogate(value) -> bool:
     if isinstance(value, dict):
         return any(lone_surrogate(k) or lone_surrogate(v) for k, v in value.items())
     return isinstance(value, list) and any(lone_surrogate(v) for v in value)
-
-
-def labelled(ids: str) -> str:
-    return (f"pre-tokenized {ids!r} with 'labels' that differ from them (axolotl's / LLaMA-Factory's preprocessed "
-            "output, -100 over the prompt): its loss mask would be ignored and the prompt trained; prepare from the "
-            "chat rows it was made from (messages, ...: docs/sft.md), or drop 'labels' to train every token (labels "
-            "equal to the ids, as run_clm's group_texts writes them, train every token: read)")
 
 
 def both(fields, row: dict) -> str:
