@@ -83,6 +83,15 @@ def _haystack(tokenizer, n: int) -> list[int]:
     return (filler * (n // len(filler) + 1))[:n]
 
 
+class TooShort(ValueError):
+    """A length that cannot hold a trial: `need` tokens, its statements, question, answer, BOS and one filler
+    sentence (what a trial of these draws needs at any length: only the haystack fills the rest)."""
+
+    def __init__(self, message: str, need: int):
+        super().__init__(message)
+        self.need = need
+
+
 def _assemble(tokenizer, seq_len: int, inserts: list[tuple[float, list[int]]], question: list[int],
               answer: list[int], task: str, answer_text: str) -> dict:
     """Filler with each (depth, tokens) inserted at that fraction of the haystack, then question + answer;
@@ -91,8 +100,8 @@ def _assemble(tokenizer, seq_len: int, inserts: list[tuple[float, list[int]]], q
     need = sum(len(t) for _, t in inserts) + len(question) + len(answer) + len(bos)
     n_fill = seq_len - need
     if n_fill < len(_encode(tokenizer, FILLER)):
-        raise ValueError(f"max_seq_length={seq_len} is too short for a {task} trial (needs "
-                         f"{need + len(_encode(tokenizer, FILLER))} tokens)")
+        raise TooShort(f"max_seq_length={seq_len} is too short for a {task} trial (needs "
+                       f"{need + len(_encode(tokenizer, FILLER))} tokens)", need + len(_encode(tokenizer, FILLER)))
     body = _haystack(tokenizer, n_fill)
     # insert from the deepest point backwards so earlier offsets stay valid; ties keep their listed order
     for _, (depth, toks) in sorted(enumerate(inserts), key=lambda x: (x[1][0], x[0]), reverse=True):
@@ -271,9 +280,7 @@ def chat_sample(task: str, tokenizer, chat, seq_len: int, depth: float, rng: ran
     synthetic exchanges into short chats (Llama 3's recipe). The plain sample is built shorter by the template's
     overhead (measured on a short exchange, plus 8 tokens of slack for text re-tokenized at its joins) and shrunk
     again if the rendering still runs over."""
-    probe = {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}
-    over = len(chat.encode(probe)[0]) - len(tokenizer.encode("x")) - len(tokenizer.encode("y")) + 8
-    inner = seq_len - over
+    inner = seq_len - _chat_overhead(tokenizer, chat)
     for _ in range(4):
         plain = make_sample(task, tokenizer, inner, depth, random.Random(rng.random()))
         first = int(np.flatnonzero(plain["shift_labels"] != -100)[0]) + 1  # the answer's first token
@@ -296,6 +303,37 @@ def chat_sample(task: str, tokenizer, chat, seq_len: int, depth: float, rng: ran
     pos = np.arange(seq_len, dtype=np.int64)
     pos[n:] -= n  # the padding: a document of its own
     return {"input_ids": out, "shift_labels": labels, "position_ids": pos, "task": task, "answer": plain["answer"]}
+
+
+def _chat_overhead(tokenizer, chat) -> int:
+    """Tokens the template adds around one exchange (measured on a short one), plus 8 of slack for text re-tokenized
+    at its joins: `chat_sample` builds the plain trial this much shorter."""
+    probe = {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}
+    return len(chat.encode(probe)[0]) - len(tokenizer.encode("x")) - len(tokenizer.encode("y")) + 8
+
+
+def trial_need(task: str, tokenizer, depth: float, rng: random.Random, chat=None) -> int:
+    """The shortest length that holds the trial `make_sample(task, tokenizer, length, depth, rng)` (with `chat`:
+    `chat_sample`'s, whose first try is that much longer) would build, without building it: the trial asked at length
+    0 stops at its count (TooShort) after the rng's draws and a few short encodes, before any haystack. Cost ~1 ms
+    whatever the length the trial is for (a whole trial: 0.1-0.3 s at 1M, common_words' seconds). Exact for the tasks
+    whose statements do not depend on the length; common_words' is its list's least (the common words alone): a
+    longer trial fills its list to the length with rare words, leaving 4 tokens of slack for its answer's joins."""
+    over = 0
+    if chat is not None:  # chat_sample's plain trial: seeded by the first draw, built shorter by the template's tokens
+        over, rng = _chat_overhead(tokenizer, chat), random.Random(rng.random())
+    try:
+        make_sample(task, tokenizer, 0, depth, rng)
+    except TooShort as e:
+        return e.need + over
+    raise AssertionError(f"a {task} trial fit in 0 tokens")
+
+
+def cwe_may_run_out(seq_len: int) -> bool:
+    """Whether common_words can run out of made-up words (TooLong) at `seq_len`: only where the list could hold every
+    word of both pools twice at a token each (~49M tokens, past any length a run accepts; one tries a real trial)."""
+    pool = sum((len(CONSONANTS) * len(VOWELS)) ** k for k in (3, 4))
+    return seq_len > CWE_FREQ_RARE * (pool - CWE_COMMON - 1)
 
 
 def tasks_as_chat(spec) -> bool:
@@ -331,11 +369,36 @@ def check_tasks(stage, tokenizer) -> dict[str, float]:
                          "(--tokenizer_name_or_path) or drop the stage's `tasks`")
     for t in tasks:
         try:
-            make_sample(t, tokenizer, stage.max_seq_length, 0.5, random.Random(0))
+            need = train_need(t, tokenizer)
+            if stage.max_seq_length < need:
+                raise TooShort(f"max_seq_length={stage.max_seq_length} is too short for a {t} trial (needs {need} "
+                               f"tokens: the most of {TRAIN_PROBES} draws plus {TRAIN_SLACK} of slack)", need)
+            if t == "common_words" and cwe_may_run_out(stage.max_seq_length):
+                make_sample(t, tokenizer, stage.max_seq_length, 0.5, random.Random(0))
         except ValueError as e:
             fix = "lower" if isinstance(e, TooLong) else "raise"
             raise ValueError(f"stage {stage.index} ({stage.name}): {e}: {fix} max_seq_length or drop {t}") from None
     return tasks
+
+
+# A training stage's synthetic samples are drawn from seeds `{seed}:{task}:{serial}` (TaskMixDataset), each needing
+# its own length (variable_tracking: 285-319 tokens with the demo's tokenizer, 192-222 with a 131k-vocabulary one),
+# and one that does not fit raised mid-stage. The check takes the most of TRAIN_PROBES draws plus TRAIN_SLACK tokens: over 4000
+# draws the most sat at most 12 tokens above the most of 256 (both tokenizers, every task). Cost: TRAIN_PROBES
+# trial_need calls per task (~0.1-0.5 s), once per tokenizer whatever the stage's length (the need does not depend on
+# it). A chat stage's template adds its own tokens on top (chat_sample shrinks its plain trial by them).
+TRAIN_PROBES, TRAIN_SLACK = 256, 32
+
+
+def train_need(task: str, tokenizer) -> int:
+    """The length a stage needs to draw `task`'s training samples: the most of TRAIN_PROBES draws + TRAIN_SLACK."""
+    cache = getattr(tokenizer, "_train_needs", None)
+    if cache is None:
+        cache = tokenizer._train_needs = {}
+    if task not in cache:
+        rngs = [random.Random(f"check:{task}:{k}") for k in range(TRAIN_PROBES)]
+        cache[task] = max(trial_need(task, tokenizer, r.random(), r) for r in rngs) + TRAIN_SLACK
+    return cache[task]
 
 
 class TaskMixDataset:

@@ -94,9 +94,42 @@ def task_moves(rows: list[dict]) -> list[str]:
                 out.append(f"{task} at {n}: {before:.2f}{since} and {after:.2f} (other questions: one record's "
                            "trials were seeded another way, not compared)")
                 continue
+            shared = shared_cells(a, b, task, n)
+            if shared is None:
+                out.append(f"{task} at {n}: {before:.2f}{since} and {after:.2f} (no depth in common, not compared)")
+                continue
+            before, after, note = shared
             fell = before - after >= DROP - 1e-9
-            out.append(f"{task} at {n}: {before:.2f}{since} -> {after:.2f}" + (" DROPPED" if fell else ""))
+            out.append(f"{task} at {n}: {before:.2f}{since} -> {after:.2f}{note}" + (" DROPPED" if fell else ""))
     return out
+
+
+def shared_cells(a: dict, b: dict, task: str, n: str) -> tuple[float, float, str] | None:
+    """(before, after, what was compared) of `task` at length `n` over the questions both records asked: the same
+    (depth, trial) cells (a trial is seeded by its task, length, depth and index: the first k trials of a depth are the
+    same questions in every record), from each record's `task_hits`; a record without them (before 2026-11-30) by its
+    accuracy at each depth both asked. Each record's own mean over depths compared a 3 depths x 4 trials stage with a
+    5 x 10 one (tiny_cpu_extend): 1.00 -> 0.60 DROPPED where every shared cell was 1.00 -> 1.00. None: no depth in
+    common."""
+    acc_a, acc_b = (r.get("tasks", {}).get(task, {}).get(n) for r in (a, b))
+    if not acc_a or not acc_b:  # no depths recorded: the means as they are
+        return a["task_mean"][task][n], b["task_mean"][task][n], ""
+    depths = sorted(set(acc_a) & set(acc_b), key=float)
+    if not depths:
+        return None
+    hits_a, hits_b = (r.get("task_hits", {}).get(task, {}).get(n) for r in (a, b))
+    if hits_a and hits_b and all(d in hits_a and d in hits_b for d in depths):
+        k = min(min(len(hits_a[d]), len(hits_b[d])) for d in depths)  # the first k trials: the same questions
+        cells = [(hits_a[d][:k], hits_b[d][:k]) for d in depths]
+        before, after = (sum(c[j].count("1") for c in cells) / max(1, k * len(depths)) for j in (0, 1))
+        asked = [f"{len(h)} x {len(next(iter(h.values())))}" for h in (hits_a, hits_b)]
+        same = asked[0] == asked[1] == f"{len(depths)} x {k}"
+        return before, after, "" if same else (f" (over the {len(depths)} x {k} depth x trial cells both asked; the "
+                                               f"records asked {asked[0]} and {asked[1]})")
+    before, after = (sum(acc[d] for d in depths) / len(depths) for acc in (acc_a, acc_b))
+    same = len(depths) == len(acc_a) == len(acc_b)
+    return before, after, "" if same else (f" (over the {len(depths)} depths both asked, of {len(acc_a)} and "
+                                           f"{len(acc_b)}; trials per depth not recorded)")
 
 
 def main(argv: list[str]) -> int:

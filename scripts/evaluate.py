@@ -55,7 +55,6 @@ import argparse
 import dataclasses
 import json
 import os
-import random
 import sys
 import time
 
@@ -224,7 +223,7 @@ def check_source(src: dict, a: argparse.Namespace, s: dict, world: int, rope: di
     from data.tokenizer import Tokenizer
     from model_utils.families import check_config
     from model_utils.rope import stage_rope
-    from training.evaluation import task_trials, trial
+    from training.evaluation import check_trials_fit, task_trials
 
     where = f"{src['path']}"
     if src["tokenizer"] is None:
@@ -251,10 +250,10 @@ def check_source(src: dict, a: argparse.Namespace, s: dict, world: int, rope: di
     if a.heldout:  # rendered as the model's conversations were: the ChatML default under --chat chatml, else auto
         template = "chatml" if src["chat"] == "chatml" else "auto"
         src["heldout"] = comm.run_on_main(lambda: heldout_set(a.heldout, tok, template, a.heldout_conversations))
-    for task in src["trials"]:
+    for task in src["trials"]:  # every trial evaluate_tasks asks (its seeds), ~1 ms each: its need, not the trial
         for n in s["lengths"]:
             try:
-                trial(task, tok, n, 0.5, random.Random(0), src["chat_enc"])  # through the template: ~0.1 s at 128k (spliced)
+                check_trials_fit({task: src["trials"][task]}, s["depths"], [n], tok, src["chat_enc"])
             except ValueError as e:
                 raise ValueError(f"--lengths {n}: {e}: drop the length or the task") from None
 

@@ -35,14 +35,7 @@ from base.parallel import split_sp
 from planner.auto_features import GPU_RESERVED, HEADROOM, gpu_budget
 from planner.cluster import RUNTIME_HOST_GIB, Planner, _int_or_auto, _valid_splits, split_label
 from planner.flops import flops_per_sequence, tokens_per_sec_per_gpu
-from planner.memory_model import (
-    Estimate,
-    Features,
-    GiB,
-    ModelShape,
-    load_shape,
-    parse_seq_len,
-)
+from planner.memory_model import Estimate, Features, GiB, ModelShape, load_shape, parse_seq_len
 from planner.shapes import ROPE_MAX_POSITIONS
 from planner.step_time import HOUR_S, KERNEL_TFLOPS, MEASURED, TRAINABLE_S, duration, measured_mfu, step_time
 from planner.trainable import ALST, AutoRun, longest_trainable
@@ -124,7 +117,9 @@ def ds_recommendation(feats: Features) -> tuple[str, dict]:
     return "ds_configs/zero3_offload.json", ({"zero_optimization": off} if off else {})
 
 
-def plan_one(pl: Planner, seq_len: int) -> dict:
+def plan_one(pl: Planner, seq_len: int, eval_len: int = 0) -> dict:
+    """One length's plan; `eval_len` (the longest of --seq_len): a stage asked there too (its eval.lengths `all` or
+    a list naming it) evaluates there with this split and features: its evaluation peak is shown where it is longer."""
     args, shape, feats = pl.args, pl.shape, pl.feats
     rows = []
     splits = _valid_splits(shape, pl.world, seq_len, args)
@@ -143,6 +138,9 @@ def plan_one(pl: Planner, seq_len: int) -> dict:
                          comm_per_layer=pl.comm(seq_len, sp, cp), step_s=step_s,
                          measured_tokens_per_sec_per_gpu=seq_len / step_s / sp,
                          page_locked_gib_per_node=page_locked_gib(est, args.gpus_per_node)))
+        if eval_len > seq_len:  # one estimate more per split (milliseconds); only its eval peak is read
+            peak = pl.evaluate(eval_len, sp, cp=cp)[0].eval_gpu_peak
+            rows[-1]["eval_at_longest"] = dict(seq_len=eval_len, eval_gpu_peak=peak, fits=peak <= pl.gpu_limit)
     fitting = list(dict.fromkeys(r["sp"] for r in rows if r["fits"]))
     roomy = [r for r in rows if r["fits"] and r["estimate"]["gpu_peak"] <= (1 - args.margin) * pl.gpu_limit]
     best = (roomy or [r for r in rows if r["fits"]] or [min(rows, key=lambda r: r["estimate"]["gpu_peak"])])[0]
@@ -206,7 +204,7 @@ def make_plan(args: argparse.Namespace) -> dict:
     feats = Features.of({k: getattr(args, k) or (args.alst and k in ALST) for k in FEATURES})
     pl = Planner(args, shape, feats)
     seqs = [parse_seq_len(s) for s in args.seq_len.split(",") if s.strip()]
-    plans = [plan_one(pl, s) for s in seqs]
+    plans = [plan_one(pl, s, max(seqs)) for s in seqs]
     if args.auto:
         for p, seq_len in zip(plans, seqs):
             p["auto"] = auto_plan(args, shape, pl.world, seq_len)
@@ -295,6 +293,10 @@ def render(rep: dict) -> str:
             ev = max(e["eval_phases"], key=e["eval_phases"].get)
             fits = "fits" if e["eval_gpu_peak"] <= c["gpu_usable_gib"] * GiB else "does NOT fit"
             lines.append(f"  {'evaluation peak (' + ev[6:] + ')':<42}{_gib(e['eval_gpu_peak'])}  {fits}, no autograd")
+        if "eval_at_longest" in row:  # a stage evaluates with its own split at every length it asks (eval.lengths)
+            a = row["eval_at_longest"]
+            lines.append(f"  {'evaluation at ' + format(a['seq_len'], ',') + ' tokens':<42}{_gib(a['eval_gpu_peak'])}  "
+                         f"{'fits' if a['fits'] else 'does NOT fit'} (eval.lengths all, or a list naming it, asks it)")
         lines.append("per-node CPU (GiB, per rank x GPUs per node):")
         lines += [f"  {k:<42}{_gib(v * c['gpus_per_node'])}" for k, v in e["cpu_per_rank"].items()]
         lines.append(f"  {'= per node':<42}{_gib(e['cpu_per_node'])}  of {c['cpu_mem_gib_per_node']:g}")

@@ -402,6 +402,8 @@ def settle_from_file(cfg: Config, given: set[str]) -> None:
         cfg.fp16 = True  # the JSON asks for fp16 and no flag said otherwise
     if ds.get("bf16", {}).get("enabled") is True and "bf16" not in given and not cfg.fp16:
         cfg.bf16 = True  # likewise bf16 (a CPU --dry_run planning a GPU run defaulted to fp32 and refused it)
+    if ds.get("bf16", {}).get("enabled") is False and "bf16" not in given:
+        cfg.bf16 = False  # the JSON's fp32 wins over the GPU's (and a dry run's planning one) bf16 default
     if cfg.fp16 and cfg.bf16 is None:
         cfg.bf16 = False
     check_precision(cfg, bf16=bool(cfg.bf16), planning=cfg.dry_run)

@@ -7,11 +7,19 @@ plan (98.1 GiB per rank) and went on: minutes of loading on every rank, then an 
   against the budget: a warning line past the usable limit (the budget less auto_features' headroom), a refusal past
   OVER_PREDICTION x the budget for the families the planner reads exactly. Each line names the peak, the budget and
   what fits (`_what_fits`: memory_features auto at the stage's SP, else at the smallest SP a node allows).
+- every stage's evaluation (manual or auto: auto chose for the training step at the stage's length) at the lengths
+  it asks beyond its own (`_eval_fit`): eval.lengths `all` or a list, the held-out conversations at a later SFT
+  stage's length (training/evaluation.py eval_forward_lengths), each at the stage's own SP degree and features. A 32k
+  stage at sp 1 asked at 1M holds ~102 GiB per rank there (Llama-3-8B): it trained, saved its stage-end checkpoint,
+  ran out of memory at its evaluation, and again at every requeue (a stage without its eval record runs again).
+  The same rule as a step's (warned past the usable limit, refused past OVER_PREDICTION x the budget); the line
+  names the lengths that fit, the eval.heldout_samples that asks the others, and the smallest SP degree that fits.
 - `gpu_fit_budget`: the budget, --gpu_mem_gb, else the smallest GPU among the ranks' reports (training/preflight.py
   gathers `gpu_bytes` from every rank and rank 0 decides: one decider, never a rank's own reading), else this
   machine's on a dry run; none on a CPU run.
 - `check_device_fit`: the two together, as `--dry_run` (training/startup.py) and a launched run's preflight call it.
-Cost: one planner estimate per manual stage (milliseconds), and a chooser run for each stage that does not fit.
+Cost: one planner estimate per stage and per longer length its evaluation asks (milliseconds), and a chooser run for
+each manual stage that does not fit.
 """
 
 from __future__ import annotations
@@ -50,33 +58,88 @@ def device_fit(cfg: Config, stages: list[Stage], world: int, bf16: bool, configs
     manual; auto chose against this budget already): each one's predicted peak per rank (planner/memory_model.estimate,
     the plan's figure) against `budget_bytes` (a GPU's memory less GPU_RESERVED; `source` says where it came from).
     Each line names the peak, the budget and what fits: memory_features auto's choice at the stage's SP, else at the
-    smallest SP that fits. Pure given its inputs: a launched run decides it on rank 0 (preflight)."""
+    smallest SP that fits. Then every stage's evaluation at the longer lengths it asks (`_eval_fit`), by the same rule.
+    Pure given its inputs: a launched run decides it on rank 0 (preflight), every rank gets that decision."""
     from planner import auto_features as af
     from planner.memory_model import ModelShape, estimate, grad_accum_dtype
     from training.summary import run_features
 
     usable, warnings = af.usable_bytes(budget_bytes), []
+    budget = f"the GPU has {budget_bytes / GiB:.1f} GiB ({source}; {usable / GiB:.1f} usable)"
+    exact = getattr(arch, "model_type", None) in PLANNED_EXACTLY
     for s, ds in zip(stages, configs):
-        if s.memory_choice:
-            continue
         feats = run_features(cfg, ds, s)
         prec = "bf16" if bf16 else "fp32"
+        at = dict(gpus_per_node=ranks_per_node, cp=s.cp if isinstance(s.cp, int) else 1,
+                  grad_accum=grad_accum_dtype(ds))
         try:
             shape = ModelShape.from_config(arch.to_dict())
-            peak = estimate(shape, s.max_seq_length, s.sp, world, feats, prec, gpus_per_node=ranks_per_node,
-                            cp=s.cp if isinstance(s.cp, int) else 1, grad_accum=grad_accum_dtype(ds)).gpu_peak
+            peak = estimate(shape, s.max_seq_length, s.sp, world, feats, prec, **at).gpu_peak
         except ValueError:  # a shape the planner cannot read: no plan to check against (the plan lines say so)
             continue
-        if peak <= usable:
+        if peak > usable and not s.memory_choice:
+            line = (f"stage {s.index} ({s.name}): memory_features manual (features: {af.describe(feats)}) needs "
+                    f"{peak / GiB:.1f} GiB per rank by the plan, and {budget}")
+            fix = _what_fits(shape, s, world, budget_bytes, feats, prec, ranks_per_node)
+            if peak > OVER_PREDICTION * budget_bytes and exact:
+                return f"{line}: its first step runs out of memory; {fix}", warnings
+            warnings.append(f"warning: {line}: it may run out of memory; {fix}")
+        # manual or auto alike: auto chose for the training step at the stage's length, not its evaluation's lengths
+        verdict = _eval_fit(shape, s, stages, world, feats, prec, at, budget_bytes)
+        if verdict is None:
             continue
-        line = (f"stage {s.index} ({s.name}): memory_features manual (features: {af.describe(feats)}) needs "
-                f"{peak / GiB:.1f} GiB per rank by the plan, and the GPU has {budget_bytes / GiB:.1f} GiB ({source}; "
-                f"{usable / GiB:.1f} usable)")
-        fix = _what_fits(shape, s, world, budget_bytes, feats, prec, ranks_per_node)
-        if peak > OVER_PREDICTION * budget_bytes and getattr(arch, "model_type", None) in PLANNED_EXACTLY:
-            return f"{line}: its first step runs out of memory; {fix}", warnings
-        warnings.append(f"warning: {line}: it may run out of memory; {fix}")
+        line, eval_peak = f"{verdict[0]}, and {budget}", verdict[1]
+        if eval_peak > OVER_PREDICTION * budget_bytes and exact:
+            return (f"{line}: it runs out of memory after the stage's training and end checkpoint, and again at every "
+                    f"restart; {verdict[2]}"), warnings
+        warnings.append(f"warning: {line}: it may run out of memory after the stage's training; {verdict[2]}")
     return None, warnings
+
+
+def _eval_fit(shape, s: Stage, stages: list[Stage], world: int, feats, prec: str, at: dict,
+              budget_bytes: int) -> tuple[str, int, str] | None:
+    """(what, peak, fix) where the stage's evaluation forward at a length longer than its own (a later stage's under
+    eval.lengths `all`, a list's, the held-out conversations at a later SFT stage's; training/evaluation.py
+    eval_forward_lengths) is planned past the usable limit at the stage's own SP degree and features
+    (Estimate.eval_gpu_peak: the model states plus one layer's forward or one logits tile, no activations); None where
+    it fits. The fix: the asked lengths that fit, or the smallest sequence_parallel_size where the longest does.
+    Cost: one planner estimate per longer length, and one per SP degree tried (milliseconds)."""
+    from planner import auto_features as af
+    from planner.memory_model import estimate
+    from training.evaluation import eval_forward_lengths
+
+    try:
+        asked = eval_forward_lengths(s, stages)
+        peaks = {n: estimate(shape, n, s.sp, world, feats, prec, **at).eval_gpu_peak
+                 for n in asked if n > s.max_seq_length}
+    except ValueError:  # a bad eval.lengths: refused in one line where the run checks its tasks (check_passkey_fits)
+        return None
+    usable = af.usable_bytes(budget_bytes)
+    over = sorted(n for n, p in peaks.items() if p > usable)
+    if not over:
+        return None
+    n = over[-1]
+    what = (f"stage {s.index} ({s.name}): its evaluation at {n} tokens ({'; '.join(asked[n])}) needs "
+            f"{peaks[n] / GiB:.1f} GiB per rank by the plan at sequence_parallel_size {s.sp} (features: "
+            f"{af.describe(feats)})")
+    fixes = []
+    if any(w.startswith("eval.lengths") for m in over for w in asked[m]):
+        ok = sorted(m for m in asked if m not in over and (m == s.max_seq_length or any(
+            w.startswith("eval.lengths") for w in asked[m])))
+        fixes.append(f"set the stage's eval.lengths to {ok} (the lengths that fit at sequence_parallel_size {s.sp})")
+    if any(not w.startswith("eval.lengths") for m in over for w in asked[m]):
+        fixes.append("set its eval.heldout_samples: 0 (no held-out loss: the retention and conversation losses go)")
+    for sp in (d for d in range(s.sp + 1, world + 1) if world % d == 0):
+        try:
+            p = estimate(shape, n, sp, world, feats, prec, **{**at, "cp": 1}).eval_gpu_peak
+        except ValueError:  # a degree the heads do not take as pure Ulysses
+            continue
+        if p <= usable:
+            fixes.append(f"a larger sequence_parallel_size: {sp} fits it ({p / GiB:.1f} GiB)")
+            break
+    else:
+        fixes.append(f"no sequence_parallel_size up to {world} fits it with these features")
+    return what, peaks[n], ", or ".join(fixes)
 
 
 def _what_fits(shape, s: Stage, world: int, budget_bytes: int, feats, prec: str, ranks_per_node: int) -> str:

@@ -20,7 +20,10 @@ Samples are split across DP groups (group g takes samples g*mb .. g*mb+mb-1 of e
 rank runs the same number of forwards (ZeRO-3 gathers weights with collectives), a group short of samples
 runs unlabelled fillers. Cost: one forward per trial without autograd, one 1 GiB logits tile at most; the
 trials at length L cost (tasks x depths x trials) forwards of L tokens per stage.
-Results go to metrics.jsonl, W&B, OUTPUT_DIR/eval/stage{N}.json and eval/summary.md.
+Results go to metrics.jsonl, W&B, OUTPUT_DIR/eval/stage{N}.json and eval/summary.md; `task_hits` keeps each trial's
+exact match (scripts/eval_summary.py compares two records over the cells both asked). Before training,
+`check_passkey_fits` counts every trial a stage will ask against its length (data/tasks.py trial_need, ~1 ms each at
+any length) and training/device_fit.py plans the forwards at the longer lengths (`eval_forward_lengths`).
 
 An SFT stage (`kind: sft`) is evaluated on what it trains: its held-out samples are whole held-out conversations
 packed as the stage packs them, the loss on the assistant's tokens only (`stage_heldout`, RunData.heldout with
@@ -43,7 +46,17 @@ import torch
 from base import comm, progress
 from data.pipeline import heldout_samples
 from data.sharding import collate, shard
-from data.tasks import FILLER, TASKS, TooLong, chat_sample, make_sample, passkey  # noqa: F401  (FILLER: re-exported, older imports)
+from data.tasks import (  # noqa: F401  (FILLER: re-exported, older imports)
+    FILLER,
+    TASKS,
+    TooLong,
+    TooShort,
+    chat_sample,
+    cwe_may_run_out,
+    make_sample,
+    passkey,
+    trial_need,
+)
 from model_utils.tiled_loss import eval_stats
 
 DEFAULT_DEPTHS = [0.1, 0.5, 0.9]
@@ -110,23 +123,69 @@ def eval_lengths(stage, stages) -> list[int]:
     raise ValueError(f"stage {stage.name!r}: eval.lengths must be earlier, all or a list of lengths, got {spec!r}")
 
 
+def eval_forward_lengths(stage, stages) -> dict[int, list[str]]:
+    """{length: the settings that ask it} of every forward a stage's evaluation runs (evaluate_stage): its held-out
+    samples at its own length, the tasks at eval_lengths (counted as a run with a text tokenizer asks them), and with
+    held-out samples the retention loss at the first stage's length and the held-out conversations at the first SFT
+    stage's. A stage evaluates with its own SP degree and memory features at each: a 32k stage at sp 1 with eval.lengths
+    all before a 1M stage evaluates at 1M with sp 1, ~102 GiB per rank for Llama-3-8B (training/device_fit.py)."""
+    asked: dict[int, list[str]] = {stage.max_seq_length: []}
+    if task_trials(stage.eval, tokenizer=True):
+        for n in eval_lengths(stage, stages):
+            asked.setdefault(n, []).append(f"eval.lengths {stage.eval.get('lengths', 'earlier')}")
+    if heldout_samples(stage.eval) > 0 and stages:
+        asked.setdefault(stages[0].max_seq_length, []).append("the retention loss at the first stage's length")
+        chat = next((s.max_seq_length for s in stages if getattr(s, "kind", None) == "sft"), None)
+        if chat is not None:
+            asked.setdefault(chat, []).append("the held-out conversation loss at the first SFT stage's length")
+    return asked
+
+
+def task_seed(task: str, length: int, depth: float, i: int) -> random.Random:
+    """The rng of trial `i` of `task` at (length, depth): the same question wherever that cell is asked."""
+    return random.Random(f"eval:{task}:{length}:{depth:g}:{i}")
+
+
+def stage_depths(eval_cfg: dict) -> list[float]:
+    return [float(d) for d in eval_cfg.get("depths", DEFAULT_DEPTHS)]
+
+
+def check_trials_fit(trials: dict[str, int], depths: list[float], lengths: list[int], tokenizer, chat=None) -> None:
+    """The trials an evaluation asks ({task: n} x depths x lengths, seeded by task_seed) fit their lengths: TooShort
+    naming the first that does not (and the most any of that task and length needs), TooLong where common_words
+    runs out of words. Each trial's need without building it (data/tasks.py trial_need, ~1 ms whatever the length; a
+    1M trial costs 0.1-0.3 s to build, common_words' seconds): 5 tasks x 3 depths x 10 trials x 4 lengths, ~1 s. Before,
+    one trial of Random(0) at depth 0.5 was tried: variable_tracking's trials need 285-319 tokens, and a run whose
+    length held that one trained, saved and stopped at its evaluation."""
+    for task, n in trials.items():
+        for length in lengths:
+            needs = {(d, i): trial_need(task, tokenizer, d, task_seed(task, length, d, i), chat)
+                     for d in depths for i in range(n)}
+            (d, i), most = max(needs.items(), key=lambda kv: kv[1])
+            if most > length:
+                raise TooShort(f"max_seq_length={length} is too short for a {task} trial (needs {most} tokens: trial "
+                               f"{i} at depth {d:g})", most)
+            if task == "common_words" and cwe_may_run_out(length):
+                trial(task, tokenizer, length, 0.5, random.Random(0), chat)
+
+
 def check_passkey_fits(stages, tokenizer) -> None:
-    """Before any training: every stage's evaluation tasks fit every length it tries them at (one-line error)."""
+    """Before any training: every stage's evaluation trials (each task, length, depth and trial, as evaluate_stage
+    seeds them) fit the lengths they are asked at (one-line error)."""
     for stage in stages:
         try:
             tasks, lengths = task_trials(stage.eval, tokenizer), eval_lengths(stage, stages)
+            depths = stage_depths(stage.eval)
         except ValueError as err:
             raise ValueError(f"stage {stage.name!r}: {err}") from None
-        for task in tasks:
-            for length in lengths:
-                try:
-                    make_sample(task, tokenizer, length, 0.5, random.Random(0))
-                except TooLong as err:  # common_words past its made-up words (~100M tokens)
-                    raise ValueError(f"stage {stage.name!r}: {err}: lower eval.lengths or drop {task} from eval.tasks "
-                                     "for this stage") from None
-                except ValueError as err:
-                    raise ValueError(f"stage {stage.name!r}: {err}: raise max_seq_length or set eval.passkey_trials: "
-                                     "0 (or drop the task from eval.tasks) for this stage") from None
+        try:
+            check_trials_fit(tasks, depths, lengths, tokenizer)
+        except TooLong as err:  # common_words past its made-up words (~49M tokens)
+            raise ValueError(f"stage {stage.name!r}: {err}: lower eval.lengths or drop common_words from eval.tasks "
+                             "for this stage") from None
+        except ValueError as err:
+            raise ValueError(f"stage {stage.name!r}: {err}: raise max_seq_length (or eval.lengths) or set "
+                             "eval.passkey_trials: 0 (or drop the task from eval.tasks) for this stage") from None
 
 
 def passkey_sample(tokenizer, seq_len: int, depth: float, rng: random.Random) -> dict[str, np.ndarray]:
@@ -159,17 +218,19 @@ def task_accuracy(engine, dims, micro_batch: int, pad_id: int, tokenizer, trials
 
 
 def task_scores(engine, dims, micro_batch: int, pad_id: int, tokenizer, trials: dict[str, int], depths: list[float],
-                length: int, chat=None) -> tuple[dict, dict]:
+                length: int, chat=None, hits: dict | None = None) -> tuple[dict, dict]:
     """({task: {depth: exact-match accuracy}}, {task: {depth: mean CE per answer token}}) at `length`; with `chat`
-    the trials asked through that template (`trial`). Rendering through a template costs one decode and one
-    tokenization of each trial's haystack on every rank (the template rendered around a placeholder, the haystack's
-    tokens spliced in: data/chat.py `encode_long`), linear in the length: ~0.13 s at 128k and ~2 s at 1M per trial on
-    one loaded core (tests/unit/data/chat_render_bench.py; a whole render was ~3x that), small next to the trial's forward."""
+    the trials asked through that template (`trial`); `hits` (a dict) gets {task: {depth: "1101"}}, trial i's exact
+    match at character i (two records are compared over the cells both asked: scripts/eval_summary.py). Rendering
+    through a template costs one decode and one tokenization of each trial's haystack on every rank (the template
+    rendered around a placeholder, the haystack's tokens spliced in: data/chat.py `encode_long`), linear in the length:
+    ~0.13 s at 128k and ~2 s at 1M per trial on one loaded core (tests/unit/data/chat_render_bench.py; a whole render
+    was ~3x that), small next to the trial's forward."""
     samples, where = [], []
     for task, n in trials.items():
         for d in depths:  # one seed per question: a stage with other depths or trial counts asks the same ones
             for i in range(n):
-                samples.append(trial(task, tokenizer, length, d, random.Random(f"eval:{task}:{length}:{d:g}:{i}"), chat))
+                samples.append(trial(task, tokenizer, length, d, task_seed(task, length, d, i), chat))
                 # every trial is built before the first forward (at 1M, common_words' took ~17 s, now a few): the
                 # progress monitor (base/progress.py) saw no tick for all of them, and 25 such trials passed the eval
                 # bound (300 s): a healthy evaluation was aborted as "hung together" and requeued. A tick per trial
@@ -183,6 +244,8 @@ def task_scores(engine, dims, micro_batch: int, pad_id: int, tokenizer, trials: 
         for d in depths:
             rows = [r for r, k in zip(stats, where) if k == (task, d)]
             acc[task][f"{d:g}"] = sum(float(r[2] == 0) for r in rows) / len(rows)
+            if hits is not None:
+                hits.setdefault(task, {})[f"{d:g}"] = "".join("1" if r[2] == 0 else "0" for r in rows)
             loss[task][f"{d:g}"] = sum(r[0] for r in rows) / max(1.0, sum(r[1] for r in rows))
     return acc, loss
 
@@ -197,13 +260,16 @@ def evaluate_tasks(engine, dims, micro_batch: int, pad_id: int, tokenizer, trial
     """The tasks' part of an evaluation, the same for a stage's end (evaluate_stage) and scripts/evaluate.py:
     {"tasks": {task: {length: {depth: accuracy}}}, "task_mean": {task: {length: mean over depths}},
     "task_loss": {task: {length: {depth: mean cross-entropy per answer token}}} (a graded view of the same trials:
-    it moves before the exact match does). With `chat`, the trials are asked through that template."""
-    by_len = {n: task_scores(engine, dims, micro_batch, pad_id, tokenizer, trials, depths, n, chat) for n in lengths}
+    it moves before the exact match does), "task_hits": {task: {length: {depth: "1101"}}} (each trial's exact match,
+    in trial order: a string, so W&B's scalars skip it). With `chat`, the trials are asked through that template."""
+    hits: dict[int, dict] = {n: {} for n in lengths}
+    by_len = {n: task_scores(engine, dims, micro_batch, pad_id, tokenizer, trials, depths, n, chat, hits[n])
+              for n in lengths}
     tasks = {t: {str(n): by_len[n][0][t] for n in by_len} for t in trials}
     return {"tasks": tasks, "task_mean": {t: {n: sum(a.values()) / len(a) for n, a in lens.items()}
                                           for t, lens in tasks.items()},
             "task_loss": {t: {str(n): by_len[n][1][t] for n in by_len} for t in trials},
-            "task_seeds": TASK_SEEDS}
+            "task_hits": {t: {str(n): hits[n][t] for n in by_len} for t in trials}, "task_seeds": TASK_SEEDS}
 
 
 def retention_samples(stages, own: int) -> int:
@@ -213,6 +279,15 @@ def retention_samples(stages, own: int) -> int:
     asking for more than that at the first length scores those samples again (that many forwards at that length)."""
     asked = [k for k in (heldout_samples(getattr(s, "eval", None) or {}) for s in stages or []) if k > 0]
     return min(asked) if asked else own
+
+
+def position_by(samples: list[dict]) -> str:
+    """What the held-out loss's position buckets measured: "document" where the samples' positions restart at their
+    documents (a token's context in its document), "sample" where none does (--reset_position_ids no: positions run on
+    across documents, the buckets are offsets in the sample; also samples of one document each, where the two agree).
+    Evaluations before 2026-11-29 bucketed by offset and recorded nothing. One pass over the samples' positions."""
+    restart = any(np.any(np.asarray(s["position_ids"])[1:] == 0) for s in samples if "position_ids" in s)
+    return "document" if restart else "sample"
 
 
 def _put(result: dict, key: str, stats: torch.Tensor) -> bool:
@@ -245,7 +320,7 @@ def evaluate_stage(engine, stage, dims, heldout: list[dict], tokenizer, metrics,
             if buckets:
                 ce, n = stats[3:3 + buckets], stats[3 + buckets:]
                 result["heldout_loss_by_position"] = [(c / k).item() if k > 0 else float("nan") for c, k in zip(ce, n)]
-                result["position_by"] = "document"  # a token's context (evaluations before 2026-11-29: the sample's)
+                result["position_by"] = position_by(heldout)
     first = stages[0].max_seq_length if stages else stage.max_seq_length
     sft = getattr(stage, "kind", None) == "sft"
     first_sft = getattr(stages[0] if stages else stage, "kind", None) == "sft"  # retention: as the first stage measured
@@ -282,7 +357,7 @@ def evaluate_stage(engine, stage, dims, heldout: list[dict], tokenizer, metrics,
         result["heldout_chat_len"], result["heldout_chat_samples"] = chat_len, counts["heldout_chat_loss"]
     trials = task_trials(cfg, tokenizer)
     if trials:
-        depths = [float(d) for d in cfg.get("depths", DEFAULT_DEPTHS)]
+        depths = stage_depths(cfg)
         result.update(evaluate_tasks(engine, dims, micro_batch, pad_id, tokenizer, trials, depths,
                                      eval_lengths(stage, stages)))
         if "passkey" in trials and str(stage.max_seq_length) in result["tasks"]["passkey"]:

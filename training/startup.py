@@ -59,12 +59,21 @@ def load_run_config(argv: list[str] | None) -> tuple[Config, Model]:
     # the architecture has this attention, it can be document-masked, and in this many head chunks
     check_config(config, attn, cfg.attention_head_chunks)
     check_chat_data(cfg)  # an SFT stage on a prepared folder without chats (a run: on the demo corpus too)
-    bf16 = (torch.cuda.is_available() and not cfg.fp16) if cfg.bf16 is None else cfg.bf16
+    bf16 = (plans_gpu(cfg) and not cfg.fp16) if cfg.bf16 is None else cfg.bf16
     from data.corpus import CACHE
     from training import job
 
     job.USER_DIRS[:] = [cfg.output_dir, CACHE, os.environ.get("WANDB_DIR", "")]  # whose full disk is the user's
     return cfg, Model(config, attn, bf16)
+
+
+def plans_gpu(cfg: Config) -> bool:
+    """Whether the run trains on a GPU: this machine has one, or a dry run plans for one (--gpu_mem_gb, the budget
+    training/curriculum.device_budget plans as "cuda"). Its precision defaults to bf16 then, as the GPU run's will: a
+    dry run on a machine without a GPU planned fp32 (172.7 GiB per rank for Llama-3-8B at 128k, refused) beside the
+    planner's bf16 choice, where the GPU run plans 98.1 GiB. --bf16 / --no-bf16 / --fp16 or the DeepSpeed JSON's
+    explicit bf16 still decide (training/config.settle_from_file)."""
+    return torch.cuda.is_available() or (cfg.dry_run and cfg.gpu_mem_gb > 0)
 
 
 DEMO = "the built-in demo corpus (the Python standard library's sources, its 2000-token tokenizer)"

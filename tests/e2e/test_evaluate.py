@@ -122,6 +122,11 @@ def test_refusals_before_any_model_is_built(tmp_path):
                            "leaves a Ulysses factor of 8, which must divide the 4 query heads"),
                           (["--lengths", "200,256", "--tasks", "niah_multivalue"],
                            "--lengths 200: max_seq_length=200 is too short for a niah_multivalue trial"),
+                          # every trial it asks, by its seed: Random(0) at depth 0.5 fit 307 (the old check), trial 2
+                          # at 0.5 needs 315 (was refused after the engine build, at its evaluation)
+                          (["--lengths", "307", "--tasks", "variable_tracking:10"],
+                           "--lengths 307: max_seq_length=307 is too short for a variable_tracking trial (needs 315 "
+                           "tokens: trial 2 at depth 0.5)"),
                           (["--lengths", "256", "--compare_rope", "{rope_type: linear, factor: 2.0}"],
                            "--compare_rope without --compare"),
                           (["--lengths", "256", "--chat", "on"],  # the demo's sentencepiece tokenizer has no template

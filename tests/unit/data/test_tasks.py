@@ -19,9 +19,26 @@ import torch
 
 from base.parallel import ParallelDims
 from data.sampler import ResumableSampler
-from data.tasks import TASKS, TaskMixDataset, TaskMixSampler, _answer, make_sample, parse_tasks
+from data.tasks import (
+    TASKS,
+    TaskMixDataset,
+    TaskMixSampler,
+    TooShort,
+    _answer,
+    check_tasks,
+    make_sample,
+    parse_tasks,
+    trial_need,
+)
 from model_utils.tiled_loss import _stats
-from training.evaluation import sample_stats, task_accuracy
+from training.evaluation import (
+    DEFAULT_DEPTHS,
+    check_passkey_fits,
+    sample_stats,
+    task_accuracy,
+    task_seed,
+    trial,
+)
 
 
 @pytest.fixture(scope="module")
@@ -369,3 +386,54 @@ def test_a_byte_level_bpe_gets_its_segments_spaced(tmp_path, task):
     first = int(np.flatnonzero(s["shift_labels"] != -100)[0]) + 1
     context = bpe.decode(s["input_ids"][:first].tolist())
     assert all(re.search(rf"(^|\s){re.escape(w)}\b", context) for w in s["answer"].split()), (context[:300], s["answer"])
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_a_trials_need_is_the_shortest_length_that_holds_it(tok, task):
+    """trial_need counts a trial without building it (the length checks below rely on it): the trial of the same
+    draws fits that length and not one token less, whatever the seed and depth."""
+    for k in range(12):
+        d = random.Random(k).random()
+        need = trial_need(task, tok, d, random.Random(f"need:{k}"))
+        assert len(make_sample(task, tok, need, d, random.Random(f"need:{k}"))["input_ids"]) == need
+        with pytest.raises(TooShort):
+            make_sample(task, tok, need - 1, d, random.Random(f"need:{k}"))
+
+
+def test_every_evaluation_trial_is_checked_at_start_up_not_one(tok):
+    """The audit's recipe: variable_tracking x 10 trials at 307 tokens. The check built one trial (Random(0), depth
+    0.5: 307 tokens, it fit) while the stage's own trials, seeded `eval:{task}:{length}:{depth}:{trial}`, need up to
+    315: the run trained, saved its checkpoint, then stopped at its evaluation. Now refused before training, naming
+    the trial; a length that holds every trial is accepted, and every trial of it builds."""
+    stage = types.SimpleNamespace(index=0, name="a", max_seq_length=307, eval={"tasks": {"variable_tracking": 10}})
+    with pytest.raises(ValueError, match=r"^stage 'a': max_seq_length=307 is too short for a variable_tracking trial "
+                                         r"\(needs 315 tokens: trial 2 at depth 0\.5\): raise max_seq_length"):
+        check_passkey_fits([stage], tok)
+    stage.max_seq_length = 314  # its own seeds (the length is in them): every one fits
+    check_passkey_fits([stage], tok)
+    for d in DEFAULT_DEPTHS:
+        for i in range(10):
+            trial("variable_tracking", tok, 314, d, task_seed("variable_tracking", 314, d, i))
+
+
+def test_a_training_stage_needs_room_for_its_largest_draw(tok):
+    """A stage's synthetic samples are drawn from their own seeds (TaskMixDataset): at 310 tokens the check's one
+    trial (307) fit while 15 of the first 300 variable_tracking draws did not (each raised mid-stage). Refused now
+    below the most of TRAIN_PROBES draws plus TRAIN_SLACK tokens, and above it no draw of the stage fails."""
+    ds = TaskMixDataset([], ["variable_tracking"], tok, 310, seed=0)
+    failed = 0
+    for k in range(300):
+        try:
+            ds[ds.index(0, k)]
+        except TooShort:
+            failed += 1
+    assert failed == 15
+    stage = types.SimpleNamespace(index=2, name="vt", max_seq_length=310, tasks={"variable_tracking": 0.1})
+    with pytest.raises(ValueError, match=r"^stage 2 \(vt\): max_seq_length=310 is too short for a variable_tracking "
+                                         r"trial \(needs 351 tokens: the most of 256 draws plus 32 of slack\): raise "
+                                         r"max_seq_length or drop variable_tracking$"):
+        check_tasks(stage, tok)
+    stage.max_seq_length = 351
+    assert check_tasks(stage, tok) == {"variable_tracking": 0.1}
+    ds = TaskMixDataset([], ["variable_tracking"], tok, 351, seed=0)
+    assert all(len(ds[ds.index(0, k)]["input_ids"]) == 351 for k in range(300))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ import pytest
 from planner.flops import flops_per_sequence, tokens_per_sec_per_gpu
 from planner.memory_model import (
     Features,
+    GiB,
     ModelShape,
     estimate,
     eval_phase_bytes,
@@ -95,6 +97,22 @@ def test_eval_fits_where_the_training_step_does():
     # evaluation holds no activations of other layers: it does not grow with the depth, the step does
     deep = ModelShape(**{**vars(shape), "num_layers": 2 * shape.num_layers})
     assert estimate(deep, 131072, 8, 32, set()).eval_phases == estimate(shape, 131072, 8, 32, set()).eval_phases
+
+
+def test_a_stage_asked_at_a_longer_length_shows_its_evaluation_there():
+    """A stage evaluates with its own split and features at every length it asks (eval.lengths all, or a list): a
+    32k stage at sp 1 asked at 1M holds 102 GiB per rank there (Llama-3-8B, checkpointed, tiled logits). The plan
+    printed the evaluation peak at the stage's own length only (5.9 GiB, fits); now also at the longest --seq_len."""
+    rep = plan.plan(["--model", "llama3-8b", "--seq_len", "32k,1M", "--sp", "1", "--tiled_logits",
+                     "--gradient_checkpointing"])
+    short, long = (p["candidates"][0] for p in rep["plans"])
+    at = short["eval_at_longest"]
+    assert at["seq_len"] == 1048576 and not at["fits"] and 100 * GiB < at["eval_gpu_peak"] < 104 * GiB
+    assert at["eval_gpu_peak"] == long["estimate"]["eval_gpu_peak"]  # the same split and features there
+    assert "eval_at_longest" not in long
+    text = plan.render(rep)
+    assert re.search(r"evaluation at 1,048,576 tokens +10[0-4]\.\d\d  does NOT fit \(eval\.lengths all", text), text
+    assert text.count("evaluation at 1,048,576") == 1
 
 
 def test_untiled_eval_grows_with_vocab_tiled_does_not():

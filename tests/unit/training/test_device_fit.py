@@ -121,3 +121,71 @@ def test_a_family_the_planner_reads_less_exactly_is_warned_not_refused(capsys):
             "flex_attention"]
     out = plan(capsys, *args)
     assert any(ln.startswith("warning: stage 0 (main): memory_features manual") for ln in out.splitlines()), out
+
+
+def _outcome(capsys, *args) -> str:
+    try:
+        return plan(capsys, *args)
+    except ValueError as e:
+        return capsys.readouterr().out + str(e)
+
+
+def test_a_dry_run_planning_a_gpu_says_the_gpu_runs_precision_on_every_line(capsys, tmp_path):
+    """README's `--dry_run --nodes 1 --gpus_per_node 8 --gpu_mem_gb 80` without a GPU planned fp32 (172.7 GiB, refused
+    naming another fix) where the GPU run is bf16 (98.1 GiB), and under memory_features auto printed precision=fp32
+    beside the planner's bf16 choice. A dry run whose budget is a GPU defaults to bf16; a flag or the JSON still wins."""
+    gpu = [a for a in GPU8 if a != "--bf16"]
+    out = _outcome(capsys, *gpu, *LLAMA_128K)
+    assert "precision=bf16" in out and "needs 98." in out and "172." not in out, out
+    out = _outcome(capsys, *gpu, *LLAMA_128K, "--memory_features", "auto")
+    peak, total = re.search(r"predicted peak (\d+\.\d+)", out), re.search(r"memory plan: (\d+\.\d) GiB", out)
+    assert "precision=bf16" in out and peak and total and abs(float(peak[1]) - float(total[1])) < 0.06, out
+    from training.startup import load_run_config
+
+    with open(f"{ROOT}/ds_configs/zero3_offload.json") as fh:
+        ds = fh.read().replace('"bf16": {"enabled": "auto"}', '"bf16": {"enabled": false}')
+    (tmp_path / "fp32.json").write_text(ds)
+    fp32_json = [a if a != "ds_configs/zero3_offload.json" else str(tmp_path / "fp32.json") for a in LLAMA_128K]
+    for args in ([*LLAMA_128K, "--no-bf16"], fp32_json):  # the flag, the JSON's explicit false: fp32 (it refused)
+        assert load_run_config(["--dry_run", *gpu, *args])[1].precision == "fp32"
+
+
+EVAL_ALL = """model_name_or_path: llama3-8b
+deepspeed: ds_configs/zero3_offload.json
+bf16: true
+nodes: 1
+gpus_per_node: 8
+tiled_logits: true
+gradient_checkpointing: true
+stages:
+  - {name: s32k, max_seq_length: 32768, sequence_parallel_size: 1, max_steps: 10, eval: {lengths: all}}
+  - {name: s1m, max_seq_length: 1048576, sequence_parallel_size: 8, max_steps: 10, memory_features: auto}
+"""
+
+
+@pytest.mark.parametrize("gpu_gb, said", [(80, "refused"), (100, "warned"), (141, "nothing")])
+def test_a_stage_evaluated_at_a_longer_length_is_checked_there(capsys, tmp_path, gpu_gb, said):
+    """A stage evaluates with its own SP degree and features at every length it asks (eval.lengths all here: the
+    1M stage's length at sp 1, 102 GiB for Llama-3-8B). Only its own length was checked (8.0 GiB): the run trained,
+    saved its stage-end checkpoint, ran out of memory at its evaluation, and again at every requeue. Now the plan of
+    that forward decides as a step's does: refused past 1.25 x the budget, a warning past the usable limit."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(EVAL_ALL)
+    head = (r"stage 0 \(s32k\): its evaluation at 1048576 tokens \(eval\.lengths all\) needs 102\.0 GiB per rank by the "
+            r"plan at sequence_parallel_size 1 \(features: tiled_logits, checkpoint every layer\), and the GPU has ")
+    fix = (r"set the stage's eval\.lengths to \[32768\] \(the lengths that fit at sequence_parallel_size 1\), or a "
+           r"larger sequence_parallel_size: 2 fits it \(58\.0 GiB\)$")
+    if said == "refused":
+        with pytest.raises(ValueError) as e:
+            plan(capsys, "--config", str(recipe), "--gpu_mem_gb", str(gpu_gb))
+        assert "\n" not in str(e.value)
+        assert re.match(head + r"78\.0 GiB .*: it runs out of memory after the stage's training and end checkpoint, "
+                        r"and again at every restart; " + fix, str(e.value)), str(e.value)
+        return
+    out = plan(capsys, "--config", str(recipe), "--gpu_mem_gb", str(gpu_gb))
+    warned = [ln for ln in out.splitlines() if ln.startswith("warning: stage 0 (s32k): its evaluation")]
+    if said == "warned":
+        assert len(warned) == 1 and re.match("warning: " + head + r"98\.0 GiB .*: it may run out of memory after the "
+                                             r"stage's training; " + fix, warned[0]), out
+    else:
+        assert not warned and "warning:" not in out, out

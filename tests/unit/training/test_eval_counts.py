@@ -111,3 +111,32 @@ def test_position_tables_are_headed_by_each_rows_bucket_count():
     md = "\n".join(eval_tables(rows))
     assert "| stage | seq_len | 1/4 | 2/4 | 3/4 | 4/4 |\n|---|---|---|---|---|---|\n| 0 | 8 | 4.000 | 3.000 |" in md, md
     assert "| 8/8 |\n|---|---|---|---|---|---|---|---|---|---|\n| 1 | 16 | 8.000 |" in md, md
+
+
+def test_the_record_holds_each_trials_match_and_how_positions_were_bucketed():
+    """task_hits: each trial's exact match in trial order (what eval_summary compares cell by cell); position_by:
+    "document" where the held-out samples' positions restart at their documents, "sample" where they do not (a run
+    with --reset_position_ids no: the buckets are offsets in the sample; it was recorded "document" either way)."""
+    tok = Tokenizer(SP)
+    out = ev.evaluate_tasks(TokenEngine(tok.vocab_size), DIMS1, 1, tok.pad_id, tok, {"passkey": 3}, [0.1, 0.5], [256])
+    hits = out["task_hits"]["passkey"]["256"]
+    assert sorted(hits) == ["0.1", "0.5"] and all(len(h) == 3 and set(h) <= {"0", "1"} for h in hits.values())
+    assert {d: h.count("1") / 3 for d, h in hits.items()} == out["tasks"]["passkey"]["256"]
+    st = types.SimpleNamespace(index=0, name="a", max_seq_length=16, kind="text",
+                               eval={"heldout_samples": 2, "position_buckets": 4, "tasks": []})
+    run_on = [_sample(i, 16) for i in range(2)]  # positions 0..15: one run of positions over the documents
+    restarted = [{**s, "position_ids": np.r_[np.arange(6), np.arange(10)]} for s in run_on]
+    got = [evaluate_stage(TokenEngine(64), st, DIMS1, held, None, METRICS, 1, 1, 0, [st], None)["position_by"]
+           for held in (run_on, restarted)]
+    assert got == ["sample", "document"]
+
+
+def test_the_lengths_a_stage_evaluates_at_name_what_asks_them():
+    """What training/device_fit.py plans a stage's evaluation at, with its own SP degree: a text stage before an SFT
+    stage scores the held-out conversations at the SFT stage's longer length; eval.lengths all, the later lengths."""
+    stages = [_stage(0, 8, "text", 2), _stage(1, 16, "sft", 2)]
+    assert ev.eval_forward_lengths(stages[0], stages) == {
+        8: ["the retention loss at the first stage's length"],
+        16: ["the held-out conversation loss at the first SFT stage's length"]}
+    stages[0].eval = {"heldout_samples": 0, "tasks": ["passkey"], "lengths": "all"}
+    assert ev.eval_forward_lengths(stages[0], stages) == {8: ["eval.lengths all"], 16: ["eval.lengths all"]}

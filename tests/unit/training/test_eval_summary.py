@@ -42,3 +42,34 @@ def test_a_length_the_first_stage_never_tried_is_compared_and_a_drop_flagged():
     assert line.count("DROPPED") == 1
     # two stages: the before is the first record, not named
     assert eval_summary.headline(rows[:1] + rows[3:])[0].endswith("passkey at 131072: 1.00 -> 1.00")
+
+
+def _record(stage, hits):
+    """A stage's passkey record at 131072 from {depth: "1101"} (each trial's exact match, as evaluate_tasks writes)."""
+    acc = {d: h.count("1") / len(h) for d, h in hits.items()}
+    return {"stage": stage, "stage_name": f"s{stage}", "step": stage + 1, "seq_len": 131072,
+            "task_seeds": "task:length:depth:trial", "tasks": {"passkey": {"131072": acc}},
+            "task_mean": {"passkey": {"131072": sum(acc.values()) / len(acc)}},
+            "task_hits": {"passkey": {"131072": hits}}}
+
+
+def test_tasks_are_compared_over_the_cells_both_records_asked():
+    """tiny_cpu_extend: a stage of 3 depths x 4 trials, then one of 5 x 10 whose extra depths 0 and 1 fail. The means
+    over each record's own depths said `1.00 -> 0.60 DROPPED` while every question both asked went 1.00 -> 1.00 (a
+    trial is seeded by task, length, depth and index: the first 4 trials of a depth are the same questions). Now the
+    shared (depth, trial) cells are compared, and the line says so where the records asked other sets."""
+    before = _record(0, {d: "1111" for d in ("0.1", "0.5", "0.9")})
+    after = _record(1, {"0": "0" * 10, "0.1": "1" * 10, "0.5": "1" * 10, "0.9": "1" * 10, "1": "0" * 10})
+    (line,) = eval_summary.task_moves([before, after])
+    assert line == ("passkey at 131072: 1.00 -> 1.00 (over the 3 x 4 depth x trial cells both asked; the records asked "
+                    "3 x 4 and 5 x 10)"), line
+    after["task_hits"]["passkey"]["131072"]["0.5"] = "0000111111"  # a real fall in the shared cells is still flagged
+    (line,) = eval_summary.task_moves([before, after])
+    assert line.startswith("passkey at 131072: 1.00 -> 0.67 (over the 3 x 4") and line.endswith(" DROPPED"), line
+    same = _record(1, {d: "1101" for d in ("0.1", "0.5", "0.9")})  # the same cells: nothing to say
+    assert eval_summary.task_moves([before, same]) == ["passkey at 131072: 1.00 -> 0.75 DROPPED"]
+    for r in (before, after):  # records from before the hits were written: the depths both asked
+        del r["task_hits"]
+    after["tasks"]["passkey"]["131072"]["0.5"] = 1.0
+    assert eval_summary.task_moves([before, after]) == [
+        "passkey at 131072: 1.00 -> 1.00 (over the 3 depths both asked, of 3 and 5; trials per depth not recorded)"]
