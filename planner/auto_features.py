@@ -191,7 +191,8 @@ def recompute_flops(shape: ModelShape, seq_len: int, f: Features, layer_params: 
     if f.every:
         recomputed = math.ceil(L / f.every)
         matmul += recomputed * 2.0 * layer_params * s
-        attention += 0.0 if f.keep_attention else recomputed * 2.0 * shape.num_heads * shape.head_dim * s * s
+        full = shape.causal_attention_layers(s, range(0, L, f.every))  # the checkpointed layers, windows counted
+        attention += 0.0 if f.keep_attention else full * 2.0 * shape.num_heads * shape.head_dim * s * s
     if f.tiled_mlp:
         matmul += L * 2.0 * 3 * shape.hidden_size * shape.intermediate_size * s
     if f.tiled_logits:

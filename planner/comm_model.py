@@ -118,10 +118,12 @@ def layer_collectives(shape: ModelShape, seq_len: int, sp: int, cp: int = 1, gpu
 
 def layer_compute_seconds(shape: ModelShape, seq_len: int, sp: int, mfu: float = MFU,
                           peak_tflops: float = PEAK_TFLOPS) -> dict[str, float]:
-    """Seconds of one decoder layer on one rank from the FLOP model: attention (causal) and the dense part
-    (projections and MLP), forward and backward (2x forward). Recompute not included."""
+    """Seconds of one decoder layer on one rank from the FLOP model: attention (causal; the average layer's where
+    some have a sliding window) and the dense part (projections and MLP), forward and backward (2x forward).
+    Recompute not included."""
     rate = mfu * peak_tflops * 1e12
-    attn_fwd = 2.0 * shape.num_heads * shape.head_dim * seq_len**2 / sp / rate
+    share = shape.causal_attention_layers(seq_len) / shape.num_layers  # 1.0 without windows
+    attn_fwd = 2.0 * shape.num_heads * shape.head_dim * seq_len**2 * share / sp / rate
     dense_fwd = 2.0 * shape.layer_params() * seq_len / sp / rate
     return {"attention_fwd_s": attn_fwd, "attention_bwd_s": 2 * attn_fwd,
             "dense_fwd_s": dense_fwd, "dense_bwd_s": 2 * dense_fwd}

@@ -33,9 +33,9 @@ FLASH_BACKWARD = 2.5  # a flash-attention backward's FLOPs over its forward's (5
 
 def hardware_work(shape: ModelShape, seq_len: int, f: Features) -> dict[str, float]:
     """FLOPs the hardware does for one sequence under features `f`: {"matmul", "attention_forward",
-    "attention_backward"} (causal attention: half of the s x s products)."""
-    s, L = seq_len, shape.num_layers
-    att = 2.0 * shape.num_heads * shape.head_dim * s * s  # one layer's causal QK^T and AV, forward
+    "attention_backward"} (causal attention: half of the s x s products; a windowed layer its window's share)."""
+    s, L = seq_len, shape.causal_attention_layers(seq_len)  # L full layers' worth (the layer count without windows)
+    att = 2.0 * shape.num_heads * shape.head_dim * s * s  # one full layer's causal QK^T and AV, forward
     extra_matmul, extra_att = recompute_flops(shape, s, f, shape.active_layer_params())  # the features' recompute
     return {"matmul": 3 * 2.0 * shape.matmul_params() * s + extra_matmul,  # forward and backward (twice) of every weight
             "attention_forward": L * att + extra_att, "attention_backward": L * FLASH_BACKWARD * att}

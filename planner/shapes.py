@@ -118,6 +118,10 @@ class ModelShape:
     linear_v_dim: int = 0
     # a config option that makes a chunkable family unchunkable (Cohere's use_qk_norm): why; "": none
     head_chunks_option: str = ""
+    # sliding-window attention (gpt-oss, Mistral v0.1, Gemma-2/3's local layers, Qwen2/3 with use_sliding_window): the
+    # window (keys per query, the query's own included: transformers' kv > q - window) and the layers that use it
+    sliding_window: int = 0
+    window_layers: tuple[int, ...] = ()
 
     @property
     def no_head_chunks(self) -> str:
@@ -130,10 +134,22 @@ class ModelShape:
         """Whether model_utils/head_chunks.py can run this model's attention in chunks of heads."""
         return not self.no_head_chunks
 
+    def causal_attention_layers(self, seq_len: int, layers: Iterable[int] | None = None) -> float:
+        """How many full causal attention layers the attention of `layers` (all) costs at `seq_len`: a full layer
+        counts 1 (s^2/2 query-key pairs), a windowed one (s*w - w^2/2)/(s^2/2) with w = min(window, s) (each query
+        sees its last w keys; the first w queries fewer). The dense model's int L unchanged, so its figures are too."""
+        idx = range(self.num_layers) if layers is None else list(layers)
+        windowed = sum(i in self.window_layers for i in idx) if self.sliding_window else 0
+        if not windowed:
+            return len(idx)
+        s, w = float(seq_len), float(min(self.sliding_window, seq_len))
+        return len(idx) - windowed + windowed * (2 * s * w - w * w) / (s * s)
+
     @classmethod
     def from_config(cls, cfg: Mapping) -> ModelShape:
         cfg = cfg.get("text_config") or cfg  # a composite config (Qwen3.5): its text model
         linear = sum(t == "linear_attention" for t in cfg.get("layer_types") or ())
+        window, window_layers = windowed_layers(cfg)
         try:
             h, nh = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
             latent = bool(cfg.get("kv_lora_rank"))
@@ -156,6 +172,7 @@ class ModelShape:
                        if experts else 0,
                        dense_layers=int(cfg.get("first_k_dense_replace") or 0) if experts else 0,
                        head_chunks_option=_option_head_chunks_refusal(cfg.get),
+                       sliding_window=window, window_layers=window_layers,
                        **({"linear_layers": linear, **{f"linear_{k}": int(cfg[f"linear_{n}"]) for k, n in (
                            ("k_heads", "num_key_heads"), ("v_heads", "num_value_heads"), ("k_dim", "key_head_dim"),
                            ("v_dim", "value_head_dim"))}} if linear else {}))
@@ -225,6 +242,45 @@ class ModelShape:
         """Weights that take part in a matmul per token: all layers (the routed experts a token uses) plus the LM
         head (not the embedding lookup)."""
         return self.num_layers * self.active_layer_params() + self.vocab_size * self.hidden_size
+
+
+# Families whose attention takes config.sliding_window in every layer, whatever layer_types say (transformers 5.23: the
+# forward passes it, or the module sets it, for each layer)
+EVERY_LAYER_WINDOWED = frozenset({"mistral", "mixtral", "phi3", "starcoder2", "qwen3_moe"})
+
+
+def windowed_layers(cfg: Mapping) -> tuple[int, tuple[int, ...]]:
+    """(window, the layers that attend within it) as transformers runs the config; (0, ()) where none does.
+    `layer_types` where listed (what transformers' config holds once built: gpt-oss, Gemma-2/3, Qwen2/3, Cohere-2);
+    for a config.json without them, each family's own default: Qwen2/3 window the layers from max_window_layers on
+    (only with use_sliding_window), Qwen2-MoE the even ones below it, Gemma-2 and gpt-oss every other layer from the
+    first, Gemma-3 all but every sliding_window_pattern-th (6), Cohere-2 likewise (4); any other family with a
+    window applies it to every layer (Mistral's rule, and model_utils/attention_pick.windowed's)."""
+    n, w = int(cfg.get("num_hidden_layers") or 0), int(cfg.get("sliding_window") or 0)
+    if w <= 0 or cfg.get("use_sliding_window") is False:
+        return 0, ()
+    kind, types = cfg.get("model_type"), cfg.get("layer_types")
+    if kind in EVERY_LAYER_WINDOWED:
+        idx = range(n)
+    elif types:
+        idx = [i for i, t in enumerate(types[:n]) if t == "sliding_attention"]
+    elif kind in ("qwen2", "qwen3"):
+        idx = range(_or(cfg.get("max_window_layers"), 28), n)
+    elif kind == "qwen2_moe":
+        idx = range(0, min(n, _or(cfg.get("max_window_layers"), 28)), 2)
+    elif kind in ("gemma2", "gpt_oss"):
+        idx = range(0, n, 2)
+    elif kind in ("gemma3", "gemma3_text", "cohere2"):
+        every = int(cfg.get("sliding_window_pattern") or (4 if kind == "cohere2" else 6))
+        idx = [i for i in range(n) if (i + 1) % every]
+    else:
+        idx = range(n)
+    idx = tuple(idx)
+    return (w, idx) if idx else (0, ())
+
+
+def _or(value, default: int) -> int:
+    return default if value is None else int(value)
 
 
 def load_shape(model: str) -> ModelShape:

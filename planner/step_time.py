@@ -74,9 +74,10 @@ def kernel_seconds(shape: ModelShape, seq_len: int, sp: int, f: Features, *, cp:
     kernel = attention_kernel(f, cp)
     if kernel == MEASURED["kernel"]:
         return 0.0
-    fwd = 2.0 * shape.num_layers * shape.num_heads * shape.head_dim * seq_len**2  # causal: half of 4 s^2 nh d
+    layers = shape.causal_attention_layers(seq_len)  # full layers' worth: a windowed layer its window's share
+    fwd = 2.0 * layers * shape.num_heads * shape.head_dim * seq_len**2  # causal: half of 4 s^2 nh d
     fwd += recompute_flops(shape, seq_len, f, shape.active_layer_params())[1]
-    bwd = 2 * 2.0 * shape.num_layers * shape.num_heads * shape.head_dim * seq_len**2
+    bwd = 2 * 2.0 * layers * shape.num_heads * shape.head_dim * seq_len**2
     (mf, mb), (kf, kb) = KERNEL_TFLOPS[MEASURED["kernel"]], KERNEL_TFLOPS[kernel]
     return (fwd * (mf / kf - 1) + bwd * (mb / kb - 1)) / (sp * measured_mfu() * peak_tflops * 1e12)
 

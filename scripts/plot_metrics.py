@@ -41,9 +41,16 @@ def _records(path: str):
 
 def read_steps(path: str) -> list[dict]:
     """Step records in step order. A step logged twice (a job resumed behind its last log line) keeps
-    its latest record; a torn last line (a job killed mid-write) is ignored."""
+    its latest record; a torn last line (a job killed mid-write) is ignored. A step skipped for want of a supervised
+    token (`"optimizer_skipped": true`) is a gap in the loss and tokens/s curves: it trained nothing (files written
+    before it was logged as null say loss 0.0 and ~5e8 tokens/s, its ~1 ms of time, which the curves drew and the
+    smoothed loss averaged in)."""
     by_step = {int(r["step"]): r for r in _records(path) if "step" in r and "loss" in r and r.get("event") != "eval"}
-    return [by_step[s] for s in sorted(by_step)]
+    return [_gap(by_step[s]) if by_step[s].get("optimizer_skipped") is True else by_step[s] for s in sorted(by_step)]
+
+
+def _gap(rec: dict) -> dict:
+    return {**rec, "loss": None, "tokens_per_s": None}
 
 
 def read_evals(path: str) -> list[dict]:

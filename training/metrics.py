@@ -5,6 +5,13 @@ on the machines this was built on. An online start that cannot reach the server 
 network, WANDB_API_KEY exported in ~/.bashrc) gives up after INIT_TIMEOUT_S and logs offline, said in one line.
 The run id comes from the checkpoint so a resumed job continues the same W&B run; WANDB_RUN_ID, WANDB_PROJECT,
 WANDB_NAME and WANDB_DIR are honoured where no checkpoint or flag says otherwise.
+
+Every metric is plotted against our own `step` (wandb.define_metric("*", step_metric="step"), each record carrying
+it), never logged with wandb.log(step=): W&B drops a log at a step lower than its run's current one, and a plain
+resume re-logs steps N+1..M (the steps after the checkpoint that a SIGKILL, or an async save still behind the steps,
+lost): the chart kept the dead attempt's values and the resumed start's events at step N were dropped
+(wandb/wandb#4482). Now every record is kept: steps N+1..M show the dead attempt's points and the retrained ones at
+the same x; metrics.jsonl holds the retrained ones only (_truncate).
 """
 
 from __future__ import annotations
@@ -93,6 +100,7 @@ INIT_TIMEOUT_S = 30  # an online W&B start that has not reached the server by th
 # rank 0 meanwhile (each start, each requeue), so short; W&B's own default, 90 s, with its retries, took ~2 min.
 # WANDB_INIT_TIMEOUT set: W&B's reading of it wins
 ETA_WINDOW = 20  # steps whose mean wall-clock time (saves included) gives the log line's ETA
+STEP_KEY = "step"  # the record key W&B plots every metric against (define_metric): never wandb.log(step=)
 
 
 class MetricsLogger:
@@ -108,6 +116,8 @@ class MetricsLogger:
         self.bar = None
         self.total_steps = total_steps
         self.stage_end: int | None = None  # begin_stage
+        self._bar_base = 0  # the run's step at the bar's 0 (a stage's first step moves it to the stage's start)
+        self._bar_stage: tuple[int | None] | None = None  # begin_stage's (start,) until the stage's first step
         self._ticks: collections.deque = collections.deque(maxlen=ETA_WINDOW + 1)  # (stage, monotonic time) per step
         self.eval_dir = os.path.join(output_dir, "eval")
         if not is_main:
@@ -122,6 +132,8 @@ class MetricsLogger:
         logged = self._truncate(resume_step)
         if wandb_enabled(report_to):
             self.wandb = self._start_wandb(output_dir, project, run_id, config, logged, resume_step, branch)
+            self.wandb.define_metric(STEP_KEY)  # our step is the x-axis of every metric (module docstring)
+            self.wandb.define_metric("*", step_metric=STEP_KEY)
         if progress_bar and sys.stderr.isatty():
             from tqdm import tqdm
 
@@ -150,10 +162,10 @@ class MetricsLogger:
             print(f"W&B: WANDB_RUN_ID={asked} not used: this run's checkpoint logs to run {run_id} (a new "
                   "--output_dir starts a new run)", flush=True)
         self.run_id, group = run_id or asked or uuid.uuid4().hex[:8], None
-        if run_id and branch and logged > resume_step:  # W&B keeps a run's steps increasing: the branch's steps
-            group, self.run_id = run_id, f"{run_id}-from{resume_step}"  # up to the old run's last would be dropped
+        if run_id and branch and logged > resume_step:  # the branch's steps up to the old run's last would be drawn
+            group, self.run_id = run_id, f"{run_id}-from{resume_step}"  # over the abandoned curve's (same x)
             print(f"W&B: this branch from step {resume_step} logs to run {self.run_id} (group {group}): run {run_id} "
-                  f"logged steps up to {logged}, which W&B would keep in place of the branch's", flush=True)
+                  f"logged steps up to {logged}, which W&B would draw beside the branch's", flush=True)
         name = (config.get("run_name") or env.get("WANDB_NAME")
                 or os.path.basename(os.path.normpath(os.path.abspath(output_dir))))
         args = dict(project=project or env.get("WANDB_PROJECT") or DEFAULT_PROJECT, id=self.run_id, name=name,
@@ -216,7 +228,8 @@ class MetricsLogger:
             return
         self.log({"event": "eval", **result})
         if self.wandb is not None:  # the nested results (task -> length -> depth) as scalars: eval/tasks/passkey/8192/0.5
-            self.wandb.log({k: v for k, v in _flatten(result, "eval").items() if "/" in k[5:]}, step=result.get("step"))
+            self.wandb.log({**{k: v for k, v in _flatten(result, "eval").items() if "/" in k[5:]},
+                            **_at(result.get("step"))})
         atomic_write(os.path.join(self.eval_dir, f"stage{stage}.json"), json.dumps(result, indent=1).encode())
         self._write_eval_table()
 
@@ -255,24 +268,41 @@ class MetricsLogger:
             e.filename = e.filename or self.path  # users_disk), one line and exit 2, not node 0's crash
             raise
         if self.wandb is not None:
-            self.wandb.log(_wandb_fields(record), step=record.get("step"))
+            self.wandb.log({**_wandb_fields(record), **_at(record.get("step"))})
         if "loss" in record and "step" in record:
             step = record["step"]
-            line = (f"step {step} stage {record.get('stage', 0)} loss {record['loss']:.4f} "
-                    f"lr {record['lr']:.2e} tok/s {record['tokens_per_s']:.0f} mem {record['peak_mem_gb']:.2f}GB"
+            loss, rate = record["loss"], record.get("tokens_per_s")  # null on a skipped step (training/stage._log_step)
+            line = (f"step {step} stage {record.get('stage', 0)} loss {'-' if loss is None else f'{loss:.4f}'} "
+                    f"lr {record['lr']:.2e} tok/s {'-' if rate is None else f'{rate:.0f}'} "
+                    f"mem {record['peak_mem_gb']:.2f}GB"
                     + " (no supervised token: optimizer step skipped)" * bool(record.get("optimizer_skipped")))
             if self.bar is not None:
-                self.bar.update(step - self.bar.n)  # counted, not set: tqdm's rate and ETA follow
-                self.bar.set_postfix_str(line)
+                if self._bar_stage is not None:
+                    self._restart_bar(step, *self._bar_stage)
+                self.bar.update(step - self._bar_base - self.bar.n)  # counted, not set: tqdm's rate and ETA follow
+                self.bar.set_postfix_str(line.replace(f"step {step} ", f"step {step}/{self.total_steps} ", 1))
                 self.bar.refresh()
             else:  # a log file (every SLURM job's): the total and an ETA, as the bar would show them
                 line = line.replace(f"step {step} ", f"step {step}/{self.total_steps} ", 1) + self._eta(step, record)
                 print(line, flush=True)
 
-    def begin_stage(self, end: int) -> None:
-        """The step the stage now training ends at: the log line's ETA is to it (a later stage's longer steps are
-        not this one's: an ETA of the whole curriculum at stage 0's rate was several times too short)."""
+    def begin_stage(self, end: int, start: int | None = None) -> None:
+        """The step the stage now training ends at (and, where given, the one it started from): the log line's ETA
+        and the bar are to it (a later stage's longer steps are not this one's: an ETA of the whole curriculum at
+        stage 0's rate was several times too short, 6.7x after a 1k stage's fast steps). The bar starts again at
+        the stage's first step: it counts the stage's steps (from `start`; without it, those left at this start), its rate is the
+        stage's own from its second step, and its postfix keeps the run's position (`step N/TOTAL`)."""
         self.stage_end = end
+        self._bar_stage = (start,)
+
+    def _restart_bar(self, step: int, start: int | None) -> None:
+        """The bar of the stage whose first step `step` is: total the stage's steps (from `start`, else from the last
+        step logged), that first step counted as done, not timed (the engine build lies before it), as _eta does."""
+        at = self._bar_base + self.bar.n  # the last step logged (the resumed one before any)
+        self._bar_base, self._bar_stage = (at if start is None else min(start, at)), None
+        self.bar.reset(total=max(self.stage_end - self._bar_base, 0))
+        self.bar.n = self.bar.initial = self.bar.last_print_n = step - self._bar_base
+        self.bar.set_description(f"stage to step {self.stage_end}", refresh=False)
 
     def _eta(self, step: int, record: dict) -> str:
         """' stage eta 1h02m': the stage's remaining steps (the run's, where no stage was begun) at the mean
@@ -299,12 +329,11 @@ class MetricsLogger:
                 allow_val_change=True)  # a resume on another world size
 
     def log_table(self, name: str, columns: list[str], rows: list[list], step: int | None = None) -> None:
-        """A table on W&B at `step` (the evaluation's: without it W&B's own counter moved on, and the next event
-        logged at the run's step, the stage end's release, the next stage's memory choice, was dropped)."""
+        """A table on W&B at our `step` (the evaluation's; module docstring)."""
         if self.is_main and self.wandb is not None:
             import wandb
 
-            self.wandb.log({name: wandb.Table(columns=columns, data=rows)}, **({} if step is None else {"step": step}))
+            self.wandb.log({name: wandb.Table(columns=columns, data=rows), **_at(step)})
 
     def close(self, timeout_s: float | None = None) -> None:
         """End the bar and the W&B run; its finish (an online run's last upload) waited for at most `timeout_s`
@@ -346,13 +375,19 @@ def _said_lost_records(run_dir: str | None) -> None:
 
 def _wandb_fields(record: dict) -> dict:
     """A metrics record's numbers for W&B. An event's (memory_choice, engine_released, eval) under its name:
-    "memory_choice/sp". W&B merges the logs of one step, and an event is logged at the step before it (a stage's
-    memory choice at the previous stage's last step): its stage/sp/cp/dp replaced that step's own on the charts."""
+    "memory_choice/sp". An event is logged at the step before it (a stage's memory choice at the previous stage's
+    last step): its stage/sp/cp/dp replaced that step's own on the charts (W&B merged the logs of one step), and
+    would still be drawn at that step beside them."""
     nums = {k: v for k, v in record.items() if isinstance(v, int | float)}
     event = record.get("event")
     if not event:
         return nums
     return {f"{event}/{k}": v for k, v in nums.items() if k != "step"}
+
+
+def _at(step) -> dict:
+    """The record's place on our step axis (STEP_KEY), where it has one."""
+    return {} if step is None else {STEP_KEY: step}
 
 
 def _flatten(d, prefix: str) -> dict:
@@ -423,7 +458,8 @@ def eval_tables(rows: list[dict]) -> list[str]:
     with_pos = [r for r in rows if r.get("heldout_loss_by_position")]
     if with_pos:
         out += ["", "held-out loss by context position (a token's position in its document, in equal slices of the "
-                "stage's length, first to last; * a stage evaluated before 2026-11-29: by offset in the sample):"]
+                "stage's length, first to last; * by offset in the sample: positions not restarted at documents "
+                "(--reset_position_ids no), or a stage evaluated before 2026-11-29):"]
     for nb in sorted({len(r["heldout_loss_by_position"]) for r in with_pos}):  # a table per slice count: a 4-slice
         out += [""] + _table(["stage", "seq_len", *[f"{i + 1}/{nb}" for i in range(nb)]],  # stage's quarters
                              [[f"{r['stage']}{'' if r.get('position_by') == 'document' else '*'}", r["seq_len"],

@@ -289,19 +289,27 @@ def _log_step(run: Run, stage, sdims, state: TrainState, out: dict, lr: float, s
     cfg = run.cfg
     eng = out.get("engagement")  # minimum over ranks after the peak's all-reduce (one collective for both)
     peak = peak_memory_gb(eng) if eng else peak_memory_gb()
-    if not out.get("skipped"):  # a skipped step ran nothing: its time says nothing of the next one's
+    skipped = bool(out.get("skipped"))
+    if not skipped:  # a skipped step ran nothing: its time says nothing of the next one's
         run.preempt.deadline.record_step(out["step_time"])
-    rank_log(f"step {state.step} stage {stage.index} loss {out['loss']:.6f} step_time {out['step_time']:.3f}s")
-    n = sdims.dp * cfg.gradient_accumulation_steps * cfg.per_device_train_batch_size * stage.max_seq_length
+    rank_log(f"step {state.step} stage {stage.index} loss {out['loss']:.6f} step_time {out['step_time']:.3f}s"
+             + " (no supervised token: skipped)" * skipped)
+    # A skipped step (no supervised token in the global batch: training/step.py returns after one all-reduce, ~1 ms)
+    # trained nothing: loss and tokens/s null, 0 tokens, total_tokens unchanged. It logged loss 0.0 and n / 1 ms
+    # (5e8 tokens/s at 128k x 4), which the charts drew and averaged in. It still counts as a step: a stage's budget
+    # is its steps (max_tokens and epochs are turned into steps when the stage resolves, training/curriculum.py).
+    n = 0 if skipped else \
+        sdims.dp * cfg.gradient_accumulation_steps * cfg.per_device_train_batch_size * stage.max_seq_length
     state.tokens += n
-    run.metrics.log({"step": state.step, "stage": stage.index, "loss": out["loss"], "lr": lr, "tokens": n,
+    run.metrics.log({"step": state.step, "stage": stage.index, "loss": None if skipped else out["loss"], "lr": lr,
+                     "tokens": n,
                      "grad_norm": _grad_norm(engine, out),  # pre-clip global norm; null: no update this step
                      "label_tokens": out["label_tokens"],  # supervised tokens of the step (global; the loss's count)
                      **({"label_weight": out["label_weight"]} if "label_weight" in out else {}),
-                     **({"optimizer_skipped": True} if out.get("skipped") else {}),  # no supervised token: no step
+                     **({"optimizer_skipped": True} if skipped else {}),  # no supervised token: no step
                      **({"optimizer_skipped": "overflow"} if out.get("overflow") else {}),  # fp16: DeepSpeed's skip
-                     "tokens_per_s": n / out["step_time"], "seq_len": stage.max_seq_length, "sp": sdims.sp,
-                     "cp": sdims.cp,
+                     "tokens_per_s": None if skipped else n / out["step_time"], "seq_len": stage.max_seq_length,
+                     "sp": sdims.sp, "cp": sdims.cp,
                      "dp": sdims.dp, "peak_mem_gb": peak, "total_tokens": state.tokens,
                      "time": time.time(), **{f"share_{k}": v for k, v in sampler.source_shares().items()},
                      **(engagement.fields(eng) if eng else {}), **_host_fields()})

@@ -55,6 +55,25 @@ def test_stage_boundaries_edge_cases(tmp_path):
     assert mod.main([str(m), "-o", str(tmp_path / "x.png")]) == 2
 
 
+def test_a_skipped_step_is_a_gap_in_the_curves(tmp_path):
+    """A step without a supervised token (optimizer_skipped) trained nothing: files before its loss was logged as null
+    say 0.0 and ~5e8 tokens/s (its ~1 ms), drawn and averaged into the smoothed loss; read as gaps now."""
+    mod = load_plot_metrics()
+    m = tmp_path / "metrics.jsonl"
+    rows = [{"step": s, "loss": 2.0, "tokens_per_s": 100.0, "peak_mem_gb": 1.0} for s in range(1, 5)]
+    rows[1].update(loss=0.0, tokens_per_s=5e8, optimizer_skipped=True)  # as written before
+    rows[2].update(loss=None, tokens_per_s=None, optimizer_skipped=True)  # as written now
+    rows[3].update(optimizer_skipped="overflow")  # fp16's overflow: the step ran, its loss stands
+    m.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    steps = mod.read_steps(str(m))
+    assert [r["step"] for r in steps] == [1, 2, 3, 4] and steps[1]["peak_mem_gb"] == 1.0
+    loss = [mod._value(r, "loss") for r in steps]
+    assert loss[0] == loss[3] == 2.0 and all(v != v for v in loss[1:3]), loss  # NaN: a gap
+    assert all(v != v for v in (mod._value(r, "tokens_per_s") for r in steps[1:3]))
+    assert mod.smooth(loss, 4)[-1] == 2.0
+    assert mod.main([str(m), "-o", str(tmp_path / "m.png")]) == 0
+
+
 def test_a_run_folder_is_read_and_a_missing_file_is_one_line(tmp_path, capsys):
     """`plot_metrics.py RUN` (eval_summary.py's form) plots RUN/metrics.jsonl; a missing file, or an --out in a
     missing folder, a folder or not an image's name, is one line (before: a run folder or a missing file was an

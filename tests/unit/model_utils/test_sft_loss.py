@@ -365,6 +365,30 @@ def test_metrics_report_supervised_tokens_per_step():
     assert logged[1]["label_weight"] == 4.0
 
 
+def test_a_skipped_step_logs_no_loss_and_no_tokens():
+    """A step without a supervised token in the global batch trains nothing: it logged loss 0.0, its tokens and
+    tokens / ~1 ms (5e8 tokens/s at 128k), which the charts drew and averaged in. Now null, 0 and total_tokens
+    unchanged; it still says so (optimizer_skipped) and its supervised-token count (0)."""
+    from training import stage
+
+    logged, timed = [], []
+    run = types.SimpleNamespace(
+        cfg=types.SimpleNamespace(gradient_accumulation_steps=2, per_device_train_batch_size=1),
+        preempt=types.SimpleNamespace(deadline=types.SimpleNamespace(record_step=timed.append)),
+        metrics=types.SimpleNamespace(log=logged.append))
+    st = types.SimpleNamespace(step=3, tokens=0)
+    args = (types.SimpleNamespace(index=0, max_seq_length=SL), types.SimpleNamespace(dp=1, sp=2, cp=1), st)
+    shares = types.SimpleNamespace(source_shares=lambda: {})
+    stage._log_step(run, *args, {"loss": 1.5, "label_tokens": 23, "step_time": 0.5}, 1e-3, shares)
+    st.step += 1
+    stage._log_step(run, *args, {"loss": 0.0, "label_tokens": 0, "skipped": True, "step_time": 0.001}, 1e-3, shares)
+    trained, skipped = logged
+    assert trained["loss"] == 1.5 and trained["tokens"] == 2 * SL and trained["tokens_per_s"] == 4 * SL
+    assert skipped["optimizer_skipped"] is True and skipped["label_tokens"] == 0 and skipped["step"] == 4
+    assert skipped["loss"] is None and skipped["tokens"] == 0 and skipped["tokens_per_s"] is None, skipped
+    assert skipped["total_tokens"] == trained["total_tokens"] == st.tokens == 2 * SL and timed == [0.5]
+
+
 @pytest.mark.parametrize("argv, match", [
     (["--loss_weighting", "turn"], r"--loss_weighting 'turn': use token or conversation"),
     (["--loss_weighting", "conversation", "--reset_position_ids", "no"], r"where position ids restart"),

@@ -60,3 +60,44 @@ def test_auto_never_chunks_heads_of_latent_attention_or_sinks():
     for shape in (oss, load_shape("deepseek-v3")):
         assert head_chunk_options(shape, 8) == [1], shape.model_type
     assert head_chunk_options(dataclasses.replace(oss, model_type="llama"), 8) == [1, 2, 4, 8]
+
+
+# transformers 5.23's families with a sliding window, each with its own rule for which layers use it (a family that
+# ignores a configured window is refused at the first step: model_utils/attention's check of the windows it received)
+WINDOW_FAMILIES = ["mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3_text", "gpt_oss",
+                   "cohere2", "ministral", "phi3", "starcoder2"]
+
+
+def test_windowed_layers_are_those_transformers_runs():
+    """FLOPs counted every layer as full attention: ModelShape read layer_types for linear attention only, so
+    gpt-oss-20b (12 of 24 layers at a 128-token window) was counted 1.6x (128k) to 1.9x (1M) over. Per family, the
+    layers whose attention module transformers builds with the window (meta device; a module without the attribute
+    gets config.sliding_window where its forward passes it), from the config as transformers holds it (layer_types
+    listed) and from a config.json without layer_types; use_sliding_window off: none."""
+    import inspect
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(num_hidden_layers=8, hidden_size=32, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+                  head_dim=16, vocab_size=64, pad_token_id=0, sliding_window=16, use_sliding_window=True,
+                  max_window_layers=3, num_local_experts=2, num_experts=2, moe_intermediate_size=16,
+                  num_experts_per_tok=1)
+    for kind in WINDOW_FAMILIES:
+        cfg = AutoConfig.for_model(kind, **fields)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg)
+        want = []
+        for i, layer in enumerate(model.model.layers):
+            attn = layer.self_attn
+            passed = "sliding_window" in inspect.getsource(type(attn).forward)
+            w = attn.sliding_window if hasattr(attn, "sliding_window") else cfg.sliding_window if passed else None
+            want += [i] * bool(w)
+        raw = {k: v for k, v in cfg.to_dict().items() if k != "layer_types"}
+        for d in (cfg.to_dict(), raw):
+            shape = ModelShape.from_config(d)
+            assert (shape.sliding_window, shape.window_layers) == ((16, tuple(want)) if want else (0, ())), (kind, d is raw)
+        assert ModelShape.from_config({**raw, "use_sliding_window": False}).window_layers == () or kind not in (
+            "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+    assert load_shape("gpt-oss-20b").window_layers == tuple(range(0, 24, 2))
+    assert load_shape("llama3-8b").window_layers == ()

@@ -97,3 +97,39 @@ def test_a_file_without_a_kernel_probe_is_one_line(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stdout == "" and proc.stderr.startswith("error: ")  # the user's: 2, not 1
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+
+
+def test_a_windowed_layer_counts_the_keys_its_window_reaches():
+    """gpt-oss-20b's 12 windowed layers (128 keys) were counted as full causal attention by every FLOP count: its
+    FLOPs (so MFU, predicted step and eval times) 1.6x over at 128k and 1.9x at 1M. A windowed layer now counts
+    s*w - w^2/2 query-key pairs (s^2/2 for a full one) in flops_per_sequence, hardware_work, the recompute of the
+    checkpointed layers, kernel_seconds and the per-layer compute; a model without windows is unchanged."""
+    from planner.comm_model import layer_compute_seconds
+    from planner.flops import attention_flops
+    from planner.shapes import load_shape
+    from planner.step_time import kernel_seconds
+
+    oss = load_shape("gpt-oss-20b")
+    full = dataclasses.replace(oss, sliding_window=0, window_layers=())
+    att_pair = 4.0 * oss.num_heads * oss.head_dim  # QK^T and AV of one query-key pair, forward
+    for s, over in ((131_072, 1.64), (1 << 20, 1.93)):
+        pairs = 12 * s * s / 2 + 12 * (s * 128 - 128 * 128 / 2)  # 12 full layers, 12 windowed
+        assert attention_flops(oss, s) == pytest.approx(3 * att_pair * pairs)
+        assert flops_per_sequence(oss, s) == pytest.approx(6.0 * oss.matmul_params() * s + 3 * att_pair * pairs)
+        assert flops_per_sequence(full, s) / flops_per_sequence(oss, s) == pytest.approx(over, abs=0.01)
+        w = hardware_work(oss, s, NONE)
+        assert w["attention_forward"] == pytest.approx(att_pair * pairs)
+        assert w["attention_backward"] == pytest.approx(FLASH_BACKWARD * att_pair * pairs)
+    s = 1 << 20
+    # checkpointing every 2nd layer recomputes layers 0, 2, ...: gpt-oss's windowed ones, almost no attention
+    ckpt2 = Features.of({"checkpoint_every": 2})
+    extra = hardware_work(oss, s, ckpt2)["attention_forward"] - hardware_work(oss, s, NONE)["attention_forward"]
+    assert extra == pytest.approx(att_pair * 12 * (s * 128 - 128 * 128 / 2))
+    ring = Features.of({"checkpoint_every": 2, "ring_attention": True})
+    assert kernel_seconds(oss, s, 8, ring, cp=2) < kernel_seconds(full, s, 8, ring, cp=2) / 1.9
+    assert layer_compute_seconds(full, s, 8)["attention_fwd_s"] / layer_compute_seconds(oss, s, 8)[
+        "attention_fwd_s"] == pytest.approx(2.0, rel=1e-3)
+    # a window at least the length is full attention; a model without windows keeps its figures
+    assert flops_per_sequence(oss, 128) == flops_per_sequence(full, 128)
+    assert LLAMA.causal_attention_layers(s) == 32 and isinstance(LLAMA.causal_attention_layers(s), int)
+    assert flops_per_sequence(LLAMA, s) == 6.0 * LLAMA.matmul_params() * s + 6.0 * 32 * 32 * 128 * s * s

@@ -34,14 +34,17 @@ def test_peak_memory_resets_at_a_stage_start():
 def test_wandb_gets_the_eval_table_at_its_step_and_says_it_is_offline(tmp_path, monkeypatch, capsys):
     """The evaluation's table was logged without a step: W&B's counter moved past the run's step and the next events
     at it (a stage end's release, the next stage's memory choice) were dropped ("Tried to log to step 2 that is less
-    than the current step 3"). It is logged at the evaluation's step. A run with report_to wandb and no WANDB_MODE /
-    WANDB_API_KEY goes offline (a `wandb login` netrc alone does not sync): said once."""
+    than the current step 3"). It is logged at the evaluation's step, on our own step axis (never wandb.log(step=):
+    test_metrics_wandb). A run with report_to wandb and no WANDB_MODE / WANDB_API_KEY goes offline (a `wandb login`
+    netrc alone does not sync): said once."""
     import types
 
     from training.metrics import MetricsLogger
 
-    logged = []
-    run = types.SimpleNamespace(log=lambda data, **kw: logged.append((sorted(data), kw.get("step"))), finish=lambda: None)
+    logged, axes = [], []
+    run = types.SimpleNamespace(log=lambda data, **kw: logged.append((sorted(data), data.get("step"), kw)),
+                                define_metric=lambda name, step_metric=None: axes.append((name, step_metric)),
+                                finish=lambda: None)
     fake = types.SimpleNamespace(init=lambda **kw: run, Settings=lambda **kw: None,
                                  Table=lambda columns, data: ("table", len(data)))
     monkeypatch.setitem(sys.modules, "wandb", fake)
@@ -50,7 +53,7 @@ def test_wandb_gets_the_eval_table_at_its_step_and_says_it_is_offline(tmp_path, 
     m = MetricsLogger(str(tmp_path), True, "wandb", "p", None, {}, 10, False)
     assert "W&B offline" in capsys.readouterr().out
     m.log_table("eval/stage0", ["task"], [["passkey"]], step=2)
-    assert logged[-1] == (["eval/stage0"], 2)
+    assert logged[-1] == (["eval/stage0", "step"], 2, {}) and axes == [("step", None), ("*", "step")]
     m.close()
 
 
@@ -64,7 +67,7 @@ def test_a_branch_from_an_earlier_step_logs_to_a_new_wandb_run(tmp_path, monkeyp
     from training.metrics import MetricsLogger
 
     inits = []
-    run = types.SimpleNamespace(log=lambda *a, **kw: None, finish=lambda: None)
+    run = types.SimpleNamespace(log=lambda *a, **kw: None, define_metric=lambda *a, **kw: None, finish=lambda: None)
     monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(
         init=lambda **kw: inits.append((kw["id"], kw.get("group"))) or run, Settings=lambda **kw: None))
     monkeypatch.setenv("WANDB_MODE", "offline")

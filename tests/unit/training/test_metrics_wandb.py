@@ -24,13 +24,43 @@ class CommError(Exception):
     pass
 
 
+SERVER: dict[str, list[dict]] = {}  # run id -> its history rows, across starts (W&B's server)
+
+
 class FakeRun:
+    """W&B's history as wandb 0.31 keeps it (checked offline against the installed wandb, the rows of its .wandb file):
+    a log without `step=` is a row of its own at the next internal _step; `step=` merges into the current row when
+    equal, starts a row when higher, and is DROPPED when lower ("Tried to log to step 3 that is less than the current
+    step 5"). A resumed run (the same id) continues its rows and its _step. `history`: per x of the charts (the
+    define_metric("*", step_metric=...) key where defined, else _step), the merge of that x's rows, in order."""
+
     def __init__(self, kw: dict):
-        self.kw, self.history, self.config = kw, {}, types.SimpleNamespace(values={})
+        self.kw, self.config, self.axis = kw, types.SimpleNamespace(values={}), "_step"
         self.config.update = lambda d, allow_val_change=False: self.config.values.update(d)
+        self.rows = SERVER.setdefault(kw["id"], []) if kw.get("resume") else []
+        self.cur = self.rows[-1]["_step"] if self.rows else None
+        self.dropped: list[int] = []
+
+    def define_metric(self, name: str, step_metric=None, **kw) -> None:
+        if name == "*" and step_metric:
+            self.axis = step_metric
 
     def log(self, data: dict, step=None) -> None:
-        self.history.setdefault(step, {}).update(data)  # W&B merges the logs of one step: the last value wins
+        if step is not None and self.cur is not None and step < self.cur:
+            self.dropped.append(step)  # W&B: "Steps must be monotonically increasing, so this data will be ignored"
+        elif step is not None and step == self.cur:
+            self.rows[-1].update(data)
+        else:
+            self.cur = step if step is not None else (-1 if self.cur is None else self.cur) + 1
+            self.rows.append({**data, "_step": self.cur})
+
+    @property
+    def history(self) -> dict:
+        out = {}
+        for row in self.rows:
+            if self.axis in row:
+                out.setdefault(row[self.axis], {}).update(row)
+        return out
 
     def finish(self) -> None:
         pass
@@ -49,6 +79,7 @@ def fake_wandb(monkeypatch, online_fails: bool = False) -> list[dict]:
     """A `wandb` module whose init records its arguments; `online_fails`: an online init raises CommError, as W&B
     does on a node without network after its timeout."""
     inits = []
+    SERVER.clear()
 
     def init(**kw):
         inits.append(kw)
@@ -130,6 +161,32 @@ def test_an_event_keeps_the_steps_own_stage_and_layout_on_wandb(tmp_path, wandb_
     m.close()
 
 
+def test_a_resume_behind_the_logged_steps_keeps_its_records_on_wandb(tmp_path, wandb_env):
+    """A plain resume re-logs the steps after its checkpoint (a SIGKILL, or an async save still behind the steps): with
+    wandb.log(step=) into the same run, W&B dropped every step up to the dead attempt's last (wandb/wandb#4482): the
+    charts kept the dead attempt's values, and the resumed start's events at the checkpoint's step were dropped. Every
+    record is now logged on our own `step` axis (define_metric), none with step=: all kept."""
+    fake_wandb(wandb_env)
+    wandb_env.setenv("WANDB_MODE", "offline")
+    m = MetricsLogger(str(tmp_path), True, "wandb", None, None, {}, 10, False)
+    for s in range(1, 6):  # the checkpoint at 3, steps 4 and 5 logged, then SIGKILL
+        m.log({"step": s, "stage": 0, **STEP})
+    run_id = m.run_id
+    m = MetricsLogger(str(tmp_path), True, "wandb", None, run_id, {}, 10, False, resume_step=3)
+    assert m.run_id == run_id  # a requeue continues the run
+    m.log({"event": "memory_choice", "stage": 0, "step": 3, "sp": 2, "predicted_gb": 3.0})
+    for s in range(4, 7):
+        m.log({"step": s, "stage": 0, **STEP, "loss": 2.0})
+    m.log_eval(0, {"step": 6, "stage": 0, "stage_name": "s8", "seq_len": 8, "heldout_loss": 1.5,
+                   "passkey_accuracy": {"0.5": 1.0}})
+    assert m.wandb.dropped == []
+    hist = m.wandb.history
+    assert [hist[s]["loss"] for s in range(1, 7)] == [1.0, 1.0, 1.0, 2.0, 2.0, 2.0]  # the retrained ones last at 4, 5
+    assert hist[3]["memory_choice/sp"] == 2 and hist[6]["eval/passkey_accuracy/0.5"] == 1.0
+    assert [r["loss"] for r in m.wandb.rows if r.get("step") == 4 and "loss" in r] == [1.0, 2.0]  # both attempts'
+    m.close()
+
+
 def test_each_stages_resolved_layout_is_in_the_wandb_config(tmp_path, wandb_env):
     """The W&B config held the flags only: not what each stage ran with (auto SP, a stage's own lr and warmup)."""
     from training import stage as stage_mod
@@ -192,6 +249,36 @@ def test_the_bar_after_a_resume_counts_this_starts_steps(tmp_path, monkeypatch):
     for s in (501, 502):
         m.log({"step": s, **STEP})
     assert m.bar.n == 502 and m.bar.format_dict["initial"] == 500
+    m.close()
+
+
+def _bar_left(bar) -> float:
+    """The remaining seconds the bar shows (tqdm's format_meter: the total's steps left at its rate)."""
+    d = bar.format_dict
+    rate = d["rate"] or (d["n"] - d["initial"]) / d["elapsed"]
+    return (d["total"] - d["n"]) / rate
+
+
+@pytest.mark.parametrize("resume_step, start", [(0, None), (0, 10), (14, 10), (14, None)])
+def test_the_bars_eta_is_the_stages(tmp_path, monkeypatch, resume_step, start):
+    """The bar's remaining time was the whole curriculum's steps at the current stage's rate (the log line's was made
+    the stage's): after a fast stage it was 6.7x short. The bar starts again at each stage's first step: the stage's
+    steps (from its start where given, else those left at this start), its rate from the stage's second step (the
+    engine build before the first not timed); the run's position stays in the postfix."""
+    monkeypatch.setattr(sys, "stderr", Tty())
+    m = MetricsLogger(str(tmp_path), True, "none", None, None, {}, 20, True, resume_step=resume_step)
+    clock = [m.bar.start_t]
+    m.bar._time = lambda: clock[0]
+    for end, last, secs in ((10, 10, 1.0), (20, 17, 8.0)):  # stage 0: 1 s a step; stage 1 (8x the length): 8 s
+        if resume_step >= end:
+            continue
+        m.begin_stage(end) if start is None or end == 10 else m.begin_stage(end, start)  # train_stage's call: (end)
+        clock[0] += 100.0  # the stage's engine build
+        for s in range(max(end - 9, resume_step + 1), last + 1):
+            clock[0] += secs
+            m.log({"step": s, "stage": int(end == 20), **STEP})
+    assert _bar_left(m.bar) == pytest.approx(3 * 8.0)  # steps 18..20 at stage 1's 8 s
+    assert m.bar.total == (10 if start == 10 or resume_step == 0 else 6) and "step 17/20 stage 1" in m.bar.postfix
     m.close()
 
 
