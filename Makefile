@@ -5,9 +5,10 @@ PY := .venv/bin/python
 setup:
 	bash scripts/setup.sh
 
-# The main job (~6 min on 2 cores): the shipped base, which retrieves a passkey at 256 tokens, extended to 2048 with
-# YaRN and short-context replay; then its curves and heat maps (docs/results/curriculum.md, bench/results/demo_extend/);
-# ends by printing its evaluation summary (before -> after, then eval/summary.md's tables: scripts/eval_summary.py)
+# The main job (~5 min on 2 idle cores: 5:02, README): the shipped base, which retrieves a passkey at 256 tokens,
+# extended to 2048 with YaRN and short-context replay; then its curves and heat maps (docs/results/curriculum.md,
+# bench/results/demo_extend/); ends by printing its evaluation summary (before -> after, then eval/summary.md's
+# tables: scripts/eval_summary.py)
 demo:
 	OMP_NUM_THREADS=1 .venv/bin/deepspeed --num_gpus 2 train.py --config recipes/tiny_cpu_extend.yaml
 	$(PY) scripts/plot_metrics.py checkpoints/tiny_cpu_extend/metrics.jsonl -o checkpoints/tiny_cpu_extend/metrics.png

@@ -2,6 +2,17 @@
 # One-command set-up: .venv with the pinned requirements, DeepSpeed's ops built once (no JIT in a job), demo corpus ready.
 #   bash scripts/setup.sh            # CPU (torch 2.13.0 CPU wheel where one is on disk)
 #   WITH_FLASH_ATTN=1 bash scripts/setup.sh   # GPU nodes: also the optional flash-attn extra
+# No arguments (-h/--help prints this); environment: PYTHON (the venv's interpreter, python3), WITH_FLASH_ATTN,
+# DS_ACCELERATOR (cpu/cuda: which ops to build; found from nvidia-smi).
+# Arguments are read before anything runs: `setup.sh --help` used to run the whole set-up (pip, minutes of builds).
+if [ $# -gt 0 ]; then
+  if [ $# -eq 1 ] && { [ "$1" = -h ] || [ "$1" = --help ]; }; then
+    sed -n '2,6p' "$0" | sed 's/^# \{0,1\}//'
+    exit 0
+  fi
+  echo "setup.sh: takes no arguments, got: $*: run \`bash scripts/setup.sh\` (settings are environment variables: --help)" >&2
+  exit 2
+fi
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -10,8 +10,15 @@ Configs as users have them (e.g. Hugging Face's ZeRO-3 example, `ds_configs/hf_z
   `deepspeed.initialize(optimizer=...)`): DeepSpeed's CPU Adam when the optimizer is offloaded, FusedAdam on
   GPU otherwise (what DeepSpeed itself builds for an AdamW block), torch AdamW on CPU. Betas (0.9, 0.95) and
   eps 1e-8 as in ds_configs/*.json, also what `"betas"`/`"eps": "auto"` become (no flag owns them).
-- a `scheduler` block is dropped with one warning: the per-stage schedule of training/schedule.py is used; its
-  concrete peak LR or warmup steps that differ from the run's are refused in one line.
+- a `scheduler` block is dropped with one warning: the per-stage schedule of training/schedule.py is used (linear
+  warmup, then --lr_scheduler cosine / linear / constant to --min_lr). A block that pins a schedule other than the
+  flags' is refused in one line naming the flags that give it (`_check_scheduler`): its type's shape (WarmupLR =
+  constant, WarmupDecayLR = linear, WarmupCosineLR = cosine; OneCycle and others have none), warmup_max_lr,
+  warmup_num_steps, total_num_steps (the stage's steps), its decay's end (WarmupDecayLR's warmup_min_lr,
+  cos_min_ratio x lr: --min_lr), a warmup from above 0 (WarmupLR's warmup_min_lr, warmup_min_ratio), warmup_type
+  "log" (ours is linear). Said in the warning, not refused: DeepSpeed's log warmup where warmup_type is not named (its
+  default), WarmupDecayLR's warmup from its warmup_min_lr, and the shape of a block that pins nothing (every value
+  "auto" or a 0 start: Hugging Face's examples and ds_configs/hf_zero3_offload.json, which its Trainer fills).
 - an `activation_checkpointing` block is refused (it acts only through deepspeed.checkpointing, not called here).
 - `communication_data_type` also becomes the SP stages' `seq_parallel_communication_data_type` unless that is set
   (DeepSpeed replaces the one by the other, fp32 by default, when SP > 1).
@@ -42,6 +49,8 @@ Hugging Face Trainer, derives them.)
 """
 
 from __future__ import annotations
+
+import math
 
 from base.log import print0
 from base.parallel import ParallelDims
@@ -86,11 +95,9 @@ def build_ds_config(cfg: Config, dims: ParallelDims, bf16: bool, hidden_size: in
         check_sections(ds, f"--deepspeed {cfg.deepspeed} with the stage's deepspeed_overrides")
     check_precision(cfg, bf16, planning)
     ds.pop("sequence_parallelism", None)  # ours, read by settle_from_file; not a DeepSpeed key
-    scheduler = ds.pop("scheduler", None)
-    _check_scheduler(scheduler, cfg)
-    if scheduler is not None and not quiet:
-        print0(f"warning: {cfg.deepspeed}: its \"scheduler\" block is ignored; this run uses its own per-stage "
-               f"schedule ({cfg.lr_scheduler}, warmup {cfg.warmup_steps}, --learning_rate/--min_lr)")
+    dropped = _check_scheduler(ds.pop("scheduler", None), cfg)  # refused, or said once a build
+    if dropped and not quiet:
+        print0(dropped)
     _drop_load_universal(ds, cfg.deepspeed, quiet)
     if any((ds.get("activation_checkpointing") or {}).values()):  # read only by deepspeed.checkpointing.checkpoint
         raise ValueError(f"{cfg.deepspeed}: its activation_checkpointing block acts only through "
@@ -173,22 +180,89 @@ def _drop_load_universal(ds: dict, where: str, quiet: bool) -> None:
                "to DeepSpeed's universal format and loaded as one without it (docs/checkpoints.md)")
 
 
-_SCHEDULER_KEYS = {"warmup_max_lr": ("learning_rate", "--learning_rate"), "warmup_num_steps": ("warmup_steps",
-                                                                                                "--warmup_steps")}
+# DeepSpeed's scheduler types (deepspeed/runtime/lr_schedules.py, 0.19.8) by the --lr_scheduler of the same shape:
+# each warms up from its warmup_min_lr (WarmupCosineLR: warmup_min_ratio x lr) to the peak, then stays there
+# (WarmupLR), decays linearly back to warmup_min_lr at total_num_steps (WarmupDecayLR) or along a cosine to
+# cos_min_ratio x lr (WarmupCosineLR). Its warmup is logarithmic unless warmup_type says "linear"; ours is linear.
+SCHEDULE_SHAPES = {"WarmupLR": ("constant", "constant"),
+                   "WarmupDecayLR": ("linear", "a linear decay to warmup_min_lr"),
+                   "WarmupCosineLR": ("cosine", "a cosine decay to cos_min_ratio x lr")}
+# values that pin nothing of the schedule: what Hugging Face's Trainer fills "auto" with, DeepSpeed's own defaults
+_UNPINNED = {"warmup_min_lr": 0, "warmup_min_ratio": 0, "last_batch_iteration": -1}
 
 
-def _check_scheduler(block, cfg: Config) -> None:
-    """A `scheduler` block's concrete peak LR or warmup that is not the run's: refused in one line (dropped, the run
-    trained at another LR than the JSON says: WarmupDecayLR's 3e-4 peak at the default 2e-5, without warmup). "auto"
-    or the run's own values pass; the block is dropped either way (training/schedule.py schedules per stage)."""
-    params = (block or {}).get("params") or {}
-    for key, (field, flag) in _SCHEDULER_KEYS.items():
-        value = params.get(key, "auto")
-        if value != "auto" and value != getattr(cfg, field):
-            raise ValueError(f"{cfg.deepspeed}: its scheduler block's {key}={value} is not what this run trains with "
-                             f"({flag} {getattr(cfg, field)}, or the stage's own in a recipe): this run schedules per "
-                             f"stage (--learning_rate, --warmup_steps, --lr_scheduler, --min_lr, a recipe's stage "
-                             f"values): give {value} there ({flag}) and drop the block, or set its values to \"auto\"")
+def _same(a, b) -> bool:
+    try:
+        return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=0.0)
+    except (TypeError, ValueError):
+        return a == b
+
+
+def _check_scheduler(block, cfg: Config) -> str | None:
+    """A `scheduler` block that trains otherwise than this run's flags (or the stage's own values in a recipe): refused
+    in one line naming the flags that give its schedule (it was dropped with a warning: WarmupDecayLR's 3e-4 peak
+    trained at the default 2e-5, a WarmupLR constant LR as a cosine to 0). The block is dropped either way
+    (training/schedule.py schedules per stage); returned: the one warning line that says so and what it leaves out.
+    A block whose values are all "auto" (Hugging Face's examples: their type is a shape the Trainer takes from the
+    JSON) pins nothing: its type's shape is named in the warning, not refused."""
+    if block is None:
+        return None
+    kind, params, name = cfg.lr_scheduler, block.get("params") or {}, block.get("type")
+    warm = cfg.warmup_steps > 0 or cfg.warmup_ratio > 0
+    given = {k: v for k, v in params.items() if v != "auto"}
+    pinned = [k for k, v in given.items() if k != "warmup_type" and not (k in _UNPINNED and _same(v, _UNPINNED[k]))]
+    diffs, fixes, said = [], [], []
+
+    def differs(what: str, fix: str) -> None:
+        diffs.append(what)
+        fixes.append(fix)
+
+    if name is not None and name not in SCHEDULE_SHAPES:  # OneCycle, LRRangeTest, a torch.optim.lr_scheduler class
+        raise ValueError(f"{cfg.deepspeed}: its scheduler type {name!r} has no counterpart here: this run warms up "
+                         "linearly, then decays each stage as --lr_scheduler cosine, linear or constant says to --min_lr "
+                         "(--learning_rate, --warmup_steps): drop the block and choose with those flags")
+    shape, desc = SCHEDULE_SHAPES.get(name, (kind, ""))
+    if shape != kind:
+        if pinned:
+            differs(f"type {name}: warmup, then {desc}, this run --lr_scheduler {kind}", f"--lr_scheduler {shape}")
+        else:
+            said.append(f"its {name} is warmup, then {desc}: --lr_scheduler {shape} gives that")
+    for key, field, flag in (("warmup_max_lr", "learning_rate", "--learning_rate"),
+                             ("warmup_num_steps", "warmup_steps", "--warmup_steps"),
+                             ("total_num_steps", "max_steps", "--max_steps")):
+        if key in given and not _same(given[key], getattr(cfg, field)):
+            differs(f"{key}={given[key]}: this run {flag} {getattr(cfg, field)}", f"{flag} {given[key]}")
+    start = given.get("warmup_min_lr", 0)
+    if name == "WarmupDecayLR" and not _same(start, cfg.min_lr):  # its decay ends where its warmup starts
+        differs(f"warmup_min_lr={start}: the decay's end, this run --min_lr {cfg.min_lr}", f"--min_lr {start}")
+    elif name == "WarmupDecayLR" and warm and not _same(start, 0):
+        said.append(f"the warmup rises from --learning_rate / warmup steps, not from warmup_min_lr {start}")
+    for key in ("warmup_min_lr", "warmup_min_ratio"):
+        if key in given and warm and not _same(given[key], 0) and name != "WarmupDecayLR":
+            differs(f"{key}={given[key]}: the warmup's start, this run's rises from --learning_rate / warmup steps",
+                    f"set {key} 0")
+    ratio = given.get("cos_min_ratio")
+    if isinstance(ratio, (int, float)) and not _same(ratio * cfg.learning_rate, cfg.min_lr):
+        differs(f"cos_min_ratio={ratio}: the decay's end {ratio * cfg.learning_rate:g}, this run --min_lr "
+                f"{cfg.min_lr}", f"--min_lr {ratio * cfg.learning_rate:g}")
+    log = given.get("warmup_type", "log") != "linear"  # DeepSpeed's default, and what it makes of an unknown name
+    if warm and log and "warmup_type" in given:
+        differs(f"warmup_type={given['warmup_type']}: this run's warmup is linear", 'set warmup_type "linear"')
+    elif warm and log and name in SCHEDULE_SHAPES:
+        said.append("its warmup is linear here (DeepSpeed's default warmup_type is log)")
+    if diffs:
+        raise ValueError(f"{cfg.deepspeed}: its scheduler block is not what this run trains ({'; '.join(diffs)}): this "
+                         f"run schedules each stage from its flags (or a recipe stage's own values): "
+                         f"{' and '.join(_joined(fixes))}, or drop the block (or set those values to \"auto\") to train "
+                         "as the flags say")
+    return (f"warning: {cfg.deepspeed}: its \"scheduler\" block is ignored; this run uses its own per-stage schedule "
+            f"({kind}, warmup {cfg.warmup_steps}, --learning_rate/--min_lr)" + "".join(f"; {s}" for s in said))
+
+
+def _joined(fixes: list[str]) -> list[str]:
+    """The flags to give as one command-line tail ("give --a 1 --b 2"), then the block's own edits."""
+    flags = list(dict.fromkeys(f for f in fixes if f.startswith("--")))
+    return ([f"give {' '.join(flags)}"] if flags else []) + [f for f in fixes if not f.startswith("--")]
 
 
 class _OneReplica:

@@ -327,7 +327,7 @@ class Restorer:
         check_other_run(path, self.output_dir, trainer, config or {}, resume)
         self._universal(path)  # another world size: converted now, before any engine holds memory (or exit 75/2)
         print0(f"resuming from {path} (step {state.step}, stage {state.stage})")
-        for note in resume_notes(path, trainer.get("config") or {}, config or {}):
+        for note in resume_notes(path, trainer.get("config") or {}, config or {}, trainer, comm.world()):
             print0(note)
         return state
 

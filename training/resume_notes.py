@@ -1,8 +1,9 @@
 """What a resume says about the run that wrote its checkpoint (training/restore.py's `Restorer.resume` and
 `restore_stage` print and raise them): the settings that differ from today's (one note naming them), the seed the
-current stage keeps, a finished run's folder reused for another dataset or base model (refused), and the data that
-moved under a saved data position. Pure functions of `trainer.json` (its `config`: training/config.to_dict) and the
-samplers' states; every rank holds the same copies (rank 0 read them and broadcast), so every rank decides the same.
+current stage keeps, the global batch of another data-parallel size, a finished run's folder reused for another
+dataset or base model (refused), and the data that moved under a saved data position. Pure functions of
+`trainer.json` (its `config`: training/config.to_dict) and the samplers' states; every rank holds the same copies
+(rank 0 read them and broadcast), so every rank decides the same.
 """
 
 from __future__ import annotations
@@ -82,9 +83,10 @@ def check_other_run(path: str, output_dir: str, trainer: dict, now: dict, resume
                      f"resuming it would train nothing; use another --output_dir{fresh}")
 
 
-def resume_notes(path: str, saved: dict, now: dict) -> list[str]:
-    """The notes a resume from `path` prints: the run's settings that differ (continued with today's) and the seed the
-    stage it resumes in keeps."""
+def resume_notes(path: str, saved: dict, now: dict, trainer: dict | None = None, world: int | None = None) -> list[str]:
+    """The notes a resume from `path` prints: the run's settings that differ (continued with today's), the seed the
+    stage it resumes in keeps and, given the checkpoint's `trainer` (trainer.json) and today's `world`, another global
+    batch (`batch_note`)."""
     out = []
     changed = changed_settings(saved, now)
     if changed:  # continuing with new settings is allowed (an LR, more steps); a new run in an old folder is not
@@ -95,7 +97,42 @@ def resume_notes(path: str, saved: dict, now: dict) -> list[str]:
                    f"(today's {now[k]} would repeat some of its samples and skip others); that stage's synthetic task "
                    f"samples, its RNG streams when re-seeded (another world size) and every later stage use today's "
                    f"{now[k]}")
-    return out
+    batch = None if trainer is None or world is None else batch_note(path, trainer, now, world)
+    return out + ([batch] if batch else [])
+
+
+def _today_sp(now: dict, stage: int, saved_sp: int) -> int:
+    """Today's SP degree of the stage a resume continues: the stage's own, else the run's; an "auto" one (decided with
+    the memory plan after this) taken as the checkpoint's."""
+    stages = now.get("stages") or []
+    own = stages[stage].get("sequence_parallel_size") if 0 <= stage < len(stages) and isinstance(stages[stage],
+                                                                                               dict) else None
+    sp = own if own is not None else now.get("sequence_parallel_size")
+    return sp if isinstance(sp, int) and sp >= 1 else saved_sp
+
+
+def batch_note(path: str, trainer: dict, now: dict, world: int) -> str | None:
+    """A resume on another data-parallel size (a node excluded: world 16 -> 8 at SP 8, dp 2 -> 1) goes on at another
+    global batch with the LR schedule by optimizer steps: each step averages the gradient over half the samples (its
+    noise grows, at the same LR), and a stage sized by max_steps trains half the tokens in its steps (one sized by
+    tokens or epochs takes more steps: training/curriculum.keep_stage_steps says so). Said in one line with the
+    accumulation that keeps the batch, where one does; a changed micro-batch or accumulation alone is named by
+    `resume_notes` too. None for the same global batch or a checkpoint without `world`/`sp` (written before them)."""
+    saved = trainer.get("config") or {}
+    try:
+        saved_sp = int(trainer["sp"])
+        was_dp, dp = int(trainer["world"]) // saved_sp, world // _today_sp(now, int(trainer.get("stage", 0)), saved_sp)
+        mb, ga = int(now["per_device_train_batch_size"]), int(now["gradient_accumulation_steps"])
+        was = int(saved["per_device_train_batch_size"]) * int(saved["gradient_accumulation_steps"]) * was_dp
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None
+    if was_dp == dp or was == mb * ga * dp or dp < 1:
+        return None
+    keep = was // (mb * dp) if was % (mb * dp) == 0 else None
+    return (f"note: {path}: global batch {was} -> {mb * ga * dp} samples per step (data parallel {was_dp} -> {dp}); "
+            "the LR schedule is by steps" + (f"; keep the batch with --gradient_accumulation_steps {keep}" if keep else
+                                              f"; no whole --gradient_accumulation_steps gives {was} at micro-batch "
+                                              f"{mb} x data parallel {dp}"))
 
 
 def data_moved(saved: dict, now: dict, where: str = "") -> list[str]:

@@ -473,3 +473,27 @@ def test_a_launcher_option_it_would_drop_is_one_line(tmp_path, opts):
     hosts.write_text("n0 slots=2\n")
     p = launch(["--print-only", "-H", str(hosts), "--launcher", "openmpi", "--", "--x"], tmp_path, DS_ACCELERATOR="cpu")
     assert p.returncode == 2 and "--launcher openmpi starts the ranks without RANK" in p.stderr, p.stderr
+
+
+# --- scripts/setup.sh: its arguments ---
+
+@pytest.mark.parametrize("args, code", [(["--help"], 0), (["-h"], 0), (["--with-flash"], 2), (["-h", "x"], 2)])
+def test_setup_reads_its_arguments_before_any_work(tmp_path, args, code):
+    """`bash scripts/setup.sh --help` ran the whole set-up (pip, the op builds). Run as a copy in an empty folder, with
+    stand-ins for python3 and pip that fail loudly: a set-up that starts never reaches the checkout's .venv."""
+    (tmp_path / "scripts").mkdir()
+    script = tmp_path / "scripts" / "setup.sh"
+    script.write_text(open(os.path.join(ROOT, "scripts", "setup.sh")).read())
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    for name in ("python3", "python", "pip", "pip3"):
+        (stubs / name).write_text("#!/bin/sh\necho SETUP RAN >&2\nexit 97\n")
+        (stubs / name).chmod(0o755)
+    env = clean_env(PATH=f"{stubs}:{os.environ['PATH']}", PYTHON=str(stubs / "python3"))
+    p = subprocess.run(["bash", str(script), *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30)
+    assert p.returncode == code and "SETUP RAN" not in p.stderr and not (tmp_path / ".venv").exists(), p.stderr
+    if code == 0:
+        assert p.stdout.startswith("One-command set-up") and "WITH_FLASH_ATTN" in p.stdout and not p.stderr, p.stdout
+    else:
+        assert not p.stdout and len(p.stderr.splitlines()) == 1 and f"takes no arguments, got: {' '.join(args)}" \
+            in p.stderr, p.stderr

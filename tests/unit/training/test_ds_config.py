@@ -347,11 +347,13 @@ def test_blocks_this_run_would_not_honour_are_one_line(tmp_path):
     sched = {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 3e-4, "warmup_num_steps": 2000,
                                                  "total_num_steps": 100000}}
     path = write(tmp_path, {**base, "scheduler": sched})
-    with pytest.raises(ValueError, match=r"warmup_max_lr=0.0003 is not what this run trains with \(--learning_rate "
-                                         r"2e-05, or the stage's own in a recipe\).* give 0.0003 there "
-                                         r"\(--learning_rate\) and drop the block"):
+    with pytest.raises(ValueError, match=r"its scheduler block is not what this run trains \(type WarmupDecayLR: "
+                                         r"warmup, then a linear decay .*warmup_max_lr=0.0003: this run --learning_rate "
+                                         r"2e-05; .*give --lr_scheduler linear --learning_rate 0.0003 --warmup_steps "
+                                         r"2000 --max_steps 100000, or drop the block"):
         resolve(["--deepspeed", path])
-    assert "scheduler" not in resolve(["--deepspeed", path, "--learning_rate", "3e-4", "--warmup_steps", "2000"])[1]
+    assert "scheduler" not in resolve(["--deepspeed", path, "--learning_rate", "3e-4", "--warmup_steps", "2000",
+                                       "--lr_scheduler", "linear", "--max_steps", "100000"])[1]
     ckpt = write(tmp_path, {**base, "activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True}})
     with pytest.raises(ValueError, match="activation_checkpointing block acts only through deepspeed.checkpointing"):
         resolve(["--deepspeed", ckpt])

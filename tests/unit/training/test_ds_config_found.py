@@ -210,3 +210,69 @@ def test_gradients_accumulate_in_fp32_under_bf16_and_fp16(tmp_path):
     assert "data_types" not in build(tmp_path, BASE, bf16=False)  # fp32 training: already fp32
     named = build(tmp_path, {**BASE, "data_types": {"grad_accum_dtype": "bf16"}})
     assert named["data_types"] == {"grad_accum_dtype": "bf16"}  # the JSON's choice stands
+
+
+# --- 9: scheduler blocks (dropped: each stage's own schedule, training/schedule.py) ---
+
+AUTO = "auto"
+SHIPPED = {  # pin nothing: pass, with the type's shape said in the warning
+    # transformers' docs and tests/deepspeed/ds_config_zero3.json, ds_configs/hf_zero3_offload.json
+    "hf_warmuplr": ({"type": "WarmupLR", "params": {"warmup_min_lr": AUTO, "warmup_max_lr": AUTO,
+                                                    "warmup_num_steps": AUTO}}, "constant"),
+    "hf_docs_warmupdecaylr": ({"type": "WarmupDecayLR", "params": {
+        "last_batch_iteration": -1, "total_num_steps": AUTO, "warmup_min_lr": AUTO, "warmup_max_lr": AUTO,
+        "warmup_num_steps": AUTO}}, "linear"),
+    "decay_from_0": ({"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": AUTO,
+                                                          "warmup_num_steps": AUTO, "total_num_steps": AUTO}}, "linear"),
+    "cosine_autos": ({"type": "WarmupCosineLR", "params": {"warmup_num_steps": AUTO, "total_num_steps": AUTO}}, "cosine"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_scheduler_blocks_as_shipped_train_with_their_shape_said(tmp_path, capsys, name):
+    """Hugging Face's all-"auto" blocks (and a 0 start, what its Trainer fills) pin no schedule: they pass, and the
+    warning names the flag of their type's shape where it is not the run's (it said only "ignored")."""
+    block, shape = SHIPPED[name]
+    assert "scheduler" not in build(tmp_path, {**BASE, "scheduler": block}, flags=("--warmup_steps", "5"))
+    out = capsys.readouterr().out
+    lines = [x for x in out.splitlines() if '"scheduler" block is ignored' in x]
+    assert len(lines) == 1 and "its warmup is linear here (DeepSpeed's default warmup_type is log)" in lines[0], out
+    assert (f"--lr_scheduler {shape} gives that" in lines[0]) == (shape != "cosine"), lines[0]
+    build(tmp_path, {**BASE, "scheduler": block}, flags=("--lr_scheduler", shape))
+    assert "gives that" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("params, line, flags", [
+    # WarmupLR: constant after the warmup (it trained a cosine to 0: its peak and warmup were the run's defaults)
+    ({"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 2e-5, "warmup_num_steps": 0}},
+     r"type WarmupLR: warmup, then constant, this run --lr_scheduler cosine\): .* give --lr_scheduler constant, or "
+     r"drop the block", ["--lr_scheduler", "constant"]),
+    # WarmupDecayLR to 1e-5 over 1000 steps (trained cosine to 0 over 100)
+    ({"type": "WarmupDecayLR", "params": {"warmup_min_lr": 1e-5, "warmup_max_lr": AUTO, "warmup_num_steps": AUTO,
+                                          "total_num_steps": 1000}},
+     r"total_num_steps=1000: this run --max_steps 100; warmup_min_lr=1e-05: the decay's end, this run --min_lr 0.0\)"
+     r".* give --lr_scheduler linear --max_steps 1000 --min_lr 1e-05,", ["--lr_scheduler", "linear", "--max_steps",
+                                                                         "1000", "--min_lr", "1e-5"]),
+    # WarmupCosineLR to 0.1 x lr
+    ({"type": "WarmupCosineLR", "params": {"total_num_steps": 5000, "warmup_num_steps": 0, "cos_min_ratio": 0.1,
+                                           "warmup_min_ratio": 0.0}},
+     r"cos_min_ratio=0.1: the decay's end 2e-06, this run --min_lr 0.0\).* give --max_steps 5000 --min_lr 2e-06,",
+     ["--max_steps", "5000", "--min_lr", "2e-6"]),
+    # a log warmup, a warmup from above 0: no flag does them
+    ({"type": "WarmupLR", "params": {"warmup_type": "log", "warmup_min_lr": 1e-6}},
+     r"warmup_min_lr=1e-06: the warmup's start.*warmup_type=log: this run's warmup is linear\).* set warmup_min_lr 0 "
+     r"and set warmup_type \"linear\", or drop", ["--lr_scheduler", "constant", "--warmup_steps", "0"]),
+    ({"type": "OneCycle", "params": {"cycle_min_lr": 1e-6, "cycle_max_lr": 1e-4}},
+     r"scheduler type 'OneCycle' has no counterpart here: .*drop the block", None),
+])
+def test_scheduler_blocks_of_another_schedule_are_one_line(tmp_path, params, line, flags):
+    """Each was dropped with one warning and the run trained a cosine to --min_lr 0 over --max_steps (the audit's
+    WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle): refused in one line naming the flags of its schedule; with
+    them given, it passes. A log warmup or a warmup from above 0 (nothing here does them) is refused while there is
+    a warmup."""
+    ds = {**BASE, "scheduler": params}
+    with pytest.raises(ValueError, match=line) as e:
+        build(tmp_path, ds, flags=("--warmup_steps", "5") if "warmup_type" in params["params"] else ())
+    assert "\n" not in str(e.value)
+    if flags is not None:
+        assert "scheduler" not in build(tmp_path, ds, flags=flags)

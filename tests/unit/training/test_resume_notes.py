@@ -11,7 +11,7 @@ import pytest
 
 from tests.unit.training.test_resume_branch import FakeConfig, FakeEngine
 from training.checkpoint import Checkpointer
-from training.resume_notes import check_other_run
+from training.resume_notes import batch_note, check_other_run, resume_notes
 
 OLD = {"dataset_path": "d1.jsonl", "model_name_or_path": "m1", "max_steps": 6, "num_train_epochs": None, "stages": [],
        "learning_rate": 1e-3, "seed": 0}
@@ -96,3 +96,53 @@ def test_the_seed_note_says_what_keeps_the_saved_seed(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "written with seed 0: the stage it resumes in keeps it for its data order" in out, out
     assert "every later stage use today's 7" in out and "applies to a new run" not in out, out
+
+
+BATCH = {**OLD, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 1, "sequence_parallel_size": 1}
+
+
+def test_a_resume_on_another_data_parallel_size_notes_the_global_batch():
+    """A resume with a node excluded (dp 2 -> 1) kept the LR schedule by steps at half the global batch (128 -> 64
+    tokens per step in the audit) without a word, while a changed accumulation was named: one note now, with the
+    accumulation that keeps the batch where one does (trainer.json's `world` and `sp`, today's world)."""
+    trainer = {"step": 3, "stage": 0, "world": 2, "sp": 1, "config": BATCH}
+    notes = resume_notes("ck/step_3", BATCH, BATCH, trainer, world=1)
+    assert notes == ["note: ck/step_3: global batch 2 -> 1 samples per step (data parallel 2 -> 1); the LR schedule is "
+                     "by steps; keep the batch with --gradient_accumulation_steps 2"], notes
+    assert resume_notes("ck/step_3", BATCH, BATCH, trainer, world=2) == []  # the same world: nothing
+    assert resume_notes("ck/step_3", BATCH, BATCH) == []  # no layout given (the pure settings notes)
+    # 16 ranks at SP 8 -> 8 ranks, accumulation 4: the stage's own SP degree counts, and a recipe's "auto" one is
+    # taken as the checkpoint's
+    ga4 = {**BATCH, "gradient_accumulation_steps": 4}
+    for stages in ([{"name": "a", "sequence_parallel_size": 8}], [{"name": "a", "sequence_parallel_size": "auto"}]):
+        now = {**ga4, "stages": stages}
+        note = batch_note("ck", {"stage": 0, "world": 16, "sp": 8, "config": now}, now, 8)
+        assert note.endswith("global batch 8 -> 4 samples per step (data parallel 2 -> 1); the LR schedule is by "
+                             "steps; keep the batch with --gradient_accumulation_steps 8"), note
+
+
+@pytest.mark.parametrize("trainer, now, world, said", [
+    ({"stage": 0, "world": 2, "sp": 1, "config": BATCH}, {**BATCH, "gradient_accumulation_steps": 2}, 1, None),  # kept
+    ({"stage": 0, "world": 3, "sp": 1, "config": BATCH}, BATCH, 2,  # 3 samples at dp 2: no whole accumulation
+     "global batch 3 -> 2 samples per step (data parallel 3 -> 2); the LR schedule is by steps; no whole "
+     "--gradient_accumulation_steps gives 3 at micro-batch 1 x data parallel 2"),
+    ({"stage": 0, "config": BATCH}, BATCH, 1, None),  # a checkpoint written before world / sp were recorded
+    ({"stage": 0, "world": 4, "sp": 2, "config": BATCH}, {**BATCH, "sequence_parallel_size": 4}, 4,  # SP 2 -> 4
+     "global batch 2 -> 1 samples per step (data parallel 2 -> 1)"),
+])
+def test_the_batch_note_where_the_batch_is_kept_or_cannot_be(trainer, now, world, said):
+    note = batch_note("ck", trainer, now, world)
+    assert (note is None) if said is None else (said in note and "\n" not in note), note
+
+
+def test_checkpointer_resume_prints_the_batch_note(tmp_path, capsys):
+    """The note reaches the user: Checkpointer.resume hands batch_note the checkpoint's layout and today's world (1
+    here: a checkpoint of world 2)."""
+    ga4 = {**BATCH, "gradient_accumulation_steps": 4, "max_steps": 10}
+    ck = Checkpointer(str(tmp_path), keep=2)
+    ck.save(FakeEngine(), 6, {"step": 6, "tokens": 0, "stage": 0, "model_hash": "h", "config": ga4,
+                              "stage_steps": [10], "world": 2, "sp": 1}, {"sampler": {}}, FakeConfig())
+    assert ck.resume("auto", "h", "m1", dict(ga4)).step == 6
+    out = capsys.readouterr().out
+    assert "global batch 8 -> 4 samples per step (data parallel 2 -> 1)" in out, out
+    assert "--gradient_accumulation_steps 8" in out, out
