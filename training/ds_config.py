@@ -233,7 +233,8 @@ def _check_scheduler(block, cfg: Config) -> str | None:
         if key in given and not _same(given[key], getattr(cfg, field)):
             differs(f"{key}={given[key]}: this run {flag} {getattr(cfg, field)}", f"{flag} {given[key]}")
     start = given.get("warmup_min_lr", 0)
-    if name == "WarmupDecayLR" and not _same(start, cfg.min_lr):  # its decay ends where its warmup starts
+    # its decay ends where its warmup starts; "auto" or 0 (what HF's Trainer fills) pins no end: any --min_lr
+    if name == "WarmupDecayLR" and "warmup_min_lr" in pinned and not _same(start, cfg.min_lr):
         differs(f"warmup_min_lr={start}: the decay's end, this run --min_lr {cfg.min_lr}", f"--min_lr {start}")
     elif name == "WarmupDecayLR" and warm and not _same(start, 0):
         said.append(f"the warmup rises from --learning_rate / warmup steps, not from warmup_min_lr {start}")

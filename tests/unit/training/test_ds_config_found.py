@@ -240,6 +240,9 @@ def test_scheduler_blocks_as_shipped_train_with_their_shape_said(tmp_path, capsy
     assert (f"--lr_scheduler {shape} gives that" in lines[0]) == (shape != "cosine"), lines[0]
     build(tmp_path, {**BASE, "scheduler": block}, flags=("--lr_scheduler", shape))
     assert "gives that" not in capsys.readouterr().out
+    # with a floor, as the shipped 128k -> 1M recipes set (min_lr 2e-6): an "auto" or 0 end pins none (was refused)
+    build(tmp_path, {**BASE, "scheduler": block}, flags=("--min_lr", "2e-6"))
+    build(tmp_path, {**BASE, "scheduler": block}, flags=("--lr_scheduler", shape, "--min_lr", "2e-6"))
 
 
 @pytest.mark.parametrize("params, line, flags", [
