@@ -85,7 +85,8 @@ def plan(degrees: list[int], hybrid_sp: int, heads: int, kv_heads: int) -> list[
 
 def step_summary(steps: list[dict], warmup: int) -> dict:
     """Median tokens/s over the steps after the first `warmup` (all of them when there are no more) and the max
-    peak_mem_gb over all steps, with the per-step values."""
+    peak_mem_gb over all steps, with the per-step values; a skipped step (tokens_per_s null) ran nothing: left out."""
+    steps = [r for r in steps if r.get("tokens_per_s") is not None]
     later = steps[warmup:] or steps
     return {"tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in later), 1),
             "peak_mem_gb": max(r["peak_mem_gb"] for r in steps),

@@ -53,6 +53,15 @@ def criteria(ev: list[dict], final_len: int, short_len: int) -> dict:
     return rec
 
 
+def s_per_step_by_len(steps: list[dict]) -> dict[str, float]:
+    """Mean seconds per trained step at each length. A step skipped for want of a supervised token (optimizer_skipped)
+    logs tokens_per_s null and 0 tokens: it is left out (it was a TypeError here)."""
+    timed = [r for r in steps if r.get("tokens_per_s") and r.get("tokens")]
+    return {str(n): round(sum(r["tokens"] / r["tokens_per_s"] for r in timed if r["seq_len"] == n)
+                          / max(1, sum(r["seq_len"] == n for r in timed)), 2)
+            for n in sorted({r["seq_len"] for r in timed})}
+
+
 def run_one(recipe: str, seed: int, norm: str, work: str, timeout: float) -> dict:
     out = os.path.join(work, f"seed{seed}_{norm}")
     shutil.rmtree(out, ignore_errors=True)
@@ -78,9 +87,7 @@ def run_one(recipe: str, seed: int, norm: str, work: str, timeout: float) -> dic
     ev = [json.load(open(p)) for p in evals]
     steps = read_steps(out)
     rec["peak_mem_gb"] = max((r["peak_mem_gb"] for r in steps), default=None)
-    rec["s_per_step_by_len"] = {str(n): round(sum(1 / (r["tokens_per_s"] / r["tokens"]) for r in steps if r["seq_len"] == n)
-                                              / max(1, sum(r["seq_len"] == n for r in steps)), 2)
-                                for n in sorted({r["seq_len"] for r in steps})}
+    rec["s_per_step_by_len"] = s_per_step_by_len(steps)
     rec["passkey_by_stage"] = [{"stage": e["stage_name"], **e["task_mean"]["passkey"]} for e in ev]
     return rec | criteria(ev, ev[-1]["seq_len"], ev[0]["seq_len"])
 

@@ -204,7 +204,9 @@ def read_steps(out_dir: str, records: list[dict] | None = None) -> list[dict]:
 
 
 def summarize_steps(steps: list[dict]) -> dict:
-    """Median tokens/s after the first step (start-up and first-touch allocations) and the max peak."""
+    """Median tokens/s after the first step (start-up and first-touch allocations) and the max peak. A skipped step
+    (no supervised token: tokens_per_s null, training/stage.py) ran nothing and is left out."""
+    steps = [r for r in steps if r.get("tokens_per_s") is not None]
     later = steps[1:] or steps
     return {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in later),
             "peak_mem_gb": max(r["peak_mem_gb"] for r in steps),

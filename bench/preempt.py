@@ -50,6 +50,12 @@ def _metrics(out: str) -> list[dict]:
         return [json.loads(x) for x in fh if x.strip() and '"loss"' in x]
 
 
+def step_seconds(recs: list[dict]) -> list[float]:
+    """Each trained step's seconds from its record. A step skipped for want of a supervised token (optimizer_skipped)
+    logs tokens_per_s null and 0 tokens: it has no step time (was a TypeError here)."""
+    return [r["tokens"] / r["tokens_per_s"] for r in recs if r.get("tokens_per_s") and r.get("tokens")]
+
+
 def _stamp(line: str) -> float:
     """Epoch seconds of a rank-log line ("2026-11-24 10:43:15,531 rank0 INFO ..."; local time, like asctime)."""
     day, clock = line.split()[:2]
@@ -70,8 +76,8 @@ def one_round(model: str, seq_len: int, after: int, tmp: str, rng: random.Random
                 raise RuntimeError(f"train.py exited early: {[p.poll() for p in procs]}; see {logs}")
             time.sleep(0.05)
         recs = _metrics(out)
-        step_times = [r["tokens"] / r["tokens_per_s"] for r in recs[1:]]  # the first step allocates Adam states
-        step_s = statistics.median(step_times)
+        step_times = step_seconds(recs[1:])  # the first step allocates Adam states
+        step_s = statistics.median(step_times or [0.0])
         since_log = time.time() - recs[-1]["time"]
         time.sleep(max(0.0, rng.uniform(0, step_s) - since_log))
         t0 = time.time()

@@ -1,7 +1,8 @@
 """A Hugging Face hub id (`meta-llama/Meta-Llama-3-8B`) resolved offline to its folder in the local hub cache.
 
-Compute nodes are usually offline with a cache filled beforehand (`huggingface-cli download <id>` / `hf download
-<id>` on a login node). Nothing here downloads: the id is looked up in huggingface_hub's cache layout,
+Compute nodes are usually offline with a cache filled beforehand (`hf download <id>` on a login node; the pinned
+huggingface_hub installs `hf` only, no `huggingface-cli`). Nothing here downloads: the id is looked up in
+huggingface_hub's cache layout,
 
     $HF_HUB_CACHE (else $HF_HOME/hub, else $XDG_CACHE_HOME/huggingface/hub, else ~/.cache/huggingface/hub)
         models--<org>--<name>/refs/main            the commit the cache's `main` points at
@@ -42,7 +43,7 @@ def looks_like_hub_id(name: str) -> bool:
 
 
 def _download_hint(hub_id: str, where: str) -> str:
-    return (f"download it where the nodes read it: `huggingface-cli download {hub_id}` (or `hf download {hub_id}`) "
+    return (f"download it where the nodes read it: `hf download {hub_id}` "
             f"with HF_HOME / HF_HUB_CACHE as the job sets them (looked in {where}; nothing is downloaded here)")
 
 
@@ -133,5 +134,5 @@ def check_same_snapshot(folder: str) -> None:
     first = next((r for r, c in enumerate(got) if c != got[0]), None)
     if first is not None:
         raise ValueError(f"--model_name_or_path: rank 0 reads {got[0]} from its Hugging Face cache but rank {first} "
-                         f"reads {got[first]}: fill every node's cache with the same revision (`huggingface-cli "
-                         f"download <id> --revision <commit>`) or pass one snapshot folder every node reads")
+                         f"reads {got[first]}: fill every node's cache with the same revision (`hf download "
+                         f"<id> --revision <commit>`) or pass one snapshot folder every node reads")

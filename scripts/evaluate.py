@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import sys
@@ -264,7 +265,7 @@ def evaluate_model(src: dict, a: argparse.Namespace, s: dict, dims) -> dict:
     from base.log import print0
     from training.checkpoint import Checkpointer
     from training.config import config_from_dict
-    from training.engine import build_engine
+    from training.engine import build_engine, release_engine, return_cached_memory
     from training.evaluation import evaluate_tasks
 
     t0 = time.perf_counter()
@@ -288,7 +289,13 @@ def evaluate_model(src: dict, a: argparse.Namespace, s: dict, dims) -> dict:
                          s["lengths"], src["chat_enc"])
     if src.get("heldout") is not None:
         out.update(heldout_loss(engine, dims, a.micro_batch, src["tok"].pad_id, src["heldout"], max(s["lengths"])))
-    engine.destroy()
+    # released as a stage's engine is (training/stage.py): destroy() alone left the model on DeepSpeed's module stack
+    # and in its coordinator's class-level cache, so --compare built the second model next to the first one's
+    # partitions, CPU Adam state and offload buffers: +0.9 GB RSS at 56M parameters (~16 bytes each), ~125 GB at 8B
+    release_engine(engine)
+    del engine
+    gc.collect()  # the engine, its model and optimizer reference each other: the cycle is freed now
+    return_cached_memory()
     rope = src["hf_config"].rope_parameters
     said = [f"{t} {m}" for t, m in out["task_mean"].items()]
     if "heldout_chat_tokens" in out:  # only with --heldout (a KeyError on every plain run once); none: nothing scored

@@ -34,7 +34,7 @@ import yaml
 from base.parallel import split_sp
 from planner.auto_features import GPU_RESERVED, HEADROOM, gpu_budget
 from planner.cluster import RUNTIME_HOST_GIB, Planner, _int_or_auto, _valid_splits, split_label
-from planner.flops import flops_per_sequence, tokens_per_sec_per_gpu
+from planner.flops import attention_flops, flops_per_sequence, tokens_per_sec_per_gpu
 from planner.memory_model import Estimate, Features, GiB, ModelShape, load_shape, parse_seq_len
 from planner.shapes import ROPE_MAX_POSITIONS
 from planner.step_time import HOUR_S, KERNEL_TFLOPS, MEASURED, TRAINABLE_S, duration, measured_mfu, step_time
@@ -158,12 +158,12 @@ def plan_one(pl: Planner, seq_len: int, eval_len: int = 0) -> dict:
     recipe = dict(model_name_or_path=model_path, deepspeed=ds_file, bf16=args.precision == "bf16",
                   **{k: getattr(feats, k) for k in ALST}, stages=[stage])
     flops = flops_per_sequence(shape, seq_len)
-    attn = 6.0 * shape.num_layers * shape.num_heads * shape.head_dim * seq_len**2
+    attn = attention_flops(shape, seq_len)  # a windowed layer counts the share of a full one its window computes
     tps = tokens_per_sec_per_gpu(shape, seq_len, args.mfu, args.gpu_tflops)
     out = dict(seq_len=seq_len, candidates=rows, fitting_sp=fitting, recommended_sp=best["sp"] if fitting else None,
                recommended_split=[best["sp"], best["ulysses"], best["cp"]] if fitting else None,
                deepspeed_config=ds_file, deepspeed_overrides=overrides, recipe=recipe,
-               throughput=dict(formula="6*N_matmul*s + 6*L*nh*d*s^2 (causal) FLOPs per sequence",
+               throughput=dict(formula="6*N_matmul*s + 6*L_eff*nh*d*s^2 (causal; windows counted) FLOPs per sequence",
                                flops_per_sequence=flops, attention_share=attn / flops, mfu=args.mfu,
                                gpu_tflops=args.gpu_tflops, tokens_per_sec_per_gpu=tps,
                                seconds_per_sequence=seq_len / (tps * best["sp"]), at_sp=best["sp"]),

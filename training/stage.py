@@ -64,8 +64,9 @@ def train_stage(run: Run, stage, stages, state: TrainState) -> None:
     """Train `stage` from `state` to the stage's end and evaluate it; `state` follows every step and save. On an
     agreed stop it returns right after the save, with `run.preempt.stopping` set."""
     cfg, dims, preempt = run.cfg, run.dims, run.preempt
-    end = stage_start(stages, stage.index) + stage.max_steps
-    run.metrics.begin_stage(end)
+    start = stage_start(stages, stage.index)
+    end = start + stage.max_steps
+    run.metrics.begin_stage(end, start=start)  # a resumed stage's bar counts from the stage's first step
     t_build = time.perf_counter()
     progress.mark(state.step, "build")  # never judged a hang: a restore or a conversion may hold the ranks for hours
     reset_peak_memory()  # peak_mem_gb is this stage's own

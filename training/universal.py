@@ -39,7 +39,9 @@ estimate is at least that), exit 75. An output dir this job cannot write: exit 2
 Cost at target scale (Llama-3-8B, 32 ranks, ZeRO-3): the checkpoint is ~100 GB, of which 96 GB are fp32 master
 weights and Adam moments in 32 partitions. ds_to_universal reads them (96 GB), writes one fragment per parameter, state
 and partition (291 x 3 x 32 = 28k files, 96 GB), reads them back and writes the merged tensors (96 GB): ~390 GB of
-I/O from one node, and ~100 GB more on disk in the converting run's output dir (its quota, not the source's). At
+I/O from one node. On disk in the converting run's output dir (its quota, not the source's) the fragments stay until
+the merged tensors and rank 0's whole optimizer file (1/W) are written: (2 + 1/W)x the checkpoint at the peak, ~203
+GB here, ~(1 + 1/W)x (~103 GB) kept; a conversion is refused before it starts without that room (`prepare`). At
 1-2 GB/s to a parallel file system that is 3-7 minutes; at the 149 MB/s per node measured for saves here
 (docs/results/checkpoints.md) about 45 minutes. The guess, 50 MB/s of checkpoint bytes (~200 MB/s of I/O), says 33
 minutes until the first measurement. A second job branching from the same source waits instead of adding another
@@ -257,6 +259,19 @@ def bound(where: str, keep: set[str], remove=None) -> None:
 DISK_MARGIN = 1.05  # as a save's room check (training/checkpoint.py)
 
 
+def conversion_peak_bytes(nbytes: int, saved_world: int | None) -> float:
+    """The most ds_to_universal (deepspeed 0.19.8, ZeRO-3 path of `main`) holds on disk while converting a checkpoint
+    of `nbytes` written by `saved_world` ranks: every fragment under <output>/tmp (1x), then the merged zero/* (1x),
+    then zero/optimizer_state.pt (rank 0's whole optimizer file, 1/W) before tmp is deleted at the very end: (2 + 1/W)x
+    (measured 2.50x at W=2). An unknown world counts as 1 (3x, the most)."""
+    return nbytes * (2 + 1 / max(saved_world or 1, 1))
+
+
+def conversion_kept_bytes(nbytes: int, saved_world: int | None) -> float:
+    """What the finished conversion keeps: the merged tensors and optimizer_state.pt, (1 + 1/W)x the checkpoint."""
+    return nbytes * (1 + 1 / max(saved_world or 1, 1))
+
+
 def tree_bytes(folder: str) -> int:
     """Bytes of the files under `folder` (0 when there is none). The trash thread deletes them meanwhile: a file gone
     between the listing and its stat counts 0 (it was a FileNotFoundError on rank 0, a clean clone's test caught it)."""
@@ -302,9 +317,11 @@ def prepare(ckpt: str, saved_world: int, world: int | None, output_dir: str, dea
     manifest = read_json(os.path.join(ckpt, MANIFEST)).get("json") or {}
     nbytes = sum(int(e["size"]) for e in manifest.get("files", {}).values())
     room = shutil.disk_usage(where).free + tree_bytes(os.path.join(output_dir, "checkpoints", ".trash"))
-    if nbytes * DISK_MARGIN > room:  # its output is about the source's size: a full disk half-way lost the hour
+    peak = conversion_peak_bytes(nbytes, saved_world) * DISK_MARGIN  # a full disk half-way lost the hour
+    if peak > room:
         return {"refuse": f"checkpoint {ckpt} (written by {saved_world} ranks) needs a universal conversion for "
-                          f"{world} ranks of ~{nbytes * DISK_MARGIN / 1e9:.1f} GB under {where}, {room / 1e9:.1f} GB "
+                          f"{world} ranks of ~{peak / 1e9:.1f} GB under {where} while it converts (~"
+                          f"{conversion_kept_bytes(nbytes, saved_world) / 1e9:.1f} GB kept), {room / 1e9:.1f} GB "
                           "free there: free space, give --output_dir a larger file system, or resume with "
                           f"{saved_world} ranks"}
     est = estimate_s(nbytes, _measured(where))

@@ -87,6 +87,54 @@ def test_the_plainest_run(tmp_path):
     assert "evaluated " in p.stdout + p.stderr and (tmp_path / "summary.md").is_file()
 
 
+def test_compare_frees_the_first_model_before_building_the_second(tmp_path, monkeypatch):
+    """--compare in this process (a world of one, ~8 s): the first model's engine, model and optimizer are dead when
+    the second is built and after the run. destroy() alone left them on DeepSpeed's module stack and in its
+    coordinator's cache (training/engine.release_engine): the second model was built next to the first's host state."""
+    import gc
+    import socket
+    import weakref
+
+    import training.engine as te
+    from scripts import evaluate
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}.items():
+        monkeypatch.setenv(k, v)
+    refs, alive_at_build, build = [], [], te.build_engine
+
+    def watched(*args, **kwargs):
+        gc.collect()
+        alive_at_build.append([r() is not None for r in refs])
+        engine = build(*args, **kwargs)
+        refs.extend(weakref.ref(o) for o in (engine, engine.module, engine.optimizer))
+        return engine
+
+    monkeypatch.setattr(te, "build_engine", watched)
+    from deepspeed.utils import logger as ds_logger
+
+    from base import log
+
+    loggers = {lg: list(lg.handlers) for lg in (log._RANK_LOG, ds_logger)}  # main opens this rank's log file on them
+    monkeypatch.setattr(log._RANK_LOG, "propagate", log._RANK_LOG.propagate)
+    base = os.path.join(ROOT, "recipes/base/tiny_passkey256")
+    try:
+        assert evaluate.main([base, "--compare", base, "--lengths", "256", "--tasks", "passkey:1", "--depths", "0.5",
+                              "--output_dir", str(tmp_path)]) == 0
+    finally:
+        for lg, kept in loggers.items():
+            for h in [h for h in lg.handlers if h not in kept]:
+                lg.removeHandler(h)
+                h.close()
+    gc.collect()
+    assert alive_at_build == [[], [False] * 3] and len(refs) == 6
+    assert [r() is not None for r in refs] == [False] * 6
+    assert len(json.loads((tmp_path / "eval.json").read_text())["models"]) == 2
+
+
 @pytest.mark.parametrize("args, message", [
     (["missing_model", "--lengths", "256"], "MODEL missing_model: not a local folder, a preset, nor in the local "
                                             "Hugging Face cache"),  # as train.py says it: a name may be a hub id

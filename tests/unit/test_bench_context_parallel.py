@@ -22,6 +22,8 @@ def test_step_summary_leaves_out_warmup_and_keeps_the_max_peak():
     s = bcp.step_summary(steps, warmup=2)
     assert s["tokens_per_s"] == 900 and s["peak_mem_gb"] == 0.6 and len(s["step_tokens_per_s"]) == 5
     assert bcp.step_summary(steps[:2], warmup=2)["tokens_per_s"] == 200  # too few: all of them
+    skipped = {"tokens_per_s": None, "peak_mem_gb": 0.1, "optimizer_skipped": True}  # ran nothing (training/stage.py)
+    assert bcp.step_summary([*steps[:3], skipped, *steps[3:]], warmup=2) == s
 
 
 def test_other_cpu_share():

@@ -253,3 +253,18 @@ def test_the_ladders_pruner_makes_a_last_pass_after_the_launch(tmp_path):
     stop.set()
     t.join(10)
     assert gone == ["step_000002"] and not t.is_alive(), gone
+
+
+def test_step_times_leave_out_a_skipped_step():
+    """A step with no supervised token logs tokens_per_s null and 0 tokens (training/stage.py): bench/preempt.py's and
+    bench/extend_seeds.py's step times divided by it (TypeError). It is left out; an fp16 overflow skip ran: kept."""
+    from bench.extend_seeds import s_per_step_by_len
+    from bench.preempt import step_seconds
+
+    recs = [{"seq_len": 256, "tokens": 512, "tokens_per_s": 256.0},
+            {"seq_len": 256, "tokens": 0, "tokens_per_s": None, "optimizer_skipped": True},
+            {"seq_len": 256, "tokens": 512, "tokens_per_s": 128.0, "optimizer_skipped": "overflow"},
+            {"seq_len": 512, "tokens": 1024, "tokens_per_s": 1024.0}]
+    assert step_seconds(recs) == [2.0, 4.0, 1.0]
+    assert s_per_step_by_len(recs) == {"256": 3.0, "512": 1.0}
+    assert s_per_step_by_len(recs[1:2]) == {} and step_seconds(recs[1:2]) == []

@@ -305,6 +305,21 @@ def test_flops_and_throughput_by_hand():
     assert tokens_per_sec_per_gpu(TOY, 100, 0.5, 1.0) == pytest.approx(100 * 0.5e12 / 95_385_600)
 
 
+def test_the_plans_attention_share_counts_windowed_layers(tmp_path):
+    """plan.py's attention_share was 6*L*nh*d*s^2 over the FLOPs, every layer full, while flops_per_sequence counts
+    a windowed layer at its window's share: with a 4k window at 128k (Mistral's rule: every layer) it said 2.01, more
+    than all the FLOPs, for 0.12. Now the planner's attention_flops."""
+    from planner.flops import attention_flops
+    from planner.presets import PRESETS
+
+    (tmp_path / "config.json").write_text(json.dumps(dict(PRESETS["llama3-8b"], model_type="mistral",
+                                                          architectures=["MistralForCausalLM"], sliding_window=4096)))
+    shape, n = load_shape(str(tmp_path)), 131072
+    got = plan.plan(["--model", str(tmp_path), "--seq_len", "128k"])["plans"][0]["throughput"]
+    assert got["attention_share"] == pytest.approx(attention_flops(shape, n) / flops_per_sequence(shape, n))
+    assert got["flops_per_sequence"] == flops_per_sequence(shape, n) and 0.12 < got["attention_share"] < 0.13
+
+
 def test_predict_peak_bytes_for_tiny_models_on_cpu():
     for name in ("tiny-llama", "tiny-qwen2"):
         p1 = predict_peak_bytes(name, 2048, 1, features=None)

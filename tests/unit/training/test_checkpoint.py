@@ -371,6 +371,28 @@ def test_export_names_the_checkpoint_it_was_given(tmp_path, capsys, given, why):
     assert len(err) == 1 and err[0].startswith(f"error: --checkpoint {path}: not a complete checkpoint") and why in err[0]
 
 
+def test_export_verifies_the_newest_checkpoint_once(tmp_path, monkeypatch):
+    """scripts/export_hf.py RUN: find_resume("auto") verifies the newest checkpoint (every byte's CRC) and the export
+    verified it again: 2 x 96 GB read at Llama-3-8B. Once now; a --checkpoint named is verified (once)."""
+    import importlib.util
+
+    from training.restore import Restorer
+
+    spec = importlib.util.spec_from_file_location("export_hf", os.path.join(ROOT, "scripts", "export_hf.py"))
+    export = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(export)
+    ck = Checkpointer(str(tmp_path), keep=3)
+    path = save(ck, 2)
+    seen, verify = [], Restorer.verify
+    monkeypatch.setattr(Restorer, "verify", lambda self, p: seen.append(p) or verify(self, p))
+    monkeypatch.setattr(export, "export_hf", lambda src, out, *a, **k: out)
+    assert export.main([str(tmp_path), "--tokenizer", "none", "--source", "none"]) == 0
+    assert seen == [path]
+    seen.clear()
+    assert export.main([str(tmp_path), "--checkpoint", path, "--tokenizer", "none", "--source", "none"]) == 0
+    assert seen == [path]
+
+
 def test_a_resume_with_a_new_learning_rate_takes_it(tmp_path):
     """train.py resumed with --learning_rate 1e-4 after a run at 1e-3 (lowering it after a loss spike): the saved
     schedule's state (LambdaLR's base_lrs) brought 1e-3 back, and the note said today's settings apply. Now the

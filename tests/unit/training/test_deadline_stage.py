@@ -88,14 +88,15 @@ def test_the_stage_loop_scales_the_step_for_the_next_stage(monkeypatch):
     stub_stage(monkeypatch, torch.nn.Linear(1, 1, bias=False), train_step=step)
     cfg = types.SimpleNamespace(seed=0, per_device_train_batch_size=1, gradient_accumulation_steps=1, save_steps=0,
                                 async_save=False, loss_weighting=None, output_dir="/unused")
-    flag = PreemptionFlag(None, Deadline(0.0, now=clock.t), save_every_s=0)
+    flag, begun = PreemptionFlag(None, Deadline(0.0, now=clock.t), save_every_s=0), []
+    metrics = types.SimpleNamespace(log=lambda r: None, run_id=None, begin_stage=lambda end, start=None: begun.append(
+        (start, end)))
     run = stage_mod.Run(cfg, ParallelDims(world=32, sp=8, rank=0, local_rank=0), stub_data(heldout=lambda *a: None),
-                        SimCheckpointer(clock), types.SimpleNamespace(log=lambda r: None, run_id=None,
-                                                                      begin_stage=lambda end: None),
-                        flag, llama3_8b(), "sdpa", False)
+                        SimCheckpointer(clock), metrics, flag, llama3_8b(), "sdpa", False)
     stages, state = [stage(0, 512 * K), stage(1, 1024 * K)], TrainState()
     stage_mod.train_stage(run, stages[0], stages, state)
     assert flag.deadline.step_s == pytest.approx(102.0 * 3.80, rel=0.01)
     step_s[0] = 380.0
     stage_mod.train_stage(run, stages[1], stages, state)
     assert flag.deadline.step_s == 380.0 and state.step == 4
+    assert begun == [(0, 2), (2, 4)]  # each stage's bar from its first step (a resumed stage's too: training/metrics)

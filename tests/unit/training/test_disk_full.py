@@ -240,7 +240,16 @@ def test_a_universal_conversion_that_cannot_fit_is_refused_before_it_starts(tmp_
     monkeypatch.setattr(universal, "convert", lambda *a, **k: pytest.fail("started"))
     free(monkeypatch, 2 * 10**9)
     got = universal.prepare(str(src), 4, 2, str(tmp_path / "run"))
-    assert "~3.1 GB under" in got["refuse"] and "2.0 GB free there" in got["refuse"]
+    assert "~7.1 GB under" in got["refuse"] and "2.0 GB free there" in got["refuse"]
+    # ds_to_universal keeps every fragment (1x) until the merged tensors (1x) and rank 0's optimizer file (1/4) are
+    # written: (2 + 1/4) x 3 GB x 1.05 at the peak. Room for the output alone (was the check: 3.15 GB) is refused
+    free(monkeypatch, 5 * 10**9)
+    got = universal.prepare(str(src), 4, 2, str(tmp_path / "run"))
+    assert "~7.1 GB under" in got["refuse"] and "while it converts (~3.8 GB kept), 5.0 GB free" in got["refuse"]
+    monkeypatch.setattr(universal, "convert", lambda *a, **k: {"files": {}})
+    free(monkeypatch, 7 * 10**9 + 10**8)
+    assert universal.prepare(str(src), 4, 2, str(tmp_path / "run"))["files"] == {}
+    assert universal.conversion_peak_bytes(100, 2) == 250 and universal.conversion_peak_bytes(100, None) == 300
 
 
 # ---------------------------------------------------------------- item 7: eval/summary.md whole or not at all

@@ -272,7 +272,7 @@ def test_the_bars_eta_is_the_stages(tmp_path, monkeypatch, resume_step, start):
     for end, last, secs in ((10, 10, 1.0), (20, 17, 8.0)):  # stage 0: 1 s a step; stage 1 (8x the length): 8 s
         if resume_step >= end:
             continue
-        m.begin_stage(end) if start is None or end == 10 else m.begin_stage(end, start)  # train_stage's call: (end)
+        m.begin_stage(end) if start is None or end == 10 else m.begin_stage(end, start)  # train_stage's: (end, start)
         clock[0] += 100.0  # the stage's engine build
         for s in range(max(end - 9, resume_step + 1), last + 1):
             clock[0] += secs
