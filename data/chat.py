@@ -61,9 +61,10 @@ Cost: tokenizing is linear in the conversation. It is tokenized once; each prefi
 (data/chat_views.py: a Hugging Face tokenizer splits control tokens out first, so a prefix's tokens up to the last
 control token it shares with the conversation are the conversation's; only the short rest is tokenized). Before,
 each prefix was tokenized whole: turns x length (a 1M-token conversation of 100 messages: 206 s, now 3 s). The
-template is still rendered per prefix as text (~12 us x messages^2: 1,000 messages ~10-30 s). A tokenizer without
-offsets takes the exact path (every prefix tokenized whole). Preparation is offline and parallel (`prepare_data
---workers N`), so the training job pays nothing. The mask is stored as one uint8 per token beside the tokens
+template is still rendered per prefix as text, quadratic: ~8 us x messages^2 (measured: 1,000 messages ~5 s, 5,000
+~213 s a row; `{% generation %}` markers are linear, ~10 us a token: prepare_data warns of such rows, `prefix_costly`,
+docs/sft.md). A tokenizer without offsets takes the exact path (every prefix tokenized whole). Preparation is
+offline and parallel (`prepare_data --workers N`), so the training job pays nothing. The mask is stored as one uint8 per token beside the tokens
 (data/store.py). The sweep over every family's template: `python -m data.chat_sweep` (docs/sft.md).
 """
 
@@ -87,6 +88,23 @@ from data.ids_rows import MASKED
 LOSS_ON = ("auto", "assistant", "completion", "all")
 _PROBE = [{"role": "user", "content": "Probe question one?"}, {"role": "assistant", "content": "Probe answer one."},
           {"role": "user", "content": "Probe question two?"}, {"role": "assistant", "content": "Probe answer two."}]
+
+
+def prefix_costly(messages: int, tokens: int) -> bool:
+    """Whether a conversation whose replies were found by prefix renders (`prefix_messages` in encode's stats) is one
+    prepare_data warns of: its renders, ~8 us x messages^2, cost >= 2 s and more than a template with `{% generation %}`
+    markers would (linear: ~10 us a token; measured, docs/sft.md)."""
+    return messages >= 500 and 8 * messages * messages > 10 * tokens
+
+
+def prefix_cost_note(where: str, messages: int, tokens: int) -> str:
+    """prepare_data's one warning of the costliest such row (said once, where the first one is encoded)."""
+    return (f"warning: {where}: a conversation of {messages} messages, its replies found by rendering the template "
+            f"once per reply's prefix (it has no {{% generation %}} markers): ~8 us x messages^2 of CPU, "
+            f"~{8e-6 * messages ** 2:.1f} s for this row (measured: 1,000 messages ~5 s, 5,000 ~213 s), said once; a "
+            f"template with the markers is linear, ~{1e-5 * tokens:.1f} s for its {tokens} tokens: a tokenizer folder "
+            "whose chat_template.jinja has them (TRL's training templates: qwen2_5_training.jinja ...), or "
+            "--chat_template chatml for a ChatML model (its default has them); docs/sft.md")
 
 
 class ChatEncoder:
@@ -252,13 +270,14 @@ class ChatEncoder:
             return ids, np.ones(len(ids), np.uint8), {"untrained_turns": 0, "no_stop_rows": self._no_stop(ids, conv, end),
                                                       "rewritten_arguments": rewritten, "flagged_turns": 0,
                                                       "dropped_reasoning": 0, "chatml_rows": int(self.default or self.kind == "chatml")}
-        why = {}
+        why, located = {}, self.kind == "prefix"  # turns found by prefix renders: ~messages^2 (prepare_data warns)
         if self.kind == "chatml":
             ids, spans = self._chatml(conv)
         elif self.kind == "markers":
             ids, spans = self._markers(conv, tools)
             if spans is None:  # the markers do not give one run per assistant turn: find the turns by prefixes
                 ids, spans, why = locate(self, as_rendered(self, conv, tools), wanted, tools)
+                located = True
             else:
                 self._tool_calls_shown(conv, wanted, {k: ids[a:b] for k, (a, b) in spans.items()})
                 why = {k: w for k in wanted if (w := self._eot_text(conv, k))}
@@ -288,7 +307,8 @@ class ChatEncoder:
                            "no_stop_rows": self._no_stop(ids, conv, last[1] if last else None),
                            "rewritten_arguments": rewritten, "flagged_turns": flagged,
                            "dropped_reasoning": dropped(self, ids, spans, conv), **history,
-                           "chatml_rows": int(self.default or self.kind == "chatml")}
+                           "chatml_rows": int(self.default or self.kind == "chatml"),
+                           "prefix_messages": len(conv) if located else 0}
 
     def _no_stop(self, ids: list[int], conv: list[dict], end: int | None) -> int:
         """1 where the conversation ends with a reply trained up to `end` and no control token ends it: the template

@@ -281,7 +281,8 @@ class ConvPack:
     filled 0.75 of 64k samples for LongAlign-like lengths and 0.77 of 128k samples for 90% short / 10% 30k-100k
     chats; best-fit 0.96-0.99 (bench/packing.py, docs/data.md). A text document longer than `seq_len` (its every
     token a target: an SFT stage's pretraining replay, a `long*` component kept for retention) is split into pieces
-    of `seq_len`, as a text stage splits it (`split`; it was cut to its head, the same head every epoch). A
+    of `seq_len`, as a text stage splits it (`split`; it was cut to its head, the same head every epoch); so is a
+    conversation prepared with `--loss_on all`, whose mask is a text's (the stage note names them by the manifest). A
     conversation longer than `seq_len` is cut to its first `seq_len` tokens, alone in its sample; one whose targets
     (mask 1 at positions 1..seq_len-1) were all cut is dropped (`dropped`), the others cut are counted (`truncated`). The tail of a sample is padding (`pad_id`, no
     label) cut into documents of at most PAD_PIECE tokens, so under document masking it costs tail x PAD_PIECE, not

@@ -249,11 +249,16 @@ class RunData:
         if any(isinstance(p, ConvPack) for p in packs):  # which packing the samples' indices name (a resume says a change)
             sampler.packing = next(p for p in packs if isinstance(p, ConvPack)).state_dict()["packing"]
         cut = [p for p in packs if isinstance(p, ConvPack) and (p.truncated or p.dropped or p.split)]
-        if cut:
+        if cut:  # a conversation under --loss_on all has a text's mask (all ones): split alike, named by the manifest
+            m = self.prepared.manifest
+            convs = m.get("chat_docs", 0) if m.get("loss_on") == "all" else 0
+            split = ("longer text document(s)" if not convs else "conversation(s) under --loss_on all (every token a "
+                     "target, as a text's)" if convs >= m.get("n_docs", 0) else "longer text document(s) or "
+                     "conversation(s) under --loss_on all (every token a target: alike)")
             print0(f"stage {stage.index} ({stage.name}) at {stage.max_seq_length}: {sum(p.truncated for p in cut)} "
                    f"conversation(s) cut to the length, {sum(p.dropped for p in cut)} dropped (every supervised token "
                    f"was past the cut), {sum(p.lost_targets for p in cut)} supervised token(s) past the cuts not "
-                   f"trained, {sum(p.split for p in cut)} longer text document(s) split into pieces")
+                   f"trained, {sum(p.split for p in cut)} {split} split into pieces")
         if mix is not None and all(isinstance(p, ConvPack) for p in packs):  # each component packed alone: its
             fills = [p.fill() for p in packs]  # weight is a share of samples, padding included (said, not changed)
             real = [w * f for w, f in zip(weights, fills)]

@@ -7,9 +7,10 @@
     python scripts/prepare_data.py --output data/prep --merge
 
 Streaming: the reading process groups rows into batches (`--batch_docs` rows, 1 MB of rows, or 1 MB of work: ~1 s of
-a worker, `row_cost`: a chat row's bytes plus what its template renders add per message) and keeps at most
-2 x workers batches in flight; workers parse, tokenize and check each batch; the reading process appends the
-results, in input order, to the current chunk file. Peak memory is the batches in flight, not the corpus. A chunk
+a worker, `row_cost`: a chat row's bytes plus what its template renders add per message) and keeps up to
+16 x workers batches in flight; workers parse, tokenize and check each batch; the reading process appends the
+results, in input order, to the current chunk file, those finished early held up to 1 GiB (data/prepare_pool.py:
+a slow batch leaves no worker idle). Peak memory is the batches in flight, not the corpus. A chunk
 (`--chunk_tokens`) is committed by its record file after its data is fsynced; a killed run resumes after the last
 committed chunk (same command), and `manifest.json` is written last, so a folder without it is never read as data.
 """
@@ -22,13 +23,16 @@ import multiprocessing as mp
 import os
 import sys
 import time
-from collections import Counter, deque
+from collections import Counter
 
 import numpy as np
 
 from data import output_lock, packing, store
+from data.chat import prefix_cost_note, prefix_costly
 from data.chat_template import training_switch
+from data.ids_rows import MASKED
 from data.prepare_args import DEFAULT_BATCH_DOCS, DEFAULT_CHUNK_TOKENS, TEXT_SPECIALS, parser, specials_note
+from data.prepare_pool import run_ordered
 from data.readers import Fields, Unit, discover, iter_rows, parse_item
 
 CHAT_STATS = ("chat_docs", "supervised_tokens", "untrained_turns", "no_stop_rows",  # per shard, summed in the manifest
@@ -52,7 +56,7 @@ def _init_worker(tokenizer_path: str | None, fields: Fields, vocab_bound: int, e
 
     tok = Tokenizer(tokenizer_path) if tokenizer_path else None
     _W.update(tok=tok, fields=fields, bound=vocab_bound, eos=eos_id, dtype=np.dtype(dtype), specials=text_specials,
-              chat=ChatEncoder(tok, loss_on, chat_template) if tok else None)
+              chat=ChatEncoder(tok, loss_on, chat_template) if tok else None, loss_on=loss_on)
 
 
 def _tokenize_batch(items: list[tuple[int, int, object]]) -> dict:
@@ -62,20 +66,24 @@ def _tokenize_batch(items: list[tuple[int, int, object]]) -> dict:
     from data.chat import RowError
 
     fields, tok, eos, bound = _W["fields"], _W["tok"], _W["eos"], _W["bound"]
-    docs, bad, masks, chat = [], [], {}, dict.fromkeys(STATS, 0)
+    docs, bad, masks, chat, long = [], [], {}, dict.fromkeys(STATS, 0), None
     for u, row, item in items:
         value, src, err = parse_item(item, fields)
-        if err is None and isinstance(value, str | dict) and tok is None:
+        if err is None and tok is None and (isinstance(value, str) or isinstance(value, dict) and MASKED not in value):
             err = "a text or chat document needs a tokenizer (--tokenizer_name_or_path), or give input_ids"
         if err is None and isinstance(value, dict):
-            try:
-                value, masks[len(docs)], st = _W["chat"].encode(value)
+            try:  # no tokenizer: only ids with their own loss mask get here (assistant_masks ...: data/ids_rows.py)
+                value, masks[len(docs)], st = _W["chat"].encode(value) if tok else (*value[MASKED], {})
+                if tok is None and _W["loss_on"] == "all":  # as ChatEncoder.encode reads them: every token a target
+                    masks[len(docs)] = np.ones(len(value), np.uint8)
             except RowError as e:
                 err = f"chat row: {e}"
             else:
                 chat["chat_docs"] += 1
                 for k in CHAT_STATS[2:]:  # the encoder's counts (chat_docs above, supervised_tokens below)
                     chat[k] += st.get(k, 0)
+                if prefix_costly(m := st.get("prefix_messages", 0), len(value)) and m > (long or (0, 0, 0))[2]:
+                    long = (u, row, m, len(value))  # the batch's longest: warned of once (prefix_cost_note)
         if err:
             bad.append((u, row, err))
         else:
@@ -115,7 +123,7 @@ def _tokenize_batch(items: list[tuple[int, int, object]]) -> dict:
     flat = np.concatenate(arrays).astype(_W["dtype"]) if arrays else np.zeros(0, _W["dtype"])
     mask = np.concatenate(mask_parts) if masks and mask_parts else None  # None: every token a target (text only)
     return {"tokens": flat, "mask": mask, "lens": lens, "srcs": srcs, "bad": sorted(bad, key=lambda b: b[:2]),
-            "empty": empty, "max_id": max_id, "last": items[-1][:2], "chat": chat}
+            "empty": empty, "max_id": max_id, "last": items[-1][:2], "chat": chat, "long": long}
 
 
 # ------------------------------------------------------------------ the reading/writing process
@@ -301,11 +309,14 @@ def _run_shard(units, out, i_shard, done, tokenizer, fields, bound, eos, dtype, 
     if pool is None:
         _init_worker(*init)
     t0, last_log, tokens_here = time.time(), time.time(), 0
-    sourced = 0  # rows whose --source_field named their source (none at all: a typo? said at the end)
+    sourced, slow = 0, 0  # rows whose --source_field named their source (none at all: a typo? said at the end)
 
     def consume(res):
-        nonlocal last_log, tokens_here, sourced
+        nonlocal last_log, tokens_here, sourced, slow
         sourced += sum(s is not None for _, s in res["srcs"])
+        if res["long"] and not slow:  # once: the costliest rows, of a template without markers (data/chat.py)
+            slow = 1
+            log(prefix_cost_note(units[res["long"][0]].where(res["long"][1]), *res["long"][2:]))
         for u, row, err in res["bad"]:
             if not skip_bad_rows:
                 # a text under another field or nested (data/readers.py names the fix): skipping would drop every row
@@ -325,17 +336,8 @@ def _run_shard(units, out, i_shard, done, tokenizer, fields, bound, eos, dtype, 
             last_log = time.time()
             log(f"shard {i_shard}: {tokens_here} tokens this run, {tokens_here / (last_log - t0):.0f} tokens/s")
 
-    try:
-        pending: deque = deque()
-        for batch in _batches(units, fields, start, batch_docs):
-            if pool is None:
-                consume(_tokenize_batch(batch))
-                continue
-            pending.append(pool.apply_async(_tokenize_batch, (batch,)))
-            while len(pending) > 2 * workers:  # bounded: the reader waits for the oldest batch
-                consume(pending.popleft().get())
-        while pending:
-            consume(pending.popleft().get())
+    try:  # in input order, workers kept busy past a slow batch; results held bounded (data/prepare_pool.py)
+        run_ordered(pool, _tokenize_batch, _batches(units, fields, start, batch_docs), consume, workers)
         if writer.n_tokens or not writer.records:
             writer.commit((len(units), 0), dict(stats))
         writer.abandon()  # the empty chunk opened after the last commit

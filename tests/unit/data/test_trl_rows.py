@@ -85,6 +85,22 @@ def test_a_masked_row_through_the_encoder_and_loss_on_all():
     assert ChatEncoder(tok, loss_on="all").encode(value)[1].tolist() == [1] * 6
 
 
+def test_a_masked_ids_row_needs_no_tokenizer(tmp_path, capsys):
+    """Ids with `assistant_masks` and no tokenizer (--vocab_size) were refused as "a text or chat document needs a
+    tokenizer ... or give input_ids", though the row gave them: its ids and mask are given, nothing is rendered. Read
+    as with a tokenizer (the mask, no EOS added; `--loss_on all`: every token); a chat row still needs one."""
+    src = _write(tmp_path, "jsonl", [{"input_ids": IDS, "assistant_masks": MASK}, {"input_ids": [11, 12]}])
+    manifest = prepare([src], str(tmp_path / "out"), vocab_size=100, eos_id=2, **QUIET)
+    assert _docs(tmp_path / "out") == [(IDS, MASK), ([11, 12, 2], [1, 1, 1])]
+    assert (manifest["chat_docs"], manifest["supervised_tokens"], manifest["bad_rows"]) == (1, 3, 0)
+    prepare([src], str(tmp_path / "all"), vocab_size=100, eos_id=2, loss_on="all", **QUIET)
+    assert _docs(tmp_path / "all")[0] == (IDS, [1] * 6)
+    (tmp_path / "c").mkdir()
+    chats = _write(tmp_path / "c", "jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
+    assert main(["--input", chats, "--output", str(tmp_path / "o"), "--vocab_size", "100", "--workers", "0"]) == 2
+    assert "a text or chat document needs a tokenizer" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("form", ["jsonl", "parquet"])
 def test_a_packed_row_is_refused_and_one_document_is_read(tmp_path, form, capsys):
     """TRL's pack_dataset writes two conversations in one row with `seq_lengths: [57, 59]`: read as one document they
