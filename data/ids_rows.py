@@ -1,13 +1,24 @@
 """A pre-tokenized row's columns beside its ids, for data/readers.parse_item and data/jsonl.read_documents: `labels`
-(axolotl's / LLaMA-Factory's preprocessed output), TRL's loss masks (`assistant_masks`, `completion_mask`: 1 = the
-token is a target) and TRL's packing columns (`seq_lengths`, `position_ids`: several documents in one row).
+(axolotl's / LLaMA-Factory's preprocessed output), `attention_mask` (a tokenizer's padding), TRL's loss masks
+(`assistant_masks`, `completion_mask`: 1 = the token is a target) and packing columns (`seq_lengths`, `position_ids`
+that restart: several documents in one row, TRL's pack_dataset / axolotl's sample packing).
 
-A 0/1 mask of the ids' length is the row's loss mask (both: a token is a target where both say so, as TRL builds its
-labels): the row becomes `{MASKED: (ids, mask)}`, which data/chat.py's encoder hands on as a chat row's (ids, mask):
-stored in mask-*.bin, counted in `chat_docs` / `supervised_tokens`, its ids as given (no BOS or EOS added: they are
-a conversation as its template rendered it), its masked tokens the only targets. Before, such rows trained every
-token, and a packed row's conversations attended to each other, without a word. Cost: one pass over the row's ids per
-column, in the workers (~50 ms for a 1M-token row), only for rows that carry such a column.
+- `attention_mask`: all ones is no change; zeros at the row's start or end are padding, stripped with the same
+  slice of every other column (labels of -100 over the padding then match); zeros between ones are refused.
+- A 0/1 mask of the ids' length is the row's loss mask (both: a token is a target where both say so, as TRL builds its
+  labels): `{MASKED: (ids, mask)}`, which data/chat.py's encoder hands on as a chat row's (ids, mask): stored in
+  mask-*.bin, counted in `chat_docs` / `supervised_tokens`, its ids as given, its masked tokens the only targets.
+- A packed row is split into its documents, at its `seq_lengths` or where its `position_ids` restart at 0 (each
+  column sliced to match): `{PIECES: [ids or {MASKED: ...}, ...]}`, each piece a document of its own, read exactly as
+  a separate row of the same tokens (data/prepare_data.py): a piece without a loss mask gets the tokenizer's BOS where
+  it does not start with it and the separator where it does not end with it or the tokenizer's EOS (axolotl's
+  pieces carry their own BOS ... EOS: nothing is added), a piece with one is stored as given (no BOS, no EOS: a
+  conversation as its template rendered it). Its documents do not attend to each other (positions restart at each).
+Cost: a row's columns that change nothing (labels equal to the ids, positions 0..n-1, `seq_lengths: [n]`, an all-ones
+attention_mask) are list compares (plain_ids: ~10 ms per 1M tokens for labels, ~60 ms for positions or a mask, whose
+list to compare with is built), in the reading process for a table (Arrow's decoding of the column to Python lists,
+~0.1 s per 1M tokens, is paid there too); the row is then plain ids, batched by its length. Any other row is checked
+and split in the workers, ~0.15-0.2 s per 1M tokens (numpy over each column), batched by its ids x (1 + columns).
 """
 
 from __future__ import annotations
@@ -16,10 +27,15 @@ import numpy as np
 
 MASKS = ("assistant_masks", "completion_mask")
 PACKED = ("seq_lengths", "position_ids")
-BESIDE_IDS = ("labels",) + MASKS + PACKED  # read beside a row's ids (a table's columns too)
+BESIDE_IDS = ("labels", "attention_mask") + MASKS + PACKED  # read beside a row's ids (a table's columns too)
 MASKED = "input_ids\x00mask"  # a row read with its loss mask: {MASKED: (ids, mask)} (not a column name)
 BESIDE = "input_ids\x00beside"  # a table's row: {BESIDE: (ids, {column: value})}, checked in the worker
+PIECES = "input_ids\x00pieces"  # a row read as several documents, or with its padding stripped: {PIECES: [...]}
 _FIX = "prepare from the rows they were made from (messages, prompt / completion: docs/sft.md)"
+_DROP = "fix the column, or drop it"
+# what a column holds where it changes nothing: read as plain ids where every filled column does (plain_ids)
+_PLAIN = {"labels": lambda ids: ids, "attention_mask": lambda ids: [1] * len(ids),
+          "position_ids": lambda ids: list(range(len(ids))), "seq_lengths": lambda ids: [len(ids)]}
 
 
 def labelled(ids: str) -> str:
@@ -33,24 +49,13 @@ def _list(v):
     return v.tolist() if hasattr(v, "tolist") else list(v) if isinstance(v, tuple) else v
 
 
-def _shown(v: list) -> str:
-    return f"[{', '.join(map(str, v[:4]))}{', ...' if len(v) > 4 else ''}]"
+def _shown(v) -> str:
+    return f"[{', '.join(map(str, v[:4]))}{', ...' if len(v) > 4 else ''}]" if isinstance(v, list) else repr(v)
 
 
-def _packed(row: dict, n: int) -> str | None:
-    """Why a row is several documents (None: one, or no packing column): TRL's `seq_lengths` (one length per
-    document; `[n]` is one) or `position_ids` that restart (`0..n-1` is one document)."""
-    packed = ("a packed row (TRL's pack_dataset / padding-free output: several documents in one row), read as one "
-              "document its conversations would attend to each other; give the rows before packing (this trainer "
-              "packs them itself, each document's positions restarting: docs/sft.md)")
-    lens = _list(row.get("seq_lengths"))
-    if lens is not None and lens != [n]:
-        return f"seq_lengths {_shown(lens) if isinstance(lens, list) else repr(lens)} beside {n} ids: {packed}"
-    pos = _list(row.get("position_ids"))
-    if pos is not None and (not isinstance(pos, list) or pos != list(range(n))):
-        at = next((i for i, p in enumerate(pos) if p != i), len(pos)) if isinstance(pos, list) else 0
-        return f"position_ids that restart at token {at} (of {n} ids): {packed}"
-    return None
+def _ints(v, n: int) -> np.ndarray | None:
+    a = np.asarray(v) if isinstance(v := _list(v), list) else None
+    return a if a is not None and a.ndim == 1 and len(a) == n and (not n or a.dtype.kind in "biu") else None
 
 
 def _bits(m, col: str, n: int) -> np.ndarray | str:
@@ -59,39 +64,101 @@ def _bits(m, col: str, n: int) -> np.ndarray | str:
     a = np.asarray(m) if isinstance(m, list) else None
     if a is None or a.ndim != 1 or len(a) != n or (n and (a.dtype.kind not in "biuf" or ((a != 0) & (a != 1)).any())):
         what = f"{len(m)} values" if isinstance(m, list) else type(m).__name__
-        return f"{col} ({what}) beside {n} ids is no 0/1 loss mask of the ids (one per token): {_FIX}"
+        kind, fix = ("attention mask", _DROP) if col == "attention_mask" else ("loss mask", _FIX)
+        return f"{col} ({what}) beside {n} ids is no 0/1 {kind} of the ids (one per token): {fix}"
     return a.astype(np.uint8)
 
 
-def only_same_labels(extra: dict, ids) -> bool:
-    """Whether a table row's filled columns beside its ids are only labels equal to them (run_clm's group_texts): read
-    as plain ids in the reading process, as cheaply as before (a list compare), not sent on to be checked."""
-    return extra.keys() == {"labels"} and isinstance(ids := _list(ids), list) and _list(extra["labels"]) == ids
+def _kept(row: dict, n: int) -> tuple[int, int] | str:
+    """The tokens an `attention_mask` keeps, [lo, hi) (its padding at either end cut), or why it is refused."""
+    if row.get("attention_mask") is None:
+        return 0, n
+    if isinstance(a := _bits(row["attention_mask"], "attention_mask", n), str):
+        return a
+    on = np.flatnonzero(a)
+    if len(on) and on[-1] - on[0] + 1 != len(on):
+        at = int(on[np.flatnonzero(np.diff(on) > 1)[0]] + 1)  # the first 0 after a 1
+        return (f"attention_mask has 0s between its 1s (token {at} of {n}): not padding at the row's start or end, "
+                f"the only 0s read (stripped); {_DROP} (every token is then read)")
+    return (int(on[0]), int(on[-1]) + 1) if len(on) else (0, 0)
+
+
+def _spans(row: dict, n: int) -> list[tuple[int, int]] | str:
+    """A packed row's documents as [start, end) spans (one span: one document), from `seq_lengths` (one length per
+    document, adding up to the row's) or `position_ids` (runs 0, 1, 2, ... each restarting at 0 where a document
+    starts); both: they must agree. Or why they are refused."""
+    starts, one = None, "the row is then one document"
+    if (lens := _list(row.get("seq_lengths"))) is not None:
+        ints = isinstance(lens, list) and all(isinstance(k, int) and not isinstance(k, bool) for k in lens)
+        if not ints or min(lens, default=0) < 1 or sum(lens) != n:
+            total = "are no list of lengths" if not ints else f"add up to {sum(lens)}" if sum(lens) != n else \
+                "hold a length below 1"
+            return (f"seq_lengths {_shown(lens)} {total}, beside {n} ids: not the lengths of the row's documents "
+                    f"(one per document, adding up to the row's); {_DROP} ({one})")
+        starts = np.cumsum([0] + lens[:-1]).tolist()
+    if (pos := row.get("position_ids")) is not None:
+        p = _ints(pos, n)
+        ok = None if p is None else np.r_[p[:1] == 0, (p[1:] == p[:-1] + 1) | (p[1:] == 0)]  # per token: in a run
+        if ok is None or not ok.all():
+            at = "" if ok is None else f" (token {int(np.flatnonzero(~ok)[0])})"
+            return (f"position_ids {_shown(_list(pos))} beside {n} ids are no runs 0, 1, 2, ... restarting at 0 where "
+                    f"a packed row's document starts{at}; {_DROP} ({one})")
+        at = np.flatnonzero(p == 0).tolist()
+        if starts is not None and at != starts:
+            return (f"seq_lengths {_shown(lens)} and position_ids (restarting at tokens {_shown(at)}) disagree on where "
+                    f"the row's documents start; {_DROP}")
+        starts = at
+    starts = starts or [0]
+    return list(zip(starts, starts[1:] + [n]))
+
+
+def plain_ids(extra: dict, ids) -> bool:
+    """Whether a row's filled columns beside its ids change nothing (labels equal to them, as run_clm's group_texts
+    writes, positions 0..n-1, `seq_lengths: [n]`, an all-ones attention_mask): read as plain ids in the reading
+    process by list compares (~10-60 ms per column per 1M tokens: module docstring), not sent on to be checked."""
+    return extra.keys() <= _PLAIN.keys() and isinstance(ids := _list(ids), list) and all(
+        _list(v) == _PLAIN[c](ids) for c, v in extra.items())
 
 
 def beside_ids(ids, row: dict, name: str) -> tuple[object, str | None]:
-    """(value, None) or (None, why the row is refused): `ids` (the row's `name` column) as read, or `{MASKED: (ids,
-    mask)}` where a mask column holds one. Ids that are no list of non-negative ints are handed back as given, for the
-    caller's own check."""
+    """(value, None) or (None, why the row is refused): `ids` (the row's `name` column) as read, `{MASKED: (ids,
+    mask)}` where a mask column holds one, or `{PIECES: [...]}` where the row is several documents or padded (module
+    docstring). Ids that are no list of non-negative ints are handed back as given, for the caller's own check."""
     ids = _list(ids)
     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
         return ids, None
-    n = len(ids)
+    whole = n = len(ids)
+    if isinstance(cut := _kept(row, n), str):
+        return None, cut
+    if cut != (0, n):  # padding: every column of the ids' length sliced as they are
+        row = {c: v[slice(*cut)] if isinstance(v, list) and len(v) == n and c != "seq_lengths" else v
+               for c, v in ((c, _list(v)) for c, v in row.items())}
+        ids, n = ids[slice(*cut)], cut[1] - cut[0]
     if row.get("labels") is not None and _list(row["labels"]) != ids:
         return None, labelled(name)
-    if why := _packed(row, n):
-        return None, why
+    if isinstance(spans := _spans(row, n), str):
+        return None, spans
     mask, cols = None, [c for c in MASKS if row.get(c) is not None]
     for col in cols:
         m = _bits(row[col], col, n)
         if isinstance(m, str):
             return None, m
         mask = m if mask is None else mask & m
-    if mask is None:
-        return ids, None
-    if not mask[1:].any():  # the first token is predicted from nothing: never a target
-        return None, f"{' and '.join(cols)} mark no token to train (past the first): nothing to learn from the row"
-    return {MASKED: (ids, mask)}, None
+    pieces = []
+    for k, (s, e) in enumerate(spans):
+        if mask is not None and not mask[s + 1:e].any():  # a document's first token is predicted from nothing
+            where = f" in document {k + 1} of the row's {len(spans)} (tokens {s}-{e - 1})" if len(spans) > 1 else ""
+            return None, f"{' and '.join(cols)} mark no token to train (past the first){where}: nothing to learn"
+        pieces.append(ids[s:e] if mask is None else {MASKED: (ids[s:e], mask[s:e])})
+    return (pieces[0] if len(pieces) == 1 and n == whole else {PIECES: pieces}), None
+
+
+def documents(value) -> tuple[list, bool]:
+    """A parsed row's documents (a packed row's pieces, else itself), and whether columns beside its ids shaped them
+    (a loss mask, packing, padding: counted in a shard's record, data/output_lock.py)."""
+    if isinstance(value, dict) and PIECES in value:
+        return value[PIECES], True
+    return [value], isinstance(value, dict) and MASKED in value
 
 
 def no_mask_here(cols: list[str]) -> str:

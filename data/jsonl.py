@@ -1,6 +1,7 @@
-"""Reading JSONL documents: `{"text": ...}` (tokenized by us) or `{"input_ids": [...]}` (pre-tokenized: one with a loss
-mask or packing columns beside it is refused by `read_documents`, which has no mask to carry; data/ids_rows.py); a file
-holding one JSON array of rows instead (`array_elements`); which files of a folder are data.
+"""Reading JSONL documents: `{"text": ...}` (tokenized by us) or `{"input_ids": [...]}` (pre-tokenized: a packed row is
+split into its documents and an attention_mask's padding stripped, as prepare_data reads them; one with a loss mask
+is refused by `read_documents`, which has no mask to carry; data/ids_rows.py); a file holding one JSON array of rows
+instead (`array_elements`); which files of a folder are data.
 
 Errors name the file and line and stop before any heavy work.
 """
@@ -16,7 +17,7 @@ import os
 import re
 from collections.abc import Iterator
 
-from data.ids_rows import BESIDE_IDS, MASKS, beside_ids, no_mask_here
+from data.ids_rows import BESIDE_IDS, MASKED, MASKS, beside_ids, documents, no_mask_here
 
 GLOB = "*?["  # a path holding one of these that names nothing is a pattern (`DIR/data/train_sft-*.parquet`)
 _SPLIT_WORDS = {"train": "train", "training": "train", "validation": "validation", "valid": "validation",
@@ -211,7 +212,8 @@ def list_files(path: str) -> list[str]:
 
 
 def read_documents(path: str) -> Iterator[tuple[str, int, str | list[int]]]:
-    """Yield (file, line_number, text_or_ids) for every non-blank line; ValueError on a bad line."""
+    """Yield (file, line_number, text_or_ids) for every document of every non-blank line (a packed row's each; data/
+    ids_rows.py); ValueError on a bad line."""
     for file in list_files(path):
         with open(file, encoding="utf-8") as fh:
             for n, line in enumerate(fh, start=1):
@@ -225,12 +227,15 @@ def read_documents(path: str) -> Iterator[tuple[str, int, str | list[int]]]:
                     yield file, n, obj["text"]
                 elif isinstance(obj, dict) and isinstance(obj.get("input_ids"), list) and all(
                         isinstance(t, int) and t >= 0 for t in obj["input_ids"]):
-                    if any(obj.get(c) is not None for c in BESIDE_IDS):  # labels, TRL's loss masks, a packed row
+                    pieces = [obj["input_ids"]]
+                    if any(obj.get(c) is not None for c in BESIDE_IDS):  # labels, loss masks, packing, padding
                         value, why = beside_ids(obj["input_ids"], obj, "input_ids")
-                        if why or isinstance(value, dict):  # refused, or a loss mask the stream cannot carry
+                        pieces = documents(value)[0] if not why else []
+                        if why or any(isinstance(p, dict) and MASKED in p for p in pieces):  # (no mask carried here)
                             raise ValueError(f"{file}:{n}: " + (why or no_mask_here([c for c in MASKS if obj.get(c)
                                                                                      is not None])))
-                    yield file, n, obj["input_ids"]
+                    for ids in pieces:  # a packed row's documents, each its own
+                        yield file, n, ids
                 else:
                     raise ValueError(f"{file}:{n}: expected {{\"text\": str}} or {{\"input_ids\": [int, ...]}}, "
                                      f"got keys {sorted(obj) if isinstance(obj, dict) else type(obj).__name__}")

@@ -3,7 +3,8 @@
 folder and shard (`srun` of one command on N tasks without --shard, a second terminal, an array job) is refused in one
 line instead of "resuming" the first one's unfinished chunk: it deleted the open chunk and its tmp files, then both
 wrote the same names. Shards of one preparation (--shard i/N) take different locks and run at once. The plan a shard is written under is
-checked here too (check_plan; a merge's shards by check_rules), the tokenization rules' version included.
+checked here too (check_plan; a merge's shards by check_rules), the tokenization rules' version included: only the
+steps between two versions that changed rows the shard holds refuse it (packing.RULE_ROWS).
 
 The lock is flock(2) (Python's fcntl.flock calls it) on an open file: the kernel drops it when the process dies, however
 it dies (no stale lock to remove; a pid reused in another container does not hold it). Shared file systems:
@@ -24,6 +25,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import socket
 import time
 import weakref
@@ -132,12 +134,67 @@ def is_held(folder: str) -> bool:
     return False
 
 
+# a kind of row packing.RULE_ROWS names -> (the shard record's count of it, the rows as a message names them)
+KINDS = {"chat": ("chat_docs", "conversations"),
+         "ids": ("ids_beside_rows", "pre-tokenized rows with loss-mask, packing or attention_mask columns")}
+
+
+def _parts(rules) -> dict[str, int] | None:
+    found = [re.fullmatch(r"([a-z]+)(\d+)", p) for p in str(rules).split(":")]
+    return {m.group(1): int(m.group(2)) for m in found} if all(found) else None
+
+
+def steps(old, new: str) -> list[str] | None:
+    """The versions a part took from rules `old` to `new` ("doc6" -> "doc8": doc7, doc8); None where they cannot be
+    told apart so (another set of parts, a part newer than today's)."""
+    o, w = _parts(old), _parts(new)
+    if o is None or w is None or o.keys() != w.keys() or any(o[k] > w[k] for k in w):
+        return None
+    return [f"{k}{v}" for k in w for v in range(o[k] + 1, w[k] + 1)]
+
+
+def judge(old, record: dict) -> tuple[list[str], list[str], list[str]]:
+    """The steps from rules `old` to today's (packing.RULES) that changed rows the shard's `record` (a shard's or a
+    committed chunk's: cumulative counts) holds, that it may hold (its record has no count of them: written before the
+    count), and that it holds none of. A step of no kind listed (text rows, any row) counts as held."""
+    out: tuple[list[str], list[str], list[str]] = ([], [], [])
+    for s in steps(old, packing.RULES) or [f"{old} -> {packing.RULES}"]:
+        kind = packing.RULE_ROWS.get(s)
+        count = record.get(KINDS[kind][0]) if kind else 1
+        out[0 if count else 1 if count is None else 2].append(s)
+    return out
+
+
+def said(which: list[str]) -> str:
+    """Steps with the rows they changed: `chat9 (conversations), doc7, doc8 (pre-tokenized rows ...)`."""
+    kinds = {s: packing.RULE_ROWS.get(s) for s in which}
+    return "; ".join(f"{', '.join(s for s in which if kinds[s] == k)} ({KINDS[k][1] if k else 'text or any rows'})"
+                     for k in dict.fromkeys(kinds.values()))
+
+
+def _committed(output: str, shard: int) -> dict | None:
+    """The last committed chunk's record of a shard (its counts so far), None with none: nothing held yet."""
+    k = 0
+    while os.path.exists(os.path.join(output, f"chunk-{store.chunk_name(shard, k)}.json")):
+        k += 1
+    return store.read_json(os.path.join(output, f"chunk-{store.chunk_name(shard, k - 1)}.json")) if k else None
+
+
+def _unsaid(holds: str, may: list[str], clear: list[str]) -> str:
+    """A note's words on steps that changed no row a shard holds (`holds`: "it holds"), or rows it cannot count."""
+    return "; ".join(([f"{said(clear)} changed only rows {holds} none of"] if clear else []) + (
+        [f"{said(may)} changed rows its record does not count (written before the count): if it held any, "
+         "--overwrite redoes it"] if may else []))
+
+
 def check_plan(output: str, shard: int, plan_path: str, plan: dict, finished: bool, log=print) -> None:
     """The shard's recorded plan against this command's `plan`: another preparation refused (one line); the
     tokenization rules' version (packing.RULES) compared only for an unfinished shard, whose chunks a continuation
-    would write under other rules (a shard killed on one checkout and continued on another mixed both); a finished
-    shard under older rules is said, and `plan["rules"]` takes the shard's own (None: begun before it was recorded),
-    so its record and a merge see what it holds. A new shard's plan is written."""
+    would write under other rules (a shard killed on one checkout and continued on another mixed both): refused where
+    a step between the two changed rows its committed chunks hold (`judge`), else continued under today's rules with a
+    note (its plan rewritten: its chunks are as today's rules write them); a finished shard under older rules is said,
+    and `plan["rules"]` takes the shard's own (None: begun before it was recorded), so its record and a merge see
+    what it holds. A new shard's plan is written."""
     if not os.path.exists(plan_path):
         store.write_json_atomic(plan_path, plan)
         return
@@ -149,23 +206,42 @@ def check_plan(output: str, shard: int, plan_path: str, plan: dict, finished: bo
     had = old.get("rules")
     if had == plan["rules"]:
         return
-    plan["rules"] = had
     if had is not None and not finished:
-        raise ValueError(f"--output {output}: shard {shard} was begun under other tokenization rules ({had}, today "
-                         f"{packing.RULES}): continuing would mix them in one shard: --overwrite to start it again")
+        rec = _committed(output, shard)
+        held, may, clear = judge(had, rec) if rec else ([], [], [])  # nothing committed: nothing to mix
+        if held:
+            raise ValueError(f"--output {output}: shard {shard} was begun under other tokenization rules ({had}, today "
+                             f"{packing.RULES}) and holds rows they read differently ({said(held)}): continuing would "
+                             "mix them in one shard: --overwrite to start it again")
+        store.write_json_atomic(plan_path, plan)
+        if rec:
+            log(f"note: {output}: shard {shard} was begun under tokenization rules {had}, continued under today's "
+                f"{packing.RULES}: {_unsaid('its committed chunks hold', may, clear)}")
+        return
+    plan["rules"] = had
     log(f"note: {output}: shard {shard} was " + ("prepared" if finished else "begun") + " by an older version "
         + ("" if finished else "(rows read differently since, e.g. a top-level system_prompt, may differ between its "
            "chunks) ") + "; today's rules read some rows differently: --overwrite redoes it")
 
 
-def check_rules(output: str, rules: list, log=print) -> None:
-    """A merge's shards under one tokenization rules' version: known versions that differ refused, naming the shards
-    not under today's; a shard begun before versions were recorded (None) said."""
+def check_rules(output: str, records: list[dict], log=print) -> None:
+    """A merge's shards (their records) under one tokenization rules' version: where they differ, a shard not under
+    today's is refused where a step between its rules and today's changed rows it holds (`judge`), else merged with a
+    note naming the steps and their rows; a shard begun before versions were recorded (None) said."""
+    rules = [r["plan"].get("rules") for r in records]
     known = {r for r in rules if r is not None}
     if len(known) > 1:
-        old = [i for i, r in enumerate(rules) if r is not None and r != packing.RULES]
-        raise ValueError(f"{output}: shards were prepared under different tokenization rules ({sorted(known)}): redo "
-                         f"shard(s) {old} with --overwrite (today's rules: {packing.RULES})")
+        old = {i: judge(r, records[i]) for i, r in enumerate(rules) if r is not None and r != packing.RULES}
+        if held := {i: v[0] for i, v in old.items() if v[0]}:
+            raise ValueError(f"{output}: shards were prepared under different tokenization rules ({sorted(known)}): "
+                             f"shard(s) {sorted(held)} hold rows today's ({packing.RULES}) read differently "
+                             f"({said(sorted({s for v in held.values() for s in v}))}): redo them with --overwrite")
+        groups: dict[tuple, list[int]] = {}  # one note per kind of shard (100 shards of yesterday: one line)
+        for i, (_, may, clear) in old.items():
+            groups.setdefault((rules[i], tuple(may), tuple(clear)), []).append(i)
+        for (had, may, clear), which in groups.items():
+            log(f"note: {output}: shard(s) {which} were prepared under tokenization rules {had}, merged with today's "
+                f"{packing.RULES}: {_unsaid('they hold', list(may), list(clear))}")
     if None in rules:
         log(f"note: {output}: shard(s) {[i for i, r in enumerate(rules) if r is None]} were prepared before the rules' "
             "version was recorded: a row read differently since may differ between shards")

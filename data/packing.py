@@ -19,8 +19,14 @@ from data.jsonl import list_files, read_documents
 from data.store import tokenizer_identity
 from data.tokenizer import Tokenizer
 
-RULES = "bos2:chat9:eos2:doc7"  # the tokenization rules' version (cache_key below says what each part means); recorded
+RULES = "bos2:chat9:eos2:doc8"  # the tokenization rules' version (cache_key below says what each part means); recorded
 # in a prepare_data plan too: a shard continued or merged under other rules is refused (its chunks would mix them)
+# where it holds rows a step between them changed (data/output_lock.check_rules)
+# Which rows each step changed, by the kinds a shard's record counts (output_lock.KINDS): "chat" conversations
+# (chat_docs), "ids" pre-tokenized rows shaped by columns beside their ids (ids_beside_rows: a loss mask, packing,
+# padding). A shard holding none of a step's rows is the same under both sides of it: merged or continued with a
+# note. A step not listed changed text rows or any row: refused across it, whatever the shard holds.
+RULE_ROWS = {**{f"chat{k}": "chat" for k in range(2, 10)}, "doc7": "ids", "doc8": "ids"}
 
 
 def cache_key(files: list[str], tokenizer_path: str | None, model_vocab: int) -> str:
@@ -44,7 +50,9 @@ def cache_key(files: list[str], tokenizer_path: str | None, model_vocab: int) ->
     # :doc6: a text that starts as a rendered conversation is read with its control tokens, not refused (--text_specials
     # auto), also for a tokenizer without a chat template (a doc5 cache from a Llama-3 base tokenizer trained one spelled
     # out); :doc7: pre-tokenized ids with TRL's assistant_masks / completion_mask are trained on their mask (a doc6
-    # folder trained every token), a packed row (seq_lengths, restarting position_ids) is refused (data/ids_rows.py)
+    # folder trained every token), a packed row (seq_lengths, restarting position_ids) is refused (data/ids_rows.py);
+    # :doc8: a packed row is split into its documents, an attention_mask's padding at the row's ends stripped (doc7
+    # stored and trained the pads)
     for f in files:
         st = os.stat(f)
         h.update(f"{os.path.abspath(f)}:{st.st_size}:{st.st_mtime_ns}".encode())

@@ -30,7 +30,7 @@ import numpy as np
 from data import output_lock, packing, store
 from data.chat import prefix_cost_note, prefix_costly
 from data.chat_template import training_switch
-from data.ids_rows import MASKED
+from data.ids_rows import BESIDE, MASKED, documents
 from data.prepare_args import DEFAULT_BATCH_DOCS, DEFAULT_CHUNK_TOKENS, TEXT_SPECIALS, parser, specials_note
 from data.prepare_pool import run_ordered
 from data.readers import Fields, Unit, discover, iter_rows, parse_item
@@ -38,8 +38,9 @@ from data.readers import Fields, Unit, discover, iter_rows, parse_item
 CHAT_STATS = ("chat_docs", "supervised_tokens", "untrained_turns", "no_stop_rows",  # per shard, summed in the manifest
               "rewritten_arguments", "flagged_turns", "dropped_reasoning", "chatml_rows", "history_ends",
               "history_ends_unknown")
-# texts holding a special-token string kept as text, texts read with theirs as control tokens, ids given the BOS
-STATS = CHAT_STATS + ("special_text_docs", "parsed_text_docs", "ids_given_bos")
+# texts holding a special-token string kept as text, texts read with theirs as control tokens, ids given the BOS, ids
+# rows shaped by their columns (a loss mask, packing, padding: data/ids_rows.py; read by output_lock.check_rules)
+STATS = CHAT_STATS + ("special_text_docs", "parsed_text_docs", "ids_given_bos", "ids_beside_rows")
 BATCH_BYTES = 1 << 20  # a batch closes at this much raw text too (long documents): bounds memory in flight
 SKIP_FIX = "(--skip_bad_rows skips and counts such rows)"  # ends a bad row's refusal: data/prepare.py names train.py's
 
@@ -61,32 +62,35 @@ def _init_worker(tokenizer_path: str | None, fields: Fields, vocab_bound: int, e
 
 def _tokenize_batch(items: list[tuple[int, int, object]]) -> dict:
     """items: (unit index, row, raw item) -> tokens of the kept documents (a text document as BOS + text + separator,
-    pre-tokenized ids with the BOS and the separator: Tokenizer.frame_texts / with_bos; a chat row's tokens and loss
-    mask as its template renders them, data/chat.py) and what was dropped."""
+    pre-tokenized ids, a packed row's each piece too, with the BOS and the separator: Tokenizer.frame_texts / with_bos;
+    a chat row's tokens and loss mask as its template renders them, data/chat.py) and what was dropped."""
     from data.chat import RowError
 
     fields, tok, eos, bound = _W["fields"], _W["tok"], _W["eos"], _W["bound"]
     docs, bad, masks, chat, long = [], [], {}, dict.fromkeys(STATS, 0), None
     for u, row, item in items:
         value, src, err = parse_item(item, fields)
-        if err is None and tok is None and (isinstance(value, str) or isinstance(value, dict) and MASKED not in value):
-            err = "a text or chat document needs a tokenizer (--tokenizer_name_or_path), or give input_ids"
-        if err is None and isinstance(value, dict):
-            try:  # no tokenizer: only ids with their own loss mask get here (assistant_masks ...: data/ids_rows.py)
-                value, masks[len(docs)], st = _W["chat"].encode(value) if tok else (*value[MASKED], {})
-                if tok is None and _W["loss_on"] == "all":  # as ChatEncoder.encode reads them: every token a target
-                    masks[len(docs)] = np.ones(len(value), np.uint8)
-            except RowError as e:
-                err = f"chat row: {e}"
-            else:
-                chat["chat_docs"] += 1
-                for k in CHAT_STATS[2:]:  # the encoder's counts (chat_docs above, supervised_tokens below)
-                    chat[k] += st.get(k, 0)
-                if prefix_costly(m := st.get("prefix_messages", 0), len(value)) and m > (long or (0, 0, 0))[2]:
-                    long = (u, row, m, len(value))  # the batch's longest: warned of once (prefix_cost_note)
-        if err:
-            bad.append((u, row, err))
-        else:
+        pieces, shaped = documents(value) if err is None else ([value], False)
+        chat["ids_beside_rows"] += shaped
+        for value in pieces:  # each document of a packed row as a row of its own (one bad piece: the row's error)
+            if err is None and tok is None and (isinstance(value, str) or isinstance(value, dict) and MASKED not in value):
+                err = "a text or chat document needs a tokenizer (--tokenizer_name_or_path), or give input_ids"
+            if err is None and isinstance(value, dict):
+                try:  # no tokenizer: only ids with their own loss mask get here (assistant_masks ...: data/ids_rows.py)
+                    value, masks[len(docs)], st = _W["chat"].encode(value) if tok else (*value[MASKED], {})
+                    if tok is None and _W["loss_on"] == "all":  # as ChatEncoder.encode reads them: every token a target
+                        masks[len(docs)] = np.ones(len(value), np.uint8)
+                except RowError as e:
+                    err = f"chat row: {e}"
+                else:
+                    chat["chat_docs"] += 1
+                    for k in CHAT_STATS[2:]:  # the encoder's counts (chat_docs above, supervised_tokens below)
+                        chat[k] += st.get(k, 0)
+                    if prefix_costly(m := st.get("prefix_messages", 0), len(value)) and m > (long or (0, 0, 0))[2]:
+                        long = (u, row, m, len(value))  # the batch's longest: warned of once (prefix_cost_note)
+            if err:
+                bad.append((u, row, err))
+                break
             docs.append((u, row, value, src))
     for i, d in enumerate(docs):
         if tok is not None and i not in masks and not isinstance(d[2], str):  # pre-tokenized: the BOS a text gets
@@ -267,6 +271,8 @@ def row_cost(item) -> tuple[int, int]:
         turns = item.count(b'"role"') + item.count(b'"from"')  # messages / ShareGPT turns; 0 for a text row
         return len(item), len(item) + _chat_work(turns, len(item))
     value = item[0]
+    if isinstance(value, dict) and BESIDE in value:  # a table's ids with columns beside them: their lengths
+        return (n := len(value[BESIDE][0]) * (1 + len(value[BESIDE][1]))), n
     if isinstance(value, dict):  # a columnar chat row
         size = len(str(value))
         return size, size + _chat_work(sum(len(v) for v in value.values() if isinstance(v, list)), size)
@@ -382,7 +388,7 @@ def merge(output: str, log=print) -> dict:
             "chat_template", "text_specials")
     first = recs[0]["plan"]
     _same_inputs(output, [recs[i]["plan"] for i in range(n)])
-    output_lock.check_rules(output, [recs[i]["plan"].get("rules") for i in range(n)], log)
+    output_lock.check_rules(output, [recs[i] for i in range(n)], log)
     for i in range(n):
         differs = [k for k in keys if recs[i]["plan"].get(k) != first.get(k)]
         if differs:

@@ -26,7 +26,7 @@ from base.log import cause, print0
 from base.run_lock import LOCK
 from data.chat import row_format
 from data.chat_rows import UNREAD, without_nulls
-from data.ids_rows import BESIDE, BESIDE_IDS, beside_ids, only_same_labels
+from data.ids_rows import BESIDE, BESIDE_IDS, beside_ids, plain_ids
 from data.jsonl import (
     COMPRESSED,
     NOT_DATA,
@@ -429,7 +429,7 @@ def _columnar(batch: dict, cols: tuple, row: int, start: int) -> Iterator[tuple[
     for i, v in enumerate(values):
         if row + i >= start:
             extra = {c: b[i] for c, b in beside.items() if b[i] is not None}
-            if extra and not only_same_labels(extra, v):  # read by parse_item (data/ids_rows.py)
+            if extra and not plain_ids(extra, v):  # else read by parse_item (data/ids_rows.py)
                 v = {BESIDE: (v, extra)}
             if chat:  # a chat row travels as the dict data/chat.py reads
                 v = {c.removeprefix(TEXT_BESIDE): batch[c.removeprefix(TEXT_BESIDE)][i] for c in cols[0]}
@@ -464,8 +464,8 @@ def parse_item(item: object, fields: Fields) -> tuple[str | list | dict | None, 
         if value is not None and row_format(obj):
             return None, None, both(fields, obj)
         extra = {c: obj[c] for c in BESIDE_IDS if obj.get(c) is not None} if fields.text not in obj else None
-        if extra and value is not None and not only_same_labels(extra, value):
-            value, why = beside_ids(value, extra, fields.ids)  # labels, TRL's loss masks, a packed row's lengths
+        if extra and value is not None and not plain_ids(extra, value):
+            value, why = beside_ids(value, extra, fields.ids)  # labels, loss masks, packing, padding
             if why:
                 return None, None, why
         if SURROGATE.search(item) and lone_surrogate(obj):  # a web crawl's cut emoji: the tokenizer's TypeError
@@ -483,7 +483,7 @@ def parse_item(item: object, fields: Fields) -> tuple[str | list | dict | None, 
     value, src = item
     if isinstance(value, dict) and value.get(TEXT_BESIDE):
         return None, None, both(fields, value)  # a table's row filling its text and chat columns
-    if isinstance(value, dict) and BESIDE in value:  # a table's ids with labels, a loss mask or packing columns
+    if isinstance(value, dict) and BESIDE in value:  # a table's ids with labels, a mask, packing or padding
         value, why = beside_ids(*value[BESIDE], fields.ids)
         if why:
             return None, None, why

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from data import output_lock, packing
-from data.prepare_data import _resume_point, prepare
+from data.prepare_data import _resume_point, merge, prepare
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -83,28 +83,83 @@ def test_a_shard_begun_under_other_rules_is_not_continued_silently(tmp_path):
     """A preparation killed on yesterday's code and continued on today's mixed both days' tokenization rules in one
     shard (a chat row's system_prompt dropped in its first chunks, kept in the rest: an upgrade audit), and so did a
     merge of shards from two checkouts. The rules' version is in the plan: an unfinished shard under another one is
-    refused, one begun before it was recorded is said; a finished shard is said, never refused (a review: the same
-    command re-run after a rules change was refused); a merge refuses known versions that differ, naming the shard."""
+    refused (where a step between the versions changed rows it holds: bos2 changed text and ids rows), one begun
+    before it was recorded is said; a finished shard is said, never refused (a review: the same command re-run after a
+    rules change was refused); a merge refuses known versions that differ, naming the shard."""
     out = tmp_path / "prep"
     run = lambda log=lambda _: None: prepare([_rows(tmp_path)], str(out), vocab_size=100, workers=0, eos_id=0, log=log)  # noqa: E731
     run()
     plan = out / "plan-s00000.json"
     p = json.loads(plan.read_text())
     assert p["rules"] == packing.RULES
-    plan.write_text(json.dumps({**p, "rules": "bos2:chat6:eos2:doc6"}))
+    plan.write_text(json.dumps({**p, "rules": "bos1:chat6:eos2:doc6"}))
     notes = []
     run(notes.append)  # finished: said
     assert any("was prepared by an older version" in n for n in notes), notes
     for f in ("shard-00000-of-00001.json", "manifest.json"):
         (out / f).unlink()
-    with pytest.raises(ValueError, match=r"begun under other tokenization rules \(bos2:chat6"):
+    with pytest.raises(ValueError, match=r"begun under other tokenization rules \(bos1:chat6.*\(bos2 \(text or any"):
         run()
     plan.write_text(json.dumps({k: v for k, v in p.items() if k != "rules"}))
     notes = []
     run(notes.append)  # unfinished, begun before the version was recorded: said
     assert any("was begun by an older version" in n and "--overwrite" in n for n in notes), notes
     notes = []
-    output_lock.check_rules("o", [None, packing.RULES], notes.append)
+    output_lock.check_rules("o", [{"plan": {"rules": None}}, {"plan": {"rules": packing.RULES}}], notes.append)
     assert notes and "shard(s) [0]" in notes[0]
-    with pytest.raises(ValueError, match=r"redo shard\(s\) \[1\]"):
-        output_lock.check_rules("o", [packing.RULES, "bos2:chat6:eos2:doc6"])
+    with pytest.raises(ValueError, match=r"shard\(s\) \[1\] hold rows .*redo them with --overwrite"):
+        output_lock.check_rules("o", [{"plan": {"rules": packing.RULES}}, {"plan": {"rules": "bos1:chat6:eos2:doc6"}}])
+
+
+YESTERDAY = "bos2:chat8:eos2:doc6"  # chat9 changed conversations only, doc7 and doc8 ids rows with columns beside
+
+
+def test_a_rules_step_refuses_only_shards_holding_the_rows_it_changed(tmp_path):
+    """A review: a text-only preparation whose shards straddled a bump of chat9 / doc7 (rows it never held) was refused
+    at its merge, and its shard begun yesterday refused its continuation. Only steps that changed rows a shard holds
+    (packing.RULE_ROWS against its record's counts) refuse; the others are a note, and a record without the count
+    (written before it) names the steps and their rows."""
+    for k in range(2):
+        (tmp_path / f"in{k}").mkdir()
+        _rows(tmp_path / f"in{k}")
+    out = tmp_path / "prep"
+    for k in range(2):
+        prepare([str(tmp_path / "in0"), str(tmp_path / "in1")], str(out), vocab_size=100, workers=0, eos_id=0,
+                shard=(k, 2), log=lambda _: None)
+    rec_path = out / "shard-00000-of-00002.json"
+    rec = json.loads(rec_path.read_text())
+    assert rec["chat_docs"] == rec["ids_beside_rows"] == 0
+    rec_path.write_text(json.dumps({**rec, "plan": {**rec["plan"], "rules": YESTERDAY}}))
+    notes = []
+    assert merge(str(out), notes.append)["n_docs"] == 20
+    assert any("shard(s) [0] were prepared under tokenization rules bos2:chat8:eos2:doc6, merged" in n
+               and "changed only rows they hold none of" in n for n in notes), notes
+    today = {"plan": {"rules": packing.RULES}}
+    for held, match in (({"chat_docs": 3, "ids_beside_rows": 0}, r"\(chat9 \(conversations\)\): redo"),
+                        ({"chat_docs": 0, "ids_beside_rows": 1}, r"\(doc7, doc8 \(pre-tokenized rows with")):
+        with pytest.raises(ValueError, match=r"shard\(s\) \[0\] hold rows today's .*" + match):
+            output_lock.check_rules("o", [{"plan": {"rules": YESTERDAY}, **held}, today])
+    notes = []
+    output_lock.check_rules("o", [{"plan": {"rules": YESTERDAY}, "chat_docs": 0}, today], notes.append)
+    assert "doc7, doc8 (pre-tokenized rows with loss-mask, packing or attention_mask columns) changed rows its " \
+           "record does not count" in notes[0], notes
+    # continuing a shard begun yesterday: refused only where its committed chunks hold rows a step changed
+    for k, (row, refused) in enumerate((({}, False), ({"assistant_masks": [0, 1, 1]}, True))):
+        src = tmp_path / f"c{k}.jsonl"
+        src.write_text("".join(json.dumps({"input_ids": [5, 6, 7], **row}) + "\n" for _ in range(20)))
+        o = tmp_path / f"cont{k}"
+        run = lambda log=lambda _: None, src=src, o=o: prepare(  # noqa: E731
+            [str(src)], str(o), vocab_size=100, workers=0, eos_id=2, chunk_tokens=10, batch_docs=2, log=log)
+        run()
+        for f in ("shard-00000-of-00001.json", "manifest.json", "chunk-s00000-c000003.json"):
+            (o / f).unlink()
+        plan = o / "plan-s00000.json"
+        plan.write_text(json.dumps({**json.loads(plan.read_text()), "rules": YESTERDAY}))
+        notes = []
+        if refused:
+            with pytest.raises(ValueError, match=r"holds rows they read differently \(chat9 \(conversations\); doc7"):
+                run()
+            continue
+        assert run(notes.append)["n_docs"] == 20
+        assert any("continued under today's" in n for n in notes), notes
+        assert json.loads(plan.read_text())["rules"] == packing.RULES

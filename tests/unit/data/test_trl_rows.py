@@ -1,6 +1,6 @@
 """Rows as TRL's SFTTrainer leaves or reads them (TRL f2cd577: sft_trainer.py, data_utils.py), read as TRL means them:
 pre-tokenized ids with `assistant_masks` / `completion_mask` train their masked tokens only (data/ids_rows.py), a
-packed row (`seq_lengths`, restarting `position_ids`) is refused, a string completion ending with the EOS gets no
+packed row (`seq_lengths`, restarting `position_ids`) is split into its documents (test_ids_rows.py), a string completion ending with the EOS gets no
 second one and an empty one is refused as an empty reply is, and a `{% generation %}` template marking
 `<|im_end|>\\n` draws no "never shown where to stop" count. Before, each of these trained without a word."""
 
@@ -102,30 +102,23 @@ def test_a_masked_ids_row_needs_no_tokenizer(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("form", ["jsonl", "parquet"])
-def test_a_packed_row_is_refused_and_one_document_is_read(tmp_path, form, capsys):
+def test_a_packed_row_of_one_document_is_read(tmp_path, form):
     """TRL's pack_dataset writes two conversations in one row with `seq_lengths: [57, 59]`: read as one document they
-    attended to each other. Refused in one line; a row that is one document (`[n]`, positions 0..n-1) is read."""
+    attended to each other (split now: test_ids_rows.py). A row that is one document (`[n]`, positions 0..n-1) is
+    read as plain ids."""
     src = _write(tmp_path, form, [{"input_ids": IDS, "seq_lengths": [6], "position_ids": list(range(6))}])
     prepare([src], str(tmp_path / "one"), vocab_size=100, eos_id=2, **QUIET)
     assert _docs(tmp_path / "one") == [(IDS + [2], None)]
-    for k, (row, match) in enumerate((({"seq_lengths": [3, 3]}, "seq_lengths [3, 3] beside 6 ids: a packed row"),
-                                      ({"position_ids": [0, 1, 2, 0, 1, 2]}, "position_ids that restart at token 3"))):
-        (tmp_path / f"p{k}").mkdir()
-        src = _write(tmp_path / f"p{k}", form, [{"input_ids": IDS, **row}])
-        capsys.readouterr()
-        assert main(["--input", src, "--output", str(tmp_path / f"o{k}"), "--vocab_size", "100", "--workers", "0"]) == 2
-        err = capsys.readouterr().err.strip()
-        assert match in err and "give the rows before packing" in err and "\n" not in err, err
 
 
 def test_the_in_process_stream_refuses_what_it_cannot_carry(tmp_path):
-    """data/packing.build_token_stream (data/jsonl.read_documents) reads ids alone: a loss mask, differing labels or a
-    packed row is refused in one line naming prepare_data (before: every token trained, documents joined)."""
+    """data/packing.build_token_stream (data/jsonl.read_documents) reads ids alone: a loss mask, differing labels or
+    packing columns that are none are refused in one line (before: every token trained, documents joined)."""
     from data.packing import build_token_stream
 
     for k, (row, match) in enumerate((({"completion_mask": MASK}, "completion_mask beside input_ids: a loss mask"),
                                       ({"labels": [-100] * 3 + IDS[3:]}, "'labels' that differ"),
-                                      ({"seq_lengths": [2, 4]}, "a packed row"))):
+                                      ({"seq_lengths": [2, 5]}, r"seq_lengths \[2, 5\] add up to 7"))):
         src = tmp_path / f"r{k}.jsonl"
         src.write_text(json.dumps({"input_ids": IDS, **row}) + "\n")
         with pytest.raises(ValueError, match=match) as e:

@@ -1,0 +1,126 @@
+"""Pre-tokenized rows with columns beside their ids (data/ids_rows.py): a packed row (axolotl's sample packing,
+TRL's pack_dataset: `position_ids` that restart, `seq_lengths`) is split into its documents, each read as a separate
+row of the same tokens (a review: they were refused, a hub dataset published packed has no rows before packing); an
+`attention_mask`'s padding is stripped (its pads were stored and trained, an EOS after them); a table's columns that
+change nothing are read as plain ids in the reader, and batched by their length (str() of a 1M-token row, 0.14 s)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from data.prepare_data import main, prepare, row_cost
+from tests.unit.data.test_prepare_data import _bos_tokenizer
+from tests.unit.data.test_trl_rows import QUIET, _docs, _write
+
+IDS = [5, 6, 7, 8, 9, 10, 11, 12]
+def _all_keys(rows: list[dict]) -> list[dict]:
+    """Every row with every column (datasets' from_list takes its columns from the first row)."""
+    keys = dict.fromkeys(k for r in rows for k in r)
+    return [{k: r.get(k) for k in keys} for r in rows]
+
+
+AXOLOTL = {"input_ids": IDS, "labels": IDS, "position_ids": [0, 1, 2, 0, 1, 2, 3, 4]}  # its sample packing's row
+
+
+@pytest.mark.parametrize("form", ["jsonl", "parquet", "hf_disk"])
+def test_a_packed_row_is_split_into_its_documents(tmp_path, form):
+    """Restarting positions or several seq_lengths: each document its own (a separator after each plain one, a
+    masked one as given, its slice of the mask), counted as rows their columns shaped."""
+    rows = [AXOLOTL, {"input_ids": IDS[:6], "assistant_masks": [0, 1, 1, 0, 0, 1], "seq_lengths": [3, 3]},
+            {"input_ids": [20, 21], "position_ids": [0, 1], "seq_lengths": [2]}]  # one document: plain ids
+    manifest = prepare([_write(tmp_path, form, _all_keys(rows))], str(tmp_path / "o"), vocab_size=100, eos_id=2, **QUIET)
+    assert _docs(tmp_path / "o") == [([5, 6, 7, 2], [1] * 4), ([8, 9, 10, 11, 12, 2], [1] * 6),
+                                     ([5, 6, 7], [0, 1, 1]), ([8, 9, 10], [0, 0, 1]), ([20, 21, 2], [1] * 3)]
+    assert (manifest["chat_docs"], manifest["ids_beside_rows"], manifest["bad_rows"]) == (2, 2, 0)
+
+
+def test_a_piece_is_read_as_a_separate_row_of_its_tokens(tmp_path):
+    """With a tokenizer that writes a BOS: a piece gets the BOS and the separator exactly where a row of the same
+    tokens does (none where it has its own), so a packed corpus and its unpacked rows prepare to the same tokens."""
+    from data.tokenizer import Tokenizer
+
+    llama3 = _bos_tokenizer(tmp_path / "tok")  # a tokenizer writing a BOS before a text, as Llama 3's
+    tok = Tokenizer(llama3)
+    a, b, c = [tok.bos_id, 5, 6], [7, 8, tok.eos_id], [9, 10]
+    (tmp_path / "p").mkdir(), (tmp_path / "s").mkdir()
+    packed = _write(tmp_path / "p", "jsonl", [{"input_ids": a + b + c, "seq_lengths": [3, 3, 2]}])
+    separate = _write(tmp_path / "s", "jsonl", [{"input_ids": x} for x in (a, b, c)])
+    one = prepare([packed], str(tmp_path / "o1"), llama3, **QUIET)
+    two = prepare([separate], str(tmp_path / "o2"), llama3, **QUIET)
+    assert _docs(tmp_path / "o1") == _docs(tmp_path / "o2") and len(_docs(tmp_path / "o1")) == 3
+    assert one["ids_given_bos"] == two["ids_given_bos"] == 2
+
+
+def test_a_packed_row_that_is_none_is_refused_in_one_line(tmp_path, capsys):
+    """Only lengths that do not add up, positions that are no runs from 0, the two disagreeing, or a piece whose
+    mask trains nothing are refused; the message names the column, not "conversations"."""
+    for k, (row, match) in enumerate((
+            ({"seq_lengths": [3, 4]}, "seq_lengths [3, 4] add up to 7, beside 8 ids: not the lengths"),
+            ({"seq_lengths": [8, 0]}, "seq_lengths [8, 0] hold a length below 1"),
+            ({"position_ids": [0, 1, 3, 4, 5, 6, 7, 8]}, "are no runs 0, 1, 2, ... restarting at 0 where a packed "
+                                                         "row's document starts (token 2)"),
+            ({"position_ids": [1, 2, 3, 4, 5, 6, 7, 8]}, "(token 0)"),
+            ({"position_ids": [0, 1, 2], "labels": IDS}, "position_ids [0, 1, 2] beside 8 ids are no runs"),
+            ({"seq_lengths": [4, 4], "position_ids": AXOLOTL["position_ids"]}, "disagree on where"),
+            ({"seq_lengths": [4, 4], "completion_mask": [0, 1, 1, 1, 1, 0, 0, 0]},
+             "completion_mask mark no token to train (past the first) in document 2 of the row's 2 (tokens 4-7)"))):
+        (tmp_path / f"r{k}").mkdir()
+        src = _write(tmp_path / f"r{k}", "jsonl", [{"input_ids": IDS, **row}])
+        capsys.readouterr()
+        assert main(["--input", src, "--output", str(tmp_path / f"o{k}"), "--vocab_size", "100", "--workers", "0"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert match in err and "\n" not in err and "conversations" not in err, err
+
+
+@pytest.mark.parametrize("form", ["jsonl", "parquet", "hf_disk"])
+def test_an_attention_masks_padding_is_stripped(tmp_path, form, capsys):
+    """`attention_mask` was ignored: a padded row stored its pads, trained them, and an EOS after them. Zeros at the
+    end or the start are stripped with the same slice of the row's labels (-100 over the pads) and masks; all ones
+    change nothing; zeros between ones are refused in one line."""
+    rows = [{"input_ids": [5, 6, 7, 0, 0, 0], "attention_mask": [1, 1, 1, 0, 0, 0]},
+            {"input_ids": [0, 0, 5, 6, 7], "attention_mask": [0, 0, 1, 1, 1], "labels": [-100, -100, 5, 6, 7]},
+            {"input_ids": [0, 5, 6, 7, 8], "attention_mask": [0, 1, 1, 1, 1], "assistant_masks": [0, 0, 0, 1, 1]},
+            {"input_ids": [5, 6], "attention_mask": [1, 1]},
+            {"input_ids": [5, 6, 7, 8, 0, 0], "attention_mask": [1] * 4 + [0, 0], "position_ids": [0, 1, 0, 1, 0, 0]}]
+    prepare([_write(tmp_path, form, _all_keys(rows))], str(tmp_path / "o"), vocab_size=100, eos_id=2, **QUIET)
+    assert _docs(tmp_path / "o") == [([5, 6, 7, 2], [1] * 4), ([5, 6, 7, 2], [1] * 4), ([5, 6, 7, 8], [0, 0, 1, 1]),
+                                     ([5, 6, 2], [1] * 3), ([5, 6, 2], [1] * 3), ([7, 8, 2], [1] * 3)]
+    (tmp_path / "bad").mkdir()
+    src = _write(tmp_path / "bad", form, [{"input_ids": [5, 6, 7, 8], "attention_mask": [1, 0, 1, 1]}])
+    capsys.readouterr()
+    assert main(["--input", src, "--output", str(tmp_path / "ob"), "--vocab_size", "100", "--workers", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "attention_mask has 0s between its 1s (token 1 of 4)" in err and "\n" not in err, err
+
+
+def test_the_in_process_stream_splits_and_strips_too(tmp_path):
+    """data/packing.build_token_stream (data/jsonl.read_documents) refused a packed row and kept the pads: its
+    documents now as prepare_data's (a loss mask, which it cannot carry, is still refused)."""
+    from data.packing import build_token_stream
+
+    src = tmp_path / "r.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in (
+        AXOLOTL, {"input_ids": [5, 6, 0, 0], "attention_mask": [1, 1, 0, 0]})))
+    tokens, starts = build_token_stream(str(src), None, 100, str(tmp_path / "cache"))
+    assert np.load(tokens).tolist() == IDS + [5, 6] and np.load(starts).tolist() == [0, 3, 8]
+    src.write_text(json.dumps({"input_ids": IDS, "seq_lengths": [4, 4], "completion_mask": [0, 1] * 4}) + "\n")
+    with pytest.raises(ValueError, match="completion_mask beside input_ids: a loss mask"):
+        build_token_stream(str(src), None, 100, str(tmp_path / "cache2"))
+
+
+def test_a_tables_columns_that_change_nothing_are_plain_ids_and_cost_their_length(tmp_path):
+    """A Parquet row with positions 0..n-1 and `seq_lengths: [n]` went to the workers as a column dict, costed by
+    len(str(row)) (0.14 s per 1M tokens in the reading process, batches ~15x smaller): now read as plain ids in the
+    reader; a row that is checked in the workers costs its ids x (1 + columns)."""
+    from data.ids_rows import BESIDE
+    from data.readers import Fields, discover, iter_rows
+
+    src = _write(tmp_path, "parquet", [{"input_ids": IDS, "position_ids": list(range(8)), "seq_lengths": [8],
+                                        "labels": IDS, "attention_mask": [1] * 8}])
+    [(_, (value, _))] = list(iter_rows(discover(src)[0], Fields()))
+    assert value == IDS
+    n = 100_000  # (len(str(row)): ~1.6M, the old cost, computed in the reading process)
+    assert row_cost(({BESIDE: (list(range(n)), {"position_ids": [0] * n})}, None)) == (2 * n, 2 * n)
