@@ -19,6 +19,7 @@ import sys
 import time
 import warnings
 
+from base import versions
 from training.job import EXIT_OK, run_job
 
 warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
@@ -120,4 +121,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    versions.check()  # torch, deepspeed, transformers in the ranges the code needs, or one line and exit 2
     sys.exit(run_job(main))

@@ -88,14 +88,48 @@ def reads(template: str) -> frozenset | None:
     """The names `template` reads from its context (jinja's undeclared variables, parsed by the environment transformers
     renders with, its `{% generation %}` tag included); None where it does not parse (the name is then looked for in the
     text: `thinking` inside `enable_thinking` passed, which Qwen3's template never reads)."""
-    try:
-        from jinja2 import meta
-        from transformers.utils.chat_template_utils import _cached_compile_jinja_template
+    from jinja2 import TemplateError, meta
 
-        env = _cached_compile_jinja_template(template).environment
-        return frozenset(meta.find_undeclared_variables(env.parse(template)))
-    except Exception:  # noqa: BLE001 (a template transformers itself could not compile refuses every row anyway)
+    try:
+        return frozenset(meta.find_undeclared_variables(_environment(template).parse(template)))
+    except TemplateError:  # a template transformers itself could not compile refuses every row anyway
         return None
+
+
+def _environment(template: str):
+    """transformers' chat-template environment (its compile function has been `_compile_jinja_template` up to 5.0 and
+    `_cached_compile_jinja_template` since), else our own with the same tags: a rename of its private function must
+    not turn `reads` into None (an unread argument would then pass a substring test and train as if unset)."""
+    try:
+        from transformers.utils import chat_template_utils as ctu
+
+        compile_ = getattr(ctu, "_cached_compile_jinja_template", None) or ctu._compile_jinja_template
+        return compile_(template).environment
+    except Exception:  # noqa: BLE001 (renamed, reshaped, an old jinja refused: ours parses; a syntax error there too)
+        return _own_environment()
+
+
+@functools.lru_cache(maxsize=1)
+def _own_environment():
+    """A sandboxed environment that parses what transformers' does: `{% generation %}...{% endgeneration %}` (a call
+    block, as transformers' AssistantTracker makes it) and loop controls (`{% break %}`, `{% continue %}`)."""
+    import jinja2.ext
+    from jinja2 import nodes
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                         extensions=[Generation, jinja2.ext.loopcontrols])
 
 
 def _passed_over(v) -> bool:

@@ -471,6 +471,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from base import versions
     from training.job import run_job
 
+    versions.check()  # torch, deepspeed, transformers in the ranges the code needs, or one line and exit 2
     sys.exit(run_job(main, saves=False))  # nothing to save: a USR1/USR2 ends it (was recorded, never taken)

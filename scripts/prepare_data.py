@@ -5,7 +5,10 @@
 
 import sys
 
-from data.prepare_data import main
+from base import versions
 
 if __name__ == "__main__":
+    versions.check(["transformers"])  # the tokenizer's package in its range (base/versions.py), before the imports
+    from data.prepare_data import main
+
     sys.exit(main())

@@ -1,0 +1,139 @@
+"""base/versions.py: an installed version outside the range the code needs stops the tool in one line (the packages,
+the versions found, the ranges, the pip command) with exit 2; a version inside passes, local and pre-release versions
+included (`2.13.0+cpu`, NGC's `2.6.0a0+git`). `importlib.metadata.version` is a stand-in; pure, < 1 s."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+
+import pytest
+
+from base import versions
+
+FITS = {"torch": "2.13.0+cpu", "deepspeed": "0.19.8", "transformers": "5.23.0"}
+
+
+def installed(monkeypatch, **over):
+    found = {**FITS, **over}
+
+    def version(name):
+        if found.get(name) is None:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return found[name]
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("SLURM_LOCALID", raising=False)
+
+
+@pytest.mark.parametrize("over", [{}, {"torch": "2.6.0a0+ecf3bae40a"}, {"torch": "2.6.0"}, {"deepspeed": "0.19.5"},
+                                  {"transformers": "5.0.0"}, {"transformers": "5.24.0.dev0"}, {"torch": "3.0.0"}],
+                         ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()) or "the-pins")
+def test_a_version_inside_its_range_passes(monkeypatch, capsys, over):
+    installed(monkeypatch, **over)
+    versions.check()
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("over, says", [
+    ({"transformers": "4.57.6"}, "transformers 4.57.6 is installed, outside transformers>=5.0,<6"),
+    ({"transformers": "6.0.0rc1"}, "transformers 6.0.0rc1 is installed, outside transformers>=5.0,<6"),
+    ({"deepspeed": "0.19.4"}, "deepspeed 0.19.4 is installed, outside deepspeed>=0.19.5,<0.20"),
+    ({"deepspeed": "0.20.0"}, "deepspeed 0.20.0 is installed, outside deepspeed>=0.19.5,<0.20"),
+    ({"torch": "2.5.1+cu124"}, "torch 2.5.1+cu124 is installed, outside torch>=2.6"),
+    ({"deepspeed": None}, "deepspeed is not installed"),
+])
+def test_a_version_outside_is_one_line_naming_it_and_the_fix_and_exit_2(monkeypatch, capsys, over, says):
+    installed(monkeypatch, **over)
+    with pytest.raises(SystemExit) as e:
+        versions.check()
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and says in err, err
+    name = next(iter(over))
+    assert f"-m pip install '{versions.spec(name)}'" in err
+
+
+def test_every_package_outside_is_in_the_one_line_and_only_those_checked_count(monkeypatch, capsys):
+    installed(monkeypatch, transformers="4.57.6", torch="2.4.0")
+    with pytest.raises(SystemExit):
+        versions.check()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'torch>=2.6' 'transformers>=5.0,<6'" in err
+    installed(monkeypatch, deepspeed="0.18.0", torch="2.4.0")
+    versions.check(["transformers"])  # scripts/prepare_data.py: the tokenizer's package alone
+    assert capsys.readouterr().err == ""
+
+
+def test_a_newer_release_runs_with_a_warning_only_where_asked_and_a_floor_never(monkeypatch, capsys):
+    """A DeepSpeed or transformers past the tested top is untested, not known broken: ULYSSES_NEWER_PACKAGES=warn
+    lets it run with one warning (the refusal names it); a version under a floor (4.x's RoPE) is never waived."""
+    installed(monkeypatch, deepspeed="0.20.1")
+    monkeypatch.delenv(versions.NEWER, raising=False)
+    with pytest.raises(SystemExit):
+        versions.check()
+    assert f"or {versions.NEWER}=warn to try the newer one untested" in capsys.readouterr().err
+    monkeypatch.setenv(versions.NEWER, "warn")
+    versions.check()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("warning: deepspeed 0.20.1 is installed"), err
+    for old in ({"transformers": "4.57.6"}, {"deepspeed": None}, {"deepspeed": "0.20.1", "torch": "2.4.0"}):
+        installed(monkeypatch, **old)
+        with pytest.raises(SystemExit):
+            versions.check()
+        assert "untested" not in capsys.readouterr().err
+
+
+def test_other_local_ranks_exit_without_repeating_the_line(monkeypatch, capsys):
+    installed(monkeypatch, transformers="4.57.6")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    with pytest.raises(SystemExit):
+        versions.check()
+    assert capsys.readouterr().err == ""
+
+
+def test_release_numbers_of_the_forms_pip_installs():
+    assert versions.release("2.13.0+cpu") == (2, 13, 0)
+    assert versions.release("2.6.0a0+ecf3bae40a") == (2, 6, 0)
+    assert versions.release("5.24.0.dev0") == (5, 24, 0)
+    assert versions.release("0.19.8") == (0, 19, 8)
+    assert versions.release("unknown") is None
+
+
+def test_this_environment_fits():  # the .venv the tests run from: the check never stops them
+    versions.check()
+
+
+def test_pyprojects_dependencies_are_these_ranges():  # one set of ranges: what pip resolves is what start-up checks
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    with open(os.path.join(os.path.dirname(os.path.dirname(versions.__file__)), "pyproject.toml"), "rb") as fh:
+        declared = tomllib.load(fh)["project"]["dependencies"]
+    assert declared == [versions.spec(n) for n in versions.RANGES]
+
+
+def _fake_dist(root, name: str, version: str) -> None:
+    """A package's metadata that `importlib.metadata` finds first on PYTHONPATH (its code stays the installed one)."""
+    info = root / f"{name}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+
+
+@pytest.mark.parametrize("script", ["train.py", "scripts/evaluate.py", "scripts/prepare_data.py"])
+def test_the_tools_check_first(tmp_path, script):
+    """Each entry point stops with the line before anything else runs; prepare_data checks transformers alone."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(versions.__file__))
+    _fake_dist(tmp_path, "deepspeed", "0.18.0")
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "SLURM_LOCALID")}
+    run = lambda: subprocess.run([sys.executable, script, "--help"], cwd=root, capture_output=True, text=True,  # noqa: E731
+                                 env={**env, "PYTHONPATH": f"{tmp_path}{os.pathsep}{root}"}, timeout=120)
+    p = run()
+    if script.endswith("prepare_data.py"):
+        assert p.returncode == 0, p.stderr[-2000:]  # needs no deepspeed
+        _fake_dist(tmp_path, "transformers", "4.57.6")
+        p = run()
+    assert p.returncode == 2 and p.stdout == "" and p.stderr.count("\n") == 1, p.stderr[-2000:]
+    assert p.stderr.startswith("error: ") and "-m pip install '" in p.stderr
