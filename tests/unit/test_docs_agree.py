@@ -12,7 +12,6 @@ from __future__ import annotations
 import glob
 import os
 import re
-import types
 
 from tests.distributed import ROOT
 
@@ -68,16 +67,10 @@ def test_the_readme_demo_block_is_the_makefiles_demo():
 
 
 def test_the_readme_names_every_key_of_a_step_record_and_the_hub_cli_there_is():
-    from training import stage
+    from tests.unit.model_utils.test_sft_loss import log_steps
 
-    logged = []
-    run = types.SimpleNamespace(
-        cfg=types.SimpleNamespace(gradient_accumulation_steps=1, per_device_train_batch_size=1),
-        preempt=types.SimpleNamespace(deadline=types.SimpleNamespace(record_step=lambda s: None)),
-        metrics=types.SimpleNamespace(log=logged.append))
-    stage._log_step(run, types.SimpleNamespace(index=0, max_seq_length=8), types.SimpleNamespace(dp=1, sp=1, cp=1),
-                    types.SimpleNamespace(step=1, tokens=0), {"loss": 1.0, "label_tokens": 8, "step_time": 0.5},
-                    1e-3, types.SimpleNamespace(source_shares=lambda: {"stream": 1.0}))
+    logged, _, _ = log_steps([{"loss": 1.0, "label_tokens": 8, "step_time": 0.5}], sp=1, seq_len=8,
+                             shares={"stream": 1.0})
     text = _readme()
     metrics = text.split("- **Metrics**:", 1)[1].split("\n- **", 1)[0]
     assert not [k for k in logged[0] if f"`{k}`" not in metrics], metrics

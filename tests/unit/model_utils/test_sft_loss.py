@@ -346,29 +346,9 @@ def test_tiled_loss_equals_plain_with_masks(monkeypatch, weighting):
 
 # ---- the metrics report the supervised tokens of every step -----------------------------------------------------
 
-def test_metrics_report_supervised_tokens_per_step():
-    from training import stage
-
-    logged = []
-    run = types.SimpleNamespace(
-        cfg=types.SimpleNamespace(gradient_accumulation_steps=2, per_device_train_batch_size=1),
-        preempt=types.SimpleNamespace(deadline=types.SimpleNamespace(record_step=lambda s: None)),
-        metrics=types.SimpleNamespace(log=logged.append))
-    st = types.SimpleNamespace(step=3, tokens=0)
-    stage._log_step(run, types.SimpleNamespace(index=0, max_seq_length=SL), types.SimpleNamespace(dp=1, sp=2, cp=1),
-                    st, {"loss": 1.5, "label_tokens": 23, "step_time": 0.5}, 1e-3,
-                    types.SimpleNamespace(source_shares=lambda: {}))
-    assert logged[0]["label_tokens"] == 23 and "label_weight" not in logged[0]
-    stage._log_step(run, types.SimpleNamespace(index=0, max_seq_length=SL), types.SimpleNamespace(dp=1, sp=2, cp=1),
-                    st, {"loss": 1.5, "label_tokens": 23, "label_weight": 4.0, "step_time": 0.5}, 1e-3,
-                    types.SimpleNamespace(source_shares=lambda: {}))
-    assert logged[1]["label_weight"] == 4.0
-
-
-def test_a_skipped_step_logs_no_loss_and_no_tokens():
-    """A step without a supervised token in the global batch trains nothing: it logged loss 0.0, its tokens and
-    tokens / ~1 ms (5e8 tokens/s at 128k), which the charts drew and averaged in. Now null, 0 and total_tokens
-    unchanged; it still says so (optimizer_skipped) and its supervised-token count (0)."""
+def log_steps(outs: list[dict], sp: int = 2, seq_len: int = SL, shares: dict | None = None):
+    """training/stage._log_step as the stage loop calls it (GA 2, micro-batch 1, dp 1) for each step's `outs`, from
+    step 3: (the logged records, the step times the deadline recorded, the state)."""
     from training import stage
 
     logged, timed = [], []
@@ -377,12 +357,27 @@ def test_a_skipped_step_logs_no_loss_and_no_tokens():
         preempt=types.SimpleNamespace(deadline=types.SimpleNamespace(record_step=timed.append)),
         metrics=types.SimpleNamespace(log=logged.append))
     st = types.SimpleNamespace(step=3, tokens=0)
-    args = (types.SimpleNamespace(index=0, max_seq_length=SL), types.SimpleNamespace(dp=1, sp=2, cp=1), st)
-    shares = types.SimpleNamespace(source_shares=lambda: {})
-    stage._log_step(run, *args, {"loss": 1.5, "label_tokens": 23, "step_time": 0.5}, 1e-3, shares)
-    st.step += 1
-    stage._log_step(run, *args, {"loss": 0.0, "label_tokens": 0, "skipped": True, "step_time": 0.001}, 1e-3, shares)
-    trained, skipped = logged
+    for i, out in enumerate(outs):
+        st.step = 3 + i
+        stage._log_step(run, types.SimpleNamespace(index=0, max_seq_length=seq_len),
+                        types.SimpleNamespace(dp=1, sp=sp, cp=1), st, out, 1e-3,
+                        types.SimpleNamespace(source_shares=lambda: shares or {}))
+    return logged, timed, st
+
+
+def test_metrics_report_supervised_tokens_per_step():
+    logged, _, _ = log_steps([{"loss": 1.5, "label_tokens": 23, "step_time": 0.5},
+                              {"loss": 1.5, "label_tokens": 23, "label_weight": 4.0, "step_time": 0.5}])
+    assert logged[0]["label_tokens"] == 23 and "label_weight" not in logged[0]
+    assert logged[1]["label_weight"] == 4.0
+
+
+def test_a_skipped_step_logs_no_loss_and_no_tokens():
+    """A step without a supervised token in the global batch trains nothing: it logged loss 0.0, its tokens and
+    tokens / ~1 ms (5e8 tokens/s at 128k), which the charts drew and averaged in. Now null, 0 and total_tokens
+    unchanged; it still says so (optimizer_skipped) and its supervised-token count (0)."""
+    (trained, skipped), timed, st = log_steps([{"loss": 1.5, "label_tokens": 23, "step_time": 0.5},
+                                               {"loss": 0.0, "label_tokens": 0, "skipped": True, "step_time": 0.001}])
     assert trained["loss"] == 1.5 and trained["tokens"] == 2 * SL and trained["tokens_per_s"] == 4 * SL
     assert skipped["optimizer_skipped"] is True and skipped["label_tokens"] == 0 and skipped["step"] == 4
     assert skipped["loss"] is None and skipped["tokens"] == 0 and skipped["tokens_per_s"] is None, skipped

@@ -31,13 +31,8 @@ def test_only_rank_0_votes_for_the_time_limit(monkeypatch):
 
 
 def test_rank_0_reads_the_jobs_end_time_again(tmp_path, monkeypatch):
-    later = time.localtime(time.time() + 7200)
-    fake = tmp_path / "scontrol"
-    fake.write_text(f"#!/bin/sh\necho 'JobId=9 JobState=RUNNING'\necho '   StartTime=2026-01-01T00:00:00 "
-                    f"EndTime={time.strftime('%Y-%m-%dT%H:%M:%S', later)} Deadline=N/A'\n")
-    fake.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
-    monkeypatch.setenv("SLURM_JOB_ID", "9")
+    later = int(time.time()) + 7200
+    fake_scontrol(tmp_path, monkeypatch, later)
     monkeypatch.setenv("SLURM_JOB_END_TIME", str(int(time.time()) + 60))  # the limit at start: 1 min left
     d = Deadline()
     assert d.near()
@@ -45,7 +40,7 @@ def test_rank_0_reads_the_jobs_end_time_again(tmp_path, monkeypatch):
     deadline = time.time() + 10
     while d.end < time.time() + 3600 and time.time() < deadline:
         time.sleep(0.05)
-    assert abs(d.end - time.mktime(later)) < 1 and not d.near()  # `scontrol update TimeLimit=` gave it 2 h
+    assert abs(d.end - later) < 1 and not d.near()  # `scontrol update TimeLimit=` gave it 2 h
 
 
 def fake_scontrol(tmp_path, monkeypatch, end: float | None) -> str:
