@@ -7,6 +7,7 @@
 | 2 | EXIT_USAGE | bad input: one line, before any work, nothing saved touched; or a full disk / quota (one line) | fail, no requeue |
 | 69 | EXIT_PEER_LOST | a peer was lost: a rank's heartbeat stalled, the job's store vanished, a node's launcher died or a rank never arrived at start-up (EX_UNAVAILABLE) | requeue, excluding the lost node where known; resume from the newest complete checkpoint |
 | 75 | EXIT_PREEMPTED | stopped after an agreed save: a signal, the stop file or the time limit (EX_TEMPFAIL) | requeue; resume from that save |
+| 130 | EXIT_INTERRUPTED | a user's Ctrl-C (SIGINT: 128 + 2) before train.py's stop flag handles it (the start-up: one line, nothing to save, no crash record; training/job.py) | fail, no requeue (never the crash requeue) |
 
 A lost node is a requeue, not a failure: its last complete checkpoint is intact, and Slurm's own node-failure requeue
 comes too late (SlurmdTimeout, 300 s by default, after the job has already ended with the code its survivors gave).
@@ -19,3 +20,4 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_PEER_LOST = 69  # sysexits EX_UNAVAILABLE: a peer (rank, node, the job's store) is unavailable
 EXIT_PREEMPTED = 75  # sysexits EX_TEMPFAIL: "temporary failure, retry later"
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a program a Ctrl-C ended: a user's stop, no crash

@@ -1,4 +1,5 @@
-"""Model shapes and memory features: the values the planner's models take (no torch, no transformers).
+"""Model shapes and memory features: the values the planner's models take (no torch, no transformers at
+import: windowed_layers asks transformers' config class lazily, for a family whose window rule is not spelled out).
 
 `ModelShape` is what memory and FLOPs depend on (from a preset of planner/presets.py or a config.json);
 `Features` the memory features of a step, named as in training/config.py. Split out of memory_model.py so that
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 
@@ -244,22 +246,37 @@ class ModelShape:
         return self.num_layers * self.active_layer_params() + self.vocab_size * self.hidden_size
 
 
-# Families whose attention takes config.sliding_window in every layer, whatever layer_types say (transformers 5.23: the
-# forward passes it, or the module sets it, for each layer)
-EVERY_LAYER_WINDOWED = frozenset({"mistral", "mixtral", "phi3", "starcoder2", "qwen3_moe"})
+# transformers 5.23, each family built tiny and run (tests/unit/planner/test_latent_shapes.py records the window each
+# layer's attention receives). Families whose attention takes config.sliding_window in every layer, whatever
+# layer_types say:
+EVERY_LAYER_WINDOWED = frozenset({"mistral", "mixtral", "ministral3", "phi3", "phi4_multimodal", "starcoder2",
+                                  "qwen3_moe", "deepseek_v4"})
+# Families whose attention takes it in the layers its config's layer_types name "sliding_attention":
+TYPED_LAYERS_WINDOWED = frozenset({
+    "qwen2", "qwen3", "qwen2_moe", "gemma2", "gemma3", "gemma3_text", "gpt_oss", "cohere2", "cohere2_moe", "cwm",
+    "exaone4", "exaone_moe", "flint", "gemma4_text", "gemma4_unified_text", "granite_swa", "granitemoe_swa",
+    "kolibri1", "lfm3", "mimo_v2_flash", "ministral", "olmo3", "smollm3", "vaultgemma"})
+# (MiniMax, which windows its softmax layers between linear ones, is in neither: its layers count full, the safe side.)
+# Of those, the ones that window only with use_sliding_window on, which their config class defaults to off:
+WINDOW_SWITCHED = frozenset({"qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "smollm3"})
 
 
 def windowed_layers(cfg: Mapping) -> tuple[int, tuple[int, ...]]:
     """(window, the layers that attend within it) as transformers runs the config; (0, ()) where none does.
-    `layer_types` where listed (what transformers' config holds once built: gpt-oss, Gemma-2/3, Qwen2/3, Cohere-2);
-    for a config.json without them, each family's own default: Qwen2/3 window the layers from max_window_layers on
-    (only with use_sliding_window), Qwen2-MoE the even ones below it, Gemma-2 and gpt-oss every other layer from the
-    first, Gemma-3 all but every sliding_window_pattern-th (6), Cohere-2 likewise (4); any other family with a
-    window applies it to every layer (Mistral's rule, and model_utils/attention_pick.windowed's)."""
+    Any family not in the two tables above runs full attention whatever sliding_window says (Llama, Phi-MoE, Seed-OSS,
+    GLM-4, Nemotron-H, ... take no window; one not measured counts none too: counting a windowed layer full
+    over-counts its FLOPs, the safe side of a time limit). Which layers: `layer_types` where listed (what
+    transformers' config holds once built); for a config.json without them the family's default, spelled out here
+    for Qwen2/3 (the layers from max_window_layers on), Qwen2-MoE (the even ones below it), Gemma-2 and gpt-oss
+    (every other layer from the first), Gemma-3 and Cohere-2 (all but every sliding_window_pattern-th: 6, 4), else
+    the layer_types transformers' own config class derives (EXAONE-4's and OLMo-3's every 4th layer full, ...);
+    none where transformers is not importable or refuses the dict."""
+    kind = str(cfg.get("model_type") or "")
     n, w = int(cfg.get("num_hidden_layers") or 0), int(cfg.get("sliding_window") or 0)
-    if w <= 0 or cfg.get("use_sliding_window") is False:
+    if w <= 0 or kind not in EVERY_LAYER_WINDOWED | TYPED_LAYERS_WINDOWED or (
+            kind in WINDOW_SWITCHED and not cfg.get("use_sliding_window")):
         return 0, ()
-    kind, types = cfg.get("model_type"), cfg.get("layer_types")
+    types = cfg.get("layer_types")
     if kind in EVERY_LAYER_WINDOWED:
         idx = range(n)
     elif types:
@@ -274,9 +291,25 @@ def windowed_layers(cfg: Mapping) -> tuple[int, tuple[int, ...]]:
         every = int(cfg.get("sliding_window_pattern") or (4 if kind == "cohere2" else 6))
         idx = [i for i in range(n) if (i + 1) % every]
     else:
-        idx = range(n)
+        idx = [i for i, t in enumerate(_derived_layer_types(cfg)[:n]) if t == "sliding_attention"]
     idx = tuple(idx)
     return (w, idx) if idx else (0, ())
+
+
+def _derived_layer_types(cfg: Mapping) -> list:
+    """The layer_types transformers' config class derives from a config.json that lists none; [] where transformers
+    is not importable or the class refuses the dict. Imported here, not at the top: the planner's values need no
+    transformers (importing it brings torch, ~3 s), only a windowed family whose rule is not spelled out above."""
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        return []
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return list(getattr(AutoConfig.for_model(**cfg), "layer_types", None) or ())
+    except Exception:  # noqa: BLE001 -- a dict its class refuses (strict validation, an unknown field): no window
+        return []
 
 
 def _or(value, default: int) -> int:

@@ -28,7 +28,7 @@
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-EXIT_FAILED=1 EXIT_USAGE=2 EXIT_PEER_LOST=69 EXIT_PREEMPTED=75  # base/exits.py
+EXIT_FAILED=1 EXIT_USAGE=2 EXIT_PEER_LOST=69 EXIT_PREEMPTED=75 EXIT_INTERRUPTED=130  # base/exits.py
 TRAIN_SCRIPT=${TRAIN_SCRIPT:-$ROOT/train.py}
 bin() { if [ -x "$ROOT/.venv/bin/$1" ]; then echo "$ROOT/.venv/bin/$1"; else echo "$1"; fi; }
 DEEPSPEED=${DEEPSPEED:-$(bin deepspeed)}
@@ -421,7 +421,7 @@ if [ -n "$tee_pid" ]; then
             paste -sd' ')
     # a rank dead of a signal (torchrun's "exitcode : -N"): its N, for the crash verdict below
     death=$(grep -oE 'exitcode +: -[0-9]+' "$stderr_copy" | grep -oE '[0-9]+$' | grep -vx 15 | head -n 1)
-    if [ "$codes" = "$EXIT_PREEMPTED" ] || [ "$codes" = "$EXIT_PEER_LOST" ]; then
+    if [ "$codes" = "$EXIT_PREEMPTED" ] || [ "$codes" = "$EXIT_PEER_LOST" ] || [ "$codes" = "$EXIT_INTERRUPTED" ]; then
       echo "launch.sh: torchrun exited 1 but every failed rank exited $codes (or died of SIGTERM): passing on $codes" >&2
       rc=$codes
     fi
@@ -436,8 +436,8 @@ known=$(sed -n 's/^abort //p' "$exit_dir"/store* 2>/dev/null | head -n 1)
 store_gone=0; grep -qx gone "$exit_dir"/store* 2>/dev/null && store_gone=1
 rm -rf "$exit_dir"
 case "$rc" in
-  0|"$EXIT_USAGE"|"$EXIT_PREEMPTED"|"$EXIT_PEER_LOST") ;;  # 69: a rank's watcher lost a peer (it records nothing)
-  *) if [ "$recorded" = "$EXIT_PREEMPTED" ] || [ "$recorded" = 0 ]; then
+  0|"$EXIT_USAGE"|"$EXIT_PREEMPTED"|"$EXIT_PEER_LOST"|"$EXIT_INTERRUPTED") ;;  # 69: a watcher lost a peer (no record)
+  *) if [ "$recorded" = "$EXIT_PREEMPTED" ] || [ "$recorded" = 0 ] || [ "$recorded" = "$EXIT_INTERRUPTED" ]; then
        echo "launch.sh: the launcher exited $rc but every rank here exited $recorded: passing on $recorded" >&2
        rc=$recorded
      fi ;;

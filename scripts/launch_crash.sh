@@ -48,11 +48,12 @@ alive() {  # a process that has not exited (a zombie its launcher has not reaped
   s=${s##*) }
   [ "${s%% *}" != Z ]
 }
+EXIT_INTERRUPTED=130  # base/exits.py: a user's Ctrl-C at start-up (training/job.py), no crash of this node's
 died=0
 died_verdict() {
   local d=$death n why="" now f
   [ "$died" = 0 ] || return 0
-  case "$rc" in 0|"$EXIT_USAGE"|"$EXIT_PEER_LOST"|"$EXIT_PREEMPTED") return 0 ;; esac
+  case "$rc" in 0|"$EXIT_USAGE"|"$EXIT_PEER_LOST"|"$EXIT_PREEMPTED"|"$EXIT_INTERRUPTED") return 0 ;; esac
   [ "$signalled$early" != 10 ] || return 0
   # the ranks here that said how they left: an exit record (rank<R>: their own exit) or a note of the job's abort
   # (store<R>: stopped by another rank's failure, base/watcher.py, with that failure's code, 247 where a launcher's
@@ -91,8 +92,10 @@ crash_verdict() {
   # signalled before any rank here was gone (a GraceTime preemption, the step's end): what the ranks raised since is
   # the stop's teardown (launch.py SIGKILLs a rank still in a long step, its peers' collective breaks), no crash
   [ "$signalled$early" != 10 ] || return 0
-  case "$rc" in 0|"$EXIT_USAGE"|"$EXIT_PEER_LOST"|"$EXIT_PREEMPTED") return 0 ;; esac
-  for c in $recorded; do case "$c" in 0|"$EXIT_USAGE"|"$EXIT_PEER_LOST"|"$EXIT_PREEMPTED") ;; *) raised=1 ;; esac; done
+  case "$rc" in 0|"$EXIT_USAGE"|"$EXIT_PEER_LOST"|"$EXIT_PREEMPTED"|"$EXIT_INTERRUPTED") return 0 ;; esac
+  for c in $recorded; do
+    case "$c" in 0|"$EXIT_USAGE"|"$EXIT_PEER_LOST"|"$EXIT_PREEMPTED"|"$EXIT_INTERRUPTED") ;; *) raised=1 ;; esac
+  done
   if [ "$origin" = "$node_rank" ] || { [ "$node_store" = 0 ] && [ "$raised" = 1 ]; }; then
     echo first > "$LAUNCH_CRASH_FILE"
   elif [ "$raised" = 1 ] && [ "$(cat "$LAUNCH_CRASH_FILE" 2>/dev/null)" != first ]; then

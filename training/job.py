@@ -24,7 +24,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from base.exits import EXIT_FAILED, EXIT_OK, EXIT_PEER_LOST, EXIT_PREEMPTED, EXIT_USAGE  # noqa: F401 -- the table: base/exits.py
+from base.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PEER_LOST, EXIT_PREEMPTED, EXIT_USAGE  # noqa: F401 -- the table: base/exits.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout: "our own code" lives below it
 
@@ -241,8 +241,6 @@ def _await_monitor_exit() -> None:
     time.sleep(watcher.ABORT_WAIT_S + watcher.EXIT_GRACE_S)
     os._exit(EXIT_PEER_LOST)
 
-
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a program a Ctrl-C ended
 
 
 def _interrupted() -> int:

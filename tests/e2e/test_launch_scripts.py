@@ -297,10 +297,11 @@ def test_deepspeed_launcher_signal_becomes_a_preemption_save(tmp_path):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("code", [75, pytest.param(69, marks=pytest.mark.slow)])  # 69: the same summary rule as 75
+@pytest.mark.parametrize("code", [75, *[pytest.param(c, marks=pytest.mark.slow) for c in (69, 130)]])  # as 75
 def test_torchrun_preemption_exit_code_is_75_not_1(tmp_path, code):
-    """torchrun reports any failing worker as 1: launch.sh passes on the ranks' own 75 (preempted) and 69 (a peer
-    lost, base/exits.py: slurm.sbatch requeues it; it used to come out as 1, a crash)."""
+    """torchrun reports any failing worker as 1: launch.sh passes on the ranks' own 75 (preempted), 69 (a peer
+    lost, base/exits.py: slurm.sbatch requeues it; it used to come out as 1, a crash) and 130 (a Ctrl-C at start-up:
+    a user's stop, not the crash that a 1 would make this node the origin of)."""
     p = subprocess.run([LAUNCH, "--torchrun", "--num_gpus", "2", "--master_port", "29632", "--", "--x"],
                        cwd=tmp_path, env=clean_env(**fake_train_env(tmp_path, str(code))), capture_output=True,
                        text=True, timeout=300)

@@ -39,6 +39,10 @@ def stand_in(tmp_path) -> str:
     # every rank here stopped by the job's abort (base/watcher.py's note), whose code was a launcher's 247 (an OOM on
     # another node, posted by its launch.sh): that node's consequence, not a death here (it was `died`)
     ("247", "", "0 1", None),
+    # a user's Ctrl-C at start-up (training/job.py: every rank it reached exits 130, no crash record): no crash of this
+    # node's, whether every rank recorded it or one had not yet (it was `first`: a crash requeue without this node)
+    ("130", "0:130 1:130", "", None),
+    ("130", "0:130", "", None),
 ])
 def test_a_rank_dead_of_a_signal_without_an_exit_of_its_own_is_died(tmp_path, code, records, notes, verdict):
     """A rank SIGKILLed by the host's OOM killer or a segfault records nothing; on several nodes a healthy node's rank

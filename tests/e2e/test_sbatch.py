@@ -105,10 +105,11 @@ def test_a_users_scancel_signal_saves_then_requeues_or_stops(tmp_path, sig, batc
     assert ("saved and stopped, as asked (SIGUSR2): not requeueing" in text) == (not requeued), text
 
 
-@pytest.mark.parametrize("after, requeued", [("1", True), ("137", True), ("2", False)])
+@pytest.mark.parametrize("after, requeued", [("1", True), ("137", True), ("2", False), ("130", False)])
 def test_sbatch_requeues_a_run_cut_by_the_time_limit(tmp_path, after, requeued):
     """After SLURM's warning, a run that ends without a preemption save and without COMPLETE (the time limit
-    came first) is requeued to resume from its last save; bad input (2) never is."""
+    came first) is requeued to resume from its last save; bad input (2) never is, nor a user's Ctrl-C (130:
+    training/job.py's stop at start-up, which was requeued as a time-limit cut)."""
     job = sbatch(tmp_path, "wait", ["--output_dir", str(tmp_path / "out")], FAKE_EXIT_AFTER=after)
     try:
         wait_for(lambda: "ready" in (tmp_path / "fake.log").read_text() if (tmp_path / "fake.log").exists()

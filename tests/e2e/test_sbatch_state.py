@@ -124,12 +124,9 @@ def test_an_unreadable_state_names_the_python_it_tried(tmp_path):
         in text, text
 
 
-def test_a_time_limit_before_slurm_23_02_is_requeued(tmp_path):
-    """Slurm < 23.02 sets no SLURM_JOB_END_TIME (the stand-in sbatch sets none either), and without scontrol --json or
-    sacct a time limit's TERM read COMPLETING: taken as a cancel, never requeued, and the ranks had no end to stop
-    before. slurm.sbatch now reads the planned EndTime from `scontrol show job` at its start (here a wrapper adds the
-    line the stand-in lacks) and exports it: launch.sh gets it, base/slurm_state.py reads TIMEOUT once it has come."""
-    end = int(time.time()) + 3
+def old_slurm_job(tmp_path, end: int, fake_exit: str = "wait", **env: str) -> subprocess.Popen:
+    """slurm.sbatch under a Slurm before 23.02: `scontrol show job` prints this job's StartTime / EndTime (`end`), the
+    stand-in sbatch sets no SLURM_JOB_END_TIME; the launcher writes the end and the times marker it was given."""
     shown = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(end))
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -137,14 +134,25 @@ def test_a_time_limit_before_slurm_23_02_is_requeued(tmp_path):
         f'#!/usr/bin/env bash\n{STUBS}/scontrol "$@"; rc=$?\n[ "$1 $2 $rc" = "show job 0" ] && '
         f'echo "   StartTime=2026-01-01T00:00:00 EndTime={shown} Deadline=N/A"\nexit $rc\n')
     (bin_dir / "launch").write_text(f'#!/bin/sh\necho "end=$SLURM_JOB_END_TIME" > {tmp_path}/end\n'
+                                    f'echo "$ULYSSES_TIMES_JOB" > {tmp_path}/marker\n'
                                     f'exec {STUBS}/fake_launch "$@"\n')
     for f in ("scontrol", "launch"):
         (bin_dir / f).chmod(0o755)
     e = clean_env(PATH=f"{bin_dir}:{STUBS}:{os.environ['PATH']}", SLURM_SUBMIT_DIR=str(tmp_path), PYTHONPATH=ROOT,
-                  SCONTROL_LOG=str(tmp_path / "scontrol.log"), FAKE_LOG=str(tmp_path / "fake.log"), FAKE_EXIT="wait",
-                  FAKE_EXIT_AFTER="75", LAUNCH_CMD=str(bin_dir / "launch"), SCONTROL_JSON="0", SCONTROL_KILL_WAIT="4")
-    job = subprocess.Popen(["sbatch", SBATCH_SCRIPT, "--output_dir", str(tmp_path / "out")], cwd=tmp_path, env=e,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                  SCONTROL_LOG=str(tmp_path / "scontrol.log"), FAKE_LOG=str(tmp_path / "fake.log"), FAKE_EXIT=fake_exit,
+                  FAKE_EXIT_AFTER="75", LAUNCH_CMD=str(bin_dir / "launch"), SCONTROL_JSON="0", SCONTROL_KILL_WAIT="4",
+                  **env)
+    return subprocess.Popen(["sbatch", SBATCH_SCRIPT, "--output_dir", str(tmp_path / "out")], cwd=tmp_path, env=e,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_a_time_limit_before_slurm_23_02_is_requeued(tmp_path):
+    """Slurm < 23.02 sets no SLURM_JOB_END_TIME (the stand-in sbatch sets none either), and without scontrol --json or
+    sacct a time limit's TERM read COMPLETING: taken as a cancel, never requeued, and the ranks had no end to stop
+    before. slurm.sbatch now reads the planned EndTime from `scontrol show job` at its start (here a wrapper adds the
+    line the stand-in lacks) and exports it: launch.sh gets it, base/slurm_state.py reads TIMEOUT once it has come."""
+    end = int(time.time()) + 3
+    job = old_slurm_job(tmp_path, end)
     try:
         wait_for(lambda: ready(tmp_path), 90, "the stand-in launcher")
         time.sleep(max(0.0, end - time.time()))  # the limit comes: slurmctld sets TIMEOUT, then signals
@@ -154,3 +162,25 @@ def test_a_time_limit_before_slurm_23_02_is_requeued(tmp_path):
         job.kill()
     assert (tmp_path / "end").read_text() == f"end={end}\n", text
     assert "JobState=TIMEOUT: requeueing now" in text and requeues(tmp_path) == ["requeue 4242"], text
+
+
+@pytest.mark.parametrize("given, marker, want", [
+    ("1000", "4241:1000", "scontrol"),  # inherited from job 4241, which submitted this one (Slurm < 23.02)
+    ("2000", "4241:1000", "given"),     # Slurm's own (>= 23.02): set for this job, not the one the marker names
+    ("2000", "4242:2000", "given"),     # read for this job already
+    ("2000", None, "given"),            # no marker: Slurm's own
+])
+def test_an_end_time_inherited_from_the_submitting_job_is_read_again(tmp_path, given, marker, want):
+    """A job submitted from inside a running slurm.sbatch job inherits its environment (sbatch propagates it): under
+    Slurm < 23.02 its SLURM_JOB_END_TIME, exported by that job's slurm.sbatch, was taken as this job's end (the ranks
+    stopped at the other job's limit, or ran past their own). slurm.sbatch exports ULYSSES_TIMES_JOB (job:end) and
+    reads the times again from scontrol when the end is the one another job's marker names."""
+    end = int(time.time()) + 3600
+    env = {"SLURM_JOB_END_TIME": given, "SLURM_JOB_START_TIME": "900"}
+    if marker:
+        env["ULYSSES_TIMES_JOB"] = marker
+    job = old_slurm_job(tmp_path, end, fake_exit="0", **env)
+    text = job.communicate(timeout=60)[0]
+    got = end if want == "scontrol" else int(given)
+    assert (tmp_path / "end").read_text() == f"end={got}\n", text
+    assert (tmp_path / "marker").read_text() == f"4242:{got}\n", text
