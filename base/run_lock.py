@@ -12,7 +12,11 @@ thread) and removes it when the run ends (training/job.py). A lock whose owner i
 - on another host: its job's state (`scontrol show job`) is not a live one (RUNNING, SUSPENDED, COMPLETING, ...;
   an unknown job id is gone); where no job or no scontrol says, its heartbeat is older than STALE_S. The age is
   read on the file server's clock (the lock's mtime against a probe file touched now), never this host's.
-Cost: one small file, one `scontrol` call at most at start (only for a lock from another host), one utime a minute.
+The lock records the folder it was taken for (real path, st_dev, st_ino): a copy's (`cp -a runL runL2` while runL's
+run is live copies its RUN_LOCK) is taken over with a note where copied_from proves it names another folder; the same
+folder under another path (another node's mount point) never is.
+Cost: one small file, one `scontrol` call at most at start (only for a lock from another host), one utime a minute;
+a lock naming another folder: one read of that folder's lock and a probe file.
 Two runs that start within the same second on a stale lock can both take it (the replace is not atomic with the
 check); every other case is decided by an atomic link.
 """
@@ -104,6 +108,51 @@ def verdict(lock: dict, mine: dict, age_s: float | None, alive=pid_alive, state=
         f" (at most {STALE_S:.0f} s for a live run on another host)"
 
 
+def folder_identity(folder: str) -> dict:
+    """What `folder` is, recorded in its lock: its real path, st_dev and st_ino (copied_from compares them)."""
+    st = os.stat(folder)
+    return {"folder": os.path.realpath(folder), "dev": st.st_dev, "ino": st.st_ino}
+
+
+def copied_from(lock: dict, folder: str, mine: dict) -> str | None:
+    """The folder whose lock `folder` holds a copy of (`cp -a runL runL2` while runL's run is live), None where the
+    lock may be `folder`'s own. The rule, safe on shared file systems (a live lock of this very folder is never taken
+    over; where it cannot tell, the lock is judged as any other):
+    - the lock records no folder (taken before they were recorded) or names this real path: its own;
+    - lock taken on this host: the same (st_dev, st_ino) is this folder under another path (a symlink, a bind mount);
+    - otherwise (another host, where the same folder may have another real path (/scratch vs /mnt/lustre) and another
+      st_dev; or this host with two NFS mounts of one export, each its own st_dev) a copy only when proved: the
+      recorded path, seen from here, holds the same lock (its token), has another st_ino than this folder (one folder
+      has one inode number on every client of NFS, Lustre, GPFS), and a probe file written here is not seen there.
+    A recorded path this host does not see (another mount layout) proves nothing: judged as before."""
+    where = lock.get("folder")
+    if not where or not lock.get("token"):
+        return None
+    try:
+        here = folder_identity(folder)
+    except OSError:
+        return None
+    if where == here["folder"]:
+        return None
+    if lock.get("host") == mine["host"] and (lock.get("dev"), lock.get("ino")) == (here["dev"], here["ino"]):
+        return None
+    probe = os.path.join(folder, f".{LOCK}.copy.{socket.gethostname()}.{os.getpid()}.{time.time_ns()}")
+    try:
+        with open(os.path.join(where, LOCK)) as fh:
+            if json.load(fh).get("token") != lock["token"] or os.stat(where).st_ino == here["ino"]:
+                return None
+        with open(probe, "w"):
+            pass
+        return None if os.path.exists(os.path.join(where, os.path.basename(probe))) else where
+    except (OSError, ValueError, AttributeError, TypeError):  # gone, torn, or not a lock
+        return None
+    finally:
+        try:
+            os.remove(probe)
+        except OSError:
+            pass
+
+
 def file_age(path: str, folder: str) -> float | None:
     """Seconds since `path` was touched, on the file server's clock: its mtime against a probe file written now."""
     probe = os.path.join(folder, f".{LOCK}.probe.{socket.gethostname()}.{os.getpid()}")
@@ -129,7 +178,7 @@ def acquire(folder: str, mine: dict | None = None, alive=pid_alive, state=job_st
     try:  # the first write in the folder: a read-only or foreign one is the user's to fix, in one line
         os.makedirs(folder, exist_ok=True)
         with open(tmp, "w") as fh:
-            json.dump({**mine, "token": token}, fh)
+            json.dump({**mine, "token": token, **folder_identity(folder)}, fh)
     except OSError as e:  # another error (ESTALE, EIO: a node's mount) is a crash of that node, requeued without it
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             raise ValueError(f"--output_dir {folder}: no room ({e.strerror}): free space or quota there, or use "
@@ -151,7 +200,11 @@ def acquire(folder: str, mine: dict | None = None, alive=pid_alive, state=job_st
                     lock = json.load(fh)
             except (OSError, ValueError):
                 lock = {}  # torn or vanished: a writer died mid-write (or just released it)
-            live, why = verdict(lock, mine, file_age(path, folder), alive, state) if lock else (False, "unreadable")
+            copy = copied_from(lock, folder, mine) if lock else None
+            if copy:  # its run writes the folder it was copied from, not this one
+                live, why = False, f"a copy of {copy}'s lock: its run writes there, not here"
+            else:
+                live, why = verdict(lock, mine, file_age(path, folder), alive, state) if lock else (False, "unreadable")
             if live:
                 job = f", job {lock['job']}" if lock.get("job") else ""
                 raise ValueError(f"output folder {folder} is held by a live run: host {lock.get('host')} pid "

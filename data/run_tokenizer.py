@@ -7,7 +7,9 @@ data/pipeline.open_run_data asks `pick_tokenizer` on rank 0 (run_on_main) before
 - `same_tokenizer`: how a tokenizer folder is the one the data was prepared with (its files, or for text-only data
   its vocabulary and EOS / BOS);
 - `pick_tokenizer`: the given one, else the recorded one, else the model folder's where that is the same one, else
-  none for text (a note) and a refusal for chat data or a stage's `tasks`.
+  none for text (a note) and a refusal for chat data or a stage's `tasks`;
+- `check_trained_vocab`: a checkpoint's tokenizer (scripts/export_hf.py, scripts/evaluate.py) is the vocabulary it
+  trained on (trainer.json `tokenizer_vocab`), as a resume checks (data/pipeline.open_run_data).
 Cost: a hash of the tokenizer files, and two tokenizers loaded where the model folder ships another (~1 s), once.
 """
 
@@ -77,6 +79,24 @@ def same_tokenizer(m: dict, path: str) -> str | None:
     except ValueError:
         return None
     return "vocab" if (tok.eos_id, tok.bos_id) == (rec.get("eos_id"), m.get("bos_id", tok.bos_id)) else None
+
+
+def check_trained_vocab(path: str | None, trained_on: str | None, given: bool = False,
+                        other: str = "") -> None:
+    """A one-line ValueError where the tokenizer at `path` (the one a checkpoint recorded, or `given` by --tokenizer
+    for it) is not the vocabulary the checkpoint trained on (`trained_on`: its trainer.json `tokenizer_vocab`,
+    data/store.vocab_identity): another revision put at the same path (a new cluster's /models), or its files edited.
+    Its ids would be read as other tokens (an export ships it beside the weights, an evaluation scores through it)
+    without a word; a resume refuses the same (data/pipeline.open_run_data). `other`: the caller's further way out
+    (", or --tokenizer none ..."). Not checked where either is missing (a run without a tokenizer, a checkpoint from
+    before it was recorded, a path not there: the callers refuse that in their own words). Cost: a hash of the
+    vocabulary files (Llama 3's tokenizer.json: 9 MB), once."""
+    if not (path and trained_on and os.path.exists(path)) or vocab_identity(path) == trained_on:
+        return
+    what = f"--tokenizer {path}" if given else f"the run's tokenizer {path}"
+    raise ValueError(f"{what} is not the one the run trained with (its vocabulary files are not those the checkpoint "
+                     "recorded: another revision at that path, or edited since; its ids would read as other tokens): "
+                     f"give --tokenizer PATH with the tokenizer the run trained with (the same files){other}")
 
 
 def pick_tokenizer(folder: str, m: dict, given: str | None, model_path: str | None, stages,

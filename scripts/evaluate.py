@@ -170,6 +170,12 @@ def describe(path: str, tokenizer: str | None) -> dict:
         with open(os.path.join(path, "trainer.json")) as fh:
             trainer = json.load(fh)
         tok = tokenizer or trainer.get("tokenizer")
+        from data.run_tokenizer import check_trained_vocab
+
+        try:  # the vocabulary it trained on (another revision at the recorded path scored it through other tokens)
+            check_trained_vocab(tok, trainer.get("tokenizer_vocab"), tokenizer is not None)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
         return {"kind": "checkpoint", "path": path, "step": trainer.get("step"), "stage": trainer.get("stage_name"),
                 "config": config, "tokenizer": tok, "sft_run": sft_run(trainer.get("config") or {}),
                 "run_config": trainer.get("config") or {},  # its forward's settings (lean_rmsnorm, lean_mlp)

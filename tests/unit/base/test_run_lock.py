@@ -102,3 +102,43 @@ def test_an_output_dir_that_cannot_be_written_is_refused_in_one_line(tmp_path, m
                 acquire(str(folder), run_lock.me())
     finally:
         ro.chmod(0o700)
+
+
+def test_a_copied_folders_lock_is_taken_over_and_the_originals_kept(tmp_path):
+    """`cp -a runL runL2` while runL's run is live copies its RUN_LOCK: runL2 was refused as "held by a live run ...
+    stop that run", though that run writes runL. The lock records its folder (real path, st_dev, st_ino); a copy's is
+    taken over with one note, the original (and the same folder under another path) still refused."""
+    import shutil
+
+    sleeper = subprocess.Popen(["sleep", "60"])  # runL's live run, on this host
+    try:
+        run = tmp_path / "runL"
+        run.mkdir()
+        owner = {**run_lock.me(), "pid": sleeper.pid, "start": run_lock._start_time(sleeper.pid), "token": "t1",
+                 **run_lock.folder_identity(str(run))}
+        (run / LOCK).write_text(json.dumps(owner))
+        shutil.copytree(run, tmp_path / "runL2")
+        line = acquire(str(tmp_path / "runL2"), run_lock.me())
+        assert "\n" not in line and f"taken over: {owner['host']} pid {sleeper.pid}, a copy of {run}'s lock" in line
+        lock = json.loads((tmp_path / "runL2" / LOCK).read_text())
+        assert lock["pid"] == os.getpid() and lock["folder"] == str(tmp_path / "runL2")
+        assert lock["ino"] == os.stat(tmp_path / "runL2").st_ino
+        release()
+        (tmp_path / "via").symlink_to(run)  # runL itself under another path: its live run's
+        for path in (run, tmp_path / "via"):
+            with pytest.raises(ValueError, match="held by a live run.*its process is alive on this host"):
+                acquire(str(path), run_lock.me())
+        # another host's lock: a copy only where the recorded folder is seen here holding the same lock
+        other = {**owner, "host": "elsewhere", "job": ""}
+        (run / LOCK).write_text(json.dumps(other))
+        (tmp_path / "runL2" / LOCK).write_text(json.dumps(other))
+        assert "a copy of" in acquire(str(tmp_path / "runL2"), run_lock.me())
+        release()
+        for where in (str(tmp_path / "not_mounted_here" / "runL"),  # its path on that node is not seen here
+                      str(tmp_path / "via")):  # this very folder through another mount path
+            (run / LOCK).write_text(json.dumps({**other, "folder": where}))
+            with pytest.raises(ValueError, match="held by a live run: host elsewhere"):
+                acquire(str(run), run_lock.me())
+    finally:
+        sleeper.kill()
+        sleeper.wait()
