@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     from base.log import print0
     from data.pipeline import open_run_data
     from model_utils.attention import resets_positions
-    from model_utils.export import export_hf, exported_from, recorded_or_none
+    from model_utils.export import export_hf, is_export_of, recorded_or_none
     from model_utils.memory import configure_allocator
     from model_utils.rope import model_hash
     from training.checkpoint import Checkpointer
@@ -105,12 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     # after the process group, where nobody waits on it (a slow metadata server's minutes past NCCL's timeout)
     if dims.is_main:
         out = os.path.join(cfg.output_dir, "hf_model")
-        made = state.checkpoint and (os.path.abspath(state.checkpoint), manifest_sha256(state.checkpoint))
-        if cfg.export_hf and made and made[1] and exported_from(out) == made:  # a finished run started again (a
-            print0(f"{out} is already the export of {state.checkpoint}")  # dependency chain's next link)
+        made = state.checkpoint and manifest_sha256(state.checkpoint)  # its content: moved or re-mounted, the same
+        if cfg.export_hf and is_export_of(out, made):  # a finished run started again (a dependency chain's next link)
+            print0(f"{out} is already the export of {state.checkpoint}")
         elif cfg.export_hf:  # (a branch's new step_N under an old name has another content hash: exported again)
             tok, source = recorded_or_none(data.tokenizer and data.tokenizer.path, cfg.model_name_or_path)
-            out = export_hf(state.checkpoint, out, tok, source=source, owned=True, identity=made and made[1],
+            out = export_hf(state.checkpoint, out, tok, source=source, owned=True, identity=made,
                             stops=data.reply_stops(),  # a chat SFT's end-of-turn: generation stops on it
                             template=data.trained_template())  # the chat template its rows were rendered with
             print0(f"exported {out}")

@@ -28,11 +28,13 @@ The folder written is replaced whole (a new one built beside it, then swapped in
 user's folder, an existing `out_dir` is replaced only where it is the run's own (`owned`: RUN/hf_model) or a
 previous export (it holds MARKER); a folder holding the checkpoint, or any other existing folder, is refused in one
 line before any work. A symlinked `out_dir` is written where it points, so its target must be missing, empty or a
-previous export, owned or not (a run's hf_model linked to a scratch folder of other work wiped it).
+previous export of this run's checkpoints, owned or not (a run's hf_model linked to a scratch folder of other work
+wiped it; a copied run folder's link to the original's export replaced the original's model).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -50,9 +52,10 @@ def check_out(out_dir: str, checkpoint: str | None, owned: bool = False) -> None
     checkpoint (the run folder, its checkpoints), an existing file or folder that is neither the run's own export
     folder (`owned`) nor a previous export, or, where `out_dir` is a link, a target that is not missing, empty or a
     previous export (`owned` or not: the export replaces the folder the link points to, and a link to a scratch folder
-    holding other work wiped it); also where the folder it is built in beside the target is not writable (that failed
-    after the consolidation: minutes and 32 GB of host memory for 8B). `checkpoint` None: train.py's start-up check
-    of its RUN/hf_model, before the run trains."""
+    holding other work wiped it) or a previous export of another run's checkpoint (`_exported_here`: a run folder
+    copied with its absolute link made the copy's export replace the original run's model); also where the folder it
+    is built in beside the target is not writable (that failed after the consolidation: minutes and 32 GB of host
+    memory for 8B). `checkpoint` None: train.py's start-up check of its RUN/hf_model, before the run trains."""
     out = os.path.realpath(out_dir)
     ck = checkpoint and os.path.realpath(checkpoint)
     if ck and (ck == out or ck.startswith(out.rstrip(os.sep) + os.sep)):
@@ -64,6 +67,15 @@ def check_out(out_dir: str, checkpoint: str | None, owned: bool = False) -> None
             what = "a file" if os.path.isfile(out) else "a folder holding other files (no export.json)"
             raise ValueError(f"{out_dir}: a link to {out}, {what}, which the export would replace: point the link "
                              "at a new or empty folder (or a previous export), or remove the link")
+        ours = [os.path.dirname(os.path.abspath(checkpoint.rstrip(os.sep)))] if checkpoint else []
+        if owned:  # RUN/hf_model: RUN/checkpoints
+            ours.append(os.path.join(os.path.dirname(os.path.abspath(out_dir.rstrip(os.sep))), "checkpoints"))
+        if os.path.isfile(os.path.join(out, MARKER)) and not _exported_here(out, ours):
+            was = exported_from(out)[0]
+            raise ValueError(f"{out_dir}: a link to {out}, the export of " + (
+                f"another run's checkpoint ({was})" if was else f"a checkpoint its {MARKER} does not name") +
+                ", which this export would replace: remove the link (the export is then written in its place) or "
+                "point --out elsewhere")
     elif os.path.lexists(out_dir) and not owned and not os.path.isfile(os.path.join(out_dir, MARKER)):
         what = "a folder that is not a previous export" if os.path.isdir(out_dir) else "a file"
         raise ValueError(f"--out {out_dir}: {what} (no {MARKER}), which the export would replace: give a new "
@@ -73,6 +85,29 @@ def check_out(out_dir: str, checkpoint: str | None, owned: bool = False) -> None
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ValueError(f"{out_dir}: the export is built beside {out}, in {parent}, which is not writable: "
                          f"{'point the link at' if link else 'give'} a folder inside a writable one")
+
+
+def _exported_here(target: str, checkpoints: list[str]) -> bool:
+    """Whether the previous export in `target` came from a checkpoint of this run (its checkpoints/ folders:
+    `checkpoints`): the checkpoint its MARKER records is under one by real path, or, where that path is gone (the run
+    folder moved or re-mounted since), the checkpoint of the same name here has the recorded content (its manifest's
+    SHA-256, as training/checkpoint_files.manifest_sha256: model_utils does not import training). A copied run folder
+    whose link still points at the original's export is not this run's: the original is still there."""
+    path, sha = exported_from(target)
+    if not path:
+        return False
+    for folder in checkpoints:
+        here = os.path.realpath(folder)
+        if os.path.realpath(path).startswith(here + os.sep):
+            return True
+        if sha and not os.path.exists(path):
+            try:
+                with open(os.path.join(here, os.path.basename(path.rstrip(os.sep)), "MANIFEST.json"), "rb") as fh:
+                    if hashlib.sha256(fh.read()).hexdigest() == sha:
+                        return True
+            except OSError:
+                pass
+    return False
 
 
 def _replaceable(path: str) -> bool:
@@ -248,6 +283,13 @@ def exported_from(out_dir: str) -> tuple[str | None, str | None]:
         return None, None
 
 
+def is_export_of(out_dir: str, identity: str | None) -> bool:
+    """Whether `out_dir` holds a finished export of the checkpoint whose content hash is `identity` (its manifest's
+    SHA-256): by content, not path, so a finished run moved or re-mounted since its export keeps it (compared by path,
+    it exported again: minutes and 32 GB of host memory at 8B)."""
+    return bool(identity) and exported_from(out_dir)[1] == identity
+
+
 def legacy_rope(path: str) -> None:
     """config.json at `path` also in the RoPE layout of transformers before 5 (rope_theta, rope_scaling; Gemma 3's
     rope_local_base_freq), beside transformers 5's rope_parameters: a loader on 4.x (vLLM and converters pinned to
@@ -289,7 +331,7 @@ def export_hf(checkpoint: str, out_dir: str, tokenizer_path: str | None = None, 
     tokenizer's own default is another (the ChatML default of a base tokenizer, a forced or named template): the
     exported tokenizer carries it, or a server renders prompts in a format the model was never tuned on. `dtype`: the
     weights' dtype on disk (export_dtype: auto is the run's training precision). A symlinked `out_dir` is written
-    where it points (the link kept; check_out: the target missing, empty or a previous export)."""
+    where it points (the link kept; check_out: the target missing, empty or a previous export of this run's)."""
     check_out(out_dir, checkpoint, owned)
     check_recorded(tokenizer_path, source)
     if dtype != "auto":

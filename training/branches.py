@@ -24,15 +24,23 @@ def _recorded(root: str) -> list[dict]:
 
 def taken(root: str, resume: str) -> str | None:
     """Rank 0: when the run folder whose checkpoints are under `root` took the branch `resume` (PATH or none), or
-    None if it never did. PATH is matched by real path and content; a source that is gone (rotated away by the
-    branch's own saves) by path."""
+    None if it never did. PATH is known by its content (its manifest's SHA-256) where both it and the record have one:
+    the same branch after the run folder was moved, copied, re-mounted or rsynced elsewhere (its recorded real path
+    is the old one; matched by path, the requeue took the branch again and moved the branch's own newer checkpoints
+    to abandoned/, retraining them). A source that is gone (rotated away by the branch's own saves): one of this run's
+    by its name in checkpoints/ (`tag`), another run's by its real path."""
     if resume == "none":
-        key, sid = None, None
-    else:
-        key, sid = os.path.realpath(resume.rstrip("/")), manifest_sha256(resume)
+        return next((b.get("taken_at", "an earlier start") for b in reversed(_recorded(root))
+                     if b.get("resume") == "none"), None)
+    key, sid = os.path.realpath(resume.rstrip("/")), manifest_sha256(resume)
+    own = os.path.dirname(key) == os.path.realpath(root)
     for b in reversed(_recorded(root)):
-        if key is None:
-            same = b.get("resume") == "none"
+        if b.get("resume") == "none":
+            continue
+        if sid and b.get("manifest_sha256"):
+            same = b["manifest_sha256"] == sid
+        elif sid is None and own and b.get("tag"):
+            same = b["tag"] == os.path.basename(key)
         else:
             same = b.get("source") == key and (sid is None or b.get("manifest_sha256") == sid)
         if same:
@@ -91,6 +99,7 @@ def start(root: str, path: str | None, resume: str, tags: list[str]) -> None:
     elif os.path.exists(pointer):
         os.remove(pointer)
     record = {"resume": resume, "source": src, "manifest_sha256": manifest_sha256(path) if path else None,
+              "tag": os.path.basename(src) if own else None,  # its name in checkpoints/, wherever the folder is now
               "step": step if own else None, "moved": off, "taken_at": time.strftime("%Y-%m-%d %H:%M:%S")}
     atomic_write(os.path.join(root, BRANCHES),
                  json.dumps({"branches": [*_recorded(root), record]}, indent=1) + "\n")

@@ -64,6 +64,11 @@ def train_stage(run: Run, stage, stages, state: TrainState) -> None:
     """Train `stage` from `state` to the stage's end and evaluate it; `state` follows every step and save. On an
     agreed stop it returns right after the save, with `run.preempt.stopping` set."""
     cfg, dims, preempt = run.cfg, run.dims, run.preempt
+    ended = None  # a stage finished before the resumed checkpoint's, its evaluation not on record: its own end
+    if stage.index < state.stage:  # (rank 0's marker, verified together), or not evaluated at all (train.py)
+        ended = run.ckpt.stage_end(stage.index, stage.name)
+        if ended is None:
+            return
     start = stage_start(stages, stage.index)
     end = start + stage.max_steps
     run.metrics.begin_stage(end, start=start)  # a resumed stage's bar counts from the stage's first step
@@ -92,7 +97,7 @@ def train_stage(run: Run, stage, stages, state: TrainState) -> None:
             print0(f"warning: stage {stage.index}'s data notes failed ({type(e).__name__}: {e}); training goes on")
     progress.mark(None, "restore")  # judged at RESTORE_S (base/progress.py): a rank stuck reading is named before
     # dist_timeout_s ends the others' collectives
-    if not run.ckpt.restore_stage(engine, state, stage.index, sampler, stage.reset_optimizer):
+    if not run.ckpt.restore_stage(engine, state, stage.index, sampler, stage.reset_optimizer, ended and ended[0]):
         torch.manual_seed(cfg.seed + 1000 * stage.index + dims.rank)  # a stage's start: a seed per stage and rank
     preempt.deadline.record_build(time.perf_counter() - t_build)
     preempt.deadline.record_rank_bytes(_rank_bytes(engine, dims.world))  # a save's guessed time before one is measured
@@ -145,8 +150,9 @@ def train_stage(run: Run, stage, stages, state: TrainState) -> None:
     progress.mark(None, "eval")  # judged by its forwards' layer ticks (base/progress.py)
     t_eval = time.perf_counter()
     # an SFT stage's held-out: whole conversations, loss on the assistant's tokens (training/evaluation.py)
+    at = ended[1] if ended else state.step  # the step of the weights evaluated
     evaluate_stage(engine, stage, sdims, stage_heldout(run.data, stage, heldout_samples(stage.eval)),
-                   run.data.tokenizer, run.metrics, state.step, cfg.per_device_train_batch_size, run.data.pad_id,
+                   run.data.tokenizer, run.metrics, at, cfg.per_device_train_batch_size, run.data.pad_id,
                    stages, run.data.heldout)
     preempt.deadline.record_eval(time.perf_counter() - t_eval)
     if stage.index + 1 < len(stages):  # the checks up to the next stage's first step count its step, not this one's

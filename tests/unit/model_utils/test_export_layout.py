@@ -126,7 +126,7 @@ def test_a_symlinked_output_is_written_where_it_points(tmp_path, monkeypatch):
     ck = _checkpoint(tmp_path, monkeypatch, config, model)
     target = tmp_path / "big_disk" / "hf_model"
     target.mkdir(parents=True)
-    (target / MARKER).write_text("{}")  # a previous export
+    (target / MARKER).write_text(json.dumps({"checkpoint": ck}))  # a previous export of this run's (check_out)
     (target / "stale.safetensors").write_text("")
     link = tmp_path / "run" / "hf_model"
     link.symlink_to(target)

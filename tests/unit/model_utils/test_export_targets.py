@@ -85,6 +85,45 @@ def test_a_link_to_a_missing_or_empty_folder_is_written_there(tmp_path, monkeypa
     assert sorted(os.listdir(dest.parent)) == ["hf_model"]
 
 
+def test_a_copied_runs_link_never_replaces_the_original_runs_export(tmp_path, monkeypatch):
+    """A run folder copied with its absolute hf_model link (cp -a, rsync -l): the copy's export replaced the original
+    run's model where the link points (any previous export was replaceable). Refused in one line now, at the copy's
+    start-up check too; the original run, and a run folder moved since (its recorded checkpoint gone, the same one
+    here by content), still replace their own, and a moved finished run's export is still its current one."""
+    import hashlib
+    import shutil
+
+    from model_utils.export import MARKER, check_out, export_hf, exported_from, is_export_of
+
+    config, model = _llama()
+    ck = _checkpoint(tmp_path, monkeypatch, config, model)
+    (tmp_path / "run" / "checkpoints" / "step_000002" / "MANIFEST.json").write_text('{"files": {}}')
+    sha = hashlib.sha256(b'{"files": {}}').hexdigest()
+    dest = tmp_path / "models" / "run_model"
+    dest.parent.mkdir()
+    (tmp_path / "run" / "hf_model").symlink_to(dest)
+    export_hf(ck, str(tmp_path / "run" / "hf_model"), owned=True, identity=sha)
+    export_hf(ck, str(tmp_path / "run" / "hf_model"), owned=True, identity=sha)  # the run's own: replaced
+    shutil.copytree(tmp_path / "run", tmp_path / "copy", symlinks=True)
+    link, copied = tmp_path / "copy" / "hf_model", str(tmp_path / "copy" / "checkpoints" / "step_000002")
+    for call in (lambda: export_hf(copied, str(link), owned=True, identity=sha),
+                 lambda: check_out(str(link), None, owned=True)):  # the last: train.py's start-up form
+        with pytest.raises(ValueError) as e:
+            call()
+        msg = str(e.value)
+        assert len(msg.splitlines()) == 1 and str(link) in msg and "another run's checkpoint" in msg, msg
+        assert "remove the link" in msg and "point --out elsewhere" in msg
+    assert exported_from(str(dest)) == (ck, sha) and (dest / MARKER).is_file()
+    shutil.rmtree(tmp_path / "copy")
+    shutil.move(str(tmp_path / "run"), str(tmp_path / "moved"))  # a move (or a re-mount): its own export still
+    moved = str(tmp_path / "moved" / "checkpoints" / "step_000002")
+    # train.py's check of a finished run started again: current by content (by path it exported again: minutes at 8B)
+    assert is_export_of(str(tmp_path / "moved" / "hf_model"), sha) and exported_from(str(dest))[0] != moved
+    assert not is_export_of(str(tmp_path / "moved" / "hf_model"), "another") and not is_export_of(str(dest), None)
+    export_hf(moved, str(tmp_path / "moved" / "hf_model"), owned=True, identity=sha)
+    assert exported_from(str(dest)) == (moved, sha)
+
+
 def test_an_unwritable_folder_beside_the_target_is_refused_before_the_consolidation(tmp_path, monkeypatch):
     """The export is built in TARGET.export-tmp and swapped in (os.replace: one file system): a link to a folder whose
     parent the user cannot write (a mount point) failed after the consolidation."""

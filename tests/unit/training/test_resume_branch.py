@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 from training.checkpoint import BRANCHES, POINTER, Checkpointer, tag_for
 
@@ -96,3 +97,27 @@ def test_a_new_checkpoint_under_a_branched_name_is_a_new_branch_point(tmp_path):
     assert ck.find_resume(four) == four
     assert ck.tags() == [tag_for(2), tag_for(4)]
     assert ck.find_resume(four) == four and ck.tags() == [tag_for(2), tag_for(4)]  # and taken once
+
+
+def test_a_moved_run_folder_continues_its_branch(tmp_path):
+    """BRANCHES.json records the source's real path: after the run folder was moved (a re-mount, an rsync to other
+    storage) the same `--resume .../step_2` took the branch again and moved the branch's own newer checkpoints to
+    abandoned/ (retrained). The branch is known by its source's content now, and by its name in checkpoints/ once the
+    branch's own saves rotated it away."""
+    ck = Checkpointer(str(tmp_path / "a"), keep=3)
+    for s in (2, 4):
+        save(ck, s)
+    assert ck.find_resume(str(tmp_path / "a" / "checkpoints" / tag_for(2))) == str(tmp_path / "a" / "checkpoints" /
+                                                                                  tag_for(2))
+    for s in (3, 4):  # the branch's own saves
+        save(ck, s)
+    shutil.move(str(tmp_path / "a"), str(tmp_path / "b"))
+    moved = Checkpointer(str(tmp_path / "b"), keep=3)
+    point = str(tmp_path / "b" / "checkpoints" / tag_for(2))
+    assert moved.find_resume(point) == str(tmp_path / "b" / "checkpoints" / tag_for(4))  # the requeue: continues
+    assert moved.tags() == [tag_for(s) for s in (2, 3, 4)]
+    save(moved, 5)  # rotates the branch point away
+    assert not os.path.exists(point)
+    assert moved.find_resume(point) == str(tmp_path / "b" / "checkpoints" / tag_for(5))
+    assert moved.tags() == [tag_for(s) for s in (3, 4, 5)]
+    assert len(json.loads((tmp_path / "b" / "checkpoints" / BRANCHES).read_text())["branches"]) == 1
