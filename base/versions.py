@@ -18,6 +18,7 @@ container's torch passes the floor its features meet).
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import os
 import re
 import sys
@@ -53,6 +54,8 @@ def problem(name: str) -> str | None:
     try:
         found = importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
+        if unlabelled(name):  # a checkout on PYTHONPATH, a module system's copy: it imports: said (check), not refused
+            return None
         return f"{name} is not installed"
     low, high, why = RANGES[name]
     have = release(found or "")
@@ -76,10 +79,23 @@ def too_new(name: str) -> bool:
 NEWER = "ULYSSES_NEWER_PACKAGES"  # =warn: a version past a range's top runs with a warning (a floor is never waived)
 
 
+def unlabelled(name: str) -> bool:
+    """Whether `name` imports but has no package metadata (its version cannot be read)."""
+    try:
+        importlib.metadata.version(name)
+        return False
+    except importlib.metadata.PackageNotFoundError:
+        return importlib.util.find_spec(name) is not None
+
+
 def check(names=TRAINING) -> None:
     """Exit 2 with one line (the packages, the versions found, the ranges, the pip command) where an installed version
     is outside its range; nothing where all fit. The line is printed once per node (its local rank 0)."""
     bad = [name for name in names if problem(name)]
+    unread = [n for n in names if unlabelled(n)]
+    if unread and os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")) == "0":
+        print(f"warning: {', '.join(unread)} import(s) but carry no package metadata: the version cannot be checked "
+              f"against {', '.join(spec(n) for n in unread)}", file=sys.stderr, flush=True)
     if not bad:
         return
     waived = os.environ.get(NEWER) == "warn" and all(too_new(n) for n in bad)

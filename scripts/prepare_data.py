@@ -5,10 +5,7 @@
 
 import sys
 
-from base import versions
+from data.prepare_data import main
 
 if __name__ == "__main__":
-    versions.check(["transformers"])  # the tokenizer's package in its range (base/versions.py), before the imports
-    from data.prepare_data import main
-
     sys.exit(main())

@@ -163,3 +163,15 @@ def test_a_rules_step_refuses_only_shards_holding_the_rows_it_changed(tmp_path):
         assert run(notes.append)["n_docs"] == 20
         assert any("continued under today's" in n for n in notes), notes
         assert json.loads(plan.read_text())["rules"] == packing.RULES
+    # chunks committed by yesterday's code hold no count of the rows doc7/doc8 changed: they may be there, and a
+    # continuation would mix both readings in one shard (a review: pads kept in the first chunks, stripped after)
+    o = tmp_path / "cont0"  # the text-like shard that continued above, killed again and its chunks made yesterday's
+    for f in ("shard-00000-of-00001.json", "manifest.json", "chunk-s00000-c000003.json"):
+        (o / f).unlink()
+    chunk = o / "chunk-s00000-c000002.json"
+    chunk.write_text(json.dumps({k: v for k, v in json.loads(chunk.read_text()).items() if k != "ids_beside_rows"}))
+    plan = o / "plan-s00000.json"
+    plan.write_text(json.dumps({**json.loads(plan.read_text()), "rules": YESTERDAY}))
+    with pytest.raises(ValueError, match=r"doc7, doc8 \(pre-tokenized .* if its chunks hold any: their record cannot"):
+        prepare([str(tmp_path / "c0.jsonl")], str(o), vocab_size=100, workers=0, eos_id=2, chunk_tokens=10,
+                batch_docs=2, log=lambda _: None)
