@@ -33,6 +33,34 @@ may_requeue() {  # $1: the code to exit with when not; returns when a requeue ma
   fi
   mkdir -p "$(dirname "$progress")" && echo "$count $now" > "$progress"
 }
+# --output_dir as the ranks name it may be a container's path (apptainer -B /scratch/me/runs:/data, pyxis
+# --container-mounts): not here, where checkpoints/LATEST and COMPLETE were read as missing (a healthy run stopped as
+# "no progress" after 4 allocations, a finished one failed). Judged once the run has used it (it saved: 75; the step
+# ran up to a time limit's or a preemption's TERM; an exit 0 once an earlier allocation of the job was so judged,
+# $book.unseen: a first exit 0 without the folder is a killed launcher's too), never at the start (a fresh run's folder
+# comes with its ranks): then unknown, as when none is given (no progress bound, no COMPLETE check), said in one line
+out_unseen() {
+  local what="--output_dir $out_dir"
+  [ -n "$out_dir" ] && [ ! -d "$out_dir" ] || return 0
+  [ -n "${OUTPUT_DIR:-}" ] && what="OUTPUT_DIR=$out_dir"
+  log "this shell does not see $what (a path inside a container?): set OUTPUT_DIR to its path on this host"
+  out_dir=""
+  : 2>/dev/null > "$book.unseen"
+}
+# After the step: a node's task that could not see the records folder exited 254, above any launcher's code, so srun's
+# (the largest) is 254 while no record holds it (a task dead of a signal outranks it: then read as a node that never
+# started). Bad input, not a crash of the nodes that did record: the job ends (2).
+records_unseen() {
+  local n who=""
+  [ "$srun_rc" = 254 ] && ! grep -qsx 254 "$state"/exit.* || return 0
+  for ((n = 0; n < nnodes; n++)); do [ -f "$state/start.$n" ] || who+="${who:+, }$n (${hosts[$n]:-?})"; done
+  [ -n "$who" ] || return 0
+  log "node(s) $who could not see ${state%/*} (the job's records, under the work dir $PWD; their lines above):" \
+    "submit from a folder every node mounts"
+  rm -rf "$state"
+  log "bad input (exit 2): not requeueing"
+  exit 2
+}
 requeue_cmd() {  # `scontrol requeue`, retried (a busy controller answers with an error), immune to its own SIGTERM
   local i err
   requeued=1

@@ -4,7 +4,8 @@ W&B runs offline unless the user configured it (WANDB_MODE or WANDB_API_KEY set)
 on the machines this was built on. An online start that cannot reach the server (a compute node without
 network, WANDB_API_KEY exported in ~/.bashrc) gives up after INIT_TIMEOUT_S and logs offline, said in one line.
 The run id comes from the checkpoint so a resumed job continues the same W&B run; WANDB_RUN_ID, WANDB_PROJECT,
-WANDB_NAME and WANDB_DIR are honoured where no checkpoint or flag says otherwise.
+WANDB_NAME and WANDB_DIR are honoured where no checkpoint or flag says otherwise; offline runs in a WANDB_DIR a Slurm
+job loses at its end (/tmp, /dev/shm, $TMPDIR: job_container/tmpfs) are said in one line (job_local).
 
 Every metric is plotted against our own `step` (wandb.define_metric("*", step_metric="step"), each record carrying
 it), never logged with wandb.log(step=): W&B drops a log at a step lower than its run's current one, and a plain
@@ -172,7 +173,7 @@ class MetricsLogger:
                     resume="allow", config=config, group=group, dir=where)
         timeout = {} if env.get("WANDB_INIT_TIMEOUT") else {"init_timeout": INIT_TIMEOUT_S}
         try:
-            return wandb.init(**args, settings=wandb.Settings(console="off", silent=True, **timeout))
+            run = wandb.init(**args, settings=wandb.Settings(console="off", silent=True, **timeout))
         except Exception as e:  # noqa: BLE001  CommError, a timeout, an auth error: any of them, the run goes on
             if env.get("WANDB_MODE") in ("offline", "disabled", "dryrun"):
                 raise  # offline already: nothing to fall back to
@@ -182,7 +183,11 @@ class MetricsLogger:
                   f"{env.get('WANDB_INIT_TIMEOUT') or INIT_TIMEOUT_S} s wait)", flush=True)
             env["WANDB_MODE"] = "offline"
             wandb.teardown()  # W&B's service still holds the failed run's id ("run ID ... is in use")
-            return wandb.init(**args, mode="offline", settings=wandb.Settings(console="off", silent=True))
+            run = wandb.init(**args, mode="offline", settings=wandb.Settings(console="off", silent=True))
+        if env.get("WANDB_MODE") in ("offline", "dryrun") and env.get("WANDB_DIR") and (lost := job_local(where)):
+            print(f"W&B offline under {where}, {lost}: its runs are lost at the job's end, before any `wandb sync` "
+                  f"(metrics.jsonl in {output_dir} keeps every record); set WANDB_DIR to a shared folder", flush=True)
+        return run
 
     def _truncate(self, step: int) -> int:
         """Drop lines of steps after the checkpoint we resume from: they will be trained again. A line that does
@@ -355,6 +360,18 @@ class MetricsLogger:
                   f"uploaded is in {self.wandb_dir}/wandb (`wandb sync` it)", flush=True)
         else:
             _said_lost_records(run_dir)
+
+
+def job_local(path: str) -> str | None:
+    """Inside a Slurm job, what makes `path` the job's own (gone at its end: job_container/tmpfs gives each job a
+    private /tmp, sites a per-job $TMPDIR, /dev/shm is emptied), else None."""
+    if not os.environ.get("SLURM_JOB_ID"):
+        return None
+    path = os.path.realpath(path)
+    for root, what in ((os.environ.get("TMPDIR"), "$TMPDIR"), ("/tmp", "/tmp"), ("/dev/shm", "/dev/shm")):
+        if root and (path + os.sep).startswith(os.path.realpath(root).rstrip(os.sep) + os.sep):
+            return f"a folder under {what}, this Slurm job's own"
+    return None
 
 
 def _said_lost_records(run_dir: str | None) -> None:

@@ -256,6 +256,7 @@ def test_the_jobs_bookkeeping_is_its_own_and_goes_at_its_end(tmp_path):
     book = tmp_path / ".cache" / "slurm"
     book.mkdir(parents=True)
     (book / "4242.progress").write_text("3 -\n")  # another cluster's job 4242, three requeues without progress
+    (tmp_path / "out").mkdir()  # train.py's (a folder not here after a save is a container's: unknown, no progress kept)
     job = sbatch(tmp_path, "75", ["--output_dir", str(tmp_path / "out")], SLURM_CLUSTER_NAME="c1")
     text = job.communicate(timeout=60)[0]
     assert job.returncode == 0 and requeues(tmp_path) == ["requeue 4242"], text

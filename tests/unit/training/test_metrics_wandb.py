@@ -348,3 +348,32 @@ def test_records_wandb_could_not_save_are_said_at_the_end(tmp_path, wandb_env, c
         m.close()
         out = capsys.readouterr().out
         assert ("could not save some records" in out and "metrics.jsonl" in out) == lost, out
+
+
+@pytest.mark.parametrize("job, wandb_dir, mode, said", [
+    ("5", "tmpdir/wb", None, "$TMPDIR"),  # offline by default, under the job's $TMPDIR
+    ("5", "/dev/shm/wb", "offline", "/dev/shm"),
+    ("5", "/srv/wb", None, None),  # a shared folder
+    ("5", "tmpdir/wb", "online", None),  # synced as it goes
+    (None, "tmpdir/wb", None, None),  # no Slurm job: nothing removes it
+])
+def test_offline_runs_in_a_folder_the_job_loses_are_said(tmp_path, wandb_env, capsys, job, wandb_dir, mode, said):
+    """WANDB_DIR under /tmp, /dev/shm or $TMPDIR inside a Slurm job (job_container/tmpfs, a per-job $TMPDIR): the
+    offline runs vanished at the job's end, before any `wandb sync`, unsaid. Now one line names the loss and
+    metrics.jsonl, which keeps every record."""
+    fake_wandb(wandb_env)
+    wandb_env.setenv("TMPDIR", str(tmp_path / "tmpdir"))
+    wandb_env.setenv("WANDB_DIR", wandb_dir.replace("tmpdir", str(tmp_path / "tmpdir"), 1))
+    if job:
+        wandb_env.setenv("SLURM_JOB_ID", job)
+    else:
+        wandb_env.delenv("SLURM_JOB_ID", raising=False)
+    if mode:
+        wandb_env.setenv("WANDB_MODE", mode)
+    MetricsLogger(str(tmp_path / "run"), True, "wandb", None, None, {}, 10, False).close()
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "lost at the job's end" in ln]
+    if said is None:
+        assert lines == []
+    else:
+        assert len(lines) == 1 and f"a folder under {said}, this Slurm job's own" in lines[0], lines
+        assert f"metrics.jsonl in {tmp_path}/run keeps every record" in lines[0] and "WANDB_DIR" in lines[0]
