@@ -14,6 +14,7 @@ that restart: several documents in one row, TRL's pack_dataset / axolotl's sampl
   it does not start with it and the separator where it does not end with it or the tokenizer's EOS (axolotl's
   pieces carry their own BOS ... EOS: nothing is added), a piece with one is stored as given (no BOS, no EOS: a
   conversation as its template rendered it). Its documents do not attend to each other (positions restart at each).
+A packed row with a bad piece (an id >= the vocabulary: --skip_bad_rows) is dropped whole, counted once (rows_over).
 Cost: a row's columns that change nothing (labels equal to the ids, positions 0..n-1, `seq_lengths: [n]`, an all-ones
 attention_mask) are list compares (plain_ids: ~10 ms per 1M tokens for labels, ~60 ms for positions or a mask, whose
 list to compare with is built), in the reading process for a table (Arrow's decoding of the column to Python lists,
@@ -165,3 +166,17 @@ def no_mask_here(cols: list[str]) -> str:
     """The in-process stream's refusal (data/packing.build_token_stream: ids only, no mask)."""
     return (f"{' and '.join(cols)} beside input_ids: a loss mask, which this in-process reader cannot carry (every "
             "token would be trained): prepare the rows with scripts/prepare_data.py, which reads it (docs/sft.md)")
+
+
+def rows_over(docs: list, bad: list, bound: int) -> set:
+    """The (unit, row) keys whose documents (`docs`: (unit, row, ids, source) each) are all dropped: a row in `bad`, or
+    one holding an id >= `bound` (its error added to `bad` once). A packed row's pieces go or stay together (its
+    earlier pieces were stored and trained while the row was reported skipped). Cost: one max over each document's
+    ids (~1 ms per 1M)."""
+    dropped = {b[:2] for b in bad}
+    for u, row, ids, _ in docs:
+        top = int(np.max(ids)) if len(ids) else -1
+        if top >= bound and (u, row) not in dropped:
+            dropped.add((u, row))
+            bad.append((u, row, f"token id {top} >= the vocabulary size {bound} (--vocab_size or the tokenizer's)"))
+    return dropped

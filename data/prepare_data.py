@@ -30,7 +30,7 @@ import numpy as np
 from data import output_lock, packing, store
 from data.chat import prefix_cost_note, prefix_costly
 from data.chat_template import training_switch
-from data.ids_rows import BESIDE, MASKED, documents
+from data.ids_rows import BESIDE, MASKED, documents, rows_over
 from data.prepare_args import DEFAULT_BATCH_DOCS, DEFAULT_CHUNK_TOKENS, TEXT_SPECIALS, parser, specials_note
 from data.prepare_pool import run_ordered
 from data.readers import Fields, Unit, discover, iter_rows, parse_item
@@ -103,16 +103,13 @@ def _tokenize_batch(items: list[tuple[int, int, object]]) -> dict:
         for i, ids in zip(texts, framed):
             docs[i] = (*docs[i][:2], ids, docs[i][3])
     arrays, lens, srcs, empty, max_id, mask_parts = [], [], [], 0, -1, []
+    dropped = rows_over(docs, bad, bound)  # a row with a bad piece: none of its pieces kept, counted once
     for d, (u, row, ids, src) in enumerate(docs):
-        if not len(ids):
-            empty += 1
+        if (u, row) in dropped or not len(ids):
+            empty += (u, row) not in dropped
             continue
         a = np.asarray(ids, dtype=np.int64)
-        top = int(a.max())
-        if top >= bound:
-            bad.append((u, row, f"token id {top} >= the vocabulary size {bound} (--vocab_size or the tokenizer's)"))
-            continue
-        max_id = max(max_id, top)
+        max_id = max(max_id, int(a.max()))
         arrays.append(a)
         # a conversation ends with its own end-of-turn token; a document whose ids end with the separator (`...</s>`
         # in the text, pre-tokenized ids with theirs) or the tokenizer's own EOS (ids + [eos_token_id]) gets no other
@@ -285,9 +282,10 @@ def _chat_work(messages: int, size: int) -> int:
 
 
 def _batches(units: list[Unit], fields: Fields, start: tuple[int, int], batch_docs: int):
-    """Rows in input order, grouped into worker tasks: a task closes at `batch_docs` rows, BATCH_BYTES of raw rows
-    (memory in flight) or BATCH_BYTES of work (`row_cost`: a batch of long multi-turn chats is split over the workers
-    instead of going whole to one of them; a single row is never split)."""
+    """(rows, their raw bytes) in input order, grouped into worker tasks: a task closes at `batch_docs` rows,
+    BATCH_BYTES of raw rows (memory in flight: data/prepare_pool.py bounds their sum) or BATCH_BYTES of work
+    (`row_cost`: a batch of long multi-turn chats is split over the workers instead of going whole to one of them; a
+    single row is never split)."""
     batch, size, work = [], 0, 0
     for u in range(start[0], len(units)):
         for row, item in iter_rows(units[u], fields, start[1] if u == start[0] else 0):
@@ -295,10 +293,10 @@ def _batches(units: list[Unit], fields: Fields, start: tuple[int, int], batch_do
             b, w = row_cost(item)
             size, work = size + b, work + w
             if len(batch) >= batch_docs or size >= BATCH_BYTES or work >= BATCH_BYTES:
-                yield batch
+                yield batch, size
                 batch, size, work = [], 0, 0
     if batch:
-        yield batch
+        yield batch, size
 
 
 def _run_shard(units, out, i_shard, done, tokenizer, fields, bound, eos, dtype, workers, skip_bad_rows,

@@ -9,17 +9,19 @@ data/pipeline.open_run_data asks `pick_tokenizer` on rank 0 (run_on_main) before
 - `pick_tokenizer`: the given one, else the recorded one, else the model folder's where that is the same one, else
   none for text (a note) and a refusal for chat data or a stage's `tasks`;
 - `check_trained_vocab`: a checkpoint's tokenizer (scripts/export_hf.py, scripts/evaluate.py) is the vocabulary it
-  trained on (trainer.json `tokenizer_vocab`), as a resume checks (data/pipeline.open_run_data).
+  trained on (trainer.json `tokenizer_vocab`, its files; else `tokenizer_pieces`, its tokens by id), as a resume
+  checks (data/pipeline.open_run_data).
 Cost: a hash of the tokenizer files, and two tokenizers loaded where the model folder ships another (~1 s), once.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 from base.log import print0
 from data.prepare import ships_tokenizer
-from data.store import tokenizer_identity, vocab_identity
+from data.store import read_json, tokenizer_identity, vocab_identity
 from data.tokenizer import Tokenizer
 
 
@@ -81,22 +83,62 @@ def same_tokenizer(m: dict, path: str) -> str | None:
     return "vocab" if (tok.eos_id, tok.bos_id) == (rec.get("eos_id"), m.get("bos_id", tok.bos_id)) else None
 
 
-def check_trained_vocab(path: str | None, trained_on: str | None, given: bool = False,
+def check_trained_vocab(path: str | None, trainer: dict, checkpoint: str, given: bool = False,
                         other: str = "") -> None:
-    """A one-line ValueError where the tokenizer at `path` (the one a checkpoint recorded, or `given` by --tokenizer
-    for it) is not the vocabulary the checkpoint trained on (`trained_on`: its trainer.json `tokenizer_vocab`,
-    data/store.vocab_identity): another revision put at the same path (a new cluster's /models), or its files edited.
-    Its ids would be read as other tokens (an export ships it beside the weights, an evaluation scores through it)
-    without a word; a resume refuses the same (data/pipeline.open_run_data). `other`: the caller's further way out
-    (", or --tokenizer none ..."). Not checked where either is missing (a run without a tokenizer, a checkpoint from
-    before it was recorded, a path not there: the callers refuse that in their own words). Cost: a hash of the
-    vocabulary files (Llama 3's tokenizer.json: 9 MB), once."""
+    """A one-line ValueError where the tokenizer at `path` (the one `checkpoint` recorded, or `given` by --tokenizer
+    for it) is not the vocabulary it trained on (its trainer.json `trainer`): another revision put at the same path (a
+    new cluster's /models), or its ids edited. Its ids would be read as other tokens (an export ships it beside the
+    weights, an evaluation scores through it) without a word. The same files (`tokenizer_vocab`,
+    data/store.vocab_identity) pass; other bytes pass where what they mean is the same (`tokenizer_pieces`,
+    Tokenizer.pieces_identity: a folder re-saved, the run's own export, whose save_pretrained rewrote tokenizer.json);
+    a checkpoint from before that was recorded accepts this run's own export (`_own_export`), with a note. `other`:
+    the caller's further way out (", or --tokenizer none ..."). Not checked where either is missing (a run without a
+    tokenizer, a checkpoint from before it was recorded, a path not there: the callers refuse that in their own
+    words). Cost: a hash of the vocabulary files (Llama 3's tokenizer.json: 9 MB); where they differ, one load
+    (~1-2 s at 128k tokens)."""
+    trained_on, pieces = trainer.get("tokenizer_vocab"), trainer.get("tokenizer_pieces")
     if not (path and trained_on and os.path.exists(path)) or vocab_identity(path) == trained_on:
         return
     what = f"--tokenizer {path}" if given else f"the run's tokenizer {path}"
+    if pieces:
+        try:
+            if Tokenizer(path).pieces_identity() == pieces:
+                return  # the same ids in other bytes
+        except ValueError:
+            pass  # refused below: it does not load, so it is not the one it trained with
+        raise ValueError(f"{what} is not the one the run trained with (its tokens by id are not those the checkpoint "
+                         "recorded: another revision at that path, or edited since; its ids would read as other "
+                         f"tokens): give --tokenizer PATH with the tokenizer the run trained with{other}")
+    if _own_export(path, checkpoint):
+        print0(f"note: {what}: its files are not those the checkpoint recorded (a checkpoint from before the tokens "
+               "by id were recorded), but it is this run's own export (its export.json names a checkpoint of this "
+               "run): using it")
+        return
     raise ValueError(f"{what} is not the one the run trained with (its vocabulary files are not those the checkpoint "
-                     "recorded: another revision at that path, or edited since; its ids would read as other tokens): "
-                     f"give --tokenizer PATH with the tokenizer the run trained with (the same files){other}")
+                     "recorded: another revision at that path, edited or re-saved since; its ids may read as other "
+                     "tokens): give --tokenizer PATH with the tokenizer the run trained with (the same files), or "
+                     f"this run's own export (RUN/hf_model, scripts/export_hf.py){other}")
+
+
+def _own_export(path: str, checkpoint: str) -> bool:
+    """Whether `path` is an export of a checkpoint of `checkpoint`'s run (model_utils/export.py's export.json names
+    one under its checkpoints/ folder by real path, or one of the same name there with the recorded manifest SHA-256:
+    the run folder moved since), as model_utils/export._exported_here reads it (data does not import model_utils)."""
+    try:
+        got = read_json(os.path.join(path, "export.json"))
+        was, sha = got.get("checkpoint"), got.get("manifest_sha256")
+    except (OSError, ValueError, AttributeError):
+        return False
+    if not isinstance(was, str) or not was:
+        return False
+    here = os.path.realpath(os.path.dirname(os.path.abspath(checkpoint.rstrip(os.sep))))
+    if os.path.realpath(was).startswith(here + os.sep):
+        return True
+    try:
+        with open(os.path.join(here, os.path.basename(was.rstrip(os.sep)), "MANIFEST.json"), "rb") as fh:
+            return bool(sha) and hashlib.sha256(fh.read()).hexdigest() == sha
+    except OSError:
+        return False
 
 
 def pick_tokenizer(folder: str, m: dict, given: str | None, model_path: str | None, stages,

@@ -173,7 +173,7 @@ def describe(path: str, tokenizer: str | None) -> dict:
         from data.run_tokenizer import check_trained_vocab
 
         try:  # the vocabulary it trained on (another revision at the recorded path scored it through other tokens)
-            check_trained_vocab(tok, trainer.get("tokenizer_vocab"), tokenizer is not None)
+            check_trained_vocab(tok, trainer, path, tokenizer is not None)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
         return {"kind": "checkpoint", "path": path, "step": trainer.get("step"), "stage": trainer.get("stage_name"),

@@ -12,7 +12,8 @@ own export) is the run's training precision: bf16 for a bf16 run (as save_pretra
 size), fp32 to keep the fp32 master weights exactly. --tokenizer / --source: where the run's tokenizer / the model it
 started from (its generation_config.json is copied) are now, when the paths the checkpoint recorded no longer exist
 (refused in one line otherwise); `none` exports without it. The tokenizer (recorded or given) must be the vocabulary
-the run trained on (trainer.json's tokenizer_vocab; another revision at the recorded path is refused in one line).
+the run trained on (trainer.json's tokenizer_vocab, or the same tokens by id: tokenizer_pieces; another revision at the
+recorded path is refused in one line).
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def _export(a: argparse.Namespace, ckpt: Checkpointer, path: str | None, verifie
         check_recorded(tok, source)  # before reply_stops reads the tokenizer
         # the same files as it trained with, as a resume checks: another revision at the recorded path (a new
         # cluster's /models) was exported beside these weights, its ids other tokens
-        check_trained_vocab(tok, trainer.get("tokenizer_vocab"), a.tokenizer is not None,
+        check_trained_vocab(tok, trainer, path, a.tokenizer is not None,
                             ", or --tokenizer none to export without one")
         if "reply_stops" in trainer:  # a chat SFT's end-of-turn, as the run read it (train.py's export adds the same)
             stops = trainer["reply_stops"]

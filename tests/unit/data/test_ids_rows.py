@@ -37,6 +37,18 @@ def test_a_packed_row_is_split_into_its_documents(tmp_path, form):
     assert (manifest["chat_docs"], manifest["ids_beside_rows"], manifest["bad_rows"]) == (2, 2, 0)
 
 
+def test_a_packed_row_with_a_bad_piece_is_skipped_whole_and_counted_once(tmp_path):
+    """--skip_bad_rows: a packed row whose later piece holds an id >= the vocabulary was reported skipped while its
+    earlier pieces were stored and trained (and two bad pieces counted the row twice): none of its pieces is kept."""
+    rows = [{"input_ids": [1, 2, 3, 99, 5, 6], "seq_lengths": [3, 3]},  # the second piece is bad
+            {"input_ids": [7, 98, 9, 97], "seq_lengths": [2, 2]},  # both pieces bad: one row
+            {"input_ids": [10, 11, 12]}]
+    m = prepare([_write(tmp_path, "jsonl", rows)], str(tmp_path / "o"), vocab_size=50, eos_id=0, skip_bad_rows=True,
+                **QUIET)
+    assert _docs(tmp_path / "o") == [([10, 11, 12, 0], None)]
+    assert (m["bad_rows"], m["n_docs"]) == (2, 1)
+
+
 def test_a_piece_is_read_as_a_separate_row_of_its_tokens(tmp_path):
     """With a tokenizer that writes a BOS: a piece gets the BOS and the separator exactly where a row of the same
     tokens does (none where it has its own), so a packed corpus and its unpacked rows prepare to the same tokens."""

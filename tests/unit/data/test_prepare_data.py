@@ -252,17 +252,17 @@ def test_long_multi_turn_chats_are_spread_over_worker_tasks(tmp_path):
     turn = [{"role": r, "content": "step " * 10} for r in ("user", "assistant")] * 50
     chats = tmp_path / "traces.jsonl"
     chats.write_text("".join(json.dumps({"messages": turn}) + "\n" for _ in range(40)))
-    batches = list(pd_mod._batches(discover(str(chats)), Fields(), (0, 0), 256))
+    batches = [b for b, _ in pd_mod._batches(discover(str(chats)), Fields(), (0, 0), 256)]
     assert sum(map(len, batches)) == 40 and 4 <= len(batches) <= 10, [len(b) for b in batches]
     assert all(sum(pd_mod.row_cost(it)[1] for _, _, it in b[:-1]) < pd_mod.BATCH_BYTES for b in batches)
     trace = tmp_path / "trace.jsonl"
     trace.write_text(json.dumps({"messages": turn * 10}) + "\n" + json.dumps({"messages": turn[:2]}) + "\n")
-    assert [len(b) for b in pd_mod._batches(discover(str(trace)), Fields(), (0, 0), 256)] == [1, 1]
+    assert [len(b) for b, _ in pd_mod._batches(discover(str(trace)), Fields(), (0, 0), 256)] == [1, 1]
     short = tmp_path / "short.jsonl"
     short.write_text("".join(json.dumps({"messages": turn[:2]}) + "\n" for _ in range(300)))
-    assert [len(b) for b in pd_mod._batches(discover(str(short)), Fields(), (0, 0), 256)] == [256, 44]
+    assert [len(b) for b, _ in pd_mod._batches(discover(str(short)), Fields(), (0, 0), 256)] == [256, 44]
     text = _write_jsonl(tmp_path / "text.jsonl", DOCS * 30)
-    assert [len(b) for b in pd_mod._batches(discover(text), Fields(), (0, 0), 256)] == [256, 104]
+    assert [len(b) for b, _ in pd_mod._batches(discover(text), Fields(), (0, 0), 256)] == [256, 104]
 
 
 def test_conversations_ending_with_no_end_of_turn_are_counted_and_warned(tmp_path):

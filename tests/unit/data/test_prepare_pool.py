@@ -55,7 +55,7 @@ def test_finished_results_held_for_the_head_are_bounded_by_their_bytes():
     def batches():  # reading takes time too: the reader looks at the buffer between batches
         for i in range(40):
             time.sleep(LIGHT_S / 2)
-            yield i
+            yield i, 1
 
     for done_bytes, low, high in ((10_000, 0, 4 + 3), (1 << 30, 30, 40)):  # 4,000 bytes a result: ~3 held at most
         got = []
@@ -64,3 +64,35 @@ def test_finished_results_held_for_the_head_are_bounded_by_their_bytes():
         assert [r["i"] for r in got] == list(range(40))
         started = sum(r["start"] < got[0]["end"] for r in got[1:])  # while the head ran: the running + the held
         assert low <= started <= high, (done_bytes, started)
+
+
+def test_raw_rows_in_flight_are_bounded_by_their_bytes_past_one_batch_per_worker():
+    """Rows over 1 MB are a batch each: 16 x workers of them were queued past a slow head (1M-token conversations,
+    ~4 MB of JSON a row: ~8 GB queued at 128 workers, their ~10 GB of results arriving). Now their raw bytes in flight
+    stay <= in_flight_bytes (+ the batch being read) once every worker has one; no worker waits for bytes."""
+    workers, size, bound = 4, 1000, 10_000
+
+    def fn(i):
+        start = time.monotonic()
+        time.sleep(HEAD_S if i == 0 else LIGHT_S)
+        return {"i": i, "tokens": np.zeros(1, np.uint32), "mask": None, "lens": [1], "start": start,
+                "end": time.monotonic()}
+
+    got, peak = [], [0]
+
+    def batches():
+        for i in range(60):
+            time.sleep(LIGHT_S / 2)
+            peak[0] = max(peak[0], (i - len(got)) * size)  # the batches handed out and not yet consumed
+            yield i, size
+
+    with mpp.ThreadPool(workers) as pool:
+        run_ordered(pool, fn, batches(), got.append, workers, per_worker=16, in_flight_bytes=bound)
+    assert [r["i"] for r in got] == list(range(60))
+    assert bound <= peak[0] <= bound + size, peak  # (before: 16 x 4 + 1 batches, 65,000 bytes)
+    started = sum(r["start"] < got[0]["end"] for r in got[1:])  # while the head ran: every other worker kept busy
+    assert started >= bound // size - 1, started
+    tight = []  # a bound below one batch per worker still gives each worker one
+    with mpp.ThreadPool(workers) as pool:
+        run_ordered(pool, fn, ((i, size) for i in range(20)), tight.append, workers, in_flight_bytes=1)
+    assert sum(r["start"] < tight[0]["end"] for r in tight[1:]) >= workers - 1
