@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     data.check_batches(stages, dims.world, cfg.per_device_train_batch_size, done=state.step)  # a stage too small: here
     metrics = MetricsLogger(cfg.output_dir, dims.is_main, cfg.report_to, cfg.wandb_project, state.wandb_id,
                             to_dict(cfg), total_steps(stages), cfg.progress_bar, resume_step=state.step,
-                            branch=ckpt.branched)
+                            branch=ckpt.branched, home=state.wandb_home)
     preempt = stop_flag(cfg, dims, started)
     run = Run(cfg, dims, data, ckpt, metrics, preempt, model.config, model.attn, model.bf16)
 

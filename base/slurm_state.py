@@ -107,3 +107,15 @@ def base_state(job: str, ask=_ask, env=None, now=None) -> tuple[str, str]:
 
 if __name__ == "__main__":  # python -m base.slurm_state JOB
     print(" ".join(base_state(sys.argv[1])))
+
+
+def job_local(path: str) -> str | None:
+    """Inside a Slurm job, what makes `path` the job's own (gone at its end: job_container/tmpfs gives each job a
+    private /tmp, sites a per-job $TMPDIR, /dev/shm is emptied), else None."""
+    if not os.environ.get("SLURM_JOB_ID"):
+        return None
+    path = os.path.realpath(path)
+    for root, what in ((os.environ.get("TMPDIR"), "$TMPDIR"), ("/tmp", "/tmp"), ("/dev/shm", "/dev/shm")):
+        if root and (path + os.sep).startswith(os.path.realpath(root).rstrip(os.sep) + os.sep):
+            return f"a folder under {what}, this Slurm job's own"
+    return None

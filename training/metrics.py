@@ -5,7 +5,7 @@ on the machines this was built on. An online start that cannot reach the server 
 network, WANDB_API_KEY exported in ~/.bashrc) gives up after INIT_TIMEOUT_S and logs offline, said in one line.
 The run id comes from the checkpoint so a resumed job continues the same W&B run; WANDB_RUN_ID, WANDB_PROJECT,
 WANDB_NAME and WANDB_DIR are honoured where no checkpoint or flag says otherwise; offline runs in a WANDB_DIR a Slurm
-job loses at its end (/tmp, /dev/shm, $TMPDIR: job_container/tmpfs) are said in one line (job_local).
+job loses at its end (/tmp, /dev/shm, $TMPDIR: job_container/tmpfs) are said in one line (base/slurm_state.job_local).
 
 Every metric is plotted against our own `step` (wandb.define_metric("*", step_metric="step"), each record carrying
 it), never logged with wandb.log(step=): W&B drops a log at a step lower than its run's current one, and a plain
@@ -18,6 +18,7 @@ the same x; metrics.jsonl holds the retrained ones only (_truncate).
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
 import os
 import sys
@@ -31,6 +32,7 @@ from base import comm
 from base.atomic import atomic_write
 from base.host import peak_rss_bytes
 from base.log import print0
+from base.slurm_state import job_local
 
 
 def profiled_peak_bytes(fn) -> int:
@@ -108,8 +110,14 @@ class MetricsLogger:
     """Rank 0 appends one JSON line per event to OUTPUT_DIR/metrics.jsonl and mirrors it to W&B."""
 
     def __init__(self, output_dir: str, is_main: bool, report_to: str, project: str | None, run_id: str | None,
-                 config: dict, total_steps: int, progress_bar: bool, resume_step: int = 0, branch: bool = False):
+                 config: dict, total_steps: int, progress_bar: bool, resume_step: int = 0, branch: bool = False,
+                 home: str | None = None):
         self.is_main = is_main
+        # the real path of the folder whose run `run_id` is (the checkpoint's wandb_home): another folder's, while
+        # that one still holds its run, is a copy or a branch into a new folder, logged to a run of its own
+        self.home = os.path.realpath(output_dir)
+        self._other_home = home if home and home != self.home and os.path.isdir(os.path.join(home, "checkpoints")) \
+            else None
         self.path = os.path.join(output_dir, "metrics.jsonl")
         self.wandb = None
         self.run_id = run_id
@@ -146,8 +154,6 @@ class MetricsLogger:
         """wandb.init with the environment's WANDB_PROJECT / WANDB_RUN_ID / WANDB_NAME / WANDB_DIR where this run's
         flags and checkpoint leave them open; an online start that fails (no network: CommError after the timeout)
         goes offline, said in one line, instead of ending the run."""
-        import wandb
-
         env = os.environ
         where = env.get("WANDB_DIR") or output_dir
         if not (env.get("WANDB_MODE") or env.get("WANDB_API_KEY")):
@@ -159,6 +165,13 @@ class MetricsLogger:
             if value and env.get(var) and env[var] != value:
                 print(f"W&B: {flag} {value} wins over {var}={env[var]}", flush=True)
         asked = env.get("WANDB_RUN_ID")
+        if run_id and self._other_home:  # a copy of a run (cp -a run run2) or a branch from another folder's
+            # checkpoint: both logged into the original's run, its steps drawn over theirs (the copy named the run)
+            mine = asked or f"{run_id}-{hashlib.sha256(self.home.encode()).hexdigest()[:6]}"
+            print(f"W&B: run {run_id} is {self._other_home}'s (still there): this folder logs to run {mine} (group "
+                  f"{run_id}){'' if asked else '; WANDB_RUN_ID names another'}", flush=True)
+            self.run_id = mine
+            return self._init_wandb(env, where, output_dir, project, config, group=run_id)
         if run_id and asked and asked != run_id:
             print(f"W&B: WANDB_RUN_ID={asked} not used: this run's checkpoint logs to run {run_id} (a new "
                   "--output_dir starts a new run)", flush=True)
@@ -167,6 +180,12 @@ class MetricsLogger:
             group, self.run_id = run_id, f"{run_id}-from{resume_step}"  # over the abandoned curve's (same x)
             print(f"W&B: this branch from step {resume_step} logs to run {self.run_id} (group {group}): run {run_id} "
                   f"logged steps up to {logged}, which W&B would draw beside the branch's", flush=True)
+        return self._init_wandb(env, where, output_dir, project, config, group)
+
+    def _init_wandb(self, env, where: str, output_dir: str, project: str | None, config: dict, group: str | None):
+        """wandb.init of self.run_id, offline where the online start fails (said)."""
+        import wandb
+
         name = (config.get("run_name") or env.get("WANDB_NAME")
                 or os.path.basename(os.path.normpath(os.path.abspath(output_dir))))
         args = dict(project=project or env.get("WANDB_PROJECT") or DEFAULT_PROJECT, id=self.run_id, name=name,
@@ -360,18 +379,6 @@ class MetricsLogger:
                   f"uploaded is in {self.wandb_dir}/wandb (`wandb sync` it)", flush=True)
         else:
             _said_lost_records(run_dir)
-
-
-def job_local(path: str) -> str | None:
-    """Inside a Slurm job, what makes `path` the job's own (gone at its end: job_container/tmpfs gives each job a
-    private /tmp, sites a per-job $TMPDIR, /dev/shm is emptied), else None."""
-    if not os.environ.get("SLURM_JOB_ID"):
-        return None
-    path = os.path.realpath(path)
-    for root, what in ((os.environ.get("TMPDIR"), "$TMPDIR"), ("/tmp", "/tmp"), ("/dev/shm", "/dev/shm")):
-        if root and (path + os.sep).startswith(os.path.realpath(root).rstrip(os.sep) + os.sep):
-            return f"a folder under {what}, this Slurm job's own"
-    return None
 
 
 def _said_lost_records(run_dir: str | None) -> None:

@@ -69,6 +69,7 @@ class TrainState:
     tokens: int = 0
     stage: int = 0
     wandb_id: str | None = None
+    wandb_home: str | None = None  # the real path of the output folder whose W&B run wandb_id is (metrics.home)
     checkpoint: str | None = None
     stage_steps: list | None = None  # the checkpoint's stages' step counts as they ran (written with its metadata)
     heldout: dict | None = None  # the held-out split the run made at its first start (data/pipeline.open_run_data)
@@ -80,11 +81,11 @@ class TrainState:
 
     def state_dict(self) -> dict:
         return {"step": self.step, "tokens": self.tokens, "stage": self.stage, "wandb_id": self.wandb_id,
-                "optimizer_groups": self.optimizer_groups}
+                "wandb_home": self.wandb_home, "optimizer_groups": self.optimizer_groups}
 
     def load_state_dict(self, d: dict) -> None:
         self.step, self.tokens, self.stage = int(d["step"]), int(d["tokens"]), int(d["stage"])
-        self.wandb_id = d.get("wandb_id")
+        self.wandb_id, self.wandb_home = d.get("wandb_id"), d.get("wandb_home")
         self.stage_steps = d.get("stage_steps")
         self.heldout = d.get("heldout")
         self.stage_sizes = d.get("stage_sizes")

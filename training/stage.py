@@ -344,7 +344,7 @@ def _save(run: Run, engine, stages, stage, hf_config, state: TrainState, sampler
         print0(f"save at step {state.step} waits for the background write of step {run.ckpt.pending.step}")
         _committed(run, state, run.ckpt.finish())
     t0, taken = time.perf_counter(), time.monotonic()  # the state saved is this moment's
-    state.stage, state.wandb_id = stage.index, run.metrics.run_id
+    state.stage, state.wandb_id, state.wandb_home = stage.index, run.metrics.run_id, run.metrics.home
     meta = {"stage_name": stage.name, "model_hash": model_hash(hf_config), "world": run.dims.world, "sp": stage.sp,
             "stage_names": [s.name for s in stages[:stage.index + 1]],  # a resume checks its stages by name
             "stage_steps": [s.max_steps for s in stages[:stage.index + 1]],  # as they began (curriculum.keep_stage_steps)
@@ -353,7 +353,8 @@ def _save(run: Run, engine, stages, stage, hf_config, state: TrainState, sampler
             "stage_full": [getattr(s, "full_steps", None) or s.max_steps for s in stages[:stage.index + 1]],
             "heldout": run.data.heldout_split,  # a resume keeps these held-out documents
             "tokenizer": run.data.tokenizer.path if run.data.tokenizer else None, "config": to_dict(run.cfg),
-            "tokenizer_vocab": run.data.tokenizer_vocab,  # whose ids it trained on
+            "tokenizer_vocab": run.data.tokenizer_vocab,  # whose ids it trained on: its files, and what they mean
+            "tokenizer_pieces": run.data.tokenizer.pieces_identity() if run.data.tokenizer else None,  # (re-saved alike)
             "reply_stops": run.data.reply_stops(),  # what its export stops on (a chat SFT's end-of-turn)
             "trained_template": run.data.trained_template()}  # the chat template its export carries
     background = run.cfg.async_save and not (at_end or run.preempt.stopping)

@@ -89,7 +89,7 @@ def test_the_stage_loop_scales_the_step_for_the_next_stage(monkeypatch):
     cfg = types.SimpleNamespace(seed=0, per_device_train_batch_size=1, gradient_accumulation_steps=1, save_steps=0,
                                 async_save=False, loss_weighting=None, output_dir="/unused")
     flag, begun = PreemptionFlag(None, Deadline(0.0, now=clock.t), save_every_s=0), []
-    metrics = types.SimpleNamespace(log=lambda r: None, run_id=None, begin_stage=lambda end, start=None: begun.append(
+    metrics = types.SimpleNamespace(log=lambda r: None, run_id=None, home=None, begin_stage=lambda end, start=None: begun.append(
         (start, end)))
     run = stage_mod.Run(cfg, ParallelDims(world=32, sp=8, rank=0, local_rank=0), stub_data(heldout=lambda *a: None),
                         SimCheckpointer(clock), metrics, flag, llama3_8b(), "sdpa", False)

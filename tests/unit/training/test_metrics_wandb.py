@@ -134,6 +134,31 @@ def test_the_environments_project_run_id_name_and_dir_reach_wandb(tmp_path, wand
     m.close()
 
 
+def test_a_copied_folder_or_a_branch_into_a_new_one_logs_to_a_run_of_its_own(tmp_path, wandb_env, capsys):
+    """`cp -a runW runW2` resumed, and a branch into a new folder from runW's checkpoint, both logged into runW's W&B
+    run (their steps drawn over its own) and refused WANDB_RUN_ID "since a new --output_dir starts a new run". The
+    checkpoint names the folder whose run it is (wandb_home): another folder that still holds its run gets a run of
+    its own (WANDB_RUN_ID where given), grouped with it; a plain move (the old folder gone) keeps the run."""
+    inits = fake_wandb(wandb_env)
+    wandb_env.setenv("WANDB_MODE", "offline")
+    orig, copy = tmp_path / "runW", tmp_path / "runW2"
+    for d in (orig, copy):
+        (d / "checkpoints").mkdir(parents=True)
+    m = MetricsLogger(str(copy), True, "wandb", None, "a690", {}, 10, False, resume_step=3, home=str(orig))
+    assert inits[-1]["id"] == m.run_id != "a690" and m.run_id.startswith("a690-") and inits[-1]["group"] == "a690"
+    assert m.home == str(copy) and f"run a690 is {orig}'s (still there)" in capsys.readouterr().out
+    m.close()
+    again = MetricsLogger(str(copy), True, "wandb", None, m.run_id, {}, 10, False, resume_step=5, home=m.home)
+    assert inits[-1]["id"] == m.run_id and inits[-1]["group"] is None  # its own checkpoints: its own run, kept
+    again.close()
+    wandb_env.setenv("WANDB_RUN_ID", "lr5e4copy")
+    MetricsLogger(str(copy), True, "wandb", None, "a690", {}, 10, False, home=str(orig)).close()
+    assert inits[-1]["id"] == "lr5e4copy" and inits[-1]["group"] == "a690"
+    wandb_env.delenv("WANDB_RUN_ID")
+    MetricsLogger(str(copy), True, "wandb", None, "a690", {}, 10, False, home=str(tmp_path / "gone")).close()
+    assert inits[-1]["id"] == "a690"  # moved: the old folder is gone, the run is this one's
+
+
 def test_run_name_is_taken_and_the_project_is_left_to_the_environment():
     """--run_name (an HF Trainer argument) was refused, saying the run is named by --output_dir, which it was not."""
     from training.config import parse_config

@@ -246,7 +246,7 @@ def test_the_stage_loop_evaluates_an_sft_stage_on_conversations(monkeypatch, kin
     cfg = types.SimpleNamespace(seed=0, per_device_train_batch_size=1, gradient_accumulation_steps=1, save_steps=0,
                                 async_save=True, loss_weighting=None, output_dir="/unused")
     run = stage_mod.Run(cfg, ParallelDims(world=1, sp=1, rank=0, local_rank=0), data, SimCheckpointer(clock),
-                        types.SimpleNamespace(log=lambda r: None, run_id=None, begin_stage=lambda end, start=None: None),
+                        types.SimpleNamespace(log=lambda r: None, run_id=None, home=None, begin_stage=lambda end, start=None: None),
                         PreemptionFlag(None, Deadline(0.0, now=clock.t), save_every_s=0), types.SimpleNamespace(),
                         "sdpa", False)
     st = types.SimpleNamespace(index=0, name="s", max_steps=2, sp=1, cp=1, max_seq_length=64, rope=None, kind=kind,

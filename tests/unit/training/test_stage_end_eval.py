@@ -54,7 +54,7 @@ def _train_stage0(monkeypatch, ck, state):
         step), build_engine=lambda *a, **k: built.append(1) or types.SimpleNamespace(get_lr=lambda: [1e-3], module=module))
     cfg = types.SimpleNamespace(seed=0, per_device_train_batch_size=1, gradient_accumulation_steps=1, save_steps=0,
                                 async_save=False, loss_weighting=None, output_dir=os.path.dirname(ck.root))
-    metrics = types.SimpleNamespace(log=lambda r: None, run_id=None, begin_stage=lambda end, start=None: None)
+    metrics = types.SimpleNamespace(log=lambda r: None, run_id=None, home=None, begin_stage=lambda end, start=None: None)
     run = stage_mod.Run(cfg, ParallelDims(world=1, sp=1, rank=0, local_rank=0), stub_data(heldout=lambda *a: None),
                         ck, metrics, PreemptionFlag(None, Deadline(0.0, now=clock.t), save_every_s=0),
                         types.SimpleNamespace(), "sdpa", False)

@@ -71,7 +71,7 @@ def test_the_stage_loop_collates_with_the_stages_weighting_after_a_resume(tmp_pa
     stub_stage(monkeypatch, torch.nn.Linear(1, 1, bias=False),
                collate=lambda samples, multiple, pad, weighting: weightings.append(weighting))
     run = stage_mod.Run(cfg, ParallelDims(world=1, sp=1, rank=0, local_rank=0), stub_data(heldout=lambda *a, **k: []),
-                        SimCheckpointer(clock), types.SimpleNamespace(log=lambda r: None, run_id=None, begin_stage=lambda end, start=None: None),
+                        SimCheckpointer(clock), types.SimpleNamespace(log=lambda r: None, run_id=None, home=None, begin_stage=lambda end, start=None: None),
                         PreemptionFlag(None, Deadline(0.0, now=clock.t), save_every_s=0), types.SimpleNamespace(),
                         "sdpa", False)
     for st in stages:

@@ -153,7 +153,7 @@ def simulate(monkeypatch, steps=40, time_limit_s=0.0, save_every_s=600.0, signal
     cfg = types.SimpleNamespace(seed=0, per_device_train_batch_size=1, gradient_accumulation_steps=1, save_steps=save_steps,
                                 async_save=True, loss_weighting=None, output_dir="/unused")
     run = stage_mod.Run(cfg, ParallelDims(world=32, sp=1, rank=0, local_rank=0), data, ckpt,
-                        types.SimpleNamespace(log=lambda r: None, run_id=None, begin_stage=lambda end, start=None: None),
+                        types.SimpleNamespace(log=lambda r: None, run_id=None, home=None, begin_stage=lambda end, start=None: None),
                         flag, types.SimpleNamespace(), "sdpa", False)
     st = types.SimpleNamespace(index=0, name="s", max_steps=steps, sp=1, cp=1, max_seq_length=64, rope=None,
                                deepspeed_overrides=None, reset_optimizer=False, eval=None, memory_choice=None,
