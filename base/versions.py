@@ -54,9 +54,11 @@ def problem(name: str) -> str | None:
     try:
         found = importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
-        if unlabelled(name):  # a checkout on PYTHONPATH, a module system's copy: it imports: said (check), not refused
-            return None
-        return f"{name} is not installed"
+        if not unlabelled(name):
+            return f"{name} is not installed"
+        found = source_version(name)  # a checkout on PYTHONPATH, a module system's copy: its own __version__
+        if found is None:
+            return None  # it imports, no version to read: said (check), not refused
     low, high, why = RANGES[name]
     have = release(found or "")
     if have is None:
@@ -88,11 +90,28 @@ def unlabelled(name: str) -> bool:
         return importlib.util.find_spec(name) is not None
 
 
+def source_version(name: str) -> str | None:
+    """The `__version__ = "..."` (or a version.py's) a package without metadata writes in its source, read as text
+    (not imported: a too-old one may not import cleanly); None where none is written."""
+    spec = importlib.util.find_spec(name)
+    origin = getattr(spec, "origin", None)
+    folder = os.path.dirname(origin) if origin else None
+    for f in ("__init__.py", "version.py", "git_version_info.py"):
+        try:
+            with open(os.path.join(folder, f)) as fh:
+                m = re.search(r"""^(?:__version__|version)\s*=\s*["']([^"']+)["']""", fh.read(), re.M)
+        except (OSError, TypeError):
+            continue
+        if m:
+            return m.group(1)
+    return None
+
+
 def check(names=TRAINING) -> None:
     """Exit 2 with one line (the packages, the versions found, the ranges, the pip command) where an installed version
     is outside its range; nothing where all fit. The line is printed once per node (its local rank 0)."""
     bad = [name for name in names if problem(name)]
-    unread = [n for n in names if unlabelled(n)]
+    unread = [n for n in names if unlabelled(n) and source_version(n) is None]
     if unread and os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")) == "0":
         print(f"warning: {', '.join(unread)} import(s) but carry no package metadata: the version cannot be checked "
               f"against {', '.join(spec(n) for n in unread)}", file=sys.stderr, flush=True)

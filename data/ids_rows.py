@@ -172,10 +172,10 @@ def rows_over(docs: list, bad: list, bound: int) -> set:
     """The (unit, row) keys whose documents (`docs`: (unit, row, ids, source) each) are all dropped: a row in `bad`, or
     one holding an id >= `bound` (its error added to `bad` once). A packed row's pieces go or stay together (its
     earlier pieces were stored and trained while the row was reported skipped). Cost: one max over each document's
-    ids (~1 ms per 1M)."""
+    ids (~10 ms per 1M ids in a list, ~1 ms in an array)."""
     dropped = {b[:2] for b in bad}
     for u, row, ids, _ in docs:
-        top = int(np.max(ids)) if len(ids) else -1
+        top = int(max(ids)) if isinstance(ids, list) and ids else int(np.max(ids)) if len(ids) else -1  # list: no copy
         if top >= bound and (u, row) not in dropped:
             dropped.add((u, row))
             bad.append((u, row, f"token id {top} >= the vocabulary size {bound} (--vocab_size or the tokenizer's)"))

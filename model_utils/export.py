@@ -70,12 +70,13 @@ def check_out(out_dir: str, checkpoint: str | None, owned: bool = False) -> None
         ours = [os.path.dirname(os.path.abspath(checkpoint.rstrip(os.sep)))] if checkpoint else []
         if owned:  # RUN/hf_model: RUN/checkpoints
             ours.append(os.path.join(os.path.dirname(os.path.abspath(out_dir.rstrip(os.sep))), "checkpoints"))
-        if os.path.isfile(os.path.join(out, MARKER)) and not _exported_here(out, ours):
-            was = exported_from(out)[0]
-            raise ValueError(f"{out_dir}: a link to {out}, the export of " + (
-                f"another run's checkpoint ({was})" if was else f"a checkpoint its {MARKER} does not name") +
-                ", which this export would replace: remove the link (the export is then written in its place) or "
-                "point --out elsewhere")
+        # a copy of a run folder (cp -a) whose link still points at the original's export: refused (its export would
+        # replace the original's model). A link to another run's export on purpose (a served `current`) passes: a
+        # review found the first rule refused it
+        if os.path.isfile(os.path.join(out, MARKER)) and not _exported_here(out, ours) and _copied(out, ours):
+            raise ValueError(f"{out_dir}: a link to {out}, the export of the run this folder was copied from "
+                             f"({exported_from(out)[0]}), which this export would replace: remove the link (the export "
+                             "is then written in its place) or point --out elsewhere")
     elif os.path.lexists(out_dir) and not owned and not os.path.isfile(os.path.join(out_dir, MARKER)):
         what = "a folder that is not a previous export" if os.path.isdir(out_dir) else "a file"
         raise ValueError(f"--out {out_dir}: {what} (no {MARKER}), which the export would replace: give a new "
@@ -107,6 +108,22 @@ def _exported_here(target: str, checkpoints: list[str]) -> bool:
                         return True
             except OSError:
                 pass
+    return False
+
+
+def _copied(target: str, checkpoints: list[str]) -> bool:
+    """Whether the export in `target` is of a run this one is a copy of: its recorded checkpoint is still there and a
+    checkpoint of the same name in one of `checkpoints` has its content (manifest SHA-256)."""
+    path, sha = exported_from(target)
+    if not (path and sha and os.path.isdir(path)):
+        return False
+    for folder in checkpoints:
+        try:
+            with open(os.path.join(folder, os.path.basename(path.rstrip(os.sep)), "MANIFEST.json"), "rb") as fh:
+                if hashlib.sha256(fh.read()).hexdigest() == sha:
+                    return True
+        except OSError:
+            pass
     return False
 
 

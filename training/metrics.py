@@ -116,7 +116,9 @@ class MetricsLogger:
         # the real path of the folder whose run `run_id` is (the checkpoint's wandb_home): another folder's, while
         # that one still holds its run, is a copy or a branch into a new folder, logged to a run of its own
         self.home = os.path.realpath(output_dir)
-        self._other_home = home if home and home != self.home and os.path.isdir(os.path.join(home, "checkpoints")) \
+        other = home and home != self.home and os.path.isdir(os.path.join(home, "checkpoints"))
+        # one folder under two real paths (a bind mount, two NFS mounts of one export) is the same folder
+        self._other_home = home if other and not (os.path.isdir(self.home) and os.path.samefile(home, self.home)) \
             else None
         self.path = os.path.join(output_dir, "metrics.jsonl")
         self.wandb = None

@@ -350,11 +350,15 @@ class Restorer:
             trainer = got.get("json") or {}
             if trainer.get("stage") != index or not os.path.isfile(os.path.join(path, MANIFEST)):
                 return {}
-            return {"path": path, "step": int(trainer["step"])}
+            return {"path": path, "step": int(trainer["step"]), "world": trainer.get("world")}
 
-        got = comm.run_on_main(find)
+        got, world = comm.run_on_main(find), comm.world()
         if not got:
             print0(f"note: stage {index}'s end is not in this folder: not evaluated")
+            return None
+        if got["world"] not in (None, world):  # its load would convert it (universal: ~45 min, 2x its disk at 8B)
+            print0(f"note: stage {index}'s end, {got['path']}, was saved by {got['world']} ranks, this job has {world}: "
+                   f"not evaluated here (scripts/evaluate.py {got['path']} does)")
             return None
         why = self.verify(got["path"])
         if why:

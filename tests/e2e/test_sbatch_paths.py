@@ -126,3 +126,30 @@ def test_output_dir_names_the_runs_folder_on_this_host(tmp_path):
     assert (tmp_path / "work" / ".cache" / "slurm" / "88.progress").read_text() == "0 100\n"  # its checkpoint read
     (rc, text), = container_run(tmp_path, "/data/run", range(1, 2), **env)
     assert rc == 0 and f"run complete ({tmp_path}/real/COMPLETE)" not in text and "done" in text, text
+
+
+def test_an_exported_output_dir_never_wins_over_a_folder_this_shell_sees(tmp_path):
+    """A review: OUTPUT_DIR (a wrapper's export, the parent of its runs) was made to win over --output_dir, so a
+    finished run on a shared folder was failed for want of COMPLETE there. --output_dir wins where this shell sees it,
+    judged again after the step (a fresh run's folder appears only then)."""
+    work, runs = tmp_path / "work", tmp_path / "runs"
+    for d in (work, tmp_path / "bin", runs):
+        d.mkdir()
+    out = runs / "lr1e-5"
+    rc, text = sbatch(tmp_path, work, ["--output_dir", str(out)], launch=script(tmp_path / "c", CONTAINER),
+                      SLURM_JOB_ID="88", SLURM_RESTART_COUNT="0", REAL=str(out), FINISH="0", OUTPUT_DIR=str(runs))
+    assert rc == 0 and (out / "COMPLETE").exists() and "done" in text and "no " + str(runs) not in text, text
+
+
+def test_a_work_dir_that_cannot_hold_the_records_trains_with_them_off(tmp_path):
+    """A review: where the batch shell cannot make the records folder (a full quota, a read-only work dir: here
+    .cache is a file) it said records were off, then every node waited for the folder and the job ended as bad
+    input, never trained. The nodes no longer wait: it trains, as before."""
+    work = tmp_path / "work"
+    for d in (work, tmp_path / "bin"):
+        d.mkdir()
+    (work / ".cache").write_text("")
+    out = tmp_path / "out"
+    rc, text = sbatch(tmp_path, work, ["--output_dir", str(out)], launch=script(tmp_path / "c", CONTAINER),
+                      SLURM_JOB_ID="88", SLURM_RESTART_COUNT="0", REAL=str(out), FINISH="0", STATE_SETTLE_S="2")
+    assert rc == 0 and (out / "COMPLETE").exists() and "cannot write" in text and "bad input" not in text, text

@@ -101,6 +101,25 @@ def test_an_importable_package_without_metadata_is_said_not_refused(monkeypatch,
     assert "deepspeed is not installed" in capsys.readouterr().err
 
 
+def test_a_checkout_without_metadata_is_held_to_its_floor_by_its_source_version(tmp_path, monkeypatch, capsys):
+    """A review: a transformers 4.x checkout on PYTHONPATH (no dist-info) ran with a warning, the case the floor is
+    for. Its __init__.py's __version__ is read as text and checked; a checkout writing none is said, not refused."""
+    import types
+
+    pkg = tmp_path / "transformers"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text('"""A checkout."""\n__version__ = "4.57.6"\n')
+    installed(monkeypatch, transformers=None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: types.SimpleNamespace(
+        origin=str(pkg / "__init__.py")) if name == "transformers" else None)
+    with pytest.raises(SystemExit):
+        versions.check()
+    assert "transformers 4.57.6 is installed, outside transformers>=5.0,<6" in capsys.readouterr().err
+    (pkg / "__init__.py").write_text('__version__ = "5.24.0.dev0"\n')
+    versions.check()
+    assert capsys.readouterr().err == ""
+
+
 def test_other_local_ranks_exit_without_repeating_the_line(monkeypatch, capsys):
     installed(monkeypatch, transformers="4.57.6")
     monkeypatch.setenv("LOCAL_RANK", "3")

@@ -111,10 +111,17 @@ def test_a_copied_runs_link_never_replaces_the_original_runs_export(tmp_path, mo
         with pytest.raises(ValueError) as e:
             call()
         msg = str(e.value)
-        assert len(msg.splitlines()) == 1 and str(link) in msg and "another run's checkpoint" in msg, msg
+        assert len(msg.splitlines()) == 1 and str(link) in msg and "the run this folder was copied from" in msg, msg
         assert "remove the link" in msg and "point --out elsewhere" in msg
     assert exported_from(str(dest)) == (ck, sha) and (dest / MARKER).is_file()
     shutil.rmtree(tmp_path / "copy")
+    # a link on purpose to another run's export (a served `current`): another run's checkpoints, not a copy's: passes
+    (tmp_path / "other" / "checkpoints" / "step_000002").mkdir(parents=True)
+    (tmp_path / "other" / "checkpoints" / "step_000002" / "MANIFEST.json").write_text('{"files": {"x": 1}}')
+    (tmp_path / "other" / "hf_model").symlink_to(dest)
+    check_out(str(tmp_path / "other" / "hf_model"), None, owned=True)
+    (tmp_path / "latest").symlink_to(dest)
+    check_out(str(tmp_path / "latest"), str(tmp_path / "other" / "checkpoints" / "step_000002"))
     shutil.move(str(tmp_path / "run"), str(tmp_path / "moved"))  # a move (or a re-mount): its own export still
     moved = str(tmp_path / "moved" / "checkpoints" / "step_000002")
     # train.py's check of a finished run started again: current by content (by path it exported again: minutes at 8B)

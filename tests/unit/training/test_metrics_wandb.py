@@ -157,6 +157,9 @@ def test_a_copied_folder_or_a_branch_into_a_new_one_logs_to_a_run_of_its_own(tmp
     wandb_env.delenv("WANDB_RUN_ID")
     MetricsLogger(str(copy), True, "wandb", None, "a690", {}, 10, False, home=str(tmp_path / "gone")).close()
     assert inits[-1]["id"] == "a690"  # moved: the old folder is gone, the run is this one's
+    (tmp_path / "alias").symlink_to(orig)  # one folder under another real path (a mount): the same run
+    MetricsLogger(str(orig), True, "wandb", None, "a690", {}, 10, False, home=str(tmp_path / "alias")).close()
+    assert inits[-1]["id"] == "a690"
 
 
 def test_run_name_is_taken_and_the_project_is_left_to_the_environment():

@@ -24,12 +24,13 @@ def _stage(index: int, steps: int, length: int):
                                  memory_choice=None, steps_from="steps")
 
 
-def _run(tmp_path, marker: str | None):
-    """A two-stage run (3 + 3 steps) saved to step 5, 2 steps into stage 1; stage 0's end (step 3) under `marker`."""
+def _run(tmp_path, marker: str | None, world: int = 1):
+    """A two-stage run (3 + 3 steps) saved to step 5, 2 steps into stage 1; stage 0's end (step 3) under `marker`,
+    saved by `world` ranks."""
     ck = Checkpointer(str(tmp_path), keep=5)
     for s in range(1, 6):
         stage = 0 if s <= 3 else 1
-        ck.save(FakeEngine(), s, {"step": s, "tokens": 0, "stage": stage}, {"sampler": {}}, FakeConfig(),
+        ck.save(FakeEngine(), s, {"step": s, "tokens": 0, "stage": stage, "world": world}, {"sampler": {}}, FakeConfig(),
                 stage_end=marker if s == 3 and marker else None)
     state = TrainState(step=5, stage=1, checkpoint=os.path.join(str(tmp_path), "checkpoints", tag_for(5)),
                        optimizer_groups=2)
@@ -85,3 +86,12 @@ def test_a_finished_stage_whose_end_is_not_in_the_folder_is_not_evaluated(tmp_pa
     loaded, evaluated, built = _train_stage0(monkeypatch, ck, state)
     assert (loaded, evaluated, built) == ([], [], False)
     assert "note: stage 0's end is not in this folder: not evaluated" in capsys.readouterr().out
+
+
+def test_a_finished_stage_saved_by_another_world_is_not_converted_to_be_evaluated(tmp_path, monkeypatch, capsys):
+    """A review: its load would convert it to a universal checkpoint (~45 min and twice its disk at 8B) only to
+    evaluate an old stage inside a training job: skipped with a note naming scripts/evaluate.py."""
+    ck, state = _run(tmp_path, "STAGE_0_s0", world=4)
+    assert _train_stage0(monkeypatch, ck, state) == ([], [], False)
+    out = capsys.readouterr().out
+    assert "was saved by 4 ranks, this job has 1: not evaluated here (scripts/evaluate.py" in out, out
