@@ -160,3 +160,17 @@ def test_the_sft_recipes_retrieval_samples_carry_a_share_of_the_loss():
     step.append(collate([task], 8, 0, weighting))
     share = label_totals(step[-1:])[1] / label_totals(step)[1]
     assert share > 0.01, (weighting, share)  # by token here: ~5e-4 (~6 answer tokens against ~10k)
+
+
+def test_the_shipped_bases_special_ids_are_its_tokenizers():
+    """recipes/base/tiny_passkey256/config.json carried the preset's bos/eos (1, 2) beside a tokenizer.model whose are
+    2, 3: a plain Hugging Face generate() on the base stopped on `<s>` (a recipes audit)."""
+    import json
+
+    from model_utils.export import sentencepiece_ids
+
+    base = os.path.join(ROOT, "recipes", "base", "tiny_passkey256")
+    with open(os.path.join(base, "config.json")) as fh:
+        config = json.load(fh)
+    bos, eos, _ = sentencepiece_ids(os.path.join(base, "tokenizer.model"))
+    assert (config["bos_token_id"], config["eos_token_id"]) == (bos, eos)
