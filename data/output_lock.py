@@ -119,6 +119,30 @@ def hold(output: str, shard: int, n_shards: int, log=print) -> Held:
     return held
 
 
+def unfinished(path: str, flag: str = "--input") -> None:
+    """ValueError (one line) where `path`, given as an input (--input, train.py's --dataset_path), is a preparation's own
+    folder not finished: a shard's plan there (plan-s<i>.json, written first) and no manifest.json (preempted before
+    it; shards finished and --merge never run). Read as rows, its chunk records were "not valid JSON ...
+    --skip_bad_rows", and that advice "prepared" them. Cost: one listing of the folder and one small read."""
+    if not os.path.isdir(path) or os.path.exists(os.path.join(path, store.MANIFEST)):
+        return
+    names = os.listdir(path)
+    plan = next((f for f in sorted(names) if re.fullmatch(r"plan-s\d{5}\.json", f)), None)
+    try:
+        n = int(store.read_json(os.path.join(path, plan))["shard"][1]) if plan else 0
+    except (OSError, ValueError, KeyError, IndexError, TypeError):  # not ours: a data file of that name
+        return
+    if not n:
+        return
+    done = sorted(int(f[6:11]) for f in names if re.fullmatch(rf"shard-\d{{5}}-of-{n:05d}\.json", f))
+    how = ("run the same prepare_data command again to resume it" if n == 1 else "--merge it (python "
+           f"scripts/prepare_data.py --output {path} --merge)" if len(done) == n else "run the unfinished shards' "
+           "prepare_data commands (--shard i/N) again to resume them, then --merge")
+    state = "stopped before its end" if n == 1 else f"shard(s) {done} finished of {n}"
+    raise ValueError(f"{flag} {path}: a preparation not finished (no {store.MANIFEST}: {state}): {how}; then pass the "
+                     "folder itself as train.py's --dataset_path")
+
+
 def is_held(folder: str) -> bool:
     """Whether a live process holds a lock of `folder` now (False where none is held or locks are unsupported)."""
     for name in os.listdir(folder) if os.path.isdir(folder) else []:

@@ -32,6 +32,7 @@ from data.chat import prefix_cost_note, prefix_costly
 from data.chat_template import training_switch
 from data.ids_rows import BESIDE, MASKED, documents, rows_over
 from data.prepare_args import DEFAULT_BATCH_DOCS, DEFAULT_CHUNK_TOKENS, TEXT_SPECIALS, parser, specials_note
+from data.prepare_checks import refusal, shard_of
 from data.prepare_pool import run_ordered
 from data.readers import Fields, Unit, discover, iter_rows, parse_item
 
@@ -341,7 +342,8 @@ def _run_shard(units, out, i_shard, done, tokenizer, fields, bound, eos, dtype, 
             log(f"shard {i_shard}: {tokens_here} tokens this run, {tokens_here / (last_log - t0):.0f} tokens/s")
 
     try:  # in input order, workers kept busy past a slow batch; results held bounded (data/prepare_pool.py)
-        run_ordered(pool, _tokenize_batch, _batches(units, fields, start, batch_docs), consume, workers)
+        run_ordered(pool, _tokenize_batch, _batches(units, fields, start, batch_docs), consume, workers,
+                    committed=lambda: len(writer.records))  # a dead worker: one line, resumed after them
         if writer.n_tokens or not writer.records:
             writer.commit((len(units), 0), dict(stats))
         writer.abandon()  # the empty chunk opened after the last commit
@@ -476,19 +478,15 @@ def main(argv: list[str] | None = None) -> int:
         if a.merge:
             merge(a.output)
             return 0
-        try:
-            i, n = (int(x) for x in a.shard.split("/"))
-            assert 0 <= i < n
-        except (ValueError, AssertionError):
-            raise ValueError(f"--shard {a.shard!r}: use i/N with 0 <= i < N") from None
+        i, n = shard_of(a.shard, argv)  # and against the SLURM step's tasks
         if not a.input:
             raise ValueError("give at least one --input")
         prepare(a.input, a.output, a.tokenizer_name_or_path, a.vocab_size, a.workers, (i, n),
                 Fields(a.text_field, a.ids_field, a.source_field), a.skip_bad_rows, a.chunk_tokens, a.batch_docs,
                 a.loader, a.eos_id, a.overwrite, command=["prepare_data.py", *argv], loss_on=a.loss_on,
                 chat_template=a.chat_template, text_specials=a.text_specials)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:  # a user's input, a full disk or quota: one line (others raised again)
+        print(f"error: {refusal(e, a.output)}", file=sys.stderr)
         return 2
     return 0
 

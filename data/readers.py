@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from base.log import cause, print0
 from base.run_lock import LOCK
+from data import output_lock
 from data.chat import row_format
 from data.chat_rows import UNREAD, without_nulls
 from data.ids_rows import BESIDE, BESIDE_IDS, beside_ids, plain_ids
@@ -103,10 +104,8 @@ class Unit:
 
 def _stem(path: str) -> str:
     base = os.path.basename(os.path.normpath(path))
-    for ext in sorted(JSONL_EXT + PARQUET_EXT, key=len, reverse=True):
-        if base.lower().endswith(ext):
-            return base[: -len(ext)]
-    return base
+    ext = next((e for e in sorted(JSONL_EXT + PARQUET_EXT, key=len, reverse=True) if base.lower().endswith(e)), "")
+    return base[: len(base) - len(ext)]
 
 
 def native(path: str) -> bool:
@@ -239,6 +238,7 @@ def _units(name: str, path: str, loader: str | None, flag: str) -> list[Unit]:
         return [u for f in pattern for u in _units(name, f, loader, flag)]
     if not os.path.exists(path):
         raise ValueError(f"{flag} {spec}: no such file or folder")
+    output_lock.unfinished(path, flag)  # a preparation's own folder, preempted before its manifest: no rows to read
     # JSONL / Parquet read as such whatever --loader says (`--loader text` made a chat JSONL given beside a .txt folder
     # one raw-text document of JSON syntax, every token trained)
     if loader and not is_hf_folder(path) and not (os.path.isfile(path) and native(path)):
