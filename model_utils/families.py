@@ -57,7 +57,8 @@ def check_config(hf_config, attn: str, head_chunks: int | str = 1) -> None:
 
     cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(hf_config), None)
     if cls is not None and attn in SUPPORTED and not getattr(cls, _BACKEND_FLAG[attn], False):
-        others = [a for a in SUPPORTED if a != attn and getattr(cls, _BACKEND_FLAG[a], False)]
+        others = [a for a in SUPPORTED if a != attn and getattr(cls, _BACKEND_FLAG[a], False)
+                  and not (a.startswith("flash_attention") and has_sinks(hf_config))]  # refused below for sinks
         raise ValueError(f"{cls.__name__}: transformers has no {attn} attention for this architecture; use "
                          f"--attn_implementation {' or '.join(others) or 'eager (not sequence-parallel here)'}")
     check_supported(hf_config, attn, cls.__name__ if cls is not None else type(hf_config).__name__, head_chunks)

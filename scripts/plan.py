@@ -217,8 +217,8 @@ def make_plan(args: argparse.Namespace) -> dict:
 
 
 def auto_plan(args: argparse.Namespace, shape: ModelShape, world: int, seq_len: int) -> dict:
-    """--auto: the choice of planner/auto_features.py with train.py's budget for --gpu_mem_gb (the same as
-    `train.py --memory_features auto --gpu_mem_gb G --dry_run`), and tokens/s/GPU of it and of all features."""
+    """--auto: planner/auto_features.py's choice with train.py's budget for --gpu_mem_gb, both ZeRO offloads kept on
+    (train.py's auto, its dry run too, may turn them off), and tokens/s/GPU of it and of all features."""
     from planner import auto_features as af
 
     try:

@@ -276,7 +276,8 @@ def resolve_stages(cfg: Config, dp_of_sp, budget=None) -> list[Stage]:
         if stages and st.max_seq_length < stages[-1].max_seq_length:
             raise ValueError(f"stage {i} ({st.name}): max_seq_length {st.max_seq_length} is shorter than the "
                              f"previous stage's {stages[-1].max_seq_length}; lengths must not decrease")
-        if st.warmup_steps >= st.max_steps and not _steps_from_epochs(cfg, s):  # epochs: sized later (hf_args)
+        if (st.warmup_steps >= st.max_steps and st.learning_rate != st.min_lr  # lr == min_lr: constant by design
+                and not _steps_from_epochs(cfg, s)):  # epochs: sized later (hf_args)
             print0(f"note: stage {i} ({st.name}): warmup_steps {st.warmup_steps} >= its {st.max_steps} steps: its LR "
                    f"rises to {min(1.0, st.max_steps / max(1, st.warmup_steps)):.0%} of {st.learning_rate:g} and never "
                    "decays (give the stage its own warmup_steps, or more steps)")

@@ -24,6 +24,8 @@ What a 32-rank job would otherwise find out late, or never:
     again) where the check read only /proc/meminfo; the refusal names the cgroup's limit and how to raise it;
     and, where offload pins it (`pin_memory`, GPU runs), each rank's pinned bytes against RLIMIT_MEMLOCK (a
     warning line only: see `memlock_warning`);
+  - --gpu_mem_gb against the smallest GPU the ranks report: a refusal below it (the plan is for memory these GPUs
+    lack: OOM at the first step), a note well above it (> 1.25x: features kept for nothing). Not in a --dry_run;
   - the GPU memory of each stage under memory_features manual (training/device_fit.py: the plan's peak against the
     smallest GPU of the job or --gpu_mem_gb): a warning past the usable limit, a refusal past the planner's largest error;
   - every stage's DeepSpeed config (`check_stage_configs`: the assembly and validation `build_engine` runs),
@@ -265,6 +267,28 @@ def memlock_warning(reports: list[dict], need: dict | None) -> str | None:
     return None
 
 
+GPU_MEM_SLACK = 0.05  # an "80 GB" H100 reports 79.6 GiB: --gpu_mem_gb 80 on it is what it means, not a wrong plan
+GPU_MEM_WASTE = 1.25  # smallest GPU above this many times --gpu_mem_gb: a note (the plan keeps needless features)
+
+
+def gpu_mem_mismatch(reports: list[dict], gpu_mem_gb: float) -> tuple[str | None, str | None]:
+    """(refusal, note): --gpu_mem_gb > 0 is taken as given by auto's budget and the device-fit check; against the
+    smallest GPU the ranks report. Below it (by more than GPU_MEM_SLACK): the run plans for memory it lacks and
+    OOMs at the first step after the weights load; well above it: a note (offloads and recompute kept for nothing,
+    each costs step time at scale). Nothing without --gpu_mem_gb (detected) or without every rank's reading."""
+    got = [r.get("gpu_bytes") for r in reports]
+    if gpu_mem_gb <= 0 or not got or any(g is None for g in got):
+        return None, None
+    have = min(got) / GiB
+    if have < gpu_mem_gb * (1 - GPU_MEM_SLACK):
+        return (f"--gpu_mem_gb {gpu_mem_gb:g}: the config plans for {gpu_mem_gb:g} GB GPUs, these have {have:.1f}: "
+                f"set gpu_mem_gb 0 (detect) or {int(have)}"), None
+    if have > gpu_mem_gb * GPU_MEM_WASTE:
+        return None, (f"note: --gpu_mem_gb {gpu_mem_gb:g}: the plan is for {gpu_mem_gb:g} GB GPUs, these have "
+                      f"{have:.1f}: gpu_mem_gb 0 (detect) may turn off offloads and recompute it keeps")
+    return None, None
+
+
 def _size(n: int) -> str:
     return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
 
@@ -368,12 +392,13 @@ def preflight(cfg: Config, stages: list[Stage], dims: ParallelDims, arch, bf16: 
         # the host need of what runs: the one just computed when auto turned the snapshot on
         need = with_snapshot if on and with_snapshot is not None else host_need(cfg, stages, dims.world, bf16,
                                                                                  configs, arch, cpu_run, on)
-        problem = lock_problem(reports) or host_memory_problem(reports, need)
+        gpu_problem, gpu_note = (None, None) if cpu_run else gpu_mem_mismatch(reports, cfg.gpu_mem_gb)
+        problem = lock_problem(reports) or gpu_problem or host_memory_problem(reports, need)
         if problem:
             raise ValueError(problem)
         if not cpu_run:  # the manual stages' plans against the smallest GPU (auto chose against it already)
             check_device_fit(cfg, stages, dims.world, bf16, configs, arch, gpus_per_node(cfg) or dims.world, reports, print0)
-        for line in (lock_warning(reports), memlock_warning(reports, need), why):
+        for line in (lock_warning(reports), memlock_warning(reports, need), why, gpu_note):
             if line:
                 print0(line)
         return on

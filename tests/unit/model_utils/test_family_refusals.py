@@ -105,3 +105,11 @@ def test_bidirectional_attention_refused():
     config = tiny("llama")
     config.is_causal = False
     assert "is_causal" in one_line_refusal(config)
+
+
+def test_sink_model_without_sdpa_suggests_flex_only():
+    """gpt-oss has no sdpa path: the refusal used to suggest flash_attention_2/3 too, which the sink check refuses
+    next (the flash kernels drop the sinks); it names flex_attention alone."""
+    config = tiny("gpt_oss", num_local_experts=4, num_experts_per_tok=2)
+    msg = one_line_refusal(config, match="no sdpa attention")
+    assert msg.endswith("use --attn_implementation flex_attention"), msg

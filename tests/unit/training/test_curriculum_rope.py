@@ -77,3 +77,10 @@ def test_a_warmup_as_long_as_the_stage_is_noted(capsys):
     out = capsys.readouterr().out
     assert "note: stage 0 (short): warmup_steps 10 >= its 3 steps: its LR rises to 30% of" in out, out
     assert "stage 1" not in out
+
+
+def test_a_constant_stage_gets_no_warmup_note(capsys):
+    """tiny_cpu_sft's `before` stage: learning_rate == min_lr is constant by design, nothing to decay or note."""
+    _stages(StageConfig(name="before", max_steps=1, learning_rate=1e-5, min_lr=1e-5),
+            StageConfig(name="sft", max_steps=40), warmup_steps=1)
+    assert "warmup_steps" not in capsys.readouterr().out

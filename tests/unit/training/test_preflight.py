@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import pytest
 
@@ -236,6 +237,29 @@ def test_host_need_is_the_planners_offloaded_states():
     snap = preflight.host_need(cfg, stages, 4, True, configs, arch, cpu_run=False)
     # (given back before a load, the snapshot makes room for the load's transient: the larger of the two is held)
     assert snap["bytes"] == need["bytes"] - load + 12 * n // 4 and snap["pinned"] == snap["bytes"]
+
+
+def test_gpu_mem_gb_against_the_gpus_the_ranks_report(monkeypatch, capsys):
+    """A recipe's gpu_mem_gb 80 on 40 GB GPUs planned for 80 and OOMed after the weights loaded; on 141 GB it kept
+    needless features, unsaid. Rank 0 decides from the gathered reports (one faked here)."""
+    smallest = [{"host": h, "locks": [], "gpu_bytes": g * GiB} for h, g in (("a", 80), ("b", 40))]
+    msg = preflight.gpu_mem_mismatch(smallest, 80)[0]
+    assert msg == "--gpu_mem_gb 80: the config plans for 80 GB GPUs, these have 40.0: set gpu_mem_gb 0 (detect) or 40"
+    assert preflight.gpu_mem_mismatch([{"gpu_bytes": int(79.6 * GiB)}], 80) == (None, None)  # an "80 GB" H100
+    assert preflight.gpu_mem_mismatch([{"gpu_bytes": 140 * GiB}], 80)[1].startswith("note: --gpu_mem_gb 80: the plan")
+    assert preflight.gpu_mem_mismatch(smallest, 0) == (None, None)  # detected: nothing to compare
+    assert preflight.gpu_mem_mismatch([{"gpu_bytes": None}], 80) == (None, None)  # a rank without a GPU reading
+    cfg = parse_config(["--output_dir", "/tmp/unused", "--gpu_mem_gb", "80"])
+    cfg.async_save = False
+    for name, fake in {"report": lambda: smallest[1], "no_gpu": lambda: False, "check_stage_configs": lambda *a: [],
+                       "host_need": lambda *a: None, "check_device_fit": lambda *a: None}.items():
+        monkeypatch.setattr(preflight, name, fake)
+    dims, arch = types.SimpleNamespace(world=1), types.SimpleNamespace(hidden_size=64)
+    with pytest.raises(ValueError, match="these have 40.0: set gpu_mem_gb 0"):
+        preflight.preflight(cfg, [], dims, arch, True)
+    monkeypatch.setattr(preflight, "report", lambda: {**smallest[1], "gpu_bytes": 140 * GiB})
+    preflight.preflight(cfg, [], dims, arch, True)
+    assert "these have 140.0: gpu_mem_gb 0 (detect) may turn off" in capsys.readouterr().out
 
 
 # --- every stage's DeepSpeed config at start ---
