@@ -73,8 +73,8 @@ def too_new(name: str) -> bool:
     high = RANGES[name][1]
     try:
         have = release(importlib.metadata.version(name) or "")
-    except importlib.metadata.PackageNotFoundError:
-        return False
+    except importlib.metadata.PackageNotFoundError:  # a checkout without metadata: its source's version (a review)
+        have = release(source_version(name) or "") if unlabelled(name) else None
     return bool(high and have and _pad(have) >= _pad(release(high)))
 
 

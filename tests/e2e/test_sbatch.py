@@ -123,6 +123,21 @@ def test_sbatch_requeues_a_run_cut_by_the_time_limit(tmp_path, after, requeued):
     assert job.returncode == (0 if requeued else int(after)), text
 
 
+def test_the_warnings_save_is_requeued_with_the_records_off(tmp_path):
+    """A review: with the records folder not writable (here .cache is a file) the nodes' 75 reached the batch shell as
+    srun's 0, and a time-limit warning's save ended "exit 0 but no COMPLETE ... failing (not requeueing)"."""
+    (tmp_path / ".cache").write_text("")
+    job = sbatch(tmp_path, "wait", ["--output_dir", str(tmp_path / "out")], FAKE_EXIT_AFTER="75", STATE_SETTLE_S="1")
+    try:
+        wait_for(lambda: "ready" in (tmp_path / "fake.log").read_text() if (tmp_path / "fake.log").exists()
+                 else False, 30, "the stand-in launcher")
+        job.send_signal(signal.SIGUSR1)
+        text = job.communicate(timeout=30)[0]
+    finally:
+        job.kill()
+    assert "cannot write" in text and requeues(tmp_path) == ["requeue 4242"] and job.returncode == 0, text
+
+
 @pytest.mark.parametrize("export", ["ALL", "NONE"])
 def test_sbatch_carries_the_interface_variables_to_every_node(tmp_path, export):
     """Under `sbatch --export=NONE` (SLURM_EXPORT_ENV=NONE in the batch shell) srun starts its tasks without the

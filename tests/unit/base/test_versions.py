@@ -118,6 +118,13 @@ def test_a_checkout_without_metadata_is_held_to_its_floor_by_its_source_version(
     (pkg / "__init__.py").write_text('__version__ = "5.24.0.dev0"\n')
     versions.check()
     assert capsys.readouterr().err == ""
+    (pkg / "__init__.py").write_text('__version__ = "6.0.0.dev0"\n')  # main past the top: waivable, as installed
+    with pytest.raises(SystemExit):
+        versions.check()
+    assert f"or {versions.NEWER}=warn" in capsys.readouterr().err
+    monkeypatch.setenv(versions.NEWER, "warn")
+    versions.check()
+    assert capsys.readouterr().err.startswith("warning: transformers 6.0.0.dev0")
 
 
 def test_other_local_ranks_exit_without_repeating_the_line(monkeypatch, capsys):
