@@ -101,13 +101,8 @@ def _exported_here(target: str, checkpoints: list[str]) -> bool:
         here = os.path.realpath(folder)
         if os.path.realpath(path).startswith(here + os.sep):
             return True
-        if sha and not os.path.exists(path):
-            try:
-                with open(os.path.join(here, os.path.basename(path.rstrip(os.sep)), "MANIFEST.json"), "rb") as fh:
-                    if hashlib.sha256(fh.read()).hexdigest() == sha:
-                        return True
-            except OSError:
-                pass
+        if sha and not os.path.exists(path) and _same_here(path, sha, [here]):
+            return True
     return False
 
 
@@ -115,8 +110,11 @@ def _copied(target: str, checkpoints: list[str]) -> bool:
     """Whether the export in `target` is of a run this one is a copy of: its recorded checkpoint is still there and a
     checkpoint of the same name in one of `checkpoints` has its content (manifest SHA-256)."""
     path, sha = exported_from(target)
-    if not (path and sha and os.path.isdir(path)):
-        return False
+    return bool(path and sha and os.path.isdir(path)) and _same_here(path, sha, checkpoints)
+
+
+def _same_here(path: str, sha: str, checkpoints: list[str]) -> bool:
+    """Whether a checkpoint named as `path` in one of the `checkpoints` folders has the manifest SHA-256 `sha`."""
     for folder in checkpoints:
         try:
             with open(os.path.join(folder, os.path.basename(path.rstrip(os.sep)), "MANIFEST.json"), "rb") as fh:

@@ -105,19 +105,25 @@ def test_a_users_scancel_signal_saves_then_requeues_or_stops(tmp_path, sig, batc
     assert ("saved and stopped, as asked (SIGUSR2): not requeueing" in text) == (not requeued), text
 
 
+def warned(tmp_path, after: str, **env: str) -> tuple[subprocess.Popen, str]:
+    """A job whose stand-in launcher waits, gets SLURM's warning (SIGUSR1 to the batch shell) and then exits
+    `after`: the job and its output."""
+    job = sbatch(tmp_path, "wait", ["--output_dir", str(tmp_path / "out")], FAKE_EXIT_AFTER=after, **env)
+    try:
+        wait_for(lambda: "ready" in (tmp_path / "fake.log").read_text() if (tmp_path / "fake.log").exists()
+                 else False, 30, "the stand-in launcher")
+        job.send_signal(signal.SIGUSR1)
+        return job, job.communicate(timeout=30)[0]
+    finally:
+        job.kill()
+
+
 @pytest.mark.parametrize("after, requeued", [("1", True), ("137", True), ("2", False), ("130", False)])
 def test_sbatch_requeues_a_run_cut_by_the_time_limit(tmp_path, after, requeued):
     """After SLURM's warning, a run that ends without a preemption save and without COMPLETE (the time limit
     came first) is requeued to resume from its last save; bad input (2) never is, nor a user's Ctrl-C (130:
     training/job.py's stop at start-up, which was requeued as a time-limit cut)."""
-    job = sbatch(tmp_path, "wait", ["--output_dir", str(tmp_path / "out")], FAKE_EXIT_AFTER=after)
-    try:
-        wait_for(lambda: "ready" in (tmp_path / "fake.log").read_text() if (tmp_path / "fake.log").exists()
-                 else False, 30, "the stand-in launcher")
-        job.send_signal(signal.SIGUSR1)
-        text = job.communicate(timeout=30)[0]
-    finally:
-        job.kill()
+    job, text = warned(tmp_path, after)
     assert f"training exited with {after}" in text, text
     assert requeues(tmp_path) == (["requeue 4242"] if requeued else []), text
     assert job.returncode == (0 if requeued else int(after)), text
@@ -127,14 +133,7 @@ def test_the_warnings_save_is_requeued_with_the_records_off(tmp_path):
     """A review: with the records folder not writable (here .cache is a file) the nodes' 75 reached the batch shell as
     srun's 0, and a time-limit warning's save ended "exit 0 but no COMPLETE ... failing (not requeueing)"."""
     (tmp_path / ".cache").write_text("")
-    job = sbatch(tmp_path, "wait", ["--output_dir", str(tmp_path / "out")], FAKE_EXIT_AFTER="75", STATE_SETTLE_S="1")
-    try:
-        wait_for(lambda: "ready" in (tmp_path / "fake.log").read_text() if (tmp_path / "fake.log").exists()
-                 else False, 30, "the stand-in launcher")
-        job.send_signal(signal.SIGUSR1)
-        text = job.communicate(timeout=30)[0]
-    finally:
-        job.kill()
+    job, text = warned(tmp_path, "75", STATE_SETTLE_S="1")
     assert "cannot write" in text and requeues(tmp_path) == ["requeue 4242"] and job.returncode == 0, text
 
 
