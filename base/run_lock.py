@@ -23,6 +23,7 @@ check); every other case is decided by an atomic link.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -136,16 +137,24 @@ def copied_from(lock: dict, folder: str, mine: dict) -> str | None:
         return None
     if lock.get("host") == mine["host"] and (lock.get("dev"), lock.get("ino")) == (here["dev"], here["ino"]):
         return None
-    probe = os.path.join(folder, f".{LOCK}.copy.{socket.gethostname()}.{os.getpid()}.{time.time_ns()}")
     try:
         with open(os.path.join(where, LOCK)) as fh:
             if json.load(fh).get("token") != lock["token"] or os.stat(where).st_ino == here["ino"]:
                 return None
-        with open(probe, "w"):
-            pass
-        return None if os.path.exists(os.path.join(where, os.path.basename(probe))) else where
+        with _probe(folder, f"copy.{socket.gethostname()}.{os.getpid()}.{time.time_ns()}") as probe:
+            return None if os.path.exists(os.path.join(where, os.path.basename(probe))) else where
     except (OSError, ValueError, AttributeError, TypeError):  # gone, torn, or not a lock
         return None
+
+
+@contextlib.contextmanager
+def _probe(folder: str, name: str):
+    """An empty file `.RUN_LOCK.<name>` written in `folder` for the block (its path), removed after it."""
+    probe = os.path.join(folder, f".{LOCK}.{name}")
+    try:
+        with open(probe, "w"):
+            pass
+        yield probe
     finally:
         try:
             os.remove(probe)
@@ -155,18 +164,11 @@ def copied_from(lock: dict, folder: str, mine: dict) -> str | None:
 
 def file_age(path: str, folder: str) -> float | None:
     """Seconds since `path` was touched, on the file server's clock: its mtime against a probe file written now."""
-    probe = os.path.join(folder, f".{LOCK}.probe.{socket.gethostname()}.{os.getpid()}")
     try:
-        with open(probe, "w"):
-            pass
-        return os.stat(probe).st_mtime - os.stat(path).st_mtime
+        with _probe(folder, f"probe.{socket.gethostname()}.{os.getpid()}") as probe:
+            return os.stat(probe).st_mtime - os.stat(path).st_mtime
     except OSError:
         return None
-    finally:
-        try:
-            os.remove(probe)
-        except OSError:
-            pass
 
 
 def acquire(folder: str, mine: dict | None = None, alive=pid_alive, state=job_state) -> str:
