@@ -24,8 +24,8 @@ from base import comm
 from base.atomic import tmp_name
 from data import output_lock
 from data.corpus import CACHE, build_demo_corpus
+from data.discover import discover
 from data.packing import build_token_stream, cache_key
-from data.readers import discover
 from data.store import is_prepared
 from data.tokenizer import Tokenizer
 

@@ -30,11 +30,12 @@ import numpy as np
 from data import output_lock, packing, store
 from data.chat import prefix_cost_note, prefix_costly
 from data.chat_template import training_switch
+from data.discover import Unit, discover
 from data.ids_rows import BESIDE, MASKED, documents, rows_over
 from data.prepare_args import DEFAULT_BATCH_DOCS, DEFAULT_CHUNK_TOKENS, TEXT_SPECIALS, parser, specials_note
 from data.prepare_checks import refusal, shard_of
 from data.prepare_pool import run_ordered
-from data.readers import Fields, Unit, discover, iter_rows, parse_item
+from data.readers import Fields, iter_rows, parse_item
 
 CHAT_STATS = ("chat_docs", "supervised_tokens", "untrained_turns", "no_stop_rows",  # per shard, summed in the manifest
               "rewritten_arguments", "flagged_turns", "dropped_reasoning", "chatml_rows", "history_ends",

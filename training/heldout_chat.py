@@ -39,7 +39,8 @@ def heldout_set(path: str, tok, template: str, limit: int = 0) -> dict:
                 "mask": np.concatenate([np.asarray(p.mask.read(a, b), np.uint8) for a, b in spans]),
                 "lens": p.lens[idx].astype(np.int64)}
     from data.chat import ChatEncoder, RowError
-    from data.readers import Fields, discover, iter_rows, parse_item
+    from data.discover import discover
+    from data.readers import Fields, iter_rows, parse_item
 
     enc, fields = ChatEncoder(tok, "auto", template), Fields()
     ids, masks = [], []

@@ -70,7 +70,8 @@ def test_a_table_with_both_a_text_and_a_chat_column_reads_each_row_as_the_one_it
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from data.readers import Fields, Unit, iter_rows, parse_item
+    from data.discover import Unit
+    from data.readers import Fields, iter_rows, parse_item
 
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
     pq.write_table(pa.table({"text": ["a document", None, "both"], "messages": [None, msgs, msgs]}), tmp_path / "m.parquet")
@@ -112,7 +113,8 @@ def test_a_tables_tools_column_travels_with_its_chat_rows(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from data.readers import Fields, Unit, iter_rows
+    from data.discover import Unit
+    from data.readers import Fields, iter_rows
 
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
     tools = [{"type": "function", "function": {"name": "a", "parameters": {"type": "object",
@@ -134,7 +136,8 @@ def test_a_tables_tool_call_arguments_come_back_without_the_other_rows_keys(tmp_
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from data.readers import Fields, Unit, iter_rows
+    from data.discover import Unit
+    from data.readers import Fields, iter_rows
 
     def row(name, args):
         return [{"role": "user", "content": "?"},
@@ -272,7 +275,8 @@ def test_a_tables_system_column_travels_with_its_chat_columns(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from data.readers import Fields, Unit, iter_rows
+    from data.discover import Unit
+    from data.readers import Fields, iter_rows
 
     turns = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]
     pq.write_table(pa.table({"conversations": [turns], "system": ["Be brief."]}), tmp_path / "s.parquet")
@@ -305,7 +309,8 @@ def test_an_alpaca_table_carries_its_input_and_history(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from data.readers import Fields, Unit, iter_rows
+    from data.discover import Unit
+    from data.readers import Fields, iter_rows
 
     pq.write_table(pa.table({"instruction": ["Count."], "input": ["a b"], "output": ["2"], "history": [[["Hi", "Yo"]]]}),
                    tmp_path / "a.parquet")
@@ -374,7 +379,8 @@ def test_a_kto_table_is_refused_as_its_jsonl_is(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from data.readers import Fields, Unit, iter_rows
+    from data.discover import Unit
+    from data.readers import Fields, iter_rows
 
     p, c = [{"role": "user", "content": "Is it safe?"}], [{"role": "assistant", "content": "Yes, always."}]
     pq.write_table(pa.table({"prompt": [p], "completion": [c], "label": [False]}), tmp_path / "k.parquet")

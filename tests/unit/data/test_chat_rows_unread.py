@@ -10,7 +10,8 @@ import json
 import pytest
 
 from data.chat_rows import RowError, normalize
-from data.readers import Fields, Unit, iter_rows, parse_item
+from data.discover import Unit
+from data.readers import Fields, iter_rows, parse_item
 
 _ASK = [{"role": "user", "content": "What is the capital of France?"},
         {"role": "assistant", "content": "The capital of France is Paris."},

@@ -127,8 +127,9 @@ def test_a_tables_columns_that_change_nothing_are_plain_ids_and_cost_their_lengt
     """A Parquet row with positions 0..n-1 and `seq_lengths: [n]` went to the workers as a column dict, costed by
     len(str(row)) (0.14 s per 1M tokens in the reading process, batches ~15x smaller): now read as plain ids in the
     reader; a row that is checked in the workers costs its ids x (1 + columns)."""
+    from data.discover import discover
     from data.ids_rows import BESIDE
-    from data.readers import Fields, discover, iter_rows
+    from data.readers import Fields, iter_rows
 
     src = _write(tmp_path, "parquet", [{"input_ids": IDS, "position_ids": list(range(8)), "seq_lengths": [8],
                                         "labels": IDS, "attention_mask": [1] * 8}])

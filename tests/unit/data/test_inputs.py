@@ -128,7 +128,7 @@ def test_a_loader_leaves_the_inputs_it_is_not_for_as_they_are(tmp_path):
     """`--input books=DIR_OF_TXT --loader text --input chat.jsonl` (docs/data.md's mix): the loader read every input,
     the chat JSONL too, as one raw-text document of JSON syntax, every token trained, without a word. A JSONL, JSON,
     Parquet file or a datasets folder is read as such whatever --loader says; the loader takes the rest."""
-    from data.readers import discover
+    from data.discover import discover
 
     books = tmp_path / "books"
     books.mkdir()
@@ -148,7 +148,7 @@ def test_a_loader_folder_and_a_hive_path_are_read_as_the_other_inputs_are(tmp_pa
     """--loader over a folder read every file: a README (refused: "no column 'text'"), a snapshot's .cache, and the
     test split beside the train split (trained on). It now skips metadata and hidden files, refuses several splits,
     and names the source after the folder. A hive-style folder (`lang=en`) was split at its last `=` as `name=PATH`."""
-    from data.readers import discover
+    from data.discover import discover
 
     folder = tmp_path / "csvs"
     (folder / ".cache" / "huggingface").mkdir(parents=True)
@@ -192,8 +192,8 @@ def test_a_dataset_snapshot_with_several_splits_is_refused_and_one_split_is_read
     whole, its test split was trained on, without a word. Refused in one line naming the splits and a pattern for
     one; the pattern reads that split alone (prepare_data's --input and train.py's --dataset_path alike); files
     naming no split beside one that does are one corpus, as before."""
+    from data.discover import discover
     from data.jsonl import list_files
-    from data.readers import discover
 
     snap = tmp_path / "ultrachat" / "data"
     snap.mkdir(parents=True)

@@ -9,7 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from data import readers
-from data.readers import Fields, Unit, iter_rows
+from data.discover import Unit
+from data.readers import Fields, iter_rows
 
 
 def _write(path, rows: int, kb: int) -> Unit:

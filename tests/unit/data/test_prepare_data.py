@@ -247,7 +247,7 @@ def test_long_multi_turn_chats_are_spread_over_worker_tasks(tmp_path):
     messages (~6 KB each, ~0.14 MB of work) go to several workers, ~7 a task (the bytes x turns of the old quadratic
     encoder made 20 tasks of 2, or one task when counted by rows); a 1,000-message trace is a task alone; short
     chats and text batch by rows as before."""
-    from data.readers import discover
+    from data.discover import discover
 
     turn = [{"role": r, "content": "step " * 10} for r in ("user", "assistant")] * 50
     chats = tmp_path / "traces.jsonl"

@@ -14,8 +14,8 @@ import shutil
 import numpy as np
 import pytest
 
+from data.discover import discover
 from data.prepare_data import main, merge, prepare
-from data.readers import discover
 from data.store import Prepared
 from tests.unit.data.test_prepare_data import _SP, _all, _bos_tokenizer, _write_jsonl
 

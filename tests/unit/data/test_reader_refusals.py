@@ -11,8 +11,8 @@ import shlex
 
 import pytest
 
+from data.discover import discover
 from data.prepare_data import main, prepare
-from data.readers import discover
 from tests.unit.data.test_data import _word_tokenizer
 from tests.unit.data.test_prepare_data import _write_jsonl
 
