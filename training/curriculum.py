@@ -20,6 +20,7 @@ from base.log import print0
 from base.parallel import check_layout, split_sp
 from data.replay import parse_replay
 from model_utils.rope import nested, normalized, short_scaling, stage_rope
+from planner.shapes import ROPE_MAX_POSITIONS
 from training.config import Config, StageConfig
 from training.config_types import typed
 from training.eval_settings import stage_eval
@@ -308,6 +309,7 @@ def check_stages(stages: list[Stage], world: int, num_heads: int, num_kv_heads: 
             check_layout(world, s.sp, num_heads, num_kv_heads, s.max_seq_length, s.cp, ranks_per_node or None)
             params, said = stage_rope(model, s.rope or None, "rope", s.sp)
             notes += [f"stage {s.index} ({s.name}): {n}" for n in said + short_scaling(params, s.max_seq_length)]
+            _eval_positions(s, stages, params)
             if s.rope_from is not None:
                 notes.append(f"stage {s.index} ({s.name}) has no rope of its own: it keeps stage {s.rope_from} "
                              f"({stages[s.rope_from].name})'s {s.rope} (rope: {{}} for the model's own)")
@@ -317,6 +319,20 @@ def check_stages(stages: list[Stage], world: int, num_heads: int, num_kv_heads: 
     for line in dict.fromkeys(notes):
         print0(f"note: {line}")
     return out
+
+
+def _eval_positions(s: Stage, stages: list[Stage], params: dict) -> None:
+    """One-line ValueError where a stage evaluates (eval.lengths / --eval_lengths, its held-out lengths) a RoPE model
+    past float32 positions (model_utils/rope.check_positions): a 32M passkey length after a 16M stage scored positions
+    the model cannot tell apart (20,000,000 and 20,000,001 have one cos/sin row), into eval/summary.md unsaid."""
+    # torch and the data pipeline: imported only where stages are checked
+    from training.evaluation import eval_forward_lengths
+
+    longest = max(eval_forward_lengths(s, stages))
+    if params and longest > ROPE_MAX_POSITIONS:
+        raise ValueError(f"evaluates at {longest:,} tokens (eval.lengths / --eval_lengths): positions >= "
+                         f"{ROPE_MAX_POSITIONS:,} collapse in float32 RoPE (HF, vLLM, Meta's reference); give lengths "
+                         f"up to {ROPE_MAX_POSITIONS:,}")
 
 
 def keep_stage_steps(stages: list[Stage], state) -> list[Stage]:

@@ -24,9 +24,9 @@ def test_float32_positions_collapse_past_two_to_the_24():
     assert pos[:3].unique().numel() == 3 and pos[2:].unique().numel() < 4  # distinct up to 2**24, not past it
 
 
-def _stages(length: int):
-    return resolve_stages(Config(stages=[StageConfig(name="s", max_seq_length=length, sequence_parallel_size=2)]),
-                          dp_of_sp=lambda sp: 2 // sp)
+def _stages(length: int, **eval_block):
+    return resolve_stages(Config(stages=[StageConfig(name="s", max_seq_length=length, sequence_parallel_size=2,
+                                                     eval=eval_block or None)]), dp_of_sp=lambda sp: 2 // sp)
 
 
 def test_a_stage_past_two_to_the_24_tokens_is_refused_at_start_up():
@@ -42,3 +42,16 @@ def test_apply_rope_refuses_it_too():
     c = AutoConfig.for_model("llama", **TINY, rope_theta=5e5, max_position_embeddings=8192)
     with pytest.raises(ValueError, match="positions >= 16,777,216 collapse"):
         apply_rope(c, {"rope_type": "default", "rope_theta": 8e6}, ROPE_MAX_POSITIONS + 1)
+
+
+def test_an_eval_length_past_two_to_the_24_is_refused_at_start_up():
+    """A 32M passkey length after a 16M stage (training accepted it) scored collapsed positions; refused like the
+    stage's own length. A model without RoPE and a length at the cap pass."""
+    llama = {"rope_type": "default", "rope_theta": 5e5}
+    ok = _stages(4096, lengths=[4096, ROPE_MAX_POSITIONS])
+    check_stages(ok, world=2, num_heads=4, num_kv_heads=2, model=llama)
+    far = _stages(4096, lengths=[4096, 2 * ROPE_MAX_POSITIONS])
+    with pytest.raises(ValueError, match=r"^stage 0 \(s\): evaluates at 33,554,432 tokens \(eval.lengths / "
+                                         r"--eval_lengths\): positions >= 16,777,216 collapse .*up to 16,777,216$"):
+        check_stages(far, world=2, num_heads=4, num_kv_heads=2, model=llama)
+    check_stages(far, world=2, num_heads=4, num_kv_heads=2, model={})  # no RoPE: nothing collapses
