@@ -71,6 +71,7 @@ offline and parallel (`prepare_data --workers N`), so the training job pays noth
 from __future__ import annotations
 
 import copy
+import datetime
 import json
 
 import numpy as np
@@ -107,19 +108,61 @@ def prefix_cost_note(where: str, messages: int, tokens: int) -> str:
             "--chat_template chatml for a ChatML model (its default has them); docs/sft.md")
 
 
+class FrozenClock:
+    """`with clock:` every template rendered inside sees one instant, `clock.at`. transformers' `strftime_now` (today's
+    date in the system turn of gpt-oss, Llama 3.1-3.3, Mistral Small 3.2, Granite 3.3, Apertus) is its module's
+    `datetime.now()`, read at every render; a row is rendered 4-11 times (the conversation, each prefix with and
+    without the generation prompt), and a midnight between two of them left a prefix unlike the conversation at the
+    date: the turn not located, the row refused for another reason or a reply left untrained. A callable given as a
+    template argument does not replace it (transformers turns arguments to data). So the module's `datetime` is
+    swapped for a subclass frozen at `at` and put back: process-wide, not for threads rendering with other instants
+    (prepare_data's workers are processes, each rendering in one thread). Cost: two attribute sets a render (~1 us;
+    a render is ~8 us x messages)."""
+
+    def __init__(self, at: datetime.datetime | str | None = None):
+        at = datetime.datetime.fromisoformat(at) if isinstance(at, str) else at or datetime.datetime.now()
+        self.at, self._saved = at, []
+
+        class Frozen(datetime.datetime):
+            @classmethod
+            def now(cls, tz=None):
+                return at if tz is None else at.astimezone(tz)  # (a naive `at` is local time)
+
+            @classmethod
+            def today(cls):
+                return at
+
+        self._frozen = Frozen
+
+    def __enter__(self) -> FrozenClock:
+        import transformers.utils.chat_template_utils as ctu  # (imported already where a template renders)
+
+        self._saved.append(ctu.datetime)  # a stack: a render inside another's (nested `with`) restores its own
+        ctu.datetime = self._frozen
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import transformers.utils.chat_template_utils as ctu
+
+        ctu.datetime = self._saved.pop()
+
+
 class ChatEncoder:
     """`encode(obj) -> (ids, mask, stats)` for one chat row, with one tokenizer (data/tokenizer.py's `Tokenizer`).
 
     `template`: `auto` (the tokenizer's own: its `default` when it ships named ones; else the ChatML default),
     `chatml` (the default, always), `none` (the tokenizer's own, else refuse the row) or the name of one of the
-    tokenizer's named templates."""
+    tokenizer's named templates. `now`: the instant every render of this encoder sees (a template's `strftime_now`,
+    FrozenClock): a datetime or its ISO text (prepare_data's, recorded in its shard plan); None: read here, once."""
 
     linear = True  # prefix renders as views on one tokenization (data/chat_views.py); False: each tokenized whole
 
-    def __init__(self, tokenizer, loss_on: str = "auto", template: str = "auto"):
+    def __init__(self, tokenizer, loss_on: str = "auto", template: str = "auto",
+                 now: datetime.datetime | str | None = None):
         if loss_on not in LOSS_ON:
             raise ValueError(f"--loss_on {loss_on!r}: use one of {list(LOSS_ON)}")
         self.tok, self.loss_on = tokenizer, loss_on
+        self.clock = FrozenClock(now)  # every render (_text, _needs_tools, _markers) inside `with self.clock`
         hf = getattr(tokenizer, "hf", None)
         own = getattr(hf, "chat_template", None) if hf is not None else None
         if not isinstance(template, str) or not template:
@@ -179,8 +222,9 @@ class ChatEncoder:
     # ---- rendering
     def _text(self, msgs: list[dict], gen: bool = False, tools: list | None = None, **kw) -> str:
         try:  # a row's `tools` as apply_chat_template and TRL pass them (data/chat_tools.py)
-            return self.hf.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=gen,
-                                               chat_template=self.template, **{**self._row_kw, **kw})
+            with self.clock:
+                return self.hf.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=gen,
+                                                   chat_template=self.template, **{**self._row_kw, **kw})
         except Exception as e:  # jinja's raise_exception (roles must alternate, no system role, ...)
             why = str(e).splitlines()[0][:160]
             if tools is None and self._needs_tools(msgs, gen):  # Hermes' and Command-R's `tool_use` iterate `tools`
@@ -190,8 +234,9 @@ class ChatEncoder:
 
     def _needs_tools(self, msgs: list[dict], gen: bool) -> bool:
         try:
-            self.hf.apply_chat_template(msgs, tools=[], tokenize=False, add_generation_prompt=gen, **self._row_kw,
-                                        chat_template=self.template)
+            with self.clock:
+                self.hf.apply_chat_template(msgs, tools=[], tokenize=False, add_generation_prompt=gen, **self._row_kw,
+                                            chat_template=self.template)
         except Exception:  # noqa: BLE001 (it fails for another reason)
             return False
         return True
@@ -363,9 +408,10 @@ class ChatEncoder:
 
     def _markers(self, conv: list[dict], tools: list | None = None) -> tuple[list[int], dict | None]:
         try:
-            out = self.hf.apply_chat_template(conv, tools=tools, tokenize=True, return_dict=True,
-                                              return_assistant_tokens_mask=True, chat_template=self.template,
-                                              **self._row_kw)
+            with self.clock:
+                out = self.hf.apply_chat_template(conv, tools=tools, tokenize=True, return_dict=True,
+                                                  return_assistant_tokens_mask=True, chat_template=self.template,
+                                                  **self._row_kw)
         except Exception as e:
             raise RowError(f"{self.name} refuses this conversation: {str(e).splitlines()[0][:160]}") from None
         ids, m = list(out["input_ids"]), np.asarray(out["assistant_masks"], dtype=np.uint8)

@@ -217,9 +217,11 @@ def check(enc: ChatEncoder, oracle_template: str, conv: list[dict], tools: list 
     except RowError as e:
         msg = str(e)
         return f"WRONG: a refusal of {len(msg.splitlines())} lines" if "\n" in msg else f"refused: {msg}"
-    try:
-        out = hf.apply_chat_template(oracle_conv or conv, tools=tools, chat_template=oracle_template, tokenize=True,
-                                     return_dict=True, return_assistant_tokens_mask=True, **(kwargs or {}))
+    try:  # at the encoder's instant (its FrozenClock): a date template rendered past midnight would differ
+        with enc.clock:
+            out = hf.apply_chat_template(oracle_conv or conv, tools=tools, chat_template=oracle_template,
+                                         tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+                                         **(kwargs or {}))
     except Exception as e:  # noqa: BLE001 (the template's own refusal, which the encoder should have passed on)
         return f"WRONG: trained a conversation the template refuses ({str(e).splitlines()[0][:80]})"
     if list(out["input_ids"]) != list(ids):

@@ -52,14 +52,14 @@ _W: dict = {}
 
 
 def _init_worker(tokenizer_path: str | None, fields: Fields, vocab_bound: int, eos_id: int | None, dtype: str,
-                 loss_on: str = "auto", chat_template: str = "auto", text_specials: str = "auto"):
+                 loss_on: str = "auto", chat_template: str = "auto", text_specials: str = "auto", now=None):
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one core per worker
     from data.chat import ChatEncoder
     from data.tokenizer import Tokenizer
 
     tok = Tokenizer(tokenizer_path) if tokenizer_path else None
     _W.update(tok=tok, fields=fields, bound=vocab_bound, eos=eos_id, dtype=np.dtype(dtype), specials=text_specials,
-              chat=ChatEncoder(tok, loss_on, chat_template) if tok else None, loss_on=loss_on)
+              chat=ChatEncoder(tok, loss_on, chat_template, now) if tok else None, loss_on=loss_on)
 
 
 def _tokenize_batch(items: list[tuple[int, int, object]]) -> dict:
@@ -242,6 +242,9 @@ def prepare(inputs: list[str], output: str, tokenizer: str | None = None, vocab_
     plan_path = os.path.join(output, f"plan-s{i_shard:05d}.json")
     if overwrite:
         _clear_shard(output, i_shard)
+    # the instant every chat render of the shard sees (a template's date: data/chat.py FrozenClock), read once and kept
+    old = store.read_json(plan_path) if os.path.exists(plan_path) else {}  # by a resumed shard (None: begun before)
+    plan["clock"] = old.get("clock") if old else time.strftime("%Y-%m-%dT%H:%M:%S")
     shard_path = os.path.join(output, f"shard-{i_shard:05d}-of-{n_shards:05d}.json")
     output_lock.check_plan(output, i_shard, plan_path, plan, os.path.exists(shard_path), log)
     if not os.path.exists(shard_path):
@@ -250,7 +253,7 @@ def prepare(inputs: list[str], output: str, tokenizer: str | None = None, vocab_
             log(f"resuming shard {i_shard}/{n_shards} after {len(done)} committed chunk(s), "
                 f"{sum(r['n_tokens'] for r in done)} tokens")
         record = _run_shard(mine, output, i_shard, done, tokenizer, fields, bound, eos, dtype, workers, skip_bad_rows,
-                            chunk_tokens, batch_docs, log, loss_on, chat_template, text_specials)
+                            chunk_tokens, batch_docs, log, loss_on, chat_template, text_specials, plan["clock"])
         record.update(plan=plan, tokenizer=tok_info, command=command or [])
         store.write_json_atomic(shard_path, record)
     if n_shards == 1:
@@ -301,8 +304,8 @@ def _batches(units: list[Unit], fields: Fields, start: tuple[int, int], batch_do
         yield batch, size
 
 
-def _run_shard(units, out, i_shard, done, tokenizer, fields, bound, eos, dtype, workers, skip_bad_rows,
-               chunk_tokens, batch_docs, log, loss_on="auto", chat_template="auto", text_specials="auto") -> dict:
+def _run_shard(units, out, i_shard, done, tokenizer, fields, bound, eos, dtype, workers, skip_bad_rows, chunk_tokens,
+               batch_docs, log, loss_on="auto", chat_template="auto", text_specials="auto", now=None) -> dict:
     start = tuple(done[-1]["next"]) if done else (0, 0)
     stats = {"bad_rows": done[-1]["bad_rows"] if done else 0, "empty_docs": done[-1]["empty_docs"] if done else 0,
              "bad_examples": done[-1]["bad_examples"] if done else []}
@@ -310,7 +313,7 @@ def _run_shard(units, out, i_shard, done, tokenizer, fields, bound, eos, dtype, 
     writer = store.ChunkWriter(out, i_shard, len(done), dtype, done[-1]["sources"] if done else [])
     writer.records = list(done)
     names = [u.name for u in units]
-    init = (tokenizer, fields, bound, eos, dtype.name, loss_on, chat_template, text_specials)
+    init = (tokenizer, fields, bound, eos, dtype.name, loss_on, chat_template, text_specials, now)
     pool = mp.get_context("fork").Pool(workers, _init_worker, init) if workers > 0 else None
     if pool is None:
         _init_worker(*init)
