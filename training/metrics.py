@@ -18,6 +18,7 @@ the same x; metrics.jsonl holds the retrained ones only (_truncate).
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import json
 import os
@@ -61,11 +62,8 @@ def reset_peak_memory() -> None:
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
         return
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")
 
 
 def peak_memory_gb(engagement: dict | None = None) -> float:
@@ -143,8 +141,8 @@ class MetricsLogger:
         logged = self._truncate(resume_step)
         if wandb_enabled(report_to):
             self.wandb = self._start_wandb(output_dir, project, run_id, config, logged, resume_step, branch)
-            self.wandb.define_metric(STEP_KEY)  # our step is the x-axis of every metric (module docstring)
-            self.wandb.define_metric("*", step_metric=STEP_KEY)
+            self._wb(lambda run: (run.define_metric(STEP_KEY),  # our step: every metric's x-axis (module docstring)
+                                  run.define_metric("*", step_metric=STEP_KEY)))
         if progress_bar and sys.stderr.isatty():
             from tqdm import tqdm
 
@@ -210,6 +208,22 @@ class MetricsLogger:
                   f"(metrics.jsonl in {output_dir} keeps every record); set WANDB_DIR to a shared folder", flush=True)
         return run
 
+    def _wb(self, call) -> None:
+        """call(run) on rank 0's W&B run (None elsewhere: no collective waits on it); any error turns W&B off, said once:
+        wandb-core dies on a launcher's or slurmstepd's SIGTERM/SIGINT, and a log raised before the agreed save (exit 1)."""
+        if self.wandb is None:
+            return
+        try:
+            call(self.wandb)
+        except Exception as e:  # noqa: BLE001  any of W&B's errors: metrics.jsonl and the run go on without it
+            self.wandb, why = None, (str(e).strip().splitlines() or [""])[0][:200]
+            print(f"warning: W&B stopped answering ({type(e).__name__}: {why}): W&B off for the rest of this run; "
+                  "metrics.jsonl keeps every record", flush=True)
+            if isinstance(e, ConnectionError):  # wandb-core gone: its exit hook would print this again, a traceback
+                from wandb import teardown
+                with contextlib.suppress(Exception):  # unhooks it, then raises at once (the socket is broken)
+                    teardown()
+
     def _truncate(self, step: int) -> int:
         """Drop lines of steps after the checkpoint we resume from: they will be trained again. A line that does
         not parse (a job killed mid-write leaves its last line torn) is dropped with one warning line: it would
@@ -249,13 +263,13 @@ class MetricsLogger:
         return set(comm.run_on_main(lambda: [i for i in range(n_stages) if self.has_eval(i)]))
 
     def log_eval(self, stage: int, result: dict) -> None:
-        """Record a stage's evaluation: a line in metrics.jsonl, W&B, and eval/stage{N}.json (written last)."""
+        """Record a stage's evaluation: a line in metrics.jsonl, W&B (the nested results, task -> length -> depth, as
+        scalars: eval/tasks/passkey/8192/0.5), and eval/stage{N}.json (written last)."""
         if not self.is_main:
             return
         self.log({"event": "eval", **result})
-        if self.wandb is not None:  # the nested results (task -> length -> depth) as scalars: eval/tasks/passkey/8192/0.5
-            self.wandb.log({**{k: v for k, v in _flatten(result, "eval").items() if "/" in k[5:]},
-                            **_at(result.get("step"))})
+        self._wb(lambda run: run.log({**{k: v for k, v in _flatten(result, "eval").items() if "/" in k[5:]},
+                                      **_at(result.get("step"))}))
         atomic_write(os.path.join(self.eval_dir, f"stage{stage}.json"), json.dumps(result, indent=1).encode())
         self._write_eval_table()
 
@@ -293,8 +307,7 @@ class MetricsLogger:
         except OSError as e:  # a write into the open file names none: a full disk here is the user's (training/job.py
             e.filename = e.filename or self.path  # users_disk), one line and exit 2, not node 0's crash
             raise
-        if self.wandb is not None:
-            self.wandb.log({**_wandb_fields(record), **_at(record.get("step"))})
+        self._wb(lambda run: run.log({**_wandb_fields(record), **_at(record.get("step"))}))
         if "loss" in record and "step" in record:
             step = record["step"]
             loss, rate = record["loss"], record.get("tokens_per_s")  # null on a skipped step (training/stage._log_step)
@@ -348,18 +361,16 @@ class MetricsLogger:
     def record_stage(self, stage, world: int) -> None:
         """The W&B config's resolved layout of `stage` (steps, seq_len, sp, cp, dp, warmup, lr) and the world size, at
         the stage's start (the flags alone, `config`, do not say what each stage ran with)."""
-        if self.is_main and self.wandb is not None:
-            self.wandb.config.update({"world": world, f"stage{stage.index}": {
-                "name": stage.name, "steps": stage.max_steps, "seq_len": stage.max_seq_length, "sp": stage.sp,
-                "cp": stage.cp, "dp": world // stage.sp, "warmup": stage.warmup_steps, "lr": stage.learning_rate}},
-                allow_val_change=True)  # a resume on another world size
+        self._wb(lambda run: run.config.update({"world": world, f"stage{stage.index}": {
+            "name": stage.name, "steps": stage.max_steps, "seq_len": stage.max_seq_length, "sp": stage.sp,
+            "cp": stage.cp, "dp": world // stage.sp, "warmup": stage.warmup_steps, "lr": stage.learning_rate}},
+            allow_val_change=True))  # a resume on another world size
 
     def log_table(self, name: str, columns: list[str], rows: list[list], step: int | None = None) -> None:
         """A table on W&B at our `step` (the evaluation's; module docstring)."""
-        if self.is_main and self.wandb is not None:
-            import wandb
-
-            self.wandb.log({name: wandb.Table(columns=columns, data=rows), **_at(step)})
+        if self.wandb is not None:  # rank 0's only
+            from wandb import Table
+            self._wb(lambda run: run.log({name: Table(columns=columns, data=rows), **_at(step)}))
 
     def close(self, timeout_s: float | None = None) -> None:
         """End the bar and the W&B run; its finish (an online run's last upload) waited for at most `timeout_s`
@@ -369,13 +380,9 @@ class MetricsLogger:
         if self.wandb is None:
             return
         run_dir = os.path.dirname(str(getattr(self.wandb, "dir", "") or "")) or None  # .../offline-run-*/ (files/)
-        if timeout_s is None:
-            self.wandb.finish()
-            _said_lost_records(run_dir)
-            return
-        t = threading.Thread(target=self.wandb.finish, name="wandb-finish", daemon=True)
+        t = threading.Thread(target=self._wb, args=(lambda run: run.finish(),), name="wandb-finish", daemon=True)
         t.start()
-        t.join(timeout_s)
+        t.join(timeout_s)  # None: an ordinary end, unbounded
         if t.is_alive():
             print(f"W&B: the run's finish did not end within {timeout_s:.0f} s of the stop's window: what it had not "
                   f"uploaded is in {self.wandb_dir}/wandb (`wandb sync` it)", flush=True)
@@ -388,15 +395,11 @@ def _said_lost_records(run_dir: str | None) -> None:
     logs/debug-internal.log, while wandb.log returns as usual: a later `wandb sync` uploads a curve that stops early.
     Said in one line at the run's end (metrics.jsonl holds every record). One read of that log, once."""
     log = os.path.join(run_dir, "logs", "debug-internal.log") if run_dir else ""
-    try:
-        with open(log, "rb") as fh:
-            lost = b"failed to save record" in fh.read()
-    except OSError:
-        return
-    if lost:
-        print(f"warning: W&B could not save some records of this run ({log}: 'failed to save record': a full or "
-              "quota-limited WANDB_DIR?): its curves stop early; metrics.jsonl in the output folder holds them all",
-              flush=True)
+    with contextlib.suppress(OSError), open(log, "rb") as fh:
+        if b"failed to save record" in fh.read():
+            print(f"warning: W&B could not save some records of this run ({log}: 'failed to save record': a full or "
+                  "quota-limited WANDB_DIR?): its curves stop early; metrics.jsonl in the output folder holds them all",
+                  flush=True)
 
 
 def _wandb_fields(record: dict) -> dict:

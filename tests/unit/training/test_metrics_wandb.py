@@ -1,7 +1,8 @@
 """What users read while a run trains, on a stand-in `wandb` module (W&B's one-step merge modelled): an online start
 without network goes offline instead of ending the run; WANDB_PROJECT / WANDB_RUN_ID / WANDB_NAME / WANDB_DIR and
 --run_name reach wandb.init; an event logged at a step keeps that step's stage/sp on the charts; the step's grad norm;
-each stage's resolved layout in the W&B config; the progress bar and the log-file line after a resume. < 1 s."""
+each stage's resolved layout in the W&B config; the progress bar and the log-file line after a resume; a W&B that stops
+answering (its service process killed) turns W&B off and the run goes on. < 1 s."""
 
 from __future__ import annotations
 
@@ -405,3 +406,58 @@ def test_offline_runs_in_a_folder_the_job_loses_are_said(tmp_path, wandb_env, ca
     else:
         assert len(lines) == 1 and f"a folder under {said}, this Slurm job's own" in lines[0], lines
         assert f"metrics.jsonl in {tmp_path}/run keeps every record" in lines[0] and "WANDB_DIR" in lines[0]
+
+
+@pytest.mark.parametrize("dies_at, timeout_s", [("log", None), ("log", 5.0), ("define_metric", None), ("config", None),
+                                                ("finish", None), ("finish", 5.0)])
+def test_a_wandb_that_stops_answering_is_turned_off_and_the_run_goes_on(tmp_path, wandb_env, capsys, dies_at,
+                                                                         timeout_s):
+    """wandb-core (W&B's service process) dies on the SIGTERM/SIGINT that deepspeed launch.py's teardown
+    (terminate_process_tree) or slurmstepd (SignalChildrenProcesses=yes, proctrack/linuxproc) sends a rank's children:
+    rank 0's next wandb.log raised ConnectionResetError before the step boundary's agreed save, and the run exited 1
+    with no checkpoint instead of saving and exiting 75. Now the first W&B error turns W&B off for the rest of the run in
+    one warning line, nothing more is sent to it, metrics.jsonl keeps every record, and close (bounded or not) never
+    raises."""
+    fake_wandb(wandb_env)
+    wandb_env.setenv("WANDB_MODE", "offline")
+    calls, torn = [], []
+
+    def dead(*args, **kw):
+        calls.append(args)
+        raise ConnectionResetError("Connection lost")
+
+    def teardown():  # wandb.teardown on a broken socket: unhooks its exit teardown (a traceback at exit), then raises
+        torn.append(1)
+        raise ConnectionResetError("Connection lost")
+
+    sys.modules["wandb"].teardown = teardown
+
+    if dies_at == "define_metric":  # at the start itself
+        wandb_env.setattr(FakeRun, "define_metric", dead)
+    m = MetricsLogger(str(tmp_path), True, "wandb", None, None, {}, 10, False)
+    run = m.wandb
+    if dies_at == "log":  # two steps logged, then the service is gone: log and finish raise
+        live = run.log
+        run.log = lambda data, step=None: live(data) if len(run.rows) < 2 else dead(data)
+        run.finish = dead
+    elif dies_at == "config":
+        run.config.update = dead
+    elif dies_at == "finish":
+        run.finish = dead
+    m.record_stage(types.SimpleNamespace(index=0, name="s8", max_steps=5, max_seq_length=8, sp=1, cp=1,
+                                         warmup_steps=1, learning_rate=1e-3), 1)
+    for s in range(1, 6):
+        m.log({"step": s, "stage": 0, **STEP})
+    m.log_table("samples", ["a"], [[1]], step=5)
+    m.log_eval(0, {"step": 5, "stage": 0, "stage_name": "s8", "seq_len": 8, "heldout_loss": 1.5,
+                   "passkey_accuracy": {"0.5": 1.0}})
+    m.close(timeout_s)
+    out = capsys.readouterr()
+    warned = [ln for ln in out.out.splitlines() if "W&B stopped answering" in ln]
+    assert len(warned) == 1, out.out
+    assert "(ConnectionResetError: Connection lost)" in warned[0] and "metrics.jsonl keeps every record" in warned[0]
+    assert len(calls) == 1 and m.wandb is None and torn == [1]  # nothing more sent to the dead service
+    assert "Traceback" not in out.err  # close(timeout_s)'s thread included
+    lines = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3, 4, 5, 5] and lines[-1]["event"] == "eval"
+    assert (tmp_path / "eval" / "stage0.json").exists()
