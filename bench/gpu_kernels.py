@@ -2,9 +2,10 @@
 
 - `kernels`: which attention kernel is fastest for the headline's calls, measured, not assumed from what is
   installed. One head chunk's call as the headline makes it (bf16, [1, heads per chunk, T, 128], causal, no mask:
-  one document), forward and backward, through SDPA's default dispatch (and the backend that dispatch picks,
-  torch._fused_sdp_choice), SDPA forced to each of its flash, cuDNN and memory-efficient backends, and
-  flash-attn's FA2 where installed. Per backend: a warm-up at WARM tokens with torch.profiler recording the CUDA
+  one document; K/V as transformers hands them: model_utils/attention_pick.hf_sdpa, under transformers 5.x
+  enable_gqa=True with the KV heads not repeated where a chunk has more query than KV heads), forward and backward,
+  through SDPA's default dispatch (and the backend that dispatch picks, torch._fused_sdp_choice), SDPA forced to
+  each of its flash, cuDNN and memory-efficient backends, and flash-attn's FA2 where installed. Per backend: a warm-up at WARM tokens with torch.profiler recording the CUDA
   kernels' names, then one timed forward and one timed backward at T (CUDA events), the TFLOP/s of each (causal
   attention counted once: 4 T^2 d heads / 2 forward, 2.5x that backward). An error (a backend that refuses the
   shape, out of memory) is a row, not the end of the check.
@@ -49,14 +50,14 @@ def _backends(cuda: bool) -> list[tuple[str, object]]:
 
 
 def _call(name: str, q, k, v):
-    import torch
+    from model_utils.attention_pick import hf_sdpa
 
     if name == "flash-attn FA2":
         from flash_attn import flash_attn_func
 
         # flash-attn's layout: [bs, T, heads, d]
         return flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True).transpose(1, 2)
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return hf_sdpa(q, k, v)
 
 
 def _kernel_names(prof) -> list[str]:
@@ -70,6 +71,8 @@ def _kernel_names(prof) -> list[str]:
 def time_backends(length: int, heads: int, kv_heads: int, head_dim: int, device: str) -> list[dict]:
     """One row per backend: the kernels it ran, forward and backward seconds at `length`, TFLOP/s, or its error."""
     import torch
+
+    from model_utils.attention_pick import hf_gqa
 
     cuda = device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -88,10 +91,7 @@ def time_backends(length: int, heads: int, kv_heads: int, head_dim: int, device:
         q = torch.randn(1, heads, n, head_dim, device=device, dtype=dtype, generator=g, requires_grad=True)
         k = torch.randn(1, kv_heads, n, head_dim, device=device, dtype=dtype, generator=g, requires_grad=True)
         v = torch.randn(1, kv_heads, n, head_dim, device=device, dtype=dtype, generator=g, requires_grad=True)
-        if kv_heads != heads:  # what transformers' sdpa path hands the kernel: the KV heads repeated
-            k2, v2 = (x.repeat_interleave(heads // kv_heads, dim=1) for x in (k, v))
-            return q, k2, v2
-        return q, k, v
+        return q, k, v  # the KV heads as they are: _call hands them on as transformers does (hf_sdpa)
 
     out = []
     for name, ctx in rows:
@@ -100,7 +100,7 @@ def time_backends(length: int, heads: int, kv_heads: int, head_dim: int, device:
         try:
             q, k, v = tensors(min(WARM, length))
             if name == "sdpa default":
-                row["dispatch"] = sdpa_choice(q, k, v)
+                row["dispatch"] = sdpa_choice(q, k, v, enable_gqa=hf_gqa(q, k, v))
             acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
             with ctx(), torch.profiler.profile(activities=acts) as prof:
                 o = _call(name, q, k, v)
@@ -109,7 +109,7 @@ def time_backends(length: int, heads: int, kv_heads: int, head_dim: int, device:
             del q, k, v, o
             q, k, v = tensors(length)
             if name == "sdpa default":
-                row["dispatch_at_length"] = sdpa_choice(q, k, v)
+                row["dispatch_at_length"] = sdpa_choice(q, k, v, enable_gqa=hf_gqa(q, k, v))
             row["forward_s"], row["backward_s"] = _measure(name, ctx, q, k, v, cuda)
             row["forward_tflops"] = round(flop_fwd / row["forward_s"] / 1e12, 1)
             row["backward_tflops"] = round(2.5 * flop_fwd / row["backward_s"] / 1e12, 1)

@@ -28,7 +28,8 @@ max_memory_allocated since this probe's last reset, so bench.gpu takes the step'
 max over all of them: every segment is in one).
 Which attention kernel ran (issue 49): torch.nn.functional.scaled_dot_product_attention is wrapped to count, per
 backend its default dispatch picks for the call's arguments (torch._fused_sdp_choice: the same C++ selection the call
-then runs), the calls and the first call's shapes; flash-attn's entry points where installed, the same way. Every
+then runs), the calls and the first call's shapes; flash-attn's entry points where installed (the public functions
+under both names transformers and we import them by, and the ring's private varlen op), the same way. Every
 record carries the counts so far (`attention_kernels`).
 Cost: two procfs reads or two CUDA stat calls per event, a few dozen events per step; one dispatch query per
 attention call (a few microseconds; 32 head chunks x 2 layers x (forward + recompute) calls a step here).
@@ -228,8 +229,49 @@ KERNELS: dict = {}  # "sdpa:<backend>" or "flash_attn:<function>" -> {"calls", "
 def _count(key: str, tensors) -> None:
     k = KERNELS.setdefault(key, {"calls": 0})
     k["calls"] += 1
-    if "first" not in k:
+    if "first" not in k and len(tensors):  # bench/gpu_page.py reads q's and k's shapes from it
         k["first"] = [list(t.shape) for t in tensors[:3]] + [str(tensors[0].dtype).removeprefix("torch.")]
+
+
+# flash-attn's entry points counted: the public functions (transformers calls them through the package, whose
+# __init__ re-exports them from flash_attn_interface, so both modules' names are wrapped) and the private varlen ops
+# the context-parallel ring imports from flash_attn_interface at each call (model_utils/ring_attention.py). The public
+# functions reach their kernels through names bound at import (`_wrapped_flash_attn_*`), so no call counts twice.
+FLASH_PUBLIC = ("flash_attn_func", "flash_attn_varlen_func")
+FLASH_PRIVATE = ("_flash_attn_varlen_forward",)
+
+
+def _counted(inner, fn: str):
+    @functools.wraps(inner, updated=())  # the private op is a torch CustomOpDef: its __dict__ is not copied
+    def counted(*a, **k):
+        try:
+            tensors = [x for x in (*a, *(k.get(n) for n in ("q", "k", "v"))) if hasattr(x, "shape")]
+            _count(f"flash_attn:{fn}", tensors)
+        except Exception:  # counting never breaks the call
+            pass
+        return inner(*a, **k)
+
+    counted._counted = True
+    return counted
+
+
+def wrap_flash_attn() -> None:
+    """Count flash-attn's calls at every name our code and transformers call it by (nothing where it is absent)."""
+    import sys
+
+    try:
+        import flash_attn.flash_attn_interface as fai
+    except ImportError:
+        return
+    pkg = sys.modules.get("flash_attn")
+    for fn in FLASH_PUBLIC + FLASH_PRIVATE:
+        inner = getattr(fai, fn, None)
+        if inner is None or getattr(inner, "_counted", False):
+            continue
+        wrapped = _counted(inner, fn)
+        setattr(fai, fn, wrapped)
+        if fn in FLASH_PUBLIC and getattr(pkg, fn, None) is inner:  # `from flash_attn import flash_attn_func`
+            setattr(pkg, fn, wrapped)
 
 
 def wrap_sdpa() -> None:
@@ -250,19 +292,7 @@ def wrap_sdpa() -> None:
         return real(query, key, value, attn_mask, dropout_p, is_causal, *args, **kwargs)
 
     F.scaled_dot_product_attention = sdpa
-    try:
-        import flash_attn.flash_attn_interface as fai
-    except ImportError:
-        return
-    for fn in ("flash_attn_func", "flash_attn_varlen_func"):
-        if hasattr(fai, fn):
-            inner = getattr(fai, fn)
-
-            def counted(*a, _inner=inner, _fn=fn, **k):
-                _count(f"flash_attn:{_fn}", [x for x in a if hasattr(x, "shape")] or [a[0]])
-                return _inner(*a, **k)
-
-            setattr(fai, fn, functools.wraps(inner)(counted))
+    wrap_flash_attn()
 
 
 def install(path: str) -> Probe:

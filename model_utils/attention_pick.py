@@ -28,6 +28,7 @@ every rank, the probe's kernel; a call cuDNN cannot take falls to the next backe
 from __future__ import annotations
 
 import contextlib
+import inspect
 import socket
 import statistics
 from collections.abc import Callable
@@ -84,9 +85,37 @@ def call_shape(arch, sp: int, cp: int, chunks: int, seq_len: int) -> dict:
     return {"heads": q, "kv_heads": max(1, q * nkv // nh), "head_dim": hd, "tokens": min(seq_len, PROBE_TOKENS)}
 
 
+def hf_gqa(q, k, v) -> bool:
+    """Whether transformers' sdpa path hands SDPA this unmasked call ([b, h, s, d]) with enable_gqa=True and K/V as
+    they are (transformers 5.x, its use_gqa_in_sdpa: more query than KV heads, no mask, head dim <= 256 on CUDA),
+    not with the KV heads repeated to the query heads (its repeat_kv: a copy of K and V h / hkv times their size)."""
+    if k.shape[1] == q.shape[1]:
+        return False
+    try:
+        from transformers.integrations.sdpa_attention import use_gqa_in_sdpa
+    except ImportError:
+        return False
+    n = len(inspect.signature(use_gqa_in_sdpa).parameters)  # (mask, key) before 5.x's (mask, key, value)
+    return bool(use_gqa_in_sdpa(*(None, k, v)[:n]))
+
+
+def hf_sdpa(q, k, v):
+    """One causal SDPA call without a mask ([b, h, s, d]) as transformers' sdpa path makes it: enable_gqa=True with
+    K/V unrepeated where hf_gqa says so, else the KV heads repeated; SDPA's dispatch picks the kernel for that call."""
+    import torch.nn.functional as F
+
+    if hf_gqa(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    if k.shape[1] != q.shape[1]:
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 def time_call(backend: str, shape: dict, dtype, rounds: int = 3) -> float:
-    """Median seconds of one causal call's forward + backward through `backend` on this GPU (after a warm-up); CUDNN:
-    SDPA forced to cuDNN (a call it cannot take raises, and pick leaves it out)."""
+    """Median seconds of one causal call's forward + backward through `backend` on this GPU (after a warm-up): SDPA
+    called as transformers calls it (hf_sdpa: under 5.x, enable_gqa=True with the KV heads not repeated); CUDNN: that
+    call with SDPA forced to cuDNN (a call it cannot take raises, and pick leaves it out); FA2: flash_attn_func with
+    the KV heads as they are (transformers' FA2 path)."""
     import torch
 
     b, s, h, kv, d = 1, shape["tokens"], shape["heads"], shape["kv_heads"], shape["head_dim"]
@@ -99,12 +128,8 @@ def time_call(backend: str, shape: dict, dtype, rounds: int = 3) -> float:
         def call(q, k, v):
             return flash_attn_func(q, k, v, causal=True)
     else:
-        import torch.nn.functional as F
-
-        def call(q, k, v):  # SDPA's own dispatch, as transformers' sdpa path hands it: [b, h, s, d], KV heads repeated
-            k, v = (x.transpose(1, 2).repeat_interleave(h // kv, dim=1) if kv != h else x.transpose(1, 2)
-                    for x in (k, v))
-            return F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True).transpose(1, 2)
+        def call(q, k, v):  # SDPA's own dispatch, as transformers' sdpa path hands it ([b, h, s, d]: hf_sdpa)
+            return hf_sdpa(*(x.transpose(1, 2) for x in (q, k, v))).transpose(1, 2)
     if backend == CUDNN:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 

@@ -21,7 +21,8 @@ from our own pages). Outside the blocks, a figure a page claims must be current 
   first cell is a GPU count ("| 32 | ... | 17,580,160 | ..."), must be one a block holds (an "N.NM" one: to its
   digits);
 - a kernel rate ("500.5 / 577.7 TFLOP/s", forward / backward) must be one the committed kernel probe measured
-  (bench/results/gpu.json "kernels", to the digits written).
+  (bench/results/gpu.json "kernels", to the digits written);
+- a GPU peak against an 80 GB card's 78 GiB budget ("70.20 / 78", "70.20 of 78 GiB") must be one a block holds.
 History is exempt: docs/results/LOG.md, and a paragraph that starts with "History".
 """
 
@@ -43,6 +44,7 @@ BOLD = re.compile(r"\*\*([^*]+)\*\*([^*\n]{0,24})")
 ON_GPUS = re.compile(r"\bon (?:one GPU|\d+)\b")
 GPU_ROW = re.compile(r"^\| *\d+ *\|.*$", re.M)  # a table row whose first cell is a GPU count (plan.py --compare's)
 RATE = re.compile(r"(\d+(?:\.\d+)?) / (\d+(?:\.\d+)?) TFLOP/s")  # a kernel's forward / backward rate
+PEAK = re.compile(r"\b(\d+\.\d\d)\s+(?:/|of)\s+78\b")  # a GPU peak against the 78 GiB budget (plan.py's column)
 HISTORY = ("LOG.md",)
 KERNELS = os.path.join(ROOT, "bench", "results", "gpu.json")
 
@@ -114,6 +116,7 @@ def stale_bold() -> list[str]:
     texts = {p: open(p).read() for p in pages()}
     held = {int(n.replace(",", "")) for t in texts.values() for m in BLOCK.finditer(t)
             for n in re.findall(r"\d{1,3}(?:,\d{3}){2,}", m.group(3))}
+    peaks = {f for t in texts.values() for m in BLOCK.finditer(t) for f in PEAK.findall(m.group(3))}
     rates = kernel_rates()
     out = []
     for p, t in texts.items():
@@ -127,6 +130,7 @@ def stale_bold() -> list[str]:
                 out.append(f"{page}: {n}")
         out += [f"{page}: {f} / {b} TFLOP/s" for f, b in RATE.findall(body)
                 if not any(_near(f, rf) and _near(b, rb) for rf, rb in rates)]
+        out += [f"{page}: {f} / 78" for f in PEAK.findall(body) if f not in peaks]
     return list(dict.fromkeys(out))
 
 

@@ -8,8 +8,10 @@ For the run a bench.gpu section recorded (its model, length and `memory_choice`:
 with), it prints each probed segment's measured peak (GiB, max_memory_allocated, as the JSON holds it) beside what
 this checkout's planner predicts for that configuration and length, recomputed here through planner/ (the same
 arithmetic as bench/gpu_compare.planner_phases, which tests/unit/planner/test_plan_vs_run.py holds it to), the
-ratio, the planner's figure as recorded with the run, and whether the planner's figure is FITTED to this run or
-predicted OUT OF SAMPLE; then the host (pinned blocks, arena, peak RSS) and the step time the same way.
+ratio, the planner's figure as recorded with the run, and for each of the two figures whether it is FITTED to this
+run or predicted OUT OF SAMPLE: the figure recorded with the run predates its measurement; the planner now may hold
+terms re-derived since, so it is out of sample only where it still gives the run's figure ("revised after the run"
+otherwise); then the host (pinned blocks, arena, peak RSS) and the step time the same way.
 docs/memory_model_checks.md's out-of-sample table is this output (scripts/doc_figures.py regenerates it). A file without
 the section, or a section with nothing measured, is refused in one line (exit 2).
 """
@@ -166,19 +168,28 @@ def _table(path: str, section: str, sec: dict, model: str | None) -> str:
     except ValueError as err:
         refuse(f"{path}: section {section!r}'s memory_choice: {err}")
     now = planner_now(shape, sec["length"], f, sec["device"])
-    memory = "fitted to this run" if fitted(sec, f) else "out of sample"
+    memory = "fitted to this run" if fitted(sec, f) else None
     rows = segment_rows(sec, now)
     step = sec.get("step") or {}
     rows.append({"segment": f"the step (planner: {now['peak_phase']})", "measured": step.get("measured_gib"),
                  "now": now["step"] / GiB, "then": step.get("planner_gib")})
-    lines = ["| segment, GiB allocated | measured | planner now | ratio | planner at the run | planner's figure |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| segment, GiB allocated | measured | planner now | ratio | planner now is | planner at the run | "
+             "planner at the run is |", "|---|---|---|---|---|---|---|"]
 
-    def line(name: str, measured, pred, then, basis: str, fmt: str = ".2f") -> None:
+    def line(name: str, measured, pred, then, basis: str | None, fmt: str = ".2f") -> None:
+        """basis: what the planner's figures are fitted to (None: to no run of this configuration). The figure
+        recorded with the run predates its measurement: out of sample unless fitted; the planner now may hold terms
+        re-derived since (the norm's of 2026-11-28), so only a figure unchanged since the run is out of sample."""
         ratio = f"{measured / pred:.3f}" if measured and pred else "-"
-        cells = [format(x, fmt) if x is not None else "-" for x in (measured, pred)] + [ratio] + \
-            [format(then, fmt) if then is not None else "-", basis]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        show = [format(x, fmt) if x is not None else "-" for x in (measured, pred, then)]
+        if basis:
+            now_is = basis
+        elif then is None:
+            now_is = "unknown (no figure at the run)"
+        else:
+            now_is = "out of sample (as at the run)" if show[1] == show[2] else "revised after the run"
+        then_is = "-" if then is None else ("fitted to this run" if basis == "fitted to this run" else "out of sample")
+        lines.append(f"| {name} | " + " | ".join([*show[:2], ratio, now_is, show[2], then_is]) + " |")
 
     for r in rows:
         line(r["segment"], r["measured"], r["now"], r["then"], memory)
@@ -201,7 +212,7 @@ def _table(path: str, section: str, sec: dict, model: str | None) -> str:
             ModelShape.from_config(MEASURED["model"]) == shape
         pred = step_time(shape, sec["length"], 1, f, world=1, ranks_per_node=1)
         line(f"step time, s (MFU {measured_mfu()})", sec["step_s"], pred, choice.get("predicted_step_s"),
-             "MFU fitted to this run" if same else "out of sample", ".1f")
+             "MFU fitted to this run" if same else None, ".1f")
     usable = usable_bytes(int(choice["budget_gb"] * GiB)) / GiB if choice.get("budget_gb") else None
     feats = ", ".join(k for k in ("tiled_mlp", "tiled_logits", "offload_activations", "offload_params",
                                   "offload_optimizer") if getattr(f, k))

@@ -124,3 +124,13 @@ def test_help_and_a_typo_rewrite_nothing(monkeypatch, capsys):
             doc_figures.main(argv)
         assert e.value.code == code
     assert "--check" in capsys.readouterr().out
+
+
+def test_a_gpu_peak_in_prose_must_be_one_a_block_holds(tmp_path, monkeypatch):
+    """docs/context_parallel.md quoted the 32-GPU row "at 70.20 of 78 GiB" after the row had moved to another length
+    and peak: a peak against the 78 GiB budget in prose is now checked against the generated blocks' peaks."""
+    page = tmp_path / "page.md"
+    block = "<!-- generated: python scripts/plan.py --compare -->\n| 1 | 70.20 / 78, 7.80 |\n<!-- end generated -->\n"
+    page.write_text("The row at 67.09\nof 78 GiB, another at 70.20 / 78 (current).\n\nHistory: 65.09 / 78.\n\n" + block)
+    monkeypatch.setattr(doc_figures, "pages", lambda: [str(page)])
+    assert doc_figures.stale_bold() == [f"{os.path.relpath(page, ROOT)}: 67.09 / 78"]

@@ -85,4 +85,4 @@ def test_the_gpu_checks_first_call_is_estimated_at_the_headlines_length():
     first = 12 + (362 - 224.6) + step  # model init, the measured launch's start-up, the step
     assert f"{n:,} tokens, whose 2-layer step the cost model puts at {step:.0f} s" in text
     assert f"~{first:.0f} s, ~{first + 45:.0f} s of device time" in text and first + 45 <= 480
-    assert "--budget_s 450 --sections headline`" in text and "--budget_s 500" not in text
+    assert "--budget_s 540 --sections headline`" in text and "--budget_s 500" not in text
