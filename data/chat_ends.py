@@ -19,12 +19,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import numpy as np
 
 from data.chat_rows import RowError
+from data.tokenizer import END_OF_TEXT, TURN_STARTS
 
 REPLIES = ("Probe answer one.", "Probe answer two.")  # the probe's replies: mid-conversation, last
+# what a template's control strings look like: <|im_end|>, <end_of_turn>, </s>, [/INST], and the known ones
+_CONTROL = re.compile("|".join([r"<\|[^<>|\s]{1,40}\|>", r"</?[a-z][a-z_]{0,30}>", r"\[/?[A-Z][A-Z_]{1,30}\]",
+                                *map(re.escape, sorted({*TURN_STARTS, *END_OF_TEXT, *sum(END_OF_TEXT.values(), ())},
+                                                       key=len, reverse=True))]))
 
 
 def probe_ends(enc, probe: list[dict]) -> tuple[np.ndarray, dict[str, int], set[int] | None, set[int]]:
@@ -45,6 +51,8 @@ def probe_ends(enc, probe: list[dict]) -> tuple[np.ndarray, dict[str, int], set[
             while j < len(text) and text[j].isspace():
                 j += 1
             hit = max((n for n in names if text.startswith(n, j)), key=len, default=None)
+            if hit is None:
+                unsplit(enc, text, j, reply)
             if hit:
                 found.add(names[hit])
                 ends.setdefault(reply, names[hit])
@@ -60,6 +68,24 @@ def probe_ends(enc, probe: list[dict]) -> tuple[np.ndarray, dict[str, int], set[
     carry = got if got is not None else {enc.tok.eos_id} & run
     found |= carry & enc.special  # a reply the next message's token ends (GLM's <|observation|>)
     return np.array(sorted(found or {enc.tok.eos_id}), dtype=np.int64), ends, got, carry
+
+
+def unsplit(enc, text: str, j: int, reply: str) -> None:
+    """A ValueError (one line) where the template writes a control-token-shaped string after a probe reply (before
+    the next message's text) that the tokenizer splits into pieces: a ChatML template pasted onto a base model's
+    tokenizer with no <|im_end|> (Mistral-7B-v0.1's, Llama 3's). Else earlier replies went untrained, the last one
+    trained a stop spelled in pieces no generation stops on, and the export added none. One regex search per probe."""
+    nxt = text.find("Probe question two?", j) if reply == REPLIES[0] else -1
+    m = _CONTROL.search(text, j, nxt if nxt >= 0 else len(text))
+    if m is None:
+        return
+    n = len(enc.tok.hf.encode(m[0], add_special_tokens=False))
+    if n > 1:
+        raise ValueError(f"{enc.name} ends a reply with {m[0]!r}, which tokenizer {enc.tok.path} splits into {n} "
+                         "pieces (no token of its vocabulary): add it to the tokenizer as a special token and resize the "
+                         "model's embeddings (tokenizer.add_special_tokens; model.resize_token_embeddings(len(tokenizer)); "
+                         "save both), or use the tokenizer's own template or --chat_template chatml (which ends replies "
+                         "with the EOS)")
 
 
 def history_ends(enc, ids: list[int], spans: dict[int, tuple[int, int]], mask: np.ndarray) -> dict[str, int]:

@@ -22,10 +22,11 @@ import time
 
 from base import comm
 from base.atomic import tmp_name
+from base.log import print0
 from data import output_lock
 from data.corpus import CACHE, build_demo_corpus
 from data.discover import discover
-from data.packing import build_token_stream, cache_key
+from data.packing import build_token_stream, cache_key, vocab_refusal
 from data.store import is_prepared
 from data.tokenizer import Tokenizer
 
@@ -117,6 +118,8 @@ def prepare_in_job(dataset_path: str | None, tokenizer_path: str | None, model_v
             return dataset_path, tokenizer_path
 
         fallback = model_tokenizer(model_path) if dataset_path is not None and tokenizer_path is None else None
+        if fallback is not None and (fb := Tokenizer(fallback)).vocab_size > model_vocab:  # tokens added after the
+            raise ValueError(vocab_refusal(fb, model_vocab))  # model's save: one line here, not a bad row's error each
         data, tok_path = resolve_sources(dataset_path, tokenizer_path or fallback)
         units = discover(data, flag="--dataset_path")  # what prepare_data reads there: .jsonl[.gz|.zst], .json
         # arrays, Parquet, a save_to_disk folder (only .jsonl / .json were read: the rest dropped without a word)
@@ -144,10 +147,13 @@ def prepare_in_job(dataset_path: str | None, tokenizer_path: str | None, model_v
             # other users out of the folder once renamed into place
             tmp = tmp_name(out)
             os.mkdir(tmp)
+
+            def log(line: str) -> None:  # prepare_data's summary, notes and warnings (no stop token trained, the
+                print0(line.replace(tmp, out))  # ChatML default...): said on rank 0, naming the folder trained on
             # ids bound by the tokenizer named (or the demo's), else by the model: the model's own tokenizer taken by
             # default does not narrow what pre-tokenized rows may hold
             try:
-                prepare([u.path for u in units], tmp, tok_path, workers=0, log=lambda _: None,
+                prepare([u.path for u in units], tmp, tok_path, workers=0, log=log,
                         vocab_size=model_vocab if tok_path in (None, fallback) else None)
             except BaseException as e:  # a full disk, a bad row, an interrupt: no <key>.tmp.* of ours left for good
                 shutil.rmtree(tmp, ignore_errors=True)  # (a requeue's is another name: only remove_stale would)

@@ -1,0 +1,143 @@
+"""A tokenizer and what it is paired with: the in-job preparation's lines (train.py's --dataset_path), a model folder
+whose tokenizer outgrew its embedding, a template whose control strings are not tokens of the vocabulary, and the
+named templates of a tokenizer's identity."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from data import prepare as in_job
+from data.tokenizer import Tokenizer
+from tests.unit.data.chat_fixtures import QWEN15_SHAPE, build_tokenizer
+
+TURNS = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+
+
+def _rows(path, rows, key="messages") -> str:
+    path.write_text("".join(json.dumps({key: r}) + "\n" for r in rows))
+    return str(path)
+
+
+def test_the_in_job_preparation_says_its_no_stop_warning(tmp_path, monkeypatch, capsys):
+    """train.py's in-job preparation passed prepare_data a log that dropped every line: a template that never trains a
+    stop token (Qwen1.5's shape) trained and exported without a word. Its summary and warnings now reach the output
+    (rank 0 prepares alone), naming the folder trained on, not the private one it was written in."""
+    monkeypatch.setattr(in_job, "CACHE", str(tmp_path / "cache"))
+    path = build_tokenizer(str(tmp_path / "tok"), "qwen25")
+    tok = Tokenizer(path)
+    tok.hf.chat_template = QWEN15_SHAPE
+    tok.hf.save_pretrained(path)
+    src = _rows(tmp_path / "c.jsonl", [TURNS, TURNS + [{"role": "user", "content": "bye"}], TURNS])
+    out, _ = in_job.prepare_in_job(src, path, Tokenizer(path).vocab_size)
+    said = capsys.readouterr().out
+    warn = [x for x in said.splitlines() if x.startswith("warning:")]
+    assert len(warn) == 1 and "2 conversation(s) end with a reply trained with no end-of-turn" in warn[0]
+    assert f"{out}: 3 documents" in said and ".tmp" not in said
+
+
+def test_a_model_tokenizer_larger_than_its_embedding_is_refused_in_one_line(tmp_path, monkeypatch):
+    """No --tokenizer_name_or_path: the model folder's own tokenizer, with tokens added after the model's save, gave a
+    bad row's error ("token id ... >= the vocabulary size ... --skip_bad_rows") for the first row holding one; now the
+    refusal a named tokenizer gets (data/packing.vocab_refusal), before anything is prepared."""
+    monkeypatch.setattr(in_job, "CACHE", str(tmp_path / "cache"))
+    model = build_tokenizer(str(tmp_path / "model"), "qwen25")
+    src = _rows(tmp_path / "c.jsonl", [TURNS])
+    small = Tokenizer(model).vocab_size - 10
+    with pytest.raises(ValueError, match=r"^tokenizer .* tokens but the model's vocab_size is \d+: .*"
+                                         r"resize_token_embeddings") as e:
+        in_job.prepare_in_job(src, None, small, model)
+    assert "\n" not in str(e.value) and not os.path.isdir(tmp_path / "cache" / "prepared")
+    folder, tok = in_job.prepare_in_job(src, None, small + 10, model)  # the model's own size: prepared as before
+    assert tok == model and in_job.is_prepared(folder)
+
+
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + "
+          "'\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+MISTRAL_V01 = ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}{{ '[INST] ' + "
+               "message['content'] + ' [/INST]' }}{% else %}{{ message['content'] + eos_token + ' ' }}{% endif %}"
+               "{% endfor %}")
+
+
+def _base_tokenizer(root: str, template: str | None) -> str:
+    """A Mistral-7B-v0.1-shaped base tokenizer (<unk> <s> </s>, no ChatML tokens), with `template` pasted in."""
+    from tokenizers import Tokenizer as Raw
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    t = Raw(models.BPE())
+    t.pre_tokenizer, t.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    t.train_from_iterator(["Probe question one? Probe answer one. hi hello bye"] * 20, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>")
+    if template:
+        tok.chat_template = template
+    tok.save_pretrained(root)
+    return root
+
+
+def test_a_template_whose_end_of_turn_is_no_token_of_the_vocabulary_is_refused(tmp_path):
+    """A ChatML template pasted onto a base tokenizer without <|im_end|> (Mistral-7B-v0.1's, Llama 3's): its end-of-turn
+    tokenized in pieces. Before, earlier replies went untrained, the last one trained a stop spelled in pieces, the
+    export added none, and the no-stop warning blamed the template's last message. Now one line naming the string, the
+    pieces and the fix; the ChatML default on the same vocabulary (it ends a reply with the EOS) and a template that
+    ends replies with the EOS while its [INST] is in pieces (Mistral v0.1's own) are not refused."""
+    from data.chat import ChatEncoder
+    from data.prepare_data import prepare
+
+    pasted = _base_tokenizer(str(tmp_path / "pasted"), CHATML)
+    with pytest.raises(ValueError, match=r"ends a reply with '<\|im_end\|>', which tokenizer .* splits into \d+ pieces"
+                                         r" .*resize_token_embeddings.*--chat_template chatml") as e:
+        _ = ChatEncoder(Tokenizer(pasted)).eot
+    assert "\n" not in str(e.value)
+    src = _rows(tmp_path / "c.jsonl", [TURNS])
+    with pytest.raises(ValueError, match="splits into"):
+        prepare([src], str(tmp_path / "out"), pasted, workers=0, log=lambda _: None)
+    m = prepare([src], str(tmp_path / "default"), pasted, workers=0, log=lambda _: None, chat_template="chatml")
+    assert (m["chat_docs"], m["no_stop_rows"]) == (1, 0)
+    for template in (None, MISTRAL_V01):
+        tok = Tokenizer(_base_tokenizer(str(tmp_path / f"ok{template is None}"), template))
+        assert ChatEncoder(tok).eot.tolist() == [tok.eos_id]
+
+
+def _old_identity(path: str) -> str:
+    """tokenizer_identity as recorded before named templates were read (the manifests of prepared folders hold it)."""
+    import hashlib
+
+    from data.store import TOKENIZER_FILES
+
+    h = hashlib.sha256()
+    for f in [path] if os.path.isfile(path) else [os.path.join(path, f) for f in TOKENIZER_FILES
+                                                  if os.path.isfile(os.path.join(path, f))]:
+        h.update(os.path.basename(f).encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read())
+    return h.hexdigest()
+
+
+def test_an_edited_named_template_is_another_tokenizer(tmp_path):
+    """transformers 5 saves named templates (Hermes-2-Pro's and Command-R's tool_use) as
+    additional_chat_templates/*.jinja, which the identity did not read: an edited one passed the same-tokenizer check
+    (data/run_tokenizer.same_tokenizer) and the in-job cache key. A tokenizer without them keeps the identity its
+    prepared folders recorded (else they would be prepared again, or refused on resume)."""
+    from data.store import tokenizer_identity
+
+    path = build_tokenizer(str(tmp_path / "tok"), "qwen25")
+    assert tokenizer_identity(path) == _old_identity(path)
+    assert tokenizer_identity(os.path.join(path, "tokenizer.json")) == _old_identity(os.path.join(path, "tokenizer.json"))
+    tok = Tokenizer(path)
+    base = tok.hf.chat_template
+    tok.hf.chat_template = {"default": base, "tool_use": base}
+    named = str(tmp_path / "named")
+    tok.hf.save_pretrained(named)
+    tool_use = os.path.join(named, "additional_chat_templates", "tool_use.jinja")
+    if not os.path.isfile(tool_use):
+        pytest.skip("this transformers saves named templates inside tokenizer_config.json (hashed already)")
+    before = tokenizer_identity(named)
+    assert before != _old_identity(named)
+    with open(tool_use, "a") as fh:
+        fh.write("{{ 'edited' }}")
+    assert tokenizer_identity(named) != before
