@@ -115,6 +115,7 @@ def prepare_in_job(dataset_path: str | None, tokenizer_path: str | None, model_v
         from data.prepare_data import SKIP_FIX, prepare
 
         if is_prepared(dataset_path):
+            said_again(dataset_path)
             return dataset_path, tokenizer_path
 
         fallback = model_tokenizer(model_path) if dataset_path is not None and tokenizer_path is None else None
@@ -140,7 +141,9 @@ def prepare_in_job(dataset_path: str | None, tokenizer_path: str | None, model_v
         # the preemption handler leaves one, and its requeue ~2 min later (still young) prepares `out` itself, after
         # which this line was never reached again and the folder stayed for good. Cost: one listing of the cache
         remove_stale(out)
-        if not is_prepared(out):  # into a private folder renamed into place: concurrent jobs never share one
+        if is_prepared(out):
+            said_again(out)
+        else:  # into a private folder renamed into place: concurrent jobs never share one
             os.makedirs(os.path.dirname(out), exist_ok=True)
             # host, pid and random (a pid alone: two jobs' rank 0s in containers on one cache volume share it, and
             # removed and wrote each other's folder); a plain mkdir, as mkdtemp's mode 0700 would keep the cache's
@@ -179,6 +182,17 @@ def prepare_in_job(dataset_path: str | None, tokenizer_path: str | None, model_v
         return out, tok_path
 
     return comm.run_on_main(work, long=True)  # an in-job preparation: hours at scale
+
+
+def said_again(folder: str) -> None:
+    """A prepared folder's warnings (data/prepare_summary: no stop token trained, ...) said again on rank 0 at each
+    start that reuses it: they were said once, by its preparation, often in another job's log. Cost: one manifest
+    read (its chunk list: ~100 bytes a chunk)."""
+    from data.prepare_summary import manifest_warnings
+    from data.store import MANIFEST, read_json
+
+    for line in manifest_warnings(folder, read_json(os.path.join(folder, MANIFEST))):
+        print0(line)
 
 
 def remove_stale(out: str) -> None:

@@ -29,12 +29,12 @@ import numpy as np
 
 from data import output_lock, packing, store
 from data.chat import prefix_cost_note, prefix_costly
-from data.chat_template import training_switch
 from data.discover import Unit, discover
 from data.ids_rows import BESIDE, MASKED, documents, rows_over
-from data.prepare_args import DEFAULT_BATCH_DOCS, DEFAULT_CHUNK_TOKENS, TEXT_SPECIALS, parser, specials_note
+from data.prepare_args import DEFAULT_BATCH_DOCS, DEFAULT_CHUNK_TOKENS, TEXT_SPECIALS, parser
 from data.prepare_checks import refusal, shard_of
 from data.prepare_pool import run_ordered
+from data.prepare_summary import manifest_lines
 from data.readers import Fields, iter_rows, parse_item
 
 CHAT_STATS = ("chat_docs", "supervised_tokens", "untrained_turns", "no_stop_rows",  # per shard, summed in the manifest
@@ -425,46 +425,8 @@ def merge(output: str, log=print) -> dict:
         "shards": n, "commands": [recs[i]["command"] for i in range(n)], "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     store.write_json_atomic(os.path.join(output, store.MANIFEST), manifest)
-    if first["eos_id"] is None and manifest["n_docs"] > 1:
-        log(f"note: no EOS appended between the {manifest['n_docs']} pre-tokenized documents (no tokenizer, no --eos_id): "
-            "they run into each other unless their ids end with one; give --eos_id ID (the model's EOS) to separate them")
-    log(f"{output}: {manifest['n_docs']} documents, {n_tokens} tokens ({first['dtype']}), {len(sources)} source(s), "
-        f"{manifest['bad_rows']} bad row(s) skipped"
-        + (f", {manifest['empty_docs']} empty or blank document(s) skipped" if manifest["empty_docs"] else "")
-        + (f"; {manifest['chat_docs']} conversations, {manifest['supervised_tokens']} supervised tokens, "
-           f"{manifest['untrained_turns']} assistant turn(s) not located, {manifest['no_stop_rows']} ending with no "
-           "end-of-turn token" if manifest["chat_docs"] else "")
-        + (f", {manifest['flagged_turns']} assistant turn(s) in context with no loss, as their rows flag them (weight 0 "
-           "/ training false)" if manifest.get("flagged_turns") else "")
-        + (f", {manifest['rewritten_arguments']} with tool-call arguments rewritten to the form the template writes "
-           "(JSON text <-> object, docs/sft.md)" if manifest.get("rewritten_arguments") else ""))
-    for note in specials_note(manifest):
-        log(note)
-    if manifest.get("ids_given_bos"):
-        log(f"note: {manifest['ids_given_bos']} pre-tokenized document(s) given the tokenizer's BOS (id "
-            f"{manifest['bos_id']}) in front, as a text document gets it")
-    if manifest.get("chatml_rows") and manifest.get("chat_template", "auto") != "chatml":  # not asked for
-        log(f"note: {manifest['chatml_rows']} conversation(s) rendered with the ChatML default: the tokenizer has no chat "
-            "template (nor a chat_template.json beside it). Right for a base model taught ChatML; for an instruct "
-            "model, give the folder that ships its template; --chat_template none refuses such rows (docs/sft.md)")
-    if manifest.get("dropped_reasoning"):
-        log(f"warning: {manifest['dropped_reasoning']} trained repl(ies) carry reasoning the template does not render "
-            "(it keeps only the replies' after the last user turn, as Qwen3's and gpt-oss's do at inference): those "
-            "replies train without it; one row per reply keeps every reasoning (docs/sft.md)")
-    if manifest.get("history_ends"):
-        log(f"note: {manifest['history_ends']} end-of-turn token(s) after earlier answers not trained: the template "
-            "writes them only in the history (gpt-oss's <|end|>); a generating model ends an answer with the last "
-            "reply's (<|return|>, its stop), which is trained (docs/sft.md)")
-    if manifest.get("history_ends_unknown"):
-        log(f"warning: {manifest['history_ends_unknown']} earlier answer(s) end with a token the template writes only "
-            "in the history (gpt-oss's <|end|>), trained: no generation_config.json beside the tokenizer says whether "
-            "generation stops on it (gpt-oss does not): give the model's folder as the tokenizer (docs/sft.md)")
-    if manifest.get("no_stop_rows"):
-        log(f"warning: {manifest['no_stop_rows']} conversation(s) end with a reply trained with no end-of-turn token "
-            "after it (the template writes its end-of-turn only when another message follows, as Qwen1.5's "
-            "<|im_end|>): the model is never shown where to stop; end each conversation with the template's "
-            "end-of-turn (a template that writes <|im_end|> after the last message), or append it (docs/sft.md)"
-            + training_switch(manifest.get("chat_template"), (manifest.get("tokenizer") or {}).get("path")))
+    for line in manifest_lines(output, manifest):
+        log(line)
     return manifest
 
 

@@ -36,6 +36,10 @@ def test_the_in_job_preparation_says_its_no_stop_warning(tmp_path, monkeypatch, 
     warn = [x for x in said.splitlines() if x.startswith("warning:")]
     assert len(warn) == 1 and "2 conversation(s) end with a reply trained with no end-of-turn" in warn[0]
     assert f"{out}: 3 documents" in said and ".tmp" not in said
+    for reused in (src, out):  # a requeued run finds it cached; a run given the prepared folder: the warning again
+        assert in_job.prepare_in_job(reused, path, Tokenizer(path).vocab_size)[0] == out
+        again = capsys.readouterr().out.splitlines()
+        assert again == warn, again  # the warning alone (the summary was said where it was prepared)
 
 
 def test_a_model_tokenizer_larger_than_its_embedding_is_refused_in_one_line(tmp_path, monkeypatch):
