@@ -35,7 +35,8 @@ Configs as users have them (e.g. Hugging Face's ZeRO-3 example, `ds_configs/hf_z
   curriculum of several stages (a process-wide group DeepSpeed makes once: the second stage's engine fails; one stage
   passes with one note: the memory plan has no secondary partition). `zero_quantized_weights`/`_gradients` pass.
 - `checkpoint.load_universal` is dropped with one note: training/restore.py loads as universal exactly when the
-  checkpoint's world differs.
+  checkpoint's world differs. `zero_optimization.elastic_checkpoint` too (every rank read every rank's optimizer
+  partition at each load).
 - under bf16/fp16, `data_types.grad_accum_dtype` is fp32 unless the JSON names one (see build_ds_config).
 
 Settings per accelerator (decided in `build_ds_config`, nowhere else): `zero_optimization.overlap_comm: "auto"`
@@ -168,16 +169,24 @@ def build_ds_config(cfg: Config, dims: ParallelDims, bf16: bool, hidden_size: in
 
 
 def _drop_load_universal(ds: dict, where: str, quiet: bool) -> None:
-    """`checkpoint.load_universal`: dropped, said once a run. It made every load universal: DeepSpeed then looked for
-    a conversion in a same-world checkpoint and crashed at the first stage change and at every resume. Here a
-    checkpoint of another world size is converted and loaded as universal on its own (training/restore.py)."""
-    block = ds.get("checkpoint")
-    if not isinstance(block, dict) or "load_universal" not in block:
-        return
-    if block.pop("load_universal") and not quiet and ("universal", where) not in _SAID:
-        _SAID.add(("universal", where))
-        print0(f"note: {where}: checkpoint.load_universal is dropped: a checkpoint of another world size is converted "
-               "to DeepSpeed's universal format and loaded as one without it (docs/checkpoints.md)")
+    """`checkpoint.load_universal` and `zero_optimization.elastic_checkpoint`: dropped, each said once a run. Here a
+    checkpoint of another world size is converted and loaded as universal on its own (training/restore.py), so
+    neither buys anything. load_universal made every load universal: DeepSpeed then looked for a conversion in a
+    same-world checkpoint and crashed at the first stage change and at every resume. elastic_checkpoint (deprecated
+    under ZeRO-3, a warning only) makes every rank torch.load every rank's optimizer partition at each load
+    (DeepSpeed 0.19.8 engine._get_all_zero_checkpoint_state_dicts): the whole fp32 state a rank, 96 GB at Llama-3-8B,
+    8 ranks a node: the node ran out of memory at the first stage change and again at every requeue."""
+    for section, key, why in (("checkpoint", "load_universal", ""),
+                              ("zero_optimization", "elastic_checkpoint",
+                               " (it made every rank read every rank's optimizer partition at each load: the whole "
+                               "fp32 optimizer state a rank)")):
+        block = ds.get(section)
+        if not isinstance(block, dict) or key not in block:
+            continue
+        if block.pop(key) and not quiet and (key, where) not in _SAID:
+            _SAID.add((key, where))
+            print0(f"note: {where}: {section}.{key} is dropped{why}: a checkpoint of another world size is converted "
+                   "to DeepSpeed's universal format and loaded as one without it (docs/checkpoints.md)")
 
 
 # DeepSpeed's scheduler types (deepspeed/runtime/lr_schedules.py, 0.19.8) by the --lr_scheduler of the same shape:

@@ -3,18 +3,19 @@ loading it into an engine (`load`, `restore_stage`), through a universal convers
 training/checkpoint.py saves and commits; `Checkpointer` there is this class plus the save path (nothing else reads
 state: DESIGN.md).
 
-Loading verifies the manifest in parallel, files dealt to ranks by bytes (the largest first, each to the rank
-with the fewest bytes so far: the optimizer partitions, ~2/3 of the bytes, no longer land on half the ranks);
-an incomplete or corrupt checkpoint is skipped with a warning naming it.
+Loading verifies the manifest in parallel: of a checkpoint of this world size each rank checks the files it will load
+(its node's page cache then serves the load), the rest dealt by bytes (the largest first, each to the rank with the
+fewest bytes so far); an incomplete or corrupt checkpoint is skipped with a warning naming it.
 
 Every rank takes the same decision (docs/checkpoints.md): on a shared file system a node may list a directory as
 it was up to a minute ago (NFS attribute caching), so a rank's own listing never picks what is loaded. Rank 0
 alone lists `checkpoints/`, reads the manifest, `trainer.json` and the pointer files, and broadcasts them; all
 ranks then verify the same checkpoint together and take the gathered verdict. A file a rank cannot see yet is
 looked for again for up to `settle_s` (60 s) before the checkpoint counts as incomplete; the rank that *loads* a
-file does the same (every rank looks up what it is about to load, then one gathered verdict), so a node that sees a
-file late does not fail the resume. At Llama-3-8B on 32 ranks a checkpoint is ~100 GB (bf16 weights + fp32 master
-weights and Adam moments): each rank writes and, at resume, re-reads ~3 GB.
+file does the same (each rank looks up only what it is about to load, rank 0 also what no rank loads: `awaited`;
+then one gathered verdict), so a node that sees a file late does not fail the resume. At Llama-3-8B on 32 ranks a
+checkpoint is ~100 GB (bf16 weights + fp32 master weights and Adam moments): each rank writes and, at resume,
+re-reads ~3 GB.
 
 A checkpoint written by another world size is converted to DeepSpeed's universal format (training/universal.py):
 keyed by the checkpoint's content (its manifest's hash), never by its name, written under this run's
@@ -38,11 +39,14 @@ from base import comm, progress
 from base.log import print0, rank_log
 from training import branches, rotation, universal
 from training.checkpoint_files import (
+    EVERY,
     MANIFEST,
     POINTER,
     TAG,
+    awaited,
     crc32,
     deal_by_bytes,
+    file_rank,
     list_files,
     not_visible,
     read_json,
@@ -171,7 +175,8 @@ class Restorer:
             reason = f"files not in the manifest: {stray[:3]}" if stray else None
             if extra and not stray:
                 print0(f"note: {path} holds files the run did not write ({extra[:3]}): not read, left as they are")
-        mine = deal_by_bytes({f: int(e["size"]) for f, e in files.items()}, world)[rank]
+        own = manifest["json"].get("world") == world  # each rank first verifies what it will load (its node's cache)
+        mine = deal_by_bytes({f: int(e["size"]) for f, e in files.items()}, world, own)[rank]
         reason = reason or self._check_files(path, {f: files[f] for f in mine})
         return next((r for r in comm.all_gather_object(reason) if r), None)
 
@@ -190,12 +195,13 @@ class Restorer:
                 return f"{f} checksum differs from the manifest"
         return None
 
-    def _await_files(self, root: str, sizes: dict[str, int], what: str) -> None:
-        """Before loading: every rank looks up the files under `root` (name -> size) by name until it sees them whole,
-        for up to `settle_s` (a node's stale view, as verification does), then one gathered verdict: a file some rank
-        still cannot see fails the load on every rank in one line (exit 1). Collective."""
+    def _await_files(self, root: str, sizes: dict[str, int], mine: list[str], what: str) -> None:
+        """Before loading: each rank looks up its files `mine` of those under `root` (`sizes`: name -> size; `awaited`:
+        the ones it reads) by name until it sees them whole, for up to `settle_s` (a node's stale view, as verification
+        does), then one gathered verdict: a file some rank still cannot see fails the load on every rank in one line
+        (exit 1). Collective."""
         t0 = time.monotonic()
-        late = not_visible(root, sizes, self.settle_s)
+        late = not_visible(root, {f: sizes[f] for f in mine}, self.settle_s)
         if time.monotonic() - t0 >= 1.0:
             rank_log(f"waited {time.monotonic() - t0:.0f} s for files of {what} this node did not see yet"
                      + (f"; still not seen: {sorted(late)[:3]}" if late else ""))
@@ -411,11 +417,16 @@ class Restorer:
         load_dir, tag = os.path.split(path.rstrip("/"))
         manifest = comm.run_on_main(lambda: read_json(os.path.join(path, MANIFEST)))["json"]
         saved_world = manifest["world"]
-        self._await_files(path, {f: int(e["size"]) for f, e in manifest["files"].items()}, f"checkpoint {path}")
+        sizes = {f: int(e["size"]) for f, e in manifest["files"].items()}
+        # the files each rank reads: its own; of another world, rank 0's data position (rank 0 converts from all)
+        reader = file_rank if saved_world == world else lambda f: EVERY if f == "state/rank00000.pt" else None
+        self._await_files(path, sizes, awaited(sizes, rank, world, reader), f"checkpoint {path}")
         if saved_world != world:  # rank 0 converts for up to ~45 min at 8B (training/universal.py): never judged
             progress.mark(None, "build")
             load_dir, files = self._universal(path)
-            self._await_files(os.path.join(load_dir, tag), files, f"the universal conversion of {path}")
+            # DeepSpeed's universal load: every rank reads zero/* (each parameter's slices) and rank 0's model states
+            mine = awaited(files, rank, world, lambda f: EVERY if file_rank(f) in (None, 0) else None)
+            self._await_files(os.path.join(load_dir, tag), files, mine, f"the universal conversion of {path}")
             progress.mark(None, "restore")  # the shards' reads, judged at RESTORE_S (base/progress.py)
         # universal exactly when converted: set for every load (a JSON's checkpoint.load_universal, now dropped by
         # training/ds_config.py, was in force for the first, which then crashed on a same-world checkpoint)
