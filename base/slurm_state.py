@@ -11,7 +11,12 @@ from, in order:
    flags; 23.02's v0.0.39 writes the printed string, COMPLETING);
 2. `scontrol show job J`'s JobState when it is not COMPLETING (a running job, a pending one);
 3. `sacct -X -n -P -j J -o State` (accounting: "CANCELLED by 1000", written when slurmctld ends the job);
-4. TIMEOUT when the job's end time (SLURM_JOB_END_TIME) has come;
+4. TIMEOUT when `scontrol show job`'s RunTime has reached its TimeLimit (slurmctld's _job_timed_out sets the end to
+   that moment; RunTime leaves out the suspended time, src/scontrol/info_job.c). SLURM_JOB_END_TIME was read here
+   before: the launch-time end, which a suspend does not move (slurmctld moves EndTime later by the suspended time at
+   the resume), so a user's scancel after a suspend, past the launch-time end, was read TIMEOUT and requeued. What it
+   still cannot tell apart: a scancel in the last ~30 s past the limit, before slurmctld's periodic check times the
+   job out (it would have timed out then; requeued either way);
 else COMPLETING: unknown, which the batch shell takes as a cancel (never requeued: undoing a user's scancel is the
 worse mistake; a preemption is then not requeued, and the next submission resumes). Each call is retried (a busy
 controller answers with an error); torch-free, standard library only, ~50 ms.
@@ -84,9 +89,25 @@ def _from_json(text: str | None, job: str = "") -> tuple[str, str] | None:
     return (base[0], str(reason)) if base else None
 
 
-def base_state(job: str, ask=_ask, env=None, now=None) -> tuple[str, str]:
+def _seconds(text: str, key: str) -> int | None:
+    """`key`=[D-]HH:MM:SS of `scontrol show job` in seconds (secs2time_str / mins2time_str, src/common/parse_time.c);
+    None for UNLIMITED, Partition_Limit, INVALID or no such field."""
+    m = re.search(rf"\b{key}=(?:(\d+)-)?(\d+):(\d\d):(\d\d)(?:\s|$)", text)
+    if not m:
+        return None
+    d, h, mi, s = (int(x or 0) for x in m.groups())
+    return ((d * 24 + h) * 60 + mi) * 60 + s
+
+
+def timed_out(text: str) -> bool:
+    """Whether `scontrol show job`'s text shows the time limit reached: RunTime >= TimeLimit (both leave out the
+    suspended time; an unlimited or unprinted limit never is)."""
+    run, limit = _seconds(text, "RunTime"), _seconds(text, "TimeLimit")
+    return run is not None and limit is not None and run >= limit
+
+
+def base_state(job: str, ask=_ask) -> tuple[str, str]:
     """(base state, reason) of job `job` (module docstring); ("", "") when slurmctld cannot be asked at all."""
-    env = os.environ if env is None else env
     got = _from_json(ask(["scontrol", "--json", "show", "job", job], tries=2), job)
     if got:
         return got
@@ -99,8 +120,7 @@ def base_state(job: str, ask=_ask, env=None, now=None) -> tuple[str, str]:
     acct = (ask(["sacct", "-X", "-n", "-P", "-j", job, "-o", "State"], tries=2) or "").split()
     if acct and acct[0] not in FLAGS | {"RUNNING"}:  # accounting can lag behind the end: RUNNING says nothing
         return acct[0], reason
-    end = env.get("SLURM_JOB_END_TIME", "")
-    if state and end.isdigit() and (time.time() if now is None else now) >= int(end) - 1:
+    if state and timed_out(text):
         return "TIMEOUT", reason
     return ("COMPLETING", reason) if state else ("", "")
 

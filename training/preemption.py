@@ -21,6 +21,12 @@ scripts/slurm.sbatch exports what it read at the job's start) or `--time_limit_s
 one measured step plus one measured save (and a margin) remains; until a save has been measured, `SAVE_GUESS_S`
 stands in for it. A SLURM job whose end nothing gives says so in one line.
 
+Every time measured here leaves out the seconds this process was stopped (`scontrol suspend`, gang scheduling:
+base/stopped.py): Slurm moves EndTime later by the suspended time, and a step or save timed across a 2 h suspend,
+kept as the longest, stopped the job 2 h early for the rest of its allocation (and a save's blocked time made `auto`'s
+interval 100 x the suspend). The step's time is read on a clock that stands still while stopped (training/step.py);
+the others are intervals that end at the call, less the stops within them.
+
 The time ahead of a check counts all the work before the next one: after the step that ends a stage, the
 save *and the stage's evaluation*; before a stage builds its engine, the build (ZeRO-3 init, restore) and its
 first step. Each is measured the first time it runs; until then an evaluation counts as one step and a build
@@ -43,10 +49,13 @@ the next save is due one measured write (snapshot to commit, rank 0's) before th
 previous save's snapshot. A kill at any moment then loses at most the interval plus one step (docs/checkpoints.md
 states the argument); the write's time no longer adds to it.
 
-SIGTERM (and SIGINT under a launcher) is a stop with a kill window: SLURM signals every process of the step, the
-deepspeed launcher (`launch.py`: `terminate_process_tree`, `wait_procs(timeout=30)`, then SIGKILL) and torchrun
-(`_close(timeout=30)`) included, so the ranks are SIGKILLed `KILL_WINDOW_S` (30 s; env KILL_WINDOW_S) after it,
-whatever GraceTime says. A SIGINT without a launcher (`python train.py`, `srun python train.py` under salloc: no
+SIGTERM (and SIGINT under a launcher) is a stop with a kill window: where SLURM signals every process of the step
+(proctrack/cgroup with cgroup.conf SignalChildrenProcesses=yes), the deepspeed launcher (`launch.py`:
+`terminate_process_tree`, `wait_procs(timeout=30)`, then SIGKILL) and torchrun (`_close(timeout=30)`) get it too, so
+the ranks are SIGKILLed `KILL_WINDOW_S` (30 s; env KILL_WINDOW_S) after it, whatever GraceTime says. (Under its
+default `no` a step's TERM reaches each node's task alone: slurm.sbatch passes it to launch.sh, which asks the ranks
+for a save with SIGUSR1; Slurm's SIGKILL follows KillWait later.) A SIGINT without a launcher (`python train.py`,
+`srun python train.py` under salloc: no
 LOCAL_SIZE, LOCAL_WORLD_SIZE or LAUNCH_EXIT_DIR, what the deepspeed launcher, torchrun and scripts/launch.sh set) is
 a Ctrl-C nothing kills after: a stop without a window, with its full save (it skipped a save longer than ~25 s and
 lost up to a save interval); (under srun one Ctrl-C only prints the status; a second sends SIGINT and SIGKILL at
@@ -73,7 +82,7 @@ import subprocess
 import threading
 import time
 
-from base import comm
+from base import comm, stopped
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
 WINDOWED = (signal.SIGTERM, signal.SIGINT)  # the launchers get these too and SIGKILL the ranks KILL_WINDOW_S later
@@ -112,9 +121,12 @@ def slurm_end_time(job: str) -> float | None:
 class Deadline:
     """When the job must be out: SLURM_JOB_END_TIME, else (a SLURM job on Slurm < 23.02, which sets no such variable)
     the EndTime of `scontrol show job`, read by rank 0 at its first check (`known`), else start + time_limit_s, else
-    never."""
+    never. The times it keeps leave out this process's stopped seconds (`counter`: base/stopped.py's, its thread
+    started here; tests give one on a fake clock)."""
 
-    def __init__(self, time_limit_s: float = 0.0, now: float | None = None):
+    def __init__(self, time_limit_s: float = 0.0, now: float | None = None,
+                 counter: stopped.StopCounter | None = None):
+        self.stopped = (counter or stopped.COUNTER).start()
         now = time.time() if now is None else now
         end = os.environ.get("SLURM_JOB_END_TIME")
         self.end = float(end) if end else (now + time_limit_s if time_limit_s > 0 else None)
@@ -172,16 +184,21 @@ class Deadline:
         threading.Thread(target=run, name="slurm-end-time", daemon=True).start()
 
     def record_step(self, seconds: float) -> None:
+        """A step's running time, read by training/step.py on base/stopped.py's clock, which stands still while this
+        process is stopped (recorded after the step's logging: not an interval that ends at this call)."""
         self.step_s = seconds if self._estimated else max(self.step_s, seconds)
         self._estimated = False
 
+    # a save, a build and an evaluation: an interval that ends at the call, less this process's stops within it
+
     def record_save(self, seconds: float) -> None:
-        self.save_s = max(self.save_s or 0.0, seconds)
+        self.save_s = max(self.save_s or 0.0, self.stopped.running(seconds))
 
     def record_build(self, seconds: float) -> None:
-        self.build_s = max(self.build_s, seconds)
+        self.build_s = max(self.build_s, self.stopped.running(seconds))
 
     def record_eval(self, seconds: float) -> None:
+        seconds = self.stopped.running(seconds)
         self.eval_s = seconds if self._estimated_eval else max(self.eval_s or 0.0, seconds)
         self._estimated_eval = False
 
@@ -308,15 +325,17 @@ class PreemptionFlag:
         `at` (time.monotonic() when its state was taken: the save's start; default now). `blocked_s`: how long it
         held the steps, waiting for the previous write included, for the `auto` interval (rank 0's reading decides,
         as `due` does; None: keep the last measurement, for a save unlike the periodic ones, e.g. a stage's
-        synchronous end)."""
+        synchronous end). `blocked_s` ends at the call; the seconds this process was stopped within it are left out
+        (base/stopped.py: a save blocked across a 1 h suspend made the interval 100 h)."""
         self._last_save = time.monotonic() if at is None else at
         self.save_due = False
         if self.auto_interval and blocked_s is not None:
-            self.save_every_s = auto_save_every_s(blocked_s)
+            self.save_every_s = auto_save_every_s(self.deadline.stopped.running(blocked_s))
 
     def committed(self, write_s: float) -> None:
-        """A save committed `write_s` after its start: the next one comes that much earlier (`due_after_s`)."""
-        self.write_s = write_s
+        """A save committed `write_s` after its start (now, less the stops within it): the next one comes that much
+        earlier (`due_after_s`)."""
+        self.write_s = self.deadline.stopped.running(write_s)
 
     def uninstall(self) -> None:
         for s, h in self._previous.items():

@@ -27,11 +27,9 @@ the first forward.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
-from base import comm, progress
+from base import comm, progress, stopped
 from model_utils.tiled_loss import loss_sum
 
 
@@ -50,12 +48,12 @@ def train_step(engine, micro_batches: list[dict[str, torch.Tensor]], world: int,
     """Forward/backward every micro-batch, then the optimizer step. Returns the loss, `label_tokens` (the
     global batch's supervised tokens, for the metrics) and, with conversation weights, `label_weight` (its
     conversations with a supervised token); `skipped` where the global batch had no supervised token (nothing run)."""
-    t0 = time.perf_counter()
+    t0 = stopped.now()  # a clock that stands still while this process is stopped (scontrol suspend: base/stopped.py)
     progress.mark(None, "forward")  # before the step's first collective: a rank that never gets here is behind
     device = engine.device
     n_tokens, n_weight = comm.all_reduce(label_totals(micro_batches)).tolist()
     if n_tokens == 0:  # the global count, the same on every rank: every rank skips (never a rank-local decision)
-        return {"loss": 0.0, "label_tokens": 0, "skipped": True, "step_time": time.perf_counter() - t0}
+        return {"loss": 0.0, "label_tokens": 0, "skipped": True, "step_time": stopped.now() - t0}
     denom = n_weight if n_weight > 0 else 1.0  # guard only: a supervised token weighs > 0 (1 / N_i at most)
     scale = world * len(micro_batches) / denom
     total = torch.zeros((), dtype=torch.float64)
@@ -71,7 +69,7 @@ def train_step(engine, micro_batches: list[dict[str, torch.Tensor]], world: int,
         engine.step()
         total += local.detach().double().cpu()
     out = {"loss": comm.all_reduce(total).item() / denom, "label_tokens": int(n_tokens),
-           "step_time": time.perf_counter() - t0}
+           "step_time": stopped.now() - t0}
     if any("loss_weights" in mb for mb in micro_batches):
         out["label_weight"] = n_weight
     applied = getattr(engine, "was_step_applied", None)

@@ -130,9 +130,14 @@ def old_slurm_job(tmp_path, end: int, fake_exit: str = "wait", **env: str) -> su
     shown = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(end))
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text(  # the stand-in's output, plus the times Slurm 22.05 prints under `show job`
-        f'#!/usr/bin/env bash\n{STUBS}/scontrol "$@"; rc=$?\n[ "$1 $2 $rc" = "show job 0" ] && '
-        f'echo "   StartTime=2026-01-01T00:00:00 EndTime={shown} Deadline=N/A"\nexit $rc\n')
+    # the stand-in's output, plus the times Slurm 22.05 prints under `show job`: a one-hour limit that ends at `end`
+    # (RunTime: seconds since its start, base/slurm_state.py's TIMEOUT once it reaches TimeLimit)
+    run = (f'r=$(($(date +%s) - {end - 3600})); '
+           'printf -v run "%02d:%02d:%02d" $((r / 3600)) $((r % 3600 / 60)) $((r % 60))')
+    (bin_dir / "scontrol").write_text(
+        f'#!/usr/bin/env bash\n{STUBS}/scontrol "$@"; rc=$?\n[ "$1 $2 $rc" = "show job 0" ] && {{ {run}; '
+        f'echo "   RunTime=$run TimeLimit=01:00:00 TimeMin=N/A"; '
+        f'echo "   StartTime=2026-01-01T00:00:00 EndTime={shown} Deadline=N/A"; }}\nexit $rc\n')
     (bin_dir / "launch").write_text(f'#!/bin/sh\necho "end=$SLURM_JOB_END_TIME" > {tmp_path}/end\n'
                                     f'echo "$ULYSSES_TIMES_JOB" > {tmp_path}/marker\n'
                                     f'exec {STUBS}/fake_launch "$@"\n')
@@ -150,7 +155,8 @@ def test_a_time_limit_before_slurm_23_02_is_requeued(tmp_path):
     """Slurm < 23.02 sets no SLURM_JOB_END_TIME (the stand-in sbatch sets none either), and without scontrol --json or
     sacct a time limit's TERM read COMPLETING: taken as a cancel, never requeued, and the ranks had no end to stop
     before. slurm.sbatch now reads the planned EndTime from `scontrol show job` at its start (here a wrapper adds the
-    line the stand-in lacks) and exports it: launch.sh gets it, base/slurm_state.py reads TIMEOUT once it has come."""
+    lines the stand-in lacks) and exports it: launch.sh gets it; base/slurm_state.py reads TIMEOUT from RunTime >=
+    TimeLimit (the exported end goes stale when the job is suspended)."""
     end = int(time.time()) + 3
     job = old_slurm_job(tmp_path, end)
     try:

@@ -11,15 +11,18 @@ import pytest
 from base.slurm_state import base_state
 
 TEXT = "JobId=7 JobName=x\n   JobState={} Reason={} Dependency=(null)\n"
+# line 6 of `scontrol show job` (src/scontrol/info_job.c): RunTime leaves out the suspended time
+TIMES = "   RunTime={} TimeLimit={} TimeMin=N/A\n   SubmitTime=2026-01-01T00:00:00 EligibleTime=2026-01-01T00:00:00\n"
 
 
-def asker(json_state=None, text_state=None, reason="None", sacct=None):
+def asker(json_state=None, text_state=None, reason="None", sacct=None, times=None):
     def ask(cmd, tries=3):
         if cmd[:2] == ["scontrol", "--json"]:
             return None if json_state is None else json.dumps(
                 {"jobs": [{"job_id": 7, "job_state": json_state, "state_reason": reason}]})
         if cmd[0] == "scontrol":
-            return None if text_state is None else TEXT.format(text_state, reason)
+            return None if text_state is None else TEXT.format(text_state, reason) + (TIMES.format(*times)
+                                                                                       if times else "")
         return sacct
     return ask
 
@@ -40,13 +43,32 @@ def asker(json_state=None, text_state=None, reason="None", sacct=None):
     (asker(None, None), ("", "")),  # slurmctld does not answer
 ])
 def test_the_base_state_under_completing(ask, want):
-    assert base_state("7", ask=ask, env={}) == want
+    assert base_state("7", ask=ask) == want
 
 
-def test_the_end_time_reached_is_a_timeout_when_nothing_else_says():
-    ask = asker(None, "COMPLETING")
-    assert base_state("7", ask=ask, env={"SLURM_JOB_END_TIME": "1000"}, now=1000.5) == ("TIMEOUT", "None")
-    assert base_state("7", ask=ask, env={"SLURM_JOB_END_TIME": "1000"}, now=900) == ("COMPLETING", "None")
+@pytest.mark.parametrize("run, limit, want", [
+    ("04:00:12", "04:00:00", "TIMEOUT"),      # slurmctld's periodic check timed it out a few seconds past the limit
+    ("1-00:00:30", "1-00:00:00", "TIMEOUT"),  # days, as secs2time_str / mins2time_str print them
+    ("01:10:00", "04:00:00", "COMPLETING"),   # ended before its limit: a cancel (unknown), never a time limit
+    ("3-00:00:00", "UNLIMITED", "COMPLETING"),
+    ("3-00:00:00", "Partition_Limit", "COMPLETING"),
+])
+def test_the_time_limit_reached_is_a_timeout_when_nothing_else_says(run, limit, want):
+    """The last resort (no --json base state, no sacct): the time limit read from `scontrol show job` itself."""
+    assert base_state("7", ask=asker(None, "COMPLETING", sacct="RUNNING\n", times=(run, limit))) == (want, "None")
+    assert base_state("7", ask=asker(None, "COMPLETING", times=(run, limit))) == (want, "None")
+
+
+def test_a_cancel_after_a_suspend_is_no_timeout(monkeypatch):
+    """A job suspended 3 h 10 min and cancelled by its user 10 min past its launch-time end: SLURM_JOB_END_TIME (the
+    batch step's environment, set at launch) has passed, but slurmctld moved EndTime later by the suspended time and
+    RunTime leaves the suspend out (info_job.c: end - suspend_time + pre_sus_time). Read TIMEOUT from the variable,
+    the cancel was requeued (slurm.sbatch requeue_now); scontrol's RunTime < TimeLimit says it is no time limit."""
+    import time
+
+    monkeypatch.setenv("SLURM_JOB_END_TIME", str(int(time.time()) - 600))
+    ask = asker("COMPLETING", "COMPLETING", sacct="RUNNING\n", times=("01:00:00", "04:00:00"))
+    assert base_state("7", ask=ask) == ("COMPLETING", "None")
 
 
 def test_an_array_tasks_state_is_its_own_record():
@@ -64,6 +86,6 @@ def test_an_array_tasks_state_is_its_own_record():
         return dump if cmd[:2] == ["scontrol", "--json"] else TEXT.format("COMPLETING", "None") \
             if cmd[0] == "scontrol" else None
 
-    assert base_state("1234_3", ask=ask, env={}) == ("CANCELLED", "None")
-    assert base_state("1237", ask=ask, env={}) == ("CANCELLED", "None")  # by its own job id too
-    assert base_state("1234_5", ask=ask, env={}) == ("COMPLETING", "None")  # not in the dump: the text's
+    assert base_state("1234_3", ask=ask) == ("CANCELLED", "None")
+    assert base_state("1237", ask=ask) == ("CANCELLED", "None")  # by its own job id too
+    assert base_state("1234_5", ask=ask) == ("COMPLETING", "None")  # not in the dump: the text's
