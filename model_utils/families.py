@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from model_utils.attention import LAYER_TYPES, SUPPORTED
 from model_utils.sinks import SINKS_COVERED, has_sinks
-from planner.shapes import head_chunks_refusal
+from planner.shapes import expert_count, head_chunks_refusal, tiled_mlp_refusal
 
 # gated delta-net hybrids whose "linear_attention" layers model_utils/linear_attention.py runs under Ulysses by heads
 # (defined here, imported there: attention.py never imports linear_attention.py, so the two form no cycle)
@@ -48,6 +48,36 @@ def drop_router_logits(hf_config) -> bool:
         if getattr(c, "output_router_logits", False):
             c.output_router_logits = False
     return on
+
+
+def moe_type(hf_config) -> str:
+    """The model_type of a mixture-of-experts config (its text config's: planner.shapes.expert_count > 0); "" for a
+    dense one."""
+    cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    return str(getattr(cfg, "model_type", "") or "moe") if expert_count(cfg.to_dict()) else ""
+
+
+def router_note(hf_config, asked: bool) -> str:
+    """The start-up's one line for an MoE ("" for a dense model), said on every MoE start, not only where the config
+    asked for output_router_logits (`asked`, which drop_router_logits turned off): TRL's MoE fine-tunes default
+    router_aux_loss_coef 0.001, and a user expecting that balancing loss gets none here."""
+    kind = moe_type(hf_config)
+    if not kind:
+        return ""
+    return (f"note: {kind} is a mixture of experts: the router's load-balancing (aux) loss is not trained here (the loss "
+            "is the logits' cross-entropy; router_aux_loss_coef is unused, and the router logits would cost every "
+            "layer's [tokens, experts] of memory)" + ("; the config asks for output_router_logits: turned off" if asked
+                                                      else ""))
+
+
+def check_tiled_mlp(hf_config, on: bool, where: str) -> None:
+    """Refuse tiled_mlp on an MoE model in one line, before any engine (the dry run alike): model_utils/memory.py tiles
+    gated gate/up/down_proj MLPs only, and refused the expert block when the stage's engine was built, after the
+    earlier stages had trained (gpt-oss's 128k stage: 1908 steps), and again at every restart."""
+    kind = moe_type(hf_config) if on else ""
+    if kind:
+        raise ValueError(f"{where}: tiled_mlp: {tiled_mlp_refusal(kind)}; drop tiled_mlp (--tiled_mlp, the stage's "
+                         "memory_features)")
 
 
 def check_config(hf_config, attn: str, head_chunks: int | str = 1) -> None:

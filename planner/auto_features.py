@@ -248,16 +248,22 @@ def _peaks(shape, seq_len, sp, world, f, offloads, precision, device, cp=1) -> t
     return est.gpu_peak + (host if device == "cpu" else 0), host
 
 
-def candidates(num_layers: int, pinned: Mapping, device: str, chunks: Iterable[int] = (1,)) -> list[Features]:
+def candidates(num_layers: int, pinned: Mapping, device: str, chunks: Iterable[int] = (1,),
+               no_tiled_mlp: str = "") -> list[Features]:
     """Every feature set that honours `pinned` ({name: value} the user wrote). One K per count of
     checkpointed layers (the smallest K that gives it); offload only with checkpointing, and on GPU; attention in
-    each of `chunks` head chunks (a pinned attention_head_chunks: that count only)."""
+    each of `chunks` head chunks (a pinned attention_head_chunks: that count only). `no_tiled_mlp`: why the model's
+    MLP cannot be tiled (ModelShape.no_tiled_mlp: an MoE block), then no set tiles it and a pinned tiled_mlp is a
+    one-line ValueError (it was offered, and the stage's engine refused it after the earlier stages had trained)."""
+    if no_tiled_mlp and pinned.get("tiled_mlp"):
+        raise ValueError(f"tiled_mlp: {no_tiled_mlp}; drop tiled_mlp (--tiled_mlp, a stage's memory_features)")
     ks, counts = [], set()
     for k in range(1, num_layers + 1):
         if math.ceil(num_layers / k) not in counts:
             counts.add(math.ceil(num_layers / k))
             ks.append(k)
-    opts = {"tiled_logits": [False, True], "tiled_mlp": [False, True], "checkpoint_every": [0, *ks],
+    opts = {"tiled_logits": [False, True], "tiled_mlp": [False] if no_tiled_mlp else [False, True],
+            "checkpoint_every": [0, *ks],
             "offload_activations": [False, True] if device == "cuda" else [False], "keep_attention": [False, True],
             "attention_head_chunks": list(chunks)}
     for key, value in pinned.items():
@@ -359,7 +365,7 @@ def choose(shape: ModelShape, seq_len: int, world: int, budget_bytes: int, *, sp
         if not chunks:
             continue  # the pinned count does not split this degree's heads per rank
         cands = [replace(f, logits_tile_mb=tile_mb) if f.tiled_logits else f
-                 for f in candidates(shape.num_layers, pinned, device, chunks)]
+                 for f in candidates(shape.num_layers, pinned, device, chunks, shape.no_tiled_mlp)]
         # cp K/V in a ring (model_utils/ring_attention.py): tried under cp > 1, taken only where no gather set fits
         rings = [bool(pinned["ring_attention"])] if "ring_attention" in pinned else [False, True] if c > 1 else [False]
         cands = [replace(f, ring_attention=r and c > 1) for r in rings for f in cands]

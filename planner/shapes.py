@@ -82,6 +82,74 @@ def _option_head_chunks_refusal(get) -> str:
     return ""
 
 
+# Mixture-of-experts config keys as transformers 5.23's families name them (read against each modeling file): the
+# routed experts, how many a token is routed to (ERNIE-4.5: moe_num_experts, moe_k; Hunyuan: moe_topk, an int or one
+# per layer), the always-active (shared) experts, each moe_intermediate_size wide (DeepSeek, GLM, ERNIE)
+EXPERT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
+TOP_K_KEYS = ("num_experts_per_tok", "moe_k", "moe_topk")
+SHARED_KEYS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")
+# one shared MLP of its own width: Qwen2-MoE / Qwen1.5-MoE / Qwen3-Next (gated by a [h, 1] projection, not counted:
+# h parameters a layer), GraniteMoeShared
+SHARED_WIDTH_KEYS = ("shared_expert_intermediate_size", "shared_intermediate_size")
+
+
+def expert_count(cfg: Mapping) -> int:
+    """Routed experts of a config dict (0: a dense model): what makes it an MoE here (planner, start-up alike)."""
+    return _first(cfg, EXPERT_KEYS)
+
+
+def _first(cfg: Mapping, keys: Iterable[str]) -> int:
+    """The first of `keys` the config sets (a list, one value per layer: its largest, the safe side); 0: none."""
+    for k in keys:
+        v = cfg.get(k)
+        v = max(v) if isinstance(v, (list, tuple)) and v else v
+        if v:
+            return int(v)
+    return 0
+
+
+def moe_fields(cfg: Mapping) -> dict:
+    """ModelShape's mixture-of-experts fields of a config dict ({} for a dense model), as transformers builds the
+    family: which keys name the experts, the top-k and the shared experts (above), and which layers are MoE: ERNIE-4.5
+    every moe_layer_interval-th from moe_layer_start_index to moe_layer_end_index, Qwen-MoE every decoder_sparse_step-th
+    not in mlp_only_layers, DeepSeek / GLM / AFMoE / LFM2 after the first first_k_dense_replace / num_dense_layers.
+    Hunyuan-A13B's experts and its one shared MLP are intermediate_size wide (transformers reads neither its
+    moe_intermediate_size nor num_shared_expert). An MoE config that names no top-k: a one-line ValueError (how many
+    experts a token multiplies by is the MoE's FLOPs and activations; a guess would plan them wrong)."""
+    experts = expert_count(cfg)
+    if not experts:
+        return {}
+    kind, n, inter = str(cfg.get("model_type", "")), int(cfg["num_hidden_layers"]), int(cfg["intermediate_size"])
+    top_k = _first(cfg, TOP_K_KEYS)
+    if not top_k:
+        raise ValueError(f"model config ({kind or 'no model_type'}) has {experts} experts and no top-k "
+                         f"({' / '.join(TOP_K_KEYS)}): set num_experts_per_tok in its config.json to plan it")
+    width = _first(cfg, ("moe_intermediate_size",)) or inter
+    shared = _first(cfg, SHARED_KEYS)
+    shared_width = _first(cfg, SHARED_WIDTH_KEYS)
+    if kind == "hunyuan_v1_moe":
+        width, shared, shared_width = inter, 1, inter
+    elif shared_width:
+        shared = 1
+    if "moe_layer_start_index" in cfg or kind.startswith("ernie4_5"):  # (transformers' defaults: 1, -1 the last, 1)
+        start, end = _or(cfg.get("moe_layer_start_index"), 1), _or(cfg.get("moe_layer_end_index"), -1)
+        every, end = _or(cfg.get("moe_layer_interval"), 1), n - 1 if end == -1 else end
+        moe = sum((i + 1) % every == 0 and start <= i <= end for i in range(n))
+    elif "decoder_sparse_step" in cfg or "mlp_only_layers" in cfg:
+        every, dense = _or(cfg.get("decoder_sparse_step"), 1), set(cfg.get("mlp_only_layers") or ())
+        moe = sum(i not in dense and (i + 1) % every == 0 for i in range(n))
+    else:
+        moe = n - min(n, _first(cfg, ("first_k_dense_replace", "num_dense_layers")))
+    return dict(num_experts=experts, experts_per_token=top_k, shared_experts=shared, moe_intermediate_size=width,
+                shared_intermediate_size=shared_width, dense_layers=n - moe)
+
+
+def tiled_mlp_refusal(model_type: str) -> str:
+    """Why --tiled_mlp cannot run an MoE model: its decoder layers' MLP is an expert block."""
+    return (f"{model_type or 'this model'}'s MLP is a mixture-of-experts block (routed experts, no gate_proj / up_proj"
+            " / down_proj), which the tiled MLP (model_utils/memory.py) cannot run")
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """The shapes that memory and FLOPs depend on (read from a preset or a Hugging Face config.json)."""
@@ -105,12 +173,14 @@ class ModelShape:
     q_lora_rank: int = 0  # 0: q projected from the hidden state directly
     kv_lora_rank: int = 0  # > 0: latent attention
     # mixture of experts (DeepSeek, Qwen-MoE, Mixtral): routed experts of moe_intermediate_size, `experts_per_token`
-    # of them active, `shared_experts` always active, the first `dense_layers` layers a dense MLP of intermediate_size
+    # of them active, `shared_experts` always active (shared_intermediate_size wide in all; 0: shared_experts x
+    # moe_intermediate_size), `dense_layers` of the layers a dense MLP of intermediate_size (from_config: moe_fields)
     num_experts: int = 0
     experts_per_token: int = 0
     shared_experts: int = 0
     moe_intermediate_size: int = 0
     dense_layers: int = 0
+    shared_intermediate_size: int = 0
     # gated delta-net linear attention (Qwen3-Next, Qwen3.5: model_utils/linear_attention.py): how many layers are
     # linear, their q/k and v heads and head dims (0: none). Planner terms: planner.memory_model.linear_attention_bytes
     linear_layers: int = 0
@@ -156,7 +226,6 @@ class ModelShape:
             h, nh = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
             latent = bool(cfg.get("kv_lora_rank"))
             qk = int(cfg.get("qk_nope_head_dim") or 0) + int(cfg.get("qk_rope_head_dim") or 0) if latent else 0
-            experts = int(cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
             return cls(vocab_size=int(cfg["vocab_size"]), hidden_size=h,
                        intermediate_size=int(cfg["intermediate_size"]), num_layers=int(cfg["num_hidden_layers"]),
                        num_heads=nh, num_kv_heads=nh if latent else int(cfg.get("num_key_value_heads") or nh),
@@ -168,11 +237,7 @@ class ModelShape:
                        qk_rope_head_dim=int(cfg.get("qk_rope_head_dim") or 0) if latent else 0,
                        q_lora_rank=int(cfg.get("q_lora_rank") or 0) if latent else 0,
                        kv_lora_rank=int(cfg.get("kv_lora_rank") or 0),
-                       num_experts=experts, experts_per_token=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
-                       shared_experts=int(cfg.get("n_shared_experts") or 0) if experts else 0,
-                       moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
-                       if experts else 0,
-                       dense_layers=int(cfg.get("first_k_dense_replace") or 0) if experts else 0,
+                       **moe_fields(cfg),
                        head_chunks_option=_option_head_chunks_refusal(cfg.get),
                        sliding_window=window, window_layers=window_layers,
                        **({"linear_layers": linear, **{f"linear_{k}": int(cfg[f"linear_{n}"]) for k, n in (
@@ -181,6 +246,16 @@ class ModelShape:
         except KeyError as e:
             raise ValueError(f"model config lacks {e.args[0]!r}: need vocab_size, hidden_size, intermediate_size, "
                              "num_hidden_layers, num_attention_heads") from None
+
+    @property
+    def shared_width(self) -> int:
+        """The intermediate width of the always-active (shared) experts of an MoE layer, all together."""
+        return self.shared_intermediate_size or self.shared_experts * self.moe_intermediate_size
+
+    @property
+    def no_tiled_mlp(self) -> str:
+        """Why --tiled_mlp cannot run this model (planner.shapes.tiled_mlp_refusal); "": it can."""
+        return tiled_mlp_refusal(self.model_type) if self.num_experts else ""
 
     @property
     def v_dim(self) -> int:
@@ -202,8 +277,9 @@ class ModelShape:
         dense = 3 * self.hidden_size * self.intermediate_size
         if not self.num_experts:
             return dense
-        n = (self.experts_per_token if active else self.num_experts) + self.shared_experts
-        moe = 3 * self.hidden_size * self.moe_intermediate_size * n + self.hidden_size * self.num_experts  # + router
+        n = self.experts_per_token if active else self.num_experts
+        moe = 3 * self.hidden_size * (self.moe_intermediate_size * n + self.shared_width) \
+            + self.hidden_size * self.num_experts  # + router
         k = min(self.dense_layers, self.num_layers)
         return (k * dense + (self.num_layers - k) * moe) / self.num_layers
 

@@ -18,7 +18,7 @@ from base.parallel import ParallelDims, check_shared_output, init_distributed
 from base.run_lock import file_age, hold
 from model_utils import linear_attention
 from model_utils.build import TINY_PRESETS, is_tiny, load_hf_config, pick_attn_implementation, weights_source
-from model_utils.families import check_config, drop_router_logits
+from model_utils.families import check_config, check_tiled_mlp, drop_router_logits, router_note
 from model_utils.hub import check_same_snapshot
 from planner.presets import PRESETS
 from training.config import Config, parse_config
@@ -53,9 +53,9 @@ def load_run_config(argv: list[str] | None) -> tuple[Config, Model]:
     if not cfg.dry_run:  # (the dry run says where weights and data come from instead: source_lines)
         check_sources(cfg, config)  # before any weight is read: random weights or the demo corpus only when meant
     attn = pick_attn_implementation(cfg.attn_implementation, planning=cfg.dry_run)
-    if drop_router_logits(config):
-        print0(f"note: {cfg.model_name_or_path}'s config asks for output_router_logits: the router's load-balancing loss "
-               "is not trained here (the loss is the logits' cross-entropy); turned off")
+    note = router_note(config, drop_router_logits(config))  # every MoE start: no load-balancing loss is trained
+    if note:
+        print0(note)
     # the architecture has this attention, it can be document-masked, and in this many head chunks
     check_config(config, attn, cfg.attention_head_chunks)
     check_chat_data(cfg)  # an SFT stage on a prepared folder without chats (a run: on the demo corpus too)
@@ -164,6 +164,8 @@ def _precision(cfg: Config, model: Model) -> str:
 
 def _stages(cfg: Config, model: Model, world: int) -> list[Stage]:
     stages = resolve_stages(cfg, dp_of_sp=lambda sp: max(1, world // sp))
+    for s in stages:  # an MoE's expert blocks cannot be tiled: refused here, not at the stage's engine
+        check_tiled_mlp(model.config, cfg.tiled_mlp if s.tiled_mlp is None else s.tiled_mlp, f"stage {s.index} ({s.name})")
     a = model.arch
     if linear_attention.is_hybrid(a):  # gated delta-net layers: `cp: auto` is pure Ulysses, an explicit cp > 1 refused
         stages = [dataclasses.replace(s, cp=1) if s.cp in ("auto", None) else s for s in stages]
