@@ -37,7 +37,7 @@ import torch
 
 from base import comm, progress
 from base.log import print0, rank_log
-from training import branches, rotation, universal
+from training import branches, buffers, rotation, universal
 from training.checkpoint_files import (
     EVERY,
     MANIFEST,
@@ -439,10 +439,12 @@ class Restorer:
         hyper = [{k: g[k] for k in ("weight_decay", "betas", "eps") if k in g} for g in engine.optimizer.param_groups]
         # Always the whole ZeRO state: under ZeRO-3 the weights live in the optimizer's fp32 partitions
         # (`load_module_only` would restore them from the empty module placeholders); moments reset after.
-        loaded, _ = engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=True,
-                                           load_lr_scheduler_states=load_scheduler)
+        loaded, client = engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=True,
+                                                load_lr_scheduler_states=load_scheduler)
         if loaded is None:
             raise RuntimeError(f"DeepSpeed could not load {path}")
+        if saved_world != world:  # DeepSpeed's universal load restores parameters only, not buffers
+            buffers.restore_buffers(engine, loaded, (client or {}).get("buffer_names") or [])
         if not load_optimizer:
             reset_adam_moments(engine.optimizer)
         for group, h in zip(engine.optimizer.param_groups, hyper):

@@ -3,7 +3,9 @@ world rank). Other world size: converted to DeepSpeed's universal checkpoint, wh
 Adam moments; with the same DP degree the data order is unchanged, so losses continue as uninterrupted
 (up to reduction-order rounding: 1e-4). A conversion is keyed by its source's content: a branch's new checkpoint
 under an old name is converted again. A rank that cannot see the conversion's files yet (another node, a stale view)
-looks them up again instead of failing."""
+looks them up again instead of failing. The model of the world-size change carries a persistent buffer (a GLM-4.5-style
+router's `e_score_correction_bias`, not zero): DeepSpeed's universal load restores parameters only, and it came back
+as zeros (training/buffers.py)."""
 
 from __future__ import annotations
 
@@ -24,23 +26,55 @@ LATE_S = 6  # rank 1 sees the conversion's files this long after its first look 
 pytestmark = pytest.mark.dist
 
 
-def _ref(assets, tmp, sp, nproc):
-    run(TRAIN, train_args(assets, tmp / "ref", sp, steps=6), nproc, str(tmp / "ref_logs"))
+def _ref(assets, tmp, sp, nproc, model=None):
+    args = train_args(assets, tmp / "ref", sp, steps=6)
+    if model:
+        args[args.index("--model_name_or_path") + 1] = model
+    run(TRAIN, args, nproc, str(tmp / "ref_logs"))
     return losses(tmp / "ref")
+
+
+BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"
+
+
+def _router_bias_model(assets) -> str:
+    """A tiny GLM-4.5-style MoE (layer 1 routed) whose router bias is not its initial zeros; made once a session."""
+    import torch
+    from transformers import AutoModelForCausalLM, Glm4MoeConfig
+
+    path = os.path.join(assets["dir"], "glm4_moe_bias")
+    if not os.path.isdir(path):
+        torch.manual_seed(0)
+        cfg = Glm4MoeConfig(vocab_size=2048, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                            n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                            n_group=1, topk_group=1, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=16, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        model.model.layers[1].mlp.gate.e_score_correction_bias.copy_(torch.tensor([0.5, -0.5, 0.25, -0.25]))
+        model.save_pretrained(path)
+    return path
 
 
 @pytest.mark.parametrize("before, after", [pytest.param((2, 2), (1, 1), marks=pytest.mark.slow),  # ~110 s
                                            pytest.param((1, 1), (2, 2), marks=pytest.mark.slow)],
                          ids=["world2to1", "world1to2"])  # 1 -> 2: 83 s, make test-slow
 def test_world_size_change_carries_optimizer_state(assets, tmp_path, before, after):
-    ref = _ref(assets, tmp_path, *before)
+    import torch
+
+    model = _router_bias_model(assets)
+
+    def args(sp):
+        a = train_args(assets, out, sp, steps=6)
+        a[a.index("--model_name_or_path") + 1] = model
+        return a
+
+    ref = _ref(assets, tmp_path, *before, model=model)
     out = tmp_path / "out"
-    k = preempt_after(train_args(assets, out, before[0], steps=6), before[1], out, str(tmp_path / "l1"), 2)
+    k = preempt_after(args(before[0]), before[1], out, str(tmp_path / "l1"), 2)
     # 1 -> 2: rank 1 (another node) sees the files rank 0 just converted only LATE_S after it first looks for them
     late = {"PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT}/tests/stubs/stale_view", "STALE_VIEW_RANK": "1",
             "STALE_VIEW_LATE": r"/universal/[0-9a-f]{24}/step_\d+/.+\.pt$", "STALE_VIEW_LATE_S": str(LATE_S)}
-    run(TRAIN, train_args(assets, out, after[0], steps=6), after[1], str(tmp_path / "l2"),
-        extra_env=late if after[1] == 2 else None)
+    run(TRAIN, args(after[0]), after[1], str(tmp_path / "l2"), extra_env=late if after[1] == 2 else None)
     log = (tmp_path / "l2" / "rank0.log").read_text()
     assert "converting it to a DeepSpeed universal checkpoint" in log and f"resuming from {out}" in log
     if after[1] == 2:  # the view really was late, and rank 1 waited instead of failing
@@ -49,6 +83,10 @@ def test_world_size_change_carries_optimizer_state(assets, tmp_path, before, aft
     assert sorted(got) == list(range(1, 7)) and k < 6
     for s in range(k + 1, 7):
         assert abs(got[s] - ref[s]) <= 1e-4 * ref[s], (s, got[s], ref[s])
+    # the router bias the resumed run saved at its end is the model's, not the zeros it was built with
+    states = torch.load(out / "checkpoints" / tag_for(6) / "zero_pp_rank_0_mp_rank_00_model_states.pt",
+                        weights_only=False)
+    assert states["module"][BIAS].tolist() == [0.5, -0.5, 0.25, -0.25], states["module"][BIAS]
 
 
 @pytest.mark.slow  # 116 s on loaded cores; every curriculum stage that changes SP loads across it (test_curriculum.py)
