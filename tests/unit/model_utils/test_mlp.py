@@ -43,7 +43,7 @@ def _grads(mlp, x, dy):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-3)])
 @pytest.mark.parametrize("model_type", ["llama", "gemma"])  # silu, and gemma's gelu_pytorch_tanh
 def test_same_forward_and_gradients_as_hf(monkeypatch, dtype, tol, model_type):
-    monkeypatch.setattr(mm, "NORM_MIN_CHUNK_ROWS", 128)  # several chunks of rows, the last one short
+    monkeypatch.setattr("planner.layer_terms.NORM_MIN_CHUNK_ROWS", 128)  # several chunks of rows, the last one short
     ref, lean = _hf_mlp(model_type, dtype), _hf_mlp(model_type, dtype)
     assert use_lean_mlp(lean) == 1
     torch.manual_seed(1)
@@ -88,7 +88,7 @@ def test_keeps_gate_and_up_only():
 
 
 def test_gradcheck_in_float64(monkeypatch):
-    monkeypatch.setattr(mm, "NORM_MIN_CHUNK_ROWS", 3)
+    monkeypatch.setattr("planner.layer_terms.NORM_MIN_CHUNK_ROWS", 3)
     torch.manual_seed(0)
     gate = torch.randn(2, 5, 6, dtype=torch.float64, requires_grad=True)
     up = torch.randn(2, 5, 6, dtype=torch.float64, requires_grad=True)

@@ -36,7 +36,7 @@ def _grads(norm, x, dy):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-3)])
 @pytest.mark.parametrize("shape", [(2, 700, 64), (1, 300, 4, 16)])  # [bs, T, h]; Qwen3's q/k norm: [bs, T, heads, d]
 def test_same_forward_and_gradients_as_hf(monkeypatch, dtype, tol, shape):
-    monkeypatch.setattr(mm, "NORM_MIN_CHUNK_ROWS", 128)  # several chunks, the last one short
+    monkeypatch.setattr("planner.layer_terms.NORM_MIN_CHUNK_ROWS", 128)  # several chunks, the last one short
     assert mm.norm_chunk_rows(shape[0] * shape[1] * (shape[2] if len(shape) == 4 else 1), shape[-1]) < 1200
     h = shape[-1]
     ref, lean = _hf_norm(h, dtype), _hf_norm(h, dtype)
@@ -56,7 +56,7 @@ def test_same_forward_and_gradients_as_hf(monkeypatch, dtype, tol, shape):
 
 
 def test_gradcheck_in_float64(monkeypatch):
-    monkeypatch.setattr(mm, "NORM_MIN_CHUNK_ROWS", 3)
+    monkeypatch.setattr("planner.layer_terms.NORM_MIN_CHUNK_ROWS", 3)
     torch.manual_seed(0)
     x = torch.randn(2, 5, 6, dtype=torch.float64, requires_grad=True)
     w = torch.randn(6, dtype=torch.float64, requires_grad=True)

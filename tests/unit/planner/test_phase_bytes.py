@@ -37,7 +37,7 @@ def test_planner_phases_match_exact_live_bytes(monkeypatch):
 
     monkeypatch.setattr(model_utils.tiled_loss, "LOGITS_TILE_BYTES", 2**20)
     monkeypatch.setattr(mm, "LOGITS_TILE_BYTES", 2**20)
-    monkeypatch.setattr(mm, "MLP_MIN_TILE_TOKENS", 512)  # 4 tiles: the tile a small share of T, as at 1M (256 tiles)
+    monkeypatch.setattr("planner.layer_terms.MLP_MIN_TILE_TOKENS", 512)  # 4 tiles: the tile a small share of T, as at 1M (256 tiles)
     cfg = AutoConfig.for_model("llama", hidden_size=H, intermediate_size=INTER, num_attention_heads=HEADS,
                                num_key_value_heads=KV, vocab_size=VOCAB, num_hidden_layers=2, head_dim=H // HEADS,
                                tie_word_embeddings=False)
