@@ -204,11 +204,17 @@ def native(conv: list[dict], fam: dict) -> list[dict]:
                                  for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in conv]
 
 
+def native_tools(tools: list | None, fam: dict) -> list | None:
+    """The row's `tools` in the form the family's template reads (`tools_form` in families.json: "plain", each
+    definition's function object, where it reads `tool.name` as Apertus-2509's does; OpenAI's as given for the rest)."""
+    return [t.get("function", t) for t in tools] if tools and fam.get("tools_form") == "plain" else tools
+
+
 def check(enc: ChatEncoder, oracle_template: str, conv: list[dict], tools: list | None = None,
-          oracle_conv: list[dict] | None = None, kwargs: dict | None = None) -> str:
+          oracle_conv: list[dict] | None = None, kwargs: dict | None = None, oracle_tools: list | None = None) -> str:
     """One family x one conversation (with the row's `tools` and `chat_template_kwargs`): `trains`, `trains k of n:
     why`, `refused: why` or `WRONG: what`. The oracle renders `oracle_conv` (conv with its tool-call arguments in the
-    template's form)."""
+    template's form) with `oracle_tools` (the row's `tools` in the form the template reads: native_tools)."""
     hf = enc.tok.hf
     row = {"messages": conv, **({"tools": tools} if tools is not None else {}),
            **({"chat_template_kwargs": kwargs} if kwargs else {})}
@@ -219,7 +225,8 @@ def check(enc: ChatEncoder, oracle_template: str, conv: list[dict], tools: list 
         return f"WRONG: a refusal of {len(msg.splitlines())} lines" if "\n" in msg else f"refused: {msg}"
     try:  # at the encoder's instant (its FrozenClock): a date template rendered past midnight would differ
         with enc.clock:
-            out = hf.apply_chat_template(oracle_conv or conv, tools=tools, chat_template=oracle_template,
+            out = hf.apply_chat_template(oracle_conv or conv, tools=tools if oracle_tools is None else oracle_tools,
+                                         chat_template=oracle_template,
                                          tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
                                          **(kwargs or {}))
     except Exception as e:  # noqa: BLE001 (the template's own refusal, which the encoder should have passed on)
@@ -285,7 +292,8 @@ def sweep(root: str | None = None, only: list[str] | None = None) -> dict[str, d
                 continue
             conv = [{**m, "content": m["content"].replace("{eot}", fam["eot"])} for m in conv]
             tools = TOOLS.get(case) or (TOOLS["tool list"] if fam.get("tools") == "always" else None)
-            row[case] = check(enc, oracle, conv, tools, native(conv, fam), fam.get("kwargs")).replace(
+            row[case] = check(enc, oracle, conv, tools, native(conv, fam), fam.get("kwargs"),
+                              native_tools(tools, fam)).replace(
                 os.path.join(root, ""), "")
         table[key] = row
     return table

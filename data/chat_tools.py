@@ -11,9 +11,10 @@ render of the conversation (its prefixes included). An empty list ("[]": LLaMA-F
 LLaMA-Factory give it: a bare one (`name`, `description`, `parameters`, `strict`: LLaMA-Factory's, glaive's) is
 wrapped, the Responses API's flat `{"type": "function", "name": ...}` nested, Anthropic's / MCP's `input_schema` /
 `inputSchema` (the same JSON Schema) named `parameters`; a bare one with other keys is refused in one line. Cohere's
-`parameter_definitions` form (Command-R's template reads it) and other `type`s stay as given. The definitions are
-then in the ids, in a system or user turn (never supervised: only assistant replies are). A template that renders
-the same with and without them (Llama 3.0, Qwen2, Phi-3, ... take no tool list) would train each reply as if no tool
+`parameter_definitions` form (Command-R's template reads it) and other `type`s stay as given. A template that fails on
+OpenAI's form, or writes no function's name with it, gets the plain function objects (`_fitted`: Apertus-2509 reads
+`tool.name`). The definitions are then in the ids, in a system or user turn (never supervised: only assistant
+replies are). A template that renders the same with and without them (Llama 3.0, Qwen2, Phi-3, ... take no tool list) would train each reply as if no tool
 had been offered, a call to a function the model never saw defined: such a row is refused in one line, as the same
 is for a message's `tools` / `functions` (Phi-4-mini's, OLMo 3's) and for an `environment` turn (OLMo 3's tool
 results) the template drops.
@@ -51,7 +52,7 @@ def row_tools(obj: dict, enc=None, conv: list[dict] | None = None) -> list | Non
         if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and fn["name"]):
             raise RowError(f"tools[{i}]: {t!r:.80} is not a function definition with a name: give {_FORM}")
     if value:
-        return [_wrapped(t, i) for i, t in enumerate(value)]
+        return _fitted(enc, conv, [_wrapped(t, i) for i, t in enumerate(value)])
     # an empty list (LLaMA-Factory's "[]", 109 of the 300 rows of its glaive_toolcall demo) is no tools: passed as [],
     # Llama 3.1 wrote "Environment: ipython" and an empty function list into every such row, Mistral v0.3 an empty
     # [AVAILABLE_TOOLS] (4 of 5 replies then untrained). Hermes' and Command-R's `tool_use` iterate `tools` and fail
@@ -108,6 +109,53 @@ def _function(fn: dict, i: int) -> dict:
     raise RowError(f"tools[{i}]: a definition with keys {list(fn)}, of which {other} are not OpenAI's (name, "
                    "description, parameters, strict; an input_schema / inputSchema alone is read as parameters): "
                    f"give {_FORM}, which reaches the template as given")
+
+
+_PROBE = [{"role": "user", "content": "Probe question?"}]
+
+
+def _shows(enc, tools: list) -> tuple[bool, str | None]:
+    """(whether `enc`'s template renders a one-question probe with `tools` writing every function's name, the
+    template's error where it refuses it)."""
+    try:
+        text = enc._text(_PROBE, True, tools=tools)
+    except RowError as e:
+        return False, str(e).removeprefix(f"{enc.name} refuses this conversation: ")
+    return all(n in text for n in tool_names(tools)), None
+
+
+def _fitted(enc, conv, tools: list) -> list:
+    """`tools` (OpenAI's form, `_wrapped`) as `enc`'s template reads them: as given where it renders them, each
+    function's name written; else the plain form (each `{"type": "function", "function": {...}}` as its function
+    object: Apertus-8B-Instruct-2509's template reads `tool.name`, `tool.description`, `tool.parameters`) where that
+    renders them, as fit_arguments tries the other form of the arguments. Decided on a one-question probe, not the
+    row (its arguments may be in the form the template does not take yet): the same form for every row with the same
+    template and definitions, the form the exported template is then to be served with. RowError, one line naming
+    both forms, where the template refuses the probe with each but renders it without tools. Cost: one render of the
+    probe per row with tools (~the definitions' length), one more where the plain form is tried, one without tools
+    where neither renders."""
+    if enc is None or enc.kind == "chatml" or not isinstance(conv, list):
+        return tools
+    plain = [t["function"] if t.get("type") == "function" and isinstance(t.get("function"), dict) else t
+             for t in tools]
+    if plain == tools:  # none in OpenAI's form (Cohere's parameter_definitions, other types): nothing to try
+        return tools
+    ok, why = _shows(enc, tools)
+    if ok:
+        return tools
+    ok_plain, why_plain = _shows(enc, plain)
+    if ok_plain:
+        return plain
+    if why is not None and why_plain is not None:
+        try:  # the probe renders without tools: it is the definitions the template refuses
+            enc._text(_PROBE, True)
+        except RowError:
+            return tools
+        raise RowError(f"tools {tool_names(tools)}: {enc.name} refuses them in both forms tried, OpenAI's "
+                       f'{{"type": "function", "function": {{...}}}} ({why}) and the plain {{"name": ..., '
+                       f'"description": ..., "parameters": ...}} ({why_plain}): give definitions with the keys this '
+                       "template reads, or drop them")
+    return tools  # rendered without their names in both: the row's own checks say why (refuse_unrendered)
 
 
 def tool_names(tools: list) -> list[str]:

@@ -390,7 +390,7 @@ def open_run_data(dataset_path: str | None, tokenizer_path: str | None, model_vo
         short = data.short_chat_heldout(s)
         if short:
             print0(short)
-        for line in sft_notes(s, data.mixture(s), prepared, model_path):  # a bad or empty mixture component stops
+        for line in sft_notes(s, data.mixture(s), prepared, model_path, stages):  # a bad or empty mixture component stops
             print0(line)  # the run here, before the model is built; an SFT stage's long data, loss shares: said
         check_tasks(s, tokenizer)  # so does a bad `tasks:` (unknown task, fractions, too short a length)
         for n in parse_replay(getattr(s, "replay", None), s.max_seq_length, f"stage {s.index} ({s.name}) replay"):

@@ -4,6 +4,9 @@
   past what this stage trains) that mixes no long data, neither `tasks`, `replay`, nor a component whose tokens lie
   mostly in documents of at least a quarter of the stage's length: short SFT alone loses retrieval past its length
   (docs/sft.md#retention-after-sft), and nothing said so;
+- `eval_reach_note`: an SFT stage of a model with more positions than the run's longest stage whose `eval.lengths`
+  stop short of them (a standalone SFT of an already-extended model: `earlier` is the stage's own length), so what
+  the SFT loses between its length and the model's positions is never scored (it was silent, tasks or not);
 - `loss_share_note`: under `loss_weighting: conversation` with more than one component, each component's expected
   share of the loss. Every conversation weighs alike, and so does every piece of a long text document: a books
   component at 5% of the samples (one ~1-piece unit a 128k sample, against ~94 UltraChat-like chats in a chat sample)
@@ -26,9 +29,22 @@ from data.tasks import parse_tasks
 LONG_DOC = 4  # a document of at least 1/LONG_DOC of the stage's length counts as long data for retention
 
 
+def _reach(rope) -> int | None:
+    """The positions a RoPE scaling reaches, factor x original_max_position_embeddings (the most over a per-layer-type
+    setting's), None where it gives neither (ABF alone, no scaling)."""
+    if not isinstance(rope, dict):
+        return None
+    parts = [v for v in rope.values() if isinstance(v, dict)] or [rope]
+    got = [int(p["factor"] * p["original_max_position_embeddings"]) for p in parts
+           if isinstance(p.get("factor"), (int, float)) and isinstance(p.get("original_max_position_embeddings"), int)]
+    return max(got) if got else None
+
+
 def model_positions(model_path: str | None) -> int | None:
-    """The model's max_position_embeddings (its text config's for a composite one) from a preset name or a model
-    folder's config.json (the run resolves a hub id to its folder first); None where it cannot be read."""
+    """The model's positions (its text config's for a composite one): max_position_embeddings or its RoPE scaling's
+    reach (`rope_scaling` / `rope_parameters`: Qwen2.5-Instruct's YaRN x4 over 32768 reaches 131072), the larger, from
+    a preset name or a model folder's config.json (the run resolves a hub id to its folder first); None where it
+    cannot be read."""
     from planner.shapes import load_config
 
     if not model_path:
@@ -39,7 +55,9 @@ def model_positions(model_path: str | None) -> int | None:
         return None
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     n = text.get("max_position_embeddings", config.get("max_position_embeddings"))
-    return n if isinstance(n, int) else None
+    reach = _reach(text.get("rope_scaling") or text.get("rope_parameters"))
+    n = n if isinstance(n, int) else None
+    return max(n, reach) if n and reach else n or reach
 
 
 def _long(lens: np.ndarray, length: int) -> bool:
@@ -67,6 +85,39 @@ def retention_note(stage, prepared, positions: int | None) -> str:
             f"{L} (docs/sft.md#retention-after-sft: add `tasks: {{passkey: 0.02}}`, a long component or `replay`)")
 
 
+def eval_reach_note(stage, positions: int | None, stages=None) -> str:
+    """One line where an SFT stage's model (`positions`; the stage's own RoPE scaling's reach where it sets one) has
+    more positions than the run's longest stage and the stage's retrieval tasks are evaluated only short of them
+    (training/evaluation.eval_lengths: `earlier` is the lengths up to the stage's); '' otherwise. `stages`: the run's
+    (None: only what the stage decides alone, its explicit lengths or `earlier` as the first stage). The default
+    lengths stay: a forward at the model's positions costs that length's memory (training/device_fit checks it)."""
+    L, ev = stage.max_seq_length, getattr(stage, "eval", None) or {}
+    if getattr(stage, "kind", "text") != "sft":
+        return ""
+    rope = getattr(stage, "rope", None)
+    if rope:  # the stage sets the model's positions itself (a 1M model cut back to 128k: said at start-up)
+        positions = _reach(rope)
+    spec, trials = ev.get("tasks", ["passkey"]), ev.get("passkey_trials", 2)
+    asks = any(v > 0 for v in spec.values()) if isinstance(spec, dict) else bool(spec) and trials > 0
+    lengths = ev.get("lengths", "earlier")
+    run = [s.max_seq_length for s in stages or [stage]]
+    if isinstance(lengths, list):
+        reach = max(lengths, default=0)
+    elif lengths == "earlier" and (stages or stage.index == 0):
+        reach = max(run[: stage.index + 1] if stages else run)
+    elif lengths == "all" and stages:
+        reach = max(run)
+    else:  # the run's other stages unknown here
+        return ""
+    if not asks or not positions or positions <= max(run) or reach >= positions:
+        return ""
+    return (f"note: stage {stage.index} ({stage.name}): retrieval is evaluated up to {reach} (eval.lengths "
+            f"{lengths}) on a model of {positions} positions, so what SFT at {L} loses past {reach} is never scored: "
+            f"give the stage `eval: {{lengths: [{L}, {positions}]}}` (a forward at {positions}: its memory is checked "
+            f"at start-up, training/device_fit.py) or run `scripts/evaluate.py CHECKPOINT --lengths {positions}` after "
+            "the run (docs/sft.md#retention-after-sft)")
+
+
 def loss_share_note(stage, mix) -> str:
     """Under conversation weighting, each component's (and task's) expected share of the loss: its share of the samples
     x its units (conversations, text pieces: documents with a target) per packed sample, normalised; '' otherwise.
@@ -91,6 +142,8 @@ def loss_share_note(stage, mix) -> str:
             "(docs/sft.md#loss-shares-under-conversation-weighting)")
 
 
-def sft_notes(stage, mix, prepared, model_path: str | None) -> list[str]:
-    """The notes above for one stage (open_run_data prints them)."""
-    return [n for n in (retention_note(stage, prepared, model_positions(model_path)), loss_share_note(stage, mix)) if n]
+def sft_notes(stage, mix, prepared, model_path: str | None, stages=None) -> list[str]:
+    """The notes above for one stage (open_run_data prints them; `stages`: the run's, for eval_reach_note)."""
+    positions = model_positions(model_path)
+    return [n for n in (retention_note(stage, prepared, positions), eval_reach_note(stage, positions, stages),
+                        loss_share_note(stage, mix)) if n]

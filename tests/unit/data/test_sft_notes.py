@@ -15,7 +15,7 @@ import numpy as np
 
 from data.chat import build_demo_chats
 from data.packing import ConvPack
-from data.sft_notes import loss_share_note, model_positions, retention_note
+from data.sft_notes import eval_reach_note, loss_share_note, model_positions, retention_note
 from data.tokenizer import Tokenizer
 
 SP = ".cache/demo/stdlib_sp.model"
@@ -43,8 +43,12 @@ def test_open_run_data_says_a_plain_sft_stage_and_the_loss_shares(tmp_path, caps
               _stage(1, 2048, both, loss_weighting="conversation"),  # a long component: its share said
               _stage(2, 2048, [{"name": "chat", "source": "chat", "weight": 1.0}], tasks={"passkey": 0.05})]
     open_run_data(out, SP, Tokenizer(SP).vocab_size, stages, reset_position_ids=True, model_path=str(model))
-    got = [line for line in capsys.readouterr().out.splitlines() if "loss_weighting" in line or "long data" in line]
+    said = capsys.readouterr().out
+    got = [line for line in said.splitlines() if "loss_weighting" in line or "long data" in line]
     assert len(got) == 2, got
+    # retrieval evaluated at 2048 only (`earlier` of the first stage) on a model of 8192 positions: said at start-up
+    reach = [line for line in said.splitlines() if "is never scored" in line]
+    assert reach and reach[0].startswith("note: stage 0 (s0): retrieval is evaluated up to 2048"), reach
     assert got[0].startswith("note: stage 0 (s0): SFT at 2048 tokens mixes no long data (no tasks / replay / component ")
     assert "on a model of 8192 positions: short SFT alone loses retrieval past 2048 (docs/sft.md#retention-after-sft" \
         in got[0]
@@ -89,6 +93,33 @@ def test_what_counts_as_long_data_and_the_model_positions(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"text_config": {"max_position_embeddings": 262144},
                                                       "max_position_embeddings": 8192}))
     assert model_positions(str(tmp_path)) == 262144
+
+
+def test_an_sft_stage_short_of_the_models_positions_names_the_eval_lengths_that_reach_them(tmp_path):
+    """A standalone SFT at 128k of a model already extended to 1M (recipes/qwen25_7b_instruct_sft_128k.yaml after
+    one's own extension) evaluated retrieval at 128k only (`earlier`: the run's one length), tasks or not, unsaid."""
+    sft = _stage(0, 131072, {"chat": 0.9, "long": 0.1}, tasks={"passkey": 0.02})  # retention_note: silent (tasks)
+    note = eval_reach_note(sft, 1048576)
+    assert note.startswith("note: stage 0 (s0): retrieval is evaluated up to 131072 (eval.lengths earlier) on a model "
+                           "of 1048576 positions") and "\n" not in note, note
+    assert "`eval: {lengths: [131072, 1048576]}`" in note and "scripts/evaluate.py CHECKPOINT --lengths 1048576" in note
+    assert eval_reach_note(sft, 1048576, [sft]) == note
+    assert eval_reach_note(_stage(0, 131072, None, eval={"lengths": [131072, 1048576]}), 1048576) == ""  # reaches it
+    assert eval_reach_note(_stage(0, 131072, None, eval={"tasks": []}), 1048576) == ""  # no retrieval evaluated
+    assert eval_reach_note(_stage(0, 131072, None, kind="text"), 1048576) == ""
+    assert eval_reach_note(sft, 131072) == "" and eval_reach_note(sft, None) == ""
+    # the stage's own RoPE sets its positions: YaRN x4 over 32768 reaches 131072, nothing past the stage
+    assert eval_reach_note(_stage(0, 131072, None, rope={"rope_type": "yarn", "factor": 4.0,
+                                                         "original_max_position_embeddings": 32768}), 1048576) == ""
+    # a run that extends to 1M first: `earlier` of its SFT stage reaches 1M; without the run's stages, not decided
+    ext = _stage(0, 1048576, None, kind="text")
+    later = _stage(1, 131072, None)
+    assert eval_reach_note(later, 1048576, [ext, later]) == "" and eval_reach_note(later, 1048576) == ""
+    assert "up to 262144" in eval_reach_note(later, 1048576, [_stage(0, 262144, None, kind="text"), later])
+    # the model's positions: max_position_embeddings or its RoPE scaling's reach, the larger
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 32768, "rope_scaling": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}))
+    assert model_positions(str(tmp_path)) == 131072
 
 
 def test_a_text_stage_gets_no_loss_share_note():
