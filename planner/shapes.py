@@ -86,7 +86,8 @@ def _option_head_chunks_refusal(get) -> str:
 # routed experts, how many a token is routed to (ERNIE-4.5: moe_num_experts, moe_k; Hunyuan: moe_topk, an int or one
 # per layer), the always-active (shared) experts, each moe_intermediate_size wide (DeepSeek, GLM, ERNIE)
 EXPERT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
-TOP_K_KEYS = ("num_experts_per_tok", "moe_k", "moe_topk")
+TOP_K_KEYS = ("num_experts_per_tok", "moe_k", "moe_topk", "num_experts_per_token", "top_k_experts")  # Kimi-Linear
+# and Bailing: num_experts_per_token; Gemma-4 MoE: top_k_experts
 SHARED_KEYS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")
 # one shared MLP of its own width: Qwen2-MoE / Qwen1.5-MoE / Qwen3-Next (gated by a [h, 1] projection, not counted:
 # h parameters a layer), GraniteMoeShared
@@ -94,7 +95,11 @@ SHARED_WIDTH_KEYS = ("shared_expert_intermediate_size", "shared_intermediate_siz
 
 
 def expert_count(cfg: Mapping) -> int:
-    """Routed experts of a config dict (0: a dense model): what makes it an MoE here (planner, start-up alike)."""
+    """Routed experts of a config dict (0: a dense model): what makes it an MoE here (planner, start-up alike). A
+    config that says it is dense (`is_moe: false`: Doge; `enable_moe_block: false`: Gemma-4) is, whatever expert
+    count its class defaults to."""
+    if cfg.get("is_moe") is False or cfg.get("enable_moe_block") is False:
+        return 0
     return _first(cfg, EXPERT_KEYS)
 
 

@@ -152,8 +152,12 @@ EVERY = -1  # `awaited`: a file every rank reads
 
 
 def file_rank(name: str) -> int | None:
-    """The world rank whose file `name` (relative to its checkpoint) is; None for the others (trainer.json,
-    hf_config.json, a universal conversion's zero/*)."""
+    """The world rank whose file `name` (relative to its checkpoint) is; EVERY for NVMe optimizer offload's swap
+    files (`offloaded_tensors/rankNN/...`: a rank copies its folder, named by its global rank or, with
+    use_node_local_storage, its local rank; every rank looks them all up: NVMe offload is rare, its files few);
+    None for the others (trainer.json, hf_config.json, a universal conversion's zero/*)."""
+    if name.startswith("offloaded_tensors/"):
+        return EVERY
     m = RANK_FILE.fullmatch(name)
     return None if m is None else int(m.group(1) or m.group(2))
 
@@ -162,7 +166,8 @@ def awaited(names: Iterable[str], rank: int, world: int, reader: Callable[[str],
     """The files of `names` that `rank` looks up before a load (`not_visible`): those it reads (`reader(name)`: the
     rank that reads it, EVERY, or None for none), and on rank 0 those no rank of `world` reads, so that each file is
     still looked up (one gone fails the load). Llama-3-8B on 512 ranks: 3 stats a rank (rank 0: +2) instead of every
-    rank the checkpoint's 1,538 files, 1.57M stats into one directory of a shared file system per load."""
+    rank the checkpoint's 1,538 files, 1.57M stats into one directory of a shared file system per load (DeepSpeed's
+    own load still checks every rank's optimizer file name on every rank: 262k, engine._get_all_zero_checkpoint_names)."""
     out = []
     for f in sorted(names):
         r = reader(f)

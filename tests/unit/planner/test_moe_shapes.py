@@ -93,3 +93,17 @@ def test_auto_never_tiles_an_moe_mlp():
     with pytest.raises(ValueError, match="tiled_mlp: gpt_oss's MLP is a mixture-of-experts block") as err:
         af.choose(oss, 262144, 32, budget, sp=8, pinned={"tiled_mlp": True})
     assert "\n" not in str(err.value)
+
+
+def test_other_top_k_names_and_a_config_that_says_it_is_dense():
+    """Kimi-Linear / Bailing name the top-k num_experts_per_token, Gemma-4 MoE top_k_experts: they were refused as
+    "no top-k"; Doge (is_moe false) and Gemma-4 dense (enable_moe_block false) carry an expert count from their class
+    defaults and were judged MoE."""
+    from planner.shapes import expert_count, moe_fields
+
+    for key in ("num_experts_per_token", "top_k_experts"):
+        cfg = {"model_type": "x", "num_hidden_layers": 2, "intermediate_size": 64, "num_experts": 8, key: 2}
+        assert moe_fields(cfg)["experts_per_token"] == 2
+    assert expert_count({"num_experts": 16384, "is_moe": False}) == 0
+    assert expert_count({"num_experts": 128, "enable_moe_block": False}) == 0
+    assert expert_count({"num_experts": 128, "enable_moe_block": True}) == 128

@@ -186,3 +186,17 @@ def test_verify_checks_the_files_this_rank_loads(tmp_path, monkeypatch, world):
         assert checked == [sorted(deal_by_bytes(sizes, world, own=True)[1])] and set(own(1)) <= set(checked[0])
     else:
         assert checked == [sorted(deal_by_bytes(sizes, world)[1])]
+
+
+def test_nvme_offload_swap_files_are_looked_up_by_every_rank():
+    """NVMe optimizer offload saves each rank's swap files under offloaded_tensors/rankNN/ (DeepSpeed 0.19.8 engine
+    ~4937) and each rank copies its folder at a load: no rank's own-files rule named them, so only rank 0 looked them
+    up and the rank that reads them met a stale listing unwaited."""
+    from training.checkpoint_files import EVERY, awaited, file_rank
+
+    sizes = {f"zero_pp_rank_{r}_mp_rank_00_model_states.pt": 1 for r in range(2)}
+    sizes |= {f"offloaded_tensors/rank{r:0>2d}/0_param_{i}.tensor.swp": 1 for r in range(2) for i in range(2)}
+    assert file_rank("offloaded_tensors/rank01/0_param_0.tensor.swp") == EVERY
+    for r in range(2):
+        mine = awaited(sizes, r, 2, file_rank)
+        assert {f for f in mine if f.startswith("offloaded_tensors/")} == {f for f in sizes if "offloaded" in f}
