@@ -52,7 +52,7 @@ def probe_ends(enc, probe: list[dict]) -> tuple[np.ndarray, dict[str, int], set[
                 j += 1
             hit = max((n for n in names if text.startswith(n, j)), key=len, default=None)
             if hit is None:
-                unsplit(enc, text, j, reply)
+                unsplit(enc, text, j, reply, names)
             if hit:
                 found.add(names[hit])
                 ends.setdefault(reply, names[hit])
@@ -70,13 +70,18 @@ def probe_ends(enc, probe: list[dict]) -> tuple[np.ndarray, dict[str, int], set[
     return np.array(sorted(found or {enc.tok.eos_id}), dtype=np.int64), ends, got, carry
 
 
-def unsplit(enc, text: str, j: int, reply: str) -> None:
+def unsplit(enc, text: str, j: int, reply: str, names) -> None:
     """A ValueError (one line) where the template writes a control-token-shaped string after a probe reply (before
-    the next message's text) that the tokenizer splits into pieces: a ChatML template pasted onto a base model's
-    tokenizer with no <|im_end|> (Mistral-7B-v0.1's, Llama 3's). Else earlier replies went untrained, the last one
-    trained a stop spelled in pieces no generation stops on, and the export added none. One regex search per probe."""
+    the next message's text) that the tokenizer splits into pieces, and no control token of the vocabulary (`names`)
+    there: a ChatML template pasted onto a base model's tokenizer with no <|im_end|> (Mistral-7B-v0.1's, Llama 3's).
+    Else earlier replies went untrained, the last one trained a stop spelled in pieces no generation stops on, and the
+    export added none. Text markup before a real end-of-turn (`<answer>...</answer></s>`, `<br>`) is a reply's text,
+    not its stop: it passes. One regex search per probe."""
     nxt = text.find("Probe question two?", j) if reply == REPLIES[0] else -1
-    m = _CONTROL.search(text, j, nxt if nxt >= 0 else len(text))
+    end = nxt if nxt >= 0 else len(text)
+    if any(n in text[j:end] for n in names):  # the template's own end-of-turn follows the markup
+        return
+    m = _CONTROL.search(text, j, end)
     if m is None:
         return
     n = len(enc.tok.hf.encode(m[0], add_special_tokens=False))

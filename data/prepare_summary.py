@@ -10,43 +10,44 @@ from data.prepare_args import specials_note
 
 
 def manifest_lines(output: str, manifest: dict) -> list[str]:
-    """The lines prepare_data prints for the manifest it wrote to `output` (the summary first)."""
+    """The lines prepare_data prints for the manifest it wrote to `output` (the summary first). A count an older
+    manifest lacks (chat_docs before 2026-11-27, no_stop_rows before 2026-11-28) reads 0."""
     out: list[str] = []
-    if manifest["eos_id"] is None and manifest["n_docs"] > 1:
-        out.append(f"note: no EOS appended between the {manifest['n_docs']} pre-tokenized documents (no tokenizer, no --eos_id): "
+    if manifest.get("eos_id") is None and manifest.get("n_docs", 0) > 1:
+        out.append(f"note: no EOS appended between the {manifest.get('n_docs', 0)} pre-tokenized documents (no tokenizer, no --eos_id): "
                    "they run into each other unless their ids end with one; give --eos_id ID (the model's EOS) to separate them")
-    out.append(f"{output}: {manifest['n_docs']} documents, {manifest['n_tokens']} tokens ({manifest['dtype']}), {len(manifest['sources'])} source(s), "
-               f"{manifest['bad_rows']} bad row(s) skipped"
-               + (f", {manifest['empty_docs']} empty or blank document(s) skipped" if manifest["empty_docs"] else "")
-               + (f"; {manifest['chat_docs']} conversations, {manifest['supervised_tokens']} supervised tokens, "
-                  f"{manifest['untrained_turns']} assistant turn(s) not located, {manifest['no_stop_rows']} ending with no "
-                  "end-of-turn token" if manifest["chat_docs"] else "")
-               + (f", {manifest['flagged_turns']} assistant turn(s) in context with no loss, as their rows flag them (weight 0 "
+    out.append(f"{output}: {manifest.get('n_docs', 0)} documents, {manifest.get('n_tokens', 0)} tokens ({manifest.get('dtype', 0)}), {len(manifest.get('sources', []))} source(s), "
+               f"{manifest.get('bad_rows', 0)} bad row(s) skipped"
+               + (f", {manifest.get('empty_docs', 0)} empty or blank document(s) skipped" if manifest.get("empty_docs", 0) else "")
+               + (f"; {manifest.get('chat_docs', 0)} conversations, {manifest.get('supervised_tokens', 0)} supervised tokens, "
+                  f"{manifest.get('untrained_turns', 0)} assistant turn(s) not located, {manifest.get('no_stop_rows', 0)} ending with no "
+                  "end-of-turn token" if manifest.get("chat_docs", 0) else "")
+               + (f", {manifest.get('flagged_turns', 0)} assistant turn(s) in context with no loss, as their rows flag them (weight 0 "
                   "/ training false)" if manifest.get("flagged_turns") else "")
-               + (f", {manifest['rewritten_arguments']} with tool-call arguments rewritten to the form the template writes "
+               + (f", {manifest.get('rewritten_arguments', 0)} with tool-call arguments rewritten to the form the template writes "
                   "(JSON text <-> object, docs/sft.md)" if manifest.get("rewritten_arguments") else ""))
     out += specials_note(manifest)
     if manifest.get("ids_given_bos"):
-        out.append(f"note: {manifest['ids_given_bos']} pre-tokenized document(s) given the tokenizer's BOS (id "
-                   f"{manifest['bos_id']}) in front, as a text document gets it")
+        out.append(f"note: {manifest.get('ids_given_bos', 0)} pre-tokenized document(s) given the tokenizer's BOS (id "
+                   f"{manifest.get('bos_id', 0)}) in front, as a text document gets it")
     if manifest.get("chatml_rows") and manifest.get("chat_template", "auto") != "chatml":  # not asked for
-        out.append(f"note: {manifest['chatml_rows']} conversation(s) rendered with the ChatML default: the tokenizer has no chat "
+        out.append(f"note: {manifest.get('chatml_rows', 0)} conversation(s) rendered with the ChatML default: the tokenizer has no chat "
                    "template (nor a chat_template.json beside it). Right for a base model taught ChatML; for an instruct "
                    "model, give the folder that ships its template; --chat_template none refuses such rows (docs/sft.md)")
     if manifest.get("dropped_reasoning"):
-        out.append(f"warning: {manifest['dropped_reasoning']} trained repl(ies) carry reasoning the template does not render "
+        out.append(f"warning: {manifest.get('dropped_reasoning', 0)} trained repl(ies) carry reasoning the template does not render "
                    "(it keeps only the replies' after the last user turn, as Qwen3's and gpt-oss's do at inference): those "
                    "replies train without it; one row per reply keeps every reasoning (docs/sft.md)")
     if manifest.get("history_ends"):
-        out.append(f"note: {manifest['history_ends']} end-of-turn token(s) after earlier answers not trained: the template "
+        out.append(f"note: {manifest.get('history_ends', 0)} end-of-turn token(s) after earlier answers not trained: the template "
                    "writes them only in the history (gpt-oss's <|end|>); a generating model ends an answer with the last "
                    "reply's (<|return|>, its stop), which is trained (docs/sft.md)")
     if manifest.get("history_ends_unknown"):
-        out.append(f"warning: {manifest['history_ends_unknown']} earlier answer(s) end with a token the template writes only "
+        out.append(f"warning: {manifest.get('history_ends_unknown', 0)} earlier answer(s) end with a token the template writes only "
                    "in the history (gpt-oss's <|end|>), trained: no generation_config.json beside the tokenizer says whether "
                    "generation stops on it (gpt-oss does not): give the model's folder as the tokenizer (docs/sft.md)")
     if manifest.get("no_stop_rows"):
-        out.append(f"warning: {manifest['no_stop_rows']} conversation(s) end with a reply trained with no end-of-turn token "
+        out.append(f"warning: {manifest.get('no_stop_rows', 0)} conversation(s) end with a reply trained with no end-of-turn token "
                    "after it (the template writes its end-of-turn only when another message follows, as Qwen1.5's "
                    "<|im_end|>): the model is never shown where to stop; end each conversation with the template's "
                    "end-of-turn (a template that writes <|im_end|> after the last message), or append it (docs/sft.md)"

@@ -49,27 +49,19 @@ def chunk_name(shard: int, chunk: int) -> str:
     return f"s{shard:05d}-c{chunk:06d}"
 
 
-NAMED_TEMPLATES = "additional_chat_templates"  # transformers 5 saves named templates there (Hermes-2-Pro's tool_use)
-
-
 def tokenizer_identity(path: str) -> str:
-    """SHA-256 over the tokenizer's files (a sentencepiece .model, or a HF folder's tokenizer files and its named
-    templates, NAMED_TEMPLATES/*.jinja, sorted), so a moved copy of the same tokenizer is recognised and another one
-    (an edited template too) is not. A folder without named templates hashes as before they were read."""
-    named = os.path.join(path, NAMED_TEMPLATES)
-    extra = tuple(sorted(f"{NAMED_TEMPLATES}/{f}" for f in os.listdir(named) if f.endswith(".jinja"))) \
-        if os.path.isdir(named) else ()
-    return _files_sha256(path, TOKENIZER_FILES + extra)
+    """SHA-256 over the tokenizer's files (a sentencepiece .model, or a HF folder's tokenizer files), so a
+    moved copy of the same tokenizer is recognised and another one is not."""
+    return _files_sha256(path, TOKENIZER_FILES)
 
 
 def _files_sha256(path: str, names: tuple[str, ...]) -> str:
-    """SHA-256 over `path` (a file) or the files of `names` that folder `path` has, each by its name (relative to
-    `path`) and bytes."""
+    """SHA-256 over `path` (a file) or the files of `names` that folder `path` has, each by its name and bytes."""
     h = hashlib.sha256()
-    files = [(os.path.basename(path), path)] if os.path.isfile(path) else [
-        (f, os.path.join(path, f)) for f in names if os.path.isfile(os.path.join(path, f))]
-    for name, f in files:
-        h.update(name.encode())
+    files = [path] if os.path.isfile(path) else [os.path.join(path, f) for f in names
+                                                 if os.path.isfile(os.path.join(path, f))]
+    for f in files:
+        h.update(os.path.basename(f).encode())
         with open(f, "rb") as fh:
             h.update(fh.read())
     return h.hexdigest()

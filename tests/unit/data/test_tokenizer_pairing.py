@@ -1,6 +1,5 @@
 """A tokenizer and what it is paired with: the in-job preparation's lines (train.py's --dataset_path), a model folder
-whose tokenizer outgrew its embedding, a template whose control strings are not tokens of the vocabulary, and the
-named templates of a tokenizer's identity."""
+whose tokenizer outgrew its embedding, a template whose control strings are not tokens of the vocabulary."""
 
 from __future__ import annotations
 
@@ -14,6 +13,10 @@ from data.tokenizer import Tokenizer
 from tests.unit.data.chat_fixtures import QWEN15_SHAPE, build_tokenizer
 
 TURNS = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+# reasoning SFT's custom format: the reply wrapped in plain-text tags, then the template's real end-of-turn (the EOS)
+ANSWER_TAGS = ("{% for m in messages %}{% if m['role'] == 'user' %}{{ 'User: ' + m['content'] + '\\n' }}{% else %}"
+               "{{ 'Assistant: <answer>' + m['content'] + '</answer>' + eos_token + '\\n' }}{% endif %}{% endfor %}"
+               "{% if add_generation_prompt %}{{ 'Assistant: <answer>' }}{% endif %}")
 
 
 def _rows(path, rows, key="messages") -> str:
@@ -102,46 +105,23 @@ def test_a_template_whose_end_of_turn_is_no_token_of_the_vocabulary_is_refused(t
         prepare([src], str(tmp_path / "out"), pasted, workers=0, log=lambda _: None)
     m = prepare([src], str(tmp_path / "default"), pasted, workers=0, log=lambda _: None, chat_template="chatml")
     assert (m["chat_docs"], m["no_stop_rows"]) == (1, 0)
-    for template in (None, MISTRAL_V01):
-        tok = Tokenizer(_base_tokenizer(str(tmp_path / f"ok{template is None}"), template))
+    for template in (None, MISTRAL_V01, ANSWER_TAGS):  # an <answer>...</answer> wrapper before the EOS: the reply's
+        tok = Tokenizer(_base_tokenizer(str(tmp_path / f"ok{hash(template)}"), template))  # text (was refused)
         assert ChatEncoder(tok).eot.tolist() == [tok.eos_id]
 
 
-def _old_identity(path: str) -> str:
-    """tokenizer_identity as recorded before named templates were read (the manifests of prepared folders hold it)."""
-    import hashlib
+def test_an_older_manifest_is_said_again_without_a_crash(tmp_path, capsys):
+    """said_again read counts older manifests lack (chat_docs before 2026-11-27, no_stop_rows before 2026-11-28) by
+    key: a KeyError stopped rank 0 with a traceback at the start of a run on a folder that trained yesterday."""
+    from data.prepare_data import prepare
+    from data.store import MANIFEST
 
-    from data.store import TOKENIZER_FILES
-
-    h = hashlib.sha256()
-    for f in [path] if os.path.isfile(path) else [os.path.join(path, f) for f in TOKENIZER_FILES
-                                                  if os.path.isfile(os.path.join(path, f))]:
-        h.update(os.path.basename(f).encode())
-        with open(f, "rb") as fh:
-            h.update(fh.read())
-    return h.hexdigest()
-
-
-def test_an_edited_named_template_is_another_tokenizer(tmp_path):
-    """transformers 5 saves named templates (Hermes-2-Pro's and Command-R's tool_use) as
-    additional_chat_templates/*.jinja, which the identity did not read: an edited one passed the same-tokenizer check
-    (data/run_tokenizer.same_tokenizer) and the in-job cache key. A tokenizer without them keeps the identity its
-    prepared folders recorded (else they would be prepared again, or refused on resume)."""
-    from data.store import tokenizer_identity
-
-    path = build_tokenizer(str(tmp_path / "tok"), "qwen25")
-    assert tokenizer_identity(path) == _old_identity(path)
-    assert tokenizer_identity(os.path.join(path, "tokenizer.json")) == _old_identity(os.path.join(path, "tokenizer.json"))
-    tok = Tokenizer(path)
-    base = tok.hf.chat_template
-    tok.hf.chat_template = {"default": base, "tool_use": base}
-    named = str(tmp_path / "named")
-    tok.hf.save_pretrained(named)
-    tool_use = os.path.join(named, "additional_chat_templates", "tool_use.jinja")
-    if not os.path.isfile(tool_use):
-        pytest.skip("this transformers saves named templates inside tokenizer_config.json (hashed already)")
-    before = tokenizer_identity(named)
-    assert before != _old_identity(named)
-    with open(tool_use, "a") as fh:
-        fh.write("{{ 'edited' }}")
-    assert tokenizer_identity(named) != before
+    tok = build_tokenizer(str(tmp_path / "tok"), "qwen25")
+    out = str(tmp_path / "p")
+    prepare([_rows(tmp_path / "c.jsonl", [TURNS])], out, tok, workers=0, log=lambda _: None)
+    m = json.load(open(os.path.join(out, MANIFEST)))
+    for k in ("chat_docs", "no_stop_rows", "supervised_tokens", "untrained_turns", "dropped_reasoning"):
+        m.pop(k, None)
+    json.dump(m, open(os.path.join(out, MANIFEST), "w"))
+    in_job.said_again(out)
+    assert capsys.readouterr().out == ""
