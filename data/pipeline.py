@@ -274,7 +274,10 @@ class RunData:
         if getattr(stage, "kind", "text") == "sft" and tasks_as_chat(stage.tasks):  # in the conversations' template
             from data.chat import ChatEncoder
 
-            chat = ChatEncoder(self.tokenizer, "assistant", self.prepared.manifest.get("chat_template", "auto"))
+            # at the preparation's instant (a date template's `strftime_now`): every rank renders the same trials, and
+            # as the conversations were (each rank's own clock split an SP group's tokens across a midnight)
+            chat = ChatEncoder(self.tokenizer, "assistant", self.prepared.manifest.get("chat_template", "auto"),
+                               self.prepared.manifest.get("created"))
         dataset = TaskMixDataset(dataset, list(tasks), self.tokenizer, stage.max_seq_length, seed + stage.index, chat)
         return dataset, TaskMixSampler(sampler, dataset, tasks, dp, dp_rank, micro_batch)
 

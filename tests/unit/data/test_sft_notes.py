@@ -8,6 +8,7 @@ component's piece counts as one conversation: a books component at 5% of the sam
 from __future__ import annotations
 
 import json
+import os
 import re
 import types
 
@@ -133,3 +134,23 @@ def test_a_text_stage_gets_no_loss_share_note():
                                   data={"web": 0.5, "books": 0.5}, max_seq_length=1024)
     mix = types.SimpleNamespace(parts=[types.SimpleNamespace(), types.SimpleNamespace()], names=["web", "books"])
     assert loss_share_note(stage, mix) == ""
+
+
+def test_chat_tasks_render_at_the_preparations_instant(tmp_path):
+    """`tasks: {chat: true}` renders an SFT stage's synthetic samples through the chat template on every rank: a
+    template writing today's date read each rank's own clock, so across a midnight the ranks of one SP group rendered
+    samples of different tokens. Every rank now renders at the prepared folder's `created` instant."""
+    import datetime
+
+    from data.pipeline import open_run_data
+    from data.prepare_data import prepare
+    from data.store import MANIFEST
+
+    chats = build_demo_chats(str(tmp_path / "chat.jsonl"), 40, seed=3)
+    out = str(tmp_path / "prep")
+    prepare([f"chat={chats}"], out, SP, workers=0, log=lambda _: None)
+    created = json.load(open(os.path.join(out, MANIFEST)))["created"]
+    stage = _stage(0, 2048, [{"name": "chat", "source": "chat", "weight": 1.0}], tasks={"passkey": 0.05, "chat": True})
+    data = open_run_data(out, SP, Tokenizer(SP).vocab_size, [stage], reset_position_ids=True)
+    ds, _ = data.stage_view(stage, 1, 0, 1, seed=0)
+    assert ds.chat.clock.at == datetime.datetime.fromisoformat(created)
