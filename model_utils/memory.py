@@ -3,8 +3,8 @@ tiled MLP, tiled logits + loss, activation checkpointing (optionally offloaded t
 allocator setting ALST uses. These are the pieces of Arctic Long Sequence Training (ALST) on top of
 Ulysses SP; every tensor below is a rank's sequence shard, `[bs, sl_local, ...]` with sl_local = sl/sp.
 
-- `--tiled_mlp`: each decoder layer's gated MLP runs through DeepSpeed's `TiledMLP` over
-  ceil(sl_local / hidden) sequence tiles (ALST's rule; tiles of at least 1024 tokens on tiny models, see
+- `--tiled_mlp`: each decoder layer's MLP (any token-wise layout; not an MoE block) runs through DeepSpeed's
+  `TiledMLP` over ceil(sl_local / hidden) sequence tiles (ALST's rule; tiles of at least 1024 tokens on tiny models, see
   planner.memory_model.MLP_MIN_TILE_TOKENS). Only the MLP input is saved; backward recomputes
   one tile at a time, so the `[bs, sl_local, intermediate]` activations never exist whole.
 - `--tiled_logits`: the LM head and the cross-entropy run one sequence tile at a time
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import inspect
 import os
 import types
 from collections.abc import Callable
@@ -55,6 +56,7 @@ from model_utils.mlp import use_lean_mlp
 from model_utils.rmsnorm import norm_source, renorm, use_lean_rmsnorm
 from model_utils.tiled_loss import TileGradSum, agreed_tiles, install_loss_forward, loss_sum, tiled_loss_sum
 from planner.memory_model import mlp_tiles
+from planner.shapes import tiled_mlp_refusal
 
 # Tile sizes. Module-level so the tests can force several tiles on tiny models.
 MLP_TILE_TOKENS: int | None = None  # tokens per MLP tile; None: planner.memory_model.mlp_tiles's rule
@@ -200,7 +202,50 @@ def make_loss_fn(features) -> Callable[..., torch.Tensor]:
 # --- tiled MLP ---------------------------------------------------------------------------------------
 
 def _gated_mlp(mlp, x: torch.Tensor) -> torch.Tensor:
-    return mlp._untiled_forward(x)  # HF's forward or the lean one (model_utils/mlp.py)
+    """One tile through the MLP's own forward (HF's, whatever its layout, or the lean one: model_utils/mlp.py)."""
+    out = mlp._untiled_forward(x)
+    if not torch.is_tensor(out) or out.shape != x.shape:  # _tile_mlps refuses the layouts known to do this
+        raise ValueError(f"--tiled_mlp: {type(mlp).__name__} returned {type(out).__name__} "
+                         f"{tuple(getattr(out, 'shape', ()))} for a {tuple(x.shape)} tile, not a tensor of the same "
+                         "shape (the tiled MLP needs a token-wise MLP); drop tiled_mlp")
+    return out
+
+
+def _rng_state(device: torch.device) -> tuple:
+    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+def _set_rng_state(state: tuple, device: torch.device) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
+class _ReplayedTiles:
+    """The tile function of one tiled-MLP call: backward's recompute of the tiles draws the random numbers the
+    forward's tiles drew (an MLP's own dropout: Starcoder2's residual_dropout), so the gradients are those of the
+    output the forward returned. Both run the same tiles in the same order (torch.chunk of the flattened rows), so
+    the generator's state before the first tile is all it keeps (~5 KB per layer), restored around backward's tiles."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.start, self.tiles, self.done, self.outer = device, None, 0, 0, None
+
+    def __call__(self, mlp, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():  # the forward (TiledMLP / NormTiledMLP run it under no_grad)
+            if self.tiles == 0:
+                self.start = _rng_state(self.device)
+            self.tiles += 1
+            return _gated_mlp(mlp, x)
+        if self.done == 0:  # backward's first tile: the forward's draws from here on
+            self.outer = _rng_state(self.device)
+            _set_rng_state(self.start, self.device)
+        self.done += 1
+        try:
+            return _gated_mlp(mlp, x)
+        finally:
+            if self.done == self.tiles:  # the last tile: the generator continues where it was
+                _set_rng_state(self.outer, self.device)
+                self.done = 0
 
 
 class NormTiledMLP(torch.autograd.Function):
@@ -253,11 +298,32 @@ def _tiled_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     # All of the MLP's weights get one gradient per tile; TiledMLP tells ZeRO-3 to reduce them after the last.
     source = norm_source(x) if torch.is_grad_enabled() else None
     engaged("tiled_mlp")  # per layer and micro-batch (model_utils/engagement.py)
+    fn = _ReplayedTiles(x.device)
     if source is not None:  # x is the post-attention lean RMSNorm's output: keep what the norm keeps, not x
         engaged("norm_recompute")
-        return NormTiledMLP.apply(_gated_mlp, self, x, tiles, list(self.parameters()), source)
+        return NormTiledMLP.apply(fn, self, x, tiles, list(self.parameters()), source)
     missing_norm_source(self, "the tiled MLP")  # the plan counted it: stop before its backward needs the [T, h]
-    return TiledMLP.apply(_gated_mlp, self, x, tiles, list(self.parameters()))
+    # rows flattened: TiledMLP's forward then tiles as its backward does (bs > 1: along -2 it would tile [bs, t, h],
+    # its backward rows), so backward replays the forward's random draws tile for tile (_ReplayedTiles)
+    rows = x.reshape(-1, x.shape[-1])
+    return TiledMLP.apply(fn, self, rows, tiles, list(self.parameters())).view(x.shape)
+
+
+def _mlp_refusal(model, layer) -> str:
+    """Why `layer`'s MLP cannot be tiled ("": it can). The tiled MLP runs the MLP's own forward on tiles of rows, right
+    for any token-wise [.., h] -> [.., h] MLP: gated (gate/up/down_proj), fused (Phi-3's gate_up_proj), plain
+    (Starcoder2's c_fc/c_proj, Phi's fc1/fc2, Nemotron's up/down_proj). Not for a mixture of experts: its router
+    picks experts per token (an `experts` / `router` submodule in every transformers 5.x MoE block)."""
+    mlp = getattr(layer, "mlp", None)
+    if mlp is None:
+        return (f"{type(layer).__name__} has no `mlp` ({', '.join(n for n, _ in layer.named_children())}), "
+                "the module the tiled MLP tiles")
+    if any(name.rsplit(".", 1)[-1] in ("experts", "router") for name, _ in mlp.named_modules()):
+        return tiled_mlp_refusal(getattr(model.config, "model_type", ""))
+    returns = inspect.signature(mlp.forward).return_annotation
+    if "tuple" in str(returns).lower():  # (hidden, router logits): not one [.., h] tensor per tile
+        return f"{type(mlp).__name__}'s forward returns a tuple ({returns}), not one [.., hidden] tensor"
+    return ""
 
 
 def _tile_mlps(model) -> None:
@@ -265,10 +331,11 @@ def _tile_mlps(model) -> None:
     if layers is None:
         raise ValueError(f"--tiled_mlp: no decoder layers found in {type(model).__name__}")
     for layer in layers:
-        mlp = getattr(layer, "mlp", None)
-        if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
-            raise ValueError(f"--tiled_mlp supports gated MLPs (gate_proj/up_proj/down_proj: Llama, Qwen2/3, "
-                             f"Mistral); {type(model).__name__} has {type(mlp).__name__}")
+        why = _mlp_refusal(model, layer)
+        if why:
+            raise ValueError(f"--tiled_mlp: {type(model).__name__}: {why}; drop tiled_mlp (--tiled_mlp, the stage's "
+                             "memory_features)")
+        mlp = layer.mlp
         mlp._untiled_forward = mlp.forward
         mlp.forward = types.MethodType(_tiled_mlp_forward, mlp)  # this instance only: other models untouched
         # ZeRO-3 leaf: the MLP's weights are gathered once per forward and once per backward of the whole MLP,
