@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from model_utils.attention import LAYER_TYPES, SUPPORTED
 from model_utils.sinks import SINKS_COVERED, has_sinks
-from planner.shapes import expert_count, head_chunks_refusal, tiled_mlp_refusal
+from planner.shapes import OTHER_MLP_NAME, expert_count, head_chunks_refusal, tiled_mlp_refusal
 
 # gated delta-net hybrids whose "linear_attention" layers model_utils/linear_attention.py runs under Ulysses by heads
 # (defined here, imported there: attention.py never imports linear_attention.py, so the two form no cycle)
@@ -71,10 +71,12 @@ def router_note(hf_config, asked: bool) -> str:
 
 
 def check_tiled_mlp(hf_config, on: bool, where: str) -> None:
-    """Refuse tiled_mlp on an MoE model in one line, before any engine (the dry run alike): model_utils/memory.py tiles
+    """Refuse tiled_mlp on an MoE model (or LFM2: OTHER_MLP_NAME) in one line, before any engine (the dry run alike): model_utils/memory.py tiles
     gated gate/up/down_proj MLPs only, and refused the expert block when the stage's engine was built, after the
     earlier stages had trained (gpt-oss's 128k stage: 1908 steps), and again at every restart."""
-    kind = moe_type(hf_config) if on else ""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    own = getattr(text, "model_type", "")
+    kind = (moe_type(hf_config) or (own if own in OTHER_MLP_NAME else "")) if on else ""
     if kind:
         raise ValueError(f"{where}: tiled_mlp: {tiled_mlp_refusal(kind)}; drop tiled_mlp (--tiled_mlp, the stage's "
                          "memory_features)")

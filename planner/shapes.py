@@ -149,10 +149,17 @@ def moe_fields(cfg: Mapping) -> dict:
                 shared_intermediate_size=shared_width, dense_layers=n - moe)
 
 
+# dense families whose decoder layers keep their MLP under another name than `mlp`, which the tiled MLP
+# (model_utils/memory.py) and its engagement count read: LFM2's `feed_forward`
+OTHER_MLP_NAME = ("lfm2", "lfm3")
+
+
 def tiled_mlp_refusal(model_type: str) -> str:
-    """Why --tiled_mlp cannot run an MoE model: its decoder layers' MLP is an expert block."""
-    return (f"{model_type or 'this model'}'s MLP is a mixture-of-experts block (routed experts, no gate_proj / up_proj"
-            " / down_proj), which the tiled MLP (model_utils/memory.py) cannot run")
+    """Why --tiled_mlp cannot run a model: an MoE's decoder MLP is an expert block; LFM2's is not `mlp`."""
+    if model_type in OTHER_MLP_NAME:
+        return f"{model_type}'s decoder layers keep their MLP as feed_forward, which the tiled MLP does not reach"
+    return (f"{model_type or 'this model'}'s MLP is a mixture-of-experts block (routed experts), which the tiled MLP "
+            "(model_utils/memory.py) cannot run")
 
 
 @dataclass(frozen=True)
@@ -260,7 +267,7 @@ class ModelShape:
     @property
     def no_tiled_mlp(self) -> str:
         """Why --tiled_mlp cannot run this model (planner.shapes.tiled_mlp_refusal); "": it can."""
-        return tiled_mlp_refusal(self.model_type) if self.num_experts else ""
+        return tiled_mlp_refusal(self.model_type) if self.num_experts or self.model_type in OTHER_MLP_NAME else ""
 
     @property
     def v_dim(self) -> int:

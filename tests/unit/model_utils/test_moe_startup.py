@@ -49,6 +49,18 @@ def test_check_tiled_mlp(model_type, kw):
     check_tiled_mlp(AutoConfig.for_model("qwen3_moe", **{**TINY, "num_experts": 0}), True, "dense")
 
 
+def test_lfm2s_feed_forward_is_not_tiled():
+    """LFM2 keeps its MLP as feed_forward, which the tiled MLP does not reach: auto offered it, and the stage's engine
+    refused it after the earlier stages trained; now auto never picks it and a pinned one is refused at start-up."""
+    from planner.shapes import ModelShape
+
+    config = AutoConfig.for_model("lfm2", **TINY)
+    with pytest.raises(ValueError, match="stage 1 \\(s\\): tiled_mlp: lfm2's decoder layers keep their MLP as feed_forward"):
+        check_tiled_mlp(config, True, "stage 1 (s)")
+    assert "feed_forward" in ModelShape.from_config(config.to_dict()).no_tiled_mlp
+    assert ModelShape.from_config(AutoConfig.for_model("llama", **TINY).to_dict()).no_tiled_mlp == ""
+
+
 def test_router_note_on_every_moe_start(tmp_path, capsys):
     """TRL's MoE fine-tunes default router_aux_loss_coef 0.001: a run here trains no such loss, and says so on every
     MoE start, once, whether or not the config asked for output_router_logits; a dense model gets no note."""
