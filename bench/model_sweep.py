@@ -117,8 +117,17 @@ def render(results: dict) -> str:
              "", "A real checkpoint of a listed type can still differ from its tiny config (other options of the same "
              "config class); the start-up checks read the real config. Options refused there whatever the type: "
              "`use_bidirectional_attention: true` or `is_causal: false` (documents are masked causally). "
-             "`output_router_logits: true` (tencent/Hy3 ships it) is turned off with a note: the router's "
-             "load-balancing loss is not trained here.", "",
+             "Mixture-of-experts models: the router's load-balancing (aux) loss is not trained here (the loss is "
+             "the logits' cross-entropy, `router_aux_loss_coef` is unused), which every MoE start says in one "
+             'note; `output_router_logits: true` (tencent/Hy3 ships it) is turned off (the router logits would '
+             "cost every layer's [tokens, experts]). `tiled_mlp` (a flag or a stage's `memory_features`) is "
+             'refused at start-up for an MoE (its expert blocks are no token-wise MLP to tile) and for LFM2 (its '
+             'MLP is `feed_forward`), and `memory_features: auto` never picks it there; any other dense MLP tiles '
+             "(Phi-3's fused gate_up_proj too). The planner reads each family's expert keys (ERNIE-4.5's "
+             "`moe_num_experts` / `moe_k` / `moe_layer_start_index`, Hunyuan's `moe_topk`, Qwen2-MoE's "
+             "`shared_expert_intermediate_size`, GraniteMoeShared's `shared_intermediate_size`; "
+             'tests/unit/planner/test_moe_shapes.py checks its parameter count against the built model) and '
+             'refuses an MoE config that names no top-k.', "",
              'Model folders refused at start-up whatever the type, in one line before any data or weight is read: '
              "quantized weights (`quantization_config` in config.json: they would load outside ZeRO-3's partitioning, "
              'FP8 layers give no weight gradient): fine-grained FP8 (Qwen3-*-FP8, DeepSeek-V3/R1) and MXFP4 (gpt-oss '
