@@ -80,8 +80,9 @@ def serve(addr: str, port: int, ready: str | None = None) -> None:
     run_identity.publish(store, run_identity.identity())  # whose store: every rank reads it before it writes
     store.compare_set(key("abort"), "", "")  # the watchers' multi_get never blocks on a missing key
     publish_fd_limit(store, soft)  # every rank refuses a world this process cannot hold (base/comm.py open_channel)
-    # Slurm signals every process of the step (preemption, time limit): the ranks then save and need the store until
-    # they have committed; launch.sh ends this process with SIGKILL when its ranks are gone, and it dies with launch.sh
+    # Slurm may signal every process of the step (preemption, time limit; proctrack/cgroup with SignalChildrenProcesses
+    # =yes, else launch.sh's group gets it from slurm.sbatch): the ranks then save and need the store until they have
+    # committed; launch.sh ends this process with SIGKILL when its ranks are gone, and it dies with launch.sh
     for sig in _SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     try:
@@ -202,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd == "serve":
         serve(a.addr, a.port, a.ready)
         return 0
-    # Slurm signals every process of the step when it ends it (srun --kill-on-bad-exit, scancel): the wait is bounded,
+    # Slurm may signal every process of the step when it ends it (srun --kill-on-bad-exit, scancel): the wait is bounded,
     # and its verdict (the lost nodes) is what the batch shell needs to requeue without them
     for sig in _SIGNALS:
         signal.signal(sig, signal.SIG_IGN)

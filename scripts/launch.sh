@@ -16,7 +16,7 @@
 # step boundary, exit 75); a second SIGINT stops the launcher the hard way. The launchers themselves run
 # in their own process group with SIGUSR1 and SIGUSR2 ignored, because the deepspeed launcher has no handler for
 # them (it would die of one and lose the exit code: `scancel --signal=USR2` without --batch sends it to every process
-# of the job's steps) and answers SIGTERM/SIGINT by killing its children.
+# of the job's steps under cgroup.conf SignalChildrenProcesses=yes) and answers SIGTERM/SIGINT by killing its children.
 # Threads and cores: each rank gets OMP_NUM_THREADS = this node's CPUs / its ranks (a value you set wins; pdsh nodes
 # get node 0's number); on one node and with --no_ssh, where numactl is installed, the deepspeed launcher also binds
 # each rank to its own cores (--bind_cores_to_rank; it then sets OMP_NUM_THREADS per rank). BIND_CORES=0: off, 1: must.

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sourced by scripts/slurm.sbatch (found in the repository, not beside the copy Slurm runs): how the job requeues
 # itself. Reads the batch shell's variables (ref, out_dir, nnodes, hosts, the flags its traps set, the book's files:
-# progress, intent, crashes) and exits the shell where a decision ends the job.
+# progress, intent, crashes; the nodes' records) and exits the shell where a decision ends the job.
 # shellcheck shell=bash disable=SC2154  # every variable named above is the batch shell's
 # Every requeue goes through here. Never after a cancel: the batch shell's `scontrol requeue` of a CANCELLED job
 # (still COMPLETING) is accepted by slurmctld (_job_requeue_op) and would undo the user's scancel; the state is read
@@ -60,6 +60,31 @@ records_unseen() {
   rm -rf "$state"
   log "bad input (exit 2): not requeueing"
   exit 2
+}
+# The nodes' records ($state: start.N, exit.N, term.N, stop.N), read by the batch shell (slurm.sbatch, after the step):
+unrecorded() {
+  local n
+  for ((n = 0; n < nnodes; n++)); do
+    [ -f "$state/start.$n" ] && [ ! -f "$state/exit.$n" ] && [ ! -f "$state/term.$n" ] && echo "$n"
+  done
+  return 0
+}
+unstarted() {  # the nodes without a start record, once some node has one (none: srun itself failed)
+  local n started=0
+  for ((n = 0; n < nnodes; n++)); do [ -f "$state/start.$n" ] && started=1; done
+  [ "$started" = 1 ] || return 0
+  for ((n = 0; n < nnodes; n++)); do [ -f "$state/start.$n" ] || echo "$n"; done
+  return 0
+}
+stop_asked() {  # a node's task got SIGUSR2 (scancel --signal=USR2 without --batch: the steps only): a stop, as this
+  # shell's own SIGUSR2 is (its trap: slurm.sbatch); also read at a SIGTERM
+  local n
+  [ "$stopped" = 1 ] && return 0
+  for ((n = 0; n < nnodes; n++)); do
+    [ -f "$state/stop.$n" ] && { stopped=1; log "node $n's task got SIGUSR2 (scancel --signal=USR2 reaches the steps" \
+      "only): a stop, as asked; the job ends after the save, never requeued"; return 0; }
+  done
+  return 0
 }
 requeue_cmd() {  # `scontrol requeue`, retried (a busy controller answers with an error), immune to its own SIGTERM
   local i err

@@ -83,24 +83,42 @@ def test_sbatch_forwards_the_warning_signal_and_requeues(tmp_path, sig):
     assert requeues(tmp_path) == ["requeue 4242"], text
 
 
-@pytest.mark.parametrize("sig, batch, requeued", [("USR1", True, True), ("USR2", True, False), ("USR2", False, False)])
+@pytest.mark.parametrize("sig, batch, requeued", [
+    ("USR1", True, True), ("USR2", True, False), ("USR2", False, False), ("USR1", False, True),
+    ("USR2", "early", False),     # without --batch, before launch.sh has set its traps
+    ("USR2", "children", False),  # without --batch, where Slurm signals every process of the step too
+])
 def test_a_users_scancel_signal_saves_then_requeues_or_stops(tmp_path, sig, batch, requeued):
     """`scancel --batch --signal=USR1 JOB` is the time-limit warning asked by hand: save, requeue now. `--signal=USR2`:
     the same save, then the job ends, never requeued (resubmitting resumes). Before, the batch shell had no USR2 trap
-    and died of it: no save, the job failed (140). Without --batch scancel signals the steps' processes only, never the
-    batch shell: the node's task records the USR2 (stop.N), and the save's 75 is no longer requeued as a preemption."""
-    job = sbatch(tmp_path, "wait", ["--output_dir", str(tmp_path / "out")])
+    and died of it: no save, the job failed (140). Without --batch scancel signals the steps only, never the batch
+    shell, and there (proctrack/cgroup's default, the stand-ins' too) each node's task alone: its bash records the USR2
+    (stop.N: not requeued as a preemption) and passes USR1 / USR2 on to launch.sh, once launch.sh has set its traps
+    ("early": the stand-in launcher starts 2 s late); it kept them (USR2 ignored until the job's end, USR1 lost).
+    "children": cgroup.conf SignalChildrenProcesses=yes, every process gets it: launch.sh twice, one save."""
+    env = {"STUB_SIGNAL_CHILDREN": "1" if batch == "children" else "0"}
+    if batch == "early":  # its traps set 2 s after the node's task started
+        late = tmp_path / "late_launch"
+        late.write_text(f'#!/usr/bin/env bash\nsleep 2\nexec {os.path.join(STUBS, "fake_launch")} "$@"\n')
+        late.chmod(0o755)
+        env["LAUNCH_CMD"] = str(late)
+    job = sbatch(tmp_path, "wait", ["--output_dir", str(tmp_path / "out")], **env)
+    log = tmp_path / "fake.log"
     try:
-        wait_for(lambda: "ready" in (tmp_path / "fake.log").read_text() if (tmp_path / "fake.log").exists()
-                 else False, 30, "the stand-in launcher")
-        subprocess.run(["scancel", *(["--batch"] if batch else []), f"--signal={sig}", "4242"], check=True, timeout=30,
-                       env=clean_env(PATH=f"{STUBS}:{os.environ['PATH']}", SCONTROL_LOG=str(tmp_path / "scontrol.log")))
+        if batch == "early":
+            wait_for((tmp_path / ".cache/slurm/4242.0/start.0").exists, 30, "the node's task")
+            assert not log.exists(), log.read_text()  # the launcher not up yet
+        else:
+            wait_for(lambda: "ready" in log.read_text() if log.exists() else False, 30, "the stand-in launcher")
+        subprocess.run(["scancel", *(["--batch"] if batch is True else []), f"--signal={sig}", "4242"], check=True,
+                       timeout=30, env=clean_env(PATH=f"{STUBS}:{os.environ['PATH']}", **env,
+                                                 SCONTROL_LOG=str(tmp_path / "scontrol.log")))
         text = job.communicate(timeout=30)[0]
     finally:
         job.kill()
     assert job.returncode == 0, text
     # the ranks asked to save: by the batch shell (SIGUSR1), or by the step's own signal (launch.sh takes USR2 as one)
-    assert f"got SIG{'USR1' if batch else sig}" in (tmp_path / "fake.log").read_text(), text
+    assert f"got SIG{'USR1' if batch is True else sig}" in log.read_text(), text
     assert requeues(tmp_path) == (["requeue 4242"] if requeued else []), text
     assert ("saved and stopped, as asked (SIGUSR2): not requeueing" in text) == (not requeued), text
 

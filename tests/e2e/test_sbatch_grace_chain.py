@@ -1,7 +1,8 @@
 """A GraceTime preemption during a long step through the whole chain: scripts/slurm.sbatch under the stand-ins of
 sbatch, srun (--kill-on-bad-exit), scontrol and scancel, the real scripts/launch.sh on each of 2 nodes x 2 ranks (node
 0 hosting the job's store, base/node_store.py), and stand-ins of deepspeed's runner.py, launch.py and the ranks as
-train.py behaves. slurmctld TERMs every step process, not the batch shell (`scontrol _grace`, PreemptTime set). The
+train.py behaves. slurmctld TERMs every step process (cgroup.conf SignalChildrenProcesses=yes: STUB_SIGNAL_CHILDREN),
+not the batch shell (`scontrol _grace`, PreemptTime set). The
 ranks are in a 120-s step: the flag is looked at only at its end, so none leaves on its own. launch.py TERMs each
 rank in turn, waits (30 s; LP_WAIT here), SIGKILLs it; the other ranks' collective breaks ("Connection closed by peer")
 and they raise as training/job._fail does: the failure posted on the job's store (first wins), no crash record after
@@ -193,7 +194,8 @@ def test_a_gracetime_preemption_during_a_long_step_is_requeued_without_excluding
                     MASTER_PORT=free_port(), SLURM_JOB_NUM_NODES="2", SLURM_JOB_NODELIST="127.0.0.1,localhost",
                     SCONTROL_NODES="gpu[1-8]", SRUN_KILL_WAIT="25", STATE_SETTLE_S="8", ULYSSES_START_WAIT_S="2",
                     LP_WAIT="4",  # launch.py's wait_procs(timeout=30) for each rank, scaled
-                    STEP_S="120", RAISE_NODES=RAISE_NODES)  # a step of a 1M-token sequence: minutes
+                    STEP_S="120", RAISE_NODES=RAISE_NODES,  # a step of a 1M-token sequence: minutes
+                    STUB_SIGNAL_CHILDREN="1")  # the steps' TERM to every process (SignalChildrenProcesses=yes)
     job = subprocess.Popen(["sbatch", SBATCH_SCRIPT, "--output_dir", str(out)], cwd=tmp_path, env=env,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -203,8 +205,8 @@ def test_a_gracetime_preemption_during_a_long_step_is_requeued_without_excluding
         assert job.poll() is None, job.communicate()[0]
         time.sleep(0.5)
         # a preemption with GraceTime: PreemptTime set, SIGTERM to every step process, not the batch shell
-        subprocess.run(["scontrol", "_grace", "4242"], env=clean_env(PATH=env["PATH"], SCONTROL_LOG=env["SCONTROL_LOG"]),
-                       check=True, timeout=30)
+        subprocess.run(["scontrol", "_grace", "4242"], env=clean_env(PATH=env["PATH"], SCONTROL_LOG=env["SCONTROL_LOG"],
+                                                                     STUB_SIGNAL_CHILDREN="1"), check=True, timeout=30)
         text = job.communicate(timeout=90)[0]
     finally:
         job.kill()
