@@ -386,9 +386,13 @@ set +m
 # waits for the other ranks there (deepspeed's launch.py gives them 30 s), while a healthy node's rank, its peer gone,
 # raises and its node exits first. Slurm's own SIGKILL comes KillWait after its TERM, never before. One `kill -0` a
 # rank a second; the process table is read only until every rank here has been seen.
-known_ranks="" early=0
+known_ranks="" early=0 rc=""
 while kill -0 "$launcher_pid" 2>/dev/null; do
   [ "$pending" = 1 ] && forward
+  # a rank here gone before the signal, the OOM killer's count up (or a fault): the verdict now. Under Slurm's default
+  # delivery the step's TERM reaches this script alone, the launcher goes on waiting 30 s for the rest here, and
+  # Slurm's SIGKILL (KillWait after its TERM) came first: the healthy node that exited first was excluded
+  [ "$signalled$early$died" = 110 ] && died_verdict
   if [ "$signalled" = 0 ]; then
     gone=0
     for p in $known_ranks; do alive "$p" || gone=1; done

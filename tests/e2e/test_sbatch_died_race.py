@@ -14,6 +14,8 @@ import os
 import socket
 import subprocess
 
+import pytest
+
 from tests.e2e.launchers import LAUNCH, SBATCH_SCRIPT, STUBS, clean_env, requeues
 
 # The launch.sh under test (RACE_LAUNCH_SH: another copy, e.g. an older one beside a checkout's .venv)
@@ -76,13 +78,15 @@ def free_port() -> str:
         return str(s.getsockname()[1])
 
 
-def test_a_node_whose_rank_the_oom_killer_took_is_excluded_through_the_whole_chain(tmp_path):
+@pytest.mark.parametrize("children", ["1", ""], ids=["signal_children", "slurm_default"])
+def test_a_node_whose_rank_the_oom_killer_took_is_excluded_through_the_whole_chain(tmp_path, children):
     """Node 1's rank is SIGKILLed (the host's OOM killer); node 0's rank, its peer gone, raises and writes `first`,
     and node 0's launch.sh exits 1 first (after its post to the job's store); srun then TERMs every process of node
     1's task (launch.sh, the deepspeed runner, launch.py, the saving rank: a cluster whose cgroup.conf has
     SignalChildrenProcesses=yes; under its default `no` the TERM reaches node 1's task alone, which passes it to
     launch.sh only), SIGKILL SRUN_KILL_WAIT later. The crash began on node 1: the job is requeued without node 1's host,
-    never without node 0's (healthy)."""
+    never without node 0's (healthy). Under the default node 1's launch.sh, TERMed with a rank already gone and the
+    OOM count up, writes `died` at once (it waited for its launcher, whose 30 s outlast KillWait: node 0 was excluded)."""
     race = tmp_path / "race"
     race.mkdir()
     os.mkfifo(race / "fifo")
@@ -102,7 +106,7 @@ def test_a_node_whose_rank_the_oom_killer_took_is_excluded_through_the_whole_cha
                     SLURM_JOB_NUM_NODES="2", SLURM_JOB_NODELIST="127.0.0.1,localhost", SCONTROL_NODES="gpu[1-8]",
                     SRUN_KILL_WAIT="3",  # node 1's launch.sh has this long after srun's TERM (Slurm's KillWait: 30 s)
                     STATE_SETTLE_S="8", ULYSSES_START_WAIT_S="2",  # node 0's post waits this long for node 1's ranks
-                    STUB_SIGNAL_CHILDREN="1")  # srun's TERM to every process (cgroup.conf SignalChildrenProcesses=yes)
+                    STUB_SIGNAL_CHILDREN=children)  # "1": srun's TERM to every process (SignalChildrenProcesses=yes)
     job = subprocess.Popen(["sbatch", SBATCH_SCRIPT, "--output_dir", str(out)], cwd=tmp_path, env=env,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
