@@ -5,22 +5,18 @@
 # shellcheck shell=bash disable=SC2154  # every variable named above is the batch shell's
 # Every requeue goes through here. Never after a cancel: the batch shell's `scontrol requeue` of a CANCELLED job
 # (still COMPLETING) is accepted by slurmctld (_job_requeue_op) and would undo the user's scancel; the state is read
-# again (its base state, base/slurm_state.py), as a TERM's reading can have failed. Bounded by progress: a requeue
-# that brings no newer checkpoint than the last one counts, ULYSSES_MAX_STALLED_REQUEUES in a row end the job
-# (.cache/slurm/<job>.progress: "count checkpoint").
+# again just before each requeue call (its base state, base/slurm_state.py), as a TERM's reading can have failed.
+# Bounded by progress: a requeue that brings no newer checkpoint than the last one counts,
+# ULYSSES_MAX_STALLED_REQUEUES in a row end the job (.cache/slurm/<job>.progress: "count checkpoint").
 latest_step() {  # the run's newest committed checkpoint's step, "-" when none
   local c=""
   [ -n "$out_dir" ] && c=$(grep -oE '[0-9]+$' "$out_dir/checkpoints/LATEST" 2>/dev/null | sed 's/^0*\(.\)/\1/')
   echo "${c:--}"
 }
 may_requeue() {  # $1: the code to exit with when not; returns when a requeue may go ahead (records its progress)
-  local st count=0 last=- now max=${ULYSSES_MAX_STALLED_REQUEUES:-${MAX_REQUEUES:-3}}
+  local count=0 last=- now max=${ULYSSES_MAX_STALLED_REQUEUES:-${MAX_REQUEUES:-3}}
   [ "$stopped" = 1 ] && { log "stopped as asked (SIGUSR2), exit $1: not requeueing"; exit "$1"; }
-  st=$(job_state)
-  if [ "$cancelled" = 1 ] || [ "${st%% *}" = CANCELLED ] || [ "${st%% *}" = COMPLETING ]; then
-    log "the job was cancelled (JobState=${st%% *}): not requeueing"
-    exit "$1"
-  fi
+  [ "$cancelled" = 1 ] && cancel_ends "$1"  # the TERM trap read a cancel; else the state is read at requeue_cmd
   [ -n "$out_dir" ] || return 0  # no output dir known: progress cannot be read, nothing to bound by
   [ -f "$progress" ] && read -r count last < "$progress"
   [[ $count =~ ^[0-9]+$ ]] || count=0
@@ -86,13 +82,30 @@ stop_asked() {  # a node's task got SIGUSR2 (scancel --signal=USR2 without --bat
   done
   return 0
 }
-requeue_cmd() {  # `scontrol requeue`, retried (a busy controller answers with an error), immune to its own SIGTERM
+cancel_ends() {  # $1: the code to exit with; exits when the job was cancelled: the trap's word or the state read now
+  local st
+  st=$(job_state)  # before `cancelled` is looked at: a TERM arriving during this read runs its trap first
+  st=${st%% *}
+  if [ "$cancelled" = 1 ] || [ "$st" = CANCELLED ] || [ "$st" = COMPLETING ]; then
+    log "the job was cancelled (JobState=${st:-unknown}): not requeueing"
+    exit "$1"
+  fi
+}
+# The state is read here, at the last moment before each try, not when the requeue was decided: requeue_without's
+# scontrol calls (an exclusion: up to 4, each up to MessageTimeout on a busy controller) left seconds in which a
+# `scancel` came, its trap ran between two of them, and the requeue then undid it (slurmctld requeues a CANCELLED,
+# still COMPLETING job). One state read per try, as before (~50 ms, one scontrol call). Left: a cancel landing
+# during the requeue call itself.
+requeue_cmd() {  # $1: the code to exit with when cancelled; `scontrol requeue`, retried (a busy controller answers
+  # with an error), immune to its own SIGTERM
   local i err
-  requeued=1
   for i in 1 2 3; do
+    cancel_ends "$1"
+    requeued=1  # from here the TERM trap takes a TERM for the requeue's own
     # scontrol itself in the substitution, TERM ignored: a shell between them died of the requeue's own TERM (143)
     # after a requeue that worked, which then counted as failed and lost the job's records
     err=$(trap '' TERM INT; exec scontrol requeue "$ref" 2>&1) && return 0
+    requeued=0
     echo "$err" >&2
     if [[ $err == *"presently disabled"* ]]; then  # ESLURM_DISABLED: --no-requeue, or the site's job_submit policy
       log "requeue is disabled for this job (sbatch --no-requeue, or the cluster's policy): resubmit the same command" \
@@ -107,7 +120,7 @@ requeue_cmd() {  # `scontrol requeue`, retried (a busy controller answers with a
 requeue_now() {  # from the TERM trap (time limit, preemption): plain requeue while this shell still runs
   [ "$stopped" = 1 ] && { log "a stop was asked (SIGUSR2): not requeueing"; return 0; }  # the ranks' end decides
   may_requeue 0
-  requeue_cmd || log "requeue failed (JobState=$1)"
+  requeue_cmd 0 || log "requeue failed (JobState=$1)"
 }
 # The job's base state is read by base/slurm_state.py (`python -m base.slurm_state`); the Python that can run it is
 # found once, now: the venv's, else python3 (a venv built in a container is a dangling link on the host; python3 3.6
@@ -221,7 +234,7 @@ requeue_without() {  # $1: hosts to exclude (none: plain requeue), $2: the code 
   # the exclusion is recorded first (.cache/slurm/<job>.exclude): should its update not land before the SIGKILL (a busy
   # controller: each try can take MessageTimeout), the next run finds itself on an excluded node and requeues again
   [ -n "$exclude" ] && { mkdir -p "$(dirname "$intent")" && echo "$exclude" > "$intent"; }
-  requeue_cmd || { log "requeue failed"; exit "$2"; }
+  requeue_cmd "$2" || { log "requeue failed"; exit "$2"; }
   [ -n "$exclude" ] || exit 0
   log "scontrol requeue $ref, then update ExcNodeList=$exclude"
   for _ in 1 2 3; do
@@ -230,6 +243,29 @@ requeue_without() {  # $1: hosts to exclude (none: plain requeue), $2: the code 
   done
   log "could not exclude $1: requeued with them"
   exit 0
+}
+
+# After the step, a node's TERM record (term.N), none to this shell, no rank's own crash (--kill-on-bad-exit TERMs
+# every node after one): a preemption with GraceTime when PreemptTime is set (slurmctld TERMs the steps only,
+# preempt.c KILL_STEPS_ONLY, and requeues the job at the grace's end unless it ended first: a launcher SIGKILLs its
+# ranks 30 s after TERM, exit 1): requeued. Unset, the job RUNNING (not being ended) and the ranks saved (75): a
+# user's `scancel --signal=TERM JOB` without --batch (the steps only; the time limit and a cancel TERM this shell too):
+# a stop, as USR2's, never requeued. One `scontrol show job`, only then.
+steps_termed() {
+  local shown
+  [ "$termed" -gt 0 ] && [ -z "$term_at" ] && [ "$complete$stopped" = 00 ] && [ "$rc" != 2 ] &&
+    [ "${#crash_first[@]}${#crash_own[@]}" = 00 ] || return 0
+  shown=$(scontrol show job "$ref" 2>/dev/null)  # read whole: no grep -q under pipefail
+  if [[ $shown =~ PreemptTime=[0-9] ]]; then
+    log "the steps got SIGTERM, this shell none, PreemptTime set: a preemption (GraceTime), exit $rc: scontrol" \
+      "requeue $ref"
+    requeue_without "" "$rc"
+  elif [ "$rc" = "$EXIT_PREEMPTED" ] && [[ $shown =~ JobState=RUNNING ]]; then
+    log "the steps got SIGTERM, this shell none, no PreemptTime, the job RUNNING: a user's scancel --signal=TERM" \
+      "(the steps only), no preemption nor time limit: saved and stopped, not requeueing"
+    exit 0
+  fi
+  return 0
 }
 
 # A crash confined to one node (a GPU Xid, an ECC error: that node's ranks fail, the others are stopped by the abort

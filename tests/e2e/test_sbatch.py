@@ -87,6 +87,7 @@ def test_sbatch_forwards_the_warning_signal_and_requeues(tmp_path, sig):
     ("USR1", True, True), ("USR2", True, False), ("USR2", False, False), ("USR1", False, True),
     ("USR2", "early", False),     # without --batch, before launch.sh has set its traps
     ("USR2", "children", False),  # without --batch, where Slurm signals every process of the step too
+    ("TERM", False, False),       # the steps only, no PreemptTime, the job RUNNING: a user's stop, not a preemption
 ])
 def test_a_users_scancel_signal_saves_then_requeues_or_stops(tmp_path, sig, batch, requeued):
     """`scancel --batch --signal=USR1 JOB` is the time-limit warning asked by hand: save, requeue now. `--signal=USR2`:
@@ -95,7 +96,9 @@ def test_a_users_scancel_signal_saves_then_requeues_or_stops(tmp_path, sig, batc
     shell, and there (proctrack/cgroup's default, the stand-ins' too) each node's task alone: its bash records the USR2
     (stop.N: not requeued as a preemption) and passes USR1 / USR2 on to launch.sh, once launch.sh has set its traps
     ("early": the stand-in launcher starts 2 s late); it kept them (USR2 ignored until the job's end, USR1 lost).
-    "children": cgroup.conf SignalChildrenProcesses=yes, every process gets it: launch.sh twice, one save."""
+    "children": cgroup.conf SignalChildrenProcesses=yes, every process gets it: launch.sh twice, one save.
+    `--signal=TERM` without --batch: the nodes' tasks record it (term.N) and pass it on, the ranks save; no TERM to the
+    batch shell, no PreemptTime (not a GraceTime preemption, nor the time limit): a stop. It was requeued as one."""
     env = {"STUB_SIGNAL_CHILDREN": "1" if batch == "children" else "0"}
     if batch == "early":  # its traps set 2 s after the node's task started
         late = tmp_path / "late_launch"
@@ -120,7 +123,9 @@ def test_a_users_scancel_signal_saves_then_requeues_or_stops(tmp_path, sig, batc
     # the ranks asked to save: by the batch shell (SIGUSR1), or by the step's own signal (launch.sh takes USR2 as one)
     assert f"got SIG{'USR1' if batch is True else sig}" in log.read_text(), text
     assert requeues(tmp_path) == (["requeue 4242"] if requeued else []), text
-    assert ("saved and stopped, as asked (SIGUSR2): not requeueing" in text) == (not requeued), text
+    stop = "no preemption nor time limit: saved and stopped, not requeueing" if sig == "TERM" else \
+        "saved and stopped, as asked (SIGUSR2): not requeueing"
+    assert (stop in text) == (not requeued), text
 
 
 def warned(tmp_path, after: str, **env: str) -> tuple[subprocess.Popen, str]:

@@ -169,6 +169,24 @@ def test_the_exclusion_survives_the_requeues_own_kill(tmp_path):
     assert state(tmp_path)["reason"] != "JobHeldUser" and state(tmp_path)["exc"] == "localhost", text
 
 
+def test_a_scancel_while_the_requeue_is_decided_is_not_undone(tmp_path):
+    """A lost node's requeue under a busy controller (`show partition`, the exclusion's pool count, answers after 3 s)
+    and the user's scancel while that call runs: the TERM trap read CANCELLED between two scontrol calls, then
+    requeue_without went on to `scontrol requeue` (slurmctld accepts it for a CANCELLED, still COMPLETING job) and
+    the exclusion: the cancel undone, the job PENDING. The cancel is now looked at again just before the requeue."""
+    job = sbatch(tmp_path, "0", ["--output_dir", str(tmp_path / "out")], SCONTROL_SLOW="show partition:3",
+                 SCONTROL_KILL_WAIT="10", **LOST_NODE_1)
+    try:
+        wait_for((tmp_path / "scontrol.log.slow").exists, 60, "the exclusion's partition call")
+        slurm(tmp_path, "scancel", "4242")
+        text = job.communicate(timeout=30)[0]
+    finally:
+        job.kill()
+    assert requeues(tmp_path) == [] and state(tmp_path)["state"] == "CANCELLED", text
+    assert "JobState=CANCELLED (scancel)" in text and "the job was cancelled (JobState=CANCELLED): not requeueing" \
+        in text and job.returncode == 69, text
+
+
 def test_an_exclusion_that_leaves_too_few_nodes_is_not_applied(tmp_path):
     """A 2-node job in a 2-node partition: excluding the lost node would leave it pending forever (slurmctld accepts
     any ExcNodeList on a pending job). Requeued as it is, one line saying why (it used to exclude it)."""
