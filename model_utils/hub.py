@@ -17,6 +17,7 @@ exists, and refuses the run alike on every rank when two differ (a node-local ca
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -124,15 +125,33 @@ def commit_of(folder: str) -> str | None:
     return None
 
 
+def config_digest(folder: str) -> str | None:
+    """The model's config.json as read (keys sorted: a re-saved copy is the same), hashed; None without one (a preset)."""
+    try:
+        with open(os.path.join(folder, "config.json"), "rb") as fh:
+            return hashlib.sha256(json.dumps(json.load(fh), sort_keys=True).encode()).hexdigest()[:16]
+    except (OSError, ValueError):
+        return None
+
+
 def check_same_snapshot(folder: str) -> None:
-    """Every rank resolved the same commit of the model (a collective: every rank calls it at the same point);
-    the same one-line ValueError on every rank otherwise (each rank decides from the same gathered list)."""
+    """Every rank resolved the same commit of the model and reads the same config.json (a collective: every rank
+    calls it at the same point); the same one-line ValueError on every rank otherwise (each rank decides from the same
+    gathered list). Each rank builds its layers and RoPE from its own config read (weights are rank 0's): a node-local
+    copy staged by a prolog, stale on one node, trained that node's ranks with other positions, unsaid. Cost: one read
+    of a few KB a rank and one all-gather of ~100 bytes a rank."""
+    import socket
+
     from base import comm
 
-    mine = commit_of(folder)
-    got = comm.all_gather_object(mine)
-    first = next((r for r, c in enumerate(got) if c != got[0]), None)
+    got = comm.all_gather_object((commit_of(folder), config_digest(folder), socket.gethostname()))
+    first = next((r for r, c in enumerate(got) if c[0] != got[0][0]), None)
     if first is not None:
-        raise ValueError(f"--model_name_or_path: rank 0 reads {got[0]} from its Hugging Face cache but rank {first} "
-                         f"reads {got[first]}: fill every node's cache with the same revision (`hf download "
+        raise ValueError(f"--model_name_or_path: rank 0 reads {got[0][0]} from its Hugging Face cache but rank {first} "
+                         f"reads {got[first][0]}: fill every node's cache with the same revision (`hf download "
                          f"<id> --revision <commit>`) or pass one snapshot folder every node reads")
+    first = next((r for r, c in enumerate(got) if c[1] != got[0][1]), None)
+    if first is not None:
+        raise ValueError(f"--model_name_or_path {folder}: rank {first} (host {got[first][2]}) reads a config.json unlike "
+                         f"rank 0's (host {got[0][2]}): a node's copy differs (staged stale, or edited while the job "
+                         "started); give every node the same model folder")

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import gc
 import json
 import os
@@ -215,11 +216,12 @@ def chat_mode(flag: str, tok, sft: bool, where: str) -> str:
     return "template" if own else "chatml"  # auto on a fine-tuned run: the template its conversations were rendered in
 
 
-def chat_encoder(tok, mode: str):
-    """The ChatEncoder that renders the trials for `mode` (chat_mode's answer), None for plain text."""
+def chat_encoder(tok, mode: str, now: str | None = None):
+    """The ChatEncoder that renders the trials for `mode` (chat_mode's answer), None for plain text; `now`: the instant
+    a template writing today's date renders (rank 0's: each rank's own clock rendered other trials across a midnight)."""
     from data.chat import ChatEncoder
 
-    return None if mode == "plain" else ChatEncoder(tok, "assistant", "none" if mode == "template" else "chatml")
+    return None if mode == "plain" else ChatEncoder(tok, "assistant", "none" if mode == "template" else "chatml", now)
 
 
 def check_source(src: dict, a: argparse.Namespace, s: dict, world: int, rope: dict | None) -> None:
@@ -253,7 +255,7 @@ def check_source(src: dict, a: argparse.Namespace, s: dict, world: int, rope: di
                          "pass the model's own --tokenizer")
     src["tok"], src["trials"] = tok, task_trials(s["eval"], tok)
     src["chat"] = comm.run_on_main(lambda: chat_mode(a.chat, tok, bool(src.get("sft_run")), where))  # rank 0's
-    src["chat_enc"] = chat_encoder(tok, src["chat"])
+    src["chat_enc"] = chat_encoder(tok, src["chat"], comm.run_on_main(lambda: datetime.datetime.now().isoformat()))
     if a.heldout:  # rendered as the model's conversations were: the ChatML default under --chat chatml, else auto
         template = "chatml" if src["chat"] == "chatml" else "auto"
         src["heldout"] = comm.run_on_main(lambda: heldout_set(a.heldout, tok, template, a.heldout_conversations))

@@ -119,9 +119,30 @@ def test_every_rank_must_read_the_same_commit(monkeypatch):
     a = "/c/models--org--m/snapshots/aaa"
     monkeypatch.setattr(comm, "all_gather_object", lambda mine: [mine, mine])
     hub.check_same_snapshot(a)
-    monkeypatch.setattr(comm, "all_gather_object", lambda mine: [hub.commit_of(a), "org/m@bbb"])
+    monkeypatch.setattr(comm, "all_gather_object", lambda mine: [mine, ("org/m@bbb", *mine[1:])])
     with pytest.raises(ValueError, match=r"rank 0 reads org/m@aaa .* rank 1 reads org/m@bbb"):
         hub.check_same_snapshot(a)
+
+
+def test_every_rank_must_read_the_same_config(monkeypatch, tmp_path):
+    """A local folder (a node-local copy staged by a prolog) has no commit: two ranks reading different config.json
+    (rope_theta 500000 on one node, 10000 on another) passed, and that node's ranks trained other positions. Now the
+    same one-line refusal on every rank, naming the host; a re-saved copy (other key order, spacing) passes."""
+    import json
+
+    from base import comm
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    (a / "config.json").write_text(json.dumps({"model_type": "llama", "rope_theta": 500000.0}))
+    (b / "config.json").write_text(json.dumps({"rope_theta": 500000.0, "model_type": "llama"}, indent=2))
+    other = ("None", hub.config_digest(str(b)), "node7")
+    monkeypatch.setattr(comm, "all_gather_object", lambda mine: [mine, (mine[0], *other[1:])])
+    hub.check_same_snapshot(str(a))  # the same config, saved otherwise
+    (b / "config.json").write_text(json.dumps({"model_type": "llama", "rope_theta": 10000.0}))
+    other = (None, hub.config_digest(str(b)), "node7")
+    with pytest.raises(ValueError, match=r"rank 1 \(host node7\) reads a config.json unlike rank 0's"):
+        hub.check_same_snapshot(str(a))
 
 
 @pytest.mark.parametrize("text, shown", [
