@@ -100,6 +100,13 @@ def build_ds_config(cfg: Config, dims: ParallelDims, bf16: bool, hidden_size: in
     if dropped and not quiet:
         print0(dropped)
     _drop_load_universal(ds, cfg.deepspeed, quiet)
+    writer = (ds.get("checkpoint") or {}).get("writer") if isinstance(ds.get("checkpoint"), dict) else None
+    if writer is not None or ds.get("datastates_ckpt", False) is not False:  # deepspeed checkpoint_engine/utils.py
+        raise ValueError(f"{cfg.deepspeed}: {'checkpoint.writer' if writer is not None else 'datastates_ckpt'} picks "
+                         "another DeepSpeed checkpoint engine (Fast / Decoupled / DataStates), whose files this run's "
+                         "checkpoints cannot vouch for (their manifest is written from the files each rank's own save "
+                         "recorded, and a decoupled write may still run at the commit); drop it (the saves are "
+                         "asynchronous already: --async_save, docs/checkpoints.md)")
     if any((ds.get("activation_checkpointing") or {}).values()):  # read only by deepspeed.checkpointing.checkpoint
         raise ValueError(f"{cfg.deepspeed}: its activation_checkpointing block acts only through "
                          "deepspeed.checkpointing, which this project does not call: checkpoint layers with "

@@ -87,6 +87,18 @@ def test_elastic_checkpoint_key_is_dropped_with_one_note(tmp_path, capsys):
     assert "elastic_checkpoint" not in built["zero_optimization"]
 
 
+@pytest.mark.parametrize("extra, named", [({"checkpoint": {"writer": {"type": "fast"}}}, "checkpoint.writer"),
+                                          ({"datastates_ckpt": {"host_cache_size": 16}}, "datastates_ckpt")])
+def test_another_checkpoint_engine_is_refused_in_one_line(tmp_path, extra, named):
+    """DeepSpeed's Fast / Decoupled writers and DataStates replace its torch checkpoint engine: the files were then
+    described from rank 0's own listing right after other nodes wrote them (a stale listing left a file out: a later
+    resume skipped the checkpoint), and a decoupled write could still run at the commit."""
+    with pytest.raises(ValueError, match=rf"{named} picks another DeepSpeed checkpoint engine .*drop it") as e:
+        build(tmp_path, {**BASE, **extra})
+    assert "\n" not in str(e.value)
+    build(tmp_path, {**BASE, "datastates_ckpt": False})  # off: the torch engine
+
+
 # --- F2: the files a rank looks up before a load ---
 
 def test_a_rank_looks_up_only_the_files_it_loads(tmp_path, monkeypatch):
