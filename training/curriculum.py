@@ -118,7 +118,8 @@ def _resolve_memory(cfg: Config, s: StageConfig, i: int, sl: int, sp, world: int
     from training.config import _load, _merge
 
     device, usable = budget()
-    if device == "cuda" and "ring_attention" not in pinned and _gpu_without_flash(cfg):
+    without = getattr(budget, "without_flash", None)  # agreed over ranks (agreed_budget), else this rank's own
+    if device == "cuda" and "ring_attention" not in pinned and (without() if without else _gpu_without_flash(cfg)):
         pinned["ring_attention"] = False  # auto never picks the ring that context_parallel.register would refuse
     own = s.deepspeed_overrides or {}
     ds_json = _load(cfg.deepspeed)
@@ -218,10 +219,15 @@ def agreed_budget(cfg: Config):
             from planner.cluster import RUNTIME_HOST_GIB
 
             host = avail // max(1, gpus_per_node(cfg) or 1) - int(RUNTIME_HOST_GIB * 2**30) if avail else 2.0**62
-            got = comm.all_reduce([float(own), float(host)], op="min").tolist()
-            agreed.append((device, int(got[0]), None if got[1] >= 2.0**62 else max(0, int(got[1]))))
+            # whether every rank runs flash_attention_2 (the ring's kernel): a node without flash-attn (another
+            # container or venv) planned no ring while the others planned one, other cp groups: a hang, or a refusal
+            # at context_parallel.register on the nodes that have it
+            flash = 0.0 if device == "cuda" and _gpu_without_flash(cfg) else 1.0
+            got = comm.all_reduce([float(own), float(host), flash], op="min").tolist()
+            agreed.append((device, int(got[0]), None if got[1] >= 2.0**62 else max(0, int(got[1])), got[2] < 1))
         return agreed[0][:2]
     budget.host_bytes = lambda: (budget(), agreed[0][2])[1]  # type: ignore[attr-defined]
+    budget.without_flash = lambda: (budget(), agreed[0][3])[1]  # type: ignore[attr-defined]
     return budget
 
 

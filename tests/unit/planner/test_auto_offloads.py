@@ -231,7 +231,7 @@ def test_the_host_budget_is_the_nodes_own_on_a_gpu_run_only(monkeypatch):
     from training.curriculum import agreed_budget
 
     monkeypatch.setattr(host, "job_memory_available", lambda: 100 * 2**30)
-    cfg = SimpleNamespace(gpu_mem_gb=80.0, mem_cap_gb=0.0, gpus_per_node=8, dry_run=False)
+    cfg = SimpleNamespace(gpu_mem_gb=80.0, mem_cap_gb=0.0, gpus_per_node=8, dry_run=False, attn_implementation="sdpa")
     b = agreed_budget(cfg)  # one process: no collective
     assert b()[0] == "cuda" and b.host_bytes() is None  # no GPU here: not the node it plans for
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -241,3 +241,22 @@ def test_the_host_budget_is_the_nodes_own_on_a_gpu_run_only(monkeypatch):
     assert b.host_bytes() == 100 * 2**30 // 8 - int(RUNTIME_HOST_GIB * 2**30)  # the measured runtime per rank
     b = agreed_budget(SimpleNamespace(**{**vars(cfg), "dry_run": True}))
     assert b.host_bytes() is None
+
+
+def test_whether_every_rank_runs_flash_is_agreed(monkeypatch):
+    """The ring's kernel is flash-attn: a node without it (another container or venv) planned no ring while the
+    others planned one (other cp groups: a hang, or a refusal on the nodes that have it). Whether every rank has it is
+    the minimum over ranks, taken with the memory budget."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from base import comm
+    from training import curriculum
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(curriculum, "_gpu_without_flash", lambda cfg: False)  # this rank has flash-attn
+    cfg = SimpleNamespace(gpu_mem_gb=80.0, mem_cap_gb=0.0, gpus_per_node=8, dry_run=True, attn_implementation="auto")
+    assert curriculum.agreed_budget(cfg).without_flash() is False
+    monkeypatch.setattr(comm, "all_reduce", lambda vals, op: torch.tensor([*vals[:2], 0.0]))  # another rank has none
+    assert curriculum.agreed_budget(cfg).without_flash() is True
