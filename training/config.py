@@ -165,6 +165,8 @@ def _build_parser() -> argparse.ArgumentParser:
             p.add_argument(f"--no-{f.name}", dest=f.name, action="store_false", default=argparse.SUPPRESS)
         elif f.name in AUTO_OR_NUMBER:
             p.add_argument(f"--{f.name}", default=argparse.SUPPRESS)  # checked by validate
+        elif f.name == "warmup_steps":  # transformers 5's --warmup_steps 0.1 is a ratio (hf_args.normalize)
+            p.add_argument(f"--{f.name}", type=hf_args.steps_or_ratio, default=argparse.SUPPRESS)
         elif tp in (bool, bool | None):  # --bf16, --no-bf16, and the HF Trainer's --bf16 True / --bf16 false
             p.add_argument(f"--{f.name}", nargs="?", const=True, type=hf_args.bool_text, default=argparse.SUPPRESS)
             p.add_argument(f"--no-{f.name}", dest=f.name, action="store_false", default=argparse.SUPPRESS)
@@ -211,11 +213,11 @@ def parse_config(argv: list[str] | None = None) -> Config:
             raise ValueError(f"--config {recipe}: expected a mapping of keys at the top level")
         check_stages(merged.get("stages"), recipe)  # before the eval flags walk the stages
     eval_flags_over_recipe(merged, args)  # an eval flag wins over the recipe's eval_* and its stages' eval blocks
-    flags_over_stages(merged.get("stages"), args)
-    if str(args.get("max_steps", "")).strip() == "-1" and args.get("num_train_epochs", merged.get("num_train_epochs")) is None:
-        args = {k: v for k, v in args.items() if k != "max_steps"}  # HF's unset -1 sets nothing (no epochs given)
+    flags_over_stages(merged, args)
+    hf_args.normalize(args, "on the command line")  # each source's HF forms, before they merge
+    hf_args.normalize(merged, f"in {recipe}")
     merged.update(args)
-    merged = hf_args.apply(merged, where=recipe or "the command line")
+    merged = hf_args.apply(merged, where=recipe or "the command line", default_lr=Config.learning_rate)
     cfg = config_from_dict(merged, where=recipe or "command line")
     validate(cfg)
     hf_args.resolve_hub_ids(cfg)  # a hub id: its snapshot in the local Hugging Face cache, offline
@@ -224,22 +226,25 @@ def parse_config(argv: list[str] | None = None) -> Config:
 
 
 # a run-level flag and the stage keys it sets for every stage when given on the command line (a stage's max_tokens
-# sizes it as max_steps does); HF's alias too
+# sizes it as max_steps does); HF's names too (warmup_ratio: each stage's warmup from its steps, hf_args.epoch_stages)
 STAGE_FLAGS = {"max_steps": ("max_steps", "max_tokens"), "max_seq_length": ("max_seq_length",),
-               "learning_rate": ("learning_rate",), "min_lr": ("min_lr",), "warmup_steps": ("warmup_steps",),
+               "learning_rate": ("learning_rate",), "min_lr": ("min_lr",), "lr_scheduler_kwargs": ("min_lr",),
+               "warmup_steps": ("warmup_steps",), "warmup_ratio": ("warmup_steps",),
                "lr_scheduler": ("lr_scheduler",), "lr_scheduler_type": ("lr_scheduler",), "rope": ("rope",),
                "sequence_parallel_size": ("sequence_parallel_size",), "context_parallel_size": ("context_parallel_size",)}
 # (--memory_features and --loss_weighting stay the default of the stages without their own: a stage's own is its
 # feature, data/sharding.py and planner/auto_features.py)
 
 
-def flags_over_stages(stages, args: dict) -> None:
+def flags_over_stages(recipe: dict, args: dict) -> None:
     """Defaults < recipe < flags, for the recipe's stages too: a flag given on the command line replaces every
     stage's own value of it (`--config recipe.yaml --max_steps 2`, a smoke test, ran the whole curriculum; a stage's
-    learning_rate beat --learning_rate), in place, with one note naming the stages."""
+    learning_rate beat --learning_rate), and the recipe's setting of the same thing under another name
+    (hf_args.SAME_SETTING: --warmup_ratio over warmup_steps), in place, with one note naming what it replaced."""
     from base.log import print0
 
-    said = []
+    stages = recipe.get("stages")
+    said = hf_args.command_line_over_recipe(recipe, args)
     for flag, keys in STAGE_FLAGS.items():
         if flag not in args or flag == "max_steps" and str(args[flag]).strip() in ("-1", "0"):
             continue  # HF's unset --max_steps -1 (hf_args: epochs size the run) sets nothing
@@ -252,7 +257,7 @@ def flags_over_stages(stages, args: dict) -> None:
         if names:
             said.append(f"--{flag} replaces the {'/'.join(k for k in keys)} of stage(s) {', '.join(names)}")
     if said:
-        print0("note: the command line wins over the recipe's stages: " + "; ".join(said))
+        print0("note: the command line wins over the recipe's stages and settings: " + "; ".join(said))
 
 
 def validate(cfg: Config) -> None:

@@ -7,13 +7,17 @@ A command written for the HF Trainer (the seed guide's `deepspeed --num_gpus=32 
 `max_steps`, `warmup_steps`, `save_steps`, `save_total_limit`, `output_dir`, `seed`, `bf16`, `fp16`, `deepspeed`,
 `gradient_checkpointing`, `report_to`, `run_name`: the W&B run's name); the others are mapped where they mean the
 same (ALIASES, `num_train_epochs`, `warmup_ratio`, `do_train`/`do_eval`, `logging_steps 1`,
-`per_device_eval_batch_size 1`) and refused in one line naming this project's flag where they do not (REFUSED).
-Never silently ignored.
+`per_device_eval_batch_size 1`, `lr_scheduler_kwargs` holding cosine_with_min_lr's floor, transformers 5's
+`warmup_steps 0.1` as a ratio) and refused in one line naming this project's flag where they do not (REFUSED).
+Never silently ignored. A name given on the command line replaces the recipe's setting of the same thing under
+either name (SAME_SETTING: `--lr_scheduler_type` over a recipe's `lr_scheduler`, `--warmup_ratio` over its
+`warmup_steps`); both names in one place are refused unless they agree.
 
 `num_train_epochs` as the Trainer means it: a stage without its own `max_steps`/`max_tokens` trains that many epochs
 over its packed training samples, `max(1, ceil(epochs x batches_per_epoch / gradient_accumulation_steps))` optimizer
 steps where `batches_per_epoch = ceil(samples / (dp x per_device_train_batch_size))` (the sampler's own epoch, its last
-batch padded: data/sampler.py); `max_steps` wins when both are set (recipe or flag). The data's size is known only once the run
+batch padded: data/sampler.py); `max_steps` wins when both are set (recipe or flag); `max_steps -1` (the Trainer's "by epochs") without
+`num_train_epochs` is the Trainer's default, 3 epochs, said in a note. The data's size is known only once the run
 has opened its data: `epoch_stages` fixes the steps then (rank 0 counts, every rank receives the same numbers).
 `warmup_ratio` (HF: `ceil(ratio x steps)` warmup steps) is applied there too, per stage, from its final steps.
 
@@ -25,13 +29,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 
 ALIASES = {"lr_scheduler_type": "lr_scheduler", "resume_from_checkpoint": "resume", "ddp_timeout": "dist_timeout_s"}
 # HF lr_scheduler_type -> ours (HF's "constant" has no warmup: the same only without warmup, checked in `apply`)
 SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant_with_warmup": "constant", "constant": "constant",
-              "cosine_with_min_lr": "cosine"}  # its floor: --min_lr (lr_scheduler_kwargs are not read)
+              "cosine_with_min_lr": "cosine"}  # its floor: --min_lr, or lr_scheduler_kwargs' min_lr / min_lr_rate
+# names of one setting: on the command line either replaces the recipe's either (a note says so), both in one place
+# are refused unless they agree (an alias and ours: the same value; warmup_ratio and warmup_steps: `check`)
+SAME_SETTING = [("lr_scheduler_type", "lr_scheduler"), ("resume_from_checkpoint", "resume"),
+                ("ddp_timeout", "dist_timeout_s"), ("lr_scheduler_kwargs", "min_lr"), ("warmup_ratio", "warmup_steps")]
+HF_EPOCHS = 3.0  # TrainingArguments.num_train_epochs' default: what max_steps -1 trains when no epochs are given
 NO_OPS = ("do_train", "do_eval")  # train.py trains, and evaluates at each stage's end (--no-eval: not)
 ONLY_ONE = {  # accepted at 1, what this project does; another value is refused with the reason
     "logging_steps": "every optimizer step's loss is written to OUTPUT_DIR/metrics.jsonl (and wandb): drop it",
@@ -54,7 +64,6 @@ REFUSED = {
     "adam_beta1": "set betas in the DeepSpeed JSON's optimizer block (--deepspeed)",
     "adam_beta2": "set betas in the DeepSpeed JSON's optimizer block (--deepspeed)",
     "adam_epsilon": "set eps in the DeepSpeed JSON's optimizer block (--deepspeed)",
-    "lr_scheduler_kwargs": "use --lr_scheduler cosine|linear|constant, --warmup_steps and --min_lr",
     "dataloader_num_workers": "samples are read from the memory-mapped prepared folder in the training process",
     "push_to_hub": "the run exports OUTPUT_DIR/hf_model (--export_hf); push that folder yourself",
     "hub_model_id": "the run exports OUTPUT_DIR/hf_model (--export_hf); push that folder yourself",
@@ -69,8 +78,30 @@ REFUSED = {
     "train_file": "prepare it with scripts/prepare_data.py and pass --dataset_path",
     "dataset_name": "prepare it with scripts/prepare_data.py and pass --dataset_path",
     "num_train_steps": "use --max_steps or --num_train_epochs",
+    # TRL's SFTConfig / LLaMA-Factory / transformers names commonly copied over
+    "max_length": "use --max_seq_length (tokens per packed sample)",
+    "cutoff_len": "use --max_seq_length (tokens per packed sample)",
+    "data_seed": "the data order follows --seed (each stage's sampler: seed + stage index)",
+    "packing": "samples are always packed, padding-free (documents masked from each other): drop it",
+    "padding_free": "samples are always packed, padding-free (documents masked from each other): drop it",
+    "assistant_only_loss": "chat rows train the assistant's replies by default (scripts/prepare_data.py --loss_on; "
+                           "docs/sft.md): drop it",
+    "completion_only_loss": "a prompt/completion row trains its completion by default (scripts/prepare_data.py "
+                            "--loss_on; docs/sft.md): drop it",
+    "dataset_text_field": "prepare the data with scripts/prepare_data.py --text_field NAME and pass --dataset_path",
+    "chat_template_path": "chat rows are rendered at preparation with the tokenizer folder's own template "
+                          "(scripts/prepare_data.py --chat_template; docs/sft.md)",
+    "dataset_num_proc": "scripts/prepare_data.py --workers N tokenizes in parallel, before training",
+    "use_liger_kernel": "use --tiled_logits (the loss never holds the full logits) or --memory_features auto",
+    "include_num_input_tokens_seen": "every step's total_tokens is in OUTPUT_DIR/metrics.jsonl: drop it",
+    "average_tokens_across_devices": "the loss is always the mean over the whole global batch's tokens "
+                                     "(--loss_weighting token): drop it",
+    "neftune_noise_alpha": "NEFTune embedding noise is not supported: drop it",
+    "label_smoothing_factor": "label smoothing is not supported: drop it",
+    "torch_dtype": "use --bf16 or --fp16 (neither: bf16 on a GPU, fp32 on CPU)",
+    "dtype": "use --bf16 or --fp16 (neither: bf16 on a GPU, fp32 on CPU)",
 }
-HF_NAMES = (*ALIASES, *NO_OPS, *ONLY_ONE, *REFUSED)
+HF_NAMES = (*ALIASES, *NO_OPS, *ONLY_ONE, *REFUSED, "lr_scheduler_kwargs")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -102,12 +133,98 @@ def _number(value, name: str):
         raise ValueError(f"--{name} {value!r}: expected a number") from None
 
 
-def apply(d: dict, where: str) -> dict:
+def steps_or_ratio(text: str) -> int | float | str:
+    """--warmup_steps' text: a whole number, or transformers 5's ratio (a fraction below 1, which `normalize` makes
+    warmup_ratio); another text is kept for `normalize` or the config's typing to refuse in one line."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _as_ours(hf: str, value):
+    """An alias's value in this project's terms (for comparing it with this project's key)."""
+    if hf == "lr_scheduler_type":
+        return SCHEDULERS.get(str(value), value)
+    if hf == "resume_from_checkpoint":
+        return "auto" if value is True else value  # HF's bare flag: the newest checkpoint in output_dir
+    return _number(value, hf)  # ddp_timeout
+
+
+def _same(hf: str, value, ours) -> bool:
+    return _as_ours(hf, value) == (_number(ours, ALIASES[hf]) if hf == "ddp_timeout" else ours)
+
+
+def command_line_over_recipe(recipe: dict, args: dict) -> list[str]:
+    """The recipe's top-level setting of what a command-line flag sets, under either name (SAME_SETTING), dropped:
+    `--lr_scheduler_type linear` over a recipe's `lr_scheduler: cosine` was refused as a contradiction, and
+    `--warmup_ratio 0.03` over every shipped recipe's `warmup_steps` as one with a flag never given. Returns what a
+    note should say (the settings under another name; an alias replaces its key as the key's own flag does)."""
+    said = []
+    for pair in SAME_SETTING:
+        given = [name for name in pair if name in args]
+        for name in pair:
+            if given and name not in args and name in recipe:
+                value = recipe.pop(name)
+                if pair[0] not in ALIASES:
+                    said.append(f"--{given[0]} replaces the recipe's {name} {value}")
+    return said
+
+
+def normalize(src: dict, where: str) -> None:
+    """One source's (the command line's or the recipe's) Hugging Face forms in this project's terms, in place, before
+    the two merge: transformers 5's `warmup_steps 0.1` (a fraction below 1) is warmup_ratio; lr_scheduler_kwargs'
+    floor is min_lr (min_lr_rate: x the learning rate, in `apply`); an alias beside this project's name of it must
+    agree. `where`: "on the command line" or "in RECIPE"."""
+    w = src.get("warmup_steps")
+    if isinstance(w, float | str):
+        try:
+            number = float(w)
+        except ValueError:
+            number = None  # not a number: the config's typing refuses it in one line
+        if number is not None and 0 < number < 1:
+            if "warmup_ratio" in src:
+                raise ValueError(f"--warmup_steps {w} (a ratio, as transformers 5 reads it) and --warmup_ratio "
+                                 f"{src['warmup_ratio']} {where} both set the warmup: drop one")
+            del src["warmup_steps"]
+            src["warmup_ratio"] = number
+        elif number is not None and not number.is_integer():
+            raise ValueError(f"--warmup_steps {w}: use a whole number of steps (or a fraction below 1: a ratio of "
+                             "the steps, as transformers 5 reads it)")
+        elif number is not None and isinstance(w, float):
+            src["warmup_steps"] = int(number)
+    if "lr_scheduler_kwargs" in src:
+        text = kw = src.pop("lr_scheduler_kwargs")
+        if isinstance(kw, str):
+            try:
+                kw = json.loads(kw)  # HF parses a dict-typed flag's text as JSON
+            except ValueError:
+                kw = None
+        if not (text is None or kw == {}):  # none or an empty mapping (YAML's `lr_scheduler_kwargs: {}`): nothing
+            if not (isinstance(kw, dict) and len(kw) == 1 and next(iter(kw)) in ("min_lr", "min_lr_rate")):
+                raise ValueError(f"--lr_scheduler_kwargs {text!r}: only cosine_with_min_lr's floor is read here, "
+                                 '{"min_lr": X} or {"min_lr_rate": R}; otherwise use --lr_scheduler '
+                                 "cosine|linear|constant, --warmup_steps and --min_lr")
+            ((key, value),) = kw.items()
+            value = _number(value, f"lr_scheduler_kwargs {key}")
+            if "min_lr" in src and (key == "min_lr_rate" or _number(src["min_lr"], "min_lr") != value):
+                raise ValueError(f"--lr_scheduler_kwargs {text!r} and --min_lr {src['min_lr']} {where} set the same "
+                                 "thing: drop one")
+            src["min_lr" if key == "min_lr" else "_min_lr_rate"] = value
+    for hf, ours in ALIASES.items():
+        if hf in src and ours in src and not _same(hf, src[hf], src[ours]):
+            raise ValueError(f"--{hf} {src[hf]!r} and --{ours} {src[ours]!r} {where} set the same thing: drop one")
+
+
+def apply(d: dict, where: str, default_lr: float) -> dict:
     """`d` (recipe keys and flags merged) with the HF names replaced by this project's; one-line ValueError for a
-    name that does not mean the same here, or an alias that contradicts the project's own key."""
+    name that does not mean the same here, or an alias that contradicts the project's own key. `default_lr`: the
+    config's learning rate when `d` sets none (lr_scheduler_kwargs' min_lr_rate is a share of it)."""
     d = dict(d)
     for name in [k for k in d if k in REFUSED]:
-        raise ValueError(f"--{name} (a Hugging Face Trainer argument) is not taken by this project: {REFUSED[name]}")
+        raise ValueError(f"--{name} (a Hugging Face training argument) is not taken by this project: {REFUSED[name]}")
     for name in [k for k in d if k in ONLY_ONE]:
         if _number(d.pop(name), name) != 1:
             raise ValueError(f"--{name} (a Hugging Face Trainer argument): only 1 means the same here: {ONLY_ONE[name]}")
@@ -115,6 +232,12 @@ def apply(d: dict, where: str) -> dict:
         if d.pop(name, True) not in (True, "true", "True", "1"):
             raise ValueError(f"--{name} false: train.py always trains, and evaluates at each stage's end unless "
                              "--no-eval: drop it (or use --no-eval)")
+    rate = d.pop("_min_lr_rate", None)  # lr_scheduler_kwargs' min_lr_rate: the floor as a share of each peak
+    if rate is not None:
+        d["min_lr"] = rate * _number(d.get("learning_rate", default_lr), "learning_rate")
+        for st in d.get("stages") or []:  # a stage with its own peak (and no own floor) gets its own share
+            if isinstance(st, dict) and "learning_rate" in st and "min_lr" not in st:
+                st["min_lr"] = rate * _number(st["learning_rate"], "learning_rate")
     if "lr_scheduler_type" in d:
         kind = str(d["lr_scheduler_type"])
         if kind not in SCHEDULERS:
@@ -123,20 +246,25 @@ def apply(d: dict, where: str) -> dict:
         if kind == "constant" and (d.get("warmup_steps") or d.get("warmup_ratio")):
             raise ValueError("--lr_scheduler_type constant has no warmup in the Hugging Face Trainer, and a warmup is "
                              "set: use constant_with_warmup (--lr_scheduler constant), or drop the warmup")
-        d["lr_scheduler_type"] = SCHEDULERS[kind]
-    if d.get("resume_from_checkpoint") is True:  # HF's bare flag: the newest checkpoint in output_dir
-        d["resume_from_checkpoint"] = "auto"
-    for hf, ours in ALIASES.items():
-        if hf not in d:
-            continue
-        value = d.pop(hf)
-        if hf == "ddp_timeout":
-            value = _number(value, hf)
-        if ours in d and d[ours] != value:
-            raise ValueError(f"--{hf} {value!r} and --{ours} {d[ours]!r} in {where} set the same thing: drop one")
-        d[ours] = value
+        stages = [st for st in d.get("stages") or [] if isinstance(st, dict)]
+        if kind == "cosine_with_min_lr" and d.get("min_lr") is None and not (
+                stages and all(st.get("min_lr") is not None for st in stages)):  # HF raises too: decayed to 0 here
+            raise ValueError("--lr_scheduler_type cosine_with_min_lr needs its floor: give --min_lr X (or "
+                             "--lr_scheduler_kwargs '{\"min_lr_rate\": R}'), or use cosine, which decays to 0")
+    for hf, ours in ALIASES.items():  # one source set both only if they agree (`normalize`)
+        if hf in d:
+            value = _as_ours(hf, d.pop(hf))
+            if ours in d and not _same(hf, value, d[ours]):
+                raise ValueError(f"--{hf} {value!r} and --{ours} {d[ours]!r} in {where} set the same thing: drop one")
+            d[ours] = value
+    if str(d.get("max_steps")).strip() == "-1" and d.get("num_train_epochs") is None:
+        from base.log import print0
+
+        d["num_train_epochs"] = HF_EPOCHS  # HF's "train by epochs", its default count: the run as the Trainer runs it
+        print0(f"note: max_steps -1 (the Hugging Face Trainer's \"by epochs\") without num_train_epochs: "
+               f"{HF_EPOCHS:g} epochs, the Trainer's default (give --num_train_epochs N or --max_steps N to choose)")
     if d.get("num_train_epochs") is not None and d.get("max_steps") is not None:
-        if isinstance(d["max_steps"], int) and d["max_steps"] <= 0:
+        if str(d["max_steps"]).strip().lstrip("-").isdigit() and int(d["max_steps"]) <= 0:
             d.pop("max_steps")  # the Trainer's default -1: not set, the epochs count
         else:  # the Trainer's rule: max_steps wins (from a recipe, it beat a flag's epochs without a word)
             from base.log import print0

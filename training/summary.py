@@ -25,8 +25,10 @@ from planner.memory_model import (
 )
 from training.config import Config, _merge, no_gpu
 from training.curriculum import Stage
+from training.ds_config import ADAM_BETAS, ADAM_EPS
 from training.engine import stage_config
 from training.evaluation import DEFAULT_DEPTHS, eval_lengths, retention_samples, task_trials
+from training.hf_args import ratio_steps
 
 PLAN_MFU, H100_TFLOPS = 0.4, 989.0  # the plan's throughput: 40% MFU of an H100's dense bf16 peak
 
@@ -118,6 +120,29 @@ def eval_line(shape, s: Stage, stages: list[Stage], world: int, micro_batch: int
     return line + f" ~ {_duration(secs)} on {world} x H100 at 40% MFU ({dp} groups of sp={s.sp})"
 
 
+def _g(value) -> str:
+    return f"{value:g}" if isinstance(value, int | float) and not isinstance(value, bool) else str(value)
+
+
+def optimizer_text(ds: dict, cfg: Config) -> str:
+    """The stage's optimizer settings as the plan prints them: this project's defaults are not the Hugging Face
+    Trainer's (betas 0.9,0.95 against its 0.9,0.999), so a command carried over says what it trains with. The flags'
+    AdamW (training/ds_config.optimizer_spec), or the JSON's block ("auto" filled as build_ds_config fills it; a key
+    the block omits: DeepSpeed's default for its type)."""
+    block = ds.get("optimizer")
+    if block is None:
+        kind, params = "AdamW", {"betas": ADAM_BETAS, "eps": ADAM_EPS, "weight_decay": cfg.weight_decay}
+    else:
+        kind, params = block.get("type", "?"), dict(block.get("params") or {})
+        params = {**params, "betas": ADAM_BETAS if params.get("betas") == "auto" else params.get("betas", "default"),
+                  "eps": ADAM_EPS if params.get("eps") == "auto" else params.get("eps", "default"),
+                  "weight_decay": cfg.weight_decay if params.get("weight_decay", "auto") == "auto"
+                  else params["weight_decay"]}
+    betas = params["betas"]
+    betas = ",".join(map(_g, betas)) if isinstance(betas, list | tuple) else _g(betas)
+    return f"{kind} betas={betas} eps={_g(params['eps'])} wd={_g(params['weight_decay'])}"
+
+
 def plan_lines(cfg: Config, stages: list[Stage], world: int, gpus_per_node: int, bf16: bool) -> list[str]:
     with open(cfg.deepspeed) as fh:
         ds = json.load(fh)
@@ -134,8 +159,12 @@ def plan_lines(cfg: Config, stages: list[Stage], world: int, gpus_per_node: int,
                            gpus_per_node=gpus_per_node, cp=s.cp if isinstance(s.cp, int) else 1, grad_accum=accum)
             tps = tokens_per_sec_per_gpu(shape, s.max_seq_length, mfu=PLAN_MFU, peak_tflops=H100_TFLOPS)
             split = f" (ulysses {s.sp // s.cp} x cp {s.cp})" if isinstance(s.cp, int) and s.cp > 1 else ""
+            warm = s.warmup_steps  # --warmup_ratio's: fixed with the steps once the data is open (hf_args)
+            if cfg.warmup_ratio and not (cfg.stages and cfg.stages[s.index].warmup_steps is not None):
+                warm = f"{ratio_steps(cfg.warmup_ratio, s.max_steps)} (ratio {cfg.warmup_ratio:g})"
             lines.append(f"  stage {s.index} {s.name}: seq_len={s.max_seq_length} sp={s.sp}{split} dp={world // s.sp} "
-                         f"steps={s.max_steps} lr={s.learning_rate:g}->{s.min_lr:g} warmup={s.warmup_steps} "
+                         f"steps={s.max_steps} lr={s.learning_rate:g}->{s.min_lr:g} {s.lr_scheduler} "
+                         f"warmup={warm} {optimizer_text(merged, cfg)} "
                          f"reset_optimizer={s.reset_optimizer} rope={s.rope}")
             lines.append(f"      memory plan: {est.gpu_peak / GiB:.1f} GiB per rank on the accelerator "
                          f"(peak phase: {est.peak_phase}), {est.cpu_per_node / GiB:.0f} GiB CPU per node"
