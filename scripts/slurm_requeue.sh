@@ -256,11 +256,18 @@ steps_termed() {
   [ "$termed" -gt 0 ] && [ -z "$term_at" ] && [ "$complete$stopped" = 00 ] && [ "$rc" != 2 ] &&
     [ "${#crash_first[@]}${#crash_own[@]}" = 00 ] || return 0
   shown=$(scontrol show job "$ref" 2>/dev/null)  # read whole: no grep -q under pipefail
-  if [[ $shown =~ PreemptTime=[0-9] ]]; then
+  # set: any value but None (SLURM_TIME_FORMAT=relative prints `Ystday 23:59`; slurm.sbatch exports `standard`)
+  local pre="" end="" left=""
+  [[ $shown =~ PreemptTime=([^[:space:]]+) ]] && pre=${BASH_REMATCH[1]}
+  [[ $shown =~ EndTime=([0-9T:-]+) ]] && end=${BASH_REMATCH[1]}
+  [ -n "$end" ] && left=$(( $(date -d "$end" +%s 2>/dev/null || echo 0) - $(date +%s) ))
+  if [ -n "$pre" ] && [ "$pre" != None ]; then
     log "the steps got SIGTERM, this shell none, PreemptTime set: a preemption (GraceTime), exit $rc: scontrol" \
       "requeue $ref"
     requeue_without "" "$rc"
-  elif [ "$rc" = "$EXIT_PREEMPTED" ] && [[ $shown =~ JobState=RUNNING ]]; then
+  elif [ "$rc" = "$EXIT_PREEMPTED" ] && [[ $shown =~ JobState=RUNNING ]] && { [ -z "$left" ] || [ "$left" -gt 900 ]; }; then
+    # (within 15 min of the end: a time-limit warning sent as TERM to the steps, `sbatch --signal=TERM@300`, which
+    # overrides this script's B:USR1; requeued below as before)
     log "the steps got SIGTERM, this shell none, no PreemptTime, the job RUNNING: a user's scancel --signal=TERM" \
       "(the steps only), no preemption nor time limit: saved and stopped, not requeueing"
     exit 0

@@ -88,6 +88,7 @@ def test_sbatch_forwards_the_warning_signal_and_requeues(tmp_path, sig):
     ("USR2", "early", False),     # without --batch, before launch.sh has set its traps
     ("USR2", "children", False),  # without --batch, where Slurm signals every process of the step too
     ("TERM", False, False),       # the steps only, no PreemptTime, the job RUNNING: a user's stop, not a preemption
+    ("TERM", "warn", True),       # the same within 15 min of the end: `sbatch --signal=TERM@300`'s warning, requeued
 ])
 def test_a_users_scancel_signal_saves_then_requeues_or_stops(tmp_path, sig, batch, requeued):
     """`scancel --batch --signal=USR1 JOB` is the time-limit warning asked by hand: save, requeue now. `--signal=USR2`:
@@ -100,6 +101,9 @@ def test_a_users_scancel_signal_saves_then_requeues_or_stops(tmp_path, sig, batc
     `--signal=TERM` without --batch: the nodes' tasks record it (term.N) and pass it on, the ranks save; no TERM to the
     batch shell, no PreemptTime (not a GraceTime preemption, nor the time limit): a stop. It was requeued as one."""
     env = {"STUB_SIGNAL_CHILDREN": "1" if batch == "children" else "0"}
+    if batch == "warn":
+        end = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() + 300))
+        (tmp_path / "scontrol.log.state").write_text(f"end_time={end}\n")
     if batch == "early":  # its traps set 2 s after the node's task started
         late = tmp_path / "late_launch"
         late.write_text(f'#!/usr/bin/env bash\nsleep 2\nexec {os.path.join(STUBS, "fake_launch")} "$@"\n')

@@ -110,12 +110,16 @@ def test_the_time_limit_and_a_preemption_requeue_inside_killwait(tmp_path, end, 
     assert state(tmp_path)["state"] == "PENDING"
 
 
-def test_a_preemptions_grace_time_is_requeued_whatever_the_ranks_exit_with(tmp_path):
+@pytest.mark.parametrize("code, fmt", [("1", None), ("75", "relative")])
+def test_a_preemptions_grace_time_is_requeued_whatever_the_ranks_exit_with(tmp_path, code, fmt):
     """A preemption with GraceTime: slurmctld sets PreemptTime and sends SIGTERM to the steps only, never to the batch
     shell, and requeues the job itself at the grace's end, unless it has ended. The deepspeed launcher SIGKILLs its
     ranks 30 s after its TERM (exit 1 here): the batch shell took that for a crash, 'failed with 1: not requeueing',
-    and the job ended FAILED before Slurm's requeue. It now reads PreemptTime and requeues."""
-    job = sbatch(tmp_path, "wait", ["--output_dir", str(tmp_path / "out")], FAKE_EXIT_AFTER="1", STATE_SETTLE_S="2")
+    and the job ended FAILED before Slurm's requeue. It now reads PreemptTime and requeues. A user's
+    SLURM_TIME_FORMAT (`relative`: "Ystday 23:59") printed no digit after PreemptTime=, and a save's 75 was read as a
+    user's scancel --signal=TERM: stopped, never requeued (slurm.sbatch exports SLURM_TIME_FORMAT=standard)."""
+    job = sbatch(tmp_path, "wait", ["--output_dir", str(tmp_path / "out")], FAKE_EXIT_AFTER=code, STATE_SETTLE_S="2",
+                 **({"SLURM_TIME_FORMAT": fmt} if fmt else {}))
     try:
         wait_for(lambda: ready(tmp_path), 90, "the stand-in launcher")
         slurm(tmp_path, "scontrol", "_grace", "4242")
@@ -123,7 +127,7 @@ def test_a_preemptions_grace_time_is_requeued_whatever_the_ranks_exit_with(tmp_p
     finally:
         job.kill()
     assert "got SIGTERM" in (tmp_path / "fake.log").read_text(), text  # the step's TERM, not the batch shell's
-    assert "a preemption (GraceTime), exit 1: scontrol requeue 4242" in text, text
+    assert f"a preemption (GraceTime), exit {code}: scontrol requeue 4242" in text, text
     assert requeues(tmp_path) == ["requeue 4242"] and job.returncode == 0, text
 
 
