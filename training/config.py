@@ -212,9 +212,14 @@ def parse_config(argv: list[str] | None = None) -> Config:
         if not isinstance(merged, dict):
             raise ValueError(f"--config {recipe}: expected a mapping of keys at the top level")
         check_stages(merged.get("stages"), recipe)  # before the eval flags walk the stages
+    # each source's HF forms, before they merge (and before the flags replace the recipe's: transformers 5's
+    # `--warmup_steps 0.1` is a --warmup_ratio over the recipe's warmup_steps; an empty --lr_scheduler_kwargs, HF's
+    # default, sets nothing)
+    hf_args.normalize(args, "on the command line")
     eval_flags_over_recipe(merged, args)  # an eval flag wins over the recipe's eval_* and its stages' eval blocks
+    if str(args.get("max_steps", "")).strip() == "-1" and hf_args.sized(merged):
+        del args["max_steps"]  # HF's unset: the recipe's own max_steps / max_tokens size the run, as before
     flags_over_stages(merged, args)
-    hf_args.normalize(args, "on the command line")  # each source's HF forms, before they merge
     hf_args.normalize(merged, f"in {recipe}")
     merged.update(args)
     merged = hf_args.apply(merged, where=recipe or "the command line", default_lr=Config.learning_rate)
@@ -228,7 +233,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
 # a run-level flag and the stage keys it sets for every stage when given on the command line (a stage's max_tokens
 # sizes it as max_steps does); HF's names too (warmup_ratio: each stage's warmup from its steps, hf_args.epoch_stages)
 STAGE_FLAGS = {"max_steps": ("max_steps", "max_tokens"), "max_seq_length": ("max_seq_length",),
-               "learning_rate": ("learning_rate",), "min_lr": ("min_lr",), "lr_scheduler_kwargs": ("min_lr",),
+               "learning_rate": ("learning_rate",), "min_lr": ("min_lr",), "_min_lr_rate": ("min_lr",),
                "warmup_steps": ("warmup_steps",), "warmup_ratio": ("warmup_steps",),
                "lr_scheduler": ("lr_scheduler",), "lr_scheduler_type": ("lr_scheduler",), "rope": ("rope",),
                "sequence_parallel_size": ("sequence_parallel_size",), "context_parallel_size": ("context_parallel_size",)}
@@ -255,7 +260,8 @@ def flags_over_stages(recipe: dict, args: dict) -> None:
                 if isinstance(st, dict):
                     st.pop(k, None)
         if names:
-            said.append(f"--{flag} replaces the {'/'.join(k for k in keys)} of stage(s) {', '.join(names)}")
+            said.append(f"--{hf_args.shown(flag)} replaces the {'/'.join(k for k in keys)} of stage(s) "
+                        f"{', '.join(names)}")
     if said:
         print0("note: the command line wins over the recipe's stages and settings: " + "; ".join(said))
 

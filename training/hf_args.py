@@ -40,7 +40,7 @@ SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant_with_warmup": "c
 # names of one setting: on the command line either replaces the recipe's either (a note says so), both in one place
 # are refused unless they agree (an alias and ours: the same value; warmup_ratio and warmup_steps: `check`)
 SAME_SETTING = [("lr_scheduler_type", "lr_scheduler"), ("resume_from_checkpoint", "resume"),
-                ("ddp_timeout", "dist_timeout_s"), ("lr_scheduler_kwargs", "min_lr"), ("warmup_ratio", "warmup_steps")]
+                ("ddp_timeout", "dist_timeout_s"), ("_min_lr_rate", "min_lr"), ("warmup_ratio", "warmup_steps")]
 HF_EPOCHS = 3.0  # TrainingArguments.num_train_epochs' default: what max_steps -1 trains when no epochs are given
 NO_OPS = ("do_train", "do_eval")  # train.py trains, and evaluates at each stage's end (--no-eval: not)
 ONLY_ONE = {  # accepted at 1, what this project does; another value is refused with the reason
@@ -157,6 +157,19 @@ def _same(hf: str, value, ours) -> bool:
     return _as_ours(hf, value) == (_number(ours, ALIASES[hf]) if hf == "ddp_timeout" else ours)
 
 
+def shown(name: str) -> str:
+    """A setting's name as the user gave it (normalize's `_min_lr_rate` came from --lr_scheduler_kwargs)."""
+    return "lr_scheduler_kwargs min_lr_rate" if name == "_min_lr_rate" else name
+
+
+def sized(recipe: dict) -> bool:
+    """Whether a recipe sizes its run itself: max_steps / max_tokens at the top or in a stage (HF's unset
+    `--max_steps -1` then leaves it so, as it did before -1 meant the Trainer's 3 epochs)."""
+    stages = [st for st in recipe.get("stages") or [] if isinstance(st, dict)]
+    return any(str(d.get(k, "")).strip() not in ("", "-1", "None") for d in (recipe, *stages)
+               for k in ("max_steps", "max_tokens"))
+
+
 def command_line_over_recipe(recipe: dict, args: dict) -> list[str]:
     """The recipe's top-level setting of what a command-line flag sets, under either name (SAME_SETTING), dropped:
     `--lr_scheduler_type linear` over a recipe's `lr_scheduler: cosine` was refused as a contradiction, and
@@ -169,7 +182,7 @@ def command_line_over_recipe(recipe: dict, args: dict) -> list[str]:
             if given and name not in args and name in recipe:
                 value = recipe.pop(name)
                 if pair[0] not in ALIASES:
-                    said.append(f"--{given[0]} replaces the recipe's {name} {value}")
+                    said.append(f"--{shown(given[0])} replaces the recipe's {name} {value}")
     return said
 
 

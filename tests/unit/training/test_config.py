@@ -277,8 +277,8 @@ def test_flags_win_over_the_recipes_stages(tmp_path, capsys):
     assert [(s.max_steps, s.learning_rate) for s in plain][1] == (40, plain[1].learning_rate) and plain[0].max_steps == 16
     unset = parse_config(["--config", str(recipe), "--max_steps", "-1", "--num_train_epochs", "1"])  # HF: unset
     assert [s.max_steps for s in resolve_stages(unset, dp_of_sp=lambda sp: 1)] == [16, 40]
-    alone = parse_config(["--config", str(recipe), "--max_steps", "-1"])  # without epochs: HF's default 3 epochs,
-    assert alone.num_train_epochs == 3  # here of no stage (each has its own length: test_hf_flags)
+    alone = parse_config(["--config", str(recipe), "--max_steps", "-1"])  # HF's unset, the recipe sizing its stages:
+    assert alone.num_train_epochs is None  # nothing changes (without any length anywhere: 3 epochs, test_hf_flags)
     assert [s.max_steps for s in resolve_stages(alone, dp_of_sp=lambda sp: 1)] == [16, 40]
     cfg = parse_config(["--config", str(recipe), "--lr_scheduler_type", "cosine_with_min_lr", "--min_lr", "1e-6"])
     assert cfg.lr_scheduler == "cosine" and cfg.min_lr == 1e-6  # HF's name, its floor from --min_lr

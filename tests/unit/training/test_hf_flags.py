@@ -147,3 +147,18 @@ def test_the_plan_line_says_the_schedule_and_the_optimizer(tmp_path, monkeypatch
     assert optimizer_text(block, cfg) == "AdamW betas=0.9,0.95 eps=default wd=0.1"
     block = {"optimizer": {"type": "Adam", "params": {"betas": [0.9, 0.999], "eps": 1e-6, "weight_decay": 0.0}}}
     assert optimizer_text(block, cfg) == "Adam betas=0.9,0.999 eps=1e-06 wd=0"
+
+
+def test_hf_defaults_over_a_recipe_change_nothing(tmp_path):
+    """A review of the day: HF's unset `--max_steps -1` over a recipe's top-level max_steps gave 3 epochs (the recipe's
+    1000 dropped); HF's default `--lr_scheduler_kwargs '{}'` dropped the recipe's and its stages' min_lr; transformers
+    5's `--warmup_steps 0.1` over a recipe's warmup_steps was refused naming a flag never given."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("max_steps: 1000\nmin_lr: 2.0e-6\nwarmup_steps: 20\nstages:\n  - {name: a, max_seq_length: 256, "
+                      "min_lr: 1.0e-5}\n  - {name: b, max_seq_length: 512}\n")
+    cfg = parse_config(["--config", str(recipe), "--max_steps", "-1"])
+    assert (cfg.max_steps, cfg.num_train_epochs) == (1000, None)
+    cfg = parse_config(["--config", str(recipe), "--lr_scheduler_kwargs", "{}"])
+    assert cfg.min_lr == 2e-6 and cfg.stages[0].min_lr == 1e-5
+    cfg = parse_config(["--config", str(recipe), "--warmup_steps", "0.1"])
+    assert cfg.warmup_ratio == 0.1 and cfg.warmup_steps in (0, None)
