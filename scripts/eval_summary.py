@@ -3,7 +3,7 @@ without going to find it.
 
     python scripts/eval_summary.py checkpoints/tiny_cpu_sft
 
-The tables are those of OUTPUT_DIR/eval/summary.md (training/metrics.py `eval_tables`), rebuilt from the stages'
+The tables are those of OUTPUT_DIR/eval/summary.md (training/eval_tables.py `eval_tables`), rebuilt from the stages'
 records OUTPUT_DIR/eval/stage{N}.json (each stage's latest evaluation, the same record metrics.jsonl holds as an
 `"event": "eval"` line), preceded by one line from the first evaluated stage to the last (the "before" and the
 "after": the held-out loss at the first stage's length and at the last stage's own length; in a curriculum with an
@@ -48,7 +48,7 @@ def records(output_dir: str) -> list[dict]:
 def headline(rows: list[dict]) -> list[str]:
     """First evaluated stage -> last: the held-out loss and each task's accuracy (mean over depths) at each length
     both stages tried."""
-    from training.metrics import counts_differ
+    from training.eval_tables import counts_differ
 
     a, b = rows[0], rows[-1]
 
@@ -142,7 +142,7 @@ def main(argv: list[str]) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from training.metrics import eval_tables
+    from training.eval_tables import eval_tables
 
     print(f"\nEvaluation of {argv[0]} ({os.path.join(argv[0], 'eval', 'summary.md')}):")
     print("\n".join(headline(rows) + [""] + eval_tables(rows)))

@@ -232,7 +232,7 @@ def test_stage_view_wraps_the_stage_stream_and_bad_tasks_are_refused(tok):
 
 def test_eval_tables_and_plot(tmp_path):
     from scripts.plot_metrics import plot_eval
-    from training.metrics import eval_tables
+    from training.eval_tables import eval_tables
 
     evals = []
     for s, n in enumerate([1024, 2048]):

@@ -16,8 +16,8 @@ from data.tokenizer import Tokenizer
 from tests.unit.training.test_eval_settings import _evals
 from tests.unit.training.test_eval_summary import eval_summary
 from tests.unit.training.test_heldout_chat import DIMS1, SP, TokenEngine
+from training.eval_tables import eval_tables
 from training.evaluation import evaluate_stage, task_trials
-from training.metrics import eval_tables
 
 METRICS = types.SimpleNamespace(log_eval=lambda *a: None, log_table=lambda *a, **k: None)
 
