@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from model_utils.attention import LAYER_TYPES, SUPPORTED
 from model_utils.sinks import SINKS_COVERED, has_sinks
-from planner.shapes import OTHER_MLP_NAME, expert_count, head_chunks_refusal, tiled_mlp_refusal
+from planner.moe_keys import OTHER_MLP_NAME, expert_count, tiled_mlp_refusal
+from planner.shapes import head_chunks_refusal
 
 # gated delta-net hybrids whose "linear_attention" layers model_utils/linear_attention.py runs under Ulysses by heads
 # (defined here, imported there: attention.py never imports linear_attention.py, so the two form no cycle)
@@ -51,7 +52,7 @@ def drop_router_logits(hf_config) -> bool:
 
 
 def moe_type(hf_config) -> str:
-    """The model_type of a mixture-of-experts config (its text config's: planner.shapes.expert_count > 0); "" for a
+    """The model_type of a mixture-of-experts config (its text config's: planner.moe_keys.expert_count > 0); "" for a
     dense one."""
     cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     return str(getattr(cfg, "model_type", "") or "moe") if expert_count(cfg.to_dict()) else ""

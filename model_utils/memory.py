@@ -56,7 +56,7 @@ from model_utils.mlp import use_lean_mlp
 from model_utils.rmsnorm import norm_source, renorm, use_lean_rmsnorm
 from model_utils.tiled_loss import TileGradSum, agreed_tiles, install_loss_forward, loss_sum, tiled_loss_sum
 from planner.memory_model import mlp_tiles
-from planner.shapes import tiled_mlp_refusal
+from planner.moe_keys import tiled_mlp_refusal
 
 # Tile sizes. Module-level so the tests can force several tiles on tiny models.
 MLP_TILE_TOKENS: int | None = None  # tokens per MLP tile; None: planner.memory_model.mlp_tiles's rule

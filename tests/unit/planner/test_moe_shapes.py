@@ -1,4 +1,4 @@
-"""Mixture-of-experts shapes (planner.shapes.moe_fields) against the model transformers builds, and the tiled MLP that
+"""Mixture-of-experts shapes (planner/moe_keys.moe_fields) against the model transformers builds, and the tiled MLP that
 auto never offers an MoE (planner.auto_features.candidates). The planner read only DeepSeek / Qwen / Mixtral's keys:
 ERNIE-4.5-MoE planned as a dense 3.35B (it has 21.83B), Hunyuan, Qwen2-MoE and GraniteMoeShared without their shared
 experts; and auto chose tiled_mlp for gpt-oss's 256k stage, whose expert blocks model_utils/memory.py refuses to tile
@@ -99,7 +99,7 @@ def test_other_top_k_names_and_a_config_that_says_it_is_dense():
     """Kimi-Linear / Bailing name the top-k num_experts_per_token, Gemma-4 MoE top_k_experts: they were refused as
     "no top-k"; Doge (is_moe false) and Gemma-4 dense (enable_moe_block false) carry an expert count from their class
     defaults and were judged MoE."""
-    from planner.shapes import expert_count, moe_fields
+    from planner.moe_keys import expert_count, moe_fields
 
     for key in ("num_experts_per_token", "top_k_experts"):
         cfg = {"model_type": "x", "num_hidden_layers": 2, "intermediate_size": 64, "num_experts": 8, key: 2}
