@@ -1,18 +1,20 @@
 """How scripts/slurm.sbatch decides a job's end from Slurm's own word (issue 48), under stand-ins that behave as Slurm
-does (tests/stubs/: `scancel` and the time limit set the job's state and signal every process of the job, SIGCONT +
-SIGTERM then SIGKILL KillWait later; `scontrol requeue` ends the batch step the same way; `update` only on a pending
-job and only known node names): a cancel is never requeued, a preemption or the time limit is (inside KillWait), a
-requeue's exclusion survives the requeue's own kill and never leaves the job held, an exclusion that would leave too
-few nodes is not applied, and requeues are bounded by progress (newer checkpoints), not by count."""
+does (tests/stubs/: `scancel` and the time limit set the job's state, SIGCONT + SIGTERM to each step's first process
+(the batch shell, each node's task: proctrack/cgroup's default), SIGKILL to every process KillWait later; `scontrol
+requeue` ends the batch step the same way; `update` only on a pending job and only known node names): a cancel is
+never requeued, a preemption or the time limit is (inside KillWait), a requeue's exclusion survives the requeue's own
+kill and never leaves the job held, an exclusion that would leave too few nodes is not applied, and requeues are
+bounded by progress (newer checkpoints), not by count."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 
 import pytest
 
-from tests.e2e.launchers import clean_env, requeues, wait_for
+from tests.e2e.launchers import STUBS, clean_env, requeues, wait_for
 from tests.e2e.test_sbatch import TWO_NODES, sbatch
 
 
@@ -23,10 +25,6 @@ def ready(tmp_path) -> bool:
 
 def slurm(tmp_path, *args: str) -> None:
     """A Slurm command from outside the job (the user's terminal, slurmctld itself)."""
-    import os
-
-    from tests.e2e.launchers import STUBS
-
     subprocess.run(list(args), check=True, timeout=30,
                    env=clean_env(PATH=f"{STUBS}:{os.environ['PATH']}", SCONTROL_LOG=str(tmp_path / "scontrol.log")))
 
@@ -35,12 +33,21 @@ def state(tmp_path) -> dict:
     return dict(line.split("=", 1) for line in (tmp_path / "scontrol.log.state").read_text().splitlines())
 
 
-def ended_as(tmp_path, end: str, **env: str) -> str:
-    """slurm.sbatch under the stand-ins until its launcher runs, then slurmctld's end of the job as `end` (TIMEOUT,
+def ended_as(tmp_path, end: str, early: bool = False, **env: str) -> str:
+    """slurm.sbatch under the stand-ins until its launcher runs (early: until the node's task has set its traps, the
+    launcher starting 2 s later, as a container's start), then slurmctld's end of the job as `end` (TIMEOUT,
     PREEMPTED, REQUEUED...): the batch shell's output."""
+    if early:
+        late = tmp_path / "late_launch"
+        late.write_text(f'#!/usr/bin/env bash\nsleep 2\nexec {os.path.join(STUBS, "fake_launch")} "$@"\n')
+        late.chmod(0o755)
+        env["LAUNCH_CMD"] = str(late)
     job = sbatch(tmp_path, "wait", ["--output_dir", str(tmp_path / "out")], FAKE_EXIT_AFTER="75", **env)
     try:
-        wait_for(lambda: ready(tmp_path), 90, "the stand-in launcher")
+        if early:
+            wait_for((tmp_path / ".cache/slurm/4242.0/start.0").exists, 90, "the node's task")
+        else:
+            wait_for(lambda: ready(tmp_path), 90, "the stand-in launcher")
         slurm(tmp_path, "scontrol", "_end", "4242", end)
         return job.communicate(timeout=30)[0]
     finally:
@@ -59,9 +66,10 @@ def cancelled_while_running(tmp_path, out, **env: str) -> str:
 
 
 def test_scancel_ends_the_job_and_is_never_requeued(tmp_path):
-    """scancel: slurmctld sets CANCELLED, then every process gets SIGTERM; the ranks save (75) within KillWait. The
-    batch shell reads CANCELLED and does not requeue (it used to take the TERM for the time-limit warning and
-    `scontrol requeue`, which slurmctld accepts for a CANCELLED, COMPLETING job: the cancel undone)."""
+    """scancel: slurmctld sets CANCELLED, then SIGTERM (the node's task passes it on to launch.sh); the ranks save
+    (75) within KillWait. The batch shell reads CANCELLED and does not requeue (it used to take the TERM for the
+    time-limit warning and `scontrol requeue`, which slurmctld accepts for a CANCELLED, COMPLETING job: the cancel
+    undone)."""
     text = cancelled_while_running(tmp_path, tmp_path / "out", FAKE_EXIT_AFTER="75", SCONTROL_KILL_WAIT="10")
     assert "got SIGTERM" in (tmp_path / "fake.log").read_text(), text  # Slurm's own TERM reached the launcher
     assert requeues(tmp_path) == [] and state(tmp_path)["state"] == "CANCELLED", text
@@ -98,13 +106,23 @@ def test_the_previous_jobs_stop_request_is_cleared_before_this_jobs_traps(tmp_pa
     assert (out / "PREEMPT").exists() == bool(owner), text
 
 
-@pytest.mark.parametrize("end, save_s", [("TIMEOUT", 0), ("TIMEOUT", 6), ("PREEMPTED", 6)])
-def test_the_time_limit_and_a_preemption_requeue_inside_killwait(tmp_path, end, save_s):
-    """The time limit (TIMEOUT) or a preemption in cancel mode (PREEMPTED): every process gets SIGTERM, SIGKILL
-    KillWait (4 s here) later. The batch shell reads the state and requeues at once, so a save that outlasts KillWait
-    (6 s) still leaves the job requeued (it used to requeue only after the ranks' exit: SIGKILLed first, the job
-    ended TIMEOUT and the chain stopped)."""
-    text = ended_as(tmp_path, end, FAKE_SAVE_S=str(save_s), SCONTROL_KILL_WAIT="4")
+@pytest.mark.parametrize("end, save_s, how", [
+    ("TIMEOUT", 0, "default"), ("TIMEOUT", 6, "default"), ("PREEMPTED", 6, "default"),
+    ("TIMEOUT", 6, "children"),  # cgroup.conf SignalChildrenProcesses=yes: every process gets the TERM
+    ("TIMEOUT", 0, "early"),     # the TERM before launch.sh has set its traps (its container still starting)
+])
+def test_the_time_limit_and_a_preemption_requeue_inside_killwait(tmp_path, end, save_s, how):
+    """The time limit (TIMEOUT) or a preemption in cancel mode (PREEMPTED): SIGTERM to each step's first process (the
+    batch shell, each node's task: proctrack/cgroup's default, which passes it on to launch.sh; "children": every
+    process), SIGKILL KillWait (4 s here) later. The batch shell reads the state and requeues at once, so a save that
+    outlasts KillWait (6 s) still leaves the job requeued (it used to requeue only after the ranks' exit: SIGKILLed
+    first, the job ended TIMEOUT and the chain stopped). "early": the node's task holds the signal until launch.sh's
+    traps are set, then the ranks save (KillWait 10 s)."""
+    text = ended_as(tmp_path, end, early=how == "early", FAKE_SAVE_S=str(save_s),
+                    SCONTROL_KILL_WAIT="10" if how == "early" else "4",
+                    STUB_SIGNAL_CHILDREN="1" if how == "children" else "0")
+    # the launcher asked to save: by the node's task passing the TERM on, or the batch shell's USR1 through srun
+    assert "got SIG" in (tmp_path / "fake.log").read_text(), text
     assert requeues(tmp_path) == ["requeue 4242"], text
     assert f"JobState={end}: requeueing now, inside KillWait" in text, text
     assert state(tmp_path)["state"] == "PENDING"
