@@ -61,6 +61,7 @@ from training.checkpoint_files import (  # noqa: F401  (MANIFEST, POINTER, deal_
     fsync_file,
     list_files,
     save_torch,
+    state_file,
 )
 from training.preemption import Deadline
 from training.restore import Restorer, TrainState  # noqa: F401  (TrainState: part of this module's interface)
@@ -205,7 +206,7 @@ class Checkpointer(Restorer):
             snap = None
         with _recording(engine, path, written, snap):
             engine.save_checkpoint(self.root, tag=tag, save_latest=False)
-        own = os.path.join(path, "state", f"rank{rank:05d}.pt")
+        own = os.path.join(path, state_file(rank))
         if snap is not None:
             snap.add_torch(own, rank_state)
         else:

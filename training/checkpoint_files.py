@@ -151,6 +151,11 @@ RANK_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_?(?:model|opti
 EVERY = -1  # `awaited`: a file every rank reads
 
 
+def state_file(rank: int) -> str:
+    """This project's per-rank file of a checkpoint (its data position and RNG states), relative to the checkpoint."""
+    return f"state/rank{rank:05d}.pt"
+
+
 def file_rank(name: str) -> int | None:
     """The world rank whose file `name` (relative to its checkpoint) is; EVERY for NVMe optimizer offload's swap
     files (`offloaded_tensors/rankNN/...`: a rank copies its folder, named by its global rank or, with

@@ -50,6 +50,7 @@ from training.checkpoint_files import (
     list_files,
     not_visible,
     read_json,
+    state_file,
 )
 from training.job import Requeue
 from training.preemption import Deadline
@@ -419,7 +420,7 @@ class Restorer:
         saved_world = manifest["world"]
         sizes = {f: int(e["size"]) for f, e in manifest["files"].items()}
         # the files each rank reads: its own; of another world, rank 0's data position (rank 0 converts from all)
-        reader = file_rank if saved_world == world else lambda f: EVERY if f == "state/rank00000.pt" else None
+        reader = file_rank if saved_world == world else lambda f: EVERY if f == state_file(0) else None
         self._await_files(path, sizes, awaited(sizes, rank, world, reader), f"checkpoint {path}")
         if saved_world != world:  # rank 0 converts for up to ~45 min at 8B (training/universal.py): never judged
             progress.mark(None, "build")
@@ -458,9 +459,9 @@ class Restorer:
         engine._config.load_universal_checkpoint = False
         print0(f"loaded {path} in {time.perf_counter() - t0:.1f}s")
         if saved_world != world:  # rank r of another world: take rank 0's data position, fresh RNG
-            return {k: v for k, v in torch.load(os.path.join(path, "state", "rank00000.pt"), weights_only=False).items()
+            return {k: v for k, v in torch.load(os.path.join(path, state_file(0)), weights_only=False).items()
                     if k != "rng"}
-        return torch.load(os.path.join(path, "state", f"rank{rank:05d}.pt"), weights_only=False)
+        return torch.load(os.path.join(path, state_file(rank)), weights_only=False)
 
     def _universal(self, path: str) -> tuple[str, dict[str, int]] | None:
         """For a checkpoint written by another world size: its universal conversion (training/universal.py), made
