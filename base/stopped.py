@@ -101,9 +101,5 @@ class StopCounter:
 COUNTER = StopCounter()  # this process's (its thread starts at the first read or start())
 
 
-def start() -> None:
-    COUNTER.start()
-
-
 def now() -> float:
     return COUNTER.now()

@@ -110,7 +110,7 @@ def prefix_cost_note(where: str, messages: int, tokens: int) -> str:
 
 class FrozenClock:
     """`with clock:` every template rendered inside sees one instant, `clock.at`. transformers' `strftime_now` (today's
-    date in the system turn of gpt-oss, Llama 3.1-3.3, Mistral Small 3.2, Granite 3.3, Apertus) is its module's
+    date in the system turn of gpt-oss, Llama 3.2 and 4, Mistral Small 3.2, Granite 3.3, Apertus) is its module's
     `datetime.now()`, read at every render; a row is rendered 4-11 times (the conversation, each prefix with and
     without the generation prompt), and a midnight between two of them left a prefix unlike the conversation at the
     date: the turn not located, the row refused for another reason or a reply left untrained. A callable given as a
