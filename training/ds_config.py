@@ -100,7 +100,7 @@ def build_ds_config(cfg: Config, dims: ParallelDims, bf16: bool, hidden_size: in
     if dropped and not quiet:
         print0(dropped)
     _drop_load_universal(ds, cfg.deepspeed, quiet)
-    writer = (ds.get("checkpoint") or {}).get("writer") if isinstance(ds.get("checkpoint"), dict) else None
+    writer = ds["checkpoint"].get("writer") if isinstance(ds.get("checkpoint"), dict) else None
     if writer is not None or ds.get("datastates_ckpt", False) is not False:  # deepspeed checkpoint_engine/utils.py
         raise ValueError(f"{cfg.deepspeed}: {'checkpoint.writer' if writer is not None else 'datastates_ckpt'} picks "
                          "another DeepSpeed checkpoint engine (Fast / Decoupled / DataStates), whose files this run's "
