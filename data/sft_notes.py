@@ -24,7 +24,7 @@ import numpy as np
 
 from data.mixture import parse_mixture, select_documents
 from data.replay import parse_replay
-from data.tasks import parse_tasks
+from data.tasks import eval_lengths, parse_tasks
 
 LONG_DOC = 4  # a document of at least 1/LONG_DOC of the stage's length counts as long data for retention
 
@@ -101,14 +101,9 @@ def eval_reach_note(stage, positions: int | None, stages=None) -> str:
     asks = any(v > 0 for v in spec.values()) if isinstance(spec, dict) else bool(spec) and trials > 0
     lengths = ev.get("lengths", "earlier")
     run = [s.max_seq_length for s in stages or [stage]]
-    if isinstance(lengths, list):
-        reach = max(lengths, default=0)
-    elif lengths == "earlier" and (stages or stage.index == 0):
-        reach = max(run[: stage.index + 1] if stages else run)
-    elif lengths == "all" and stages:
-        reach = max(run)
-    else:  # the run's other stages unknown here
-        return ""
+    if not (stages or isinstance(lengths, list) or lengths == "earlier" and stage.index == 0):
+        return ""  # the run's other stages unknown here
+    reach = max(eval_lengths(stage, stages or [stage]), default=0)
     if not asks or not positions or positions <= max(run) or reach >= positions:
         return ""
     return (f"note: stage {stage.index} ({stage.name}): retrieval is evaluated up to {reach} (eval.lengths "

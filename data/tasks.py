@@ -485,3 +485,15 @@ class TaskMixSampler:
             per_step = int(base.get("dp", self.dp)) * int(base.get("micro_batch", self.mb))
             self.serials = self.counts[1:] * per_step
         self.base.load_state_dict(state["base"])
+
+
+def eval_lengths(stage, stages) -> list[int]:
+    """The lengths a stage's tasks are tried at (eval.lengths: earlier | all | [lengths]; training/evaluation.py)."""
+    spec = stage.eval.get("lengths", "earlier")
+    if not stages:
+        return [stage.max_seq_length]
+    if spec in ("earlier", "all"):  # the stages up to this one, or every stage
+        return sorted({s.max_seq_length for s in (stages[: stage.index + 1] if spec == "earlier" else stages)})
+    if isinstance(spec, list) and all(isinstance(x, int) and x > 0 for x in spec):
+        return sorted(set(spec))
+    raise ValueError(f"stage {stage.name!r}: eval.lengths must be earlier, all or a list of lengths, got {spec!r}")

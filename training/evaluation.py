@@ -53,6 +53,7 @@ from data.tasks import (  # noqa: F401  (FILLER: re-exported, older imports)
     TooShort,
     chat_sample,
     cwe_may_run_out,
+    eval_lengths,
     make_sample,
     passkey,
     trial_need,
@@ -107,20 +108,6 @@ def task_trials(eval_cfg: dict, tokenizer) -> dict[str, int]:
     if unknown:
         raise ValueError(f"eval.tasks: unknown task(s) {unknown}; valid: {list(TASKS)}")
     return {t: k for t, k in tasks.items() if k > 0}
-
-
-def eval_lengths(stage, stages) -> list[int]:
-    """The lengths a stage's tasks are tried at (eval.lengths: earlier | all | [lengths])."""
-    spec = stage.eval.get("lengths", "earlier")
-    if not stages:
-        return [stage.max_seq_length]
-    if spec == "earlier":
-        return sorted({s.max_seq_length for s in stages[: stage.index + 1]})
-    if spec == "all":
-        return sorted({s.max_seq_length for s in stages})
-    if isinstance(spec, list) and all(isinstance(x, int) and x > 0 for x in spec):
-        return sorted(set(spec))
-    raise ValueError(f"stage {stage.name!r}: eval.lengths must be earlier, all or a list of lengths, got {spec!r}")
 
 
 def eval_forward_lengths(stage, stages) -> dict[int, list[str]]:
