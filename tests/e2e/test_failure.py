@@ -388,7 +388,7 @@ def test_a_lost_node_ends_node_0_promptly_with_69_and_is_named(tmp_path):
 
 
 @pytest.mark.dist
-@pytest.mark.slow  # ~1 min; the rules on the records: test_sbatch.py::test_sbatch_requeues_a_crash_on_one_node_without_it
+@pytest.mark.slow  # ~1 min; the rules on the records: test_sbatch_crash.py::test_sbatch_requeues_a_crash_on_one_node_without_it
 @pytest.mark.parametrize("slow_post", ["", "1:8"])
 def test_a_crash_on_one_node_is_requeued_without_it_under_slurm(tmp_path, slow_post):
     """Two nodes under slurm.sbatch (stand-in sbatch/srun/scontrol, the real launch.sh and train.py, one rank per

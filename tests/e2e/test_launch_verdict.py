@@ -1,7 +1,7 @@
 """scripts/launch.sh's crash verdict (LAUNCH_CRASH_FILE, read by slurm.sbatch) for a rank that died of a signal
 without an exit of its own, under a stand-in deepspeed launcher that records the ranks' exits as train.py does
 (LAUNCH_EXIT_DIR/rankR) and exits as deepspeed's launch.py does (256 - N for a rank dead of signal N). The batch
-shell's side: test_sbatch.py::test_a_node_whose_rank_died_silently_is_the_crashs_origin_not_the_node_that_raised."""
+shell's side: test_sbatch_crash.py::test_a_node_whose_rank_died_silently_is_the_crashs_origin_not_the_node_that_raised."""
 
 from __future__ import annotations
 
