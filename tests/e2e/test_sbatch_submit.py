@@ -35,7 +35,7 @@ def test_a_batch_script_away_from_its_repository_is_refused_in_one_line(tmp_path
     """Slurm runs a copy of the submitted file from its spool (the stub sbatch too), so the repository is the submit
     dir or the submitted file's (the job's Command=): a copy of slurm.sbatch kept elsewhere, submitted from a run
     folder, finds neither and is refused in one line before any srun. (Submitting the repository's own file from a run
-    folder runs: test_launch_scripts.py::test_sbatch_ranks_spread_over_the_nodes_cpus.)"""
+    folder runs: test_launch_real.py::test_sbatch_ranks_spread_over_the_nodes_cpus.)"""
     mine = tmp_path / "mine" / "slurm.sbatch"
     mine.parent.mkdir()
     mine.write_text(open(SBATCH_SCRIPT).read())
