@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     from training.hf_args import epoch_stages
     from training.metrics import MetricsLogger
     from training.preemption import Deadline
+    from training.resume_notes import with_resolved_sp
     from training.stage import Run, train_stage
     from training.startup import check_room, dry_run, load_run_config, start_distributed, stop_flag
 
@@ -66,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # --- resume: the newest complete checkpoint (rank 0's listing, verified together) decides where we are ---
     ckpt = Checkpointer(cfg.output_dir, cfg.save_total_limit, deadline=Deadline(cfg.time_limit_s, now=started))
-    state = ckpt.resume(cfg.resume, model_hash(model.config), cfg.model_name_or_path, to_dict(cfg),
+    state = ckpt.resume(cfg.resume, model_hash(model.config), cfg.model_name_or_path,
+                        with_resolved_sp(to_dict(cfg), stages),  # an auto SP as this job resolved it: the batch note
                         check=lambda st: check_resumed_stages(stages, st))  # its stage and those before: today's
     check_room(ckpt, state, stages, model, cfg)  # a fresh start's base weights there; the first save's room (rotated
     # to today's limit first): before the data and any engine

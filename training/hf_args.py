@@ -362,18 +362,36 @@ def epoch_stages(cfg, stages: list, data, world: int) -> list:
     return out
 
 
+def _resuming(cfg) -> bool:
+    """A rank's cheap guess, before the process group, that this start resumes a checkpoint (reads no base weights):
+    --resume names an existing checkpoint, or this run's checkpoints/LATEST exists (a requeue, a re-run). One stat or
+    two. A wrong guess costs no run: a fresh start's weights are looked for again on rank 0 after the resume decision
+    (training/startup.check_base_weights), one line before the data, and on every rank at its build."""
+    from training.checkpoint_files import POINTER
+
+    resume = str(getattr(cfg, "resume", "auto") or "auto")
+    if resume not in ("auto", "none"):
+        return os.path.exists(resume)
+    return os.path.isfile(os.path.join(str(getattr(cfg, "output_dir", "") or ""), "checkpoints", POINTER))
+
+
 def resolve_hub_ids(cfg) -> None:
     """A Hugging Face hub id given as the model (or tokenizer) becomes its snapshot folder in the local cache, offline,
     so every later reader sees a folder (model_utils/hub.py); one line naming the download command when it is not
-    there. A dry run needs the model's config only."""
+    there. A dry run needs the model's config only; so does a start with a checkpoint to resume (`_resuming`): a
+    node-local cache holding config and tokenizer only resumes (it stopped a requeue on other nodes with exit 2). A
+    fresh start reads the weight files on every rank (transformers under ZeRO-3: rank 0 their values, the others their
+    tensor names and shapes), so every rank looks for them here, before any heavy work."""
     from model_utils.build import resolve_model
     from model_utils.hub import resolve
 
-    given = cfg.model_name_or_path
-    # a hub id's snapshot must hold its weights; a local folder's are looked for when they are read (build_model with
-    # pretrained weights: a resume or a later stage builds from the config, whose folder may hold no weights now)
-    cfg.model_name_or_path = resolve_model(given, weights=not cfg.dry_run and not os.path.isdir(given))
-    if cfg.model_name_or_path != given and os.environ.get("RANK", "0") == "0":
+    given, main = cfg.model_name_or_path, os.environ.get("RANK", "0") == "0"
+    # a hub id's snapshot must hold its weights where they will be read; a local folder's are looked for when they
+    # are read (build_model with pretrained weights: a resume or a later stage builds from the config, whose folder
+    # may hold no weights now)
+    weights = not cfg.dry_run and not os.path.isdir(given) and not _resuming(cfg)
+    cfg.model_name_or_path = resolve_model(given, weights=weights)
+    if cfg.model_name_or_path != given and main:
         print(f"model {given}: {cfg.model_name_or_path} (the local Hugging Face cache)", flush=True)
     if cfg.tokenizer_name_or_path:
         cfg.tokenizer_name_or_path = resolve(cfg.tokenizer_name_or_path, weights=False, flag="--tokenizer_name_or_path")

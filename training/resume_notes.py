@@ -22,6 +22,7 @@ KEPT_KEYS = ("seed",)  # the saved run's wins for the stage it resumes in: its d
 OTHER_RUN_KEYS = ("dataset_path", "model_name_or_path")  # a finished run's folder reused with another: refused
 SIZE_KEYS = ("max_steps", "num_train_epochs")  # with each stage's max_steps / max_tokens: how long the run is
 STAGE_SIZE_KEYS = ("max_steps", "max_tokens")
+RESOLVED_SP = "resolved_sp"  # beside today's settings (`with_resolved_sp`): each stage's SP as this job resolved it
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -101,14 +102,30 @@ def resume_notes(path: str, saved: dict, now: dict, trainer: dict | None = None,
     return out + ([batch] if batch else [])
 
 
+def with_resolved_sp(config: dict, stages: list) -> dict:
+    """Today's settings (training/config.to_dict) with the SP degree every stage resolved to (`Stage.sp`,
+    training/curriculum.resolve_stages: an `auto` one from the GPUs, node size and host memory of the nodes this job
+    got, agreed over its ranks), under RESOLVED_SP: what `batch_note` compares the checkpoint's layout with. Not a
+    setting (no RUN_KEYS member): never named as a changed one."""
+    return {**config, RESOLVED_SP: [int(s.sp) for s in stages]}
+
+
 def _today_sp(now: dict, stage: int, saved_sp: int) -> int:
-    """Today's SP degree of the stage a resume continues: the stage's own, else the run's; an "auto" one (decided with
-    the memory plan after this) taken as the checkpoint's."""
+    """Today's SP degree of the stage a resume continues: as resolved for this job (`with_resolved_sp`), else the
+    stage's own, else the run's; an "auto" one with nothing resolved taken as the checkpoint's."""
+    resolved = now.get(RESOLVED_SP) or []
+    if 0 <= stage < len(resolved) and isinstance(resolved[stage], int) and resolved[stage] >= 1:
+        return resolved[stage]  # a requeue on H100s of a run saved on H200s: auto sp 2 -> 4 at the same world size
+    sp = _setting_sp(now, stage)
+    return sp if isinstance(sp, int) and sp >= 1 else saved_sp
+
+
+def _setting_sp(now: dict, stage: int):
+    """The SP degree today's settings give the stage: its own, else the run's (an int, "auto", or None)."""
     stages = now.get("stages") or []
     own = stages[stage].get("sequence_parallel_size") if 0 <= stage < len(stages) and isinstance(stages[stage],
                                                                                                dict) else None
-    sp = own if own is not None else now.get("sequence_parallel_size")
-    return sp if isinstance(sp, int) and sp >= 1 else saved_sp
+    return own if own is not None else now.get("sequence_parallel_size")
 
 
 def batch_note(path: str, trainer: dict, now: dict, world: int) -> str | None:
@@ -117,11 +134,15 @@ def batch_note(path: str, trainer: dict, now: dict, world: int) -> str | None:
     noise grows, at the same LR), and a stage sized by max_steps trains half the tokens in its steps (one sized by
     tokens or epochs takes more steps: training/curriculum.keep_stage_steps says so). Said in one line with the
     accumulation that keeps the batch, where one does; a changed micro-batch or accumulation alone is named by
-    `resume_notes` too. None for the same global batch or a checkpoint without `world`/`sp` (written before them)."""
+    `resume_notes` too. Today's data parallel is from the SP the checkpoint's stage resolved to in this job (`now`'s
+    RESOLVED_SP: an `auto` SP moves with the nodes a requeue lands on, at the same world size), named beside the
+    saved one where they differ. None for the same global batch or a checkpoint without `world`/`sp` (written before
+    them)."""
     saved = trainer.get("config") or {}
     try:
         saved_sp = int(trainer["sp"])
-        was_dp, dp = int(trainer["world"]) // saved_sp, world // _today_sp(now, int(trainer.get("stage", 0)), saved_sp)
+        sp = _today_sp(now, int(trainer.get("stage", 0)), saved_sp)
+        was_dp, dp = int(trainer["world"]) // saved_sp, world // sp
         mb, ga = int(now["per_device_train_batch_size"]), int(now["gradient_accumulation_steps"])
         was = int(saved["per_device_train_batch_size"]) * int(saved["gradient_accumulation_steps"]) * was_dp
     except (KeyError, TypeError, ValueError, ZeroDivisionError):
@@ -129,8 +150,13 @@ def batch_note(path: str, trainer: dict, now: dict, world: int) -> str | None:
     if was_dp == dp or was == mb * ga * dp or dp < 1:
         return None
     keep = was // (mb * dp) if was % (mb * dp) == 0 else None
-    return (f"note: {path}: global batch {was} -> {mb * ga * dp} samples per step (data parallel {was_dp} -> {dp}); "
-            "the LR schedule is by steps" + (f"; keep the batch with --gradient_accumulation_steps {keep}" if keep else
+    # the SP said where it moved: at the same world size only SP moves dp, and an `auto` one moves with the nodes
+    # (Llama-3-8B at 1M on 32 ranks: sp 2 on H200 141 GB, sp 4 on H100 80 GB; a requeue on `-p h100,h200` gets either)
+    auto = _setting_sp(now, int(trainer.get("stage", 0))) == "auto"
+    why = "" if sp == saved_sp else f"; sequence parallel {saved_sp} -> {sp}" + (
+        " (auto, resolved for the GPUs and memory of this job's nodes)" if auto else "")
+    return (f"note: {path}: global batch {was} -> {mb * ga * dp} samples per step (data parallel {was_dp} -> {dp}"
+            f"{why}); the LR schedule is by steps" + (f"; keep the batch with --gradient_accumulation_steps {keep}" if keep else
                                               f"; no whole --gradient_accumulation_steps gives {was} at micro-batch "
                                               f"{mb} x data parallel {dp}"))
 

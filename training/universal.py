@@ -20,8 +20,11 @@ one of the checkpoints it keeps, never one in progress; another run's rotation n
 
 **Two jobs, one source** (two branches started at once, a requeued job whose earlier incarnation still runs): the
 first to create `<key>.lock` (an atomic mkdir, also on NFS) converts; the others wait for `<key>/DONE` and load it.
-A lock whose owner is gone is taken over: its heartbeat older than STALE_S, its process gone (same host), or it was
-an earlier run of this same Slurm job (SLURM_JOB_ID equal, SLURM_RESTART_COUNT lower). Each converter writes only
+A lock whose owner is gone is taken over: its heartbeat older than STALE_S, its process gone (same host), it was
+an earlier run of this same Slurm job (SLURM_JOB_ID equal, SLURM_RESTART_COUNT lower), or its job is another job of
+this cluster that Slurm says has ended (`scontrol show job`: not RUNNING, SUSPENDED, COMPLETING, ...; base/run_lock.py)
+once its heartbeat is late (a killed conversion, then a new sbatch on other hosts: ~1 min, not STALE_S's 10 min of the
+whole allocation idle, ~85 GPU-hours at 512 ranks). Each converter writes only
 its own `<key>.tmp.<host>.<pid>` and renames it into place: even two converters at once (a suspended owner resumed
 after its lock was taken over) never delete or overwrite each other's files.
 
@@ -69,6 +72,7 @@ import threading
 import time
 
 from base.log import print0
+from base.run_lock import LIVE_STATES, job_state
 from training.checkpoint_files import MANIFEST, atomic_write, list_files, manifest_sha256, read_json
 
 DONE = "DONE"
@@ -81,6 +85,8 @@ SAFETY = 1.25  # a measured rate varies with the file system's load
 HEARTBEAT_S = 30.0  # the lock's owner touches it this often while it converts
 STALE_S = 600.0  # a lock untouched this long is taken over: 20 missed heartbeats, far above NFS's 60 s attribute
 # cache and clock skew between nodes; a suspended job (scontrol suspend) past it loses the lock, not its files
+JOB_LATE_S = 2 * HEARTBEAT_S  # a heartbeat this late: Slurm is asked whether the owner's (other) job still runs
+JOB_ASK_S = 30.0  # at most one `scontrol show job` per owner job this often (a wait looks every WAIT_EVERY_S)
 WAIT_EVERY_S = 5.0  # how often a job waiting for another's conversion looks for its DONE (by name)
 CONVERTER = "deepspeed.checkpoint.ds_to_universal"
 # The converter runs with SIGUSR1 / SIGUSR2 ignored (its worker pool inherits that): a save request sent to every
@@ -139,7 +145,25 @@ def _measured(where: str) -> dict:
 
 def _me() -> dict:
     return {"job": os.environ.get("SLURM_JOB_ID"), "restart": int(os.environ.get("SLURM_RESTART_COUNT") or 0),
-            "host": socket.gethostname(), "pid": os.getpid()}
+            "host": socket.gethostname(), "pid": os.getpid(), "cluster": os.environ.get("SLURM_CLUSTER_NAME", "")}
+
+
+_ASKED: dict[str, tuple[float, str | None]] = {}  # owner job -> (when asked, its JobState): JOB_ASK_S apart
+
+
+def _job_ended(owner: dict, me: dict) -> str | None:
+    """The state of the owner's Slurm job when it is another job of this cluster that has ended (PENDING after a
+    requeue, COMPLETED, CANCELLED, TIMEOUT, ...; GONE: slurmctld forgot it), else None (live, this job, no job, another
+    cluster's: a job id names a job of one cluster, and another's answers "Invalid job id" for a live one, or no
+    scontrol). One `scontrol show job` per JOB_ASK_S at most."""
+    job = owner.get("job")
+    if not job or job == me["job"] or owner.get("cluster", me["cluster"]) != me["cluster"]:
+        return None
+    asked, state = _ASKED.get(str(job), (-JOB_ASK_S, None))
+    if time.monotonic() - asked >= JOB_ASK_S:
+        state = job_state(str(job))
+        _ASKED[str(job)] = (time.monotonic(), state)
+    return None if state is None or state in LIVE_STATES else state
 
 
 def _tmp(out: str, owner: dict) -> str:
@@ -157,7 +181,8 @@ def _alive(pid: int) -> bool:
 
 
 def gone(lock: str, now: float | None = None) -> str | None:
-    """Why the owner of `lock` is gone (its lock may be taken over), or None while it may still be converting."""
+    """Why the owner of `lock` is gone (its lock may be taken over), or None while it may still be converting. Rank 0's
+    alone (`prepare` runs in comm.run_on_main, `bound` in rank 0's rotation): every rank gets its outcome."""
     try:
         age = (time.time() if now is None else now) - os.stat(lock).st_mtime
     except FileNotFoundError:
@@ -169,6 +194,9 @@ def gone(lock: str, now: float | None = None) -> str | None:
         return f"its process {owner['pid']} on this host has exited"
     if me["job"] and owner.get("job") == me["job"] and int(owner.get("restart") or 0) < me["restart"]:
         return f"it was an earlier run of this job {me['job']} (requeued since)"
+    ended = _job_ended(owner, me) if age > JOB_LATE_S else None  # a live owner beats every HEARTBEAT_S: not asked
+    if ended:
+        return f"its job {owner['job']} is {ended} (scontrol) and its heartbeat is {age:.0f} s old"
     return None
 
 

@@ -6,12 +6,14 @@ today's. One process, fake engine files (as tests/unit/training/test_checkpoint.
 from __future__ import annotations
 
 import os
+import types
 
 import pytest
 
 from tests.unit.training.test_resume_branch import FakeConfig, FakeEngine
+from training import restore
 from training.checkpoint import Checkpointer
-from training.resume_notes import batch_note, check_other_run, resume_notes
+from training.resume_notes import RESOLVED_SP, batch_note, check_other_run, resume_notes, with_resolved_sp
 
 OLD = {"dataset_path": "d1.jsonl", "model_name_or_path": "m1", "max_steps": 6, "num_train_epochs": None, "stages": [],
        "learning_rate": 1e-3, "seed": 0}
@@ -128,7 +130,7 @@ def test_a_resume_on_another_data_parallel_size_notes_the_global_batch():
      "--gradient_accumulation_steps gives 3 at micro-batch 1 x data parallel 2"),
     ({"stage": 0, "config": BATCH}, BATCH, 1, None),  # a checkpoint written before world / sp were recorded
     ({"stage": 0, "world": 4, "sp": 2, "config": BATCH}, {**BATCH, "sequence_parallel_size": 4}, 4,  # SP 2 -> 4
-     "global batch 2 -> 1 samples per step (data parallel 2 -> 1)"),
+     "global batch 2 -> 1 samples per step (data parallel 2 -> 1; sequence parallel 2 -> 4); the LR"),
 ])
 def test_the_batch_note_where_the_batch_is_kept_or_cannot_be(trainer, now, world, said):
     note = batch_note("ck", trainer, now, world)
@@ -146,3 +148,32 @@ def test_checkpointer_resume_prints_the_batch_note(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "global batch 8 -> 4 samples per step (data parallel 2 -> 1)" in out, out
     assert "--gradient_accumulation_steps 8" in out, out
+
+
+def test_an_auto_sp_resolved_otherwise_on_the_nodes_of_a_requeue_notes_the_batch(tmp_path, capsys, monkeypatch):
+    """`sequence_parallel_size: auto` is resolved for the nodes a job lands on: a requeue under `-p h100,h200` of a run
+    saved on H200s (Llama-3-8B at 1M on 32 ranks: sp 2) resolves sp 4 on H100s at the same world size, dp 16 -> 8,
+    the global batch halved mid-stage without a word (the "auto" was taken as the checkpoint's SP). The SP this job
+    resolved for the checkpoint's stage (train.py: with_resolved_sp) decides; the note names both."""
+    stage = types.SimpleNamespace
+    now = {**BATCH, "sequence_parallel_size": "auto", "stages": [{"name": "a"}, {"name": "b"}]}
+    trainer = {"stage": 1, "world": 32, "sp": 2, "config": now}
+    assert batch_note("ck", trainer, now, 32) is None  # nothing resolved given: as before, the saved SP
+    today = with_resolved_sp(now, [stage(sp=8), stage(sp=4)])  # the checkpoint's stage (1) resolved sp 4 here
+    assert today[RESOLVED_SP] == [8, 4]
+    note = batch_note("ck", trainer, today, 32)
+    assert note == ("note: ck: global batch 16 -> 8 samples per step (data parallel 16 -> 8; sequence parallel 2 -> 4 "
+                    "(auto, resolved for the GPUs and memory of this job's nodes)); the LR schedule is by steps; keep "
+                    "the batch with --gradient_accumulation_steps 2"), note
+    assert batch_note("ck", trainer, with_resolved_sp(now, [stage(sp=4), stage(sp=2)]), 32) is None  # sp 2 again
+    # through Checkpointer.resume (training/restore.py hands resume_notes today's settings as given; its world, 1 in
+    # this process, read as the 32 of the audit's job): one note, and the resolved SP is no changed setting
+    ck = Checkpointer(str(tmp_path), keep=2)
+    ck.save(FakeEngine(), 6, {"step": 6, "tokens": 0, "stage": 1, "model_hash": "h", "config": now,
+                              "stage_steps": [10, 10], "world": 32, "sp": 2}, {"sampler": {}}, FakeConfig())
+    notes = restore.resume_notes
+    monkeypatch.setattr(restore, "resume_notes", lambda path, saved, got, trainer, world: notes(path, saved, got,
+                                                                                                  trainer, 32))
+    assert ck.resume("auto", "h", "m1", today).step == 6
+    out = capsys.readouterr().out
+    assert "data parallel 16 -> 8; sequence parallel 2 -> 4 (auto" in out and "differed" not in out, out

@@ -226,6 +226,45 @@ def test_a_gone_owners_lock_is_taken_over(tmp_path, monkeypatch, capsys, owner, 
     assert not os.path.exists(partial) and os.path.isdir(other) and not os.path.exists(out + ".lock")
 
 
+def _lock_of(out: str, owner: dict, age_s: float) -> str:
+    os.makedirs(out + ".lock")
+    with open(os.path.join(out + ".lock", universal.OWNER), "w") as fh:
+        json.dump(owner, fh)
+    old = time.time() - age_s
+    os.utime(out + ".lock", (old, old))
+    return out + ".lock"
+
+
+def test_a_lock_of_another_job_that_slurm_says_ended_is_taken_over_in_a_minute(tmp_path, monkeypatch, capsys):
+    """A conversion killed with its job, then a NEW sbatch (another job id, other hosts): its lock was waited on for
+    STALE_S (10 min of the whole allocation idle); now taken over once its heartbeat is late and scontrol says the job
+    ended. A live, suspended, unknown (no scontrol) or other cluster's job, or a fresh heartbeat, is waited for."""
+    asked: list[str] = []
+    states = {"81": "CANCELLED", "82": "PENDING", "83": "RUNNING", "84": "SUSPENDED", "85": None, "86": "GONE"}
+    monkeypatch.setattr(universal, "job_state", lambda job: asked.append(job) or states[job])
+    monkeypatch.setattr(universal, "_ASKED", {})
+    monkeypatch.setenv("SLURM_JOB_ID", "99")
+    monkeypatch.setenv("SLURM_CLUSTER_NAME", "c1")
+    late = universal.JOB_LATE_S + 30
+    for job, ended in (("81", True), ("82", True), ("83", False), ("84", False), ("85", False), ("86", True)):
+        lock = _lock_of(str(tmp_path / f"k{job}"), {"host": "node-9", "pid": 4242, "job": job, "restart": 0}, late)
+        why = universal.gone(lock)
+        assert (why is not None) == ended and (not ended or f"its job {job} is {states[job]}" in why), (job, why)
+    assert asked == ["81", "82", "83", "84", "85", "86"]
+    universal.gone(str(tmp_path / "k83.lock"))
+    assert asked[-1] == "86"  # asked again only JOB_ASK_S later (a wait looks every WAIT_EVERY_S)
+    lock = _lock_of(str(tmp_path / "fresh"), {"host": "node-9", "pid": 1, "job": "81"}, universal.HEARTBEAT_S / 2)
+    assert universal.gone(lock) is None  # its heartbeat is on time: a live owner, Slurm not asked
+    lock = _lock_of(str(tmp_path / "other"), {"host": "node-9", "pid": 1, "job": "87", "cluster": "c2"}, late)
+    assert universal.gone(lock) is None and "87" not in asked  # another cluster's job id: not this cluster's to say
+    source = save_from_world(Checkpointer(str(tmp_path / "src"), keep=3), 4, world=2)  # the whole path: converted
+    calls = fake_converter(monkeypatch)
+    out = universal.folder(source, str(tmp_path / "run"))
+    _lock_of(out, {"host": "node-9", "pid": 4242, "job": "81", "restart": 0, "cluster": "c1"}, late)
+    assert universal.prepare(source, 2, 1, str(tmp_path / "run"))["dir"] == out and len(calls) == 1
+    assert "its job 81 is CANCELLED (scontrol)" in capsys.readouterr().out
+
+
 def test_a_live_owners_lock_is_waited_for(tmp_path, monkeypatch):
     """A lock whose owner (another node) beats: never taken over; its conversion, once renamed into place, is loaded
     without converting again."""
