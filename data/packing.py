@@ -29,10 +29,11 @@ RULES = "bos2:chat9:eos2:doc8"  # the tokenization rules' version (cache_key bel
 RULE_ROWS = {**{f"chat{k}": "chat" for k in range(2, 10)}, "doc7": "ids", "doc8": "ids"}
 
 
-def cache_key(files: list[str], tokenizer_path: str | None, model_vocab: int) -> str:
-    """What a cached token stream or in-job prepared folder (data/prepare.py) is derived from: each input file
-    (path, size, mtime), the tokenizer's content (a HF folder rewritten in place keeps its own size and mtime) and
-    the vocabulary its token ids were checked against."""
+def cache_key(inputs: list[str], tokenizer_path: str | None, model_vocab: int) -> str:
+    """What a cached token stream or in-job prepared folder (data/prepare.py) is derived from: each input as one string
+    (the in-job folder's: its units' content, data/discover.Unit.identity; the stream's: `file_stats`), the tokenizer's
+    content (a HF folder rewritten in place keeps its own size and mtime), the vocabulary its token ids were checked
+    against and the rules (RULES)."""
     h = hashlib.sha256(f"{model_vocab}:{RULES}".encode())
     # :bos2: text documents start with the tokenizer's BOS, once where the text writes its own; :chat8: chat rows
     # encoded by today's rules (a reply's weight, reasoning a template drops, a top-level system, a prompt / completion of strings with the BOS; the ChatML default rendered
@@ -53,12 +54,18 @@ def cache_key(files: list[str], tokenizer_path: str | None, model_vocab: int) ->
     # folder trained every token), a packed row (seq_lengths, restarting position_ids) is refused (data/ids_rows.py);
     # :doc8: a packed row is split into its documents, an attention_mask's padding at the row's ends stripped (doc7
     # stored and trained the pads)
-    for f in files:
-        st = os.stat(f)
-        h.update(f"{os.path.abspath(f)}:{st.st_size}:{st.st_mtime_ns}".encode())
+    for x in inputs:
+        h.update(f"{x}\n".encode())
     if tokenizer_path:
         h.update(tokenizer_identity(tokenizer_path).encode())
     return h.hexdigest()[:16]
+
+
+def file_stats(files: list[str]) -> list[str]:
+    """The token stream's inputs for `cache_key`: each file's path, size and mtime (one stat each). Not the in-job
+    prepared folder's: a copy re-staged at each requeue (/tmp/slurm-$JOBID/...) has a new mtime, and the folder was
+    prepared again by rank 0 while every GPU waited (the stream, tools' and tests', is rebuilt in seconds)."""
+    return [f"{os.path.abspath(f)}:{(st := os.stat(f)).st_size}:{st.st_mtime_ns}" for f in files]
 
 
 def vocab_refusal(tokenizer: Tokenizer, model_vocab: int) -> str:
@@ -76,7 +83,7 @@ def build_token_stream(dataset_path: str, tokenizer: Tokenizer | None, model_voc
 
     Validates as it goes: bad lines, token ids outside the model's vocabulary, an empty dataset.
     """
-    key = cache_key(list_files(dataset_path), tokenizer.path if tokenizer else None, model_vocab)
+    key = cache_key(file_stats(list_files(dataset_path)), tokenizer.path if tokenizer else None, model_vocab)
     out = os.path.join(cache_dir, f"tokens-{key}")
     tok_path, starts_path = out + ".npy", out + ".starts.npy"
     if os.path.exists(tok_path) and os.path.exists(starts_path):

@@ -23,7 +23,9 @@ a node of 8 ranks, ~3 GB a rank at a stage's start.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import os
+import socket
 from dataclasses import dataclass
 
 import numpy as np
@@ -308,6 +310,41 @@ def dropped_line(pack: ConvPack, n: int) -> str:
     return f"{what} dropped: their supervised tokens lie past the cut at {n} tokens"
 
 
+def _plan(folder: str) -> dict | None:
+    """What an in-job prepared folder was prepared from (its one shard's plan, data/prepare_data.py), None unreadable."""
+    try:
+        return read_json(sorted(glob.glob(os.path.join(glob.escape(folder), "shard-*-of-*.json")))[0])["plan"]
+    except (OSError, ValueError, IndexError, KeyError, TypeError):
+        return None
+
+
+# what makes an in-job folder's cache key (data/packing.cache_key), as its plan records it
+_RULES = ("tokenization rules (a text's separator or special-token strings, a chat row's system_prompt or end-of-turn: "
+          "data/packing.RULES)")
+_AGAIN = {"units": "its input (its files' names or content)", "tokenizer": "the tokenizer's files",
+          "vocab_bound": "the vocabulary bound", "rules": f"the {_RULES}"}
+
+
+def again_note(dataset_path: str, folder: str, first: str) -> str:
+    """The resume's note where --dataset_path was prepared in the job into another folder than the one the run first
+    trained on, with why, from the two folders' plans: what differs, or nothing (a folder keyed by the input's path and
+    mtime before in-job folders were keyed by its content: the same tokens, prepared once more after that upgrade).
+    Cost: two small JSON reads, at a resume only."""
+    kept = os.path.isdir(first)
+    head = (f"note: --dataset_path {dataset_path} was prepared again in this job ({folder}; this run trained on {first}"
+            f"{'' if kept else ', since removed'}): ")
+    old, new = _plan(first) if kept else None, _plan(folder)
+    if old is not None and new is not None and all(old.get(k) == new.get(k) for k in _AGAIN):
+        return head + ("the same input, tokenizer and rules as then, under another cache key (an earlier version "
+                       "keyed an in-job folder by its input's path and mtime, not its content), so it holds the same "
+                       f"tokens (a chat template's rendered date aside); {first} may be removed once no run uses it")
+    said = (" and ".join(v for k, v in _AGAIN.items() if old.get(k) != new.get(k)) + " differ from its first "
+            "preparation's" if old is not None and new is not None else
+            f"today's {_RULES} may tokenize its documents otherwise, or its input or tokenizer changed")
+    return head + f"{said}, so the tokens trained from this step may differ from those before" + (
+        f"; to keep them pass --dataset_path {first}" if kept else "")
+
+
 REPLAY_FIX = "use a longer replay length, or drop the replay (it packs the stage's own data at each length)"
 
 
@@ -340,8 +377,9 @@ def open_run_data(dataset_path: str | None, tokenizer_path: str | None, model_vo
                          "--output_dir, or --resume none)")
     try:
         prepared, why = Prepared(folder, m), None
-    except (OSError, ValueError) as e:
-        prepared, why = None, f"--dataset_path {folder} on rank {comm.rank()}: {e}"
+    except (OSError, ValueError) as e:  # store.Prepared turns a truncated .npy (EOFError...) into a ValueError too
+        # the host named: a folder copied to node-local disk on every node (docs/multinode.md) fails on one node's copy
+        prepared, why = None, f"--dataset_path {folder}: the copy on {socket.gethostname()} (rank {comm.rank()}): {e}"
     why = next((w for w in comm.all_gather_object(why) if w), None)
     if why:
         raise ValueError(why)
@@ -370,13 +408,7 @@ def open_run_data(dataset_path: str | None, tokenizer_path: str | None, model_vo
     moved = len(set(docs) - set(first_docs)) if first_docs is not None else 0
     if same_input and first_folder and os.path.realpath(first_folder) != os.path.realpath(folder) and \
             dataset_path != folder:
-        # prepared in the job again under another cache key (today's tokenization rules: data/packing.cache_key)
-        kept = os.path.isdir(first_folder)
-        print0(f"note: --dataset_path {dataset_path} was prepared again in this job ({folder}; this run trained on "
-               f"{first_folder}{'' if kept else ', since removed'}): today's rules may tokenize its documents "
-               "otherwise (a text's separator or special-token strings, a chat row's system_prompt or end-of-turn: "
-               "data/packing.cache_key), so the tokens trained from this step "
-               "may differ from those before" + (f"; to keep them pass --dataset_path {first_folder}" if kept else ""))
+        print0(again_note(dataset_path, folder, first_folder))  # prepared in the job again under another cache key
     if moved:  # (said beside the note above too: a re-tokenized chat set moves its held-out documents)
         print0(f"note: {moved} of the {len(docs)} held-out documents were not held out at this run's first start (the "
                f"folder at --dataset_path was prepared again: its documents re-tokenized or in another order): they "

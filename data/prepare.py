@@ -124,10 +124,15 @@ def prepare_in_job(dataset_path: str | None, tokenizer_path: str | None, model_v
         data, tok_path = resolve_sources(dataset_path, tokenizer_path or fallback)
         units = discover(data, flag="--dataset_path")  # what prepare_data reads there: .jsonl[.gz|.zst], .json
         # arrays, Parquet, a save_to_disk folder (only .jsonl / .json were read: the rest dropped without a word)
-        files = [f for u in units for f in u.files()]  # the cache key's: every file read
+        files = [f for u in units for f in u.files()]  # every file read
         # the tokenizer this run would use (scripts/prepare_data.py takes none by default: its command names it)
         how = f"--tokenizer_name_or_path {shlex.quote(tok_path)}" if tok_path else f"--vocab_size {model_vocab}"
-        out = os.path.join(CACHE, "prepared", cache_key(files, tok_path, model_vocab))
+        # keyed by the units' content (name, size, a hash of each file's first and last 64 KiB), as prepare_data's plan:
+        # by path and mtime, an input re-staged to node-local scratch at each requeue (/tmp/slurm-$JOBID/..., a `cp`
+        # without -p) was prepared again into another folder while every GPU waited, and the old one was kept. Cost:
+        # an open and two 64 KiB reads per file (a stat before), once per start. A folder keyed by the earlier rule is
+        # prepared once more after the upgrade (data/pipeline.py's resume note says it holds the same tokens)
+        out = os.path.join(CACHE, "prepared", cache_key([u.identity() for u in units], tok_path, model_vocab))
         size = sum(input_bytes(f) for f in files)  # a stat a file, and <= 18 bytes or a Parquet footer read
         # one prepared already is used, and a resumed run's input is prepared again, whatever the limit (a run that
         # started under an earlier estimate, or cache key, must not end at its requeue on today's)

@@ -178,9 +178,9 @@ class Prepared:
             if m and (os.path.getsize(m) if os.path.exists(m) else -1) != c["n_tokens"]:
                 raise ValueError(f"{m}: not {c['n_tokens']} bytes as the manifest says: prepare the folder again")
             masks.append(np.memmap(m, dtype=np.uint8, mode="r") if m and c["n_tokens"] else Ones(c["n_tokens"]))
-            lens.append(np.load(os.path.join(path, c["lens"])))
+            lens.append(load_docs(os.path.join(path, c["lens"]), c.get("n_docs")))
             remap = np.asarray([index[s] for s in c["sources"]] or [0], dtype=np.int32)
-            srcs.append(remap[np.load(os.path.join(path, c["src"]))])
+            srcs.append(remap[load_docs(os.path.join(path, c["src"]), c.get("n_docs"))])
         self.tokens = TokenStore(parts)
         # the per-token loss mask (uint8, 1: a target) where a chunk holds chat documents; None: text only
         self.mask = TokenStore(masks) if any(c.get("mask") for c in self.manifest["chunks"]) else None
@@ -205,6 +205,21 @@ class Prepared:
                 if file_crc32(f) != c[f"crc32_{key}"]:
                     bad.append(f)
         return bad
+
+
+def load_docs(path: str, n_docs: int | None) -> np.ndarray:
+    """A chunk's per-document array (.lens.npy / .src.npy) of `n_docs` entries (None: not checked). One ValueError
+    for a file cut short, empty or of another length: a half-written copy of the folder on one node's disk made np.load
+    raise EOFError (empty) or a ValueError naming no file (a cut header or body), and the run ended in a traceback."""
+    try:
+        arr = np.load(path)
+    except (EOFError, ValueError) as e:
+        raise ValueError(f"{path}: not a whole .npy file ({e}): the prepared folder is incomplete (a copy cut short?) "
+                         "or was modified; copy or prepare it again") from None
+    if n_docs is not None and len(arr) != n_docs:
+        raise ValueError(f"{path}: {len(arr)} documents, the manifest says {n_docs}: the prepared folder is incomplete "
+                         "or was modified; copy or prepare it again")
+    return arr
 
 
 # ------------------------------------------------------------------ writing: one shard's chunks (data/prepare_data.py)

@@ -163,21 +163,24 @@ def test_heldout_documents_are_spread_fixed_for_the_run_and_never_trained_on(tmp
     # the same input prepared again in the job under today's rules (another cache key: an upgrade's tokenization, as
     # on 2026-11-30): said as that, naming the folder it trained on (the note blamed another order, and "a new run")
     import data.prepare as in_job
+    from data import packing
 
-    monkeypatch.setattr(in_job, "cache_key", lambda *a: "0123456789abcdef")
+    monkeypatch.setattr(in_job, "CACHE", str(tmp_path / "cache"))  # the folders prepared again: this test's own
+    monkeypatch.setattr(packing, "RULES", packing.RULES + ":next1")  # recorded in the plan, and in the cache key
     again = open_run_data(str(p), None, 2048, stages, reset_position_ids=False, heldout=first)
     out = capsys.readouterr().out
     assert "was prepared again in this job" in out and f"to keep them pass --dataset_path {first['prepared']}" in out
     assert "were not held out" not in out and again.heldout_split["prepared"] == first["prepared"]
     assert "a chat row's system_prompt or end-of-turn" in out  # today's rules name chat rows too (an upgrade audit)
+    assert "its input" not in out  # what differs, from the two folders' plans: the rules only
     # prepared again under new rules AND its documents moved (a chat set re-tokenized: other lengths, another split):
     # both said (the held-out note was never reached after the first)
     p.write_text("".join(json.dumps({"input_ids": d}) + "\n" for d in docs[::-1]))
-    monkeypatch.setattr(in_job, "cache_key", lambda *a: "fedcba9876543210")
     capsys.readouterr()
     open_run_data(str(p), None, 2048, stages, reset_position_ids=False, heldout=first)
     out = capsys.readouterr().out
     assert "was prepared again in this job" in out and "were not held out at this run's first start" in out, out
+    assert "its input (its files' names or content) and the tokenization rules" in out, out
 
 
 def test_heldout_split_of_a_small_dataset_warns_and_shrinks(tmp_path, capsys):

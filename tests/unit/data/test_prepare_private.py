@@ -105,7 +105,7 @@ def test_demo_chats_and_token_stream_leave_another_writers_tmp_alone(tmp_path, m
     docs.write_text("".join(json.dumps({"input_ids": [1, 2, 3 + i]}) + "\n" for i in range(4)))
     cache = tmp_path / "cache"
     cache.mkdir()
-    key = packing.cache_key(packing.list_files(str(docs)), None, 100)
+    key = packing.cache_key(packing.file_stats(packing.list_files(str(docs))), None, 100)
     theirs = cache / f"tokens-{key}.npy.tmp7.npy"
     theirs.write_bytes(b"job B's")
     tok, starts = packing.build_token_stream(str(docs), None, 100, str(cache))
