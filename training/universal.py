@@ -409,6 +409,25 @@ def prepare(ckpt: str, saved_world: int, world: int | None, output_dir: str, dea
         lock.release()
 
 
+def workers(ckpt: str, cpus: int | None = None, free: int | None = None) -> tuple[int, int]:
+    """ds_to_universal's process counts (extract, merge) for this node: every GPU of the job waits on this conversion
+    (rank 0's, run_on_main), and 2 / 1 (sized for the 2-core tests; one merge worker is DeepSpeed's serial "unit
+    testing" pass) merged Llama-3-8B's 291 parameters x 3 states from every rank's fragments one at a time (~56k
+    reads, 30-45 min on a shared file system at 64 ranks). Extract: half the usable CPUs, at most 8, each holding
+    one rank's optimizer file (x2 while it splits it) within half the job's free host memory; merge: a CPU in 16, at
+    most 4 (each holds one parameter's states whole: Llama-3-8B's embedding, 2.1 GB a state)."""
+    from base.host import job_memory_available, usable_cpus
+
+    cpus = len(usable_cpus()) if cpus is None else cpus
+    free = job_memory_available() if free is None else free
+    files = [os.path.join(ckpt, f) for f in list_files(ckpt) if f.endswith("optim_states.pt")]
+    biggest = max((os.path.getsize(f) for f in files), default=0)
+    extract = max(2, min(8, cpus // 2))
+    if free and biggest:
+        extract = max(1, min(extract, free // 2 // (2 * biggest)))
+    return extract, max(1, min(4, cpus // 16))
+
+
 def convert(ckpt: str, out: str, sid: str | None, nbytes: int, timeout: float | None = None) -> dict:
     """Run ds_to_universal from `ckpt` into this process's own `<out>.tmp.<host>.<pid>`, write the DONE record in it,
     rename it to `out` (if another converter's is already there, that one is kept and ours dropped), record the
@@ -420,9 +439,10 @@ def convert(ckpt: str, out: str, sid: str | None, nbytes: int, timeout: float | 
     os.makedirs(tmp)
     t0 = time.time()
     try:
+        extract, merge = workers(ckpt)
         subprocess.run([sys.executable, "-c", _CHILD, CONVERTER, "--input_folder", ckpt,
-                        "--output_folder", os.path.join(tmp, tag), "--num_extract_workers", "2",
-                        "--num_merge_workers", "1", "--inject_missing_state"],
+                        "--output_folder", os.path.join(tmp, tag), "--num_extract_workers", str(extract),
+                        "--num_merge_workers", str(merge), "--inject_missing_state"],
                        check=True, stdout=subprocess.DEVNULL, timeout=timeout)
     except subprocess.TimeoutExpired:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -350,3 +350,30 @@ def test_the_conversion_is_never_judged_a_hang_and_the_load_is(tmp_path, monkeyp
     monkeypatch.setattr(universal, "prepare", lambda *a, **k: (marks.append("converting"), real(*a, **k))[1])
     Checkpointer(str(tmp_path / "mine"), keep=3).load(LoadEngine(), source)
     assert len(calls) == 1 and marks == ["build", "converting", "restore"], marks
+
+
+@pytest.mark.parametrize("cpus, free_gb, want", [(192, 2000, (8, 4)), (2, 24, (2, 1)), (64, 10, (2, 4)),
+                                                 (64, 4, (1, 4))])
+def test_the_converters_workers_are_sized_for_the_node(tmp_path, monkeypatch, cpus, free_gb, want):
+    """ds_to_universal ran with 2 extract workers and 1 merge worker (DeepSpeed's serial "unit testing" pass) on any
+    node: at 64 ranks every GPU waited 30-45 min while rank 0 merged Llama-3-8B's parameters one at a time. Now half
+    the node's CPUs (<= 8) extract, each within half the free host memory for twice one rank's optimizer file (1 GiB
+    here), and a CPU in 16 (<= 4) merge."""
+    import base.host
+
+    ckpt = tmp_path / "step_000010"
+    ckpt.mkdir()
+    with open(ckpt / "zero_pp_rank_0_mp_rank_00_optim_states.pt", "wb") as fh:
+        fh.truncate(1 << 30)  # sparse: its size is what counts
+    monkeypatch.setattr(base.host, "usable_cpus", lambda: list(range(cpus)))
+    monkeypatch.setattr(base.host, "job_memory_available", lambda: free_gb << 30)
+    seen = []
+
+    def run(cmd, *args, **kwargs):
+        seen.append((int(cmd[cmd.index("--num_extract_workers") + 1]), int(cmd[cmd.index("--num_merge_workers") + 1])))
+        raise subprocess.CalledProcessError(1, cmd)
+
+    monkeypatch.setattr(subprocess, "run", run)
+    with pytest.raises(subprocess.CalledProcessError):
+        universal.convert(str(ckpt), str(tmp_path / "out"), None, 1 << 30)
+    assert seen == [want]
