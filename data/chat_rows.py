@@ -35,9 +35,11 @@ read by data/chat_tools.py and passed to the template as `tools=`.
 A top-level `system` (LLaMA-Factory's ShareGPT column: the system prompt beside the turns) or `system_prompt`
 (OpenHermes', ultrachat_de's) is the conversation's first message (before, it was dropped without a word); one beside a
 system message of another text, or both of two texts, is refused.
-A context or reply beside the chat field that is not read (`document`, `context`, `ctxs`, `answers`, `answer`,
-`response`, `output`, `completion` where not the format's own: ChatQA's rows) is refused in one line, unless the
-conversation holds its text (a copy of the last reply, ultrachat_de's `response`); before, dropped without a word.
+A context or reply beside the chat field that is not read (`document`, `documents`, `context`, `ctxs`, `answers`, `answer`,
+`response`, `output`, `completion` where not the format's own: ChatQA's rows, apply_chat_template's RAG `documents`) is
+refused in one line, unless the conversation holds its text (a copy of the last reply, ultrachat_de's `response`); before,
+dropped without a word. So is a preference row's `chosen` / `rejected` beside it (LLaMA-Factory's ranking rows trained
+the history's reply, `chosen` dropped) unless the conversation is the chosen one, and a boolean `label` (KTO rows).
 A filled `images` / `image` / `videos` / `audios` column (LLaMA-Factory's mllm rows, LLaVA-Instruct) is refused in one
 line: this trainer is text-only (before, dropped: the replies trained without what they describe, `<image>` as text).
 A row with both a text field and a chat field is ambiguous (which one was meant?) and refused in one line
@@ -71,10 +73,13 @@ ROLE_KEYS = {"system": ("tools", "functions"), "user": ("functions",), "assistan
 # tool list rides on the system message; OLMo 3's function list on a system (or user) message, its calls on a reply
 SYSTEM_KEYS = ("system", "system_prompt")  # a row's top-level system prompt: LLaMA-Factory's name; OpenHermes',
 # ultrachat_de's, Nemotron's
-CONTEXT = ("document", "context", "ctxs")  # a row's context beside its chat field (ChatQA's document, ChatRAG's ctxs)
+CONTEXT = ("document", "documents", "context", "ctxs")  # a row's context beside its chat field (ChatQA's document,
+# ChatRAG's ctxs, apply_chat_template's RAG `documents`: not passed to the template here)
 UNREAD = CONTEXT + ("answers", "answer", "response", "output", "completion")  # and its reply (ChatQA's answers):
 # refused beside a chat field unless the conversation holds their text (a reply key: or ends in a reply; _checked)
 OWN = {"pair": ("completion",), "alpaca": ("output",)}  # an UNREAD key that is the row format's own field
+PREFERENCE = ("chosen", "rejected")  # a preference row's: refused beside a chat field unless it is the chosen one
+_FORMATS = {"pair": "prompt / completion", "alpaca": "instruction / output"}
 
 
 class RowError(ValueError):
@@ -275,9 +280,9 @@ def normalize(obj: dict) -> tuple[str, list[dict] | tuple[str, str], int]:
     if obj.get("functions") is not None:  # OpenAI's legacy function calling, beside the messages
         raise RowError("functions (OpenAI's legacy tool list), which no template reads: give it as tools "
                        '[{"type": "function", "function": {"name": ..., "parameters": {...}}}]')
-    if fmt == "pair" and isinstance(obj.get("label"), bool):  # trl-lib/kto-mix-14k's shape
-        raise RowError(f"prompt / completion with a boolean label ({obj['label']}): an unpaired preference (KTO) row, "
-                       "whose label-false completions would be trained as wanted replies: keep the label-true rows and "
+    if isinstance(obj.get("label"), bool):  # trl-lib/kto-mix-14k's shape, LLaMA-Factory's kto_en_demo (messages)
+        raise RowError(f"{_FORMATS.get(fmt, fmt)} with a boolean label ({obj['label']}): an unpaired preference (KTO) "
+                       "row, whose label-false replies would be trained as wanted ones: keep the label-true rows and "
                        "drop the column, or train them with a preference trainer")
     if fmt == "pair":
         p, c = obj["prompt"], obj["completion"]
@@ -400,6 +405,10 @@ def _checked(msgs: list[dict], obj: dict, fmt: str) -> list[dict]:
               and not _carried(obj.get(k), k in CONTEXT, msgs)]
     beside = f"{', '.join(map(repr, unread))} beside the {fmt} {'is' if len(unread) == 1 else 'are'} not read here"
     fix = "put the document in the user turn and the answer as the last assistant turn (docs/sft.md)"
+    pref = [k for k in PREFERENCE if obj.get(k) is not None]
+    if pref and not _chosen(obj.get("chosen"), msgs):  # LLaMA-Factory's ranking rows: the history's reply trained
+        raise RowError(f"{' and '.join(pref)} beside the {fmt}: a preference row, whose chosen reply the conversation does "
+                       "not hold: for SFT give the chosen conversation as messages, or train it with a preference trainer")
     if not any(m["role"] == "assistant" for m in msgs):
         raise RowError("no assistant turn: nothing to train on" + (f" ({beside}: {fix})" if unread else ""))
     if unread:
@@ -420,6 +429,17 @@ def _carried(value, context: bool, msgs: list[dict]) -> bool:
     if context:
         return all(any(t in m["content"] for m in msgs) for t in texts)
     return all(any(t == m["content"].strip() for m in msgs if m["role"] == "assistant") for t in texts)
+
+
+def _chosen(value, msgs: list[dict]) -> bool:
+    """Whether a preference row's `chosen` (a reply's text, a message / turn, or a list of them) is in the conversation:
+    each of its replies an assistant message of it (ultrafeedback_binarized's `messages` is its `chosen`)."""
+    value = value.tolist() if hasattr(value, "tolist") and not isinstance(value, list | str) else value
+    turns = value if isinstance(value, list) else [value]
+    texts = [t.get("content", t.get("value")) if isinstance(t, dict) else t for t in turns if not isinstance(t, dict)
+             or SHAREGPT_ROLES.get(str(t.get("role", t.get("from", "assistant"))).lower()) == "assistant"]
+    replies = {m["content"].strip() for m in msgs if m["role"] == "assistant"}
+    return bool(texts) and all(isinstance(t, str) and t.strip() in replies for t in texts)
 
 
 def empty_reply(msg: dict) -> bool:

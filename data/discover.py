@@ -25,8 +25,8 @@ JSONL_EXT = tuple(b + c for b in (".jsonl", ".json", ".ndjson") for c in COMPRES
 PARQUET_EXT = (".parquet",)
 # a folder's files that look like data but that nothing here reads: refused by name, never dropped without a word
 # (a .jsonl.lz4 or .zip of a corpus, datasets' cache-*.arrow files, a .csv beside the JSONL)
-OTHER_DATA = (".arrow", ".zip", ".tar", ".tgz", ".7z", ".rar", ".lz4", ".gz", ".zst", ".bz2", ".xz", ".csv", ".tsv",
-              ".feather", ".avro", ".orc")
+OTHER_DATA = (".arrow", ".zip", ".tar", ".tgz", ".7z", ".rar", ".lz4", ".gz", ".zst", ".zstd", ".bz2", ".xz", ".csv",
+              ".tsv", ".feather", ".avro", ".orc", ".mds")  # .mds: Mosaic streaming's shards (_mds)
 # raw text documents (`.txt.gz`: OTHER_DATA's) beside JSONL / Parquet, refused by name (they were dropped without a word;
 # a folder of only these: "no .jsonl ... (or use --loader)"); a snapshot's LICENSE.txt, CITATION.md, ... are no documents
 TEXT_DOCS = (".txt", ".md", ".tex", ".html", ".htm")
@@ -140,11 +140,18 @@ def _folder(path: str, flag: str) -> list[str]:
     output folder or a prepared folder is skipped, said once (`--output_dir D/run` with `--dataset_path D` read the
     run's metrics.jsonl, MANIFEST.json and eval/*.json as rows at its requeue: refused as not valid JSON)."""
     files, other, texts = [], [], []
+    repo = os.path.dirname(os.path.normpath(path))
+    if os.path.basename(os.path.normpath(path)) == "snapshots" and os.path.isdir(os.path.join(repo, "refs")):
+        _one_snapshot(repo, path, flag)  # the cache's snapshots/ folder itself
     for d, dirs, fs in _walk(path, flag):
         if d != path and is_hf_folder(d):
             files.append(d)
             dirs[:] = []
             continue
+        _mds(d, fs, path, flag)
+        if {"snapshots", "refs"} <= set(dirs):  # a Hugging Face cache's repo folder: its snapshots, not its blobs
+            _one_snapshot(d, path, flag)
+            dirs[:] = ["snapshots"]
         for f in fs:
             p = os.path.join(d, f)
             if f.startswith(".") or f in NOT_DATA:
@@ -174,8 +181,49 @@ def _paper(rel: str) -> bool:
                                                            for m in DOC_META)
 
 
+def _mds(d: str, names: list[str], path: str, flag: str) -> None:
+    """ValueError for a folder of Mosaic streaming (MDS) shards (princeton-nlp/prolong-data: index.json and
+    shard.00000.mds[.zstd]): its index.json was read as a row, the shards ignored (with --skip_bad_rows: gone)."""
+    shards = sorted(f for f in names if ".mds" in f.lower())
+    if "index.json" in names and shards:
+        raise ValueError(f"{flag} {path}: {d} holds Mosaic streaming (MDS) shards (index.json, {shards[0]}"
+                         f"{', ...' * (len(shards) > 1)}), not read here: convert them to JSONL / Parquet")
+
+
+def _one_snapshot(d: str, path: str, flag: str) -> None:
+    """ValueError for a Hugging Face cache's repo folder (`datasets--ORG--NAME/`: blobs/, refs/main, snapshots/<sha>/)
+    holding several snapshots (a re-download of a newer revision keeps the older one, its files links to the same
+    blobs): every snapshot was read, every row twice. Named, as several splits are: the one refs/main names."""
+    snaps = sorted(x for x in os.listdir(os.path.join(d, "snapshots")) if not x.startswith("."))
+    if len(snaps) < 2:
+        return
+    main = _head(os.path.join(d, "refs", "main")).strip()
+    pick = os.path.join(d, "snapshots", main if main in snaps else snaps[-1])
+    raise ValueError(f"{flag} {path}: {'it' if d == path else d} is a Hugging Face cache folder of {len(snaps)} "
+                     f"snapshots (revisions), each read, every row {len(snaps)} times: give one snapshot, e.g. {flag} "
+                     f"{pick}" + (" (refs/main's)" if main in snaps else ""))
+
+
+def _one_each(path: str, files: list[str], flag: str) -> None:
+    """ValueError naming two files of one input that are one file (links to it: a Hugging Face cache's snapshots, its
+    blobs stored once): both were read, every row twice. Cost: an lstat per file, a realpath per folder and link."""
+    real: dict[str, str] = {}
+    folders: dict[str, str] = {}
+    for f in sorted(files):
+        d = os.path.dirname(f)
+        if d not in folders:
+            folders[d] = os.path.realpath(d)
+        r = os.path.realpath(f) if os.path.islink(f) else os.path.join(folders[d], os.path.basename(f))
+        if r in real:
+            raise ValueError(f"{flag} {path}: {real[r]} and {f} are one file (links to {r}): both would be read, every "
+                             "row twice; give one of them")
+        real[r] = f
+
+
 def _no_copies(path: str, files: list[str], flag: str) -> None:
-    """ValueError naming a file beside its compressed copy (`web.jsonl`, `web.jsonl.gz`: gunzip -k): both were read."""
+    """ValueError naming a file beside its compressed copy (`web.jsonl`, `web.jsonl.gz`: gunzip -k), or a link to
+    another (_one_each): both were read."""
+    _one_each(path, files, flag)
     seen: dict[str, str] = {}
     for f in sorted(files):
         low = f.lower()
@@ -205,6 +253,7 @@ def _units(name: str, path: str, loader: str | None, flag: str) -> list[Unit]:
     spec = f"{name}={path}" if name else path
     pattern = matching(path, flag)  # `DIR/data/train_sft-*.parquet`: one split's files
     if pattern is not None:
+        _one_each(path, pattern, flag)
         name = name or _stem(path.split("*")[0].rstrip("-_."))
         return [u for f in pattern for u in _units(name, f, loader, flag)]
     if not os.path.exists(path):
@@ -227,6 +276,8 @@ def _units(name: str, path: str, loader: str | None, flag: str) -> list[Unit]:
     if is_hf_folder(path):
         return [Unit(name or _stem(path), "hf_disk", path)]
     if os.path.isfile(path):
+        _mds(os.path.dirname(path), os.listdir(os.path.dirname(path) or ".") if os.path.basename(path) == "index.json"
+             else [], path, flag)
         files = [path]
     else:
         files = _folder(path, flag)

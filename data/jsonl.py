@@ -9,6 +9,7 @@ Errors name the file and line and stop before any heavy work.
 from __future__ import annotations
 
 import codecs
+import fnmatch
 import glob
 import gzip
 import io
@@ -28,6 +29,7 @@ NOT_DATA = ("README.md", "config.json", "dataset_info.json", "dataset_infos.json
 _WS = re.compile(r"[ \t\r\n]*")
 ARRAY_CHUNK = 1 << 20
 _SHARD = re.compile(r"(?:^|/)([a-z0-9_]+?)-\d{5}-of-\d{5}")  # the hub's `{split}-00000-of-00003.parquet`
+_SHARD_NAME = re.compile(r"^(.*[-_.])(\d{5})-of-(\d{5})(.*)$")  # a shard's file name: prefix, index, count, suffix
 COMPRESSED = ("", ".gz", ".gzip", ".zst", ".zstd", ".bz2", ".xz")  # what open_file decompresses
 
 
@@ -57,6 +59,7 @@ def one_split(root: str, files: list[str], flag: str) -> list[str]:
         splits.setdefault(split_of(os.path.relpath(f, root)), []).append(f)
     named = sorted(s for s in splits if s)
     if len(named) < 2:
+        no_missing_shard(root, files, flag)
         return files
     pick = next((s for s in named if s.startswith("train")), named[0])
     example = re.sub(r"\d{5}-of-\d{5}", "*", splits[pick][0])
@@ -66,13 +69,36 @@ def one_split(root: str, files: list[str], flag: str) -> list[str]:
 
 
 def matching(path: str, flag: str) -> list[str] | None:
-    """The files a pattern names (sorted), None for a path that is no pattern; a ValueError for one naming none."""
+    """The files a pattern names (sorted), None for a path that is no pattern; a ValueError for one naming none, or
+    missing a shard it would name (no_missing_shard)."""
     if os.path.exists(path) or not any(c in path for c in GLOB):
         return None
     files = sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))
     if not files:
         raise ValueError(f"{flag} {path}: the pattern names no file")
+    no_missing_shard(path, files, flag, pattern=path)
     return files
+
+
+def no_missing_shard(root: str, files: list[str], flag: str, pattern: str | None = None) -> None:
+    """ValueError (one line) naming the shards a split's `{split}-00000-of-00003` files lack (a download cut short, one
+    file deleted: the split was trained without it, without a word); for a glob, those it would name (`train-0000[01]-*`
+    takes part of a split on purpose). Cost: a regex per file."""
+    groups: dict[tuple, set[int]] = {}
+    for f in files:
+        m = _SHARD_NAME.match(os.path.basename(f))
+        if m:
+            groups.setdefault((os.path.dirname(f), m[1], int(m[3]), m[4], m[3]), set()).add(int(m[2]))
+    missing = [os.path.join(d, f"{pre}{k:05d}-of-{total}{post}") for (d, pre, n, post, total), have in sorted(
+        groups.items()) for k in range(n in have, n + (n in have)) if k not in have]  # numbered from 1 (safetensors') too
+    missing = [f for f in missing if pattern is None or fnmatch.fnmatch(f, pattern)]
+    if missing:
+        names = ", ".join(os.path.relpath(f, root) if pattern is None else f for f in missing[:3])
+        more, many = f" and {len(missing) - 3} more" if len(missing) > 3 else "", len(missing) > 1
+        raise ValueError(f"{flag} {root}: shard{'s' * many} {names}{more} of its split {'are' if many else 'is'} missing "
+                         f"(a download cut short?): the split would be trained without {'them' if many else 'it'}; "
+                         "download it again, or, to train on part of the split on purpose, give a glob naming only "
+                         "those files")
 
 
 class _Zstd(io.RawIOBase):

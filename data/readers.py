@@ -21,14 +21,14 @@ from dataclasses import dataclass
 
 from base.log import cause
 from data.chat import row_format
-from data.chat_rows import UNREAD, without_nulls
+from data.chat_rows import PREFERENCE, UNREAD, without_nulls
 from data.discover import Unit, damaged, unreadable
 from data.ids_rows import BESIDE, BESIDE_IDS, beside_ids, plain_ids
 from data.jsonl import (
     array_elements,
     open_file,
 )
-from data.row_errors import SURROGATE, both, elsewhere, lone_surrogate
+from data.row_errors import SURROGATE, TREE, both, elsewhere, lone_surrogate, other_chat, tree_row
 
 TEXT_DOC_MAX = 2**30  # --loader text: a file is one document, read whole (1M tokens are ~4 MB of text)
 PARQUET_BATCH_BYTES = 64 << 20  # Parquet decoded so much at a time, ~6x in Python (1024 rows of 800 KB took 4.9 GB)
@@ -71,7 +71,7 @@ def _rows(unit: Unit, fields: Fields, start: int, batch_rows: int) -> Iterator[t
         import pyarrow.parquet as pq
 
         pf = pq.ParquetFile(unit.path, buffer_size=8 << 20, pre_buffer=False)  # column chunks read 8 MB at a time
-        cols = _columns(unit, pf.schema_arrow.names, fields)
+        cols = _columns(unit, pf.schema_arrow.names, fields, lambda: next(pf.iter_batches(batch_size=1)).to_pylist()[0])
         row = 0
         for rg in range(pf.num_row_groups):
             meta = pf.metadata.row_group(rg)
@@ -95,7 +95,7 @@ def _rows(unit: Unit, fields: Fields, start: int, batch_rows: int) -> Iterator[t
             if "train" not in ds:
                 raise ValueError(f"{unit.path}: a DatasetDict without a 'train' split ({list(ds)}); save one split")
             ds = ds["train"]
-        cols = _columns(unit, ds.column_names, fields)
+        cols = _columns(unit, ds.column_names, fields, lambda: ds[0])
         ds = ds.select_columns(_flat(cols))
         if start:
             ds = ds.select(range(start, len(ds)))
@@ -115,7 +115,7 @@ def _rows(unit: Unit, fields: Fields, start: int, batch_rows: int) -> Iterator[t
             raise ValueError(f"--loader {builder}: datasets.load_dataset could not read {unit.path} "
                              f"({cause(e)}): use a builder "
                              "it has (csv, json, text, parquet, arrow, ...)") from None
-        cols = _columns(unit, names, fields)
+        cols = _columns(unit, names, fields, lambda: next(iter(ds)))
         if start:
             ds = ds.skip(start)
     row = start
@@ -127,21 +127,25 @@ def _rows(unit: Unit, fields: Fields, start: int, batch_rows: int) -> Iterator[t
 CHAT_COLUMNS = (("messages",), ("conversations",), ("prompt", "completion"), ("instruction", "output"))  # data/chat.py's
 # row formats
 CHAT_EXTRAS = ("tools", "system", "system_prompt", "input", "history", "chat_template_kwargs", "label", "functions",
-               "images", "image", "videos", "audios") + UNREAD  # carried with a chat row when the table has them
+               "images", "image", "videos", "audios") + UNREAD + PREFERENCE  # carried with a chat row when the table has them
 # (data/chat_tools.py reads the tools, data/chat_rows.py the system prompt, an Alpaca row's input and history, and
 # refuses a KTO row's label, a legacy functions list, a filled media column (chat_rows.MEDIA: a text-only trainer; a
 # media column's bytes are read only as far as the first filled row, which refuses the preparation) and a context or
-# reply it does not read (chat_rows.UNREAD: ChatQA's document, answers); data/chat_template.py the template's arguments)
+# reply it does not read (chat_rows.UNREAD: ChatQA's document, answers) and a preference row's chosen / rejected;
+# data/chat_template.py the template's arguments)
 
 
 TEXT_BESIDE = "text\x00"  # marks a table's text column carried beside its chat columns (not a column name)
 
 
-def _columns(unit: Unit, names: list[str], fields: Fields) -> tuple[str | tuple[str, ...], str | None, tuple[str, ...]]:
+def _columns(unit: Unit, names: list[str], fields: Fields, first=None) -> tuple[str | tuple[str, ...], str | None,
+                                                                               tuple[str, ...]]:
     """(the value column, or a chat format's columns; the source column or None; the columns read beside its ids:
     data/ids_rows.py). A table with both a text column and
     chat columns (pandas' to_parquet of mixed text and chat rows: each row fills one, the other null) carries both:
-    each row is the one it fills; a row filling both is a bad row (which is meant?)."""
+    each row is the one it fills; a row filling both is a bad row (which is meant?). A table of none: ValueError naming
+    the chat format its first row holds (`first()`, read only then: lmsys-chat-1m's `conversation`), as JSONL's says;
+    an OpenAssistant message table (its `text` beside `role` and `parent_id`: every token trained) too."""
     value = fields.text if fields.text in names else fields.ids if fields.ids in names else None
     # every chat format's columns the table has, each row read as the one it fills (row_format), as JSONL's rows are: a
     # table mixing formats (pandas' to_parquet of tulu, Alpaca and ShareGPT rows) had only the first format's read, the
@@ -152,9 +156,16 @@ def _columns(unit: Unit, names: list[str], fields: Fields) -> tuple[str | tuple[
             (TEXT_BESIDE + value,) if value else ())
     # labels, TRL's loss masks and packing columns beside the ids: carried with each row, checked in the workers
     beside = tuple(c for c in BESIDE_IDS if c in names) if value == fields.ids and chat is None else ()
+    if value == fields.text and chat is None and tree_row(names):
+        raise ValueError(f"{unit.path}: {TREE}")
     if value is None:
+        try:
+            row = first() if first else None
+        except Exception:  # noqa: BLE001 (a hint only: the line below says what is wrong)
+            row = None
         raise ValueError(f"{unit.path}: no column {fields.text!r} (--text_field), {fields.ids!r} (--ids_field), "
-                         f"messages, conversations, prompt + completion or instruction + output (chat); columns are {names}")
+                         f"messages, conversations, prompt + completion or instruction + output (chat); columns are {names}"
+                         + (other_chat(row) if isinstance(row, dict) else ""))
     return value, (fields.source if fields.source in names else None), beside
 
 
@@ -201,6 +212,8 @@ def parse_item(item: object, fields: Fields) -> tuple[str | list | dict | None, 
         if not isinstance(obj, dict):
             return None, None, f"expected a JSON object, got {type(obj).__name__}"
         value = obj.get(fields.text, obj.get(fields.ids))
+        if isinstance(value, str) and tree_row(obj) and not row_format(obj):  # oasst1 / oasst2's messages table
+            return None, None, TREE
         if isinstance(value, dict) and not row_format(value):  # was read as a chat row: "chat row: not a chat row"
             return None, None, f"expected a string in {fields.text!r}{elsewhere(fields, obj)}"
         if value is not None and row_format(obj):

@@ -222,6 +222,7 @@ def test_files_named_as_ours_in_a_data_folder_are_data(tmp_path):
     for sub in ("ocr", "chat"):
         (data / sub).mkdir(parents=True)
     _write_jsonl(data / "ocr" / "shard-00000-of-00002.json", [[1, 2]])
+    _write_jsonl(data / "ocr" / "shard-00001-of-00002.json", [[4]])  # the whole split (one alone: refused, missing)
     _write_jsonl(data / "chat" / "train.jsonl", [[3]])
     (data / "chat" / "manifest.json").write_text('{"files": ["train.jsonl"]}')
     got = [u.path for u in discover(str(data), flag="--dataset_path")]
