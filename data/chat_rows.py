@@ -54,8 +54,8 @@ import unicodedata
 ROLES = ("system", "user", "assistant", "tool", "environment")  # environment: OLMo 3's tool results, a role of its
 # own in its template (open-instruct's `olmo`); passed on as given, never supervised; a template that does not render
 # it refuses the row (data/chat.py)
-ALIASES = {"developer": "system", "model": "assistant", "human": "user", "gpt": "assistant"}  # OpenAI's newer system
-# role; Gemma's and the Gemini API's name for the reply's role; ShareGPT's names, as some exports write them in `role`
+ALIASES = {"developer": "system", "model": "assistant", "human": "user", "gpt": "assistant", "ipython": "tool"}  # OpenAI's
+# newer system role; Gemma's / Gemini's reply role; ShareGPT's names in `role`; Llama 3.1's tool results (as `tool`)
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant",
                   "tool": "tool", "observation": "tool", "function_response": "tool", "ipython": "tool",
@@ -162,8 +162,8 @@ def message(m, i: int) -> dict:
     ROLE_KEYS for its role), as given."""
     if not isinstance(m, dict):
         raise RowError(f"message {i}: expected an object with role and content, got {type(m).__name__}")
-    role = ALIASES.get(m.get("role"), m.get("role"))
-    if role not in ROLES:
+    role = ALIASES.get(m.get("role"), m.get("role")) if isinstance(m.get("role"), str) else m.get("role")
+    if role not in ROLES:  # a list or object as the role: one line (it raised "unhashable type" with a traceback)
         raise RowError(f"message {i}: role {m.get('role')!r}; expected one of {list(ROLES) + list(ALIASES)}")
     if m.get("function_call") is not None:  # OpenAI's legacy form: dropped, the reply trained without its call
         raise RowError(f"message {i} ({role}): function_call (OpenAI's legacy form), which templates do not read: give "

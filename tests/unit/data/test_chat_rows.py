@@ -387,3 +387,21 @@ def test_a_kto_table_is_refused_as_its_jsonl_is(tmp_path):
     (_, (row, _)), = iter_rows(Unit("k", "parquet", str(tmp_path / "k.parquet")), Fields())
     with pytest.raises(RowError, match="unpaired preference"):
         normalize(row)
+
+
+@pytest.mark.parametrize("role", [["user"], {"name": "user"}])
+def test_a_role_that_is_not_a_string_is_one_line(role):
+    """A list or object as a message's role raised "unhashable type" (a traceback through prepare_data, even with
+    --skip_bad_rows); now the row is a bad row named in one line."""
+    with pytest.raises(RowError, match=r"message 0: role .*; expected one of"):
+        normalize({"messages": [{"role": role, "content": "Hi"}, {"role": "assistant", "content": "Yo"}]})
+
+
+def test_llama31s_ipython_role_is_a_tool_result():
+    """Llama 3.1's documented role for a tool's output (its template renders `ipython` and `tool` alike) was refused in
+    OpenAI-form messages, though ShareGPT's `from: ipython` was read as `tool`."""
+    kind, conv, _ = normalize({"messages": [{"role": "user", "content": "2+2?"},
+                                  {"role": "assistant", "content": "", "tool_calls": [
+                                      {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 2}}}]},
+                                  {"role": "ipython", "content": "4"}, {"role": "assistant", "content": "4."}]})
+    assert kind == "chat" and [m["role"] for m in conv] == ["user", "assistant", "tool", "assistant"]
