@@ -20,6 +20,7 @@ import json
 import os
 
 from data.chat_rows import RowError, without_nulls
+from data.chat_tools import row_tools
 
 # apply_chat_template's own parameters: a row setting one would change what is rendered, not what the template reads
 RESERVED = {"conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
@@ -43,6 +44,18 @@ def pick_template(own, template: str, path: str) -> str | None:
         raise ValueError(f"--chat_template {template!r}: tokenizer {path} has no named templates; use auto, chatml "
                          "or none")
     return own or None
+
+
+def row_template(own, template: str, obj: dict) -> str:
+    """The --chat_template a row is rendered with: `tool_use` where `template` is auto, the tokenizer's named set
+    (`own`) has it and a `default` (Hermes-2-Pro / 3, Command-R / R7B) and the row's `tools` are a non-empty list, as
+    transformers' apply_chat_template picks it (TRL passes each row's tools; vLLM resolves a request alike); else
+    `template`. An empty list stays on `default` (transformers would pick `tool_use` for it: `tools is not None`),
+    as a request without tools is served: LLaMA-Factory writes "[]" for a row offered none. A tools value that is no
+    list refuses the row (data/chat_tools.row_tools), as it would in any template."""
+    if template != "auto" or not isinstance(own, dict) or "tool_use" not in own or "default" not in own:
+        return template
+    return "tool_use" if row_tools(obj) else template
 
 
 def resolve_template(hf, own, template: str, path: str) -> tuple[str | None, str, bool, str | None]:

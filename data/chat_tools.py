@@ -202,7 +202,12 @@ def refuse_unrendered(enc, conv: list[dict], tools: list | None, turns: list[int
                        "instructions they answer: drop the system message, or use a template that renders it")
     if not tools and not calls and not any(m["role"] in ("environment", "tool") or defs(m) for m in conv):
         return
-    text = enc._text(conv, tools=tools)
+    try:
+        text = enc._text(conv, tools=tools)
+    except RowError as e:  # Command-R's `default` refuses a tool turn ("roles must alternate"): its set has the fix
+        if (tools or calls or any(m["role"] == "tool" for m in conv)) and (fix := tool_use_fix(enc)):
+            raise RowError(f"{e}: use {fix}") from None
+        raise
     if tools:
         try:  # the same text without them: the template ignores `tools`
             same = enc._text(conv) == text
@@ -210,8 +215,9 @@ def refuse_unrendered(enc, conv: list[dict], tools: list | None, turns: list[int
             same = False
         if same:
             raise RowError(f"tools {tool_names(tools)}: {enc.name} does not render a row's `tools` (tool definitions),"
-                           " so the replies would be trained as if no tool had been offered: use a template that "
-                           "takes tools= (Llama 3.1, Qwen2.5 / 3, Mistral v0.3, ...), or drop them")
+                           " so the replies would be trained as if no tool had been offered: use "
+                           f"{tool_use_fix(enc) or 'a template that takes tools= (Llama 3.1, Qwen2.5 / 3, Mistral v0.3, ...)'}"
+                           ", or drop them")
     if calls:
         try:  # no call is rendered (GLM-4 skips a message whose content is empty, calls and all): each reply after
             same = enc._text([{x: v for x, v in m.items() if x != "tool_calls"} for m in conv], tools=tools) == text
@@ -221,7 +227,7 @@ def refuse_unrendered(enc, conv: list[dict], tools: list | None, turns: list[int
             k = calls[0]
             raise RowError(f"message {k} (assistant): {enc.name} does not render its tool call(s) "
                            f"{[call_name(c) for c in conv[k]['tool_calls']]}, so an empty reply would be trained: use "
-                           "a template that renders tool_calls, or drop the calls")
+                           f"{tool_use_fix(enc) or 'a template that renders tool_calls'}, or drop the calls")
         # a trained reply's text beside its calls (`turns`: the replies trained, None: all), which Llama 3.1 / 3.2
         # and Mistral v0.3 drop, writing the call alone
         said = [k for k in (calls if turns is None else [k for k in calls if k in turns])
@@ -244,6 +250,17 @@ def refuse_unrendered(enc, conv: list[dict], tools: list | None, turns: list[int
             if enc._text(conv[:k] + [{x: v for x, v in m.items() if x != key}] + conv[k + 1:], tools=tools) == text:
                 raise RowError(f"message {k} ({m['role']}): {enc.name} does not render a message's `{key}` "
                                "(tool definitions): give them as this template takes them, or drop them")
+
+
+def tool_use_fix(enc) -> str | None:
+    """The fix a refused tool row names where `enc` renders another of its tokenizer's named templates than the set's
+    `tool_use` (Hermes-2-Pro / 3, Command-R / R7B ship `default` + `tool_use`; transformers and vLLM render a request
+    with tools by `tool_use`): before, such a row was told to use another model's template (Llama 3.1, ...) though
+    the tokenizer ships one. None otherwise."""
+    own = getattr(enc.hf, "chat_template", None)
+    if isinstance(own, dict) and own.get("tool_use") and enc.template != own["tool_use"]:
+        return "--chat_template tool_use (the tokenizer's own template for rows with tools)"
+    return None
 
 
 def _unmarked(enc, conv: list[dict], ks: list[int], tools: list | None, keep=lambda m: "") -> list[int] | None:

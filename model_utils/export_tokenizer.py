@@ -56,17 +56,24 @@ def export_tokenizer(tokenizer_path: str, out: str, template: str | None, positi
     read alike by 4.x and 5), with the chat template the rows were rendered with (`template`; else the folder's own,
     or the one it ships only in chat_template.json, which AutoTokenizer does not read and data/tokenizer.py trains on:
     Mistral-Small-3.1-2503), and a model_max_length of at least `positions` (the model's max_position_embeddings: a
-    base's 131072 kept after a 1M extension cut a truncation=True input at 128k, with false length warnings)."""
+    base's 131072 kept after a 1M extension cut a truncation=True input at 128k, with false length warnings).
+    A `template` that is the `tool_use` of the folder's named set (Hermes-2-Pro / 3, Command-R / R7B; trained with
+    `--chat_template tool_use`) keeps the whole set, as an `auto` run's export does: transformers and vLLM pick
+    `tool_use` for a request with tools and `default` without. Replaced by it alone, every request without tools
+    raised on Hermes ('NoneType' object is not iterable) and got R7B's tool preamble. Another member (`rag`, which no
+    server picks by itself) is carried alone, as before: what the rows were rendered with."""
     from transformers import AutoTokenizer
 
     # as training read it (data/tokenizer.HF_TOKENIZER): a folder's own Python never run
     tok = AutoTokenizer.from_pretrained(tokenizer_path, mistral_format=False, trust_remote_code=False)
     shipped = os.path.join(tokenizer_path, "chat_template.json")
-    if template:
-        tok.chat_template = template
-    elif not tok.chat_template and (value := _json(shipped).get("chat_template")):
+    own = tok.chat_template
+    if not own and (value := _json(shipped).get("chat_template")):
         # named templates are listed as tokenizer_config.json lists them ([{name, template}]): a dict in memory
-        tok.chat_template = {t.get("name"): t.get("template") for t in value} if isinstance(value, list) else value
+        own = {t.get("name"): t.get("template") for t in value} if isinstance(value, list) else value
+    if template and isinstance(own, dict) and "default" in own and own.get("tool_use") == template:
+        template = None  # the set, which a server picks from by the request's tools as training picked it
+    tok.chat_template = template or own
     length = tok.model_max_length
     if positions and isinstance(length, (int, float)) and length < VERY_LARGE:
         tok.model_max_length = max(int(length), int(positions))
