@@ -46,8 +46,9 @@ def test_sharegpt_function_call_and_observation():
                              {"from": "gpt", "value": "2 words"}]}
     _, conv, _ = normalize(row)
     assert [m["role"] for m in conv] == ["user", "assistant", "tool", "assistant"]
-    assert conv[1]["content"] == "" and conv[1]["tool_calls"] == [
-        {"type": "function", "function": {"name": "count", "arguments": {"words": 2}}}]
+    assert conv[1]["content"] == "" and conv[1]["tool_calls"] == [  # an id of 9 letters / digits, the result's too:
+        {"type": "function", "id": "c00010000", "function": {"name": "count", "arguments": {"words": 2}}}]
+    assert conv[2]["tool_call_id"] == "c00010000"  # Mistral v0.3 / Small 3.2 refused every such row without them
     with pytest.raises(RowError, match="function_call.*not JSON"):
         normalize({"conversations": [{"from": "human", "value": "x"}, {"from": "function_call", "value": "count("}]})
 
