@@ -162,6 +162,10 @@ class Checkpointer(Restorer):
         self.settle_s = FS_SETTLE_S if settle_s is None else settle_s
         self.deadline = deadline or Deadline()  # the job's end (SLURM_JOB_END_TIME): bounds a universal conversion
         self.pending: Pending | None = None  # the save being written in the background, not committed yet
+        # the last committed background save's write: its start until every rank's bytes were written and synced (the
+        # writer threads' own time, MAX over ranks), without the wait for the step boundary that commits it (>= one
+        # step: ~296 s at 1M, which made `auto` save every step: training/preemption.py due_after_s)
+        self.written_s: float | None = None
         self._staging: Staging | None = None  # host memory the background saves copy into (one rank's checkpoint)
         self.trash = rotation.Trash(self.root)  # rank 0's deletions, off the step path
 
@@ -367,13 +371,15 @@ class Checkpointer(Restorer):
     def _finish(self, timeout_s: float | None) -> tuple[str, float] | None:
         p = self.pending
         p.snapshot.wait(None if timeout_s is None else max(0.0, timeout_s))
-        votes = comm.all_reduce([0.0 if p.snapshot.done() else 1.0, 1.0 if p.snapshot.failed() else 0.0], op="max")
+        done = p.snapshot.done()  # (its write time travels in the same all-reduce: the slowest rank's is the save's)
+        votes = comm.all_reduce([0.0 if done else 1.0, 1.0 if p.snapshot.failed() else 0.0,
+                                 p.blocked_s + p.snapshot.write_s if done else 0.0], op="max")
         if votes[1].item():
             self._failed()
         if votes[0].item():
             return None
         self._commit(p.path, p.tag, p.step, p.snapshot.result(), p.stage_end, p.trainer)
-        self.pending = None
+        self.pending, self.written_s = None, votes[2].item()
         return p.path, time.perf_counter() - p.started
 
     def _failed(self) -> None:

@@ -37,17 +37,21 @@ the next stage's first measurement replaces the estimate; the build is not scale
 move the same bytes at any length).
 
 Saves bounded by time (`save_interval_minutes`): rank 0's clock alone says when the interval has passed, and
-its vote travels in the same all-reduce, so every rank saves the same step. `auto` (the default) is every 9 minutes
-(a stop or a crash loses at most the interval plus one step, below), stretched where the last save blocked the
-steps more than 1% of the interval (rank 0's measurement, rank 0's decision): 100 x the blocked seconds, the wait
-for the previous write included. An asynchronous save blocks ~1 s (0.8 s projected for Llama-3-8B on
-32 ranks): every 9 minutes at ~0.15%. A synchronous one blocks for its whole write (95 s projected): every 158
-minutes, where every 9 would cost 18% (docs/checkpoints.md). Until a save is measured, 9 minutes.
+its vote travels in the same all-reduce, so every rank saves the same step. `auto` (the default) is an interval of 9
+minutes (a stop or a crash loses at most the interval plus one step, below), stretched where the last save blocked
+the steps more than 1% of the interval (rank 0's measurement, rank 0's decision): 100 x the blocked seconds, the wait
+for the previous write included when the save was due by time (a `save_steps` save's wait is not: a longer interval
+would not shorten it). An asynchronous save blocks ~1 s (0.8 s projected for Llama-3-8B on 32 ranks): 9 minutes,
+~0.2% (saves ~7 min apart, below). A synchronous one blocks for its whole write (95 s projected): 158 minutes, where 9
+would cost 18% (docs/checkpoints.md). Until a save is measured, 9 minutes.
 
-The interval is counted so that the newest *committed* checkpoint is never older than the interval plus one step:
-the next save is due one measured write (snapshot to commit, rank 0's) before the interval has passed since the
-previous save's snapshot. A kill at any moment then loses at most the interval plus one step (docs/checkpoints.md
-states the argument); the write's time no longer adds to it.
+The interval I bounds the age of the newest *committed* checkpoint, not the gap between saves: the next save is due
+`due_after_s` = I - W - S after the previous save's snapshot, W the last measured write (the save's start until every
+rank's bytes are written and synced), S the longest measured step (the commit waits for the step boundary after the
+write), so saves come I - W - S apart (Llama-3-8B at 128k: ~7 min of `auto`'s 9) and a kill at any moment loses at most
+I + one step (docs/checkpoints.md states the argument). At least I/2 and 1.5 steps apart: where a step is long (1M:
+~296 s on 64 GPUs) a save every step would write ~96 GB every 5 minutes; a floor makes the bound D + W + 2S (1M:
+every 2 steps, ~3 steps lost at most, ~15 min).
 
 SIGTERM (and SIGINT under a launcher) is a stop with a kill window: where SLURM signals every process of the step
 (proctrack/cgroup with cgroup.conf SignalChildrenProcesses=yes), the deepspeed launcher (`launch.py`:
@@ -98,6 +102,10 @@ NO_WINDOW = -1e18  # the window vote of a rank that got no SIGTERM
 SAVE_GUESS_S = 300.0  # before the first measured save (Llama-3-8B, 32 ranks: ~100 GB at a few GB/s)
 AUTO_SAVE_EVERY_S = 540.0  # save_interval_minutes auto: lost work <= 9 min + one step ...
 MAX_SAVE_OVERHEAD = 0.01  # ... unless the saves would then block the steps > 1% of the time
+# a save is due no sooner than this many measured steps after the last: 2 steps between saves at least. Llama-3-8B at
+# 1M on 64 GPUs (step ~296 s, ~96 GB per save): without it I - W - S < one step made every step a save (5.7 TB in
+# the stage's 60 steps, ~325 MB/s sustained on the shared file system); with it every 2 steps (~10 min, ~160 MB/s)
+SAVE_GAP_STEPS = 1.5
 MARGIN_S = 30.0
 END_REFRESH_S = 300.0  # rank 0 reads the job's end time from slurmctld again this often (a time-limit update, a suspend)
 _UNKNOWN_SAID: set[str] = set()  # the SLURM jobs whose unknown time limit was said (once per process)
@@ -206,8 +214,8 @@ class Deadline:
         """A stage change: a step and an evaluation of the next stage cost `cost` times this one's (training/stage.py
         step_cost_ratio). The measured times are scaled by it until the next stage measures its own: its first step
         (evaluation) then replaces the estimate, longer or shorter. Without it the check before a longer stage's build
-        counted the shorter stage's step: 512k -> 1M on Llama-3-8B, 32 ranks, 102 s for a ~387 s step, so the job
-        built, restored and stepped into its time limit (TIMEOUT, never requeued)."""
+        counted the shorter stage's step: 512k -> 1M on Llama-3-8B at sp 8, a step x3.8 longer, so the job built,
+        restored and stepped into its time limit (TIMEOUT, never requeued)."""
         self.step_s *= cost
         self.eval_s = None if self.eval_s is None else self.eval_s * cost
         self._estimated = self._estimated_eval = True
@@ -261,8 +269,9 @@ class PreemptionFlag:
         self.deadline = deadline or Deadline()
         self.auto_interval = save_every_s == "auto"
         self.save_every_s = auto_save_every_s(None) if self.auto_interval else float(save_every_s)
-        self.write_s: float | None = None  # the last save's snapshot-to-commit time (rank 0's counts): the next save
-        # comes that much early; until one is measured, the deadline's guess (guess_save_s)
+        self.write_s: float | None = None  # the last save's write (its start until every rank's bytes are durable, not
+        # the wait for the commit's step boundary): the next save comes that much early; until one is measured, the
+        # deadline's guess (guess_save_s)
         self._last_save = time.monotonic()  # when the last save's snapshot was taken
         self.window_s = float(os.environ.get("KILL_WINDOW_S") or KILL_WINDOW_S)
         self.term_at: float | None = None  # this rank's first SIGTERM/SIGINT (monotonic)
@@ -313,12 +322,14 @@ class PreemptionFlag:
 
     def due_after_s(self) -> float:
         """Seconds after the last save's snapshot that the next save is due: the interval less the last measured
-        write, so the newest committed checkpoint is never older than the interval plus one step (at least half
-        the interval: where a write takes longer than that, saves would otherwise follow each other back to back).
-        Before a write is measured, the guess of Deadline.guess_save_s (Llama-3-8B on 32 ranks: ~190 s, so the first
-        save comes after ~6 of `auto`'s 9 minutes)."""
+        write and the longest measured step (the commit comes at the first step boundary after the write), so the
+        newest committed checkpoint is never older than the interval plus one step. At least half the interval
+        (where a write takes longer, saves would otherwise follow each other back to back) and SAVE_GAP_STEPS steps
+        (a step longer than what is left: 1M). Before a write is measured, the guess of Deadline.guess_save_s
+        (Llama-3-8B on 32 ranks: ~190 s, so the first save comes ~5 of `auto`'s 9 minutes after the start)."""
         write = self.deadline.guess_save_s() if self.write_s is None else self.write_s
-        return max(self.save_every_s - write, self.save_every_s / 2)
+        step = self.deadline.step_s
+        return max(self.save_every_s - write - step, self.save_every_s / 2, SAVE_GAP_STEPS * step)
 
     def saved(self, blocked_s: float | None = None, at: float | None = None) -> None:
         """A save was made (committed, or snapshotted for a background write): the save interval starts again, from
@@ -333,8 +344,9 @@ class PreemptionFlag:
             self.save_every_s = auto_save_every_s(self.deadline.stopped.running(blocked_s))
 
     def committed(self, write_s: float) -> None:
-        """A save committed `write_s` after its start (now, less the stops within it): the next one comes that much
-        earlier (`due_after_s`)."""
+        """A save committed; its write took `write_s` from its start until every rank's bytes were durable
+        (training/checkpoint.py `written_s`; a synchronous save: to its commit), less the stops within it (read as
+        an interval that ends now): the next one comes that much earlier (`due_after_s`)."""
         self.write_s = self.deadline.stopped.running(write_s)
 
     def uninstall(self) -> None:

@@ -131,7 +131,7 @@ def train_stage(run: Run, stage, stages, state: TrainState) -> None:
         in_window = stopping and preempt.window_left_s is not None  # SIGTERM: the launcher SIGKILLs every rank soon
         due = at_end or (cfg.save_steps and state.step % cfg.save_steps == 0) or preempt.save_due
         if (stopping or due) and not in_window:
-            _save(run, engine, stages, stage, hf_config, state, sampler, at_end)
+            _save(run, engine, stages, stage, hf_config, state, sampler, at_end, by_time=preempt.save_due)
             # after a background snapshot the write it started is ahead too: the next step runs only if that
             # write, the stop's save and the step fit before the job's end (it used to reserve nothing for it)
             stopping = stopping or _agree(run, at_end)
@@ -196,9 +196,9 @@ def step_cost_ratio(base_config, old, new) -> float:
     predicted step seconds where auto planned both stages (memory_choice: planner/auto_features.step_seconds, with its
     recompute, head chunks and offloads); else the model's FLOPs of one sequence at each length over each stage's SP
     degree (planner/flops.py: 6*N*s + 6*L*nh*d*s^2, attention's quadratic share from the model's own shape), which
-    assumes the same MFU and the same recompute at both lengths. Llama-3-8B at sp 8, 512k -> 1M: x3.8 either way
-    (102 s -> ~387 s). A config the planner cannot read: the length ratio squared (all attention) for a longer stage,
-    the length ratio for a shorter one, each over the SP degrees: never less than the FLOPs say."""
+    assumes the same MFU and the same recompute at both lengths. Llama-3-8B at sp 8, 512k -> 1M: x3.8 either way.
+    A config the planner cannot read: the length ratio squared (all attention) for a longer stage, the length ratio
+    for a shorter one, each over the SP degrees: never less than the FLOPs say."""
     predicted = [(s.memory_choice or {}).get("predicted_step_s") for s in (old, new)]
     if all(predicted):
         return predicted[1] / predicted[0]
@@ -334,10 +334,12 @@ def _host_fields() -> dict:
             "host_fallback_pinned_gb": round(s["fallback_pinned_bytes"] / 2**30, 3), "host_fallbacks": s["fallbacks"]}
 
 
-def _save(run: Run, engine, stages, stage, hf_config, state: TrainState, sampler, at_end: bool) -> None:
+def _save(run: Run, engine, stages, stage, hf_config, state: TrainState, sampler, at_end: bool,
+          by_time: bool = True) -> None:
     """A checkpoint of `state` (collective); the stage's last one is kept for good. With `async_save` only the
     snapshot blocks here and the commit comes at a later step boundary (`_committed`); a stage's end and an agreed
-    stop save synchronously (the next stage loads it; the job exits after it), after the write in flight."""
+    stop save synchronously (the next stage loads it; the job exits after it), after the write in flight.
+    `by_time`: the save interval made it due, so its wait for the write in flight counts in what it blocked."""
     progress.mark(None, "save")
     t_wait = time.perf_counter()
     if run.ckpt.pending:  # at most one save in flight: this one waits for it (the steps are blocked meanwhile)
@@ -362,25 +364,29 @@ def _save(run: Run, engine, stages, stage, hf_config, state: TrainState, sampler
     path = run.ckpt.save(engine, state.step, {**state.state_dict(), **meta},
                          {"sampler": sampler.state_dict(), "rng": rng_state()}, hf_config,
                          stage_end=f"STAGE_{stage.index}_{stage.name}" if at_end else None, background=background)
-    # the save interval starts at the snapshot (the next save comes one measured write early: lost work <= interval
-    # + one step); `auto` sizes it from what this save blocked, the wait for the previous write included, when it is
-    # of the kind the interval makes (a stage's end under async is not)
-    run.preempt.saved(time.perf_counter() - t_wait if background == run.cfg.async_save else None, at=taken)
+    # the save interval starts at the snapshot (the next save comes one measured write and step early: lost work <=
+    # interval + one step); `auto` sizes it from what this save blocked when it is of the kind the interval makes (a
+    # stage's end under async is not), the wait for the previous write included when the interval made it due. A
+    # `save_steps` save's wait is not: a longer interval would not shorten it. (The recipes' save_steps 50 with a time
+    # save at step 49 waited 47-69 s at step 50, and auto's interval became 100 x that: 115 min, lost work <= 22 min.)
+    blocked = time.perf_counter() - (t_wait if by_time else t0)
+    run.preempt.saved(blocked if background == run.cfg.async_save else None, at=taken)
     if path is not None:
-        _committed(run, state, (path, time.perf_counter() - t0))
+        _committed(run, state, (path, time.perf_counter() - t0), background=False)
     else:
         p = run.ckpt.pending
         print0(f"snapshot of step {state.step} in {p.blocked_s:.2f}s ({p.snapshot.nbytes / 2**30:.2f} GiB of host "
                f"memory on this rank, copied in {p.snapshot.copy_s:.2f}s); serializing and writing in the background")
 
 
-def _committed(run: Run, state: TrainState, got: tuple[str, float] | None) -> None:
+def _committed(run: Run, state: TrainState, got: tuple[str, float] | None, background: bool = True) -> None:
     """A save was committed: it is the checkpoint a resume or the next stage loads; its whole time (the
-    background write included) is what the time-limit stop reserves for a save."""
+    background write included, to the commit) is what the time-limit stop reserves for a save. The save interval
+    counts its write alone (a background one's: until every rank's bytes were durable, `Checkpointer.written_s`)."""
     if got is None:
         return
     path, seconds = got
     state.checkpoint = path
     run.preempt.deadline.record_save(seconds)
-    run.preempt.committed(seconds)
+    run.preempt.committed(run.ckpt.written_s if background else seconds)
     print0(f"saved {path} in {seconds:.1f}s")

@@ -27,10 +27,10 @@ def test_ctrl_c_without_a_launcher_keeps_the_full_save(monkeypatch):
     """It was taken for a launcher's SIGINT (SIGKILL 30 s later): the stop's own 95 s save skipped, exit 75 with up to
     a save interval lost, though no kill ever came."""
     no_launcher(monkeypatch)
-    clock, ckpt, flag, state, _ = simulate(monkeypatch, save_every_s=600, signal_at=(8, 50.0), sig=signal.SIGINT)
+    clock, ckpt, flag, state, _ = simulate(monkeypatch, save_every_s=600, signal_at=(7, 50.0), sig=signal.SIGINT)
     assert flag.stopping and flag.window_left_s is None
-    assert [(s, kind) for s, _, kind in ckpt.started] == [(7, "background"), (8, "sync")]
-    assert [c[0] for c in ckpt.commits] == [7, 8] and state.checkpoint.endswith(tag_for(8))
+    assert [(s, kind) for s, _, kind in ckpt.started] == [(6, "background"), (7, "sync")]
+    assert [c[0] for c in ckpt.commits] == [6, 7] and state.checkpoint.endswith(tag_for(7))
 
 
 @pytest.mark.parametrize("launcher", LAUNCHED)
@@ -39,7 +39,7 @@ def test_ctrl_c_under_a_launcher_stops_in_its_kill_window(monkeypatch, launcher)
     finish there, as for a SIGTERM."""
     no_launcher(monkeypatch)
     monkeypatch.setenv(launcher, "/tmp/x" if launcher == "LAUNCH_EXIT_DIR" else "8")
-    clock, ckpt, flag, state, term = simulate(monkeypatch, save_every_s=600, signal_at=(8, 50.0), sig=signal.SIGINT)
+    clock, ckpt, flag, state, term = simulate(monkeypatch, save_every_s=600, signal_at=(7, 50.0), sig=signal.SIGINT)
     assert flag.window_left_s is not None and clock.t <= term + 30.0
     assert [kind for _, _, kind in ckpt.started] == ["background"]
 

@@ -58,6 +58,7 @@ class SimCheckpointer:
         self.pending: Pending | None = None
         self.started: list[tuple[int, float, str]] = []  # (step, when, kind)
         self.commits: list[tuple[int, float, float]] = []  # (step, state taken at, committed at)
+        self.written_s: float | None = None  # Checkpointer.written_s: the last background write, start to durable
 
     def restore_stage(self, *a):
         return False
@@ -93,7 +94,7 @@ class SimCheckpointer:
             self.clock.t += max(0.0, timeout_s)
             return None
         self.clock.t += wait + COMMIT_S
-        self.pending = None
+        self.pending, self.written_s = None, p.done_at - p.started
         self.commits.append((p.step, p.started, self.clock.t))
         return f"/ck/{tag_for(p.step)}", self.clock.t - p.started
 
@@ -164,25 +165,25 @@ def simulate(monkeypatch, steps=40, time_limit_s=0.0, save_every_s=600.0, signal
 
 
 def test_sigterm_commits_the_write_in_flight_and_starts_no_save_that_cannot_finish(monkeypatch):
-    """Saves every 10 min (the first after 7 steps); SIGTERM 50 s into the step after a snapshot (its 60 s write ends 1 s after that step, inside
-    the window): that write commits, the stop's own synchronous save (60 s) is not started, every rank is out before
+    """Saves every 10 min (the first after 6 steps: 600 s less the guessed write and a step); SIGTERM 50 s into the
+    step after a snapshot (its 60 s write ends 1 s after that step, inside the window): that write commits, the stop's own synchronous save (60 s) is not started, every rank is out before
     the kill. Before: the stop waited for the write, then started the 95 s save and was SIGKILLed in it."""
-    clock, ckpt, flag, state, term = simulate(monkeypatch, save_every_s=600, signal_at=(8, 50.0),
+    clock, ckpt, flag, state, term = simulate(monkeypatch, save_every_s=600, signal_at=(7, 50.0),
                                               ckpt_kw={"write_s": 60.0, "sync_s": 60.0})  # a faster file system
     assert flag.stopping and flag.window_left_s is not None
     assert clock.t <= term + KILL_WINDOW_S, (clock.t - term, ckpt.started)
-    assert [s for s, _, kind in ckpt.started] == [7] and ckpt.commits[-1][0] == 7  # the write in flight
+    assert [s for s, _, kind in ckpt.started] == [6] and ckpt.commits[-1][0] == 6  # the write in flight
     assert ckpt.commits[-1][2] <= term + KILL_WINDOW_S
-    assert state.checkpoint.endswith(tag_for(7))
+    assert state.checkpoint.endswith(tag_for(6))
 
 
 def test_sigterm_with_a_write_that_cannot_finish_exits_in_the_window(monkeypatch):
     """A background write of 200 s in flight (a loaded file system): not waited for past the window, nothing new
     committed, every rank out before the kill (the previous checkpoint stays the newest complete one)."""
-    clock, ckpt, flag, state, term = simulate(monkeypatch, save_every_s=600, signal_at=(8, 50.0),
+    clock, ckpt, flag, state, term = simulate(monkeypatch, save_every_s=600, signal_at=(7, 50.0),
                                               ckpt_kw={"write_s": 200.0})
     assert clock.t <= term + KILL_WINDOW_S
-    assert ckpt.pending is not None and ckpt.pending.step == 7 and ckpt.commits == []
+    assert ckpt.pending is not None and ckpt.pending.step == 6 and ckpt.commits == []
     assert [kind for _, _, kind in ckpt.started] == ["background"]  # no save started in the window
 
 
@@ -197,10 +198,10 @@ def test_sigterm_saves_when_the_measured_save_fits(monkeypatch):
 def test_sigusr1_keeps_the_full_save(monkeypatch):
     """SLURM's warning (SIGUSR1 through slurm.sbatch/launch.sh, sized by @N) is not timed by a launcher: the write in
     flight commits, then the stop's own synchronous save, whatever it takes."""
-    clock, ckpt, flag, state, _ = simulate(monkeypatch, save_every_s=600, signal_at=(8, 50.0), sig=signal.SIGUSR1)
+    clock, ckpt, flag, state, _ = simulate(monkeypatch, save_every_s=600, signal_at=(7, 50.0), sig=signal.SIGUSR1)
     assert flag.window_left_s is None
-    assert [(s, kind) for s, _, kind in ckpt.started] == [(7, "background"), (8, "sync")]
-    assert [c[0] for c in ckpt.commits] == [7, 8] and state.checkpoint.endswith(tag_for(8))
+    assert [(s, kind) for s, _, kind in ckpt.started] == [(6, "background"), (7, "sync")]
+    assert [c[0] for c in ckpt.commits] == [6, 7] and state.checkpoint.endswith(tag_for(7))
 
 
 @pytest.mark.parametrize("measured", [False, True])
@@ -235,13 +236,14 @@ def test_lost_work_on_a_stop_is_at_most_the_interval_plus_one_step(monkeypatch):
 
 
 def test_the_wait_for_the_previous_write_counts_as_blocked_time(monkeypatch):
-    """`save_interval_minutes: auto` is 100 x the seconds the last periodic save held the steps: with saves every 2
-    steps of 20 s and writes of 100 s, step 4's save first waits 60 s for step 2's write (which ends 141 s in; step 4
-    ends 81 s in), then snapshots (1 s): it held the steps ~61 s, so the interval stretches to ~6100 s. Before: the
-    wait was not counted (1 s blocked: 540 s, 9 minutes)."""
-    clock, ckpt, flag, state, _ = simulate(monkeypatch, steps=6, save_every_s="auto", save_steps=2, step_s=20.0,
-                                           ckpt_kw={"write_s": 100.0})
-    assert [(s, kind) for s, _, kind in ckpt.started] == [(2, "background"), (4, "background"), (6, "sync")]
+    """`save_interval_minutes: auto` is 100 x the seconds the last periodic save held the steps, the wait for the
+    write in flight included when the save was due by time: steps of 20 s, writes of 400 s (a loaded file system).
+    The first save comes at step 17 (540 s less the guessed write, ~193 s, and a step: 327 s); the second is due
+    327 s later, at step 34 (681 s in), and waits 60 s for step 17's write (durable 741 s in), then snapshots (1 s):
+    it held the steps ~61 s, so the interval stretches to ~6100 s. Before (issue 35): the wait was not counted."""
+    clock, ckpt, flag, state, _ = simulate(monkeypatch, steps=40, save_every_s="auto", step_s=20.0,
+                                           ckpt_kw={"write_s": 400.0})
+    assert [(s, kind) for s, _, kind in ckpt.started] == [(17, "background"), (34, "background"), (40, "sync")]
     assert flag.save_every_s == pytest.approx(100 * (60 + COMMIT_S + SNAPSHOT_S))
 
 
