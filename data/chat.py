@@ -79,7 +79,7 @@ import numpy as np
 from data.chat_demo import build_demo_chats, demo_conversation  # noqa: F401  (python -m data.chat_demo OUT.jsonl)
 from data.chat_ends import history_ends, marked_header, probe_ends
 from data.chat_locate import lcp, locate, shows
-from data.chat_reasoning import as_rendered, dropped, refuse_dropped
+from data.chat_reasoning import as_rendered, cut_why, dropped, quoted_close, refuse_dropped
 from data.chat_rows import ROLES, SHAREGPT_ROLES, RowError, empty_reply, normalize, row_format, turns_to_train  # noqa: F401
 from data.chat_splice import encode_long
 from data.chat_template import pick_template, resolve_template, row_kwargs, text_pair_kwargs  # noqa: F401
@@ -196,6 +196,7 @@ class ChatEncoder:
         self._eot, self._name_ids, self._added_ids, self._ends, self._stops, self._thinking = None, None, None, {}, None, None
         self.reasoning_renders = {}  # form -> whether the template renders a reply's reasoning; "nests" (data/chat_reasoning.py)
         self._header = None  # the generation prompt's header text (data/chat_ends.marked_header)
+        self._gen_header = None  # the same, unstripped (data/chat_locate.gen_header)
         self._carry = None  # the stops an end-of-turn that is none is carried on to (data/chat_locate.through_stop)
 
     def bound(self, kw: dict) -> ChatEncoder:
@@ -333,6 +334,9 @@ class ChatEncoder:
         for k in [k for k in wanted if k in spans and empty_reply(conv[k])]:  # raw ShareGPT dumps hold such turns
             del spans[k]
             why[k] = f"message {k}: an empty reply (no text, call or reasoning), which would teach the model to stop at once"
+        if self.kind != "chatml" and (lost := [k for k in wanted if k not in spans and quoted_close(self, conv[k])]):
+            text = self.tok.hf.decode(ids)  # a quoted </think> the template cut at, said (rare: one decode a row)
+            why.update({k: w for k in lost if (w := cut_why(self, conv, k, text))})
         mask = np.zeros(len(ids), np.uint8)
         untrained = 0
         for k in wanted:
@@ -383,12 +387,17 @@ class ChatEncoder:
                                    "or drop them")
 
     def _eot_text(self, conv: list[dict], k: int) -> str | None:
-        """Why turn k gets no loss when its text holds the text of an end-of-turn token (tokenized as that token,
-        as TRL and inference servers do, it would teach the model to stop inside the reply); None otherwise."""
+        """Why turn k gets no loss when its text holds the text of an end-of-turn token, the EOS or the family's
+        end-of-text token (Tokenizer.sep_id: Qwen2.5's `<|endoftext|>`, Llama 3.1's `<|end_of_text|>`, stops of their
+        generation configs): tokenized as that token, as TRL and inference servers do, it would teach the model to stop
+        inside the reply. Without a generation_config.json beside the tokenizer (tokenizer.save_pretrained writes none)
+        only the end-of-turn was checked, and `<|endoftext|>` quoted in code about GPT-2 trained as a mid-reply EOS."""
         eot = set(self.eot.tolist())
-        names = [n for n, i in self._names().items() if i in eot and n in conv[k]["content"]]
-        return (f"message {k}: its text holds the end-of-turn token's text {names}, which is tokenized as that "
-                "token") if names else None
+        stops = eot | {self.tok.eos_id, getattr(self.tok, "sep_id", self.tok.eos_id)}
+        names = [n for n, i in self._names().items() if i in stops and n in conv[k]["content"]]
+        what = "the end-of-turn token's text" if any(self._names()[n] in eot for n in names) else \
+            "the text of the EOS / end-of-text token (a stop)"
+        return f"message {k}: its text holds {what} {names}, which is tokenized as that token" if names else None
 
     def encode_long(self, messages: list[dict], at: int, stats: bool = False):
         """(ids, mask) of `messages` (OpenAI form) whose message `at` is long (a haystack): what `encode` gives, with

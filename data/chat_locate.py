@@ -27,6 +27,7 @@ import re
 
 import numpy as np
 
+from data.chat_reasoning import think_parts
 from data.chat_rows import RowError
 from data.chat_rows import unicode_form as _nf
 from data.chat_template import reads
@@ -44,16 +45,18 @@ def lcp(a: list[int], b: list[int]) -> int:
     return int(diff[0]) if len(diff) else n
 
 
-def reply(msg: dict) -> str:
-    """The text a reply's span must show: its content past a `</think>` (R1 / Qwen3 templates cut the reasoning)."""
-    return msg["content"].split("</think>")[-1].strip()
+def reply(enc, msg: dict) -> str:
+    """The text a reply's span must show: its content past a leading think block (R1 / Qwen3 templates cut the
+    reasoning), whole: a `</think>` quoted in it, which those templates cut at too, is text the span must show
+    (data/chat_reasoning.split_think; the check compared only the part past the last one, the templates' own cut)."""
+    return think_parts(enc, msg["content"])[1]
 
 
 def shows(enc, ids: list[int], a: int, e: int, msg: dict) -> bool:
-    """Whether ids[a:e] shows the reply: its text (past a `</think>`, which R1 / Qwen3 templates drop from the
-    content) and each tool call's name. One token before `a` too: a reply merged into the header's last token."""
+    """Whether ids[a:e] shows the reply: its text (past a leading think block, which R1 / Qwen3 templates drop from
+    the content) and each tool call's name. One token before `a` too: a reply merged into the header's last token."""
     text = _nf(enc.tok.hf.decode(np.asarray(ids[max(a - 1, 0):e]), clean_up_tokenization_spaces=False))  # fast
-    want = _nf(reply(msg))
+    want = _nf(reply(enc, msg))
     if want and want not in text:
         return False
     return all(call_name(c) in text for c in msg.get("tool_calls") or [])
@@ -65,6 +68,8 @@ def header_end(enc, conv: list[dict], k: int, head: View, r: Renders) -> int | N
     full = r.full
     a = head.lcp(r.arr)
     if a == len(head) < len(full):
+        if k and conv[k - 1]["role"] == "assistant" and not starts(enc, full, a, conv[k]):
+            return after_reply(enc, conv, k, full, a, r.tools)
         return a
     dec = enc.tok.hf.decode
     if a == len(head) - 1 < len(full) and dec(full[a:a + 1]).startswith(dec(head.slice(a, len(head)))):
@@ -90,6 +95,44 @@ def header_end(enc, conv: list[dict], k: int, head: View, r: Renders) -> int | N
     elif a < len(head):  # the conversation leaves the prompt partway: never inside a word of it
         a = word_start(enc, head.slice(0, len(head)), a, shared)
     return a if a is not None and shared < a < len(full) and starts(enc, full, a, conv[k]) else None
+
+
+def after_reply(enc, conv: list[dict], k: int, full: list[int], a: int, tools: list | None) -> int | None:
+    """Where reply k starts right after another reply (two assistant messages in a row) whose generation prompt wrote
+    no header: Qwen1.5's, Apriel-1.6's and Phi-3-vision's write none after an assistant message, so the conversation
+    went on from it with the header `<|im_start|>assistant\n`, trained as the reply's text (uncounted). The header is
+    the longest piece of the generation prompt after a user turn (`gen_header`: Qwen1.5's starts with the user's
+    `<|im_end|>\n`; Apriel-1.6's goes on with `Here are my reasoning steps:\n`, the history not) that starts with a
+    control token, lies past `a` behind nothing but blanks and control tokens (Apriel-1.6's `\n<|end|>\n` the
+    conversation writes after the first reply) and is followed by the reply's text. `a` where the prompt wrote the header
+    (the reply starts otherwise: a think block); None where it is not there. Read only for such a turn: one render
+    and a few token comparisons."""
+    h = gen_header(enc)
+    try:
+        if not h.strip() or enc._text(conv[:k], True, tools).endswith(h):
+            return a
+    except RowError:
+        return None
+    gen, dec = enc.tok.encode(h), enc.tok.hf.decode
+    at = [p for p in range(a, min(a + 8, len(full))) if not dec(full[a:p], skip_special_tokens=True).strip()]
+    for i in [i for i, t in enumerate(gen) if t in enc.special]:  # a piece of it from a control token on
+        for m in range(len(gen), i, -1):
+            n = m - i
+            for p in at:
+                if full[p:p + n] == gen[i:m] and p + n < len(full) and starts(enc, full, p + n, conv[k]):
+                    return p + n
+    return None
+
+
+def gen_header(enc) -> str:
+    """The generation prompt's text after a probe user turn (`<|im_start|>assistant\n`), read once per encoder."""
+    if enc._gen_header is None:
+        try:
+            before, head = enc._text(_ASK), enc._text(_ASK, True)
+        except RowError:
+            before, head = "", ""
+        enc._gen_header = head[len(before):] if head.startswith(before) else ""
+    return enc._gen_header
 
 
 def word_start(enc, head: list[int], a: int, low: int) -> int:
@@ -166,12 +209,12 @@ def switch(enc) -> str:
 
 def starts(enc, full: list[int], a: int, msg: dict) -> bool:
     """Whether the reply's text starts at `a`: nothing but blanks between."""
-    want = _nf(reply(msg))[:16]  # cut after the normal form: a cut between a letter and its mark never matches
+    want = _nf(reply(enc, msg))[:16]  # cut after the normal form: a cut between a letter and its mark never matches
     if not want:
         return True
     pre = _nf(enc.tok.hf.decode(full[max(a - 1, 0):a]))
     # the window in tokens of the text as given too: a decomposed (NFD) reply takes more than its normal form
-    n = max(len(enc.tok.encode(want)), len(enc.tok.encode(reply(msg)[:64])))
+    n = max(len(enc.tok.encode(want)), len(enc.tok.encode(reply(enc, msg)[:64])))
     shown = _nf(enc.tok.hf.decode(full[max(a - 1, 0):a + n + 4]))
     i = shown.find(want)
     return i >= 0 and (i < len(pre) or not shown[len(pre):i].strip())
@@ -215,6 +258,10 @@ def locate(enc, conv: list[dict], wanted: list[int], tools: list | None = None) 
                                          if k == 0 else str(e))
             continue
         a = header_end(enc, conv, k, head, r)
+        if a is None and k and conv[k - 1]["role"] == "assistant":
+            why[k] = (f"message {k}: an assistant message right after another, and the conversation does not go on "
+                      "from the first with the template's assistant header: merge the two replies into one message")
+            continue
         if a is None:
             why[k] = opens_thinking(enc, conv, k, tools) or (
                 f"message {k}: the conversation does not go on from the messages before it with the template's "
@@ -229,7 +276,7 @@ def locate(enc, conv: list[dict], wanted: list[int], tools: list | None = None) 
             why[k] = w
             continue
         end = reply_end(enc, full, arr, a, len(turn) + (0 if prefix else 1), msg)
-        if end is None and prefix and len(turn) < len(full) and tail and tail[-1] not in enc.special:
+        if end is None and prefix and len(turn) < len(full) and tail and in_text(enc, tail, msg):
             # the turn alone ends in its text, the conversation goes on with an end-of-turn token, maybe behind
             # blanks (Apriel-1.6's `\n<|end|>\n`): written only when a message follows (Qwen1.5), it is this
             # reply's end. None there: the reply would train with no stop (the model never learns to end a turn)
@@ -246,10 +293,23 @@ def locate(enc, conv: list[dict], wanted: list[int], tools: list | None = None) 
                        None)
         if end is None:
             eot = enc.tok.hf.convert_ids_to_tokens(enc.eot.tolist())
-            why[k] = f"message {k}: no end-of-turn token {eot} after its text"
+            why[k] = f"message {k}: no end-of-turn token {eot} after its text" + (
+                "; its trailing blanks merge with the template's text after it into one token: strip them"
+                if not prefix and msg["content"][-1:].isspace() else "")  # Apriel-1.6's `\r\n` + `\n<|end|>`
             continue
         spans[k] = (a, end)
     return full, spans, why
+
+
+def in_text(enc, tail: list[int], msg: dict) -> bool:
+    """Whether a turn rendered alone (`tail`, from the reply's start) ends in the reply's text: its last token is no
+    control token, or the text ends with a control token's string (`It is <|im_start|>`, tokenized as that token: it
+    took trim()'s path, which ends a reply after its last control token, and trained it with no stop, uncounted)."""
+    if tail[-1] not in enc.special:
+        return True
+    want = _nf(reply(enc, msg))[-32:]  # the end of both, decoded: a long reply costs no more
+    end = tail[-(len(enc.tok.encode(want)) + 4):]
+    return bool(want) and _nf(enc.tok.hf.decode(end, clean_up_tokenization_spaces=False)).rstrip().endswith(want)
 
 
 def reply_end(enc, full: list[int], arr: np.ndarray, a: int, bound: int, msg: dict) -> int | None:

@@ -32,18 +32,61 @@ _PROBE_TOOLS = [{"type": "function", "function": {"name": "probe", "description"
     "type": "object", "properties": {"q": {"type": "string", "description": "q"}}, "required": ["q"]}}}]
 
 
-def reasoning(msg: dict) -> tuple[str, str] | None:
-    """(form, text) of a reply's reasoning: `field` (reasoning_content / thinking / reasoning) or `content` (a think block);
-    None where it has none."""
+def reasoning(msg: dict, enc=None) -> tuple[str, str] | None:
+    """(form, text) of a reply's reasoning: `field` (reasoning_content / thinking / reasoning) or `content` (its leading
+    think block, `think_parts`); None where it has none. `enc`: the encoder, whose template may open the block itself
+    (R1-style `reasoning</think>answer`); None: a block only where the content opens it."""
     for f in FIELDS:
         if isinstance(msg.get(f), str) and msg[f].strip():
             return "field", msg[f].strip()
+    text = think_parts(enc, msg.get("content") or "")[0]
+    return ("content", text) if text else None
+
+
+def split_think(content: str, bare: bool = False) -> tuple[str | None, str]:
+    """(the leading think block's text or None, the rest: the reply's answer) of a content. A block is `<think>` at the
+    start (past blanks) up to the first `</think>`; with `bare` (the template opens the block itself) and no `<think>`
+    in the content, the text up to the first `</think>` (R1-style `reasoning</think>answer`). Any other `</think>` is
+    the answer's text (quoted in coding or distillation data: `s.split('</think>')`): templates that cut at the first
+    or last one (Qwen3, DeepSeek-R1 and -V3.1, GLM-4.6 / 4.7, MiniMax-M2) lost or rewrote it without a word (the span
+    check compared only the part past the last one, their own cut); data/chat_locate.shows wants this answer whole."""
+    s = content.lstrip()
+    if s.startswith("<think>") and "</think>" in s:
+        block, _, rest = s[len("<think>"):].partition("</think>")
+        return block.strip(), rest.strip()
+    if bare and "<think>" not in content and "</think>" in content:
+        block, _, rest = content.partition("</think>")
+        return block.strip(), rest.strip()
+    return None, content.strip()
+
+
+def think_parts(enc, content: str) -> tuple[str | None, str]:
+    """`split_think` for `enc` (None: no encoder): a content with `</think>` and no `<think>` is reasoning</think>answer
+    where the template opens the block itself, in its generation prompt (DeepSeek-R1, GLM-4.7, MiniMax-M2, Nemotron
+    Nano v2) or before every content (Kimi-K2-Thinking's `<think></think>`: refused, `refuse_dropped`). Read once per
+    encoder, only for such a content."""
+    bare = enc is not None and enc.kind != "chatml" and "</think>" in content and "<think>" not in content
+    if bare and "bare" not in enc.reasoning_renders:
+        enc.reasoning_renders["bare"] = _opens(enc) or bool(_renders(enc, "content")
+                                                            and enc.reasoning_renders.get("nests"))
+    return split_think(content, bare and enc.reasoning_renders["bare"])
+
+
+def quoted_close(enc, msg: dict) -> bool:
+    """Whether a reply's answer (past its leading think block) holds `</think>` as text (`split_think`)."""
     content = msg.get("content") or ""
-    if "</think>" in content:
-        text = content.split("</think>")[0].split("<think>")[-1].strip()
-        if text:
-            return "content", text
-    return None
+    return "</think>" in content and "</think>" in think_parts(enc, content)[1]
+
+
+def cut_why(enc, conv: list[dict], k: int, text: str) -> str | None:
+    """Why turn k was not found, where its answer quotes `</think>` and the conversation's text (`text`) does not hold
+    that answer: the template cut it there. None otherwise (the turn failed for another reason)."""
+    if not quoted_close(enc, conv[k]) or unicode_form(think_parts(enc, conv[k]["content"])[1]) in unicode_form(text):
+        return None
+    return (f"message {k}: its text holds `</think>` that is not a leading think block; {enc.name} cuts the reply "
+            "there, so it would be trained with text lost or rewritten as reasoning: write the tag otherwise in the "
+            "answer (`&lt;/think&gt;`), put reasoning only in a leading <think>...</think>, or use a template that "
+            "prints the content verbatim")
 
 
 def _renders(enc, form: str, calls: bool = False) -> bool | None:
@@ -104,7 +147,7 @@ def refuse_dropped(enc, conv: list[dict], turns: list[int]) -> None:
     """A RowError, one line, where a reply to train carries reasoning in a form `enc`'s template never renders, or
     renders as answer text beside a place of its own for it (`as_text`)."""
     for k in turns:
-        got = reasoning(conv[k])
+        got = reasoning(conv[k], enc)
         if got and got[0] == "content" and as_text(enc):
             raise RowError(f"message {k} (assistant): {enc.name} renders reasoning given as thinking / "
                            "reasoning_content in a place of its own, and the content's think block as answer text: "
@@ -144,12 +187,12 @@ def as_rendered(enc, conv: list[dict], tools: list | None) -> list[dict]:
     reply's reasoning only while no later message overrides it (gpt-oss writes a tool call's analysis until a final
     answer follows) otherwise renders each prefix with it and the whole conversation without it, and no later turn
     is found. Cost: a text search per reply with reasoning, one render more where some is taken out."""
-    if enc.kind == "chatml" or not any(reasoning(m) for m in conv):
+    if enc.kind == "chatml" or not any(reasoning(m, enc) for m in conv):
         return conv
     text = enc._text(conv, tools=tools)
     out = list(conv)
     for k, m in enumerate(conv):
-        got = reasoning(m) if m["role"] == "assistant" else None
+        got = reasoning(m, enc) if m["role"] == "assistant" else None
         if got and got[1] not in text:
             out[k] = ({x: v for x, v in m.items() if x not in FIELDS} if got[0] == "field" else
                       {**m, "content": m["content"].split("</think>")[-1].lstrip("\n")})
@@ -166,7 +209,7 @@ def dropped(enc, ids: list[int], spans: dict[int, tuple[int, int]], conv: list[d
     Qwen3's and gpt-oss's do before the last user turn)."""
     n = 0
     for k, (a, b) in spans.items() if enc.kind != "chatml" else ():  # the default prints the content, no field
-        got = reasoning(conv[k])
+        got = reasoning(conv[k], enc)
         if got and unicode_form(got[1]) not in unicode_form(enc.tok.hf.decode(ids[max(a - 1, 0):b],
                                                                              clean_up_tokenization_spaces=False)):
             n += 1
