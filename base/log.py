@@ -2,15 +2,21 @@
 
 `print0` prints on rank 0 only (flushed: launchers buffer child output) and keeps the line in every rank's
 own log, OUTPUT_DIR/logs/rankNNNNN.log, which `open_rank_log` opens (DeepSpeed's logger writes there too).
+A console that is gone (a closed terminal or ssh session: EIO; a `| tee` that died with it: EPIPE) ends the console
+output only: its descriptors are pointed at /dev/null and the rank log goes on (`console_gone`).
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import select
+import sys
 
 _IS_MAIN = os.environ.get("RANK", "0") == "0"
 _RANK_LOG = logging.getLogger("ulysses_longtrain.rank")
+_GONE = (errno.EIO, errno.EPIPE)  # a hung-up terminal, a pipe without its reader
 
 
 def cause(e: BaseException, width: int = 120) -> str:
@@ -27,8 +33,39 @@ def set_main(is_main: bool) -> None:
 def print0(*args, **kwargs) -> None:
     """Print on rank 0 only (flushed: launchers buffer child output); every rank keeps it in its log file."""
     if _IS_MAIN:
-        print(*args, **kwargs, flush=True)
+        stream = kwargs.get("file") or sys.stdout
+        try:
+            print(*args, **kwargs, flush=True)
+        except OSError as e:
+            if e.errno not in _GONE:
+                raise
+            console_gone(stream, e)
     _RANK_LOG.info(" ".join(str(a) for a in args))
+
+
+def _hung_up(fd: int) -> bool:
+    """True when writing to fd can only fail: a pipe whose reader is gone, a terminal hung up (poll's ERR/HUP)."""
+    p = select.poll()
+    p.register(fd, select.POLLOUT)
+    return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in p.poll(0))
+
+
+def console_gone(stream, e: OSError) -> None:
+    """`stream`'s terminal or pipe is gone (the write raised `e`): it, and stdout/stderr where they are gone too, now
+    write to /dev/null, so every later print (ours, a library's) and the interpreter's flush at exit succeed (either
+    raised: exit 1 with a traceback instead of the 75 after a save). The rank log goes on."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for s in dict.fromkeys((stream, sys.stdout, sys.stderr)):
+            try:
+                fd = s.fileno()
+                if s is stream or _hung_up(fd):
+                    os.dup2(null, fd)
+            except (AttributeError, OSError, ValueError):  # no descriptor (a test's capture): nothing to point
+                continue
+    finally:
+        os.close(null)
+    _RANK_LOG.warning("console gone (%s): console output stopped; this log goes on", os.strerror(e.errno))
 
 
 def open_rank_log(output_dir: str, rank: int) -> str:

@@ -12,8 +12,9 @@
 #   scripts/launch.sh --torchrun [--nnodes N --node_rank R --master_addr A] [--num_gpus G] -- ...
 #   --print-only (or --dry-run): print the command, write .deepspeed_env, start nothing.
 #
-# Signals: the first SIGTERM/SIGUSR1/SIGUSR2/SIGINT is passed to the training ranks as SIGUSR1 (save at the next
-# step boundary, exit 75); a second SIGINT stops the launcher the hard way. The launchers themselves run
+# Signals: the first SIGTERM/SIGUSR1/SIGUSR2/SIGINT/SIGHUP (a closed terminal or ssh session) is passed to the training
+# ranks as SIGUSR1 (save at the next step boundary, exit 75); a second SIGINT sends SIGTERM to the launcher and its
+# ranks (SIGKILL 30 s later), a third SIGKILL. The launchers themselves run
 # in their own process group with SIGUSR1 and SIGUSR2 ignored, because the deepspeed launcher has no handler for
 # them (it would die of one and lose the exit code: `scancel --signal=USR2` without --batch sends it to every process
 # of the job's steps under cgroup.conf SignalChildrenProcesses=yes) and answers SIGTERM/SIGINT by killing its children.
@@ -35,7 +36,7 @@ DEEPSPEED=${DEEPSPEED:-$(bin deepspeed)}
 TORCHRUN=${TORCHRUN:-$(bin torchrun)}
 die() { echo "launch.sh: error: $*" >&2; exit "$EXIT_USAGE"; }
 . "$ROOT/scripts/launch_crash.sh"  # this node's crash verdict (died_verdict, crash_verdict)
-. "$ROOT/scripts/launch_env.sh"  # launch_id, default_port, visible_refusal, step_refusal
+. "$ROOT/scripts/launch_env.sh"  # launch_id, default_port, visible_refusal, step_refusal, remote_signal
 
 # --- options ---
 num_gpus="" hostfile="" include="" exclude="" num_nodes="" launcher="" no_ssh=0 torchrun=0
@@ -304,30 +305,41 @@ forward() {  # SIGUSR1 to every local rank that listens for it; stays pending un
   # shellcheck disable=SC2086  # one pid per word
   [ -n "$ranks" ] && kill -USR1 $ranks 2>/dev/null && echo "launch.sh: SIGUSR1 sent to ranks$ranks" >&2
   if [ "$mode" = pdsh ] && [ "$pending" = 1 ]; then
-    # '[0-9]' keeps the remote shell that runs pkill from matching its own command line
-    pdsh -w "$(cut -d' ' -f1 <<< "$act" | paste -sd,)" "pkill -USR1 -f '$TRAIN_SCRIPT --local_rank=[0-9]'" >&2 || true
+    pdsh -w "$(cut -d' ' -f1 <<< "$act" | paste -sd,)" "$(remote_signal USR1)" >&2 || true  # this launch's ranks
   fi
   if [ "$mode" = pdsh ] || { [ -n "$ranks" ] && [ "$waiting" = 0 ]; }; then pending=0; fi
 }
 set +e  # from here on the exit code is train.py's, not the first failing helper's
-launcher_pid="" pending=0 interrupts=0 signalled=0
+launcher_pid="" pending=0 interrupts=0 signalled=0 killed=0
+# A second SIGINT: SIGTERM to the launcher's process group, ranks included (deepspeed's runner handles it only for pdsh
+# on several nodes: on one node or --no_ssh it died alone, launch.py and the ranks got nothing, and this script waited
+# RANK_EXIT_WAIT_S a rank); launch.py then TERMs its ranks and SIGKILLs them 30 s later. pdsh: the ranks of this launch
+# on every node (the runner's handler would pkill every deepspeed launch there); launch.py ends the rest 30 s after the
+# first exits. A third: SIGKILL to all of them (torchrun's workers have sessions of their own), and no wait for a rank.
+hard_stop() {
+  local sig=TERM after=" (SIGKILL after 30 s)"
+  [ "$interrupts" -ge 3 ] && sig=KILL killed=1 after=""
+  echo "launch.sh: SIGINT $interrupts: SIG$sig to the launcher and every rank$after" >&2
+  [ "$mode" = pdsh ] && { pdsh -w "$(cut -d' ' -f1 <<< "$act" | paste -sd,)" "$(remote_signal "$sig")" >&2 || true; }
+  # shellcheck disable=SC2046,SC2086  # one pid per word
+  [ "$killed" = 1 ] && kill -KILL $(rank_pids) $known_ranks 2>/dev/null
+  [ "$mode" = pdsh ] && [ "$killed" = 0 ] || kill -"$sig" -- -"$launcher_pid" 2>/dev/null
+  return 0
+}
 on_signal() {
   signalled=1
-  if [ "$1" = INT ] && [ $((interrupts += 1)) -ge 2 ]; then
-    echo "launch.sh: second SIGINT: stopping the launcher (SIGTERM to every rank, SIGKILL after 30 s)" >&2
-    kill -TERM "$launcher_pid" 2>/dev/null || true
-    return 0
-  fi
+  if [ "$1" = INT ] && [ $((interrupts += 1)) -ge 2 ]; then hard_stop; return 0; fi
   echo "launch.sh: got SIG$1: asking the training to save and exit $EXIT_PREEMPTED" >&2
   pending=1
   forward
 }
-for s in TERM INT USR1 USR2; do trap "on_signal $s" "$s"; done
+for s in TERM INT USR1 USR2 HUP; do trap "on_signal $s" "$s"; done
+trap : PIPE  # after a hang-up a `| tee` is gone too: this script's own lines are lost, not the script (the default)
 
 tee_pid="" death=""
 if [ "$mode" = torchrun ]; then  # torchrun reports every failing worker as 1: keep its summary to read the codes
   stderr_copy=$(mktemp "${TMPDIR:-/tmp}/launch_torchrun.XXXXXX")
-  exec 3> >(trap '' INT TERM USR1 USR2; exec tee -a "$stderr_copy" >&2)
+  exec 3> >(trap '' INT TERM USR1 USR2 HUP; exec tee -a "$stderr_copy" >&2)
   tee_pid=$!
 else
   exec 3>&2
@@ -347,7 +359,7 @@ if [ "$no_ssh" = 1 ] && [ "$nnodes" -gt 1 ]; then
     # comes (or joined to a stranger's). Cost: node 0's ranks start after one torch import (seconds); every other
     # node's ranks wait for the store anyway.
     ready=$(mktemp -u "${TMPDIR:-/tmp}/launch_store.XXXXXX")
-    ( trap '' INT TERM USR1 USR2; exec "$(bin python)" -m base.node_store serve "$master_addr" "$master_port" --ready "$ready" ) &
+    ( trap '' INT TERM USR1 USR2 HUP; exec "$(bin python)" -m base.node_store serve "$master_addr" "$master_port" --ready "$ready" ) &
     store_pid=$!
     for ((i = 0; i < ${STORE_START_S:-60} * 5; i++)); do
       [ -f "$ready" ] && break
@@ -410,8 +422,8 @@ died_verdict  # before this node waits for its ranks: Slurm's SIGKILL, KillWait 
 case "$rc" in
   0|"$EXIT_USAGE"|"$EXIT_PREEMPTED") ;;
   *) # the launcher died of a signal before its ranks (SLURM signals every process): let them finish their save
-    for p in $known_ranks; do
-      for ((i = 0; i < ${RANK_EXIT_WAIT_S:-900}; i++)); do kill -0 "$p" 2>/dev/null || break; sleep 1; done
+    for p in $known_ranks; do  # not after a third SIGINT's SIGKILL
+      for ((i = 0; i < ${RANK_EXIT_WAIT_S:-900}; i++)); do [ "$killed" = 0 ] && kill -0 "$p" 2>/dev/null || break; sleep 1; done
     done ;;
 esac
 exec 3>&-

@@ -1,5 +1,6 @@
 # shellcheck shell=bash
-# Sourced by scripts/launch.sh: the run's id, its default port, and the GPUs a deepspeed launch would really use.
+# Sourced by scripts/launch.sh: the run's id, its default port, the GPUs a deepspeed launch would really use, and the
+# command that signals this launch's ranks over pdsh.
 # launch_id and default_port read launch.sh's nnodes (and launch_id its master_port), step_refusal its options.
 
 # whole_step: true when this launch.sh is one task of an srun step that is the whole launch: the step spans the
@@ -117,4 +118,15 @@ visible_refusal() {
       echo "unset it, or use --torchrun or srun python train.py (they keep it)" ||
       echo "drop --num_gpus (launch.sh then runs on the GPUs selected) or unset it")"; return 1; }
   done
+}
+
+# remote_signal SIG: the command pdsh runs on the nodes to send SIG to this launch's ranks only: a process whose command
+# line is a rank's ('[0-9]' keeps the remote shell that runs it from matching its own) AND whose environment holds
+# this launch's ULYSSES_LAUNCH_ID (.deepspeed_env exports it to them). A bare `pkill -f '<train.py> --local_rank=...'`
+# signalled every run of the same checkout on those hosts, and deepspeed's own kill command (its runner's SIGTERM/
+# SIGINT handler) every deepspeed launch of the venv there. Cost: one read of /proc/PID/environ per matching process.
+remote_signal() {
+  local q="'" id="ULYSSES_LAUNCH_ID=$ULYSSES_LAUNCH_ID"
+  echo "for p in \$(pgrep -f '$TRAIN_SCRIPT --local_rank=[0-9]'); do tr '\\0' '\\n' < /proc/\$p/environ 2>/dev/null |" \
+    "grep -qxF '${id//$q/$q\\$q$q}' && kill -$1 \$p; done; true"
 }

@@ -139,11 +139,12 @@ def test_deepspeed_launchers_that_lose_the_code_or_the_signal_are_refused(tmp_pa
 
 
 def test_a_save_request_goes_over_pdsh_to_the_hosts_left_after_the_filter(tmp_path):
-    """pdsh mode: launch.sh's first SIGTERM becomes `pdsh -w <the filter's hosts> pkill -USR1 ...` (a pdsh stand-in
-    logs it; the deepspeed runner is tests/stubs/fake_launch); hB, whose one slot is excluded, runs nothing."""
+    """pdsh mode: launch.sh's first SIGTERM becomes `pdsh -w <the filter's hosts> <SIGUSR1 to this launch's ranks>`
+    (a pdsh stand-in logs it; the deepspeed runner is tests/stubs/fake_launch); hB, whose one slot is excluded, runs
+    nothing. The second SIGINT sends SIGTERM there the same way, the third SIGKILL (tests/e2e/test_launch_stop.py)."""
     (tmp_path / "hf").write_text("hA slots=2\nhB slots=1\nhC slots=1\n")
     (tmp_path / "bin").mkdir()
-    (tmp_path / "bin" / "pdsh").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/pdsh.log\n')
+    (tmp_path / "bin" / "pdsh").write_text(f'#!/bin/sh\nprintf "%s\\n" "$*" >> {tmp_path}/pdsh.log\n')
     (tmp_path / "bin" / "pdsh").chmod(0o755)
     log = tmp_path / "fake.log"
     # SIGINT at its default, as a terminal's shell starts it: a test run in the background (`make test &`, CI) has it
@@ -158,16 +159,21 @@ def test_a_save_request_goes_over_pdsh_to_the_hosts_left_after_the_filter(tmp_pa
         wait_for(lambda: log.exists() and "ready" in log.read_text(), 30, "the launcher stand-in")
         p.send_signal(signal.SIGTERM)
         wait_for(lambda: (tmp_path / "pdsh.log").exists(), 30, "the pdsh stand-in")
-        for _ in range(10):  # the second SIGINT: SIGTERM to the launcher, which then exits 75 (two that come while
-            p.send_signal(signal.SIGINT)  # a command runs are one pending signal: sent until it is gone, 1 s apart)
+        for _ in range(10):  # the third SIGINT: SIGKILL to the launcher (two that come while a command runs are one
+            p.send_signal(signal.SIGINT)  # pending signal: sent until it is gone, 1 s apart)
             time.sleep(1.0)
             if p.poll() is not None:
                 break
         out = p.communicate(timeout=30)[0]
     finally:
         p.kill()
-    sent = (tmp_path / "pdsh.log").read_text().splitlines()  # one a signal: the SIGTERM's, the first SIGINT's
-    assert sent and set(sent) == {f"-w hA,hC pkill -USR1 -f '{TRAIN} --local_rank=[0-9]'"}, out
+    sent = (tmp_path / "pdsh.log").read_text().splitlines()  # one a signal: the SIGTERM's, the SIGINTs'
+    launch_id = re.search(r"grep -qxF 'ULYSSES_LAUNCH_ID=([^']+)'", sent[0]).group(1)  # this launch's, not another's
+    assert [re.sub(r"kill -([A-Z0-9]+) ", "kill -SIG ", c) for c in sent] == [
+        f"-w hA,hC for p in $(pgrep -f '{TRAIN} --local_rank=[0-9]'); do tr '\\0' '\\n' < /proc/$p/environ 2>/dev/null | "
+        f"grep -qxF 'ULYSSES_LAUNCH_ID={launch_id}' && kill -SIG $p; done; true"] * len(sent), out
+    sigs = [re.search(r"kill -([A-Z0-9]+) ", c).group(1) for c in sent]  # a 4th SIGINT, sent as it ended: KILL again
+    assert sigs[:4] == ["USR1", "USR1", "TERM", "KILL"] and set(sigs[4:]) <= {"KILL"}, out
 
 
 def helper(call: str, **env: str) -> subprocess.CompletedProcess:

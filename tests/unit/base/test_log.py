@@ -1,0 +1,62 @@
+"""base/log.py's print0 when the console is gone: a closed terminal or ssh session (its pty hung up: EIO) or a
+`| tee` that died with it (EPIPE). Rank 0's next print0 raised: the job exited 1 with a traceback in the rank log
+instead of going on to its save (a hang-up is a save request to scripts/launch.sh)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.pardir] * 3))
+
+# a rank 0 with its rank log, printing to a console that is gone, then exiting 75 as after a save
+CHILD = """
+import logging, sys
+from base import log
+h = logging.FileHandler(sys.argv[1])
+log._RANK_LOG.addHandler(h); log._RANK_LOG.setLevel(logging.INFO); log._RANK_LOG.propagate = False
+log.print0("step 1")
+log.print0("step 2")
+print("a library's own print")
+log.print0("saved", file=sys.stderr)
+sys.exit(75)
+"""
+
+
+@pytest.mark.parametrize("console", ["pty", "pipe"])
+def test_a_gone_console_stops_the_console_output_not_the_rank(tmp_path, console):
+    if console == "pty":  # the terminal's master closed: the ssh session is gone, the pty hung up
+        master, slave = os.openpty()
+        os.close(master)
+        out = slave
+    else:  # the reader of a pipe gone (`launch.sh ... | tee run.log`, tee hung up with the session)
+        read, out = os.pipe()
+        os.close(read)
+    log = tmp_path / "rank00000.log"
+    try:
+        p = subprocess.run([sys.executable, "-c", CHILD, str(log)], cwd=ROOT, stdout=out, stderr=out, timeout=30,
+                           env={**os.environ, "RANK": "0", "PYTHONPATH": ROOT})
+    finally:
+        os.close(out)
+    text = log.read_text()
+    assert p.returncode == 75, text  # not 1 (the OSError of print0, of the plain print, or of the flush at exit)
+    assert "console gone" in text and "Traceback" not in text, text
+    assert [ln for ln in text.splitlines() if not ln.startswith("console gone")] == ["step 1", "step 2", "saved"], text
+
+
+def test_a_write_error_that_is_not_a_gone_console_is_raised(monkeypatch):
+    from base import log
+
+    class Full:
+        def write(self, s):
+            raise OSError(28, "No space left on device")
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(log, "_IS_MAIN", True)
+    with pytest.raises(OSError, match="No space"):
+        log.print0("x", file=Full())
