@@ -14,7 +14,8 @@ Pre-tokenized ids with TRL's `assistant_masks` / `completion_mask` come as `{MAS
 that mask (`all`: every token), the ids as given.
 
 Which template: the tokenizer's own (`auto`); of named templates (Command-R, Hermes-2-Pro ship `default`,
-`tool_use`, `rag`) the `default`, or the one named (`--chat_template tool_use`); `chatml` forces the documented
+`tool_use`, `rag`) a row's pick as transformers makes it (`tool_use` for a row with tools, else `default`:
+data/chat_template.row_template), or the one named (`--chat_template tool_use`); `chatml` forces the documented
 default below; `none` refuses chat rows when the tokenizer has no template. A set of named templates without
 `default`, or a name it lacks: one line before any work.
 
@@ -82,7 +83,7 @@ from data.chat_locate import lcp, locate, shows
 from data.chat_reasoning import as_rendered, cut_why, dropped, quoted_close, refuse_dropped
 from data.chat_rows import ROLES, SHAREGPT_ROLES, RowError, empty_reply, normalize, row_format, turns_to_train  # noqa: F401
 from data.chat_splice import encode_long
-from data.chat_template import pick_template, resolve_template, row_kwargs, text_pair_kwargs  # noqa: F401
+from data.chat_template import pick_template, resolve_template, row_kwargs, row_template, text_pair_kwargs  # noqa: F401
 from data.chat_tools import call_name, fit_arguments, refuse_unrendered, row_tools, tool_names
 from data.ids_rows import MASKED
 
@@ -150,7 +151,8 @@ class FrozenClock:
 class ChatEncoder:
     """`encode(obj) -> (ids, mask, stats)` for one chat row, with one tokenizer (data/tokenizer.py's `Tokenizer`).
 
-    `template`: `auto` (the tokenizer's own: its `default` when it ships named ones; else the ChatML default),
+    `template`: `auto` (the tokenizer's own: of named ones `tool_use` for a row with tools, else `default`; else the
+    ChatML default),
     `chatml` (the default, always), `none` (the tokenizer's own, else refuse the row) or the name of one of the
     tokenizer's named templates. `now`: the instant every render of this encoder sees (a template's `strftime_now`,
     FrozenClock): a datetime or its ISO text (prepare_data's, recorded in its shard plan); None: read here, once."""
@@ -185,6 +187,7 @@ class ChatEncoder:
         self.default_eot = im_end if isinstance(im_end, int) and im_end >= 0 and im_end != unk else tokenizer.eos_id
         self.kind = "markers" if self.markers else "prefix" if self.hf is not None else "chatml"
         self._row_kw, self._bound = {}, {}  # the row's chat_template_kwargs (data/chat_template.py); encoders per set
+        self.choice, self._named = template, {}  # auto's pick per row over a named set (data/chat_template.row_template)
         self._fresh()
         if self.hf is not None and not self._renders_text():
             self.refusal = (f"{self.name} renders no message text given as a string (it reads content parts, as a "
@@ -211,6 +214,13 @@ class ChatEncoder:
             enc._fresh()
             self._bound[key] = enc
         return self._bound[key]
+
+    def named(self, name: str) -> ChatEncoder:
+        """The encoder of the tokenizer's named template `name` (auto's pick for a row with tools: row_template),
+        built once, its probes read on that template; the same instant (`now`) as this one."""
+        if name not in self._named:
+            self._named[name] = ChatEncoder(self.tok, self.loss_on, name, now=self.clock.at)
+        return self._named[name]
 
     def _renders_text(self) -> bool:
         """Whether the template writes a probe reply's text (LLaVA's processor template writes only content parts'
@@ -278,6 +288,8 @@ class ChatEncoder:
         if MASKED in obj:  # pre-tokenized ids with TRL's loss mask (data/ids_rows.py): its mask, as a chat row's
             ids, mask = obj[MASKED]
             return list(ids), np.ones(len(ids), np.uint8) if self.loss_on == "all" else mask, {"untrained_turns": 0}
+        if (name := row_template(getattr(self.hf, "chat_template", None), self.choice, obj)) != self.choice:
+            return self.named(name).encode(obj)  # a row with tools over Hermes' / Command-R's set: its `tool_use`
         kind, conv, first = normalize(obj)
         tools = row_tools(obj, self, conv)  # the row's top-level tool definitions, passed to every render of it
         if kind == "text_pair":

@@ -41,6 +41,7 @@ import numpy as np
 from data.chat import ChatEncoder, RowError
 from data.chat_reasoning import reasoning
 from data.chat_rows import REASONING
+from data.chat_template import row_template
 from data.tokenizer import Tokenizer
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_templates")
@@ -292,7 +293,9 @@ def sweep(root: str | None = None, only: list[str] | None = None) -> dict[str, d
                 continue
             conv = [{**m, "content": m["content"].replace("{eot}", fam["eot"])} for m in conv]
             tools = TOOLS.get(case) or (TOOLS["tool list"] if fam.get("tools") == "always" else None)
-            row[case] = check(enc, oracle, conv, tools, native(conv, fam), fam.get("kwargs"),
+            pick = row_template(fam.get("named"), fam.get("template", "auto"), {"tools": tools})  # auto: per row
+            row[case] = check(enc, oracle if pick == fam.get("template", "auto") else marked(fam, pick), conv, tools,
+                              native(conv, fam), fam.get("kwargs"),
                               native_tools(tools, fam)).replace(
                 os.path.join(root, ""), "")
         table[key] = row
