@@ -85,6 +85,7 @@ esac
 [ -n "$hostfile" ] && [ "$no_ssh" = 0 ] && [ -n "$nnodes" ] && [ -z "$num_nodes" ] && num_nodes=$nnodes  # pdsh's word
 { [ -n "$include" ] || [ -n "$exclude" ]; } && [ -n "$num_gpus$num_nodes" ] &&
   die "--num_gpus/--num_nodes cannot be combined with --include/--exclude (the deepspeed launcher refuses)"
+[[ -z $num_gpus || $num_gpus =~ ^[1-9][0-9]*$ ]] || die "--num_gpus $num_gpus: a number of ranks >= 1 on this node"  # 0: all GPUs
 host_lines() { { grep -v '^\s*#' "$hostfile" || true; } | sed 's/#.*//' | awk 'NF'; }  # as deepspeed reads a hostfile
 # What deepspeed's runner runs on: its pool ("HOST slots=N" lines on stdin; $1 says whose) after --include/--exclude
 # (NAME[:SLOT[,SLOT]][@...]) and --num_nodes, "HOST RANKS" a line in the pool's order. A name or slot not in the pool,

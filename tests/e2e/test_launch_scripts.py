@@ -244,6 +244,8 @@ def test_train_args_are_printed_so_a_shell_reads_them_back(tmp_path):
      "has 1 hosts"),
     (["-H", "hosts", "--include", "w0", "--nnodes", "2", "--", "--x"], "cannot be combined"),  # not deepspeed's traceback
     (["-H", "empty", "--no_ssh", "--", "--x"], "hostfile empty names no host"),  # was exit 1, no word (set -e)
+    # 0 was deepspeed's "every GPU" (8 ranks on an 8-GPU node); abc / 1.5 a division or unbound-variable error
+    *[(["--num_gpus", n, "--", "--x"], f"--num_gpus {n}: a number of ranks >= 1") for n in ("0", "abc", "1.5")],
 ])
 def test_bad_options_exit_2(tmp_path, args, message):
     (tmp_path / "hosts").write_text("w0 slots=2\n")
