@@ -88,8 +88,11 @@ import time
 
 from base import comm, stopped
 
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
-WINDOWED = (signal.SIGTERM, signal.SIGINT)  # the launchers get these too and SIGKILL the ranks KILL_WINDOW_S later
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT, signal.SIGHUP)  # HUP: the terminal of a
+# plain `deepspeed` / torchrun run closed (its whole group gets it: the ranks died of it unsaved); launch.sh's ranks,
+# in a group of their own, get its SIGUSR1 instead
+WINDOWED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # the launchers get these too and SIGKILL the ranks
+# KILL_WINDOW_S later (torchrun's agent stops its workers on HUP as on TERM; deepspeed's launch.py dies of it)
 LAUNCHED = ("LOCAL_SIZE", "LOCAL_WORLD_SIZE", "LAUNCH_EXIT_DIR")  # deepspeed's launch.py, torchrun, scripts/launch.sh
 KILL_WINDOW_S = 30.0  # deepspeed launch.py's wait_procs(timeout=30) and torchrun's default shutdown timeout
 EXIT_MARGIN_S = 5.0  # from the window stop's last decision to the process's end (commit, engine release, exit)

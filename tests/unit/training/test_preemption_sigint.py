@@ -74,3 +74,15 @@ def test_ctrl_c_during_the_start_up_is_a_users_stop(tmp_path, monkeypatch, capsy
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Ctrl-C" in err and "Traceback" not in err and "failed" not in err, err
     assert (tmp_path / "exits" / "rank0").read_text() == "130\n" and not (tmp_path / "crash.0").exists()
+
+
+@pytest.mark.parametrize("launcher", LAUNCHED)
+def test_a_hang_up_under_a_launcher_stops_in_its_kill_window(monkeypatch, launcher):
+    """The terminal of a plain `deepspeed` or torchrun run closed: its whole process group gets SIGHUP, whose default
+    action killed the ranks unsaved. Now a stop, windowed as a SIGTERM (torchrun's agent stops its workers on HUP and
+    SIGKILLs them 30 s later)."""
+    no_launcher(monkeypatch)
+    monkeypatch.setenv(launcher, "/tmp/x" if launcher == "LAUNCH_EXIT_DIR" else "8")
+    clock, ckpt, flag, state, term = simulate(monkeypatch, save_every_s=600, signal_at=(7, 50.0), sig=signal.SIGHUP)
+    assert flag.stopping and flag.received == signal.SIGHUP
+    assert flag.window_left_s is not None and clock.t <= term + 30.0
