@@ -102,14 +102,32 @@ def table(result: dict) -> str:
 
 
 def verdict(result: dict) -> int:
-    """Print the table and the pass line; 0 when every point is inside the bound."""
-    print(table(result))
-    bad = judge(result["runtime_gb"], result["points"], tuple(result["bound"]))
+    """Print the table and the pass line (both computed first: a malformed result prints nothing); 0 when every
+    point is inside the bound."""
+    text, bad = table(result), judge(result["runtime_gb"], result["points"], tuple(result["bound"]))
+    print(text)
     for b in bad:
         print(f"FAIL {b}")
     print(f"calibration: {'PASS' if not bad else 'FAIL'} ({sum(p.get('ok', False) for p in result['points'])} "
           f"points, predicted/measured within {result['bound'][0]}-{result['bound'][1]})")
     return 1 if bad else 0
+
+
+def report(path: str) -> int:
+    """verdict of a saved run (--report); ValueError (one line) for a file that is not one, before any output."""
+    what = "give bench/results/calibration.json (a run of python -m bench.calibration)"
+    try:
+        with open(path, encoding="utf-8") as fh:
+            result = json.load(fh)
+    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
+        raise ValueError(f"--report {path}: not a readable JSON file ({type(e).__name__}): {what}") from None
+    if not (isinstance(result, dict) and isinstance(result.get("points"), list) and "runtime_gb" in result
+            and isinstance(result.get("bound"), list) and len(result["bound"]) == 2):
+        raise ValueError(f"--report {path}: not a calibration run (runtime_gb, bound, points): {what}")
+    try:  # verdict computes its table and judgement before it prints
+        return verdict(result)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # a hand-edited point
+        raise ValueError(f"--report {path}: a field is not what a run writes ({type(e).__name__}: {e}): {what}") from None
 
 
 def measure(work: str) -> dict:
@@ -151,8 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the run folders (logs) under bench/_runs/calibration")
     a = p.parse_args(argv)
     if a.report:
-        with open(a.report) as fh:
-            return verdict(json.load(fh))
+        return report(a.report)
     work = os.path.join(ROOT, "bench", "_runs", "calibration") if a.keep else tempfile.mkdtemp(
         prefix="bench_calibration_")
     os.makedirs(work, exist_ok=True)
@@ -169,4 +186,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from base.exits import EXIT_USAGE
+
+    try:
+        sys.exit(main())
+    except ValueError as e:  # the user's input (--report): one line, exit 2 as every script (base/exits.py)
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)

@@ -49,6 +49,7 @@ import tempfile
 import textwrap
 import time
 
+from base.atomic import atomic_write
 from bench.harness import (
     NO_EVAL,
     ROOT,
@@ -211,6 +212,29 @@ def render_markdown(result: dict) -> str:
                  f"({'quiet' if load['other_cpu_max'] < 0.1 else 'the machine was shared: the ratios are less sure'}"
                  f"). Absolute CPU times are noise; the ratios are from one run.")
     return "\n".join(ln if ln.startswith("|") else _wrap(ln) for ln in lines) + "\n"
+
+
+RESULT_KEYS = ("model_config", "load", "comparisons", "points", "command", "started_utc", "sweep_seconds", "seq_len",
+               "steps", "warmup", "baseline_len", "hybrid_sp", "reset_position_ids", "machine")
+
+
+def render_saved(path: str) -> str:
+    """render_markdown of a saved run's JSON; ValueError (one line) for a file that is not one (missing, not UTF-8
+    JSON, a list, {}, a field of another kind), before any page is written."""
+    what = "give bench/results/context_parallel.json (a run of python -m bench.context_parallel)"
+    try:
+        with open(path, encoding="utf-8") as fh:
+            result = json.load(fh)
+    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
+        raise ValueError(f"--render {path}: not a readable JSON file ({type(e).__name__}): {what}") from None
+    missing = [k for k in RESULT_KEYS if k not in result] if isinstance(result, dict) else []
+    if not isinstance(result, dict) or missing:
+        why = f"no {', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}" if missing else "not a JSON object"
+        raise ValueError(f"--render {path}: not a context-parallel run ({why}): {what}")
+    try:
+        return render_markdown(result)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:  # a hand-edited field
+        raise ValueError(f"--render {path}: a field is not what a run writes ({type(e).__name__}: {e}): {what}") from None
 
 
 def _wrap(text: str, width: int = 110) -> str:
@@ -376,11 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     a = build_parser().parse_args(argv)
     if a.render:
-        with open(a.render) as fh:
-            result = json.load(fh)
         doc = a.doc or DOC
-        with open(doc, "w") as fh:
-            fh.write(render_markdown(result))
+        atomic_write(doc, render_saved(a.render).encode())  # rendered whole before the page is touched
         print(f"wrote {doc}")
         return 0
     if a.quick:
@@ -403,14 +424,16 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(render_markdown(result).split("\n\n")[-1].strip())  # the load line
     if doc:
-        with open(doc, "w") as fh:
-            fh.write(render_markdown(result))
+        atomic_write(doc, render_markdown(result).encode())
     print(f"wrote {out_json}, {os.path.splitext(out_json)[0]}.png{', ' + doc if doc else ''}")
     return 0
 
 
 if __name__ == "__main__":
+    from base.exits import EXIT_USAGE
+
     try:
         sys.exit(main())
-    except ValueError as err:
-        sys.exit(f"error: {err}")
+    except ValueError as err:  # the user's input: one line, exit 2 as every script (base/exits.py)
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)

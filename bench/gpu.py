@@ -255,9 +255,17 @@ RUN_KEYS = ("started", "budget_s", "environment", "elapsed_s", "notes", "skipped
 
 def merge(new_path: str, out: str) -> list[str]:
     """Write into `out` the sections of the run in `new_path` (each replacing the one there), keeping the others,
-    with a note naming what came from which run; a missing `out` is the new run itself. The merged section names."""
-    with open(new_path) as fh:
-        new = json.load(fh)
+    with a note naming what came from which run; a missing `out` is the new run itself. The merged section names.
+    ValueError (one line) where `new_path` is not a run's JSON: nothing is written."""
+    try:
+        with open(new_path, encoding="utf-8") as fh:
+            new = json.load(fh)
+    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
+        raise ValueError(f"--merge {new_path}: not a readable JSON file ({type(e).__name__}): give a bench.gpu run's "
+                         "--out JSON") from None
+    if not isinstance(new, dict) or "started" not in new or all(k in RUN_KEYS for k in new):
+        raise ValueError(f"--merge {new_path}: not a bench.gpu run (a JSON object with 'started' and a section): give "
+                         "a bench.gpu run's --out JSON")
     if not os.path.exists(out):
         shutil.copy(new_path, out)
         return [k for k in new if k not in RUN_KEYS]
@@ -280,7 +288,11 @@ def main(argv: list[str] | None = None) -> int:
     sections = check_sections(args.sections)
     page = args.page if args.page is not None else (None if args.dry else PAGE)
     if args.merge:
-        merge(args.merge, args.out)
+        try:
+            merge(args.merge, args.out)
+        except ValueError as e:  # the user's input: one line, exit 2 as every script (base/exits.py)
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     if args.render or args.merge:
         with open(args.out) as fh:
             text = render(json.load(fh))

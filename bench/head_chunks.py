@@ -137,6 +137,23 @@ def table(res: dict) -> str:
     return out
 
 
+def report(path: str) -> str:
+    """table of a saved result (--report); ValueError (one line) for a file that is not one."""
+    what = "give bench/results/head_chunks.json (a run of python -m bench.head_chunks)"
+    try:
+        with open(path, encoding="utf-8") as fh:
+            res = json.load(fh)
+    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
+        raise ValueError(f"--report {path}: not a readable JSON file ({type(e).__name__}): {what}") from None
+    if not (isinstance(res, dict) and isinstance(res.get("ratios"), list) and isinstance(res.get("points"), list)
+            and "chunks" in res):
+        raise ValueError(f"--report {path}: not a head-chunks run (chunks, points, ratios): {what}")
+    try:
+        return table(res)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # a hand-edited point
+        raise ValueError(f"--report {path}: a field is not what a run writes ({type(e).__name__}: {e}): {what}") from None
+
+
 def plot(res: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -168,8 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(worker(*a.worker)))
         return 0
     if a.report:
-        with open(a.report) as fh:
-            print(table(json.load(fh)))
+        print(report(a.report))
         return 0
     t0, load0 = time.time(), os.getloadavg()
     res = run([int(x) for x in a.lengths.split(",")], a.chunks)
@@ -184,4 +200,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from base.exits import EXIT_USAGE
+
+    try:
+        sys.exit(main())
+    except ValueError as e:  # the user's input (--report): one line, exit 2 as every script (base/exits.py)
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)

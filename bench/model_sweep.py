@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
+from base.atomic import atomic_write
 from bench.harness import ROOT
 from planner.shapes import HEAD_CHUNK_MODEL_TYPES
 
@@ -154,18 +156,39 @@ def render(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def read_sweep(path: str) -> dict:
+    """The sweep's JSON ({model_type: {status, ...}}); ValueError (one line) for anything else: {} or a list would
+    render docs/models.md as an empty table."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            results = json.load(fh)
+    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
+        raise ValueError(f"--render {path}: not a readable JSON file ({type(e).__name__}): give "
+                         "bench/results/model_sweep.json (tests/multiproc/test_model_sweep.py writes it)") from None
+    if not (isinstance(results, dict) and results
+            and all(isinstance(r, dict) and isinstance(r.get("status"), str) for r in results.values())):
+        raise ValueError(f"--render {path}: not a model sweep ({{model_type: {{status: parity, ...}}}}, at least one "
+                         "type): give bench/results/model_sweep.json")
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--render", default=os.path.join(ROOT, "bench", "results", "model_sweep.json"),
                     help="the sweep's JSON (tests/multiproc/test_model_sweep.py writes it)")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "models.md"))
-    args = ap.parse_args()
-    with open(args.render) as fh:
-        results = json.load(fh)
-    with open(args.out, "w") as fh:
-        fh.write(render(results))
+    args = ap.parse_args(argv)
+    results = read_sweep(args.render)
+    atomic_write(args.out, render(results).encode())  # the whole page or the old one, never a torn one
     print(f"wrote {args.out} ({len(results)} model types)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    from base.exits import EXIT_USAGE
+
+    try:
+        sys.exit(main())
+    except ValueError as e:  # the user's input: one line, exit 2 as every script (base/exits.py)
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)

@@ -190,6 +190,26 @@ def plot(result: dict, path: str) -> None:
     plt.close(fig)
 
 
+def resummarized(path: str, tolerance: float) -> dict:
+    """--resummarize: a saved --same_memory result with its summary recomputed (and its table tried), before the file
+    is rewritten; ValueError (one line) for a file that is not one (it is left as it was)."""
+    what = "give bench/results/peers_same_memory.json (a run of python -m bench.peers --same_memory)"
+    try:
+        with open(path, encoding="utf-8") as fh:
+            res = json.load(fh)
+    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
+        raise ValueError(f"--resummarize {path}: not a readable JSON file ({type(e).__name__}): {what}") from None
+    if not (isinstance(res, dict) and isinstance(res.get("rows"), list) and isinstance(res.get("cap_gb"), (int, float))):
+        raise ValueError(f"--resummarize {path}: not a same-memory run (rows, cap_gb): {what}")
+    try:
+        res.update(sm.summarize_same_memory(res["rows"], res["cap_gb"], tolerance))
+        sm.same_memory_table(res, res["cap_gb"])
+    except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as e:  # a hand-edited row
+        raise ValueError(f"--resummarize {path}: a row is not what a run writes ({type(e).__name__}: {e}): "
+                         f"{what}") from None
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", default="4096,6144,8192,12288,16384,24576,32768", help="the ladder, increasing")
@@ -225,10 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                    "saved result (e.g. with another --tolerance) without running anything")
     a = p.parse_args(argv)
     if a.resummarize:
-        with open(a.resummarize) as fh:
-            res = json.load(fh)
-        res.update(sm.summarize_same_memory(res["rows"], res["cap_gb"], a.tolerance))
-        sm.save_same_memory(res, a.resummarize)
+        sm.save_same_memory(resummarized(a.resummarize, a.tolerance), a.resummarize)
         return 0
     import torch
 
@@ -317,7 +334,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from base.exits import EXIT_USAGE
+
     try:
         sys.exit(main())
-    except ValueError as err:
-        sys.exit(f"error: {err}")
+    except ValueError as err:  # the user's input: one line, exit 2 as every script (base/exits.py)
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)

@@ -214,8 +214,10 @@ def prepare(inputs: list[str], output: str, tokenizer: str | None = None, vocab_
     # the separator after each text and pre-tokenized document (a conversation ends with its template's end-of-turn):
     # --eos_id where given, else the tokenizer's (data/tokenizer.py `sep_id`)
     eos = eos_id if eos_id is not None or tok is None else tok.sep_id
-    if eos is not None and not 0 <= eos < (top := min(bound, tok.vocab_size) if tok else bound):
-        raise ValueError(f"--eos_id {eos}: not a token id below the vocabulary size {top}: give the model's EOS id")
+    top = min(bound, tok.vocab_size) if tok else bound  # (a walrus after `0 <= eos` was unset for -1: a traceback)
+    if eos is not None and not 0 <= eos < top:
+        raise ValueError(f"--eos_id {eos}: not a token id below the vocabulary size {top}: give the model's EOS id, or "
+                         "leave --eos_id out for the tokenizer's (no separator only without a tokenizer: --vocab_size)")
     tok_info = ({"path": os.path.abspath(tokenizer), "kind": tok.kind, "sha256": store.tokenizer_identity(tokenizer),
                  "vocab": store.vocab_identity(tokenizer),  # a text's ids: an edited config keeps them (data/pipeline.py)
                  "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "pad_id": tok.pad_id} if tok else None)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import math
 
 from planner.shapes import ROPE_MAX_POSITIONS
 
@@ -51,16 +52,32 @@ OPTIONAL = {  # the other keys transformers reads for each type (modeling_rope_u
 COMMON = {"rope_type", "rope_theta", "partial_rotary_factor"}
 KEEP = ("rope_theta", "partial_rotary_factor", "original_max_position_embeddings")  # what a change of type keeps
 PER_SHARD = ("dynamic", "longrope")  # frequencies from each forward's largest position
+NUMBERS = ("rope_theta", "partial_rotary_factor", "factor", "original_max_position_embeddings", "low_freq_factor",
+           "high_freq_factor", "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
 
 def normalized(rope: dict, where: str) -> dict:
-    """`rope` with the legacy `type` read as `rope_type` (one-line ValueError when both are given and disagree)."""
+    """`rope` with the legacy `type` read as `rope_type` (one-line ValueError when both are given and disagree) and
+    its numbers written as text read as numbers: YAML 1.1 reads `rope_theta: 1e6` (no dot) and a quoted "2048" as
+    text, which crashed the checks (a TypeError) or multiplied a string; text that is no number is one line."""
     rope = dict(rope)
     if "type" in rope:
         legacy = rope.pop("type")
         if rope.setdefault("rope_type", legacy) != legacy:
             raise ValueError(f"{where}: type {legacy!r} and rope_type {rope['rope_type']!r} disagree: give rope_type")
+    for key in NUMBERS:
+        if isinstance(rope.get(key), str):
+            text = rope[key].strip()
+            try:
+                rope[key] = int(text) if text.lstrip("+-").isdigit() else float(text)
+            except ValueError:
+                _not_a_number(key, rope[key], where)
     return rope
+
+
+def _not_a_number(key: str, value, where: str) -> None:
+    raise ValueError(f"{where}: {key} {value!r} is not a finite number: write it as one (e.g. {key}: "
+                     f"{1000000.0 if key == 'rope_theta' else 2048 if key.startswith('original') else 4.0})")
 
 
 def _per_shard(kind: str, where: str, sp: int) -> None:
@@ -86,6 +103,10 @@ def check_rope(rope: dict, where: str, sp: int = 1, inherited: dict | None = Non
         near = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.5)
         raise ValueError(f"{where}: {key!r} is no setting of rope_type {kind}" + (f" (did you mean {near[0]!r}?)"
                          if near else "") + f": it takes {sorted(known - {'rope_type'})}")
+    for key in NUMBERS:  # a stage's own (the model's are its config's): null, true, a list, nan or inf is no setting
+        v = rope.get(key, 0.0)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            _not_a_number(key, v, where)
     if "rope_theta" in rope and not rope["rope_theta"] > 0:
         raise ValueError(f"{where}: rope_theta must be > 0, got {rope['rope_theta']}")
     if "factor" in rope and not rope["factor"] >= 1:

@@ -414,7 +414,10 @@ def choose(shape: ModelShape, seq_len: int, world: int, budget_bytes: int, *, sp
 
 
 def gpu_budget(gpu_mem_gb: float) -> int:
-    """Bytes per rank the tensors may use on a GPU of `gpu_mem_gb` GB: less GPU_RESERVED (context, NCCL, workspaces)."""
+    """Bytes per rank the tensors may use on a GPU of `gpu_mem_gb` GB: less GPU_RESERVED (context, NCCL, workspaces).
+    One-line ValueError for nan / inf (a flag's value: plan.py's and train.py's --gpu_mem_gb)."""
+    if not math.isfinite(gpu_mem_gb):
+        raise ValueError(f"--gpu_mem_gb {gpu_mem_gb:g}: give the GPU's memory in GB, a finite number (H100: 80)")
     return int(gpu_mem_gb * GiB) - GPU_RESERVED
 
 

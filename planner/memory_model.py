@@ -76,16 +76,27 @@ HOST_ARENA = True
 
 
 def parse_seq_len(text: str | int) -> int:
-    """'131072', '128k', '1M', '15_000_000' -> tokens; k and M are binary (128k = 131072, 1M = 1048576)."""
+    """'131072', '128k', '1M', '15_000_000', '1.5k' -> tokens; k and M are binary (128k = 131072, 1M = 1048576).
+    One-line ValueError for anything else: no number, inf / nan, a fraction of a token (1.5, 0.3k), under 1."""
     s = str(text).strip().replace("_", "").lower()
     scale = {"k": 2**10, "m": 2**20}.get(s[-1:], 1)
     num = s[:-1] if scale > 1 else s
     try:
-        value = round(float(num) * scale)
+        tokens = float(num) * scale
     except ValueError:
-        raise ValueError(f"sequence length {text!r}: write tokens as 131072, 128k or 1M") from None
-    if value < 1:
+        tokens = math.nan
+    if not math.isfinite(tokens) or tokens != int(tokens):  # inf, nan, 1.5: no whole number of tokens
+        raise ValueError(f"sequence length {text!r}: write a whole number of tokens as 131072, 128k or 1M")
+    if tokens < 1:
         raise ValueError(f"sequence length {text!r} must be at least 1 token")
+    return int(num) * scale if num.lstrip("+-").isdigit() else int(tokens)  # digits exactly, past float's 2**53
+
+
+def positive_flag(flag: str, value: float, fix: str = "use a number > 0", zero_ok: bool = False) -> float:
+    """`value` of the command-line `flag` when finite and > 0 (>= 0 with `zero_ok`), else a one-line ValueError naming
+    the flag, the value and `fix`: nan / inf would reach the arithmetic as NaN tables or an int() overflow."""
+    if not (math.isfinite(value) and (value >= 0 if zero_ok else value > 0)):
+        raise ValueError(f"--{flag.lstrip('-')} {value:g}: {fix}")
     return value
 
 

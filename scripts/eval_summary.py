@@ -13,7 +13,7 @@ flagged DROPPED). A before -> after of held-out losses is over the same samples 
 were scored on the same sample count (training/evaluation.py retention_samples): records that differ are printed
 side by side and said not to compare; records from before the count was written are said to be unknown. Reads a few small JSON files
 (one per stage): nothing at any scale. A folder without records, or a record that is not JSON, is refused in one
-line naming it (exit 2).
+line naming it (exit 2), and so is a record missing its step or length; one without a stage name shows its number.
 """
 
 from __future__ import annotations
@@ -41,8 +41,27 @@ def records(output_dir: str) -> list[dict]:
             raise ValueError(f"{path}: not a readable evaluation record ({e}): restore it or remove it") from None
         if not isinstance(rec, dict):
             raise ValueError(f"{path}: not an evaluation record (a JSON object): restore it or remove it")
-        out.append(rec)
+        out.append(_checked(rec, path, int(n[5:-5])))
     return out
+
+
+LOSSES = ("heldout_loss", "heldout_loss_first_len", "heldout_chat_loss")  # printed as numbers where present
+
+
+def _checked(rec: dict, path: str, stage: int) -> dict:
+    """`rec` with its stage (from the file's name) and stage name (the stage number: a record without one) filled in;
+    ValueError (one line naming the file) where a key the tables print is missing or of the wrong kind."""
+    rec = {"stage": stage, **rec}
+    rec.setdefault("stage_name", str(rec["stage"]))
+    bad = [k for k in ("step", "seq_len") if k not in rec]
+    bad += [k for k in LOSSES if k in rec and (isinstance(rec[k], bool) or not isinstance(rec[k], (int, float)))]
+    tm = rec.get("task_mean", {})
+    if not isinstance(tm, dict) or not all(isinstance(v, dict) for v in tm.values()):
+        bad.append("task_mean")
+    if bad:
+        raise ValueError(f"{path}: not an evaluation record ({', '.join(bad)} missing or not what training writes): "
+                         "restore it or remove it")
+    return rec
 
 
 def headline(rows: list[dict]) -> list[str]:

@@ -104,6 +104,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def check_output_dir(path: str) -> None:
     """--output_dir must be a folder or become one: a file there (or above it) is refused in one line before any
     work, as train.py's run lock does (base/run_lock.acquire), not NotADirectoryError from the rank logs."""
+    if not path.strip():  # '' wrote eval.json, summary.md and heatmaps.png into the current folder
+        raise ValueError("--output_dir '': name a folder (new or existing), e.g. --output_dir eval_run")
     here = os.path.abspath(path)
     while not os.path.exists(here):  # the nearest part that exists: the folder itself or the one it goes under
         here = os.path.dirname(here)
@@ -116,6 +118,7 @@ def settings(a: argparse.Namespace) -> dict:
     """The flags checked and parsed (lengths, tasks, depths, RoPE); one-line ValueError."""
 
     from model_utils.rope import check_rope, nested
+    from training.config import MAX_TIMEOUT_S, cp_setting
     from training.config_types import yaml_text
     from training.eval_settings import eval_value
 
@@ -134,13 +137,11 @@ def settings(a: argparse.Namespace) -> dict:
         raise ValueError("--compare_rope without --compare: name the second model")
     if a.trials < 1 or a.micro_batch < 1 or a.sequence_parallel_size < 1:
         raise ValueError("--trials, --micro_batch and --sequence_parallel_size must be >= 1")
-    if a.dist_timeout_s <= 0:  # the collectives' timeout: 0 or less and the first one times out
-        raise ValueError(f"--dist_timeout_s {a.dist_timeout_s}: use seconds > 0 (default 1800)")
+    if not 0 < a.dist_timeout_s <= MAX_TIMEOUT_S:  # 0 or less: the first collective times out; nan, inf: a traceback
+        raise ValueError(f"--dist_timeout_s {a.dist_timeout_s}: use seconds > 0, at most {MAX_TIMEOUT_S} (default 1800)")
     if a.heldout_conversations < 0:
         raise ValueError(f"--heldout_conversations {a.heldout_conversations}: use N >= 1 (the first N), or 0 for all")
     check_output_dir(a.output_dir)
-    from training.config import cp_setting
-
     a.context_parallel_size = cp_setting(a.context_parallel_size, "--context_parallel_size")
     from model_utils.hub import resolve
 
@@ -163,7 +164,7 @@ def describe(path: str, tokenizer: str | None) -> dict:
     from training.checkpoint import MANIFEST, POINTER
 
     if os.path.isfile(os.path.join(path, "checkpoints", POINTER)):  # a run folder: its newest checkpoint
-        with open(os.path.join(path, "checkpoints", POINTER)) as fh:
+        with open(os.path.join(path, "checkpoints", POINTER), errors="replace") as fh:  # not text: refused below
             path = os.path.join(path, "checkpoints", fh.read().strip())
     if os.path.isfile(os.path.join(path, MANIFEST)) and os.path.isfile(os.path.join(path, "hf_config.json")):
         with open(os.path.join(path, "hf_config.json")) as fh:
@@ -184,8 +185,7 @@ def describe(path: str, tokenizer: str | None) -> dict:
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"{path}: not a Hugging Face folder (no config.json), a checkpoint (no {MANIFEST}) nor a run "
                          "folder (no checkpoints/LATEST)")
-    with open(os.path.join(path, "config.json")) as fh:
-        config = json.load(fh)
+    config = _json(os.path.join(path, "config.json"))
     # the folder's Hugging Face tokenizer (its added tokens, its chat template) before a sentencepiece file beside it
     # (Mistral, Llama 2 and Gemma snapshots ship both: the .model alone refused --chat on, tokenized without the
     # control tokens); a .model alone (the demo's export) as it is
@@ -193,6 +193,16 @@ def describe(path: str, tokenizer: str | None) -> dict:
         os.path.join(path, "tokenizer.model")]
     tok = tokenizer or next((t for t in own if os.path.exists(t)), None)
     return {"kind": "hf", "path": path, "config": config, "tokenizer": tok}
+
+
+def _json(path: str):
+    """A model folder's config.json; one line where it is not UTF-8 text (an editor's UTF-16) or not JSON."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        why = "not UTF-8 text: save it as UTF-8" if isinstance(e, UnicodeDecodeError) else f"not valid JSON ({e})"
+        raise ValueError(f"{path}: {why}") from None
 
 
 def sft_run(run_config: dict) -> bool:

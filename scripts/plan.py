@@ -35,7 +35,7 @@ from base.parallel import split_sp
 from planner.auto_features import GPU_RESERVED, HEADROOM, gpu_budget
 from planner.cluster import RUNTIME_HOST_GIB, Planner, _int_or_auto, _valid_splits, split_label
 from planner.flops import attention_flops, flops_per_sequence, tokens_per_sec_per_gpu
-from planner.memory_model import Estimate, Features, GiB, ModelShape, load_shape, parse_seq_len
+from planner.memory_model import Estimate, Features, GiB, ModelShape, load_shape, parse_seq_len, positive_flag
 from planner.shapes import ROPE_MAX_POSITIONS
 from planner.step_time import HOUR_S, KERNEL_TFLOPS, MEASURED, TRAINABLE_S, duration, measured_mfu, step_time
 from planner.trainable import ALST, AutoRun, longest_trainable
@@ -184,15 +184,13 @@ def plan(argv: list[str] | None = None) -> dict:
 
 
 def make_plan(args: argparse.Namespace) -> dict:
-    for name in ("gpus_per_node", "nodes", "gpu_mem_gb", "cpu_mem_gb", "mfu", "gpu_tflops"):
-        if getattr(args, name) <= 0:
-            raise ValueError(f"--{name} must be positive, got {getattr(args, name)}")
+    for name in ("gpus_per_node", "nodes", "gpu_mem_gb", "cpu_mem_gb", "mfu", "gpu_tflops"):  # nan / inf too
+        positive_flag(name, getattr(args, name), "use a finite number > 0 (--help: its meaning and default)")
+    positive_flag("cpu_overhead_gb", args.cpu_overhead_gb, "use a size >= 0 (GiB per rank)", zero_ok=True)
     if not 0 <= args.margin < 1:
         raise ValueError(f"--margin {args.margin}: use a fraction in [0, 1)")
     if args.mfu > 1:
         raise ValueError(f"--mfu {args.mfu}: use a fraction in (0, 1]")
-    if args.cpu_overhead_gb < 0:
-        raise ValueError(f"--cpu_overhead_gb {args.cpu_overhead_gb}: use a size >= 0")
     chunks = str(args.attention_head_chunks)
     if chunks != "max" and (not chunks.isdigit() or int(chunks) < 1):
         raise ValueError(f"--attention_head_chunks {chunks!r}: use an integer >= 1 or max")

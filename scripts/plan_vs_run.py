@@ -59,9 +59,9 @@ def refuse(msg: str) -> NoReturn:
 def read_section(path: str, section: str) -> dict:
     """The section of a bench.gpu JSON that holds a probed run (rows, memory_choice, length); ValueError (one line)."""
     try:
-        with open(path) as fh:
+        with open(path, encoding="utf-8") as fh:
             data = json.load(fh)
-    except (OSError, json.JSONDecodeError) as err:
+    except (OSError, ValueError) as err:  # ValueError: JSONDecodeError, or UnicodeDecodeError (not UTF-8)
         refuse(f"{path}: not a readable JSON file ({type(err).__name__}): give bench/results/gpu.json or a "
                "`python -m bench.gpu --out` file")
     if not isinstance(data, dict) or not isinstance(data.get(section), dict):

@@ -6,8 +6,10 @@ evaluations between stages.
 One PNG with three panels sharing the step axis; a dashed vertical line marks each curriculum stage
 boundary (the first step of a new stage), labelled with the stage and its sequence length. Anything
 without "step" and "loss" is skipped there; files written before stages existed have no "stage" key and
-count as stage 0. `-o` names the image (.png, or another extension matplotlib writes: .svg, .pdf ...); a
-folder, a name without an extension or another extension is refused in one line (exit 2).
+count as stage 0; a record whose step (or an evaluation's stage) is not an integer is skipped, counted in one
+note. A file that cannot be read (not UTF-8, no permission) is refused in one line (exit 2). `-o` names the image
+(.png, or another extension matplotlib writes: .svg, .pdf ...); a folder, a name without an extension or another
+extension is refused in one line (exit 2).
 
 When the file has evaluation lines ("event": "eval", training/evaluation.py), a second PNG next to it
 (`metrics_eval.png` for `-o metrics.png`): per task, one depth x length accuracy heat map per stage (the
@@ -28,8 +30,9 @@ PANELS = (("loss", "loss"), ("tokens_per_s", "tokens/s"), ("peak_mem_gb", "peak 
 
 
 def _records(path: str):
-    """Every JSON object of a metrics.jsonl; a torn last line (a job killed mid-write) is skipped."""
-    with open(path) as fh:
+    """Every JSON object of a metrics.jsonl; a torn last line (a job killed mid-write) is skipped. OSError /
+    UnicodeDecodeError for a file that cannot be read (main: one line)."""
+    with open(path, encoding="utf-8") as fh:
         for line in fh:
             try:
                 rec = json.loads(line)
@@ -39,13 +42,32 @@ def _records(path: str):
                 yield rec
 
 
-def read_steps(path: str) -> list[dict]:
-    """Step records in step order. A step logged twice (a job resumed behind its last log line) keeps
-    its latest record; a torn last line (a job killed mid-write) is ignored. A step skipped for want of a supervised
+def _as_int(v) -> int | None:
+    """A step or stage number as written (5, 5.0, "5"), or None (null, "abc", true, 1.5)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+        return None
+    if isinstance(v, str):
+        return int(v) if v.strip().isdigit() else None
+    return int(v) if math.isfinite(v) and v == int(v) else None
+
+
+def _is_step(r: dict) -> bool:
+    return "step" in r and "loss" in r and r.get("event") != "eval"
+
+
+def _is_eval(r: dict) -> bool:
+    return r.get("event") == "eval" and "stage" in r
+
+
+def read_steps(path: str | list[dict]) -> list[dict]:
+    """Step records in step order (`path`: a metrics.jsonl or its records). A step logged twice (a job resumed behind its
+    last log line) keeps its latest record; a torn last line (a job killed mid-write) is ignored, and so is a record
+    whose step is not an integer (null, "abc": was a traceback). A step skipped for want of a supervised
     token (`"optimizer_skipped": true`) is a gap in the loss and tokens/s curves: it trained nothing (files written
     before it was logged as null say loss 0.0 and ~5e8 tokens/s, its ~1 ms of time, which the curves drew and the
     smoothed loss averaged in)."""
-    by_step = {int(r["step"]): r for r in _records(path) if "step" in r and "loss" in r and r.get("event") != "eval"}
+    recs = _records(path) if isinstance(path, str) else path
+    by_step = {k: {**r, "step": k} for r in recs if _is_step(r) and (k := _as_int(r["step"])) is not None}
     return [_gap(by_step[s]) if by_step[s].get("optimizer_skipped") is True else by_step[s] for s in sorted(by_step)]
 
 
@@ -53,10 +75,18 @@ def _gap(rec: dict) -> dict:
     return {**rec, "loss": None, "tokens_per_s": None}
 
 
-def read_evals(path: str) -> list[dict]:
-    """The latest evaluation record of each stage, in stage order (a resumed run may log a stage twice)."""
-    by_stage = {int(r["stage"]): r for r in _records(path) if r.get("event") == "eval" and "stage" in r}
+def read_evals(path: str | list[dict]) -> list[dict]:
+    """The latest evaluation record of each stage, in stage order (a resumed run may log a stage twice); one whose
+    stage is not an integer is ignored."""
+    recs = _records(path) if isinstance(path, str) else path
+    by_stage = {k: {**r, "stage": k} for r in recs if _is_eval(r) and (k := _as_int(r["stage"])) is not None}
     return [by_stage[s] for s in sorted(by_stage)]
+
+
+def unnumbered(recs: list[dict]) -> int:
+    """How many step / evaluation records read_steps / read_evals ignore for a step / stage that is not an integer."""
+    return sum(1 for r in recs if (_is_step(r) and _as_int(r["step"]) is None)
+               or (_is_eval(r) and _as_int(r["stage"]) is None))
 
 
 def stage_boundaries(steps: list[dict]) -> list[int]:
@@ -219,14 +249,21 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         print(f"error: --out {args.out}: {why}", file=sys.stderr)
         return 2
-    steps = read_steps(args.metrics)
+    try:  # the whole file at once: a file that cannot be read is refused before any image is written
+        recs = list(_records(args.metrics))
+    except (OSError, UnicodeDecodeError) as e:
+        print(f"error: {args.metrics}: cannot be read ({getattr(e, 'strerror', None) or e}): give a run's "
+              "metrics.jsonl (UTF-8 JSON lines, as train.py writes it)", file=sys.stderr)
+        return 2
+    steps, evals, odd = read_steps(recs), read_evals(recs), unnumbered(recs)
+    if odd:
+        print(f"note: {args.metrics}: {odd} record(s) whose step / stage is not an integer skipped", file=sys.stderr)
     if not steps:
         print(f"error: {args.metrics} has no step records (lines with 'step' and 'loss')", file=sys.stderr)
         return 2
     out = args.out or args.metrics.rsplit(".", 1)[0] + ".png"
     plot(steps, out, title=args.metrics)
     print(f"{out}: {len(steps)} steps, stage boundaries at {stage_boundaries(steps) or 'none'}")
-    evals = read_evals(args.metrics)
     if evals:
         eval_out = out.rsplit(".", 1)[0] + "_eval.png"
         plot_eval(evals, eval_out, title=args.metrics + ": evaluation after each stage")

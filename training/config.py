@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -79,7 +80,7 @@ class Config:
     warmup_steps: int = 0
     lr_scheduler: str = "cosine"  # cosine | linear | constant
     weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = 1.0  # clip the global gradient norm to this; 0: no clipping
     max_steps: int = 100
     num_train_epochs: float | None = None  # epochs over each stage's data instead (HF Trainer's; max_steps wins if
     # both are set; a stage's own max_steps / max_tokens win): steps fixed once the data is open (training/hf_args.py)
@@ -207,8 +208,13 @@ def parse_config(argv: list[str] | None = None) -> Config:
     if recipe:
         if not os.path.isfile(recipe):
             raise ValueError(f"--config {recipe}: file not found")
-        with open(recipe) as fh:
-            merged = yaml_text(fh.read(), f"--config {recipe}") or {}
+        try:
+            with open(recipe, encoding="utf-8") as fh:
+                text = fh.read()
+        except (OSError, UnicodeDecodeError) as e:  # a recipe saved as UTF-16 by an editor: a traceback before
+            why = "not UTF-8 text: save it as UTF-8" if isinstance(e, UnicodeDecodeError) else f"unreadable ({e})"
+            raise ValueError(f"--config {recipe}: {why}") from None
+        merged = yaml_text(text, f"--config {recipe}") or {}
         if not isinstance(merged, dict):
             raise ValueError(f"--config {recipe}: expected a mapping of keys at the top level")
         check_stages(merged.get("stages"), recipe)  # before the eval flags walk the stages
@@ -281,8 +287,15 @@ def validate(cfg: Config) -> None:
         if w is not None and w < 0:  # -3 gave a schedule with no warmup, without a word
             raise ValueError(f"{where} {w}: use 0 (no warmup) or a number of steps >= 1")
     hf_args.check(cfg)
-    if cfg.learning_rate <= 0 or cfg.min_lr < 0 or cfg.min_lr > cfg.learning_rate:
-        raise ValueError(f"need 0 <= --min_lr ({cfg.min_lr}) <= --learning_rate ({cfg.learning_rate}), lr > 0")
+    if not (0 < cfg.learning_rate <= MAX_LR and 0 <= cfg.min_lr <= cfg.learning_rate):  # nan, inf, 1e30 trained NaN
+        raise ValueError(f"need 0 <= --min_lr ({cfg.min_lr}) <= --learning_rate ({cfg.learning_rate}) <= {MAX_LR}, "
+                         "lr > 0 (AdamW's are ~1e-6 to 1e-3)")
+    for i, st in enumerate(cfg.stages):  # (their min_lr: training/curriculum.resolve_stages)
+        if st.learning_rate is not None and not 0 < st.learning_rate <= MAX_LR:
+            raise ValueError(f"stages[{i}].learning_rate {st.learning_rate}: use a rate in (0, {MAX_LR}]")
+    settings_at_least_0(cfg)
+    if not str(cfg.output_dir).strip():  # '' made the run lock's makedirs('') a traceback (the dry run took it)
+        raise ValueError("--output_dir '': name the run's folder, e.g. --output_dir checkpoints/run")
     if cfg.lr_scheduler not in ("cosine", "linear", "constant"):
         raise ValueError(f"--lr_scheduler {cfg.lr_scheduler!r}: use cosine, linear or constant")
     if cfg.attn_implementation not in ("auto", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"):
@@ -320,9 +333,10 @@ def validate(cfg: Config) -> None:
     cfg.async_save = auto_or_bool(cfg.async_save, "--async_save", "on for a GPU run whose host memory fits the snapshot")
     if cfg.save_steps < 0:
         raise ValueError(f"--save_steps {cfg.save_steps}: use 0 (end and preemption only) or a positive interval")
-    if cfg.time_limit_s < 0 or cfg.dist_timeout_s <= 0:
+    # a nan / inf time limit meant none; a nan / inf / 1e30 timeout, datetime.timedelta's traceback at the group's start
+    if not 0 <= cfg.time_limit_s < math.inf or not 0 < cfg.dist_timeout_s <= MAX_TIMEOUT_S:
         raise ValueError(f"--time_limit_s {cfg.time_limit_s} must be >= 0 (0: none) and --dist_timeout_s "
-                         f"{cfg.dist_timeout_s} > 0")
+                         f"{cfg.dist_timeout_s} in (0, {MAX_TIMEOUT_S}] seconds (7 days)")
     if cfg.report_to not in ("auto", "wandb", "none"):
         raise ValueError(f"--report_to {cfg.report_to!r}: use auto, wandb or none")
     shipped = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), cfg.deepspeed)
@@ -333,6 +347,24 @@ def validate(cfg: Config) -> None:
     if cfg.dataset_path is not None and not os.path.exists(cfg.dataset_path):
         raise ValueError(f"--dataset_path {cfg.dataset_path}: no such file or folder")
     run_eval(cfg)  # a bad eval_* value: one line now
+
+
+MAX_LR = 1.0  # a larger peak LR trains NaN from the first step (and the run "succeeded")
+MAX_TIMEOUT_S = 7 * 86400  # a collective that waits longer is a hang, not a slow step
+
+
+def settings_at_least_0(cfg: Config) -> None:
+    """The numbers whose 0 means off or unset: a negative or NaN one was read as unset (or, weight decay under
+    FusedAdam, applied: it grows the weights); one line naming the value."""
+    for name, fix in (("weight_decay", "0 (none) or a decay such as 0.1"),
+                      ("max_grad_norm", "a norm to clip at such as 1.0, or 0 (no clipping)"),
+                      ("gpu_mem_gb", "GB per rank, or 0 (detected from the device)"),
+                      ("mem_cap_gb", "GB per rank, or 0 (none)"), ("nodes", "a count, or 0 (the launched world)"),
+                      ("gpus_per_node", "a count, or 0 (the launched world's)"),
+                      ("checkpoint_every", "K >= 1 (layers 0, K, 2K, ...), or 0 (off)")):
+        value = getattr(cfg, name)
+        if not 0 <= value < math.inf:
+            raise ValueError(f"--{name} {value}: use {fix}")
 
 
 AUTO_OR_BOOL = ("async_save",)  # auto | true | false (a recipe's bool, a flag's text)

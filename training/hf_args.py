@@ -291,7 +291,7 @@ def apply(d: dict, where: str, default_lr: float) -> dict:
 
 def check(cfg) -> None:
     """num_train_epochs and warmup_ratio values (validate calls this)."""
-    if cfg.num_train_epochs is not None and not cfg.num_train_epochs > 0:
+    if cfg.num_train_epochs is not None and not 0 < cfg.num_train_epochs < math.inf:  # inf: a traceback in epoch_steps
         raise ValueError(f"--num_train_epochs {cfg.num_train_epochs}: use a number > 0 (or --max_steps)")
     if not 0 <= cfg.warmup_ratio < 1:
         raise ValueError(f"--warmup_ratio {cfg.warmup_ratio}: use a fraction of the steps in [0, 1)")

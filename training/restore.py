@@ -289,7 +289,7 @@ class Restorer:
         try:
             with open(pointer) as fh:
                 return fh.read().strip()
-        except OSError:
+        except (OSError, UnicodeDecodeError):  # unreadable or not text (was a traceback): the listing decides
             return None
 
     def _expects_latest(self, listed: list[str]) -> str | None:

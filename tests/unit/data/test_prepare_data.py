@@ -313,6 +313,10 @@ _SP = "recipes/base/tiny_passkey256/tokenizer.model"
     (["--tokenizer_name_or_path", _SP, "--batch_docs", "0"], r"--batch_docs 0: use an integer >= 1"),
     (["--tokenizer_name_or_path", _SP, "--eos_id", "99999"], r"--eos_id 99999: not a token id below the vocabulary size 2000"),
     (["--vocab_size", "100", "--eos_id", "100"], r"--eos_id 100: not a token id below the vocabulary size 100"),
+    # -1 (an UnboundLocalError traceback: the bound was computed after the `0 <=` that failed)
+    (["--tokenizer_name_or_path", _SP, "--eos_id", "-1"], r"--eos_id -1: not a token id below the vocabulary size 2000: "
+                                                          r"give the model's EOS id, or leave --eos_id out"),
+    (["--vocab_size", "100", "--eos_id", "-1"], r"--eos_id -1: not a token id below the vocabulary size 100"),
     (["--tokenizer_name_or_path", _SP, "--output", "README.md"], r"--output 'README.md': give a folder"),
     (["--tokenizer_name_or_path", _SP, "--output", ""], r"--output '': give a folder"),
     (["--verify"], r"--output .*: not a prepared folder \(no manifest.json"),

@@ -91,7 +91,7 @@ def test_a_file_without_a_kernel_probe_is_one_line(tmp_path):
     bad.write_text("not json")
     with pytest.raises(ValueError, match="not JSON"):
         script.main([str(bad)])
-    with pytest.raises(ValueError, match=r"^--peak_tflops -5: use the GPU's dense bf16 peak, > 0"):  # was taken
+    with pytest.raises(ValueError, match=r"^--peak_tflops -5: use the GPU's dense bf16 peak, finite and > 0"):  # was taken
         script.main([os.path.join(ROOT, "bench", "results", "gpu.json"), "--peak_tflops", "-5"])
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "mfu_bound.py"), str(bad)], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)

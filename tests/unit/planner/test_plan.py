@@ -216,7 +216,7 @@ def test_monotonic_in_seq_len():
     (["--attention_head_chunks", "x"], "--attention_head_chunks 'x': use an integer >= 1 or max"),
     (["--model", "README.md"], "README.md is not JSON"),
     (["--seq_len", ""], "--seq_len '': give a length"),
-    (["--cpu_overhead_gb", "-1"], "--cpu_overhead_gb -1.0: use a size >= 0"),
+    (["--cpu_overhead_gb", "-1"], "--cpu_overhead_gb -1: use a size >= 0"),
     (["--mfu", "1.5"], "--mfu 1.5: use a fraction in (0, 1]"),
     # --sp auto with a cp no SP degree of 8 ranks takes (was "min() arg is an empty sequence")
     (["--cp", "3"], "--cp 3: no SP degree on 8 ranks takes it at 131072 tokens (cp divides sp, sp divides the world, "

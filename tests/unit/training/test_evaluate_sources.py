@@ -36,3 +36,22 @@ def test_a_folders_own_tokenizer_before_a_sentencepiece_file_beside_it(tmp_path)
     (tmp_path / "tokenizer.json").write_text("{}")
     assert describe(str(tmp_path), None)["tokenizer"] == str(tmp_path)
     assert describe(str(tmp_path), "given")["tokenizer"] == "given"
+
+
+def test_a_config_that_is_not_utf8_is_one_line(tmp_path):
+    """A model folder whose config.json an editor saved as UTF-16: a UnicodeDecodeError traceback from rank 0."""
+    (tmp_path / "config.json").write_bytes('{"model_type": "llama"}'.encode("utf-16"))
+    with pytest.raises(ValueError, match=f"^{tmp_path}/config.json: not UTF-8 text: save it as UTF-8$"):
+        describe(str(tmp_path), None)
+    (tmp_path / "config.json").write_text('{"model_type": ')
+    with pytest.raises(ValueError, match=f"^{tmp_path}/config.json: not valid JSON"):
+        describe(str(tmp_path), None)
+
+
+def test_a_run_folders_latest_that_is_not_text_is_one_line(tmp_path):
+    """A run folder whose checkpoints/LATEST is not UTF-8: a UnicodeDecodeError traceback from rank 0."""
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "LATEST").write_bytes(b"\xff\xfes\x00")
+    with pytest.raises(ValueError, match=r"not a Hugging Face folder \(no config.json\), a checkpoint") as e:
+        describe(str(tmp_path), None)
+    assert "\n" not in str(e.value)
