@@ -7,7 +7,8 @@ vLLM. The export adds this token to the stops (as Instruct releases list theirs)
 no token after a last reply (GLM-4.7's: counted `no_stop_rows` at preparation) or the tokenizer has no template
 (the ChatML default ends a reply with <|im_end|> where the vocabulary has it, else its EOS). An end-of-turn the
 template writes only in the history (gpt-oss's <|end|>) is not one: the last reply's is read. One that is no stop,
-followed by one (Command R7B's <|END_RESPONSE|><|END_OF_TURN_TOKEN|>): that stop, which the loss trains last.
+followed by one (Command R7B's <|END_RESPONSE|><|END_OF_TURN_TOKEN|>): that stop, which the loss trains last. A turn
+that is only a tool call may end on another (gpt-oss's <|call|>, Gemma 4's <|tool_response>): that one too.
 """
 
 from __future__ import annotations
@@ -54,7 +55,22 @@ def reply_stops(tokenizer_path: str | None, chat_template: str = "auto") -> list
         ids = enc.tok.encode(enc._text(_PROBE))
         at = max((i for i, t in enumerate(ids) if t == last), default=None)
         last = ids[through_stop(enc, ids, at + 1) - 1] if at is not None else last
-    return [int(last)]
+    return [int(last)] + [c for c in _call_stop(enc) if c != last]
+
+
+def _call_stop(enc) -> list[int]:
+    """The control token a turn that is only a tool call ends on, where the template renders one (data/chat_sweep's
+    "tool call" case, encoded as the run encodes it: its last trained id): gpt-oss's <|call|>, Gemma 4's
+    <|tool_response>, which the loss trains there and a server must stop on to run the tool (a base's generation
+    config lacked it: generation ran on, writing the tool's answer itself); [] where no call renders."""
+    from data.chat_sweep import CASES
+
+    try:
+        ids, mask, _ = enc.encode({"messages": CASES["tool call"][:2]})
+    except ValueError:  # RowError: the template refuses such a turn
+        return []
+    trained = [i for i, m in zip(ids, mask) if m]
+    return [int(trained[-1])] if trained and trained[-1] in enc.special else []
 
 
 def trained_template(tokenizer_path: str | None, chat_template: str = "auto") -> str | None:

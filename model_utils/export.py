@@ -15,9 +15,11 @@ model_utils/families.drop_router_logits). The run's tokenizer too, as transforme
 (export_tokenizer, legacy_tokenizer: vLLM and llama.cpp's converter pin < 5); a recorded tokenizer or base model that
 is gone is refused (check_recorded), not silently left out.
 
-The weights are written in the layout transformers' own save_pretrained writes (hub_layout): transformers 5 fuses an
-MoE's experts in memory (Qwen3-MoE's `mlp.experts.gate_up_proj`, one 3-D tensor) and reverts that on save
-(`mlp.experts.N.gate_proj.weight` ...), which is what transformers 4.x, vLLM's per-expert loaders and converters read.
+The weights are written in the layout transformers' save_pretrained writes for the model loaded from the base folder
+(hub_layout): transformers 5 fuses an MoE's experts in memory (Qwen3-MoE's `mlp.experts.gate_up_proj`, one 3-D
+tensor) and reverts that on save (`mlp.experts.N.gate_proj.weight` ...), Gemma 3's vision tower back under the base's
+`vision_tower.vision_model.`: the base's names, which transformers 4.x, vLLM's loaders and converters read. config.json
+also has the names 4.x reads where 5 renamed a field (legacy_aliases: Qwen3-MoE's num_experts).
 They are written in the run's training precision by default (`dtype="auto"`: bf16 for a bf16 run, as save_pretrained
 of a bf16 model writes; half the fp32 size, 16 GB for 8B) or as asked (fp32 keeps the master weights exactly), and
 config.json says so in `dtype` and in `torch_dtype` (what transformers before 4.56 reads). What the model class keeps
@@ -240,11 +242,14 @@ def kept_in_fp32(model, dtype: str) -> re.Pattern | None:
     return re.compile("|".join(n.replace("*", ".*") for n in sorted(names))) if names else None
 
 
-def hub_layout(config, state: dict, model=None) -> dict:
+def hub_layout(config, state: dict, model=None, base: list[str] | None = None) -> dict:
     """`state` (the parameters as transformers 5 holds them in memory) in the layout its save_pretrained writes:
     transformers' own revert_weight_conversion, on the model built on the meta device (no weights) from `config` (the
-    conversions are looked up by its class and model type; `model`: that one, built already). A family without
-    conversions (the dense ones) is returned as given, same keys, same order, same tensors. Cost at scale: the experts
+    conversions are looked up by its class and model type; `model`: that one, built already). `base`: the tensor names
+    of the folder the run started from (base_keys): what from_pretrained converts loading them is reverted, as
+    save_pretrained of a model loaded from it does (without: a multimodal Gemma 3's `vision_tower.embeddings.`, where
+    4.x / vLLM read `vision_tower.vision_model.`: a random vision tower). A family without conversions (the dense
+    ones) is returned as given, same keys, same order, same tensors. Cost at scale: the experts
     split off a fused tensor are copies (safetensors saves no part of a storage), so it runs one layer at a time,
     popping that layer's tensors from `state`: the extra memory is one layer's experts (Qwen3-30B-A3B: 128 x 3 x 768 x
     2048 x 4 B = 2.4 GB fp32, half that in bf16), not a second copy of the model; the export runs on one rank only."""
@@ -253,6 +258,8 @@ def hub_layout(config, state: dict, model=None) -> dict:
     except ImportError:  # transformers before 5: what it holds in memory is what it saves
         return state
     model = model if model is not None else meta_model(config)
+    if base and not as_loaded(model, base):
+        return state  # its names are the ones held in memory
     order = list(state)
     layers: dict[str, list[str]] = {}
     for k in order:  # no conversion spans layers (experts are merged within one)
@@ -264,6 +271,64 @@ def hub_layout(config, state: dict, model=None) -> dict:
             # an expert split off a fused tensor is a view of it: safetensors refuses to save part of a storage
             out[k] = v if v.untyped_storage().nbytes() == v.numel() * v.element_size() else v.clone()
     return {k: out[k] for k in order} if set(out) == set(order) else out
+
+
+def as_loaded(model, keys: list[str]) -> list:
+    """The weight conversions from_pretrained applies loading tensors named `keys` into `model`, kept on it as it keeps
+    them (`_weight_conversions`, which revert_weight_conversion undoes). Cost: thousands of names x tens of patterns."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    mapping, meta = get_model_conversion_mapping(model), model.state_dict()
+    renames = [c for c in mapping if isinstance(c, WeightRenaming)]
+    converters = [c for c in mapping if isinstance(c, WeightConverter)]
+    for k in keys:
+        rename_source_key(k, renames, converters, model.base_model_prefix, meta)
+    model._weight_conversions = [c for c in mapping if c.was_used()]
+    return model._weight_conversions
+
+
+def base_keys(source: str | None) -> list[str] | None:
+    """The tensor names of the base folder's safetensors (its index's weight_map, else its one file's header: no
+    weights read); None where it has none."""
+    if index := base_file(source, "model.safetensors.index.json"):
+        return list(_json(index).get("weight_map") or {}) or None
+    if one := base_file(source, "model.safetensors"):
+        from safetensors import safe_open
+
+        with safe_open(one, "pt") as fh:
+            return list(fh.keys())
+    return None
+
+
+def legacy_aliases(path: str, config) -> None:
+    """config.json at `path` also with the names transformers 4.x reads where 5 renamed a field (each config class's
+    attribute_map, old -> new, in every sub-config; an old one set is kept): 5 writes the new one only (Qwen3-MoE's
+    num_local_experts, num_experts null), and 4.x (vLLM) read 128 experts and failed to load any other count."""
+    with open(path) as fh:
+        d = json.load(fh)
+
+    def walk(c, raw: dict) -> None:
+        for old, new in (getattr(type(c), "attribute_map", None) or {}).items():
+            if raw.get(old) is None and raw.get(new) is not None:
+                raw[old] = raw[new]
+        for key, sub in raw.items():
+            if isinstance(sub, dict) and hasattr(getattr(c, key, None), "attribute_map"):
+                walk(getattr(c, key), sub)
+
+    walk(config, d)
+    with open(path, "w") as fh:
+        json.dump(d, fh, indent=2, sort_keys=True)
+
+
+def trained_length(checkpoint: str) -> int:
+    """The sequence length the checkpoint's stage trained at (its trainer.json: the stage's max_seq_length, else the
+    run's; lengths never decrease over stages); 0 where it does not say."""
+    got = _json(os.path.join(checkpoint, "trainer.json"))
+    cfg = got.get("config") if isinstance(got.get("config"), dict) else {}
+    at = got.get("stage") if isinstance(got.get("stage"), int) else 0
+    stages = [s if isinstance(s, dict) else {} for s in cfg.get("stages") or [{}]][: at + 1] or [{}]
+    return max(int(s.get("max_seq_length") or cfg.get("max_seq_length") or 0) for s in stages)
 
 
 def legacy_dtype(path: str) -> None:
@@ -367,8 +432,10 @@ def export_hf(checkpoint: str, out_dir: str, tokenizer_path: str | None = None, 
     rope = dict(getattr(text, "rope_parameters", None) or {})
     if rope.get("rope_type") in ("yarn", "longrope") and rope.get("factor") and rope.get("original_max_position_embeddings"):
         # the length YaRN extends to: transformers before 4.56 (and copies of its code) derive the factor as
-        # max_position_embeddings / original, so a base's 131072 over 256 loaded as factor 512 (now: a warning)
-        text.max_position_embeddings = int(rope["original_max_position_embeddings"] * rope["factor"])
+        # max_position_embeddings / original, so a base's 131072 over 256 loaded as factor 512 (now: a warning). Not
+        # below the length the stage trained at (a factor short of it): vLLM refused prompts of that length
+        reach = int(rope["original_max_position_embeddings"] * rope["factor"])
+        text.max_position_embeddings = max(reach, trained_length(checkpoint))
     if not getattr(config, "architectures", None):  # a preset-built model has none (vLLM, pipeline() read it)
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -385,7 +452,7 @@ def export_hf(checkpoint: str, out_dir: str, tokenizer_path: str | None = None, 
     for k in list(state):  # one tensor at a time: each fp32 one is freed as its cast replaces it (no second copy)
         if state[k].is_floating_point() and not (fp32 and fp32.search(k)):
             state[k] = state[k].to(config.dtype)
-    state = hub_layout(config, state, model)
+    state = hub_layout(config, state, model, base_keys(source))
     # a symlinked hf_model (or --out): written where it points (a target check_out let through: missing, empty or a
     # previous export); rmtree leaves a link in place, and replacing it with the new folder failed (ENOTDIR) after the
     # whole run, and at every restart. Built beside the target: os.replace is atomic on that file system only
@@ -396,6 +463,7 @@ def export_hf(checkpoint: str, out_dir: str, tokenizer_path: str | None = None, 
     config.save_pretrained(tmp)
     legacy_rope(os.path.join(tmp, "config.json"))
     legacy_dtype(os.path.join(tmp, "config.json"))
+    legacy_aliases(os.path.join(tmp, "config.json"), config)
     save_torch_state_dict({k: v.contiguous() for k, v in state.items()}, tmp, max_shard_size="5GB",
                           safe_serialization=True)
     if gen := generation_config(source):

@@ -32,9 +32,12 @@ RUN: list[str] = []  # the run folder main() was given: a relative --checkpoint 
 
 
 def named(path: str) -> str:
-    """A stage marker (STAGE_<i>_<name>, a file naming its checkpoint) -> that checkpoint's folder; else `path`."""
-    if not os.path.exists(path) and not os.path.isabs(path) and RUN and os.path.exists(os.path.join(RUN[0], path)):
-        path = os.path.join(RUN[0], path)  # `--checkpoint checkpoints/STAGE_1_s512`, as docs/checkpoints.md writes it
+    """A stage marker (STAGE_<i>_<name>, a file naming its checkpoint) -> that checkpoint's folder; else `path`. A
+    relative `path` not found from here is looked for under the run folder, then its checkpoints/ folder (`--checkpoint
+    checkpoints/STAGE_1_s512`, as docs/checkpoints.md writes it, or `step_000009`, `STAGE_1_s512` as the run names them)."""
+    if not os.path.exists(path) and not os.path.isabs(path) and RUN:
+        path = next((p for p in (os.path.join(RUN[0], path), os.path.join(RUN[0], "checkpoints", path))
+                     if os.path.exists(p)), path)
     if os.path.isfile(path) and os.path.basename(path).startswith("STAGE_"):
         with open(path) as fh:
             return os.path.join(os.path.dirname(path), fh.read().strip())
@@ -96,7 +99,7 @@ def _export(a: argparse.Namespace, ckpt: Checkpointer, path: str | None, verifie
     try:  # the run's pointer (no verification: the checkpoint to export was verified above)
         with open(os.path.join(a.run_dir, "checkpoints", POINTER)) as fh:
             newest = fh.read().strip()
-    except OSError:
+    except (OSError, UnicodeDecodeError):  # a pointer that is not text: the checkpoint exported is the newest
         newest = tag
     same = lambda x, y: os.path.realpath(x) == os.path.realpath(y)  # noqa: E731
     default = os.path.join(a.run_dir, "hf_model" if newest == tag else f"hf_model_{tag}")

@@ -265,7 +265,7 @@ def test_the_stop_a_chat_sft_trains_is_the_last_replys_end(root):
         hf = encoder(root, key).tok.hf
         return [hf.convert_tokens_to_ids(n) for n in names]
 
-    for key, want in (("qwen25", ["<|im_end|>"]), ("llama31", ["<|eot_id|>"]), ("gpt_oss", ["<|return|>"]),
+    for key, want in (("qwen25", ["<|im_end|>"]), ("llama31", ["<|eot_id|>"]), ("gpt_oss", ["<|return|>", "<|call|>"]),
                       ("glm47", [])):
         assert reply_stops(encoder(root, key).tok.path) == ids(key, want), key
     assert reply_stops(None) == [] and reply_stops("recipes/base/tiny_passkey256/tokenizer.model") == []
