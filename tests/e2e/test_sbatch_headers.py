@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from tests.e2e.launchers import STUBS, needs_2_cpus
+from tests.e2e.launchers import ROOT, STUBS, needs_2_cpus
 from tests.e2e.test_sbatch import TWO_NODES, sbatch
 
 
@@ -67,3 +67,15 @@ def test_nodes_with_different_gpu_counts_are_refused_in_one_line(tmp_path):
                  SLURM_GPUS_ON_NODE="8", SRUN_GPUS_1="4", GPUS_PER_NODE="4")
     text = job.communicate(timeout=60)[0]
     assert job.returncode == 0 and "GPUs, node 0" not in text, text
+
+
+def test_a_recipes_output_dir_is_read_without_the_notes_parse_config_prints(tmp_path):
+    """The folder of a recipe's `output_dir` (no --output_dir, no OUTPUT_DIR) was read from all of parse_config's
+    stdout: with a stage flag beside a staged recipe its "note: the command line wins ..." came first, the folder was
+    `note: ...\\ncheckpoints/tiny_cpu`, and a run that finished was reported failed (no COMPLETE seen there); across
+    requeues the folder read as unseen, the progress bound and the same-failure rule off."""
+    done = tmp_path / "checkpoints" / "tiny_cpu" / "COMPLETE"
+    job = sbatch(tmp_path, "0", ["--config", os.path.join(ROOT, "recipes", "tiny_cpu.yaml"), "--max_steps", "3"],
+                 FAKE_COMPLETE=str(done))
+    text = job.communicate(timeout=120)[0]
+    assert job.returncode == 0 and "output dir checkpoints/tiny_cpu\n" in text and "output dir note" not in text, text
