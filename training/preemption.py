@@ -257,6 +257,17 @@ class Deadline:
         return (self.end - (time.time() if now is None else now)) < self.needed_s(ahead_s)
 
 
+SAID = {signal.SIGUSR1: "a save request: launch.sh's, or Slurm's --signal", signal.SIGUSR2: "a stop, not requeued",
+        signal.SIGTERM: "a stop", signal.SIGINT: "Ctrl-C", signal.SIGHUP: "the terminal closed"}
+
+
+def said(received) -> str:
+    """What stopped the run, for its last line: a signal by name and meaning ("preempted (10)" said nothing)."""
+    if isinstance(received, int) and received in SAID:
+        return f"{signal.Signals(received).name}: {SAID[received]}"
+    return str(received or "on another rank")
+
+
 def auto_save_every_s(blocked_s: float | None) -> float:
     """`save_interval_minutes: auto` in seconds, from the last save's blocked time (None: none measured yet)."""
     return AUTO_SAVE_EVERY_S if blocked_s is None else max(AUTO_SAVE_EVERY_S, blocked_s / MAX_SAVE_OVERHEAD)

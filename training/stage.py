@@ -35,7 +35,7 @@ from training.engine import build_engine, features_of, release_engine, return_ca
 from training.evaluation import evaluate_stage, stage_heldout
 from training.job import EXIT_PREEMPTED
 from training.metrics import peak_memory_gb, reset_peak_memory
-from training.preemption import EXIT_MARGIN_S
+from training.preemption import EXIT_MARGIN_S, said
 from training.step import train_step
 
 
@@ -54,7 +54,7 @@ class Run:
     bf16: bool
 
     def exit_preempted(self) -> int:
-        print0(f"preempted ({self.preempt.received or 'on another rank'}): exiting with {EXIT_PREEMPTED}")
+        print0(f"preempted ({said(self.preempt.received)}): exiting with {EXIT_PREEMPTED}")
         # in a SIGTERM window the exit has EXIT_MARGIN_S: W&B's finish gets part of it, never the rank's 75
         self.metrics.close(None if self.preempt.window_left_s is None else EXIT_MARGIN_S / 2)
         return EXIT_PREEMPTED

@@ -86,3 +86,12 @@ def test_a_hang_up_under_a_launcher_stops_in_its_kill_window(monkeypatch, launch
     clock, ckpt, flag, state, term = simulate(monkeypatch, save_every_s=600, signal_at=(7, 50.0), sig=signal.SIGHUP)
     assert flag.stopping and flag.received == signal.SIGHUP
     assert flag.window_left_s is not None and clock.t <= term + 30.0
+
+
+@pytest.mark.parametrize("received, line", [(signal.SIGUSR1, "SIGUSR1: a save request"), (signal.SIGHUP, "SIGHUP: the "
+                                            "terminal closed"), ("time limit", "time limit"), (None, "on another rank")])
+def test_the_last_line_names_what_stopped_the_run(received, line):
+    """It printed "preempted (10)": a signal's number, after a Ctrl-C or a `kill` the user could not read."""
+    from training.preemption import said
+
+    assert said(received).startswith(line)
