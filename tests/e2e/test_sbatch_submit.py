@@ -107,6 +107,9 @@ def test_a_requeue_that_cannot_see_the_jobs_checkpoints_is_refused(tmp_path, lat
     else:
         assert job.returncode == 2 and "holds none of this job's checkpoints (step 500" in text, text
         assert not (tmp_path / "fake.log").exists()
+    # this restart's node records (.cache/slurm/<job>.<restart>/) go with it, whatever its end (an exit 2, a requeue
+    # without a node: they stayed for good, 2-3 files a node)
+    assert sorted(p.name for p in (tmp_path / ".cache" / "slurm").iterdir() if p.is_dir()) == [], text
 
 
 def test_a_heterogeneous_job_is_refused_and_the_step_waits_for_every_node(tmp_path):
