@@ -89,10 +89,10 @@ import time
 from base import comm, stopped
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT, signal.SIGHUP)  # HUP: the terminal of a
-# plain `deepspeed` / torchrun run closed (its whole group gets it: the ranks died of it unsaved); launch.sh's ranks,
-# in a group of their own, get its SIGUSR1 instead
-WINDOWED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # the launchers get these too and SIGKILL the ranks
-# KILL_WINDOW_S later (torchrun's agent stops its workers on HUP as on TERM; deepspeed's launch.py dies of it)
+# plain `deepspeed` / torchrun run closed (its whole group gets it: the ranks died of it unsaved), a stop with its full
+# save (deepspeed's launch.py dies of it, killing nothing; torchrun's agent SIGTERMs its workers, whose window starts
+# then); left ignored where `nohup` ignores it (install); launch.sh's ranks, in a group of their own, get its SIGUSR1
+WINDOWED = (signal.SIGTERM, signal.SIGINT)  # the launchers get these too and SIGKILL the ranks KILL_WINDOW_S later
 LAUNCHED = ("LOCAL_SIZE", "LOCAL_WORLD_SIZE", "LAUNCH_EXIT_DIR")  # deepspeed's launch.py, torchrun, scripts/launch.sh
 KILL_WINDOW_S = 30.0  # deepspeed launch.py's wait_procs(timeout=30) and torchrun's default shutdown timeout
 EXIT_MARGIN_S = 5.0  # from the window stop's last decision to the process's end (commit, engine release, exit)
@@ -300,8 +300,9 @@ class PreemptionFlag:
         record_early_signals: a save request during start-up) as received, in the order they came."""
         from training.job import early_signals
 
-        for s in SIGNALS:
-            self._previous[s] = signal.signal(s, self._handler)
+        for s in SIGNALS:  # a hang-up `nohup` ignores stays ignored (the run was meant to outlive the terminal)
+            if s != signal.SIGHUP or signal.getsignal(s) != signal.SIG_IGN:
+                self._previous[s] = signal.signal(s, self._handler)
         for signum in early_signals():  # after the handlers: one that comes between is this flag's own
             self._handler(signum, None)
         return self

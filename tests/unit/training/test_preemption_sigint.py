@@ -77,15 +77,27 @@ def test_ctrl_c_during_the_start_up_is_a_users_stop(tmp_path, monkeypatch, capsy
 
 
 @pytest.mark.parametrize("launcher", LAUNCHED)
-def test_a_hang_up_under_a_launcher_stops_in_its_kill_window(monkeypatch, launcher):
+def test_a_hang_up_is_a_stop_with_its_full_save(monkeypatch, launcher):
     """The terminal of a plain `deepspeed` or torchrun run closed: its whole process group gets SIGHUP, whose default
-    action killed the ranks unsaved. Now a stop, windowed as a SIGTERM (torchrun's agent stops its workers on HUP and
-    SIGKILLs them 30 s later)."""
+    action killed the ranks unsaved. Now a stop with its full save: deepspeed's launch.py dies of it and kills nothing
+    (no window to fit); torchrun's agent SIGTERMs its workers, whose own window starts then."""
     no_launcher(monkeypatch)
     monkeypatch.setenv(launcher, "/tmp/x" if launcher == "LAUNCH_EXIT_DIR" else "8")
-    clock, ckpt, flag, state, term = simulate(monkeypatch, save_every_s=600, signal_at=(7, 50.0), sig=signal.SIGHUP)
-    assert flag.stopping and flag.received == signal.SIGHUP
-    assert flag.window_left_s is not None and clock.t <= term + 30.0
+    clock, ckpt, flag, state, _ = simulate(monkeypatch, save_every_s=600, signal_at=(7, 50.0), sig=signal.SIGHUP)
+    assert flag.stopping and flag.received == signal.SIGHUP and flag.window_left_s is None
+    assert [(s, kind) for s, _, kind in ckpt.started] == [(6, "background"), (7, "sync")]
+
+
+def test_a_hang_up_nohup_ignores_stays_ignored(monkeypatch):
+    """`nohup deepspeed train.py ... &`: the run must outlive the terminal. Installing a handler for every signal
+    would have replaced nohup's SIG_IGN, and the logout stopped the run."""
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        flag = PreemptionFlag().install()
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN and flag.received is None
+        flag.uninstall()
+    finally:
+        signal.signal(signal.SIGHUP, previous)
 
 
 @pytest.mark.parametrize("received, line", [(signal.SIGUSR1, "SIGUSR1: a save request"), (signal.SIGHUP, "SIGHUP: the "
