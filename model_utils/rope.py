@@ -103,8 +103,10 @@ def check_rope(rope: dict, where: str, sp: int = 1, inherited: dict | None = Non
         near = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.5)
         raise ValueError(f"{where}: {key!r} is no setting of rope_type {kind}" + (f" (did you mean {near[0]!r}?)"
                          if near else "") + f": it takes {sorted(known - {'rope_type'})}")
-    for key in NUMBERS:  # a stage's own (the model's are its config's): null, true, a list, nan or inf is no setting
-        v = rope.get(key, 0.0)
+    for key in NUMBERS:  # a stage's own (the model's are its config's): true, a list, nan or inf is no setting; a
+        v = rope.get(key, 0.0)  # null for an optional one is not given (transformers derives its default), as before
+        if v is None and key not in ROPE_TYPES[kind]:
+            continue
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
             _not_a_number(key, v, where)
     if "rope_theta" in rope and not rope["rope_theta"] > 0:

@@ -76,8 +76,9 @@ HOST_ARENA = True
 
 
 def parse_seq_len(text: str | int) -> int:
-    """'131072', '128k', '1M', '15_000_000', '1.5k' -> tokens; k and M are binary (128k = 131072, 1M = 1048576).
-    One-line ValueError for anything else: no number, inf / nan, a fraction of a token (1.5, 0.3k), under 1."""
+    """'131072', '128k', '1M', '15_000_000', '1.5k' -> tokens; k and M are binary (128k = 131072, 1M = 1048576), a
+    fraction of them rounded as always (0.1M = 104858). One-line ValueError for anything else: no number, inf / nan, a
+    fraction of a token (1.5), under 1."""
     s = str(text).strip().replace("_", "").lower()
     scale = {"k": 2**10, "m": 2**20}.get(s[-1:], 1)
     num = s[:-1] if scale > 1 else s
@@ -85,8 +86,9 @@ def parse_seq_len(text: str | int) -> int:
         tokens = float(num) * scale
     except ValueError:
         tokens = math.nan
-    if not math.isfinite(tokens) or tokens != int(tokens):  # inf, nan, 1.5: no whole number of tokens
+    if not math.isfinite(tokens) or (scale == 1 and tokens != int(tokens)):  # inf, nan, 1.5: no whole number
         raise ValueError(f"sequence length {text!r}: write a whole number of tokens as 131072, 128k or 1M")
+    tokens = round(tokens)
     if tokens < 1:
         raise ValueError(f"sequence length {text!r} must be at least 1 token")
     return int(num) * scale if num.lstrip("+-").isdigit() else int(tokens)  # digits exactly, past float's 2**53

@@ -116,3 +116,10 @@ def test_a_latest_that_is_not_text_resumes_from_the_listing(tmp_path):
     newest = save(ck, 4)
     (tmp_path / "checkpoints" / POINTER).write_bytes(b"\xff\xfes\x00")
     assert ck.find_resume("auto") == newest
+
+
+def test_a_null_optional_rope_number_is_not_given():
+    """`attention_factor: null` / `beta_fast: null` (transformers derives their defaults) were accepted before the
+    text-number check, and must stay so; a null `factor` (yarn needs one) is refused above."""
+    for extra in ({"attention_factor": None}, {"beta_fast": None, "beta_slow": None}):
+        check_rope({"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 256, **extra}, "--rope")
