@@ -55,8 +55,14 @@ def test_a_users_per_task_sbatch_lines_leave_each_node_its_cpus_and_gpus(tmp_pat
 
 def test_nodes_with_different_gpu_counts_are_refused_in_one_line(tmp_path):
     """Every node's launch.sh runs node 0's SLURM_GPUS_ON_NODE ranks: a node with more GPUs left some idle, silently
-    (one with fewer failed later). The node that differs refuses in one line naming the fix: the job ends with 2, never
-    requeued. A GPUS_PER_NODE of yours is taken as given."""
+    (one with fewer failed later). A node with fewer refuses in one line naming the fix: the job ends with 2, never
+    requeued; one with more runs, its idle GPUs said (a review: refusing it ended runs that worked). A GPUS_PER_NODE
+    of yours is taken as given."""
+    job = sbatch(tmp_path, "0", ["--output_dir", str(tmp_path / "out"), "--dry_run"], **TWO_NODES,
+                 SLURM_GPUS_ON_NODE="4", SRUN_GPUS_1="8")
+    text = job.communicate(timeout=60)[0]
+    assert job.returncode == 0 and "node 1: 8 GPUs, node 0 4 (SLURM_GPUS_ON_NODE), whose count every node runs " \
+        "(4 idle): ask one" in text, text
     job = sbatch(tmp_path, "0", ["--output_dir", str(tmp_path / "out"), "--dry_run"], **TWO_NODES,
                  SLURM_GPUS_ON_NODE="8", SRUN_GPUS_1="4")
     text = job.communicate(timeout=60)[0]
