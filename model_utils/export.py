@@ -432,10 +432,14 @@ def export_hf(checkpoint: str, out_dir: str, tokenizer_path: str | None = None, 
     rope = dict(getattr(text, "rope_parameters", None) or {})
     if rope.get("rope_type") in ("yarn", "longrope") and rope.get("factor") and rope.get("original_max_position_embeddings"):
         # the length YaRN extends to: transformers before 4.56 (and copies of its code) derive the factor as
-        # max_position_embeddings / original, so a base's 131072 over 256 loaded as factor 512 (now: a warning). Not
-        # below the length the stage trained at (a factor short of it): vLLM refused prompts of that length
-        reach = int(rope["original_max_position_embeddings"] * rope["factor"])
-        text.max_position_embeddings = max(reach, trained_length(checkpoint))
+        # max_position_embeddings / original, so a base's 131072 over 256 loaded as factor 512 (now: a warning), and
+        # vLLM serves original x factor whatever it says: a stage trained past its reach (a factor short of its
+        # length) keeps the trained factor, said
+        reach = text.max_position_embeddings = int(rope["original_max_position_embeddings"] * rope["factor"])
+        if (length := trained_length(checkpoint)) > reach:
+            print(f"note: the stage trained at {length} tokens, past its YaRN reach {reach} (factor {rope['factor']} x "
+                  f"{rope['original_max_position_embeddings']}): servers read {reach} as the longest prompt (vLLM), "
+                  f"and a longer one needs factor >= {length / rope['original_max_position_embeddings']:.3g}", flush=True)
     if not getattr(config, "architectures", None):  # a preset-built model has none (vLLM, pipeline() read it)
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 

@@ -101,9 +101,11 @@ def test_a_tool_call_turns_end_is_a_stop(tmp_path):
         assert reply_stops(path) == [Tokenizer(path).hf.convert_tokens_to_ids(n) for n in want], key
 
 
-def test_a_yarn_export_reaches_the_length_it_trained_at(tmp_path, monkeypatch):
-    """A YaRN stage of factor 2 over 256 trained at 1024 (a factor short of its length) exported
-    max_position_embeddings 512: vLLM refused prompts of the trained length. Now the stage's length (trainer.json)."""
+def test_a_yarn_export_short_of_the_length_it_trained_at_says_so(tmp_path, monkeypatch, capsys):
+    """A YaRN stage of factor 2 over 256 trained at 1024 (a factor short of its length) exports its reach, 512, as the
+    trained factor needs (transformers < 4.56 derives the factor from max_position_embeddings; vLLM serves original x
+    factor whatever it says), and says the export serves shorter prompts than it trained on (it said nothing; raising
+    max_position_embeddings to 1024 for a day changed 4.x's factor)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from model_utils.export import export_hf
@@ -115,7 +117,8 @@ def test_a_yarn_export_reaches_the_length_it_trained_at(tmp_path, monkeypatch):
     ck = _checkpoint(tmp_path, monkeypatch, config, LlamaForCausalLM(config), trainer)
     export_hf(ck, str(tmp_path / "run" / "hf_model"), owned=True)
     got = json.loads((tmp_path / "run" / "hf_model" / "config.json").read_text())
-    assert got["max_position_embeddings"] == 1024 and got["rope_scaling"]["factor"] == 2.0
+    assert got["max_position_embeddings"] == 512 and got["rope_scaling"]["factor"] == 2.0
+    assert "the stage trained at 1024 tokens, past its YaRN reach 512" in capsys.readouterr().out
 
 
 def test_a_checkpoint_is_found_by_the_name_the_run_gives_it(tmp_path, monkeypatch):
