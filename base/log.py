@@ -12,6 +12,7 @@ import errno
 import logging
 import os
 import select
+import socket
 import sys
 
 _IS_MAIN = os.environ.get("RANK", "0") == "0"
@@ -69,7 +70,9 @@ def console_gone(stream, e: OSError) -> None:
 
 
 def open_rank_log(output_dir: str, rank: int) -> str:
-    """OUTPUT_DIR/logs/rank00003.log for every rank: our messages, per-step timings and DeepSpeed's log."""
+    """OUTPUT_DIR/logs/rank00003.log for every rank: our messages, per-step timings and DeepSpeed's log. Appended by
+    every start of the run: each start's part begins with a line naming its host, pid and Slurm job and restart (at
+    512 ranks and 100+ requeues, which node and which requeue wrote a part is otherwise a guess from timestamps)."""
     from deepspeed.utils import logger as ds_logger
 
     path = os.path.join(output_dir, "logs", f"rank{rank:05d}.log")
@@ -80,6 +83,8 @@ def open_rank_log(output_dir: str, rank: int) -> str:
         log.addHandler(handler)
     _RANK_LOG.setLevel(logging.INFO)
     _RANK_LOG.propagate = False
+    slurm = "".join(f" {k} {os.environ[k]}" for k in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT") if os.environ.get(k))
+    _RANK_LOG.info(f"start: host {socket.gethostname()} pid {os.getpid()}{slurm}")
     return path
 
 

@@ -65,7 +65,6 @@ from training.checkpoint_files import (  # noqa: F401  (MANIFEST, POINTER, deal_
 )
 from training.preemption import Deadline
 from training.restore import Restorer, TrainState  # noqa: F401  (TrainState: part of this module's interface)
-from training.universal import tree_bytes as _tree_bytes
 
 
 def tag_for(step: int) -> str:
@@ -256,11 +255,12 @@ class Checkpointer(Restorer):
             self.trash.paused = True
             try:
                 tidy()
-                last, trash = (self._newest_size() or 0), _tree_bytes(self.trash.folder)
+                # counted, not walked (a walk per save of a killed conversion's ~10^5 fragments: minutes on NFS)
+                last, trash = (self._newest_size() or 0), self.trash.bytes()
             finally:
                 self.trash.paused = False
-            if trash:
-                self.trash.empty()  # deleted while this save writes
+            if os.path.isdir(self.trash.folder):
+                self.trash.empty()  # deleted while this save writes (a partial conversion counted 0 too)
         top = comm.all_reduce([float(last), -float(shutil.disk_usage(here).free), float(trash)], op="max")
         return top[0].item(), -top[1].item() + top[2].item()
 

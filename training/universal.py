@@ -9,14 +9,15 @@
         <key>.lock/                        held while <key> is converted: OWNER (job id, requeue count, host, pid);
                                            its mtime is the owner's heartbeat (touched every HEARTBEAT_S)
         <key>.tmp.<host>.<pid>/            a conversion being written by that process; renamed to <key> once DONE is
-                                           in it (a rename onto an existing <key> fails: the first complete one wins)
+                                           in it (a rename onto an existing <key> fails: the first complete one wins);
+                                           a failed, losing or taken-over one is renamed into checkpoints/.trash
         RATE.json                          the last conversion's measured bytes and seconds (the next estimate)
 
 **Keyed by content, not by name.** A branch (`--resume step_000100`) writes a new `step_000200` under an old name;
 a conversion is found by the identity of the checkpoint there now: the SHA-256 of its MANIFEST.json, which lists
 every file's size and CRC32 (and the step, world, layout). Another content is another key: converted again, never
-loaded through an old conversion. This run's rotation (training/rotation.py) drops conversions whose source is not
-one of the checkpoints it keeps, never one in progress; another run's rotation never sees them.
+loaded through an old conversion. This run's rotation (training/rotation.py) keeps the conversions of its newest `keep`
+checkpoints and the resumed one only (a stage end's is made again if needed), never one in progress; no other run's.
 
 **Two jobs, one source** (two branches started at once, a requeued job whose earlier incarnation still runs): the
 first to create `<key>.lock` (an atomic mkdir, also on NFS) converts; the others wait for `<key>/DONE` and load it.
@@ -24,38 +25,33 @@ A lock whose owner is gone is taken over: its heartbeat older than STALE_S, its 
 an earlier run of this same Slurm job (SLURM_JOB_ID equal, SLURM_RESTART_COUNT lower), or its job is another job of
 this cluster that Slurm says has ended (`scontrol show job`: not RUNNING, SUSPENDED, COMPLETING, ...; base/run_lock.py)
 once its heartbeat is late (a killed conversion, then a new sbatch on other hosts: ~1 min, not STALE_S's 10 min of the
-whole allocation idle, ~85 GPU-hours at 512 ranks). Each converter writes only
-its own `<key>.tmp.<host>.<pid>` and renames it into place: even two converters at once (a suspended owner resumed
-after its lock was taken over) never delete or overwrite each other's files.
+whole allocation idle, ~85 GPU-hours at 512 ranks). Each converter writes only its own `<key>.tmp.<host>.<pid>` and
+renames it into place: even two converters at once (a suspended owner resumed after its lock was taken over) never
+delete or overwrite each other's files.
 
 **Bounded by the job's end.** `python -m deepspeed.checkpoint.ds_to_universal` runs in one process on rank 0 and
-cannot resume: killed at the time limit, it started again from nothing on every requeue. Before starting it, rank 0
-estimates its time from the checkpoint's bytes and the last measured rate (RATE.json; `RATE_GUESS_BPS` until a
-conversion of at least `TRUST_BYTES` was measured) and starts it only if it, a step and a save fit before the job's
-end (`Deadline`: SLURM_JOB_END_TIME, before Slurm 23.02 scontrol's EndTime, or --time_limit_s). Otherwise the job
-exits 75 (requeue) without starting it, or, when it cannot fit even a whole allocation (SLURM_JOB_END_TIME -
-SLURM_JOB_START_TIME; before 23.02 as scripts/slurm.sbatch exports them), 2 with the fix: convert in a longer job
-(`python -m training.universal CHECKPOINT OUTPUT_DIR`) or resume at the saved world size. A conversion that runs
-past its estimate (or a wait for another job's that does) is stopped before the end, its time recorded (so the next
-estimate is at least that), exit 75. An output dir this job cannot write: exit 2, one line.
+cannot resume (killed at the time limit, it started again from nothing on every requeue). Rank 0 estimates its time
+from the checkpoint's bytes and the last measured rate (RATE.json; `RATE_GUESS_BPS` until a conversion of at least
+`TRUST_BYTES` was measured) and starts it only if it, a step and a save fit before the job's end (`Deadline`:
+SLURM_JOB_END_TIME, before Slurm 23.02 scontrol's EndTime, or --time_limit_s); else exit 75 (requeue), or 2 with the
+fix when it cannot fit even a whole allocation (END - SLURM_JOB_START_TIME, before 23.02 as scripts/slurm.sbatch
+exports them): convert in a longer job (`python -m training.universal CHECKPOINT OUTPUT_DIR`) or resume at the saved
+world size. One that runs past its estimate (or a wait for another job's) is stopped before the end, its time recorded
+for the next estimate, exit 75. An output dir this job cannot write: exit 2, one line.
 
-Cost at target scale (Llama-3-8B, 32 ranks, ZeRO-3): the checkpoint is ~100 GB, of which 96 GB are fp32 master
-weights and Adam moments in 32 partitions. ds_to_universal reads them (96 GB), writes one fragment per parameter, state
-and partition (291 x 3 x 32 = 28k files, 96 GB), reads them back and writes the merged tensors (96 GB): ~390 GB of
-I/O from one node. On disk in the converting run's output dir (its quota, not the source's) the fragments stay until
-the merged tensors and rank 0's whole optimizer file (1/W) are written: (2 + 1/W)x the checkpoint at the peak, ~203
-GB here, ~(1 + 1/W)x (~103 GB) kept; a conversion is refused before it starts without that room (`prepare`). At
-1-2 GB/s to a parallel file system that is 3-7 minutes; at the 149 MB/s per node measured for saves here
-(docs/results/checkpoints.md) about 45 minutes. The guess, 50 MB/s of checkpoint bytes (~200 MB/s of I/O), says 33
-minutes until the first measurement. A second job branching from the same source waits instead of adding another
-390 GB of I/O; its lock costs a mkdir, a 100-byte file and one utime per HEARTBEAT_S. The other ranks wait meanwhile
-in `comm.run_on_main` (a host gloo group with a 6 h timeout, not the training group's `dist_timeout_s`); the abort
-channel's heartbeat comes from a helper process of each rank (base/comm.py), not from the waiting thread, so the
-wait is never taken for a stall.
+Cost at target scale (Llama-3-8B, 32 ranks, ZeRO-3): the checkpoint is ~100 GB, 96 GB of fp32 master weights and
+Adam moments in 32 partitions. ds_to_universal reads them, writes one fragment per parameter, state and partition
+(291 x 3 x 32 = 28k files, 96 GB; 447k at 512 ranks), reads them back and writes the merged tensors: ~390 GB of I/O
+from one node. On disk in the converting run's output dir (its quota) the fragments stay until the merged tensors and
+rank 0's whole optimizer file (1/W) are written: (2 + 1/W)x the checkpoint at the peak (~203 GB), (1 + 1/W)x kept;
+refused before it starts without that room (`prepare`). At 1-2 GB/s that is 3-7 minutes; at the 149 MB/s per node
+measured for saves (docs/results/checkpoints.md) ~45 minutes; the guess (50 MB/s of checkpoint bytes) says 33. A second
+job branching from the same source waits instead (its lock: a mkdir, a 100-byte file, a utime per HEARTBEAT_S). The
+other ranks wait in `comm.run_on_main` (a host gloo group, 6 h timeout); the abort channel's heartbeat comes from a
+helper process of each rank (base/comm.py), so the wait is never taken for a stall.
 
-Offline: `python -m training.universal OUTPUT_DIR/checkpoints/step_000200 [OUTPUT_DIR]` converts it with no
-deadline into OUTPUT_DIR/universal/ (default: the run folder that holds the checkpoint), in a job of its own before
-a resume at another world size with that --output_dir, recorded the same way.
+Offline: `python -m training.universal RUN/checkpoints/step_000200 [OUTPUT_DIR]` converts it with no deadline into
+OUTPUT_DIR/universal/ (default: RUN), in a job of its own before a resume at another world size there, recorded alike.
 """
 
 from __future__ import annotations
@@ -95,6 +91,7 @@ CONVERTER = "deepspeed.checkpoint.ds_to_universal"
 _CHILD = ("import runpy, signal, sys; [signal.signal(s, signal.SIG_IGN) for s in (signal.SIGUSR1, signal.SIGUSR2)]; "
           "m = sys.argv.pop(1); sys.argv[0] = m; runpy.run_module(m, run_name='__main__', alter_sys=True)")
 KEY = re.compile(r"^[0-9a-f]{24}$")
+PARTIAL = re.compile(r"^[0-9a-f]{24}\.tmp\.")  # a converter's folder; in the trash never walked (~10^5 files at 512)
 
 
 def source_id(ckpt: str) -> str | None:
@@ -114,9 +111,9 @@ def folder(ckpt: str, output_dir: str) -> str | None:
     return sid and os.path.join(home(output_dir), sid)
 
 
-def record(out: str) -> dict:
-    """The DONE record of the conversion in `out` ({} if none or unreadable)."""
-    got = read_json(os.path.join(out, DONE))
+def record(out: str, name: str = DONE) -> dict:
+    """The DONE record of the conversion in `out` (`name`: another record there, RATE), {} if none or unreadable."""
+    got = read_json(os.path.join(out, name))
     return got["json"] if isinstance(got.get("json"), dict) else {}
 
 
@@ -135,11 +132,6 @@ def estimate_s(nbytes: int, measured: dict) -> float:
     return START_S + nbytes / rate
 
 
-def _measured(where: str) -> dict:
-    got = read_json(os.path.join(where, RATE))
-    return got["json"] if isinstance(got.get("json"), dict) else {}
-
-
 # ---------------------------------------------------------------- the lock
 
 
@@ -153,9 +145,9 @@ _ASKED: dict[str, tuple[float, str | None]] = {}  # owner job -> (when asked, it
 
 def _job_ended(owner: dict, me: dict) -> str | None:
     """The state of the owner's Slurm job when it is another job of this cluster that has ended (PENDING after a
-    requeue, COMPLETED, CANCELLED, TIMEOUT, ...; GONE: slurmctld forgot it), else None (live, this job, no job, another
-    cluster's: a job id names a job of one cluster, and another's answers "Invalid job id" for a live one, or no
-    scontrol). One `scontrol show job` per JOB_ASK_S at most."""
+    requeue, COMPLETED, CANCELLED, TIMEOUT, ...; GONE: slurmctld forgot it), else None (live, this job, no job, no
+    scontrol, another cluster's: its job ids answer "Invalid job id" here, live ones too). One `scontrol show job` per
+    JOB_ASK_S at most."""
     job = owner.get("job")
     if not job or job == me["job"] or owner.get("cluster", me["cluster"]) != me["cluster"]:
         return None
@@ -236,7 +228,7 @@ class Lock:
         print0(f"taking over the universal conversion lock {self.path} of job {owner.get('job')} on "
                f"{owner.get('host')} (pid {owner.get('pid')}): {why}")
         if owner.get("host") and owner.get("pid"):
-            shutil.rmtree(_tmp(self.out, owner), ignore_errors=True)
+            to_trash(_tmp(self.out, owner))
         shutil.rmtree(grave, ignore_errors=True)
 
     def _heartbeat(self) -> None:
@@ -262,9 +254,9 @@ def _mtime(path: str) -> float:
 
 
 def bound(where: str, keep: set[str], remove=None) -> None:
-    """Rank 0, after a commit: drop this run's finished conversions whose source is not in `keep` (the keys of the
-    checkpoints it keeps: at 8B each conversion is ~100 GB) and what a gone converter left (its lock, its partial
-    folder). Never a conversion in progress: a key whose lock's owner is alive is left whole."""
+    """Rank 0, after a commit: drop this run's finished conversions whose source is not in `keep` (rotation's: its
+    newest checkpoints' keys and the resumed one's; ~100 GB each at 8B) and what a gone converter left (its lock, its
+    partial folder). Never a conversion in progress: a key whose lock's owner is alive is left whole."""
     if not os.path.isdir(where):
         return
     remove = remove or (lambda p: shutil.rmtree(p, ignore_errors=True))  # rotation passes its background Trash
@@ -288,10 +280,9 @@ DISK_MARGIN = 1.05  # as a save's room check (training/checkpoint.py)
 
 
 def conversion_peak_bytes(nbytes: int, saved_world: int | None) -> float:
-    """The most ds_to_universal (deepspeed 0.19.8, ZeRO-3 path of `main`) holds on disk while converting a checkpoint
-    of `nbytes` written by `saved_world` ranks: every fragment under <output>/tmp (1x), then the merged zero/* (1x),
-    then zero/optimizer_state.pt (rank 0's whole optimizer file, 1/W) before tmp is deleted at the very end: (2 + 1/W)x
-    (measured 2.50x at W=2). An unknown world counts as 1 (3x, the most)."""
+    """The most ds_to_universal (deepspeed 0.19.8, ZeRO-3 `main`) holds on disk converting `nbytes` written by
+    `saved_world` ranks: every fragment under <output>/tmp (1x), the merged zero/* (1x), then rank 0's whole optimizer
+    file (1/W) before tmp goes at the end: (2 + 1/W)x (measured 2.50x at W=2). An unknown world counts as 1 (3x)."""
     return nbytes * (2 + 1 / max(saved_world or 1, 1))
 
 
@@ -300,17 +291,34 @@ def conversion_kept_bytes(nbytes: int, saved_world: int | None) -> float:
     return nbytes * (1 + 1 / max(saved_world or 1, 1))
 
 
-def tree_bytes(folder: str) -> int:
-    """Bytes of the files under `folder` (0 when there is none). The trash thread deletes them meanwhile: a file gone
-    between the listing and its stat counts 0 (it was a FileNotFoundError on rank 0, a clean clone's test caught it)."""
+def tree_bytes(folder: str, skip: re.Pattern | None = None) -> int:
+    """Bytes of the files under `folder` (0 when there is none; its folders named as `skip` left out). The trash
+    thread deletes them meanwhile: a file gone between the listing and its stat counts 0 (a FileNotFoundError once)."""
     total = 0
-    for d, _, fs in os.walk(folder):
+    for d, ds, fs in os.walk(folder):
+        ds[:] = [n for n in ds if d != folder or skip is None or not skip.match(n)]
         for f in fs:
             try:
                 total += os.lstat(os.path.join(d, f)).st_size
             except OSError:
                 pass
     return total
+
+
+def to_trash(path: str) -> None:
+    """Rank 0: a converter's folder renamed into OUTPUT_DIR/checkpoints/.trash, deleted there by a daemon thread (a
+    stop leaves the rest to the next job's, training/rotation.py), not here: a killed conversion at 512 ranks left
+    up to params x 3 x world fragments (447k at 8B), minutes of rmtree on NFS, every GPU waiting. No rename: here."""
+    if not os.path.lexists(path):
+        return
+    trash = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(path))), "checkpoints", ".trash")
+    dest = os.path.join(trash, f"{os.path.basename(path)}.{time.time_ns()}")
+    try:
+        os.makedirs(trash, exist_ok=True)
+        os.rename(path, dest)
+    except OSError:
+        return shutil.rmtree(path, ignore_errors=True)
+    threading.Thread(target=shutil.rmtree, args=(dest, True), name="universal-trash", daemon=True).start()
 
 
 def _writable(where: str) -> str | None:
@@ -326,9 +334,8 @@ def _writable(where: str) -> str | None:
 
 
 def prepare(ckpt: str, saved_world: int, world: int | None, output_dir: str, deadline=None) -> dict:
-    """Rank 0: the conversion of `ckpt` ready to load, made now (or by another job now) if needed and if it fits
-    before `deadline`. Returns {"dir": load_dir, "files": {name: size}} or {"requeue": reason} or {"refuse": reason}
-    (one line each)."""
+    """Rank 0: the conversion of `ckpt` ready to load, made now (or by another job now) if needed and if it fits before
+    `deadline`. Returns {"dir": load_dir, "files": {name: size}}, {"requeue": reason} or {"refuse": reason} (a line)."""
     sid = source_id(ckpt)
     if sid is None:
         return {"refuse": f"checkpoint {ckpt} has no readable {MANIFEST}: resume from a committed checkpoint"}
@@ -344,7 +351,7 @@ def prepare(ckpt: str, saved_world: int, world: int | None, output_dir: str, dea
                           "--output_dir a folder this job may write, or resume with the saved world size"}
     manifest = read_json(os.path.join(ckpt, MANIFEST)).get("json") or {}
     nbytes = sum(int(e["size"]) for e in manifest.get("files", {}).values())
-    room = shutil.disk_usage(where).free + tree_bytes(os.path.join(output_dir, "checkpoints", ".trash"))
+    room = shutil.disk_usage(where).free + tree_bytes(os.path.join(output_dir, "checkpoints", ".trash"), PARTIAL)
     peak = conversion_peak_bytes(nbytes, saved_world) * DISK_MARGIN  # a full disk half-way lost the hour
     if peak > room:
         return {"refuse": f"checkpoint {ckpt} (written by {saved_world} ranks) needs a universal conversion for "
@@ -352,7 +359,7 @@ def prepare(ckpt: str, saved_world: int, world: int | None, output_dir: str, dea
                           f"{conversion_kept_bytes(nbytes, saved_world) / 1e9:.1f} GB kept), {room / 1e9:.1f} GB "
                           "free there: free space, give --output_dir a larger file system, or resume with "
                           f"{saved_world} ranks"}
-    est = estimate_s(nbytes, _measured(where))
+    est = estimate_s(nbytes, record(where, RATE))
     timeout = None
     end = deadline.known() if deadline is not None else None  # Slurm < 23.02: scontrol's EndTime (preemption.py)
     if end is not None:
@@ -410,12 +417,11 @@ def prepare(ckpt: str, saved_world: int, world: int | None, output_dir: str, dea
 
 
 def workers(ckpt: str, cpus: int | None = None, free: int | None = None) -> tuple[int, int]:
-    """ds_to_universal's process counts (extract, merge) for this node: every GPU of the job waits on this conversion
-    (rank 0's, run_on_main), and 2 / 1 (sized for the 2-core tests; one merge worker is DeepSpeed's serial "unit
-    testing" pass) merged Llama-3-8B's 291 parameters x 3 states from every rank's fragments one at a time (~56k
-    reads, 30-45 min on a shared file system at 64 ranks). Extract: half the usable CPUs, at most 8, each holding
-    one rank's optimizer file (x2 while it splits it) within half the job's free host memory; merge: a CPU in 16, at
-    most 4 (each holds one parameter's states whole: Llama-3-8B's embedding, 2.1 GB a state)."""
+    """ds_to_universal's process counts (extract, merge) for this node: every GPU waits on it (run_on_main), and 2 / 1
+    (one merge worker is DeepSpeed's serial "unit testing" pass) merged Llama-3-8B's 291 parameters x 3 states from
+    every rank's fragments one at a time (~56k reads, 30-45 min on a shared file system at 64 ranks). Extract: half the
+    usable CPUs, at most 8, each holding one rank's optimizer file (x2 while split) within half the job's free host
+    memory; merge: a CPU in 16, at most 4 (each holds a parameter's states whole: 8B's embedding, 2.1 GB a state)."""
     from base.host import job_memory_available, usable_cpus
 
     cpus = len(usable_cpus()) if cpus is None else cpus
@@ -429,10 +435,9 @@ def workers(ckpt: str, cpus: int | None = None, free: int | None = None) -> tupl
 
 
 def convert(ckpt: str, out: str, sid: str | None, nbytes: int, timeout: float | None = None) -> dict:
-    """Run ds_to_universal from `ckpt` into this process's own `<out>.tmp.<host>.<pid>`, write the DONE record in it,
-    rename it to `out` (if another converter's is already there, that one is kept and ours dropped), record the
-    measured rate. Returns the record. Stopped at `timeout`: its time recorded as unfinished, TimeoutExpired raised.
-    The caller holds `out`'s lock (prepare, main)."""
+    """Run ds_to_universal from `ckpt` into this process's own `<out>.tmp.<host>.<pid>`, write DONE in it, rename it to
+    `out` (another converter's already there is kept, ours trashed), record the measured rate; returns the record.
+    Stopped at `timeout`: its time recorded as unfinished, TimeoutExpired raised. The caller holds `out`'s lock."""
     tag, where = os.path.basename(os.path.abspath(ckpt.rstrip("/"))), os.path.dirname(out)
     tmp = _tmp(out, _me())
     shutil.rmtree(tmp, ignore_errors=True)  # this process's own leftover only
@@ -444,13 +449,11 @@ def convert(ckpt: str, out: str, sid: str | None, nbytes: int, timeout: float | 
                         "--output_folder", os.path.join(tmp, tag), "--num_extract_workers", str(extract),
                         "--num_merge_workers", str(merge), "--inject_missing_state"],
                        check=True, stdout=subprocess.DEVNULL, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        shutil.rmtree(tmp, ignore_errors=True)
-        atomic_write(os.path.join(where, RATE),
-                     json.dumps({"bytes": nbytes, "seconds": time.time() - t0, "finished": False}))
-        raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as e:
+        to_trash(tmp)  # renamed, deleted in the background: a stop's exit is not held up by its fragments
+        if isinstance(e, subprocess.TimeoutExpired):
+            atomic_write(os.path.join(where, RATE),
+                         json.dumps({"bytes": nbytes, "seconds": time.time() - t0, "finished": False}))
         raise
     seconds = time.time() - t0
     files = {f: os.path.getsize(os.path.join(tmp, tag, f)) for f in list_files(os.path.join(tmp, tag))}
@@ -461,16 +464,16 @@ def convert(ckpt: str, out: str, sid: str | None, nbytes: int, timeout: float | 
     except OSError as e:  # ENOTEMPTY / EEXIST: another converter's complete one is in place first
         if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or record(out).get("source") != sid:
             raise
-        shutil.rmtree(tmp, ignore_errors=True)
+        to_trash(tmp)
         done = record(out)
     atomic_write(os.path.join(where, RATE), json.dumps({"bytes": nbytes, "seconds": seconds, "finished": True}))
     return done
 
 
 def main(argv: list[str] | None = None) -> int:
-    """python -m training.universal CHECKPOINT [OUTPUT_DIR]: convert it now, with no deadline (a job of its own), into
-    OUTPUT_DIR/universal/ (default: the run folder holding CHECKPOINT), where a resume with that --output_dir finds
-    it. Exit 2 with one line for a CHECKPOINT that is not one or an OUTPUT_DIR this user cannot write."""
+    """python -m training.universal CHECKPOINT [OUTPUT_DIR]: convert it now, no deadline (a job of its own), into
+    OUTPUT_DIR/universal/ (default: CHECKPOINT's run folder), where a resume with that --output_dir finds it. Exit 2
+    with one line for a CHECKPOINT that is not one or an OUTPUT_DIR this user cannot write."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) not in (1, 2) or source_id(args[0]) is None:
         print("usage: python -m training.universal OUTPUT_DIR/checkpoints/step_N [OUTPUT_DIR of the run that will "

@@ -154,7 +154,8 @@ def test_clean_exits_stay_clean(tmp_path):
 
 def test_a_torn_metrics_line_is_repaired_on_resume(tmp_path, capsys, monkeypatch):
     """A job killed mid-write leaves a torn last line in metrics.jsonl: the next start (rank 0, resuming) drops it
-    with one warning line and keeps every other line up to the resumed step (it used to raise at every requeue)."""
+    with one warning line and keeps every other line up to the resumed step (it used to raise at every requeue); the
+    file is cut in place after the resumed step's record, the lines before it as they were (a blank one too)."""
     from base import log
     from training.metrics import MetricsLogger
 
@@ -165,8 +166,8 @@ def test_a_torn_metrics_line_is_repaired_on_resume(tmp_path, capsys, monkeypatch
                     '\n{"step": 5, "loss": 0.')
     MetricsLogger(str(tmp_path), True, "none", "p", None, {}, 10, False, resume_step=3).close()
     lines = path.read_text().splitlines()
-    assert [json.loads(x) for x in lines] == [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.5},
-                                              {"event": "eval", "stage": 0}, {"step": 3, "loss": 1 / 3}]
+    assert [json.loads(x) for x in lines if x] == [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.5},
+                                                   {"event": "eval", "stage": 0}, {"step": 3, "loss": 1 / 3}]
     warned = [x for x in capsys.readouterr().out.splitlines() if "warning" in x]
     assert len(warned) == 1 and "dropped 1 unreadable line" in warned[0], warned
     MetricsLogger(str(tmp_path), True, "none", "p", None, {}, 10, False, resume_step=3).close()  # repaired: quiet
