@@ -36,7 +36,7 @@ DEEPSPEED=${DEEPSPEED:-$(bin deepspeed)}
 TORCHRUN=${TORCHRUN:-$(bin torchrun)}
 die() { echo "launch.sh: error: $*" >&2; exit "$EXIT_USAGE"; }
 . "$ROOT/scripts/launch_crash.sh"  # this node's crash verdict (died_verdict, crash_verdict)
-. "$ROOT/scripts/launch_env.sh"  # launch_id, default_port, visible_refusal, step_refusal, remote_signal
+. "$ROOT/scripts/launch_env.sh"  # launch_id, default_port, *_refusal, remote_signal, shell_words, export_names
 
 # --- options ---
 num_gpus="" hostfile="" include="" exclude="" num_nodes="" launcher="" no_ssh=0 torchrun=0
@@ -207,6 +207,8 @@ if [ "$bind" = 1 ]; then
   [ -n "$allowed" ] && bind_args+=(--bind_core_list "$allowed")
 fi
 
+why=$(pdsh_refusal "$(command -v "$(bin python)")" "$@") || die "$why"  # what pdsh's command line would change
+exports=$(export_names) || die "$exports"  # LAUNCH_EXPORT's names (scripts/launch_env.sh)
 # The deepspeed launcher reads ./.deepspeed_env (and ~/.deepspeed_env; DS_ENV_FILE renames it) and exports every
 # KEY=VALUE line on each node it starts over pdsh. Written atomically: --no_ssh launchers may share this directory.
 env_file=${DS_ENV_FILE:-.deepspeed_env}
@@ -221,11 +223,11 @@ if [ -f "$env_file" ]; then
     key=${line%%=*}
     [ "$key" != "$line" ] && [ -n "$key" ] || continue
     grep -qE "$ours" <<< "$key" && continue
-    case " ${LAUNCH_EXPORT:-} " in *" $key "*) continue ;; esac
+    case " $exports " in *" $key "*) continue ;; esac
     printf '%s\n' "$line" >> "$tmp"
   done < "$env_file"
 fi
-for v in $names ${LAUNCH_EXPORT:-}; do
+for v in $names $exports; do
   # deepspeed over pdsh from a login node without GPUs: its `cpu` would make every GPU node train on CPU
   [ "$v" = DS_ACCELERATOR ] && [ -z "$acc_given" ] && [ -n "$hostfile" ] && [ "$no_ssh$torchrun" = 00 ] && continue
   [ "$v" = ULYSSES_LAUNCH_ID ] && { [ -z "$hostfile" ] || [ "$no_ssh$torchrun" != 00 ]; } && continue  # pdsh's only
@@ -233,6 +235,7 @@ for v in $names ${LAUNCH_EXPORT:-}; do
   case "$val" in *$'\n'*) echo "launch.sh: not exporting $v (multi-line value)" >&2; continue ;; esac
   printf '%s=%s\n' "$v" "$val" >> "$tmp"
 done
+why=$(env_refusal $names $exports) || { rm -f "$tmp"; die "$why"; }  # values pdsh's command line would change
 mv -f "$tmp" "$env_file"
 
 # --- the command ---
@@ -267,13 +270,6 @@ elif [ -z "$num_gpus_given" ] && [ -n "$visible$include$exclude" ]; then
 else
   cmd=("$DEEPSPEED" --num_gpus "$num_gpus" --master_port "$master_port" ${bind_args[@]+"${bind_args[@]}"} "$TRAIN_SCRIPT" "$@")
 fi
-shell_words() {  # the arguments as one line a shell reads back the same (quotes only where needed)
-  local a words=() safe='^[A-Za-z0-9_@%+=:,./-]+$' q="'"
-  for a in "$@"; do
-    if [[ $a =~ $safe ]]; then words+=("$a"); else words+=("'${a//$q/$q\\$q$q}'"); fi
-  done
-  echo "${words[*]}"
-}
 shell_words "DS_ACCELERATOR=$DS_ACCELERATOR" "PYTHONPATH=$PYTHONPATH" "OMP_NUM_THREADS=$OMP_NUM_THREADS" "${cmd[@]}"
 [ "$print_only" = 1 ] && exit 0
 

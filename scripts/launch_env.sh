@@ -1,7 +1,8 @@
 # shellcheck shell=bash
-# Sourced by scripts/launch.sh: the run's id, its default port, the GPUs a deepspeed launch would really use, and the
-# command that signals this launch's ranks over pdsh.
-# launch_id and default_port read launch.sh's nnodes (and launch_id its master_port), step_refusal its options.
+# Sourced by scripts/launch.sh: the run's id, its default port, the GPUs a deepspeed launch would really use, the
+# command that signals this launch's ranks over pdsh, and what pdsh's one command line would change (quoting).
+# launch_id and default_port read launch.sh's nnodes (and launch_id its master_port), step_refusal and over_pdsh its
+# options.
 
 # whole_step: true when this launch.sh is one task of an srun step that is the whole launch: the step spans the
 # launch's nodes with one task each (SLURM_STEP_NUM_NODES = SLURM_STEP_NUM_TASKS = nnodes), so every node sees the same
@@ -125,8 +126,117 @@ visible_refusal() {
 # this launch's ULYSSES_LAUNCH_ID (.deepspeed_env exports it to them). A bare `pkill -f '<train.py> --local_rank=...'`
 # signalled every run of the same checkout on those hosts, and deepspeed's own kill command (its runner's SIGTERM/
 # SIGINT handler) every deepspeed launch of the venv there. Cost: one read of /proc/PID/environ per matching process.
+# pgrep -f reads an extended regex: the script's path with the metacharacters that would miss it escaped (a checkout
+# in c++/ matched no rank, and no save request reached one; a `.` also matches itself), then in '...' for the nodes'
+# shell (a ' in the path broke the command).
 remote_signal() {
-  local q="'" id="ULYSSES_LAUNCH_ID=$ULYSSES_LAUNCH_ID"
-  echo "for p in \$(pgrep -f '$TRAIN_SCRIPT --local_rank=[0-9]'); do tr '\\0' '\\n' < /proc/\$p/environ 2>/dev/null |" \
+  local q="'" id="ULYSSES_LAUNCH_ID=$ULYSSES_LAUNCH_ID" re
+  re=$(printf '%s\n' "$TRAIN_SCRIPT" | sed 's/[][\^$*+?(){}|]/\\&/g')
+  echo "for p in \$(pgrep -f '${re//$q/$q\\$q$q} --local_rank=[0-9]'); do tr '\\0' '\\n' < /proc/\$p/environ 2>/dev/null |" \
     "grep -qxF '${id//$q/$q\\$q$q}' && kill -$1 \$p; done; true"
+}
+
+shell_words() {  # the arguments as one line a shell reads back the same (quotes only where needed)
+  local a words=() safe='^[A-Za-z0-9_@%+=:,./-]+$' q="'"
+  for a in "$@"; do
+    if [[ $a =~ $safe ]]; then words+=("$a"); else words+=("'${a//$q/$q\\$q$q}'"); fi
+  done
+  echo "${words[*]}"
+}
+
+# export_names: LAUNCH_EXPORT's names, blanks or commas between them, one space between them on output; one line when
+# one is not a variable name (`A,B` was bash's "invalid variable name" after .deepspeed_env.XXXXXX was made, `*` a glob)
+export_names() {
+  local n names=() out=()
+  IFS=$' \t\n,' read -r -d '' -a names <<< "${LAUNCH_EXPORT:-}" || true  # read -a: words, never globbed
+  for n in ${names[@]+"${names[@]}"}; do
+    [[ $n =~ ^[A-Za-z_][A-Za-z0-9_]*$ ]] || { echo "LAUNCH_EXPORT ${LAUNCH_EXPORT@Q}: ${n@Q}" \
+      "is not a variable name: list the names of exported variables, blanks or commas between them (export FOO=bar;" \
+      "LAUNCH_EXPORT=FOO)"; return 1; }
+    out+=("$n")
+  done
+  echo "${out[*]}"
+}
+
+# --- what deepspeed's pdsh runner changes ---
+# deepspeed 0.19.8's pdsh runner (multinode_runner.py) gives the nodes ONE shell command line: `export K=V; ...` from
+# .deepspeed_env (add_export, lines 37-41: V in "..." when it has a character outside [\w@%+=:,./-], nothing escaped),
+# then `cd <this directory>; <python> -u -m deepspeed.launcher.launch ... <TRAIN_SCRIPT> <train.py arguments>` with the
+# directory, the python and the script as they are (lines 109, 129), each argument as it is or, when it has a space, in
+# "..." with its " escaped (parse_user_args, lines 73-83); pdsh replaces %h %u %n %% in it (src/common/pipecmd.c). What
+# that shell reads otherwise reached the ranks changed without a word: `/data/R&D/x.jsonl` put the ranks in the
+# background with `--dataset_path /data/R` (the flags after it lost), "$HOME/`id`" ran `id`, `a\b` became `ab`, a
+# `{"a":1}` lost its quotes, `cd /tmp/My Project` failed and every rank ran in $HOME. What it keeps is let through:
+# "..." holds quotes, blanks, braces, globs and ;&|<>(); letters of any script (UTF-8) and ! ^ ] } # ~ hold bare (a
+# leading ~ is the node's $HOME, as train.py's own expanduser reads it). No .deepspeed_env value is shown (a key).
+
+pdsh_fix="or run launch.sh --no_ssh on each node, or use scripts/slurm.sbatch (neither goes through pdsh)"
+# over_pdsh: true when this launch's ranks start over pdsh (a hostfile without --no_ssh/--torchrun, and several hosts
+# or another host alone: deepspeed's multi_node_exec; one host that is this machine runs locally, runner.py line 537)
+over_pdsh() {
+  [ -n "${hostfile:-}" ] && [ "${no_ssh:-0}${torchrun:-0}" = 00 ] && { [ "${lines:-1}" != 1 ] || [ -n "${force:-}" ]; }
+}
+
+# pdsh_bare WORD: why WORD, placed bare in that command line, does not reach the nodes as it is (nothing when it does)
+pdsh_bare() {
+  local LC_ALL=C
+  case $1 in
+    "") echo "an empty argument vanishes there" ;;
+    *%[hun%]*) echo "pdsh replaces %h, %u, %n and %% in it" ;;
+    *[[:space:][:cntrl:]]*) echo "a blank, tab or line break splits it there" ;;
+    *[\'\"\$\`\\\;\&\|\<\>\(\)\*\?\[]* | \#* | *\{*,*\}* | *\{*..*\}*)
+      echo "the shell there reads its quote, \$, \`, \\, ;&|<>(), glob, brace or leading # characters" ;;
+  esac
+}
+
+# pdsh_quoted TEXT [ESCAPED]: why TEXT, placed in "..." there, does not reach the nodes as it is; ESCAPED=1: its " are
+# escaped (an argument), else they end the quotes (a .deepspeed_env value)
+pdsh_quoted() {
+  local LC_ALL=C nl=$'\n'
+  case $1 in
+    *%[hun%]*) echo "pdsh replaces %h, %u, %n and %% in it" ;;
+    *[\$\`]* | *\\ | *\\[\$\`\"\\$nl]*) echo "\$, \` and \\ expand inside the \"...\" the runner puts around it" ;;
+    *\"*) [ "${2:-0}" = 1 ] || echo "the runner puts it in \"...\" without escaping its \"" ;;
+    *$'\r'*) echo "a carriage return ends its line in .deepspeed_env" ;;
+  esac
+}
+
+# pdsh_refusal PYTHON ARGS: one line when the ranks start over pdsh (over_pdsh) and the working directory, TRAIN_SCRIPT,
+# PYTHON (the runner's, bare in the command) or a train.py argument would not reach the nodes as it is
+pdsh_refusal() {
+  local a why i names=("the working directory" TRAIN_SCRIPT "the python")
+  over_pdsh || return 0
+  set -- "$(pwd -P)" "$TRAIN_SCRIPT" "$@"
+  for i in 0 1 2; do
+    a=$1; shift; why=""
+    [ -n "$a" ] && why=$(pdsh_bare "$a")  # (no python found: the runner's own, not judged)
+    [ -z "$why" ] && continue
+    echo "${names[i]} ${a@Q} goes bare into the nodes' command line over pdsh (deepspeed's runner: \`cd <dir>;" \
+      "<python> ... <TRAIN_SCRIPT>\`) and $why$([ "$i" = 0 ] && echo " (every rank ran in \$HOME)"): use a path of" \
+      "letters, digits and _@%+=:,./~- only, $pdsh_fix"
+    return 1
+  done
+  for a in "$@"; do
+    if [[ $a == *" "* ]]; then why=$(pdsh_quoted "$a" 1); else why=$(pdsh_bare "$a"); fi
+    [ -z "$why" ] && continue
+    echo "train.py argument ${a@Q} does not reach the nodes as it is over pdsh (deepspeed's runner passes it to their" \
+      "shell bare, or in \"...\" when it has a space): $why: put the value in the --config YAML, $pdsh_fix"
+    return 1
+  done
+}
+
+# env_refusal NAMES: one line when the ranks start over pdsh (over_pdsh) and the value launch.sh writes to .deepspeed_env
+# for one of these variables of this environment would not reach them as it is (the value not shown: it may be a key;
+# a multi-line one is not written). Lines of your own in the file are passed as written: a $X there expands on the
+# node, as you may mean it.
+env_refusal() {
+  local v why
+  over_pdsh || return 0
+  for v in "$@"; do
+    why=$(pdsh_quoted "${!v-}")
+    [ -z "$why" ] || [[ ${!v-} == *$'\n'* ]] && continue
+    echo "$v (this environment's, for .deepspeed_env) does not reach the nodes as it is over pdsh (deepspeed's runner" \
+      "exports it as $v=\"<value>\"): $why: drop those characters from it, or unset it, $pdsh_fix"
+    return 1
+  done
 }

@@ -206,6 +206,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
     recipe = args.pop("config")
     merged: dict = {}
     if recipe:
+        recipe = os.path.expanduser(recipe)  # a quoted '~/recipes/x.yaml' (the shell expands only a bare one)
         if not os.path.isfile(recipe):
             raise ValueError(f"--config {recipe}: file not found")
         try:
@@ -230,6 +231,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
     merged.update(args)
     merged = hf_args.apply(merged, where=recipe or "the command line", default_lr=Config.learning_rate)
     cfg = config_from_dict(merged, where=recipe or "command line")
+    home_paths(cfg)
     validate(cfg)
     hf_args.resolve_hub_ids(cfg)  # a hub id: its snapshot in the local Hugging Face cache, offline
     settle_from_file(cfg, given=set(merged))  # SP degree / fp16 the DeepSpeed JSON sets; precision checks
@@ -347,6 +349,20 @@ def validate(cfg: Config) -> None:
     if cfg.dataset_path is not None and not os.path.exists(cfg.dataset_path):
         raise ValueError(f"--dataset_path {cfg.dataset_path}: no such file or folder")
     run_eval(cfg)  # a bad eval_* value: one line now
+
+
+HOME_PATHS = ("output_dir", "dataset_path", "model_name_or_path", "tokenizer_name_or_path", "deepspeed", "resume")
+
+
+def home_paths(cfg: Config) -> None:
+    """A leading `~` in a path the user gives is their home folder, as transformers' TrainingArguments reads output_dir
+    (training_args.py, expanduser): `--output_dir=~/runs/x` or a recipe's `output_dir: ~/runs/x` (no shell expands
+    either) was a folder named `~` in the working directory (and `rm -rf ~` to clean it up removes the home folder).
+    Hub ids and preset names never begin with `~`; auto / none stay."""
+    for name in HOME_PATHS:
+        value = getattr(cfg, name)
+        if isinstance(value, str) and value.startswith("~"):
+            setattr(cfg, name, os.path.expanduser(value))
 
 
 MAX_LR = 1.0  # a larger peak LR trains NaN from the first step (and the run "succeeded")

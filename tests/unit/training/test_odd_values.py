@@ -4,13 +4,17 @@ UnicodeDecodeError traceback at start-up, or a setting silently read as unset (a
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 
 from model_utils.rope import apply_rope, check_rope
+from tests.e2e.launchers import ROOT
 from tests.unit.training.test_checkpoint import save
 from tests.unit.training.test_curriculum_rope import _llama, _stages
 from training.checkpoint import POINTER, Checkpointer
-from training.config import parse_config
+from training.config import Config, home_paths, parse_config
 from training.config_types import yaml_text
 from training.curriculum import check_stages
 
@@ -123,3 +127,24 @@ def test_a_null_optional_rope_number_is_not_given():
     text-number check, and must stay so; a null `factor` (yarn needs one) is refused above."""
     for extra in ({"attention_factor": None}, {"beta_fast": None, "beta_slow": None}):
         check_rope({"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 256, **extra}, "--rope")
+
+
+def test_a_leading_tilde_in_a_path_is_the_home_folder(tmp_path, monkeypatch):
+    """`--output_dir=~/runs/x` (no shell expands `~` there) or a recipe's `output_dir: ~/runs/x` made a folder named
+    `~` in the working directory (transformers' TrainingArguments expands it); `--dataset_path '~/data.jsonl'` was
+    'no such file'. Hub ids and preset names never begin with `~` and stay as they are."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "data.jsonl").write_text('{"text": "a"}\n')
+    shutil.copy(os.path.join(ROOT, "ds_configs", "zero3.json"), tmp_path / "ds.json")
+    (tmp_path / "r.yaml").write_text("output_dir: ~/runs/y\ndataset_path: ~/data.jsonl\n")
+    cfg = parse_config(["--output_dir=~/runs/x", "--dataset_path", "~/data.jsonl", "--deepspeed", "~/ds.json",
+                        "--model_name_or_path", "tiny-llama"])
+    assert (cfg.output_dir, cfg.dataset_path, cfg.deepspeed) == (
+        f"{tmp_path}/runs/x", f"{tmp_path}/data.jsonl", f"{tmp_path}/ds.json")
+    assert cfg.model_name_or_path == "tiny-llama"
+    cfg = parse_config(["--config", "~/r.yaml"])
+    assert (cfg.output_dir, cfg.dataset_path) == (f"{tmp_path}/runs/y", f"{tmp_path}/data.jsonl")
+    cfg = Config(model_name_or_path="~/models/m", tokenizer_name_or_path="~/tok", resume="~/runs/x/checkpoints/step4")
+    home_paths(cfg)
+    assert (cfg.model_name_or_path, cfg.tokenizer_name_or_path, cfg.resume) == (
+        f"{tmp_path}/models/m", f"{tmp_path}/tok", f"{tmp_path}/runs/x/checkpoints/step4")
