@@ -138,7 +138,7 @@ def settings(a: argparse.Namespace) -> dict:
     if a.trials < 1 or a.micro_batch < 1 or a.sequence_parallel_size < 1:
         raise ValueError("--trials, --micro_batch and --sequence_parallel_size must be >= 1")
     if not 0 < a.dist_timeout_s <= MAX_TIMEOUT_S:  # 0 or less: the first collective times out; nan, inf: a traceback
-        raise ValueError(f"--dist_timeout_s {a.dist_timeout_s}: use seconds > 0, at most {MAX_TIMEOUT_S} (default 1800)")
+        raise ValueError(f"--dist_timeout_s {a.dist_timeout_s}: use seconds > 0, at most {MAX_TIMEOUT_S:.0e} (default 1800)")
     if a.heldout_conversations < 0:
         raise ValueError(f"--heldout_conversations {a.heldout_conversations}: use N >= 1 (the first N), or 0 for all")
     check_output_dir(a.output_dir)
