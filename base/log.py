@@ -34,14 +34,20 @@ def set_main(is_main: bool) -> None:
 def print0(*args, **kwargs) -> None:
     """Print on rank 0 only (flushed: launchers buffer child output); every rank keeps it in its log file."""
     if _IS_MAIN:
-        stream = kwargs.get("file") or sys.stdout
-        try:
-            print(*args, **kwargs, flush=True)
-        except OSError as e:
-            if e.errno not in _GONE:
-                raise
-            console_gone(stream, e)
+        say(*args, **kwargs)
     _RANK_LOG.info(" ".join(str(a) for a in args))
+
+
+def say(*args, **kwargs) -> None:
+    """Print to the console only (flushed), surviving a console that is gone (`console_gone`): the step lines of a run
+    under `2>&1 | tee log` whose tee died with the terminal raised BrokenPipeError (exit 1, no save)."""
+    stream = kwargs.get("file") or sys.stdout
+    try:
+        print(*args, **kwargs, flush=True)
+    except OSError as e:
+        if e.errno not in _GONE:
+            raise
+        console_gone(stream, e)
 
 
 def _hung_up(fd: int) -> bool:

@@ -32,7 +32,7 @@ import torch
 from base import comm
 from base.atomic import atomic_write
 from base.host import peak_rss_bytes
-from base.log import print0
+from base.log import print0, say
 from base.slurm_state import job_local
 from training.eval_tables import eval_tables
 
@@ -357,7 +357,7 @@ class MetricsLogger:
                 self.bar.refresh()
             else:  # a log file (every SLURM job's): the total and an ETA, as the bar would show them
                 line = line.replace(f"step {step} ", f"step {step}/{self.total_steps} ", 1) + self._eta(step, record)
-                print(line, flush=True)
+                say(line)  # a console gone (a dead `| tee`): console output stops, not the rank
 
     def begin_stage(self, end: int, start: int | None = None) -> None:
         """The step the stage now training ends at (and, where given, the one it started from): the log line's ETA

@@ -26,6 +26,29 @@ sys.exit(75)
 """
 
 
+# the step lines of a run without a terminal (training/metrics.py: `2>&1 | tee log`), first to meet the dead pipe
+STEP_FIRST = """
+import sys
+from base import log
+log.say("step 1/10 loss 2.0 stage eta 1h02m")
+log.say("step 2/10 loss 1.9 stage eta 1h01m")
+sys.exit(75)
+"""
+
+
+def test_a_step_line_to_a_gone_console_is_not_the_ranks_end():
+    """training/metrics.py printed its step lines with a bare print: under `... 2>&1 | tee log` with the tee gone
+    (Ctrl-C or a hang-up), the next step line raised BrokenPipeError: exit 1, no save (a review of console_gone)."""
+    read, out = os.pipe()
+    os.close(read)
+    try:
+        p = subprocess.run([sys.executable, "-c", STEP_FIRST], cwd=ROOT, stdout=out, stderr=out, timeout=30,
+                           env={**os.environ, "RANK": "0", "PYTHONPATH": ROOT})
+    finally:
+        os.close(out)
+    assert p.returncode == 75
+
+
 @pytest.mark.parametrize("console", ["pty", "pipe"])
 def test_a_gone_console_stops_the_console_output_not_the_rank(tmp_path, console):
     if console == "pty":  # the terminal's master closed: the ssh session is gone, the pty hung up
