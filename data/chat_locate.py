@@ -27,7 +27,7 @@ import re
 
 import numpy as np
 
-from data.chat_reasoning import think_parts
+from data.chat_reasoning import reasoning, think_parts
 from data.chat_rows import RowError
 from data.chat_rows import unicode_form as _nf
 from data.chat_template import reads
@@ -104,9 +104,10 @@ def after_reply(enc, conv: list[dict], k: int, full: list[int], a: int, tools: l
     the longest piece of the generation prompt after a user turn (`gen_header`: Qwen1.5's starts with the user's
     `<|im_end|>\n`; Apriel-1.6's goes on with `Here are my reasoning steps:\n`, the history not) that starts with a
     control token, lies past `a` behind nothing but blanks and control tokens (Apriel-1.6's `\n<|end|>\n` the
-    conversation writes after the first reply) and is followed by the reply's text. `a` where the prompt wrote the header
-    (the reply starts otherwise: a think block); None where it is not there. Read only for such a turn: one render
-    and a few token comparisons."""
+    conversation writes after the first reply) and is followed by the reply's text, or by its reasoning where the
+    template prints that first (Qwen1.5's content `<think>...</think>` verbatim, Apriel-1.6's reasoning_content before
+    `[BEGIN FINAL RESPONSE]`). `a` where the prompt wrote the header (the reply starts otherwise: a think block); None
+    where it is not there. Read only for such a turn: one render and a few token comparisons."""
     h = gen_header(enc)
     try:
         if not h.strip() or enc._text(conv[:k], True, tools).endswith(h):
@@ -115,11 +116,15 @@ def after_reply(enc, conv: list[dict], k: int, full: list[int], a: int, tools: l
         return None
     gen, dec = enc.tok.encode(h), enc.tok.hf.decode
     at = [p for p in range(a, min(a + 8, len(full))) if not dec(full[a:p], skip_special_tokens=True).strip()]
+    firsts = [None]  # the reply's text, or its reasoning printed before it: its text, or its think block verbatim
+    if got := reasoning(conv[k], enc):
+        firsts += [got[1]] + ([conv[k]["content"].lstrip()] if got[0] == "content" else [])
     for i in [i for i, t in enumerate(gen) if t in enc.special]:  # a piece of it from a control token on
         for m in range(len(gen), i, -1):
             n = m - i
             for p in at:
-                if full[p:p + n] == gen[i:m] and p + n < len(full) and starts(enc, full, p + n, conv[k]):
+                if full[p:p + n] == gen[i:m] and p + n < len(full) and any(
+                        starts(enc, full, p + n, conv[k], text) for text in firsts):
                     return p + n
     return None
 
@@ -207,14 +212,16 @@ def switch(enc) -> str:
     return "" if hit and json.loads(hit).items() <= enc._row_kw.items() else hit
 
 
-def starts(enc, full: list[int], a: int, msg: dict) -> bool:
-    """Whether the reply's text starts at `a`: nothing but blanks between."""
-    want = _nf(reply(enc, msg))[:16]  # cut after the normal form: a cut between a letter and its mark never matches
+def starts(enc, full: list[int], a: int, msg: dict, text: str | None = None) -> bool:
+    """Whether the reply's text (or `text`: its reasoning, where printed first) starts at `a`: nothing but blanks
+    between."""
+    text = reply(enc, msg) if text is None else text
+    want = _nf(text)[:16]  # cut after the normal form: a cut between a letter and its mark never matches
     if not want:
         return True
     pre = _nf(enc.tok.hf.decode(full[max(a - 1, 0):a]))
     # the window in tokens of the text as given too: a decomposed (NFD) reply takes more than its normal form
-    n = max(len(enc.tok.encode(want)), len(enc.tok.encode(reply(enc, msg)[:64])))
+    n = max(len(enc.tok.encode(want)), len(enc.tok.encode(text[:64])))
     shown = _nf(enc.tok.hf.decode(full[max(a - 1, 0):a + n + 4]))
     i = shown.find(want)
     return i >= 0 and (i < len(pre) or not shown[len(pre):i].strip())

@@ -143,10 +143,28 @@ def as_text(enc) -> bool:
                 and not enc.reasoning_renders.get("field tag"))
 
 
+def bare_close(enc, msg: dict, k: int) -> None:
+    """A RowError, one line, where a reply with no reasoning field has a content whose first `</think>` has no
+    `<think>` before it and `enc`'s template has a place of its own for reasoning (`as_text`: gpt-oss, Seed-OSS,
+    Apriel-1.6): a raw R1 completion (`reasoning</think>answer`, its block opened by R1's generation prompt) and a
+    quoted tag (`s.split('</think>')`) cannot be told apart, and either way it would train as answer text (R1's
+    reasoning written to the user). Templates that print the content verbatim with no such place train it as text."""
+    content = msg.get("content")
+    if not isinstance(content, str) or "</think>" not in content or "<think>" in content.partition("</think>")[0]:
+        return
+    if any(isinstance(msg.get(f), str) and msg[f].strip() for f in FIELDS) or not as_text(enc):
+        return  # (a reasoning field given: the content is the answer)
+    raise RowError(f"message {k} (assistant): its content holds `</think>` with no `<think>` before it, which "
+                   f"{enc.name} would train as answer text: if the tag is quoted, write it otherwise (`&lt;/think&gt;`); "
+                   "if the text before it is reasoning (an R1 completion), give it as the reply's thinking (or "
+                   "reasoning_content) field")
+
+
 def refuse_dropped(enc, conv: list[dict], turns: list[int]) -> None:
     """A RowError, one line, where a reply to train carries reasoning in a form `enc`'s template never renders, or
-    renders as answer text beside a place of its own for it (`as_text`)."""
+    renders as answer text beside a place of its own for it (`as_text`), or might (`bare_close`)."""
     for k in turns:
+        bare_close(enc, conv[k], k)
         got = reasoning(conv[k], enc)
         if got and got[0] == "content" and as_text(enc):
             raise RowError(f"message {k} (assistant): {enc.name} renders reasoning given as thinking / "

@@ -9,7 +9,6 @@ Errors name the file and line and stop before any heavy work.
 from __future__ import annotations
 
 import codecs
-import fnmatch
 import glob
 import gzip
 import io
@@ -18,6 +17,7 @@ import os
 import re
 from collections.abc import Iterator
 
+from base.log import print0
 from data.ids_rows import BESIDE_IDS, MASKED, MASKS, beside_ids, documents, no_mask_here
 
 GLOB = "*?["  # a path holding one of these that names nothing is a pattern (`DIR/data/train_sft-*.parquet`)
@@ -30,6 +30,7 @@ _WS = re.compile(r"[ \t\r\n]*")
 ARRAY_CHUNK = 1 << 20
 _SHARD = re.compile(r"(?:^|/)([a-z0-9_]+?)-\d{5}-of-\d{5}")  # the hub's `{split}-00000-of-00003.parquet`
 _SHARD_NAME = re.compile(r"^(.*[-_.])(\d{5})-of-(\d{5})(.*)$")  # a shard's file name: prefix, index, count, suffix
+_FINGERPRINT = re.compile(r"^-[0-9a-f]{16}(?=\.|$)")  # older push_to_hub's per-shard `-a3ecf92756993583` in a suffix
 COMPRESSED = ("", ".gz", ".gzip", ".zst", ".zstd", ".bz2", ".xz")  # what open_file decompresses
 
 
@@ -62,43 +63,58 @@ def one_split(root: str, files: list[str], flag: str) -> list[str]:
         no_missing_shard(root, files, flag)
         return files
     pick = next((s for s in named if s.startswith("train")), named[0])
-    example = re.sub(r"\d{5}-of-\d{5}", "*", splits[pick][0])
+    example = re.sub(r"\d{5}-of-\d{5}(-[0-9a-f]{16}(?=\.|$))?", "*", splits[pick][0])  # a fingerprint too
     raise ValueError(f"{flag} {root}: its files belong to several splits ({', '.join(named)}, by Hugging Face's "
                      f"file naming), so the evaluation splits would be trained on: give one split's files, e.g. "
                      f"{flag} '{example}'")
 
 
 def matching(path: str, flag: str) -> list[str] | None:
-    """The files a pattern names (sorted), None for a path that is no pattern; a ValueError for one naming none, or
-    missing a shard it would name (no_missing_shard)."""
+    """The files a pattern names (sorted), None for a path that is no pattern; a ValueError for one naming none. A
+    pattern's files are read as named, part of a split too (`c4-train.0000*-of-01024.json.gz`: chosen on purpose)."""
     if os.path.exists(path) or not any(c in path for c in GLOB):
         return None
     files = sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))
     if not files:
         raise ValueError(f"{flag} {path}: the pattern names no file")
-    no_missing_shard(path, files, flag, pattern=path)
     return files
 
 
-def no_missing_shard(root: str, files: list[str], flag: str, pattern: str | None = None) -> None:
-    """ValueError (one line) naming the shards a split's `{split}-00000-of-00003` files lack (a download cut short, one
-    file deleted: the split was trained without it, without a word); for a glob, those it would name (`train-0000[01]-*`
-    takes part of a split on purpose). Cost: a regex per file."""
+_SAID: set[str] = set()  # notes already said (once per process: discover runs once per shard and per rank)
+
+
+def no_missing_shard(root: str, files: list[str], flag: str) -> None:
+    """For a folder's `{split}-00000-of-00003` files: ValueError (one line) naming the shards a split lacks where most
+    are there (a download cut short, one file deleted: the split was trained without them, without a word); a note
+    saying how many are there where fewer than half are (a subset on purpose: C4's `en/c4-train.0000[0-2]-of-01024`,
+    fetched with --include), read as it is. Older `datasets` push_to_hub names each shard with its own fingerprint
+    (`train_sft-00000-of-00003-a3ecf92756993583.parquet`): not part of the split's name. Cost: a regex per file."""
     groups: dict[tuple, set[int]] = {}
     for f in files:
         m = _SHARD_NAME.match(os.path.basename(f))
         if m:
-            groups.setdefault((os.path.dirname(f), m[1], int(m[3]), m[4], m[3]), set()).add(int(m[2]))
-    missing = [os.path.join(d, f"{pre}{k:05d}-of-{total}{post}") for (d, pre, n, post, total), have in sorted(
-        groups.items()) for k in range(n in have, n + (n in have)) if k not in have]  # numbered from 1 (safetensors') too
-    missing = [f for f in missing if pattern is None or fnmatch.fnmatch(f, pattern)]
+            post = _FINGERPRINT.sub("-*", m[4])  # the missing shard's fingerprint is unknown: named `-*`
+            groups.setdefault((os.path.dirname(f), m[1], int(m[3]), post, m[3]), set()).add(int(m[2]))
+    missing = []
+    for (d, pre, n, post, total), have in sorted(groups.items()):
+        lack = [k for k in range(n in have, n + (n in have)) if k not in have]  # numbered from 1 (safetensors') too
+        if not lack:
+            continue
+        if 2 * len(have) >= n:  # most of the split: a download cut short
+            missing += [os.path.join(d, f"{pre}{k:05d}-of-{total}{post}") for k in lack]
+            continue
+        note = (f"{flag} {root}: {len(have)} of the {n} shards of {os.path.relpath(os.path.join(d, pre), root)}*-of-"
+                f"{total}{post} are here: reading those (part of the split)")
+        if note not in _SAID:
+            _SAID.add(note)
+            print0(note)
     if missing:
-        names = ", ".join(os.path.relpath(f, root) if pattern is None else f for f in missing[:3])
+        names = ", ".join(os.path.relpath(f, root) for f in missing[:3])
         more, many = f" and {len(missing) - 3} more" if len(missing) > 3 else "", len(missing) > 1
         raise ValueError(f"{flag} {root}: shard{'s' * many} {names}{more} of its split {'are' if many else 'is'} missing "
                          f"(a download cut short?): the split would be trained without {'them' if many else 'it'}; "
-                         "download it again, or, to train on part of the split on purpose, give a glob naming only "
-                         "those files")
+                         "download it again, or, to train on part of the split on purpose, give a glob naming the "
+                         "files to read")
 
 
 class _Zstd(io.RawIOBase):

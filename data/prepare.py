@@ -14,6 +14,7 @@ is prepared once, before the job, with `scripts/prepare_data.py`, and passed by 
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
 import re
 import shlex
@@ -31,6 +32,7 @@ from data.store import is_prepared
 from data.tokenizer import Tokenizer
 
 MAX_IN_JOB_BYTES = 200 * 1024 * 1024  # of decompressed input (estimated: input_bytes)
+FULL_HASH_BYTES = 4 * MAX_IN_JOB_BYTES  # stored bytes up to which the in-job key hashes every byte (content_identity)
 # A compressed file's stored bytes understate what rank 0 tokenizes while every GPU waits (a 200 MB .jsonl.gz holds
 # ~700 MB of JSONL). Where a file states its decompressed size it is read from a few bytes: gzip's ISIZE trailer (exact
 # for one member under 4 GiB, what gzip writes), a zstd frame's content size (zstd's CLI writes it). Else (.bz2, .xz, a
@@ -104,6 +106,26 @@ def input_bytes(path: str) -> int:
     return size if size >= stored else stored * RATIO
 
 
+def content_identity(units: list) -> list[str]:
+    """Each unit's in-job key part: kind:source/file name:size:a hash of all its bytes (Unit.identity's first and last
+    64 KiB keyed a same-size edit inside a file, one answer's `003000` -> `003001`, as the old input: its tokens were
+    reused without a word). Its name and content only: a re-staged copy is the same input. Cost: one read of the
+    input, ~0.2-0.5 s per 200 MB (the in-job limit) on rank 0, once per start; an input over FULL_HASH_BYTES stored
+    (over the limit: refused unless prepared already or resumed) keeps Unit.identity's sample."""
+    if sum(os.path.getsize(f) for u in units for f in u.files()) > FULL_HASH_BYTES:
+        return [u.identity() for u in units]
+    keys = []
+    for u in units:
+        digest, size = hashlib.sha256(), 0
+        for f in u.files():
+            with open(f, "rb") as fh:
+                while chunk := fh.read(1 << 20):
+                    digest.update(chunk)
+                    size += len(chunk)
+        keys.append(f"{u.kind}:{u.name}/{os.path.basename(u.path)}:{size}:all:{digest.hexdigest()[:16]}")
+    return keys
+
+
 def prepare_in_job(dataset_path: str | None, tokenizer_path: str | None, model_vocab: int,
                    model_path: str | None = None, resumed: bool = False) -> tuple[str, str | None]:
     """(prepared folder, tokenizer path), decided by rank 0 (collective: every rank calls it): a prepared folder
@@ -127,12 +149,12 @@ def prepare_in_job(dataset_path: str | None, tokenizer_path: str | None, model_v
         files = [f for u in units for f in u.files()]  # every file read
         # the tokenizer this run would use (scripts/prepare_data.py takes none by default: its command names it)
         how = f"--tokenizer_name_or_path {shlex.quote(tok_path)}" if tok_path else f"--vocab_size {model_vocab}"
-        # keyed by the units' content (name, size, a hash of each file's first and last 64 KiB), as prepare_data's plan:
-        # by path and mtime, an input re-staged to node-local scratch at each requeue (/tmp/slurm-$JOBID/..., a `cp`
-        # without -p) was prepared again into another folder while every GPU waited, and the old one was kept. Cost:
-        # an open and two 64 KiB reads per file (a stat before), once per start. A folder keyed by the earlier rule is
-        # prepared once more after the upgrade (data/pipeline.py's resume note says it holds the same tokens)
-        out = os.path.join(CACHE, "prepared", cache_key([u.identity() for u in units], tok_path, model_vocab))
+        # keyed by the units' content (`content_identity`: name, size, a hash of every byte): by path and mtime, an
+        # input re-staged to node-local scratch at each requeue (/tmp/slurm-$JOBID/..., a `cp` without -p) was
+        # prepared again into another folder while every GPU waited, and the old one was kept. A folder keyed by an
+        # earlier rule is prepared once more after the upgrade (data/pipeline.py's resume note says it holds the same
+        # tokens)
+        out = os.path.join(CACHE, "prepared", cache_key(content_identity(units), tok_path, model_vocab))
         size = sum(input_bytes(f) for f in files)  # a stat a file, and <= 18 bytes or a Parquet footer read
         # one prepared already is used, and a resumed run's input is prepared again, whatever the limit (a run that
         # started under an earlier estimate, or cache key, must not end at its requeue on today's)

@@ -50,14 +50,32 @@ def test_a_quoted_think_tag_a_template_cuts_at_is_never_trained_rewritten(root, 
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("key", ["qwen25", "gpt_oss", "seed_oss", "qwen3_coder"])
+@pytest.mark.parametrize("key", ["qwen25", "qwen3_coder"])
 def test_a_quoted_think_tag_trains_whole_where_the_template_prints_the_content(root, key):
-    """Templates that print the content verbatim train such a reply whole (nothing refused that trained right); the
-    text before a `</think>` with no `<think>` is no reasoning (gpt-oss and Seed-OSS refused it as a think block
-    given in the content)."""
+    """Templates that print the content verbatim with no place of their own for reasoning train such a reply whole
+    (nothing refused that trained right)."""
     reply = "Use s.split('</think>')[-1] to drop it."
     got, stats = spans(encoder(root, key), [ASK, {"role": "assistant", "content": reply}])
     assert len(got) == 1 and reply in got[0] and stats["untrained_turns"] == 0, (got, stats)
+
+
+@pytest.mark.parametrize("key", ["gpt_oss", "seed_oss", "apriel16"])
+@pytest.mark.parametrize("reply", ["hmm apple\n</think>\n\napple river", "Use s.split('</think>')[-1] to drop it."])
+def test_a_bare_close_is_refused_where_the_template_has_a_place_for_reasoning(root, key, reply):
+    """A raw R1 completion (`reasoning</think>answer`: R1's generation prompt opens the block) on gpt-oss, Seed-OSS,
+    Apriel-1.6 trained as answer text (`<|channel|>final<|message|>hmm apple\n</think>...`) where it was refused as a
+    think block; it cannot be told from a quoted tag: refused, naming both fixes. The same text with the reasoning
+    in its field, or a leading think block, reads as before."""
+    enc = encoder(root, key)
+    with pytest.raises(RowError, match=r"no `<think>` before it, .*write it otherwise .*thinking \(or "
+                                       r"reasoning_content\) field$") as e:
+        enc.encode({"messages": [ASK, {"role": "assistant", "content": reply}]})
+    assert "\n" not in str(e.value)
+    if key != "apriel16":  # (Apriel-1.6's last reply with reasoning is located with none: its prompt differs)
+        got, _ = spans(enc, [ASK, {"role": "assistant", "content": reply, "reasoning_content": "Quote it."}])
+        assert reply in got[0], got
+    with pytest.raises(RowError, match="in a place of its own, and the content's think block as answer text"):
+        enc.encode({"messages": [ASK, {"role": "assistant", "content": "<think>\nhmm\n</think>\n\nriver"}]})
 
 
 def test_reasoning_before_a_bare_close_still_trains_where_the_prompt_opens_the_block(root):
@@ -112,3 +130,16 @@ def test_two_replies_in_a_row_train_without_the_second_ones_header(root, key):
             {"role": "assistant", "content": "river"}, {"role": "user", "content": "Count them."},
             {"role": "assistant", "content": "2 words"}]
     assert check(ChatEncoder(tok, "assistant"), oracle, conv) == "trains"
+
+
+@pytest.mark.parametrize("key,second", [("qwen15", {"content": "<think>\nhmm\n</think>\n\nriver"}),
+                                        ("apriel16", {"content": "river", "reasoning_content": "hmm"})])
+def test_two_replies_in_a_row_the_second_with_reasoning_train_it(root, key, second):
+    """The second of two replies in a row carrying reasoning the template prints before its answer (Qwen1.5's content
+    think block verbatim, Apriel-1.6's reasoning_content): the header's end was looked for right before the answer,
+    so the turn went untrained (counted). Now it starts at the reasoning, without the header."""
+    conv = [{"role": "user", "content": "Say exactly: apple river"}, {"role": "assistant", "content": "apple"},
+            {"role": "assistant", **second}]
+    got, stats = spans(encoder(root, key), conv)
+    assert not stats["untrained_turns"] and "hmm" in got[-1] and "river" in got[-1], (got, stats)
+    assert "assistant" not in got[-1], got

@@ -121,15 +121,14 @@ def test_two_links_to_one_file_in_a_folder_are_refused(tmp_path):
 
 
 def test_a_split_missing_a_shard_is_refused_naming_it(tmp_path):
-    """train-00000-of-00003 and -00002 alone (a download cut short) trained without -00001, as a folder or a glob; a
-    glob naming part of a split on purpose still reads."""
+    """train-00000-of-00003 and -00002 alone (a download cut short) trained without -00001 as a folder: refused; a
+    glob names its files on purpose: read."""
     os.makedirs(tmp_path / "part" / "data")
     for k in (0, 2):
         pq.write_table(pa.table({"messages": [_PAIR]}), tmp_path / "part" / "data" / f"train-0000{k}-of-00003.parquet")
     err = _one_line(discover, str(tmp_path / "part"))
     assert "shard data/train-00001-of-00003.parquet of its split is missing" in err and "download it again" in err
-    err = _one_line(discover, str(tmp_path / "part" / "data" / "train-*.parquet"))
-    assert "train-00001-of-00003.parquet of its split is missing" in err, err
+    assert len(discover(str(tmp_path / "part" / "data" / "train-*.parquet"))) == 2
     assert len(discover(str(tmp_path / "part" / "data" / "train-0000[0]-*.parquet"))) == 1
     pq.write_table(pa.table({"messages": [_PAIR]}), tmp_path / "part" / "data" / "train-00001-of-00003.parquet")
     assert len(discover(str(tmp_path / "part"))) == 3
@@ -137,6 +136,36 @@ def test_a_split_missing_a_shard_is_refused_naming_it(tmp_path):
         (tmp_path / "one" / f"c4-train.0000{k}-of-00003.jsonl").parent.mkdir(exist_ok=True)
         (tmp_path / "one" / f"c4-train.0000{k}-of-00003.jsonl").write_text(json.dumps({"text": "a b"}) + "\n")
     assert "shard c4-train.00002-of-00003.jsonl of its split is missing" in _one_line(discover, str(tmp_path / "one"))
+
+
+def test_older_push_to_hub_shards_with_a_fingerprint_each_are_one_split(tmp_path):
+    """HuggingFaceH4/ultrachat_200k: `train_sft-00000-of-00003-a3ecf92756993583.parquet`, a fingerprint per shard:
+    grouped by the whole suffix, every complete download was refused (folder and glob). One missing is named `-*`."""
+    data = tmp_path / "uc" / "data"
+    data.mkdir(parents=True)
+    for k, fp in enumerate(("a3ecf92756993583", "0a1804bcb6ae68c6", "ee46ed25cfae92c6")):
+        pq.write_table(pa.table({"messages": [_PAIR]}), data / f"train_sft-0000{k}-of-00003-{fp}.parquet")
+    assert len(discover(str(tmp_path / "uc"))) == 3
+    assert len(discover(str(data / "train_sft-*.parquet"), flag="--dataset_path")) == 3
+    os.remove(data / "train_sft-00001-of-00003-0a1804bcb6ae68c6.parquet")
+    err = _one_line(discover, str(tmp_path / "uc"))
+    assert "shard data/train_sft-00001-of-00003-*.parquet of its split is missing" in err, err
+    pq.write_table(pa.table({"messages": [_PAIR]}), data / "test_sft-00000-of-00001-1234567890abcdef.parquet")
+    assert "e.g. --input '" + str(data / "train_sft-*.parquet") + "'" in _one_line(discover, str(tmp_path / "uc"))
+
+
+def test_a_subset_of_a_sharded_corpus_reads_with_a_note(tmp_path, capsys):
+    """C4's en/c4-train.0000[0-2]-of-01024.json.gz (fetched with --include: the-stack, wikipedia, cosmopedia alike)
+    trained, then was refused as a folder and as its prefix glob. A glob reads; a folder with fewer than half its
+    split's shards reads, saying how many are there."""
+    en = tmp_path / "c4" / "en"
+    en.mkdir(parents=True)
+    for k in range(3):
+        (en / f"c4-train.0000{k}-of-01024.jsonl").write_text(json.dumps({"text": "a b"}) + "\n")
+    assert len(discover(str(en / "c4-train.0000*-of-01024.jsonl"))) == 3
+    assert len(discover(str(tmp_path / "c4"), flag="--dataset_path")) == 3
+    out = capsys.readouterr().out
+    assert "3 of the 1024 shards of en/c4-train.*-of-01024.jsonl are here: reading those" in out, out
 
 
 def test_a_mosaic_mds_folder_is_refused_by_name(tmp_path):

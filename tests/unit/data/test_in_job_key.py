@@ -71,3 +71,20 @@ def test_the_resume_note_after_the_key_upgrade_says_the_tokens_are_the_same(tmp_
     assert f"to keep them pass --dataset_path {first}" in note
     shutil.rmtree(first)
     assert "since removed): today's tokenization rules" in again_note(src, folder, first)
+
+
+def test_a_same_size_edit_inside_the_input_is_another_input(tmp_path, monkeypatch):
+    """One answer `003000` -> `003001` in the middle of a 392 KB JSONL: the same name, size, first and last 64 KiB
+    (Unit.identity's sample), so the old folder's tokens were reused without a word. The in-job key hashes every byte;
+    a re-staged copy keeps its key."""
+    monkeypatch.setattr(in_job, "CACHE", str(tmp_path / "cache"))
+    src = tmp_path / "rows.jsonl"
+    src.write_text("".join(json.dumps({"input_ids": [1, 2, 3], "answer": f"{i:06d}"}) + "\n" for i in range(8000)))
+    assert os.path.getsize(src) > 4 * 65536
+    out, _ = in_job.prepare_in_job(str(src), None, 1000)
+    _restage(str(src), str(tmp_path / "slurm-2" / "rows.jsonl"))
+    assert in_job.prepare_in_job(str(tmp_path / "slurm-2" / "rows.jsonl"), None, 1000, resumed=True)[0] == out
+    text = src.read_text()
+    assert text.count('"003000"') == 1 and text.index('"003000"') > 65536 < len(text) - text.index('"003000"')
+    src.write_text(text.replace('"003000"', '"003001"'))
+    assert in_job.prepare_in_job(str(src), None, 1000, resumed=True)[0] != out
