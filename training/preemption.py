@@ -142,6 +142,7 @@ class Deadline:
         end = os.environ.get("SLURM_JOB_END_TIME")
         self.end = float(end) if end else (now + time_limit_s if time_limit_s > 0 else None)
         self.step_s = 0.0  # longest step measured
+        self.last_step_s = 0.0  # the last one (the save cadence's: record_step)
         self.save_s: float | None = None  # longest save measured
         self.build_s = 0.0  # longest engine build + restore measured
         self.eval_s: float | None = None  # longest stage evaluation measured
@@ -198,6 +199,7 @@ class Deadline:
         """A step's running time, read by training/step.py on base/stopped.py's clock, which stands still while this
         process is stopped (recorded after the step's logging: not an interval that ends at this call)."""
         self.step_s = seconds if self._estimated else max(self.step_s, seconds)
+        self.last_step_s = seconds  # the save cadence's step (a straggler or the first step's warm-up is not every one)
         self._estimated = False
 
     # a save, a build and an evaluation: an interval that ends at the call, less this process's stops within it
@@ -220,6 +222,7 @@ class Deadline:
         counted the shorter stage's step: 512k -> 1M on Llama-3-8B at sp 8, a step x3.8 longer, so the job built,
         restored and stepped into its time limit (TIMEOUT, never requeued)."""
         self.step_s *= cost
+        self.last_step_s *= cost
         self.eval_s = None if self.eval_s is None else self.eval_s * cost
         self._estimated = self._estimated_eval = True
 
@@ -343,7 +346,8 @@ class PreemptionFlag:
         (a step longer than what is left: 1M). Before a write is measured, the guess of Deadline.guess_save_s
         (Llama-3-8B on 32 ranks: ~190 s, so the first save comes ~5 of `auto`'s 9 minutes after the start)."""
         write = self.deadline.guess_save_s() if self.write_s is None else self.write_s
-        step = self.deadline.step_s
+        step = self.deadline.last_step_s or self.deadline.step_s  # the last step's (the longest one
+        # would hold a straggler's 600 s at 1M for the whole stage: saves every 4 steps, ~25 min lost at most)
         return max(self.save_every_s - write - step, self.save_every_s / 2, SAVE_GAP_STEPS * step)
 
     def saved(self, blocked_s: float | None = None, at: float | None = None) -> None:

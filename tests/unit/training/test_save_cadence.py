@@ -75,6 +75,17 @@ def test_due_after_floors():
     assert flag.due_after_s() == pytest.approx(1.5 * 295.86)
 
 
+def test_a_straggler_step_does_not_hold_the_cadence_for_the_stage():
+    """The floor took the stage's longest step: one straggler (or the first step's warm-up) of 600 s at 1M held saves
+    4 steps apart for the rest of the stage (a review). The last measured step's now; the time limit keeps the
+    longest (Deadline.step_s)."""
+    flag = PreemptionFlag(None, save_every_s="auto")
+    flag.write_s = 97.0
+    for seconds in (600.0, 296.0, 295.0):
+        flag.deadline.record_step(seconds)
+    assert flag.deadline.step_s == 600.0 and flag.due_after_s() == pytest.approx(1.5 * 295.0)
+
+
 def test_the_checkpointer_measures_a_background_write_to_durable(tmp_path):
     """Checkpointer.written_s: the save's start until every rank's write is durable (the writer's own time), not
     the later step boundary that commits it."""
