@@ -317,7 +317,7 @@ class ChatEncoder:
         wanted, flagged = turns_to_train(conv, first, loss_on)
         conv, rewritten = fit_arguments(self, conv, tools)  # tool-call arguments as this template writes them
         refuse_unrendered(self, conv, tools, wanted)  # tool definitions, environment turns the template drops
-        refuse_dropped(self, conv, wanted)  # reasoning the template never renders
+        refuse_dropped(self, conv, wanted, tools)  # reasoning the template never renders
         if self.kind == "chatml" and any(conv[k].get("tool_calls") for k in wanted):
             k = next(k for k in wanted if conv[k].get("tool_calls"))
             raise RowError(f"message {k} (assistant): tool calls, and the ChatML default (the tokenizer has no "

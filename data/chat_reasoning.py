@@ -2,7 +2,9 @@
 
 Reasoning reaches a template two ways: a reply's `reasoning_content` / `thinking` / `reasoning` field (vLLM's and
 Qwen3's name, gpt-oss's, OpenRouter's; data/chat_rows.py gives the template the text under all three), or the content's `<think>...</think>` block (OpenThoughts, s1K,
-Mixture-of-Thoughts rows). Templates treat them three ways, read in their stored copies:
+Mixture-of-Thoughts rows), or its text before a `</think>` with no `<think>` where the template reads it so (R1-style
+`reasoning</think>answer`: `think_parts`). Given twice (a field and a content block) it is refused (`both`).
+Templates treat them three ways, read in their stored copies:
 - they render it (Qwen3, gpt-oss; any template that prints the content verbatim renders a think block as text);
   a template with a place of its own for the field that prints a content think block as answer text (gpt-oss: the
   field in its analysis channel, the block inside the final one) refuses the content form in one line (`as_text`);
@@ -16,11 +18,13 @@ Which way is read once per template and form, from a probe conversation whose la
 way every template renders it, if it renders it at all); where a plain reply's does not render, a second probe gives
 the reply a tool call and a tool list (Gemma 4 renders its thought channel only there: a reply with calls trains
 with it, one without is refused with no content fix). The count reads each trained span's own tokens, never the
-conversation's text. Cost: two probe renders per encoder (two more where a plain reply drops it); a row without
-reasoning pays nothing.
+conversation's text. Cost: two probe renders per encoder (two more where a plain reply drops it, one more for the
+first bare `</think>`); a row without reasoning pays nothing.
 """
 
 from __future__ import annotations
+
+import re
 
 from data.chat_rows import REASONING, RowError, unicode_form
 
@@ -62,14 +66,50 @@ def split_think(content: str, bare: bool = False) -> tuple[str | None, str]:
 
 def think_parts(enc, content: str) -> tuple[str | None, str]:
     """`split_think` for `enc` (None: no encoder): a content with `</think>` and no `<think>` is reasoning</think>answer
-    where the template opens the block itself, in its generation prompt (DeepSeek-R1, GLM-4.7, MiniMax-M2, Nemotron
-    Nano v2) or before every content (Kimi-K2-Thinking's `<think></think>`: refused, `refuse_dropped`). Read once per
+    where the template reads it so: it opens the block itself, in its generation prompt (DeepSeek-R1, GLM-4.7,
+    MiniMax-M2, Nemotron Nano v2) or before every content (Kimi-K2-Thinking's `<think></think>`: refused,
+    `refuse_dropped`), or it renders such a last reply's text before `</think>` inside its own think block (`reads_bare`:
+    Qwen3, QwQ, GLM-4.6, which take `content.split('</think>')[0]` as the reasoning, as TRL trains it). Read once per
     encoder, only for such a content."""
     bare = enc is not None and enc.kind != "chatml" and "</think>" in content and "<think>" not in content
     if bare and "bare" not in enc.reasoning_renders:
-        enc.reasoning_renders["bare"] = _opens(enc) or bool(_renders(enc, "content")
-                                                            and enc.reasoning_renders.get("nests"))
+        enc.reasoning_renders["bare"] = _opens(enc) or reads_bare(enc) or bool(
+            _renders(enc, "content") and enc.reasoning_renders.get("nests"))
     return split_think(content, bare and enc.reasoning_renders["bare"])
+
+
+def reads_bare(enc) -> bool:
+    """Whether `enc`'s template renders a last reply `reasoning</think>answer` (no `<think>`: R1's, its distills', QwQ's
+    and Qwen3-Thinking's raw output, their prompt opening the block) with the reasoning inside a think block of its
+    own before the answer (Qwen3's `<think>\nreasoning\n</think>\n\nanswer`, GLM-4.6's `\n<think>reasoning</think>\nanswer`).
+    A template that prints the content verbatim writes no `<think>` before it. Read once per encoder (a render)."""
+    cache = enc.reasoning_renders
+    if "reads bare" not in cache:
+        cache["reads bare"] = False
+        reply = {"role": "assistant", "content": f"{_WHY}</think>Probe answer."}
+        seen = re.compile(r"<think>\s*" + re.escape(_WHY) + r"\s*</think>\s*Probe answer\.")
+        for msgs, tools in (([_ASK, reply], None), ([{"role": "system", "content": "Probe system."}, _ASK, reply],
+                                                     None), ([_ASK, reply], [])):
+            try:
+                text = enc._text(msgs, tools=tools)
+            except RowError:
+                continue
+            cache["reads bare"] = bool(seen.search(text[text.index(_ASK["content"]):]))
+            break
+    return cache["reads bare"]
+
+
+def marked(enc, msg: dict) -> tuple[str, str] | None:
+    """("lead", text) where a reply's content opens with a `<think>...</think>` block (empty included: `text` ""),
+    ("bare", text) where it is reasoning</think>answer as `enc`'s template reads it (`think_parts`); None otherwise.
+    What a template with a place or a block of its own would render beside it (`refuse_dropped`)."""
+    content = msg.get("content")
+    if not isinstance(content, str) or "</think>" not in content:
+        return None
+    block = think_parts(enc, content)[0]
+    if block is None:
+        return None
+    return ("lead" if content.lstrip().startswith("<think>") else "bare"), block
 
 
 def quoted_close(enc, msg: dict) -> bool:
@@ -160,22 +200,79 @@ def bare_close(enc, msg: dict, k: int) -> None:
                    "reasoning_content) field")
 
 
-def refuse_dropped(enc, conv: list[dict], turns: list[int]) -> None:
+def both(enc, msg: dict, k: int) -> None:
+    """A RowError, one line, where a reply gives reasoning twice: a reasoning field and a content think block (leading,
+    empty included, or reasoning</think>answer where the template reads it so). Templates render the field and print
+    the content beside it: Qwen3 / GLM-4.6 trained two think blocks, gpt-oss the analysis channel and the block in its
+    final one. The fix named keeps the form the template renders in a place of its own."""
+    field = next((f for f in FIELDS if isinstance(msg.get(f), str) and msg[f].strip()), None)
+    mark = marked(enc, msg) if field else None
+    if mark is None:
+        return
+    what = ("an empty <think></think>" if not mark[1] else "a <think>...</think> block") if mark[0] == "lead" else (
+        "reasoning before its </think>")
+    fix = ("drop the content's (the field is what the template renders as reasoning)" if _renders(enc, "field")
+           else "drop the field (the template renders the content's)")
+    quoted = "; a quoted `</think>` is written otherwise (`&lt;/think&gt;`)" if mark[0] == "bare" else ""
+    raise RowError(f"message {k} (assistant): it gives reasoning twice, its {field} field and {what} in its content, "
+                   f"and {enc.name} would train both: {fix}{quoted}")
+
+
+def thoughts(enc, msg: dict, k: int) -> None:
+    """A RowError, one line, where a reply is in OpenThoughts-114k's / Bespoke-Stratos' form (`<|begin_of_thought|>
+    ...<|end_of_thought|>` then `<|begin_of_solution|>...`) and `enc`'s template has a place of its own for reasoning
+    (Qwen3 wrote its empty think block, then the thoughts as answer text). A template without one trains the form as
+    written, as those models were trained."""
+    content = msg.get("content")
+    if (isinstance(content, str) and "<|begin_of_thought|>" in content and "<|end_of_thought|>" in content
+            and _renders(enc, "field")):
+        raise RowError(f"message {k} (assistant): its content holds <|begin_of_thought|>...<|end_of_thought|> "
+                       f"(OpenThoughts / Bespoke-Stratos), which {enc.name} would train as answer text beside its own "
+                       "reasoning, left empty: give the thought as the reply's reasoning_content (or thinking) field "
+                       "and the <|begin_of_solution|> text as its content")
+
+
+def _closes(enc, conv: list[dict], k: int, tools: list | None) -> str | None:
+    """The end of this row's generation prompt before reply k where it closes the think block (Nemotron Nano v2's
+    `<think></think>` under a system prompt's /no_think); None where it does not (or does not render)."""
+    try:
+        head = enc._text(conv[:k], True, tools).rstrip()
+    except RowError:
+        return None
+    return head[-24:] if head.endswith("</think>") else None
+
+
+def refuse_dropped(enc, conv: list[dict], turns: list[int], tools: list | None = None) -> None:
     """A RowError, one line, where a reply to train carries reasoning in a form `enc`'s template never renders, or
-    renders as answer text beside a place of its own for it (`as_text`), or might (`bare_close`)."""
+    renders as answer text beside a place of its own for it (`as_text`), or might (`bare_close`), or twice (`both`).
+    A content's think block counts empty too (`marked`): gpt-oss trained `<think>\n\n</think>` as answer text,
+    Nemotron Nano v2 nested it. Cost: one render more for a last reply reasoning</think>answer on a template that
+    opens the block (the row's own prompt: its /no_think closes it)."""
     for k in turns:
         bare_close(enc, conv[k], k)
-        got = reasoning(conv[k], enc)
-        if got and got[0] == "content" and as_text(enc):
+        both(enc, conv[k], k)
+        thoughts(enc, conv[k], k)
+        got, mark = reasoning(conv[k], enc), marked(enc, conv[k])
+        empty = "drop the empty <think></think> (a reply without reasoning)"
+        if mark and mark[0] == "lead" and as_text(enc):
             raise RowError(f"message {k} (assistant): {enc.name} renders reasoning given as thinking / "
-                           "reasoning_content in a place of its own, and the content's think block as answer text: "
-                           "give the reasoning as the reply's thinking (or reasoning_content) field")
-        if got and got[0] == "content" and _renders(enc, "content") and enc.reasoning_renders.get("nests"):
+                           "reasoning_content in a place of its own, and the content's think block as answer text: " +
+                           (empty if not mark[1] else "give the reasoning as the reply's thinking (or "
+                            "reasoning_content) field"))
+        if mark and _renders(enc, "content") and enc.reasoning_renders.get("nests"):
             opens = _opens(enc)  # the block opened by the generation prompt (Nemotron-Nano-v2's): reasoning</think>answer
-            if opens and "<think>" not in conv[k]["content"]:
-                continue
+            if opens and mark[0] == "bare":
+                if k < len(conv) - 1 or (shut := _closes(enc, conv, k, tools)) is None:
+                    continue  # (an earlier reply is written past its </think>)
+                raise RowError(f"message {k} (assistant): this row's generation prompt closes the think block (it ends "
+                               f"{shut!r}: /no_think in the system prompt, or a switch off), so {enc.name} would train "
+                               "the reasoning before `</think>` after it: drop the /no_think, or the reasoning and its "
+                               "`</think>`")
             fix = ("give the content as reasoning</think>answer (the template opens the block), " if opens else
                    "give it as reasoning_content where the template renders that field, ")
+            if not mark[1]:
+                fix = empty[:-1] + ("; /no_think in the system prompt makes the template write its own), " if
+                                    "/no_think" in (enc.template or "") else "), ")
             raise RowError(f"message {k} (assistant): {enc.name} writes its own <think> before a reply, so the "
                            f"content's think block would be trained nested in a second one: {fix}use a template "
                            "that renders it, or drop the reasoning")
@@ -211,9 +308,10 @@ def as_rendered(enc, conv: list[dict], tools: list | None) -> list[dict]:
     out = list(conv)
     for k, m in enumerate(conv):
         got = reasoning(m, enc) if m["role"] == "assistant" else None
-        if got and got[1] not in text:
+        if got and got[1] not in text and not (got[0] == "content" and quoted_close(enc, m)):  # (that one: the
+            # span must show its answer whole, `</think>` and all: not found, said by cut_why)
             out[k] = ({x: v for x, v in m.items() if x not in FIELDS} if got[0] == "field" else
-                      {**m, "content": m["content"].split("</think>")[-1].lstrip("\n")})
+                      {**m, "content": think_parts(enc, m["content"])[1]})
     if out == conv:
         return conv
     try:

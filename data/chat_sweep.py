@@ -20,7 +20,9 @@ shipped template, and Hugging Face's own assistant mask of the marked template i
   not at all (no token of a header, a system, user or tool message is ever supervised; no reply cut short);
 - the regions not supervised are exactly the turns the encoder counts (`untrained_turns`) and the replies the row
   flags not to train (`weight` 0: never supervised, counted as `flagged_turns`);
-- every supervised span decodes to text holding its reply (past a `</think>`) and its tool calls' names.
+- every supervised span decodes to text holding its reply (past its reasoning: a leading think block, or the text
+  before a `</think>` the template reads as reasoning, data/chat_reasoning.think_parts; the rest whole) and its tool
+  calls' names.
 A row the encoder refuses (RowError, one line, naming the template and the fix) passes as a refusal; a branch of
 a family's template not written here (`unchecked` in families.json) is `not checked`; a WRONG cell stays WRONG in
 the table, and the test allows it only in a family whose `wrong` says why (an encoder bug found, not fixed yet). `checked` names the stored
@@ -39,7 +41,7 @@ import tempfile
 import numpy as np
 
 from data.chat import ChatEncoder, RowError
-from data.chat_reasoning import reasoning
+from data.chat_reasoning import reasoning, think_parts
 from data.chat_rows import REASONING
 from data.chat_template import row_template
 from data.tokenizer import Tokenizer
@@ -250,11 +252,11 @@ def check(enc: ChatEncoder, oracle_template: str, conv: list[dict], tools: list 
                 return f"WRONG: message {k}, weighted 0, is supervised"
         elif got.all():
             text = hf.decode(ids[a:b])
-            want = conv[k]["content"].split("</think>")[-1].strip()
+            want = think_parts(enc, conv[k]["content"])[1]  # past its reasoning, as the template reads it, whole
             names = [c["function"]["name"] for c in conv[k].get("tool_calls") or []]
             if want not in text or not all(n in text for n in names):
                 return f"WRONG: the span of message {k} does not show its reply ({text!r})"
-            dropped += bool((why := reasoning(conv[k])) and why[1] not in text)
+            dropped += bool((why := reasoning(conv[k], enc)) and why[1] not in text)
         elif not got.any():
             untrained += 1
         else:

@@ -31,10 +31,11 @@ def spans(enc: ChatEncoder, conv: list[dict]) -> tuple[list[str], dict]:
 
 
 _EMPTY, _TWO = "Empty blocks look like <think></think> in the logs.", "<think>\nr\n</think>\n\nA tag `</think>` closes; B."
+_BARE2 = "Use s.split('</think>')[-1], not s.split('</think>')[0]."  # read as reasoning</think>answer: the rest is cut
 
 
 @pytest.mark.parametrize("key,reply", [(k, r) for k in ("qwen3", "glm46", "minimax_m2") for r in (_EMPTY, _TWO)]
-                         + [("deepseek_v31", _EMPTY), ("qwen3", "Use s.split('</think>')[-1] to drop it.")])
+                         + [("deepseek_v31", _EMPTY), ("qwen3", _BARE2), ("glm46", _BARE2)])
 def test_a_quoted_think_tag_a_template_cuts_at_is_never_trained_rewritten(root, key, reply):
     """Qwen3, GLM, MiniMax-M2, DeepSeek-V3.1 cut a reply's content at its first / last `</think>`: a reply quoting the
     tag trained `<think>\\n\\n</think>\\n\\n in the logs.` (text lost, a made-up think block), uncounted, since the
