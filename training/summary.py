@@ -2,7 +2,8 @@
 
 The plan comes from planner/memory_model.py (the formulas of scripts/plan.py, derived in
 docs/memory_model.md): per-rank GPU peak and per-node CPU memory for every stage, with the features
-and offloads this run actually uses; then what each stage's evaluation runs and, on a GPU plan, how long.
+and offloads this run actually uses; then what each stage's evaluation runs and, on a GPU plan, how long, each
+stage's steps x the planner's predicted step and its saves (training/run_time.py), and the whole run's time.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from training.ds_config import ADAM_BETAS, ADAM_EPS
 from training.engine import stage_config
 from training.evaluation import DEFAULT_DEPTHS, eval_lengths, retention_samples, task_trials
 from training.hf_args import ratio_steps
+from training.run_time import HOUR_S, duration, run_line, time_line
 
 PLAN_MFU, H100_TFLOPS = 0.4, 989.0  # the plan's throughput: 40% MFU of an H100's dense bf16 peak
 
@@ -76,18 +78,20 @@ def offload_line(s: Stage, feats: Features) -> str:
     return f"offload: {on} ({c['offload_why']}{cost})"
 
 
-def _duration(seconds: float) -> str:
-    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
-
-
 def _count(n: int, word: str) -> str:
     return f"{n} {word}{'s' * (n != 1)}"
 
 
 def eval_line(shape, s: Stage, stages: list[Stage], world: int, micro_batch: int, gpu_plan: bool) -> str:
-    """What the stage's evaluation runs (training/evaluation.py): trials x depths x lengths forward passes of
-    the tasks (with a text tokenizer) plus the held-out samples (and again at the first stage's length), and on
-    a GPU plan its time at 40% MFU of an H100: a forward is a third of the planner's flops_per_sequence, the
+    return eval_plan(shape, s, stages, world, micro_batch, gpu_plan)[0]
+
+
+def eval_plan(shape, s: Stage, stages: list[Stage], world: int, micro_batch: int,
+              gpu_plan: bool) -> tuple[str, float]:
+    """(the eval line, its seconds: 0 without a GPU plan). What the stage's evaluation runs (training/evaluation.py):
+    trials x depths x lengths forward passes of the tasks (with a text tokenizer) plus the held-out samples (and
+    again at the first stage's length), and on a GPU plan its time at 40% MFU of an H100: a forward is a third of
+    the planner's flops_per_sequence, the
     passes of one call (a length's tasks, the held-out samples) split over the stage's DP groups (rounds of
     dp x micro_batch), each group of sp GPUs."""
     trials = task_trials(s.eval, tokenizer=True)  # counted as a run with a text tokenizer would run them
@@ -101,7 +105,7 @@ def eval_line(shape, s: Stage, stages: list[Stage], world: int, micro_batch: int
     calls = [(n, k) for n, k in calls if k]
     total = sum(k for _, k in calls)
     if not total:
-        return "eval: none (no held-out samples, no tasks)"
+        return "eval: none (no held-out samples, no tasks)", 0.0
     parts = []
     if trials:
         per = (_count(next(iter(trials.values())), "trial") if len(trials) == 1
@@ -113,11 +117,11 @@ def eval_line(shape, s: Stage, stages: list[Stage], world: int, micro_batch: int
     line = (f"eval: {' + '.join(parts)} = {total} forward passes of "
             + (f"{sizes[0]} tokens" if len(sizes) == 1 else f"{sizes[0]}-{sizes[-1]} tokens"))
     if not gpu_plan:
-        return line
+        return line, 0.0
     dp = max(1, world // s.sp)
     secs = sum(math.ceil(k / (dp * micro_batch)) * micro_batch * flops_per_sequence(shape, n) / 3
                / (s.sp * PLAN_MFU * H100_TFLOPS * 1e12) for n, k in calls)
-    return line + f" ~ {_duration(secs)} on {world} x H100 at 40% MFU ({dp} groups of sp={s.sp})"
+    return line + f" ~ {duration(secs)} on {world} x H100 at 40% MFU ({dp} groups of sp={s.sp})", secs
 
 
 def _g(value) -> str:
@@ -148,6 +152,8 @@ def plan_lines(cfg: Config, stages: list[Stage], world: int, gpus_per_node: int,
         ds = json.load(fh)
     lines = []
     gpu_plan = cfg.nodes > 0 or not no_gpu()  # a GPU run, or a dry run for the cluster the recipe names
+    step_s = eval_s = 0.0  # the run's predicted seconds (a GPU plan's): run_time.run_line
+    over_an_hour, unplanned, saved = [], [], False
     for s in stages:
         merged = _merge(ds, s.deepspeed_overrides)
         feats = run_features(cfg, merged, s)
@@ -171,7 +177,17 @@ def plan_lines(cfg: Config, stages: list[Stage], world: int, gpus_per_node: int,
                          + (f"; ~{tps:.0f} tokens/s/GPU at 40% MFU of an H100" if gpu_plan else ""))
             lines.append("      " + feature_line(shape, s, feats))
             lines.append("      " + offload_line(s, feats))
-            lines.append("      " + eval_line(shape, s, stages, world, cfg.per_device_train_batch_size, gpu_plan))
+            line, secs = eval_plan(shape, s, stages, world, cfg.per_device_train_batch_size, gpu_plan)
+            lines.append("      " + line)
+            if gpu_plan:  # no H100 time on a CPU run's plan (as tokens/s above)
+                line, step, saved = time_line(cfg, shape, s, world, saved)
+                lines.append("      " + line)
+                step_s, eval_s = step_s + s.max_steps * step, eval_s + secs
+                if step > HOUR_S:
+                    over_an_hour.append(s.index)
         except ValueError as e:  # a shape the planner cannot read: say so, do not stop the run
             lines.append(f"  stage {s.index} {s.name}: seq_len={s.max_seq_length} sp={s.sp} (no memory plan: {e})")
+            unplanned.append(s.index)
+    if gpu_plan and len(unplanned) < len(stages):
+        lines.append("  " + run_line(step_s, eval_s, over_an_hour, unplanned))
     return lines
