@@ -36,6 +36,7 @@ from bench.harness import (
     ROOT,
     bench_model,
     format_table,
+    read_json,
     read_steps,
     result_path,
     run,
@@ -116,11 +117,7 @@ def verdict(result: dict) -> int:
 def report(path: str) -> int:
     """verdict of a saved run (--report); ValueError (one line) for a file that is not one, before any output."""
     what = "give bench/results/calibration.json (a run of python -m bench.calibration)"
-    try:
-        with open(path, encoding="utf-8") as fh:
-            result = json.load(fh)
-    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
-        raise ValueError(f"--report {path}: not a readable JSON file ({type(e).__name__}): {what}") from None
+    result = read_json(path, "--report", what)
     if not (isinstance(result, dict) and isinstance(result.get("points"), list) and "runtime_gb" in result
             and isinstance(result.get("bound"), list) and len(result["bound"]) == 2):
         raise ValueError(f"--report {path}: not a calibration run (runtime_gb, bound, points): {what}")

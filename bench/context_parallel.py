@@ -55,6 +55,7 @@ from bench.harness import (
     ROOT,
     bench_model,
     format_table,
+    read_json,
     read_metrics,
     read_steps,
     result_path,
@@ -222,11 +223,7 @@ def render_saved(path: str) -> str:
     """render_markdown of a saved run's JSON; ValueError (one line) for a file that is not one (missing, not UTF-8
     JSON, a list, {}, a field of another kind), before any page is written."""
     what = "give bench/results/context_parallel.json (a run of python -m bench.context_parallel)"
-    try:
-        with open(path, encoding="utf-8") as fh:
-            result = json.load(fh)
-    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
-        raise ValueError(f"--render {path}: not a readable JSON file ({type(e).__name__}): {what}") from None
+    result = read_json(path, "--render", what)
     missing = [k for k in RESULT_KEYS if k not in result] if isinstance(result, dict) else []
     if not isinstance(result, dict) or missing:
         why = f"no {', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}" if missing else "not a JSON object"

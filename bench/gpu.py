@@ -257,12 +257,7 @@ def merge(new_path: str, out: str) -> list[str]:
     """Write into `out` the sections of the run in `new_path` (each replacing the one there), keeping the others,
     with a note naming what came from which run; a missing `out` is the new run itself. The merged section names.
     ValueError (one line) where `new_path` is not a run's JSON: nothing is written."""
-    try:
-        with open(new_path, encoding="utf-8") as fh:
-            new = json.load(fh)
-    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
-        raise ValueError(f"--merge {new_path}: not a readable JSON file ({type(e).__name__}): give a bench.gpu run's "
-                         "--out JSON") from None
+    new = bm.read_json(new_path, "--merge", "give a bench.gpu run's --out JSON")
     if not isinstance(new, dict) or "started" not in new or all(k in RUN_KEYS for k in new):
         raise ValueError(f"--merge {new_path}: not a bench.gpu run (a JSON object with 'started' and a section): give "
                          "a bench.gpu run's --out JSON")

@@ -33,6 +33,16 @@ def result_path(name: str) -> str:
     return os.path.join(RESULTS, name)
 
 
+def read_json(path: str, flag: str, what: str):
+    """A saved result's JSON for a --render / --report / --merge style `flag`; ValueError (one line, `what` naming the
+    file to give) where it cannot be read, is not UTF-8 or not JSON: before any output is written."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
+        raise ValueError(f"{flag} {path}: not a readable JSON file ({type(e).__name__}): {what}") from None
+
+
 def write_json(path: str, obj) -> None:
     """`obj` as indented JSON at `path`, its folder made first."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

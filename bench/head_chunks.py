@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 
-from bench.harness import ROOT, format_table, result_path, write_json
+from bench.harness import ROOT, format_table, read_json, result_path, write_json
 
 # No checkpointing: with it (and ALST's 1 GiB logits tile) the logits and the MLP set the peak of this small model, and
 # chunking moved nothing (2048-8192 tokens, 2 layers, 2026-11-26: peak RSS ratio 0.989-1.002). Without it every layer
@@ -140,11 +140,7 @@ def table(res: dict) -> str:
 def report(path: str) -> str:
     """table of a saved result (--report); ValueError (one line) for a file that is not one."""
     what = "give bench/results/head_chunks.json (a run of python -m bench.head_chunks)"
-    try:
-        with open(path, encoding="utf-8") as fh:
-            res = json.load(fh)
-    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
-        raise ValueError(f"--report {path}: not a readable JSON file ({type(e).__name__}): {what}") from None
+    res = read_json(path, "--report", what)
     if not (isinstance(res, dict) and isinstance(res.get("ratios"), list) and isinstance(res.get("points"), list)
             and "chunks" in res):
         raise ValueError(f"--report {path}: not a head-chunks run (chunks, points, ratios): {what}")

@@ -12,12 +12,11 @@ one-line refusal. This module imports no torch at import time (the catalog is ch
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 from base.atomic import atomic_write
-from bench.harness import ROOT
+from bench.harness import ROOT, read_json
 from planner.shapes import HEAD_CHUNK_MODEL_TYPES
 
 # the sizes every tiny config gets, where the config has the field (hidden 128, 2 layers, 4 heads, 2 KV heads)
@@ -159,12 +158,8 @@ def render(results: dict) -> str:
 def read_sweep(path: str) -> dict:
     """The sweep's JSON ({model_type: {status, ...}}); ValueError (one line) for anything else: {} or a list would
     render docs/models.md as an empty table."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            results = json.load(fh)
-    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
-        raise ValueError(f"--render {path}: not a readable JSON file ({type(e).__name__}): give "
-                         "bench/results/model_sweep.json (tests/multiproc/test_model_sweep.py writes it)") from None
+    results = read_json(path, "--render", "give bench/results/model_sweep.json (tests/multiproc/test_model_sweep.py "
+                        "writes it)")
     if not (isinstance(results, dict) and results
             and all(isinstance(r, dict) and isinstance(r.get("status"), str) for r in results.values())):
         raise ValueError(f"--render {path}: not a model sweep ({{model_type: {{status: parity, ...}}}}, at least one "

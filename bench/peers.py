@@ -194,11 +194,7 @@ def resummarized(path: str, tolerance: float) -> dict:
     """--resummarize: a saved --same_memory result with its summary recomputed (and its table tried), before the file
     is rewritten; ValueError (one line) for a file that is not one (it is left as it was)."""
     what = "give bench/results/peers_same_memory.json (a run of python -m bench.peers --same_memory)"
-    try:
-        with open(path, encoding="utf-8") as fh:
-            res = json.load(fh)
-    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
-        raise ValueError(f"--resummarize {path}: not a readable JSON file ({type(e).__name__}): {what}") from None
+    res = h.read_json(path, "--resummarize", what)
     if not (isinstance(res, dict) and isinstance(res.get("rows"), list) and isinstance(res.get("cap_gb"), (int, float))):
         raise ValueError(f"--resummarize {path}: not a same-memory run (rows, cap_gb): {what}")
     try:

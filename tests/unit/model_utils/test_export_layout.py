@@ -15,13 +15,16 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_la
             num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
 
 
-def _checkpoint(tmp_path, monkeypatch, config, model) -> str:
-    """A checkpoint folder whose consolidation returns `model`'s state dict; hf_config.json is `config`."""
+def _checkpoint(tmp_path, monkeypatch, config, model, trainer: dict | None = None) -> str:
+    """A checkpoint folder whose consolidation returns `model`'s state dict; hf_config.json is `config`, trainer.json
+    `trainer` where given."""
     import deepspeed.utils.zero_to_fp32 as z
 
     ck = tmp_path / "run" / "checkpoints" / "step_000002"
     ck.mkdir(parents=True)
     (ck / "hf_config.json").write_text(config.to_json_string())
+    if trainer is not None:
+        (ck / "trainer.json").write_text(json.dumps(trainer))
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     monkeypatch.setattr(z, "get_fp32_state_dict_from_zero_checkpoint", lambda root, tag: dict(state))
     return str(ck)

@@ -12,29 +12,10 @@ import os
 
 import torch
 
+from tests.unit.model_utils.test_export_layout import _checkpoint, _keys
+
 TEXT = dict(vocab_size=300, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16)
-
-
-def _checkpoint(tmp_path, monkeypatch, config, model, trainer: dict | None = None) -> str:
-    """A checkpoint folder whose consolidation returns `model`'s state dict; hf_config.json is `config`."""
-    import deepspeed.utils.zero_to_fp32 as z
-
-    ck = tmp_path / "run" / "checkpoints" / "step_000002"
-    ck.mkdir(parents=True)
-    (ck / "hf_config.json").write_text(config.to_json_string())
-    if trainer is not None:
-        (ck / "trainer.json").write_text(json.dumps(trainer))
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    monkeypatch.setattr(z, "get_fp32_state_dict_from_zero_checkpoint", lambda root, tag: dict(state))
-    return str(ck)
-
-
-def _keys(folder) -> list[str]:
-    from safetensors import safe_open
-
-    with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
-        return sorted(f.keys())
 
 
 def test_a_renamed_config_field_is_written_under_the_name_4x_reads(tmp_path, monkeypatch):
