@@ -189,12 +189,13 @@ pdsh_bare() {
   esac
 }
 
-# pdsh_quoted TEXT [ESCAPED]: why TEXT, placed in "..." there, does not reach the nodes as it is; ESCAPED=1: its " are
-# escaped (an argument), else they end the quotes (a .deepspeed_env value)
+# pdsh_quoted TEXT [ESCAPED [PERCENT]]: why TEXT, placed in "..." there, does not reach the nodes as it is; ESCAPED=1:
+# its " are escaped (an argument), else they end the quotes (a .deepspeed_env value); PERCENT=1: pdsh's %h %u %n %% are
+# meant (a value's NCCL_DEBUG_FILE=/tmp/nccl.%h.%p.log: the node's host, as NCCL's own %h)
 pdsh_quoted() {
   local LC_ALL=C nl=$'\n'
+  [[ ${3:-0} = 1 || $1 != *%[hun%]* ]] || { echo "pdsh replaces %h, %u, %n and %% in it"; return; }
   case $1 in
-    *%[hun%]*) echo "pdsh replaces %h, %u, %n and %% in it" ;;
     *[\$\`]* | *\\ | *\\[\$\`\"\\$nl]*) echo "\$, \` and \\ expand inside the \"...\" the runner puts around it" ;;
     *\"*) [ "${2:-0}" = 1 ] || echo "the runner puts it in \"...\" without escaping its \"" ;;
     *$'\r'*) echo "a carriage return ends its line in .deepspeed_env" ;;
@@ -233,7 +234,7 @@ env_refusal() {
   local v why
   over_pdsh || return 0
   for v in "$@"; do
-    why=$(pdsh_quoted "${!v-}")
+    why=$(pdsh_quoted "${!v-}" 0 1)
     [ -z "$why" ] || [[ ${!v-} == *$'\n'* ]] && continue
     echo "$v (this environment's, for .deepspeed_env) does not reach the nodes as it is over pdsh (deepspeed's runner" \
       "exports it as $v=\"<value>\"): $why: drop those characters from it, or unset it, $pdsh_fix"
