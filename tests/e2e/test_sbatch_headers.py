@@ -85,3 +85,13 @@ def test_a_recipes_output_dir_is_read_without_the_notes_parse_config_prints(tmp_
                  FAKE_COMPLETE=str(done))
     text = job.communicate(timeout=120)[0]
     assert job.returncode == 0 and "output dir checkpoints/tiny_cpu\n" in text and "output dir note" not in text, text
+
+
+def test_an_output_dir_under_home_is_the_folder_train_py_writes(tmp_path):
+    """`--output_dir=~/runs/x` (no shell expands `~` after `=`): train.py writes $HOME/runs/x (its expanduser), the
+    batch shell looked for COMPLETE under ./~/runs/x and called a finished run failed (a review)."""
+    home = tmp_path / "home"
+    done = home / "runs" / "x" / "COMPLETE"
+    job = sbatch(tmp_path, "0", ["--output_dir=~/runs/x"], HOME=str(home), FAKE_COMPLETE=str(done))
+    text = job.communicate(timeout=120)[0]
+    assert job.returncode == 0 and f"output dir {home}/runs/x\n" in text, text
