@@ -89,9 +89,9 @@ import time
 from base import comm, stopped
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT, signal.SIGHUP)  # HUP: the terminal of a
-# plain `deepspeed` / torchrun run closed (its whole group gets it: the ranks died of it unsaved), a stop with its full
-# save (deepspeed's launch.py dies of it, killing nothing; torchrun's agent SIGTERMs its workers, whose window starts
-# then); left ignored where `nohup` ignores it (install); launch.sh's ranks, in a group of their own, get its SIGUSR1
+# plain `deepspeed` / torchrun run closed (the ranks died of it unsaved): under deepspeed a stop with its full save
+# (launch.py dies of it, killing nothing), under torchrun one in its window (its agent sends the workers its HUP and
+# SIGKILLs them 30 s later: install); left ignored where `nohup` ignores it; launch.sh's ranks get its SIGUSR1
 WINDOWED = (signal.SIGTERM, signal.SIGINT)  # the launchers get these too and SIGKILL the ranks KILL_WINDOW_S later
 LAUNCHED = ("LOCAL_SIZE", "LOCAL_WORLD_SIZE", "LAUNCH_EXIT_DIR")  # deepspeed's launch.py, torchrun, scripts/launch.sh
 KILL_WINDOW_S = 30.0  # deepspeed launch.py's wait_procs(timeout=30) and torchrun's default shutdown timeout
@@ -294,6 +294,8 @@ class PreemptionFlag:
         self.term_at: float | None = None  # this rank's first SIGTERM/SIGINT (monotonic)
         # a launcher that kills its ranks after a SIGINT too (a terminal's Ctrl-C reaches it as well); none: no window
         self.windowed = WINDOWED if any(os.environ.get(k) for k in LAUNCHED) else (signal.SIGTERM,)
+        if os.environ.get("TORCHELASTIC_RUN_ID"):  # torchrun's agent passes its HUP on to the workers (killpg) and
+            self.windowed += (signal.SIGHUP,)  # SIGKILLs them shutdown_timeout (30 s) later; deepspeed's dies of it
         self.window_left_s: float | None = None  # agreed at the last check: seconds to the kill (None: no SIGTERM)
         self.save_need_s = 0.0  # ... and the save time to count (MAX over ranks of guess_save_s)
         self._previous = {}

@@ -25,6 +25,8 @@ from training.curriculum import Stage
 from training.preemption import Deadline, PreemptionFlag
 
 ASSUMED = f"at {MFU:.0%} MFU of an H100, not measured"
+GUESS_BYTES_PER_PARAM = 14.0  # what training/stage._rank_bytes guesses a save's write from (a bf16 copy counted: 2 B
+# over the 12 saved), so the dry run's cadence is the one the run starts with
 
 
 def duration(seconds: float) -> str:
@@ -87,7 +89,8 @@ def time_line(cfg: Config, shape, s: Stage, world: int, saved: bool = False) -> 
     one came in an earlier stage: save_steps_apart)."""
     step, which = predicted_step(shape, s, cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps)
     ckpt = shape.num_params() * CKPT_BYTES_PER_PARAM  # every rank's files together
-    first, then, why = save_steps_apart(cfg, step, ckpt / world, saved)
+    guess = shape.num_params() * GUESS_BYTES_PER_PARAM / world  # the live run's first guess (training/stage._rank_bytes)
+    first, then, why = save_steps_apart(cfg, step, guess, saved)
     if not first or first >= s.max_steps:
         saves, cadence = 1, f"saves at the stage's end ({why})"
     else:  # the periodic saves before the last step, and the stage's end

@@ -78,14 +78,26 @@ def test_ctrl_c_during_the_start_up_is_a_users_stop(tmp_path, monkeypatch, capsy
 
 @pytest.mark.parametrize("launcher", LAUNCHED)
 def test_a_hang_up_is_a_stop_with_its_full_save(monkeypatch, launcher):
-    """The terminal of a plain `deepspeed` or torchrun run closed: its whole process group gets SIGHUP, whose default
-    action killed the ranks unsaved. Now a stop with its full save: deepspeed's launch.py dies of it and kills nothing
-    (no window to fit); torchrun's agent SIGTERMs its workers, whose own window starts then."""
+    """The terminal of a plain `deepspeed` run closed: its whole process group gets SIGHUP, whose default action
+    killed the ranks unsaved. Now a stop with its full save: deepspeed's launch.py dies of it and kills nothing (no
+    window to fit)."""
     no_launcher(monkeypatch)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     monkeypatch.setenv(launcher, "/tmp/x" if launcher == "LAUNCH_EXIT_DIR" else "8")
     clock, ckpt, flag, state, _ = simulate(monkeypatch, save_every_s=600, signal_at=(7, 50.0), sig=signal.SIGHUP)
     assert flag.stopping and flag.received == signal.SIGHUP and flag.window_left_s is None
     assert [(s, kind) for s, _, kind in ckpt.started] == [(6, "background"), (7, "sync")]
+
+
+def test_a_hang_up_under_torchrun_stops_in_its_window(monkeypatch):
+    """torchrun's agent catches the HUP, sends it to its workers (os.killpg: they run in sessions of their own, no
+    SIGTERM follows) and SIGKILLs them shutdown_timeout (30 s) later: the full save was killed mid-write (a review)."""
+    no_launcher(monkeypatch)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    clock, ckpt, flag, state, term = simulate(monkeypatch, save_every_s=600, signal_at=(7, 50.0), sig=signal.SIGHUP)
+    assert flag.window_left_s is not None and clock.t <= term + 30.0
+    assert [kind for _, _, kind in ckpt.started] == ["background"]
 
 
 def test_a_hang_up_nohup_ignores_stays_ignored(monkeypatch):

@@ -68,13 +68,14 @@ def test_each_stage_time_is_steps_times_the_predicted_step_and_the_run_sums_them
 
 def test_the_save_cadence_follows_the_preemption_rule():
     """save_interval_minutes auto: the next save is due max(9 min - write - step, 4.5 min, 1.5 steps) after the last,
-    the write guessed from the rank's checkpoint bytes (12 B per parameter over the world) at Deadline's rate, so the
-    saves come ceil(due / step) steps apart; each writes the checkpoint's 12 B per parameter."""
+    the write guessed from the rank's bytes as the live run guesses them (14 B per parameter over the world:
+    training/stage._rank_bytes) at Deadline's rate, so the saves come ceil(due / step) steps apart; each writes the
+    checkpoint's 12 B per parameter."""
     cfg = _cfg(memory_features="auto", gpu_mem_gb=80.0, stages=[StageConfig(name="a", max_steps=200)])
     (s,), text = _plan(cfg)
     step = s.memory_choice["predicted_step_s"]
     ckpt = 12 * SHAPE.num_params()
-    write = GUESS_FIXED_S + ckpt / WORLD / GUESS_RANK_BPS
+    write = GUESS_FIXED_S + 14 * SHAPE.num_params() / WORLD / GUESS_RANK_BPS
     n = math.ceil(max(540 - write - step, 270, SAVE_GAP_STEPS * step) / step)
     assert 1 < n < 200
     assert f"saves every {n} steps ~ " in text and f"a write guessed at ~{write:.0f} s" in text
