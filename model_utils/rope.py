@@ -51,6 +51,8 @@ OPTIONAL = {  # the other keys transformers reads for each type (modeling_rope_u
 }
 COMMON = {"rope_type", "rope_theta", "partial_rotary_factor"}
 KEEP = ("rope_theta", "partial_rotary_factor", "original_max_position_embeddings")  # what a change of type keeps
+DERIVED = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")  # null: transformers
+# derives them (a stage's `attention_factor: null` is not given); any other null is no setting
 PER_SHARD = ("dynamic", "longrope")  # frequencies from each forward's largest position
 NUMBERS = ("rope_theta", "partial_rotary_factor", "factor", "original_max_position_embeddings", "low_freq_factor",
            "high_freq_factor", "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
@@ -105,7 +107,7 @@ def check_rope(rope: dict, where: str, sp: int = 1, inherited: dict | None = Non
                          if near else "") + f": it takes {sorted(known - {'rope_type'})}")
     for key in NUMBERS:  # a stage's own (the model's are its config's): true, a list, nan or inf is no setting; a
         v = rope.get(key, 0.0)  # null for an optional one is not given (transformers derives its default), as before
-        if v is None and key not in ROPE_TYPES[kind]:
+        if v is None and key in DERIVED:
             continue
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
             _not_a_number(key, v, where)

@@ -130,6 +130,9 @@ def test_a_null_optional_rope_number_is_not_given():
     text-number check, and must stay so; a null `factor` (yarn needs one) is refused above."""
     for extra in ({"attention_factor": None}, {"beta_fast": None, "beta_slow": None}):
         check_rope({"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 256, **extra}, "--rope")
+    for extra in ({"rope_theta": None}, {"partial_rotary_factor": None}):  # not derived: one line, not a traceback
+        with pytest.raises(ValueError, match="is not a finite number"):
+            check_rope({"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 256, **extra}, "--rope")
 
 
 def test_a_leading_tilde_in_a_path_is_the_home_folder(tmp_path, monkeypatch):
