@@ -9,6 +9,7 @@ Errors name the file and line and stop before any heavy work.
 from __future__ import annotations
 
 import codecs
+import fnmatch
 import glob
 import gzip
 import io
@@ -77,18 +78,21 @@ def matching(path: str, flag: str) -> list[str] | None:
     files = sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))
     if not files:
         raise ValueError(f"{flag} {path}: the pattern names no file")
+    no_missing_shard(os.path.dirname(path.split("*")[0]) or ".", files, flag, pattern=path)
     return files
 
 
 _SAID: set[str] = set()  # notes already said (once per process: discover runs once per shard and per rank)
 
 
-def no_missing_shard(root: str, files: list[str], flag: str) -> None:
+def no_missing_shard(root: str, files: list[str], flag: str, pattern: str | None = None) -> None:
     """For a folder's `{split}-00000-of-00003` files: ValueError (one line) naming the shards a split lacks where most
     are there (a download cut short, one file deleted: the split was trained without them, without a word); a note
     saying how many are there where fewer than half are (a subset on purpose: C4's `en/c4-train.0000[0-2]-of-01024`,
     fetched with --include), read as it is. Older `datasets` push_to_hub names each shard with its own fingerprint
-    (`train_sft-00000-of-00003-a3ecf92756993583.parquet`): not part of the split's name. Cost: a regex per file."""
+    (`train_sft-00000-of-00003-a3ecf92756993583.parquet`): not part of the split's name. A glob's (`pattern`): the
+    same among the shards it would name (`train_sft-*` with one of 3 missing: refused, as the several-splits refusal
+    suggests that glob; `c4-train.0000*-of-01024` with 3 of its 10: a note). Cost: a regex per file."""
     groups: dict[tuple, set[int]] = {}
     for f in files:
         m = _SHARD_NAME.match(os.path.basename(f))
@@ -97,10 +101,13 @@ def no_missing_shard(root: str, files: list[str], flag: str) -> None:
             groups.setdefault((os.path.dirname(f), m[1], int(m[3]), post, m[3]), set()).add(int(m[2]))
     missing = []
     for (d, pre, n, post, total), have in sorted(groups.items()):
-        lack = [k for k in range(n in have, n + (n in have)) if k not in have]  # numbered from 1 (safetensors') too
+        every = range(n in have, n + (n in have))  # numbered from 1 (safetensors') too
+        if pattern is not None:  # a glob's: the shards it would name
+            every = [k for k in every if fnmatch.fnmatch(os.path.join(d, f"{pre}{k:05d}-of-{total}{post}"), pattern)]
+        lack = [k for k in every if k not in have]
         if not lack:
             continue
-        if 2 * len(have) >= n:  # most of the split: a download cut short
+        if 2 * len(have) >= len(every):  # most of the split: a download cut short
             missing += [os.path.join(d, f"{pre}{k:05d}-of-{total}{post}") for k in lack]
             continue
         note = (f"{flag} {root}: {len(have)} of the {n} shards of {os.path.relpath(os.path.join(d, pre), root)}*-of-"

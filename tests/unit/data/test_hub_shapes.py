@@ -122,13 +122,15 @@ def test_two_links_to_one_file_in_a_folder_are_refused(tmp_path):
 
 def test_a_split_missing_a_shard_is_refused_naming_it(tmp_path):
     """train-00000-of-00003 and -00002 alone (a download cut short) trained without -00001 as a folder: refused; a
-    glob names its files on purpose: read."""
+    glob too where it would name the missing shard (`train-*`, what the several-splits refusal suggests: a review),
+    not where it names the files present on purpose (`train-0000[0]-*`)."""
     os.makedirs(tmp_path / "part" / "data")
     for k in (0, 2):
         pq.write_table(pa.table({"messages": [_PAIR]}), tmp_path / "part" / "data" / f"train-0000{k}-of-00003.parquet")
     err = _one_line(discover, str(tmp_path / "part"))
     assert "shard data/train-00001-of-00003.parquet of its split is missing" in err and "download it again" in err
-    assert len(discover(str(tmp_path / "part" / "data" / "train-*.parquet"))) == 2
+    assert "train-00001-of-00003.parquet of its split is missing" in _one_line(
+        discover, str(tmp_path / "part" / "data" / "train-*.parquet"))
     assert len(discover(str(tmp_path / "part" / "data" / "train-0000[0]-*.parquet"))) == 1
     pq.write_table(pa.table({"messages": [_PAIR]}), tmp_path / "part" / "data" / "train-00001-of-00003.parquet")
     assert len(discover(str(tmp_path / "part"))) == 3
