@@ -19,7 +19,7 @@ The weights are written in the layout transformers' save_pretrained writes for t
 (hub_layout): transformers 5 fuses an MoE's experts in memory (Qwen3-MoE's `mlp.experts.gate_up_proj`, one 3-D
 tensor) and reverts that on save (`mlp.experts.N.gate_proj.weight` ...), Gemma 3's vision tower back under the base's
 `vision_tower.vision_model.`: the base's names, which transformers 4.x, vLLM's loaders and converters read. config.json
-also has the names 4.x reads where 5 renamed a field (legacy_aliases: Qwen3-MoE's num_experts).
+also has the names 4.x reads where 5 renamed a field (export_config.legacy_aliases: Qwen3-MoE's num_experts).
 They are written in the run's training precision by default (`dtype="auto"`: bf16 for a bf16 run, as save_pretrained
 of a bf16 model writes; half the fp32 size, 16 GB for 8B) or as asked (fp32 keeps the master weights exactly), and
 config.json says so in `dtype` and in `torch_dtype` (what transformers before 4.56 reads). What the model class keeps
@@ -43,6 +43,7 @@ import re
 import shutil
 
 from base.atomic import fsync_path, nearest_folder
+from model_utils.export_config import legacy_aliases, legacy_dtype, legacy_rope
 from model_utils.export_tokenizer import _json, check_recorded, export_tokenizer, recorded_or_none  # noqa: F401
 
 MARKER = "export.json"  # written into every export: which checkpoint it came from
@@ -301,26 +302,6 @@ def base_keys(source: str | None) -> list[str] | None:
     return None
 
 
-def legacy_aliases(path: str, config) -> None:
-    """config.json at `path` also with the names transformers 4.x reads where 5 renamed a field (each config class's
-    attribute_map, old -> new, in every sub-config; an old one set is kept): 5 writes the new one only (Qwen3-MoE's
-    num_local_experts, num_experts null), and 4.x (vLLM) read 128 experts and failed to load any other count."""
-    with open(path) as fh:
-        d = json.load(fh)
-
-    def walk(c, raw: dict) -> None:
-        for old, new in (getattr(type(c), "attribute_map", None) or {}).items():
-            if raw.get(old) is None and raw.get(new) is not None:
-                raw[old] = raw[new]
-        for key, sub in raw.items():
-            if isinstance(sub, dict) and hasattr(getattr(c, key, None), "attribute_map"):
-                walk(getattr(c, key), sub)
-
-    walk(config, d)
-    with open(path, "w") as fh:
-        json.dump(d, fh, indent=2, sort_keys=True)
-
-
 def trained_length(checkpoint: str) -> int:
     """The sequence length the checkpoint's stage trained at (its trainer.json: the stage's max_seq_length, else the
     run's; lengths never decrease over stages); 0 where it does not say."""
@@ -329,18 +310,6 @@ def trained_length(checkpoint: str) -> int:
     at = got.get("stage") if isinstance(got.get("stage"), int) else 0
     stages = [s if isinstance(s, dict) else {} for s in cfg.get("stages") or [{}]][: at + 1] or [{}]
     return max(int(s.get("max_seq_length") or cfg.get("max_seq_length") or 0) for s in stages)
-
-
-def legacy_dtype(path: str) -> None:
-    """config.json at `path` also with `torch_dtype` beside transformers 5's `dtype` (top level and text config):
-    transformers before 4.56 reads only torch_dtype, and loaded a bf16 export as fp32 (twice the memory)."""
-    with open(path) as fh:
-        d = json.load(fh)
-    for c in (d, d.get("text_config")):
-        if isinstance(c, dict) and c.get("dtype"):
-            c["torch_dtype"] = c["dtype"]
-    with open(path, "w") as fh:
-        json.dump(d, fh, indent=2, sort_keys=True)
 
 
 def sentencepiece_ids(path: str) -> tuple[int | None, int | None, int | None]:
@@ -368,35 +337,6 @@ def is_export_of(out_dir: str, identity: str | None) -> bool:
     SHA-256): by content, not path, so a finished run moved or re-mounted since its export keeps it (compared by path,
     it exported again: minutes and 32 GB of host memory at 8B)."""
     return bool(identity) and exported_from(out_dir)[1] == identity
-
-
-def legacy_rope(path: str) -> None:
-    """config.json at `path` also in the RoPE layout of transformers before 5 (rope_theta, rope_scaling; Gemma 3's
-    rope_local_base_freq), beside transformers 5's rope_parameters: a loader on 4.x (vLLM and converters pinned to
-    it) read no rope_theta (10000) and no scaling from rope_parameters alone, and served a model trained at theta 8e6
-    at 10000. transformers 5 reads both, the same values."""
-    with open(path) as fh:
-        d = json.load(fh)
-    text = d.get("text_config") if isinstance(d.get("text_config"), dict) else None
-    target = text if text is not None and "rope_parameters" in text else d
-    params = target.get("rope_parameters")
-    if not isinstance(params, dict) or not params:
-        return
-    if all(isinstance(v, dict) for v in params.values()):  # per layer type: 4.x reads the global layers' RoPE
-        local = params.get("sliding_attention") or {}
-        if "rope_theta" in local:
-            target["rope_local_base_freq"] = local["rope_theta"]
-        params = params.get("full_attention") or next(iter(params.values()))
-    if "rope_theta" in params:
-        target["rope_theta"] = params["rope_theta"]
-    if "partial_rotary_factor" in params:
-        target["partial_rotary_factor"] = params["partial_rotary_factor"]
-    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")}
-    if scaling.get("rope_type") == "longrope":  # 4.x's Phi3Config takes exactly these three (more: it refuses to load)
-        scaling = {"type": "longrope", "short_factor": scaling["short_factor"], "long_factor": scaling["long_factor"]}
-    target["rope_scaling"] = scaling if scaling.get("rope_type", scaling.get("type", "default")) != "default" else None
-    with open(path, "w") as fh:
-        json.dump(d, fh, indent=2, sort_keys=True)
 
 
 def export_hf(checkpoint: str, out_dir: str, tokenizer_path: str | None = None, source: str | None = None,

@@ -7,15 +7,15 @@ Loading verifies the manifest in parallel: of a checkpoint of this world size ea
 (its node's page cache then serves the load), the rest dealt by bytes (the largest first, each to the rank with the
 fewest bytes so far); an incomplete or corrupt checkpoint is skipped with a warning naming it.
 
-Every rank takes the same decision (docs/checkpoints.md): on a shared file system a node may list a directory as
-it was up to a minute ago (NFS attribute caching), so a rank's own listing never picks what is loaded. Rank 0
-alone lists `checkpoints/`, reads the manifest, `trainer.json` and the pointer files, and broadcasts them; all
-ranks then verify the same checkpoint together and take the gathered verdict. A file a rank cannot see yet is
-looked for again for up to `settle_s` (60 s) before the checkpoint counts as incomplete; the rank that *loads* a
-file does the same (each rank looks up only what it is about to load, rank 0 also what no rank loads: `awaited`;
-then one gathered verdict), so a node that sees a file late does not fail the resume. At Llama-3-8B on 32 ranks a
-checkpoint is ~100 GB (bf16 weights + fp32 master weights and Adam moments): each rank writes and, at resume,
-re-reads ~3 GB.
+Every rank takes the same decision (docs/checkpoints.md): on a shared file system a node may list a directory as it
+was up to a minute ago (NFS attribute caching), so a rank's own listing never picks what is loaded. Rank 0 alone
+lists `checkpoints/` (with the one LATEST names: training/resume_listing.py), reads the manifest, `trainer.json` and
+the pointer files, and broadcasts them; all ranks then verify the same checkpoint together and take the gathered
+verdict. A file a rank cannot see yet is looked for again for up to `settle_s` (60 s) before the checkpoint counts
+as incomplete; the rank that *loads* a file does the same (each rank looks up only what it is about to load, rank 0
+also what no rank loads: `awaited`; then one gathered verdict), so a node that sees a file late does not fail the
+resume. At Llama-3-8B on 32 ranks a checkpoint is ~100 GB (bf16 weights + fp32 master weights and Adam moments):
+each rank writes and, at resume, re-reads ~3 GB.
 
 A checkpoint written by another world size is converted to DeepSpeed's universal format (training/universal.py):
 keyed by the checkpoint's content (its manifest's hash), never by its name, written under this run's
@@ -41,7 +41,6 @@ from training import branches, buffers, rotation, universal
 from training.checkpoint_files import (
     EVERY,
     MANIFEST,
-    POINTER,
     TAG,
     awaited,
     crc32,
@@ -54,6 +53,7 @@ from training.checkpoint_files import (
 )
 from training.job import Requeue
 from training.preemption import Deadline
+from training.resume_listing import listing
 from training.resume_notes import check_other_run, data_moved, resume_notes
 
 
@@ -248,61 +248,8 @@ class Restorer:
         return None
 
     def _listed(self) -> list[str]:
-        """Rank 0: this run's checkpoints, oldest first: its listing of checkpoints/ and the one LATEST names, looked up
-        by name (a node's cached listing can be up to FS_SETTLE_S older than the folder: the newest checkpoint, just
-        committed by the job before on another node, missing from it would resume an older one without a word). When
-        LATEST names a checkpoint whose manifest this node cannot see yet, it is looked for again by name for up to
-        `settle_s` (FS_SETTLE_S, whatever the world size), then left out with a warning naming it; LATEST itself the
-        same way when this start has reason to expect one (`_latest`). Costs one small read and, on a stale view, up
-        to 60 s for LATEST and 60 s for its manifest, once per start."""
-        listed = self.tags()
-        latest = self._latest(listed)
-        if latest is None:
-            return listed
-        if not TAG.match(latest) or latest in listed and os.path.isfile(os.path.join(self.root, latest, MANIFEST)):
-            return listed
-        t0 = time.monotonic()
-        if not_visible(os.path.join(self.root, latest), {MANIFEST: 1}, self.settle_s):
-            print0(f"warning: {os.path.join(self.root, POINTER)} names {latest}, but this node cannot see "
-                   f"{os.path.join(self.root, latest, MANIFEST)} after looking for it for {self.settle_s:.0f} s (a "
-                   "stale view of the file system, or it was removed): resuming from an older checkpoint")
-            return listed
-        if time.monotonic() - t0 >= 1.0:
-            print0(f"{POINTER} names {latest}: its manifest became visible here after {time.monotonic() - t0:.0f} s")
-        return sorted(set(listed) | {latest}, key=lambda t: int(TAG.match(t).group(1)))
-
-    def _latest(self, listed: list[str]) -> str | None:
-        """Rank 0: the name LATEST holds, None if there is none. A LATEST this node cannot see is looked for again by
-        name for up to `settle_s` only when this start has reason to expect one (`_expects_latest`): a requeue onto a
-        node whose cached negative lookup hides the LATEST the job before wrote on another node would otherwise start
-        over, or resume an older checkpoint, without a word. A fresh run has none to wait for and starts at once."""
-        pointer = os.path.join(self.root, POINTER)
-        why = None if os.path.isfile(pointer) else self._expects_latest(listed)
-        if why:
-            t0 = time.monotonic()
-            if not_visible(self.root, {POINTER: 1}, self.settle_s):
-                print0(f"warning: {why}, but this node cannot see {pointer} after looking for it for "
-                       f"{self.settle_s:.0f} s (a stale view of the file system, or it was removed): resuming from "
-                       "this node's listing of checkpoints/")
-            elif time.monotonic() - t0 >= 1.0:
-                print0(f"{pointer} became visible here after {time.monotonic() - t0:.0f} s ({why})")
-        try:
-            with open(pointer) as fh:
-                return fh.read().strip()
-        except (OSError, UnicodeDecodeError):  # unreadable or not text (was a traceback): the listing decides
-            return None
-
-    def _expects_latest(self, listed: list[str]) -> str | None:
-        """Rank 0: why this start should find a LATEST (a commit came before it), or None. A requeue of the job
-        (SLURM_RESTART_COUNT > 0: the run before may have committed, on another node) or a committed checkpoint in
-        the listing are reasons; a first start in an empty folder (a 1-rank run on a local disk included) has none
-        and never waits. Not a reason: rotation's `.trash`, which outlives a `--resume none` branch (LATEST removed,
-        every checkpoint moved to abandoned/). One stat per listed checkpoint (a few)."""
-        restarts = os.environ.get("SLURM_RESTART_COUNT", "0")
-        if restarts.isdigit() and int(restarts) > 0:
-            return f"this is restart {restarts} of the job (SLURM_RESTART_COUNT)"
-        committed = [t for t in listed if os.path.isfile(os.path.join(self.root, t, MANIFEST))]
-        return f"{committed[-1]} is committed" if committed else None
+        """Rank 0: this run's checkpoints, oldest first, LATEST's looked up by name (training/resume_listing.py)."""
+        return listing(self.root, self.settle_s)
 
     def _checked(self, path: str) -> str:
         why = self.verify(path)

@@ -179,7 +179,7 @@ def test_the_export_writes_rope_also_as_transformers_4_reads_it(tmp_path):
     3: rope_local_base_freq and the global layers' scaling); transformers 5 reads the same RoPE back."""
     from transformers import AutoConfig
 
-    from model_utils.export import legacy_rope
+    from model_utils.export_config import legacy_rope
 
     tiny = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                 intermediate_size=64, vocab_size=128, pad_token_id=0, eos_token_id=1, bos_token_id=2)

@@ -15,7 +15,7 @@ import threading
 
 import pytest
 
-from training import rotation, universal
+from training import rotation, universal, universal_lock
 from training.checkpoint import Checkpointer
 from training.metrics import MetricsLogger
 
@@ -125,10 +125,10 @@ def test_a_taken_over_conversions_fragments_go_to_the_trash_not_an_inline_rmtree
     out = str(tmp_path / "universal" / ("ab" * 12))
     owner = {"job": "777", "restart": 3, "host": "nodeA", "pid": 4242, "cluster": ""}
     os.makedirs(out + ".lock")
-    with open(os.path.join(out + ".lock", universal.OWNER), "w") as fh:
+    with open(os.path.join(out + ".lock", universal_lock.OWNER), "w") as fh:
         json.dump(owner, fh)
     tmp = _partial(out, owner)
-    lock = universal.Lock(out)
+    lock = universal_lock.Lock(out)
     assert lock.acquire() is None
     lock.release()
     assert inline == [] and not os.path.exists(tmp)
@@ -151,7 +151,7 @@ def test_a_failed_conversions_fragments_go_to_the_trash(tmp_path, monkeypatch):
     monkeypatch.setattr(universal.subprocess, "run", run)
     with pytest.raises(subprocess.TimeoutExpired):
         universal.convert(str(ckpt), out, "cd" * 12, 10**9, timeout=5)
-    assert inline == [] and not os.path.exists(universal._tmp(out, me))
+    assert inline == [] and not os.path.exists(universal_lock._tmp(out, me))
     assert universal.record(os.path.dirname(out), universal.RATE)["finished"] is False
 
 

@@ -31,7 +31,7 @@ from tests.unit.training.test_checkpoint import (
     save,
     save_from_world,
 )
-from training import universal
+from training import universal, universal_lock
 from training.checkpoint import Checkpointer, tag_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -196,7 +196,7 @@ def test_a_conversion_in_progress_survives_rotation(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("owner, age_s, env", [
     ({"host": socket.gethostname(), "pid": "dead"}, 0, {}),  # its process on this host has exited
-    ({"host": "node-9", "pid": 4242}, universal.STALE_S + 60, {}),  # its heartbeat stopped
+    ({"host": "node-9", "pid": 4242}, universal_lock.STALE_S + 60, {}),  # its heartbeat stopped
     ({"host": "node-9", "pid": 4242, "job": "77", "restart": 0}, 0, {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1"}),
 ], ids=["process_exited", "heartbeat_stale", "earlier_run_of_this_job"])
 def test_a_gone_owners_lock_is_taken_over(tmp_path, monkeypatch, capsys, owner, age_s, env):
@@ -213,7 +213,7 @@ def test_a_gone_owners_lock_is_taken_over(tmp_path, monkeypatch, capsys, owner, 
     out = universal.folder(source, str(tmp_path / "run"))
     os.makedirs(out + ".lock")
     (tmp_path / "owner").write_text(json.dumps(owner))
-    shutil.move(str(tmp_path / "owner"), os.path.join(out + ".lock", universal.OWNER))
+    shutil.move(str(tmp_path / "owner"), os.path.join(out + ".lock", universal_lock.OWNER))
     partial = f"{out}.tmp.{owner['host']}.{owner['pid']}"
     other = f"{out}.tmp.node-3.17"  # a live converter's folder: not the gone owner's
     for d in (partial, other):
@@ -228,7 +228,7 @@ def test_a_gone_owners_lock_is_taken_over(tmp_path, monkeypatch, capsys, owner, 
 
 def _lock_of(out: str, owner: dict, age_s: float) -> str:
     os.makedirs(out + ".lock")
-    with open(os.path.join(out + ".lock", universal.OWNER), "w") as fh:
+    with open(os.path.join(out + ".lock", universal_lock.OWNER), "w") as fh:
         json.dump(owner, fh)
     old = time.time() - age_s
     os.utime(out + ".lock", (old, old))
@@ -241,22 +241,22 @@ def test_a_lock_of_another_job_that_slurm_says_ended_is_taken_over_in_a_minute(t
     ended. A live, suspended, unknown (no scontrol) or other cluster's job, or a fresh heartbeat, is waited for."""
     asked: list[str] = []
     states = {"81": "CANCELLED", "82": "PENDING", "83": "RUNNING", "84": "SUSPENDED", "85": None, "86": "GONE"}
-    monkeypatch.setattr(universal, "job_state", lambda job: asked.append(job) or states[job])
-    monkeypatch.setattr(universal, "_ASKED", {})
+    monkeypatch.setattr(universal_lock, "job_state", lambda job: asked.append(job) or states[job])
+    monkeypatch.setattr(universal_lock, "_ASKED", {})
     monkeypatch.setenv("SLURM_JOB_ID", "99")
     monkeypatch.setenv("SLURM_CLUSTER_NAME", "c1")
-    late = universal.JOB_LATE_S + 30
+    late = universal_lock.JOB_LATE_S + 30
     for job, ended in (("81", True), ("82", True), ("83", False), ("84", False), ("85", False), ("86", True)):
         lock = _lock_of(str(tmp_path / f"k{job}"), {"host": "node-9", "pid": 4242, "job": job, "restart": 0}, late)
-        why = universal.gone(lock)
+        why = universal_lock.gone(lock)
         assert (why is not None) == ended and (not ended or f"its job {job} is {states[job]}" in why), (job, why)
     assert asked == ["81", "82", "83", "84", "85", "86"]
-    universal.gone(str(tmp_path / "k83.lock"))
+    universal_lock.gone(str(tmp_path / "k83.lock"))
     assert asked[-1] == "86"  # asked again only JOB_ASK_S later (a wait looks every WAIT_EVERY_S)
-    lock = _lock_of(str(tmp_path / "fresh"), {"host": "node-9", "pid": 1, "job": "81"}, universal.HEARTBEAT_S / 2)
-    assert universal.gone(lock) is None  # its heartbeat is on time: a live owner, Slurm not asked
+    lock = _lock_of(str(tmp_path / "fresh"), {"host": "node-9", "pid": 1, "job": "81"}, universal_lock.HEARTBEAT_S / 2)
+    assert universal_lock.gone(lock) is None  # its heartbeat is on time: a live owner, Slurm not asked
     lock = _lock_of(str(tmp_path / "other"), {"host": "node-9", "pid": 1, "job": "87", "cluster": "c2"}, late)
-    assert universal.gone(lock) is None and "87" not in asked  # another cluster's job id: not this cluster's to say
+    assert universal_lock.gone(lock) is None and "87" not in asked  # another cluster's job id: not this cluster's to say
     source = save_from_world(Checkpointer(str(tmp_path / "src"), keep=3), 4, world=2)  # the whole path: converted
     calls = fake_converter(monkeypatch)
     out = universal.folder(source, str(tmp_path / "run"))
@@ -273,7 +273,7 @@ def test_a_live_owners_lock_is_waited_for(tmp_path, monkeypatch):
     source = save_from_world(Checkpointer(str(tmp_path / "src"), keep=3), 4, world=2)
     out = universal.folder(source, str(tmp_path / "run"))
     os.makedirs(out + ".lock")
-    with open(os.path.join(out + ".lock", universal.OWNER), "w") as fh:
+    with open(os.path.join(out + ".lock", universal_lock.OWNER), "w") as fh:
         json.dump({"host": "node-9", "pid": 4242, "job": "5", "restart": 0}, fh)
 
     def finish():  # the other node's converter completes: its folder renamed into place, its lock released
