@@ -217,8 +217,11 @@ def prepare(ckpt: str, saved_world: int, world: int | None, output_dir: str, dea
                           "--output_dir a folder this job may write, or resume with the saved world size"}
     manifest = read_json(os.path.join(ckpt, MANIFEST)).get("json") or {}
     nbytes = sum(int(e["size"]) for e in manifest.get("files", {}).values())
-    room = shutil.disk_usage(where).free + tree_bytes(os.path.join(output_dir, "checkpoints", ".trash"), PARTIAL)
+    trash = os.path.join(output_dir, "checkpoints", ".trash")
+    room = shutil.disk_usage(where).free + tree_bytes(trash, PARTIAL)
     peak = conversion_peak_bytes(nbytes, saved_world) * DISK_MARGIN  # a full disk half-way lost the hour
+    if peak > room:  # a killed conversion's fragments in the trash count too (walked only here: ~10^5 files at 512)
+        room = shutil.disk_usage(where).free + tree_bytes(trash)
     if peak > room:
         return {"refuse": f"checkpoint {ckpt} (written by {saved_world} ranks) needs a universal conversion for "
                           f"{world} ranks of ~{peak / 1e9:.1f} GB under {where} while it converts (~"

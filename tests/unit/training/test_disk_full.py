@@ -350,3 +350,21 @@ def test_a_metrics_line_the_disk_refuses_is_the_users_disk(tmp_path, monkeypatch
     monkeypatch.setattr(builtins, "open", real)
     job.USER_DIRS[:] = [str(tmp_path)]
     assert job.users_disk(e.value) is e.value and job._fail(e.value) == job.EXIT_USAGE
+
+
+def test_a_killed_conversions_fragments_in_the_trash_count_as_room(tmp_path, monkeypatch):
+    """A timed-out conversion's fragments go to the trash (deleted in the background, counted 0 at the room checks:
+    never walked at every save). The next start's conversion check saw the disk less them and refused it (exit 2,
+    not requeued): where the room falls short, the fragments are walked and counted (a review)."""
+    from training import universal
+
+    src = tmp_path / "other" / "checkpoints" / "step_000010"
+    src.mkdir(parents=True)
+    (src / ck.MANIFEST).write_text(json.dumps({"files": {"a": {"size": 3 * 10**9}}, "world": 4}))
+    part = tmp_path / "run" / "checkpoints" / ".trash" / (("ab" * 12) + ".tmp.nodeA.4242") / "zero" / "p"
+    part.mkdir(parents=True)
+    with open(part / "fp32.pt", "wb") as fh:
+        fh.truncate(3 * 10**9)  # sparse: its size is what counts
+    monkeypatch.setattr(universal, "convert", lambda *a, **k: {"files": {}})
+    free(monkeypatch, 5 * 10**9)  # 5 + 3 in the trash >= 7.1 GB
+    assert universal.prepare(str(src), 4, 2, str(tmp_path / "run"))["files"] == {}
