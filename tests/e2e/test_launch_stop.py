@@ -76,10 +76,16 @@ def standins(tmp_path, **env: str) -> dict:
                      STANDIN_DIR=str(tmp_path / "logs"), DS_ACCELERATOR="cpu", **env)
 
 
+def _as_a_terminal_starts_it() -> None:
+    # SIGINT and SIGHUP at their defaults, as a terminal's shell starts it (bash cannot trap a signal ignored at its
+    # start: a test run in the background or under nohup ignores them)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 def start(tmp_path, args: list[str], env: dict, **kw) -> subprocess.Popen:
-    # SIGINT at its default, as a terminal's shell starts it (bash cannot trap a signal ignored at its start)
     return subprocess.Popen([LAUNCH, *args, "--", "--x"], cwd=tmp_path, env=env, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL), **kw)
+                            preexec_fn=_as_a_terminal_starts_it, **kw)
 
 
 def log(tmp_path, name: str) -> str:

@@ -70,7 +70,12 @@ def test_ctrl_c_during_the_start_up_is_a_users_stop(tmp_path, monkeypatch, capsy
         os.kill(os.getpid(), signal.SIGINT)  # the terminal's Ctrl-C while rank 0 loads
         return 0
 
-    assert run_job(main) == 130
+    # Python's KeyboardInterrupt handler, as a terminal starts it (a test run in the background ignores SIGINT)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        assert run_job(main) == 130
+    finally:
+        signal.signal(signal.SIGINT, previous)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Ctrl-C" in err and "Traceback" not in err and "failed" not in err, err
     assert (tmp_path / "exits" / "rank0").read_text() == "130\n" and not (tmp_path / "crash.0").exists()
