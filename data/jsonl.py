@@ -72,7 +72,8 @@ def one_split(root: str, files: list[str], flag: str) -> list[str]:
 
 def matching(path: str, flag: str) -> list[str] | None:
     """The files a pattern names (sorted), None for a path that is no pattern; a ValueError for one naming none. A
-    pattern's files are read as named, part of a split too (`c4-train.0000*-of-01024.json.gz`: chosen on purpose)."""
+    split's shards are judged among those the pattern would name (no_missing_shard): `train_sft-*` lacking one of 3
+    is refused, 3 of the 10 `c4-train.0000*-of-01024.json.gz` read (a subset chosen on purpose)."""
     if os.path.exists(path) or not any(c in path for c in GLOB):
         return None
     files = sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))

@@ -47,7 +47,7 @@ would cost 18% (docs/checkpoints.md). Until a save is measured, 9 minutes.
 
 The interval I bounds the age of the newest *committed* checkpoint, not the gap between saves: the next save is due
 `due_after_s` = I - W - S after the previous save's snapshot, W the last measured write (the save's start until every
-rank's bytes are written and synced), S the longest measured step (the commit waits for the step boundary after the
+rank's bytes are written and synced), S the last measured step (the commit waits for the step boundary after the
 write), so saves come I - W - S apart (Llama-3-8B at 128k: ~7 min of `auto`'s 9) and a kill at any moment loses at most
 I + one step (docs/checkpoints.md states the argument). At least I/2 and 1.5 steps apart: where a step is long (1M:
 ~296 s on 64 GPUs) a save every step would write ~96 GB every 5 minutes; a floor makes the bound D + W + 2S (1M:
@@ -98,7 +98,7 @@ KILL_WINDOW_S = 30.0  # deepspeed launch.py's wait_procs(timeout=30) and torchru
 EXIT_MARGIN_S = 5.0  # from the window stop's last decision to the process's end (commit, engine release, exit)
 # a save's time before one is measured, for the window stop only (the time-limit stop keeps SAVE_GUESS_S): the rank's
 # checkpoint bytes at the slowest rate measured here (149 MB/s per node shared by its 8 ranks) plus DeepSpeed's own
-# start and the commit. Llama-3-8B on 32 ranks: ~3 GB per rank -> ~165 s (no SIGTERM save); the tiny test model: ~5 s
+# start and the commit. Llama-3-8B on 32 ranks: ~3.5 GB per rank (14 B a parameter: training/stage._rank_bytes) -> ~190 s (no SIGTERM save); the tiny test model: ~5 s
 GUESS_RANK_BPS = 149e6 / 8
 GUESS_FIXED_S = 5.0
 NO_WINDOW = -1e18  # the window vote of a rank that got no SIGTERM
@@ -342,7 +342,7 @@ class PreemptionFlag:
 
     def due_after_s(self) -> float:
         """Seconds after the last save's snapshot that the next save is due: the interval less the last measured
-        write and the longest measured step (the commit comes at the first step boundary after the write), so the
+        write and the last measured step (the commit comes at the first step boundary after the write), so the
         newest committed checkpoint is never older than the interval plus one step. At least half the interval
         (where a write takes longer, saves would otherwise follow each other back to back) and SAVE_GAP_STEPS steps
         (a step longer than what is left: 1M). Before a write is measured, the guess of Deadline.guess_save_s
