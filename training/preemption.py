@@ -98,7 +98,8 @@ KILL_WINDOW_S = 30.0  # deepspeed launch.py's wait_procs(timeout=30) and torchru
 EXIT_MARGIN_S = 5.0  # from the window stop's last decision to the process's end (commit, engine release, exit)
 # a save's time before one is measured, for the window stop only (the time-limit stop keeps SAVE_GUESS_S): the rank's
 # checkpoint bytes at the slowest rate measured here (149 MB/s per node shared by its 8 ranks) plus DeepSpeed's own
-# start and the commit. Llama-3-8B on 32 ranks: ~3.5 GB per rank (14 B a parameter: training/stage._rank_bytes) -> ~190 s (no SIGTERM save); the tiny test model: ~5 s
+# start and the commit. Llama-3-8B on 32 ranks: ~3.5 GB per rank (14 B a parameter: training/stage._rank_bytes) ->
+# ~190 s (no SIGTERM save); the tiny test model: ~5 s
 GUESS_RANK_BPS = 149e6 / 8
 GUESS_FIXED_S = 5.0
 NO_WINDOW = -1e18  # the window vote of a rank that got no SIGTERM
