@@ -17,6 +17,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.e2e.launchers import LAUNCH, clean_env, wait_for
 
 RANK = """import os, signal, sys, time
@@ -137,12 +139,15 @@ def test_a_hang_up_is_a_save_request_and_launch_sh_outlives_its_console(tmp_path
         end(p, tmp_path)
 
 
-def test_a_second_ctrl_c_terminates_every_rank_and_a_third_kills_them(tmp_path):
+@pytest.mark.parametrize("args", [["--num_gpus", "2"], ["-H", "hf"]])
+def test_a_second_ctrl_c_terminates_every_rank_and_a_third_kills_them(tmp_path, args):
     """The deepspeed runner on one node dies of SIGTERM alone: the second Ctrl-C's `kill -TERM <runner>` reached no
     rank, and launch.sh then waited RANK_EXIT_WAIT_S (900 s) a rank; a third repeated the kill on the dead runner.
-    Now: SIGTERM to the launcher's process group, ranks included; a third SIGKILLs them, and launch.sh ends at once."""
+    Now: SIGTERM to the launcher's process group, ranks included; a third SIGKILLs them, and launch.sh ends at once.
+    `-H hf` naming this host alone runs here, not over pdsh: the second Ctrl-C went to a pdsh that was not there."""
+    (tmp_path / "hf").write_text("localhost slots=2\n")
     env = standins(tmp_path, STANDIN_SAVE_S="60", STANDIN_STUCK="1")  # the first Ctrl-C's save is long; rank 1 hangs
-    p = start(tmp_path, ["--num_gpus", "2"], env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    p = start(tmp_path, args, env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         wait_for(lambda: both(tmp_path, "ready"), 30, "the ranks")
         time.sleep(3)  # launch.sh notes its ranks once a second until the first signal (its wait for them below)
