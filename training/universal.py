@@ -220,8 +220,11 @@ def prepare(ckpt: str, saved_world: int, world: int | None, output_dir: str, dea
     trash = os.path.join(output_dir, "checkpoints", ".trash")
     room = shutil.disk_usage(where).free + tree_bytes(trash, PARTIAL)
     peak = conversion_peak_bytes(nbytes, saved_world) * DISK_MARGIN  # a full disk half-way lost the hour
-    if peak > room:  # a killed conversion's fragments in the trash count too (walked only here: ~10^5 files at 512)
-        room = shutil.disk_usage(where).free + tree_bytes(trash)
+    if peak > room and os.path.isdir(trash):  # a killed conversion's fragments in the trash, which nothing may be
+        for n in os.listdir(trash):  # deleting (`python -m training.universal`, evaluate.py): removed now where the
+            if PARTIAL.match(n):  # room needs them (~10^5 files at 512 ranks: minutes; the conversion takes longer)
+                shutil.rmtree(os.path.join(trash, n), ignore_errors=True)
+        room = shutil.disk_usage(where).free + tree_bytes(trash, PARTIAL)
     if peak > room:
         return {"refuse": f"checkpoint {ckpt} (written by {saved_world} ranks) needs a universal conversion for "
                           f"{world} ranks of ~{peak / 1e9:.1f} GB under {where} while it converts (~"
