@@ -95,23 +95,28 @@ def no_missing_shard(root: str, files: list[str], flag: str, pattern: str | None
     same among the shards it would name (`train_sft-*` with one of 3 missing: refused, as the several-splits refusal
     suggests that glob; `c4-train.0000*-of-01024` with 3 of its 10: a note). Cost: a regex per file."""
     groups: dict[tuple, set[int]] = {}
+    dirs: dict[tuple, list[str]] = {}  # a split's shards spread over sub-folders (a/ 0-4, b/ 5-9) are one split
     for f in files:
         m = _SHARD_NAME.match(os.path.basename(f))
         if m:
             post = _FINGERPRINT.sub("-*", m[4])  # the missing shard's fingerprint is unknown: named `-*`
-            groups.setdefault((os.path.dirname(f), m[1], int(m[3]), post, m[3]), set()).add(int(m[2]))
+            key = (m[1], int(m[3]), post, m[3])
+            groups.setdefault(key, set()).add(int(m[2]))
+            dirs.setdefault(key, []).append(os.path.dirname(f))
     missing = []
-    for (d, pre, n, post, total), have in sorted(groups.items()):
+    for (pre, n, post, total), have in sorted(groups.items()):
+        d = dirs[(pre, n, post, total)][0]
         every = range(n in have, n + (n in have))  # numbered from 1 (safetensors') too
-        if pattern is not None:  # a glob's: the shards it would name
-            every = [k for k in every if fnmatch.fnmatch(os.path.join(d, f"{pre}{k:05d}-of-{total}{post}"), pattern)]
+        if pattern is not None:  # a glob's: the shards it would name (in any of the split's folders)
+            every = [k for k in every if any(fnmatch.fnmatch(os.path.join(x, f"{pre}{k:05d}-of-{total}{post}"), pattern)
+                                             for x in set(dirs[(pre, n, post, total)]))]
         lack = [k for k in every if k not in have]
         if not lack:
             continue
         if 2 * len(have) >= len(every):  # most of the split: a download cut short
             missing += [os.path.join(d, f"{pre}{k:05d}-of-{total}{post}") for k in lack]
             continue
-        note = (f"{flag} {root}: {len(have)} of the {n} shards of {os.path.relpath(os.path.join(d, pre), root)}*-of-"
+        note = (f"{flag} {root}: {len(have)} of the {len(every)} shards of {os.path.relpath(os.path.join(d, pre), root)}*-of-"
                 f"{total}{post} are here: reading those (part of the split)")
         if note not in _SAID:
             _SAID.add(note)
@@ -121,8 +126,8 @@ def no_missing_shard(root: str, files: list[str], flag: str, pattern: str | None
         more, many = f" and {len(missing) - 3} more" if len(missing) > 3 else "", len(missing) > 1
         raise ValueError(f"{flag} {root}: shard{'s' * many} {names}{more} of its split {'are' if many else 'is'} missing "
                          f"(a download cut short?): the split would be trained without {'them' if many else 'it'}; "
-                         "download it again, or, to train on part of the split on purpose, give a glob naming the "
-                         "files to read")
+                         "download it again, or, to train on part of the split on purpose, give a glob naming only "
+                         "the shards present (e.g. train-0000[0-5]-*)")
 
 
 class _Zstd(io.RawIOBase):

@@ -304,7 +304,7 @@ forward() {  # SIGUSR1 to every local rank that listens for it; stays pending un
   if over_pdsh && [ "$pending" = 1 ]; then
     pdsh -w "$(cut -d' ' -f1 <<< "$act" | paste -sd,)" "$(remote_signal USR1)" >&2 || true  # this launch's ranks
   fi
-  if [ "$mode" = pdsh ] || { [ -n "$ranks" ] && [ "$waiting" = 0 ]; }; then pending=0; fi
+  if over_pdsh || { [ -n "$ranks" ] && [ "$waiting" = 0 ]; }; then pending=0; fi
 }
 set +e  # from here on the exit code is train.py's, not the first failing helper's
 launcher_pid="" pending=0 interrupts=0 signalled=0 killed=0

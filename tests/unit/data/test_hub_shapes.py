@@ -220,3 +220,14 @@ def test_hints_name_the_chat_format_parquet_too_and_offer_no_id_field(tmp_path):
     assert "'prompt' holds a message tree (OpenAssistant's" in err and "flatten" not in err, err
     stack = {"content": "def f(): pass", "licenses": ["MIT License", "Apache License"], "id": "abc"}  # not a chat
     assert parse_item(json.dumps(stack).encode(), Fields())[2].endswith("--text_field content")
+
+
+def test_a_split_spread_over_sub_folders_is_one_split(tmp_path):
+    """A complete split whose shards sit in two folders (a/ 0-4, b/ 5-9) was refused as missing half of them, as a
+    folder and as a glob (`*/train-*`): shards grouped by folder (a review)."""
+    for k in range(10):
+        sub = tmp_path / "g" / ("a" if k < 5 else "b")
+        sub.mkdir(parents=True, exist_ok=True)
+        (sub / f"train-{k:05d}-of-00010.jsonl").write_text(json.dumps({"text": "a b"}) + "\n")
+    assert len(discover(str(tmp_path / "g"))) == 10
+    assert len(discover(str(tmp_path / "g" / "*" / "train-*.jsonl"))) == 10
