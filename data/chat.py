@@ -84,7 +84,7 @@ from data.chat_reasoning import as_rendered, cut_why, dropped, quoted_close, ref
 from data.chat_rows import ROLES, SHAREGPT_ROLES, RowError, empty_reply, normalize, row_format, turns_to_train  # noqa: F401
 from data.chat_splice import encode_long
 from data.chat_template import pick_template, resolve_template, row_kwargs, row_template, text_pair_kwargs  # noqa: F401
-from data.chat_tools import call_name, fit_arguments, refuse_unrendered, row_tools, tool_names
+from data.chat_tools import call_ids, call_name, fit_arguments, refuse_unrendered, row_tools, tool_names
 from data.ids_rows import MASKED
 
 LOSS_ON = ("auto", "assistant", "completion", "all")
@@ -197,7 +197,7 @@ class ChatEncoder:
     def _fresh(self) -> None:
         """What is read from the template once (end-of-turn tokens, thinking, reasoning forms): under its arguments."""
         self._eot, self._name_ids, self._added_ids, self._ends, self._stops, self._thinking = None, None, None, {}, None, None
-        self.reasoning_renders = {}  # form -> whether the template renders a reply's reasoning; "nests" (data/chat_reasoning.py)
+        self.reasoning_renders, self.tool_probes = {}, {}  # the reasoning forms it renders; whether calls need ids (chat_tools)
         self._header = None  # the generation prompt's header text (data/chat_ends.marked_header)
         self._gen_header = None  # the same, unstripped (data/chat_locate.gen_header)
         self._carry = None  # the stops an end-of-turn that is none is carried on to (data/chat_locate.through_stop)
@@ -315,7 +315,7 @@ class ChatEncoder:
         loss_on = "assistant" if self.loss_on == "auto" and first == 0 else "completion" if self.loss_on == "auto" \
             else self.loss_on
         wanted, flagged = turns_to_train(conv, first, loss_on)
-        conv, rewritten = fit_arguments(self, conv, tools)  # tool-call arguments as this template writes them
+        conv, rewritten = fit_arguments(self, call_ids(self, conv), tools)  # ids where it needs them; arguments as it writes
         refuse_unrendered(self, conv, tools, wanted)  # tool definitions, environment turns the template drops
         refuse_dropped(self, conv, wanted, tools)  # reasoning the template never renders
         if self.kind == "chatml" and any(conv[k].get("tool_calls") for k in wanted):

@@ -101,13 +101,17 @@ def reads_bare(enc) -> bool:
 
 def marked(enc, msg: dict) -> tuple[str, str] | None:
     """("lead", text) where a reply's content opens with a `<think>...</think>` block (empty included: `text` ""),
-    ("bare", text) where it is reasoning</think>answer as `enc`'s template reads it (`think_parts`); None otherwise.
-    What a template with a place or a block of its own would render beside it (`refuse_dropped`)."""
+    ("bare", text) where it is reasoning</think>answer as `enc`'s template reads it (`think_parts`) and the reply has
+    no reasoning field, or one whose text the text before `</think>` holds (given twice: `both`); None otherwise (with
+    a field, Qwen3 / GLM-4.6 print the content as written: a quoted `</think>` is the answer's). What a template with
+    a place or a block of its own would render beside it (`refuse_dropped`)."""
     content = msg.get("content")
     if not isinstance(content, str) or "</think>" not in content:
         return None
     block = think_parts(enc, content)[0]
-    if block is None:
+    field = next((msg[f].strip() for f in FIELDS if isinstance(msg.get(f), str) and msg[f].strip()), None)
+    if block is None or not content.lstrip().startswith("<think>") and field and unicode_form(
+            field) not in unicode_form(block):
         return None
     return ("lead" if content.lstrip().startswith("<think>") else "bare"), block
 
@@ -183,26 +187,36 @@ def as_text(enc) -> bool:
                 and not enc.reasoning_renders.get("field tag"))
 
 
+def calls_only(enc) -> bool:
+    """Whether the template has a place of its own for reasoning on a reply with tool calls only (Gemma 4's thought
+    channel) and prints the content verbatim: a reply's reasoning as answer text beside that place."""
+    return enc.kind != "chatml" and _renders(enc, "field") is False and bool(
+        _renders(enc, "content") and _renders(enc, "field", calls=True))
+
+
 def bare_close(enc, msg: dict, k: int) -> None:
     """A RowError, one line, where a reply with no reasoning field has a content whose first `</think>` has no
     `<think>` before it and `enc`'s template has a place of its own for reasoning (`as_text`: gpt-oss, Seed-OSS,
-    Apriel-1.6): a raw R1 completion (`reasoning</think>answer`, its block opened by R1's generation prompt) and a
-    quoted tag (`s.split('</think>')`) cannot be told apart, and either way it would train as answer text (R1's
+    Apriel-1.6; `calls_only`: Gemma 4, for a reply with calls or without): a raw R1 completion
+    (`reasoning</think>answer`, its block opened by R1's generation prompt) and a quoted tag (`s.split('</think>')`,
+    after other answer text too) cannot be told apart, and either way it would train as answer text (R1's
     reasoning written to the user). Templates that print the content verbatim with no such place train it as text."""
     content = msg.get("content")
     if not isinstance(content, str) or "</think>" not in content or "<think>" in content.partition("</think>")[0]:
         return
-    if any(isinstance(msg.get(f), str) and msg[f].strip() for f in FIELDS) or not as_text(enc):
+    if any(isinstance(msg.get(f), str) and msg[f].strip() for f in FIELDS) or not (as_text(enc) or calls_only(enc)):
         return  # (a reasoning field given: the content is the answer)
+    where = "" if as_text(enc) else " on a reply with tool calls (the only replies it renders reasoning on; drop it elsewhere)"
     raise RowError(f"message {k} (assistant): its content holds `</think>` with no `<think>` before it, which "
                    f"{enc.name} would train as answer text: if the tag is quoted, write it otherwise (`&lt;/think&gt;`); "
                    "if the text before it is reasoning (an R1 completion), give it as the reply's thinking (or "
-                   "reasoning_content) field")
+                   f"reasoning_content) field{where}")
 
 
 def both(enc, msg: dict, k: int) -> None:
     """A RowError, one line, where a reply gives reasoning twice: a reasoning field and a content think block (leading,
-    empty included, or reasoning</think>answer where the template reads it so). Templates render the field and print
+    empty included, or reasoning</think>answer where the template reads it so and the text before `</think>` holds
+    the field's: `marked`; any other `</think>` beside a field is the answer's). Templates render the field and print
     the content beside it: Qwen3 / GLM-4.6 trained two think blocks, gpt-oss the analysis channel and the block in its
     final one. The fix named keeps the form the template renders in a place of its own."""
     field = next((f for f in FIELDS if isinstance(msg.get(f), str) and msg[f].strip()), None)

@@ -239,15 +239,14 @@ def _function_call(value, i: int) -> dict:
     if not calls or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
         raise RowError(f"conversations[{i}] (function_call): expected {{\"name\": ..., \"arguments\": {{...}}}} or a "
                        f"list of them, got {value!r:.80}")
-    return {"role": "assistant", "content": "", "tool_calls": [  # ids of 9 letters / digits, by position: Mistral's
-        {"type": "function", "id": f"c{i:04d}{j:04d}", "function": {"name": c["name"], "arguments": c.get(  # templates
-            "arguments", {})}} for j, c in enumerate(calls)]}  # refuse a call without one; the results take them
+    return {"role": "assistant", "content": "", "tool_calls": [  # no ids (data/chat_tools.call_ids gives them)
+        {"type": "function", "function": {"name": c["name"], "arguments": c.get("arguments", {})}} for c in calls]}
 
 
 def _sharegpt(turns) -> list[dict]:
     if not isinstance(turns, list):
         raise RowError(f"conversations: expected a list of {{from, value}}, got {type(turns).__name__}")
-    out, ids = [], []  # the last function_call's ids, for the observations after it, in order
+    out = []
     for i, t in enumerate(turns):
         if isinstance(t, dict) and "from" not in t and "role" in t:  # an OpenAI message in `conversations` (Agent-FLAN;
             out.append(message(t, i))  # LLaMA-Factory's role_tag / content_tag): read as one
@@ -262,10 +261,8 @@ def _sharegpt(turns) -> list[dict]:
         flags = {k: t[k] for k in FLAGS + ("train_detail",) if k in t}  # OpenHermes-2.5 has `weight` on every turn
         if who == "function_call":
             out.append(message({**_function_call(t.get("value"), i), **flags}, i))
-            ids = [c["id"] for c in out[-1]["tool_calls"]]
         else:
-            answers = {"tool_call_id": ids.pop(0)} if role == "tool" and ids else {}
-            out.append(message({"role": role, "content": t.get("value", t.get("content")), **answers, **flags}, i))
+            out.append(message({"role": role, "content": t.get("value", t.get("content")), **flags}, i))
     return out
 
 

@@ -314,6 +314,40 @@ def _same_without(enc, conv: list[dict], k: int, text: str, tools: list | None) 
         return False
 
 
+# ---- tool-call ids: Mistral v0.3 / Small 3.2 templates raise on a call or result without a 9-character id
+def _needs_ids(enc) -> bool:
+    """Whether `enc`'s template refuses a probe call and its result without ids and renders them with ids. Read once
+    per encoder (two renders); False where it renders neither (nothing known: the row goes on as given)."""
+    if "ids" not in enc.tool_probes:
+        def probe(i: dict, j: dict) -> list[dict]:
+            return [_PROBE[0], {"role": "assistant", "content": "", "tool_calls": [{"type": "function", **i, "function": {
+                "name": "probe", "arguments": {"q": "x"}}}]}, {"role": "tool", "content": "1", **j}]
+        enc.tool_probes["ids"] = _render_or_none(enc, probe({}, {}), None) is None and _render_or_none(
+            enc, probe({"id": "c00000000"}, {"tool_call_id": "c00000000"}), None) is not None
+    return enc.tool_probes["ids"]
+
+
+def call_ids(enc, conv: list[dict]) -> list[dict]:
+    """conv with an id for each tool call lacking one, and each tool result lacking a tool_call_id the next id of the
+    calls before it, in order, where `enc`'s template needs them (`_needs_ids`): by position, 9 letters / digits
+    (`c00000000`, ...), none a call's own. As given elsewhere: Apriel-1.6 writes an id only when the reply is not
+    last, so a reply given one renders otherwise as a prefix (untrained). Cost: nothing for a row without calls."""
+    if enc.kind == "chatml" or not any(m.get("tool_calls") for m in conv) or not _needs_ids(enc):
+        return conv
+    used = {c.get("id") for m in conv for c in m.get("tool_calls") or [] if isinstance(c, dict)}
+    fresh, out, queue = (i for n in range(10 ** 8) if (i := f"c{n:08d}") not in used), [], []
+    for m in conv:
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            m = {**m, "tool_calls": [{**c, "id": next(fresh)} if isinstance(c, dict) and not c.get("id") else c
+                                     for c in m["tool_calls"]]}
+            queue = [c.get("id") for c in m["tool_calls"] if isinstance(c, dict)]
+        elif m["role"] == "tool" and queue:
+            m = m if m.get("tool_call_id") else {**m, "tool_call_id": queue[0]}
+            queue = [i for i in queue if i != m["tool_call_id"]]
+        out.append(m)
+    return out
+
+
 # ---- tool-call arguments: JSON text (OpenAI's API, most exported datasets) or an object (HF's docs, TRL)
 def _arguments(call) -> object:
     fn = call.get("function", call) if isinstance(call, dict) else None

@@ -8,6 +8,7 @@ import pytest
 
 from data.chat import RowError
 from data.chat_reasoning import reads_bare
+from data.chat_sweep import TOOLS
 from tests.unit.data.test_chat_quoted import encoder, spans
 
 ASK = {"role": "user", "content": "What is 2+2?"}
@@ -61,7 +62,8 @@ def test_a_quoted_tag_after_a_long_think_block_is_never_trained_cut(root):
 
 
 @pytest.mark.parametrize("key", ["qwen3", "glm46", "gpt_oss"])
-@pytest.mark.parametrize("content", ["<think>\nR.\n</think>\n\nFour.", "<think>\n\n</think>\n\nFour.", "R.</think>Four."])
+@pytest.mark.parametrize("content", ["<think>\nR.\n</think>\n\nFour.", "<think>\n\n</think>\n\nFour.", "R.</think>Four.",
+                                     "R.\n</think>\n\nFour."])
 def test_reasoning_given_twice_is_refused_naming_which_to_drop(root, key, content):
     """A reasoning field and a content think block: Qwen3 / GLM-4.6 trained two think blocks, gpt-oss the analysis
     channel and the block in its final one. (gpt-oss reads a bare `</think>` beside a field as answer text: trained.)"""
@@ -72,6 +74,37 @@ def test_reasoning_given_twice_is_refused_naming_which_to_drop(root, key, conten
     with pytest.raises(RowError, match=r"^message 1 \(assistant\): it gives reasoning twice, its reasoning_content "
                                        r"field and .* drop the content's") as e:
         encoder(root, key).encode(row)
+    assert "\n" not in str(e.value)
+
+
+QUOTES = {"qwen3": "<think>\nThe tag closes the block.\n</think>\n\nUse s.split('</think>')[-1].<|im_end|>",
+          "glm46": "\n<think>The tag closes the block.</think>\nUse s.split('</think>')[-1]."}
+
+
+@pytest.mark.parametrize("key", ["qwen3", "glm46"])
+def test_a_field_beside_an_answer_quoting_the_close_trains_as_rendered(root, key):
+    """With a reasoning field given, Qwen3 / GLM-4.6 print the content as written: a `</think>` quoted in it is the
+    answer's, not reasoning given twice (refused for a day; the text before it must hold the field's to be that)."""
+    msgs = [ASK, {"role": "assistant", "content": "Use s.split('</think>')[-1].",
+                  "reasoning_content": "The tag closes the block."}]
+    got, stats = spans(encoder(root, key), msgs)
+    assert got == [QUOTES[key]] and not stats["untrained_turns"], got
+    with pytest.raises(RowError, match=r"never renders its reasoning field"):  # not trained without it (it opens the
+        encoder(root, "nemotron_nano2").encode({"messages": msgs})  # block: the content was read as reasoning)
+
+
+@pytest.mark.parametrize("content", ["R.</think>Four.", "Use s.split('</think>')[-1].", "Four. Then s.split('</think>')."])
+@pytest.mark.parametrize("calls", [False, True])
+def test_a_bare_close_is_refused_where_a_template_has_a_place_for_reasoning_on_calls_only(root, content, calls):
+    """Gemma 4 renders its thought channel only on a reply with tool calls; a bare `</think>` (an R1 completion or a
+    quote, after other answer text too: ambiguous) trained as answer text. Refused as on gpt-oss / Seed-OSS."""
+    call = {"id": "call00001", "type": "function", "function": {"name": "count_words", "arguments": {"text": "a b"}}}
+    reply = {"role": "assistant", "content": content, **({"tool_calls": [call]} if calls else {})}
+    msgs = [ASK, reply] + ([{"role": "tool", "tool_call_id": "call00001", "content": "2"},
+                            {"role": "assistant", "content": "Two."}] if calls else [])
+    with pytest.raises(RowError, match=r"^message 1 \(assistant\): its content holds `</think>` with no `<think>` "
+                                       r"before it, .* field on a reply with tool calls") as e:
+        encoder(root, "gemma4").encode({"messages": msgs, **({"tools": TOOLS["tool list"]} if calls else {})})
     assert "\n" not in str(e.value)
 
 
