@@ -19,7 +19,7 @@ import numpy as np
 
 from data.chat_rows import RowError
 from data.chat_rows import message as _message
-from data.chat_tools import fit_arguments
+from data.chat_tools import call_ids, fit_arguments
 
 PLACEHOLDER = "SPLICEDCONTENT"
 
@@ -27,7 +27,7 @@ PLACEHOLDER = "SPLICEDCONTENT"
 def encode_long(enc, messages: list[dict], at: int, stats: bool = False):
     """`enc.encode` of `messages` (OpenAI form) whose message `at` is long, the content tokenized once (module doc)."""
     conv = [_message(m, i) for i, m in enumerate(messages)]
-    conv, rewritten = (conv, 0) if enc.refusal else fit_arguments(enc, conv, None)  # as the template writes them
+    conv, rewritten = (conv, 0) if enc.refusal else fit_arguments(enc, call_ids(enc, conv), None)  # as the template writes them
     content = conv[at]["content"]
     parts = None if enc.kind == "chatml" or enc.refusal else splice_parts(enc, conv, at, content)
     if parts is None:  # the ChatML default is built token by token (the content tokenized once already); or
