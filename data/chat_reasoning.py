@@ -111,8 +111,8 @@ def marked(enc, msg: dict) -> tuple[str, str] | None:
     block = think_parts(enc, content)[0]
     field = next((msg[f].strip() for f in FIELDS if isinstance(msg.get(f), str) and msg[f].strip()), None)
     if block is None or not content.lstrip().startswith("<think>") and field and unicode_form(
-            field) not in unicode_form(block):
-        return None
+            field) not in unicode_form(block) and not (block.strip() and unicode_form(block.strip()) in unicode_form(field)):
+        return None  # (a bare block that is part of the field: given twice too)
     return ("lead" if content.lstrip().startswith("<think>") else "bare"), block
 
 
@@ -197,15 +197,16 @@ def calls_only(enc) -> bool:
 def bare_close(enc, msg: dict, k: int) -> None:
     """A RowError, one line, where a reply with no reasoning field has a content whose first `</think>` has no
     `<think>` before it and `enc`'s template has a place of its own for reasoning (`as_text`: gpt-oss, Seed-OSS,
-    Apriel-1.6; `calls_only`: Gemma 4, for a reply with calls or without): a raw R1 completion
+    Apriel-1.6; `calls_only`: Gemma 4, for a reply with tool calls, where its thought channel is): a raw R1 completion
     (`reasoning</think>answer`, its block opened by R1's generation prompt) and a quoted tag (`s.split('</think>')`,
     after other answer text too) cannot be told apart, and either way it would train as answer text (R1's
     reasoning written to the user). Templates that print the content verbatim with no such place train it as text."""
     content = msg.get("content")
     if not isinstance(content, str) or "</think>" not in content or "<think>" in content.partition("</think>")[0]:
         return
-    if any(isinstance(msg.get(f), str) and msg[f].strip() for f in FIELDS) or not (as_text(enc) or calls_only(enc)):
-        return  # (a reasoning field given: the content is the answer)
+    if any(isinstance(msg.get(f), str) and msg[f].strip() for f in FIELDS) or not (
+            as_text(enc) or msg.get("tool_calls") and calls_only(enc)):
+        return  # (a reasoning field given: the content is the answer; Gemma 4's plain reply has no place: as text)
     where = "" if as_text(enc) else " on a reply with tool calls (the only replies it renders reasoning on; drop it elsewhere)"
     raise RowError(f"message {k} (assistant): its content holds `</think>` with no `<think>` before it, which "
                    f"{enc.name} would train as answer text: if the tag is quoted, write it otherwise (`&lt;/think&gt;`); "

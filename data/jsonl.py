@@ -94,22 +94,28 @@ def no_missing_shard(root: str, files: list[str], flag: str, pattern: str | None
     (`train_sft-00000-of-00003-a3ecf92756993583.parquet`): not part of the split's name. A glob's (`pattern`): the
     same among the shards it would name (`train_sft-*` with one of 3 missing: refused, as the several-splits refusal
     suggests that glob; `c4-train.0000*-of-01024` with 3 of its 10: a note). Cost: a regex per file."""
-    groups: dict[tuple, set[int]] = {}
-    dirs: dict[tuple, list[str]] = {}  # a split's shards spread over sub-folders (a/ 0-4, b/ 5-9) are one split
+    per_dir: dict[tuple, dict[str, set[int]]] = {}
     for f in files:
         m = _SHARD_NAME.match(os.path.basename(f))
         if m:
             post = _FINGERPRINT.sub("-*", m[4])  # the missing shard's fingerprint is unknown: named `-*`
-            key = (m[1], int(m[3]), post, m[3])
-            groups.setdefault(key, set()).add(int(m[2]))
-            dirs.setdefault(key, []).append(os.path.dirname(f))
+            per_dir.setdefault((m[1], int(m[3]), post, m[3]), {}).setdefault(os.path.dirname(f), set()).add(int(m[2]))
+    groups: dict[tuple, set[int]] = {}
+    dirs: dict[tuple, list[str]] = {}
+    for key, held in per_dir.items():  # folders holding disjoint shards of one split (a/ 0-4, b/ 5-9) are that split;
+        if sum(map(len, held.values())) == len(set().union(*held.values())):  # one shard in two (a config a folder,
+            groups[("", *key)], dirs[("", *key)] = set().union(*held.values()), sorted(held)  # en/, fr/): their own
+        else:
+            for d, have in held.items():
+                groups[(d, *key)], dirs[(d, *key)] = have, [d]
     missing = []
-    for (pre, n, post, total), have in sorted(groups.items()):
-        d = dirs[(pre, n, post, total)][0]
+    for key, have in sorted(groups.items()):
+        pre, n, post, total = key[-4:]
+        d = dirs[key][0]
         every = range(n in have, n + (n in have))  # numbered from 1 (safetensors') too
         if pattern is not None:  # a glob's: the shards it would name (in any of the split's folders)
             every = [k for k in every if any(fnmatch.fnmatch(os.path.join(x, f"{pre}{k:05d}-of-{total}{post}"), pattern)
-                                             for x in set(dirs[(pre, n, post, total)]))]
+                                             for x in dirs[key])]
         lack = [k for k in every if k not in have]
         if not lack:
             continue

@@ -231,3 +231,13 @@ def test_a_split_spread_over_sub_folders_is_one_split(tmp_path):
         (sub / f"train-{k:05d}-of-00010.jsonl").write_text(json.dumps({"text": "a b"}) + "\n")
     assert len(discover(str(tmp_path / "g"))) == 10
     assert len(discover(str(tmp_path / "g" / "*" / "train-*.jsonl"))) == 10
+
+
+def test_configs_in_folders_of_their_own_are_judged_each(tmp_path):
+    """A dataset's configs in folders of their own (`en/`, `fr/`: Hugging Face's multi-config layout) with the same
+    shard counts: fr lacking its shard 1 was covered by en's when shards were grouped across folders (a review)."""
+    for lang, ks in (("en", (0, 1)), ("fr", (0,))):
+        (tmp_path / "ds" / lang).mkdir(parents=True)
+        for k in ks:
+            (tmp_path / "ds" / lang / f"train-{k:05d}-of-00002.jsonl").write_text(json.dumps({"text": "a b"}) + "\n")
+    assert "shard fr/train-00001-of-00002.jsonl of its split is missing" in _one_line(discover, str(tmp_path / "ds"))

@@ -96,15 +96,21 @@ def test_a_field_beside_an_answer_quoting_the_close_trains_as_rendered(root, key
 @pytest.mark.parametrize("content", ["R.</think>Four.", "Use s.split('</think>')[-1].", "Four. Then s.split('</think>')."])
 @pytest.mark.parametrize("calls", [False, True])
 def test_a_bare_close_is_refused_where_a_template_has_a_place_for_reasoning_on_calls_only(root, content, calls):
-    """Gemma 4 renders its thought channel only on a reply with tool calls; a bare `</think>` (an R1 completion or a
-    quote, after other answer text too: ambiguous) trained as answer text. Refused as on gpt-oss / Seed-OSS."""
+    """Gemma 4 renders its thought channel only on a reply with tool calls; there a bare `</think>` (an R1 completion
+    or a quote, after other answer text too: ambiguous) trained as answer text: refused as on gpt-oss / Seed-OSS. A
+    plain reply has no such place: it trains as written (it was refused for a day: a review)."""
     call = {"id": "call00001", "type": "function", "function": {"name": "count_words", "arguments": {"text": "a b"}}}
     reply = {"role": "assistant", "content": content, **({"tool_calls": [call]} if calls else {})}
     msgs = [ASK, reply] + ([{"role": "tool", "tool_call_id": "call00001", "content": "2"},
                             {"role": "assistant", "content": "Two."}] if calls else [])
+    row = {"messages": msgs, **({"tools": TOOLS["tool list"]} if calls else {})}
+    if not calls:
+        got, stats = spans(encoder(root, "gemma4"), msgs)
+        assert content in got[0] and not stats["untrained_turns"], got
+        return
     with pytest.raises(RowError, match=r"^message 1 \(assistant\): its content holds `</think>` with no `<think>` "
                                        r"before it, .* field on a reply with tool calls") as e:
-        encoder(root, "gemma4").encode({"messages": msgs, **({"tools": TOOLS["tool list"]} if calls else {})})
+        encoder(root, "gemma4").encode(row)
     assert "\n" not in str(e.value)
 
 
@@ -146,3 +152,13 @@ def test_open_thoughts_rows_are_refused_where_the_template_has_its_own_reasoning
         encoder(root, "qwen3").encode({"messages": [ASK, {"role": "assistant", "content": OPEN_THOUGHTS}]})
     got, _ = spans(encoder(root, "llama31"), [ASK, {"role": "assistant", "content": OPEN_THOUGHTS}])
     assert OPEN_THOUGHTS in got[0], got
+
+
+@pytest.mark.parametrize("key", ["qwen3", "glm46"])
+def test_part_of_the_field_before_a_bare_close_is_reasoning_given_twice(root, key):
+    """`reasoning_content` "Two words: apple, river." beside content "Two words:</think>apple river": the text before
+    the close is part of the field (given twice, as when it holds the field); it trained both (a review)."""
+    msgs = [ASK, {"role": "assistant", "content": "Two words:</think>apple river",
+                  "reasoning_content": "Two words: apple, river."}]
+    with pytest.raises(RowError, match="reasoning twice"):
+        encoder(root, key).encode({"messages": msgs})
