@@ -40,11 +40,15 @@ def reasoning(msg: dict, enc=None) -> tuple[str, str] | None:
     """(form, text) of a reply's reasoning: `field` (reasoning_content / thinking / reasoning) or `content` (its leading
     think block, `think_parts`); None where it has none. `enc`: the encoder, whose template may open the block itself
     (R1-style `reasoning</think>answer`); None: a block only where the content opens it."""
-    for f in FIELDS:
-        if isinstance(msg.get(f), str) and msg[f].strip():
-            return "field", msg[f].strip()
+    if given := field_of(msg):
+        return "field", given[1]
     text = think_parts(enc, msg.get("content") or "")[0]
     return ("content", text) if text else None
+
+
+def field_of(msg: dict) -> tuple[str, str] | None:
+    """(name, text) of a reply's non-empty reasoning field (reasoning_content / thinking / reasoning), None without."""
+    return next(((f, msg[f].strip()) for f in FIELDS if isinstance(msg.get(f), str) and msg[f].strip()), None)
 
 
 def split_think(content: str, bare: bool = False) -> tuple[str | None, str]:
@@ -109,7 +113,7 @@ def marked(enc, msg: dict) -> tuple[str, str] | None:
     if not isinstance(content, str) or "</think>" not in content:
         return None
     block = think_parts(enc, content)[0]
-    field = next((msg[f].strip() for f in FIELDS if isinstance(msg.get(f), str) and msg[f].strip()), None)
+    field = (field_of(msg) or (None, None))[1]
     if block is None or not content.lstrip().startswith("<think>") and field and unicode_form(
             field) not in unicode_form(block) and not (block.strip() and unicode_form(block.strip()) in unicode_form(field)):
         return None  # (a bare block that is part of the field: given twice too)
@@ -204,7 +208,7 @@ def bare_close(enc, msg: dict, k: int) -> None:
     content = msg.get("content")
     if not isinstance(content, str) or "</think>" not in content or "<think>" in content.partition("</think>")[0]:
         return
-    if any(isinstance(msg.get(f), str) and msg[f].strip() for f in FIELDS) or not (
+    if field_of(msg) or not (
             as_text(enc) or msg.get("tool_calls") and calls_only(enc)):
         return  # (a reasoning field given: the content is the answer; Gemma 4's plain reply has no place: as text)
     where = "" if as_text(enc) else " on a reply with tool calls (the only replies it renders reasoning on; drop it elsewhere)"
@@ -220,7 +224,7 @@ def both(enc, msg: dict, k: int) -> None:
     the field's: `marked`; any other `</think>` beside a field is the answer's). Templates render the field and print
     the content beside it: Qwen3 / GLM-4.6 trained two think blocks, gpt-oss the analysis channel and the block in its
     final one. The fix named keeps the form the template renders in a place of its own."""
-    field = next((f for f in FIELDS if isinstance(msg.get(f), str) and msg[f].strip()), None)
+    field = (field_of(msg) or (None, None))[0]
     mark = marked(enc, msg) if field else None
     if mark is None:
         return
