@@ -302,7 +302,7 @@ forward() {  # SIGUSR1 to every local rank that listens for it; stays pending un
   # shellcheck disable=SC2086  # one pid per word
   [ -n "$ranks" ] && kill -USR1 $ranks 2>/dev/null && echo "launch.sh: SIGUSR1 sent to ranks$ranks" >&2
   if over_pdsh && [ "$pending" = 1 ]; then
-    pdsh -w "$(cut -d' ' -f1 <<< "$act" | paste -sd,)" "$(remote_signal USR1)" >&2 || true  # this launch's ranks
+    signal_nodes USR1  # this launch's ranks
   fi
   if over_pdsh || { [ -n "$ranks" ] && [ "$waiting" = 0 ]; }; then pending=0; fi
 }
@@ -317,7 +317,7 @@ hard_stop() {
   local sig=TERM after=" (SIGKILL after 30 s)"
   [ "$interrupts" -ge 3 ] && sig=KILL killed=1 after=""
   echo "launch.sh: SIGINT $interrupts: SIG$sig to the launcher and every rank$after" >&2
-  over_pdsh && { pdsh -w "$(cut -d' ' -f1 <<< "$act" | paste -sd,)" "$(remote_signal "$sig")" >&2 || true; }
+  over_pdsh && signal_nodes "$sig"
   # shellcheck disable=SC2046,SC2086  # one pid per word
   [ "$killed" = 1 ] && kill -KILL $(rank_pids) $known_ranks 2>/dev/null
   over_pdsh && [ "$killed" = 0 ] || kill -"$sig" -- -"$launcher_pid" 2>/dev/null  # (a hostfile of this host alone: local)

@@ -135,6 +135,9 @@ remote_signal() {
   echo "for p in \$(pgrep -f '${re//$q/$q\\$q$q} --local_rank=[0-9]'); do tr '\\0' '\\n' < /proc/\$p/environ 2>/dev/null |" \
     "grep -qxF '${id//$q/$q\\$q$q}' && kill -$1 \$p; done; true"
 }
+signal_nodes() {  # SIG to this launch's ranks on the hosts pdsh runs them on ($act: "HOST RANKS" a line)
+  pdsh -w "$(cut -d' ' -f1 <<< "$act" | paste -sd,)" "$(remote_signal "$1")" >&2 || true
+}
 
 shell_words() {  # the arguments as one line a shell reads back the same (quotes only where needed)
   local a words=() safe='^[A-Za-z0-9_@%+=:,./-]+$' q="'"
