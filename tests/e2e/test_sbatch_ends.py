@@ -70,7 +70,8 @@ def test_scancel_ends_the_job_and_is_never_requeued(tmp_path):
     (75) within KillWait. The batch shell reads CANCELLED and does not requeue (it used to take the TERM for the
     time-limit warning and `scontrol requeue`, which slurmctld accepts for a CANCELLED, COMPLETING job: the cancel
     undone)."""
-    text = cancelled_while_running(tmp_path, tmp_path / "out", FAKE_EXIT_AFTER="75", SCONTROL_KILL_WAIT="10")
+    text = cancelled_while_running(tmp_path, tmp_path / "out", FAKE_EXIT_AFTER="75", SCONTROL_KILL_WAIT="10",
+                                   FAKE_SAVE_S="1")  # a save that lasts: Slurm's TERM comes during it
     assert "got SIGTERM" in (tmp_path / "fake.log").read_text(), text  # Slurm's own TERM reached the launcher
     assert requeues(tmp_path) == [] and state(tmp_path)["state"] == "CANCELLED", text
     assert "JobState=CANCELLED (scancel)" in text and "the job was cancelled (JobState=CANCELLED): not requeueing" \
