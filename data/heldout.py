@@ -4,12 +4,15 @@ Enough whole documents to fill the largest evaluation any stage asks for (max ov
 max_seq_length tokens), spread over the whole stream (`heldout_split`: documents in the order of a fixed hash of their
 index, so every prefix of that order is spread evenly; a pure function of the prepared folder, the same on every rank
 and every restart). data/pipeline.py applies the split (`RunData.cut`, `RunData.held`) and says its size at the start
-(`heldout_note`). Cost: O(documents) passes over the per-document lengths, on every rank.
+(`heldout_note`). A conversation is never cut (its head would train without its answer): it is held out whole or
+trains whole. Cost: O(documents) passes over the per-document lengths, on every rank, and the masks of the few
+documents it would cut.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 
 import numpy as np
 
@@ -88,16 +91,21 @@ def sample_starts(lens: np.ndarray, seq_len: int, n: int, inside: bool = True) -
     return out
 
 
-def heldout_split(lens: np.ndarray, wants: list[tuple[int, int]], min_train: int) -> tuple[np.ndarray, np.ndarray, str]:
+def heldout_split(lens: np.ndarray, wants: list[tuple[int, int]], min_train: int,
+                  chat: Callable[[int], bool] | None = None) -> tuple[np.ndarray, np.ndarray, str]:
     """(cut, held, warning) for `wants` = [(seq_len, held-out samples)] per stage: document i trains on its tokens
     [start, start + cut[i]) and the rest is held out (cut = its length: all training); `held` are the held-out
     documents in evaluation order. Whole documents in `spread_order` until every stage's samples fit, each from
     a document's start (`sample_starts`; at most twice the tokens asked); a document longer than twice the
     largest evaluation is passed over (it would take from training what no sample reads) unless only such are
     left, then its tail is held out, as the last one's is where taking it whole would leave fewer than
-    `min_train` tokens (one sample of the longest stage) to train on. A stream too small for the largest
+    `min_train` tokens (one sample of the longest stage) to train on. A conversation (`chat(d)`: its mask leaves a
+    token untrained) is never cut: its head is the prompt without its answer (an SFT stage trained on nothing of
+    it, its tail was scored as a conversation starting mid-document); it is held out whole or trains whole, and
+    where that leaves fewer held-out tokens than asked `warning` says so. A stream too small for the largest
     evaluation holds out what leaves `min_train` (none if that is shorter than the shortest stage) and says so
-    in `warning`; ValueError when not even `min_train` tokens exist."""
+    in `warning`; ValueError when not even `min_train` tokens exist. `chat` is asked only of the documents it
+    would cut (a few, in a small stream: a large one fills the evaluation from whole documents)."""
     n_tok = int(lens.sum())
     cut = lens.astype(np.int64).copy()
     wants = [(sl, k) for sl, k in wants if k > 0]
@@ -107,27 +115,25 @@ def heldout_split(lens: np.ndarray, wants: list[tuple[int, int]], min_train: int
     if n_tok < min_train:
         raise ValueError(f"the dataset has {n_tok} tokens, fewer than one training sample of the longest stage "
                          f"({min_train} tokens): add data or shorten max_seq_length")
-    room, warning = n_tok - min_train, ""
-    if need > room:
+    room, small = n_tok - min_train, need > n_tok - min_train
+    if small:
         room = room if room >= min(sl for sl, _ in wants) else 0
-        warning = (f"warning: the dataset has {n_tok} tokens, too few for {need} held-out tokens (the largest stage's "
-                   f"eval heldout_samples x max_seq_length) and {min_train} to train on: "
-                   + (f"holding out {room} tokens instead" if room else "no held-out evaluation")
-                   + " (add data, or set --eval_heldout_samples / eval.heldout_samples)")
-        if not room:
-            return cut, np.zeros(0, np.int64), warning
-    budget, held, big = min(need, room), [], []
+    budget, held, big, whole = min(need, room), [], [], 0  # whole: conversations left to train, not cut
 
     def fits() -> bool:  # every stage's samples start at a document's start
         return all(len(sample_starts(lens[held] - cut[held], sl, k, inside=False)) == k for sl, k in wants)
 
-    def hold(d: int, take: int) -> int:  # document d's last `take` tokens held out
+    def hold(d: int, take: int) -> int:  # document d's last `take` tokens held out; a conversation whole or not at all
+        nonlocal whole
+        if take < lens[d] and chat is not None and chat(d):
+            whole += 1
+            return 0
         held.append(d)
         cut[d] -= take
         return take
 
     total = 0
-    for d in _spread(lens, min(room, 2 * budget), room):
+    for d in _spread(lens, min(room, 2 * budget), room) if room else ():
         if total >= min(2 * budget, room) or (total >= budget and fits()):
             break  # enough, or as much as spreading the sample starts may cost (the rest start inside documents)
         if lens[d] > 2 * need:
@@ -138,6 +144,19 @@ def heldout_split(lens: np.ndarray, wants: list[tuple[int, int]], min_train: int
         if total >= budget:
             break
         total += hold(d, min(int(lens[d]), budget - total))
+    fix = "(add data, or set --eval_heldout_samples / eval.heldout_samples)"
+    whole_said = (f"a conversation is held out whole or not at all, and {whole} more would each have left fewer than "
+                  f"{min_train} tokens to train on")
+    if small:
+        warning = (f"warning: the dataset has {n_tok} tokens, too few for {need} held-out tokens (the largest stage's "
+                   f"eval heldout_samples x max_seq_length) and {min_train} to train on: "
+                   + (f"holding out {total} tokens instead" if total else "no held-out evaluation")
+                   + (f"; {whole_said}" if whole else "") + f" {fix}")
+    elif whole and total < budget:
+        warning = (f"warning: holding out {total} of the {need} tokens the largest stage's eval asks (heldout_samples x "
+                   f"max_seq_length): {whole_said} {fix}")
+    else:
+        warning = ""
     return cut, np.asarray(held, dtype=np.int64), warning
 
 

@@ -103,13 +103,14 @@ class RunData:
         """The prepared per-token loss mask (chat documents: data/chat.py), None for a text-only folder."""
         return getattr(self.prepared, "mask", None)
 
-    def _pack(self, idx: np.ndarray, seq_len: int, heldout: bool = False, sft: bool = False) -> DocPack | ConvPack:
-        """Documents `idx` clipped to the training part (or the held-out part) of the stream, packed: end to end
-        (text), or as whole conversations side by side (`sft`: ConvPack)."""
+    def _pack(self, idx: np.ndarray, seq_len: int, heldout: bool = False, sft: bool = False,
+              whole: bool = False) -> DocPack | ConvPack:
+        """Documents `idx` clipped to the training part (or the held-out part; `whole`: neither) of the stream, packed:
+        end to end (text), or as whole conversations side by side (`sft`: ConvPack)."""
         starts, ends = self.prepared.starts[idx], self.prepared.starts[idx] + self.prepared.lens[idx]
         if heldout:
             starts = starts + self.cut[idx]
-        else:
+        elif not whole:
             ends = starts + self.cut[idx]
         keep = ends > starts
         if sft:
@@ -161,6 +162,15 @@ class RunData:
         keep = chat_documents(self.mask, starts, lens)
         return ConvPack(self.prepared.tokens, self.mask, starts[keep], lens[keep], seq_len, self.pad_id), len(keep)
 
+    def held_hint(self, idx: np.ndarray, n: int, sft: bool, got: int) -> str:
+        """Where packing `idx` at `n` gives too few samples (`got`) and the held-out documents hold some it would
+        train: how many with them, naming the setting that holds them out; '' otherwise (one more packing, on a
+        refusal's path only)."""
+        if not len(self.held) or len(with_held := self._pack(idx, n, sft=sft, whole=True)) <= got:
+            return ""
+        return (f"; with the held-out documents it packs {len(with_held)}: lower eval.heldout_samples "
+                "(--eval_heldout_samples; 0 holds none out)")
+
     def mixture(self, stage, replay_of: int | None = None) -> MixtureDataset | None:
         """The stage's `data:` components packed to its length (None without one); `replay_of`: the length of the stage
         whose replay length this is (its refusals name the replay length)."""
@@ -172,14 +182,17 @@ class RunData:
         parts = []
         for c in comps:
             idx = select_documents(c, p.sources, p.source, p.lens)
-            pack = self._pack(idx, stage.max_seq_length, sft=getattr(stage, "kind", "text") == "sft")
+            sft = getattr(stage, "kind", "text") == "sft"
+            pack = self._pack(idx, stage.max_seq_length, sft=sft)
+            held = self.held_hint(idx, stage.max_seq_length, sft, 0) if len(pack) < 1 else ""
             if len(pack) < 1 and getattr(pack, "dropped", 0):  # (an SFT replay length cutting a long-document QA set)
                 raise ValueError(f"{where}: mixture component {c.name!r}: {dropped_line(pack, stage.max_seq_length)}: "
-                                 + (REPLAY_FIX if replay_of else "lengthen max_seq_length, or give the stage other data"))
+                                 + (REPLAY_FIX if replay_of else "lengthen max_seq_length, or give the stage other data")
+                                 + held)
             if len(pack) < 1:
                 raise ValueError(f"{where}: mixture component {c.name!r} (sources "
                                  f"{list(c.sources)}) has {pack.n_tokens} training tokens, less than one sample of "
-                                 f"{stage.max_seq_length}; the dataset's sources are {p.sources}")
+                                 f"{stage.max_seq_length}; the dataset's sources are {p.sources}{held}")
             parts.append(pack)
         return MixtureDataset(parts, [c.name for c in comps])
 
@@ -209,8 +222,10 @@ class RunData:
                 why = f" ({dropped_line(pack, n)})" if getattr(pack, "dropped", 0) else ""
                 raise ValueError(f"{where}{f' replay length {n}' if per > 1 else ''}: {len(pack)} packed samples of {n} "
                                  f"tokens, fewer than the {need} = {dp * micro_batch * per} one step reads{why}: "
-                                 + (REPLAY_FIX if per > 1 else "add data, shorten max_seq_length")
-                                 + ", or lower the batch size or the data-parallel degree (world / sp)")
+                                 + (REPLAY_FIX if per > 1 else "add data, lengthen max_seq_length to keep those dropped"
+                                    if not len(pack) and why else "add data, shorten max_seq_length")
+                                 + ", or lower the batch size or the data-parallel degree (world / sp)"
+                                 + self.held_hint(np.arange(len(self.prepared.lens)), n, sft, len(pack)))
 
     def stage_view(self, stage, dp: int, dp_rank: int, micro_batch: int, seed: int):
         """(dataset, sampler) a stage trains from: `dataset[i]` is a sample dict, `sampler.next_batch()` gives
@@ -257,10 +272,13 @@ class RunData:
             split = ("longer text document(s)" if not convs else "conversation(s) under --loss_on all (every token a "
                      "target, as a text's)" if convs >= m.get("n_docs", 0) else "longer text document(s) or "
                      "conversation(s) under --loss_on all (every token a target: alike)")
+            lost = sum(p.lost_targets for p in cut)
+            share = lost / max(1, lost + sum(p.n_targets for p in packs if isinstance(p, ConvPack)))  # one epoch's
             print0(f"stage {stage.index} ({stage.name}) at {stage.max_seq_length}: {sum(p.truncated for p in cut)} "
-                   f"conversation(s) cut to the length, {sum(p.dropped for p in cut)} dropped (every supervised token "
-                   f"was past the cut), {sum(p.lost_targets for p in cut)} supervised token(s) past the cuts not "
-                   f"trained, {sum(p.split for p in cut)} {split} split into pieces")
+                   f"conversation(s) cut to the length, {sum(p.dropped for p in cut)} dropped (no supervised token in "
+                   f"their first {stage.max_seq_length} tokens: all past the cut, or none at all), {lost} supervised "
+                   f"token(s) past the cuts not trained ({'under 0.1%' if 0 < share < 0.001 else f'{share:.1%}'} of the "
+                   f"stage's supervised tokens), {sum(p.split for p in cut)} {split} split into pieces")
         if mix is not None and all(isinstance(p, ConvPack) for p in packs):  # each component packed alone: its
             fills = [p.fill() for p in packs]  # weight is a share of samples, padding included (said, not changed)
             real = [w * f for w, f in zip(weights, fills)]
@@ -305,9 +323,12 @@ class RunData:
 
 
 def dropped_line(pack: ConvPack, n: int) -> str:
-    """Why an SFT pack at `n` tokens is empty or short: conversations whose supervised tokens all lie past the cut."""
+    """Why an SFT pack at `n` tokens is empty or short: conversations whose supervised tokens all lie past the cut, or
+    that hold none (`untargeted`)."""
     what = f"all {pack.dropped} of its conversations were" if not pack.n_tokens else f"{pack.dropped} conversation(s) were"
-    return f"{what} dropped: their supervised tokens lie past the cut at {n} tokens"
+    none = getattr(pack, "untargeted", 0)
+    return f"{what} dropped: their supervised tokens lie past the cut at {n} tokens" + (
+        f" ({none} of them hold none at all)" if none else "")
 
 
 def _plan(folder: str) -> dict | None:
@@ -401,7 +422,11 @@ def open_run_data(dataset_path: str | None, tokenizer_path: str | None, model_vo
                f", today's {split['wants']}): a new length evaluates what they hold; the training samples stay the "
                "same, so the data position resumes where it was")
         split = heldout
-    cut, held, warning = heldout_split(prepared.lens, [tuple(w) for w in split["wants"]], min_train=split["min_train"])
+    mask = getattr(prepared, "mask", None)  # a conversation is held out whole or trains whole (data/heldout.py)
+    chat = (lambda d: bool(len(chat_documents(mask, prepared.starts[d:d + 1], prepared.lens[d:d + 1])))) \
+        if mask is not None else None
+    cut, held, warning = heldout_split(prepared.lens, [tuple(w) for w in split["wants"]], min_train=split["min_train"],
+                                       chat=chat)
     for line in [warning] * bool(warning) + heldout_note(prepared.lens, cut, held):
         print0(line)
     docs = held_identity(prepared, cut, held)

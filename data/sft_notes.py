@@ -7,13 +7,16 @@
 - `eval_reach_note`: an SFT stage of a model with more positions than the run's longest stage whose `eval.lengths`
   stop short of them (a standalone SFT of an already-extended model: `earlier` is the stage's own length), so what
   the SFT loses between its length and the model's positions is never scored (it was silent, tasks or not);
-- `loss_share_note`: under `loss_weighting: conversation` with more than one component, each component's expected
-  share of the loss. Every conversation weighs alike, and so does every piece of a long text document: a books
-  component at 5% of the samples (one ~1-piece unit a 128k sample, against ~94 UltraChat-like chats in a chat sample)
-  carries ~0.06% of the loss, not 5% (docs/sft.md#loss-shares-under-conversation-weighting). Said, not changed: a
-  resumed run would change its loss.
+- `loss_share_note`: with more than one component, each component's expected share of the loss under the stage's
+  weighting and the other, said under `loss_weighting: conversation` always and under `token` (the default) where a
+  component's share is far below its share of the samples. By conversation every conversation weighs alike, and so
+  does every piece of a long text document: a books component at 5% of the samples (one ~1-piece unit a 128k sample,
+  against ~94 UltraChat-like chats in a chat sample) carries ~0.06% of the loss, not 5%; by token a long-QA component
+  (long documents, 100-token answers) at 10% carries ~0.03% (docs/sft.md#loss-shares-by-component). Said, not
+  changed: a resumed run would change its loss.
 
-Cost: the counts of the component packs open_run_data builds anyway (documents per sample: no extra pass; packing
+Cost: the counts of the component packs open_run_data builds anyway (documents and supervised tokens per sample: no
+extra pass; packing
 200k UltraChat-like conversations into 1M-token samples took 0.18 s here) and, for the retention note, one
 O(documents) selection per component over the lengths already loaded (milliseconds at millions of documents).
 """
@@ -113,28 +116,59 @@ def eval_reach_note(stage, positions: int | None, stages=None) -> str:
             "the run (docs/sft.md#retention-after-sft)")
 
 
+FAR = 4  # a component whose share of the loss is under 1/FAR of its share of the samples is said
+
+
+def _shares(rows: list[tuple[str, float, float]]) -> dict[str, float]:
+    total = sum(s * x for _, s, x in rows) or 1.0
+    return {n: s * x / total for n, s, x in rows}
+
+
 def loss_share_note(stage, mix) -> str:
-    """Under conversation weighting, each component's (and task's) expected share of the loss: its share of the samples
-    x its units (conversations, text pieces: documents with a target) per packed sample, normalised; '' otherwise.
-    `mix`: the stage's data/mixture.MixtureDataset (None without `data:`). Tasks count one unit a sample; replay's
-    shorter samples are left out (said)."""
+    """Each component's (and task's) expected share of the loss under the stage's weighting and the other one, where
+    the stage weighs by conversation (always, 2+ components) or by token and a component's share is under 1/FAR of
+    its share of the samples; '' otherwise. Conversation: its share of the samples x its units (conversations, text
+    pieces: documents with a target) per packed sample, normalised; token: x its supervised tokens per packed sample
+    (ConvPack.n_targets; tasks' few answer tokens not counted). At 128k, 90% UltraChat-like chats (~72k supervised
+    tokens, ~85 conversations a sample) and 10% long QA (30k-100k documents, 100-token answers: ~200, 2 a sample)
+    give long QA 0.03% of the loss by token, 0.25% by conversation; books at 5% carry ~0.06% by conversation, ~7% by
+    token: the advice names the weighting that raises the component's share, and its weight in `data:`. `mix`: the
+    stage's data/mixture.MixtureDataset (None without `data:`); replay's shorter samples are left out (said)."""
     parts = getattr(mix, "parts", None) or []
-    if getattr(stage, "loss_weighting", "token") != "conversation" or len(parts) < 2 \
-            or not all(hasattr(p, "order") for p in parts):  # a text stage's DocPacks: no conversations to weigh
+    if len(parts) < 2 or not all(hasattr(p, "order") for p in parts):  # a text stage's DocPacks: nothing to weigh
+        return ""
+    conv = getattr(stage, "loss_weighting", "token") == "conversation"
+    tokens = all(hasattr(p, "n_targets") for p in parts)
+    if not conv and not tokens:
         return ""
     where = f"stage {stage.index} ({stage.name})"
     tasks = parse_tasks(getattr(stage, "tasks", None), f"{where} tasks")
     weights = [c.weight for c in parse_mixture(stage.data, f"{where} data")]
     rest = 1.0 - sum(tasks.values())
-    rows = [(n, rest * w / sum(weights), len(getattr(p, "order", ())) / max(1, len(p)))  # documents per sample
-            for n, w, p in zip(mix.names, weights, parts)] + [(t, f, 1.0) for t, f in tasks.items()]
-    total = sum(s * u for _, s, u in rows) or 1.0
-    said = ", ".join(f"{n} {s * u / total:.4f} ({s:.3f} of the samples x {u:.1f} a sample)" for n, s, u in rows)
-    return (f"note: {where} at {stage.max_seq_length}, loss_weighting conversation: every "
-            "conversation and every piece of a text document weighs alike, so the expected share of the loss is "
-            f"{said}" + ("; replay's shorter samples not counted" if getattr(stage, "replay", None) else "")
-            + ": a long-text component weighs one unit a piece; `loss_weighting: token` weighs by supervised tokens "
-            "(docs/sft.md#loss-shares-under-conversation-weighting)")
+    comps = [(n, rest * w / sum(weights), p) for n, w, p in zip(mix.names, weights, parts)]
+    units = [(n, s, len(p.order) / max(1, len(p))) for n, s, p in comps] + [(t, f, 1.0) for t, f in tasks.items()]
+    sup = [(n, s, p.n_targets / max(1, len(p))) for n, s, p in comps] if tokens else []
+    by_conv, by_tok = _shares(units), _shares(sup) if tokens else {}
+    cur, other = (by_conv, by_tok) if conv else (by_tok, by_conv)
+    far = [(n, s) for n, s, _ in comps if cur[n] * FAR < s]
+    if not conv and not far:
+        return ""
+    if conv:
+        head = ("every conversation and every piece of a text document weighs alike, so the expected share of the loss "
+                "is " + ", ".join(f"{n} {by_conv[n]:.4f} ({s:.3f} of the samples x {u:.1f} a sample)" for n, s, u in units))
+    else:
+        head = ("every supervised token weighs alike, so the expected share of the loss is " + ", ".join(
+            f"{n} {by_tok[n]:.4f} ({s:.3f} of the samples x {t:.0f} supervised tokens a sample)" for n, s, t in sup)
+            + ("; tasks' few answer tokens not counted" if tasks else ""))
+    name = "token" if conv else "conversation"
+    said = f"; under `loss_weighting: {name}`: " + ", ".join(f"{n} {v:.4f}" for n, v in other.items()) if other else ""
+    why = "long text: one unit a piece" if conv else "long documents, short answers: few supervised tokens each"
+    advice = "; ".join(f"{n} trains {cur[n]:.4f} of the loss at {s:.3f} of the samples: "
+                       + (f"`loss_weighting: {name}` gives it {other[n]:.4f} ({why}), or raise its weight in `data:`"
+                          if other.get(n, 0) >= 2 * cur[n] else "raise its weight in `data:`") for n, s in far)
+    return (f"note: {where} at {stage.max_seq_length}, loss_weighting {'conversation' if conv else 'token'}: {head}{said}"
+            + ("; replay's shorter samples not counted" if getattr(stage, "replay", None) else "")
+            + (f": {advice}" if advice else "") + " (docs/sft.md#loss-shares-by-component)")
 
 
 def sft_notes(stage, mix, prepared, model_path: str | None, stages=None) -> list[str]:

@@ -78,6 +78,46 @@ def test_the_loss_share_is_the_sample_share_times_the_units_a_sample():
     assert loss_share_note(stage, types.SimpleNamespace(parts=[chat], names=["chat"])) == ""  # one component
 
 
+def _qa(n_docs, length, answer, L):
+    """A ConvPack of `n_docs` conversations of `length` tokens, each with `answer` targets at its end."""
+    lens = np.full(n_docs, length)
+    starts = np.arange(n_docs) * length
+    mask = np.zeros(n_docs * length, np.uint8)
+    for s in starts:
+        mask[s + length - answer: s + length] = 1
+    return ConvPack(None, mask, starts, lens, L, 0)
+
+
+def test_a_component_far_below_its_share_is_said_under_token_weighting_pointing_the_right_way():
+    """The audit's exp6 in small: 90% chats (100 tokens, 55 supervised) and 10% long QA (3,000-token documents,
+    2-token answers) at 8192. By token (the default) long QA gets ~0.01% of the loss, and nothing was said; by
+    conversation ~0.3%, and the note advised `loss_weighting: token`, which cuts it further. Now both say each share
+    under both weightings; the token note names conversation weighting, the conversation note the weight."""
+    L = 8192
+    chat, qa = _qa(4000, 100, 55, L), _qa(100, 3000, 2, L)  # ~81 chats of 54 targets, 2 documents of 2, a sample
+    mix = types.SimpleNamespace(parts=[chat, qa], names=["chat", "longqa"])
+    data = [{"name": "chat", "source": "c", "weight": 0.9}, {"name": "longqa", "source": "q", "weight": 0.1}]
+    token = loss_share_note(_stage(0, L, data, tasks=None), mix)
+    per = chat.n_targets / len(chat)
+    by_tok = 0.1 * 4 / (0.9 * per + 0.1 * 4)
+    by_conv = 0.1 * 2 / (0.9 * 4000 / len(chat) + 0.1 * 2)
+    assert qa.n_targets / len(qa) == 4 and by_tok * 4 < 0.1 and by_conv > 8 * by_tok
+    assert token.startswith("note: stage 0 (s0) at 8192, loss_weighting token: every supervised token weighs alike, "
+                            f"so the expected share of the loss is chat {1 - by_tok:.4f} (0.900 of the samples x "
+                            f"{per:.0f} supervised tokens a sample), longqa {by_tok:.4f} (0.100 of the samples x 4 supervised "
+                            f"tokens a sample); under `loss_weighting: conversation`: chat {1 - by_conv:.4f}, longqa "
+                            f"{by_conv:.4f}: longqa trains {by_tok:.4f} of the loss at 0.100 of the samples: "
+                            f"`loss_weighting: conversation` gives it {by_conv:.4f}"), token
+    assert "or raise its weight in `data:`" in token and "\n" not in token
+    conv = loss_share_note(_stage(0, L, data, tasks=None, loss_weighting="conversation"), mix)
+    assert f"under `loss_weighting: token`: chat {1 - by_tok:.4f}, longqa {by_tok:.4f}: longqa trains {by_conv:.4f} " \
+        "of the loss at 0.100 of the samples: raise its weight in `data:`" in conv, conv
+    assert "`loss_weighting: token` gives" not in conv
+    # shares near the samples' (two chat sets): nothing said under token weighting
+    even = types.SimpleNamespace(parts=[_qa(4000, 100, 55, L), _qa(4000, 120, 50, L)], names=["a", "b"])
+    assert loss_share_note(_stage(0, L, data, tasks=None), even) == ""
+
+
 def test_what_counts_as_long_data_and_the_model_positions(tmp_path):
     prepared = types.SimpleNamespace(sources=["chat", "long"], source=np.array([0] * 50 + [1] * 5),
                                      lens=np.array([300] * 50 + [20_000] * 5))

@@ -232,7 +232,7 @@ def test_no_held_out_conversation_is_none_never_zero(chats):
     got = ev.heldout_loss(engine, DIMS1, 1, tok.pad_id, held, 256)
     assert "heldout_chat_loss" not in got and got["heldout_chat_tokens"] == 0
     row = {"model": "m", "kind": "hf", "rope": None, "trials": {}, "chat": "chatml", "tasks": {}, "task_mean": {}, **got}
-    assert "| model | none | 0 | 1 | 256 |" in "\n".join(ev.summary([row], None))
+    assert "| model | none | 0 | 0 | 256 |" in "\n".join(ev.summary([row], None))
     from training.eval_tables import eval_tables
 
     rows = [{"stage": 0, "stage_name": "s0", "step": 1, "seq_len": 8, "heldout_loss": 2.0, "heldout_chat_loss": 1.5,
