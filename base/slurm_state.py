@@ -19,7 +19,9 @@ from, in order:
    job out (it would have timed out then; requeued either way);
 else COMPLETING: unknown, which the batch shell takes as a cancel (never requeued: undoing a user's scancel is the
 worse mistake; a preemption is then not requeued, and the next submission resumes). Each call is retried (a busy
-controller answers with an error); torch-free, standard library only, ~50 ms.
+controller answers with an error); torch-free, standard library only, ~50 ms. `python -m base.slurm_state JOB S`: all
+of it within S seconds (the batch shell's SIGTERM leaves it KillWait: the tries, each up to MessageTimeout on a busy
+controller, took ~50 s), no try started past them.
 """
 
 from __future__ import annotations
@@ -37,10 +39,14 @@ FLAGS = {"COMPLETING", "STAGE_OUT", "CONFIGURING", "EXPEDITING", "RESIZING", "RE
          "POWER_UP_NODE", "LAUNCH_FAILED", "RECONFIG_FAIL"}
 
 
-def _ask(cmd: list[str], tries: int = 3) -> str | None:
+def _ask(cmd: list[str], tries: int = 3, deadline: float | None = None) -> str | None:
+    """`cmd`'s output, tried `tries` times; None when it fails, or when time.monotonic() reaches `deadline`."""
     for i in range(tries):
+        left = 20.0 if deadline is None else min(20.0, deadline - time.monotonic())
+        if left <= 0:
+            return None
         try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=left)
         except (OSError, subprocess.TimeoutExpired):
             return None  # no such command (no accounting client), or a controller that does not answer
         if out.returncode == 0:
@@ -48,7 +54,7 @@ def _ask(cmd: list[str], tries: int = 3) -> str | None:
         if any(w in out.stderr for w in ("unrecognized option", "invalid option", "plugin", "Plugin")):
             return None  # a Slurm before --json, or one without its data_parser: asking again will not help
         if i < tries - 1:
-            time.sleep(1)
+            time.sleep(1 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic())))
     return None
 
 
@@ -106,8 +112,11 @@ def timed_out(text: str) -> bool:
     return run is not None and limit is not None and run >= limit
 
 
-def base_state(job: str, ask=_ask) -> tuple[str, str]:
-    """(base state, reason) of job `job` (module docstring); ("", "") when slurmctld cannot be asked at all."""
+def base_state(job: str, ask=None, within: float | None = None) -> tuple[str, str]:
+    """(base state, reason) of job `job` (module docstring); ("", "") when slurmctld cannot be asked at all. `ask`
+    (cmd, tries) -> output or None; the default runs the command, every try ending by `within` seconds from now."""
+    deadline = None if within is None else time.monotonic() + within
+    ask = ask or (lambda cmd, tries=3: _ask(cmd, tries, deadline))
     got = _from_json(ask(["scontrol", "--json", "show", "job", job], tries=2), job)
     if got:
         return got
@@ -125,8 +134,8 @@ def base_state(job: str, ask=_ask) -> tuple[str, str]:
     return ("COMPLETING", reason) if state else ("", "")
 
 
-if __name__ == "__main__":  # python -m base.slurm_state JOB
-    print(" ".join(base_state(sys.argv[1])))
+if __name__ == "__main__":  # python -m base.slurm_state JOB [SECONDS]
+    print(" ".join(base_state(sys.argv[1], within=float(sys.argv[2]) if len(sys.argv) > 2 else None)))
 
 
 def job_local(path: str) -> str | None:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sourced by scripts/slurm.sbatch (found in the repository, not beside the copy Slurm runs): how the job requeues
-# itself. Reads the batch shell's variables (ref, out_dir, nnodes, hosts, the flags its traps set, the book's files:
-# progress, intent, crashes; the nodes' records) and exits the shell where a decision ends the job.
+# itself, its SIGTERM trap (on_term) and EXIT trap (at_exit) included. Reads the batch shell's variables (ref, out_dir,
+# nnodes, hosts, shown: the start's `scontrol show job`, the flags its traps set, the book's files: progress, intent,
+# crashes; the nodes' records) and exits the shell where a decision ends the job.
 # shellcheck shell=bash disable=SC2154  # every variable named above is the batch shell's
 # Every requeue goes through here. Never after a cancel: the batch shell's `scontrol requeue` of a CANCELLED job
 # (still COMPLETING) is accepted by slurmctld (_job_requeue_op) and would undo the user's scancel; the state is read
@@ -84,9 +85,10 @@ stop_asked() {  # a node's task got SIGUSR2 (scancel --signal=USR2 without --bat
 }
 cancel_ends() {  # $1: the code to exit with; exits when the job was cancelled: the trap's word or the state read now
   local st
-  st=$(job_state)  # before `cancelled` is looked at: a TERM arriving during this read runs its trap first
+  st=$(job_state "$(call_s)")  # before `cancelled` is looked at: a TERM arriving during this read runs its trap first
   st=${st%% *}
   if [ "$cancelled" = 1 ] || [ "$st" = CANCELLED ] || [ "$st" = COMPLETING ]; then
+    cancelled=1
     log "the job was cancelled (JobState=${st:-unknown}): not requeueing"
     exit "$1"
   fi
@@ -94,33 +96,82 @@ cancel_ends() {  # $1: the code to exit with; exits when the job was cancelled: 
 # The state is read here, at the last moment before each try, not when the requeue was decided: requeue_without's
 # scontrol calls (an exclusion: up to 4, each up to MessageTimeout on a busy controller) left seconds in which a
 # `scancel` came, its trap ran between two of them, and the requeue then undid it (slurmctld requeues a CANCELLED,
-# still COMPLETING job). One state read per try, as before (~50 ms, one scontrol call). Left: a cancel landing
-# during the requeue call itself.
+# still COMPLETING job). One state read per try, as before (~50 ms, one scontrol call). Not after the TERM trap read
+# TIMEOUT or PREEMPTED (`finished`): a finished job stays so, scancel cannot make it CANCELLED (job_signal returns
+# ESLURM_ALREADY_DONE, src/slurmctld/job_mgr.c), and on a busy controller that second read and the trap's own outlasted
+# KillWait: SIGKILL before the requeue. Left: a cancel landing during the requeue call itself.
 requeue_cmd() {  # $1: the code to exit with when cancelled; `scontrol requeue`, retried (a busy controller answers
   # with an error), immune to its own SIGTERM
   local i err
+  [ "$no_requeue" = 1 ] && { requeue_disabled; return 1; }
   for i in 1 2 3; do
-    cancel_ends "$1"
+    [ -n "$finished" ] || cancel_ends "$1"
     requeued=1  # from here the TERM trap takes a TERM for the requeue's own
     # scontrol itself in the substitution, TERM ignored: a shell between them died of the requeue's own TERM (143)
     # after a requeue that worked, which then counted as failed and lost the job's records
-    err=$(trap '' TERM INT; exec scontrol requeue "$ref" 2>&1) && return 0
+    err=$(trap '' TERM INT; exec_within "$(call_s)" scontrol requeue "$ref" 2>&1) &&
+      { log "requeued: scontrol requeue $ref accepted"; return 0; }
+    # ESLURM_JOB_PENDING (job_mgr.c _job_requeue_op): Slurm requeued the job meanwhile (PreemptMode=REQUEUE, its
+    # GraceTime ending during this call), or an earlier try landed unanswered (cut at its bound): requeued either way
+    if [[ $err == *"is pending execution"* ]]; then
+      log "the job is pending already (Slurm requeued it, or an earlier try landed): requeued"; return 0; fi
     requeued=0
     echo "$err" >&2
     if [[ $err == *"presently disabled"* ]]; then  # ESLURM_DISABLED: --no-requeue, or the site's job_submit policy
-      log "requeue is disabled for this job (sbatch --no-requeue, or the cluster's policy): resubmit the same command" \
-        "to resume from the run's newest checkpoint"
-      break
-    fi
+      no_requeue=1; requeue_disabled; break; fi
     [ "$i" = 3 ] || sleep 2
   done
   requeued=0
   return 1
 }
+requeue_disabled() {  # said once, at the first requeue this job would have made
+  [ "${disabled_said:-0}" = 1 ] || log "requeue is disabled for this job (Requeue=0): not requeued; resubmit the" \
+    "same command to resume from the run's newest checkpoint"
+  disabled_said=1
+}
 requeue_now() {  # from the TERM trap (time limit, preemption): plain requeue while this shell still runs
   [ "$stopped" = 1 ] && { log "a stop was asked (SIGUSR2): not requeueing"; return 0; }  # the ranks' end decides
   may_requeue 0
-  requeue_cmd 0 || log "requeue failed (JobState=$1)"
+  requeue_cmd 0 || [ "$no_requeue" = 1 ] || log "requeue failed (JobState=$1)"
+}
+# A SIGTERM to this shell is Slurm ending the job (slurmd: SIGCONT + SIGTERM to every process of the job, SIGKILL
+# KillWait later) or someone's kill. slurmctld sets the job's state before it signals (job_mgr.c): read it, within half
+# of KillWait (KILL_WAIT_S; each requeue try then within a third: call_s).
+on_term() {
+  [ "$requeued" = 1 ] && return 0  # our own requeue ends the batch step: nothing left to decide
+  stop_asked
+  if [ -z "$term_at" ]; then
+    term_at=$SECONDS
+    local st reason
+    read -r st reason <<< "$(job_state $((${KILL_WAIT_S:-30} / 2)))"
+    case "$st" in
+      CANCELLED) cancelled=1
+        log "JobState=CANCELLED (scancel): the ranks save if they can before Slurm's kill; the job ends, never requeued" ;;
+      TIMEOUT|PREEMPTED) finished=$st
+        log "JobState=$st: requeueing now, inside KillWait (the ranks' save goes on meanwhile)"
+        compgen -G "$state/start.*" > /dev/null && { out_here; out_unseen; }  # the step ran: unseen, a container's
+        requeue_now "$st" ;;
+      PENDING) requeued=1; log "JobState=PENDING ($reason): Slurm requeued the job itself (a preemption)" ;;
+      COMPLETING) cancelled=1; log "JobState=COMPLETING, its base state unreadable ($state_how): taken as a cancel," \
+        "never requeued (a preemption is then not requeued either: resubmit to resume)" ;;
+      *) log "SIGTERM with JobState=${st:-unknown}: a stop (preemption grace time or a kill): save and requeue" ;;
+    esac
+  fi
+  forward TERM
+}
+call_s() {  # how long one scontrol call may take now: unbounded (nothing) before a SIGTERM; after it a third of
+  # KillWait, within what is left of it (at least 1 s)
+  [ -n "${term_at:-}" ] || return 0
+  local kw=${KILL_WAIT_S:-30} left
+  left=$((kw - (SECONDS - term_at) - 1))
+  ((left > kw / 3)) && left=$((kw / 3))
+  echo $((left > 1 ? left : 1))
+}
+exec_within() {  # $1: seconds (nothing: no bound), then a command: exec'd (in a subshell), killed past them (timeout)
+  local s=$1
+  shift
+  [ -n "$s" ] && command -v timeout > /dev/null && exec timeout "$((s > 1 ? s : 1))" "$@"  # (timeout 0: none)
+  exec "$@"
 }
 # The job's base state is read by base/slurm_state.py (`python -m base.slurm_state`); the Python that can run it is
 # found once, now: the venv's, else python3 (a venv built in a container is a dangling link on the host; python3 3.6
@@ -140,6 +191,38 @@ state_python() {  # sets state_py (empty: none runs) and state_how; logs one lin
     "this shell (without it a time limit or preemption is taken as a cancel, not requeued)"
 }
 state_python
+# What the start's `scontrol show job` ($shown) says of requeues (src/scontrol/info_job.c: "Requeue=%u Restarts=%u").
+# Requeue=0: sbatch --no-requeue, SBATCH_NO_REQUEUE=1 in the submitting environment (it beats #SBATCH --requeue:
+# src/sbatch/opt.c), a job_submit policy: no requeue of ours is accepted; said now, in one line, and once at the end.
+# Restarts=N is this job's restart: before Slurm 36b31fae4d (2026-07-30) SLURM_RESTART_COUNT is set only when > 0, so a
+# job submitted from inside a requeued one inherited that job's (sbatch copies the environment): restart 1 at its real
+# 0, whose ranks waited for a LATEST and whose run lock took the real restart for a second writer.
+no_requeue=0  # 1: Requeue=0, read at the start or answered by a requeue
+job_facts() {
+  [[ $shown =~ (^|[[:space:]])Requeue=0([[:space:]]|$) ]] && { no_requeue=1; log "requeue is disabled for this job" \
+    "(Requeue=0: sbatch --no-requeue, SBATCH_NO_REQUEUE set where it was submitted, or the cluster's policy): a" \
+    "preemption or the time limit will end it; resubmit the same command to resume from the run's newest checkpoint"; }
+  [[ $shown =~ (^|[[:space:]])Restarts=([0-9]+) ]] || return 0
+  [ "${SLURM_RESTART_COUNT:-${BASH_REMATCH[2]}}" = "${BASH_REMATCH[2]}" ] || log "SLURM_RESTART_COUNT=$SLURM_RESTART_COUNT" \
+    "is another job's (inherited: this one was submitted from inside it); this job's restart: ${BASH_REMATCH[2]}"
+  export SLURM_RESTART_COUNT=${BASH_REMATCH[2]}
+}
+# The EXIT trap. Not requeued by this shell: the job's book goes, and Slurm is told not to requeue it either
+# (Requeue=0, allowed on a running job: job_mgr.c _update_job): a site's RequeueExit / RequeueExitHold (slurm.conf)
+# requeues a job whose exit code it lists (1, 2, 69, 75, 130: _set_job_requeue_exit_value, unless the job's requeue is
+# off) whatever this shell decided, and the book gone, no bound would trip: a loop. Not on an exit 0 (RequeueExit lists
+# failures), a cancel (never requeued: job_hold_requeue) nor a TIMEOUT or PREEMPTED job (finished: the update is
+# refused, ESLURM_JOB_FINISHED). One scontrol call; its failure is a note.
+at_exit() {  # $1: the exit status
+  local err
+  [ "${requeued:-0}" = 1 ] && { rm -rf "${state:-/nonexistent}"; return 0; }
+  if [ "$1" != 0 ] && [ "${cancelled:-0}${no_requeue:-0}" = 00 ] && [ -z "${finished:-}" ]; then
+    err=$(trap '' TERM INT; exec_within "$(call_s)" scontrol update JobId="$ref" Requeue=0 2>&1) ||
+      log "note: Requeue=0 not set (${err:-no answer}): a RequeueExit of the cluster's listing $1 would requeue the job"
+  fi
+  rm -f "$book".{progress,crashes,starts,exclude,unseen}
+  rm -rf "${state:-/nonexistent}"
+}
 # job_state flags listed beside the base state (base/slurm_state.py FLAGS; tests/e2e/test_sbatch_state.py: the same)
 STATE_FLAGS="COMPLETING STAGE_OUT CONFIGURING EXPEDITING RESIZING REQUEUED REQUEUE_FED REQUEUE_HOLD SPECIAL_EXIT STOPPED
   REVOKED RESV_DEL_HOLD SIGNALING UPDATE_DB POWER_UP_NODE LAUNCH_FAILED RECONFIG_FAIL"
@@ -180,18 +263,22 @@ json_state() {  # stdin: `scontrol --json show job $ref`; "STATE REASON" of $ref
       if (found && out != "") print out, (why == "" ? "None" : why)
     }'
 }
-job_state() {  # "STATE REASON": the job's base state (scontrol prints COMPLETING over it while the job ends; retried)
-  local out i
+job_state() {  # "STATE REASON": the job's base state (scontrol prints COMPLETING over it while the job ends; retried);
+  # $1: the seconds it may take in all (nothing: no bound)
+  local out i end=$((SECONDS + ${1:-86400}))
   if [ -n "$state_py" ]; then
-    out=$("$state_py" -m base.slurm_state "$ref" 2>/dev/null) && [ -n "${out// /}" ] && { echo "$out"; return 0; }
+    out=$("$state_py" -m base.slurm_state "$ref" ${1:+"$1"} 2>/dev/null) && [ -n "${out// /}" ] &&
+      { echo "$out"; return 0; }
   else  # no Python: the JSON's base state (Slurm >= 23.11), else the text below
     for i in 1 2; do  # retried once (a busy controller)
-      out=$(scontrol --json show job "$ref" 2>/dev/null) && break
-      [ "$i" = 2 ] || sleep 1
+      out=$(exec_within "${1:+$((end - SECONDS))}" scontrol --json show job "$ref" 2>/dev/null) && break
+      [ "$i" = 2 ] || [ "$SECONDS" -ge "$end" ] || sleep 1
     done
     out=$(json_state <<< "$out") && [ -n "$out" ] && { echo "$out"; return 0; }
   fi
-  out=$(scontrol show job "$ref" 2>/dev/null) && [[ $out =~ JobState=([A-Z_]+) ]] &&  # as printed
+  [ "$SECONDS" -lt "$end" ] || return 0
+  out=$(exec_within "${1:+$((end - SECONDS))}" scontrol show job "$ref" 2>/dev/null) &&
+    [[ $out =~ JobState=([A-Z_]+) ]] &&  # as printed
     echo "${BASH_REMATCH[1]} $(grep -oE 'Reason=[^ ]+' <<< "$out" | head -n 1 | cut -d= -f2)"
 }
 pool_size() {  # the nodes this job can run on (its reservation's or partition's), less $1's hosts; empty: unknown
@@ -234,7 +321,7 @@ requeue_without() {  # $1: hosts to exclude (none: plain requeue), $2: the code 
   # the exclusion is recorded first (.cache/slurm/<job>.exclude): should its update not land before the SIGKILL (a busy
   # controller: each try can take MessageTimeout), the next run finds itself on an excluded node and requeues again
   [ -n "$exclude" ] && { mkdir -p "$(dirname "$intent")" && echo "$exclude" > "$intent"; }
-  requeue_cmd "$2" || { log "requeue failed"; exit "$2"; }
+  requeue_cmd "$2" || { [ "$no_requeue" = 1 ] || log "requeue failed"; exit "$2"; }
   [ -n "$exclude" ] || exit 0
   log "scontrol requeue $ref, then update ExcNodeList=$exclude"
   for _ in 1 2 3; do

@@ -33,6 +33,12 @@ def sbatch(tmp_path, fake_exit: str, args: list[str], **env: str) -> subprocess.
                             stderr=subprocess.STDOUT, text=True)
 
 
+def updates(tmp_path) -> list[str]:
+    """The stub scontrol's `update ... Requeue=N` calls (kept out of the requeues' log)."""
+    log = tmp_path / "scontrol.log.updates"
+    return log.read_text().splitlines() if log.exists() else []
+
+
 def test_sbatch_runs_one_launcher_per_node_with_node_rank_and_master(tmp_path):
     job = sbatch(tmp_path, "75", ["--config", "recipes/x.yaml", "--output_dir", str(tmp_path / "out")],
                  GPUS_PER_NODE="4", SLURM_JOB_ID="7")
@@ -64,6 +70,8 @@ def test_sbatch_requeues_only_after_a_preemption_save(tmp_path, code, complete, 
     assert job.returncode == job_rc, text
     assert requeues(tmp_path) == (["requeue 4242"] if requeued else []), text
     assert f"training exited with {code}" in text
+    # a failure not requeued tells Slurm so: a site's RequeueExit listing its code requeued it, the book wiped (a loop)
+    assert updates(tmp_path) == (["update JobId=4242 Requeue=0"] if job_rc else []), text
 
 
 @pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM])

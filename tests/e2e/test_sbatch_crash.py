@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.e2e.launchers import requeues
-from tests.e2e.test_sbatch import TWO_NODES, node_lines, sbatch
+from tests.e2e.test_sbatch import TWO_NODES, node_lines, sbatch, updates
 
 # --- a crash on one node (exit 1: a GPU Xid, an ECC error): requeued without it, bounded ---
 
@@ -92,4 +92,5 @@ def test_sbatch_does_not_requeue_a_crash_that_is_not_one_nodes(tmp_path, case, l
     code, text = crash_run(tmp_path, 20, 25, earlier[case], **({"FAKE_CRASH_0": "own"} if case == "every node" else {}))
     assert code == 1 and requeues(tmp_path) == [], text
     assert line in text and "failed with 1: not requeueing" in text, text
+    assert updates(tmp_path) == ["update JobId=4242 Requeue=0"], text  # nor a site's RequeueExit=1 (a loop)
     assert not (tmp_path / ".cache" / "slurm" / "4242.crashes").exists()  # the job ended: its bookkeeping with it

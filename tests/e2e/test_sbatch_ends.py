@@ -15,7 +15,7 @@ import subprocess
 import pytest
 
 from tests.e2e.launchers import STUBS, clean_env, requeues, wait_for
-from tests.e2e.test_sbatch import TWO_NODES, sbatch
+from tests.e2e.test_sbatch import TWO_NODES, sbatch, updates
 
 
 def ready(tmp_path) -> bool:
@@ -150,6 +150,48 @@ def test_a_preemptions_grace_time_is_requeued_whatever_the_ranks_exit_with(tmp_p
     assert requeues(tmp_path) == ["requeue 4242"] and job.returncode == 0, text
 
 
+def test_the_time_limit_on_a_busy_controller_is_requeued_inside_killwait(tmp_path):
+    """Each `scontrol show job` answers 5 s late (a slurmctld busy after a preemption wave), KillWait 8 s, a save
+    that outlasts it: the TERM trap read TIMEOUT (5 s), then the requeue read the state again before its call (5 s
+    more): SIGKILL first, while the log's last line said "requeueing now". A finished state cannot become CANCELLED
+    (job_mgr.c job_signal: ESLURM_ALREADY_DONE): no second read, the requeue lands, and says so."""
+    text = ended_as(tmp_path, "TIMEOUT", FAKE_SAVE_S="10", SCONTROL_KILL_WAIT="8", SCONTROL_SLOW="show job:5")
+    assert requeues(tmp_path) == ["requeue 4242"] and state(tmp_path)["state"] == "PENDING", text
+    assert "JobState=TIMEOUT: requeueing now" in text and "requeued: scontrol requeue 4242 accepted" in text, text
+
+
+def test_a_disabled_requeue_at_the_time_limit_is_said_once_at_start_and_once_at_the_end(tmp_path):
+    """Requeue=0 (sbatch --no-requeue, SBATCH_NO_REQUEUE=1 where it was submitted, a site's policy): said only at the
+    end, twice under a time limit (the TERM's requeue and the exit's), each with "requeue failed". Now once at the
+    start (the start's `scontrol show job`) and once at the end; no requeue tried."""
+    text = ended_as(tmp_path, "TIMEOUT", SCONTROL_KILL_WAIT="10", SCONTROL_NO_REQUEUE="1")
+    assert text.count("requeue is disabled for this job") == 2 and "requeue failed" not in text, text
+    assert requeues(tmp_path) == [] and "presently disabled" not in text, text
+
+
+def test_slurms_own_requeue_during_ours_is_a_requeue(tmp_path):
+    """PreemptMode=REQUEUE with GraceTime: slurmctld requeues the job while the batch shell's own `scontrol requeue`
+    (after the ranks' save, exit 75) is on its way (a busy controller: 3 s); scontrol answers "Job is pending
+    execution" (ESLURM_JOB_PENDING). It read "requeue failed": exit 75 and the job's book (progress, crashes) wiped
+    while Slurm ran it again. Now it is taken as requeued: the book kept, exit 0."""
+    out, book = tmp_path / "out", tmp_path / ".cache" / "slurm"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / "LATEST").write_text("step_000100")
+    book.mkdir(parents=True)
+    (book / "4242.progress").write_text("0 100\n")
+    (book / "4242.crashes").write_text("0 1 gpu7 100 120\n")
+    job = sbatch(tmp_path, "75", ["--output_dir", str(out)], SCONTROL_SLOW="requeue:3", SCONTROL_KILL_WAIT="20")
+    try:
+        wait_for((tmp_path / "scontrol.log.slow").exists, 60, "our requeue call")
+        slurm(tmp_path, "scontrol", "_end", "4242", "REQUEUED")
+        text = job.communicate(timeout=60)[0]
+    finally:
+        job.kill()
+    assert job.returncode == 0 and "requeue failed" not in text and "the job is pending already" in text, text
+    assert sorted(p.name for p in book.iterdir()) == ["4242.crashes", "4242.progress"], text
+    assert updates(tmp_path) == [], text
+
+
 def test_a_stop_asked_then_the_time_limit_waits_for_the_save_and_is_not_requeued(tmp_path):
     """`scancel --batch --signal=USR2`, then the time limit's SIGTERM while the ranks save: the batch shell keeps
     waiting for them (it used to exit 0 inside its TERM trap, before the save's end, whatever the save did), ends
@@ -246,6 +288,8 @@ def test_requeues_without_progress_end_the_job(tmp_path, code):
     requeued up to 50 times)."""
     rc, text = progress_run(tmp_path, code, 100, "3 100", **TWO_NODES)
     assert rc == int(code) and requeues(tmp_path) == [], text
+    # nor by Slurm: a site's RequeueExit listing 69 or 75 requeued it, the book wiped, the bound never tripping
+    assert updates(tmp_path) == ["update JobId=4242 Requeue=0"], text
     assert "4 requeues in a row without a newer checkpoint (newest: step 100) > ULYSSES_MAX_STALLED_REQUEUES=3: not " \
            "requeueing" in text, text
 

@@ -1,7 +1,7 @@
 """scripts/slurm.sbatch as users submit it (stub sbatch, srun, scontrol from tests/stubs; a stand-in launch.sh): a
 wrapper Slurm would signal instead, a copy away from the repository, submitted from a run folder (a relative path,
 a busy controller, sbatch -D), a requeue whose TERM lands before scontrol returns, a disabled requeue, a requeue that
-cannot see its job's checkpoints (a node-local --output_dir)."""
+cannot see its job's checkpoints (a node-local --output_dir), a job submitted from inside a requeued one."""
 
 from __future__ import annotations
 
@@ -80,13 +80,26 @@ def test_a_requeue_that_ends_the_batch_shell_before_scontrol_returns_still_count
     assert requeues(tmp_path) == ["requeue 4242"], text
 
 
-def test_a_job_whose_requeue_is_disabled_says_to_resubmit(tmp_path):
-    """sbatch --no-requeue (or a site's job_submit policy): `scontrol requeue` answers "presently disabled" and the
-    job ended after three tries with "requeue failed", the user never told what to do. Said now, once, no retries."""
-    job = sbatch(tmp_path, "75", ["--output_dir", str(tmp_path / "out")], SCONTROL_NO_REQUEUE="1")
+@pytest.mark.parametrize("how", ["start", "answer"])
+def test_a_job_whose_requeue_is_disabled_says_to_resubmit(tmp_path, how):
+    """sbatch --no-requeue, SBATCH_NO_REQUEUE=1 where it was submitted (it beats #SBATCH --requeue) or a site's
+    job_submit policy: `scontrol requeue` answers "presently disabled" and the job ended after three tries with
+    "requeue failed", the user never told what to do; then said only at the end. The start's `scontrol show job`
+    (Requeue=0) says it at once, in one line, and once at the end, no requeue tried; "answer": disabled during the
+    run (`scontrol update JobId=J Requeue=0`), the requeue's answer says it, once, no retries."""
+    env = {"SCONTROL_NO_REQUEUE": "1"}
+    if how == "answer":
+        late = tmp_path / "launch"
+        late.write_text(f'#!/usr/bin/env bash\necho requeue=0 >> {tmp_path}/scontrol.log.state\n'
+                        f'exec {STUBS}/fake_launch "$@"\n')
+        late.chmod(0o755)
+        env = {"LAUNCH_CMD": str(late)}
+    job = sbatch(tmp_path, "75", ["--output_dir", str(tmp_path / "out")], **env)
     text = job.communicate(timeout=60)[0]
-    assert job.returncode == 75 and text.count("presently disabled") == 1, text
-    assert "requeue is disabled for this job" in text and "resubmit the same command" in text, text
+    assert job.returncode == 75 and text.count("presently disabled") == (how == "answer"), text
+    assert text.count("requeue is disabled for this job") == (2 if how == "start" else 1), text
+    assert "a preemption or the time limit will end it; resubmit the same command" in text or how == "answer", text
+    assert "resubmit the same command" in text and "requeue failed" not in text, text
 
 
 @pytest.mark.parametrize("latest", [None, "step_000500"])
@@ -124,3 +137,19 @@ def test_a_heterogeneous_job_is_refused_and_the_step_waits_for_every_node(tmp_pa
     out = job.communicate(timeout=60)[0]
     assert job.returncode == 0, out
     assert "--wait=0" in (tmp_path / "srun.log").read_text().split()
+
+
+def test_a_job_submitted_from_inside_a_requeued_one_is_at_its_own_restart(tmp_path):
+    """sbatch copies the submitting environment, and Slurm before 36b31fae4d sets SLURM_RESTART_COUNT only when > 0:
+    a job submitted from inside a requeued job started with SLURM_RESTART_COUNT=1 at its real restart 0 (a needless
+    wait for a LATEST, a run lock that refused its real restart as a live second writer). The start's `scontrol show
+    job` Restarts= decides, for this shell and the ranks."""
+    seen = tmp_path / "restart_seen"
+    wrapper = tmp_path / "launch"
+    wrapper.write_text(f'#!/usr/bin/env bash\necho "$SLURM_RESTART_COUNT" > {seen}\nexec {STUBS}/fake_launch "$@"\n')
+    wrapper.chmod(0o755)
+    job = sbatch(tmp_path, "0", ["--output_dir", str(tmp_path / "out")], SLURM_RESTART_COUNT="1", SCONTROL_RESTARTS="0",
+                 LAUNCH_CMD=str(wrapper), FAKE_COMPLETE=str(tmp_path / "out" / "COMPLETE"))
+    text = job.communicate(timeout=60)[0]
+    assert job.returncode == 0 and "slurm.sbatch[4242]: restart 0, output dir" in text, text
+    assert "SLURM_RESTART_COUNT=1 is another job's" in text and seen.read_text() == "0\n", text

@@ -89,3 +89,28 @@ def test_an_array_tasks_state_is_its_own_record():
     assert base_state("1234_3", ask=ask) == ("CANCELLED", "None")
     assert base_state("1237", ask=ask) == ("CANCELLED", "None")  # by its own job id too
     assert base_state("1234_5", ask=ask) == ("COMPLETING", "None")  # not in the dump: the text's
+
+
+def test_the_state_read_ends_within_its_bound(monkeypatch):
+    """A busy controller (each call fails after its MessageTimeout, 0.4 s here): the JSON twice, the text three times,
+    accounting twice, with the pauses between, took ~50 s at MessageTimeout=10, past the KillWait of the batch shell's
+    SIGTERM (its requeue never came). `within` bounds all of it: no call runs past it, none starts after it."""
+    import subprocess
+    import time
+
+    import base.slurm_state as mod
+
+    calls = []
+
+    def run(cmd, timeout, **kw):
+        calls.append(timeout)
+        if timeout < 0.4:
+            time.sleep(timeout)
+            raise subprocess.TimeoutExpired(cmd, timeout)
+        time.sleep(0.4)
+        return subprocess.CompletedProcess(cmd, 1, "", "slurm_load_jobs error: Socket timed out on send/recv operation")
+
+    monkeypatch.setattr(mod.subprocess, "run", run)
+    t0 = time.monotonic()
+    assert base_state("7", within=1.0) == ("", "")
+    assert time.monotonic() - t0 < 1.3 and all(t <= 1.0 for t in calls), calls
