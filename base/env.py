@@ -5,7 +5,10 @@ TORCH_EXTENSIONS_DIR: DeepSpeed's JIT-built ops (CPU Adam, the shared-memory com
 `.cache/torch_extensions` unless it is set: torch serializes JIT builds with a `lock` file and waits for it to
 disappear with no time limit, so one process killed mid-build in the shared `~/.cache/torch_extensions` (or
 another checkout rebuilding there with its own include paths) would stall every later launch on the machine.
-`scripts/setup.sh` builds the ops there once.
+`scripts/setup.sh` builds the ops there once. A checkout this user cannot write (a read-only container image, another
+user's folder) makes both this default and the data cache's (`.cache`, data/corpus.py) fail at their first write, an
+EROFS traceback minutes in: `check_writable_defaults` refuses that at start in one line naming TORCH_EXTENSIONS_DIR
+and ULYSSES_CACHE (docs/containers.md).
 
 PATH: the running interpreter's folder goes first, so every build of an op runs one `ninja`, the interpreter's own
 (a venv holds pip's ninja 1.13 beside the system's 1.11; torch's JIT build calls whichever PATH finds first, and the
@@ -41,7 +44,9 @@ import os
 import re
 import sys
 
-EXTENSIONS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "torch_extensions")
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CACHE_DIR = os.path.join(CHECKOUT, ".cache")  # the data cache unless ULYSSES_CACHE is set (data/corpus.py)
+EXTENSIONS_DIR = os.path.join(CACHE_DIR, "torch_extensions")
 
 
 def deepspeed_arch_list(value: str) -> str:
@@ -61,6 +66,38 @@ def configure() -> str:
     if os.environ.get("TORCH_CUDA_ARCH_LIST"):
         os.environ["TORCH_CUDA_ARCH_LIST"] = deepspeed_arch_list(os.environ["TORCH_CUDA_ARCH_LIST"])
     return os.environ["TORCH_EXTENSIONS_DIR"]
+
+
+def _writable(folder: str) -> bool:
+    """Whether this user may create files in `folder`, or in its nearest existing parent where it does not exist yet
+    (access(2): a read-only mount answers EROFS, also to root; a mode or ACL, EACCES)."""
+    while not os.path.exists(folder) and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)
+    return os.access(folder, os.W_OK | os.X_OK)
+
+
+def check_writable_defaults(need_cache: bool = True, env=None) -> None:
+    """One-line ValueError where a folder this run writes by default lies in a checkout it cannot write (an Apptainer
+    SIF, Kubernetes' readOnlyRootFilesystem, pyxis --container-readonly, another user's checkout) and the variable that
+    moves it is unset: TORCH_EXTENSIONS_DIR (torch writes a `lock` file in an op's folder even to load one already
+    built: torch/utils/cpp_extension.py _jit_compile, FileBaton.try_acquire: EROFS at the first op, exit 1), and, with
+    `need_cache` (a demo corpus or a JSONL prepared in the job, which rank 0 alone writes: true there only; a prepared
+    --dataset_path reads no cache), ULYSSES_CACHE (EROFS creating .cache/demo or .cache/prepared/<tmp>). Before any
+    work: after `configure()`, once the config says whether the cache is written; a refusal on one node ends every
+    rank through the abort channel (exit 2). Cost: a few access(2) calls and one listing."""
+    env = os.environ if env is None else env
+    bad = []
+    if (env.get("TORCH_EXTENSIONS_DIR") or EXTENSIONS_DIR) == EXTENSIONS_DIR:  # unset, or configure()'s default
+        ops = os.listdir(EXTENSIONS_DIR) if os.path.isdir(EXTENSIONS_DIR) else []  # each op's folder holds its lock
+        if not all(_writable(f) for f in [EXTENSIONS_DIR, *(os.path.join(EXTENSIONS_DIR, d) for d in ops)]
+                   if not os.path.isfile(f)):
+            bad.append("TORCH_EXTENSIONS_DIR (DeepSpeed's JIT-built ops; scripts/setup.sh builds them there)")
+    if need_cache and not env.get("ULYSSES_CACHE") and not all(
+            _writable(os.path.join(CACHE_DIR, d)) for d in ("", "demo", "prepared")):
+        bad.append("ULYSSES_CACHE (the demo corpus and data prepared in the job: a writable shared folder)")
+    if bad:
+        raise ValueError(f"this checkout ({CHECKOUT}) cannot be written here (a read-only container image or another "
+                         f"user's folder): set {' and '.join(bad)} to a folder this user can write")
 
 
 def cpu_info_without_cpuid() -> dict:

@@ -78,12 +78,24 @@ def console_gone(stream, e: OSError) -> None:
 def open_rank_log(output_dir: str, rank: int) -> str:
     """OUTPUT_DIR/logs/rank00003.log for every rank: our messages, per-step timings and DeepSpeed's log. Appended by
     every start of the run: each start's part begins with a line naming its host, pid and Slurm job and restart (at
-    512 ranks and 100+ requeues, which node and which requeue wrote a part is otherwise a guess from timestamps)."""
+    512 ranks and 100+ requeues, which node and which requeue wrote a part is otherwise a guess from timestamps).
+    A logs/ folder or log another user wrote (a requeue in a root container) is refused in one line, as base/run_lock.py
+    refuses the output folder itself (a PermissionError traceback before: exit 1, which a requeue chain reads as a bug)."""
     from deepspeed.utils import logger as ds_logger
 
     path = os.path.join(output_dir, "logs", f"rank{rank:05d}.log")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    handler = logging.FileHandler(path)
+    logs = os.path.dirname(path)
+    try:
+        os.makedirs(logs, exist_ok=True)
+        if not os.access(logs, os.W_OK | os.X_OK) or os.path.exists(path) and not os.access(path, os.W_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+        handler = logging.FileHandler(path)
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST):
+            raise  # a node's mount (ESTALE, EIO): a crash of this node, requeued without it (run_lock.acquire)
+        raise ValueError(f"--output_dir {output_dir}: this user (uid {os.getuid()}) cannot write {e.filename or logs} "
+                         f"({e.strerror}; written by another user: a run as root in a container?): give the folder to "
+                         "this user (chown -R) or use another --output_dir") from None
     handler.setFormatter(logging.Formatter(f"%(asctime)s rank{rank} %(levelname)s %(message)s"))
     for log in (_RANK_LOG, ds_logger):
         log.addHandler(handler)

@@ -8,7 +8,15 @@ before anything is written in the folder; rank 0 keeps the lock fresh (its mtime
 thread) and removes it when the run ends (training/job.py). A lock whose owner is dead is taken over:
 - the same SLURM job: an earlier run of this job (another restart: a requeue; Slurm never runs two of one job at
   once); the same restart (two `srun` steps of one allocation, two tasks of one step) is judged as below;
-- on this host: its pid is gone, or is another process now (the start time in /proc differs);
+- on this host, in this pid namespace and boot (its `pidns`, /proc/self/ns/pid, and `boot`,
+  /proc/sys/kernel/random/boot_id, equal ours): its pid is gone, or is another process now (the start time in /proc
+  differs);
+- on this host name in another pid namespace or boot (Docker --network=host, a Kubernetes hostNetwork pod, a
+  restarted container: the host name is the node's, the pid another namespace's, where it is missing or another
+  process): judged as on another host below, never by its pid (a live run's lock was taken over as "pid 1, its process
+  is gone"). Its cost: a container restarted outside Slurm within STALE_S of its run's death is refused until then
+  (or until RUN_LOCK is removed, as the line says). A lock written before these were recorded has neither: judged by
+  its pid as before;
 - on another host: its job's state (`scontrol show job`) is not a live one (RUNNING, SUSPENDED, COMPLETING, ...;
   an unknown job id is gone); where no job or no scontrol says, its heartbeat is older than STALE_S. The age is
   read on the file server's clock (the lock's mtime against a probe file touched now), never this host's.
@@ -49,10 +57,28 @@ def _start_time(pid: int) -> str | None:
         return None
 
 
+def pid_namespace() -> str | None:
+    """This process' pid namespace ("pid:[4026531836]"), None without procfs: a pid names a process only within it."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+def boot_id() -> str | None:
+    """This kernel's boot id (a new one at every boot; the host's, shared by its containers), None where unreadable."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            return fh.read().strip() or None
+    except OSError:
+        return None
+
+
 def me(env=None) -> dict:
     """This process as a lock's owner."""
     env = os.environ if env is None else env
     return {"host": socket.gethostname(), "pid": os.getpid(), "start": _start_time(os.getpid()),
+            "pidns": pid_namespace(), "boot": boot_id(),
             "job": env.get("SLURM_JOB_ID", ""), "restart": env.get("SLURM_RESTART_COUNT", "0"),
             "cluster": env.get("SLURM_CLUSTER_NAME", ""),
             "step": env.get("SLURM_STEP_ID", env.get("SLURM_STEPID", "")),
@@ -93,7 +119,10 @@ def verdict(lock: dict, mine: dict, age_s: float | None, alive=pid_alive, state=
     # the same restart: another step of this allocation, or another task of this very step (`srun -N2 launch.sh`
     # without --no_ssh: two one-node worlds), running now, or this step's earlier start: judged as any other run,
     # by its process or its heartbeat (the job's state says nothing: it is this one's)
-    if lock.get("host") == mine["host"]:
+    # its pid means a process here only in our pid namespace and boot (a lock from before they were recorded: taken
+    # to be); in another (a container on this host name) it is judged by its job or heartbeat, as another host's
+    same_pids = all(lock[k] == mine.get(k) for k in ("pidns", "boot") if k in lock)
+    if lock.get("host") == mine["host"] and same_pids:
         if int(lock.get("pid", 0)) == mine["pid"]:
             return False, "this process' own (an earlier run in it)"
         if alive(int(lock.get("pid", 0)), lock.get("start")):
@@ -105,8 +134,9 @@ def verdict(lock: dict, mine: dict, age_s: float | None, alive=pid_alive, state=
             return s in LIVE_STATES, f"its job {lock['job']} is {s}"
     if age_s is not None and age_s > STALE_S:
         return False, f"its heartbeat is {age_s:.0f} s old"
+    where = "on another host" if lock.get("host") != mine["host"] else "in another pid namespace (container) here"
     return True, "its heartbeat is " + ("unknown" if age_s is None else f"{age_s:.0f} s old") + \
-        f" (at most {STALE_S:.0f} s for a live run on another host)"
+        f" (at most {STALE_S:.0f} s for a live run {where})"
 
 
 def folder_identity(folder: str) -> dict:

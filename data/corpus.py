@@ -12,9 +12,11 @@ import os
 import sysconfig
 
 from base.atomic import tmp_name
+from base.env import CACHE_DIR
 
-CACHE = os.environ.get("ULYSSES_CACHE", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                                     ".cache"))
+# the data cache (this demo, data prepared in the job): ULYSSES_CACHE, else this checkout's .cache, which a read-only
+# checkout (a container image) cannot hold: base.env.check_writable_defaults refuses that at start, naming the variable
+CACHE = os.environ.get("ULYSSES_CACHE") or CACHE_DIR
 DEMO_VOCAB = 2000  # fits the tiny presets' 2048-entry embedding
 DEMO_MAX_BYTES = 6_000_000
 

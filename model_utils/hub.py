@@ -27,16 +27,21 @@ WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.b
 
 
 def hub_cache() -> str:
-    """The hub cache folder huggingface_hub itself would use (its environment variables, in its order)."""
+    """The hub cache folder huggingface_hub itself would use: its environment variables in its order, `~` and `$VAR`
+    expanded as it expands them (huggingface_hub/constants.py HF_HOME, HF_HUB_CACHE). Where it would fall back to a
+    home directory this process has none of (HOME unset and its uid not in the passwd file: a container's `--user`),
+    huggingface_hub looks in a relative `~/.cache/huggingface/hub` under the working directory: refused in one line
+    naming HF_HOME / HF_HUB_CACHE instead of "not in the local cache" there."""
     env = os.environ
-    if env.get("HF_HUB_CACHE"):
-        return env["HF_HUB_CACHE"]
-    if env.get("HUGGINGFACE_HUB_CACHE"):  # the older name, still read by huggingface_hub
-        return env["HUGGINGFACE_HUB_CACHE"]
-    if env.get("HF_HOME"):
-        return os.path.join(env["HF_HOME"], "hub")
-    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "huggingface", "hub")
+    home = os.path.join(env.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"), "huggingface")
+    path = (env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE")  # the older name, still read by huggingface_hub
+            or os.path.join(env.get("HF_HOME") or home, "hub"))
+    path = os.path.expandvars(os.path.expanduser(path))
+    if path.startswith("~"):
+        raise ValueError(f"the Hugging Face cache is {path}, under a home directory this process has none of (HOME unset, "
+                         f"uid {os.getuid()} not in the passwd file): set HF_HOME (or HF_HUB_CACHE) to the cache the "
+                         "nodes read, or HOME")
+    return path
 
 
 def looks_like_hub_id(name: str) -> bool:

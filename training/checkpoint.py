@@ -308,7 +308,30 @@ class Checkpointer(Restorer):
         what the curriculum will hold. Rank 0 first moves a failed save's partial folders to the trash and rotates to
         today's --save_total_limit (a lower one applied only after a commit, which needed the room first), never the
         resumed checkpoint nor a stage's final one. Need: the newest committed checkpoint's size, else `params` x
-        CKPT_BYTES_PER_PARAM. Every rank takes rank 0's decision (`_space`'s all-reduce). Collective."""
+        CKPT_BYTES_PER_PARAM. Every rank takes rank 0's decision (`_space`'s all-reduce). Collective.
+        A folder another user wrote (a requeue in a root container, then a run as this user): rank 0 removes DeepSpeed's
+        recovery scripts it cannot write (engine._copy_recovery_script copies them over the old ones at every save:
+        PermissionError at the first save of every restart, a save interval lost each time), or refuses in one line
+        where it cannot remove them, or cannot write the folder or its trash (rank 0's decision on every rank)."""
+
+        def foreign() -> None:
+            for where in (self.root, self.trash.folder):
+                if os.path.isdir(where) and not os.access(where, os.W_OK | os.X_OK):
+                    raise ValueError(f"{where}: this user (uid {os.getuid()}) cannot write there (written by another "
+                                     "user: a run as root in a container?): give it this user (chown -R) or use "
+                                     "another --output_dir")
+            for name in ("zero_to_fp32.py", "zero_to_torch.py"):  # deepspeed/runtime/engine.py _copy_recovery_script
+                path = os.path.join(self.root, name)
+                if os.path.isfile(path) and not os.access(path, os.W_OK):
+                    try:
+                        os.remove(path)  # the folder is this user's: DeepSpeed copies it afresh at the next save
+                    except OSError as e:
+                        raise ValueError(f"{path}: another user's file this user (uid {os.getuid()}) cannot replace "
+                                         f"({e.strerror}), which DeepSpeed rewrites at every save: remove it or use "
+                                         "another --output_dir") from None
+                    print0(f"note: removed {path} (another user's, not writable here): DeepSpeed writes it at each save")
+
+        comm.run_on_main(foreign)
         root = os.path.abspath(self.root)
         tag = os.path.basename(resumed.rstrip("/")) if resumed else None
         tag = tag if tag and os.path.dirname(os.path.abspath(resumed.rstrip("/"))) == root else None

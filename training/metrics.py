@@ -6,6 +6,8 @@ network, WANDB_API_KEY exported in ~/.bashrc) gives up after INIT_TIMEOUT_S and 
 The run id comes from the checkpoint so a resumed job continues the same W&B run; WANDB_RUN_ID, WANDB_PROJECT,
 WANDB_NAME and WANDB_DIR are honoured where no checkpoint or flag says otherwise; offline runs in a WANDB_DIR a Slurm
 job loses at its end (/tmp, /dev/shm, $TMPDIR: job_container/tmpfs) are said in one line (base/slurm_state.job_local).
+Without a home directory (a container's uid with no passwd entry, HOME unset) W&B's own folders go under WANDB_DIR
+(`homeless`); a wandb.init that fails with nothing left to fall back to turns W&B off in one line, never the run.
 
 Every metric is plotted against our own `step` (wandb.define_metric("*", step_metric="step"), each record carrying
 it), never logged with wandb.log(step=): W&B drops a log at a step lower than its run's current one, and a plain
@@ -95,6 +97,28 @@ def wandb_enabled(report_to: str) -> bool:
             raise ValueError("--report_to wandb but wandb is not installed: pip install wandb or use --report_to none") from None
         return False
     return True
+
+
+WANDB_HOME_DIRS = (("WANDB_CONFIG_DIR", "config"), ("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data"))
+
+
+def homeless(env, where: str) -> None:
+    """No home directory (HOME unset, the uid not in the passwd file: a container's `--user`): W&B's config, cache and
+    data folders those variables leave unset go under `where`/wandb/home, said once. wandb.init raised "Could not
+    determine home directory" (pathlib's expanduser of ~/.config/wandb/settings: wandb/sdk/wandb_setup.py), exit 1."""
+    moved = [(var, sub) for var, sub in WANDB_HOME_DIRS if not env.get(var)]
+    if os.path.expanduser("~") == "~" and moved:
+        env.update({var: os.path.join(where, "wandb", "home", sub) for var, sub in moved})
+        print(f"W&B: no home directory here (HOME unset, uid {os.getuid()} not in the passwd file): "
+              f"{' / '.join(v for v, _ in moved)} set under {where}/wandb/home", flush=True)
+
+
+def _wandb_off(wandb, e: Exception) -> None:
+    """A wandb.init failed with no fallback left: W&B off for this run in one line (as `_wb`), never the run's end."""
+    print(f"warning: W&B could not start ({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}): "
+          "W&B off for this run; metrics.jsonl keeps every record", flush=True)
+    with contextlib.suppress(Exception):  # its service may hold the failed run
+        wandb.teardown()
 
 
 DEFAULT_PROJECT = "ulysses-longtrain"  # --wandb_project left unset and no WANDB_PROJECT
@@ -213,18 +237,22 @@ class MetricsLogger:
         args = dict(project=project or env.get("WANDB_PROJECT") or DEFAULT_PROJECT, id=self.run_id, name=name,
                     resume="allow", config=config, group=group, dir=where)
         timeout = {} if env.get("WANDB_INIT_TIMEOUT") else {"init_timeout": INIT_TIMEOUT_S}
+        homeless(env, where)
         try:
             run = wandb.init(**args, settings=wandb.Settings(console="off", silent=True, **timeout))
         except Exception as e:  # noqa: BLE001  CommError, a timeout, an auth error: any of them, the run goes on
             if env.get("WANDB_MODE") in ("offline", "disabled", "dryrun"):
-                raise  # offline already: nothing to fall back to
+                return _wandb_off(wandb, e)  # offline already: nothing to fall back to
             why = (str(e).strip().splitlines() or [""])[0][:200]
             print(f"W&B: online start failed ({type(e).__name__}: {why}): logging offline to {where}/wandb/offline-run-*"
                   f"; `wandb sync` them from a machine with network (WANDB_MODE=offline skips the "
                   f"{env.get('WANDB_INIT_TIMEOUT') or INIT_TIMEOUT_S} s wait)", flush=True)
             env["WANDB_MODE"] = "offline"
             wandb.teardown()  # W&B's service still holds the failed run's id ("run ID ... is in use")
-            run = wandb.init(**args, mode="offline", settings=wandb.Settings(console="off", silent=True))
+            try:
+                run = wandb.init(**args, mode="offline", settings=wandb.Settings(console="off", silent=True))
+            except Exception as e:  # noqa: BLE001
+                return _wandb_off(wandb, e)
         if env.get("WANDB_MODE") in ("offline", "dryrun") and env.get("WANDB_DIR") and (lost := job_local(where)):
             print(f"W&B offline under {where}, {lost}: its runs are lost at the job's end, before any `wandb sync` "
                   f"(metrics.jsonl in {output_dir} keeps every record); set WANDB_DIR to a shared folder", flush=True)

@@ -7,7 +7,9 @@ What a 32-rank job would otherwise find out late, or never:
   hostname resolves to loopback (Debian's `127.0.1.1 host` line) connects every node to itself and waits for
   the collective timeout. Gloo connects all ranks while the group is created, so this check cannot wait for a
   collective: each rank reads its own host and stops with one line naming it. scripts/launch.sh and
-  scripts/slurm.sbatch carry the variable (and NCCL_*/FI_*/UCX_*) to every node.
+  scripts/slurm.sbatch carry the variable (and NCCL_*/FI_*/UCX_*) to every node. There too, before NCCL starts
+  (deepspeed.init_distributed), a GPU run with more than one rank on a node whose /dev/shm is under 1 GiB (a
+  container's default) gets a warning line from that node (`shm_warning`): NCCL's shared memory fails to start there.
 - `preflight` (collective, right after the process group and the shared-folder probe): every rank reports its
   host, the host memory its job may still use (the node's MemAvailable and the job's cgroup/container memory
   limit: base.host.cgroup_memory), memlock limit and any torch-extensions build lock (`all_gather_object`); rank 0 decides
@@ -40,6 +42,7 @@ import ipaddress
 import os
 import resource
 import socket
+import sys
 import time
 
 from base.host import cgroup_memory, meminfo_available, memory_available, ranks_per_node
@@ -50,6 +53,12 @@ from training.device_fit import GiB, check_device_fit, gpu_bytes
 from training.ds_config import build_ds_config
 
 MEMINFO = "/proc/meminfo"
+SHM = "/dev/shm"
+# NCCL between the ranks of one node keeps shared-memory segments in /dev/shm (4194660 bytes in its guide's example)
+# and fails to start when it cannot extend one: "failed to extend /dev/shm/nccl-*" (NVIDIA's NCCL user guide,
+# troubleshooting/runtime_and_mpi_issues: Docker's limited default, fixed with --shm-size=1g --ulimit memlock=-1);
+# Docker's default is 64 MiB (a segfault in ncclShmOpen there: pytorch/tutorials commit 0ba3e39). Below: a warning.
+SHM_MIN = 1 << 30
 NET_DIR = "/sys/class/net"
 
 
@@ -112,6 +121,34 @@ def check_network() -> None:
     problem = network_problem(host, ifname, interfaces(), multi, addr, os.environ.get("MASTER_ADDR", ""))
     if problem:  # the abort channel (open since the first line) carries it to every node; each node prints it too
         raise ValueError(problem)
+    local = (os.environ.get("LOCAL_RANK") or os.environ.get("SLURM_LOCALID") or "0") == "0"  # once a node: its first
+    # rank (no process group yet to agree in; srun starting the ranks itself sets SLURM_LOCALID)
+    line = local and shm_warning(shm_bytes(), ranks_per_node(), not no_gpu(), host)
+    if line:
+        print(line, file=sys.stderr, flush=True)
+
+
+def shm_bytes(path: str = SHM) -> int | None:
+    """The size of /dev/shm (its tmpfs' total, statvfs), None where there is none."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_blocks * st.f_frsize
+
+
+def shm_warning(size: int | None, ranks_here: int, gpu: bool, host: str, min_bytes: int = SHM_MIN) -> str | None:
+    """A GPU run with more than one rank on this node (as its launcher says) and a /dev/shm of under `min_bytes`:
+    NCCL's shared memory between those ranks fails to start (SHM_MIN). Before the process group: NCCL starts inside
+    it, so no collective can carry this reading to rank 0; each node says its own. A warning, not a stop: NCCL may not
+    need it (NCCL_SHM_DISABLE=1, or peers over NVLink P2P) and what it needs is NCCL's to say. CPU runs (gloo,
+    DeepSpeed's shm op: a 2-rank CPU run trained with a 64 MiB /dev/shm) are not warned."""
+    if not gpu or ranks_here < 2 or size is None or size >= min_bytes:
+        return None
+    return (f"warning: /dev/shm on {host} holds {_size(size)} for its {ranks_here} ranks: NCCL keeps its shared memory "
+            "there and fails to start (ncclShmOpen, 'failed to extend /dev/shm/nccl-*') when it is this small, as in a "
+            "container's default (Docker: 64 MiB): give the container --shm-size=1g or more, or --ipc=host (Kubernetes: "
+            "an emptyDir of medium Memory mounted on /dev/shm)")
 
 
 # --- what each rank reports ---

@@ -49,6 +49,12 @@ class Model:
 def load_run_config(argv: list[str] | None) -> tuple[Config, Model]:
     """The validated config and the model's shape, attention and precision; one-line ValueError on bad input."""
     cfg = parse_config(argv)
+    if not cfg.dry_run:  # a read-only checkout (a container image): one line naming the variables, before any work
+        from base.env import check_writable_defaults
+        from data.store import is_prepared
+
+        # the cache is written by rank 0 alone (launch.sh carries no ULYSSES_CACHE to other nodes' ranks)
+        check_writable_defaults(need_cache=os.environ.get("RANK", "0") == "0" and not is_prepared(cfg.dataset_path))
     config = load_hf_config(cfg.model_name_or_path)
     if not cfg.dry_run:  # (the dry run says where weights and data come from instead: source_lines)
         check_sources(cfg, config)  # before any weight is read: random weights or the demo corpus only when meant

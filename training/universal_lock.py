@@ -1,8 +1,9 @@
 """The lock of a universal conversion (training/universal.py): `<key>.lock`, taken by an atomic mkdir, its OWNER file
-(job id, requeue count, host, pid) and a heartbeat thread; `gone` says when an owner's lock may be taken over (a stale
-heartbeat, its process exited, an earlier run of this job, or its job ended by Slurm's word), and `to_trash` moves a
-converter's partial folder out of the way without an inline rmtree. Its own file: who may convert is a question apart
-from how a conversion is made and bounded, and training/universal.py uses it through `Lock`, `gone` and `to_trash`.
+(job id, requeue count, host, pid, pid namespace, boot id) and a heartbeat thread; `gone` says when an owner's lock may
+be taken over (a stale heartbeat, its process exited (on this host, in this pid namespace and boot), an earlier run of
+this job, or its job ended by Slurm's word), and `to_trash` moves a converter's partial folder out of the way without
+an inline rmtree. Its own file: who may convert is a question apart from how a conversion is made and bounded, and
+training/universal.py uses it through `Lock`, `gone` and `to_trash`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import threading
 import time
 
 from base.log import print0
-from base.run_lock import LIVE_STATES, job_state
+from base.run_lock import LIVE_STATES, boot_id, job_state, pid_namespace
 from training.checkpoint_files import atomic_write, read_json
 
 OWNER = "OWNER"  # in <key>.lock/: who converts
@@ -28,7 +29,8 @@ JOB_ASK_S = 30.0  # at most one `scontrol show job` per owner job this often (a 
 
 def _me() -> dict:
     return {"job": os.environ.get("SLURM_JOB_ID"), "restart": int(os.environ.get("SLURM_RESTART_COUNT") or 0),
-            "host": socket.gethostname(), "pid": os.getpid(), "cluster": os.environ.get("SLURM_CLUSTER_NAME", "")}
+            "host": socket.gethostname(), "pid": os.getpid(), "cluster": os.environ.get("SLURM_CLUSTER_NAME", ""),
+            "pidns": pid_namespace(), "boot": boot_id()}
 
 
 _ASKED: dict[str, tuple[float, str | None]] = {}  # owner job -> (when asked, its JobState): JOB_ASK_S apart
@@ -73,7 +75,10 @@ def gone(lock: str, now: float | None = None) -> str | None:
     owner, me = read_json(os.path.join(lock, OWNER)).get("json") or {}, _me()
     if age > STALE_S:
         return f"its heartbeat is {age:.0f} s old"
-    if owner.get("host") == me["host"] and isinstance(owner.get("pid"), int) and not _alive(owner["pid"]):
+    # its pid names a process here only in our pid namespace and boot (base/run_lock.py: a container on this host name
+    # is another namespace's pid 1); an OWNER from before they were recorded: taken to be. Else: its heartbeat decides
+    same_pids = all(owner[k] == me[k] for k in ("pidns", "boot") if k in owner)
+    if owner.get("host") == me["host"] and same_pids and isinstance(owner.get("pid"), int) and not _alive(owner["pid"]):
         return f"its process {owner['pid']} on this host has exited"
     if me["job"] and owner.get("job") == me["job"] and int(owner.get("restart") or 0) < me["restart"]:
         return f"it was an earlier run of this job {me['job']} (requeued since)"

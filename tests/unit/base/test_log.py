@@ -83,3 +83,21 @@ def test_a_write_error_that_is_not_a_gone_console_is_raised(monkeypatch):
     monkeypatch.setattr(log, "_IS_MAIN", True)
     with pytest.raises(OSError, match="No space"):
         log.print0("x", file=Full())
+
+
+@pytest.mark.parametrize("foreign", ["logs", "logs/rank00003.log"])
+def test_a_logs_folder_another_user_wrote_is_refused_in_one_line(tmp_path, monkeypatch, foreign):
+    """A requeue in a root container left OUTPUT_DIR/logs (or a rank's log) root's: open_rank_log raised PermissionError,
+    a traceback and exit 1 (a bug to slurm.sbatch). Now one line naming the folder and the fix, before any work (an
+    input error: exit 2). os.access is faked: root writes through any mode."""
+    from base.log import open_rank_log
+    from training.job import _is_input_error
+
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "rank00003.log").write_text("root's start\n")
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: str(p) != str(tmp_path / foreign) and real(p, mode))
+    with pytest.raises(ValueError, match=rf"--output_dir {tmp_path}: this user \(uid \d+\) cannot write "
+                                         rf"{tmp_path}/logs.* \(Permission denied; .*chown -R") as e:
+        open_rank_log(str(tmp_path), 3)
+    assert "\n" not in str(e.value) and _is_input_error(e.value)

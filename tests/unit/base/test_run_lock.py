@@ -142,3 +142,63 @@ def test_a_copied_folders_lock_is_taken_over_and_the_originals_kept(tmp_path):
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+OTHER_NS = {"pidns": "pid:[4026532999]", "boot": "b0"}  # another container's pid namespace on this host name
+
+
+@pytest.mark.parametrize("lock, age, live", [
+    # Docker --network=host, a hostNetwork pod: the host name is the node's, the pid another namespace's (pid 1 there
+    # is missing here, or another process): judged by its heartbeat, never by its pid
+    ({"host": "gpu001", "pid": 1, "job": "", **OTHER_NS}, 1.0, True),
+    ({"host": "gpu001", "pid": 1, "job": "", **OTHER_NS}, STALE_S + 1, False),
+    ({"host": "gpu001", "pid": 4242, "job": "", **OTHER_NS}, 1.0, True),  # our own pid number, another process
+    ({"host": "gpu001", "pid": 7, "job": "", "pidns": "pid:[1]", "boot": "b1"}, 1.0, True),  # another boot (a VM's
+    # kernel of its own, or this host rebooted within STALE_S): its heartbeat decides too
+    ({"host": "gpu001", "pid": 7, "job": "", "pidns": "pid:[1]", "boot": "b0"}, 1.0, False),  # ours: its pid, gone
+    ({"host": "gpu001", "pid": 7, "job": ""}, 1.0, False),  # a lock from before they were recorded: its pid, as before
+])
+def test_a_lock_from_another_pid_namespace_is_judged_by_its_heartbeat(lock, age, live):
+    mine = {**MINE, "pidns": "pid:[1]", "boot": "b0"}
+    assert verdict(lock, mine, age, alive=lambda pid, start: False, state=lambda job: None)[0] is live
+
+
+def test_a_live_containers_lock_is_not_taken_over_from_another_namespace(tmp_path):
+    """`unshare -p -f --mount-proc python lockA.py DIR` (a container on this host name), then a second acquire: taken
+    over as "vm pid 1, its process is gone" while that run was live. Its lock, written there, names a pid namespace
+    not ours and a pid that does not exist here: refused while its heartbeat is fresh."""
+    pid = 4_194_000  # above every pid_max default (4194304 is the most Linux allows): no process here
+    while run_lock._start_time(pid) is not None:
+        pid -= 1
+    owner = {**run_lock.me(), "pid": pid, "start": "5", "pidns": "pid:[4026532999]", "token": "t"}
+    (tmp_path / LOCK).write_text(json.dumps(owner))
+    with pytest.raises(ValueError, match=rf"held by a live run: host \S+ pid {pid}, since .*its heartbeat is \d+ s "
+                                         r"old \(at most 300 s for a live run in another pid namespace"):
+        acquire(str(tmp_path), run_lock.me())
+    old = os.stat(tmp_path / LOCK).st_mtime - STALE_S - 60  # its container died: the heartbeat stops
+    os.utime(tmp_path / LOCK, (old, old))
+    assert "its heartbeat is" in acquire(str(tmp_path), run_lock.me())
+    lock = json.loads((tmp_path / LOCK).read_text())
+    assert lock["pidns"] == run_lock.pid_namespace() and lock["boot"] == run_lock.boot_id()
+    release()
+
+
+def test_a_run_in_a_new_pid_namespace_keeps_its_lock(tmp_path):
+    """The same, for real where this user may create a pid namespace (`unshare -p -f --mount-proc`; skipped
+    elsewhere): the first run is pid 1 in its namespace, and a second run here is refused."""
+    import shutil
+    import sys
+
+    unshare = ["unshare", "-p", "-f", "--mount-proc", "--kill-child"]  # its namespace ends with it
+    if not shutil.which("unshare") or subprocess.run([*unshare, "true"], capture_output=True).returncode:
+        pytest.skip("unshare -p (a new pid namespace) is not permitted here")
+    code = f"import time; from base.run_lock import acquire; print(acquire({str(tmp_path)!r}), flush=True); time.sleep(60)"
+    first = subprocess.Popen([*unshare, sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(run_lock.__file__))))
+    try:
+        assert "held by" in first.stdout.readline() and json.loads((tmp_path / LOCK).read_text())["pid"] == 1
+        with pytest.raises(ValueError, match="held by a live run: host .* pid 1, .*another pid namespace"):
+            acquire(str(tmp_path), run_lock.me())
+    finally:
+        first.kill()
+        first.wait()

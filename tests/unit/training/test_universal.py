@@ -265,6 +265,21 @@ def test_a_lock_of_another_job_that_slurm_says_ended_is_taken_over_in_a_minute(t
     assert "its job 81 is CANCELLED (scontrol)" in capsys.readouterr().out
 
 
+def test_a_converter_in_another_pid_namespace_is_judged_by_its_heartbeat(tmp_path):
+    """A converter in a container on this host name (Docker --network=host: another pid namespace, its pid missing here
+    or another process) was taken over as "its process on this host has exited" while it converted; its heartbeat
+    decides now. In our namespace, or an OWNER from before they were recorded: its pid, as before."""
+    from base.run_lock import boot_id, pid_namespace
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    other = {"host": socket.gethostname(), "pid": dead.pid, "pidns": "pid:[4026532999]", "boot": boot_id()}
+    assert universal_lock.gone(_lock_of(str(tmp_path / "a"), other, 1.0)) is None
+    assert "heartbeat" in universal_lock.gone(_lock_of(str(tmp_path / "b"), other, universal_lock.STALE_S + 60))
+    for i, owner in enumerate(({**other, "pidns": pid_namespace()}, {"host": other["host"], "pid": dead.pid})):
+        assert "has exited" in universal_lock.gone(_lock_of(str(tmp_path / f"c{i}"), owner, 1.0))
+
+
 def test_a_live_owners_lock_is_waited_for(tmp_path, monkeypatch):
     """A lock whose owner (another node) beats: never taken over; its conversion, once renamed into place, is loaded
     without converting again."""
