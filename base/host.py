@@ -1,7 +1,8 @@
 """Readings of this host: the process' own peak memory, the host memory the job may still use (the node's
 MemAvailable and the job's cgroup/container memory limit), the ranks that share this node under whichever launcher
 started them and the node size the whole job agreed, the CPUs this process may run on, and whether the ranks of
-each node have the cores they need. Torch-free at import (the planner uses it); `agree_ranks_per_node` and
+each node have the cores they need; the launcher above this process (its command line, parent and environment, from
+/proc). Torch-free at import (the planner uses it); `agree_ranks_per_node` and
 `check_cpu_placement` gather through base.comm when they run."""
 
 from __future__ import annotations
@@ -83,6 +84,39 @@ def ranks_per_node(env: Mapping[str, str] | None = None) -> int:
     return 0
 
 
+# --- the launcher above this process (/proc: Linux; elsewhere nothing is read) ---
+
+def cmdline(pid: int, proc: str = "/proc") -> list[str]:
+    """The command line of process `pid` (/proc/<pid>/cmdline, NUL-separated words); [] where it cannot be read."""
+    try:
+        with open(os.path.join(proc, str(pid), "cmdline"), "rb") as fh:
+            data = fh.read()
+    except OSError:
+        return []
+    return [w.decode(errors="replace") for w in data.removesuffix(b"\0").split(b"\0")] if data else []
+
+
+def parent_of(pid: int, proc: str = "/proc") -> int | None:
+    """The parent pid of `pid` (the 4th field of /proc/<pid>/stat, after the command name in parentheses, which may
+    hold any character); None where `pid` is gone or unreadable."""
+    try:
+        with open(os.path.join(proc, str(pid), "stat")) as fh:
+            return int(fh.read().rpartition(")")[2].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def environ_of(pid: int, proc: str = "/proc") -> dict[str, str] | None:
+    """The environment process `pid` started with (/proc/<pid>/environ: what it was exec'ed with, not what it set
+    in os.environ since; readable for one's own processes); None where it cannot be read."""
+    try:
+        with open(os.path.join(proc, str(pid), "environ"), "rb") as fh:
+            words = fh.read().split(b"\0")
+    except OSError:
+        return None
+    return dict(w.decode(errors="replace").partition("=")[::2] for w in words if b"=" in w)
+
+
 # --- the node size, agreed once for the whole job ---
 
 _JOB_NODE: list = []  # [(ranks per node, the line saying so)] once a multi-rank job agreed it (agree_ranks_per_node)
@@ -132,14 +166,38 @@ def node_size_agreement(readings: list[tuple[str, int]]) -> tuple[int, str]:
     return 0, "node size: no launcher says and every rank is on one host: no node limit on the Ulysses groups"
 
 
+def idle_nodes_line(hosts: list[str], env: Mapping[str, str]) -> str | None:
+    """A warning where a SLURM allocation of N nodes trains on fewer hosts (`hosts`: every rank's, gathered): a
+    launcher started in the batch (or salloc) shell without srun (torchrun, a plain `deepspeed`, python train.py)
+    starts its ranks on the node it runs on, and the other nodes sit idle, paid for, the whole job. Not inside an srun
+    step (srun sets SLURM_STEP_NUM_NODES / _NUM_TASKS / _NODELIST, the batch step none: its nodes are the user's
+    choice, `srun -N1 ...`); nodes reached over ssh (pdsh) have their own hostnames, so they count. Pure: rank 0
+    decides (only its environment has the batch shell's variables)."""
+    nodes = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or ""
+    used = sorted(set(hosts))
+    in_step = any(env.get(k) for k in ("SLURM_STEP_NUM_NODES", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NODELIST"))
+    if not env.get("SLURM_JOB_ID") or in_step or not nodes.isdigit() or len(used) >= int(nodes):
+        return None
+    return (f"warning: SLURM job {env['SLURM_JOB_ID']} holds {nodes} nodes but its ranks run on {len(used)} "
+            f"({', '.join(used[:4])}{', ...' if len(used) > 4 else ''}): a launcher started without srun runs on one "
+            f"node, the others sit idle; start one per node with srun (scripts/slurm.sbatch does: `sbatch --nodes "
+            f"{nodes} scripts/slurm.sbatch ARGS`, docs/launch.md)")
+
+
 def agree_ranks_per_node() -> tuple[int, str]:
     """Collective, once per job (base.parallel.init_distributed runs it right after the process group, before
     anything is laid out): every rank's (host, ranks_per_node()) gathered, one answer for all (node_size_agreement),
-    kept for job_ranks_per_node. Costs one all_gather_object of a (hostname, int) pair: at 512 ranks ~32 KB
+    kept for job_ranks_per_node; rank 0 warns where a SLURM allocation's nodes sit idle (idle_nodes_line). Costs one all_gather_object of a (hostname, int) pair: at 512 ranks ~32 KB
     gathered per rank, milliseconds, once per job."""
     from base import comm
 
-    agreed = node_size_agreement(comm.all_gather_object((socket.gethostname(), ranks_per_node())))
+    readings = comm.all_gather_object((socket.gethostname(), ranks_per_node()))
+    agreed = node_size_agreement(readings)
+    idle = idle_nodes_line([h for h, _ in readings], os.environ) if comm.rank() == 0 else None
+    if idle:
+        from base.log import print0
+
+        print0(idle)
     if comm.world() > 1:  # a one-rank "job" has nothing to agree: its own reading stays the answer (tests in-process)
         _JOB_NODE[:] = [agreed]
     return agreed
@@ -311,11 +369,24 @@ def threads_per_rank(readings: list[tuple[str, list[int]]], host: str, mine: lis
     return max(1, min(len(mine), len(set().union(*node)) // max(1, len(node))))
 
 
+def threads_defaulted(env: Mapping[str, str], launcher_env: Mapping[str, str] | None) -> bool:
+    """Whether OMP_NUM_THREADS=1 is the launcher's default rather than anyone's choice: torchrun sets 1 for every
+    worker when it starts more than one and the variable is unset (torch/distributed/run.py config_from_args), and
+    accelerate launch sets it to 1 unless told (accelerate/commands/launch.py: get_int_from_env(["OMP_NUM_THREADS"],
+    1)); CPU Adam under ZeRO offload then ran one thread per rank, silently (Llama-3-8B, 32 ranks: its ~7 GB per
+    rank per step read on one core). The user's, kept, where the launcher's own environment (`launcher_env`: what it
+    started with, /proc/<ppid>/environ) had it, or where that cannot be read."""
+    started = env.get("TORCHELASTIC_RUN_ID") or env.get("ACCELERATE_MIXED_PRECISION")  # torchrun's, accelerate's
+    return bool(started) and env.get("OMP_NUM_THREADS") == "1" and launcher_env is not None \
+        and "OMP_NUM_THREADS" not in launcher_env
+
+
 def check_cpu_placement(gpu: bool) -> str:
     """Collective: every rank's host and usable CPUs gathered, one verdict for all (cpu_placement), the line to
     print ("cpus: ..." or "warning: cpus: ..."); ValueError (exit 2) where the placement is refused. Each rank's own
-    CPUs and OMP_NUM_THREADS go to its log (OUTPUT_DIR/logs/rankNNNNN.log); where no launcher set OMP_NUM_THREADS,
-    the rank sets it (and torch's threads) to its share of the node's cores (threads_per_rank)."""
+    CPUs and OMP_NUM_THREADS go to its log (OUTPUT_DIR/logs/rankNNNNN.log); where no launcher set OMP_NUM_THREADS
+    (or torchrun's / accelerate's default 1 stands in for it: threads_defaulted), the rank sets it (and torch's
+    threads) to its share of the node's cores (threads_per_rank)."""
     from base import comm
     from base.log import rank_log
 
@@ -324,6 +395,9 @@ def check_cpu_placement(gpu: bool) -> str:
              f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
     host = socket.gethostname()
     readings = comm.all_gather_object((host, mine))
+    if os.environ.get("OMP_NUM_THREADS") == "1" and threads_defaulted(os.environ, environ_of(os.getppid())):
+        rank_log("cpus: OMP_NUM_THREADS=1 is torchrun's / accelerate's default (their own environment had none)")
+        os.environ.pop("OMP_NUM_THREADS")  # taken as unset: the share below
     if not os.environ.get("OMP_NUM_THREADS"):  # no launcher set a share (plain `deepspeed`, python): take this rank's
         import torch  # (else every rank's pool, and CPU Adam's OpenMP loaded later, starts a thread per CPU)
 

@@ -59,6 +59,11 @@ while [ $# -gt 0 ]; do
     --print-only|--dry-run) print_only=1; shift ;;
     -h|--help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     --) shift; break ;;
+    --ssh_port|--bind_cores_to_rank|--bind_core_list|--enable_each_rank_log|--no_local_rank|--force_multi|--save_pid)
+      case "$1" in --ssh_port) eq="a Port line for the hosts in ~/.ssh/config" ;; --save_pid) eq="launch.sh's own pid" ;;
+        --bind_core*) eq="BIND_CORES=1 (binds over this launch's CPUs: taskset -c LIST scripts/launch.sh ... picks them)" ;;
+        --enable_each*) eq="each rank's OUTPUT_DIR/logs/rankN.log" ;; *) eq="nothing: launch.sh passes what it needs" ;; esac
+      die "$1 is deepspeed's own option, not launch.sh's; instead: $eq" ;;
     *) die "unknown launch option $1 (train.py arguments go after --)" ;;
   esac
 done

@@ -154,7 +154,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p = _Parser(description="ulysses-longtrain: long-context training on DeepSpeed + Ulysses SP",
                 allow_abbrev=False)  # a typo must not silently set another key
     p.add_argument("--config", default=None, help="YAML recipe; command-line flags override its keys")
-    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the deepspeed launcher
+    # set by the deepspeed launcher (--local_rank=N) and by `python -m torch.distributed.launch` (--local-rank=N, its
+    # spelling since torch 2.0: torch/distributed/run.py); LOCAL_RANK in the environment is what is read
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     hf_args.add_arguments(p)  # the HF Trainer's names users carry over: mapped, or refused in one line
     hints = typing.get_type_hints(Config)
     for f in dataclasses.fields(Config):

@@ -14,6 +14,12 @@ so scripts/slurm.sbatch traps SLURM's warning in the batch shell and touches thi
 file system. Rank 0 alone looks for it (and alone removes it when a run starts): another node may still see
 a removed file for up to a minute, and its vote would stop the requeued job at its first step.
 
+The launcher's death is a stop request too. Under a plain `deepspeed --num_gpus N train.py` (no scripts/launch.sh) a
+`kill <runner pid>` ended the runner alone (deepspeed/launcher/runner.py handles SIGTERM only for pdsh on several
+nodes): launch.py was reparented and the ranks trained on, unsaved, with nothing left to stop them. Each rank notes
+launch.py and its parent at its first line and votes to stop once either is gone (training/job.py launcher_gone: one
+/proc read per check), with the full save: no launcher is left to SIGKILL after it.
+
 The time limit is a stop reason too: a 1M-token step on 8 GPUs takes minutes, longer than SLURM's 120 s
 warning, and a job killed at its limit ends TIMEOUT and is never requeued. With SLURM_JOB_END_TIME (epoch
 seconds, set by SLURM >= 23.02; before 23.02 rank 0 reads EndTime from `scontrol show job` at its first check, and
@@ -56,11 +62,11 @@ every 2 steps, ~3 steps lost at most, ~15 min).
 SIGTERM (and SIGINT under a launcher) is a stop with a kill window: where SLURM signals every process of the step
 (proctrack/cgroup with cgroup.conf SignalChildrenProcesses=yes), the deepspeed launcher (`launch.py`:
 `terminate_process_tree`, `wait_procs(timeout=30)`, then SIGKILL) and torchrun (`_close(timeout=30)`) get it too, so
-the ranks are SIGKILLed `KILL_WINDOW_S` (30 s; env KILL_WINDOW_S) after it, whatever GraceTime says. (Under its
-default `no` a step's TERM reaches each node's task alone: slurm.sbatch passes it to launch.sh, which asks the ranks
-for a save with SIGUSR1; Slurm's SIGKILL follows KillWait later.) A SIGINT without a launcher (`python train.py`,
-`srun python train.py` under salloc: no
-LOCAL_SIZE, LOCAL_WORLD_SIZE or LAUNCH_EXIT_DIR, what the deepspeed launcher, torchrun and scripts/launch.sh set) is
+the ranks are SIGKILLed `KILL_WINDOW_S` (30 s; env KILL_WINDOW_S; under torchrun its shutdown timeout: kill_window_s)
+after it, whatever GraceTime says. (Under its default `no` a step's TERM reaches each node's task alone: slurm.sbatch
+passes it to launch.sh, which asks the ranks for a save with SIGUSR1; Slurm's SIGKILL follows KillWait later.)
+A SIGINT without a launcher (`python train.py`, `srun python train.py` under salloc: no LOCAL_SIZE, LOCAL_WORLD_SIZE
+or LAUNCH_EXIT_DIR, what the deepspeed launcher, torchrun and scripts/launch.sh set) is
 a Ctrl-C nothing kills after: a stop without a window, with its full save (it skipped a save longer than ~25 s and
 lost up to a save interval); (under srun one Ctrl-C only prints the status; a second sends SIGINT and SIGKILL at
 once, srun/signals.c: no window to fit there; scancel --signal=USR1 saves.)
@@ -95,6 +101,7 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT, signal
 WINDOWED = (signal.SIGTERM, signal.SIGINT)  # the launchers get these too and SIGKILL the ranks KILL_WINDOW_S later
 LAUNCHED = ("LOCAL_SIZE", "LOCAL_WORLD_SIZE", "LAUNCH_EXIT_DIR")  # deepspeed's launch.py, torchrun, scripts/launch.sh
 KILL_WINDOW_S = 30.0  # deepspeed launch.py's wait_procs(timeout=30) and torchrun's default shutdown timeout
+# (kill_window_s: env KILL_WINDOW_S, else under torchrun its own --shutdown-timeout / TORCH_ELASTIC_SHUTDOWN_TIMEOUT)
 EXIT_MARGIN_S = 5.0  # from the window stop's last decision to the process's end (commit, engine release, exit)
 # a save's time before one is measured, for the window stop only (the time-limit stop keeps SAVE_GUESS_S): the rank's
 # checkpoint bytes at the slowest rate measured here (149 MB/s per node shared by its 8 ranks) plus DeepSpeed's own
@@ -277,6 +284,24 @@ def auto_save_every_s(blocked_s: float | None) -> float:
     return AUTO_SAVE_EVERY_S if blocked_s is None else max(AUTO_SAVE_EVERY_S, blocked_s / MAX_SAVE_OVERHEAD)
 
 
+def kill_window_s(env, agent: list[str] | None = None) -> float:
+    """Seconds from a SIGTERM to the launcher's SIGKILL: KILL_WINDOW_S where set; under torchrun (TORCHELASTIC_RUN_ID)
+    its agent's shutdown timeout, which the workers were not told (`--shutdown-timeout`, PET_SHUTDOWN_TIMEOUT, else
+    TORCH_ELASTIC_SHUTDOWN_TIMEOUT: torch/distributed/launcher/api.py LaunchConfig.__post_init__), read from its
+    command line (`agent`, default this rank's parent's: training/job.py torchrun_options); else 30 s. A window
+    longer than the default lets a SIGTERM stop commit the save it would have skipped; a shorter one is not overrun."""
+    if env.get("KILL_WINDOW_S"):
+        return float(env["KILL_WINDOW_S"])
+    if env.get("TORCHELASTIC_RUN_ID"):
+        from training.job import parent_cmdline, torchrun_options
+
+        given = getattr(torchrun_options(parent_cmdline() if agent is None else agent), "shutdown_timeout", None)
+        given = env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT") if given is None else given
+        if str(given or "").strip():
+            return float(given)
+    return KILL_WINDOW_S
+
+
 class PreemptionFlag:
     def __init__(self, stop_file: str | None = None, deadline: Deadline | None = None,
                  save_every_s: float | str = 0.0):
@@ -291,7 +316,7 @@ class PreemptionFlag:
         # the wait for the commit's step boundary): the next save comes that much early; until one is measured, the
         # deadline's guess (guess_save_s)
         self._last_save = time.monotonic()  # when the last save's snapshot was taken
-        self.window_s = float(os.environ.get("KILL_WINDOW_S") or KILL_WINDOW_S)
+        self.window_s = kill_window_s(os.environ)
         self.term_at: float | None = None  # this rank's first SIGTERM/SIGINT (monotonic)
         # a launcher that kills its ranks after a SIGINT too (a terminal's Ctrl-C reaches it as well); none: no window
         self.windowed = WINDOWED if any(os.environ.get(k) for k in LAUNCHED) else (signal.SIGTERM,)
@@ -300,6 +325,9 @@ class PreemptionFlag:
         self.window_left_s: float | None = None  # agreed at the last check: seconds to the kill (None: no SIGTERM)
         self.save_need_s = 0.0  # ... and the save time to count (MAX over ranks of guess_save_s)
         self._previous = {}
+        from training.job import launcher_gone
+
+        self._launcher_gone = launcher_gone  # a plain deepspeed run whose runner died: a stop (training/job.py)
 
     def install(self) -> PreemptionFlag:
         """Handle the signals from now on, and take those a rank recorded since its first line (training/job.py
@@ -326,6 +354,8 @@ class PreemptionFlag:
         (a collective: call it on all ranks at the same points)."""
         if self.received is None and self.stop_file and comm.rank() == 0 and os.path.exists(self.stop_file):
             self.received = "stop file"
+        if self.received is None:  # every rank's own vote (one /proc read); nothing SIGKILLs after it: a full save
+            self.received = self._launcher_gone()
         # the time limit on one clock, rank 0's (a node whose clock runs ahead would stop every run, never named)
         if self.received is None and comm.rank() == 0:
             self.deadline.refresh_from_slurm()

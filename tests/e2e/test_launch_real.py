@@ -1,8 +1,9 @@
 """The real deepspeed / torchrun launchers (and slurm.sbatch over them) under scripts/launch.sh, with stand-ins for
 train.py (tests/stubs/fake_train.py, allreduce_world.py): a signal becomes a preemption save (75 through torchrun
 too), node 0's store failing ends it at once, the sbatch chain, the node's CPUs spread over the ranks, the interface
-variables, two nodes without ssh, `srun python train.py` as one world, launcher options it would drop. The commands
-launch.sh builds: test_launch_scripts.py."""
+variables, two nodes without ssh, `srun python train.py` as one world, launcher options it would drop (deepspeed's own
+named with launch.sh's equivalent); a plain deepspeed run whose runner alone is killed saves (slow, the real train.py).
+The commands launch.sh builds: test_launch_scripts.py."""
 
 from __future__ import annotations
 
@@ -15,12 +16,14 @@ import subprocess
 import pytest
 
 from tests.e2e.launchers import (
+    DS,
     INTERFACES,
     LAUNCH,
     NUMA_STUB,
     ROOT,
     SBATCH_SCRIPT,
     STUBS,
+    TRAIN,
     clean_env,
     launch,
     needs_2_cpus,
@@ -233,3 +236,41 @@ def test_a_launcher_option_it_would_drop_is_one_line(tmp_path, opts):
     hosts.write_text("n0 slots=2\n")
     p = launch(["--print-only", "-H", str(hosts), "--launcher", "openmpi", "--", "--x"], tmp_path, DS_ACCELERATOR="cpu")
     assert p.returncode == 2 and "--launcher openmpi starts the ranks without RANK" in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("opt, instead", [("--ssh_port", "~/.ssh/config"), ("--bind_cores_to_rank", "BIND_CORES=1"),
+                                          ("--bind_core_list=0-3", "taskset -c LIST"), ("--save_pid", "own pid"),
+                                          ("--enable_each_rank_log", "logs/rankN.log"), ("--force_multi", "nothing")])
+def test_deepspeeds_own_options_name_launch_shs_equivalent(tmp_path, opt, instead):
+    """deepspeed's runner options were "unknown launch option" with no way forward: the line names what to use."""
+    p = launch([opt, "--", "--x"], tmp_path, DS_ACCELERATOR="cpu")
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "is deepspeed's own option, not launch.sh's; instead:" in p.stderr and instead in p.stderr, p.stderr
+
+
+@pytest.mark.slow  # ~40 s of training; the decision: tests/unit/training/test_preemption_launcher.py (fast)
+@pytest.mark.dist
+def test_a_plain_deepspeed_runner_killed_alone_leaves_a_saved_stop(tmp_path):
+    """README's plain `deepspeed --num_gpus 2 train.py`: `kill -TERM <runner pid>` ends the runner alone (runner.py
+    handles SIGTERM only for pdsh on several nodes). The ranks trained on to the end, unsaved, under a reparented
+    launch.py; now they agree a stop, save the step they reached and exit 75."""
+    from tests.runs import losses
+
+    out = tmp_path / "out"
+    args = ["--model_name_or_path", "tiny-llama", "--sequence_parallel_size", "2", "--max_seq_length", "256",
+            "--report_to", "none", "--no-export_hf", "--max_steps", "400", "--output_dir", str(out)]
+    runner = subprocess.Popen([DS, "--num_gpus", "2", "--master_port", "29637", TRAIN, *args], cwd=tmp_path,
+                              env=clean_env(DS_ACCELERATOR="cpu", PYTHONPATH=ROOT), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        wait_for(lambda: len(losses(out)) >= 3, 300, "3 steps")
+        runner.send_signal(signal.SIGTERM)
+        text = runner.communicate(timeout=300)[0]  # the pipe closes once launch.py and both ranks are gone
+    finally:
+        try:
+            os.killpg(runner.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    saved = max(losses(out))
+    assert saved < 400 and "preempted (the deepspeed runner" in text, text[-3000:]
+    assert (out / "checkpoints" / "LATEST").read_text().strip() == f"step_{saved:06d}", text[-3000:]

@@ -1,9 +1,12 @@
 """base/host.py: the node size every launcher reports and the one the job agrees from all of them (uneven nodes
 included: the curriculum, start-up's plan and evaluate.py take it), the job's host memory under a cgroup/container
-limit (fake /proc/self/cgroup and /sys/fs/cgroup trees: v2, v1, nested, hybrid), and the CPU placement verdict
-from every rank's usable CPUs."""
+limit (fake /proc/self/cgroup and /sys/fs/cgroup trees: v2, v1, nested, hybrid), the CPU placement verdict
+from every rank's usable CPUs and each rank's threads (torchrun's / accelerate's default 1 is not a choice), and the
+warning for a SLURM allocation whose nodes sit idle (a launcher started without srun)."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -209,3 +212,82 @@ def test_threads_per_rank_is_the_share_of_the_nodes_cores():
     bound = [("n0", list(range(4 * r, 4 * r + 4))) for r in range(8)]
     assert threads_per_rank(bound, "n0", [0, 1, 2, 3]) == 4  # within its own CPUs
     assert threads_per_rank([("n0", [0])] * 8, "n0", [0]) == 1  # at least one
+
+
+TORCHRUN_RANK = {"TORCHELASTIC_RUN_ID": "none", "LOCAL_WORLD_SIZE": "8", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.mark.parametrize("env, launcher_env, defaulted", [
+    (TORCHRUN_RANK, {"PATH": "/usr/bin"}, True),  # torchrun set it: its own environment had none
+    ({**TORCHRUN_RANK, "TORCHELASTIC_RUN_ID": ""}, {}, False),  # not torchrun's
+    ({"ACCELERATE_MIXED_PRECISION": "no", "OMP_NUM_THREADS": "1"}, {}, True),  # accelerate's simple launcher
+    (TORCHRUN_RANK, {"OMP_NUM_THREADS": "1"}, False),  # exported by the user (or launch.sh --torchrun): kept
+    (TORCHRUN_RANK, None, False),  # the agent's environment unreadable: kept
+    ({**TORCHRUN_RANK, "OMP_NUM_THREADS": "4"}, {}, False),  # not the default
+])
+def test_torchruns_default_of_one_thread_is_no_choice(env, launcher_env, defaulted):
+    assert host.threads_defaulted(env, launcher_env) is defaulted
+
+
+def test_a_rank_under_torchrun_takes_its_share_of_the_cores(monkeypatch):
+    """torchrun starting 2+ workers sets OMP_NUM_THREADS=1 where it is unset (torch/distributed/run.py): CPU Adam under
+    ZeRO offload then ran one thread per rank, silently (base/host.py kept any launcher's value). Now the rank takes
+    its share as under a plain deepspeed: 4 CPUs, one rank here."""
+    import torch
+
+    monkeypatch.setattr(host, "usable_cpus", lambda: [0, 1, 2, 3])
+    monkeypatch.setattr(host, "environ_of", lambda pid: {"PATH": "/usr/bin"})  # the agent's: no OMP_NUM_THREADS
+    for k, v in TORCHRUN_RANK.items():
+        monkeypatch.setenv(k, v)
+    before = torch.get_num_threads()
+    try:
+        host.check_cpu_placement(gpu=False)
+        assert os.environ["OMP_NUM_THREADS"] == "4" and torch.get_num_threads() == 4
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        monkeypatch.setattr(host, "environ_of", lambda pid: {"OMP_NUM_THREADS": "1"})  # the user's own 1
+        host.check_cpu_placement(gpu=False)
+        assert os.environ["OMP_NUM_THREADS"] == "1"
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_launchers_environment_is_what_it_started_with(tmp_path):
+    (tmp_path / "7").mkdir()
+    (tmp_path / "7" / "environ").write_bytes(b"PATH=/usr/bin\0A=b=c\0EMPTY=\0")
+    assert host.environ_of(7, str(tmp_path)) == {"PATH": "/usr/bin", "A": "b=c", "EMPTY": ""}
+    assert host.environ_of(8, str(tmp_path)) is None
+    assert "PATH" in host.environ_of(os.getpid())  # this process' own, as it started
+
+
+BATCH = {"SLURM_JOB_ID": "77", "SLURM_JOB_NUM_NODES": "4", "SLURM_NNODES": "4", "SLURM_STEP_ID": "4294967291"}
+
+
+@pytest.mark.parametrize("hosts, env, idle", [
+    (["n0"] * 8, BATCH, True),  # torchrun / deepspeed --num_gpus 8 in the batch shell: 3 nodes idle
+    (["n0"], {**BATCH, "SLURM_JOB_NUM_NODES": "2"}, True),  # python train.py there
+    ([f"n{i // 8}" for i in range(32)], BATCH, False),  # every node (pdsh from the batch shell, or slurm.sbatch)
+    (["n0"] * 8, {**BATCH, "SLURM_STEP_NUM_NODES": "1"}, False),  # srun -N1 ...: the step's nodes are chosen
+    (["n0"] * 8, {**BATCH, "SLURM_STEP_NUM_TASKS": "8"}, False),  # srun python train.py (srun sets all three)
+    (["n0"] * 8, {**BATCH, "SLURM_JOB_NUM_NODES": "1"}, False),  # a one-node job
+    (["n0"] * 8, {"SLURM_JOB_NUM_NODES": "4"}, False),  # no job
+])
+def test_an_allocations_idle_nodes_are_said(hosts, env, idle):
+    """A SLURM allocation of N nodes launched without srun trained on one node, silently, the others paid for."""
+    line = host.idle_nodes_line(hosts, env)
+    assert (line is not None) is idle, line
+    if idle:
+        assert line.startswith("warning: SLURM job 77 holds") and "srun" in line and "scripts/slurm.sbatch" in line
+        assert "\n" not in line
+
+
+def test_rank_0_says_it_where_the_job_agrees_the_node_size(monkeypatch):
+    from base import log
+
+    said = []
+    monkeypatch.setattr(log, "print0", said.append)
+    for k, v in BATCH.items():
+        monkeypatch.setenv(k, v)
+    for k in ("SLURM_STEP_NUM_NODES", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NODELIST"):
+        monkeypatch.delenv(k, raising=False)
+    host.agree_ranks_per_node()  # one process: its own host only
+    assert len(said) == 1 and said[0].startswith("warning: SLURM job 77 holds 4 nodes but its ranks run on 1 ("), said
