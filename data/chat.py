@@ -10,8 +10,8 @@ What gets loss (`loss_on`, the mask: 1 = the token is a target, predicted from t
   role headers, system, user or tool turns (TRL's `assistant_only_loss`);
 - `completion` (default for prompt/completion): the completion only (with messages: its assistant turns);
 - `all`: every token.
-Pre-tokenized ids with TRL's `assistant_masks` / `completion_mask` come as `{MASKED: (ids, mask)}` (data/ids_rows.py):
-that mask (`all`: every token), the ids as given.
+Pre-tokenized ids with TRL's `assistant_masks` / `completion_mask`, or `labels` (-100 where not trained: TRL's processed
+rows), come as `{MASKED: (ids, mask)}` (data/ids_rows.py): that mask (`all`: every token), the ids as given.
 
 Which template: the tokenizer's own (`auto`); of named templates (Command-R, Hermes-2-Pro ship `default`,
 `tool_use`, `rag`) a row's pick as transformers makes it (`tool_use` for a row with tools, else `default`:
@@ -21,8 +21,11 @@ default below; `none` refuses chat rows when the tokenizer has no template. A se
 
 How an assistant reply is found, by tokens, never by searching the conversation's text for the reply (a reply
 repeated in a user turn would be found in the wrong place):
-1. a template with `{% generation %}` markers: Hugging Face's own `return_assistant_tokens_mask` (the markers decide:
-   TRL's training templates mark `<|im_end|>\n`, trained whole);
+1. a template with `{% generation %}` markers: Hugging Face's own `return_assistant_tokens_mask`, each run starting no
+   earlier than where the conversation leaves the generation prompt, as point 2 finds it (data/chat_locate.prompt_cut:
+   TRL's training templates mark DeepSeek's `<｜Assistant｜>`, Qwen2.5's header `\n`, Qwen3's `<think>\n`, which the
+   prompt writes: the same ids get the same mask as without markers); where it ends, the markers decide (TRL's mark
+   `<|im_end|>\n`, trained whole);
 2. any other template: incremental prefix renders. For assistant turn k, `head = render(messages[:k],
    add_generation_prompt=True)` ends with the assistant's header; the reply starts where the whole conversation's
    tokens stop following it (the first differing token, in case the tokenizer merged across the header's end). A
@@ -38,7 +41,8 @@ repeated in a user turn would be found in the wrong place):
    alone": Phi-3 / OLMo-3 end the conversation with an EOS, gpt-oss with `<|return|>`, which inside the conversation
    is the conversation's end. A turn that renders alone as a prefix of the conversation ending in its text ends at
    the end-of-turn token the conversation goes on with (Qwen1.5 writes `<|im_end|>` only when a message follows; its
-   last reply has none to train: such a row is counted, `no_stop_rows`, and the preparation warns). A turn the
+   last reply has none to train: such a row is counted, `no_stop_rows`, and the preparation warns; GLM's end is the
+   next message's `<|user|>`, a stop: appended after the last reply and trained, data/chat_ends.last_stop). A turn the
    template ends with another control token (gpt-oss's `<|call|>` after a tool call) ends at the turn's own last one,
    where the turn is a prefix of the conversation. Template text after the end-of-turn token (ChatML's "\n",
    Phi-3's trailing EOS) gets no loss: the model stops at the end-of-turn. An end-of-turn generation does not stop
@@ -78,13 +82,14 @@ import json
 import numpy as np
 
 from data.chat_demo import build_demo_chats, demo_conversation  # noqa: F401  (python -m data.chat_demo OUT.jsonl)
-from data.chat_ends import history_ends, marked_header, probe_ends
-from data.chat_locate import lcp, locate, shows
+from data.chat_ends import history_ends, last_stop, marked_header, probe_ends
+from data.chat_locate import lcp, locate, prompt_cut, shows
 from data.chat_reasoning import as_rendered, cut_why, dropped, quoted_close, refuse_dropped
 from data.chat_rows import ROLES, SHAREGPT_ROLES, RowError, empty_reply, normalize, row_format, turns_to_train  # noqa: F401
 from data.chat_splice import encode_long
 from data.chat_template import pick_template, resolve_template, row_kwargs, row_template, text_pair_kwargs  # noqa: F401
 from data.chat_tools import call_ids, call_name, fit_arguments, refuse_unrendered, row_tools, tool_names
+from data.chat_views import Renders
 from data.ids_rows import MASKED
 
 LOSS_ON = ("auto", "assistant", "completion", "all")
@@ -325,20 +330,22 @@ class ChatEncoder:
         if loss_on == "all":  # no span to find: the rendering alone
             ids = self._chatml(conv)[0] if self.kind == "chatml" else self._render(conv, tools=tools)
             end = len(ids) - (len(self.tok.encode("\n")) if self.kind == "chatml" else 0)  # the default's "\n" after
-            return ids, np.ones(len(ids), np.uint8), {"untrained_turns": 0, "no_stop_rows": self._no_stop(ids, conv, end),
-                                                      "rewritten_arguments": rewritten, "flagged_turns": 0,
-                                                      "dropped_reasoning": 0, "chatml_rows": int(self.default or self.kind == "chatml")}
+            ids, mask, stop = (ids, np.ones(len(ids), np.uint8), 0) if self.kind == "chatml" else last_stop(
+                self, conv, ids, np.ones(len(ids), np.uint8), end, tools)  # GLM's <|user|> after the last reply
+            return ids, mask, {"untrained_turns": 0, "no_stop_rows": self._no_stop(ids, conv, len(ids) if stop else end),
+                               "rewritten_arguments": rewritten, "flagged_turns": 0, "dropped_reasoning": 0,
+                               "chatml_rows": int(self.default or self.kind == "chatml"), "appended_stops": stop}
         why, located = {}, self.kind == "prefix"  # turns found by prefix renders: ~messages^2 (prepare_data warns)
         if self.kind == "chatml":
             ids, spans = self._chatml(conv)
         elif self.kind == "markers":
-            ids, spans = self._markers(conv, tools)
+            ids, spans, why = self._markers(conv, tools)
             if spans is None:  # the markers do not give one run per assistant turn: find the turns by prefixes
                 ids, spans, why = locate(self, as_rendered(self, conv, tools), wanted, tools)
                 located = True
             else:
                 self._tool_calls_shown(conv, wanted, {k: ids[a:b] for k, (a, b) in spans.items()})
-                why = {k: w for k in wanted if (w := self._eot_text(conv, k))}
+                why = {k: w for k in wanted if (w := why.get(k) or self._eot_text(conv, k))}
                 spans = {k: s for k, s in spans.items()
                          if k in wanted and k not in why and shows(self, ids, s[0], s[1], conv[k])}
         else:  # the history's reasoning as the whole conversation renders it (gpt-oss drops a call's once a final follows)
@@ -357,15 +364,17 @@ class ChatEncoder:
                 untrained += 1
                 continue
             mask[span[0]:span[1]] = 1
-        history = history_ends(self, ids, spans, mask) if self.kind == "prefix" else {}  # gpt-oss's <|end|>
+        history = history_ends(self, ids, spans, mask) if self.kind != "chatml" else {}  # gpt-oss's <|end|>, marked too
         if not mask[1:].any():
             reason = next(iter(why.values()), "its span does not show its text")
             raise RowError(f"none of the {untrained} assistant turn(s) could be located in {self.name}: {reason}; "
                            "docs/sft.md")
         last = spans.get(len(conv) - 1)
+        ids, mask, stop = last_stop(self, conv, ids, mask, last[1] if last else None, tools)  # GLM's <|user|> after it
         return ids, mask, {"untrained_turns": untrained, "why": [why.get(k, f"message {k}: its span does not show "
                                                                    "its text") for k in wanted if k not in spans],
-                           "no_stop_rows": self._no_stop(ids, conv, last[1] if last else None),
+                           "no_stop_rows": self._no_stop(ids, conv, len(ids) if stop else last[1] if last else None),
+                           "appended_stops": stop,
                            "rewritten_arguments": rewritten, "flagged_turns": flagged,
                            "dropped_reasoning": dropped(self, ids, spans, conv), **history,
                            "chatml_rows": int(self.default or self.kind == "chatml"),
@@ -427,7 +436,9 @@ class ChatEncoder:
             ids += self.tok.encode("\n")
         return ids, spans
 
-    def _markers(self, conv: list[dict], tools: list | None = None) -> tuple[list[int], dict | None]:
+    def _markers(self, conv: list[dict], tools: list | None = None) -> tuple[list[int], dict | None, dict]:
+        """(ids, {turn: span}, {turn: why not trained}) from the template's `{% generation %}` runs (spans None: find
+        the turns by prefixes), each run cut where the generation prompt ends (data/chat_locate.prompt_cut)."""
         try:
             with self.clock:
                 out = self.hf.apply_chat_template(conv, tools=tools, tokenize=True, return_dict=True,
@@ -440,7 +451,8 @@ class ChatEncoder:
         edges = np.flatnonzero(np.diff(np.concatenate([[0], m, [0]])))
         runs = list(zip(edges[::2].tolist(), edges[1::2].tolist()))
         turns = [k for k, msg in enumerate(conv) if msg["role"] == "assistant"]
-        if len(runs) != len(turns) or ids != self._render(conv, tools=tools) or (  # merged or missing runs, another
-                runs and marked_header(self, ids, runs[0])):  # tokenization, the header marked too
-            return ids, None
-        return ids, dict(zip(turns, runs))
+        r = Renders(self, conv, self.linear, tools)  # the conversation's own tokenization; its prefixes as views
+        if len(runs) != len(turns) or ids != r.full or (  # merged or missing runs, another tokenization, the
+                runs and marked_header(self, ids, runs[0])):  # whole header marked (SmolLM3's)
+            return ids, None, {}
+        return (ids, *prompt_cut(self, conv, turns, runs, r))  # none of what the generation prompt writes

@@ -13,6 +13,8 @@ probe conversation, and the one only the history writes.
   generating model never writes it there, so it gets no loss. None where the two are the same, where the token is a
   stop (OLMo 3: `<|im_end|>` mid-conversation, its EOS last, both stops), or where no generation_config.json lies
   beside the tokenizer (then it is trained, as the template writes it).
+- `last_stop`: the stop the history ends a reply with where it is the next message's opening token (GLM's `<|user|>`,
+  `<|observation|>` after a call), appended after a last reply the template ends with nothing, and trained.
 """
 
 from __future__ import annotations
@@ -141,3 +143,59 @@ def marked_header(enc, ids: list[int], run: tuple[int, int]) -> bool:
             before, head = "", ""
         enc._header = head[len(before):].strip() if head.startswith(before) else ""
     return bool(enc._header) and enc.tok.hf.decode(ids[run[0]:run[1]]).lstrip().startswith(enc._header)
+
+
+_NEXT = {"role": "user", "content": "Probe question two?"}  # what follows a reply in the probe (data/chat.py's _PROBE)
+
+
+def last_stop(enc, conv: list[dict], ids: list[int], mask: np.ndarray, end: int | None,
+              tools: list | None = None) -> tuple[list[int], np.ndarray, int]:
+    """(ids, mask, 1) with the stop the history ends a reply with appended after the last reply and trained, where
+    the template writes none there and that stop is the next message's opening token (GLM-4.5 / 4.6 / 4.7: a reply
+    ends with `<|user|>` before a user turn, `<|observation|>` before a tool result, both stops of its generation
+    config, the last reply with nothing): the model is shown where to stop, as TRL's glm4moe_training.jinja does (it
+    writes `<|user|>` after the last reply, marked). Read from the conversation with one message more (a user turn, or
+    a tool result after a call), rendered once: its tokens from the last control token before the reply's end
+    (reasoning the history drops once a user turn follows, GLM's, lies before it) followed by blanks and a control
+    token that is a stop (generation_config.json's, or the EOS) and opens that message (`opens`). `(ids, mask, 0)`
+    unchanged otherwise: text after the reply, an end-of-turn written only when a message follows (Qwen1.5's
+    `<|im_end|>`), none at all: counted, `no_stop_rows`, and warned. Cost: one render and tokenization of the row,
+    only for a row whose last reply ends with no stop."""
+    if end is None or conv[-1]["role"] != "assistant" or not enc._no_stop(ids, conv, end) or \
+            enc.tok.hf.decode(ids[end:]).strip():
+        return ids, mask, 0
+    _ = enc.eot  # the probe, read once: enc._stops
+    calls = conv[-1].get("tool_calls") or []
+    nxt = _NEXT if not calls else {"role": "tool", "content": "Probe result.",
+                                   **({"tool_call_id": calls[-1]["id"]} if calls[-1].get("id") else {})}
+    try:
+        more = enc.tok.encode(enc._text(conv + [nxt], tools=tools))
+    except RowError:
+        return ids, mask, 0
+    added = enc._added()
+    q = next((i for i in range(end - 1, -1, -1) if ids[i] in added), None)  # the last control token before the end
+    if q is None:
+        return ids, mask, 0
+    tail = ids[q:]
+    for p in range(len(more) - len(tail), max(len(more) - len(tail) - 64, -1), -1):  # the next message lies after it
+        if more[p:p + len(tail)] == tail:
+            j = p + len(tail)
+            while j < len(more) and more[j] not in enc.special and not enc.tok.hf.decode(more[j:j + 1]).strip():
+                j += 1
+            stops = (enc._stops or set()) | {enc.tok.eos_id}
+            if j < len(more) and more[j] in stops and more[j] in enc.special and opens(enc, more[j + 1:], nxt):
+                got = more[p + len(tail):j + 1]
+                mask = np.concatenate([mask[:end], np.ones(len(ids) - end + len(got), np.uint8)])
+                return ids + got, mask, 1
+            break
+    return ids, mask, 0
+
+
+def opens(enc, rest: list[int], nxt: dict) -> bool:
+    """Whether the control token before `rest` opens the next message `nxt` (no other control token between it and
+    the message's text: GLM's `<|user|>\n`, `<|observation|>\n<tool_response>\n`), as against an end-of-turn the
+    next message's own header follows (Qwen1.5's `<|im_end|>\n<|im_start|>user\n`, Apriel-1.6's `<|end|>`: counted
+    and warned as before, `no_stop_rows`)."""
+    text = enc.tok.hf.decode(rest[:64])
+    at = text.find(nxt["content"])
+    return at >= 0 and not any(name in text[:at] for name in enc._names())

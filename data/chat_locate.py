@@ -251,6 +251,60 @@ def header_after(enc, conv: list[dict], k: int, d: int, full: list[int], tools: 
     return None
 
 
+def prompt_cut(enc, conv: list[dict], turns: list[int], runs: list[tuple[int, int]],
+               r: Renders) -> tuple[dict[int, tuple[int, int]], dict[int, str]]:
+    """({turn: its `{% generation %}` run}, {turn: why it is not trained}) for data/chat.py's marker path, each run
+    starting no earlier than where the conversation stops following the generation prompt rendered after the
+    messages before its turn (TRL's completion rule, the common prefix; the prefix path's header_end, point 2 of
+    data/chat.py's docstring): what that prompt writes is context at inference, never generated. TRL's training
+    templates mark some of it: deepseek_r1_distill_training / deepseekv3_training `<｜Assistant｜>` (the prompt
+    `<｜Assistant｜><think>\n`, the history `<｜Assistant｜>` alone), qwen2_5_training the header's `\n`, qwen3_training
+    with enable_thinking false `<think>\n\n</think>\n\n`, qwen3_5_think / qwen3_6 / qwen3_8 / nemotron_3_nano_training
+    the prompt's `<think>\n` (trl/chat_templates/*.jinja, TRL 1.16.0): all trained before, where the shipped templates
+    train the reply and its end alone. A turn whose prefix does not render is not trained, as on the prefix path (an
+    assistant turn first: transformers renders no empty conversation). Cost: the prompt is rendered exactly for the
+    first turn after each role (two prefix renders), and read for a later turn after the same role from that one (the
+    generation prompt is the row's arguments' and the last message's: DeepSeek's after a tool result is
+    `<｜tool▁outputs▁end｜>`) where the tokens before its run are that prompt's: a few renders a row, linear in the
+    conversation (the exact render of every turn gave the same masks on every sweep family and TRL template)."""
+    arr, spans, why, seen = r.arr, {}, {}, {}  # previous role -> (the prompt's tokens, how many lie before the run, off)
+    for k, (s, e) in zip(turns, runs):
+        key = conv[k - 1]["role"] if k else None
+        gen, before, off = seen.get(key, (None, 0, None))
+        p = s - before  # where the prompt starts: its tokens before the run (the unmarked header) must be there
+        if gen is None or p < 0 or r.full[p:p + min(before, len(gen))] != gen[:before]:
+            try:
+                head, base = r.prefix(k, gen=True), r.prefix(k)
+            except RowError as err:
+                why[k] = f"message {k}: " + ("an assistant turn first (no messages before it to find its header by)"
+                                             if k == 0 else str(err))
+                continue
+            if not base.lcp(arr) == len(base) <= min(head.lcp(arr), s):  # the messages before render otherwise
+                spans[k] = (min(max(s, head.lcp(arr)), e), e)
+                continue
+            gen, before, off = seen[key] = (head.slice(len(base), len(head)), s - len(base), _off(enc, conv, k, r.tools))
+            p = len(base)
+        a = p + lcp(gen, r.full[p:p + len(gen)])
+        if a < p + len(gen):  # the conversation leaves the prompt partway (header_end's cases)
+            a = p + len(off) if off and r.full[p:p + len(off)] == off else p + word_start(enc, gen, a - p, 0)
+        spans[k] = (min(max(s, a), e), e)
+    return spans, why
+
+
+def _off(enc, conv: list[dict], k: int, tools: list | None) -> list[int] | None:
+    """The generation prompt's tokens after conv[:k] with enable_thinking false, where the template's prompt changes
+    with it (`thinks`: the history writes a reply without reasoning as that prompt gives it, Nemotron 3 Nano's
+    `<think></think>` where its prompt is `<think>\n`); None otherwise."""
+    if not k or not thinks(enc):
+        return None
+    try:
+        before, head = enc._text(conv[:k], tools=tools, enable_thinking=False), enc._text(conv[:k], True, tools,
+                                                                                         enable_thinking=False)
+    except RowError:
+        return None
+    return enc.tok.encode(head[len(before):]) if head.startswith(before) and len(head) > len(before) else None
+
+
 def locate(enc, conv: list[dict], wanted: list[int], tools: list | None = None) -> tuple[list[int], dict, dict]:
     r = Renders(enc, conv, enc.linear, tools)  # rendered and tokenized once; each prefix a view on it
     full, arr = r.full, r.arr

@@ -310,8 +310,12 @@ def refuse_dropped(enc, conv: list[dict], turns: list[int], tools: list | None =
                    if got[0] == "field" else "")  # Magistral's own tags (its template writes thinking parts so)
             if fix and _renders(enc, "content") and enc.reasoning_renders.get("nests") and _opens(enc):
                 fix = "give the content as reasoning</think>answer (the template opens the block), "  # Nemotron-Nano-v2
+            # trl/chat_templates/deepseek_r1_distill_training.jinja (TRL 1.16.0) prints the content whole; its <think>\n
+            # is the generation prompt's, untrained (data/chat_locate.prompt_cut), the reasoning and answer trained
+            trl = ("for a DeepSeek-R1-Distill model, TRL's deepseek_r1_distill_training.jinja as the tokenizer's "
+                   "chat_template, which prints the content whole; " if got[0] == "content" else "")
             raise RowError(f"message {k} (assistant): {enc.name} never renders {given}, so the reply would be trained "
-                           f"with its reasoning gone: {fix}use a template that renders it (Qwen3, gpt-oss, ...), or "
+                           f"with its reasoning gone: {fix}use a template that renders it ({trl}Qwen3, gpt-oss, ...), or "
                            "drop the reasoning")
 
 

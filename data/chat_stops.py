@@ -4,11 +4,13 @@ loss trained the model to write (<|im_end|>, <|eot_id|>, <|end_of_turn|>, gpt-os
 A base model's generation_config.json stops on its pretraining EOS (Qwen2.5-7B: <|endoftext|>; Llama-3-8B:
 <|end_of_text|>), not on the chat template's end-of-turn: its SFT export ran on past every reply in `generate()` and
 vLLM. The export adds this token to the stops (as Instruct releases list theirs); nothing where the template writes
-no token after a last reply (GLM-4.7's: counted `no_stop_rows` at preparation) or the tokenizer has no template
-(the ChatML default ends a reply with <|im_end|> where the vocabulary has it, else its EOS). An end-of-turn the
-template writes only in the history (gpt-oss's <|end|>) is not one: the last reply's is read. One that is no stop,
-followed by one (Command R7B's <|END_RESPONSE|><|END_OF_TURN_TOKEN|>): that stop, which the loss trains last. A turn
-that is only a tool call may end on another (gpt-oss's <|call|>, Gemma 4's <|tool_response>): that one too.
+no token after a last reply (Qwen1.5's: counted `no_stop_rows` at preparation) or the tokenizer has no template
+(the ChatML default ends a reply with <|im_end|> where the vocabulary has it, else its EOS); GLM's, the next
+message's <|user|> the history ends a reply with, is appended after the last one and trained (data/chat_ends.last_stop):
+that one, and <|observation|> after a call. An end-of-turn the template writes only in the history (gpt-oss's <|end|>)
+is not one: the last reply's is read. One that is no stop, followed by one (Command R7B's
+<|END_RESPONSE|><|END_OF_TURN_TOKEN|>): that stop, which the loss trains last. A turn that is only a tool call may end
+on another (gpt-oss's <|call|>, Gemma 4's <|tool_response>): that one too.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ def _encoder(tokenizer_path: str | None, chat_template: str):
 def reply_stops(tokenizer_path: str | None, chat_template: str = "auto") -> list[int]:
     """The ids that end a last reply in `tokenizer_path`'s template (`chat_template` as the preparation took it);
     [] for a sentencepiece file (its EOS: the export writes it) or where none is known."""
+    from data.chat import _PROBE
     from data.chat_ends import REPLIES
 
     enc = _encoder(tokenizer_path, chat_template)
@@ -46,10 +49,15 @@ def reply_stops(tokenizer_path: str | None, chat_template: str = "auto") -> list
         return [int(enc.default_eot)]
     _ = enc.eot  # the probe: enc._ends, the id after each probe reply
     last = enc._ends.get(REPLIES[-1])
-    if last is None:
-        return []
+    if last is None:  # the stop appended after a last reply (GLM's <|user|>), as the run encodes it
+        try:
+            ids, _, stats = enc.encode({"messages": _PROBE})
+        except ValueError:  # RowError: the template refuses the probe
+            return []
+        if not stats.get("appended_stops"):
+            return []
+        last = ids[-1]
     if enc._carry and last not in enc._carry:  # trained on to a stop after it (R7B's <|END_OF_TURN_TOKEN|>)
-        from data.chat import _PROBE
         from data.chat_locate import through_stop
 
         ids = enc.tok.encode(enc._text(_PROBE))

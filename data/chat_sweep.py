@@ -234,8 +234,11 @@ def check(enc: ChatEncoder, oracle_template: str, conv: list[dict], tools: list 
                                          **(kwargs or {}))
     except Exception as e:  # noqa: BLE001 (the template's own refusal, which the encoder should have passed on)
         return f"WRONG: trained a conversation the template refuses ({str(e).splitlines()[0][:80]})"
-    if list(out["input_ids"]) != list(ids):
-        return "WRONG: the ids are not the template's rendering"
+    rendered = list(out["input_ids"])  # and the stop the history ends a reply with, appended after the last one and
+    extra = len(ids) - len(rendered) if stats.get("appended_stops") else 0  # trained (data/chat_ends.last_stop)
+    if rendered != list(ids[:len(ids) - extra]) or extra and not (mask[-extra:].all() and ids[-1] in enc.special):
+        return "WRONG: the ids are not the template's rendering" + (" and a stop" if extra else "")
+    ids, mask = ids[:len(rendered)], mask[:len(rendered)]
     oracle = np.asarray(out["assistant_masks"], dtype=np.uint8)
     turns = [k for k, m in enumerate(conv) if m["role"] == "assistant"]
     runs = _runs(oracle)

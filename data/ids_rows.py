@@ -8,6 +8,12 @@ that restart: several documents in one row, TRL's pack_dataset / axolotl's sampl
 - A 0/1 mask of the ids' length is the row's loss mask (both: a token is a target where both say so, as TRL builds its
   labels): `{MASKED: (ids, mask)}`, which data/chat.py's encoder hands on as a chat row's (ids, mask): stored in
   mask-*.bin, counted in `chat_docs` / `supervised_tokens`, its ids as given, its masked tokens the only targets.
+- `labels` that differ from the ids are a loss mask where each is -100 or its own token's id (unshifted: TRL 1.16.0's
+  processed rows, `_prepare_dataset`'s build_labels, its packed rows with `seq_lengths`; axolotl's and
+  LLaMA-Factory's preprocessed output): a target where the label is the id, beside a mask column where both say so.
+  Labels one position ahead of their ids (shifted already, as a model's loss shifts them: trained so, each token
+  would learn the one after next) or holding other values are refused in one line. Equal to the ids (run_clm's
+  group_texts): every token, read as plain ids.
 - A packed row is split into its documents, at its `seq_lengths` or where its `position_ids` restart at 0 (each
   column sliced to match): `{PIECES: [ids or {MASKED: ...}, ...]}`, each piece a document of its own, read exactly as
   a separate row of the same tokens (data/prepare_data.py): a piece without a loss mask gets the tokenizer's BOS where
@@ -39,11 +45,25 @@ _PLAIN = {"labels": lambda ids: ids, "attention_mask": lambda ids: [1] * len(ids
           "position_ids": lambda ids: list(range(len(ids))), "seq_lengths": lambda ids: [len(ids)]}
 
 
-def labelled(ids: str) -> str:
-    return (f"pre-tokenized {ids!r} with 'labels' that differ from them (axolotl's / LLaMA-Factory's preprocessed "
-            "output, -100 over the prompt): its loss mask would be ignored and the prompt trained; prepare from the "
-            "chat rows it was made from (messages, ...: docs/sft.md), or drop 'labels' to train every token (labels "
-            "equal to the ids, as run_clm's group_texts writes them, train every token: read)")
+def labelled(labels, ids: list[int], name: str) -> np.ndarray | str:
+    """The loss mask `labels` beside `ids` give (module docstring: 1 where the label is its token's id, 0 at -100),
+    or why they are none."""
+    n = len(ids)
+    lab = _ints(labels, n)
+    if lab is None:
+        what = f"{len(v)} values" if isinstance(v := _list(labels), list) else type(v).__name__
+        return (f"labels ({what}) beside {n} {name!r} are no labels of the ids (one int per token, -100 where not "
+                f"trained): {_FIX}, or {_DROP}")
+    a, off = np.asarray(ids), lab != -100
+    if (lab[off] == a[off]).all():
+        return off.astype(np.uint8)
+    if n > 1 and lab[-1] == -100 and (lab[:-1][off[:-1]] == a[1:][off[:-1]]).all():
+        return (f"labels beside {name!r} are the ids shifted one position left (label i = id i+1): shifted already, "
+                "as a model's loss shifts them, and shifted again here each token would learn the one after next; "
+                "give them unshifted (each -100 or its own token's id, as TRL's processed rows), or drop 'labels'")
+    at = int(np.flatnonzero(off & (lab != a))[0])
+    return (f"labels beside {name!r} hold {int(lab[at])} at token {at} (id {int(a[at])}): labels are -100 (not "
+            f"trained) or the token's own id; {_FIX}, or drop 'labels' to train every token")
 
 
 def _list(v):
@@ -113,6 +133,17 @@ def _spans(row: dict, n: int) -> list[tuple[int, int]] | str:
     return list(zip(starts, starts[1:] + [n]))
 
 
+def processed(row, ids: str = "input_ids") -> bool:
+    """Whether a row (a dict, or a table's column names) that fills a chat field beside its ids is one TRL already
+    processed: `labels` beside the ids (TRL 1.16.0's _prepare_dataset keeps the prompt / completion or messages it
+    tokenized, adds input_ids and labels, -100 where not trained). Read as its ids and labels, as TRL trains such a
+    dataset (it skips preparing rows that hold input_ids); the chat fields are not rendered again. A row without
+    labels stays "which is meant?" (data/row_errors.both)."""
+    if isinstance(row, dict):
+        return row.get(ids) is not None and row.get("labels") is not None
+    return ids in row and "labels" in row
+
+
 def plain_ids(extra: dict, ids) -> bool:
     """Whether a row's filled columns beside its ids change nothing (labels equal to them, as run_clm's group_texts
     writes, positions 0..n-1, `seq_lengths: [n]`, an all-ones attention_mask): read as plain ids in the reading
@@ -135,8 +166,6 @@ def beside_ids(ids, row: dict, name: str) -> tuple[object, str | None]:
         row = {c: v[slice(*cut)] if isinstance(v, list) and len(v) == n and c != "seq_lengths" else v
                for c, v in ((c, _list(v)) for c, v in row.items())}
         ids, n = ids[slice(*cut)], cut[1] - cut[0]
-    if row.get("labels") is not None and _list(row["labels"]) != ids:
-        return None, labelled(name)
     if isinstance(spans := _spans(row, n), str):
         return None, spans
     mask, cols = None, [c for c in MASKS if row.get(c) is not None]
@@ -145,6 +174,10 @@ def beside_ids(ids, row: dict, name: str) -> tuple[object, str | None]:
         if isinstance(m, str):
             return None, m
         mask = m if mask is None else mask & m
+    if row.get("labels") is not None and _list(row["labels"]) != ids:  # (equal to the ids: every token)
+        if isinstance(m := labelled(row["labels"], ids, name), str):
+            return None, m
+        mask, cols = m if mask is None else mask & m, ["labels"] + cols
     pieces = []
     for k, (s, e) in enumerate(spans):
         if mask is not None and not mask[s + 1:e].any():  # a document's first token is predicted from nothing
@@ -163,9 +196,11 @@ def documents(value) -> tuple[list, bool]:
 
 
 def no_mask_here(cols: list[str]) -> str:
-    """The in-process stream's refusal (data/packing.build_token_stream: ids only, no mask)."""
-    return (f"{' and '.join(cols)} beside input_ids: a loss mask, which this in-process reader cannot carry (every "
-            "token would be trained): prepare the rows with scripts/prepare_data.py, which reads it (docs/sft.md)")
+    """The in-process stream's refusal (data/packing.build_token_stream: ids only, no mask); `cols` the mask columns
+    (none: the row's 'labels' hold its mask)."""
+    what = " and ".join(cols) or "'labels' that differ from the ids (-100 where not trained)"
+    return (f"{what} beside input_ids: a loss mask, which this in-process reader cannot carry (every token would be "
+            "trained): prepare the rows with scripts/prepare_data.py, which reads it (docs/sft.md)")
 
 
 def rows_over(docs: list, bad: list, bound: int) -> set:

@@ -39,7 +39,7 @@ from data.readers import Fields, iter_rows, parse_item
 
 CHAT_STATS = ("chat_docs", "supervised_tokens", "untrained_turns", "no_stop_rows",  # per shard, summed in the manifest
               "rewritten_arguments", "flagged_turns", "dropped_reasoning", "chatml_rows", "history_ends",
-              "history_ends_unknown")
+              "history_ends_unknown", "appended_stops")
 # texts holding a special-token string kept as text, texts read with theirs as control tokens, ids given the BOS, ids
 # rows shaped by their columns (a loss mask, packing, padding: data/ids_rows.py; read by output_lock.check_rules)
 STATS = CHAT_STATS + ("special_text_docs", "parsed_text_docs", "ids_given_bos", "ids_beside_rows")

@@ -46,6 +46,11 @@ def manifest_lines(output: str, manifest: dict) -> list[str]:
         out.append(f"warning: {manifest.get('history_ends_unknown', 0)} earlier answer(s) end with a token the template writes only "
                    "in the history (gpt-oss's <|end|>), trained: no generation_config.json beside the tokenizer says whether "
                    "generation stops on it (gpt-oss does not): give the model's folder as the tokenizer (docs/sft.md)")
+    if manifest.get("appended_stops"):
+        out.append(f"note: {manifest.get('appended_stops', 0)} conversation(s) end with the stop their template's history "
+                   "ends a reply with, appended after the last reply and trained (GLM's <|user|>, <|observation|> after a "
+                   "tool call: the next message's token, a stop of its generation config; the template writes none "
+                   "after the last reply; docs/sft.md)")
     if manifest.get("no_stop_rows"):
         out.append(f"warning: {manifest.get('no_stop_rows', 0)} conversation(s) end with a reply trained with no end-of-turn token "
                    "after it (the template writes its end-of-turn only when another message follows, as Qwen1.5's "

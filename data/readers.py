@@ -23,7 +23,7 @@ from base.log import cause
 from data.chat import row_format
 from data.chat_rows import PREFERENCE, UNREAD, without_nulls
 from data.discover import Unit, damaged, unreadable
-from data.ids_rows import BESIDE, BESIDE_IDS, beside_ids, plain_ids
+from data.ids_rows import BESIDE, BESIDE_IDS, beside_ids, plain_ids, processed
 from data.jsonl import (
     array_elements,
     open_file,
@@ -151,6 +151,8 @@ def _columns(unit: Unit, names: list[str], fields: Fields, first=None) -> tuple[
     # table mixing formats (pandas' to_parquet of tulu, Alpaca and ShareGPT rows) had only the first format's read, the
     # other rows refused as "not a chat row"
     chat = tuple(dict.fromkeys(n for c in CHAT_COLUMNS if all(n in names for n in c) for n in c)) or None
+    if chat is not None and fields.text not in names and processed(names, fields.ids):  # TRL's processed dataset:
+        chat = None  # its ids and labels, as TRL trains them (data/ids_rows.processed)
     if chat is not None:
         value = chat + tuple(c for c in CHAT_EXTRAS if c in names and c not in chat) + (
             (TEXT_BESIDE + value,) if value else ())
@@ -216,8 +218,8 @@ def parse_item(item: object, fields: Fields) -> tuple[str | list | dict | None, 
             return None, None, TREE
         if isinstance(value, dict) and not row_format(value):  # was read as a chat row: "chat row: not a chat row"
             return None, None, f"expected a string in {fields.text!r}{elsewhere(fields, obj)}"
-        if value is not None and row_format(obj):
-            return None, None, both(fields, obj)
+        if value is not None and row_format(obj) and (fields.text in obj or not processed(obj, fields.ids)):
+            return None, None, both(fields, obj)  # (ids with labels beside a chat field: TRL's, read as ids)
         extra = {c: obj[c] for c in BESIDE_IDS if obj.get(c) is not None} if fields.text not in obj else None
         if extra and value is not None and not plain_ids(extra, value):
             value, why = beside_ids(value, extra, fields.ids)  # labels, loss masks, packing, padding

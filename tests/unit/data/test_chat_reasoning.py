@@ -37,6 +37,22 @@ def test_reasoning_a_template_never_renders_refuses_the_row_in_one_line(root, ke
     assert "\n" not in str(e.value) and "message 1 (assistant)" in str(e.value)
 
 
+def test_the_r1_refusal_names_a_template_that_trains_the_content_whole(root):
+    """DeepSeek-R1's template cuts the content at </think>: the refusal names TRL's deepseek_r1_distill_training.jinja
+    (it said only "Qwen3, gpt-oss, ..."), and that template, set as the tokenizer's, trains the row's reasoning and
+    answers, its generation prompt's `<think>\n` not (data/chat_locate.prompt_cut)."""
+    from tests.unit.data.test_chat_trl_templates import R1_DISTILL_TRAINING, _pair
+
+    with pytest.raises(RowError) as e:
+        encoder(root, "deepseek_r1").encode({"messages": CASES["reasoning in the content"]})
+    assert "TRL's deepseek_r1_distill_training.jinja as the tokenizer's chat_template" in str(e.value)
+    assert "\n" not in str(e.value)
+    trl = _pair(root, "deepseek_r1", R1_DISTILL_TRAINING)[1]
+    ids, mask, stats = trl.encode({"messages": CASES["reasoning in the content"]})
+    text = trained(trl, ids, mask)
+    assert text.count(WHY) == 2 and "2 words" in text and "<think>" not in text and stats["untrained_turns"] == 0
+
+
 @pytest.mark.parametrize("key", ["llama31", "qwen25", "deepseek_v3"])
 def test_reasoning_in_the_content_of_a_template_that_prints_it_trains_whole(root, key):
     enc = encoder(root, key)
@@ -158,7 +174,8 @@ def test_glm_with_its_think_tokens_special_trains_too(tmp_path):
         ids, mask, stats = enc.encode({"messages": CASES[case]})
         text = trained(enc, ids, mask)
         assert stats["untrained_turns"] == 0 and "apple river" in text and "2 words" in text, (case, text)
-        assert text.count("<|user|>") == 1 and "Count them" not in text  # the first reply's stop, no user text
+        # each reply's stop (the last one's appended: data/chat_ends.last_stop), no user text
+        assert text.count("<|user|>") == 2 and text.endswith("<|user|>") and "Count them" not in text
 
 
 def test_the_fix_a_refusal_names_is_the_templates_own_reasoning_form(tmp_path):
@@ -258,7 +275,8 @@ def test_the_stop_a_chat_sft_trains_is_the_last_replys_end(root):
     """A base model's generation config stops on its pretraining EOS (Qwen2.5-7B's <|endoftext|>), not on the
     template's end-of-turn the SFT trained: its export ran on past every reply. data/chat_stops.reply_stops gives the
     token that ends a last reply: Qwen's <|im_end|>, Llama 3's <|eot_id|>, gpt-oss's <|return|> (not <|end|>, which
-    only the history writes), none for GLM-4.7 (no token after a last reply)."""
+    only the history writes), GLM-4.7's <|user|> (the next message's token, appended after a last reply: its template
+    writes none there) and <|observation|> after a call."""
     from data.chat_stops import reply_stops
 
     def ids(key, names):
@@ -266,7 +284,7 @@ def test_the_stop_a_chat_sft_trains_is_the_last_replys_end(root):
         return [hf.convert_tokens_to_ids(n) for n in names]
 
     for key, want in (("qwen25", ["<|im_end|>"]), ("llama31", ["<|eot_id|>"]), ("gpt_oss", ["<|return|>", "<|call|>"]),
-                      ("glm47", [])):
+                      ("glm47", ["<|user|>", "<|observation|>"])):
         assert reply_stops(encoder(root, key).tok.path) == ids(key, want), key
     assert reply_stops(None) == [] and reply_stops("recipes/base/tiny_passkey256/tokenizer.model") == []
 

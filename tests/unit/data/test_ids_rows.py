@@ -137,3 +137,57 @@ def test_a_tables_columns_that_change_nothing_are_plain_ids_and_cost_their_lengt
     assert value == IDS
     n = 100_000  # (len(str(row)): ~1.6M, the old cost, computed in the reading process)
     assert row_cost(({BESIDE: (list(range(n)), {"position_ids": [0] * n})}, None)) == (2 * n, 2 * n)
+
+
+def _trl(ids: list[int], prompt: int) -> list[int]:
+    """TRL 1.16.0's labels (sft_trainer._prepare_dataset, build_labels): -100 where not trained, else the id."""
+    return [-100] * prompt + ids[prompt:]
+
+
+@pytest.mark.parametrize("form", ["jsonl", "parquet", "hf_disk"])
+def test_trl_processed_labels_are_the_loss_mask(tmp_path, form):
+    """TRL's processed rows carry `labels` (-100 off-target; its masks dropped), its packed ones `seq_lengths` too:
+    both were refused ("labels that differ"). Now a label equal to its id is a target, -100 not: supervised_tokens is
+    TRL's count of labels != -100, each packed document its own, the ids as given."""
+    a, b, c = [5, 6, 7, 8, 9, 10], [11, 12, 13, 14], [15, 16, 17]
+    rows = [{"input_ids": a, "labels": _trl(a, 3)},
+            {"input_ids": b + c, "labels": _trl(b, 2) + _trl(c, 1), "seq_lengths": [4, 3]},  # TRL's pack_dataset
+            {"input_ids": a, "labels": _trl(a, 2), "completion_mask": [0, 0, 0, 1, 1, 1]}]  # both: where both say so
+    labels = [lab for r in rows[:2] for lab in r["labels"]]
+    manifest = prepare([_write(tmp_path, form, _all_keys(rows))], str(tmp_path / "o"), vocab_size=100, eos_id=2, **QUIET)
+    assert _docs(tmp_path / "o") == [(a, [0, 0, 0, 1, 1, 1]), (b, [0, 0, 1, 1]), (c, [0, 1, 1]), (a, [0, 0, 0, 1, 1, 1])]
+    assert manifest["supervised_tokens"] == sum(x != -100 for x in labels) + 3 and manifest["chat_docs"] == 4
+
+
+def test_labels_that_are_no_loss_mask_are_refused_in_one_line(tmp_path, capsys):
+    """Labels shifted already (label i = id i+1, as a model's loss shifts them: shifted again, each token would learn
+    the one after next) or holding other ids are refused, the reason named."""
+    for k, (labels, match) in enumerate((
+            (IDS[1:] + [-100], "the ids shifted one position left (label i = id i+1): shifted already"),
+            ([-100] * 4 + [7, 10, 11, 12], "labels beside 'input_ids' hold 7 at token 4 (id 9)"),
+            ([-100] * 8, "labels mark no token to train"),
+            ([-100, 6], "labels (2 values) beside 8 'input_ids' are no labels of the ids"))):
+        (tmp_path / f"r{k}").mkdir()
+        src = _write(tmp_path / f"r{k}", "jsonl", [{"input_ids": IDS, "labels": labels}])
+        capsys.readouterr()
+        assert main(["--input", src, "--output", str(tmp_path / f"o{k}"), "--vocab_size", "100", "--workers", "0"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert match in err and "\n" not in err, err
+
+
+@pytest.mark.parametrize("form", ["jsonl", "parquet", "hf_disk"])
+@pytest.mark.parametrize("chat", [{"prompt": [{"role": "user", "content": "Hi"}],  # TRL's unpacked processed rows
+                                   "completion": [{"role": "assistant", "content": "Hello"}]},
+                                  {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}])
+def test_trl_processed_rows_beside_their_chat_fields_are_read_as_their_ids_and_labels(tmp_path, form, chat):
+    """TRL keeps the prompt / completion or messages it tokenized beside input_ids and labels: "both ... which is
+    meant?" refused every row. TRL trains such a dataset as its ids and labels (it skips preparing rows holding
+    input_ids): read so, the chat fields not rendered again; without labels, still one line."""
+    a = [5, 6, 7, 8, 9, 10]
+    src = _write(tmp_path, form, [{**chat, "input_ids": a, "labels": _trl(a, 4)}] * 2)
+    manifest = prepare([src], str(tmp_path / "o"), vocab_size=100, eos_id=2, **QUIET)
+    assert _docs(tmp_path / "o") == [(a, [0, 0, 0, 0, 1, 1])] * 2 and manifest["supervised_tokens"] == 4
+    (tmp_path / "n").mkdir()
+    src = _write(tmp_path / "n", form, [{**chat, "input_ids": a}])
+    with pytest.raises(ValueError, match="which is meant"):
+        prepare([src], str(tmp_path / "o2"), vocab_size=100, eos_id=2, **QUIET)

@@ -70,9 +70,10 @@ def test_shards_that_saw_different_inputs_are_not_merged(tmp_path):
         merge(out, log=lambda _: None)
 
 
-def test_a_pretokenized_table_with_labels_is_refused_in_one_line(tmp_path, capsys):
-    """axolotl's preprocess / LLaMA-Factory's tokenized output (input_ids, attention_mask, labels -100 over the prompt)
-    was prepared from its input_ids alone: the prompt trained, without a word."""
+def test_a_pretokenized_table_with_labels_trains_its_labelled_tokens(tmp_path, capsys):
+    """axolotl's preprocess / LLaMA-Factory's tokenized output / TRL's processed rows (input_ids, attention_mask,
+    labels -100 over the prompt) were prepared from their input_ids alone (the prompt trained, without a word), then
+    refused: now the labels are the loss mask (data/ids_rows.py), the tokens labelled -100 not trained."""
     import datasets
 
     ids, labels = [[5, 6, 7, 8, 3]], [[-100, -100, 7, 8, 3]]
@@ -80,12 +81,9 @@ def test_a_pretokenized_table_with_labels_is_refused_in_one_line(tmp_path, capsy
         str(tmp_path / "axo"))
     (tmp_path / "axo.jsonl").write_text(json.dumps({"input_ids": ids[0], "labels": labels[0]}) + "\n")
     capsys.readouterr()  # datasets' progress bars
-    for src, where in ((tmp_path / "axo", f"{tmp_path / 'axo'}: row 0: "), (tmp_path / "axo.jsonl", f"{tmp_path}/axo.jsonl:1: ")):
-        assert main(["--input", str(src), "--output", str(tmp_path / f"o_{src.name}"), "--vocab_size", "100",
-                     "--workers", "0"]) == 2
-        err = capsys.readouterr().err.strip()
-        assert err.startswith(f"error: {where}pre-tokenized 'input_ids' with 'labels' that differ") and "\n" not in err
-        assert "prepare from the chat rows" in err
+    for src in (tmp_path / "axo", tmp_path / "axo.jsonl"):
+        manifest = prepare([str(src)], str(tmp_path / f"o_{src.name}"), vocab_size=100, eos_id=3, **QUIET)
+        assert manifest["supervised_tokens"] == 3 and manifest["chat_docs"] == 1
     # labels equal to the ids (run_clm's group_texts: result["labels"] = result["input_ids"].copy()) hide nothing:
     # every token trains, as before the refusal (the review: such a table was refused whole)
     datasets.Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * 5], "labels": ids}).save_to_disk(

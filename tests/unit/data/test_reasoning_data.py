@@ -13,7 +13,7 @@ from tests.unit.data.test_chat_quoted import encoder, spans
 
 ASK = {"role": "user", "content": "What is 2+2?"}
 R1 = ["R.</think>Four.", "R.</think>\n\nFour.", "R.\n</think>\nFour.", "R.\n</think>\n\nFour."]
-AS_RENDERED = {"qwen3": "<think>\nR.\n</think>\n\nFour.<|im_end|>", "glm46": "\n<think>R.</think>\nFour."}
+AS_RENDERED = {"qwen3": "<think>\nR.\n</think>\n\nFour.<|im_end|>", "glm46": "\n<think>R.</think>\nFour.<|user|>"}
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def test_reasoning_given_twice_is_refused_naming_which_to_drop(root, key, conten
 
 
 QUOTES = {"qwen3": "<think>\nThe tag closes the block.\n</think>\n\nUse s.split('</think>')[-1].<|im_end|>",
-          "glm46": "\n<think>The tag closes the block.</think>\nUse s.split('</think>')[-1]."}
+          "glm46": "\n<think>The tag closes the block.</think>\nUse s.split('</think>')[-1].<|user|>"}
 
 
 @pytest.mark.parametrize("key", ["qwen3", "glm46"])
