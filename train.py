@@ -9,7 +9,8 @@ and Ulysses sequence parallelism (world = sp x dp), through a staged context-ext
 The story, in order: config -> distributed init and layout -> data -> resume -> stages (each: engine, restore,
 steps, saves, evaluation; training/stage.py) -> export. On CPU: `DS_ACCELERATOR=cpu` (gloo). All process-group
 communication goes through base/comm.py. Exit codes (training/job.py): 0 done, 1 failure, 2 bad input (one
-line, before any work), 75 saved after a preemption signal or near the time limit (requeue, `--resume auto`).
+line, before any work) or a run that must not go on (non-finite steps or state: one line naming the checkpoint to
+resume from; training/stage.py), 75 saved after a preemption signal or near the time limit (requeue, `--resume auto`).
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ import json
 import os
 import random
 import shutil
+import socket
 import time
 from dataclasses import dataclass
 
@@ -55,6 +56,7 @@ from training.branches import BRANCHES  # noqa: F401  (part of this module's int
 from training.checkpoint_files import (  # noqa: F401  (MANIFEST, POINTER, deal_by_bytes: this module's interface)
     MANIFEST,
     POINTER,
+    TAG,
     atomic_write,
     crc32,
     deal_by_bytes,
@@ -65,6 +67,7 @@ from training.checkpoint_files import (  # noqa: F401  (MANIFEST, POINTER, deal_
 )
 from training.preemption import Deadline
 from training.restore import Restorer, TrainState  # noqa: F401  (TrainState: part of this module's interface)
+from training.step import nonfinite_state
 
 
 def tag_for(step: int) -> str:
@@ -131,8 +134,6 @@ class Pending:
     blocked_s: float  # how long the step loop waited for the snapshot
 
 
-
-
 # Bytes per parameter of a first checkpoint, before any was written to measure: ZeRO-3's fp32 master and Adam's m and
 # v (12; its model-states files hold no weights under ZeRO-3), as bench/checkpoint.py measures (bench/results:
 # bytes_per_param 12.0). 14 counted a bf16 copy that is not saved, and refused a fresh 8B run at start-up with room
@@ -167,6 +168,7 @@ class Checkpointer(Restorer):
         self.written_s: float | None = None
         self._staging: Staging | None = None  # host memory the background saves copy into (one rank's checkpoint)
         self.trash = rotation.Trash(self.root)  # rank 0's deletions, off the step path
+        self.recent: list[str] = []  # this job's last commits, oldest first (`pin` picks from them)
 
     def release_staging(self) -> int:
         """Give the background saves' host copy back (at a stage's end, with no save in flight: training/stage.py);
@@ -234,19 +236,25 @@ class Checkpointer(Restorer):
         is written (a short write surfaced as torch.save's 'unexpected pos' after a ~21 GB file; Llama-3-8B's
         checkpoint is ~100 GB, and every stage's final one is kept). Need: the newest committed checkpoint's size
         (its manifest, rank 0), else each rank's parameters x CKPT_BYTES_PER_PARAM summed; room: `_space`. A quota
-        (EDQUOT) is not seen by statvfs: a write it refuses ends the job in one line too (training/job.py). Collective."""
-        last, room = self._space(lambda: self._leftovers(tag))
+        (EDQUOT) is not seen by statvfs: a write it refuses ends the job in one line too (training/job.py). First, in
+        the same all-reduce: a rank whose optimizer state holds a non-finite value (training/step.nonfinite_state)
+        refuses the save. Collective."""
+        mine = nonfinite_state(engine)
+        last, room, bad = self._space(lambda: self._leftovers(tag), vote=float(comm.rank() + 1) if mine else 0.0)
+        if bad:
+            self._nonfinite(tag, mine)
         need = last or comm.all_reduce([float(_own_params(engine) * CKPT_BYTES_PER_PARAM)])[0].item()
         if need * DISK_MARGIN > room:
             raise ValueError(self._refusal(f"checkpoint {tag}", need, room))
 
-    def _space(self, tidy, create: bool = True) -> tuple[float, float]:
-        """(bytes of the newest committed checkpoint or 0, room for the next one), the same on every rank. Rank 0 first
+    def _space(self, tidy, create: bool = True, vote: float = 0.0) -> tuple[float, float, float]:
+        """(bytes of the newest committed checkpoint or 0, room for the next one, the largest `vote`), the same on every
+        rank. Rank 0 first
         runs `tidy` (moves what goes into the trash), then counts the trash, whose deletion starts only once counted (a
         file deleted between the count and the free space would count twice); room: the least free space any rank sees
         there (the folder is shared: train.py refuses one that is not) plus the trash rank 0 is deleting (a job killed
         during its deletion left a checkpoint there, which only a commit emptied: the first save of the next job was
-        refused for the room it held). One all-reduce of three numbers. Collective."""
+        refused for the room it held). One all-reduce of four numbers. Collective."""
         if create:
             os.makedirs(self.root, exist_ok=True)
         last = trash = 0  # (not created at start-up: a refusal after it must leave the output folder as it was)
@@ -261,8 +269,31 @@ class Checkpointer(Restorer):
                 self.trash.paused = False
             if os.path.isdir(self.trash.folder):
                 self.trash.empty()  # deleted while this save writes (a partial conversion counted 0 too)
-        top = comm.all_reduce([float(last), -float(shutil.disk_usage(here).free), float(trash)], op="max")
-        return top[0].item(), -top[1].item() + top[2].item()
+        top = comm.all_reduce([float(last), -float(shutil.disk_usage(here).free), float(trash), vote], op="max")
+        return top[0].item(), -top[1].item() + top[2].item(), top[3].item()
+
+    def _nonfinite(self, tag: str, mine: int) -> None:
+        """Some rank's optimizer state holds a non-finite value (every rank is here, after the same vote): nothing of
+        `tag` is written, LATEST stays; one line naming the ranks and their hosts (one all-gather, on this path only)."""
+        got = [(r, h) for r, h, n in comm.all_gather_object((comm.rank(), socket.gethostname(), mine)) if n]
+        where = ", ".join(f"rank {r} on {h}" for r, h in got[:4]) + (f" and {len(got) - 4} more" * (len(got) > 4))
+        newest = self._pointer()
+        raise ValueError(f"checkpoint {tag} not written: the fp32 master weights or Adam moments of {where} hold "
+                         "non-finite values (silent data corruption, a faulty GPU or host memory, or the non-finite "
+                         "steps said above); the newest checkpoint, " + (os.path.join(self.root, newest) if newest
+                         else "none") + ", stays the resume point: --resume auto (a host's fault: without it, sbatch "
+                         "--exclude; non-finite steps: --resume PATH with a lower --learning_rate)")
+
+    def pin(self, before_step: int, newest: str | None) -> str | None:
+        """Keep the newest checkpoint of this run at or before `before_step` against rotation: checkpoints/PINNED
+        names it (rank 0 writes it; one at a time: a later pin moves it). From this job's commits, else `newest` (the
+        resumed one). Returns its path, None where there is none. Every rank picks the same."""
+        here = {os.path.basename(p.rstrip("/")): p for p in [*self.recent, newest]
+                if p and os.path.dirname(os.path.abspath(p.rstrip("/"))) == os.path.abspath(self.root)}
+        tag = max((t for t in here if TAG.match(t) and int(t[5:]) <= before_step), key=lambda t: int(t[5:]), default=None)
+        if tag is not None and comm.rank() == 0:
+            atomic_write(os.path.join(self.root, rotation.PINNED), tag + "\n")
+        return here.get(tag)
 
     def _leftovers(self, tag: str | None) -> None:
         """Rank 0: move into the trash every step_N without a manifest (a failed or killed save's partial folder, at
@@ -341,7 +372,7 @@ class Checkpointer(Restorer):
             if tag is not None and rotation.TAG.match(tag):
                 rotation.rotate(self.root, self.keep, keep_tag=tag, trash=self.trash)  # renames only
 
-        last, room = self._space(tidy, create=False)
+        last, room, _ = self._space(tidy, create=False)
         need = last or float(params * CKPT_BYTES_PER_PARAM)
         if need * DISK_MARGIN > room:
             raise ValueError(self._refusal("the first checkpoint of this start", need, room))
@@ -454,6 +485,7 @@ class Checkpointer(Restorer):
             rotation.rotate(self.root, self.keep, keep_tag=tag, trash=self.trash)  # renames only; deletes in the background
             if os.path.isdir(self.trash.folder):
                 self.trash.empty()  # (what a killed job left there too)
+        self.recent = [*self.recent[-7:], path]
         comm.barrier()
 
     def close(self, timeout_s: float | None = None) -> None:

@@ -34,10 +34,15 @@ none where the stage measured just that). The tasks can be asked through a chat 
 `--chat`): each trial is one user turn (the haystack and the question) rendered with the template and its
 generation prompt, and the trial counts when the assistant's reply, the answer and its end-of-turn token, is the
 model's argmax token by token (data/tasks.py `chat_sample`, the rendering an SFT stage trains with `chat: true`).
+
+A non-finite held-out loss (a weight or an activation gone NaN / inf) refuses to go on in one line, the same on every
+rank (the losses are all-reduced): the record goes to metrics.jsonl, not to eval/stage{N}.json, so the stage stays
+unevaluated and a re-run evaluates it again instead of starting the next stage from it.
 """
 
 from __future__ import annotations
 
+import math
 import random
 
 import numpy as np
@@ -291,11 +296,12 @@ def _copy(result: dict, key: str, source: str) -> None:
 
 
 def evaluate_stage(engine, stage, dims, heldout: list[dict], tokenizer, metrics, step: int, micro_batch: int,
-                   pad_id: int, stages=None, heldout_at=None) -> dict:
+                   pad_id: int, stages=None, heldout_at=None, before: str | None = None) -> dict:
     """Run the stage's evaluation on every rank; rank 0 records it. Returns the result. `stages` (the whole
     curriculum) gives the other lengths to try the tasks at, `heldout_at(seq_len, n)` (RunData.heldout) the
     held-out samples at the first stage's length (packed as the first stage packs them: text or conversations);
-    without them only this stage's length is evaluated."""
+    without them only this stage's length is evaluated. A non-finite held-out loss: ValueError (module docstring),
+    naming `before` (the checkpoint before the weights evaluated) to resume from."""
     cfg = stage.eval
     engine.eval()
     result = {"stage": stage.index, "stage_name": stage.name, "step": step, "seq_len": stage.max_seq_length}
@@ -351,8 +357,25 @@ def evaluate_stage(engine, stage, dims, heldout: list[dict], tokenizer, metrics,
             result["passkey_accuracy"] = result["tasks"]["passkey"][str(stage.max_seq_length)]
             result["passkey_mean"] = result["task_mean"]["passkey"][str(stage.max_seq_length)]
     engine.train()
+    _refuse_nonfinite(result, stage, stages, metrics, before)
     metrics.log_eval(stage.index, result)
     metrics.log_table(f"eval/stage{stage.index}", ["task", "length", "depth", "accuracy"],
                       [[t, int(n), float(d), a] for t, lens in result.get("tasks", {}).items()
                        for n, acc in lens.items() for d, a in acc.items()], step=result.get("step"))
     return result
+
+
+def _refuse_nonfinite(result: dict, stage, stages, metrics, before: str | None) -> None:
+    """One line where a held-out loss of `result` is not finite (after its record in metrics.jsonl only)."""
+    bad = [f"{k} {result[k]}" for k in ("heldout_loss", "heldout_loss_first_len", "heldout_chat_loss")
+           if not math.isfinite(result.get(k, 0.0))]
+    if not bad:
+        return
+    metrics.log({"event": "eval", **result})
+    nxt = stages[stage.index + 1] if stages and stage.index + 1 < len(stages) else None
+    then = f"stage {nxt.index} ({nxt.name}) is not started from them" if nxt else "they are not exported"
+    raise ValueError(f"stage {stage.index} ({stage.name}) at step {result['step']}: held-out loss not finite "
+                     f"({', '.join(bad)}): its weights produce non-finite values, {then}; " + (
+                         f"resume from the checkpoint before, {before} (--resume {before}), with a lower "
+                         "--learning_rate" if before else "resume from an earlier checkpoint of checkpoints/ "
+                         "(--resume PATH) with a lower --learning_rate"))

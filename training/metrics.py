@@ -23,8 +23,10 @@ import collections
 import contextlib
 import hashlib
 import json
+import math
 import os
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -42,8 +44,6 @@ from training.eval_tables import eval_tables
 def profiled_peak_bytes(fn) -> int:
     """Peak live tensor bytes while `fn()` runs, above those live before it: the torch profiler's allocation
     events (the CPU counterpart of max_memory_allocated). For tests and benchmarks: profiling is slow."""
-    import tempfile
-
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     fd, path = tempfile.mkstemp(suffix=".json")
@@ -125,6 +125,7 @@ DEFAULT_PROJECT = "ulysses-longtrain"  # --wandb_project left unset and no WANDB
 INIT_TIMEOUT_S = 30  # an online W&B start that has not reached the server by then logs offline: every rank waits for
 # rank 0 meanwhile (each start, each requeue), so short; W&B's own default, 90 s, with its retries, took ~2 min.
 # WANDB_INIT_TIMEOUT set: W&B's reading of it wins
+SKIPPED = {True: " (no supervised token: optimizer step skipped)", "overflow": " (non-finite gradient norm: update skipped)"}
 ETA_WINDOW = 20  # steps whose mean wall-clock time (saves included) gives the log line's ETA
 STEP_KEY = "step"  # the record key W&B plots every metric against (define_metric): never wandb.log(step=)
 
@@ -365,18 +366,16 @@ class MetricsLogger:
             return
         try:
             with open(self.path, "a") as fh:
-                fh.write(json.dumps(record) + "\n")
+                fh.write(json.dumps(strict(record)) + "\n")
         except OSError as e:  # a write into the open file names none: a full disk here is the user's (training/job.py
             e.filename = e.filename or self.path  # users_disk), one line and exit 2, not node 0's crash
             raise
         self._wb(lambda run: run.log({**_wandb_fields(record), **_at(record.get("step"))}))
         if "loss" in record and "step" in record:
-            step = record["step"]
-            loss, rate = record["loss"], record.get("tokens_per_s")  # null on a skipped step (training/stage._log_step)
+            step, loss, rate = record["step"], record["loss"], record.get("tokens_per_s")  # null: a skipped step
             line = (f"step {step} stage {record.get('stage', 0)} loss {'-' if loss is None else f'{loss:.4f}'} "
                     f"lr {record['lr']:.2e} tok/s {'-' if rate is None else f'{rate:.0f}'} "
-                    f"mem {record['peak_mem_gb']:.2f}GB"
-                    + " (no supervised token: optimizer step skipped)" * bool(record.get("optimizer_skipped")))
+                    f"mem {record['peak_mem_gb']:.2f}GB" + SKIPPED.get(record.get("optimizer_skipped"), ""))
             if self.bar is not None:
                 if self._bar_stage is not None:
                     self._restart_bar(step, *self._bar_stage)
@@ -459,9 +458,17 @@ def _said_lost_records(run_dir: str | None) -> None:
     log = os.path.join(run_dir, "logs", "debug-internal.log") if run_dir else ""
     with contextlib.suppress(OSError), open(log, "rb") as fh:
         if b"failed to save record" in fh.read():
-            print(f"warning: W&B could not save some records of this run ({log}: 'failed to save record': a full or "
-                  "quota-limited WANDB_DIR?): its curves stop early; metrics.jsonl in the output folder holds them all",
-                  flush=True)
+            print(f"warning: W&B could not save some records of this run ({log}: 'failed to save record': a full or quota-"
+                  "limited WANDB_DIR?): its curves stop early; metrics.jsonl in the output folder holds them all", flush=True)
+
+
+def strict(v):
+    """A record as strict JSON (jq and most readers refuse a bare NaN): a non-finite float is null, with "nan", "inf"
+    or "-inf" under `<key>_nonfinite` beside it (in a list: null alone). W&B gets the floats as they are."""
+    if isinstance(v, dict):
+        return {**{k: strict(x) for k, x in v.items()},
+                **{f"{k}_nonfinite": str(x) for k, x in v.items() if isinstance(x, float) and not math.isfinite(x)}}
+    return [strict(x) for x in v] if isinstance(v, list) else None if isinstance(v, float) and not math.isfinite(v) else v
 
 
 def _wandb_fields(record: dict) -> dict:

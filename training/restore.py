@@ -83,6 +83,10 @@ class TrainState:
     tokenizer_vocab: str | None = None  # whose ids it trained on (data/store.vocab_identity)
     optimizer_groups: int | None = None  # 2: norms and biases in a group of their own (no decay); None / 1: one group
     stage_names: list | None = None  # the checkpoint's stages up to its own, by name (None: one not recorded)
+    # the open run of non-finite steps (training/step.bad_step): how many, and the first. Never saved: no save is taken
+    # while one is open (training/stage.py), so every checkpoint's is 0
+    bad_steps: int = 0
+    first_bad: int | None = None
 
     def state_dict(self) -> dict:
         return {"step": self.step, "tokens": self.tokens, "stage": self.stage, "wandb_id": self.wandb_id,

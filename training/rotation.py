@@ -137,16 +137,31 @@ def _rmtree(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+# checkpoints/PINNED names the checkpoint kept from before a loss spike (training/stage.py, Checkpointer.pin): one at a
+# time, a later spike moves it; kept against rotation as a stage's end is until then (delete the file to let it go)
+PINNED = "PINNED"
+
+
+def pinned(root: str) -> str | None:
+    """The tag checkpoints/PINNED names, or None."""
+    try:
+        with open(os.path.join(root, PINNED)) as fh:
+            return fh.read().strip() or None
+    except OSError:
+        return None
+
+
 def rotate(root: str, keep: int, keep_tag: str, trash: Trash | None = None) -> None:
-    """Keep the newest `keep` committed checkpoints; drop older ones and uncommitted leftovers (into `trash`, deleted
-    in its background thread; without one, deleted here)."""
+    """Keep the newest `keep` committed checkpoints, every stage's end and the one PINNED names; drop older ones and
+    uncommitted leftovers (into `trash`, deleted in its background thread; without one, deleted here)."""
     remove = trash.discard if trash is not None else _rmtree
     all_tags = tags(root)
     committed = [t for t in all_tags if os.path.exists(os.path.join(root, t, MANIFEST))]
     newest = committed[-keep:]
     stage_ends = {t for t in committed if _manifest(root, t).get("stage_end")}
+    pin = pinned(root)
     for t in all_tags:
-        if t in newest or t == keep_tag or t in stage_ends:
+        if t in newest or t == keep_tag or t in stage_ends or t == pin:
             continue
         if t in committed or int(TAG.match(t).group(1)) < int(TAG.match(keep_tag).group(1)):
             remove(os.path.join(root, t))

@@ -5,6 +5,12 @@ starts from (the checkpointer decides: the middle of this stage, or the previous
 the stage's last step, saving when due (steps, minutes, or an agreed stop); at the stage's end it evaluates.
 Every decision to save or stop is agreed by all ranks (training/preemption.py); nothing here reads a clock,
 a file or a signal on its own.
+
+A step's health (`_health`, from the all-reduced loss and DeepSpeed's all-reduced norm: the same on every rank, no
+collective of its own): each non-finite step is said; while they last nothing is saved (a time save, a save_steps
+one and a stop's are skipped: the newest checkpoint stays the one before them, never rotated away by saves of a NaN
+state), and BAD_STEPS_STOP in a row stop the run in one line naming the first and that checkpoint (exit 2: a bug
+is not requeued). A loss spike (training/step.LossWatch) is said and keeps the checkpoint before it (PINNED).
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from training.evaluation import evaluate_stage, stage_heldout
 from training.job import EXIT_PREEMPTED
 from training.metrics import peak_memory_gb, reset_peak_memory
 from training.preemption import EXIT_MARGIN_S, said
-from training.step import train_step
+from training.step import BAD_STEPS_STOP, LossWatch, bad_step, train_step
 
 
 @dataclasses.dataclass
@@ -110,6 +116,8 @@ def train_stage(run: Run, stage, stages, state: TrainState) -> None:
     # the stage's loss weighting (its recipe key, else the run's flag): resolve_stages reads it from the recipe, so a
     # run resumed mid-curriculum weighs the stage it resumes in as that stage says
     weighting = getattr(stage, "loss_weighting", None) or cfg.loss_weighting
+    watch = LossWatch()  # a spike is judged against this stage's losses: a new length or RoPE moves them
+    state.bad_steps, state.first_bad = 0, None
     while state.step < end:
         progress.mark(state.step + 1, "data")  # rank 0 ends the job when a rank's marks stop (base/progress.py)
         micro = [shard(collate([dataset[i] for i in sampler.next_batch()], sdims.seq_multiple, run.data.pad_id,
@@ -125,12 +133,19 @@ def train_stage(run: Run, stage, stages, state: TrainState) -> None:
         state.step += 1
         _log_step(run, stage, sdims, state, out, lr, sampler, engine)
         _committed(run, state, run.ckpt.poll())  # a background save whose writes are durable on every rank
+        _health(run, stage, state, out, watch)  # a non-finite step said (BAD_STEPS_STOP in a row: the stop), a spike's
         progress.mark(None, "sync")
         stopping = _agree(run, state.step + 1 >= end)
         at_end = state.step == end
         in_window = stopping and preempt.window_left_s is not None  # SIGTERM: the launcher SIGKILLs every rank soon
         due = at_end or (cfg.save_steps and state.step % cfg.save_steps == 0) or preempt.save_due
-        if (stopping or due) and not in_window:
+        # non-finite steps open: no save. The stage's end is saved all the same (a bad last batch leaves the weights as
+        # they were: DeepSpeed skipped its update), only if every rank's state is finite (Checkpointer._room checks)
+        held = state.bad_steps and (stopping or not at_end)
+        if held and (stopping or due):
+            print0(f"step {state.step}: {'the stop' if stopping else 'the save due'} saves nothing: non-finite steps since "
+                   f"step {state.first_bad}; the newest checkpoint, {state.checkpoint}, stays the resume point")
+        elif (stopping or due) and not in_window:
             _save(run, engine, stages, stage, hf_config, state, sampler, at_end, by_time=preempt.save_due)
             # after a background snapshot the write it started is ahead too: the next step runs only if that
             # write, the stop's save and the step fit before the job's end (it used to reserve nothing for it)
@@ -151,9 +166,11 @@ def train_stage(run: Run, stage, stages, state: TrainState) -> None:
     t_eval = time.perf_counter()
     # an SFT stage's held-out: whole conversations, loss on the assistant's tokens (training/evaluation.py)
     at = ended[1] if ended else state.step  # the step of the weights evaluated
+    # a non-finite held-out loss refuses to go on (training/evaluation.py), naming the checkpoint before this one
+    before = next((p for p in reversed(getattr(run.ckpt, "recent", [])) if p != state.checkpoint), None)
     evaluate_stage(engine, stage, sdims, stage_heldout(run.data, stage, heldout_samples(stage.eval)),
                    run.data.tokenizer, run.metrics, at, cfg.per_device_train_batch_size, run.data.pad_id,
-                   stages, run.data.heldout)
+                   stages, run.data.heldout, before)
     preempt.deadline.record_eval(time.perf_counter() - t_eval)
     if stage.index + 1 < len(stages):  # the checks up to the next stage's first step count its step, not this one's
         preempt.deadline.next_stage(step_cost_ratio(run.base_config, stage, stages[stage.index + 1]))
@@ -246,12 +263,57 @@ def _stop_in_window(run: Run, engine, stages, stage, hf_config, state: TrainStat
         preempt.agreed()  # the window left after that wait, agreed again (one all-reduce)
     if state.checkpoint and os.path.basename(state.checkpoint) == tag_for(state.step):
         return  # this step is committed
+    if state.bad_steps:  # said in the loop: non-finite steps are open, the newest checkpoint stays the resume point
+        return
     left = preempt.window_left_s - EXIT_MARGIN_S
     if preempt.save_need_s > left:
         print0(f"SIGTERM: a save of step {state.step} takes ~{preempt.save_need_s:.0f} s, {max(left, 0):.0f} s are left "
                f"before the launcher's SIGKILL: not started; the newest committed checkpoint is {state.checkpoint}")
         return
     _save(run, engine, stages, stage, hf_config, state, sampler, at_end)
+
+
+def _health(run: Run, stage, state: TrainState, out: dict, watch: LossWatch) -> None:
+    """A step's health, the same decision on every rank (training/step.bad_step: all-reduced values). A non-finite
+    step: one line, counted in `state.bad_steps` (the loop saves nothing while it is open); BAD_STEPS_STOP in a row:
+    the background write in flight (a step before them) committed, then one line and exit 2. A finite one closes
+    the run of them, said. A loss spike: one line, and the newest checkpoint two steps or more before it (a spike at
+    step N is the loss of the weights after step N-1's update: step_N-1 may hold the divergence) kept against
+    rotation (Checkpointer.pin), named in the line and in metrics.jsonl (`loss_spike`)."""
+    if out.get("skipped"):  # no supervised token: nothing ran
+        return
+    loss, step = out["loss"], state.step
+    if bad_step(out, getattr(run.cfg, "fp16", False)):
+        state.bad_steps, state.first_bad = state.bad_steps + 1, state.first_bad or step
+        what = f"loss {loss:.4g}" + ", its update skipped for a non-finite gradient norm" * bool(out.get("overflow"))
+        print0(f"step {step}: {what}: non-finite step {state.bad_steps} in a row (the run stops at {BAD_STEPS_STOP}); "
+               "no checkpoint is saved until a step is finite again")
+        if state.bad_steps >= BAD_STEPS_STOP:
+            _committed(run, state, run.ckpt.finish())  # a write in flight holds a step before them: durable first
+            lr = getattr(stage, "learning_rate", None) or getattr(run.cfg, "learning_rate", None)
+            lower = f"a lower --learning_rate (now {lr:g})" if lr else "a lower --learning_rate"
+            ck, pin = state.checkpoint, (f"; the loss spiked at step {watch.spiked}, {watch.pinned} is kept from "
+                                         "before it" if watch.pinned else "")
+            raise ValueError(f"steps {state.first_bad}-{step}: {BAD_STEPS_STOP} non-finite steps in a row ({what}): the "
+                             "weights or the optimizer state hold non-finite values and every later update would be "
+                             "skipped; stopped, nothing saved since. " + (
+                                 f"Resume from the newest checkpoint before them, {ck}: --resume {ck} with {lower} "
+                                 "(a new branch from there: training/branches.py)" if ck else
+                                 f"No checkpoint before them: start again with {lower}") + pin)
+        return
+    if state.bad_steps:
+        print0(f"step {step}: finite again after {state.bad_steps} non-finite step(s) from step {state.first_bad}")
+        state.bad_steps, state.first_bad = 0, None
+    median = watch.spike(loss)
+    if median is not None:
+        watch.spiked, watch.pinned = step, run.ckpt.pin(step - 2, state.checkpoint)
+        print0(f"step {step}: loss {loss:.4g} is {loss / median:.1f}x the median {median:.4g} of this stage's last "
+               f"{len(watch.losses)} steps (a spike: a divergence or a broken batch?): " + (
+                   f"{watch.pinned} is kept against rotation (checkpoints/PINNED); if the loss does not come back, "
+                   f"resume from it (--resume {watch.pinned}) with a lower learning rate" if watch.pinned else
+                   "no checkpoint of this run before it to keep"))
+        run.metrics.log({"event": "loss_spike", "step": step, "stage": stage.index, "spike_loss": loss,
+                         "median_loss": median, "kept": watch.pinned})  # (no `loss` key: not a step's record)
 
 
 def _rank_bytes(engine, world: int) -> float:
@@ -282,8 +344,8 @@ def _after_first_step(run: Run, engine, features) -> None:
 def _grad_norm(engine, out: dict) -> float | None:
     """The step's global gradient norm before clipping: DeepSpeed's, computed (all-reduced) in its optimizer step and
     cached there, the same on every rank; reading it is no collective (one device-to-host copy of a scalar, after the
-    loss's all-reduce has synchronized). None where no update happened (no supervised token; fp16's overflow, where
-    DeepSpeed leaves inf) or the engine keeps none (ZeRO-1/2 with its norm computation off)."""
+    loss's all-reduce has synchronized). None where no update happened (no supervised token; an invalid norm, any
+    precision, where DeepSpeed skipped the update) or the engine keeps none (ZeRO-1/2 with its norm computation off)."""
     get = getattr(engine, "get_global_grad_norm", None)
     if get is None or out.get("skipped") or out.get("overflow"):
         return None
@@ -307,14 +369,15 @@ def _log_step(run: Run, stage, sdims, state: TrainState, out: dict, lr: float, s
     # is its steps (max_tokens and epochs are turned into steps when the stage resolves, training/curriculum.py).
     n = 0 if skipped else \
         sdims.dp * cfg.gradient_accumulation_steps * cfg.per_device_train_batch_size * stage.max_seq_length
-    state.tokens += n
+    state.tokens += 0 if out.get("overflow") else n  # an update DeepSpeed skipped trained nothing (its step ran: `tokens`)
     run.metrics.log({"step": state.step, "stage": stage.index, "loss": None if skipped else out["loss"], "lr": lr,
                      "tokens": n,
                      "grad_norm": _grad_norm(engine, out),  # pre-clip global norm; null: no update this step
                      "label_tokens": out["label_tokens"],  # supervised tokens of the step (global; the loss's count)
                      **({"label_weight": out["label_weight"]} if "label_weight" in out else {}),
                      **({"optimizer_skipped": True} if skipped else {}),  # no supervised token: no step
-                     **({"optimizer_skipped": "overflow"} if out.get("overflow") else {}),  # fp16: DeepSpeed's skip
+                     **({"optimizer_skipped": "overflow"} if out.get("overflow") else {}),  # DeepSpeed's skip: an
+                     # invalid gradient norm, in any precision (deepspeed/runtime/utils.py is_invalid_grad_norm)
                      "tokens_per_s": None if skipped else n / out["step_time"], "seq_len": stage.max_seq_length,
                      "sp": sdims.sp, "cp": sdims.cp,
                      "dp": sdims.dp, "peak_mem_gb": peak, "total_tokens": state.tokens,

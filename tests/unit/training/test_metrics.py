@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import mmap
 import sys
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 from base.host import peak_rss_bytes
-from training.metrics import reset_peak_memory
+from training.metrics import MetricsLogger, reset_peak_memory
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM reset through /proc/self/clear_refs")
@@ -78,3 +79,16 @@ def test_a_branch_from_an_earlier_step_logs_to_a_new_wandb_run(tmp_path, monkeyp
         assert inits[-1] == want and m.run_id == want[0]  # the id every later checkpoint records
         m.close()
     assert "this branch from step 4 logs to run ab12-from4 (group ab12)" in capsys.readouterr().out
+
+
+def test_a_non_finite_loss_is_strict_json_and_a_skipped_update_is_named(tmp_path, capsys):
+    """metrics.jsonl held a bare NaN for a non-finite loss (jq and strict readers refuse the line) and the log line said
+    "no supervised token" for DeepSpeed's skipped update too. Now null with loss_nonfinite, and the skip named."""
+    m = MetricsLogger(str(tmp_path), True, "none", None, None, {}, 10, False)
+    m.log({"step": 5, "stage": 0, "loss": float("nan"), "lr": 1e-3, "tokens_per_s": 10.0, "peak_mem_gb": 0.5,
+           "optimizer_skipped": "overflow", "by": [1.0, float("inf")], "eval": {"x": float("-inf")}})
+    rec = json.loads((tmp_path / "metrics.jsonl").read_text(), parse_constant=lambda c: pytest.fail(f"bare {c}"))
+    assert rec["loss"] is None and rec["loss_nonfinite"] == "nan" and rec["by"] == [1.0, None]
+    assert rec["eval"] == {"x": None, "x_nonfinite": "-inf"}
+    line = capsys.readouterr().out
+    assert "loss nan" in line and "(non-finite gradient norm: update skipped)" in line and "supervised" not in line
