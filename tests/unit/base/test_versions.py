@@ -1,18 +1,47 @@
 """base/versions.py: an installed version outside the range the code needs stops the tool in one line (the packages,
 the versions found, the ranges, the pip command) with exit 2; a version inside passes, local and pre-release versions
-included (`2.13.0+cpu`, NGC's `2.6.0a0+git`). `importlib.metadata.version` is a stand-in; pure, < 1 s."""
+included (`2.13.0+cpu`, NGC's `2.6.0a0+git`). Each floor is at least the release of the API the code calls (FLOORS).
+`importlib.metadata.version` is a stand-in; pure, < 1 s."""
 
 from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
 import os
+import sys
 
 import pytest
 
 from base import versions
 
 FITS = {"torch": "2.13.0+cpu", "deepspeed": "0.19.8", "transformers": "5.23.0"}
+
+# The floors' reasons: (package, the first release with what the code needs, what and where). An audit installed the
+# old floors (transformers 5.0, deepspeed 0.19.5) and found each of these missing there.
+FLOORS = [
+    ("transformers", "5.23", "activation_checkpointing_enable(every_n_layers=) (model_utils/memory.py): 5.0-5.22 "
+                             "crash building the engine of any run that checkpoints"),
+    ("transformers", "5.6", "WeightConverter.was_used (model_utils/export.py as_loaded: MoE and Gemma 3 exports)"),
+    ("transformers", "5.0", "config.rope_parameters (a stage's RoPE; 4.x trains it unscaled, silently)"),
+    ("deepspeed", "0.19.8", "triton imported lazily: 0.19.5-0.19.7 fail `import deepspeed` on a GPU-less node with "
+                            "a CUDA torch (deepspeedai/DeepSpeed#7028)"),
+    ("deepspeed", "0.19.5", "UlyssesSPAttentionHF, parallel_state_sp"),
+    ("torch", "2.6", "sdpa_kernel(..., set_priority=True) (model_utils/attention_pick.py)"),
+]
+
+
+@pytest.mark.parametrize("name, low, why", FLOORS, ids=[f"{n}>={low}" for n, low, _ in FLOORS])
+def test_each_floor_is_at_least_the_release_of_the_api_it_needs(name, low, why):
+    """A review: transformers>=5.0 and deepspeed>=0.19.5 were claimed, and 5.0-5.22 lack every_n_layers (every run
+    with activation checkpointing crashed at the engine build), < 5.6 lacks was_used, 0.19.5-0.19.7 cannot be imported
+    on a login node. A floor below what the code calls passes start-up and fails later, or trains wrong."""
+    have = versions._pad(versions.release(versions.RANGES[name][0]))
+    assert have >= versions._pad(versions.release(low)), f"{versions.spec(name)} is below {low}: {why}"
+
+
+def test_the_installed_versions_are_inside_the_ranges():  # the pins the tests run with satisfy the claimed ranges
+    assert {n: versions.problem(n) for n in versions.RANGES} == dict.fromkeys(versions.RANGES)
+    assert versions.python_problem() is None
 
 
 def installed(monkeypatch, **over):
@@ -29,8 +58,8 @@ def installed(monkeypatch, **over):
     monkeypatch.delenv("SLURM_LOCALID", raising=False)
 
 
-@pytest.mark.parametrize("over", [{}, {"torch": "2.6.0a0+ecf3bae40a"}, {"torch": "2.6.0"}, {"deepspeed": "0.19.5"},
-                                  {"transformers": "5.0.0"}, {"transformers": "5.24.0.dev0"}, {"torch": "3.0.0"}],
+@pytest.mark.parametrize("over", [{}, {"torch": "2.6.0a0+ecf3bae40a"}, {"torch": "2.6.0"}, {"deepspeed": "0.19.8"},
+                                  {"transformers": "5.23.0"}, {"transformers": "5.24.0.dev0"}, {"torch": "3.0.0"}],
                          ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()) or "the-pins")
 def test_a_version_inside_its_range_passes(monkeypatch, capsys, over):
     installed(monkeypatch, **over)
@@ -39,10 +68,11 @@ def test_a_version_inside_its_range_passes(monkeypatch, capsys, over):
 
 
 @pytest.mark.parametrize("over, says", [
-    ({"transformers": "4.57.6"}, "transformers 4.57.6 is installed, outside transformers>=5.0,<6"),
-    ({"transformers": "6.0.0rc1"}, "transformers 6.0.0rc1 is installed, outside transformers>=5.0,<6"),
-    ({"deepspeed": "0.19.4"}, "deepspeed 0.19.4 is installed, outside deepspeed>=0.19.5,<0.20"),
-    ({"deepspeed": "0.20.0"}, "deepspeed 0.20.0 is installed, outside deepspeed>=0.19.5,<0.20"),
+    ({"transformers": "4.57.6"}, "transformers 4.57.6 is installed, outside transformers>=5.23,<6"),
+    ({"transformers": "5.22.2"}, "transformers 5.22.2 is installed, outside transformers>=5.23,<6"),
+    ({"transformers": "6.0.0rc1"}, "transformers 6.0.0rc1 is installed, outside transformers>=5.23,<6"),
+    ({"deepspeed": "0.19.7"}, "deepspeed 0.19.7 is installed, outside deepspeed>=0.19.8,<0.20"),
+    ({"deepspeed": "0.20.0"}, "deepspeed 0.20.0 is installed, outside deepspeed>=0.19.8,<0.20"),
     ({"torch": "2.5.1+cu124"}, "torch 2.5.1+cu124 is installed, outside torch>=2.6"),
     ({"deepspeed": None}, "deepspeed is not installed"),
 ])
@@ -55,6 +85,32 @@ def test_a_version_outside_is_one_line_naming_it_and_the_fix_and_exit_2(monkeypa
     assert err.count("\n") == 1 and err.startswith("error: ") and says in err, err
     name = next(iter(over))
     assert f"-m pip install '{versions.spec(name)}'" in err
+    assert ("build for this cluster's CUDA first" in err) == (name == "torch")  # a review: PyPI's torch is one CUDA's
+
+
+def test_torch_is_installed_first_for_the_clusters_cuda_then_the_rest(monkeypatch, capsys):
+    """A review: the line said `pip install 'torch>=2.6' 'deepspeed...'`, which on a cluster pulls PyPI's torch, built
+    for one CUDA, over the cluster's (requirements.txt's header: the cluster's CUDA torch first, then the rest)."""
+    installed(monkeypatch, torch="2.5.1+cu124", deepspeed="0.19.5")
+    with pytest.raises(SystemExit):
+        versions.check()
+    err = capsys.readouterr().err
+    cuda, rest = err.index("--index-url https://download.pytorch.org/whl/"), err.index("pip install 'deepspeed>=")
+    assert err.count("\n") == 1 and "'torch>=2.6' 'deepspeed" not in err and cuda < rest, err
+
+
+def test_a_python_older_than_the_pins_need_is_refused_in_the_same_line(monkeypatch, capsys):
+    """A review: requires-python said >=3.10, but the pins (transformers 5.21+, numpy 2.4, pyarrow 26) need 3.11, and
+    start-up never looked at the interpreter. pip cannot fix it: the line says to make the environment anew."""
+    installed(monkeypatch, transformers="5.0.0")
+    monkeypatch.setattr(sys, "version_info", (3, 10, 13, "final", 0))
+    monkeypatch.setenv(versions.NEWER, "warn")  # never waives it
+    with pytest.raises(SystemExit) as e:
+        versions.check()
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("error: Python 3.10.13 is running, outside "
+                                                                         "python>=3.11; transformers 5.0.0"), err
+    assert "PYTHON=python3.11 scripts/setup.sh" in err and "pip install" not in err
 
 
 def test_every_package_outside_is_in_the_one_line_and_only_those_checked_count(monkeypatch, capsys):
@@ -62,7 +118,8 @@ def test_every_package_outside_is_in_the_one_line_and_only_those_checked_count(m
     with pytest.raises(SystemExit):
         versions.check()
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "'torch>=2.6' 'transformers>=5.0,<6'" in err
+    assert err.count("\n") == 1 and "torch 2.4.0 is installed" in err and "transformers 4.57.6" in err
+    assert "-m pip install 'transformers>=5.23,<6'" in err and "'deepspeed" not in err
     installed(monkeypatch, deepspeed="0.18.0", torch="2.4.0")
     versions.check(["transformers"])  # scripts/prepare_data.py: the tokenizer's package alone
     assert capsys.readouterr().err == ""
@@ -114,7 +171,7 @@ def test_a_checkout_without_metadata_is_held_to_its_floor_by_its_source_version(
         origin=str(pkg / "__init__.py")) if name == "transformers" else None)
     with pytest.raises(SystemExit):
         versions.check()
-    assert "transformers 4.57.6 is installed, outside transformers>=5.0,<6" in capsys.readouterr().err
+    assert "transformers 4.57.6 is installed, outside transformers>=5.23,<6" in capsys.readouterr().err
     (pkg / "__init__.py").write_text('__version__ = "5.24.0.dev0"\n')
     versions.check()
     assert capsys.readouterr().err == ""
@@ -154,6 +211,15 @@ def test_pyprojects_dependencies_are_these_ranges():  # one set of ranges: what 
     assert declared == [versions.spec(n) for n in versions.RANGES]
 
 
+def test_pyprojects_python_and_ruffs_target_are_the_checked_python():  # a review: requires-python said >=3.10
+    tomllib = pytest.importorskip("tomllib")
+    with open(os.path.join(os.path.dirname(os.path.dirname(versions.__file__)), "pyproject.toml"), "rb") as fh:
+        project = tomllib.load(fh)
+    want = ".".join(map(str, versions.PYTHON))
+    assert project["project"]["requires-python"] == f">={want}"
+    assert project["tool"]["ruff"]["target-version"] == "py" + want.replace(".", "")
+
+
 def _fake_dist(root, name: str, version: str) -> None:
     """A package's metadata that `importlib.metadata` finds first on PYTHONPATH (its code stays the installed one)."""
     info = root / f"{name}-{version}.dist-info"
@@ -166,7 +232,6 @@ def test_the_tools_check_first(tmp_path, script):
     """Each training entry point stops with the line before anything else runs; prepare_data checks nothing (a
     review: pre-tokenized rows, --merge and --verify need no transformers at all, and the RoPE reason is not its)."""
     import subprocess
-    import sys
 
     root = os.path.dirname(os.path.dirname(versions.__file__))
     _fake_dist(tmp_path, "deepspeed", "0.18.0")
