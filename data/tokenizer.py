@@ -60,6 +60,27 @@ TURN_STARTS = ("<|im_start|>", "<|start_header_id|>", "<|header_start|>", "<star
 SPECIALS_MODES = ("auto", "text", "parse")
 
 
+def transformers_misreads(found: str | None = None) -> str | None:
+    """Why the installed transformers cannot be trusted to read a tokenizer folder, None where it can. transformers
+    5.0-5.22 read a folder with only `tokenizer.model` (Llama-2's layout) as a Unigram without its Metaspace: every
+    space became <unk> (82 of a 228-token document, prepare_data exiting 0); 4.x (which prepare_data runs under, its
+    export checked against) and the floor of base/versions.RANGES (5.23) read it as sentencepiece does. Cost: one
+    metadata read."""
+    import importlib.metadata
+
+    from base.versions import RANGES, release, spec
+
+    try:
+        found = found or importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    have, low = release(found) or (), release(RANGES["transformers"][0])
+    if have[:1] == low[:1] and have < low:
+        return (f"transformers {found} misreads sentencepiece tokenizer folders (spaces as <unk>); install "
+                f"'{spec('transformers')}'")
+    return None
+
+
 class Tokenizer:
     """`encode(text) -> list[int]`, `encode_batch(texts)`, `vocab_size`, `eos_id`, `pad_id`, `bos_id`, `decode(ids)`.
 
@@ -118,6 +139,9 @@ class Tokenizer:
         else:
             from transformers import AutoTokenizer
 
+            misreads = transformers_misreads()
+            if misreads:
+                raise ValueError(f"--tokenizer_name_or_path {path}: {misreads}")
             try:
                 tok = AutoTokenizer.from_pretrained(path, **HF_TOKENIZER)
             except Exception as e:  # noqa: BLE001 (no tokenizer files, a broken tokenizer.json, ...)

@@ -162,3 +162,21 @@ def test_renamed_reserved_slots_are_the_same_vocabulary(tmp_path):
                             ["<|reserved_0|>", "<|reserved_1|>"])
     with pytest.raises(ValueError, match="other ids"):
         open_run_data(folder, sft, 64, STAGES, reset_position_ids=True, model_path=swapped)
+
+
+def test_a_transformers_that_misreads_sentencepiece_folders_is_refused_before_reading(tmp_path, monkeypatch):
+    """transformers 5.0-5.22 read a Llama-2-layout folder (tokenizer.model only) with every space as <unk>, and
+    prepare_data (which checks no versions: it runs under 4.x) wrote it so, exit 0; now one line naming the range."""
+    import importlib.metadata
+
+    from data import tokenizer as tk
+
+    assert "spaces as <unk>" in tk.transformers_misreads("5.0.0") and "transformers>=5.23" in tk.transformers_misreads(
+        "5.22.2")
+    assert tk.transformers_misreads("5.23.0") is None and tk.transformers_misreads("4.57.6") is None
+    path = _word_tokenizer(tmp_path / "tok", ["alpha", "beta"])
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda n: "5.0.0" if n == "transformers" else real(n))
+    with pytest.raises(ValueError) as e:
+        tk.Tokenizer(path)
+    assert "\n" not in str(e.value) and str(e.value).startswith(f"--tokenizer_name_or_path {path}: transformers 5.0.0")
