@@ -1,9 +1,10 @@
 """Readings of this host: the process' own peak memory, the host memory the job may still use (the node's
 MemAvailable and the job's cgroup/container memory limit), the ranks that share this node under whichever launcher
-started them and the node size the whole job agreed, the CPUs this process may run on, and whether the ranks of
-each node have the cores they need; the launcher above this process (its command line, parent and environment, from
-/proc). Torch-free at import (the planner uses it); `agree_ranks_per_node` and
-`check_cpu_placement` gather through base.comm when they run."""
+started them and the node size the whole job agreed, the CPUs this process may use (its affinity within its cgroup's
+CPU quota) and whether the ranks of each node have the cores they need; the launcher above this process (its command
+line, parent and environment, from /proc). Torch-free at import (the planner uses it); `agree_ranks_per_node` and
+`check_cpu_placement` gather through base.comm when they run. ULYSSES_CGROUP_ROOT: a tree standing in for
+/sys/fs/cgroup (a test's: tests/e2e/test_launch_scripts.py gives scripts/launch.sh a CPU quota)"""
 
 from __future__ import annotations
 
@@ -218,7 +219,7 @@ def job_node_line() -> str | None:
 
 MEMINFO = "/proc/meminfo"
 PROC_CGROUP = "/proc/self/cgroup"  # this process' cgroups (injectable: tests give a fake tree)
-CGROUP_ROOT = "/sys/fs/cgroup"
+CGROUP_ROOT = os.environ.get("ULYSSES_CGROUP_ROOT") or "/sys/fs/cgroup"
 UNLIMITED = 2**60  # cgroup v1 writes "no limit" as PAGE_COUNTER_MAX pages (9223372036854771712 bytes)
 
 
@@ -259,45 +260,82 @@ def _inactive_file(folder: str, key: str) -> int:
     return 0
 
 
-def cgroup_memory(proc_cgroup: str | None = None, root: str | None = None) -> dict | None:
-    """The job's memory limit, as the kernel will enforce it: {"limit", "used", "headroom", "cgroup", "version"} at
-    the level of this process' cgroup hierarchy with the least headroom (limit - used), None where no level limits.
+def _cgroup_levels(controller: str, proc_cgroup: str | None, root: str | None) -> tuple[int, list[tuple[str, str]]]:
+    """(cgroup version, [(folder, cgroup path)]) of this process' hierarchy for `controller`, from its own cgroup up
+    to the mount's root; (0, []) where /proc/self/cgroup is unreadable or names neither version.
 
-    cgroup v2 (`0::<path>` in /proc/self/cgroup): memory.max ("max": none) and memory.current under
-    <root>/<path>. cgroup v1 (a line whose controllers include `memory`): memory.limit_in_bytes and
-    memory.usage_in_bytes under <root>/memory/<path> (huge = none); v1's memory controller wins on a hybrid host.
-    Walked from the process' own cgroup up to the mount's root (`sbatch --mem` limits the job's cgroup, above the
-    step and task ones; a container's limit sits at the root of its cgroup namespace; a cgroup path that is not
-    under the mount, a container without its own namespace, falls through to the root). `used` leaves out the
-    inactive page cache (reclaimed before an OOM kill). One small file read per level: microseconds."""
-    root = root or CGROUP_ROOT
+    cgroup v2: the `0::<path>` line, folders under <root>. cgroup v1: the line whose controllers include
+    `controller`, folders under its mount (<root>/<controllers as listed>, e.g. cpu,cpuacct; else <root>/<controller>,
+    the name the mounts link to); v1 wins on a hybrid host. Walked up to the mount's root: `sbatch --mem` limits the
+    job's cgroup, above the step and task ones; a container's limit sits at the root of its cgroup namespace; a cgroup
+    path that is not under the mount (a container without its own namespace) falls through to the root."""
     try:
         with open(proc_cgroup or PROC_CGROUP) as fh:
             lines = [ln.strip().split(":", 2) for ln in fh if ln.count(":") >= 2]
     except OSError:
-        return None
-    v1 = [path for _, ctl, path in lines if "memory" in ctl.split(",")]
+        return 0, []
+    root = root or CGROUP_ROOT
+    v1 = [(ctl, path) for _, ctl, path in lines if controller in ctl.split(",")]
     v2 = [path for hid, ctl, path in lines if hid == "0" and ctl == ""]
     if v1:
-        version, base, path = 1, os.path.join(root, "memory"), v1[0]
-        files, stat_key = ("memory.limit_in_bytes", "memory.usage_in_bytes"), "total_inactive_file"
+        version, (ctl, path) = 1, v1[0]
+        base = os.path.join(root, ctl) if os.path.isdir(os.path.join(root, ctl)) else os.path.join(root, controller)
     elif v2:
         version, base, path = 2, root, v2[0]
-        files, stat_key = ("memory.max", "memory.current"), "inactive_file"
     else:
-        return None
+        return 0, []
     parts = [p for p in path.split("/") if p]
+    return version, [(os.path.join(base, *parts[:depth]), "/" + "/".join(parts[:depth]))
+                     for depth in range(len(parts), -1, -1)]
+
+
+def cgroup_memory(proc_cgroup: str | None = None, root: str | None = None) -> dict | None:
+    """The job's memory limit, as the kernel will enforce it: {"limit", "used", "headroom", "cgroup", "version"} at
+    the level of this process' cgroup hierarchy with the least headroom (limit - used), None where no level limits.
+
+    cgroup v2: memory.max ("max": none) and memory.current; cgroup v1: memory.limit_in_bytes and
+    memory.usage_in_bytes (huge = none); at every level of _cgroup_levels. `used` leaves out the inactive page cache
+    (reclaimed before an OOM kill). One small file read per level: microseconds."""
+    version, levels = _cgroup_levels("memory", proc_cgroup, root)
+    files, stat_key = {1: (("memory.limit_in_bytes", "memory.usage_in_bytes"), "total_inactive_file"),
+                       2: (("memory.max", "memory.current"), "inactive_file")}.get(version, ((), ""))
     best = None
-    for depth in range(len(parts), -1, -1):  # this process' own cgroup first, the mount's root last
-        folder = os.path.join(base, *parts[:depth])
+    for folder, cgroup in levels:  # this process' own cgroup first, the mount's root last
         limit, used = _read_int(os.path.join(folder, files[0])), _read_int(os.path.join(folder, files[1]))
         if limit is None or limit >= UNLIMITED or used is None:
             continue
         used = max(0, used - _inactive_file(folder, stat_key))
         headroom = max(0, limit - used)
         if best is None or headroom < best["headroom"]:
-            best = {"limit": limit, "used": used, "headroom": headroom, "version": version,
-                    "cgroup": "/" + "/".join(parts[:depth])}
+            best = {"limit": limit, "used": used, "headroom": headroom, "version": version, "cgroup": cgroup}
+    return best
+
+
+def cpu_quota(proc_cgroup: str | None = None, root: str | None = None) -> dict | None:
+    """The job's CPU quota: {"cpus" (quota / period, CPUs' worth of time), "cgroup", "version"} at the level of this
+    process' cgroup hierarchy (_cgroup_levels) with the smallest, None where no level has one.
+
+    cgroup v2: cpu.max, "QUOTA PERIOD" ("max PERIOD": none); v1: cpu.cfs_quota_us (-1: none) over cpu.cfs_period_us.
+    `docker --cpus 8` and Kubernetes' `resources.limits.cpu: 8` write 800000 100000 there: the container's processes
+    together get 8 CPUs' time every period, whatever CPUs their affinity lists (a 128-core node's). A quota is not an
+    affinity: sched_getaffinity and coreutils' nproc (9.1) do not see it. One or two small file reads per level."""
+    version, levels = _cgroup_levels("cpu", proc_cgroup, root)
+    best = None
+    for folder, cgroup in levels:
+        if version == 2:
+            try:
+                with open(os.path.join(folder, "cpu.max")) as fh:
+                    words = fh.read().split()
+            except OSError:
+                continue
+            quota, period = (int(w) if w.isdigit() else None for w in (words + ["", ""])[:2])
+        else:
+            quota, period = (_read_int(os.path.join(folder, f)) for f in ("cpu.cfs_quota_us", "cpu.cfs_period_us"))
+        if not quota or not period:  # "max", -1, a missing file: no quota at this level
+            continue
+        cpus = quota / period
+        if best is None or cpus < best["cpus"]:
+            best = {"cpus": cpus, "cgroup": cgroup, "version": version}
     return best
 
 
@@ -317,11 +355,18 @@ def job_memory_available() -> int | None:
 # --- CPUs ---
 
 def usable_cpus() -> list[int]:
-    """The CPUs this process may run on (its affinity: SLURM's cgroup and binding, taskset, numactl -C)."""
+    """The CPUs this process may use: its affinity (SLURM's cgroup and binding, taskset, numactl -C), capped at its
+    cgroup's CPU quota rounded up (cpu_quota: docker --cpus, Kubernetes' CPU limit; 0.5 -> 1). A quota is time, not
+    particular CPUs: the first N of the affinity stand for it, the same on every rank that shares it, so a pod's ranks
+    count it once in their node's union (cpu_placement, threads_per_rank). Without the cap an 8-rank pod limited to 8
+    CPUs on a 128-core node ran 16 OpenMP threads a rank (128 threads on 8 CPUs' time: throttled every period, CPU
+    Adam's step waiting on the stragglers) and scripts/prepare_data.py started 32 tokenizer workers (~15 GB)."""
     try:
-        return sorted(os.sched_getaffinity(0))
+        cpus = sorted(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return list(range(os.cpu_count() or 1))
+        cpus = list(range(os.cpu_count() or 1))
+    quota = cpu_quota()
+    return cpus[:max(1, math.ceil(quota["cpus"]))] if quota else cpus
 
 
 def cpu_ranges(cpus: list[int]) -> str:
@@ -390,8 +435,9 @@ def check_cpu_placement(gpu: bool) -> str:
     from base import comm
     from base.log import rank_log
 
-    mine = usable_cpus()
-    rank_log(f"cpus: this rank may run on {cpu_ranges(mine)} ({len(mine)}), "
+    mine, quota = usable_cpus(), cpu_quota()
+    capped = f" of its affinity, capped by the CPU quota of cgroup {quota['cgroup']}: {quota['cpus']:g}" if quota else ""
+    rank_log(f"cpus: this rank may run on {cpu_ranges(mine)} ({len(mine)}{capped}), "
              f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
     host = socket.gethostname()
     readings = comm.all_gather_object((host, mine))

@@ -38,8 +38,8 @@ def specials_note(manifest: dict) -> list[str]:
 
 
 def default_workers() -> int:
-    """This process's CPUs (its affinity: SLURM's cgroup, taskset; not the node's) minus the reading one, 1 to
-    MAX_WORKERS."""
+    """This process's CPUs (its affinity: SLURM's cgroup, taskset; not the node's; within its cgroup's CPU quota:
+    docker --cpus, Kubernetes' CPU limit, base/host.py usable_cpus) minus the reading one, 1 to MAX_WORKERS."""
     return max(1, min(MAX_WORKERS, len(usable_cpus()) - 1))
 
 
@@ -54,8 +54,8 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--vocab_size", type=int, default=None, help="every token id must be below this (default: the "
                    "tokenizer's); give the model's vocab_size to check pre-tokenized data")
     p.add_argument("--workers", type=int, default=default_workers(),
-                   help=f"tokenizer processes (0: tokenize in this process; default: this process's CPUs - 1, at most "
-                   f"{MAX_WORKERS})")
+                   help=f"tokenizer processes (0: tokenize in this process; default: this process's CPUs (within a CPU "
+                   f"quota) - 1, at most {MAX_WORKERS})")
     p.add_argument("--text_field", default="text")
     p.add_argument("--ids_field", default="input_ids", help="pre-tokenized documents (used when no text field)")
     p.add_argument("--source_field", default=None, help="take each document's source name from this field")

@@ -97,7 +97,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None, help="default: on GPU")
     p.add_argument("--tiled_mlp", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--dist_timeout_s", type=float, default=1800.0)
-    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # the deepspeed launcher's
+    # set by the deepspeed launcher (--local_rank=N) and torch.distributed.launch (--local-rank=N, torch >= 2.0)
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 

@@ -18,11 +18,13 @@
 # in their own process group with SIGUSR1 and SIGUSR2 ignored, because the deepspeed launcher has no handler for
 # them (it would die of one and lose the exit code: `scancel --signal=USR2` without --batch sends it to every process
 # of the job's steps under cgroup.conf SignalChildrenProcesses=yes) and answers SIGTERM/SIGINT by killing its children.
-# Threads and cores: each rank gets OMP_NUM_THREADS = this node's CPUs / its ranks (a value you set wins; pdsh nodes
-# get node 0's number); on one node and with --no_ssh, where numactl is installed, the deepspeed launcher also binds
-# each rank to its own cores (--bind_cores_to_rank; it then sets OMP_NUM_THREADS per rank). BIND_CORES=0: off, 1: must.
+# Threads and cores: each rank gets OMP_NUM_THREADS = this node's CPUs (within a cgroup CPU quota) / its ranks (a value
+# you set wins; pdsh nodes get node 0's number); on one node and with --no_ssh, where numactl is installed and no CPU
+# quota applies, the deepspeed launcher also binds each rank to its own cores (--bind_cores_to_rank; it then sets
+# OMP_NUM_THREADS per rank). BIND_CORES=0: off, 1: must.
 # Environment overrides: DEEPSPEED, TORCHRUN (launcher executables), TRAIN_SCRIPT (default train.py),
-# LAUNCH_EXPORT (extra variable names to write to .deepspeed_env), BIND_CORES (auto | 0 | 1), STORE_START_S (node 0's
+# LAUNCH_EXPORT (extra variable names to write to .deepspeed_env), DS_ENV_FILE (that file; by default ./.deepspeed_env,
+# under TMPDIR where this folder is read-only), BIND_CORES (auto | 0 | 1), STORE_START_S (node 0's
 # store must answer within this, default 60), LAUNCH_LOST_FILE (node 0, after a lost node: its index is written here),
 # LAUNCH_CRASH_FILE (after a crash: `first` if it began on this node, `own` if this node's ranks raised too, `died` if a
 # rank here died of a signal without an exit of its own).
@@ -183,7 +185,8 @@ if [ "$torchrun" = 0 ] && { [ -z "$hostfile" ] || [ "$no_ssh" = 1 ]; }; then  # 
   fixed=0; [ "$DS_ACCELERATOR" = cuda ] && { [ -n "$num_gpus_given" ] || [ "$no_ssh" = 1 ]; } && fixed=1
   why=$(visible_refusal "$fixed" "$ranks_here" "$([ "$no_ssh" = 1 ] && echo --no_ssh || echo --num_gpus)") || die "$why"
 fi
-cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # the CPUs this process may run on (cgroup/cpuset aware)
+# the CPUs this launch may use (cpuset and CPU quota aware), those it may run on, the first as a list (launch_env.sh)
+read -r cores affinity usable <<< "$(cpu_counts "$(bin python)")"
 [ -n "${OMP_NUM_THREADS:-}" ] || export OMP_NUM_THREADS=$(( cores / ranks_here > 0 ? cores / ranks_here : 1 ))
 bind=0
 case "${BIND_CORES:-auto}" in
@@ -197,6 +200,8 @@ case "${BIND_CORES:-auto}" in
       [ "${BIND_CORES:-auto}" = 1 ] && die "BIND_CORES=1 needs numactl on every node (apt-get install numactl)"
     elif [ -n "${KMP_AFFINITY:-}" ]; then
       [ "${BIND_CORES:-auto}" = 1 ] && die "BIND_CORES=1: unset KMP_AFFINITY (it conflicts with numactl binding)"
+    elif [ "$cores" -lt "$affinity" ] && [ "${BIND_CORES:-auto}" = auto ]; then  # a quota: time on any CPU, not cores
+      echo "launch.sh: a CPU quota of $cores of $affinity CPUs: ranks not bound (BIND_CORES=1 binds them to $usable)" >&2
     elif [ "$cores" -ge "$ranks_here" ]; then
       bind=1
     elif [ "${BIND_CORES:-auto}" = 1 ]; then
@@ -208,40 +213,12 @@ bind_args=()
 if [ "$bind" = 1 ]; then
   bind_args=(--bind_cores_to_rank)
   # the CPUs `cores` counted (SLURM's cgroup, taskset): without a list the launcher deals out the machine's cores 0..N-1
-  allowed=$(awk '/^Cpus_allowed_list:/ {print $2}' /proc/self/status 2>/dev/null || true)
-  [ -n "$allowed" ] && bind_args+=(--bind_core_list "$allowed")
+  [ -n "$usable" ] && bind_args+=(--bind_core_list "$usable")
 fi
 
 why=$(pdsh_refusal "$(command -v "$(bin python)")" "$@") || die "$why"  # what pdsh's command line would change
 exports=$(export_names) || die "$exports"  # LAUNCH_EXPORT's names (scripts/launch_env.sh)
-# The deepspeed launcher reads ./.deepspeed_env (and ~/.deepspeed_env; DS_ENV_FILE renames it) and exports every
-# KEY=VALUE line on each node it starts over pdsh. Written atomically: --no_ssh launchers may share this directory.
-env_file=${DS_ENV_FILE:-.deepspeed_env}
-tmp=$(mktemp "$env_file.XXXXXX")
-# The interface variables ride along (GLOO_/NCCL_SOCKET_IFNAME, NCCL_IB_HCA, FI_* of libfabric/EFA, UCX_*): without
-ours='^(NCCL_|GLOO_|FI_|UCX_|WANDB_|HF_|TRANSFORMERS_|TORCH_NCCL_)|^(PYTHONPATH|DS_ACCELERATOR|OMP_NUM_THREADS|PYTORCH_CUDA_ALLOC_CONF|CUDA_HOME|SLURM_JOB_END_TIME|SLURM_JOB_START_TIME|TORCH_EXTENSIONS_DIR|ULYSSES_LAUNCH_ID)$'
-names=$(compgen -e | grep -E "$ours" || true)  # them a remote node's gloo group binds what its hostname resolves to
-# A file of your own keeps its other lines (LD_LIBRARY_PATH=...): the names above (and LAUNCH_EXPORT's) are this
-# environment's, set or unset; deepspeed reads every line as KEY=VALUE, so lines without one are dropped
-if [ -f "$env_file" ]; then
-  while IFS= read -r line || [ -n "$line" ]; do
-    key=${line%%=*}
-    [ "$key" != "$line" ] && [ -n "$key" ] || continue
-    grep -qE "$ours" <<< "$key" && continue
-    case " $exports " in *" $key "*) continue ;; esac
-    printf '%s\n' "$line" >> "$tmp"
-  done < "$env_file"
-fi
-for v in $names $exports; do
-  # deepspeed over pdsh from a login node without GPUs: its `cpu` would make every GPU node train on CPU
-  [ "$v" = DS_ACCELERATOR ] && [ -z "$acc_given" ] && [ -n "$hostfile" ] && [ "$no_ssh$torchrun" = 00 ] && continue
-  [ "$v" = ULYSSES_LAUNCH_ID ] && { [ -z "$hostfile" ] || [ "$no_ssh$torchrun" != 00 ]; } && continue  # pdsh's only
-  val=${!v-}
-  case "$val" in *$'\n'*) echo "launch.sh: not exporting $v (multi-line value)" >&2; continue ;; esac
-  printf '%s=%s\n' "$v" "$val" >> "$tmp"
-done
-why=$(env_refusal $names $exports) || { rm -f "$tmp"; die "$why"; }  # values pdsh's command line would change
-mv -f "$tmp" "$env_file"
+write_env_file  # .deepspeed_env for deepspeed's runner; under TMPDIR where this folder is read-only (launch_env.sh)
 
 # --- the command ---
 mode=ds
@@ -275,7 +252,8 @@ elif [ -z "$num_gpus_given" ] && [ -n "$visible$include$exclude" ]; then
 else
   cmd=("$DEEPSPEED" --num_gpus "$num_gpus" --master_port "$master_port" ${bind_args[@]+"${bind_args[@]}"} "$TRAIN_SCRIPT" "$@")
 fi
-shell_words "DS_ACCELERATOR=$DS_ACCELERATOR" "PYTHONPATH=$PYTHONPATH" "OMP_NUM_THREADS=$OMP_NUM_THREADS" "${cmd[@]}"
+shell_words "DS_ACCELERATOR=$DS_ACCELERATOR" "PYTHONPATH=$PYTHONPATH" "OMP_NUM_THREADS=$OMP_NUM_THREADS" \
+  ${env_moved:+"DS_ENV_FILE=$DS_ENV_FILE"} "${cmd[@]}"
 [ "$print_only" = 1 ] && exit 0
 
 # --- run it, pass signals on as "save and exit" requests, return train.py's exit code ---
@@ -452,7 +430,7 @@ recorded=$(cat "$exit_dir"/rank* 2>/dev/null | sort -u | paste -sd' ')
 # (node 0 may have ended since, once every rank had read it), or that it was unreachable
 known=$(sed -n 's/^abort //p' "$exit_dir"/store* 2>/dev/null | head -n 1)
 store_gone=0; grep -qx gone "$exit_dir"/store* 2>/dev/null && store_gone=1
-rm -rf "$exit_dir"
+rm -rf "$exit_dir" ${env_moved:+"$env_file"}
 case "$rc" in
   0|"$EXIT_USAGE"|"$EXIT_PREEMPTED"|"$EXIT_PEER_LOST"|"$EXIT_INTERRUPTED") ;;  # 69: a watcher lost a peer (no record)
   *) if [ "$recorded" = "$EXIT_PREEMPTED" ] || [ "$recorded" = 0 ] || [ "$recorded" = "$EXIT_INTERRUPTED" ]; then

@@ -1,8 +1,9 @@
 # shellcheck shell=bash
 # Sourced by scripts/launch.sh: the run's id, its default port, the GPUs a deepspeed launch would really use, the
-# command that signals this launch's ranks over pdsh, and what pdsh's one command line would change (quoting).
-# launch_id and default_port read launch.sh's nnodes (and launch_id its master_port), step_refusal and over_pdsh its
-# options.
+# command that signals this launch's ranks over pdsh, what pdsh's one command line would change (quoting), the CPUs
+# this launch may use and the .deepspeed_env it writes. launch_id and default_port read launch.sh's nnodes (and
+# launch_id its master_port), step_refusal, over_pdsh and write_env_file its options (write_env_file also exports,
+# acc_given, and calls its die).
 
 # whole_step: true when this launch.sh is one task of an srun step that is the whole launch: the step spans the
 # launch's nodes with one task each (SLURM_STEP_NUM_NODES = SLURM_STEP_NUM_TASKS = nnodes), so every node sees the same
@@ -243,4 +244,68 @@ env_refusal() {
       "exports it as $v=\"<value>\"): $why: drop those characters from it, or unset it, $pdsh_fix"
     return 1
   done
+}
+
+# cpu_counts PYTHON: "USABLE AFFINITY LIST": the CPUs this launch may use (base/host.py usable_cpus: its affinity capped
+# at its cgroup's CPU quota, `docker --cpus` / Kubernetes' CPU limit: `nproc` (coreutils 9.1) counts the affinity
+# alone, and a 128-core node's pod limited to 8 CPUs gave 8 ranks 16 OpenMP threads each), its affinity's count, and the
+# usable ones as a list (0-7: the first of the affinity stand for a quota). Where that python cannot run: nproc's count
+# twice and Cpus_allowed_list. One python start (~0.1 s).
+cpu_counts() {
+  "$1" -c 'import os; from base.host import cpu_ranges, usable_cpus; u = usable_cpus()
+print(len(u), len(os.sched_getaffinity(0)), cpu_ranges(u))' 2>/dev/null && return 0
+  local n
+  n=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
+  echo "$n $n $(awk '/^Cpus_allowed_list:/ {print $2}' /proc/self/status 2>/dev/null)"
+}
+
+# write_env_file: the file deepspeed's runner reads where it starts the ranks over pdsh (runner.py
+# DEEPSPEED_ENVIRONMENT_PATHS: ~ then the working folder, each joined with DS_ENV_FILE, default .deepspeed_env) and
+# exports every KEY=VALUE line of on each node. Written atomically: --no_ssh launchers may share this directory. A file
+# of your own keeps its other lines (LD_LIBRARY_PATH=...): the names in `ours` (and LAUNCH_EXPORT's) are this
+# environment's, set or unset; deepspeed reads every line as KEY=VALUE, so lines without one are dropped. A working
+# folder that cannot be written (a read-only image or checkout: mktemp's bare error, exit 1, before): a file of this
+# launch's under TMPDIR, given to the runner as an absolute DS_ENV_FILE (os.path.join(~, an absolute path) is that
+# path, so it is then the only file read: your lines of ~/ and ./.deepspeed_env are carried into it), said in one line
+# and removed at the end (env_moved). Sets env_file; dies (launch.sh's die) where nothing can be written.
+write_env_file() {
+  local tmp line key v val names f own=()
+  env_file=${DS_ENV_FILE:-.deepspeed_env} env_moved=""
+  if tmp=$(mktemp "$env_file.XXXXXX" 2>/dev/null); then
+    own=("$env_file")
+  else
+    [ -z "${DS_ENV_FILE:-}" ] || die "DS_ENV_FILE=$DS_ENV_FILE: cannot write beside it (mktemp $env_file.XXXXXX):" \
+      "name a file in a writable folder"
+    tmp=$(mktemp "${TMPDIR:-/tmp}/deepspeed_env.XXXXXX" 2>/dev/null) || die "cannot write .deepspeed_env in $(pwd)" \
+      "nor in ${TMPDIR:-/tmp}: cd to a writable folder, or set TMPDIR or DS_ENV_FILE to a path in one"
+    own=("${HOME:-/nonexistent}/.deepspeed_env" .deepspeed_env)  # the runner's two, in its order
+    env_file=$tmp env_moved=1
+    export DS_ENV_FILE=$tmp
+    echo "launch.sh: $(pwd) is not writable: .deepspeed_env written to $tmp (DS_ENV_FILE for deepspeed's runner)" >&2
+  fi
+  # The interface variables ride along (GLOO_/NCCL_SOCKET_IFNAME, NCCL_IB_HCA, FI_* of libfabric/EFA, UCX_*): without
+  # them a remote node's gloo group binds what its hostname resolves to
+  ours='^(NCCL_|GLOO_|FI_|UCX_|WANDB_|HF_|TRANSFORMERS_|TORCH_NCCL_)|^(PYTHONPATH|DS_ACCELERATOR|OMP_NUM_THREADS|PYTORCH_CUDA_ALLOC_CONF|CUDA_HOME|SLURM_JOB_END_TIME|SLURM_JOB_START_TIME|TORCH_EXTENSIONS_DIR|ULYSSES_LAUNCH_ID)$'
+  names=$(compgen -e | grep -E "$ours" || true)
+  for f in "${own[@]}"; do
+    [ -f "$f" ] || continue
+    while IFS= read -r line || [ -n "$line" ]; do
+      key=${line%%=*}
+      [ "$key" != "$line" ] && [ -n "$key" ] || continue
+      grep -qE "$ours" <<< "$key" && continue
+      case " $exports " in *" $key "*) continue ;; esac
+      printf '%s\n' "$line" >> "$tmp"
+    done < "$f"
+  done
+  for v in $names $exports; do
+    # deepspeed over pdsh from a login node without GPUs: its `cpu` would make every GPU node train on CPU
+    [ "$v" = DS_ACCELERATOR ] && [ -z "$acc_given" ] && [ -n "$hostfile" ] && [ "$no_ssh$torchrun" = 00 ] && continue
+    [ "$v" = ULYSSES_LAUNCH_ID ] && { [ -z "$hostfile" ] || [ "$no_ssh$torchrun" != 00 ]; } && continue  # pdsh's only
+    val=${!v-}
+    case "$val" in *$'\n'*) echo "launch.sh: not exporting $v (multi-line value)" >&2; continue ;; esac
+    printf '%s=%s\n' "$v" "$val" >> "$tmp"
+  done
+  # shellcheck disable=SC2086  # one name per word
+  why=$(env_refusal $names $exports) || { rm -f "$tmp"; die "$why"; }  # values pdsh's command line would change
+  [ -n "$env_moved" ] || mv -f "$tmp" "$env_file"
 }

@@ -11,6 +11,7 @@ import subprocess
 
 import pytest
 
+from base.host import usable_cpus
 from tests.e2e.launchers import (
     DS,
     INTERFACES,
@@ -21,6 +22,7 @@ from tests.e2e.launchers import (
     allowed_cpus,
     clean_env,
     launch,
+    needs_2_cpus,
 )
 from tests.e2e.test_launch_filters import one_port
 
@@ -77,7 +79,8 @@ def test_threads_per_rank_are_the_nodes_cpus_over_its_ranks(tmp_path):
     (tmp_path / "hosts").write_text("w0 slots=1\nw1 slots=1\n")
     for opts, ranks in ((["--num_gpus", "1"], 1), (["--num_gpus", str(cores + 1)], cores + 1),
                         (["-H", "hosts"], 1), (["--torchrun", "--num_gpus", "1"], 1)):
-        p = launch(["--print-only", *opts, "--", "--x"], tmp_path, DS_ACCELERATOR="cpu", OMP_NUM_THREADS=None)
+        p = launch(["--print-only", *opts, "--", "--x"], tmp_path, DS_ACCELERATOR="cpu", OMP_NUM_THREADS=None,
+                   ULYSSES_CGROUP_ROOT=str(tmp_path / "no_quota"))  # this host's own quota, if any, left out
         threads = max(1, cores // ranks)
         assert p.returncode == 0 and f" OMP_NUM_THREADS={threads} " in p.stdout, (opts, p.stdout, p.stderr)
         assert f"OMP_NUM_THREADS={threads}" in (tmp_path / ".deepspeed_env").read_text().splitlines()
@@ -95,7 +98,7 @@ def test_cores_are_bound_per_rank_where_the_launcher_can(tmp_path, opts, binds):
     (tmp_path / "hosts").write_text("w0 slots=1\nw1 slots=1\n")
     path = f"{NUMA_STUB}:{os.environ['PATH']}"
     p = launch(["--print-only", *opts, "--", "--x"], tmp_path, DS_ACCELERATOR="cpu", PATH=path, BIND_CORES="auto",
-               TMPDIR=str(tmp_path))
+               TMPDIR=str(tmp_path), ULYSSES_CGROUP_ROOT=str(tmp_path / "no_quota"))  # no CPU quota here
     assert p.returncode == 0, p.stderr
     assert (f" --bind_cores_to_rank --bind_core_list {allowed_cpus()} {TRAIN} --x" in p.stdout) == binds, p.stdout
     assert ("--bind_cores_to_rank" in p.stdout) == binds, p.stdout
@@ -104,13 +107,50 @@ def test_cores_are_bound_per_rank_where_the_launcher_can(tmp_path, opts, binds):
     assert p.returncode == 0 and "--bind_cores_to_rank" not in p.stdout, p.stdout
 
 
+def quota_tree(root, quota: str) -> str:
+    """A /sys/fs/cgroup stand-in (ULYSSES_CGROUP_ROOT, base/host.py) holding a CPU quota at its root for whichever
+    hierarchy this host's /proc/self/cgroup names: v2's cpu.max, v1's cfs files under cpu and cpu,cpuacct (the walk
+    from this process' cgroup ends at the mount's root, where a container's quota sits)."""
+    q, period = quota.split()
+    (root / "cpu").mkdir(parents=True)
+    (root / "cpu,cpuacct").mkdir()
+    (root / "cpu.max").write_text(quota + "\n")
+    for d in ("cpu", "cpu,cpuacct"):
+        (root / d / "cpu.cfs_quota_us").write_text(("-1" if q == "max" else q) + "\n")
+        (root / d / "cpu.cfs_period_us").write_text(period + "\n")
+    return str(root)
+
+
+@needs_2_cpus
+@pytest.mark.skipif(not os.path.exists("/proc/self/cgroup"), reason="no cgroups (not Linux)")
+def test_a_cpu_quota_sets_the_threads_and_keeps_ranks_unbound(tmp_path):
+    """A container's CPU quota (docker --cpus, Kubernetes' limits.cpu: cpu.max) is not in the affinity nproc counts: a
+    pod limited to 8 CPUs on a 128-core node gave its 8 ranks 16 threads each (128 on 8 CPUs' time). launch.sh now
+    takes base/host.py's count (the quota, rounded up) and does not bind the ranks to cores (a quota is time on any
+    CPU; deepspeed's binding would deal out the whole affinity and set that many threads); BIND_CORES=1 binds them to
+    the CPUs counted. Here a quota of one CPU on this host's 2+."""
+    one = quota_tree(tmp_path / "cg", "100000 100000")
+    path = f"{NUMA_STUB}:{os.environ['PATH']}"
+    first = allowed_cpus().split(",")[0].split("-")[0]
+    p = launch(["--print-only", "--num_gpus", "1", "--", "--x"], tmp_path, DS_ACCELERATOR="cpu", OMP_NUM_THREADS=None,
+               PATH=path, BIND_CORES="auto", ULYSSES_CGROUP_ROOT=one)
+    assert p.returncode == 0 and " OMP_NUM_THREADS=1 " in p.stdout and "--bind_cores_to_rank" not in p.stdout, p.stdout
+    assert f"a CPU quota of 1 of {len(os.sched_getaffinity(0))} CPUs: ranks not bound" in p.stderr, p.stderr
+    p = launch(["--print-only", "--num_gpus", "1", "--", "--x"], tmp_path, DS_ACCELERATOR="cpu", PATH=path,
+               BIND_CORES="1", ULYSSES_CGROUP_ROOT=one)
+    assert p.returncode == 0 and f" --bind_cores_to_rank --bind_core_list {first} {TRAIN}" in p.stdout, p.stdout
+    p = launch(["--print-only", "--num_gpus", "1", "--", "--x"], tmp_path, DS_ACCELERATOR="cpu", OMP_NUM_THREADS=None,
+               ULYSSES_CGROUP_ROOT=quota_tree(tmp_path / "max", "max 100000"))  # "max": no quota
+    assert f" OMP_NUM_THREADS={len(os.sched_getaffinity(0))} " in p.stdout, p.stdout
+
+
 @pytest.mark.parametrize("env, message", [
     ({"KMP_AFFINITY": "compact"}, "unset KMP_AFFINITY"),
     ({"BIND_CORES": "yes"}, "BIND_CORES=yes: use auto, 0 or 1"),
     ({"NUM": "many"}, "ranks but"),
 ])
 def test_insisting_on_core_binding_fails_in_one_line_where_it_cannot(tmp_path, env, message):
-    num = str(len(os.sched_getaffinity(0)) + 1) if env.pop("NUM", None) else "1"
+    num = str(len(usable_cpus()) + 1) if env.pop("NUM", None) else "1"
     p = launch(["--print-only", "--num_gpus", num, "--", "--x"], tmp_path, DS_ACCELERATOR="cpu",
                PATH=f"{NUMA_STUB}:{os.environ['PATH']}", **{"BIND_CORES": "1", **env})
     assert p.returncode == 2 and message in p.stderr and len(p.stderr.splitlines()) == 1, p.stderr
@@ -222,6 +262,54 @@ def test_your_own_deepspeed_env_keeps_its_other_lines(tmp_path):
     lines = (tmp_path / ".deepspeed_env").read_text().splitlines()
     assert lines[:2] == ["LD_LIBRARY_PATH=/opt/mylibs", "MY_FLAG=a=b"] and "DS_ACCELERATOR=cpu" in lines
     assert not any(x.startswith("NCCL_IB_HCA") or x.startswith("#") for x in lines), lines
+
+
+def runner_env_files(ds_env_file: str | None, home: str) -> list[str]:
+    """The files deepspeed's runner reads, from its own source (runner.py DEEPSPEED_ENVIRONMENT_NAME / _PATHS: the
+    name DS_ENV_FILE gives, joined to ~ and '.'), without importing it (that imports torch)."""
+    import ast
+    import importlib.util
+
+    path = os.path.join(importlib.util.find_spec("deepspeed").submodule_search_locations[0], "launcher", "runner.py")
+    with open(path) as fh:
+        tree = ast.parse(fh.read())
+    nodes = [n for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "").startswith(
+        "DEEPSPEED_ENVIRONMENT_")]
+    assert len(nodes) == 2, f"{path}: DEEPSPEED_ENVIRONMENT_NAME / _PATHS moved"
+    env = {k: v for k, v in {"DS_ENV_FILE": ds_env_file, "HOME": home}.items() if v is not None}
+    fake_os = type("os", (), {"getenv": staticmethod(env.get), "path": type("p", (), {
+        "expanduser": staticmethod(lambda p: p.replace("~", home, 1))})})
+    ns: dict = {"os": fake_os}
+    exec(compile(ast.Module(nodes, []), path, "exec"), ns)  # noqa: S102 (deepspeed's own two lines)
+    return [os.path.join(d, ns["DEEPSPEED_ENVIRONMENT_NAME"]) for d in ns["DEEPSPEED_ENVIRONMENT_PATHS"]]
+
+
+def test_a_read_only_working_folder_gets_its_deepspeed_env_under_tmpdir(tmp_path):
+    """A read-only working folder (a container's image, readOnlyRootFilesystem) was mktemp's bare "failed to create
+    file via template", exit 1. Now .deepspeed_env goes under TMPDIR, named to deepspeed's runner by an absolute
+    DS_ENV_FILE (the one file it then reads, from ~ and '.' alike: your lines of ~/.deepspeed_env are carried in), in
+    one line; over pdsh the printed command names it. /proc stands in for the folder: nobody writes there, root
+    included (a read-only mount needs privileges)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".deepspeed_env").write_text("LD_LIBRARY_PATH=/opt/mine\n")
+    (tmp_path / "hosts").write_text("w0 slots=1\nw1 slots=1\n")
+    for opts in (["--num_gpus", "1"], ["-H", str(tmp_path / "hosts")]):
+        p = launch(["--print-only", *opts, "--", "--x"], "/proc", DS_ACCELERATOR="cpu", TMPDIR=str(tmp_path),
+                   HOME=str(home))
+        assert p.returncode == 0 and p.stderr.count("\n") == 1, p.stderr
+        made = p.stderr.split(" written to ")[1].split(" (")[0]
+        assert "/proc is not writable" in p.stderr and "DS_ENV_FILE" in p.stderr and made.startswith(str(tmp_path))
+        assert f" DS_ENV_FILE={made} " in p.stdout, p.stdout  # the printed command runs with it
+        lines = open(made).read().splitlines()
+        assert "LD_LIBRARY_PATH=/opt/mine" in lines and "DS_ACCELERATOR=cpu" in lines, lines
+        assert runner_env_files(made, str(home)) == [made, made]  # what the runner reads: that file alone
+        os.remove(made)
+    assert runner_env_files(None, str(home)) == [str(home / ".deepspeed_env"), "./.deepspeed_env"]
+    p = launch(["--print-only", "--num_gpus", "1", "--", "--x"], "/proc", DS_ACCELERATOR="cpu", TMPDIR=str(tmp_path),
+               DS_ENV_FILE=".ds_env")  # yours, where it cannot be written: one line naming it
+    assert p.returncode == 2 and p.stderr.startswith("launch.sh: error: DS_ENV_FILE=.ds_env: cannot write"), p.stderr
+    assert p.stderr.count("\n") == 1, p.stderr
 
 
 def test_train_args_are_printed_so_a_shell_reads_them_back(tmp_path):

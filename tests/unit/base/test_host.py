@@ -1,6 +1,6 @@
 """base/host.py: the node size every launcher reports and the one the job agrees from all of them (uneven nodes
 included: the curriculum, start-up's plan and evaluate.py take it), the job's host memory under a cgroup/container
-limit (fake /proc/self/cgroup and /sys/fs/cgroup trees: v2, v1, nested, hybrid), the CPU placement verdict
+limit and CPU quota (fake /proc/self/cgroup and /sys/fs/cgroup trees: v2, v1, nested, hybrid), the CPU placement verdict
 from every rank's usable CPUs and each rank's threads (torchrun's / accelerate's default 1 is not a choice), and the
 warning for a SLURM allocation whose nodes sit idle (a launcher started without srun)."""
 
@@ -182,6 +182,74 @@ def test_cgroup_container_root_and_missing_files(tmp_path):
     assert (got["limit"], got["headroom"], got["cgroup"]) == (16 * GiB, 14 * GiB, "/")
     assert host.cgroup_memory(str(tmp_path / "no_such_file"), root) is None
     assert host.cgroup_memory(proc, str(tmp_path / "no_mount")) is None
+
+
+# --- CPUs under a cgroup CPU quota ---
+
+def cpu_tree(tmp_path, own: str, levels: dict[str, tuple], version: int = 2, hybrid: bool = False):
+    """A fake /proc/self/cgroup (this process in cgroup `own`) and /sys/fs/cgroup tree whose `levels` ({cgroup path:
+    (quota, period)}: v2 writes them to cpu.max, "max" for none; v1 to cpu.cfs_quota_us / cpu.cfs_period_us, -1 for
+    none, under the cpu,cpuacct mount). Returns (proc file, root)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    proc, root = tmp_path / "proc_self_cgroup", tmp_path / "sys_fs_cgroup"
+    if version == 2:
+        proc.write_text(f"0::{own}\n")
+    else:  # v1 (hybrid: a v2 unified line too, without the cpu controller)
+        proc.write_text(f"12:pids:/\n3:cpu,cpuacct:{own}\n1:name=systemd:{own}\n" + ("0::/\n" if hybrid else ""))
+    base = root if version == 2 else root / "cpu,cpuacct"
+    for path, (quota, period) in levels.items():
+        d = base / path.strip("/") if path.strip("/") else base
+        d.mkdir(parents=True, exist_ok=True)
+        if version == 2:
+            (d / "cpu.max").write_text(f"{quota} {period}\n")
+        else:
+            (d / "cpu.cfs_quota_us").write_text(f"{quota}\n")
+            (d / "cpu.cfs_period_us").write_text(f"{period}\n")
+    return str(proc), str(root)
+
+
+@pytest.mark.parametrize("version, levels, cpus", [
+    (2, {"/": ("max", 100000), "/kubepods/pod1": (800000, 100000)}, 8),  # Kubernetes' limits.cpu: 8 (docker --cpus 8)
+    (2, {"/kubepods/pod1": ("max", 100000)}, None),  # "max": no quota
+    (2, {"/kubepods": (1600000, 100000), "/kubepods/pod1": (2400000, 100000)}, 16),  # the smallest level binds
+    (2, {"/kubepods/pod1": (150000, 100000)}, 1.5),
+    (1, {"/": (-1, 100000), "/docker/abc": (50000, 100000)}, 0.5),  # v1: docker --cpus 0.5
+    (1, {"/docker/abc": (-1, 100000)}, None),  # -1: no quota
+])
+def test_cpu_quota_is_read_from_the_cgroup_walk(tmp_path, version, levels, cpus):
+    own = "/kubepods/pod1/ctr" if version == 2 else "/docker/abc"
+    proc, root = cpu_tree(tmp_path, own, levels, version)
+    got = host.cpu_quota(proc, root)
+    assert (got and got["cpus"]) == cpus, got
+    if version == 1:  # beside a unified v2 line (a hybrid host): v1's cpu controller decides
+        proc, root = cpu_tree(tmp_path / "hybrid", own, levels, 1, hybrid=True)
+        assert host.cpu_quota(proc, root) == got
+
+
+def test_a_container_without_its_own_cgroup_namespace_finds_its_quota_at_the_root(tmp_path):
+    proc, root = cpu_tree(tmp_path, "/docker/0123abcd", {"/": (400000, 100000)}, 1)  # a path the mount lacks
+    assert host.cpu_quota(proc, root) == {"cpus": 4.0, "cgroup": "/", "version": 1}
+    assert host.cpu_quota(str(tmp_path / "no_such_file"), root) is None
+
+
+@pytest.mark.parametrize("levels, usable", [
+    ({"/": (800000, 100000)}, list(range(8))),
+    ({"/": (50000, 100000)}, [0]),  # half a CPU: one (an audit measured [0, 1] on a real v1 quota of 0.5)
+    ({"/": (250000, 100000)}, [0, 1, 2]),  # rounded up
+    ({"/": ("max", 100000)}, list(range(128))),
+])
+def test_usable_cpus_are_capped_at_the_quota(tmp_path, monkeypatch, levels, usable):
+    """A pod limited to 8 CPUs on a 128-core node: 8 usable, not its affinity's 128 (launch.sh gave 8 ranks 16 threads
+    each, the CPU check reported 16 a rank, prepare_data.py started 32 workers)."""
+    proc, root = cpu_tree(tmp_path, "/", levels)
+    monkeypatch.setattr(host, "PROC_CGROUP", proc)
+    monkeypatch.setattr(host, "CGROUP_ROOT", root)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(128)), raising=False)
+    assert host.usable_cpus() == usable
+    # every rank of the pod lists the same CPUs, so their node counts the quota once: 8 ranks, 1 thread each
+    if len(usable) == 8:
+        readings = [("n0", host.usable_cpus())] * 8
+        assert threads_per_rank(readings, "n0", usable) == 1 and "1 per rank" in cpu_placement(readings, False)[1]
 
 
 @pytest.mark.parametrize("readings, gpu, verdict, words", [
