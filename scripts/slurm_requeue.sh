@@ -198,6 +198,10 @@ state_python
 # job submitted from inside a requeued one inherited that job's (sbatch copies the environment): restart 1 at its real
 # 0, whose ranks waited for a LATEST and whose run lock took the real restart for a second writer.
 no_requeue=0  # 1: Requeue=0, read at the start or answered by a requeue
+# A flag the batch shell's traps set, given its default here too: Slurm runs the slurm.sbatch it spooled at
+# submission, which a `git pull` before a requeue pairs with this library (that script never set it: set -u ended
+# its preemption 'finished: unbound variable', exit 1, unrequeued; tests/stubs/slurm.sbatch.spooled).
+finished=${finished:-}
 job_facts() {
   [[ $shown =~ (^|[[:space:]])Requeue=0([[:space:]]|$) ]] && { no_requeue=1; log "requeue is disabled for this job" \
     "(Requeue=0: sbatch --no-requeue, SBATCH_NO_REQUEUE set where it was submitted, or the cluster's policy): a" \

@@ -420,3 +420,20 @@ def test_a_node_preempted_first_does_not_end_the_others(tmp_path):
     assert job.returncode == 0 and requeues(tmp_path) == ["requeue 4242"], text
     assert "got SIGTERM" not in node_lines(tmp_path, 0), text
     assert node_lines(tmp_path, 1)[0].startswith("args: --no_ssh --nnodes 2 --node_rank 1 --master_addr 127.0.0.1 ")
+
+
+@pytest.mark.parametrize("code, job_rc, requeued", [("75", 0, True), ("3", 3, False)])
+def test_a_job_spooled_before_a_pull_requeues_with_the_pulled_library(tmp_path, code, job_rc, requeued):
+    """Slurm runs the copy of slurm.sbatch it spooled at submission, which sources scripts/slurm_requeue.sh from the
+    checkout as it is now: a `git pull` between a submission and its requeue pairs the old script with the new
+    library. tests/stubs/slurm.sbatch.spooled is the script as of e550b89~1 (before the library read `finished`,
+    which that script never sets: under set -u a preemption ended 'finished: unbound variable', exit 1, never
+    requeued)."""
+    (tmp_path / "scripts").symlink_to(os.path.join(ROOT, "scripts"))  # the work dir holds the checkout's scripts/
+    e = clean_env(PATH=f"{STUBS}:{os.environ['PATH']}", SLURM_SUBMIT_DIR=str(tmp_path), PYTHONPATH=ROOT,
+                  SCONTROL_LOG=str(tmp_path / "scontrol.log"), FAKE_LOG=str(tmp_path / "fake.log"), FAKE_EXIT=code,
+                  LAUNCH_CMD=os.path.join(STUBS, "fake_launch"))
+    job = subprocess.run(["sbatch", os.path.join(STUBS, "slurm.sbatch.spooled"), "--output_dir", str(tmp_path / "o")],
+                         cwd=tmp_path, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=60)
+    assert "unbound variable" not in job.stdout and job.returncode == job_rc, job.stdout
+    assert requeues(tmp_path) == (["requeue 4242"] if requeued else []), job.stdout
