@@ -339,6 +339,60 @@ def is_export_of(out_dir: str, identity: str | None) -> bool:
     return bool(identity) and exported_from(out_dir)[1] == identity
 
 
+CARD = "README.md"  # the export's model card (model_card)
+
+
+def base_named(source: str | None) -> tuple[str | None, str]:
+    """(the base model's hub id or None, how the card names it) for a run's --model_name_or_path: a hub id (a local
+    hub cache snapshot's too), a preset (random init), a local folder by its name only (no local path)."""
+    from model_utils.hub import looks_like_hub_id
+    from planner.presets import PRESETS
+
+    if not source:
+        return None, "none recorded"
+    if source in PRESETS:
+        return None, f"none: random init with the shape of the preset `{source}`"
+    if m := re.search(r"models--(.+?)/snapshots/", os.path.abspath(source)):
+        source = m.group(1).replace("--", "/")
+    if looks_like_hub_id(source) or m:
+        return source, f"`{source}`"
+    return None, f"a local folder named `{os.path.basename(os.path.abspath(source.rstrip(os.sep)))}`"
+
+
+def model_card(checkpoint: str, source: str | None, config, dtype: str, tokenizer: bool, template: bool) -> str:
+    """The export's README.md: front matter (`base_model` where it is a hub id, `library_name`), the base model, each
+    stage trained up to `checkpoint` with its length, steps and RoPE (training/curriculum.py's rule: a stage without
+    `rope` keeps the one before; the first, the run's, else the model's own; `{}` the model's own), the dtype and the
+    tokenizer. No local path (export.json records those). The base's own card is not copied: its licence is named."""
+    t = _json(os.path.join(checkpoint, "trainer.json"))
+    cfg = t.get("config") if isinstance(t.get("config"), dict) else {}
+    at, step, names = t.get("stage") if isinstance(t.get("stage"), int) else 0, t.get("step"), t.get("stage_names") or []
+    steps = [n if isinstance(n, int) else None for n in t.get("stage_steps") or []]
+    hub, named = base_named(source)
+    rope, rows = cfg.get("rope") or None, []
+    for i, s in enumerate([s if isinstance(s, dict) else {} for s in cfg.get("stages") or [{}]][: at + 1]):
+        rope = (s["rope"] or None) if s.get("rope") is not None else rope
+        n = steps[i] if i < len(steps) else None
+        if i == at and isinstance(step, int) and None not in steps[:at]:
+            n = step - sum(steps[:at])  # the stage this checkpoint is in: its steps so far
+        how = f"`{json.dumps(rope)}`" if rope else "the base model's"
+        rows.append(f"| {i} | {names[i] if i < len(names) else s.get('name') or 'main'} | "
+                    f"{s.get('max_seq_length') or cfg.get('max_seq_length')} | {'?' if n is None else n} | {how} |")
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    final = json.dumps(getattr(text, "rope_parameters", None) or {}, default=str)
+    tokens = f", {t['tokens']:,} tokens" if isinstance(t.get("tokens"), int) else ""
+    tok = ("the run's, in this folder" + (", with the chat template its rows were rendered with" if template else "")
+           if tokenizer else "none in this folder: use the base model's")
+    return "\n".join([
+        "---", *([f"base_model: {hub}"] if hub else []), "library_name: transformers", "---", "",
+        f"# {(re.findall('`(.+?)`', named) or ['Model'])[0]} trained to {trained_length(checkpoint)} tokens", "",
+        "Made with ulysses-longtrain (long-context training: DeepSpeed ZeRO-3, Ulysses sequence parallelism).", "",
+        f"- Base model: {named}; its licence and terms apply (its own card is not copied here).",
+        f"- Exported from step {step} (stage {at}){tokens}; weights in {dtype}.",
+        f"- RoPE in config.json (the last stage's): `{final}`.", f"- Tokenizer: {tok}.", "",
+        "| stage | name | length (tokens) | steps | RoPE |", "|---|---|---|---|---|", *rows, ""])
+
+
 def export_hf(checkpoint: str, out_dir: str, tokenizer_path: str | None = None, source: str | None = None,
               owned: bool = False, stops: list[int] | None = None, identity: str | None = None,
               template: str | None = None, dtype: str = "auto") -> str:
@@ -417,7 +471,10 @@ def export_hf(checkpoint: str, out_dir: str, tokenizer_path: str | None = None, 
         shutil.copy(tokenizer_path, os.path.join(tmp, "tokenizer.model"))
     elif tokenizer_path and os.path.isdir(tokenizer_path):
         export_tokenizer(tokenizer_path, tmp, template, getattr(text, "max_position_embeddings", None))
-    with open(os.path.join(tmp, MARKER), "w") as fh:
+    with open(os.path.join(tmp, CARD), "w") as fh:
+        fh.write(model_card(checkpoint, source, config, written, any(os.path.isfile(os.path.join(tmp, f)) for f in (
+            "tokenizer.model", "tokenizer.json", "tokenizer_config.json")), bool(template)))
+    with open(os.path.join(tmp, MARKER), "w") as fh:  # local paths: check_out and is_export_of recognise exports by it
         json.dump({"checkpoint": os.path.abspath(checkpoint), "manifest_sha256": identity, "source": source,
                    "tokenizer": tokenizer_path and os.path.abspath(tokenizer_path),
                    "generation_config": gen, "added_stops": added, "trained_template": bool(template),

@@ -1,8 +1,9 @@
 """Branches of a run (training/checkpoint.py's `find_resume`): `--resume PATH` (or `none`) starts a new branch from
 PATH (or from nothing) once: this run's checkpoints not on it are moved aside to checkpoints/abandoned/, a stale
-COMPLETE too, and the branch is recorded in checkpoints/BRANCHES.json (its source's content hash), so the same
-command run again (a SLURM requeue, a re-run after a crash) continues the branch from its own newest checkpoint
-instead of taking it again. Rank 0 alone runs these (the caller broadcasts what they decide)."""
+COMPLETE too, LATEST and DeepSpeed's `latest` name the branch point (or go), and the branch is recorded in
+checkpoints/BRANCHES.json (its source's content hash), so the same command run again (a SLURM requeue, a re-run after
+a crash) continues the branch from its own newest checkpoint instead of taking it again. Rank 0 alone runs these (the
+caller broadcasts what they decide)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import shutil
 import time
 
 from base.log import print0
-from training.checkpoint_files import POINTER, TAG, atomic_write, manifest_sha256, read_json
+from training.checkpoint_files import TAG, atomic_write, manifest_sha256, point, read_json
 
 BRANCHES = "BRANCHES.json"  # the branches this run took (--resume PATH / none), each taken once
 
@@ -93,11 +94,9 @@ def start(root: str, path: str | None, resume: str, tags: list[str]) -> None:
         os.replace(complete, os.path.join(aside, "COMPLETE"))
     _evaluations_aside(root, aside)
     os.makedirs(root, exist_ok=True)
-    pointer = os.path.join(root, POINTER)
-    if own:
-        atomic_write(pointer, os.path.basename(path.rstrip("/")) + "\n")
-    elif os.path.exists(pointer):
-        os.remove(pointer)
+    # both pointers move together: a `latest` left naming a checkpoint now in abandoned/ sent DeepSpeed's tools
+    # (a user's engine.load_checkpoint(checkpoints), zero_to_fp32 without a tag) to a folder no longer there
+    point(root, os.path.basename(path.rstrip("/")) if own else None)
     record = {"resume": resume, "source": src, "manifest_sha256": manifest_sha256(path) if path else None,
               "tag": os.path.basename(src) if own else None,  # its name in checkpoints/, wherever the folder is now
               "step": step if own else None, "moved": off, "taken_at": time.strftime("%Y-%m-%d %H:%M:%S")}

@@ -9,6 +9,7 @@ Layout under OUTPUT_DIR/checkpoints/:
         hf_config.json      the model config of the stage (RoPE included), for export
         MANIFEST.json       written last: every file with size and CRC32
     LATEST                  name of the newest committed checkpoint, replaced atomically
+    latest                  the same name, for DeepSpeed's tools (engine.load_checkpoint, zero_to_fp32 without a tag)
     STAGE_1_s128k           name of the checkpoint that ended stage 1 ("s128k"); those are never rotated away
 
 With `background=True` (`--async_save`) a save only snapshots its files into host memory and a thread writes them
@@ -17,13 +18,13 @@ durable, `finish()` waits for it (`finish(timeout_s)`: at most that long, for a 
 window). At most one save is in flight.
 
 What the commit costs on the step path (every other rank waits at its barrier meanwhile), Llama-3-8B on 32 ranks:
-one all-gather of the ranks' manifest entries (~100 small dicts), rank 0's walk of the folder, MANIFEST.json (~20 KB)
-and LATEST written atomically (a rename and two fsyncs each: milliseconds, ~0.1 s on a loaded NFS), and rotation's
-*decision* with one rename per folder it drops. Deleting the dropped ~100 GB checkpoint (seconds to minutes) runs in
-rank 0's background thread (training/rotation.py `Trash`), no longer inside `poll()`.
+one all-gather of the ranks' manifest entries (~100 small dicts), rank 0's walk of the folder, MANIFEST.json (~20 KB),
+LATEST and `latest` written atomically (a rename and two fsyncs each: milliseconds, ~0.1 s on a loaded NFS), and
+rotation's *decision* with one rename per folder it drops. Deleting the dropped ~100 GB checkpoint (seconds to
+minutes) runs in rank 0's background thread (training/rotation.py `Trash`), no longer inside `poll()`.
 
 A checkpoint exists only once its manifest is written, after every rank has written and fsynced its
-files (DeepSpeed's own `latest` file is not used: it is written on rank 0 before the final barrier).
+files (DeepSpeed's own `latest` is written by the commit, after LATEST: checkpoint_files.point).
 Checksums are computed *while writing* (DeepSpeed's torch checkpoint engine is wrapped so every file it
 writes passes through a CRC32 counter), so a save - the preemption save included - never reads its bytes
 back; the few files written another way (DeepSpeed's copy of zero_to_fp32.py) are read once by rank 0.
@@ -58,10 +59,10 @@ from training.checkpoint_files import (  # noqa: F401  (MANIFEST, POINTER, deal_
     POINTER,
     TAG,
     atomic_write,
-    crc32,
     deal_by_bytes,
-    fsync_file,
+    describe,
     list_files,
+    point,
     save_torch,
     state_file,
 )
@@ -469,17 +470,17 @@ class Checkpointer(Restorer):
 
     def _commit(self, path: str, tag: str, step: int, written: dict, stage_end: str | None, trainer: dict) -> None:
         """Every rank's files are on disk, fsynced, with their checksums: rank 0 writes the manifest (the commit),
-        then the pointers, then rotates. Collective."""
+        then the pointers (LATEST, `latest`, a stage's end), then rotates. Collective."""
         world = comm.world()
         described = _gather_dict(written)
         if comm.rank() == 0:
             for f in list_files(path):  # written outside the checkpoint engine (DeepSpeed's helper scripts)
                 if f not in described:
-                    described[f] = self._describe(path, f)
+                    described[f] = describe(path, f)
             manifest = {"tag": tag, "step": step, "world": world, "files": described, "stage_end": stage_end,
                         "model_hash": trainer.get("model_hash"), "sp": trainer.get("sp")}
             atomic_write(os.path.join(path, MANIFEST), json.dumps(manifest, indent=1))
-            atomic_write(os.path.join(self.root, POINTER), tag + "\n")
+            point(self.root, tag)  # LATEST, then DeepSpeed's `latest`
             if stage_end:
                 atomic_write(os.path.join(self.root, stage_end), tag + "\n")
             rotation.rotate(self.root, self.keep, keep_tag=tag, trash=self.trash)  # renames only; deletes in the background
@@ -491,9 +492,3 @@ class Checkpointer(Restorer):
     def close(self, timeout_s: float | None = None) -> None:
         """At a run's end: wait for rank 0's background deletions (a stop does not: the next job's commit ends them)."""
         self.trash.wait(timeout_s)
-
-    @staticmethod
-    def _describe(path: str, f: str) -> dict:
-        full = os.path.join(path, f)
-        fsync_file(full)
-        return {"size": os.path.getsize(full), "crc32": crc32(full)}

@@ -23,6 +23,8 @@ from base.atomic import fsync_path
 
 MANIFEST = "MANIFEST.json"
 POINTER = "LATEST"  # under checkpoints/: the newest committed checkpoint's name
+# DeepSpeed's own pointer, beside LATEST: the same name (`point`), for DeepSpeed's tools; nothing here reads it
+DS_LATEST = "latest"
 TAG = re.compile(r"^step_(\d{6,})$")  # a checkpoint's folder name
 
 
@@ -43,6 +45,31 @@ def atomic_write(path: str, text: str) -> dict:
     data = text.encode()
     atomic_bytes(path, data)
     return {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+
+
+def point(root: str, tag: str | None) -> None:
+    """Rank 0: LATEST names `tag`, then DeepSpeed's `latest` does (None: both removed). Written after the manifest,
+    LATEST first: `latest` never names an uncommitted checkpoint (DeepSpeed's save writes it on rank 0 before its
+    final barrier, so it is not asked for there: save_latest=False). Without it, a user's `engine.load_checkpoint(
+    OUTPUT/checkpoints)` warned "Unable to find latest file" and returned (None, None) (the script trained on from its
+    initial weights), and zero_to_fp32 without a tag raised "Unable to find 'latest' file" (deepspeed 0.19.8
+    runtime/engine.py load_checkpoint, utils/zero_to_fp32.py get_fp32_state_dict_from_zero_checkpoint: each reads
+    `<dir>/latest`, stripped). Its bytes are DeepSpeed's (the tag, no newline). A case-insensitive file system (macOS)
+    holds one file for both names, with the same tag: harmless. Cost: one more small atomic write per commit (ms)."""
+    for name, text in ((POINTER, f"{tag}\n"), (DS_LATEST, tag)):
+        path = os.path.join(root, name)
+        if tag is not None:
+            atomic_write(path, text)
+        elif os.path.lexists(path):
+            os.remove(path)
+
+
+def describe(path: str, f: str) -> dict:
+    """The manifest entry of file `f` of checkpoint `path`, read back once (fsynced first): for the files written
+    outside the checkpoint engine."""
+    full = os.path.join(path, f)
+    fsync_file(full)
+    return {"size": os.path.getsize(full), "crc32": crc32(full)}
 
 
 # Bytes every checkpoint write has passed on, the background writer's too. A save is progress for the hang detector

@@ -33,11 +33,22 @@ def test_train_then_export_then_eval_summary(tmp_path):
     tool("train.py", "--output_dir", str(run))  # the output folder only: every other setting is the default
     steps = [json.loads(x)["step"] for x in open(run / "metrics.jsonl") if '"loss"' in x]
     assert steps[-1] == 100 and (run / "COMPLETE").exists() and (run / "eval" / "stage0.json").is_file()
+    # DeepSpeed's tools as its docs call them, with no tag: they read checkpoints/latest (raised "Unable to find
+    # 'latest' file" without it); the weights are the tagged call's, the newest checkpoint's
+    import torch
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint as fp32
+
+    ck = str(run / "checkpoints")
+    plain, tagged = fp32(ck), fp32(ck, tag=(run / "checkpoints" / "LATEST").read_text().strip())
+    assert plain.keys() == tagged.keys() and all(torch.equal(plain[k], tagged[k]) for k in plain)
+    assert (run / "checkpoints" / "latest").read_text() == "step_000100"
     os.rename(run / "hf_model", tmp_path / "hf_by_train")
     assert tool("scripts/export_hf.py", str(run)).stdout.strip().endswith("hf_model")
     cfg = json.loads((run / "hf_model" / "config.json").read_text())
     assert cfg["use_cache"] is True and (run / "hf_model" / "export.json").is_file()  # training's off is not exported
     assert cfg["architectures"] == ["LlamaForCausalLM"]  # a preset-built model had none
+    card = (run / "hf_model" / "README.md").read_text()  # a model card: the base, the length; no local path
+    assert "tiny-llama" in card and "| 0 | main | 2048 | 100 |" in card and str(tmp_path) not in card
     if (run / "hf_model" / "tokenizer.model").is_file():  # the run's sentencepiece ids, not the preset's (1, 2)
         import sentencepiece as spm
 

@@ -118,6 +118,41 @@ def test_a_yarn_export_says_the_length_it_extends_to(tmp_path, monkeypatch):
     assert (got.get("rope_parameters") or got.get("rope_scaling"))["factor"] == 8.0
 
 
+def test_the_export_has_a_model_card_without_local_paths(tmp_path, monkeypatch):
+    """The export had no README.md (no model card: the Hub showed an empty page, base model unlinked). It writes one:
+    the base model (a hub id in the front matter; a local folder by its name only), each stage's length, steps and
+    RoPE, ulysses-longtrain; no absolute path of the run (export.json keeps those: how exports are recognised)."""
+    import deepspeed.utils.zero_to_fp32 as z
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from model_utils.export import base_named, export_hf, model_card
+
+    yarn = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 256, "rope_theta": 10000.0}
+    config = LlamaConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=2, vocab_size=16, rope_parameters=yarn)
+    base = tmp_path / "models" / "My-Base"
+    base.mkdir(parents=True)
+    (base / "config.json").write_text(config.to_json_string())
+    ck = tmp_path / "run" / "checkpoints" / "step_000006"
+    ck.mkdir(parents=True)
+    (ck / "hf_config.json").write_text(config.to_json_string())
+    stages = [{"name": "s256", "max_seq_length": 256, "rope": None}, {"name": "s2k", "max_seq_length": 2048, "rope": yarn}]
+    (ck / "trainer.json").write_text(json.dumps({"step": 6, "stage": 1, "tokens": 3072, "stage_names": ["s256", "s2k"],
+                                                 "stage_steps": [3, 4], "config": {"max_seq_length": 256, "stages": stages}}))
+    state = LlamaForCausalLM(config).state_dict()
+    monkeypatch.setattr(z, "get_fp32_state_dict_from_zero_checkpoint", lambda root, tag: dict(state))
+    export_hf(str(ck), str(tmp_path / "run" / "hf_model"), source=str(base), owned=True)
+    card = (tmp_path / "run" / "hf_model" / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: transformers\n---\n") and "`My-Base`" in card
+    assert "| 0 | s256 | 256 | 3 | the base model's |" in card and "| 1 | s2k | 2048 | 3 | `{" in card  # 3 of 4 steps
+    assert "ulysses-longtrain" in card and "float32" in card and str(tmp_path) not in card
+    assert json.loads((tmp_path / "run" / "hf_model" / "export.json").read_text())["checkpoint"] == str(ck)
+    hub = model_card(str(ck), "meta-llama/Llama-3.1-8B", config, "bfloat16", True, False)
+    assert hub.startswith("---\nbase_model: meta-llama/Llama-3.1-8B\nlibrary_name: transformers\n---\n")
+    cached = tmp_path / "hub" / "models--Qwen--Qwen2.5-7B" / "snapshots" / "abc"
+    assert base_named(str(cached))[0] == "Qwen/Qwen2.5-7B" and base_named("tiny-llama")[0] is None
+
+
 def test_a_chat_sfts_end_of_turn_is_added_to_the_stops(tmp_path):
     """add_stops: Qwen2.5-7B base's generation_config.json (eos 151643, <|endoftext|>) gets the <|im_end|> its SFT
     trained (151645), as Qwen's Instruct release lists both; a config without one is written from the model's ids;

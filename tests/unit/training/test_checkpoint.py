@@ -28,7 +28,7 @@ class FakeEngine:
     """Writes files the way DeepSpeed's save_checkpoint does (one folder per tag)."""
 
     def save_checkpoint(self, root, tag, save_latest):
-        assert save_latest is False  # DeepSpeed's own `latest` is never used
+        assert save_latest is False  # DeepSpeed's `latest` is written by the commit, after LATEST
         with open(os.path.join(root, tag, "zero_pp_rank_0_mp_rank_00_model_states.pt"), "wb") as fh:
             fh.write(os.urandom(4096))
 
@@ -45,6 +45,13 @@ def test_commit_writes_manifest_and_pointer(tmp_path):
                                       "trainer.json", "hf_config.json"}
     assert (tmp_path / "checkpoints" / POINTER).read_text().strip() == tag_for(3)
     assert ck.verify(path) is None and ck.find_resume("auto") == path
+    # DeepSpeed's own pointer, with its bytes (the tag, no newline), in step with LATEST: without it a user's
+    # engine.load_checkpoint(checkpoints) returned (None, None) and zero_to_fp32 without a tag raised
+    assert (tmp_path / "checkpoints" / "latest").read_text() == tag_for(3)
+    assert ck.find_resume("auto") == path  # nothing of ours takes `latest` for a checkpoint
+    save(ck, 5)
+    assert (tmp_path / "checkpoints" / "latest").read_text() == tag_for(5) == (
+        tmp_path / "checkpoints" / POINTER).read_text().strip()
 
 
 @pytest.mark.parametrize("damage, reason", [
