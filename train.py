@@ -82,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     check_passkey_fits(stages, data.tokenizer)
     stages = epoch_stages(cfg, stages, data, dims.world)  # --num_train_epochs / --warmup_ratio: steps from the data
     stages = keep_stage_steps(stages, state)  # the stages it ran keep their lengths, whatever today's world or batch
-    data.check_batches(stages, dims.world, cfg.per_device_train_batch_size, done=state.step)  # a stage too small: here
+    # a stage too small: here; every stage's draw notes (repeats, unread sources) said now, not days in at its start
+    data.check_batches(stages, dims.world, cfg.per_device_train_batch_size, done=state.step,
+                       grad_accum=cfg.gradient_accumulation_steps)
     metrics = MetricsLogger(cfg.output_dir, dims.is_main, cfg.report_to, cfg.wandb_project, state.wandb_id,
                             to_dict(cfg), total_steps(stages), cfg.progress_bar, resume_step=state.step,
                             branch=ckpt.branched, home=state.wandb_home)

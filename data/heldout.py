@@ -5,8 +5,11 @@ max_seq_length tokens), spread over the whole stream (`heldout_split`: documents
 index, so every prefix of that order is spread evenly; a pure function of the prepared folder, the same on every rank
 and every restart). data/pipeline.py applies the split (`RunData.cut`, `RunData.held`) and says its size at the start
 (`heldout_note`). A conversation is never cut (its head would train without its answer): it is held out whole or
-trains whole. Cost: O(documents) passes over the per-document lengths, on every rank, and the masks of the few
-documents it would cut.
+trains whole. Each stage's length L gets a held-out document of at least L/2 tokens first in the evaluation order,
+where the stream has one that fits (`reach_documents`): picked by spread order alone, a books-heavy stream's held-out
+set was all web pages, and the held-out loss at 1M measured no context past a few thousand tokens. Cost: O(documents)
+passes over the per-document lengths, on every rank (one more per stage length for the long documents), and the masks
+of the few documents it would cut.
 """
 
 from __future__ import annotations
@@ -91,8 +94,26 @@ def sample_starts(lens: np.ndarray, seq_len: int, n: int, inside: bool = True) -
     return out
 
 
+def reach_documents(lens: np.ndarray, wants: list[tuple[int, int]], most: int, room: int) -> list[int]:
+    """Documents to hold out first so that every stage's length L (wants: [(L, samples)]) has one of at least L/2
+    tokens, the longest length first (a document long enough for it serves the shorter ones too): of those of at least
+    L/2 and at most `most` tokens (a longer one trains: no sample reads its rest) that fit the `room` left, the first
+    in `spread_order`'s key order; none for a length no such document reaches (`reach_note` says so). Cost: one pass over
+    the lengths per stage length (tens of millions of documents: a fraction of a second each)."""
+    key = np.arange(len(lens), dtype=np.uint64) * _PHI64  # spread_order's key: its first long document
+    out: list[int] = []
+    for sl in sorted({sl for sl, k in wants if k > 0}, reverse=True):
+        if any(2 * int(lens[d]) >= sl for d in out):
+            continue
+        left = room - int(lens[out].sum())
+        cand = np.flatnonzero((2 * lens >= sl) & (lens <= min(most, left)))
+        if len(cand):
+            out.append(int(cand[np.argmin(key[cand])]))
+    return out
+
+
 def heldout_split(lens: np.ndarray, wants: list[tuple[int, int]], min_train: int,
-                  chat: Callable[[int], bool] | None = None) -> tuple[np.ndarray, np.ndarray, str]:
+                  chat: Callable[[int], bool] | None = None, reach: bool = True) -> tuple[np.ndarray, np.ndarray, str]:
     """(cut, held, warning) for `wants` = [(seq_len, held-out samples)] per stage: document i trains on its tokens
     [start, start + cut[i]) and the rest is held out (cut = its length: all training); `held` are the held-out
     documents in evaluation order. Whole documents in `spread_order` until every stage's samples fit, each from
@@ -105,7 +126,9 @@ def heldout_split(lens: np.ndarray, wants: list[tuple[int, int]], min_train: int
     where that leaves fewer held-out tokens than asked `warning` says so. A stream too small for the largest
     evaluation holds out what leaves `min_train` (none if that is shorter than the shortest stage) and says so
     in `warning`; ValueError when not even `min_train` tokens exist. `chat` is asked only of the documents it
-    would cut (a few, in a small stream: a large one fills the evaluation from whole documents)."""
+    would cut (a few, in a small stream: a large one fills the evaluation from whole documents). With `reach` (a run
+    started since held-out sets reach each stage's length; a run resumed from before keeps its split: False) the
+    `reach_documents` come first, held whole."""
     n_tok = int(lens.sum())
     cut = lens.astype(np.int64).copy()
     wants = [(sl, k) for sl, k in wants if k > 0]
@@ -133,9 +156,14 @@ def heldout_split(lens: np.ndarray, wants: list[tuple[int, int]], min_train: int
         return take
 
     total = 0
+    first = reach_documents(lens, wants, 2 * need, room) if reach and room else []
+    for d in first:  # whole, first in the evaluation order: every stage's first sample starts at the longest one
+        total += hold(d, int(lens[d]))
     for d in _spread(lens, min(room, 2 * budget), room) if room else ():
         if total >= min(2 * budget, room) or (total >= budget and fits()):
             break  # enough, or as much as spreading the sample starts may cost (the rest start inside documents)
+        if d in first:
+            continue
         if lens[d] > 2 * need:
             big.append(d)  # longer than any evaluation reads: it trains, unless nothing else is left
             continue
@@ -163,10 +191,20 @@ def heldout_split(lens: np.ndarray, wants: list[tuple[int, int]], min_train: int
 HELD_NOTE = 0.05  # a held-out share of the stream above this is said with how to lower it
 
 
-def heldout_note(lens: np.ndarray, cut: np.ndarray, held: np.ndarray) -> list[str]:
-    """The start's lines on the held-out split: how many documents and tokens it holds out of the stream, and above
+def split_of(stages) -> dict:
+    """The held-out split a run starts with (data/pipeline.open_run_data; recorded in every checkpoint, a resume makes
+    its first start's again): each stage's held-out samples at its length and at the first stage's (every stage also
+    evaluates there), one training sample of the longest stage kept, a long document held out per length (`reach`)."""
+    first = stages[0].max_seq_length
+    wants = [[n, heldout_samples(s.eval)] for s in stages for n in sorted({s.max_seq_length, first})]
+    return {"wants": wants, "min_train": max(s.max_seq_length for s in stages), "reach": True}
+
+
+def heldout_note(lens: np.ndarray, cut: np.ndarray, held: np.ndarray, split: dict | None = None) -> list[str]:
+    """The start's lines on the held-out split: how many documents and tokens it holds out of the stream, above
     HELD_NOTE how to lower it (a small SFT set: 1,000 LIMA-sized conversations lose ~15% to two 128k evaluations,
-    which `heldout_split` takes whole documents for, up to twice the tokens asked). [] when nothing is held out."""
+    which `heldout_split` takes whole documents for, up to twice the tokens asked), and given the `split` it was made
+    from, `reach_note`. [] when nothing is held out."""
     if not len(held):
         return []
     total = int(lens.sum())
@@ -178,4 +216,23 @@ def heldout_note(lens: np.ndarray, cut: np.ndarray, held: np.ndarray) -> list[st
         lines.append(f"note: the held-out documents are {share:.1%} of the stream (the largest stage's eval "
                      "heldout_samples x max_seq_length, in whole documents): lower eval.heldout_samples in the recipe (or "
                      "--eval_heldout_samples; 0: no held-out loss) to train on more of a small dataset")
-    return lines
+    reach = reach_note(lens, cut, held, [tuple(w) for w in split["wants"]], bool(split.get("reach"))) if split else ""
+    return lines + [reach] * bool(reach)
+
+
+def reach_note(lens: np.ndarray, cut: np.ndarray, held: np.ndarray, wants: list[tuple[int, int]], reach: bool) -> str:
+    """One line where a stage's held-out loss measures no context past half its length: no held-out document reaches
+    L/2 (the stream has none that fits, or the split is a resumed run's from before `reach_documents`: kept, since
+    another split would shift its training samples under the data position). '' when every stage's does."""
+    if not len(held):
+        return ""
+    longest = int((lens[held] - cut[held]).max())
+    short = sorted({sl for sl, k in wants if k > 0 and 2 * longest < sl})
+    if not short:
+        return ""
+    why = ("this run's held-out documents were chosen at its first start, before a long one was held out for each "
+           "stage: kept, so its training samples stay the same (a new run holds one out)" if not reach else
+           f"the stream has no document of {(short[0] + 1) // 2}+ tokens that the held-out set can take whole: add long "
+           "documents (docs/data.md#choosing-length-buckets-per-stage)")
+    return (f"note: no held-out document reaches past {longest} tokens, so the held-out loss at {short} measures no "
+            f"context past that (its position buckets beyond it are none): {why}")

@@ -32,7 +32,8 @@ import numpy as np
 
 from base import comm
 from base.log import print0
-from data.heldout import held_identity, heldout_note, heldout_samples, heldout_split, sample_starts
+from data.coverage import length_lines, start_notes
+from data.heldout import held_identity, heldout_note, heldout_samples, heldout_split, sample_starts, split_of
 from data.mixture import MixtureDataset, MixtureSampler, parse_mixture, select_documents
 from data.packing import ConvPack, DocPack, chat_documents, vocab_refusal
 from data.prepare import prepare_in_job
@@ -53,7 +54,7 @@ class RunData:
     tokenizer: Tokenizer | None
     reset_position_ids: bool
     mask_cross_document_labels: bool = False
-    heldout_split: dict | None = None  # {"wants", "min_train"} it was made from: recorded in every checkpoint
+    heldout_split: dict | None = None  # {"wants", "min_train", "reach"} it was made from: recorded in every checkpoint
 
     def reply_stops(self) -> list[int]:
         """The end-of-turn ids the run's chat documents trained (data/chat_stops.py); [] for text-only data. Read
@@ -196,15 +197,19 @@ class RunData:
             parts.append(pack)
         return MixtureDataset(parts, [c.name for c in comps])
 
-    def check_batches(self, stages, world: int, micro_batch: int, done: int = 0) -> None:
+    def check_batches(self, stages, world: int, micro_batch: int, done: int = 0, grad_accum: int | None = None) -> None:
         """One line (ValueError, on every rank) at the start, before any model, where a stage still to train (its steps
         end past `done`, the step resumed from) has fewer packed samples of the whole stream than one step gives its
         data-parallel ranks (dp x micro-batch; a replay length: dp x micro-batch x L/l of its samples): its sampler
         refused it only at the stage's start, after the stages before it trained, and again at every requeue. A stage
         with `data:` is not refused (its sampler repeats a small component's samples: data/coverage.py says so). Rank 0
         counts: one packing per stage and replay length, O(documents) each (a second or two at tens of millions; an SFT
-        stage's ~2 s per million conversations)."""
+        stage's ~2 s per million conversations). With `grad_accum` (the run's) rank 0 then says every stage's draw notes
+        at once (data/coverage.start_notes: a stage's own start said them, days into a curriculum)."""
         comm.run_on_main(lambda: self._check_batches(stages, world, micro_batch, done), long=True)
+        if grad_accum is not None and comm.rank() == 0:  # notes only print: rank 0 alone, never a stop
+            for line in start_notes(self, stages, world, micro_batch, grad_accum, done):
+                print0(line)
 
     def _check_batches(self, stages, world: int, micro_batch: int, done: int) -> None:
         end = 0
@@ -366,6 +371,24 @@ def again_note(dataset_path: str, folder: str, first: str) -> str:
         f"; to keep them pass --dataset_path {first}" if kept else "")
 
 
+def _chat(prepared):
+    """Whether document d is a conversation (held out whole or trains whole: data/heldout.py); None for text only."""
+    mask = getattr(prepared, "mask", None)
+    return (lambda d: bool(len(chat_documents(mask, prepared.starts[d:d + 1], prepared.lens[d:d + 1])))) \
+        if mask is not None else None
+
+
+def lengths_view(folder: str, stages, reset_position_ids: bool) -> RunData:
+    """A prepared folder as the dry run sees it (training/startup.dry_run): its documents' lengths and sources, the
+    held-out split a run would start with, no tokenizer; enough for data/coverage.py's notes. Cost: the per-document
+    arrays (~20 bytes a document) and O(documents) passes; no token is read."""
+    prepared = Prepared(folder, read_json(os.path.join(folder, MANIFEST)))
+    split = split_of(stages)
+    cut, held, _ = heldout_split(prepared.lens, [tuple(w) for w in split["wants"]], split["min_train"],
+                                 chat=_chat(prepared))
+    return RunData(prepared, cut, held, None, reset_position_ids, heldout_split=split)
+
+
 REPLAY_FIX = "use a longer replay length, or drop the replay (it packs the stage's own data at each length)"
 
 
@@ -410,24 +433,18 @@ def open_run_data(dataset_path: str | None, tokenizer_path: str | None, model_vo
     if prepared.max_token_id >= model_vocab:
         raise ValueError(f"--dataset_path {folder}: token id {prepared.max_token_id} >= the model's vocab_size "
                          f"{model_vocab}: the data was prepared for another vocabulary")
-    longest = max(s.max_seq_length for s in stages)
-    first = stages[0].max_seq_length  # every stage also evaluates its held-out samples at the first stage's length
-    wants = [(n, heldout_samples(s.eval)) for s in stages for n in sorted({s.max_seq_length, first})]
-    split = {"wants": [list(w) for w in wants], "min_train": longest}
+    split = split_of(stages)
     first_docs, first_folder = (heldout or {}).get("docs"), (heldout or {}).get("prepared")
     same_input = (heldout or {}).get("input") == dataset_path
     heldout = {k: v for k, v in heldout.items() if k not in ("docs", "prepared", "input")} if heldout else heldout
-    if heldout and heldout != split:  # a resume: the run's first start's split, whatever today's stages ask
+    if heldout and any(heldout.get(k) != split[k] for k in ("wants", "min_train")):  # a resume: its first start's
         print0(f"note: the held-out documents stay those of this run's first start (its stages asked {heldout['wants']}"
                f", today's {split['wants']}): a new length evaluates what they hold; the training samples stay the "
                "same, so the data position resumes where it was")
-        split = heldout
-    mask = getattr(prepared, "mask", None)  # a conversation is held out whole or trains whole (data/heldout.py)
-    chat = (lambda d: bool(len(chat_documents(mask, prepared.starts[d:d + 1], prepared.lens[d:d + 1])))) \
-        if mask is not None else None
+    split = heldout or split  # a split recorded before "reach" (data/heldout.reach_documents) is made as it was then
     cut, held, warning = heldout_split(prepared.lens, [tuple(w) for w in split["wants"]], min_train=split["min_train"],
-                                       chat=chat)
-    for line in [warning] * bool(warning) + heldout_note(prepared.lens, cut, held):
+                                       chat=_chat(prepared), reach=bool(split.get("reach")))
+    for line in [warning] * bool(warning) + heldout_note(prepared.lens, cut, held, split):
         print0(line)
     docs = held_identity(prepared, cut, held)
     moved = len(set(docs) - set(first_docs)) if first_docs is not None else 0
@@ -457,4 +474,7 @@ def open_run_data(dataset_path: str | None, tokenizer_path: str | None, model_vo
             short = dataclasses.replace(s, max_seq_length=n)  # and a replay length its mixture or tasks cannot fill
             data.mixture(short, replay_of=s.max_seq_length)
             check_tasks(short, tokenizer)
+    if comm.rank() == 0:  # each stage's share of longer context than the stage before (lengths only): said once
+        for line in length_lines(data, stages):
+            print0(line)
     return data

@@ -17,6 +17,7 @@ from base.log import open_rank_log, print0, set_main
 from base.parallel import ParallelDims, check_shared_output, init_distributed
 from base.run_lock import file_age, hold
 from model_utils import linear_attention
+from model_utils.attention import resets_positions
 from model_utils.build import TINY_PRESETS, is_tiny, load_hf_config, pick_attn_implementation, weights_source
 from model_utils.families import check_config, check_tiled_mlp, drop_router_logits, router_note
 from model_utils.hub import check_same_snapshot
@@ -149,8 +150,9 @@ def _chat_folder(path: str) -> bool | None:
         return None
 
 
-def source_lines(cfg: Config) -> list[str]:
-    """The dry run's `weights:` and `data:` lines: where the run's starting weights and its documents come from."""
+def source_lines(cfg: Config, masked: bool | None = None) -> list[str]:
+    """The dry run's `weights:` and `data:` lines: where the run's starting weights and its documents come from, and
+    whether documents are masked apart (`masked`: model_utils/attention.resets_positions; None: not said)."""
     sft = _sft_stages(cfg)
     if cfg.dataset_path is None:
         data = DEMO + (f": it has no chat documents for stage(s) {sft} kind sft, a run refuses it (set dataset_path)"
@@ -161,6 +163,8 @@ def source_lines(cfg: Config) -> list[str]:
             " (a prepared folder: " + ("chat documents with a loss mask" if chat else "text only") + ")"
             if chat is not None else ", prepared when the run starts" + (
                 " (whether it holds the chat documents kind sft needs is known then)" if sft else ""))
+    if masked is not None:
+        data += f"; document masking {'on' if masked else 'off'} (--reset_position_ids {cfg.reset_position_ids})"
     return [f"weights: {weights_source(cfg.model_name_or_path)}", f"data: {data}"]
 
 
@@ -188,8 +192,10 @@ def dry_run(cfg: Config, model: Model) -> None:
     check_stage_data(stages)
     print(f"dry run: world={world} ({cfg.nodes or 1} node(s)) model={cfg.model_name_or_path} attn={model.attn} "
           f"precision={_precision(cfg, model)} deepspeed={cfg.deepspeed}")
-    print("\n".join(source_lines(cfg)))
+    print("\n".join(source_lines(cfg, resets_positions(cfg.reset_position_ids, model.attn))))
     print("\n".join(plan_lines(cfg, stages, world, cfg.gpus_per_node or world, model.bf16)))
+    for line in data_lines(cfg, stages, world, resets_positions(cfg.reset_position_ids, model.attn)):
+        print(line)  # a prepared folder's: each stage's longer context, repeats, unread sources (data/coverage.py)
     # after the plan, so a refusal comes with it: what a launched run refuses (or warns of) before its model loads
     check_device_fit(cfg, stages, world, model.bf16, configs, model.arch, cfg.gpus_per_node or world)
     manual = any(not s.memory_choice for s in stages)
@@ -199,6 +205,26 @@ def dry_run(cfg: Config, model: Model) -> None:
     if cfg.num_train_epochs is not None:  # counted from the data when a run opens it (training/hf_args.py)
         print(f"steps: {cfg.num_train_epochs:g} epoch(s) of the data in each stage without its own max_steps or "
               "max_tokens (counted when the run opens its data; steps= above stands in until then)")
+
+
+def data_lines(cfg: Config, stages: list[Stage], world: int, masked: bool) -> list[str]:
+    """What a run's start says of each stage's data (data/coverage.py: the share of longer context than the stage
+    before, repeats, unread sources, untrained tails), from a prepared folder's document lengths and sources: cheap
+    (~20 bytes a document read, O(documents) passes; no token). [] for data the run prepares itself (a JSONL, the demo
+    corpus: its lengths are known once tokenized)."""
+    from data.coverage import length_lines, start_notes
+    from data.pipeline import lengths_view
+    from data.store import is_prepared
+
+    if not is_prepared(cfg.dataset_path):
+        return []
+    try:
+        data = lengths_view(cfg.dataset_path, stages, masked)
+    except (OSError, ValueError) as e:  # a run refuses it at its start, in this line
+        return [f"note: the stages' data notes need {cfg.dataset_path} readable: {e}"]
+    mb, ga = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps  # epochs: steps known at the run's start
+    return length_lines(data, stages, header=False) + (
+        start_notes(data, stages, world, mb, ga) if cfg.num_train_epochs is None else [])
 
 
 def check_stage_data(stages: list[Stage]) -> None:

@@ -71,3 +71,57 @@ def test_two_long_conversations_train_nothing_and_are_refused(tmp_path, capsys):
     msg = str(e.value)
     assert msg.startswith("stage 0 (sft): 0 packed samples of 512 tokens") and "were dropped" in msg \
         and "lengthen max_seq_length" in msg and "\n" not in msg, msg
+
+
+def _mixed_lengths() -> np.ndarray:
+    lens = np.array([200] * 1000 + [2000] * 20)
+    np.random.default_rng(0).shuffle(lens)
+    return lens
+
+
+def test_each_stage_length_gets_a_long_held_out_document():
+    """The stage-data audit's exp3: 17% of the tokens in 2000-token documents, stages 256 and 1024: the split held 12
+    documents of 200 (spread order alone), so the held-out loss at 1024 measured no context past 200. Now a document
+    of at least L/2 is held out first for each stage where the stream has one, and where none does a note says so."""
+    from data.heldout import heldout_note, sample_starts
+
+    lens = _mixed_lengths()
+    cut, held, warning = heldout_split(lens, [(256, 2), (1024, 2)], 1024)
+    spans = lens[held] - cut[held]
+    assert spans.max() > 512 and spans[0] == 2000 and not warning, spans.tolist()
+    assert sample_starts(spans, 1024, 2, inside=False)[0] == 0  # the first sample at 1024 starts in it
+    assert len(sample_starts(spans, 256, 2, inside=False)) == 2  # every stage's samples still start at documents
+    split = {"wants": [[256, 2], [1024, 2]], "min_train": 1024, "reach": True}
+    assert not any("no held-out document" in x for x in heldout_note(lens, cut, held, split))
+    short = np.full(1000, 200)  # no document reaches 512: said, with the fix
+    cut, held, _ = heldout_split(short, [(256, 2), (1024, 2)], 1024)
+    note = heldout_note(short, cut, held, split)[-1]
+    assert note.startswith("note: no held-out document reaches past 200 tokens, so the held-out loss at [1024] "
+                           "measures no context past that") and "add long documents" in note, note
+
+
+def test_a_resumed_run_keeps_its_recorded_split(tmp_path, capsys):
+    """A run started before long held-out documents recorded {"wants", "min_train"} (no "reach") in its checkpoints;
+    the resume makes its split again from them: with today's rule its held-out documents, and so every training
+    sample under the saved data position, would move. It keeps the split it trained with, and says why its held-out
+    loss reaches no further; a new run's split records "reach"."""
+    from data.pipeline import open_run_data
+    from data.prepare_data import main
+
+    lens = _mixed_lengths()
+    src = tmp_path / "d.jsonl"
+    src.write_text("".join(json.dumps({"input_ids": [5 + d % 50] * int(n)}) + "\n" for d, n in enumerate(lens)))
+    out = str(tmp_path / "prep")
+    assert main(["--input", str(src), "--output", out, "--vocab_size", "100", "--workers", "0"]) == 0
+    stages = [types.SimpleNamespace(index=i, name=f"s{i}", max_seq_length=n, eval={"heldout_samples": 2}, data=None,
+                                    tasks={}) for i, n in enumerate((256, 1024))]
+    new = open_run_data(out, None, 100, stages, reset_position_ids=True)
+    assert new.heldout_split["reach"] is True and (lens[new.held] - new.cut[new.held]).max() == 2000
+    old_cut, old_held, _ = heldout_split(lens, [(256, 2), (1024, 2)], 1024, reach=False)  # as the run first made it
+    recorded = {"wants": [[256, 2], [256, 2], [1024, 2]], "min_train": 1024}
+    capsys.readouterr()
+    kept = open_run_data(out, None, 100, stages, reset_position_ids=True, heldout=recorded)
+    said = capsys.readouterr().out
+    assert np.array_equal(kept.held, old_held) and np.array_equal(kept.cut, old_cut)
+    assert "reach" not in kept.heldout_split and "stay those of this run's first start" not in said
+    assert "note: no held-out document reaches past 200 tokens" in said and "kept, so its training samples stay" in said

@@ -174,3 +174,34 @@ def test_the_shipped_bases_special_ids_are_its_tokenizers():
         config = json.load(fh)
     bos, eos, _ = sentencepiece_ids(os.path.join(base, "tokenizer.model"))
     assert (config["bos_token_id"], config["eos_token_id"]) == (bos, eos)
+
+
+@pytest.mark.parametrize("recipe", ["llama3_8b_128k_to_1m", "qwen25_7b_128k_to_1m", "gpt_oss_20b_128k_to_1m"])
+def test_the_1m_recipes_train_longer_context_at_every_stage(recipe):
+    """The stage-data audit: the 128k -> 1M recipes packed the whole stream in order, so on a books-heavy corpus (web
+    pages of ~700 tokens, books of ~120k, half the tokens each) 6.6% of the 1M stage's tokens were in document pieces
+    longer than 512k, 9.5% of its samples held one. Each stage now mixes a long component (documents of the previous
+    stage's length and more: ProLong's 60%) with a short one (40%) and replays 10% at 128k: over a third of its tokens,
+    more than half its samples (data/coverage.length_lines, lengths only: the figures the run's start says)."""
+    import numpy as np
+
+    from data.coverage import length_lines
+    from data.pipeline import RunData
+
+    rng = np.random.default_rng(0)
+    web = np.maximum(50, rng.lognormal(np.log(700), 1.0, 300_000)).astype(np.int64)
+    books = np.maximum(20000, rng.lognormal(np.log(120_000), 0.9, 1500)).astype(np.int64)
+    order = rng.permutation(len(web) + len(books))
+    lens, source = np.concatenate([web, books])[order], np.repeat([0, 1], [len(web), len(books)])[order]
+    prepared = types.SimpleNamespace(lens=lens, starts=np.concatenate([[0], np.cumsum(lens)[:-1]]), source=source,
+                                     sources=["web", "books"], mask=None)
+    data = RunData(prepared, lens.copy(), np.zeros(0, np.int64), None, reset_position_ids=True)
+    cfg = parse_config(["--config", os.path.join(ROOT, "recipes", f"{recipe}.yaml")])
+    stages = resolve_stages(cfg, dp_of_sp=lambda sp: 32 // sp)
+    for prev, s in zip(stages, stages[1:]):
+        long = next(c for c in s.data if c["name"] == "long")
+        assert long["min_doc_tokens"] == prev.max_seq_length and long["weight"] == 0.6, s.data
+    lines = length_lines(data, stages, header=False)
+    assert len(lines) == 3 and not any(ln.startswith("warning") for ln in lines), lines
+    share = float(lines[-1].split("tokens: ")[1].split("%")[0])
+    assert lines[-1].startswith("stage 3 (s1m)") and share > 30 and "54.0% of its samples hold one" in lines[-1], lines

@@ -94,4 +94,5 @@ def test_an_sft_stage_needs_chat_data(tmp_path, capsys):
                        "--max_seq_length", "256", "--max_steps", "1")
     capsys.readouterr()
     dry_run(cfg, model)
-    assert f"\ndata: {prepared} (a prepared folder: chat documents with a loss mask)\n" in capsys.readouterr().out
+    assert f"\ndata: {prepared} (a prepared folder: chat documents with a loss mask); document masking on " \
+           "(--reset_position_ids auto)\n" in capsys.readouterr().out
