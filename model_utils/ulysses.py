@@ -134,12 +134,7 @@ def unregister() -> int:
     n = comm.destroy_groups([parallel_state_sp._SEQUENCE_PARALLEL_GROUP,
                              parallel_state_sp._SEQUENCE_DATA_PARALLEL_GROUP, *_GROUPS])
     _GROUPS.clear()
-    release = getattr(parallel_state_sp, "_release_sequence_parallel_groups", None)  # DeepSpeed 0.19.8+
-    if release is not None:
-        release()
-    else:  # 0.19.5-0.19.7: what 0.19.8's function does
-        parallel_state_sp._SEQUENCE_PARALLEL_GROUP = None
-        parallel_state_sp._SEQUENCE_DATA_PARALLEL_GROUP = None
+    parallel_state_sp._release_sequence_parallel_groups()  # DeepSpeed 0.19.8+ (base/versions.py's floor)
     from deepspeed.utils import groups
 
     groups.mpu = None  # deepspeed.initialize keeps the last mpu in this global: an SP-1 stage after an SP stage

@@ -12,7 +12,8 @@ import re
 import numpy as np
 import pytest
 
-from data.tasks import CWE_COMMON, CWE_FREQ_COMMON, CWE_FREQ_RARE, NIAH_VALUES, TASKS, make_sample
+from data.tasks import CWE_COMMON, CWE_FREQ_COMMON, CWE_FREQ_RARE, TASKS, make_sample
+from data.tasks_trials import NIAH_VALUES
 
 NEW = ("niah_multivalue", "common_words")
 
