@@ -218,12 +218,22 @@ def check_plan(output: str, shard: int, plan_path: str, plan: dict, finished: bo
     a step between the two changed rows its committed chunks hold (`judge`), else continued under today's rules with a
     note (its plan rewritten: its chunks are as today's rules write them); a finished shard under older rules is said,
     and `plan["rules"]` takes the shard's own (None: begun before it was recorded), so its record and a merge see
-    what it holds. A new shard's plan is written."""
+    what it holds. A shard whose plan differs only in keys recorded since (and its inputs named the older way) is
+    refused as an older version's, with --overwrite (the same command resumed after a pull: it read as "another
+    preparation"). A new shard's plan is written."""
     if not os.path.exists(plan_path):
         store.write_json_atomic(plan_path, plan)
         return
     old = store.read_json(plan_path)
     differs = sorted(k for k in plan if k != "rules" and old.get(k) != plan[k])
+    added = [k for k in differs if k not in old]  # recorded since the shard began: an older version's plan
+    if differs and set(differs) <= {*added, *(["units"] if _older_units(old.get("units"), plan["units"]) else [])}:
+        # (the same command: its plan lacks what this version records, and names its inputs the older way; whether it
+        # read them alike cannot be told, so it is not continued)
+        why = [f"its plan has no {added}"] * bool(added) + ["it names its inputs the older way"] * ("units" in differs)
+        raise ValueError(f"--output {output}: shard {shard} was begun by an older version of prepare_data "
+                         f"({' and '.join(why)}): this version cannot continue it; --overwrite to start this shard "
+                         "again (or finish it on that version)")
     if differs:
         raise ValueError(f"--output {output} holds shard {shard} of another preparation (differs in {differs}): "
                          "use another --output, or --overwrite to start this shard again")
@@ -250,6 +260,22 @@ def check_plan(output: str, shard: int, plan_path: str, plan: dict, finished: bo
     log(f"note: {output}: shard {shard} was " + ("prepared" if finished else "begun") + " by an older version "
         + ("" if finished else "(rows read differently since, e.g. a top-level system_prompt, may differ between its "
            "chunks) ") + "; today's rules read some rows differently: --overwrite redoes it")
+
+
+def _older_units(old, new: list) -> bool:
+    """Whether `old` names the same files as today's unit identities `new` ("kind:name/file:size:sample",
+    data/discover.Unit.identity) in an older form without the sample ("kind:/abs/path/file:size", before 2026-11-30):
+    the same kind, file name and size, in order."""
+    if not isinstance(old, list) or len(old) != len(new) or not old:
+        return False
+    for was, now in zip(old, new):
+        kind, _, rest = str(was).partition(":")
+        path, _, size = rest.rpartition(":")
+        got = now.split(":", 1)[-1].rsplit(":", 2)
+        if len(got) != 3 or now.split(":", 1)[0] != kind or re.fullmatch(r"[0-9a-f]{16}", size or "") or (
+                os.path.basename(path), size) != (os.path.basename(got[0]), got[1]):
+            return False
+    return True
 
 
 def check_rules(output: str, records: list[dict], log=print) -> None:

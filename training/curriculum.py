@@ -10,7 +10,6 @@ run's `rope`, else the model's own; `rope: {}` goes back to the model's own). `l
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import types
 from dataclasses import dataclass, field
@@ -19,7 +18,7 @@ from base.host import job_ranks_per_node
 from base.log import print0
 from base.parallel import check_layout, split_sp
 from data.replay import parse_replay
-from model_utils.rope import nested, normalized, short_scaling, stage_rope
+from model_utils.rope import check_rope, nested, normalized, short_scaling, stage_rope
 from planner.shapes import ROPE_MAX_POSITIONS
 from training.config import Config, StageConfig
 from training.config_types import typed
@@ -349,11 +348,16 @@ def keep_stage_steps(stages: list[Stage], state) -> list[Stage]:
     tokens / epochs at today's samples per step: done + (planned - done) x today's whole-stage count / the whole-stage
     count its rest was planned with (`state.stage_full`, written as `full_steps`; the count it began with in a
     checkpoint before it). Keeping the count it began with trained half of an epoch's remaining samples after a
-    resume on half the nodes, and exited 0; twice them on twice the nodes. A --warmup_ratio warmup follows the stage's final count (it took today's whole-stage count).
-    A stage's own max_steps, raised or lowered, or its max_tokens / epochs changed, still counts for the stage the
-    run is in (a deliberate change, not another world); stages after it take today's settings. Prints what it keeps."""
+    resume on half the nodes, and exited 0; twice them on twice the nodes. On the checkpoint's own layout
+    (`state.same_layout`: world, SP, micro-batch, accumulation, length) it keeps its planned count, an exact resume: a
+    count that differs there is this version's counting rule (since 2026-11-29 an epoch's remainders count: 18 planned
+    steps became 19 mid-stage, the cosine stretched), said as that. A --warmup_ratio warmup follows the stage's final
+    count. A stage's own max_steps, raised or lowered, or its max_tokens / epochs changed, still counts for the stage
+    the run is in (a deliberate change); stages after it take today's settings. The stage the run is in keeps the
+    RoPE its checkpoint trained with to its end (`_kept_rope`). Prints what it keeps."""
     ran, sized = state.stage_steps or [], getattr(state, "stage_sizes", None) or []
     full = getattr(state, "stage_full", None) or ran
+    same = getattr(state, "same_layout", None) is True
     out = []
     for s in stages:
         same_size = s.index < len(sized) and sized[s.index] == s.steps_from != "steps"  # its max_tokens / epochs as then
@@ -362,7 +366,7 @@ def keep_stage_steps(stages: list[Stage], state) -> list[Stage]:
         # the current stage is rescaled whenever today's whole-stage count differs from the one its rest was planned
         # with (`was`), compared to that, not to the planned count: after a rescale the two differ at the same rate
         rescale = s.index == state.stage and same_size and was is not None and 0 <= done < ran[s.index] and (
-            was != s.max_steps or ran[s.index] != s.max_steps)
+            was != s.max_steps or ran[s.index] != s.max_steps) and not same
         keep = s.index < len(ran) and ran[s.index] != s.max_steps and (
             s.index < state.stage or (s.index == state.stage and same_size))
         if rescale:  # the rest at today's samples per step
@@ -373,9 +377,16 @@ def keep_stage_steps(stages: list[Stage], state) -> list[Stage]:
                        f"{s.steps_from.split(':')[0]} over another world, batch or accumulation (today's settings give "
                        f"{s.max_steps} for the whole stage): the rest of its data in {rest} more steps, {done + rest} in all")
             s = dataclasses.replace(s, max_steps=done + rest, full_steps=s.max_steps)
+        elif keep and s.index == state.stage and same:  # an exact resume: today's count is another counting rule's
+            if was != s.max_steps:
+                print0(f"note: stage {s.index} ({s.name}) keeps the {ran[s.index]} steps it began with, {done} run (world, "
+                       f"SP, micro-batch, accumulation, length as then): this version's counting rule gives {s.max_steps} "
+                       f"(training/hf_args.epoch_steps: every sample, the accumulation's remainder a step"
+                       f"{'; or its samples changed' if s.steps_from.startswith('epochs') else ''})")
+            s = dataclasses.replace(s, max_steps=ran[s.index], full_steps=s.max_steps)
         elif keep:
-            why = (f"its {s.steps_from.split(':')[0]} over another world, batch or accumulation"
-                   if s.steps_from != "steps" else "a finished stage keeps what it ran")
+            why = ("its " + s.steps_from.split(":")[0] + " over another world, batch or accumulation"
+                   if s.steps_from != "steps" and not same else "a finished stage keeps what it ran")
             print0(f"note: stage {s.index} ({s.name}) keeps the {ran[s.index]} steps it "
                    f"{'ran' if s.index < state.stage else 'began'} with (today's settings give {s.max_steps}: {why})")
             s = dataclasses.replace(s, max_steps=ran[s.index])
@@ -389,6 +400,12 @@ def keep_stage_steps(stages: list[Stage], state) -> list[Stage]:
                 print0(f"note: stage {s.index} ({s.name}): warmup {warm} steps (--warmup_ratio {s.warmup_ratio:g} of "
                        f"its {s.max_steps}; today's settings gave {s.warmup_steps})")
                 s = dataclasses.replace(s, warmup_steps=warm)
+        if s.index == state.stage and (rope := _kept_rope(stages, state)) is not None:
+            print0(f"note: {state.checkpoint} trained stage {s.index} ({s.name}) with RoPE {rope} (a stage without rope: "
+                   f"ran the run's or the model's before 2026-11-30): it keeps it to the stage's end, an exact resume; "
+                   f"from the next stage on, one without rope keeps the previous stage's (this version's rule: stage "
+                   f"{s.rope_from} ({stages[s.rope_from].name})'s {s.rope} here)")
+            s = dataclasses.replace(s, rope=rope, rope_from=None)
         out.append(s)
     return out
 
@@ -414,7 +431,7 @@ def check_resumed_stages(stages: list[Stage], state) -> None:
         if renamed:
             print0(f"note: {state.checkpoint}'s stage(s) {', '.join(f'{a} -> {b}' for a, b in renamed)} renamed in "
                    "today's recipe: resumed by position")
-        _rope_rule_note(stages, state)
+        _kept_rope(stages, state)  # one that cannot be kept: refused here, before the data or a conversion
         return
     what = (f"today's recipe has {len(today)} stage(s) {today}" if wrong is None or wrong >= len(today)
             else f"today's stage {wrong} is {today[wrong]}, the checkpoint's was {names[wrong]}")
@@ -430,30 +447,33 @@ def check_resumed_stages(stages: list[Stage], state) -> None:
                      f"stage by position){export}")
 
 
-def _rope_rule_note(stages: list[Stage], state) -> None:
-    """One line where the checkpoint is in a stage that keeps an earlier stage's `rope` and its hf_config.json shows
-    it trained with another (a checkpoint of the code before that rule: a stage without `rope:` ran the run's or the
-    model's RoPE). The run continues with today's rule; the note says what changed mid-stage and how to keep the old."""
-    k = state.stage
+def _kept_rope(stages: list[Stage], state) -> dict | None:
+    """The RoPE the checkpoint's stage keeps to its end (keep_stage_steps), None for today's: where the checkpoint is
+    inside a stage that keeps an earlier stage's `rope` and its hf_config.json (`state.trained_rope`, rank 0's read)
+    shows another (the code before that rule ran the run's or the model's). Switched mid-stage, the stage's rest ran
+    another position encoding (an upgrade audit: losses 1.29 1.26 0.71 3.32 kept, 0.04 0.33 0.26 1.28 switched). One
+    this version cannot set at the stage's SP (model_utils/rope.check_rope): a one-line ValueError naming the fix."""
+    k, saved = state.stage, getattr(state, "trained_rope", None)
     s = stages[k] if k < len(stages) else None
     ran = getattr(state, "stage_steps", None) or []
-    if s is None or getattr(s, "rope_from", None) is None or len(ran) > k and state.step >= sum(ran[:k + 1]):
-        return  # its own rope, or the checkpoint is the stage's end: the next stage starts as today's recipe says
+    if s is None or getattr(s, "rope_from", None) is None or not s.rope or not isinstance(saved, dict) or (
+            len(ran) > k and state.step >= sum(ran[:k + 1])):
+        return None  # its own rope, nothing to compare, or the checkpoint is the stage's end: the next stage as today's
     try:
-        with open(os.path.join(state.checkpoint, "hf_config.json")) as fh:
-            saved = json.load(fh)
-        saved = saved.get("rope_parameters") or (saved.get("text_config") or {}).get("rope_parameters")
-        if not isinstance(saved, dict):
-            return
         flat = [(saved, normalized(s.rope, "rope"))] if not nested(s.rope) else [
             (saved.get(t), normalized(p, "rope")) for t, p in s.rope.items()]
-    except (OSError, ValueError, AttributeError):
-        return  # nothing readable to compare: the resume is not judged on a note
+    except (ValueError, AttributeError, TypeError):
+        return None
     if all(isinstance(got, dict) and all(got.get(key) == v for key, v in own.items()) for got, own in flat):
-        return
-    print0(f"note: {state.checkpoint} trained stage {k} ({s.name}) with RoPE {saved} (a stage without rope: ran the "
-           f"run's or the model's then); it goes on with stage {s.rope_from} ({stages[s.rope_from].name})'s {s.rope}, "
-           f"which such a stage keeps now: give stage {s.name} rope: {saved} to keep what it trained with")
+        return None  # trained under today's rule
+    try:
+        for part in (saved.values() if nested(saved) else [saved]):
+            check_rope(part, "rope", s.sp)
+    except ValueError as e:
+        raise ValueError(f"{state.checkpoint} trained stage {k} ({s.name}) with RoPE {saved}, which this version cannot "
+                         f"keep for the rest of the stage ({e}): train the stage again from its start under this "
+                         f"version's rule, --resume checkpoints/STAGE_{k - 1}_{stages[k - 1].name}") from None
+    return saved
 
 
 def _unnamed(name: str, i: int) -> bool:

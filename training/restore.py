@@ -54,7 +54,7 @@ from training.checkpoint_files import (
 from training.job import Requeue
 from training.preemption import Deadline
 from training.resume_listing import listing
-from training.resume_notes import check_other_run, data_moved, resume_notes
+from training.resume_notes import check_other_run, data_moved, moved_note, resume_notes, same_layout
 
 
 def set_rng_state(s: dict) -> None:
@@ -83,6 +83,11 @@ class TrainState:
     tokenizer_vocab: str | None = None  # whose ids it trained on (data/store.vocab_identity)
     optimizer_groups: int | None = None  # 2: norms and biases in a group of their own (no decay); None / 1: one group
     stage_names: list | None = None  # the checkpoint's stages up to its own, by name (None: one not recorded)
+    # read at a resume, never saved: whether today's job runs the checkpoint's stage on its world, SP, micro-batch,
+    # accumulation and length (resume_notes.same_layout; None: not known), and the RoPE its hf_config.json holds (the
+    # one its stage trained with: training/curriculum.keep_stage_steps)
+    same_layout: bool | None = None
+    trained_rope: dict | None = None
     # the open run of non-finite steps (training/step.bad_step): how many, and the first. Never saved: no save is taken
     # while one is open (training/stage.py), so every checkpoint's is 0
     bad_steps: int = 0
@@ -102,6 +107,16 @@ class TrainState:
         self.tokenizer_vocab = d.get("tokenizer_vocab")
         self.optimizer_groups = d.get("optimizer_groups")
         self.stage_names = recorded_stage_names(d)
+
+
+def trained_rope(path: str) -> dict | None:
+    """Rank 0: the rope_parameters the checkpoint's hf_config.json holds (its text config's, for a composite one):
+    what its stage trained with; None where it does not say."""
+    got = read_json(os.path.join(path, "hf_config.json")).get("json")
+    for where in (got, got.get("text_config") if isinstance(got, dict) else None):
+        if isinstance(where, dict) and isinstance(where.get("rope_parameters"), dict):
+            return where["rope_parameters"]
+    return None
 
 
 def recorded_stage_names(d: dict) -> list:
@@ -281,6 +296,8 @@ class Restorer:
                              "use the same model, another --output_dir, or --resume none")
         state.load_state_dict(trainer)
         state.checkpoint = path
+        state.same_layout = same_layout(trainer, config or {}, comm.world())
+        state.trained_rope = comm.run_on_main(lambda: trained_rope(path))
         if check is not None:
             check(state)
         check_other_run(path, self.output_dir, trainer, config or {}, resume)
@@ -342,8 +359,7 @@ class Restorer:
             saved = self.load(engine, state.checkpoint)
             moved = data_moved(saved["sampler"], sampler.state_dict())
             if moved:  # appended documents, another packing: the position is a fraction of another order now
-                print0(f"note: the data changed since {state.checkpoint} ({'; '.join(moved)}): this epoch goes on at "
-                       "the same fraction of a new order (some of its samples repeat, others wait for the next epoch)")
+                print0(moved_note(state.checkpoint, moved))
             sampler.load_state_dict(saved["sampler"])
             if "rng" in saved:
                 set_rng_state(saved["rng"])

@@ -3,7 +3,9 @@
 current stage keeps, the global batch of another data-parallel size, a finished run's folder reused for another
 dataset or base model (refused), and the data that moved under a saved data position. Pure functions of
 `trainer.json` (its `config`: training/config.to_dict) and the samplers' states; every rank holds the same copies
-(rank 0 read them and broadcast), so every rank decides the same.
+(rank 0 read them and broadcast), so every rank decides the same. A change of `stages` is named key by key, with
+how to keep the old value where it reaches the stage being resumed; whether the job runs the checkpoint's layout
+(`same_layout`) decides how an epoch- or token-sized stage keeps its count (training/curriculum.keep_stage_steps).
 """
 
 from __future__ import annotations
@@ -22,7 +24,13 @@ KEPT_KEYS = ("seed",)  # the saved run's wins for the stage it resumes in: its d
 OTHER_RUN_KEYS = ("dataset_path", "model_name_or_path")  # a finished run's folder reused with another: refused
 SIZE_KEYS = ("max_steps", "num_train_epochs")  # with each stage's max_steps / max_tokens: how long the run is
 STAGE_SIZE_KEYS = ("max_steps", "max_tokens")
+PACKING_SAID = " (the same indices name other samples)"  # data_moved's words for another packing (moved_note)
 RESOLVED_SP = "resolved_sp"  # beside today's settings (`with_resolved_sp`): each stage's SP as this job resolved it
+# a stage key -> the run's setting a stage without it runs with (training/curriculum.resolve_stages; `rope` is the
+# previous stage's, not the run's: not here)
+RUN_OF = {k: k for k in ("max_seq_length", "sequence_parallel_size", "context_parallel_size", "learning_rate", "min_lr",
+                         "warmup_steps", "lr_scheduler", "memory_features", "loss_weighting")}
+RUN_OF["kind"] = "data_kind"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -90,9 +98,16 @@ def resume_notes(path: str, saved: dict, now: dict, trainer: dict | None = None,
     batch (`batch_note`)."""
     out = []
     changed = changed_settings(saved, now)
+    diffs = stage_changes(saved, now) if "stages" in changed else []
+    if "stages" in changed and not diffs:  # only fields a newer version writes (None: the run's, as before)
+        changed.remove("stages")
     if changed:  # continuing with new settings is allowed (an LR, more steps); a new run in an old folder is not
-        out.append(f"note: {path} was written by a run whose {', '.join(changed)} differed: this run continues it from"
-                   " its step with today's (a new run: another --output_dir, or --resume none)")
+        what = ", ".join(f"stages ({'; '.join(f'stage {i} ({n}) {d}' for i, n, *_, d in diffs)})" if k == "stages" else k
+                         for k in changed)
+        out.append(f"note: {path} was written by a run whose {what} differed: this run continues it from its step "
+                   "with today's (a new run: another --output_dir, or --resume none)")
+    if trainer is not None:
+        out += mid_stage_changes(path, trainer, diffs)
     for k in changed_settings(saved, now, KEPT_KEYS):  # data/sampler.py, data/mixture.py keep the saved seed
         out.append(f"note: {path} was written with {k} {saved[k]}: the stage it resumes in keeps it for its data order "
                    f"(today's {now[k]} would repeat some of its samples and skip others); that stage's synthetic task "
@@ -100,6 +115,71 @@ def resume_notes(path: str, saved: dict, now: dict, trainer: dict | None = None,
                    f"{now[k]}")
     batch = None if trainer is None or world is None else batch_note(path, trainer, now, world)
     return out + ([batch] if batch else [])
+
+
+def _effective(conf: dict, stage: dict, key: str):
+    """A stage key's value as the run applies it: the stage's own, else the run's same setting (RUN_OF), else the
+    default (training/config.Config); a key no run setting backs (name, tasks, rope: the previous stage's) as given."""
+    if stage.get(key) is not None or key not in RUN_OF:
+        return stage.get(key)
+    from training.config import Config
+
+    field = Config.__dataclass_fields__.get(RUN_OF[key])
+    return conf.get(RUN_OF[key], field.default if field is not None else None)
+
+
+def stage_changes(saved: dict, now: dict) -> list[tuple[int, str, str, str, str]]:
+    """What differs in `stages` between the saved settings and today's, key by key: (stage, its name, key, its old
+    value as said, "loss_weighting token -> conversation"); a key the stage leaves unset is named by the value it runs
+    with (the run's). A key whose value the stage runs with is the same (a field written by a newer version, a value
+    given that the run's gave before) is not named; a stage added or removed is (key "")."""
+    a, b = saved.get("stages") or [], now.get("stages") or []
+    out = []
+    for i in range(max(len(a), len(b))):
+        x, y = (a[i] if i < len(a) else None), (b[i] if i < len(b) else None)
+        if not isinstance(x, dict) or not isinstance(y, dict):
+            name = (x if isinstance(x, dict) else y if isinstance(y, dict) else {}).get("name") or f"stage{i}"
+            out.append((i, name, "", "", "removed" if isinstance(x, dict) else "added"))
+            continue
+        name = y.get("name") or x.get("name") or f"stage{i}"
+        for k in sorted(set(x) | set(y)):
+            was, got = _shown(_effective(saved, x, k)), _shown(_effective(now, y, k))
+            if was != got:
+                out.append((i, name, k, was, f"{k} {was} -> {got}"))
+    return out
+
+
+def _shown(v) -> str:
+    return "unset" if v is None else json.dumps(v, sort_keys=True, default=str) if isinstance(v, dict | list) else str(v)
+
+
+def mid_stage_changes(path: str, trainer: dict, diffs: list[tuple[int, str, str, str, str]]) -> list[str]:
+    """One line where a stage key that shapes training changed for the stage the checkpoint is inside
+    (`stage_changes`): its rest trains with today's value from the checkpoint's step on; the line names how to keep
+    the old one. A stage's own key beats the run's flag for loss_weighting, memory_features and kind
+    (training/curriculum.resolve_stages); a flag of training/config.STAGE_FLAGS replaces every stage's
+    (flags_over_stages): the recipe's stage key is the fix that touches this stage alone. Its length (max_steps /
+    max_tokens: training/curriculum.keep_stage_steps says it) and eval (run at its end) are not named here; nothing
+    where the checkpoint ends its stage (the next one starts as today's settings say)."""
+    from training.config import STAGE_FLAGS
+
+    try:
+        k, step, ran = int(trainer["stage"]), int(trainer["step"]), [int(x) for x in trainer.get("stage_steps") or []]
+    except (KeyError, TypeError, ValueError):
+        return []
+    mine = [(key, was, words) for i, _, key, was, words in diffs
+            if i == k and key not in ("", "name", "eval", "max_steps", "max_tokens")]
+    if not mine or len(ran) > k and step >= sum(ran[:k + 1]):
+        return []
+    keep = []
+    for key, was, _ in mine:
+        how = f"the stage `{key}: {was}` in the recipe" if was != "unset" else f"the stage no `{key}` in the recipe"
+        flag = RUN_OF.get(key)
+        keep.append(how if flag is None else f"{how} (a stage's own {key} beats --{flag})" if flag not in STAGE_FLAGS
+                    else f"{how} (--{flag} would set every stage's)")
+    name = next(n for i, n, *_ in diffs if i == k)
+    return [f"note: stage {k} ({name}) changes mid-stage, {path} being inside it: {'; '.join(w for *_, w in mine)} "
+            f"from step {step + 1} on; to keep what it began with, give {'; '.join(keep)}"]
 
 
 def with_resolved_sp(config: dict, stages: list) -> dict:
@@ -122,10 +202,32 @@ def _today_sp(now: dict, stage: int, saved_sp: int) -> int:
 
 def _setting_sp(now: dict, stage: int):
     """The SP degree today's settings give the stage: its own, else the run's (an int, "auto", or None)."""
-    stages = now.get("stages") or []
-    own = stages[stage].get("sequence_parallel_size") if 0 <= stage < len(stages) and isinstance(stages[stage],
-                                                                                               dict) else None
-    return own if own is not None else now.get("sequence_parallel_size")
+    return _stage_value(now, stage, "sequence_parallel_size")
+
+
+def same_layout(trainer: dict, now: dict, world: int) -> bool | None:
+    """Whether today's job runs the checkpoint's stage on its layout: the same world, SP degree (as this job resolved
+    it: `_today_sp`), micro-batch, accumulation and sequence length. Then a stage sized by tokens or epochs counts its
+    steps from the same samples per step, and a count that differs is this version's counting rule, not the job
+    (training/curriculum.keep_stage_steps keeps the planned one). None where the checkpoint does not say (written
+    before `world` / `sp`)."""
+    saved = trainer.get("config") or {}
+    try:
+        k, saved_sp = int(trainer.get("stage", 0)), int(trainer["sp"])
+        was = (int(trainer["world"]), saved_sp, int(saved["per_device_train_batch_size"]),
+               int(saved["gradient_accumulation_steps"]), _stage_value(saved, k, "max_seq_length"))
+        got = (int(world), _today_sp(now, k, saved_sp), int(now["per_device_train_batch_size"]),
+               int(now["gradient_accumulation_steps"]), _stage_value(now, k, "max_seq_length"))
+    except (KeyError, TypeError, ValueError):
+        return None
+    return was == got
+
+
+def _stage_value(conf: dict, stage: int, key: str):
+    """A setting as stage `stage` runs it: its own, else the run's."""
+    stages = conf.get("stages") or []
+    own = stages[stage].get(key) if 0 <= stage < len(stages) and isinstance(stages[stage], dict) else None
+    return own if own is not None else conf.get(key)
 
 
 def batch_note(path: str, trainer: dict, now: dict, world: int) -> str | None:
@@ -167,9 +269,25 @@ def data_moved(saved: dict, now: dict, where: str = "") -> list[str]:
     out = [f"{where}{k} {saved[k]} -> {now[k]}" for k in ("num_samples", "sizes")
            if k in saved and k in now and saved[k] != now[k]]
     if "packing" in now and saved.get("packing") != now["packing"] and ("num_samples" in saved or "sizes" in saved):
-        out.append(f"{where}packing {saved.get('packing', 'best-fit-decreasing in stream order')} -> {now['packing']} "
-                   "(the same indices name other samples)")
+        out.append(f"{where}packing {saved.get('packing', 'best-fit-decreasing in stream order')} -> {now['packing']}"
+                   + PACKING_SAID)
     for k, v in saved.items():
         if isinstance(v, dict) and isinstance(now.get(k), dict):
             out += data_moved(v, now[k], f"{where}{k}.")
     return out
+
+
+def moved_note(path: str, moved: list[str]) -> str:
+    """The one line a mid-stage resume prints for `data_moved`'s list. A packing rule of this version that differs from
+    the one that wrote `path` (the permuted SFT packing of 2026-11-30) is said as that, not as a change of the user's
+    data: the same documents, and the saved position's indices name other samples; counts that moved beside it are
+    named too (another packing may fill another number of samples). Without a packing change: the data changed."""
+    rule = [m.replace(PACKING_SAID, "") for m in moved if m.endswith(PACKING_SAID)]
+    rest = [m for m in moved if not m.endswith(PACKING_SAID)]
+    order = ("this epoch goes on at the same fraction of a new order (some of its samples repeat, others wait for the "
+             "next epoch)")
+    if not rule:
+        return f"note: the data changed since {path} ({'; '.join(rest)}): {order}"
+    also = f"; beside it {'; '.join(rest)}" if rest else ""
+    return (f"note: this version packs the conversations into samples by another rule than the one that wrote {path} "
+            f"({'; '.join(rule)}{also}): the same indices name other samples, so {order}")

@@ -175,3 +175,33 @@ def test_a_rules_step_refuses_only_shards_holding_the_rows_it_changed(tmp_path):
     with pytest.raises(ValueError, match=r"doc7, doc8 \(pre-tokenized .* if its chunks hold any: their record cannot"):
         prepare([str(tmp_path / "c0.jsonl")], str(o), vocab_size=100, workers=0, eos_id=2, chunk_tokens=10,
                 batch_docs=2, log=lambda _: None)
+
+
+def test_a_shard_begun_by_an_older_version_is_refused_as_that(tmp_path):
+    """An upgrade audit: a preparation killed on the code of 2026-11-29 and resumed by the same command today was
+    refused as "another preparation (differs in ['inputs', 'text_specials', 'units'])": keys this version records and
+    the older plan lacks, and its inputs named the older way (kind:/abs/path:size). Still refused (whether it read the
+    rows alike cannot be told), now as an older version's shard, with --overwrite; another command is another
+    preparation, as before."""
+    out = tmp_path / "prep"
+    rows = _rows(tmp_path)
+    prepare([rows], str(out), vocab_size=100, workers=0, eos_id=0, log=lambda _: None)
+    for f in ("shard-00000-of-00001.json", "manifest.json"):
+        (out / f).unlink()
+    plan = out / "plan-s00000.json"
+    p = json.loads(plan.read_text())
+    kind, _, size, _ = p["units"][0].split(":")
+    older = {**{k: v for k, v in p.items() if k not in ("inputs", "text_specials", "rules", "clock")},
+             "units": [f"{kind}:{os.path.abspath(rows)}:{size}"]}
+    plan.write_text(json.dumps(older))
+    with pytest.raises(ValueError) as e:
+        prepare([rows], str(out), vocab_size=100, workers=0, eos_id=0, log=lambda _: None)
+    msg = str(e.value)
+    assert "was begun by an older version of prepare_data" in msg and "['inputs', 'text_specials']" in msg, msg
+    assert "names its inputs the older way" in msg and "--overwrite" in msg and "another preparation" not in msg, msg
+    plan.write_text(json.dumps({**older, "chunk_tokens": 7}))  # another command's shard: as before
+    with pytest.raises(ValueError, match=r"holds shard 0 of another preparation \(differs in \['chunk_tokens'"):
+        prepare([rows], str(out), vocab_size=100, workers=0, eos_id=0, log=lambda _: None)
+    plan.write_text(json.dumps(older))
+    m = prepare([rows], str(out), vocab_size=100, workers=0, eos_id=0, overwrite=True, log=lambda _: None)
+    assert m["n_docs"] == 10

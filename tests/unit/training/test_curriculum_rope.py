@@ -1,7 +1,8 @@
 """What a stage without `rope:` runs (training/curriculum.resolve_stages): the previous stage's RoPE, the first stage
 the run's `rope`, else the model's; `rope: {}` the model's own. Said at plan time, and on a resume whose checkpoint
 trained such a stage under the older rule (the model's RoPE). A warmup as long as the stage is noted. No launch:
-tiny transformers configs, the rotary frequencies transformers computes from them (auditE3 findings 1 and 6)."""
+tiny transformers configs, the rotary frequencies transformers computes from them (auditE3 findings 1 and 6); a
+resume inside such a stage keeps the RoPE its checkpoint trained with to the stage's end."""
 
 from __future__ import annotations
 
@@ -50,25 +51,44 @@ def test_a_stage_without_rope_keeps_the_previous_stages(capsys):
     assert [_theta(s) for s in (x, y)] == [20000.0, 20000.0] and x.rope_from is None is y.rope_from
 
 
-def test_a_resume_mid_stage_says_the_stage_trained_with_another_rope(tmp_path, capsys):
-    """A checkpoint written inside c by the code before this rule holds the base theta in its hf_config.json: the run
-    resumed today trains c's rest with b's 40000; one note says so and how to keep the old."""
+def test_a_resume_mid_stage_keeps_the_rope_the_stage_trained_with(tmp_path, capsys):
+    """A checkpoint written inside c by the code before this rule holds the base theta in its hf_config.json (an
+    upgrade audit: s512b, after a yarn stage, stopped mid-stage on the code of 2026-11-29). Resumed today, c's rest
+    switched to b's 40000 with a note only (losses 1.29 1.26 0.71 3.32 -> 0.04 0.33 0.26 1.28); now c keeps 10000 to
+    its end, said in one line, and the stage after it (d, no rope) takes today's rule (b's)."""
+    import dataclasses
+
+    import pytest
+
+    from training.curriculum import keep_stage_steps
+    from training.restore import trained_rope
+
     stages = _stages(StageConfig(name="a", max_seq_length=1000, max_steps=3),
                      StageConfig(name="b", max_seq_length=2000, max_steps=2, rope=ABF),
-                     StageConfig(name="c", max_seq_length=4000, max_steps=4))
+                     StageConfig(name="c", max_seq_length=4000, max_steps=4),
+                     StageConfig(name="d", max_seq_length=4000, max_steps=4))
     ck = tmp_path / "step_6"
     ck.mkdir()
     (ck / "hf_config.json").write_text(json.dumps({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}))
-    state = types.SimpleNamespace(checkpoint=str(ck), stage=2, step=6, stage_names=["a", "b", "c"], stage_steps=[3, 2, 4])
+    state = types.SimpleNamespace(checkpoint=str(ck), stage=2, step=6, stage_names=["a", "b", "c"], stage_steps=[3, 2, 4],
+                                  trained_rope=trained_rope(str(ck)))  # rank 0's read at resume (training/restore.py)
     check_resumed_stages(stages, state)
+    kept = keep_stage_steps(stages, state)
     out = capsys.readouterr().out
-    assert out.count("\n") == 1 and "trained stage 2 (c) with RoPE" in out and "rope_theta': 40000.0" in out, out
-    (ck / "hf_config.json").write_text(json.dumps({"rope_parameters": {"rope_type": "default", "rope_theta": 40000.0}}))
-    check_resumed_stages(stages, state)  # trained under today's rule: nothing to say
-    state.step = 9  # c's end: nothing of c trains again
-    (ck / "hf_config.json").write_text(json.dumps({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}))
-    check_resumed_stages(stages, state)
+    assert [_theta(s) for s in kept] == [10000.0, 40000.0, 10000.0, 40000.0]
+    assert out.count("\n") == 1 and "trained stage 2 (c) with RoPE" in out and "keeps it to the stage's end" in out, out
+    assert "stage 1 (b)'s {'rope_type': 'default', 'rope_theta': 40000.0}" in out, out
+    state.trained_rope = ABF  # trained under today's rule: nothing to keep, nothing to say
+    assert [_theta(s) for s in keep_stage_steps(stages, state)] == [10000.0, 40000.0, 40000.0, 40000.0]
+    state.step, state.trained_rope = 9, {"rope_type": "default", "rope_theta": 10000.0}  # c's end: d as today's
+    assert [_theta(s) for s in keep_stage_steps(stages, state)] == [10000.0, 40000.0, 40000.0, 40000.0]
     assert capsys.readouterr().out == ""
+    # one this version cannot keep at the stage's SP (dynamic NTK at sp 2): refused in one line at the resume's check
+    state.step, state.trained_rope = 6, {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    wide = [*stages[:2], dataclasses.replace(stages[2], sp=2), stages[3]]
+    with pytest.raises(ValueError) as e:
+        check_resumed_stages(wide, state)
+    assert "\n" not in str(e.value) and "--resume checkpoints/STAGE_1_b" in str(e.value), e.value
 
 
 def test_a_warmup_as_long_as_the_stage_is_noted(capsys):

@@ -177,3 +177,59 @@ def test_an_auto_sp_resolved_otherwise_on_the_nodes_of_a_requeue_notes_the_batch
     assert ck.resume("auto", "h", "m1", today).step == 6
     out = capsys.readouterr().out
     assert "data parallel 16 -> 8; sequence parallel 2 -> 4 (auto" in out and "differed" not in out, out
+
+
+def test_a_stage_key_that_changed_is_named_with_both_values_and_the_fix_mid_stage(tmp_path, capsys):
+    """The shipped 128k SFT recipe gained `loss_weighting: conversation` in its stage (2026-11-29): a run resumed
+    mid-stage across that pull was told only "stages differed", and --loss_weighting token could not undo it (a
+    stage's own beats the flag). The note names the key and both values, says it reaches the stage being resumed, and
+    how to keep the old value; fields a newer version writes (None: the run's) are no change."""
+    saved, now = {**OLD, "loss_weighting": "token", "stages": [{}]}, {**OLD, "stages": [{"loss_weighting": "conversation"}]}
+    trainer = {"step": 4, "stage": 0, "stage_steps": [10], "config": saved}
+    out = "\n".join(resume_notes("ck", saved, now, trainer))
+    assert "stage 0 (stage0) loss_weighting token -> conversation" in out, out
+    assert "stage 0 (stage0) changes mid-stage, ck being inside it" in out and "from step 5" in out, out
+    assert "`loss_weighting: token`" in out, out
+    assert "beats --loss_weighting" in out, out
+    trainer["step"] = 10  # the stage's end: the next stage starts as today's settings say
+    assert "mid-stage" not in "\n".join(resume_notes("ck", saved, now, trainer))
+    # a key a flag sets for every stage is named with that flag; a field written by a newer version is no change
+    lr = resume_notes("ck", {**OLD, "stages": [{"learning_rate": None}]}, {**OLD, "stages": [{"learning_rate": 5e-4}]},
+                      {"step": 1, "stage": 0, "stage_steps": [10]})
+    assert "learning_rate 0.001 -> 0.0005" in lr[0] and "--learning_rate would set every stage's" in lr[1], lr
+    assert resume_notes("ck", {**OLD, "stages": [{"name": "a"}]}, {**OLD, "stages": [{"name": "a", "kind": None}]}) == []
+
+
+def test_an_exact_layout_is_told_to_the_stage_counts(tmp_path):
+    """Checkpointer.resume records whether today's job runs the checkpoint's stage on its world, SP, micro-batch,
+    accumulation and length (training/curriculum.keep_stage_steps keeps the planned count of an epoch-sized stage
+    there: a count that differs is this version's counting rule)."""
+    from training.resume_notes import same_layout
+
+    conf = {**BATCH, "gradient_accumulation_steps": 3, "max_seq_length": 2048, "max_steps": 100}
+    trainer = {"step": 5, "stage": 0, "world": 1, "sp": 1, "config": conf}
+    assert same_layout(trainer, dict(conf), 1) is True
+    assert same_layout(trainer, dict(conf), 2) is False
+    assert same_layout(trainer, {**conf, "gradient_accumulation_steps": 1}, 1) is False
+    assert same_layout(trainer, {**conf, "max_seq_length": 4096}, 1) is False
+    assert same_layout({k: v for k, v in trainer.items() if k != "sp"}, dict(conf), 1) is None  # older: not known
+    ck = Checkpointer(str(tmp_path), keep=2)
+    ck.save(FakeEngine(), 5, {**trainer, "tokens": 0, "model_hash": "h", "stage_steps": [18], "stage_sizes": ["epochs:2"]},
+            {"sampler": {}}, FakeConfig())
+    assert ck.resume("auto", "h", "m1", dict(conf)).same_layout is True
+
+
+def test_a_packing_rule_change_is_said_as_this_versions_not_as_changed_data():
+    """The permuted SFT packing (2026-11-30) read as "the data changed since ..." though the user's data had not: the
+    code's rule had. The same facts, worded as the packing rule's change; a count that moved is named beside it."""
+    from training.resume_notes import moved_note
+
+    rule = "base.packing best-fit-decreasing in stream order -> best-fit-decreasing, permuted (the same indices name " \
+           "other samples)"
+    note = moved_note("ck", [rule])
+    assert note.startswith("note: this version packs the conversations into samples by another rule than the one "
+                           "that wrote ck (base.packing best-fit-decreasing in stream order -> best-fit-decreasing, "
+                           "permuted)"), note
+    assert "data changed" not in note and "the same indices name other samples" in note, note
+    assert "beside it num_samples 40 -> 38" in moved_note("ck", [rule, "num_samples 40 -> 38"])
+    assert moved_note("ck", ["num_samples 20 -> 24"]).startswith("note: the data changed since ck (num_samples 20 -> 24)")
