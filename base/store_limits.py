@@ -1,4 +1,5 @@
-"""The descriptor checks of the job's store at start-up (base/comm.py open_channel calls them; re-exported there):
+"""The descriptor checks of the job's store at start-up (base/comm_channel.py open_channel calls them;
+re-exported by base/comm.py):
 the store's host publishes the descriptors it may hold, every rank refuses a world it cannot hold. The limits
 themselves: base/fd_limit.py."""
 

@@ -23,7 +23,6 @@ a node of 8 ranks, ~3 GB a rank at a stage's start.
 from __future__ import annotations
 
 import dataclasses
-import glob
 import os
 import socket
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from data.heldout import held_identity, heldout_note, heldout_samples, heldout_s
 from data.mixture import MixtureDataset, MixtureSampler, parse_mixture, select_documents
 from data.packing import ConvPack, DocPack, chat_documents, vocab_refusal
 from data.prepare import prepare_in_job
+from data.prepared_again import again_note, unrecorded_note
 from data.replay import ReplayDataset, ReplaySampler, parse_replay
 from data.run_tokenizer import pick_tokenizer
 from data.sampler import ResumableSampler
@@ -336,41 +336,6 @@ def dropped_line(pack: ConvPack, n: int) -> str:
         f" ({none} of them hold none at all)" if none else "")
 
 
-def _plan(folder: str) -> dict | None:
-    """What an in-job prepared folder was prepared from (its one shard's plan, data/prepare_data.py), None unreadable."""
-    try:
-        return read_json(sorted(glob.glob(os.path.join(glob.escape(folder), "shard-*-of-*.json")))[0])["plan"]
-    except (OSError, ValueError, IndexError, KeyError, TypeError):
-        return None
-
-
-# what makes an in-job folder's cache key (data/packing.cache_key), as its plan records it
-_RULES = ("tokenization rules (a text's separator or special-token strings, a chat row's system_prompt or end-of-turn: "
-          "data/packing.RULES)")
-_AGAIN = {"units": "its input (its files' names or content)", "tokenizer": "the tokenizer's files",
-          "vocab_bound": "the vocabulary bound", "rules": f"the {_RULES}"}
-
-
-def again_note(dataset_path: str, folder: str, first: str) -> str:
-    """The resume's note where --dataset_path was prepared in the job into another folder than the one the run first
-    trained on, with why, from the two folders' plans: what differs, or nothing (a folder keyed by the input's path and
-    mtime before in-job folders were keyed by its content: the same tokens, prepared once more after that upgrade).
-    Cost: two small JSON reads, at a resume only."""
-    kept = os.path.isdir(first)
-    head = (f"note: --dataset_path {dataset_path} was prepared again in this job ({folder}; this run trained on {first}"
-            f"{'' if kept else ', since removed'}): ")
-    old, new = _plan(first) if kept else None, _plan(folder)
-    if old is not None and new is not None and all(old.get(k) == new.get(k) for k in _AGAIN):
-        return head + ("the same input, tokenizer and rules as then, under another cache key (an earlier version "
-                       "keyed an in-job folder by its input's path and mtime, not its content), so it holds the same "
-                       f"tokens (a chat template's rendered date aside); {first} may be removed once no run uses it")
-    said = (" and ".join(v for k, v in _AGAIN.items() if old.get(k) != new.get(k)) + " differ from its first "
-            "preparation's" if old is not None and new is not None else
-            f"today's {_RULES} may tokenize its documents otherwise, or its input or tokenizer changed")
-    return head + f"{said}, so the tokens trained from this step may differ from those before" + (
-        f"; to keep them pass --dataset_path {first}" if kept else "")
-
-
 def _chat(prepared):
     """Whether document d is a conversation (held out whole or trains whole: data/heldout.py); None for text only."""
     mask = getattr(prepared, "mask", None)
@@ -451,6 +416,8 @@ def open_run_data(dataset_path: str | None, tokenizer_path: str | None, model_vo
     if same_input and first_folder and os.path.realpath(first_folder) != os.path.realpath(folder) and \
             dataset_path != folder:
         print0(again_note(dataset_path, folder, first_folder))  # prepared in the job again under another cache key
+    elif heldout is not None and not first_folder and folder != dataset_path and comm.rank() == 0:
+        print0(unrecorded_note(dataset_path, folder))  # a checkpoint from before the record: which it trained on unknown
     if moved:  # (said beside the note above too: a re-tokenized chat set moves its held-out documents)
         print0(f"note: {moved} of the {len(docs)} held-out documents were not held out at this run's first start (the "
                f"folder at --dataset_path was prepared again: its documents re-tokenized or in another order): they "

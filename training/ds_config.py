@@ -349,7 +349,7 @@ def _check_not_per_process(parsed, where: str, cfg: Config | None) -> None:
 
 
 def reports_to_wandb(report_to: str) -> bool:
-    """Whether this run logs to W&B itself (training/metrics.py wandb_enabled; "auto": wandb installed), unimported."""
+    """Whether this run logs to W&B itself (training/metrics_wandb.py wandb_enabled; "auto": wandb installed), unimported."""
     import importlib.util
 
     return report_to == "wandb" or (report_to == "auto" and importlib.util.find_spec("wandb") is not None)
