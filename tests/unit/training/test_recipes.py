@@ -176,11 +176,12 @@ def test_the_shipped_bases_special_ids_are_its_tokenizers():
     assert (config["bos_token_id"], config["eos_token_id"]) == (bos, eos)
 
 
-@pytest.mark.parametrize("recipe", ["llama3_8b_128k_to_1m", "qwen25_7b_128k_to_1m", "gpt_oss_20b_128k_to_1m"])
-def test_the_1m_recipes_train_longer_context_at_every_stage(recipe):
+@pytest.mark.parametrize("recipe", ["llama3_8b_128k_to_1m_long_mix"])
+def test_the_1m_mixture_recipe_trains_longer_context_at_every_stage(recipe):
     """The stage-data audit: the 128k -> 1M recipes packed the whole stream in order, so on a books-heavy corpus (web
     pages of ~700 tokens, books of ~120k, half the tokens each) 6.6% of the 1M stage's tokens were in document pieces
-    longer than 512k, 9.5% of its samples held one. Each stage now mixes a long component (documents of the previous
+    longer than 512k, 9.5% of its samples held one. Its _long_mix variant (opt-in: it needs long documents; the plain
+    recipes stay as they were for corpora without them and for runs requeued after a pull) mixes a long component (documents of the previous
     stage's length and more: ProLong's 60%) with a short one (40%) and replays 10% at 128k: over a third of its tokens,
     more than half its samples (data/coverage.length_lines, lengths only: the figures the run's start says)."""
     import numpy as np
