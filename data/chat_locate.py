@@ -261,8 +261,9 @@ def prompt_cut(enc, conv: list[dict], turns: list[int], runs: list[tuple[int, in
     `<｜Assistant｜><think>\n`, the history `<｜Assistant｜>` alone), qwen2_5_training the header's `\n`, qwen3_training
     with enable_thinking false `<think>\n\n</think>\n\n`, qwen3_5_think / qwen3_6 / qwen3_8 / nemotron_3_nano_training
     the prompt's `<think>\n` (trl/chat_templates/*.jinja, TRL 1.16.0): all trained before, where the shipped templates
-    train the reply and its end alone. A turn whose prefix does not render is not trained, as on the prefix path (an
-    assistant turn first: transformers renders no empty conversation). Cost: the prompt is rendered exactly for the
+    train the reply and its end alone. A turn whose prefix does not render is not trained, as on the prefix path,
+    except an assistant turn first (transformers renders no empty conversation): its marked run trains, cut by a later
+    turn's prompt (`_first_cut`), as it trained before and in Hugging Face's assistant mask. Cost: the prompt is rendered exactly for the
     first turn after each role (two prefix renders), and read for a later turn after the same role from that one (the
     generation prompt is the row's arguments' and the last message's: DeepSeek's after a tool result is
     `<｜tool▁outputs▁end｜>`) where the tokens before its run are that prompt's: a few renders a row, linear in the
@@ -276,9 +277,9 @@ def prompt_cut(enc, conv: list[dict], turns: list[int], runs: list[tuple[int, in
             try:
                 head, base = r.prefix(k, gen=True), r.prefix(k)
             except RowError as err:
-                why[k] = f"message {k}: " + ("an assistant turn first (no messages before it to find its header by)"
-                                             if k == 0 else str(err))
-                continue
+                if k:
+                    why[k] = f"message {k}: {err}"
+                continue  # an assistant turn first: cut after the loop, by a later turn's prompt
             if not base.lcp(arr) == len(base) <= min(head.lcp(arr), s):  # the messages before render otherwise
                 spans[k] = (min(max(s, head.lcp(arr)), e), e)
                 continue
@@ -288,7 +289,24 @@ def prompt_cut(enc, conv: list[dict], turns: list[int], runs: list[tuple[int, in
         if a < p + len(gen):  # the conversation leaves the prompt partway (header_end's cases)
             a = p + len(off) if off and r.full[p:p + len(off)] == off else p + word_start(enc, gen, a - p, 0)
         spans[k] = (min(max(s, a), e), e)
+    if turns and turns[0] == 0 and 0 not in spans and 0 not in why:
+        spans[0] = _first_cut(enc, r.full, runs[0], seen.get("user") or next(iter(seen.values()), None))
     return spans, why
+
+
+def _first_cut(enc, full: list[int], run: tuple[int, int], prompt: tuple | None) -> tuple[int, int]:
+    """An assistant turn first (no messages before it to render): its marked run, cut past the marked part of the
+    generation prompt learned from a later turn (`prompt`: its tokens, how many lie before the run, off) where the run
+    starts with it; the whole run without one (the turn trained before, and in Hugging Face's assistant mask)."""
+    s, e = run
+    if prompt is None:
+        return s, e
+    gen, before, off = prompt
+    p = s - before  # where the prompt would start: its unmarked tokens before the run are not checked (nothing before)
+    a = s + lcp(gen[before:], full[s:s + len(gen) - before])
+    if a < p + len(gen):  # the conversation leaves the prompt partway (header_end's cases)
+        a = p + len(off) if off and full[s:p + len(off)] == off[before:] else p + word_start(enc, gen, a - p, before)
+    return min(max(s, a), e), e
 
 
 def _off(enc, conv: list[dict], k: int, tools: list | None) -> list[int] | None:

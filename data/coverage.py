@@ -37,6 +37,10 @@ def stage_tokens(stage, world: int, micro_batch: int, grad_accum: int) -> int:
     return stage.max_steps * stage.max_seq_length * micro_batch * grad_accum * dp
 
 
+class Refused(ValueError):
+    """A stage's mixture refused (data/pipeline.RunData.mixture's one line): `start_notes` raises it, not a warning."""
+
+
 def _whole_stream(stage) -> bool:
     return getattr(stage, "data", None) is None
 
@@ -71,7 +75,10 @@ def draw_notes(data, stages, stage, world: int, micro_batch: int, grad_accum: in
     notes = []
     if not _whole_stream(stage):
         comps = parse_mixture(stage.data)
-        mix = data.viewed_mixture(stage)  # the one the stage trains from: not built twice (O(documents) on rank 0)
+        try:
+            mix = data.viewed_mixture(stage)  # the one the stage trains from: not built twice (O(documents) on rank 0)
+        except ValueError as e:
+            raise Refused(str(e)) from None
         weights = np.asarray([c.weight for c in comps]) / sum(c.weight for c in comps)
         over = [f"{n!r} {tokens * w / (size * stage.max_seq_length):.1f}x ({size} samples)"
                 for n, w, size in zip(mix.names, weights, mix.sizes) if tokens * w > size * stage.max_seq_length]
@@ -111,7 +118,9 @@ def draw_notes(data, stages, stage, world: int, micro_batch: int, grad_accum: in
 def start_notes(data, stages, world: int, micro_batch: int, grad_accum: int, done: int = 0) -> list[str]:
     """`draw_notes` of every stage still to train (its steps end past `done`, the step resumed from), for the start to
     say at once; recorded in `data.said` so that a stage's own start leaves them out. A stage whose notes fail says so
-    and the others go on (notes only print). Cost: `draw_notes`' per stage (a mixture build per stage with `data:`)."""
+    and the others go on (notes only print), except a stage whose mixture is refused: that ValueError is raised, the
+    refusal the stage's own start gives (days in, at a later stage; a dry run passed it with a warning). Cost:
+    `draw_notes`' per stage (a mixture build per stage with `data:`)."""
     out, end = [], 0
     data.said = getattr(data, "said", set())
     for s in stages:
@@ -120,6 +129,8 @@ def start_notes(data, stages, world: int, micro_batch: int, grad_accum: int, don
             continue
         try:
             out += draw_notes(data, stages, s, world, micro_batch, grad_accum)
+        except Refused:
+            raise  # a refused mixture: its one line, as the stage's start gives it
         except Exception as e:  # noqa: BLE001
             out.append(f"warning: stage {s.index}'s data notes failed ({type(e).__name__}: {e}); training goes on")
     data.said |= set(out)

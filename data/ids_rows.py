@@ -4,7 +4,8 @@
 that restart: several documents in one row, TRL's pack_dataset / axolotl's sample packing).
 
 - `attention_mask`: all ones is no change; zeros at the row's start or end are padding, stripped with the same
-  slice of every other column (labels of -100 over the padding then match); zeros between ones are refused.
+  slice of every other column (labels of -100 over the padding then match); zeros between ones are refused. Without
+  one, padding its labels show (`_label_pads`: -100 over a run of one id at the end, or of id 0 at the start) is cut.
 - A 0/1 mask of the ids' length is the row's loss mask (both: a token is a target where both say so, as TRL builds its
   labels): `{MASKED: (ids, mask)}`, which data/chat.py's encoder hands on as a chat row's (ids, mask): stored in
   mask-*.bin, counted in `chat_docs` / `supervised_tokens`, its ids as given, its masked tokens the only targets.
@@ -104,6 +105,26 @@ def _kept(row: dict, n: int) -> tuple[int, int] | str:
     return (int(on[0]), int(on[-1]) + 1) if len(on) else (0, 0)
 
 
+def _label_pads(row: dict, ids: list[int], n: int) -> tuple[int, int] | None:
+    """[lo, hi) of a row without `attention_mask` (nor packing columns) past the padding its `labels` show: a run of
+    2+ tokens of one id labelled -100 at its end (nothing after it is trained: cutting it changes no loss), or id 0 at
+    its start (`padding="max_length"` with the mask dropped). Kept, 80% pads were stored and ~5x the compute spent on
+    untrained tokens, silently. The row stays read with its labels (as given, no separator added). None: no padding."""
+    if row.get("attention_mask") is not None or any(row.get(c) is not None for c in PACKED) or n < 3:
+        return None
+    lab = _ints(row.get("labels"), n) if row.get("labels") is not None else None
+    if lab is None:
+        return None
+    a, off = np.asarray(ids), lab == -100
+
+    def run(x, o) -> int:  # the length of the run of one id labelled -100 that x starts with
+        k = int(np.argmin(o & (x == x[0]))) if not (o & (x == x[0])).all() else len(x)
+        return k if k >= 2 else 0
+    hi = n - run(a[::-1], off[::-1])
+    lo = run(a[:hi], off[:hi]) if hi and a[0] == 0 else 0
+    return (lo, hi) if (lo, hi) != (0, n) and hi - lo >= 2 else None
+
+
 def _spans(row: dict, n: int) -> list[tuple[int, int]] | str:
     """A packed row's documents as [start, end) spans (one span: one document), from `seq_lengths` (one length per
     document, adding up to the row's) or `position_ids` (runs 0, 1, 2, ... each restarting at 0 where a document
@@ -162,6 +183,8 @@ def beside_ids(ids, row: dict, name: str) -> tuple[object, str | None]:
     whole = n = len(ids)
     if isinstance(cut := _kept(row, n), str):
         return None, cut
+    pads = cut == (0, n) and _label_pads(row, ids, n)  # no attention_mask: padding its labels show
+    cut = pads or cut
     if cut != (0, n):  # padding: every column of the ids' length sliced as they are
         row = {c: v[slice(*cut)] if isinstance(v, list) and len(v) == n and c != "seq_lengths" else v
                for c, v in ((c, _list(v)) for c, v in row.items())}
@@ -174,7 +197,7 @@ def beside_ids(ids, row: dict, name: str) -> tuple[object, str | None]:
         if isinstance(m, str):
             return None, m
         mask = m if mask is None else mask & m
-    if row.get("labels") is not None and _list(row["labels"]) != ids:  # (equal to the ids: every token)
+    if row.get("labels") is not None and (pads or _list(row["labels"]) != ids):  # (equal to the ids: every token)
         if isinstance(m := labelled(row["labels"], ids, name), str):
             return None, m
         mask, cols = m if mask is None else mask & m, ["labels"] + cols

@@ -173,6 +173,14 @@ def test_issue_47_cases(table, family, case, want):
     assert table[family][case].startswith(want), table[family][case]
 
 
+@pytest.mark.parametrize("family", ["chatml_generation", "phi4_reasoning"])
+def test_an_opening_reply_trains_under_generation_markers(table, family):
+    """Under {% generation %} markers a conversation's opening assistant turn trains its marked run (cut by the prompt
+    a later turn gives), as in Hugging Face's assistant mask: it was left untrained once the generation prompt before
+    each run was cut (no messages before it to render that prompt from)."""
+    assert table[family]["assistant first"] == "trains", table[family]["assistant first"]
+
+
 def test_the_docs_table_is_the_sweeps(table):
     """docs/sft.md holds `python -m data.chat_sweep --markdown` as it prints now."""
     with open("docs/sft.md") as fh:

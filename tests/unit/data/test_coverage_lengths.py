@@ -128,6 +128,32 @@ def test_every_stages_draw_notes_are_said_at_the_start_once(tmp_path, capsys):
     assert capsys.readouterr().out == ""
 
 
+def test_the_start_notes_are_made_inside_rank_0s_bounded_wait(tmp_path, monkeypatch, capsys):
+    """The notes rebuild each `data:` stage's mixture (minutes at 100M conversations): made after run_on_main, rank 0
+    built them while the other ranks went on into a collective under NCCL's watchdog. Made inside run_on_main's
+    function, the others wait on its bounded host wait."""
+    import data.pipeline as pipeline
+    from data.pipeline import open_run_data
+
+    stages = [_stage(0, 256, steps=40), _stage(1, 512, steps=40)]
+    data = open_run_data(_prepared(tmp_path, SHORT), None, 100, stages, reset_position_ids=True)
+    inside, calls = [False], []
+
+    def run_on_main(fn, long=False):
+        inside[0] = True
+        try:
+            return fn()
+        finally:
+            inside[0] = False
+
+    real = pipeline.start_notes
+    monkeypatch.setattr(pipeline.comm, "run_on_main", run_on_main)
+    monkeypatch.setattr(pipeline, "start_notes", lambda *a, **k: calls.append(inside[0]) or real(*a, **k))
+    data.check_batches(stages, world=1, micro_batch=4, grad_accum=1)
+    assert calls == [True]
+    assert "draws its samples from the whole stream again" in capsys.readouterr().out
+
+
 def test_the_dry_run_says_them_from_a_prepared_folder(tmp_path, capsys):
     """--dry_run on a prepared folder: the same per-stage lines and the draw notes, and the `data:` line says whether
     document masking is on (it never did)."""

@@ -108,6 +108,19 @@ def test_an_attention_masks_padding_is_stripped(tmp_path, form, capsys):
     assert "attention_mask has 0s between its 1s (token 1 of 4)" in err and "\n" not in err, err
 
 
+def test_padding_its_labels_show_is_stripped_without_an_attention_mask(tmp_path):
+    """Rows padded to max_length with the mask dropped (labels -100 over the trailing pad id 0): every pad was stored as
+    an untrained token (80% pads: ~5x the compute, silently). A run of 2+ -100 over one id at the end (and over id 0
+    at the start) is cut; the row stays read with its labels, as given. A lone untrained last token is kept."""
+    real = [5 + j % 90 for j in range(100)]
+    rows = [{"input_ids": real + [0] * 412, "labels": real + [-100] * 412} for _ in range(50)]
+    rows += [{"input_ids": [0, 0, 5, 6, 7], "labels": [-100, -100, -100, 6, 7]},
+             {"input_ids": [5, 6, 7, 3], "labels": [-100, 6, 7, -100]}]
+    manifest = prepare([_write(tmp_path, "jsonl", rows)], str(tmp_path / "o"), vocab_size=100, eos_id=2, **QUIET)
+    assert manifest["n_tokens"] == 5000 + 3 + 4, manifest["n_tokens"]
+    assert _docs(tmp_path / "o")[-2:] == [([5, 6, 7], [0, 1, 1]), ([5, 6, 7, 3], [0, 1, 1, 0])]
+
+
 def test_the_in_process_stream_splits_and_strips_too(tmp_path):
     """data/packing.build_token_stream (data/jsonl.read_documents) refused a packed row and kept the pads: its
     documents now as prepare_data's (a loss mask, which it cannot carry, is still refused)."""

@@ -36,3 +36,19 @@ def test_dry_run_passes_a_good_mixture_and_tasks(tmp_path, capsys):
     dry_run(*load_run_config(["--dry_run", "--config", str(recipe), "--nodes", "1", "--gpus_per_node", "2",
                               "--output_dir", str(tmp_path / "out")]))
     assert "dry run: world=2" in capsys.readouterr().out
+
+
+def test_dry_run_refuses_a_mixture_the_run_refuses(tmp_path, capsys):
+    """A component with length bounds no document meets: the run refuses the stage's mixture; the dry run printed
+    "stage 1's data notes failed (...); training goes on" and passed. Now the same one line, naming min_doc_tokens."""
+    from tests.unit.data.test_coverage_lengths import _prepared
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model_name_or_path: tiny-llama\ndataset_path: {_prepared(tmp_path, [100] * 50)}\n"
+                      "per_device_train_batch_size: 1\nstages:\n  - {name: base, max_seq_length: 64, max_steps: 4}\n"
+                      "  - name: long\n    max_seq_length: 128\n    max_steps: 4\n"
+                      "    data: [{name: long, source: '*', weight: 1, min_doc_tokens: 4096}]\n")
+    with pytest.raises(ValueError, match=r"stage 1 \(long\): mixture component 'long': no document of >= 4096 tokens "
+                                         r"in sources \['\*'\] \(min_doc_tokens") as e:
+        dry_run(*load_run_config(["--dry_run", "--config", str(recipe), "--output_dir", str(tmp_path / "out")]))
+    assert "\n" not in str(e.value)
