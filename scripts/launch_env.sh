@@ -261,15 +261,19 @@ print(len(u), len(os.sched_getaffinity(0)), cpu_ranges(u))' 2>/dev/null && retur
 
 # write_env_file: the file deepspeed's runner reads where it starts the ranks over pdsh (runner.py
 # DEEPSPEED_ENVIRONMENT_PATHS: ~ then the working folder, each joined with DS_ENV_FILE, default .deepspeed_env) and
-# exports every KEY=VALUE line of on each node. Written atomically: --no_ssh launchers may share this directory. A file
-# of your own keeps its other lines (LD_LIBRARY_PATH=...): the names in `ours` (and LAUNCH_EXPORT's) are this
-# environment's, set or unset; deepspeed reads every line as KEY=VALUE, so lines without one are dropped. A working
+# exports every KEY=VALUE line of on each node (lines 604-611: into one dict, a later file's key wins). Written
+# atomically: --no_ssh launchers may share this directory. A file of your own keeps its other lines
+# (LD_LIBRARY_PATH=...): the names in `ours` (and LAUNCH_EXPORT's) are this environment's, set or unset (a value there
+# may be an earlier launch's); deepspeed reads every line as KEY=VALUE, so lines without one are dropped. A working
 # folder that cannot be written (a read-only image or checkout: mktemp's bare error, exit 1, before): a file of this
 # launch's under TMPDIR, given to the runner as an absolute DS_ENV_FILE (os.path.join(~, an absolute path) is that
-# path, so it is then the only file read: your lines of ~/ and ./.deepspeed_env are carried into it), said in one line
-# and removed at the end (env_moved). Sets env_file; dies (launch.sh's die) where nothing can be written.
+# path, so it is then the only file read), said in one line and removed at the end (env_moved). Your lines are carried
+# into it as the runner would have merged them from a writable folder: ~/.deepspeed_env's whole but the names this
+# launch writes (it never writes that file: a home NCCL_SOCKET_IFNAME=ib0 with none set here was dropped, a remote
+# node's NCCL on the wrong interface), then ./.deepspeed_env's as its rewrite would keep them, then this launch's.
+# Sets env_file; dies (launch.sh's die) where nothing can be written.
 write_env_file() {
-  local tmp line key v val names f own=()
+  local tmp line key v val names f home="" own=() mine=() written=" "
   env_file=${DS_ENV_FILE:-.deepspeed_env} env_moved=""
   if tmp=$(mktemp "$env_file.XXXXXX" 2>/dev/null); then
     own=("$env_file")
@@ -278,7 +282,9 @@ write_env_file() {
       "name a file in a writable folder"
     tmp=$(mktemp "${TMPDIR:-/tmp}/deepspeed_env.XXXXXX" 2>/dev/null) || die "cannot write .deepspeed_env in $(pwd)" \
       "nor in ${TMPDIR:-/tmp}: cd to a writable folder, or set TMPDIR or DS_ENV_FILE to a path in one"
-    own=("${HOME:-/nonexistent}/.deepspeed_env" .deepspeed_env)  # the runner's two, in its order
+    home=${HOME:-/nonexistent}/.deepspeed_env
+    [ .deepspeed_env -ef "$home" ] && home=""  # the working folder is ~: the file a writable one would rewrite
+    own=(${home:+"$home"} .deepspeed_env)  # the runner's two, in its order
     env_file=$tmp env_moved=1
     export DS_ENV_FILE=$tmp
     echo "launch.sh: $(pwd) is not writable: .deepspeed_env written to $tmp (DS_ENV_FILE for deepspeed's runner)" >&2
@@ -287,24 +293,25 @@ write_env_file() {
   # them a remote node's gloo group binds what its hostname resolves to
   ours='^(NCCL_|GLOO_|FI_|UCX_|WANDB_|HF_|TRANSFORMERS_|TORCH_NCCL_)|^(PYTHONPATH|DS_ACCELERATOR|OMP_NUM_THREADS|PYTORCH_CUDA_ALLOC_CONF|CUDA_HOME|SLURM_JOB_END_TIME|SLURM_JOB_START_TIME|TORCH_EXTENSIONS_DIR|ULYSSES_LAUNCH_ID)$'
   names=$(compgen -e | grep -E "$ours" || true)
-  for f in "${own[@]}"; do
-    [ -f "$f" ] || continue
-    while IFS= read -r line || [ -n "$line" ]; do
-      key=${line%%=*}
-      [ "$key" != "$line" ] && [ -n "$key" ] || continue
-      grep -qE "$ours" <<< "$key" && continue
-      case " $exports " in *" $key "*) continue ;; esac
-      printf '%s\n' "$line" >> "$tmp"
-    done < "$f"
-  done
   for v in $names $exports; do
     # deepspeed over pdsh from a login node without GPUs: its `cpu` would make every GPU node train on CPU
     [ "$v" = DS_ACCELERATOR ] && [ -z "$acc_given" ] && [ -n "$hostfile" ] && [ "$no_ssh$torchrun" = 00 ] && continue
     [ "$v" = ULYSSES_LAUNCH_ID ] && { [ -z "$hostfile" ] || [ "$no_ssh$torchrun" != 00 ]; } && continue  # pdsh's only
     val=${!v-}
     case "$val" in *$'\n'*) echo "launch.sh: not exporting $v (multi-line value)" >&2; continue ;; esac
-    printf '%s=%s\n' "$v" "$val" >> "$tmp"
+    mine+=("$v=$val") written+="$v "
   done
+  for f in "${own[@]}"; do
+    [ -f "$f" ] || continue
+    while IFS= read -r line || [ -n "$line" ]; do
+      key=${line%%=*}
+      [ "$key" != "$line" ] && [ -n "$key" ] || continue
+      case "$written" in *" $key "*) continue ;; esac
+      [ "$f" != "$home" ] && { grep -qE "$ours" <<< "$key" || [[ " $exports " == *" $key "* ]]; } && continue
+      printf '%s\n' "$line" >> "$tmp"
+    done < "$f"
+  done
+  [ "${#mine[@]}" = 0 ] || printf '%s\n' "${mine[@]}" >> "$tmp"
   # shellcheck disable=SC2086  # one name per word
   why=$(env_refusal $names $exports) || { rm -f "$tmp"; die "$why"; }  # values pdsh's command line would change
   [ -n "$env_moved" ] || mv -f "$tmp" "$env_file"

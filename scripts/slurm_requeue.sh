@@ -84,9 +84,10 @@ stop_asked() {  # a node's task got SIGUSR2 (scancel --signal=USR2 without --bat
   return 0
 }
 cancel_ends() {  # $1: the code to exit with; exits when the job was cancelled: the trap's word or the state read now
+  # (left in read_st: requeue_cmd takes a PENDING one for its requeue)
   local st
   st=$(job_state "$(call_s)")  # before `cancelled` is looked at: a TERM arriving during this read runs its trap first
-  st=${st%% *}
+  st=${st%% *} read_st=${st%% *}
   if [ "$cancelled" = 1 ] || [ "$st" = CANCELLED ] || [ "$st" = COMPLETING ]; then
     cancelled=1
     log "the job was cancelled (JobState=${st:-unknown}): not requeueing"
@@ -100,28 +101,40 @@ cancel_ends() {  # $1: the code to exit with; exits when the job was cancelled: 
 # TIMEOUT or PREEMPTED (`finished`): a finished job stays so, scancel cannot make it CANCELLED (job_signal returns
 # ESLURM_ALREADY_DONE, src/slurmctld/job_mgr.c), and on a busy controller that second read and the trap's own outlasted
 # KillWait: SIGKILL before the requeue. Left: a cancel landing during the requeue call itself.
+# A try whose answer is lost (a busy controller: cut at its bound, "Socket timed out") may have landed: the job is then
+# PENDING, which the next try's state read (or the TERM trap's, between two tries) shows: requeued, the book kept (the
+# retries' errors had set Requeue=0 on the pending job at the exit: its next allocation was not requeued, the chain
+# ended). A requeue that fails for any reason but "disabled" leaves `requeue_wanted`: the EXIT trap then keeps the book
+# and leaves Requeue alone (a site's RequeueExit may still requeue the job). A Requeue=0 read at the start still gets
+# one call (refused at once): `scontrol update JobId=J Requeue=1` may have turned it back on since.
 requeue_cmd() {  # $1: the code to exit with when cancelled; `scontrol requeue`, retried (a busy controller answers
-  # with an error), immune to its own SIGTERM
-  local i err
-  [ "$no_requeue" = 1 ] && { requeue_disabled; return 1; }
+  # with an error), immune to its own SIGTERM; returns 1 when it failed, 2 when the job's requeue is disabled
+  local i err s
   for i in 1 2 3; do
-    [ -n "$finished" ] || cancel_ends "$1"
+    [ "$requeued" = 1 ] && { log "the job is pending already (its state read by the TERM trap): requeued"; return 0; }
+    if [ -z "$finished" ]; then
+      read_st="" && cancel_ends "$1"
+      [ "$read_st" = PENDING ] && { requeued=1
+        log "the job is pending already (Slurm requeued it, or an earlier try landed unanswered): requeued"; return 0; }
+    fi
     requeued=1  # from here the TERM trap takes a TERM for the requeue's own
+    requeue_tried=1 s=$(call_s)
     # scontrol itself in the substitution, TERM ignored: a shell between them died of the requeue's own TERM (143)
     # after a requeue that worked, which then counted as failed and lost the job's records
-    err=$(trap '' TERM INT; exec_within "$(call_s)" scontrol requeue "$ref" 2>&1) &&
+    err=$(trap '' TERM INT; exec_within "$s" scontrol requeue "$ref" 2>&1) &&
       { log "requeued: scontrol requeue $ref accepted"; return 0; }
     # ESLURM_JOB_PENDING (job_mgr.c _job_requeue_op): Slurm requeued the job meanwhile (PreemptMode=REQUEUE, its
     # GraceTime ending during this call), or an earlier try landed unanswered (cut at its bound): requeued either way
     if [[ $err == *"is pending execution"* ]]; then
       log "the job is pending already (Slurm requeued it, or an earlier try landed): requeued"; return 0; fi
-    requeued=0
-    echo "$err" >&2
+    requeued=0  # (the trap, which returns at once while it is 1, may set it again between the tries: kept)
     if [[ $err == *"presently disabled"* ]]; then  # ESLURM_DISABLED: --no-requeue, or the site's job_submit policy
-      no_requeue=1; requeue_disabled; break; fi
+      no_requeue=1; requeue_disabled; return 2; fi
+    echo "${err:-scontrol requeue $ref: no answer within ${s:-?} s}" >&2  # cut at its bound: nothing printed
     [ "$i" = 3 ] || sleep 2
   done
-  requeued=0
+  [ "$requeued" = 1 ] && { log "the job is pending already (its state read by the TERM trap): requeued"; return 0; }
+  requeue_wanted=1
   return 1
 }
 requeue_disabled() {  # said once, at the first requeue this job would have made
@@ -132,18 +145,24 @@ requeue_disabled() {  # said once, at the first requeue this job would have made
 requeue_now() {  # from the TERM trap (time limit, preemption): plain requeue while this shell still runs
   [ "$stopped" = 1 ] && { log "a stop was asked (SIGUSR2): not requeueing"; return 0; }  # the ranks' end decides
   may_requeue 0
-  requeue_cmd 0 || [ "$no_requeue" = 1 ] || log "requeue failed (JobState=$1)"
+  requeue_cmd 0 || [ $? = 2 ] || log "requeue failed (JobState=$1)"
 }
 # A SIGTERM to this shell is Slurm ending the job (slurmd: SIGCONT + SIGTERM to every process of the job, SIGKILL
 # KillWait later) or someone's kill. slurmctld sets the job's state before it signals (job_mgr.c): read it, within half
-# of KillWait (KILL_WAIT_S; each requeue try then within a third: call_s).
+# of KillWait (KILL_WAIT_S). A state that ends the job (or no answer) starts the KillWait clock (kill_at: each scontrol
+# call after it within a third of KillWait, call_s); RUNNING or SUSPENDED does not (a TERM that is no end: `scancel
+# --batch --signal=TERM`, `sbatch --signal=B:TERM@N`, a person's kill; no SIGKILL follows): the calls stay unbounded
+# (a save that outlasted KillWait left every later call 1 s: a busy controller's requeue cut, the job not requeued),
+# and the next TERM (the time limit's, say) is read again. Not after the EXIT trap began (`exiting`: a scancel during
+# its update found training over: a stop file touched, the ranks told to save).
 on_term() {
-  [ "$requeued" = 1 ] && return 0  # our own requeue ends the batch step: nothing left to decide
+  [ "$requeued" = 1 ] || [ "$exiting" = 1 ] && return 0  # our own requeue ends the batch step: nothing left to decide
   stop_asked
-  if [ -z "$term_at" ]; then
-    term_at=$SECONDS
-    local st reason
+  term_at=${term_at:-$SECONDS}  # this shell got a TERM (steps_termed)
+  if [ -z "$kill_at" ]; then
+    local st reason at=$SECONDS
     read -r st reason <<< "$(job_state $((${KILL_WAIT_S:-30} / 2)))"
+    case "$st" in RUNNING|SUSPENDED) ;; *) kill_at=$at ;; esac
     case "$st" in
       CANCELLED) cancelled=1
         log "JobState=CANCELLED (scancel): the ranks save if they can before Slurm's kill; the job ends, never requeued" ;;
@@ -151,7 +170,8 @@ on_term() {
         log "JobState=$st: requeueing now, inside KillWait (the ranks' save goes on meanwhile)"
         compgen -G "$state/start.*" > /dev/null && { out_here; out_unseen; }  # the step ran: unseen, a container's
         requeue_now "$st" ;;
-      PENDING) requeued=1; log "JobState=PENDING ($reason): Slurm requeued the job itself (a preemption)" ;;
+      PENDING) requeued=1; log "JobState=PENDING ($reason): Slurm requeued the job itself (a preemption)$([ \
+        "$requeue_tried" = 1 ] && echo ", or a requeue of this shell's landed unanswered")" ;;
       COMPLETING) cancelled=1; log "JobState=COMPLETING, its base state unreadable ($state_how): taken as a cancel," \
         "never requeued (a preemption is then not requeued either: resubmit to resume)" ;;
       *) log "SIGTERM with JobState=${st:-unknown}: a stop (preemption grace time or a kill): save and requeue" ;;
@@ -159,18 +179,25 @@ on_term() {
   fi
   forward TERM
 }
-call_s() {  # how long one scontrol call may take now: unbounded (nothing) before a SIGTERM; after it a third of
-  # KillWait, within what is left of it (at least 1 s)
-  [ -n "${term_at:-}" ] || return 0
+call_s() {  # how long one scontrol call may take now: unbounded (nothing) until a SIGTERM showed the job ending
+  # (kill_at); then a third of KillWait, within what is left of it (at least 1 s)
+  [ -n "${kill_at:-}" ] || return 0
   local kw=${KILL_WAIT_S:-30} left
-  left=$((kw - (SECONDS - term_at) - 1))
+  left=$((kw - (SECONDS - kill_at) - 1))
   ((left > kw / 3)) && left=$((kw / 3))
   echo $((left > 1 ? left : 1))
 }
-exec_within() {  # $1: seconds (nothing: no bound), then a command: exec'd (in a subshell), killed past them (timeout)
+# exec_within: $1 seconds (nothing: no bound), then a command: exec'd (in a subshell), SIGKILLed past them (coreutils
+# timeout; without it, unbounded). TERM and INT ignored in the command when bounded: timeout sets its own handlers, so
+# its child no longer inherits the caller's SIG_IGN (timeout.c install_cleanup; `trap '' TERM` before it was lost) and
+# it forwards a TERM it gets (SignalChildrenProcesses=yes: every process of the job) to the command: a requeue killed
+# by its own TERM counted as failed. A bash between them restores the ignore (~3 ms); KILL, which none can ignore, cuts.
+exec_within() {
   local s=$1
   shift
-  [ -n "$s" ] && command -v timeout > /dev/null && exec timeout "$((s > 1 ? s : 1))" "$@"  # (timeout 0: none)
+  # shellcheck disable=SC2016  # the inner bash expands "$@"
+  [ -n "$s" ] && command -v timeout > /dev/null &&
+    exec timeout -s KILL "$((s > 1 ? s : 1))" bash -c 'trap "" TERM INT; exec "$@"' _ "$@"  # (timeout 0: none)
   exec "$@"
 }
 # The job's base state is read by base/slurm_state.py (`python -m base.slurm_state`); the Python that can run it is
@@ -201,7 +228,8 @@ no_requeue=0  # 1: Requeue=0, read at the start or answered by a requeue
 # A flag the batch shell's traps set, given its default here too: Slurm runs the slurm.sbatch it spooled at
 # submission, which a `git pull` before a requeue pairs with this library (that script never set it: set -u ended
 # its preemption 'finished: unbound variable', exit 1, unrequeued; tests/stubs/slurm.sbatch.spooled).
-finished=${finished:-}
+finished=${finished:-} kill_at=${kill_at:-}
+requeue_tried=0 requeue_wanted=0 exiting=0 read_st=""  # this file's own: a requeue called, one that failed, at_exit on
 job_facts() {
   [[ $shown =~ (^|[[:space:]])Requeue=0([[:space:]]|$) ]] && { no_requeue=1; log "requeue is disabled for this job" \
     "(Requeue=0: sbatch --no-requeue, SBATCH_NO_REQUEUE set where it was submitted, or the cluster's policy): a" \
@@ -216,12 +244,17 @@ job_facts() {
 # requeues a job whose exit code it lists (1, 2, 69, 75, 130: _set_job_requeue_exit_value, unless the job's requeue is
 # off) whatever this shell decided, and the book gone, no bound would trip: a loop. Not on an exit 0 (RequeueExit lists
 # failures), a cancel (never requeued: job_hold_requeue) nor a TIMEOUT or PREEMPTED job (finished: the update is
-# refused, ESLURM_JOB_FINISHED). One scontrol call; its failure is a note.
+# refused, ESLURM_JOB_FINISHED). One scontrol call; its failure is a note (none for "already finished": a cancel
+# meanwhile).
+# Nor when this shell wanted a requeue that failed (requeue_wanted): its answer may have been lost with the requeue
+# applied (the job PENDING), or a RequeueExit is the site's fallback; the book is kept for the next allocation.
 at_exit() {  # $1: the exit status
   local err
-  [ "${requeued:-0}" = 1 ] && { rm -rf "${state:-/nonexistent}"; return 0; }
+  exiting=1  # the TERM trap does nothing from here (a scancel during the update below)
+  [ "${requeued:-0}" = 1 ] || [ "$requeue_wanted" = 1 ] && { rm -rf "${state:-/nonexistent}"; return 0; }
   if [ "$1" != 0 ] && [ "${cancelled:-0}${no_requeue:-0}" = 00 ] && [ -z "${finished:-}" ]; then
     err=$(trap '' TERM INT; exec_within "$(call_s)" scontrol update JobId="$ref" Requeue=0 2>&1) ||
+      [[ $err == *"already finished"* ]] ||
       log "note: Requeue=0 not set (${err:-no answer}): a RequeueExit of the cluster's listing $1 would requeue the job"
   fi
   rm -f "$book".{progress,crashes,starts,exclude,unseen}
@@ -325,7 +358,7 @@ requeue_without() {  # $1: hosts to exclude (none: plain requeue), $2: the code 
   # the exclusion is recorded first (.cache/slurm/<job>.exclude): should its update not land before the SIGKILL (a busy
   # controller: each try can take MessageTimeout), the next run finds itself on an excluded node and requeues again
   [ -n "$exclude" ] && { mkdir -p "$(dirname "$intent")" && echo "$exclude" > "$intent"; }
-  requeue_cmd "$2" || { [ "$no_requeue" = 1 ] || log "requeue failed"; exit "$2"; }
+  requeue_cmd "$2" || { [ $? = 2 ] || log "requeue failed"; exit "$2"; }
   [ -n "$exclude" ] || exit 0
   log "scontrol requeue $ref, then update ExcNodeList=$exclude"
   for _ in 1 2 3; do

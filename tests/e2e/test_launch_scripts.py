@@ -312,6 +312,37 @@ def test_a_read_only_working_folder_gets_its_deepspeed_env_under_tmpdir(tmp_path
     assert p.stderr.count("\n") == 1, p.stderr
 
 
+def runner_exports(files: list) -> dict:
+    """What deepspeed's runner exports from its .deepspeed_env files, read in order (runner.py lines 604-611: each line
+    split at its first `=`, into one dict: a later file's key wins)."""
+    out: dict = {}
+    for f in files:
+        if os.path.isfile(f):
+            out.update(line.split("=", 1) for line in open(f).read().splitlines())
+    return out
+
+
+def test_a_read_only_working_folder_exports_what_a_writable_one_would(tmp_path):
+    """From a read-only working folder the one file the runner reads is launch.sh's (DS_ENV_FILE under TMPDIR), and
+    ~/.deepspeed_env's lines were carried into it only where their name is none of launch.sh's: a home
+    NCCL_SOCKET_IFNAME=ib0 with none set here was dropped (a remote node's NCCL on another interface), though from a
+    writable folder the runner reads it there. The nodes now get the same from either folder: the home file's lines
+    but those this launch writes (OMP_NUM_THREADS, set here, wins)."""
+    home, wd = tmp_path / "home", tmp_path / "wd"
+    home.mkdir()
+    wd.mkdir()
+    (home / ".deepspeed_env").write_text("LD_LIBRARY_PATH=/opt/mine\nNCCL_SOCKET_IFNAME=ib0\nOMP_NUM_THREADS=99\n")
+    env = dict(DS_ACCELERATOR="cpu", TMPDIR=str(tmp_path), HOME=str(home), NCCL_SOCKET_IFNAME=None)
+    p = launch(["--print-only", "--num_gpus", "1", "--", "--x"], wd, **env)
+    assert p.returncode == 0, p.stderr
+    writable = runner_exports([home / ".deepspeed_env", wd / ".deepspeed_env"])
+    p = launch(["--print-only", "--num_gpus", "1", "--", "--x"], "/proc", **env)
+    assert p.returncode == 0 and "/proc is not writable" in p.stderr, p.stderr
+    made = p.stderr.split(" written to ")[1].split(" (")[0]
+    assert runner_exports([made]) == writable, open(made).read()
+    assert writable["NCCL_SOCKET_IFNAME"] == "ib0" and writable["OMP_NUM_THREADS"] != "99", writable
+
+
 def test_train_args_are_printed_so_a_shell_reads_them_back(tmp_path):
     args = ["--run_name", "it's a run", "--note", "$HOME", ""]
     p = launch(["--print-only", "--num_gpus", "1", "--", *args], tmp_path, DS_ACCELERATOR="cpu")

@@ -26,9 +26,10 @@ from tests.e2e.launchers import (
 
 
 def sbatch(tmp_path, fake_exit: str, args: list[str], **env: str) -> subprocess.Popen:
-    e = clean_env(PATH=f"{STUBS}:{os.environ['PATH']}", SLURM_SUBMIT_DIR=str(tmp_path), PYTHONPATH=ROOT,
-                  SCONTROL_LOG=str(tmp_path / "scontrol.log"), FAKE_LOG=str(tmp_path / "fake.log"),
-                  FAKE_EXIT=fake_exit, **{"LAUNCH_CMD": os.path.join(STUBS, "fake_launch"), **env})
+    """The stub sbatch running slurm.sbatch in tmp_path; env's values win (PATH too: a wrapper of a stub before it)."""
+    e = clean_env(**{"PATH": f"{STUBS}:{os.environ['PATH']}", "SLURM_SUBMIT_DIR": str(tmp_path), "PYTHONPATH": ROOT,
+                     "SCONTROL_LOG": str(tmp_path / "scontrol.log"), "FAKE_LOG": str(tmp_path / "fake.log"),
+                     "FAKE_EXIT": fake_exit, "LAUNCH_CMD": os.path.join(STUBS, "fake_launch"), **env})
     return subprocess.Popen(["sbatch", SBATCH_SCRIPT, *args], cwd=tmp_path, env=e, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 

@@ -163,7 +163,7 @@ def test_the_time_limit_on_a_busy_controller_is_requeued_inside_killwait(tmp_pat
 def test_a_disabled_requeue_at_the_time_limit_is_said_once_at_start_and_once_at_the_end(tmp_path):
     """Requeue=0 (sbatch --no-requeue, SBATCH_NO_REQUEUE=1 where it was submitted, a site's policy): said only at the
     end, twice under a time limit (the TERM's requeue and the exit's), each with "requeue failed". Now once at the
-    start (the start's `scontrol show job`) and once at the end; no requeue tried."""
+    start (the start's `scontrol show job`) and once at the end; the requeue calls are refused at once."""
     text = ended_as(tmp_path, "TIMEOUT", SCONTROL_KILL_WAIT="10", SCONTROL_NO_REQUEUE="1")
     assert text.count("requeue is disabled for this job") == 2 and "requeue failed" not in text, text
     assert requeues(tmp_path) == [] and "presently disabled" not in text, text
@@ -315,3 +315,113 @@ def test_a_requeue_a_busy_controller_refuses_is_tried_again(tmp_path):
     text = job.communicate(timeout=60)[0]
     assert job.returncode == 0 and requeues(tmp_path) == ["requeue 4242"], text
     assert text.count("Socket timed out") == 2, text
+
+
+def with_checkpoint(tmp_path) -> str:
+    """An output folder holding a committed checkpoint (so a requeue records its progress in the book)."""
+    out = tmp_path / "out"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / "LATEST").write_text("step_000100")
+    return str(out)
+
+
+def test_a_requeue_no_try_of_which_is_answered_leaves_requeue_on_and_the_book(tmp_path):
+    """Every `scontrol requeue` times out (a busy controller): "requeue failed", exit 75. The EXIT trap then set
+    Requeue=0, which turned off the site's fallback (a RequeueExit listing 75 requeues the job), and wiped the book.
+    A requeue this shell wanted leaves Requeue alone and keeps the book."""
+    job = sbatch(tmp_path, "75", ["--output_dir", with_checkpoint(tmp_path)], SCONTROL_FAIL_REQUEUES="3")
+    text = job.communicate(timeout=60)[0]
+    assert job.returncode == 75 and "requeue failed" in text and text.count("Socket timed out") == 3, text
+    assert updates(tmp_path) == [] and (tmp_path / ".cache" / "slurm" / "4242.progress").exists(), text
+
+
+def test_a_requeue_that_landed_unanswered_leaves_the_next_allocation_requeueable(tmp_path):
+    """A busy controller applies the first `scontrol requeue` but its answer is lost; the retries time out. The
+    requeue's own TERM came between two tries, the trap read PENDING, the next try reset that, "requeue failed", and
+    the EXIT trap set Requeue=0 on the pending job: its next allocation's time limit was not requeued, the chain ended.
+    Now the PENDING read is the requeue: exit 0, the book kept, and the next allocation's time limit is requeued."""
+    wrap = tmp_path / "wrap"
+    wrap.mkdir()
+    (wrap / "scontrol").write_text(f"""#!/usr/bin/env bash
+if [ "$1" = requeue ]; then  # the first lands, its answer lost; the others time out unapplied
+  n=$(cat "$SCONTROL_LOG.wrapn" 2>/dev/null || echo 0); echo $((n + 1)) > "$SCONTROL_LOG.wrapn"
+  [ "$n" = 0 ] && {STUBS}/scontrol "$@" > /dev/null 2>&1
+  echo "scontrol: error: Socket timed out on send/recv operation" >&2; exit 1
+fi
+exec {STUBS}/scontrol "$@"
+""")
+    (wrap / "scontrol").chmod(0o755)
+    job = sbatch(tmp_path, "75", ["--output_dir", with_checkpoint(tmp_path)],
+                 PATH=f"{wrap}:{STUBS}:{os.environ['PATH']}")
+    text = job.communicate(timeout=60)[0]
+    assert job.returncode == 0 and "requeue failed" not in text and "the job is pending already" in text, text
+    assert updates(tmp_path) == [] and state(tmp_path).get("requeue") != "0", text
+    assert (tmp_path / ".cache" / "slurm" / "4242.progress").exists(), text
+    text = ended_as(tmp_path, "TIMEOUT", SCONTROL_KILL_WAIT="10", SLURM_RESTART_COUNT="1")
+    assert "requeue is disabled" not in text and requeues(tmp_path) == ["requeue 4242"] * 2, text
+
+
+@pytest.mark.parametrize("then", [None, "TIMEOUT"])
+def test_a_term_that_does_not_end_the_job_leaves_the_calls_unbounded(tmp_path, then):
+    """`scancel --batch --signal=TERM` (or `sbatch --signal=B:TERM@N`, a person's kill) while the job RUNS: no SIGKILL
+    follows. Its TERM started the KillWait clock all the same: once the save outlasted KillWait every scontrol call got
+    1 s, and a busy controller's requeue (2 s) was cut three times: not requeued. Only a state that ends the job starts
+    the clock now. TIMEOUT: the time limit's TERM after it was never read (only the first TERM was): the requeue waited
+    for the ranks' save, SIGKILL first; now read, and requeued inside KillWait."""
+    job = sbatch(tmp_path, "wait", ["--output_dir", str(tmp_path / "out")], FAKE_SAVE_S="6", KILL_WAIT_S="4",
+                 SCONTROL_RPC_S="0" if then else "2", SCONTROL_KILL_WAIT="4")
+    try:
+        wait_for(lambda: ready(tmp_path), 90, "the stand-in launcher")
+        slurm(tmp_path, "scancel", "--batch", "--signal=TERM", "4242")
+        wait_for(lambda: "got SIG" in (tmp_path / "fake.log").read_text(), 30, "the save request")
+        if then:
+            slurm(tmp_path, "scontrol", "_end", "4242", then)
+        text = job.communicate(timeout=60)[0]
+    finally:
+        job.kill()
+    assert "SIGTERM with JobState=RUNNING" in text and requeues(tmp_path) == ["requeue 4242"], text
+    assert ("JobState=TIMEOUT: requeueing now" in text) == bool(then), text
+    assert then or (job.returncode == 0 and "requeue failed" not in text), text
+
+
+def test_a_requeue_turned_back_on_during_the_run_is_used(tmp_path):
+    """Requeue=0 at the start (`sbatch --no-requeue`), then `scontrol update JobId=J Requeue=1` by the user: the time
+    limit was not requeued (no call made: the start's reading decided). One call is made (a disabled one is refused at
+    once), and it lands."""
+    (tmp_path / "scontrol.log.state").write_text("requeue=0\n")
+    job = sbatch(tmp_path, "wait", ["--output_dir", str(tmp_path / "out")], SCONTROL_KILL_WAIT="10")
+    try:
+        wait_for(lambda: ready(tmp_path), 90, "the stand-in launcher")
+        slurm(tmp_path, "scontrol", "update", "JobId=4242", "Requeue=1")
+        slurm(tmp_path, "scontrol", "_end", "4242", "TIMEOUT")
+        text = job.communicate(timeout=30)[0]
+    finally:
+        job.kill()
+    assert text.count("requeue is disabled for this job") == 1, text  # said at the start
+    assert requeues(tmp_path) == ["requeue 4242"] and state(tmp_path)["state"] == "PENDING", text
+
+
+def test_a_scancel_during_the_exit_traps_update_is_no_stop_request(tmp_path):
+    """A failure (exit 3) not requeued: the EXIT trap's `scontrol update JobId=J Requeue=0` (slow: 3 s) and a scancel
+    meanwhile. The TERM trap ran after training had ended: PREEMPT touched in the run's folder, "the ranks save if
+    they can", and the update's "Job has already finished" became a note that a RequeueExit would requeue a
+    cancelled job. Now the TERM trap does nothing once the EXIT trap has begun, and that answer is no note."""
+    out = tmp_path / "out"
+    out.mkdir()
+    job = sbatch(tmp_path, "3", ["--output_dir", str(out)], SCONTROL_SLOW="update JobId=4242 Requeue=0:3")
+    try:
+        wait_for((tmp_path / "scontrol.log.slow").exists, 60, "the exit trap's update")
+        slurm(tmp_path, "scancel", "4242")
+        text = job.communicate(timeout=30)[0]
+    finally:
+        job.kill()
+    assert job.returncode == 3 and "failed with 3: not requeueing" in text, text
+    assert not (out / "PREEMPT").exists() and "save if they can" not in text and "RequeueExit" not in text, text
+
+
+def test_a_requeue_cut_at_its_bound_says_so(tmp_path):
+    """The time limit on a controller slower than a third of KillWait: each requeue try is cut at its bound, and the
+    job's log got an empty line for each (scontrol killed, nothing printed). It says "no answer within N s"."""
+    text = ended_as(tmp_path, "TIMEOUT", KILL_WAIT_S="6", SCONTROL_RPC_S="3", SCONTROL_KILL_WAIT="40")
+    assert "no answer within 2 s" in text and "requeue failed (JobState=TIMEOUT)" in text, text
+    assert "" not in text.splitlines() and requeues(tmp_path) == [] and updates(tmp_path) == [], text

@@ -190,3 +190,14 @@ def test_an_end_time_inherited_from_the_submitting_job_is_read_again(tmp_path, g
     got = end if want == "scontrol" else int(given)
     assert (tmp_path / "end").read_text() == f"end={got}\n", text
     assert (tmp_path / "marker").read_text() == f"4242:{got}\n", text
+
+
+def test_a_bounded_scontrol_call_keeps_the_callers_ignored_term(tmp_path):
+    """The requeue and the EXIT trap's update run scontrol with SIGTERM ignored (a requeue's own TERM reaches every
+    process of the job under SignalChildrenProcesses=yes: a requeue that worked counted as failed). Under a bound,
+    coreutils `timeout` sets its own TERM handler, so its child no longer inherited the ignore (and timeout passes a
+    TERM it gets on to it). The command ignores TERM and INT within its bound as without one."""
+    p = sourced(tmp_path, "for s in 5 ''; do (trap '' TERM INT; exec_within \"$s\" grep SigIgn /proc/self/status); done")
+    masks = [int(line.split()[1], 16) for line in p.stdout.splitlines() if line.startswith("SigIgn:")]
+    term, intr = 1 << (15 - 1), 1 << (2 - 1)  # bit N-1 of the mask: signal N (SIGTERM 15, SIGINT 2)
+    assert len(masks) == 2 and all(m & term and m & intr for m in masks), p.stdout + p.stderr
