@@ -440,7 +440,12 @@ def check_cpu_placement(gpu: bool) -> str:
     rank_log(f"cpus: this rank may run on {cpu_ranges(mine)} ({len(mine)}{capped}), "
              f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
     host = socket.gethostname()
-    readings = comm.all_gather_object((host, mine))
+    try:
+        affinity = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        affinity = mine
+    gathered = comm.all_gather_object((host, mine, affinity))  # one gather: the quota-capped CPUs and the affinity
+    readings = [(h, c) for h, c, _ in gathered]
     if os.environ.get("OMP_NUM_THREADS") == "1" and threads_defaulted(os.environ, environ_of(os.getppid())):
         rank_log("cpus: OMP_NUM_THREADS=1 is torchrun's / accelerate's default (their own environment had none)")
         os.environ.pop("OMP_NUM_THREADS")  # taken as unset: the share below
@@ -452,6 +457,11 @@ def check_cpu_placement(gpu: bool) -> str:
         torch.set_num_threads(n)
         rank_log(f"cpus: OMP_NUM_THREADS was unset: {n} (this rank's share of its node's CPUs)")
     verdict, line = cpu_placement(readings, gpu)
+    if verdict == "refuse" and cpu_placement([(h, a) for h, _, a in gathered], gpu)[0] != "refuse":
+        # only a CPU quota is short (docker --cpus 6 with 8 GPUs): time, not CPUs; the ranks run, slowly: said
+        verdict, line = "warn", (f"{line.split(':')[0]}: a CPU quota of fewer CPUs than ranks (a quota is CPU time: the "
+                                 "ranks may run on every core, throttled); raise the container's CPU limit (docker "
+                                 "--cpus, Kubernetes limits.cpu)")
     if verdict == "refuse":
         raise ValueError(f"cpus: {line}")
     return f"cpus: {line}" if verdict == "ok" else f"warning: cpus: {line}"

@@ -200,11 +200,12 @@ def split_of(stages) -> dict:
     return {"wants": wants, "min_train": max(s.max_seq_length for s in stages), "reach": True}
 
 
-def heldout_note(lens: np.ndarray, cut: np.ndarray, held: np.ndarray, split: dict | None = None) -> list[str]:
+def heldout_note(lens: np.ndarray, cut: np.ndarray, held: np.ndarray, split: dict | None = None,
+                 chats: bool = False) -> list[str]:
     """The start's lines on the held-out split: how many documents and tokens it holds out of the stream, above
     HELD_NOTE how to lower it (a small SFT set: 1,000 LIMA-sized conversations lose ~15% to two 128k evaluations,
     which `heldout_split` takes whole documents for, up to twice the tokens asked), and given the `split` it was made
-    from, `reach_note`. [] when nothing is held out."""
+    from, `reach_note` (not for `chats`). [] when nothing is held out."""
     if not len(held):
         return []
     total = int(lens.sum())
@@ -216,7 +217,9 @@ def heldout_note(lens: np.ndarray, cut: np.ndarray, held: np.ndarray, split: dic
         lines.append(f"note: the held-out documents are {share:.1%} of the stream (the largest stage's eval "
                      "heldout_samples x max_seq_length, in whole documents): lower eval.heldout_samples in the recipe (or "
                      "--eval_heldout_samples; 0: no held-out loss) to train on more of a small dataset")
-    reach = reach_note(lens, cut, held, [tuple(w) for w in split["wants"]], bool(split.get("reach"))) if split else ""
+    # (not for chats: a conversation set is short on purpose, and "add long documents" is no advice for it)
+    reach = reach_note(lens, cut, held, [tuple(w) for w in split["wants"]], bool(split.get("reach"))) \
+        if split and not chats else ""
     return lines + [reach] * bool(reach)
 
 

@@ -422,7 +422,7 @@ def open_run_data(dataset_path: str | None, tokenizer_path: str | None, model_vo
     split = heldout or split  # a split recorded before "reach" (data/heldout.reach_documents) is made as it was then
     cut, held, warning = heldout_split(prepared.lens, [tuple(w) for w in split["wants"]], min_train=split["min_train"],
                                        chat=_chat(prepared), reach=bool(split.get("reach")))
-    for line in [warning] * bool(warning) + heldout_note(prepared.lens, cut, held, split):
+    for line in [warning] * bool(warning) + heldout_note(prepared.lens, cut, held, split, _chat(prepared) is not None):
         print0(line)
     docs = held_identity(prepared, cut, held)
     moved = len(set(docs) - set(first_docs)) if first_docs is not None else 0

@@ -285,10 +285,14 @@ class Checkpointer(Restorer):
                          else "none") + ", stays the resume point: --resume auto (a host's fault: without it, sbatch "
                          "--exclude; non-finite steps: --resume PATH with a lower --learning_rate)")
 
-    def pin(self, before_step: int, newest: str | None) -> str | None:
+    def pin(self, before_step: int | None, newest: str | None) -> str | None:
         """Keep the newest checkpoint of this run at or before `before_step` against rotation: checkpoints/PINNED
         names it (rank 0 writes it; one at a time: a later pin moves it). From this job's commits, else `newest` (the
         resumed one). Returns its path, None where there is none. Every rank picks the same."""
+        if before_step is None:  # let it go (rank 0): rotation keeps what it would anyway
+            if comm.rank() == 0 and os.path.exists(os.path.join(self.root, rotation.PINNED)):
+                os.remove(os.path.join(self.root, rotation.PINNED))
+            return None
         here = {os.path.basename(p.rstrip("/")): p for p in [*self.recent, newest]
                 if p and os.path.dirname(os.path.abspath(p.rstrip("/"))) == os.path.abspath(self.root)}
         tag = max((t for t in here if TAG.match(t) and int(t[5:]) <= before_step), key=lambda t: int(t[5:]), default=None)

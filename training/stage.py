@@ -42,7 +42,7 @@ from training.evaluation import evaluate_stage, stage_heldout
 from training.job import EXIT_PREEMPTED
 from training.metrics import peak_memory_gb, reset_peak_memory
 from training.preemption import EXIT_MARGIN_S, said
-from training.step import BAD_STEPS_STOP, LossWatch, bad_step, train_step
+from training.step import BAD_STEPS_STOP, SPIKE_RELEASE, LossWatch, bad_step, train_step
 
 
 @dataclasses.dataclass
@@ -133,7 +133,9 @@ def train_stage(run: Run, stage, stages, state: TrainState) -> None:
         state.step += 1
         _log_step(run, stage, sdims, state, out, lr, sampler, engine)
         _committed(run, state, run.ckpt.poll())  # a background save whose writes are durable on every rank
-        _health(run, stage, state, out, watch)  # a non-finite step said (BAD_STEPS_STOP in a row: the stop), a spike's
+        full = out.get("label_tokens", 0) * 2 >= sdims.dp * cfg.gradient_accumulation_steps * \
+            cfg.per_device_train_batch_size * stage.max_seq_length  # a text step, judged among text steps
+        _health(run, stage, state, out, watch, "full" if full else "part")  # a non-finite step said, a spike's
         progress.mark(None, "sync")
         stopping = _agree(run, state.step + 1 >= end)
         at_end = state.step == end
@@ -273,7 +275,7 @@ def _stop_in_window(run: Run, engine, stages, stage, hf_config, state: TrainStat
     _save(run, engine, stages, stage, hf_config, state, sampler, at_end)
 
 
-def _health(run: Run, stage, state: TrainState, out: dict, watch: LossWatch) -> None:
+def _health(run: Run, stage, state: TrainState, out: dict, watch: LossWatch, kind: str = "full") -> None:
     """A step's health, the same decision on every rank (training/step.bad_step: all-reduced values). A non-finite
     step: one line, counted in `state.bad_steps` (the loop saves nothing while it is open); BAD_STEPS_STOP in a row:
     the background write in flight (a step before them) committed, then one line and exit 2. A finite one closes
@@ -304,7 +306,11 @@ def _health(run: Run, stage, state: TrainState, out: dict, watch: LossWatch) -> 
     if state.bad_steps:
         print0(f"step {step}: finite again after {state.bad_steps} non-finite step(s) from step {state.first_bad}")
         state.bad_steps, state.first_bad = 0, None
-    median = watch.spike(loss)
+    median = watch.spike(loss, kind)
+    if median is None and watch.pinned and step - watch.spiked >= SPIKE_RELEASE and not watch.spiking:
+        run.ckpt.pin(None, None)  # the loss came back: the kept checkpoint goes back to rotation
+        print0(f"step {step}: no loss spike since step {watch.spiked}: {watch.pinned} is no longer kept against rotation")
+        watch.pinned = None
     if median is not None:
         watch.spiked, watch.pinned = step, run.ckpt.pin(step - 2, state.checkpoint)
         print0(f"step {step}: loss {loss:.4g} is {loss / median:.1f}x the median {median:.4g} of this stage's last "

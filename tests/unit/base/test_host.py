@@ -359,3 +359,20 @@ def test_rank_0_says_it_where_the_job_agrees_the_node_size(monkeypatch):
         monkeypatch.delenv(k, raising=False)
     host.agree_ranks_per_node()  # one process: its own host only
     assert len(said) == 1 and said[0].startswith("warning: SLURM job 77 holds 4 nodes but its ranks run on 1 ("), said
+
+
+def test_a_cpu_quota_short_of_the_ranks_is_a_warning_a_short_affinity_a_refusal(monkeypatch):
+    """The review: `docker run --gpus 2 --cpus 1`: the quota caps the CPUs counted to 1 for 2 GPU ranks, and the run
+    was refused as "may run on 1 CPU(s)... srun --cpus-per-task" (it ran before the quota was read): a quota is time,
+    the ranks may run on every core. A warning naming the quota; an affinity of fewer CPUs than ranks stays refused."""
+    from base import comm
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setattr(host, "usable_cpus", lambda: [0])
+    monkeypatch.setattr(host, "cpu_quota", lambda: None)
+    monkeypatch.setattr(comm, "all_gather_object", lambda o: [("n1", [0], list(range(8)))] * 2)
+    line = host.check_cpu_placement(gpu=True)
+    assert line.startswith("warning: cpus: 2 ranks on node n1") and "a CPU quota of fewer CPUs than ranks" in line
+    monkeypatch.setattr(comm, "all_gather_object", lambda o: [("n1", [0], [0])] * 2)
+    with pytest.raises(ValueError, match="fewer cores than ranks"):
+        host.check_cpu_placement(gpu=True)
