@@ -29,6 +29,17 @@ def slurm(tmp_path, *args: str) -> None:
                    env=clean_env(PATH=f"{STUBS}:{os.environ['PATH']}", SCONTROL_LOG=str(tmp_path / "scontrol.log")))
 
 
+def during_slow_call(tmp_path, job, what: str, *act: str, timeout: int = 30) -> str:
+    """The job's output after `act` (a stand-in command: scancel, scontrol _end ...) is run while the stand-in scontrol
+    holds its slow call (SCONTROL_SLOW) open."""
+    try:
+        wait_for((tmp_path / "scontrol.log.slow").exists, 60, what)
+        slurm(tmp_path, *act)
+        return job.communicate(timeout=timeout)[0]
+    finally:
+        job.kill()
+
+
 def state(tmp_path) -> dict:
     return dict(line.split("=", 1) for line in (tmp_path / "scontrol.log.state").read_text().splitlines())
 
@@ -181,12 +192,7 @@ def test_slurms_own_requeue_during_ours_is_a_requeue(tmp_path):
     (book / "4242.progress").write_text("0 100\n")
     (book / "4242.crashes").write_text("0 1 gpu7 100 120\n")
     job = sbatch(tmp_path, "75", ["--output_dir", str(out)], SCONTROL_SLOW="requeue:3", SCONTROL_KILL_WAIT="20")
-    try:
-        wait_for((tmp_path / "scontrol.log.slow").exists, 60, "our requeue call")
-        slurm(tmp_path, "scontrol", "_end", "4242", "REQUEUED")
-        text = job.communicate(timeout=60)[0]
-    finally:
-        job.kill()
+    text = during_slow_call(tmp_path, job, "our requeue call", "scontrol", "_end", "4242", "REQUEUED", timeout=60)
     assert job.returncode == 0 and "requeue failed" not in text and "the job is pending already" in text, text
     assert sorted(p.name for p in book.iterdir()) == ["4242.crashes", "4242.progress"], text
     assert updates(tmp_path) == [], text
@@ -241,12 +247,7 @@ def test_a_scancel_while_the_requeue_is_decided_is_not_undone(tmp_path):
     the exclusion: the cancel undone, the job PENDING. The cancel is now looked at again just before the requeue."""
     job = sbatch(tmp_path, "0", ["--output_dir", str(tmp_path / "out")], SCONTROL_SLOW="show partition:3",
                  SCONTROL_KILL_WAIT="10", **LOST_NODE_1)
-    try:
-        wait_for((tmp_path / "scontrol.log.slow").exists, 60, "the exclusion's partition call")
-        slurm(tmp_path, "scancel", "4242")
-        text = job.communicate(timeout=30)[0]
-    finally:
-        job.kill()
+    text = during_slow_call(tmp_path, job, "the exclusion's partition call", "scancel", "4242")
     assert requeues(tmp_path) == [] and state(tmp_path)["state"] == "CANCELLED", text
     assert "JobState=CANCELLED (scancel)" in text and "the job was cancelled (JobState=CANCELLED): not requeueing" \
         in text and job.returncode == 69, text
@@ -409,12 +410,7 @@ def test_a_scancel_during_the_exit_traps_update_is_no_stop_request(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     job = sbatch(tmp_path, "3", ["--output_dir", str(out)], SCONTROL_SLOW="update JobId=4242 Requeue=0:3")
-    try:
-        wait_for((tmp_path / "scontrol.log.slow").exists, 60, "the exit trap's update")
-        slurm(tmp_path, "scancel", "4242")
-        text = job.communicate(timeout=30)[0]
-    finally:
-        job.kill()
+    text = during_slow_call(tmp_path, job, "the exit trap's update", "scancel", "4242")
     assert job.returncode == 3 and "failed with 3: not requeueing" in text, text
     assert not (out / "PREEMPT").exists() and "save if they can" not in text and "RequeueExit" not in text, text
 
