@@ -76,8 +76,8 @@ def transformers_misreads(found: str | None = None) -> str | None:
         return None
     have, low = release(found) or (), release(RANGES["transformers"][0])
     if have[:1] == low[:1] and have < low:
-        return (f"transformers {found} misreads sentencepiece tokenizer folders (spaces as <unk>); install "
-                f"'{spec('transformers')}'")
+        return (f"transformers {found} is not trusted to read tokenizer folders (5.0-5.22 read a Llama-2 "
+                f"sentencepiece folder's spaces as <unk>); install '{spec('transformers')}'")
     return None
 
 

@@ -92,6 +92,11 @@ def start(root: str, path: str | None, resume: str, tags: list[str]) -> None:
         os.replace(os.path.join(root, t), os.path.join(aside, t))
     if os.path.exists(complete):  # it described the line left behind; this branch writes its own at its end
         os.replace(complete, os.path.join(aside, "COMPLETE"))
+    pinned = os.path.join(root, "PINNED")  # a spike's kept checkpoint (rotation.PINNED) moved aside: no longer kept,
+    if os.path.isfile(pinned):  # else the branch's own checkpoint of that step would be kept in its place
+        with open(pinned) as fh:
+            if fh.read().strip() in off:
+                os.replace(pinned, os.path.join(aside, "PINNED"))
     _evaluations_aside(root, aside)
     os.makedirs(root, exist_ok=True)
     # both pointers move together: a `latest` left naming a checkpoint now in abandoned/ sent DeepSpeed's tools

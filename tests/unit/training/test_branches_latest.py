@@ -43,3 +43,23 @@ def test_a_branch_from_nothing_or_elsewhere_removes_both(tmp_path):
         assert pointers(run) == (tag_for(2), tag_for(2))
         ck.find_resume(resume)
         assert pointers(run) == (None, None)
+
+
+def test_a_branch_lets_go_of_a_pin_it_moves_aside(tmp_path):
+    """The review: checkpoints/PINNED (a loss spike's kept checkpoint) stayed after a `--resume PATH` before it: the
+    pinned step_N went to abandoned/, and the branch's own step_N of that name was kept against rotation in its place.
+    A pin on the branch (at or before PATH) stays."""
+    ck = Checkpointer(str(tmp_path), keep=3)
+    for s in (2, 4, 6):
+        save(ck, s)
+    pinned = tmp_path / "checkpoints" / "PINNED"
+    pinned.write_text(tag_for(6) + "\n")
+    ck.find_resume(str(tmp_path / "checkpoints" / tag_for(4)))
+    assert not pinned.exists() and (tmp_path / "checkpoints" / "abandoned" / "PINNED").read_text() == tag_for(6) + "\n"
+    ck2 = Checkpointer(str(tmp_path / "b"), keep=3)
+    for s in (2, 4, 6):
+        save(ck2, s)
+    kept = tmp_path / "b" / "checkpoints" / "PINNED"
+    kept.write_text(tag_for(2) + "\n")
+    ck2.find_resume(str(tmp_path / "b" / "checkpoints" / tag_for(4)))
+    assert kept.read_text() == tag_for(2) + "\n"
