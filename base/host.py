@@ -354,6 +354,14 @@ def job_memory_available() -> int | None:
 
 # --- CPUs ---
 
+def affinity_cpus() -> list[int]:
+    """The CPUs this process may run on (SLURM's cgroup and binding, taskset, numactl -C), no quota applied."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return list(range(os.cpu_count() or 1))
+
+
 def usable_cpus() -> list[int]:
     """The CPUs this process may use: its affinity (SLURM's cgroup and binding, taskset, numactl -C), capped at its
     cgroup's CPU quota rounded up (cpu_quota: docker --cpus, Kubernetes' CPU limit; 0.5 -> 1). A quota is time, not
@@ -361,10 +369,7 @@ def usable_cpus() -> list[int]:
     count it once in their node's union (cpu_placement, threads_per_rank). Without the cap an 8-rank pod limited to 8
     CPUs on a 128-core node ran 16 OpenMP threads a rank (128 threads on 8 CPUs' time: throttled every period, CPU
     Adam's step waiting on the stragglers) and scripts/prepare_data.py started 32 tokenizer workers (~15 GB)."""
-    try:
-        cpus = sorted(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cpus = list(range(os.cpu_count() or 1))
+    cpus = affinity_cpus()
     quota = cpu_quota()
     return cpus[:max(1, math.ceil(quota["cpus"]))] if quota else cpus
 
@@ -440,11 +445,7 @@ def check_cpu_placement(gpu: bool) -> str:
     rank_log(f"cpus: this rank may run on {cpu_ranges(mine)} ({len(mine)}{capped}), "
              f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
     host = socket.gethostname()
-    try:
-        affinity = sorted(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        affinity = mine
-    gathered = comm.all_gather_object((host, mine, affinity))  # one gather: the quota-capped CPUs and the affinity
+    gathered = comm.all_gather_object((host, mine, affinity_cpus()))  # one gather: the quota-capped CPUs and the affinity
     readings = [(h, c) for h, c, _ in gathered]
     if os.environ.get("OMP_NUM_THREADS") == "1" and threads_defaulted(os.environ, environ_of(os.getppid())):
         rank_log("cpus: OMP_NUM_THREADS=1 is torchrun's / accelerate's default (their own environment had none)")
