@@ -133,8 +133,7 @@ def train_stage(run: Run, stage, stages, state: TrainState) -> None:
         state.step += 1
         _log_step(run, stage, sdims, state, out, lr, sampler, engine)
         _committed(run, state, run.ckpt.poll())  # a background save whose writes are durable on every rank
-        full = out.get("label_tokens", 0) * 2 >= sdims.dp * cfg.gradient_accumulation_steps * \
-            cfg.per_device_train_batch_size * stage.max_seq_length  # a text step, judged among text steps
+        full = out.get("label_tokens", 0) * 2 >= step_tokens(run, stage, sdims)  # a text step, judged among its kind
         _health(run, stage, state, out, watch, "full" if full else "part")  # a non-finite step said, a spike's
         progress.mark(None, "sync")
         stopping = _agree(run, state.step + 1 >= end)
@@ -275,6 +274,12 @@ def _stop_in_window(run: Run, engine, stages, stage, hf_config, state: TrainStat
     _save(run, engine, stages, stage, hf_config, state, sampler, at_end)
 
 
+def step_tokens(run: Run, stage, sdims) -> int:
+    """The tokens one optimizer step reads: dp x accumulation x micro-batch x the stage's length."""
+    cfg = run.cfg
+    return sdims.dp * cfg.gradient_accumulation_steps * cfg.per_device_train_batch_size * stage.max_seq_length
+
+
 def _health(run: Run, stage, state: TrainState, out: dict, watch: LossWatch, kind: str = "full") -> None:
     """A step's health, the same decision on every rank (training/step.bad_step: all-reduced values). A non-finite
     step: one line, counted in `state.bad_steps` (the loop saves nothing while it is open); BAD_STEPS_STOP in a row:
@@ -361,7 +366,6 @@ def _grad_norm(engine, out: dict) -> float | None:
 
 
 def _log_step(run: Run, stage, sdims, state: TrainState, out: dict, lr: float, sampler, engine=None) -> None:
-    cfg = run.cfg
     eng = out.get("engagement")  # minimum over ranks after the peak's all-reduce (one collective for both)
     peak = peak_memory_gb(eng) if eng else peak_memory_gb()
     skipped = bool(out.get("skipped"))
@@ -373,8 +377,7 @@ def _log_step(run: Run, stage, sdims, state: TrainState, out: dict, lr: float, s
     # trained nothing: loss and tokens/s null, 0 tokens, total_tokens unchanged. It logged loss 0.0 and n / 1 ms
     # (5e8 tokens/s at 128k x 4), which the charts drew and averaged in. It still counts as a step: a stage's budget
     # is its steps (max_tokens and epochs are turned into steps when the stage resolves, training/curriculum.py).
-    n = 0 if skipped else \
-        sdims.dp * cfg.gradient_accumulation_steps * cfg.per_device_train_batch_size * stage.max_seq_length
+    n = 0 if skipped else step_tokens(run, stage, sdims)
     state.tokens += 0 if out.get("overflow") else n  # an update DeepSpeed skipped trained nothing (its step ran: `tokens`)
     run.metrics.log({"step": state.step, "stage": stage.index, "loss": None if skipped else out["loss"], "lr": lr,
                      "tokens": n,
