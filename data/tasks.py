@@ -135,17 +135,27 @@ def make_sample(task: str, tokenizer, seq_len: int, depth: float, rng: random.Ra
     return GENERATORS[task](tokenizer, seq_len, depth, rng)
 
 
-def chat_sample(task: str, tokenizer, chat, seq_len: int, depth: float, rng: random.Random) -> dict:
+def chat_sample(task: str, tokenizer, chat, seq_len: int, depth: float, rng: random.Random,
+                reseed: bool = True) -> dict:
     """A task rendered as one chat exchange through `chat` (data/chat.py's ChatEncoder, the template the stage's
     conversations were prepared with): the user turn is the haystack and the question, the assistant's reply the
     answer (loss on the reply and its end-of-turn token, as on the real conversations), padded to `seq_len` (the
     padding its own document: no label, positions restarted). How an SFT stage mixes a small share of long
     synthetic exchanges into short chats (Llama 3's recipe). The plain sample is built shorter by the template's
     overhead (measured on a short exchange, plus 8 tokens of slack for text re-tokenized at its joins) and shrunk
-    again if the rendering still runs over."""
-    inner = seq_len - _chat_overhead(tokenizer, chat)
+    again if the rendering still runs over.
+
+    Which question: with `reseed` (a training sample's, TaskMixDataset: kept as it was, so a resumed run draws the
+    samples it drew before) each try's plain trial is seeded by a draw of `rng`; without it (an evaluation trial,
+    training/evaluation.py `trial`) every try starts from `rng` as given, the draws `make_sample(.., rng)` makes: the
+    plain trial's question at the same seed (its answer, its needles' depths; common_words' list is filled to the
+    shorter length, its words' order may differ). Seeded by a draw, an SFT checkpoint asked through its template was
+    compared with its base asked plainly over other questions (passkey 0.1 at 512: 38355 against 87619)."""
+    inner, start = seq_len - _chat_overhead(tokenizer, chat), rng.getstate()
     for _ in range(4):
-        plain = make_sample(task, tokenizer, inner, depth, random.Random(rng.random()))
+        if not reseed:
+            rng.setstate(start)
+        plain = make_sample(task, tokenizer, inner, depth, random.Random(rng.random()) if reseed else rng)
         first = int(np.flatnonzero(plain["shift_labels"] != -100)[0]) + 1  # the answer's first token
         lead = int(getattr(tokenizer, "bos_id", None) is not None)  # the template writes its own BOS
         msgs = [{"role": "user", "content": tokenizer.decode(plain["input_ids"][lead:first]).strip()},
@@ -175,16 +185,17 @@ def _chat_overhead(tokenizer, chat) -> int:
     return len(chat.encode(probe)[0]) - len(tokenizer.encode("x")) - len(tokenizer.encode("y")) + 8
 
 
-def trial_need(task: str, tokenizer, depth: float, rng: random.Random, chat=None) -> int:
+def trial_need(task: str, tokenizer, depth: float, rng: random.Random, chat=None, reseed: bool = True) -> int:
     """The shortest length that holds the trial `make_sample(task, tokenizer, length, depth, rng)` (with `chat`:
-    `chat_sample`'s, whose first try is that much longer) would build, without building it: the trial asked at length
-    0 stops at its count (TooShort) after the rng's draws and a few short encodes, before any haystack. Cost ~1 ms
-    whatever the length the trial is for (a whole trial: 0.1-0.3 s at 1M, common_words' seconds). Exact for the tasks
-    whose statements do not depend on the length; common_words' is its list's least (the common words alone): a
-    longer trial fills its list to the length with rare words, leaving 4 tokens of slack for its answer's joins."""
+    `chat_sample(.., reseed)`'s, whose first try is that much longer) would build, without building it: the trial
+    asked at length 0 stops at its count (TooShort) after the rng's draws and a few short encodes, before any
+    haystack. Cost ~1 ms whatever the length the trial is for (a whole trial: 0.1-0.3 s at 1M, common_words'
+    seconds). Exact for the tasks whose statements do not depend on the length; common_words' is its list's least
+    (the common words alone): a longer trial fills its list to the length with rare words, leaving 4 tokens of slack
+    for its answer's joins."""
     over = 0
-    if chat is not None:  # chat_sample's plain trial: seeded by the first draw, built shorter by the template's tokens
-        over, rng = _chat_overhead(tokenizer, chat), random.Random(rng.random())
+    if chat is not None:  # chat_sample's plain trial, built shorter by the template's tokens (seeded as it seeds it)
+        over, rng = _chat_overhead(tokenizer, chat), random.Random(rng.random()) if reseed else rng
     try:
         make_sample(task, tokenizer, 0, depth, rng)
     except TooShort as e:

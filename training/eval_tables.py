@@ -29,6 +29,12 @@ def counts_differ(rows: list[dict], key: str) -> str | None:
     return f"scored on {' / '.join(str(c) for c in counts)} held-out samples: other samples, not compared"
 
 
+def _loss3(x) -> str:
+    """A position bucket's loss; `-` for one no token reached: null in a record (strict JSON), NaN in one written
+    before it was (a bare NaN, which json.load reads)."""
+    return "-" if x is None or x != x else f"{x:.3f}"
+
+
 def eval_tables(rows: list[dict]) -> list[str]:
     """The Markdown of eval/summary.md from the stages' eval/stage{N}.json results, in stage order."""
     def acc(x) -> str:  # a cell never evaluated (a depth or a length another stage tried): `-`, never `nan`
@@ -67,6 +73,6 @@ def eval_tables(rows: list[dict]) -> list[str]:
     for nb in sorted({len(r["heldout_loss_by_position"]) for r in with_pos}):  # a table per slice count: a 4-slice
         out += [""] + _table(["stage", "seq_len", *[f"{i + 1}/{nb}" for i in range(nb)]],  # stage's quarters
                              [[f"{r['stage']}{'' if r.get('position_by') == 'document' else '*'}", r["seq_len"],
-                               *["-" if x != x else f"{x:.3f}" for x in r["heldout_loss_by_position"]]]
+                               *[_loss3(x) for x in r["heldout_loss_by_position"]]]
                               for r in with_pos if len(r["heldout_loss_by_position"]) == nb])  # are not eighths
     return out

@@ -33,7 +33,8 @@ conversations packed at the first SFT stage's length, the same `retention_sample
 none where the stage measured just that). The tasks can be asked through a chat template (`chat`: a data/chat.py ChatEncoder; scripts/evaluate.py
 `--chat`): each trial is one user turn (the haystack and the question) rendered with the template and its
 generation prompt, and the trial counts when the assistant's reply, the answer and its end-of-turn token, is the
-model's argmax token by token (data/tasks.py `chat_sample`, the rendering an SFT stage trains with `chat: true`).
+model's argmax token by token (data/tasks.py `chat_sample`, the rendering an SFT stage trains with `chat: true`), the
+question the plain trial asks at the same cell (`trial`).
 
 A non-finite held-out loss (a weight or an activation gone NaN / inf) refuses to go on in one line, the same on every
 rank (the losses are all-reduced): the record goes to metrics.jsonl, not to eval/stage{N}.json, so the stage stays
@@ -138,8 +139,17 @@ def task_seed(task: str, length: int, depth: float, i: int) -> random.Random:
     return random.Random(f"eval:{task}:{length}:{depth:g}:{i}")
 
 
+def unique_depths(depths) -> list[float]:
+    """The depths once each, in the order given, one per record key (`f"{d:g}"`, which seeds the trials too): a depth
+    given twice (`--depths 0.5,0.5`) asked its trials twice, twice the forwards, its hits string twice as long."""
+    once: dict[str, float] = {}
+    for d in depths:
+        once.setdefault(f"{float(d):g}", float(d))
+    return list(once.values())
+
+
 def stage_depths(eval_cfg: dict) -> list[float]:
-    return [float(d) for d in eval_cfg.get("depths", DEFAULT_DEPTHS)]
+    return unique_depths(eval_cfg.get("depths", DEFAULT_DEPTHS))
 
 
 def check_trials_fit(trials: dict[str, int], depths: list[float], lengths: list[int], tokenizer, chat=None) -> None:
@@ -151,7 +161,7 @@ def check_trials_fit(trials: dict[str, int], depths: list[float], lengths: list[
     length held that one trained, saved and stopped at its evaluation."""
     for task, n in trials.items():
         for length in lengths:
-            needs = {(d, i): trial_need(task, tokenizer, d, task_seed(task, length, d, i), chat)
+            needs = {(d, i): trial_need(task, tokenizer, d, task_seed(task, length, d, i), chat, reseed=False)
                      for d in depths for i in range(n)}
             (d, i), most = max(needs.items(), key=lambda kv: kv[1])
             if most > length:
@@ -197,10 +207,12 @@ def stage_heldout(data, stage, n: int) -> list[dict]:
 def trial(task: str, tokenizer, length: int, depth: float, rng: random.Random, chat=None) -> dict:
     """One trial of `task` at `length`: plain text (the answer ends the sample, loss on it), or with `chat` (a
     ChatEncoder) one user turn through the template and its generation prompt, the reply (answer + end-of-turn)
-    scored. The same question either way (seeded by `rng`)."""
+    scored. The same question either way: the plain trial of `rng`'s draws, built shorter by the template's tokens
+    (`chat_sample` without `reseed`; seeded by a draw of `rng`, as training's samples are, an SFT checkpoint asked
+    through its template was compared with its base asked plainly over other questions)."""
     if chat is None:
         return make_sample(task, tokenizer, length, depth, rng)
-    return chat_sample(task, tokenizer, chat, length, depth, rng)
+    return chat_sample(task, tokenizer, chat, length, depth, rng, reseed=False)
 
 
 def task_accuracy(engine, dims, micro_batch: int, pad_id: int, tokenizer, trials: dict[str, int], depths: list[float],
@@ -218,7 +230,7 @@ def task_scores(engine, dims, micro_batch: int, pad_id: int, tokenizer, trials: 
     rendered around a placeholder, the haystack's tokens spliced in: data/chat.py `encode_long`), linear in the length:
     ~0.13 s at 128k and ~2 s at 1M per trial on one loaded core (tests/unit/data/chat_render_bench.py; a whole render
     was ~3x that), small next to the trial's forward."""
-    samples, where = [], []
+    samples, where, depths = [], [], unique_depths(depths)
     for task, n in trials.items():
         for d in depths:  # one seed per question: a stage with other depths or trial counts asks the same ones
             for i in range(n):
@@ -273,12 +285,15 @@ def retention_samples(stages, own: int) -> int:
     return min(asked) if asked else own
 
 
-def position_by(samples: list[dict]) -> str:
-    """What the held-out loss's position buckets measured: "document" where the samples' positions restart at their
-    documents (a token's context in its document), "sample" where none does (--reset_position_ids no: positions run on
-    across documents, the buckets are offsets in the sample; also samples of one document each, where the two agree).
-    Evaluations before 2026-11-29 bucketed by offset and recorded nothing. One pass over the samples' positions."""
-    restart = any(np.any(np.asarray(s["position_ids"])[1:] == 0) for s in samples if "position_ids" in s)
+def position_by(samples: list[dict], restarts: bool | None = None) -> str:
+    """What the held-out loss's position buckets measured: "document" where the run restarts positions at documents
+    (`restarts`: RunData.reset_position_ids; a token's context in its document) or, that unknown, where a sample's
+    positions restart; "sample" otherwise (--reset_position_ids no: positions run on across documents, the buckets are
+    offsets in the sample). Samples of one document each read the same either way: read from the samples alone, a
+    run that restarts positions, its held-out documents each longer than a sample (a 1M stage), recorded "sample"
+    and the table's * blamed --reset_position_ids no on it. Evaluations before 2026-11-29 bucketed by offset and
+    recorded nothing. One pass over the samples' positions."""
+    restart = restarts or any(np.any(np.asarray(s["position_ids"])[1:] == 0) for s in samples if "position_ids" in s)
     return "document" if restart else "sample"
 
 
@@ -296,12 +311,15 @@ def _copy(result: dict, key: str, source: str) -> None:
 
 
 def evaluate_stage(engine, stage, dims, heldout: list[dict], tokenizer, metrics, step: int, micro_batch: int,
-                   pad_id: int, stages=None, heldout_at=None, before: str | None = None) -> dict:
+                   pad_id: int, stages=None, heldout_at=None, before: str | None = None,
+                   restarts: bool | None = None) -> dict:
     """Run the stage's evaluation on every rank; rank 0 records it. Returns the result. `stages` (the whole
     curriculum) gives the other lengths to try the tasks at, `heldout_at(seq_len, n)` (RunData.heldout) the
     held-out samples at the first stage's length (packed as the first stage packs them: text or conversations);
     without them only this stage's length is evaluated. A non-finite held-out loss: ValueError (module docstring),
-    naming `before` (the checkpoint before the weights evaluated) to resume from."""
+    naming `before` (the checkpoint before the weights evaluated) to resume from. `restarts`: whether the run
+    restarts positions at documents (`position_by`); by default read from the RunData `heldout_at` is bound to
+    (training/stage.py passes `run.data.heldout`), and an SFT stage's conversations always restart."""
     cfg = stage.eval
     engine.eval()
     result = {"stage": stage.index, "stage_name": stage.name, "step": step, "seq_len": stage.max_seq_length}
@@ -313,7 +331,10 @@ def evaluate_stage(engine, stage, dims, heldout: list[dict], tokenizer, metrics,
             if buckets:
                 ce, n = stats[3:3 + buckets], stats[3 + buckets:]
                 result["heldout_loss_by_position"] = [(c / k).item() if k > 0 else float("nan") for c, k in zip(ce, n)]
-                result["position_by"] = position_by(heldout)
+                if restarts is None:
+                    restarts = getattr(stage, "kind", None) == "sft" or getattr(  # the bound RunData's setting
+                        getattr(heldout_at, "__self__", None), "reset_position_ids", None)
+                result["position_by"] = position_by(heldout, restarts)
     first = stages[0].max_seq_length if stages else stage.max_seq_length
     sft = getattr(stage, "kind", None) == "sft"
     first_sft = getattr(stages[0] if stages else stage, "kind", None) == "sft"  # retention: as the first stage measured

@@ -223,7 +223,9 @@ class MetricsLogger:
         self.log({"event": "eval", **result})
         self._wb(lambda run: run.log({**{k: v for k, v in _flatten(result, "eval").items() if "/" in k[5:]},
                                       **_at(result.get("step"))}))
-        atomic_write(os.path.join(self.eval_dir, f"stage{stage}.json"), json.dumps(result, indent=1).encode())
+        # strict JSON, as metrics.jsonl: an empty position bucket's NaN is null (a bare NaN, which jq and most readers
+        # refuse, was written here); eval_tables reads both, records from before too
+        atomic_write(os.path.join(self.eval_dir, f"stage{stage}.json"), json.dumps(strict(result), indent=1).encode())
         self._write_eval_table()
 
     def _write_eval_table(self) -> None:

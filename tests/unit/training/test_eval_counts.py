@@ -140,3 +140,48 @@ def test_the_lengths_a_stage_evaluates_at_name_what_asks_them():
         16: ["the held-out conversation loss at the first SFT stage's length"]}
     stages[0].eval = {"heldout_samples": 0, "tasks": ["passkey"], "lengths": "all"}
     assert ev.eval_forward_lengths(stages[0], stages) == {8: ["eval.lengths all"], 16: ["eval.lengths all"]}
+
+
+class _RunData:
+    """A stand-in RunData: evaluate_stage reads whether the run restarts positions from the one `heldout_at` is of."""
+
+    def __init__(self, restarts: bool):
+        self.reset_position_ids = restarts
+
+    def heldout(self, seq_len, n, sft=False):
+        return _heldout_at(seq_len, n, sft)
+
+
+def test_a_run_that_restarts_positions_records_document_buckets_with_one_document_samples():
+    """evalG: held-out samples of one document each (a document longer than the sample) show no restart, and a run
+    that restarts positions recorded "sample": the table's * blamed --reset_position_ids no on a run that never set
+    it. The two readings agree there; the run's setting decides (given, or read from the RunData of `heldout_at`,
+    as training/stage.py passes it); a run that does not restart still records "sample"."""
+    st = types.SimpleNamespace(index=0, name="a", max_seq_length=16, kind="text",
+                               eval={"heldout_samples": 2, "position_buckets": 4, "tasks": []})
+    one_doc = [_sample(i, 16) for i in range(2)]  # positions 0..15: one document, no restart inside
+
+    def by(**kw):
+        return evaluate_stage(TokenEngine(64), st, DIMS1, one_doc, None, METRICS, 1, 1, 0, [st], **kw)["position_by"]
+
+    assert by(heldout_at=_RunData(True).heldout) == "document"
+    assert by(heldout_at=_RunData(False).heldout) == "sample"
+    assert by(heldout_at=None, restarts=True) == "document"
+    assert ev.position_by(one_doc, True) == "document" and ev.position_by(one_doc, False) == "sample"
+    sft = types.SimpleNamespace(**{**vars(st), "kind": "sft"})  # conversations: restarted whatever the samples show
+    assert evaluate_stage(TokenEngine(64), sft, DIMS1, one_doc, None, METRICS, 1, 1, 0, [sft], None)[
+        "position_by"] == "document"
+    md = "\n".join(eval_tables([{"stage": 0, "stage_name": "a", "step": 1, "seq_len": 16, "position_by": "document",
+                                 "heldout_loss_by_position": [2.0, 1.0, 1.0, 1.0]}]))
+    assert "| 0 | 16 | 2.000 |" in md  # no * on it
+
+
+def test_a_depth_given_twice_asks_its_trials_once():
+    """`--depths 0.5,0.5` (or eval.depths [0.5, 0.5]) asked each trial twice: twice the forwards, the cell's hits
+    string twice as long. The depths are asked once each, in the order given."""
+    tok = Tokenizer(SP)
+    out = ev.evaluate_tasks(TokenEngine(tok.vocab_size), DIMS1, 1, tok.pad_id, tok, {"passkey": 2}, [0.5, 0.1, 0.5],
+                            [256])
+    assert list(out["task_hits"]["passkey"]["256"]) == ["0.5", "0.1"]
+    assert all(len(h) == 2 for h in out["task_hits"]["passkey"]["256"].values())
+    assert ev.stage_depths({"depths": [0.5, 0.5, 0.9]}) == [0.5, 0.9]

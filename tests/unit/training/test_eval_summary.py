@@ -1,9 +1,11 @@
 """scripts/eval_summary.py (what `make demo` and `make demo-sft` end with): a torn or hand-edited record under
-OUTPUT_DIR/eval/ is one line naming that file and exit 2 (was `error: Expecting value: ...`, naming no file)."""
+OUTPUT_DIR/eval/ is one line naming that file and exit 2 (was `error: Expecting value: ...`, naming no file); a record
+is strict JSON, and one written before (a bare NaN) is still read."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 
 from tests.distributed import ROOT
@@ -73,3 +75,26 @@ def test_tasks_are_compared_over_the_cells_both_records_asked():
     after["tasks"]["passkey"]["131072"]["0.5"] = 1.0
     assert eval_summary.task_moves([before, after]) == [
         "passkey at 131072: 1.00 -> 1.00 (over the 3 depths both asked, of 3 and 5; trials per depth not recorded)"]
+
+
+def _refuse(name):
+    raise ValueError(f"bare {name} in strict JSON")
+
+
+def test_a_record_with_an_empty_position_bucket_is_strict_json_and_both_forms_are_read(tmp_path, capsys):
+    """evalG: eval/stage{N}.json wrote a position bucket no token reached as a bare NaN (metrics.jsonl wrote null; jq
+    and most readers refuse NaN). Now null there too, and summary.md / eval_summary read it as `-`, as they read a
+    record written before (NaN)."""
+    from training.metrics import MetricsLogger
+
+    m = MetricsLogger(str(tmp_path), True, "none", None, None, {}, 10, False)
+    rec = {"stage": 0, "stage_name": "a", "step": 1, "seq_len": 16, "heldout_loss": 2.0, "position_by": "document",
+           "heldout_loss_by_position": [2.5, 2.0, float("nan"), float("nan")]}
+    m.log_eval(0, rec)
+    text = (tmp_path / "eval" / "stage0.json").read_text()
+    assert json.loads(text, parse_constant=_refuse)["heldout_loss_by_position"] == [2.5, 2.0, None, None]
+    assert "| 0 | 16 | 2.500 | 2.000 | - | - |" in (tmp_path / "eval" / "summary.md").read_text()
+    (tmp_path / "eval" / "stage1.json").write_text(json.dumps({**rec, "stage": 1, "stage_name": "b"}))  # bare NaN
+    assert eval_summary.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| 0 | 16 | 2.500 | 2.000 | - | - |" in out and "| 1 | 16 | 2.500 | 2.000 | - | - |" in out, out

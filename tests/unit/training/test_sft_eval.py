@@ -20,11 +20,18 @@ import yaml
 
 from base.parallel import ParallelDims
 from data.chat import ChatEncoder, build_demo_chats
-from data.tasks import TASKS, make_sample
+from data.tasks import TASKS, TaskMixDataset, make_sample
 from data.tokenizer import Tokenizer
 from model_utils.tiled_loss import _stats
 from tests.unit.data.chat_fixtures import build_tokenizer
-from training.evaluation import evaluate_stage, stage_heldout, task_accuracy, trial
+from training.evaluation import (
+    check_trials_fit,
+    evaluate_stage,
+    stage_heldout,
+    task_accuracy,
+    task_seed,
+    trial,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 SP = os.path.join(ROOT, "recipes/base/tiny_passkey256/tokenizer.model")  # the demo's: no chat template
@@ -54,6 +61,31 @@ def test_a_trial_is_a_user_turn_through_the_template(tmp_path, family):
     assert all(np.array_equal(trial("passkey", tok, 512, 0.5, random.Random(1))[k],
                               make_sample("passkey", tok, 512, 0.5, random.Random(1))[k])
                for k in ("input_ids", "shift_labels"))  # without a template: the plain trial, as before
+
+
+def test_a_chat_trial_asks_the_plain_trials_question(tmp_path):
+    """evalG: the chat trial built its plain trial from a draw of the cell's rng, another question than the plain
+    trial's at the same cell (passkey 0.1 at 512: 38355 through the template, 87619 plainly): scripts/evaluate.py
+    compared an SFT checkpoint (chat) with its base (plain) over unpaired questions. Now the same answer at every cell
+    (common_words: the same words, its list filled to the shorter length, their order may differ), and the start-up
+    check counts the trial asked. Training's chat samples are drawn as before (seeded by a draw of their rng), so a
+    resumed run draws the samples it drew."""
+    tok = Tokenizer(build_tokenizer(str(tmp_path), "qwen25"))
+    chat = ChatEncoder(tok, "assistant", "none")
+    for task in TASKS:
+        cells = [(n, d, i) for n in (768, 1024) for d in (0.1, 0.5, 0.9) for i in range(2)]
+        for n, d, i in cells:
+            asked = trial(task, tok, n, d, task_seed(task, n, d, i), chat)["answer"]
+            plain = trial(task, tok, n, d, task_seed(task, n, d, i))["answer"]
+            if task == "common_words":
+                asked, plain = sorted(asked.split()), sorted(plain.split())
+            assert asked == plain, (task, n, d, i)
+        check_trials_fit({task: 2}, [0.1, 0.5, 0.9], [768, 1024], tok, chat)
+    data = TaskMixDataset([], ["passkey", "niah_multikey"], tok, 1024, 5, chat)  # a training stage's chat samples
+    for k in range(4):
+        rng = random.Random(f"5:{data.names[k % 2]}:{k // 2}")
+        d = rng.random()
+        assert data[k]["answer"] == make_sample(data.names[k % 2], tok, 2048, d, random.Random(rng.random()))["answer"]
 
 
 class ReplyEngine:
