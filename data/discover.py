@@ -73,7 +73,8 @@ class Unit:
             if self.kind == "json_array" else f"{self.path}: row {row}"
 
 
-def _stem(path: str) -> str:
+def stem(path: str) -> str:
+    """A file's or folder's source name: its name without its data extensions (`web.jsonl.zst` -> `web`)."""
     base = os.path.basename(os.path.normpath(path))
     ext = next((e for e in sorted(JSONL_EXT + PARQUET_EXT, key=len, reverse=True) if base.lower().endswith(e)), "")
     return base[: len(base) - len(ext)]
@@ -119,9 +120,22 @@ def _output_folder(d: str, names: list[str]) -> bool:
 def _walk(root: str, flag: str | None = None) -> Iterator[tuple[str, list[str], list[str]]]:
     """os.walk of `root` (folder, its subfolders, its file names), subfolders in order, its hidden subfolders and a
     run's or a preparation's output folder (and what lies in it) left out; the latter said once where `flag` names
-    the input (`_folder`'s walk; --loader's too)."""
-    for d, dirs, fs in os.walk(root):
-        dirs[:] = sorted(x for x in dirs if not x.startswith("."))
+    the input (`_folder`'s walk; --loader's too). A link to a folder is followed (`corpus/books -> /shared/books`, a
+    linked save_to_disk folder: dropped without a word), each real folder walked once: a link back to a folder above
+    it (a loop) or to one already walked is skipped, said once. Cost: a realpath per subfolder."""
+    seen = {os.path.realpath(root)}
+    for d, dirs, fs in os.walk(root, followlinks=True):
+        keep = []
+        for x in sorted(x for x in dirs if not x.startswith(".")):
+            real = os.path.realpath(os.path.join(d, x))
+            if real not in seen:
+                seen.add(real)
+                keep.append(x)
+            elif flag and (link := os.path.join(d, x)) not in _SKIPPED:
+                _SKIPPED.add(link)
+                print0(f"{flag} {root}: skipping {os.path.relpath(link, root)}/: it is {real}, a folder read "
+                       "already under another name (a link; each folder is read once)")
+        dirs[:] = keep
         if d != root and _output_folder(d, fs):
             dirs[:] = []
             if flag and d not in _SKIPPED:
@@ -172,12 +186,26 @@ def _folder(path: str, flag: str) -> list[str]:
     return sorted(files)
 
 
+def _no_cache_files(path: str, files: list[str], flag: str) -> None:
+    """ValueError naming a datasets cache folder's `cache-<fingerprint>.arrow` files under --loader (a map's or a
+    filter's results, each a transformed copy of the split beside them: `--loader arrow` on the folder read every row
+    twice); without --loader every .arrow is refused by name (OTHER_DATA). A pattern naming them reads them."""
+    cache = sorted(os.path.relpath(f, path) for f in files if fnmatch.fnmatch(os.path.basename(f), "cache-*.arrow"))
+    if cache:
+        own = [os.path.relpath(f, path) for f in files if os.path.relpath(f, path) not in cache]
+        raise ValueError(f"{flag} {path}: {cache[0]}" + (f" and {len(cache) - 1} more" if len(cache) > 1 else "")
+                         + (" are datasets' cache files" if len(cache) > 1 else " is a datasets cache file")
+                         + " (a map's or filter's results: a copy of the split's rows): read beside the split's own "
+                         "file, every row would be read twice; give the files meant, e.g. "
+                         f"{flag} {os.path.join(path, own[0] if own else cache[0])}")
+
+
 def _paper(rel: str) -> bool:
     """A dataset snapshot's own papers, not documents: README.md, README_zh.md, LICENSE-CODE.md, SHA256SUMS.txt (a
     DOC_META name, alone or before `_` / `-`), anything under a docs/ folder."""
     parts = rel.lower().split(os.sep)
-    stem = parts[-1].split(".")[0]
-    return bool({"docs", "doc"} & set(parts[:-1])) or any(stem == m or stem.startswith((m + "_", m + "-"))
+    first = parts[-1].split(".")[0]
+    return bool({"docs", "doc"} & set(parts[:-1])) or any(first == m or first.startswith((m + "_", m + "-"))
                                                            for m in DOC_META)
 
 
@@ -254,7 +282,7 @@ def _units(name: str, path: str, loader: str | None, flag: str) -> list[Unit]:
     pattern = matching(path, flag)  # `DIR/data/train_sft-*.parquet`: one split's files
     if pattern is not None:
         _one_each(path, pattern, flag)
-        name = name or _stem(path.split("*")[0].rstrip("-_."))
+        name = name or stem(path.split("*")[0].rstrip("-_."))
         return [u for f in pattern for u in _units(name, f, loader, flag)]
     if not os.path.exists(path):
         raise ValueError(f"{flag} {spec}: no such file or folder")
@@ -263,18 +291,19 @@ def _units(name: str, path: str, loader: str | None, flag: str) -> list[Unit]:
     # one raw-text document of JSON syntax, every token trained)
     if loader and not is_hf_folder(path) and not (os.path.isfile(path) and native(path)):
         if os.path.isfile(path):
-            return [Unit(name or _stem(path), f"hf_load:{loader}", path)]
+            return [Unit(name or stem(path), f"hf_load:{loader}", path)]
         # a folder's files as the other formats' (no metadata, one split), one source named after it
         files = one_split(path, sorted(os.path.join(d, f) for d, _, fs in _walk(path) for f in fs
                                        if f not in NOT_DATA and not f.startswith(".")
                                        and not hidden(os.path.relpath(d, path))), flag)  # a snapshot's .cache/ too
+        _no_cache_files(path, files, flag)
         # inside the folder the loader's files stay its own (a source tree's package.json is code, not rows): only
         # JSONL and Parquet files are read as such
         rows = tuple(e for e in JSONL_EXT if e != ".json" and not e.startswith(".json.")) + PARQUET_EXT
-        return [u for f in files for u in (_units(name or _stem(path), f, None, flag) if f.lower().endswith(rows)
-                                           else [Unit(name or _stem(path), f"hf_load:{loader}", f)])]
+        return [u for f in files for u in (_units(name or stem(path), f, None, flag) if f.lower().endswith(rows)
+                                           else [Unit(name or stem(path), f"hf_load:{loader}", f)])]
     if is_hf_folder(path):
-        return [Unit(name or _stem(path), "hf_disk", path)]
+        return [Unit(name or stem(path), "hf_disk", path)]
     if os.path.isfile(path):
         _mds(os.path.dirname(path), os.listdir(os.path.dirname(path) or ".") if os.path.basename(path) == "index.json"
              else [], path, flag)
@@ -297,17 +326,35 @@ def _units(name: str, path: str, loader: str | None, flag: str) -> list[Unit]:
                     kind = "json_array" if starts_array(fh) else "jsonl"
             except unreadable() as e:
                 raise damaged(f, e) from None
+            if lfs_pointer(f):  # its 3 lines were 3 bad rows ("not valid JSON"), skipped with --skip_bad_rows
+                raise damaged(f, ValueError("a git-lfs pointer file"))
         else:
             raise ValueError(f"{flag} {f}: unknown format; expected .jsonl / .ndjson / .json (plain, .gz, .zst, .bz2, "
                              ".xz), .parquet, a datasets save_to_disk folder, or --loader BUILDER for "
                              "datasets.load_dataset")
-        units.append(Unit(name or _stem(path), kind, f))  # a folder's files are one source: the folder's name
+        units.append(Unit(name or stem(path), kind, f))  # a folder's files are one source: the folder's name
     return units
 
 
+LFS = b"version https://git-lfs"  # a git-lfs pointer's first bytes (a clone without `git lfs pull`: ~130 bytes each)
+
+
+def lfs_pointer(path: str) -> bool:
+    """Whether `path` is a file holding a git-lfs pointer, not the content it points to. Cost: one read of 23 bytes."""
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(len(LFS)) == LFS
+    except OSError:  # a folder, a file gone: no pointer
+        return False
+
+
 def damaged(path: str, e: BaseException) -> ValueError:
-    """One line for a file that cannot be read to its end: a truncated .gz / .zst (a download cut short), a file named
-    .gz that is not gzip, a datasets folder missing its .arrow files."""
+    """One line for a file that cannot be read to its end: a truncated .gz / .zst / .parquet (a download cut short), a
+    file named .gz that is not gzip, a datasets folder missing its .arrow files, a git-lfs pointer (a dataset repo
+    cloned without `git lfs pull`)."""
+    if lfs_pointer(path):
+        return ValueError(f"{path}: cannot be read ({cause(e)}): a git-lfs pointer, not the file's content? Fetch it "
+                          "with `git lfs pull` in its repository")
     return ValueError(f"{path}: cannot be read ({cause(e)}): a truncated or damaged file? Fetch it again")
 
 

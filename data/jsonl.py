@@ -33,6 +33,7 @@ _SHARD = re.compile(r"(?:^|/)([a-z0-9_]+?)-\d{5}-of-\d{5}")  # the hub's `{split
 _SHARD_NAME = re.compile(r"^(.*[-_.])(\d{5})-of-(\d{5})(.*)$")  # a shard's file name: prefix, index, count, suffix
 _FINGERPRINT = re.compile(r"^-[0-9a-f]{16}(?=\.|$)")  # older push_to_hub's per-shard `-a3ecf92756993583` in a suffix
 COMPRESSED = ("", ".gz", ".gzip", ".zst", ".zstd", ".bz2", ".xz")  # what open_file decompresses
+_COMPRESSED = re.compile(r"\.(?:gz|gzip|zst|zstd|bz2|xz)$")
 
 
 def hidden(rel: str) -> bool:
@@ -41,15 +42,32 @@ def hidden(rel: str) -> bool:
     return any(p.startswith(".") and p not in (".", "..") for p in rel.split(os.sep))
 
 
+# source code and its configuration: a repository's `scripts/train.py`, `tests/test_model.py`, `src/test/...` name no
+# split (a code repository read with --loader text was refused as holding several)
+CODE_EXT = (".py", ".ipynb", ".pyi", ".js", ".ts", ".jsx", ".tsx", ".java", ".kt", ".scala", ".c", ".cc", ".cpp", ".h",
+            ".hpp", ".cu", ".go", ".rs", ".rb", ".php", ".swift", ".m", ".r", ".jl", ".lua", ".pl", ".cs", ".sh", ".sql",
+            ".yaml", ".yml", ".toml", ".cfg", ".ini", ".lock", ".mk", ".cmake", ".gradle", ".html", ".css")
+
+
 def split_of(rel: str) -> str | None:
-    """The split a file belongs to by Hugging Face's naming, as `datasets` infers it from a folder: a shard named
-    `{split}-00000-of-00003` whose split holds a split word (`train_sft`, `test_gen`), else a path part or a word of
-    the name that is one (`train/...`, `c4-validation.00000-of-00008.json.gz`); None where it names none."""
-    rel = rel.lower()
+    """The split a file belongs to by a dataset repository's naming (datasets' data_files.py patterns): a shard named
+    `{split}-00000-of-00003` whose split holds a split word (`train_sft`, `test_gen`) or whose name ends with one
+    (`c4-validation.00000-of-00008.json.gz`); else a split word that is a folder of its path (`train/...`,
+    `data/test/...`) or the first or last word of its name (`train.jsonl`, `test_data.json`, `alpaca_dev.jsonl`,
+    `wiki.valid.txt`); None where it names none. A word inside a name (`the_last_train_home.txt`, `a_test_of_courage.txt`,
+    `web-dev-blogs.jsonl`) names none, nor does source code (CODE_EXT: `scripts/train.py`, `tests/test_model.py`)."""
+    rel = rel.lower().replace(os.sep, "/")
     m = _SHARD.search(rel)
     if m and any(w in _SPLIT_WORDS for w in m.group(1).split("_")):
         return m.group(1)
-    return next((_SPLIT_WORDS[w] for w in re.split(r"[-_./]", rel) if w in _SPLIT_WORDS), None)
+    parts = rel.split("/")
+    name = _COMPRESSED.sub("", parts[-1])
+    if name.endswith(CODE_EXT):
+        return None
+    shard = _SHARD_NAME.match(name)
+    words = [w for w in re.split(r"[-_.]", (shard[1] if shard else os.path.splitext(name)[0])) if w]
+    ends = words[-1:] if shard else words[:1] + words[-1:]
+    return next((_SPLIT_WORDS[w] for w in parts[:-1] + ends if w in _SPLIT_WORDS), None)
 
 
 def one_split(root: str, files: list[str], flag: str) -> list[str]:
@@ -65,9 +83,11 @@ def one_split(root: str, files: list[str], flag: str) -> list[str]:
         return files
     pick = next((s for s in named if s.startswith("train")), named[0])
     example = re.sub(r"\d{5}-of-\d{5}(-[0-9a-f]{16}(?=\.|$))?", "*", splits[pick][0])  # a fingerprint too
+    exts = {os.path.splitext(_COMPRESSED.sub("", f.lower()))[1] + "".join(_COMPRESSED.findall(f.lower())) for f in files}
+    every = os.path.join(root, "**", "*" + (exts.pop() if len(exts) == 1 else ""))
     raise ValueError(f"{flag} {root}: its files belong to several splits ({', '.join(named)}, by Hugging Face's "
                      f"file naming), so the evaluation splits would be trained on: give one split's files, e.g. "
-                     f"{flag} '{example}'")
+                     f"{flag} '{example}' (where the names mean no splits, every file: {flag} '{every}')")
 
 
 def matching(path: str, flag: str) -> list[str] | None:
@@ -144,7 +164,10 @@ class _Zstd(io.RawIOBase):
     def __init__(self, path: str):
         import zstandard
 
-        self.fh, self.zstd = open(path, "rb"), zstandard.ZstdDecompressor()
+        # a frame's window up to 2 GiB, as `zstd -d --long=31` reads: `zstd --long=30` (large corpora compress so)
+        # needs 1 GiB, over zstandard's default limit (128 MiB: "damaged"). The window is allocated as the frame states
+        # it: ~1 GiB of this reading process for such a file, none more for the usual 8 MiB windows
+        self.fh, self.zstd = open(path, "rb"), zstandard.ZstdDecompressor(max_window_size=2**31)
         self.obj, self.out, self.at, self.done = None, b"", 0, False
 
     def readable(self) -> bool:

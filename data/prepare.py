@@ -26,7 +26,7 @@ from base.atomic import tmp_name
 from base.log import print0
 from data import output_lock
 from data.corpus import CACHE, build_demo_corpus
-from data.discover import discover
+from data.discover import discover, stem
 from data.packing import build_token_stream, cache_key, vocab_refusal
 from data.store import is_prepared
 from data.tokenizer import Tokenizer
@@ -154,8 +154,22 @@ def prepare_in_job(dataset_path: str | None, tokenizer_path: str | None, model_v
         # prepared again into another folder while every GPU waited, and the old one was kept. A folder keyed by an
         # earlier rule is prepared once more after the upgrade (data/pipeline.py's resume note says it holds the same
         # tokens)
-        out = os.path.join(CACHE, "prepared", cache_key(content_identity(units), tok_path, model_vocab))
+        # the units' source names join the key where they are not each file's own (a folder's files are one source
+        # named after it, `books=DIR`'s and a pattern's too, as prepare_data names them): before, each file was
+        # prepared as its own source (`a`, `b` where prepare_data wrote `corpus`), and such a folder keyed without the
+        # mark holds those names: prepared again once, into a folder of its own, never mixed with it. A resumed run
+        # whose first preparation made that folder keeps it (its sources, its data order: exact resume across the
+        # upgrade); a new run prepares the input as given
+        keys = content_identity(units)
+        out = os.path.join(CACHE, "prepared", cache_key(keys, tok_path, model_vocab))
+        if any(u.name != stem(u.path) for u in units) and not (resumed and is_prepared(out)):
+            out = os.path.join(CACHE, "prepared", cache_key(keys + ["sources:as-given"], tok_path, model_vocab))
         size = sum(input_bytes(f) for f in files)  # a stat a file, and <= 18 bytes or a Parquet footer read
+        holder = data if os.path.exists(data) or "/" in data.partition("=")[0] else data.partition("=")[2]
+        if os.path.isdir(holder) and os.path.commonpath([os.path.realpath(CACHE), real := os.path.realpath(holder)]) \
+                == real and not is_prepared(out):  # (prepare_data refuses an --output inside its --input)
+            raise ValueError(f"--dataset_path {data}: the data cache {CACHE} lies inside it: set ULYSSES_CACHE to a "
+                             "folder outside it (its prepared folders are no rows of the input)")
         # one prepared already is used, and a resumed run's input is prepared again, whatever the limit (a run that
         # started under an earlier estimate, or cache key, must not end at its requeue on today's)
         if size > MAX_IN_JOB_BYTES and not resumed and not is_prepared(out):
@@ -182,8 +196,8 @@ def prepare_in_job(dataset_path: str | None, tokenizer_path: str | None, model_v
                 print0(line.replace(tmp, out))  # ChatML default...): said on rank 0, naming the folder trained on
             # ids bound by the tokenizer named (or the demo's), else by the model: the model's own tokenizer taken by
             # default does not narrow what pre-tokenized rows may hold
-            try:
-                prepare([u.path for u in units], tmp, tok_path, workers=0, log=log,
+            try:  # the input as given (a folder, `name=PATH`, a pattern): the sources prepare_data names
+                prepare([data], tmp, tok_path, workers=0, log=log,
                         vocab_size=model_vocab if tok_path in (None, fallback) else None)
             except BaseException as e:  # a full disk, a bad row, an interrupt: no <key>.tmp.* of ours left for good
                 shutil.rmtree(tmp, ignore_errors=True)  # (a requeue's is another name: only remove_stale would)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -30,7 +31,15 @@ from data.jsonl import (
 )
 from data.row_errors import SURROGATE, TREE, both, elsewhere, lone_surrogate, other_chat, tree_row
 
-TEXT_DOC_MAX = 2**30  # --loader text: a file is one document, read whole (1M tokens are ~4 MB of text)
+# The longest text document tokenized (UTF-8 bytes). The Rust tokenizer holds ~120 bytes per byte of text while it
+# encodes one (its Encoding's tokens, offsets and alignments: a 16 MB document peaked at ~1.9 GB measured, 20 MB at 2.7
+# GB in an audit; a 200 MB line allowed in-job took ~24 GB, an OOM kill naming no line). At the cap ~4 GB in its
+# worker; 32 workers on 1M-token documents (~4 MB) hold ~0.5 GB each, ~15 GB together. A longer one is refused naming
+# its row, before it reaches a worker. Not cut into pieces: a cut is exact only where the tokenizer's pre-tokenizer
+# splits the whole text there too (GPT-2's regex joins "\n\n", a Metaspace prefix adds a "▁" at each piece's start).
+MAX_DOC_BYTES = 32 << 20  # ~8M tokens: longer than any sample trained here (the packer cuts it at sample boundaries)
+TEXT_DOC_MAX = MAX_DOC_BYTES  # --loader text: a file is one document, read whole; refused by its size before (a
+# compressed one's by its text's, once read)
 PARQUET_BATCH_BYTES = 64 << 20  # Parquet decoded so much at a time, ~6x in Python (1024 rows of 800 KB took 4.9 GB)
 
 
@@ -55,14 +64,14 @@ def _rows(unit: Unit, fields: Fields, start: int, batch_rows: int) -> Iterator[t
         with open_file(unit.path) as fh:
             for row, line in enumerate(fh):
                 if row >= start and line.strip():
-                    yield row, line
+                    yield row, _not_too_long(unit, row, line, fields)
         return
     if unit.kind == "json_array":
         with open_file(unit.path) as fh:
             try:
                 for row, element in enumerate(array_elements(fh)):
                     if row >= start:
-                        yield row, element
+                        yield row, _not_too_long(unit, row, element, fields)
             except ValueError as e:  # a malformed array: nothing after it can be read (no line to skip to)
                 raise ValueError(f"{unit.path}: {e}") from None
         return
@@ -70,7 +79,10 @@ def _rows(unit: Unit, fields: Fields, start: int, batch_rows: int) -> Iterator[t
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        pf = pq.ParquetFile(unit.path, buffer_size=8 << 20, pre_buffer=False)  # column chunks read 8 MB at a time
+        try:  # a file cut short or a git-lfs pointer: Arrow's "magic bytes not found" named no file
+            pf = pq.ParquetFile(unit.path, buffer_size=8 << 20, pre_buffer=False)  # column chunks read 8 MB at a time
+        except pa.ArrowInvalid as e:
+            raise damaged(unit.path, e) from None
         cols = _columns(unit, pf.schema_arrow.names, fields, lambda: next(pf.iter_batches(batch_size=1)).to_pylist()[0])
         row = 0
         for rg in range(pf.num_row_groups):
@@ -81,7 +93,7 @@ def _rows(unit: Unit, fields: Fields, start: int, batch_rows: int) -> Iterator[t
             size = max(1, min(batch_rows, PARQUET_BATCH_BYTES * n // max(meta.total_byte_size, 1)))  # by bytes a row
             try:
                 for batch in pf.iter_batches(batch_size=size, row_groups=[rg], columns=_flat(cols)):
-                    yield from _columnar(batch.to_pydict(), cols, row, start)
+                    yield from _columnar(batch.to_pydict(), cols, row, start, unit)
                     row += batch.num_rows
             except (pa.ArrowNotImplementedError, pa.ArrowCapacityError) as e:  # > 2 GB of strings in one batch
                 raise ValueError(f"{unit.path}: row group {rg} ({n} rows): {cause(e)}: re-write the file with smaller "
@@ -95,6 +107,7 @@ def _rows(unit: Unit, fields: Fields, start: int, batch_rows: int) -> Iterator[t
             if "train" not in ds:
                 raise ValueError(f"{unit.path}: a DatasetDict without a 'train' split ({list(ds)}); save one split")
             ds = ds["train"]
+        ds = ds.with_format(None)  # saved with_format("pandas" / "arrow" / "numpy"): rows as Python values, not frames
         cols = _columns(unit, ds.column_names, fields, lambda: ds[0])
         ds = ds.select_columns(_flat(cols))
         if start:
@@ -104,24 +117,61 @@ def _rows(unit: Unit, fields: Fields, start: int, batch_rows: int) -> Iterator[t
         # `text`: a file is one document (a book, a source file), as a long-context corpus means it; datasets'
         # default, a document a line, cut a book into line-long documents, each with its BOS and EOS
         extra = {"sample_by": "document"} if builder == "text" else {}
-        if extra and os.path.getsize(unit.path) > TEXT_DOC_MAX:  # read whole by datasets: one file, one document
-            raise ValueError(f"{unit.path}: {os.path.getsize(unit.path) / 2**30:.1f} GiB read as one document "
-                             "(--loader text: a file is a document): split it into documents, or give JSONL with "
-                             "one document a row")
+        if builder == "csv":  # a text "NA", "null", "" or "nan" is that text, not a missing value (pandas' default
+            extra = {"keep_default_na": False}  # NA strings made them None: bad rows), a .tsv's columns split by tabs
+            extra.update({"sep": "\t"} if re.sub(r"\.(gz|gzip|zst|zstd|bz2|xz)$", "", unit.path.lower()).endswith(
+                ".tsv") else {})
+        if builder == "text" and os.path.getsize(unit.path) > TEXT_DOC_MAX:  # read whole: one file, one document
+            raise ValueError(f"{unit.path}: {os.path.getsize(unit.path) / 2**20:.0f} MB read as one document (--loader "
+                             f"text: a file is a document), over the {TEXT_DOC_MAX >> 20} MB tokenized as one: split "
+                             "it into documents, or give JSONL with one document a row")
         try:  # an unknown builder is a hub lookup offline (ConnectionError), a file it cannot parse its own error
             ds = datasets.load_dataset(builder, data_files=[unit.path], split="train", streaming=True, **extra)
             names = list(ds.column_names or []) or list(next(iter(ds)).keys())
         except Exception as e:  # noqa: BLE001 (a user's --loader / file: one line, not datasets' traceback)
-            raise ValueError(f"--loader {builder}: datasets.load_dataset could not read {unit.path} "
-                             f"({cause(e)}): use a builder "
-                             "it has (csv, json, text, parquet, arrow, ...)") from None
+            raise _not_read(builder, unit.path, e) from None
         cols = _columns(unit, names, fields, lambda: next(iter(ds)))
         if start:
             ds = ds.skip(start)
     row = start
-    for batch in ds.iter(batch_size=batch_rows):
-        yield from _columnar(batch, cols, row, start)
-        row += len(next(iter(batch.values())))
+    try:
+        for batch in ds.iter(batch_size=batch_rows):
+            yield from _columnar(batch, cols, row, start, unit)
+            row += len(next(iter(batch.values())))
+    except UnicodeDecodeError as e:  # a --loader text / csv file's later rows: not UTF-8 past its first batch
+        raise _not_read(unit.kind.split(":", 1)[-1], unit.path, e) from None
+
+
+def _not_read(builder: str, path: str, e: BaseException) -> ValueError:
+    """One line for a file datasets.load_dataset(builder) could not read: not UTF-8 (a latin-1 / cp1252 text), or
+    another error (an unknown builder, a file it cannot parse)."""
+    if isinstance(e, UnicodeDecodeError):
+        return ValueError(f"--loader {builder}: {path} is not UTF-8 text ({cause(e)}): re-encode it as UTF-8 (e.g. "
+                          "`iconv -f latin1 -t utf-8 FILE > FILE.utf8`, latin1 or the encoding it was written in)")
+    return ValueError(f"--loader {builder}: datasets.load_dataset could not read {path} ({cause(e)}): use a builder "
+                      "it has (csv, json, text, parquet, arrow, ...)")
+
+
+def _too_long(where: str, size: int) -> ValueError:
+    return ValueError(f"{where}: a text document of {size / 2**20:.0f} MB, over the {MAX_DOC_BYTES >> 20} MB "
+                      f"tokenized as one (the tokenizer holds ~120 bytes per byte of it: ~{size * 120 / 2**30:.0f} "
+                      "GB): split it into documents, or give its input_ids pre-tokenized")
+
+
+def _not_too_long(unit: Unit, row: int, raw: bytes, fields: Fields) -> bytes:
+    """A JSONL line or array element, refused (ValueError naming it) where its text is over MAX_DOC_BYTES. Only a raw
+    row over the cap is parsed here (its ids or other fields may make it long): rare, one parse of it."""
+    if len(raw) <= MAX_DOC_BYTES:
+        return raw
+    try:
+        obj = json.loads(raw)
+    except ValueError:  # the worker says what is wrong with it
+        return raw
+    text = obj.get(fields.text) if isinstance(obj, dict) else None
+    if isinstance(text, str) and len(text) > MAX_DOC_BYTES // 4 and (n := len(text.encode("utf-8", "replace"))) > \
+            MAX_DOC_BYTES:
+        raise _too_long(unit.where(row), n)
+    return raw
 
 
 CHAT_COLUMNS = (("messages",), ("conversations",), ("prompt", "completion"), ("instruction", "output"))  # data/chat.py's
@@ -176,13 +226,16 @@ def _flat(cols: tuple) -> list[str]:
             + (cols[1],) + cols[2] if c]
 
 
-def _columnar(batch: dict, cols: tuple, row: int, start: int) -> Iterator[tuple[int, object]]:
+def _columnar(batch: dict, cols: tuple, row: int, start: int, unit: Unit) -> Iterator[tuple[int, object]]:
     chat = isinstance(cols[0], tuple)
     values = batch[cols[0][0] if chat else cols[0]]
     sources = batch[cols[1]] if cols[1] else None
     beside = {c: batch[c] for c in cols[2]}
     for i, v in enumerate(values):
         if row + i >= start:
+            if isinstance(v, str) and len(v) > MAX_DOC_BYTES // 4 and (n := len(v.encode("utf-8", "replace"))) > \
+                    MAX_DOC_BYTES:  # (a char is 1-4 bytes: only a long one is encoded to count them)
+                raise _too_long(unit.where(row + i), n)
             extra = {c: b[i] for c, b in beside.items() if b[i] is not None}
             if extra and not plain_ids(extra, v):  # else read by parse_item (data/ids_rows.py)
                 v = {BESIDE: (v, extra)}
@@ -232,6 +285,8 @@ def parse_item(item: object, fields: Fields) -> tuple[str | list | dict | None, 
             value = obj  # a chat row: data/chat.py reads it
         src = obj.get(fields.source) if fields.source else None
         item = (value, None if src is None else str(src))
+        if value is None and fields.text in obj and obj.get(fields.ids) is None:
+            return None, None, f"{fields.text!r} is null (a row with no text): fill it, or drop the row"
         if value is None:
             return None, None, (f"expected {{\"{fields.text}\": str}}, {{\"{fields.ids}\": [int, ...]}} or a chat row "
                                 f"(messages, conversations, prompt + completion, instruction + output), got keys {sorted(obj)}"
@@ -252,5 +307,8 @@ def parse_item(item: object, fields: Fields) -> tuple[str | list | dict | None, 
         return value, src, None
     if value is not None and hasattr(value, "tolist"):  # numpy / arrow arrays of ids
         return parse_item((value.tolist(), src), fields)
+    if value is None:  # a table's null cell
+        return None, None, (f"{fields.text!r} (or {fields.ids!r}) is null (a row with no text): fill it, or drop the "
+                            "row")
     return None, None, (f"expected a string in {fields.text!r} or non-negative ints in {fields.ids!r}, got "
                         f"{type(value).__name__}")

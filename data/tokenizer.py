@@ -260,7 +260,8 @@ class Tokenizer:
         with the BOS string gets that one real BOS (a text that writes its own), one ending with `sep`'s string that
         real one (`...</s>`: no second one after it). Parsed: every special-token string its control token, the BOS
         put first where the ids do not start with it. An empty or whitespace-only text gives [] (dropped and counted
-        as empty; it was trained as BOS + whitespace + EOS)."""
+        as empty; it was trained as BOS + whitespace + EOS). Each text is encoded whole, ~120 bytes of memory per byte
+        of it: data/readers.MAX_DOC_BYTES bounds its length before it gets here (and says why not in pieces)."""
         if specials not in SPECIALS_MODES:
             raise ValueError(f"--text_specials {specials!r}: use auto, text or parse")
         kept = [k for k, t in enumerate(texts) if t and not t.isspace()]  # isspace(): a C scan, no copy

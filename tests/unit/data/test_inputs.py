@@ -120,7 +120,7 @@ def test_datasets_folder_and_loader(tmp_path, monkeypatch):
     from data import readers
 
     monkeypatch.setattr(readers, "TEXT_DOC_MAX", 10)  # a file too large to read whole as one document: one line
-    with pytest.raises(ValueError, match=r"book.txt: 0.0 GiB read as one document .*give JSONL"):
+    with pytest.raises(ValueError, match=r"book.txt: 0 MB read as one document .*give JSONL"):
         prepare([str(book)], str(tmp_path / "o4"), model, workers=0, loader="text", log=lambda _: None)
 
 
@@ -168,7 +168,9 @@ def test_a_loader_folder_and_a_hive_path_are_read_as_the_other_inputs_are(tmp_pa
 
 def test_a_dataset_path_folder_reads_what_prepare_data_reads(tmp_path, monkeypatch):
     """train.py --dataset_path FOLDER (the in-job path) read only its .jsonl / .json files: a .jsonl.gz or a Parquet
-    file beside them was dropped without a word. It now reads what prepare_data reads there, one source a file."""
+    file beside them was dropped without a word. It now reads what prepare_data reads there, one source named after
+    the folder, as prepare_data names it (each file was its own source: a stage's `data:` naming the folder found
+    none)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -182,7 +184,7 @@ def test_a_dataset_path_folder_reads_what_prepare_data_reads(tmp_path, monkeypat
     pq.write_table(pa.table({"input_ids": DOCS[8:]}), str(folder / "c.parquet"))
     out, _ = in_job.prepare_in_job(str(folder), None, 100)
     m = Prepared(out).manifest
-    assert m["n_docs"] == len(DOCS) and sorted(m["sources"]) == ["a", "b", "c"], m
+    assert m["n_docs"] == len(DOCS) and m["sources"] == ["mixed"], m
     with pytest.raises(ValueError, match=r"^--dataset_path \S+: no such file or folder$"):
         in_job.prepare_in_job(str(tmp_path / "none"), None, 100)
 
