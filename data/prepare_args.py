@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from base.host import usable_cpus
 
@@ -84,3 +85,23 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="start this shard again instead of resuming")
     p.add_argument("--verify", action="store_true", help="re-read a prepared folder and check its checksums")
     return p
+
+
+def unquoted_pattern(inputs: list[str], rest: list[str]) -> str | None:
+    """The one line for the arguments argparse left over where each is an existing path: `--input dir/*.jsonl`
+    unquoted, which the shell expands to `--input dir/a.jsonl dir/b.jsonl ...` (--input takes one path: the others
+    ended in argparse's "unrecognized arguments"). Not taken as more inputs: the pattern quoted is one source named
+    after its folder (data/discover.py), each file given alone a source of its own. None where a leftover is no path
+    (a mistyped flag: argparse's own message says it)."""
+    if not rest or any(r.startswith("-") or not os.path.exists(r) for r in rest):
+        return None
+    files = inputs[-1:] + rest
+    folders = {os.path.dirname(f) for f in files}
+    ends = os.path.commonprefix([os.path.basename(f)[::-1] for f in files])[::-1]  # `.jsonl`, `-of-01024.json.gz`
+    ext = ends[ends.index("."):] if "." in ends else ""
+    pattern = os.path.join(folders.pop(), "*" + ext) if len(folders) == 1 else "DIR/*.jsonl"
+    said = f"{' '.join(files[:3])}{' ...' if len(files) > 3 else ''}"
+    what = f"--input {said}: {len(files)} paths after one --input" if inputs else f"{said}: {len(rest)} path(s) " \
+        "without --input"
+    return (f"{what} (a pattern the shell expanded?), which takes one: quote the pattern (--input '{pattern}': its "
+            "files one source) or give --input once per file (a source each)")

@@ -31,11 +31,17 @@ from data import output_lock, packing, store
 from data.chat import prefix_cost_note, prefix_costly
 from data.discover import Unit, discover
 from data.ids_rows import BESIDE, MASKED, documents, rows_over
-from data.prepare_args import DEFAULT_BATCH_DOCS, DEFAULT_CHUNK_TOKENS, TEXT_SPECIALS, parser
+from data.prepare_args import (
+    DEFAULT_BATCH_DOCS,
+    DEFAULT_CHUNK_TOKENS,
+    TEXT_SPECIALS,
+    parser,
+    unquoted_pattern,
+)
 from data.prepare_checks import refusal, shard_of
 from data.prepare_pool import run_ordered
 from data.prepare_summary import manifest_lines
-from data.readers import Fields, iter_rows, parse_item
+from data.readers import Fields, Refused, iter_rows, parse_item
 
 CHAT_STATS = ("chat_docs", "supervised_tokens", "untrained_turns", "no_stop_rows",  # per shard, summed in the manifest
               "rewritten_arguments", "flagged_turns", "dropped_reasoning", "chatml_rows", "history_ends",
@@ -271,6 +277,8 @@ def row_cost(item) -> tuple[int, int]:
     chat ~0.14 MB, a 1,000-message 60 KB trace ~8.6 MB (its own task), a 1M-token chat of 100 messages ~4.7 MB. Measured
     with the fixture tokenizers (tests/unit/data/chat_render_bench.py). Text: its bytes. Counted on the raw line
     (C-speed byte counts), never parsed here."""
+    if isinstance(item, Refused):  # its text dropped by the reader: only why travels
+        return len(item.why), len(item.why)
     if isinstance(item, bytes):
         turns = item.count(b'"role"') + item.count(b'"from"')  # messages / ShareGPT turns; 0 for a text row
         return len(item), len(item) + _chat_work(turns, len(item))
@@ -434,7 +442,13 @@ def merge(output: str, log=print) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    a = parser(__doc__.split("\n")[0]).parse_args(argv)
+    p = parser(__doc__.split("\n")[0])
+    a, rest = p.parse_known_args(argv)
+    if rest:  # `--input dir/*.jsonl` unquoted: one line saying so; anything else argparse's usage and message
+        if (why := unquoted_pattern(a.input, rest)) is None:
+            p.error(f"unrecognized arguments: {' '.join(rest)}")
+        print(f"error: {why}", file=sys.stderr)
+        return 2
     try:
         if a.verify:
             if not os.path.isfile(os.path.join(a.output, store.MANIFEST)):

@@ -34,12 +34,13 @@ from data.row_errors import SURROGATE, TREE, both, elsewhere, lone_surrogate, ot
 # The longest text document tokenized (UTF-8 bytes). The Rust tokenizer holds ~120 bytes per byte of text while it
 # encodes one (its Encoding's tokens, offsets and alignments: a 16 MB document peaked at ~1.9 GB measured, 20 MB at 2.7
 # GB in an audit; a 200 MB line allowed in-job took ~24 GB, an OOM kill naming no line). At the cap ~4 GB in its
-# worker; 32 workers on 1M-token documents (~4 MB) hold ~0.5 GB each, ~15 GB together. A longer one is refused naming
-# its row, before it reaches a worker. Not cut into pieces: a cut is exact only where the tokenizer's pre-tokenizer
-# splits the whole text there too (GPT-2's regex joins "\n\n", a Metaspace prefix adds a "▁" at each piece's start).
+# worker; 32 workers on 1M-token documents (~4 MB) hold ~0.5 GB each, ~15 GB together. A longer one is handed on as a
+# Refused row, its text dropped here: refused naming its row, or skipped and counted under --skip_bad_rows. Not cut
+# into pieces: a cut is exact only where the tokenizer's pre-tokenizer splits the whole text there too (GPT-2's regex
+# joins "\n\n", a Metaspace prefix adds a "▁" at each piece's start).
 MAX_DOC_BYTES = 32 << 20  # ~8M tokens: longer than any sample trained here (the packer cuts it at sample boundaries)
-TEXT_DOC_MAX = MAX_DOC_BYTES  # --loader text: a file is one document, read whole; refused by its size before (a
-# compressed one's by its text's, once read)
+TEXT_DOC_MAX = MAX_DOC_BYTES  # --loader text: a file is one document, read whole; refused by its size before it is
+# read (a compressed one's by its text's, once read)
 PARQUET_BATCH_BYTES = 64 << 20  # Parquet decoded so much at a time, ~6x in Python (1024 rows of 800 KB took 4.9 GB)
 
 
@@ -52,7 +53,8 @@ class Fields:
 
 def iter_rows(unit: Unit, fields: Fields, start: int = 0, batch_rows: int = 1024) -> Iterator[tuple[int, object]]:
     """`(row, item)` from row `start` on; item: raw JSON bytes, or `(value, source)` with value a str, a
-    list of ints, or None (a bad row: missing/null field). A file that cannot be read to its end: one line."""
+    list of ints, or None (a bad row: missing/null field), or a Refused row (a text over MAX_DOC_BYTES: parse_item
+    says why). A file that cannot be read to its end: one line."""
     try:
         yield from _rows(unit, fields, start, batch_rows)
     except unreadable() as e:
@@ -64,14 +66,14 @@ def _rows(unit: Unit, fields: Fields, start: int, batch_rows: int) -> Iterator[t
         with open_file(unit.path) as fh:
             for row, line in enumerate(fh):
                 if row >= start and line.strip():
-                    yield row, _not_too_long(unit, row, line, fields)
+                    yield row, _not_too_long(line, fields)
         return
     if unit.kind == "json_array":
         with open_file(unit.path) as fh:
             try:
                 for row, element in enumerate(array_elements(fh)):
                     if row >= start:
-                        yield row, _not_too_long(unit, row, element, fields)
+                        yield row, _not_too_long(element, fields)
             except ValueError as e:  # a malformed array: nothing after it can be read (no line to skip to)
                 raise ValueError(f"{unit.path}: {e}") from None
         return
@@ -93,7 +95,7 @@ def _rows(unit: Unit, fields: Fields, start: int, batch_rows: int) -> Iterator[t
             size = max(1, min(batch_rows, PARQUET_BATCH_BYTES * n // max(meta.total_byte_size, 1)))  # by bytes a row
             try:
                 for batch in pf.iter_batches(batch_size=size, row_groups=[rg], columns=_flat(cols)):
-                    yield from _columnar(batch.to_pydict(), cols, row, start, unit)
+                    yield from _columnar(batch.to_pydict(), cols, row, start)
                     row += batch.num_rows
             except (pa.ArrowNotImplementedError, pa.ArrowCapacityError) as e:  # > 2 GB of strings in one batch
                 raise ValueError(f"{unit.path}: row group {rg} ({n} rows): {cause(e)}: re-write the file with smaller "
@@ -122,9 +124,11 @@ def _rows(unit: Unit, fields: Fields, start: int, batch_rows: int) -> Iterator[t
             extra.update({"sep": "\t"} if re.sub(r"\.(gz|gzip|zst|zstd|bz2|xz)$", "", unit.path.lower()).endswith(
                 ".tsv") else {})
         if builder == "text" and os.path.getsize(unit.path) > TEXT_DOC_MAX:  # read whole: one file, one document
-            raise ValueError(f"{unit.path}: {os.path.getsize(unit.path) / 2**20:.0f} MB read as one document (--loader "
-                             f"text: a file is a document), over the {TEXT_DOC_MAX >> 20} MB tokenized as one: split "
-                             "it into documents, or give JSONL with one document a row")
+            if start == 0:  # refused unread (its row 0: a bad row, skipped under --skip_bad_rows)
+                yield 0, Refused(f"{os.path.getsize(unit.path) / 2**20:.0f} MB read as one document (--loader text: "
+                                 f"a file is a document), over the {TEXT_DOC_MAX >> 20} MB tokenized as one: split it "
+                                 "into documents, or give JSONL with one document a row")
+            return
         try:  # an unknown builder is a hub lookup offline (ConnectionError), a file it cannot parse its own error
             ds = datasets.load_dataset(builder, data_files=[unit.path], split="train", streaming=True, **extra)
             names = list(ds.column_names or []) or list(next(iter(ds)).keys())
@@ -136,7 +140,7 @@ def _rows(unit: Unit, fields: Fields, start: int, batch_rows: int) -> Iterator[t
     row = start
     try:
         for batch in ds.iter(batch_size=batch_rows):
-            yield from _columnar(batch, cols, row, start, unit)
+            yield from _columnar(batch, cols, row, start)
             row += len(next(iter(batch.values())))
     except UnicodeDecodeError as e:  # a --loader text / csv file's later rows: not UTF-8 past its first batch
         raise _not_read(unit.kind.split(":", 1)[-1], unit.path, e) from None
@@ -152,15 +156,23 @@ def _not_read(builder: str, path: str, e: BaseException) -> ValueError:
                       "it has (csv, json, text, parquet, arrow, ...)")
 
 
-def _too_long(where: str, size: int) -> ValueError:
-    return ValueError(f"{where}: a text document of {size / 2**20:.0f} MB, over the {MAX_DOC_BYTES >> 20} MB "
-                      f"tokenized as one (the tokenizer holds ~120 bytes per byte of it: ~{size * 120 / 2**30:.0f} "
-                      "GB): split it into documents, or give its input_ids pre-tokenized")
+@dataclass(frozen=True)
+class Refused:
+    """A row handed on without its content, only why it is refused (parse_item's error): a bad row as the workers
+    report theirs, refused naming it, or skipped and counted under --skip_bad_rows (a 33 MB row among 100M ended a
+    1 TB preparation, no skip possible). Its text never reaches a worker nor the tokenizer."""
+    why: str
 
 
-def _not_too_long(unit: Unit, row: int, raw: bytes, fields: Fields) -> bytes:
-    """A JSONL line or array element, refused (ValueError naming it) where its text is over MAX_DOC_BYTES. Only a raw
-    row over the cap is parsed here (its ids or other fields may make it long): rare, one parse of it."""
+def _too_long(size: int) -> Refused:
+    return Refused(f"a text document of {size / 2**20:.0f} MB, over the {MAX_DOC_BYTES >> 20} MB tokenized as one (the "
+                   f"tokenizer holds ~120 bytes per byte of it: ~{size * 120 / 2**30:.0f} GB): split it into documents, "
+                   "or give its input_ids pre-tokenized")
+
+
+def _not_too_long(raw: bytes, fields: Fields) -> bytes | Refused:
+    """A JSONL line or array element, Refused where its text is over MAX_DOC_BYTES. Only a raw row over the cap is
+    parsed here (its ids or other fields may make it long): rare, one parse of it."""
     if len(raw) <= MAX_DOC_BYTES:
         return raw
     try:
@@ -170,7 +182,7 @@ def _not_too_long(unit: Unit, row: int, raw: bytes, fields: Fields) -> bytes:
     text = obj.get(fields.text) if isinstance(obj, dict) else None
     if isinstance(text, str) and len(text) > MAX_DOC_BYTES // 4 and (n := len(text.encode("utf-8", "replace"))) > \
             MAX_DOC_BYTES:
-        raise _too_long(unit.where(row), n)
+        return _too_long(n)
     return raw
 
 
@@ -226,7 +238,7 @@ def _flat(cols: tuple) -> list[str]:
             + (cols[1],) + cols[2] if c]
 
 
-def _columnar(batch: dict, cols: tuple, row: int, start: int, unit: Unit) -> Iterator[tuple[int, object]]:
+def _columnar(batch: dict, cols: tuple, row: int, start: int) -> Iterator[tuple[int, object]]:
     chat = isinstance(cols[0], tuple)
     values = batch[cols[0][0] if chat else cols[0]]
     sources = batch[cols[1]] if cols[1] else None
@@ -235,7 +247,8 @@ def _columnar(batch: dict, cols: tuple, row: int, start: int, unit: Unit) -> Ite
         if row + i >= start:
             if isinstance(v, str) and len(v) > MAX_DOC_BYTES // 4 and (n := len(v.encode("utf-8", "replace"))) > \
                     MAX_DOC_BYTES:  # (a char is 1-4 bytes: only a long one is encoded to count them)
-                raise _too_long(unit.where(row + i), n)
+                yield row + i, _too_long(n)
+                continue
             extra = {c: b[i] for c, b in beside.items() if b[i] is not None}
             if extra and not plain_ids(extra, v):  # else read by parse_item (data/ids_rows.py)
                 v = {BESIDE: (v, extra)}
@@ -259,6 +272,8 @@ def _columnar(batch: dict, cols: tuple, row: int, start: int, unit: Unit) -> Ite
 
 def parse_item(item: object, fields: Fields) -> tuple[str | list | dict | None, str | None, str | None]:
     """(text, ids or a chat row (dict), source or None, error or None) for one row; runs in the worker processes."""
+    if isinstance(item, Refused):  # refused by the reader, its content not handed on
+        return None, None, item.why
     if isinstance(item, bytes):
         try:
             obj = json.loads(item)

@@ -27,25 +27,18 @@ template-less tokenizer, such as the demo's, is fine-tuned with); `auto` (defaul
 fine-tuned with (its own, else the ChatML default) when MODEL is a checkpoint or run folder whose run had an SFT
 stage, plain text otherwise (an HF folder is asked in plain text: pass `--chat on` for an Instruct model). Rank 0
 decides, every rank gets its answer.
-`--heldout CHATS` adds the held-out conversation loss: the mean cross-entropy over the assistant's tokens only (the
-tokens an SFT stage trains: each reply and its end-of-turn token; a completion for prompt/completion pairs), over
-every supervised token of the set. CHATS is chat rows (data/chat.py's formats: `messages`, ShareGPT `conversations`,
-`prompt`/`completion`; a JSONL or Parquet file, a folder of them, or a `datasets` folder), rendered here by
-data/chat.py with the model's template (`--chat chatml`: the ChatML default; otherwise the tokenizer's own, else the
-ChatML default, as scripts/prepare_data.py renders by default), or a folder scripts/prepare_data.py wrote (its
-mask-*.bin used as written, its chat documents only: a mixed folder's text documents are not conversations; it
-must have been prepared with the model's tokenizer). The conversations are packed whole at the longest of --lengths
-(data/packing.py ConvPack: positions restarted per conversation, no label across two) and scored through the same
-sharded engine as the tasks; `--heldout_conversations N` takes the first N. A bad row is refused in one line naming
-it. Reported as `heldout_chat_loss` (+ `_tokens`, `_conversations`) in eval.json and summary.md; a set with no
-supervised token has no `heldout_chat_loss` (summary.md: `none`), never 0.0 (training/heldout_chat.py).
+`--heldout CHATS` adds the held-out conversation loss: the mean cross-entropy over the assistant's tokens only,
+over every supervised token of CHATS (chat rows in data/chat.py's formats, rendered with the model's template, or a
+folder scripts/prepare_data.py wrote with the model's tokenizer), the conversations packed whole at the longest of
+--lengths; `--heldout_conversations N` takes the first N. Reported as `heldout_chat_loss` (+ `_tokens`,
+`_conversations`); a set with no supervised token has none, never 0.0 (training/heldout_chat.py, docs/evaluation.md).
 `--rope '{rope_type: yarn, factor: 8.0, original_max_position_embeddings: 256}'` replaces MODEL's RoPE (e.g. a short
 base model tried with the scaling its extension uses), `--compare_rope` the other's.
 
 Writes OUTPUT_DIR/eval.json (each model's result in the in-run JSON's shape, `tasks`: {task: {length: {depth:
-accuracy}}} and `task_mean`, then `difference` = compare - model), OUTPUT_DIR/summary.md (tables) and
-OUTPUT_DIR/heatmaps.png (per task: each model's depth x length heat map, and their difference). User errors
-(a missing path, a bad length, an SP degree that does not divide the heads, a task that does not fit a length,
+accuracy}}} and `task_mean`, then `difference` = compare - model; strict JSON: null, never NaN), OUTPUT_DIR/summary.md
+(tables) and OUTPUT_DIR/heatmaps.png (per task: each model's depth x length heat map, and their difference). User
+errors (a missing path, a bad length, an SP degree that does not divide the heads, a task that does not fit a length,
 a file as --output_dir) are refused in one line before any model is built (exit code 2).
 """
 
@@ -316,15 +309,28 @@ def evaluate_model(src: dict, a: argparse.Namespace, s: dict, dims) -> dict:
     gc.collect()  # the engine, its model and optimizer reference each other: the cycle is freed now
     return_cached_memory()
     rope = src["hf_config"].rope_parameters
-    said = [f"{t} {m}" for t, m in out["task_mean"].items()]
-    if "heldout_chat_tokens" in out:  # only with --heldout (a KeyError on every plain run once); none: nothing scored
-        said.append(f"held-out conversation loss {_loss(out)}")
-    print0(f"evaluated {src['path']} in {time.perf_counter() - t0:.1f}s: " + ", ".join(said)
-           + f" (asked as {ASKED[src['chat']]})")
+    print0(f"evaluated {src['path']} in {time.perf_counter() - t0:.1f}s: {said(out)} (asked as {ASKED[src['chat']]})")
     return {"model": src["path"], "kind": src["kind"], **{k: src[k] for k in ("step", "stage") if src.get(k) is not None},
             "rope": rope, "tokenizer": src["tokenizer"], "chat": src["chat"], "lengths": s["lengths"], "depths": s["depths"],
             "trials": src["trials"], "sp": dims.sp, "cp": dims.cp, "world": dims.world, "time_s": round(time.perf_counter() - t0, 1),
             **out}
+
+
+def said(out: dict) -> str:
+    """A result as its line says it: each task's mean over depths by length as summary.md rounds it (`passkey 256:
+    0.16`, not 0.15999999999999998), and the held-out conversation loss only with --heldout (`none`: none scored)."""
+    return ", ".join([f"{t} " + " ".join(f"{n}: {m:.2f}" for n, m in by.items()) for t, by in out["task_mean"].items()]
+                     + [f"held-out conversation loss {_loss(out)}"] * ("heldout_chat_tokens" in out))
+
+
+def write_results(folder: str, results: list[dict], diff: dict | None) -> None:
+    """eval.json strict as eval/stage{N}.json (training/metrics.strict: null, not a NaN jq refuses), summary.md."""
+    from training.metrics import strict
+
+    with open(os.path.join(folder, "eval.json"), "w") as fh:
+        json.dump(strict({"models": results, **({"difference": diff} if diff is not None else {})}), fh, indent=1)
+    with open(os.path.join(folder, "summary.md"), "w") as fh:
+        fh.write("\n".join(summary(results, diff)) + "\n")
 
 
 def difference(a: dict, b: dict) -> dict:
@@ -478,10 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     comm.barrier()
     if dims.is_main:
         diff = difference(*results) if len(results) == 2 else None
-        with open(os.path.join(a.output_dir, "eval.json"), "w") as fh:
-            json.dump({"models": results, **({"difference": diff} if diff is not None else {})}, fh, indent=1)
-        with open(os.path.join(a.output_dir, "summary.md"), "w") as fh:
-            fh.write("\n".join(summary(results, diff)) + "\n")
+        write_results(a.output_dir, results, diff)
         if any(r["tasks"] for r in results):  # --tasks none with --heldout: no heat map to draw
             heatmaps(results, diff, os.path.join(a.output_dir, "heatmaps.png"))
         print0(f"wrote {a.output_dir}/eval.json, summary.md" + ", heatmaps.png" * any(r["tasks"] for r in results))

@@ -55,7 +55,9 @@ def eval_value(key: str, value, where: str):
             depths = []
         if not depths or not all(0.0 <= d <= 1.0 for d in depths):
             raise ValueError(f"{where} {value!r}: use depths between 0 (the start) and 1 (the end), as in 0.1,0.5,0.9")
-        return depths
+        from training.evaluation import unique_depths  # (torch: imported only where depths are given)
+
+        return unique_depths(depths)  # `0.5,0.5`: once, as asked (its record key once; evaluate.py's line and JSON)
     if key == "lengths":
         if value in ("earlier", "all"):
             return value

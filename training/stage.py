@@ -169,9 +169,11 @@ def train_stage(run: Run, stage, stages, state: TrainState) -> None:
     at = ended[1] if ended else state.step  # the step of the weights evaluated
     # a non-finite held-out loss refuses to go on (training/evaluation.py), naming the checkpoint before this one
     before = next((p for p in reversed(getattr(run.ckpt, "recent", [])) if p != state.checkpoint), None)
+    # whether the run restarts positions at documents, said (its held-out buckets "document"), not guessed from the
+    # samples (a 1M stage's documents, each longer than a sample, read as "sample": training/evaluation.position_by)
     evaluate_stage(engine, stage, sdims, stage_heldout(run.data, stage, heldout_samples(stage.eval)),
                    run.data.tokenizer, run.metrics, at, cfg.per_device_train_batch_size, run.data.pad_id,
-                   stages, run.data.heldout, before)
+                   stages, run.data.heldout, before, run.data.reset_position_ids)
     preempt.deadline.record_eval(time.perf_counter() - t_eval)
     if stage.index + 1 < len(stages):  # the checks up to the next stage's first step count its step, not this one's
         preempt.deadline.next_stage(step_cost_ratio(run.base_config, stage, stages[stage.index + 1]))

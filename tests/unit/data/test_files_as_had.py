@@ -136,8 +136,8 @@ def test_a_save_to_disk_folder_saved_with_a_format_is_read(tmp_path):
 
 def test_a_text_document_too_long_to_tokenize_is_refused_naming_its_row(tmp_path, monkeypatch):
     """The Rust tokenizer holds ~120 bytes per byte of a text while it encodes it: a 200 MB line allowed in-job was an
-    OOM kill naming nothing. A text over MAX_DOC_BYTES is refused naming its row, before a worker; a long row of ids
-    is not (its JSON is long, its text none)."""
+    OOM kill naming nothing. A text over MAX_DOC_BYTES is handed on refused, its text dropped by the reader (never a
+    worker's); a long row of ids is not (its JSON is long, its text none)."""
     from data import readers
     from data.discover import Unit
 
@@ -145,16 +145,48 @@ def test_a_text_document_too_long_to_tokenize_is_refused_naming_its_row(tmp_path
     f = tmp_path / "a.jsonl"
     f.write_text("".join(json.dumps(r) + "\n" for r in ({"text": "short"}, {"input_ids": list(range(200))},
                                                           {"text": "é" * 150}, {"text": "word " * 100})))
-    unit = Unit("a", "jsonl", str(f))
-    err = _one_line(list, iter_rows(unit, Fields()))
-    assert err.startswith(f"{f}:4: a text document of 0 MB, over the 0 MB tokenized as one"), err  # é: 2 bytes, 300
-    assert "split it into documents" in err
+    rows = list(iter_rows(Unit("a", "jsonl", str(f)), Fields()))
+    assert [isinstance(item, readers.Refused) for _, item in rows] == [False, False, False, True]  # é: 2 bytes, 300
+    err = parse_item(rows[3][1], Fields())[2]
+    assert err.startswith("a text document of 0 MB, over the 0 MB tokenized as one") and "split it into" in err, err
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"text": ["short", "word " * 100]}), tmp_path / "t.parquet")
-    assert _one_line(list, iter_rows(Unit("t", "parquet", str(tmp_path / "t.parquet")), Fields())).startswith(
-        f"{tmp_path / 't.parquet'}: row 1: a text document")
+    (_, short), (row, long) = iter_rows(Unit("t", "parquet", str(tmp_path / "t.parquet")), Fields())
+    assert short == ("short", None) and row == 1 and parse_item(long, Fields())[2].startswith("a text document")
+
+
+def test_a_row_too_long_to_tokenize_is_a_bad_row(tmp_path, monkeypatch):
+    """A text over MAX_DOC_BYTES was refused by the reader, past --skip_bad_rows: a 1 TB preparation ended at one 33
+    MB row among 100M, the only way out to split the file. It is a bad row like the others: refused in one line
+    naming its file:row and --skip_bad_rows, or with it skipped and counted, the other rows prepared; its text never
+    reaches the tokenizer (JSONL, Parquet, --loader text's file a document)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from data import readers
+    from data.tokenizer import Tokenizer
+
+    monkeypatch.setattr(readers, "MAX_DOC_BYTES", 400)
+    monkeypatch.setattr(readers, "TEXT_DOC_MAX", 400)
+    tok = _word_tokenizer(tmp_path / "tok", ["<unk>", "</s>", "hello", "world"])
+    seen, frame = [], Tokenizer.frame_texts
+    monkeypatch.setattr(Tokenizer, "frame_texts", lambda self, texts, *a: seen.extend(texts) or frame(self, texts, *a))
+    f = tmp_path / "a.jsonl"
+    f.write_text("".join(json.dumps({"text": t}) + "\n" for t in ("hello", "world " * 100, "hello world", "world")))
+    pq.write_table(pa.table({"text": ["hello", "world " * 100, "world"]}), tmp_path / "t.parquet")
+    (tmp_path / "books").mkdir()
+    (tmp_path / "books" / "a.txt").write_text("hello world")
+    (tmp_path / "books" / "b.txt").write_text("world " * 100)
+    for path, loader, where, docs in ((f, None, f"{f}:2", 3), (tmp_path / "t.parquet", None, "t.parquet: row 1", 2),
+                                      (tmp_path / "books", "text", "b.txt: row 0", 1)):
+        err = _one_line(prepare, [str(path)], str(tmp_path / f"no-{path.name}"), tok, loader=loader, **QUIET)
+        assert where in err and ("a text document of 0 MB" in err or "0 MB read as one document" in err), err
+        assert err.endswith("(--skip_bad_rows skips and counts such rows)"), err
+        m = prepare([str(path)], str(tmp_path / f"out-{path.name}"), tok, loader=loader, skip_bad_rows=True, **QUIET)
+        assert m["n_docs"] == docs and m["bad_rows"] == 1 and where in m["bad_examples"][0], m
+    assert seen and not any(len(t) > 400 for t in seen)  # the long texts never tokenized
 
 
 def test_a_truncated_parquet_file_is_named(tmp_path):

@@ -120,7 +120,7 @@ def test_datasets_folder_and_loader(tmp_path, monkeypatch):
     from data import readers
 
     monkeypatch.setattr(readers, "TEXT_DOC_MAX", 10)  # a file too large to read whole as one document: one line
-    with pytest.raises(ValueError, match=r"book.txt: 0 MB read as one document .*give JSONL"):
+    with pytest.raises(ValueError, match=r"book.txt: row 0: 0 MB read as one document .*give JSONL.*--skip_bad_rows"):
         prepare([str(book)], str(tmp_path / "o4"), model, workers=0, loader="text", log=lambda _: None)
 
 

@@ -85,3 +85,21 @@ def test_bad_stage_eval_block_fails_in_one_line(tmp_path):
     recipe.write_text("stages:\n  - {name: a, eval: {position_buckets: -1}}\n")
     with pytest.raises(ValueError, match=r"position_buckets -1: use an integer >= 0"):
         resolve_stages(parse_config(["--config", str(recipe)]), dp_of_sp=lambda sp: 1)
+
+
+def test_a_depth_given_twice_is_listed_once(tmp_path):
+    """`--depths 0.5,0.5` (or 0.5,0.50): the trials were asked once (training/evaluation.unique_depths) but the
+    setting kept both, so scripts/evaluate.py's start line and eval.json's `depths` listed 0.5 twice. Parsed once
+    each, in the order given: the run's flag, a stage's block and evaluate.py's --depths."""
+    import os
+
+    from scripts.evaluate import parse_args, settings
+
+    (ev,) = _evals(["--eval_depths", "0.5,0.1,0.50,0.5"])
+    assert ev["depths"] == [0.5, 0.1]
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("stages:\n  - {name: a, eval: {depths: [0.9, 0.9, 0.2]}}\n")
+    assert _evals(["--config", str(recipe)])[0]["depths"] == [0.9, 0.2]
+    base = os.path.join(os.path.dirname(__file__), "..", "..", "..", "recipes", "base", "tiny_passkey256")
+    s = settings(parse_args([base, "--lengths", "256", "--depths", "0.5,0.5,0.1", "--output_dir", str(tmp_path)]))
+    assert s["depths"] == [0.5, 0.1]

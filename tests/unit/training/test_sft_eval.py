@@ -260,7 +260,8 @@ def test_demos_end_by_printing_their_evaluation(target, recipe):
 @pytest.mark.parametrize("kind", ["sft", "text"])
 def test_the_stage_loop_evaluates_an_sft_stage_on_conversations(monkeypatch, kind):
     """training/stage.py's real loop (test_stop_window's stand-ins: simulated clock, checkpointer, no engine) hands
-    its evaluation the held-out samples asked with sft=True for an SFT stage, by length only for a text stage."""
+    its evaluation the held-out samples asked with sft=True for an SFT stage, by length only for a text stage, and
+    whether the run restarts positions (RunData.reset_position_ids: its position buckets' meaning, said)."""
     from tests.unit.training.test_stop_window import Clock, SimCheckpointer, stub_data, stub_stage
     from training import preemption
     from training import stage as stage_mod
@@ -273,8 +274,9 @@ def test_the_stage_loop_evaluates_an_sft_stage_on_conversations(monkeypatch, kin
     monkeypatch.delenv("SLURM_JOB_END_TIME", raising=False)
     module = torch.nn.Linear(1, 1, bias=False)
     stub_stage(monkeypatch, module, heldout_samples=lambda e: 3,
-               evaluate_stage=lambda engine, stage, dims, heldout, *a: given.append(heldout))
+               evaluate_stage=lambda engine, stage, dims, heldout, *a: given.append((heldout, a[-1])))
     data = stub_data(heldout=lambda *a, **k: asked.append((a, k)) or ["held"])
+    data.reset_position_ids = kind == "sft"  # (--reset_position_ids no: a text run's own)
     cfg = types.SimpleNamespace(seed=0, per_device_train_batch_size=1, gradient_accumulation_steps=1, save_steps=0,
                                 async_save=True, loss_weighting=None, output_dir="/unused")
     run = stage_mod.Run(cfg, ParallelDims(world=1, sp=1, rank=0, local_rank=0), data, SimCheckpointer(clock),
@@ -285,7 +287,7 @@ def test_the_stage_loop_evaluates_an_sft_stage_on_conversations(monkeypatch, kin
                                deepspeed_overrides=None, reset_optimizer=False, eval=None, memory_choice=None,
                                steps_from="steps")
     stage_mod.train_stage(run, st, [st], TrainState())
-    assert given == [["held"]] and asked == [((64, 3), {"sft": True} if kind == "sft" else {})]
+    assert given == [(["held"], kind == "sft")] and asked == [((64, 3), {"sft": True} if kind == "sft" else {})]
 
 
 def test_a_folder_of_mostly_text_says_its_sft_stage_has_few_held_out_conversations(tmp_path, capsys):

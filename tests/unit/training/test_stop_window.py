@@ -119,7 +119,7 @@ def stub_data(heldout):
     sampler = types.SimpleNamespace(next_batch=lambda: [0], state_dict=lambda: {}, source_shares=lambda: {})
     return types.SimpleNamespace(stage_view=lambda *a: ([0], sampler), pad_id=0, tokenizer=None, heldout=heldout,
                                  heldout_split=None, tokenizer_vocab=None, cut=np.array([1 << 40]),  # tokens
-                                 reply_stops=lambda: [], trained_template=lambda: None)
+                                 reply_stops=lambda: [], trained_template=lambda: None, reset_position_ids=True)
 
 
 def simulate(monkeypatch, steps=40, time_limit_s=0.0, save_every_s=600.0, signal_at=None, sig=signal.SIGTERM,
