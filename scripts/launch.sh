@@ -426,6 +426,14 @@ if [ -n "$tee_pid" ]; then
   died_verdict  # torchrun's summary named the signal
 fi
 recorded=$(cat "$exit_dir"/rank* 2>/dev/null | sort -u | paste -sd' ')
+# Their code stands for the launcher's only when every rank here recorded one and none died: rank 1 done (0) and rank 0
+# SIGKILLed in its final export or W&B close was a 0 without COMPLETE (slurm.sbatch: failed, not requeued; on several
+# nodes the 'died' verdict's requeue without this node lost). The RANKs here follow the nodes before this one (their
+# slots after your filters under --no_ssh with a hostfile, else ranks_here each).
+first=0 silent="" wrote=0; for f in "$exit_dir"/rank*; do [[ ${f##*/} =~ ^rank[0-9]+$ ]] && wrote=$((wrote + 1)); done
+if [ "$no_ssh" = 1 ] && [ -n "$act" ]; then first=$(head -n "$node_rank" <<< "$act" | awk '{s += $2} END {print s + 0}')
+elif [ "$no_ssh$torchrun" != 00 ]; then first=$((node_rank * ranks_here)); fi
+for ((r = first; r < first + ranks_here; r++)); do [ -f "$exit_dir/rank$r" ] || silent+=" $r"; done
 # what the ranks here learned of the job's store as they left (base/watcher.py tell_launcher): the reason on record
 # (node 0 may have ended since, once every rank had read it), or that it was unreachable
 known=$(sed -n 's/^abort //p' "$exit_dir"/store* 2>/dev/null | head -n 1)
@@ -433,7 +441,11 @@ store_gone=0; grep -qx gone "$exit_dir"/store* 2>/dev/null && store_gone=1
 rm -rf "$exit_dir" ${env_moved:+"$env_file"}
 case "$rc" in
   0|"$EXIT_USAGE"|"$EXIT_PREEMPTED"|"$EXIT_PEER_LOST"|"$EXIT_INTERRUPTED") ;;  # 69: a watcher lost a peer (no record)
-  *) if [ "$recorded" = "$EXIT_PREEMPTED" ] || [ "$recorded" = 0 ] || [ "$recorded" = "$EXIT_INTERRUPTED" ]; then
+  *) if [ "$recorded" != "$EXIT_PREEMPTED" ] && [ "$recorded" != 0 ] && [ "$recorded" != "$EXIT_INTERRUPTED" ]; then :
+     elif [ "$wrote" -lt "$ranks_here" ] || [ "$died" = 1 ]; then
+       echo "launch.sh: the launcher exited $rc and rank${silent:-s ?} here recorded no exit (killed before its own;" \
+         "the others exited $recorded): passing on $rc" >&2
+     else
        echo "launch.sh: the launcher exited $rc but every rank here exited $recorded: passing on $recorded" >&2
        rc=$recorded
      fi ;;

@@ -17,6 +17,7 @@ from tests.e2e.launchers import LAUNCH, clean_env, launch, wait_for
 STAND_IN = """#!/usr/bin/env bash
 for r in ${VERDICT_RECORDS:-}; do echo "${r#*:}" > "$LAUNCH_EXIT_DIR/rank${r%%:*}"; done
 for r in ${VERDICT_NOTES:-}; do echo "abort node 0: its ranks exited 247" > "$LAUNCH_EXIT_DIR/store$r"; done
+[ -n "${VERDICT_SAY:-}" ] && echo "$VERDICT_SAY" >&2  # torchrun's summary of a failed worker
 [ -n "${VERDICT_GO:-}" ] && { : > "$VERDICT_GO.ready"; while [ ! -f "$VERDICT_GO" ]; do sleep 0.05; done; }
 exit "$VERDICT_EXIT"
 """
@@ -53,6 +54,32 @@ def test_a_rank_dead_of_a_signal_without_an_exit_of_its_own_is_died(tmp_path, co
                VERDICT_EXIT=code, VERDICT_RECORDS=records, VERDICT_NOTES=notes)
     assert p.returncode == int(code), p.stderr
     assert (crash.read_text().strip() if crash.exists() else None) == verdict, p.stderr
+
+
+LAUNCHERS = {"ds": [], "torchrun": ["--torchrun"], "node1": ["--no_ssh", "--nnodes", "2", "--node_rank", "1",
+                                                             "--master_addr", "127.0.0.1"]}
+
+
+@pytest.mark.parametrize("how, code, records, rc, verdict", [
+    # rank 1 done (0), rank 0 SIGKILLed in its final export or W&B close (the OOM killer): 0 was passed on, a run
+    # without COMPLETE (slurm.sbatch: failed, not requeued) and this node's 'died' (a requeue without it) lost
+    ("ds", "247", "1:0", 247, "died"),
+    ("ds", "143", "1:0", 143, None),  # every process TERMed, launch.py's SIGKILL of rank 0 30 s later
+    ("torchrun", "1", "1:0", 1, "died"),  # torchrun's 1, its summary naming rank 0's -9
+    ("ds", "143", "1:75", 143, None),  # a save's 75 is no more every rank's than a 0
+    ("ds", "143", "0:0 1:0", 0, None),  # the launcher killed after every rank exited 0: done, as before
+    ("node1", "143", "2:0 3:0", 0, None),  # --no_ssh node 1 of 2: its ranks are 2 and 3, every one recorded
+])
+def test_a_code_is_every_ranks_only_when_every_rank_here_recorded_it(tmp_path, how, code, records, rc, verdict):
+    """launch.sh passes on the ranks' own code over a signalled launcher's only when every rank here recorded one;
+    a rank that recorded nothing is named and the launcher's code (and the crash verdict) stands."""
+    crash, runner = tmp_path / "crash.0", stand_in(tmp_path)
+    p = launch([*LAUNCHERS[how], "--num_gpus", "2", "--", "--x"], tmp_path, DEEPSPEED=runner, TORCHRUN=runner,
+               LAUNCH_CRASH_FILE=str(crash), VERDICT_EXIT=code, VERDICT_RECORDS=records,
+               VERDICT_SAY="  exitcode  : -9 (pid: 1)" if how == "torchrun" else None)
+    assert p.returncode == rc, p.stderr
+    assert (crash.read_text().strip() if crash.exists() else None) == verdict, p.stderr
+    assert ("rank 0 here recorded no exit" in p.stderr) == (rc != 0), p.stderr
 
 
 # deepspeed's runner -> launch.py -> two ranks, as launch.sh's rank_pids finds them. Rank 1 dies (the OOM killer's
