@@ -185,26 +185,28 @@ def _stages(cfg: Config, model: Model, world: int) -> list[Stage]:
 
 
 def dry_run(cfg: Config, model: Model) -> None:
-    """Validate the whole recipe for the cluster it names (every stage's DeepSpeed config too) and print the plan."""
+    """Validate the whole recipe for the cluster it names (every stage's DeepSpeed config too) and print the plan, on
+    rank 0 only (print0: under a launcher every rank ran it, and the plan came once per rank); every rank checks
+    the same and refuses alike."""
     world = cfg.nodes * cfg.gpus_per_node or int(os.environ.get("WORLD_SIZE", "1"))
     stages = _stages(cfg, model, world)
     configs = check_stage_configs(cfg, stages, world, model.bf16, model.arch.hidden_size, planning=True)
     check_stage_data(stages)
-    print(f"dry run: world={world} ({cfg.nodes or 1} node(s)) model={cfg.model_name_or_path} attn={model.attn} "
-          f"precision={_precision(cfg, model)} deepspeed={cfg.deepspeed}")
-    print("\n".join(source_lines(cfg, resets_positions(cfg.reset_position_ids, model.attn))))
-    print("\n".join(plan_lines(cfg, stages, world, cfg.gpus_per_node or world, model.bf16)))
+    print0(f"dry run: world={world} ({cfg.nodes or 1} node(s)) model={cfg.model_name_or_path} attn={model.attn} "
+           f"precision={_precision(cfg, model)} deepspeed={cfg.deepspeed}")
+    print0("\n".join(source_lines(cfg, resets_positions(cfg.reset_position_ids, model.attn))))
+    print0("\n".join(plan_lines(cfg, stages, world, cfg.gpus_per_node or world, model.bf16)))
     for line in data_lines(cfg, stages, world, resets_positions(cfg.reset_position_ids, model.attn)):
-        print(line)  # a prepared folder's: each stage's longer context, repeats, unread sources (data/coverage.py)
+        print0(line)  # a prepared folder's: each stage's longer context, repeats, unread sources (data/coverage.py)
     # after the plan, so a refusal comes with it: what a launched run refuses (or warns of) before its model loads
-    check_device_fit(cfg, stages, world, model.bf16, configs, model.arch, cfg.gpus_per_node or world)
+    check_device_fit(cfg, stages, world, model.bf16, configs, model.arch, cfg.gpus_per_node or world, say=print0)
     manual = any(not s.memory_choice for s in stages)
     if manual and cfg.nodes and gpu_fit_budget(cfg) is None and not is_tiny(cfg.model_name_or_path, model.config):
-        print("note: the memory plan of the stages under memory_features manual is not checked against a GPU: give "
-              "--gpu_mem_gb N (a launched run checks it against its GPUs)")
+        print0("note: the memory plan of the stages under memory_features manual is not checked against a GPU: give "
+               "--gpu_mem_gb N (a launched run checks it against its GPUs)")
     if cfg.num_train_epochs is not None:  # counted from the data when a run opens it (training/hf_args.py)
-        print(f"steps: {cfg.num_train_epochs:g} epoch(s) of the data in each stage without its own max_steps or "
-              "max_tokens (counted when the run opens its data; steps= above stands in until then)")
+        print0(f"steps: {cfg.num_train_epochs:g} epoch(s) of the data in each stage without its own max_steps or "
+               "max_tokens (counted when the run opens its data; steps= above stands in until then)")
 
 
 def data_lines(cfg: Config, stages: list[Stage], world: int, masked: bool) -> list[str]:

@@ -25,12 +25,13 @@ from tests.e2e.launchers import (
 )
 
 
-def sbatch(tmp_path, fake_exit: str, args: list[str], **env: str) -> subprocess.Popen:
-    """The stub sbatch running slurm.sbatch in tmp_path; env's values win (PATH too: a wrapper of a stub before it)."""
+def sbatch(tmp_path, fake_exit: str, args: list[str], opts: tuple[str, ...] = (), **env: str) -> subprocess.Popen:
+    """The stub sbatch running slurm.sbatch in tmp_path (opts: sbatch's own, before the script); env's values win (PATH
+    too: a wrapper of a stub before it)."""
     e = clean_env(**{"PATH": f"{STUBS}:{os.environ['PATH']}", "SLURM_SUBMIT_DIR": str(tmp_path), "PYTHONPATH": ROOT,
                      "SCONTROL_LOG": str(tmp_path / "scontrol.log"), "FAKE_LOG": str(tmp_path / "fake.log"),
                      "FAKE_EXIT": fake_exit, "LAUNCH_CMD": os.path.join(STUBS, "fake_launch"), **env})
-    return subprocess.Popen(["sbatch", SBATCH_SCRIPT, *args], cwd=tmp_path, env=e, stdout=subprocess.PIPE,
+    return subprocess.Popen(["sbatch", *opts, SBATCH_SCRIPT, *args], cwd=tmp_path, env=e, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
 
@@ -198,6 +199,23 @@ def test_sbatch_leaves_the_gpu_count_to_launch_sh_without_gres(tmp_path, env, gp
     args = (tmp_path / "fake.log").read_text().splitlines()[0]
     assert args.endswith(f"--master_port 29694{f' --num_gpus {gpus}' if gpus else ''} -- --resume auto --output_dir "
                          f"{tmp_path}/out --dry_run"), args
+
+
+@pytest.mark.parametrize("how", ["flag", "recipe"])
+def test_a_dry_run_in_any_spelling_is_done(tmp_path, how):
+    """A dry run writes no COMPLETE: only the word ` --dry_run ` was taken for one, so `--dry_run=true`, or a recipe's
+    `dry_run: true`, ended "exit 0 but no COMPLETE: a launcher was probably killed ... failing" (exit 1). Now train.py's
+    parser decides (the same call that reads the recipe's output_dir). The recipe's job is submitted as the README
+    writes it, `sbatch --nodes 1 ...`: the stand-in took the 1 for the script (real sbatch: a value, slurm_opt.c)."""
+    out = tmp_path / "out"
+    if how == "flag":
+        job = sbatch(tmp_path, "0", ["--output_dir", str(out), "--dry_run=true"])
+    else:
+        (tmp_path / "r.yaml").write_text(f"dry_run: true\noutput_dir: {out}\n")
+        job = sbatch(tmp_path, "0", ["--config", "r.yaml"], opts=("--nodes", "1", "-J", "dry", "--exclusive", "-t", "10"))
+    text = job.communicate(timeout=60)[0]
+    assert job.returncode == 0 and "slurm.sbatch[4242]: done" in text and "failing" not in text, text
+    assert f"output dir {out}" in text, text
 
 
 def test_launch_cmd_is_words_a_container_runtime_can_lead(tmp_path):

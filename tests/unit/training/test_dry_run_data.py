@@ -52,3 +52,22 @@ def test_dry_run_refuses_a_mixture_the_run_refuses(tmp_path, capsys):
                                          r"in sources \['\*'\] \(min_doc_tokens") as e:
         dry_run(*load_run_config(["--dry_run", "--config", str(recipe), "--output_dir", str(tmp_path / "out")]))
     assert "\n" not in str(e.value)
+
+
+def test_the_plan_is_printed_by_rank_0_alone_and_every_rank_refuses_alike(tmp_path, capsys, monkeypatch):
+    """`deepspeed --num_gpus 2 train.py --config ... --dry_run` printed the whole plan once per rank: now rank 0's
+    alone (print0), while every rank still checks the recipe and refuses it the same way."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(STAGES)
+    args = ["--dry_run", "--config", str(recipe), "--nodes", "1", "--gpus_per_node", "2", "--output_dir",
+            str(tmp_path / "out")]
+    monkeypatch.setattr("base.log._IS_MAIN", False)  # RANK=1, as base/log.py reads it
+    dry_run(*load_run_config(args))
+    assert capsys.readouterr().out == ""
+    recipe.write_text(STAGES + "    tasks: {paskey: 0.1}\n")
+    with pytest.raises(ValueError, match=r"^stage 1 \(long\) tasks: unknown task"):
+        dry_run(*load_run_config(args))
+    monkeypatch.setattr("base.log._IS_MAIN", True)
+    recipe.write_text(STAGES)
+    dry_run(*load_run_config(args))
+    assert capsys.readouterr().out.startswith("dry run: world=2")
