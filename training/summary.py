@@ -147,6 +147,12 @@ def optimizer_text(ds: dict, cfg: Config) -> str:
     return f"{kind} betas={betas} eps={_g(params['eps'])} wd={_g(params['weight_decay'])}"
 
 
+def _lr_text(s: Stage) -> str:
+    """The stage's LR as it trains after warmup (training/schedule.lr_at): peak->min_lr where it decays, the peak alone
+    for `constant` (it never reaches min_lr; the line printed lr=0.002->0.0002 for a stage training at 0.002)."""
+    return f"{s.learning_rate:g}" if s.lr_scheduler == "constant" else f"{s.learning_rate:g}->{s.min_lr:g}"
+
+
 def plan_lines(cfg: Config, stages: list[Stage], world: int, gpus_per_node: int, bf16: bool) -> list[str]:
     with open(cfg.deepspeed) as fh:
         ds = json.load(fh)
@@ -169,7 +175,7 @@ def plan_lines(cfg: Config, stages: list[Stage], world: int, gpus_per_node: int,
             if cfg.warmup_ratio and not (cfg.stages and cfg.stages[s.index].warmup_steps is not None):
                 warm = f"{ratio_steps(cfg.warmup_ratio, s.max_steps)} (ratio {cfg.warmup_ratio:g})"
             lines.append(f"  stage {s.index} {s.name}: seq_len={s.max_seq_length} sp={s.sp}{split} dp={world // s.sp} "
-                         f"steps={s.max_steps} lr={s.learning_rate:g}->{s.min_lr:g} {s.lr_scheduler} "
+                         f"steps={s.max_steps} lr={_lr_text(s)} {s.lr_scheduler} "
                          f"warmup={warm} {optimizer_text(merged, cfg)} "
                          f"reset_optimizer={s.reset_optimizer} rope={s.rope}")
             lines.append(f"      memory plan: {est.gpu_peak / GiB:.1f} GiB per rank on the accelerator "
