@@ -17,7 +17,7 @@ MODEL (and --compare) is one of
   (tokenizer.model or a tokenizer folder's files) or --tokenizer;
 - a checkpoint, OUTPUT_DIR/checkpoints/step_NNNNNN (training/checkpoint.py): its weights, its stage's RoPE
   (hf_config.json) and the run's tokenizer (trainer.json);
-- a run folder, OUTPUT_DIR: its newest complete checkpoint.
+- a run folder, OUTPUT_DIR: its newest complete checkpoint (what `--resume auto` resumes, not LATEST as written).
 A chat model is asked through its template with `--chat` (auto | on | chatml | off): each trial is one user turn
 (the haystack and the question) rendered by the tokenizer's chat template with its generation prompt, and it counts
 when the assistant's reply, the answer and its end-of-turn token, is the model's argmax token by token (the
@@ -155,11 +155,8 @@ def settings(a: argparse.Namespace) -> dict:
 
 def describe(path: str, tokenizer: str | None) -> dict:
     """What `path` is (rank 0 reads it): kind, the checkpoint to load, the HF config (dict) and the tokenizer."""
-    from training.checkpoint import MANIFEST, POINTER
+    from training.checkpoint import MANIFEST
 
-    if os.path.isfile(os.path.join(path, "checkpoints", POINTER)):  # a run folder: its newest checkpoint
-        with open(os.path.join(path, "checkpoints", POINTER), errors="replace") as fh:  # not text: refused below
-            path = os.path.join(path, "checkpoints", fh.read().strip())
     if os.path.isfile(os.path.join(path, MANIFEST)) and os.path.isfile(os.path.join(path, "hf_config.json")):
         with open(os.path.join(path, "hf_config.json")) as fh:
             config = json.load(fh)
@@ -178,7 +175,7 @@ def describe(path: str, tokenizer: str | None) -> dict:
                 "optimizer_groups": trainer.get("optimizer_groups")}  # its optimizer's shape: the state loads so
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"{path}: not a Hugging Face folder (no config.json), a checkpoint (no {MANIFEST}) nor a run "
-                         "folder (no checkpoints/LATEST)")
+                         "folder (no checkpoints/ holding one)")
     config = _json(os.path.join(path, "config.json"))
     # the folder's Hugging Face tokenizer (its added tokens, its chat template) before a sentencepiece file beside it
     # (Mistral, Llama 2 and Gemma snapshots ship both: the .model alone refused --chat on, tokenized without the
@@ -454,11 +451,10 @@ def main(argv: list[str] | None = None) -> int:
     settle = a.attn_implementation == "auto" and torch.cuda.is_available()  # the kernel measured fastest here
     sources = []
     for path, rope in zip(filter(None, (a.model, a.compare)), s["ropes"]):
+        # a run folder: the checkpoint its resume takes, verified (a checkpoint: verified); never LATEST as written
+        path = Checkpointer(path, keep=2).evaluated()
         src = comm.run_on_main(lambda p=path: describe(p, a.tokenizer))  # rank 0 reads; every rank the same answer
         if src["kind"] == "checkpoint":
-            why = Checkpointer(os.path.dirname(os.path.dirname(src["path"])), keep=2).verify(src["path"])
-            if why:
-                raise ValueError(f"{src['path']}: not a complete checkpoint ({why}): name another one")
             from transformers import AutoConfig
 
             fields = dict(src["config"])

@@ -25,7 +25,8 @@ import sys
 from data.chat_stops import reply_stops
 from data.run_tokenizer import check_trained_vocab
 from model_utils.export import check_recorded, export_hf
-from training.checkpoint import MANIFEST, POINTER, Checkpointer
+from training import rotation
+from training.checkpoint import MANIFEST, Checkpointer
 from training.checkpoint_files import manifest_sha256
 
 RUN: list[str] = []  # the run folder main() was given: a relative --checkpoint is found there too
@@ -96,11 +97,12 @@ def _export(a: argparse.Namespace, ckpt: Checkpointer, path: str | None, verifie
     # the run's hf_model is its newest checkpoint's export (evaluate.py, a user, train.py's own end read it so): an
     # older one goes to hf_model_<tag> unless --out says (it replaced hf_model, evaluations then scored the old model)
     tag = os.path.basename(os.path.realpath(path.rstrip("/")))
-    try:  # the run's pointer (no verification: the checkpoint to export was verified above)
-        with open(os.path.join(a.run_dir, "checkpoints", POINTER)) as fh:
-            newest = fh.read().strip()
-    except (OSError, UnicodeDecodeError):  # a pointer that is not text: the checkpoint exported is the newest
-        newest = tag
+    # the run's newest: find_resume's answer (`verified`), else the newest committed (a manifest) of its listing, never
+    # LATEST as written (a kill between a commit's manifest and its pointers left it on the one before: the newest went
+    # to hf_model_<tag>). One stat per listed checkpoint; no verification (the one exported was verified above)
+    root = os.path.join(a.run_dir, "checkpoints")
+    newest = tag if verified else next((t for t in reversed(rotation.tags(root))
+                                        if os.path.isfile(os.path.join(root, t, MANIFEST))), tag)
     same = lambda x, y: os.path.realpath(x) == os.path.realpath(y)  # noqa: E731
     default = os.path.join(a.run_dir, "hf_model" if newest == tag else f"hf_model_{tag}")
     # the run's own hf_model: the default out of a checkpoint in the run's checkpoints/ folder

@@ -77,8 +77,9 @@ time (before one is measured: `guess_save_s`, from the rank's checkpoint bytes) 
 new, and exits 75 before the SIGKILL. SIGUSR1 (SLURM's `--signal` warning through slurm.sbatch/launch.sh, sized
 by its @N) and the PREEMPT file keep the full save: no launcher times them.
 
-Where the flag is checked (train.py): after every step, after every save and evaluation, and before a stage
-builds its engine; each check is one all-reduce of four numbers (MAX over ranks: stop, save due, how far past its
+Where the flag is checked (train.py, training/stage.py): after every step, after every save and evaluation, before
+a stage builds its engine, after its build and restore (before its first step), and between the forward batches of
+its evaluation (`StopChecked`); each check is one all-reduce of four numbers (MAX over ranks: stop, save due, how far past its
 kill window the earliest SIGTERM is, the save time to count), so every rank decides the same from the collective,
 never from its own clock alone.
 """
@@ -404,3 +405,33 @@ class PreemptionFlag:
     def uninstall(self) -> None:
         for s, h in self._previous.items():
             signal.signal(s, h)
+
+
+class EvalStopped(Exception):
+    """A stop agreed between two forward batches of a stage's evaluation, raised on every rank at the same batch: the
+    evaluation is left unrecorded (training/stage.py) and the resume evaluates the stage again from its end checkpoint,
+    committed before the evaluation began."""
+
+
+class StopChecked:
+    """An engine as a stage's evaluation calls it: before each forward batch the stop is agreed (`flag.agreed()`), and
+    EvalStopped is raised instead of the forward where it is. Every rank runs the same forward batches (training/
+    evaluation.py sample_stats pads a round with filler samples; under ZeRO-3 each forward gathers every layer's
+    parameters from all ranks, a collective already), so each check is at the same point on every rank. A SIGTERM
+    during a 45 s evaluation was left to the launcher's SIGKILL 30 s later (rank 0 killed, the others failed "Connection
+    closed by peer", exit 143). Cost per forward batch, as after a step: one all-reduce of four float64 (32 bytes:
+    latency-bound, an estimate of ~0.1 ms at 512 ranks over NCCL's tree, not measured here; the copy back to the host
+    waits for no work, the previous batch's `.cpu()` having synchronized), rank 0's stat of the stop file (~1 ms on
+    NFS) and each rank's /proc read of its launcher, against seconds to minutes per batch at 128k-1M (a stage's
+    evaluation is a few dozen batches). Everything else (eval(), train(), device) is the engine's."""
+
+    def __init__(self, engine, flag: PreemptionFlag):
+        self._engine, self._flag = engine, flag
+
+    def __call__(self, *args, **kwargs):
+        if self._flag.agreed():
+            raise EvalStopped
+        return self._engine(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)

@@ -41,6 +41,7 @@ from training import branches, buffers, rotation, universal
 from training.checkpoint_files import (
     EVERY,
     MANIFEST,
+    POINTER,
     TAG,
     awaited,
     crc32,
@@ -48,6 +49,7 @@ from training.checkpoint_files import (
     file_rank,
     list_files,
     not_visible,
+    point,
     read_json,
     state_file,
 )
@@ -302,10 +304,41 @@ class Restorer:
             check(state)
         check_other_run(path, self.output_dir, trainer, config or {}, resume)
         self._universal(path)  # another world size: converted now, before any engine holds memory (or exit 75/2)
+        comm.run_on_main(lambda: self._repoint(path))  # LATEST names what it resumes, before training on
         print0(f"resuming from {path} (step {state.step}, stage {state.stage})")
         for note in resume_notes(path, trainer.get("config") or {}, config or {}, trainer, comm.world()):
             print0(note)
         return state
+
+    def _repoint(self, path: str) -> None:
+        """Rank 0: a checkpoint of this run resumed, newer than the one LATEST names (a kill between a commit's manifest
+        and its pointers), is named by LATEST and `latest` now (left, they named the older one for good); a branch's
+        point (branches.py points both at it), another folder's and an older one (a newer failed verification) are not."""
+        tag, pointer = os.path.basename(path.rstrip("/")), os.path.join(self.root, POINTER)
+        try:
+            with open(pointer) as fh:
+                named = TAG.match(fh.read().strip())
+        except (OSError, UnicodeDecodeError):
+            named = None
+        own = TAG.match(tag) and os.path.dirname(os.path.realpath(path.rstrip("/"))) == os.path.realpath(self.root)
+        if own and (named is None or int(named.group(1)) < int(TAG.match(tag).group(1))):
+            point(self.root, tag)
+            print0(f"{pointer} named {named.group(0) if named else 'no checkpoint'}, older than {tag}, the newest "
+                   "complete one (a kill inside its commit): LATEST and `latest` name it now")
+
+    def evaluated(self) -> str:
+        """What scripts/evaluate.py loads for `output_dir`, the same on every rank (collective): a run folder (checkpoints/
+        with a LATEST or a step_N) -> what `--resume auto` resumes (find_resume, verified; not LATEST as written: a kill
+        inside a commit left it on the one before); a checkpoint -> itself, verified; anything else -> itself."""
+        path, root = self.output_dir, self.root
+        what = comm.run_on_main(lambda: "checkpoint" if os.path.isfile(os.path.join(path, MANIFEST)) else "run" if (
+            os.path.lexists(os.path.join(root, POINTER)) or rotation.tags(root)) else "other")
+        found = self.find_resume("auto") if what == "run" else path
+        why = self.verify(path) if what == "checkpoint" else None
+        if found is None or why:
+            raise ValueError(f"{path}: " + (f"not a complete checkpoint ({why})" if why else
+                                            f"no complete checkpoint in {root}") + ": name another one")
+        return found
 
     def stage_end(self, index: int, name: str) -> tuple[str, int] | None:
         """The checkpoint that ended stage `index` of this run and its step, for a stage finished before this start

@@ -41,7 +41,7 @@ from training.engine import build_engine, features_of, release_engine, return_ca
 from training.evaluation import evaluate_stage, stage_heldout
 from training.job import EXIT_PREEMPTED
 from training.metrics import peak_memory_gb, reset_peak_memory
-from training.preemption import EXIT_MARGIN_S, said
+from training.preemption import EXIT_MARGIN_S, EvalStopped, StopChecked, said
 from training.step import BAD_STEPS_STOP, SPIKE_RELEASE, LossWatch, bad_step, train_step
 
 
@@ -68,7 +68,8 @@ class Run:
 
 def train_stage(run: Run, stage, stages, state: TrainState) -> None:
     """Train `stage` from `state` to the stage's end and evaluate it; `state` follows every step and save. On an
-    agreed stop it returns right after the save, with `run.preempt.stopping` set."""
+    agreed stop it returns right after the save (with nothing new to save: after its build and restore, or during its
+    evaluation, left unrecorded), with `run.preempt.stopping` set."""
     cfg, dims, preempt = run.cfg, run.dims, run.preempt
     ended = None  # a stage finished before the resumed checkpoint's, its evaluation not on record: its own end
     if stage.index < state.stage:  # (rank 0's marker, verified together), or not evaluated at all (train.py)
@@ -109,6 +110,15 @@ def train_stage(run: Run, stage, stages, state: TrainState) -> None:
     preempt.deadline.record_rank_bytes(_rank_bytes(engine, dims.world))  # a save's guessed time before one is measured
     if state.step == end and state.checkpoint:  # its steps lowered to where the run was: that checkpoint is its end
         run.ckpt.mark_stage_end(state.checkpoint, f"STAGE_{stage.index}_{stage.name}")
+    if _agree(run, state.step + 1 >= end):  # a stop during the build and restore (minutes at 8B), not left for the
+        # first step's check (a 1M step: ~296 s more). Nothing trained since the checkpoint restored: nothing to save
+        print0(f"stop agreed after stage {stage.index}'s build: nothing new to save; the resume point stays "
+               f"{state.checkpoint or 'a fresh start'}")
+        progress.mark(None, "idle")
+        release_engine(engine)
+        del engine
+        gc.collect()
+        return
 
     # --- the steps; the stop (and a save by time) is agreed after every step and after every save ---
     features = features_of(scfg)
@@ -171,9 +181,18 @@ def train_stage(run: Run, stage, stages, state: TrainState) -> None:
     before = next((p for p in reversed(getattr(run.ckpt, "recent", [])) if p != state.checkpoint), None)
     # whether the run restarts positions at documents, said (its held-out buckets "document"), not guessed from the
     # samples (a 1M stage's documents, each longer than a sample, read as "sample": training/evaluation.position_by)
-    evaluate_stage(engine, stage, sdims, stage_heldout(run.data, stage, heldout_samples(stage.eval)),
-                   run.data.tokenizer, run.metrics, at, cfg.per_device_train_batch_size, run.data.pad_id,
-                   stages, run.data.heldout, before, run.data.reset_position_ids)
+    try:  # the stop agreed between its forward batches (preemption.StopChecked): the stage's end is committed already
+        evaluate_stage(StopChecked(engine, preempt), stage, sdims, stage_heldout(run.data, stage, heldout_samples(
+            stage.eval)), run.data.tokenizer, run.metrics, at, cfg.per_device_train_batch_size, run.data.pad_id,
+            stages, run.data.heldout, before, run.data.reset_position_ids)
+    except EvalStopped:
+        print0(f"stop agreed during stage {stage.index}'s evaluation: not recorded; the resume evaluates it again "
+               f"from {ended[0] if ended else state.checkpoint}")
+        progress.mark(None, "idle")
+        release_engine(engine)
+        del engine
+        gc.collect()
+        return
     preempt.deadline.record_eval(time.perf_counter() - t_eval)
     if stage.index + 1 < len(stages):  # the checks up to the next stage's first step count its step, not this one's
         preempt.deadline.next_stage(step_cost_ratio(run.base_config, stage, stages[stage.index + 1]))

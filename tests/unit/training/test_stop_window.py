@@ -123,9 +123,10 @@ def stub_data(heldout):
 
 
 def simulate(monkeypatch, steps=40, time_limit_s=0.0, save_every_s=600.0, signal_at=None, sig=signal.SIGTERM,
-             save_s=None, ckpt_kw=None, step_s=STEP_S, save_steps=0):
+             save_s=None, ckpt_kw=None, step_s=STEP_S, save_steps=0, stubs=None):
     """Run training/stage.train_stage (the real loop) for `steps` steps of `step_s`; `signal_at`: (step, seconds
-    into it) at which every rank gets `sig`. Returns (clock, checkpointer, flag, state, the SIGTERM's time)."""
+    into it) at which every rank gets `sig`; `stubs(flag, clock, got)`: more of stage.py's collaborators replaced (its
+    `got["signal"]`: the time a signal it sends came). Returns (clock, checkpointer, flag, state, the SIGTERM's time)."""
     clock = Clock()
     monkeypatch.setattr(stage_mod, "time", clock)
     monkeypatch.setattr(preemption, "time", clock)
@@ -149,7 +150,7 @@ def simulate(monkeypatch, steps=40, time_limit_s=0.0, save_every_s=600.0, signal
 
     module = torch.nn.Linear(1, 1, bias=False)
     module.weight.ds_numel = 8_030_000_000  # Llama-3-8B's parameters, as ZeRO-3 records them on a partitioned one
-    stub_stage(monkeypatch, module, train_step=step)
+    stub_stage(monkeypatch, module, train_step=step, **(stubs(flag, clock, got) if stubs else {}))
     data = stub_data(heldout=lambda *a: None)
     cfg = types.SimpleNamespace(seed=0, per_device_train_batch_size=1, gradient_accumulation_steps=1, save_steps=save_steps,
                                 async_save=True, loss_weighting=None, output_dir="/unused")
@@ -301,3 +302,63 @@ def test_the_stages_evaluation_is_judged_and_what_follows_is_not(monkeypatch):
     monkeypatch.setattr(progress, "mark", lambda step, phase: marks.append(phase))
     simulate(monkeypatch, steps=3)  # (its evaluate_stage: a stand-in between the two marks)
     assert marks[:2] == ["build", "restore"] and marks[-3:] == ["save", "eval", "idle"], marks
+
+
+def exit_code(flag) -> int:
+    """train.py's exit after train_stage returns: 75 (run.exit_preempted) when the stop was agreed, else it goes on."""
+    from training.job import EXIT_PREEMPTED
+
+    return EXIT_PREEMPTED if flag.stopping else 0
+
+
+def test_a_sigterm_during_the_build_stops_before_the_first_step(monkeypatch):
+    """SIGTERM while the stage builds its engine and restores (minutes at 8B): every rank stops right after the
+    restore, trains nothing and saves nothing (the checkpoint restored is the resume point), inside the window; exit 75.
+    Before: the first check came after a full step (a 1M step ~296 s; here 60 s), past the launcher's SIGKILL."""
+
+    def stubs(flag, clock, got):
+        def build(*a, **k):
+            clock.t += 20.0  # ZeRO-3 init
+            got["signal"] = clock.t
+            flag._handler(signal.SIGTERM, None)
+            clock.t += 5.0  # the rest of it, then the restore
+            return types.SimpleNamespace(get_lr=lambda: [1e-3], module=torch.nn.Linear(1, 1, bias=False))
+        return {"build_engine": build}
+
+    clock, ckpt, flag, state, term = simulate(monkeypatch, steps=5, stubs=stubs)
+    assert state.step == 0 and ckpt.started == [] and ckpt.commits == []  # train_step never called, nothing saved
+    assert exit_code(flag) == 75 and clock.t <= term + KILL_WINDOW_S
+
+
+def test_a_stop_during_the_stage_evaluation_leaves_it_unrecorded(monkeypatch):
+    """SIGTERM during the stage's evaluation (4 forward batches of 15 s: the audit's 45 s) after its end was committed:
+    the stop is agreed before the next batch, the evaluation is not recorded (the resume evaluates the stage again),
+    every rank exits 75 inside the window. Before: nothing checked during the evaluation; the launcher SIGKILLed rank 0
+    30 s after the TERM, the others failed with "Connection closed by peer" (exit 143)."""
+    forwards, recorded = [], []
+
+    def stubs(flag, clock, got):
+        class Engine:
+            module = torch.nn.Linear(1, 1, bias=False)
+
+            def get_lr(self):
+                return [1e-3]
+
+            def __call__(self, **batch):
+                forwards.append(clock.t)
+                if len(forwards) == 2:  # the TERM comes at the second batch's start
+                    got["signal"] = clock.t
+                    flag._handler(signal.SIGTERM, None)
+                clock.t += 15.0
+
+        def evaluate(engine, stage, dims, heldout, tok, metrics, step, *a):  # training/evaluation.evaluate_stage's shape
+            for _ in range(4):
+                engine(input_ids=None)  # model_utils/tiled_loss.eval_stats: a forward batch
+            recorded.append(step)  # metrics.log_eval: after the last forward
+
+        return {"build_engine": lambda *a, **k: Engine(), "evaluate_stage": evaluate}
+
+    clock, ckpt, flag, state, term = simulate(monkeypatch, steps=3, stubs=stubs)
+    assert [c[0] for c in ckpt.commits] == [3] and state.checkpoint.endswith(tag_for(3))  # the stage's end, before
+    assert len(forwards) == 2 and recorded == []
+    assert exit_code(flag) == 75 and clock.t <= term + KILL_WINDOW_S
