@@ -381,7 +381,7 @@ def open_run_data(dataset_path: str | None, tokenizer_path: str | None, model_vo
     # a resumed run (its first start's split recorded) is prepared again whatever the in-job limit says today
     user = tokenizer_path is not None
     folder, tokenizer_path = prepare_in_job(dataset_path, tokenizer_path, model_vocab, model_path,
-                                            resumed=heldout is not None)
+                                            resumed=heldout is not None, first=(heldout or {}).get("prepared"))
 
     def choose() -> tuple[dict, str | None]:
         try:

@@ -127,7 +127,8 @@ def content_identity(units: list) -> list[str]:
 
 
 def prepare_in_job(dataset_path: str | None, tokenizer_path: str | None, model_vocab: int,
-                   model_path: str | None = None, resumed: bool = False) -> tuple[str, str | None]:
+                   model_path: str | None = None, resumed: bool = False,
+                   first: str | None = None) -> tuple[str, str | None]:
     """(prepared folder, tokenizer path), decided by rank 0 (collective: every rank calls it): a prepared folder
     as it is, else the small JSONL input prepared by rank 0 into the cache, with --tokenizer_name_or_path, else the
     model folder's own tokenizer (as transformers and TRL default to it; before, text rows were refused as needing
@@ -158,11 +159,14 @@ def prepare_in_job(dataset_path: str | None, tokenizer_path: str | None, model_v
         # named after it, `books=DIR`'s and a pattern's too, as prepare_data names them): before, each file was
         # prepared as its own source (`a`, `b` where prepare_data wrote `corpus`), and such a folder keyed without the
         # mark holds those names: prepared again once, into a folder of its own, never mixed with it. A resumed run
-        # whose first preparation made that folder keeps it (its sources, its data order: exact resume across the
-        # upgrade); a new run prepares the input as given
+        # that trained on that folder keeps it (its sources, its data order: exact resume across the upgrade): the
+        # folder its first start recorded (`first`, the split record's), or, recorded none (a checkpoint from before
+        # the record), the old folder where it is still there; a run started since keeps the new one at its requeues
         keys = content_identity(units)
         out = os.path.join(CACHE, "prepared", cache_key(keys, tok_path, model_vocab))
-        if any(u.name != stem(u.path) for u in units) and not (resumed and is_prepared(out)):
+        ran_on_old = resumed and is_prepared(out) and (first is None or os.path.basename(os.path.normpath(first)) ==
+                                                       os.path.basename(out))
+        if any(u.name != stem(u.path) for u in units) and not ran_on_old:
             out = os.path.join(CACHE, "prepared", cache_key(keys + ["sources:as-given"], tok_path, model_vocab))
         size = sum(input_bytes(f) for f in files)  # a stat a file, and <= 18 bytes or a Parquet footer read
         holder = data if os.path.exists(data) or "/" in data.partition("=")[0] else data.partition("=")[2]

@@ -115,7 +115,13 @@ def test_in_job_sources_are_named_as_prepare_data_names_them(tmp_path, monkeypat
     os.rename(legacy, tmp_path / "cache" / "prepared" / old(str(corpus)))
     out, _ = in_job.prepare_in_job(str(corpus), None, 100, resumed=True)
     assert os.path.basename(out) == old(str(corpus))
-    assert os.path.basename(in_job.prepare_in_job(str(corpus), None, 100)[0]) != old(str(corpus))
+    new = in_job.prepare_in_job(str(corpus), None, 100)[0]
+    assert os.path.basename(new) != old(str(corpus))
+    # a run started since on the new folder, requeued: its recorded folder, not the old one still in the cache
+    assert in_job.prepare_in_job(str(corpus), None, 100, resumed=True, first=new)[0] == new
+    assert os.path.basename(in_job.prepare_in_job(str(corpus), None, 100, resumed=True,
+                                                  first=str(tmp_path / "cache" / "prepared" / old(str(corpus))))[0]) \
+        == old(str(corpus))
     inside = tmp_path / "cache" / "data"  # the cache inside the input folder: one line, not prepare_data's
     inside.mkdir()
     _write_jsonl(inside / "x.jsonl", DOCS[:1])
