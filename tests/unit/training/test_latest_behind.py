@@ -130,3 +130,25 @@ def test_export_of_the_run_is_its_hf_model(tmp_path, monkeypatch):
     assert seen[-1] == (older, str(tmp_path / f"hf_model_{tag_for(2)}"))
     assert export.main([str(tmp_path / "checkpoints" / tag_for(4)), "--tokenizer", "none", "--source", "none"]) == 0
     assert seen[-1][1] == str(tmp_path / "hf_model")
+
+
+def test_the_evaluations_stop_check_keeps_only_the_margin_for_the_time_limit():
+    """Inside a stage's evaluation nothing is left to save (its end is committed): the time limit stops it only within
+    the margin. With the step loop's budget (a 296 s step and a 190 s save ahead) it was abandoned 400 s before the
+    end, and each resume evaluated again."""
+    from training.preemption import MARGIN_S, Deadline, StopChecked
+
+    class Flag:
+        def __init__(self, left):
+            self.deadline = Deadline(time_limit_s=left)
+            self.deadline.step_s, self.deadline.save_s = 296.0, 190.0
+
+        def agreed(self, ahead_s=0.0):  # PreemptionFlag.agreed's time-limit vote, on one rank
+            return self.deadline.near(ahead_s=ahead_s)
+
+    forwards = []
+    StopChecked(lambda **kw: forwards.append(kw), Flag(400.0))(x=1)
+    assert forwards == [{"x": 1}]
+    with pytest.raises(Exception) as e:
+        StopChecked(lambda **kw: forwards.append(kw), Flag(MARGIN_S / 2))(x=2)
+    assert type(e.value).__name__ == "EvalStopped" and len(forwards) == 1
