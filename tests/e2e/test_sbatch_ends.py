@@ -421,3 +421,21 @@ def test_a_requeue_cut_at_its_bound_says_so(tmp_path):
     text = ended_as(tmp_path, "TIMEOUT", KILL_WAIT_S="6", SCONTROL_RPC_S="3", SCONTROL_KILL_WAIT="40")
     assert "no answer within 2 s" in text and "requeue failed (JobState=TIMEOUT)" in text, text
     assert "" not in text.splitlines() and requeues(tmp_path) == [] and updates(tmp_path) == [], text
+
+
+def test_the_records_settle_wait_ends_inside_killwait_after_an_ending_term(tmp_path):
+    """A TERM whose state ends the job but is none the trap names (NODE_FAIL: save and requeue) starts the KillWait
+    clock; node 1's exit record is not visible yet (a shared file system's cache: 40 s) and STATE_SETTLE_S (60) is
+    longer than KillWait (12): the wait for it ends KillWait - 10 s after the TERM, so the requeue (node 1 lost) lands
+    before Slurm's SIGKILL (the wait ran to KillWait + 10 s, the job killed unrequeued: mutation audit mutC, M24)."""
+    env = dict(TWO_NODES, FAKE_EXIT_0="wait", FAKE_EXIT_1="late:75:40", STATE_SETTLE_S="60", KILL_WAIT_S="12",
+               SCONTROL_KILL_WAIT="12")
+    job = sbatch(tmp_path, "wait", ["--output_dir", str(tmp_path / "out")], **env)
+    try:
+        wait_for(lambda: (tmp_path / "fake.log").exists() and "node 0: ready" in (tmp_path / "fake.log").read_text(),
+                 90, "node 0's stand-in launcher")
+        slurm(tmp_path, "scontrol", "_end", "4242", "NODE_FAIL")
+        text = job.communicate(timeout=60)[0]
+    finally:
+        job.kill()
+    assert requeues(tmp_path)[:1] == ["requeue 4242"], text

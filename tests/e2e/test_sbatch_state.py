@@ -16,6 +16,7 @@ import pytest
 
 from base.slurm_state import FLAGS, _from_json
 from tests.e2e.launchers import ROOT, SBATCH_SCRIPT, STUBS, clean_env, requeues, wait_for
+from tests.e2e.test_sbatch import sbatch
 from tests.e2e.test_sbatch_ends import ended_as, ready, slurm
 
 REQUEUE_SH = os.path.join(ROOT, "scripts", "slurm_requeue.sh")
@@ -201,3 +202,64 @@ def test_a_bounded_scontrol_call_keeps_the_callers_ignored_term(tmp_path):
     masks = [int(line.split()[1], 16) for line in p.stdout.splitlines() if line.startswith("SigIgn:")]
     term, intr = 1 << (15 - 1), 1 << (2 - 1)  # bit N-1 of the mask: signal N (SIGTERM 15, SIGINT 2)
     assert len(masks) == 2 and all(m & term and m & intr for m in masks), p.stdout + p.stderr
+
+
+# job_state stand-in (after the sourcing: it wins): one answer per call from `answers` ("_" a space), each call's bound
+# (its $1) logged; the trap's other collaborators inert
+FAKE_STATE = ('requeued=0 cancelled=0 exiting=0 stopped=0 finished="" kill_at="" term_at="" nnodes=1 state={tmp}/st '
+              'intent={tmp}/intent progress={tmp}/progress; '
+              'job_state() {{ echo "bound=${{1:-none}}" >> {tmp}/bounds; local n a=({answers}); '
+              'n=$(grep -c . {tmp}/bounds); echo "${{a[$((n - 1))]:-}}" | tr _ " "; }}; '
+              'forward() {{ :; }}; out_here() {{ :; }}; out_unseen() {{ :; }}; state_py=x; ')
+
+
+def trapped(tmp_path, answers: str, call: str, **env: str) -> tuple[str, list[str], list[str]]:
+    """`call` after the TERM trap's functions with job_state answering `answers` in turn: (output, requeue calls, each
+    job_state call's bound)."""
+    p = sourced(tmp_path, FAKE_STATE.format(tmp=tmp_path, answers=answers) + call, **env)
+    bounds = tmp_path / "bounds"
+    return p.stdout + p.stderr, requeues(tmp_path), bounds.read_text().split() if bounds.exists() else []
+
+
+def test_the_term_traps_state_read_takes_half_of_killwait(tmp_path):
+    """The read that decides a TERM may take KILL_WAIT_S / 2 in all, leaving the rest of KillWait for the requeue
+    before Slurm's SIGKILL (it was given the whole of it: mutation audit mutC, M22)."""
+    text, _, bounds = trapped(tmp_path, "RUNNING_None", "on_term", KILL_WAIT_S="8")
+    assert bounds[:1] == ["bound=4"], text
+
+
+@pytest.mark.parametrize("answers, said", [
+    ("CANCELLED_None", "JobState=unknown"),  # the trap read the cancel; the read before the requeue got no answer
+    ("'' CANCELLED_None", "JobState=CANCELLED"),  # the trap's read got no answer; the one before the requeue: cancelled
+])
+def test_a_cancel_read_by_either_read_is_never_requeued(tmp_path, answers, said):
+    """A scancel's TERM read as CANCELLED by the trap is kept when the read before the requeue gets no answer (a busy
+    controller); one the trap could not read is seen by that later read. Never requeued: slurmctld accepts the
+    requeue of a CANCELLED, still COMPLETING job, which undoes the cancel (mutC: M20, M21)."""
+    text, requeued, _ = trapped(tmp_path, answers, 'on_term; requeue_without "" 75; echo after', KILL_WAIT_S="30")
+    assert requeued == [] and f"the job was cancelled ({said}): not requeueing" in text and "after" not in text, text
+
+
+def test_a_start_whose_controller_does_not_answer_runs_or_is_requeued(tmp_path):
+    """Submitted from a run folder, the job finds its repository from `scontrol show job`'s Command= alone; three
+    failed tries (a controller busy after a preemption wave) ended it with "cannot find the repository", exit 2, before
+    its EXIT trap: not requeued, lost. The show is retried for up to ULYSSES_SHOW_WAIT_S; with still no answer the job
+    is requeued, at most ULYSSES_MAX_STALLED_REQUEUES starts in a row, then refused in one line."""
+    runs = {}
+    for name, shows, blind in (("busy", "3", None), ("down", "99", None), ("down_again", "99", "3")):
+        run = tmp_path / name
+        run.mkdir()
+        if blind:
+            (run / ".cache" / "slurm").mkdir(parents=True)
+            (run / ".cache" / "slurm" / "4242.blind").write_text(blind + "\n")
+        job = sbatch(run, "0", ["--output_dir", str(run / "out")], SCONTROL_FAIL_SHOWS=shows, ULYSSES_SHOW_WAIT_S="1"
+                     if shows == "99" else "120", FAKE_COMPLETE=str(run / "out" / "COMPLETE"))
+        runs[name] = (job.communicate(timeout=60)[0], job.returncode, requeues(run))
+    text, rc, requeued = runs["busy"]
+    assert rc == 0 and "done" in text and requeued == [], text
+    text, rc, requeued = runs["down"]
+    assert rc == 0 and requeued == ["requeue 4242"] and text.count("\n") == 1, text
+    assert "no answer from scontrol show job 4242 in 1 s (a busy controller), repository unknown: requeued (1 in" in text
+    text, rc, requeued = runs["down_again"]
+    assert rc == 2 and requeued == [] and text.count("\n") == 1, text
+    assert "cannot find the repository (not the work dir" in text and "start 4 in a row" in text, text

@@ -3,7 +3,9 @@ older `checkpoints/`, misses a stage's evaluation record and the prepared data's
 PREEMPT file), whose memory budgets differ and whose launchers report different node sizes (uneven hostfile slots
 8/4/4: rank 0 on the 8-slot node, rank 1 on a 4-slot one) decide the same at every decision point, and decide what
 rank 0's view (or the smallest budget, or the nodes' gcd) says. The contrast fields check the views really
-differed, so the test can fail."""
+differed, so the test can fail. In the same launch (no second process start), decisions one rank's own event must not
+make alone: a stop asked on rank 1 only (and its SIGTERM's kill window), a background save held on rank 1 (committed
+by no rank, then by every rank at one poll: mutC's M13), each rank's own state file at a same-world load (M35)."""
 
 from __future__ import annotations
 
@@ -61,3 +63,8 @@ def test_ranks_with_different_views_decide_the_same(assets, tmp_path):
     assert r0["budget"] == 2**30 and r0["data"] == folder
     assert (r0["node_size"], r0["layout"]) == (4, [[4, 4]])  # gcd(8, 4): no Ulysses group straddles a node
     assert (r0["save_due_rank1_clock"], r0["save_due_rank0_clock"]) == (False, True)
+    # one rank's signal, write or file decides nothing alone (mutation audit mutC: M16, M17, M13, M35)
+    for r, got in enumerate((r0, r1)):
+        assert got["one_stop"] and got["one_term_stop"] and got["one_term_window"], (r, got)  # rank 0 had no signal
+        assert got["one_held_poll"] is None and got["one_next_collective"] == [0, 1], (r, got)
+        assert got["one_committed"] == "step_000002" and got["one_loaded_rank"] == r, (r, got)
