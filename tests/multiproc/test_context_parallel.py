@@ -11,6 +11,8 @@ on CPU), and the evaluation's per-sample statistics (loss by position bucket) th
 Heads: 9 (SP 2 and 6 do not divide it), 6 (SP 4 does not), 4 (SP 3 does not). With ring_attention (K/V passed
 around the cp group, model_utils/ring_attention.py) at (1,2), (2,2) and (1,4), in the same launches (RING_CASES):
 the same tolerances, every rank's shifts matching in shape and dtype, and the ring's peak bytes = the planner's.
+At (1,2) also a window (60) between the local length (48) and the sample's (96) on documents longer than it (LONG):
+the window still binds (a rule on the local length dropped it: loss 6e-3 off), gathered and on the ring.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import pytest
 import torch
 
 from tests.distributed import ROOT, run
-from tests.multiproc.doc_assets import made_once
+from tests.multiproc.doc_assets import made_once, save_config_model
 from tests.multiproc.joint_launch import ASSETS, WORLD2, by_name
 from tests.multiproc.test_doc_masking import (
     GRAD_TOL,
@@ -76,6 +78,12 @@ RING_CASES = {
 }
 for _layout, _ring in RING_CASES.items():
     CASES[_layout] = CASES[_layout] + _ring
+# a window wider than a rank's SEQ / cp = 48 tokens but narrower than the sample's 96, on documents (LONG_DOCS) longer
+# than it: the mask model_utils/context_parallel.py builds over the gathered keys keeps it (dropped only at >= 96).
+# Their own documents and model (long_assets_of); joined to the (1, 2) launch (a few seconds a case)
+LONG_DOCS = [90, 6, 80, 16, 96]  # samples [90 | 6] [80 | 16] [96]
+LONG_MODELS = {"mistral60": ("mistral", dict(sliding_window=60))}
+LONG = [("window60_mb2", "mistral60", "sdpa", 2, True, {}), ("ring_window60_mb2", "mistral60", "sdpa", 2, True, RING)]
 SLOW = {(1, 3), (3, 2), (2, 2), (1, 4)}  # (2, 2): 4 ranks on 2 cores, 150 s; u1cp2 and the zoo's u1cp2 cases stay in make test
 # flex_attention on CPU under cp, micro-batch 2: loss NaN or 2.8e-3 off, varying from run to run (seen at d3113da,
 # before this session's changes, and after them; a fresh inductor cache changes NaN into 2.8e-3). A torch 2.13 CPU
@@ -86,6 +94,22 @@ FLEX_CP = [("h9_flex_mb2", "h9", "flex_attention", 2, False, {})]  # 3 and 6 pro
 def cp_assets_of(tmp_path_factory) -> dict:
     """The documents and models, made once (also by the joint launch, before this module's first test asks)."""
     return made_once(ASSETS, "cp", tmp_path_factory, MODELS)
+
+
+def long_assets_of(tmp_path_factory) -> dict:
+    """LONG's documents (LONG_DOCS tokens, random ids, seed 0) and model, made once."""
+    import numpy as np
+
+    out = ASSETS.setdefault("cp_long", {})
+    if not out:
+        d = tmp_path_factory.mktemp("cp_long")
+        rng = np.random.default_rng(0)
+        with open(d / "docs.jsonl", "w") as fh:
+            fh.writelines(json.dumps({"input_ids": rng.integers(4, 2048, n).tolist()}) + "\n" for n in LONG_DOCS)
+        out.update(data=str(d / "docs.jsonl"), dir=str(d))
+        out.update({name: save_config_model(str(d / name), kind, **fields)
+                    for name, (kind, fields) in LONG_MODELS.items()})
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +130,8 @@ def cp_cases(assets, d, u: int, cp: int, which: list | None = None) -> dict:
 
 # u1cp2 (world 2) joins the fast modules' shared 2-rank launch (tests/multiproc/joint_launch.py)
 WORLD2.join("cp_u1cp2", __name__, "tests/workers/doc_masking.py",
-            lambda assets, factory, d: list(cp_cases(cp_assets_of(factory), d, 1, 2).values()),
+            lambda assets, factory, d: [*cp_cases(cp_assets_of(factory), d, 1, 2).values(),
+                                        *cp_cases(long_assets_of(factory), d, 1, 2, LONG).values()],
             ("test_hybrid_sp_matches_plain_model",))
 
 
@@ -133,9 +158,10 @@ def test_flex_under_cp_on_cpu(cp_assets, tmp_path):
 
 def check_layout(cp_assets, tmp_path, u: int, cp: int, which: list | None = None, shared=None) -> None:
     for name, (res, case) in launch(cp_assets, tmp_path, u, cp, which, shared).items():
-        model = next(k for k, v in cp_assets.items() if v == case["model_name_or_path"])
+        docs = next(a for a in (cp_assets, *ASSETS.values()) if a.get("data") == case["dataset_path"])  # LONG's too
+        model = next(k for k, v in docs.items() if v == case["model_name_or_path"])
         heads = MODELS.get(model, (None, {}))[1].get("num_attention_heads", 4)
-        ref_loss, ref_grads = reference(case["model_name_or_path"], packed(cp_assets, case["samples"]))
+        ref_loss, ref_grads = reference(case["model_name_or_path"], packed(docs, case["samples"]))
         assert res["error"] is None, (name, res["error"])
         assert res["builds"] == 1, (name, res["builds"])  # documents built once per micro-batch, not per layer
         worst = max((rel(res["grads"][n], ref_grads[n]), n) for n in res["grads"]) if res["grads"] else (0.0, "")
