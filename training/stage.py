@@ -66,6 +66,14 @@ class Run:
         return EXIT_PREEMPTED
 
 
+def _stopped_early(engine, line: str) -> None:
+    """A stop agreed outside the steps (after the build and restore, or during the stage's evaluation): said, the
+    engine released on every rank; the caller returns, train.py exits for the requeue."""
+    print0(line)
+    progress.mark(None, "idle")
+    release_engine(engine)
+    gc.collect()
+
 def train_stage(run: Run, stage, stages, state: TrainState) -> None:
     """Train `stage` from `state` to the stage's end and evaluate it; `state` follows every step and save. On an
     agreed stop it returns right after the save (with nothing new to save: after its build and restore, or during its
@@ -112,13 +120,8 @@ def train_stage(run: Run, stage, stages, state: TrainState) -> None:
         run.ckpt.mark_stage_end(state.checkpoint, f"STAGE_{stage.index}_{stage.name}")
     if _agree(run, state.step + 1 >= end):  # a stop during the build and restore (minutes at 8B), not left for the
         # first step's check (a 1M step: ~296 s more). Nothing trained since the checkpoint restored: nothing to save
-        print0(f"stop agreed after stage {stage.index}'s build: nothing new to save; the resume point stays "
-               f"{state.checkpoint or 'a fresh start'}")
-        progress.mark(None, "idle")
-        release_engine(engine)
-        del engine
-        gc.collect()
-        return
+        return _stopped_early(engine, f"stop agreed after stage {stage.index}'s build: nothing new to save; the resume "
+                              f"point stays {state.checkpoint or 'a fresh start'}")
 
     # --- the steps; the stop (and a save by time) is agreed after every step and after every save ---
     features = features_of(scfg)
@@ -186,13 +189,8 @@ def train_stage(run: Run, stage, stages, state: TrainState) -> None:
             stage.eval)), run.data.tokenizer, run.metrics, at, cfg.per_device_train_batch_size, run.data.pad_id,
             stages, run.data.heldout, before, run.data.reset_position_ids)
     except EvalStopped:
-        print0(f"stop agreed during stage {stage.index}'s evaluation: not recorded; the resume evaluates it again "
-               f"from {ended[0] if ended else state.checkpoint}")
-        progress.mark(None, "idle")
-        release_engine(engine)
-        del engine
-        gc.collect()
-        return
+        return _stopped_early(engine, f"stop agreed during stage {stage.index}'s evaluation: not recorded; the resume "
+                              f"evaluates it again from {ended[0] if ended else state.checkpoint}")
     preempt.deadline.record_eval(time.perf_counter() - t_eval)
     if stage.index + 1 < len(stages):  # the checks up to the next stage's first step count its step, not this one's
         preempt.deadline.next_stage(step_cost_ratio(run.base_config, stage, stages[stage.index + 1]))

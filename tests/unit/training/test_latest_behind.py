@@ -9,25 +9,14 @@ One process, no engine (the fake engine writes the files)."""
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 
 import pytest
 
 from tests.conftest import ROOT
+from tests.unit.training.test_resume_branch import FakeConfig, FakeEngine
 from training.checkpoint import POINTER, Checkpointer, tag_for
 from training.checkpoint_files import point
-
-
-class FakeConfig:
-    def to_json_string(self):
-        return json.dumps({"model_type": "llama"})
-
-
-class FakeEngine:
-    def save_checkpoint(self, root, tag, save_latest):
-        with open(os.path.join(root, tag, "zero_pp_rank_0_mp_rank_00_model_states.pt"), "wb") as fh:
-            fh.write(os.urandom(512))
 
 
 def save(ck, step: int) -> str:
