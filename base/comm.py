@@ -38,6 +38,7 @@ import datetime
 import os
 import pickle
 import socket
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -144,6 +145,12 @@ def shutdown() -> None:
     leave()
     if initialized():
         dist.destroy_process_group()
+        # DeepSpeed's own references to the groups (deepspeed/utils/groups.py: _WORLD_GROUP, the ZeRO data-parallel
+        # group) outlive torch's: an engine built later in this process (a test's second train.main) failed "Group
+        # ... is not registered". deepspeed.comm.destroy_process_group releases them so; only where it is loaded
+        ds_groups = sys.modules.get("deepspeed.utils.groups")
+        if ds_groups is not None and hasattr(ds_groups, "_release_process_group_references"):
+            ds_groups._release_process_group_references(None)
     _HOST_GROUP = None
 
 

@@ -93,16 +93,15 @@ def run_recorded(tmp_path, monkeypatch) -> tuple[str, list[dict]]:
     monkeypatch.setattr(stage_mod, "shard", recording_shard)
     monkeypatch.setattr(stage_mod, "train_step", recording_step)
     handlers = {s: signal.getsignal(s) for s in SIGNALS}  # train.py's stop flag stays installed: put them back
+    from deepspeed.utils import groups
+
+    groups._release_process_group_references(None)  # an engine an earlier test of this process left behind
     try:
         code = run_job(lambda: train.main(["--config", recipe(tmp_path, model, data)]))  # train.py's last line
     finally:
         if dist.is_initialized():  # a failure: run_job told the abort channel, the group is still up
             dist.destroy_process_group()
-        # base/comm.shutdown leaves torch's group, not DeepSpeed's references to it (groups._WORLD_GROUP, the ZeRO
-        # data-parallel group: deepspeed/utils/groups.py); a process runs one train.main, a test process several
-        from deepspeed.utils import groups
-
-        groups._release_process_group_references(None)
+        groups._release_process_group_references(None)  # (base/comm.shutdown does on success; a failure's too)
         for s, h in handlers.items():
             signal.signal(s, h)
     assert code == 0, code
