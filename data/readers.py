@@ -179,11 +179,17 @@ def _not_too_long(raw: bytes, fields: Fields) -> bytes | Refused:
         obj = json.loads(raw)
     except ValueError:  # the worker says what is wrong with it
         return raw
-    text = obj.get(fields.text) if isinstance(obj, dict) else None
+    over = _over_cap(obj.get(fields.text) if isinstance(obj, dict) else None)
+    return raw if over is None else over
+
+
+def _over_cap(text) -> Refused | None:
+    """A text over MAX_DOC_BYTES as its Refused row, else None (a char is 1-4 bytes: only a long one is encoded to
+    count them)."""
     if isinstance(text, str) and len(text) > MAX_DOC_BYTES // 4 and (n := len(text.encode("utf-8", "replace"))) > \
             MAX_DOC_BYTES:
         return _too_long(n)
-    return raw
+    return None
 
 
 CHAT_COLUMNS = (("messages",), ("conversations",), ("prompt", "completion"), ("instruction", "output"))  # data/chat.py's
@@ -245,9 +251,8 @@ def _columnar(batch: dict, cols: tuple, row: int, start: int) -> Iterator[tuple[
     beside = {c: batch[c] for c in cols[2]}
     for i, v in enumerate(values):
         if row + i >= start:
-            if isinstance(v, str) and len(v) > MAX_DOC_BYTES // 4 and (n := len(v.encode("utf-8", "replace"))) > \
-                    MAX_DOC_BYTES:  # (a char is 1-4 bytes: only a long one is encoded to count them)
-                yield row + i, _too_long(n)
+            if (over := _over_cap(v)) is not None:
+                yield row + i, over
                 continue
             extra = {c: b[i] for c, b in beside.items() if b[i] is not None}
             if extra and not plain_ids(extra, v):  # else read by parse_item (data/ids_rows.py)
