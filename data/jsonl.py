@@ -33,7 +33,7 @@ _SHARD = re.compile(r"(?:^|/)([a-z0-9_]+?)-\d{5}-of-\d{5}")  # the hub's `{split
 _SHARD_NAME = re.compile(r"^(.*[-_.])(\d{5})-of-(\d{5})(.*)$")  # a shard's file name: prefix, index, count, suffix
 _FINGERPRINT = re.compile(r"^-[0-9a-f]{16}(?=\.|$)")  # older push_to_hub's per-shard `-a3ecf92756993583` in a suffix
 COMPRESSED = ("", ".gz", ".gzip", ".zst", ".zstd", ".bz2", ".xz")  # what open_file decompresses
-_COMPRESSED = re.compile(r"\.(?:gz|gzip|zst|zstd|bz2|xz)$")
+COMPRESSED_END = re.compile(r"\.(?:gz|gzip|zst|zstd|bz2|xz)$")  # a name's COMPRESSED ending
 
 
 def hidden(rel: str) -> bool:
@@ -61,7 +61,7 @@ def split_of(rel: str) -> str | None:
     if m and any(w in _SPLIT_WORDS for w in m.group(1).split("_")):
         return m.group(1)
     parts = rel.split("/")
-    name = _COMPRESSED.sub("", parts[-1])
+    name = COMPRESSED_END.sub("", parts[-1])
     if name.endswith(CODE_EXT):
         return None
     shard = _SHARD_NAME.match(name)
@@ -83,7 +83,7 @@ def one_split(root: str, files: list[str], flag: str) -> list[str]:
         return files
     pick = next((s for s in named if s.startswith("train")), named[0])
     example = re.sub(r"\d{5}-of-\d{5}(-[0-9a-f]{16}(?=\.|$))?", "*", splits[pick][0])  # a fingerprint too
-    exts = {os.path.splitext(_COMPRESSED.sub("", f.lower()))[1] + "".join(_COMPRESSED.findall(f.lower())) for f in files}
+    exts = {os.path.splitext(COMPRESSED_END.sub("", f.lower()))[1] + "".join(COMPRESSED_END.findall(f.lower())) for f in files}
     every = os.path.join(root, "**", "*" + (exts.pop() if len(exts) == 1 else ""))
     raise ValueError(f"{flag} {root}: its files belong to several splits ({', '.join(named)}, by Hugging Face's "
                      f"file naming), so the evaluation splits would be trained on: give one split's files, e.g. "

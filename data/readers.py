@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -26,6 +25,7 @@ from data.chat_rows import PREFERENCE, UNREAD, without_nulls
 from data.discover import Unit, damaged, unreadable
 from data.ids_rows import BESIDE, BESIDE_IDS, beside_ids, plain_ids, processed
 from data.jsonl import (
+    COMPRESSED_END,
     array_elements,
     open_file,
 )
@@ -121,7 +121,7 @@ def _rows(unit: Unit, fields: Fields, start: int, batch_rows: int) -> Iterator[t
         extra = {"sample_by": "document"} if builder == "text" else {}
         if builder == "csv":  # a text "NA", "null", "" or "nan" is that text, not a missing value (pandas' default
             extra = {"keep_default_na": False}  # NA strings made them None: bad rows), a .tsv's columns split by tabs
-            extra.update({"sep": "\t"} if re.sub(r"\.(gz|gzip|zst|zstd|bz2|xz)$", "", unit.path.lower()).endswith(
+            extra.update({"sep": "\t"} if COMPRESSED_END.sub("", unit.path.lower()).endswith(
                 ".tsv") else {})
         if builder == "text" and os.path.getsize(unit.path) > TEXT_DOC_MAX:  # read whole: one file, one document
             if start == 0:  # refused unread (its row 0: a bad row, skipped under --skip_bad_rows)
