@@ -270,7 +270,7 @@ class ChatEncoder:
     def _names(self) -> dict[str, int]:
         """The control tokens' texts -> ids."""
         if self._name_ids is None:
-            self._name_ids = {n: i for i in self.special if (n := self.hf.convert_ids_to_tokens(i))}
+            self._name_ids = {n: i for i in self.special if (n := self.tok.hf.convert_ids_to_tokens(i))}
         return self._name_ids
 
     @property
@@ -306,6 +306,10 @@ class ChatEncoder:
                            "renders: give them as message lists (TRL's conversational form), or drop the tools")
         if kind == "text_pair":
             p, c = conv
+            eos_s = self.tok.hf.eos_token if self.tok.hf is not None else None  # one EOS ending it: TRL's form (chat9)
+            if self.loss_on != "all" and (why := self._stop_text(c[:-len(eos_s)] if eos_s and c.endswith(eos_s) else c)):
+                raise RowError(f"completion: {why}, a stop the model would learn inside its reply (as a `messages` "
+                               "reply's is refused): write those strings otherwise, or drop the row; docs/sft.md")
             pi, ci = self._text_pair(p, c)
             ci = ci if ci and ci[-1] == self.tok.eos_id else ci + [self.tok.eos_id]  # one EOS (TRL: its text's)
             if self.loss_on != "all" and not self.tok.decode(ci[:-1]).strip():  # as a chat row's empty reply
@@ -413,12 +417,19 @@ class ChatEncoder:
         generation configs): tokenized as that token, as TRL and inference servers do, it would teach the model to stop
         inside the reply. Without a generation_config.json beside the tokenizer (tokenizer.save_pretrained writes none)
         only the end-of-turn was checked, and `<|endoftext|>` quoted in code about GPT-2 trained as a mid-reply EOS."""
-        eot = set(self.eot.tolist())
+        return f"message {k}: {why}" if (why := self._stop_text(conv[k]["content"])) else None
+
+    def _stop_text(self, text: str) -> str | None:
+        """_eot_text's reason for a reply's `text` (a messages turn's, a string completion's), None where it holds no
+        stop's text; a sentencepiece model reads none from text."""
+        if self.tok.hf is None:
+            return None
+        eot = set(self.eot.tolist()) if self.hf is not None else set()
         stops = eot | {self.tok.eos_id, getattr(self.tok, "sep_id", self.tok.eos_id)}
-        names = [n for n, i in self._names().items() if i in stops and n in conv[k]["content"]]
+        names = [n for n, i in self._names().items() if i in stops and n in text]
         what = "the end-of-turn token's text" if any(self._names()[n] in eot for n in names) else \
             "the text of the EOS / end-of-text token (a stop)"
-        return f"message {k}: its text holds {what} {names}, which is tokenized as that token" if names else None
+        return f"its text holds {what} {names}, which is tokenized as that token" if names else None
 
     def encode_long(self, messages: list[dict], at: int, stats: bool = False):
         """(ids, mask) of `messages` (OpenAI form) whose message `at` is long (a haystack): what `encode` gives, with

@@ -14,7 +14,8 @@ that restart: several documents in one row, TRL's pack_dataset / axolotl's sampl
   LLaMA-Factory's preprocessed output): a target where the label is the id, beside a mask column where both say so.
   Labels one position ahead of their ids (shifted already, as a model's loss shifts them: trained so, each token
   would learn the one after next) or holding other values are refused in one line. Equal to the ids (run_clm's
-  group_texts): every token, read as plain ids.
+  group_texts): every token, read as plain ids. Labels ending with -100 over the tokenizer's EOS where its pad is the
+  EOS (a collator's padding, the real EOS masked with it) end with one trained EOS (`trained_end`).
 - A packed row is split into its documents, at its `seq_lengths` or where its `position_ids` restart at 0 (each
   column sliced to match): `{PIECES: [ids or {MASKED: ...}, ...]}`, each piece a document of its own, read exactly as
   a separate row of the same tokens (data/prepare_data.py): a piece without a loss mask gets the tokenizer's BOS where
@@ -39,6 +40,7 @@ BESIDE_IDS = ("labels", "attention_mask") + MASKS + PACKED  # read beside a row'
 MASKED = "input_ids\x00mask"  # a row read with its loss mask: {MASKED: (ids, mask)} (not a column name)
 BESIDE = "input_ids\x00beside"  # a table's row: {BESIDE: (ids, {column: value})}, checked in the worker
 PIECES = "input_ids\x00pieces"  # a row read as several documents, or with its padding stripped: {PIECES: [...]}
+END = "input_ids\x00end"  # beside MASKED / PIECES: the id of the -100 run its labels end with (trained_end)
 _FIX = "prepare from the rows they were made from (messages, prompt / completion: docs/sft.md)"
 _DROP = "fix the column, or drop it"
 # what a column holds where it changes nothing: read as plain ids where every filled column does (plain_ids)
@@ -107,9 +109,10 @@ def _kept(row: dict, n: int) -> tuple[int, int] | str:
 
 def _label_pads(row: dict, ids: list[int], n: int) -> tuple[int, int] | None:
     """[lo, hi) of a row without `attention_mask` (nor packing columns) past the padding its `labels` show: a run of
-    2+ tokens of one id labelled -100 at its end (nothing after it is trained: cutting it changes no loss), or id 0 at
-    its start (`padding="max_length"` with the mask dropped). Kept, 80% pads were stored and ~5x the compute spent on
-    untrained tokens, silently. The row stays read with its labels (as given, no separator added). None: no padding."""
+    2+ tokens of one id labelled -100 at its end (nothing after it is trained), or id 0 at its start
+    (`padding="max_length"` with the mask dropped). Kept, 80% pads were stored and ~5x the compute spent on untrained
+    tokens, silently. The row stays read with its labels (as given, no separator added). Where the pad is the EOS, the
+    run holds the row's real EOS too: its id is kept beside the row (END) for trained_end. None: no padding."""
     if row.get("attention_mask") is not None or any(row.get(c) is not None for c in PACKED) or n < 3:
         return None
     lab = _ints(row.get("labels"), n) if row.get("labels") is not None else None
@@ -180,7 +183,7 @@ def beside_ids(ids, row: dict, name: str) -> tuple[object, str | None]:
     ids = _list(ids)
     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
         return ids, None
-    whole = n = len(ids)
+    whole, n, given = len(ids), len(ids), ids
     if isinstance(cut := _kept(row, n), str):
         return None, cut
     pads = cut == (0, n) and _label_pads(row, ids, n)  # no attention_mask: padding its labels show
@@ -207,7 +210,36 @@ def beside_ids(ids, row: dict, name: str) -> tuple[object, str | None]:
             where = f" in document {k + 1} of the row's {len(spans)} (tokens {s}-{e - 1})" if len(spans) > 1 else ""
             return None, f"{' and '.join(cols)} mark no token to train (past the first){where}: nothing to learn"
         pieces.append(ids[s:e] if mask is None else {MASKED: (ids[s:e], mask[s:e])})
-    return (pieces[0] if len(pieces) == 1 and n == whole else {PIECES: pieces}), None
+    value = pieces[0] if len(pieces) == 1 and n == whole else {PIECES: pieces}
+    if cols == ["labels"] and len(spans) == 1 and (pads and pads[1] < whole or not mask[-1]):  # labels end with -100
+        value = {**value, END: given[pads[1]] if pads and pads[1] < whole else ids[-1]}  # (the run cut, or not)
+    return value, None
+
+
+def trained_end(value, eos: int) -> tuple[object, int]:
+    """(`value`, 1) with its final EOS trained where its labels end with a -100 run of `eos` (END), which the caller
+    passes only where the tokenizer's pad is its EOS; else (`value`, 0). Such labels are padding's: transformers'
+    DataCollatorForLanguageModeling writes -100 at every pad id (src/transformers/data/data_collator.py, `labels[labels
+    == self.tokenizer.pad_token_id] = -100`), the real EOS included when pad == eos (Qwen2.5 base, GPT-2 or Llama with
+    pad set to eos). Read as given, the run was cut whole (_label_pads) or its one EOS kept untrained, and a row with
+    a loss mask gets no separator: rows ran into each other (a pack's row trained its last token to predict the next
+    row's first) and the model never learnt to stop. One EOS is kept and trained, as TRL trains it: its SFT appends the
+    EOS to a text or completion (`add_eos`), its completion_mask covers it and its collator pads labels with -100, not
+    by pad id (trl/trainer/sft_trainer.py). Right for SFT labels too (prompt -100, completion labelled, then pad): the
+    completion's EOS is the one a reply ends with. Cost: one dict look-up a row; a copy of the row's mask where set."""
+    if not isinstance(value, dict) or value.get(END) != eos:
+        return value, 0
+    pieces = value[PIECES] if PIECES in value else [value]
+    ids, mask = pieces[-1][MASKED]
+    if len(ids) and ids[-1] == eos:  # one EOS left untrained (a run of one, or after an attention_mask's cut)
+        if mask[-1]:  # trained already (the run cut after it)
+            return value, 0
+        mask = mask.copy()
+        mask[-1] = 1
+    else:  # the whole run was cut as padding
+        ids, mask = [*ids, eos], np.append(mask, np.uint8(1))
+    last = {MASKED: (ids, mask)}
+    return ({PIECES: [*pieces[:-1], last]} if PIECES in value else last), 1
 
 
 def documents(value) -> tuple[list, bool]:

@@ -30,7 +30,7 @@ import numpy as np
 from data import output_lock, packing, store
 from data.chat import prefix_cost_note, prefix_costly
 from data.discover import Unit, discover
-from data.ids_rows import BESIDE, MASKED, documents, rows_over
+from data.ids_rows import BESIDE, MASKED, documents, rows_over, trained_end
 from data.prepare_args import (
     DEFAULT_BATCH_DOCS,
     DEFAULT_CHUNK_TOKENS,
@@ -47,8 +47,10 @@ CHAT_STATS = ("chat_docs", "supervised_tokens", "untrained_turns", "no_stop_rows
               "rewritten_arguments", "flagged_turns", "dropped_reasoning", "chatml_rows", "history_ends",
               "history_ends_unknown", "appended_stops")
 # texts holding a special-token string kept as text, texts read with theirs as control tokens, ids given the BOS, ids
-# rows shaped by their columns (a loss mask, packing, padding: data/ids_rows.py; read by output_lock.check_rules)
-STATS = CHAT_STATS + ("special_text_docs", "parsed_text_docs", "ids_given_bos", "ids_beside_rows")
+# rows shaped by their columns (a loss mask, packing, padding: data/ids_rows.py; read by output_lock.check_rules),
+# texts ending with the tokenizer's EOS string (frame_texts), ids rows whose final EOS their labels masked (trained_end)
+STATS = CHAT_STATS + ("special_text_docs", "parsed_text_docs", "ids_given_bos", "ids_beside_rows", "eos_text_docs",
+                      "eos_labels_trained")
 BATCH_BYTES = 1 << 20  # a batch closes at this much raw text too (long documents): bounds memory in flight
 SKIP_FIX = "(--skip_bad_rows skips and counts such rows)"  # ends a bad row's refusal: data/prepare.py names train.py's
 
@@ -78,6 +80,9 @@ def _tokenize_batch(items: list[tuple[int, int, object]]) -> dict:
     docs, bad, masks, chat, long = [], [], {}, dict.fromkeys(STATS, 0), None
     for u, row, item in items:
         value, src, err = parse_item(item, fields)
+        if err is None and tok is not None and tok.pad_id == tok.eos_id:  # labels that masked the EOS as a pad
+            value, trained = trained_end(value, tok.eos_id)
+            chat["eos_labels_trained"] += trained
         pieces, shaped = documents(value) if err is None else ([value], False)
         chat["ids_beside_rows"] += shaped
         for value in pieces:  # each document of a packed row as a row of its own (one bad piece: the row's error)
@@ -106,8 +111,8 @@ def _tokenize_batch(items: list[tuple[int, int, object]]) -> dict:
             docs[i], chat["ids_given_bos"] = (*d[:2], ids, d[3]), chat["ids_given_bos"] + added
     texts = [i for i, d in enumerate(docs) if isinstance(d[2], str)]
     if texts:
-        framed, chat["special_text_docs"], chat["parsed_text_docs"] = tok.frame_texts([docs[i][2] for i in texts], eos,
-                                                                                      _W["specials"])
+        framed, *counts = tok.frame_texts([docs[i][2] for i in texts], eos, _W["specials"])
+        chat["special_text_docs"], chat["parsed_text_docs"], chat["eos_text_docs"] = counts
         for i, ids in zip(texts, framed):
             docs[i] = (*docs[i][:2], ids, docs[i][3])
     arrays, lens, srcs, empty, max_id, mask_parts = [], [], [], 0, -1, []
@@ -435,9 +440,21 @@ def merge(output: str, log=print) -> dict:
         "shards": n, "commands": [recs[i]["command"] for i in range(n)], "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     store.write_json_atomic(os.path.join(output, store.MANIFEST), manifest)
-    for line in manifest_lines(output, manifest):
+    for line in manifest_lines(output, manifest) + _end_notes(manifest):
         log(line)
     return manifest
+
+
+def _end_notes(m: dict) -> list[str]:
+    """How documents' ends were read (data/tokenizer.py frame_texts, data/ids_rows.py trained_end): said once, at the
+    merge, beside data/prepare_summary.py's notes."""
+    eos, out = (m.get("tokenizer") or {}).get("eos_id"), []
+    if m.get("eos_text_docs"):
+        out.append(f"note: {m['eos_text_docs']} text document(s) end with the tokenizer's EOS string (id {eos}, `text + "
+                   f"tokenizer.eos_token`): read as the document's end, the separator (id {m['eos_id']}) written once")
+    if m.get("eos_labels_trained"):
+        out.append(f"note: {m['eos_labels_trained']} rows' labels masked their final EOS (pad == eos, id {eos}): trained")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -248,17 +248,21 @@ class Tokenizer:
         return sum(self._special_rx.search(t) is not None for t in texts) if self._special_rx else 0
 
     def frame_texts(self, texts: list[str], sep: int | None,
-                    specials: str = "auto") -> tuple[list[list[int]], int, int]:
+                    specials: str = "auto") -> tuple[list[list[int]], int, int, int]:
         """Text documents as written between documents (data/prepare_data.py; the caller appends `sep` after ids that
         do not end with it): (ids of each, how many hold a special-token string kept as text, how many were read with
-        theirs as control tokens). `specials` (--text_specials): `auto` reads a text that starts as a rendered
-        conversation (`rendered_start`) as `tokenizer(text)` and TRL read it, every other text as text; `text` every
-        text as text; `parse` every text as control tokens.
+        theirs as control tokens, how many end with the tokenizer's EOS string read as their end). `specials`
+        (--text_specials): `auto` reads a text that starts as a rendered conversation (`rendered_start`) as
+        `tokenizer(text)` and TRL read it, every other text as text; `text` every text as text; `parse` every text as
+        control tokens.
 
         As text: the BOS where the tokenizer puts one, then the text with any special-token string in it encoded as
         text (`<s>` in an HTML page, `<|endoftext|>` in tokenizer code: they were control tokens); a text starting
         with the BOS string gets that one real BOS (a text that writes its own), one ending with `sep`'s string that
-        real one (`...</s>`: no second one after it). Parsed: every special-token string its control token, the BOS
+        real one (`...</s>`: no second one after it), one ending with the tokenizer's EOS string (`doc +
+        tokenizer.eos_token`, the common form, which TRL's add_eos also reads as ended: trl/trainer/sft_trainer.py
+        `_prepare_dataset`) `sep` once in its place: an Instruct tokenizer's <|eot_id|> / <|im_end|> was spelled out
+        as ~10 text pieces before the separator, in every document (the model learnt to write it). Parsed: every special-token string its control token, the BOS
         put first where the ids do not start with it. An empty or whitespace-only text gives [] (dropped and counted
         as empty; it was trained as BOS + whitespace + EOS). Each text is encoded whole, ~120 bytes of memory per byte
         of it: data/readers.MAX_DOC_BYTES bounds its length before it gets here (and says why not in pieces)."""
@@ -278,16 +282,20 @@ class Tokenizer:
         bos_s = self.piece(bos) if bos is not None else None
         sep_s = self.piece(sep) if sep is not None and 0 <= sep < self.vocab_size else None
         sep_s = sep_s if sep_s in self.specials else None  # a sentencepiece model never read </s> from text: unchanged
-        bodies, ends = [], []
+        eos_s = self.piece(self.eos_id) if sep is not None else None
+        eos_s = eos_s if eos_s in self.specials and eos_s != sep_s else None
+        bodies, ends, eos_ends = [], [], 0
         for k in as_text:
             t = texts[k]
             head = bos_s is not None and t.startswith(bos_s)
-            tail = sep_s is not None and t.endswith(sep_s) and len(t) >= (len(bos_s) if head else 0) + len(sep_s)
-            bodies.append(t[len(bos_s) if head else 0:len(t) - len(sep_s) if tail else len(t)])
+            end = next((s for s in (sep_s, eos_s) if s is not None and t.endswith(s)), None)  # (neither ends the other)
+            tail = end is not None and len(t) >= (len(bos_s) if head else 0) + len(end)
+            bodies.append(t[len(bos_s) if head else 0:len(t) - len(end) if tail else len(t)])
             ends.append(tail)
+            eos_ends += tail and end == eos_s
         for k, ids, tail in zip(as_text, self.encode_text_batch(bodies) if bodies else [], ends):
             out[k] = ([bos] if bos is not None else []) + list(ids) + ([sep] if tail else [])
-        return out, self._holding_specials(bodies), self._holding_specials([texts[k] for k in parsed])
+        return out, self._holding_specials(bodies), self._holding_specials([texts[k] for k in parsed]), eos_ends
 
     def with_bos(self, ids) -> tuple[list[int], bool]:
         """Pre-tokenized ids with the BOS in front where the tokenizer puts one and the ids do not start with it (a text

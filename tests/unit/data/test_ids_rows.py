@@ -204,3 +204,37 @@ def test_trl_processed_rows_beside_their_chat_fields_are_read_as_their_ids_and_l
     src = _write(tmp_path / "n", form, [{**chat, "input_ids": a}])
     with pytest.raises(ValueError, match="which is meant"):
         prepare([src], str(tmp_path / "o2"), vocab_size=100, eos_id=2, **QUIET)
+
+
+def test_labels_that_masked_the_eos_as_a_pad_end_with_one_trained_eos(tmp_path):
+    """pad == eos (Qwen2.5 base, GPT-2 or Llama with pad set to eos; a tokenizer naming no pad: Tokenizer.pad_id):
+    DataCollatorForLanguageModeling / padding="max_length" pipelines label every pad -100, the real EOS with them. The
+    trailing run was cut whole (a padded row) or its lone EOS kept untrained, and a row with a loss mask gets no
+    separator: row A ran into row B (a pack trained A's last token to predict B's first) and no EOS was trained,
+    unsaid. Now each ends with one trained EOS, counted in a note; an EOS trained already, or a pad that is not the
+    EOS, is read as before."""
+    from data.tokenizer import Tokenizer
+
+    path = _bos_tokenizer(tmp_path / "tok")
+    tok = Tokenizer(path)
+    eos, body = tok.eos_id, tok.encode("a quick brown fox")
+    assert tok.pad_id == eos and 0 not in body
+    n = len(body)
+    rows = [{"input_ids": body + [eos] * 5, "labels": body + [-100] * 5},  # padded to max_length
+            {"input_ids": body + [eos], "labels": body + [-100]},  # unpadded
+            {"input_ids": body + [eos] * 3, "attention_mask": [1] * (n + 1) + [0, 0], "labels": body + [-100] * 3},
+            {"input_ids": body + [eos] * 3, "labels": body + [eos, -100, -100]},  # its EOS trained already
+            {"input_ids": body + [0] * 3, "labels": body + [-100] * 3}]  # another pad: cut, as before
+    lines = []
+    m = prepare([_write(tmp_path, "jsonl", rows)], str(tmp_path / "o"), path, workers=0, log=lines.append)
+    assert _docs(tmp_path / "o") == [(body + [eos], [1] * (n + 1))] * 4 + [(body, [1] * n)]
+    assert m["eos_labels_trained"] == 3, m
+    assert [x for x in lines if "masked their final EOS" in x] == [
+        f"note: 3 rows' labels masked their final EOS (pad == eos, id {eos}): trained"], lines
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(path)
+    hf.pad_token = "<s>"  # a pad that is not the EOS: the EOS -100 is the row's own choice, read as given
+    hf.save_pretrained(str(tmp_path / "padded"))
+    m = prepare([_write(tmp_path, "jsonl", rows[:2])], str(tmp_path / "p"), str(tmp_path / "padded"), **QUIET)
+    assert _docs(tmp_path / "p") == [(body, [1] * n), (body + [eos], [1] * n + [0])] and not m["eos_labels_trained"]

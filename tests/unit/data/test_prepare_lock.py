@@ -98,7 +98,7 @@ def test_a_shard_begun_under_other_rules_is_not_continued_silently(tmp_path):
     assert any("was prepared by an older version" in n for n in notes), notes
     for f in ("shard-00000-of-00001.json", "manifest.json"):
         (out / f).unlink()
-    with pytest.raises(ValueError, match=r"begun under other tokenization rules \(bos1:chat6.*\(bos2 \(text or any"):
+    with pytest.raises(ValueError, match=r"begun under other tokenization rules \(bos1:chat6.*\(bos2, doc9 \(text or any"):
         run()
     plan.write_text(json.dumps({k: v for k, v in p.items() if k != "rules"}))
     notes = []
@@ -111,7 +111,7 @@ def test_a_shard_begun_under_other_rules_is_not_continued_silently(tmp_path):
         output_lock.check_rules("o", [{"plan": {"rules": packing.RULES}}, {"plan": {"rules": "bos1:chat6:eos2:doc6"}}])
 
 
-YESTERDAY = "bos2:chat8:eos2:doc6"  # chat9 changed conversations only, doc7 and doc8 ids rows with columns beside
+YESTERDAY = "bos2:chat9:eos2:doc9"  # chat10 changed conversations only, doc10 ids rows with columns beside
 
 
 def test_a_rules_step_refuses_only_shards_holding_the_rows_it_changed(tmp_path):
@@ -132,16 +132,16 @@ def test_a_rules_step_refuses_only_shards_holding_the_rows_it_changed(tmp_path):
     rec_path.write_text(json.dumps({**rec, "plan": {**rec["plan"], "rules": YESTERDAY}}))
     notes = []
     assert merge(str(out), notes.append)["n_docs"] == 20
-    assert any("shard(s) [0] were prepared under tokenization rules bos2:chat8:eos2:doc6, merged" in n
+    assert any(f"shard(s) [0] were prepared under tokenization rules {YESTERDAY}, merged" in n
                and "changed only rows they hold none of" in n for n in notes), notes
     today = {"plan": {"rules": packing.RULES}}
-    for held, match in (({"chat_docs": 3, "ids_beside_rows": 0}, r"\(chat9 \(conversations\)\): redo"),
-                        ({"chat_docs": 0, "ids_beside_rows": 1}, r"\(doc7, doc8 \(pre-tokenized rows with")):
+    for held, match in (({"chat_docs": 3, "ids_beside_rows": 0}, r"\(chat10 \(conversations\)\): redo"),
+                        ({"chat_docs": 0, "ids_beside_rows": 1}, r"\(doc10 \(pre-tokenized rows with")):
         with pytest.raises(ValueError, match=r"shard\(s\) \[0\] hold rows today's .*" + match):
             output_lock.check_rules("o", [{"plan": {"rules": YESTERDAY}, **held}, today])
     notes = []
     output_lock.check_rules("o", [{"plan": {"rules": YESTERDAY}, "chat_docs": 0}, today], notes.append)
-    assert "doc7, doc8 (pre-tokenized rows with loss-mask, packing or attention_mask columns) changed rows its " \
+    assert "doc10 (pre-tokenized rows with loss-mask, packing or attention_mask columns) changed rows its " \
            "record does not count" in notes[0], notes
     # continuing a shard begun yesterday: refused only where its committed chunks hold rows a step changed
     for k, (row, refused) in enumerate((({}, False), ({"assistant_masks": [0, 1, 1]}, True))):
@@ -157,7 +157,7 @@ def test_a_rules_step_refuses_only_shards_holding_the_rows_it_changed(tmp_path):
         plan.write_text(json.dumps({**json.loads(plan.read_text()), "rules": YESTERDAY}))
         notes = []
         if refused:
-            with pytest.raises(ValueError, match=r"holds rows they read differently \(chat9 \(conversations\); doc7"):
+            with pytest.raises(ValueError, match=r"holds rows they read differently \(chat10 \(conversations\); doc10"):
                 run()
             continue
         assert run(notes.append)["n_docs"] == 20
@@ -172,7 +172,7 @@ def test_a_rules_step_refuses_only_shards_holding_the_rows_it_changed(tmp_path):
     chunk.write_text(json.dumps({k: v for k, v in json.loads(chunk.read_text()).items() if k != "ids_beside_rows"}))
     plan = o / "plan-s00000.json"
     plan.write_text(json.dumps({**json.loads(plan.read_text()), "rules": YESTERDAY}))
-    with pytest.raises(ValueError, match=r"doc7, doc8 \(pre-tokenized .* if its chunks hold any: their record cannot"):
+    with pytest.raises(ValueError, match=r"doc10 \(pre-tokenized .* if its chunks hold any: their record cannot"):
         prepare([str(tmp_path / "c0.jsonl")], str(o), vocab_size=100, workers=0, eos_id=2, chunk_tokens=10,
                 batch_docs=2, log=lambda _: None)
 

@@ -211,3 +211,30 @@ def test_the_text_path_leaves_the_tokenizers_special_switch_as_it_was(tmp_path, 
     tok.frame_texts(["a page that mentions <|im_start|> in its text", CHATML], tok.sep_id)
     assert tok.hf.backend_tokenizer.encode_special_tokens is False
     assert tok._encode_batch(["<|im_start|>user"])[0][0] == start
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen25"])
+def test_a_text_ending_with_the_tokenizers_eos_string_ends_there_once(tmp_path, family):
+    """`{"text": doc + tokenizer.eos_token}` (the common form; TRL's add_eos reads it as ended) with an Instruct
+    tokenizer: its EOS <|eot_id|> / <|im_end|> is no separator (<|end_of_text|> / <|endoftext|> is), and only the
+    separator's string was read at a text's end: every document trained the EOS spelled out as ~10 text pieces, then
+    the separator, under a generic note. Now the trailing EOS string is the document's end, the separator written once,
+    counted in a note of its own; the same string inside a text stays text. The in-job stream reads it alike."""
+    from data.packing import build_token_stream
+
+    path = _llama3_instruct(tmp_path / "tok") if family == "llama3" else build_tokenizer(str(tmp_path / "tok"), family)
+    tok = Tokenizer(path)
+    eos_s = tok.hf.eos_token
+    assert eos_s in ("<|eot_id|>", "<|im_end|>") and tok.sep_id != tok.eos_id
+    texts = ["a quick brown fox" + eos_s, "a quick brown fox", f"the {eos_s} token ends a turn"]
+    src = _write_jsonl(tmp_path / "t.jsonl", texts, "text")
+    lines = []
+    m = prepare([src], str(tmp_path / "o"), path, workers=0, log=lines.append)
+    ended, plain, mid = _docs(tmp_path / "o")
+    want = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode("a quick brown fox") + [tok.sep_id]
+    assert ended == plain == want, tok.hf.convert_ids_to_tokens(ended)
+    assert tok.eos_id not in mid and mid[-1] == tok.sep_id and (m["eos_text_docs"], m["special_text_docs"]) == (1, 1)
+    said = [x for x in lines if "end with the tokenizer's EOS string" in x]
+    assert len(said) == 1 and said[0].startswith("note: 1 text document(s)") and f"(id {tok.sep_id})" in said[0], lines
+    stream = build_token_stream(src, tok, tok.vocab_size, str(tmp_path / "cache"))[0]
+    assert np.load(stream).tolist() == ended + plain + mid

@@ -165,3 +165,24 @@ def test_markers_around_the_end_of_turn_and_its_newline_are_no_missing_stop(qwen
                                                 {"role": "assistant", "content": "2 words"}]})
     assert tok.hf.decode([t for t, m in zip(ids, mask) if m]) == "2 words<|im_end|>\n"
     assert stats["no_stop_rows"] == 0
+
+
+def test_a_completion_holding_a_stops_text_is_refused_as_a_messages_reply_is(qwen, tmp_path):
+    """A string completion quoting `<|endoftext|>` / `<|im_end|>` (code about tokenizers) was tokenized with them as
+    control tokens and trained: the model learnt to stop mid-reply, while the same reply as `messages` is refused
+    naming the token. Now refused alike, in one line naming the field; a completion ending with the EOS (TRL's form)
+    is read; --skip_bad_rows skips and counts it, as a messages row; --loss_on all trains every token, as it does
+    a messages row's."""
+    code = "Use tokenizer.encode('<|endoftext|>') to get the id. Then print <|im_end|> too."
+    enc = ChatEncoder(qwen)
+    for c in (code, code + "<|im_end|>"):
+        with pytest.raises(RowError, match=r"^completion: its text holds the end-of-turn token's text \[") as e:
+            enc.encode({"prompt": "How do I get GPT-2's end token?", "completion": c})
+        assert "<|endoftext|>" in str(e.value) and "<|im_end|>" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(RowError, match="its text holds the end-of-turn token's text"):
+        enc.encode({"messages": [{"role": "user", "content": "How?"}, {"role": "assistant", "content": code}]})
+    assert enc.encode({"prompt": "Q:", "completion": " four<|im_end|>"})[0].count(qwen.eos_id) == 1
+    assert ChatEncoder(qwen, loss_on="all").encode({"prompt": "Q:", "completion": code})[1].all()
+    rows = [{"prompt": "How?", "completion": code}, {"prompt": "Q:", "completion": " four"}]
+    m = prepare([_write(tmp_path, "jsonl", rows)], str(tmp_path / "o"), qwen.path, skip_bad_rows=True, **QUIET)
+    assert (m["bad_rows"], m["chat_docs"]) == (1, 1) and "completion: its text holds" in m["bad_examples"][0]
