@@ -37,13 +37,15 @@ def main(argv: list[str] | None = None) -> int:
     from base.log import print0
     from data.pipeline import open_run_data
     from model_utils.attention import resets_positions
-    from model_utils.export import export_hf, is_export_of, recorded_or_none
+    from model_utils.export import export_hf, recorded_or_none
+    from model_utils.export_target import is_export_of
     from model_utils.memory import configure_allocator
     from model_utils.rope import model_hash
     from training.checkpoint import Checkpointer
     from training.checkpoint_files import manifest_sha256
     from training.config import to_dict
-    from training.curriculum import check_resumed_stages, keep_stage_steps, stage_start, total_steps
+    from training.curriculum import stage_start, total_steps
+    from training.curriculum_resume import check_resumed_stages, keep_stage_steps
     from training.evaluation import check_passkey_fits
     from training.hf_args import epoch_stages
     from training.metrics import MetricsLogger

@@ -294,7 +294,7 @@ def kill_window_s(env, agent: list[str] | None = None) -> float:
     if env.get("KILL_WINDOW_S"):
         return float(env["KILL_WINDOW_S"])
     if env.get("TORCHELASTIC_RUN_ID"):
-        from training.job import parent_cmdline, torchrun_options
+        from training.launcher import parent_cmdline, torchrun_options
 
         given = getattr(torchrun_options(parent_cmdline() if agent is None else agent), "shutdown_timeout", None)
         given = env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT") if given is None else given
@@ -326,7 +326,7 @@ class PreemptionFlag:
         self.window_left_s: float | None = None  # agreed at the last check: seconds to the kill (None: no SIGTERM)
         self.save_need_s = 0.0  # ... and the save time to count (MAX over ranks of guess_save_s)
         self._previous = {}
-        from training.job import launcher_gone
+        from training.launcher import launcher_gone
 
         self._launcher_gone = launcher_gone  # a plain deepspeed run whose runner died: a stop (training/job.py)
 

@@ -19,7 +19,7 @@ from base.stopped import StopCounter
 from planner.auto_features import MFU, PEAK_TFLOPS
 from planner.flops import tokens_per_sec_per_gpu
 from planner.step_time import HOUR_S
-from training.checkpoint import CKPT_BYTES_PER_PARAM
+from training.checkpoint_room import CKPT_BYTES_PER_PARAM
 from training.config import Config
 from training.curriculum import Stage
 from training.preemption import Deadline, PreemptionFlag

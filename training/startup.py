@@ -275,7 +275,7 @@ def start_distributed(cfg: Config, model: Model) -> tuple[ParallelDims, list[Sta
     model = settle_attention(cfg, model, stages)  # auto on a GPU: the kernel measured fastest here (one decision)
     check_shared_output(cfg.output_dir)  # every rank sees every other rank's files, or one line naming the hosts
     if cfg.export_hf:  # the final export's folder: a link to another folder's work is refused now, not after training
-        from model_utils.export import check_out
+        from model_utils.export_target import check_out
 
         comm.run_on_main(lambda: check_out(os.path.join(cfg.output_dir, "hf_model"), None, owned=True))
     preflight(cfg, stages, dims, model.arch, model.bf16)  # build locks, host memory per node, DeepSpeed configs

@@ -16,7 +16,7 @@ import pytest
 
 from base.host import usable_cpus
 from tests.e2e.launchers import DS, LAUNCH, ROOT, STUBS, TRAIN, clean_env, launch, needs_2_cpus, wait_for
-from training.job import launcher_refusal
+from training.launcher import launcher_refusal
 
 CORES = len(usable_cpus())  # what launch.sh counts: the affinity within a CPU quota (base/host.py)
 

@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from model_utils.export import MARKER, check_out, generation_config
+from model_utils.export import generation_config
+from model_utils.export_target import MARKER, check_out
 
 
 def test_out_refused_where_it_would_destroy_what_is_not_an_export(tmp_path):

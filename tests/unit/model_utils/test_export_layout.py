@@ -122,7 +122,8 @@ def test_a_symlinked_output_is_written_where_it_points(tmp_path, monkeypatch):
     ENOTDIR after the whole run (and at every restart). The export lands in the link's target; the link stays."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from model_utils.export import MARKER, export_hf
+    from model_utils.export import export_hf
+    from model_utils.export_target import MARKER
 
     config = AutoConfig.for_model("llama", **TINY)
     model = AutoModelForCausalLM.from_config(config)

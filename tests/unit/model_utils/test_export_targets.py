@@ -43,7 +43,8 @@ def _llama():
 def test_a_link_to_a_folder_of_other_work_is_refused_before_any_work(tmp_path, monkeypatch):
     """RUN/hf_model linked to a scratch folder holding other projects: train.py's export (owned) resolved the link and
     rmtree'd the target, the other projects with it."""
-    from model_utils.export import check_out, export_hf
+    from model_utils.export import export_hf
+    from model_utils.export_target import check_out
 
     config, _ = _llama()
     ck = _checkpoint(tmp_path, monkeypatch, config)  # no state: the consolidation must not run
@@ -69,7 +70,8 @@ def test_a_link_to_a_folder_of_other_work_is_refused_before_any_work(tmp_path, m
 
 @pytest.mark.parametrize("target", ["missing", "empty"])
 def test_a_link_to_a_missing_or_empty_folder_is_written_there(tmp_path, monkeypatch, target):
-    from model_utils.export import MARKER, export_hf
+    from model_utils.export import export_hf
+    from model_utils.export_target import MARKER
 
     config, model = _llama()
     ck = _checkpoint(tmp_path, monkeypatch, config, model)
@@ -93,7 +95,8 @@ def test_a_copied_runs_link_never_replaces_the_original_runs_export(tmp_path, mo
     import hashlib
     import shutil
 
-    from model_utils.export import MARKER, check_out, export_hf, exported_from, is_export_of
+    from model_utils.export import export_hf
+    from model_utils.export_target import MARKER, check_out, exported_from, is_export_of
 
     config, model = _llama()
     ck = _checkpoint(tmp_path, monkeypatch, config, model)

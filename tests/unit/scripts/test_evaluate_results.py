@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from scripts.evaluate import said, write_results
+from training.eval_report import said, write_results
 
 
 def _result(loss: float) -> dict:

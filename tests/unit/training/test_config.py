@@ -213,7 +213,8 @@ def test_a_resume_keeps_the_step_counts_its_stages_ran_with(tmp_path, capsys):
     import types
 
     from training.config import parse_config
-    from training.curriculum import keep_stage_steps, resolve_stages, stage_start
+    from training.curriculum import resolve_stages, stage_start
+    from training.curriculum_resume import keep_stage_steps
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text("stages:\n  - {name: a, max_seq_length: 256, max_tokens: 1024}\n"
@@ -371,7 +372,8 @@ def test_a_resume_on_fewer_ranks_trains_the_rest_of_the_stages_epochs(capsys):
     import dataclasses
     import types
 
-    from training.curriculum import Stage, keep_stage_steps
+    from training.curriculum import Stage
+    from training.curriculum_resume import keep_stage_steps
 
     st = Stage(index=0, name="main", max_seq_length=128, sp=1, rope=None, learning_rate=1e-3, min_lr=0.0,
                warmup_steps=16, lr_scheduler="cosine", max_steps=78, reset_optimizer=False, steps_from="epochs:1",

@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 import types
 
-from training.curriculum import Stage, keep_stage_steps
+from training.curriculum import Stage
+from training.curriculum_resume import keep_stage_steps
 
 EPOCHS = Stage(index=0, name="main", max_seq_length=2048, sp=1, rope=None, learning_rate=2e-5, min_lr=0.0,
                warmup_steps=0, lr_scheduler="cosine", max_steps=19, reset_optimizer=False, steps_from="epochs:2")

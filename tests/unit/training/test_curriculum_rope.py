@@ -13,7 +13,8 @@ from transformers import AutoConfig
 
 from model_utils.rope import apply_rope
 from training.config import Config, StageConfig
-from training.curriculum import check_resumed_stages, check_stages, resolve_stages
+from training.curriculum import check_stages, resolve_stages
+from training.curriculum_resume import check_resumed_stages
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
             vocab_size=128, pad_token_id=0, eos_token_id=1, bos_token_id=2, rope_theta=10000.0)
@@ -60,7 +61,7 @@ def test_a_resume_mid_stage_keeps_the_rope_the_stage_trained_with(tmp_path, caps
 
     import pytest
 
-    from training.curriculum import keep_stage_steps
+    from training.curriculum_resume import keep_stage_steps
     from training.restore import trained_rope
 
     stages = _stages(StageConfig(name="a", max_seq_length=1000, max_steps=3),

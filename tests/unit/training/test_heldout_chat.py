@@ -132,10 +132,11 @@ def test_a_prepared_folder_gives_the_same_masks(chats):
 
 
 def test_summary_reports_it(chats):
-    ev = _script("evaluate")
+    from training.eval_report import summary
+
     r = {"model": "m", "kind": "hf", "rope": None, "trials": {}, "chat": "chatml", "tasks": {}, "task_mean": {},
          "heldout_chat_loss": 1.25, "heldout_chat_tokens": 40, "heldout_chat_conversations": 4, "heldout_chat_length": 256}
-    text = "\n".join(ev.summary([r, {**r, "heldout_chat_loss": 1.0}], {}))
+    text = "\n".join(summary([r, {**r, "heldout_chat_loss": 1.0}], {}))
     assert "**held-out conversation loss**" in text and "| model | 1.2500 | 40 | 4 | 256 |" in text
     assert "| compare - model | -0.2500 |" in text
 
@@ -232,8 +233,10 @@ def test_no_held_out_conversation_is_none_never_zero(chats):
     got = ev.heldout_loss(engine, DIMS1, 1, tok.pad_id, held, 256)
     assert "heldout_chat_loss" not in got and got["heldout_chat_tokens"] == 0
     row = {"model": "m", "kind": "hf", "rope": None, "trials": {}, "chat": "chatml", "tasks": {}, "task_mean": {}, **got}
-    assert "| model | none | 0 | 0 | 256 |" in "\n".join(ev.summary([row], None))
+    from training.eval_report import summary
     from training.eval_tables import eval_tables
+
+    assert "| model | none | 0 | 0 | 256 |" in "\n".join(summary([row], None))
 
     rows = [{"stage": 0, "stage_name": "s0", "step": 1, "seq_len": 8, "heldout_loss": 2.0, "heldout_chat_loss": 1.5,
              "heldout_chat_len": 8}, {"stage": 1, "stage_name": "s1", "step": 2, "seq_len": 8, "heldout_loss": 1.0}]

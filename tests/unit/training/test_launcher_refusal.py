@@ -1,4 +1,4 @@
-"""Launchers that would run the job otherwise than they say (training/job.py `launcher_refusal`), refused in one line
+"""Launchers that would run the job otherwise than they say (training/launcher.py `launcher_refusal`), refused in one line
 before any process group: accelerate's DeepSpeed plugin, FSDP, Megatron-LM and fp8 (its ACCELERATE_* settings were
 ignored, the run exiting 0), torchrun's in-place restarts (`--max_restarts N`, an elastic `--nnodes MIN:MAX`: a
 stop's exit 75 restarted, the stop undone; the last attempt's store broke the next), MPI without a rank (N worlds of
@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from tests.distributed import ROOT
-from training.job import launcher_refusal
+from training.launcher import launcher_refusal
 
 
 @pytest.mark.parametrize("env, words", [
@@ -110,7 +110,7 @@ def test_accelerates_modes_that_are_not_read_here_are_one_line(env, words):
 def test_accelerates_fp16_or_bf16_is_said_not_taken(mixed, said):
     """train.py's precision is resolved later (its flags, the DeepSpeed JSON, the GPU): accelerate's is not read, and
     one warning line says so rather than leaving it silent."""
-    from training.job import launcher_note
+    from training.launcher import launcher_note
 
     note = launcher_note({"ACCELERATE_MIXED_PRECISION": mixed} if mixed else {})
     assert (note is not None and note.startswith(f"warning: accelerate launch --mixed_precision {mixed.lower()}")

@@ -14,7 +14,7 @@ import torch
 from base import comm
 from tests.unit.training.test_checkpoint import MODEL_FILE, LoadEngine
 from tests.unit.training.test_ds_config_found import BASE, build
-from training import restore
+from training import checkpoint_load
 from training.checkpoint import Checkpointer
 from training.checkpoint_files import deal_by_bytes
 
@@ -53,7 +53,7 @@ def as_rank(monkeypatch, rank: int, world: int = W, others: dict | None = None) 
     """This process as `rank` of `world`; the gathered reports: the other ranks' from `others` (rank -> report).
     Returns the list of the file sets this rank looked up (not_visible)."""
     looked = []
-    real = restore.not_visible
+    real = checkpoint_load.not_visible
 
     def record(root, sizes, settle_s, *a):
         looked.append(sorted(sizes))
@@ -63,7 +63,7 @@ def as_rank(monkeypatch, rank: int, world: int = W, others: dict | None = None) 
     monkeypatch.setattr(comm, "world", lambda group=None: world)
     monkeypatch.setattr(comm, "all_gather_object",
                         lambda obj: [obj if r == rank else (others or {}).get(r, {}) for r in range(world)])
-    monkeypatch.setattr(restore, "not_visible", record)
+    monkeypatch.setattr(checkpoint_load, "not_visible", record)
     return looked
 
 

@@ -1,7 +1,7 @@
 """What the launcher above a rank does to its stop: a plain `deepspeed --num_gpus N train.py` whose runner is killed
 alone (`kill -TERM <runner pid>`: deepspeed/launcher/runner.py installs its handlers only for pdsh on several nodes)
 left launch.py reparented and the ranks training on, unsaved, with nothing left to stop them; now the rank notes
-launch.py and its parent at its first line and votes to stop once either is gone (training/job.py launcher_gone), with
+launch.py and its parent at its first line and votes to stop once either is gone (training/launcher.py launcher_gone), with
 the full save. torchrun's kill window is its own shutdown timeout (--shutdown-timeout, TORCH_ELASTIC_SHUTDOWN_TIMEOUT),
 which the ranks were never told: they counted 30 s (training/preemption.py kill_window_s)."""
 
@@ -17,7 +17,7 @@ import torch
 
 from tests.distributed import ROOT
 from tests.unit.training.test_stop_window import simulate
-from training import job, preemption
+from training import launcher, preemption
 from training.checkpoint import tag_for
 from training.preemption import KILL_WINDOW_S, PreemptionFlag
 
@@ -40,23 +40,23 @@ LAUNCH_PY = [PY, "-u", "-m", "deepspeed.launcher.launch", "--world_info=eyJsb2Nh
 def test_the_watch_is_taken_under_deepspeeds_launch_py_without_launch_sh(tmp_path, monkeypatch):
     proc = fake_proc(tmp_path, {100: (50, LAUNCH_PY), 50: (7, [PY, "/venv/bin/deepspeed", "--num_gpus", "2", "train.py"]),
                                 200: (50, [PY, "/venv/bin/torchrun", "--nproc_per_node", "2", "train.py"])})
-    assert job.watch_launcher({}, 100, proc) == (100, 50)
-    assert job.watch_launcher({"LAUNCH_EXIT_DIR": "/tmp/x"}, 100, proc) is None  # launch.sh stops its ranks itself
-    assert job.watch_launcher({}, 200, proc) is None  # torchrun: not deepspeed's launch.py
-    assert job.watch_launcher({}, 300, proc) is None  # nothing readable
+    assert launcher.watch_launcher({}, 100, proc) == (100, 50)
+    assert launcher.watch_launcher({"LAUNCH_EXIT_DIR": "/tmp/x"}, 100, proc) is None  # launch.sh stops its ranks itself
+    assert launcher.watch_launcher({}, 200, proc) is None  # torchrun: not deepspeed's launch.py
+    assert launcher.watch_launcher({}, 300, proc) is None  # nothing readable
 
 
 def test_a_runner_or_launch_py_gone_is_a_reason_to_stop(tmp_path, monkeypatch):
     (tmp_path / "alive").mkdir()
     (tmp_path / "orphan").mkdir()
     alive = fake_proc(tmp_path / "alive", {100: (50, LAUNCH_PY)})
-    monkeypatch.setattr(job, "_WATCH", [(100, 50)])
-    assert job.launcher_gone(100, alive) is None  # launch.py under its runner: train on
+    monkeypatch.setattr(launcher, "_WATCH", [(100, 50)])
+    assert launcher.launcher_gone(100, alive) is None  # launch.py under its runner: train on
     orphaned = fake_proc(tmp_path / "orphan", {100: (1, LAUNCH_PY)})  # the runner died: launch.py reparented to init
-    assert "the deepspeed runner (pid 50) that started launch.py ended" in job.launcher_gone(100, orphaned)
-    assert "launch.py (pid 100) ended" in job.launcher_gone(1, orphaned)  # launch.py itself died: this rank reparented
-    monkeypatch.setattr(job, "_WATCH", [])
-    assert job.launcher_gone(1, orphaned) is None  # not watched (launch.sh, torchrun, python train.py)
+    assert "the deepspeed runner (pid 50) that started launch.py ended" in launcher.launcher_gone(100, orphaned)
+    assert "launch.py (pid 100) ended" in launcher.launcher_gone(1, orphaned)  # launch.py itself died: this rank reparented
+    monkeypatch.setattr(launcher, "_WATCH", [])
+    assert launcher.launcher_gone(1, orphaned) is None  # not watched (launch.sh, torchrun, python train.py)
 
 
 RUNNER = """import subprocess, sys, time
@@ -69,11 +69,11 @@ rank = subprocess.Popen([sys.executable, "-c", sys.argv[2]])
 rank.wait()
 """
 RANK = """import os, sys, time
-from training import job
-job._WATCH[:] = [w for w in [job.watch_launcher(os.environ, os.getppid())] if w]
-print("watching" if job._WATCH else "not watching", flush=True)
+from training import launcher
+launcher._WATCH[:] = [w for w in [launcher.watch_launcher(os.environ, os.getppid())] if w]
+print("watching" if launcher._WATCH else "not watching", flush=True)
 for _ in range(400):
-    why = job.launcher_gone()
+    why = launcher.launcher_gone()
     if why:
         print(why, flush=True)
         sys.exit(75)
@@ -111,11 +111,11 @@ def one_rank(monkeypatch):
 def test_the_runners_death_is_an_agreed_stop_without_a_kill_window(monkeypatch, one_rank):
     """launcher_gone's reason is this rank's vote, as a signal is (the all-reduce makes it every rank's), and no
     launcher is left to SIGKILL after it: no window."""
-    monkeypatch.setattr(job, "_WATCH", [(os.getppid(), -1)])  # launch.py = this process' parent, its runner not -1
+    monkeypatch.setattr(launcher, "_WATCH", [(os.getppid(), -1)])  # launch.py = this process' parent, its runner not -1
     flag = PreemptionFlag()
     assert flag.agreed() and flag.window_left_s is None and flag.term_at is None
     assert "the deepspeed runner (pid -1)" in preemption.said(flag.received)
-    monkeypatch.setattr(job, "_WATCH", [])
+    monkeypatch.setattr(launcher, "_WATCH", [])
     assert not PreemptionFlag().agreed()
 
 
@@ -125,7 +125,7 @@ def test_the_runners_death_keeps_the_full_save(monkeypatch):
     SIGUSR1 does (a SIGTERM's 30 s window would have skipped it)."""
     from training import stage as stage_mod
 
-    monkeypatch.setattr(job, "launcher_gone", lambda: "the deepspeed runner (pid 9) ended" if stage_mod.time.t > 1400
+    monkeypatch.setattr(launcher, "launcher_gone", lambda: "the deepspeed runner (pid 9) ended" if stage_mod.time.t > 1400
                         else None)  # the clock starts at 1000, 60 s steps: step 7 ends at ~1421
     clock, ckpt, flag, state, _ = simulate(monkeypatch, save_every_s=600)
     assert flag.stopping and flag.window_left_s is None and state.step == 7
@@ -159,5 +159,5 @@ def test_the_flag_takes_its_agents_window(monkeypatch):
     for k in ("KILL_WINDOW_S", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "PET_SHUTDOWN_TIMEOUT"):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "r")
-    monkeypatch.setattr(job, "_PARENT", [[*TORCHRUN, "--shutdown-timeout", "150", "train.py"]])
+    monkeypatch.setattr(launcher, "_PARENT", [[*TORCHRUN, "--shutdown-timeout", "150", "train.py"]])
     assert PreemptionFlag().window_s == 150.0

@@ -12,7 +12,7 @@ import pytest
 
 from tests.unit.training.test_checkpoint import FakeConfig, FakeEngine
 from training.checkpoint import Checkpointer
-from training.curriculum import check_resumed_stages
+from training.curriculum_resume import check_resumed_stages
 from training.restore import recorded_stage_names
 
 RECIPE = [{"name": "A128", "max_steps": 4}, {"name": "B256", "max_steps": 6}, {"name": "C256", "max_steps": 4}]
@@ -130,7 +130,8 @@ def test_a_finished_stage_lowered_keeps_its_steps_and_says_why(tmp_path, capsys)
     """A finished stage's max_steps edited keeps what it ran; the note said "its steps over another world, batch or
     accumulation" (the wording of a max_tokens / epochs stage), now what it is."""
     from training.config import parse_config
-    from training.curriculum import keep_stage_steps, resolve_stages
+    from training.curriculum import resolve_stages
+    from training.curriculum_resume import keep_stage_steps
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text("stages:\n  - {name: a, max_seq_length: 256, max_steps: 3}\n"
