@@ -231,6 +231,8 @@ no_requeue=0  # 1: Requeue=0, read at the start or answered by a requeue
 finished=${finished:-} kill_at=${kill_at:-}
 requeue_tried=0 requeue_wanted=0 exiting=0 read_st=""  # this file's own: a requeue called, one that failed, at_exit on
 job_facts() {
+  [[ ${ULYSSES_TERM_WARN_S:-900} =~ ^[0-9]+$ ]] || { log "ULYSSES_TERM_WARN_S=$ULYSSES_TERM_WARN_S is no number of" \
+    "seconds: give how long before the job's end a TERM to the steps is the time limit's warning (default 900)"; exit 2; }
   [[ $shown =~ (^|[[:space:]])Requeue=0([[:space:]]|$) ]] && { no_requeue=1; log "requeue is disabled for this job" \
     "(Requeue=0: sbatch --no-requeue, SBATCH_NO_REQUEUE set where it was submitted, or the cluster's policy): a" \
     "preemption or the time limit will end it; resubmit the same command to resume from the run's newest checkpoint"; }
@@ -374,7 +376,10 @@ requeue_without() {  # $1: hosts to exclude (none: plain requeue), $2: the code 
 # preempt.c KILL_STEPS_ONLY, and requeues the job at the grace's end unless it ended first: a launcher SIGKILLs its
 # ranks 30 s after TERM, exit 1): requeued. Unset, the job RUNNING (not being ended) and the ranks saved (75): a
 # user's `scancel --signal=TERM JOB` without --batch (the steps only; the time limit and a cancel TERM this shell too):
-# a stop, as USR2's, never requeued. One `scontrol show job`, only then.
+# a stop, as USR2's, never requeued; within ULYSSES_TERM_WARN_S (900 s) of the end, a time-limit warning sent as TERM
+# to the steps (`sbatch --signal=TERM@300`, which overrides this script's B:USR1): requeued. Slurm does not show
+# --signal in `scontrol show job`, so a warning sent earlier than the bound (--signal=TERM@1200) reads as a user's TERM:
+# that line names the fix (B:USR1, or the bound raised). One `scontrol show job`, only then.
 steps_termed() {
   local shown
   [ "$termed" -gt 0 ] && [ -z "$term_at" ] && [ "$complete$stopped" = 00 ] && [ "$rc" != 2 ] &&
@@ -389,11 +394,12 @@ steps_termed() {
     log "the steps got SIGTERM, this shell none, PreemptTime set: a preemption (GraceTime), exit $rc: scontrol" \
       "requeue $ref"
     requeue_without "" "$rc"
-  elif [ "$rc" = "$EXIT_PREEMPTED" ] && [[ $shown =~ JobState=RUNNING ]] && { [ -z "$left" ] || [ "$left" -gt 900 ]; }; then
-    # (within 15 min of the end: a time-limit warning sent as TERM to the steps, `sbatch --signal=TERM@300`, which
-    # overrides this script's B:USR1; requeued below as before)
-    log "the steps got SIGTERM, this shell none, no PreemptTime, the job RUNNING: a user's scancel --signal=TERM" \
-      "(the steps only), no preemption nor time limit: saved and stopped, not requeueing"
+  elif [ "$rc" = "$EXIT_PREEMPTED" ] && [[ $shown =~ JobState=RUNNING ]] &&
+      { [ -z "$left" ] || [ "$left" -gt "${ULYSSES_TERM_WARN_S:-900}" ]; }; then
+    log "the steps got SIGTERM, this shell none, no PreemptTime, the job RUNNING${left:+ ${left} s before its end}:" \
+      "a user's scancel --signal=TERM (the steps only), no preemption nor time limit: saved and stopped, not" \
+      "requeueing (a time-limit warning sent as TERM more than ULYSSES_TERM_WARN_S=${ULYSSES_TERM_WARN_S:-900} s" \
+      "before the end reads so: submit with --signal=B:USR1@N, or raise ULYSSES_TERM_WARN_S above N)"
     exit 0
   fi
   return 0
@@ -419,6 +425,7 @@ crash_requeue() {  # $1: the job's code; requeues (and exits) when the rules abo
   local crashed=(${crash_first[@]+"${crash_first[@]}"} ${crash_own[@]+"${crash_own[@]}"}) n host steps count same
   [ "${#crashed[@]}" -gt 0 ] || return 0
   if [ "${#crash_first[@]}" != 1 ] || [ "${#crashed[@]}" != 1 ] || [ "$nnodes" -lt 2 ]; then
+    suspended_crash "$1" "${crashed[*]}"
     log "crashed on node(s) ${crashed[*]} (exit $1), each on its own, $nnodes node(s) in the job: not a node's fault, not requeueing"
     return 0
   fi
@@ -440,4 +447,22 @@ crash_requeue() {  # $1: the job's code; requeues (and exits) when the rules abo
   log "node $n (${host:-?}) crashed (exit $1), no other node on its own (checkpoint step ${steps% *}, last step" \
     "${steps#* }): crash requeue $((count + 1)) of ${ULYSSES_MAX_CRASH_REQUEUES:-2}, without that node"
   requeue_without "$host" "$1"
+}
+# A suspend (`scontrol suspend`, PreemptMode=SUSPEND or GANG: SIGSTOP to every process of the job) longer than the ranks'
+# --dist_timeout_s (30 min) fails every rank at the resume: NCCL's watchdog times a collective on steady_clock, which
+# counts the stopped time. Every node then records a crash of its own, which the rule above refuses (not one node's),
+# and the job ended FAILED. Slurm's SuspendTime (src/scontrol/info_job.c; set at each suspend and each resume, cleared
+# by a requeue: src/slurmctld/job_mgr.c job_suspend, _job_requeue_op) at or after the allocation's start
+# (SLURM_JOB_START_TIME where known) says the job was suspended in this allocation: requeued, nothing excluded, no crash
+# counted, bounded by progress as every requeue (may_requeue: a bug that fails every node after a gang scheduler's
+# suspends ends the job at ULYSSES_MAX_STALLED_REQUEUES). One `scontrol show job`, only then.
+suspended_crash() {  # $1: the job's code, $2: the crashed nodes; requeues (and exits) when the job was suspended here
+  local shown at
+  shown=$(scontrol show job "$ref" 2>/dev/null)
+  [[ $shown =~ SuspendTime=([0-9]{4}-[0-9-]+T[0-9:]+) ]] || return 0
+  at=$(date -d "${BASH_REMATCH[1]}" +%s 2>/dev/null) && [ "$at" -ge "${SLURM_JOB_START_TIME:-0}" ] || return 0
+  log "crashed on node(s) $2 (exit $1) after the job was suspended in this allocation (SuspendTime=${BASH_REMATCH[1]}):" \
+    "a suspend longer than --dist_timeout_s fails every rank at the resume, no node's fault: scontrol requeue $ref" \
+    "(raise --dist_timeout_s above the longest suspend on this partition)"
+  requeue_without "" "$1"
 }

@@ -24,8 +24,9 @@ The time limit is a stop reason too: a 1M-token step on 8 GPUs takes minutes, lo
 warning, and a job killed at its limit ends TIMEOUT and is never requeued. With SLURM_JOB_END_TIME (epoch
 seconds, set by SLURM >= 23.02; before 23.02 rank 0 reads EndTime from `scontrol show job` at its first check, and
 scripts/slurm.sbatch exports what it read at the job's start) or `--time_limit_s`, rank 0 votes to stop when less than
-one measured step plus one measured save (and a margin) remains; until a save has been measured, `SAVE_GUESS_S`
-stands in for it. A SLURM job whose end nothing gives says so in one line.
+one measured step plus one measured save (and a margin) remains (slurmctld's end read again first: an extension or a
+resume moves it at once, Deadline.near_confirmed); until a save has been measured, `SAVE_GUESS_S` stands in for it.
+A SLURM job whose end nothing gives says so in one line.
 
 Every time measured here leaves out the seconds this process was stopped (`scontrol suspend`, gang scheduling:
 base/stopped.py): Slurm moves EndTime later by the suspended time, and a step or save timed across a 2 h suspend,
@@ -120,6 +121,8 @@ MAX_SAVE_OVERHEAD = 0.01  # ... unless the saves would then block the steps > 1%
 SAVE_GAP_STEPS = 1.5
 MARGIN_S = 30.0
 END_REFRESH_S = 300.0  # rank 0 reads the job's end time from slurmctld again this often (a time-limit update, a suspend)
+END_CONFIRM_S = 5.0  # ... and once more, synchronously, bounded so, before it votes to stop on a slurmctld end
+# (Deadline.near_confirmed): the other ranks wait in the all-reduce meanwhile (~50 ms a call; a busy controller's is cut)
 _UNKNOWN_SAID: set[str] = set()  # the SLURM jobs whose unknown time limit was said (once per process)
 WINDOWED_AT: list[float] = []  # this process's first SIGTERM/SIGINT under a launcher (its kill follows): a failure
 # raised after it is the teardown of that stop (a peer SIGKILLed by its launch.py mid-step, its collective broken),
@@ -127,11 +130,11 @@ WINDOWED_AT: list[float] = []  # this process's first SIGTERM/SIGINT under a lau
 # long step was failed, or requeued without a healthy node)
 
 
-def slurm_end_time(job: str) -> float | None:
+def slurm_end_time(job: str, timeout_s: float = 20.0) -> float | None:
     """The job's EndTime as slurmctld has it now (epoch seconds; `scontrol show job` prints the controller's local
-    time, read here in this node's time zone); None where it cannot say."""
+    time, read here in this node's time zone); None where it cannot say within `timeout_s`."""
     try:
-        p = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, timeout=20)
+        p = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, timeout=timeout_s)
         m = re.search(r"EndTime=(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)", p.stdout)
         return time.mktime(time.strptime(m.group(1), "%Y-%m-%dT%H:%M:%S")) if m else None
     except (OSError, subprocess.TimeoutExpired, ValueError):
@@ -268,6 +271,23 @@ class Deadline:
             return False
         return (self.end - (time.time() if now is None else now)) < self.needed_s(ahead_s)
 
+    def near_confirmed(self, ahead_s: float = 0.0) -> bool:
+        """near(), with a slurmctld end read again first where it says so (rank 0's, agreed()): the refresh thread's
+        reading is up to END_REFRESH_S old, and slurmctld moves EndTime at once at `scontrol update TimeLimit=+2:00:00`
+        (src/slurmctld/job_mgr.c _update_job: end_time += the change) and at each resume of a suspended job
+        (job_suspend: now + limit - pre_sus_time). A 1M stage extended 10 minutes before its old end voted "time limit"
+        from the stale value: every rank saved, exited 75 and the job was requeued off its allocation. One `scontrol
+        show job` (~50 ms; at most END_CONFIRM_S) each time near() turns true; no answer keeps the end it had (a stop:
+        the safe side). An earlier end (a limit lowered) is near the same; an end from --time_limit_s is not asked."""
+        if not self.near(ahead_s=ahead_s):
+            return False
+        job = os.environ.get("SLURM_JOB_ID")
+        if self._from_slurm and job:
+            end = slurm_end_time(job, END_CONFIRM_S)
+            if end is not None:
+                self.end = end
+        return self.near(ahead_s=ahead_s)
+
 
 SAID = {signal.SIGUSR1: "a save request: launch.sh's, or Slurm's --signal", signal.SIGUSR2: "a stop, not requeued",
         signal.SIGTERM: "a stop", signal.SIGINT: "Ctrl-C", signal.SIGHUP: "the terminal closed"}
@@ -360,7 +380,7 @@ class PreemptionFlag:
         # the time limit on one clock, rank 0's (a node whose clock runs ahead would stop every run, never named)
         if self.received is None and comm.rank() == 0:
             self.deadline.refresh_from_slurm()
-            if self.deadline.near(ahead_s=ahead_s):
+            if self.deadline.near_confirmed(ahead_s=ahead_s):
                 self.received = "time limit"
         now = time.monotonic()
         due = comm.rank() == 0 and self.save_every_s > 0 and now - self._last_save >= self.due_after_s()

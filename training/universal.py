@@ -66,6 +66,7 @@ import subprocess
 import sys
 import time
 
+from base import stopped
 from base.log import print0
 from training.checkpoint_files import MANIFEST, atomic_write, list_files, manifest_sha256, read_json
 from training.universal_lock import STALE_S, Lock, _me, _tmp, gone, to_trash
@@ -309,12 +310,17 @@ def workers(ckpt: str, cpus: int | None = None, free: int | None = None) -> tupl
 def convert(ckpt: str, out: str, sid: str | None, nbytes: int, timeout: float | None = None) -> dict:
     """Run ds_to_universal from `ckpt` into this process's own `<out>.tmp.<host>.<pid>`, write DONE in it, rename it to
     `out` (another converter's already there is kept, ours trashed), record the measured rate; returns the record.
-    Stopped at `timeout`: its time recorded as unfinished, TimeoutExpired raised. The caller holds `out`'s lock."""
+    Stopped at `timeout`: its time recorded as unfinished, TimeoutExpired raised. The caller holds `out`'s lock.
+    The time recorded is the conversion's running time: the seconds this process was stopped within it (`scontrol
+    suspend`, gang scheduling: the whole job frozen, the converter with it) are left out (base/stopped.py's COUNTER).
+    A 2 h suspend during a 10 min conversion recorded 130 min: the next allocation's estimate (estimate_s) was 13x
+    the conversion, and a job whose allocation could not hold that was refused (exit 2) for a conversion that fits."""
     tag, where = os.path.basename(os.path.abspath(ckpt.rstrip("/"))), os.path.dirname(out)
     tmp = _tmp(out, _me())
     shutil.rmtree(tmp, ignore_errors=True)  # this process's own leftover only
     os.makedirs(tmp)
-    t0 = time.time()
+    counter = stopped.COUNTER.start()  # looking from now on (a rank's Deadline started it already)
+    t0 = time.monotonic()
     try:
         extract, merge = workers(ckpt)
         subprocess.run([sys.executable, "-c", _CHILD, CONVERTER, "--input_folder", ckpt,
@@ -324,10 +330,10 @@ def convert(ckpt: str, out: str, sid: str | None, nbytes: int, timeout: float | 
     except BaseException as e:
         to_trash(tmp)  # renamed, deleted in the background: a stop's exit is not held up by its fragments
         if isinstance(e, subprocess.TimeoutExpired):
-            atomic_write(os.path.join(where, RATE),
-                         json.dumps({"bytes": nbytes, "seconds": time.time() - t0, "finished": False}))
+            atomic_write(os.path.join(where, RATE), json.dumps(
+                {"bytes": nbytes, "seconds": counter.running(time.monotonic() - t0), "finished": False}))
         raise
-    seconds = time.time() - t0
+    seconds = counter.running(time.monotonic() - t0)
     files = {f: os.path.getsize(os.path.join(tmp, tag, f)) for f in list_files(os.path.join(tmp, tag))}
     done = {"source": sid, "source_path": ckpt, "files": files, "bytes": nbytes, "seconds": round(seconds, 1)}
     atomic_write(os.path.join(tmp, DONE), json.dumps(done))

@@ -4,6 +4,8 @@ crash's origin is the node whose rank died, not the node that raised first."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tests.e2e.launchers import requeues
@@ -94,3 +96,18 @@ def test_sbatch_does_not_requeue_a_crash_that_is_not_one_nodes(tmp_path, case, l
     assert line in text and "failed with 1: not requeueing" in text, text
     assert updates(tmp_path) == ["update JobId=4242 Requeue=0"], text  # nor a site's RequeueExit=1 (a loop)
     assert not (tmp_path / ".cache" / "slurm" / "4242.crashes").exists()  # the job ended: its bookkeeping with it
+
+
+def test_every_node_crashing_after_a_suspend_is_requeued(tmp_path):
+    """A suspend longer than --dist_timeout_s (`scontrol suspend`, PreemptMode=SUSPEND) fails every rank at the resume
+    (NCCL's watchdog counts the stopped time): both nodes record a crash of their own, which was refused as no node's
+    fault, Requeue=0, the job FAILED. Slurm's SuspendTime set in this allocation now requeues it (bounded by progress):
+    nothing excluded, no crash counted."""
+    start = int(time.time()) - 3600
+    suspended = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(start + 1800))
+    (tmp_path / "scontrol.log.state").write_text(f"suspend_time={suspended}\n")
+    code, text = crash_run(tmp_path, 20, 25, FAKE_CRASH_0="own", SLURM_JOB_START_TIME=str(start))
+    assert code == 0 and requeues(tmp_path) == ["requeue 4242"] and updates(tmp_path) == [], text
+    assert f"crashed on node(s) 1 0 (exit 1) after the job was suspended in this allocation (SuspendTime={suspended})" \
+        in text, text
+    assert not (tmp_path / ".cache" / "slurm" / "4242.crashes").exists()

@@ -263,3 +263,24 @@ def test_a_start_whose_controller_does_not_answer_runs_or_is_requeued(tmp_path):
     text, rc, requeued = runs["down_again"]
     assert rc == 2 and requeued == [] and text.count("\n") == 1, text
     assert "cannot find the repository (not the work dir" in text and "start 4 in a row" in text, text
+
+
+@pytest.mark.parametrize("bound, want", [("", "stop"), ("1800", "requeue"), ("20m", "refused")])
+def test_a_warning_sent_as_term_is_read_within_ulysses_term_warn_s(tmp_path, bound, want):
+    """`sbatch --signal=TERM@1200` (no B:): the steps' TERM 20 min before the end, none to the batch shell, no
+    PreemptTime, the job RUNNING, the ranks saved: read as a user's scancel --signal=TERM (more than 900 s left), the
+    job COMPLETED unfinished. Slurm does not show --signal, so the bound is a setting now (ULYSSES_TERM_WARN_S, checked
+    at the start: job_facts), and the stop's line names the fix, --signal=B:USR1@N."""
+    end = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() + 1200))
+    call = (f'printf "state=RUNNING\\nreason=None\\nend_time={end}\\n" > "$SCONTROL_LOG.state"; job_facts; '
+            'termed=1 term_at="" complete=0 stopped=0 rc=75 EXIT_PREEMPTED=75 crash_first=() crash_own=() requeued=0 '
+            'cancelled=0; steps_termed; requeue_without "" 75')
+    p = sourced(tmp_path, call, **({"ULYSSES_TERM_WARN_S": bound} if bound else {}))
+    text = p.stdout + p.stderr
+    assert requeues(tmp_path) == (["requeue 4242"] if want == "requeue" else []), text
+    assert (p.returncode, "a user's scancel --signal=TERM" in text) == {"stop": (0, True), "requeue": (0, False),
+                                                                       "refused": (2, False)}[want], text
+    if want == "stop":
+        assert "--signal=B:USR1@N, or raise ULYSSES_TERM_WARN_S above N" in text, text
+    if want == "refused":
+        assert text.count("\n") == 1 and "ULYSSES_TERM_WARN_S=20m is no number of seconds" in text, text

@@ -101,3 +101,49 @@ def test_a_universal_conversion_is_bounded_before_slurm_23_02(tmp_path, monkeypa
     ck.deadline = Deadline()
     assert _exit_code(monkeypatch, lambda: ck.load(LoadEngine(), path)) == 75 and calls == []
     assert "requeue" in capsys.readouterr().err
+
+
+def test_an_extension_since_the_threads_reading_is_read_before_the_stop(tmp_path, monkeypatch):
+    """`scontrol update TimeLimit=+2:00:00` ~7 minutes before the old end of a 1M stage (a 300 s step, a 95 s save; 400 s left):
+    slurmctld moves EndTime at once, rank 0's thread had read it seconds before (it reads every END_REFRESH_S), and
+    the stale end voted "time limit": every rank saved, exited 75, requeued off its allocation. Rank 0 now reads the
+    end again before it votes: no stop. An end scontrol confirms (or lowers), or one it cannot say, still stops."""
+    end_file, calls = tmp_path / "end", tmp_path / "calls"
+    fake = tmp_path / "scontrol"
+    fake.write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\n[ -s {end_file} ] || exit 1\n"
+                    f"echo \"   StartTime=2026-01-01T00:00:00 EndTime=$(cat {end_file}) Deadline=N/A\"\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setattr(preemption.comm, "rank", lambda group=None: 0)
+    monkeypatch.setattr(preemption.comm, "all_reduce", lambda v, op="sum", group=None: torch.tensor(v))
+
+    def shown(end: float) -> None:
+        end_file.write_text(time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(end)))
+
+    def flag(end: float) -> PreemptionFlag:
+        monkeypatch.setenv("SLURM_JOB_END_TIME", str(int(end)))
+        shown(end)
+        f = PreemptionFlag(deadline=Deadline())
+        f.deadline.record_step(300.0)
+        f.deadline.record_save(95.0)
+        return f
+
+    old = time.time() + 400  # 425 s needed: near
+    extended = flag(old)
+    extended.deadline.refresh_from_slurm(every_s=3600)  # the thread's first reading: the old end
+    deadline = time.time() + 10
+    while not calls.exists() and time.time() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.2)
+    shown(old + 7200)  # scontrol update JobId=77 TimeLimit=+2:00:00
+    assert not extended.agreed() and extended.received is None  # the next step's check: trains on
+    assert abs(extended.deadline.end - int(old + 7200)) < 1 and not extended.deadline.near()
+    confirmed = flag(old)
+    assert confirmed.agreed() and confirmed.received == "time limit"
+    lowered = flag(old)
+    shown(old - 300)  # a limit lowered meanwhile: nearer still
+    assert lowered.agreed() and abs(lowered.deadline.end - int(old - 300)) < 1
+    unanswered = flag(old)
+    end_file.write_text("")  # no answer: the end it had, a stop
+    assert unanswered.agreed() and unanswered.received == "time limit"

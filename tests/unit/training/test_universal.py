@@ -392,3 +392,46 @@ def test_the_converters_workers_are_sized_for_the_node(tmp_path, monkeypatch, cp
     with pytest.raises(subprocess.CalledProcessError):
         universal.convert(str(ckpt), str(tmp_path / "out"), None, 1 << 30)
     assert seen == [want]
+
+
+BUSY_CONVERTER = """import os, sys, time
+open(os.environ["CONVERTER_PID"], "w").write(str(os.getpid()))
+while time.process_time() < 0.5:  # half a second of running: a frozen second is not one
+    pass
+out = sys.argv[sys.argv.index("--output_folder") + 1]
+os.makedirs(out)
+open(os.path.join(out, "mp_rank_00_model_states.pt"), "w").write("converted")
+"""
+
+
+def test_a_suspend_during_a_conversion_is_left_out_of_its_recorded_time(tmp_path, monkeypatch):
+    """The job frozen (scontrol suspend, PreemptMode=SUSPEND: SIGSTOP to the rank and its converter) during a
+    conversion: RATE.json recorded the frozen time as converting time (time.time() - t0), so the next allocation's
+    estimate took a 2 h suspend for 2 h of conversion and could refuse the job (exit 2, "more than this job's whole
+    allocation"). The recorded seconds are now the running ones (base/stopped.py; its thresholds scaled down here)."""
+    from base import stopped
+
+    (tmp_path / "busy_converter.py").write_text(BUSY_CONVERTER)
+    monkeypatch.setattr(universal, "CONVERTER", "busy_converter")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), ROOT]))
+    pid = tmp_path / "converter.pid"
+    monkeypatch.setenv("CONVERTER_PID", str(pid))
+    monkeypatch.setattr(stopped, "LATE_S", 0.5)
+    counter = stopped.StopCounter(tick_s=0.1)
+    monkeypatch.setattr(stopped, "COUNTER", counter)
+    (tmp_path / "step_000010").mkdir()
+    (tmp_path / "universal").mkdir()
+    # the freezer, outside this process: the rank and its converter stopped 1.5 s, mid-conversion
+    freezer = subprocess.Popen(["bash", "-c", f'until [ -s {pid} ]; do sleep 0.05; done; sleep 0.2; c=$(cat {pid}); '
+                                f'kill -STOP {os.getpid()} "$c"; sleep 1.5; kill -CONT {os.getpid()} "$c"'],
+                               start_new_session=True)
+    try:
+        t0 = time.monotonic()
+        done = universal.convert(str(tmp_path / "step_000010"), str(tmp_path / "universal" / "k"), "k", 10**9)
+        wall = time.monotonic() - t0
+    finally:
+        freezer.wait(timeout=30)
+        counter.tick_s = 3600.0  # its thread sleeps from now on
+    rate = json.loads((tmp_path / "universal" / universal.RATE).read_text())
+    assert wall > 1.9 and rate["finished"] and done["source"] == "k", (wall, rate)
+    assert rate["seconds"] < wall - 1.0 and done["seconds"] < wall - 1.0, (wall, rate, done)  # ~1 s of ~2.5
