@@ -15,7 +15,8 @@ plain added tokens.
 
 For each family and each kind of conversation (CASES) data/chat.py's ChatEncoder encodes the row through the
 shipped template, and Hugging Face's own assistant mask of the marked template is the oracle. The property:
-- the ids are the template's rendering, tokenized;
+- the ids are the template's rendering, tokenized, and it shows every message's text (a reply's past its reasoning)
+  and its tool calls' names: what the template drops refuses the row;
 - every supervised token lies in an assistant message's marked region, and every region is supervised whole or
   not at all (no token of a header, a system, user or tool message is ever supervised; no reply cut short);
 - the regions not supervised are exactly the turns the encoder counts (`untrained_turns`) and the replies the row
@@ -23,6 +24,9 @@ shipped template, and Hugging Face's own assistant mask of the marked template i
 - every supervised span decodes to text holding its reply (past its reasoning: a leading think block, or the text
   before a `</think>` the template reads as reasoning, data/chat_reasoning.think_parts; the rest whole) and its tool
   calls' names.
+The same property over every other path a conversation takes to training (a prompt / completion, --loss_on
+completion and all, pre-tokenized rows, encode_long, packing, the held-out split) and the sentencepiece ChatML default:
+data/chat_sweep_paths.py, which reuses this sweep's tokenizers, encoders and renderings (`sweep(keep=)`).
 A row the encoder refuses (RowError, one line, naming the template and the fix) passes as a refusal; a branch of
 a family's template not written here (`unchecked` in families.json) is `not checked`; a WRONG cell stays WRONG in
 the table, and the test allows it only in a family whose `wrong` says why (an encoder bug found, not fixed yet). `checked` names the stored
@@ -213,32 +217,74 @@ def native_tools(tools: list | None, fam: dict) -> list | None:
     return [t.get("function", t) for t in tools] if tools and fam.get("tools_form") == "plain" else tools
 
 
-def check(enc: ChatEncoder, oracle_template: str, conv: list[dict], tools: list | None = None,
-          oracle_conv: list[dict] | None = None, kwargs: dict | None = None, oracle_tools: list | None = None) -> str:
-    """One family x one conversation (with the row's `tools` and `chat_template_kwargs`): `trains`, `trains k of n:
-    why`, `refused: why` or `WRONG: what`. The oracle renders `oracle_conv` (conv with its tool-call arguments in the
-    template's form) with `oracle_tools` (the row's `tools` in the form the template reads: native_tools)."""
-    hf = enc.tok.hf
-    row = {"messages": conv, **({"tools": tools} if tools is not None else {}),
-           **({"chat_template_kwargs": kwargs} if kwargs else {})}
+def rendering(enc: ChatEncoder, oracle_template: str, conv: list[dict], tools: list | None = None,
+           kwargs: dict | None = None) -> dict | str:
+    """Hugging Face's rendering of `conv` (ids and assistant mask, `{% generation %}` runs) through the marked template,
+    at the encoder's instant (its FrozenClock: a date template rendered past midnight would differ); the template's
+    own refusal as text."""
     try:
-        ids, mask, stats = enc.encode(row)
+        with enc.clock:
+            return enc.tok.hf.apply_chat_template(conv, tools=tools, chat_template=oracle_template, tokenize=True,
+                                                  return_dict=True, return_assistant_tokens_mask=True, **(kwargs or {}))
+    except Exception as e:  # noqa: BLE001 (the template's own refusal, which the encoder should have passed on)
+        return str(e).splitlines()[0][:80] if str(e) else type(e).__name__
+
+
+def outcome(encode, row: dict) -> tuple[str | None, tuple | None]:
+    """(a refusal's outcome, None) or (None, what `encode(row)` gives): a RowError in one line is a refusal; in more,
+    or any other exception (a traceback on a user's row), WRONG."""
+    try:
+        return None, encode(row)
     except RowError as e:
         msg = str(e)
-        return f"WRONG: a refusal of {len(msg.splitlines())} lines" if "\n" in msg else f"refused: {msg}"
-    try:  # at the encoder's instant (its FrozenClock): a date template rendered past midnight would differ
-        with enc.clock:
-            out = hf.apply_chat_template(oracle_conv or conv, tools=tools if oracle_tools is None else oracle_tools,
-                                         chat_template=oracle_template,
-                                         tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
-                                         **(kwargs or {}))
-    except Exception as e:  # noqa: BLE001 (the template's own refusal, which the encoder should have passed on)
-        return f"WRONG: trained a conversation the template refuses ({str(e).splitlines()[0][:80]})"
+        return (f"WRONG: a refusal of {len(msg.splitlines())} lines" if "\n" in msg else f"refused: {msg}"), None
+    except Exception as e:  # noqa: BLE001 (a traceback on a user's row)
+        return f"WRONG: {type(e).__name__} ({str(e).splitlines()[0][:80] if str(e) else ''})", None
+
+
+def unshown(enc: ChatEncoder, conv: list[dict], ids: list[int], first: int = 0) -> int | None:
+    """The first message whose text (a reply's past its reasoning: a template may drop an earlier reply's, as at
+    inference; a prompt's reply, before `first`, as the template writes history) or tool calls' names the rendering
+    `ids` does not show; None where it shows every one."""
+    text = enc.tok.decode(ids)
+    for k, m in enumerate(conv):
+        want = "" if m["role"] == "assistant" and k < first else think_parts(enc, m["content"])[1] \
+            if m["role"] == "assistant" else m["content"]
+        if want.strip() not in text or not all(c["function"]["name"] in text for c in m.get("tool_calls") or []):
+            return k
+    return None
+
+
+def check(enc: ChatEncoder, oracle_template: str, conv: list[dict], tools: list | None = None,
+          oracle_conv: list[dict] | None = None, kwargs: dict | None = None, oracle_tools: list | None = None, *,
+          row: dict | None = None, encode=None, first: int = 0, out: dict | str | None = None,
+          seen: dict | None = None) -> str:
+    """One family x one conversation (with the row's `tools` and `chat_template_kwargs`): `trains`, `trains k of n:
+    why`, `refused: why` or `WRONG: what`. The oracle renders `oracle_conv` (conv with its tool-call arguments in the
+    template's form) with `oracle_tools` (the row's `tools` in the form the template reads: native_tools); `out`: that
+    rendering, done already (`rendering`). The other paths (data/chat_sweep_paths.py) give `row` (the conversation as
+    another row form), `encode` (row -> (ids, mask, stats): another entry point) and `first` (the first message the path
+    trains: the replies before it are never supervised, a prompt's); `seen` gets the rendering and the encoding."""
+    decode = enc.tok.decode  # (Hugging Face's decode; a sentencepiece model's: the ChatML default's paths)
+    row = row or {"messages": conv, **({"tools": tools} if tools is not None else {}),
+                  **({"chat_template_kwargs": kwargs} if kwargs else {})}
+    refused, got = outcome(encode or enc.encode, row)
+    if refused:
+        return refused
+    ids, mask, stats = got
+    if out is None:
+        out = rendering(enc, oracle_template, oracle_conv or conv, tools if oracle_tools is None else oracle_tools, kwargs)
+    if seen is not None:
+        seen.update(out=out, encoded=got)
+    if isinstance(out, str):
+        return f"WRONG: trained a conversation the template refuses ({out})"
     rendered = list(out["input_ids"])  # and the stop the history ends a reply with, appended after the last one and
     extra = len(ids) - len(rendered) if stats.get("appended_stops") else 0  # trained (data/chat_ends.last_stop)
     if rendered != list(ids[:len(ids) - extra]) or extra and not (mask[-extra:].all() and ids[-1] in enc.special):
         return "WRONG: the ids are not the template's rendering" + (" and a stop" if extra else "")
     ids, mask = ids[:len(rendered)], mask[:len(rendered)]
+    if (k := unshown(enc, conv, ids, first)) is not None:
+        return f"WRONG: trains a rendering without message {k}'s text"
     oracle = np.asarray(out["assistant_masks"], dtype=np.uint8)
     turns = [k for k, m in enumerate(conv) if m["role"] == "assistant"]
     runs = _runs(oracle)
@@ -246,7 +292,11 @@ def check(enc: ChatEncoder, oracle_template: str, conv: list[dict], tools: list 
         return f"WRONG: the oracle marks {len(runs)} regions for {len(turns)} assistant turns (the sweep's template)"
     if (mask.astype(bool) & ~oracle.astype(bool))[1:].any():
         bad = int(np.flatnonzero(mask.astype(bool) & ~oracle.astype(bool))[-1])
-        return f"WRONG: supervises a token outside every reply ({hf.decode(ids[max(bad - 3, 0):bad + 1])!r})"
+        return f"WRONG: supervises a token outside every reply ({decode(ids[max(bad - 3, 0):bad + 1])!r})"
+    turns, prompt = [k for k in turns if k >= first], [r for k, r in zip(turns, runs) if k < first]
+    runs = runs[len(prompt):]
+    if any(mask[a:b].any() for a, b in prompt):
+        return "WRONG: a reply of the prompt is supervised"
     untrained, flagged, dropped = 0, [k for k in turns if conv[k].get("weight") == 0], 0
     for k, (a, b) in zip(turns, runs):
         got = mask[a:b]
@@ -254,7 +304,7 @@ def check(enc: ChatEncoder, oracle_template: str, conv: list[dict], tools: list 
             if got.any():
                 return f"WRONG: message {k}, weighted 0, is supervised"
         elif got.all():
-            text = hf.decode(ids[a:b])
+            text = decode(ids[a:b])
             want = think_parts(enc, conv[k]["content"])[1]  # past its reasoning, as the template reads it, whole
             names = [c["function"]["name"] for c in conv[k].get("tool_calls") or []]
             if want not in text or not all(n in text for n in names):
@@ -277,8 +327,11 @@ def check(enc: ChatEncoder, oracle_template: str, conv: list[dict], tools: list 
     return "trains"
 
 
-def sweep(root: str | None = None, only: list[str] | None = None) -> dict[str, dict[str, str]]:
-    """{family: {case: outcome}} over every family (or `only`), tokenizers built under `root` (a temp dir)."""
+def sweep(root: str | None = None, only: list[str] | None = None,
+          keep: dict | None = None) -> dict[str, dict[str, str]]:
+    """{family: {case: outcome}} over every family (or `only`), tokenizers built under `root` (a temp dir). `keep`
+    gets, per (family, case), what the other paths reuse (data/chat_sweep_paths.py): the encoder, the rendering, the
+    encoding and the arguments of `check`."""
     root = root or tempfile.mkdtemp(prefix="chat_sweep_")
     table = {}
     for key, fam in families().items():
@@ -299,10 +352,12 @@ def sweep(root: str | None = None, only: list[str] | None = None) -> dict[str, d
             conv = [{**m, "content": m["content"].replace("{eot}", fam["eot"])} for m in conv]
             tools = TOOLS.get(case) or (TOOLS["tool list"] if fam.get("tools") == "always" else None)
             pick = row_template(fam.get("named"), fam.get("template", "auto"), {"tools": tools})  # auto: per row
-            row[case] = check(enc, oracle if pick == fam.get("template", "auto") else marked(fam, pick), conv, tools,
-                              native(conv, fam), fam.get("kwargs"),
-                              native_tools(tools, fam)).replace(
-                os.path.join(root, ""), "")
+            args = (enc, oracle if pick == fam.get("template", "auto") else marked(fam, pick), conv, tools,
+                    native(conv, fam), fam.get("kwargs"), native_tools(tools, fam))
+            seen = {"args": args}
+            row[case] = check(*args, seen=seen).replace(os.path.join(root, ""), "")
+            if keep is not None:
+                keep[key, case] = {**seen, "outcome": row[case]}
         table[key] = row
     return table
 
