@@ -7,7 +7,7 @@
 CKPT: a checkpoint folder (checkpoints/RUN/checkpoints/step_000300) or a stage's marker
 (checkpoints/RUN/checkpoints/STAGE_1_s512: the model as that stage ended). --out defaults to RUN/hf_model
 (RUN/hf_model_<step> for a checkpoint older than the run's newest); another folder that exists is replaced only when
-it is a previous export (model_utils/export.check_out). --dtype: the weights on disk; auto (the default, as train.py's
+it is a previous export (model_utils/export_target.check_out). --dtype: the weights on disk; auto (the default, as train.py's
 own export) is the run's training precision: bf16 for a bf16 run (as save_pretrained of a bf16 model writes; half the
 size), fp32 to keep the fp32 master weights exactly. --tokenizer / --source: where the run's tokenizer / the model it
 started from (its generation_config.json is copied) are now, when the paths the checkpoint recorded no longer exist

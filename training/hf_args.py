@@ -346,7 +346,7 @@ def epoch_stages(cfg, stages: list, data, world: int) -> list:
             if cfg.warmup_ratio and not (own and own.warmup_steps is not None):
                 warm, ratio = ratio_steps(cfg.warmup_ratio, steps), cfg.warmup_ratio  # again if a resume keeps other
                 lines.append(f"stage {st.index} ({st.name}): warmup {warm} steps (--warmup_ratio {cfg.warmup_ratio:g})")
-            if warm >= steps and source.startswith("epochs"):  # (training/curriculum.keep_stage_steps) steps
+            if warm >= steps and source.startswith("epochs"):  # (training/curriculum_resume.keep_stage_steps) steps
                 lines.append(f"note: stage {st.index} ({st.name}): warmup {warm} steps >= its {steps} steps: its LR "
                              f"never reaches its peak nor decays (give it its own warmup_steps, or more epochs)")
             out.append(dataclasses.replace(st, max_steps=steps, warmup_steps=warm, steps_from=source,

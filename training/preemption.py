@@ -17,7 +17,7 @@ a removed file for up to a minute, and its vote would stop the requeued job at i
 The launcher's death is a stop request too. Under a plain `deepspeed --num_gpus N train.py` (no scripts/launch.sh) a
 `kill <runner pid>` ended the runner alone (deepspeed/launcher/runner.py handles SIGTERM only for pdsh on several
 nodes): launch.py was reparented and the ranks trained on, unsaved, with nothing left to stop them. Each rank notes
-launch.py and its parent at its first line and votes to stop once either is gone (training/job.py launcher_gone: one
+launch.py and its parent at its first line and votes to stop once either is gone (training/launcher.py launcher_gone: one
 /proc read per check), with the full save: no launcher is left to SIGKILL after it.
 
 The time limit is a stop reason too: a 1M-token step on 8 GPUs takes minutes, longer than SLURM's 120 s
@@ -309,7 +309,7 @@ def kill_window_s(env, agent: list[str] | None = None) -> float:
     """Seconds from a SIGTERM to the launcher's SIGKILL: KILL_WINDOW_S where set; under torchrun (TORCHELASTIC_RUN_ID)
     its agent's shutdown timeout, which the workers were not told (`--shutdown-timeout`, PET_SHUTDOWN_TIMEOUT, else
     TORCH_ELASTIC_SHUTDOWN_TIMEOUT: torch/distributed/launcher/api.py LaunchConfig.__post_init__), read from its
-    command line (`agent`, default this rank's parent's: training/job.py torchrun_options); else 30 s. A window
+    command line (`agent`, default this rank's parent's: training/launcher.py torchrun_options); else 30 s. A window
     longer than the default lets a SIGTERM stop commit the save it would have skipped; a shorter one is not overrun."""
     if env.get("KILL_WINDOW_S"):
         return float(env["KILL_WINDOW_S"])
@@ -348,7 +348,7 @@ class PreemptionFlag:
         self._previous = {}
         from training.launcher import launcher_gone
 
-        self._launcher_gone = launcher_gone  # a plain deepspeed run whose runner died: a stop (training/job.py)
+        self._launcher_gone = launcher_gone  # a plain deepspeed run whose runner died: a stop (training/launcher.py)
 
     def install(self) -> PreemptionFlag:
         """Handle the signals from now on, and take those a rank recorded since its first line (training/job.py

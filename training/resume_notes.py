@@ -5,7 +5,7 @@ dataset or base model (refused), and the data that moved under a saved data posi
 `trainer.json` (its `config`: training/config.to_dict) and the samplers' states; every rank holds the same copies
 (rank 0 read them and broadcast), so every rank decides the same. A change of `stages` is named key by key, with
 how to keep the old value where it reaches the stage being resumed; whether the job runs the checkpoint's layout
-(`same_layout`) decides how an epoch- or token-sized stage keeps its count (training/curriculum.keep_stage_steps).
+(`same_layout`) decides how an epoch- or token-sized stage keeps its count (training/curriculum_resume.keep_stage_steps).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def finished(trainer: dict) -> bool:
 def same_length(saved: dict, now: dict) -> bool:
     """Whether today's settings give the run the steps the saved ones did (its steps, epochs, every stage's steps or
     tokens): a finished run resumed with them trains nothing (its stages keep the counts they ran,
-    training/curriculum.keep_stage_steps). Anything else (more steps, a stage appended) may train on: False."""
+    training/curriculum_resume.keep_stage_steps). Anything else (more steps, a stage appended) may train on: False."""
     if any(saved.get(k) != now.get(k) for k in SIZE_KEYS):
         return False
     a, b = saved.get("stages") or [], now.get("stages") or []
@@ -159,7 +159,7 @@ def mid_stage_changes(path: str, trainer: dict, diffs: list[tuple[int, str, str,
     the old one. A stage's own key beats the run's flag for loss_weighting, memory_features and kind
     (training/curriculum.resolve_stages); a flag of training/config.STAGE_FLAGS replaces every stage's
     (flags_over_stages): the recipe's stage key is the fix that touches this stage alone. Its length (max_steps /
-    max_tokens: training/curriculum.keep_stage_steps says it) and eval (run at its end) are not named here; nothing
+    max_tokens: training/curriculum_resume.keep_stage_steps says it) and eval (run at its end) are not named here; nothing
     where the checkpoint ends its stage (the next one starts as today's settings say)."""
     from training.config import STAGE_FLAGS
 
@@ -209,7 +209,7 @@ def same_layout(trainer: dict, now: dict, world: int) -> bool | None:
     """Whether today's job runs the checkpoint's stage on its layout: the same world, SP degree (as this job resolved
     it: `_today_sp`), micro-batch, accumulation and sequence length. Then a stage sized by tokens or epochs counts its
     steps from the same samples per step, and a count that differs is this version's counting rule, not the job
-    (training/curriculum.keep_stage_steps keeps the planned one). None where the checkpoint does not say (written
+    (training/curriculum_resume.keep_stage_steps keeps the planned one). None where the checkpoint does not say (written
     before `world` / `sp`)."""
     saved = trainer.get("config") or {}
     try:
@@ -234,7 +234,7 @@ def batch_note(path: str, trainer: dict, now: dict, world: int) -> str | None:
     """A resume on another data-parallel size (a node excluded: world 16 -> 8 at SP 8, dp 2 -> 1) goes on at another
     global batch with the LR schedule by optimizer steps: each step averages the gradient over half the samples (its
     noise grows, at the same LR), and a stage sized by max_steps trains half the tokens in its steps (one sized by
-    tokens or epochs takes more steps: training/curriculum.keep_stage_steps says so). Said in one line with the
+    tokens or epochs takes more steps: training/curriculum_resume.keep_stage_steps says so). Said in one line with the
     accumulation that keeps the batch, where one does; a changed micro-batch or accumulation alone is named by
     `resume_notes` too. Today's data parallel is from the SP the checkpoint's stage resolved to in this job (`now`'s
     RESOLVED_SP: an `auto` SP moves with the nodes a requeue lands on, at the same world size), named beside the

@@ -7,7 +7,7 @@ Every figure is the planner's PREDICTION at 40% MFU of an H100's dense bf16 peak
   at planner.flops' tokens/s/GPU, with no recompute or offload counted;
 - the saves: training/preemption.py's own rule (PreemptionFlag.due_after_s on a Deadline fed the step and the
   checkpoint's bytes per rank, so the write is Deadline.guess_save_s's guess at its slowest measured rate), the
-  checkpoint's size from training/checkpoint.CKPT_BYTES_PER_PARAM (12 B per parameter, bench/checkpoint.py's).
+  checkpoint's size from training/checkpoint_room.CKPT_BYTES_PER_PARAM (12 B per parameter, bench/checkpoint.py's).
 At Llama-3-8B on 64 GPUs the 1M stage's step is ~296 s: a save every 2 steps (~10 min) of ~96 GB, 30 in the stage.
 """
 

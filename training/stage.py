@@ -440,9 +440,9 @@ def _save(run: Run, engine, stages, stage, hf_config, state: TrainState, sampler
     state.stage, state.wandb_id, state.wandb_home = stage.index, run.metrics.run_id, run.metrics.home
     meta = {"stage_name": stage.name, "model_hash": model_hash(hf_config), "world": run.dims.world, "sp": stage.sp,
             "stage_names": [s.name for s in stages[:stage.index + 1]],  # a resume checks its stages by name
-            "stage_steps": [s.max_steps for s in stages[:stage.index + 1]],  # as they began (curriculum.keep_stage_steps)
+            "stage_steps": [s.max_steps for s in stages[:stage.index + 1]],  # as they began (curriculum_resume.keep_stage_steps)
             "stage_sizes": [s.steps_from for s in stages[:stage.index + 1]],  # what sized them (max_tokens, epochs)
-            # the whole-stage count at the samples per step its rest was planned at (curriculum.keep_stage_steps)
+            # the whole-stage count at the samples per step its rest was planned at (curriculum_resume.keep_stage_steps)
             "stage_full": [getattr(s, "full_steps", None) or s.max_steps for s in stages[:stage.index + 1]],
             "heldout": run.data.heldout_split,  # a resume keeps these held-out documents
             "tokenizer": run.data.tokenizer.path if run.data.tokenizer else None, "config": to_dict(run.cfg),

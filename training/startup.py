@@ -302,7 +302,7 @@ def check_base_weights(cfg: Config, state) -> None:
 def check_room(ckpt, state, stages: list[Stage], model: Model, cfg: Config | None = None) -> None:
     """After the resume decision, before any engine: a fresh start's base weights (check_base_weights), the first
     save's room on the output folder's file system, and what the curriculum will hold
-    (training/checkpoint.Checkpointer.check_room). Before this the first check came at the first save, after a whole
+    (training/checkpoint_room.CheckpointRoom.check_room). Before this the first check came at the first save, after a whole
     save interval of training. Collective."""
     if cfg is not None:
         check_base_weights(cfg, state)

@@ -159,7 +159,7 @@ def bound(where: str, keep: set[str], remove=None) -> None:
 # ---------------------------------------------------------------- conversion
 
 
-DISK_MARGIN = 1.05  # as a save's room check (training/checkpoint.py)
+DISK_MARGIN = 1.05  # as a save's room check (training/checkpoint_room.py)
 
 
 def conversion_peak_bytes(nbytes: int, saved_world: int | None) -> float:

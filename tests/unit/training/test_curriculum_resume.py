@@ -1,5 +1,5 @@
 """What the stage a resume continues keeps from its checkpoint when this version counts its steps by another rule
-(training/curriculum.keep_stage_steps with `state.same_layout`, set by training/restore.py's resume): an upgrade audit
+(training/curriculum_resume.keep_stage_steps with `state.same_layout`, set by training/restore.py's resume): an upgrade audit
 resumed a --num_train_epochs 2 stage planned at 18 steps by the code of 2026-11-29 at the same world, SP, micro-batch
 and accumulation; today's counting rule gives 19, and the stage was rescaled mid-stage (its cosine stretched, a 19th
 step appended) with a note that blamed another world, batch or accumulation. No launch: Stage values."""

@@ -100,7 +100,7 @@ def test_load_universal_key_is_dropped_with_one_note(tmp_path, capsys):
 
 
 def test_a_same_world_load_is_never_universal(tmp_path):
-    """restore.load set load_universal_checkpoint only when the world changed: an engine whose config said True
+    """checkpoint_load.Loader.load set load_universal_checkpoint only when the world changed: an engine whose config said True
     (the JSON's key) loaded a same-world checkpoint as universal. Now set for every load, from the world sizes."""
     from tests.unit.training.test_checkpoint import LoadEngine, model_bytes, save
     from training.checkpoint import Checkpointer

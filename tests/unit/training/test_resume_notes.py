@@ -202,7 +202,7 @@ def test_a_stage_key_that_changed_is_named_with_both_values_and_the_fix_mid_stag
 
 def test_an_exact_layout_is_told_to_the_stage_counts(tmp_path):
     """Checkpointer.resume records whether today's job runs the checkpoint's stage on its world, SP, micro-batch,
-    accumulation and length (training/curriculum.keep_stage_steps keeps the planned count of an epoch-sized stage
+    accumulation and length (training/curriculum_resume.keep_stage_steps keeps the planned count of an epoch-sized stage
     there: a count that differs is this version's counting rule)."""
     from training.resume_notes import same_layout
 
