@@ -325,12 +325,9 @@ class ChatEncoder:
             else self.loss_on
         wanted, flagged = turns_to_train(conv, first, loss_on)
         conv, rewritten = fit_arguments(self, call_ids(self, conv), tools)  # ids where it needs them; arguments as it writes
-        refuse_unrendered(self, conv, tools, wanted)  # tool definitions, environment turns the template drops
+        # tool definitions, environment turns, the default's tool calls, a system message `all` would train without
+        refuse_unrendered(self, conv, tools, wanted, whole=loss_on == "all")
         refuse_dropped(self, conv, wanted, tools)  # reasoning the template never renders
-        if self.kind == "chatml" and any(conv[k].get("tool_calls") for k in wanted):
-            k = next(k for k in wanted if conv[k].get("tool_calls"))
-            raise RowError(f"message {k} (assistant): tool calls, and the ChatML default (the tokenizer has no "
-                           "template) renders none: give a tokenizer whose template renders tool_calls")
         if loss_on == "all":  # no span to find: the rendering alone
             ids = self._chatml(conv)[0] if self.kind == "chatml" else self._render(conv, tools=tools)
             end = len(ids) - (len(self.tok.encode("\n")) if self.kind == "chatml" else 0)  # the default's "\n" after

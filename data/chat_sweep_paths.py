@@ -61,16 +61,8 @@ SAMPLED = ("pair, assistant", "completion", "long")  # every third conversation 
 IDS_FORMS = ("assistant_masks", "labels", "padded", "seq_lengths", "position_ids")  # a family's conversations: one each
 SENTENCEPIECE = "recipes/base/tiny_passkey256/tokenizer.model"  # the demo's model: no template, the ChatML default
 DROPS = re.compile(r"does not render|never renders|renders only|renders a reply's reasoning only")
-WRONG = {  # (family, path) -> the bug its WRONG cells show (in data/chat*.py, not fixed yet); fixed, the record goes
-    ("mistral_v03", "all"): "--loss_on all trains a row whose system message Mistral v0.3's template drops (it writes "
-    "the system prompt into the last user turn only when that turn is last): every token trained without the "
-    "instructions the replies answer, where --loss_on assistant refuses the row (its turns not located); data/chat.py's "
-    "`all` branch finds no span, and data/chat_tools_checks.refuse_unrendered leaves that loss to the locate step",
-    ("sentencepiece", "pair"): "a prompt / completion whose prompt holds a tool call trains under the ChatML default of "
-    "a tokenizer with no template (a sentencepiece model), the call dropped from the rendering: the completion answers "
-    "a tool result the model never asked for, where the messages row is refused; data/chat.py refuses the default's "
-    "tool calls only in the trained turns (`wanted`), and refuse_unrendered returns early for it",
-}
+WRONG: dict[tuple[str, str], str] = {}  # (family, path) -> the bug its WRONG cells show (in data/chat*.py, not fixed
+# yet); fixed, the record goes
 
 
 def _first(conv: list[dict]) -> int:

@@ -30,12 +30,18 @@ def call_name(call: dict) -> str:
     return str(fn.get("name", "")) if isinstance(fn, dict) else ""
 
 
-def refuse_unrendered(enc, conv: list[dict], tools: list | None, turns: list[int] | None = None) -> None:
+def refuse_unrendered(enc, conv: list[dict], tools: list | None, turns: list[int] | None = None,
+                      whole: bool = False) -> None:
     """A RowError, one line, where `enc`'s template drops what the replies depend on: the row's `tools`, an
     `environment` message (OLMo 3's tool results; Qwen2.5's template, for one, renders `tool` and skips other
     roles) or a message's `tools` / `functions` (only Phi-4-mini's and OLMo 3's templates read them there).
     Dropped, the replies would be trained on a result the model never sees, or as if no tool had been offered.
-    The ChatML default (no template) renders none of them. Cost: one render of the text per thing checked."""
+    The ChatML default (no template) renders none of them, nor any tool call: one in a prompt the row does not train
+    (a prompt / completion's) was dropped while the completion trained on its result. `whole`: every token trains
+    (`--loss_on all`), so a system message the conversation's render drops refuses the row even where the template
+    writes it when a user turn is last (Mistral v0.3; the other paths' locate step refuses it, no turn found). Cost:
+    one render of the text per thing checked (`whole` adds none: it reads the system check's two renders)."""
+    calls = [k for k, m in enumerate(conv) if m["role"] == "assistant" and m.get("tool_calls")]
     if enc.kind == "chatml":
         if tools:
             raise RowError(f"tools {tool_names(tools)}: the ChatML default (the tokenizer has no template) renders no "
@@ -44,14 +50,22 @@ def refuse_unrendered(enc, conv: list[dict], tools: list | None, turns: list[int
             raise RowError(f"message {next(k for k, m in enumerate(conv) if defs(m))}: tool definitions, and the "
                            "ChatML default (the tokenizer has no template) renders none: give a tokenizer whose "
                            "template renders them, or drop them")
+        if calls:  # (was checked in the trained turns only: a prompt's call vanished, its result trained on)
+            raise RowError(f"message {calls[0]} (assistant): tool calls, and the ChatML default (the tokenizer has "
+                           "no template) renders none: give a tokenizer whose template renders tool_calls")
         return
-    calls = [k for k, m in enumerate(conv) if m["role"] == "assistant" and m.get("tool_calls")]
     systems = [k for k, m in enumerate(conv) if m["role"] == "system" and isinstance(m.get("content"), str)
                and m["content"].strip()]
     lost = _unmarked(enc, conv, systems, tools) or []  # one render of a row with a system message; a second where
-    if lost:  # one is lost: Mistral v0.3 writes it in the last user turn only when that turn is last (said later)
-        users = [k for k, m in enumerate(conv) if m["role"] == "user"]
+    if lost:  # one is lost: Mistral v0.3 writes it in the last user turn only when that turn is last (said later,
+        users = [k for k, m in enumerate(conv) if m["role"] == "user"]  # but here under `whole`: no turn to locate)
+        dropped = lost
         lost = [k for k in _unmarked(enc, conv[:users[-1] + 1], lost, tools) or [] if k < users[-1]] if users else lost
+        if whole and not lost:
+            raise RowError(f"message {dropped[0]} (system): {enc.name} does not render it in this conversation (it "
+                           "writes a system prompt only where a user turn is last, as Mistral v0.3 does), so --loss_on "
+                           "all would train every token without the instructions the replies answer: put it in the "
+                           "first user turn, or drop it")
     for k in lost[:1]:
         raise RowError(f"message {k} (system): {enc.name} does not render a system message (Phi-4-reasoning writes "
                        "its own system prompt in its place), so the replies would be trained without the "

@@ -19,14 +19,14 @@ from data.jsonl import list_files, read_documents
 from data.store import tokenizer_identity
 from data.tokenizer import Tokenizer
 
-RULES = "bos2:chat10:eos2:doc10"  # the tokenization rules' version (cache_key below says what each part means); recorded
+RULES = "bos2:chat11:eos2:doc10"  # the tokenization rules' version (cache_key below says what each part means); recorded
 # in a prepare_data plan too: a shard continued or merged under other rules is refused (its chunks would mix them)
 # where it holds rows a step between them changed (data/output_lock.check_rules)
 # Which rows each step changed, by the kinds a shard's record counts (output_lock.KINDS): "chat" conversations
 # (chat_docs), "ids" pre-tokenized rows shaped by columns beside their ids (ids_beside_rows: a loss mask, packing,
 # padding). A shard holding none of a step's rows is the same under both sides of it: merged or continued with a
 # note. A step not listed changed text rows or any row: refused across it, whatever the shard holds.
-RULE_ROWS = {**{f"chat{k}": "chat" for k in range(2, 11)}, "doc7": "ids", "doc8": "ids", "doc10": "ids"}
+RULE_ROWS = {**{f"chat{k}": "chat" for k in range(2, 12)}, "doc7": "ids", "doc8": "ids", "doc10": "ids"}
 
 
 def cache_key(inputs: list[str], tokenizer_path: str | None, model_vocab: int) -> str:
@@ -43,7 +43,8 @@ def cache_key(inputs: list[str], tokenizer_path: str | None, model_vocab: int) -
     # `system_prompt` (OpenHermes', ultrachat_de's) is the system turn, a chat6 cache dropped it; chat8: an earlier
     # reply's end-of-turn behind a newline is trained with it (Apriel-1.6), one with no end-of-turn is not trained; chat9: a
     # string completion ending with the EOS gets no second one, an empty one is refused; chat10: a string completion
-    # holding a stop's text is refused as a messages reply is); :eos2: no second EOS
+    # holding a stop's text is refused as a messages reply is; chat11: a system message the rendering drops refuses a
+    # `--loss_on all` row (Mistral v0.3), the ChatML default refuses a prompt's tool call); :eos2: no second EOS
     # after a document that ends with its own (a stream, or a folder prepare_data wrote before 2026-11-30, had two);
     # :doc3: a text document ends with its family's end-of-text token where the EOS is a chat end-of-turn, special-token
     # strings in a text are text, a blank text is dropped, pre-tokenized ids get the BOS a text gets; :doc4: a text that

@@ -89,6 +89,18 @@ def test_mistral_system_prompt_is_refused_not_guessed(tok_root):
         enc.encode({"messages": [SYSTEM] + TURNS})
 
 
+def test_mistral_system_prompt_it_drops_refuses_loss_on_all(tok_root):
+    """The same row under `--loss_on all` trained every token of a rendering without the system prompt (no span to
+    locate, nothing refused): refused as under `assistant`, in one line naming the message and the fix. Where a user
+    turn is last the template writes it, and the row trains whole; one without a system message is untouched."""
+    enc = encoder(tok_root, "mistral", loss_on="all")
+    with pytest.raises(RowError, match=r"message 0 \(system\): .* does not render it .* put it in the first user turn"):
+        enc.encode({"messages": [SYSTEM] + TURNS})
+    for conv in ([SYSTEM] + TURNS[:3], TURNS):  # (a conversation ending with a user turn: its system prompt shown)
+        ids, mask, _ = enc.encode({"messages": conv})
+        assert mask.all() and (SYSTEM["content"] in enc.tok.decode(ids)) == (conv[0] is SYSTEM)
+
+
 def test_a_mistral_folder_with_tekken_json_renders_its_own_template(tok_root, tmp_path, monkeypatch):
     """Mistral's repos (Nemo, Small 3.x, Devstral, Magistral) ship tekken.json beside tokenizer.json and the template.
     With mistral-common installed (vLLM brings it), transformers 5 loads such a folder as MistralCommonBackend: no
@@ -261,6 +273,22 @@ def test_the_chatml_default_refuses_tool_calls(tok_root):
     call = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "count", "arguments": {}}}]}
     with pytest.raises(RowError, match="the ChatML default does not render its tool call"):
         enc.encode({"messages": TURNS[:1] + [call]})
+
+
+def test_the_sentencepiece_default_refuses_a_prompts_tool_call():
+    """The token-built default (a sentencepiece model, no template) renders no tool call. A prompt / completion whose
+    prompt holds one trained the completion on a tool result the model never asked for (the call vanished: only the
+    trained turns were checked); refused now, under every loss, as the same conversation's messages row is."""
+    tok = Tokenizer("recipes/base/tiny_passkey256/tokenizer.model")
+    call = {"id": "call00001", "type": "function",
+            "function": {"name": "count_words", "arguments": {"text": "apple river"}}}
+    prompt = [TURNS[0], {"role": "assistant", "content": "", "tool_calls": [call]},
+              {"role": "tool", "tool_call_id": "call00001", "content": "2"}]
+    for loss_on in ("auto", "completion", "all"):
+        with pytest.raises(RowError, match=r"message 1 \(assistant\): tool calls, and the ChatML default"):
+            ChatEncoder(tok, loss_on).encode({"prompt": prompt, "completion": TURNS[3:]})
+        with pytest.raises(RowError, match=r"message 1 \(assistant\): tool calls, and the ChatML default"):
+            ChatEncoder(tok, loss_on).encode({"messages": prompt + TURNS[3:]})
 
 
 def test_a_longer_generation_prompt_is_followed_only_up_to_the_reply(tok_root):

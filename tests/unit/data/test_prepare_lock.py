@@ -111,7 +111,7 @@ def test_a_shard_begun_under_other_rules_is_not_continued_silently(tmp_path):
         output_lock.check_rules("o", [{"plan": {"rules": packing.RULES}}, {"plan": {"rules": "bos1:chat6:eos2:doc6"}}])
 
 
-YESTERDAY = "bos2:chat9:eos2:doc9"  # chat10 changed conversations only, doc10 ids rows with columns beside
+YESTERDAY = "bos2:chat9:eos2:doc9"  # chat10, chat11 changed conversations only, doc10 ids rows with columns beside
 
 
 def test_a_rules_step_refuses_only_shards_holding_the_rows_it_changed(tmp_path):
@@ -135,7 +135,7 @@ def test_a_rules_step_refuses_only_shards_holding_the_rows_it_changed(tmp_path):
     assert any(f"shard(s) [0] were prepared under tokenization rules {YESTERDAY}, merged" in n
                and "changed only rows they hold none of" in n for n in notes), notes
     today = {"plan": {"rules": packing.RULES}}
-    for held, match in (({"chat_docs": 3, "ids_beside_rows": 0}, r"\(chat10 \(conversations\)\): redo"),
+    for held, match in (({"chat_docs": 3, "ids_beside_rows": 0}, r"\(chat10, chat11 \(conversations\)\): redo"),
                         ({"chat_docs": 0, "ids_beside_rows": 1}, r"\(doc10 \(pre-tokenized rows with")):
         with pytest.raises(ValueError, match=r"shard\(s\) \[0\] hold rows today's .*" + match):
             output_lock.check_rules("o", [{"plan": {"rules": YESTERDAY}, **held}, today])
@@ -157,7 +157,8 @@ def test_a_rules_step_refuses_only_shards_holding_the_rows_it_changed(tmp_path):
         plan.write_text(json.dumps({**json.loads(plan.read_text()), "rules": YESTERDAY}))
         notes = []
         if refused:
-            with pytest.raises(ValueError, match=r"holds rows they read differently \(chat10 \(conversations\); doc10"):
+            with pytest.raises(ValueError,
+                               match=r"holds rows they read differently \(chat10, chat11 \(conversations\); doc10"):
                 run()
             continue
         assert run(notes.append)["n_docs"] == 20
