@@ -5,7 +5,8 @@ data/pipeline.open_run_data asks `pick_tokenizer` on rank 0 (run_on_main) before
   or --tokenizer_name_or_path) is refused in one line, compared by the token of every id both have (`_added_ids`:
   renamed reserved slots are not the vocabulary), since Mistral's and Llama 2's tokenizers both have 32000 tokens;
 - `same_tokenizer`: how a tokenizer folder is the one the data was prepared with (its files, or for text-only data
-  its vocabulary and EOS / BOS);
+  its vocabulary and EOS; either with the BOS it put before a text, which the same files may not under another
+  transformers major: refused, `bos_refusal`);
 - `pick_tokenizer`: the given one, else the recorded one, else the model folder's where that is the same one, else
   none for text (a note) and a refusal for chat data or a stage's `tasks`;
 - `check_trained_vocab`: a checkpoint's tokenizer (scripts/export_hf.py, scripts/evaluate.py) is the vocabulary it
@@ -69,18 +70,41 @@ def same_tokenizer(m: dict, path: str) -> str | None:
     """How the tokenizer at `path` is the one the data of manifest `m` was prepared with: "files" (tokenizer_identity,
     what the manifest records: every file, the chat template and special tokens too, which a chat row was rendered
     and ended with and the export carries), "vocab" for text-only data (the vocabulary files, vocab_identity as a
-    resume compares, and the EOS / BOS ids are the recorded ones: an edited model_max_length changes no id of its
-    documents nor of a passkey sample), else None. Cost: a hash of the tokenizer files; one load for "vocab"."""
+    resume compares, and the EOS id is the recorded one: an edited model_max_length changes no id of its documents nor
+    of a passkey sample), else None; "bos" where it is so but does not put the BOS the manifest recorded (`bos_id`)
+    before a text: a refusal (pick_tokenizer's line), as another EOS is. The same files read under another
+    transformers major frame a text otherwise: DeepSeek-R1-Distill-Qwen's LlamaTokenizerFast (`add_bos_token: true`,
+    no BOS in tokenizer.json's post-processor) adds one under 4.x, none under 5.x, so a folder prepared under one and
+    trained under the other had its documents framed unlike the run's tasks, evaluation and export (add_bos_token is
+    what the run's tokenizer adds: model_utils/export_tokenizer.legacy_tokenizer). Cost: a hash of the tokenizer
+    files and one load (~1-2 s at 128k tokens, once on rank 0; a folder prepared before `bos_id` was recorded: the
+    hash alone for "files")."""
     rec = m["tokenizer"]
-    if tokenizer_identity(path) == rec.get("sha256"):
-        return "files"
-    if any(c.get("mask") for c in m.get("chunks", ())) or not rec.get("vocab") or vocab_identity(path) != rec["vocab"]:
+    files = tokenizer_identity(path) == rec.get("sha256")
+    if not files and (any(c.get("mask") for c in m.get("chunks", ())) or not rec.get("vocab")
+                      or vocab_identity(path) != rec["vocab"]):
         return None  # (a folder prepared before its vocabulary was recorded: the files only)
+    if files and "bos_id" not in m:
+        return "files"
     try:
         tok = Tokenizer(path)
     except ValueError:
         return None
-    return "vocab" if (tok.eos_id, tok.bos_id) == (rec.get("eos_id"), m.get("bos_id", tok.bos_id)) else None
+    if not files and tok.eos_id != rec.get("eos_id"):
+        return None
+    return "bos" if tok.bos_id != m.get("bos_id", tok.bos_id) else "files" if files else "vocab"
+
+
+def bos_refusal(folder: str, m: dict, path: str) -> str:
+    """The line refusing tokenizer `path` for --dataset_path `folder` (manifest `m`) where same_tokenizer says "bos"."""
+    def said(i):
+        return "none" if i is None else f"id {i}"
+
+    return (f"--dataset_path {folder} was prepared with a BOS before each text ({said(m.get('bos_id'))}), and tokenizer "
+            f"{path} here puts {said(Tokenizer(path).bos_id)} (its files read under another transformers major, whose "
+            "BOS rule differs: 4.x's LlamaTokenizerFast adds one from tokenizer_config.json's add_bos_token, 5.x from "
+            "tokenizer.json's post-processor; or its config edited): prepare the data again in this environment, or "
+            "train under the transformers it was prepared with")
 
 
 def check_trained_vocab(path: str | None, trainer: dict, checkpoint: str, given: bool = False,
@@ -146,7 +170,8 @@ def pick_tokenizer(folder: str, m: dict, given: str | None, model_path: str | No
     """The run's tokenizer (rank 0): `given` (--tokenizer_name_or_path) or the one `folder` was prepared with, checked
     against the model's (check_model_tokenizer) and the manifest `m`. A recorded one that is not on this machine
     (prepared on a login node under /home, trained from /scratch) is the model folder's where that is the same
-    (same_tokenizer: its files, or for text its vocabulary), with a note; else chat data or a stage's `tasks` are
+    (same_tokenizer: its files, or for text its vocabulary), with a note; another BOS rule is refused (bos_refusal);
+    else chat data or a stage's `tasks` are
     refused (the reply stops, template and padding, the synthetic samples need it), and text trains without one, with
     a note (no passkey or task evaluation, an export without tokenizer files; padding is never used there). `user`:
     `given` is the user's flag (else the in-job preparation's choice, checked as the one the data was prepared with)."""
@@ -159,6 +184,8 @@ def pick_tokenizer(folder: str, m: dict, given: str | None, model_path: str | No
         return path or None
     if os.path.exists(path):
         how = same_tokenizer(m, path)
+        if how == "bos":
+            raise ValueError(bos_refusal(folder, m, path))
         if how is None and given and os.path.realpath(given) != os.path.realpath(rec["path"]):
             raise ValueError(f"--tokenizer_name_or_path {given} is not the tokenizer {folder} was prepared with "
                              f"({rec['path']}): pass that one, or prepare the data again")
@@ -170,7 +197,10 @@ def pick_tokenizer(folder: str, m: dict, given: str | None, model_path: str | No
                    "since?); its vocabulary and EOS / BOS are, so its text's ids are the same: using it")
         return path
     here = f"the tokenizer {path} --dataset_path {folder} was prepared with is not on this machine"
-    if ships_tokenizer(model_path) and same_tokenizer(m, model_path):
+    how = same_tokenizer(m, model_path) if ships_tokenizer(model_path) else None
+    if how == "bos":
+        raise ValueError(bos_refusal(folder, m, model_path))
+    if how:
         print0(f"note: {here}; the model {model_path} ships the same one: using it")
         return model_path
     model = (f"the model {model_path} ships " + ("another" if ships_tokenizer(model_path) else "none")) if model_path \

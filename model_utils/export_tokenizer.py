@@ -66,6 +66,7 @@ def export_tokenizer(tokenizer_path: str, out: str, template: str | None, positi
 
     # as training read it (data/tokenizer.HF_TOKENIZER): a folder's own Python never run
     tok = AutoTokenizer.from_pretrained(tokenizer_path, mistral_format=False, trust_remote_code=False)
+    bos = adds_bos(tok)  # before anything of it is changed: what training put before a text
     shipped = os.path.join(tokenizer_path, "chat_template.json")
     own = tok.chat_template
     if not own and (value := _json(shipped).get("chat_template")):
@@ -89,7 +90,14 @@ def export_tokenizer(tokenizer_path: str, out: str, template: str | None, positi
     if template and got.get("chat_template") not in (None, template):  # another format than the rows': replaced
         with open(os.path.join(out, "chat_template.json"), "w") as fh:
             json.dump({**got, "chat_template": template}, fh, indent=2)
-    legacy_tokenizer(out, tokenizer_path)
+    legacy_tokenizer(out, tokenizer_path, bos)
+
+
+def adds_bos(tok) -> bool:
+    """Whether the Hugging Face tokenizer `tok` puts a token before a text (`tok(text)`): data/tokenizer.py's probe
+    for its `bos_id`, what training framed every text document with (model_utils does not import data)."""
+    plain, full = tok("a", add_special_tokens=False)["input_ids"], tok("a")["input_ids"]
+    return len(full) > len(plain) and full[1:1 + len(plain)] == plain
 
 
 def _json(path: str) -> dict:
@@ -105,7 +113,7 @@ def _json(path: str) -> dict:
 KEPT = ("legacy", "add_bos_token", "add_eos_token", "add_prefix_space")  # how a sentencepiece text is cut and framed
 
 
-def legacy_tokenizer(out: str, source: str) -> None:
+def legacy_tokenizer(out: str, source: str, bos: bool | None = None) -> None:
     """tokenizer_config.json at `out` also as transformers 4.x reads it (vLLM and llama.cpp's converter pin < 5, TGI
     4.51): 5 writes `tokenizer_class: TokenizersBackend` (for PreTrainedTokenizerFast, the Llama 3 family; no such
     class in 4.x), its extra special tokens as a list in `extra_special_tokens` (4.57: "'list' object has no attribute
@@ -114,14 +122,22 @@ def legacy_tokenizer(out: str, source: str) -> None:
     tokenizer_config.json (else PreTrainedTokenizerFast), the list as `additional_special_tokens`, the template inline
     too (the .jinja files kept: 5 reads them first), the three keys dropped, and the source's KEPT keys where it has
     them (5's save_pretrained omits `legacy`, and 5 reads a missing one as False: a Mistral v0.1 `legacy: true`
-    folder's exported `[INST]` after <s> was `[` where training had `▁[`). 5 reads it back alike (same ids, special
-    tokens, template). Written in the folder the export builds and swaps in whole, as config.json is."""
+    folder's exported `[INST]` after <s> was `[` where training had `▁[`). `add_bos_token`: `bos`, whether training's
+    tokenizer put a BOS before a text (adds_bos), where given, not the source's flag: transformers 4.x's
+    LlamaTokenizerFast rebuilds the post-processor from that flag on load (update_post_processor,
+    transformers/models/llama/tokenization_llama_fast.py in 4.57), 5.x keeps tokenizer.json's, so DeepSeek-R1-Distill-
+    Qwen's layout (LlamaTokenizerFast over a byte-level BPE, `add_bos_token: true`, no BOS in the post-processor)
+    trained without a BOS under 5 and its export, read by a 4.x server (vLLM), put one before every plain completion
+    (the other layout, a BOS in the post-processor and the flag false, the reverse). 5 reads it back alike (same ids,
+    special tokens, template). Written in the folder the export builds and swaps in whole, as config.json is."""
     path = os.path.join(out, "tokenizer_config.json")
     c = _json(path)
     if not c:
         return
     own = _json(os.path.join(source, "tokenizer_config.json"))
     c.update({k: own[k] for k in KEPT if k in own})
+    if bos is not None:
+        c["add_bos_token"] = bos
     cls = own.get("tokenizer_class")
     c["tokenizer_class"] = cls if isinstance(cls, str) and cls != "TokenizersBackend" else "PreTrainedTokenizerFast"
     extra = c.get("extra_special_tokens")

@@ -24,12 +24,15 @@ when the assistant's reply, the answer and its end-of-turn token, is the model's
 rendering an SFT stage trains with `tasks: {..., chat: true}`, data/tasks.py `chat_sample`). `on`: the tokenizer's
 own template (a tokenizer without one is refused); `chatml`: data/chat.py's documented ChatML default (what a
 template-less tokenizer, such as the demo's, is fine-tuned with); `auto` (default): through the template the run
-fine-tuned with (its own, else the ChatML default) when MODEL is a checkpoint or run folder whose run had an SFT
-stage, plain text otherwise (an HF folder is asked in plain text: pass `--chat on` for an Instruct model). Rank 0
-decides, every rank gets its answer.
+fine-tuned with when MODEL is a checkpoint or run folder whose run had an SFT stage (trainer.json's
+`trained_template`, as its export carries it and its in-run evaluation asked: `--chat_template chatml` or a named
+`tool_use` over the tokenizer's own included; a checkpoint from before it was recorded: the tokenizer's own, else the
+ChatML default), plain text otherwise (an HF folder is asked in plain text: pass `--chat on` for an Instruct model).
+Rank 0 decides, every rank gets its answer.
 `--heldout CHATS` adds the held-out conversation loss: the mean cross-entropy over the assistant's tokens only,
-over every supervised token of CHATS (chat rows in data/chat.py's formats, rendered with the model's template, or a
-folder scripts/prepare_data.py wrote with the model's tokenizer), the conversations packed whole at the longest of
+over every supervised token of CHATS (chat rows in data/chat.py's formats, rendered with the template a checkpoint's
+run trained with unless --chat on / chatml says, an HF folder's own, or a folder scripts/prepare_data.py wrote with
+the model's tokenizer), the conversations packed whole at the longest of
 --lengths; `--heldout_conversations N` takes the first N. Reported as `heldout_chat_loss` (+ `_tokens`,
 `_conversations`); a set with no supervised token has none, never 0.0 (training/heldout_chat.py, docs/evaluation.md).
 `--rope '{rope_type: yarn, factor: 8.0, original_max_position_embeddings: 256}'` replaces MODEL's RoPE (e.g. a short
@@ -53,7 +56,7 @@ import os
 import sys
 import time
 
-from training.eval_report import ASKED, difference, heatmaps, said, write_results
+from training.eval_report import asked, difference, heatmaps, said, write_results
 from training.heldout_chat import heldout_loss, heldout_set  # noqa: F401  (the --heldout concern; tests import them here)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -172,6 +175,8 @@ def describe(path: str, tokenizer: str | None) -> dict:
         return {"kind": "checkpoint", "path": path, "step": trainer.get("step"), "stage": trainer.get("stage_name"),
                 "config": config, "tokenizer": tok, "sft_run": sft_run(trainer.get("config") or {}),
                 "run_config": trainer.get("config") or {},  # its forward's settings (lean_rmsnorm, lean_mlp)
+                # the chat template its conversations were rendered with (absent: a checkpoint from before 2026-11-30)
+                **{k: trainer[k] for k in ("trained_template",) if k in trainer},
                 "optimizer_groups": trainer.get("optimizer_groups")}  # its optimizer's shape: the state loads so
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"{path}: not a Hugging Face folder (no config.json), a checkpoint (no {MANIFEST}) nor a run "
@@ -202,10 +207,33 @@ def sft_run(run_config: dict) -> bool:
         isinstance(st, dict) and st.get("kind") == "sft" for st in run_config.get("stages") or [])
 
 
-def chat_mode(flag: str, tok, sft: bool, where: str) -> str:
+def trained_as(tok, text: str | None, where: str) -> str:
+    """The --chat_template a checkpoint's conversations were rendered with, as data/chat.py's ChatEncoder names it,
+    from its trainer.json `trained_template` (`text`: data/chat_stops.trained_template, the template where the
+    tokenizer's own default is another, None where it is that one): `auto` (its own), `chatml` (the ChatML default)
+    or the name of one of its named templates (`tool_use`). One-line ValueError where `tok` has no template of that
+    text (another revision of the tokenizer at the recorded path: its ids the same, its template not)."""
+    from data.chat_template import chatml_template, served_template
+
+    hf = getattr(tok, "hf", None)
+    own = getattr(hf, "chat_template", None)
+    if text is None:
+        return "auto"
+    if hf is not None and text == served_template(own, "chatml", chatml_template(hf), True):
+        return "chatml"
+    name = next((n for n, t in (own if isinstance(own, dict) else {"auto": own}).items() if t == text), None)
+    if name is None:
+        raise ValueError(f"{where}: its run was fine-tuned in a chat template tokenizer {tok.path} does not have "
+                         "(trainer.json trained_template; another revision there?): pass --tokenizer with the run's "
+                         "export (RUN/hf_model carries the template), or --chat on / chatml to ask in another")
+    return name
+
+
+def chat_mode(flag: str, tok, sft: bool, where: str, trained: str | None = None) -> str:
     """How the tasks are asked (rank 0 decides: main broadcasts it): `template` (the tokenizer's own chat template),
-    `chatml` (data/chat.py's default) or `plain`. `flag` is --chat; `sft`: the model's run fine-tuned on chat data.
-    One-line ValueError for --chat on with a tokenizer that has no template."""
+    `chatml` (data/chat.py's default), a named template's name or `plain`. `flag` is --chat; `sft`: the model's run
+    fine-tuned on chat data; `trained`: trained_as's answer for a checkpoint (None: an HF folder, or a checkpoint from
+    before it was recorded). One-line ValueError for --chat on with a tokenizer that has no template."""
     own = bool(getattr(getattr(tok, "hf", None), "chat_template", None))
     if flag == "off" or (flag == "auto" and not sft):
         return "plain"
@@ -214,6 +242,8 @@ def chat_mode(flag: str, tok, sft: bool, where: str) -> str:
     if flag == "on" and not own:
         raise ValueError(f"{where}: --chat on: tokenizer {tok.path} has no chat template: pass --chat chatml (the ChatML "
                          "default data/chat.py fine-tunes a template-less tokenizer with) or --chat off")
+    if flag == "auto" and trained not in (None, "auto"):  # the ChatML default or a named one over the tokenizer's own
+        return trained
     return "template" if own else "chatml"  # auto on a fine-tuned run: the template its conversations were rendered in
 
 
@@ -222,7 +252,20 @@ def chat_encoder(tok, mode: str, now: str | None = None):
     a template writing today's date renders (rank 0's: each rank's own clock rendered other trials across a midnight)."""
     from data.chat import ChatEncoder
 
-    return None if mode == "plain" else ChatEncoder(tok, "assistant", "none" if mode == "template" else "chatml", now)
+    return None if mode == "plain" else ChatEncoder(tok, "assistant", "none" if mode == "template" else mode, now)
+
+
+def chat_modes(a: argparse.Namespace, tok, src: dict, where: str) -> tuple[str, str]:
+    """(how the trials are asked: chat_mode's answer, the --chat_template --heldout's chat rows are rendered with) for
+    one model (rank 0). A checkpoint's trained template (trained_as) where --chat is auto or off and it is used: the
+    in-run evaluation and the export render with it (data/pipeline.py, scripts/export_hf.py); the tokenizer's own
+    asked a run prepared with `--chat_template chatml` on a Llama 3 tokenizer in Llama 3's headers, which it never
+    trained on. --chat chatml: the ChatML default for both; on: the tokenizer's own."""
+    sft = bool(src.get("sft_run"))
+    used = a.chat in ("auto", "off") and (a.heldout or a.chat == "auto" and sft)
+    trained = trained_as(tok, src["trained_template"], where) if used and "trained_template" in src else None
+    mode = chat_mode(a.chat, tok, sft, where, trained)
+    return mode, "chatml" if mode == "chatml" else trained or "auto"
 
 
 def check_source(src: dict, a: argparse.Namespace, s: dict, world: int, rope: dict | None) -> None:
@@ -255,10 +298,9 @@ def check_source(src: dict, a: argparse.Namespace, s: dict, world: int, rope: di
         raise ValueError(f"{where}: tokenizer {src['tokenizer']} has {tok.vocab_size} tokens, the model {arch.vocab_size}: "
                          "pass the model's own --tokenizer")
     src["tok"], src["trials"] = tok, task_trials(s["eval"], tok)
-    src["chat"] = comm.run_on_main(lambda: chat_mode(a.chat, tok, bool(src.get("sft_run")), where))  # rank 0's
+    src["chat"], template = comm.run_on_main(lambda: chat_modes(a, tok, src, where))  # rank 0's
     src["chat_enc"] = chat_encoder(tok, src["chat"], comm.run_on_main(lambda: datetime.datetime.now().isoformat()))
-    if a.heldout:  # rendered as the model's conversations were: the ChatML default under --chat chatml, else auto
-        template = "chatml" if src["chat"] == "chatml" else "auto"
+    if a.heldout:  # rendered as the model's conversations were (chat_modes)
         src["heldout"] = comm.run_on_main(lambda: heldout_set(a.heldout, tok, template, a.heldout_conversations))
     for task in src["trials"]:  # every trial evaluate_tasks asks (its seeds), ~1 ms each: its need, not the trial
         for n in s["lengths"]:
@@ -306,7 +348,7 @@ def evaluate_model(src: dict, a: argparse.Namespace, s: dict, dims) -> dict:
     gc.collect()  # the engine, its model and optimizer reference each other: the cycle is freed now
     return_cached_memory()
     rope = src["hf_config"].rope_parameters
-    print0(f"evaluated {src['path']} in {time.perf_counter() - t0:.1f}s: {said(out)} (asked as {ASKED[src['chat']]})")
+    print0(f"evaluated {src['path']} in {time.perf_counter() - t0:.1f}s: {said(out)} (asked as {asked(src['chat'])})")
     return {"model": src["path"], "kind": src["kind"], **{k: src[k] for k in ("step", "stage") if src.get(k) is not None},
             "rope": rope, "tokenizer": src["tokenizer"], "chat": src["chat"], "lengths": s["lengths"], "depths": s["depths"],
             "trials": src["trials"], "sp": dims.sp, "cp": dims.cp, "world": dims.world, "time_s": round(time.perf_counter() - t0, 1),

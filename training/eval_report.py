@@ -3,7 +3,7 @@ JSON's shape, then `difference` = compare - model; strict JSON: null, never NaN)
 mean over depths by length and the difference, then every depth x length cell; the held-out conversation loss with
 --heldout) and heatmaps.png (per task each model's depth x length heat map and their difference), and the line a
 model's result is printed in (`said`, rounded as summary.md rounds it). The in-run evaluation's tables are
-training/eval_tables.py. No torch; matplotlib only for the heat maps.
+training/eval_tables.py (its `table` writes these too). No torch; matplotlib only for the heat maps.
 """
 
 from __future__ import annotations
@@ -11,7 +11,14 @@ from __future__ import annotations
 import json
 import os
 
+from training.eval_tables import table
+
 ASKED = {"plain": "plain text", "template": "chat (its template)", "chatml": "chat (ChatML default)"}
+
+
+def asked(mode: str) -> str:
+    """How a model's tasks were asked, in words (`chat` of its result: a named template's name beside ASKED's)."""
+    return ASKED.get(mode) or f"chat (its `{mode}` template)"
 
 
 def said(out: dict) -> str:
@@ -43,19 +50,14 @@ def _loss(r: dict) -> str:
     return f"{r['heldout_chat_loss']:.4f}" if "heldout_chat_loss" in r else "none"
 
 
-def _table(head: list, rows: list[list]) -> list[str]:
-    return ["| " + " | ".join(map(str, head)) + " |", "|" + "---|" * len(head),
-            *["| " + " | ".join(map(str, r)) + " |" for r in rows]]
-
-
 def summary(results: list[dict], diff: dict | None) -> list[str]:
     """The Markdown of summary.md: the models, then per task the mean over depths by length (and the
     difference), then every depth x length cell."""
     names = ["model", "compare"][: len(results)]
     out = ["# Evaluation", ""]
-    out += _table(["", "path", "kind", "RoPE", "trials per depth", "asked as"],
+    out += table(["", "path", "kind", "RoPE", "trials per depth", "asked as"],
                   [[n, r["model"], r["kind"] + (f" (step {r['step']})" if "step" in r else ""), json.dumps(r["rope"]),
-                    json.dumps(r["trials"]), ASKED[r.get("chat", "plain")]] for n, r in zip(names, results)])
+                    json.dumps(r["trials"]), asked(r.get("chat", "plain"))] for n, r in zip(names, results)])
     if any("heldout_chat_tokens" in r for r in results):
         rows = [[n, _loss(r), r["heldout_chat_tokens"], r["heldout_chat_conversations"],
                  r["heldout_chat_length"]] for n, r in zip(names, results) if "heldout_chat_tokens" in r]
@@ -63,7 +65,7 @@ def summary(results: list[dict], diff: dict | None) -> list[str]:
             rows.append(["compare - model", f"{results[1]['heldout_chat_loss'] - results[0]['heldout_chat_loss']:+.4f}",
                          "", "", ""])
         out += ["", "**held-out conversation loss** (mean cross-entropy over the assistant's tokens):", ""]
-        out += _table(["", "loss", "supervised tokens", "conversations", "packed at"], rows)
+        out += table(["", "loss", "supervised tokens", "conversations", "packed at"], rows)
     for task in dict.fromkeys(t for r in results for t in r["tasks"]):
         lengths = sorted({int(n) for r in results for n in r["tasks"].get(task, {})})
         rows = [[n, *[f"{r['task_mean'][task][str(m)]:.2f}" if str(m) in r["task_mean"].get(task, {}) else "-"
@@ -71,13 +73,13 @@ def summary(results: list[dict], diff: dict | None) -> list[str]:
         if diff and task in diff:
             rows.append(["compare - model", *[f"{sum(c.values()) / len(c):+.2f}" if c else "-"
                                               for c in (diff[task].get(str(m), {}) for m in lengths)]])
-        out += ["", f"**{task}** accuracy (mean over depths) by length:", ""] + _table(["", *lengths], rows)
+        out += ["", f"**{task}** accuracy (mean over depths) by length:", ""] + table(["", *lengths], rows)
         cells = []
         for n, r in zip(names, results):
             acc = r["tasks"].get(task, {})
             cells += [[n, d, *[f"{acc[str(m)][d]:.2f}" if d in acc.get(str(m), {}) else "-" for m in lengths]]
                       for d in sorted({d for a in acc.values() for d in a}, key=float)]
-        out += ["", f"**{task}** by depth and length:", ""] + _table(["", "depth", *lengths], cells)
+        out += ["", f"**{task}** by depth and length:", ""] + table(["", "depth", *lengths], cells)
     return out
 
 

@@ -6,7 +6,8 @@ training/metrics.py."""
 from __future__ import annotations
 
 
-def _table(head: list, rows: list[list]) -> list[str]:
+def table(head: list, rows: list[list]) -> list[str]:
+    """A Markdown table: the header, its rule, a line per row (cells as str() writes them)."""
     return ["| " + " | ".join(str(h) for h in head) + " |", "|" + "---|" * len(head),
             *["| " + " | ".join(str(c) for c in r) + " |" for r in rows]]
 
@@ -51,7 +52,7 @@ def eval_tables(rows: list[dict]) -> list[str]:
     def loss(r: dict, key: str) -> str:  # none: nothing was held out (or scored) for it, never a 0.0
         return f"{r[key]:.4f}" if key in r else "none"
 
-    out = _table(head, [[r["stage"], r["stage_name"], r["step"], r["seq_len"], loss(r, "heldout_loss"),
+    out = table(head, [[r["stage"], r["stage_name"], r["step"], r["seq_len"], loss(r, "heldout_loss"),
                          loss(r, "heldout_loss_first_len"), *[loss(r, "heldout_chat_loss")] * (chat is not None),
                          *[acc(r.get('passkey_accuracy', {}).get(d)) for d in depths]] for r in rows])
     for key, col in (("heldout_loss_first_len", f"heldout_loss@{first}"), ("heldout_chat_loss", f"chat_loss@{chat}")):
@@ -62,7 +63,7 @@ def eval_tables(rows: list[dict]) -> list[str]:
     for task in tasks:
         lengths = sorted({int(n) for r in rows for n in r.get("task_mean", {}).get(task, {})})
         out += ["", f"**{task}** accuracy (mean over depths) by evaluated length, after each stage:", ""]
-        out += _table(["stage", "trained at", *lengths],
+        out += table(["stage", "trained at", *lengths],
                       [[r["stage"], r["seq_len"], *[acc(r['task_mean'][task].get(str(n))) for n in lengths]]
                        for r in rows if task in r.get("task_mean", {})])
     with_pos = [r for r in rows if r.get("heldout_loss_by_position")]
@@ -71,7 +72,7 @@ def eval_tables(rows: list[dict]) -> list[str]:
                 "stage's length, first to last; * by offset in the sample: positions not restarted at documents "
                 "(--reset_position_ids no), or a stage evaluated before 2026-11-29):"]
     for nb in sorted({len(r["heldout_loss_by_position"]) for r in with_pos}):  # a table per slice count: a 4-slice
-        out += [""] + _table(["stage", "seq_len", *[f"{i + 1}/{nb}" for i in range(nb)]],  # stage's quarters
+        out += [""] + table(["stage", "seq_len", *[f"{i + 1}/{nb}" for i in range(nb)]],  # stage's quarters
                              [[f"{r['stage']}{'' if r.get('position_by') == 'document' else '*'}", r["seq_len"],
                                *[_loss3(x) for x in r["heldout_loss_by_position"]]]
                               for r in with_pos if len(r["heldout_loss_by_position"]) == nb])  # are not eighths

@@ -106,6 +106,33 @@ def test_a_recorded_tokenizer_edited_since_says_so(tmp_path, capsys):
     assert "--tokenizer_name_or_path" not in str(e.value)
 
 
+def test_the_same_files_putting_another_bos_are_refused_in_one_line(tmp_path):
+    """A folder prepared under another transformers major: DeepSeek-R1-Distill-Qwen's tokenizer (LlamaTokenizerFast,
+    `add_bos_token: true`, no BOS in tokenizer.json's post-processor) puts a BOS before each text under 4.x and none
+    under 5.x, from the same files. same_tokenizer said "files" (the BOS compared on the "vocab" path only), so the
+    documents trained with a BOS the run's tasks, evaluation and export did not have. Now the recorded BOS is compared
+    wherever the tokenizer is taken as the same: one line naming both, for the recorded path and for the model
+    folder's copy; the recorded one passes as before."""
+    from data.run_tokenizer import pick_tokenizer, same_tokenizer
+
+    tok = _word_tokenizer(tmp_path / "tok", WORDS)  # puts no BOS here (this transformers)
+    folder = _prepared(tmp_path, tok)
+    m = json.loads((tmp_path / "prepared" / "manifest.json").read_text())
+    assert m["bos_id"] is None and same_tokenizer(m, tok) == "files"
+    other = {**m, "bos_id": 1}  # as a preparation that put </s>'s id before each text recorded it
+    assert same_tokenizer(other, tok) == "bos"
+    want = r"^--dataset_path .*prepared was prepared with a BOS before each text \(id 1\), and tokenizer .*tok here puts none"
+    with pytest.raises(ValueError, match=want + r" \(its files read under another transformers major") as e:
+        pick_tokenizer(folder, other, None, None, STAGES)
+    assert "\n" not in str(e.value) and "prepare the data again" in str(e.value)
+    model = tmp_path / "model"  # the recorded path gone, the model folder shipping the same files
+    shutil.copytree(tok, model)
+    gone = {**other, "tokenizer": {**other["tokenizer"], "path": str(tmp_path / "gone")}}
+    with pytest.raises(ValueError, match=r"^--dataset_path .*and tokenizer .*model here puts none"):
+        pick_tokenizer(folder, gone, None, str(model), STAGES)
+    assert pick_tokenizer(folder, m, None, None, STAGES) == tok
+
+
 def test_a_tokenizer_with_custom_code_is_refused_without_running_it(tmp_path):
     """auto_map AutoTokenizer (Kimi-K2, Qwen-1, GLM-4, InternLM2): transformers 5 asked on stdin whether to run the
     folder's code (a job waited), and run, it looped in prepare_data's forked workers; without a terminal the refusal

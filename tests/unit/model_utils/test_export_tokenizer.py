@@ -225,3 +225,36 @@ def test_the_4x_rewrite_moves_only_special_tokens_and_keeps_named_ones(tmp_path)
     c = json.loads((out / "tokenizer_config.json").read_text())
     assert c["additional_special_tokens"] == ["<start_of_image>"] and c["tokenizer_class"] == "GemmaTokenizer"
     assert c["extra_special_tokens"] == {"boi_token": "<start_of_image>"} and "model_specific_special_tokens" not in c
+
+
+@pytest.mark.parametrize("in_post_processor, flag", [(False, True), (True, False)])
+def test_the_exported_add_bos_token_is_whether_training_added_one(tmp_path, in_post_processor, flag):
+    """DeepSeek-R1-Distill-Qwen's layout: LlamaTokenizerFast over a byte-level BPE, `add_bos_token: true` in
+    tokenizer_config.json and no BOS in tokenizer.json's post-processor (and the reverse). transformers 4.x's
+    LlamaTokenizerFast adds a BOS from the flag on load, 5.x from the post-processor: the export copied the source's
+    flag, so a 4.x server (vLLM) reading it put a BOS before plain completions that training (this .venv's
+    transformers) never had. The exported flag is now whether training added one (checked by hand under 4.57.1: the
+    export then loads with training's ids under both)."""
+    from tokenizers import Tokenizer as Raw
+    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+    from data.tokenizer import Tokenizer
+    from model_utils.export_tokenizer import export_tokenizer
+
+    bos, eos = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+    t = Raw(models.BPE())
+    t.pre_tokenizer, t.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    t.train_from_iterator(["a quick brown fox jumps over the lazy dog"] * 10, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=[bos, eos], show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    t.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[
+        (bos, 0)]) if in_post_processor else processors.ByteLevel(trim_offsets=False)
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
+    t.save(str(src / "tokenizer.json"))
+    (src / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "LlamaTokenizerFast", "add_bos_token": flag, "add_eos_token": False, "legacy": True,
+        "bos_token": bos, "eos_token": eos, "pad_token": eos, "clean_up_tokenization_spaces": False}))
+    trained = Tokenizer(str(src)).bos_id is not None
+    export_tokenizer(str(src), str(out), None, None)
+    assert json.loads((out / "tokenizer_config.json").read_text())["add_bos_token"] is trained
+    assert (Tokenizer(str(out)).bos_id is not None) is trained  # and 5 reads the export as training read the source
