@@ -39,6 +39,8 @@ TORCHRUN=${TORCHRUN:-$(bin torchrun)}
 die() { echo "launch.sh: error: $*" >&2; exit "$EXIT_USAGE"; }
 . "$ROOT/scripts/launch_crash.sh"  # this node's crash verdict (died_verdict, crash_verdict)
 . "$ROOT/scripts/launch_env.sh"  # launch_id, default_port, *_refusal, remote_signal, shell_words, export_names
+. "$ROOT/scripts/launch_hosts.sh"  # a hostfile's hosts and ranks after the filters (host_lines, active)
+. "$ROOT/scripts/launch_signals.sh"  # a signal passed on to the ranks as a save request (on_signal)
 
 # --- options ---
 num_gpus="" hostfile="" include="" exclude="" num_nodes="" launcher="" no_ssh=0 torchrun=0
@@ -93,30 +95,6 @@ esac
 { [ -n "$include" ] || [ -n "$exclude" ]; } && [ -n "$num_gpus$num_nodes" ] &&
   die "--num_gpus/--num_nodes cannot be combined with --include/--exclude (the deepspeed launcher refuses)"
 [[ -z $num_gpus || $num_gpus =~ ^[1-9][0-9]*$ ]] || die "--num_gpus $num_gpus: a number of ranks >= 1 on this node"  # 0: all GPUs
-host_lines() { { grep -v '^\s*#' "$hostfile" || true; } | sed 's/#.*//' | awk 'NF'; }  # as deepspeed reads a hostfile
-# What deepspeed's runner runs on: its pool ("HOST slots=N" lines on stdin; $1 says whose) after --include/--exclude
-# (NAME[:SLOT[,SLOT]][@...]) and --num_nodes, "HOST RANKS" a line in the pool's order. A name or slot not in the pool,
-# or nothing left, is one line here (the runner: a traceback, or with --no_ssh an AssertionError after 20 s).
-active() {
-  awk -v inc="$include" -v exc="$exclude" -v top="${num_nodes:-0}" -v where="$1" '
-    function no(why) { print (inc exc == "" ? "" : inc == "" ? "--exclude " exc ": " : "--include " inc ": ") why; exit 1 }
-    { h[NR] = $1; n[$1] = match($0, /slots=[0-9]+/) ? substr($0, RSTART + 6, RLENGTH - 6) + 0 : 0; all = all " " $1 }
-    END { if (!NR) no(where " names no host (a line \047HOST slots=N\047 per node)")
-      k = split(inc exc, spec, "@")
-      for (i = 1; i <= k; i++) { name = spec[i]; sub(/:.*/, "", name); m = split(substr(spec[i], length(name) + 2), s, ",")
-        if (!(name in n)) no(name " is not a host of " where ": its hosts are" all)
-        if ((name in seen && (!m || seen[name] == "all")) || (index(spec[i], ":") && !m)) no(name (name in seen ? \
-          " is named whole and again" : " has an empty slot list") ": name it once whole, or by its slots (HOST:SLOT," \
-          "SLOT; deepspeed reads this form otherwise)"); seen[name] = m ? "slots" : "all"
-        for (j = 0; j < n[name] && !m; j++) pick[name, j] = 1
-        for (j = 1; j <= m; j++) if (s[j] !~ /^[0-9]+$/ || s[j] + 0 >= n[name])
-          no(name " has no slot " s[j] " in " where ": its slots are 0-" n[name] - 1); else pick[name, s[j] + 0] = 1 }
-      for (r = 1; r <= NR && (!top || left < top); r++) { c = 0
-        for (j = 0; j < n[h[r]]; j++) c += (inc exc == "") || ((inc != "") == ((h[r], j) in pick))
-        if (c) { out = out h[r] " " c "\n"; left++ } }
-      if (!left) no("nothing left to run on in " where)
-      if (top > left) no("--num_nodes " top " but " where " has " left " hosts"); printf "%s", out }'
-}
 if [ -n "$hostfile" ]; then
   act=$(host_lines | active "hostfile $hostfile") || die "$act"
   lines=$(wc -l <<< "$act")
@@ -257,62 +235,9 @@ shell_words "DS_ACCELERATOR=$DS_ACCELERATOR" "PYTHONPATH=$PYTHONPATH" "OMP_NUM_T
 [ "$print_only" = 1 ] && exit 0
 
 # --- run it, pass signals on as "save and exit" requests, return train.py's exit code ---
-children() {  # pids whose parent is $1 (from /proc, so no procps needed)
-  local f line rest state ppid
-  for f in /proc/[0-9]*/stat; do
-    { read -r line < "$f"; } 2>/dev/null || continue
-    rest=${line##*) }  # the command name in (...) may contain spaces
-    read -r state ppid _ <<< "$rest"
-    [ "$ppid" = "$1" ] && { f=${f#/proc/}; echo "${f%/stat}"; }
-  done
-  return 0
-}
-rank_pids() {  # deepspeed: runner -> deepspeed.launcher.launch -> ranks; torchrun: torchrun -> ranks
-  local p
-  [ -n "$launcher_pid" ] || return 0
-  if [ "$mode" = torchrun ]; then children "$launcher_pid"; return; fi
-  for p in $(children "$launcher_pid"); do children "$p"; done
-}
-catches_usr1() {  # has the rank installed its SIGUSR1 handler yet? (bit 10-1 of SigCgt)
-  local mask
-  mask=$(awk '/^SigCgt:/ {print $2}' "/proc/$1/status" 2>/dev/null) && [ -n "$mask" ] && (( 0x$mask & 0x200 ))
-}
-forward() {  # SIGUSR1 to every local rank that listens for it; stays pending until all of them do
-  local p ranks="" waiting=0
-  for p in $(rank_pids); do
-    if catches_usr1 "$p"; then ranks+=" $p"; else waiting=1; fi
-  done
-  # shellcheck disable=SC2086  # one pid per word
-  [ -n "$ranks" ] && kill -USR1 $ranks 2>/dev/null && echo "launch.sh: SIGUSR1 sent to ranks$ranks" >&2
-  if over_pdsh && [ "$pending" = 1 ]; then
-    signal_nodes USR1  # this launch's ranks
-  fi
-  if over_pdsh || { [ -n "$ranks" ] && [ "$waiting" = 0 ]; }; then pending=0; fi
-}
+# (children, rank_pids, forward, hard_stop, on_signal: scripts/launch_signals.sh)
 set +e  # from here on the exit code is train.py's, not the first failing helper's
 launcher_pid="" pending=0 interrupts=0 signalled=0 killed=0
-# A second SIGINT: SIGTERM to the launcher's process group, ranks included (deepspeed's runner handles it only for pdsh
-# on several nodes: on one node or --no_ssh it died alone, launch.py and the ranks got nothing, and this script waited
-# RANK_EXIT_WAIT_S a rank); launch.py then TERMs its ranks and SIGKILLs them 30 s later. pdsh: the ranks of this launch
-# on every node (the runner's handler would pkill every deepspeed launch there); launch.py ends the rest 30 s after the
-# first exits. A third: SIGKILL to all of them (torchrun's workers have sessions of their own), and no wait for a rank.
-hard_stop() {
-  local sig=TERM after=" (SIGKILL after 30 s)"
-  [ "$interrupts" -ge 3 ] && sig=KILL killed=1 after=""
-  echo "launch.sh: SIGINT $interrupts: SIG$sig to the launcher and every rank$after" >&2
-  over_pdsh && signal_nodes "$sig"
-  # shellcheck disable=SC2046,SC2086  # one pid per word
-  [ "$killed" = 1 ] && kill -KILL $(rank_pids) $known_ranks 2>/dev/null
-  over_pdsh && [ "$killed" = 0 ] || kill -"$sig" -- -"$launcher_pid" 2>/dev/null  # (a hostfile of this host alone: local)
-  return 0
-}
-on_signal() {
-  signalled=1
-  if [ "$1" = INT ] && [ $((interrupts += 1)) -ge 2 ]; then hard_stop; return 0; fi
-  echo "launch.sh: got SIG$1: asking the training to save and exit $EXIT_PREEMPTED" >&2
-  pending=1
-  forward
-}
 for s in TERM INT USR1 USR2 HUP; do trap "on_signal $s" "$s"; done
 trap : PIPE  # after a hang-up a `| tee` is gone too: this script's own lines are lost, not the script (the default)
 

@@ -107,7 +107,8 @@ FILTERS = [("", ""), ("w1", ""), ("w1:0,3@w0", ""), ("w0:1@w0:0", ""), ("", "w1"
 
 @pytest.mark.parametrize("include, exclude", FILTERS)
 def test_the_hosts_and_ranks_are_deepspeeds(include, exclude):
-    """launch.sh's reading of a filter (its `active`) against the runner's own (parse_inclusion_exclusion)."""
+    """launch.sh's reading of a filter (its `active`, scripts/launch_hosts.sh) against the runner's own
+    (parse_inclusion_exclusion)."""
     import collections
 
     from deepspeed.launcher.runner import parse_inclusion_exclusion
@@ -117,7 +118,7 @@ def test_the_hosts_and_ranks_are_deepspeeds(include, exclude):
         theirs = [f"{h} {len(s)}" for h, s in parse_inclusion_exclusion(pool, include, exclude).items()] or None
     except ValueError:
         theirs = None
-    with open(LAUNCH) as fh:
+    with open(os.path.join(ROOT, "scripts", "launch_hosts.sh")) as fh:
         text = fh.read()
     fn = text[text.index("\nactive() {") + 1:text.index("\n}\n", text.index("\nactive() {")) + 2]
     p = subprocess.run(["bash", "-c", f'{fn}\ninclude="$1" exclude="$2" num_nodes=""; printf "%s slots=%s\\n" w0 2 w1 4 '
