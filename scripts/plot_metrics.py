@@ -4,8 +4,9 @@ evaluations between stages.
     python scripts/plot_metrics.py checkpoints/RUN/metrics.jsonl -o checkpoints/RUN/metrics.png
 
 One PNG with three panels sharing the step axis; a dashed vertical line marks each curriculum stage
-boundary (the first step of a new stage), labelled with the stage and its sequence length. Anything
-without "step" and "loss" is skipped there; files written before stages existed have no "stage" key and
+boundary (the first step of a new stage), labelled with the stage and its sequence length, and a thin grey one each
+resume (`"event": "resume"`: a later start continued after that step; `peak_mem_gb` starts again there, each start's
+own). Anything without "step" and "loss" is skipped there; files written before stages existed have no "stage" key and
 count as stage 0; a record whose step (or an evaluation's stage) is not an integer is skipped, counted in one
 note. A file that cannot be read (not UTF-8, no permission) is refused in one line (exit 2). `-o` names the image
 (.png, or another extension matplotlib writes: .svg, .pdf ...); a folder, a name without an extension or another
@@ -89,6 +90,11 @@ def unnumbered(recs: list[dict]) -> int:
                or (_is_eval(r) and _as_int(r["stage"]) is None))
 
 
+def resumes(recs: list[dict]) -> list[int]:
+    """The steps after which a later start continued (its resume records: training/metrics_starts.py), in order."""
+    return sorted({k for r in recs if r.get("event") == "resume" and (k := _as_int(r.get("step"))) is not None})
+
+
 def stage_boundaries(steps: list[dict]) -> list[int]:
     """The steps at which a new stage begins (never the first step of the file)."""
     return [cur["step"] for prev, cur in zip(steps, steps[1:]) if cur.get("stage", 0) != prev.get("stage", 0)]
@@ -108,7 +114,7 @@ def smooth(values: list[float], window: int) -> list[float]:
     return out
 
 
-def plot(steps: list[dict], out: str, title: str = "") -> None:
+def plot(steps: list[dict], out: str, title: str = "", resumed: list[int] = ()) -> None:
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -132,6 +138,8 @@ def plot(steps: list[dict], out: str, title: str = "") -> None:
         ax.grid(alpha=0.3)
         for b in bounds:
             ax.axvline(b - 0.5, color="tab:red", ls="--", lw=1)  # between the last step of a stage and the next
+        for r in resumed:
+            ax.axvline(r + 0.5, color="0.6", lw=0.6)  # between the resumed step and the next start's first
     # stage labels written along the boundary lines, so short stages do not overlap
     where = blended_transform_factory(axes[0].transData, axes[0].transAxes)
     for r in starts:
@@ -262,8 +270,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.metrics} has no step records (lines with 'step' and 'loss')", file=sys.stderr)
         return 2
     out = args.out or args.metrics.rsplit(".", 1)[0] + ".png"
-    plot(steps, out, title=args.metrics)
-    print(f"{out}: {len(steps)} steps, stage boundaries at {stage_boundaries(steps) or 'none'}")
+    plot(steps, out, title=args.metrics, resumed=resumes(recs))
+    print(f"{out}: {len(steps)} steps, stage boundaries at {stage_boundaries(steps) or 'none'}, resumed after steps "
+          f"{resumes(recs) or 'none'}")
     if evals:
         eval_out = out.rsplit(".", 1)[0] + "_eval.png"
         plot_eval(evals, eval_out, title=args.metrics + ": evaluation after each stage")

@@ -26,9 +26,12 @@ import torch
 
 from base import comm
 from base.atomic import atomic_write
+from base.exits import EXIT_PREEMPTED
 from base.host import peak_rss_bytes
 from base.log import print0, say
+from training import metrics_starts as starts
 from training.eval_tables import eval_tables
+from training.metrics_starts import lines_backwards as _lines_backwards
 from training.metrics_wandb import said_lost_records, start_wandb, wandb_enabled
 
 
@@ -50,9 +53,10 @@ def profiled_peak_bytes(fn) -> int:
 
 
 def reset_peak_memory() -> None:
-    """Start a new peak (at every stage's start, so `peak_mem_gb` is the stage's own): the device's peak
-    allocation counters on GPU; on CPU the process' VmHWM, which Linux resets on writing 5 to
-    /proc/self/clear_refs (no effect where that file is missing)."""
+    """Start a new peak (at every stage's start, so `peak_mem_gb` is the stage's own at this start: a resume in the
+    middle of a stage is a new process, whose count starts again; not carried across, a restore's own peak would hide
+    in it): the device's peak allocation counters on GPU; on CPU the process' VmHWM, which Linux resets on writing 5
+    to /proc/self/clear_refs (no effect where that file is missing)."""
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
         return
@@ -83,27 +87,6 @@ ETA_WINDOW = 20  # steps whose mean wall-clock time (saves included) gives the l
 STEP_KEY = "step"  # the record key W&B plots every metric against (define_metric): never wandb.log(step=)
 
 
-def _lines_backwards(fh, block: int = 1 << 16):
-    """(offset, bytes, 1 if a newline ends it else 0) of each line of the binary file `fh`, the last first: reads
-    only as far back as the caller goes (metrics.jsonl's tail), a block at a time."""
-    pos = fh.seek(0, os.SEEK_END)
-    rest, final = b"", True  # rest: the block's first piece (its line may start further back); final: the file's end
-    while pos > 0:
-        n = min(block, pos)
-        pos -= n
-        fh.seek(pos)
-        parts = (fh.read(n) + rest).split(b"\n")
-        starts = [pos]
-        for p in parts[:-1]:
-            starts.append(starts[-1] + len(p) + 1)
-        for i in range(len(parts) - 1, 0, -1):
-            yield starts[i], parts[i], int(not final)
-            final = False
-        rest = parts[0]
-    if rest or not final:
-        yield 0, rest, int(not final)
-
-
 class MetricsLogger:
     """Rank 0 appends one JSON line per event to OUTPUT_DIR/metrics.jsonl and mirrors it to W&B."""
 
@@ -129,6 +112,9 @@ class MetricsLogger:
         self._bar_stage: tuple[int | None] | None = None  # begin_stage's (start,) until the stage's first step
         self._ticks: collections.deque = collections.deque(maxlen=ETA_WINDOW + 1)  # (stage, monotonic time) per step
         self.eval_dir = os.path.join(output_dir, "eval")
+        self.output_dir, self.start_step = output_dir, resume_step
+        self._sent: collections.deque = collections.deque()  # (monotonic time, step) of the last records W&B took
+        self._resume: dict | None = None  # this start's resume record, written before its first step record
         if not is_main:
             return
         os.makedirs(self.eval_dir, exist_ok=True)
@@ -138,20 +124,34 @@ class MetricsLogger:
             except (KeyError, TypeError, ValueError, OSError) as e:
                 print0(f"warning: {self.eval_dir}/summary.md not rebuilt from its stage records ({type(e).__name__}: "
                        f"{e}); the records themselves are kept")
+        earlier = os.path.exists(self.path) and os.path.getsize(self.path) > 0
         logged = self._truncate(resume_step)
+        if earlier or resume_step:  # a start after another (training/metrics_starts.py): its boundary on record
+            self._resume = {"event": "resume", "step": resume_step,
+                            **({"dropped_through": logged} if logged > resume_step else {})}
+        if logged > resume_step:
+            print0(starts.dropped_line(resume_step, logged, branch))
+        self._complete = starts.stamp(os.path.join(output_dir, "COMPLETE"))  # close: written during this start, or not
         if wandb_enabled(report_to):
+            starts.move_empty_offline_runs(self.wandb_dir, run_id)  # before wandb.init makes this start's own folder
             self.wandb = start_wandb(self, output_dir, project, run_id, config, logged, resume_step, branch)
             self._wb(lambda run: (run.define_metric(STEP_KEY),  # our step: every metric's x-axis (module docstring)
                                   run.define_metric("*", step_metric=STEP_KEY)))
+            if self.wandb is None:  # it could not start: this start's records are owed to the run
+                starts.note_unsent(output_dir, self.run_id, resume_step)
+            else:
+                self._resend(resume_step)
         if progress_bar and sys.stderr.isatty():
             from tqdm import tqdm
 
             # initial: the resumed steps are not counted as done in this start's time (rate and ETA were 100x off)
             self.bar = tqdm(total=total_steps, initial=resume_step, dynamic_ncols=True, desc="train")
 
-    def _wb(self, call) -> None:
+    def _wb(self, call, step: int | None = None) -> None:
         """call(run) on rank 0's W&B run (None elsewhere: no collective waits on it); any error turns W&B off, said once:
-        wandb-core dies on a launcher's or slurmstepd's SIGTERM/SIGINT, and a log raised before the agreed save (exit 1)."""
+        wandb-core dies on a launcher's or slurmstepd's SIGTERM/SIGINT, and a log raised before the agreed save (exit 1).
+        `step`: the record's, kept when it went through; when W&B goes off, the first step it may lack is noted for the
+        next start to re-send (training/metrics_starts.py: its last ~15 s die with its service)."""
         if self.wandb is None:
             return
         try:
@@ -159,11 +159,29 @@ class MetricsLogger:
         except Exception as e:  # noqa: BLE001  any of W&B's errors: metrics.jsonl and the run go on without it
             self.wandb, why = None, (str(e).strip().splitlines() or [""])[0][:200]
             print(f"warning: W&B stopped answering ({type(e).__name__}: {why}): W&B off for the rest of this run; "
-                  "metrics.jsonl keeps every record", flush=True)
+                  "metrics.jsonl keeps every record, and the next start sends W&B those it may lack", flush=True)
+            starts.note_unsent(self.output_dir, self.run_id, starts.first_unsent(self._sent, step, self.start_step))
             if isinstance(e, ConnectionError):  # wandb-core gone: its exit hook would print this again, a traceback
                 from wandb import teardown
                 with contextlib.suppress(Exception):  # unhooks it, then raises at once (the socket is broken)
                     teardown()
+            return
+        if step is not None:  # in memory: the records of the last starts.UNSENT_WINDOW_S and 3 more (O(1) a record)
+            q = self._sent
+            q.append((time.monotonic(), step))
+            while len(q) > 3 and q[0][0] < q[-3][0] - starts.UNSENT_WINDOW_S:
+                q.popleft()
+
+    def _resend(self, upto: int) -> None:
+        """Send W&B the records an earlier start's W&B lost (training/metrics_starts.py), through `upto` (the resumed
+        step: metrics.jsonl holds nothing after it now); the note goes once they went through."""
+        first, recs = starts.owed(self.output_dir, self.run_id, self.path, upto)
+        for rec in recs:
+            self._wb(lambda run, rec=rec: run.log(_wandb_row(rec)), rec.get("step"))
+        if first is not None and self.wandb is not None:
+            starts.clear_unsent(self.output_dir)
+            print0(f"W&B: {len(recs)} record(s) of steps {first}-{upto} sent again from metrics.jsonl (its service "
+                   "died at an earlier start with them unwritten)")
 
     def _truncate(self, step: int) -> int:
         """Drop lines of steps after the checkpoint we resume from: they will be trained again. Records are appended
@@ -221,8 +239,7 @@ class MetricsLogger:
         if not self.is_main:
             return
         self.log({"event": "eval", **result})
-        self._wb(lambda run: run.log({**{k: v for k, v in _flatten(result, "eval").items() if "/" in k[5:]},
-                                      **_at(result.get("step"))}))
+        self._wb(lambda run: run.log({**_nested(result), **_at(result.get("step"))}), result.get("step"))
         # strict JSON, as metrics.jsonl: an empty position bucket's NaN is null (a bare NaN, which jq and most readers
         # refuse, was written here); eval_tables reads both, records from before too
         atomic_write(os.path.join(self.eval_dir, f"stage{stage}.json"), json.dumps(strict(result), indent=1).encode())
@@ -256,13 +273,17 @@ class MetricsLogger:
     def log(self, record: dict) -> None:
         if not self.is_main:
             return
+        first = [self._resume] if self._resume and "loss" in record else []  # this start's first step: its boundary
         try:
             with open(self.path, "a") as fh:
-                fh.write(json.dumps(strict(record)) + "\n")
+                fh.write("".join(json.dumps(strict(r)) + "\n" for r in (*first, record)))
         except OSError as e:  # a write into the open file names none: a full disk here is the user's (training/job.py
             e.filename = e.filename or self.path  # users_disk), one line and exit 2, not node 0's crash
             raise
-        self._wb(lambda run: run.log({**_wandb_fields(record), **_at(record.get("step"))}))
+        for r in (*first, record):
+            self._wb(lambda run, r=r: run.log({**_wandb_fields(r), **_at(r.get("step"))}), r.get("step"))
+        if first:
+            self._resume = None
         if "loss" in record and "step" in record:
             step, loss, rate = record["step"], record["loss"], record.get("tokens_per_s")  # null: a skipped step
             line = (f"step {step} stage {record.get('stage', 0)} loss {'-' if loss is None else f'{loss:.4f}'} "
@@ -327,13 +348,25 @@ class MetricsLogger:
 
     def close(self, timeout_s: float | None = None) -> None:
         """End the bar and the W&B run; its finish (an online run's last upload) waited for at most `timeout_s`
-        (a SIGTERM window's stop: the launcher's SIGKILL must not come before the rank records its 75)."""
+        (a SIGTERM window's stop: the launcher's SIGKILL must not come before the rank records its 75).
+
+        train.py closes twice: after writing COMPLETE (rank 0, just before), and in the preempted exit (stage.py's
+        Run.exit_preempted). COMPLETE written during this start: the run_end record and line (metrics_starts.py);
+        else the preempted exit: W&B's run is marked preempting and finishes with 75, as the rank exits (it showed
+        "finished", exit 0, at every requeue; wandb/sdk/wandb_run.py mark_preempting, finish(exit_code))."""
         if self.bar is not None:
             self.bar.close()
+        complete = self.is_main and starts.stamp(os.path.join(self.output_dir, "COMPLETE")) not in (None, self._complete)
+        if complete and (totals := starts.run_totals(self.path)):
+            self.log({"event": "run_end", **totals})
+            print0(starts.end_line(totals))
         if self.wandb is None:
             return
+        if not complete and hasattr(self.wandb, "mark_preempting"):  # an older wandb without it: finish alone
+            self._wb(lambda run: run.mark_preempting())
+        end = (lambda run: run.finish()) if complete else (lambda run: run.finish(exit_code=EXIT_PREEMPTED))
         run_dir = os.path.dirname(str(getattr(self.wandb, "dir", "") or "")) or None  # .../offline-run-*/ (files/)
-        t = threading.Thread(target=self._wb, args=(lambda run: run.finish(),), name="wandb-finish", daemon=True)
+        t = threading.Thread(target=self._wb, args=(end,), name="wandb-finish", daemon=True)
         t.start()
         t.join(timeout_s)  # None: an ordinary end, unbounded
         if t.is_alive():
@@ -362,6 +395,16 @@ def _wandb_fields(record: dict) -> dict:
     if not event:
         return nums
     return {f"{event}/{k}": v for k, v in nums.items() if k != "step"}
+
+
+def _nested(result: dict) -> dict:
+    """An evaluation's nested results as W&B scalars (task -> length -> depth: eval/tasks/passkey/8192/0.5)."""
+    return {k: v for k, v in _flatten(result, "eval").items() if "/" in k[5:]}
+
+
+def _wandb_row(record: dict) -> dict:
+    """What log (and log_eval) sent W&B for a metrics.jsonl record, as one row: a re-send (MetricsLogger._resend)."""
+    return {**_wandb_fields(record), **(_nested(record) if record.get("event") == "eval" else {}), **_at(record.get("step"))}
 
 
 def _at(step) -> dict:

@@ -93,3 +93,22 @@ def test_a_run_folder_is_read_and_a_missing_file_is_one_line(tmp_path, capsys):
         assert len(err) == 1 and line in err[0], err
     assert not (tmp_path / "x.txt").exists() and not (tmp_path / "x.png").exists()
     assert not any(tmp_path.parent.glob(f"{tmp_path.name}.png"))
+
+
+def test_resumes_are_read_and_drawn(tmp_path, capsys):
+    """A resume (training/metrics_starts.py's `"event": "resume"` record: a later start continued after that step,
+    its steps after dropped and trained again where `dropped_through` says so) was invisible on the plot. It is a thin
+    grey line after the resumed step, named in the summary line; the record is no step."""
+    mod = load_plot_metrics()
+    m = tmp_path / "metrics.jsonl"
+    write_metrics(m, lambda s: 0)
+    recs = [json.loads(x) for x in m.read_text().splitlines()[:-1]]
+    recs.insert(7, {"event": "resume", "step": 6, "dropped_through": 8})
+    recs.insert(10, {"event": "resume", "step": 9})
+    m.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert mod.resumes(recs) == [6, 9] and [r["step"] for r in mod.read_steps(str(m))] == list(range(1, 11))
+    drawn = []
+    real = mod.plot
+    mod.plot = lambda steps, out, title="", resumed=(): drawn.append(list(resumed)) or real(steps, out, title, resumed)
+    assert mod.main([str(m), "-o", str(tmp_path / "m.png")]) == 0
+    assert drawn == [[6, 9]] and "resumed after steps [6, 9]" in capsys.readouterr().out

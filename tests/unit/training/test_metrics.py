@@ -45,7 +45,7 @@ def test_wandb_gets_the_eval_table_at_its_step_and_says_it_is_offline(tmp_path, 
     logged, axes = [], []
     run = types.SimpleNamespace(log=lambda data, **kw: logged.append((sorted(data), data.get("step"), kw)),
                                 define_metric=lambda name, step_metric=None: axes.append((name, step_metric)),
-                                finish=lambda: None)
+                                finish=lambda **kw: None)
     fake = types.SimpleNamespace(init=lambda **kw: run, Settings=lambda **kw: None,
                                  Table=lambda columns, data: ("table", len(data)))
     monkeypatch.setitem(sys.modules, "wandb", fake)
@@ -68,7 +68,7 @@ def test_a_branch_from_an_earlier_step_logs_to_a_new_wandb_run(tmp_path, monkeyp
     from training.metrics import MetricsLogger
 
     inits = []
-    run = types.SimpleNamespace(log=lambda *a, **kw: None, define_metric=lambda *a, **kw: None, finish=lambda: None)
+    run = types.SimpleNamespace(log=lambda *a, **kw: None, define_metric=lambda *a, **kw: None, finish=lambda **kw: None)
     monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(
         init=lambda **kw: inits.append((kw["id"], kw.get("group"))) or run, Settings=lambda **kw: None))
     monkeypatch.setenv("WANDB_MODE", "offline")

@@ -63,8 +63,8 @@ class FakeRun:
                 out.setdefault(row[self.axis], {}).update(row)
         return out
 
-    def finish(self) -> None:
-        pass
+    def finish(self, exit_code=None) -> None:
+        self.exit_code = exit_code
 
 
 @pytest.fixture
@@ -337,7 +337,7 @@ def test_a_window_stops_wandb_finish_is_bounded(tmp_path, wandb_env, capsys):
     wandb_env.setenv("WANDB_MODE", "offline")
     m = MetricsLogger(str(tmp_path), True, "wandb", None, None, {}, 10, False)
     release = threading.Event()
-    m.wandb.finish = lambda: release.wait(30)  # an upload that does not end
+    m.wandb.finish = lambda **kw: release.wait(30)  # an upload that does not end
     import time
 
     t0 = time.monotonic()
@@ -373,7 +373,7 @@ def test_records_wandb_could_not_save_are_said_at_the_end(tmp_path, wandb_env, c
         (run / "logs" / "debug-internal.log").write_text(
             "writer: ok\n" + "writer: failed to save record: write: file too large\n" * lost)
         m.wandb.dir = str(run / "files")
-        m.wandb.finish = lambda: None
+        m.wandb.finish = lambda **kw: None
         m.close()
         out = capsys.readouterr().out
         assert ("could not save some records" in out and "metrics.jsonl" in out) == lost, out
