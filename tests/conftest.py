@@ -65,6 +65,45 @@ def assets(tmp_path_factory):
     }
 
 
+def _worker_threads() -> int | None:
+    """Under xdist: this worker's share of the CPUs (base/host.usable_cpus over the workers, at least 1), the share
+    launch.sh gives each rank; None in a plain pytest process (its torch keeps a thread per CPU)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
+    if not os.environ.get("PYTEST_XDIST_WORKER") or workers < 1:
+        return None
+    from base.host import usable_cpus
+
+    return max(1, len(usable_cpus()) // workers)
+
+
+def pytest_configure(config):
+    """Each xdist worker runs torch's in-process ops on its share of the CPUs (make test: two workers on 2 cores, one
+    thread each). With torch's default of a thread per CPU, two busy workers ran four OpenMP threads on 2 cores and
+    every parallel op waited at its barrier for a descheduled thread: an [8, 32] x [32, 32] addmm took 8 ms instead
+    of 10 us (measured 2026-12-01 with another process busy), test_phase_bytes 27.5 -> 5.1 s and
+    test_latent_shapes' 27 tiny models ~16 -> ~2 s (alone on a loaded box; 48 and 50 s in 4ec2f4f's clean clone,
+    where the two ran side by side; side by side under `-n 2` on the loaded box 222 + 200 -> 24 + 22 s, 57 -> 9
+    CPU-s; tests/unit's CPU-s 341 -> 211). The launches' processes are not touched (no OMP_NUM_THREADS is set: launch.sh
+    and base/host.check_cpu_placement still choose theirs, as the e2e tests check)."""
+    threads = _worker_threads()
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+        config._worker_threads = threads
+
+
+def pytest_runtest_teardown(item):
+    """A test that let product code set torch's threads (base/host.check_cpu_placement's share) hands the worker
+    back its own share."""
+    threads = getattr(item.config, "_worker_threads", None)
+    if threads is not None:
+        import torch
+
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """make test runs on two pytest-xdist workers (`-n 2`): a launch waits on sleeps, polls and process start-ups a

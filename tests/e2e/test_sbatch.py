@@ -262,6 +262,9 @@ def test_sbatch_gives_each_nodes_task_the_nodes_cpus(tmp_path, env, cpus):
 
 TWO_NODES = {"SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "127.0.0.1,localhost", "SRUN_KILL_WAIT": "5",
              "STATE_SETTLE_S": "8", "SCONTROL_NODES": "gpu[1-8]"}  # the cluster's other nodes (the partition's)
+# A node whose processes were all SIGKILLed never records its exit: slurm.sbatch looks for the record the whole
+# STATE_SETTLE_S, so those cases take 2 s (8 s each before); the look itself is tested by a record that comes 3 s late
+# (test_a_nodes_exit_record_seen_late_does_not_exclude_it, TWO_NODES' 8 s)
 
 
 def node_lines(tmp_path, node: int) -> list[str]:
@@ -276,8 +279,8 @@ def test_sbatch_requeues_a_lost_node_without_it(tmp_path, how):
     SIGTERM). `stalled`: node 1's ranks stopped beating (hung, cut off): node 0's launcher exits 69 naming node 1 in
     LAUNCH_LOST_FILE, node 1 is ended by srun. Either way: requeue, then ExcNodeList += node 1's host (the job pending). (The
     job used to fail: "failed with 137" / "failed with 69: not requeueing".)"""
-    env = dict(TWO_NODES, FAKE_EXIT_1="kill", FAKE_EXIT_0="wait", FAKE_EXIT_AFTER="143", FAKE_AFTER_READY="0") \
-        if how == "killed" else \
+    env = dict(TWO_NODES, FAKE_EXIT_1="kill", FAKE_EXIT_0="wait", FAKE_EXIT_AFTER="143", FAKE_AFTER_READY="0",
+               STATE_SETTLE_S="2") if how == "killed" else \
         dict(TWO_NODES, FAKE_EXIT_0="69", FAKE_LOST="1", FAKE_EXIT_1="wait", FAKE_EXIT_AFTER="69", FAKE_AFTER_READY="1")
     (tmp_path / "scontrol.log.state").write_text("exc=gpu7\n")  # excluded by an earlier requeue: kept
     job = sbatch(tmp_path, "0", ["--output_dir", str(tmp_path / "out")], **env)
@@ -308,7 +311,8 @@ def test_a_job_asking_for_its_nodes_is_requeued_without_an_exclusion(tmp_path, n
     no such job: its lost node is excluded as any other's (the partition's count decides)."""
     (tmp_path / "scontrol.log.state").write_text(narrow + "\n")
     job = sbatch(tmp_path, "0", ["--output_dir", str(tmp_path / "out")],
-                 **dict(TWO_NODES, FAKE_EXIT_1="kill", FAKE_EXIT_0="wait", FAKE_EXIT_AFTER="143", FAKE_AFTER_READY="0"))
+                 **dict(TWO_NODES, FAKE_EXIT_1="kill", FAKE_EXIT_0="wait", FAKE_EXIT_AFTER="143", FAKE_AFTER_READY="0",
+                        STATE_SETTLE_S="2"))
     text = job.communicate(timeout=60)[0]
     if narrow.startswith("req_nodes"):
         assert job.returncode == 0 and requeues(tmp_path) == ["requeue 4242"], text
