@@ -223,6 +223,16 @@ def trained_length(checkpoint: str) -> int:
     return max(int(s.get("max_seq_length") or cfg.get("max_seq_length") or 0) for s in stages)
 
 
+def trained_bos(checkpoint: str) -> bool | None:
+    """Whether the run put a BOS before each text (its trainer.json `bos_id`: data/tokenizer.Tokenizer.bos_id, an id
+    or null), the exported add_bos_token (export_tokenizer); None where it does not say (a checkpoint from before it
+    was recorded, a run without a tokenizer)."""
+    got = _json(os.path.join(checkpoint, "trainer.json"))
+    if "bos_id" not in got or not (got["bos_id"] is None or isinstance(got["bos_id"], int)):
+        return None
+    return got["bos_id"] is not None
+
+
 def sentencepiece_ids(path: str) -> tuple[int | None, int | None, int | None]:
     """(bos, eos, pad) of a sentencepiece model file, None where it has none: what the run's documents were ended
     with (data/tokenizer.py), so what generation must stop on (the preset's 1 / 2 named <unk> / <s> in the demo's)."""
@@ -363,7 +373,8 @@ def export_hf(checkpoint: str, out_dir: str, tokenizer_path: str | None = None, 
     if tokenizer_path and os.path.isfile(tokenizer_path):
         shutil.copy(tokenizer_path, os.path.join(tmp, "tokenizer.model"))
     elif tokenizer_path and os.path.isdir(tokenizer_path):
-        export_tokenizer(tokenizer_path, tmp, template, getattr(text, "max_position_embeddings", None))
+        export_tokenizer(tokenizer_path, tmp, template, getattr(text, "max_position_embeddings", None),
+                         trained_bos(checkpoint))
     with open(os.path.join(tmp, CARD), "w") as fh:
         fh.write(model_card(checkpoint, source, config, written, any(os.path.isfile(os.path.join(tmp, f)) for f in (
             "tokenizer.model", "tokenizer.json", "tokenizer_config.json")), bool(template)))

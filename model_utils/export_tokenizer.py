@@ -51,7 +51,8 @@ def recorded_or_none(tokenizer_path: str | None, source: str | None) -> tuple[st
 VERY_LARGE = 1e20  # a model_max_length above it is transformers' "no limit" (int(1e30)), not a length
 
 
-def export_tokenizer(tokenizer_path: str, out: str, template: str | None, positions: int | None) -> None:
+def export_tokenizer(tokenizer_path: str, out: str, template: str | None, positions: int | None,
+                     trained_bos: bool | None = None) -> None:
     """The run's Hugging Face tokenizer folder written to `out` (transformers' save_pretrained, then legacy_tokenizer:
     read alike by 4.x and 5), with the chat template the rows were rendered with (`template`; else the folder's own,
     or the one it ships only in chat_template.json, which AutoTokenizer does not read and data/tokenizer.py trains on:
@@ -61,12 +62,22 @@ def export_tokenizer(tokenizer_path: str, out: str, template: str | None, positi
     `--chat_template tool_use`) keeps the whole set, as an `auto` run's export does: transformers and vLLM pick
     `tool_use` for a request with tools and `default` without. Replaced by it alone, every request without tools
     raised on Hermes ('NoneType' object is not iterable) and got R7B's tool preamble. Another member (`rag`, which no
-    server picks by itself) is carried alone, as before: what the rows were rendered with."""
+    server picks by itself) is carried alone, as before: what the rows were rendered with.
+    `trained_bos`: whether training put a BOS before a text (the checkpoint's trainer.json `bos_id`: export.trained_bos),
+    the exported add_bos_token; where the tokenizer here frames a text otherwise (its files read under another
+    transformers major: legacy_tokenizer), one note says so and the recorded rule is written. None (a checkpoint from
+    before it was recorded): what the tokenizer does here (adds_bos), which is training's under the same major."""
     from transformers import AutoTokenizer
 
     # as training read it (data/tokenizer.HF_TOKENIZER): a folder's own Python never run
     tok = AutoTokenizer.from_pretrained(tokenizer_path, mistral_format=False, trust_remote_code=False)
-    bos = adds_bos(tok)  # before anything of it is changed: what training put before a text
+    here = adds_bos(tok)  # before anything of it is changed: what it puts before a text under this transformers
+    if trained_bos is not None and trained_bos != here:
+        print(f"note: the run trained {'with' if trained_bos else 'without'} a BOS before each text (trainer.json "
+              f"bos_id), and tokenizer {tokenizer_path} here puts {'one' if here else 'none'} (its files read under "
+              "another transformers major, whose BOS rule differs, or its config edited): the export's add_bos_token "
+              f"is {str(trained_bos).lower()}, as it trained", flush=True)
+    bos = here if trained_bos is None else trained_bos
     shipped = os.path.join(tokenizer_path, "chat_template.json")
     own = tok.chat_template
     if not own and (value := _json(shipped).get("chat_template")):
@@ -123,7 +134,7 @@ def legacy_tokenizer(out: str, source: str, bos: bool | None = None) -> None:
     too (the .jinja files kept: 5 reads them first), the three keys dropped, and the source's KEPT keys where it has
     them (5's save_pretrained omits `legacy`, and 5 reads a missing one as False: a Mistral v0.1 `legacy: true`
     folder's exported `[INST]` after <s> was `[` where training had `▁[`). `add_bos_token`: `bos`, whether training's
-    tokenizer put a BOS before a text (adds_bos), where given, not the source's flag: transformers 4.x's
+    tokenizer put a BOS before a text (its recorded rule, else adds_bos here), where given, not the source's flag: transformers 4.x's
     LlamaTokenizerFast rebuilds the post-processor from that flag on load (update_post_processor,
     transformers/models/llama/tokenization_llama_fast.py in 4.57), 5.x keeps tokenizer.json's, so DeepSeek-R1-Distill-
     Qwen's layout (LlamaTokenizerFast over a byte-level BPE, `add_bos_token: true`, no BOS in the post-processor)

@@ -449,6 +449,9 @@ def _save(run: Run, engine, stages, stage, hf_config, state: TrainState, sampler
             "tokenizer_vocab": run.data.tokenizer_vocab,  # whose ids it trained on: its files, and what they mean
             # re-saved alike; rank 0's (it writes trainer.json): ~0.1 s once at 128k pieces, cached on the tokenizer
             "tokenizer_pieces": run.data.tokenizer.pieces_identity() if run.data.tokenizer and run.dims.is_main else None,
+            # the BOS its texts were framed with (null: none), what the export's add_bos_token says whatever
+            # transformers it runs under (its BOS rule for the same files differs by major: export_tokenizer.py)
+            **({"bos_id": run.data.tokenizer.bos_id} if run.data.tokenizer else {}),
             "reply_stops": run.data.reply_stops(),  # what its export stops on (a chat SFT's end-of-turn)
             "trained_template": run.data.trained_template()}  # the chat template its export carries
     background = run.cfg.async_save and not (at_end or run.preempt.stopping)

@@ -227,19 +227,11 @@ def test_the_4x_rewrite_moves_only_special_tokens_and_keeps_named_ones(tmp_path)
     assert c["extra_special_tokens"] == {"boi_token": "<start_of_image>"} and "model_specific_special_tokens" not in c
 
 
-@pytest.mark.parametrize("in_post_processor, flag", [(False, True), (True, False)])
-def test_the_exported_add_bos_token_is_whether_training_added_one(tmp_path, in_post_processor, flag):
-    """DeepSeek-R1-Distill-Qwen's layout: LlamaTokenizerFast over a byte-level BPE, `add_bos_token: true` in
-    tokenizer_config.json and no BOS in tokenizer.json's post-processor (and the reverse). transformers 4.x's
-    LlamaTokenizerFast adds a BOS from the flag on load, 5.x from the post-processor: the export copied the source's
-    flag, so a 4.x server (vLLM) reading it put a BOS before plain completions that training (this .venv's
-    transformers) never had. The exported flag is now whether training added one (checked by hand under 4.57.1: the
-    export then loads with training's ids under both)."""
+def _distill_folder(root, in_post_processor: bool, flag: bool) -> str:
+    """DeepSeek-R1-Distill-Qwen's layout: LlamaTokenizerFast over a byte-level BPE, `add_bos_token: flag` in
+    tokenizer_config.json, a BOS in tokenizer.json's post-processor or not."""
     from tokenizers import Tokenizer as Raw
     from tokenizers import decoders, models, pre_tokenizers, processors, trainers
-
-    from data.tokenizer import Tokenizer
-    from model_utils.export_tokenizer import export_tokenizer
 
     bos, eos = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
     t = Raw(models.BPE())
@@ -248,13 +240,62 @@ def test_the_exported_add_bos_token_is_whether_training_added_one(tmp_path, in_p
         vocab_size=300, special_tokens=[bos, eos], show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     t.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[
         (bos, 0)]) if in_post_processor else processors.ByteLevel(trim_offsets=False)
-    src, out = tmp_path / "src", tmp_path / "out"
+    src = root / "src"
     src.mkdir()
     t.save(str(src / "tokenizer.json"))
     (src / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "LlamaTokenizerFast", "add_bos_token": flag, "add_eos_token": False, "legacy": True,
         "bos_token": bos, "eos_token": eos, "pad_token": eos, "clean_up_tokenization_spaces": False}))
-    trained = Tokenizer(str(src)).bos_id is not None
-    export_tokenizer(str(src), str(out), None, None)
+    return str(src)
+
+
+@pytest.mark.parametrize("in_post_processor, flag", [(False, True), (True, False)])
+def test_the_exported_add_bos_token_is_whether_training_added_one(tmp_path, in_post_processor, flag):
+    """DeepSeek-R1-Distill-Qwen's layout: LlamaTokenizerFast over a byte-level BPE, `add_bos_token: true` in
+    tokenizer_config.json and no BOS in tokenizer.json's post-processor (and the reverse). transformers 4.x's
+    LlamaTokenizerFast adds a BOS from the flag on load, 5.x from the post-processor: the export copied the source's
+    flag, so a 4.x server (vLLM) reading it put a BOS before plain completions that training (this .venv's
+    transformers) never had. The exported flag is now whether training added one (checked by hand under 4.57.1: the
+    export then loads with training's ids under both)."""
+    from data.tokenizer import Tokenizer
+    from model_utils.export_tokenizer import export_tokenizer
+
+    src, out = _distill_folder(tmp_path, in_post_processor, flag), tmp_path / "out"
+    trained = Tokenizer(src).bos_id is not None
+    export_tokenizer(src, str(out), None, None)
     assert json.loads((out / "tokenizer_config.json").read_text())["add_bos_token"] is trained
     assert (Tokenizer(str(out)).bos_id is not None) is trained  # and 5 reads the export as training read the source
+
+
+@pytest.mark.parametrize("in_post_processor, recorded, written", [
+    (True, {"bos_id": None}, False), (False, {"bos_id": 0}, True),  # the other major's rule: the recorded one, said
+    (True, {"bos_id": 0}, True), (True, {}, True), (False, {}, False)])  # the same; not recorded: this major's
+def test_the_exported_add_bos_token_is_the_one_the_checkpoint_recorded(tmp_path, monkeypatch, capsys,
+                                                                       in_post_processor, recorded, written):
+    """A run trained under one transformers major and exported under another: the same DeepSeek-R1-Distill-Qwen files
+    put a BOS before a text under 4.x (from add_bos_token) and none under 5.x (from the post-processor), and the export
+    worked training's rule out again under its own, so it wrote the other major's add_bos_token. The run records the
+    BOS it framed its texts with (trainer.json `bos_id`: an id, or null for none) and export_hf writes that, with one
+    note where the tokenizer here puts another; a checkpoint from before the record exports what the tokenizer does
+    here (as before)."""
+    import deepspeed.utils.zero_to_fp32 as z
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from data.tokenizer import Tokenizer
+    from model_utils.export import export_hf
+
+    src = _distill_folder(tmp_path, in_post_processor, not in_post_processor)
+    assert (Tokenizer(src).bos_id is not None) is in_post_processor  # (this .venv's rule: the post-processor's)
+    config = LlamaConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=2, vocab_size=300)
+    ck = tmp_path / "run" / "checkpoints" / "step_000004"
+    ck.mkdir(parents=True)
+    (ck / "hf_config.json").write_text(config.to_json_string())
+    (ck / "trainer.json").write_text(json.dumps({"step": 4, "stage": 0, "tokenizer": src, **recorded}))
+    state = LlamaForCausalLM(config).state_dict()
+    monkeypatch.setattr(z, "get_fp32_state_dict_from_zero_checkpoint", lambda root, tag: dict(state))
+    export_hf(str(ck), str(tmp_path / "run" / "hf_model"), src, owned=True)
+    assert json.loads((tmp_path / "run" / "hf_model" / "tokenizer_config.json").read_text())["add_bos_token"] is written
+    notes = [line for line in capsys.readouterr().out.splitlines() if "BOS before each text" in line]
+    assert len(notes) == (written != in_post_processor) and all(f"add_bos_token is {str(written).lower()}" in n
+                                                                for n in notes)

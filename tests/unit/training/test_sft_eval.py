@@ -358,3 +358,29 @@ def test_a_chat_runs_data_names_the_stop_its_export_adds(tmp_path):
     assert data.trained_template() is None  # its own template: the export's tokenizer carries it already
     text = open_run_data(None, None, 2048, [_stage(0, 256, "text")], reset_position_ids=True)
     assert text.reply_stops() == [] and text.trained_template() is None
+
+
+@pytest.mark.parametrize("bos_id", [None, 5])
+def test_a_save_records_the_bos_its_texts_were_framed_with(monkeypatch, bos_id):
+    """trainer.json `bos_id` (Tokenizer.bos_id: an id, or null for none) is what the export writes as add_bos_token
+    (model_utils/export.trained_bos): the export worked it out again under its own transformers, whose rule for the
+    same files may be another major's (DeepSeek-R1-Distill-Qwen: a BOS under 4.x, none under 5.x). A run without a
+    tokenizer records nothing (an export given --tokenizer then reads the rule there, as before)."""
+    import training.stage as stage_mod
+    from training.checkpoint import TrainState
+
+    monkeypatch.setattr(stage_mod, "model_hash", lambda c: "h")
+    monkeypatch.setattr(stage_mod, "to_dict", lambda c: {})
+    saved = []
+    ckpt = types.SimpleNamespace(pending=None, written_s=0.0,
+                                 save=lambda e, step, meta, *a, **k: saved.append(meta) or "/ck/step_000000")
+    preempt = types.SimpleNamespace(stopping=False, saved=lambda *a, **k: None, committed=lambda s: None,
+                                    deadline=types.SimpleNamespace(record_save=lambda s: None))
+    st = types.SimpleNamespace(index=0, name="s", max_steps=4, steps_from="steps", sp=1)
+    for tok in (types.SimpleNamespace(path="/tok", bos_id=bos_id, pieces_identity=lambda: "p"), None):
+        data = types.SimpleNamespace(heldout_split=None, tokenizer=tok, tokenizer_vocab=None, reply_stops=lambda: [],
+                                     trained_template=lambda: None)
+        run = stage_mod.Run(types.SimpleNamespace(async_save=False), DIMS1, data, ckpt,
+                            types.SimpleNamespace(run_id=None, home=None), preempt, None, "sdpa", False)
+        stage_mod._save(run, None, [st], st, None, TrainState(), types.SimpleNamespace(state_dict=lambda: {}), True)
+    assert saved[0]["bos_id"] == bos_id and "bos_id" in saved[0] and "bos_id" not in saved[1]
