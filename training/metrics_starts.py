@@ -33,6 +33,7 @@ import contextlib
 import glob
 import json
 import os
+import re
 import shutil
 
 from base.atomic import atomic_write
@@ -145,19 +146,22 @@ def records_from(path: str, first: int) -> list[dict]:
 
 
 def move_empty_offline_runs(wandb_dir: str, run_id: str | None) -> None:
-    """Move run `run_id`'s offline run folders under `wandb_dir`/wandb whose .wandb holds its header alone (or no
-    .wandb) into `wandb_dir`/wandb/empty/, said in one line (before this start's wandb.init: its own folder is not
+    """Move run `run_id`'s offline run folders under `wandb_dir`/wandb whose .wandb holds its header alone into
+    `wandb_dir`/wandb/empty/, said in one line (before this start's wandb.init: its own folder is not
     there yet). Only this run's: another run in a shared WANDB_DIR may be seconds into its start. A stat per folder."""
     if not run_id:
         return
     root = os.path.join(wandb_dir, "wandb")
-    empty = []
+    ours = re.compile(rf"offline-run-\d{{8}}_\d{{6}}-{re.escape(run_id)}")  # wandb's name; a glob's `*-{id}` also
+    empty = []  # matched run `llama-exp1`'s folders for run `exp1` (a review), records and all
     for d in sorted(glob.glob(os.path.join(glob.escape(root), f"offline-run-*-{glob.escape(run_id)}"))):
-        try:
+        if not ours.fullmatch(os.path.basename(d)):
+            continue
+        try:  # no .wandb of this run's name: not one of its folders as wandb writes them, left alone
             size = os.path.getsize(os.path.join(d, f"run-{run_id}.wandb"))
         except OSError:
-            size = 0 if os.path.isdir(d) else None
-        if size is not None and size <= HEADER_BYTES:
+            continue
+        if size <= HEADER_BYTES:
             empty.append(d)
     moved = []
     for d in empty:

@@ -84,13 +84,14 @@ def test_offline_run_folders_without_a_record_are_moved_aside(tmp_path, wandb_en
     wandb_env.setenv("WANDB_MODE", "offline")
     root = tmp_path / "wandb"
     folders = {"offline-run-20261201_014458-ab12": 7, "offline-run-20261201_014607-ab12": 40_000,
-               "offline-run-20261201_014700-cd34": 7}
+               "offline-run-20261201_014700-cd34": 7, "offline-run-20261201_014800-x-ab12": 7}  # run x-ab12's
     for name, size in folders.items():
         (root / name).mkdir(parents=True)
         (root / name / f"run-{name.rsplit('-', 1)[1]}.wandb").write_bytes(b":W&B\xe1\xbe\x00".ljust(size, b"\x01"))
     MetricsLogger(str(tmp_path), True, "wandb", None, "ab12", {}, 10, False, resume_step=3).close()
     assert (root / "empty" / "offline-run-20261201_014458-ab12" / "run-ab12.wandb").stat().st_size == 7
     assert (root / "offline-run-20261201_014607-ab12").is_dir() and (root / "offline-run-20261201_014700-cd34").is_dir()
+    assert (root / "offline-run-20261201_014800-x-ab12").is_dir()  # a review: a run whose id ends -ab12 was moved
     said = [ln for ln in capsys.readouterr().out.splitlines() if "hold no record" in ln]
     assert len(said) == 1 and "offline-run-20261201_014458-ab12" in said[0] and f"{root}/empty/" in said[0], said
 
