@@ -307,6 +307,8 @@ class ChatEncoder:
         if kind == "text_pair":
             p, c = conv
             eos_s = self.tok.hf.eos_token if self.tok.hf is not None else None  # one EOS ending it: TRL's form (chat9)
+            if self.loss_on != "all" and (cut := self._before_stops(c)) != c:  # its text, then one EOS
+                c = cut + (eos_s or "")
             if self.loss_on != "all" and (why := self._stop_text(c[:-len(eos_s)] if eos_s and c.endswith(eos_s) else c)):
                 raise RowError(f"completion: {why}, a stop the model would learn inside its reply (as a `messages` "
                                "reply's is refused): write those strings otherwise, or drop the row; docs/sft.md")
@@ -324,6 +326,11 @@ class ChatEncoder:
         loss_on = "assistant" if self.loss_on == "auto" and first == 0 else "completion" if self.loss_on == "auto" \
             else self.loss_on
         wanted, flagged = turns_to_train(conv, first, loss_on)
+        if loss_on != "all":  # a reply ending with stops' texts ends there, with its template's end-of-turn
+            conv = [*conv]
+            for k in wanted:
+                if isinstance(text := conv[k].get("content"), str) and (cut := self._before_stops(text)) != text:
+                    conv[k] = {**conv[k], "content": cut}
         conv, rewritten = fit_arguments(self, call_ids(self, conv), tools)  # ids where it needs them; arguments as it writes
         # tool definitions, environment turns, the default's tool calls, a system message `all` would train without
         refuse_unrendered(self, conv, tools, wanted, whole=loss_on == "all")
@@ -416,17 +423,34 @@ class ChatEncoder:
         only the end-of-turn was checked, and `<|endoftext|>` quoted in code about GPT-2 trained as a mid-reply EOS."""
         return f"message {k}: {why}" if (why := self._stop_text(conv[k]["content"])) else None
 
-    def _stop_text(self, text: str) -> str | None:
-        """_eot_text's reason for a reply's `text` (a messages turn's, a string completion's), None where it holds no
-        stop's text; a sentencepiece model reads none from text."""
+    def _stop_names(self) -> dict[str, bool]:
+        """The stops' texts (_eot_text) -> whether an end-of-turn token's; none for a sentencepiece model, which reads
+        none from text."""
         if self.tok.hf is None:
-            return None
+            return {}
         eot = set(self.eot.tolist()) if self.hf is not None else set()
         stops = eot | {self.tok.eos_id, getattr(self.tok, "sep_id", self.tok.eos_id)}
-        names = [n for n, i in self._names().items() if i in stops and n in text]
-        what = "the end-of-turn token's text" if any(self._names()[n] in eot for n in names) else \
+        return {n: i in eot for n, i in self._names().items() if i in stops}
+
+    def _stop_text(self, text: str) -> str | None:
+        """_eot_text's reason for a reply's `text` (a messages turn's, a string completion's), None where it holds no
+        stop's text."""
+        stops = self._stop_names()
+        names = [n for n in stops if n in text]
+        what = "the end-of-turn token's text" if any(stops[n] for n in names) else \
             "the text of the EOS / end-of-text token (a stop)"
         return f"its text holds {what} {names}, which is tokenized as that token" if names else None
+
+    def _before_stops(self, text: str) -> str:
+        """A reply's `text` up to the stops it ends with (only stops' texts and blanks after the first: TRL's `text +
+        eos_token` once or twice, ' Paris</s>\\n', Qwen's ' Paris<|endoftext|>'), else as given: they end it where its
+        template's end-of-turn or a completion's one EOS does; a stop with text after it is still refused. TRL's add_eos
+        appends the EOS only to a text not ending with it and trains every stop written (trl/trainer/sft_trainer.py): a
+        stop after the first is never reached at inference, which ends at the first. Cost: one suffix test a reply."""
+        stops, t = sorted(self._stop_names(), key=len, reverse=True), text
+        while stops and (s := t.rstrip()).endswith(tuple(stops)):
+            t = s[:-len(next(n for n in stops if s.endswith(n)))]
+        return t
 
     def encode_long(self, messages: list[dict], at: int, stats: bool = False):
         """(ids, mask) of `messages` (OpenAI form) whose message `at` is long (a haystack): what `encode` gives, with

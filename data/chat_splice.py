@@ -29,7 +29,9 @@ def encode_long(enc, messages: list[dict], at: int, stats: bool = False):
     conv = [_message(m, i) for i, m in enumerate(messages)]
     conv, rewritten = (conv, 0) if enc.refusal else fit_arguments(enc, call_ids(enc, conv), None)  # as the template writes them
     content = conv[at]["content"]
-    parts = None if enc.kind == "chatml" or enc.refusal else splice_parts(enc, conv, at, content)
+    cut = isinstance(content, str) and enc.loss_on != "all" and enc._before_stops(content) != content  # a reply
+    # ending with stops' texts, which encode cuts where it trains it: encode's own path, rare (a long reply so)
+    parts = None if enc.kind == "chatml" or enc.refusal or cut else splice_parts(enc, conv, at, content)
     if parts is None:  # the ChatML default is built token by token (the content tokenized once already); or
         ids, mask, st = enc.encode({"messages": conv})  # splicing would not give encode's tokens
         st = {**st, "rewritten_arguments": rewritten}

@@ -15,7 +15,8 @@ that restart: several documents in one row, TRL's pack_dataset / axolotl's sampl
   Labels one position ahead of their ids (shifted already, as a model's loss shifts them: trained so, each token
   would learn the one after next) or holding other values are refused in one line. Equal to the ids (run_clm's
   group_texts): every token, read as plain ids. Labels ending with -100 over the tokenizer's EOS where its pad is the
-  EOS (a collator's padding, the real EOS masked with it) end with one trained EOS (`trained_end`).
+  EOS (a collator's padding, the real EOS masked with it) after a trained token end with one trained EOS
+  (`trained_end`).
 - A packed row is split into its documents, at its `seq_lengths` or where its `position_ids` restart at 0 (each
   column sliced to match): `{PIECES: [ids or {MASKED: ...}, ...]}`, each piece a document of its own, read exactly as
   a separate row of the same tokens (data/prepare_data.py): a piece without a loss mask gets the tokenizer's BOS where
@@ -226,16 +227,22 @@ def trained_end(value, eos: int) -> tuple[object, int]:
     row's first) and the model never learnt to stop. One EOS is kept and trained, as TRL trains it: its SFT appends the
     EOS to a text or completion (`add_eos`), its completion_mask covers it and its collator pads labels with -100, not
     by pad id (trl/trainer/sft_trainer.py). Right for SFT labels too (prompt -100, completion labelled, then pad): the
-    completion's EOS is the one a reply ends with. Cost: one dict look-up a row; a copy of the row's mask where set."""
+    completion's EOS is the one a reply ends with. Only where the token before the run is trained: labels that stopped
+    training before it (a ChatML reply's `<|im_end|>` trained, its "\\n" not; a last user turn) ended the trained text
+    there, and the run is only padding (an EOS trained after an untrained token: a second end-of-turn, or the model
+    taught to stop after a user's words). Cost: one dict look-up a row; a copy of the row's mask where set."""
     if not isinstance(value, dict) or value.get(END) != eos:
         return value, 0
     pieces = value[PIECES] if PIECES in value else [value]
     ids, mask = pieces[-1][MASKED]
-    if len(ids) and ids[-1] == eos:  # one EOS left untrained (a run of one, or after an attention_mask's cut)
-        if mask[-1]:  # trained already (the run cut after it)
-            return value, 0
+    k = len(ids)
+    while k and ids[k - 1] == eos and not mask[k - 1]:  # the -100 run of the EOS left (one, or an attention_mask's cut)
+        k -= 1
+    if not k or not mask[k - 1] or k == len(ids) and ids[-1] == eos:  # the token before untrained, or an EOS trained
+        return value, 0  # already (the run cut after it)
+    if k < len(ids):  # the run's first EOS, right after the trained text
         mask = mask.copy()
-        mask[-1] = 1
+        mask[k] = 1
     else:  # the whole run was cut as padding
         ids, mask = [*ids, eos], np.append(mask, np.uint8(1))
     last = {MASKED: (ids, mask)}

@@ -160,7 +160,8 @@ def is_held(folder: str) -> bool:
 
 # a kind of row packing.RULE_ROWS names -> (the shard record's count of it, the rows as a message names them)
 KINDS = {"chat": ("chat_docs", "conversations"),
-         "ids": ("ids_beside_rows", "pre-tokenized rows with loss-mask, packing or attention_mask columns")}
+         "ids": ("ids_beside_rows", "pre-tokenized rows with loss-mask, packing or attention_mask columns"),
+         "special": ("special_text_docs", "text documents holding a special-token string")}
 
 
 def _parts(rules) -> dict[str, int] | None:

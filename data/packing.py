@@ -23,10 +23,15 @@ RULES = "bos2:chat11:eos2:doc10"  # the tokenization rules' version (cache_key b
 # in a prepare_data plan too: a shard continued or merged under other rules is refused (its chunks would mix them)
 # where it holds rows a step between them changed (data/output_lock.check_rules)
 # Which rows each step changed, by the kinds a shard's record counts (output_lock.KINDS): "chat" conversations
-# (chat_docs), "ids" pre-tokenized rows shaped by columns beside their ids (ids_beside_rows: a loss mask, packing,
-# padding). A shard holding none of a step's rows is the same under both sides of it: merged or continued with a
-# note. A step not listed changed text rows or any row: refused across it, whatever the shard holds.
-RULE_ROWS = {**{f"chat{k}": "chat" for k in range(2, 12)}, "doc7": "ids", "doc8": "ids", "doc10": "ids"}
+# (chat_docs; every chatN step, up to today's, so a bump of it cannot go unlisted), "ids" pre-tokenized rows shaped by
+# columns beside their ids (ids_beside_rows: a loss mask, packing, padding), "special" text documents holding a
+# special-token string (special_text_docs, recorded since a4b2e59, before shards recorded their rules: doc9 changed
+# only texts ending with the EOS string, each counted there under doc8). A shard holding none of a step's rows is the
+# same under both sides of it: merged or continued with a note. A step not listed changed text rows or any row:
+# refused across it, whatever the shard holds (doc9 unlisted refused every shard of yesterday's bos2:chat9:eos2:doc8,
+# text-only ones of identical tokens too).
+RULE_ROWS = {**{f"chat{k}": "chat" for k in range(2, int(RULES.split(":")[1].removeprefix("chat")) + 1)},
+             "doc7": "ids", "doc8": "ids", "doc9": "special", "doc10": "ids"}
 
 
 def cache_key(inputs: list[str], tokenizer_path: str | None, model_vocab: int) -> str:
@@ -43,8 +48,9 @@ def cache_key(inputs: list[str], tokenizer_path: str | None, model_vocab: int) -
     # `system_prompt` (OpenHermes', ultrachat_de's) is the system turn, a chat6 cache dropped it; chat8: an earlier
     # reply's end-of-turn behind a newline is trained with it (Apriel-1.6), one with no end-of-turn is not trained; chat9: a
     # string completion ending with the EOS gets no second one, an empty one is refused; chat10: a string completion
-    # holding a stop's text is refused as a messages reply is; chat11: a system message the rendering drops refuses a
-    # `--loss_on all` row (Mistral v0.3), the ChatML default refuses a prompt's tool call); :eos2: no second EOS
+    # holding a stop's text before more text is refused as a messages reply is, one ending with stops is trained as its
+    # text and one EOS (a reply too: `Paris<|im_end|>` was untrained); chat11: a system message the rendering drops
+    # refuses a `--loss_on all` row (Mistral v0.3), the ChatML default refuses a prompt's tool call); :eos2: no second EOS
     # after a document that ends with its own (a stream, or a folder prepare_data wrote before 2026-11-30, had two);
     # :doc3: a text document ends with its family's end-of-text token where the EOS is a chat end-of-turn, special-token
     # strings in a text are text, a blank text is dropped, pre-tokenized ids get the BOS a text gets; :doc4: a text that
@@ -57,7 +63,8 @@ def cache_key(inputs: list[str], tokenizer_path: str | None, model_vocab: int) -
     # :doc8: a packed row is split into its documents, an attention_mask's padding at the row's ends stripped (doc7
     # stored and trained the pads); :doc9: a text ending with the tokenizer's own EOS string (an Instruct one's
     # <|eot_id|>) ends there, once, with the separator (doc8 spelled it out as text); :doc10: pre-tokenized labels that
-    # masked the final EOS as a pad (pad == eos) keep one EOS, trained (doc9 cut it: the row ran into the next)
+    # masked the final EOS as a pad (pad == eos) after a trained token keep one EOS, trained (doc9 cut it: the row ran
+    # into the next)
     for x in inputs:
         h.update(f"{x}\n".encode())
     if tokenizer_path:

@@ -123,3 +123,16 @@ def test_a_chat_trial_tokenizes_its_haystack_once(toks, task, monkeypatch):
     want, mask, _ = enc.encode({"messages": [{"role": "user", "content": user},
                                              {"role": "assistant", "content": s["answer"]}]})
     assert ids == want and np.array_equal(np.flatnonzero(mask[1:]), scored)
+
+
+@pytest.mark.parametrize("family", SPLICED)
+def test_a_long_reply_ending_with_its_stop_text_is_encoded_as_encode_cuts_it(toks, family):
+    """A review: encode trains a reply ending with stops' texts as its text and the template's own end-of-turn
+    (`Paris</s>`); encode_long spliced such a long reply verbatim (Mistral's: other ids than encode's)."""
+    tok = toks[family]
+    enc = ChatEncoder(tok, "assistant", "none")
+    reply = " ".join(["river"] * 300) + tok.hf.decode([tok.eos_id])
+    msgs = [{"role": "user", "content": "Say river a lot."}, {"role": "assistant", "content": reply}]
+    want_ids, want_mask, _ = enc.encode({"messages": msgs})
+    ids, mask = enc.encode_long(msgs, 1)
+    assert ids == want_ids and np.array_equal(mask, want_mask)

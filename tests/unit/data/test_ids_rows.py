@@ -238,3 +238,32 @@ def test_labels_that_masked_the_eos_as_a_pad_end_with_one_trained_eos(tmp_path):
     hf.save_pretrained(str(tmp_path / "padded"))
     m = prepare([_write(tmp_path, "jsonl", rows[:2])], str(tmp_path / "p"), str(tmp_path / "padded"), **QUIET)
     assert _docs(tmp_path / "p") == [(body, [1] * n), (body + [eos], [1] * n + [0])] and not m["eos_labels_trained"]
+
+
+def test_an_eos_run_after_an_untrained_token_is_padding_only():
+    """A review: with pad == eos the trailing -100 run of the EOS was cut and a trained EOS appended, even where the
+    kept row ends on a token its labels left untrained (they stopped training before the end; the run was padding):
+    a ChatML reply's trained `<|im_end|>` then its masked "\\n" got a second `<|im_end|>`, trained (C); a last user turn
+    was taught to end with an EOS (F). Such rows are read as given; the collators' rows (B: the real EOS masked with
+    the pads after a trained token; also unpadded, and after an attention_mask's cut) still end with one trained EOS."""
+    from data.ids_rows import MASKED, beside_ids, documents, trained_end
+
+    P, eos = -100, 5
+
+    def read(ids, labels, **cols):
+        value, err = beside_ids(ids, {"input_ids": ids, "labels": labels, **cols}, "input_ids")
+        assert err is None, err
+        value, trained = trained_end(value, eos)
+        (doc,), _ = documents(value)  # one document, its padding cut
+        return list(zip(doc[MASKED][0], doc[MASKED][1].tolist())), trained
+
+    c, trained = read([276, 95, 349, 394, 5, 218, 5, 5], [P, P, 349, 394, 5, P, P, P])
+    assert c[-3:] == [(394, 1), (5, 1), (218, 0)] and not trained, c
+    f, trained = read([276, 95, 349, 394, 276, 95, 5, 5], [P, P, 349, 394, P, P, P, P])
+    assert f[-3:] == [(394, 1), (276, 0), (95, 0)] and not trained, f
+    for ids, labels, cols in (([276, 95, 349, 394, 5, 5, 5], [P, P, 349, 394, P, P, P], {}),  # B: padded
+                              ([276, 95, 349, 394, 5], [P, P, 349, 394, P], {}),  # unpadded
+                              ([276, 95, 349, 394, 5, 5, 5], [P, P, 349, 394, P, P, P],
+                               {"attention_mask": [1, 1, 1, 1, 1, 0, 0]})):
+        b, trained = read(ids, labels, **cols)
+        assert b == [(276, 0), (95, 0), (349, 1), (394, 1), (5, 1)] and trained == 1, (b, cols)

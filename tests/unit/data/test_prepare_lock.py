@@ -98,7 +98,7 @@ def test_a_shard_begun_under_other_rules_is_not_continued_silently(tmp_path):
     assert any("was prepared by an older version" in n for n in notes), notes
     for f in ("shard-00000-of-00001.json", "manifest.json"):
         (out / f).unlink()
-    with pytest.raises(ValueError, match=r"begun under other tokenization rules \(bos1:chat6.*\(bos2, doc9 \(text or any"):
+    with pytest.raises(ValueError, match=r"begun under other tokenization rules \(bos1:chat6.*\(bos2 \(text or any"):
         run()
     plan.write_text(json.dumps({k: v for k, v in p.items() if k != "rules"}))
     notes = []
@@ -111,7 +111,8 @@ def test_a_shard_begun_under_other_rules_is_not_continued_silently(tmp_path):
         output_lock.check_rules("o", [{"plan": {"rules": packing.RULES}}, {"plan": {"rules": "bos1:chat6:eos2:doc6"}}])
 
 
-YESTERDAY = "bos2:chat9:eos2:doc9"  # chat10, chat11 changed conversations only, doc10 ids rows with columns beside
+YESTERDAY = "bos2:chat9:eos2:doc8"  # (abe4933, the last of 2026-11-30) chat10, chat11 changed conversations only, doc9
+# texts ending with the EOS string (counted in special_text_docs), doc10 ids rows with columns beside
 
 
 def test_a_rules_step_refuses_only_shards_holding_the_rows_it_changed(tmp_path):
@@ -128,21 +129,27 @@ def test_a_rules_step_refuses_only_shards_holding_the_rows_it_changed(tmp_path):
                 shard=(k, 2), log=lambda _: None)
     rec_path = out / "shard-00000-of-00002.json"
     rec = json.loads(rec_path.read_text())
-    assert rec["chat_docs"] == rec["ids_beside_rows"] == 0
+    assert rec["chat_docs"] == rec["ids_beside_rows"] == rec["special_text_docs"] == 0
     rec_path.write_text(json.dumps({**rec, "plan": {**rec["plan"], "rules": YESTERDAY}}))
     notes = []
     assert merge(str(out), notes.append)["n_docs"] == 20
     assert any(f"shard(s) [0] were prepared under tokenization rules {YESTERDAY}, merged" in n
                and "changed only rows they hold none of" in n for n in notes), notes
     today = {"plan": {"rules": packing.RULES}}
-    for held, match in (({"chat_docs": 3, "ids_beside_rows": 0}, r"\(chat10, chat11 \(conversations\)\): redo"),
-                        ({"chat_docs": 0, "ids_beside_rows": 1}, r"\(doc10 \(pre-tokenized rows with")):
+    none = {"chat_docs": 0, "ids_beside_rows": 0, "special_text_docs": 0}
+    for held, match in (({"chat_docs": 3}, r"\(chat10, chat11 \(conversations\)\): redo"),
+                        ({"ids_beside_rows": 1}, r"\(doc10 \(pre-tokenized rows with"),
+                        ({"special_text_docs": 3}, r"\(doc9 \(text documents holding a special-token string\)\): redo")):
         with pytest.raises(ValueError, match=r"shard\(s\) \[0\] hold rows today's .*" + match):
-            output_lock.check_rules("o", [{"plan": {"rules": YESTERDAY}, **held}, today])
+            output_lock.check_rules("o", [{"plan": {"rules": YESTERDAY}, **none, **held}, today])
+    notes = []  # a text-only shard of yesterday, none of its texts holding a special-token string: merged, said
+    output_lock.check_rules("o", [{"plan": {"rules": YESTERDAY}, **none}, today], notes.append)
+    assert "chat10, chat11 (conversations); doc9 (text documents holding a special-token string); doc10 (pre-tokenized" \
+           " rows with loss-mask, packing or attention_mask columns) changed only rows they hold none of" in notes[0], notes
     notes = []
     output_lock.check_rules("o", [{"plan": {"rules": YESTERDAY}, "chat_docs": 0}, today], notes.append)
-    assert "doc10 (pre-tokenized rows with loss-mask, packing or attention_mask columns) changed rows its " \
-           "record does not count" in notes[0], notes
+    assert "doc9 (text documents holding a special-token string); doc10 (pre-tokenized rows with loss-mask, packing " \
+           "or attention_mask columns) changed rows its record does not count" in notes[0], notes
     # continuing a shard begun yesterday: refused only where its committed chunks hold rows a step changed
     for k, (row, refused) in enumerate((({}, False), ({"assistant_masks": [0, 1, 1]}, True))):
         src = tmp_path / f"c{k}.jsonl"

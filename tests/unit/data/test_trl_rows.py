@@ -186,3 +186,29 @@ def test_a_completion_holding_a_stops_text_is_refused_as_a_messages_reply_is(qwe
     rows = [{"prompt": "How?", "completion": code}, {"prompt": "Q:", "completion": " four"}]
     m = prepare([_write(tmp_path, "jsonl", rows)], str(tmp_path / "o"), qwen.path, skip_bad_rows=True, **QUIET)
     assert (m["bad_rows"], m["chat_docs"]) == (1, 1) and "completion: its text holds" in m["bad_examples"][0]
+
+
+def test_a_reply_ending_with_stops_ends_at_the_first(qwen):
+    """A review: a completion was refused where a stop's text remained after one trailing EOS string was stripped,
+    though nothing follows it: `' Paris<|im_end|><|im_end|>'`, `' Paris<|im_end|>\\n'`, Qwen's `' Paris<|endoftext|>'`
+    (end-of-text after the text); a messages reply ending so was left untrained (a one-turn row refused). Stops' texts
+    and blanks after the text end it: its text up to the first stop, then one EOS (a reply: its template's end-of-turn),
+    as `' Paris'` is read; text after a stop is still refused; --loss_on all trains every token as given."""
+    enc, row = ChatEncoder(qwen), {"prompt": "Q: the capital of France?\nA:"}
+    plain = enc.encode({**row, "completion": " Paris"})
+    for c in (" Paris<|im_end|><|im_end|>", " Paris<|im_end|>\n", " Paris<|endoftext|>", " Paris<|endoftext|><|im_end|>",
+              " Paris<|im_end|> \n<|endoftext|>\n"):
+        ids, mask, _ = enc.encode({**row, "completion": c})
+        assert (ids, mask.tolist()) == (plain[0], plain[1].tolist()), c
+    assert qwen.hf.decode(enc.encode({**row, "completion": " Paris\n<|im_end|>"})[0][-2:]) == "\n<|im_end|>"
+    with pytest.raises(RowError, match=r"^completion: its text holds the end-of-turn token's text \['<\|im_end\|>'\]"):
+        enc.encode({**row, "completion": " Paris<|im_end|> or Lyon<|im_end|>"})
+    assert ChatEncoder(qwen, loss_on="all").encode({**row, "completion": " Paris<|im_end|><|im_end|>"})[0].count(
+        qwen.eos_id) == 2
+    q = [{"role": "user", "content": "The capital of France?"}]
+    chat = lambda *replies: enc.encode({"messages": [m for r in replies for m in (*q, {"role": "assistant", "content": r})]})  # noqa: E731
+    ids, mask, stats = chat("Paris", "Paris")
+    for r in ("Paris<|im_end|>", "Paris<|endoftext|>\n", "Paris<|im_end|><|im_end|>"):
+        got = chat(r, r)
+        assert (got[0], got[1].tolist(), got[2]["untrained_turns"]) == (ids, mask.tolist(), 0), r
+    assert chat("Paris<|im_end|> or Lyon", "Paris")[2]["untrained_turns"] == 1
