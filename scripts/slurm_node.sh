@@ -4,8 +4,9 @@
 # K words of LAUNCH_CMD, then train.py's arguments). A string, read by the batch shell and passed on srun's command
 # line: a node reads no file of the repository for it (a LAUNCH_CMD of a container's may need none there). Defines
 # nothing else. A job Slurm spooled before a `git pull` reads this file as it is after it: keep node_task's name and
-# its arguments' order (add at the end only), as scripts/slurm_requeue.sh keeps what tests/stubs/slurm.sbatch.spooled
-# calls.
+# its positional arguments as they are (the last ones are train.py's, any number: a word added at the end would be read
+# as a training argument); a new input travels in the environment (srun --export=ALL), as scripts/slurm_requeue.sh
+# keeps what tests/stubs/slurm.sbatch.spooled calls.
 #
 # The node's bash (SLURM_NODEID is per node) records in STATE (start.N, exit.N, term.N, stop.N; its launcher's crash.N)
 # and reports 75 to srun as 0. It gives the launcher its own process group (set -m: no signal ignored by inheritance)

@@ -421,6 +421,13 @@ run_steps() {  # "CHECKPOINT STEP" of the run now ("-" where unknown)
   fi
   echo "${c:--} ${s:--}"
 }
+same_failure() {  # $1: run_steps, $2: the node(s) now; says so and succeeds when a crash requeue recorded that step
+  local same  # at the same step, a save between or not (a timed save moves the checkpoint, not a data-dependent crash's)
+  same=$(awk -v s="${1#* }" 's != "-" && $5 == s' "$crashes" 2>/dev/null | tail -n 1)
+  [ -n "$same" ] || return 1
+  log "the same failure twice: a crash after step ${1#* } again, now from the checkpoint of step ${1% *} (node" \
+    "$(cut -d' ' -f2 <<< "$same") at restart $(cut -d' ' -f1 <<< "$same"), now $2): a bug, not a node: not requeueing"
+}
 crash_requeue() {  # $1: the job's code; requeues (and exits) when the rules above allow it, else returns
   local crashed=(${crash_first[@]+"${crash_first[@]}"} ${crash_own[@]+"${crash_own[@]}"}) n host steps count same
   [ "${#crashed[@]}" -gt 0 ] || return 0
@@ -432,12 +439,7 @@ crash_requeue() {  # $1: the job's code; requeues (and exits) when the rules abo
   n=${crash_first[0]} host=${hosts[$n]:-}
   steps=$(run_steps)
   count=$(cat "$crashes" 2>/dev/null | grep -c .)
-  same=$(awk -v s="${steps#* }" 's != "-" && $5 == s' "$crashes" 2>/dev/null | tail -n 1)  # at the same step, a save
-  if [ -n "$same" ]; then  # between or not (a timed save moves the checkpoint, not a data-dependent crash's step)
-    log "the same failure twice: a crash after step ${steps#* } again, now from the checkpoint of step ${steps% *} (node" \
-      "$(cut -d' ' -f2 <<< "$same") at restart $(cut -d' ' -f1 <<< "$same"), now node $n): a bug, not a node: not requeueing"
-    return 0
-  fi
+  same_failure "$steps" "node $n" && return 0
   if [ "$count" -ge "${ULYSSES_MAX_CRASH_REQUEUES:-2}" ]; then
     log "node $n (${host:-?}) crashed (exit $1), but this job was already requeued $count time(s) for a crash" \
       "(ULYSSES_MAX_CRASH_REQUEUES=${ULYSSES_MAX_CRASH_REQUEUES:-2}): not requeueing"
@@ -450,19 +452,30 @@ crash_requeue() {  # $1: the job's code; requeues (and exits) when the rules abo
 }
 # A suspend (`scontrol suspend`, PreemptMode=SUSPEND or GANG: SIGSTOP to every process of the job) longer than the ranks'
 # --dist_timeout_s (30 min) fails every rank at the resume: NCCL's watchdog times a collective on steady_clock, which
-# counts the stopped time. Every node then records a crash of its own, which the rule above refuses (not one node's),
-# and the job ended FAILED. Slurm's SuspendTime (src/scontrol/info_job.c; set at each suspend and each resume, cleared
-# by a requeue: src/slurmctld/job_mgr.c job_suspend, _job_requeue_op) at or after the allocation's start
-# (SLURM_JOB_START_TIME where known) says the job was suspended in this allocation: requeued, nothing excluded, no crash
-# counted, bounded by progress as every requeue (may_requeue: a bug that fails every node after a gang scheduler's
-# suspends ends the job at ULYSSES_MAX_STALLED_REQUEUES). One `scontrol show job`, only then.
-suspended_crash() {  # $1: the job's code, $2: the crashed nodes; requeues (and exits) when the job was suspended here
-  local shown at
+# counts the stopped time. Every node then records a crash of its own, which the rule above refuses (not one node's).
+# Slurm's SuspendTime is the job's last suspend or resume (SchedMD/slurm src/slurmctld/job_mgr.c _job_suspend_op sets
+# it to now after either; _job_requeue_op clears it): the crash is the suspend's when it began (crash_at, the oldest
+# crash record: slurm.sbatch) within 5 min of that resume (the watchdog fires at once; ABORT_WAIT_S and the launchers'
+# exits follow in seconds) and the allocation (SLURM_JOB_START_TIME) began before it: requeued, nothing excluded, no
+# crash counted, bounded by progress as every requeue. A crash of every node hours after a suspend (a gang scheduler's
+# at minute 1, a bug at hour 10), or after the same step as a crash requeue's record (same_failure), is a bug: refused
+# as above. One `scontrol show job`, only then.
+suspended_crash() {  # $1: the job's code, $2: the crashed nodes; requeues (and exits) when a resume explains the crash
+  local shown at when
   shown=$(scontrol show job "$ref" 2>/dev/null)
   [[ $shown =~ SuspendTime=([0-9]{4}-[0-9-]+T[0-9:]+) ]] || return 0
-  at=$(date -d "${BASH_REMATCH[1]}" +%s 2>/dev/null) && [ "$at" -ge "${SLURM_JOB_START_TIME:-0}" ] || return 0
-  log "crashed on node(s) $2 (exit $1) after the job was suspended in this allocation (SuspendTime=${BASH_REMATCH[1]}):" \
-    "a suspend longer than --dist_timeout_s fails every rank at the resume, no node's fault: scontrol requeue $ref" \
-    "(raise --dist_timeout_s above the longest suspend on this partition)"
+  when=${BASH_REMATCH[1]}
+  at=$(date -d "$when" +%s 2>/dev/null) && [ "$at" -ge "${SLURM_JOB_START_TIME:-0}" ] || return 0
+  # 60 s before it: the records' file server and slurmctld keep their own clocks
+  if [ -z "$crash_at" ] || [ "$crash_at" -lt $((at - 60)) ] || [ "$crash_at" -gt $((at + 300)) ]; then
+    log "the job was suspended or resumed last at $when (SuspendTime), its crash began" \
+      "$([ -n "$crash_at" ] && echo "$((crash_at - at)) s after" || echo "at an unknown time"): not at the resume," \
+      "not the suspend's"
+    return 0
+  fi
+  same_failure "$(run_steps)" "node(s) $2" && return 0
+  log "crashed on node(s) $2 (exit $1) at the resume of a suspend (SuspendTime=$when): a suspend longer than" \
+    "--dist_timeout_s fails every rank at the resume, no node's fault: scontrol requeue $ref (raise --dist_timeout_s" \
+    "above the longest suspend on this partition)"
   requeue_without "" "$1"
 }

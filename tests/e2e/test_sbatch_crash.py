@@ -101,13 +101,31 @@ def test_sbatch_does_not_requeue_a_crash_that_is_not_one_nodes(tmp_path, case, l
 def test_every_node_crashing_after_a_suspend_is_requeued(tmp_path):
     """A suspend longer than --dist_timeout_s (`scontrol suspend`, PreemptMode=SUSPEND) fails every rank at the resume
     (NCCL's watchdog counts the stopped time): both nodes record a crash of their own, which was refused as no node's
-    fault, Requeue=0, the job FAILED. Slurm's SuspendTime set in this allocation now requeues it (bounded by progress):
-    nothing excluded, no crash counted."""
+    fault, Requeue=0, the job FAILED. Slurm's SuspendTime (the resume, in this allocation) just before the crash now
+    requeues it (bounded by progress): nothing excluded, no crash counted."""
     start = int(time.time()) - 3600
-    suspended = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(start + 1800))
-    (tmp_path / "scontrol.log.state").write_text(f"suspend_time={suspended}\n")
+    resumed = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - 5))
+    (tmp_path / "scontrol.log.state").write_text(f"suspend_time={resumed}\n")
     code, text = crash_run(tmp_path, 20, 25, FAKE_CRASH_0="own", SLURM_JOB_START_TIME=str(start))
     assert code == 0 and requeues(tmp_path) == ["requeue 4242"] and updates(tmp_path) == [], text
-    assert f"crashed on node(s) 1 0 (exit 1) after the job was suspended in this allocation (SuspendTime={suspended})" \
-        in text, text
+    assert f"crashed on node(s) 1 0 (exit 1) at the resume of a suspend (SuspendTime={resumed})" in text, text
     assert not (tmp_path / ".cache" / "slurm" / "4242.crashes").exists()
+
+
+@pytest.mark.parametrize("resumed_s, earlier, line", [
+    (36000, ["0 0 gpu3 20 25"], "s after: not at the resume, not the suspend's"),
+    (36000, [], "s after: not at the resume, not the suspend's"),
+    (5, ["0 0 gpu3 20 25"], "the same failure twice: a crash after step 25 again, now from the checkpoint of step 20 "
+                            "(node 0 at restart 0, now node(s) 1 0): a bug, not a node: not requeueing"),
+])
+def test_every_node_crashing_long_after_a_suspend_or_again_is_a_bug(tmp_path, resumed_s, earlier, line):
+    """A review: any SuspendTime in the allocation requeued a crash of every node, skipping the same-failure rule: a
+    gang scheduler's one-minute suspend at minute 1 made a deterministic bug at hour 10 requeue (bounded only by the
+    stalled requeues; never where the output dir is unknown). The crash must begin within minutes of the resume (the
+    last SuspendTime), and not after a step a crash requeue already recorded: else FAILED, Requeue=0."""
+    start = int(time.time()) - 36060
+    resumed = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - resumed_s))
+    (tmp_path / "scontrol.log.state").write_text(f"suspend_time={resumed}\n")
+    code, text = crash_run(tmp_path, 20, 25, earlier, FAKE_CRASH_0="own", SLURM_JOB_START_TIME=str(start))
+    assert code == 1 and requeues(tmp_path) == [] and updates(tmp_path) == ["update JobId=4242 Requeue=0"], text
+    assert line in text and "failed with 1: not requeueing" in text, text

@@ -153,3 +153,30 @@ def test_a_work_dir_that_cannot_hold_the_records_trains_with_them_off(tmp_path):
     rc, text = sbatch(tmp_path, work, ["--output_dir", str(out)], launch=script(tmp_path / "c", CONTAINER),
                       SLURM_JOB_ID="88", SLURM_RESTART_COUNT="0", REAL=str(out), FINISH="0", STATE_SETTLE_S="2")
     assert rc == 0 and (out / "COMPLETE").exists() and "cannot write" in text and "bad input" not in text, text
+
+
+@pytest.mark.parametrize("where", ["work dir", "submitted file's"])
+def test_an_older_clone_is_passed_over_or_refused_in_one_line(tmp_path, where):
+    """A review: the repository was the first folder holding scripts/slurm_requeue.sh, so a work dir holding an older
+    clone (searched first; here: no slurm_run.sh nor slurm_node.sh, which slurm.sbatch sources since its split) or a
+    checkout moved back died "unbound variable", exit 1, never requeued. Now a folder lacking any of the three is passed
+    over for the submitted file's repository; where none has them all, refused in one line naming what is missing."""
+    work, old = tmp_path / "work", tmp_path / ("work" if where == "work dir" else "old")
+    for d in (tmp_path / "bin", old / "scripts"):
+        d.mkdir(parents=True, exist_ok=True)
+    (old / "scripts" / "slurm_requeue.sh").write_text(open(os.path.join(ROOT, "scripts", "slurm_requeue.sh")).read())
+    submitted = SBATCH_SCRIPT
+    if where != "work dir":  # a copy of slurm.sbatch in the older clone, submitted from an empty work dir
+        submitted = old / "scripts" / "slurm.sbatch"
+        submitted.write_text(open(SBATCH_SCRIPT).read())
+        work.mkdir()
+    e = clean_env(PATH=f"{STUBS}:{os.environ['PATH']}", SLURM_SUBMIT_DIR=str(work), SCONTROL_LOG=str(tmp_path / "s.log"),
+                  FAKE_LOG=str(tmp_path / "fake.log"), FAKE_EXIT="0", FAKE_COMPLETE=str(work / "out" / "COMPLETE"),
+                  LAUNCH_CMD=os.path.join(STUBS, "fake_launch"))
+    p = subprocess.run(["sbatch", str(submitted), "--output_dir", "out"], cwd=work, env=e, capture_output=True,
+                       text=True, timeout=90)
+    if where == "work dir":
+        assert p.returncode == 0 and "done" in p.stdout and "unbound" not in p.stderr, p.stdout + p.stderr
+        return
+    assert p.returncode == 2 and p.stdout.count("\n") == 1 and not (tmp_path / "fake.log").exists(), p.stdout + p.stderr
+    assert f"the repository {old} has no scripts/slurm_run.sh scripts/slurm_node.sh (an older clone" in p.stdout
