@@ -387,7 +387,10 @@ def test_a_node_whose_container_fails_to_start_is_requeued_then_excluded(tmp_pat
     shows), so --kill-on-bad-exit ends node 0 (SIGTERM, 143) before node 0 could call node 1 absent. Two attempts in
     a row: the first is requeued as it is (a registry's hiccup passes), the second without node 1. Before, the job
     failed with 143 at the first attempt ("failed with 143: not requeueing"): neither a retry nor an exclusion."""
-    env = dict(TWO_NODES, SRUN_FAIL_1="1", FAKE_EXIT_0="wait", FAKE_EXIT_AFTER="143", STATE_SETTLE_S="2")
+    # node 1's failure comes after its image's import time (SRUN_DELAY_1), as pyxis' does: at once, a loaded box's
+    # node 0 was killed before it recorded its own start (no node started: "failed with 143", a clean clone's flake)
+    env = dict(TWO_NODES, SRUN_FAIL_1="1", SRUN_DELAY_1="2", FAKE_EXIT_0="wait", FAKE_EXIT_AFTER="143",
+               STATE_SETTLE_S="2")
     texts = []
     for restart in (0, 1):
         job = sbatch(tmp_path, "0", ["--output_dir", str(tmp_path / "out")], SLURM_RESTART_COUNT=str(restart), **env)
