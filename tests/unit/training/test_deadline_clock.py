@@ -6,6 +6,7 @@ from `scontrol show job`, for the stop and for a universal conversion's bound, a
 from __future__ import annotations
 
 import os
+import pathlib
 import time
 
 import torch
@@ -43,14 +44,17 @@ def test_rank_0_reads_the_jobs_end_time_again(tmp_path, monkeypatch):
     assert abs(d.end - later) < 1 and not d.near()  # `scontrol update TimeLimit=` gave it 2 h
 
 
-def fake_scontrol(tmp_path, monkeypatch, end: float | None) -> str:
-    """A `scontrol show job` as Slurm 22.05 prints it (EndTime=Unknown where `end` is None), each call logged; the job
-    under Slurm < 23.02: SLURM_JOB_ID set, no SLURM_JOB_END_TIME. Returns the call log's path."""
+def fake_scontrol(tmp_path, monkeypatch, end: float | None, end_file=None) -> str:
+    """A `scontrol show job` as Slurm 22.05 prints it (EndTime=Unknown where `end` is None; with `end_file`, the
+    EndTime that file holds now, no answer while it is empty), each call logged; the job under Slurm < 23.02:
+    SLURM_JOB_ID set, no SLURM_JOB_END_TIME. Returns the call log's path."""
     shown = "Unknown" if end is None else time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(end))
+    if end_file is not None:
+        shown = f"$(cat {end_file})"
     calls = tmp_path / "calls"
     fake = tmp_path / "scontrol"
-    fake.write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\necho 'JobId=9 JobState=RUNNING'\n"
-                    f"echo '   StartTime=2026-01-01T00:00:00 EndTime={shown} Deadline=N/A'\n")
+    fake.write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\n" + (f"[ -s {end_file} ] || exit 1\n" if end_file else "")
+                    + f"echo 'JobId=9 JobState=RUNNING'\necho \"   StartTime=2026-01-01T00:00:00 EndTime={shown} Deadline=N/A\"\n")
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
     monkeypatch.setenv("SLURM_JOB_ID", "9")
@@ -108,13 +112,8 @@ def test_an_extension_since_the_threads_reading_is_read_before_the_stop(tmp_path
     slurmctld moves EndTime at once, rank 0's thread had read it seconds before (it reads every END_REFRESH_S), and
     the stale end voted "time limit": every rank saved, exited 75, requeued off its allocation. Rank 0 now reads the
     end again before it votes: no stop. An end scontrol confirms (or lowers), or one it cannot say, still stops."""
-    end_file, calls = tmp_path / "end", tmp_path / "calls"
-    fake = tmp_path / "scontrol"
-    fake.write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\n[ -s {end_file} ] || exit 1\n"
-                    f"echo \"   StartTime=2026-01-01T00:00:00 EndTime=$(cat {end_file}) Deadline=N/A\"\n")
-    fake.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
-    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    end_file = tmp_path / "end"
+    calls = pathlib.Path(fake_scontrol(tmp_path, monkeypatch, None, end_file=end_file))
     monkeypatch.setattr(preemption.comm, "rank", lambda group=None: 0)
     monkeypatch.setattr(preemption.comm, "all_reduce", lambda v, op="sum", group=None: torch.tensor(v))
 
@@ -136,7 +135,7 @@ def test_an_extension_since_the_threads_reading_is_read_before_the_stop(tmp_path
     while not calls.exists() and time.time() < deadline:
         time.sleep(0.02)
     time.sleep(0.2)
-    shown(old + 7200)  # scontrol update JobId=77 TimeLimit=+2:00:00
+    shown(old + 7200)  # scontrol update JobId=9 TimeLimit=+2:00:00
     assert not extended.agreed() and extended.received is None  # the next step's check: trains on
     assert abs(extended.deadline.end - int(old + 7200)) < 1 and not extended.deadline.near()
     confirmed = flag(old)
