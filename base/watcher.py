@@ -59,15 +59,14 @@ watcher and heartbeat threads beside it; 3 x 512 connections + the server's own:
 budgeted (STORE_FDS_*), past the common soft limit of 1024, which base/comm.py raises; the abort reaches every
 rank within POLL_S (2.0 s max measured); nothing on the GPU or the training group. At 32 ranks: 48 requests/s.
 
-base/comm.py creates the stores and calls this module; this module never touches the process group.
+base/comm.py creates the stores and calls this module; this module never touches the process group. Its bounded
+store requests and writes, and the text of its lines: base/watch_io.py.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import queue
-import sys
 import threading
 import time
 
@@ -83,6 +82,7 @@ from base.fd_limit import (  # noqa: F401  (re-exported: base/comm.py and node_s
     store_fds,
     store_host_pid,
 )
+from base.watch_io import LOG_WRITE_S, _Asker, _bounded, _hostname, _ranges, _say, one_line, tell_launcher
 
 POLL_S = 2.0  # how often every rank's watcher looks at the store
 STALL_S = 60.0  # a rank whose heartbeat has not advanced this long has failed (killed, hung, node lost)
@@ -97,7 +97,6 @@ START_WAIT_S = float(os.environ.get("ULYSSES_START_WAIT_S", "300"))
 SUSPENDED_S = 10.0  # a watcher that wakes this much later than it should was itself stopped (or starved): see poll()
 EXIT_GRACE_S = 30.0  # a failing rank's own teardown (atexit, NCCL destroy) before it is cut short
 ABORT_WAIT_S = 15.0  # a failing rank (and rank 0, stopped) waits at most this long for the others to read why
-LOG_WRITE_S = 2.0  # the watcher's rank-log line before its hard exit (the log is on the shared file system)
 SAY_S = 2.0  # the watcher's stderr line before its hard exit (a full pipe into slurm-%j.out on a hung file system)
 LEAVE_WAIT_S = 600.0  # rank 0, leaving cleanly, waits at most this long for live ranks still on their way out
 DONE = b"done"  # a rank's heartbeat value once it has left (cleanly, failed, or stopped by an abort)
@@ -114,35 +113,6 @@ def use_run(digest: str) -> None:
 
 def key(name: str) -> str:
     return _PREFIX + name
-
-
-class _Asker:
-    """One daemon thread that makes the store requests: a request to a store that never answers (rank 0's process
-    stopped, its node gone without a TCP reset) blocks there, not in the caller, which gives up after `timeout`
-    (TCPStore's own timeout does not bound add/multi_get/set on a silent server: measured)."""
-
-    def __init__(self):
-        self.jobs: queue.Queue = queue.Queue()
-        threading.Thread(target=self._run, name="abort-store", daemon=True).start()
-
-    def _run(self) -> None:
-        while True:
-            fn, box = self.jobs.get()
-            try:
-                box.put((True, fn()))
-            except BaseException as e:  # noqa: BLE001 -- handed to the caller
-                box.put((False, e))
-
-    def __call__(self, fn, timeout: float):
-        box: queue.Queue = queue.Queue(1)
-        self.jobs.put((fn, box))
-        try:
-            ok, value = box.get(timeout=timeout)
-        except queue.Empty:
-            raise TimeoutError(f"no answer from the store in {timeout:.0f} s") from None
-        if not ok:
-            raise value
-        return value
 
 
 class Watcher:
@@ -352,62 +322,6 @@ class Watcher:
             if not waiting:
                 return
             self.sleep(tick)
-
-
-def _ranges(ranks: list[int]) -> str:
-    """[3] -> "rank 3"; [8, 9, 10, 12] -> "ranks 8-10, 12" (at most 8 runs shown)."""
-    runs: list[list[int]] = []
-    for r in sorted(ranks):
-        if runs and r == runs[-1][1] + 1:
-            runs[-1][1] = r
-        else:
-            runs.append([r, r])
-    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs[:8]) + (", ..." if len(runs) > 8 else "")
-    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
-
-
-def _hostname() -> str:
-    import socket
-
-    return socket.gethostname()
-
-
-def one_line(e: BaseException | str) -> str:
-    text = str(e).strip().splitlines()
-    return text[0][:300] if text else ""
-
-
-def _say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
-def tell_launcher(rank: int, what: str) -> None:
-    """Leave this node's scripts/launch.sh what this rank knows of the job's store as it exits, in
-    `$LAUNCH_EXIT_DIR/store<RANK>` (a node-local temp folder; nothing without it): `abort REASON`, the reason on record
-    (the store answered: the launcher's own post then waits briefly for a store that may have gone since, node 0's
-    launcher ending as soon as every rank has read it), or `gone` (unreachable: nothing to post to). Without it a
-    launcher whose ranks read node 0's abort waited 37 s (torch's connect retries) to find that store gone."""
-    where = os.environ.get("LAUNCH_EXIT_DIR")
-    if not where:
-        return
-
-    def write(text: str) -> None:
-        try:
-            tmp = os.path.join(where, f".store{rank}.{os.getpid()}")
-            with open(tmp, "w") as fh:
-                fh.write(text + "\n")
-            os.replace(tmp, os.path.join(where, f"store{rank}"))
-        except OSError:
-            pass
-
-    _bounded(write, one_line(what), LOG_WRITE_S)
-
-
-def _bounded(fn, arg, timeout_s: float) -> None:
-    """fn(arg) in a daemon thread, waited for at most `timeout_s` (a write to a file system that hangs)."""
-    t = threading.Thread(target=fn, args=(arg,), name="abort-log", daemon=True)
-    t.start()
-    t.join(timeout_s)
 
 
 # --- the heartbeat process (see the module docstring: why not a thread) ---

@@ -5,7 +5,7 @@ start-up agreement with 512 light ranks (threads, no model), under the descripto
     python -m bench.control_plane --world 64 --steady-s 5 --out /tmp/cp.json
 
 A rank here is a thread holding the three connections a real rank opens to the job's store (its heartbeat process's,
-its watcher's, the rendezvous'), running the real `base.watcher.Watcher` (its thread, its `_Asker`, POLL_S,
+its watcher's, the rendezvous'), running the real `base.watcher.Watcher` (its thread, its `_Asker` from base/watch_io.py, POLL_S,
 STALL_S) on the watcher's connection and beating `hb/R` every POLL_S on the heartbeat's, as the forked heartbeat
 process does. 4 worker processes hold 128 ranks each (one process per rank would need 512 torch imports: ~150 GB).
 The server is a TCPStore as `base/node_store.py serve` and rank 0's `open_channel` create it, in its own process

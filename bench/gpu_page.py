@@ -258,7 +258,7 @@ def _ladder(lad: dict | None) -> list[str]:
                   + ("; ".join(f"`{n}` {v['calls']} calls" for n, v in k.items()) if k else "not recorded (no exit "
                                                                                            "of its own)") + "."]
     if "engine_released" in lad:
-        lines += ["", "Stage ends (training/stage.py's `engine_released` record: engines left alive, 0 expected; the "
+        lines += ["", "Stage ends (training/stage_records.py's `engine_released` record: engines left alive, 0 expected; the "
                   "largest host RSS after the release): " + ("; ".join(
                       f"stage {e['stage']}: alive {e['alive']}, {e['host_rss_gb']} GiB" for e in lad["engine_released"])
                       or "none reached") + "."]

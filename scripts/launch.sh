@@ -359,7 +359,7 @@ first=0 silent="" wrote=0; for f in "$exit_dir"/rank*; do [[ ${f##*/} =~ ^rank[0
 if [ "$no_ssh" = 1 ] && [ -n "$act" ]; then first=$(head -n "$node_rank" <<< "$act" | awk '{s += $2} END {print s + 0}')
 elif [ "$no_ssh$torchrun" != 00 ]; then first=$((node_rank * ranks_here)); fi
 for ((r = first; r < first + ranks_here; r++)); do [ -f "$exit_dir/rank$r" ] || silent+=" $r"; done
-# what the ranks here learned of the job's store as they left (base/watcher.py tell_launcher): the reason on record
+# what the ranks here learned of the job's store as they left (base/watch_io.py tell_launcher): the reason on record
 # (node 0 may have ended since, once every rank had read it), or that it was unreachable
 known=$(sed -n 's/^abort //p' "$exit_dir"/store* 2>/dev/null | head -n 1)
 store_gone=0; grep -qx gone "$exit_dir"/store* 2>/dev/null && store_gone=1

@@ -97,7 +97,7 @@ def build_engine(cfg: Config, dims: ParallelDims, hf_config, attn: str, bf16: bo
 def release_engine(engine) -> list[tuple[str, weakref.ref]]:
     """End a stage's engine so that its memory goes back; returns weak references to the engine, its model and its
     optimizer, which must all be dead once the caller has dropped its own reference and run gc.collect()
-    (training/stage.py checks and records it: `engine_released` in metrics.jsonl).
+    (training/stage_records.py checks and records it: `engine_released` in metrics.jsonl).
 
     What kept a stage's engine alive after its stage, each found on this CPU by following the referrers of the old
     engine at the next stage's build (gc.get_referrers from a weakref):

@@ -270,9 +270,9 @@ def test_release_engine_unregisters_the_models_arena_while_the_model_lives(reg):
     """A stage's end (training.engine.release_engine) unregisters the offloaded checkpoints' slots at once, even where
     something still holds the model (a caller's reference, a cycle not yet collected): on the old code they stayed
     page-locked until the model's collection, 153 GiB a rank at 5M tokens on 8 GPUs. The step's metrics then name the
-    path (training.stage._host_fields): the registered bytes while the slots live, nothing after the release."""
+    path (training.stage_records._host_fields): the registered bytes while the slots live, nothing after the release."""
     from training.engine import release_engine
-    from training.stage import _host_fields
+    from training.stage_records import _host_fields
 
     model = torch.nn.Linear(2, 2)
     arena = model.__dict__.setdefault("_host_arena", host_arena.HostArena("activation checkpoints"))

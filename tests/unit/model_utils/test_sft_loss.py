@@ -347,9 +347,9 @@ def test_tiled_loss_equals_plain_with_masks(monkeypatch, weighting):
 # ---- the metrics report the supervised tokens of every step -----------------------------------------------------
 
 def log_steps(outs: list[dict], sp: int = 2, seq_len: int = SL, shares: dict | None = None):
-    """training/stage._log_step as the stage loop calls it (GA 2, micro-batch 1, dp 1) for each step's `outs`, from
-    step 3: (the logged records, the step times the deadline recorded, the state)."""
-    from training import stage
+    """training/stage_records._log_step as the stage loop calls it (GA 2, micro-batch 1, dp 1) for each step's
+    `outs`, from step 3: (the logged records, the step times the deadline recorded, the state)."""
+    from training import stage_records
 
     logged, timed = [], []
     run = types.SimpleNamespace(
@@ -359,9 +359,9 @@ def log_steps(outs: list[dict], sp: int = 2, seq_len: int = SL, shares: dict | N
     st = types.SimpleNamespace(step=3, tokens=0)
     for i, out in enumerate(outs):
         st.step = 3 + i
-        stage._log_step(run, types.SimpleNamespace(index=0, max_seq_length=seq_len),
-                        types.SimpleNamespace(dp=1, sp=sp, cp=1), st, out, 1e-3,
-                        types.SimpleNamespace(source_shares=lambda: shares or {}))
+        stage_records._log_step(run, types.SimpleNamespace(index=0, max_seq_length=seq_len),
+                                types.SimpleNamespace(dp=1, sp=sp, cp=1), st, out, 1e-3,
+                                types.SimpleNamespace(source_shares=lambda: shares or {}))
     return logged, timed, st
 
 

@@ -218,7 +218,7 @@ def test_a_resume_behind_the_logged_steps_keeps_its_records_on_wandb(tmp_path, w
 
 def test_each_stages_resolved_layout_is_in_the_wandb_config(tmp_path, wandb_env):
     """The W&B config held the flags only: not what each stage ran with (auto SP, a stage's own lr and warmup)."""
-    from training import stage as stage_mod
+    from training import stage_records
 
     fake_wandb(wandb_env)
     wandb_env.setenv("WANDB_MODE", "offline")
@@ -226,7 +226,7 @@ def test_each_stages_resolved_layout_is_in_the_wandb_config(tmp_path, wandb_env)
     st = types.SimpleNamespace(index=1, name="s256", max_steps=5, max_seq_length=256, sp=2, cp=1, warmup_steps=2,
                                learning_rate=5e-4, memory_choice=None)
     run = types.SimpleNamespace(metrics=m, dims=types.SimpleNamespace(is_main=False, world=4))
-    stage_mod._record_ds_config(run, st, None, 3)
+    stage_records._record_ds_config(run, st, None, 3)
     assert m.wandb.config.values == {"world": 4, "stage1": {"name": "s256", "steps": 5, "seq_len": 256, "sp": 2,
                                                              "cp": 1, "dp": 2, "warmup": 2, "lr": 5e-4}}
     m.close()
@@ -249,7 +249,7 @@ class Engine:
 ])
 def test_the_steps_grad_norm_is_logged(tmp_path, wandb_env, norm, out, want):
     """The pre-clip global grad norm was never logged; it is DeepSpeed's cached one (no collective of its own)."""
-    from training import stage as stage_mod
+    from training import stage_records
 
     fake_wandb(wandb_env)
     wandb_env.setenv("WANDB_MODE", "offline")
@@ -257,9 +257,10 @@ def test_the_steps_grad_norm_is_logged(tmp_path, wandb_env, norm, out, want):
     run = types.SimpleNamespace(cfg=types.SimpleNamespace(gradient_accumulation_steps=1, per_device_train_batch_size=1),
                                 preempt=types.SimpleNamespace(deadline=types.SimpleNamespace(record_step=lambda s: None)),
                                 metrics=m)
-    stage_mod._log_step(run, types.SimpleNamespace(index=0, max_seq_length=8), types.SimpleNamespace(dp=1, sp=1, cp=1),
-                        types.SimpleNamespace(step=3, tokens=0), {"loss": 1.0, "label_tokens": 8, "step_time": 0.5, **out},
-                        1e-3, types.SimpleNamespace(source_shares=lambda: {}), Engine(norm))
+    stage_records._log_step(run, types.SimpleNamespace(index=0, max_seq_length=8), types.SimpleNamespace(dp=1, sp=1, cp=1),
+                            types.SimpleNamespace(step=3, tokens=0),
+                            {"loss": 1.0, "label_tokens": 8, "step_time": 0.5, **out},
+                            1e-3, types.SimpleNamespace(source_shares=lambda: {}), Engine(norm))
     rec = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     assert rec["grad_norm"] == want and m.wandb.history[3].get("grad_norm") == want
     m.close()

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from base.parallel import ParallelDims
-from training import preemption
+from training import preemption, stage_records
 from training import stage as stage_mod
 from training.checkpoint import TrainState, tag_for
 from training.preemption import KILL_WINDOW_S, Deadline, PreemptionFlag
@@ -101,17 +101,19 @@ class SimCheckpointer:
 
 def stub_stage(monkeypatch, module, **overrides) -> None:
     """training/stage.py's collaborators replaced by stand-ins (no engine, model, data or collective): an engine around
-    `module`, a step of 1 s, no evaluation; `overrides` (name=function) replace any of them."""
+    `module`, a step of 1 s, no evaluation; `overrides` (name=function) replace any of them. The step's record and the
+    engine's release (training/stage_records.py) read their own peak memory and gc: stood in for there."""
     fns = {"build_engine": lambda *a, **k: types.SimpleNamespace(get_lr=lambda: [1e-3], module=module),
            "stage_config": lambda cfg, s: cfg, "_record_ds_config": lambda *a: None,
            "apply_rope": lambda *a: None, "features_of": lambda c: None, "make_loss_fn": lambda f: None,
            "shard": lambda b, *a: b, "collate": lambda *a: None, "_after_first_step": lambda *a: None,
            "train_step": lambda *a, **k: {"loss": 1.0, "step_time": 1.0, "label_tokens": 1},
            "evaluate_stage": lambda *a: None, "release_engine": lambda e: None, "heldout_samples": lambda e: 0,
-           "model_hash": lambda c: "h", "to_dict": lambda c: {}, "peak_memory_gb": lambda: 0.0,
-           "gc": types.SimpleNamespace(collect=lambda: 0)}
+           "model_hash": lambda c: "h", "to_dict": lambda c: {}, "gc": types.SimpleNamespace(collect=lambda: 0)}
     for name, fn in {**fns, **overrides}.items():
         monkeypatch.setattr(stage_mod, name, fn)
+    monkeypatch.setattr(stage_records, "peak_memory_gb", lambda: 0.0)
+    monkeypatch.setattr(stage_records, "gc", fns["gc"])
 
 
 def stub_data(heldout):

@@ -1,0 +1,147 @@
+"""What a stage writes down besides its checkpoints and its evaluation, and `Run`, what every stage of a run shares
+(built once in train.py; training/stage.py trains a stage with it).
+
+Each step's record (`_log_step`: metrics.jsonl, W&B, the rank log; its tokens from `step_tokens`, its pre-clip
+gradient norm from `_grad_norm`, this rank's page-locked host memory from `_host_fields`), the DeepSpeed config a
+stage ran with (`_record_ds_config`: OUTPUT_DIR/ds_config.stageN.json, and auto's memory choice), and a stage
+engine's release (`_released`: its memory handed back, `engine_released` with what is still alive).
+Cost per step: the peak-memory all-reduce (one, with the engagement counts), one metrics line; per stage: one JSON
+file on rank 0, one gc.collect() and one all-reduce of two numbers at its release.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import math
+import os
+import time
+
+from base import comm, host, host_arena
+from base.log import print0, rank_log
+from model_utils import engagement
+from training.checkpoint import TrainState
+from training.engine import return_cached_memory
+from training.job import EXIT_PREEMPTED
+from training.metrics import peak_memory_gb
+from training.preemption import EXIT_MARGIN_S, said
+
+
+@dataclasses.dataclass
+class Run:
+    """What every stage of one run shares (built once in train.py)."""
+
+    cfg: object
+    dims: object
+    data: object
+    ckpt: object
+    metrics: object
+    preempt: object
+    base_config: object
+    attn: str
+    bf16: bool
+
+    def exit_preempted(self) -> int:
+        print0(f"preempted ({said(self.preempt.received)}): exiting with {EXIT_PREEMPTED}")
+        # in a SIGTERM window the exit has EXIT_MARGIN_S: W&B's finish gets part of it, never the rank's 75
+        self.metrics.close(None if self.preempt.window_left_s is None else EXIT_MARGIN_S / 2)
+        return EXIT_PREEMPTED
+
+
+def _record_ds_config(run: Run, stage, engine, step: int) -> None:
+    """OUTPUT_DIR/ds_config.stageN.json (rank 0) and, under memory_features auto, its choice in the metrics."""
+    if run.dims.is_main:
+        used = os.path.join(run.cfg.output_dir, f"ds_config.stage{stage.index}.json")
+        with open(used, "w") as fh:
+            json.dump(engine.ds_config_used, fh, indent=1)
+        print0(f"stage {stage.index} ({stage.name}): DeepSpeed config used -> {used}")
+    run.metrics.record_stage(stage, run.dims.world)  # the W&B config's resolved layout of the stage
+    if stage.memory_choice:
+        run.metrics.log({"event": "memory_choice", "stage": stage.index, "step": step, **stage.memory_choice})
+
+
+def step_tokens(run: Run, stage, sdims) -> int:
+    """The tokens one optimizer step reads: dp x accumulation x micro-batch x the stage's length."""
+    cfg = run.cfg
+    return sdims.dp * cfg.gradient_accumulation_steps * cfg.per_device_train_batch_size * stage.max_seq_length
+
+
+def _grad_norm(engine, out: dict) -> float | None:
+    """The step's global gradient norm before clipping: DeepSpeed's, computed (all-reduced) in its optimizer step and
+    cached there, the same on every rank; reading it is no collective (one device-to-host copy of a scalar, after the
+    loss's all-reduce has synchronized). None where no update happened (no supervised token; an invalid norm, any
+    precision, where DeepSpeed skipped the update) or the engine keeps none (ZeRO-1/2 with its norm computation off)."""
+    get = getattr(engine, "get_global_grad_norm", None)
+    if get is None or out.get("skipped") or out.get("overflow"):
+        return None
+    norm = get()
+    norm = None if norm is None else float(norm)
+    return norm if norm is not None and math.isfinite(norm) else None
+
+
+def _log_step(run: Run, stage, sdims, state: TrainState, out: dict, lr: float, sampler, engine=None) -> None:
+    eng = out.get("engagement")  # minimum over ranks after the peak's all-reduce (one collective for both)
+    peak = peak_memory_gb(eng) if eng else peak_memory_gb()
+    skipped = bool(out.get("skipped"))
+    if not skipped:  # a skipped step ran nothing: its time says nothing of the next one's
+        run.preempt.deadline.record_step(out["step_time"])
+    rank_log(f"step {state.step} stage {stage.index} loss {out['loss']:.6f} step_time {out['step_time']:.3f}s"
+             + " (no supervised token: skipped)" * skipped)
+    # A skipped step (no supervised token in the global batch: training/step.py returns after one all-reduce, ~1 ms)
+    # trained nothing: loss and tokens/s null, 0 tokens, total_tokens unchanged. It logged loss 0.0 and n / 1 ms
+    # (5e8 tokens/s at 128k x 4), which the charts drew and averaged in. It still counts as a step: a stage's budget
+    # is its steps (max_tokens and epochs are turned into steps when the stage resolves, training/curriculum.py).
+    n = 0 if skipped else step_tokens(run, stage, sdims)
+    state.tokens += 0 if out.get("overflow") else n  # an update DeepSpeed skipped trained nothing (its step ran: `tokens`)
+    run.metrics.log({"step": state.step, "stage": stage.index, "loss": None if skipped else out["loss"], "lr": lr,
+                     "tokens": n,
+                     "grad_norm": _grad_norm(engine, out),  # pre-clip global norm; null: no update this step
+                     "label_tokens": out["label_tokens"],  # supervised tokens of the step (global; the loss's count)
+                     **({"label_weight": out["label_weight"]} if "label_weight" in out else {}),
+                     **({"optimizer_skipped": True} if skipped else {}),  # no supervised token: no step
+                     **({"optimizer_skipped": "overflow"} if out.get("overflow") else {}),  # DeepSpeed's skip: an
+                     # invalid gradient norm, in any precision (deepspeed/runtime/utils.py is_invalid_grad_norm)
+                     "tokens_per_s": None if skipped else n / out["step_time"], "seq_len": stage.max_seq_length,
+                     "sp": sdims.sp, "cp": sdims.cp,
+                     "dp": sdims.dp, "peak_mem_gb": peak, "total_tokens": state.tokens,
+                     "time": time.time(), **{f"share_{k}": v for k, v in sampler.source_shares().items()},
+                     **(engagement.fields(eng) if eng else {}), **_host_fields()})
+    if eng:  # a saving the plan counts that did not engage: one line naming it, exit 2 (the same on every rank)
+        engagement.check(eng)
+
+
+def _host_fields() -> dict:
+    """This rank's page-locked host memory by path (base/host_arena.STATS), where a CUDA run locked any: the exact-size
+    registered slots the plan counts, and what a failed registration pinned instead (rounded: up to 2x)."""
+    s = host_arena.STATS
+    if not (s["registered_bytes"] or s["fallback_pinned_bytes"]):
+        return {}
+    return {"host_registered_gb": round(s["registered_bytes"] / 2**30, 3),
+            "host_fallback_pinned_gb": round(s["fallback_pinned_bytes"] / 2**30, 3), "host_fallbacks": s["fallbacks"]}
+
+
+def _released(run: Run, stage, watch, step: int) -> None:
+    """After a stage's engine is released and the caller's reference dropped: collect it, hand its cached device and
+    page-locked host blocks back (training/engine.return_cached_memory), give back the async save's staging buffers
+    (no save is in flight at a stage's end: its last save is synchronous), and record in metrics.jsonl how many of the
+    engine, its model and its optimizer are still alive on any rank (`alive`, 0 expected) and the largest RSS left.
+
+    The next stage builds its engine and loads the checkpoint on top of what is left here: one engine's host state at
+    most (a stage's engine kept alive by DeepSpeed's caches once made it one more engine per stage: training/engine.py
+    release_engine). Costs: one gc.collect(), the staging's re-allocation at the next stage's first background save
+    (first touch, ~0.1-0.5 s per GiB: Llama-3-8B on 32 ranks ~3 GB per rank, ~1 s once per stage) and one all-reduce
+    of two numbers."""
+    gc.collect()  # the engine, its model and optimizer reference each other: the cycle is freed now
+    return_cached_memory()
+    run.ckpt.release_staging()
+    alive = [name for name, ref in watch or () if ref() is not None]
+    if alive:
+        rank_log(f"warning: stage {stage.index}'s {', '.join(alive)} still referenced after its release: its host "
+                 "memory stays held next to the next stage's engine")
+    top = comm.all_reduce([float(len(alive)), host.rss_bytes() / 2**30], op="max")
+    if top[0].item():
+        print0(f"warning: stage {stage.index}'s engine is still alive after its release on some rank (see the rank "
+               "logs): the next stage holds its host memory on top of its own engine's")
+    run.metrics.log({"event": "engine_released", "stage": stage.index, "step": step, "alive": int(top[0].item()),
+                     "host_rss_gb": round(top[1].item(), 3)})
