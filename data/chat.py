@@ -67,8 +67,8 @@ Cost: tokenizing is linear in the conversation. It is tokenized once; each prefi
 control token it shares with the conversation are the conversation's; only the short rest is tokenized). Before,
 each prefix was tokenized whole: turns x length (a 1M-token conversation of 100 messages: 206 s, now 3 s). The
 template is still rendered per prefix as text, quadratic: ~8 us x messages^2 (measured: 1,000 messages ~5 s, 5,000
-~213 s a row; `{% generation %}` markers are linear, ~10 us a token: prepare_data warns of such rows, `prefix_costly`,
-docs/sft.md). A tokenizer without offsets takes the exact path (every prefix tokenized whole). Preparation is
+~213 s a row; `{% generation %}` markers are linear, ~10 us a token: prepare_data warns of such rows,
+data/chat_render.prefix_costly, docs/sft.md). A tokenizer without offsets takes the exact path (every prefix tokenized whole). Preparation is
 offline and parallel (`prepare_data --workers N`), so the training job pays nothing. The mask is stored as one uint8 per token beside the tokens
 (data/store.py). The sweep over every family's template: `python -m data.chat_sweep` (docs/sft.md).
 """
@@ -84,8 +84,10 @@ import numpy as np
 from data.chat_demo import build_demo_chats, demo_conversation  # noqa: F401  (python -m data.chat_demo OUT.jsonl)
 from data.chat_ends import history_ends, last_stop, marked_header, probe_ends
 from data.chat_locate import lcp, locate, prompt_cut, shows
+from data.chat_message import ROLES  # noqa: F401
 from data.chat_reasoning import as_rendered, cut_why, dropped, quoted_close, refuse_dropped
-from data.chat_rows import ROLES, SHAREGPT_ROLES, RowError, empty_reply, normalize, row_format, turns_to_train  # noqa: F401
+from data.chat_render import FrozenClock, Rendering
+from data.chat_rows import SHAREGPT_ROLES, RowError, empty_reply, normalize, row_format, turns_to_train  # noqa: F401
 from data.chat_splice import encode_long
 from data.chat_template import pick_template, resolve_template, row_kwargs, row_template, text_pair_kwargs  # noqa: F401
 from data.chat_tools import call_ids, call_name, fit_arguments, refuse_unrendered, row_tools, tool_names
@@ -97,63 +99,7 @@ _PROBE = [{"role": "user", "content": "Probe question one?"}, {"role": "assistan
           {"role": "user", "content": "Probe question two?"}, {"role": "assistant", "content": "Probe answer two."}]
 
 
-def prefix_costly(messages: int, tokens: int) -> bool:
-    """Whether a conversation whose replies were found by prefix renders (`prefix_messages` in encode's stats) is one
-    prepare_data warns of: its renders, ~8 us x messages^2, cost >= 2 s and more than a template with `{% generation %}`
-    markers would (linear: ~10 us a token; measured, docs/sft.md)."""
-    return messages >= 500 and 8 * messages * messages > 10 * tokens
-
-
-def prefix_cost_note(where: str, messages: int, tokens: int) -> str:
-    """prepare_data's one warning of the costliest such row (said once, where the first one is encoded)."""
-    return (f"warning: {where}: a conversation of {messages} messages, its replies found by rendering the template "
-            f"once per reply's prefix (it has no {{% generation %}} markers): ~8 us x messages^2 of CPU, "
-            f"~{8e-6 * messages ** 2:.1f} s for this row (measured: 1,000 messages ~5 s, 5,000 ~213 s), said once; a "
-            f"template with the markers is linear, ~{1e-5 * tokens:.1f} s for its {tokens} tokens: a tokenizer folder "
-            "whose chat_template.jinja has them (TRL's training templates: qwen2_5_training.jinja ...), or "
-            "--chat_template chatml for a ChatML model (its default has them); docs/sft.md")
-
-
-class FrozenClock:
-    """`with clock:` every template rendered inside sees one instant, `clock.at`. transformers' `strftime_now` (today's
-    date in the system turn of gpt-oss, Llama 3.2 and 4, Mistral Small 3.2, Granite 3.3, Apertus) is its module's
-    `datetime.now()`, read at every render; a row is rendered 4-11 times (the conversation, each prefix with and
-    without the generation prompt), and a midnight between two of them left a prefix unlike the conversation at the
-    date: the turn not located, the row refused for another reason or a reply left untrained. A callable given as a
-    template argument does not replace it (transformers turns arguments to data). So the module's `datetime` is
-    swapped for a subclass frozen at `at` and put back: process-wide, not for threads rendering with other instants
-    (prepare_data's workers are processes, each rendering in one thread). Cost: two attribute sets a render (~1 us;
-    a render is ~8 us x messages)."""
-
-    def __init__(self, at: datetime.datetime | str | None = None):
-        at = datetime.datetime.fromisoformat(at) if isinstance(at, str) else at or datetime.datetime.now()
-        self.at, self._saved = at, []
-
-        class Frozen(datetime.datetime):
-            @classmethod
-            def now(cls, tz=None):
-                return at if tz is None else at.astimezone(tz)  # (a naive `at` is local time)
-
-            @classmethod
-            def today(cls):
-                return at
-
-        self._frozen = Frozen
-
-    def __enter__(self) -> FrozenClock:
-        import transformers.utils.chat_template_utils as ctu  # (imported already where a template renders)
-
-        self._saved.append(ctu.datetime)  # a stack: a render inside another's (nested `with`) restores its own
-        ctu.datetime = self._frozen
-        return self
-
-    def __exit__(self, *exc) -> None:
-        import transformers.utils.chat_template_utils as ctu
-
-        ctu.datetime = self._saved.pop()
-
-
-class ChatEncoder:
+class ChatEncoder(Rendering):
     """`encode(obj) -> (ids, mask, stats)` for one chat row, with one tokenizer (data/tokenizer.py's `Tokenizer`).
 
     `template`: `auto` (the tokenizer's own: of named ones `tool_use` for a row with tools, else `default`; else the
@@ -235,44 +181,7 @@ class ChatEncoder:
         except RowError:
             return True
 
-    # ---- rendering
-    def _text(self, msgs: list[dict], gen: bool = False, tools: list | None = None, **kw) -> str:
-        try:  # a row's `tools` as apply_chat_template and TRL pass them (data/chat_tools.py)
-            with self.clock:
-                return self.hf.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=gen,
-                                                   chat_template=self.template, **{**self._row_kw, **kw})
-        except Exception as e:  # jinja's raise_exception (roles must alternate, no system role, ...)
-            why = str(e).splitlines()[0][:160]
-            if tools is None and self._needs_tools(msgs, gen):  # Hermes' and Command-R's `tool_use` iterate `tools`
-                why += (" (it renders only with a tool list: give the row's `tools`, or name another of the "
-                        "tokenizer's templates with --chat_template)")
-            raise RowError(f"{self.name} refuses this conversation: {why}") from None
-
-    def _needs_tools(self, msgs: list[dict], gen: bool) -> bool:
-        try:
-            with self.clock:
-                self.hf.apply_chat_template(msgs, tools=[], tokenize=False, add_generation_prompt=gen, **self._row_kw,
-                                            chat_template=self.template)
-        except Exception:  # noqa: BLE001 (it fails for another reason)
-            return False
-        return True
-
-    def _render(self, msgs: list[dict], gen: bool = False, tools: list | None = None) -> list[int]:
-        return self.tok.encode(self._text(msgs, gen, tools))
-
-    def _added(self) -> set[int]:
-        """The ids of the tokenizer's added tokens (control tokens and plain added ones): split out of a text before
-        anything else is tokenized (data/chat_views.py)."""
-        if self._added_ids is None:
-            self._added_ids = set(getattr(self.hf, "added_tokens_decoder", {}) or {})
-        return self._added_ids
-
-    def _names(self) -> dict[str, int]:
-        """The control tokens' texts -> ids."""
-        if self._name_ids is None:
-            self._name_ids = {n: i for i in self.special if (n := self.tok.hf.convert_ids_to_tokens(i))}
-        return self._name_ids
-
+    # ---- rendering (_text, _needs_tools, _render, _added, _names): data/chat_render.py `Rendering`
     @property
     def eot(self) -> np.ndarray:
         """The ids that end an assistant reply in this template (data/chat_ends.py), read once."""

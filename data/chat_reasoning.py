@@ -1,7 +1,7 @@
 """A reply's reasoning, and the templates that drop it (data/chat.py).
 
 Reasoning reaches a template two ways: a reply's `reasoning_content` / `thinking` / `reasoning` field (vLLM's and
-Qwen3's name, gpt-oss's, OpenRouter's; data/chat_rows.py gives the template the text under all three), or the content's `<think>...</think>` block (OpenThoughts, s1K,
+Qwen3's name, gpt-oss's, OpenRouter's; data/chat_message.py gives the template the text under all three), or the content's `<think>...</think>` block (OpenThoughts, s1K,
 Mixture-of-Thoughts rows), or its text before a `</think>` with no `<think>` where the template reads it so (R1-style
 `reasoning</think>answer`: `think_parts`). Given twice (a field and a content block) it is refused (`both`).
 Templates treat them three ways, read in their stored copies:
@@ -28,7 +28,7 @@ import re
 
 from data.chat_rows import REASONING, RowError, unicode_form
 
-FIELDS = REASONING  # a row gives one name; data/chat_rows.py sets each
+FIELDS = REASONING  # a row gives one name; data/chat_message.py sets each
 _ASK = {"role": "user", "content": "Probe question?"}
 _WHY = "Probe reasoning, step by step."
 _PROBE_CALL = {"id": "call00001", "type": "function", "function": {"name": "probe", "arguments": {"q": "x"}}}

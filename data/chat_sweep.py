@@ -201,7 +201,7 @@ def native(conv: list[dict], fam: dict) -> list[dict]:
     "json string" for the templates that concatenate them, an object for the rest) and its reasoning under each name
     templates read: what the oracle renders, whatever form the row brought."""
     conv = [{**m, **dict.fromkeys(REASONING, why[1])} if m["role"] == "assistant" and (why := reasoning(m))
-            and why[0] == "field" else m for m in conv]  # a reply's reasoning under every name, as data/chat_rows.py gives it
+            and why[0] == "field" else m for m in conv]  # a reply's reasoning under every name, as data/chat_message.py gives it
 
     def fix(a):
         if fam.get("arguments") == "json string":

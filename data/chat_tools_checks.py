@@ -20,7 +20,7 @@ def tool_names(tools: list) -> list[str]:
 
 
 def defs(m: dict) -> list[str]:
-    """The keys of a message that hold tool definitions (data/chat_rows.py ROLE_KEYS), where given."""
+    """The keys of a message that hold tool definitions (data/chat_message.py ROLE_KEYS), where given."""
     return [k for k in ("tools", "functions") if m.get(k) is not None]
 
 

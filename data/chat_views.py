@@ -15,7 +15,7 @@ from the tokenizer's offsets. A slow tokenizer takes the exact path: every prefi
 
 What is not linear: the template is still rendered per prefix, as text (transformers' apply_chat_template, which
 loops over the prefix's messages: ~8 us x messages^2 in all, measured 1,000 messages ~5 s, 5,000 ~213 s on a
-loaded core; data/chat.py prefix_costly says it at preparation, docs/sft.md has the figures).
+loaded core; data/chat_render.py prefix_costly says it at preparation, docs/sft.md has the figures).
 tests/unit/data/test_chat_linear.py compares both paths on every family.
 """
 

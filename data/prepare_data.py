@@ -8,9 +8,9 @@
 
 Streaming: the reading process groups rows into batches (`--batch_docs` rows, 1 MB of rows, or 1 MB of work: ~1 s of
 a worker, `row_cost`: a chat row's bytes plus what its template renders add per message) and keeps up to
-16 x workers batches in flight; workers parse, tokenize and check each batch; the reading process appends the
-results, in input order, to the current chunk file, those finished early held up to 1 GiB (data/prepare_pool.py:
-a slow batch leaves no worker idle). Peak memory is the batches in flight, not the corpus. A chunk
+16 x workers batches in flight; workers parse, tokenize and check each batch (data/prepare_worker.py); the reading
+process appends the results, in input order, to the current chunk file, those finished early held up to 1 GiB
+(data/prepare_pool.py: a slow batch leaves no worker idle). Peak memory is the batches in flight, not the corpus. A chunk
 (`--chunk_tokens`) is committed by its record file after its data is fsynced; a killed run resumes after the last
 committed chunk (same command), and `manifest.json` is written last, so a folder without it is never read as data.
 """
@@ -25,12 +25,10 @@ import sys
 import time
 from collections import Counter
 
-import numpy as np
-
 from data import output_lock, packing, store
-from data.chat import prefix_cost_note, prefix_costly
+from data.chat_render import prefix_cost_note
 from data.discover import Unit, discover
-from data.ids_rows import BESIDE, MASKED, documents, rows_over, trained_end
+from data.ids_rows import BESIDE
 from data.prepare_args import (
     DEFAULT_BATCH_DOCS,
     DEFAULT_CHUNK_TOKENS,
@@ -41,104 +39,11 @@ from data.prepare_args import (
 from data.prepare_checks import refusal, shard_of
 from data.prepare_pool import run_ordered
 from data.prepare_summary import manifest_lines
-from data.readers import Fields, Refused, iter_rows, parse_item
+from data.prepare_worker import STATS, _init_worker, _tokenize_batch
+from data.readers import Fields, Refused, iter_rows
 
-CHAT_STATS = ("chat_docs", "supervised_tokens", "untrained_turns", "no_stop_rows",  # per shard, summed in the manifest
-              "rewritten_arguments", "flagged_turns", "dropped_reasoning", "chatml_rows", "history_ends",
-              "history_ends_unknown", "appended_stops")
-# texts holding a special-token string kept as text, texts read with theirs as control tokens, ids given the BOS, ids
-# rows shaped by their columns (a loss mask, packing, padding: data/ids_rows.py; read by output_lock.check_rules),
-# texts ending with the tokenizer's EOS string (frame_texts), ids rows whose final EOS their labels masked (trained_end)
-STATS = CHAT_STATS + ("special_text_docs", "parsed_text_docs", "ids_given_bos", "ids_beside_rows", "eos_text_docs",
-                      "eos_labels_trained")
 BATCH_BYTES = 1 << 20  # a batch closes at this much raw text too (long documents): bounds memory in flight
 SKIP_FIX = "(--skip_bad_rows skips and counts such rows)"  # ends a bad row's refusal: data/prepare.py names train.py's
-
-# ------------------------------------------------------------------ workers: parse, tokenize, check
-
-_W: dict = {}
-
-
-def _init_worker(tokenizer_path: str | None, fields: Fields, vocab_bound: int, eos_id: int | None, dtype: str,
-                 loss_on: str = "auto", chat_template: str = "auto", text_specials: str = "auto", now=None):
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one core per worker
-    from data.chat import ChatEncoder
-    from data.tokenizer import Tokenizer
-
-    tok = Tokenizer(tokenizer_path) if tokenizer_path else None
-    _W.update(tok=tok, fields=fields, bound=vocab_bound, eos=eos_id, dtype=np.dtype(dtype), specials=text_specials,
-              chat=ChatEncoder(tok, loss_on, chat_template, now) if tok else None, loss_on=loss_on)
-
-
-def _tokenize_batch(items: list[tuple[int, int, object]]) -> dict:
-    """items: (unit index, row, raw item) -> tokens of the kept documents (a text document as BOS + text + separator,
-    pre-tokenized ids, a packed row's each piece too, with the BOS and the separator: Tokenizer.frame_texts / with_bos;
-    a chat row's tokens and loss mask as its template renders them, data/chat.py) and what was dropped."""
-    from data.chat import RowError
-
-    fields, tok, eos, bound = _W["fields"], _W["tok"], _W["eos"], _W["bound"]
-    docs, bad, masks, chat, long = [], [], {}, dict.fromkeys(STATS, 0), None
-    for u, row, item in items:
-        value, src, err = parse_item(item, fields)
-        if err is None and tok is not None and tok.pad_id == tok.eos_id:  # labels that masked the EOS as a pad
-            value, trained = trained_end(value, tok.eos_id)
-            chat["eos_labels_trained"] += trained
-        pieces, shaped = documents(value) if err is None else ([value], False)
-        chat["ids_beside_rows"] += shaped
-        for value in pieces:  # each document of a packed row as a row of its own (one bad piece: the row's error)
-            if err is None and tok is None and (isinstance(value, str) or isinstance(value, dict) and MASKED not in value):
-                err = "a text or chat document needs a tokenizer (--tokenizer_name_or_path), or give input_ids"
-            if err is None and isinstance(value, dict):
-                try:  # no tokenizer: only ids with their own loss mask get here (assistant_masks ...: data/ids_rows.py)
-                    value, masks[len(docs)], st = _W["chat"].encode(value) if tok else (*value[MASKED], {})
-                    if tok is None and _W["loss_on"] == "all":  # as ChatEncoder.encode reads them: every token a target
-                        masks[len(docs)] = np.ones(len(value), np.uint8)
-                except RowError as e:
-                    err = f"chat row: {e}"
-                else:
-                    chat["chat_docs"] += 1
-                    for k in CHAT_STATS[2:]:  # the encoder's counts (chat_docs above, supervised_tokens below)
-                        chat[k] += st.get(k, 0)
-                    if prefix_costly(m := st.get("prefix_messages", 0), len(value)) and m > (long or (0, 0, 0))[2]:
-                        long = (u, row, m, len(value))  # the batch's longest: warned of once (prefix_cost_note)
-            if err:
-                bad.append((u, row, err))
-                break
-            docs.append((u, row, value, src))
-    for i, d in enumerate(docs):
-        if tok is not None and i not in masks and not isinstance(d[2], str):  # pre-tokenized: the BOS a text gets
-            ids, added = tok.with_bos(d[2])
-            docs[i], chat["ids_given_bos"] = (*d[:2], ids, d[3]), chat["ids_given_bos"] + added
-    texts = [i for i, d in enumerate(docs) if isinstance(d[2], str)]
-    if texts:
-        framed, *counts = tok.frame_texts([docs[i][2] for i in texts], eos, _W["specials"])
-        chat["special_text_docs"], chat["parsed_text_docs"], chat["eos_text_docs"] = counts
-        for i, ids in zip(texts, framed):
-            docs[i] = (*docs[i][:2], ids, docs[i][3])
-    arrays, lens, srcs, empty, max_id, mask_parts = [], [], [], 0, -1, []
-    dropped = rows_over(docs, bad, bound)  # a row with a bad piece: none of its pieces kept, counted once
-    for d, (u, row, ids, src) in enumerate(docs):
-        if (u, row) in dropped or not len(ids):
-            empty += (u, row) not in dropped
-            continue
-        a = np.asarray(ids, dtype=np.int64)
-        max_id = max(max_id, int(a.max()))
-        arrays.append(a)
-        # a conversation ends with its own end-of-turn token; a document whose ids end with the separator (`...</s>`
-        # in the text, pre-tokenized ids with theirs) or the tokenizer's own EOS (ids + [eos_token_id]) gets no other
-        add_eos = eos is not None and d not in masks and int(a[-1]) not in (eos, tok.eos_id if tok else eos)
-        if add_eos:
-            arrays.append(np.asarray([eos], dtype=np.int64))
-            max_id = max(max_id, eos)
-        lens.append(len(a) + add_eos)
-        srcs.append((u, src))
-        mask_parts.append(masks[d] if d in masks else np.ones(lens[-1], np.uint8))
-        chat["supervised_tokens"] += int(masks[d][1:].sum()) if d in masks else 0
-    flat = np.concatenate(arrays).astype(_W["dtype"]) if arrays else np.zeros(0, _W["dtype"])
-    mask = np.concatenate(mask_parts) if masks and mask_parts else None  # None: every token a target (text only)
-    return {"tokens": flat, "mask": mask, "lens": lens, "srcs": srcs, "bad": sorted(bad, key=lambda b: b[:2]),
-            "empty": empty, "max_id": max_id, "last": items[-1][:2], "chat": chat, "long": long}
-
 
 # ------------------------------------------------------------------ the reading/writing process
 
@@ -255,7 +160,7 @@ def prepare(inputs: list[str], output: str, tokenizer: str | None = None, vocab_
     plan_path = os.path.join(output, f"plan-s{i_shard:05d}.json")
     if overwrite:
         _clear_shard(output, i_shard)
-    # the instant every chat render of the shard sees (a template's date: data/chat.py FrozenClock), read once and kept
+    # the instant every chat render of the shard sees (a template's date: data/chat_render.FrozenClock), read once, kept
     old = store.read_json(plan_path) if os.path.exists(plan_path) else {}  # by a resumed shard (None: begun before)
     plan["clock"] = old.get("clock") if old else time.strftime("%Y-%m-%dT%H:%M:%S")
     shard_path = os.path.join(output, f"shard-{i_shard:05d}-of-{n_shards:05d}.json")
@@ -338,7 +243,7 @@ def _run_shard(units, out, i_shard, done, tokenizer, fields, bound, eos, dtype, 
     def consume(res):
         nonlocal last_log, tokens_here, sourced, slow
         sourced += sum(s is not None for _, s in res["srcs"])
-        if res["long"] and not slow:  # once: the costliest rows, of a template without markers (data/chat.py)
+        if res["long"] and not slow:  # once: the costliest rows, of a template without markers (data/chat_render.py)
             slow = 1
             log(prefix_cost_note(units[res["long"][0]].where(res["long"][1]), *res["long"][2:]))
         for u, row, err in res["bad"]:

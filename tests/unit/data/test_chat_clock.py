@@ -1,5 +1,5 @@
 """A template that writes today's date (`strftime_now`: gpt-oss, Mistral Small 3.2, Llama 3.1-3.3, Granite 3.3,
-Apertus) renders one instant in every render of a row (data/chat.py FrozenClock): a row is rendered 4-11 times, and
+Apertus) renders one instant in every render of a row (data/chat_render.py FrozenClock): a row is rendered 4-11 times, and
 a midnight between two renders left a prefix unlike the conversation (the turn not located: the row refused for
 another reason, or a reply left untrained). The clock is transformers' module `datetime`, swapped here for one that
 turns to the next day after its n-th reading, for every n (as the audit reproduced it). < 2 s."""

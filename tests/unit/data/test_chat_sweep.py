@@ -156,7 +156,7 @@ def test_every_path_trains_exactly_the_oracles_replies_or_refuses_in_one_line(sw
     ("gemma4", "tool call", "trains"), ("gemma4", "tool call with reasoning", "trains"),
     ("gemma4", "reasoning", "refused: message 1 (assistant): gemma4's template renders a reply's reasoning only on a "
                             "reply with tool calls"),
-    # a reply's reasoning under OpenRouter's name `reasoning` reaches every template (data/chat_rows.py)
+    # a reply's reasoning under OpenRouter's name `reasoning` reaches every template (data/chat_message.py)
     ("qwen3", "reasoning as `reasoning`", "trains: 1 earlier reply's"), ("gpt_oss", "reasoning as `reasoning`", "trains: 1"),
     ("glm46", "reasoning as `reasoning`", "trains: 1 earlier reply's"),
     ("llama31", "reasoning as `reasoning`", "refused: message 1 (assistant): llama31's template never renders its"),

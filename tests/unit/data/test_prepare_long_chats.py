@@ -1,4 +1,4 @@
-"""A conversation whose replies are found by prefix renders costs ~8 us x messages^2 (data/chat.py
+"""A conversation whose replies are found by prefix renders costs ~8 us x messages^2 (data/chat_render.py
 `prefix_costly`): prepare_data warns once, naming the row, its count and the fix (a template with generation markers),
 from the encoder's own stats (no second render). A marked template is linear: no warning."""
 
@@ -7,7 +7,9 @@ import json
 import pytest
 
 from data import prepare_data as pd
-from data.chat import ChatEncoder, prefix_costly
+from data import prepare_worker
+from data.chat import ChatEncoder
+from data.chat_render import prefix_costly
 from data.tokenizer import Tokenizer
 from tests.unit.data.chat_fixtures import build_tokenizer
 
@@ -33,7 +35,7 @@ def test_the_cost_is_warned_of_where_a_template_has_no_markers(tmp_path, tok_roo
 
 @pytest.mark.parametrize("family,warned", [("qwen25", True), ("markers", False)])
 def test_prepare_warns_once_of_long_conversations(tmp_path, tok_root, monkeypatch, family, warned):
-    monkeypatch.setattr(pd, "prefix_costly", lambda m, tokens: m >= 6)  # 6 messages stand for thousands
+    monkeypatch.setattr(prepare_worker, "prefix_costly", lambda m, tokens: m >= 6)  # 6 messages stand for thousands
     with open(tmp_path / "chat.jsonl", "w") as fh:
         for n in (2, 8, 6, 10):
             fh.write(json.dumps({"messages": _conv(n)}) + "\n")
