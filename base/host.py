@@ -290,24 +290,37 @@ def _cgroup_levels(controller: str, proc_cgroup: str | None, root: str | None) -
 
 
 def cgroup_memory(proc_cgroup: str | None = None, root: str | None = None) -> dict | None:
-    """The job's memory limit, as the kernel will enforce it: {"limit", "used", "headroom", "cgroup", "version"} at
-    the level of this process' cgroup hierarchy with the least headroom (limit - used), None where no level limits.
+    """The job's memory limit, as the kernel will enforce it: {"limit", "used", "headroom", "cgroup", "version",
+    "file" (the file the limit is: memory.max, memory.high or memory.limit_in_bytes)} at the level of this process'
+    cgroup hierarchy with the least headroom (limit - used), None where no level limits.
 
-    cgroup v2: memory.max ("max": none) and memory.current; cgroup v1: memory.limit_in_bytes and
-    memory.usage_in_bytes (huge = none); at every level of _cgroup_levels. `used` leaves out the inactive page cache
-    (reclaimed before an OOM kill). One small file read per level: microseconds."""
+    cgroup v2: the lower of memory.max and memory.high ("max": none) and memory.current; cgroup v1:
+    memory.limit_in_bytes and memory.usage_in_bytes (huge = none); at every level of _cgroup_levels. `used` leaves
+    out the inactive page cache (reclaimed before an OOM kill). One small file read per level: microseconds.
+
+    memory.high: Slurm's task/cgroup writes --mem there and --mem x AllowedRAMSpace% to memory.max (SchedMD/slurm
+    src/plugins/task/cgroup/task_cgroup_memory.c _memcg_initialize: soft_limit_in_bytes, which
+    src/plugins/cgroup/v2/cgroup_v2.c writes to memory.high). Above memory.high the kernel throttles the cgroup's
+    allocations into direct reclaim (linux Documentation/admin-guide/cgroup-v2.rst; commit 0e4b01df8659 makes the
+    throttle sleep): an offload sized to memory.max of AllowedRAMSpace=120 stalls every step in reclaim, and an
+    8-rank node's stalled rank stalls the job's collectives. v1's memory.soft_limit_in_bytes acts only under the
+    node's own memory pressure: not a limit of the job."""
     version, levels = _cgroup_levels("memory", proc_cgroup, root)
     files, stat_key = {1: (("memory.limit_in_bytes", "memory.usage_in_bytes"), "total_inactive_file"),
                        2: (("memory.max", "memory.current"), "inactive_file")}.get(version, ((), ""))
     best = None
     for folder, cgroup in levels:  # this process' own cgroup first, the mount's root last
         limit, used = _read_int(os.path.join(folder, files[0])), _read_int(os.path.join(folder, files[1]))
+        file, high = files[0], _read_int(os.path.join(folder, "memory.high")) if version == 2 else None
+        if high is not None and (limit is None or high < limit):
+            limit, file = high, "memory.high"
         if limit is None or limit >= UNLIMITED or used is None:
             continue
         used = max(0, used - _inactive_file(folder, stat_key))
         headroom = max(0, limit - used)
         if best is None or headroom < best["headroom"]:
-            best = {"limit": limit, "used": used, "headroom": headroom, "version": version, "cgroup": cgroup}
+            best = {"limit": limit, "used": used, "headroom": headroom, "version": version, "cgroup": cgroup,
+                    "file": file}
     return best
 
 

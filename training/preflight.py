@@ -20,10 +20,12 @@ What a 32-rank job would otherwise find out late, or never:
     in progress, maybe another job's) is a warning line; scripts/setup.sh builds the ops ahead of time and clears them;
   - host memory per node: what the planner (planner/memory_model.estimate: ZeRO-3 CPU offload of params,
     fp32 grads, master weights and Adam moments, offloaded checkpoints; on a CPU run everything) puts in host
-    memory per rank, times the node's ranks, at the stage that needs most, against what the job may still use
-    there: min(MemAvailable, cgroup limit - usage). Under `sbatch --mem` or a container limit the node's
-    MemAvailable is far above what the job may use, and the cgroup OOM-kills the ranks (after every requeue
-    again) where the check read only /proc/meminfo; the refusal names the cgroup's limit and how to raise it;
+    memory per rank, on a GPU run plus the process runtime a rank does not hold yet (planner/cluster.RUNTIME_HOST_GIB,
+    as plan.py and auto's budget count it, less the rank's RSS now, which the readings count already), over the
+    node's ranks, at the stage that needs most, against what the job may still use there: min(MemAvailable, cgroup
+    limit - usage). Under `sbatch --mem` or a container limit the node's MemAvailable is far above what the job
+    may use, and the cgroup OOM-kills the ranks (after every requeue again) where the check read only
+    /proc/meminfo; the refusal names the cgroup, its limit's file (memory.high where it is the lower) and the fix;
     and, where offload pins it (`pin_memory`, GPU runs), each rank's pinned bytes against RLIMIT_MEMLOCK (a
     warning line only: see `memlock_warning`);
   - --gpu_mem_gb against the smallest GPU the ranks report: a refusal below it (the plan is for memory these GPUs
@@ -45,7 +47,7 @@ import socket
 import sys
 import time
 
-from base.host import cgroup_memory, meminfo_available, memory_available, ranks_per_node
+from base.host import cgroup_memory, meminfo_available, memory_available, ranks_per_node, rss_bytes
 from base.parallel import ParallelDims
 from training.config import Config, no_gpu
 from training.curriculum import Stage, gpus_per_node
@@ -193,10 +195,12 @@ def build_locks(ext_dir: str | None = None) -> list[tuple[str, float]]:
 
 def report() -> dict:
     """What this rank sees of its host. `mem_available`: what its job may still use there, min(MemAvailable, the
-    cgroup's limit - usage); `mem_node`: MemAvailable; `mem_limit`: the cgroup reading (None: no limit)."""
+    cgroup's limit - usage); `mem_node`: MemAvailable; `mem_limit`: the cgroup reading (None: no limit); `rss`: this
+    process' resident set now (in both readings' usage already: the runtime still to come is the rest)."""
     node, limit = mem_available_bytes(), memory_limit()
     return {"host": socket.gethostname(), "mem_available": memory_available(node, limit), "mem_node": node,
-            "mem_limit": limit, "memlock": memlock_limit(), "locks": build_locks(), "gpu_bytes": gpu_bytes()}
+            "mem_limit": limit, "memlock": memlock_limit(), "locks": build_locks(), "gpu_bytes": gpu_bytes(),
+            "rss": rss_bytes()}
 
 
 # --- the decisions (pure: rank 0 takes them over every rank's report) ---
@@ -252,26 +256,43 @@ def bound_build_waits(stale_s: float = STALE_LOCK_S) -> None:
     file_baton.FileBaton.wait = wait
 
 
+def runtime_to_come(report: dict, need: dict) -> int:
+    """The process runtime (need["runtime"]: planner/cluster.RUNTIME_HOST_GIB on a GPU run, 0 on a CPU run) this
+    rank does not hold yet: its RSS now (report's `rss`; none: 0) is in MemAvailable's and the cgroup's usage already.
+    At the check a rank holds ~0.26 GiB; the CUDA context, NCCL and the model's load come after it."""
+    return max(0, need.get("runtime", 0) - (report.get("rss") or 0))
+
+
 def _memory_shortfall(reports: list[dict], need: dict | None) -> tuple[str, str] | None:
-    """(what does not fit, the fix) for the first node whose ranks x need["bytes"] exceed the least memory its
-    ranks may still use (report's mem_available: MemAvailable, or the job's cgroup headroom where that is less)."""
+    """(what does not fit, the fix) for the first node whose ranks' need["bytes"] and runtime_to_come exceed the
+    least memory its ranks may still use (report's mem_available: MemAvailable, or the job's cgroup headroom where
+    that is less). plan.py's figure per node: ranks x (host terms + RUNTIME_HOST_GIB); this one counts the same
+    less what the ranks hold already, which the readings count (Llama-3-8B at 1M on 4 x 8 GPUs under a 64 GiB
+    cgroup: plan.py says 69.88 GiB, NO; without the runtime this check let it start on 58 GiB of headroom)."""
     if not need:
         return None
     for host, rs in _by_host(reports).items():
         known = [r for r in rs if r["mem_available"] is not None]
-        total = len(rs) * need["bytes"]
+        runtime = sum(runtime_to_come(r, need) for r in rs)
+        total = len(rs) * need["bytes"] + runtime
         if not known or total <= min(r["mem_available"] for r in known):
             continue
         r = min(known, key=lambda r: r["mem_available"])
+        counted = (f"; and {runtime / GiB:.1f} GiB of process runtime its ranks do not hold yet: "
+                   f"{need['runtime'] / GiB:.2f} GiB per rank as plan.py counts it (planner/cluster.RUNTIME_HOST_GIB) "
+                   "less each rank's RSS now") if runtime else ""
         holds = (f"but its {len(rs)} rank(s) will hold {total / GiB:.1f} GiB in host memory ({need['stage']}: "
-                 f"{need['what']}, {need['bytes'] / GiB:.2f} GiB per rank)")
+                 f"{need['what']}, {need['bytes'] / GiB:.2f} GiB per rank{counted})")
         fix = ("run fewer ranks per node, more nodes, or turn the ZeRO offload off for that stage "
                "(deepspeed_overrides)")
         lim = r.get("mem_limit")
         if lim and lim["headroom"] <= r["mem_available"]:  # the cgroup binds, not the node
             node = f"; the node's MemAvailable {r['mem_node'] / GiB:.1f} GiB is not the job's" if r.get("mem_node") else ""
+            which = f" ({lim['file']})" if lim.get("file") else ""  # the file the limit is (base.host.cgroup_memory)
+            if lim.get("file") == "memory.high":
+                which = " (memory.high: above it the kernel throttles the job into reclaim; Slurm writes --mem there)"
             return (f"host memory: {host} has {r['mem_available'] / GiB:.1f} GiB available to the job (cgroup "
-                    f"{lim['cgroup']} memory limit {lim['limit'] / GiB:.1f} GiB, {lim['used'] / GiB:.1f} GiB in use"
+                    f"{lim['cgroup']} memory limit {lim['limit'] / GiB:.1f} GiB{which}, {lim['used'] / GiB:.1f} GiB in use"
                     f"{node}) {holds}"), (f"raise the job's memory limit (sbatch --mem=<GB per node>, or --mem=0 for "
                                           f"the whole node; a container's --memory), {fix}")
         return (f"host memory: {host} has {r['mem_available'] / GiB:.1f} GiB available (MemAvailable) {holds}",
@@ -280,9 +301,10 @@ def _memory_shortfall(reports: list[dict], need: dict | None) -> tuple[str, str]
 
 
 def host_memory_problem(reports: list[dict], need: dict | None) -> str | None:
-    """`need`: host bytes per rank at the stage that needs most ({"bytes", "pinned", "stage", "what"}); None when
-    the planner cannot say. Per node: its ranks x bytes against the least memory its ranks' job may still use
-    there (MemAvailable, or the job's cgroup limit less its usage where that is less); one line with the fix."""
+    """`need`: host bytes per rank at the stage that needs most ({"bytes", "pinned", "stage", "what", "runtime"});
+    None when the planner cannot say. Per node: its ranks x bytes, and the runtime they do not hold yet
+    (runtime_to_come), against the least memory its ranks' job may still use there (MemAvailable, or the job's
+    cgroup limit less its usage where that is less); one line with the fix."""
     short = _memory_shortfall(reports, need)
     return f"{short[0]}: {short[1]}" if short else None
 
@@ -342,8 +364,12 @@ def host_need(cfg: Config, stages: list[Stage], world: int, bf16: bool, configs:
     """What the run holds in host memory per rank at its most demanding stage, from the planner (None when it
     cannot read the model's shape): the ZeRO-3 offloaded states and checkpoints, and on a CPU run everything.
     `arch`: the model's (text) config; `configs`: each stage's DeepSpeed config (check_stage_configs);
-    `async_save`: count the background saves' host copy (None: as `cfg.async_save` is set to true)."""
+    `async_save`: count the background saves' host copy (None: as `cfg.async_save` is set to true). `runtime`: the
+    process runtime per rank on a GPU run (planner/cluster.RUNTIME_HOST_GIB, measured: CUDA's host allocations,
+    torch, DeepSpeed), counted as plan.py counts it, less each rank's RSS (runtime_to_come); 0 on a CPU run, whose
+    process is loaded by the check and whose step the planner counts whole."""
     async_save = cfg.async_save is True if async_save is None else async_save
+    from planner.cluster import RUNTIME_HOST_GIB
     from planner.memory_model import ModelShape, estimate, grad_accum_dtype
     from training.summary import run_features
 
@@ -366,6 +392,7 @@ def host_need(cfg: Config, stages: list[Stage], world: int, bf16: bool, configs:
         if best is None or held > best["bytes"]:
             what = ", ".join(k for k in est.cpu_per_rank) or "nothing offloaded"
             best = {"bytes": held, "pinned": pinned, "stage": f"stage {s.index} ({s.name})",
+                    "runtime": 0 if cpu_run else int(RUNTIME_HOST_GIB * GiB),
                     "what": "the whole step (CPU run)" if cpu_run else f"offloaded {what}"}
     return best
 

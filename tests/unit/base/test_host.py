@@ -109,7 +109,8 @@ def test_every_reader_takes_the_agreed_node_size(monkeypatch):
 
 def cgroup_tree(tmp_path, own: str, levels: dict[str, tuple], version: int = 2, hybrid: bool = False):
     """A fake /proc/self/cgroup (this process in cgroup `own`) and /sys/fs/cgroup tree whose `levels` ({cgroup path:
-    (limit or "max", usage, inactive file bytes)}) hold the files the kernel writes. Returns (proc file, root)."""
+    (limit or "max", usage, inactive file bytes[, v2 memory.high or "max"])}) hold the files the kernel writes.
+    Returns (proc file, root)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     proc, root = tmp_path / "proc_self_cgroup", tmp_path / "sys_fs_cgroup"
     if version == 2:
@@ -120,9 +121,11 @@ def cgroup_tree(tmp_path, own: str, levels: dict[str, tuple], version: int = 2, 
         proc.write_text(f"12:pids:/\n4:cpu,memory:{own}\n1:name=systemd:{own}\n" + ("0::/\n" if hybrid else ""))
         files, stat = ("memory.limit_in_bytes", "memory.usage_in_bytes"), "total_inactive_file"
         base = root / "memory"
-    for path, (limit, used, inactive) in levels.items():
+    for path, (limit, used, inactive, *high) in levels.items():
         d = base / path.strip("/") if path.strip("/") else base
         d.mkdir(parents=True, exist_ok=True)
+        if high:
+            (d / "memory.high").write_text(f"{high[0]}\n")
         (d / files[0]).write_text(f"{limit}\n")
         (d / files[1]).write_text(f"{used}\n")
         (d / "memory.stat").write_text(f"anon {used}\nfile 0\n{stat} {inactive}\n")
@@ -139,10 +142,34 @@ def test_cgroup_v2_limit_is_the_jobs_memory(tmp_path):
         "/system.slice/slurmstepd.scope/job_7/step_0/user/task_0": ("max", 59 * GiB, 0)})
     got = host.cgroup_memory(proc, root)
     assert got == {"limit": 64 * GiB, "used": 60 * GiB, "headroom": 4 * GiB, "version": 2,
-                   "cgroup": "/system.slice/slurmstepd.scope/job_7"}
+                   "cgroup": "/system.slice/slurmstepd.scope/job_7", "file": "memory.max"}
     assert host.memory_available(300 * GiB, got) == 4 * GiB  # min(MemAvailable, limit - usage)
     assert host.memory_available(3 * GiB, got) == 3 * GiB  # the node itself is shorter
     assert host.memory_available(None, None) is None and host.memory_available(5 * GiB, None) == 5 * GiB
+
+
+def test_cgroup_v2_memory_high_below_memory_max_is_the_limit(tmp_path):
+    """Slurm's task/cgroup under cgroup v2 with cgroup.conf AllowedRAMSpace=120 and sbatch --mem=64G writes 64 GiB to
+    memory.high and 76.8 GiB to memory.max (SchedMD/slurm task_cgroup_memory.c, cgroup_v2.c): above memory.high the
+    kernel throttles the job into reclaim, so the job's limit is 64 GiB (4 GiB left of it, not 16.8), named as
+    memory.high. A memory.high of "max" leaves memory.max; one set where memory.max is not (systemd's MemoryHigh=)
+    is the limit alone; v1 has no memory.high (its soft limit acts only under the node's pressure)."""
+    job = "/system.slice/slurmstepd.scope/job_7"
+    own = job + "/step_0/user/task_0"
+    proc, root = cgroup_tree(tmp_path / "a", own, {"/": ("max", 200 * GiB, 0), job: (int(76.8 * GiB), 60 * GiB, 0, 64 * GiB),
+                                                   own: ("max", 59 * GiB, 0, "max")})
+    got = host.cgroup_memory(proc, root)
+    assert (got["limit"], got["headroom"], got["file"], got["cgroup"]) == (64 * GiB, 4 * GiB, "memory.high", job)
+    proc, root = cgroup_tree(tmp_path / "b", own, {job: (64 * GiB, 60 * GiB, 0, "max"), own: ("max", 59 * GiB, 0)})
+    got = host.cgroup_memory(proc, root)
+    assert (got["limit"], got["headroom"], got["file"]) == (64 * GiB, 4 * GiB, "memory.max")
+    proc, root = cgroup_tree(tmp_path / "c", own, {job: ("max", 60 * GiB, 0, 62 * GiB)})
+    got = host.cgroup_memory(proc, root)
+    assert (got["limit"], got["headroom"], got["file"]) == (62 * GiB, 2 * GiB, "memory.high")
+    proc, root = cgroup_tree(tmp_path / "d", own, {job: (32 * GiB, 30 * GiB, 0)}, version=1)
+    (tmp_path / "d" / "sys_fs_cgroup" / "memory" / job.strip("/") / "memory.high").write_text(f"{GiB}\n")  # not v1's
+    got = host.cgroup_memory(proc, root)
+    assert (got["limit"], got["file"]) == (32 * GiB, "memory.limit_in_bytes")
 
 
 def test_cgroup_nested_limits_take_the_least_headroom(tmp_path):

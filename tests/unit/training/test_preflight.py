@@ -157,9 +157,10 @@ def test_host_memory_counts_the_ranks_of_each_node():
     assert preflight.host_memory_problem(reports(("a", None, None)), NEED) is None  # no MemAvailable line
 
 
-def cgroup_v2(tmp_path, limit: int, used: int) -> tuple[str, str]:
+def cgroup_v2(tmp_path, limit: int, used: int, high: int | None = None) -> tuple[str, str]:
     """A fake /proc/self/cgroup and /sys/fs/cgroup (v2): this process in Slurm's task cgroup, the job's cgroup
-    (sbatch --mem) holding `limit` with `used` in use. (The v1, nested and container layouts: tests/unit/base/test_host.py.)"""
+    (sbatch --mem) holding `limit` with `used` in use (and memory.high `high`, where given). (The v1, nested and
+    container layouts: tests/unit/base/test_host.py.)"""
     own, job = "/system.slice/slurmstepd.scope/job_7/step_0/user/task_0", "/system.slice/slurmstepd.scope/job_7"
     (tmp_path / "proc").mkdir(parents=True, exist_ok=True)
     (tmp_path / "proc" / "cgroup").write_text(f"0::{own}\n")
@@ -168,6 +169,8 @@ def cgroup_v2(tmp_path, limit: int, used: int) -> tuple[str, str]:
         d.mkdir(parents=True, exist_ok=True)
         (d / "memory.max").write_text(lim + "\n")
         (d / "memory.current").write_text(f"{used}\n")
+        if high is not None and path == job:
+            (d / "memory.high").write_text(f"{high}\n")
     return str(tmp_path / "proc" / "cgroup"), str(tmp_path / "cgroup")
 
 
@@ -184,13 +187,13 @@ def test_host_memory_reads_the_jobs_cgroup_limit(tmp_path, monkeypatch):
     monkeypatch.setattr(host, "PROC_CGROUP", proc)
     monkeypatch.setattr(host, "CGROUP_ROOT", root)
     mine = preflight.report()
-    assert (mine["mem_available"], mine["mem_node"]) == (4 * GiB, 200 * GiB)
+    assert (mine["mem_available"], mine["mem_node"]) == (4 * GiB, 200 * GiB) and mine["rss"] > 0  # this process' RSS
     assert mine["mem_limit"]["limit"] == 16 * GiB and mine["mem_limit"]["cgroup"] == "/system.slice/slurmstepd.scope/job_7"
     node = [{**mine, "host": "gpu-7"}] * 4
     msg = preflight.host_memory_problem(node, NEED)
     assert msg.startswith("host memory: gpu-7 has 4.0 GiB available to the job (cgroup /system.slice/slurmstepd.scope/"
-                          "job_7 memory limit 16.0 GiB, 12.0 GiB in use; the node's MemAvailable 200.0 GiB is not the "
-                          "job's) but its 4 rank(s) will hold 40.0 GiB in host memory"), msg
+                          "job_7 memory limit 16.0 GiB (memory.max), 12.0 GiB in use; the node's MemAvailable 200.0 GiB "
+                          "is not the job's) but its 4 rank(s) will hold 40.0 GiB in host memory"), msg
     assert "raise the job's memory limit (sbatch --mem=" in msg and "\n" not in msg
     on, why = preflight.auto_async(node[:1], NEED, cpu_run=False)  # 1 rank x 10 GiB > 4 GiB: no snapshot either
     assert not on and "available to the job (cgroup" in why and "\n" not in why
@@ -198,6 +201,62 @@ def test_host_memory_reads_the_jobs_cgroup_limit(tmp_path, monkeypatch):
     free = preflight.report()
     assert free["mem_available"] == 200 * GiB and free["mem_limit"] is None
     assert preflight.host_memory_problem([{**free, "host": "gpu-7"}] * 4, NEED) is None
+
+
+def test_host_memory_names_the_cgroups_memory_high(tmp_path, monkeypatch):
+    """Slurm under cgroup v2 with AllowedRAMSpace=150: sbatch --mem=32G is memory.high (32 GiB), memory.max 48 GiB.
+    The job has 32 - 12 = 20 GiB before the kernel throttles it into reclaim, not 36: 3 ranks x 10 GiB are refused,
+    the line naming memory.high (the check passed on memory.max and every step stalled in reclaim)."""
+    from base import host
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemAvailable: {200 * 2**20} kB\n")
+    monkeypatch.setattr(preflight, "MEMINFO", str(meminfo))
+    proc, root = cgroup_v2(tmp_path, 48 * GiB, 12 * GiB, high=32 * GiB)
+    monkeypatch.setattr(host, "PROC_CGROUP", proc)
+    monkeypatch.setattr(host, "CGROUP_ROOT", root)
+    mine = preflight.report()
+    assert mine["mem_available"] == 20 * GiB and mine["mem_limit"]["file"] == "memory.high"
+    msg = preflight.host_memory_problem([{**mine, "host": "gpu-7"}] * 3, NEED)
+    assert msg.startswith("host memory: gpu-7 has 20.0 GiB available to the job (cgroup /system.slice/slurmstepd.scope/"
+                          "job_7 memory limit 32.0 GiB (memory.high: above it the kernel throttles the job into "
+                          "reclaim; Slurm writes --mem there), 12.0 GiB in use"), msg
+    assert "sbatch --mem=" in msg and "\n" not in msg
+
+
+def test_host_memory_counts_the_process_runtime_as_plan_py_does():
+    """plan.py --model llama3-8b --seq_len 1M --gpus_per_node 8 --nodes 4 --cpu_mem_gb 64: 69.88 GiB per node, NO
+    (its host terms and 1.98 GiB of measured process runtime per rank, planner/cluster.RUNTIME_HOST_GIB). The start-up
+    check on a 64 GiB cgroup with 6 GiB in use counted the host terms alone (54.0 GiB <= 58) and let it start. It
+    counts the runtime too, less what each rank holds already (its RSS is in the cgroup's usage): 8 x 0.26 GiB less
+    than plan.py's figure, refused in one line saying what it counted; with no RSS yet, exactly plan.py's figure."""
+    import importlib.util
+
+    from planner.cluster import RUNTIME_HOST_GIB
+
+    spec = importlib.util.spec_from_file_location("plan", os.path.join(ROOT, "scripts", "plan.py"))
+    plan = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan)
+    est = plan.plan(["--model", "llama3-8b", "--seq_len", "1M", "--gpus_per_node", "8", "--nodes", "4",
+                     "--gpu_mem_gb", "80", "--cpu_mem_gb", "64", "--sp", "32"])["plans"][0]["candidates"][-1]["estimate"]
+    runtime = est["cpu_per_rank"].pop("process runtime (measured)")
+    assert runtime == int(RUNTIME_HOST_GIB * GiB) and est["cpu_per_node"] / GiB == pytest.approx(69.88, abs=0.01)
+    need = {**NEED, "bytes": sum(est["cpu_per_rank"].values()), "runtime": runtime}
+    lim = {"limit": 64 * GiB, "used": 6 * GiB, "headroom": 58 * GiB, "cgroup": "/job_7", "file": "memory.max"}
+    node = [{"host": "gpu-0", "mem_available": 58 * GiB, "mem_node": 900 * GiB, "mem_limit": lim, "locks": [],
+             "rss": int(0.26 * GiB)}] * 8
+    msg = preflight.host_memory_problem(node, need)
+    assert msg and msg.startswith("host memory: gpu-0 has 58.0 GiB available to the job (cgroup /job_7 memory limit "
+                                  "64.0 GiB (memory.max), 6.0 GiB in use"), msg
+    total = (est["cpu_per_node"] - 8 * int(0.26 * GiB)) / GiB
+    assert f"will hold {total:.1f} GiB in host memory" in msg and f"{total:.1f}" == "67.8"
+    assert "; and 13.8 GiB of process runtime its ranks do not hold yet: 1.98 GiB per rank as plan.py counts it" in msg
+    assert "\n" not in msg
+    fresh = preflight.host_memory_problem([{**r, "rss": 0} for r in node], need)
+    assert f"will hold {est['cpu_per_node'] / GiB:.1f} GiB" in fresh  # plan.py's per-node figure
+    big = [{**r, "rss": 3 * GiB, "mem_available": 55 * GiB} for r in node]  # a rank past the runtime adds nothing
+    assert preflight.runtime_to_come(big[0], need) == 0 and preflight.host_memory_problem(big, need) is None
+    assert preflight.runtime_to_come(node[0], NEED) == 0  # a CPU run's need counts none (host_need: runtime 0)
 
 
 def test_memlock_below_pinned_bytes_is_one_warning_line():
@@ -231,8 +290,12 @@ def test_host_need_is_the_planners_offloaded_states():
     assert need["bytes"] == pins + 12 * n // 4 + load
     assert need["pinned"] == need["bytes"] - load  # ds_configs/zero3_offload.json pins both offloads
     assert need["what"].startswith("offloaded params (partition)")
+    from planner.cluster import RUNTIME_HOST_GIB
+
+    assert need["runtime"] == int(RUNTIME_HOST_GIB * GiB)  # plan.py's process runtime per rank (a GPU run)
     cpu = preflight.host_need(cfg, stages, 4, True, configs, arch, cpu_run=True)
     assert cpu["bytes"] > need["bytes"] and cpu["pinned"] == 0  # a CPU run holds the whole step in host memory
+    assert cpu["runtime"] == 0  # its process is loaded by the check (no CUDA runtime to come)
     cfg.async_save = True  # background saves keep a (pinned) host copy of the rank's checkpoint: 12 B/param / world
     snap = preflight.host_need(cfg, stages, 4, True, configs, arch, cpu_run=False)
     # (given back before a load, the snapshot makes room for the load's transient: the larger of the two is held)
@@ -359,7 +422,7 @@ def test_every_rank_takes_rank_0s_decision(decisions, mode):
     expect = {"ok": None, "memlock": None, "lock": "stale torch-extensions build lock /ext/cpu_adam/lock on node1",
               "memory": "host memory: node1 has 0.0 GiB available (MemAvailable) but its 1 rank(s) will hold",
               "cgroup": "host memory: node1 has 0.0 GiB available to the job (cgroup /system.slice/slurmstepd.scope/"
-                        "job_7 memory limit 0.0 GiB, 0.0 GiB in use"}[mode]
+                        "job_7 memory limit 0.0 GiB (memory.max), 0.0 GiB in use"}[mode]
     if expect is None:
         assert results[0] is None
     else:

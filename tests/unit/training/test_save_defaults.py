@@ -10,6 +10,7 @@ import time
 import pytest
 
 from base.parallel import ParallelDims
+from planner.cluster import RUNTIME_HOST_GIB
 from training import preflight
 from training.config import parse_config
 from training.curriculum import resolve_stages
@@ -111,6 +112,7 @@ def test_preflight_resolves_auto_into_the_config(monkeypatch, capsys):
     monkeypatch.setattr(preflight, "no_gpu", lambda: False)
     monkeypatch.setattr(preflight, "build_locks", lambda ext_dir=None: [])
     monkeypatch.setattr(preflight, "check_stage_configs", lambda *a, **k: configs)  # built above (~0.5 s each)
+    monkeypatch.setattr(preflight, "rss_bytes", lambda: int(RUNTIME_HOST_GIB * 2**30))  # the runtime held already: the snapshot decides
     dims = ParallelDims(world=1, sp=1, rank=0, local_rank=0)
     for setting, available, want in (("auto", with_, True), ("auto", (with_ + without) // 2, False),
                                      ("auto", without // 2, "refused"), (True, (with_ + without) // 2, "refused"),
