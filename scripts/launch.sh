@@ -27,7 +27,8 @@
 # under TMPDIR where this folder is read-only), BIND_CORES (auto | 0 | 1), STORE_START_S (node 0's
 # store must answer within this, default 60), LAUNCH_LOST_FILE (node 0, after a lost node: its index is written here),
 # LAUNCH_CRASH_FILE (after a crash: `first` if it began on this node, `own` if this node's ranks raised too, `died` if a
-# rank here died of a signal without an exit of its own).
+# rank here died of a signal without an exit of its own, `memlimit GIB LEVEL` if that was the OOM killer at a
+# cgroup's memory limit: scripts/launch_crash.sh).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

@@ -20,6 +20,19 @@
 # Never when this script was signalled (Slurm ending the step) before a rank here was gone (`early`: a rank killed on
 # its way out after the step's TERM is no death of this node's own), never when every rank here recorded its own exit
 # or a note of the job's abort.
+#
+# `memlimit` in its place when a memory limit above this task did it: a level of its cgroup, from the task's up to the
+# mount's root, that has a limit (v2 memory.max not "max", v1 memory.limit_in_bytes under 10^18: Slurm's
+# ConstrainRAMSpace writes `sbatch --mem` x AllowedRAMSpace% at the job's and the step's, SchedMD/slurm
+# src/plugins/cgroup/v2/cgroup_v2.c) counted an OOM at it since the last poll with every rank here alive (v2
+# memory.events `oom`, v1 memory.failcnt). The kernel raises `oom` at the cgroup whose limit was hit and, v2's events
+# being hierarchical, at its ancestors, never at the task's below it; a host-wide OOM raises `oom_kill` alone
+# (torvalds/linux mm/memcontrol.c try_charge_memcg, include/linux/memcontrol.h memcg_memory_event;
+# Documentation/admin-guide/cgroup-v2.rst). No node's fault: the next allocation has the same limit and the same
+# ranks' memory, so slurm.sbatch stops, naming the level, instead of excluding a healthy node, then another (Slurm's
+# own verdict is OUT_OF_MEMORY: SchedMD/slurm src/slurmd/slurmstepd/mgr.c). v1's failcnt also counts a charge that
+# reclaim then served (page cache at the limit): under v1 a host-wide OOM in a job at its limit reads as `memlimit`.
+# Cost: the levels found once (one or two small reads a level), then one small read a limited level a poll.
 
 cgroup_dir() {  # this task's cgroup folder (its memory controller's under v1). LAUNCH_CGROUP: a folder standing in for
   # it (a test's; `%n` is this node's rank)
@@ -31,15 +44,52 @@ cgroup_dir() {  # this task's cgroup folder (its memory controller's under v1). 
   if [ -r "/sys/fs/cgroup$v2/memory.events" ]; then echo "/sys/fs/cgroup$v2"; else echo "/sys/fs/cgroup/memory$v1"; fi
 }
 cg=""  # cgroup_dir, once (launch.sh, before the launcher starts)
-read_ooms() {  # OOMS: this task's cgroup's OOM kills so far ('' where unreadable). Builtins only, no fork: launch.sh
-  # reads it every poll, and a forked command there defers its traps (two SIGINTs 1 s apart became one under load)
-  local k v f
-  OOMS=""
+cg_levels=() cg_limits=() cg_walked=0  # the levels from $cg up whose memory is limited, and their limits (bytes)
+limit_levels() {  # once: from $cg up to the mount's root (the first level without the memory files), at most 16
+  local d=${cg%/} v i
+  cg_walked=1
+  for ((i = 0; i < 16 && ${#d} > 1; i++)); do
+    if [ -r "$d/memory.max" ]; then read -r v < "$d/memory.max" || :
+    elif [ -r "$d/memory.limit_in_bytes" ]; then read -r v < "$d/memory.limit_in_bytes" || :
+    else break; fi
+    [[ ${v:-} =~ ^[0-9]{1,18}$ ]] && { cg_levels+=("$d"); cg_limits+=("$v"); }  # "max", v1's 2^63 - 4096: none
+    d=${d%/*} v=""
+  done
+}
+oom_counts() {  # OOMS: this task's cgroup's OOM kills so far ('' where unreadable); LIMIT_OOMS: each limited level's
+  # OOMs at its limit (v2 memory.events `oom`, v1 memory.failcnt; '-' where unreadable). Builtins only, no fork:
+  # launch.sh reads them every poll (one small file a limited level, Slurm's job and step: two), and a forked command
+  # there defers its traps (two SIGINTs 1 s apart became one under load)
+  local k v f d c
+  OOMS="" LIMIT_OOMS=""
+  [ -n "$cg" ] && [ "$cg_walked" = 0 ] && limit_levels
+  for d in ${cg_levels[@]+"${cg_levels[@]}"}; do
+    c=-
+    if [ -r "$d/memory.events" ]; then
+      while read -r k v; do [ "$k" = oom ] && c=$v; done < "$d/memory.events"
+    elif [ -r "$d/memory.failcnt" ]; then read -r c < "$d/memory.failcnt" || :
+    fi
+    LIMIT_OOMS+="${c:--} "
+  done
   for f in "$cg/memory.events" "$cg/memory.oom_control"; do
     [ -n "$cg" ] && [ -r "$f" ] || continue
     while read -r k v; do [ "$k" = oom_kill ] && { OOMS=$v; return 0; }; done < "$f"
   done
   return 0
+}
+limit_base=""  # LIMIT_OOMS while every rank here was alive
+read_ooms() {  # launch.sh's baseline: oom_counts, its limited levels' counts kept (died_verdict reads oom_counts)
+  oom_counts
+  limit_base=$LIMIT_OOMS
+}
+at_limit() {  # true when a limited level counted an OOM since limit_base: MEM_LEVEL, MEM_LIMIT (bytes), MEM_COUNTS
+  local was=($limit_base) now=($LIMIT_OOMS) i  # the innermost first: the level whose limit was hit (v2: and above)
+  for ((i = 0; i < ${#was[@]} && i < ${#now[@]}; i++)); do
+    [[ ${was[$i]}${now[$i]} =~ ^[0-9]+$ ]] && [ "${now[$i]}" -gt "${was[$i]}" ] || continue
+    MEM_LEVEL=${cg_levels[$i]} MEM_LIMIT=${cg_limits[$i]} MEM_COUNTS="${was[$i]} -> ${now[$i]}"
+    return 0
+  done
+  return 1
 }
 ooms=""  # the count while every rank here was alive: read before the launcher starts and at each poll until one goes
 alive() {  # a process that has not exited (a zombie its launcher has not reaped yet has)
@@ -51,7 +101,7 @@ alive() {  # a process that has not exited (a zombie its launcher has not reaped
 EXIT_INTERRUPTED=130  # base/exits.py: a user's Ctrl-C at start-up (training/job.py), no crash of this node's
 died=0
 died_verdict() {
-  local d=$death n why="" now f
+  local d=$death n why="" now f=""
   [ "$died" = 0 ] || return 0
   case "$rc" in 0|"$EXIT_USAGE"|"$EXIT_PEER_LOST"|"$EXIT_PREEMPTED"|"$EXIT_INTERRUPTED") return 0 ;; esac
   [ "$signalled$early" != 10 ] || return 0
@@ -60,7 +110,7 @@ died_verdict() {
   # signal code was posted); a node all of whose ranks did is no origin, whatever its code
   n=$(ls "$exit_dir" 2>/dev/null | sed -n 's/^\(rank\|store\)\([0-9][0-9]*\)$/\2/p' | sort -u | grep -c .)
   [ "$n" -lt "$ranks_here" ] || return 0
-  read_ooms
+  oom_counts
   now=$OOMS
   if [ -n "$ooms" ] && [ -n "$now" ] && [ "$now" -gt "$ooms" ]; then
     why="the OOM killer took a process here (its cgroup's oom_kill: $ooms -> $now)"
@@ -75,6 +125,15 @@ died_verdict() {
     case " 4 7 8 9 11 " in *" ${d:-x} "*) why="a rank here died of signal $d" ;; *) return 0 ;; esac
   fi
   died=1
+  if [ -z "$f" ] && at_limit; then  # an OOM kill or a SIGKILL, not a fault record's signal
+    local gib=$((MEM_LIMIT / 1048576 * 10 / 1024))  # tenths
+    gib="$((gib / 10)).$((gib % 10))"
+    echo "launch.sh: $why, at a memory limit: cgroup $MEM_LEVEL (limit $gib GiB) counted it (oom: $MEM_COUNTS):" \
+      "this node's crash verdict is 'memlimit' (the next run has the same limit): raise sbatch --mem (or --mem=0 for" \
+      "the whole node; a container's memory limit), or lower the host plan: scripts/plan.py" >&2
+    [ -z "${LAUNCH_CRASH_FILE:-}" ] || echo "memlimit $gib $MEM_LEVEL" > "$LAUNCH_CRASH_FILE"
+    return 0
+  fi
   echo "launch.sh: $why without an exit of its own (the host's OOM killer, a segfault): this node's crash verdict" \
     "is 'died'" >&2
   [ -z "${LAUNCH_CRASH_FILE:-}" ] || echo died > "$LAUNCH_CRASH_FILE"

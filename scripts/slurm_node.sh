@@ -45,7 +45,7 @@ node_task='s=$1 n=$SLURM_NODEID nn=$2 m=$3 p=$4 g=$5 k=$6; shift 6
       "$h GPUs, node 0 $g (SLURM_GPUS_ON_NODE), whose count every node runs$( ((h > g)) && echo " ($((h - g)) idle)"):" \
       "ask one (sbatch --gpus-per-node=N) or export GPUS_PER_NODE=$((h < g ? h : g))" >&2
       ((h > g)) || { echo 2 > "$s/exit.$n" 2>/dev/null; exit 2; }; }  # more: it runs, warned; fewer: refused
-    export LAUNCH_CRASH_FILE=$s/crash.$n  # launch.sh: whether this node crashed on its own (first, own, died), below
+    export LAUNCH_CRASH_FILE=$s/crash.$n  # launch.sh: whether this node crashed on its own (first, own, died, memlimit), below
     code=$(mktemp "${TMPDIR:-/tmp}/ulysses_node.XXXXXX")
     set -m
     ( trap : TERM USR1 USR2 INT HUP; "${launch[@]}" --no_ssh --nnodes "$nn" --node_rank "$n" --master_addr "$m" \

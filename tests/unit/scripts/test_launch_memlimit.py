@@ -1,0 +1,123 @@
+"""A rank OOM-killed at its job's memory limit (`sbatch --mem`: Slurm's cgroup) against one killed by the host's OOM
+killer: scripts/launch_crash.sh's verdict over stand-in cgroup trees, sourced in a bare bash as launch.sh sources it
+(its baseline read before the launcher starts, its verdict once a rank is gone). The kernel counts `oom` in
+memory.events at the cgroup whose limit was hit and (v2, hierarchical) above it, `oom_kill` at the victim's and above;
+a host-wide OOM counts `oom_kill` alone. cgroup v1 counts the limit's hits in memory.failcnt of the limited level.
+Before, every one of these was `died`: the node excluded and the job requeued into the same limit, twice, memory never
+named. The whole chain through slurm.sbatch: tests/e2e/test_sbatch_died_race.py [memlimit]."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from tests.distributed import ROOT
+
+GIB = 1 << 30
+V1_UNLIMITED = "9223372036854771712"  # v1's memory.limit_in_bytes without a limit (PAGE_COUNTER_MAX pages)
+
+# launch.sh's state as died_verdict reads it: the launcher gone with 143 (srun's TERM to the deepspeed runner), no
+# rank here recorded an exit, no signal to launch.sh before. AFTER: what the kernel wrote meanwhile.
+SCRIPT = """set -uo pipefail  # launch.sh from the launch on (set +e: the exit code is the training's)
+EXIT_USAGE=2 EXIT_PEER_LOST=69 EXIT_PREEMPTED=75
+. "$0"
+rc=143 death="" signalled=0 early=1 ranks_here=2 exit_dir=$EXIT_DIR node_rank=0
+cg=$CG; read_ooms; ooms=$OOMS
+eval "$AFTER"
+died_verdict
+"""
+
+
+def events(oom: int = 0, kills: int = 0) -> str:
+    return f"low 0\nhigh 0\nmax {oom}\noom {oom}\noom_kill {kills}\noom_group_kill 0\n"
+
+
+def v2_tree(root, job: str, step: str = "max") -> str:
+    """/sys/fs/cgroup's stand-in: system.slice/slurmstepd.scope/job_7/step_0/user/task_0 (Slurm's v2 layout), the
+    root without the memory files (the kernel's root cgroup has no memory.max nor memory.events)."""
+    path = root / "cg"
+    task = path / "system.slice" / "slurmstepd.scope" / "job_7" / "step_0" / "user" / "task_0"
+    task.mkdir(parents=True)
+    d = task
+    while d != path:
+        limit = {"job_7": job, "step_0": step}.get(d.name, "max")
+        (d / "memory.max").write_text(f"{limit}\n")
+        (d / "memory.events").write_text(events())
+        d = d.parent
+    return str(task)
+
+
+def verdict(tmp_path, cg: str, after: str) -> tuple[str, str]:
+    crash, exit_dir = tmp_path / "crash.0", tmp_path / "exit"
+    exit_dir.mkdir()
+    p = subprocess.run(["bash", "-c", SCRIPT, os.path.join(ROOT, "scripts", "launch_crash.sh")], capture_output=True,
+                       text=True, timeout=30, env={**os.environ, "CG": cg, "AFTER": after,
+                                                   "EXIT_DIR": str(exit_dir), "LAUNCH_CRASH_FILE": str(crash)})
+    assert p.returncode == 0, p.stderr
+    return (crash.read_text().strip() if crash.exists() else ""), p.stderr
+
+
+def write(path: str, text: str) -> str:
+    """The kernel's update of one file, as a line of AFTER."""
+    return f"printf '%s' '{text}' > '{path}'\n"
+
+
+@pytest.mark.parametrize("hit, level", [("job", "job_7"), ("step", "step_0")])
+def test_a_kill_at_the_jobs_limit_is_memlimit_naming_the_level(tmp_path, hit, level):
+    """`sbatch --mem=64G`: memory.max at the job's level (and, tighter, at the step's); the limit hit there counts `oom`
+    there and above, the victim's task `oom_kill`: the level named is the innermost one that counted it."""
+    task = v2_tree(tmp_path, job=str(64 * GIB), step=str(48 * GIB))
+    job = os.path.dirname(os.path.dirname(os.path.dirname(task)))  # .../job_7
+    step = os.path.join(job, "step_0")
+    counted = [job, step] if hit == "step" else [job]
+    after = "".join(write(f"{d}/memory.events", events(oom=1, kills=1)) for d in counted)
+    after += write(f"{task}/memory.events", events(kills=1))
+    crash, err = verdict(tmp_path, task, after)
+    gib = "48.0" if hit == "step" else "64.0"
+    assert crash == f"memlimit {gib} {os.path.join(job, 'step_0') if hit == 'step' else job}", err
+    assert f"cgroup {job if hit == 'job' else step} (limit {gib} GiB)" in err and level in err, err
+    assert "crash verdict is 'memlimit'" in err and "raise sbatch --mem" in err and "scripts/plan.py" in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_a_host_wide_oom_stays_died(tmp_path):
+    """The node itself out of memory: the task's `oom_kill` grows, no limited level's `oom` (the job at 64 GiB was not
+    at its limit): that node may be short of memory, excluding it is right."""
+    task = v2_tree(tmp_path, job=str(64 * GIB))
+    crash, err = verdict(tmp_path, task, write(f"{task}/memory.events", events(kills=1)))
+    assert crash == "died" and "memlimit" not in err, err
+
+
+def test_an_oom_at_the_limit_before_the_last_poll_is_not_this_death(tmp_path):
+    """A compiler OOM-killed at the limit while every rank here lived (the poll's baseline read it), then a rank gone
+    to the host's OOM killer: not the limit's."""
+    task = v2_tree(tmp_path, job=str(64 * GIB))
+    job = os.path.dirname(os.path.dirname(os.path.dirname(task)))
+    after = write(f"{job}/memory.events", events(oom=1, kills=1)) + "read_ooms; ooms=$OOMS\n"
+    after += write(f"{task}/memory.events", events(kills=1))
+    crash, err = verdict(tmp_path, task, after)
+    assert crash == "died", err
+
+
+@pytest.mark.parametrize("limit, verdict_word", [(str(32 * GIB), "memlimit 32.0"), (V1_UNLIMITED, "died")])
+def test_cgroup_v1_reads_the_limited_levels_failcnt(tmp_path, limit, verdict_word):
+    """cgroup v1 (memory controller's mount): memory.limit_in_bytes at the job's level, its memory.failcnt counting
+    the hits, the task's memory.oom_control its kills (no hierarchy of events under v1). Unlimited: no level to name."""
+    mount = tmp_path / "memory"
+    task = mount / "slurm" / "uid_0" / "job_7" / "step_0" / "task_0"
+    task.mkdir(parents=True)
+    d = task
+    while True:
+        (d / "memory.limit_in_bytes").write_text((limit if d.name == "job_7" else V1_UNLIMITED) + "\n")
+        (d / "memory.failcnt").write_text("0\n")
+        (d / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 0\n")
+        if d == mount:
+            break
+        d = d.parent
+    job = task.parent.parent
+    after = write(f"{job}/memory.failcnt", "3\n")
+    after += write(f"{task}/memory.oom_control", "oom_kill_disable 0\nunder_oom 0\noom_kill 1\n")
+    crash, err = verdict(tmp_path, str(task), after)
+    assert crash.startswith(verdict_word), err
