@@ -35,6 +35,7 @@ from data.coverage import length_lines, start_notes
 from data.heldout import held_identity, heldout_note, heldout_samples, heldout_split, sample_starts, split_of
 from data.mixture import MixtureDataset, MixtureSampler, parse_mixture, select_documents
 from data.packing import ConvPack, DocPack, chat_documents, vocab_refusal
+from data.pipeline_notes import cut_lines, text_chat_line
 from data.prepare import prepare_in_job
 from data.prepared_again import again_note, unrecorded_note
 from data.replay import ReplayDataset, ReplaySampler, parse_replay
@@ -115,7 +116,9 @@ class RunData:
             ends = starts + self.cut[idx]
         keep = ends > starts
         if sft:
-            return ConvPack(self.prepared.tokens, self.mask, starts[keep], (ends - starts)[keep], seq_len, self.pad_id)
+            pack = ConvPack(self.prepared.tokens, self.mask, starts[keep], (ends - starts)[keep], seq_len, self.pad_id)
+            pack.docs = int(keep.sum())  # the documents it was given: its stage note counts them (data/pipeline_notes)
+            return pack
         return DocPack(self.prepared.tokens, starts[keep], (ends - starts)[keep], seq_len, self.reset_position_ids,
                        self.mask_cross_document_labels, self.mask)
 
@@ -283,20 +286,15 @@ class RunData:
         packs = mix.parts if mix is not None and hasattr(mix, "parts") else [dataset]
         if any(isinstance(p, ConvPack) for p in packs):  # which packing the samples' indices name (a resume says a change)
             sampler.packing = next(p for p in packs if isinstance(p, ConvPack)).state_dict()["packing"]
-        cut = [p for p in packs if isinstance(p, ConvPack) and (p.truncated or p.dropped or p.split)]
-        if cut:  # a conversation under --loss_on all has a text's mask (all ones): split alike, named by the manifest
-            m = self.prepared.manifest
-            convs = m.get("chat_docs", 0) if m.get("loss_on") == "all" else 0
-            split = ("longer text document(s)" if not convs else "conversation(s) under --loss_on all (every token a "
-                     "target, as a text's)" if convs >= m.get("n_docs", 0) else "longer text document(s) or "
-                     "conversation(s) under --loss_on all (every token a target: alike)")
-            lost = sum(p.lost_targets for p in cut)
-            share = lost / max(1, lost + sum(p.n_targets for p in packs if isinstance(p, ConvPack)))  # one epoch's
-            print0(f"stage {stage.index} ({stage.name}) at {stage.max_seq_length}: {sum(p.truncated for p in cut)} "
-                   f"conversation(s) cut to the length, {sum(p.dropped for p in cut)} dropped (no supervised token in "
-                   f"their first {stage.max_seq_length} tokens: all past the cut, or none at all), {lost} supervised "
-                   f"token(s) past the cuts not trained ({'under 0.1%' if 0 < share < 0.001 else f'{share:.1%}'} of the "
-                   f"stage's supervised tokens), {sum(p.split for p in cut)} {split} split into pieces")
+        where = f"stage {stage.index} ({stage.name}) at {stage.max_seq_length}"
+        names = mix.names if mix is not None and hasattr(mix, "parts") else None
+        if any(isinstance(p, ConvPack) and (p.truncated or p.dropped or p.split) for p in packs):  # an SFT stage's
+            for line in cut_lines(where, packs, names, self.prepared.manifest):  # cuts, per mixture component
+                print0(line)
+        if getattr(stage, "kind", "text") != "sft":  # a text stage splitting conversations (every rank reads the mask)
+            line = text_chat_line(where, packs, self.mask)
+            if line:
+                print0(line)
         if mix is not None and all(isinstance(p, ConvPack) for p in packs):  # each component packed alone: its
             fills = [p.fill() for p in packs]  # weight is a share of samples, padding included (said, not changed)
             real = [w * f for w, f in zip(weights, fills)]
