@@ -17,7 +17,8 @@ one, the tokenizer's EOS (what `generate()` falls back on through the model's co
 (gpt-oss's history `<|end|><|start|>assistant`), ends the reply as before. A reply whose end-of-turn the template
 writes only when a message follows ends at the one the conversation goes on with past blanks (Apriel-1.6's
 `reply\n<|end|>\n`: it was trained as `reply`, no stop, uncounted); none there, it is a turn not trained, counted.
-Cost: a few token comparisons per turn.
+Cost: a few token comparisons per turn. A row with no turn located is refused naming the cause where a cheap one holds
+(`unfound_why`: the replies' `name`, a template argument), else the usual ones.
 """
 
 from __future__ import annotations
@@ -326,7 +327,7 @@ def _off(enc, conv: list[dict], k: int, tools: list | None) -> list[int] | None:
 def locate(enc, conv: list[dict], wanted: list[int], tools: list | None = None) -> tuple[list[int], dict, dict]:
     r = Renders(enc, conv, enc.linear, tools)  # rendered and tokenized once; each prefix a view on it
     full, arr = r.full, r.arr
-    spans, why = {}, {}
+    spans, why, unfound = {}, {}, []
     for k in wanted:
         msg = conv[k]
         try:
@@ -347,6 +348,7 @@ def locate(enc, conv: list[dict], wanted: list[int], tools: list | None = None) 
                 "assistant header: the template renders earlier messages differently once a reply follows (Mistral "
                 "v0.3 drops a system prompt unless a user turn is last: put it in the first user turn) or writes text "
                 "after the last message (Command-R's tool_use: use its `default`)")
+            unfound.append(k)
             continue
         prefix = turn.lcp(arr) == len(turn)
         tail = turn.slice(a, len(turn))
@@ -377,7 +379,45 @@ def locate(enc, conv: list[dict], wanted: list[int], tools: list | None = None) 
                 if not prefix and msg["content"][-1:].isspace() else "")  # Apriel-1.6's `\r\n` + `\n<|end|>`
             continue
         spans[k] = (a, end)
+    if unfound and not spans:  # the row is refused: its line names the cause where a cheap one holds
+        why[unfound[0]] = unfound_why(enc, conv, unfound[0], tools, r.text) or why[unfound[0]]
     return full, spans, why
+
+
+def unfound_why(enc, conv: list[dict], k: int, tools: list | None, text: str) -> str | None:
+    """Why turn k's header is not where the generation prompt puts it, where a cheap explanation holds: the row's
+    conversation (its rendering `text`) does not go on from that prompt, and does once the cause is taken out. In
+    order: the assistant messages' `name`, which Kimi K2 writes in the header (`<|im_assistant|>{{ name or role }}
+    <|im_middle|>`, moonshotai/Kimi-K2-Instruct's chat_template.jinja) where its prompt writes `assistant`; an argument
+    of the row's chat_template_kwargs (Hunyuan-A13B's enable_thinking false writes `<think>\n\n</think>\n` after every
+    render, vllm-project/vllm examples/tool_chat_template_hunyuan_a13b.jinja). None where neither holds (the line says
+    the usual causes). Read only for a row refused with no turn located: one render, and two per cause tried (a row
+    with named replies or template arguments)."""
+    try:
+        if text.startswith(enc._text(conv[:k], True, tools)):
+            return None  # it goes on from the prompt as text: the cause is elsewhere (the tokens)
+    except RowError:
+        return None
+    named = [m["name"] for m in conv[:k + 1] if m["role"] == "assistant" and m.get("name")]
+    if named:
+        plain = [{n: v for n, v in m.items() if n != "name"} if m["role"] == "assistant" else m for m in conv]
+        if _goes_on(enc, plain, k, tools):
+            return (f"message {k}: the template writes an assistant message's `name` ({named[0]!r}) in its header, "
+                    "which its generation prompt does not: drop `name` from the assistant messages")
+    for name, value in enc._row_kw.items():
+        if _goes_on(enc.bound({n: v for n, v in enc._row_kw.items() if n != name}), conv, k, tools):
+            return (f"message {k}: with chat_template_kwargs {name}: {json.dumps(value)} the template's generation "
+                    f"prompt is not what it writes before a reply (without it, it is): drop {name} from the row's "
+                    "chat_template_kwargs")
+    return None
+
+
+def _goes_on(enc, conv: list[dict], k: int, tools: list | None) -> bool:
+    """Whether `conv` rendered goes on from the generation prompt after conv[:k] (as text: two renders)."""
+    try:
+        return enc._text(conv, tools=tools).startswith(enc._text(conv[:k], True, tools))
+    except RowError:
+        return False
 
 
 def in_text(enc, tail: list[int], msg: dict) -> bool:

@@ -8,10 +8,14 @@ reasoning and tool calls where the family renders them, and its end-of-turn toke
 ships it is that text without the markers (the generation-marker family keeps them); the families added in 2026
 (Phi-4, LFM2, GLM-4.6, DeepSeek-V3.1, Llama 4, Qwen3-Coder, Gemma 4, Seed-OSS, Phi-4-reasoning, Mistral Small 3.2,
 Granite 4.0, MiniMax-M2, Nemotron Nano v2, Apertus, Command R7B's two named templates, `files`; Apriel-1.6, rendered
-with and without its `training_prompt` switch, `kwargs`: the row's chat_template_kwargs) keep the template byte for byte
-and a marked copy beside it (`oracle`; Phi-4-reasoning ships its markers, its own), held to the same render by the
-ids check below. A small byte-level BPE tokenizer gets the family's control tokens (as single special tokens) and its
-plain added tokens.
+with and without its `training_prompt` switch, `kwargs`: the row's chat_template_kwargs; Kimi K2 0711, 0905 and
+Thinking, Ministral 3 Reasoning, Magistral Small 2509, Devstral 2505 and 2507, SmolLM3 and Nemotron 3 Nano each with
+thinking on and off, Qwen3-Next, Llama-3.3-Nemotron-Super-49B, Llama-3.1-Nemotron-70B, DeepSeek-R1-0528, ERNIE-4.5,
+Hunyuan-A13B, EXAONE 4.0 with and without thinking, OLMo 3 Think, Phi-4-mini-reasoning) keep the template byte for byte
+(ERNIE-4.5's and OLMo 3 Think's as their Python sources' literals evaluate; EXAONE 4.0's as a docstring quotes it: a
+copy, its `checked` says) and a marked copy beside it (`oracle`; Phi-4-reasoning ships its markers, its own), held to
+the same render by the ids check below. A small byte-level BPE tokenizer gets the family's control tokens (as single
+special tokens) and its plain added tokens.
 
 For each family and each kind of conversation (CASES) data/chat.py's ChatEncoder encodes the row through the
 shipped template, and Hugging Face's own assistant mask of the marked template is the oracle. The property:

@@ -23,8 +23,8 @@ family x path x conversation:
     the oracle's ids with its own mask (what TRL stores for assistant_only_loss) as `assistant_masks`, as `labels`
     (-100 where not trained), padded (pad ids, `attention_mask` 0), packed with the next conversation (`seq_lengths`;
     restarting `position_ids`): each conversation's ids and mask as given (under `--loss_on all`: every token);
-  - `long`: `ChatEncoder.encode_long` with the first message that is no reply as the long one (spliced in 47 of the
-    families, the rest rendered whole; rows without `tools` or template arguments: it takes neither, data/tasks.py's
+  - `long`: `ChatEncoder.encode_long` with the first message that is no reply as the long one (spliced in 47 of the 49
+    families before stop 72 added 21, the rest rendered whole; rows without `tools` or template arguments: it takes neither, data/tasks.py's
     trials carry none): the messages path's property;
   - `packed`: an SFT stage's samples (data/packing.ConvPack) of the family's trained conversations (messages and
     pair), a text document and a `--loss_on all` conversation: each document's ids and mask unchanged at its place,
@@ -39,7 +39,7 @@ form in every family); every other path every conversation; the sentencepiece de
 Hugging Face tokenizer): the documented ChatML layout rendered by transformers (render_jinja_template's generation
 indices: which characters are the replies), tokenized part by part as the default is built (data/chat.py point 3). A
 traceback on a user's row is WRONG. A WRONG cell passes the test only where WRONG below records the bug it shows (in
-the code of that path, not fixed yet); fixed, the record goes. Cost: ~2.5 s of CPU over the 49 families (the
+the code of that path, not fixed yet); fixed, the record goes. Cost: ~3.5 s of CPU over the 70 families (the
 renderings are the messages sweep's), plus data/pipeline's import of torch where no test before imported it.
 """
 

@@ -49,13 +49,15 @@ END_OF_TEXT = {"<|eot_id|>": ("<|end_of_text|>",), "<|im_end|>": ("<|endoftext|>
 # [INST] / [AVAILABLE_TOOLS] (mistral_v03), [SYSTEM_PROMPT] (mistral_small32), <|start|> (gpt_oss),
 # <|START_OF_TURN_TOKEN|> (command_r, command_r7b), <|start_of_role|> (granite3/4), <｜User｜> (deepseek_v3/v31),
 # [gMASK] (glm46/47), ]~b] (minimax_m2), <SPECIAL_10> (nemotron_nano2), <|system_start|> (apertus), <|begin_system|>
-# (apriel16: it always writes a system turn first). Not here: Llama 2 /
+# (apriel16: it always writes a system turn first), <|im_system|> (kimi_k2*: a default system turn first),
+# <|begin_of_sentence|> (ernie45), [|system|] / [|user|] (exaone4). Not here: Llama 2 /
 # Mistral v0.1-v0.2 / Vicuna / Zephyr / OLMo 2 (turns in plain text: [INST], <|user|> are not special there),
-# Seed-OSS (<seed:bos> is its BOS, then `user`), DeepSeek with a system prompt first (plain text after the BOS).
+# Seed-OSS (<seed:bos> is its BOS, then `user`), DeepSeek with a system prompt first (plain text after the BOS),
+# Hunyuan-A13B (<|startoftext|> is its BOS, then plain text).
 TURN_STARTS = ("<|im_start|>", "<|start_header_id|>", "<|header_start|>", "<start_of_turn>", "<|turn>", "<|system|>",
                "<|user|>", "[INST]", "[AVAILABLE_TOOLS]", "[SYSTEM_PROMPT]", "<|start|>", "<|START_OF_TURN_TOKEN|>",
                "<|start_of_role|>", "<｜User｜>", "[gMASK]", "]~b]", "<SPECIAL_10>", "<|system_start|>",
-               "<|begin_system|>")
+               "<|begin_system|>", "<|im_system|>", "<|begin_of_sentence|>", "[|system|]", "[|user|]")
 # --text_specials (data/prepare_args.py): how special-token strings in a text document are read (frame_texts)
 SPECIALS_MODES = ("auto", "text", "parse")
 

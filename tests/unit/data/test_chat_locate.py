@@ -1,6 +1,7 @@
 """Where a reply starts and ends (data/chat_locate.py), on the sweep's tokenizers (data/chat_sweep.py): Command R7B's
 reply is trained through the stop after its end-of-turn, with or without a generation config beside the tokenizer;
-Nemotron Nano v2's reply of tool calls alone from its first token. ~2 s, no network."""
+Nemotron Nano v2's reply of tool calls alone from its first token; a row with no turn located refused naming its cause
+(named replies, a template argument). ~3 s, no network."""
 
 from __future__ import annotations
 
@@ -167,3 +168,37 @@ def test_the_no_stop_warning_names_the_templates_training_switch(tmp_path):
     assert '"training_prompt": true' in training_switch(None, str(tmp_path))
     (tmp_path / "chat_template.jinja").write_text("{{ '<|im_end|>' }}")
     assert training_switch(None, str(tmp_path)) == "" and training_switch(None, None) == ""
+
+
+def _named(conv: list[dict]) -> list[dict]:
+    return [{**m, "name": "Kimi" if m["role"] == "assistant" else "bob"} for m in conv]
+
+
+def test_a_row_refused_for_its_named_replies_names_the_name(root):
+    """The refusal of a row with no turn located named Mistral v0.3's system prompt and Command-R's tool_use whatever
+    the cause: Kimi K2 writes an assistant message's `name` in its header (`<|im_assistant|>{{ name or role }}`), its
+    generation prompt `assistant`. It names `name` and the fix; Kimi K2 0711's template, which writes the role, trains
+    the row."""
+    from data.chat import RowError
+
+    conv = CASES["multi-turn"]
+    with pytest.raises(RowError, match=r"located in .*kimi_k2's template: message 1: the template writes an assistant "
+                                       r"message's `name` \('Kimi'\) in its header, which its generation prompt does "
+                                       r"not: drop `name` from the assistant messages; docs"):
+        _encode("kimi_k2", root, _named(conv))
+    assert _encode("kimi_k2", root, conv)[0] == ["apple river<|im_end|>", "2 words<|im_end|>"]
+    assert _encode("kimi_k2_0711", root, _named(conv))[0] == ["apple river<|im_end|>", "2 words<|im_end|>"]
+
+
+def test_a_row_refused_for_its_template_arguments_names_the_argument(root):
+    """Hunyuan-A13B's enable_thinking false writes `<think>\\n\\n</think>\\n` after every render: no turn is located and
+    the line named Mistral v0.3 / Command-R; it names the argument. A row refused for neither cause keeps the line."""
+    from data.chat import RowError
+
+    conv = CASES["multi-turn"]
+    with pytest.raises(RowError, match=r"message 1: with chat_template_kwargs enable_thinking: false the template's "
+                                       r"generation prompt is not what it writes before a reply \(without it, it is\): "
+                                       r"drop enable_thinking from the row's chat_template_kwargs; docs"):
+        _encode("hunyuan_a13b", root, conv, enable_thinking=False)
+    with pytest.raises(RowError, match=r"message 2: .* \(Mistral v0.3 drops a system prompt unless a user turn is last"):
+        _encode("mistral_v03", root, _named(CASES["system"]), enable_thinking=False)

@@ -172,7 +172,7 @@ def test_turn_starts_cover_every_shipped_template():
                     plain.add(key)
     assert starts <= set(TURN_STARTS) and set(TURN_STARTS) - starts == {"[INST]"}, starts ^ set(TURN_STARTS)
     assert plain == {"llama2", "mistral_v01", "mistral_v02", "mixtral", "olmo2", "zephyr", "vicuna", "seed_oss",
-                     "deepseek_v3", "deepseek_r1", "deepseek_v31"}, plain
+                     "deepseek_v3", "deepseek_r1", "deepseek_v31", "deepseek_r1_0528", "hunyuan_a13b"}, plain
 
 
 def test_the_in_job_paths_prepare_a_render_and_forget_yesterdays_caches(tmp_path, monkeypatch):
