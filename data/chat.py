@@ -62,7 +62,8 @@ repeated in a user turn would be found in the wrong place):
    being the vocabulary's `<|im_end|>` token when it has one, else its EOS token (a base model then learns to
    stop where it already stops). It renders no tool calls: such a row is refused.
 
-Cost: tokenizing is linear in the conversation. It is tokenized once; each prefix render is a view on those tokens
+Cost: tokenizing is linear in the conversation. It is tokenized once (under markers: the tokens of Hugging Face's mask,
+its one encode with offsets); each prefix render is a view on those tokens
 (data/chat_views.py: a Hugging Face tokenizer splits control tokens out first, so a prefix's tokens up to the last
 control token it shares with the conversation are the conversation's; only the short rest is tokenized). Before,
 each prefix was tokenized whole: turns x length (a 1M-token conversation of 100 messages: 206 s, now 3 s). The
@@ -392,8 +393,13 @@ class ChatEncoder(Rendering):
         edges = np.flatnonzero(np.diff(np.concatenate([[0], m, [0]])))
         runs = list(zip(edges[::2].tolist(), edges[1::2].tolist()))
         turns = [k for k, msg in enumerate(conv) if msg["role"] == "assistant"]
-        r = Renders(self, conv, self.linear, tools)  # the conversation's own tokenization; its prefixes as views
-        if len(runs) != len(turns) or ids != r.full or (  # merged or missing runs, another tokenization, the
-                runs and marked_header(self, ids, runs[0])):  # whole header marked (SmolLM3's)
-            return ids, None, {}
+        if len(runs) != len(turns) or (runs and marked_header(self, ids, runs[0])):  # merged or missing runs, the
+            return ids, None, {}  # whole header marked (SmolLM3's)
+        # Tokenized once: HF's mask maps the generation blocks' characters through its one encode with offsets
+        # (transformers tokenization_utils_base.apply_chat_template, out.char_to_token); the prefixes are views on
+        # those tokens. _text renders the same text (same call, arguments, instant: the tracker only records where
+        # blocks start, chat_template_utils._render_with_assistant_indices), Tokenizer.encode is the same call.
+        # Renders tokenized it again before, only to compare: 2.7x the prefix path's CPU on a 4 MB row (docs/sft.md).
+        r = Renders(self, conv, self.linear, tools, given=(ids, out.token_to_chars))
+        del out  # its Encoding (offsets, token strings), not held through the prefix renders
         return (ids, *prompt_cut(self, conv, turns, runs, r))  # none of what the generation prompt writes

@@ -7,6 +7,7 @@ Fixture tokenizers, no network: ~10 s."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from data import chat_views
@@ -137,3 +138,57 @@ def test_200_turns_tokenize_the_conversation_about_once(root, monkeypatch):
     assert sum(seen) <= 3 * length, f"{sum(seen)} characters tokenized for a {length}-character conversation"
     enc.linear = False
     assert enc.encode({"messages": conv})[0] == ids
+
+
+class _Counting:
+    """The Rust tokenizer with each encode's text lengths recorded (every other attribute, set or read, its own)."""
+
+    def __init__(self, raw, seen: list[int]):
+        object.__setattr__(self, "_raw", raw)
+        object.__setattr__(self, "_seen", seen)
+
+    def __getattr__(self, name):
+        attr = getattr(self._raw, name)
+        if not name.startswith("encode") or not callable(attr):
+            return attr
+
+        def counted(texts, *a, **kw):
+            self._seen.append(len(texts) if isinstance(texts, str) else sum(len(t) for t in texts))
+            return attr(texts, *a, **kw)
+        return counted
+
+    def __setattr__(self, name, value):
+        setattr(self._raw, name, value)
+
+
+@pytest.mark.parametrize("plain", [True, False])
+def test_a_marked_template_tokenizes_a_long_conversation_once(root, plain, monkeypatch):
+    """A `{% generation %}` template (TRL's training templates, `--chat_template chatml`): Hugging Face's assistant
+    mask is an encode with offsets of the whole conversation; its tokens are the row's and its prefixes' views'
+    (data/chat_views.Renders given them). Before, Renders tokenized the same text again only to compare the two:
+    a 4 MB row 5.8 s and +801 MB, now 3.5 s and +516 MB, the prefix path 2.2 s and +380 MB (a real Qwen vocabulary).
+    The mask is the same either way (tests/unit/data/test_chat_sweep*.py compare it with Hugging Face's own)."""
+    if not plain:  # added tokens placed by the tokenizer's offsets, not by their text
+        monkeypatch.setattr(chat_views, "_plain_added", lambda hf: None)
+    enc = ChatEncoder(Tokenizer(build_tokenizer(root + "/golden", "markers")), "assistant", "none")
+    assert enc.kind == "markers"
+    conv = [{"role": "user", "content": "Read this. " + "apple river two words " * 4000 + "Who did it?"},
+            {"role": "assistant", "content": "The butler."}, {"role": "user", "content": "Sure?"},
+            {"role": "assistant", "content": "Yes, the butler."}]
+    length = len(enc._text(conv))
+    want = enc.tok.hf.apply_chat_template(conv, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    seen = []
+    monkeypatch.setattr(enc.hf, "_tokenizer", _Counting(enc.hf._tokenizer, seen))
+    ids, mask, stats = enc.encode({"messages": conv})
+    monkeypatch.undo()
+    whole = [n for n in seen if n >= length // 2]
+    assert len(whole) == 1, f"{len(whole)} encodes of the whole {length}-character conversation ({seen})"
+    assert sum(seen) - sum(whole) < length // 4  # the rest: prefixes' short tails
+    assert ids == list(want["input_ids"]) and mask.tolist() == list(want["assistant_masks"])
+    assert stats["untrained_turns"] == 0 and spans_of(enc, ids, mask) == ["The butler.<|im_end|>",
+                                                                            "Yes, the butler.<|im_end|>"]
+
+
+def spans_of(enc, ids, mask) -> list[str]:
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])))
+    return [enc.tok.hf.decode(ids[a:b]) for a, b in zip(edges[::2], edges[1::2])]
