@@ -68,7 +68,6 @@ from bench.gpu_long import (  # noqa: F401  (GAP_LENGTHS, HEADLINE, K: the tests
     LLAMA3_8B,
     LONG,
     LONG_LAYERS,
-    PEAK_TFLOPS,
     PLAN_GPU_GB,
     TINY,
     K,
@@ -77,6 +76,7 @@ from bench.gpu_long import (  # noqa: F401  (GAP_LENGTHS, HEADLINE, K: the tests
 )
 from bench.gpu_page import render
 from bench.gpu_parity import doc_parity
+from planner.peaks import device_peak_tflops
 
 GiB = 2**30
 SECTIONS = ("headline", "kernels", "arena", "parity", "long", "gap", "smoke", "ladder")  # the order they run in
@@ -132,9 +132,8 @@ def environment(dry: bool) -> dict:
 
 
 def peak_tflops(device_name: str, given: float | None) -> float | None:
-    if given:
-        return given
-    return next((v for k, v in PEAK_TFLOPS.items() if k in device_name), None)
+    """`--peak_tflops` where given, else the device's dense bf16 peak (planner/peaks.py, as training's `mfu`)."""
+    return given or device_peak_tflops(device_name)
 
 
 # --- 1. smoke ---------------------------------------------------------------------------------------------

@@ -12,9 +12,10 @@ import shutil
 from bench import harness as bm
 from bench.gpu_compare import compare, engagement, planner_phases, read_probe, split_by_time
 from bench.gpu_ladder import OFFLOADS, flops, load_layers
+from planner.peaks import DENSE_BF16_TFLOPS
 
 GiB = 2**30
-PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}  # dense bf16, SXM
+PEAK_TFLOPS = dict(DENSE_BF16_TFLOPS)  # dense bf16 by a part of the device name: planner/peaks.py's one table
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                  vocab_size=128256, max_position_embeddings=1 << 21, rope_theta=500000.0, rms_norm_eps=1e-5)
 TINY = dict(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2, vocab_size=2048,

@@ -286,9 +286,11 @@ class MetricsLogger:
             self._resume = None
         if "loss" in record and "step" in record:
             step, loss, rate = record["step"], record["loss"], record.get("tokens_per_s")  # null: a skipped step
+            mfu = record.get("mfu")  # none where the device's peak is not known (a CPU run): the line as it was
             line = (f"step {step} stage {record.get('stage', 0)} loss {'-' if loss is None else f'{loss:.4f}'} "
                     f"lr {record['lr']:.2e} tok/s {'-' if rate is None else f'{rate:.0f}'} "
-                    f"mem {record['peak_mem_gb']:.2f}GB" + SKIPPED.get(record.get("optimizer_skipped"), ""))
+                    f"mem {record['peak_mem_gb']:.2f}GB" + ("" if mfu is None else f" mfu {mfu:.0%}")
+                    + SKIPPED.get(record.get("optimizer_skipped"), ""))
             if self.bar is not None:
                 if self._bar_stage is not None:
                     self._restart_bar(step, *self._bar_stage)

@@ -1,12 +1,14 @@
 """What a stage writes down besides its checkpoints and its evaluation, and `Run`, what every stage of a run shares
 (built once in train.py; training/stage.py trains a stage with it).
 
-Each step's record (`_log_step`: metrics.jsonl, W&B, the rank log; its tokens from `step_tokens`, its pre-clip
-gradient norm from `_grad_norm`, this rank's page-locked host memory from `_host_fields`), the DeepSpeed config a
-stage ran with (`_record_ds_config`: OUTPUT_DIR/ds_config.stageN.json, and auto's memory choice), and a stage
-engine's release (`_released`: its memory handed back, `engine_released` with what is still alive).
+Each step's record (`_log_step`: metrics.jsonl, W&B, the rank log; its tokens from `step_tokens`, its model TFLOP/s per
+GPU and MFU from `_flop_fields`, its pre-clip gradient norm from `_grad_norm`, this rank's page-locked host memory from
+`_host_fields`), the DeepSpeed config a stage ran with (`_record_ds_config`: OUTPUT_DIR/ds_config.stageN.json, and
+auto's memory choice), and a stage engine's release (`_released`: its memory handed back, `engine_released` with
+what is still alive).
 Cost per step: the peak-memory all-reduce (one, with the engagement counts), one metrics line; per stage: one JSON
-file on rank 0, one gc.collect() and one all-reduce of two numbers at its release.
+file on rank 0, the model's FLOPs of one sequence at its length (its first step), one gc.collect() and one all-reduce
+of two numbers at its release.
 """
 
 from __future__ import annotations
@@ -18,9 +20,14 @@ import math
 import os
 import time
 
+import torch
+
 from base import comm, host, host_arena
 from base.log import print0, rank_log
 from model_utils import engagement
+from planner.flops import flops_per_sequence
+from planner.peaks import device_peak_tflops
+from planner.shapes import ModelShape
 from training.checkpoint import TrainState
 from training.engine import return_cached_memory
 from training.job import EXIT_PREEMPTED
@@ -41,6 +48,8 @@ class Run:
     base_config: object
     attn: str
     bf16: bool
+    # a stage length -> (model FLOPs of one sequence, the device's dense bf16 peak): _sequence_cost, once per length
+    costs: dict = dataclasses.field(default_factory=dict)
 
     def exit_preempted(self) -> int:
         print0(f"preempted ({said(self.preempt.received)}): exiting with {EXIT_PREEMPTED}")
@@ -65,6 +74,45 @@ def step_tokens(run: Run, stage, sdims) -> int:
     """The tokens one optimizer step reads: dp x accumulation x micro-batch x the stage's length."""
     cfg = run.cfg
     return sdims.dp * cfg.gradient_accumulation_steps * cfg.per_device_train_batch_size * stage.max_seq_length
+
+
+def _sequence_cost(run: Run, seq_len: int) -> tuple[float | None, float | None]:
+    """(model FLOPs of one sequence of `seq_len`, this device's dense bf16 peak TFLOP/s), worked out at a stage's first
+    step and kept (run.costs): planner/flops.flops_per_sequence of the model's shape (ModelShape.from_config of its HF
+    config, as step_cost_ratio reads it), planner/peaks.py's peak of torch's device name. None: a config the planner
+    cannot read (a stand-in), a device without a known peak (a CPU run, a card not in the table, a MIG slice)."""
+    costs = getattr(run, "costs", None)
+    costs = {} if costs is None else costs  # a stand-in run without the field: worked out each time
+    if seq_len not in costs:
+        try:
+            flops = flops_per_sequence(ModelShape.from_config(run.base_config.to_dict()), seq_len)
+        except (AttributeError, ValueError, TypeError):  # no HF config, or one without the planner's keys
+            flops = None
+        costs[seq_len] = flops, device_peak_tflops(_device_name())
+    return costs[seq_len]
+
+
+def _device_name() -> str:
+    """torch's name of this rank's device ("NVIDIA H100 80GB HBM3", "AMD Instinct MI300X"); "cpu" without one."""
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def _flop_fields(run: Run, stage, sdims, n: int, step_time: float, skipped: bool) -> dict:
+    """`model_tflops_per_gpu`: the model FLOPs the step trained over its time and the world (sp x dp), in TFLOP/s:
+    planner/flops.flops_per_sequence (matmuls and causal attention, x3 for the backward, a windowed layer as its
+    window's share) x the sequences of the whole job's step (n / seq_len: dp x accumulation x micro-batch). That is
+    the GPU page's count (docs/results/gpu.md) and Megatron-LM's convention (megatron/training/training.py
+    num_floating_point_operations: per sequence of seq_length): a sequence counts as one causal document, so one
+    packed from documents under document masking computes less attention than counted (where the kernel skips the
+    masked blocks: documents of d tokens in a sample of s, about d/s of it), and recompute (checkpointed layers, tiled
+    MLP and logits) is not counted, so a run with it does more work than its figure says. `mfu`: that over the device's
+    dense bf16 peak (planner/peaks.py), only where the peak is known (no key on a CPU run, an unknown card). Both null
+    on a skipped step, as tokens_per_s; the TFLOP/s null too where the planner cannot read the model's config."""
+    flops, peak = _sequence_cost(run, stage.max_seq_length)
+    sequences, world = n / stage.max_seq_length, sdims.sp * sdims.dp
+    tflops = None if skipped or flops is None else flops * sequences / (step_time * world) / 1e12
+    return {"model_tflops_per_gpu": tflops,
+            **({"mfu": None if tflops is None else tflops / peak} if peak else {})}
 
 
 def _grad_norm(engine, out: dict) -> float | None:
@@ -102,7 +150,8 @@ def _log_step(run: Run, stage, sdims, state: TrainState, out: dict, lr: float, s
                      **({"optimizer_skipped": True} if skipped else {}),  # no supervised token: no step
                      **({"optimizer_skipped": "overflow"} if out.get("overflow") else {}),  # DeepSpeed's skip: an
                      # invalid gradient norm, in any precision (deepspeed/runtime/utils.py is_invalid_grad_norm)
-                     "tokens_per_s": None if skipped else n / out["step_time"], "seq_len": stage.max_seq_length,
+                     "tokens_per_s": None if skipped else n / out["step_time"],
+                     **_flop_fields(run, stage, sdims, n, out["step_time"], skipped), "seq_len": stage.max_seq_length,
                      "sp": sdims.sp, "cp": sdims.cp,
                      "dp": sdims.dp, "peak_mem_gb": peak, "total_tokens": state.tokens,
                      "time": time.time(), **{f"share_{k}": v for k, v in sampler.source_shares().items()},
