@@ -291,8 +291,10 @@ class RunData:
         if any(isinstance(p, ConvPack) and (p.truncated or p.dropped or p.split) for p in packs):  # an SFT stage's
             for line in cut_lines(where, packs, names, self.prepared.manifest):  # cuts, per mixture component
                 print0(line)
-        if getattr(stage, "kind", "text") != "sft":  # a text stage splitting conversations (every rank reads the mask)
-            line = text_chat_line(where, packs, self.mask)
+        if getattr(stage, "kind", "text") != "sft":  # a text stage splitting conversations: rank 0 alone reads the
+            # mask (~45 s at 100M conversations, once, not by every rank off the shared file system), the others wait
+            # on the bounded host wait, not in a collective
+            line = comm.run_on_main(lambda: text_chat_line(where, packs, self.mask), long=True)
             if line:
                 print0(line)
         if mix is not None and all(isinstance(p, ConvPack) for p in packs):  # each component packed alone: its

@@ -11,7 +11,8 @@
   document (8 long-QA rows and 20 chats at 128: 161 of the 267 supervised tokens). Said, never refused: a mixed
   folder under a text stage is legitimate.
 
-Every rank computes the same (a pure function of the packs), rank 0 prints (base/log.print0).
+`cut_lines` is a pure function of the packs every rank has; `text_chat_line` reads the loss mask, so rank 0 alone
+runs it (data/pipeline.py: base/comm.run_on_main, the line sent to every rank's log); rank 0 prints (print0).
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ def text_chat_line(where: str, packs: list, mask) -> str:
     in blocks of BLOCK documents and about as many pieces (~15 int64 temporaries each and targets' ~49 bytes: ~200 MB
     at any scale). Here (2 shared cores, load ~5): 10M ~100-token conversations (1B tokens) in 4-5 s at 1024 and at
     128k, nearly all of it the mask read (~4.5 s per billion tokens); 10M documents in text-only chunks 0.06 s. At
-    100M such conversations (10B tokens): ~45 s on every rank at the stage's start (its ConvPack under `kind: sft`
+    100M such conversations (10B tokens): ~45 s on rank 0 at the stage's start (its ConvPack under `kind: sft`
     reads the same and best-fits for ~200 s more); longer conversations cost their tokens' read.
     """
     if mask is None:

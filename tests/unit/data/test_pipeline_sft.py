@@ -95,6 +95,20 @@ def test_a_text_stage_says_the_conversations_it_splits_across_samples(capsys):
     assert "as text" not in capsys.readouterr().out
 
 
+def test_the_text_stage_note_reads_the_mask_on_rank_0_alone(monkeypatch, capsys):
+    """The note reads the loss mask (~45 s at 100M conversations): rank 0 alone (base/comm.run_on_main, the others on
+    the bounded host wait), not every rank off the shared file system. A stand-in run_on_main as a non-zero rank sees
+    it: the line it is sent is printed, the mask never read here (before, every rank counted it itself)."""
+    from base import comm
+    from data import pipeline
+
+    monkeypatch.setattr(pipeline, "text_chat_line", lambda *a: pytest.fail("a non-zero rank read the mask"))
+    sent = []
+    monkeypatch.setattr(comm, "run_on_main", lambda fn, long=False: sent.append(long) or "rank 0's line")
+    _data([(300, 10)] * 8 + [(60, 10)] * 20).stage_view(_stage(128, kind="text", name="main"), 1, 0, 1, seed=0)
+    assert sent == [True] and capsys.readouterr().out == "rank 0's line\n"
+
+
 def test_a_stage_left_with_no_sample_names_the_held_out_setting():
     """Two short conversations held out whole, the third longer than the stage with its answer past the cut: the
     stage trains nothing. Refused in one line that names eval.heldout_samples (the held-out two would train)."""
