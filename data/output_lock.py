@@ -279,6 +279,11 @@ def _older_units(old, new: list) -> bool:
     return True
 
 
+def _in_order(step: str) -> tuple:
+    """A step's place among steps: by part, then by number (doc9 before doc11)."""
+    return re.sub(r"\d+", "", step), [int(n) for n in re.findall(r"\d+", step)]
+
+
 def check_rules(output: str, records: list[dict], log=print) -> None:
     """A merge's shards (their records) under one tokenization rules' version: where they differ, a shard not under
     today's is refused where a step between its rules and today's changed rows it holds (`judge`), else merged with a
@@ -290,7 +295,7 @@ def check_rules(output: str, records: list[dict], log=print) -> None:
         if held := {i: v[0] for i, v in old.items() if v[0]}:
             raise ValueError(f"{output}: shards were prepared under different tokenization rules ({sorted(known)}): "
                              f"shard(s) {sorted(held)} hold rows today's ({packing.RULES}) read differently "
-                             f"({said(sorted({s for v in held.values() for s in v}))}): redo them with --overwrite")
+                             f"({said(sorted({s for v in held.values() for s in v}, key=_in_order))}): redo them with --overwrite")
         groups: dict[tuple, list[int]] = {}  # one note per kind of shard (100 shards of yesterday: one line)
         for i, (_, may, clear) in old.items():
             groups.setdefault((rules[i], tuple(may), tuple(clear)), []).append(i)

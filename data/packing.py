@@ -19,7 +19,7 @@ from data.jsonl import list_files, read_documents
 from data.store import tokenizer_identity
 from data.tokenizer import Tokenizer
 
-RULES = "bos2:chat11:eos2:doc10"  # the tokenization rules' version (cache_key below says what each part means); recorded
+RULES = "bos2:chat11:eos2:doc11"  # the tokenization rules' version (cache_key below says what each part means); recorded
 # in a prepare_data plan too: a shard continued or merged under other rules is refused (its chunks would mix them)
 # where it holds rows a step between them changed (data/output_lock.check_rules)
 # Which rows each step changed, by the kinds a shard's record counts (output_lock.KINDS): "chat" conversations
@@ -31,7 +31,8 @@ RULES = "bos2:chat11:eos2:doc10"  # the tokenization rules' version (cache_key b
 # refused across it, whatever the shard holds (doc9 unlisted refused every shard of yesterday's bos2:chat9:eos2:doc8,
 # text-only ones of identical tokens too).
 RULE_ROWS = {**{f"chat{k}": "chat" for k in range(2, int(RULES.split(":")[1].removeprefix("chat")) + 1)},
-             "doc7": "ids", "doc8": "ids", "doc9": "special", "doc10": "ids"}
+             "doc7": "ids", "doc8": "ids", "doc9": "special", "doc10": "ids",
+             "doc11": "special"}
 
 
 def cache_key(inputs: list[str], tokenizer_path: str | None, model_vocab: int) -> str:
@@ -64,7 +65,10 @@ def cache_key(inputs: list[str], tokenizer_path: str | None, model_vocab: int) -
     # stored and trained the pads); :doc9: a text ending with the tokenizer's own EOS string (an Instruct one's
     # <|eot_id|>) ends there, once, with the separator (doc8 spelled it out as text); :doc10: pre-tokenized labels that
     # masked the final EOS as a pad (pad == eos) after a trained token keep one EOS, trained (doc9 cut it: the row ran
-    # into the next)
+    # into the next); :doc11: a text starting with `<|im_system|>`, `<|begin_of_sentence|>`, `[|system|]` or `[|user|]`
+    # (Kimi K2's, ERNIE 4.5's, EXAONE 4's turn starts: data/tokenizer.TURN_STARTS) where the tokenizer has that special
+    # token is read as a rendered conversation, with its control tokens (doc10 spelled them out as text); a change of
+    # TURN_STARTS is a doc step (tests/unit/data/test_prepare_lock.py pins them to RULES)
     for x in inputs:
         h.update(f"{x}\n".encode())
     if tokenizer_path:

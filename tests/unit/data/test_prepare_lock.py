@@ -112,7 +112,8 @@ def test_a_shard_begun_under_other_rules_is_not_continued_silently(tmp_path):
 
 
 YESTERDAY = "bos2:chat9:eos2:doc8"  # (abe4933, the last of 2026-11-30) chat10, chat11 changed conversations only, doc9
-# texts ending with the EOS string (counted in special_text_docs), doc10 ids rows with columns beside
+# texts ending with the EOS string (counted in special_text_docs), doc10 ids rows with columns beside, doc11 texts
+# starting with a new turn start (special_text_docs too)
 
 
 def test_a_rules_step_refuses_only_shards_holding_the_rows_it_changed(tmp_path):
@@ -139,16 +140,16 @@ def test_a_rules_step_refuses_only_shards_holding_the_rows_it_changed(tmp_path):
     none = {"chat_docs": 0, "ids_beside_rows": 0, "special_text_docs": 0}
     for held, match in (({"chat_docs": 3}, r"\(chat10, chat11 \(conversations\)\): redo"),
                         ({"ids_beside_rows": 1}, r"\(doc10 \(pre-tokenized rows with"),
-                        ({"special_text_docs": 3}, r"\(doc9 \(text documents holding a special-token string\)\): redo")):
+                        ({"special_text_docs": 3}, r"\(doc9, doc11 \(text documents holding a special-token string\)\): redo")):
         with pytest.raises(ValueError, match=r"shard\(s\) \[0\] hold rows today's .*" + match):
             output_lock.check_rules("o", [{"plan": {"rules": YESTERDAY}, **none, **held}, today])
     notes = []  # a text-only shard of yesterday, none of its texts holding a special-token string: merged, said
     output_lock.check_rules("o", [{"plan": {"rules": YESTERDAY}, **none}, today], notes.append)
-    assert "chat10, chat11 (conversations); doc9 (text documents holding a special-token string); doc10 (pre-tokenized" \
+    assert "chat10, chat11 (conversations); doc9, doc11 (text documents holding a special-token string); doc10 (pre-tokenized" \
            " rows with loss-mask, packing or attention_mask columns) changed only rows they hold none of" in notes[0], notes
     notes = []
     output_lock.check_rules("o", [{"plan": {"rules": YESTERDAY}, "chat_docs": 0}, today], notes.append)
-    assert "doc9 (text documents holding a special-token string); doc10 (pre-tokenized rows with loss-mask, packing " \
+    assert "doc9, doc11 (text documents holding a special-token string); doc10 (pre-tokenized rows with loss-mask, packing " \
            "or attention_mask columns) changed rows its record does not count" in notes[0], notes
     # continuing a shard begun yesterday: refused only where its committed chunks hold rows a step changed
     for k, (row, refused) in enumerate((({}, False), ({"assistant_masks": [0, 1, 1]}, True))):
@@ -213,3 +214,22 @@ def test_a_shard_begun_by_an_older_version_is_refused_as_that(tmp_path):
     plan.write_text(json.dumps(older))
     m = prepare([rows], str(out), vocab_size=100, workers=0, eos_id=0, overwrite=True, log=lambda _: None)
     assert m["n_docs"] == 10
+
+
+# packing.RULES -> sha256 of data/tokenizer.TURN_STARTS under it: which texts read as a rendered conversation
+TURN_STARTS_UNDER = {"bos2:chat11:eos2:doc11": "564b18924d269a10"}
+
+
+def test_a_change_of_the_turn_starts_is_a_rules_step():
+    """A TURN_STARTS string a template-less tokenizer has as a special token makes a text starting with it read as a
+    rendered conversation (data/tokenizer.rendered_start): its ids change, so a shard continued or merged across the
+    change would hold both readings. 1abc775 added four under doc10 (a review measured 21 ids -> 8 for a text starting
+    with `[|system|]` under EXAONE 4's tokenizer without its template): now doc11. Change TURN_STARTS, bump packing.RULES."""
+    import hashlib
+
+    from data.packing import RULE_ROWS, RULES
+    from data.tokenizer import TURN_STARTS
+
+    got = hashlib.sha256("\n".join(TURN_STARTS).encode()).hexdigest()[:16]
+    assert TURN_STARTS_UNDER.get(RULES) == got, f"TURN_STARTS changed under {RULES}: bump its doc step in data/packing.py"
+    assert RULE_ROWS[RULES.split(":")[-1]] == "special"  # counted in a shard's special_text_docs
