@@ -40,7 +40,7 @@ from training.engine import build_engine, features_of, release_engine, stage_con
 from training.evaluation import evaluate_stage, stage_heldout
 from training.metrics import reset_peak_memory
 from training.preemption import EXIT_MARGIN_S, EvalStopped, StopChecked
-from training.stage_records import Run, _log_step, _record_ds_config, _released, step_tokens
+from training.stage_records import Run, _log_step, _record_ds_config, _released, sample_length, step_tokens
 from training.step import BAD_STEPS_STOP, SPIKE_RELEASE, LossWatch, bad_step, train_step
 
 
@@ -111,11 +111,15 @@ def train_stage(run: Run, stage, stages, state: TrainState) -> None:
     state.bad_steps, state.first_bad = 0, None
     while state.step < end:
         progress.mark(state.step + 1, "data")  # rank 0 ends the job when a rank's marks stop (base/progress.py)
-        micro = [shard(collate([dataset[i] for i in sampler.next_batch()], sdims.seq_multiple, run.data.pad_id,
-                               weighting), sdims.sp, sdims.sp_rank, sdims.cp)
-                 for _ in range(cfg.gradient_accumulation_steps)]
+        micro, lengths = [], []  # each micro-step's sample length: a replay one's is shorter (its FLOPs, _log_step)
+        for _ in range(cfg.gradient_accumulation_steps):
+            batch = sampler.next_batch()
+            lengths.append(sample_length(batch, stage.max_seq_length))
+            micro.append(shard(collate([dataset[i] for i in batch], sdims.seq_multiple, run.data.pad_id, weighting),
+                               sdims.sp, sdims.sp_rank, sdims.cp))
         lr = engine.get_lr()[0]
         out = train_step(engine, micro, dims.world, loss_fn=loss_fn)
+        out["micro_lengths"] = lengths
         skipped = out.get("skipped", False)  # no supervised token in the global batch: nothing ran (training/step.py)
         out["engagement"] = engagement.take(engine.module, 0 if skipped else len(micro))  # savings engaged vs expected
         if first and not skipped:  # after the engine's first step: every layer's attention went through Ulysses + masking

@@ -1,6 +1,7 @@
 """Each step's model TFLOP/s per GPU and MFU (training/stage_records._flop_fields), counted as the GPU page counts them
 (planner/flops.flops_per_sequence x the job's sequences, over step time x world), and the one peak table bench and
-training share (planner/peaks.py). There was no per-step MFU anywhere. One process, hand-computed values."""
+training share (planner/peaks.py). There was no per-step MFU anywhere. A replay micro-step counts its short sequences
+(data/replay.py), not one sequence of the stage's length. One process, hand-computed values."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import types
 
 import pytest
+import torch
 
 from training import stage_records
 from training.metrics import MetricsLogger
@@ -35,12 +37,13 @@ class Config:
         return dict(TINY)
 
 
-def _steps(monkeypatch, device: str, outs: list[dict], config=None):
+def _steps(monkeypatch, device: str, outs: list[dict], config=None, accumulation: int = 1):
     """training/stage_records._log_step as the stage loop calls it, on `device` (torch's name), for each of `outs`:
     the logged records."""
     monkeypatch.setattr(stage_records, "_device_name", lambda: device)
     logged = []
-    run = stage_records.Run(cfg=types.SimpleNamespace(gradient_accumulation_steps=1, per_device_train_batch_size=3),
+    run = stage_records.Run(cfg=types.SimpleNamespace(gradient_accumulation_steps=accumulation,
+                                                      per_device_train_batch_size=3),
                             dims=None, data=None, ckpt=None, metrics=types.SimpleNamespace(log=logged.append),
                             preempt=types.SimpleNamespace(deadline=types.SimpleNamespace(record_step=lambda s: None)),
                             base_config=config or Config(), attn="sdpa", bf16=True)
@@ -62,6 +65,74 @@ def test_a_steps_tflops_per_gpu_and_mfu_are_the_hand_counted_ones(monkeypatch):
     assert logged[0]["mfu"] == pytest.approx(3.456e-8 / 989, rel=1e-12)
     assert logged[2]["model_tflops_per_gpu"] == pytest.approx(2 * 3.456e-8, rel=1e-12)  # half the time: twice
     assert config.reads == 1  # the stage's shape and peak, once: not per step
+
+
+# F(s) = 6*208*s + 6*1*2*2*s^2 = 1,248 s + 24 s^2 (the count above): a sequence of 2 is 2,592 FLOPs
+SEQ2_FLOPS = 2_592
+
+
+def test_a_replay_micro_step_counts_its_short_sequences(monkeypatch):
+    """A step of accumulation 2 at length 8: one micro-step of the stage's own samples (dp 2 x 3 = 6 sequences of 8:
+    69,120 FLOPs) and one replay micro-step at length 2 (its 48 tokens are 24 sequences of 2, attention masked
+    between them: 24 x 2,592 = 62,208), so 131,328 FLOPs over 0.5 s x 4 = 6.5664e-8 TFLOP/s. The old count took
+    both micro-steps as sequences of 8: 12 x 11,520 = 138,240 FLOPs, 6.912e-8. The shape is read once per length."""
+    config = Config()
+    recs = _steps(monkeypatch, "NVIDIA H100 80GB HBM3", [{"loss": 1.0, "step_time": 0.5, "micro_lengths": [8, 2]},
+                                                         {"loss": 1.0, "step_time": 0.5, "micro_lengths": [8, 8]}],
+                  config, accumulation=2)
+    assert recs[0]["tokens"] == 96 and 6 * SEQ_FLOPS + 24 * SEQ2_FLOPS == 131_328
+    assert recs[0]["model_tflops_per_gpu"] == pytest.approx(131_328 / (0.5 * 4) / 1e12, rel=1e-12)
+    assert recs[0]["mfu"] == pytest.approx(6.5664e-8 / 989, rel=1e-12)
+    assert recs[1]["model_tflops_per_gpu"] == pytest.approx(2 * TFLOPS, rel=1e-12)  # no replay: as before
+    assert config.reads == 2  # lengths 8 and 2, each once
+
+
+def test_the_stage_loop_hands_its_replay_micro_steps_to_the_record(tmp_path, monkeypatch):
+    """The real training/stage.train_stage (test_stop_window's stand-ins) over data/replay.ReplaySampler at length 64
+    with {16: 0.5}: each step of accumulation 2 draws one micro-batch of its own samples and one of 4 samples of 16
+    (indices `(16, (i, ..., i+3))`), and its record counts them: F(64) = 79,872 + 98,304 = 178,176 and 4 x F(16) =
+    4 x (19,968 + 6,144) = 104,448, 282,624 FLOPs in the step's 1 s on one rank. Before: 2 x 178,176 = 356,352."""
+    from base.parallel import ParallelDims
+    from data.replay import ReplaySampler
+    from tests.unit.training.test_stage_loss_weighting import _config, _stages
+    from tests.unit.training.test_stop_window import Clock, SimCheckpointer, stub_data, stub_stage
+    from training import preemption
+    from training import stage as stage_mod
+    from training.checkpoint import TrainState
+    from training.preemption import Deadline, PreemptionFlag
+
+    cfg = _config(tmp_path, {"max_seq_length": 64, "max_steps": 2}, "--gradient_accumulation_steps", "2")
+    (stage,) = _stages(cfg)
+    clock, drawn, logged = Clock(), [], []
+    for mod in (stage_mod, preemption):
+        monkeypatch.setattr(mod, "time", clock)
+    monkeypatch.delenv("SLURM_JOB_END_TIME", raising=False)
+    monkeypatch.setattr(stage_records, "_device_name", lambda: "NVIDIA H100 80GB HBM3")
+    stub_stage(monkeypatch, torch.nn.Linear(1, 1, bias=False),
+               collate=lambda samples, multiple, pad, weighting: drawn.append(samples))
+    own = types.SimpleNamespace(next_batch=lambda: [0], source_shares=dict, state_dict=dict)
+    short = types.SimpleNamespace(next_batch=lambda: [1, 2, 3, 4], state_dict=dict)
+    sampler = ReplaySampler(own, {16: short}, {16: 0.5}, 64, micro_batch=1)
+    data = stub_data(heldout=lambda *a, **k: [])
+    data.stage_view = lambda *a: (_Samples(), sampler)
+    run = stage_mod.Run(cfg, ParallelDims(world=1, sp=1, rank=0, local_rank=0), data, SimCheckpointer(clock),
+                        types.SimpleNamespace(log=logged.append, run_id=None, home=None,
+                                              begin_stage=lambda end, start=None: None, record_stage=lambda *a: None),
+                        PreemptionFlag(None, Deadline(0.0, now=clock.t), save_every_s=0), Config(), "sdpa", True)
+    stage_mod.train_stage(run, stage, [stage], TrainState())
+    assert drawn == [[0], [(16, (1, 2, 3, 4))]] * 2  # own, replay: each step
+    steps = [r for r in logged if "model_tflops_per_gpu" in r]
+    assert len(steps) == 2 and steps[0]["tokens"] == 128
+    for rec in steps:
+        assert rec["model_tflops_per_gpu"] == pytest.approx(282_624 / 1e12, rel=1e-12)
+        assert rec["mfu"] == pytest.approx(282_624 / 1e12 / 989, rel=1e-12)
+
+
+class _Samples:
+    """A dataset whose sample is its index (collate is stood in for: it records them)."""
+
+    def __getitem__(self, i):
+        return i
 
 
 @pytest.mark.parametrize("device", ["cpu", "NVIDIA GeForce GTX 1080", "NVIDIA A100-SXM4-40GB MIG 1g.5gb"])
