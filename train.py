@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     # from here on ends every node within seconds, not at the rendezvous' timeout (base/comm.py)
     comm.open_channel()
 
+    from base.atomic import atomic_write
     from base.env import configure
     from base.log import print0
     from data.pipeline import open_run_data
@@ -121,8 +122,8 @@ def main(argv: list[str] | None = None) -> int:
                             stops=data.reply_stops(),  # a chat SFT's end-of-turn: generation stops on it
                             template=data.trained_template())  # the chat template its rows were rendered with
             print0(f"exported {out}")
-        with open(os.path.join(cfg.output_dir, "COMPLETE"), "w") as fh:
-            fh.write(f"{state.step}\n")
+        # whole or absent (a full disk left an empty COMPLETE before, a finished run to `-f COMPLETE`), and named
+        atomic_write(os.path.join(cfg.output_dir, "COMPLETE"), f"{state.step}\n".encode())
     metrics.close()
     return EXIT_OK
 

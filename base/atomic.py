@@ -4,6 +4,7 @@ sees the old content, the new one, or none (tmp + fsync + os.replace + fsync of 
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import socket
@@ -33,10 +34,28 @@ def tmp_name(path: str, suffix: str = "") -> str:
     return f"{path}.tmp.{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}{suffix}"
 
 
+def full_disk(e: BaseException, path: str) -> BaseException:
+    """`e` made a full disk's OSError where it is one that says no errno (numpy's `tofile` short write: `OSError('54784
+    requested and 27120 written')`, errno None, measured on a full tmpfs) and the file system of `path` has no block
+    left for us (statvfs f_bavail 0): errno ENOSPC, so the one-line exit 2 (training/job.py, data/prepare_checks.py)
+    sees it. A quota (EDQUOT) is not seen this way (statvfs does not count it): the writer must pass the OS's errno
+    (data/store.py's `NpyOut`). One statvfs, only on a failure. Returns `e`."""
+    if isinstance(e, OSError) and e.errno is None:
+        try:
+            empty = os.statvfs(nearest_folder(path)).f_bavail == 0
+        except OSError:
+            empty = False
+        if empty:
+            e.errno, e.strerror = errno.ENOSPC, os.strerror(errno.ENOSPC)
+    return e
+
+
 def atomic_write(path: str, write: bytes | Callable, suffix: str = "") -> None:
     """Replace `path` atomically with `write` (bytes, or a function writing into the open binary file), fsynced,
     its folder fsynced after the rename. `suffix` ends the tmp name (np.save appends ".npy" to names without it).
-    The tmp (tmp_name: this write's own) is removed if the write fails or is interrupted."""
+    The tmp (tmp_name: this write's own) is removed if the write fails or is interrupted. A failed write's OSError
+    names `path` where it names nothing (a write() into an open file never does: a full disk there was an unnamed
+    error, a crash of the node, not the user's one line; training/job.users_disk), as metrics.log names its file."""
     tmp = tmp_name(path, suffix)
     try:
         with open(tmp, "wb") as fh:
@@ -47,7 +66,10 @@ def atomic_write(path: str, write: bytes | Callable, suffix: str = "") -> None:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
+        if isinstance(e, OSError):
+            full_disk(e, tmp)  # before the tmp goes: its blocks are what filled the disk
+            e.filename = e.filename or path
         try:
             os.remove(tmp)
         except OSError:

@@ -2,8 +2,9 @@
 
 `print0` prints on rank 0 only (flushed: launchers buffer child output) and keeps the line in every rank's
 own log, OUTPUT_DIR/logs/rankNNNNN.log, which `open_rank_log` opens (DeepSpeed's logger writes there too).
-A console that is gone (a closed terminal or ssh session: EIO; a `| tee` that died with it: EPIPE) ends the console
-output only: its descriptors are pointed at /dev/null and the rank log goes on (`console_gone`).
+A console that is gone (a closed terminal or ssh session: EIO; a `| tee` that died with it: EPIPE) or a file on a full
+disk (ENOSPC, EDQUOT) ends the console output only: its descriptors are pointed at /dev/null and the rank log goes on
+(`console_gone`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import sys
 _IS_MAIN = os.environ.get("RANK", "0") == "0"
 _RANK_LOG = logging.getLogger("ulysses_longtrain.rank")
 _GONE = (errno.EIO, errno.EPIPE)  # a hung-up terminal, a pipe without its reader
+_FULL = (errno.ENOSPC, errno.EDQUOT)  # a console redirected to a file (`> out.log 2>&1`) on a full disk or quota
 
 
 def cause(e: BaseException, width: int = 120) -> str:
@@ -40,12 +42,15 @@ def print0(*args, **kwargs) -> None:
 
 def say(*args, **kwargs) -> None:
     """Print to the console only (flushed), surviving a console that is gone (`console_gone`): the step lines of a run
-    under `2>&1 | tee log` whose tee died with the terminal raised BrokenPipeError (exit 1, no save)."""
+    under `2>&1 | tee log` whose tee died with the terminal raised BrokenPipeError (exit 1, no save). A console that
+    is a file on a full disk or quota (`python train.py > out.log 2>&1`) ends the same way: a step line's ENOSPC was
+    exit 1 with a crash record, a node-0 requeue onto the same disk (an audit). The run goes on; a save or write that
+    hits the full disk ends it with exit 2 (training/job.py)."""
     stream = kwargs.get("file") or sys.stdout
     try:
         print(*args, **kwargs, flush=True)
     except OSError as e:
-        if e.errno not in _GONE:
+        if e.errno not in _GONE + _FULL:
             raise
         console_gone(stream, e)
 
@@ -58,9 +63,10 @@ def _hung_up(fd: int) -> bool:
 
 
 def console_gone(stream, e: OSError) -> None:
-    """`stream`'s terminal or pipe is gone (the write raised `e`): it, and stdout/stderr where they are gone too, now
-    write to /dev/null, so every later print (ours, a library's) and the interpreter's flush at exit succeed (either
-    raised: exit 1 with a traceback instead of the 75 after a save). The rank log goes on."""
+    """`stream`'s terminal or pipe is gone, or its file's disk is full (the write raised `e`): it, and stdout/stderr
+    where they are gone too, now write to /dev/null, so every later print (ours, a library's) and the interpreter's
+    flush at exit succeed (either raised: exit 1 with a traceback instead of the 75 after a save). The rank log goes
+    on."""
     null = os.open(os.devnull, os.O_WRONLY)
     try:
         for s in dict.fromkeys((stream, sys.stdout, sys.stderr)):

@@ -7,6 +7,8 @@ import errno
 import os
 from collections.abc import Mapping
 
+from base.atomic import full_disk
+
 FULL = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded"}  # as training/job.py says them
 SRUN = ("srun bash -c 'python scripts/prepare_data.py ... --shard $SLURM_PROCID/$SLURM_NTASKS' (single quotes: "
         "each task expands its own; written bare in an sbatch script, the batch shell expands them once, 0/N for "
@@ -44,9 +46,12 @@ def shard_of(value: str, argv: list[str], env: Mapping[str, str] = os.environ) -
 
 def refusal(e: Exception, output: str) -> str:
     """The one line main prints for `e`: a ValueError's own; a full disk or quota (ENOSPC, EDQUOT) naming --output
-    and what to run (training/job.py's wording). Any other error is raised again (a crash, with its traceback)."""
+    and what to run (training/job.py's wording; an OSError without errno counts where the disk has no block left:
+    base/atomic.full_disk). Any other error is raised again (a crash, with its traceback)."""
     if isinstance(e, ValueError):
         return str(e)
+    if isinstance(e, OSError):  # an errno-less short write (numpy's tofile) on a file system left with no block
+        full_disk(e, str(e.filename or output))
     if not isinstance(e, OSError) or e.errno not in FULL:
         raise e
     where = str(e.filename or f"a file under --output {output}")  # a write() into an open file names none

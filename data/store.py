@@ -89,8 +89,24 @@ def write_json_atomic(path: str, obj) -> None:
     atomic_write(path, json.dumps(obj, indent=1).encode())
 
 
+class NpyOut:
+    """A binary file as numpy sees a stream: `write` only. np.save into a real file object writes through
+    `ndarray.tofile`, whose short write on a full disk or quota raises `OSError('54784 requested and 27120 written')`
+    with errno None (numpy 2.4, measured on a full tmpfs): a crash (exit 1), not the user's disk (exit 2). Through
+    `write` the OS's own error comes out (EFBIG under RLIMIT_FSIZE, ENOSPC, EDQUOT); the array goes in numpy's 16 MiB
+    pieces (a 400 MB int64 array: 0.3-1.0 s either way on a shared box's page cache, measured)."""
+
+    def __init__(self, fh):
+        self.write = fh.write
+
+
+def save_npy(fh, arr: np.ndarray) -> None:
+    """np.save into the open binary file `fh`, a full disk's error with its errno (NpyOut)."""
+    np.save(NpyOut(fh), arr)
+
+
 def save_npy_atomic(path: str, arr: np.ndarray) -> None:
-    atomic_write(path, lambda fh: np.save(fh, arr), suffix=".npy")
+    atomic_write(path, lambda fh: save_npy(fh, arr), suffix=".npy")
 
 
 fsync_dir = fsync_path  # a folder's fsync (base/atomic.py holds the one copy)

@@ -33,12 +33,14 @@ The folder written is replaced whole (a new one built beside it, then swapped in
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import shutil
+from contextlib import contextmanager
 
-from base.atomic import fsync_path
+from base.atomic import fsync_path, full_disk
 from model_utils.export_config import legacy_aliases, legacy_dtype, legacy_rope
 from model_utils.export_target import MARKER, check_out
 from model_utils.export_tokenizer import _json, check_recorded, export_tokenizer, recorded_or_none  # noqa: F401
@@ -360,34 +362,62 @@ def export_hf(checkpoint: str, out_dir: str, tokenizer_path: str | None = None, 
     out = os.path.realpath(out_dir)
     tmp = out + ".export-tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    config.save_pretrained(tmp)
-    legacy_rope(os.path.join(tmp, "config.json"))
-    legacy_dtype(os.path.join(tmp, "config.json"))
-    legacy_aliases(os.path.join(tmp, "config.json"), config)
-    save_torch_state_dict({k: v.contiguous() for k, v in state.items()}, tmp, max_shard_size="5GB",
-                          safe_serialization=True)
-    if gen := generation_config(source):
-        shutil.copy(gen, os.path.join(tmp, "generation_config.json"))
-    added = add_stops(os.path.join(tmp, "generation_config.json"), config, stops or [])
-    if tokenizer_path and os.path.isfile(tokenizer_path):
-        shutil.copy(tokenizer_path, os.path.join(tmp, "tokenizer.model"))
-    elif tokenizer_path and os.path.isdir(tokenizer_path):
-        export_tokenizer(tokenizer_path, tmp, template, getattr(text, "max_position_embeddings", None),
-                         trained_bos(checkpoint))
-    with open(os.path.join(tmp, CARD), "w") as fh:
-        fh.write(model_card(checkpoint, source, config, written, any(os.path.isfile(os.path.join(tmp, f)) for f in (
-            "tokenizer.model", "tokenizer.json", "tokenizer_config.json")), bool(template)))
-    with open(os.path.join(tmp, MARKER), "w") as fh:  # local paths: check_out and is_export_of recognise exports by it
-        json.dump({"checkpoint": os.path.abspath(checkpoint), "manifest_sha256": identity, "source": source,
-                   "tokenizer": tokenizer_path and os.path.abspath(tokenizer_path),
-                   "generation_config": gen, "added_stops": added, "trained_template": bool(template),
-                   "dtype": written}, fh, indent=1)
-    durable(tmp)
+    with disk_named(tmp):  # a full disk or quota: one line naming the folder, exit 2 (not a crash, not requeued)
+        os.makedirs(tmp)
+        config.save_pretrained(tmp)
+        legacy_rope(os.path.join(tmp, "config.json"))
+        legacy_dtype(os.path.join(tmp, "config.json"))
+        legacy_aliases(os.path.join(tmp, "config.json"), config)
+        save_torch_state_dict({k: v.contiguous() for k, v in state.items()}, tmp, max_shard_size="5GB",
+                              safe_serialization=True)
+        if gen := generation_config(source):
+            shutil.copy(gen, os.path.join(tmp, "generation_config.json"))
+        added = add_stops(os.path.join(tmp, "generation_config.json"), config, stops or [])
+        if tokenizer_path and os.path.isfile(tokenizer_path):
+            shutil.copy(tokenizer_path, os.path.join(tmp, "tokenizer.model"))
+        elif tokenizer_path and os.path.isdir(tokenizer_path):
+            export_tokenizer(tokenizer_path, tmp, template, getattr(text, "max_position_embeddings", None),
+                             trained_bos(checkpoint))
+        tokenized = any(os.path.isfile(os.path.join(tmp, f))
+                        for f in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json"))
+        with open(os.path.join(tmp, CARD), "w") as fh:
+            fh.write(model_card(checkpoint, source, config, written, tokenized, bool(template)))
+        with open(os.path.join(tmp, MARKER), "w") as fh:  # local paths: check_out and is_export_of know exports by it
+            json.dump({"checkpoint": os.path.abspath(checkpoint), "manifest_sha256": identity, "source": source,
+                       "tokenizer": tokenizer_path and os.path.abspath(tokenizer_path),
+                       "generation_config": gen, "added_stops": added, "trained_template": bool(template),
+                       "dtype": written}, fh, indent=1)
+        durable(tmp)
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     fsync_path(os.path.dirname(out))  # the rename itself, before train.py writes COMPLETE
     return out_dir
+
+
+FULL_OS = {28: errno.ENOSPC, 122: errno.EDQUOT}  # Linux's numbers as a Rust io::Error prints them: "(os error 28)"
+
+
+@contextmanager
+def disk_named(tmp: str):
+    """The export's writes, a full disk's error named as one (training/job.users_disk: exit 2, the user's one line):
+    safetensors' `SafetensorError: Error while serializing: I/O error: No space left on device (os error 28)` (122:
+    a quota) is no OSError, nor caused by one, so an 8B run's last 16 GB ended in a traceback and exit 1, which
+    scripts/slurm.sbatch read as node 0's crash: requeued without it, the export run again and failed again (measured
+    on a 256 kB tmpfs, an audit). Now an OSError(ENOSPC / EDQUOT) naming `tmp`, raised from it. An OSError of a
+    small write (config, tokenizer, card) that names no file names `tmp` too. The partial `tmp` stays (never taken
+    for an export: no rename; the next export removes it)."""
+    try:
+        yield
+    except OSError as e:
+        full_disk(e, tmp)  # a short write that says no errno, on a disk left with no block
+        e.filename = e.filename or tmp
+        raise
+    except Exception as e:  # noqa: BLE001 -- safetensors' Rust error, known by its text only
+        code = re.search(r"\(os error (\d+)\)", str(e))
+        err = FULL_OS.get(int(code[1])) if code else None
+        if err is None:
+            raise
+        raise OSError(err, os.strerror(err), tmp) from e
 
 
 def durable(folder: str) -> None:

@@ -28,6 +28,7 @@ from model_utils.export import check_recorded, export_hf
 from training import rotation
 from training.checkpoint import MANIFEST, Checkpointer
 from training.checkpoint_files import manifest_sha256
+from training.job import disk_full, disk_full_line
 
 RUN: list[str] = []  # the run folder main() was given: a relative --checkpoint is found there too
 
@@ -128,6 +129,12 @@ def _export(a: argparse.Namespace, ckpt: Checkpointer, path: str | None, verifie
                         owned=owned, stops=stops, identity=manifest_sha256(path), template=template, dtype=a.dtype)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the export's folder on a full disk or quota (model_utils/export.disk_named names it): the
+        full = disk_full(e)  # user's, one line and exit 2, not a traceback (exit 1); a write naming nothing is not
+        if full is None or not full.filename:  # known to be the export's (training/job.users_disk's rule)
+            raise
+        print(f"error: {disk_full_line(full, '--out', 'then run this export again')}", file=sys.stderr)
         return 2
     print(out)
     return 0

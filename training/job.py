@@ -26,6 +26,7 @@ import sys
 import time
 from collections.abc import Callable
 
+from base.atomic import full_disk
 from base.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PEER_LOST, EXIT_PREEMPTED, EXIT_USAGE  # noqa: F401 -- the table: base/exits.py
 from training.launcher import _WATCH, launcher_note, launcher_refusal, watch_launcher
 
@@ -99,22 +100,26 @@ def run_job(main: Callable[[], int], saves: bool = True) -> int:
     configure()
     why = launcher_refusal(os.environ)
     if why:  # every rank has the same environment: the same line, before any process group
-        print(f"error: {why}", file=sys.stderr, flush=True)
+        _err(f"error: {why}")
         return _record(EXIT_USAGE)
     note = launcher_note(os.environ)
     if note and os.environ.get("RANK", "0") == "0":
-        print(note, file=sys.stderr, flush=True)
+        _err(note)
     _single_process_defaults()
     try:
         code = main()
     except Requeue as e:  # every rank raised it: a clean exit, nothing to tell the others
         if os.environ.get("RANK", "0") == "0":
-            print(f"requeue: {e}", file=sys.stderr, flush=True)
+            _err(f"requeue: {e}")
         code = EXIT_PREEMPTED
     except KeyboardInterrupt:  # a Ctrl-C no PreemptionFlag handles (train.py's start-up): the user's stop
         return _record(_interrupted())
     except Exception as e:
-        return _record(_fail(e))
+        try:
+            code = _fail(e)
+        except Exception:  # noqa: BLE001 -- a report that failed past _err's guard: the exit code is recorded
+            code = EXIT_FAILED  # all the same (scripts/launch.sh reads LAUNCH_EXIT_DIR/rankN)
+        return _record(code)
     _leave()
     return _record(code)
 
@@ -163,10 +168,14 @@ USER_DIRS: list[str] = []  # the run's own folders (--output_dir, the data cache
 def disk_full(e: BaseException | None) -> OSError | None:
     """The OSError ENOSPC / EDQUOT anywhere in `e`'s chain (its __cause__ / __context__), else None: torch's zip writer
     turns a short write into `RuntimeError [enforce fail at inline_container.cc] unexpected pos` with the OSError only
-    as its context, a background save's error comes wrapped (training/async_save.py)."""
+    as its context, a background save's error comes wrapped (training/async_save.py). A named OSError without errno
+    (numpy's tofile: '54784 requested and 27120 written') counts where its file system has no block left
+    (base/atomic.full_disk: one statvfs)."""
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
+        if isinstance(e, OSError) and e.errno is None and e.filename:  # numpy's short write: no errno (base/atomic)
+            full_disk(e, str(e.filename))
         if isinstance(e, OSError) and e.errno in FULL:
             return e
         e = e.__cause__ or e.__context__
@@ -180,10 +189,13 @@ def users_disk(e: BaseException | None) -> OSError | None:
     semaphores, NCCL's segments), a node's /tmp (torch's compile caches), or a write that names nothing stays a crash
     of this node (a requeue without it), as before: a node-local problem must not end the job for good."""
     full = disk_full(e)
-    if full is None or not full.filename:
+    if full is None or not (full.filename or full.filename2):
         return None
-    where = os.path.realpath(str(full.filename))
-    under = lambda dirs: any(where == d or where.startswith(d.rstrip(os.sep) + os.sep) for d in dirs)  # noqa: E731
+    # a copy's OSError (shutil.copyfile: DeepSpeed's zero_to_fp32.py copied into checkpoints/ at every save) names its
+    # source (site-packages) and the destination written as filename2: either under the run's folders is the user's
+    wheres = [os.path.realpath(str(f)) for f in (full.filename2, full.filename) if f]
+    under = lambda dirs: any(w == d or w.startswith(d.rstrip(os.sep) + os.sep)  # noqa: E731
+                             for w in wheres for d in dirs)
     if USER_DIRS:
         return full if under([os.path.realpath(d) for d in USER_DIRS if d]) else None
     return None if under(NODE_LOCAL) else full
@@ -197,18 +209,20 @@ def naming(e: BaseException, path: str) -> None:
         full.filename = path
 
 
-def disk_full_line(full: OSError) -> str:
+def disk_full_line(full: OSError, flag: str = "--output_dir", again: str | None = None) -> str:
     """The one line for a write the file system refused for room (a user's disk or quota, not a crash): which path,
-    the errno's text, what to run to see it."""
-    where = str(full.filename or "")
+    the errno's text, what to run to see it. `flag` / `again`: another tool's output flag and next step
+    (scripts/export_hf.py: --out, run the export again)."""
+    where = str(full.filename2 or full.filename or "")  # a copy's destination (users_disk), else the file written
     what = f"{FULL[full.errno]} ({errno.errorcode[full.errno]}) writing " + (
         where or "a file the error does not name (under --output_dir, WANDB_DIR or the data cache ULYSSES_CACHE)")
     folder = (where if os.path.isdir(where) else os.path.dirname(where)) or "DIR"
     if full.errno == errno.EDQUOT:  # user/group/project quotas: statvfs (shutil.disk_usage) never sees them
         return (f"{what}: a quota is full; see it with `lfs quota -hu $USER {folder}` (Lustre) or `quota -s`, free "
-                "space within it or give --output_dir a file system with room, then start the run again (--resume auto)")
-    return (f"{what}: free space there (`df -h {folder}`) or give --output_dir a larger file system, then start the "
-            "run again (--resume auto continues from the newest complete checkpoint)")
+                f"space within it or give {flag} a file system with room, "
+                f"{again or 'then start the run again (--resume auto)'}")
+    return (f"{what}: free space there (`df -h {folder}`) or give {flag} a larger file system, "
+            f"{again or 'then start the run again (--resume auto continues from the newest complete checkpoint)'}")
 
 
 def _await_monitor_exit() -> None:
@@ -223,6 +237,18 @@ def _await_monitor_exit() -> None:
 
 
 
+def _err(text: str) -> None:
+    """`text` on stderr, whatever stderr is: a file on the full disk this rank is reporting (`python train.py > log
+    2>&1`) raised ENOSPC from _fail's own print, and the exit-2 path became exit 1 with no exit record (an audit).
+    base.log.say points a full or gone console at /dev/null; anything else it raises is dropped here."""
+    try:
+        from base.log import say
+
+        say(text, file=sys.stderr)
+    except Exception:  # noqa: BLE001 -- the report is lost, the exit code is not
+        pass
+
+
 def _interrupted() -> int:
     """A Ctrl-C (SIGINT: Python's KeyboardInterrupt) where no PreemptionFlag handles it: train.py's start-up (the
     process group, the resume lookup, the model and the data: minutes at 8B / 1M) or evaluate.py, nothing to save.
@@ -235,7 +261,7 @@ def _interrupted() -> int:
     if comm is not None:
         comm.abort(line, EXIT_INTERRUPTED)
     if rank == "0":
-        print(f"stopped: {line}", file=sys.stderr, flush=True)
+        _err(f"stopped: {line}")
     return EXIT_INTERRUPTED
 
 
@@ -249,7 +275,7 @@ def _fail(e: BaseException) -> int:
         comm = progress = None
     if progress is not None and progress.DECLARED:  # this rank's monitor ended the job as a hang (it exits 69 itself
         # once the others have read it); what the main thread raised since is the hung rank leaving its collective
-        print(f"error: the first failure of the job: {progress.DECLARED}", file=sys.stderr, flush=True)
+        _err(f"error: the first failure of the job: {progress.DECLARED}")
         _await_monitor_exit()
         return EXIT_PEER_LOST
     full = users_disk(e)
@@ -264,7 +290,7 @@ def _fail(e: BaseException) -> int:
         first = comm.abort(own, EXIT_USAGE) if comm is not None else own
         local = os.environ.get("ULYSSES_LOCAL_RANK") or os.environ.get("LOCAL_RANK", "0")  # base/comm.init
         if "0" in (rank, local) or first.startswith(f"rank {rank} "):
-            print(f"error: {e}", file=sys.stderr, flush=True)
+            _err(f"error: {e}")
         return EXIT_USAGE
     # anything else is a failure: the traceback in this rank's log (and stderr), one summary line
     import traceback
@@ -283,11 +309,10 @@ def _fail(e: BaseException) -> int:
         rank_log(text)
     except Exception:  # noqa: BLE001
         pass
-    print(text, file=sys.stderr, flush=True)
-    print(f"error: rank {rank} failed with {type(e).__name__}: {e} (traceback above and in the rank log)",
-          file=sys.stderr, flush=True)
+    _err(text)
+    _err(f"error: rank {rank} failed with {type(e).__name__}: {e} (traceback above and in the rank log)")
     if not first.startswith(f"rank {rank} failed:"):
-        print(f"error: the first failure of the job: {first}", file=sys.stderr, flush=True)
+        _err(f"error: the first failure of the job: {first}")
     return EXIT_FAILED
 
 

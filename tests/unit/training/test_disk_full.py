@@ -291,12 +291,10 @@ def test_a_failed_summary_write_keeps_the_old_table_and_a_start_rebuilds_it(tmp_
 # ---------------------------------------------------------------- item 10: an export is durable before it replaces
 
 
-def test_the_export_is_fsynced_before_it_is_renamed_into_place(tmp_path, monkeypatch):
-    """Without it a node lost after the rename (and COMPLETE) could leave short shards under hf_model."""
+def tiny_checkpoint(tmp_path, monkeypatch):
+    """RUN/checkpoints/step_000001 of a one-layer Llama, its consolidation patched to hand back the state dict."""
     import deepspeed.utils.zero_to_fp32 as z
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from model_utils import export
 
     cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                       num_key_value_heads=2)
@@ -305,6 +303,14 @@ def test_the_export_is_fsynced_before_it_is_renamed_into_place(tmp_path, monkeyp
     (ckpt / "hf_config.json").write_text(cfg.to_json_string())
     state = LlamaForCausalLM(cfg).state_dict()
     monkeypatch.setattr(z, "get_fp32_state_dict_from_zero_checkpoint", lambda root, tag=None: dict(state))
+    return ckpt
+
+
+def test_the_export_is_fsynced_before_it_is_renamed_into_place(tmp_path, monkeypatch):
+    """Without it a node lost after the rename (and COMPLETE) could leave short shards under hf_model."""
+    from model_utils import export
+
+    ckpt = tiny_checkpoint(tmp_path, monkeypatch)
     events, real = [], os.replace
     monkeypatch.setattr(export, "fsync_path", lambda p: events.append(("fsync", os.path.basename(p))), raising=False)
     monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", os.path.basename(b))), real(a, b)))
