@@ -23,6 +23,7 @@ import time
 import torch
 
 from base import comm, host, host_arena
+from base.atomic import atomic_write
 from base.log import print0, rank_log
 from model_utils import engagement
 from planner.flops import flops_per_sequence
@@ -62,8 +63,7 @@ def _record_ds_config(run: Run, stage, engine, step: int) -> None:
     """OUTPUT_DIR/ds_config.stageN.json (rank 0) and, under memory_features auto, its choice in the metrics."""
     if run.dims.is_main:
         used = os.path.join(run.cfg.output_dir, f"ds_config.stage{stage.index}.json")
-        with open(used, "w") as fh:
-            json.dump(engine.ds_config_used, fh, indent=1)
+        atomic_write(used, json.dumps(engine.ds_config_used, indent=1).encode())  # a full disk: named, exit 2
         print0(f"stage {stage.index} ({stage.name}): DeepSpeed config used -> {used}")
     run.metrics.record_stage(stage, run.dims.world)  # the W&B config's resolved layout of the stage
     if stage.memory_choice:

@@ -152,3 +152,30 @@ def test_a_copys_full_destination_under_the_run_is_the_users_disk(tmp_path, caps
     job.USER_DIRS[:] = [str(tmp_path)]
     assert job.users_disk(e) is e and job._fail(e) == job.EXIT_USAGE
     assert f"writing {dst}: free space there (`df -h {tmp_path / 'checkpoints'}`)" in capsys.readouterr().err
+
+
+def test_a_stages_ds_config_record_on_a_full_disk_is_named(tmp_path, monkeypatch):
+    """OUTPUT_DIR/ds_config.stageN.json was written by a plain open: a full disk's error in its write names no file
+    (a crash of node 0, exit 1). Through atomic_write it is named: the user's one line, exit 2."""
+    import types
+
+    from training import stage_records
+
+    real_open = builtins.open
+
+    class Full(io.BytesIO):
+        def write(self, b):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    def opened(path, mode="r", *a, **kw):
+        return Full() if "w" in mode and "ds_config.stage" in os.fspath(path) else real_open(path, mode, *a, **kw)
+
+    monkeypatch.setattr(builtins, "open", opened)
+    run = types.SimpleNamespace(dims=types.SimpleNamespace(is_main=True, world=1),
+                                cfg=types.SimpleNamespace(output_dir=str(tmp_path)), metrics=None)
+    with pytest.raises(OSError) as e:
+        stage_records._record_ds_config(run, types.SimpleNamespace(index=0, name="s"),
+                                        types.SimpleNamespace(ds_config_used={"a": 1}), 0)
+    assert e.value.filename == str(tmp_path / "ds_config.stage0.json")
+    monkeypatch.setattr(job, "USER_DIRS", [str(tmp_path)])
+    assert job._fail(e.value) == 2
