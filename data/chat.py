@@ -233,6 +233,7 @@ class ChatEncoder(Rendering):
             return pi + ci, mask, {"untrained_turns": 0}
         if self.refusal:
             raise RowError(self.refusal)
+        conv = self._parts(conv, tools)  # content lists as the template renders them (Mistral's thinking parts)
         loss_on = "assistant" if self.loss_on == "auto" and first == 0 else "completion" if self.loss_on == "auto" \
             else self.loss_on
         wanted, flagged = turns_to_train(conv, first, loss_on)

@@ -1,6 +1,8 @@
 """One message of a chat row, checked, as templates read it: its role (OpenAI's, and the names exporters write:
 `developer`, `model`, ShareGPT's `human` / `gpt`, Llama 3.1's `ipython`), its content as one text (text parts joined
-by a newline, as vLLM does for a string-content template; a tool's result given as data becomes its JSON text), its
+by a newline, as vLLM does for a string-content template; a list of several parts, or with a `thinking` part, is
+also kept as given, `PARTS`, for the encoder to render as the template renders the list where it does: data/chat_render
+`Rendering._parts`; a tool's result given as data becomes its JSON text), its
 reasoning under every name a template reads, the keys templates read (tool calls, Phi-4-mini's and OLMo 3's function
 lists) and its training flag (OpenAI's `weight`, Axolotl's `training` / `train`, LLaMA-Factory v1's `loss_weight`),
 read and never passed on. data/chat_rows.py reads the row formats and calls `message` for each; its docstring lists
@@ -23,6 +25,8 @@ FLAGS = ("weight", "training", "train", "loss_weight")  # a message's training f
 # Axolotl's `message_field_training` (`training` by default; `train` in its docs' examples and Nemotron exports),
 # LLaMA-Factory v1's `loss_weight` (0.0 on a user turn, 1.0 on a reply in its v1_sft_demo; before, ignored: a reply
 # weighted 0.0 was trained)
+PARTS = "_content_parts"  # a content list of several parts or with a thinking part, normalized ({"type": "text", "text"}
+# / {"type": "thinking", "thinking"}), beside its text: the encoder renders it and drops the key before any render
 KEYS = ("tool_calls", "name", "tool_call_id")  # a message's keys templates read (and a reply's REASONING)
 REASONING = ("reasoning_content", "thinking", "reasoning")  # a reply's reasoning field: one text under every name
 ROLE_KEYS = {"system": ("tools", "functions"), "user": ("functions",), "assistant": ("function_calls",)}  # Phi-4-mini's
@@ -49,12 +53,13 @@ _V1_PARTS = {"reasoning": "the reply's reasoning_content (a string)",  # LLaMA-F
              "tool_call": 'the reply\'s tool_calls [{"type": "function", "function": {"name": ..., "arguments": ...}}]'}
 
 
-def _text(content, i: int, role: str) -> str:
-    """A message's content as one string: a string as is, a list of text parts joined by a newline."""
+def _text(content, i: int, role: str) -> tuple[str, list[dict] | None]:
+    """(a message's content as one string: a string as is, a list's text parts joined by a newline; the list's parts,
+    normalized, where it has several or a thinking part, else None)."""
     if isinstance(content, str):
-        return content
+        return content, None
     if isinstance(content, list):
-        out = []
+        out, parts = [], []
         for j, part in enumerate(content):
             if _text_part(part):
                 if isinstance(part, dict) and isinstance(part.get("value"), str) and part.get("text") not in (
@@ -62,21 +67,27 @@ def _text(content, i: int, role: str) -> str:
                     raise RowError(f"message {i} ({role}): content part {j} holds a `text` and a `value` of another "
                                    "text: which is meant? Keep one")
                 out.append(_part_text(part))
+                parts.append({"type": "text", "text": out[-1]})
+            elif isinstance(part, dict) and part.get("type") == "thinking" and isinstance(part.get("thinking"), str):
+                if role not in ("assistant", "system"):  # mistral-common's ThinkChunk: a reply's or a system prompt's
+                    raise RowError(f"message {i} ({role}): content part {j} is a 'thinking' part, which only a reply "
+                                   "or a system prompt carries: drop it")
+                parts.append({"type": "thinking", "thinking": part["thinking"]})
             else:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 if kind in _V1_PARTS and isinstance(part.get("value"), str):
                     raise RowError(f"message {i} ({role}): content part {j} is a {kind!r} part (LLaMA-Factory v1's), "
                                    f"not read here: give its value as {_V1_PARTS[kind]}")
-                if kind == "thinking":  # Magistral's native reasoning form
-                    raise RowError(f"message {i} ({role}): content part {j} is a 'thinking' part: give the reasoning "
-                                   "in the content as the template writes it ([THINK]...[/THINK] for Magistral / "
-                                   "Ministral, <think>...</think> for Qwen3), or as the reply's reasoning_content")
+                if kind == "thinking":
+                    raise RowError(f"message {i} ({role}): content part {j} is a 'thinking' part without its text as "
+                                   f"a string (keys {sorted(part)}): give it under `thinking`")
                 if kind == "text":
                     raise RowError(f"message {i} ({role}): content part {j} is a text part without its text as a "
                                    f"string (keys {sorted(part)}): give it under `text`")
                 raise RowError(f"message {i} ({role}): content part {j} is {kind!r}, not text: only text is trained "
                                "here (drop the part, or give its text as a {\"type\": \"text\"} part)")
-        return "\n".join(out)
+        thinks = any(p["type"] == "thinking" for p in parts)
+        return "\n".join(out), parts if len(parts) > 1 or thinks else None
     raise RowError(f"message {i} ({role}): content must be a string or a list of text parts, got "
                    f"{type(content).__name__}")
 
@@ -99,12 +110,13 @@ def message(m, i: int) -> dict:
     if m.get("function_call") is not None:  # OpenAI's legacy form: dropped, the reply trained without its call
         raise RowError(f"message {i} ({role}): function_call (OpenAI's legacy form), which templates do not read: give "
                        'it as tool_calls [{"type": "function", "function": {"name": ..., "arguments": ...}}]')
-    content = m.get("content")
+    content = m[PARTS] if isinstance(m.get(PARTS), list) else m.get("content")  # (a message read here already)
     if content is None and role == "assistant" and (m.get("tool_calls") or m.get("function_calls")):
         content = ""
     if role in ("tool", "environment") and _data(content):  # a tool's result as data (xLAM, APIGen rows): the JSON
         content = json.dumps(content, ensure_ascii=False)  # text an OpenAI client sends for it
-    out = {"role": role, "content": _text(content, i, role)}
+    text, parts = _text(content, i, role)
+    out = {"role": role, "content": text, **({PARTS: parts} if parts else {})}
     if role == "assistant":
         out.update(_reasoning(m, i))
     for k in KEYS + ROLE_KEYS.get(role, ()):

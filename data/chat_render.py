@@ -13,7 +13,12 @@ from __future__ import annotations
 
 import datetime
 
+from data.chat_message import PARTS
 from data.chat_rows import RowError
+
+_ASK = {"role": "user", "content": "Probe question?"}
+_CHUNKS = [_ASK, {"role": "assistant", "content": [{"type": "thinking", "thinking": "Probe reasoning."},
+                                                    {"type": "text", "text": "Probe answer."}]}]
 
 
 def prefix_costly(messages: int, tokens: int) -> bool:
@@ -87,6 +92,68 @@ class Rendering:
                 why += (" (it renders only with a tool list: give the row's `tools`, or name another of the "
                         "tokenizer's templates with --chat_template)")
             raise RowError(f"{self.name} refuses this conversation: {why}") from None
+
+    def _parts(self, conv: list[dict], tools: list | None = None) -> list[dict]:
+        """The conversation with each content list (data/chat_message.PARTS: several parts, or a thinking part) as the
+        one text the template renders it as, the key dropped. A template that renders the list itself (Mistral's,
+        GLM-4.6's, Kimi K2's, Llama 4's ... `for block in content`) writes its text parts with no separator, and
+        Magistral's reasoning templates (ministral3_reasoning.jinja) a thinking part (mistral-common's ThinkChunk) as
+        `[THINK]...[/THINK]`, read once from a probe (`_chunks`); the text so joined is the template's rendering of the
+        list as Hugging Face gives it, checked on the whole row (its list render against its text's, string by string).
+        Elsewhere (a template that reads a string only: Qwen3's, Llama 3's, a list written as Python's repr or refused)
+        text parts are joined by a newline (vLLM's reading for a string template), and a thinking part, which such a
+        template never renders as reasoning, refuses the row in one line. Cost: two renders of a row with such a list
+        (~8 us x messages each); none for any other row."""
+        if not any(PARTS in m for m in conv):
+            return conv
+        thinking = [(k, j) for k, m in enumerate(conv) for j, p in enumerate(m.get(PARTS, ())) if p["type"] == "thinking"]
+        wrap = self._chunks() if self.hf is not None and thinking else None
+        plain = [{x: v for x, v in m.items() if x != PARTS} for m in conv]
+        if thinking and wrap is None:
+            k, j = thinking[0]
+            raise RowError(f"message {k} ({conv[k]['role']}): content part {j} is a 'thinking' part (mistral-common's "
+                           f"ThinkChunk), which {self.name} does not render: give the reply as one text with its reasoning "
+                           "as the template writes it ([THINK]...[/THINK] for Magistral, <think>...</think> for Qwen3), "
+                           "or as reasoning_content where the template renders that field")
+        if self.hf is not None:
+            joined = [{**m, "content": "".join(p["text"] if p["type"] == "text" else wrap[0] + p["thinking"] + wrap[1]
+                                               for p in conv[k][PARTS])} if PARTS in conv[k] else m
+                      for k, m in enumerate(plain)]
+            listed = [{**m, "content": conv[k][PARTS]} if PARTS in conv[k] else m for k, m in enumerate(plain)]
+            if (text := self._quiet(joined, tools)) is not None and text == self._quiet(listed, tools):
+                return joined
+        if thinking:  # (the template renders a probe's part, and this row's list otherwise: Magistral 2509's system)
+            k, j = thinking[0]
+            raise RowError(f"message {k} ({conv[k]['role']}): {self.name} renders this row's content parts otherwise "
+                           "than as one text (it drops or reorders some): give the reasoning as the template writes it "
+                           f"in the reply's text ({wrap[0]}...{wrap[1]})")
+        return plain
+
+    def _chunks(self) -> tuple[str, str] | None:
+        """(the text before, the text after) a thinking part's text as the template renders a probe reply's
+        [thinking, text] content list, None where that render is not the plain reply's with the reasoning inserted
+        once (a template that reads a string, or only the first part's `text`: Magistral Small 2509's Unsloth copy),
+        read once under the encoder's template arguments (reasoning_renders, reset by data/chat.py `_fresh`)."""
+        if "chunks" not in self.reasoning_renders:
+            a = self._quiet([_ASK, {"role": "assistant", "content": "Probe answer."}])
+            b, wrap = self._quiet(_CHUNKS), None
+            if a is not None and b is not None:
+                i = next((n for n, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                j = next((n for n, (x, y) in enumerate(zip(a[::-1], b[::-1])) if x != y or n >= len(a) - i), len(a) - i)
+                inserted = b[i:len(b) - j]
+                if i + j == len(a) and inserted.count("Probe reasoning.") == 1:
+                    wrap = tuple(inserted.split("Probe reasoning."))
+            self.reasoning_renders["chunks"] = wrap
+        return self.reasoning_renders["chunks"]
+
+    def _quiet(self, msgs: list[dict], tools: list | None = None) -> str | None:
+        """The template's rendering of `msgs`, None where it raises (a template reading a string given a list)."""
+        try:
+            with self.clock:
+                return self.hf.apply_chat_template(msgs, tools=tools, tokenize=False, chat_template=self.template,
+                                                   **self._row_kw)
+        except Exception:  # noqa: BLE001 (what the row's own render would say, it says there)
+            return None
 
     def _needs_tools(self, msgs: list[dict], gen: bool) -> bool:
         try:

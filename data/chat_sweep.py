@@ -17,8 +17,9 @@ copy, its `checked` says) and a marked copy beside it (`oracle`; Phi-4-reasoning
 the same render by the ids check below. A small byte-level BPE tokenizer gets the family's control tokens (as single
 special tokens) and its plain added tokens.
 
-For each family and each kind of conversation (CASES) data/chat.py's ChatEncoder encodes the row through the
-shipped template, and Hugging Face's own assistant mask of the marked template is the oracle. The property:
+For each family and each kind of conversation (CASES; PART_CASES, contents given as lists of parts: ALL_CASES)
+data/chat.py's ChatEncoder encodes the row through the shipped template, and Hugging Face's own assistant mask of the
+marked template (rendering the row as given) is the oracle. The property:
 - the ids are the template's rendering, tokenized, and it shows every message's text (a reply's past its reasoning)
   and its tool calls' names: what the template drops refuses the row;
 - every supervised token lies in an assistant message's marked region, and every region is supervised whole or
@@ -118,12 +119,29 @@ CASES = {  # name -> a conversation (every assistant message is a turn to train)
                                     {"role": "user", "content": "What ends your turn?"},
                                     {"role": "assistant", "content": "The token {eot} ends it."}],
 }
+PART_CASES = {  # conversations whose contents are lists of parts, swept and tabled after CASES (whose contents are
+    # text: what the tests reading CASES take); data/chat_render `Rendering._parts`
+    "reasoning as thinking parts": [_ASK, {"role": "assistant", "content": [  # mistral-common's ThinkChunk (Magistral's
+        {"type": "thinking", "thinking": _THINK}, {"type": "text", "text": "apple river"}]},  # and Ministral's exports)
+                                    {"role": "user", "content": "Count them."},
+                                    {"role": "assistant", "content": [{"type": "thinking", "thinking": _THINK},
+                                                                      {"type": "text", "text": "2 words"}]}],
+}
+ALL_CASES = {**CASES, **PART_CASES}
 TOOLS = {"tool list": _TOOLS}  # case -> the row's top-level `tools`, passed to the template as tools=
 CORPUS = ["Say exactly: apple river. Count them. 2 words. How many words in apple river? Two words: apple, river.",
           "You are terse. Hello, what shall I count? The token ends it. What ends your turn?",
           "system user assistant model tool ipython environment developer function functions count_words text",
           "[INST] [/INST] <<SYS>> USER: ASSISTANT: ```json {\"name\": \"arguments\": \"parameters\": } <think> </think>",
           "You are a helpful assistant. Cutting Knowledge Date: December 2023 Today Date: 26 Jul 2024"] * 20
+
+
+def said(m: dict) -> dict:
+    """The message with its content as the text a rendering must show: a content list's text parts, as a template
+    that renders the list writes them (no separator; a thinking part is reasoning, not reply text)."""
+    if not isinstance(m.get("content"), list):
+        return m
+    return {**m, "content": "".join(p["text"] for p in m["content"] if p.get("type") == "text")}
 
 
 def families() -> dict[str, dict]:
@@ -204,7 +222,7 @@ def native(conv: list[dict], fam: dict) -> list[dict]:
     """conv with its tool calls' arguments in the form the family's template writes (`arguments` in families.json:
     "json string" for the templates that concatenate them, an object for the rest) and its reasoning under each name
     templates read: what the oracle renders, whatever form the row brought."""
-    conv = [{**m, **dict.fromkeys(REASONING, why[1])} if m["role"] == "assistant" and (why := reasoning(m))
+    conv = [{**m, **dict.fromkeys(REASONING, why[1])} if m["role"] == "assistant" and (why := reasoning(said(m)))
             and why[0] == "field" else m for m in conv]  # a reply's reasoning under every name, as data/chat_message.py gives it
 
     def fix(a):
@@ -251,7 +269,7 @@ def unshown(enc: ChatEncoder, conv: list[dict], ids: list[int], first: int = 0) 
     inference; a prompt's reply, before `first`, as the template writes history) or tool calls' names the rendering
     `ids` does not show; None where it shows every one."""
     text = enc.tok.decode(ids)
-    for k, m in enumerate(conv):
+    for k, m in enumerate(map(said, conv)):
         want = "" if m["role"] == "assistant" and k < first else think_parts(enc, m["content"])[1] \
             if m["role"] == "assistant" else m["content"]
         if want.strip() not in text or not all(c["function"]["name"] in text for c in m.get("tool_calls") or []):
@@ -309,11 +327,13 @@ def check(enc: ChatEncoder, oracle_template: str, conv: list[dict], tools: list 
                 return f"WRONG: message {k}, weighted 0, is supervised"
         elif got.all():
             text = decode(ids[a:b])
-            want = think_parts(enc, conv[k]["content"])[1]  # past its reasoning, as the template reads it, whole
-            names = [c["function"]["name"] for c in conv[k].get("tool_calls") or []]
+            want = think_parts(enc, said(conv[k])["content"])[1]  # past its reasoning, as the template reads it, whole
+            names = [c["function"]["name"] for c in conv[k].get("tool_calls") or []]  # and a thinking part's text
+            names += [p["thinking"] for p in conv[k]["content"] if p.get("type") == "thinking"] \
+                if isinstance(conv[k]["content"], list) else []
             if want not in text or not all(n in text for n in names):
                 return f"WRONG: the span of message {k} does not show its reply ({text!r})"
-            dropped += bool((why := reasoning(conv[k], enc)) and why[1] not in text)
+            dropped += bool((why := reasoning(said(conv[k]), enc)) and why[1] not in text)
         elif not got.any():
             untrained += 1
         else:
@@ -345,15 +365,16 @@ def sweep(root: str | None = None, only: list[str] | None = None,
         try:
             enc = ChatEncoder(tok, "assistant", fam.get("template", "auto"))
         except ValueError as e:
-            table[key] = {case: f"refused: {e}" for case in CASES}
+            table[key] = {case: f"refused: {e}" for case in ALL_CASES}
             continue
         oracle = marked(fam, fam.get("template"))
         row = {}
-        for case, conv in CASES.items():
+        for case, conv in ALL_CASES.items():
             if case in fam.get("unchecked", {}):  # a branch of the family's template not written here
                 row[case] = f"not checked: {fam['unchecked'][case]}"
                 continue
-            conv = [{**m, "content": m["content"].replace("{eot}", fam["eot"])} for m in conv]
+            conv = [{**m, "content": m["content"].replace("{eot}", fam["eot"])} if isinstance(m["content"], str) else m
+                    for m in conv]
             tools = TOOLS.get(case) or (TOOLS["tool list"] if fam.get("tools") == "always" else None)
             pick = row_template(fam.get("named"), fam.get("template", "auto"), {"tools": tools})  # auto: per row
             args = (enc, oracle if pick == fam.get("template", "auto") else marked(fam, pick), conv, tools,
@@ -369,12 +390,12 @@ def sweep(root: str | None = None, only: list[str] | None = None,
 def markdown(table: dict[str, dict[str, str]]) -> str:
     """The table for docs/sft.md: one row per family, one column per kind of conversation; refusals in full below."""
     fams = families()
-    lines = ["| family (template written here: data/chat_templates/) | " + " | ".join(CASES) + " |",
-             "|---|" + "---|" * len(CASES)]
+    lines = ["| family (template written here: data/chat_templates/) | " + " | ".join(ALL_CASES) + " |",
+             "|---|" + "---|" * len(ALL_CASES)]
     notes: dict[str, int] = {}
     for key, row in table.items():
         cells = []
-        for case in CASES:
+        for case in ALL_CASES:
             out = row[case]
             if out == "trains":
                 cells.append("trains")

@@ -2,7 +2,7 @@
 
     python -m data.chat_sweep_paths [--only FAMILY ...]     # the table (a few seconds, no network)
 
-data/chat_sweep.py encodes each family's conversations (CASES) as `messages` rows under `--loss_on assistant`. Here the
+data/chat_sweep.py encodes each family's conversations (ALL_CASES) as `messages` rows under `--loss_on assistant`. Here the
 same conversations take the other paths users take, over the same tokenizers, encoders and renderings (`sweep(keep=)`),
 and over the sentencepiece ChatML default (no template: the demo's tokenizer, `SENTENCEPIECE`). The property, for every
 family x path x conversation:
@@ -53,7 +53,7 @@ import re
 import numpy as np
 
 from data.chat import ChatEncoder, RowError
-from data.chat_sweep import CASES, TOOLS, check, families, outcome, rendering, sweep, unshown
+from data.chat_sweep import ALL_CASES, TOOLS, check, families, outcome, rendering, sweep, unshown
 from data.tokenizer import Tokenizer
 
 PATHS = ("pair", "pair, assistant", "completion", "all", "ids", "long", "packed", "held out")
@@ -125,8 +125,8 @@ def check_ids(encs: dict[str, ChatEncoder], ids: list[int], mask: list[int], nxt
         if err:
             if "\n" in err:
                 return f"WRONG: {form}: a refusal of {len(err.splitlines())} lines"
-            if not any(np.asarray(m)[1:].any() for _, m in want):  # (nothing to train: its refusal is right)
-                continue
+            if not all(np.asarray(m)[1:].any() for _, m in want):  # (a document with nothing to train, an oracle of a
+                continue  # template that drops a reply's text: data/ids_rows.py refuses the row, rightly)
             return f"WRONG: {form}: refused ({err[:100]})"
         pieces = documents(value)[0]
         if len(pieces) != len(want) or not all(isinstance(p, dict) and MASKED in p for p in pieces):
@@ -238,7 +238,7 @@ def _cells(key: str, kept: dict, encs: dict, index: int | None = None) -> dict[s
     docs, oracles = [], []
     enc = encs["assistant"]
     pad = enc.tok.pad_id
-    for j, case in enumerate(CASES):
+    for j, case in enumerate(ALL_CASES):
         sampled = sp or (index + j) % 3 == 0
         seen = kept.get((key, case))
         if seen is None:  # `not checked` in the messages sweep: a branch of the template not written here
@@ -295,15 +295,16 @@ def sweep_paths(root: str, kept: dict, only: list[str] | None = None) -> dict[st
         tok = Tokenizer(SENTENCEPIECE)
         encs = {lo: ChatEncoder(tok, lo) for lo in ("assistant", "auto", "completion", "all")}
         kept_sp = {}
-        for case, conv in CASES.items():
-            conv = [{**m, "content": m["content"].replace("{eot}", "</s>")} for m in conv]
+        for case, conv in ALL_CASES.items():
+            conv = [{**m, "content": m["content"].replace("{eot}", "</s>")} if isinstance(m["content"], str) else m
+                    for m in conv]
             tools = TOOLS.get(case)
             seen = {"args": (encs["assistant"], None, conv, tools, conv, None, tools)}
             out = sp_rendering(encs["assistant"], conv)
             seen["outcome"] = check(*seen["args"], out=out, seen=seen)
             seen["out"] = out
             kept_sp["sentencepiece", case] = seen
-        table["sentencepiece"] = {"messages": {c: kept_sp["sentencepiece", c]["outcome"] for c in CASES},
+        table["sentencepiece"] = {"messages": {c: kept_sp["sentencepiece", c]["outcome"] for c in ALL_CASES},
                                   **_cells("sentencepiece", kept_sp, encs)}
     cut = os.path.join(root, "")
     return {f: {p: {c: out.replace(cut, "") for c, out in cells.items()} for p, cells in paths.items()}
