@@ -87,7 +87,7 @@ from data.chat_ends import history_ends, last_stop, marked_header, probe_ends
 from data.chat_locate import lcp, locate, prompt_cut, shows
 from data.chat_message import ROLES  # noqa: F401
 from data.chat_reasoning import as_rendered, cut_why, dropped, quoted_close, refuse_dropped
-from data.chat_render import FrozenClock, Rendering
+from data.chat_render import FrozenClock, Rendering, sandboxed
 from data.chat_rows import SHAREGPT_ROLES, RowError, empty_reply, normalize, row_format, turns_to_train  # noqa: F401
 from data.chat_splice import encode_long
 from data.chat_template import pick_template, resolve_template, row_kwargs, row_template, text_pair_kwargs  # noqa: F401
@@ -387,8 +387,9 @@ class ChatEncoder(Rendering):
                 out = self.hf.apply_chat_template(conv, tools=tools, tokenize=True, return_dict=True,
                                                   return_assistant_tokens_mask=True, chat_template=self.template,
                                                   **self._row_kw)
-        except Exception as e:
-            raise RowError(f"{self.name} refuses this conversation: {str(e).splitlines()[0][:160]}") from None
+        except Exception as e:  # (a list changed in place: transformers' sandbox forbids it, chat_render.sandboxed)
+            why = sandboxed(e) or f"refuses this conversation: {str(e).splitlines()[0][:160]}"
+            raise RowError(f"{self.name} {why}") from None
         ids, m = list(out["input_ids"]), np.asarray(out["assistant_masks"], dtype=np.uint8)
         # runs of 1 in generation order are the assistant turns, in order
         edges = np.flatnonzero(np.diff(np.concatenate([[0], m, [0]])))

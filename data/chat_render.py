@@ -38,6 +38,24 @@ def prefix_cost_note(where: str, messages: int, tokens: int) -> str:
             "--chat_template chatml for a ChatML model (its default has them); docs/sft.md")
 
 
+def sandboxed(e: Exception) -> str | None:
+    """Why a template cannot be rendered at all where `e` is jinja's SecurityError, None for any other error. transformers
+    renders chat templates in jinja2's ImmutableSandboxedEnvironment (chat_template_utils), which forbids a method that
+    changes a list or dict in place (`.append`, `.pop`, `.update`): Kimi K2 Instruct 0905's and Thinking's templates as
+    llama.cpp stores them (models/templates, whose minja allows it) queue tool-call ids with `ids.append(...)` and
+    `ids.pop(0)`, so Hugging Face's own apply_chat_template raises on every row with a tool call (transformers 5.23:
+    "access to attribute 'append' of 'list' object is unsafe."). The fix is a copy that builds the list anew
+    (`{% set ns.ids = ns.ids + [x] %}`; the jinja workaround, home-assistant/core#33678), no stored fixed copy found."""
+    from jinja2.exceptions import SecurityError
+
+    if not isinstance(e, SecurityError):
+        return None
+    return (f"cannot be rendered: it changes a list in place ({str(e).splitlines()[0][:80]}), which transformers' "
+            "sandboxed jinja forbids (Hugging Face's apply_chat_template fails the same): give the tokenizer folder a "
+            "chat_template.jinja with it rewritten, `{% set ns.ids = ns.ids + [x] %}` for `ns.ids.append(x)` and "
+            "`ns.ids[0]` then `{% set ns.ids = ns.ids[1:] %}` for `ns.ids.pop(0)`")
+
+
 class FrozenClock:
     """`with clock:` every template rendered inside sees one instant, `clock.at`. transformers' `strftime_now` (today's
     date in the system turn of gpt-oss, Llama 3.2 and 4, Mistral Small 3.2, Granite 3.3, Apertus) is its module's
@@ -87,6 +105,8 @@ class Rendering:
                 return self.hf.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=gen,
                                                    chat_template=self.template, **{**self._row_kw, **kw})
         except Exception as e:  # jinja's raise_exception (roles must alternate, no system role, ...)
+            if sandboxed(e):
+                raise RowError(f"{self.name} {sandboxed(e)}") from None
             why = str(e).splitlines()[0][:160]
             if tools is None and self._needs_tools(msgs, gen):  # Hermes' and Command-R's `tool_use` iterate `tools`
                 why += (" (it renders only with a tool list: give the row's `tools`, or name another of the "
