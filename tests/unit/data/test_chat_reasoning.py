@@ -201,11 +201,10 @@ def test_the_fix_a_refusal_names_is_the_templates_own_reasoning_form(tmp_path):
         enc.encode({"messages": row})
     part = [_ASK_ROW, {"role": "assistant", "content": [{"type": "thinking", "thinking": WHY},
                                                         {"type": "text", "text": "apple river"}]}]
-    with pytest.raises(RowError, match=r"a 'thinking' part: give the reasoning in the content as the template"):
-        enc.encode({"messages": part})
     ids, mask, _ = enc.encode({"messages": [_ASK_ROW, {"role": "assistant",
                                                        "content": f"[THINK]{WHY}[/THINK]apple river"}]})
     assert "[THINK]" + WHY + "[/THINK]apple river" in trained(enc, ids, mask)
+    assert enc.encode({"messages": part})[0] == ids  # a thinking part this template renders trains as it renders it
 
 
 _ASK_ROW = {"role": "user", "content": "Say exactly: apple river"}
