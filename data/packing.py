@@ -19,7 +19,7 @@ from data.jsonl import list_files, read_documents
 from data.store import tokenizer_identity
 from data.tokenizer import Tokenizer
 
-RULES = "bos2:chat11:eos2:doc11"  # the tokenization rules' version (cache_key below says what each part means); recorded
+RULES = "bos2:chat12:eos2:doc11"  # the tokenization rules' version (cache_key below says what each part means); recorded
 # in a prepare_data plan too: a shard continued or merged under other rules is refused (its chunks would mix them)
 # where it holds rows a step between them changed (data/output_lock.check_rules)
 # Which rows each step changed, by the kinds a shard's record counts (output_lock.KINDS): "chat" conversations
@@ -51,7 +51,10 @@ def cache_key(inputs: list[str], tokenizer_path: str | None, model_vocab: int) -
     # string completion ending with the EOS gets no second one, an empty one is refused; chat10: a string completion
     # holding a stop's text before more text is refused as a messages reply is, one ending with stops is trained as its
     # text and one EOS (a reply too: `Paris<|im_end|>` was untrained); chat11: a system message the rendering drops
-    # refuses a `--loss_on all` row (Mistral v0.3), the ChatML default refuses a prompt's tool call); :eos2: no second EOS
+    # refuses a `--loss_on all` row (Mistral v0.3), the ChatML default refuses a prompt's tool call; chat12: a message's
+    # text parts are joined as the template joins them where it renders the list itself (no separator: Mistral Small
+    # 3.2, GLM-4.6/4.7, Kimi K2, Llama 4, Gemma 4, ...; chat11 trained `a\nb`), a thinking part trains where the
+    # template renders it (Ministral 3 Reasoning)); :eos2: no second EOS
     # after a document that ends with its own (a stream, or a folder prepare_data wrote before 2026-11-30, had two);
     # :doc3: a text document ends with its family's end-of-text token where the EOS is a chat end-of-turn, special-token
     # strings in a text are text, a blank text is dropped, pre-tokenized ids get the BOS a text gets; :doc4: a text that

@@ -111,7 +111,7 @@ def test_a_shard_begun_under_other_rules_is_not_continued_silently(tmp_path):
         output_lock.check_rules("o", [{"plan": {"rules": packing.RULES}}, {"plan": {"rules": "bos1:chat6:eos2:doc6"}}])
 
 
-YESTERDAY = "bos2:chat9:eos2:doc8"  # (abe4933, the last of 2026-11-30) chat10, chat11 changed conversations only, doc9
+YESTERDAY = "bos2:chat9:eos2:doc8"  # (abe4933, the last of 2026-11-30) chat10-12 changed conversations only, doc9
 # texts ending with the EOS string (counted in special_text_docs), doc10 ids rows with columns beside, doc11 texts
 # starting with a new turn start (special_text_docs too)
 
@@ -138,14 +138,14 @@ def test_a_rules_step_refuses_only_shards_holding_the_rows_it_changed(tmp_path):
                and "changed only rows they hold none of" in n for n in notes), notes
     today = {"plan": {"rules": packing.RULES}}
     none = {"chat_docs": 0, "ids_beside_rows": 0, "special_text_docs": 0}
-    for held, match in (({"chat_docs": 3}, r"\(chat10, chat11 \(conversations\)\): redo"),
+    for held, match in (({"chat_docs": 3}, r"\(chat10, chat11, chat12 \(conversations\)\): redo"),
                         ({"ids_beside_rows": 1}, r"\(doc10 \(pre-tokenized rows with"),
                         ({"special_text_docs": 3}, r"\(doc9, doc11 \(text documents holding a special-token string\)\): redo")):
         with pytest.raises(ValueError, match=r"shard\(s\) \[0\] hold rows today's .*" + match):
             output_lock.check_rules("o", [{"plan": {"rules": YESTERDAY}, **none, **held}, today])
     notes = []  # a text-only shard of yesterday, none of its texts holding a special-token string: merged, said
     output_lock.check_rules("o", [{"plan": {"rules": YESTERDAY}, **none}, today], notes.append)
-    assert "chat10, chat11 (conversations); doc9, doc11 (text documents holding a special-token string); doc10 (pre-tokenized" \
+    assert "chat10, chat11, chat12 (conversations); doc9, doc11 (text documents holding a special-token string); doc10 (pre-tokenized" \
            " rows with loss-mask, packing or attention_mask columns) changed only rows they hold none of" in notes[0], notes
     notes = []
     output_lock.check_rules("o", [{"plan": {"rules": YESTERDAY}, "chat_docs": 0}, today], notes.append)
@@ -166,7 +166,7 @@ def test_a_rules_step_refuses_only_shards_holding_the_rows_it_changed(tmp_path):
         notes = []
         if refused:
             with pytest.raises(ValueError,
-                               match=r"holds rows they read differently \(chat10, chat11 \(conversations\); doc10"):
+                               match=r"holds rows they read differently \(chat10, chat11, chat12 \(conversations\); doc10"):
                 run()
             continue
         assert run(notes.append)["n_docs"] == 20
@@ -217,7 +217,7 @@ def test_a_shard_begun_by_an_older_version_is_refused_as_that(tmp_path):
 
 
 # packing.RULES -> sha256 of data/tokenizer.TURN_STARTS under it: which texts read as a rendered conversation
-TURN_STARTS_UNDER = {"bos2:chat11:eos2:doc11": "564b18924d269a10"}
+TURN_STARTS_UNDER = {"bos2:chat12:eos2:doc11": "564b18924d269a10"}
 
 
 def test_a_change_of_the_turn_starts_is_a_rules_step():
