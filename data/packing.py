@@ -16,7 +16,7 @@ import numpy as np
 
 from base.atomic import atomic_write
 from data.jsonl import list_files, read_documents
-from data.store import tokenizer_identity
+from data.store import save_npy, tokenizer_identity
 from data.tokenizer import Tokenizer
 
 RULES = "bos2:chat12:eos2:doc11"  # the tokenization rules' version (cache_key below says what each part means); recorded
@@ -138,7 +138,7 @@ def build_token_stream(dataset_path: str, tokenizer: Tokenizer | None, model_voc
     for path, arr in ((tok_path, np.concatenate(chunks)), (starts_path, np.asarray(starts, dtype=np.int64))):
         # its own tmp name (base/atomic.tmp_name: host, pid, random), not the pid alone that a second job's rank 0
         # in its own container shares
-        atomic_write(path, lambda fh, a=arr: np.save(fh, a))
+        atomic_write(path, lambda fh, a=arr: save_npy(fh, a))  # a full disk's own errno (data/store.NpyOut)
     return tok_path, starts_path
 
 

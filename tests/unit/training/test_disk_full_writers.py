@@ -179,3 +179,24 @@ def test_a_stages_ds_config_record_on_a_full_disk_is_named(tmp_path, monkeypatch
     assert e.value.filename == str(tmp_path / "ds_config.stage0.json")
     monkeypatch.setattr(job, "USER_DIRS", [str(tmp_path)])
     assert job._fail(e.value) == 2
+
+
+def test_the_token_stream_cache_on_a_full_disk_keeps_the_oss_errno(tmp_path):
+    """`--dataset_path`'s token cache (data/packing.build_token_stream) saved through np.save into the open file: the
+    same errno-less short write as prepare_data's (B1). Through data/store.save_npy the OS's error and the file come
+    out (RLIMIT_FSIZE: EFBIG), no tmp left."""
+    import json
+    import subprocess
+    import sys
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": list(range(1, 1001))}) + "\n" for _ in range(100)))
+    code = ("import resource, signal, sys; from data.packing import build_token_stream\n"
+            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN); resource.setrlimit(resource.RLIMIT_FSIZE, (300_000,) * 2)\n"
+            "try: build_token_stream(sys.argv[1], None, 2048, sys.argv[2])\n"
+            "except OSError as e: print(e.errno, e.filename)")
+    out = subprocess.run([sys.executable, "-c", code, str(data), str(tmp_path / "cache")], capture_output=True,
+                         text=True, cwd=job.ROOT, timeout=60)
+    got = out.stdout.split()
+    assert got[:1] == [str(errno.EFBIG)] and got[1].endswith(".npy") and "/cache/tokens-" in got[1], out
+    assert all(".tmp" not in f for f in os.listdir(tmp_path / "cache")), os.listdir(tmp_path / "cache")
