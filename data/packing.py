@@ -352,10 +352,11 @@ class ConvPack:
     conversation longer than `seq_len` is cut to its first `seq_len` tokens, alone in its sample; one with no target in
     its first min(length, seq_len) tokens (mask 1 at positions 1..) is dropped (`dropped`: its targets all past the
     cut, or none at all, `untargeted`: a head held apart from its answer trained nothing, silently), the others cut
-    are counted (`truncated`); `n_targets` counts what the samples train. The tail of a sample is padding (`pad_id`, no
-    label) cut into documents of at most PAD_PIECE tokens, so under document masking it costs tail x PAD_PIECE, not
-    tail^2. Positions restart at every conversation and no conversation's last token predicts the next one's first
-    (labels -100 there), whatever the run's flags: one conversation never sees another.
+    are counted (`truncated`); `n_targets` counts what the samples train (`piece_targets`: the split pieces' part of
+    it). The tail of a sample is padding (`pad_id`, no label) cut into documents of at most PAD_PIECE tokens, so under
+    document masking it costs tail x PAD_PIECE, not tail^2. Positions restart at every conversation and no
+    conversation's last token predicts the next one's first (labels -100 there), whatever the run's flags: one
+    conversation never sees another.
 
     The packing is a pure function of the documents' lengths and which of them train a target (one sequential read of
     their masks, `targets`: ~1.3-3.5 s per billion tokens, beside best-fit's ~2 s per million conversations), computed once
@@ -402,6 +403,9 @@ class ConvPack:
         self.untargeted = int((~long & ~keep).sum())  # of them, those that fit the length: no target at all
         self.truncated = int((long & keep).sum())
         self.n_targets = int(got[keep].sum())  # the supervised tokens the packed samples hold (one epoch)
+        # of them, the split pieces' (a text's, or a --loss_on all conversation's): the cut line's share is of the
+        # unsplit conversations alone (a 400-token text beside 2 cut chats at 16 read their 24 lost of 30 as 5.9%)
+        self.piece_targets = int(got[piece].sum())
         kept = np.flatnonzero(keep)
         # packed in a fixed permutation of the stream, not its order: a length-sorted set (datasets' sort("length"),
         # nothing here shuffles) gave each window one length and nothing to fill the gaps: 0.85 of 64k samples filled

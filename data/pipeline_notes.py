@@ -43,11 +43,12 @@ def _cut(p: ConvPack, manifest: dict) -> str:
     """One pack's counts (`p.docs`: the documents it was given, data/pipeline.RunData._pack; those split as text are
     not conversations): of those longer than the length, how many dropped and cut, the targets past the cuts."""
     lost, convs = p.lost_targets, getattr(p, "docs", len(p.starts)) - p.split
+    trained = p.n_targets - p.piece_targets  # the conversations' own: a split text's pieces are none of theirs
     dropped = p.dropped - p.untargeted  # the long ones (ConvPack: a document that fits and has a target is kept)
     out = (f"{dropped} of its {dropped + p.truncated} conversation(s) longer than {p.seq_len} dropped (no supervised "
            f"token before the cut), {p.truncated} cut to the length"
            + (f", {p.untargeted} shorter one(s) dropped (no supervised token at all)" if p.untargeted else "")
-           + f"; {lost} supervised token(s) past the cuts not trained ({_share(lost, lost + p.n_targets)} of its "
+           + f"; {lost} supervised token(s) past the cuts not trained ({_share(lost, lost + trained)} of its "
            f"{convs} conversation(s)' supervised tokens)")
     return out + (f"; {p.split} {_split_kind(manifest)} split into pieces" if p.split else "")
 

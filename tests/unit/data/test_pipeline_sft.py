@@ -127,3 +127,23 @@ def test_a_stage_left_with_no_sample_names_the_held_out_setting():
     with pytest.raises(ValueError) as e:
         _data([(400, 10)]).check_batches([_stage(256)], world=1, micro_batch=1)
     assert "heldout" not in str(e.value)
+
+
+def test_the_cut_share_is_of_the_conversations_not_of_a_split_texts_pieces():
+    """Two 30-token conversations at 16 (15 targets each: 3 before the cut, 12 past it) beside a 400-token text
+    document split into 25 pieces: the cuts lose 24 of the conversations' 30 supervised tokens (80%). The share
+    divided by every target the samples hold, the pieces' 375 too: it read 5.9%."""
+    from data.packing import ConvPack
+    from data.pipeline_notes import cut_lines
+
+    lens = np.asarray([30, 30, 400], np.int64)
+    starts = np.asarray([0, 30, 60], np.int64)
+    mask = np.zeros(460, np.uint8)
+    for s in (0, 30):
+        mask[s + 13: s + 28] = 1  # positions 13..15 train, 16..27 lie past the cut
+    mask[60:] = 1  # the text: every token a target
+    p = ConvPack(np.arange(460) % 50 + 1, mask, starts, lens, 16, 0)
+    assert (p.split, p.truncated, p.lost_targets, p.n_targets, p.piece_targets) == (1, 2, 24, 6 + 375, 375)
+    p.docs = 3
+    line = cut_lines("s", [p], None, {})[0]
+    assert "24 supervised token(s) past the cuts not trained (80.0% of its 2 conversation(s)'" in line, line
