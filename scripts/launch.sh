@@ -293,7 +293,7 @@ export LAUNCH_EXIT_DIR=$exit_dir
 # gets the hard limit as its soft one before any rank connects (rank 0 also raises the agent's, base/comm.py, for a
 # torchrun started another way, but only once it has arrived).
 ulimit -Sn "$(ulimit -Hn)" 2>/dev/null || true
-cg=$(cgroup_dir); read_ooms; ooms=$OOMS  # died_verdict's baseline (scripts/launch_crash.sh)
+cg=$(cgroup_dir); read_ooms  # died_verdict's baselines (scripts/launch_crash.sh)
 set -m
 ( trap - TERM INT; trap '' USR1 USR2; exec "${cmd[@]}" 2>&3 ) &
 launcher_pid=$!
@@ -315,7 +315,7 @@ while kill -0 "$launcher_pid" 2>/dev/null; do
     gone=0
     for p in $known_ranks; do alive "$p" || gone=1; done
     [ "$signalled$gone" = 01 ] && early=1  # a signal that came meanwhile may have ended it: not counted
-    [ "$early" = 1 ] || { read_ooms; ooms=$OOMS; }  # died_verdict's OOM baseline, every rank here alive
+    [ "$early" = 1 ] || read_ooms  # died_verdict's OOM baselines, every rank here alive
     [ "$(wc -w <<< "$known_ranks")" -ge "$ranks_here" ] ||
       known_ranks=$(printf '%s\n' $known_ranks $(rank_pids) | sort -un | paste -sd' ')
   fi

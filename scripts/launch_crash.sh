@@ -7,7 +7,8 @@
 # ranks may take minutes to leave. The evidence, any of:
 # - the OOM killer took a process of this task as a rank here went: its cgroup's `oom_kill` count grew (cgroup v2
 #   memory.events, v1 memory.oom_control: any OOM killer, the host's or the cgroup's) past its count at launch.sh's
-#   last poll with every rank here alive (an earlier OOM kill a rank survived, a compiler's, is not this death's).
+#   poll with every rank here alive 30 s before the last such poll (read_ooms: a killed rank's teardown outlasts a
+#   poll; an OOM kill a rank survived longer before, a compiler's, is not this death's).
 #   The only evidence that survives the usual race: a healthy node's rank, its peer gone, raises at once and its node
 #   exits first; srun then TERMs this node's task, and the deepspeed runner, which has no TERM handler under --no_ssh,
 #   dies of it (143) while launch.py still gives the other ranks 30 s: the dead rank's signal is never reported.
@@ -24,7 +25,7 @@
 # `memlimit` in its place when a memory limit above this task did it: a level of its cgroup, from the task's up to the
 # mount's root, that has a limit (v2 memory.max not "max", v1 memory.limit_in_bytes under 10^18: Slurm's
 # ConstrainRAMSpace writes `sbatch --mem` x AllowedRAMSpace% at the job's and the step's, SchedMD/slurm
-# src/plugins/cgroup/v2/cgroup_v2.c) counted an OOM at it since the last poll with every rank here alive (v2
+# src/plugins/cgroup/v2/cgroup_v2.c) counted an OOM at it since that baseline poll (read_ooms) (v2
 # memory.events `oom`, v1 memory.failcnt). The kernel raises `oom` at the cgroup whose limit was hit and, v2's events
 # being hierarchical, at its ancestors, never at the task's below it; a host-wide OOM raises `oom_kill` alone
 # (torvalds/linux mm/memcontrol.c try_charge_memcg, include/linux/memcontrol.h memcg_memory_event;
@@ -77,10 +78,28 @@ oom_counts() {  # OOMS: this task's cgroup's OOM kills so far ('' where unreadab
   done
   return 0
 }
-limit_base=""  # LIMIT_OOMS while every rank here was alive
-read_ooms() {  # launch.sh's baseline: oom_counts, its limited levels' counts kept (died_verdict reads oom_counts)
+# died_verdict's baselines, `ooms` (the task's OOM kills) and `limit_base` (the limited levels' OOMs): the counts of the
+# newest poll with every rank here alive at least oom_window_s before the last such poll (the oldest one kept before
+# that). Not the last poll's: the kernel counts `oom` and `oom_kill` when it picks the victim (mm/oom_kill.c
+# __oom_kill_process), but the SIGKILLed rank is no zombie until do_exit has torn down its CUDA context and pinned host
+# memory (exit_files, exit_mm: 26 s for 243 GB pinned, sgl-project/sglang PR #32829); a poll in that teardown sees every
+# rank alive, and with the last poll's counts as the baseline the kill was no growth at all: no verdict, and the healthy
+# node that raised first was excluded. The trade-off: an OOM in the oom_window_s before the last poll that a rank
+# survived (a compiler's, a data worker's) counts as the death's of a rank that then dies without an exit of its own:
+# `memlimit` (the job stops) or `died` for a death that followed it within 30 s. LAUNCH_OOM_WINDOW_S: another window
+# (a longer teardown: more pinned memory a rank; a test's shorter one). Cost: ~31 readings of a few words kept.
+oom_window_s=${LAUNCH_OOM_WINDOW_S:-30}
+[[ $oom_window_s =~ ^[0-9]{1,5}$ ]] || { echo "launch.sh: LAUNCH_OOM_WINDOW_S=$oom_window_s: not a number of" \
+  "seconds: unset it (30) or give one, e.g. 60" >&2; exit "${EXIT_USAGE:-2}"; }
+ring_t=() ring_ooms=() ring_limit=()  # read_ooms' readings, the oldest first: $SECONDS, OOMS, LIMIT_OOMS
+ooms="" limit_base=""
+read_ooms() {  # launch.sh's baselines: before the launcher starts and at each poll with every rank here alive
   oom_counts
-  limit_base=$LIMIT_OOMS
+  ring_t+=("$SECONDS") ring_ooms+=("$OOMS") ring_limit+=("$LIMIT_OOMS")
+  while [ "${#ring_t[@]}" -gt 1 ] && [ "${ring_t[1]}" -le $((SECONDS - oom_window_s)) ]; do
+    ring_t=("${ring_t[@]:1}") ring_ooms=("${ring_ooms[@]:1}") ring_limit=("${ring_limit[@]:1}")
+  done
+  ooms=${ring_ooms[0]} limit_base=${ring_limit[0]}
 }
 at_limit() {  # true when a limited level counted an OOM since limit_base: MEM_LEVEL, MEM_LIMIT (bytes), MEM_COUNTS
   local was=($limit_base) now=($LIMIT_OOMS) i  # the innermost first: the level whose limit was hit (v2: and above)
@@ -91,7 +110,6 @@ at_limit() {  # true when a limited level counted an OOM since limit_base: MEM_L
   done
   return 1
 }
-ooms=""  # the count while every rank here was alive: read before the launcher starts and at each poll until one goes
 alive() {  # a process that has not exited (a zombie its launcher has not reaped yet has)
   local s
   { read -r s < "/proc/$1/stat"; } 2>/dev/null || return 1
