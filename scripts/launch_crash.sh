@@ -23,17 +23,19 @@
 # or a note of the job's abort.
 #
 # `memlimit` in its place when a memory limit above this task did it: a level of its cgroup, from the task's up to the
-# mount's root, that has a limit (v2 memory.max not "max", v1 memory.limit_in_bytes under 10^18: Slurm's
-# ConstrainRAMSpace writes `sbatch --mem` x AllowedRAMSpace% at the job's and the step's, SchedMD/slurm
-# src/plugins/cgroup/v2/cgroup_v2.c) counted an OOM at it since that baseline poll (read_ooms) (v2
-# memory.events `oom`, v1 memory.failcnt). The kernel raises `oom` at the cgroup whose limit was hit and, v2's events
+# job's (job_<SLURM_JOB_ID>; without one in the path, the mount's root: a container's), that has a limit (v2
+# memory.max not "max", v1 memory.limit_in_bytes under 10^18: Slurm's ConstrainRAMSpace writes `sbatch --mem` x
+# AllowedRAMSpace% at the job's and the step's user processes', step_N/user, SchedMD/slurm
+# src/plugins/cgroup/v2/cgroup_v2.c cgroup_p_constrain_set) counted an OOM at it since that baseline poll (read_ooms)
+# (v2 memory.events `oom`, v1 memory.failcnt while the level was full: oom_counts). The kernel raises `oom` at the cgroup whose limit was hit and, v2's events
 # being hierarchical, at its ancestors, never at the task's below it; a host-wide OOM raises `oom_kill` alone
 # (torvalds/linux mm/memcontrol.c try_charge_memcg, include/linux/memcontrol.h memcg_memory_event;
 # Documentation/admin-guide/cgroup-v2.rst). No node's fault: the next allocation has the same limit and the same
 # ranks' memory, so slurm.sbatch stops, naming the level, instead of excluding a healthy node, then another (Slurm's
-# own verdict is OUT_OF_MEMORY: SchedMD/slurm src/slurmd/slurmstepd/mgr.c). v1's failcnt also counts a charge that
-# reclaim then served (page cache at the limit): under v1 a host-wide OOM in a job at its limit reads as `memlimit`.
-# Cost: the levels found once (one or two small reads a level), then one small read a limited level a poll.
+# own verdict is OUT_OF_MEMORY: SchedMD/slurm src/slurmd/slurmstepd/mgr.c). With Slurm's OOMKillStep
+# (memory.oom.group=1 at step_N/user) the kernel kills the whole step, launch.sh too: no verdict, the node reads as
+# lost (docs/launch.md). Cost: the levels found once (one or two small reads a level), then one small read a limited
+# level a poll (v1: three, memory.stat's ~40 lines one of them).
 
 cgroup_dir() {  # this task's cgroup folder (its memory controller's under v1). LAUNCH_CGROUP: a folder standing in for
   # it (a test's; `%n` is this node's rank)
@@ -46,7 +48,10 @@ cgroup_dir() {  # this task's cgroup folder (its memory controller's under v1). 
 }
 cg=""  # cgroup_dir, once (launch.sh, before the launcher starts)
 cg_levels=() cg_limits=() cg_walked=0  # the levels from $cg up whose memory is limited, and their limits (bytes)
-limit_levels() {  # once: from $cg up to the mount's root (the first level without the memory files), at most 16
+limit_levels() {  # once: from $cg up to the job's level (job_<SLURM_JOB_ID>), else to the mount's root (the first
+  # level without the memory files: a container's own root under a cgroup namespace), at most 16. A limit above the
+  # job's (a site's on slurmstepd.scope or system.slice: the node's RAM less a reserve for the OS) is the node's
+  # memory, shared with other jobs: an OOM there is a node-wide shortage, `died` (requeued without the node)
   local d=${cg%/} v i
   cg_walked=1
   for ((i = 0; i < 16 && ${#d} > 1; i++)); do
@@ -54,23 +59,40 @@ limit_levels() {  # once: from $cg up to the mount's root (the first level witho
     elif [ -r "$d/memory.limit_in_bytes" ]; then read -r v < "$d/memory.limit_in_bytes" || :
     else break; fi
     [[ ${v:-} =~ ^[0-9]{1,18}$ ]] && { cg_levels+=("$d"); cg_limits+=("$v"); }  # "max", v1's 2^63 - 4096: none
+    [ -n "${SLURM_JOB_ID:-}" ] && [ "${d##*/}" = "job_$SLURM_JOB_ID" ] && break
     d=${d%/*} v=""
   done
 }
 oom_counts() {  # OOMS: this task's cgroup's OOM kills so far ('' where unreadable); LIMIT_OOMS: each limited level's
-  # OOMs at its limit (v2 memory.events `oom`, v1 memory.failcnt; '-' where unreadable). Builtins only, no fork:
-  # launch.sh reads them every poll (one small file a limited level, Slurm's job and step: two), and a forked command
-  # there defers its traps (two SIGINTs 1 s apart became one under load)
-  local k v f d c
-  OOMS="" LIMIT_OOMS=""
+  # OOMs at its limit (v2 memory.events `oom`, v1 memory.failcnt; '-' where unreadable); LIMIT_FULL: each one's 1
+  # where a growth of that count is evidence (v2: always; v1: its usage less page cache at >= 95% of its limit now).
+  # v1's failcnt counts every charge that hit the limit, those reclaim then served too, and page cache is charged to
+  # the job: a job that read its data or wrote a checkpoint sits at its limit and its failcnt grows at every poll
+  # (cgroup-v1 memory.rst), so a host-wide OOM read as `memlimit` and the job stopped instead of requeuing. The usage
+  # is memory.usage_in_bytes less memory.stat's total_inactive_file and total_active_file (what reclaim can free;
+  # dirty pages count as freeable). Builtins only, no fork: launch.sh reads them every poll (one small file a limited
+  # level, Slurm's job and step: two; v1 two more and memory.stat's ~40 lines), and a forked command there defers its
+  # traps (two SIGINTs 1 s apart became one under load)
+  local k v f d c u n j
+  OOMS="" LIMIT_OOMS="" LIMIT_FULL=""
   [ -n "$cg" ] && [ "$cg_walked" = 0 ] && limit_levels
-  for d in ${cg_levels[@]+"${cg_levels[@]}"}; do
-    c=-
+  for ((j = 0; j < ${#cg_levels[@]}; j++)); do
+    d=${cg_levels[$j]} c=- f=0
     if [ -r "$d/memory.events" ]; then
       while read -r k v; do [ "$k" = oom ] && c=$v; done < "$d/memory.events"
-    elif [ -r "$d/memory.failcnt" ]; then read -r c < "$d/memory.failcnt" || :
+      f=1
+    elif [ -r "$d/memory.failcnt" ]; then
+      read -r c < "$d/memory.failcnt" || :
+      u="" n=0
+      { read -r u < "$d/memory.usage_in_bytes"; } 2>/dev/null
+      if [[ $u =~ ^[0-9]{1,19}$ ]] && [ -r "$d/memory.stat" ]; then
+        while read -r k v; do
+          case $k in total_inactive_file|total_active_file) [[ $v =~ ^[0-9]{1,19}$ ]] && u=$((u - v)) n=$((n + 1)) ;; esac
+        done < "$d/memory.stat"
+        [ "$n" = 2 ] && [ "$u" -ge $((cg_limits[j] / 20 * 19)) ] && f=1  # no overflow: a limit under 10^18
+      fi
     fi
-    LIMIT_OOMS+="${c:--} "
+    LIMIT_OOMS+="${c:--} " LIMIT_FULL+="$f "
   done
   for f in "$cg/memory.events" "$cg/memory.oom_control"; do
     [ -n "$cg" ] && [ -r "$f" ] || continue
@@ -91,20 +113,29 @@ oom_counts() {  # OOMS: this task's cgroup's OOM kills so far ('' where unreadab
 oom_window_s=${LAUNCH_OOM_WINDOW_S:-30}
 [[ $oom_window_s =~ ^[0-9]{1,5}$ ]] || { echo "launch.sh: LAUNCH_OOM_WINDOW_S=$oom_window_s: not a number of" \
   "seconds: unset it (30) or give one, e.g. 60" >&2; exit "${EXIT_USAGE:-2}"; }
-ring_t=() ring_ooms=() ring_limit=()  # read_ooms' readings, the oldest first: $SECONDS, OOMS, LIMIT_OOMS
+ring_t=() ring_ooms=() ring_limit=() ring_full=()  # read_ooms' readings, the oldest first: $SECONDS, OOMS,
+# LIMIT_OOMS, LIMIT_FULL
 ooms="" limit_base=""
 read_ooms() {  # launch.sh's baselines: before the launcher starts and at each poll with every rank here alive
   oom_counts
-  ring_t+=("$SECONDS") ring_ooms+=("$OOMS") ring_limit+=("$LIMIT_OOMS")
+  ring_t+=("$SECONDS") ring_ooms+=("$OOMS") ring_limit+=("$LIMIT_OOMS") ring_full+=("$LIMIT_FULL")
   while [ "${#ring_t[@]}" -gt 1 ] && [ "${ring_t[1]}" -le $((SECONDS - oom_window_s)) ]; do
     ring_t=("${ring_t[@]:1}") ring_ooms=("${ring_ooms[@]:1}") ring_limit=("${ring_limit[@]:1}")
+    ring_full=("${ring_full[@]:1}")
   done
   ooms=${ring_ooms[0]} limit_base=${ring_limit[0]}
 }
-at_limit() {  # true when a limited level counted an OOM since limit_base: MEM_LEVEL, MEM_LIMIT (bytes), MEM_COUNTS
+level_full() {  # true when limited level $1 was full (LIMIT_FULL) at a reading read_ooms keeps
+  local r w
+  for r in ${ring_full[@]+"${ring_full[@]}"}; do w=($r); [ "${w[$1]:-0}" = 1 ] && return 0; done
+  return 1
+}
+at_limit() {  # true when a limited level counted an OOM since limit_base: MEM_LEVEL, MEM_LIMIT (bytes), MEM_COUNTS.
+  # v1: only a level full at a poll of the window (LIMIT_FULL; after the kill its usage is down: not the death's read)
   local was=($limit_base) now=($LIMIT_OOMS) i  # the innermost first: the level whose limit was hit (v2: and above)
   for ((i = 0; i < ${#was[@]} && i < ${#now[@]}; i++)); do
     [[ ${was[$i]}${now[$i]} =~ ^[0-9]+$ ]] && [ "${now[$i]}" -gt "${was[$i]}" ] || continue
+    level_full "$i" || continue
     MEM_LEVEL=${cg_levels[$i]} MEM_LIMIT=${cg_limits[$i]} MEM_COUNTS="${was[$i]} -> ${now[$i]}"
     return 0
   done
