@@ -120,7 +120,7 @@ wait $!
     ("dead_first", 143, "fault", "died"),  # a segfault's faulthandler record
     ("dead_first", 143, "", None),  # nothing tells how it ended
     ("term_first", 143, "oom", None),  # Slurm's TERM first: an OOM on the way out is no death of this node's own
-    ("dead_first", 143, "early_oom", None),  # an OOM kill seconds before, which the ranks survived: not this death
+    ("dead_first", 143, "early_oom", None),  # an OOM kill before the window (read_ooms), which the ranks survived
 ])
 def test_a_rank_gone_before_the_steps_sigterm_is_died_one_killed_after_it_is_not(tmp_path, order, code, evidence,
                                                                                 verdict):
@@ -141,6 +141,9 @@ def test_a_rank_gone_before_the_steps_sigterm_is_died_one_killed_after_it_is_not
                          env=clean_env(DEEPSPEED=str(race), LAUNCH_CRASH_FILE=str(crash), VERDICT_GO=str(go),
                                        RACE_ORDER=order, RACE_CODE=str(code), RACE_EVIDENCE=evidence,
                                        RACE_WAIT="3" if evidence == "early_oom" else "1.5",
+                                       # the OOM 3 s before the death: out of a 1 s window (30 s by default, a
+                                       # killed rank's teardown: scripts/launch_crash.sh read_ooms)
+                                       LAUNCH_OOM_WINDOW_S="1" if evidence == "early_oom" else "30",
                                        LAUNCH_CGROUP=str(cg)))
     try:
         wait_for(lambda: (tmp_path / "go.ready").exists(), 60, "the stand-in launcher")
