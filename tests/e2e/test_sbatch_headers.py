@@ -66,7 +66,8 @@ def test_nodes_with_different_gpu_counts_are_refused_in_one_line(tmp_path):
     job = sbatch(tmp_path, "0", ["--output_dir", str(tmp_path / "out"), "--dry_run"], **TWO_NODES,
                  SLURM_GPUS_ON_NODE="8", SRUN_GPUS_1="4")
     text = job.communicate(timeout=60)[0]
-    assert job.returncode == 2 and "bad input (exit 2): not requeueing" in text, text
+    assert job.returncode == 2 and "bad input or a full disk (exit 2; the line above names it): not requeueing" \
+        in text, text
     assert "node 1: 4 GPUs, node 0 8 (SLURM_GPUS_ON_NODE), whose count every node runs: ask one (sbatch " \
         "--gpus-per-node=N) or export GPUS_PER_NODE=4" in text, text
     job = sbatch(tmp_path, "0", ["--output_dir", str(tmp_path / "out"), "--dry_run"], **TWO_NODES,
