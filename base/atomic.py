@@ -50,6 +50,15 @@ def full_disk(e: BaseException, path: str) -> BaseException:
     return e
 
 
+def named(e: OSError, path: str) -> OSError:
+    """`e`, a failed write's OSError, as the one line needs it: a full disk's where it says no errno (`full_disk`) and
+    naming `path` where it names nothing (a write() into an open file never does: a full disk there was an unnamed
+    error, a crash of the node, not the user's one line; training/job.users_disk). Returns `e`."""
+    full_disk(e, path)
+    e.filename = e.filename or path
+    return e
+
+
 def atomic_write(path: str, write: bytes | Callable, suffix: str = "") -> None:
     """Replace `path` atomically with `write` (bytes, or a function writing into the open binary file), fsynced,
     its folder fsynced after the rename. `suffix` ends the tmp name (np.save appends ".npy" to names without it).
@@ -68,8 +77,7 @@ def atomic_write(path: str, write: bytes | Callable, suffix: str = "") -> None:
         os.replace(tmp, path)
     except BaseException as e:
         if isinstance(e, OSError):
-            full_disk(e, tmp)  # before the tmp goes: its blocks are what filled the disk
-            e.filename = e.filename or path
+            named(e, path)  # before the tmp (beside `path`) goes: its blocks are what filled the disk
         try:
             os.remove(tmp)
         except OSError:

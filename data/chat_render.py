@@ -12,6 +12,7 @@ whole; the prefix path's renders are views on the conversation's one tokenizatio
 from __future__ import annotations
 
 import datetime
+import os
 
 from data.chat_message import PARTS
 from data.chat_rows import RowError
@@ -105,8 +106,8 @@ class Rendering:
                 return self.hf.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=gen,
                                                    chat_template=self.template, **{**self._row_kw, **kw})
         except Exception as e:  # jinja's raise_exception (roles must alternate, no system role, ...)
-            if sandboxed(e):
-                raise RowError(f"{self.name} {sandboxed(e)}") from None
+            if why := sandboxed(e):
+                raise RowError(f"{self.name} {why}") from None
             why = str(e).splitlines()[0][:160]
             if tools is None and self._needs_tools(msgs, gen):  # Hermes' and Command-R's `tool_use` iterate `tools`
                 why += (" (it renders only with a tool list: give the row's `tools`, or name another of the "
@@ -158,8 +159,8 @@ class Rendering:
             a = self._quiet([_ASK, {"role": "assistant", "content": "Probe answer."}])
             b, wrap = self._quiet(_CHUNKS), None
             if a is not None and b is not None:
-                i = next((n for n, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-                j = next((n for n, (x, y) in enumerate(zip(a[::-1], b[::-1])) if x != y or n >= len(a) - i), len(a) - i)
+                i = len(os.path.commonprefix([a, b]))  # the texts' common head and tail, not overlapping in `a`
+                j = min(len(os.path.commonprefix([a[::-1], b[::-1]])), len(a) - i)
                 inserted = b[i:len(b) - j]
                 if i + j == len(a) and inserted.count("Probe reasoning.") == 1:
                     wrap = tuple(inserted.split("Probe reasoning."))

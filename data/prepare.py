@@ -22,7 +22,7 @@ import shutil
 import time
 
 from base import comm
-from base.atomic import full_disk, tmp_name
+from base.atomic import named, tmp_name
 from base.log import print0
 from data import output_lock
 from data.corpus import CACHE, build_demo_corpus
@@ -205,8 +205,8 @@ def prepare_in_job(dataset_path: str | None, tokenizer_path: str | None, model_v
                         vocab_size=model_vocab if tok_path in (None, fallback) else None)
             except BaseException as e:  # a full disk, a bad row, an interrupt: no <key>.tmp.* of ours left for good
                 if isinstance(e, OSError):  # a full disk's write names no file: name the folder; a short write
-                    full_disk(e, tmp)  # without errno (numpy's) on a disk left with no block: ENOSPC, seen before
-                    e.filename = e.filename or tmp  # the rmtree frees what filled it
+                    named(e, tmp)  # without errno (numpy's) on a disk left with no block: ENOSPC, seen before the
+                    # rmtree frees what filled it
                 shutil.rmtree(tmp, ignore_errors=True)  # (a requeue's is another name: only remove_stale would)
                 if not isinstance(e, ValueError):
                     raise

@@ -40,7 +40,7 @@ import re
 import shutil
 from contextlib import contextmanager
 
-from base.atomic import fsync_path, full_disk
+from base.atomic import fsync_path, named
 from model_utils.export_config import legacy_aliases, legacy_dtype, legacy_rope
 from model_utils.export_target import MARKER, check_out
 from model_utils.export_tokenizer import _json, check_recorded, export_tokenizer, recorded_or_none  # noqa: F401
@@ -409,8 +409,7 @@ def disk_named(tmp: str):
     try:
         yield
     except OSError as e:
-        full_disk(e, tmp)  # a short write that says no errno, on a disk left with no block
-        e.filename = e.filename or tmp
+        named(e, tmp)  # a short write that says no errno, on a disk left with no block; a write naming nothing
         raise
     except Exception as e:  # noqa: BLE001 -- safetensors' Rust error, known by its text only
         code = re.search(r"\(os error (\d+)\)", str(e))
