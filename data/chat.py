@@ -16,8 +16,10 @@ rows), come as `{MASKED: (ids, mask)}` (data/ids_rows.py): that mask (`all`: eve
 Which template: the tokenizer's own (`auto`); of named templates (Command-R, Hermes-2-Pro ship `default`,
 `tool_use`, `rag`) a row's pick as transformers makes it (`tool_use` for a row with tools, else `default`:
 data/chat_template.row_template), or the one named (`--chat_template tool_use`); `chatml` forces the documented
-default below; `none` refuses chat rows when the tokenizer has no template. A set of named templates without
-`default`, or a name it lacks: one line before any work.
+default below; `none` refuses chat rows when the tokenizer has no template; a FILE's jinja (`--chat_template
+my.jinja`, read by prepare_data into the text the manifest records: data/chat_template.given_template) renders with
+the tokenizer as its own would. A set of named templates without `default`, or a name it lacks: one line before any
+work.
 
 How an assistant reply is found, by tokens, never by searching the conversation's text for the reply (a reply
 repeated in a user turn would be found in the wrong place):
@@ -90,7 +92,7 @@ from data.chat_reasoning import as_rendered, cut_why, dropped, quoted_close, ref
 from data.chat_render import FrozenClock, Rendering, sandboxed
 from data.chat_rows import SHAREGPT_ROLES, RowError, empty_reply, normalize, row_format, turns_to_train  # noqa: F401
 from data.chat_splice import encode_long
-from data.chat_template import pick_template, resolve_template, row_kwargs, row_template, text_pair_kwargs  # noqa: F401
+from data.chat_template import literal, resolve_template, row_kwargs, row_template, text_pair_kwargs
 from data.chat_tools import call_ids, call_name, fit_arguments, refuse_unrendered, row_tools, tool_names
 from data.chat_views import Renders
 from data.ids_rows import MASKED
@@ -120,7 +122,11 @@ class ChatEncoder(Rendering):
         hf = getattr(tokenizer, "hf", None)
         own = getattr(hf, "chat_template", None) if hf is not None else None
         if not isinstance(template, str) or not template:
-            raise ValueError(f"--chat_template {template!r}: use auto, chatml, none or a named template's name")
+            raise ValueError(f"--chat_template {template!r}: use auto, chatml, none, a named template's name or a "
+                             "template FILE")
+        if literal(template) and hf is None:
+            raise ValueError(f"--chat_template FILE: tokenizer {tokenizer.path} is no Hugging Face tokenizer folder "
+                             "(a jinja template renders through one): give the model's tokenizer folder")
         # the template's text and name; the ChatML default's where it has none; the template an export must carry
         self.template, self.name, self.default, self.serves = resolve_template(hf, own, template, tokenizer.path)
         self.hf = hf if self.template else None

@@ -28,11 +28,70 @@ RESERVED = {"conversation", "tools", "documents", "chat_template", "add_generati
             "return_assistant_tokens_mask", "tokenizer_kwargs", "messages"}
 
 
+CHOICES = ("auto", "chatml", "none")
+FILE_ENDS = (".jinja", ".j2", ".jinja2", ".json", ".txt", ".tmpl")
+
+
+def literal(template: str) -> bool:
+    """Whether a --chat_template value is a template's text (a FILE's, as `given_template` read it: what a manifest
+    records), not a choice nor a name: jinja's delimiters, which no template name holds."""
+    return "{{" in template or "{%" in template
+
+
+def given_template(value: str) -> str:
+    """--chat_template as the preparation records it: auto / chatml / none / a named template's name as given; a FILE
+    (TRL's chat_template_path, Axolotl's chat_template_jinja: a user's own jinja, or a fixed copy of a template that
+    fails, as Kimi K2's) replaced by its text, so the manifest, the shard plan, the export and evaluate.py hold what
+    the rows were rendered with, not a path that moves or a file edited after. A FILE is a `.jinja` (or any text)
+    file, a `.json` with a `chat_template` string (tokenizer_config.json, chat_template.json), or a folder shipping
+    chat_template.jinja / .json / tokenizer_config.json. One-line ValueError for a path that is not there, holds no
+    template or does not compile (jinja's line and message), before any work."""
+    if value in CHOICES or literal(value) or not (os.path.exists(value) or os.sep in value
+                                                     or value.endswith(FILE_ENDS)):
+        return value
+    flag = f"--chat_template {value}"
+    if not os.path.exists(value):
+        raise ValueError(f"{flag}: no such file: give a jinja template file, a folder shipping one, or auto / chatml / "
+                         "none / a named template's name")
+    if os.path.isdir(value):
+        found = [f for f in ("chat_template.jinja", "chat_template.json", "tokenizer_config.json")
+                 if os.path.isfile(os.path.join(value, f))]
+        if not found:
+            raise ValueError(f"{flag}: the folder has no chat_template.jinja, chat_template.json nor "
+                             "tokenizer_config.json: give the template file itself")
+        return given_template(os.path.join(value, found[0]))
+    try:
+        with open(value, encoding="utf-8") as fh:
+            text = fh.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{flag}: not readable as UTF-8 text ({type(e).__name__}: {e})") from None
+    if value.endswith(".json"):
+        try:
+            text = json.loads(text).get("chat_template")
+        except (ValueError, AttributeError):
+            text = None
+        if not isinstance(text, str):  # a list of named ones: the tokenizer folder itself names them (NAME)
+            raise ValueError(f"{flag}: no `chat_template` string in this JSON: give the template's .jinja file, or its "
+                             "tokenizer folder as --tokenizer_name_or_path with --chat_template NAME for a named one")
+    if not literal(text):
+        raise ValueError(f"{flag}: holds no jinja ({{{{ ... }}}} / {{% ... %}}): not a chat template")
+    from jinja2 import TemplateSyntaxError
+
+    try:
+        _environment(text).parse(text)
+    except TemplateSyntaxError as e:
+        raise ValueError(f"{flag}: line {e.lineno}: {e.message}: not a template transformers compiles") from None
+    return text
+
+
 def pick_template(own, template: str, path: str) -> str | None:
     """The template text a ChatEncoder renders with: None for the ChatML default. `own` is the tokenizer's
-    `chat_template` (a string, a dict of named templates, or None); `template` is auto | chatml | none | a name."""
+    `chat_template` (a string, a dict of named templates, or None); `template` is auto | chatml | none | a name | a
+    template's text (`given_template`'s, a FILE's)."""
     if template == "chatml":
         return None
+    if literal(template):
+        return template
     if isinstance(own, dict):
         name = "default" if template in ("auto", "none") else template
         if name not in own:
@@ -41,8 +100,8 @@ def pick_template(own, template: str, path: str) -> str | None:
                              "--chat_template NAME")
         return own[name]
     if template not in ("auto", "none"):
-        raise ValueError(f"--chat_template {template!r}: tokenizer {path} has no named templates; use auto, chatml "
-                         "or none")
+        raise ValueError(f"--chat_template {template!r}: tokenizer {path} has no named templates; use auto, chatml, "
+                         "none or a template FILE")
     return own or None
 
 
@@ -63,7 +122,8 @@ def resolve_template(hf, own, template: str, path: str) -> tuple[str | None, str
     default (a Hugging Face tokenizer without a template, or `--chat_template chatml`), rendered and tokenized as one
     text, as served; `serves`, what an export must carry (served_template)."""
     text = pick_template(own, template, path)
-    name = (f"{path}'s `{'default' if template in ('auto', 'none') else template}` template" if isinstance(own, dict)
+    name = ("the --chat_template file's template" if literal(template)
+            else f"{path}'s `{'default' if template in ('auto', 'none') else template}` template" if isinstance(own, dict)
             else f"{path}'s template")
     default = text is None and hf is not None and template != "none"
     if default:
@@ -206,12 +266,17 @@ def text_pair_kwargs(obj: dict) -> None:
 def training_switch(chat_template: str | None, tokenizer_path: str | None) -> str:
     """Where the rows' template reads `training_prompt` (Apriel-1.6 writes the last reply's end-of-turn only with it):
     the per-row switch that trains it, for prepare_data's no-stop warning. Looked for as text in the --chat_template
-    file or the tokenizer folder's template files (one read of each, only when that warning is given)."""
+    file's text or the tokenizer folder's template files (one read of each, only when that warning is given)."""
+    if chat_template and literal(chat_template):
+        return _SWITCH if "training_prompt" in chat_template else ""
     tok = tokenizer_path or ""
-    files = [chat_template or ""] + [os.path.join(tok, f) for f in ("chat_template.jinja", "tokenizer_config.json")]
+    files = [os.path.join(tok, f) for f in ("chat_template.jinja", "tokenizer_config.json")]
     for f in (f for f in files if os.path.isfile(f)):
         with open(f, encoding="utf-8", errors="replace") as fh:
             if "training_prompt" in fh.read():
-                return '; this template writes it with chat_template_kwargs {"training_prompt": true} in each row'
+                return _SWITCH
     return ""
+
+
+_SWITCH = '; this template writes it with chat_template_kwargs {"training_prompt": true} in each row'
 

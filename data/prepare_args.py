@@ -72,7 +72,9 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--chat_template", default="auto",
                    help="chat rows: the tokenizer's own template (auto: its `default` of named ones; ChatML when it has "
                    "none), always the ChatML default (chatml), none (refuse chat rows when the tokenizer has no "
-                   "template), or the name of one of the tokenizer's named templates (tool_use, ...)")
+                   "template), the name of one of the tokenizer's named templates (tool_use, ...), or a FILE: a jinja "
+                   "template of your own (TRL's chat_template_path), a .json holding one, or a folder shipping one; "
+                   "its text is recorded in the manifest and carried by the export")
     p.add_argument("--text_specials", default="auto", choices=list(TEXT_SPECIALS),
                    help="special-token strings in a text document (<s>, <|im_start|>): auto reads them as control tokens "
                    "in a text that starts as a rendered conversation (<|im_start|>user..., as TRL and tokenizer(text) "

@@ -27,6 +27,7 @@ from collections import Counter
 
 from data import output_lock, packing, store
 from data.chat_render import prefix_cost_note
+from data.chat_template import given_template
 from data.discover import Unit, discover
 from data.ids_rows import BESIDE
 from data.prepare_args import (
@@ -117,6 +118,7 @@ def prepare(inputs: list[str], output: str, tokenizer: str | None = None, vocab_
     if text_specials not in TEXT_SPECIALS:
         raise ValueError(f"--text_specials {text_specials!r}: use auto, text or parse")
     fields = fields or Fields()
+    chat_template = given_template(chat_template)  # a FILE's text: what the manifest records (data/chat_template.py)
     i_shard, n_shards = shard
     _check_numbers(output, vocab_size, workers, chunk_tokens, batch_docs, inputs)
     per_spec = [(spec, discover(spec, loader)) for spec in inputs]

@@ -56,6 +56,7 @@ import os
 import sys
 import time
 
+from data.chat_template import literal
 from training.eval_report import asked, difference, heatmaps, said, write_results
 from training.heldout_chat import heldout_loss, heldout_set  # noqa: F401  (the --heldout concern; tests import them here)
 
@@ -207,12 +208,13 @@ def sft_run(run_config: dict) -> bool:
         isinstance(st, dict) and st.get("kind") == "sft" for st in run_config.get("stages") or [])
 
 
-def trained_as(tok, text: str | None, where: str) -> str:
+def trained_as(tok, text: str | None) -> str:
     """The --chat_template a checkpoint's conversations were rendered with, as data/chat.py's ChatEncoder names it,
     from its trainer.json `trained_template` (`text`: data/chat_stops.trained_template, the template where the
-    tokenizer's own default is another, None where it is that one): `auto` (its own), `chatml` (the ChatML default)
-    or the name of one of its named templates (`tool_use`). One-line ValueError where `tok` has no template of that
-    text (another revision of the tokenizer at the recorded path: its ids the same, its template not)."""
+    tokenizer's own default is another, None where it is that one): `auto` (its own), `chatml` (the ChatML default),
+    the name of one of its named templates (`tool_use`), else the text itself (a run prepared with `--chat_template
+    FILE`, or another revision of the tokenizer at the recorded path whose template is not the one trained: the model
+    is asked in what it trained on either way; its ids are checked apart: data/run_tokenizer.check_trained_vocab)."""
     from data.chat_template import chatml_template, served_template
 
     hf = getattr(tok, "hf", None)
@@ -221,12 +223,7 @@ def trained_as(tok, text: str | None, where: str) -> str:
         return "auto"
     if hf is not None and text == served_template(own, "chatml", chatml_template(hf), True):
         return "chatml"
-    name = next((n for n, t in (own if isinstance(own, dict) else {"auto": own}).items() if t == text), None)
-    if name is None:
-        raise ValueError(f"{where}: its run was fine-tuned in a chat template tokenizer {tok.path} does not have "
-                         "(trainer.json trained_template; another revision there?): pass --tokenizer with the run's "
-                         "export (RUN/hf_model carries the template), or --chat on / chatml to ask in another")
-    return name
+    return next((n for n, t in (own if isinstance(own, dict) else {"auto": own}).items() if t == text), text)
 
 
 def chat_mode(flag: str, tok, sft: bool, where: str, trained: str | None = None) -> str:
@@ -263,7 +260,7 @@ def chat_modes(a: argparse.Namespace, tok, src: dict, where: str) -> tuple[str, 
     trained on. --chat chatml: the ChatML default for both; on: the tokenizer's own."""
     sft = bool(src.get("sft_run"))
     used = a.chat in ("auto", "off") and (a.heldout or a.chat == "auto" and sft)
-    trained = trained_as(tok, src["trained_template"], where) if used and "trained_template" in src else None
+    trained = trained_as(tok, src["trained_template"]) if used and "trained_template" in src else None
     mode = chat_mode(a.chat, tok, sft, where, trained)
     return mode, "chatml" if mode == "chatml" else trained or "auto"
 
@@ -348,9 +345,10 @@ def evaluate_model(src: dict, a: argparse.Namespace, s: dict, dims) -> dict:
     gc.collect()  # the engine, its model and optimizer reference each other: the cycle is freed now
     return_cached_memory()
     rope = src["hf_config"].rope_parameters
-    print0(f"evaluated {src['path']} in {time.perf_counter() - t0:.1f}s: {said(out)} (asked as {asked(src['chat'])})")
+    chat = "trained" if literal(src["chat"]) else src["chat"]  # a --chat_template FILE's text: named, not quoted
+    print0(f"evaluated {src['path']} in {time.perf_counter() - t0:.1f}s: {said(out)} (asked as {asked(chat)})")
     return {"model": src["path"], "kind": src["kind"], **{k: src[k] for k in ("step", "stage") if src.get(k) is not None},
-            "rope": rope, "tokenizer": src["tokenizer"], "chat": src["chat"], "lengths": s["lengths"], "depths": s["depths"],
+            "rope": rope, "tokenizer": src["tokenizer"], "chat": chat, "lengths": s["lengths"], "depths": s["depths"],
             "trials": src["trials"], "sp": dims.sp, "cp": dims.cp, "world": dims.world, "time_s": round(time.perf_counter() - t0, 1),
             **out}
 

@@ -13,7 +13,8 @@ import os
 
 from training.eval_tables import table
 
-ASKED = {"plain": "plain text", "template": "chat (its template)", "chatml": "chat (ChatML default)"}
+ASKED = {"plain": "plain text", "template": "chat (its template)", "chatml": "chat (ChatML default)",
+         "trained": "chat (the template file its run was prepared with)"}
 
 
 def asked(mode: str) -> str:

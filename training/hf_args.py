@@ -89,8 +89,8 @@ REFUSED = {
     "completion_only_loss": "a prompt/completion row trains its completion by default (scripts/prepare_data.py "
                             "--loss_on; docs/sft.md): drop it",
     "dataset_text_field": "prepare the data with scripts/prepare_data.py --text_field NAME and pass --dataset_path",
-    "chat_template_path": "chat rows are rendered at preparation with the tokenizer folder's own template "
-                          "(scripts/prepare_data.py --chat_template; docs/sft.md)",
+    "chat_template_path": "chat rows are rendered at preparation: scripts/prepare_data.py --chat_template FILE "
+                          "(a jinja file or a tokenizer folder, as TRL takes it; docs/sft.md), then --dataset_path",
     "dataset_num_proc": "scripts/prepare_data.py --workers N tokenizes in parallel, before training",
     "use_liger_kernel": "use --tiled_logits (the loss never holds the full logits) or --memory_features auto",
     "include_num_input_tokens_seen": "every step's total_tokens is in OUTPUT_DIR/metrics.jsonl: drop it",

@@ -254,7 +254,7 @@ def test_final_eos_does_not_pull_the_mask_through_later_turns(tok_root):
 
 def test_named_templates_default_or_the_one_named():
     """A dict-valued chat_template (Command-R, Hermes-2-Pro): `default` unless one is named; one line otherwise."""
-    from data.chat import pick_template
+    from data.chat_template import pick_template
 
     named = {"default": "D", "tool_use": "T"}
     assert pick_template(named, "auto", "tok") == "D" and pick_template(named, "tool_use", "tok") == "T"

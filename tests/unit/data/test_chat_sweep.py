@@ -7,6 +7,9 @@ families (4.3 s over 49), no network; the other paths to training over the same 
 
 from __future__ import annotations
 
+import os
+
+import numpy as np
 import pytest
 
 from data.chat_sweep import CASES, as_shipped, families, markdown, sweep
@@ -63,6 +66,36 @@ def test_every_path_trains_exactly_the_oracles_replies_or_refuses_in_one_line(sw
         assert set(paths) - trains <= refused_whole | (no_long if path == "long" else set()), (path, set(paths) - trains)
     for case in CASES:  # each sampled path meets every conversation in some family
         assert all(any(case in cells[p] for cells in paths.values()) or p == "long" for p in SAMPLED), case
+
+
+def test_every_familys_template_given_as_a_file_trains_as_its_own(swept):
+    """`--chat_template FILE` (data/chat_template.given_template; TRL's chat_template_path): each family's tokenizer
+    folder given as the file renders through the template-text path, and every case's ids, mask and counts (or its
+    refusal, the template's name aside) equal those of the tokenizer's own template. Before, a path was a template
+    name the tokenizer lacks: refused."""
+    from data.chat import ChatEncoder
+    from data.chat_sweep import outcome
+    from data.chat_template import given_template
+
+    root, kept, _ = swept
+    encs, checked = {}, 0
+    for (key, case), k in kept.items():
+        enc, conv, tools, kwargs = k["args"][0], k["args"][2], k["args"][3], k["args"][5]
+        if isinstance(enc.hf.chat_template, dict):  # a named set: a folder gives no one text (the JSON form refuses)
+            continue
+        if key not in encs:
+            text = given_template(os.path.join(root, key))
+            assert text == enc.hf.chat_template, key
+            encs[key] = ChatEncoder(enc.tok, "assistant", text, enc.clock.at)  # the instant a date renders
+        row = {"messages": conv, **({"tools": tools} if tools is not None else {}),
+               **({"chat_template_kwargs": kwargs} if kwargs else {})}
+        (why, got), (why2, got2) = outcome(enc.encode, row), outcome(encs[key].encode, row)
+        assert (why2 or "").replace(encs[key].name, enc.name) == (why or ""), (key, case, why, why2)
+        if got is not None:
+            assert got[0] == got2[0] and np.array_equal(np.asarray(got[1]), np.asarray(got2[1])), (key, case)
+            assert got[2] == got2[2], (key, case)
+        checked += 1
+    assert len(encs) >= 60 and checked >= 60 * 10, (len(encs), checked)
 
 
 @pytest.mark.parametrize("family,case,want", [

@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import random
 
-import pytest
-
 from training.eval_report import asked, said, write_results
 
 
@@ -44,7 +42,7 @@ def test_a_checkpoint_is_asked_in_the_template_its_run_trained_with(tmp_path):
     trained on (its in-run evaluation and its export use the ChatML default it trained with). Now trainer.json's
     `trained_template` decides for a checkpoint (the first trial token and the first held-out token <|im_start|>, not
     <|begin_of_text|>); a checkpoint from before it was recorded and an HF folder keep the tokenizer's own; a template
-    the tokenizer does not have is one line. Cheap: the checkpoint's JSON files only, no model."""
+    the tokenizer does not have is asked in, as trained. Cheap: the checkpoint's JSON files only, no model."""
     from data.chat_stops import trained_template
     from data.tokenizer import Tokenizer
     from scripts.evaluate import chat_encoder, chat_modes, describe, parse_args
@@ -80,7 +78,7 @@ def test_a_checkpoint_is_asked_in_the_template_its_run_trained_with(tmp_path):
     assert first(chatml, "--chat", "on") == ("template", "<|begin_of_text|>", "<|begin_of_text|>")  # asked for
     assert first(checkpoint("own", trained_template=None)) == ("template", "<|begin_of_text|>", "<|begin_of_text|>")
     assert first(checkpoint("old")) == ("template", "<|begin_of_text|>", "<|begin_of_text|>")  # from before the record
-    with pytest.raises(ValueError, match=r"^\S+: its run was fine-tuned in a chat template tokenizer \S+ does not have "
-                                         r".*pass --tokenizer with the run's export .* or --chat on / chatml"):
-        first(checkpoint("other", trained_template="{{ 'elsewhere' }}"))
+    # a template the tokenizer does not have (a --chat_template FILE's; another revision's): asked in it, as trained
+    other = "{{ '<|im_start|>' }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert first(checkpoint("other", trained_template=other)) == (other, "<|im_start|>", "<|im_start|>")
     assert asked("chatml") == "chat (ChatML default)" and asked("tool_use") == "chat (its `tool_use` template)"

@@ -108,7 +108,7 @@ def test_hf_aliases_on_the_command_line_replace_the_recipes_key(tmp_path):
     (["--assistant_only_loss", "True"], "prepare_data.py --loss_on"),
     (["--completion_only_loss", "True"], "prepare_data.py --loss_on"),
     (["--dataset_text_field", "text"], "prepare_data.py --text_field"),
-    (["--chat_template_path", "t.jinja"], "the tokenizer folder's own template"),
+    (["--chat_template_path", "t.jinja"], "prepare_data.py --chat_template FILE"),
     (["--dataset_num_proc", "8"], "prepare_data.py --workers"),
     (["--use_liger_kernel", "True"], "--tiled_logits"),
     (["--include_num_input_tokens_seen", "True"], "total_tokens is in OUTPUT_DIR/metrics.jsonl"),
