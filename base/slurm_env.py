@@ -77,8 +77,12 @@ def srun_world(env: Mapping[str, str] | None = None) -> dict[str, str] | None:
     if not tasks or rank is None or not nodes:
         return None
     # a heterogeneous step (srun --het-group=0,1): SLURM_STEP_NODELIST is every component's nodes sorted together,
-    # and task 0 runs on component 0's first node (srun.c _reorder_het_job_recs, env.c)
-    hosts = expand_hostlist(env.get("SLURM_JOB_NODELIST_HET_GROUP_0") if env.get("SLURM_HET_SIZE") and env.get(
+    # and task 0 runs on component 0's first node (srun.c _reorder_het_job_recs, env.c); a het job's tasks see its
+    # leader's id as SLURM_JOB_ID and SLURM_JOB_ID_HET_GROUP_0: another id is a job submitted from inside a het job,
+    # which inherits its _HET_GROUP_ variables (sbatch copies the environment): its master is on its own first node
+    het = env.get("SLURM_HET_SIZE") and env.get("SLURM_JOB_ID_HET_GROUP_0", env.get("SLURM_JOB_ID")) == env.get(
+        "SLURM_JOB_ID")
+    hosts = expand_hostlist(env.get("SLURM_JOB_NODELIST_HET_GROUP_0") if het and env.get(
         "SLURM_JOB_NODELIST_HET_GROUP_0") else nodes)
     port = env.get("MASTER_PORT") or str(job_port(env.get("SLURM_JOB_ID", "0"),
                                                   env.get("SLURM_STEP_ID", env.get("SLURM_STEPID", "0"))))

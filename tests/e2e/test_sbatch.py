@@ -304,6 +304,16 @@ def test_an_array_task_requeues_itself_and_srun_starts_one_launcher_a_node(tmp_p
     assert sorted(ln.split(":")[0] for ln in starts) == ["node 0", "node 1"], starts
 
 
+def test_a_job_submitted_from_an_array_task_requeues_itself_not_the_task(tmp_path):
+    """A plain job submitted from inside task 3 of array 4200 inherits SLURM_ARRAY_JOB_ID/TASK_ID (sbatch copies the
+    environment): it requeued 4200_3, the parent task (killed unsaved or run again), and left itself to fail. Its own
+    id is not the array's: it requeues 4242, as any array task but the last one may."""
+    job = sbatch(tmp_path, "75", ["--output_dir", str(tmp_path / "out")], SLURM_ARRAY_JOB_ID="4200",
+                 SLURM_ARRAY_TASK_ID="3")
+    text = job.communicate(timeout=60)[0]
+    assert job.returncode == 0 and requeues(tmp_path) == ["requeue 4242"], text
+
+
 @pytest.mark.parametrize("narrow", ["req_nodes=127.0.0.1,localhost", "features=gpu&hbm80g"])
 def test_a_job_asking_for_its_nodes_is_requeued_without_an_exclusion(tmp_path, narrow):
     """A lost node of a job submitted with -w (ReqNodeList): the exclusion left it pending forever (ReqNodeNotAvail),

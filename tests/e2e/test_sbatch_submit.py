@@ -130,11 +130,13 @@ def test_a_heterogeneous_job_is_refused_and_the_step_waits_for_every_node(tmp_pa
     """`#SBATCH hetjob`: srun without --het-group starts on component 0 alone, the others idle the whole run: refused
     in one line. The step runs with --wait=0: a site's WaitTime ended it that long after the first launcher's exit,
     while node 0 still exported the model (no COMPLETE; the same at every resubmission)."""
-    het = sbatch(tmp_path, "0", ["--output_dir", str(tmp_path / "out")], SLURM_HET_SIZE="2")
+    het = sbatch(tmp_path, "0", ["--output_dir", str(tmp_path / "out")], SLURM_HET_SIZE="2",
+                 SLURM_JOB_ID_HET_GROUP_0="4242")
     out = het.communicate(timeout=60)[0]
     assert het.returncode == 2 and "a heterogeneous job (2 components)" in out, out
+    # a plain job submitted from inside het job 4100 inherits its SLURM_HET_SIZE: it was refused as one, and runs
     job = sbatch(tmp_path, "0", ["--output_dir", str(tmp_path / "out")], SRUN_LOG=str(tmp_path / "srun.log"),
-                 FAKE_COMPLETE=str(tmp_path / "out" / "COMPLETE"))
+                 FAKE_COMPLETE=str(tmp_path / "out" / "COMPLETE"), SLURM_HET_SIZE="2", SLURM_JOB_ID_HET_GROUP_0="4100")
     out = job.communicate(timeout=60)[0]
     assert job.returncode == 0, out
     assert "--wait=0" in (tmp_path / "srun.log").read_text().split()
@@ -154,3 +156,13 @@ def test_a_job_submitted_from_inside_a_requeued_one_is_at_its_own_restart(tmp_pa
     text = job.communicate(timeout=60)[0]
     assert job.returncode == 0 and "slurm.sbatch[4242]: restart 0, output dir" in text, text
     assert "SLURM_RESTART_COUNT=1 is another job's" in text and seen.read_text() == "0\n", text
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_the_batch_script_says_what_it_takes_outside_a_job(tmp_path, flag):
+    """`bash scripts/slurm.sbatch --help` stopped on `SLURM_JOB_ID: not inside a SLURM job` (exit 1). It prints the
+    file's head (how to submit it, what its arguments are) and exits 0, in a job or not, before any Slurm call."""
+    p = subprocess.run(["bash", SBATCH_SCRIPT, flag], cwd=tmp_path, env=clean_env(PATH=f"{tmp_path}:/usr/bin:/bin"),
+                       capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0 and "sbatch --nodes 4 scripts/slurm.sbatch" in p.stdout, p.stdout + p.stderr
+    assert "#SBATCH --nodes" not in p.stdout and "KILL_WAIT_S" in p.stdout, p.stdout

@@ -30,6 +30,9 @@ def test_srun_tasks_are_one_world_with_the_steps_first_host_as_master():
     het = {**env, "SLURM_STEP_NODELIST": "gpu[02,05]", "SLURM_HET_SIZE": "2",
            "SLURM_JOB_NODELIST_HET_GROUP_0": "gpu05", "SLURM_JOB_NODELIST_HET_GROUP_1": "gpu02"}
     assert srun_world(het)["MASTER_ADDR"] == "gpu05"
+    assert srun_world({**het, "SLURM_JOB_ID_HET_GROUP_0": "123"})["MASTER_ADDR"] == "gpu05"
+    # a job submitted from inside a het job (leader 99) inherits its _HET_GROUP_ variables: its own first node
+    assert srun_world({**het, "SLURM_JOB_ID_HET_GROUP_0": "99"})["MASTER_ADDR"] == "gpu02"
 
 
 @pytest.mark.parametrize("env", [
