@@ -37,7 +37,7 @@ from data.mixture import MixtureDataset, MixtureSampler, parse_mixture, select_d
 from data.packing import ConvPack, DocPack, chat_documents, vocab_refusal
 from data.pipeline_notes import cut_lines, text_chat_line
 from data.prepare import prepare_in_job
-from data.prepared_again import again_note, unrecorded_note
+from data.prepared_again import again_note, rules_note, same_input, unrecorded_note
 from data.replay import ReplayDataset, ReplaySampler, parse_replay
 from data.run_tokenizer import pick_tokenizer
 from data.sampler import ResumableSampler
@@ -391,6 +391,8 @@ def open_run_data(dataset_path: str | None, tokenizer_path: str | None, model_vo
         return m, pick_tokenizer(folder, m, tokenizer_path, model_path, stages, user)  # passkey evaluation decodes text
 
     m, tokenizer_path = comm.run_on_main(choose)
+    if comm.rank() == 0 and (note := rules_note(folder, m)):
+        print0(note)  # a folder prepared before a git pull that changed how its rows tokenize
     # another vocabulary's ids would train under the same weights (a template fixed since is the same tokenizer)
     vocab = comm.run_on_main(lambda: vocab_identity(tokenizer_path)) if trained_on and tokenizer_path else None
     if vocab and vocab != trained_on:
@@ -413,7 +415,7 @@ def open_run_data(dataset_path: str | None, tokenizer_path: str | None, model_vo
                          f"{model_vocab}: the data was prepared for another vocabulary")
     split = split_of(stages)
     first_docs, first_folder = (heldout or {}).get("docs"), (heldout or {}).get("prepared")
-    same_input = (heldout or {}).get("input") == dataset_path
+    first_input = (heldout or {}).get("input")
     heldout = {k: v for k, v in heldout.items() if k not in ("docs", "prepared", "input")} if heldout else heldout
     if heldout and any(heldout.get(k) != split[k] for k in ("wants", "min_train")):  # a resume: its first start's
         print0(f"note: the held-out documents stay those of this run's first start (its stages asked {heldout['wants']}"
@@ -426,8 +428,8 @@ def open_run_data(dataset_path: str | None, tokenizer_path: str | None, model_vo
         print0(line)
     docs = held_identity(prepared, cut, held)
     moved = len(set(docs) - set(first_docs)) if first_docs is not None else 0
-    if same_input and first_folder and os.path.realpath(first_folder) != os.path.realpath(folder) and \
-            dataset_path != folder:
+    if first_folder and os.path.realpath(first_folder) != os.path.realpath(folder) and dataset_path != folder and \
+            comm.rank() == 0 and same_input(first_input, dataset_path, first_folder, folder):
         print0(again_note(dataset_path, folder, first_folder))  # prepared in the job again under another cache key
     elif heldout is not None and not first_folder and folder != dataset_path and comm.rank() == 0:
         print0(unrecorded_note(dataset_path, folder))  # a checkpoint from before the record: which it trained on unknown

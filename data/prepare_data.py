@@ -345,6 +345,7 @@ def merge(output: str, log=print) -> dict:
         "text_specials": {v: k for k, v in TEXT_SPECIALS.items()}.get(  # a shard without one: before 2026-11-30,
             first.get("text_specials"), "parse" if first.get("text_specials") is None else "text"),  # all parsed
         "shards": n, "commands": [recs[i]["command"] for i in range(n)], "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "rules": list(dict.fromkeys(recs[i]["plan"].get("rules") for i in range(n))),  # a run's check (prepared_again)
     }
     store.write_json_atomic(os.path.join(output, store.MANIFEST), manifest)
     for line in manifest_lines(output, manifest) + _end_notes(manifest):

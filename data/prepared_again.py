@@ -1,4 +1,5 @@
-"""The resume's notes on an in-job prepared folder (data/prepare.prepare_in_job: --dataset_path given raw JSONL,
+"""A run's note on a folder prepared under older tokenization rules than today's (rules_note), and the resume's notes
+on an in-job prepared folder (data/prepare.prepare_in_job: --dataset_path given raw JSONL,
 Parquet, ...): where this start prepared the input into another folder than the one the run trained on, or where
 the checkpoint does not say which it trained on, whether the tokens from here may differ and how to keep the old ones.
 data/pipeline.open_run_data says them; the folders' plans (data/prepare_data.py) are what they compare.
@@ -9,6 +10,8 @@ from __future__ import annotations
 import glob
 import os
 
+from data import packing
+from data.output_lock import judge, said
 from data.store import is_prepared, read_json
 
 
@@ -58,6 +61,17 @@ def _input_key(plan: dict | None) -> tuple | None:
     return (units, plan.get("tokenizer")) if units else None
 
 
+def same_input(recorded: str | None, dataset_path: str | None, first: str, folder: str) -> bool:
+    """Whether today's --dataset_path is the input this run first trained on (`recorded`, prepared into `first`): the
+    same path, or the same files (names and sizes) and tokenizer re-staged at another path (`_input_key` of both
+    folders' plans): a copy moved to another mount after a rules bump got no word on its re-tokenized data (an upgrade
+    audit). Cost: two small JSON reads, at a resume onto another folder only (rank 0)."""
+    if recorded == dataset_path:
+        return True
+    key = _input_key(_plan(first)) if os.path.isdir(first) else None
+    return key is not None and key == _input_key(_plan(folder))
+
+
 def unrecorded_note(dataset_path: str | None, folder: str) -> str:
     """The resume's note where the checkpoint does not record which prepared folder it trained on (its held-out record
     without `prepared`: written before 2026-11-30) and this start prepared, or reused, the in-job `folder`: an older
@@ -78,3 +92,36 @@ def unrecorded_note(dataset_path: str | None, folder: str) -> str:
     return (f"note: the resumed checkpoint does not record which preparation of {what} it trained on (written before "
             f"2026-11-30): this start's, {folder}, may tokenize it otherwise than the earlier version's it trained on, "
             f"so the tokens trained from here may differ from those before; to keep the old tokens {keep}")
+
+
+def rules_note(folder: str, m: dict) -> str | None:
+    """A note where `folder` (its manifest `m`) was prepared under older tokenization rules than today's
+    (data/packing.RULES) and a step between them changed rows it holds, or may hold (data/output_lock.judge, by the
+    manifest's counts): it trains as prepared. A git pull that fixed such rows (a chat template's turns, a loss mask)
+    changed nothing for a folder prepared before it, without a word (an upgrade audit). The rules: the manifest's
+    (since 2026-12-01), else each shard's plan (its own counts); neither: nothing said (a copy of the manifest and
+    tokens alone). In-job folders are keyed by the rules (data/packing.cache_key): always today's. Cost: none, or one
+    small JSON read a shard for an older manifest (rank 0, once)."""
+    if "rules" in m:
+        had = [(r, m) for r in m["rules"]]
+    else:
+        try:
+            had = [(r["plan"].get("rules"), r) for r in (read_json(p) for p in sorted(glob.glob(os.path.join(
+                glob.escape(folder), "shard-*-of-*.json"))))]
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+            return None
+    held, may = {}, {}
+    for rules, record in had:
+        if rules != packing.RULES:
+            h, m_, _ = judge(rules, record)
+            held.update(dict.fromkeys(h)), may.update(dict.fromkeys(m_))
+    if not held and not may:
+        return None
+    olds = sorted({str(r) if r is not None else "older than any recorded" for r, _ in had if r != packing.RULES})
+    return (f"note: --dataset_path {folder} was prepared under tokenization rules {', '.join(olds)}, today's are "
+            f"{packing.RULES}: "
+            + "; ".join(([f"{said(list(held))} read rows it holds differently"] if held else [])
+                        + ([f"{said(list(may))} changed rows its records do not count (prepared before the count): "
+                            "it may hold some"] if may else []))
+            + "; it trains as it was prepared: run its scripts/prepare_data.py command again with --overwrite (or "
+            "another --output) for today's")

@@ -173,6 +173,15 @@ def test_heldout_documents_are_spread_fixed_for_the_run_and_never_trained_on(tmp
     assert "were not held out" not in out and again.heldout_split["prepared"] == first["prepared"]
     assert "a chat row's system_prompt or end-of-turn" in out  # today's rules name chat rows too (an upgrade audit)
     assert "its input" not in out  # what differs, from the two folders' plans: the rules only
+    # the same file re-staged at another path (a copy on another mount) after the bump: said too (it was said only
+    # where today's --dataset_path was the recorded string; the copy's re-tokenized data went without a word)
+    staged = tmp_path / "staged" / p.name
+    staged.parent.mkdir()
+    staged.write_bytes(p.read_bytes())
+    open_run_data(str(staged), None, 2048, stages, reset_position_ids=False, heldout=first)
+    out = capsys.readouterr().out
+    assert f"--dataset_path {staged} was prepared again in this job" in out, out
+    assert f"to keep them pass --dataset_path {first['prepared']}" in out and "its input" not in out, out
     # prepared again under new rules AND its documents moved (a chat set re-tokenized: other lengths, another split):
     # both said (the held-out note was never reached after the first)
     p.write_text("".join(json.dumps({"input_ids": d}) + "\n" for d in docs[::-1]))

@@ -71,3 +71,36 @@ def test_a_checkpoint_without_the_record_of_its_folder_is_told_how_to_keep_its_t
     open_run_data(str(src), None, 2048, _stages(), reset_position_ids=False, heldout=first)
     open_run_data(str(src), None, 2048, _stages(), reset_position_ids=False)
     assert NOTE not in capsys.readouterr().out
+
+
+def test_a_folder_prepared_under_older_rules_is_said_when_a_run_opens_it(tmp_path, monkeypatch, capsys):
+    """A folder prepared by scripts/prepare_data.py, then a git pull whose rules (data/packing.RULES) changed how some
+    rows tokenize: a fresh run trained the old rows without a word. It is said where a step changed rows the folder
+    holds (by its manifest's counts; an older manifest: by its shards' plans), not where it holds none of them."""
+    from data import packing
+    from data.prepare_data import main
+
+    src = tmp_path / "rows.jsonl"
+    src.write_text("".join(json.dumps({"input_ids": [1 + (7 * d + j) % 90 for j in range(50)]}) + "\n"
+                           for d in range(12)))
+    out = str(tmp_path / "prep")
+    assert main(["--input", str(src), "--output", out, "--vocab_size", "100", "--workers", "0"]) == 0
+    capsys.readouterr()
+    open_run_data(out, None, 100, _stages(), reset_position_ids=False)
+    assert "prepared under tokenization rules" not in capsys.readouterr().out  # today's rules: nothing
+    today = packing.RULES
+    monkeypatch.setattr(packing, "RULES", today.replace("chat12", "chat13"))  # a chat step: rows it holds none of
+    monkeypatch.setitem(packing.RULE_ROWS, "chat13", "chat")
+    open_run_data(out, None, 100, _stages(), reset_position_ids=False)
+    assert "prepared under tokenization rules" not in capsys.readouterr().out
+    monkeypatch.setattr(packing, "RULES", today.replace("doc11", "doc12"))  # a step of every row
+    open_run_data(out, None, 100, _stages(), reset_position_ids=False)
+    said = capsys.readouterr().out
+    assert f"--dataset_path {out} was prepared under tokenization rules {today}, today's are" in said, said
+    assert "doc12 (text or any rows) read rows it holds differently" in said and "with --overwrite" in said, said
+    manifest = os.path.join(out, "manifest.json")  # a manifest from before it recorded the rules: the shards' plans
+    m = json.load(open(manifest))
+    del m["rules"]
+    json.dump(m, open(manifest, "w"))
+    open_run_data(out, None, 100, _stages(), reset_position_ids=False)
+    assert f"was prepared under tokenization rules {today}" in capsys.readouterr().out
