@@ -45,6 +45,11 @@ LOCK = "RUN_LOCK"
 HEARTBEAT_S = 60.0
 STALE_S = 300.0  # a lock from another host with no job state to read: dead when its heartbeat is this old (5 beats)
 LIVE_STATES = {"RUNNING", "SUSPENDED", "COMPLETING", "CONFIGURING", "STAGE_OUT", "SIGNALING", "RESIZING", "STOPPED"}
+# an ended job's flags over its base state while its processes are killed and its epilog runs (base/slurm_state.py):
+# a job chained after it (--dependency=singleton, afterany) starts then, and read the owner of a lock its predecessor
+# left (killed at its time limit) as live: refused, exit 2, the chain broken. Waited out first, up to ENDING_WAIT_S
+# (KillWait up to 120 s, then the epilog), an scontrol call every ENDING_EVERY_S; still ending then: live
+ENDING, ENDING_WAIT_S, ENDING_EVERY_S = {"COMPLETING", "STAGE_OUT"}, 300.0, 5.0
 _HELD: list = []  # [path, token, stop event] of the lock this process holds
 
 
@@ -106,6 +111,17 @@ def job_state(job: str) -> str | None:
     if m:
         return m.group(1)
     return "GONE" if "Invalid job id" in p.stderr else None
+
+
+def settled_state(job: str, state=job_state) -> str | None:
+    """The job's state (`state`: job_state) once it is no longer ending (ENDING), or still ending after ENDING_WAIT_S.
+    Cost: at most 60 scontrol calls, by rank 0, only where a lock names another job that is ending."""
+    deadline = time.monotonic() + ENDING_WAIT_S
+    s = state(job)
+    while s in ENDING and time.monotonic() < deadline:
+        time.sleep(ENDING_EVERY_S)
+        s = state(job)
+    return s
 
 
 def verdict(lock: dict, mine: dict, age_s: float | None, alive=pid_alive, state=job_state) -> tuple[bool, str]:
@@ -236,7 +252,8 @@ def acquire(folder: str, mine: dict | None = None, alive=pid_alive, state=job_st
             if copy:  # its run writes the folder it was copied from, not this one
                 live, why = False, f"a copy of {copy}'s lock: its run writes there, not here"
             else:
-                live, why = verdict(lock, mine, file_age(path, folder), alive, state) if lock else (False, "unreadable")
+                live, why = verdict(lock, mine, file_age(path, folder), alive, lambda job: settled_state(job, state)) \
+                    if lock else (False, "unreadable")
             if live:
                 job = f", job {lock['job']}" if lock.get("job") else ""
                 raise ValueError(f"output folder {folder} is held by a live run: host {lock.get('host')} pid "

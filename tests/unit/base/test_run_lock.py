@@ -64,6 +64,27 @@ def test_a_second_run_is_refused_in_one_line_and_the_first_releases(tmp_path):
     assert not (tmp_path / LOCK).exists() and sorted(os.listdir(tmp_path)) == []
 
 
+def test_a_predecessor_still_ending_is_waited_for_not_taken_as_live(tmp_path, monkeypatch):
+    """A job chained after another (--dependency=singleton, afterany) starts while its predecessor, killed at its time
+    limit, is COMPLETING (its processes being killed, its epilog running) and left its lock: it was read as live and
+    refused (exit 2, the chain broken). Its end is waited out: taken over once ended; refused while still ending."""
+    monkeypatch.setattr(run_lock, "ENDING_EVERY_S", 0.0)
+    other = {"host": "elsewhere", "pid": 1, "job": "800", "since": "then"}
+    seen = []
+
+    def ending(n):
+        return lambda job: seen.append(job) or ("COMPLETING" if len(seen) <= n else "TIMEOUT")
+
+    (tmp_path / LOCK).write_text(json.dumps(other))
+    assert "its job 800 is TIMEOUT" in acquire(str(tmp_path), {**run_lock.me(), "job": "900"}, state=ending(3))
+    assert seen == ["800"] * 4
+    release()
+    (tmp_path / LOCK).write_text(json.dumps(other))
+    monkeypatch.setattr(run_lock, "ENDING_WAIT_S", 0.05)
+    with pytest.raises(ValueError, match="held by a live run: host elsewhere pid 1, job 800, .*its job 800 is COMPLETING"):
+        acquire(str(tmp_path), {**run_lock.me(), "job": "900"}, state=lambda job: "COMPLETING")
+
+
 def test_a_stale_heartbeat_from_another_host_is_taken_over(tmp_path):
     (tmp_path / LOCK).write_text(json.dumps({"host": "elsewhere", "pid": 1, "job": "", "since": "then"}))
     old = os.stat(tmp_path / LOCK).st_mtime - STALE_S - 60
