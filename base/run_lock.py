@@ -107,6 +107,12 @@ def job_state(job: str) -> str | None:
         p = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired):
         return None
+    # the record whose JobId is `job`: an array's id (its last task's SLURM_JOB_ID) lists every task left of the
+    # array, a het leader's every component; the first record's state was taken, a sibling's (a pending task: "live")
+    # where this one is purged or ended. Other records only: GONE
+    states = {m.group(1): m.group(2) for m in re.finditer(r"(?:^|\n)\s*JobId=(\d+)\b.*?\bJobState=(\w+)", p.stdout, re.S)}
+    if states:
+        return states.get(str(job), "GONE")
     m = re.search(r"JobState=(\w+)", p.stdout)
     if m:
         return m.group(1)

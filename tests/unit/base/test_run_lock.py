@@ -85,6 +85,20 @@ def test_a_predecessor_still_ending_is_waited_for_not_taken_as_live(tmp_path, mo
         acquire(str(tmp_path), {**run_lock.me(), "job": "900"}, state=lambda job: "COMPLETING")
 
 
+def test_a_jobs_state_is_its_own_records_not_a_siblings(monkeypatch):
+    """The lock of an array's last task names the array's id (its SLURM_JOB_ID), for which `scontrol show job` lists
+    every task left: the first record's state (a sibling pending or running) was taken for it, live, when it had timed
+    out or was purged. Its own record's state; none of its own: GONE."""
+    shown = ("JobId=4250 ArrayJobId=4242 ArrayTaskId=5 JobName=x\n   UserId=u JobState=PENDING Reason=None\n\n"
+             "JobId=4251 ArrayJobId=4242 ArrayTaskId=6 JobName=x\n   JobState=RUNNING Reason=None\n")
+    said = {"out": shown}
+    monkeypatch.setattr(run_lock.subprocess, "run",
+                        lambda *a, **k: subprocess.CompletedProcess(a, 0, stdout=said["out"], stderr=""))
+    assert run_lock.job_state("4242") == "GONE" and run_lock.job_state("4251") == "RUNNING"
+    said["out"] = shown + "\nJobId=4242 ArrayJobId=4242 ArrayTaskId=3 JobName=x\n   JobState=TIMEOUT Reason=None\n"
+    assert run_lock.job_state("4242") == "TIMEOUT"
+
+
 def test_a_stale_heartbeat_from_another_host_is_taken_over(tmp_path):
     (tmp_path / LOCK).write_text(json.dumps({"host": "elsewhere", "pid": 1, "job": "", "since": "then"}))
     old = os.stat(tmp_path / LOCK).st_mtime - STALE_S - 60
