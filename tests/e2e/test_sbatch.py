@@ -188,11 +188,16 @@ def test_sbatch_carries_the_interface_variables_to_every_node(tmp_path, export):
 
 
 @pytest.mark.parametrize("env, gpus", [({}, None), ({"SLURM_GPUS_ON_NODE": "4"}, "4"),
-                                       ({"GPUS_PER_NODE": "2", "SLURM_GPUS_ON_NODE": "4"}, "2")])
+                                       ({"GPUS_PER_NODE": "2", "SLURM_GPUS_ON_NODE": "4"}, "2"),
+                                       ({"SLURM_GPUS_ON_NODE": "4", "inherited": "1"}, None)])
 def test_sbatch_leaves_the_gpu_count_to_launch_sh_without_gres(tmp_path, env, gpus):
     """A cluster without GPU GRES (#SBATCH --gpus-per-node deleted: sbatch refused it) sets no SLURM_GPUS_ON_NODE: the
     launcher was given --num_gpus 8 and never counted, so ranks 4-7 of a 4-GPU node refused. Now it gets none and
-    counts its own (launch.sh: CUDA_VISIBLE_DEVICES, nvidia-smi; 2 CPU ranks on CPU)."""
+    counts its own (launch.sh: CUDA_VISIBLE_DEVICES, nvidia-smi; 2 CPU ranks on CPU). A job submitted from inside a
+    GPU job inherits its SLURM_GPUS_ON_NODE (sbatch copies the environment): its record has no GPU, so none either."""
+    env = dict(env)
+    if env.pop("inherited", None):
+        (tmp_path / "scontrol.log.state").write_text("own_env=0\n")  # the job's record: no gres/gpu
     job = sbatch(tmp_path, "0", ["--output_dir", str(tmp_path / "out"), "--dry_run"], **env)
     text = job.communicate(timeout=60)[0]
     assert job.returncode == 0, text

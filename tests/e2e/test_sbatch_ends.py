@@ -264,6 +264,24 @@ def test_an_exclusion_that_leaves_too_few_nodes_is_not_applied(tmp_path):
         in text, text
 
 
+@pytest.mark.parametrize("own", [True, False])
+def test_the_nodes_left_are_counted_in_the_jobs_own_reservation(tmp_path, own):
+    """In a reservation the nodes left are its own; a job submitted from inside a job in a reservation inherits its
+    SLURM_JOB_RESERVATION (sbatch copies the environment): the parent's were counted (here too few: not excluded,
+    the lost node kept). Its record names no reservation: its partition's are counted, and the variable unset."""
+    if not own:
+        (tmp_path / "scontrol.log.state").write_text("own_env=0\n")  # the job's record: no Reservation=
+    job = sbatch(tmp_path, "0", ["--output_dir", str(tmp_path / "out")], SLURM_JOB_RESERVATION="resv",
+                 SCONTROL_RESERVATION_NODES="127.0.0.1,localhost", SCONTROL_PARTITION_NODES="127.0.0.1,localhost,c,d",
+                 **LOST_NODE_1)
+    text = job.communicate(timeout=60)[0]
+    if own:
+        assert requeues(tmp_path) == ["requeue 4242"] and "would leave 1 node(s) of reservation resv" in text, text
+    else:
+        assert requeues(tmp_path) == ["requeue 4242", "update JobId=4242 ExcNodeList=localhost"], text
+        assert "SLURM_JOB_RESERVATION=resv is not this job's (inherited): unset" in text, text
+
+
 def progress_run(tmp_path, code: str, latest: int, before: str, **env: str) -> tuple[int, str]:
     out = tmp_path / "out"
     (out / "checkpoints").mkdir(parents=True)
