@@ -37,9 +37,12 @@ def _init_worker(tokenizer_path: str | None, fields: Fields, vocab_bound: int, e
                  loss_on: str = "auto", chat_template: str = "auto", text_specials: str = "auto", now=None):
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one core per worker
     from data.chat import ChatEncoder
+    from data.chat_template import literal
     from data.tokenizer import Tokenizer
 
     tok = Tokenizer(tokenizer_path) if tokenizer_path else None
+    if tok is not None and literal(chat_template):
+        tok.run_template = chat_template  # its turn starts begin a rendered text document too (Tokenizer.rendered_start)
     _W.update(tok=tok, fields=fields, bound=vocab_bound, eos=eos_id, dtype=np.dtype(dtype), specials=text_specials,
               chat=ChatEncoder(tok, loss_on, chat_template, now) if tok else None, loss_on=loss_on)
 

@@ -109,6 +109,8 @@ class Tokenizer:
     _starts: tuple | None = None  # rendered_start's strings, built on first use
     _special_rx = None  # _holding_specials' pattern, built on first use (False: no special strings)
 
+    run_template: str | None = None  # a --chat_template FILE's text (prepare_worker): its turn starts are renders too
+
     def __init__(self, path: str):
         if not os.path.exists(path):
             hub = re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*", path)  # org/name: not read from the hub
@@ -211,7 +213,8 @@ class Tokenizer:
         is one a conversation rendered with a chat template starts with: such a text is a render (TRL's and
         `tokenizer(text)` read its tokens as control tokens), not web text or code; None for any other text.
 
-        The strings: the special tokens the tokenizer's chat template writes, or, for a tokenizer without one (a base
+        The strings: the special tokens the tokenizer's chat template writes (and the run's `--chat_template FILE`,
+        `run_template`: a text in the format the run trains is a render too), or, for a tokenizer without one (a base
         model's: Llama-3.2-1B base has <|start_header_id|> special and no template), the TURN_STARTS that are special
         tokens of its vocabulary; never the BOS, unk, pad or mask token (WikiText's lines start with <unk>). Why the
         start: every shipped template with control tokens writes one first, after the BOS, while a page or a source
@@ -231,6 +234,7 @@ class Tokenizer:
             tpl = "\n".join(tpl.values()) if isinstance(tpl, dict) else (tpl or "")
             never = {*bos, *(named.get(k) for k in ("unk_token", "pad_token", "mask_token"))}
             pool = [s for s in self.specials if s in tpl] if tpl else [s for s in TURN_STARTS if s in self.specials]
+            pool += [s for s in self.specials if s in (self.run_template or "")]  # --chat_template FILE: the run's
             self._starts = bos, tuple(sorted({s for s in pool if s and s not in never}, key=len, reverse=True))
         bos, starts = self._starts
         if not starts:  # a sentencepiece model: none

@@ -120,3 +120,24 @@ def test_a_template_file_needs_a_hugging_face_tokenizer(tmp_path):
 
     with pytest.raises(ValueError, match=r"^--chat_template FILE: tokenizer \S+ is no Hugging Face tokenizer folder"):
         ChatEncoder(Tokenizer(_SP), "assistant", PLAIN)
+
+
+def test_a_text_rendered_in_the_files_format_is_read_as_a_render(tmp_path, toks):
+    """A text document starting with a turn start (`--text_specials auto`) is a render, read with its control tokens,
+    where the template writes that token: the tokenizer's own template alone was asked, so over a Llama 3 tokenizer a
+    text rendered in the run's own format (a ChatML FILE) was split into plain pieces, beside chat rows of that very
+    format trained with the control token."""
+    from tests.unit.data.chat_fixtures import QWEN25
+
+    tpl = tmp_path / "chatml.jinja"
+    tpl.write_text(QWEN25)
+    text = "<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\nthe quick fox<|im_end|>\n"
+    rows = tmp_path / "mixed.jsonl"
+    rows.write_text(json.dumps({"text": text}) + "\n" + json.dumps({"messages": CONV}) + "\n")
+    out = str(tmp_path / "prepared")
+    assert main(["--input", str(rows), "--output", out, "--tokenizer_name_or_path", toks["llama3"], "--workers", "0",
+                 "--chat_template", str(tpl)]) == 0
+    p = Prepared(out)
+    start = Tokenizer(toks["llama3"]).hf.convert_tokens_to_ids("<|im_start|>")
+    first = p.tokens.read(0, int(p.lens[0])).tolist()  # the text: the input's first row
+    assert first.count(start) == 2 and p.manifest["parsed_text_docs"] == 1, (first, p.manifest)
